@@ -1,0 +1,40 @@
+# fedmeet: `make repro` regenerates every table and figure; `make test` runs the tests.
+# Both create the virtual environment on first use. torch is pinned to the local CPU wheel (see pyproject.toml).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+export FLWR_TELEMETRY_ENABLED := 0
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM := false
+export MLFLOW_ENABLE_TELEMETRY := false
+export DO_NOT_TRACK := 1
+
+.PHONY: setup repro test bench clean-cache preset
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned, so nothing below can pull a CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+repro: setup
+	$(BIN)/dvc repro
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python -m benchmarks.run
+
+# Apply a run profile as DVC experiment parameters: make preset PRESET=configs/cpu-study.yaml
+preset: setup
+	$(BIN)/python -m pipeline.presets run $(PRESET)
+
+clean-cache:
+	rm -rf data/cache
