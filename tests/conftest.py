@@ -1,0 +1,29 @@
+"""Shared test setup: offline, deterministic, small."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+
+# Tiny models: one thread avoids oversubscribing a 2-core machine (2 threads made tiny ops 50x slower under load).
+torch.set_num_threads(1)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("FEDMEET_DATA_ROOT", REPO_ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """../shared/data, or skip with the reason when this checkout has no shared data beside it."""
+    if not (SHARED_DATA / "qmsum").is_dir():
+        pytest.skip(f"shared datasets not found at {SHARED_DATA} (set FEDMEET_DATA_ROOT)")
+    return SHARED_DATA

