@@ -1,0 +1,354 @@
+"""Stage `evaluate`: each client's chosen local adapter summarises the client's own test set; ROUGE per example.
+
+    python -m pipeline.evaluate run --experiment NAME      # the DVC stage (foreach over `experiments`)
+    python -m pipeline.evaluate score --pred PRED.txt --ref REF.txt   # score any line-aligned files
+
+Per experiment it writes ``reports/eval/<exp>/predictions.jsonl`` (one generated summary per test example),
+``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients,
+a DVC metric), and logs the scores into the experiment's MLflow run (the one training created). Generated text
+stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipeline.config import from_dict, load_params
+from pipeline.schema import DataError
+from pipeline.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
+
+EVAL_DIR = Path("reports/eval")
+MODELS_DIR = Path("models")
+EXAMPLES_PATH = Path("data/processed/examples.parquet")
+PARTITIONS_DIR = Path("data/partitions")
+BACKBONE_DIR = Path("models/backbone")
+
+
+@dataclass
+class EvaluateConfig:
+    adapter: str = "best"
+    batch_size: int = 4
+    num_beams: int = 4
+    max_target_length: int = 128
+    min_target_length: int = 10
+    no_repeat_ngram_size: int = 3
+    length_penalty: float = 1.0
+    max_source_length: int | None = None
+    test_examples_per_client: int | None = None
+    subsample_seed: int = 0
+    log_text_to_mlflow: bool = False
+
+    def __post_init__(self) -> None:
+        if self.adapter not in ("best", "final"):
+            raise ValueError(f"evaluate.adapter: expected 'best' or 'final', got {self.adapter!r}")
+        for name in ("batch_size", "num_beams", "max_target_length"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"evaluate.{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.min_target_length < 0 or self.min_target_length > self.max_target_length:
+            raise ValueError(
+                f"evaluate.min_target_length: must be in [0, max_target_length={self.max_target_length}], "
+                f"got {self.min_target_length!r}"
+            )
+        if self.test_examples_per_client is not None and self.test_examples_per_client < 1:
+            raise ValueError(
+                f"evaluate.test_examples_per_client: must be >= 1 or null (all), got {self.test_examples_per_client!r}"
+            )
+
+    def generation_kwargs(self) -> dict[str, Any]:
+        return {
+            "num_beams": self.num_beams,
+            "max_new_tokens": self.max_target_length,
+            "min_new_tokens": self.min_target_length,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size,
+            "length_penalty": self.length_penalty,
+            "early_stopping": True,
+            "do_sample": False,
+        }
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise DataError(f"{path}: {what} not found")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object ({what})")
+    return data
+
+
+def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
+    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client).
+
+    Every method evaluated on the same partition therefore sees the same examples (needed for paired
+    comparisons: case study, human evaluation). Order follows the partition file.
+    """
+    if k is None or k >= len(test_ids):
+        return list(test_ids)
+    chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))
+    return [i for i in test_ids if i in chosen]
+
+
+def client_adapter_path(model_dir: Path, client: str, which: str) -> Path:
+    return model_dir / "clients" / client / f"adapter_{which}.safetensors"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Generation
+
+
+def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
+    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
+    import torch
+    from tqdm import tqdm
+
+    tokenizer = model.tokenizer
+    outputs: list[str] = []
+    kwargs = cfg.generation_kwargs()
+    with torch.no_grad():
+        for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
+            chunk = sources[start:start + cfg.batch_size]
+            enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
+            ids = model.generate(
+                enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device), path="local", **kwargs
+            )
+            outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return outputs
+
+
+def model_config_of(experiment: dict[str, Any], where: Path):
+    """The experiment's `model` group (adapter shape, max lengths) as pipeline.model.ModelConfig."""
+    from pipeline.model import ModelConfig
+
+    return from_dict(ModelConfig, experiment.get("model") or {}, f"{where}: model")
+
+
+def load_model(model_cfg, backbone_dir: Path):
+    """The frozen backbone with the experiment's adapter shape (adapters are filled per client later)."""
+    from pipeline.model import AdapterSummarizer
+
+    if not backbone_dir.is_dir():
+        raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
+    return AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
+
+
+def backbone_name(backbone_dir: Path, model) -> str:
+    """What the backbone stage resolved (``backbone.name`` in fedmeet_backbone.json), else the HF model type."""
+    record = backbone_dir / "fedmeet_backbone.json"
+    if record.is_file():
+        name = json.loads(record.read_text()).get("name")
+        if name:
+            return str(name)
+    return str(model.backbone.config.model_type)
+
+
+def load_adapter(model, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
+    model.load_adapter_state("local", load_file(str(path)))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# MLflow
+
+
+def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dict[str, str]:
+    """Tags the MLflow compare view lines runs up by (the train stage sets the same ones)."""
+    tags = {"experiment": name}
+    for key in ("method", "partition", "seed", "study", "tau"):
+        if experiment.get(key) is not None:
+            tags[key] = str(experiment[key])
+    if backbone:
+        tags["backbone"] = backbone
+    return tags
+
+
+def find_training_run(name: str, study: str) -> str | None:
+    """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow
+    experiment, or None."""
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import experiment_id, tracking_uri
+
+    client = MlflowClient(tracking_uri=tracking_uri())
+    runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
+                              order_by=["attributes.start_time DESC"], max_results=1)
+    return runs[0].info.run_id if runs else None
+
+
+def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
+                  cfg: EvaluateConfig) -> str:
+    """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
+    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>`` and
+    ``eval.mean.<rouge>``. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
+    from pipeline.tracking import RunLogger
+
+    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"))
+    if run_id:
+        logger = RunLogger(run_id)
+    else:
+        logger = RunLogger.start(str(experiment.get("study") or "main"), name, {},
+                                 run_tags(name, experiment, metrics.get("backbone")))
+    values: dict[str, float] = {}
+    for client, scores in metrics["clients"].items():
+        for key in (*ROUGE_TYPES, "avg_rouge"):
+            values[f"eval.{client}.{key}"] = float(scores[key])
+    for key in (*ROUGE_TYPES, "avg_rouge"):
+        values[f"eval.mean.{key}"] = float(metrics["mean"][key])
+    logger.log_metrics(values, step=0)
+    # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
+    # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
+    logger.set_tags({f"evaluate.{k}": v for k, v in asdict(cfg).items()}
+                    | {"rouge_l_in_tables": TABLE_ROUGE_L}
+                    | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {}))
+    logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
+    if cfg.log_text_to_mlflow:
+        logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
+    if not run_id:
+        logger.finish()
+    return logger.run_id
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The stage
+
+
+def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MODELS_DIR,
+                        eval_dir: Path = EVAL_DIR, examples_path: Path = EXAMPLES_PATH,
+                        partitions_dir: Path = PARTITIONS_DIR, backbone_dir: Path = BACKBONE_DIR,
+                        mlflow_logging: bool = True) -> dict[str, Any]:
+    """Generate and score every client's test subsample for experiment ``name``; returns metrics.json's content."""
+    model_dir = models_dir / name
+    exp_path = model_dir / "experiment.json"
+    experiment = read_json(exp_path, "experiment record (written by the train stage)")
+    for key in ("method", "partition"):
+        if key not in experiment:
+            raise DataError(f"{exp_path}: missing key {key!r}")
+    part_path = partitions_dir / f"{experiment['partition']}.json"
+    partition = read_json(part_path, "partition")
+    clients = partition.get("clients")
+    if not isinstance(clients, dict) or not clients:
+        raise DataError(f"{part_path}: no 'clients' mapping")
+    if not examples_path.is_file():
+        raise DataError(f"{examples_path}: examples file not found (run the examples stage)")
+    examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
+    examples = examples.set_index("example_id", drop=False)
+
+    model_cfg = model_config_of(experiment, exp_path)
+    model = load_model(model_cfg, backbone_dir)
+    max_src = cfg.max_source_length or model_cfg.max_source_length
+    backbone = backbone_name(backbone_dir, model)
+    scorer = Scorer(use_stemmer=True)
+
+    out_dir = eval_dir / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    records: list[dict[str, Any]] = []
+    per_client: dict[str, dict[str, Any]] = {}
+    skipped_clients: dict[str, str] = {}
+    for client in clients:  # every client of the partition, each with its own adapter, in partition order
+        test_ids = list(clients[client].get("test", []))
+        if not test_ids:
+            skipped_clients[client] = f"no test examples in {part_path}"
+            continue
+        missing = [i for i in test_ids if i not in examples.index]
+        if missing:
+            raise DataError(f"{part_path}: client {client!r} test ids not in {examples_path}: {missing[:5]}"
+                            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
+        chosen = subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)
+        load_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
+        sub = examples.loc[chosen]
+        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{name}/{client}")
+        scores = scorer.score_pairs(predictions, sub["target"].tolist())
+        for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
+            rows.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
+                         **sc, "pred_words": len(pred.split()), "ref_words": len(row["target"].split())})
+            records.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
+                            "prediction": pred, "reference": row["target"]})
+        summary = mean_scores(scores)
+        summary["n_test"] = len(test_ids)
+        summary["skipped_by_subsampling"] = len(test_ids) - len(chosen)
+        per_client[client] = summary
+        print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
+              + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")), file=sys.stderr)
+
+    per_example = pd.DataFrame(rows, columns=["experiment", "client", "example_id", "domain", *ROUGE_TYPES,
+                                              "pred_words", "ref_words"])
+    per_example["avg_rouge"] = per_example[list(("rouge1", "rouge2", TABLE_ROUGE_L))].mean(axis=1)
+    per_example.to_parquet(out_dir / "per_example.parquet", index=False)
+    with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+    if not per_client:
+        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
+    # Mean over clients (unweighted, as the paper averages its per-client columns).
+    mean = {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in (*ROUGE_TYPES, "avg_rouge")}
+    metrics = {
+        "experiment": name,
+        "method": experiment["method"],
+        "partition": experiment["partition"],
+        "seed": experiment.get("seed"),
+        "study": experiment.get("study"),
+        "backbone": backbone,
+        "adapter": cfg.adapter,
+        "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
+        | {"max_source_length": max_src},
+        "rouge_l_in_tables": TABLE_ROUGE_L,
+        "clients": per_client,
+        "skipped_clients": skipped_clients,
+        "mean": mean,
+    }
+    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    if mlflow_logging:
+        metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg)
+        print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="evaluate one experiment (the DVC stage)")
+    run.add_argument("--experiment", required=True, help="key of params.yaml `experiments`")
+    run.add_argument("--params", default="params.yaml")
+    run.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    score = sub.add_parser("score", help="ROUGE of line-aligned prediction/reference files, printed as JSON")
+    score.add_argument("--pred", required=True, help="predictions, one summary per line")
+    score.add_argument("--ref", required=True, help="references, one summary per line")
+    args = parser.parse_args(argv)
+
+    if args.command == "score":
+        try:
+            result = score_files(args.pred, args.ref)
+        except DataError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print(dumps_scores(result))
+        return 0
+
+    from pipeline.timing import stage_timer
+
+    params = load_params(args.params)
+    cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
+    with stage_timer(f"evaluate-{args.experiment}"):
+        evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

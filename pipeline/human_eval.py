@@ -1,0 +1,269 @@
+"""Human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets and their win/tie/loss counts.
+
+The paper compares SelectKD pairwise against every other method on 20 meetings per domain; annotators see the
+two summaries in random order without method names. :func:`make_sheets` writes
+
+- ``sheet.csv``: one row per comparison (query, gold summary, summary A, summary B, an empty ``judgement``
+  column to fill with ``A``, ``B`` or ``tie``);
+- ``sheet.html``: the same items as one static page with radio buttons and a button that downloads the filled
+  ``judgement`` column as ``sheet_<annotator>.csv``;
+- ``key.json``: which side is SelectKD in each item (keep it away from annotators).
+
+:func:`score_sheets` reads every filled ``sheet*.csv`` in a directory and counts, per opponent, how often the
+target method won, tied or lost (blank judgements are counted as unjudged, never guessed).
+"""
+from __future__ import annotations
+
+import csv
+import html
+import json
+import random
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from pipeline.schema import DataError
+
+SHEET_COLUMNS = ("item_id", "domain", "query", "reference", "summary_A", "summary_B", "judgement", "comment")
+JUDGEMENTS = {"a": "A", "b": "B", "tie": "tie", "t": "tie", "=": "tie", "same": "tie"}
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One generated summary of one test example (a line of reports/eval/<exp>/predictions.jsonl)."""
+
+    experiment: str
+    example_id: str
+    domain: str
+    prediction: str
+    reference: str
+
+
+@dataclass(frozen=True)
+class KeyEntry:
+    example_id: str
+    domain: str
+    target: str  # the method being evaluated (SelectKD)
+    opponent: str
+    target_side: str  # "A" or "B"
+    target_experiment: str
+    opponent_experiment: str
+
+
+def choose_examples(example_ids: list[str], meeting_of: Mapping[str, str], domain_of: Mapping[str, str],
+                    per_domain: int, rng: random.Random) -> list[str]:
+    """Up to ``per_domain`` examples per domain, one query per meeting first (round-robin over shuffled meetings),
+    so the sample covers as many meetings as the test subsample has."""
+    by_domain: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for ex in sorted(example_ids):
+        by_domain[domain_of[ex]][meeting_of.get(ex, ex)].append(ex)
+    chosen: list[str] = []
+    for domain in sorted(by_domain):
+        meetings = sorted(by_domain[domain])
+        rng.shuffle(meetings)
+        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in meetings}
+        picked: list[str] = []
+        while len(picked) < per_domain and any(queues.values()):
+            for m in meetings:
+                if queues[m] and len(picked) < per_domain:
+                    picked.append(queues[m].pop())
+        chosen.extend(picked)
+    return chosen
+
+
+def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: str | Path, *, target: str,
+                queries: Mapping[str, str] | None = None, meetings: Mapping[str, str] | None = None,
+                per_domain: int = 20, seed: int = 0) -> dict[str, Any]:
+    """Write blind pairwise sheets comparing ``target`` with every other method in ``predictions``.
+
+    ``predictions``: method -> example_id -> Prediction. Only examples every method predicted are used.
+    Returns a summary (items, examples per domain, opponents) that is also written to ``summary.json``.
+    """
+    if target not in predictions:
+        raise DataError(f"human evaluation: no predictions of the target method {target!r} "
+                        f"(methods with predictions: {sorted(predictions)})")
+    opponents = sorted(m for m in predictions if m != target)
+    if not opponents:
+        raise DataError(f"human evaluation: only {target!r} has predictions; nothing to compare it with")
+    common = set(predictions[target])
+    for m in opponents:
+        common &= set(predictions[m])
+    if not common:
+        raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
+                        "(were they evaluated on the same partition?)")
+    queries = queries or {}
+    meetings = meetings or {}
+    rng = random.Random(f"human_eval:{seed}")
+    domain_of = {ex: predictions[target][ex].domain for ex in common}
+    chosen = choose_examples(sorted(common), meetings, domain_of, per_domain, rng)
+
+    pairs = [(ex, opp) for ex in chosen for opp in opponents]
+    rng.shuffle(pairs)  # annotators must not see one method's items in a block
+    rows: list[dict[str, str]] = []
+    key: dict[str, KeyEntry] = {}
+    for idx, (ex, opp) in enumerate(pairs):
+        t, o = predictions[target][ex], predictions[opp][ex]
+        target_side = rng.choice(("A", "B"))
+        a, b = (t, o) if target_side == "A" else (o, t)
+        item_id = f"item{idx + 1:04d}"
+        rows.append({"item_id": item_id, "domain": t.domain, "query": queries.get(ex, ""),
+                     "reference": t.reference, "summary_A": a.prediction, "summary_B": b.prediction,
+                     "judgement": "", "comment": ""})
+        key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "sheet.csv").open("w", newline="", encoding="utf-8") as fh:
+        writer = csv.DictWriter(fh, fieldnames=SHEET_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "sheet.html").write_text(_html_page(rows), encoding="utf-8")
+    (out / "key.json").write_text(json.dumps(
+        {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}}, indent=2) + "\n")
+    per_domain_counts: dict[str, int] = defaultdict(int)
+    for ex in chosen:
+        per_domain_counts[domain_of[ex]] += 1
+    summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
+               "examples_per_domain": dict(sorted(per_domain_counts.items())),
+               "requested_per_domain": per_domain, "seed": seed}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _html_page(rows: list[dict[str, str]]) -> str:
+    """A static page: every item with radio buttons; a button downloads item_id,judgement as CSV."""
+    esc = html.escape
+    items = []
+    for r in rows:
+        iid = esc(r["item_id"])
+        radios = " ".join(
+            f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
+            for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better"))
+        )
+        items.append(
+            f'<section class="item" id="{iid}"><h2>{iid} <small>({esc(r["domain"])})</small></h2>'
+            f'<p><b>Query:</b> {esc(r["query"]) or "<i>(whole meeting)</i>"}</p>'
+            f'<p><b>Gold summary:</b> {esc(r["reference"])}</p>'
+            f'<div class="pair"><div><h3>Summary A</h3><p>{esc(r["summary_A"])}</p></div>'
+            f'<div><h3>Summary B</h3><p>{esc(r["summary_B"])}</p></div></div>'
+            f"<p>{radios}</p></section>"
+        )
+    script = """
+function download() {
+  const name = (document.getElementById('annotator').value || 'anonymous').replace(/[^A-Za-z0-9_-]/g, '_');
+  let csv = 'item_id,judgement\\n';
+  document.querySelectorAll('section.item').forEach(s => {
+    const c = s.querySelector('input:checked');
+    csv += s.id + ',' + (c ? c.value : '') + '\\n';
+  });
+  const a = document.createElement('a');
+  a.href = URL.createObjectURL(new Blob([csv], {type: 'text/csv'}));
+  a.download = 'sheet_' + name + '.csv';
+  a.click();
+}"""
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
+        "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
+        ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
+        "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
+        "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
+        "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
+        "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
+        "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
+        "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
+        + "".join(items)
+        + f"<script>{script}</script></body></html>"
+    )
+
+
+def read_key(path: Path) -> tuple[str, dict[str, KeyEntry]]:
+    if not path.is_file():
+        raise DataError(f"{path}: answer key not found (it is written next to the sheets by --make-sheets)")
+    data = json.loads(path.read_text())
+    return data["target"], {k: KeyEntry(**v) for k, v in data["items"].items()}
+
+
+def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> dict[str, Any]:
+    """Win/tie/loss counts of the key's target method against each opponent, over every ``sheet*.csv``.
+
+    Each filled sheet (one per annotator) needs the columns ``item_id`` and ``judgement`` (A, B or tie; blank =
+    not judged). A judgement of an unknown item or an unreadable value is an error naming file and row.
+    """
+    sheet_dir = Path(sheet_dir)
+    target, key = read_key(Path(key_path) if key_path else sheet_dir / "key.json")
+    files = sorted(sheet_dir.glob("sheet*.csv"))
+    if not files:
+        raise DataError(f"{sheet_dir}: no sheet*.csv files to score")
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"win": 0, "tie": 0, "loss": 0})
+    by_domain: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: {"win": 0, "tie": 0, "loss": 0}))
+    unjudged = 0
+    per_file: dict[str, int] = {}
+    for f in files:
+        with f.open(newline="", encoding="utf-8") as fh:
+            reader = csv.DictReader(fh)
+            missing = {"item_id", "judgement"} - set(reader.fieldnames or [])
+            if missing:
+                raise DataError(f"{f}: missing column(s) {sorted(missing)} (columns: {reader.fieldnames})")
+            judged = 0
+            for line_no, row in enumerate(reader, start=2):
+                item = (row["item_id"] or "").strip()
+                if item not in key:
+                    raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
+                raw = (row["judgement"] or "").strip()
+                if not raw:
+                    unjudged += 1
+                    continue
+                if raw.lower() not in JUDGEMENTS:
+                    raise DataError(f"{f}:{line_no}: judgement {raw!r} for {item}; expected A, B or tie")
+                choice = JUDGEMENTS[raw.lower()]
+                entry = key[item]
+                outcome = "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")
+                counts[entry.opponent][outcome] += 1
+                by_domain[entry.opponent][entry.domain][outcome] += 1
+                judged += 1
+            per_file[f.name] = judged
+    opponents = {o: {**c, "n": sum(c.values())} for o, c in sorted(counts.items())}
+    return {
+        "target": target,
+        "opponents": opponents,
+        "by_domain": {o: {d: dict(c) for d, c in sorted(ds.items())} for o, ds in sorted(by_domain.items())},
+        "unjudged": unjudged,
+        "judged_per_file": per_file,
+    }
+
+
+def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, int]], path: str | Path) -> Path:
+    """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, rows = [], []
+    for opp, c in results["opponents"].items():
+        labels.append(f"vs {opp} (ours, n={c['n']})")
+        rows.append((c["win"], c["tie"], c["loss"]))
+        if opp in published:
+            p = published[opp]
+            labels.append(f"vs {opp} (paper, n={sum(p.values())})")
+            rows.append((p["win"], p["tie"], p["loss"]))
+    fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(rows), 2) + 1.2))
+    left = [0.0] * len(rows)
+    for j, (name, colour) in enumerate((("win", "#2a9d8f"), ("tie", "#e9c46a"), ("loss", "#e76f51"))):
+        widths = [100.0 * r[j] / max(sum(r), 1) for r in rows]
+        ax.barh(labels, widths, left=left, color=colour, label=name)
+        for y, (lft, w, r) in enumerate(zip(left, widths, rows)):
+            if w > 4:
+                ax.text(lft + w / 2, y, str(r[j]), ha="center", va="center", fontsize=8)
+        left = [lft + w for lft, w in zip(left, widths)]
+    ax.set_xlim(0, 100)
+    ax.set_xlabel(f"% of judged comparisons ({results['target']} wins / ties / losses)")
+    ax.invert_yaxis()
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,159 @@
+"""ROUGE scoring shared by the `evaluate` stage and the `python -m pipeline.evaluate score` CLI (METHOD.md section 8).
+
+The QMSum authors scored with ROUGE-1.5.5, Porter stemming and one sentence per line. The closest Python
+equivalent is Google's ``rouge-score`` with ``use_stemmer=True``; its ``rougeLsum`` is ROUGE-1.5.5's summary-level
+ROUGE-L (union LCS over newline-separated sentences), while its ``rougeL`` is the sentence-level LCS of the whole
+text as one sequence. Because ROUGE-1.5.5 fed one sentence per line computes the summary-level variant, the column
+our tables call **ROUGE-L is ``rougeLsum``** (:data:`TABLE_ROUGE_L`); ``rougeL`` is kept in every record as well.
+
+Sentences are split with a regular expression (no tokenizer data to download), and per-example F1 scores are
+averaged by us: the library's ``BootstrapAggregator`` resamples at random, which would make the mean depend on a
+seed.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from rouge_score import rouge_scorer
+
+from pipeline.schema import DataError
+
+ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
+# Which rouge-score variant the tables, figures and "average ROUGE" call ROUGE-L (see the module docstring).
+TABLE_ROUGE_L = "rougeLsum"
+# The paper's three reported metrics, in table order; "average ROUGE" (journal version) is their mean.
+TABLE_METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L)
+
+# A sentence ends at . ! or ? (optionally followed by closing quotes/brackets) before whitespace; existing
+# line breaks are sentence breaks too (e.g. AMI/ICSI summaries stored one sentence per line).
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\s*\n+\s*")
+# Tokens like "Dr." or "e.g." end in a period without ending the sentence.
+_ABBREVIATIONS = frozenset(
+    "mr mrs ms dr prof st vs etc e.g i.e cf approx no fig inc ltd jr sr mt".split()
+)
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split ``text`` into sentences with a regex: break after . ! ? + whitespace and at newlines.
+
+    A period after a known abbreviation ("Dr.", "e.g.") or a single capital initial ("J.") does not end a
+    sentence. Empty pieces are dropped.
+    """
+    sentences: list[str] = []
+    pending = ""
+    pos = 0
+    for match in _SENTENCE_END.finditer(text):
+        piece = text[pos:match.start()]
+        pos = match.end()
+        candidate = (pending + " " + piece).strip() if pending else piece.strip()
+        newline_break = "\n" in match.group(0)
+        last_word = candidate.rsplit(None, 1)[-1] if candidate else ""
+        stem = last_word.rstrip(".").lower()
+        is_abbreviation = last_word.endswith(".") and (
+            stem in _ABBREVIATIONS or (len(stem) == 1 and stem.isalpha())
+        )
+        if is_abbreviation and not newline_break:
+            pending = candidate
+            continue
+        if candidate:
+            sentences.append(candidate)
+        pending = ""
+    tail = text[pos:].strip()
+    tail = (pending + " " + tail).strip() if pending else tail
+    if tail:
+        sentences.append(tail)
+    return sentences
+
+
+def sentences_per_line(text: str) -> str:
+    """The text as ROUGE-1.5.5 saw it: one sentence per line (input of ``rougeLsum``)."""
+    return "\n".join(split_sentences(text))
+
+
+@dataclass(frozen=True)
+class RougeDetail:
+    """Precision, recall and F1 of one ROUGE variant for one pair, as fractions in [0, 1]."""
+
+    precision: float
+    recall: float
+    fmeasure: float
+
+
+class Scorer:
+    """rouge-score with Porter stemming on sentence-split text; F1 x 100 per example."""
+
+    def __init__(self, use_stemmer: bool = True) -> None:
+        self._scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=use_stemmer)
+
+    def detail(self, prediction: str, reference: str) -> dict[str, RougeDetail]:
+        """P/R/F of every variant for one (prediction, reference) pair."""
+        scores = self._scorer.score(sentences_per_line(reference), sentences_per_line(prediction))
+        return {name: RougeDetail(s.precision, s.recall, s.fmeasure) for name, s in scores.items()}
+
+    def score(self, prediction: str, reference: str) -> dict[str, float]:
+        """F1 x 100 of every variant in :data:`ROUGE_TYPES` for one pair."""
+        return {name: 100.0 * d.fmeasure for name, d in self.detail(prediction, reference).items()}
+
+    def score_pairs(self, predictions: Sequence[str], references: Sequence[str]) -> list[dict[str, float]]:
+        """Per-example F1 x 100; ``predictions[i]`` is scored against ``references[i]``."""
+        if len(predictions) != len(references):
+            raise ValueError(
+                f"{len(predictions)} predictions but {len(references)} references: they must pair up one to one"
+            )
+        return [self.score(p, r) for p, r in zip(predictions, references)]
+
+
+def average_rouge(scores: dict[str, float]) -> float:
+    """The journal version's "average ROUGE": mean of R-1, R-2 and R-L (R-L = :data:`TABLE_ROUGE_L`)."""
+    return sum(scores[m] for m in TABLE_METRICS) / len(TABLE_METRICS)
+
+
+def mean_scores(per_example: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Mean over examples of each variant (+ ``avg_rouge`` and the count ``n``); the corpus score we report."""
+    rows = list(per_example)
+    if not rows:
+        return {**{name: math.nan for name in ROUGE_TYPES}, "avg_rouge": math.nan, "n": 0}
+    means = {name: sum(r[name] for r in rows) / len(rows) for name in ROUGE_TYPES}
+    means["avg_rouge"] = average_rouge(means)
+    means["n"] = len(rows)
+    return means
+
+
+def rouge_summary(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """Mean F1 x 100 of each variant (+ avg_rouge, n) over line-aligned predictions and references."""
+    return mean_scores(Scorer().score_pairs(predictions, references))
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """One summary per line (trailing newline optional; a final empty line is not a summary)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"{p}: file not found")
+    text = p.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line.rstrip("\r") for line in lines]
+
+
+def score_files(pred_path: str | Path, ref_path: str | Path, use_stemmer: bool = True) -> dict[str, float]:
+    """Mean ROUGE of two line-aligned files; the CLI behind ``python -m pipeline.evaluate score``."""
+    predictions, references = read_lines(pred_path), read_lines(ref_path)
+    if len(predictions) != len(references):
+        raise DataError(
+            f"line counts differ: {pred_path} has {len(predictions)} predictions, "
+            f"{ref_path} has {len(references)} references (one summary per line in both)"
+        )
+    per_example = Scorer(use_stemmer=use_stemmer).score_pairs(predictions, references)
+    result = mean_scores(per_example)
+    result["rouge_l_in_tables"] = TABLE_ROUGE_L
+    return result
+
+
+def dumps_scores(scores: dict) -> str:
+    return json.dumps(scores, indent=2, sort_keys=True)

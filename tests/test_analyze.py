@@ -1,0 +1,170 @@
+"""KD usage ratio and the analyze stage on hand-made gate logs, POS tags and metrics."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import yaml
+
+from pipeline import analyze
+from pipeline.analyze import kd_usage_ratio, word_updates
+from pipeline.schema import DataError
+
+NA = None
+# Paper's worked example "project manager decides to use lcd" as BPE pieces; label positions 0..9.
+# (position, token_id, word_index, word, pos)
+PRODUCT_TOKENS = [
+    (0, 0, NA, NA, NA),  # <s>
+    (1, 101, 0, "project", "NOUN"),
+    (2, 102, 1, "manager", "NOUN"),  # Ġman
+    (3, 103, 1, "manager", "NOUN"),  # ager
+    (4, 104, 2, "decides", "VERB"),
+    (5, 105, 3, "to", "PART"),
+    (6, 106, 4, "use", "VERB"),
+    (7, 107, 5, "lcd", "NOUN"),  # Ġl
+    (8, 108, 5, "lcd", "NOUN"),  # cd
+    (9, 2, NA, NA, NA),  # </s>
+]
+# KD applied per round (token positions); with rule "first" the KD word updates are: round 1 project and lcd,
+# round 2 manager -> 3 of 6 words x 2 rounds = 25 %. Round 3 is after the best round (2) and must not count.
+PRODUCT_KD = {1: {0, 1, 3, 7, 8}, 2: {2, 9}, 3: set(range(10))}
+ACADEMIC_TOKENS = [
+    (0, 0, NA, NA, NA),
+    (1, 201, 0, "the", "DET"),
+    (2, 202, 1, "professor", "NOUN"),
+    (3, 203, 2, "presented", "VERB"),  # Ġpresent
+    (4, 204, 2, "presented", "VERB"),  # ed
+    (5, 205, 3, "results", "NOUN"),
+    (6, 2, NA, NA, NA),
+]
+# best round 1: professor, presented, results with KD, "the" without -> 3 / 4
+ACADEMIC_KD = {1: {2, 3, 5}, 2: {1, 2}}
+NOUN_VERB = {"NOUN", "PROPN", "VERB"}
+
+
+def postags_table() -> pd.DataFrame:
+    rows = []
+    for eid, toks in (("p1", PRODUCT_TOKENS), ("a1", ACADEMIC_TOKENS)):
+        for pos_i, tid, w, word, pos in toks:
+            rows.append({"example_id": eid, "position": pos_i, "token_id": tid, "word_index": w, "word": word,
+                         "pos": pos, "is_noun_or_verb": pos in NOUN_VERB})
+    t = pd.DataFrame(rows)
+    t["word_index"] = t["word_index"].astype("Int32")
+    return t
+
+
+def gate_log(epochs: int = 1) -> pd.DataFrame:
+    rows = []
+    for client, eid, toks, kd in (("Product", "p1", PRODUCT_TOKENS, PRODUCT_KD),
+                                  ("Academic", "a1", ACADEMIC_TOKENS, ACADEMIC_KD)):
+        for rnd, kd_positions in kd.items():
+            for _ in range(epochs):
+                for pos_i, tid, *_ in toks:
+                    on = pos_i in kd_positions
+                    rows.append({"client": client, "round": rnd, "example_id": eid, "position": pos_i,
+                                 "token_id": tid, "entropy": 1.0 if on else 7.0, "kd_applied": on})
+    return pd.DataFrame(rows)
+
+
+def product_updates(rule: str, epochs: int = 1) -> pd.DataFrame:
+    wu = word_updates(gate_log(epochs), postags_table(), rule)
+    return wu.table[wu.table["client"] == "Product"]
+
+
+def test_paper_worked_example_25_percent():
+    ratio, kd, n = kd_usage_ratio(product_updates("first"), best_round=2)
+    assert (kd, n) == (3, 12)
+    assert ratio == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("rule,kd", [("first", 3), ("any", 4), ("all", 2), ("majority", 2)])
+def test_word_rules(rule, kd):
+    # any: manager also KD in round 1 (its "ager" piece); all/majority: manager needs both pieces.
+    assert kd_usage_ratio(product_updates(rule), best_round=2)[1:] == (kd, 12)
+
+
+def test_local_epochs_count_once():
+    wu = word_updates(gate_log(epochs=3), postags_table(), "first")
+    assert wu.epoch_disagreements == 0
+    assert kd_usage_ratio(wu.table[wu.table["client"] == "Product"], 2)[1:] == (3, 12)
+    # tokens: Product 10 positions x 3 rounds + Academic 7 x 2; no-word tokens: 2 per example per round
+    assert (wu.tokens, wu.tokens_without_word) == (44, 10)
+
+
+def test_token_mismatch_is_an_error():
+    gate = gate_log()
+    gate.loc[gate["position"] == 4, "token_id"] = 999
+    with pytest.raises(DataError, match="differ from"):
+        word_updates(gate, postags_table(), "first", "models/x/gate_log.parquet")
+    with pytest.raises(DataError, match="no POS tag"):
+        word_updates(gate_log(), postags_table()[lambda t: t["example_id"] != "a1"], "first")
+
+
+def write_experiment(root, name, clients_best, scores, gate=True):
+    if gate:
+        (root / "models" / name).mkdir(parents=True)
+        gate_log().to_parquet(root / "models" / name / "gate_log.parquet")
+    if clients_best is not None:
+        (root / "reports/train" / name).mkdir(parents=True)
+        (root / "reports/train" / name / "metrics.json").write_text(
+            json.dumps({"clients": {c: {"best_round": b} for c, b in clients_best.items()}}))
+    (root / "reports/eval" / name).mkdir(parents=True)
+    (root / "reports/eval" / name / "metrics.json").write_text(json.dumps({"clients": {
+        c: {"rouge1": r1, "rouge2": r2, "rougeL": rl, "rougeLsum": rl, "avg_rouge": (r1 + r2 + rl) / 3, "n": 5}
+        for c, (r1, r2, rl) in scores.items()}}))
+
+
+def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    best = {"Product": 2, "Academic": 1}
+    write_experiment(tmp_path, "sel_s0", best, {"Product": (30, 10, 20), "Academic": (24, 6, 18)})
+    write_experiment(tmp_path, "hard_s0", None, {"Product": (27, 9, 18), "Academic": (24, 3, 15)}, gate=False)
+    write_experiment(tmp_path, "tau3_s0", best, {"Product": (21, 6, 15), "Academic": (21, 3, 12)})
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    params = {
+        "tau": 5.0,
+        "analyze": {"word_rule": "first"},
+        "experiments": {
+            "sel_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"},
+            "sel_s1": {"method": "fedselectkd", "partition": "domain/seed1", "seed": 1, "study": "main"},
+            "hard_s0": {"method": "hardkd", "partition": "domain/seed0", "seed": 0, "study": "main"},
+            "tau3_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "tau_sweep",
+                        "tau": 3.0},
+            "avg_s0": {"method": "fedavg", "partition": "domain/seed0", "seed": 0, "study": "main"},
+        },
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    analyze.main([])
+
+    out = tmp_path / "reports/analysis"
+    for fig in ("pos_Product", "pos_Academic", "entropy_Product", "entropy_Academic", "hardkd_vs_selectkd",
+                "tau_sweep"):
+        assert (out / "figures" / f"{fig}.png").stat().st_size > 1000
+    res = json.loads((out / "kd_analysis.json").read_text())
+    prod, acad = res["clients"]["Product"], res["clients"]["Academic"]
+    assert prod["kd_usage_ratio"] == pytest.approx(0.25) and prod["paper_kd_usage_ratio"] == 0.89
+    assert acad["kd_usage_ratio"] == pytest.approx(0.75)
+    # Product, rounds 1-2: nouns/verbs 10 word updates, 3 with KD; no DET/PRON among the 9 non-KD updates.
+    assert prod["noun_verb_kd_rate"] == pytest.approx(0.3) and prod["det_pron_share_of_no_kd"] == 0
+    assert prod["pos"]["NOUN"] == {"kd": 3, "no_kd": 3, "kd_rate": 0.5, "share_of_kd": 1.0,
+                                   "share_of_no_kd": pytest.approx(3 / 9)}
+    # Academic, round 1 only: "the" is the one non-KD word.
+    assert acad["det_pron_share_of_no_kd"] == 1.0 and acad["noun_verb_kd_rate"] == 1.0
+    # gate: fraction of tokens with KD per round (all logged rounds), consistent with tau = 5
+    assert prod["gate_pass_fraction_per_round"] == {"1": 0.5, "2": 0.2, "3": 1.0}
+    assert prod["gate_inconsistent_tokens"] == 0
+    hard = res["hardkd_vs_selectkd"]
+    assert hard["hardkd_minus_selectkd_avg_rouge"]["Product"] == pytest.approx(18 - 20)
+    points = {(p["client"], p["tau"]): p for p in res["tau_sweep"]["points"]}
+    assert set(points) == {("Academic", 3.0), ("Academic", 5.0), ("Product", 3.0), ("Product", 5.0)}
+    assert points[("Product", 3.0)]["avg_rouge"] == pytest.approx(14) and points[("Product", 5.0)]["avg_rouge"] == 20
+    assert points[("Product", 3.0)]["kd_usage_ratio"] == pytest.approx(0.25)
+    csv = pd.read_csv(out / "tau_sweep.csv")
+    assert list(csv.columns) == ["client", "tau", "avg_rouge", "kd_usage_ratio", "n_seeds"] and len(csv) == 4
+    # sel_s1 has no files at all: reported, not invented; fedavg is not an input of the analysis
+    missing = {(m["experiment"], m["file"]) for m in res["missing"]}
+    assert missing == {("sel_s1", "models/sel_s1/gate_log.parquet"), ("sel_s1", "reports/train/sel_s1/metrics.json"),
+                       ("sel_s1", "reports/eval/sel_s1/metrics.json")}
+    assert prod["experiments"] == ["sel_s0"]

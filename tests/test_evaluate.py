@@ -1,0 +1,134 @@
+"""The evaluate stage end to end on a tiny BART saved with save_tiny and a synthetic experiment directory."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from pipeline.evaluate import EvaluateConfig, evaluate_experiment, subsample_test_ids
+from pipeline.schema import DataError
+from pipeline.scoring import ROUGE_TYPES, Scorer
+from tests.tiny_models import save_tiny
+
+CLIENTS = ("Academic", "Committee")
+MODEL = {"top_k": 2, "bottleneck": 16, "max_source_length": 64, "max_target_length": 16}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core box: intra-op threads only add synchronisation cost (x50 per op)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
+    from safetensors.torch import save_file
+
+    from pipeline.model import AdapterSummarizer, ModelConfig
+
+    root = tmp_path_factory.mktemp("evalws")
+    backbone = save_tiny("bart", root / "models" / "backbone")
+    rows = []
+    for client in CLIENTS:
+        for i in range(5):
+            rows.append({"example_id": f"qmsum/{client}/test/m{i}/q0", "domain": client,
+                         "source": f"What did they decide? #SEP# Project Manager: the team met about the budget {i}.",
+                         "target": f"The team agreed on the budget {i}. They will meet again."})
+    examples = root / "examples.parquet"
+    pd.DataFrame(rows).to_parquet(examples)
+    partition = {"scheme": "domain", "seed": 0, "params": {}, "excluded": {"count": 0, "by_reason": {}, "example_ids": []},
+                 "clients": {c: {"train": [], "valid": [], "test": [r["example_id"] for r in rows if r["domain"] == c]}
+                             for c in CLIENTS}}
+    (root / "partitions" / "domain").mkdir(parents=True)
+    (root / "partitions" / "domain" / "seed0.json").write_text(json.dumps(partition))
+
+    model = AdapterSummarizer.from_pretrained(backbone, ModelConfig(**MODEL).adapter_config())
+    exp_dir = root / "models" / "exp1"
+    for client in CLIENTS:
+        d = exp_dir / "clients" / client
+        d.mkdir(parents=True)
+        state = {k: v.contiguous() for k, v in model.adapter_state("local").items()}
+        save_file(state, str(d / "adapter_best.safetensors"))
+        save_file(state, str(d / "adapter_final.safetensors"))
+    (exp_dir / "experiment.json").write_text(json.dumps(
+        {"experiment": "exp1", "study": "main", "method": "fedselectkd", "partition": "domain/seed0", "seed": 0,
+         "model": MODEL}))
+    return root
+
+
+def run(workspace, cfg: EvaluateConfig, name: str = "exp1"):
+    return evaluate_experiment(
+        name, cfg, models_dir=workspace / "models", eval_dir=workspace / "eval",
+        examples_path=workspace / "examples.parquet", partitions_dir=workspace / "partitions",
+        backbone_dir=workspace / "models" / "backbone", mlflow_logging=False,
+    )
+
+
+def test_evaluate_stage_end_to_end(workspace):
+    cfg = EvaluateConfig(batch_size=2, num_beams=2, max_target_length=8, min_target_length=2,
+                         test_examples_per_client=3, subsample_seed=0)
+    metrics = run(workspace, cfg)
+    out = workspace / "eval" / "exp1"
+    on_disk = json.loads((out / "metrics.json").read_text())
+    assert on_disk == json.loads(json.dumps(metrics))
+    assert on_disk["rouge_l_in_tables"] == "rougeLsum"
+    assert set(on_disk["clients"]) == set(CLIENTS)
+    for client in CLIENTS:
+        c = on_disk["clients"][client]
+        assert c["n"] == 3 and c["n_test"] == 5 and c["skipped_by_subsampling"] == 2
+
+    preds = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert len(preds) == 6
+    per_example = pd.read_parquet(out / "per_example.parquet")
+    assert len(per_example) == 6 and set(ROUGE_TYPES) <= set(per_example.columns)
+
+    # The per-example scores are the scorer's on the written predictions, and the metrics their means.
+    scorer = Scorer()
+    for rec, (_, row) in zip(preds, per_example.iterrows()):
+        assert rec["example_id"] == row["example_id"]
+        assert scorer.score(rec["prediction"], rec["reference"])["rouge1"] == pytest.approx(row["rouge1"])
+    for client in CLIENTS:
+        sub = per_example[per_example["client"] == client]
+        assert on_disk["clients"][client]["rouge1"] == pytest.approx(sub["rouge1"].mean())
+    assert on_disk["mean"]["rouge2"] == pytest.approx(
+        sum(on_disk["clients"][c]["rouge2"] for c in CLIENTS) / len(CLIENTS))
+
+    # Identical configuration -> identical predictions (beam search, seeded subsample).
+    again = run(workspace, cfg)
+    assert again == metrics
+
+
+def test_subsample_is_seeded_per_client_and_keeps_order():
+    ids = [f"e{i}" for i in range(10)]
+    a = subsample_test_ids(ids, "Academic", 4, 0)
+    assert a == subsample_test_ids(ids, "Academic", 4, 0)
+    assert len(a) == 4 and a == [i for i in ids if i in a]
+    assert subsample_test_ids(ids, "Academic", None, 0) == ids
+    assert subsample_test_ids(ids, "Academic", 50, 0) == ids
+    assert any(subsample_test_ids(ids, "Academic", 4, s) != a for s in range(1, 5))
+
+
+def test_missing_adapter_is_a_clear_error(workspace):
+    cfg = EvaluateConfig(adapter="final", test_examples_per_client=1, num_beams=1, max_target_length=4, min_target_length=0)
+    (workspace / "models" / "exp1" / "clients" / "Committee" / "adapter_final.safetensors").rename(
+        workspace / "models" / "exp1" / "clients" / "Committee" / "moved.safetensors")
+    try:
+        with pytest.raises(DataError, match="Committee.*adapter_final.safetensors"):
+            run(workspace, cfg)
+    finally:
+        (workspace / "models" / "exp1" / "clients" / "Committee" / "moved.safetensors").rename(
+            workspace / "models" / "exp1" / "clients" / "Committee" / "adapter_final.safetensors")
+
+
+def test_bad_config_rejected():
+    with pytest.raises(ValueError, match="evaluate.adapter"):
+        EvaluateConfig(adapter="middle")
+    with pytest.raises(ValueError, match="min_target_length"):
+        EvaluateConfig(min_target_length=50, max_target_length=10)

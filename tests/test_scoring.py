@@ -1,0 +1,128 @@
+"""ROUGE scoring (pipeline.scoring) and the `python -m pipeline.evaluate score` CLI, against hand-computed values."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.evaluate import main as evaluate_main
+from pipeline.schema import DataError
+from pipeline.scoring import (
+    ROUGE_TYPES,
+    TABLE_ROUGE_L,
+    Scorer,
+    average_rouge,
+    mean_scores,
+    score_files,
+    split_sentences,
+)
+
+
+@pytest.fixture(scope="module")
+def scorer() -> Scorer:
+    return Scorer()
+
+
+def test_identical_is_100_and_disjoint_is_0(scorer):
+    text = "The committee agreed to fund the new school. The minister will report in May."
+    assert scorer.score(text, text) == {name: pytest.approx(100.0) for name in ROUGE_TYPES}
+    assert scorer.score("alpha beta gamma", "delta epsilon zeta") == {name: 0.0 for name in ROUGE_TYPES}
+
+
+def test_empty_prediction_scores_zero(scorer):
+    assert scorer.score("", "the team met") == {name: 0.0 for name in ROUGE_TYPES}
+
+
+def test_one_word_overlap_hand_computed(scorer):
+    # pred tokens: the cat sat (3); ref tokens: the dog ran fast (4); one shared unigram "the".
+    # P = 1/3, R = 1/4, F = 2PR/(P+R) = 2/7.
+    detail = scorer.detail("the cat sat", "the dog ran fast")
+    for name in ("rouge1", "rougeL", "rougeLsum"):
+        assert detail[name].precision == pytest.approx(1 / 3)
+        assert detail[name].recall == pytest.approx(1 / 4)
+        assert detail[name].fmeasure == pytest.approx(2 / 7)
+    assert detail["rouge2"].fmeasure == 0.0
+    assert scorer.score("the cat sat", "the dog ran fast")["rouge1"] == pytest.approx(100 * 2 / 7)
+
+
+def test_porter_stemming(scorer):
+    # "running" and "runs" both stem to "run"; without stemming they share nothing with "run".
+    assert scorer.score("running", "run")["rouge1"] == pytest.approx(100.0)
+    assert scorer.score("runs fast", "run fast")["rouge2"] == pytest.approx(100.0)
+    unstemmed = Scorer(use_stemmer=False)
+    assert unstemmed.score("running", "run")["rouge1"] == 0.0
+    assert unstemmed.score("runs fast", "run fast")["rouge1"] == pytest.approx(50.0)
+
+
+def test_rougelsum_summary_level_hand_computed(scorer):
+    # ref sentences: [the cat sat] [the dog ran]; prediction: one sentence [the dog sat].
+    # Summary-level union LCS (ROUGE-1.5.5, tokens clipped by counts): ref1 -> {the, sat} = 2 hits,
+    # ref2 -> {the, dog}, but "the" of the prediction is used up -> 1 hit. hits = 3,
+    # R = 3/6, P = 3/3, F = 2/3.  Whole-text rougeL: LCS(the cat sat the dog ran, the dog sat) = 2,
+    # P = 2/3, R = 2/6, F = 4/9.
+    ref, pred = "the cat sat. the dog ran.", "the dog sat."
+    detail = scorer.detail(pred, ref)
+    assert detail["rougeLsum"].recall == pytest.approx(0.5)
+    assert detail["rougeLsum"].precision == pytest.approx(1.0)
+    assert detail["rougeLsum"].fmeasure == pytest.approx(2 / 3)
+    assert detail["rougeL"].fmeasure == pytest.approx(4 / 9)
+
+
+def test_rougelsum_uses_sentence_split_of_single_line(scorer):
+    # Same words in swapped sentence order: summary-level LCS matches every token (100), while the whole-text
+    # LCS of "the cat sat the dog ran" vs "the dog sat the cat ran" is 4 of 6 tokens (66.67).
+    s = scorer.score("the dog sat. the cat ran.", "the cat sat. the dog ran.")
+    assert s["rougeLsum"] == pytest.approx(100.0)
+    assert s["rougeL"] == pytest.approx(100 * 4 / 6)
+
+
+def test_split_sentences():
+    text = "Dr. Smith opened the meeting. Was the budget approved? Yes!\nThe team, e.g. Anna, left. J. Doe stayed"
+    assert split_sentences(text) == [
+        "Dr. Smith opened the meeting.",
+        "Was the budget approved?",
+        "Yes!",
+        "The team, e.g. Anna, left.",
+        "J. Doe stayed",
+    ]
+    assert split_sentences("") == []
+    assert split_sentences("no punctuation at all") == ["no punctuation at all"]
+
+
+def test_mean_scores_and_average_rouge():
+    rows = [
+        {"rouge1": 10.0, "rouge2": 0.0, "rougeL": 5.0, "rougeLsum": 6.0},
+        {"rouge1": 30.0, "rouge2": 4.0, "rougeL": 15.0, "rougeLsum": 18.0},
+    ]
+    m = mean_scores(rows)
+    assert m["rouge1"] == 20.0 and m["rouge2"] == 2.0 and m["rougeLsum"] == 12.0 and m["n"] == 2
+    assert TABLE_ROUGE_L == "rougeLsum"
+    assert m["avg_rouge"] == pytest.approx((20.0 + 2.0 + 12.0) / 3)
+    assert average_rouge(m) == m["avg_rouge"]
+
+
+def test_score_cli_prints_json(tmp_path, capsys):
+    pred = tmp_path / "pred.txt"
+    ref = tmp_path / "ref.txt"
+    pred.write_text("the cat sat\nalpha beta\n")
+    ref.write_text("the dog ran fast\nalpha beta\n")
+    assert evaluate_main(["score", "--pred", str(pred), "--ref", str(ref)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n"] == 2
+    assert out["rouge1"] == pytest.approx((100 * 2 / 7 + 100) / 2)
+    assert out["rouge2"] == pytest.approx(50.0)
+    assert set(ROUGE_TYPES) <= set(out)
+    assert out == {**score_files(pred, ref)}
+
+
+def test_score_cli_line_count_mismatch_names_both_files(tmp_path, capsys):
+    pred = tmp_path / "pred.txt"
+    ref = tmp_path / "ref.txt"
+    pred.write_text("one\ntwo\nthree\n")
+    ref.write_text("one\ntwo\n")
+    with pytest.raises(DataError) as err:
+        score_files(pred, ref)
+    msg = str(err.value)
+    assert str(pred) in msg and str(ref) in msg and "3" in msg and "2" in msg
+    assert evaluate_main(["score", "--pred", str(pred), "--ref", str(ref)]) == 2
+    assert "line counts differ" in capsys.readouterr().err
