@@ -1,0 +1,217 @@
+"""Caches of what does not change while the backbone is frozen.
+
+``PrefixCache`` (disk): per example, the encoder output (as the decoder's cross-attention sees it) and the hidden
+state entering the first adapted decoder layer (:class:`pipeline.model.Prefix`). Both depend only on the
+backbone, the example's token ids and k -- not on the adapters, the round, the client or the experiment -- so
+they are computed once and reused by every training step, validation loss and experiment.
+
+Layout: ``<root>/<key>/<entry>.safetensors`` with
+  key   = sha256(backbone fingerprint, max_source_length, max_target_length, top_k, dtype, format version)[:20]
+  entry = sha256(example_id, source token ids, decoder input ids)[:32]   (so edited text never hits a stale entry)
+Each file holds ``encoder_hidden [S_i, n]`` and ``decoder_hidden [T_i, n]`` trimmed to the example's own lengths,
+read memory-mapped by safetensors. Size limit: when adding a file would exceed ``max_bytes`` the least recently
+used files (by mtime; a hit refreshes it) anywhere under ``root`` are evicted -- stale keys go first because
+they are never hit. A file larger than the whole budget is not stored (counted in ``stats["refused"]``).
+Writes go to a temp file and are renamed into place, so concurrent clients never read half a file.
+Deleting ``root`` is always safe. Stored in float16/bfloat16 the cache halves its size but is no longer exact.
+
+``TeacherCache`` (RAM, one round): the global-path logits of each example, exact (float32), for rounds with
+more than one local epoch; cleared automatically when the global adapter changes. Examples beyond its byte budget
+are simply recomputed.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from pipeline.data import IGNORE_INDEX, Batch
+from pipeline.model import AdapterSummarizer, Prefix
+
+FORMAT_VERSION = 1
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _sha(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        fingerprint: str,
+        max_source_length: int,
+        max_target_length: int,
+        top_k: int,
+        dtype: str = "float32",
+        max_bytes: int = 4 * 2**30,
+    ):
+        if dtype not in DTYPES:
+            raise ValueError(f"PrefixCache dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+        self.root = Path(root)
+        self.dtype = DTYPES[dtype]
+        self.max_bytes = int(max_bytes)
+        self.key = _sha(fingerprint, max_source_length, max_target_length, top_k, dtype, FORMAT_VERSION)[:20]
+        self.dir = self.root / self.key
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self.dir / "key.json"
+        if not meta.exists():
+            meta.write_text(json.dumps({
+                "fingerprint": fingerprint, "max_source_length": max_source_length,
+                "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
+                "format_version": FORMAT_VERSION,
+            }, indent=1))
+        self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0}
+        self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
+
+    @classmethod
+    def for_model(cls, model: AdapterSummarizer, cfg) -> "PrefixCache":
+        """From the ``model`` params group (``cache_dir``, lengths, ``top_k``, ``cache_dtype``, ``cache_max_gb``)."""
+        return cls(cfg.cache_dir, model.backbone_fingerprint(), cfg.max_source_length, cfg.max_target_length,
+                   model.adapter_config.top_k, cfg.cache_dtype, int(cfg.cache_max_gb * 2**30))
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def entry_path(self, example_id: str, source_ids: list[int], decoder_ids: list[int]) -> Path:
+        return self.dir / f"{_sha(example_id, source_ids, decoder_ids)[:32]}.safetensors"
+
+    def prefix_for(self, model: AdapterSummarizer, batch: Batch) -> Prefix:
+        """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
+        src_len = batch.attention_mask.sum(dim=1).tolist()
+        tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
+        paths = [
+            self.entry_path(eid, batch.input_ids[i, : src_len[i]].tolist(), batch.decoder_input_ids[i, : tgt_len[i]].tolist())
+            for i, eid in enumerate(batch.example_ids)
+        ]
+        entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for i, path in enumerate(paths):
+            loaded = self._load(path)
+            if loaded is not None:
+                entries[i] = loaded
+                self.stats["hits"] += 1
+        missing = [i for i in range(len(paths)) if i not in entries]
+        if missing:
+            self.stats["misses"] += len(missing)
+            sub = Batch(
+                [batch.example_ids[i] for i in missing],
+                batch.input_ids[missing], batch.attention_mask[missing],
+                batch.decoder_input_ids[missing], batch.labels[missing],
+            )
+            computed = model.compute_prefix(sub)
+            for j, i in enumerate(missing):
+                enc = computed.encoder_hidden[j, : src_len[i]].to("cpu", self.dtype).contiguous()
+                dec = computed.decoder_hidden[j, : tgt_len[i]].to("cpu", self.dtype).contiguous()
+                self._store(paths[i], enc, dec)
+                entries[i] = (enc, dec)
+
+        b, s = batch.input_ids.shape
+        t = batch.labels.shape[1]
+        n = entries[0][0].shape[-1]
+        enc_h = torch.zeros(b, s, n)
+        dec_h = torch.zeros(b, t, n)
+        for i, (enc, dec) in entries.items():
+            enc_h[i, : enc.shape[0]] = enc.float()
+            dec_h[i, : dec.shape[0]] = dec.float()
+        return Prefix(enc_h, batch.attention_mask, dec_h).to(model.device)
+
+    def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                enc, dec = f.get_tensor("encoder_hidden"), f.get_tensor("decoder_hidden")
+            os.utime(path)  # LRU: a hit makes the entry recent
+            return enc, dec
+        except (OSError, ValueError, RuntimeError):
+            return None  # unreadable (e.g. evicted meanwhile, truncated): recompute
+
+    def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> None:
+        fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({"encoder_hidden": enc, "decoder_hidden": dec}, tmp)
+            size = os.path.getsize(tmp)
+            if size > self.max_bytes:
+                self.stats["refused"] += 1
+                return
+            if self._bytes + size > self.max_bytes:
+                self._evict(self._bytes + size - self.max_bytes)
+            os.replace(tmp, path)
+            self._bytes += size
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _evict(self, need: int) -> None:
+        files = sorted(self.root.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime)
+        freed = 0
+        for p in files:
+            if freed >= need:
+                break
+            try:
+                size = p.stat().st_size
+                p.unlink()
+            except OSError:
+                continue
+            freed += size
+            self._bytes -= size
+            self.stats["evicted"] += 1
+
+
+class TeacherCache:
+    """Exact global-path logits per example for one round (RAM, at most ``max_bytes``)."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = int(max_bytes)
+        self._store: dict[str, torch.Tensor] = {}
+        self._bytes = 0
+        self._version: tuple[int, int] | None = None
+        self.stats = {"hits": 0, "misses": 0, "refused": 0}
+
+    @classmethod
+    def for_config(cls, cfg) -> "TeacherCache":
+        """From the ``model`` params group (``teacher_cache_gb``)."""
+        return cls(int(cfg.teacher_cache_gb * 2**30))
+
+    def clear(self) -> None:
+        self._store.clear()
+        self._bytes = 0
+
+    @torch.no_grad()
+    def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix) -> torch.Tensor:
+        """Global-path logits [B, T, V] for ``batch`` (valid up to each target length; zeros beyond)."""
+        version = (id(model), model.adapter_version["global"])
+        if self._version != version:
+            self.clear()  # a new global adapter (or another model): the stored teacher is stale
+            self._version = version
+        tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
+        if all(eid in self._store for eid in batch.example_ids):
+            self.stats["hits"] += len(batch)
+            t = batch.labels.shape[1]
+            out = None
+            for i, eid in enumerate(batch.example_ids):
+                cached = self._store[eid]
+                if out is None:
+                    out = torch.zeros(len(batch), t, cached.shape[-1], device=model.device)
+                out[i, : cached.shape[0]] = cached.to(model.device)
+            return out
+        self.stats["misses"] += len(batch)
+        logits = model.path_logits(prefix.to(model.device), "global")
+        for i, eid in enumerate(batch.example_ids):
+            row = logits[i, : tgt_len[i]].to("cpu", torch.float32).clone()
+            size = row.numel() * 4
+            if self._bytes + size > self.max_bytes:
+                self.stats["refused"] += 1
+                continue
+            self._store[eid] = row
+            self._bytes += size
+        return logits

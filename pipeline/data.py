@@ -1,0 +1,145 @@
+"""Tokenisation and collation of examples into model batches.
+
+Targets: ``labels`` are the target's token ids with the tokenizer's special tokens (BART ``<s> ... </s>``, BERT
+``... [SEP]``); a leading token equal to the decoder start token is dropped (BERT2BERT starts decoding from
+``[CLS]``, so predicting ``[CLS]`` would be a wasted first step). ``decoder_input_ids`` = labels shifted right
+with the model's ``decoder_start_token_id``. Labels are padded on the right with -100 (ignored by every loss);
+padded decoder inputs hold the pad id. Padding is per batch (to the longest member).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenizedExample:
+    example_id: str
+    input_ids: list[int]
+    labels: list[int]
+
+
+@dataclass
+class Batch:
+    example_ids: list[str]
+    input_ids: torch.Tensor  # [B, S] source ids, right-padded with pad id
+    attention_mask: torch.Tensor  # [B, S] 1 on source tokens
+    decoder_input_ids: torch.Tensor  # [B, T] labels shifted right, start token first
+    labels: torch.Tensor  # [B, T] target ids, IGNORE_INDEX (-100) on padding
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. a hard-KD mask [B, T] bool
+
+    @property
+    def target_lengths(self) -> torch.Tensor:
+        return (self.labels != IGNORE_INDEX).sum(dim=1)
+
+    @property
+    def source_lengths(self) -> torch.Tensor:
+        return self.attention_mask.sum(dim=1)
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(
+            self.example_ids,
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.decoder_input_ids.to(device),
+            self.labels.to(device),
+            {k: v.to(device) if torch.is_tensor(v) else v for k, v in self.extra.items()},
+        )
+
+    def __len__(self) -> int:
+        return len(self.example_ids)
+
+
+def tokenize_pairs(
+    tokenizer,
+    sources: Sequence[str],
+    targets: Sequence[str],
+    max_source_length: int,
+    max_target_length: int,
+    example_ids: Sequence[str] | None = None,
+    decoder_start_token_id: int | None = None,
+) -> list[TokenizedExample]:
+    """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding."""
+    if len(sources) != len(targets):
+        raise ValueError(f"tokenize_pairs: {len(sources)} sources but {len(targets)} targets")
+    if example_ids is None:
+        example_ids = [str(i) for i in range(len(sources))]
+    src = tokenizer(list(sources), max_length=max_source_length, truncation=True)["input_ids"]
+    tgt = tokenizer(text_target=list(targets), max_length=max_target_length, truncation=True)["input_ids"]
+    out = []
+    for eid, s, t in zip(example_ids, src, tgt):
+        t = list(t)
+        if decoder_start_token_id is not None and len(t) > 1 and t[0] == decoder_start_token_id:
+            t = t[1:]
+        if not t:
+            raise ValueError(f"example {eid}: empty target after tokenisation")
+        out.append(TokenizedExample(str(eid), list(s), t))
+    return out
+
+
+def collate(
+    examples: Sequence[TokenizedExample], pad_token_id: int, decoder_start_token_id: int
+) -> Batch:
+    """Pad a list of tokenised examples into a Batch (right padding)."""
+    if not examples:
+        raise ValueError("collate: empty list of examples")
+    b = len(examples)
+    s = max(len(e.input_ids) for e in examples)
+    t = max(len(e.labels) for e in examples)
+    input_ids = torch.full((b, s), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, s), dtype=torch.long)
+    labels = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
+    decoder_input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    for i, e in enumerate(examples):
+        input_ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        attention_mask[i, : len(e.input_ids)] = 1
+        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        decoder_input_ids[i, 0] = decoder_start_token_id
+        decoder_input_ids[i, 1 : len(e.labels)] = torch.tensor(e.labels[:-1])
+    return Batch([e.example_id for e in examples], input_ids, attention_mask, decoder_input_ids, labels)
+
+
+def make_batches(
+    examples_df,
+    tokenizer,
+    cfg,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    decoder_start_token_id: int,
+    pad_token_id: int | None = None,
+) -> list[Batch]:
+    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> list of Batches.
+
+    ``cfg`` is anything with ``max_source_length`` and ``max_target_length`` (the ``model`` params group).
+    With ``shuffle`` the order is a permutation drawn from ``numpy.random.default_rng(seed)``.
+    """
+    for col in ("example_id", "source", "target"):
+        if col not in examples_df.columns:
+            raise ValueError(f"make_batches: examples table has no column {col!r} (columns: {list(examples_df.columns)})")
+    if batch_size < 1:
+        raise ValueError(f"make_batches: batch_size must be >= 1, got {batch_size}")
+    pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
+    if pad is None:
+        raise ValueError("make_batches: the tokenizer has no pad token")
+    examples = tokenize_pairs(
+        tokenizer,
+        examples_df["source"].tolist(),
+        examples_df["target"].tolist(),
+        cfg.max_source_length,
+        cfg.max_target_length,
+        examples_df["example_id"].astype(str).tolist(),
+        decoder_start_token_id,
+    )
+    order = np.arange(len(examples))
+    if shuffle:
+        order = np.random.default_rng(seed).permutation(len(examples))
+    return [
+        collate([examples[j] for j in order[i : i + batch_size]], pad, decoder_start_token_id)
+        for i in range(0, len(order), batch_size)
+    ]

@@ -1,0 +1,374 @@
+"""The client model: a frozen encoder-decoder with two adapter sets on its top k decoder layers (METHOD.md s. 3).
+
+    encoder -> decoder layers 0..L-k-1 (frozen, shared)  ->  [layer L-k+i -> adapter_i^path] for i < k -> head
+
+``path`` is ``global`` (the server's aggregate; the teacher q_g, never trained) or ``local`` (the client's
+summarizer q_l, the only trainable parameters). Everything below the first adapted layer -- the encoder output
+and the hidden state entering layer L-k -- does not depend on the path, so :meth:`forward_two_paths` computes it
+once (the :class:`Prefix`, cacheable on disk by ``pipeline.cache.PrefixCache``) and runs only the top k layers
+and the LM head once per path, the teacher path under ``torch.no_grad()``.
+
+Adapters are attached with forward hooks (on the output LayerNorm of each adapted post-LN layer, else on the
+layer), so the HF model itself is untouched and every HF code path (full forward, ``generate`` with beams and KV
+cache) sees the active path's adapters.
+The backbone always runs in eval mode (dropout off): it is frozen, and a deterministic prefix is what makes the
+prefix cache exact.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from pipeline.adapters import AdapterConfig, AdapterSet, output_layer_norm
+from pipeline.data import Batch
+
+PATHS = ("global", "local")
+
+
+@dataclass
+class ModelConfig:
+    """The ``model`` params group."""
+
+    top_k: int = 2
+    bottleneck: int = 768
+    adapter_bias: bool = True
+    adapter_init_std: float = 0.02
+    max_source_length: int = 512
+    max_target_length: int = 128
+    cache_dir: str = "data/cache/prefix"
+    cache_dtype: str = "float32"
+    cache_max_gb: float = 4.0
+    teacher_cache_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        from pipeline.cache import DTYPES  # local import: cache imports this module
+
+        if self.cache_dtype not in DTYPES:
+            raise ValueError(f"model.cache_dtype={self.cache_dtype!r}; expected one of {sorted(DTYPES)}")
+        for name in ("max_source_length", "max_target_length"):
+            if getattr(self, name) < 2:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 2 (room for special tokens)")
+        if self.cache_max_gb < 0 or self.teacher_cache_gb < 0:
+            raise ValueError("model.cache_max_gb and model.teacher_cache_gb must be >= 0")
+        self.adapter_config()  # validates top_k and bottleneck
+
+    def adapter_config(self, seed: int | None = None) -> AdapterConfig:
+        return AdapterConfig(self.top_k, self.bottleneck, self.adapter_bias, self.adapter_init_std, seed)
+
+
+@dataclass
+class Prefix:
+    """What the top k decoder layers need, batched and right-padded like the Batch it belongs to."""
+
+    encoder_hidden: torch.Tensor  # [B, S, n] encoder output as the decoder's cross-attention sees it
+    encoder_mask: torch.Tensor  # [B, S] 1 on source tokens
+    decoder_hidden: torch.Tensor  # [B, T, n] hidden state entering decoder layer L-k (valid up to target length)
+
+    def to(self, device) -> "Prefix":
+        return Prefix(self.encoder_hidden.to(device), self.encoder_mask.to(device), self.decoder_hidden.to(device))
+
+
+@dataclass
+class TwoPathOutput:
+    logits_local: torch.Tensor  # [B, T, V], differentiable w.r.t. the local adapters
+    logits_global: torch.Tensor  # [B, T, V], computed under no_grad
+
+
+class _PrefixReady(Exception):
+    """Raised from a pre-hook to stop the backbone forward once the prefix has been captured."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class AdapterSummarizer(nn.Module):
+    def __init__(self, backbone: nn.Module, tokenizer, adapter: AdapterConfig, device: torch.device | str | None = None):
+        super().__init__()
+        self.backbone = backbone
+        self.tokenizer = tokenizer
+        self.adapter_config = adapter
+        self.is_bert2bert = getattr(backbone.config, "model_type", "") == "encoder-decoder"
+        for p in self.backbone.parameters():
+            p.requires_grad_(False)
+
+        # Views into the backbone, kept out of nn.Module registration (via __dict__) so that the backbone's
+        # modules are not registered twice under other names.
+        if self.is_bert2bert:
+            self.__dict__["_head_owner"] = backbone.decoder  # e.g. BertLMHeadModel
+            self.__dict__["_stack"] = backbone.decoder.base_model  # e.g. BertModel (is_decoder=True)
+            layers = self._stack.encoder.layer
+        else:
+            self.__dict__["_head_owner"] = backbone
+            self.__dict__["_stack"] = backbone.get_decoder()
+            layers = getattr(self._stack, "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise ValueError(f"{type(backbone).__name__}: cannot find the decoder layers (unsupported architecture)")
+        n_layers = len(layers)
+        if adapter.top_k > n_layers:
+            raise ValueError(f"adapter top_k={adapter.top_k} > {n_layers} decoder layers of {type(backbone).__name__}")
+        self.first_adapted = n_layers - adapter.top_k
+        self._top_layers = list(layers[self.first_adapted :])
+        self.__dict__["_first_layer"] = layers[self.first_adapted]
+        self._layer_params = list(inspect.signature(self._first_layer.forward).parameters)
+        self.hidden_size = self._stack.config.hidden_size if self.is_bert2bert else backbone.config.d_model
+        self.decoder_start_token_id = self._config_value("decoder_start_token_id")
+        self.pad_token_id = self._config_value("pad_token_id")
+
+        # Post-LN stacks (BART, LED, BERT) end each layer with a LayerNorm; pre-LN stacks (mBART, Pegasus) end the
+        # whole stack with one (``layer_norm``) and their layers' ``final_layer_norm`` is the FFN's input norm.
+        self.pre_layer_norm = isinstance(getattr(self._stack, "layer_norm", None), nn.Module)
+        norms = [None if self.pre_layer_norm else output_layer_norm(layer) for layer in self._top_layers]
+        self.__dict__["_adapter_norms"] = norms
+        self.adapter_sets = nn.ModuleDict({path: AdapterSet(self.hidden_size, adapter, norms) for path in PATHS})
+        self.copy_adapter("local", "global")  # identical start: round 0 teacher = student
+        for p in self.adapter_sets["global"].parameters():
+            p.requires_grad_(False)
+        self.adapter_version = {path: 0 for path in PATHS}  # bumped on every load; lets caches notice changes
+
+        self._active: str | None = None
+        # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
+        # (see pipeline/adapters.py); other layers: the adapter reads the layer's output.
+        self._hooks = [
+            norm.register_forward_hook(self._make_adapter_hook(i, on_input=True))
+            if norm is not None
+            else layer.register_forward_hook(self._make_adapter_hook(i, on_input=False))
+            for i, (layer, norm) in enumerate(zip(self._top_layers, norms))
+        ]
+        self._fingerprint: str | None = None
+        self.to(default_device() if device is None else torch.device(device))
+        self.train(False)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
+        """Load an HF encoder-decoder (BART/LED/mBART/Pegasus via AutoModelForSeq2SeqLM, or an
+        ``EncoderDecoderModel`` such as BERT2BERT) and its tokenizer from ``path`` (a local dir or a hub id)."""
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+
+        config = AutoConfig.from_pretrained(str(path))
+        if config.model_type == "encoder-decoder":
+            backbone = EncoderDecoderModel.from_pretrained(str(path))
+        elif getattr(config, "is_encoder_decoder", False):
+            backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))
+        else:
+            raise ValueError(f"{path}: model_type {config.model_type!r} is not an encoder-decoder")
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return cls.from_backbone(backbone, tokenizer, adapter, device)
+
+    @classmethod
+    def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
+                f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
+            )
+        gen = model.generation_config
+        for key in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
+            if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
+                setattr(gen, key, getattr(model.config, key))
+        return cls(model, tokenizer, adapter, device)
+
+    def _config_value(self, key: str) -> int:
+        value = getattr(self.backbone.config, key, None)
+        if value is None:
+            value = getattr(self.backbone.generation_config, key, None)
+        if value is None:
+            raise ValueError(f"{type(self.backbone).__name__}: config has no {key}")
+        return int(value)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.adapter_sets.parameters()).device
+
+    def train(self, mode: bool = True) -> "AdapterSummarizer":
+        super().train(mode)
+        self.backbone.eval()  # frozen: no dropout, so the shared prefix is deterministic (and cacheable)
+        return self
+
+    # ------------------------------------------------------------------ adapters
+    def _make_adapter_hook(self, i: int, on_input: bool):
+        def hook(module, args, output):
+            if self._active is None:
+                return output
+            adapter = self.adapter_sets[self._active][i]
+            if on_input:  # Y = Z, the input of the layer's output LayerNorm
+                return adapter(args[0])
+            if isinstance(output, tuple):
+                return (adapter(output[0]),) + tuple(output[1:])
+            return adapter(output)
+
+        return hook
+
+    def close(self) -> None:
+        """Detach the adapter hooks from the backbone (e.g. before wrapping the same backbone again)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @contextlib.contextmanager
+    def use_path(self, path: str | None) -> Iterator[None]:
+        """Activate one adapter set (None = the bare backbone) for every forward inside the block."""
+        if path is not None and path not in PATHS:
+            raise ValueError(f"unknown adapter path {path!r}; expected one of {PATHS}")
+        previous, self._active = self._active, path
+        try:
+            yield
+        finally:
+            self._active = previous
+
+    def adapter_state(self, path: str) -> dict[str, torch.Tensor]:
+        """CPU float32 copies; keys (``layer{i}.down.weight`` ...) are the same for both paths."""
+        return self.adapter_sets[path].state()
+
+    def load_adapter_state(self, path: str, state: dict[str, torch.Tensor]) -> None:
+        self.adapter_sets[path].load_state(state)
+        self.adapter_version[path] += 1
+
+    def copy_adapter(self, src: str, dst: str) -> None:
+        self.adapter_sets[dst].load_state(self.adapter_sets[src].state())
+        if hasattr(self, "adapter_version"):
+            self.adapter_version[dst] += 1
+
+    def fresh_adapter_state(self, seed: int) -> dict[str, torch.Tensor]:
+        """A newly initialised adapter set (as ``adapter_state`` returns it) from ``seed``: the round-0 weights."""
+        config = dataclasses.replace(self.adapter_config, seed=seed)
+        return AdapterSet(self.hidden_size, config, self._adapter_norms).state()
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return list(self.adapter_sets["local"].parameters())
+
+    def backbone_fingerprint(self) -> str:
+        """sha256 of the backbone's config, weights, attention implementation, library versions and tokenizer."""
+        if self._fingerprint is None:
+            import transformers
+
+            h = hashlib.sha256()
+            h.update(self.backbone.config.to_json_string(use_diff=False).encode())
+            h.update(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
+            h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
+            for name, tensor in sorted(self.backbone.state_dict().items()):
+                h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+                h.update(_tensor_bytes(tensor))
+            vocab = sorted(self.tokenizer.get_vocab().items())
+            h.update(json.dumps([vocab, sorted(self.tokenizer.all_special_tokens)]).encode())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
+
+    # ------------------------------------------------------------------ forward
+    def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
+        """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
+        with self.use_path(path):
+            out = self.backbone(
+                input_ids=batch.input_ids.to(self.device),
+                attention_mask=batch.attention_mask.to(self.device),
+                decoder_input_ids=batch.decoder_input_ids.to(self.device),
+                use_cache=False,
+            )
+        return out.logits
+
+    @torch.no_grad()
+    def compute_prefix(self, batch: Batch) -> Prefix:
+        """Run the encoder and decoder layers 0..L-k-1 once; capture what enters layer L-k, then stop."""
+        captured: dict = {}
+
+        def grab(module, args, kwargs):
+            bound = dict(zip(self._layer_params, args))
+            bound.update(kwargs)
+            captured["decoder_hidden"] = bound["hidden_states"]
+            captured["encoder_hidden"] = bound["encoder_hidden_states"]
+            raise _PrefixReady
+
+        handle = self._first_layer.register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            with self.use_path(None):
+                self.backbone(
+                    input_ids=batch.input_ids.to(self.device),
+                    attention_mask=batch.attention_mask.to(self.device),
+                    decoder_input_ids=batch.decoder_input_ids.to(self.device),
+                    use_cache=False,
+                )
+        except _PrefixReady:
+            pass
+        finally:
+            handle.remove()
+        if "decoder_hidden" not in captured:
+            raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
+        return Prefix(captured["encoder_hidden"], batch.attention_mask.to(self.device), captured["decoder_hidden"])
+
+    def _top_masks(self, prefix: Prefix):
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+        h = prefix.decoder_hidden
+        b, t = h.shape[:2]
+        # Decoder self-attention: causal over right-padded targets (padding only follows valid tokens, so it
+        # never reaches them); cross-attention: source padding masked. The same builders the HF decoders call.
+        self_mask = create_causal_mask(
+            config=self._stack.config,
+            inputs_embeds=h,
+            attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device),
+            past_key_values=None,
+        )
+        cross_mask = create_bidirectional_mask(
+            config=self._stack.config,
+            inputs_embeds=h,
+            attention_mask=prefix.encoder_mask.to(h.device),
+            encoder_hidden_states=prefix.encoder_hidden,
+        )
+        return self_mask, cross_mask
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.pre_layer_norm:  # mBART / Pegasus decoders end with a LayerNorm
+            h = self._stack.layer_norm(h)
+        owner = self._head_owner
+        if hasattr(owner, "cls"):  # BertLMHeadModel
+            return owner.cls(h)
+        logits = owner.lm_head(h)
+        bias = getattr(owner, "final_logits_bias", None)
+        return logits + bias.to(logits.device) if bias is not None else logits
+
+    def path_logits(self, prefix: Prefix, path: str, masks=None) -> torch.Tensor:
+        """Top k layers with ``path``'s adapters + LM head on a prefix. Gradients flow when enabled by the caller."""
+        self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
+        h = prefix.decoder_hidden
+        with self.use_path(path):
+            for layer in self._top_layers:
+                h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
+                if isinstance(h, tuple):
+                    h = h[0]
+        return self._head(h)
+
+    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None) -> TwoPathOutput:
+        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad.
+
+        ``teacher_logits`` (e.g. from ``pipeline.cache.TeacherCache``) skips the global path when given."""
+        if prefix is None:
+            prefix = self.compute_prefix(batch)
+        prefix = prefix.to(self.device)
+        masks = self._top_masks(prefix)
+        logits_local = self.path_logits(prefix, "local", masks)
+        if teacher_logits is None:
+            with torch.no_grad():
+                teacher_logits = self.path_logits(prefix, "global", masks)
+        return TwoPathOutput(logits_local, teacher_logits)
+
+    @torch.no_grad()
+    def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
+        """HF ``generate`` (greedy, beam, ...; the encoder runs once) with ``path``'s adapters active."""
+        with self.use_path(path):
+            return self.backbone.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generation_kwargs
+            )

@@ -1,0 +1,177 @@
+"""Frozen-prefix cache and teacher cache: exactness against the uncached path, keys, eviction."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.adapters import AdapterConfig
+from pipeline.cache import PrefixCache, TeacherCache
+from pipeline.data import IGNORE_INDEX, collate, tokenize_pairs
+from pipeline.losses import KDConfig, distillation_loss
+from pipeline.model import AdapterSummarizer
+from tiny_models import tiny
+
+SOURCES = [
+    "What was decided? #SEP# Industrial Designer: The case could be made of rubber or plastic, said the designer.",
+    "Budget #SEP# Project Manager: Okay, let us start.",
+    "short #SEP# A: hi",
+    "Why? #SEP# Marketing: Our research shows that young people like fancy colours and simple remotes.",
+]
+TARGETS = ["They chose a rubber case.", "The manager opened the budget meeting.", "ok", "Young people like colour."]
+IDS = ["e0", "e1", "e2", "e3"]
+
+
+@pytest.fixture(scope="module", params=["bart", "bert2bert"])
+def model(request):
+    backbone, tok = tiny(request.param)
+    m = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=16), device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for path, scale in (("local", 0.3), ("global", 0.2)):
+            for p in m.adapter_sets[path].parameters():
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+    return m
+
+
+def _batch(model, idx):
+    ex = tokenize_pairs(model.tokenizer, [SOURCES[i] for i in idx], [TARGETS[i] for i in idx], 64, 32,
+                        [IDS[i] for i in idx], model.decoder_start_token_id)
+    return collate(ex, model.pad_token_id, model.decoder_start_token_id)
+
+
+def _cache(model, root, **kw):
+    args = dict(fingerprint=model.backbone_fingerprint(), max_source_length=64, max_target_length=32, top_k=2,
+                dtype="float32", max_bytes=10**8)
+    args.update(kw)
+    return PrefixCache(root, **args)
+
+
+def test_cached_prefix_gives_the_uncached_logits_and_loss(model, tmp_path):
+    cache = _cache(model, tmp_path)
+    cfg = KDConfig(mode="selective", tau=5.0)
+    batch = _batch(model, [0, 1, 2])
+    valid = batch.labels != IGNORE_INDEX
+    ref = model.forward_two_paths(batch)
+    ref_loss = distillation_loss(ref.logits_local, ref.logits_global, batch.labels, cfg).loss
+
+    first = model.forward_two_paths(batch, cache.prefix_for(model, batch))
+    assert cache.stats["misses"] == 3 and cache.stats["hits"] == 0
+    # the same examples again, now in other batches with other padding: all hits
+    regrouped = [_batch(model, [2, 3]), _batch(model, [1, 0])]
+    outs = [model.forward_two_paths(b, cache.prefix_for(model, b)) for b in regrouped]
+    assert cache.stats["hits"] == 3 and cache.stats["misses"] == 4  # e3 was new
+
+    torch.testing.assert_close(first.logits_local[valid], ref.logits_local[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(first.logits_global[valid], ref.logits_global[valid], atol=1e-5, rtol=0)
+    loss = distillation_loss(first.logits_local, first.logits_global, batch.labels, cfg).loss
+    assert abs(loss.item() - ref_loss.item()) < 1e-5
+    # per example, the regrouped batches give the same logits as the first batch
+    for b, out in zip(regrouped, outs):
+        for j, eid in enumerate(b.example_ids):
+            if eid == "e3":
+                continue
+            i = batch.example_ids.index(eid)
+            n = int((b.labels[j] != IGNORE_INDEX).sum())
+            torch.testing.assert_close(out.logits_local[j, :n], ref.logits_local[i, :n], atol=1e-5, rtol=0)
+    # gradients flow from the cached path into the local adapters only
+    loss.backward()
+    assert all(p.grad is not None for p in model.local_parameters())
+    model.zero_grad()
+
+
+def test_key_changes_with_every_component(model, tmp_path):
+    base = _cache(model, tmp_path)
+    variants = [
+        _cache(model, tmp_path, fingerprint="0" * 64),
+        _cache(model, tmp_path, max_source_length=65),
+        _cache(model, tmp_path, max_target_length=33),
+        _cache(model, tmp_path, top_k=1),
+        _cache(model, tmp_path, dtype="float16"),
+    ]
+    keys = {base.key} | {v.key for v in variants}
+    assert len(keys) == 6
+    assert _cache(model, tmp_path).key == base.key  # and it is stable
+    batch = _batch(model, [0, 1])
+    base.prefix_for(model, batch)
+    other = variants[1]
+    other.prefix_for(model, batch)
+    assert other.stats["misses"] == 2 and other.stats["hits"] == 0  # recomputed under the new key
+    again = _cache(model, tmp_path)
+    again.prefix_for(model, batch)
+    assert again.stats["hits"] == 2
+
+
+def test_changed_tokens_never_hit_a_stale_entry(model, tmp_path):
+    cache = _cache(model, tmp_path)
+    cache.prefix_for(model, _batch(model, [0]))
+    ex = tokenize_pairs(model.tokenizer, ["A different text #SEP# B: yes"], [TARGETS[0]], 64, 32, ["e0"],
+                        model.decoder_start_token_id)
+    changed = collate(ex, model.pad_token_id, model.decoder_start_token_id)
+    prefix = cache.prefix_for(model, changed)
+    assert cache.stats["misses"] == 2
+    torch.testing.assert_close(prefix.decoder_hidden, model.compute_prefix(changed).decoder_hidden)
+
+
+def test_half_precision_cache_is_close(model, tmp_path):
+    cache = _cache(model, tmp_path, dtype="bfloat16")
+    batch = _batch(model, [0, 1])
+    valid = batch.labels != IGNORE_INDEX
+    ref = model.forward_two_paths(batch).logits_local[valid]
+    got = model.forward_two_paths(batch, cache.prefix_for(model, batch)).logits_local[valid]
+    assert (got - ref).abs().max() < 0.1
+
+
+def _same_size_batch(model, eid):
+    ex = tokenize_pairs(model.tokenizer, [SOURCES[0]], [TARGETS[0]], 64, 32, [eid], model.decoder_start_token_id)
+    return collate(ex, model.pad_token_id, model.decoder_start_token_id)
+
+
+def test_size_limit_evicts_least_recently_used(model, tmp_path):
+    # four entries of identical size (same text, different ids) and room for two of them
+    probe = _cache(model, tmp_path / "probe")
+    probe.prefix_for(model, _same_size_batch(model, "z"))
+    size = probe.size_bytes
+    cache = _cache(model, tmp_path / "lru", max_bytes=2 * size + 10)
+    for eid in ["z0", "z1", "z2"]:
+        cache.prefix_for(model, _same_size_batch(model, eid))
+    cache.prefix_for(model, _same_size_batch(model, "z1"))  # z1 is used again: z0 is now the least recent
+    cache.prefix_for(model, _same_size_batch(model, "z3"))
+    assert cache.stats == {"hits": 1, "misses": 4, "evicted": 2, "refused": 0}
+    files = list((tmp_path / "lru").glob("*/*.safetensors"))
+    assert len(files) == 2 and cache.size_bytes == 2 * size == sum(p.stat().st_size for p in files)
+    cache.prefix_for(model, _same_size_batch(model, "z1"))
+    cache.prefix_for(model, _same_size_batch(model, "z3"))
+    assert cache.stats["hits"] == 3  # z1 and z3 survived; z0 and z2 were evicted
+    cache.prefix_for(model, _same_size_batch(model, "z0"))
+    assert cache.stats["misses"] == 5
+    tiny_budget = _cache(model, tmp_path / "none", max_bytes=100)
+    prefix = tiny_budget.prefix_for(model, _batch(model, [0]))  # still returns the prefix, stores nothing
+    assert tiny_budget.stats["refused"] == 1 and not list((tmp_path / "none").glob("*/*.safetensors"))
+    assert prefix.decoder_hidden.shape[0] == 1
+
+
+def test_teacher_cache_is_exact_and_follows_the_global_adapter(model, tmp_path):
+    cache = _cache(model, tmp_path)
+    teacher = TeacherCache(max_bytes=10**8)
+    batch = _batch(model, [0, 2])
+    valid = batch.labels != IGNORE_INDEX
+    prefix = cache.prefix_for(model, batch)
+    ref = model.forward_two_paths(batch, prefix).logits_global
+    first = teacher.logits_for(model, batch, prefix)
+    second = teacher.logits_for(model, batch, prefix)  # next local epoch
+    assert teacher.stats["hits"] == 2 and teacher.stats["misses"] == 2
+    torch.testing.assert_close(second[valid], ref[valid], atol=0, rtol=0)
+    out = model.forward_two_paths(batch, prefix, teacher_logits=second)
+    torch.testing.assert_close(out.logits_global[valid], first[valid], atol=0, rtol=0)
+    # a new round: the server's aggregate is loaded into the global adapter -> recomputed
+    state = model.adapter_state("global")
+    model.load_adapter_state("global", {k: v * 0.5 for k, v in state.items()})
+    try:
+        third = teacher.logits_for(model, batch, prefix)
+        assert teacher.stats["misses"] == 4
+        assert (third[valid] - ref[valid]).abs().max() > 1e-3
+        small = TeacherCache(max_bytes=1)
+        small.logits_for(model, batch, prefix)
+        assert small.stats["refused"] == 2
+    finally:
+        model.load_adapter_state("global", state)

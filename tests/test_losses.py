@@ -1,0 +1,149 @@
+"""Selective-KD loss against values worked out by hand (vocab 3, two sequences, three real tokens + padding).
+
+Teacher q_g and student q_l are given as probabilities; logits = log p (softmax(log p) = p).
+  token 1 (seq 0, pos 0): q_g = [1/2, 1/4, 1/4]  q_l = [1/4, 1/2, 1/4]  y = 0
+      H  = 1/2 ln 2 + 2 * 1/4 ln 4 = 1.5 ln 2 = 1.0397
+      CE = -ln(1/4) = ln 4,  KL(q_g||q_l) = 1/2 ln 2 + 1/4 ln(1/2) + 1/4 ln 1 = 1/4 ln 2
+  token 2 (seq 0, pos 1): q_g = [0.8, 0.1, 0.1]  q_l = [1/2, 1/4, 1/4]  y = 0
+      H  = -(0.8 ln 0.8 + 0.2 ln 0.1) = 0.6390
+      CE = ln 2,  KL = 0.8 ln 1.6 + 0.2 ln 0.4
+  token 3 (seq 1, pos 0): q_g = [1/3, 1/3, 1/3]  q_l = [0.2, 0.2, 0.6]  y = 2
+      H  = ln 3 = 1.0986
+      CE = -ln 0.6,  KL = 1/3 (2 ln(5/3) + ln(5/9))
+  seq 1, pos 1: padding (label -100) with arbitrary logits.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.losses import KDConfig, distillation_loss, hard_kd_loss, selective_kd_loss, token_entropy
+
+L = math.log
+H1, H2, H3 = 1.5 * L(2), -(0.8 * L(0.8) + 0.2 * L(0.1)), L(3)
+CE1, CE2, CE3 = L(4), L(2), -L(0.6)
+KL1, KL2, KL3 = 0.25 * L(2), 0.8 * L(1.6) + 0.2 * L(0.4), (2 * L(5 / 3) + L(5 / 9)) / 3
+LAM = 0.2
+
+
+def _logits(probs):
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+@pytest.fixture
+def example():
+    teacher = _logits([[[0.5, 0.25, 0.25], [0.8, 0.1, 0.1]], [[1 / 3, 1 / 3, 1 / 3], [0.9, 0.05, 0.05]]])
+    student = _logits([[[0.25, 0.5, 0.25], [0.5, 0.25, 0.25]], [[0.2, 0.2, 0.6], [0.1, 0.1, 0.8]]])
+    labels = torch.tensor([[0, 0], [2, -100]])
+    return student, teacher, labels
+
+
+def test_hand_values_are_consistent():
+    # the three entropies are distinct, so tau can sit below, between and above them
+    assert H2 < H1 < H3
+    assert H1 == pytest.approx(1.039720771, abs=1e-8)
+    assert KL2 == pytest.approx(0.192745, abs=1e-6)
+
+
+def test_token_entropy_nats_and_bits(example):
+    _, teacher, _ = example
+    h = token_entropy(teacher)
+    assert h[0, 0].item() == pytest.approx(H1, abs=1e-5)
+    assert h[0, 1].item() == pytest.approx(H2, abs=1e-5)
+    assert h[1, 0].item() == pytest.approx(H3, abs=1e-5)
+    assert token_entropy(teacher, "2")[0, 0].item() == pytest.approx(1.5, abs=1e-5)  # 1.5 bits
+
+
+@pytest.mark.parametrize(
+    "tau, expected_gate, expected_loss",
+    [
+        (0.5, [[False, False], [False, False]], (CE1 + CE2 + CE3) / 3),  # below every H: plain CE
+        (0.8, [[False, True], [False, False]], (CE1 + (1 - LAM) * CE2 + LAM * KL2 + CE3) / 3),  # H2 < tau < H1
+        (1.07, [[True, True], [False, False]], ((1 - LAM) * (CE1 + CE2) + LAM * (KL1 + KL2) + CE3) / 3),  # H1 < tau < H3
+        (2.0, [[True, True], [True, False]], ((1 - LAM) * (CE1 + CE2 + CE3) + LAM * (KL1 + KL2 + KL3)) / 3),
+    ],
+)
+def test_selective_kd_matches_hand_computation(example, tau, expected_gate, expected_loss):
+    student, teacher, labels = example
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", lam=LAM, tau=tau))
+    assert out.gate.tolist() == expected_gate
+    assert out.loss.item() == pytest.approx(expected_loss, abs=1e-5)
+    assert out.n_tokens == 3
+    assert out.n_kd == sum(map(sum, expected_gate))
+    assert out.ce_mean == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
+    assert out.entropy[1, 1].item() == 0.0  # padding carries no entropy record
+
+
+def test_kd_and_ce_modes(example):
+    student, teacher, labels = example
+    kd = distillation_loss(student, teacher, labels, KDConfig(mode="kd", lam=LAM, tau=0.0))
+    assert kd.loss.item() == pytest.approx(((1 - LAM) * (CE1 + CE2 + CE3) + LAM * (KL1 + KL2 + KL3)) / 3, abs=1e-5)
+    assert kd.kd_mean == pytest.approx((KL1 + KL2 + KL3) / 3, abs=1e-5)
+    ce = distillation_loss(student, teacher, labels, KDConfig(mode="ce", tau=100.0))
+    assert ce.loss.item() == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
+    assert not ce.gate.any() and ce.kd_mean == 0.0
+    # CE needs no teacher at all
+    assert distillation_loss(student, None, labels, KDConfig(mode="ce")).loss.item() == pytest.approx(ce.loss.item())
+    with pytest.raises(ValueError, match="teacher"):
+        distillation_loss(student, None, labels, KDConfig(mode="kd"))
+
+
+def test_hard_mode_uses_the_mask_only(example):
+    student, teacher, labels = example
+    mask = torch.tensor([[True, False], [True, True]])  # the padding position must stay off
+    out = hard_kd_loss(student, teacher, labels, mask, lam=LAM)
+    assert out.gate.tolist() == [[True, False], [True, False]]
+    assert out.loss.item() == pytest.approx(((1 - LAM) * (CE1 + CE3) + LAM * (KL1 + KL3) + CE2) / 3, abs=1e-5)
+
+
+def test_padding_is_excluded(example):
+    student, teacher, labels = example
+    cfg = KDConfig(mode="kd", lam=LAM)
+    base = distillation_loss(student, teacher, labels, cfg).loss.item()
+    student2, teacher2 = student.clone(), teacher.clone()
+    student2[1, 1] = torch.tensor([9.0, -9.0, 3.0])
+    teacher2[1, 1] = torch.tensor([-5.0, 7.0, 0.0])
+    assert distillation_loss(student2, teacher2, labels, cfg).loss.item() == pytest.approx(base, abs=1e-6)
+
+
+def test_sequence_normalisation(example):
+    student, teacher, labels = example
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="ce", normalisation="sequences"))
+    assert out.loss.item() == pytest.approx(((CE1 + CE2) / 2 + CE3) / 2, abs=1e-5)
+
+
+def test_temperature_scales_kl_by_t_squared():
+    # teacher uniform; student logits [2 ln 2, 0, 0] -> at T = 2 the tempered student is [1/2, 1/4, 1/4]
+    teacher = torch.zeros(1, 1, 3)
+    student = torch.tensor([[[2 * L(2), 0.0, 0.0]]])
+    labels = torch.tensor([[0]])
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="kd", lam=1.0, temperature=2.0))
+    kl_tempered = (L((1 / 3) / 0.5) + 2 * L((1 / 3) / 0.25)) / 3
+    assert out.loss.item() == pytest.approx(4 * kl_tempered, abs=1e-5)
+
+
+def test_kl_direction_student_to_teacher(example):
+    student, teacher, labels = example
+    out = distillation_loss(student[:1, :1], teacher[:1, :1], labels[:1, :1],
+                            KDConfig(mode="kd", lam=1.0, kl_direction="student_to_teacher"))
+    # KL(q_l || q_g) for token 1: 1/4 ln(1/2) + 1/2 ln 2 + 1/4 ln 1 = 1/4 ln 2
+    assert out.loss.item() == pytest.approx(0.25 * L(2), abs=1e-6)
+
+
+def test_only_student_gets_gradients(example):
+    student, teacher, labels = example
+    student = student.clone().requires_grad_(True)
+    teacher = teacher.clone().requires_grad_(True)
+    selective_kd_loss(student, teacher, labels, lam=LAM, tau=2.0).loss.backward()
+    assert student.grad is not None and student.grad.abs().sum() > 0
+    assert teacher.grad is None
+    assert student.grad[1, 1].abs().sum() == 0  # padding contributes nothing
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="mode"):
+        KDConfig(mode="selectve")
+    with pytest.raises(ValueError, match="lam"):
+        KDConfig(lam=1.5)
