@@ -18,19 +18,27 @@ T = TypeVar("T")
 
 
 def repo_root() -> Path:
-    """The project root: DVC's root when DVC runs us (also inside ``dvc exp run`` workspaces), else git's, else CWD."""
+    """The project root, the same for `dvc repro` and `dvc exp run` (queued/temp runs execute in a copy under
+    ``<root>/.dvc/tmp/exps/``, whose results must still land in the one MLflow store at ``<root>``)."""
+    root: Path | None = None
     for var in ("FEDMEET_ROOT", "DVC_ROOT"):
         if os.environ.get(var):
-            return Path(os.environ[var]).resolve()
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-        if out:
-            return Path(out)
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return Path.cwd()
+            root = Path(os.environ[var]).resolve()
+            break
+    if root is None:
+        try:
+            out = subprocess.run(
+                ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            root = Path(out) if out else None
+        except (OSError, subprocess.CalledProcessError):
+            root = None
+    root = root or Path.cwd().resolve()
+    parts = root.parts
+    for i in range(len(parts) - 3):
+        if parts[i : i + 4] == (".dvc", "tmp", "exps", parts[i + 3]) and i > 0:
+            return Path(*parts[:i])
+    return root
 
 
 def load_params(path: str | os.PathLike | None = None) -> dict[str, Any]:

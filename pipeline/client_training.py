@@ -1,0 +1,424 @@
+"""The local trainer: what one client does with its own data in one round (METHOD.md section 4).
+
+Shared by the Flower ClientApp (federated methods) and by `single` / `centralized` (no server). It trains the
+*local* adapter set with AdamW on ``L = mean_t L_t`` where ``L_t`` is CE, KD on every token, selective KD
+(KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
+plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
+("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
+(CE of the local path) on the client's valid set.
+
+Also here: loading a client's examples from the partition (with the CPU profile's seeded subsampling), the
+process-wide model cache (one frozen backbone per process; clients swap adapter states in and out), and adapter
+files (safetensors).
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pipeline.config import from_dict
+from pipeline.data import IGNORE_INDEX, Batch, make_batches
+from pipeline.model import AdapterSummarizer, ModelConfig
+from pipeline.plan import Plan, TrainConfig
+from pipeline.schema import DataError
+
+GATE_LOG_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
+
+
+def derived_seed(*parts: Any) -> int:
+    """A stable 31-bit seed from (experiment seed, client, round, ...): same inputs, same seed, any process."""
+    return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------------------------- data
+@lru_cache(maxsize=4)
+def _read_examples(path: str, mtime: float) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    for col in ("example_id", "source", "target"):
+        if col not in df.columns:
+            raise DataError(f"{path}: no column {col!r} (columns: {list(df.columns)})")
+    if df["example_id"].duplicated().any():
+        dup = df.loc[df["example_id"].duplicated(), "example_id"].iloc[0]
+        raise DataError(f"{path}: duplicate example_id {dup!r}")
+    return df.set_index("example_id", drop=False)
+
+
+def read_examples(path: str | Path) -> pd.DataFrame:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: examples file not found (stage `examples`)")
+    return _read_examples(str(p.resolve()), p.stat().st_mtime)
+
+
+def read_partition(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: partition file not found (stage `partition`)")
+    raw = json.loads(p.read_text())
+    clients = raw.get("clients")
+    if not isinstance(clients, dict) or not clients:
+        raise DataError(f"{p}: no 'clients' mapping")
+    for name, splits in clients.items():
+        for split in ("train", "valid"):
+            if not isinstance(splits.get(split), list):
+                raise DataError(f"{p}: client {name!r} has no '{split}' list")
+        if not splits["train"]:
+            raise DataError(f"{p}: client {name!r} has an empty train split")
+    return raw
+
+
+def _subsample(ids: list[str], limit: int | None, seed: int) -> list[str]:
+    """At most ``limit`` ids, drawn without replacement with a seeded generator, in partition order."""
+    if limit is None or len(ids) <= limit:
+        return list(ids)
+    keep = np.sort(np.random.default_rng(seed).choice(len(ids), size=limit, replace=False))
+    return [ids[i] for i in keep]
+
+
+@dataclass
+class ClientData:
+    client: str
+    train: pd.DataFrame
+    valid: pd.DataFrame
+    n_train_available: int  # before subsampling (reported, so the subsampling is visible)
+    n_valid_available: int
+
+
+def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None) -> ClientData:
+    partition = partition if partition is not None else read_partition(plan.paths["partition"])
+    if client not in partition["clients"]:
+        raise DataError(f"{plan.paths['partition']}: no client {client!r} (clients: {sorted(partition['clients'])})")
+    examples = read_examples(plan.paths["examples"])
+    splits = partition["clients"][client]
+    frames = {}
+    for split, limit in (("train", plan.train.max_train_examples_per_client),
+                         ("valid", plan.train.max_valid_examples_per_client)):
+        ids = [str(i) for i in splits[split]]
+        missing = [i for i in ids if i not in examples.index]
+        if missing:
+            raise DataError(f"{plan.paths['partition']}: client {client!r} {split} id {missing[0]!r} is not in "
+                            f"{plan.paths['examples']} ({len(missing)} missing)")
+        chosen = _subsample(ids, limit, derived_seed(plan.seed, client, split, "subsample"))
+        frames[split] = examples.loc[chosen].reset_index(drop=True)
+    return ClientData(client, frames["train"], frames["valid"], len(splits["train"]), len(splits["valid"]))
+
+
+def client_names(plan: Plan) -> list[str]:
+    return list(read_partition(plan.paths["partition"])["clients"])
+
+
+# ----------------------------------------------------------------------------------------------- model
+_MODELS: dict[tuple, AdapterSummarizer] = {}
+_INITIAL_STATES: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def model_config(plan: Plan) -> ModelConfig:
+    return from_dict(ModelConfig, plan.model, f"{plan.source}: model")
+
+
+def shared_model(plan: Plan) -> AdapterSummarizer:
+    """One frozen backbone per process (clients of the in-process engine take turns on it; each message loads
+    the client's adapter states first, so nothing carries over between clients)."""
+    mcfg = model_config(plan)
+    key = (str(Path(plan.paths["backbone"]).resolve()), mcfg.top_k, mcfg.bottleneck, mcfg.adapter_bias)
+    if key not in _MODELS:
+        backbone = Path(plan.paths["backbone"])
+        if not backbone.exists():
+            raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+        _MODELS.clear()  # a process trains one backbone at a time; free the previous one
+        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, mcfg.adapter_config())
+    return _MODELS[key]
+
+
+def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
+    """Round-0 adapter weights, a function of the experiment seed only (fresh, seeded AdapterSet init)."""
+    from pipeline.adapters import AdapterSet, output_layer_norm
+
+    model = shared_model(plan)
+    mcfg = model_config(plan)
+    key = (plan.paths["backbone"], mcfg.top_k, mcfg.bottleneck, mcfg.adapter_bias, mcfg.adapter_init_std, plan.seed)
+    if key not in _INITIAL_STATES:
+        torch.manual_seed(derived_seed(plan.seed, "adapter-init"))
+        # model._top_layers: the adapted decoder layers, whose output LayerNorms seed the adapters' LayerNorms.
+        norms = [output_layer_norm(layer) for layer in model._top_layers]
+        _INITIAL_STATES[key] = AdapterSet(model.hidden_size, mcfg.adapter_config(), norms).state()
+    return {k: v.clone() for k, v in _INITIAL_STATES[key].items()}
+
+
+def prefix_cache_for(plan: Plan, model: AdapterSummarizer):
+    """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
+    if not plan.train.prefix_cache:
+        return None
+    from pipeline.cache import PrefixCache
+
+    return PrefixCache.for_model(model, model_config(plan))
+
+
+def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
+    tmp.replace(p)  # atomic: a kill never leaves half a file behind
+
+
+def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+# ----------------------------------------------------------------------------------------------- hard KD mask
+@lru_cache(maxsize=2)
+def _read_postags(path: str, mtime: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    df = pd.read_parquet(path, columns=["example_id", "position", "token_id", "is_noun_or_verb"])
+    out = {}
+    for eid, g in df.sort_values(["example_id", "position"]).groupby("example_id", sort=False):
+        n = int(g["position"].max()) + 1
+        token_ids = np.full(n, -1, dtype=np.int64)
+        mask = np.zeros(n, dtype=bool)
+        token_ids[g["position"].to_numpy()] = g["token_id"].to_numpy()
+        mask[g["position"].to_numpy()] = g["is_noun_or_verb"].to_numpy().astype(bool)
+        out[str(eid)] = (token_ids, mask)
+    return out
+
+
+def hard_kd_mask(postags_path: str | Path, batch: Batch) -> torch.Tensor:
+    """[B, T] bool: target token t of example b belongs to a noun or a verb (stage `postag`)."""
+    p = Path(postags_path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: POS tags not found (stage `postag`); method hardkd needs them")
+    tags = _read_postags(str(p.resolve()), p.stat().st_mtime)
+    labels = batch.labels.cpu().numpy()
+    mask = np.zeros(labels.shape, dtype=bool)
+    for b, eid in enumerate(batch.example_ids):
+        if eid not in tags:
+            raise DataError(f"{p}: no POS tags for example {eid!r}")
+        token_ids, is_nv = tags[eid]
+        valid = labels[b] != IGNORE_INDEX
+        n = int(valid.sum())
+        if n > len(token_ids) or not np.array_equal(token_ids[:n], labels[b, :n]):
+            raise DataError(f"{p}: example {eid!r}: tagged token ids do not match the tokenised target "
+                            f"(were the tags made with another tokenizer or max_target_length?)")
+        mask[b, :n] = is_nv[:n]
+    return torch.from_numpy(mask)
+
+
+# ----------------------------------------------------------------------------------------------- training
+def kd_config(plan: Plan):
+    """The loss configuration of the plan's method (pipeline.losses.KDConfig)."""
+    from pipeline.losses import KDConfig
+
+    t = plan.train
+    mode = plan.spec.kd_mode
+    return KDConfig(
+        mode=mode,
+        lam=t.kd_lambda,
+        tau=plan.tau if plan.tau is not None else float("inf"),
+        temperature=t.kd_temperature,
+        kl_direction=t.kd_direction,
+        log_base=t.entropy_log_base,
+        normalisation=t.loss_normalisation,
+    )
+
+
+@dataclass
+class LocalTrainResult:
+    n_examples: int
+    n_steps: int  # optimizer steps (FedNova's tau_i)
+    n_tokens: int  # trained (non-padding) target tokens, summed over epochs
+    train_loss: float  # token-weighted mean of the batch losses (without the proximal term)
+    ce: float  # mean CE of the local path over trained tokens
+    kd: float  # mean KL(q_g || q_l) over the tokens where KD was applied (0 if none)
+    kd_fraction: float  # KD tokens / trained tokens
+    proximal: float  # last value of mu/2 ||W - W_global||^2
+    gate_log: pd.DataFrame = field(repr=False, default=None)
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v for k, v in self.__dict__.items() if k != "gate_log"}
+
+
+def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
+    """(local logits with gradients, global logits or None). The frozen prefix comes from the disk cache when
+    there is one; with more than one local epoch the teacher's logits come from the round's RAM cache."""
+    prefix = cache.prefix_for(model, batch) if cache is not None else None
+    if two_paths:
+        teacher = None
+        if teacher_cache is not None:
+            if prefix is None:
+                prefix = model.compute_prefix(batch)
+            teacher = teacher_cache.logits_for(model, batch, prefix)
+        out = model.forward_two_paths(batch, prefix, teacher_logits=teacher)
+        return out.logits_local, out.logits_global
+    if prefix is None:
+        prefix = model.compute_prefix(batch)
+    return model.path_logits(prefix.to(model.device), "local"), None
+
+
+def train_local(
+    model: AdapterSummarizer,
+    plan: Plan,
+    examples: pd.DataFrame,
+    *,
+    client: str,
+    rnd: int,
+    proximal_reference: dict[str, torch.Tensor] | None = None,
+    proximal_mu: float = 0.0,
+    cache=None,
+    progress: bool = False,
+) -> LocalTrainResult:
+    """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
+    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes."""
+    from pipeline.losses import distillation_loss
+
+    cfg: TrainConfig = plan.train
+    mcfg = model_config(plan)
+    kd = kd_config(plan)
+    two_paths = kd.mode != "ce"
+    seed = derived_seed(plan.seed, client, rnd, "train")
+    seed_everything(seed)
+    params = model.local_parameters()
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    reference = None
+    if proximal_mu > 0.0:
+        if proximal_reference is None:
+            raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
+        names = [name for name, _ in model.adapter_sets["local"].named_parameters()]
+        state_names = list(model.adapter_state("local"))
+        if len(names) != len(state_names):
+            raise RuntimeError("adapter parameters and adapter_state keys disagree")
+        reference = [proximal_reference[k].to(model.device) for k in state_names]
+
+    model.train(True)
+    sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
+    gate_parts: list[pd.DataFrame] = []
+    n_steps = 0
+    proximal_value = 0.0
+    postags = plan.paths.get("postags")
+    teacher_cache = None
+    if two_paths and cfg.local_epochs > 1 and mcfg.teacher_cache_gb > 0:
+        from pipeline.cache import TeacherCache
+
+        teacher_cache = TeacherCache(int(mcfg.teacher_cache_gb * 2**30))
+    for epoch in range(cfg.local_epochs):
+        batches = make_batches(
+            examples, model.tokenizer, mcfg, cfg.batch_size, shuffle=True, seed=derived_seed(seed, epoch),
+            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+        )
+        iterator = batches
+        if progress:
+            from tqdm import tqdm
+
+            iterator = tqdm(batches, desc=f"{client} round {rnd} epoch {epoch + 1}", leave=False)
+        optimizer.zero_grad(set_to_none=True)
+        for i, batch in enumerate(iterator):
+            hard_mask = hard_kd_mask(postags, batch).to(model.device) if kd.mode == "hard" else None
+            logits_local, logits_global = _forward_logits(model, batch, two_paths, cache, teacher_cache)
+            labels = batch.labels.to(model.device)
+            out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
+            loss = out.loss
+            if reference is not None:
+                prox = sum(((p - r) ** 2).sum() for p, r in zip(params, reference))
+                proximal_value = float(0.5 * proximal_mu * prox.detach())
+                loss = loss + 0.5 * proximal_mu * prox
+            (loss / cfg.grad_accum_steps).backward()
+            if (i + 1) % cfg.grad_accum_steps == 0 or i + 1 == len(batches):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                n_steps += 1
+            n_tok = int(out.n_tokens)
+            valid = labels != IGNORE_INDEX
+            gate = out.gate.detach() & valid if out.gate is not None else torch.zeros_like(valid)
+            n_kd = int(gate.sum())
+            sums["loss"] += float(out.loss.detach()) * n_tok
+            sums["ce"] += float(out.ce_mean) * n_tok
+            sums["kd"] += float(out.kd_mean) * n_kd
+            sums["tokens"] += n_tok
+            sums["kd_tokens"] += n_kd
+            if two_paths:
+                gate_parts.append(_gate_rows(batch, labels, out.entropy.detach(), gate, client, rnd))
+    model.train(False)
+    for p in params:
+        p.requires_grad_(False)
+    tokens = max(sums["tokens"], 1)
+    gate_log = pd.concat(gate_parts, ignore_index=True) if gate_parts else empty_gate_log()
+    return LocalTrainResult(
+        n_examples=len(examples),
+        n_steps=n_steps,
+        n_tokens=sums["tokens"],
+        train_loss=sums["loss"] / tokens,
+        ce=sums["ce"] / tokens,
+        kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
+        kd_fraction=sums["kd_tokens"] / tokens,
+        proximal=proximal_value,
+        gate_log=gate_log,
+    )
+
+
+def empty_gate_log() -> pd.DataFrame:
+    return pd.DataFrame({
+        "client": pd.Series(dtype="string"), "round": pd.Series(dtype="int32"),
+        "example_id": pd.Series(dtype="string"), "position": pd.Series(dtype="int32"),
+        "token_id": pd.Series(dtype="int64"), "entropy": pd.Series(dtype="float32"),
+        "kd_applied": pd.Series(dtype="bool"),
+    })
+
+
+def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: torch.Tensor, client: str,
+               rnd: int) -> pd.DataFrame:
+    valid = (labels != IGNORE_INDEX).cpu().numpy()
+    b_idx, t_idx = np.nonzero(valid)
+    ids = np.asarray(batch.example_ids, dtype=object)
+    return pd.DataFrame({
+        "client": pd.Series([client] * len(b_idx), dtype="string"),
+        "round": np.full(len(b_idx), rnd, dtype=np.int32),
+        "example_id": pd.Series(ids[b_idx], dtype="string"),
+        "position": t_idx.astype(np.int32),
+        "token_id": labels.cpu().numpy()[b_idx, t_idx].astype(np.int64),
+        "entropy": entropy.float().cpu().numpy()[b_idx, t_idx].astype(np.float32),
+        "kd_applied": gate.cpu().numpy()[b_idx, t_idx].astype(bool),
+    })
+
+
+@torch.no_grad()
+def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, cache=None) -> tuple[float, int]:
+    """Mean token CE of the local path on ``examples`` (teacher forcing) and the number of tokens."""
+    if len(examples) == 0:
+        return float("nan"), 0
+    mcfg = model_config(plan)
+    model.train(False)
+    total, tokens = 0.0, 0
+    batches = make_batches(
+        examples, model.tokenizer, mcfg, plan.train.batch_size, shuffle=False, seed=0,
+        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+    )
+    for batch in batches:
+        logits, _ = _forward_logits(model, batch, False, cache)
+        labels = batch.labels.to(model.device)
+        ce = torch.nn.functional.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        total += float(ce)
+        tokens += int((labels != IGNORE_INDEX).sum())
+    return total / max(tokens, 1), tokens

@@ -1,0 +1,584 @@
+"""Flower apps (Message API, flwr 1.41) and the engines that run them.
+
+- ``client_app`` (``ClientApp``): ``query.identify`` answers the client's name; ``train`` loads the server's
+  weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local one (AdaFedAvg and the server
+  algorithm baselines: the average overwrites the client adapter), trains the local adapter on the client's data
+  and replies with the local adapter's tensors (ArrayRecord) and counts/metrics (MetricRecord) - nothing else,
+  no text, no token ids. The local adapter persists across rounds in ``context.state`` (or is reset to the
+  global weights with ``train.local_adapter: reset``). ``evaluate`` measures the validation loss of the
+  client's adapter, keeps its best and final adapter and checkpoints the client's state on the client's disk;
+  the gate log of section 4 is written there too (it is the client's own data).
+- ``run_server`` (the body of ``@server_app.main()``): per round Flower's strategy samples clients
+  (``configure_train``), the Grid delivers the messages, the strategy aggregates (``aggregate_train``: FedAvg
+  weighted by ``num-examples``, FedProx, FedAvgM/FedAdam/FedYogi, FedNova), all admitted clients evaluate, and
+  the server checkpoints (global adapter, round, RNG state, strategy state). A client that raises becomes an
+  error reply, which Flower's strategies leave out of the aggregate; the run goes on. A rerun resumes after the
+  last checkpointed round.
+- Engines: ``InProcessGrid`` delivers each Message to the same ClientApp object in this process, one client after
+  the other (no Ray, no sockets; each node keeps its own Context); ``engine: ray`` runs the same apps in Flower's
+  simulation runtime (``flwr.simulation.run_simulation``, Ray actors with ``ray_cpus_per_client`` /
+  ``ray_gpus_per_client``). As a real federation the same objects are served by ``flower-superlink`` +
+  ``flower-supernode --node-config "client-name='Academic' plan='models/plans/<exp>.json'"`` (see README).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import random
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app.error import Error
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from pipeline import client_training
+from pipeline.plan import Plan, plan_hash, read_plan
+from pipeline.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
+
+log = logging.getLogger("fedmeet.federated")
+
+ARRAYS_KEY = "arrays"  # Flower strategies' default ArrayRecord key
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
+PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
+IDENTIFY = "query.identify"
+
+# What a train reply's MetricRecord holds: counts and aggregate losses only.
+TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd", "kd-fraction",
+                     "proximal")
+
+
+# ================================================================================================ client side
+@lru_cache(maxsize=8)
+def _plan_cached(path: str, mtime: float) -> Plan:
+    return read_plan(path)
+
+
+def _plan_path(msg: Message | None, context: Context) -> str:
+    for source in (context.node_config, context.run_config):
+        if source.get("plan"):
+            return str(source["plan"])
+    if msg is not None and CONFIG_KEY in msg.content and msg.content[CONFIG_KEY].get("plan"):
+        return str(msg.content[CONFIG_KEY]["plan"])
+    raise ValueError("no plan: set node_config 'plan', run_config 'plan', or send it in the message config")
+
+
+def _load_plan(path: str) -> Plan:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: plan file not found")
+    return _plan_cached(str(p.resolve()), p.stat().st_mtime)
+
+
+def client_name(plan: Plan, context: Context) -> str:
+    """``node_config['client-name']`` (real federation, in-process engine) or the simulation's partition id."""
+    if context.node_config.get("client-name"):
+        return str(context.node_config["client-name"])
+    if "partition-id" in context.node_config:
+        names = client_training.client_names(plan)
+        return names[int(context.node_config["partition-id"])]
+    raise ValueError("node_config has neither 'client-name' nor 'partition-id'")
+
+
+def client_dir(plan: Plan, name: str, context: Context) -> Path:
+    return Path(context.node_config.get("client-dir") or Path(plan.paths["out_dir"]) / "clients" / name)
+
+
+def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
+    return Path(context.node_config.get("checkpoint-dir")
+                or Path(plan.paths["out_dir"]) / "checkpoint" / "clients" / name)
+
+
+def _checkpoint_rounds(ckpt: Path) -> list[int]:
+    return sorted(int(p.stem[len("round"):]) for p in ckpt.glob("round*.safetensors"))
+
+
+def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
+    """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``."""
+    if LOCAL_STATE_KEY in context.state:
+        return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
+    ckpt = client_checkpoint_dir(plan, name, context)
+    earlier = [r for r in _checkpoint_rounds(ckpt) if r < rnd]
+    if not earlier:
+        return None
+    last = earlier[-1]
+    state = client_training.load_adapter(ckpt / f"round{last:03d}.safetensors")
+    progress = json.loads((ckpt / f"round{last:03d}.json").read_text())
+    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(state)
+    context.state[PROGRESS_KEY] = MetricRecord(progress)
+    log.info("client %s: resumed local adapter from its round-%d checkpoint", name, last)
+    return state
+
+
+client_app = ClientApp()
+
+
+@client_app.query("identify")
+def client_identify(msg: Message, context: Context) -> Message:
+    plan = _load_plan(_plan_path(msg, context))
+    return Message(RecordDict({"identity": ConfigRecord({"client-name": client_name(plan, context)})}), reply_to=msg)
+
+
+@client_app.train()
+def client_train(msg: Message, context: Context) -> Message:
+    plan = _load_plan(_plan_path(msg, context))
+    spec = plan.spec
+    name = client_name(plan, context)
+    config = msg.content[CONFIG_KEY]
+    rnd = int(config["server-round"])
+    received = msg.content[ARRAYS_KEY].to_torch_state_dict()
+    model = client_training.shared_model(plan)
+
+    local = _restore_client_state(context, plan, name, rnd)
+    if spec.local_from_global or plan.train.local_adapter == "reset" or local is None:
+        local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
+    model.load_adapter_state("local", local)
+    if spec.two_adapters:
+        model.load_adapter_state("global", received)  # the teacher: the server's aggregate, never trained
+
+    data = client_training.client_data(plan, name)
+    mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
+    result = client_training.train_local(
+        model, plan, data.train, client=name, rnd=rnd,
+        proximal_reference=received if mu > 0 else None, proximal_mu=mu,
+        cache=client_training.prefix_cache_for(plan, model),
+    )
+    new_local = model.adapter_state("local")
+    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
+    if spec.two_adapters:  # the gate log stays on the client's disk
+        out = client_dir(plan, name, context) / "gate_log" / f"round{rnd:03d}.parquet"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        result.gate_log.to_parquet(out, index=False)
+
+    metrics = MetricRecord({
+        NUM_EXAMPLES_KEY: int(result.n_examples),
+        NUM_STEPS_KEY: int(result.n_steps),
+        "num-tokens": int(result.n_tokens),
+        "train-loss": float(result.train_loss),
+        "ce": float(result.ce),
+        "kd": float(result.kd),
+        "kd-fraction": float(result.kd_fraction),
+        "proximal": float(result.proximal),
+    })
+    content = RecordDict({ARRAYS_KEY: ArrayRecord.from_torch_state_dict(new_local), METRICS_KEY: metrics})
+    return Message(content, reply_to=msg)
+
+
+@client_app.evaluate()
+def client_evaluate(msg: Message, context: Context) -> Message:
+    plan = _load_plan(_plan_path(msg, context))
+    spec = plan.spec
+    name = client_name(plan, context)
+    rnd = int(msg.content[CONFIG_KEY]["server-round"])
+    model = client_training.shared_model(plan)
+    received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
+
+    local = _restore_client_state(context, plan, name, rnd)
+    if spec.local_from_global:
+        if len(received) == 0:
+            raise ValueError(f"client {name}: method {spec.name} evaluates the global adapter but none was sent")
+        local = received.to_torch_state_dict()
+    elif local is None:
+        local = client_training.initial_adapter_state(plan)  # not sampled yet: still the round-0 adapter
+    model.load_adapter_state("local", local)
+
+    data = client_training.client_data(plan, name)
+    if len(data.valid) == 0:
+        raise ValueError(f"{plan.paths['partition']}: client {name!r} has no valid examples: no best round")
+    val_loss, val_tokens = client_training.validation_loss(
+        model, plan, data.valid, cache=client_training.prefix_cache_for(plan, model))
+
+    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else {
+        "best-val-loss": float("inf"), "best-round": 0}
+    out = client_dir(plan, name, context)
+    meta = {"experiment": plan.experiment, "client": name, "round": str(rnd), "val_loss": f"{val_loss:.6f}"}
+    is_best = val_loss < progress["best-val-loss"]
+    if is_best:
+        progress = {"best-val-loss": float(val_loss), "best-round": rnd}
+        client_training.save_adapter(out / "adapter_best.safetensors", local, meta)
+    client_training.save_adapter(out / "adapter_final.safetensors", local, meta)
+    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
+    context.state[PROGRESS_KEY] = MetricRecord(progress)
+
+    # Client-side checkpoint of this round (its adapter and progress); keep the previous one until the server's
+    # checkpoint of this round exists, so a kill in between still finds a consistent state.
+    ckpt = client_checkpoint_dir(plan, name, context)
+    client_training.save_adapter(ckpt / f"round{rnd:03d}.safetensors", local)
+    (ckpt / f"round{rnd:03d}.json").write_text(json.dumps(progress))
+    for old in _checkpoint_rounds(ckpt):
+        if old < rnd - 1 or old > rnd:
+            (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
+            (ckpt / f"round{old:03d}.json").unlink(missing_ok=True)
+
+    metrics = MetricRecord({
+        NUM_EXAMPLES_KEY: len(data.valid),
+        "val-loss": float(val_loss),
+        "val-tokens": int(val_tokens),
+        "best-round": int(progress["best-round"]),
+        "is-best": int(is_best),
+    })
+    return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
+
+
+# ================================================================================================ server side
+@dataclass
+class RoundLog:
+    """What the server saw of one round (per client rows; no client data)."""
+
+    round: int
+    seconds: float
+    rows: list[dict[str, Any]]
+    aggregated: bool
+
+
+class Recorder:
+    """Receives each finished round (rounds.json, MLflow...). The base class only logs."""
+
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        log.info("%s: %d clients %s, rounds %d..%d", plan.experiment, len(clients), clients, start_round,
+                 plan.train.rounds)
+
+    def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
+        losses = ", ".join(f"{r['client']} {r.get('val_loss', float('nan')):.4f}" for r in entry.rows)
+        log.info("%s round %d (%.1fs): val loss %s", plan.experiment, entry.round, entry.seconds, losses)
+
+
+def server_checkpoint_path(plan: Plan) -> Path:
+    return Path(plan.paths["out_dir"]) / "checkpoint" / "server.pt"
+
+
+def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, history: list[dict]) -> None:
+    path = server_checkpoint_path(plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {
+        "plan_hash": plan_hash(plan),
+        "round": rnd,
+        "arrays": {k: a.numpy() for k, a in arrays.items()},
+        "strategy_state": strategy_state(strategy),
+        "history": history,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    }
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # atomic
+
+
+def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
+    path = server_checkpoint_path(plan)
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)  # our own file, written by save_server_checkpoint
+    if state.get("plan_hash") != plan_hash(plan):
+        log.warning("%s: checkpoint belongs to another configuration; starting over", path)
+        return None
+    return state
+
+
+class _NodeSubsetGrid(Grid):
+    """A view of a Grid that shows the strategy only the admitted nodes (a new client joins at its round)."""
+
+    def __init__(self, grid: Grid, node_ids: list[int]):
+        self._grid = grid
+        self._node_ids = list(node_ids)
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._node_ids)
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def _identify(grid: Grid, plan_path: str, expected: int, timeout: float) -> dict[int, str]:
+    """Ask every node for its client name (after waiting for ``expected`` nodes to connect, as SuperNodes
+    and simulated nodes register asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while len(node_ids := list(grid.get_node_ids())) < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(node_ids)} of {expected} clients connected within {timeout:.0f}s")
+        log.info("waiting for clients: %d of %d connected", len(node_ids), expected)
+        time.sleep(1.0)
+    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
+                    message_type=IDENTIFY) for n in node_ids]
+    names: dict[int, str] = {}
+    for reply in grid.send_and_receive(msgs, timeout=timeout):
+        if reply.has_error():
+            raise RuntimeError(f"node {reply.metadata.src_node_id} failed to identify: {reply.error.reason}")
+        names[reply.metadata.src_node_id] = str(reply.content["identity"]["client-name"])
+    if len(set(names.values())) != len(names):
+        raise RuntimeError(f"two nodes claim the same client name: {names}")
+    return names
+
+
+def _payload_bytes(content: RecordDict) -> int:
+    return sum(rec.count_bytes() for rec in content.array_records.values())
+
+
+def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None) -> tuple[ArrayRecord, list]:
+    """The federated training loop of one experiment (the ServerApp's main)."""
+    recorder = recorder or Recorder()
+    spec = plan.spec
+    t = plan.train
+    if not spec.federated:
+        raise ValueError(f"method {spec.name!r} is not federated")
+
+    expected = len(client_training.client_names(plan))
+    node_names = _identify(grid, plan_path, expected, t.round_timeout_s)
+    clients = sorted(node_names.values())
+    join_round = {name: 1 for name in clients}
+    if spec.new_client == "post":
+        if t.new_client not in join_round:
+            raise ValueError(f"{plan.paths['partition']}: new client {t.new_client!r} (train.new_client) is not "
+                             f"among the clients {clients}")
+        if t.join_round > t.rounds:
+            raise ValueError(f"train.join_round {t.join_round} > train.rounds {t.rounds}: the client never joins")
+        join_round[t.new_client] = t.join_round
+
+    strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
+                              proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
+    ckpt = load_server_checkpoint(plan)
+    if ckpt is not None:
+        start = int(ckpt["round"]) + 1
+        arrays = ArrayRecord({k: _array(v) for k, v in ckpt["arrays"].items()})
+        restore_strategy_state(strategy, ckpt["strategy_state"])
+        history = list(ckpt["history"])
+        random.setstate(ckpt["rng"]["python"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        log.info("%s: resuming after round %d", plan.experiment, start - 1)
+    else:
+        start = 1
+        arrays = ArrayRecord.from_torch_state_dict(client_training.initial_adapter_state(plan))
+        history = []
+    recorder.started(plan, clients, start)
+
+    for rnd in range(start, t.rounds + 1):
+        t0 = time.perf_counter()
+        admitted = [n for n, c in node_names.items() if join_round[c] <= rnd]
+        view = _NodeSubsetGrid(grid, sorted(admitted))
+        # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
+        random.seed(client_training.derived_seed(plan.seed, rnd, "sampling"))
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path}), view))
+        rows = {node_names[m.metadata.dst_node_id]: {
+            "round": rnd, "client": node_names[m.metadata.dst_node_id], "sampled": 1, "failed": 0,
+            "bytes_down": _payload_bytes(m.content), "bytes_up": 0} for m in messages}
+        for n in admitted:
+            rows.setdefault(node_names[n], {"round": rnd, "client": node_names[n], "sampled": 0, "failed": 0,
+                                            "bytes_down": 0, "bytes_up": 0})
+        replies = list(grid.send_and_receive(messages, timeout=t.round_timeout_s))
+        for reply in replies:
+            row = rows[node_names[reply.metadata.src_node_id]]
+            if reply.has_error():
+                row["failed"] = 1
+                log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
+                            reply.error.reason)
+                continue
+            row["bytes_up"] = _payload_bytes(reply.content)
+            m = reply.content[METRICS_KEY]
+            row.update({
+                "n_examples": int(m[NUM_EXAMPLES_KEY]), "n_steps": int(m[NUM_STEPS_KEY]),
+                "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
+                "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
+            })
+        answered = {node_names[r.metadata.src_node_id] for r in replies}
+        for name, row in rows.items():
+            if row["sampled"] and name not in answered:
+                row["failed"] = 1
+                log.warning("round %d: no reply from client %s within the timeout", rnd, name)
+
+        new_arrays, _ = strategy.aggregate_train(rnd, replies)
+        aggregated = new_arrays is not None
+        if aggregated:
+            arrays = new_arrays
+        else:
+            log.warning("round %d: no client update; the global adapter stays as it was", rnd)
+
+        # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
+        # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
+        eval_arrays = arrays if spec.local_from_global else ArrayRecord()
+        eval_messages = list(strategy.configure_evaluate(rnd, eval_arrays, ConfigRecord({"plan": plan_path}), view))
+        for m in eval_messages:
+            rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += _payload_bytes(m.content)
+        eval_replies = list(grid.send_and_receive(eval_messages, timeout=t.round_timeout_s))
+        for reply in eval_replies:
+            row = rows[node_names[reply.metadata.src_node_id]]
+            if reply.has_error():
+                row["eval_failed"] = 1
+                log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)
+                continue
+            m = reply.content[METRICS_KEY]
+            row.update({"val_loss": float(m["val-loss"]), "val_tokens": int(m["val-tokens"]),
+                        "best_round": int(m["best-round"])})
+        if eval_replies and any(not r.has_error() for r in eval_replies):
+            strategy.aggregate_evaluate(rnd, eval_replies)
+
+        round_rows = [rows[c] for c in sorted(rows)]
+        history.extend(round_rows)
+        save_server_checkpoint(plan, rnd, arrays, strategy, history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, aggregated), history)
+    return arrays, history
+
+
+def _array(value: np.ndarray):
+    from flwr.app import Array
+
+    return Array(np.asarray(value))
+
+
+def make_server_app(plan_path: str, recorder: Recorder | None = None, result: dict | None = None) -> ServerApp:
+    """A ServerApp bound to one plan (engines); ``result`` receives the final arrays and history."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        arrays, history = run_server(grid, _load_plan(plan_path), plan_path, recorder)
+        if result is not None:
+            result.update(arrays=arrays, history=history)
+
+    return app
+
+
+# The ServerApp `flwr run` / a SuperLink loads: the plan comes from the run config
+# (`[tool.flwr.app.config] plan = "models/plans/<exp>.json"` or `flwr run . --run-config "plan='...'"`).
+server_app = ServerApp()
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    path = _plan_path(None, context)
+    run_server(grid, _load_plan(path), path, Recorder())
+
+
+# ================================================================================================ engines
+class InProcessGrid(Grid):
+    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other.
+
+    Each node has its own Context (node_config: client name, plan; state: the client's private state), kept
+    across rounds as a SuperNode keeps it. Messages are deep-copied in both directions, so client and server
+    share no objects; a ClientApp exception becomes an error reply (ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
+    as Flower's runtimes report it.
+    """
+
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1):
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        self.contexts: dict[int, Context] = {}
+        for i, node_config in enumerate(node_configs):
+            node_id = 1000 + i
+            self.contexts[node_id] = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config),
+                                             state=RecordDict(), run_config={})
+        self._pending: dict[str, Message] = {}
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            if msg.metadata.dst_node_id not in self.contexts:
+                raise ValueError(f"message to unknown node {msg.metadata.dst_node_id}")
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self._pending[msg.metadata.message_id] = copy.deepcopy(msg)
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = []
+        for mid in message_ids:
+            msg = self._pending.pop(mid)
+            context = self.contexts[msg.metadata.dst_node_id]
+            try:
+                reply = self.client_app(msg, context)
+            except Exception as exc:  # the client failed: Flower reports this as an error reply
+                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+                log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+            replies.append(copy.deepcopy(reply))
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(list(self.push_messages(messages)))
+
+
+def _set_server_identity(run_id: int) -> None:
+    # Flower's runtimes set the identity of the process running the ServerApp; Message() reads it.
+    TaskIdentity.task_id = 1
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+
+
+def run_inprocess(plan_path: str, recorder: Recorder | None = None, client_app_: ClientApp | None = None) -> dict:
+    """Run the experiment's ServerApp and ClientApps in this process; returns {arrays, history}."""
+    plan = _load_plan(plan_path)
+    names = client_training.client_names(plan)
+    grid = InProcessGrid(client_app_ or client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    _set_server_identity(grid.run.run_id)
+    result: dict = {}
+    app = make_server_app(plan_path, recorder, result)
+    app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
+                                   state=RecordDict(), run_config={"plan": plan_path}))
+    result["contexts"] = grid.contexts
+    return result
+
+
+def run_ray(plan_path: str, recorder: Recorder | None = None) -> dict:
+    """Run the same apps in Flower's simulation runtime on Ray (one virtual SuperNode per client)."""
+    from flwr.simulation import run_simulation
+
+    plan = _load_plan(plan_path)
+    names = client_training.client_names(plan)
+    result: dict = {}
+    backend_config = {"client_resources": {"num_cpus": plan.train.ray_cpus_per_client,
+                                           "num_gpus": plan.train.ray_gpus_per_client}}
+    _set_server_identity(1)
+    run_simulation(server_app=make_server_app(plan_path, recorder, result), client_app=client_app,
+                   num_supernodes=len(names), backend_config=backend_config)
+    if "history" not in result:
+        raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
+    return result
+
+
+def run_federated(plan_path: str, recorder: Recorder | None = None) -> dict:
+    plan = _load_plan(plan_path)
+    if plan.train.engine == "ray":
+        return run_ray(plan_path, recorder)
+    return run_inprocess(plan_path, recorder)

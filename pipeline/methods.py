@@ -1,0 +1,73 @@
+"""The methods compared (METHOD.md sections 6 and 7), selectable by name.
+
+A method fixes: whether training is federated, which adapter sets a client uses, the KD mode of the local loss,
+whether the server's average overwrites the client's adapter, the server algorithm, and whether a new client
+joins late. Table V (section 7.7) compares *server algorithms*, so `fedprox`, `fedopt` and `fednova` train
+like AdaFedAvg (one adapter set, CE) with the other server algorithm **(our default)**; `fedselectkd` is the
+row they are compared against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KD_MODES = ("ce", "kd", "selective", "hard")
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str
+    # False: `single` (each client alone) and `centralized` (all clients' data pooled) - same trainer, no server.
+    federated: bool
+    # Loss on the local path: ce | kd (every token) | selective (H(q_g) < tau) | hard (target nouns and verbs).
+    kd_mode: str
+    # True when the client keeps a global (teacher) adapter next to its local one.
+    two_adapters: bool
+    # AdaFedAvg: the server average overwrites the client adapter at the start of every round.
+    local_from_global: bool = False
+    # Server algorithm (strategies.build_strategy) for federated methods.
+    strategy: str | None = None
+    # Centralized: pool every client's train data into one training set.
+    pooled: bool = False
+    # New-client study: "post" = the new client joins at train.join_round, "pre" = from round 1.
+    new_client: str | None = None
+    # FedProx: the client adds mu/2 ||W - W_global||^2.
+    proximal: bool = False
+
+    @property
+    def uses_tau(self) -> bool:
+        """Only selective KD reads the entropy threshold: plans of other methods leave tau out."""
+        return self.kd_mode == "selective"
+
+    @property
+    def uses_postags(self) -> bool:
+        return self.kd_mode == "hard"
+
+
+METHODS: dict[str, MethodSpec] = {
+    m.name: m
+    for m in [
+        MethodSpec("single", federated=False, kd_mode="ce", two_adapters=False),
+        MethodSpec("centralized", federated=False, kd_mode="ce", two_adapters=False, pooled=True),
+        MethodSpec("fedavg", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
+                   strategy="fedavg"),
+        MethodSpec("fedkd", federated=True, kd_mode="kd", two_adapters=True, strategy="fedavg"),
+        MethodSpec("fedselectkd", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg"),
+        MethodSpec("fedprox", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
+                   strategy="fedprox", proximal=True),
+        MethodSpec("fedopt", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
+                   strategy="fedopt"),
+        MethodSpec("fednova", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
+                   strategy="fednova"),
+        MethodSpec("hardkd", federated=True, kd_mode="hard", two_adapters=True, strategy="fedavg"),
+        MethodSpec("post_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg",
+                   new_client="post"),
+        MethodSpec("pre_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg",
+                   new_client="pre"),
+    ]
+}
+
+
+def get_method(name: str) -> MethodSpec:
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; expected one of {sorted(METHODS)}")
+    return METHODS[name]

@@ -1,0 +1,260 @@
+"""Stage `plan`: one resolved configuration per experiment, `models/plans/<experiment>.json`.
+
+Each experiment of params.yaml `experiments` (``{method, partition: "<scheme>/seed<k>", seed, study, ...}``,
+optionally with `tau` or any `train` key as an override) becomes a JSON file holding exactly what its result
+depends on. The train stages depend on their plan file, not on params, so a change reruns only the experiments
+it affects: tau is written only for methods that read it (selective KD) - `dvc exp run -S tau=4` reruns the
+selective-KD experiments and nothing else; KD, proximal and server-optimiser settings likewise appear only in
+plans of methods that use them. The POS-tag file's hash enters only the `hardkd` plans.
+
+    python -m pipeline.plan [--params params.yaml] [--out models/plans]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import from_dict, load_params, to_dict
+from pipeline.methods import MethodSpec, get_method
+from pipeline.strategies import FedOptConfig
+
+PLANS_DIR = Path("models/plans")
+EXAMPLES = "data/processed/examples.parquet"
+BACKBONE = "models/backbone"
+POSTAGS = "data/processed/postags.parquet"
+RESERVED_NAMES = {"plans", "backbone"}
+
+
+@dataclass
+class TrainConfig:
+    """params.yaml `train` (the comments on each default live in params.yaml)."""
+
+    rounds: int = 3
+    local_epochs: int = 1
+    batch_size: int = 4
+    grad_accum_steps: int = 1
+    lr: float = 2.0e-4
+    weight_decay: float = 0.01
+    kd_lambda: float = 0.2
+    kd_temperature: float = 1.0
+    kd_direction: str = "teacher_to_student"
+    entropy_log_base: str = "e"
+    loss_normalisation: str = "tokens"
+    local_adapter: str = "keep"
+    fraction_train: float = 1.0
+    proximal_mu: float = 0.01
+    fedopt: FedOptConfig = field(default_factory=FedOptConfig)
+    new_client: str = "SAMSum"
+    join_round: int = 2
+    max_train_examples_per_client: int | None = None
+    max_valid_examples_per_client: int | None = None
+    prefix_cache: bool = True
+    engine: str = "inprocess"
+    ray_cpus_per_client: float = 1.0
+    ray_gpus_per_client: float = 0.0
+    round_timeout_s: float = 86400.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fedopt, dict):
+            self.fedopt = from_dict(FedOptConfig, self.fedopt, "train.fedopt")
+        checks = [
+            (self.rounds >= 1, "rounds must be >= 1"),
+            (self.local_epochs >= 1, "local_epochs must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.grad_accum_steps >= 1, "grad_accum_steps must be >= 1"),
+            (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
+            (0.0 <= self.kd_lambda <= 1.0, "kd_lambda must be in [0, 1]"),
+            (self.local_adapter in ("keep", "reset"), "local_adapter must be 'keep' or 'reset'"),
+            (self.engine in ("inprocess", "ray"), "engine must be 'inprocess' or 'ray'"),
+            (self.join_round >= 1, "join_round must be >= 1"),
+        ]
+        for ok, problem in checks:
+            if not ok:
+                raise ValueError(f"params.yaml train: {problem}")
+
+
+# Train keys that only matter for some methods: left out of other methods' plans so changing them does not
+# rerun experiments whose result cannot change.
+_KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
+_FEDERATED_KEYS = ("local_adapter", "fraction_train", "engine", "ray_cpus_per_client", "ray_gpus_per_client",
+                   "round_timeout_s")
+
+
+def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
+    out = to_dict(train)
+    drop: set[str] = set()
+    if method.kd_mode == "ce":
+        drop.update(_KD_KEYS)
+    if method.kd_mode != "selective":
+        drop.add("entropy_log_base")
+    if not method.proximal:
+        drop.add("proximal_mu")
+    if method.strategy != "fedopt":
+        drop.add("fedopt")
+    if method.new_client is None:
+        drop.add("new_client")
+    if method.new_client != "post":
+        drop.add("join_round")
+    if not method.federated:
+        drop.update(_FEDERATED_KEYS)
+    if method.local_from_global:
+        drop.add("local_adapter")  # the server average overwrites the adapter whatever this says
+    return {k: v for k, v in out.items() if k not in drop}
+
+
+@dataclass
+class ExperimentEntry:
+    method: str
+    partition: str  # "<scheme>/seed<k>"
+    seed: int = 0
+    study: str = "main"
+    tau: float | None = None
+    train: dict[str, Any] = field(default_factory=dict)  # overrides of params.yaml `train`
+
+
+def parse_entry(name: str, raw: dict[str, Any], train_fields: set[str]) -> ExperimentEntry:
+    """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
+    base = {k: raw[k] for k in ("method", "partition", "seed", "study", "tau") if k in raw}
+    overrides = {k: v for k, v in raw.items() if k not in base}
+    unknown = sorted(set(overrides) - train_fields)
+    if unknown:
+        raise ValueError(
+            f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
+            f"tau and the train keys {sorted(train_fields)}"
+        )
+    for key in ("method", "partition"):
+        if key not in base:
+            raise ValueError(f"params.yaml experiments.{name}: missing required key {key!r}")
+    if "/seed" not in str(base["partition"]):
+        raise ValueError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
+                         f"got {base['partition']!r}")
+    return ExperimentEntry(**base, train=overrides)
+
+
+def _file_md5(path: Path) -> str:
+    h = hashlib.md5()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_plan(name: str, entry: ExperimentEntry, params: dict[str, Any]) -> dict[str, Any]:
+    """The resolved configuration of one experiment (what its train stage reads)."""
+    method = get_method(entry.method)
+    train = from_dict(TrainConfig, {**(params.get("train") or {}), **entry.train}, f"experiments.{name} train")
+    plan: dict[str, Any] = {
+        "experiment": name,
+        "study": entry.study,
+        "method": method.name,
+        "partition": entry.partition,
+        "seed": int(entry.seed),
+        "train": _relevant_train(train, method),
+        "model": params.get("model") or {},
+        "paths": {
+            "examples": EXAMPLES,
+            "partition": f"data/partitions/{entry.partition}.json",
+            "backbone": BACKBONE,
+            "out_dir": f"models/{name}",
+            "reports_dir": f"reports/train/{name}",
+        },
+    }
+    if method.uses_tau:
+        plan["tau"] = float(entry.tau if entry.tau is not None else params["tau"])
+    elif entry.tau is not None:
+        raise ValueError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+    if method.uses_postags:
+        plan["paths"]["postags"] = POSTAGS
+        # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
+        if Path(POSTAGS).exists():
+            plan["postags_md5"] = _file_md5(Path(POSTAGS))
+    return plan
+
+
+@dataclass
+class Plan:
+    """A plan file as the train stage reads it."""
+
+    experiment: str
+    study: str
+    method: str
+    partition: str
+    seed: int
+    train: TrainConfig
+    model: dict[str, Any]
+    paths: dict[str, str]
+    tau: float | None = None
+    postags_md5: str | None = None
+    source: str = ""  # the plan file it was read from
+
+    @property
+    def spec(self) -> MethodSpec:
+        return get_method(self.method)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        return d
+
+
+def plan_hash(plan: Plan) -> str:
+    """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it."""
+    return hashlib.sha256(json.dumps(plan.to_json_dict(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def read_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: plan file not found (run `python -m pipeline.plan` first)")
+    raw = json.loads(p.read_text())
+    train = from_dict(TrainConfig, raw.pop("train", {}), f"{p}: train")
+    try:
+        plan = Plan(train=train, source=str(p), **raw)
+    except TypeError as exc:
+        raise ValueError(f"{p}: not a plan file ({exc})") from None
+    get_method(plan.method)
+    return plan
+
+
+def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
+    experiments = params.get("experiments") or {}
+    if not isinstance(experiments, dict):
+        raise ValueError("params.yaml experiments: expected a mapping of experiment name -> entry")
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, raw in experiments.items():
+        if not name or "/" in name or name in RESERVED_NAMES:
+            raise ValueError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+                             f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
+        plan = resolve_plan(name, parse_entry(name, raw, train_fields), params)
+        path = out_dir / f"{name}.json"
+        text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
+        # Rewrite only on change: the file is what downstream stages hash.
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        written.append(path)
+    # A plan whose experiment left params.yaml is stale: remove it so nothing trains from it.
+    for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
+        stale.unlink()
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--out", default=str(PLANS_DIR))
+    args = ap.parse_args(argv)
+    written = write_plans(load_params(args.params), Path(args.out))
+    print(f"plan: wrote {len(written)} plan(s) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""Stage `train`: one experiment (a DVC `foreach` over params.yaml `experiments`) from its plan file.
+
+    python -m pipeline.train --experiment fedselectkd-domain
+
+Federated methods run Flower's ServerApp/ClientApp (pipeline.federated; in-process engine by default, Ray with
+``train.engine: ray``); `single` (each client alone) and `centralized` (all clients' train data pooled) run the
+same local trainer without a server. Every round each client's validation loss picks its best adapter.
+
+Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors``, ``gate_log.parquet``
+(client, round, example_id, position, token_id, entropy, kd_applied; empty for CE-only methods),
+``rounds.json`` (one row per round and client), ``metrics.json``, ``experiment.json`` (the plan).
+``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
+per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
+parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts. A killed run resumes
+after its last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from pipeline import client_training
+from pipeline.plan import PLANS_DIR, Plan, plan_hash, read_plan
+from pipeline.timing import peak_rss_mb, stage_timer
+
+log = logging.getLogger("fedmeet.train")
+
+ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down")
+
+
+# ----------------------------------------------------------------------------------------------- recording
+class TrainRecorder:
+    """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
+
+    def __init__(self, plan: Plan, logger=None):
+        self.plan = plan
+        self.logger = logger
+        self.round_seconds: list[float] = []
+        self.out_dir = Path(plan.paths["out_dir"])
+        self.reports_dir = Path(plan.paths["reports_dir"])
+        self._bar = None
+
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=plan.train.rounds, initial=start_round - 1, desc=f"{plan.experiment} rounds",
+                         unit="round")
+        log.info("%s (%s): clients %s, starting at round %d of %d", plan.experiment, plan.method, clients,
+                 start_round, plan.train.rounds)
+
+    def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:
+        self.round_seconds.append(entry.seconds)
+        write_rounds(plan, history)
+        if self.logger is not None:
+            metrics: dict[str, float] = {"round_seconds": entry.seconds}
+            for row in entry.rows:
+                for key in ROUND_FIELDS + ("failed",):
+                    if row.get(key) is not None:
+                        metrics[f"{row['client']}.{key}"] = float(row[key])
+            metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in entry.rows))
+            metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in entry.rows))
+            vals = [r["val_loss"] for r in entry.rows if r.get("val_loss") is not None]
+            if vals:
+                metrics["val_loss_mean"] = sum(vals) / len(vals)
+            self.logger.log_metrics(metrics, step=entry.round)
+        if self._bar is not None:
+            summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows if r.get("val_loss") is not None)
+            self._bar.set_postfix_str(f"val {summary}")
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
+    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "rounds.json").write_text(json.dumps(history, indent=1) + "\n")
+    wide: dict[int, dict[str, Any]] = {}
+    for row in history:
+        w = wide.setdefault(row["round"], {"round": row["round"]})
+        for key in ROUND_FIELDS:
+            if row.get(key) is not None:
+                w[f"{row['client']}/{key}"] = row[key]
+    for w in wide.values():
+        vals = [v for k, v in w.items() if k.endswith("/val_loss")]
+        w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
+    (reports_dir / "rounds.json").write_text(json.dumps([wide[r] for r in sorted(wide)], indent=1) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------- no server
+def _local_checkpoint_path(plan: Plan) -> Path:
+    return Path(plan.paths["out_dir"]) / "checkpoint" / "local.pt"
+
+
+def run_local(plan: Plan, recorder: TrainRecorder | None = None) -> dict[str, Any]:
+    """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on
+    every client): the same trainer and the same round structure (a round = ``local_epochs`` epochs)."""
+    from pipeline.federated import RoundLog
+
+    spec = plan.spec
+    names = client_training.client_names(plan)
+    datas = {n: client_training.client_data(plan, n) for n in names}
+    model = client_training.shared_model(plan)
+    cache = client_training.prefix_cache_for(plan, model)
+    if spec.pooled:
+        units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
+        unit_of = {n: "pooled" for n in names}
+    else:
+        units = {n: datas[n].train for n in names}
+        unit_of = {n: n for n in names}
+    for n in names:
+        if len(datas[n].valid) == 0:
+            raise ValueError(f"{plan.paths['partition']}: client {n!r} has no valid examples: no best round")
+
+    ckpt_path = _local_checkpoint_path(plan)
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if ckpt is not None and ckpt.get("plan_hash") == plan_hash(plan):
+        start, adapters, progress, history = ckpt["round"] + 1, ckpt["adapters"], ckpt["progress"], ckpt["history"]
+        log.info("%s: resuming after round %d", plan.experiment, start - 1)
+    else:
+        start, history = 1, []
+        initial = client_training.initial_adapter_state(plan)
+        adapters = {u: {k: v.clone() for k, v in initial.items()} for u in units}
+        progress = {n: {"best-val-loss": math.inf, "best-round": 0} for n in names}
+    if recorder:
+        recorder.started(plan, names, start)
+
+    for rnd in range(start, plan.train.rounds + 1):
+        t0 = time.perf_counter()
+        trained: dict[str, dict[str, Any]] = {}
+        for unit, train_df in units.items():
+            model.load_adapter_state("local", adapters[unit])
+            res = client_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache)
+            adapters[unit] = model.adapter_state("local")
+            trained[unit] = {"n_examples": res.n_examples, "n_steps": res.n_steps, "n_tokens": res.n_tokens,
+                             "train_loss": res.train_loss, "ce": res.ce, "kd": res.kd,
+                             "kd_fraction": res.kd_fraction}
+        rows = []
+        for n in names:
+            unit = unit_of[n]
+            model.load_adapter_state("local", adapters[unit])
+            val, val_tokens = client_training.validation_loss(model, plan, datas[n].valid, cache=cache)
+            out = Path(plan.paths["out_dir"]) / "clients" / n
+            meta = {"experiment": plan.experiment, "client": n, "round": str(rnd), "val_loss": f"{val:.6f}"}
+            if val < progress[n]["best-val-loss"]:
+                progress[n] = {"best-val-loss": val, "best-round": rnd}
+                client_training.save_adapter(out / "adapter_best.safetensors", adapters[unit], meta)
+            client_training.save_adapter(out / "adapter_final.safetensors", adapters[unit], meta)
+            rows.append({"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0,
+                         **trained[unit], "val_loss": val, "val_tokens": val_tokens,
+                         "best_round": progress[n]["best-round"]})
+        history.extend(rows)
+        ckpt_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"plan_hash": plan_hash(plan), "round": rnd, "adapters": adapters, "progress": progress,
+                    "history": history}, ckpt_path.with_suffix(".tmp"))
+        ckpt_path.with_suffix(".tmp").replace(ckpt_path)
+        if recorder:
+            recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
+    return {"history": history}
+
+
+# ----------------------------------------------------------------------------------------------- outputs
+def _has_valid_checkpoint(plan: Plan) -> bool:
+    out = Path(plan.paths["out_dir"]) / "checkpoint"
+    for name in ("server.pt", "local.pt"):
+        p = out / name
+        if p.exists():
+            try:
+                return torch.load(p, weights_only=False).get("plan_hash") == plan_hash(plan)
+            except Exception:  # unreadable (killed mid-write before the atomic rename cannot happen, but be safe)
+                return False
+    return False
+
+
+def merge_gate_logs(plan: Plan) -> Path:
+    """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet."""
+    out_dir = Path(plan.paths["out_dir"])
+    parts = []
+    for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet")):
+        if int(f.stem[len("round"):]) <= plan.train.rounds:
+            parts.append(pd.read_parquet(f))
+    df = pd.concat(parts, ignore_index=True) if parts else client_training.empty_gate_log()
+    path = out_dir / "gate_log.parquet"
+    df.to_parquet(path, index=False)
+    for d in out_dir.glob("clients/*/gate_log"):
+        shutil.rmtree(d)  # merged: the per-round parts were only needed to survive a restart
+    return path
+
+
+def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[float]) -> dict[str, Any]:
+    clients: dict[str, dict[str, Any]] = {}
+    for row in history:
+        c = clients.setdefault(row["client"], {"best_round": 0, "best_val_loss": None, "rounds_trained": 0,
+                                               "rounds_failed": 0, "bytes_sent": 0, "bytes_received": 0})
+        if row.get("val_loss") is not None and (c["best_val_loss"] is None or row["val_loss"] < c["best_val_loss"]):
+            c["best_val_loss"], c["best_round"] = row["val_loss"], row["round"]
+        if row.get("val_loss") is not None:
+            c["final_val_loss"] = row["val_loss"]
+        c["rounds_trained"] += int(row.get("sampled", 0) and not row.get("failed", 0))
+        c["rounds_failed"] += int(row.get("failed", 0))
+        c["bytes_sent"] += int(row.get("bytes_down", 0))  # server -> client
+        c["bytes_received"] += int(row.get("bytes_up", 0))  # client -> server
+        if row.get("n_examples") is not None:
+            c["n_train_examples"] = row["n_examples"]
+    for name, c in clients.items():
+        upto = [r for r in history if r["client"] == name and r["round"] <= c["best_round"] and r.get("n_tokens")]
+        tokens = sum(r["n_tokens"] for r in upto)
+        kd_tokens = sum(r["n_tokens"] * r.get("kd_fraction", 0.0) for r in upto)
+        c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else 0.0
+    vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
+    return {
+        "experiment": plan.experiment,
+        "method": plan.method,
+        "study": plan.study,
+        "partition": plan.partition,
+        "seed": plan.seed,
+        "rounds": plan.train.rounds,
+        "clients": clients,
+        "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
+        "bytes_sent": sum(c["bytes_sent"] for c in clients.values()),
+        "bytes_received": sum(c["bytes_received"] for c in clients.values()),
+        "seconds_per_round": sum(round_seconds) / len(round_seconds) if round_seconds else None,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def _backbone_name(plan: Plan) -> str:
+    record = Path(plan.paths["backbone"]) / "fedmeet_backbone.json"
+    if record.exists():
+        try:
+            return str(json.loads(record.read_text()).get("name", plan.paths["backbone"]))
+        except json.JSONDecodeError:
+            pass
+    return str(plan.paths["backbone"])
+
+
+def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, Any]:
+    """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics."""
+    plan_path = str(plan_path)
+    plan = read_plan(plan_path)
+    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
+    if out_dir.exists() and not _has_valid_checkpoint(plan):
+        shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "experiment.json").write_text(json.dumps(plan.to_json_dict(), indent=2, sort_keys=True) + "\n")
+
+    logger = None
+    if track:
+        from pipeline.tracking import RunLogger
+
+        run_id_file = out_dir / "checkpoint" / "mlflow_run_id"
+        tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
+                "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
+                "engine": plan.train.engine if plan.spec.federated else "none"}
+        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags,
+                                 resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
+        run_id_file.parent.mkdir(parents=True, exist_ok=True)
+        run_id_file.write_text(logger.run_id)
+
+    recorder = TrainRecorder(plan, logger)
+    try:
+        if plan.spec.federated:
+            from pipeline.federated import run_federated
+
+            result = run_federated(plan_path, recorder)
+        else:
+            result = run_local(plan, recorder)
+    except BaseException:
+        recorder.close()
+        if logger is not None:
+            logger.finish("KILLED")  # resumable: the rerun reopens this run
+        raise
+    recorder.close()
+
+    history = result["history"]
+    write_rounds(plan, history)
+    merge_gate_logs(plan)
+    metrics = summarize(plan, history, recorder.round_seconds)
+    text = json.dumps(metrics, indent=2) + "\n"
+    (reports_dir / "metrics.json").write_text(text)
+    (out_dir / "metrics.json").write_text(text)
+    if logger is not None:
+        logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
+                            if v["best_val_loss"] is not None} | {
+            "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
+            "peak_rss_mb": metrics["peak_rss_mb"]}, step=plan.train.rounds)
+        # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
+        for client_dir in sorted((out_dir / "clients").iterdir()):
+            for f in sorted(client_dir.glob("adapter_*.safetensors")):
+                logger.log_artifact(f, f"adapters/{client_dir.name}")
+        for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
+            logger.log_artifact(f)
+        logger.finish("FINISHED")
+    shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experiment", required=True, help="a key of params.yaml `experiments`")
+    ap.add_argument("--plans", default=str(PLANS_DIR), help="directory of the plan files (stage `plan`)")
+    ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    with stage_timer(f"train-{args.experiment}"):
+        metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+    print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in metrics["clients"].items()}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""Federated training: Flower apps, strategies, engines, resume, failures, determinism, MLflow.
+
+Everything runs on a tiny BART (tests/tiny_models.py) in a temporary workspace laid out like the repo
+(data/processed/examples.parquet, data/partitions/<scheme>/seed0.json, models/backbone, models/plans).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tests.tiny_models import save_tiny
+
+WORDS = [
+    "the team discussed the remote control design",
+    "the committee talked about the budget for schools",
+    "the professor explained the recognition results",
+    "people want a remote that is easy to use",
+    "the meeting ended with a plan for the next steps",
+]
+DOMAINS = ["Academic", "Committee", "Product"]
+N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5, "SAMSum": 4}  # unequal, so weighting matters
+
+MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
+         "cache_dir": "data/cache/prefix", "cache_max_gb": 0.05, "teacher_cache_gb": 0.01}
+TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "join_round": 2, "new_client": "SAMSum",
+         "fedopt": {"server_optimizer": "adam", "server_lr": 0.01}}
+
+
+def _examples() -> tuple[pd.DataFrame, dict, dict]:
+    rows, domain_clients, extreme_clients = [], {}, {}
+    for ci, dom in enumerate(DOMAINS + ["SAMSum"]):
+        splits = {"train": [], "valid": [], "test": []}
+        for split, n in (("train", N_TRAIN[dom]), ("valid", 2), ("test", 1)):
+            for i in range(n):
+                eid = f"{dom.lower()}/{split}/m{i}"
+                src = f"What was said? #SEP# A: {WORDS[(i + ci) % 5]}. B: {WORDS[(i + 2 * ci + 1) % 5]}."
+                rows.append({"example_id": eid, "dataset": "qmsum" if dom != "SAMSum" else "samsum",
+                             "domain": dom, "split": split, "source": src, "target": WORDS[(i + ci) % 5] + "."})
+                splits[split].append(eid)
+        extreme_clients[dom] = splits
+        if dom != "SAMSum":
+            domain_clients[dom] = splits
+    return pd.DataFrame(rows), domain_clients, extreme_clients
+
+
+def _write_partition(root: Path, scheme: str, clients: dict) -> None:
+    p = root / "data" / "partitions" / scheme / "seed0.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"scheme": scheme, "seed": 0, "params": {}, "clients": clients,
+                             "excluded": {"count": 0, "by_reason": {}, "example_ids": []}}))
+
+
+def _write_postags(root: Path, examples: pd.DataFrame) -> None:
+    """Synthetic POS tags aligned with the tokenised targets: every other target token is a 'noun or verb'."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from pipeline.data import IGNORE_INDEX, make_batches
+    from pipeline.model import ModelConfig
+
+    tok = AutoTokenizer.from_pretrained(root / "models" / "backbone")
+    start = AutoConfig.from_pretrained(root / "models" / "backbone").decoder_start_token_id
+    batches = make_batches(examples, tok, ModelConfig(**{k: MODEL[k] for k in ("top_k", "bottleneck",
+                           "max_source_length", "max_target_length")}), 1, False, 0, start, tok.pad_token_id)
+    rows = []
+    for b in batches:
+        labels = [int(t) for t in b.labels[0] if int(t) != IGNORE_INDEX]
+        for pos, tid in enumerate(labels):
+            rows.append({"example_id": b.example_ids[0], "position": pos, "token_id": tid, "word_index": pos,
+                         "pos": "NOUN" if pos % 2 == 0 else "DET", "is_noun_or_verb": pos % 2 == 0})
+    pd.DataFrame(rows).to_parquet(root / "data" / "processed" / "postags.parquet", index=False)
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """A repo-like working directory; the tests chdir into it (stages run from the project root)."""
+    # One intra-op thread: on a shared 2-core box torch's thread pool oversubscribes and every tiny op waits
+    # a scheduler quantum (5x slower suite).
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("fedws")
+    save_tiny("bart", root / "models" / "backbone")
+    examples, domain_clients, extreme_clients = _examples()
+    (root / "data" / "processed").mkdir(parents=True)
+    examples.to_parquet(root / "data" / "processed" / "examples.parquet", index=False)
+    _write_partition(root, "domain", domain_clients)
+    _write_partition(root, "extreme", extreme_clients)
+    _write_postags(root, examples)
+    return root
+
+
+@pytest.fixture
+def ws(workspace, monkeypatch):
+    monkeypatch.chdir(workspace)
+    monkeypatch.setenv("FEDMEET_ROOT", str(workspace))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+    return workspace
+
+
+def write_plan(name: str, method: str, partition: str = "domain/seed0", tau: float | None = None,
+               **train) -> str:
+    from pipeline.plan import ExperimentEntry, resolve_plan
+
+    params = {"tau": 5.0, "model": MODEL, "train": {**TRAIN, **train}}
+    entry = ExperimentEntry(method=method, partition=partition, seed=0, study="tests", tau=tau, train={})
+    plan = resolve_plan(name, entry, params)
+    path = Path("models/plans") / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(plan, indent=2, sort_keys=True))
+    return str(path)
+
+
+def _final_adapters(name: str) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return {d.name: load_file(d / "adapter_final.safetensors") for d in sorted(Path(f"models/{name}/clients").iterdir())}
+
+
+# ------------------------------------------------------------------------------------------ strategies
+def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
+    from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+
+    from pipeline.federated import _set_server_identity
+
+    _set_server_identity(1)
+    ins = Message(RecordDict(), dst_node_id=7, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "m"
+    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+                          "metrics": MetricRecord(metrics)})
+    return Message(content, reply_to=ins)
+
+
+def test_fedavg_aggregate_is_the_example_weighted_mean():
+    from pipeline.strategies import FedOptConfig, build_strategy
+
+    strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+                              client_lr=1e-3)
+    a = _reply({"w": np.array([1.0, 2.0], dtype=np.float32)}, {"num-examples": 1, "num-steps": 1})
+    b = _reply({"w": np.array([4.0, 8.0], dtype=np.float32)}, {"num-examples": 3, "num-steps": 1})
+    arrays, _ = strategy.aggregate_train(1, [a, b])
+    # (1 * [1, 2] + 3 * [4, 8]) / 4
+    np.testing.assert_allclose(arrays["w"].numpy(), [3.25, 6.5], rtol=1e-6)
+
+
+def test_fednova_normalises_updates_by_local_steps():
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    from pipeline.federated import InProcessGrid, client_app
+    from pipeline.strategies import FedOptConfig, build_strategy
+
+    strategy = build_strategy("fednova", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+                              client_lr=1e-3)
+    grid = InProcessGrid(client_app, [{"client-name": "x"}, {"client-name": "y"}])
+    list(strategy.configure_train(1, ArrayRecord({"w": Array(np.array([0.0], dtype=np.float32))}), ConfigRecord(),
+                                  grid))
+    a = _reply({"w": np.array([1.0], dtype=np.float32)}, {"num-examples": 1, "num-steps": 1})
+    b = _reply({"w": np.array([8.0], dtype=np.float32)}, {"num-examples": 3, "num-steps": 4})
+    arrays, _ = strategy.aggregate_train(1, [a, b])
+    # p = (1/4, 3/4); d = 1/4 * (0-1)/1 + 3/4 * (0-8)/4 = -1.75; tau_eff = 1/4 + 3 = 3.25; W = 0 + 3.25 * 1.75
+    np.testing.assert_allclose(arrays["w"].numpy(), [5.6875], rtol=1e-6)
+    # FedAvg would give 6.25: FedNova is not FedAvg when step counts differ
+    assert abs(float(arrays["w"].numpy()[0]) - 6.25) > 0.1
+
+
+# ------------------------------------------------------------------------------------------ client reply
+def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from pipeline import client_training
+    from pipeline.federated import TRAIN_METRIC_KEYS, _set_server_identity, client_app
+    from pipeline.plan import read_plan
+
+    path = write_plan("reply-check", "fedselectkd")
+    plan = read_plan(path)
+    _set_server_identity(1)
+    initial = client_training.initial_adapter_state(plan)
+    msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
+                              "config": ConfigRecord({"server-round": 1, "plan": path})}),
+                  dst_node_id=1000, message_type="train")
+    msg.metadata.__dict__["_message_id"] = "x"
+    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
+                      run_config={})
+    reply = client_app(msg, context)
+    content = reply.content
+    assert set(content.keys()) == {"arrays", "metrics"}
+    assert not content.config_records  # no strings of any kind travel back
+    arrays = content["arrays"]
+    # exactly the adapter's tensors, with the adapter's shapes: no token ids, no text
+    assert set(arrays.keys()) == set(initial.keys())
+    for k, a in arrays.items():
+        assert tuple(a.shape) == tuple(initial[k].shape)
+    metrics = content["metrics"]
+    assert set(metrics.keys()) == set(TRAIN_METRIC_KEYS)
+    assert all(isinstance(v, (int, float)) for v in metrics.values())
+    assert metrics["num-examples"] == N_TRAIN["Committee"]
+    # it trained: the local adapter moved away from the initial weights
+    assert any(not np.allclose(arrays[k].numpy(), initial[k].numpy()) for k in initial)
+    # the gate log stayed on the client's disk
+    gate = pd.read_parquet(Path(plan.paths["out_dir"]) / "clients" / "Committee" / "gate_log" / "round001.parquet")
+    assert list(gate.columns) == client_training.GATE_LOG_COLUMNS
+    assert gate["client"].eq("Committee").all() and len(gate) == metrics["num-tokens"]
+
+
+# ------------------------------------------------------------------------------------------ every method
+METHOD_CASES = [
+    ("single", "domain/seed0"), ("centralized", "domain/seed0"), ("fedavg", "domain/seed0"),
+    ("fedkd", "domain/seed0"), ("fedselectkd", "domain/seed0"), ("fedprox", "domain/seed0"),
+    ("fedopt", "domain/seed0"), ("fednova", "domain/seed0"), ("hardkd", "domain/seed0"),
+    ("post_addition", "extreme/seed0"), ("pre_addition", "extreme/seed0"),
+]
+
+
+@pytest.mark.parametrize("method,partition", METHOD_CASES)
+def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
+    import mlflow
+
+    from pipeline.train import run_experiment
+
+    name = f"m-{method}"
+    metrics = run_experiment(write_plan(name, method, partition))
+    clients = sorted(json.loads(Path(f"data/partitions/{partition}.json").read_text())["clients"])
+    assert sorted(metrics["clients"]) == clients
+    assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text()) == json.loads(
+        json.dumps(metrics))
+    history = json.loads(Path(f"models/{name}/rounds.json").read_text())
+    for c in clients:
+        assert Path(f"models/{name}/clients/{c}/adapter_best.safetensors").exists()
+        assert metrics["clients"][c]["best_val_loss"] is not None
+    if method == "post_addition":  # SAMSum is absent in round 1, present in round 2
+        assert {r["client"] for r in history if r["round"] == 1} == set(DOMAINS)
+        assert {r["client"] for r in history if r["round"] == 2} == set(clients)
+    federated = method not in ("single", "centralized")
+    assert (metrics["bytes_received"] > 0) == federated
+    gate = pd.read_parquet(f"models/{name}/gate_log.parquet")
+    if method in ("fedkd", "fedselectkd", "hardkd", "post_addition", "pre_addition"):
+        assert len(gate) > 0
+        if method == "fedkd":
+            assert gate["kd_applied"].all()
+        if method == "hardkd":  # KD exactly on the tagged tokens (every other position)
+            assert (gate["kd_applied"] == (gate["position"] % 2 == 0)).all()
+    else:
+        assert len(gate) == 0
+    assert not Path(f"models/{name}/checkpoint").exists()
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    runs = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'")
+    assert len(runs) == 1
+    run = runs.iloc[0]
+    assert run["status"] == "FINISHED"
+    assert run["tags.method"] == method and run["tags.partition"] == partition and run["tags.seed"] == "0"
+    assert run["params.train.rounds"] == "2"
+    assert ("params.tau" in runs.columns and run["params.tau"] == "5.0") == (
+        method in ("fedselectkd", "post_addition", "pre_addition"))
+    for c in clients:
+        assert not np.isnan(run[f"metrics.{c}.val_loss"])
+    if federated:
+        assert run["metrics.bytes_received"] > 0
+
+
+def test_client_sampling_picks_two_of_three_each_round(ws):
+    from pipeline.train import run_experiment
+
+    run_experiment(write_plan("sampling", "fedavg", fraction_train=0.67), track=False)
+    history = json.loads(Path("models/sampling/rounds.json").read_text())
+    for rnd in (1, 2):
+        rows = [r for r in history if r["round"] == rnd]
+        assert sum(r["sampled"] for r in rows) == 2
+        assert all("val_loss" in r for r in rows)  # every client still evaluates
+        # a client not sampled sends nothing and receives only the evaluation copy of the average
+        for r in rows:
+            assert (r["bytes_up"] > 0) == bool(r["sampled"])
+
+
+# ------------------------------------------------------------------------------------------ determinism, resume
+def test_same_seed_gives_identical_adapters(ws):
+    from pipeline.train import run_experiment
+
+    run_experiment(write_plan("det-a", "fedselectkd"), track=False)
+    run_experiment(write_plan("det-b", "fedselectkd"), track=False)
+    a, b = _final_adapters("det-a"), _final_adapters("det-b")
+    assert a.keys() == b.keys()
+    for client in a:
+        for k in a[client]:
+            assert torch.equal(a[client][k], b[client][k]), (client, k)
+
+
+def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
+    from pipeline import client_training, federated
+    from pipeline.train import run_experiment
+
+    path = write_plan("resume", "fedselectkd")
+    real_save = federated.save_server_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(plan, rnd, *args, **kwargs):
+        real_save(plan, rnd, *args, **kwargs)
+        if rnd == 1:
+            raise Killed("simulated kill after round 1")
+
+    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run_experiment(path, track=False)
+    assert torch.load("models/resume/checkpoint/server.pt", weights_only=False)["round"] == 1
+    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
+
+    trained_rounds = []
+    real_train = client_training.train_local
+
+    def counting(*args, **kwargs):
+        trained_rounds.append(kwargs["rnd"])
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(client_training, "train_local", counting)
+    run_experiment(path, track=False)
+    assert trained_rounds == [2, 2, 2]  # round 1 was not redone
+    history = json.loads(Path("models/resume/rounds.json").read_text())
+    assert sorted({r["round"] for r in history}) == [1, 2]
+    # and the result is the uninterrupted run's, bit for bit (same seed: see det-a)
+    if not Path("models/det-a").exists():
+        run_experiment(write_plan("det-a", "fedselectkd"), track=False)
+    a, b = _final_adapters("det-a"), _final_adapters("resume")
+    for client in a:
+        for k in a[client]:
+            assert torch.equal(a[client][k], b[client][k]), (client, k)
+
+
+def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
+    from pipeline import client_training, federated
+    from pipeline.train import run_experiment
+
+    real_train = client_training.train_local
+    aggregated_weights = []
+
+    def flaky(*args, **kwargs):
+        if kwargs["client"] == "Committee" and kwargs["rnd"] == 1:
+            raise RuntimeError("disk full on the Committee client")
+        return real_train(*args, **kwargs)
+
+    monkeypatch.setattr(client_training, "train_local", flaky)
+    real_aggregate = federated.run_server.__globals__["build_strategy"]
+
+    def spying_strategy(*args, **kwargs):
+        strategy = real_aggregate(*args, **kwargs)
+        inner = strategy.aggregate_train
+
+        def aggregate(rnd, replies):
+            replies = list(replies)
+            aggregated_weights.append(sorted(int(r.content["metrics"]["num-examples"])
+                                             for r in replies if not r.has_error()))
+            return inner(rnd, replies)
+
+        strategy.aggregate_train = aggregate
+        return strategy
+
+    monkeypatch.setattr(federated, "build_strategy", spying_strategy)
+    metrics = run_experiment(write_plan("flaky", "fedavg"), track=False)
+    history = json.loads(Path("models/flaky/rounds.json").read_text())
+    committee = {r["round"]: r for r in history if r["client"] == "Committee"}
+    assert committee[1]["failed"] == 1 and committee[2]["failed"] == 0
+    # round 1 averaged Academic (4) and Product (5) only; round 2 all three
+    assert aggregated_weights == [[4, 5], [4, 5, 6]]
+    assert metrics["clients"]["Committee"]["rounds_failed"] == 1
