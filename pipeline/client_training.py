@@ -13,6 +13,7 @@ files (safetensors).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import zlib
 from dataclasses import dataclass, field
@@ -132,11 +133,17 @@ def model_config(plan: Plan) -> ModelConfig:
     return from_dict(ModelConfig, plan.model, f"{plan.source}: model")
 
 
+def _model_key(plan: Plan) -> tuple:
+    """What the shared model depends on: the backbone and the whole adapter configuration (init std included:
+    ``fresh_adapter_state`` draws with the model's own adapter config)."""
+    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(model_config(plan).adapter_config()))
+
+
 def shared_model(plan: Plan) -> AdapterSummarizer:
     """One frozen backbone per process (clients of the in-process engine take turns on it; each message loads
     the client's adapter states first, so nothing carries over between clients)."""
     mcfg = model_config(plan)
-    key = (str(Path(plan.paths["backbone"]).resolve()), mcfg.top_k, mcfg.bottleneck, mcfg.adapter_bias)
+    key = _model_key(plan)
     if key not in _MODELS:
         backbone = Path(plan.paths["backbone"])
         if not backbone.exists():
@@ -147,17 +154,12 @@ def shared_model(plan: Plan) -> AdapterSummarizer:
 
 
 def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
-    """Round-0 adapter weights, a function of the experiment seed only (fresh, seeded AdapterSet init)."""
-    from pipeline.adapters import AdapterSet, output_layer_norm
-
+    """Round-0 adapter weights, a function of the experiment seed only (a fresh AdapterSet drawn from its own
+    seeded generator, so whatever ran before in the process does not matter)."""
     model = shared_model(plan)
-    mcfg = model_config(plan)
-    key = (plan.paths["backbone"], mcfg.top_k, mcfg.bottleneck, mcfg.adapter_bias, mcfg.adapter_init_std, plan.seed)
+    key = (_model_key(plan), plan.seed)
     if key not in _INITIAL_STATES:
-        torch.manual_seed(derived_seed(plan.seed, "adapter-init"))
-        # model._top_layers: the adapted decoder layers, whose output LayerNorms seed the adapters' LayerNorms.
-        norms = [output_layer_norm(layer) for layer in model._top_layers]
-        _INITIAL_STATES[key] = AdapterSet(model.hidden_size, mcfg.adapter_config(), norms).state()
+        _INITIAL_STATES[key] = model.fresh_adapter_state(derived_seed(plan.seed, "adapter-init"))
     return {k: v.clone() for k, v in _INITIAL_STATES[key].items()}
 
 
@@ -188,38 +190,19 @@ def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------- hard KD mask
 @lru_cache(maxsize=2)
-def _read_postags(path: str, mtime: float) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    df = pd.read_parquet(path, columns=["example_id", "position", "token_id", "is_noun_or_verb"])
-    out = {}
-    for eid, g in df.sort_values(["example_id", "position"]).groupby("example_id", sort=False):
-        n = int(g["position"].max()) + 1
-        token_ids = np.full(n, -1, dtype=np.int64)
-        mask = np.zeros(n, dtype=bool)
-        token_ids[g["position"].to_numpy()] = g["token_id"].to_numpy()
-        mask[g["position"].to_numpy()] = g["is_noun_or_verb"].to_numpy().astype(bool)
-        out[str(eid)] = (token_ids, mask)
-    return out
+def _noun_verb_masks(path: str, mtime: float):
+    from pipeline.postag import NounVerbMasks
+
+    return NounVerbMasks.from_parquet(path)
 
 
-def hard_kd_mask(postags_path: str | Path, batch: Batch) -> torch.Tensor:
-    """[B, T] bool: target token t of example b belongs to a noun or a verb (stage `postag`)."""
+def noun_verb_masks(postags_path: str | Path):
+    """The hard-KD masks of stage `postag` (pipeline.postag.NounVerbMasks), read once per process and file
+    version, not per batch."""
     p = Path(postags_path)
     if not p.exists():
         raise FileNotFoundError(f"{p}: POS tags not found (stage `postag`); method hardkd needs them")
-    tags = _read_postags(str(p.resolve()), p.stat().st_mtime)
-    labels = batch.labels.cpu().numpy()
-    mask = np.zeros(labels.shape, dtype=bool)
-    for b, eid in enumerate(batch.example_ids):
-        if eid not in tags:
-            raise DataError(f"{p}: no POS tags for example {eid!r}")
-        token_ids, is_nv = tags[eid]
-        valid = labels[b] != IGNORE_INDEX
-        n = int(valid.sum())
-        if n > len(token_ids) or not np.array_equal(token_ids[:n], labels[b, :n]):
-            raise DataError(f"{p}: example {eid!r}: tagged token ids do not match the tokenised target "
-                            f"(were the tags made with another tokenizer or max_target_length?)")
-        mask[b, :n] = is_nv[:n]
-    return torch.from_numpy(mask)
+    return _noun_verb_masks(str(p), p.stat().st_mtime)
 
 
 # ----------------------------------------------------------------------------------------------- training
@@ -314,7 +297,7 @@ def train_local(
     gate_parts: list[pd.DataFrame] = []
     n_steps = 0
     proximal_value = 0.0
-    postags = plan.paths.get("postags")
+    masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
     if two_paths and cfg.local_epochs > 1 and mcfg.teacher_cache_gb > 0:
         from pipeline.cache import TeacherCache
@@ -332,7 +315,9 @@ def train_local(
             iterator = tqdm(batches, desc=f"{client} round {rnd} epoch {epoch + 1}", leave=False)
         optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(iterator):
-            hard_mask = hard_kd_mask(postags, batch).to(model.device) if kd.mode == "hard" else None
+            hard_mask = None
+            if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match the labels
+                hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
             logits_local, logits_global = _forward_logits(model, batch, two_paths, cache, teacher_cache)
             labels = batch.labels.to(model.device)
             out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)

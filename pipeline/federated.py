@@ -14,6 +14,18 @@
   the server checkpoints (global adapter, round, RNG state, strategy state). A client that raises becomes an
   error reply, which Flower's strategies leave out of the aggregate; the run goes on. A rerun resumes after the
   last checkpointed round.
+- FedAvg weights: ``num-examples`` is the client's full train size |D_i| (``train.weight_by: full``, the paper's
+  ``|D_i| / |D|``) even when the CPU profile trains on a capped subsample (``max_train_examples_per_client``,
+  a compute shortcut: the update is estimated from fewer examples, its weight stays the client's real share);
+  ``weight_by: trained`` weights by the examples actually trained on instead.
+- Transfer encoding (pipeline.compression, ``train.transfer_dtype`` fp32 | fp16 | int8): the server encodes the
+  global once per round and sends the same bytes to every client; the client decodes it, and replies with its
+  local adapter encoded; the server decodes every reply to float32 before the strategy aggregates, so Flower's
+  strategies and the server state stay full precision. With ``train.transfer_delta`` (lossy encodings only)
+  the reply is the difference to the global the client received (both sides hold it bit for bit) and the
+  downlink the difference to the round-0 adapter (every node derives it from the seed; a client that skipped
+  rounds holds no earlier global): int8 of a LayerNorm weight near 1 would otherwise round with a step ~1/127.
+  Bytes up/down are counted on the encoded messages.
 - Engines: ``InProcessGrid`` delivers each Message to the same ClientApp object in this process, one client after
   the other (no Ray, no sockets; each node keeps its own Context); ``engine: ray`` runs the same apps in Flower's
   simulation runtime (``flwr.simulation.run_simulation``, Ray actors with ``ray_cpus_per_client`` /
@@ -29,10 +41,10 @@ import random
 import time
 import traceback
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -45,6 +57,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from pipeline import client_training
+from pipeline.compression import decode_state, encode_state
 from pipeline.plan import Plan, plan_hash, read_plan
 from pipeline.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 
@@ -57,9 +70,47 @@ LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
 IDENTIFY = "query.identify"
 
-# What a train reply's MetricRecord holds: counts and aggregate losses only.
-TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd", "kd-fraction",
-                     "proximal")
+# What a train reply's MetricRecord holds: counts and aggregate losses only. NUM_EXAMPLES_KEY is the client's
+# FedAvg weight (train.weight_by: its full train size |D_i|, or the examples trained this round); "num-trained"
+# is the number of examples it trained on this round (fewer than |D_i| under max_train_examples_per_client).
+TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
+                     "kd-fraction", "proximal")
+
+
+def _lossy(plan: Plan) -> bool:
+    return plan.train.transfer_dtype != "fp32"
+
+
+def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
+    """The reference of a delta-encoded downlink: the round-0 adapter, which every node derives from the plan's
+    seed on its own (a client that skipped rounds or joins late holds no earlier global, but it holds this)."""
+    return client_training.initial_adapter_state(plan) if plan.train.transfer_delta and _lossy(plan) else None
+
+
+def encode_global(state: dict[str, torch.Tensor], plan: Plan,
+                  reference: dict[str, torch.Tensor] | None = None) -> ArrayRecord:
+    """Server -> client: the global adapter as it travels (train.transfer_dtype; with train.transfer_delta, as
+    the difference to ``reference`` = :func:`downlink_reference`)."""
+    return ArrayRecord.from_torch_state_dict(encode_state(state, plan.train.transfer_dtype, reference=reference))
+
+
+def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:
+    """Client side: the float32 global from what the server sent."""
+    return decode_state(record.to_torch_state_dict(), reference=downlink_reference(plan))
+
+
+def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor]) -> ArrayRecord:
+    """Client -> server: the local adapter as it travels; with train.transfer_delta (lossy encodings only: fp32
+    is exact) as the difference to the global received this round, so the int8 scale follows the update."""
+    reference = received if plan.train.transfer_delta and _lossy(plan) else None
+    return ArrayRecord.from_torch_state_dict(encode_state(local, plan.train.transfer_dtype, reference=reference))
+
+
+def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Server side: the float32 local adapter of a reply; ``sent`` = the decoded global of this round (what the
+    client decoded too, bit for bit: the same bytes through the same function)."""
+    reference = sent if plan.train.transfer_delta and _lossy(plan) else None
+    return decode_state(record.to_torch_state_dict(), reference=reference)
 
 
 # ================================================================================================ client side
@@ -140,7 +191,7 @@ def client_train(msg: Message, context: Context) -> Message:
     name = client_name(plan, context)
     config = msg.content[CONFIG_KEY]
     rnd = int(config["server-round"])
-    received = msg.content[ARRAYS_KEY].to_torch_state_dict()
+    received = decode_global(msg.content[ARRAYS_KEY], plan)
     model = client_training.shared_model(plan)
 
     local = _restore_client_state(context, plan, name, rnd)
@@ -164,8 +215,12 @@ def client_train(msg: Message, context: Context) -> Message:
         out.parent.mkdir(parents=True, exist_ok=True)
         result.gate_log.to_parquet(out, index=False)
 
+    # FedAvg's |D_i| is the client's data size; the CPU profile's cap (max_train_examples_per_client) only
+    # shortens the local computation, so by default the weight stays the full size (train.weight_by).
+    weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
     metrics = MetricRecord({
-        NUM_EXAMPLES_KEY: int(result.n_examples),
+        NUM_EXAMPLES_KEY: int(weight),
+        "num-trained": int(result.n_examples),
         NUM_STEPS_KEY: int(result.n_steps),
         "num-tokens": int(result.n_tokens),
         "train-loss": float(result.train_loss),
@@ -174,7 +229,7 @@ def client_train(msg: Message, context: Context) -> Message:
         "kd-fraction": float(result.kd_fraction),
         "proximal": float(result.proximal),
     })
-    content = RecordDict({ARRAYS_KEY: ArrayRecord.from_torch_state_dict(new_local), METRICS_KEY: metrics})
+    content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
 
 
@@ -191,7 +246,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     if spec.local_from_global:
         if len(received) == 0:
             raise ValueError(f"client {name}: method {spec.name} evaluates the global adapter but none was sent")
-        local = received.to_torch_state_dict()
+        local = decode_global(received, plan)
     elif local is None:
         local = client_training.initial_adapter_state(plan)  # not sampled yet: still the round-0 adapter
     model.load_adapter_state("local", local)
@@ -380,6 +435,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         arrays = ArrayRecord.from_torch_state_dict(client_training.initial_adapter_state(plan))
         history = []
     recorder.started(plan, clients, start)
+    initial = downlink_reference(plan)
 
     for rnd in range(start, t.rounds + 1):
         t0 = time.perf_counter()
@@ -388,6 +444,13 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(client_training.derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path}), view))
+        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
+        # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
+        # reference of the clients' delta-encoded replies.
+        downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+        sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
+        for m in messages:
+            m.content[ARRAYS_KEY] = downlink
         rows = {node_names[m.metadata.dst_node_id]: {
             "round": rnd, "client": node_names[m.metadata.dst_node_id], "sampled": 1, "failed": 0,
             "bytes_down": _payload_bytes(m.content), "bytes_up": 0} for m in messages}
@@ -395,6 +458,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             rows.setdefault(node_names[n], {"round": rnd, "client": node_names[n], "sampled": 0, "failed": 0,
                                             "bytes_down": 0, "bytes_up": 0})
         replies = list(grid.send_and_receive(messages, timeout=t.round_timeout_s))
+        undecodable: set[int] = set()
         for reply in replies:
             row = rows[node_names[reply.metadata.src_node_id]]
             if reply.has_error():
@@ -402,10 +466,21 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                 log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
                             reply.error.reason)
                 continue
-            row["bytes_up"] = _payload_bytes(reply.content)
+            row["bytes_up"] = _payload_bytes(reply.content)  # as encoded on the wire
+            # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
+            try:
+                reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
+                    decode_reply(reply.content[ARRAYS_KEY], plan, sent))
+            except (KeyError, ValueError) as exc:
+                row["failed"] = 1
+                undecodable.add(id(reply))
+                log.warning("round %d: reply of client %s cannot be decoded and is left out of the aggregate: %s",
+                            rnd, row["client"], exc)
+                continue
             m = reply.content[METRICS_KEY]
             row.update({
-                "n_examples": int(m[NUM_EXAMPLES_KEY]), "n_steps": int(m[NUM_STEPS_KEY]),
+                "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
+                "n_steps": int(m[NUM_STEPS_KEY]),
                 "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
                 "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
             })
@@ -415,7 +490,12 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                 row["failed"] = 1
                 log.warning("round %d: no reply from client %s within the timeout", rnd, name)
 
-        new_arrays, _ = strategy.aggregate_train(rnd, replies)
+        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies).
+        total_weight = sum(r["weight"] for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r)
+        for r in rows.values():
+            if r["sampled"] and not r["failed"] and "weight" in r:
+                r["weight_share"] = r["weight"] / total_weight
+        new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in undecodable])
         aggregated = new_arrays is not None
         if aggregated:
             arrays = new_arrays
@@ -426,6 +506,10 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
         eval_arrays = arrays if spec.local_from_global else ArrayRecord()
         eval_messages = list(strategy.configure_evaluate(rnd, eval_arrays, ConfigRecord({"plan": plan_path}), view))
+        if spec.local_from_global and eval_messages:
+            eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+            for m in eval_messages:
+                m.content[ARRAYS_KEY] = eval_downlink
         for m in eval_messages:
             rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += _payload_bytes(m.content)
         eval_replies = list(grid.send_and_receive(eval_messages, timeout=t.round_timeout_s))

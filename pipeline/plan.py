@@ -5,7 +5,8 @@ optionally with `tau` or any `train` key as an override) becomes a JSON file hol
 depends on. The train stages depend on their plan file, not on params, so a change reruns only the experiments
 it affects: tau is written only for methods that read it (selective KD) - `dvc exp run -S tau=4` reruns the
 selective-KD experiments and nothing else; KD, proximal and server-optimiser settings likewise appear only in
-plans of methods that use them. The POS-tag file's hash enters only the `hardkd` plans.
+plans of methods that use them, transfer and FedAvg-weighting settings only in federated plans (transfer_delta
+only with a lossy transfer_dtype, weight_by only under a train-size cap). The POS-tag file's hash enters only the `hardkd` plans.
 
     python -m pipeline.plan [--params params.yaml] [--out models/plans]
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.compression import TRANSFER_DTYPES
 from pipeline.config import from_dict, load_params, to_dict
 from pipeline.methods import MethodSpec, get_method
 from pipeline.strategies import FedOptConfig
@@ -53,6 +55,13 @@ class TrainConfig:
     join_round: int = 2
     max_train_examples_per_client: int | None = None
     max_valid_examples_per_client: int | None = None
+    # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
+    # the examples it trained on this round (differs only under max_train_examples_per_client).
+    weight_by: str = "full"
+    transfer_dtype: str = "fp32"  # adapter encoding on the wire (pipeline.compression): fp32 | fp16 | int8
+    # Lossy encodings as differences: uplink to the global received this round, downlink to the round-0 adapter
+    # (ignored for fp32, which is exact).
+    transfer_delta: bool = False
     prefix_cache: bool = True
     engine: str = "inprocess"
     ray_cpus_per_client: float = 1.0
@@ -72,6 +81,9 @@ class TrainConfig:
             (self.local_adapter in ("keep", "reset"), "local_adapter must be 'keep' or 'reset'"),
             (self.engine in ("inprocess", "ray"), "engine must be 'inprocess' or 'ray'"),
             (self.join_round >= 1, "join_round must be >= 1"),
+            (self.weight_by in ("full", "trained"), "weight_by must be 'full' or 'trained'"),
+            (self.transfer_dtype in TRANSFER_DTYPES, f"transfer_dtype must be one of {TRANSFER_DTYPES}"),
+            (isinstance(self.transfer_delta, bool), "transfer_delta must be true or false"),
         ]
         for ok, problem in checks:
             if not ok:
@@ -82,7 +94,7 @@ class TrainConfig:
 # rerun experiments whose result cannot change.
 _KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
 _FEDERATED_KEYS = ("local_adapter", "fraction_train", "engine", "ray_cpus_per_client", "ray_gpus_per_client",
-                   "round_timeout_s")
+                   "round_timeout_s", "weight_by", "transfer_dtype", "transfer_delta")
 
 
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
@@ -104,6 +116,10 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
         drop.update(_FEDERATED_KEYS)
     if method.local_from_global:
         drop.add("local_adapter")  # the server average overwrites the adapter whatever this says
+    if train.transfer_dtype == "fp32":
+        drop.add("transfer_delta")  # fp32 sends the weights themselves, exactly
+    if train.max_train_examples_per_client is None:
+        drop.add("weight_by")  # no cap: the trained count is the full train size
     return {k: v for k, v in out.items() if k not in drop}
 
 

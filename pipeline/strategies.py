@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-# Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key.
+# Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key: the
+# client's |D_i| (its full train size, or the examples trained this round with train.weight_by: trained).
 NUM_EXAMPLES_KEY = "num-examples"
 NUM_STEPS_KEY = "num-steps"
 

@@ -34,7 +34,7 @@ from pipeline.timing import peak_rss_mb, stage_timer
 
 log = logging.getLogger("fedmeet.train")
 
-ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down")
+ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share")
 
 
 # ----------------------------------------------------------------------------------------------- recording
@@ -213,7 +213,9 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         c["bytes_sent"] += int(row.get("bytes_down", 0))  # server -> client
         c["bytes_received"] += int(row.get("bytes_up", 0))  # client -> server
         if row.get("n_examples") is not None:
-            c["n_train_examples"] = row["n_examples"]
+            c["n_train_examples"] = row["n_examples"]  # trained per round (capped in the CPU profile)
+        if row.get("weight") is not None:
+            c["fedavg_weight"] = row["weight"]  # |D_i| (train.weight_by: full) or the trained count
     for name, c in clients.items():
         upto = [r for r in history if r["client"] == name and r["round"] <= c["best_round"] and r.get("n_tokens")]
         tokens = sum(r["n_tokens"] for r in upto)

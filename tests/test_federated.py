@@ -72,7 +72,8 @@ def _write_postags(root: Path, examples: pd.DataFrame) -> None:
         labels = [int(t) for t in b.labels[0] if int(t) != IGNORE_INDEX]
         for pos, tid in enumerate(labels):
             rows.append({"example_id": b.example_ids[0], "position": pos, "token_id": tid, "word_index": pos,
-                         "pos": "NOUN" if pos % 2 == 0 else "DET", "is_noun_or_verb": pos % 2 == 0})
+                         "word": f"w{pos}", "pos": "NOUN" if pos % 2 == 0 else "DET",
+                         "is_noun_or_verb": pos % 2 == 0})
     pd.DataFrame(rows).to_parquet(root / "data" / "processed" / "postags.parquet", index=False)
 
 
@@ -102,10 +103,10 @@ def ws(workspace, monkeypatch):
 
 
 def write_plan(name: str, method: str, partition: str = "domain/seed0", tau: float | None = None,
-               **train) -> str:
+               model: dict | None = None, **train) -> str:
     from pipeline.plan import ExperimentEntry, resolve_plan
 
-    params = {"tau": 5.0, "model": MODEL, "train": {**TRAIN, **train}}
+    params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
     entry = ExperimentEntry(method=method, partition=partition, seed=0, study="tests", tau=tau, train={})
     plan = resolve_plan(name, entry, params)
     path = Path("models/plans") / f"{name}.json"
@@ -196,7 +197,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     metrics = content["metrics"]
     assert set(metrics.keys()) == set(TRAIN_METRIC_KEYS)
     assert all(isinstance(v, (int, float)) for v in metrics.values())
-    assert metrics["num-examples"] == N_TRAIN["Committee"]
+    assert metrics["num-examples"] == metrics["num-trained"] == N_TRAIN["Committee"]  # no cap here
     # it trained: the local adapter moved away from the initial weights
     assert any(not np.allclose(arrays[k].numpy(), initial[k].numpy()) for k in initial)
     # the gate log stayed on the client's disk
@@ -366,3 +367,142 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
     # round 1 averaged Academic (4) and Product (5) only; round 2 all three
     assert aggregated_weights == [[4, 5], [4, 5, 6]]
     assert metrics["clients"]["Committee"]["rounds_failed"] == 1
+
+
+# ------------------------------------------------------------------------------------------ transfer, weights
+def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """Run an experiment recording each client's reply before encoding (its local state, the encoded tensors)
+    and what the strategy aggregated each round (the decoded replies, their weights, the result)."""
+    from pipeline import federated
+    from pipeline.train import run_experiment
+
+    uplinks, aggregates = [], []
+    real_encode, real_build = federated.encode_reply, federated.build_strategy
+
+    def encode_spy(local, plan, received):
+        record = real_encode(local, plan, received)
+        uplinks.append({"state": {k: v.clone() for k, v in local.items()},
+                        "received": {k: v.clone() for k, v in received.items()},
+                        "encoded": record.to_torch_state_dict()})
+        return record
+
+    def build_spy(*args, **kwargs):
+        strategy = real_build(*args, **kwargs)
+        inner = strategy.aggregate_train
+
+        def aggregate(rnd, replies):
+            replies = [r for r in replies if not r.has_error()]
+            result = inner(rnd, replies)
+            aggregates.append({"round": rnd,
+                               "weights": [float(r.content["metrics"]["num-examples"]) for r in replies],
+                               "decoded": [r.content["arrays"].to_torch_state_dict() for r in replies],
+                               "result": result[0].to_torch_state_dict()})
+            return result
+
+        strategy.aggregate_train = aggregate
+        return strategy
+
+    with pytest.MonkeyPatch.context() as mp:  # undone after this run: spies of two runs must not stack
+        mp.setattr(federated, "encode_reply", encode_spy)
+        mp.setattr(federated, "build_strategy", build_spy)
+        run_experiment(plan_path, track=False)
+    history = json.loads(Path(f"models/{Path(plan_path).stem}/rounds.json").read_text())
+    return uplinks, aggregates, history
+
+
+def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
+    from pipeline.compression import transfer_error_bound
+
+    wide = {"bottleneck": 256}  # big enough that the per-array .npy headers do not hide the 2x / 4x
+    runs = {}
+    for label, train in [("fp32", {}), ("fp16", {"transfer_dtype": "fp16"}), ("int8", {"transfer_dtype": "int8"}),
+                         ("int8-delta", {"transfer_dtype": "int8", "transfer_delta": True, "rounds": 2})]:
+        runs[label] = _spy_run(write_plan(f"transfer-{label}", "fedavg", model=wide,
+                                                       **{"rounds": 1, **train}))
+
+    n_values = sum(t.numel() for t in runs["fp32"][0][0]["state"].values())
+    bytes_up = {label: {r["client"]: r["bytes_up"] for r in hist} for label, (_, _, hist) in runs.items()}
+    bytes_down = {label: sum(r["bytes_down"] for r in hist if r["round"] == 1) for label, (_, _, hist) in runs.items()}
+    for client, up32 in bytes_up["fp32"].items():
+        assert up32 - bytes_up["fp16"][client] == 2 * n_values  # 2 bytes saved per value, same headers
+        assert up32 / bytes_up["fp16"][client] > 1.9
+        assert up32 / bytes_up["int8"][client] > 3.4  # 4x minus one scalar scale array per tensor
+        assert bytes_up["int8-delta"][client] == bytes_up["int8"][client]
+    assert bytes_down["fp32"] / bytes_down["fp16"] > 1.9 and bytes_down["fp32"] / bytes_down["int8"] > 3.4
+
+    errors = {}
+    n = len(DOMAINS)
+    for label, (uplinks, aggregates, _) in runs.items():
+        for agg in aggregates:  # every round (the delta run has two: round 2's downlink delta is not zero)
+            assert len(agg["decoded"]) == n
+            sent = uplinks[(agg["round"] - 1) * n: agg["round"] * n]  # the in-process grid: message order
+            p = np.array(agg["weights"]) / sum(agg["weights"])
+            for key, value in agg["result"].items():
+                raw_mean = sum(p_i * up["state"][key].double() for p_i, up in zip(p, sent))
+                bound = 0.0
+                for p_i, up, decoded in zip(p, sent, agg["decoded"]):
+                    err = float((decoded[key] - up["state"][key]).abs().max())
+                    if label == "fp32":
+                        assert torch.equal(decoded[key], up["state"][key]), key  # exact, bit for bit
+                    else:
+                        # + float32 rounding of adding the decoded delta back to the reference
+                        assert err <= transfer_error_bound(up["encoded"], key) + 1e-6, (label, key)
+                    bound += p_i * transfer_error_bound(up["encoded"], key)
+                    errors.setdefault((label, key), []).append(err)
+                # the aggregate of the decoded replies is within the weighted codec bound of the exact FedAvg
+                assert float((value.double() - raw_mean).abs().max()) <= bound + 1e-6, (label, key)
+    # With delta encoding the round-1 downlink is the round-0 adapter plus a zero delta: exact, so the clients
+    # train exactly as in the fp32 run, and the aggregate is within the codec bound of the fp32 run's.
+    (up32, agg32, _), (up8, agg8, _) = runs["fp32"], runs["int8-delta"]
+    for a, b in zip(up32, up8[:n]):
+        assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
+    p = np.array(agg8[0]["weights"]) / sum(agg8[0]["weights"])
+    for key, value in agg8[0]["result"].items():
+        bound = sum(p_i * transfer_error_bound(up["encoded"], key) for p_i, up in zip(p, up8[:n]))
+        assert float((value - agg32[0]["result"][key]).abs().max()) <= bound + 1e-6, key
+    # int8 of a LayerNorm weight near 1 rounds with a step ~1/127; as a delta the step follows the update
+    norm_keys = [k for (label, k) in errors if label == "int8" and k.endswith("norm.weight")]
+    assert norm_keys
+    for key in norm_keys:
+        assert max(errors[("int8-delta", key)]) < max(errors[("int8", key)]) / 10, key
+
+
+def test_fp32_transfer_is_what_the_client_holds(ws):
+    """fp32 (the default) sends the state itself: the bytes of the plain ArrayRecord, decoded bit for bit."""
+    from flwr.app import ArrayRecord
+
+    uplinks, aggregates, history = _spy_run(write_plan("transfer-exact", "fedselectkd", rounds=1))
+    rows = {r["client"]: r for r in history}
+    for up in uplinks:
+        assert set(up["encoded"]) == set(up["state"])
+        for key in up["state"]:
+            assert up["encoded"][key].dtype == torch.float32 and torch.equal(up["encoded"][key], up["state"][key])
+    plain = ArrayRecord.from_torch_state_dict(uplinks[0]["state"]).count_bytes()
+    assert all(r["bytes_up"] == plain for r in rows.values())
+    for decoded, up in zip(aggregates[0]["decoded"], uplinks):
+        assert all(torch.equal(decoded[k], up["state"][k]) for k in decoded)
+
+
+@pytest.mark.parametrize("weight_by", ["full", "trained"])
+def test_fedavg_weights_follow_the_full_train_size_under_the_cap(ws, weight_by):
+    cap = 3  # below every client's train size (4, 6, 5, 4): each trains on 3 examples
+    uplinks, aggregates, history = _spy_run(write_plan(
+        f"weights-{weight_by}", "fedavg", "extreme/seed0", rounds=1, max_train_examples_per_client=cap,
+        weight_by=weight_by))
+    clients = sorted(N_TRAIN)
+    rows = {r["client"]: r for r in history}
+    assert {c: rows[c]["n_examples"] for c in clients} == {c: cap for c in clients}
+    expected = {c: N_TRAIN[c] if weight_by == "full" else cap for c in clients}
+    assert {c: rows[c]["weight"] for c in clients} == expected
+    total = sum(expected.values())  # full: 19 = 4 + 6 + 5 + 4
+    for c in clients:
+        assert rows[c]["weight_share"] == pytest.approx(expected[c] / total)
+    first = aggregates[0]
+    # the strategy averaged with those weights: W = sum_i (w_i / sum w) W_i, recomputed by hand
+    assert sorted(first["weights"]) == sorted(expected.values())
+    p = np.array(first["weights"]) / total
+    for key, value in first["result"].items():
+        manual = sum(p_i * d[key].double() for p_i, d in zip(p, first["decoded"]))
+        np.testing.assert_allclose(value.double().numpy(), manual.numpy(), rtol=1e-5, atol=1e-7)
+    metrics = json.loads(Path(f"models/weights-{weight_by}/metrics.json").read_text())
+    assert metrics["clients"]["Committee"]["fedavg_weight"] == expected["Committee"]

@@ -58,6 +58,31 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
                                                       "pre_addition", "tau-2"}
     rounds = _plans(tmp_path, _params(train={**TRAIN, "rounds": 7}), "d")
     assert {n for n in base if base[n] != rounds[n]} == set(base)  # every method trains for `rounds`
+    # the transfer encoding matters to every federated method, never to single/centralized
+    federated = set(base) - {"single", "centralized"}
+    int8 = _plans(tmp_path, _params(train={**TRAIN, "transfer_dtype": "int8"}), "e")
+    assert {n for n in base if base[n] != int8[n]} == federated
+    # delta encoding only matters for a lossy encoding (fp32 sends the weights exactly)
+    delta32 = _plans(tmp_path, _params(train={**TRAIN, "transfer_delta": True}), "f")
+    assert delta32 == base
+    delta8 = _plans(tmp_path, _params(train={**TRAIN, "transfer_dtype": "int8", "transfer_delta": True}), "g")
+    assert {n for n in int8 if int8[n] != delta8[n]} == federated
+    # the FedAvg weighting only matters when a cap makes the trained count differ from |D_i|
+    trained = _plans(tmp_path, _params(train={**TRAIN, "weight_by": "trained"}), "h")
+    assert trained == base
+    capped = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8}), "i")
+    capped_trained = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8,
+                                                     "weight_by": "trained"}), "j")
+    assert {n for n in capped if capped[n] != capped_trained[n]} == federated
+
+
+def test_train_config_rejects_bad_transfer_and_weighting():
+    from pipeline.plan import TrainConfig
+
+    for bad, message in [({"transfer_dtype": "bf16"}, "transfer_dtype"), ({"weight_by": "tokens"}, "weight_by"),
+                         ({"transfer_delta": "yes"}, "transfer_delta")]:
+        with pytest.raises(ValueError, match=message):
+            TrainConfig(**bad)
 
 
 def test_plan_rejects_bad_entries(tmp_path):
@@ -87,7 +112,7 @@ def test_default_experiments_resolve(tmp_path):
     written = write_plans(params, tmp_path / "plans")
     assert len(written) == len(params["experiments"]) >= 20
     studies = {read_plan(p).study for p in written}
-    assert {"main", "iid", "noniid", "extreme", "sampling", "tau", "server", "new_client", "hardkd"} <= studies
+    assert {"main", "iid", "noniid", "extreme", "sampling", "tau_sweep", "server", "new_client", "hardkd"} <= studies
 
 
 def test_train_cli_end_to_end(ws):

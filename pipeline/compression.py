@@ -1,0 +1,137 @@
+"""Adapter transfer encodings: fp32 (exact), fp16, int8 with one symmetric scale per tensor.
+
+Only adapter tensors travel between clients and server (METHOD.md section 5); this module shrinks them on the
+wire. ``encode_state`` turns a float state dict into a flat dict of tensors that goes straight into Flower's
+``ArrayRecord.from_torch_state_dict``; ``decode_state`` turns what arrives back into float32. The encoding is
+self-describing (by tensor dtype), so the receiver needs no side channel:
+
+- fp32: the tensors as float32 (exact; the default).
+- fp16: ``x.half()``; relative error <= 2^-11 for |x| in fp16's normal range, and an error for |x| > 65504
+  (it would become inf) instead of silently sending inf.
+- int8: per-tensor symmetric quantisation ``s = max|x| / 127``, ``q = round(x / s)`` in [-127, 127], sent as the
+  int8 ``q`` plus the float32 scalar ``s`` under ``<key>.int8_scale``; decoded ``q * s``, so every element's
+  error is at most ``s / 2`` (rounding to the nearest integer). -128 is never used, so the grid is symmetric.
+
+Delta encoding (optional): with ``reference`` (a state both sides hold, e.g. the global adapter the server sent
+this round) the difference ``state - reference`` is encoded instead and ``decode_state(..., reference)`` adds it
+back. For int8 this matters: the adapters' LayerNorm weights sit near 1, so a per-tensor scale of the weights
+themselves is ~1/127 while a round's update is far smaller; the scale of the delta follows the update.
+"""
+from __future__ import annotations
+
+import torch
+
+TRANSFER_DTYPES = ("fp32", "fp16", "int8")
+SCALE_SUFFIX = ".int8_scale"
+INT8_LEVELS = 127  # symmetric grid -127..127
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-tensor int8: returns (q int8, scale float32 scalar) with ``x ~= q * scale``.
+
+    An all-zero tensor gets scale 0 (and q = 0), which decodes exactly."""
+    x = x.detach().to(torch.float32)
+    amax = x.abs().max() if x.numel() else torch.tensor(0.0)
+    scale = (amax / INT8_LEVELS).to(torch.float32)
+    if float(scale) == 0.0:
+        return torch.zeros_like(x, dtype=torch.int8), scale.reshape(())
+    q = torch.round(x / scale).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
+    return q, scale.reshape(())
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.to(torch.float32) * scale.to(torch.float32)
+
+
+def _check_inputs(state: dict[str, torch.Tensor], dtype: str, reference: dict[str, torch.Tensor] | None) -> None:
+    if dtype not in TRANSFER_DTYPES:
+        raise ValueError(f"transfer dtype {dtype!r}; expected one of {TRANSFER_DTYPES}")
+    for key, value in state.items():
+        if key.endswith(SCALE_SUFFIX):
+            raise ValueError(f"state key {key!r} ends with the reserved suffix {SCALE_SUFFIX!r}")
+        if not torch.is_tensor(value) or not value.is_floating_point():
+            raise ValueError(f"state key {key!r}: expected a floating-point tensor, got {getattr(value, 'dtype', type(value))}")
+        if not torch.isfinite(value).all():
+            raise ValueError(f"state key {key!r}: contains NaN or inf; refusing to send it")
+    if reference is not None:
+        missing = sorted(set(state) - set(reference))
+        if missing:
+            raise ValueError(f"delta encoding: reference lacks key(s) {missing[:4]}")
+        for key, value in state.items():
+            if tuple(reference[key].shape) != tuple(value.shape):
+                raise ValueError(f"delta encoding: {key} has shape {tuple(value.shape)} but the reference "
+                                 f"{tuple(reference[key].shape)}")
+
+
+def encode_state(
+    state: dict[str, torch.Tensor], dtype: str = "fp32", reference: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Encode a float state dict for transfer (``dtype`` in fp32|fp16|int8), optionally as a delta to ``reference``."""
+    _check_inputs(state, dtype, reference)
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        x = value.detach().to("cpu", torch.float32)
+        if reference is not None:
+            x = x - reference[key].detach().to("cpu", torch.float32)
+        if dtype == "fp32":
+            out[key] = x.contiguous().clone()
+        elif dtype == "fp16":
+            amax = float(x.abs().max()) if x.numel() else 0.0
+            if amax > FP16_MAX:
+                raise ValueError(f"state key {key!r}: |x| = {amax:.4g} exceeds the fp16 range ({FP16_MAX}); use fp32 or int8")
+            out[key] = x.to(torch.float16).contiguous()
+        else:
+            q, scale = quantize_int8(x)
+            out[key] = q.contiguous()
+            out[key + SCALE_SUFFIX] = scale
+    return out
+
+
+def decode_state(
+    encoded: dict[str, torch.Tensor], reference: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """Float32 state dict from :func:`encode_state`'s output (whatever its dtype); adds ``reference`` back when the
+    sender encoded a delta against it."""
+    scales = {k[: -len(SCALE_SUFFIX)]: v for k, v in encoded.items() if k.endswith(SCALE_SUFFIX)}
+    out: dict[str, torch.Tensor] = {}
+    for key, value in encoded.items():
+        if key.endswith(SCALE_SUFFIX):
+            if key[: -len(SCALE_SUFFIX)] not in encoded:
+                raise ValueError(f"encoded state: scale {key!r} without its tensor")
+            continue
+        value = torch.as_tensor(value)
+        if value.dtype == torch.int8:
+            if key not in scales:
+                raise ValueError(f"encoded state: int8 tensor {key!r} has no {key + SCALE_SUFFIX!r}")
+            x = dequantize_int8(value, torch.as_tensor(scales[key]).reshape(()))
+        elif value.dtype in (torch.float16, torch.float32):
+            if key in scales:
+                raise ValueError(f"encoded state: {key!r} is {value.dtype} but has an int8 scale")
+            x = value.to(torch.float32)
+        else:
+            raise ValueError(f"encoded state: {key!r} has dtype {value.dtype}; expected float32, float16 or int8")
+        if reference is not None:
+            if key not in reference:
+                raise ValueError(f"delta decoding: reference lacks key {key!r}")
+            x = x + reference[key].detach().to("cpu", torch.float32)
+        out[key] = x
+    return out
+
+
+def encoded_nbytes(encoded: dict[str, torch.Tensor]) -> int:
+    """Raw tensor bytes of an encoded state (no container overhead)."""
+    return sum(t.numel() * t.element_size() for t in encoded.values())
+
+
+def transfer_error_bound(encoded: dict[str, torch.Tensor], key: str) -> float:
+    """Guaranteed max |decoded - original| for ``key``: 0 for fp32, s/2 for int8; for fp16, half a unit in
+    the last place at the tensor's largest magnitude (2^-11 relative, plus 2^-25 absolute for subnormals; the
+    factor 1 + 2^-10 covers measuring the magnitude after rounding)."""
+    value = encoded[key]
+    if value.dtype == torch.int8:
+        return float(encoded[key + SCALE_SUFFIX]) / 2
+    if value.dtype == torch.float16:
+        amax = float(value.float().abs().max()) if value.numel() else 0.0
+        return amax * 2.0**-11 * (1 + 2.0**-10) + 2.0**-25
+    return 0.0

@@ -1,0 +1,89 @@
+"""The analytic FLOP model of benchmarks/flops.py against torch's own FLOP counter on the benchmarked steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks import flops
+from benchmarks.common import Shape, build_summarizer, random_batch
+from benchmarks.train_step import make_steps
+from pipeline.cache import PrefixCache
+
+
+def tiny(arch: str) -> Shape:
+    # vocab >= the MiniLM tokenizer's 30522 words (the summarizer checks the tokenizer fits the embeddings)
+    return Shape("tiny", arch, hidden=64, ffn=128, heads=4, encoder_layers=2, decoder_layers=4, vocab=30600,
+                 top_k=2, bottleneck=96, source_length=40, target_length=12, batch_size=2)
+
+
+# BART with eager attention: torch counts the attention bmm's too, so the full model must match exactly.
+# BERT2BERT runs SDPA, whose fused CPU kernel the counter does not see: compare without the attention products.
+@pytest.mark.parametrize("arch,attn_impl,attn", [("bart", "eager", True), ("bert2bert", None, False)])
+def test_counted_flops_of_each_step_match_the_analytic_model(tmp_path, arch, attn_impl, attn):
+    torch.manual_seed(0)
+    shape = tiny(arch)
+    model = build_summarizer(shape, attn_implementation=attn_impl)
+    batch = random_batch(shape, model)
+    cache = PrefixCache(tmp_path, "test", shape.source_length, shape.target_length, shape.top_k)
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        cache.prefix_for(model, batch)  # a miss: computes the prefix
+    assert counter.get_total_flops() == shape.batch_size * flops.prefix(shape, attn)
+
+    expected = flops.step_flops(shape, attn)
+    for name, step in make_steps(model, batch, cache).items():
+        counter = FlopCounterMode(display=False)
+        with counter:
+            step()  # forward(s) + loss + backward + AdamW
+        assert counter.get_total_flops() == shape.batch_size * expected[name]["total"], name
+    assert cache.stats["misses"] == shape.batch_size  # every timed step read the prefix from the cache
+
+
+def test_flop_model_hand_checked_pieces():
+    s = Shape("h", "bart", hidden=2, ffn=3, heads=1, encoder_layers=1, decoder_layers=2, vocab=5, top_k=1,
+              bottleneck=4, source_length=3, target_length=2, batch_size=1)
+    # encoder layer: S(8n^2 + 4nf) + 4S^2n = 3(32 + 24) + 72 = 240
+    assert flops.encoder_layer(s) == 240
+    # decoder layer: T(12n^2 + 4nf) + 4T^2n + 4TSn + 4Sn^2 = 2(48 + 24) + 32 + 48 + 48 = 272
+    assert flops.decoder_layer(s) == 272
+    assert flops.adapter(s) == 4 * 2 * 2 * 4 and flops.head(s) == 2 * 2 * 2 * 5
+    # top k = 1: backward = head dX + lowest adapter: dW of both (64) + dX of W_up only (32) = 40 + 96
+    assert flops.backward(s) == 136
+    steps = flops.step_flops(s)
+    assert steps["prefix_cached"]["forward"] == 2 * (272 + 64 + 40)
+    assert steps["naive"]["forward"] == 2 * (240 + 2 * 272 + 64 + 40)
+    assert steps["shared_encoder"]["forward"] == 240 + 2 * (2 * 272 + 64 + 40)
+
+
+def test_flower_wire_bytes_track_the_tensor_bytes():
+    from benchmarks.communication import measure
+
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(256, 64, generator=g), "b": torch.randn(64, generator=g)}
+    m = measure(state, state)
+    raw = 4 * (256 * 64 + 64)
+    assert m["up_tensor_bytes"] == raw
+    # the reply carries the tensors plus headers, dtype/shape descriptors and the MetricRecord: a few KiB at most
+    assert raw < m["up_wire_bytes"] < raw + 4096
+    assert raw < m["down_wire_bytes"] < raw + 4096
+    half = measure({k: v.half() for k, v in state.items()}, {k: v.half() for k, v in state.items()})
+    assert half["up_wire_bytes"] - raw // 2 == pytest.approx(m["up_wire_bytes"] - raw, abs=64)  # same overhead
+
+
+def test_memory_table_reads_stage_records_and_counts_bad_ones(tmp_path):
+    import json
+
+    from benchmarks.memory import collect
+
+    (tmp_path / "train.json").write_text(json.dumps(
+        {"stage": "train", "seconds": 12.5, "peak_rss_mb": 900.0, "finished_at": "2026-01-01T00:00:02+00:00"}))
+    (tmp_path / "ingest.json").write_text(json.dumps(
+        {"stage": "ingest", "seconds": 3.0, "peak_rss_mb": 150.5, "finished_at": "2026-01-01T00:00:01+00:00"}))
+    (tmp_path / "broken.json").write_text("{not json")
+    out = collect(tmp_path)
+    assert [r["stage"] for r in out["stages"]] == ["ingest", "train"]  # in the order they finished
+    assert out["max_peak_rss_stage"] == "train" and out["max_peak_rss_mb"] == 900.0
+    assert out["total_seconds"] == 15.5
+    assert len(out["skipped_files"]) == 1 and "broken.json" in out["skipped_files"][0]["file"]

@@ -1,0 +1,126 @@
+"""Adapter transfer codec (pipeline/compression.py): hand-computed cases, error bounds, Flower round trip."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.adapters import AdapterConfig, AdapterSet
+from pipeline.compression import (
+    SCALE_SUFFIX,
+    decode_state,
+    encode_state,
+    encoded_nbytes,
+    quantize_int8,
+    transfer_error_bound,
+)
+
+
+def test_int8_hand_computed():
+    # max|x| = 7.9375 = 127 * 0.0625, so s = 0.0625 exactly; x/s = [127, -16, 0, 1.5, 0.48]
+    x = torch.tensor([7.9375, -1.0, 0.0, 0.09375, 0.03])
+    q, s = quantize_int8(x)
+    assert float(s) == 0.0625
+    assert q.dtype == torch.int8
+    assert q.tolist() == [127, -16, 0, 2, 0]  # 1.5 rounds half to even -> 2; 0.48 -> 0
+    enc = encode_state({"w": x}, "int8")
+    assert set(enc) == {"w", "w" + SCALE_SUFFIX}
+    dec = decode_state(enc)["w"]
+    assert dec.tolist() == [7.9375, -1.0, 0.0, 0.125, 0.0]
+    err = (dec - x).abs()
+    assert float(err.max()) == pytest.approx(0.03125)  # the tie case hits s/2 exactly
+    assert float(err.max()) <= transfer_error_bound(enc, "w") == 0.03125
+
+
+def test_int8_zero_tensor_is_exact_and_grid_is_symmetric():
+    enc = encode_state({"z": torch.zeros(3, 2), "n": torch.tensor([-2.0, 1.0])}, "int8")
+    assert float(enc["z" + SCALE_SUFFIX]) == 0.0
+    assert torch.equal(decode_state(enc)["z"], torch.zeros(3, 2))
+    assert enc["n"].tolist() == [-127, 64]  # -2 is the max magnitude -> -127 (never -128); 1/(2/127)=63.5 -> 64
+
+
+def test_fp16_hand_computed_and_range():
+    x = torch.tensor([1.0 + 2.0**-12, 1.0 + 2.0**-10, -3.5, 65504.0])
+    enc = encode_state({"w": x}, "fp16")
+    assert enc["w"].dtype == torch.float16
+    dec = decode_state(enc)["w"]
+    # 1 + 2^-12 is halfway below the next fp16 (1 + 2^-10 spacing) -> rounds to 1; the others are exact
+    assert dec.tolist() == [1.0, 1.0 + 2.0**-10, -3.5, 65504.0]
+    with pytest.raises(ValueError, match="fp16 range"):
+        encode_state({"big": torch.tensor([7.0e4])}, "fp16")
+
+
+def test_fp32_is_exact_copy():
+    x = torch.randn(5, 4)
+    enc = encode_state({"w": x}, "fp32")
+    assert torch.equal(decode_state(enc)["w"], x)
+    enc["w"].add_(1.0)  # a copy: the caller's tensor is untouched
+    assert not torch.equal(enc["w"], x)
+
+
+@pytest.mark.parametrize("dtype,bytes_per_value", [("fp32", 4), ("fp16", 2), ("int8", 1)])
+def test_random_states_within_bounds_and_sizes(dtype, bytes_per_value):
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(64, 32, generator=g) * 0.05, "b": torch.randn(32, generator=g) + 1.0}
+    enc = encode_state(state, dtype)
+    dec = decode_state(enc)
+    for key, x in state.items():
+        assert dec[key].dtype == torch.float32 and dec[key].shape == x.shape
+        assert float((dec[key] - x).abs().max()) <= transfer_error_bound(enc, key)
+    scales = 4 * len(state) if dtype == "int8" else 0
+    assert encoded_nbytes(enc) == bytes_per_value * (64 * 32 + 32) + scales
+
+
+def test_delta_encoding_shrinks_int8_error_for_layernorm_like_weights():
+    g = torch.Generator().manual_seed(1)
+    reference = {"ln": 1.0 + 0.1 * torch.randn(256, generator=g)}
+    state = {"ln": reference["ln"] + 1e-3 * torch.randn(256, generator=g)}  # one round's small update
+    plain = decode_state(encode_state(state, "int8"))["ln"]
+    enc_delta = encode_state(state, "int8", reference=reference)
+    delta = decode_state(enc_delta, reference=reference)["ln"]
+    err_plain = float((plain - state["ln"]).abs().max())
+    err_delta = float((delta - state["ln"]).abs().max())
+    assert err_delta <= transfer_error_bound(enc_delta, "ln") + 1e-7  # + float32 rounding of the addition
+    # the delta's scale is ~max|update|/127 instead of ~max|w|/127: orders of magnitude smaller
+    assert err_delta < err_plain / 50
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="transfer dtype"):
+        encode_state({"w": torch.ones(2)}, "bf16")
+    with pytest.raises(ValueError, match="'w'.*NaN"):
+        encode_state({"w": torch.tensor([1.0, float("nan")])}, "int8")
+    with pytest.raises(ValueError, match="floating-point"):
+        encode_state({"w": torch.ones(2, dtype=torch.long)}, "fp16")
+    with pytest.raises(ValueError, match="reserved suffix"):
+        encode_state({"w" + SCALE_SUFFIX: torch.ones(2)}, "fp32")
+    with pytest.raises(ValueError, match="no 'w.int8_scale'"):
+        decode_state({"w": torch.ones(2, dtype=torch.int8)})
+    with pytest.raises(ValueError, match="without its tensor"):
+        decode_state({"v" + SCALE_SUFFIX: torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="reference lacks"):
+        encode_state({"w": torch.ones(2)}, "int8", reference={})
+
+
+def test_adapter_state_through_flower_arrayrecord():
+    from flwr.app import ArrayRecord
+
+    adapters = AdapterSet(64, AdapterConfig(top_k=2, bottleneck=128), [None, None])
+    with torch.no_grad():
+        for p in adapters.parameters():
+            p.add_(0.01 * torch.randn_like(p))  # W_up starts at zero; make every tensor nonzero
+    state = adapters.state()
+    sizes = {}
+    for dtype in ("fp32", "fp16", "int8"):
+        record = ArrayRecord.from_torch_state_dict(encode_state(state, dtype))
+        sizes[dtype] = record.count_bytes()
+        received = decode_state(record.to_torch_state_dict())
+        assert list(received) == list(state)  # same keys, same order: loadable by AdapterSet.load_state
+        adapters.load_state(received)
+        for key in state:
+            assert float((received[key] - state[key]).abs().max()) <= transfer_error_bound(
+                encode_state({key: state[key]}, dtype), key)
+    n_values = sum(t.numel() for t in state.values())
+    # payload shrinks with the bytes per value (container overhead per array is the same for all three)
+    assert sizes["fp32"] - sizes["fp16"] == 2 * n_values
+    # int8 saves one byte per value but adds one scalar scale array (4 bytes + ~160 bytes of record header) per tensor
+    assert n_values - 200 * len(state) < sizes["fp16"] - sizes["int8"] < n_values
