@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.data import IGNORE_INDEX, Batch
-from pipeline.model import AdapterSummarizer, Prefix
+from pipeline.model import AdapterSummarizer, Prefix, target_mask_of
 
 FORMAT_VERSION = 1
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -121,7 +121,7 @@ class PrefixCache:
         for i, (enc, dec) in entries.items():
             enc_h[i, : enc.shape[0]] = enc.float()
             dec_h[i, : dec.shape[0]] = dec.float()
-        return Prefix(enc_h, batch.attention_mask, dec_h).to(model.device)
+        return Prefix(enc_h, batch.attention_mask, dec_h, target_mask_of(batch)).to(model.device)
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not path.exists():
@@ -187,8 +187,9 @@ class TeacherCache:
         self._bytes = 0
 
     @torch.no_grad()
-    def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix) -> torch.Tensor:
-        """Global-path logits [B, T, V] for ``batch`` (valid up to each target length; zeros beyond)."""
+    def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix, packed: bool = False) -> torch.Tensor:
+        """Global-path logits [B, T, V] for ``batch`` (valid up to each target length; zeros beyond), or with
+        ``packed`` the [N, V] rows of the N real target tokens in row-major order (no zero padding)."""
         version = (id(model), model.adapter_version["global"])
         if self._version != version:
             self.clear()  # a new global adapter (or another model): the stored teacher is stale
@@ -196,6 +197,8 @@ class TeacherCache:
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
         if all(eid in self._store for eid in batch.example_ids):
             self.stats["hits"] += len(batch)
+            if packed:
+                return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
             t = batch.labels.shape[1]
             out = None
             for i, eid in enumerate(batch.example_ids):
@@ -205,13 +208,21 @@ class TeacherCache:
                 out[i, : cached.shape[0]] = cached.to(model.device)
             return out
         self.stats["misses"] += len(batch)
-        logits = model.path_logits(prefix.to(model.device), "global")
+        target_mask = target_mask_of(batch).to(model.device)
+        logits = model.path_logits(prefix.to(model.device), "global", target_mask=target_mask, packed=True)
+        starts = [0]
+        for n in tgt_len:
+            starts.append(starts[-1] + n)
         for i, eid in enumerate(batch.example_ids):
-            row = logits[i, : tgt_len[i]].to("cpu", torch.float32).clone()
+            row = logits[starts[i] : starts[i + 1]].to("cpu", torch.float32).clone()
             size = row.numel() * 4
             if self._bytes + size > self.max_bytes:
                 self.stats["refused"] += 1
                 continue
             self._store[eid] = row
             self._bytes += size
-        return logits
+        if packed:
+            return logits
+        full = logits.new_zeros(*target_mask.shape, logits.shape[-1])
+        full[target_mask] = logits
+        return full

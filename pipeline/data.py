@@ -113,11 +113,17 @@ def make_batches(
     seed: int,
     decoder_start_token_id: int,
     pad_token_id: int | None = None,
+    bucket_by_length: bool = False,
+    bucket_batches: int = 50,
 ) -> list[Batch]:
     """Rows of ``examples_df`` (columns ``example_id, source, target``) -> list of Batches.
 
     ``cfg`` is anything with ``max_source_length`` and ``max_target_length`` (the ``model`` params group).
     With ``shuffle`` the order is a permutation drawn from ``numpy.random.default_rng(seed)``.
+    ``bucket_by_length`` cuts padding (the top layers and the LM head run on padded [B, T] positions): the
+    (shuffled) order is cut into chunks of ``bucket_batches * batch_size`` examples, each chunk is sorted by
+    target length (stable; then source length), batched, and with ``shuffle`` the batch order is permuted again
+    with the same generator -- batches stay random in content across chunks and epochs, but similar in length.
     """
     for col in ("example_id", "source", "target"):
         if col not in examples_df.columns:
@@ -136,10 +142,19 @@ def make_batches(
         examples_df["example_id"].astype(str).tolist(),
         decoder_start_token_id,
     )
-    order = np.arange(len(examples))
-    if shuffle:
-        order = np.random.default_rng(seed).permutation(len(examples))
-    return [
-        collate([examples[j] for j in order[i : i + batch_size]], pad, decoder_start_token_id)
-        for i in range(0, len(order), batch_size)
-    ]
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
+    groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    if bucket_by_length:
+        if bucket_batches < 1:
+            raise ValueError(f"make_batches: bucket_batches must be >= 1, got {bucket_batches}")
+        chunk = bucket_batches * batch_size
+        groups = []
+        for c in range(0, len(order), chunk):
+            part = order[c : c + chunk]
+            keys = [(len(examples[j].labels), len(examples[j].input_ids)) for j in part]
+            part = part[sorted(range(len(part)), key=keys.__getitem__)]
+            groups += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
+        if shuffle:
+            groups = [groups[i] for i in rng.permutation(len(groups))]
+    return [collate([examples[j] for j in g], pad, decoder_start_token_id) for g in groups]

@@ -12,6 +12,11 @@ For every non-padding target token y_t (teacher forcing), with q_g the global (t
 Temperature T (standard KD, Hinton et al. 2015): KL is taken between softmax(z / T) distributions and multiplied
 by T^2, so its gradient keeps the scale of the T = 1 case; CE and the entropy gate always use T = 1 (the gate
 asks how confident the teacher itself is). With the default T = 1 all three coincide with the equations above.
+
+Cost: the vocabulary dimension dominates, so ``distillation_loss`` works on the packed [N, V] rows of real tokens,
+chunk by chunk, with one softmax (one exp pass) per distribution and chunk, H/CE/KL from row dot products
+(``H = lse - sum p z``), and the gradient w.r.t. the student logits written in the same pass in closed form
+(``_FusedDistillation``; checked against plain autograd in tests/test_losses.py).
 """
 from __future__ import annotations
 
@@ -107,61 +112,180 @@ def kd_tokens(
     return _kl_from_logp(logp_l, logp_g, direction) * temperature**2
 
 
+def _pack(logits: torch.Tensor | None, valid: torch.Tensor, name: str) -> torch.Tensor | None:
+    """[B, T, V] -> the [N, V] rows at ``valid`` (row-major, as ``logits[valid]``); [N, V] is taken as packed."""
+    if logits is None:
+        return None
+    n = int(valid.sum())
+    if logits.dim() == valid.dim() + 1:
+        if logits.shape[:-1] != valid.shape:
+            raise ValueError(f"distillation_loss: {name} shape {tuple(logits.shape)} does not match labels "
+                             f"{tuple(valid.shape)}")
+        return logits.reshape(-1, logits.shape[-1]) if n == valid.numel() else logits[valid]  # no copy if unpadded
+    if logits.dim() == 2 and logits.shape[0] == n:
+        return logits
+    raise ValueError(f"distillation_loss: {name} must be [B, T, V] like the labels {tuple(valid.shape)} or packed "
+                     f"[N, V] with N = {n} non-padding tokens; got {tuple(logits.shape)}")
+
+
+def _softmax_lse(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(z) and logsumexp(z) over the last dim with one exp pass: lse = max - log p(argmax)."""
+    m, idx = z.max(dim=-1, keepdim=True)
+    p = torch.softmax(z, dim=-1)
+    return p, (m - p.gather(-1, idx).log()).squeeze(-1)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vecdot(a, b)
+
+
+class _FusedDistillation(torch.autograd.Function):
+    """L = sum_t w_t [a_t CE_t + b_t T^2 KL_t] on packed rows, chunk by chunk (the [N, V] intermediates of one
+    chunk stay in cache; one exp pass per distribution and chunk), with dL/dz_l written in the same pass:
+
+        dCE/dz_l = q_l - onehot(y),   d(T^2 KL(p_g^T || q_l^T))/dz_l = T (q_l^T - p_g^T),
+        d(T^2 KL(q_l^T || p_g^T))/dz_l = T q_l^T * (log q_l^T - log p_g^T - KL).
+
+    The gate (a_t, b_t) depends on H(q_g) of the same row only, so it is decided inside the chunk loop."""
+
+    @staticmethod
+    def forward(ctx, z_l, z_g, y, row_weight, hard_gate, cfg, chunk_rows, want_grad):
+        n, v = z_l.shape
+        dev = z_l.device
+        ce = torch.empty(n, device=dev)
+        kl = torch.zeros(n, device=dev)
+        entropy = torch.zeros(n, device=dev)
+        gate = torch.zeros(n, dtype=torch.bool, device=dev)
+        grad = torch.empty(z_l.shape, dtype=z_l.dtype, device=dev) if want_grad else None
+        t = float(cfg.temperature)
+        inv_log2 = 1.0 / math.log(2.0) if cfg.log_base == "2" else 1.0
+        for s in range(0, n, chunk_rows):
+            e = min(n, s + chunk_rows)
+            zl = z_l[s:e].float()
+            y_c = y[s:e].unsqueeze(-1)
+            q, lse_l = _softmax_lse(zl)
+            ce[s:e] = lse_l - zl.gather(-1, y_c).squeeze(-1)
+            if z_g is not None:
+                zg = z_g[s:e].float()
+                p, lse_g = _softmax_lse(zg)
+                p_dot_zg = _rowdot(p, zg)
+                h = lse_g - p_dot_zg  # H(q_g) = lse - sum_v p z
+                entropy[s:e] = h * inv_log2
+                if cfg.mode == "kd":
+                    g_c = torch.ones(e - s, dtype=torch.bool, device=dev)
+                elif cfg.mode == "selective":
+                    g_c = entropy[s:e] < cfg.tau
+                elif cfg.mode == "hard":
+                    g_c = hard_gate[s:e]
+                else:
+                    g_c = torch.zeros(e - s, dtype=torch.bool, device=dev)
+                gate[s:e] = g_c
+            else:
+                g_c = None
+            any_kd = g_c is not None and bool(g_c.any())
+            if any_kd:
+                if t == 1.0:
+                    p_t, lse_gt, q_t, lse_lt, zg_t, zl_t, pt_dot_zgt = p, lse_g, q, lse_l, zg, zl, p_dot_zg
+                else:
+                    zg_t, zl_t = zg / t, zl / t
+                    (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), _softmax_lse(zl_t)
+                    pt_dot_zgt = _rowdot(p_t, zg_t)
+                if cfg.kl_direction == "teacher_to_student":  # sum p (log p - log q)
+                    kl_c = (lse_lt - lse_gt) + pt_dot_zgt - _rowdot(p_t, zl_t)
+                else:  # sum q (log q - log p)
+                    kl_c = (lse_gt - lse_lt) + _rowdot(q_t, zl_t) - _rowdot(q_t, zg_t)
+                kl[s:e] = (kl_c * t * t).masked_fill(~g_c, 0.0)
+            if want_grad:
+                w = row_weight[s:e]
+                a = (torch.where(g_c, 1.0 - cfg.lam, 1.0) * w if g_c is not None else w).unsqueeze(-1)  # CE weight
+                b = (torch.where(g_c, cfg.lam, 0.0) * w * t).unsqueeze(-1) if any_kd else None  # KL (x T: dz/T)
+                # written in place when the logits are float32; half-precision logits get a float32 chunk copied back
+                gr = grad[s:e] if grad.dtype == torch.float32 else torch.empty(e - s, v, device=dev)
+                if any_kd and cfg.kl_direction == "teacher_to_student" and t == 1.0:
+                    torch.mul(q, a + b, out=gr)  # a (q - onehot) + b (q - p), one pass
+                    gr.addcmul_(p, b, value=-1.0)
+                else:
+                    torch.mul(q, a, out=gr)
+                    if any_kd and cfg.kl_direction == "teacher_to_student":
+                        gr.add_(b * (q_t - p_t))
+                    elif any_kd:
+                        log_ratio = (zl_t - zg_t) - (lse_lt - lse_gt).unsqueeze(-1) - kl_c.unsqueeze(-1)
+                        gr.add_(b * q_t * log_ratio)
+                gr.scatter_add_(-1, y_c, -a)
+                if gr.data_ptr() != grad[s:e].data_ptr():
+                    grad[s:e] = gr
+        a_all = torch.where(gate, 1.0 - cfg.lam, 1.0)
+        b_all = torch.where(gate, cfg.lam, 0.0)
+        loss = (row_weight * (a_all * ce + b_all * kl)).sum()
+        ctx.save_for_backward(grad if want_grad else torch.empty(0))
+        ctx.mark_non_differentiable(ce, kl, entropy, gate)
+        return loss, ce, kl, entropy, gate
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_):
+        (grad,) = ctx.saved_tensors
+        if float(grad_loss) != 1.0:  # e.g. loss / grad_accum_steps
+            grad = grad * grad_loss.to(grad.dtype)
+        return grad, None, None, None, None, None, None, None
+
+
 def distillation_loss(
     logits_local: torch.Tensor,
     logits_global: torch.Tensor | None,
     labels: torch.Tensor,
     cfg: KDConfig,
     hard_mask: torch.Tensor | None = None,
+    chunk_rows: int = 128,
 ) -> LossOutput:
+    """The batch loss of the module docstring and per-token (entropy, gate) [B, T].
+
+    ``logits_local`` / ``logits_global``: [B, T, V] (padding positions are ignored, whatever they hold) or packed
+    [N, V], the rows of the N non-padding tokens in row-major order (``logits[labels != -100]``, as
+    ``AdapterSummarizer.forward_two_paths(..., packed=True)`` returns them), which skips the head and the loss on
+    padding. Computed in float32, ``chunk_rows`` tokens at a time (see ``_FusedDistillation``)."""
     valid = labels != IGNORE_INDEX
     n_tokens = int(valid.sum())
     if n_tokens == 0:
         raise ValueError("distillation_loss: the batch has no non-padding target token")
-    # log-softmax of each distribution once (the vocabulary dimension dominates the cost)
-    logp_l = F.log_softmax(logits_local.float(), dim=-1)
-    logp_g = F.log_softmax(logits_global.detach().float(), dim=-1) if logits_global is not None else None
-    ce = _ce_from_logp(logp_l, labels)
-
-    # H(q_g) is recorded for every token whenever the teacher is given, also in "ce" mode (the gate log needs it)
-    entropy = _entropy_from_logp(logp_g, cfg.log_base) if logp_g is not None else torch.zeros_like(ce)
-    if cfg.mode == "ce":
-        gate = torch.zeros_like(valid)
-    elif logp_g is None:
+    if cfg.mode != "ce" and logits_global is None:
         raise ValueError(f"distillation_loss: mode {cfg.mode!r} needs the global (teacher) logits")
-    elif cfg.mode == "kd":
-        gate = valid.clone()
-    elif cfg.mode == "selective":
-        gate = (entropy < cfg.tau) & valid
-    else:  # hard
+    hard_gate = None
+    if cfg.mode == "hard":
         if hard_mask is None:
             raise ValueError("distillation_loss: mode 'hard' needs hard_mask [B, T]")
         if hard_mask.shape != labels.shape:
             raise ValueError(f"hard_mask shape {tuple(hard_mask.shape)} != labels shape {tuple(labels.shape)}")
-        gate = hard_mask.to(torch.bool).to(valid.device) & valid
-    entropy = entropy.masked_fill(~valid, 0.0)
+        hard_gate = hard_mask.to(torch.bool).to(valid.device)[valid]
+    z_l = _pack(logits_local, valid, "logits_local")
+    z_g = _pack(logits_global.detach(), valid, "logits_global") if logits_global is not None else None
+    if z_g is not None and z_g.device != z_l.device:
+        z_g = z_g.to(z_l.device)
+    y = labels[valid].to(z_l.device)
 
-    if not gate.any():
-        kl = torch.zeros_like(ce)
-    elif cfg.temperature == 1.0:
-        kl = _kl_from_logp(logp_l, logp_g, cfg.kl_direction).masked_fill(~gate, 0.0)
-    else:
-        kl = kd_tokens(logits_local, logits_global, cfg.temperature, cfg.kl_direction).masked_fill(~gate, 0.0)
-    per_token = torch.where(gate, (1.0 - cfg.lam) * ce + cfg.lam * kl, ce).masked_fill(~valid, 0.0)
-
+    # w_t: the token's weight in the batch mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b))
     if cfg.normalisation == "tokens":
-        loss = per_token.sum() / n_tokens
+        row_weight = torch.full((n_tokens,), 1.0 / n_tokens, device=z_l.device)
     else:
         per_seq_tokens = valid.sum(dim=1)
-        has = per_seq_tokens > 0
-        loss = (per_token.sum(dim=1)[has] / per_seq_tokens[has]).mean()
+        n_seq = int((per_seq_tokens > 0).sum())
+        seq_of_row = valid.nonzero()[:, 0]
+        row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device)
+    want_grad = torch.is_grad_enabled() and z_l.requires_grad
+    loss, ce, kl, entropy_p, gate_p = _FusedDistillation.apply(
+        z_l, z_g, y, row_weight, hard_gate, cfg, max(1, int(chunk_rows)), want_grad
+    )
 
-    n_kd = int(gate.sum())
+    entropy = torch.zeros(labels.shape, device=z_l.device)
+    gate = torch.zeros(labels.shape, dtype=torch.bool, device=z_l.device)
+    valid_d = valid.to(z_l.device)
+    entropy[valid_d] = entropy_p
+    gate[valid_d] = gate_p
+    n_kd = int(gate_p.sum())
     return LossOutput(
         loss=loss,
-        ce_mean=float(ce.detach()[valid].mean()),
-        kd_mean=float(kl.detach()[gate].mean()) if n_kd else 0.0,
-        entropy=entropy.detach(),
+        ce_mean=float(ce.mean()),
+        kd_mean=float(kl[gate_p].mean()) if n_kd else 0.0,
+        entropy=entropy,
         gate=gate,
         n_tokens=n_tokens,
         n_kd=n_kd,

@@ -6,7 +6,9 @@
 summarizer q_l, the only trainable parameters). Everything below the first adapted layer -- the encoder output
 and the hidden state entering layer L-k -- does not depend on the path, so :meth:`forward_two_paths` computes it
 once (the :class:`Prefix`, cacheable on disk by ``pipeline.cache.PrefixCache``) and runs only the top k layers
-and the LM head once per path, the teacher path under ``torch.no_grad()``.
+and the LM head once per path, the teacher path under ``torch.no_grad()``. The LM head (n x V, the largest
+matmul of a step) runs only on the real target tokens (labels != -100); ``packed=True`` hands those [N, V] rows
+straight to ``pipeline.losses.distillation_loss`` without a zero-padded [B, T, V] copy.
 
 Adapters are attached with forward hooks (on the output LayerNorm of each adapted post-LN layer, else on the
 layer), so the HF model itself is untouched and every HF code path (full forward, ``generate`` with beams and KV
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from pipeline.adapters import AdapterConfig, AdapterSet, output_layer_norm
-from pipeline.data import Batch
+from pipeline.data import IGNORE_INDEX, Batch
 
 PATHS = ("global", "local")
 
@@ -72,19 +74,42 @@ class Prefix:
     encoder_hidden: torch.Tensor  # [B, S, n] encoder output as the decoder's cross-attention sees it
     encoder_mask: torch.Tensor  # [B, S] 1 on source tokens
     decoder_hidden: torch.Tensor  # [B, T, n] hidden state entering decoder layer L-k (valid up to target length)
+    # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there (None = everywhere)
+    target_mask: torch.Tensor | None = None
 
     def to(self, device) -> "Prefix":
-        return Prefix(self.encoder_hidden.to(device), self.encoder_mask.to(device), self.decoder_hidden.to(device))
+        mask = self.target_mask.to(device) if self.target_mask is not None else None
+        return Prefix(self.encoder_hidden.to(device), self.encoder_mask.to(device), self.decoder_hidden.to(device), mask)
 
 
 @dataclass
 class TwoPathOutput:
-    logits_local: torch.Tensor  # [B, T, V], differentiable w.r.t. the local adapters
-    logits_global: torch.Tensor  # [B, T, V], computed under no_grad
+    # [B, T, V] (0 on padding), or packed [N, V] = the rows of the N real target tokens in row-major order
+    # (``logits[batch.labels != -100]``) with ``forward_two_paths(..., packed=True)``
+    logits_local: torch.Tensor  # differentiable w.r.t. the local adapters
+    logits_global: torch.Tensor  # computed under no_grad
+    target_mask: torch.Tensor | None = None  # [B, T] bool, where the logits are real
 
 
 class _PrefixReady(Exception):
     """Raised from a pre-hook to stop the backbone forward once the prefix has been captured."""
+
+
+def target_mask_of(batch: Batch) -> torch.Tensor:
+    """[B, T] bool: the batch's real (non-padding) target positions."""
+    return batch.labels != IGNORE_INDEX
+
+
+def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Full [B, T, V] <-> packed [N, V] (rows of ``target_mask``), whichever ``packed`` asks for."""
+    is_packed = logits.dim() == 2
+    if is_packed == packed:
+        return logits
+    if packed:
+        return logits[target_mask]
+    full = logits.new_zeros(*target_mask.shape, logits.shape[-1])
+    full[target_mask] = logits
+    return full
 
 
 def default_device() -> torch.device:
@@ -307,7 +332,8 @@ class AdapterSummarizer(nn.Module):
             handle.remove()
         if "decoder_hidden" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
-        return Prefix(captured["encoder_hidden"], batch.attention_mask.to(self.device), captured["decoder_hidden"])
+        return Prefix(captured["encoder_hidden"], batch.attention_mask.to(self.device), captured["decoder_hidden"],
+                      target_mask_of(batch).to(self.device))
 
     def _top_masks(self, prefix: Prefix):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -340,8 +366,13 @@ class AdapterSummarizer(nn.Module):
         bias = getattr(owner, "final_logits_bias", None)
         return logits + bias.to(logits.device) if bias is not None else logits
 
-    def path_logits(self, prefix: Prefix, path: str, masks=None) -> torch.Tensor:
-        """Top k layers with ``path``'s adapters + LM head on a prefix. Gradients flow when enabled by the caller."""
+    def path_logits(self, prefix: Prefix, path: str, masks=None, target_mask: torch.Tensor | None = None,
+                    packed: bool = False) -> torch.Tensor:
+        """Top k layers with ``path``'s adapters + LM head on a prefix. Gradients flow when enabled by the caller.
+
+        The LM head (n x V, the dominant cost) runs only where ``target_mask`` [B, T] (default: the prefix's own
+        ``target_mask``; None = everywhere) is True. Returns [B, T, V] with 0 elsewhere, or with ``packed`` the
+        [N, V] rows of the masked positions in row-major order (no scatter; ``distillation_loss`` takes them)."""
         self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
         h = prefix.decoder_hidden
         with self.use_path(path):
@@ -349,26 +380,64 @@ class AdapterSummarizer(nn.Module):
                 h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
                 if isinstance(h, tuple):
                     h = h[0]
-        return self._head(h)
+        mask = target_mask if target_mask is not None else prefix.target_mask
+        if mask is None or bool(mask.all()):
+            logits = self._head(h)
+            return logits.reshape(-1, logits.shape[-1]) if packed else logits
+        mask = mask.to(h.device, torch.bool)
+        rows = self._head(h[mask])  # [N, V]
+        if packed:
+            return rows
+        full = rows.new_zeros(*mask.shape, rows.shape[-1])
+        full[mask] = rows  # differentiable scatter: the gradient of the zeros is dropped
+        return full
 
-    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None) -> TwoPathOutput:
+    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None,
+                          packed: bool = False) -> TwoPathOutput:
         """Both paths from one prefix: local with gradients, global (the teacher) under no_grad.
 
-        ``teacher_logits`` (e.g. from ``pipeline.cache.TeacherCache``) skips the global path when given."""
+        The LM head runs on the batch's real target tokens only; ``packed`` returns [N, V] rows instead of
+        [B, T, V] (see :meth:`path_logits`). ``teacher_logits`` (e.g. from ``pipeline.cache.TeacherCache``,
+        [B, T, V] or packed [N, V]) skips the global path when given."""
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
+        target_mask = target_mask_of(batch).to(self.device)
         masks = self._top_masks(prefix)
-        logits_local = self.path_logits(prefix, "local", masks)
+        logits_local = self.path_logits(prefix, "local", masks, target_mask, packed)
         if teacher_logits is None:
             with torch.no_grad():
-                teacher_logits = self.path_logits(prefix, "global", masks)
-        return TwoPathOutput(logits_local, teacher_logits)
+                teacher_logits = self.path_logits(prefix, "global", masks, target_mask, packed)
+        else:
+            teacher_logits = _match_layout(teacher_logits.to(self.device), target_mask, packed)
+        return TwoPathOutput(logits_local, teacher_logits, target_mask)
 
     @torch.no_grad()
-    def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
-        """HF ``generate`` (greedy, beam, ...; the encoder runs once) with ``path``'s adapters active."""
-        with self.use_path(path):
+    def generate(self, input_ids, attention_mask, path: str | None = "local", num_threads: int | None = None,
+                 **generation_kwargs) -> torch.Tensor:
+        """HF ``generate`` (greedy, beam, ...; the encoder runs once, the decoder reuses its self- and
+        cross-attention key/value cache) with ``path``'s adapters active.
+
+        ``num_threads``: torch's intra-op threads during the call (restored afterwards; None = leave as is).
+        Decoding is one token per step -- tiny matmuls for which, on a CPU shared with other processes, two
+        OpenMP threads waiting on each other cost more than they gain (measured on MiniLM, batch 8: 0.11 s per
+        step with 1 thread vs 0.79 s with 2 on a busy 2-core machine)."""
+        with self.use_path(path), _intra_op_threads(num_threads):
             return self.backbone.generate(
                 input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generation_kwargs
             )
+
+
+@contextlib.contextmanager
+def _intra_op_threads(n: int | None) -> Iterator[None]:
+    if n is None:
+        yield
+        return
+    if n < 1:
+        raise ValueError(f"num_threads must be >= 1, got {n}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -175,3 +175,22 @@ def test_teacher_cache_is_exact_and_follows_the_global_adapter(model, tmp_path):
         assert small.stats["refused"] == 2
     finally:
         model.load_adapter_state("global", state)
+
+
+def test_teacher_cache_packed_rows(model, tmp_path):
+    """packed=True gives the [N, V] rows of the real target tokens, on a miss and on a hit alike."""
+    teacher = TeacherCache(max_bytes=10**8)
+    batch = _batch(model, [1, 3, 2])
+    valid = batch.labels != IGNORE_INDEX
+    prefix = model.compute_prefix(batch)
+    with torch.no_grad():
+        ref = model.forward_two_paths(batch, prefix).logits_global
+    miss = teacher.logits_for(model, batch, prefix, packed=True)
+    hit = teacher.logits_for(model, batch, prefix, packed=True)
+    full = teacher.logits_for(model, batch, prefix)
+    assert teacher.stats["misses"] == 3 and teacher.stats["hits"] == 6
+    assert miss.shape == (int(valid.sum()), ref.shape[-1])
+    torch.testing.assert_close(miss, ref[valid], atol=1e-6, rtol=0)
+    torch.testing.assert_close(hit, miss, atol=0, rtol=0)
+    torch.testing.assert_close(full[valid], miss, atol=0, rtol=0)
+    assert (full[~valid] == 0).all()

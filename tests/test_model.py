@@ -170,6 +170,9 @@ def test_generate_beam_and_paths_differ(summarizer, batch):
     direct = summarizer.backbone.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                           max_new_tokens=5, num_beams=1)
     assert torch.equal(plain, direct)  # no path = the untouched backbone
+    before = torch.get_num_threads()
+    one = summarizer.generate(batch.input_ids, batch.attention_mask, None, num_threads=1, max_new_tokens=5, num_beams=1)
+    assert torch.equal(one, direct) and torch.get_num_threads() == before  # same tokens; threads restored
 
 
 def test_fingerprint_stable_and_sensitive():
@@ -246,3 +249,83 @@ def test_other_architectures(kind, tmp_path):
     torch.testing.assert_close(out.logits_local[valid], model.forward_path(b, "local")[valid], atol=1e-5, rtol=0)
     torch.testing.assert_close(out.logits_global[valid], round0, atol=1e-5, rtol=0)
     assert model.generate(b.input_ids, b.attention_mask, "local", max_new_tokens=3, num_beams=2).shape[0] == 3
+
+
+def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
+    """The LM head runs on non-padding positions only ([B, T, V] with zeros on padding, or packed [N, V]): same
+    loss and same local-adapter gradients as the full HF forward on a padded batch."""
+    from pipeline.losses import KDConfig, distillation_loss
+
+    valid = batch.labels != IGNORE_INDEX
+    assert not valid.all()  # the batch is padded, so skipping padding matters
+    cfg = KDConfig(mode="kd", lam=0.4)
+    params = summarizer.local_parameters()
+    for p in params:
+        p.requires_grad_(True)
+
+    def loss_and_grads(logits_local, logits_global):
+        loss = distillation_loss(logits_local, logits_global, batch.labels, cfg).loss
+        grads = torch.autograd.grad(loss, params)
+        return loss.item(), grads
+
+    try:
+        with torch.no_grad():
+            ref_global = summarizer.forward_path(batch, "global")
+        ref_loss, ref_grads = loss_and_grads(summarizer.forward_path(batch, "local"), ref_global)
+        full = summarizer.forward_two_paths(batch)
+        packed = summarizer.forward_two_paths(batch, packed=True)
+        assert full.logits_local.shape == ref_global.shape and packed.logits_local.shape == (int(valid.sum()), ref_global.shape[-1])
+        assert (full.logits_local[~valid] == 0).all() and (full.logits_global[~valid] == 0).all()
+        torch.testing.assert_close(packed.logits_global, full.logits_global[valid], atol=1e-6, rtol=0)
+        for out in (full, packed):
+            loss, grads = loss_and_grads(out.logits_local, out.logits_global)
+            assert abs(loss - ref_loss) < 1e-5
+            for g, r in zip(grads, ref_grads):
+                torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)
+        # a teacher given in the other layout is converted
+        mixed = summarizer.forward_two_paths(batch, teacher_logits=full.logits_global, packed=True)
+        torch.testing.assert_close(mixed.logits_global, packed.logits_global, atol=0, rtol=0)
+        # path_logits on a prefix from compute_prefix (which carries the target mask) = forward_path on real tokens
+        with torch.no_grad():
+            local = summarizer.path_logits(summarizer.compute_prefix(batch), "local")
+            ref_local = summarizer.forward_path(batch, "local")
+        torch.testing.assert_close(local[valid], ref_local[valid], atol=1e-5, rtol=0)
+        assert (local[~valid] == 0).all()
+    finally:
+        for p in params:
+            p.requires_grad_(False)
+
+
+def test_make_batches_bucketing_by_length(summarizer):
+    rng = torch.Generator().manual_seed(0)
+    n = 40
+    lengths = torch.randint(1, 25, (n,), generator=rng).tolist()
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
+    df = pd.DataFrame({"example_id": [f"x{i}" for i in range(n)],
+                       "source": [f"query #SEP# A: {words[i % len(words)]}" for i in range(n)],
+                       "target": [" ".join(words[(i + j) % len(words)] for j in range(k)) for i, k in enumerate(lengths)]})
+    cfg = ModelConfig(max_source_length=16, max_target_length=32)
+    start = summarizer.decoder_start_token_id
+
+    def batches(seed, bucket, shuffle=True, bucket_batches=50):
+        return make_batches(df, summarizer.tokenizer, cfg, 4, shuffle, seed, start, bucket_by_length=bucket,
+                            bucket_batches=bucket_batches)
+
+    def padding(bs):
+        return sum(int((b.labels == IGNORE_INDEX).sum()) for b in bs)
+
+    plain, bucketed = batches(3, False), batches(3, True)
+    assert [b.example_ids for b in batches(3, False)] == [b.example_ids for b in plain]  # default unchanged
+    assert [b.example_ids for b in batches(3, True)] == [b.example_ids for b in bucketed]  # seeded
+    assert [b.example_ids for b in batches(4, True)] != [b.example_ids for b in bucketed]
+    assert sorted(sum((b.example_ids for b in bucketed), [])) == sorted(df["example_id"])  # each example once
+    assert padding(bucketed) < padding(plain) / 2
+    # one chunk, no shuffle: batches follow ascending target length and never overlap in length
+    ordered = batches(0, True, shuffle=False)
+    spans = [(int(b.target_lengths.min()), int(b.target_lengths.max())) for b in ordered]
+    assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))
+    # chunks of 2 batches: sorting happens within each chunk of 8 consecutive (shuffled) examples only
+    small = batches(5, True, bucket_batches=2)
+    perm = [b.example_ids for b in batches(5, False)]
+    chunks = [sorted(sum(perm[i : i + 2], [])) for i in range(0, len(perm), 2)]
+    assert all(any(set(b.example_ids) <= set(c) for c in chunks) for b in small)
