@@ -248,12 +248,13 @@ def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cac
         if teacher_cache is not None:
             if prefix is None:
                 prefix = model.compute_prefix(batch)
-            teacher = teacher_cache.logits_for(model, batch, prefix)
-        out = model.forward_two_paths(batch, prefix, teacher_logits=teacher)
+            teacher = teacher_cache.logits_for(model, batch, prefix, packed=True)
+        # packed: the LM head and the loss run only on the real (non-padding) target tokens
+        out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
         return out.logits_local, out.logits_global
     if prefix is None:
         prefix = model.compute_prefix(batch)
-    return model.path_logits(prefix.to(model.device), "local"), None
+    return model.path_logits(prefix.to(model.device), "local", packed=True), None
 
 
 def train_local(
@@ -307,6 +308,7 @@ def train_local(
         batches = make_batches(
             examples, model.tokenizer, mcfg, cfg.batch_size, shuffle=True, seed=derived_seed(seed, epoch),
             decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+            bucket_by_length=cfg.bucket_by_length,
         )
         iterator = batches
         if progress:
@@ -398,12 +400,9 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
         decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
     )
     for batch in batches:
-        logits, _ = _forward_logits(model, batch, False, cache)
+        logits, _ = _forward_logits(model, batch, False, cache)  # packed: [real target tokens, V]
         labels = batch.labels.to(model.device)
-        ce = torch.nn.functional.cross_entropy(
-            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        ce = torch.nn.functional.cross_entropy(logits.float(), labels[labels != IGNORE_INDEX], reduction="sum")
         total += float(ce)
         tokens += int((labels != IGNORE_INDEX).sum())
     return total / max(tokens, 1), tokens

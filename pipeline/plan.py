@@ -40,6 +40,7 @@ class TrainConfig:
     local_epochs: int = 1
     batch_size: int = 4
     grad_accum_steps: int = 1
+    bucket_by_length: bool = True
     lr: float = 2.0e-4
     weight_decay: float = 0.01
     kd_lambda: float = 0.2
