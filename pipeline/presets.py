@@ -1,0 +1,254 @@
+"""Run profiles: partial params.yaml files in ``configs/`` applied through DVC's own parameter mechanism.
+
+A preset is a YAML mapping with the nested layout of params.yaml naming only keys params.yaml already has
+(an unknown key is an error, so a typo can never be silently ignored). Applying it means running
+``dvc exp run --set-param key=value ...`` with one override per leaf key, so every profile run is a DVC
+experiment whose params DVC records and ``dvc exp show`` compares.
+
+Rules
+- Leaves (scalars and lists) replace the params.yaml value; a mapping is merged key by key.
+- ``experiments`` (see :data:`REPLACED_WHOLE`) is replaced as a whole: a profile defines its own set of
+  experiments, and params.yaml's entries not named by it are dropped (``~experiments`` then
+  ``+experiments={...}``). Each entry is checked by the plan stage's parser (``pipeline.plan.parse_entry``: method,
+  partition, seed, study, tau and ``train`` keys), its method must exist and its partition must be one the
+  partition stage produces (``partition.schemes`` x ``partition.seeds`` after the preset).
+- ``seeds``, ``schemes`` and other lists are replaced, never appended to.
+
+    python -m pipeline.presets show configs/cpu-study.yaml          # the flattened overrides
+    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue] [--dry-run]
+    python -m pipeline.presets check configs/*.yaml                  # validate only
+    make preset PRESET=configs/cpu-study.yaml
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline.config import load_params
+
+# Groups a preset replaces as a whole instead of merging into (see module docstring).
+REPLACED_WHOLE = ("experiments",)
+
+
+class PresetError(ValueError):
+    """A preset names unknown keys or has the wrong shape; the message names the file and every bad key."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses duplicate keys (plain YAML keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def load_preset(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise PresetError(f"{p}: preset file not found")
+    try:
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise PresetError(f"{p}: not valid YAML ({e})") from e
+    if not isinstance(data, dict) or not data:
+        raise PresetError(f"{p}: a preset must be a non-empty mapping with params.yaml's nested layout")
+    return data
+
+
+def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
+    """Every problem of ``preset`` against ``params`` (empty = valid)."""
+    found: list[str] = []
+
+    def walk(pre: dict[str, Any], par: dict[str, Any], where: str) -> None:
+        for key, value in pre.items():
+            path = f"{where}.{key}" if where else str(key)
+            if key not in par:
+                close = sorted(par)
+                found.append(f"{path}: unknown key (params.yaml{' ' + where if where else ''} has {close})")
+                continue
+            if not where and key in REPLACED_WHOLE:
+                check_replaced(value, path)
+            elif isinstance(par[key], dict) and par[key]:
+                if not isinstance(value, dict):
+                    found.append(f"{path}: params.yaml has a mapping here, the preset gives {type(value).__name__}")
+                else:
+                    walk(value, par[key], path)
+            elif isinstance(value, dict) and value:
+                found.append(f"{path}: the preset gives a mapping where params.yaml has {par[key]!r}")
+
+    def check_replaced(value: Any, path: str) -> None:
+        if not isinstance(value, dict) or not value:
+            found.append(f"{path}: must be a non-empty mapping of experiment name -> settings")
+            return
+        # the plan stage's own entry parser decides what an experiment may say (no second copy of its rules)
+        from pipeline.methods import get_method
+        from pipeline.plan import TrainConfig, parse_entry
+
+        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        partition = apply_preset(params, preset).get("partition") or {}
+        schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
+        for name, entry in value.items():
+            try:
+                parsed = parse_entry(str(name), entry, train_fields)
+                get_method(parsed.method)
+            except ValueError as e:
+                found.append(f"{path}.{name}: {e}")
+                continue
+            scheme, _, seed = parsed.partition.partition("/seed")
+            if scheme not in schemes or not seed.isdigit() or int(seed) not in seeds:
+                found.append(f"{path}.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
+                             f"{schemes} x partition.seeds {seeds} (after the preset)")
+
+    walk(preset, params, "")
+    return found
+
+
+def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset") -> None:
+    bad = problems(preset, params)
+    if bad:
+        raise PresetError(f"{source}: {len(bad)} problem(s):\n  " + "\n  ".join(bad))
+
+
+def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """params.yaml with the preset overlaid (what ``dvc exp run -S ...`` leaves in the workspace)."""
+    merged = copy.deepcopy(params)
+
+    def merge(dst: dict[str, Any], src: dict[str, Any], top: bool) -> None:
+        for key, value in src.items():
+            if top and key in REPLACED_WHOLE:
+                dst[key] = copy.deepcopy(value)
+            elif isinstance(value, dict) and isinstance(dst.get(key), dict):
+                merge(dst[key], value, False)
+            else:
+                dst[key] = copy.deepcopy(value)
+
+    merge(merged, preset, True)
+    return merged
+
+
+def flatten_leaves(preset: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': 1}, 'experiments': {...}} -> {'a.b': 1, 'experiments': {...}} (replaced groups stay whole)."""
+    out: dict[str, Any] = {}
+    for key, value in preset.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value and not (not prefix and key in REPLACED_WHOLE):
+            out.update(flatten_leaves(value, path))
+        else:
+            out[path] = value
+    return out
+
+
+_BARE = re.compile(r"^[A-Za-z_][\w-]*$")
+
+
+def hydra_value(value: Any) -> str:
+    """A value in Hydra's override grammar (what ``dvc exp run -S`` parses). Strings are always quoted."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, str):
+        # Hydra: inside quotes only backslashes right before a quote or the closing quote need doubling
+        escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value).replace("'", "\\'")
+        return f"'{escaped}'"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        items = []
+        for k, v in value.items():
+            if not _BARE.match(str(k)):
+                raise PresetError(f"key {k!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
+            items.append(f"{k}: {hydra_value(v)}")
+        return "{" + ", ".join(items) + "}"
+    raise PresetError(f"value {value!r}: unsupported type {type(value).__name__}")
+
+
+def overrides(preset: dict[str, Any]) -> list[str]:
+    """The ``--set-param`` overrides for ``dvc exp run``, one per leaf key, in file order."""
+    out: list[str] = []
+    for key, value in flatten_leaves(preset).items():
+        if key in REPLACED_WHOLE:
+            out += [f"~{key}", f"+{key}={hydra_value(value)}"]
+        else:
+            out.append(f"{key}={hydra_value(value)}")
+    return out
+
+
+def exp_run_command(preset_path: str | Path, name: str | None = None, queue: bool = False,
+                    params_path: str | Path = "params.yaml") -> list[str]:
+    """Validate the preset against params.yaml and build the ``dvc exp run`` command that applies it."""
+    preset = load_preset(preset_path)
+    validate(preset, load_params(params_path), str(preset_path))
+    cmd = [sys.executable, "-m", "dvc", "exp", "run"]
+    if name:
+        cmd += ["--name", name]
+    if queue:
+        cmd.append("--queue")
+    for ov in overrides(preset):
+        cmd += ["--set-param", ov]
+    return cmd
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default="params.yaml", help="the params.yaml presets are checked against")
+    sub = ap.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("show", help="validate and print the flattened overrides")
+    show.add_argument("preset")
+    check = sub.add_parser("check", help="validate one or more presets")
+    check.add_argument("presets", nargs="+")
+    run = sub.add_parser("run", help="validate, then `dvc exp run --set-param ...` (a DVC experiment)")
+    run.add_argument("preset")
+    run.add_argument("--name", help="experiment name (dvc exp run --name)")
+    run.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
+    run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
+    args = ap.parse_args(argv)
+    params = load_params(args.params)
+    try:
+        if args.command == "show":
+            preset = load_preset(args.preset)
+            validate(preset, params, args.preset)
+            for ov in overrides(preset):
+                print(ov)
+            return 0
+        if args.command == "check":
+            for path in args.presets:
+                validate(load_preset(path), params, path)
+                print(f"{path}: ok ({len(overrides(load_preset(path)))} overrides)")
+            return 0
+        cmd = exp_run_command(args.preset, args.name, args.queue, args.params)
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(shlex.join(cmd), flush=True)
+    if args.dry_run:
+        return 0
+    return subprocess.call(cmd)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

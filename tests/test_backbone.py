@@ -1,0 +1,214 @@
+"""Stage backbone: local directories, hub ids offline, the offline MiniLM recipe; and pipeline.timing."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+
+import tiny_models
+from pipeline import backbone as bb
+from pipeline.timing import stage_timer
+
+DIALOGUES = [
+    ([("Amanda", "I baked cookies. Do you want some?"), ("Jerry", "Sure!")], "Amanda baked cookies for Jerry."),
+    ([("Tom", "Are we meeting at 5?"), ("Ann", "Yes, at the station.")], "Tom and Ann meet at 5 at the station."),
+    ([("Kim", "I lost my keys"), ("Tim", "Check the car"), ("Kim", "Found them!")], "Kim found her keys in the car."),
+    ([("Bob", "Pizza tonight?"), ("Eve", "Sure, 8 pm")], "Bob and Eve will have pizza at 8 pm."),
+]
+
+
+def write_interim(path, n_train=4, n_valid=2):
+    rows = []
+    for split, n in (("train", n_train), ("valid", n_valid)):
+        for i in range(n):
+            turns, summary = DIALOGUES[i % len(DIALOGUES)]
+            rows.append(dict(dataset="samsum", domain="SAMSum", split=split, meeting_id=f"{split}{i}",
+                             query_index=-1, query="", query_type="none",
+                             turns=[{"speaker": s, "content": c} for s, c in turns], spans=[],
+                             summary=summary, source_file="fixture", source_line=i + 1))
+    # one empty dialogue, as SAMSum train has: skipped, not trained on
+    rows.append(dict(rows[0], meeting_id="empty", turns=[], summary="nothing"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+def local_cfg(name, **warmup):
+    cfg = bb.BackboneConfig(name=str(name))
+    cfg.warmup = bb.WarmupConfig(**{"eval_examples": 0, **warmup})
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------ local directory
+def test_local_directory_is_resolved_recorded_and_gets_one_sep_token(tmp_path):
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    orig_tok = AutoTokenizer.from_pretrained(src)
+    orig_len = len(orig_tok)
+    # the tiny tokenizer already knows "#SEP#"; a separator it does not know exercises the adding path
+    sep = "#BREAK#"
+    assert sep not in orig_tok.get_vocab()
+    out, report = tmp_path / "out", tmp_path / "reports" / "backbone.json"
+
+    record = bb.resolve(local_cfg(src), sep, out, tmp_path / "interim", report)
+
+    assert record["source"]["kind"] == "local"
+    assert record["source"]["path"] == str(src.resolve())
+    assert json.loads((out / bb.RECORD_NAME).read_text()) == json.loads(report.read_text()) == record
+    assert bb.load_record(out) == record
+    tok = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForSeq2SeqLM.from_pretrained(out)
+    # the separator is one new token id at the end of the vocabulary, and the embeddings grew to hold it
+    assert len(tok) == orig_len + 1 == record["vocab_size"]
+    assert tok.convert_tokens_to_ids(sep) == orig_len == record["sep_token_id"]
+    assert tok(f"what was said {sep} A: hi")["input_ids"].count(orig_len) == 1
+    assert model.get_input_embeddings().num_embeddings >= orig_len + 1
+    # the pretrained weights themselves are untouched (no warm-up for a local model)
+    orig = AutoModelForSeq2SeqLM.from_pretrained(src)
+    name = "model.decoder.layers.0.fc1.weight"
+    assert torch.equal(dict(model.named_parameters())[name], dict(orig.named_parameters())[name])
+    assert record["warmup"] is None and record["evaluation"] is None
+    assert record["decoder_layers"] == orig.config.decoder_layers
+    assert record["hidden_size"] == orig.config.d_model
+
+
+def test_content_hash_identifies_the_files_not_the_place(tmp_path):
+    a = tiny_models.save_tiny("bart", tmp_path / "a")
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert bb.sha256_dir(a) == bb.sha256_dir(b)
+    cfg = json.loads((b / "config.json").read_text())
+    cfg["dropout"] = 0.25
+    (b / "config.json").write_text(json.dumps(cfg))
+    assert bb.sha256_dir(a) != bb.sha256_dir(b)
+
+
+def test_encoder_only_directory_is_rejected(tmp_path):
+    model, tok = tiny_models.tiny_bert2bert()
+    model.encoder.save_pretrained(tmp_path / "bert")
+    tok.save_pretrained(tmp_path / "bert")
+    with pytest.raises(bb.BackboneError, match="not an encoder-decoder"):
+        bb.resolve(local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, None)
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ hub ids
+def test_classify():
+    assert bb.classify("minilm-bert2bert") == "recipe"
+    assert bb.classify("facebook/bart-base") == "hub"
+    assert bb.classify("t5-small") == "hub"
+    assert bb.classify(".") == "local"
+    with pytest.raises(bb.BackboneError, match="not an existing directory"):
+        bb.classify("./no/such/dir")
+
+
+def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(bb.BackboneError) as err:
+        bb.resolve(local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, None)
+    msg = str(err.value)
+    assert "facebook/bart-base" in msg and "cannot be downloaded" in msg
+    assert "local directory" in msg and bb.OFFLINE_RECIPE in msg and "HF_HUB_OFFLINE" in msg
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------ offline recipe
+def test_offline_recipe_builds_warms_up_and_records(tmp_path):
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    cfg = bb.BackboneConfig()
+    cfg.warmup = bb.WarmupConfig(steps=2, batch_size=2, max_source_length=32, max_target_length=12,
+                                 log_every=1, eval_examples=2, eval_batch_size=2, length_grouping=0)
+    cfg.generation = bb.GenerationDefaults(max_new_tokens=4)
+    out = tmp_path / "out"
+    record = bb.resolve(cfg, "#SEP#", out, interim.parent, tmp_path / "backbone.json")
+
+    # build: encoder and decoder both start from MiniLM; the decoder is causal with cross-attention
+    model = EncoderDecoderModel.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out)
+    assert model.config.decoder.is_decoder and model.config.decoder.add_cross_attention
+    assert model.config.decoder.num_hidden_layers == 6 and model.config.decoder.hidden_size == 384
+    assert model.config.decoder_start_token_id == tok.cls_token_id
+    assert model.generation_config.eos_token_id == tok.sep_token_id
+    assert model.generation_config.pad_token_id == tok.pad_token_id == 0
+    assert len(tok) == 30522 + 1 == model.config.decoder.vocab_size == record["vocab_size"]
+    assert record["sep_token_id"] == 30522 == tok.convert_tokens_to_ids("#SEP#")
+    assert any("crossattention" in n for n, _ in model.decoder.named_parameters())
+
+    # warm-up: 2 steps of 2 examples; full-parameter training moved the pretrained weights
+    w = record["warmup"]
+    assert (w["steps"], w["examples_seen"], w["train_examples"]) == (2, 4, 4)  # the empty dialogue is skipped
+    assert [e["step"] for e in w["loss_log"]] == [1, 2]
+    minilm = load_file(str(bb.minilm_dir() / "model.safetensors"))
+    key = "encoder.layer.5.attention.self.query.weight"
+    pretrained = minilm[key] if key in minilm else minilm["bert." + key]
+    assert not torch.equal(model.encoder.state_dict()[key], pretrained)
+    assert torch.allclose(model.encoder.state_dict()[key], pretrained, atol=1e-2)  # moved, not re-initialised
+    ev = record["evaluation"]
+    assert ev["examples"] == 2 and ev["decoding"]["max_new_tokens"] == 4
+    assert all(0.0 <= ev[k] <= 100.0 for k in ("rouge1", "rouge2", "rougeL"))
+    assert json.loads((tmp_path / "backbone.json").read_text()) == record
+
+
+def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(5, 300, size=200)
+    plain = bb.batch_order(lengths, 8, 25, seed=3, group=0)
+    assert all(len(b) == 8 for b in plain)
+    assert len(np.unique(np.concatenate(plain))) == 200  # one epoch = every example once
+    assert all(np.array_equal(x, y) for x, y in zip(plain, bb.batch_order(lengths, 8, 25, seed=3, group=0)))
+    assert not all(np.array_equal(x, y) for x, y in zip(plain, bb.batch_order(lengths, 8, 25, seed=4, group=0)))
+    grouped = bb.batch_order(lengths, 8, 25, seed=3, group=5)
+    assert len(np.unique(np.concatenate(grouped))) == 200
+    padded = lambda batches: sum(len(b) * lengths[b].max() for b in batches)  # noqa: E731
+    assert padded(grouped) < padded(plain)
+    assert len(bb.batch_order(lengths, 8, 60, seed=3, group=0)) == 60  # more steps than one epoch
+
+
+def test_new_cross_attention_gets_the_higher_learning_rate():
+    model, _ = tiny_models.tiny_bert2bert()
+    wc = bb.WarmupConfig(lr=1e-4, cross_attention_lr=5e-4)
+    groups = bb.param_groups(model, wc)
+    names = {id(p): n for n, p in model.named_parameters()}
+    for g in groups:
+        new = [("crossattention" in names[id(p)]) or ("cls.predictions.transform" in names[id(p)]) for p in g["params"]]
+        assert all(new) or not any(new)
+        assert g["lr"] == (5e-4 if all(new) else 1e-4)
+        assert g["weight_decay"] == (0.0 if all(p.ndim < 2 for p in g["params"]) else 0.01)
+    assert sum(len(g["params"]) for g in groups) == sum(1 for p in model.parameters() if p.requires_grad)
+
+
+def test_params_yaml_backbone_group_is_complete():
+    from pipeline.config import load_params
+
+    cfg, sep = bb.load_config(load_params(Path(__file__).resolve().parents[1] / "params.yaml"))
+    assert cfg.name == bb.OFFLINE_RECIPE and sep == "#SEP#"
+    assert cfg.warmup.steps > 0 and cfg.warmup.dataset == "samsum"
+
+
+# ------------------------------------------------------------------------------------------ timing
+def test_stage_timer_writes_record_only_on_success(tmp_path):
+    with stage_timer("demo", tmp_path) as t:
+        _ = [0] * 1000
+    rec = json.loads((tmp_path / "demo.json").read_text())
+    assert set(rec) == {"stage", "seconds", "peak_rss_mb", "finished_at"}
+    assert rec["stage"] == "demo" and rec["seconds"] >= 0 and rec["peak_rss_mb"] > 0
+    assert rec == {**rec, **t.record.__dict__}
+
+    @stage_timer("decorated", tmp_path)
+    def stage():
+        return 7
+
+    assert stage() == 7 and (tmp_path / "decorated.json").is_file()
+    with pytest.raises(RuntimeError, match="boom"):
+        with stage_timer("failed", tmp_path):
+            raise RuntimeError("boom")
+    assert not (tmp_path / "failed.json").exists()

@@ -1,0 +1,183 @@
+"""Run profiles (configs/*.yaml): validation against params.yaml and application through DVC's --set-param."""
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from dvc.utils.hydra import apply_overrides
+
+from pipeline import presets as pr
+from pipeline.config import load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+PARAMS = load_params(ROOT / "params.yaml")
+
+
+def test_the_four_profiles_exist():
+    assert {p.name for p in PRESETS} >= {"paper-bart-large.yaml", "paper-bart-base.yaml", "paper-led-large.yaml",
+                                         "cpu-study.yaml"}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_profile_names_only_params_yaml_keys(path):
+    preset = pr.load_preset(path)
+    assert pr.problems(preset, PARAMS) == []
+    for key in pr.flatten_leaves(preset):  # each leaf is a params.yaml key (experiments replaced as a whole)
+        node = PARAMS
+        for part in key.split("."):
+            assert part in node, f"{path.name}: {key}"
+            node = node[part]
+
+
+# METHOD.md section 3 / 4: (k, m) per backbone and the paper's optimiser settings
+PAPER = {
+    "paper-bart-large.yaml": ("facebook/bart-large", 6, 2048),
+    "paper-bart-base.yaml": ("facebook/bart-base", 3, 1536),
+    "paper-led-large.yaml": ("allenai/led-large-16384", 6, 2048),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PAPER))
+def test_paper_profiles_carry_the_papers_settings(name):
+    merged = pr.apply_preset(PARAMS, pr.load_preset(ROOT / "configs" / name))
+    backbone, k, m = PAPER[name]
+    assert merged["backbone"]["name"] == backbone
+    assert (merged["model"]["top_k"], merged["model"]["bottleneck"]) == (k, m)
+    t = merged["train"]
+    assert (t["lr"], t["batch_size"] * t["grad_accum_steps"], t["weight_decay"], t["kd_lambda"]) == (2e-4, 16, 0.01, 0.2)
+    assert t["fraction_train"] == 1.0 and t["max_train_examples_per_client"] is None
+    assert merged["tau"] == 5.0 and merged["evaluate"]["num_beams"] > 1
+    assert merged["evaluate"]["test_examples_per_client"] is None
+    # every configuration is run with the 3 seeds the paper averages over
+    configs: dict[tuple, set[int]] = {}
+    for entry in merged["experiments"].values():
+        key = (entry["method"], entry["partition"].split("/seed")[0], entry["study"], entry.get("tau"))
+        configs.setdefault(key, set()).add(entry["seed"])
+        assert entry["partition"].endswith(f"/seed{entry['seed']}")
+    assert configs and all(seeds == {0, 1, 2} for seeds in configs.values())
+    methods = {m for (m, *_rest) in configs}
+    assert {"single", "centralized", "fedavg", "fedkd", "fedselectkd"} <= methods
+
+
+def test_cpu_study_uses_the_offline_backbone_and_full_qmsum():
+    merged = pr.apply_preset(PARAMS, pr.load_preset(ROOT / "configs" / "cpu-study.yaml"))
+    assert merged["backbone"]["name"] == "minilm-bert2bert"
+    assert merged["train"]["max_train_examples_per_client"] is None
+    assert merged["train"]["rounds"] > PARAMS["train"]["rounds"]
+    assert {e["method"] for e in merged["experiments"].values()} == {
+        "single", "centralized", "fedavg", "fedkd", "fedselectkd"}
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def write(tmp_path, text, name="p.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_unknown_keys_are_errors_naming_each_key(tmp_path):
+    preset = pr.load_preset(write(tmp_path, "train:\n  rounds: 4\n  roundz: 5\nmodle: {top_k: 1}\n"))
+    with pytest.raises(pr.PresetError) as err:
+        pr.validate(preset, PARAMS, "p.yaml")
+    msg = str(err.value)
+    assert "p.yaml: 2 problem(s)" in msg and "train.roundz: unknown key" in msg and "modle: unknown key" in msg
+    assert "train.rounds" not in msg
+
+
+def test_shape_mismatches_and_duplicates_are_errors(tmp_path):
+    assert any("params.yaml has a mapping" in p for p in pr.problems({"train": 3}, PARAMS))
+    assert any("gives a mapping" in p for p in pr.problems({"tau": {"a": 1}}, PARAMS))
+    with pytest.raises(pr.PresetError, match="duplicate key 'tau'"):
+        pr.load_preset(write(tmp_path, "tau: 1.0\ntau: 2.0\n"))
+    with pytest.raises(pr.PresetError, match="non-empty mapping"):
+        pr.load_preset(write(tmp_path, "- a\n- b\n"))
+
+
+def test_experiment_entries_are_checked_by_the_plan_rules():
+    ok = {"method": "fedavg", "partition": "domain/seed0", "seed": 0, "study": "main"}
+    assert pr.problems({"experiments": {"x": ok}}, PARAMS) == []
+    assert pr.problems({"experiments": {"x": {**ok, "rounds": 9}}}, PARAMS) == []  # a train override
+    bad = pr.problems({"experiments": {
+        "typo": {**ok, "lamda": 0.1},
+        "nomethod": {**ok, "method": "fedmagic"},
+        "seed7": {**ok, "partition": "domain/seed7", "seed": 7},
+    }}, PARAMS)
+    assert len(bad) == 3
+    assert "experiments.typo" in bad[0] and "lamda" in bad[0]
+    assert "experiments.nomethod" in bad[1] and "fedmagic" in bad[1]
+    assert "experiments.seed7" in bad[2] and "partition.seeds" in bad[2]
+    # ...unless the same preset also produces that partition
+    assert pr.problems({"partition": {"seeds": [0, 7]},
+                        "experiments": {"seed7": {**ok, "partition": "domain/seed7", "seed": 7}}}, PARAMS) == []
+
+
+# ---------------------------------------------------------------------------------------------- applying
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_dvc_set_param_overrides_reproduce_the_overlay(tmp_path, path):
+    """What DVC's own --set-param machinery writes equals params.yaml with the preset overlaid."""
+    preset = pr.load_preset(path)
+    target = tmp_path / "params.yaml"
+    shutil.copy(ROOT / "params.yaml", target)
+    apply_overrides(str(target), pr.overrides(preset))
+    written = load_params(target)
+    assert written == pr.apply_preset(PARAMS, preset)
+    # independent checks: experiments replaced (not merged), other groups merged key by key
+    assert written["experiments"] == preset["experiments"]
+    assert written["ingest"] == PARAMS["ingest"]
+    assert written["train"]["proximal_mu"] == PARAMS["train"]["proximal_mu"]
+
+
+def test_strings_survive_the_override_grammar(tmp_path):
+    params = {"backbone": {"name": "x", "revision": "main"}, "ids": [1], "z": None}
+    target = write(tmp_path, yaml.safe_dump(params), "params.yaml")
+    tricky = {"backbone": {"name": "/models/it's a \\dir\\", "revision": "a=b: c, [d] {e} 'f' # g"},
+              "ids": ["1", 2.5, True, None], "z": "null"}
+    apply_overrides(str(target), pr.overrides(tricky))
+    assert load_params(target) == tricky
+
+
+def test_show_and_dry_run_print_the_overrides(tmp_path, capsys):
+    preset = write(tmp_path, "tau: 4.0\ntrain:\n  rounds: 2\n")
+    assert pr.main(["--params", str(ROOT / "params.yaml"), "show", str(preset)]) == 0
+    assert capsys.readouterr().out.splitlines() == ["tau=4.0", "train.rounds=2"]
+    assert pr.main(["--params", str(ROOT / "params.yaml"), "run", str(preset), "--name", "t4", "--queue",
+                    "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "dvc exp run --name t4 --queue --set-param tau=4.0 --set-param train.rounds=2" in out
+    bad = write(tmp_path, "tua: 4.0\n", "bad.yaml")
+    assert pr.main(["--params", str(ROOT / "params.yaml"), "run", str(bad), "--dry-run"]) == 2
+    assert "tua: unknown key" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_run_makes_a_dvc_experiment(tmp_path, monkeypatch):
+    """End to end in a scratch repo: the preset run is a DVC experiment with the overridden params."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    (repo / "params.yaml").write_text("train:\n  rounds: 3\n  lr: 0.1\npartition: {schemes: [domain], seeds: [0]}\n"
+                                      "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n")
+    (repo / "dvc.yaml").write_text(
+        "stages:\n  echo:\n    cmd: python -c \"import yaml; d=yaml.safe_load(open('params.yaml')); "
+        "open('out.txt','w').write(str(d['train']['rounds']) + str(sorted(d['experiments'])))\"\n"
+        "    params: [train, experiments]\n    outs: [out.txt]\n")
+    (repo / ".gitignore").write_text("/out.txt\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
+    preset = write(tmp_path, "train:\n  rounds: 7\nexperiments:\n  b: {method: fedkd, partition: domain/seed0}\n",
+                   "preset.yaml")
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    assert pr.main(["run", str(preset), "--name", "seven"]) == 0
+    assert (repo / "out.txt").read_text() == "7['b']"  # experiments replaced, not merged
+    shown = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True,
+                           capture_output=True, text=True).stdout
+    assert '"seven"' in shown
