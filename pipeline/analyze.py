@@ -50,6 +50,7 @@ import pandas as pd  # noqa: E402
 from pipeline.config import from_dict, load_params  # noqa: E402
 from pipeline.published import KD_USAGE_RATIO  # noqa: E402
 from pipeline.schema import DataError  # noqa: E402
+from pipeline.timing import stage_timer
 
 MODELS_DIR = Path("models")
 TRAIN_REPORTS = Path("reports/train")
@@ -606,18 +607,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     ap.add_argument("--out", type=Path, default=OUT_DIR)
     args = ap.parse_args(argv)
-    params = load_params(args.params)
-    cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-    analysis = Analysis(cfg, experiments_from_params(params), params.get("tau"), Paths(out=args.out))
-    result = analysis.run()
-    for client, rec in result["clients"].items():
-        paper = rec["paper_kd_usage_ratio"]
-        print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"
-              + (f" (paper {100 * paper:.0f} %)" if paper is not None else ""))
-    if result["missing"]:
-        print(f"analyze: {result['n_missing']} input file(s) missing, left out (listed in kd_analysis.json):")
-        for m in result["missing"]:
-            print(f"  {m['experiment']}: {m['file']} ({m['needed_for']})")
+    with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
+        params = load_params(args.params)
+        cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
+        analysis = Analysis(cfg, experiments_from_params(params), params.get("tau"), Paths(out=args.out))
+        result = analysis.run()
+        for client, rec in result["clients"].items():
+            paper = rec["paper_kd_usage_ratio"]
+            print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"
+                  + (f" (paper {100 * paper:.0f} %)" if paper is not None else ""))
+        if result["missing"]:
+            print(f"analyze: {result['n_missing']} input file(s) missing, left out (listed in kd_analysis.json):")
+            for m in result["missing"]:
+                print(f"  {m['experiment']}: {m['file']} ({m['needed_for']})")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pipeline.schema import (
     summary_word_count,
 )
 from pipeline.sources import IngestConfig
+from pipeline.timing import stage_timer
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -201,25 +202,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report-dir", default="reports/data")
     ap.add_argument("--out", default="data/processed/examples.parquet")
     args = ap.parse_args(argv)
-    params = load_params(args.params)
-    cfg = from_dict(ExamplesConfig, params.get("examples"), "examples")
-    datasets = from_dict(IngestConfig, params.get("ingest"), "ingest").datasets
-    interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}
-    examples, link_report = build_examples(interim, cfg)
-    report_dir = Path(args.report_dir)
-    skipped: dict[str, dict[str, int]] = {}
-    for ds in datasets:
-        ingest_report = json.loads((report_dir / f"ingest_{ds}.json").read_text())
-        skipped[ds] = ingest_report["skipped_by_reason"]
-    stats = table_ii(examples)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    examples.to_parquet(out, index=False)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    full = {**stats, "skipped": skipped, "meeting_links": link_report}
-    (report_dir / "stats.json").write_text(json.dumps(full, indent=2) + "\n")
-    (report_dir / "stats.md").write_text(stats_markdown(stats, skipped, link_report))
-    print(f"{len(examples)} examples -> {out}")
+    with stage_timer("examples"):  # wall time, peak RSS -> reports/timing/
+        params = load_params(args.params)
+        cfg = from_dict(ExamplesConfig, params.get("examples"), "examples")
+        datasets = from_dict(IngestConfig, params.get("ingest"), "ingest").datasets
+        interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}
+        examples, link_report = build_examples(interim, cfg)
+        report_dir = Path(args.report_dir)
+        skipped: dict[str, dict[str, int]] = {}
+        for ds in datasets:
+            ingest_report = json.loads((report_dir / f"ingest_{ds}.json").read_text())
+            skipped[ds] = ingest_report["skipped_by_reason"]
+        stats = table_ii(examples)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        examples.to_parquet(out, index=False)
+        report_dir.mkdir(parents=True, exist_ok=True)
+        full = {**stats, "skipped": skipped, "meeting_links": link_report}
+        (report_dir / "stats.json").write_text(json.dumps(full, indent=2) + "\n")
+        (report_dir / "stats.md").write_text(stats_markdown(stats, skipped, link_report))
+        print(f"{len(examples)} examples -> {out}")
 
 
 if __name__ == "__main__":

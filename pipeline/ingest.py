@@ -32,6 +32,7 @@ from pipeline.schema import (
     normalise_split,
 )
 from pipeline.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX, SAMSUM_FILES, IngestConfig, resolve_source
+from pipeline.timing import stage_timer
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
@@ -250,14 +251,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--interim-dir", default="data/interim")
     ap.add_argument("--report-dir", default="reports/data")
     args = ap.parse_args(argv)
-    cfg = from_dict(IngestConfig, load_params(args.params).get("ingest"), "ingest")
-    if args.dataset not in cfg.datasets:
-        raise DataError(f"dataset {args.dataset!r} is not in ingest.datasets {cfg.datasets}")
-    directory = resolve_source(args.dataset, cfg)
-    frame, report = ingest_dataset(args.dataset, directory)
-    write_outputs(frame, report, Path(args.interim_dir), Path(args.report_dir))
-    print(f"{args.dataset}: {report.n_records} records from {directory}; counts {report.counts}; "
-          f"skipped {len(report.skipped)}")
+    with stage_timer(f"ingest-{args.dataset}"):  # wall time, peak RSS -> reports/timing/
+        cfg = from_dict(IngestConfig, load_params(args.params).get("ingest"), "ingest")
+        if args.dataset not in cfg.datasets:
+            raise DataError(f"dataset {args.dataset!r} is not in ingest.datasets {cfg.datasets}")
+        directory = resolve_source(args.dataset, cfg)
+        frame, report = ingest_dataset(args.dataset, directory)
+        write_outputs(frame, report, Path(args.interim_dir), Path(args.report_dir))
+        print(f"{args.dataset}: {report.n_records} records from {directory}; counts {report.counts}; "
+              f"skipped {len(report.skipped)}")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import pandas as pd
 from pipeline.config import from_dict, load_params
 from pipeline.partition_schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
 from pipeline.schema import SPLITS, DataError
+from pipeline.timing import stage_timer
 
 EXAMPLE_COLUMNS_USED = ["example_id", "dataset", "domain", "split", "meeting_id", "target"]
 JS_DEFINITION = ("scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
@@ -158,19 +159,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out-dir", default="data/partitions")
     ap.add_argument("--report-dir", default="reports/partitions")
     args = ap.parse_args(argv)
-    cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), "partition")
-    examples = pd.read_parquet(args.examples, columns=EXAMPLE_COLUMNS_USED)
-    part = make_partition(examples, args.scheme, args.seed, cfg)
-    out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(partition_json(part, args.scheme, args.seed, cfg), indent=1) + "\n")
-    stats = partition_stats(part, examples, args.scheme, args.seed)
-    report_dir = Path(args.report_dir)
-    report_dir.mkdir(parents=True, exist_ok=True)
-    (report_dir / f"{args.scheme}-seed{args.seed}.json").write_text(json.dumps(stats, indent=2) + "\n")
-    plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
-    sizes = {n: c["sizes"] for n, c in stats["clients"].items()}
-    print(f"{args.scheme} seed {args.seed}: {sizes}; excluded {len(part.excluded)}")
+    with stage_timer(f"partition-{args.scheme}-seed{args.seed}"):  # wall time, peak RSS -> reports/timing/
+        cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), "partition")
+        examples = pd.read_parquet(args.examples, columns=EXAMPLE_COLUMNS_USED)
+        part = make_partition(examples, args.scheme, args.seed, cfg)
+        out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(partition_json(part, args.scheme, args.seed, cfg), indent=1) + "\n")
+        stats = partition_stats(part, examples, args.scheme, args.seed)
+        report_dir = Path(args.report_dir)
+        report_dir.mkdir(parents=True, exist_ok=True)
+        (report_dir / f"{args.scheme}-seed{args.seed}.json").write_text(json.dumps(stats, indent=2) + "\n")
+        plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
+        sizes = {n: c["sizes"] for n, c in stats["clients"].items()}
+        print(f"{args.scheme} seed {args.seed}: {sizes}; excluded {len(part.excluded)}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ from pipeline.config import from_dict, load_params
 from pipeline.data import IGNORE_INDEX, tokenize_pairs
 from pipeline.schema import DataError
 from pipeline.words import word_index_from_offsets
+from pipeline.timing import stage_timer
 
 EXAMPLES = Path("data/processed/examples.parquet")
 BACKBONE = Path("models/backbone")
@@ -307,9 +308,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--report", type=Path, default=REPORT)
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = ap.parse_args(argv)
-    params = load_params(args.params)
-    cfg = from_dict(PostagConfig, params.get("postag"), "postag")
-    run(cfg, args.examples, args.backbone, args.out, args.report, max_target_length_from(params))
+    with stage_timer("postag"):  # wall time, peak RSS -> reports/timing/
+        params = load_params(args.params)
+        cfg = from_dict(PostagConfig, params.get("postag"), "postag")
+        run(cfg, args.examples, args.backbone, args.out, args.report, max_target_length_from(params))
 
 
 if __name__ == "__main__":
