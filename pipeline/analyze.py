@@ -346,6 +346,17 @@ def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: floa
     plt.close(fig)
 
 
+def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, title: str, path: Path) -> None:
+    """Title and save a one-row figure of per-client panels; with no client, say why the figure is empty."""
+    if not clients:
+        axes[0][0].text(0.5, 0.5, empty_message, ha="center", va="center")
+        axes[0][0].set_axis_off()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     clients = sorted({c for per in comparison.values() for c in per})
     methods = [m for m in (SELECTKD, HARDKD) if m in comparison]
@@ -365,13 +376,8 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
         ax.set_title(client)
         ax.set_ylabel("ROUGE F1 x 100")
         ax.legend(fontsize=8)
-    if not clients:
-        axes[0][0].text(0.5, 0.5, "no evaluated SelectKD / hard-KD experiments", ha="center", va="center")
-        axes[0][0].set_axis_off()
-    fig.suptitle("Noun-verb hard KD vs selective KD")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_client_panels(fig, axes, clients, "no evaluated SelectKD / hard-KD experiments",
+                          "Noun-verb hard KD vs selective KD", path)
 
 
 def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> None:
@@ -389,13 +395,8 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
         if tau_main is not None:
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
         ax.set_title(client)
-    if not clients:
-        axes[0][0].text(0.5, 0.5, "no tau-sweep experiments with results", ha="center", va="center")
-        axes[0][0].set_axis_off()
-    fig.suptitle("Entropy threshold tau (dotted: main study)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish_client_panels(fig, axes, clients, "no tau-sweep experiments with results",
+                          "Entropy threshold tau (dotted: main study)", path)
 
 
 # ----------------------------------------------------------------------------------------------------------------
