@@ -87,6 +87,7 @@ class GenerationDefaults:
     """Stored in the backbone's generation_config; evaluation may override them."""
 
     max_new_tokens: int = 64
+    min_new_tokens: int = 0  # 0 = none; the evaluate stage's min_target_length plays the same role
     num_beams: int = 1
     no_repeat_ngram_size: int = 3
     length_penalty: float = 1.0
@@ -261,6 +262,7 @@ def set_generation_defaults(model, tokenizer, gen: GenerationDefaults) -> None:
         gc.eos_token_id = tokenizer.sep_token_id
         gc.pad_token_id = tokenizer.pad_token_id
     gc.max_new_tokens = gen.max_new_tokens
+    gc.min_new_tokens = gen.min_new_tokens or None
     gc.max_length = None
     gc.num_beams = gen.num_beams
     gc.no_repeat_ngram_size = gen.no_repeat_ngram_size
@@ -440,7 +442,7 @@ def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch
         "dataset_split": "valid",
         "examples": len(pairs),
         "decoding": {"num_beams": gc.num_beams, "max_new_tokens": gc.max_new_tokens,
-                     "no_repeat_ngram_size": gc.no_repeat_ngram_size},
+                     "min_new_tokens": gc.min_new_tokens or 0, "no_repeat_ngram_size": gc.no_repeat_ngram_size},
         "seconds": round(time.perf_counter() - t0, 1),
         **scores,
         "mean_prediction_words": round(float(np.mean([len(p.split()) for p in preds])), 2),
@@ -515,10 +517,24 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         "evaluation": evaluation,
         "backbone_sha256": sha256_dir(out_dir),  # key for caches of frozen activations
     }
-    (out_dir / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    # The directory is a DVC output that every model stage depends on: it carries no wall times, so re-running the
+    # stage with the same seed leaves its hash, and so everything downstream, unchanged.
+    (out_dir / RECORD_NAME).write_text(json.dumps(without_wall_times(record), indent=2) + "\n")
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
         report_path.write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+WALL_TIME_KEYS = ("seconds", "examples_per_second")
+
+
+def without_wall_times(record: Any) -> Any:
+    """``record`` without the measured wall times (they differ between identical runs)."""
+    if isinstance(record, dict):
+        return {k: without_wall_times(v) for k, v in record.items() if k not in WALL_TIME_KEYS}
+    if isinstance(record, list):
+        return [without_wall_times(v) for v in record]
     return record
 
 

@@ -455,25 +455,6 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
     return {"figure": str(fig_path), "data": str(plot_path)}
 
 
-def tau_figure(agg: pd.DataFrame, fig_path: Path, plot_path: Path) -> dict[str, str]:
-    plt = _plt()
-    sub = agg[(agg["study"] == "tau_sweep") & agg["tau"].notna()].copy()
-    sub["tau"] = sub["tau"].astype(float)
-    wide = sub.pivot_table(index="tau", columns="client", values="avg_rouge_mean").sort_index()
-    wide["mean"] = wide.mean(axis=1)
-    fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for client in wide.columns:
-        ax.plot(wide.index, wide[client], marker="o", linestyle="--" if client == "mean" else "-", label=client)
-    ax.set_xlabel("entropy threshold tau")
-    ax.set_ylabel("average ROUGE (R-1, R-2, R-L)")
-    ax.set_title("Selective KD: entropy threshold sweep", fontsize=9)
-    ax.legend(fontsize=7)
-    _save(fig, fig_path)
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    wide.reset_index().to_csv(plot_path, index=False)
-    return {"figure": str(fig_path), "data": str(plot_path)}
-
-
 def read_rounds(path: Path) -> pd.DataFrame:
     """Training rounds as long rows (round, client, train_loss, val_loss, ...).
 
@@ -636,11 +617,24 @@ STUDY_FIGURES = {
 }
 
 
+def with_pre_addition(agg: pd.DataFrame) -> pd.DataFrame:
+    """Pre-addition (SAMSum a client from round 1) is the same computation as the extreme study's SelectKD run,
+    so a profile may run it once, there: when study `new_client` has no pre_addition rows, the extreme study's
+    fedselectkd rows stand in, labelled as such."""
+    new_client = agg[agg["study"] == "new_client"]
+    if new_client.empty or "pre_addition" in set(new_client["method"]):
+        return agg
+    pre = agg[(agg["study"] == "extreme") & (agg["method"] == "fedselectkd")].copy()
+    pre["study"], pre["method"] = "new_client", "pre_addition"
+    pre["label"] = "pre_addition (= " + pre["label"].astype(str) + " of study extreme)"
+    return pd.concat([agg, pre], ignore_index=True)
+
+
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
     planned = planned_experiments(params, paths.plans_dir)
     scores, missing_eval = collect_scores(planned, paths.eval_dir)
-    agg = aggregate(scores, planned, cfg.expected_seeds)
+    agg = with_pre_addition(aggregate(scores, planned, cfg.expected_seeds))
     for d in (paths.tables, paths.figures, paths.plots):
         d.mkdir(parents=True, exist_ok=True)
     made: dict[str, list[str]] = defaultdict(list)
@@ -707,11 +701,8 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
         made["figures"].append(bar_figure(d, STUDY_FIGURES["sampling"], paths.figures / "sampling.png",
                                           paths.plots / "sampling.csv", facet_col="setting")["figure"])
 
-    d = study_rows("tau_sweep")
-    if d.empty or d["tau"].isna().all():
-        not_made["figure tau_sweep"] = "no evaluated experiment of study `tau_sweep` with a tau"
-    else:
-        made["figures"].append(tau_figure(agg, paths.figures / "tau_sweep.png", paths.plots / "tau_sweep.csv")["figure"])
+    # The tau sweep's figure (ROUGE and KD usage against tau, with the main study's tau) is the analyze stage's
+    # reports/analysis/figures/tau_sweep.png; its table is tables/study_tau_sweep.md below.
 
     def with_main_baselines(d: pd.DataFrame, methods: tuple[str, ...]) -> pd.DataFrame:
         """Add the main study's runs of ``methods`` the study itself did not run (same 3-client setting)."""
@@ -826,7 +817,8 @@ def readme(index: dict[str, Any], planned: list[Planned], paths: Paths) -> str:
     plots = sorted(paths.plots.rglob("*.csv")) if paths.plots.is_dir() else []
     if plots:
         lines += ["## Plot data (`dvc plots show`)", ""] + [f"- [{rel(p)}]({rel(p)})" for p in plots] + [""]
-    others = [p for pattern in ("data/*.md", "data/*.json", "partitions/*.png", "analysis/*", "backbone.json",
+    others = [p for pattern in ("data/*.md", "data/*.json", "partitions/*.png", "analysis/*.json", "analysis/*.csv",
+                                "analysis/figures/*.png", "backbone.json",
                                 "eval/*/metrics.json")
               for p in sorted(paths.out.glob(pattern))]
     if others:

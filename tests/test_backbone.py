@@ -156,6 +156,12 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     assert ev["examples"] == 2 and ev["decoding"]["max_new_tokens"] == 4
     assert all(0.0 <= ev[k] <= 100.0 for k in ("rouge1", "rouge2", "rougeL"))
     assert json.loads((tmp_path / "backbone.json").read_text()) == record
+    # The directory (a DVC output) keeps the record without wall times: a re-run does not change its hash.
+    kept = json.loads((out / bb.RECORD_NAME).read_text())
+    assert w["seconds"] > 0 and "seconds" not in kept["warmup"] and "seconds" not in kept["evaluation"]
+    assert all(set(e) == {"step", "loss"} for e in kept["warmup"]["loss_log"])
+    assert kept["warmup"]["loss_log"] == [{"step": e["step"], "loss": e["loss"]} for e in w["loss_log"]]
+    assert kept["backbone_sha256"] == record["backbone_sha256"] and kept["parameters"] == record["parameters"]
 
 
 def test_batch_order_is_seeded_covers_examples_and_groups_by_length():

@@ -35,6 +35,15 @@ def test_every_profile_names_only_params_yaml_keys(path):
             node = node[part]
 
 
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_profile_uses_the_study_names_the_default_profile_uses(path):
+    # The report and analyze stages find a study by name (tau_sweep, new_client, ...): a renamed study would
+    # silently lose its figure and its analysis.
+    known = {e.get("study", "main") for e in PARAMS["experiments"].values()}
+    used = {e.get("study", "main") for e in (pr.load_preset(path).get("experiments") or {}).values()}
+    assert used <= known, f"{path.name}: unknown studies {sorted(used - known)}"
+
+
 # METHOD.md section 3 / 4: (k, m) per backbone and the paper's optimiser settings
 PAPER = {
     "paper-bart-large.yaml": ("facebook/bart-large", 6, 2048),

@@ -128,17 +128,16 @@ def test_report_writes_tables_figures_and_index(project):
     single = [line for line in md.splitlines() if line.startswith("| AdaSingle")]
     assert single and "missing" in single[0] and "missing 0,1,2" in single[0]
 
-    for name, data in (("iid", "iid.csv"), ("tau_sweep", "tau_sweep.csv"),
-                       ("learning_curves_main", "learning_curves/main--fedselectkd.csv")):
+    for name, data in (("iid", "iid.csv"), ("learning_curves_main", "learning_curves/main--fedselectkd.csv")):
         png = reports / "figures" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert len(pd.read_csv(reports / "plots" / data)) > 0
     curve = pd.read_csv(reports / "plots/learning_curves/main--fedselectkd.csv")
     assert list(curve["round"]) == [1, 2, 3] and list(curve["Committee"]) == [4.0, 3.5, 3.0]
     assert curve["val_loss_mean"].iloc[0] == pytest.approx((5.0 + 4.0 + 3.0) / 3)
-    tau = pd.read_csv(reports / "plots/tau_sweep.csv")
-    assert list(tau["tau"]) == [3.0, 5.0]
-    assert tau["Academic"].iloc[0] == pytest.approx((21 + 5 + 16) / 3)
+    # The tau sweep is drawn once, by the analyze stage (ROUGE and KD usage); the report only tabulates it.
+    assert not (reports / "figures/tau_sweep.png").exists()
+    assert "fedselectkd tau=3" in (reports / "tables/study_tau_sweep.md").read_text()
 
     for name in ("server", "new_client", "extreme", "sampling"):
         assert (reports / "figures" / f"{name}.png").stat().st_size > 5000
@@ -151,6 +150,11 @@ def test_report_writes_tables_figures_and_index(project):
     new = pd.read_csv(reports / "plots/new_client.csv")
     samsum = new[(new["label"] == "post_addition") & (new["client"] == "SAMSum")].iloc[0]
     assert samsum["paper_avg_rouge"] == published.NEW_CLIENT_AVG_ROUGE["post_addition"]["SAMSum"]
+    # No pre_addition run: the extreme study's SelectKD run (the same computation) stands in, labelled so.
+    pre = new[(new["label"] == "pre_addition (= fedselectkd of study extreme)") & (new["client"] == "SAMSum")].iloc[0]
+    assert pre["avg_rouge_mean"] == pytest.approx((41 + 16 + 31) / 3)
+    assert pre["paper_avg_rouge"] == published.NEW_CLIENT_AVG_ROUGE["pre_addition"]["SAMSum"]
+    assert "pre_addition (= fedselectkd of study extreme)" in (reports / "tables/study_new_client.md").read_text()
     extreme = pd.read_csv(reports / "plots/extreme.csv")
     assert set(extreme["setting"]) == {"with SAMSum", "without SAMSum (main study)"}
 
