@@ -363,19 +363,29 @@ def study_table_markdown(agg: pd.DataFrame, study: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def timing_table(timing_dir: Path) -> pd.DataFrame | None:
+EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")
+
+
+def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFrame | None, list[str]]:
+    """The stage timing records, longest first, and the stages left out: train-/evaluate- records of experiments
+    params.yaml no longer plans (DVC leaves a removed stage's outputs in place)."""
     files = sorted(timing_dir.glob("*.json")) if timing_dir.is_dir() else []
-    rows = []
+    rows, left_out = [], []
     for f in files:
         try:
             rec = json.loads(f.read_text())
-            rows.append({"stage": str(rec["stage"]), "seconds": float(rec["seconds"]),
-                         "peak_rss_mb": float(rec["peak_rss_mb"])})
+            row = {"stage": str(rec["stage"]), "seconds": float(rec["seconds"]),
+                   "peak_rss_mb": float(rec["peak_rss_mb"]), "finished_at": str(rec.get("finished_at", ""))}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise DataError(f"{f}: not a stage timing record ({err!r}); expected stage, seconds, peak_rss_mb") from err
+        m = EXPERIMENT_STAGE.match(row["stage"])
+        if m and m["experiment"] not in planned_names:
+            left_out.append(row["stage"])
+            continue
+        rows.append(row)
     if not rows:
-        return None
-    return pd.DataFrame(rows).sort_values("seconds", ascending=False).reset_index(drop=True)
+        return None, left_out
+    return pd.DataFrame(rows).sort_values("seconds", ascending=False).reset_index(drop=True), left_out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -757,14 +767,18 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
         not_made["human evaluation sheets"] = (f"needs predictions of {cfg.human_eval_target} and at least one other "
                                                "method in study `main`")
 
-    timing = timing_table(paths.timing_dir)
+    timing, stale_timing = timing_table(paths.timing_dir, {p.name for p in planned})
+    if stale_timing:
+        not_made["stage times of unplanned experiments"] = f"left out of the stage-time table: {', '.join(stale_timing)}"
     if timing is None:
         not_made["stage times"] = "no reports/timing/*.json"
     else:
         timing.to_csv(paths.tables / "timing.csv", index=False)
-        lines = ["# Stage wall times", "", "| stage | seconds | peak RSS (MB) |", "|---|---|---|"]
-        lines += [f"| {r.stage} | {r.seconds:.1f} | {r.peak_rss_mb:.0f} |" for r in timing.itertuples()]
-        lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) |")
+        lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`); the sum leaves out "
+                 "process start-up (imports) and DVC's own work between stages.", "",
+                 "| stage | seconds | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|"]
+        lines += [f"| {r.stage} | {r.seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |" for r in timing.itertuples()]
+        lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) | |")
         (paths.tables / "timing.md").write_text("\n".join(lines) + "\n")
         made["tables"] += [str(paths.tables / "timing.md"), str(paths.tables / "timing.csv")]
 

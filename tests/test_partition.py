@@ -207,7 +207,8 @@ def test_js_matrix_by_hand():
     assert half == round(float(np.sqrt(div)), 4)
 
 
-def test_cli_writes_partition_stats_and_heatmap(tmp_path):
+def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the stage's timing record goes to ./reports/timing
     EXAMPLES.to_parquet(tmp_path / "examples.parquet", index=False)
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"partition": {"seeds": [0], "schemes": ["iid"], "iid": {"n_clients": 2}}}))

@@ -92,7 +92,8 @@ def test_bad_params_rejected():
         postag.PostagConfig(noun_verb_tags=["NN"])
 
 
-def test_stage_cli_on_tiny_backbone(tmp_path):
+def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the stage's timing record goes to ./reports/timing
     backbone = save_tiny("bert2bert", tmp_path / "backbone")
     examples = pd.DataFrame({
         "example_id": ["qmsum/Product/train/ES2002a/q0", "samsum/train/1", "qmsum/Product/test/ES2004a/q1"],

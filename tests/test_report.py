@@ -87,6 +87,8 @@ def project(tmp_path):
     (tmp_path / "reports/timing").mkdir(parents=True)
     (tmp_path / "reports/timing/train-fsk-s0.json").write_text(json.dumps(
         {"stage": "train-fsk-s0", "seconds": 12.5, "peak_rss_mb": 800.0}))
+    (tmp_path / "reports/timing/train-dropped-exp.json").write_text(json.dumps(
+        {"stage": "train-dropped-exp", "seconds": 99.0, "peak_rss_mb": 900.0}))
     return tmp_path, params
 
 
@@ -175,7 +177,9 @@ def test_report_writes_tables_figures_and_index(project):
     sheet = pd.read_csv(reports / "human_eval/sheets/sheet.csv")
     assert len(sheet) == 2 * 3  # 2 examples per domain x 3 domains x 1 opponent
     timing = pd.read_csv(reports / "tables/timing.csv")
-    assert timing["seconds"].iloc[0] == 12.5
+    assert list(timing["stage"]) == ["train-fsk-s0"] and timing["seconds"].iloc[0] == 12.5
+    # The record of an experiment no longer in params.yaml stays on disk but out of the table, and is named.
+    assert "train-dropped-exp" in readme and "train-dropped-exp" not in (reports / "tables/timing.md").read_text()
 
 
 def test_report_with_nothing_evaluated(tmp_path):
