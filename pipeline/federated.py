@@ -207,6 +207,7 @@ def client_train(msg: Message, context: Context) -> Message:
         model, plan, data.train, client=name, rnd=rnd,
         proximal_reference=received if mu > 0 else None, proximal_mu=mu,
         cache=client_training.prefix_cache_for(plan, model),
+        progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
     )
     new_local = model.adapter_state("local")
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
