@@ -621,7 +621,6 @@ STUDY_FIGURES = {
     "noniid": "Non-IID and balanced (200/40/40 per domain)",
     "extreme": "Extreme non-IID and unbalanced (SAMSum as a 4th client)",
     "sampling": "Client sampling (2 of 3 clients per round)",
-    "tau_sweep": "Entropy threshold sweep",
     "server": "Server algorithms",
     "new_client": "New client (SAMSum joins)",
 }
