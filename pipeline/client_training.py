@@ -239,6 +239,32 @@ class LocalTrainResult:
         return {k: v for k, v in self.__dict__.items() if k != "gate_log"}
 
 
+def adamw_groups(module: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """AdamW parameter groups: weight decay on the adapter matrices only; LayerNorm weights and biases (every
+    parameter with fewer than 2 dimensions) are not decayed unless ``train.decay_norm_and_bias``."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        (decay if p.ndim >= 2 or cfg.decay_norm_and_bias else no_decay).append(p)
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: str) -> list[float]:
+    """Per batch, its weight in the optimizer step it belongs to (consecutive windows of ``accum_steps`` batches,
+    the last one possibly shorter): its target tokens (``tokens``) or sequences (``sequences``) over the window's,
+    so accumulated micro-batch means add up to the mean over the effective batch."""
+    def units(batch: Batch) -> int:
+        valid = batch.labels != IGNORE_INDEX
+        return int(valid.sum()) if normalisation == "tokens" else int((valid.sum(dim=1) > 0).sum())
+
+    sizes = [units(b) for b in batches]
+    weights: list[float] = []
+    for start in range(0, len(batches), accum_steps):
+        window = sizes[start:start + accum_steps]
+        total = sum(window)
+        weights.extend(n / total for n in window)
+    return weights
+
+
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
     """(local logits with gradients, global logits or None). The frozen prefix comes from the disk cache when
     there is one; with more than one local epoch the teacher's logits come from the round's RAM cache."""
@@ -282,7 +308,7 @@ def train_local(
     params = model.local_parameters()
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"], cfg), lr=cfg.lr)
     reference = None
     if proximal_mu > 0.0:
         if proximal_reference is None:
@@ -315,6 +341,7 @@ def train_local(
             from tqdm import tqdm
 
             iterator = tqdm(batches, desc=f"{client} round {rnd} epoch {epoch + 1}", leave=False)
+        windows = accumulation_weights(batches, cfg.grad_accum_steps, kd.normalisation)
         optimizer.zero_grad(set_to_none=True)
         for i, batch in enumerate(iterator):
             hard_mask = None
@@ -328,7 +355,9 @@ def train_local(
                 prox = sum(((p - r) ** 2).sum() for p, r in zip(params, reference))
                 proximal_value = float(0.5 * proximal_mu * prox.detach())
                 loss = loss + 0.5 * proximal_mu * prox
-            (loss / cfg.grad_accum_steps).backward()
+            # Each micro-batch's share of its optimizer step (its tokens / the step's tokens), so a step's gradient
+            # is that of the mean over the whole effective batch; the proximal term enters each step once.
+            (loss * windows[i]).backward()
             if (i + 1) % cfg.grad_accum_steps == 0 or i + 1 == len(batches):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)

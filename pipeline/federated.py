@@ -68,6 +68,7 @@ CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
+TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the client has not trained yet
 IDENTIFY = "query.identify"
 
 # What a train reply's MetricRecord holds: counts and aggregate losses only. NUM_EXAMPLES_KEY is the client's
@@ -159,7 +160,8 @@ def _checkpoint_rounds(ckpt: Path) -> list[int]:
 
 
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
-    """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``."""
+    """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
+    None while the client has not trained yet (its first train round then starts from the current global)."""
     if LOCAL_STATE_KEY in context.state:
         return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
     ckpt = client_checkpoint_dir(plan, name, context)
@@ -167,10 +169,13 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     if not earlier:
         return None
     last = earlier[-1]
-    state = client_training.load_adapter(ckpt / f"round{last:03d}.safetensors")
     progress = json.loads((ckpt / f"round{last:03d}.json").read_text())
-    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(state)
+    trained = bool(progress.pop(TRAINED_FLAG, 1))
     context.state[PROGRESS_KEY] = MetricRecord(progress)
+    if not trained:
+        return None
+    state = client_training.load_adapter(ckpt / f"round{last:03d}.safetensors")
+    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(state)
     log.info("client %s: resumed local adapter from its round-%d checkpoint", name, last)
     return state
 
@@ -248,8 +253,11 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         if len(received) == 0:
             raise ValueError(f"client {name}: method {spec.name} evaluates the global adapter but none was sent")
         local = decode_global(received, plan)
-    elif local is None:
-        local = client_training.initial_adapter_state(plan)  # not sampled yet: still the round-0 adapter
+    # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
+    # its state, so its first train round starts from the global of that round (as a joining client does).
+    trained = local is not None
+    if not trained:
+        local = client_training.initial_adapter_state(plan)
     model.load_adapter_state("local", local)
 
     data = client_training.client_data(plan, name)
@@ -267,14 +275,15 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         progress = {"best-val-loss": float(val_loss), "best-round": rnd}
         client_training.save_adapter(out / "adapter_best.safetensors", local, meta)
     client_training.save_adapter(out / "adapter_final.safetensors", local, meta)
-    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
+    if trained:
+        context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
 
     # Client-side checkpoint of this round (its adapter and progress); keep the previous one until the server's
     # checkpoint of this round exists, so a kill in between still finds a consistent state.
     ckpt = client_checkpoint_dir(plan, name, context)
     client_training.save_adapter(ckpt / f"round{rnd:03d}.safetensors", local)
-    (ckpt / f"round{rnd:03d}.json").write_text(json.dumps(progress))
+    (ckpt / f"round{rnd:03d}.json").write_text(json.dumps({**progress, TRAINED_FLAG: int(trained)}))
     for old in _checkpoint_rounds(ckpt):
         if old < rnd - 1 or old > rnd:
             (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
@@ -410,14 +419,10 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
     expected = len(client_training.client_names(plan))
     node_names = _identify(grid, plan_path, expected, t.round_timeout_s)
     clients = sorted(node_names.values())
-    join_round = {name: 1 for name in clients}
-    if spec.new_client == "post":
-        if t.new_client not in join_round:
-            raise ValueError(f"{plan.paths['partition']}: new client {t.new_client!r} (train.new_client) is not "
-                             f"among the clients {clients}")
-        if t.join_round > t.rounds:
-            raise ValueError(f"train.join_round {t.join_round} > train.rounds {t.rounds}: the client never joins")
-        join_round[t.new_client] = t.join_round
+    late = t.new_client if spec.new_client == "post" else None
+    if late is not None and late not in clients:
+        raise ValueError(f"{plan.paths['partition']}: new client {late!r} (train.new_client) is not among the "
+                         f"clients {clients}")
 
     strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
                               proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
@@ -437,10 +442,16 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         history = []
     recorder.started(plan, clients, start)
     initial = downlink_reference(plan)
+    # The round the late client joined, if it has (a resumed run reads it from the restored history).
+    joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
     for rnd in range(start, t.rounds + 1):
         t0 = time.perf_counter()
-        admitted = [n for n, c in node_names.items() if join_round[c] <= rnd]
+        if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
+            joined_at = rnd
+            log.info("%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment,
+                     rnd, late)
+        admitted = [n for n, c in node_names.items() if c != late or joined_at is not None]
         view = _NodeSubsetGrid(grid, sorted(admitted))
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(client_training.derived_seed(plan.seed, rnd, "sampling"))
@@ -531,6 +542,26 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         save_server_checkpoint(plan, rnd, arrays, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, aggregated), history)
     return arrays, history
+
+
+def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:
+    """Whether the late client is admitted in round ``rnd``, from the rounds before it (train.join): at
+    ``join.max_round`` at the latest, earlier once the other clients' mean validation loss improved by less than
+    ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
+    if rnd >= join.max_round:
+        return True
+    by_round: dict[int, list[float]] = {}
+    for row in history:
+        if row["round"] < rnd and row["client"] != late and "val_loss" in row:
+            by_round.setdefault(int(row["round"]), []).append(float(row["val_loss"]))
+    means = [float(np.mean(by_round[r])) for r in sorted(by_round)]
+    if len(means) < join.patience + 1:
+        return False  # a round's improvement needs an earlier round to compare with
+    improvements = []
+    for i in range(1, len(means)):
+        best_before = min(means[:i])
+        improvements.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
+    return all(imp < join.min_rel_improvement for imp in improvements[-join.patience:])
 
 
 def _array(value: np.ndarray):

@@ -28,7 +28,7 @@ class MethodSpec:
     strategy: str | None = None
     # Centralized: pool every client's train data into one training set.
     pooled: bool = False
-    # New-client study: "post" = the new client joins at train.join_round, "pre" = from round 1.
+    # New-client study: "post" = the new client joins once the others converged (train.join), "pre" = from round 1.
     new_client: str | None = None
     # FedProx: the client adds mu/2 ||W - W_global||^2.
     proximal: bool = False

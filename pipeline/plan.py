@@ -33,6 +33,25 @@ RESERVED_NAMES = {"plans", "backbone"}
 
 
 @dataclass
+class JoinConfig:
+    """When the new client of the post-addition study joins (params.yaml `train.join`): once the existing clients
+    have converged, i.e. their mean validation loss improved by less than ``min_rel_improvement`` (relative to the
+    best earlier round) in each of the last ``patience`` rounds, and at ``max_round`` at the latest."""
+
+    min_rel_improvement: float = 0.01
+    patience: int = 1
+    max_round: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_rel_improvement < 1.0:
+            raise ValueError("params.yaml train.join: min_rel_improvement must be in [0, 1)")
+        if self.patience < 1:
+            raise ValueError("params.yaml train.join: patience must be >= 1")
+        if self.max_round < 2:
+            raise ValueError("params.yaml train.join: max_round must be >= 2 (round 1 has no earlier round)")
+
+
+@dataclass
 class TrainConfig:
     """params.yaml `train` (the comments on each default live in params.yaml)."""
 
@@ -43,6 +62,8 @@ class TrainConfig:
     bucket_by_length: bool = True
     lr: float = 2.0e-4
     weight_decay: float = 0.01
+    # AdamW decay on LayerNorm weights and biases too (usual practice, and the default, leaves them undecayed).
+    decay_norm_and_bias: bool = False
     kd_lambda: float = 0.2
     kd_temperature: float = 1.0
     kd_direction: str = "teacher_to_student"
@@ -53,7 +74,7 @@ class TrainConfig:
     proximal_mu: float = 0.01
     fedopt: FedOptConfig = field(default_factory=FedOptConfig)
     new_client: str = "SAMSum"
-    join_round: int = 2
+    join: JoinConfig = field(default_factory=JoinConfig)
     max_train_examples_per_client: int | None = None
     max_valid_examples_per_client: int | None = None
     # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
@@ -72,6 +93,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.fedopt, dict):
             self.fedopt = from_dict(FedOptConfig, self.fedopt, "train.fedopt")
+        if isinstance(self.join, dict):
+            self.join = from_dict(JoinConfig, self.join, "train.join")
         checks = [
             (self.rounds >= 1, "rounds must be >= 1"),
             (self.local_epochs >= 1, "local_epochs must be >= 1"),
@@ -81,7 +104,6 @@ class TrainConfig:
             (0.0 <= self.kd_lambda <= 1.0, "kd_lambda must be in [0, 1]"),
             (self.local_adapter in ("keep", "reset"), "local_adapter must be 'keep' or 'reset'"),
             (self.engine in ("inprocess", "ray"), "engine must be 'inprocess' or 'ray'"),
-            (self.join_round >= 1, "join_round must be >= 1"),
             (self.weight_by in ("full", "trained"), "weight_by must be 'full' or 'trained'"),
             (self.transfer_dtype in TRANSFER_DTYPES, f"transfer_dtype must be one of {TRANSFER_DTYPES}"),
             (isinstance(self.transfer_delta, bool), "transfer_delta must be true or false"),
@@ -112,7 +134,7 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     if method.new_client is None:
         drop.add("new_client")
     if method.new_client != "post":
-        drop.add("join_round")
+        drop.add("join")
     if not method.federated:
         drop.update(_FEDERATED_KEYS)
     if method.local_from_global:
@@ -183,6 +205,9 @@ def resolve_plan(name: str, entry: ExperimentEntry, params: dict[str, Any]) -> d
             "reports_dir": f"reports/train/{name}",
         },
     }
+    if method.new_client == "post" and train.join.max_round > train.rounds:
+        raise ValueError(f"params.yaml experiments.{name}: train.join.max_round {train.join.max_round} > rounds "
+                         f"{train.rounds}: the new client might never join")
     if method.uses_tau:
         plan["tau"] = float(entry.tau if entry.tau is not None else params["tau"])
     elif entry.tau is not None:

@@ -28,7 +28,8 @@ N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5, "SAMSum": 4}  # unequal,
 
 MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
          "cache_dir": "data/cache/prefix", "cache_max_gb": 0.05, "teacher_cache_gb": 0.01}
-TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "join_round": 2, "new_client": "SAMSum",
+TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "new_client": "SAMSum",
+         "join": {"min_rel_improvement": 0.01, "patience": 1, "max_round": 2},
          "fedopt": {"server_optimizer": "adam", "server_lr": 0.01}}
 
 
@@ -506,3 +507,101 @@ def test_fedavg_weights_follow_the_full_train_size_under_the_cap(ws, weight_by):
         np.testing.assert_allclose(value.double().numpy(), manual.numpy(), rtol=1e-5, atol=1e-7)
     metrics = json.loads(Path(f"models/weights-{weight_by}/metrics.json").read_text())
     assert metrics["clients"]["Committee"]["fedavg_weight"] == expected["Committee"]
+
+
+# ------------------------------------------------------------------------------------------ method fixes
+def test_client_first_sampled_after_round_1_starts_from_the_current_global(ws):
+    """A client that was only evaluated in round 1 (not sampled) must begin its first training from the global
+    adapter it receives, not from the round-0 adapter its evaluation saw. With lr 0 training changes nothing, so
+    the adapter it holds after training is exactly where it started."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from pipeline import client_training, federated
+
+    path = write_plan("first-late", "fedselectkd", lr=0.0)
+    plan = federated._load_plan(path)
+    federated._set_server_identity(1)
+    context = Context(run_id=1, node_id=7, node_config={"client-name": "Academic", "plan": path},
+                      state=RecordDict(), run_config={})
+    config = lambda rnd: RecordDict({"config": ConfigRecord({"server-round": rnd, "plan": path})})  # noqa: E731
+    evaluate = Message(config(1), dst_node_id=7, message_type="evaluate")
+    evaluate.metadata.__dict__["_message_id"] = "e1"
+    federated.client_evaluate(evaluate, context)  # round 1: evaluated, never trained
+
+    initial = client_training.initial_adapter_state(plan)
+    global_2 = {k: v + 0.25 for k, v in initial.items()}  # any global different from the round-0 adapter
+    train = Message(config(2), dst_node_id=7, message_type="train")
+    train.content["arrays"] = federated.encode_global(global_2, plan)
+    train.metadata.__dict__["_message_id"] = "t2"
+    federated.client_train(train, context)
+    held = context.state[federated.LOCAL_STATE_KEY].to_torch_state_dict()
+    for k in initial:
+        assert torch.equal(held[k], global_2[k]), k
+
+
+def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
+    """The same after a restart: an untrained client's checkpoint restores its progress but no local adapter."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from pipeline import federated
+
+    path = write_plan("first-late-ckpt", "fedselectkd")
+    plan = federated._load_plan(path)
+    federated._set_server_identity(1)
+    node_config = {"client-name": "Committee", "plan": path}
+    first = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+    msg = Message(RecordDict({"config": ConfigRecord({"server-round": 1, "plan": path})}), dst_node_id=7,
+                  message_type="evaluate")
+    msg.metadata.__dict__["_message_id"] = "e1"
+    federated.client_evaluate(msg, first)
+    restarted = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
+    assert federated._restore_client_state(restarted, plan, "Committee", 2) is None
+    assert federated.PROGRESS_KEY in restarted.state
+
+
+def _join_history(means: list[float], late: str = "New") -> list[dict]:
+    # two existing clients whose mean validation loss per round is `means`
+    return [{"round": r, "client": c, "val_loss": m + d} for r, m in enumerate(means, start=1)
+            for c, d in (("A", -0.5), ("B", 0.5))]
+
+
+@pytest.mark.parametrize("means, rnd, expected", [
+    ([10.0], 2, False),                 # one round: no improvement measurable yet
+    ([10.0, 9.0], 3, False),            # 10 % better: still learning
+    ([10.0, 9.95], 3, True),            # 0.5 % better < 1 %: converged, joins in round 3
+    ([10.0, 10.5], 3, True),            # worse: converged
+    ([10.0, 9.0, 8.95], 4, True),       # (9.0 - 8.95) / 9.0 = 0.56 %
+    ([10.0, 9.0, 8.0], 4, False),
+    ([10.0, 9.0, 8.0], 5, True),        # max_round reached regardless
+])
+def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
+    from pipeline.federated import new_client_joins
+    from pipeline.plan import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=5)
+    assert new_client_joins(rnd, _join_history(means), "New", join) is expected
+
+
+def test_join_patience_needs_that_many_flat_rounds():
+    from pipeline.federated import new_client_joins
+    from pipeline.plan import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=9)
+    assert not new_client_joins(4, _join_history([10.0, 9.0, 8.99]), "New", join)  # only one flat round
+    assert new_client_joins(5, _join_history([10.0, 9.0, 8.99, 8.98]), "New", join)
+    # the late client's own rows never count
+    history = _join_history([10.0, 9.99]) + [{"round": 2, "client": "New", "val_loss": 1.0}]
+    assert new_client_joins(3, history, "New", JoinConfig(0.01, 1, 9))
+
+
+def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_after_joining(ws):
+    from pipeline.train import run_experiment
+
+    # lr 0: nobody improves, so the others have converged after round 2 and SAMSum joins in round 3 (max_round 4)
+    name = "post-converged"
+    metrics = run_experiment(write_plan(name, "post_addition", "extreme/seed0", rounds=4, lr=0.0,
+                                        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 4}),
+                             track=False)
+    history = json.loads(Path(f"models/{name}/rounds.json").read_text())
+    assert min(r["round"] for r in history if r["client"] == "SAMSum") == 3
+    assert metrics["clients"]["SAMSum"]["best_round"] >= 3

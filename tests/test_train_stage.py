@@ -154,3 +154,61 @@ def test_train_cli_end_to_end(ws):
     # the gate log (client token ids) never goes to MLflow
     top = {a.path for a in client.list_artifacts(run.info.run_id)}
     assert not any("gate_log" in p for p in top)
+
+
+# ------------------------------------------------------------------------------------------ optimizer details
+def _batch(lengths: list[int]):
+    import torch
+
+    from pipeline.data import IGNORE_INDEX, Batch
+
+    width = max(lengths)
+    labels = torch.full((len(lengths), width), IGNORE_INDEX)
+    for i, n in enumerate(lengths):
+        labels[i, :n] = 1
+    return Batch(input_ids=None, attention_mask=None, decoder_input_ids=None, labels=labels,
+                 example_ids=[str(i) for i in range(len(lengths))])
+
+
+def test_accumulated_micro_batches_weigh_as_one_token_mean():
+    """Window of 2 micro-batches with 6 and 2 target tokens: weights 6/8 and 2/8, so the accumulated gradient
+    is the token mean over all 8 tokens; a trailing single batch forms its own step (weight 1)."""
+    from pipeline.client_training import accumulation_weights
+
+    batches = [_batch([4, 2]), _batch([2]), _batch([3, 3, 1])]
+    assert accumulation_weights(batches, 2, "tokens") == [6 / 8, 2 / 8, 1.0]
+    assert accumulation_weights(batches, 1, "tokens") == [1.0, 1.0, 1.0]
+    assert accumulation_weights(batches, 3, "sequences") == [2 / 6, 1 / 6, 3 / 6]
+
+
+def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
+    """The identity the weights exist for: sum_b w_b * mean_b(l) == mean over the union of the batches."""
+    import torch
+
+    from pipeline.client_training import accumulation_weights
+
+    torch.manual_seed(0)
+    theta = torch.randn(3, requires_grad=True)
+    lengths = [[5, 1], [2]]
+    xs = [torch.randn(sum(l), 3) for l in lengths]
+    weights = accumulation_weights([_batch(l) for l in lengths], 2, "tokens")
+    sum(w * (x @ theta).pow(2).mean() for w, x in zip(weights, xs)).backward()
+    accumulated = theta.grad.clone()
+    theta.grad = None
+    (torch.cat(xs) @ theta).pow(2).mean().backward()
+    assert torch.allclose(accumulated, theta.grad, atol=1e-6)
+
+
+def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
+    from pipeline.adapters import HoulsbyAdapter
+    from pipeline.client_training import adamw_groups
+    from pipeline.plan import TrainConfig
+
+    adapter = HoulsbyAdapter(8, 4, bias=True)
+    groups = adamw_groups(adapter, TrainConfig(weight_decay=0.01))
+    decayed = {id(p) for p in groups[0]["params"]}
+    for name, p in adapter.named_parameters():
+        assert (id(p) in decayed) == (p.ndim == 2), name
+    assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
+    every = adamw_groups(adapter, TrainConfig(weight_decay=0.01, decay_norm_and_bias=True))
+    assert len(every[0]["params"]) == len(list(adapter.parameters())) and not every[1]["params"]
