@@ -404,8 +404,9 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
 
 
 def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std; the std of one value is undefined (NaN, written as null), never 0."""
     arr = np.asarray(values, dtype=float)
-    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else 0.0
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
 
 
 def _clean(obj: Any) -> Any:

@@ -23,6 +23,7 @@ import pandas as pd
 from pipeline.config import from_dict, load_params
 from pipeline.schema import DataError
 from pipeline.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
+from pipeline.stats import BootstrapConfig, mean_interval
 
 EVAL_DIR = Path("reports/eval")
 MODELS_DIR = Path("models")
@@ -230,7 +231,7 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
 def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MODELS_DIR,
                         eval_dir: Path = EVAL_DIR, examples_path: Path = EXAMPLES_PATH,
                         partitions_dir: Path = PARTITIONS_DIR, backbone_dir: Path = BACKBONE_DIR,
-                        mlflow_logging: bool = True) -> dict[str, Any]:
+                        mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None) -> dict[str, Any]:
     """Generate and score every client's test subsample for experiment ``name``; returns metrics.json's content."""
     model_dir = models_dir / name
     exp_path = model_dir / "experiment.json"
@@ -298,6 +299,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
         raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
     # Mean over clients (unweighted, as the paper averages its per-client columns).
     mean = {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in (*ROUGE_TYPES, "avg_rouge")}
+    mean_ci, ci = client_average_intervals(per_example, bootstrap or BootstrapConfig())
     metrics = {
         "experiment": name,
         "method": experiment["method"],
@@ -312,12 +314,26 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
         "clients": per_client,
         "skipped_clients": skipped_clients,
         "mean": mean,
+        "mean_ci": mean_ci,
+        "ci": ci,
     }
     (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     if mlflow_logging:
         metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg)
         print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
     return metrics
+
+
+def client_average_intervals(per_example: pd.DataFrame, cfg: BootstrapConfig) -> tuple[dict, dict]:
+    """The bootstrap interval of each ROUGE's client average (test examples resampled within clients)."""
+    groups = [g for _, g in per_example.groupby("client", sort=True)]
+    intervals = {}
+    for key in (*ROUGE_TYPES, "avg_rouge"):
+        r = mean_interval([g[key].to_numpy()[None, :] for g in groups], cfg)
+        intervals[key] = {"low": r.low, "high": r.high}
+    return intervals, {"level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
+                       "method": "percentile bootstrap of the client average, test examples resampled within "
+                                 "clients (one seed: the choice of test examples only)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,8 +361,9 @@ def main(argv: list[str] | None = None) -> int:
 
     params = load_params(args.params)
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
     with stage_timer(f"evaluate-{args.experiment}"):
-        evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow)
+        evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
     return 0
 
 

@@ -27,11 +27,12 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from pipeline import published
+from pipeline import comparisons, published
 from pipeline.config import from_dict, load_params
 from pipeline.human_eval import Prediction, make_sheets, plot_results, score_sheets
 from pipeline.schema import DataError
 from pipeline.scoring import TABLE_ROUGE_L
+from pipeline.stats import BootstrapConfig
 
 # Our columns in the paper's order: R-1, R-2, R-L (R-L = rougeLsum, see pipeline.scoring) and average ROUGE.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
@@ -47,6 +48,7 @@ class ReportConfig:
     human_eval_per_domain: int = published.HUMAN_EVAL_MEETINGS_PER_DOMAIN
     human_eval_seed: int = 0
     human_eval_target: str = "fedselectkd"
+    baselines: list[str] = field(default_factory=lambda: ["single", "fedavg", "fedkd"])
 
 
 @dataclass
@@ -232,12 +234,16 @@ def aggregate(scores: pd.DataFrame, planned: list[Planned], expected_seeds: Iter
 
 
 def fmt(mean: float, std: float, n: int | None = None, missing: str = "") -> str:
-    """'27.09 ± 0.31' (3 seeds), '27.09 (1 seed)'; missing seeds appended as '[missing 1,2]'."""
+    """'27.09 ± 0.31' (sample std over n >= 2 seeds), '27.09 (n=1)': one seed has no spread, so none is shown
+    (never '± 0.00'); missing seeds appended as '[missing seed 1,2]'."""
     if mean is None or (isinstance(mean, float) and math.isnan(mean)):
         return "missing"
-    text = f"{mean:.2f}" + (f" ± {std:.2f}" if std is not None and not math.isnan(std) else "")
-    if n is not None and n == 1:
-        text += " (1 seed)"
+    one_seed = n is not None and int(n) == 1
+    text = f"{mean:.2f}"
+    if one_seed:
+        text += " (n=1)"
+    elif std is not None and not math.isnan(std):
+        text += f" ± {std:.2f}"
     if missing:
         text += f" [missing seed {missing}]"
     return text
@@ -304,14 +310,16 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: list[Planned] | None =
     return table.sort_values(["_order", "label"], kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
-def main_table_markdown(table: pd.DataFrame, backbone: str) -> str:
+def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFrame | None = None,
+                        bootstrap: BootstrapConfig | None = None) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
     clients = [c for c in QMSUM if c in set(table["client"])] + sorted(set(table["client"]) - set(QMSUM))
     metrics = ["R-1", "R-2", "R-L"]
     header = ["Method", "", *[f"{c} {m}" for c in clients for m in metrics], "seeds"]
     lines = [f"# Main results, backbone `{backbone}`", "",
-             f"ROUGE F1 x 100, mean ± sample std over seeds; R-L = rouge-score `{TABLE_ROUGE_L}` "
+             f"ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
+             f"`{TABLE_ROUGE_L}` "
              "(summary-level, sentence-split, Porter stemming: ROUGE-1.5.5 as the QMSum authors ran it). "
              + (f"Paper: Feng et al. Table III, {key}." if key else
                 "The paper reports no numbers for this backbone (BART-large, BART-base and LED-large only), "
@@ -327,7 +335,7 @@ def main_table_markdown(table: pd.DataFrame, backbone: str) -> str:
                 return "missing"
             r = r.iloc[0]
             if what == "ours":
-                return fmt(r["ours_mean"], r["ours_std"])
+                return fmt(r["ours_mean"], r["ours_std"], r["n_seeds"])
             if r["paper"] is None or (isinstance(r["paper"], float) and math.isnan(r["paper"])):
                 return "–"
             if what == "paper":
@@ -346,20 +354,29 @@ def main_table_markdown(table: pd.DataFrame, backbone: str) -> str:
                                              ""]) + " |")
             lines.append("| " + " | ".join(["", "ours − paper",
                                              *[cell(c, m, "diff") for c in clients for m in metrics], ""]) + " |")
+    if compared is not None:
+        lines.append(comparisons.markdown_section(compared, "main", bootstrap or BootstrapConfig()))
     return "\n".join(lines) + "\n"
 
 
-def study_table_markdown(agg: pd.DataFrame, study: str) -> str:
+def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame | None = None,
+                         bootstrap: BootstrapConfig | None = None) -> str:
     sub = agg[agg["study"] == study]
     lines = [f"# Study `{study}`", "",
-             f"ROUGE F1 x 100 per client, mean ± std over seeds (R-L = `{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, "
-             "R-L).", "", "| configuration | backbone | client | R-1 | R-2 | R-L | avg | seeds | missing seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
+             f"`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). \"significantly vs\": the baselines whose avg this "
+             "configuration is above (>) or below (<) with a paired interval excluding 0 (section below).", "",
+             "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
+        marks = "–" if compared is None else comparisons.significance_marks(compared, study, r["label"], r["client"])
         lines.append("| " + " | ".join([
             str(r["label"]), str(r["backbone"]), str(r["client"]),
-            *[fmt(r[f"{m}_mean"], r[f"{m}_std"]) for m in METRICS], str(r["n_seeds"]), r["missing_seeds"] or "–",
+            *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS], marks, str(r["n_seeds"]),
+            r["missing_seeds"] or "–",
         ]) + " |")
+    if compared is not None:
+        lines.append(comparisons.markdown_section(compared, study, bootstrap or BootstrapConfig()))
     return "\n".join(lines) + "\n"
 
 
@@ -444,13 +461,18 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
     plt = _plt()
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
+    # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
+    shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
+    paper_shown = {(c, f"{lab} (n={int(n)})"): paper[(c, lab)] for c, lab, n in
+                   zip(data["client"], data["label"], data["n_seeds"]) if (c, lab) in paper} if paper else None
     for ax, facet in zip(axes[0], facets):
-        d = data if facet is None else data[data[facet_col] == facet]
-        grouped_bars(ax, d, "client", "label", "avg_rouge_mean", "avg_rouge_std", paper)
+        d = shown if facet is None else shown[shown[facet_col] == facet]
+        grouped_bars(ax, d, "client", "label", "avg_rouge_mean", "avg_rouge_std", paper_shown)
         if facet is not None:
             ax.set_title(str(facet), fontsize=9)
-    axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over seeds")
-    fig.suptitle(title, fontsize=10)
+    axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over n seeds")
+    backbones = ", ".join(sorted(set(data["backbone"].astype(str))))
+    fig.suptitle(f"{title}\nours: backbone {backbones}", fontsize=10)
     _save(fig, fig_path)
     out = data.copy()
     out["bar"] = out["client"] + " | " + out["label"] + (
@@ -649,6 +671,15 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     made: dict[str, list[str]] = defaultdict(list)
     not_made: dict[str, str] = {}
 
+    # Which differences are real: every configuration against its baselines (paired bootstrap).
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    compared, notes = comparisons.comparisons_table(
+        comparisons.configurations(planned, with_labels(planned)), cfg.baselines, paths.eval_dir, bootstrap)
+    compared.to_csv(paths.tables / "comparisons.csv", index=False)
+    made["tables"].append(str(paths.tables / "comparisons.csv"))
+    if notes:
+        not_made["comparisons"] = "; ".join(notes)
+
     # Per-experiment and aggregated scores, machine-readable.
     scores.to_csv(paths.tables / "scores_per_experiment.csv", index=False)
     agg.to_csv(paths.tables / "scores_aggregated.csv", index=False)
@@ -662,13 +693,13 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
         table = main_table(agg, backbone, planned, cfg.expected_seeds)
         stem = paths.tables / f"main_{backbone_slug(backbone)}"
         table.to_csv(stem.with_suffix(".csv"), index=False)
-        stem.with_suffix(".md").write_text(main_table_markdown(table, backbone))
+        stem.with_suffix(".md").write_text(main_table_markdown(table, backbone, compared, bootstrap))
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
-    # One table per study.
+    # One table per study, with its paired comparisons.
     for study in sorted(set(agg["study"])):
         path = paths.tables / f"study_{study}.md"
-        path.write_text(study_table_markdown(agg, study))
+        path.write_text(study_table_markdown(agg, study, compared, bootstrap))
         made["tables"].append(str(path))
 
     # Figures.

@@ -1,0 +1,211 @@
+"""Which differences between methods are real: paired bootstrap comparisons of every configuration with its
+baselines (report.baselines: AdaSingle, AdaFedAvg, AdaFedKD) on the same partition and test examples.
+
+Reads each experiment's ``reports/eval/<exp>/per_example.parquet`` (ROUGE per test example) and
+``predictions.jsonl`` (to count identical summaries); writes one row per (configuration, baseline, client or
+client average, metric) with the mean difference A - B, its interval and p-value (pipeline.stats), the number
+of paired examples and seeds, and the fraction of paired summaries that are the same text.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+from pipeline.schema import DataError
+from pipeline.scoring import TABLE_ROUGE_L
+from pipeline.stats import BootstrapConfig, paired_difference
+
+METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
+AVERAGE = "client average"
+COLUMNS = ["study", "client", "method_a", "method_b", "config_a", "config_b", "study_b", "metric", "mean_diff",
+           "ci_low", "ci_high", "p_value", "n_examples", "n_seeds", "identical_fraction", "significant",
+           "mostly_identical", "experiments_a", "experiments_b"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration (a study's row: method and its settings), run once per seed."""
+
+    study: str
+    label: str
+    method: str
+    scheme: str
+    runs: tuple[tuple[int, str], ...]  # (seed, experiment name)
+
+
+def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Config]:
+    """Group planned experiments (objects with name, study, method, scheme, seed) into configurations."""
+    groups: dict[tuple[str, str, str, str], list[tuple[int, str]]] = defaultdict(list)
+    for p in planned:
+        groups[(p.study, labels[p.name], p.method, p.scheme)].append((int(p.seed), p.name))
+    return [Config(study, label, method, scheme, tuple(sorted(runs)))
+            for (study, label, method, scheme), runs in groups.items()]
+
+
+def baseline_for(config: Config, method: str, configs: list[Config]) -> Config | None:
+    """The ``method`` configuration ``config`` is compared with: same partition scheme, preferably the same study,
+    else the main study's (a study such as the tau sweep has no baselines of its own)."""
+    candidates = [c for c in configs if c.method == method and c.scheme == config.scheme]
+    candidates.sort(key=lambda c: (c.study != config.study, c.study != "main", c.label))
+    return candidates[0] if candidates else None
+
+
+def _per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
+    path = eval_dir / name / "per_example.parquet"
+    if not path.is_file():
+        return None
+    frame = pd.read_parquet(path)
+    missing = [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}")
+    return frame
+
+
+def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:
+    path = eval_dir / name / "predictions.jsonl"
+    out: dict[tuple[str, str], str] = {}
+    if not path.is_file():
+        return out
+    with path.open(encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                out[(str(rec["client"]), str(rec["example_id"]))] = str(rec["prediction"])
+            except (json.JSONDecodeError, KeyError) as err:
+                raise DataError(f"{path}:{line_no}: not a prediction record ({err})") from err
+    return out
+
+
+def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[dict[str, Any]]:
+    """Rows for A - B: per client and on the client average, per metric; [] when they share no seed or example."""
+    seeds_a, seeds_b = dict(a.runs), dict(b.runs)
+    seeds = sorted(set(seeds_a) & set(seeds_b))
+    frames = {}
+    for s in seeds:
+        fa, fb = _per_example(eval_dir, seeds_a[s]), _per_example(eval_dir, seeds_b[s])
+        if fa is not None and fb is not None:
+            frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
+    seeds = sorted(frames)
+    if not seeds:
+        return []
+    # The examples every paired seed has, per client (the same test subsample for a partition and seed).
+    shared: dict[str, list[str]] = {}
+    for client in sorted(set.intersection(*(set(f["client"]) for f in frames.values()))):
+        ids = set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames.values()))
+        if ids:
+            shared[client] = sorted(ids)
+    if not shared:
+        return []
+    same: dict[str, list[bool]] = defaultdict(list)
+    for s in seeds:
+        pa, pb = _predictions(eval_dir, seeds_a[s]), _predictions(eval_dir, seeds_b[s])
+        for client, ids in shared.items():
+            for i in ids:
+                if (client, i) in pa and (client, i) in pb:
+                    same[client].append(pa[(client, i)] == pb[(client, i)])
+
+    def arrays(client: str, metric: str, side: str) -> np.ndarray:
+        rows = []
+        for s in seeds:
+            f = frames[s]
+            f = f[f["client"] == client].set_index("example_id").loc[shared[client]]
+            rows.append(f[f"{metric}_{side}"].to_numpy(dtype=float))
+        return np.stack(rows)
+
+    out = []
+    scopes = [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]
+    for scope, clients in scopes:
+        flags = [x for c in clients for x in same[c]]
+        identical = float(np.mean(flags)) if flags else math.nan
+        for metric in METRICS:
+            r = paired_difference([arrays(c, metric, "a") for c in clients], [arrays(c, metric, "b") for c in clients],
+                                  cfg)
+            out.append({
+                "study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
+                "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
+                "mean_diff": r.estimate, "ci_low": r.low, "ci_high": r.high, "p_value": r.p_value,
+                "n_examples": r.n_examples, "n_seeds": r.n_seeds, "identical_fraction": identical,
+                "significant": r.significant,
+                "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
+                "experiments_a": ",".join(seeds_a[s] for s in seeds),
+                "experiments_b": ",".join(seeds_b[s] for s in seeds),
+            })
+    return out
+
+
+def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
+                      cfg: BootstrapConfig) -> tuple[pd.DataFrame, list[str]]:
+    """Every configuration against each baseline it has; and a note per comparison that could not be made."""
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    baselines = list(baselines)
+    for config in configs:
+        # A baseline is compared only with the baselines listed before it (fedavg vs single, not also the reverse).
+        against = baselines[:baselines.index(config.method)] if config.method in baselines else baselines
+        for method in against:
+            base = baseline_for(config, method, configs)
+            if base is None:
+                notes.append(f"{config.study}: {config.label} has no {method} run on partition scheme "
+                             f"{config.scheme!r} to compare with")
+                continue
+            if base == config:
+                continue
+            found = compare(config, base, eval_dir, cfg)
+            if not found:
+                notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
+                             "in common")
+            rows.extend(found)
+    table = pd.DataFrame(rows, columns=COLUMNS)
+    return table, notes
+
+
+def _fmt_p(p: float) -> str:
+    return "–" if p is None or math.isnan(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metric: str = "avg_rouge") -> str:
+    """The study's paired comparisons on the client average, as markdown (empty when it has none)."""
+    sub = table[(table["study"] == study) & (table["client"] == AVERAGE) & (table["metric"] == metric)]
+    if sub.empty:
+        return ""
+    level = f"{cfg.level:.0%}"
+    lines = ["", f"## Paired comparisons (client average of `{metric}`, A − B)", "",
+             f"Paired bootstrap over test examples within clients ({cfg.n_resamples} replicates, seed {cfg.seed}; "
+             "seeds paired and resampled when there are several). **Bold** = the "
+             f"{level} interval excludes 0. ⚠ = more than {cfg.identical_warning:.0%} of the paired summaries are "
+             "the same text: the runs did not separate, so neither a difference nor its absence says much about "
+             "the methods.", "",
+             f"| A | B | Δ | {level} interval | p | seeds | examples | identical summaries |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sub.itertuples():
+        b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
+        delta = f"{r.mean_diff:+.2f}"
+        interval = f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+        if r.significant:
+            delta, interval = f"**{delta}**", f"**{interval}**"
+        identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
+        if r.mostly_identical:
+            identical = f"⚠ {identical}"
+        lines.append(f"| {r.config_a} | {b} | {delta} | {interval} | {_fmt_p(r.p_value)} | {r.n_seeds} | "
+                     f"{r.n_examples} | {identical} |")
+    n_identical = int(sub["mostly_identical"].sum())
+    if n_identical:
+        lines += ["", f"⚠ {n_identical} of {len(sub)} comparisons above are between mostly identical summaries."]
+    return "\n".join(lines) + "\n"
+
+
+def significance_marks(table: pd.DataFrame, study: str, label: str, client: str,
+                       metric: str = "avg_rouge") -> str:
+    """'> single, < fedavg': the baselines this configuration is significantly above or below for one client."""
+    sub = table[(table["study"] == study) & (table["config_a"] == label) & (table["client"] == client)
+                & (table["metric"] == metric) & table["significant"]]
+    return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"

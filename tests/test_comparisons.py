@@ -1,0 +1,101 @@
+"""Paired comparisons between methods (pipeline.comparisons) and their place in the study tables."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pipeline import comparisons
+from pipeline.report import Planned, aggregate, collect_scores, study_table_markdown, with_labels
+from pipeline.stats import BootstrapConfig
+
+CFG = BootstrapConfig(n_resamples=1000, seed=0)
+CLIENTS = {"Academic": 6, "Product": 10}
+
+
+def _write_eval(eval_dir: Path, name: str, shift: float, texts: str, scale: float = 1.0) -> None:
+    """A fake evaluation: per-example ROUGE = base + shift, summaries `texts` + the example id."""
+    rows, preds = [], []
+    for client, n in CLIENTS.items():
+        for i in range(n):
+            base = 10.0 + 3.0 * ((i * 7) % 5)  # varies over examples, identical across methods
+            row = {"experiment": name, "client": client, "example_id": f"{client}/{i}", "domain": client}
+            for m in ("rouge1", "rouge2", "rougeL", "rougeLsum"):
+                row[m] = base * scale + shift
+            row["avg_rouge"] = base * scale + shift
+            rows.append(row)
+            preds.append({"experiment": name, "client": client, "example_id": f"{client}/{i}",
+                          "prediction": f"{texts} {i}", "reference": "ref"})
+    d = eval_dir / name
+    d.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(d / "per_example.parquet", index=False)
+    (d / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
+    per_client = {c: {m: float(np.mean([r[m] for r in rows if r["client"] == c]))
+                      for m in ("rouge1", "rouge2", "rougeLsum", "avg_rouge")} | {"n": CLIENTS[c]} for c in CLIENTS}
+    (d / "metrics.json").write_text(json.dumps({"backbone": "tiny", "clients": per_client}))
+
+
+@pytest.fixture
+def evaluated(tmp_path):
+    eval_dir = tmp_path / "eval"
+    _write_eval(eval_dir, "single-domain", 0.0, "same words")
+    _write_eval(eval_dir, "fedavg-domain", 0.0, "same words")  # identical summaries and scores to single
+    _write_eval(eval_dir, "fedselectkd-domain", 2.0, "other words")  # +2 on every example
+    _write_eval(eval_dir, "fedavg-iid", 0.0, "iid words")
+    planned = [Planned("single-domain", "main", "single", "domain", 0, None, ""),
+               Planned("fedavg-domain", "main", "fedavg", "domain", 0, None, ""),
+               Planned("fedselectkd-domain", "main", "fedselectkd", "domain", 0, 5.0, ""),
+               Planned("fedavg-iid", "iid", "fedavg", "iid", 0, None, "")]
+    return eval_dir, planned
+
+
+def test_every_configuration_is_compared_with_its_baselines(evaluated):
+    eval_dir, planned = evaluated
+    configs = comparisons.configurations(planned, with_labels(planned))
+    table, notes = comparisons.comparisons_table(configs, ["single", "fedavg", "fedkd"], eval_dir, CFG)
+    assert list(table.columns[:12]) == ["study", "client", "method_a", "method_b", "config_a", "config_b", "study_b",
+                                        "metric", "mean_diff", "ci_low", "ci_high", "p_value"]
+    avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")]
+    pairs = {(r.config_a, r.config_b) for r in avg.itertuples()}
+    sel_label = "fedselectkd tau=5"  # tau tells it apart within the study
+    assert pairs == {("fedavg", "single"), (sel_label, "single"), (sel_label, "fedavg")}  # no reverse pairs
+    sel = avg[(avg["config_a"] == sel_label) & (avg["config_b"] == "fedavg")].iloc[0]
+    assert sel["mean_diff"] == pytest.approx(2.0) and sel["significant"]
+    assert sel["n_examples"] == 16 and sel["n_seeds"] == 1 and sel["identical_fraction"] == 0.0
+    same = avg[(avg["config_a"] == "fedavg") & (avg["config_b"] == "single")].iloc[0]
+    assert same["mean_diff"] == 0.0 and same["p_value"] == 1.0 and not same["significant"]
+    assert same["identical_fraction"] == 1.0 and same["mostly_identical"]
+    # per client rows too, each with its own examples
+    per_client = table[(table["config_a"] == sel_label) & (table["config_b"] == "fedavg")
+                       & (table["metric"] == "rouge1") & (table["client"] == "Academic")].iloc[0]
+    assert per_client["n_examples"] == 6 and per_client["mean_diff"] == pytest.approx(2.0)
+    # no FedKD anywhere and no AdaSingle on the iid partition: said, not invented
+    assert any("no fedkd run" in n for n in notes) and any("iid" in n and "no single run" in n for n in notes)
+
+
+def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluated):
+    eval_dir, planned = evaluated
+    configs = comparisons.configurations(planned, with_labels(planned))
+    table, _ = comparisons.comparisons_table(configs, ["single", "fedavg"], eval_dir, CFG)
+    scores, _ = collect_scores(planned, eval_dir)
+    md = study_table_markdown(aggregate(scores, planned, [0]), "main", table, CFG)
+    sel_rows = [line for line in md.splitlines() if line.startswith("| fedselectkd tau=5 | tiny | Academic")]
+    assert sel_rows and "> single, > fedavg" in sel_rows[0]
+    assert "(n=1)" in sel_rows[0] and "± 0.00" not in md
+    comparison_rows = [line for line in md.splitlines() if line.startswith("| fedavg | single |")]
+    assert comparison_rows and "⚠ 100%" in comparison_rows[0]
+    assert "**+2.00**" in md
+
+
+def test_baseline_prefers_the_same_study_then_main():
+    a = comparisons.Config("sampling", "fedselectkd", "fedselectkd", "domain", ((0, "s"),))
+    same_study = comparisons.Config("sampling", "fedavg", "fedavg", "domain", ((0, "fa-s"),))
+    main = comparisons.Config("main", "fedavg", "fedavg", "domain", ((0, "fa"),))
+    other = comparisons.Config("server", "fedavg", "fedavg", "domain", ((0, "fa2"),))
+    wrong_partition = comparisons.Config("sampling", "fedavg x", "fedavg", "iid", ((0, "fa-i"),))
+    assert comparisons.baseline_for(a, "fedavg", [other, main, same_study, wrong_partition]) == same_study
+    assert comparisons.baseline_for(a, "fedavg", [other, main, wrong_partition]) == main
+    assert comparisons.baseline_for(a, "single", [other, main]) is None

@@ -1,0 +1,73 @@
+"""Bootstrap intervals against hand-computed cases (pipeline.stats)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.stats import BootstrapConfig, mean_interval, paired_difference
+
+CFG = BootstrapConfig(n_resamples=2000, seed=0)
+
+
+def test_identical_scores_give_zero_difference_and_p_one():
+    a = [np.array([[10.0, 20.0, 30.0]]), np.array([[5.0, 7.0]])]
+    r = paired_difference(a, [x.copy() for x in a], CFG)
+    assert r.estimate == 0.0 and r.low == 0.0 and r.high == 0.0
+    assert r.p_value == 1.0 and not r.significant
+    assert (r.n_examples, r.n_seeds) == (5, 1)
+
+
+def test_constant_shift_gives_that_shift_and_a_tight_interval():
+    rng = np.random.default_rng(3)
+    b = [rng.uniform(0, 40, size=(1, 12)), rng.uniform(0, 40, size=(1, 30))]
+    a = [x + 1.5 for x in b]
+    r = paired_difference(a, b, CFG)
+    assert r.estimate == pytest.approx(1.5, abs=1e-12)
+    assert r.low == pytest.approx(1.5, abs=1e-9) and r.high == pytest.approx(1.5, abs=1e-9)
+    assert r.significant
+    assert r.p_value == pytest.approx(1 / (CFG.n_resamples + 1))  # the smallest p B replicates can show
+
+
+def test_client_average_weighs_clients_equally_not_examples():
+    # client 1: 2 examples, difference 4; client 2: 8 examples, difference 0 -> client average 2 (example mean 0.8)
+    a = [np.array([[4.0, 4.0]]), np.zeros((1, 8))]
+    b = [np.zeros((1, 2)), np.zeros((1, 8))]
+    assert paired_difference(a, b, CFG).estimate == pytest.approx(2.0)
+    assert mean_interval(a, CFG).estimate == pytest.approx(2.0)
+
+
+def test_the_seed_of_the_resampling_fixes_the_output():
+    rng = np.random.default_rng(0)
+    a, b = [rng.normal(10, 3, size=(2, 20))], [rng.normal(10, 3, size=(2, 20))]
+    r1 = paired_difference(a, b, BootstrapConfig(n_resamples=500, seed=7))
+    r2 = paired_difference(a, b, BootstrapConfig(n_resamples=500, seed=7))
+    r3 = paired_difference(a, b, BootstrapConfig(n_resamples=500, seed=8))
+    assert r1 == r2
+    assert (r1.low, r1.high) != (r3.low, r3.high)
+
+
+def test_interval_matches_the_normal_approximation_for_a_large_sample():
+    """For n = 400 paired differences ~ N(1, 2^2) the percentile interval approaches mean ± 1.96 * sd / sqrt(n)."""
+    rng = np.random.default_rng(1)
+    d = rng.normal(1.0, 2.0, size=400)
+    r = paired_difference([d[None, :]], [np.zeros((1, 400))], BootstrapConfig(n_resamples=4000, seed=0))
+    half = 1.96 * d.std(ddof=1) / np.sqrt(400)
+    assert r.estimate == pytest.approx(d.mean())
+    assert r.low == pytest.approx(d.mean() - half, abs=0.03)
+    assert r.high == pytest.approx(d.mean() + half, abs=0.03)
+    assert r.p_value < 0.001
+
+
+def test_seed_variation_widens_the_interval():
+    """Two seeds that disagree (differences +2 and -2 on every example) average to 0 with a wide interval once
+    the seeds are resampled; a single seed with constant differences has none."""
+    a = [np.array([[2.0] * 10, [-2.0] * 10])]
+    r = paired_difference(a, [np.zeros((2, 10))], CFG)
+    assert r.estimate == 0.0 and r.n_seeds == 2
+    assert r.low == pytest.approx(-2.0) and r.high == pytest.approx(2.0)
+    assert not r.significant
+
+
+def test_unpaired_shapes_are_rejected():
+    with pytest.raises(ValueError, match="shapes differ"):
+        paired_difference([np.zeros((1, 3))], [np.zeros((1, 4))], CFG)
