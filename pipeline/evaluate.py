@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from pipeline import atomic
 from pipeline.config import from_dict, load_params
 from pipeline.schema import DataError
 from pipeline.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
@@ -290,10 +291,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     per_example = pd.DataFrame(rows, columns=["experiment", "client", "example_id", "domain", *ROUGE_TYPES,
                                               "pred_words", "ref_words"])
     per_example["avg_rouge"] = per_example[list(("rouge1", "rouge2", TABLE_ROUGE_L))].mean(axis=1)
-    per_example.to_parquet(out_dir / "per_example.parquet", index=False)
-    with (out_dir / "predictions.jsonl").open("w", encoding="utf-8") as fh:
-        for rec in records:
-            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
+    atomic.write_text(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
     if not per_client:
         raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
@@ -317,7 +316,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
         "mean_ci": mean_ci,
         "ci": ci,
     }
-    (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
         metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg)
         print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
@@ -368,4 +367,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.cli import run as run_cli
+
+    sys.exit(run_cli(main))

@@ -18,6 +18,7 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline import atomic
 from pipeline.config import from_dict, load_params
 from pipeline.meeting_links import link_meetings
 from pipeline.schema import (
@@ -216,13 +217,15 @@ def main(argv: list[str] | None = None) -> None:
         stats = table_ii(examples)
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        examples.to_parquet(out, index=False)
+        atomic.to_parquet(examples, out, index=False)
         report_dir.mkdir(parents=True, exist_ok=True)
         full = {**stats, "skipped": skipped, "meeting_links": link_report}
-        (report_dir / "stats.json").write_text(json.dumps(full, indent=2) + "\n")
-        (report_dir / "stats.md").write_text(stats_markdown(stats, skipped, link_report))
+        atomic.write_json(report_dir / "stats.json", full)
+        atomic.write_text(report_dir / "stats.md", stats_markdown(stats, skipped, link_report))
         print(f"{len(examples)} examples -> {out}")
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

@@ -56,6 +56,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
+from pipeline import atomic
 from pipeline import client_training
 from pipeline.compression import decode_state, encode_state
 from pipeline.plan import Plan, plan_hash, read_plan
@@ -219,7 +220,7 @@ def client_train(msg: Message, context: Context) -> Message:
     if spec.two_adapters:  # the gate log stays on the client's disk
         out = client_dir(plan, name, context) / "gate_log" / f"round{rnd:03d}.parquet"
         out.parent.mkdir(parents=True, exist_ok=True)
-        result.gate_log.to_parquet(out, index=False)
+        atomic.to_parquet(result.gate_log, out, index=False)
 
     # FedAvg's |D_i| is the client's data size; the CPU profile's cap (max_train_examples_per_client) only
     # shortens the local computation, so by default the weight stays the full size (train.weight_by).
@@ -283,7 +284,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     # checkpoint of this round exists, so a kill in between still finds a consistent state.
     ckpt = client_checkpoint_dir(plan, name, context)
     client_training.save_adapter(ckpt / f"round{rnd:03d}.safetensors", local)
-    (ckpt / f"round{rnd:03d}.json").write_text(json.dumps({**progress, TRAINED_FLAG: int(trained)}))
+    atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained)}))
     for old in _checkpoint_rounds(ckpt):
         if old < rnd - 1 or old > rnd:
             (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
@@ -297,6 +298,14 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         "is-best": int(is_best),
     })
     return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
+
+
+@client_app.query("summarize")
+def client_summarize(msg: Message, context: Context) -> Message:
+    """Federated evaluation: ROUGE of the client's own adapter on its own test set (pipeline.deployment)."""
+    from pipeline.deployment import summarize_test_set
+
+    return summarize_test_set(msg, context)
 
 
 # ================================================================================================ server side
@@ -337,9 +346,7 @@ def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, 
         "history": history,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
     }
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    tmp.replace(path)  # atomic
+    atomic.torch_save(state, path)
 
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
@@ -590,8 +597,11 @@ server_app = ServerApp()
 
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
-    path = _plan_path(None, context)
-    run_server(grid, _load_plan(path), path, Recorder())
+    # Records what the train stage records (rounds, metrics, MLflow, global adapter) and evaluates on the
+    # clients (pipeline.deployment).
+    from pipeline.deployment import serve
+
+    serve(grid, context)
 
 
 # ================================================================================================ engines

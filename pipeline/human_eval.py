@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from pipeline import atomic
 from pipeline.schema import DataError
 
 SHEET_COLUMNS = ("item_id", "domain", "query", "reference", "summary_A", "summary_B", "judgement", "comment")
@@ -114,20 +115,19 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with (out / "sheet.csv").open("w", newline="", encoding="utf-8") as fh:
+    with atomic.replacing(out / "sheet.csv") as tmp, tmp.open("w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=SHEET_COLUMNS)
         writer.writeheader()
         writer.writerows(rows)
-    (out / "sheet.html").write_text(_html_page(rows), encoding="utf-8")
-    (out / "key.json").write_text(json.dumps(
-        {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}}, indent=2) + "\n")
+    atomic.write_text(out / "sheet.html", _html_page(rows))
+    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}})
     per_domain_counts: dict[str, int] = defaultdict(int)
     for ex in chosen:
         per_domain_counts[domain_of[ex]] += 1
     summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
                "examples_per_domain": dict(sorted(per_domain_counts.items())),
                "requested_per_domain": per_domain, "seed": seed}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic.write_json(out / "summary.json", summary)
     return summary
 
 
@@ -264,6 +264,6 @@ def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, i
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    atomic.savefig(fig, path, dpi=120)
     plt.close(fig)
     return path

@@ -8,10 +8,12 @@ are counted in the report with their reason.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import gzip
 import hashlib
 import json
 import re
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline import atomic
 from pipeline.config import from_dict, load_params
 from pipeline.schema import (
     DATASETS,
@@ -36,25 +39,90 @@ from pipeline.timing import stage_timer
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) for every non-blank line; malformed JSON names file and line."""
+    """(line number, parsed object) for every non-blank line.
+
+    Every way a file can be unreadable becomes a DataError naming the file and, where there is one, the line:
+    missing file, bytes that are not UTF-8, malformed JSON, a truncated or damaged gzip chunk.
+    """
+    if not path.is_file():
+        raise DataError(f"{display}: expected split file is missing")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{display}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+    line_no = 0
+    try:
+        with opener(path, "rb") as fh:
+            for line_no, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{display}:{line_no}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                    f"{exc.start + 1})") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield line_no, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{display}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{display}:{line_no}: malformed JSON (nested too deeply)") from None
+    except (EOFError, OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
+
+
+def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """``obj`` as a JSON object with exactly the upstream fields: a list, a number or an unknown field (a file of
+    another format or version) is named instead of being read wrongly."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    for name in required:
+        if name not in obj:
+            raise DataError(f"{where}: missing field {name!r}")
+    extra = sorted(set(obj) - set(required) - set(optional))
+    if extra:
+        raise DataError(f"{where}: unexpected field(s) {extra}; expected {sorted(required + optional)}")
+    return obj
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+             int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _field(obj: Any, name: str, where: str, kind: type | tuple[type, ...] = object) -> Any:
-    if not isinstance(obj, dict) or name not in obj:
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    if name not in obj:
         raise DataError(f"{where}: missing field {name!r}")
     value = obj[name]
-    if not isinstance(value, kind):
-        raise DataError(f"{where}: field {name!r} has type {type(value).__name__}, expected {kind}")
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        expected = {str: "a string", list: "a list", dict: "an object"}.get(kind, str(kind))
+        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {expected}")
     return value
+
+
+def _text(obj: Any, name: str, where: str) -> str:
+    """A text field: a string (null or a number where text belongs is an error, not the text "None")."""
+    return _field(obj, name, where, str)
+
+
+def _no_records(display: str, split_key: str, allow: list[str]) -> None:
+    """An empty split file is an error unless ``ingest.allow_absent_splits`` names its split."""
+    if not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow):
+        raise DataError(f"{display}: no records (empty or blank file) for split {split_key}; if that split may be "
+                        f"absent, add {split_key!r} to ingest.allow_absent_splits")
+
+
+class _Unique:
+    """Record keys seen so far: a duplicate names both places."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.seen: dict[Any, str] = {}
+
+    def check(self, key: Any, where: str) -> None:
+        if key in self.seen:
+            raise DataError(f"{where}: duplicate {self.what} {key!r} (first at {self.seen[key]})")
+        self.seen[key] = where
 
 
 # ---------------------------------------------------------------------------------------------- QMSum
@@ -72,6 +140,9 @@ def _parse_span(raw: Any, n_turns: int, where: str) -> tuple[int, int]:
     if not isinstance(raw, (list, tuple)) or len(raw) != 2:
         raise DataError(f"{where}: span {raw!r} is not a [start, end] pair")
     try:
+        # Upstream writes indices as strings ("29"); ints are fine too, floats and booleans are not.
+        if any(isinstance(x, (bool, float)) for x in raw):
+            raise TypeError
         start, end = int(raw[0]), int(raw[1])
     except (TypeError, ValueError):
         raise DataError(f"{where}: span {raw!r} has a non-integer index") from None
@@ -82,26 +153,39 @@ def _parse_span(raw: Any, n_turns: int, where: str) -> tuple[int, int]:
     return start, end
 
 
-def read_qmsum(directory: Path, report: IngestReport) -> Iterator[CanonicalRecord]:
+QMSUM_MEETING_FIELDS = ("topic_list", "general_query_list", "specific_query_list", "meeting_transcripts")
+
+
+def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     for domain in QMSUM_DOMAINS:
         for upstream_split in ("train", "val", "test"):
             rel = f"data/{domain}/jsonl/{upstream_split}.jsonl"
             display = f"qmsum/{rel}"
             split = normalise_split(upstream_split, display)
+            split_key = f"qmsum/{domain}/{split}"
+            if _absent_allowed(directory / rel, split_key, allow_absent, report):
+                continue
+            meetings = _Unique("meeting (identical transcript)")
+            n_lines = 0
             for line_no, meeting in _json_lines(directory / rel, display):
+                n_lines += 1
                 where = f"{display}:{line_no}"
+                _object(meeting, where, QMSUM_MEETING_FIELDS[1:], QMSUM_MEETING_FIELDS[:1])
                 transcript = _field(meeting, "meeting_transcripts", where, list)
-                turns = [
-                    Turn(str(_field(t, "speaker", f"{where}: meeting_transcripts[{i}]")),
-                         str(_field(t, "content", f"{where}: meeting_transcripts[{i}]")))
-                    for i, t in enumerate(transcript)
-                ]
+                turns = []
+                for i, t in enumerate(transcript):
+                    twhere = f"{where}: meeting_transcripts[{i}]"
+                    _object(t, twhere, ("speaker", "content"))
+                    turns.append(Turn(_text(t, "speaker", twhere), _text(t, "content", twhere)))
                 meeting_id = qmsum_meeting_id(transcript)
+                meetings.check(meeting_id, where)
                 for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
                     for qi, q in enumerate(_field(meeting, key, where, list)):
                         qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
-                        query = str(_field(q, "query", qwhere))
-                        answer = str(_field(q, "answer", qwhere))
+                        _object(q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific"
+                                                                     else ()))
+                        query = _text(q, "query", qwhere)
+                        answer = _text(q, "answer", qwhere)
                         if query_type == "specific":
                             spans = [_parse_span(s, len(turns), qwhere)
                                      for s in _field(q, "relevant_text_span", qwhere, list)]
@@ -119,6 +203,16 @@ def read_qmsum(directory: Path, report: IngestReport) -> Iterator[CanonicalRecor
                             query_index=qi, query=query, query_type=query_type, turns=selected, spans=spans,
                             summary=answer, source_file=display, source_line=line_no,
                         )
+            if n_lines == 0:
+                _no_records(display, split_key, allow_absent)
+
+
+def _absent_allowed(path: Path, split_key: str, allow_absent: list[str], report: IngestReport) -> bool:
+    """True when the split file is missing and ``ingest.allow_absent_splits`` allows it (counted in the report)."""
+    if path.is_file() or not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow_absent):
+        return False
+    report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
+    return True
 
 
 # ---------------------------------------------------------------------------------------------- AMI / ICSI
@@ -129,38 +223,62 @@ def hmnet_speaker(turn: dict, where: str) -> str:
     role carries meaning a summarizer can use ("the project manager said ..."), and the letter keeps two
     participants with the same role (common in ICSI) apart.
     """
-    letter = str(_field(turn, "speaker", where))
-    role = str(turn.get("role") or "").strip()
+    letter = _text(turn, "speaker", where)
+    role = turn.get("role")
+    if role is not None and not isinstance(role, str):
+        raise DataError(f"{where}: field 'role' is {_json_type(role)}, expected a string")
+    role = (role or "").strip()
     return f"{role} {letter}" if role else letter
 
 
-def read_hmnet(directory: Path, dataset: str, report: IngestReport) -> Iterator[CanonicalRecord]:
+def read_hmnet(directory: Path, dataset: str, report: IngestReport,
+               allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
+    meetings = _Unique("meeting id")
     for upstream_split, n_chunks in HMNET_CHUNKS[dataset].items():
         split = normalise_split(upstream_split)
+        split_key = f"{dataset}/{corpus}/{split}"
+        n_split = 0
         for k in range(n_chunks):
             rel = f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{upstream_split}/split_{k}.jsonl.gz"
             display = f"{dataset}/{rel}"
+            if _absent_allowed(directory / rel, split_key, allow_absent, report):
+                continue
+            n_lines = 0
             for line_no, meeting in _json_lines(directory / rel, display):
+                n_lines += 1
                 where = f"{display}:{line_no}"
-                meeting_id = str(_field(meeting, "id", where))
+                meeting_id = _text(meeting, "id", where)
                 mwhere = f"{where}: meeting {meeting_id}"
+                _object(meeting, mwhere, ("id", "meeting", "summary"))
+                meetings.check(meeting_id, where)
                 turns = []
                 for i, utt in enumerate(_field(meeting, "meeting", mwhere, list)):
                     twhere = f"{mwhere} meeting[{i}]"
+                    _object(utt, twhere, ("speaker", "utt"), ("role",))
                     if not str(utt.get("role") or "").strip():
                         report.note("turns without a role (speaker letter only)")
                     words = _field(_field(utt, "utt", twhere, dict), "word", f"{twhere}.utt", list)
-                    turns.append(Turn(hmnet_speaker(utt, twhere), " ".join(map(str, words))))
+                    bad = next((j for j, w in enumerate(words) if not isinstance(w, str)), None)
+                    if bad is not None:
+                        raise DataError(f"{twhere}.utt.word[{bad}]: {_json_type(words[bad])}, expected a string")
+                    turns.append(Turn(hmnet_speaker(utt, twhere), " ".join(words)))
                 sentences = _field(meeting, "summary", mwhere, list)
+                bad = next((j for j, x in enumerate(sentences) if not isinstance(x, str)), None)
+                if bad is not None:
+                    raise DataError(f"{mwhere}: summary[{bad}] is {_json_type(sentences[bad])}, expected a string")
                 if not turns or not sentences:
                     raise DataError(f"{mwhere}: empty {'transcript' if not turns else 'summary'}")
                 yield CanonicalRecord(
                     dataset=dataset, domain=corpus, split=split, meeting_id=meeting_id, query_index=-1,
                     query="", query_type="none", turns=turns, spans=[],
-                    summary="\n".join(str(s).strip() for s in sentences),
+                    summary="\n".join(s.strip() for s in sentences),
                     source_file=display, source_line=line_no,
                 )
+            if n_lines == 0:
+                # One empty chunk of a split that has others is a damaged copy, never an allowed absence.
+                _no_records(display, split_key, allow_absent if n_chunks == 1 else [])
+            n_split += n_lines
 
 
 # ---------------------------------------------------------------------------------------------- SAMSum
@@ -193,16 +311,24 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
     return turns
 
 
-def read_samsum(directory: Path, report: IngestReport) -> Iterator[CanonicalRecord]:
+def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
+    dialogues = _Unique("dialogue id")
     for name in SAMSUM_FILES:
         display = f"samsum/{name}"
         split = normalise_split(name.removesuffix(".json"), display)
+        split_key = f"samsum/SAMSum/{split}"
+        if _absent_allowed(directory / name, split_key, allow_absent, report):
+            continue
+        n_lines = 0
         for line_no, rec in _json_lines(directory / name, display):
+            n_lines += 1
             where = f"{display}:{line_no}"
-            rid = str(_field(rec, "id", where))
+            rid = _text(rec, "id", where)
             rwhere = f"{where}: dialogue {rid}"
-            dialogue = _field(rec, "dialogue", rwhere, str)
-            summary = _field(rec, "summary", rwhere, str)
+            _object(rec, rwhere, ("id", "dialogue", "summary"))
+            dialogues.check(rid, where)
+            dialogue = _text(rec, "dialogue", rwhere)
+            summary = _text(rec, "summary", rwhere)
             if not dialogue.strip():
                 report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
                 continue
@@ -211,18 +337,25 @@ def read_samsum(directory: Path, report: IngestReport) -> Iterator[CanonicalReco
                 query_type="none", turns=split_dialogue(dialogue, rwhere, report), spans=[], summary=summary,
                 source_file=display, source_line=line_no,
             )
+        if n_lines == 0:
+            _no_records(display, split_key, allow_absent)
 
 
 # ---------------------------------------------------------------------------------------------- stage
-def ingest_dataset(dataset: str, directory: Path) -> tuple[pd.DataFrame, IngestReport]:
-    """Read ``dataset`` from ``directory`` (its upstream layout) into the canonical table."""
+def ingest_dataset(dataset: str, directory: Path,
+                   allow_absent: list[str] = ()) -> tuple[pd.DataFrame, IngestReport]:
+    """Read ``dataset`` from ``directory`` (its upstream layout) into the canonical table.
+
+    ``allow_absent``: patterns of ``<dataset>/<domain>/<split>`` (``ingest.allow_absent_splits``) whose split
+    file may be missing or empty; any other missing or empty split is an error.
+    """
     report = IngestReport(dataset=dataset, source=str(directory))
     if dataset == "qmsum":
-        records = read_qmsum(directory, report)
+        records = read_qmsum(directory, report, allow_absent)
     elif dataset in HMNET_CORPUS:
-        records = read_hmnet(directory, dataset, report)
+        records = read_hmnet(directory, dataset, report, allow_absent)
     elif dataset == "samsum":
-        records = read_samsum(directory, report)
+        records = read_samsum(directory, report, allow_absent)
     else:
         raise DataError(f"unknown dataset {dataset!r}; expected one of {DATASETS}")
     rows = []
@@ -236,8 +369,8 @@ def ingest_dataset(dataset: str, directory: Path) -> tuple[pd.DataFrame, IngestR
 def write_outputs(frame: pd.DataFrame, report: IngestReport, interim_dir: Path, report_dir: Path) -> None:
     interim_dir.mkdir(parents=True, exist_ok=True)
     report_dir.mkdir(parents=True, exist_ok=True)
-    frame.to_parquet(interim_dir / f"{report.dataset}.parquet", schema=canonical_arrow_schema(), index=False)
-    (report_dir / f"ingest_{report.dataset}.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    atomic.to_parquet(frame, interim_dir / f"{report.dataset}.parquet", schema=canonical_arrow_schema(), index=False)
+    atomic.write_json(report_dir / f"ingest_{report.dataset}.json", report.to_dict())
 
 
 def read_interim(path: Path) -> pd.DataFrame:
@@ -256,11 +389,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.dataset not in cfg.datasets:
             raise DataError(f"dataset {args.dataset!r} is not in ingest.datasets {cfg.datasets}")
         directory = resolve_source(args.dataset, cfg)
-        frame, report = ingest_dataset(args.dataset, directory)
+        frame, report = ingest_dataset(args.dataset, directory, cfg.allow_absent_splits)
         write_outputs(frame, report, Path(args.interim_dir), Path(args.report_dir))
         print(f"{args.dataset}: {report.n_records} records from {directory}; counts {report.counts}; "
               f"skipped {len(report.skipped)}")
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

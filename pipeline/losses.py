@@ -21,7 +21,7 @@ chunk by chunk, with one softmax (one exp pass) per distribution and chunk, H/CE
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,11 @@ MODES = ("ce", "kd", "selective", "hard")
 KL_DIRECTIONS = ("teacher_to_student", "student_to_teacher")
 LOG_BASES = ("e", "2")
 NORMALISATIONS = ("tokens", "sequences")
+# How tau is read (selective mode): "absolute" = an entropy in log_base units (the paper's 5 nats); "max_entropy" =
+# a fraction of the largest possible entropy log|V| (portable across vocabularies: 5 nats on BART's 50,265 tokens is
+# 0.46 of ln|V|); "batch_quantile" = the tau-quantile of H(q_g) over the batch's target tokens (a fixed share of
+# tokens gets KD, whatever the backbone's calibration).
+TAU_SCALES = ("absolute", "max_entropy", "batch_quantile")
 
 
 @dataclass
@@ -43,10 +48,12 @@ class KDConfig:
     kl_direction: str = "teacher_to_student"  # KL(q_g || q_l); the alternative is KL(q_l || q_g)
     log_base: str = "e"  # unit of H(q_g) and so of tau: nats ("e") or bits ("2")
     normalisation: str = "tokens"
+    tau_scale: str = "absolute"
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
             ("mode", self.mode, MODES),
+            ("tau_scale", self.tau_scale, TAU_SCALES),
             ("kl_direction", self.kl_direction, KL_DIRECTIONS),
             ("log_base", str(self.log_base), LOG_BASES),
             ("normalisation", self.normalisation, NORMALISATIONS),
@@ -58,6 +65,8 @@ class KDConfig:
             raise ValueError(f"KDConfig.lam={self.lam} must be in [0, 1]")
         if self.temperature <= 0:
             raise ValueError(f"KDConfig.temperature={self.temperature} must be > 0")
+        if self.tau_scale != "absolute" and not 0.0 < self.tau <= 1.0:
+            raise ValueError(f"KDConfig.tau={self.tau} must be in (0, 1] with tau_scale {self.tau_scale!r}")
 
 
 @dataclass
@@ -69,6 +78,7 @@ class LossOutput:
     gate: torch.Tensor  # [B, T] bool, KD applied (False on padding)
     n_tokens: int  # non-padding target tokens
     n_kd: int  # gated tokens
+    threshold: float = float("nan")  # the entropy threshold the gate used (log_base units); NaN when no gate
 
 
 def _entropy_from_logp(logp: torch.Tensor, log_base: str) -> torch.Tensor:
@@ -271,6 +281,10 @@ def distillation_loss(
         seq_of_row = valid.nonzero()[:, 0]
         row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device)
     want_grad = torch.is_grad_enabled() and z_l.requires_grad
+    threshold = float("nan")
+    if cfg.mode == "selective":
+        threshold = gate_threshold(z_g, cfg, chunk_rows)
+        cfg = replace(cfg, tau=threshold, tau_scale="absolute")
     loss, ce, kl, entropy_p, gate_p = _FusedDistillation.apply(
         z_l, z_g, y, row_weight, hard_gate, cfg, max(1, int(chunk_rows)), want_grad
     )
@@ -289,7 +303,21 @@ def distillation_loss(
         gate=gate,
         n_tokens=n_tokens,
         n_kd=n_kd,
+        threshold=threshold,
     )
+
+
+def gate_threshold(z_g: torch.Tensor, cfg: KDConfig, chunk_rows: int = 128) -> float:
+    """The entropy below which a token gets KD, in ``cfg.log_base`` units, from ``cfg.tau`` and ``cfg.tau_scale``
+    (see TAU_SCALES); ``z_g``: the packed [N, V] teacher logits of the batch."""
+    to_unit = 1.0 / math.log(2.0) if cfg.log_base == "2" else 1.0
+    if cfg.tau_scale == "absolute":
+        return float(cfg.tau)
+    if cfg.tau_scale == "max_entropy":
+        return float(cfg.tau * math.log(z_g.shape[-1]) * to_unit)
+    with torch.no_grad():  # batch_quantile: one extra pass over the teacher rows for their entropies
+        h = torch.cat([token_entropy(z_g[s:s + chunk_rows], cfg.log_base) for s in range(0, z_g.shape[0], chunk_rows)])
+        return float(torch.quantile(h.double(), cfg.tau))
 
 
 def selective_kd_loss(logits_local, logits_global, labels, lam: float = 0.2, tau: float = 5.0, **kw) -> LossOutput:

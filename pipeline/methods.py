@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipeline.config import ConfigError
+
 KD_MODES = ("ce", "kd", "selective", "hard")
 
 
@@ -69,5 +71,5 @@ METHODS: dict[str, MethodSpec] = {
 
 def get_method(name: str) -> MethodSpec:
     if name not in METHODS:
-        raise ValueError(f"unknown method {name!r}; expected one of {sorted(METHODS)}")
+        raise ConfigError(f"unknown method {name!r}; expected one of {sorted(METHODS)}")
     return METHODS[name]

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 from pipeline.adapters import AdapterConfig, AdapterSet, output_layer_norm
+from pipeline.config import ConfigError
 from pipeline.data import IGNORE_INDEX, Batch
+from pipeline.integrity import check_model_dir
 
 PATHS = ("global", "local")
 
@@ -144,7 +146,8 @@ class AdapterSummarizer(nn.Module):
             raise ValueError(f"{type(backbone).__name__}: cannot find the decoder layers (unsupported architecture)")
         n_layers = len(layers)
         if adapter.top_k > n_layers:
-            raise ValueError(f"adapter top_k={adapter.top_k} > {n_layers} decoder layers of {type(backbone).__name__}")
+            raise ConfigError(f"model.top_k={adapter.top_k} > {n_layers} decoder layers of {type(backbone).__name__}; "
+                              f"allowed: 1..{n_layers}")
         self.first_adapted = n_layers - adapter.top_k
         self._top_layers = list(layers[self.first_adapted :])
         self.__dict__["_first_layer"] = layers[self.first_adapted]
@@ -184,6 +187,8 @@ class AdapterSummarizer(nn.Module):
         ``EncoderDecoderModel`` such as BERT2BERT) and its tokenizer from ``path`` (a local dir or a hub id)."""
         from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
+        if Path(path).is_dir():
+            check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         config = AutoConfig.from_pretrained(str(path))
         if config.model_type == "encoder-decoder":
             backbone = EncoderDecoderModel.from_pretrained(str(path))

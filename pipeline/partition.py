@@ -9,7 +9,6 @@ any train/valid set) and is checked to be disjoint and complete before it is wri
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from pipeline import atomic
 from pipeline.config import from_dict, load_params
 from pipeline.partition_schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
 from pipeline.schema import SPLITS, DataError
@@ -146,7 +146,7 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"partition {stats['scheme']}, seed {stats['seed']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, metadata={"Software": None})
+    atomic.savefig(fig, path, dpi=110, metadata={"Software": None})
     plt.close(fig)
 
 
@@ -165,15 +165,17 @@ def main(argv: list[str] | None = None) -> None:
         part = make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(partition_json(part, args.scheme, args.seed, cfg), indent=1) + "\n")
+        atomic.write_json(out, partition_json(part, args.scheme, args.seed, cfg), indent=1)
         stats = partition_stats(part, examples, args.scheme, args.seed)
         report_dir = Path(args.report_dir)
         report_dir.mkdir(parents=True, exist_ok=True)
-        (report_dir / f"{args.scheme}-seed{args.seed}.json").write_text(json.dumps(stats, indent=2) + "\n")
+        atomic.write_json(report_dir / f"{args.scheme}-seed{args.seed}.json", stats)
         plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
         sizes = {n: c["sizes"] for n, c in stats["clients"].items()}
         print(f"{args.scheme} seed {args.seed}: {sizes}; excluded {len(part.excluded)}")
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

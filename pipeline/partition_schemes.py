@@ -68,6 +68,11 @@ class PartitionConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
 
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.schemes) - set(SCHEMES))  # SCHEMES is defined below; read at call time
+        if unknown:
+            raise ValueError(f"partition.schemes: unknown scheme(s) {unknown}; allowed: {sorted(SCHEMES)}")
+
 
 # ---------------------------------------------------------------------------------------------- result
 @dataclass

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline import atomic
 from pipeline.compression import TRANSFER_DTYPES
-from pipeline.config import from_dict, load_params, to_dict
+from pipeline.config import ConfigError, from_dict, load_params, to_dict
+from pipeline.losses import TAU_SCALES
 from pipeline.methods import MethodSpec, get_method
 from pipeline.strategies import FedOptConfig
 
@@ -68,6 +70,7 @@ class TrainConfig:
     kd_temperature: float = 1.0
     kd_direction: str = "teacher_to_student"
     entropy_log_base: str = "e"
+    tau_scale: str = "absolute"  # how selective KD reads tau (pipeline.losses.TAU_SCALES)
     loss_normalisation: str = "tokens"
     local_adapter: str = "keep"
     fraction_train: float = 1.0
@@ -107,10 +110,11 @@ class TrainConfig:
             (self.weight_by in ("full", "trained"), "weight_by must be 'full' or 'trained'"),
             (self.transfer_dtype in TRANSFER_DTYPES, f"transfer_dtype must be one of {TRANSFER_DTYPES}"),
             (isinstance(self.transfer_delta, bool), "transfer_delta must be true or false"),
+            (self.tau_scale in TAU_SCALES, f"tau_scale must be one of {TAU_SCALES}"),
         ]
         for ok, problem in checks:
             if not ok:
-                raise ValueError(f"params.yaml train: {problem}")
+                raise ConfigError(f"params.yaml train: {problem}")
 
 
 # Train keys that only matter for some methods: left out of other methods' plans so changing them does not
@@ -126,7 +130,7 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     if method.kd_mode == "ce":
         drop.update(_KD_KEYS)
     if method.kd_mode != "selective":
-        drop.add("entropy_log_base")
+        drop.update(("entropy_log_base", "tau_scale"))
     if not method.proximal:
         drop.add("proximal_mu")
     if method.strategy != "fedopt":
@@ -159,7 +163,7 @@ class ExperimentEntry:
 def parse_entry(name: str, raw: dict[str, Any], train_fields: set[str]) -> ExperimentEntry:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     if not isinstance(raw, dict):
-        raise ValueError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
     base = {k: raw[k] for k in ("method", "partition", "seed", "study", "tau") if k in raw}
     overrides = {k: v for k, v in raw.items() if k not in base}
     unknown = sorted(set(overrides) - train_fields)
@@ -170,9 +174,9 @@ def parse_entry(name: str, raw: dict[str, Any], train_fields: set[str]) -> Exper
         )
     for key in ("method", "partition"):
         if key not in base:
-            raise ValueError(f"params.yaml experiments.{name}: missing required key {key!r}")
+            raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
     if "/seed" not in str(base["partition"]):
-        raise ValueError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
+        raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
                          f"got {base['partition']!r}")
     return ExperimentEntry(**base, train=overrides)
 
@@ -210,8 +214,13 @@ def resolve_plan(name: str, entry: ExperimentEntry, params: dict[str, Any]) -> d
                          f"{train.rounds}: the new client might never join")
     if method.uses_tau:
         plan["tau"] = float(entry.tau if entry.tau is not None else params["tau"])
+        if not plan["tau"] > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
+            raise ConfigError(f"params.yaml experiments.{name}: tau={plan['tau']} must be > 0 (entropy threshold)")
+        if train.tau_scale != "absolute" and plan["tau"] > 1:
+            raise ConfigError(f"params.yaml experiments.{name}: tau={plan['tau']} must be in (0, 1] with "
+                              f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
     elif entry.tau is not None:
-        raise ValueError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+        raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
     if method.uses_postags:
         plan["paths"]["postags"] = POSTAGS
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
@@ -268,20 +277,20 @@ def read_plan(path: str | Path) -> Plan:
 def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
     experiments = params.get("experiments") or {}
     if not isinstance(experiments, dict):
-        raise ValueError("params.yaml experiments: expected a mapping of experiment name -> entry")
+        raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, raw in experiments.items():
         if not name or "/" in name or name in RESERVED_NAMES:
-            raise ValueError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+            raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
                              f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
         plan = resolve_plan(name, parse_entry(name, raw, train_fields), params)
         path = out_dir / f"{name}.json"
         text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
         # Rewrite only on change: the file is what downstream stages hash.
         if not path.exists() or path.read_text() != text:
-            path.write_text(text)
+            atomic.write_text(path, text)
         written.append(path)
     # A plan whose experiment left params.yaml is stale: remove it so nothing trains from it.
     for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
@@ -299,4 +308,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

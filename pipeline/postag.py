@@ -20,7 +20,6 @@ and whitespace-only tokens, which are never nouns or verbs).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline import atomic
 from pipeline.config import from_dict, load_params
 from pipeline.data import IGNORE_INDEX, tokenize_pairs
 from pipeline.schema import DataError
@@ -276,7 +276,7 @@ def run(
     )
     seconds = time.perf_counter() - t0
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tagged.table.to_parquet(out_path, index=False)
+    atomic.to_parquet(tagged.table, out_path, index=False)
     nv = tagged.table["is_noun_or_verb"]
     report = {
         "spacy_model": cfg.spacy_model,
@@ -292,7 +292,7 @@ def run(
         "seconds": round(seconds, 1),
     }
     report_path.parent.mkdir(parents=True, exist_ok=True)
-    report_path.write_text(json.dumps(report, indent=2) + "\n")
+    atomic.write_json(report_path, report)
     print(
         f"postag: {tagged.n_examples} summaries, {tagged.n_tokens} tokens, {tagged.n_words} words in {seconds:.0f} s "
         f"-> {out_path}"
@@ -315,4 +315,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

@@ -251,4 +251,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.cli import run as run_cli
+
+    sys.exit(run_cli(main))

@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from pipeline import comparisons, published
+from pipeline import atomic, comparisons, published
 from pipeline.config import from_dict, load_params
 from pipeline.human_eval import Prediction, make_sheets, plot_results, score_sheets
 from pipeline.schema import DataError
@@ -421,7 +421,7 @@ def _plt():
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    atomic.savefig(fig, path, dpi=120)
     _plt().close(fig)
     return path
 
@@ -483,7 +483,7 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
             "rouge1_mean", "rouge2_mean", f"{TABLE_ROUGE_L}_mean", "n_seeds", "missing_seeds",
             *(["paper_avg_rouge"] if paper else [])]
     plot_path.parent.mkdir(parents=True, exist_ok=True)
-    out[cols].to_csv(plot_path, index=False)
+    atomic.to_csv(out[cols], plot_path, index=False)
     return {"figure": str(fig_path), "data": str(plot_path)}
 
 
@@ -555,7 +555,7 @@ def learning_curves(planned: list[Planned], train_reports: Path, models_dir: Pat
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
             data_path = plots / "learning_curves" / f"{study}--{slug(label)}.csv"
             data_path.parent.mkdir(parents=True, exist_ok=True)
-            wide.reset_index().to_csv(data_path, index=False)
+            atomic.to_csv(wide.reset_index(), data_path, index=False)
             data_paths.append(str(data_path))
         axes[0][0].set_ylabel("loss per target token")
         fig_path = _save(fig, figures / f"learning_curves_{study}.png")
@@ -675,14 +675,14 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
     compared, notes = comparisons.comparisons_table(
         comparisons.configurations(planned, with_labels(planned)), cfg.baselines, paths.eval_dir, bootstrap)
-    compared.to_csv(paths.tables / "comparisons.csv", index=False)
+    atomic.to_csv(compared, paths.tables / "comparisons.csv", index=False)
     made["tables"].append(str(paths.tables / "comparisons.csv"))
     if notes:
         not_made["comparisons"] = "; ".join(notes)
 
     # Per-experiment and aggregated scores, machine-readable.
-    scores.to_csv(paths.tables / "scores_per_experiment.csv", index=False)
-    agg.to_csv(paths.tables / "scores_aggregated.csv", index=False)
+    atomic.to_csv(scores, paths.tables / "scores_per_experiment.csv", index=False)
+    atomic.to_csv(agg, paths.tables / "scores_aggregated.csv", index=False)
     made["tables"] += [str(paths.tables / "scores_per_experiment.csv"), str(paths.tables / "scores_aggregated.csv")]
 
     # Main table per backbone (Table III layout) beside the published numbers.
@@ -692,14 +692,14 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     for backbone in sorted(set(main["backbone"])):
         table = main_table(agg, backbone, planned, cfg.expected_seeds)
         stem = paths.tables / f"main_{backbone_slug(backbone)}"
-        table.to_csv(stem.with_suffix(".csv"), index=False)
-        stem.with_suffix(".md").write_text(main_table_markdown(table, backbone, compared, bootstrap))
+        atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
+        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap))
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
     # One table per study, with its paired comparisons.
     for study in sorted(set(agg["study"])):
         path = paths.tables / f"study_{study}.md"
-        path.write_text(study_table_markdown(agg, study, compared, bootstrap))
+        atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap))
         made["tables"].append(str(path))
 
     # Figures.
@@ -783,7 +783,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     if text is None:
         not_made["case study"] = "needs predictions of both fedavg and fedselectkd in study `main`"
     else:
-        (paths.tables / "case_study.md").write_text(text)
+        atomic.write_text(paths.tables / "case_study.md", text)
         made["tables"].append(str(paths.tables / "case_study.md"))
     sheets_dir = paths.human_eval / "sheets"
     if cfg.human_eval_target in preds and len(preds) > 1:
@@ -803,24 +803,24 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     if timing is None:
         not_made["stage times"] = "no reports/timing/*.json"
     else:
-        timing.to_csv(paths.tables / "timing.csv", index=False)
+        atomic.to_csv(timing, paths.tables / "timing.csv", index=False)
         lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`); the sum leaves out "
                  "process start-up (imports) and DVC's own work between stages.", "",
                  "| stage | seconds | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|"]
         lines += [f"| {r.stage} | {r.seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |" for r in timing.itertuples()]
         lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) | |")
-        (paths.tables / "timing.md").write_text("\n".join(lines) + "\n")
+        atomic.write_text(paths.tables / "timing.md", "\n".join(lines) + "\n")
         made["tables"] += [str(paths.tables / "timing.md"), str(paths.tables / "timing.csv")]
 
     summary = summary_metrics(agg, planned, missing_eval)
-    (paths.out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    atomic.write_json(paths.out / "summary.json", summary, sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
     planned_names = {p.name for p in planned}
     ignored = sorted(d.name for d in paths.eval_dir.iterdir()
                      if d.is_dir() and d.name not in planned_names) if paths.eval_dir.is_dir() else []
     index = {"made": dict(made), "not_made": not_made, "missing_experiments": missing_eval,
              "incomplete_seeds": incomplete(agg), "ignored_evaluations": ignored}
-    (paths.out / "README.md").write_text(readme(index, planned, paths))
+    atomic.write_text(paths.out / "README.md", readme(index, planned, paths))
     return index
 
 
@@ -906,7 +906,7 @@ def human_main(args: argparse.Namespace, cfg: ReportConfig, params: dict[str, An
     results["published"] = published.HUMAN_EVAL
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    atomic.write_json(out / "results.json", results)
     plot_results(results, published.HUMAN_EVAL, out / "human_eval.png")
     print(json.dumps(results["opponents"], indent=2))
     print(f"wrote {out / 'results.json'} and {out / 'human_eval.png'}", file=sys.stderr)
@@ -943,4 +943,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from pipeline.cli import run as run_cli
+
+    sys.exit(run_cli(main))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from pipeline import atomic
 from pipeline.schema import QMSUM_DOMAINS, DataError
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
@@ -38,6 +39,15 @@ class IngestConfig:
     raw_dir: str = "data/raw"
     datasets: list[str] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
     urls: dict[str, str] = field(default_factory=dict)
+    # Splits whose file may be missing or empty, as fnmatch patterns of "<dataset>/<domain>/<split>" (e.g.
+    # "qmsum/Academic/test", "samsum/*/valid"); any other missing or empty split is an error.
+    allow_absent_splits: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.datasets) - {"qmsum", "samsum", "ami", "icsi"})
+        if unknown:
+            raise ValueError(f"ingest.datasets: unknown dataset(s) {unknown}; allowed: ['ami', 'icsi', 'qmsum', "
+                             f"'samsum']")
 
 
 def qmsum_files() -> list[str]:
@@ -68,6 +78,23 @@ def missing_files(directory: Path, dataset: str) -> list[str]:
     return [rel for rel in expected_files(dataset) if not (directory / rel).is_file()]
 
 
+def _may_be_absent(dataset: str, rel: str, cfg: IngestConfig) -> bool:
+    """Whether ``ingest.allow_absent_splits`` lets the expected file ``rel`` be missing."""
+    import fnmatch
+
+    from pipeline.schema import normalise_split
+
+    if dataset == "qmsum":  # data/<Domain>/jsonl/<split>.jsonl
+        parts = rel.split("/")
+        key = f"qmsum/{parts[1]}/{normalise_split(parts[3].removesuffix('.jsonl'))}"
+    elif dataset == "samsum":
+        key = f"samsum/SAMSum/{normalise_split(rel.removesuffix('.json'))}"
+    else:  # .../<CORPUS>_proprec/<split>/split_<k>.jsonl.gz
+        parts = rel.split("/")
+        key = f"{dataset}/{HMNET_CORPUS[dataset]}/{normalise_split(parts[-2])}"
+    return any(fnmatch.fnmatchcase(key, pat) for pat in cfg.allow_absent_splits)
+
+
 def data_root(cfg: IngestConfig) -> Path:
     return Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root)
 
@@ -76,7 +103,7 @@ def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True)
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
     mirror = data_root(cfg) / dataset
     if mirror.is_dir():
-        missing = missing_files(mirror, dataset)
+        missing = [rel for rel in missing_files(mirror, dataset) if not _may_be_absent(dataset, rel, cfg)]
         if missing:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
@@ -104,10 +131,7 @@ def _fetch(url: str) -> bytes:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    atomic.write_bytes(path, data)
 
 
 def download(dataset: str, cfg: IngestConfig, target: Path) -> None:

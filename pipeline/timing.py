@@ -12,13 +12,14 @@ dvc.yaml as an uncached metrics output of the stage: ``metrics: [reports/timing/
 from __future__ import annotations
 
 import contextlib
-import json
 import resource
 import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+
+from pipeline import atomic
 
 TIMING_DIR = Path("reports/timing")
 
@@ -75,5 +76,5 @@ class stage_timer(contextlib.ContextDecorator):
                 finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             )
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps(asdict(self.record), indent=2) + "\n")
+            atomic.write_json(self.path, asdict(self.record))
         return False  # never swallow the stage's exception

@@ -28,6 +28,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from pipeline import atomic
 from pipeline import client_training
 from pipeline.plan import PLANS_DIR, Plan, plan_hash, read_plan
 from pipeline.timing import peak_rss_mb, stage_timer
@@ -86,7 +87,7 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     reports_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "rounds.json").write_text(json.dumps(history, indent=1) + "\n")
+    atomic.write_json(out_dir / "rounds.json", history, indent=1)
     wide: dict[int, dict[str, Any]] = {}
     for row in history:
         w = wide.setdefault(row["round"], {"round": row["round"]})
@@ -96,7 +97,7 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     for w in wide.values():
         vals = [v for k, v in w.items() if k.endswith("/val_loss")]
         w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
-    (reports_dir / "rounds.json").write_text(json.dumps([wide[r] for r in sorted(wide)], indent=1) + "\n")
+    atomic.write_json(reports_dir / "rounds.json", [wide[r] for r in sorted(wide)], indent=1)
 
 
 # ----------------------------------------------------------------------------------------------- no server
@@ -163,9 +164,8 @@ def run_local(plan: Plan, recorder: TrainRecorder | None = None) -> dict[str, An
                          "best_round": progress[n]["best-round"]})
         history.extend(rows)
         ckpt_path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"plan_hash": plan_hash(plan), "round": rnd, "adapters": adapters, "progress": progress,
-                    "history": history}, ckpt_path.with_suffix(".tmp"))
-        ckpt_path.with_suffix(".tmp").replace(ckpt_path)
+        atomic.torch_save({"plan_hash": plan_hash(plan), "round": rnd, "adapters": adapters, "progress": progress,
+                           "history": history}, ckpt_path)
         if recorder:
             recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
     return {"history": history}
@@ -193,7 +193,7 @@ def merge_gate_logs(plan: Plan) -> Path:
             parts.append(pd.read_parquet(f))
     df = pd.concat(parts, ignore_index=True) if parts else client_training.empty_gate_log()
     path = out_dir / "gate_log.parquet"
-    df.to_parquet(path, index=False)
+    atomic.to_parquet(df, path, index=False)
     for d in out_dir.glob("clients/*/gate_log"):
         shutil.rmtree(d)  # merged: the per-round parts were only needed to survive a restart
     return path
@@ -257,7 +257,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
     out_dir.mkdir(parents=True, exist_ok=True)
     reports_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "experiment.json").write_text(json.dumps(plan.to_json_dict(), indent=2, sort_keys=True) + "\n")
+    atomic.write_json(out_dir / "experiment.json", plan.to_json_dict(), sort_keys=True)
 
     logger = None
     if track:
@@ -270,7 +270,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags,
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
-        run_id_file.write_text(logger.run_id)
+        atomic.write_text(run_id_file, logger.run_id)
 
     recorder = TrainRecorder(plan, logger)
     try:
@@ -292,8 +292,8 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     merge_gate_logs(plan)
     metrics = summarize(plan, history, recorder.round_seconds)
     text = json.dumps(metrics, indent=2) + "\n"
-    (reports_dir / "metrics.json").write_text(text)
-    (out_dir / "metrics.json").write_text(text)
+    atomic.write_text(reports_dir / "metrics.json", text)
+    atomic.write_text(out_dir / "metrics.json", text)
     if logger is not None:
         logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
                             if v["best_val_loss"] is not None} | {
@@ -323,4 +323,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))

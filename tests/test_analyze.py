@@ -162,9 +162,22 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
     assert points[("Product", 3.0)]["avg_rouge"] == pytest.approx(14) and points[("Product", 5.0)]["avg_rouge"] == 20
     assert points[("Product", 3.0)]["kd_usage_ratio"] == pytest.approx(0.25)
     csv = pd.read_csv(out / "tau_sweep.csv")
-    assert list(csv.columns) == ["client", "tau", "avg_rouge", "kd_usage_ratio", "n_seeds"] and len(csv) == 4
+    assert list(csv.columns) == ["client", "tau", "avg_rouge", "kd_usage_ratio", "noun_verb_kd_rate",
+                                 "det_pron_share_of_no_kd", "n_seeds"] and len(csv) == 4
+    assert res["tau_sweep"]["portable_gates"] == []  # every gate here is in nats
     # sel_s1 has no files at all: reported, not invented; fedavg is not an input of the analysis
     missing = {(m["experiment"], m["file"]) for m in res["missing"]}
     assert missing == {("sel_s1", "models/sel_s1/gate_log.parquet"), ("sel_s1", "reports/train/sel_s1/metrics.json"),
                        ("sel_s1", "reports/eval/sel_s1/metrics.json")}
     assert prod["experiments"] == ["sel_s0"]
+
+
+def test_portable_gates_are_read_from_the_entry_or_the_train_group():
+    from pipeline.analyze import experiments_from_params
+
+    params = {"tau": 5.0, "train": {"tau_scale": "absolute"}, "experiments": {
+        "a": {"method": "fedselectkd", "partition": "domain/seed0"},
+        "b": {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.87, "tau_scale": "batch_quantile"},
+        "c": {"method": "fedavg", "partition": "domain/seed0"}}}
+    got = {e.name: (e.tau, e.tau_scale) for e in experiments_from_params(params)}
+    assert got == {"a": (5.0, "absolute"), "b": (0.87, "batch_quantile"), "c": (None, "absolute")}

@@ -218,3 +218,29 @@ def test_stage_timer_writes_record_only_on_success(tmp_path):
         with stage_timer("failed", tmp_path):
             raise RuntimeError("boom")
     assert not (tmp_path / "failed.json").exists()
+
+
+def test_cross_attention_can_start_from_the_layers_own_self_attention():
+    model, _ = tiny_models.tiny_bert2bert()
+    layer = model.decoder.bert.encoder.layer[0]
+    assert not torch.equal(layer.crossattention.self.query.weight, layer.attention.self.query.weight)  # random
+    assert bb.init_cross_attention_from_self(model) == len(model.decoder.bert.encoder.layer)
+    for layer in model.decoder.bert.encoder.layer:
+        for name in ("query", "key", "value"):
+            assert torch.equal(getattr(layer.crossattention.self, name).weight, getattr(layer.attention.self, name).weight)
+            assert torch.equal(getattr(layer.crossattention.self, name).bias, getattr(layer.attention.self, name).bias)
+        assert torch.equal(layer.crossattention.output.dense.weight, layer.attention.output.dense.weight)
+        assert torch.equal(layer.crossattention.output.LayerNorm.weight, layer.attention.output.LayerNorm.weight)
+    # copies, not shared tensors: training one leaves the other
+    layer.crossattention.self.query.weight.data.add_(1.0)
+    assert not torch.equal(layer.crossattention.self.query.weight, layer.attention.self.query.weight)
+    with pytest.raises(ValueError, match="cross_attention_init"):
+        bb.WarmupConfig(cross_attention_init="zeros")
+
+
+def test_minilm_weights_can_come_from_a_local_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("FEDMEET_MINILM_DIR", str(tmp_path))
+    with pytest.raises(bb.BackboneError, match="FEDMEET_MINILM_DIR"):
+        bb.minilm_dir()
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert bb.minilm_dir() == tmp_path

@@ -136,7 +136,7 @@ def test_size_limit_evicts_least_recently_used(model, tmp_path):
         cache.prefix_for(model, _same_size_batch(model, eid))
     cache.prefix_for(model, _same_size_batch(model, "z1"))  # z1 is used again: z0 is now the least recent
     cache.prefix_for(model, _same_size_batch(model, "z3"))
-    assert cache.stats == {"hits": 1, "misses": 4, "evicted": 2, "refused": 0}
+    assert cache.stats == {"hits": 1, "misses": 4, "evicted": 2, "refused": 0, "damaged": 0}
     files = list((tmp_path / "lru").glob("*/*.safetensors"))
     assert len(files) == 2 and cache.size_bytes == 2 * size == sum(p.stat().st_size for p in files)
     cache.prefix_for(model, _same_size_batch(model, "z1"))
@@ -194,3 +194,28 @@ def test_teacher_cache_packed_rows(model, tmp_path):
     torch.testing.assert_close(hit, miss, atol=0, rtol=0)
     torch.testing.assert_close(full[valid], miss, atol=0, rtol=0)
     assert (full[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip_tensor_byte", "strip_checksum"])
+def test_damaged_entry_is_counted_removed_and_recomputed_exactly(model, tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    batch = _batch(model, [0])
+    cache = _cache(model, tmp_path)
+    reference = cache.prefix_for(model, batch)
+    (path,) = list(tmp_path.glob("*/*.safetensors"))
+    raw = path.read_bytes()
+    if damage == "truncate":  # a copy cut short
+        path.write_bytes(raw[: len(raw) // 2])
+    elif damage == "flip_tensor_byte":  # a bit rot in the tensor data, header intact
+        path.write_bytes(raw[:-1] + bytes([raw[-1] ^ 0xFF]))
+    else:  # written by an older fedmeet without a checksum
+        save_file(load_file(str(path)), str(path))
+    fresh = _cache(model, tmp_path)  # a new process reading the same disk
+    again = fresh.prefix_for(model, batch)
+    assert fresh.stats["damaged"] == 1 and fresh.stats["misses"] == 1 and fresh.stats["hits"] == 0
+    assert torch.equal(again.encoder_hidden, reference.encoder_hidden)
+    assert torch.equal(again.decoder_hidden, reference.decoder_hidden)
+    # the recomputed entry replaced the damaged one: the next read is a clean hit
+    fresh.prefix_for(model, batch)
+    assert fresh.stats["hits"] == 1 and fresh.stats["damaged"] == 1

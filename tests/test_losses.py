@@ -227,3 +227,41 @@ def test_half_precision_logits_are_handled_in_float32(example):
     assert half.grad.dtype == torch.bfloat16
     assert out.loss.item() == pytest.approx(ref.loss.item(), abs=2e-2)
     torch.testing.assert_close(half.grad.float(), ref_in.grad, atol=1e-2, rtol=0)
+
+
+# ----------------------------------------------------------------------------------- portable gates
+@pytest.mark.parametrize(
+    "scale, tau, expected_gate, expected_threshold",
+    [
+        # V = 3: ln|V| = H3 (the uniform row). 0.9 ln 3 = 0.989 lies between H2 (0.639) and H1 (1.040).
+        ("max_entropy", 0.9, [[False, True], [False, False]], 0.9 * L(3)),
+        # 0.95 ln 3 = 1.044 lies between H1 and H3; the uniform row itself never passes (H3 = ln|V|, strict <).
+        ("max_entropy", 0.95, [[True, True], [False, False]], 0.95 * L(3)),
+        # quantiles of {H2, H1, H3} (linear interpolation): 0.5 -> H1, so only H2 < H1 passes; 0.75 -> (H1+H3)/2
+        ("batch_quantile", 0.5, [[False, True], [False, False]], H1),
+        ("batch_quantile", 0.75, [[True, True], [False, False]], (H1 + H3) / 2),
+    ],
+)
+def test_portable_gates_match_hand_computation(example, scale, tau, expected_gate, expected_threshold):
+    student, teacher, labels = example
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", lam=LAM, tau=tau, tau_scale=scale))
+    assert out.gate.tolist() == expected_gate
+    assert out.threshold == pytest.approx(expected_threshold, abs=1e-5)
+
+
+def test_max_entropy_gate_in_bits_is_the_same_gate(example):
+    student, teacher, labels = example
+    nats = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy"))
+    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy", log_base="2"))
+    assert nats.gate.tolist() == bits.gate.tolist()
+    assert bits.threshold == pytest.approx(0.9 * math.log2(3), abs=1e-6)
+
+
+def test_absolute_gate_reports_its_threshold_and_portable_tau_is_a_fraction(example):
+    student, teacher, labels = example
+    assert distillation_loss(student, teacher, labels, KDConfig(tau=0.8)).threshold == 0.8
+    assert math.isnan(distillation_loss(student, teacher, labels, KDConfig(mode="kd")).threshold)
+    with pytest.raises(ValueError, match="tau_scale"):
+        KDConfig(tau=5.0, tau_scale="max_entropy")
+    with pytest.raises(ValueError, match="tau_scale"):
+        KDConfig(tau=0.5, tau_scale="entropy_rank")

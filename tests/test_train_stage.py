@@ -58,6 +58,11 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
                                                       "pre_addition", "tau-2"}
     rounds = _plans(tmp_path, _params(train={**TRAIN, "rounds": 7}), "d")
     assert {n for n in base if base[n] != rounds[n]} == set(base)  # every method trains for `rounds`
+    # the gate's scale is read by selective KD only; a portable scale needs every selective tau in (0, 1]
+    assert "tau_scale" in json.loads(base["fedselectkd"])["train"]
+    assert "tau_scale" not in json.loads(base["fedkd"])["train"]
+    with pytest.raises(Exception, match="tau_scale"):
+        _plans(tmp_path, _params(train={**TRAIN, "tau_scale": "max_entropy"}), "f")  # tau 5 is not a fraction
     # the transfer encoding matters to every federated method, never to single/centralized
     federated = set(base) - {"single", "centralized"}
     int8 = _plans(tmp_path, _params(train={**TRAIN, "transfer_dtype": "int8"}), "e")

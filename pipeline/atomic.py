@@ -1,0 +1,132 @@
+"""Outputs written whole: every file a stage writes goes to a temporary name in its directory and is renamed
+into place (``os.replace``, atomic on POSIX within one file system), so a stage killed at any moment leaves
+either the old file or the new one, never half of one. A crashed run may leave a ``.<name>.<pid>.<hex>.tmp``
+file behind; it is never read, and the next successful write of that output removes it.
+
+    from pipeline import atomic
+    atomic.write_text(path, text)                 # also write_bytes, write_json, to_parquet, to_csv,
+    atomic.savefig(fig, path, dpi=120)            # savefig, save_safetensors, torch_save
+    with atomic.replacing(path) as tmp: writer(tmp)   # anything else that writes a file by name
+
+Fault injection for the reliability tests (never set in normal runs): ``FEDMEET_FAULT_KILL_WRITE=<glob>[@<n>]``
+makes the process SIGKILL itself in the middle of its n-th (default first) atomic write whose file name matches
+``<glob>``: the temporary file is cut to half its size first, as a kill during ``write()`` would leave it.
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ENV_KILL = "FEDMEET_FAULT_KILL_WRITE"
+_matching_writes = 0  # atomic writes so far whose name matches the kill pattern (this process)
+
+
+def temp_name(path: Path) -> Path:
+    """A fresh temporary name beside ``path`` that keeps its suffix (savefig and friends infer the format)."""
+    return path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}")
+
+
+def _fault_point(path: Path, tmp: Path) -> None:
+    global _matching_writes
+    spec = os.environ.get(ENV_KILL)
+    if not spec:
+        return
+    pattern, _, nth = spec.partition("@")
+    if not fnmatch.fnmatchcase(path.name, pattern):
+        return
+    _matching_writes += 1
+    if _matching_writes == int(nth or 1):
+        if tmp.exists():
+            with open(tmp, "r+b") as fh:
+                fh.truncate(tmp.stat().st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def replacing(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on normal exit it replaces ``path``, on an exception it is removed."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(target)
+    try:
+        yield tmp
+        _fault_point(target, tmp)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with replacing(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding=encoding)
+
+
+def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, **kwargs: Any) -> None:
+    """``json.dumps(obj, indent=indent, **kwargs)`` plus a final newline."""
+    write_text(path, json.dumps(obj, indent=indent, **kwargs) + "\n")
+
+
+def to_parquet(frame, path: str | os.PathLike, **kwargs: Any) -> None:
+    with replacing(path) as tmp:
+        frame.to_parquet(tmp, **kwargs)
+
+
+def to_csv(frame, path: str | os.PathLike, **kwargs: Any) -> None:
+    with replacing(path) as tmp:
+        frame.to_csv(tmp, **kwargs)
+
+
+def savefig(fig, path: str | os.PathLike, **kwargs: Any) -> None:
+    with replacing(path) as tmp:
+        fig.savefig(tmp, **kwargs)
+
+
+def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    with replacing(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
+
+
+def torch_save(obj: Any, path: str | os.PathLike) -> None:
+    import torch
+
+    with replacing(path) as tmp:
+        torch.save(obj, tmp)
+
+
+def temp_dir_for(path: str | os.PathLike) -> Path:
+    """A fresh, empty temporary directory beside ``path``, to fill and then :func:`replace_dir` into place."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the finished directory ``tmp`` at ``path``. Two renames: a kill between them leaves the old directory
+    under a ``.tmp`` name and none at ``path`` (the stage then simply reruns), never a mixture of old and new."""
+    import shutil
+
+    target = Path(path)
+    _fault_point(target, Path(tmp) / "__none__")
+    old = None
+    if target.exists():
+        old = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.old.tmp")
+        os.replace(target, old)
+    os.replace(tmp, target)
+    if old is not None:
+        shutil.rmtree(old)

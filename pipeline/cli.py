@@ -1,0 +1,48 @@
+"""One entry point for every stage CLI: bad input or bad parameters end in one line, not a traceback.
+
+Every ``python -m pipeline.<stage>`` runs its ``main`` through :func:`run`. Errors that are the user's to fix
+(:class:`pipeline.schema.DataError`: a bad input file; :class:`pipeline.config.ConfigError`: a bad parameter;
+the backbone's and the presets' errors) print ``error: <message>`` on stderr and exit with status 2, as argparse
+does for a bad command line. ``--debug`` (anywhere on the command line) or ``FEDMEET_DEBUG=1`` re-raises them so
+the traceback shows. Any other exception is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+EXIT_USAGE = 2
+DEBUG_FLAG = "--debug"
+ENV_DEBUG = "FEDMEET_DEBUG"
+
+
+# Defined in stage modules that may run as ``__main__`` (so matched by name, not by identity).
+STAGE_ERRORS = ("BackboneError", "PresetError")
+
+
+def is_user_error(exc: BaseException) -> bool:
+    from pipeline.config import ConfigError
+    from pipeline.schema import DataError
+
+    return isinstance(exc, (DataError, ConfigError)) or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__)
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
+    """Run a stage's ``main(argv)`` and return the process exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = DEBUG_FLAG in args or os.environ.get(ENV_DEBUG, "") not in ("", "0")
+    args = [a for a in args if a != DEBUG_FLAG]
+    try:
+        status = main(args)
+    except Exception as exc:  # noqa: BLE001 -- narrowed just below, the rest is re-raised
+        if debug or not is_user_error(exc):
+            raise
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+    return int(status or 0)

@@ -1,0 +1,268 @@
+"""Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
+
+The in-process and Ray engines run inside the `train` stage, which records the run (pipeline.train). A deployed
+ServerApp runs inside a SuperLink, so ``pipeline.federated:server_app`` calls :func:`serve`, which records the
+same things from what the server receives - and nothing else, since the clients' data and adapters stay on
+their own disks:
+
+- server side (``models/<exp>/`` and ``reports/train/<exp>/`` relative to the SuperLink's working directory):
+  ``rounds.json`` and ``metrics.json`` (pipeline.train's writers), ``global_adapter.safetensors`` (the final
+  aggregate), an MLflow run (parameters, per-round per-client metrics, bytes, the global adapter, test ROUGE);
+- client side (node config ``client-dir`` / ``checkpoint-dir``): best and final local adapters, the gate log,
+  round checkpoints (pipeline.federated.client_evaluate);
+- federated evaluation: after the last round (and every ``evaluate-every`` rounds) the server sends
+  ``query.summarize``; each client summarises its own test set with its own adapter (pipeline.evaluate's
+  sub-sampling, generation and ROUGE) and replies only ROUGE means and counts. The server writes them as
+  ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, without per-example files: the
+  summaries never leave the clients).
+
+Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
+group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
+``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+
+from pipeline import client_training
+from pipeline.config import from_dict, load_params
+from pipeline.evaluate import (EVAL_DIR, EvaluateConfig, generate_summaries, load_adapter, log_to_mlflow,
+                               subsample_test_ids)
+from pipeline.plan import Plan
+from pipeline.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
+
+log = logging.getLogger("fedmeet.deployment")
+
+SUMMARIZE = "query.summarize"
+SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
+GLOBAL_ADAPTER = "global_adapter.safetensors"
+
+
+def _flag(value: Any, default: bool) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
+    """The evaluate stage's decoding settings: ``params.yaml``'s ``evaluate`` group (run config ``params``)."""
+    path = Path(str(run_config.get("params") or "params.yaml"))
+    params = load_params(path) if path.exists() else {}
+    return from_dict(EvaluateConfig, params.get("evaluate"), f"{path}: evaluate")
+
+
+# ================================================================================================ client side
+def summarize_test_set(msg: Message, context: Context) -> Message:
+    """``query.summarize`` on a client: ROUGE of its own adapter on its own test set; replies numbers only."""
+    from pipeline import federated as fed
+
+    plan = fed._load_plan(fed._plan_path(msg, context))
+    name = fed.client_name(plan, context)
+    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[fed.CONFIG_KEY]["evaluate"])),
+                    "query.summarize: evaluate")
+    partition = client_training.read_partition(plan.paths["partition"])
+    if name not in partition["clients"]:
+        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
+    test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
+    metrics: dict[str, float | int] = {"n_test": len(test_ids)}
+    if test_ids:
+        examples = client_training.read_examples(plan.paths["examples"])
+        missing = [i for i in test_ids if i not in examples.index]
+        if missing:
+            raise ValueError(f"{plan.paths['partition']}: client {name!r} test id {missing[0]!r} is not in "
+                             f"{plan.paths['examples']} ({len(missing)} missing)")
+        chosen = subsample_test_ids(test_ids, name, cfg.test_examples_per_client, cfg.subsample_seed)
+        model = client_training.shared_model(plan)
+        load_adapter(model, fed.client_dir(plan, name, context) / f"adapter_{cfg.adapter}.safetensors")
+        sub = examples.loc[chosen]
+        max_src = cfg.max_source_length or client_training.model_config(plan).max_source_length
+        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{plan.experiment}/{name}")
+        metrics.update(mean_scores(Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())))
+        metrics["skipped_by_subsampling"] = len(test_ids) - len(chosen)
+    content = RecordDict({"identity": ConfigRecord({"client-name": name}),
+                          fed.METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
+                                                         if not (isinstance(v, float) and math.isnan(v))})})
+    return Message(content, reply_to=msg)
+
+
+# ================================================================================================ server side
+def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig,
+                       timeout: float) -> dict[str, Any]:
+    """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
+    from pipeline import federated as fed
+
+    node_ids = sorted(grid.get_node_ids())
+    config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
+    msgs = [Message(RecordDict({fed.CONFIG_KEY: config}), dst_node_id=n, message_type=SUMMARIZE)
+            for n in node_ids]
+    replies = list(grid.send_and_receive(msgs, timeout=timeout))
+    received: dict[str, dict[str, Any]] = {}
+    failed: dict[str, str] = {}
+    for reply in replies:
+        if reply.has_error():
+            failed[f"node {reply.metadata.src_node_id}"] = reply.error.reason.splitlines()[0]
+            continue
+        name = str(reply.content["identity"]["client-name"])
+        m = dict(reply.content[fed.METRICS_KEY])
+        received[name] = {k: (int(v) if k in ("n", "n_test", "skipped_by_subsampling") else float(v))
+                          for k, v in m.items()}
+    answered = {r.metadata.src_node_id for r in replies}
+    for n in node_ids:
+        if n not in answered:
+            failed[f"node {n}"] = f"no reply within {timeout:.0f}s"
+    # The evaluate stage's order (the partition's), so means add up in the same order.
+    try:
+        order = client_training.client_names(plan)
+    except FileNotFoundError:  # a server without the partition file: names as the clients gave them
+        order = sorted(received)
+    per_client: dict[str, dict[str, Any]] = {}
+    skipped: dict[str, str] = {}
+    for name in order + sorted(set(received) - set(order)):
+        if name not in received:
+            continue
+        if received[name].get("n", 0) == 0:
+            skipped[name] = "no test examples on the client"
+            continue
+        per_client[name] = {**{k: received[name][k] for k in SCORE_KEYS}, "n": received[name]["n"],
+                            "n_test": received[name]["n_test"],
+                            "skipped_by_subsampling": received[name]["skipped_by_subsampling"]}
+    mean = ({k: sum(c[k] for c in per_client.values()) / len(per_client) for k in SCORE_KEYS}
+            if per_client else {k: None for k in SCORE_KEYS})
+    return {
+        "experiment": plan.experiment,
+        "method": plan.method,
+        "partition": plan.partition,
+        "seed": plan.seed,
+        "study": plan.study,
+        "backbone": _backbone(plan),
+        "adapter": cfg.adapter,
+        "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
+        | {"max_source_length": cfg.max_source_length or client_training.model_config(plan).max_source_length},
+        "rouge_l_in_tables": TABLE_ROUGE_L,
+        "clients": per_client,
+        "skipped_clients": skipped,
+        "mean": mean,
+        "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
+        "failed_clients": failed,
+    }
+
+
+def _backbone(plan: Plan) -> str:
+    from pipeline.evaluate import backbone_name
+
+    return backbone_name(Path(plan.paths["backbone"]), client_training.shared_model(plan))
+
+
+def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = EVAL_DIR) -> Path:
+    out = Path(eval_dir) / plan.experiment
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.json"
+    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    return path
+
+
+class DeploymentRecorder:
+    """pipeline.train's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
+
+    def __init__(self, train_recorder, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int,
+                 timeout: float):
+        self.inner = train_recorder
+        self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
+
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        self.inner.started(plan, clients, start_round)
+
+    def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:
+        self.inner.round_done(plan, entry, history)
+        if self.cfg is not None and self.every > 0 and entry.round % self.every == 0 \
+                and entry.round < plan.train.rounds:
+            metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
+            if self.inner.logger is not None:
+                self.inner.logger.log_metrics({f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items()
+                                               for k in SCORE_KEYS}, step=entry.round)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def serve(grid: Grid, context: Context) -> dict[str, Any]:
+    """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
+    clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
+    from pipeline import federated as fed
+    from pipeline.train import TrainRecorder, _backbone_name, summarize, write_rounds
+
+    rc = dict(context.run_config)
+    plan_path = fed._plan_path(None, context)
+    plan = fed._load_plan(plan_path)
+    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    reports_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "experiment.json").write_text(json.dumps(plan.to_json_dict(), indent=2, sort_keys=True) + "\n")
+    resuming = fed.load_server_checkpoint(plan) is not None
+
+    logger = None
+    if _flag(rc.get("mlflow"), True):
+        from pipeline.tracking import RunLogger
+
+        run_id_file = fed.server_checkpoint_path(plan).parent / "mlflow_run_id"
+        tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
+                "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
+                "engine": "deployment"}
+        resume_id = run_id_file.read_text().strip() if resuming and run_id_file.exists() else None
+        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags, resume_run_id=resume_id)
+        run_id_file.parent.mkdir(parents=True, exist_ok=True)
+        run_id_file.write_text(logger.run_id)
+
+    cfg = evaluate_config(rc) if _flag(rc.get("evaluate"), True) else None
+    train_recorder = TrainRecorder(plan, logger)
+    recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
+                                  plan.train.round_timeout_s)
+    try:
+        arrays, history = fed.run_server(grid, plan, plan_path, recorder)
+    except BaseException:
+        recorder.close()
+        if logger is not None:
+            logger.finish("KILLED")  # a rerun of the same plan resumes this run from the server checkpoint
+        raise
+    recorder.close()
+
+    write_rounds(plan, history)
+    metrics = summarize(plan, history, train_recorder.round_seconds)
+    text = json.dumps(metrics, indent=2) + "\n"
+    (reports_dir / "metrics.json").write_text(text)
+    (out_dir / "metrics.json").write_text(text)
+    client_training.save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
+                                 {"experiment": plan.experiment, "round": str(plan.train.rounds)})
+
+    eval_metrics = None
+    if cfg is not None:
+        eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, plan.train.round_timeout_s)
+        eval_path = write_eval_metrics(plan, eval_metrics)
+        log.info("%s: federated evaluation %s -> %s", plan.experiment,
+                 {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}, eval_path)
+    if logger is not None:
+        logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
+                            if v["best_val_loss"] is not None} | {
+            "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
+            "peak_rss_mb": metrics["peak_rss_mb"]}, step=plan.train.rounds)
+        for f in (out_dir / GLOBAL_ADAPTER, out_dir / "metrics.json", out_dir / "rounds.json",
+                  out_dir / "experiment.json"):
+            logger.log_artifact(f)
+        if eval_metrics is not None:
+            log_to_mlflow(plan.experiment, plan.to_json_dict() | {"mlflow_run_id": logger.run_id}, eval_metrics,
+                          EVAL_DIR / plan.experiment, cfg)
+        logger.finish("FINISHED")
+    # Finished: the next run of this plan starts over (client checkpoints stay on the clients' disks).
+    fed.server_checkpoint_path(plan).unlink(missing_ok=True)
+    (fed.server_checkpoint_path(plan).parent / "mlflow_run_id").unlink(missing_ok=True)
+    return {"train": metrics, "eval": eval_metrics}

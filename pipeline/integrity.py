@@ -1,0 +1,87 @@
+"""Checks that a model directory (``models/backbone``) is whole before it is loaded.
+
+Loading a damaged directory with transformers fails deep inside with messages that name no file (a truncated
+safetensors file: "Error while deserializing header: MetadataIncompleteBuffer"). :func:`check_model_dir` names
+the file and the problem instead: a JSON file that does not parse, a safetensors file whose size differs from
+what its header promises, a weight file cut short; and, when the backbone stage recorded the directory's
+sha256 (``fedmeet_backbone.json``), any byte changed since.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+from pipeline.schema import DataError
+
+RECORD_NAME = "fedmeet_backbone.json"  # what the backbone stage writes beside the weights
+FIX = "rebuild it with `dvc repro backbone` (or `python -m pipeline.backbone`)"
+
+
+class ModelDirError(DataError):
+    """A damaged model directory; the message names the file."""
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, shorter than a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"header of {n} bytes does not fit in {size} bytes (file cut short?)"
+        try:
+            header = json.loads(fh.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return "header is not valid JSON"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return f"{size} bytes but its header describes {expected} (file cut short or padded)"
+    return None
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
+    """Content hash of a directory (the backbone's identity): sha256 over (relative path, file sha256), sorted."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        if rel in exclude or rel.startswith(".") or "/." in rel:
+            continue
+        h.update(rel.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()
+
+
+def check_model_dir(path: str | Path, verify_hash: bool = True) -> None:
+    """Raise :class:`ModelDirError` naming the first damaged file of the model directory ``path``."""
+    d = Path(path)
+    if not (d / "config.json").is_file():
+        raise ModelDirError(f"{d / 'config.json'}: missing; {d} is not a complete model directory; {FIX}")
+    for f in sorted(d.glob("*.json")):
+        try:
+            json.loads(f.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ModelDirError(f"{f}: damaged JSON ({exc}); {FIX}") from None
+    weights = sorted(d.glob("*.safetensors"))
+    for f in weights:
+        problem = _safetensors_problem(f)
+        if problem:
+            raise ModelDirError(f"{f}: damaged weights: {problem}; {FIX}")
+    if not weights and not any(d.glob("*.bin")):
+        raise ModelDirError(f"{d}: no weight file (*.safetensors or *.bin); {FIX}")
+    record = d / RECORD_NAME
+    if verify_hash and record.is_file():
+        recorded = json.loads(record.read_text(encoding="utf-8")).get("backbone_sha256")
+        if recorded and sha256_dir(d) != recorded:
+            raise ModelDirError(f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "
+                                f"changed or damaged after the backbone stage wrote it); {FIX}")
