@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup repro test bench clean-cache preset
+.PHONY: setup data-sources repro test bench clean-cache preset grid exp-show
 
 setup: $(STAMP)
 
@@ -25,7 +25,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-repro: setup
+# The datasets are DVC imports of ../shared/data (data/raw/*.dvc, frozen): `dvc update` checks each against its
+# source (a no-op when unchanged; a changed mirror gets a new hash, so ingest reruns) and checks it out, also on a
+# fresh clone with an empty cache. Without the mirror (a second machine), the imports come from the DVC remote.
+data-sources: setup
+	$(BIN)/dvc update -q data/raw/*.dvc || $(BIN)/dvc pull data/raw
+
+repro: data-sources
 	$(BIN)/dvc repro
 
 test: setup
@@ -37,6 +43,19 @@ bench: setup
 # Apply a run profile as DVC experiment parameters: make preset PRESET=configs/cpu-study.yaml
 preset: setup
 	$(BIN)/python -m pipeline.presets run $(PRESET)
+
+# Ablation grid: one queued DVC experiment per (tau, seed), run by $(JOBS) queue workers (README, "Working with it").
+GRID_TAUS  ?= 2 3 4 5
+GRID_SEEDS ?= 0 1 2
+JOBS       ?= 2
+grid: data-sources
+	$(BIN)/python -m pipeline.presets grid --tau $(GRID_TAUS) --seeds $(GRID_SEEDS) --jobs $(JOBS)
+
+# The experiments side by side with only the headline columns (reports/metrics.json), tau and the main study's seed;
+# plain `dvc exp show` also lists every param and dependency hash (~350 columns).
+EXP_SHOW_KEEP := ^(Experiment|Created|State|Executor)$$|(.*:)?tau$$|(.*:)?experiments\.fedselectkd-domain\.seed$$|(.*:)?(main|kd_usage)\.
+exp-show: setup
+	$(BIN)/dvc exp show --drop '.*' --keep '$(EXP_SHOW_KEEP)' $(EXP_SHOW_ARGS)
 
 clean-cache:
 	rm -rf data/cache

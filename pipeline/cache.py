@@ -15,7 +15,10 @@ they are never hit. A file larger than the whole budget is not stored (counted i
 Writes go to a temp file and are renamed into place, so concurrent clients never read half a file. Each file
 carries the sha256 of its tensors' bytes in its safetensors metadata; an entry that is unreadable or whose bytes
 no longer match (a damaged disk, a copy cut short) is logged, deleted and recomputed (``stats["damaged"]``).
-Deleting ``root`` is always safe. Stored in float16/bfloat16 the cache halves its size but is no longer exact.
+Deleting ``root`` is always safe. A relative ``root`` is under the project root (:func:`resolve_root`), so DVC's
+queued and temporary experiments, which run in copies under ``.dvc/tmp/exps/``, share the one cache; two workers
+writing the same entry each write their own temp file and rename it, so a reader sees one whole file or none.
+Stored in float16/bfloat16 the cache halves its size but is no longer exact.
 
 ``TeacherCache`` (RAM, one round): the global-path logits of each example, exact (float32), for rounds with
 more than one local epoch; cleared automatically when the global adapter changes. Examples beyond its byte budget
@@ -36,6 +39,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline import atomic
+from pipeline.config import repo_root
 from pipeline.data import IGNORE_INDEX, Batch
 from pipeline.model import AdapterSummarizer, Prefix, target_mask_of
 
@@ -43,6 +48,13 @@ FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under a
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECKSUM_KEY = "sha256"
 log = logging.getLogger(__name__)
+
+
+def resolve_root(cache_dir: str | os.PathLike) -> Path:
+    """``model.cache_dir`` as a path: absolute as given, relative under the project root (which follows DVC_ROOT,
+    pipeline.config.repo_root), never under the working directory of a DVC experiment's temporary copy."""
+    root = Path(cache_dir)
+    return root if root.is_absolute() else repo_root() / root
 
 
 def _raw(t: torch.Tensor):
@@ -86,8 +98,8 @@ class PrefixCache:
         self.dir = self.root / self.key
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "key.json"
-        if not meta.exists():
-            meta.write_text(json.dumps({
+        if not meta.exists():  # atomic: another worker may create the same key at once
+            atomic.write_text(meta, json.dumps({
                 "fingerprint": fingerprint, "max_source_length": max_source_length,
                 "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
                 "format_version": FORMAT_VERSION,
@@ -98,7 +110,7 @@ class PrefixCache:
     @classmethod
     def for_model(cls, model: AdapterSummarizer, cfg) -> "PrefixCache":
         """From the ``model`` params group (``cache_dir``, lengths, ``top_k``, ``cache_dtype``, ``cache_max_gb``)."""
-        return cls(cfg.cache_dir, model.backbone_fingerprint(), cfg.max_source_length, cfg.max_target_length,
+        return cls(resolve_root(cfg.cache_dir), model.backbone_fingerprint(), cfg.max_source_length, cfg.max_target_length,
                    model.adapter_config.top_k, cfg.cache_dtype, int(cfg.cache_max_gb * 2**30))
 
     @property

@@ -57,7 +57,7 @@ def baseline_for(config: Config, method: str, configs: list[Config]) -> Config |
     return candidates[0] if candidates else None
 
 
-def _per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
+def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     path = eval_dir / name / "per_example.parquet"
     if not path.is_file():
         return None
@@ -91,7 +91,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
     seeds = sorted(set(seeds_a) & set(seeds_b))
     frames = {}
     for s in seeds:
-        fa, fb = _per_example(eval_dir, seeds_a[s]), _per_example(eval_dir, seeds_b[s])
+        fa, fb = per_example(eval_dir, seeds_a[s]), per_example(eval_dir, seeds_b[s])
         if fa is not None and fb is not None:
             frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
     seeds = sorted(frames)

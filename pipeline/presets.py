@@ -18,6 +18,12 @@ Rules
     python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue] [--dry-run]
     python -m pipeline.presets check configs/*.yaml                  # validate only
     make preset PRESET=configs/cpu-study.yaml
+
+Grids (``grid``): one queued DVC experiment per (tau, seed) point, the seed set on every experiment of one study
+(default ``main``, so its methods stay paired seed by seed), then ``dvc queue start -j N`` runs them N at a time:
+
+    python -m pipeline.presets grid --tau 2 3 4 5 --seeds 0 1 2 --jobs 2 [--dry-run]
+    make grid GRID_TAUS="2 3 4 5" GRID_SEEDS="0 1 2" JOBS=2
 """
 from __future__ import annotations
 
@@ -213,6 +219,33 @@ def exp_run_command(preset_path: str | Path, name: str | None = None, queue: boo
     return cmd
 
 
+def grid_commands(params: dict[str, Any], taus: list[float], seeds: list[int], jobs: int, study: str = "main",
+                  prefix: str = "grid") -> list[list[str]]:
+    """``dvc exp run --queue`` per (tau, seed) point (named ``<prefix>-tau<t>-seed<s>``), then ``dvc queue start``.
+    The seed goes to every experiment of ``study``; tau is the top-level key (the experiments without their own
+    tau read it)."""
+    names = sorted(k for k, v in (params.get("experiments") or {}).items() if (v or {}).get("study") == study)
+    if not names:
+        raise PresetError(f"params.yaml: no experiment has study {study!r}; nothing to put on the grid")
+    if not taus or not seeds:
+        raise PresetError("grid: give at least one tau and one seed")
+    if any(not t > 0 for t in taus):
+        raise PresetError(f"grid: tau must be positive, got {taus}")
+    if jobs < 1:
+        raise PresetError(f"grid: --jobs must be at least 1, got {jobs}")
+    dvc = [sys.executable, "-m", "dvc"]
+    cmds = []
+    for tau in taus:
+        for seed in seeds:
+            cmd = [*dvc, "exp", "run", "--queue", "--name", f"{prefix}-tau{tau:g}-seed{seed}",
+                   "--set-param", f"tau={hydra_value(float(tau))}"]
+            for name in names:
+                cmd += ["--set-param", f"experiments.{name}.seed={int(seed)}"]
+            cmds.append(cmd)
+    cmds.append([*dvc, "queue", "start", "-j", str(jobs)])
+    return cmds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="the params.yaml presets are checked against")
@@ -226,9 +259,25 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--name", help="experiment name (dvc exp run --name)")
     run.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
     run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
+    grid = sub.add_parser("grid", help="queue one DVC experiment per (tau, seed) and start the queue")
+    grid.add_argument("--tau", type=float, nargs="+", required=True, help="values of the top-level tau")
+    grid.add_argument("--seeds", type=int, nargs="+", required=True, help="seeds of every experiment of --study")
+    grid.add_argument("--jobs", type=int, default=2, help="queue workers (dvc queue start -j)")
+    grid.add_argument("--study", default="main", help="the study whose experiments take the seed")
+    grid.add_argument("--prefix", default="grid", help="experiment names <prefix>-tau<t>-seed<s>")
+    grid.add_argument("--dry-run", action="store_true", help="print the dvc commands only")
     args = ap.parse_args(argv)
     params = load_params(args.params)
     try:
+        if args.command == "grid":
+            cmds = grid_commands(params, args.tau, args.seeds, args.jobs, args.study, args.prefix)
+            for cmd in cmds:
+                print(shlex.join(cmd), flush=True)
+                if not args.dry_run and subprocess.call(cmd) != 0:
+                    print(f"error: `{shlex.join(cmd)}` failed (an existing experiment of that name? `dvc exp "
+                          "remove` it, or pass --prefix)", file=sys.stderr)
+                    return 1
+            return 0
         if args.command == "show":
             preset = load_preset(args.preset)
             validate(preset, params, args.preset)

@@ -9,7 +9,8 @@ plan (``models/plans/<exp>.json``: tau) and training rounds (``reports/train/<ex
 configuration over its seeds (mean and sample std) and reports missing seeds next to the numbers. Writes
 ``reports/tables/`` (Table III layout per backbone beside the published numbers, one table per study, case study,
 stage times), ``reports/figures/*.png`` with their data in ``reports/plots/`` (DVC plots), ``reports/summary.json``
-(DVC metric), human-evaluation sheets and ``reports/README.md`` (index; lists what is missing and why).
+(every study's averages), ``reports/metrics.json`` (the headline numbers, the only DVC metrics file),
+human-evaluation sheets and ``reports/README.md`` (index; lists what is missing and why).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from pipeline.config import from_dict, load_params
 from pipeline.human_eval import Prediction, make_sheets, plot_results, score_sheets
 from pipeline.schema import DataError
 from pipeline.scoring import TABLE_ROUGE_L
-from pipeline.stats import BootstrapConfig
+from pipeline.stats import BootstrapConfig, mean_interval
 
 # Our columns in the paper's order: R-1, R-2, R-L (R-L = rougeLsum, see pipeline.scoring) and average ROUGE.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
@@ -87,6 +88,10 @@ class Paths:
     @property
     def out(self) -> Path:
         return self.root / "reports"
+
+    @property
+    def kd_analysis(self) -> Path:
+        return self.out / "analysis/kd_analysis.json"
 
     @property
     def tables(self) -> Path:
@@ -814,6 +819,10 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
 
     summary = summary_metrics(agg, planned, missing_eval)
     atomic.write_json(paths.out / "summary.json", summary, sort_keys=True)
+    intervals = {c.label: average_interval(c, paths.eval_dir, bootstrap)
+                 for c in comparisons.configurations(planned, with_labels(planned)) if c.study == HEADLINE_STUDY}
+    kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
+    atomic.write_json(paths.out / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
     planned_names = {p.name for p in planned}
     ignored = sorted(d.name for d in paths.eval_dir.iterdir()
@@ -831,7 +840,8 @@ def incomplete(agg: pd.DataFrame) -> list[str]:
 
 
 def summary_metrics(agg: pd.DataFrame, planned: list[Planned], missing_eval: list[str]) -> dict[str, Any]:
-    """reports/summary.json (DVC metric): average ROUGE per study, configuration and client, mean over clients."""
+    """reports/summary.json (a plain output; the DVC metric is reports/metrics.json): average ROUGE per study,
+    configuration and client, mean over clients."""
     out: dict[str, Any] = {"experiments_planned": len(planned), "experiments_evaluated": len(planned) - len(missing_eval),
                            "experiments_missing": len(missing_eval)}
     for (study, label), grp in agg.groupby(["study", "label"], sort=True):
@@ -839,6 +849,53 @@ def summary_metrics(agg: pd.DataFrame, planned: list[Planned], missing_eval: lis
         entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
         entry["n_seeds"] = int(grp["n_seeds"].min())
         out.setdefault(study, {})[label.replace(" ", "_")] = entry
+    return out
+
+
+# reports/metrics.json, the one DVC metrics file: what `dvc exp show` / `dvc metrics diff` put side by side across
+# DVC experiments. Only the main study's results (the study `-S tau=...` ablates): every other report file is a
+# plain output, and no time or memory figure is a metric (they differ between runs of the same experiment).
+HEADLINE_STUDY = "main"
+HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_L, "avg_rouge": "avg_rouge"}
+
+
+def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
+    """Bootstrap interval of a configuration's client-average avg ROUGE over its seeds (pipeline.stats): the test
+    examples every seed has, resampled within clients, seeds resampled when there are several. None without any
+    per-example scores."""
+    frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
+    if not frames:
+        return None
+    per_client = []
+    for client in sorted(set.intersection(*(set(f["client"]) for f in frames))):
+        ids = sorted(set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames)))
+        if ids:
+            per_client.append(pd.DataFrame([f[f["client"] == client].set_index("example_id").loc[ids, "avg_rouge"]
+                                            for f in frames]).to_numpy(dtype=float))
+    if not per_client:
+        return None
+    r = mean_interval(per_client, cfg)
+    return r.low, r.high
+
+
+def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None],
+                     kd_analysis: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers: per configuration of the main study, its client-average ROUGE-1/2/L and average ROUGE
+    (means over seeds) with the average's interval (``intervals``, by label), and each client's average ROUGE; and
+    the KD usage ratio per client of the main SelectKD run (``kd_analysis``: reports/analysis/kd_analysis.json)."""
+    out: dict[str, Any] = {}
+    main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
+    for label, grp in main.groupby("label", sort=True):
+        entry: dict[str, Any] = {key: round(float(grp[f"{col}_mean"].mean()), 4) for key, col in HEADLINE_ROUGE.items()}
+        interval = intervals.get(label)
+        if interval is not None:
+            entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
+        entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
+        out.setdefault(HEADLINE_STUDY, {})[str(label).replace(" ", "_")] = entry
+    usage = {str(c): round(float(v["kd_usage_ratio"]), 4) for c, v in sorted(kd_analysis.get("clients", {}).items())
+             if isinstance(v, dict) and v.get("kd_usage_ratio") is not None}
+    if usage:
+        out["kd_usage"] = {**usage, "mean": round(sum(usage.values()) / len(usage), 4)}
     return out
 
 

@@ -219,3 +219,18 @@ def test_damaged_entry_is_counted_removed_and_recomputed_exactly(model, tmp_path
     # the recomputed entry replaced the damaged one: the next read is a clean hit
     fresh.prefix_for(model, batch)
     assert fresh.stats["hits"] == 1 and fresh.stats["damaged"] == 1
+
+
+def test_relative_cache_dir_is_shared_by_dvc_temporary_workspaces(tmp_path, monkeypatch):
+    """A queued or --temp DVC experiment runs in <repo>/.dvc/tmp/exps/<tmp>/ with DVC_ROOT set there: a relative
+    model.cache_dir must still name <repo>/data/cache/prefix, the cache the workspace's runs filled."""
+    from pipeline.cache import resolve_root
+
+    repo = tmp_path / "repo"
+    temp = repo / ".dvc/tmp/exps/tmp8k2j"
+    temp.mkdir(parents=True)
+    monkeypatch.chdir(temp)
+    monkeypatch.delenv("FEDMEET_ROOT", raising=False)
+    monkeypatch.setenv("DVC_ROOT", str(temp))
+    assert resolve_root("data/cache/prefix") == repo.resolve() / "data/cache/prefix"
+    assert resolve_root(tmp_path / "elsewhere") == tmp_path / "elsewhere"

@@ -169,6 +169,15 @@ def test_report_writes_tables_figures_and_index(project):
     summary = json.loads((reports / "summary.json").read_text())
     assert summary["experiments_planned"] == 14 and summary["experiments_missing"] == 1
     assert summary["main"]["fedselectkd"]["Academic"] == pytest.approx((26 + 7 + 19) / 3, abs=1e-3)
+    # The headline DVC metrics: the main study only; fedselectkd over its 3 seeds, R-L = rougeLsum; no per-example
+    # scores and no KD analysis here, so no interval and no KD usage (never invented).
+    headline = json.loads((reports / "metrics.json").read_text())
+    assert set(headline) == {"main"} and set(headline["main"]) == {"fedavg", "fedselectkd"}
+    fsk = headline["main"]["fedselectkd"]
+    assert fsk["rouge1"] == pytest.approx((26 + 35 + 33) / 3, abs=1e-3)
+    assert fsk["rougeL"] == pytest.approx((19 + 25 + 23) / 3, abs=1e-3)
+    assert fsk["avg_rouge"] == pytest.approx((52 / 3 + 25 + 23) / 3, abs=1e-3)
+    assert fsk["clients"]["Committee"] == pytest.approx(25.0, abs=1e-3) and "avg_rouge_low" not in fsk
 
     case = (reports / "tables/case_study.md").read_text()
     for c in CLIENTS:

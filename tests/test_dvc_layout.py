@@ -1,0 +1,202 @@
+"""How the project sits in DVC: which files are metrics, the headline metrics file, params.yaml under `-S`, the
+datasets as DVC imports, and the grid commands."""
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from dvc.utils.hydra import apply_overrides
+
+from pipeline import comparisons
+from pipeline.presets import PresetError, grid_commands
+from pipeline.report import HEADLINE_STUDY, average_interval, headline_metrics
+from pipeline.stats import BootstrapConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DVC_YAML = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+# Keys of reports/metrics.json: the numbers a researcher compares across DVC experiments, nothing else.
+HEADLINE_KEYS = {"rouge1", "rouge2", "rougeL", "avg_rouge", "avg_rouge_low", "avg_rouge_high", "clients"}
+
+
+def _entries(section) -> list[tuple[str, dict]]:
+    """(path, options) of a dvc.yaml outs/metrics/plots list."""
+    out = []
+    for item in section or []:
+        if isinstance(item, str):
+            out.append((item, {}))
+        else:
+            (path, opts), = item.items()
+            out.append((path, opts or {}))
+    return out
+
+
+def _stage_sections(name: str) -> list[tuple[str, str, dict]]:
+    """(stage, path, options) of every stage's ``name`` section (outs, metrics or plots; foreach bodies included)."""
+    rows = []
+    for stage, body in DVC_YAML["stages"].items():
+        body = body.get("do", body)
+        for section in ("outs", "metrics", "plots"):
+            if section == name:
+                rows += [(stage, path, opts) for path, opts in _entries(body.get(section))]
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def test_only_the_headline_file_is_a_dvc_metric():
+    metrics = _stage_sections("metrics")
+    assert [(stage, path) for stage, path, _ in metrics] == [("report", "reports/metrics.json")]
+    assert metrics[0][2].get("cache") is False  # small JSON kept in git, as DVC metrics usually are
+    assert "metrics" not in DVC_YAML  # no top-level metrics either
+
+
+def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs():
+    outs = {path: opts for _, path, opts in _stage_sections("outs")}
+    metric_paths = [path for _, path, _ in _stage_sections("metrics")]
+    assert not [p for p in metric_paths if re.search(r"timing|time|memory|rss|bench", p)]
+    # Every stage still declares its wall-time record and its report, now as plain uncached outputs.
+    timing = [p for p in outs if p.startswith("reports/timing/")]
+    timed = {stage for stage, path, _ in _stage_sections("outs") if path.startswith("reports/timing/")}
+    assert timed == set(DVC_YAML["stages"]) - {"plan"}  # every stage but plan (it writes no time record)
+    for path in [*timing, "reports/summary.json", "reports/analysis/kd_analysis.json", "reports/backbone.json",
+                 "reports/eval/${key}/metrics.json", "reports/train/${key}/metrics.json",
+                 "reports/partitions/${item.scheme}-seed${item.seed}.json", "reports/data/stats.json"]:
+        assert outs[path].get("cache") is False, path
+
+
+def _agg_row(label, client, r1, r2, rl, study="main"):
+    return {"study": study, "label": label, "client": client, "rouge1_mean": r1, "rouge2_mean": r2,
+            "rougeLsum_mean": rl, "avg_rouge_mean": (r1 + r2 + rl) / 3}
+
+
+def test_headline_metrics_from_hand_made_results():
+    agg = pd.DataFrame([
+        _agg_row("fedavg", "A", 30.0, 6.0, 24.0), _agg_row("fedavg", "B", 20.0, 4.0, 18.0),
+        _agg_row("fedselectkd tau=5", "A", 33.0, 9.0, 27.0), _agg_row("fedselectkd tau=5", "B", 21.0, 3.0, 18.0),
+        _agg_row("fedavg", "A", 99.0, 99.0, 99.0, study="iid"),  # another study: never a headline number
+    ])
+    kd = {"clients": {"B": {"kd_usage_ratio": 0.4}, "A": {"kd_usage_ratio": 0.2}, "C": {"kd_usage_ratio": None}}}
+    out = headline_metrics(agg, {"fedselectkd tau=5": (15.0, 20.5), "fedavg": None}, kd)
+    assert set(out) == {HEADLINE_STUDY, "kd_usage"}
+    fsk = out["main"]["fedselectkd_tau=5"]
+    assert fsk["rouge1"] == 27.0 and fsk["rouge2"] == 6.0 and fsk["rougeL"] == 22.5
+    assert fsk["avg_rouge"] == pytest.approx((23.0 + 14.0) / 2, abs=1e-4)
+    assert (fsk["avg_rouge_low"], fsk["avg_rouge_high"]) == (15.0, 20.5)
+    assert fsk["clients"] == {"A": 23.0, "B": 14.0}
+    assert "avg_rouge_low" not in out["main"]["fedavg"]  # no per-example scores: no interval, never a made-up one
+    assert out["main"]["fedavg"]["clients"] == {"A": 20.0, "B": 14.0}
+    assert out["kd_usage"] == {"A": 0.2, "B": 0.4, "mean": 0.3}
+    for entry in out["main"].values():
+        assert set(entry) <= HEADLINE_KEYS
+    assert headline_metrics(agg.iloc[0:0], {}, {}) == {}
+
+
+def _per_example(eval_dir: Path, name: str, scores: dict[str, list[float]]) -> None:
+    rows = [{"client": c, "example_id": f"{c}{i}", "rouge1": v, "rouge2": v, "rougeLsum": v, "avg_rouge": v}
+            for c, vals in scores.items() for i, v in enumerate(vals)]
+    (eval_dir / name).mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(eval_dir / name / "per_example.parquet")
+
+
+def test_average_interval_of_a_configuration(tmp_path):
+    cfg = BootstrapConfig(n_resamples=500, seed=3)
+    # Constant scores within each client: every resample gives the same client average, (10 + 20) / 2.
+    _per_example(tmp_path, "flat", {"A": [10.0] * 4, "B": [20.0] * 6})
+    flat = comparisons.Config("main", "x", "fedavg", "domain", ((0, "flat"),))
+    assert average_interval(flat, tmp_path, cfg) == pytest.approx((15.0, 15.0))
+    # Two seeds whose examples differ: the interval lies inside the range of possible client averages.
+    _per_example(tmp_path, "s0", {"A": [0.0, 10.0, 20.0], "B": [5.0, 5.0]})
+    _per_example(tmp_path, "s1", {"A": [2.0, 12.0, 22.0], "B": [7.0, 7.0]})
+    two = comparisons.Config("main", "y", "fedavg", "domain", ((0, "s0"), (1, "s1")))
+    low, high = average_interval(two, tmp_path, cfg)
+    assert 2.5 <= low < high <= 15.5 and low <= (11.0 + 6.0) / 2 <= high
+    assert average_interval(two, tmp_path, cfg) == (low, high)  # the bootstrap seed fixes it
+    missing = comparisons.Config("main", "z", "fedavg", "domain", ((0, "never-evaluated"),))
+    assert average_interval(missing, tmp_path, cfg) is None
+
+
+# ------------------------------------------------------------------------------------------------ params.yaml
+def _changed_lines(before: str, after: str) -> list[str]:
+    return [line for line in difflib.unified_diff(before.splitlines(), after.splitlines(), n=0, lineterm="")
+            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+@pytest.mark.parametrize("override, line", [
+    ("tau=4", "tau: 4"),
+    ("train.rounds=5", "  rounds: 5"),
+    ("experiments.tau-3.tau=2.0", "    tau: 2.0"),
+    ("evaluate.num_beams=4", "  num_beams: 4"),
+])
+def test_dvc_set_param_changes_exactly_one_line(tmp_path, override, line):
+    """`dvc exp run -S key=value` rewrites params.yaml with DVC's own writer (dvc.utils.hydra.apply_overrides):
+    params.yaml is laid out as that writer keeps it, so the only change is the overridden key's line."""
+    before = (ROOT / "params.yaml").read_text()
+    target = tmp_path / "params.yaml"
+    target.write_text(before)
+    apply_overrides(str(target), [override])
+    changed = _changed_lines(before, target.read_text())
+    assert len(changed) == 2 and changed[0].startswith("-") and changed[1] == "+" + line
+
+
+def test_params_yaml_is_a_fixed_point_of_dvcs_writer(tmp_path):
+    """Setting a key to its own value leaves params.yaml byte for byte as it was (comments included)."""
+    before = (ROOT / "params.yaml").read_text()
+    target = tmp_path / "params.yaml"
+    target.write_text(before)
+    apply_overrides(str(target), ["tau=5.0", "partition.seeds=[0]", "report.baselines=[single,fedavg,fedkd]"])
+    assert target.read_text() == before
+    assert yaml.safe_load(before)["tau"] == 5.0 and isinstance(yaml.safe_load(before)["tau"], float)
+
+
+# ------------------------------------------------------------------------------------------------ datasets
+def test_every_dataset_is_a_frozen_dvc_import_that_ingest_depends_on():
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    ingest = DVC_YAML["stages"]["ingest"]["do"]
+    root = params["ingest"]["data_root"]
+    assert root == "data/raw" and "${ingest.data_root}/${item}" in ingest["deps"]
+    for dataset in params["ingest"]["datasets"]:
+        stage = yaml.safe_load((ROOT / f"data/raw/{dataset}.dvc").read_text())
+        # frozen: workspaces check the import out of the cache instead of reading its source path, which DVC
+        # would resolve against a temporary workspace under .dvc/tmp/exps/
+        assert stage["frozen"] is True
+        assert [o["path"] for o in stage["outs"]] == [dataset]
+        assert stage["deps"][0]["path"] == f"../../../shared/data/{dataset}"
+        assert stage["deps"][0]["md5"] == stage["outs"][0]["md5"]
+
+
+def test_default_dvc_remote_is_configured():
+    config = (ROOT / ".dvc/config").read_text()
+    remote = re.search(r"remote\s*=\s*(\S+)", config)
+    assert remote, ".dvc/config has no default remote"
+    assert re.search(rf"\['remote \"{re.escape(remote.group(1))}\"'\]\s+url\s*=\s*\S+", config)
+
+
+def test_grid_queues_every_point_with_the_study_seeded_and_runs_the_queue():
+    params = {"experiments": {"a": {"study": "main", "seed": 0}, "b": {"study": "main", "seed": 0},
+                              "c": {"study": "iid", "seed": 0}}}
+    cmds = grid_commands(params, [2, 3.5], [0, 1], jobs=3)
+    assert len(cmds) == 5 and cmds[-1][-4:] == ["queue", "start", "-j", "3"]
+    points = set()
+    for cmd in cmds[:-1]:
+        assert cmd[cmd.index("exp"):cmd.index("exp") + 3] == ["exp", "run", "--queue"]
+        sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set-param"]
+        seeds = {s.split("=")[1] for s in sets if s.startswith("experiments.")}
+        assert {s.split("=")[0] for s in sets} == {"tau", "experiments.a.seed", "experiments.b.seed"}  # not c
+        assert len(seeds) == 1
+        tau = next(s for s in sets if s.startswith("tau="))
+        points.add((tau, seeds.pop(), cmd[cmd.index("--name") + 1]))
+    assert points == {("tau=2.0", "0", "grid-tau2-seed0"), ("tau=2.0", "1", "grid-tau2-seed1"),
+                      ("tau=3.5", "0", "grid-tau3.5-seed0"), ("tau=3.5", "1", "grid-tau3.5-seed1")}
+    with pytest.raises(PresetError, match="no experiment has study 'tau_sweep'"):
+        grid_commands(params, [2], [0], jobs=1, study="tau_sweep")
+
+
+def test_make_grid_and_exp_show_use_the_queue_and_the_headline_columns():
+    makefile = (ROOT / "Makefile").read_text()
+    grid = re.search(r"^grid:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "pipeline.presets grid" in grid and "$(JOBS)" in grid
+    show = re.search(r"^exp-show:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+    assert "dvc exp show" in show and "--keep" in show
