@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 # source (a no-op when unchanged; a changed mirror gets a new hash, so ingest reruns) and checks it out, also on a
 # fresh clone with an empty cache. Without the mirror (a second machine), the imports come from the DVC remote.
 data-sources: setup
-	$(BIN)/dvc update -q data/raw/*.dvc || $(BIN)/dvc pull data/raw
+	$(BIN)/dvc update -q data/raw/*.dvc || $(BIN)/dvc pull data/raw/*.dvc
 
 repro: data-sources
 	$(BIN)/dvc repro

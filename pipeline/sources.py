@@ -1,7 +1,8 @@
 """Where each dataset's upstream files are, and how to fetch them when there is no local mirror.
 
 Order of sources (first that works wins):
-  (a) a local mirror laid out like ../shared/data: ``$FEDMEET_DATA_ROOT`` or ``ingest.data_root``;
+  (a) a copy laid out like ../shared/data: ``$FEDMEET_DATA_ROOT`` or ``ingest.data_root`` (data/raw, where each
+      dataset is a DVC import of the mirror, data/raw/<dataset>.dvc);
   (b) the files already downloaded into ``<raw_dir>/<dataset>/`` (same layout as the mirror);
   (c) the upstream addresses ``ingest.urls.<dataset>``, downloaded into ``<raw_dir>/<dataset>/``;
 otherwise a DataError says what to set.
@@ -35,7 +36,7 @@ SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 
 @dataclass
 class IngestConfig:
-    data_root: str = "../shared/data"
+    data_root: str = "data/raw"
     raw_dir: str = "data/raw"
     datasets: list[str] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
     urls: dict[str, str] = field(default_factory=dict)
@@ -119,7 +120,9 @@ def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True)
 
 
 def _how_to_fix(dataset: str, cfg: IngestConfig, problem: str) -> str:
-    return (f"cannot read dataset {dataset!r}: {problem}. Set the environment variable {ENV_DATA_ROOT} "
+    return (f"cannot read dataset {dataset!r}: {problem}. Run `dvc update data/raw/{dataset}.dvc` (a DVC import "
+            f"of ../shared/data/{dataset}) or `dvc pull data/raw/{dataset}.dvc`; or set the environment variable "
+            f"{ENV_DATA_ROOT} "
             f"(or `ingest.data_root` in params.yaml, now {cfg.data_root!r}) to a directory laid out like "
             f"../shared/data (<root>/{dataset}/...), or set `ingest.urls.{dataset}` to a reachable copy of "
             f"the upstream files.")
