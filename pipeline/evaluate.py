@@ -176,18 +176,23 @@ def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dic
             tags[key] = str(experiment[key])
     if backbone:
         tags["backbone"] = backbone
-    return tags
+    from pipeline.plan import record_hash
+    from pipeline.tracking import dvc_tags, git_state
+
+    return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
 
 
-def find_training_run(name: str, study: str) -> str | None:
+def find_training_run(name: str, study: str, plan_hash: str | None = None) -> str | None:
     """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow
-    experiment, or None."""
+    experiment - with ``plan_hash``, the one that trained exactly this plan (two ablation points of one experiment
+    share its name), or None."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import experiment_id, tracking_uri
 
     client = MlflowClient(tracking_uri=tracking_uri())
-    runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
+    query = f"tags.experiment = '{name}'" + (f" and tags.plan_hash = '{plan_hash}'" if plan_hash else "")
+    runs = client.search_runs([experiment_id(study)], filter_string=query,
                               order_by=["attributes.start_time DESC"], max_results=1)
     return runs[0].info.run_id if runs else None
 
@@ -199,7 +204,10 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     ``eval.mean.<rouge>``. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
     from pipeline.tracking import RunLogger
 
-    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"))
+    from pipeline.plan import record_hash
+
+    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
+                                                                  record_hash(experiment))
     if run_id:
         logger = RunLogger(run_id)
     else:
@@ -211,6 +219,11 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
             values[f"eval.{client}.{key}"] = float(scores[key])
     for key in (*ROUGE_TYPES, "avg_rouge"):
         values[f"eval.mean.{key}"] = float(metrics["mean"][key])
+        # The client average's interval (bootstrap over test examples), so the compare view ranks methods.
+        interval = (metrics.get("mean_ci") or {}).get(key)
+        if interval:
+            values[f"eval.mean.{key}.ci_low"] = float(interval["low"])
+            values[f"eval.mean.{key}.ci_high"] = float(interval["high"])
     logger.log_metrics(values, step=0)
     # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
     # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.

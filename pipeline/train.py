@@ -248,6 +248,31 @@ def _backbone_name(plan: Plan) -> str:
     return str(plan.paths["backbone"])
 
 
+def run_tags(plan: Plan, params_path: Path = Path("params.yaml")) -> dict[str, str]:
+    """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
+    plan hash, preset), so a run can be matched to its `dvc exp show` row."""
+    from pipeline.config import ConfigError, load_params
+    from pipeline.tracking import dvc_tags, git_state, preset_name
+
+    tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
+            "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
+            "engine": plan.train.engine if plan.spec.federated else "none", "plan_hash": plan_hash(plan)}
+    try:
+        tags["preset"] = preset_name(load_params(params_path))
+    except ConfigError:
+        tags["preset"] = "unknown"  # run outside a project root (no params.yaml)
+    return tags | git_state() | dvc_tags()
+
+
+def tracked_run_name(plan: Plan, plan_path: str | Path) -> str:
+    """The experiment name plus the plan settings that differ from the base commit's plan of the same experiment
+    (the DVC experiment's baseline, else HEAD), e.g. ``fedselectkd-domain tau=3``."""
+    from pipeline.tracking import base_params, base_plan, run_name
+
+    current = json.loads(Path(plan_path).read_text())
+    return run_name(plan.experiment, current, base_plan(plan.experiment, base_params()))
+
+
 def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics."""
     plan_path = str(plan_path)
@@ -263,11 +288,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     if track:
         from pipeline.tracking import RunLogger
 
+        # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = out_dir / "checkpoint" / "mlflow_run_id"
-        tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
-                "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
-                "engine": plan.train.engine if plan.spec.federated else "none"}
-        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags,
+        logger = RunLogger.start(plan.study, tracked_run_name(plan, plan_path), plan.to_json_dict(),
+                                 run_tags(plan),
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
