@@ -197,11 +197,30 @@ def find_training_run(name: str, study: str, plan_hash: str | None = None) -> st
     return runs[0].info.run_id if runs else None
 
 
+# The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
+# listed before the others, so the compare view opens on the client averages ranked across runs.
+HEADLINE_PREFIX = "client_avg"
+HEADLINE_KEYS = {"ROUGE-1": "rouge1", "ROUGE-2": "rouge2", "ROUGE-L": TABLE_ROUGE_L, "avg_ROUGE": "avg_rouge"}
+
+
+def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>`` (ROUGE-L as the tables use it) with ``_ci_low`` and
+    ``_ci_high``: the bootstrap interval of the client average the evaluation computed (``mean_ci``)."""
+    out = {}
+    for label, key in HEADLINE_KEYS.items():
+        out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
+        interval = (metrics.get("mean_ci") or {}).get(key)
+        if interval:
+            out[f"{HEADLINE_PREFIX}/{label}_ci_low"] = float(interval["low"])
+            out[f"{HEADLINE_PREFIX}/{label}_ci_high"] = float(interval["high"])
+    return out
+
+
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
                   cfg: EvaluateConfig) -> str:
     """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
-    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>`` and
-    ``eval.mean.<rouge>``. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
+    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
+    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
     from pipeline.tracking import RunLogger
 
     from pipeline.plan import record_hash
@@ -219,11 +238,7 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
             values[f"eval.{client}.{key}"] = float(scores[key])
     for key in (*ROUGE_TYPES, "avg_rouge"):
         values[f"eval.mean.{key}"] = float(metrics["mean"][key])
-        # The client average's interval (bootstrap over test examples), so the compare view ranks methods.
-        interval = (metrics.get("mean_ci") or {}).get(key)
-        if interval:
-            values[f"eval.mean.{key}.ci_low"] = float(interval["low"])
-            values[f"eval.mean.{key}.ci_high"] = float(interval["high"])
+    values |= headline_metrics(metrics)
     logger.log_metrics(values, step=0)
     # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
     # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.

@@ -78,9 +78,10 @@ def _client():
 def study_description(study: str) -> str:
     what, section = STUDY_SECTIONS.get(study, (f"Study {study!r} (params.yaml experiments with study: {study})",
                                                "7"))
-    return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of params.yaml; "
-            "compare methods on eval.mean.avg_rouge and eval.mean.rouge1/rouge2/rougeLsum with their 95 % "
-            "intervals (eval.mean.<rouge>.ci_low/.ci_high: bootstrap over test examples).")
+    return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of params.yaml "
+            "(named with the settings that differ from the baseline commit's). Compare methods on client_avg/"
+            "ROUGE-1, ROUGE-2, ROUGE-L (rougeLsum, as in the tables) and avg_ROUGE, each with its 95 % interval "
+            "(_ci_low/_ci_high: bootstrap over test examples); per client: eval.<client>.<rouge>.")
 
 
 def experiment_tags(study: str) -> dict[str, str]:
@@ -380,3 +381,51 @@ class RunLogger:
 
     def finish(self, status: str = "FINISHED") -> None:
         self._client.set_terminated(self.run_id, status=status)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]:
+    """Log evaluation records (``reports/.../eval/<exp>/metrics.json``) into the store, each into its training run
+    when the store has it, else into a new run of the study's experiment (e.g. results computed with
+    ``--no-mlflow`` on another machine). Generated text is never logged. Returns the run ids."""
+    import dataclasses
+
+    from pipeline.config import from_dict
+    from pipeline.evaluate import EvaluateConfig, log_to_mlflow, read_json
+    from pipeline.schema import DataError
+
+    fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
+    run_ids = []
+    for path in paths:
+        metrics = read_json(Path(path), "evaluation record (reports/eval/<exp>/metrics.json)")
+        missing = [k for k in ("experiment", "clients", "mean") if k not in metrics]
+        if missing:
+            raise DataError(f"{path}: not an evaluation record (missing {missing})")
+        record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
+        record["study"] = study or metrics.get("study") or "main"
+        settings = {k: v for k, v in (metrics.get("decoding") or {}).items() if k in fields}
+        cfg = from_dict(EvaluateConfig, settings | {"adapter": metrics.get("adapter", "best")}, f"{path}: decoding")
+        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg))
+    return run_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.tracking", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
+    imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
+    imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
+    args = ap.parse_args(argv)
+    run_ids = import_evaluations(args.records, args.study)
+    print(f"tracking: logged {len(run_ids)} evaluation record(s) to {tracking_uri()}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.cli import run as run_cli
+
+    sys.exit(run_cli(main))

@@ -131,11 +131,13 @@ def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_pa
         assert tags["method"] == method and tags["experiment"] == name and len(tags["plan_hash"]) == 64
         metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
         local = json.loads((tmp_path / "eval" / name / "metrics.json").read_text())
-        for key in ("rouge1", "rouge2", "rougeLsum", "avg_rouge"):
-            assert metrics[f"eval.mean.{key}"] == pytest.approx(local["mean"][key])
-            low, high = metrics[f"eval.mean.{key}.ci_low"], metrics[f"eval.mean.{key}.ci_high"]
+        for label, key in (("ROUGE-1", "rouge1"), ("ROUGE-2", "rouge2"), ("ROUGE-L", "rougeLsum"),
+                           ("avg_ROUGE", "avg_rouge")):
+            value = metrics[f"client_avg/{label}"]
+            assert value == pytest.approx(local["mean"][key]) == pytest.approx(metrics[f"eval.mean.{key}"])
+            low, high = metrics[f"client_avg/{label}_ci_low"], metrics[f"client_avg/{label}_ci_high"]
             assert (low, high) == pytest.approx((local["mean_ci"][key]["low"], local["mean_ci"][key]["high"]))
-            assert low <= metrics[f"eval.mean.{key}"] <= high
+            assert low <= value <= high
         query = urllib.parse.urlencode({"run_id": run["info"]["run_id"], "metric_key": "Academic.val_loss"})
         history = get(f"{api}/metrics/get-history?{query}")["metrics"]
         assert sorted(m["step"] for m in history) == [1, 2]  # one point per round

@@ -312,8 +312,33 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     assert log_to_mlflow("sel", record_tau3, metrics, d, EvaluateConfig()) == runs[3.0]
     logged = _client().get_run(runs[3.0]).data.metrics
     assert logged["eval.mean.rouge1"] == 20.5 and logged["eval.Committee.rouge1"] == 21.0
-    assert (logged["eval.mean.rouge1.ci_low"], logged["eval.mean.rouge1.ci_high"]) == (19.0, 22.5)
-    assert (logged["eval.mean.avg_rouge.ci_low"], logged["eval.mean.avg_rouge.ci_high"]) == (12.5, 16.0)
+    # Headline: client averages with the evaluation's intervals; ROUGE-L is the tables' (rougeLsum, 16.0).
+    headline = {k.removeprefix("client_avg/"): v for k, v in logged.items() if k.startswith("client_avg/")}
+    assert headline == {"ROUGE-1": 20.5, "ROUGE-1_ci_low": 19.0, "ROUGE-1_ci_high": 22.5,
+                        "ROUGE-2": 5.0, "ROUGE-2_ci_low": 3.5, "ROUGE-2_ci_high": 7.0,
+                        "ROUGE-L": 16.0, "ROUGE-L_ci_low": 14.5, "ROUGE-L_ci_high": 18.0,
+                        "avg_ROUGE": 14.0, "avg_ROUGE_ci_low": 12.5, "avg_ROUGE_ci_high": 16.0}
     assert not any(k.startswith("eval.") for k in _client().get_run(runs[4.0]).data.metrics)
     # Privacy: the generated summaries stay on disk unless asked for.
     assert [a.path for a in _client().list_artifacts(runs[3.0], "eval")] == ["eval/metrics.json"]
+
+
+def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
+    from pipeline.cli import run as run_cli
+    from pipeline.tracking import main
+
+    metrics, d = _eval_dir(store, "offline")
+    metrics["decoding"] = {"num_beams": 4, "batch_size": 8, "max_source_length": 512}
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    assert run_cli(main, ["import-eval", "--study", "imported", str(d / "metrics.json")]) == 0
+    client = _client()
+    [run] = client.search_runs([client.get_experiment_by_name("imported").experiment_id])
+    assert run.info.run_name == "offline"
+    assert run.data.metrics["client_avg/ROUGE-1_ci_high"] == 22.5
+    assert run.data.tags["evaluate.num_beams"] == "4"  # the record's own decoding settings, not the defaults
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "eval")] == ["eval/metrics.json"]
+    (d / "broken.json").write_text(json.dumps({"experiment": "x"}))
+    capsys.readouterr()
+    assert run_cli(main, ["import-eval", str(d / "broken.json")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {d / 'broken.json'}: not an evaluation record "
+                                               "(missing ['clients', 'mean'])")
