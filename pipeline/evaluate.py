@@ -185,16 +185,21 @@ def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dic
 def find_training_run(name: str, study: str, plan_hash: str | None = None) -> str | None:
     """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow
     experiment - with ``plan_hash``, the one that trained exactly this plan (two ablation points of one experiment
-    share its name), or None."""
+    share its name), else the latest without a plan hash (trained before runs carried one) - or None."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import experiment_id, tracking_uri
 
     client = MlflowClient(tracking_uri=tracking_uri())
-    query = f"tags.experiment = '{name}'" + (f" and tags.plan_hash = '{plan_hash}'" if plan_hash else "")
-    runs = client.search_runs([experiment_id(study)], filter_string=query,
-                              order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0].info.run_id if runs else None
+    runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
+                              order_by=["attributes.start_time DESC"], max_results=200)
+    if plan_hash is None:
+        return runs[0].info.run_id if runs else None
+    for wanted in (plan_hash, None):
+        for run in runs:
+            if run.data.tags.get("plan_hash") == wanted:
+                return run.info.run_id
+    return None
 
 
 # The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section

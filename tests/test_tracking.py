@@ -322,6 +322,12 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     # Privacy: the generated summaries stay on disk unless asked for.
     assert [a.path for a in _client().list_artifacts(runs[3.0], "eval")] == ["eval/metrics.json"]
 
+    # A run trained before runs carried a plan hash is still found (not one of another plan's).
+    old = RunLogger.start("s", "legacy", {}, {"experiment": "legacy"})
+    RunLogger.start("s", "legacy tau=4", {}, {"experiment": "legacy", "plan_hash": record_hash(record_tau4)})
+    legacy = {**record_tau3, "experiment": "legacy"}
+    assert log_to_mlflow("legacy", legacy, metrics, d, EvaluateConfig()) == old.run_id
+
 
 def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     from pipeline.cli import run as run_cli
