@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -334,6 +335,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     return metrics
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experiment", required=True, help="a key of params.yaml `experiments`")
@@ -341,8 +346,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with stage_timer(f"train-{args.experiment}"):
-        metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+    # SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C, so the MLflow run is closed as KILLED at once
+    # (SIGKILL cannot be caught: the next start of the experiment closes that run).
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with stage_timer(f"train-{args.experiment}"):
+            metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in metrics["clients"].items()}))
 
 

@@ -230,6 +230,34 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "Academic.val_loss")] == [1, 2]
 
 
+def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
+    import signal
+
+    from pipeline import plan as plan_stage
+    from pipeline import train as train_stage
+
+    params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN),
+              "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}}}
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    plan_stage.main(["--params", "params.yaml"])
+    real_done = train_stage.TrainRecorder.round_done
+
+    def done_then_terminated(self, plan, entry, history):
+        real_done(self, plan, entry, history)
+        os.kill(os.getpid(), signal.SIGTERM)  # what `kill PID` does to the stage process
+
+    monkeypatch.setattr(train_stage.TrainRecorder, "round_done", done_then_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        train_stage.main(["--experiment", "sigterm"])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the stage's only while it trains
+    client = _client()
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.experiment = 'sigterm'")
+    assert run.info.status == "KILLED"
+    assert Path("models/sigterm/checkpoint/mlflow_run_id").read_text() == run.info.run_id  # a rerun resumes it
+
+
 def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
     from mlflow.utils.file_utils import local_file_uri_to_path
 
