@@ -366,6 +366,9 @@ class RunLogger:
         for i in range(0, len(rows), 1000):
             self._client.log_batch(self.run_id, metrics=rows[i : i + 1000])
 
+    def metric_history(self, key: str) -> list:
+        return self._client.get_metric_history(self.run_id, key)
+
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 

@@ -40,6 +40,34 @@ ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up",
 
 
 # ----------------------------------------------------------------------------------------------- recording
+def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """One round's MLflow metrics from its rows (one per client)."""
+    metrics: dict[str, float] = {}
+    for row in rows:
+        for key in ROUND_FIELDS + ("failed",):
+            if row.get(key) is not None:
+                metrics[f"{row['client']}.{key}"] = float(row[key])
+    metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
+    metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
+    vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    if vals:
+        metrics["val_loss_mean"] = sum(vals) / len(vals)
+    return metrics
+
+
+def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
+    """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
+    leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
+    logged = {m.step for m in logger.metric_history("bytes_sent")}
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        by_round.setdefault(int(row["round"]), []).append(row)
+    missing = sorted(set(by_round) - logged)
+    for rnd in missing:
+        logger.log_metrics(round_metrics(by_round[rnd]), step=rnd)
+    return missing
+
+
 class TrainRecorder:
     """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
 
@@ -63,17 +91,7 @@ class TrainRecorder:
         self.round_seconds.append(entry.seconds)
         write_rounds(plan, history)
         if self.logger is not None:
-            metrics: dict[str, float] = {"round_seconds": entry.seconds}
-            for row in entry.rows:
-                for key in ROUND_FIELDS + ("failed",):
-                    if row.get(key) is not None:
-                        metrics[f"{row['client']}.{key}"] = float(row[key])
-            metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in entry.rows))
-            metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in entry.rows))
-            vals = [r["val_loss"] for r in entry.rows if r.get("val_loss") is not None]
-            if vals:
-                metrics["val_loss_mean"] = sum(vals) / len(vals)
-            self.logger.log_metrics(metrics, step=entry.round)
+            self.logger.log_metrics({"round_seconds": entry.seconds} | round_metrics(entry.rows), step=entry.round)
         if self._bar is not None:
             summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows if r.get("val_loss") is not None)
             self._bar.set_postfix_str(f"val {summary}")
@@ -320,6 +338,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     atomic.write_text(reports_dir / "metrics.json", text)
     atomic.write_text(out_dir / "metrics.json", text)
     if logger is not None:
+        log_missing_rounds(logger, history)
         logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
                             if v["best_val_loss"] is not None} | {
             "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],

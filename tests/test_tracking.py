@@ -230,6 +230,38 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "Academic.val_loss")] == [1, 2]
 
 
+def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_run(ws, monkeypatch):
+    from pipeline import federated
+    from pipeline.train import run_experiment
+
+    path = write_plan("mlflow-gap", "fedavg")
+    real_save = federated.save_server_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(plan, rnd, *args, **kwargs):
+        real_save(plan, rnd, *args, **kwargs)
+        if rnd == 1:
+            raise Killed("simulated kill after round 1's checkpoint, before its metrics were logged")
+
+    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run_experiment(path)
+    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")
+    assert client.get_metric_history(killed.info.run_id, "Academic.val_loss") == []
+
+    run_experiment(path)  # resumes at round 2: round 1 is not trained again
+    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")
+    rounds = json.loads(Path("models/mlflow-gap/rounds.json").read_text())
+    expected = {r["round"]: r["val_loss"] for r in rounds if r["client"] == "Academic"}
+    history = client.get_metric_history(run.info.run_id, "Academic.val_loss")
+    assert {m.step: m.value for m in history} == pytest.approx(expected) and len(history) == 2  # once each
+
+
 def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     import signal
 
