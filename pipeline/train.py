@@ -11,8 +11,9 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``rounds.json`` (one row per round and client), ``metrics.json``, ``experiment.json`` (the plan).
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
-parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts. A killed run resumes
-after its last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end).
+parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts, named by the settings
+that differ from the baseline's plan and tagged with its origin (pipeline.tracking). A killed run resumes after its
+last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end), in the same MLflow run.
 """
 from __future__ import annotations
 
