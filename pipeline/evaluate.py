@@ -176,30 +176,62 @@ def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dic
             tags[key] = str(experiment[key])
     if backbone:
         tags["backbone"] = backbone
-    return tags
+    from pipeline.plan import record_hash
+    from pipeline.tracking import dvc_tags, git_state
+
+    return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
 
 
-def find_training_run(name: str, study: str) -> str | None:
+def find_training_run(name: str, study: str, plan_hash: str | None = None) -> str | None:
     """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow
-    experiment, or None."""
+    experiment - with ``plan_hash``, the one that trained exactly this plan (two ablation points of one experiment
+    share its name), else the latest without a plan hash (trained before runs carried one) - or None."""
     from mlflow.tracking import MlflowClient
 
     from pipeline.tracking import experiment_id, tracking_uri
 
     client = MlflowClient(tracking_uri=tracking_uri())
     runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
-                              order_by=["attributes.start_time DESC"], max_results=1)
-    return runs[0].info.run_id if runs else None
+                              order_by=["attributes.start_time DESC"], max_results=200)
+    if plan_hash is None:
+        return runs[0].info.run_id if runs else None
+    for wanted in (plan_hash, None):
+        for run in runs:
+            if run.data.tags.get("plan_hash") == wanted:
+                return run.info.run_id
+    return None
+
+
+# The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
+# listed before the others, so the compare view opens on the client averages ranked across runs.
+HEADLINE_PREFIX = "client_avg"
+HEADLINE_KEYS = {"ROUGE-1": "rouge1", "ROUGE-2": "rouge2", "ROUGE-L": TABLE_ROUGE_L, "avg_ROUGE": "avg_rouge"}
+
+
+def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>`` (ROUGE-L as the tables use it) with ``_ci_low`` and
+    ``_ci_high``: the bootstrap interval of the client average the evaluation computed (``mean_ci``)."""
+    out = {}
+    for label, key in HEADLINE_KEYS.items():
+        out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
+        interval = (metrics.get("mean_ci") or {}).get(key)
+        if interval:
+            out[f"{HEADLINE_PREFIX}/{label}_ci_low"] = float(interval["low"])
+            out[f"{HEADLINE_PREFIX}/{label}_ci_high"] = float(interval["high"])
+    return out
 
 
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
                   cfg: EvaluateConfig) -> str:
     """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
-    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>`` and
-    ``eval.mean.<rouge>``. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
+    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
+    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
     from pipeline.tracking import RunLogger
 
-    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"))
+    from pipeline.plan import record_hash
+
+    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
+                                                                  record_hash(experiment))
     if run_id:
         logger = RunLogger(run_id)
     else:
@@ -211,6 +243,7 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
             values[f"eval.{client}.{key}"] = float(scores[key])
     for key in (*ROUGE_TYPES, "avg_rouge"):
         values[f"eval.mean.{key}"] = float(metrics["mean"][key])
+    values |= headline_metrics(metrics)
     logger.log_metrics(values, step=0)
     # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
     # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.

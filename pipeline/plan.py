@@ -257,7 +257,12 @@ class Plan:
 
 def plan_hash(plan: Plan) -> str:
     """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it."""
-    return hashlib.sha256(json.dumps(plan.to_json_dict(), sort_keys=True, default=str).encode()).hexdigest()
+    return record_hash(plan.to_json_dict())
+
+
+def record_hash(record: dict[str, Any]) -> str:
+    """:func:`plan_hash` of a plan read back from ``models/<exp>/experiment.json`` (``Plan.to_json_dict``)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def read_plan(path: str | Path) -> Plan:

@@ -2,12 +2,23 @@
 
 The store is ``sqlite:///<repo root>/mlflow.db`` with artifacts in ``<repo root>/mlartifacts/`` (ARCHITECTURE.md),
 so `dvc repro` and `dvc exp run` (which runs in a temporary workspace) log into the same place;
-``MLFLOW_TRACKING_URI`` overrides it. mlflow is imported lazily: stages that never log start fast.
+``MLFLOW_TRACKING_URI`` overrides it. With an ``http(s)://`` URI (an ``mlflow server``) the server chooses the
+artifact location (``mlflow-artifacts:`` proxy), so a second machine's adapters reach the server, not its own disk.
+mlflow is imported lazily: stages that never log start fast.
+
+Each study's MLflow experiment opens in the UI's runs table (``mlflow.experimentKind``; MLflow 3 would otherwise
+open the GenAI traces view, empty for us) and carries a description naming the study and its METHOD.md section.
+Each run carries where it came from (:func:`provenance_tags`) and the process that owns it, so a run whose
+process died is marked KILLED when the same experiment starts again (:func:`close_dead_runs`).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import socket
+import sqlite3
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +26,32 @@ from pipeline.config import flatten, repo_root
 
 # MLflow rejects parameter values longer than this (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
 _MAX_PARAM_CHARS = 6000
+# Run names longer than this are cut (the UI's table shows far less anyway).
+_MAX_RUN_NAME_CHARS = 250
+
+# The experiment tag MLflow 3.17's UI reads to pick an experiment's landing view (found in the installed UI bundle,
+# mlflow/server/js/build: ExperimentKind "custom_model_development" = runs table, "genai_development" = traces).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
+NOTE_TAG = "mlflow.note.content"  # the experiment's (and run's) description in the UI
+
+# What each study reproduces and where METHOD.md (/work/shared/docs/METHOD.md) describes it.
+STUDY_SECTIONS: dict[str, tuple[str, str]] = {
+    "main": ("Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
+             "AdaFedSelectKD)", "7.1 (methods: section 6)"),
+    "iid": ("IID and balanced: each client gets a third of every domain; FedAvg vs FedKD vs SelectKD", "7.2"),
+    "noniid": ("Non-IID and balanced: per domain 200 train / 40 valid / 40 test per seed", "7.3"),
+    "extreme": ("Extreme non-IID and unbalanced: SAMSum as a 4th client, with and without it", "7.4"),
+    "sampling": ("Client sampling: 2 of 3 clients chosen at random each round", "7.5"),
+    "tau_sweep": ("Entropy threshold sweep over tau (selective KD gate, section 4)", "7.6"),
+    "server": ("Server algorithms: FedAvg, FedProx, FedOPT, FedNova vs SelectKD", "7.7 (server: section 5)"),
+    "new_client": ("New client: SAMSum joins after the QMSum clients converged (post) vs from the start (pre)",
+                   "7.8"),
+    "hardkd": ("Noun-verb hard KD vs SelectKD", "7.10 (POS analysis: 7.9)"),
+}
+
+# Run tags (besides the experiment's own: method, partition, seed, study, experiment, backbone, engine).
+TAG_HOST, TAG_PID, TAG_PID_START = "fedmeet.host", "fedmeet.pid", "fedmeet.pid_start"
 
 
 def tracking_uri() -> str:
@@ -23,6 +60,10 @@ def tracking_uri() -> str:
 
 def artifact_root() -> Path:
     return repo_root() / "mlartifacts"
+
+
+def _is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
 
 
 def _client():
@@ -34,21 +75,238 @@ def _client():
     return MlflowClient(tracking_uri=uri)
 
 
+def study_description(study: str) -> str:
+    what, section = STUDY_SECTIONS.get(study, (f"Study {study!r} (params.yaml experiments with study: {study})",
+                                               "7"))
+    return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of params.yaml "
+            "(named with the settings that differ from the baseline commit's). Compare methods on client_avg/"
+            "ROUGE-1, ROUGE-2, ROUGE-L (rougeLsum, as in the tables) and avg_ROUGE, each with its 95 % interval "
+            "(_ci_low/_ci_high: bootstrap over test examples); per client: eval.<client>.<rouge>.")
+
+
+def experiment_tags(study: str) -> dict[str, str]:
+    return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND, NOTE_TAG: study_description(study)}
+
+
 def experiment_id(study: str) -> str:
-    """The MLflow experiment of a study, created on first use with its artifacts under mlartifacts/."""
+    """The MLflow experiment of a study: created on first use (runs-table view, description, artifacts under
+    mlartifacts/ or the server's store); an existing one gets the view and description it lacks and, when the
+    checkout moved, its artifact locations rebased (:func:`rebase_artifacts`)."""
     client = _client()
     exp = client.get_experiment_by_name(study)
-    if exp is not None:
-        return exp.experiment_id
-    location = (artifact_root() / study).resolve()
-    location.mkdir(parents=True, exist_ok=True)
+    if exp is None:
+        location = None
+        if not _is_remote(tracking_uri()):
+            path = (artifact_root() / study).resolve()
+            path.mkdir(parents=True, exist_ok=True)
+            location = path.as_uri()
+        try:
+            return client.create_experiment(study, artifact_location=location, tags=experiment_tags(study))
+        except Exception:  # another process created it in between
+            exp = client.get_experiment_by_name(study)
+            if exp is None:
+                raise
+    for key, value in experiment_tags(study).items():
+        if exp.tags.get(key) != value:
+            client.set_experiment_tag(exp.experiment_id, key, value)
+    rebase_artifacts(exp.experiment_id, exp.name, exp.artifact_location)
+    return exp.experiment_id
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
+    """Point a study's artifact location (and its runs') at this checkout's ``mlartifacts/<study>``.
+
+    MLflow stores absolute ``file://`` locations (it resolves relative ones at creation), so a moved or copied
+    checkout, whose mlflow.db travels with it, would log into the first folder. Only a store inside this checkout
+    is rebased (a store shared by several checkouts keeps its locations), and only locations of our own layout
+    (``.../mlartifacts/<study>``). MLflow has no API to change a location, hence the SQL. Returns True if changed."""
+    db = _sqlite_path(tracking_uri())
+    if db is None or not location or not location.startswith("file:"):
+        return False
+    root = repo_root().resolve()
     try:
-        return client.create_experiment(study, artifact_location=location.as_uri())
-    except Exception:  # another process created it in between
-        exp = client.get_experiment_by_name(study)
-        if exp is None:
-            raise
-        return exp.experiment_id
+        db.resolve().relative_to(root)
+    except ValueError:
+        return False
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    old_path = Path(local_file_uri_to_path(location))
+    if old_path.name != study or old_path.parent.name != "mlartifacts":
+        return False
+    new_path = (artifact_root() / study).resolve()
+    if old_path == new_path:
+        return False
+    new_path.mkdir(parents=True, exist_ok=True)
+    old_uri, new_uri = location.rstrip("/"), new_path.as_uri()
+    with sqlite3.connect(db, timeout=60) as con:
+        con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
+        rows = con.execute("SELECT run_uuid, artifact_uri FROM runs WHERE experiment_id = ?", (int(exp_id),))
+        for run_uuid, uri in rows.fetchall():
+            if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
+                con.execute("UPDATE runs SET artifact_uri = ? WHERE run_uuid = ?",
+                            (new_uri + uri[len(old_uri):], run_uuid))
+    return True
+
+
+# ------------------------------------------------------------------------------------------------ provenance
+def _git(*args: str, cwd: Path | None = None) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30,
+                             cwd=cwd or Path.cwd())
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout
+
+
+def git_state(cwd: Path | None = None) -> dict[str, str]:
+    """Commit of the workspace (a DVC temporary workspace is a git checkout of the baseline) and whether tracked
+    files differ from it. dvc.lock is left out: `dvc repro` rewrites it after each stage, which says nothing about
+    the code or parameters the run used."""
+    commit = (_git("rev-parse", "HEAD", cwd=cwd) or "").strip()
+    if not commit:
+        return {}
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock", cwd=cwd)
+    changed = sorted(line[3:] for line in (status or "").splitlines() if line.strip())
+    tags = {"git.commit": commit, "mlflow.source.git.commit": commit, "git.dirty": str(bool(changed)).lower()}
+    if changed:
+        tags["git.changed"] = ", ".join(changed)[:500]
+    return tags
+
+
+def dvc_tags() -> dict[str, str]:
+    """The DVC experiment the run belongs to (DVC sets these for `dvc exp run`, queued and temporary runs too)."""
+    names = {"DVC_EXP_NAME": "dvc.exp_name", "DVC_EXP_BASELINE_REV": "dvc.baseline_rev"}
+    return {tag: os.environ[var] for var, tag in names.items() if os.environ.get(var)}
+
+
+def preset_name(params: dict[str, Any], configs_dir: Path = Path("configs")) -> str:
+    """The run profile (configs/*.yaml) whose settings params.yaml holds, i.e. the preset applied with
+    `make preset` / `dvc exp run -S` (DVC keeps no record of it: it only sees the overrides); "none" otherwise."""
+    from pipeline.presets import PresetError, apply_preset, load_preset
+
+    for path in sorted(configs_dir.glob("*.yaml")):
+        try:
+            if apply_preset(params, load_preset(path)) == params:
+                return path.stem
+        except (PresetError, OSError, ValueError, TypeError, KeyError):
+            continue
+    return "none"
+
+
+def _format_value(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(",", ":"), sort_keys=True)
+    return str(v)
+
+
+# Plan keys that identify rather than configure (the name already says them) or are derived hashes.
+_NAME_IGNORED = ("experiment", "study", "paths.", "postags_md5")
+
+
+def plan_differences(plan: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Plan settings whose value differs from the base plan's (or that the base lacks), flattened and sorted."""
+    a, b = flatten(plan), flatten(base)
+    out = {}
+    for key in sorted(set(a) | set(b)):
+        if any(key == p or (p.endswith(".") and key.startswith(p)) for p in _NAME_IGNORED):
+            continue
+        if key in a and (key not in b or a[key] != b[key]):
+            out[key] = a[key]
+    return out
+
+
+def run_name(experiment: str, plan: dict[str, Any], base: dict[str, Any] | None) -> str:
+    """``<experiment> key=value ...`` for the plan settings that differ from the base plan (e.g.
+    ``fedselectkd-domain tau=3``), so ablation points of one experiment tell apart in the UI; ``train.`` is dropped
+    from the keys. Deterministic: keys sorted, floats in shortest form."""
+    if base is None:
+        return experiment
+    shown = {k.removeprefix("train."): v for k, v in plan_differences(plan, base).items()}
+    parts = [f"{k}={_format_value(shown[k])}" for k in sorted(shown)]
+    name = " ".join([experiment, *parts])
+    return name if len(name) <= _MAX_RUN_NAME_CHARS else name[: _MAX_RUN_NAME_CHARS - 3] + "..."
+
+
+def base_params(cwd: Path | None = None) -> dict[str, Any] | None:
+    """params.yaml of the commit the run is compared with: the DVC experiment's baseline when set, else HEAD."""
+    import yaml
+
+    rev = os.environ.get("DVC_EXP_BASELINE_REV") or "HEAD"
+    text = _git("show", f"{rev}:params.yaml", cwd=cwd)
+    if text is None:
+        return None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def base_plan(experiment: str, params: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The plan the base params.yaml gives ``experiment`` (None when it has no such experiment or cannot)."""
+    import dataclasses
+
+    from pipeline.plan import TrainConfig, parse_entry, resolve_plan
+
+    raw = ((params or {}).get("experiments") or {}).get(experiment)
+    if raw is None:
+        return None
+    try:
+        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        return resolve_plan(experiment, parse_entry(experiment, raw, train_fields), params)
+    except (ValueError, KeyError, TypeError):  # the base commit's params do not resolve with today's code
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ processes
+def _process_start(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def owner_tags() -> dict[str, str]:
+    """This process as the owner of a run (host, pid and the pid's start time, so a reused pid is not mistaken
+    for the owner)."""
+    pid = os.getpid()
+    return {TAG_HOST: socket.gethostname(), TAG_PID: str(pid), TAG_PID_START: f"{_process_start(pid) or 0:.3f}"}
+
+
+def owner_alive(tags: dict[str, str]) -> bool:
+    """Whether the process that owns a run still runs. A run of another host, whose processes we cannot see, counts
+    as alive; a run without owner tags (older fedmeet) as dead: nothing updates it any more."""
+    if TAG_PID not in tags:
+        return False
+    if tags.get(TAG_HOST) != socket.gethostname():
+        return True
+    start = _process_start(int(tags[TAG_PID]))
+    return start is not None and abs(start - float(tags.get(TAG_PID_START, 0))) < 1.0
+
+
+def close_dead_runs(exp_id: str, experiment: str, keep: str | None = None) -> list[str]:
+    """Mark KILLED every RUNNING run of ``experiment`` whose process is gone (SIGKILL, power loss), except ``keep``.
+    Returns their run ids."""
+    client = _client()
+    runs = client.search_runs([exp_id], filter_string=f"tags.experiment = '{experiment}' and "
+                                                       "attributes.status = 'RUNNING'", max_results=1000)
+    closed = []
+    for run in runs:
+        if run.info.run_id == keep or owner_alive(run.data.tags):
+            continue
+        client.set_tag(run.info.run_id, "fedmeet.end", "marked KILLED at the next start of the experiment: "
+                                                       "its process was gone")
+        client.set_terminated(run.info.run_id, status="KILLED")
+        closed.append(run.info.run_id)
+    return closed
 
 
 def _param_value(v: Any) -> str:
@@ -66,18 +324,26 @@ class RunLogger:
     @classmethod
     def start(cls, study: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
               resume_run_id: str | None = None) -> "RunLogger":
-        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter."""
+        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter.
+        Earlier runs of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
         client = _client()
+        exp_id = experiment_id(study)
+        logger = None
         if resume_run_id:
             try:
                 client.get_run(resume_run_id)
-                client.update_run(resume_run_id, status="RUNNING")
-                return cls(resume_run_id)
             except Exception:
                 pass  # run gone (store deleted): start a new one
-        run = client.create_run(experiment_id(study), run_name=run_name, tags=tags)
-        logger = cls(run.info.run_id)
-        logger.log_params(params)
+            else:
+                client.update_run(resume_run_id, status="RUNNING")
+                logger = cls(resume_run_id)
+                logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
+        if logger is None:
+            run = client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags())
+            logger = cls(run.info.run_id)
+            logger.log_params(params)
+        if tags.get("experiment"):
+            close_dead_runs(exp_id, tags["experiment"], keep=logger.run_id)
         return logger
 
     def log_params(self, params: dict[str, Any]) -> None:
@@ -100,9 +366,15 @@ class RunLogger:
         for i in range(0, len(rows), 1000):
             self._client.log_batch(self.run_id, metrics=rows[i : i + 1000])
 
+    def metric_history(self, key: str) -> list:
+        return self._client.get_metric_history(self.run_id, key)
+
     def set_tags(self, tags: dict[str, str]) -> None:
-        for k, v in tags.items():
-            self._client.set_tag(self.run_id, k, str(v))
+        from mlflow.entities import RunTag
+
+        rows = [RunTag(k, str(v)) for k, v in sorted(tags.items())]
+        for i in range(0, len(rows), 100):
+            self._client.log_batch(self.run_id, tags=rows[i : i + 100])
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str | None = None) -> None:
         self._client.log_artifacts(self.run_id, str(local_dir), artifact_path)
@@ -112,3 +384,51 @@ class RunLogger:
 
     def finish(self, status: str = "FINISHED") -> None:
         self._client.set_terminated(self.run_id, status=status)
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]:
+    """Log evaluation records (``reports/.../eval/<exp>/metrics.json``) into the store, each into its training run
+    when the store has it, else into a new run of the study's experiment (e.g. results computed with
+    ``--no-mlflow`` on another machine). Generated text is never logged. Returns the run ids."""
+    import dataclasses
+
+    from pipeline.config import from_dict
+    from pipeline.evaluate import EvaluateConfig, log_to_mlflow, read_json
+    from pipeline.schema import DataError
+
+    fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
+    run_ids = []
+    for path in paths:
+        metrics = read_json(Path(path), "evaluation record (reports/eval/<exp>/metrics.json)")
+        missing = [k for k in ("experiment", "clients", "mean") if k not in metrics]
+        if missing:
+            raise DataError(f"{path}: not an evaluation record (missing {missing})")
+        record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
+        record["study"] = study or metrics.get("study") or "main"
+        settings = {k: v for k, v in (metrics.get("decoding") or {}).items() if k in fields}
+        cfg = from_dict(EvaluateConfig, settings | {"adapter": metrics.get("adapter", "best")}, f"{path}: decoding")
+        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg))
+    return run_ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.tracking", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
+    imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
+    imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
+    args = ap.parse_args(argv)
+    run_ids = import_evaluations(args.records, args.study)
+    print(f"tracking: logged {len(run_ids)} evaluation record(s) to {tracking_uri()}")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from pipeline.cli import run as run_cli
+
+    sys.exit(run_cli(main))

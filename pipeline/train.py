@@ -11,8 +11,9 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``rounds.json`` (one row per round and client), ``metrics.json``, ``experiment.json`` (the plan).
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
-parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts. A killed run resumes
-after its last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end).
+parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts, named by the settings
+that differ from the baseline's plan and tagged with its origin (pipeline.tracking). A killed run resumes after its
+last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end), in the same MLflow run.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,34 @@ ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up",
 
 
 # ----------------------------------------------------------------------------------------------- recording
+def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """One round's MLflow metrics from its rows (one per client)."""
+    metrics: dict[str, float] = {}
+    for row in rows:
+        for key in ROUND_FIELDS + ("failed",):
+            if row.get(key) is not None:
+                metrics[f"{row['client']}.{key}"] = float(row[key])
+    metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
+    metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
+    vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    if vals:
+        metrics["val_loss_mean"] = sum(vals) / len(vals)
+    return metrics
+
+
+def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
+    """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
+    leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
+    logged = {m.step for m in logger.metric_history("bytes_sent")}
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        by_round.setdefault(int(row["round"]), []).append(row)
+    missing = sorted(set(by_round) - logged)
+    for rnd in missing:
+        logger.log_metrics(round_metrics(by_round[rnd]), step=rnd)
+    return missing
+
+
 class TrainRecorder:
     """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
 
@@ -62,17 +92,7 @@ class TrainRecorder:
         self.round_seconds.append(entry.seconds)
         write_rounds(plan, history)
         if self.logger is not None:
-            metrics: dict[str, float] = {"round_seconds": entry.seconds}
-            for row in entry.rows:
-                for key in ROUND_FIELDS + ("failed",):
-                    if row.get(key) is not None:
-                        metrics[f"{row['client']}.{key}"] = float(row[key])
-            metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in entry.rows))
-            metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in entry.rows))
-            vals = [r["val_loss"] for r in entry.rows if r.get("val_loss") is not None]
-            if vals:
-                metrics["val_loss_mean"] = sum(vals) / len(vals)
-            self.logger.log_metrics(metrics, step=entry.round)
+            self.logger.log_metrics({"round_seconds": entry.seconds} | round_metrics(entry.rows), step=entry.round)
         if self._bar is not None:
             summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows if r.get("val_loss") is not None)
             self._bar.set_postfix_str(f"val {summary}")
@@ -248,6 +268,31 @@ def _backbone_name(plan: Plan) -> str:
     return str(plan.paths["backbone"])
 
 
+def run_tags(plan: Plan, params_path: Path = Path("params.yaml")) -> dict[str, str]:
+    """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
+    plan hash, preset), so a run can be matched to its `dvc exp show` row."""
+    from pipeline.config import ConfigError, load_params
+    from pipeline.tracking import dvc_tags, git_state, preset_name
+
+    tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
+            "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
+            "engine": plan.train.engine if plan.spec.federated else "none", "plan_hash": plan_hash(plan)}
+    try:
+        tags["preset"] = preset_name(load_params(params_path))
+    except ConfigError:
+        tags["preset"] = "unknown"  # run outside a project root (no params.yaml)
+    return tags | git_state() | dvc_tags()
+
+
+def tracked_run_name(plan: Plan, plan_path: str | Path) -> str:
+    """The experiment name plus the plan settings that differ from the base commit's plan of the same experiment
+    (the DVC experiment's baseline, else HEAD), e.g. ``fedselectkd-domain tau=3``."""
+    from pipeline.tracking import base_params, base_plan, run_name
+
+    current = json.loads(Path(plan_path).read_text())
+    return run_name(plan.experiment, current, base_plan(plan.experiment, base_params()))
+
+
 def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics."""
     plan_path = str(plan_path)
@@ -263,11 +308,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     if track:
         from pipeline.tracking import RunLogger
 
+        # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = out_dir / "checkpoint" / "mlflow_run_id"
-        tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
-                "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
-                "engine": plan.train.engine if plan.spec.federated else "none"}
-        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags,
+        logger = RunLogger.start(plan.study, tracked_run_name(plan, plan_path), plan.to_json_dict(),
+                                 run_tags(plan),
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
@@ -295,6 +339,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     atomic.write_text(reports_dir / "metrics.json", text)
     atomic.write_text(out_dir / "metrics.json", text)
     if logger is not None:
+        log_missing_rounds(logger, history)
         logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
                             if v["best_val_loss"] is not None} | {
             "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
@@ -310,6 +355,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     return metrics
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experiment", required=True, help="a key of params.yaml `experiments`")
@@ -317,8 +366,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with stage_timer(f"train-{args.experiment}"):
-        metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+    # SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C, so the MLflow run is closed as KILLED at once
+    # (SIGKILL cannot be caught: the next start of the experiment closes that run).
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with stage_timer(f"train-{args.experiment}"):
+            metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in metrics["clients"].items()}))
 
 

@@ -1,0 +1,410 @@
+"""MLflow tracking: experiments open in the runs table with a description, runs name their origin (commit, dirty
+tree, DVC experiment, plan hash, preset) and their ablation point, a resumed training continues its run, a run
+whose process died is closed, artifact locations follow a copied checkout, evaluation logs client-average intervals.
+
+Everything on tmp SQLite stores; trainings on the tiny BART workspace of tests/test_federated.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_federated import MODEL, TRAIN, workspace, write_plan  # noqa: F401  (fixtures)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """An empty checkout-like root with its own store (no git: git-derived tags stay absent)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    for var in ("DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def _client():
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+
+
+def _use_checkout(root: Path, monkeypatch) -> None:
+    monkeypatch.chdir(root)
+    monkeypatch.setenv("FEDMEET_ROOT", str(root))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+
+
+# ------------------------------------------------------------------------------------------ experiment view
+def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(store):
+    from pipeline.tracking import experiment_id
+
+    client = _client()
+    old = client.create_experiment("tau_sweep")  # as an earlier fedmeet left it: no kind, no description
+    assert experiment_id("tau_sweep") == old
+    for study, section in (("tau_sweep", "7.6"), ("main", "7.1"), ("my-study", "7")):
+        tags = client.get_experiment(experiment_id(study)).tags
+        # The value MLflow 3.17's UI bundle maps to the model-training (runs table) view.
+        assert tags["mlflow.experimentKind"] == "custom_model_development"
+        assert f"`{study}`" in tags["mlflow.note.content"]
+        assert f"METHOD.md section {section}" in tags["mlflow.note.content"]
+
+
+# ------------------------------------------------------------------------------------------ run names
+def _plans(params: dict) -> dict[str, dict]:
+    import dataclasses
+
+    from pipeline.plan import TrainConfig, parse_entry, resolve_plan
+
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    return {n: resolve_plan(n, parse_entry(n, raw, fields), params) for n, raw in params["experiments"].items()}
+
+
+def _params(tau: float = 5.0, **entry) -> dict:
+    return {"tau": tau, "model": dict(MODEL), "train": dict(TRAIN),
+            "experiments": {"fedselectkd-domain": {"method": "fedselectkd", "partition": "domain/seed0", **entry},
+                            "fedavg-domain": {"method": "fedavg", "partition": "domain/seed0"}}}
+
+
+def test_run_name_lists_exactly_the_settings_that_differ_from_the_base_plan():
+    from pipeline.tracking import run_name
+
+    base = _plans(_params())
+    tau3 = _plans(_params(tau=3.0))
+    assert run_name("fedselectkd-domain", tau3["fedselectkd-domain"], base["fedselectkd-domain"]) == \
+        "fedselectkd-domain tau=3"
+    # FedAvg does not read tau: the same plan, the plain name.
+    assert run_name("fedavg-domain", tau3["fedavg-domain"], base["fedavg-domain"]) == "fedavg-domain"
+    both = _plans(_params(tau=3.5, lr=1.0e-4, seed=2))["fedselectkd-domain"]
+    assert run_name("fedselectkd-domain", both, base["fedselectkd-domain"]) == \
+        "fedselectkd-domain lr=0.0001 seed=2 tau=3.5"  # sorted keys, `train.` dropped, shortest floats
+    assert run_name("fedselectkd-domain", both, None) == "fedselectkd-domain"  # no base: nothing to compare
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout
+
+
+def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
+    from pipeline.plan import write_plans
+    from pipeline.tracking import dvc_tags, git_state
+    from pipeline.train import run_tags, tracked_run_name
+    from pipeline.plan import plan_hash, read_plan
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
+        monkeypatch.delenv(var, raising=False)
+    _git(tmp_path, "init", "-q")
+    Path("params.yaml").write_text(yaml.safe_dump(_params()))
+    Path("dvc.lock").write_text("schema: '2.0'\n")
+    _git(tmp_path, "add", "params.yaml", "dvc.lock")
+    _git(tmp_path, "commit", "-qm", "base")
+    base_rev = _git(tmp_path, "rev-parse", "HEAD").strip()
+
+    Path("dvc.lock").write_text("schema: '2.0'\nstages: {}\n")  # `dvc repro` rewrites it: not a dirty tree
+    assert git_state() == {"git.commit": base_rev, "mlflow.source.git.commit": base_rev, "git.dirty": "false"}
+    assert dvc_tags() == {}
+
+    # What `dvc exp run -S tau=3` leaves in its workspace, with DVC's variables set.
+    Path("params.yaml").write_text(yaml.safe_dump(_params(tau=3.0)))
+    _git(tmp_path, "commit", "-qam", "another commit after the baseline")  # HEAD moves; the baseline does not
+    Path("params.yaml").write_text(yaml.safe_dump(_params(tau=3.0, lr=1.0e-4)))
+    monkeypatch.setenv("DVC_EXP_NAME", "tau-three")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", base_rev)
+    write_plans(yaml.safe_load(Path("params.yaml").read_text()), Path("models/plans"))
+    plan_path = Path("models/plans/fedselectkd-domain.json")
+    plan = read_plan(plan_path)
+    # Against the baseline (tau 5), not HEAD (tau 3): both differences show.
+    assert tracked_run_name(plan, plan_path) == "fedselectkd-domain lr=0.0001 tau=3"
+    tags = run_tags(plan)
+    assert tags["git.commit"] == _git(tmp_path, "rev-parse", "HEAD").strip()
+    assert tags["git.dirty"] == "true" and tags["git.changed"] == "params.yaml"
+    assert tags["dvc.exp_name"] == "tau-three" and tags["dvc.baseline_rev"] == base_rev
+    assert tags["plan_hash"] == plan_hash(plan) and len(tags["plan_hash"]) == 64
+    assert tags["preset"] == "none"  # no configs/ here
+
+    monkeypatch.delenv("DVC_EXP_BASELINE_REV")  # a plain `dvc repro` compares with HEAD (tau 3)
+    assert tracked_run_name(plan, plan_path) == "fedselectkd-domain lr=0.0001"
+
+
+def test_preset_is_recognised_from_the_params_it_sets(tmp_path):
+    from pipeline.presets import apply_preset
+    from pipeline.tracking import preset_name
+
+    configs = tmp_path / "configs"
+    configs.mkdir()
+    preset = {"tau": 2.0, "train": {"rounds": 10}}
+    (configs / "paper.yaml").write_text(yaml.safe_dump(preset))
+    (configs / "other.yaml").write_text(yaml.safe_dump({"train": {"rounds": 7}}))
+    params = _params()
+    assert preset_name(params, configs) == "none"
+    assert preset_name(apply_preset(params, preset), configs) == "paper"
+    off = apply_preset(params, preset)
+    off["tau"] = 3.0  # the preset with one setting changed is not that preset any more
+    assert preset_name(off, configs) == "none"
+
+
+# ------------------------------------------------------------------------------------------ dead runs
+def _dead_pid() -> tuple[int, float]:
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    started = psutil.Process(proc.pid).create_time()
+    proc.wait()
+    return proc.pid, started
+
+
+def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment(store):
+    from pipeline.tracking import TAG_HOST, TAG_PID, TAG_PID_START, RunLogger, experiment_id, owner_tags
+
+    client = _client()
+    exp = experiment_id("s")
+    pid, started = _dead_pid()
+    host = socket.gethostname()
+
+    def running(experiment: str, owner: dict[str, str]) -> str:
+        return client.create_run(exp, tags={"experiment": experiment, **owner}).info.run_id
+
+    dead = running("a", {TAG_HOST: host, TAG_PID: str(pid), TAG_PID_START: f"{started:.3f}"})
+    untagged = running("a", {})  # left by an older fedmeet: nothing will ever finish it
+    # Our own pid with another start time: the pid was reused, the owner is gone.
+    reused = running("a", {TAG_HOST: host, TAG_PID: str(os.getpid()), TAG_PID_START: "1.000"})
+    alive = running("a", owner_tags())  # a live process (this one) still owns it
+    elsewhere = running("a", {TAG_HOST: host + "-other", TAG_PID: str(pid), TAG_PID_START: "1.0"})
+    other_experiment = running("b", {TAG_HOST: host, TAG_PID: str(pid), TAG_PID_START: f"{started:.3f}"})
+
+    new = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"})
+    status = {r: client.get_run(r).info.status for r in (dead, untagged, reused, alive, elsewhere,
+                                                          other_experiment, new.run_id)}
+    assert status == {dead: "KILLED", untagged: "KILLED", reused: "KILLED", alive: "RUNNING",
+                      elsewhere: "RUNNING", other_experiment: "RUNNING", new.run_id: "RUNNING"}
+    assert client.get_run(new.run_id).data.tags[TAG_PID] == str(os.getpid())
+
+
+@pytest.fixture
+def ws(workspace, monkeypatch):  # noqa: F811
+    _use_checkout(workspace, monkeypatch)
+    for var in ("DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
+        monkeypatch.delenv(var, raising=False)
+    return workspace
+
+
+def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
+    from pipeline.train import TrainRecorder, run_experiment
+
+    path = write_plan("mlflow-resume", "fedavg")
+    real_done = TrainRecorder.round_done
+
+    class Killed(Exception):
+        pass
+
+    def done_then_die(self, plan, entry, history):
+        real_done(self, plan, entry, history)
+        if entry.round == 1:
+            raise Killed("simulated kill after round 1")
+
+    monkeypatch.setattr(TrainRecorder, "round_done", done_then_die)
+    with pytest.raises(Killed):
+        run_experiment(path)
+    monkeypatch.setattr(TrainRecorder, "round_done", real_done)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    query = "tags.experiment = 'mlflow-resume'"
+    [first] = client.search_runs([exp], query)
+    assert first.info.status == "KILLED"
+
+    run_experiment(path)
+    [run] = client.search_runs([exp], query)  # the same run, not a second one beside it
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    assert run.data.tags["fedmeet.resumed"] == "true"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "Academic.val_loss")] == [1, 2]
+
+
+def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_run(ws, monkeypatch):
+    from pipeline import federated
+    from pipeline.train import run_experiment
+
+    path = write_plan("mlflow-gap", "fedavg")
+    real_save = federated.save_server_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(plan, rnd, *args, **kwargs):
+        real_save(plan, rnd, *args, **kwargs)
+        if rnd == 1:
+            raise Killed("simulated kill after round 1's checkpoint, before its metrics were logged")
+
+    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run_experiment(path)
+    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")
+    assert client.get_metric_history(killed.info.run_id, "Academic.val_loss") == []
+
+    run_experiment(path)  # resumes at round 2: round 1 is not trained again
+    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")
+    rounds = json.loads(Path("models/mlflow-gap/rounds.json").read_text())
+    expected = {r["round"]: r["val_loss"] for r in rounds if r["client"] == "Academic"}
+    history = client.get_metric_history(run.info.run_id, "Academic.val_loss")
+    assert {m.step: m.value for m in history} == pytest.approx(expected) and len(history) == 2  # once each
+
+
+def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
+    import signal
+
+    from pipeline import plan as plan_stage
+    from pipeline import train as train_stage
+
+    params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN),
+              "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}}}
+    Path("params.yaml").write_text(yaml.safe_dump(params))
+    plan_stage.main(["--params", "params.yaml"])
+    real_done = train_stage.TrainRecorder.round_done
+
+    def done_then_terminated(self, plan, entry, history):
+        real_done(self, plan, entry, history)
+        os.kill(os.getpid(), signal.SIGTERM)  # what `kill PID` does to the stage process
+
+    monkeypatch.setattr(train_stage.TrainRecorder, "round_done", done_then_terminated)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        train_stage.main(["--experiment", "sigterm"])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is the stage's only while it trains
+    client = _client()
+    [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.experiment = 'sigterm'")
+    assert run.info.status == "KILLED"
+    assert Path("models/sigterm/checkpoint/mlflow_run_id").read_text() == run.info.run_id  # a rerun resumes it
+
+
+def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
+    from mlflow.utils.file_utils import local_file_uri_to_path
+
+    from pipeline.train import run_experiment
+
+    first = tmp_path / "first"
+    shutil.copytree(ws, first, ignore=shutil.ignore_patterns("mlflow.db", "mlartifacts", "models"))
+    shutil.copytree(ws / "models" / "backbone", first / "models" / "backbone")
+    _use_checkout(first, monkeypatch)
+    run_experiment(write_plan("moved", "single"))
+    client = _client()
+    [old_run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)  # mlflow.db and mlartifacts/ travel with the checkout
+    _use_checkout(copy, monkeypatch)
+    run_experiment(write_plan("moved-again", "single"))
+    client = _client()
+    exp = client.get_experiment_by_name("tests")
+    assert Path(local_file_uri_to_path(exp.artifact_location)) == copy / "mlartifacts" / "tests"
+    [new_run] = client.search_runs([exp.experiment_id], "tags.experiment = 'moved-again'")
+    adapters = copy / "mlartifacts" / "tests" / new_run.info.run_id / "artifacts" / "adapters" / "Academic"
+    assert sorted(p.name for p in adapters.iterdir()) == ["adapter_best.safetensors", "adapter_final.safetensors"]
+    assert not (first / "mlartifacts" / "tests" / new_run.info.run_id).exists()
+    # The earlier run's artifacts are read from the copy too (the UI of the copy shows the copy's files).
+    old = client.get_run(old_run.info.run_id)
+    assert Path(local_file_uri_to_path(old.info.artifact_uri)).is_relative_to(copy)
+    assert {a.path for a in client.list_artifacts(old.info.run_id, "adapters/Academic")} == {
+        "adapters/Academic/adapter_best.safetensors", "adapters/Academic/adapter_final.safetensors"}
+    # The original checkout's store still points at its own folder.
+    _use_checkout(first, monkeypatch)
+    exp_first = _client().get_experiment_by_name("tests")
+    assert Path(local_file_uri_to_path(exp_first.artifact_location)) == first / "mlartifacts" / "tests"
+
+
+def test_a_store_outside_the_checkout_keeps_its_locations(store, tmp_path, monkeypatch):
+    from pipeline.tracking import experiment_id
+
+    shared = tmp_path / "shared-store"
+    shared.mkdir()
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    monkeypatch.setenv("FEDMEET_ROOT", str(checkout))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{shared / 'mlflow.db'}")
+    elsewhere = (tmp_path / "other-checkout" / "mlartifacts" / "s").resolve()
+    exp = _client().create_experiment("s", artifact_location=elsewhere.as_uri())
+    assert experiment_id("s") == exp
+    assert _client().get_experiment(exp).artifact_location == elsewhere.as_uri()
+
+
+# ------------------------------------------------------------------------------------------ evaluation
+def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
+    d = tmp_path / "eval" / name
+    d.mkdir(parents=True)
+    clients = {c: {"rouge1": 20.0 + i, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0, "n": 4}
+               for i, c in enumerate(("Academic", "Committee"))}
+    mean = {"rouge1": 20.5, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0}
+    ci = {k: {"low": v - 1.5, "high": v + 2.0} for k, v in mean.items()}
+    metrics = {"experiment": name, "backbone": "tiny-bart", "clients": clients, "mean": mean, "mean_ci": ci}
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    (d / "predictions.jsonl").write_text(json.dumps({"prediction": "a private summary"}) + "\n")
+    return metrics, d
+
+
+def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
+    from pipeline.evaluate import EvaluateConfig, log_to_mlflow
+    from pipeline.plan import record_hash
+    from pipeline.tracking import RunLogger
+
+    record_tau3 = {"experiment": "sel", "study": "s", "method": "fedselectkd", "partition": "domain/seed0",
+                   "tau": 3.0}
+    record_tau4 = {**record_tau3, "tau": 4.0}
+    runs = {}
+    for record in (record_tau3, record_tau4):  # tau=4 trained last: the newest run of experiment "sel"
+        logger = RunLogger.start("s", f"sel tau={record['tau']:g}", {}, {"experiment": "sel",
+                                                                         "plan_hash": record_hash(record)})
+        logger.finish()
+        runs[record["tau"]] = logger.run_id
+    metrics, d = _eval_dir(store, "sel")
+    assert log_to_mlflow("sel", record_tau3, metrics, d, EvaluateConfig()) == runs[3.0]
+    logged = _client().get_run(runs[3.0]).data.metrics
+    assert logged["eval.mean.rouge1"] == 20.5 and logged["eval.Committee.rouge1"] == 21.0
+    # Headline: client averages with the evaluation's intervals; ROUGE-L is the tables' (rougeLsum, 16.0).
+    headline = {k.removeprefix("client_avg/"): v for k, v in logged.items() if k.startswith("client_avg/")}
+    assert headline == {"ROUGE-1": 20.5, "ROUGE-1_ci_low": 19.0, "ROUGE-1_ci_high": 22.5,
+                        "ROUGE-2": 5.0, "ROUGE-2_ci_low": 3.5, "ROUGE-2_ci_high": 7.0,
+                        "ROUGE-L": 16.0, "ROUGE-L_ci_low": 14.5, "ROUGE-L_ci_high": 18.0,
+                        "avg_ROUGE": 14.0, "avg_ROUGE_ci_low": 12.5, "avg_ROUGE_ci_high": 16.0}
+    assert not any(k.startswith("eval.") for k in _client().get_run(runs[4.0]).data.metrics)
+    # Privacy: the generated summaries stay on disk unless asked for.
+    assert [a.path for a in _client().list_artifacts(runs[3.0], "eval")] == ["eval/metrics.json"]
+
+    # A run trained before runs carried a plan hash is still found (not one of another plan's).
+    old = RunLogger.start("s", "legacy", {}, {"experiment": "legacy"})
+    RunLogger.start("s", "legacy tau=4", {}, {"experiment": "legacy", "plan_hash": record_hash(record_tau4)})
+    legacy = {**record_tau3, "experiment": "legacy"}
+    assert log_to_mlflow("legacy", legacy, metrics, d, EvaluateConfig()) == old.run_id
+
+
+def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
+    from pipeline.cli import run as run_cli
+    from pipeline.tracking import main
+
+    metrics, d = _eval_dir(store, "offline")
+    metrics["decoding"] = {"num_beams": 4, "batch_size": 8, "max_source_length": 512}
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    assert run_cli(main, ["import-eval", "--study", "imported", str(d / "metrics.json")]) == 0
+    client = _client()
+    [run] = client.search_runs([client.get_experiment_by_name("imported").experiment_id])
+    assert run.info.run_name == "offline"
+    assert run.data.metrics["client_avg/ROUGE-1_ci_high"] == 22.5
+    assert run.data.tags["evaluate.num_beams"] == "4"  # the record's own decoding settings, not the defaults
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "eval")] == ["eval/metrics.json"]
+    (d / "broken.json").write_text(json.dumps({"experiment": "x"}))
+    capsys.readouterr()
+    assert run_cli(main, ["import-eval", str(d / "broken.json")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {d / 'broken.json'}: not an evaluation record "
+                                               "(missing ['clients', 'mean'])")
