@@ -36,6 +36,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline import atomic
 from pipeline.data import IGNORE_INDEX, Batch
 from pipeline.model import AdapterSummarizer, Prefix, target_mask_of
 
@@ -87,11 +88,11 @@ class PrefixCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "key.json"
         if not meta.exists():
-            meta.write_text(json.dumps({
+            atomic.write_json(meta, {
                 "fingerprint": fingerprint, "max_source_length": max_source_length,
                 "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
                 "format_version": FORMAT_VERSION,
-            }, indent=1))
+            }, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
 
