@@ -76,9 +76,11 @@ class Outcome:
 
 
 def stage_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDMEET_")}
+    # No FEDMEET_* from the test run, and not PYTEST_CURRENT_TEST, which switches MLflow into its own test checks.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDMEET_") and k != "PYTEST_CURRENT_TEST"}
     # This worktree's code, whatever the shared venv's editable install points at; no progress bars on stderr.
-    env.update(PYTHONPATH=str(REPO_ROOT), TQDM_DISABLE="1", FLWR_TELEMETRY_ENABLED="0", **extra)
+    env.update(PYTHONPATH=str(REPO_ROOT), TQDM_DISABLE="1", FLWR_TELEMETRY_ENABLED="0")
+    env.update(extra)
     return env
 
 
@@ -101,3 +103,24 @@ def run_inprocess(main, args: list[str]) -> Outcome:
         except SystemExit as exc:  # argparse
             status = int(exc.code or 0)
     return Outcome(status, err.getvalue())
+
+
+def mlflow_worker(name: str, go: str, steps: int) -> None:
+    """One MLflow writer through pipeline.tracking's public API, as a train stage logs: a run with its parameters,
+    a metric per step, tags, then finished. It starts writing when the file ``go`` appears (after its imports), so
+    two workers hit the store together."""
+    import time
+
+    import mlflow  # noqa: F401  (imported before the start line, not raced against the other worker)
+
+    from pipeline import tracking
+
+    Path(go).with_name(f"ready-{name}").touch()
+    while not Path(go).exists():
+        time.sleep(0.01)
+    run = tracking.RunLogger.start("concurrency", name, {"train": {"lr": 1e-3, "rounds": steps}, "who": name},
+                                   {"experiment": name})
+    for step in range(steps):
+        run.log_metrics({"loss": 1.0 / (step + 1), "step_of": float(step)}, step)
+    run.set_tags({"completed": "yes"})
+    run.finish()
