@@ -7,6 +7,7 @@ import gzip
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -65,6 +66,9 @@ def write_lines(path: Path, lines: list[bytes]) -> None:
     path.write_bytes(gzip.compress(data) if path.suffix == ".gz" else data)
 
 
+PROGRESS = re.compile(r"\r?[\w-]+ \w+: \d+rec \[[^\]]*\]")
+
+
 @dataclass
 class Outcome:
     status: int
@@ -72,14 +76,21 @@ class Outcome:
 
     @property
     def lines(self) -> list[str]:
-        return [line for line in self.stderr.splitlines() if line.strip()]
+        """stderr lines, less the stage's progress bar (tqdm: ``<desc>: <n>rec [<time>, <rate>]``, redrawn with
+        carriage returns): what is left is what the stage says."""
+        out = []
+        for line in self.stderr.splitlines():
+            line = PROGRESS.sub("", line)
+            if line.strip():
+                out.append(line)
+        return out
 
 
 def stage_env(**extra: str) -> dict[str, str]:
     # No FEDMEET_* from the test run, and not PYTEST_CURRENT_TEST, which switches MLflow into its own test checks.
     env = {k: v for k, v in os.environ.items() if not k.startswith("FEDMEET_") and k != "PYTEST_CURRENT_TEST"}
-    # This worktree's code, whatever the shared venv's editable install points at; no progress bars on stderr.
-    env.update(PYTHONPATH=str(REPO_ROOT), TQDM_DISABLE="1", FLWR_TELEMETRY_ENABLED="0")
+    # This worktree's code, whatever the shared venv's editable install points at.
+    env.update(PYTHONPATH=str(REPO_ROOT), FLWR_TELEMETRY_ENABLED="0")
     env.update(extra)
     return env
 
