@@ -124,3 +124,18 @@ def test_top_k_beyond_the_decoder_layers_names_the_allowed_range():
                                           rf"allowed: 1..{n_layers}"):
         AdapterSummarizer(backbone, tok, AdapterConfig(top_k=n_layers + 1, bottleneck=4))
     AdapterSummarizer(backbone, tok, AdapterConfig(top_k=n_layers, bottleneck=4))  # the bound itself is fine
+
+
+@pytest.mark.parametrize("stage, args, missing", [
+    ("partition", ["--scheme", "domain", "--seed", "0"], "data/processed/examples.parquet"),
+    ("examples", [], "data/interim/qmsum.parquet"),
+    ("train", ["--experiment", "fedavg-domain"], "models/plans/fedavg-domain.json"),
+])
+def test_missing_upstream_output_is_one_line_naming_it(tmp_path, monkeypatch, stage, args, missing):
+    """A stage run before the stage that makes its input (or with a wrong path) names the missing file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(BASE))
+    outcome = run_inprocess(importlib.import_module(f"pipeline.{stage}").main, args)
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert re.match(rf"error: {re.escape(missing)}: .*not found", outcome.lines[0]), outcome.lines[0]
