@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup data-sources repro test bench clean-cache preset grid exp-show
+.PHONY: setup data-sources repro test reliability bench clean-cache preset grid exp-show
 
 setup: $(STAMP)
 
@@ -36,6 +36,15 @@ repro: data-sources
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,
+# damaged caches and backbone, a killed federated run; writes reports/reliability.md.
+RELIABILITY_TESTS := tests/test_reliability_*.py \
+	tests/test_cache.py::test_damaged_entry_is_counted_removed_and_recomputed_exactly \
+	tests/test_federated.py::test_killed_run_resumes_at_the_next_round
+reliability: setup
+	PYTHONPATH=tests $(BIN)/python -m pytest -q -p no:cacheprovider -p reliability_report \
+		--reliability-report reports/reliability.md $(RELIABILITY_TESTS)
 
 bench: setup
 	$(BIN)/python -m benchmarks.run

@@ -1,7 +1,8 @@
 """Outputs written whole: every file a stage writes goes to a temporary name in its directory and is renamed
 into place (``os.replace``, atomic on POSIX within one file system), so a stage killed at any moment leaves
 either the old file or the new one, never half of one. A crashed run may leave a ``.<name>.<pid>.<hex>.tmp``
-file behind; it is never read, and the next successful write of that output removes it.
+file behind; it is never read, and the next successful write of that output removes it (when the process that
+made it is gone).
 
     from pipeline import atomic
     atomic.write_text(path, text)                 # also write_bytes, write_json, to_parquet, to_csv,
@@ -18,6 +19,7 @@ import contextlib
 import fnmatch
 import json
 import os
+import re
 import signal
 import uuid
 from collections.abc import Iterator
@@ -49,6 +51,32 @@ def _fault_point(path: Path, tmp: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _remove_stale(target: Path, pattern: str) -> None:
+    """Remove temporaries of ``target`` left by processes that died before renaming them (a SIGKILL skips every
+    cleanup): inside a DVC output directory they would otherwise be hashed as part of the output. Temporaries of
+    live processes (a concurrent writer) are left alone."""
+    import shutil
+
+    rx = re.compile(pattern)
+    for p in target.parent.iterdir():
+        m = rx.fullmatch(p.name)
+        if m and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+
+
 @contextlib.contextmanager
 def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on normal exit it replaces ``path``, on an exception it is removed."""
@@ -59,6 +87,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         _fault_point(target, tmp)
         os.replace(tmp, target)
+        _remove_stale(target, rf"\.{re.escape(target.stem)}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{re.escape(target.suffix)}")
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -130,3 +159,4 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     os.replace(tmp, target)
     if old is not None:
         shutil.rmtree(old)
+    _remove_stale(target, rf"\.{re.escape(target.name)}\.(?P<pid>\d+)\.[0-9a-f]{{8}}(\.old)?\.tmp")

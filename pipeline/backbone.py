@@ -37,10 +37,10 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline import atomic
-from pipeline.config import from_dict, load_params
+from pipeline.config import from_dict, load_params, require
 from pipeline.examples import model_input
 from pipeline.integrity import RECORD_NAME, sha256_dir, sha256_file
-from pipeline.schema import Turn
+from pipeline.schema import DATASETS, Turn
 from pipeline.scoring import rouge_summary
 from pipeline.timing import stage_timer
 
@@ -89,6 +89,18 @@ class WarmupConfig:
         if self.cross_attention_init not in CROSS_ATTENTION_INITS:
             raise ValueError(f"backbone.warmup.cross_attention_init={self.cross_attention_init!r}: "
                              f"one of {', '.join(CROSS_ATTENTION_INITS)}")
+        require(self.dataset in DATASETS, "dataset", self.dataset, f"one of {list(DATASETS)}")
+        require(self.steps >= 0, "steps", self.steps, "an integer >= 0 (0 = no warm-up)")
+        for name in ("batch_size", "eval_batch_size", "log_every"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        for name in ("max_source_length", "max_target_length"):
+            require(getattr(self, name) >= 2, name, getattr(self, name), "an integer >= 2 (room for special tokens)")
+        for name in ("lr", "cross_attention_lr"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "a number > 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        require(0 <= self.warmup_fraction < 1, "warmup_fraction", self.warmup_fraction, "a number in [0, 1)")
+        for name in ("length_grouping", "num_threads", "eval_examples"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
 
 
 CROSS_ATTENTION_INITS = ("random", "self_attention")
@@ -103,6 +115,12 @@ class GenerationDefaults:
     num_beams: int = 1
     no_repeat_ngram_size: int = 3
     length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
+        require(self.num_beams >= 1, "num_beams", self.num_beams, "an integer >= 1")
+        for name in ("min_new_tokens", "no_repeat_ngram_size"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
 
 
 @dataclass

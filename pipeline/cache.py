@@ -99,11 +99,11 @@ class PrefixCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "key.json"
         if not meta.exists():  # atomic: another worker may create the same key at once
-            atomic.write_text(meta, json.dumps({
+            atomic.write_json(meta, {
                 "fingerprint": fingerprint, "max_source_length": max_source_length,
                 "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
                 "format_version": FORMAT_VERSION,
-            }, indent=1))
+            }, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
 

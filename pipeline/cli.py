@@ -2,7 +2,7 @@
 
 Every ``python -m pipeline.<stage>`` runs its ``main`` through :func:`run`. Errors that are the user's to fix
 (:class:`pipeline.schema.DataError`: a bad input file; :class:`pipeline.config.ConfigError`: a bad parameter;
-the backbone's and the presets' errors) print ``error: <message>`` on stderr and exit with status 2, as argparse
+``FileNotFoundError``: a missing input; the backbone's and the presets' errors) print ``error: <message>`` on stderr and exit with status 2, as argparse
 does for a bad command line. ``--debug`` (anywhere on the command line) or ``FEDMEET_DEBUG=1`` re-raises them so
 the traceback shows. Any other exception is a bug and keeps its traceback.
 """
@@ -26,11 +26,20 @@ def is_user_error(exc: BaseException) -> bool:
     from pipeline.config import ConfigError
     from pipeline.schema import DataError
 
-    return isinstance(exc, (DataError, ConfigError)) or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__)
+    # A missing input (an upstream stage not run yet, a wrong path) is the user's to fix too; its message names
+    # the file.
+    return (isinstance(exc, (DataError, ConfigError, FileNotFoundError))
+            or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__))
 
 
 def one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, FileNotFoundError):
+        if exc.filename is not None:  # OSError form "[Errno 2] No such file or directory: 'x'"
+            return f"{exc.filename}: not found"
+        if ":" not in text:  # pyarrow and friends give the bare path
+            return f"{text}: not found"
+    return text
 
 
 def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:

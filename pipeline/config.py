@@ -113,6 +113,13 @@ def type_problem(value: Any, typ: Any) -> str | None:
     return None  # other annotations (Path, Any-like): the dataclass's own checks decide
 
 
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """A dataclass range check (from ``__post_init__``): ``key=value; allowed: ...``. :func:`from_dict` prefixes
+    the group, so the line names the full key."""
+    if not ok:
+        raise ValueError(f"{key}={value!r} is out of range; allowed: {allowed}")
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     """Build dataclass ``cls`` from ``data``; nested dataclass fields are built recursively.
 

@@ -32,7 +32,7 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from pipeline import client_training
+from pipeline import atomic, client_training
 from pipeline.config import from_dict, load_params
 from pipeline.evaluate import (EVAL_DIR, EvaluateConfig, generate_summaries, load_adapter, log_to_mlflow,
                                subsample_test_ids)
@@ -167,7 +167,7 @@ def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = EVA
     out = Path(eval_dir) / plan.experiment
     out.mkdir(parents=True, exist_ok=True)
     path = out / "metrics.json"
-    path.write_text(json.dumps(metrics, indent=2) + "\n")
+    atomic.write_json(path, metrics)
     return path
 
 
@@ -207,7 +207,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
     out_dir.mkdir(parents=True, exist_ok=True)
     reports_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "experiment.json").write_text(json.dumps(plan.to_json_dict(), indent=2, sort_keys=True) + "\n")
+    atomic.write_json(out_dir / "experiment.json", plan.to_json_dict(), sort_keys=True)
     resuming = fed.load_server_checkpoint(plan) is not None
 
     logger = None
@@ -221,7 +221,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         resume_id = run_id_file.read_text().strip() if resuming and run_id_file.exists() else None
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags, resume_run_id=resume_id)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
-        run_id_file.write_text(logger.run_id)
+        atomic.write_text(run_id_file, logger.run_id)
 
     cfg = evaluate_config(rc) if _flag(rc.get("evaluate"), True) else None
     train_recorder = TrainRecorder(plan, logger)
@@ -239,8 +239,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     write_rounds(plan, history)
     metrics = summarize(plan, history, train_recorder.round_seconds)
     text = json.dumps(metrics, indent=2) + "\n"
-    (reports_dir / "metrics.json").write_text(text)
-    (out_dir / "metrics.json").write_text(text)
+    atomic.write_text(reports_dir / "metrics.json", text)
+    atomic.write_text(out_dir / "metrics.json", text)
     client_training.save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
                                  {"experiment": plan.experiment, "round": str(plan.train.rounds)})
 

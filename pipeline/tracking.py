@@ -13,12 +13,17 @@ process died is marked KILLED when the same experiment starts again (:func:`clos
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import math
 import os
+import random
 import socket
 import sqlite3
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +71,60 @@ def _is_remote(uri: str) -> bool:
     return uri.startswith(("http://", "https://"))
 
 
+# SQLite takes one writer at a time: two stages logging at once (two `dvc exp run --queue` workers) may find the
+# store locked beyond SQLite's own wait. Those calls are retried with backoff (~25 s in all) instead of failing.
+_BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
+_LOCKED = ("database is locked", "database table is locked")
+
+
+def _retrying(call, *args, **kwargs):
+    for delay in _BACKOFF_S + (None,):
+        try:
+            return call(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 -- only a locked store is retried
+            if delay is None or not any(t in str(exc) for t in _LOCKED):
+                raise
+            time.sleep(delay * (1 + random.random()))  # jitter: two waiting writers do not retry in lockstep
+
+
+@contextlib.contextmanager
+def _store_init_lock(uri: str):
+    """Opening a SQLite store creates or migrates its tables; two processes doing that at once collide ("table
+    already exists", "duplicate column"). They take turns: an exclusive flock on the store's directory (not on the
+    database file, whose POSIX locks SQLite owns)."""
+    path = uri.removeprefix("sqlite:///").split("?", 1)[0] if uri.startswith("sqlite:///") else ""
+    if not path:
+        yield
+        return
+    directory = Path(path).parent
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+class _RetryingClient:
+    """An MlflowClient whose calls are retried while the store is locked."""
+
+    def __init__(self, client):
+        self._client = client
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._client, name)
+        return functools.partial(_retrying, attr) if callable(attr) else attr
+
+
 def _client():
     import mlflow
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)
-    return MlflowClient(tracking_uri=uri)
+    with _store_init_lock(uri):
+        return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
 
 
 def study_description(study: str) -> str:

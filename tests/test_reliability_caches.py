@@ -1,0 +1,66 @@
+"""A damaged backbone directory is named, not loaded (issue 15, item 4; the prefix-cache entries' checksums are
+tested in test_cache.py). Each case damages a copy of a tiny saved model and loads it the way every model stage
+does (AdapterSummarizer.from_pretrained)."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.adapters import AdapterConfig
+from pipeline.integrity import RECORD_NAME, ModelDirError, sha256_dir
+from pipeline.model import AdapterSummarizer
+from tiny_models import save_tiny
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    """A tiny backbone as the backbone stage leaves it: weights, tokenizer and the record of its sha256."""
+    path = save_tiny("bart", tmp_path_factory.mktemp("backbone") / "backbone")
+    (path / RECORD_NAME).write_text(json.dumps({"backbone_sha256": sha256_dir(path)}))
+    return path
+
+
+def cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {  # what is done -> what the message must say, after the damaged file's path
+    "weights_cut_short": (lambda d: cut(d / "model.safetensors"),
+                          r"model.safetensors: damaged weights: .*(cut short|does not fit)"),
+    "weights_changed": (lambda d: flip_last_byte(d / "model.safetensors"),
+                        r"backbone: file contents differ from backbone_sha256 recorded in .*fedmeet_backbone.json"),
+    "config_garbled": (lambda d: (d / "config.json").write_text('{"model_type": "bart", '),
+                       r"config.json: damaged JSON"),
+    "config_missing": (lambda d: (d / "config.json").unlink(), r"config.json: missing"),
+    "weights_missing": (lambda d: (d / "model.safetensors").unlink(), r"backbone: no weight file"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_backbone_names_the_file(saved, tmp_path, damage):
+    copy = tmp_path / "backbone"
+    shutil.copytree(saved, copy)
+    do, expected = DAMAGE[damage]
+    do(copy)
+    with pytest.raises(ModelDirError) as info:
+        AdapterSummarizer.from_pretrained(copy, AdapterConfig(top_k=1, bottleneck=4))
+    message = str(info.value)
+    assert message.startswith(str(copy)), message
+    assert re.search(expected, message), message
+    assert "dvc repro backbone" in message  # and says how to fix it
+
+
+def test_the_undamaged_copy_loads(saved, tmp_path):
+    shutil.copytree(saved, tmp_path / "backbone")
+    model = AdapterSummarizer.from_pretrained(tmp_path / "backbone", AdapterConfig(top_k=1, bottleneck=4))
+    assert model.first_adapted >= 0
