@@ -97,6 +97,8 @@ def eval_record(tmp_path, name: str, r1: float) -> tuple[dict, object]:
     return metrics, d
 
 
+# Starting an MLflow server takes ~15 s on an idle 2-core machine (its fixture waits up to STARTUP_TIMEOUT_S).
+@pytest.mark.timeout(300)
 def test_runs_line_up_in_the_study_experiment(mlflow_server, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_server)
     monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))  # artifacts under tmp, never the repo's mlartifacts/
