@@ -13,7 +13,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup repro test bench clean-cache preset
+.PHONY: setup repro test bench clean-cache preset mutants
 
 setup: $(STAMP)
 
@@ -30,6 +30,20 @@ repro: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# Mutation testing of the core (not in CI; minutes per module on 2 cores): one module at a time, lowest CPU
+# priority, verdicts kept in mutants/ between runs, so `make mutants MODULES=losses` runs a part. Then
+# reports/mutation.md. MUTANTS=survivors re-runs only the mutants no test detected last time (after new tests).
+MODULES ?= losses strategies compression partition_schemes scoring adapters sources federated
+MUTANTS ?= all
+mutants: setup
+	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'
+	for m in $(MODULES); do \
+	  if [ "$(MUTANTS)" = survivors ]; then names=$$($(BIN)/python -m pipeline.mutation_report --survivors $$m); \
+	  else names="pipeline.$$m.*"; fi; \
+	  [ -z "$$names" ] || FEDMEET_DATA_ROOT=$(abspath ..)/shared/data nice -n 19 $(BIN)/mutmut run --max-children 2 $$names || exit 1; \
+	done
+	$(BIN)/python -m pipeline.mutation_report
 
 bench: setup
 	$(BIN)/python -m benchmarks.run

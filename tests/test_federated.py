@@ -151,9 +151,10 @@ def test_fedavg_aggregate_is_the_example_weighted_mean():
 def test_fednova_normalises_updates_by_local_steps():
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from pipeline.federated import InProcessGrid, client_app
+    from pipeline.federated import InProcessGrid, _set_server_identity, client_app
     from pipeline.strategies import FedOptConfig, build_strategy
 
+    _set_server_identity(1)  # configure_train creates Messages (run alone, no earlier test has set it)
     strategy = build_strategy("fednova", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
                               client_lr=1e-3)
     grid = InProcessGrid(client_app, [{"client-name": "x"}, {"client-name": "y"}])
@@ -347,7 +348,7 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
         return real_train(*args, **kwargs)
 
     monkeypatch.setattr(client_training, "train_local", flaky)
-    real_aggregate = federated.run_server.__globals__["build_strategy"]
+    real_aggregate = federated.build_strategy  # the module global run_server calls
 
     def spying_strategy(*args, **kwargs):
         strategy = real_aggregate(*args, **kwargs)
