@@ -334,6 +334,9 @@ def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, gro
     """Indices of `steps` batches: seeded epoch-wise shuffles; with `group` > 0 each window of
     `group * batch_size` shuffled examples is sorted by length and cut into batches (less padding), and the
     batches are shuffled again so lengths do not trend within an epoch."""
+    if steps > 0 and len(lengths) < batch_size:  # no full batch in an epoch: the loop below would never end
+        raise ValueError(f"warm-up: {len(lengths)} examples, fewer than one batch of {batch_size}; "
+                         f"lower warmup.batch_size or add examples")
     rng = np.random.default_rng(seed)
     batches: list[np.ndarray] = []
     while len(batches) < steps:

@@ -179,6 +179,15 @@ def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
     assert len(bb.batch_order(lengths, 8, 60, seed=3, group=0)) == 60  # more steps than one epoch
 
 
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("group", [0, 3])
+def test_batch_order_with_fewer_examples_than_a_batch_fails_instead_of_looping(group):
+    # An epoch of 5 examples holds no batch of 8: without the guard the epoch loop never reaches `steps`.
+    with pytest.raises(ValueError, match="5 examples, fewer than one batch of 8"):
+        bb.batch_order(np.arange(5), 8, 10, seed=0, group=group)
+    assert bb.batch_order(np.arange(5), 8, 0, seed=0, group=group) == []  # no steps asked: nothing to wait for
+
+
 def test_new_cross_attention_gets_the_higher_learning_rate():
     model, _ = tiny_models.tiny_bert2bert()
     wc = bb.WarmupConfig(lr=1e-4, cross_attention_lr=5e-4)

@@ -48,6 +48,8 @@ def _serve_inprocess(plan_path: str, **run_config):
     return grid
 
 
+# Two full federated runs plus beam-search evaluation: ~18 s idle, several times that on a loaded 2-core machine.
+@pytest.mark.timeout(300)
 def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_stage(ws):
     import mlflow
     from safetensors.torch import load_file

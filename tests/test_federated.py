@@ -151,9 +151,10 @@ def test_fedavg_aggregate_is_the_example_weighted_mean():
 def test_fednova_normalises_updates_by_local_steps():
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from pipeline.federated import InProcessGrid, client_app
+    from pipeline.federated import InProcessGrid, _set_server_identity, client_app
     from pipeline.strategies import FedOptConfig, build_strategy
 
+    _set_server_identity(1)  # configure_train creates Messages (run alone, no earlier test has set it)
     strategy = build_strategy("fednova", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
                               client_lr=1e-3)
     grid = InProcessGrid(client_app, [{"client-name": "x"}, {"client-name": "y"}])
@@ -216,6 +217,8 @@ METHOD_CASES = [
 ]
 
 
+# Each case is a full tiny federated run; the single-domain cases take ~14 s idle.
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("method,partition", METHOD_CASES)
 def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
     import mlflow
@@ -345,7 +348,7 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
         return real_train(*args, **kwargs)
 
     monkeypatch.setattr(client_training, "train_local", flaky)
-    real_aggregate = federated.run_server.__globals__["build_strategy"]
+    real_aggregate = federated.build_strategy  # the module global run_server calls
 
     def spying_strategy(*args, **kwargs):
         strategy = real_aggregate(*args, **kwargs)
@@ -605,3 +608,20 @@ def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_a
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     assert min(r["round"] for r in history if r["client"] == "SAMSum") == 3
     assert metrics["clients"]["SAMSum"]["best_round"] >= 3
+
+
+@pytest.mark.timeout(30)
+def test_server_stops_waiting_for_clients_that_never_connect():
+    # The ServerApp waits for every planned client to register; a SuperNode that never comes must end the run with
+    # a clear error after train.round_timeout_s, not keep the server (and CI) waiting forever.
+    from pipeline.federated import _identify
+
+    class OneNodeGrid:  # only one of the three planned clients ever connects
+        def get_node_ids(self):
+            return [1001]
+
+        def send_and_receive(self, messages, *, timeout=None):
+            raise AssertionError("no client may be asked for its name before all have connected")
+
+    with pytest.raises(TimeoutError, match="only 1 of 3 clients connected within 0s"):
+        _identify(OneNodeGrid(), "plan.json", expected=3, timeout=0.2)

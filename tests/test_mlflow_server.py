@@ -100,6 +100,8 @@ def ws(workspace, mlflow_server, monkeypatch):  # noqa: F811
     return workspace
 
 
+# Starting an MLflow server takes ~15 s on an idle 2-core machine (its fixture waits up to STARTUP_TIMEOUT_S).
+@pytest.mark.timeout(300)
 def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_path):
     """As a second machine does: train and evaluate with MLFLOW_TRACKING_URI=http://HOST:PORT, then find the runs,
     their per-round and evaluation metrics and their adapters through the server alone."""

@@ -1,0 +1,255 @@
+"""reports/mutation.md from mutmut's results in mutants/ (``make mutants``; not part of the pipeline's stages).
+
+mutmut 3 keeps one verdict per mutant in ``mutants/<module>.meta`` (a process exit code); this module counts them
+per core module and lists every mutant that no test caught, each with its diff and either the reason it is
+equivalent (``tests/mutation_equivalent.yaml``: mutant name -> reason) or "not killed". With a baseline (the counts
+and survivors of an earlier run, ``--save-baseline``) the report shows the score before and after and which of the
+earlier survivors the new tests kill.
+
+    python -m pipeline.mutation_report                       # write reports/mutation.md
+    python -m pipeline.mutation_report --save-baseline       # keep the current verdicts as the "before" run
+    python -m pipeline.mutation_report --survivors losses    # names of losses.py's undetected mutants (to re-run)
+
+Score = detected / (made - equivalent - not run), detected = killed + timed out (a mutant that makes a test hang is
+caught, by mutmut's time limit or pytest-timeout's); "no tests" mutants (no selected test reaches the function)
+count as undetected.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipeline import atomic
+
+MUTANTS_DIR = Path("mutants")
+REPORT = Path("reports/mutation.md")
+BASELINE = Path("reports/mutation-baseline.json")
+EQUIVALENT = Path("tests/mutation_equivalent.yaml")
+# The core, in the order it is run and reported (pyproject.toml [tool.mutmut] only_mutate).
+CORE = ("losses", "strategies", "compression", "partition_schemes", "scoring", "adapters", "sources", "federated")
+GOAL = 0.90
+
+# mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
+KILLED_CODES = {1, 3}
+SURVIVED_CODES = {0}
+TIMEOUT_CODES = {36, 24, -24, 152, 255}
+NO_TESTS_CODES = {33, 5}
+
+
+def status(code: int | None) -> str:
+    if code is None:
+        return "not run"
+    if code in KILLED_CODES:
+        return "killed"
+    if code in SURVIVED_CODES:
+        return "survived"
+    if code in TIMEOUT_CODES:
+        return "timeout"
+    if code in NO_TESTS_CODES:
+        return "no tests"
+    return "other"  # suspicious, segfault, skipped, interrupted: listed, never counted as detected
+
+
+@dataclass
+class ModuleResult:
+    module: str
+    made: int = 0
+    killed: int = 0
+    survived: int = 0
+    timeout: int = 0
+    no_tests: int = 0
+    other: int = 0
+    not_run: int = 0
+    equivalent: int = 0
+    undetected: list[str] = field(default_factory=list)  # survived / no tests / other, equivalent ones included
+    test_seconds: float = 0.0
+
+    @property
+    def detected(self) -> int:
+        return self.killed + self.timeout
+
+    @property
+    def scored(self) -> int:
+        """Mutants the score is over: run, and not equivalent."""
+        return self.made - self.not_run - self.equivalent
+
+    @property
+    def score(self) -> float | None:
+        return self.detected / self.scored if self.scored > 0 else None
+
+
+def load_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
+    if not path.exists():
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict) or not all(isinstance(v, str) and v.strip() for v in data.values()):
+        raise ValueError(f"{path}: expected a mapping of mutant name -> non-empty reason")
+    return data
+
+
+def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None = None) -> dict[str, ModuleResult]:
+    """Per core module, the counts of mutmut's verdicts (modules never generated are absent)."""
+    equivalent = equivalent or {}
+    results: dict[str, ModuleResult] = {}
+    for module in CORE:
+        meta = mutants_dir / "pipeline" / f"{module}.py.meta"
+        if not meta.exists():
+            continue
+        data = json.loads(meta.read_text())
+        r = ModuleResult(module)
+        for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0])):
+            r.made += 1
+            s = status(code)
+            if s == "not run":
+                r.not_run += 1
+                continue
+            setattr(r, s.replace(" ", "_"), getattr(r, s.replace(" ", "_")) + 1)
+            if s in ("survived", "no tests", "other"):
+                r.undetected.append(name)
+                if name in equivalent:
+                    r.equivalent += 1
+        r.test_seconds = float(sum(v for v in data.get("durations_by_key", {}).values() if v))
+        results[module] = r
+    return results
+
+
+def _natural(name: str) -> tuple[str, int]:
+    head, _, num = name.rpartition("__mutmut_")
+    return head, int(num) if num.isdigit() else 0
+
+
+def mutant_diff(name: str, module: str, mutants_dir: Path = MUTANTS_DIR) -> str:
+    """The changed lines of one mutant (mutmut's own diff, without the file header)."""
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+
+    diff = get_diff_for_mutant(name, path=mutants_dir / "pipeline" / f"{module}.py")
+    return "\n".join(line for line in diff.splitlines()
+                     if line[:1] in "+-" and not line.startswith(("+++", "---")))
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def _run_info() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    stats = MUTANTS_DIR / "mutmut-stats.json"
+    return {"mutmut": version("mutmut"), "commit": head or "unknown",
+            "stats_time": json.loads(stats.read_text()).get("stats_time") if stats.exists() else None,
+            "written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baseline: dict[str, Any] | None,
+           diffs: dict[str, str], info: dict[str, Any]) -> str:
+    before = (baseline or {}).get("modules", {})
+    lines = [
+        "# Mutation testing of the core",
+        "",
+        f"Written by `python -m pipeline.mutation_report` ({info['written']}, commit {info['commit']}, "
+        f"mutmut {info['mutmut']}) from the verdicts that `make mutants` left in `mutants/`. Each module is run with "
+        "`nice -n 19 mutmut run --max-children 2 'pipeline.<module>.*'` (pyproject.toml `[tool.mutmut]`: the test "
+        "files of the core, process isolation by a fork server, and only the tests that reach a function within 12 "
+        "pipeline frames, so end-to-end federated runs are not counted and the scores are lower bounds).",
+        "",
+        "Score = (killed + timed out) / (made - equivalent - not run); a \"no tests\" mutant (no selected test "
+        f"reaches its function) counts as not detected. Goal: {_pct(GOAL)} per module.",
+        "",
+        "| module | made | killed | survived | timed out | no tests | other | not run | equivalent | score "
+        "| before new tests | test time (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for module in CORE:
+        r = results.get(module)
+        if r is None:
+            lines.append(f"| {module}.py | not generated | | | | | | | | | | |")
+            continue
+        b = before.get(module)
+        b_score = _pct(b["score"]) if b and b.get("score") is not None else "-"
+        lines.append(f"| {module}.py | {r.made} | {r.killed} | {r.survived} | {r.timeout} | {r.no_tests} | "
+                     f"{r.other} | {r.not_run} | {r.equivalent} | {_pct(r.score)} | {b_score} | "
+                     f"{r.test_seconds:.0f} |")
+    not_reached = [m for m in CORE if m not in results or results[m].not_run == results[m].made]
+    if not_reached:
+        lines += ["", "Not run yet: " + ", ".join(f"`{m}.py`" for m in not_reached) + "."]
+    for module in CORE:
+        r = results.get(module)
+        if r is None or not r.undetected:
+            continue
+        earlier = set((before.get(module) or {}).get("undetected", []))
+        lines += ["", f"## {module}.py: mutants no test detects", ""]
+        for name in r.undetected:
+            verdict = f"equivalent: {equivalent[name]}" if name in equivalent else "**not killed**"
+            lines += [f"- `{name}`: {verdict}", "", "  ```diff",
+                      *[f"  {line}" for line in diffs.get(name, "").splitlines()], "  ```"]
+        killed_now = sorted(earlier - set(r.undetected), key=_natural)
+        if killed_now:
+            lines += ["", f"Killed by the new tests ({len(killed_now)} that survived the baseline run): "
+                      + ", ".join(f"`{n.rpartition('.')[2]}`" for n in killed_now) + "."]
+    for module in CORE:
+        r = results.get(module)
+        b = before.get(module)
+        if r is None or not b:
+            continue
+        killed_now = sorted(set(b.get("undetected", [])) - set(r.undetected), key=_natural)
+        if killed_now and not r.undetected:
+            lines += ["", f"## {module}.py", "", f"Killed by the new tests ({len(killed_now)} that survived the "
+                      "baseline run): " + ", ".join(f"`{n.rpartition('.')[2]}`" for n in killed_now) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def baseline_record(results: dict[str, ModuleResult], info: dict[str, Any],
+                    earlier: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The baseline with the modules run since it was last saved added; a module already in it keeps its
+    "before" numbers (modules are run one at a time, each baselined before its new tests)."""
+    modules = dict((earlier or {}).get("modules", {}))
+    for m, r in results.items():
+        if m not in modules and r.not_run < r.made:
+            modules[m] = {**asdict(r), "score": r.score, "run": info}
+    return {"modules": modules}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--save-baseline", action="store_true",
+                    help=f"add the modules run since the last save to {BASELINE} (their 'before' verdicts)")
+    ap.add_argument("--survivors", metavar="MODULE", help="print the names of MODULE's undetected mutants")
+    args = ap.parse_args(argv)
+    equivalent = load_equivalent()
+    results = collect(equivalent=equivalent)
+    if args.survivors:
+        if args.survivors not in results:
+            raise SystemExit(f"error: no mutmut results for pipeline/{args.survivors}.py in {MUTANTS_DIR}/")
+        print("\n".join(n for n in results[args.survivors].undetected if n not in equivalent))
+        return 0
+    info = _run_info()
+    if args.save_baseline:
+        earlier = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
+        atomic.write_json(BASELINE, baseline_record(results, info, earlier))
+        print(f"wrote {BASELINE}")
+        return 0
+    baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
+    diffs = {n: mutant_diff(n, m) for m, r in results.items() for n in r.undetected}
+    stale = sorted(set(equivalent) - {n for r in results.values() for n in r.undetected})
+    if stale:  # an "equivalent" mutant that some test now kills: its reason was wrong or the code changed
+        print(f"note: {len(stale)} mutant(s) in {EQUIVALENT} are detected now: {stale[:5]}", file=sys.stderr)
+    REPORT.parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(REPORT, render(results, equivalent, baseline, diffs, info))
+    for m, r in results.items():
+        print(f"{m:18s} made {r.made:4d}  detected {r.detected:4d}  undetected {len(r.undetected) - r.equivalent:4d}"
+              f"  equivalent {r.equivalent:3d}  not run {r.not_run:4d}  score {_pct(r.score)}")
+    print(f"wrote {REPORT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
