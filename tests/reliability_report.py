@@ -34,8 +34,8 @@ CLASSES = [
     ("Parameters",
      "One bad value per case in a copy of params.yaml, for every stage (unknown keys, wrong types, out-of-range "
      "values: tau <= 0, top_k 0 or beyond the decoder's layers, bottleneck 0, batch sizes 0, unknown method, "
-     "partition scheme, backbone), run in an empty directory. Expected: exit 2, one line naming the key and what is "
-     "allowed, nothing written.",
+     "partition scheme, backbone), run in an empty directory; stages run before the stage that makes their input. "
+     "Expected: exit 2, one line naming the key and what is allowed (or the missing file), nothing written.",
      "test_reliability_params.py", ()),
     ("Outputs written whole",
      "A scan of pipeline/ for writes that bypass pipeline/atomic.py; the ingest stage SIGKILLed inside the write of "
