@@ -237,27 +237,37 @@ def _train_once(plan_path: str, client: str = "Committee"):
     model.load_adapter_state("local", initial)
     model.load_adapter_state("global", initial)
     data = client_training.client_data(plan, client)
-    result = client_training.train_local(model, plan, data.train, client=client, rnd=1)
+    mu = plan.train.proximal_mu if plan.spec.proximal else 0.0
+    result = client_training.train_local(model, plan, data.train, client=client, rnd=1,
+                                         proximal_reference=initial if mu else None, proximal_mu=mu)
     return result, model.adapter_state("local")
 
 
-@pytest.mark.parametrize("normalisation,max_target", [("sequences", 12), ("tokens", 4)])
-def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, normalisation, max_target):
+@pytest.mark.parametrize("method,normalisation,max_target,epochs", [
+    ("fedselectkd", "sequences", 12, 1), ("fedselectkd", "tokens", 4, 1), ("fedprox", "sequences", 12, 2)])
+def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, method, normalisation, max_target,
+                                                          epochs):
     # q = 1 (batch >= the client's 6 examples): the Poisson batch is every example, as the one non-private batch.
     # With tokens the per-example loss divides by max_target_length: equal when every target fills it (4 tokens).
+    # fedprox over 2 epochs: the second step's proximal gradient (large mu) enters after the noise, as in the loss.
     seen = _spy_grads(monkeypatch)
-    common = dict(batch_size=8, loss_normalisation=normalisation, prefix_cache=False)
-    plain = _write_plan("dp-off", "fedselectkd", None, {"max_target_length": max_target}, **common)
-    control = _write_plan("dp-control", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0,
-                                                        "max_grad_norm": math.inf},
+    common = dict(batch_size=8, loss_normalisation=normalisation, prefix_cache=False, local_epochs=epochs,
+                  proximal_mu=20.0)
+    plain = _write_plan("dp-off", method, None, {"max_target_length": max_target}, **common)
+    control = _write_plan("dp-control", method, {"mode": "example", "noise_multiplier": 0.0,
+                                                 "max_grad_norm": math.inf},
                           {"max_target_length": max_target}, **common)
     res_plain, state_plain = _train_once(plain)
     res_dp, state_dp = _train_once(control)
-    assert len(seen) == 2 and res_plain.n_steps == res_dp.n_steps == 1
-    assert res_dp.privacy.sample_rate == 1.0 and res_dp.dp_examples == 6 and res_dp.dp_clipped == 0
-    for g_plain, g_dp in zip(*seen):
-        # float32 sums in another order (one batch vs per-example sums): agree to rounding
-        torch.testing.assert_close(g_dp, g_plain, rtol=1e-4, atol=1e-7)
+    assert len(seen) == 2 * epochs and res_plain.n_steps == res_dp.n_steps == epochs
+    seen = [seen[:epochs], seen[epochs:]]
+    if method == "fedprox":  # the proximal term did act in the second step
+        assert res_dp.proximal > 0 and res_dp.proximal == pytest.approx(res_plain.proximal, rel=1e-4)
+    assert res_dp.privacy.sample_rate == 1.0 and res_dp.dp_examples == 6 * epochs and res_dp.dp_clipped == 0
+    for step_plain, step_dp in zip(*seen):
+        for g_plain, g_dp in zip(step_plain, step_dp):
+            # float32 sums in another order (one batch vs per-example sums): agree to rounding
+            torch.testing.assert_close(g_dp, g_plain, rtol=1e-4, atol=1e-7)
     for k in state_plain:
         torch.testing.assert_close(state_dp[k], state_plain[k], rtol=1e-4, atol=1e-6)
     assert res_dp.train_loss == pytest.approx(res_plain.train_loss, rel=1e-6)
@@ -351,3 +361,32 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
         for key in ("delta", "noise_multiplier", "max_grad_norm", "clipped_fraction"):
             assert not np.isnan(run[f"metrics.{client}.{key}"])
     assert run["params.privacy.target_epsilon"] == "3.0"
+
+
+def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
+    # The in-process engine's contexts die with the killed run: the step count must come back from the client's
+    # checkpoint, or round 2 would report the epsilon of one round.
+    from pipeline import federated
+    from pipeline.train import run_experiment
+
+    path = _write_plan("dp-resume", "fedavg", {"mode": "example", "noise_multiplier": 1.0})
+    real_save = federated.save_server_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(plan, rnd, *args, **kwargs):
+        real_save(plan, rnd, *args, **kwargs)
+        if rnd == 1:
+            raise Killed("simulated kill after round 1")
+
+    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run_experiment(path, track=False)
+    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
+    metrics = run_experiment(path, track=False)
+    for client, n in {"Academic": 4, "Committee": 6, "Product": 5}.items():
+        per_round = math.ceil(n / TRAIN["batch_size"])
+        p = metrics["clients"][client]["privacy"]
+        assert p["steps"] == 2 * per_round
+        assert p["epsilon"] == pytest.approx(epsilon(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1 / n))
