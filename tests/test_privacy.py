@@ -390,3 +390,35 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
         p = metrics["clients"][client]["privacy"]
         assert p["steps"] == 2 * per_round
         assert p["epsilon"] == pytest.approx(epsilon(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1 / n))
+
+
+def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from pipeline import client_training
+    from pipeline.federated import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS, _set_server_identity, client_app
+    from pipeline.plan import read_plan
+
+    path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0,
+                                                   "max_grad_norm": 0.5})
+    plan = read_plan(path)
+    _set_server_identity(1)
+    initial = client_training.initial_adapter_state(plan)
+    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
+                      run_config={})
+    replies = []
+    for rnd in (1, 2):
+        msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
+                                  "config": ConfigRecord({"server-round": rnd, "plan": path})}),
+                      dst_node_id=1000, message_type="train")
+        msg.metadata.__dict__["_message_id"] = f"x{rnd}"
+        replies.append(client_app(msg, context).content["metrics"])
+    per_round = math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples, q = 4/6
+    for rnd, m in enumerate(replies, start=1):
+        assert set(m.keys()) == set(TRAIN_METRIC_KEYS) | set(PRIVACY_METRIC_KEYS)
+        assert all(isinstance(v, (int, float)) for v in m.values())
+        assert m["dp-steps"] == rnd * per_round and m["num-steps"] == per_round
+        assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1 / 6))
+        assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1 / 6), 1.0, 0.5)
+        assert 0 <= m["dp-clipped"] <= m["dp-examples"]
+    assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
