@@ -5,7 +5,7 @@ Shared by the Flower ClientApp (federated methods) and by `single` / `centralize
 (KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
 plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
 ("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set.
+(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
 
 Also here: loading a client's examples from the partition (with the CPU profile's seeded subsampling), the
 process-wide model cache (one frozen backbone per process; clients swap adapter states in and out), and adapter
@@ -337,7 +337,11 @@ def train_local(
     progress: bool = False,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes."""
+    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
+
+    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
+    Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
+    client's setting and this call's clipped counts, the caller composes the steps across rounds."""
     from pipeline.losses import distillation_loss
 
     cfg: TrainConfig = plan.train
