@@ -5,7 +5,7 @@ Shared by the Flower ClientApp (federated methods) and by `single` / `centralize
 (KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
 plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
 ("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set.
+(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
 
 Also here: loading a client's examples from the partition (with the CPU profile's seeded subsampling), the
 process-wide model cache (one frozen backbone per process; clients swap adapter states in and out), and adapter
@@ -230,9 +230,13 @@ class LocalTrainResult:
     kd_fraction: float  # KD tokens / trained tokens
     proximal: float  # last value of mu/2 ||W - W_global||^2
     gate_log: pd.DataFrame = field(repr=False, default=None)
+    # DP-SGD (privacy.mode example): the client's setting, and this call's per-example gradients and clipped ones
+    privacy: Any = field(repr=False, default=None)  # pipeline.privacy.ClientPrivacy or None
+    dp_examples: int = 0
+    dp_clipped: int = 0
 
     def metrics(self) -> dict[str, float]:
-        return {k: v for k, v in self.__dict__.items() if k != "gate_log"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("gate_log", "privacy")}
 
 
 def adamw_groups(module: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -259,6 +263,47 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
         total = sum(window)
         weights.extend(n / total for n in window)
     return weights
+
+
+def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
+                        normalisation: str, seed: int) -> list[list[tuple[Batch, float]]]:
+    """One epoch without privacy: shuffled batches in windows of ``grad_accum_steps``, each batch with its share
+    of its optimizer step (:func:`accumulation_weights`)."""
+    batches = make_batches(
+        examples, model.tokenizer, mcfg, cfg.batch_size, shuffle=True, seed=seed,
+        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+        bucket_by_length=cfg.bucket_by_length,
+    )
+    weights = accumulation_weights(batches, cfg.grad_accum_steps, normalisation)
+    pairs = list(zip(batches, weights))
+    return [pairs[i:i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
+
+
+def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:
+    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses of DP-SGD:
+    ``tokens``: sum_t L_t / max_target_length per example (the batch mean x N_tokens / T_max); ``sequences``:
+    the mean of each example's L_t (the batch mean x the number of sequences)."""
+    valid = batch.labels != IGNORE_INDEX
+    if normalisation == "tokens":
+        return int(valid.sum()) / max_target_length
+    return float(int((valid.sum(dim=1) > 0).sum()))
+
+
+def _poisson_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
+                   normalisation: str, setting, seed: int) -> list[list[tuple[Batch, float]]]:
+    """One epoch of DP-SGD: Poisson-sampled logical batches (pipeline.privacy.poisson_steps; a step may be empty),
+    each cut into micro-batches of ``batch_size`` with the scale of :func:`per_example_loss_scale`."""
+    from pipeline.privacy import poisson_steps
+
+    steps = []
+    for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
+        batches = make_batches(
+            examples.iloc[idx], model.tokenizer, mcfg, cfg.batch_size, shuffle=False, seed=0,
+            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+            bucket_by_length=cfg.bucket_by_length,
+        ) if idx else []
+        steps.append([(b, per_example_loss_scale(b, normalisation, mcfg.max_target_length)) for b in batches])
+    return steps
 
 
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
@@ -292,7 +337,11 @@ def train_local(
     progress: bool = False,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes."""
+    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
+
+    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
+    Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
+    client's setting and this call's clipped counts, the caller composes the steps across rounds."""
     from pipeline.losses import distillation_loss
 
     cfg: TrainConfig = plan.train
@@ -326,49 +375,72 @@ def train_local(
         from pipeline.cache import TeacherCache
 
         teacher_cache = TeacherCache(int(mcfg.teacher_cache_gb * 2**30))
-    for epoch in range(cfg.local_epochs):
-        batches = make_batches(
-            examples, model.tokenizer, mcfg, cfg.batch_size, shuffle=True, seed=derived_seed(seed, epoch),
-            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-            bucket_by_length=cfg.bucket_by_length,
-        )
-        iterator = batches
-        if progress:
-            from tqdm import tqdm
+    dp = None
+    if plan.privacy is not None and plan.privacy.enabled:
+        from pipeline.privacy import DPSGDStep, client_privacy
 
-            iterator = tqdm(batches, desc=f"{client} round {rnd} epoch {epoch + 1}", leave=False)
-        windows = accumulation_weights(batches, cfg.grad_accum_steps, kd.normalisation)
-        optimizer.zero_grad(set_to_none=True)
-        for i, batch in enumerate(iterator):
-            hard_mask = None
-            if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match the labels
-                hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
-            logits_local, logits_global = _forward_logits(model, batch, two_paths, cache, teacher_cache)
-            labels = batch.labels.to(model.device)
-            out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
-            loss = out.loss
-            if reference is not None:
-                prox = sum(((p - r) ** 2).sum() for p, r in zip(params, reference))
-                proximal_value = float(0.5 * proximal_mu * prox.detach())
-                loss = loss + 0.5 * proximal_mu * prox
-            # Each micro-batch's share of its optimizer step (its tokens / the step's tokens), so a step's gradient
-            # is that of the mean over the whole effective batch; the proximal term enters each step once.
-            (loss * windows[i]).backward()
-            if (i + 1) % cfg.grad_accum_steps == 0 or i + 1 == len(batches):
-                optimizer.step()
+        setting = client_privacy(plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds,
+                                 cfg.local_epochs, where=f"{plan.source}: client {client!r}")
+        dp = DPSGDStep(model.adapter_sets["local"], setting, derived_seed(seed, "dp-noise"))
+    try:
+        for epoch in range(cfg.local_epochs):
+            if dp is None:
+                steps = _accumulation_steps(model, examples, mcfg, cfg, kd.normalisation, derived_seed(seed, epoch))
+            else:
+                steps = _poisson_steps(model, examples, mcfg, cfg, kd.normalisation, dp.setting,
+                                       derived_seed(seed, epoch, "poisson"))
+            iterator = steps
+            if progress:
+                from tqdm import tqdm
+
+                iterator = tqdm(steps, desc=f"{client} round {rnd} epoch {epoch + 1}", leave=False)
+            for step in iterator:
                 optimizer.zero_grad(set_to_none=True)
+                for batch, weight in step:
+                    hard_mask = None
+                    if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
+                        hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
+                    logits_local, logits_global = _forward_logits(model, batch, two_paths, cache, teacher_cache)
+                    labels = batch.labels.to(model.device)
+                    out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
+                    loss = out.loss
+                    if dp is not None:
+                        # weight turns the batch mean into the sum of per-example losses (pipeline.privacy)
+                        (loss * weight).backward()
+                        dp.accumulate()
+                    else:
+                        if reference is not None:
+                            prox = sum(((p - r) ** 2).sum() for p, r in zip(params, reference))
+                            proximal_value = float(0.5 * proximal_mu * prox.detach())
+                            loss = loss + 0.5 * proximal_mu * prox
+                        # Each micro-batch's share of its optimizer step (its tokens / the step's tokens), so a
+                        # step's gradient is that of the mean over the whole effective batch; the proximal term
+                        # enters each step once.
+                        (loss * weight).backward()
+                    n_tok = int(out.n_tokens)
+                    valid = labels != IGNORE_INDEX
+                    gate = out.gate.detach() & valid if out.gate is not None else torch.zeros_like(valid)
+                    n_kd = int(gate.sum())
+                    sums["loss"] += float(out.loss.detach()) * n_tok
+                    sums["ce"] += float(out.ce_mean) * n_tok
+                    sums["kd"] += float(out.kd_mean) * n_kd
+                    sums["tokens"] += n_tok
+                    sums["kd_tokens"] += n_kd
+                    if two_paths:
+                        gate_parts.append(_gate_rows(batch, labels, out.entropy.detach(), gate, client, rnd))
+                if dp is not None:
+                    dp.finish()
+                    if reference is not None:  # data-independent: added after the noise, outside the clipping
+                        with torch.no_grad():
+                            proximal_value = float(0.5 * proximal_mu * sum(((p - r) ** 2).sum()
+                                                                           for p, r in zip(params, reference)))
+                            for p, r in zip(params, reference):
+                                p.grad.add_(proximal_mu * (p - r))
+                optimizer.step()
                 n_steps += 1
-            n_tok = int(out.n_tokens)
-            valid = labels != IGNORE_INDEX
-            gate = out.gate.detach() & valid if out.gate is not None else torch.zeros_like(valid)
-            n_kd = int(gate.sum())
-            sums["loss"] += float(out.loss.detach()) * n_tok
-            sums["ce"] += float(out.ce_mean) * n_tok
-            sums["kd"] += float(out.kd_mean) * n_kd
-            sums["tokens"] += n_tok
-            sums["kd_tokens"] += n_kd
-            if two_paths:
-                gate_parts.append(_gate_rows(batch, labels, out.entropy.detach(), gate, client, rnd))
+    finally:
+        if dp is not None:
+            dp.close()
     model.train(False)
     for p in params:
         p.requires_grad_(False)
@@ -384,6 +456,9 @@ def train_local(
         kd_fraction=sums["kd_tokens"] / tokens,
         proximal=proximal_value,
         gate_log=gate_log,
+        privacy=dp.setting if dp is not None else None,
+        dp_examples=dp.examples if dp is not None else 0,
+        dp_clipped=dp.clipped if dp is not None else 0,
     )
 
 

@@ -199,7 +199,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
     from pipeline import federated as fed
-    from pipeline.train import TrainRecorder, _backbone_name, summarize, write_rounds
+    from pipeline.train import TrainRecorder, _backbone_name, privacy_metrics, summarize, write_rounds
 
     rc = dict(context.run_config)
     plan_path = fed._plan_path(None, context)
@@ -254,7 +254,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
                             if v["best_val_loss"] is not None} | {
             "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
-            "peak_rss_mb": metrics["peak_rss_mb"]}, step=plan.train.rounds)
+            "peak_rss_mb": metrics["peak_rss_mb"]} | privacy_metrics(metrics), step=plan.train.rounds)
         for f in (out_dir / GLOBAL_ADAPTER, out_dir / "metrics.json", out_dir / "rounds.json",
                   out_dir / "experiment.json"):
             logger.log_artifact(f)

@@ -69,6 +69,8 @@ CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
+PRIVACY_KEY = "privacy"  # context.state: DP-SGD steps taken over all rounds so far (the accountant's history)
+DP_STEPS = "dp-steps"  # in a client checkpoint's progress: the same count, so a resumed client keeps composing
 TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the client has not trained yet
 IDENTIFY = "query.identify"
 
@@ -77,6 +79,11 @@ IDENTIFY = "query.identify"
 # is the number of examples it trained on this round (fewer than |D_i| under max_train_examples_per_client).
 TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
                      "kd-fraction", "proximal")
+# Added under privacy.mode example (pipeline.privacy): the accountant's epsilon after all the client's steps so far
+# (-1 = unbounded), its delta, sigma, C (-1 = no clipping), q, the cumulative steps, and this round's per-example
+# gradients and how many of them were clipped.
+PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
+                       "dp-steps", "dp-examples", "dp-clipped")
 
 
 def _lossy(plan: Plan) -> bool:
@@ -172,6 +179,8 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     last = earlier[-1]
     progress = json.loads((ckpt / f"round{last:03d}.json").read_text())
     trained = bool(progress.pop(TRAINED_FLAG, 1))
+    if DP_STEPS in progress:
+        context.state[PRIVACY_KEY] = MetricRecord({"steps": int(progress.pop(DP_STEPS))})
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     if not trained:
         return None
@@ -236,8 +245,30 @@ def client_train(msg: Message, context: Context) -> Message:
         "kd-fraction": float(result.kd_fraction),
         "proximal": float(result.proximal),
     })
+    if result.privacy is not None:
+        metrics.update(_privacy_metrics(context, result))
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
+
+
+def _privacy_metrics(context: Context, result: client_training.LocalTrainResult) -> dict[str, float | int]:
+    """Compose this round's DP-SGD steps with the client's earlier ones (context.state) and report the
+    accountant's (epsilon, delta) so far, the setting, and the clipped per-example gradients of this round."""
+    setting = result.privacy
+    before = int(context.state[PRIVACY_KEY]["steps"]) if PRIVACY_KEY in context.state else 0
+    total = before + int(result.n_steps)
+    context.state[PRIVACY_KEY] = MetricRecord({"steps": total})
+    eps = setting.epsilon(total)
+    return {
+        "dp-epsilon": float(eps) if eps != float("inf") else -1.0,  # -1: no bound (noise multiplier 0)
+        "dp-delta": float(setting.delta),
+        "dp-noise-multiplier": float(setting.noise_multiplier),
+        "dp-max-grad-norm": float(setting.max_grad_norm) if setting.max_grad_norm != float("inf") else -1.0,
+        "dp-sample-rate": float(setting.sample_rate),
+        "dp-steps": int(total),
+        "dp-examples": int(result.dp_examples),
+        "dp-clipped": int(result.dp_clipped),
+    }
 
 
 @client_app.evaluate()
@@ -284,7 +315,8 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     # checkpoint of this round exists, so a kill in between still finds a consistent state.
     ckpt = client_checkpoint_dir(plan, name, context)
     client_training.save_adapter(ckpt / f"round{rnd:03d}.safetensors", local)
-    atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained)}))
+    dp_steps = {DP_STEPS: int(context.state[PRIVACY_KEY]["steps"])} if PRIVACY_KEY in context.state else {}
+    atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained), **dp_steps}))
     for old in _checkpoint_rounds(ckpt):
         if old < rnd - 1 or old > rnd:
             (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
@@ -503,6 +535,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                 "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
                 "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
             })
+            if "dp-epsilon" in m:
+                row.update(privacy_row(m))
         answered = {node_names[r.metadata.src_node_id] for r in replies}
         for name, row in rows.items():
             if row["sampled"] and name not in answered:
@@ -549,6 +583,18 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         save_server_checkpoint(plan, rnd, arrays, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, aggregated), history)
     return arrays, history
+
+
+def privacy_row(m: MetricRecord) -> dict[str, Any]:
+    """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
+    def bounded(key: str) -> float | None:
+        return None if float(m[key]) < 0 else float(m[key])
+
+    examples, clipped = int(m["dp-examples"]), int(m["dp-clipped"])
+    return {"epsilon": bounded("dp-epsilon"), "delta": float(m["dp-delta"]),
+            "noise_multiplier": float(m["dp-noise-multiplier"]), "max_grad_norm": bounded("dp-max-grad-norm"),
+            "sample_rate": float(m["dp-sample-rate"]), "dp_steps": int(m["dp-steps"]), "dp_examples": examples,
+            "dp_clipped": clipped, "clipped_fraction": clipped / examples if examples else 0.0}
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:

@@ -7,6 +7,9 @@ it affects: tau is written only for methods that read it (selective KD) - `dvc e
 selective-KD experiments and nothing else; KD, proximal and server-optimiser settings likewise appear only in
 plans of methods that use them, transfer and FedAvg-weighting settings only in federated plans (transfer_delta
 only with a lossy transfer_dtype, weight_by only under a train-size cap). The POS-tag file's hash enters only the `hardkd` plans.
+The `privacy` group enters federated plans only, and only when its mode is not `none` (DP-SGD protects what a
+client sends; `single` and `centralized` send nothing), so `dvc exp run -S privacy.mode=example ...` reruns the
+federated experiments.
 
     python -m pipeline.plan [--params params.yaml] [--out models/plans]
 """
@@ -27,6 +30,7 @@ from pipeline.losses import TAU_SCALES
 from pipeline.methods import MethodSpec, get_method
 from pipeline.model import ModelConfig
 from pipeline.partition_schemes import SCHEMES
+from pipeline.privacy import PrivacyConfig
 from pipeline.strategies import FedOptConfig
 
 PLANS_DIR = Path("models/plans")
@@ -230,6 +234,14 @@ def resolve_plan(name: str, entry: ExperimentEntry, params: dict[str, Any]) -> d
                               f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
     elif entry.tau is not None:
         raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+    privacy = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy")
+    if privacy.enabled and method.federated:
+        if method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
+            # the gate of every token would depend on the other examples of its batch: no per-example bound
+            raise ConfigError(f"params.yaml experiments.{name}: privacy.mode {privacy.mode} needs a per-example "
+                              f"loss, but train.tau_scale batch_quantile gates each token by a quantile over the "
+                              f"whole batch; use absolute or max_entropy")
+        plan["privacy"] = to_dict(privacy)
     if method.uses_postags:
         plan["paths"]["postags"] = POSTAGS
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
@@ -252,6 +264,7 @@ class Plan:
     paths: dict[str, str]
     tau: float | None = None
     postags_md5: str | None = None
+    privacy: PrivacyConfig | None = None  # DP-SGD of the client's training (absent = none)
     source: str = ""  # the plan file it was read from
 
     @property
@@ -261,6 +274,8 @@ class Plan:
     def to_json_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("source")
+        if d["privacy"] is None:
+            d.pop("privacy")  # plans without privacy keep their hash (and their checkpoints)
         return d
 
 
@@ -280,8 +295,9 @@ def read_plan(path: str | Path) -> Plan:
         raise FileNotFoundError(f"{p}: plan file not found (run `python -m pipeline.plan` first)")
     raw = json.loads(p.read_text())
     train = from_dict(TrainConfig, raw.pop("train", {}), f"{p}: train")
+    privacy = from_dict(PrivacyConfig, raw.pop("privacy"), f"{p}: privacy") if raw.get("privacy") else None
     try:
-        plan = Plan(train=train, source=str(p), **raw)
+        plan = Plan(train=train, privacy=privacy, source=str(p), **raw)
     except TypeError as exc:
         raise ConfigError(f"{p}: not a plan file ({exc})") from None
     try:

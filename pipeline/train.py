@@ -37,7 +37,10 @@ from pipeline.timing import peak_rss_mb, stage_timer
 
 log = logging.getLogger("fedmeet.train")
 
-ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share")
+ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share",
+                "epsilon", "clipped_fraction")  # the last two under privacy.mode example only
+# A client's DP-SGD report in metrics.json and MLflow (pipeline.privacy; None = unbounded)
+PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
 
 
 # ----------------------------------------------------------------------------------------------- recording
@@ -237,11 +240,27 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         if row.get("weight") is not None:
             c["fedavg_weight"] = row["weight"]  # |D_i| (train.weight_by: full) or the trained count
     for name, c in clients.items():
+        dp_rows = [r for r in history if r["client"] == name and "noise_multiplier" in r]
+        if dp_rows:  # epsilon after the client's last training round (the accountant composes every step)
+            last = max(dp_rows, key=lambda r: r["dp_steps"])
+            examples = sum(r["dp_examples"] for r in dp_rows)
+            c["privacy"] = {
+                "epsilon": last["epsilon"], "delta": last["delta"], "noise_multiplier": last["noise_multiplier"],
+                "max_grad_norm": last["max_grad_norm"],
+                "clipped_fraction": sum(r["dp_clipped"] for r in dp_rows) / examples if examples else 0.0,
+                "steps": last["dp_steps"], "sample_rate": last["sample_rate"],
+            }
         upto = [r for r in history if r["client"] == name and r["round"] <= c["best_round"] and r.get("n_tokens")]
         tokens = sum(r["n_tokens"] for r in upto)
         kd_tokens = sum(r["n_tokens"] * r.get("kd_fraction", 0.0) for r in upto)
         c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else 0.0
     vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
+    privacy = None
+    if plan.privacy is not None and plan.privacy.enabled:
+        eps = [c["privacy"]["epsilon"] for c in clients.values() if "privacy" in c]
+        privacy = {"mode": plan.privacy.mode, "accountant": plan.privacy.accountant, "sampling": "poisson",
+                   "target_epsilon": plan.privacy.target_epsilon,
+                   "epsilon_max": None if (not eps or None in eps) else max(eps)}
     return {
         "experiment": plan.experiment,
         "method": plan.method,
@@ -255,7 +274,17 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         "bytes_received": sum(c["bytes_received"] for c in clients.values()),
         "seconds_per_round": sum(round_seconds) / len(round_seconds) if round_seconds else None,
         "peak_rss_mb": peak_rss_mb(),
+        "privacy": privacy,
     }
+
+
+def privacy_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded values left out)."""
+    out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
+           for k in PRIVACY_FIELDS if v["privacy"][k] is not None}
+    if metrics.get("privacy") and metrics["privacy"]["epsilon_max"] is not None:
+        out["epsilon_max"] = metrics["privacy"]["epsilon_max"]
+    return out
 
 
 def _backbone_name(plan: Plan) -> str:
@@ -343,7 +372,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
         logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
                             if v["best_val_loss"] is not None} | {
             "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
-            "peak_rss_mb": metrics["peak_rss_mb"]}, step=plan.train.rounds)
+            "peak_rss_mb": metrics["peak_rss_mb"]} | privacy_metrics(metrics), step=plan.train.rounds)
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
         for client_dir in sorted((out_dir / "clients").iterdir()):
             for f in sorted(client_dir.glob("adapter_*.safetensors")):

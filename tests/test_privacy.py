@@ -1,0 +1,424 @@
+"""Example-level DP-SGD (pipeline/privacy.py): the accountant against published numbers, per-example clipping
+(hand-computed and on the real adapters), the noise's standard deviation, the noise-free unclipped control
+against the non-private trainer, target_epsilon, the `privacy` params group, and a tiny federated run."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import ConfigError, from_dict
+from pipeline.privacy import ClientPrivacy, DPSGDStep, PrivacyConfig, client_privacy, epsilon
+from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
+
+
+def _setting(sigma: float = 0.0, c: float = 1.0, logical_batch: int = 2) -> ClientPrivacy:
+    return ClientPrivacy(noise_multiplier=sigma, max_grad_norm=c, sample_rate=0.5, logical_batch=logical_batch,
+                         steps_per_epoch=1, planned_steps=1, delta=1e-5, accountant="rdp", n_examples=4)
+
+
+# ------------------------------------------------------------------------------------------ accountant
+# TensorFlow Privacy's README ("Select Parameters", MNIST tutorial): N=60000, batch 256, delta 1e-5, Poisson
+# sampling, RDP orders 1.1..10.9 and 12..63, the classical conversion eps = min_a rdp(a) + log(1/delta)/(a-1).
+PUBLISHED = [(1.1, 60, 3.01), (1.3, 15, 1.19), (0.7, 45, 7.10)]
+
+
+@pytest.mark.parametrize("sigma,epochs,published", PUBLISHED)
+def test_rdp_accountant_reproduces_tf_privacy_published_epsilons(sigma, epochs, published):
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    q, steps, delta = 256 / 60000, math.ceil(epochs * 60000 / 256), 1e-5
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders)
+    classical = min(r + math.log(1 / delta) / (a - 1) for r, a in zip(rdp, orders))
+    assert round(classical, 2) == published
+    # What a client reports: the same RDP curve with opacus' tighter conversion (Balle et al. 2020), so a valid
+    # bound at or below the published one, not far below it.
+    reported = epsilon(sigma, q, steps, delta, "rdp")
+    assert 0.75 * published < reported <= published
+
+
+def test_prv_accountant_agrees_with_rdp_within_its_slack():
+    q, steps, delta = 256 / 60000, math.ceil(60 * 60000 / 256), 1e-5
+    prv, rdp = epsilon(1.1, q, steps, delta, "prv"), epsilon(1.1, q, steps, delta, "rdp")
+    assert 0.7 * rdp < prv <= rdp  # PRV is the tighter accountant (Gopi et al. 2021)
+
+
+def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
+    assert epsilon(1.0, 0.5, 0, 1e-3) == 0.0
+    assert epsilon(1.0, 0.5, 3, 1e-3) < epsilon(1.0, 0.5, 6, 1e-3)
+    assert epsilon(0.0, 0.5, 3, 1e-3) == math.inf
+
+
+def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
+    accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
+    cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
+    s = client_privacy(cfg, n_examples=16, logical_batch=8, rounds=3, local_epochs=1)
+    assert (s.sample_rate, s.steps_per_epoch, s.planned_steps, s.delta) == (0.5, 2, 6, 1 / 16)
+    eps = s.epsilon(s.planned_steps)
+    assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
+    assert s.epsilon(s.planned_steps - 2) < eps  # a client that trained fewer rounds stays below it
+    assert epsilon(0.9 * s.noise_multiplier, 0.5, 6, 1 / 16, accountant) > 3.0  # and the search is not loose
+
+
+# ------------------------------------------------------------------------------------------ the step
+class _Lin(torch.nn.Module):
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.lin = torch.nn.Linear(d_in, d_out, bias=False)
+        torch.nn.init.zeros_(self.lin.weight)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_clipping_bounds_each_example_hand_computed():
+    # loss = sum_i w . x_i: the gradient of example i is x_i; ||x_1|| = 5 (clipped to C = 1), ||x_2|| = 0.5 (kept)
+    m = _Lin(2, 1)
+    step = DPSGDStep(m, _setting(sigma=0.0, c=1.0, logical_batch=2), seed=0)
+    try:
+        x = torch.tensor([[[3.0, 4.0]], [[0.3, 0.4]]])  # [B=2, T=1, H=2], the adapters' layout
+        m(x).sum().backward()
+        norms = step.accumulate()
+        step.finish()
+        np.testing.assert_allclose(norms.numpy(), [5.0, 0.5], rtol=1e-6)
+        # (3, 4) / (5 + 1e-6) + (0.3, 0.4), over the expected batch size 2
+        expected = (torch.tensor([3.0, 4.0]) / (5.0 + 1e-6) + torch.tensor([0.3, 0.4])) / 2
+        torch.testing.assert_close(m.lin.weight.grad[0], expected, rtol=1e-6, atol=1e-7)
+        assert (step.clipped, step.examples) == (1, 2)
+    finally:
+        step.close()
+    assert not hasattr(m.lin.weight, "grad_sample")
+
+
+def test_micro_batches_of_a_step_are_clipped_per_example_and_summed():
+    # the same two examples as two micro-batches of one step: same result as one batch of two
+    m = _Lin(2, 1)
+    step = DPSGDStep(m, _setting(sigma=0.0, c=1.0, logical_batch=2), seed=0)
+    try:
+        for x in (torch.tensor([[[3.0, 4.0]]]), torch.tensor([[[0.3, 0.4]]])):
+            m(x).sum().backward()
+            step.accumulate()
+        step.finish()
+        expected = (torch.tensor([3.0, 4.0]) / (5.0 + 1e-6) + torch.tensor([0.3, 0.4])) / 2
+        torch.testing.assert_close(m.lin.weight.grad[0], expected, rtol=1e-6, atol=1e-7)
+    finally:
+        step.close()
+
+
+def test_noise_has_the_configured_standard_deviation():
+    from scipy import stats
+
+    sigma, c, batch = 1.5, 2.0, 4
+    m = _Lin(100, 200)  # 20,000 coordinates
+    step = DPSGDStep(m, _setting(sigma=sigma, c=c, logical_batch=batch), seed=123)
+    try:
+        step.finish()  # an empty Poisson batch: the update is the noise alone
+        a = m.lin.weight.grad.flatten().double().numpy().copy()
+        step.finish()
+        b = m.lin.weight.grad.flatten().double().numpy()
+    finally:
+        step.close()
+    expected_std = sigma * c / batch  # 0.75
+    n = a.size
+    assert abs(a.std() - expected_std) < 5 * expected_std / math.sqrt(2 * n)  # 5 standard errors of the std
+    assert abs(a.mean()) < 5 * expected_std / math.sqrt(n)
+    assert stats.kstest(a / expected_std, "norm").pvalue > 1e-3
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(n)  # a fresh draw every step
+
+
+# ------------------------------------------------------------------------------------------ params group
+def test_privacy_group_validation():
+    ok = from_dict(PrivacyConfig, {"mode": "example", "target_epsilon": 3}, "privacy")
+    assert ok.enabled and ok.delta is None
+    assert not from_dict(PrivacyConfig, {}, "privacy").enabled
+    bad = [
+        ({"mode": "client"}, "mode must be one of"),
+        ({"mode": "example"}, "exactly one of noise_multiplier and target_epsilon"),
+        ({"mode": "example", "noise_multiplier": 1.0, "target_epsilon": 3}, "exactly one"),
+        ({"mode": "none", "target_epsilon": 3}, "mode is 'none'"),
+        ({"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": math.inf}, "needs noise_multiplier 0"),
+        ({"mode": "example", "noise_multiplier": -1.0}, "noise_multiplier must be"),
+        ({"mode": "example", "noise_multiplier": 1.0, "delta": 1.5}, "delta must be in (0, 1)"),
+        ({"mode": "example", "noise_multiplier": 1.0, "accountant": "gdp"}, "accountant must be one of"),
+        ({"mode": "example", "noise_multiplier": 1.0, "secure_aggregation": True}, "unknown key"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(ConfigError, match="^privacy") as exc:
+            from_dict(PrivacyConfig, raw, "privacy")
+        assert message in str(exc.value), (raw, str(exc.value))
+
+
+def test_delta_defaults_to_one_over_the_clients_examples_and_needs_two():
+    cfg = PrivacyConfig(mode="example", noise_multiplier=1.0)
+    assert client_privacy(cfg, 40, 8, 3, 1).delta == 1 / 40
+    assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6), 40, 8, 3, 1).delta == 1e-6
+    with pytest.raises(ValueError, match="set privacy.delta"):
+        client_privacy(cfg, 1, 8, 3, 1, where="client x")
+
+
+def _params(privacy: dict | None, **train) -> dict:
+    return {"tau": 5.0, "model": dict(MODEL), "train": {**TRAIN, **train}, **({"privacy": privacy} if privacy else {})}
+
+
+def test_privacy_enters_federated_plans_only_and_only_when_on():
+    from pipeline.plan import ExperimentEntry, resolve_plan
+
+    on = {"mode": "example", "target_epsilon": 3.0}
+    off = {"mode": "none", "max_grad_norm": 2.0}
+    for method in ("fedavg", "fedselectkd", "fedprox", "single", "centralized"):
+        entry = ExperimentEntry(method=method, partition="domain/seed0")
+        plain = resolve_plan("x", entry, _params(None))
+        assert resolve_plan("x", entry, _params(off)) == plain  # mode none: the plan (and its hash) is unchanged
+        private = resolve_plan("x", entry, _params(on))
+        if method in ("single", "centralized"):
+            assert private == plain
+        else:
+            assert private["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3.0,
+                                          "max_grad_norm": 1.0, "delta": None, "accountant": "rdp"}
+    with pytest.raises(ConfigError, match="batch_quantile"):
+        resolve_plan("x", ExperimentEntry(method="fedselectkd", partition="domain/seed0", tau=0.5),
+                     _params(on, tau_scale="batch_quantile"))
+
+
+def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
+    import yaml
+
+    repo = Path(__file__).resolve().parents[1]
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    cfg = from_dict(PrivacyConfig, params["privacy"], "params.yaml privacy")
+    assert cfg.mode == "none"
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    readers = sorted(name for name, st in stages.items()
+                     if "privacy" in (st.get("params") or st.get("do", {}).get("params") or []))
+    assert readers == ["plan"]  # the train stages read their plan file, which carries the group
+
+
+# ------------------------------------------------------------------------------------------ on the model
+def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None = None, **train) -> str:
+    from pipeline.plan import ExperimentEntry, resolve_plan
+
+    params = _params(privacy, **train)
+    params["model"].update(model or {})
+    entry = ExperimentEntry(method=method, partition="domain/seed0", seed=0, study="tests-privacy")
+    path = Path("models/plans") / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(resolve_plan(name, entry, params), indent=2, sort_keys=True))
+    return str(path)
+
+
+def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
+    """Record the gradients each AdamW step of the local trainer receives."""
+    from pipeline import client_training
+
+    seen: list[list[torch.Tensor]] = []
+
+    class Spy(torch.optim.AdamW):
+        def step(self, closure=None):
+            seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+            return super().step(closure)
+
+    monkeypatch.setattr(client_training.torch.optim, "AdamW", Spy)
+    return seen
+
+
+def _train_once(plan_path: str, client: str = "Committee"):
+    from pipeline import client_training
+    from pipeline.plan import read_plan
+
+    plan = read_plan(plan_path)
+    model = client_training.shared_model(plan)
+    initial = client_training.initial_adapter_state(plan)
+    model.load_adapter_state("local", initial)
+    model.load_adapter_state("global", initial)
+    data = client_training.client_data(plan, client)
+    mu = plan.train.proximal_mu if plan.spec.proximal else 0.0
+    result = client_training.train_local(model, plan, data.train, client=client, rnd=1,
+                                         proximal_reference=initial if mu else None, proximal_mu=mu)
+    return result, model.adapter_state("local")
+
+
+@pytest.mark.parametrize("method,normalisation,max_target,epochs", [
+    ("fedselectkd", "sequences", 12, 1), ("fedselectkd", "tokens", 4, 1), ("fedprox", "sequences", 12, 2)])
+def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, method, normalisation, max_target,
+                                                          epochs):
+    # q = 1 (batch >= the client's 6 examples): the Poisson batch is every example, as the one non-private batch.
+    # With tokens the per-example loss divides by max_target_length: equal when every target fills it (4 tokens).
+    # fedprox over 2 epochs: the second step's proximal gradient (large mu) enters after the noise, as in the loss.
+    seen = _spy_grads(monkeypatch)
+    common = dict(batch_size=8, loss_normalisation=normalisation, prefix_cache=False, local_epochs=epochs,
+                  proximal_mu=20.0)
+    plain = _write_plan("dp-off", method, None, {"max_target_length": max_target}, **common)
+    control = _write_plan("dp-control", method, {"mode": "example", "noise_multiplier": 0.0,
+                                                 "max_grad_norm": math.inf},
+                          {"max_target_length": max_target}, **common)
+    res_plain, state_plain = _train_once(plain)
+    res_dp, state_dp = _train_once(control)
+    assert len(seen) == 2 * epochs and res_plain.n_steps == res_dp.n_steps == epochs
+    seen = [seen[:epochs], seen[epochs:]]
+    if method == "fedprox":  # the proximal term did act in the second step
+        assert res_dp.proximal > 0 and res_dp.proximal == pytest.approx(res_plain.proximal, rel=1e-4)
+    assert res_dp.privacy.sample_rate == 1.0 and res_dp.dp_examples == 6 * epochs and res_dp.dp_clipped == 0
+    for step_plain, step_dp in zip(*seen):
+        for g_plain, g_dp in zip(step_plain, step_dp):
+            # float32 sums in another order (one batch vs per-example sums): agree to rounding
+            torch.testing.assert_close(g_dp, g_plain, rtol=1e-4, atol=1e-7)
+    for k in state_plain:
+        torch.testing.assert_close(state_dp[k], state_plain[k], rtol=1e-4, atol=1e-6)
+    assert res_dp.train_loss == pytest.approx(res_plain.train_loss, rel=1e-6)
+
+
+def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(ws, monkeypatch):
+    # Per-example gradients from opacus' hooks on the real adapter set equal each example trained alone (no
+    # coupling through the batch: padding, packing, the KD gate), and after clipping none exceeds C.
+    from pipeline import client_training
+    from pipeline.data import make_batches
+    from pipeline.losses import distillation_loss
+    from pipeline.plan import read_plan
+
+    plan = read_plan(_write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0},
+                                 prefix_cache=False))
+    model = client_training.shared_model(plan)
+    initial = client_training.initial_adapter_state(plan)
+    up = {k: (torch.randn_like(v) * 0.05 if ".up." in k else v) for k, v in initial.items()}  # nonzero W_up
+    model.load_adapter_state("local", up)
+    model.load_adapter_state("global", initial)
+    data = client_training.client_data(plan, "Committee").train.iloc[:2]
+    mcfg, kd = client_training.model_config(plan), client_training.kd_config(plan)
+
+    def batch_of(df):
+        return make_batches(df, model.tokenizer, mcfg, 2, False, 0, model.decoder_start_token_id,
+                            model.pad_token_id)[0]
+
+    params = model.local_parameters()
+    for p in params:
+        p.requires_grad_(True)
+    model.train(True)  # opacus captures activations in training mode only (train_local trains in it)
+    alone = []
+    for i in range(2):
+        b = batch_of(data.iloc[i:i + 1])
+        ll, lg = client_training._forward_logits(model, b, True, None)
+        out = distillation_loss(ll, lg, b.labels, kd)
+        grads = torch.autograd.grad(out.loss * client_training.per_example_loss_scale(b, "tokens", 12), params)
+        alone.append(torch.cat([g.flatten() for g in grads]))
+    c = 0.5 * float(min(a.norm() for a in alone))  # both examples get clipped
+    step = DPSGDStep(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), seed=0)
+    try:
+        b = batch_of(data)
+        ll, lg = client_training._forward_logits(model, b, True, None)
+        out = distillation_loss(ll, lg, b.labels, kd)
+        (out.loss * client_training.per_example_loss_scale(b, "tokens", 12)).backward()
+        per_example = [torch.cat([p.grad_sample[i].flatten() for p in params]) for i in range(2)]
+        for got, want in zip(per_example, alone):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+        norms = step.accumulate()
+        step.finish()  # logical batch 1: p.grad is the sum of the clipped gradients
+    finally:
+        step.close()
+        model.train(False)
+        for p in params:
+            p.requires_grad_(False)
+    total = torch.cat([p.grad.flatten() for p in params])
+    clipped = [a * min(1.0, c / (float(a.norm()) + 1e-6)) for a in alone]
+    torch.testing.assert_close(total, clipped[0] + clipped[1], rtol=1e-4, atol=1e-7)
+    assert all(float(x.norm()) <= c * (1 + 1e-5) for x in clipped) and step.clipped == 2
+    np.testing.assert_allclose(norms.numpy(), [float(a.norm()) for a in alone], rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
+    import mlflow
+
+    from pipeline.train import run_experiment
+
+    name = "dp-fedselectkd"
+    metrics = run_experiment(_write_plan(name, "fedselectkd", {"mode": "example", "target_epsilon": 3.0}))
+    n_train = {"Academic": 4, "Committee": 6, "Product": 5}
+    assert sorted(metrics["clients"]) == sorted(n_train)
+    for client, c in metrics["clients"].items():
+        p = c["privacy"]
+        assert 2.9 < p["epsilon"] <= 3.0  # every round trained: the planned steps, so close to the target
+        assert p["delta"] == pytest.approx(1 / n_train[client])
+        assert p["steps"] == TRAIN["rounds"] * math.ceil(n_train[client] / TRAIN["batch_size"])
+        assert p["max_grad_norm"] == 1.0 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
+    assert metrics["privacy"]["epsilon_max"] <= 3.0
+    assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text())["privacy"]["mode"] == "example"
+    history = json.loads(Path(f"models/{name}/rounds.json").read_text())
+    eps_by_round = {(r["client"], r["round"]): r["epsilon"] for r in history}
+    for client in n_train:  # the accountant composes across rounds
+        assert eps_by_round[(client, 1)] < eps_by_round[(client, 2)] == metrics["clients"][client]["privacy"][
+            "epsilon"]
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    run = mlflow.search_runs(experiment_names=["tests-privacy"], filter_string=f"tags.experiment = '{name}'").iloc[0]
+    for client in n_train:
+        assert run[f"metrics.{client}.epsilon"] <= 3.0
+        for key in ("delta", "noise_multiplier", "max_grad_norm", "clipped_fraction"):
+            assert not np.isnan(run[f"metrics.{client}.{key}"])
+    assert run["params.privacy.target_epsilon"] == "3.0"
+
+
+def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
+    # The in-process engine's contexts die with the killed run: the step count must come back from the client's
+    # checkpoint, or round 2 would report the epsilon of one round.
+    from pipeline import federated
+    from pipeline.train import run_experiment
+
+    path = _write_plan("dp-resume", "fedavg", {"mode": "example", "noise_multiplier": 1.0})
+    real_save = federated.save_server_checkpoint
+
+    class Killed(Exception):
+        pass
+
+    def save_then_die(plan, rnd, *args, **kwargs):
+        real_save(plan, rnd, *args, **kwargs)
+        if rnd == 1:
+            raise Killed("simulated kill after round 1")
+
+    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    with pytest.raises(Killed):
+        run_experiment(path, track=False)
+    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
+    metrics = run_experiment(path, track=False)
+    for client, n in {"Academic": 4, "Committee": 6, "Product": 5}.items():
+        per_round = math.ceil(n / TRAIN["batch_size"])
+        p = metrics["clients"][client]["privacy"]
+        assert p["steps"] == 2 * per_round
+        assert p["epsilon"] == pytest.approx(epsilon(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1 / n))
+
+
+def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from pipeline import client_training
+    from pipeline.federated import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS, _set_server_identity, client_app
+    from pipeline.plan import read_plan
+
+    path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0,
+                                                   "max_grad_norm": 0.5})
+    plan = read_plan(path)
+    _set_server_identity(1)
+    initial = client_training.initial_adapter_state(plan)
+    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
+                      run_config={})
+    replies = []
+    for rnd in (1, 2):
+        msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
+                                  "config": ConfigRecord({"server-round": rnd, "plan": path})}),
+                      dst_node_id=1000, message_type="train")
+        msg.metadata.__dict__["_message_id"] = f"x{rnd}"
+        replies.append(client_app(msg, context).content["metrics"])
+    per_round = math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples, q = 4/6
+    for rnd, m in enumerate(replies, start=1):
+        assert set(m.keys()) == set(TRAIN_METRIC_KEYS) | set(PRIVACY_METRIC_KEYS)
+        assert all(isinstance(v, (int, float)) for v in m.values())
+        assert m["dp-steps"] == rnd * per_round and m["num-steps"] == per_round
+        assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1 / 6))
+        assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1 / 6), 1.0, 0.5)
+        assert 0 <= m["dp-clipped"] <= m["dp-examples"]
+    assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
