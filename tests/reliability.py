@@ -252,6 +252,8 @@ def _kill_in_artifact_upload() -> None:
 # name -> (where the run dies, installer); the round numbers fit a 3-round run of the Academic/Committee/Product
 # domain partition (tests/test_federated.py).
 KILL_POINTS = {
+    "first-round": ("inside Committee's round-1 local training, before any checkpoint",
+                    lambda: _kill_in_local_training("Committee", 1, batch=2)),
     "local-training": ("inside Product's round-2 local training, after its first optimizer step",
                        lambda: _kill_in_local_training("Product", 2, batch=2)),
     "aggregated": ("right after the server aggregated round 2", lambda: _kill_after_aggregation(2)),

@@ -335,9 +335,10 @@ def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
             assert torch.equal(a[client][k], b[client][k]), (client, k)
 
 
-# A run SIGKILLed at each point in turn (each rerun resumes the previous leg's run and dies at the next point), then
-# run to its end: (kill point, the server checkpoint's round the kill leaves, temporaries it leaves, by glob).
+# A run SIGKILLed at each point in turn (each rerun resumes what the previous leg left and dies at the next point),
+# then run to its end: (kill point, the server checkpoint's round the kill leaves, temporaries it leaves, by glob).
 KILL_LEGS = [
+    ("first-round", None, []),  # nothing to resume: the rerun starts over (its MLflow run is a new one)
     ("local-training", 1, []),
     ("aggregated", 1, []),
     ("checkpoint-write", 1, ["models/{exp}/checkpoint/.server.*.tmp.pt"]),  # torn, beside the whole round-1 file
@@ -349,21 +350,25 @@ KILL_LEGS = [
 TIMING_METRICS = {"round_seconds", "peak_rss_mb"}  # measured by whichever process ran the round
 
 
-def _run_metrics(client, experiment: str):
+def _run_metrics(client, experiment: str, killed: int):
+    """The experiment's FINISHED MLflow run and its metric histories; besides it, ``killed`` runs marked KILLED
+    with no metric (runs killed before their first checkpoint)."""
     runs = client.search_runs(client.get_experiment_by_name("tests").experiment_id,
                               filter_string=f"tags.experiment = '{experiment}'")
-    assert len(runs) == 1, [r.info.run_id for r in runs]  # a resumed run continues its MLflow run
-    run = runs[0]
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] + ["KILLED"] * killed
+    assert all(r.data.metrics == {} for r in runs if r.info.status == "KILLED")
+    run = next(r for r in runs if r.info.status == "FINISHED")
     return run, {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
                  for k in run.data.metrics}
 
 
 @pytest.mark.timeout(240)
 def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws, tmp_path):
-    """Issue 15, item 6: the train stage SIGKILLed during local training, right after aggregation, inside the
-    checkpoint write, between rounds, between a round's checkpoint and its recording, inside the final writes and
-    the artifact upload; each rerun resumes after the last checkpointed round, and the last one ends with the
-    uninterrupted run's adapters (bit for bit), rounds, best rounds, gate log and MLflow metrics."""
+    """Issue 15, item 6: the train stage (3 rounds, 3 clients) SIGKILLed during local training (before the first
+    checkpoint, and later), right after aggregation, inside the checkpoint write, between rounds, between a round's
+    checkpoint and its recording, inside the final writes and the artifact upload; each rerun resumes after the
+    last checkpointed round, and the last one ends with the uninterrupted run's adapters (bit for bit), rounds,
+    best rounds, gate log and MLflow metrics."""
     import subprocess
     import sys
 
@@ -427,7 +432,7 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
     pd.testing.assert_frame_equal(ga, gb)
     # one MLflow run, resumed and finished, with each metric once per step and the uninterrupted run's values
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
-    (run_a, hist_a), (run_b, hist_b) = _run_metrics(client, ref), _run_metrics(client, exp)
+    (run_a, hist_a), (run_b, hist_b) = _run_metrics(client, ref, 0), _run_metrics(client, exp, 1)
     assert run_b.info.status == "FINISHED" and run_b.data.tags["fedmeet.resumed"] == "true"
     assert set(hist_a) == set(hist_b)
     for key in set(hist_a) - TIMING_METRICS:
