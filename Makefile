@@ -38,10 +38,11 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 # Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,
-# damaged caches and backbone, a killed federated run; writes reports/reliability.md.
+# damaged caches and backbone, a federated run killed at seven points; writes reports/reliability.md.
 RELIABILITY_TESTS := tests/test_reliability_*.py \
 	tests/test_cache.py::test_damaged_entry_is_counted_removed_and_recomputed_exactly \
-	tests/test_federated.py::test_killed_run_resumes_at_the_next_round
+	tests/test_federated.py::test_killed_run_resumes_at_the_next_round \
+	tests/test_federated.py::test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result
 reliability: setup
 	PYTHONPATH=tests $(BIN)/python -m pytest -q -p no:cacheprovider -p reliability_report \
 		--reliability-report reports/reliability.md $(RELIABILITY_TESTS)

@@ -208,7 +208,8 @@ def _has_valid_checkpoint(plan: Plan) -> bool:
 
 
 def merge_gate_logs(plan: Plan) -> Path:
-    """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet."""
+    """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet (the parts
+    stay until the run's checkpoint is gone: :func:`run_experiment`)."""
     out_dir = Path(plan.paths["out_dir"])
     parts = []
     for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet")):
@@ -217,8 +218,6 @@ def merge_gate_logs(plan: Plan) -> Path:
     df = pd.concat(parts, ignore_index=True) if parts else client_training.empty_gate_log()
     path = out_dir / "gate_log.parquet"
     atomic.to_parquet(df, path, index=False)
-    for d in out_dir.glob("clients/*/gate_log"):
-        shutil.rmtree(d)  # merged: the per-round parts were only needed to survive a restart
     return path
 
 
@@ -369,10 +368,12 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     atomic.write_text(out_dir / "metrics.json", text)
     if logger is not None:
         log_missing_rounds(logger, history)
-        logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
-                            if v["best_val_loss"] is not None} | {
-            "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
-            "peak_rss_mb": metrics["peak_rss_mb"]} | privacy_metrics(metrics), step=plan.train.rounds)
+        # Once per run: a run killed after this point (uploading the artifacts) resumes here.
+        if not logger.metric_history("bytes_sent_total"):
+            logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
+                                if v["best_val_loss"] is not None} | {
+                "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
+                "peak_rss_mb": metrics["peak_rss_mb"]} | privacy_metrics(metrics), step=plan.train.rounds)
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
         for client_dir in sorted((out_dir / "clients").iterdir()):
             for f in sorted(client_dir.glob("adapter_*.safetensors")):
@@ -381,6 +382,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
             logger.log_artifact(f)
         logger.finish("FINISHED")
     shutil.rmtree(out_dir / "checkpoint", ignore_errors=True)
+    # The per-round gate logs were only needed to survive a restart; removed after the checkpoint, since a run
+    # killed after the merge resumes from the checkpoint and merges them again.
+    for d in out_dir.glob("clients/*/gate_log"):
+        shutil.rmtree(d)
     return metrics
 
 

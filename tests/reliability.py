@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -135,3 +136,200 @@ def mlflow_worker(name: str, go: str, steps: int) -> None:
         run.log_metrics({"loss": 1.0 / (step + 1), "step_of": float(step)}, step)
     run.set_tags({"completed": "yes"})
     run.finish()
+
+
+def stage_worker(name: str, go: str, argv: list[str]) -> None:
+    """One train stage (``pipeline.train.main`` through ``pipeline.cli.run``, as ``python -m pipeline.train``
+    runs it), started when the file ``go`` appears: the imports are done first, so two workers open the store and
+    train at the same moment."""
+    import time
+
+    from pipeline import cli, train
+
+    Path(go).with_name(f"ready-{name}").touch()
+    while not Path(go).exists():
+        time.sleep(0.01)
+    raise SystemExit(cli.run(train.main, argv))
+
+
+# ---------------------------------------------------------------------- a federated run killed at named points
+# Each kill point is installed in a child process just before it runs the train stage; the child SIGKILLs itself
+# when the run reaches that point (nothing is timed: the point is a call the run makes).
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
+    """Inside ``client``'s round-``rnd`` training, at the loss of its ``batch``-th batch (after the optimizer steps
+    of the batches before it; the clients trained before it this round have written their gate logs)."""
+    from pipeline import client_training, losses
+
+    real_train, real_loss = client_training.train_local, losses.distillation_loss
+    state = {"armed": False, "batches": 0}
+
+    def train_local(*args, **kwargs):
+        state["armed"] = (kwargs["client"], kwargs["rnd"]) == (client, rnd)
+        try:
+            return real_train(*args, **kwargs)
+        finally:
+            state["armed"] = False
+
+    def distillation_loss(*args, **kwargs):
+        if state["armed"]:
+            state["batches"] += 1
+            if state["batches"] == batch:
+                _die()
+        return real_loss(*args, **kwargs)
+
+    client_training.train_local = train_local
+    losses.distillation_loss = distillation_loss  # train_local imports it at each call
+
+
+def _kill_after_aggregation(rnd: int) -> None:
+    """Right after the server's strategy aggregated round ``rnd`` (before the clients evaluate it)."""
+    from pipeline import federated
+
+    real_build = federated.build_strategy
+
+    def build_strategy(*args, **kwargs):
+        strategy = real_build(*args, **kwargs)
+        real_aggregate = strategy.aggregate_train
+
+        def aggregate_train(server_round, replies):
+            result = real_aggregate(server_round, replies)
+            if server_round == rnd:
+                _die()
+            return result
+
+        strategy.aggregate_train = aggregate_train
+        return strategy
+
+    federated.build_strategy = build_strategy
+
+
+def _kill_after_recording(rnd: int) -> None:
+    """Between rounds: round ``rnd`` checkpointed and recorded (rounds.json, MLflow), round ``rnd + 1`` not begun."""
+    from pipeline import train
+
+    real = train.TrainRecorder.round_done
+
+    def round_done(self, plan, entry, history):
+        real(self, plan, entry, history)
+        if entry.round == rnd:
+            _die()
+
+    train.TrainRecorder.round_done = round_done
+
+
+def _kill_after_checkpoint(rnd: int) -> None:
+    """After the server checkpointed round ``rnd``, before the round is recorded (rounds.json, MLflow)."""
+    from pipeline import federated
+
+    real = federated.save_server_checkpoint
+
+    def save_server_checkpoint(plan, server_round, *args, **kwargs):
+        real(plan, server_round, *args, **kwargs)
+        if server_round == rnd:
+            _die()
+
+    federated.save_server_checkpoint = save_server_checkpoint
+
+
+def _kill_in_write(name: str) -> None:
+    """Inside the first atomic write of a file called ``name``, its temporary cut to half (pipeline/atomic.py)."""
+    from pipeline.atomic import ENV_KILL
+
+    os.environ[ENV_KILL] = name
+
+
+def _kill_in_artifact_upload() -> None:
+    """Inside the first upload of an adapter to MLflow (after the final metrics were logged)."""
+    from pipeline import tracking
+
+    tracking.RunLogger.log_artifact = lambda self, *args, **kwargs: _die()
+
+
+# name -> (where the run dies, installer); the round numbers fit a 3-round run of the Academic/Committee/Product
+# domain partition (tests/test_federated.py).
+KILL_POINTS = {
+    "first-round": ("inside Committee's round-1 local training, before any checkpoint",
+                    lambda: _kill_in_local_training("Committee", 1, batch=2)),
+    "local-training": ("inside Product's round-2 local training, after its first optimizer step",
+                       lambda: _kill_in_local_training("Product", 2, batch=2)),
+    "aggregated": ("right after the server aggregated round 2", lambda: _kill_after_aggregation(2)),
+    "checkpoint-write": ("inside the write of the server checkpoint (server.pt) of the round it trains",
+                         lambda: _kill_in_write("server.pt")),
+    "between-rounds": ("after round 2 was checkpointed and recorded, before round 3",
+                       lambda: _kill_after_recording(2)),
+    "before-recording": ("after round 3's checkpoint, before rounds.json and MLflow have round 3",
+                         lambda: _kill_after_checkpoint(3)),
+    "final-write": ("inside the write of metrics.json, after the gate logs were merged",
+                    lambda: _kill_in_write("metrics.json")),
+    "artifact-upload": ("inside the upload of the adapters to MLflow, after the final metrics were logged",
+                        _kill_in_artifact_upload),
+}
+
+
+def _wait(pid: int, timeout: float) -> int | str:
+    """The child's exit status (negative: killed by that signal), or "timeout" after killing it."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return "timeout"
+
+
+def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -> None:
+    """Run the train stage once per leg ``[experiment, kill point or ""]``, each in its own process, one after the
+    other, and write to ``record`` (JSON) how each ended and what it left: exit status (-9: SIGKILL), the server
+    checkpoint's round, temporaries left in the outputs. Each leg is a fork of this process, made after the heavy
+    imports (a fresh interpreter per leg would spend most of the test importing torch, transformers and MLflow on
+    a shared 2-core machine); this process itself never opens a model or the MLflow store."""
+    import traceback
+
+    # Imported once, here, before the forks (transformers and MLflow import most of their modules lazily).
+    import mlflow.store.tracking.sqlalchemy_store  # noqa: F401
+    import torch
+    import transformers.masking_utils  # noqa: F401
+    from mlflow.tracking import MlflowClient  # noqa: F401
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel  # noqa: F401
+
+    from pipeline import cli, federated, train  # noqa: F401
+
+    out = []
+    for i, (experiment, point) in enumerate(legs):
+        log_path = Path(record).with_name(f"leg{i}-{experiment}-{point or 'whole'}.log")
+        pid = os.fork()
+        if pid == 0:  # the leg
+            status = 1
+            try:
+                fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                os.dup2(fd, 1)
+                os.dup2(fd, 2)
+                if point:
+                    KILL_POINTS[point][1]()
+                status = cli.run(train.main, ["--experiment", experiment, "--plans", plans])
+            except BaseException:  # noqa: BLE001 -- reported in the leg's log, and as its status
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        status = _wait(pid, timeout)
+        out_dir = Path("models") / experiment
+        ckpt = out_dir / "checkpoint" / "server.pt"
+        out.append({
+            "experiment": experiment, "point": point, "status": status, "log": str(log_path),
+            "checkpoint_round": torch.load(ckpt, weights_only=False)["round"] if ckpt.exists() else None,
+            "temporaries": sorted(str(p) for d in (out_dir, Path("reports/train") / experiment)
+                                  for p in d.rglob("*.tmp*")),
+        })
+        if status not in (0, -signal.SIGKILL):
+            break  # a leg that failed otherwise: the rest would only repeat its error
+    Path(record).write_text(json.dumps(out, indent=1))

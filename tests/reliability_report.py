@@ -44,9 +44,10 @@ CLASSES = [
      "dvc.lock records only the complete file.",
      "test_reliability_outputs.py", ()),
     ("Concurrent MLflow writers",
-     "Two processes log runs (params, a metric per step, tags) to one fresh SQLite store at the same moment; a "
-     "store that answers 'database is locked'. Expected: both runs FINISHED with every param and metric; locked "
-     "calls retried, other errors raised at once.",
+     "Two processes log runs (params, a metric per step, tags) to one fresh SQLite store at the same moment; two "
+     "train stages (a federated and a local tiny training, 2 rounds) started together against one fresh store; a "
+     "store that answers 'database is locked'. Expected: every run FINISHED with every param and each per-round "
+     "metric once per round; locked calls retried, other errors raised at once.",
      "test_reliability_tracking.py", ()),
     ("Caches and the backbone directory",
      "Prefix-cache entries truncated, a tensor byte flipped, the checksum stripped; backbone directory files cut "
@@ -55,8 +56,13 @@ CLASSES = [
      "test_cache.py", ("test_damaged_entry",)),
     ("Caches and the backbone directory", "", "test_reliability_caches.py", ()),
     ("Resume after a kill",
-     "A federated run stopped after a round's checkpoint and rerun. Expected: it resumes at the next round and ends "
-     "with the uninterrupted run's adapters, bit for bit.",
+     "A federated run stopped after a round's checkpoint and rerun; a 3-round, 3-client run (the train stage) "
+     "SIGKILLed in turn inside local training before the first checkpoint and in round 2, right after aggregation, "
+     "inside the server checkpoint write, between rounds, between a round's checkpoint and its recording, inside the "
+     "final metrics.json write and inside the MLflow artifact upload, each rerun resuming what the last left, then "
+     "run to its end. Expected: each rerun resumes after the last checkpointed round, and the run ends with the "
+     "uninterrupted run's adapters (bit for bit), rounds.json, best rounds, gate log and MLflow metrics (each once "
+     "per step; a run killed before its first checkpoint starts over and its MLflow run is marked KILLED).",
      "test_federated.py", ("test_killed_run_resumes",)),
 ]
 

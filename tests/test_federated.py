@@ -335,6 +335,115 @@ def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
             assert torch.equal(a[client][k], b[client][k]), (client, k)
 
 
+# A run SIGKILLed at each point in turn (each rerun resumes what the previous leg left and dies at the next point),
+# then run to its end: (kill point, the server checkpoint's round the kill leaves, temporaries it leaves, by glob).
+KILL_LEGS = [
+    ("first-round", None, []),  # nothing to resume: the rerun starts over (its MLflow run is a new one)
+    ("local-training", 1, []),
+    ("aggregated", 1, []),
+    ("checkpoint-write", 1, ["models/{exp}/checkpoint/.server.*.tmp.pt"]),  # torn, beside the whole round-1 file
+    ("between-rounds", 2, []),  # the next write of server.pt removed the torn one
+    ("before-recording", 3, []),
+    ("final-write", 3, ["reports/train/{exp}/.metrics.*.tmp.json"]),
+    ("artifact-upload", 3, []),
+]
+TIMING_METRICS = {"round_seconds", "peak_rss_mb"}  # measured by whichever process ran the round
+
+
+def _run_metrics(client, experiment: str, killed: int):
+    """The experiment's FINISHED MLflow run and its metric histories; besides it, ``killed`` runs marked KILLED
+    with no metric (runs killed before their first checkpoint)."""
+    runs = client.search_runs(client.get_experiment_by_name("tests").experiment_id,
+                              filter_string=f"tags.experiment = '{experiment}'")
+    assert sorted(r.info.status for r in runs) == ["FINISHED"] + ["KILLED"] * killed
+    assert all(r.data.metrics == {} for r in runs if r.info.status == "KILLED")
+    run = next(r for r in runs if r.info.status == "FINISHED")
+    return run, {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+                 for k in run.data.metrics}
+
+
+@pytest.mark.timeout(240)
+def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws, tmp_path):
+    """Issue 15, item 6: the train stage (3 rounds, 3 clients) SIGKILLed during local training (before the first
+    checkpoint, and later), right after aggregation, inside the checkpoint write, between rounds, between a round's
+    checkpoint and its recording, inside the final writes and the artifact upload; each rerun resumes after the
+    last checkpointed round, and the last one ends with the uninterrupted run's adapters (bit for bit), rounds,
+    best rounds, gate log and MLflow metrics."""
+    import subprocess
+    import sys
+
+    from mlflow.tracking import MlflowClient
+    from safetensors import safe_open
+
+    from reliability import KILL_POINTS, REPO_ROOT as ROOT, stage_env
+
+    ref, exp = "kill-ref", "kill-resume"
+    for name in (ref, exp):
+        write_plan(name, "fedselectkd", rounds=3)
+    legs = [[ref, ""]] + [[exp, point] for point, _, _ in KILL_LEGS] + [[exp, ""]]
+    record = tmp_path / "legs.json"
+    code = (f"from reliability import train_legs; "
+            f"train_legs({legs!r}, 'models/plans', {str(record)!r}, timeout=60)")
+    env = stage_env(FEDMEET_ROOT=str(ws), MLFLOW_TRACKING_URI=os.environ["MLFLOW_TRACKING_URI"],
+                    PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=220)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = json.loads(record.read_text())
+
+    def log_of(i: int) -> str:
+        return Path(outcomes[i]["log"]).read_text()
+
+    assert [o["status"] for o in outcomes] == [0] + [-9] * len(KILL_LEGS) + [0], \
+        [(o["point"], o["status"], log_of(i)[-2000:]) for i, o in enumerate(outcomes) if o["status"] not in (0, -9)]
+    previous = None
+    for i, ((point, ckpt_round, temporaries), o) in enumerate(zip(KILL_LEGS, outcomes[1:]), start=1):
+        assert point in KILL_POINTS
+        assert o["checkpoint_round"] == ckpt_round, point
+        assert len(o["temporaries"]) == len(temporaries), (point, o["temporaries"])
+        for found, pattern in zip(o["temporaries"], temporaries):
+            assert Path(found).match(pattern.format(exp=exp)), (point, found)
+        resumed = f"{exp}: resuming after round {previous}"
+        assert (resumed in log_of(i)) == (previous is not None), (point, log_of(i)[-2000:])
+        previous = ckpt_round
+    assert f"{exp}: resuming after round 3" in log_of(len(outcomes) - 1)
+    assert outcomes[-1]["checkpoint_round"] is None and outcomes[-1]["temporaries"] == []
+
+    # the same adapters, bit for bit, from the same best round
+    for kind in ("final", "best"):
+        for client in DOMAINS:
+            files = [Path(f"models/{n}/clients/{client}/adapter_{kind}.safetensors") for n in (ref, exp)]
+            a, b = (safe_open(f, "pt") for f in files)
+            assert a.metadata()["round"] == b.metadata()["round"], (kind, client)
+            assert sorted(a.keys()) == sorted(b.keys())
+            for k in a.keys():
+                assert torch.equal(a.get_tensor(k), b.get_tensor(k)), (kind, client, k)
+    # the same rounds (losses, best rounds, bytes) and summary, less the timings
+    for rounds in ("models/{}/rounds.json", "reports/train/{}/rounds.json"):
+        ra, rb = (json.loads(Path(rounds.format(n)).read_text()) for n in (ref, exp))
+        assert ra == rb and len(ra) >= 3
+    ma, mb = (json.loads(Path(f"models/{n}/metrics.json").read_text()) for n in (ref, exp))
+    for m in (ma, mb):
+        m.pop("experiment"), m.pop("seconds_per_round"), m.pop("peak_rss_mb")
+    assert ma == mb
+    # the same gate log: every client's every round, none lost or doubled
+    ga, gb = (pd.read_parquet(f"models/{n}/gate_log.parquet") for n in (ref, exp))
+    assert sorted(set(gb["round"])) == [1, 2, 3] and set(gb["client"]) == set(DOMAINS)
+    pd.testing.assert_frame_equal(ga, gb)
+    # one MLflow run, resumed and finished, with each metric once per step and the uninterrupted run's values
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    (run_a, hist_a), (run_b, hist_b) = _run_metrics(client, ref, 0), _run_metrics(client, exp, 1)
+    assert run_b.info.status == "FINISHED" and run_b.data.tags["fedmeet.resumed"] == "true"
+    assert set(hist_a) == set(hist_b)
+    for key in set(hist_a) - TIMING_METRICS:
+        assert hist_b[key] == hist_a[key], key
+    steps = [s for s, _ in hist_b["round_seconds"]]
+    assert len(steps) == len(set(steps)) and set(steps) <= {1, 2, 3}
+    assert [s for s, _ in hist_b["Product.val_loss"]] == [1, 2, 3]
+    artifacts = {a.path for a in client.list_artifacts(run_b.info.run_id, "adapters/Product")}
+    assert artifacts == {"adapters/Product/adapter_best.safetensors", "adapters/Product/adapter_final.safetensors"}
+
+
 def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
     from pipeline import client_training, federated
     from pipeline.train import run_experiment

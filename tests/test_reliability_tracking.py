@@ -1,7 +1,9 @@
 """Two writers, one MLflow store (issue 15, item 5): two processes logging to the same SQLite store at once both
-complete, and lose no run, parameter or metric; a store that stays locked is waited for."""
+complete, and lose no run, parameter or metric (plain MLflow writers, and two train stages); a store that stays
+locked is waited for."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from reliability import REPO_ROOT, stage_env
+from tests.test_federated import DOMAINS, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 STEPS = 20
 
@@ -87,3 +90,59 @@ def test_a_locked_store_is_retried_not_fatal(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="no such run"):
         run.log_metrics({"loss": 0.4}, step=4)
     assert len(calls) == 1
+
+
+# Written by both stages at the end of a run (step = the last round), not per round.
+SUMMARY_METRICS = ("best_val_loss", "bytes_sent_total", "bytes_received_total", "peak_rss_mb")
+
+
+@pytest.mark.timeout(240)
+def test_two_train_stages_log_to_one_fresh_store_at_once(ws, tmp_path):
+    """Two tiny trainings (a federated and a local one, 2 rounds, 3 clients), each a train stage
+    (``pipeline.train.main`` through ``pipeline.cli``) in its own process, started together against one fresh SQLite
+    store: both runs FINISHED, with every per-round metric of the stage's rounds.json, once per round."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    names = {"conc-fed": "fedavg", "conc-local": "single"}
+    for name, method in names.items():
+        write_plan(name, method)
+    env = stage_env(MLFLOW_TRACKING_URI=uri, FEDMEET_ROOT=str(ws), OMP_NUM_THREADS="1",
+                    PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
+    go = tmp_path / "go"
+    workers = []
+    for name in names:
+        argv = ["--experiment", name, "--plans", str(ws / "models" / "plans")]
+        code = f"from reliability import stage_worker; stage_worker({name!r}, {str(go)!r}, {argv!r})"
+        workers.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ws, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{n}").exists() for n in names):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), \
+            [w.communicate()[0][-2000:] for w in workers if w.poll() is not None]
+        time.sleep(0.02)
+    go.touch()
+    outputs = [w.communicate(timeout=200)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
+    assert not any("database is locked" in o for o in outputs)
+
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.get_experiment_by_name("tests")
+    for name, method in names.items():
+        runs = client.search_runs([exp.experiment_id], filter_string=f"tags.experiment = '{name}'")
+        assert [r.info.status for r in runs] == ["FINISHED"], name
+        run = runs[0]
+        assert run.data.params["method"] == method and run.data.params["train.rounds"] == "2"
+        history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+                   for k in run.data.metrics}
+        rounds = json.loads((ws / "models" / name / "rounds.json").read_text())
+        assert sorted({r["round"] for r in rounds}) == [1, 2] and len(rounds) == 2 * len(DOMAINS)
+        for row in rounds:  # every client's losses of every round, as the stage recorded them
+            for key in ("train_loss", "val_loss", "bytes_up", "bytes_down"):
+                assert (row["round"], row[key]) in history[f"{row['client']}.{key}"], (name, row["client"], key)
+        per_round = [k for k in history if not k.endswith(SUMMARY_METRICS)]
+        assert {"round_seconds", "bytes_sent", "val_loss_mean"} <= set(per_round)
+        for key in per_round:  # each once per round: none lost, none doubled
+            assert [step for step, _ in history[key]] == [1, 2], (name, key)
+        adapters = {a.path for a in client.list_artifacts(run.info.run_id, "adapters/Academic")}
+        assert adapters == {"adapters/Academic/adapter_best.safetensors", "adapters/Academic/adapter_final.safetensors"}
