@@ -22,6 +22,7 @@ the command with the round the server checkpointed last and the command that res
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as dt
 import json
 import os
@@ -85,6 +86,7 @@ class ProcessGroup:
         self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
         self.procs: list[Process] = []
         log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
 
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
@@ -120,8 +122,25 @@ class ProcessGroup:
             pass
 
     def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            self.stop(proc)
+        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for proc in reversed(self.procs):
+                self.stop(proc)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            _LIVE.discard(self)
+
+
+_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for group in list(_LIVE):
+        group.stop_all()
 
 
 def _running(pid: int) -> bool:
@@ -388,6 +407,22 @@ class LocalFederation:
             self.start_supernode(name)
         for proc in self.supernodes.values():
             self.wait_registered(proc)
+
+    def restart_supernode(self, name: str, timeout_s: float = 150.0) -> Process:
+        """Start ``name``'s SuperNode again until the SuperLink accepts it. With SuperNode authentication the
+        SuperLink refuses the key while the killed node still counts as online (until two 30 s heartbeats are
+        missed); without it the new process gets a new node id at once."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            proc = self.start_supernode(name)
+            try:
+                self.wait_registered(proc)
+                return proc
+            except FederationError:
+                self.procs.stop(proc)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2.0)
 
     def kill_supernode(self, name: str) -> None:
         """Kill a SuperNode and what it spawned (SIGKILL: no goodbye to the SuperLink, as in a crash)."""
