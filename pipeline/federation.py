@@ -510,13 +510,19 @@ def run_local(cfg: LocalConfig) -> tuple[LocalRun, dict]:
 
 
 # ================================================================================================ CLI
-def _parse_run_config(items: list[str]) -> dict[str, str]:
-    out = {}
+def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
+    """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
+    import tomllib
+
+    out: dict[str, str | int | float | bool] = {}
     for item in items:
         if "=" not in item:
             raise FederationError(f"--run-config {item!r}: expected key=value")
-        k, v = item.split("=", 1)
-        out[k.strip()] = v.strip().strip("'\"")
+        k, v = (x.strip() for x in item.split("=", 1))
+        try:
+            out[k] = tomllib.loads(f"x = {v}")["x"]
+        except tomllib.TOMLDecodeError:
+            out[k] = v.strip("'\"")
     return out
 
 

@@ -324,3 +324,48 @@ def test_ray_engine_gives_the_in_process_result(ws):
     for r, q in zip(rounds, ref):
         assert (r["round"], r["client"]) == (q["round"], q["client"])
         assert r["val_loss"] == pytest.approx(q["val_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
+    """Flower's SuperExec starts its own session; stopping the SuperLink must still end it (by its pid)."""
+    import os
+    import sys
+
+    import psutil
+
+    from pipeline.federation import ProcessGroup
+
+    group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
+    # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
+    script = ("import subprocess, sys, time; "
+              "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
+              "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              "print(a.pid, b.pid, flush=True); time.sleep(300)")
+    proc = group.start("parent", [sys.executable, "-c", script], tmp_path)
+    deadline = time.monotonic() + 30
+    while not proc.log.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(x) for x in proc.log.read_text().split()]
+    assert len(children) == 2 and all(psutil.pid_exists(c) for c in children)
+    assert os.getsid(children[0]) != os.getsid(proc.pid)
+    group.stop_all()
+    assert proc.popen.returncode is not None
+    for c in children:
+        assert not psutil.pid_exists(c) or psutil.Process(c).status() == psutil.STATUS_ZOMBIE
+
+
+def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
+    from pipeline.federation import Certificates, _parse_run_config, run_config_arg, write_connection
+
+    values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
+    assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
+    assert run_config_arg(values) == "mlflow=false evaluate-every=2 params='deploy.yaml' plan='m/p.json'"
+    import tomllib
+
+    insecure = tomllib.loads(write_connection(tmp_path / "a", 8123, None).read_text())
+    assert insecure["superlink"]["default"] == "fedmeet-local"
+    assert insecure["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:8123", "insecure": True}
+    ca = tmp_path / "ca.crt"
+    tls = tomllib.loads(write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca)).read_text())
+    assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
