@@ -369,3 +369,40 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     ca = tmp_path / "ca.crt"
     tls = tomllib.loads(write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca)).read_text())
     assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
+
+
+def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws):
+    """Over the in-process Grid: Committee's node is gone in round 2 (as a SuperNode marked offline) and is back
+    in round 3 under a new node id (a restarted SuperNode without authentication)."""
+    from pipeline import client_training
+    from pipeline.federated import InProcessGrid, _load_plan, _set_server_identity, client_app, run_server
+
+    class Flaky(InProcessGrid):
+        calls = 0
+
+        def get_node_ids(self):
+            self.calls += 1  # 1: identification, then one call at the start of each round
+            if self.calls == 3:
+                return [n for n in self.contexts if self.contexts[n].node_config["client-name"] != "Committee"]
+            if self.calls == 4:
+                old = next(n for n, c in self.contexts.items() if c.node_config["client-name"] == "Committee")
+                ctx = self.contexts.pop(old)
+                from flwr.app import Context, RecordDict
+
+                self.contexts[2001] = Context(run_id=ctx.run_id, node_id=2001, node_config=dict(ctx.node_config),
+                                              state=RecordDict(), run_config={})  # fresh process, empty state
+            return list(self.contexts)
+
+    plan = write_plan("flaky", "fedavg", rounds=3)
+    names = client_training.client_names(_load_plan(plan))
+    grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
+    _set_server_identity(grid.run.run_id)
+    _, history = run_server(grid, _load_plan(plan), plan)
+    rows = {(r["round"], r["client"]): r for r in history}
+    assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
+    gone = rows[(2, "Committee")]
+    assert gone["absent"] == 1 and gone["sampled"] == 0 and gone["failed"] == 0 and "train_loss" not in gone
+    assert all(rows[(2, c)]["sampled"] == 1 and "absent" not in rows[(2, c)] for c in ("Academic", "Product"))
+    back = rows[(3, "Committee")]
+    assert back["sampled"] == 1 and back["failed"] == 0 and back["train_loss"] > 0 and "val_loss" in back
+    assert grid.calls == 4
