@@ -19,7 +19,7 @@ ENV_DEBUG = "FEDMEET_DEBUG"
 
 
 # Defined in stage modules that may run as ``__main__`` (so matched by name, not by identity).
-STAGE_ERRORS = ("BackboneError", "PresetError")
+STAGE_ERRORS = ("BackboneError", "PresetError", "FederationError")
 
 
 def is_user_error(exc: BaseException) -> bool:

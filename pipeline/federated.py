@@ -431,16 +431,62 @@ def _identify(grid: Grid, plan_path: str, expected: int, timeout: float) -> dict
             raise TimeoutError(f"only {len(node_ids)} of {expected} clients connected within {timeout:.0f}s")
         log.info("waiting for clients: %d of %d connected", len(node_ids), expected)
         time.sleep(1.0)
-    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
-                    message_type=IDENTIFY) for n in node_ids]
-    names: dict[int, str] = {}
-    for reply in grid.send_and_receive(msgs, timeout=timeout):
-        if reply.has_error():
-            raise RuntimeError(f"node {reply.metadata.src_node_id} failed to identify: {reply.error.reason}")
-        names[reply.metadata.src_node_id] = str(reply.content["identity"]["client-name"])
+    names, failed = _ask_names(grid, plan_path, node_ids, timeout)
+    if failed:
+        node, reason = next(iter(failed.items()))
+        raise RuntimeError(f"node {node} failed to identify: {reason}")
     if len(set(names.values())) != len(names):
         raise RuntimeError(f"two nodes claim the same client name: {names}")
     return names
+
+
+def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float) -> tuple[dict[int, str],
+                                                                                           dict[int, str]]:
+    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
+                    message_type=IDENTIFY) for n in node_ids]
+    names: dict[int, str] = {}
+    failed: dict[int, str] = {}
+    for reply in grid.send_and_receive(msgs, timeout=timeout):
+        if reply.has_error():
+            failed[reply.metadata.src_node_id] = reply.error.reason
+        else:
+            names[reply.metadata.src_node_id] = str(reply.content["identity"]["client-name"])
+    return names, failed
+
+
+def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
+    """The known clients connected now. A node id not seen before is identified: a restarted SuperNode (a new
+    id, unless SuperNode authentication keeps its key's id) takes its client's place from this round on;
+    ``node_names`` is updated in place."""
+    current = set(grid.get_node_ids())
+    new = sorted(current - set(node_names))
+    if new:
+        names, failed = _ask_names(grid, plan_path, new, timeout)
+        for node, reason in failed.items():
+            log.warning("node %d connected but failed to identify; left out: %s", node, reason.splitlines()[0])
+        known = set(node_names.values())
+        for node, name in names.items():
+            if name not in known:
+                log.warning("node %d claims client %r, which is not in the plan; left out", node, name)
+                continue
+            for old in [o for o, n in node_names.items() if n == name]:
+                del node_names[old]
+            node_names[node] = name
+            log.info("client %s (re)joined as node %d", name, node)
+    return {n: c for n, c in node_names.items() if n in current}
+
+
+def _senders(sent: list[Message], node_names: dict[int, str]):
+    """reply -> client name. A SuperLink answers for an offline node itself (ErrorCode.NODE_UNAVAILABLE, sent from
+    the SuperLink's id): such a reply is matched to the message it answers."""
+    by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
+
+    def sender(reply: Message) -> str:
+        if reply.metadata.src_node_id in node_names:
+            return node_names[reply.metadata.src_node_id]
+        return by_message[reply.metadata.reply_to_message_id]
+
+    return sender
 
 
 def _payload_bytes(content: RecordDict) -> int:
@@ -490,7 +536,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             joined_at = rnd
             log.info("%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment,
                      rnd, late)
-        admitted = [n for n, c in node_names.items() if c != late or joined_at is not None]
+        connected = _connected_nodes(grid, plan_path, node_names, t.round_timeout_s)
+        admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
         view = _NodeSubsetGrid(grid, sorted(admitted))
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(client_training.derived_seed(plan.seed, rnd, "sampling"))
@@ -508,12 +555,18 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         for n in admitted:
             rows.setdefault(node_names[n], {"round": rnd, "client": node_names[n], "sampled": 0, "failed": 0,
                                             "bytes_down": 0, "bytes_up": 0})
+        for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
+            # a client whose SuperNode is gone (Flower marked it offline): recorded, not waited for
+            rows[name] = {"round": rnd, "client": name, "sampled": 0, "failed": 0, "absent": 1,
+                          "bytes_down": 0, "bytes_up": 0}
         replies = list(grid.send_and_receive(messages, timeout=t.round_timeout_s))
+        sender = _senders(messages, node_names)
         undecodable: set[int] = set()
         for reply in replies:
-            row = rows[node_names[reply.metadata.src_node_id]]
+            row = rows[sender(reply)]
             if reply.has_error():
                 row["failed"] = 1
+                row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
                 log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
                             reply.error.reason)
                 continue
@@ -537,10 +590,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             })
             if "dp-epsilon" in m:
                 row.update(privacy_row(m))
-        answered = {node_names[r.metadata.src_node_id] for r in replies}
+        answered = {sender(r) for r in replies}
         for name, row in rows.items():
             if row["sampled"] and name not in answered:
                 row["failed"] = 1
+                row["error"] = f"no reply within {t.round_timeout_s:.0f}s (train.round_timeout_s)"
                 log.warning("round %d: no reply from client %s within the timeout", rnd, name)
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies).
@@ -566,8 +620,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         for m in eval_messages:
             rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += _payload_bytes(m.content)
         eval_replies = list(grid.send_and_receive(eval_messages, timeout=t.round_timeout_s))
+        eval_sender = _senders(eval_messages, node_names)
         for reply in eval_replies:
-            row = rows[node_names[reply.metadata.src_node_id]]
+            row = rows[eval_sender(reply)]
             if reply.has_error():
                 row["eval_failed"] = 1
                 log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,280 @@ def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, mon
     assert len(calls) == 3  # after rounds 1 and 2, then the final evaluation after round 3
     assert all(set(c["clients"]) == {"Academic", "Committee", "Product"} for c in calls)
     assert all(not math.isnan(v["avg_rouge"]) for v in calls[-1]["clients"].values())
+
+
+# ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation)
+def _local(plan: str, **kw):
+    from pipeline.federation import LocalConfig
+
+    # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
+    # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
+    return LocalConfig(plan=plan, workdir=Path.cwd(), run_config={"evaluate": False, "mlflow": False},
+                       quiet=True, startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
+
+
+def _flower_pids() -> set[int]:
+    import psutil
+
+    out = set()
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "flower-super" in cmd or "flwr-serverapp" in cmd or "flwr-clientapp" in cmd:
+            out.add(p.info["pid"])
+    return out
+
+
+def _no_process_left(before: set[int], started: list) -> None:
+    import psutil
+
+    for proc in started:
+        for pid in {proc.pid, *proc.descendants}:
+            try:
+                assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"{proc.name} ({pid}) still runs"
+            except psutil.NoSuchProcess:
+                pass
+    assert _flower_pids() - before == set()
+
+
+@pytest.mark.timeout(480)
+def test_local_deployment_gives_the_in_process_result(ws):
+    from pipeline.federation import LocalFederation
+    from pipeline.train import run_experiment
+
+    before = _flower_pids()
+    run_experiment(write_plan("loc-ref", "fedselectkd"), track=False)
+    fed = LocalFederation(_local(write_plan("loc", "fedselectkd")))
+    with fed:
+        fed.start()
+        run = fed.stream(fed.submit())
+        started = list(fed.procs.procs)
+    assert run.returncode == 0, run.output[-2000:]
+    _no_process_left(before, started)
+
+    a, b = _final_adapters("loc"), _final_adapters("loc-ref")
+    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    for client in a:
+        for k in a[client]:
+            torch.testing.assert_close(a[client][k], b[client][k])  # float tolerance: two processes, same math
+    rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("loc", "loc-ref"))
+    assert [(r["round"], r["client"]) for r in rounds] == [(r["round"], r["client"]) for r in ref]
+    for r, q in zip(rounds, ref):
+        assert r["failed"] == q["failed"] == 0
+        for key in ("train_loss", "val_loss", "bytes_up", "bytes_down", "weight_share"):
+            assert r[key] == pytest.approx(q[key], rel=1e-5), key
+    assert Path("models/loc/global_adapter.safetensors").exists()
+
+
+def _pair_partition() -> str:
+    """Two of the domain clients (fewer processes on a 2-core machine)."""
+    dom = json.loads(Path("data/partitions/domain/seed0.json").read_text())
+    dom["clients"] = {c: dom["clients"][c] for c in ("Academic", "Committee")}
+    p = Path("data/partitions/pair/seed0.json")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(dom))
+    return "pair/seed0"
+
+
+def _server_round(plan_path: str) -> int:
+    from pipeline.federated import _load_plan, load_server_checkpoint
+
+    try:
+        ckpt = load_server_checkpoint(_load_plan(plan_path))
+    except Exception:  # noqa: BLE001 -- a file being replaced; read it again on the next poll
+        return 0
+    return int(ckpt["round"]) if ckpt else 0
+
+
+@pytest.mark.timeout(300)
+def test_tls_and_supernode_authentication(ws, tmp_path):
+    """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
+    from cryptography import x509
+
+    from pipeline.federation import LocalFederation, make_node_key, make_self_signed_ca
+
+    before = _flower_pids()
+    certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
+    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
+    server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
+    assert server.issuer == ca.subject and server.issuer != server.subject  # signed by the CA, not self-signed
+    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
+    fed = LocalFederation(_local(plan, tls=True, certificates=certs, auth=True))
+    with fed:
+        fed.start()
+        assert set(fed.keys) == {"Academic", "Committee"}
+        stranger = fed.start_supernode("Stranger", key=make_node_key(tmp_path / "keys", "stranger")[0])
+        stranger.popen.wait(timeout=90)
+        assert stranger.popen.returncode != 0 and "SuperNode ID:" not in stranger.log.read_text()
+        assert "Attempted to register SuperNode" in fed.superlink.log.read_text()  # refused by the SuperLink
+        del fed.supernodes["Stranger"]
+        run = fed.stream(fed.submit())
+        assert run.returncode == 0, run.output[-2000:]
+        metrics = fed.check_outputs(0)
+        assert f'root-certificates = "{certs.ca.resolve()}"' in (fed.home / "config.toml").read_text()
+        started = list(fed.procs.procs)
+    _no_process_left(before, started)
+    assert {c: v["rounds_trained"] for c, v in metrics["clients"].items()} == {"Academic": 1, "Committee": 1}
+
+
+@pytest.mark.timeout(900)
+def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(ws):
+    """Committee's SuperNode is killed once round 1 is checkpointed and restarted at once (a new node id);
+    round 2 goes on without it after train.round_timeout_s; it trains again in round 3. The SuperLink is killed
+    after round 3: the command says which round to resume from, and its rerun runs round 4 only."""
+    import threading
+
+    from pipeline.federation import FederationError, LocalFederation, run_local
+
+    before = _flower_pids()
+    plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4, round_timeout_s=40)
+    cfg = _local(plan)
+    events: list[str] = []
+    fed = LocalFederation(cfg)
+    with fed:
+        fed.start()
+
+        def faults() -> None:
+            deadline = time.monotonic() + 700
+            while _server_round(plan) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            fed.kill_supernode("Committee")  # round 2's train message is on its way or being worked on
+            events.append("killed")
+            fed.restart_supernode("Committee")
+            events.append("restarted")
+            while _server_round(plan) < 3 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            fed.procs.stop(fed.superlink, signal.SIGKILL)  # a crash: no clean shutdown
+            events.append("superlink killed")
+
+        watcher = threading.Thread(target=faults, daemon=True)
+        watcher.start()
+        with pytest.raises(FederationError, match=r"checkpointed round 3 of 4 .*resume from round 4"):
+            fed.stream(fed.submit())
+        watcher.join(timeout=60)
+        started = list(fed.procs.procs)
+    assert events == ["killed", "restarted", "superlink killed"]
+    _no_process_left(before, started)
+
+    # The rerun (a new SuperLink and SuperNodes) resumes after round 3 from the server and client checkpoints.
+    checkpointed = torch.load("models/faults/checkpoint/server.pt", weights_only=False)["history"]
+    run, metrics = run_local(cfg)
+    history = json.loads(Path("models/faults/rounds.json").read_text())
+    assert history[:6] == checkpointed  # rounds 1-3 restored, not run again
+    rows = {(r["round"], r["client"]): r for r in json.loads(Path("models/faults/rounds.json").read_text())}
+    assert sorted(rows) == [(r, c) for r in (1, 2, 3, 4) for c in ("Academic", "Committee")]
+    lost = rows[(2, "Committee")]
+    assert lost["sampled"] == 1 and lost["failed"] == 1 and lost["error"]  # recorded, with the reason
+    assert "train_loss" not in lost
+    assert rows[(2, "Academic")]["failed"] == 0 and rows[(2, "Academic")]["train_loss"] > 0  # the round went on
+    for rnd in (1, 3, 4):  # before the loss, after the rejoin, after the resume
+        assert rows[(rnd, "Committee")]["failed"] == 0 and rows[(rnd, "Committee")]["train_loss"] > 0
+    assert metrics["clients"]["Committee"]["rounds_failed"] == 1
+    assert metrics["clients"]["Academic"]["rounds_failed"] == 0
+    assert _flower_pids() - before == set()
+
+
+@pytest.mark.timeout(300)
+def test_ray_engine_gives_the_in_process_result(ws):
+    try:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
+        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
+    from pipeline.train import run_experiment
+
+    run_experiment(write_plan("ray-ref", "fedavg"), track=False)
+    run_experiment(write_plan("ray", "fedavg", engine="ray", ray_cpus_per_client=1.0), track=False)
+    a, b = _final_adapters("ray"), _final_adapters("ray-ref")
+    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    for client in a:
+        for k in a[client]:
+            torch.testing.assert_close(a[client][k], b[client][k])
+    rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("ray", "ray-ref"))
+    assert len(rounds) == len(ref) == 6
+    for r, q in zip(rounds, ref):
+        assert (r["round"], r["client"]) == (q["round"], q["client"])
+        assert r["val_loss"] == pytest.approx(q["val_loss"], rel=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
+    """Flower's SuperExec starts its own session; stopping the SuperLink must still end it (by its pid)."""
+    import os
+    import sys
+
+    import psutil
+
+    from pipeline.federation import ProcessGroup
+
+    group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
+    # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
+    script = ("import subprocess, sys, time; "
+              "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
+              "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+              "print(a.pid, b.pid, flush=True); time.sleep(300)")
+    proc = group.start("parent", [sys.executable, "-c", script], tmp_path)
+    deadline = time.monotonic() + 30
+    while not proc.log.read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [int(x) for x in proc.log.read_text().split()]
+    assert len(children) == 2 and all(psutil.pid_exists(c) for c in children)
+    assert os.getsid(children[0]) != os.getsid(proc.pid)
+    group.stop_all()
+    assert proc.popen.returncode is not None
+    for c in children:
+        assert not psutil.pid_exists(c) or psutil.Process(c).status() == psutil.STATUS_ZOMBIE
+
+
+def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
+    from pipeline.federation import Certificates, _parse_run_config, run_config_arg, write_connection
+
+    values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
+    assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
+    assert run_config_arg(values) == "mlflow=false evaluate-every=2 params='deploy.yaml' plan='m/p.json'"
+    import tomllib
+
+    insecure = tomllib.loads(write_connection(tmp_path / "a", 8123, None).read_text())
+    assert insecure["superlink"]["default"] == "fedmeet-local"
+    assert insecure["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:8123", "insecure": True}
+    ca = tmp_path / "ca.crt"
+    tls = tomllib.loads(write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca)).read_text())
+    assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
+
+
+def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws):
+    """Over the in-process Grid: Committee's node is gone in round 2 (as a SuperNode marked offline) and is back
+    in round 3 under a new node id (a restarted SuperNode without authentication)."""
+    from pipeline import client_training
+    from pipeline.federated import InProcessGrid, _load_plan, _set_server_identity, client_app, run_server
+
+    class Flaky(InProcessGrid):
+        calls = 0
+
+        def get_node_ids(self):
+            self.calls += 1  # 1: identification, then one call at the start of each round
+            if self.calls == 3:
+                return [n for n in self.contexts if self.contexts[n].node_config["client-name"] != "Committee"]
+            if self.calls == 4:
+                old = next(n for n, c in self.contexts.items() if c.node_config["client-name"] == "Committee")
+                ctx = self.contexts.pop(old)
+                from flwr.app import Context, RecordDict
+
+                self.contexts[2001] = Context(run_id=ctx.run_id, node_id=2001, node_config=dict(ctx.node_config),
+                                              state=RecordDict(), run_config={})  # fresh process, empty state
+            return list(self.contexts)
+
+    plan = write_plan("flaky", "fedavg", rounds=3)
+    names = client_training.client_names(_load_plan(plan))
+    grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
+    _set_server_identity(grid.run.run_id)
+    _, history = run_server(grid, _load_plan(plan), plan)
+    rows = {(r["round"], r["client"]): r for r in history}
+    assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
+    gone = rows[(2, "Committee")]
+    assert gone["absent"] == 1 and gone["sampled"] == 0 and gone["failed"] == 0 and "train_loss" not in gone
+    assert all(rows[(2, c)]["sampled"] == 1 and "absent" not in rows[(2, c)] for c in ("Academic", "Product"))
+    back = rows[(3, "Committee")]
+    assert back["sampled"] == 1 and back["failed"] == 0 and back["train_loss"] > 0 and "val_loss" in back
+    assert grid.calls == 4

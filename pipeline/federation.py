@@ -1,0 +1,570 @@
+"""A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
+and every process it started stopped afterwards (success, failure, Ctrl-C).
+
+    python -m pipeline.federation local --experiment fedselectkd-domain
+    python -m pipeline.federation local --experiment fedavg-domain --tls --auth   # self-signed CA, node keys
+
+It runs the real deployment path (pipeline.deployment: the ServerApp inside the SuperLink, ClientApps inside
+the SuperNodes, one ``flwr-clientapp`` process per message), so what it writes is what a multi-site run writes:
+``models/<exp>/`` and ``reports/train/<exp>/`` on the server side, ``models/<exp>/clients/<name>/`` and the
+client checkpoints on the client side, ``reports/eval/<exp>/metrics.json`` from the federated evaluation.
+
+Everything Flower keeps (the SuperLink's app installs, the CLI's ``config.toml`` connection, the process logs,
+the generated certificates and keys) goes to ``FLWR_HOME`` = ``.flwr-local/<exp>/`` in the working directory.
+Each process is started in its own process group and stopped by its id (SIGTERM to the group, then SIGKILL
+after ``--stop-timeout``), together with the descendants it spawned (Flower's SuperExec starts its own session).
+
+Faults: a SuperNode that dies mid-round is left out of that round's aggregate (after Flower marks it offline,
+at most two missed 30 s heartbeats, or the plan's ``train.round_timeout_s``) and recorded as failed in
+rounds.json; a restarted SuperNode is identified again and rejoins the next round. A SuperLink that dies ends
+the command with the round the server checkpointed last and the command that resumes from it.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime as dt
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
+HOST = "127.0.0.1"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PLANS_DIR = Path("models/plans")
+LOCAL_HOME = Path(".flwr-local")
+
+
+class FederationError(RuntimeError):
+    """A local deployment that could not start or did not finish (one line; pipeline.cli prints it)."""
+
+
+# ================================================================================================ processes
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def remember_descendants(self) -> None:
+        # Flower's SuperExec runs in its own session: a group kill would miss it and its ServerApp.
+        try:
+            self.descendants |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ProcessGroup:
+    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
+        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
+        self.procs: list[Process] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
+
+    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
+        log = self.log_dir / f"{name}.log"
+        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
+        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        if not capture:
+            out.close()  # the child holds its own descriptor
+        proc = Process(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
+        ``stop_timeout_s``; then reap it."""
+        proc.remember_descendants()
+        pids = [proc.pid, *sorted(proc.descendants)]
+        for s in dict.fromkeys((sig, signal.SIGKILL)):
+            for pid in pids:
+                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
+                    try:
+                        kill(pid, s)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
+                time.sleep(0.1)
+            if not any(_running(p) for p in pids):
+                break
+        try:
+            proc.popen.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop_all(self) -> None:
+        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for proc in reversed(self.procs):
+                self.stop(proc)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            _LIVE.discard(self)
+
+
+_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for group in list(_LIVE):
+        group.stop_all()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_for(predicate, timeout_s: float, what: str, proc: Process | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and not proc.alive():
+            raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
+                                  f"log {proc.log}: {proc.tail(3)!r}")
+        if time.monotonic() > deadline:
+            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s" +
+                                  (f"; log {proc.log}" if proc else ""))
+        time.sleep(0.2)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+# ============================================================================================ certificates
+@dataclass(frozen=True)
+class Certificates:
+    """TLS files of a SuperLink: its certificate and key, and the CA that signed it (given to the SuperNodes and
+    the CLI connection as ``root-certificates``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def make_self_signed_ca(out: Path, host: str = HOST, days: int = 2) -> Certificates:
+    """A throwaway CA and a server certificate for ``host`` signed by it (localhost runs and tests only)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    out.mkdir(parents=True, exist_ok=True)
+    now = dt.datetime.now(dt.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedmeet local CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
+          .not_valid_after(now + dt.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False),
+                         critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP384R1())
+    try:
+        san = [x509.IPAddress(ipaddress.ip_address(host))]
+    except ValueError:
+        san = [x509.DNSName(host)]
+    if host == HOST:
+        san.append(x509.DNSName("localhost"))
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(san), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
+    certs.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    certs.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    certs.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                            serialization.NoEncryption()))
+    certs.key.chmod(0o600)
+    return certs
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair (EC P-384, OpenSSH format, as ``ssh-keygen -t ecdsa -b 384`` writes):
+    the SuperNode keeps the private key, the federation owner registers the public one."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    out.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    private, public = out / name, out / f"{name}.pub"
+    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                          serialization.NoEncryption()))
+    private.chmod(0o600)
+    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                     serialization.PublicFormat.OpenSSH) + b"\n")
+    return private, public
+
+
+# ============================================================================================ deployment
+@dataclass
+class LocalConfig:
+    """One local deployment (the ``local`` command's options)."""
+
+    plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
+    workdir: Path = Path(".")
+    app: Path = REPO_ROOT  # the Flower app (pyproject.toml with [tool.flwr.app])
+    run_config: dict[str, str | int | float | bool] = field(default_factory=dict)
+    clients: list[str] | None = None  # default: the plan's partition
+    tls: bool = False
+    certificates: Certificates | None = None  # with tls: these files, else a CA made under FLWR_HOME
+    auth: bool = False  # SuperNode authentication: a key per client, registered before the run
+    home: Path | None = None  # FLWR_HOME; default .flwr-local/<exp>
+    startup_timeout_s: float = 60.0
+    run_timeout_s: float = 3600.0
+    stop_timeout_s: float = 10.0
+    quiet: bool = False  # do not echo flwr's stream (tests)
+
+
+@dataclass
+class LocalRun:
+    """What :func:`run_local` did: the run's exit status, the process logs, the outputs it checked."""
+
+    returncode: int
+    home: Path
+    logs: dict[str, Path]
+    output: str
+
+
+def _toml_value(v: str | int | float | bool) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return "'" + str(v).replace("'", "") + "'"
+
+
+def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
+    """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs."""
+    return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
+
+
+def write_connection(home: Path, port: int, certificates: Certificates | None) -> Path:
+    """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
+    home.mkdir(parents=True, exist_ok=True)
+    security = (f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true")
+    path = home / "config.toml"
+    path.write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                    f'address = "{HOST}:{port}"\n{security}\n')
+    return path
+
+
+def _bin(name: str) -> str:
+    # Flower's entry points live beside this interpreter (the project's venv), whatever PATH says.
+    exe = Path(sys.executable).parent / name
+    return str(exe) if exe.exists() else name
+
+
+class LocalFederation:
+    """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
+
+    def __init__(self, cfg: LocalConfig):
+        from pipeline import client_training
+        from pipeline.federated import _load_plan
+
+        self.cfg = cfg
+        self.workdir = cfg.workdir.resolve()
+        plan_file = self.workdir / cfg.plan
+        if not plan_file.exists():
+            raise FederationError(f"{plan_file}: plan file not found (run the plan stage: dvc repro plan)")
+        self.plan = _load_plan(str(plan_file))
+        cwd = os.getcwd()
+        try:  # the plan's paths are relative to the working directory
+            os.chdir(self.workdir)
+            self.clients = list(cfg.clients or client_training.client_names(self.plan))
+        finally:
+            os.chdir(cwd)
+        self.home = (cfg.home or self.workdir / LOCAL_HOME / self.plan.experiment).resolve()
+        env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0",
+                   PYTHONUNBUFFERED="1")
+        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
+        self.port = free_port()
+        self.certificates: Certificates | None = None
+        if cfg.tls:
+            self.certificates = cfg.certificates or make_self_signed_ca(self.home / "certs")
+        self.keys: dict[str, tuple[Path, Path]] = {}
+        self.superlink: Process | None = None
+        self.supernodes: dict[str, Process] = {}
+
+    # -- lifecycle
+    def __enter__(self) -> "LocalFederation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.procs.stop_all()
+
+    # -- SuperLink
+    def _security_args(self) -> list[str]:
+        if self.certificates is None:
+            return ["--insecure"]
+        c = self.certificates
+        return ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
+
+    def start_superlink(self) -> Process:
+        argv = [_bin("flower-superlink"), *self._security_args(), "--host", HOST, "--port", str(self.port),
+                # the app's dependencies are this environment's: no `uv sync` per run
+                "--disable-runtime-dependency-installation"]
+        if self.cfg.auth:
+            argv.append("--enable-supernode-auth")
+        self.superlink = self.procs.start("superlink", argv, self.workdir)
+        _wait_for(lambda: _port_open(self.port), self.cfg.startup_timeout_s,
+                  f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
+        write_connection(self.home, self.port, self.certificates)
+        if self.cfg.auth:
+            for name in self.clients:
+                self.register(name)
+        return self.superlink
+
+    def flwr(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+        """A ``flwr`` CLI command against this deployment's connection."""
+        return subprocess.run([_bin("flwr"), *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
+                              text=True, timeout=timeout_s or self.cfg.startup_timeout_s)
+
+    def register(self, name: str) -> None:
+        """Make ``name``'s key pair and register its public key with the SuperLink (SuperNode authentication)."""
+        self.keys[name] = make_node_key(self.home / "keys", name)
+        out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
+        if out.returncode != 0:
+            raise FederationError(f"registering the key of SuperNode {name} failed: "
+                                  f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
+
+    # -- SuperNodes
+    def start_supernode(self, name: str, key: Path | None = None) -> Process:
+        argv = [_bin("flower-supernode"), "--superlink", f"{HOST}:{self.port}", "--host", HOST,
+                "--port", str(free_port()),
+                "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
+        argv[1:1] = (["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"])
+        key = key or (self.keys[name][0] if name in self.keys else None)
+        if key is not None:
+            argv += ["--auth-supernode-private-key", str(key)]
+        restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
+        proc = self.procs.start(f"supernode-{name}" + (f"-{restarts}" if restarts else ""), argv, self.workdir)
+        self.supernodes[name] = proc
+        return proc
+
+    def wait_registered(self, proc: Process) -> None:
+        """Until the SuperNode logs the id the SuperLink gave it."""
+        _wait_for(lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s,
+                  f"{proc.name} connecting to the SuperLink", proc)
+
+    def start(self) -> None:
+        self.start_superlink()
+        for name in self.clients:
+            self.start_supernode(name)
+        for proc in self.supernodes.values():
+            self.wait_registered(proc)
+
+    def restart_supernode(self, name: str, timeout_s: float = 150.0) -> Process:
+        """Start ``name``'s SuperNode again until the SuperLink accepts it. With SuperNode authentication the
+        SuperLink refuses the key while the killed node still counts as online (until two 30 s heartbeats are
+        missed); without it the new process gets a new node id at once."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            proc = self.start_supernode(name)
+            try:
+                self.wait_registered(proc)
+                return proc
+            except FederationError:
+                self.procs.stop(proc)
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2.0)
+
+    def kill_supernode(self, name: str) -> None:
+        """Kill a SuperNode and what it spawned (SIGKILL: no goodbye to the SuperLink, as in a crash)."""
+        self.procs.stop(self.supernodes[name], signal.SIGKILL)
+
+    # -- the run
+    def submit(self) -> Process:
+        """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
+        rc = {"plan": self.cfg.plan, **self.cfg.run_config}
+        argv = [_bin("flwr"), "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
+                "--run-config", run_config_arg(rc)]
+        return self.procs.start("flwr-run", argv, self.workdir, capture=True)
+
+    def stream(self, run: Process, on_line=None) -> LocalRun:
+        """Echo the run's output until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
+        lines: list[str] = []
+        log = open(run.log, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
+
+        def pump() -> None:
+            for raw in run.popen.stdout:
+                line = raw.decode(errors="replace")
+                lines.append(line)
+                log.write(line)
+                log.flush()
+                if not self.cfg.quiet:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                if on_line is not None:
+                    on_line(line)
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + self.cfg.run_timeout_s
+        try:
+            while run.alive():
+                if self.superlink is not None and not self.superlink.alive():
+                    raise FederationError(self._superlink_lost())
+                if time.monotonic() > deadline:
+                    raise FederationError(f"the run did not finish within {self.cfg.run_timeout_s:.0f}s "
+                                          f"(--run-timeout); {self._resume_hint()}")
+                time.sleep(0.2)
+            reader.join(timeout=5)
+        finally:
+            log.close()
+        return LocalRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
+
+    def _resume_hint(self) -> str:
+        from pipeline.federated import load_server_checkpoint, server_checkpoint_path
+
+        cwd = os.getcwd()
+        try:
+            os.chdir(self.workdir)
+            ckpt = load_server_checkpoint(self.plan)
+        finally:
+            os.chdir(cwd)
+        command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
+        if ckpt is None:
+            return f"no round was checkpointed; rerun `{command}` to start over"
+        return (f"the server checkpointed round {ckpt['round']} of {self.plan.train.rounds} "
+                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {ckpt['round'] + 1}")
+
+    def _superlink_lost(self) -> str:
+        status = self.superlink.popen.returncode if self.superlink else None
+        return f"the SuperLink stopped during the run (status {status}); {self._resume_hint()}"
+
+    def check_outputs(self, since: float) -> dict:
+        """The run's train metrics (written by the deployed ServerApp), or an error naming what is missing."""
+        metrics = self.workdir / self.plan.paths["reports_dir"] / "metrics.json"
+        if not metrics.exists() or metrics.stat().st_mtime < since:
+            raise FederationError(f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; "
+                                  f"{self._resume_hint()}")
+        return json.loads(metrics.read_text())
+
+
+def run_local(cfg: LocalConfig) -> tuple[LocalRun, dict]:
+    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise."""
+    with LocalFederation(cfg) as fed:
+        started = time.time()
+        fed.start()
+        run = fed.stream(fed.submit())
+        if run.returncode != 0:
+            raise FederationError(f"`flwr run` exited with status {run.returncode}; logs in {fed.procs.log_dir}; "
+                                  f"{fed._resume_hint()}")
+        return run, fed.check_outputs(started)
+
+
+# ================================================================================================ CLI
+def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
+    """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
+    import tomllib
+
+    out: dict[str, str | int | float | bool] = {}
+    for item in items:
+        if "=" not in item:
+            raise FederationError(f"--run-config {item!r}: expected key=value")
+        k, v = (x.strip() for x in item.split("=", 1))
+        try:
+            out[k] = tomllib.loads(f"x = {v}")["x"]
+        except tomllib.TOMLDecodeError:
+            out[k] = v.strip("'\"")
+    return out
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    lo = sub.add_parser("local", help="SuperLink + one SuperNode per client on 127.0.0.1, then `flwr run`")
+    which = lo.add_mutually_exclusive_group(required=True)
+    which.add_argument("--experiment", help="a key of params.yaml `experiments` (plan models/plans/<exp>.json)")
+    which.add_argument("--plan", help="a plan file (relative to the working directory)")
+    lo.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
+                    help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, params)")
+    lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
+    lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
+    lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
+    lo.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for the whole run")
+    lo.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a process gets to stop on SIGTERM")
+    args = ap.parse_args(argv)
+
+    plan = args.plan or str(PLANS_DIR / f"{args.experiment}.json")
+    cfg = LocalConfig(plan=plan, run_config=_parse_run_config(args.run_config), tls=args.tls, auth=args.auth,
+                      startup_timeout_s=args.startup_timeout, run_timeout_s=args.run_timeout,
+                      stop_timeout_s=args.stop_timeout)
+    # Ctrl-C / SIGTERM unwind through LocalFederation.__exit__, which stops every process it started.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        run, metrics = run_local(cfg)
+    except KeyboardInterrupt:
+        print("interrupted: every process this command started was stopped", file=sys.stderr)
+        return 130
+    summary = {c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")}
+               for c, v in metrics["clients"].items()}
+    print(json.dumps({"experiment": metrics.get("experiment", Path(plan).stem), "clients": summary,
+                      "logs": str(run.home / "logs")}))
+    return 0
+
+
+if __name__ == "__main__":
+    from pipeline.cli import run as run_cli
+
+    raise SystemExit(run_cli(main))
