@@ -128,6 +128,8 @@ def render(res: dict) -> str:
                      "(each stage writes `{stage, seconds, peak_rss_mb}` there).")
     if mem["skipped_files"]:
         lines.append(f"Skipped unreadable records: {len(mem['skipped_files'])} (see memory.json).")
+    if "scale" in res:
+        lines += scale_section(res["scale"])
     lines += ["", "## How these numbers are made", "",
               "- Models are built from configs with random weights (no download): cost depends on shapes only. "
               "Inputs are full-length random token ids (no padding), as the FLOP model assumes.",
@@ -145,6 +147,46 @@ def render(res: dict) -> str:
               "bound` <= 1); `delta to global` encodes local - global, which the server can add back because it sent "
               "the global adapter itself.", ""]
     return "\n".join(lines) + "\n"
+
+
+def scale_section(sc: dict) -> list[str]:
+    """Federated engines at growing client counts (benchmarks/scale.py): table, fitted exponents, plot."""
+    cfg = sc["config"]
+    lines = ["", "## Scale: federated engines vs number of clients", "",
+             f"FedAvg, {sc['backbone']}, {sc['partition']} partition (Dir({cfg['beta']}), on average "
+             f"{cfg['train_per_client']} train and {cfg['eval_per_client']} valid/test example(s) per client), "
+             f"{cfg['rounds']} rounds, {cfg['threads']} torch thread(s); each point in a fresh process "
+             f"(`python -m benchmarks.scale`, {sc['seconds']:.0f} s in all). Round 1 (start-up: Ray actors load "
+             "the model) is shown apart; *s/round* is the median of rounds 2.. . Driver peak = the server "
+             "process's RSS high-water mark, reset every round (with the in-process engine it holds every client); "
+             "growth = that peak minus the process's RSS before the run; tree peak = largest sampled RSS sum over "
+             "the process and all its children (Ray's GCS, raylet, workers: shared pages counted per process, an "
+             "upper bound).", "",
+             "![scale](scale.png)", "",
+             "| engine | clients | s/round | round 1 s | driver peak MiB | growth MiB | tree peak MiB | processes |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in sc["points"]:
+        if p["status"] != "ok":
+            lines.append(f"| {p['engine']} | {p['clients']} | skipped: {p['reason']} | | | | | |")
+            continue
+        procs = max(r["processes"] for r in p["rounds"])
+        lines.append(f"| {p['engine']} | {p['clients']} | {p['median_round_seconds']:.3f} | "
+                     f"{p['first_round_seconds']:.2f} | {p['median_driver_peak_mb']:.0f} | "
+                     f"{p['median_driver_growth_mb']:.1f} | {p['median_tree_peak_mb']:.0f} | {procs} |")
+    tol = sc["linear_tolerance"]
+    lines += ["", f"Fitted exponent (least-squares slope of log value on log clients; 1 = linear; target: nothing "
+                  f"grows faster than linearly, i.e. slope <= 1 + {tol} for measurement noise):", "",
+              "| engine | sizes | s/round | round 1 | driver peak | growth | tree peak |", "|---|---|---|---|---|---|---|"]
+    keys = ("median_round_seconds", "first_round_seconds", "median_driver_peak_mb", "median_driver_growth_mb",
+            "median_tree_peak_mb")
+    for engine, fit in sc["fits"].items():
+        cells = []
+        for k in keys:
+            f = fit.get(k) or {}
+            slope = f.get("exponent")
+            cells.append("n/a" if slope is None else f"{slope:.2f} ({_mark(f['at_most_linear'])})")
+        lines.append(f"| {engine} | {', '.join(map(str, fit['sizes'])) or 'none'} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write(res: dict, path: Path) -> None:

@@ -3,7 +3,8 @@
     python -m benchmarks.run            # full profile (~6-10 min on a quiet 2-core machine; 14 min on a loaded one)
     python -m benchmarks.run --quick    # 1-2 minute smoke run with reduced shapes -> reports/bench/quick/
 
-Outputs: train_step.json, generation.json, communication.json, memory.json and README.md (tables, targets).
+Outputs: train_step.json, generation.json, communication.json, memory.json, scale.json + scale.png (federated
+engines at 3..100 clients, benchmarks/scale.py) and README.md (tables, targets).
 """
 from __future__ import annotations
 
@@ -103,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     uses = study_uses(args.params)
 
     steps = ["matmul peak", "train bart_base", "train default", "matmul peak (again)", "generation default",
-             "generation bart_base", "communication default", "communication bart_base", "memory"]
+             "generation bart_base", "communication default", "communication bart_base", "memory", "scale"]
     bar = tqdm(total=len(steps), desc=f"bench ({profile.name})", unit="part")
 
     def advance(label: str) -> None:
@@ -139,6 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         advance(f"communication {key}")
     memory = collect()
     advance("memory")
+    from benchmarks.scale import QUICK_SIZES, ScaleConfig, bench_scale
+    from benchmarks.scale import plot as plot_scale
+
+    scale = bench_scale(ScaleConfig(threads=args.threads) if profile.name == "full"
+                        else ScaleConfig(sizes=QUICK_SIZES, threads=args.threads))
+    advance("scale")
     bar.close()
 
     meta = {
@@ -151,8 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     write_json(out / "generation.json", {"meta": meta, "shapes": generation})
     write_json(out / "communication.json", {"meta": meta, "shapes": communication})
     write_json(out / "memory.json", {"meta": meta, **memory})
+    write_json(out / "scale.json", {"meta": meta, **scale})
+    plot_scale(scale, out / "scale.png")
     results = {"meta": meta, "machine": peak, "train_step": _plain(train), "generation": _plain(generation),
-               "communication": _plain(communication), "memory": memory}
+               "communication": _plain(communication), "memory": memory, "scale": scale}
     readme.write(results, out / "README.md")
     print(f"benchmarks written to {out}/ in {meta['seconds']:.0f} s")
 
@@ -169,8 +178,11 @@ def load_results(out: Path) -> dict:
 
     train, gen, comm, mem = (read(f"{n}.json") for n in ("train_step", "generation", "communication", "memory"))
     mem.pop("meta", None)
-    return {"meta": train["meta"], "machine": train["machine"], "train_step": train["shapes"],
-            "generation": gen["shapes"], "communication": comm["shapes"], "memory": mem}
+    results = {"meta": train["meta"], "machine": train["machine"], "train_step": train["shapes"],
+               "generation": gen["shapes"], "communication": comm["shapes"], "memory": mem}
+    if (out / "scale.json").exists():  # written by benchmarks.scale on its own as well
+        results["scale"] = read("scale.json")
+    return results
 
 
 def _cpu_name() -> str:

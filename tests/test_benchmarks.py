@@ -87,3 +87,45 @@ def test_memory_table_reads_stage_records_and_counts_bad_ones(tmp_path):
     assert out["max_peak_rss_stage"] == "train" and out["max_peak_rss_mb"] == 900.0
     assert out["total_seconds"] == 15.5
     assert len(out["skipped_files"]) == 1 and "broken.json" in out["skipped_files"][0]["file"]
+
+
+def test_scale_exponent_is_the_log_log_slope():
+    from benchmarks.scale import fit_exponent
+
+    assert fit_exponent([1, 10, 100], [2.0, 20.0, 200.0]) == 1.0  # linear
+    assert fit_exponent([1, 2, 4], [3.0, 12.0, 48.0]) == 2.0  # quadratic
+    assert fit_exponent([3, 30], [5.0, 5.0]) == 0.0  # constant
+    assert fit_exponent([3], [1.0]) is None and fit_exponent([3, 10], [0.0, 1.0]) is None  # < 2 usable points
+
+
+def test_scale_benchmark_core_at_two_sizes_in_process(tmp_path):
+    import math
+
+    from benchmarks import readme
+    from benchmarks.scale import ScaleConfig, bench_scale
+
+    torch.set_num_threads(1)
+    cfg = ScaleConfig(sizes=(2, 4), engines=("inprocess",), rounds=2)
+    res = bench_scale(cfg, work=tmp_path, isolate=False)
+    assert [(p["engine"], p["clients"], p["status"]) for p in res["points"]] == [("inprocess", 2, "ok"),
+                                                                                 ("inprocess", 4, "ok")]
+    for p in res["points"]:
+        n = p["clients"]
+        assert p["train_examples"] == cfg.train_per_client * n  # the whole pool is partitioned
+        assert p["train_per_client_min"] >= 1
+        assert [r["round"] for r in p["rounds"]] == [1, 2]
+        for r in p["rounds"]:
+            assert r["clients_replied"] == n  # every client trained every round
+            for key in ("seconds", "wall_seconds", "driver_peak_mb", "tree_peak_mb"):
+                assert math.isfinite(r[key]) and r[key] > 0, (n, key, r[key])
+            assert r["processes"] == 1  # in-process: no worker processes
+            # one process: a sampled RSS cannot exceed the kernel's high-water mark of the same window (the 2 MiB
+            # allow for a sample taken just before the reset at the round boundary)
+            assert r["tree_peak_mb"] <= r["driver_peak_mb"] + 2
+        for key in ("median_round_seconds", "first_round_seconds", "median_driver_peak_mb", "median_tree_peak_mb"):
+            assert math.isfinite(p[key]) and p[key] > 0
+    fit = res["fits"]["inprocess"]
+    assert fit["sizes"] == [2, 4]
+    assert isinstance(fit["median_round_seconds"]["exponent"], float)
+    section = "\n".join(readme.scale_section(res))
+    assert "| inprocess | 4 |" in section and "Fitted exponent" in section
