@@ -175,7 +175,9 @@ def scale_section(sc: dict) -> list[str]:
                      f"{p['median_driver_growth_mb']:.1f} | {p['median_tree_peak_mb']:.0f} | {procs} |")
     tol = sc["linear_tolerance"]
     lines += ["", f"Fitted exponent (least-squares slope of log value on log clients; 1 = linear; target: nothing "
-                  f"grows faster than linearly, i.e. slope <= 1 + {tol} for measurement noise):", "",
+                  f"grows faster than linearly, i.e. slope <= 1 + {tol} for measurement noise). 'Last pair' is "
+                  "the slope between the two largest sizes alone: fixed per-round costs flatten the overall fit, so a superlinear term would show there "
+                  "first; with one pair of noisy medians it is indicative only:", "",
               "| engine | sizes | s/round | round 1 | driver peak | growth | tree peak |", "|---|---|---|---|---|---|---|"]
     keys = ("median_round_seconds", "first_round_seconds", "median_driver_peak_mb", "median_driver_growth_mb",
             "median_tree_peak_mb")
@@ -184,7 +186,9 @@ def scale_section(sc: dict) -> list[str]:
         for k in keys:
             f = fit.get(k) or {}
             slope = f.get("exponent")
-            cells.append("n/a" if slope is None else f"{slope:.2f} ({_mark(f['at_most_linear'])})")
+            tail = f.get("tail_exponent")
+            cells.append("n/a" if slope is None else f"{slope:.2f} ({_mark(f['at_most_linear'])})"
+                         + ("" if tail is None else f"; last pair {tail:.2f}"))
         lines.append(f"| {engine} | {', '.join(map(str, fit['sizes'])) or 'none'} | " + " | ".join(cells) + " |")
     return lines
 
