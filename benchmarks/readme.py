@@ -190,6 +190,16 @@ def scale_section(sc: dict) -> list[str]:
             cells.append("n/a" if slope is None else f"{slope:.2f} ({_mark(f['at_most_linear'])})"
                          + ("" if tail is None else f"; last pair {tail:.2f}"))
         lines.append(f"| {engine} | {', '.join(map(str, fit['sizes'])) or 'none'} | " + " | ".join(cells) + " |")
+    steep = {e: f["median_round_seconds"]["tail_exponent"] for e, f in sc["fits"].items()
+             if (f.get("median_round_seconds") or {}).get("tail_exponent") is not None}
+    over = [e for e, t in steep.items() if t > 1 + tol]
+    if over:
+        others = {e: t for e, t in steep.items() if e not in over}
+        lines += ["", f"Watch: between the two largest sizes the per-round time of {', '.join(over)} grows faster "
+                      f"than linearly (last-pair slope {', '.join(f'{steep[e]:.2f}' for e in over)})"
+                  + (f", while {', '.join(f'{e} ({t:.2f})' for e, t in others.items())} runs the same client code "
+                     "linearly: the extra is in the engine's own path, not in the clients' training." if others
+                     else ".")]
     return lines
 
 
