@@ -200,6 +200,10 @@ def scale_section(sc: dict) -> list[str]:
                   + (f", while {', '.join(f'{e} ({t:.2f})' for e, t in others.items())} runs the same client code "
                      "linearly: the extra is in the engine's own path, not in the clients' training." if others
                      else ".")]
+        if "ray" in over:
+            from benchmarks.scale import RAY_PROFILE_NOTE
+
+            lines += ["", RAY_PROFILE_NOTE]
     return lines
 
 

@@ -47,6 +47,14 @@ SIZES = (3, 10, 30, 100)
 QUICK_SIZES = (3, 10)
 ENGINES = ("inprocess", "ray")
 LINEAR_TOLERANCE = 0.1  # fitted slopes up to 1.1 count as linear: two rounds on a shared machine are noisy
+# What a profile showed (2026-11-23, cProfile of every thread, Ray engine, 100 clients, 3 rounds, flwr 1.41.0):
+# rendered in the README when Ray's per-round time grows superlinearly between the two largest sizes.
+RAY_PROFILE_NOTE = (
+    "Profiled (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation thread "
+    "`add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node (19,000 calls), and each call "
+    "scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU on this 2-core machine, "
+    "competing with the Ray actors): O(clients^2) work per round inside flwr's simulation runtime, not in "
+    "fedmeet's code (the in-process engine, which runs the same client code, stays linear).")
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 # tests/test_federated.py's tiny-model settings: short inputs so a point is seconds, not minutes
 MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
