@@ -1,6 +1,6 @@
 """Run every benchmark in one process and write ``reports/bench/`` (``make bench``).
 
-    python -m benchmarks.run            # full profile (~6-10 min on a quiet 2-core machine; 14 min on a loaded one)
+    python -m benchmarks.run            # full profile (~10-14 min on a quiet 2-core machine, scale ~3.5 of them)
     python -m benchmarks.run --quick    # 1-2 minute smoke run with reduced shapes -> reports/bench/quick/
 
 Outputs: train_step.json, generation.json, communication.json, memory.json, scale.json + scale.png (federated

@@ -53,7 +53,7 @@ RAY_PROFILE_NOTE = (
     "Profiled (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation thread "
     "`add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node (19,000 calls), and each call "
     "scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU on this 2-core machine, "
-    "competing with the Ray actors): O(clients^2) work per round inside flwr's simulation runtime, not in "
+    "competing with the Ray actors): work of nodes polled x messages stored, roughly clients^2 per round, inside flwr's simulation runtime, not in "
     "fedmeet's code (the in-process engine, which runs the same client code, stays linear).")
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 # tests/test_federated.py's tiny-model settings: short inputs so a point is seconds, not minutes
