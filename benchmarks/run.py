@@ -1,7 +1,7 @@
 """Run every benchmark in one process and write ``reports/bench/`` (``make bench``).
 
     python -m benchmarks.run            # full profile (~10-14 min on a quiet 2-core machine, scale ~3.5 of them)
-    python -m benchmarks.run --quick    # 1-2 minute smoke run with reduced shapes -> reports/bench/quick/
+    python -m benchmarks.run --quick    # 2-3 minute smoke run with reduced shapes (scale: 3 and 10 clients) -> reports/bench/quick/
 
 Outputs: train_step.json, generation.json, communication.json, memory.json, scale.json + scale.png (federated
 engines at 3..100 clients, benchmarks/scale.py) and README.md (tables, targets).
@@ -70,7 +70,7 @@ def study_uses(params_path: str) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke profile (reduced shapes, 1-2 minutes)")
+    ap.add_argument("--quick", action="store_true", help="smoke profile (reduced shapes, 2-3 minutes)")
     ap.add_argument("--out", type=Path, default=None, help="output dir (default reports/bench, quick: reports/bench/quick)")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--threads", type=int, default=2,
