@@ -126,11 +126,11 @@ def _natural(name: str) -> tuple[str, int]:
     return head, int(num) if num.isdigit() else 0
 
 
-def mutant_diff(name: str, module: str, mutants_dir: Path = MUTANTS_DIR) -> str:
+def mutant_diff(name: str, module: str) -> str:
     """The changed lines of one mutant (mutmut's own diff, without the file header)."""
     from mutmut.mutation.diff_apply import get_diff_for_mutant
 
-    diff = get_diff_for_mutant(name, path=mutants_dir / "pipeline" / f"{module}.py")
+    diff = get_diff_for_mutant(name, path=Path("pipeline") / f"{module}.py")  # mutmut reads it under mutants/
     return "\n".join(line for line in diff.splitlines()
                      if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
