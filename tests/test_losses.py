@@ -376,3 +376,101 @@ def test_ce_without_a_teacher_trains_the_student_with_the_ce_gradient(example):
     torch.testing.assert_close(leaf.grad, expected, atol=1e-6, rtol=1e-5)
     assert out.loss.item() == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
     assert out.n_kd == 0 and not out.gate.any() and not out.entropy.any() and out.kd_mean == 0.0
+
+
+# ----------------------------------------------------------------------------------- bad input: one clear line
+def _raises_exactly(message: str):
+    import re
+
+    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
+
+
+def test_bad_config_messages_name_the_field_value_and_allowed_values():
+    with _raises_exactly("KDConfig.mode='selectve'; expected one of ('ce', 'kd', 'selective', 'hard')"):
+        KDConfig(mode="selectve")
+    with _raises_exactly("KDConfig.tau_scale='rank'; expected one of ('absolute', 'max_entropy', 'batch_quantile')"):
+        KDConfig(tau_scale="rank")
+    with _raises_exactly("KDConfig.kl_direction='both'; expected one of ('teacher_to_student', 'student_to_teacher')"):
+        KDConfig(kl_direction="both")
+    with _raises_exactly("KDConfig.log_base='10'; expected one of ('e', '2')"):
+        KDConfig(log_base=10)
+    with _raises_exactly("KDConfig.normalisation='batch'; expected one of ('tokens', 'sequences')"):
+        KDConfig(normalisation="batch")
+    assert KDConfig(log_base=2).log_base == "2"  # a number from YAML is read as the base's name
+    with _raises_exactly("KDConfig.lam=-0.1 must be in [0, 1]"):
+        KDConfig(lam=-0.1)
+    assert KDConfig(lam=0.0).lam == 0.0 and KDConfig(lam=1.0).lam == 1.0  # both ends allowed
+    with _raises_exactly("KDConfig.temperature=0.0 must be > 0"):
+        KDConfig(temperature=0.0)
+    with _raises_exactly("KDConfig.tau=0.0 must be in (0, 1] with tau_scale 'batch_quantile'"):
+        KDConfig(tau=0.0, tau_scale="batch_quantile")
+    assert KDConfig(tau=1.0, tau_scale="max_entropy").tau == 1.0
+
+
+def test_bad_batches_are_named(example):
+    student, teacher, labels = example
+    with _raises_exactly("distillation_loss: the batch has no non-padding target token"):
+        distillation_loss(student, teacher, torch.full_like(labels, -100), KDConfig())
+    with _raises_exactly("distillation_loss: mode 'kd' needs the global (teacher) logits"):
+        distillation_loss(student, None, labels, KDConfig(mode="kd"))
+    with _raises_exactly("distillation_loss: mode 'hard' needs hard_mask [B, T]"):
+        distillation_loss(student, teacher, labels, KDConfig(mode="hard"))
+    with _raises_exactly("hard_mask shape (2, 1) != labels shape (2, 2)"):
+        distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.ones(2, 1))
+    with _raises_exactly("distillation_loss: logits_local shape (2, 1, 3) does not match labels (2, 2)"):
+        distillation_loss(student[:, :1], teacher, labels, KDConfig())
+    with _raises_exactly("distillation_loss: logits_global shape (1, 2, 3) does not match labels (2, 2)"):
+        distillation_loss(student, teacher[:1], labels, KDConfig())
+    with _raises_exactly("distillation_loss: logits_global must be [B, T, V] like the labels (2, 2) or packed [N, V] "
+                         "with N = 3 non-padding tokens; got (4, 3)"):
+        distillation_loss(student, teacher.reshape(4, 3), labels, KDConfig())
+
+
+def test_hard_mask_may_be_given_as_zeros_and_ones(example):
+    student, teacher, labels = example
+    as_bool = hard_kd_loss(student, teacher, labels, torch.tensor([[True, False], [True, True]]))
+    as_int = hard_kd_loss(student, teacher, labels, torch.tensor([[1, 0], [1, 1]]))
+    assert as_int.gate.tolist() == as_bool.gate.tolist() == [[True, False], [True, False]]
+    assert as_int.loss.item() == as_bool.loss.item()
+
+
+def test_unpadded_batches_and_empty_sequences_give_the_same_loss():
+    """An unpadded [B, T, V] batch is the packed one; an all-padding sequence changes neither normalisation."""
+    g = torch.Generator().manual_seed(3)
+    student, teacher = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    labels = torch.randint(0, 5, (2, 3), generator=g)
+    for norm in ("tokens", "sequences"):
+        cfg = KDConfig(mode="kd", lam=0.3, normalisation=norm)
+        full = distillation_loss(student, teacher, labels, cfg)
+        packed = distillation_loss(student.reshape(6, 5), teacher.reshape(6, 5), labels, cfg)
+        assert full.loss.item() == pytest.approx(packed.loss.item(), abs=1e-6)
+        assert full.entropy.shape == (2, 3) and full.n_tokens == 6
+        padded_labels = torch.cat([labels, torch.full((1, 3), -100)])
+        padded = distillation_loss(torch.cat([student, student[:1]]), torch.cat([teacher, teacher[:1]]),
+                                   padded_labels, cfg)
+        assert padded.loss.item() == pytest.approx(full.loss.item(), abs=1e-6)
+
+
+def test_portable_tau_above_one_is_rejected():
+    with _raises_exactly("KDConfig.tau=1.5 must be in (0, 1] with tau_scale 'max_entropy'"):
+        KDConfig(tau=1.5, tau_scale="max_entropy")
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 4, 128])
+def test_batch_quantile_threshold_is_the_quantile_of_all_token_entropies(chunk_rows):
+    """Whatever the chunking, the threshold is the tau-quantile of H(q_g) over every real token (9 tokens, V = 3)."""
+    g = torch.Generator().manual_seed(5)
+    teacher = torch.randn(1, 9, 3, generator=g) * torch.linspace(0.1, 4.0, 9).view(1, 9, 1)
+    labels = torch.zeros(1, 9, dtype=torch.long)
+    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"),
+                            chunk_rows=chunk_rows)
+    expected = torch.quantile(token_entropy(teacher)[0].double(), 0.3).item()
+    assert out.threshold == pytest.approx(expected, abs=1e-6)
+    assert out.n_kd == int((token_entropy(teacher) < expected).sum()) == 3  # 30 % of 9 tokens lie below
+
+
+def test_only_the_loss_carries_a_gradient(example):
+    student, teacher, labels = example
+    out = distillation_loss(student.clone().requires_grad_(True), teacher, labels, KDConfig(mode="kd"))
+    assert out.loss.requires_grad
+    assert not out.entropy.requires_grad and not out.gate.requires_grad  # diagnostics, not part of the graph
