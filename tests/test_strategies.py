@@ -188,3 +188,19 @@ def test_strategy_state_is_a_snapshot_and_restores_exactly():
     assert fresh.momentum_vector[0][0] == 0.5 and fresh.current_arrays["w"][0] == 1.0
     with pytest.raises(ValueError, match="unexpected strategy state 'lr'"):
         restore_strategy_state(fresh, {"lr": 0.1})
+
+
+def test_fednova_rejects_a_train_reply_without_arrays():
+    """Train replies are checked like FedAvg's (each must carry its ArrayRecord) before any arithmetic."""
+    from flwr.app import Message, MetricRecord, RecordDict
+    from flwr.serverapp.exception import InconsistentMessageReplies
+
+    from pipeline.federated import _set_server_identity
+
+    nova = _fednova_after_sending({"w": np.array([0.0], dtype=np.float32)})
+    _set_server_identity(1)
+    ins = Message(RecordDict(), dst_node_id=7, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "n"
+    no_arrays = Message(RecordDict({"metrics": MetricRecord({N: 1, S: 1})}), reply_to=ins)
+    with pytest.raises(InconsistentMessageReplies):
+        nova.aggregate_train(1, [no_arrays, no_arrays])
