@@ -181,6 +181,11 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
         lines.append(f"| {module}.py | {r.made} | {r.killed} | {r.survived} | {r.timeout} | {r.no_tests} | "
                      f"{r.other} | {r.not_run} | {r.equivalent} | {_pct(r.score)} | "
                      f"{_pct(before_score(before.get(module), r)) if before.get(module) else '-'} |")
+    if before:
+        lines += ["", "Baseline (\"before new tests\") runs, each with the tests of its commit: " + "; ".join(
+            f"`{m}.py`: {b['run'].get('tests') or 'saved ' + b['run']['written'] + ' at commit ' + b['run']['commit']}"
+            for m, b in before.items() if "run" in b)
+            + ". The survivors of each were then re-run with the new tests (`make mutants MUTANTS=survivors`)."]
     not_reached = [m for m in CORE if m not in results or results[m].not_run == results[m].made]
     if not_reached:
         lines += ["", "Not run yet: " + ", ".join(f"`{m}.py`" for m in not_reached) + "."]
