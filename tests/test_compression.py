@@ -124,3 +124,88 @@ def test_adapter_state_through_flower_arrayrecord():
     assert sizes["fp32"] - sizes["fp16"] == 2 * n_values
     # int8 saves one byte per value but adds one scalar scale array (4 bytes + ~160 bytes of record header) per tensor
     assert n_values - 200 * len(state) < sizes["fp16"] - sizes["int8"] < n_values
+
+
+def test_fp16_error_bound_is_half_an_ulp_and_tight():
+    # 1 + 2^-11 lies halfway between the fp16 neighbours 1 and 1 + 2^-10 and rounds to 1 (even): the error is
+    # half a unit in the last place at magnitude 1, 2^-11, which the bound must cover without slack.
+    x = torch.tensor([1.0 + 2.0**-11, -0.5, 0.25])
+    enc = encode_state({"w": x}, "fp16")
+    err = float((decode_state(enc)["w"] - x).abs().max())
+    assert err == 2.0**-11
+    assert err <= transfer_error_bound(enc, "w") <= err * 1.01
+    assert transfer_error_bound(encode_state({"w": x}, "fp32"), "w") == 0.0
+
+
+def test_empty_and_zero_tensors_travel_exactly():
+    for dtype in ("fp32", "fp16", "int8"):
+        enc = encode_state({"e": torch.zeros(0, 4), "z": torch.zeros(2)}, dtype)
+        dec = decode_state(enc)
+        assert dec["e"].shape == (0, 4) and torch.equal(dec["z"], torch.zeros(2))
+        # exact; fp16's bound keeps only its subnormal term 2^-25
+        assert transfer_error_bound(enc, "e") == transfer_error_bound(enc, "z") == (2.0**-25 if dtype == "fp16" else 0)
+    enc = encode_state({"e": torch.zeros(0)}, "int8")
+    assert float(enc["e" + SCALE_SUFFIX]) == 0.0 and encoded_nbytes(enc) == 4  # just the scale
+
+
+def test_encoded_bytes_by_hand():
+    enc = encode_state({"a": torch.ones(10), "b": torch.ones(2, 3)}, "int8")
+    assert encoded_nbytes(enc) == 10 + 6 + 2 * 4  # one byte per value plus one float32 scale per tensor
+    assert encoded_nbytes(encode_state({"a": torch.ones(10)}, "fp16")) == 20
+
+
+def test_delta_encoding_round_trip_and_errors():
+    reference = {"w": torch.tensor([1.0, 2.0, 3.0])}
+    state = {"w": torch.tensor([1.5, 1.0, 3.0])}
+    enc = encode_state(state, "fp16", reference=reference)
+    assert enc["w"].tolist() == [0.5, -1.0, 0.0]  # the delta travels, not the state
+    assert decode_state(enc, reference=reference)["w"].tolist() == [1.5, 1.0, 3.0]
+    assert reference["w"].tolist() == [1.0, 2.0, 3.0]  # the reference is left as it was
+    with pytest.raises(ValueError, match="delta decoding: reference lacks key 'w'"):
+        decode_state(enc, reference={"v": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"delta encoding: w has shape \(3,\) but the reference \(2,\)"):
+        encode_state(state, "int8", reference={"w": torch.zeros(2)})
+
+
+def test_malformed_encodings_are_named():
+    with pytest.raises(ValueError, match="'w' is torch.float16 but has an int8 scale"):
+        decode_state({"w": torch.ones(2, dtype=torch.float16), "w" + SCALE_SUFFIX: torch.tensor(1.0)})
+    with pytest.raises(ValueError, match="'w' has dtype torch.int32; expected float32, float16 or int8"):
+        decode_state({"w": torch.ones(2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="'w': contains NaN or inf"):
+        encode_state({"w": torch.tensor([float("inf")])}, "fp32")
+    with pytest.raises(ValueError, match=r"'w': \|x\| = 7e\+04 exceeds the fp16 range"):
+        encode_state({"w": torch.tensor([-7.0e4, 1.0])}, "fp16")  # the magnitude, whatever the sign
+
+
+def test_int8_scale_of_exactly_one_and_any_input_precision():
+    # max|x| = 127 gives s = 1 exactly: q is x rounded, not a special case
+    q, s = quantize_int8(torch.tensor([127.0, -3.4, 0.5]))
+    assert float(s) == 1.0 and q.tolist() == [127, -3, 0]
+    # the codec works in float32 whatever the sender's precision: bf16 / float64 states encode like their float32 copy
+    x = torch.tensor([0.7, -0.3, 0.011, 1.3])
+    for dtype in (torch.bfloat16, torch.float64):
+        ref = x.to(dtype).to(torch.float32)
+        q_d, s_d = quantize_int8(x.to(dtype))
+        q_r, s_r = quantize_int8(ref)
+        assert torch.equal(q_d, q_r) and float(s_d) == float(s_r)
+        for codec in ("fp32", "fp16"):
+            enc = encode_state({"w": x.to(dtype)}, codec)
+            assert enc["w"].dtype == (torch.float32 if codec == "fp32" else torch.float16)
+            assert torch.equal(decode_state(enc)["w"], decode_state(encode_state({"w": ref}, codec))["w"])
+
+
+def test_input_errors_name_the_key_and_what_is_wrong():
+    with pytest.raises(ValueError, match=r"^state key 'w': expected a floating-point tensor, got torch.int64$"):
+        encode_state({"w": torch.ones(2, dtype=torch.long)}, "fp32")
+    with pytest.raises(ValueError, match=r"^state key 'w': expected a floating-point tensor, got <class 'list'>$"):
+        encode_state({"w": [1.0, 2.0]}, "fp32")
+    state = {k: torch.ones(1) for k in "abcde"}
+    with pytest.raises(ValueError, match=r"^delta encoding: reference lacks key\(s\) \['a', 'b', 'c', 'd'\]$"):
+        encode_state(state, "int8", reference={})  # the first four of five, sorted
+
+
+def test_delta_decoding_returns_float32_whatever_the_reference_precision():
+    reference = {"w": torch.tensor([1.0, 2.0], dtype=torch.float64)}
+    dec = decode_state(encode_state({"w": torch.tensor([1.5, 2.0])}, "fp32", reference=reference), reference=reference)
+    assert dec["w"].dtype == torch.float32 and dec["w"].tolist() == [1.5, 2.0]

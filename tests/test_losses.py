@@ -18,6 +18,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.losses import KDConfig, distillation_loss, hard_kd_loss, selective_kd_loss, token_entropy
 
@@ -265,3 +267,210 @@ def test_absolute_gate_reports_its_threshold_and_portable_tau_is_a_fraction(exam
         KDConfig(tau=5.0, tau_scale="max_entropy")
     with pytest.raises(ValueError, match="tau_scale"):
         KDConfig(tau=0.5, tau_scale="entropy_rank")
+
+
+# ----------------------------------------------------------------------------------- per-token helpers
+def test_per_token_ce_and_kl_match_hand_computation(example):
+    from pipeline.losses import cross_entropy_tokens, kd_tokens
+
+    student, teacher, labels = example
+    ce = cross_entropy_tokens(student, labels)
+    torch.testing.assert_close(ce, torch.tensor([[CE1, CE2], [CE3, 0.0]]), atol=1e-5, rtol=0)  # 0 on padding
+    kl = kd_tokens(student, teacher)  # KL(q_g || q_l)
+    torch.testing.assert_close(kl[0], torch.tensor([KL1, KL2]), atol=1e-5, rtol=0)
+    assert kl[1, 0].item() == pytest.approx(KL3, abs=1e-5)
+    # KL(q_l || q_g) of token 1: 1/4 ln(1/2) + 1/2 ln 2 + 0 = 1/4 ln 2 (= KL1 by symmetry of this pair)
+    # and of token 3: 0.2 ln(0.6) * 2 + 0.6 ln(1.8)
+    rev = kd_tokens(student, teacher, direction="student_to_teacher")
+    assert rev[0, 0].item() == pytest.approx(0.25 * L(2), abs=1e-5)
+    assert rev[1, 0].item() == pytest.approx(0.4 * L(0.6) + 0.6 * L(1.8), abs=1e-5)
+    assert abs(rev[1, 0].item() - kl[1, 0].item()) > 3e-3  # the two directions differ here (0.1483 vs 0.1446)
+    with pytest.raises(ValueError, match="unknown KL direction 'both'"):
+        kd_tokens(student, teacher, direction="both")
+
+
+@settings(max_examples=30, deadline=None)
+@given(t=st.floats(0.25, 4.0), seed=st.integers(0, 2**16))
+def test_tempered_kl_is_t_squared_kl_of_the_softened_distributions(t, seed):
+    """kd_tokens = T^2 KL(softmax(z_g/T) || softmax(z_l/T)) for any T, against torch's kl_div; >= 0; teacher frozen."""
+    from pipeline.losses import kd_tokens
+
+    g = torch.Generator().manual_seed(seed)
+    zl = (torch.randn(2, 3, 7, generator=g) * 2).requires_grad_(True)
+    zg = (torch.randn(2, 3, 7, generator=g) * 2).requires_grad_(True)
+    out = kd_tokens(zl, zg, temperature=t)
+    ref = torch.nn.functional.kl_div(torch.log_softmax(zl.detach() / t, -1), torch.log_softmax(zg.detach() / t, -1),
+                                     log_target=True, reduction="none").sum(-1) * t * t
+    torch.testing.assert_close(out.detach(), ref, atol=1e-5, rtol=1e-4)
+    assert (out >= -1e-6).all()
+    out.sum().backward()
+    assert zg.grad is None and zl.grad is not None  # the teacher gets no gradient
+    rev = kd_tokens(zl.detach(), zg.detach(), temperature=t, direction="student_to_teacher")
+    ref_rev = torch.nn.functional.kl_div(torch.log_softmax(zg.detach() / t, -1), torch.log_softmax(zl.detach() / t, -1),
+                                         log_target=True, reduction="none").sum(-1) * t * t
+    torch.testing.assert_close(rev, ref_rev, atol=1e-5, rtol=1e-4)
+
+
+def test_loss_helpers_default_to_the_papers_lambda_and_tau(example):
+    """METHOD.md: lambda 0.2, tau 5 nats. All three example tokens have H < 5, so all get KD."""
+    student, teacher, labels = example
+    out = selective_kd_loss(student, teacher, labels)
+    assert out.gate.tolist() == [[True, True], [True, False]] and out.threshold == 5.0
+    expected = sum(0.8 * ce + 0.2 * kl for ce, kl in ((CE1, KL1), (CE2, KL2), (CE3, KL3))) / 3
+    assert out.loss.item() == pytest.approx(expected, abs=1e-5)
+    # keyword settings reach the config: tau 1.05 nats = 1.515 bits sits between H1 = 1.5 and H3 = 1.585 bits
+    bits = selective_kd_loss(student, teacher, labels, lam=0.5, tau=1.55, log_base="2")
+    assert bits.gate.tolist() == [[True, True], [False, False]]
+    expected = (0.5 * (CE1 + KL1) + 0.5 * (CE2 + KL2) + CE3) / 3
+    assert bits.loss.item() == pytest.approx(expected, abs=1e-5)
+    mask = torch.tensor([[False, True], [True, True]])
+    hard = hard_kd_loss(student, teacher, labels, mask)
+    assert hard.gate.tolist() == [[False, True], [True, False]]  # the mask, never on padding
+    assert hard.loss.item() == pytest.approx((CE1 + 0.8 * CE2 + 0.2 * KL2 + 0.8 * CE3 + 0.2 * KL3) / 3, abs=1e-5)
+    seq = hard_kd_loss(student, teacher, labels, mask, lam=1.0, normalisation="sequences")
+    assert seq.loss.item() == pytest.approx(((CE1 + KL2) / 2 + KL3) / 2, abs=1e-5)
+
+
+@pytest.mark.parametrize("n_tokens", [2, 5, 9])
+def test_max_entropy_threshold_depends_on_the_vocabulary_not_the_batch(n_tokens):
+    g = torch.Generator().manual_seed(n_tokens)
+    v = 7
+    teacher = torch.randn(1, n_tokens, v, generator=g)
+    labels = torch.zeros(1, n_tokens, dtype=torch.long)
+    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.5, tau_scale="max_entropy"))
+    assert out.threshold == pytest.approx(0.5 * L(v), abs=1e-6)
+    assert out.gate.tolist() == (token_entropy(teacher) < 0.5 * L(v)).tolist()
+
+
+def test_batch_quantile_gate_in_bits_is_the_same_gate(example):
+    student, teacher, labels = example
+    nats = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile"))
+    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", log_base="2"))
+    assert nats.gate.tolist() == bits.gate.tolist() == [[True, True], [False, False]]
+    assert bits.threshold == pytest.approx((H1 + H3) / 2 / L(2), abs=1e-5)  # the same quantile, in bits
+
+
+@pytest.mark.parametrize("scale", [2.0, 3.0, 0.25])
+def test_gradient_is_linear_in_the_upstream_gradient(example, scale):
+    """d(c L)/dz = c dL/dz for any c (loss / grad_accum_steps, loss * 2 ...), c = 1 included as the reference."""
+    student, teacher, labels = example
+    grads = []
+    for c in (1.0, scale):
+        leaf = student.clone().requires_grad_(True)
+        (distillation_loss(leaf, teacher, labels, KDConfig(mode="kd", lam=LAM)).loss * c).backward()
+        grads.append(leaf.grad)
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[1], scale * grads[0], atol=1e-7, rtol=1e-6)
+
+
+def test_ce_without_a_teacher_trains_the_student_with_the_ce_gradient(example):
+    """mode "ce", no teacher logits: dL/dz = (q_l - onehot(y)) / N on real tokens, 0 on padding; nothing gated."""
+    student, _, labels = example
+    leaf = student.clone().requires_grad_(True)
+    out = distillation_loss(leaf, None, labels, KDConfig(mode="ce"))
+    out.loss.backward()
+    q = torch.softmax(student, -1)
+    expected = torch.zeros_like(q)
+    for (b, t), y in (((0, 0), 0), ((0, 1), 0), ((1, 0), 2)):
+        expected[b, t] = (q[b, t] - torch.nn.functional.one_hot(torch.tensor(y), 3)) / 3
+    torch.testing.assert_close(leaf.grad, expected, atol=1e-6, rtol=1e-5)
+    assert out.loss.item() == pytest.approx((CE1 + CE2 + CE3) / 3, abs=1e-5)
+    assert out.n_kd == 0 and not out.gate.any() and not out.entropy.any() and out.kd_mean == 0.0
+
+
+# ----------------------------------------------------------------------------------- bad input: one clear line
+def _raises_exactly(message: str):
+    import re
+
+    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
+
+
+def test_bad_config_messages_name_the_field_value_and_allowed_values():
+    with _raises_exactly("KDConfig.mode='selectve'; expected one of ('ce', 'kd', 'selective', 'hard')"):
+        KDConfig(mode="selectve")
+    with _raises_exactly("KDConfig.tau_scale='rank'; expected one of ('absolute', 'max_entropy', 'batch_quantile')"):
+        KDConfig(tau_scale="rank")
+    with _raises_exactly("KDConfig.kl_direction='both'; expected one of ('teacher_to_student', 'student_to_teacher')"):
+        KDConfig(kl_direction="both")
+    with _raises_exactly("KDConfig.log_base='10'; expected one of ('e', '2')"):
+        KDConfig(log_base=10)
+    with _raises_exactly("KDConfig.normalisation='batch'; expected one of ('tokens', 'sequences')"):
+        KDConfig(normalisation="batch")
+    assert KDConfig(log_base=2).log_base == "2"  # a number from YAML is read as the base's name
+    with _raises_exactly("KDConfig.lam=-0.1 must be in [0, 1]"):
+        KDConfig(lam=-0.1)
+    assert KDConfig(lam=0.0).lam == 0.0 and KDConfig(lam=1.0).lam == 1.0  # both ends allowed
+    with _raises_exactly("KDConfig.temperature=0.0 must be > 0"):
+        KDConfig(temperature=0.0)
+    with _raises_exactly("KDConfig.tau=0.0 must be in (0, 1] with tau_scale 'batch_quantile'"):
+        KDConfig(tau=0.0, tau_scale="batch_quantile")
+    assert KDConfig(tau=1.0, tau_scale="max_entropy").tau == 1.0
+
+
+def test_bad_batches_are_named(example):
+    student, teacher, labels = example
+    with _raises_exactly("distillation_loss: the batch has no non-padding target token"):
+        distillation_loss(student, teacher, torch.full_like(labels, -100), KDConfig())
+    with _raises_exactly("distillation_loss: mode 'kd' needs the global (teacher) logits"):
+        distillation_loss(student, None, labels, KDConfig(mode="kd"))
+    with _raises_exactly("distillation_loss: mode 'hard' needs hard_mask [B, T]"):
+        distillation_loss(student, teacher, labels, KDConfig(mode="hard"))
+    with _raises_exactly("hard_mask shape (2, 1) != labels shape (2, 2)"):
+        distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.ones(2, 1))
+    with _raises_exactly("distillation_loss: logits_local shape (2, 1, 3) does not match labels (2, 2)"):
+        distillation_loss(student[:, :1], teacher, labels, KDConfig())
+    with _raises_exactly("distillation_loss: logits_global shape (1, 2, 3) does not match labels (2, 2)"):
+        distillation_loss(student, teacher[:1], labels, KDConfig())
+    with _raises_exactly("distillation_loss: logits_global must be [B, T, V] like the labels (2, 2) or packed [N, V] "
+                         "with N = 3 non-padding tokens; got (4, 3)"):
+        distillation_loss(student, teacher.reshape(4, 3), labels, KDConfig())
+
+
+def test_hard_mask_may_be_given_as_zeros_and_ones(example):
+    student, teacher, labels = example
+    as_bool = hard_kd_loss(student, teacher, labels, torch.tensor([[True, False], [True, True]]))
+    as_int = hard_kd_loss(student, teacher, labels, torch.tensor([[1, 0], [1, 1]]))
+    assert as_int.gate.tolist() == as_bool.gate.tolist() == [[True, False], [True, False]]
+    assert as_int.loss.item() == as_bool.loss.item()
+
+
+def test_unpadded_batches_and_empty_sequences_give_the_same_loss():
+    """An unpadded [B, T, V] batch is the packed one; an all-padding sequence changes neither normalisation."""
+    g = torch.Generator().manual_seed(3)
+    student, teacher = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
+    labels = torch.randint(0, 5, (2, 3), generator=g)
+    for norm in ("tokens", "sequences"):
+        cfg = KDConfig(mode="kd", lam=0.3, normalisation=norm)
+        full = distillation_loss(student, teacher, labels, cfg)
+        packed = distillation_loss(student.reshape(6, 5), teacher.reshape(6, 5), labels, cfg)
+        assert full.loss.item() == pytest.approx(packed.loss.item(), abs=1e-6)
+        assert full.entropy.shape == (2, 3) and full.n_tokens == 6
+        padded_labels = torch.cat([labels, torch.full((1, 3), -100)])
+        padded = distillation_loss(torch.cat([student, student[:1]]), torch.cat([teacher, teacher[:1]]),
+                                   padded_labels, cfg)
+        assert padded.loss.item() == pytest.approx(full.loss.item(), abs=1e-6)
+
+
+def test_portable_tau_above_one_is_rejected():
+    with _raises_exactly("KDConfig.tau=1.5 must be in (0, 1] with tau_scale 'max_entropy'"):
+        KDConfig(tau=1.5, tau_scale="max_entropy")
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 2, 4, 128])
+def test_batch_quantile_threshold_is_the_quantile_of_all_token_entropies(chunk_rows):
+    """Whatever the chunking, the threshold is the tau-quantile of H(q_g) over every real token (9 tokens, V = 3)."""
+    g = torch.Generator().manual_seed(5)
+    teacher = torch.randn(1, 9, 3, generator=g) * torch.linspace(0.1, 4.0, 9).view(1, 9, 1)
+    labels = torch.zeros(1, 9, dtype=torch.long)
+    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"),
+                            chunk_rows=chunk_rows)
+    expected = torch.quantile(token_entropy(teacher)[0].double(), 0.3).item()
+    assert out.threshold == pytest.approx(expected, abs=1e-6)
+    assert out.n_kd == int((token_entropy(teacher) < expected).sum()) == 3  # 30 % of 9 tokens lie below
+
+
+def test_only_the_loss_carries_a_gradient(example):
+    student, teacher, labels = example
+    out = distillation_loss(student.clone().requires_grad_(True), teacher, labels, KDConfig(mode="kd"))
+    assert out.loss.requires_grad
+    assert not out.entropy.requires_grad and not out.gate.requires_grad  # diagnostics, not part of the graph

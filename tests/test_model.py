@@ -260,6 +260,7 @@ def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
     assert not valid.all()  # the batch is padded, so skipping padding matters
     cfg = KDConfig(mode="kd", lam=0.4)
     params = summarizer.local_parameters()
+    trainable_before = [p.requires_grad for p in params]  # restored below: the fixture is shared by later tests
     for p in params:
         p.requires_grad_(True)
 
@@ -292,8 +293,8 @@ def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
         torch.testing.assert_close(local[valid], ref_local[valid], atol=1e-5, rtol=0)
         assert (local[~valid] == 0).all()
     finally:
-        for p in params:
-            p.requires_grad_(False)
+        for p, trainable in zip(params, trainable_before):
+            p.requires_grad_(trainable)
 
 
 def test_make_batches_bucketing_by_length(summarizer):

@@ -126,3 +126,73 @@ def test_score_cli_line_count_mismatch_names_both_files(tmp_path, capsys):
     assert str(pred) in msg and str(ref) in msg and "3" in msg and "2" in msg
     assert evaluate_main(["score", "--pred", str(pred), "--ref", str(ref)]) == 2
     assert "line counts differ" in capsys.readouterr().err
+
+
+ABBREVIATIONS = ["Mr.", "Mrs.", "Ms.", "Dr.", "Prof.", "St.", "vs.", "etc.", "e.g.", "i.e.", "cf.", "approx.", "No.",
+                 "Fig.", "Inc.", "Ltd.", "Jr.", "Sr.", "Mt."]
+
+
+@pytest.mark.parametrize("abbreviation", ABBREVIATIONS)
+def test_an_abbreviation_does_not_end_the_sentence_but_a_line_break_does(abbreviation):
+    assert split_sentences(f"They met {abbreviation} Jones there. Then left.") == [
+        f"They met {abbreviation} Jones there.", "Then left."]
+    assert split_sentences(f"They met {abbreviation}\nJones left.") == [f"They met {abbreviation}", "Jones left."]
+
+
+def test_sentence_ends_keep_closing_quotes_and_brackets_and_drop_blank_lines():
+    # the break comes after the closing quote or bracket (which ROUGE's tokenizer ignores either way)
+    text = 'He said "we agree." (The vote was close.) Next item?\n\n  \nDone.  '
+    assert [s.strip('"()') for s in split_sentences(text)] == [
+        'He said "we agree.', "The vote was close.", "Next item?", "Done."]
+    # an ordinary word ending in a period ends the sentence; a trailing abbreviation joins the rest of the text
+    assert split_sentences("We need more. Fig. 3 shows it") == ["We need more.", "Fig. 3 shows it"]
+    assert split_sentences("Ask A. Smith. Done") == ["Ask A. Smith.", "Done"]
+    assert split_sentences("Ask Dr. ") == ["Ask Dr."]
+
+
+def test_rougelsum_sees_one_sentence_per_line():
+    from pipeline.scoring import sentences_per_line
+
+    assert sentences_per_line("One. Two? Dr. Three") == "One.\nTwo?\nDr. Three"
+
+
+def test_mean_of_no_examples_is_nan_with_count_zero():
+    import math
+
+    m = mean_scores([])
+    assert m["n"] == 0 and all(math.isnan(m[k]) for k in (*ROUGE_TYPES, "avg_rouge"))
+
+
+def test_pairs_must_line_up_and_the_summary_is_the_mean_of_the_pairs(scorer):
+    from pipeline.scoring import rouge_summary
+
+    with pytest.raises(ValueError, match="2 predictions but 1 references"):
+        scorer.score_pairs(["a", "b"], ["a"])
+    preds, refs = ["the cat sat", "alpha beta"], ["the dog ran fast", "alpha beta"]
+    summary = rouge_summary(preds, refs)
+    assert summary["n"] == 2
+    assert summary["rouge1"] == pytest.approx((100 * 2 / 7 + 100) / 2)
+    assert summary["avg_rouge"] == pytest.approx(average_rouge(summary))
+
+
+def test_read_lines_one_summary_per_line(tmp_path):
+    from pipeline.scoring import read_lines
+
+    path = tmp_path / "p.txt"
+    path.write_bytes(b"first one\r\n\r\nthird\r\n")  # Windows line ends; an empty summary in the middle is kept
+    assert read_lines(path) == ["first one", "", "third"]
+    path.write_text("no trailing newline")
+    assert read_lines(path) == ["no trailing newline"]
+    path.write_text("")
+    assert read_lines(path) == []
+    with pytest.raises(DataError, match="missing.txt: file not found"):
+        read_lines(tmp_path / "missing.txt")
+
+
+def test_score_files_without_stemming_and_names_the_table_rouge_l(tmp_path):
+    pred, ref = tmp_path / "pred.txt", tmp_path / "ref.txt"
+    pred.write_text("running\n")
+    ref.write_text("run\n")
+    assert score_files(pred, ref)["rouge1"] == pytest.approx(100.0)
+    plain = score_files(pred, ref, use_stemmer=False)
+    assert plain["rouge1"] == 0.0 and plain["rouge_l_in_tables"] == "rougeLsum" and plain["n"] == 1

@@ -188,3 +188,36 @@ def test_strategy_state_is_a_snapshot_and_restores_exactly():
     assert fresh.momentum_vector[0][0] == 0.5 and fresh.current_arrays["w"][0] == 1.0
     with pytest.raises(ValueError, match="unexpected strategy state 'lr'"):
         restore_strategy_state(fresh, {"lr": 0.1})
+
+
+def test_fednova_rejects_a_train_reply_without_arrays():
+    """Train replies are checked like FedAvg's (each must carry its ArrayRecord) before any arithmetic."""
+    from flwr.app import Message, MetricRecord, RecordDict
+    from flwr.serverapp.exception import InconsistentMessageReplies
+
+    from pipeline.federated import _set_server_identity
+
+    nova = _fednova_after_sending({"w": np.array([0.0], dtype=np.float32)})
+    _set_server_identity(1)
+    ins = Message(RecordDict(), dst_node_id=7, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "n"
+    no_arrays = Message(RecordDict({"metrics": MetricRecord({N: 1, S: 1})}), reply_to=ins)
+    with pytest.raises(InconsistentMessageReplies):
+        nova.aggregate_train(1, [no_arrays, no_arrays])
+
+
+def test_fednova_accumulates_in_float64_and_rounds_once():
+    """Seven clients with uneven weights and steps on 1000 float32 values: the result is the float64 formula
+    rounded once to float32, bit for bit (a float32 accumulation drifts by a few ulps)."""
+    rng = np.random.default_rng(7)
+    w0 = {"w": (rng.normal(size=1000) * 3).astype(np.float32)}
+    weights, steps = [3, 5, 7, 11, 13, 17, 19], [1, 2, 3, 5, 8, 13, 21]
+    clients = [{"w": (w0["w"] + rng.normal(size=1000) * 0.1).astype(np.float32)} for _ in weights]
+    nova = _fednova_after_sending(w0)
+    arrays, _ = nova.aggregate_train(1, [_reply(c, {N: n, S: t}) for c, n, t in zip(clients, weights, steps)])
+    p = np.array(weights, dtype=np.float64) / sum(weights)
+    w = w0["w"].astype(np.float64)
+    d = sum(p_i * (w - c["w"]) / t for p_i, c, t in zip(p, clients, steps))
+    expected = (w - float((p * np.array(steps)).sum()) * d).astype(np.float32)
+    got = arrays["w"].numpy()
+    assert got.dtype == np.float32 and np.array_equal(got, expected)
