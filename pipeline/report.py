@@ -880,18 +880,24 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
 
 def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None],
                      kd_analysis: dict[str, Any]) -> dict[str, Any]:
-    """The headline numbers: per configuration of the main study, its client-average ROUGE-1/2/L and average ROUGE
+    """The headline numbers: per method (per configuration where a method has several) of the main study, its client-average ROUGE-1/2/L and average ROUGE
     (means over seeds) with the average's interval (``intervals``, by label), and each client's average ROUGE; and
     the KD usage ratio per client of the main SelectKD run (``kd_analysis``: reports/analysis/kd_analysis.json)."""
     out: dict[str, Any] = {}
     main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
+    # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
+    # by label only where the study holds several configurations of one method.
+    methods = main.groupby("label")["method"].first() if "method" in main else pd.Series(dtype=object)
+    repeated = set(methods[methods.duplicated(keep=False)])
     for label, grp in main.groupby("label", sort=True):
+        method = methods.get(label)
+        key = str(method) if method is not None and method not in repeated else str(label).replace(" ", "_")
         entry: dict[str, Any] = {key: round(float(grp[f"{col}_mean"].mean()), 4) for key, col in HEADLINE_ROUGE.items()}
         interval = intervals.get(label)
         if interval is not None:
             entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
         entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        out.setdefault(HEADLINE_STUDY, {})[str(label).replace(" ", "_")] = entry
+        out.setdefault(HEADLINE_STUDY, {})[key] = entry
     usage = {str(c): round(float(v["kd_usage_ratio"]), 4) for c, v in sorted(kd_analysis.get("clients", {}).items())
              if isinstance(v, dict) and v.get("kd_usage_ratio") is not None}
     if usage:

@@ -68,7 +68,7 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
 
 
 def _agg_row(label, client, r1, r2, rl, study="main"):
-    return {"study": study, "label": label, "client": client, "rouge1_mean": r1, "rouge2_mean": r2,
+    return {"study": study, "label": label, "method": label.split()[0], "client": client, "rouge1_mean": r1, "rouge2_mean": r2,
             "rougeLsum_mean": rl, "avg_rouge_mean": (r1 + r2 + rl) / 3}
 
 
@@ -81,7 +81,7 @@ def test_headline_metrics_from_hand_made_results():
     kd = {"clients": {"B": {"kd_usage_ratio": 0.4}, "A": {"kd_usage_ratio": 0.2}, "C": {"kd_usage_ratio": None}}}
     out = headline_metrics(agg, {"fedselectkd tau=5": (15.0, 20.5), "fedavg": None}, kd)
     assert set(out) == {HEADLINE_STUDY, "kd_usage"}
-    fsk = out["main"]["fedselectkd_tau=5"]
+    fsk = out["main"]["fedselectkd"]  # by method: `-S tau=4` keeps the same metric column
     assert fsk["rouge1"] == 27.0 and fsk["rouge2"] == 6.0 and fsk["rougeL"] == 22.5
     assert fsk["avg_rouge"] == pytest.approx((23.0 + 14.0) / 2, abs=1e-4)
     assert (fsk["avg_rouge_low"], fsk["avg_rouge_high"]) == (15.0, 20.5)
@@ -92,6 +92,9 @@ def test_headline_metrics_from_hand_made_results():
     for entry in out["main"].values():
         assert set(entry) <= HEADLINE_KEYS
     assert headline_metrics(agg.iloc[0:0], {}, {}) == {}
+    # two configurations of one method in the study: each keeps its own label
+    two = pd.concat([agg, pd.DataFrame([_agg_row("fedselectkd tau=3", "A", 30.0, 6.0, 24.0)])])
+    assert {"fedselectkd_tau=5", "fedselectkd_tau=3", "fedavg"} == set(headline_metrics(two, {}, {})["main"])
 
 
 def _per_example(eval_dir: Path, name: str, scores: dict[str, list[float]]) -> None:
