@@ -14,6 +14,7 @@ import pandas as pd
 import pytest
 import torch
 
+from tests.faults import killed_after_checkpoint
 from tests.tiny_models import save_tiny
 
 WORDS = [
@@ -294,25 +295,13 @@ def test_same_seed_gives_identical_adapters(ws):
 
 
 def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
-    from pipeline import client_training, federated
+    from pipeline import client_training
     from pipeline.train import run_experiment
 
     path = write_plan("resume", "fedselectkd")
-    real_save = federated.save_server_checkpoint
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(plan, rnd, *args, **kwargs):
-        real_save(plan, rnd, *args, **kwargs)
-        if rnd == 1:
-            raise Killed("simulated kill after round 1")
-
-    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
-    with pytest.raises(Killed):
+    with killed_after_checkpoint(monkeypatch, rnd=1):
         run_experiment(path, track=False)
     assert torch.load("models/resume/checkpoint/server.pt", weights_only=False)["round"] == 1
-    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
 
     trained_rounds = []
     real_train = client_training.train_local

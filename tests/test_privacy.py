@@ -14,6 +14,7 @@ import torch
 
 from pipeline.config import ConfigError, from_dict
 from pipeline.privacy import ClientPrivacy, DPSGDStep, PrivacyConfig, client_privacy, epsilon
+from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
 
 
@@ -366,24 +367,11 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
 def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
     # The in-process engine's contexts die with the killed run: the step count must come back from the client's
     # checkpoint, or round 2 would report the epsilon of one round.
-    from pipeline import federated
     from pipeline.train import run_experiment
 
     path = _write_plan("dp-resume", "fedavg", {"mode": "example", "noise_multiplier": 1.0})
-    real_save = federated.save_server_checkpoint
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(plan, rnd, *args, **kwargs):
-        real_save(plan, rnd, *args, **kwargs)
-        if rnd == 1:
-            raise Killed("simulated kill after round 1")
-
-    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
-    with pytest.raises(Killed):
+    with killed_after_checkpoint(monkeypatch, rnd=1):
         run_experiment(path, track=False)
-    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
     metrics = run_experiment(path, track=False)
     for client, n in {"Academic": 4, "Committee": 6, "Product": 5}.items():
         per_round = math.ceil(n / TRAIN["batch_size"])

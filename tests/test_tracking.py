@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, write_plan  # noqa: F401  (fixtures)
 
 
@@ -231,24 +232,11 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
 
 
 def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_run(ws, monkeypatch):
-    from pipeline import federated
     from pipeline.train import run_experiment
 
     path = write_plan("mlflow-gap", "fedavg")
-    real_save = federated.save_server_checkpoint
-
-    class Killed(Exception):
-        pass
-
-    def save_then_die(plan, rnd, *args, **kwargs):
-        real_save(plan, rnd, *args, **kwargs)
-        if rnd == 1:
-            raise Killed("simulated kill after round 1's checkpoint, before its metrics were logged")
-
-    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
-    with pytest.raises(Killed):
+    with killed_after_checkpoint(monkeypatch, rnd=1):  # before round 1's metrics were logged
         run_experiment(path)
-    monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
     client = _client()
     exp = client.get_experiment_by_name("tests").experiment_id
     [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")

@@ -1,0 +1,31 @@
+"""Faults the tests inject on purpose."""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+
+class Killed(Exception):
+    """Stands for the training process dying (the exception unwinds it as a kill would stop it)."""
+
+
+@contextlib.contextmanager
+def killed_after_checkpoint(monkeypatch, rnd: int = 1):
+    """The run inside dies right after the server checkpoint of round ``rnd`` is written (and before anything
+    that round logs afterwards); the block must end by that death. The real checkpoint writer is restored after."""
+    from pipeline import federated
+
+    real_save = federated.save_server_checkpoint
+
+    def save_then_die(plan, r, *args, **kwargs):
+        real_save(plan, r, *args, **kwargs)
+        if r == rnd:
+            raise Killed(f"simulated kill after round {rnd}'s checkpoint")
+
+    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    try:
+        with pytest.raises(Killed):
+            yield
+    finally:
+        monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
