@@ -43,6 +43,8 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 
+from tests.tiny_models import DOMAINS, MODEL, WORDS  # noqa: E402  (the tests' tiny workspace)
+
 SIZES = (3, 10, 30, 100)
 QUICK_SIZES = (3, 10)
 ENGINES = ("inprocess", "ray")
@@ -56,17 +58,6 @@ RAY_PROFILE_NOTE = (
     "competing with the Ray actors): work of nodes polled x messages stored, roughly clients^2 per round, inside flwr's simulation runtime, not in "
     "fedmeet's code (the in-process engine, which runs the same client code, stays linear).")
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
-# tests/test_federated.py's tiny-model settings: short inputs so a point is seconds, not minutes
-MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
-         "cache_dir": "data/cache/prefix", "cache_max_gb": 0.05, "teacher_cache_gb": 0.01}
-WORDS = [
-    "the team discussed the remote control design",
-    "the committee talked about the budget for schools",
-    "the professor explained the recognition results",
-    "people want a remote that is easy to use",
-    "the meeting ended with a plan for the next steps",
-]
-DOMAINS = ["Academic", "Committee", "Product"]
 
 
 @dataclass

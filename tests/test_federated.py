@@ -15,20 +15,10 @@ import pytest
 import torch
 
 from tests.faults import killed_after_checkpoint
-from tests.tiny_models import save_tiny
+from tests.tiny_models import DOMAINS, MODEL, WORDS, save_tiny
 
-WORDS = [
-    "the team discussed the remote control design",
-    "the committee talked about the budget for schools",
-    "the professor explained the recognition results",
-    "people want a remote that is easy to use",
-    "the meeting ended with a plan for the next steps",
-]
-DOMAINS = ["Academic", "Committee", "Product"]
 N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5, "SAMSum": 4}  # unequal, so weighting matters
 
-MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
-         "cache_dir": "data/cache/prefix", "cache_max_gb": 0.05, "teacher_cache_gb": 0.01}
 TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "new_client": "SAMSum",
          "join": {"min_rel_improvement": 0.01, "patience": 1, "max_round": 2},
          "fedopt": {"server_optimizer": "adam", "server_lr": 0.01}}

@@ -37,6 +37,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 SEP_TOKEN = "#SEP#"
 SEED = 1234
 
+# A tiny federated workspace (tests, benchmarks/scale.py): meeting-like sentences, the three QMSum domains, and
+# model settings with short inputs so a round takes seconds.
+WORDS = [
+    "the team discussed the remote control design",
+    "the committee talked about the budget for schools",
+    "the professor explained the recognition results",
+    "people want a remote that is easy to use",
+    "the meeting ended with a plan for the next steps",
+]
+DOMAINS = ["Academic", "Committee", "Product"]
+MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
+         "cache_dir": "data/cache/prefix", "cache_max_gb": 0.05, "teacher_cache_gb": 0.01}
+
 # Training text for the tiny BPE: meeting-style sentences so test inputs tokenise into reasonable pieces.
 _CORPUS = [
     "What did the group decide about the remote control design?",
