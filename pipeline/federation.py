@@ -39,6 +39,8 @@ from typing import IO
 
 import psutil
 
+from pipeline import atomic
+
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -221,10 +223,10 @@ def make_self_signed_ca(out: Path, host: str = HOST, days: int = 2) -> Certifica
             .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))
     certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
-    certs.ca.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    certs.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    certs.key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                            serialization.NoEncryption()))
+    atomic.write_bytes(certs.ca, ca.public_bytes(serialization.Encoding.PEM))
+    atomic.write_bytes(certs.cert, cert.public_bytes(serialization.Encoding.PEM))
+    atomic.write_bytes(certs.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))
     certs.key.chmod(0o600)
     return certs
 
@@ -238,11 +240,11 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     private, public = out / name, out / f"{name}.pub"
-    private.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                          serialization.NoEncryption()))
+    atomic.write_bytes(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                                  serialization.NoEncryption()))
     private.chmod(0o600)
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                     serialization.PublicFormat.OpenSSH) + b"\n")
+    atomic.write_bytes(public, key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                             serialization.PublicFormat.OpenSSH) + b"\n")
     return private, public
 
 
@@ -294,8 +296,8 @@ def write_connection(home: Path, port: int, certificates: Certificates | None) -
     home.mkdir(parents=True, exist_ok=True)
     security = (f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true")
     path = home / "config.toml"
-    path.write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                    f'address = "{HOST}:{port}"\n{security}\n')
+    atomic.write_text(path, f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                            f'address = "{HOST}:{port}"\n{security}\n')
     return path
 
 
