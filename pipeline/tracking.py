@@ -87,16 +87,21 @@ def _retrying(call, *args, **kwargs):
             time.sleep(delay * (1 + random.random()))  # jitter: two waiting writers do not retry in lockstep
 
 
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` store URI (query options dropped); None for any other store."""
+    return Path(uri.removeprefix("sqlite:///").split("?", 1)[0]) if uri.startswith("sqlite:///") else None
+
+
 @contextlib.contextmanager
 def _store_init_lock(uri: str):
     """Opening a SQLite store creates or migrates its tables; two processes doing that at once collide ("table
     already exists", "duplicate column"). They take turns: an exclusive flock on the store's directory (not on the
     database file, whose POSIX locks SQLite owns)."""
-    path = uri.removeprefix("sqlite:///").split("?", 1)[0] if uri.startswith("sqlite:///") else ""
-    if not path:
+    path = _sqlite_path(uri)
+    if path is None:
         yield
         return
-    directory = Path(path).parent
+    directory = path.parent
     directory.mkdir(parents=True, exist_ok=True)
     fd = os.open(directory, os.O_RDONLY)
     try:
@@ -163,10 +168,6 @@ def experiment_id(study: str) -> str:
             client.set_experiment_tag(exp.experiment_id, key, value)
     rebase_artifacts(exp.experiment_id, exp.name, exp.artifact_location)
     return exp.experiment_id
-
-
-def _sqlite_path(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
 def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
