@@ -24,6 +24,21 @@ def start_worker(name: str, go: Path, env: dict) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+
+def release_together(workers, ready_files, go, timeout: float) -> list[str]:
+    """Wait (bounded) until every worker has written its ready file, start them all at once by creating ``go``,
+    and check that each exits 0 without ever meeting a locked store; returns their outputs."""
+    deadline = time.monotonic() + 120
+    while not all(f.exists() for f in ready_files):
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), \
+            [w.communicate()[0][-2000:] for w in workers if w.poll() is not None]
+        time.sleep(0.02)
+    go.touch()
+    outputs = [w.communicate(timeout=timeout)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
+    assert not any("database is locked" in o for o in outputs)
+    return outputs
+
 def test_two_processes_log_to_one_fresh_store_at_once(tmp_path):
     """A fresh store is the hard case (an existing one is a subset): both processes create its tables at the same
     moment; before the fix one of them failed with "table ... already exists" or "duplicate column name"."""
@@ -34,15 +49,7 @@ def test_two_processes_log_to_one_fresh_store_at_once(tmp_path):
                     PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
     go = tmp_path / "go"
     workers = [start_worker(name, go, env) for name in ("a", "b")]
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"ready-{n}").exists() for n in ("a", "b")):
-        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), \
-            [w.communicate()[0][-2000:] for w in workers if w.poll() is not None]
-        time.sleep(0.02)
-    go.touch()
-    outputs = [w.communicate(timeout=180)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
-    assert not any("database is locked" in o for o in outputs)
+    release_together(workers, [tmp_path / f"ready-{n}" for n in ("a", "b")], go, timeout=180)
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("concurrency")
@@ -116,15 +123,7 @@ def test_two_train_stages_log_to_one_fresh_store_at_once(ws, tmp_path):
         code = f"from reliability import stage_worker; stage_worker({name!r}, {str(go)!r}, {argv!r})"
         workers.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ws, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + 120
-    while not all((tmp_path / f"ready-{n}").exists() for n in names):
-        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), \
-            [w.communicate()[0][-2000:] for w in workers if w.poll() is not None]
-        time.sleep(0.02)
-    go.touch()
-    outputs = [w.communicate(timeout=200)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], [o[-3000:] for o in outputs]
-    assert not any("database is locked" in o for o in outputs)
+    release_together(workers, [tmp_path / f"ready-{n}" for n in names], go, timeout=200)
 
     client = MlflowClient(tracking_uri=uri)
     exp = client.get_experiment_by_name("tests")
