@@ -48,9 +48,10 @@ reliability: setup
 		--reliability-report reports/reliability.md $(RELIABILITY_TESTS)
 
 # Mutation testing of the core (not in CI; minutes per module on 2 cores): one module at a time, lowest CPU
-# priority, verdicts kept in mutants/ between runs, so `make mutants MODULES=losses` runs a part. Then
+# priority, verdicts kept in mutants/ between runs, so `make mutants MODULES=modeling.losses` runs a part. Then
 # reports/mutation.md. MUTANTS=survivors re-runs only the mutants no test detected last time (after new tests).
-MODULES ?= losses strategies compression partition_schemes scoring adapters sources federated
+MODULES ?= modeling.losses federation.strategies federation.compression partitioning.schemes results.scoring \
+	modeling.adapters datasets.sources federation.apps
 MUTANTS ?= all
 mutants: setup
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'

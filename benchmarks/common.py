@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from pipeline.adapters import AdapterConfig
-from pipeline.data import Batch
-from pipeline.model import AdapterSummarizer, ModelConfig
+from pipeline.modeling.adapters import AdapterConfig
+from pipeline.modeling.batching import Batch
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 
 
 @dataclass
@@ -74,7 +74,7 @@ def default_shape(model_cfg: ModelConfig, batch_size: int) -> Shape:
 
 
 def load_model_config(params_path: str = "params.yaml") -> ModelConfig:
-    from pipeline.config import from_dict, load_params
+    from pipeline.common.config import from_dict, load_params
 
     return from_dict(ModelConfig, load_params(params_path).get("model"), "model")
 

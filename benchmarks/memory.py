@@ -1,11 +1,11 @@
 """Peak memory (RSS) and wall time of each pipeline stage, from the ``reports/timing/<stage>.json`` records that
-``pipeline.timing.stage_timer`` writes when a stage of ``make repro`` finishes. Nothing is run here."""
+``pipeline.common.timing.stage_timer`` writes when a stage of ``make repro`` finishes. Nothing is run here."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from pipeline.timing import TIMING_DIR
+from pipeline.common.timing import TIMING_DIR
 
 
 def collect(timing_dir: Path = TIMING_DIR) -> dict:

@@ -99,7 +99,7 @@ def render(res: dict) -> str:
     lines += ["", "## 3. Communication per round per client", "",
               "Bytes of the Flower messages of one round (train instruction down + reply up), measured with Flower's "
               "own serialisation (every object of the message's inflatable tree, `deflate()`d). Full-model FedAvg "
-              "sends all backbone parameters in fp32 both ways. Codec: `pipeline/compression.py`.", "",
+              "sends all backbone parameters in fp32 both ways. Codec: `pipeline/federation/compression.py`.", "",
               "| shape | transfer | down | up | round | full-model FedAvg / this | max error / bound | rel. L2 error (weights) | rel. L2 error (delta to global) | target >= 50x |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for key, c in res["communication"].items():

@@ -55,7 +55,7 @@ QUICK = Profile("quick", (512, 1024), 3, 2, bart_batch=1, bart_source=256, bart_
 
 def study_uses(params_path: str) -> dict[str, int]:
     """How often one prefix is reused: every local epoch of every round of every experiment trains on it."""
-    from pipeline.config import from_dict, load_params
+    from pipeline.common.config import from_dict, load_params
     from pipeline.plan import TrainConfig
 
     params = load_params(params_path)
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.generation import bench_generation
     from benchmarks.memory import collect
     from benchmarks.train_step import bench_shape
-    from pipeline.config import from_dict, load_params
+    from pipeline.common.config import from_dict, load_params
     from pipeline.plan import TrainConfig
 
     model_cfg = load_model_config(args.params)

@@ -92,7 +92,7 @@ def _examples(n_clients: int, cfg: ScaleConfig):
 def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, backbone: Path) -> str:
     """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path."""
     from pipeline.partition import make_partition, partition_json
-    from pipeline.partition_schemes import PartitionConfig, QuantityConfig
+    from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
     from pipeline.plan import ExperimentEntry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
@@ -202,7 +202,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     """Run one (engine, clients) point in this process; returns its per-round rows."""
     import torch
 
-    from pipeline.federated import Recorder, run_federated
+    from pipeline.federation.apps import Recorder, run_federated
 
     torch.set_num_threads(cfg.threads)
     root = Path(root)

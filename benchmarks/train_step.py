@@ -5,7 +5,7 @@
 - prefix_cached: fedmeet's path, the frozen prefix read from ``PrefixCache`` (hits), then the top k layers and the
   LM head once per path (``AdapterSummarizer.forward_two_paths``).
 Each step = forward(s) + ``distillation_loss`` + backward + AdamW step on the local adapter, like
-``pipeline.client_training.train_local``. The loss runs KD on every token (``mode="kd"``): the worst case of
+``pipeline.training.client.train_local``. The loss runs KD on every token (``mode="kd"``): the worst case of
 selective KD, chosen because a random-weight teacher is near-uniform (entropy ~ log V > tau), so the entropy gate
 would skip the KL term that real training pays for on confident tokens.
 """
@@ -20,10 +20,10 @@ import torch
 
 from benchmarks import flops
 from benchmarks.common import Shape, build_summarizer, random_batch, time_interleaved
-from pipeline.cache import PrefixCache
-from pipeline.data import Batch
-from pipeline.losses import KDConfig, distillation_loss
-from pipeline.model import AdapterSummarizer
+from pipeline.modeling.cache import PrefixCache
+from pipeline.modeling.batching import Batch
+from pipeline.modeling.losses import KDConfig, distillation_loss
+from pipeline.modeling.model import AdapterSummarizer
 
 VARIANTS = ("naive", "shared_encoder", "prefix_cached")
 KD = KDConfig(mode="kd")

@@ -4,7 +4,7 @@ From the gate logs of the selective-KD experiments of the main study (``method: 
 
 - **KD usage ratio** per client = KD word updates / (rounds x target words), rounds 1 .. the client's best round
   (paper: 86 % Academic, 88 % Committee, 89 % Product). Sub-word tokens are first mapped to whitespace words
-  (:mod:`pipeline.words`, via ``data/processed/postags.parquet``). One *word update* = one target word trained
+  (:mod:`pipeline.datasets.words`, via ``data/processed/postags.parquet``). One *word update* = one target word trained
   in one round; it is a **KD word update** when KD was applied to the word's tokens under ``analyze.word_rule``
   (default ``first``: KD on the word's first sub-word token - the step where the model chooses the word; the
   continuation pieces are nearly determined by it). Within a round the teacher (global adapter) is fixed, so
@@ -47,11 +47,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from pipeline import atomic  # noqa: E402
-from pipeline.config import from_dict, load_params  # noqa: E402
-from pipeline.published import KD_USAGE_RATIO  # noqa: E402
-from pipeline.schema import DataError  # noqa: E402
-from pipeline.timing import stage_timer
+from pipeline.common import atomic  # noqa: E402
+from pipeline.common.config import from_dict, load_params  # noqa: E402
+from pipeline.results.published import KD_USAGE_RATIO  # noqa: E402
+from pipeline.common.schema import DataError  # noqa: E402
+from pipeline.common.timing import stage_timer
 
 MODELS_DIR = Path("models")
 TRAIN_REPORTS = Path("reports/train")
@@ -85,7 +85,7 @@ class Experiment:
     partition: str
     seed: int
     tau: float | None
-    tau_scale: str = "absolute"  # how the gate reads tau (pipeline.losses.TAU_SCALES)
+    tau_scale: str = "absolute"  # how the gate reads tau (pipeline.modeling.losses.TAU_SCALES)
 
 
 @dataclass
@@ -643,6 +643,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -36,13 +36,13 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from pipeline import atomic
-from pipeline.config import from_dict, load_params, require
+from pipeline.common import atomic
+from pipeline.common.config import from_dict, load_params, require
 from pipeline.examples import model_input
-from pipeline.integrity import RECORD_NAME, sha256_dir, sha256_file
-from pipeline.schema import DATASETS, Turn
-from pipeline.scoring import rouge_summary
-from pipeline.timing import stage_timer
+from pipeline.common.integrity import RECORD_NAME, sha256_dir, sha256_file
+from pipeline.common.schema import DATASETS, Turn
+from pipeline.results.scoring import rouge_summary
+from pipeline.common.timing import stage_timer
 
 log = logging.getLogger("fedmeet.backbone")
 
@@ -627,6 +627,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

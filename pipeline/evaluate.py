@@ -20,11 +20,11 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline import atomic
-from pipeline.config import from_dict, load_params
-from pipeline.schema import DataError
-from pipeline.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
-from pipeline.stats import BootstrapConfig, mean_interval
+from pipeline.common import atomic
+from pipeline.common.config import from_dict, load_params
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
+from pipeline.results.stats import BootstrapConfig, mean_interval
 
 EVAL_DIR = Path("reports/eval")
 MODELS_DIR = Path("models")
@@ -131,15 +131,15 @@ def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_sourc
 
 
 def model_config_of(experiment: dict[str, Any], where: Path):
-    """The experiment's `model` group (adapter shape, max lengths) as pipeline.model.ModelConfig."""
-    from pipeline.model import ModelConfig
+    """The experiment's `model` group (adapter shape, max lengths) as pipeline.modeling.model.ModelConfig."""
+    from pipeline.modeling.model import ModelConfig
 
     return from_dict(ModelConfig, experiment.get("model") or {}, f"{where}: model")
 
 
 def load_model(model_cfg, backbone_dir: Path):
     """The frozen backbone with the experiment's adapter shape (adapters are filled per client later)."""
-    from pipeline.model import AdapterSummarizer
+    from pipeline.modeling.model import AdapterSummarizer
 
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
@@ -177,7 +177,7 @@ def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dic
     if backbone:
         tags["backbone"] = backbone
     from pipeline.plan import record_hash
-    from pipeline.tracking import dvc_tags, git_state
+    from pipeline.results.tracking import dvc_tags, git_state
 
     return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
 
@@ -188,7 +188,7 @@ def find_training_run(name: str, study: str, plan_hash: str | None = None) -> st
     share its name), else the latest without a plan hash (trained before runs carried one) - or None."""
     from mlflow.tracking import MlflowClient
 
-    from pipeline.tracking import experiment_id, tracking_uri
+    from pipeline.results.tracking import experiment_id, tracking_uri
 
     client = MlflowClient(tracking_uri=tracking_uri())
     runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
@@ -226,7 +226,7 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
     study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
     ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
-    from pipeline.tracking import RunLogger
+    from pipeline.results.tracking import RunLogger
 
     from pipeline.plan import record_hash
 
@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         print(dumps_scores(result))
         return 0
 
-    from pipeline.timing import stage_timer
+    from pipeline.common.timing import stage_timer
 
     params = load_params(args.params)
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
@@ -400,6 +400,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     sys.exit(run_cli(main))

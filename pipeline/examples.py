@@ -18,10 +18,10 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from pipeline import atomic
-from pipeline.config import from_dict, load_params
-from pipeline.meeting_links import link_meetings
-from pipeline.schema import (
+from pipeline.common import atomic
+from pipeline.common.config import from_dict, load_params
+from pipeline.datasets.meeting_links import link_meetings
+from pipeline.common.schema import (
     EXAMPLE_COLUMNS,
     QMSUM_DOMAINS,
     SPLITS,
@@ -31,8 +31,8 @@ from pipeline.schema import (
     spoken_word_count,
     summary_word_count,
 )
-from pipeline.sources import IngestConfig
-from pipeline.timing import stage_timer
+from pipeline.datasets.sources import IngestConfig
+from pipeline.common.timing import stage_timer
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -226,6 +226,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -21,9 +21,9 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from pipeline import atomic
-from pipeline.config import from_dict, load_params
-from pipeline.schema import (
+from pipeline.common import atomic
+from pipeline.common.config import from_dict, load_params
+from pipeline.common.schema import (
     DATASETS,
     QMSUM_DOMAINS,
     CanonicalRecord,
@@ -34,8 +34,8 @@ from pipeline.schema import (
     canonical_arrow_schema,
     normalise_split,
 )
-from pipeline.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX, SAMSUM_FILES, IngestConfig, resolve_source
-from pipeline.timing import stage_timer
+from pipeline.datasets.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX, SAMSUM_FILES, IngestConfig, resolve_source
+from pipeline.common.timing import stage_timer
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
@@ -396,6 +396,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -8,7 +8,7 @@ earlier survivors the new tests kill.
 
     python -m pipeline.mutation_report                       # write reports/mutation.md
     python -m pipeline.mutation_report --save-baseline       # keep the current verdicts as the "before" run
-    python -m pipeline.mutation_report --survivors losses    # names of losses.py's undetected mutants (to re-run)
+    python -m pipeline.mutation_report --survivors modeling.losses  # names of modeling/losses.py's undetected mutants (to re-run)
 
 Score = detected / (made - equivalent - not run), detected = killed + timed out (a mutant that makes a test hang is
 caught, by mutmut's time limit or pytest-timeout's); "no tests" mutants (no selected test reaches the function)
@@ -27,14 +27,16 @@ from typing import Any
 
 import yaml
 
-from pipeline import atomic
+from pipeline.common import atomic
 
 MUTANTS_DIR = Path("mutants")
 REPORT = Path("reports/mutation.md")
 BASELINE = Path("reports/mutation-baseline.json")
 EQUIVALENT = Path("tests/mutation_equivalent.yaml")
 # The core, in the order it is run and reported (pyproject.toml [tool.mutmut] only_mutate).
-CORE = ("losses", "strategies", "compression", "partition_schemes", "scoring", "adapters", "sources", "federated")
+# Dotted below pipeline/, as mutmut names the mutants (pipeline.<module>.x_<function>__mutmut_<n>).
+CORE = ("modeling.losses", "federation.strategies", "federation.compression", "partitioning.schemes",
+        "results.scoring", "modeling.adapters", "datasets.sources", "federation.apps")
 GOAL = 0.90
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
@@ -99,7 +101,7 @@ def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None =
     equivalent = equivalent or {}
     results: dict[str, ModuleResult] = {}
     for module in CORE:
-        meta = mutants_dir / "pipeline" / f"{module}.py.meta"
+        meta = mutants_dir / "pipeline" / f"{module.replace('.', '/')}.py.meta"
         if not meta.exists():
             continue
         data = json.loads(meta.read_text())
@@ -128,7 +130,7 @@ def mutant_diff(name: str, module: str) -> str:
     """The changed lines of one mutant (mutmut's own diff, without the file header)."""
     from mutmut.mutation.diff_apply import get_diff_for_mutant
 
-    diff = get_diff_for_mutant(name, path=Path("pipeline") / f"{module}.py")  # mutmut reads it under mutants/
+    diff = get_diff_for_mutant(name, path=Path("pipeline") / f"{module.replace('.', '/')}.py")  # mutmut reads it under mutants/
     return "\n".join(line for line in diff.splitlines()
                      if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     results = collect(equivalent=equivalent)
     if args.survivors:
         if args.survivors not in results:
-            raise SystemExit(f"error: no mutmut results for pipeline/{args.survivors}.py in {MUTANTS_DIR}/")
+            raise SystemExit(f"error: no mutmut results for pipeline.{args.survivors} in {MUTANTS_DIR}/")
         print("\n".join(n for n in results[args.survivors].undetected if n not in equivalent))
         return 0
     info = _run_info()

@@ -3,7 +3,7 @@
     python -m pipeline.partition --scheme iid --seed 0
       -> data/partitions/iid/seed0.json, reports/partitions/iid-seed0.{json,png}
 
-Schemes are in pipeline/partition_schemes.py. Every partition passes the leakage guard (no test meeting in
+Schemes are in pipeline/partitioning/schemes.py. Every partition passes the leakage guard (no test meeting in
 any train/valid set) and is checked to be disjoint and complete before it is written.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline import atomic
-from pipeline.config import from_dict, load_params
-from pipeline.partition_schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
-from pipeline.schema import SPLITS, DataError
-from pipeline.timing import stage_timer
+from pipeline.common import atomic
+from pipeline.common.config import from_dict, load_params
+from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
+from pipeline.common.schema import SPLITS, DataError
+from pipeline.common.timing import stage_timer
 
 EXAMPLE_COLUMNS_USED = ["example_id", "dataset", "domain", "split", "meeting_id", "target"]
 JS_DEFINITION = ("scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
@@ -176,6 +176,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline import atomic
-from pipeline.compression import TRANSFER_DTYPES
-from pipeline.config import ConfigError, from_dict, load_params, to_dict
-from pipeline.losses import TAU_SCALES
-from pipeline.methods import MethodSpec, get_method
-from pipeline.model import ModelConfig
-from pipeline.partition_schemes import SCHEMES
-from pipeline.privacy import PrivacyConfig
-from pipeline.strategies import FedOptConfig
+from pipeline.common import atomic
+from pipeline.federation.compression import TRANSFER_DTYPES
+from pipeline.common.config import ConfigError, from_dict, load_params, to_dict
+from pipeline.modeling.losses import TAU_SCALES
+from pipeline.training.methods import MethodSpec, get_method
+from pipeline.modeling.model import ModelConfig
+from pipeline.partitioning.schemes import SCHEMES
+from pipeline.training.privacy import PrivacyConfig
+from pipeline.federation.strategies import FedOptConfig
 
 PLANS_DIR = Path("models/plans")
 EXAMPLES = "data/processed/examples.parquet"
@@ -76,7 +76,7 @@ class TrainConfig:
     kd_temperature: float = 1.0
     kd_direction: str = "teacher_to_student"
     entropy_log_base: str = "e"
-    tau_scale: str = "absolute"  # how selective KD reads tau (pipeline.losses.TAU_SCALES)
+    tau_scale: str = "absolute"  # how selective KD reads tau (pipeline.modeling.losses.TAU_SCALES)
     loss_normalisation: str = "tokens"
     local_adapter: str = "keep"
     fraction_train: float = 1.0
@@ -89,7 +89,7 @@ class TrainConfig:
     # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
     # the examples it trained on this round (differs only under max_train_examples_per_client).
     weight_by: str = "full"
-    transfer_dtype: str = "fp32"  # adapter encoding on the wire (pipeline.compression): fp32 | fp16 | int8
+    transfer_dtype: str = "fp32"  # adapter encoding on the wire (pipeline.federation.compression): fp32 | fp16 | int8
     # Lossy encodings as differences: uplink to the global received this round, downlink to the round-0 adapter
     # (ignored for fp32, which is exact).
     transfer_delta: bool = False
@@ -347,6 +347,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -3,8 +3,8 @@
 The noun-verb hard-KD method (METHOD.md section 7 item 10) applies KD exactly on the target tokens of nouns and
 verbs, and the POS analysis (item 9) needs the tag of every trained word. Each gold summary is tagged *in
 context* by spaCy (universal tags, ``token.pos_``); its sub-word tokens - tokenised exactly as training
-tokenises them (:func:`pipeline.data.tokenize_pairs`, so positions index the label sequence) - are mapped to
-whitespace words (:mod:`pipeline.words`) and each word gets the tag of the spaCy token at its first character
+tokenises them (:func:`pipeline.modeling.batching.tokenize_pairs`, so positions index the label sequence) - are mapped to
+whitespace words (:mod:`pipeline.datasets.words`) and each word gets the tag of the spaCy token at its first character
 ("lcd." -> PROPN of "lcd", "isn't" -> AUX of "is"). Every sub-word token of a word carries the word's tag.
 
 Nouns and verbs (``postag.noun_verb_tags``, default NOUN, PROPN, VERB): proper nouns are nouns; AUX
@@ -29,12 +29,12 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from pipeline import atomic
-from pipeline.config import from_dict, load_params
-from pipeline.data import IGNORE_INDEX, tokenize_pairs
-from pipeline.schema import DataError
-from pipeline.words import word_index_from_offsets
-from pipeline.timing import stage_timer
+from pipeline.common import atomic
+from pipeline.common.config import from_dict, load_params
+from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
+from pipeline.common.schema import DataError
+from pipeline.datasets.words import word_index_from_offsets
+from pipeline.common.timing import stage_timer
 
 EXAMPLES = Path("data/processed/examples.parquet")
 BACKBONE = Path("models/backbone")
@@ -235,7 +235,7 @@ def backbone_decoder_start(backbone: Path) -> int | None:
 
 
 def max_target_length_from(params: dict) -> int:
-    from pipeline.model import ModelConfig  # the model group's dataclass (model-core helper)
+    from pipeline.modeling.model import ModelConfig  # the model group's dataclass (model-core helper)
 
     return from_dict(ModelConfig, params.get("model"), "model").max_target_length
 
@@ -315,6 +315,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import load_params
+from pipeline.common.config import load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
 REPLACED_WHOLE = ("experiments",)
@@ -103,7 +103,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
             found.append(f"{path}: must be a non-empty mapping of experiment name -> settings")
             return
         # the plan stage's own entry parser decides what an experiment may say (no second copy of its rules)
-        from pipeline.methods import get_method
+        from pipeline.training.methods import get_method
         from pipeline.plan import TrainConfig, parse_entry
 
         train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -300,6 +300,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     sys.exit(run_cli(main))

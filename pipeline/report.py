@@ -28,14 +28,18 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from pipeline import atomic, comparisons, published
-from pipeline.config import from_dict, load_params
-from pipeline.human_eval import Prediction, make_sheets, plot_results, score_sheets
-from pipeline.schema import DataError
-from pipeline.scoring import TABLE_ROUGE_L
-from pipeline.stats import BootstrapConfig, mean_interval
+from pipeline.common import atomic
 
-# Our columns in the paper's order: R-1, R-2, R-L (R-L = rougeLsum, see pipeline.scoring) and average ROUGE.
+from pipeline.results import comparisons
+
+from pipeline.results import published
+from pipeline.common.config import from_dict, load_params
+from pipeline.results.human_eval import Prediction, make_sheets, plot_results, score_sheets
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.stats import BootstrapConfig, mean_interval
+
+# Our columns in the paper's order: R-1, R-2, R-L (R-L = rougeLsum, see pipeline.results.scoring) and average ROUGE.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant")
@@ -613,7 +617,7 @@ def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str],
     """One test example per domain: FedAvg's and SelectKD's summary and the gold one (seeded choice)."""
     if not all(m in preds for m in methods):
         return None
-    from pipeline.scoring import Scorer
+    from pipeline.results.scoring import Scorer
 
     scorer = Scorer()
     common = sorted(set(preds[methods[0]]) & set(preds[methods[1]]))
@@ -860,7 +864,7 @@ HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_
 
 
 def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
-    """Bootstrap interval of a configuration's client-average avg ROUGE over its seeds (pipeline.stats): the test
+    """Bootstrap interval of a configuration's client-average avg ROUGE over its seeds (pipeline.results.stats): the test
     examples every seed has, resampled within clients, seeds resampled when there are several. None without any
     per-example scores."""
     frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
@@ -993,7 +997,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "human":
             return human_main(args, cfg, params)
-        from pipeline.timing import stage_timer
+        from pipeline.common.timing import stage_timer
 
         with stage_timer("report"):
             index = build_report(params, cfg, Paths(Path(".")))
@@ -1006,6 +1010,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     sys.exit(run_cli(main))

@@ -2,7 +2,7 @@
 
     python -m pipeline.train --experiment fedselectkd-domain
 
-Federated methods run Flower's ServerApp/ClientApp (pipeline.federated; in-process engine by default, Ray with
+Federated methods run Flower's ServerApp/ClientApp (pipeline.federation.apps; in-process engine by default, Ray with
 ``train.engine: ray``); `single` (each client alone) and `centralized` (all clients' train data pooled) run the
 same local trainer without a server. Every round each client's validation loss picks its best adapter.
 
@@ -12,7 +12,7 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
 parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts, named by the settings
-that differ from the baseline's plan and tagged with its origin (pipeline.tracking). A killed run resumes after its
+that differ from the baseline's plan and tagged with its origin (pipeline.results.tracking). A killed run resumes after its
 last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end), in the same MLflow run.
 """
 from __future__ import annotations
@@ -30,16 +30,16 @@ from typing import Any
 import pandas as pd
 import torch
 
-from pipeline import atomic
-from pipeline import client_training
+from pipeline.common import atomic
+from pipeline.training import client as client_training
 from pipeline.plan import PLANS_DIR, Plan, plan_hash, read_plan
-from pipeline.timing import peak_rss_mb, stage_timer
+from pipeline.common.timing import peak_rss_mb, stage_timer
 
 log = logging.getLogger("fedmeet.train")
 
 ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share",
                 "epsilon", "clipped_fraction")  # the last two under privacy.mode example only
-# A client's DP-SGD report in metrics.json and MLflow (pipeline.privacy; None = unbounded)
+# A client's DP-SGD report in metrics.json and MLflow (pipeline.training.privacy; None = unbounded)
 PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
 
 
@@ -131,7 +131,7 @@ def _local_checkpoint_path(plan: Plan) -> Path:
 def run_local(plan: Plan, recorder: TrainRecorder | None = None) -> dict[str, Any]:
     """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on
     every client): the same trainer and the same round structure (a round = ``local_epochs`` epochs)."""
-    from pipeline.federated import RoundLog
+    from pipeline.federation.apps import RoundLog
 
     spec = plan.spec
     names = client_training.client_names(plan)
@@ -299,8 +299,8 @@ def _backbone_name(plan: Plan) -> str:
 def run_tags(plan: Plan, params_path: Path = Path("params.yaml")) -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash, preset), so a run can be matched to its `dvc exp show` row."""
-    from pipeline.config import ConfigError, load_params
-    from pipeline.tracking import dvc_tags, git_state, preset_name
+    from pipeline.common.config import ConfigError, load_params
+    from pipeline.results.tracking import dvc_tags, git_state, preset_name
 
     tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
             "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
@@ -315,7 +315,7 @@ def run_tags(plan: Plan, params_path: Path = Path("params.yaml")) -> dict[str, s
 def tracked_run_name(plan: Plan, plan_path: str | Path) -> str:
     """The experiment name plus the plan settings that differ from the base commit's plan of the same experiment
     (the DVC experiment's baseline, else HEAD), e.g. ``fedselectkd-domain tau=3``."""
-    from pipeline.tracking import base_params, base_plan, run_name
+    from pipeline.results.tracking import base_params, base_plan, run_name
 
     current = json.loads(Path(plan_path).read_text())
     return run_name(plan.experiment, current, base_plan(plan.experiment, base_params()))
@@ -334,7 +334,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
 
     logger = None
     if track:
-        from pipeline.tracking import RunLogger
+        from pipeline.results.tracking import RunLogger
 
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = out_dir / "checkpoint" / "mlflow_run_id"
@@ -347,7 +347,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True) -> dict[str, An
     recorder = TrainRecorder(plan, logger)
     try:
         if plan.spec.federated:
-            from pipeline.federated import run_federated
+            from pipeline.federation.apps import run_federated
 
             result = run_federated(plan_path, recorder)
         else:
@@ -412,6 +412,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

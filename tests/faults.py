@@ -14,7 +14,7 @@ class Killed(Exception):
 def killed_after_checkpoint(monkeypatch, rnd: int = 1):
     """The run inside dies right after the server checkpoint of round ``rnd`` is written (and before anything
     that round logs afterwards); the block must end by that death. The real checkpoint writer is restored after."""
-    from pipeline import federated
+    from pipeline.federation import apps as federated
 
     real_save = federated.save_server_checkpoint
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX
+from pipeline.datasets.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
@@ -104,9 +104,9 @@ def run_subprocess(module: str, args: list[str], cwd: Path, timeout: float = 120
 
 
 def run_inprocess(main, args: list[str]) -> Outcome:
-    """The same entry point in this process (``pipeline.cli.run(main, args)``), for the many cases where a new
+    """The same entry point in this process (``pipeline.common.cli.run(main, args)``), for the many cases where a new
     interpreter per case would cost seconds each: the error path (message, status, no traceback) is the same."""
-    from pipeline.cli import run
+    from pipeline.common.cli import run
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -118,14 +118,14 @@ def run_inprocess(main, args: list[str]) -> Outcome:
 
 
 def mlflow_worker(name: str, go: str, steps: int) -> None:
-    """One MLflow writer through pipeline.tracking's public API, as a train stage logs: a run with its parameters,
+    """One MLflow writer through pipeline.results.tracking's public API, as a train stage logs: a run with its parameters,
     a metric per step, tags, then finished. It starts writing when the file ``go`` appears (after its imports), so
     two workers hit the store together."""
     import time
 
     import mlflow  # noqa: F401  (imported before the start line, not raced against the other worker)
 
-    from pipeline import tracking
+    from pipeline.results import tracking
 
     Path(go).with_name(f"ready-{name}").touch()
     while not Path(go).exists():
@@ -139,12 +139,14 @@ def mlflow_worker(name: str, go: str, steps: int) -> None:
 
 
 def stage_worker(name: str, go: str, argv: list[str]) -> None:
-    """One train stage (``pipeline.train.main`` through ``pipeline.cli.run``, as ``python -m pipeline.train``
+    """One train stage (``pipeline.train.main`` through ``pipeline.common.cli.run``, as ``python -m pipeline.train``
     runs it), started when the file ``go`` appears: the imports are done first, so two workers open the store and
     train at the same moment."""
     import time
 
-    from pipeline import cli, train
+    from pipeline.common import cli
+
+    from pipeline import train
 
     Path(go).with_name(f"ready-{name}").touch()
     while not Path(go).exists():
@@ -162,7 +164,8 @@ def _die() -> None:
 def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
     """Inside ``client``'s round-``rnd`` training, at the loss of its ``batch``-th batch (after the optimizer steps
     of the batches before it; the clients trained before it this round have written their gate logs)."""
-    from pipeline import client_training, losses
+    from pipeline.training import client as client_training
+    from pipeline.modeling import losses
 
     real_train, real_loss = client_training.train_local, losses.distillation_loss
     state = {"armed": False, "batches": 0}
@@ -187,7 +190,7 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
 
 def _kill_after_aggregation(rnd: int) -> None:
     """Right after the server's strategy aggregated round ``rnd`` (before the clients evaluate it)."""
-    from pipeline import federated
+    from pipeline.federation import apps as federated
 
     real_build = federated.build_strategy
 
@@ -223,7 +226,7 @@ def _kill_after_recording(rnd: int) -> None:
 
 def _kill_after_checkpoint(rnd: int) -> None:
     """After the server checkpointed round ``rnd``, before the round is recorded (rounds.json, MLflow)."""
-    from pipeline import federated
+    from pipeline.federation import apps as federated
 
     real = federated.save_server_checkpoint
 
@@ -236,15 +239,15 @@ def _kill_after_checkpoint(rnd: int) -> None:
 
 
 def _kill_in_write(name: str) -> None:
-    """Inside the first atomic write of a file called ``name``, its temporary cut to half (pipeline/atomic.py)."""
-    from pipeline.atomic import ENV_KILL
+    """Inside the first atomic write of a file called ``name``, its temporary cut to half (pipeline/common/atomic.py)."""
+    from pipeline.common.atomic import ENV_KILL
 
     os.environ[ENV_KILL] = name
 
 
 def _kill_in_artifact_upload() -> None:
     """Inside the first upload of an adapter to MLflow (after the final metrics were logged)."""
-    from pipeline import tracking
+    from pipeline.results import tracking
 
     tracking.RunLogger.log_artifact = lambda self, *args, **kwargs: _die()
 
@@ -300,7 +303,11 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
     from mlflow.tracking import MlflowClient  # noqa: F401
     from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel  # noqa: F401
 
-    from pipeline import cli, federated, train  # noqa: F401
+    from pipeline.common import cli  # noqa: F401
+
+    from pipeline.federation import apps as federated
+
+    from pipeline import train
 
     out = []
     for i, (experiment, point) in enumerate(legs):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import atomic
+from pipeline.common import atomic
 
 # (fault class, what is done to the project, how a node id is recognised: file and optional test-name prefixes)
 CLASSES = [
@@ -38,7 +38,7 @@ CLASSES = [
      "Expected: exit 2, one line naming the key and what is allowed (or the missing file), nothing written.",
      "test_reliability_params.py", ()),
     ("Outputs written whole",
-     "A scan of pipeline/ for writes that bypass pipeline/atomic.py; the ingest stage SIGKILLed inside the write of "
+     "A scan of pipeline/ for writes that bypass pipeline/common/atomic.py; the ingest stage SIGKILLed inside the write of "
      "each of its outputs (FEDMEET_FAULT_KILL_WRITE), a directory output killed before its rename, `dvc repro` of a "
      "killed stage. Expected: the old output whole, the rerun succeeds and removes the killed run's temporaries, "
      "dvc.lock records only the complete file.",

@@ -1,4 +1,4 @@
-"""Stage backbone: local directories, hub ids offline, the offline MiniLM recipe; and pipeline.timing."""
+"""Stage backbone: local directories, hub ids offline, the offline MiniLM recipe; and pipeline.common.timing."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderMod
 
 import tiny_models
 from pipeline import backbone as bb
-from pipeline.timing import stage_timer
+from pipeline.common.timing import stage_timer
 
 DIALOGUES = [
     ([("Amanda", "I baked cookies. Do you want some?"), ("Jerry", "Sure!")], "Amanda baked cookies for Jerry."),
@@ -202,7 +202,7 @@ def test_new_cross_attention_gets_the_higher_learning_rate():
 
 
 def test_params_yaml_backbone_group_is_complete():
-    from pipeline.config import load_params
+    from pipeline.common.config import load_params
 
     cfg, sep = bb.load_config(load_params(Path(__file__).resolve().parents[1] / "params.yaml"))
     assert cfg.name == bb.OFFLINE_RECIPE and sep == "#SEP#"

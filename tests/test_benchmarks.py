@@ -8,7 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks import flops
 from benchmarks.common import Shape, build_summarizer, random_batch
 from benchmarks.train_step import make_steps
-from pipeline.cache import PrefixCache
+from pipeline.modeling.cache import PrefixCache
 
 
 def tiny(arch: str) -> Shape:

@@ -4,11 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.adapters import AdapterConfig
-from pipeline.cache import PrefixCache, TeacherCache
-from pipeline.data import IGNORE_INDEX, collate, tokenize_pairs
-from pipeline.losses import KDConfig, distillation_loss
-from pipeline.model import AdapterSummarizer
+from pipeline.modeling.adapters import AdapterConfig
+from pipeline.modeling.cache import PrefixCache, TeacherCache
+from pipeline.modeling.batching import IGNORE_INDEX, collate, tokenize_pairs
+from pipeline.modeling.losses import KDConfig, distillation_loss
+from pipeline.modeling.model import AdapterSummarizer
 from tiny_models import tiny
 
 SOURCES = [
@@ -224,7 +224,7 @@ def test_damaged_entry_is_counted_removed_and_recomputed_exactly(model, tmp_path
 def test_relative_cache_dir_is_shared_by_dvc_temporary_workspaces(tmp_path, monkeypatch):
     """A queued or --temp DVC experiment runs in <repo>/.dvc/tmp/exps/<tmp>/ with DVC_ROOT set there: a relative
     model.cache_dir must still name <repo>/data/cache/prefix, the cache the workspace's runs filled."""
-    from pipeline.cache import resolve_root
+    from pipeline.modeling.cache import resolve_root
 
     repo = tmp_path / "repo"
     temp = repo / ".dvc/tmp/exps/tmp8k2j"

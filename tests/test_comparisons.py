@@ -1,4 +1,4 @@
-"""Paired comparisons between methods (pipeline.comparisons) and their place in the study tables."""
+"""Paired comparisons between methods (pipeline.results.comparisons) and their place in the study tables."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline import comparisons
+from pipeline.results import comparisons
 from pipeline.report import Planned, aggregate, collect_scores, study_table_markdown, with_labels
-from pipeline.stats import BootstrapConfig
+from pipeline.results.stats import BootstrapConfig
 
 CFG = BootstrapConfig(n_resamples=1000, seed=0)
 CLIENTS = {"Academic": 6, "Product": 10}

@@ -1,11 +1,11 @@
-"""Adapter transfer codec (pipeline/compression.py): hand-computed cases, error bounds, Flower round trip."""
+"""Adapter transfer codec (pipeline/federation/compression.py): hand-computed cases, error bounds, Flower round trip."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.adapters import AdapterConfig, AdapterSet
-from pipeline.compression import (
+from pipeline.modeling.adapters import AdapterConfig, AdapterSet
+from pipeline.federation.compression import (
     SCALE_SUFFIX,
     decode_state,
     encode_state,

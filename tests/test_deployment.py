@@ -1,7 +1,7 @@
 """Real federation: the deployed ServerApp's records, federated evaluation, local SuperLink/SuperNode runs.
 
-The first tests drive ``pipeline.federated:server_app`` (what a SuperLink runs) over the in-process Grid; the
-later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation),
+The first tests drive ``pipeline.federation.apps:server_app`` (what a SuperLink runs) over the in-process Grid; the
+later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.local),
 each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _serve_inprocess(plan_path: str, **run_config):
     from flwr.app import Context, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from pipeline import client_training
-    from pipeline.federated import InProcessGrid, _load_plan, _set_server_identity, client_app, server_app
+    from pipeline.training import client as client_training
+    from pipeline.federation.apps import InProcessGrid, _load_plan, _set_server_identity, client_app, server_app
 
     names = client_training.client_names(_load_plan(plan_path))
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
@@ -56,7 +56,7 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     import mlflow
     from safetensors.torch import load_file
 
-    from pipeline.config import from_dict
+    from pipeline.common.config import from_dict
     from pipeline.evaluate import EvaluateConfig, evaluate_experiment
     from pipeline.train import run_experiment
 
@@ -116,7 +116,7 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
 
 
 def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, monkeypatch):
-    from pipeline import deployment
+    from pipeline.federation import deployment
 
     calls = []
     real = deployment.federated_evaluate
@@ -133,9 +133,9 @@ def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, mon
     assert all(not math.isnan(v["avg_rouge"]) for v in calls[-1]["clients"].values())
 
 
-# ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation)
+# ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation.local)
 def _local(plan: str, **kw):
-    from pipeline.federation import LocalConfig
+    from pipeline.federation.local import LocalConfig
 
     # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
     # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
@@ -168,7 +168,7 @@ def _no_process_left(before: set[int], started: list) -> None:
 
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation import LocalFederation
+    from pipeline.federation.local import LocalFederation
     from pipeline.train import run_experiment
 
     before = _flower_pids()
@@ -206,7 +206,7 @@ def _pair_partition() -> str:
 
 
 def _server_round(plan_path: str) -> int:
-    from pipeline.federated import _load_plan, load_server_checkpoint
+    from pipeline.federation.apps import _load_plan, load_server_checkpoint
 
     try:
         ckpt = load_server_checkpoint(_load_plan(plan_path))
@@ -220,7 +220,7 @@ def test_tls_and_supernode_authentication(ws, tmp_path):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation import LocalFederation, make_node_key, make_self_signed_ca
+    from pipeline.federation.local import LocalFederation, make_node_key, make_self_signed_ca
 
     before = _flower_pids()
     certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
@@ -253,7 +253,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     after round 3: the command says which round to resume from, and its rerun runs round 4 only."""
     import threading
 
-    from pipeline.federation import FederationError, LocalFederation, run_local
+    from pipeline.federation.local import FederationError, LocalFederation, run_local
 
     before = _flower_pids()
     plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4, round_timeout_s=40)
@@ -336,7 +336,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
     import psutil
 
-    from pipeline.federation import ProcessGroup
+    from pipeline.federation.local import ProcessGroup
 
     group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
     # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
@@ -358,7 +358,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
-    from pipeline.federation import Certificates, _parse_run_config, run_config_arg, write_connection
+    from pipeline.federation.local import Certificates, _parse_run_config, run_config_arg, write_connection
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
@@ -376,8 +376,8 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
 def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws):
     """Over the in-process Grid: Committee's node is gone in round 2 (as a SuperNode marked offline) and is back
     in round 3 under a new node id (a restarted SuperNode without authentication)."""
-    from pipeline import client_training
-    from pipeline.federated import InProcessGrid, _load_plan, _set_server_identity, client_app, run_server
+    from pipeline.training import client as client_training
+    from pipeline.federation.apps import InProcessGrid, _load_plan, _set_server_identity, client_app, run_server
 
     class Flaky(InProcessGrid):
         calls = 0

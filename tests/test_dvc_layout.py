@@ -11,10 +11,10 @@ import pytest
 import yaml
 from dvc.utils.hydra import apply_overrides
 
-from pipeline import comparisons
+from pipeline.results import comparisons
 from pipeline.presets import PresetError, flatten_leaves, grid_commands, hydra_value
 from pipeline.report import HEADLINE_STUDY, average_interval, headline_metrics
-from pipeline.stats import BootstrapConfig
+from pipeline.results.stats import BootstrapConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC_YAML = yaml.safe_load((ROOT / "dvc.yaml").read_text())
@@ -218,10 +218,10 @@ def _pipeline_imports(module: str) -> set[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module == "pipeline":
-            names |= {f"pipeline.{a.name}" for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from pipeline.modeling import model` imports a module; `from pipeline.modeling.model import X` a name
             names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
     return {n for n in names if n.startswith("pipeline.") and (ROOT / (n.replace(".", "/") + ".py")).exists()}
 
 

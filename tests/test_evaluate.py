@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 
 from pipeline.evaluate import EvaluateConfig, evaluate_experiment, subsample_test_ids
-from pipeline.schema import DataError
-from pipeline.scoring import ROUGE_TYPES, Scorer
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
 
 CLIENTS = ("Academic", "Committee")
@@ -31,7 +31,7 @@ def workspace(tmp_path_factory):
     """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
     from safetensors.torch import save_file
 
-    from pipeline.model import AdapterSummarizer, ModelConfig
+    from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 
     root = tmp_path_factory.mktemp("evalws")
     backbone = save_tiny("bart", root / "models" / "backbone")

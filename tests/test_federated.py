@@ -52,8 +52,8 @@ def _write_postags(root: Path, examples: pd.DataFrame) -> None:
     """Synthetic POS tags aligned with the tokenised targets: every other target token is a 'noun or verb'."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from pipeline.data import IGNORE_INDEX, make_batches
-    from pipeline.model import ModelConfig
+    from pipeline.modeling.batching import IGNORE_INDEX, make_batches
+    from pipeline.modeling.model import ModelConfig
 
     tok = AutoTokenizer.from_pretrained(root / "models" / "backbone")
     start = AutoConfig.from_pretrained(root / "models" / "backbone").decoder_start_token_id
@@ -117,7 +117,7 @@ def _final_adapters(name: str) -> dict[str, dict[str, torch.Tensor]]:
 def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-    from pipeline.federated import _set_server_identity
+    from pipeline.federation.apps import _set_server_identity
 
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
@@ -128,7 +128,7 @@ def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
 
 
 def test_fedavg_aggregate_is_the_example_weighted_mean():
-    from pipeline.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies import FedOptConfig, build_strategy
 
     strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
                               client_lr=1e-3)
@@ -142,8 +142,8 @@ def test_fedavg_aggregate_is_the_example_weighted_mean():
 def test_fednova_normalises_updates_by_local_steps():
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from pipeline.federated import InProcessGrid, _set_server_identity, client_app
-    from pipeline.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.apps import InProcessGrid, _set_server_identity, client_app
+    from pipeline.federation.strategies import FedOptConfig, build_strategy
 
     _set_server_identity(1)  # configure_train creates Messages (run alone, no earlier test has set it)
     strategy = build_strategy("fednova", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
@@ -164,8 +164,8 @@ def test_fednova_normalises_updates_by_local_steps():
 def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline import client_training
-    from pipeline.federated import TRAIN_METRIC_KEYS, _set_server_identity, client_app
+    from pipeline.training import client as client_training
+    from pipeline.federation.apps import TRAIN_METRIC_KEYS, _set_server_identity, client_app
     from pipeline.plan import read_plan
 
     path = write_plan("reply-check", "fedselectkd")
@@ -285,7 +285,7 @@ def test_same_seed_gives_identical_adapters(ws):
 
 
 def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
-    from pipeline import client_training
+    from pipeline.training import client as client_training
     from pipeline.train import run_experiment
 
     path = write_plan("resume", "fedselectkd")
@@ -424,7 +424,8 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
 
 
 def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
-    from pipeline import client_training, federated
+    from pipeline.training import client as client_training
+    from pipeline.federation import apps as federated
     from pipeline.train import run_experiment
 
     real_train = client_training.train_local
@@ -465,7 +466,7 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
 def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
     """Run an experiment recording each client's reply before encoding (its local state, the encoded tensors)
     and what the strategy aggregated each round (the decoded replies, their weights, the result)."""
-    from pipeline import federated
+    from pipeline.federation import apps as federated
     from pipeline.train import run_experiment
 
     uplinks, aggregates = [], []
@@ -503,7 +504,7 @@ def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
 
 
 def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
-    from pipeline.compression import transfer_error_bound
+    from pipeline.federation.compression import transfer_error_bound
 
     wide = {"bottleneck": 256}  # big enough that the per-array .npy headers do not hide the 2x / 4x
     runs = {}
@@ -607,7 +608,9 @@ def test_client_first_sampled_after_round_1_starts_from_the_current_global(ws):
     the adapter it holds after training is exactly where it started."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from pipeline import client_training, federated
+    from pipeline.training import client as client_training
+
+    from pipeline.federation import apps as federated
 
     path = write_plan("first-late", "fedselectkd", lr=0.0)
     plan = federated._load_plan(path)
@@ -634,7 +637,7 @@ def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
     """The same after a restart: an untrained client's checkpoint restores its progress but no local adapter."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from pipeline import federated
+    from pipeline.federation import apps as federated
 
     path = write_plan("first-late-ckpt", "fedselectkd")
     plan = federated._load_plan(path)
@@ -666,7 +669,7 @@ def _join_history(means: list[float], late: str = "New") -> list[dict]:
     ([10.0, 9.0, 8.0], 5, True),        # max_round reached regardless
 ])
 def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
-    from pipeline.federated import new_client_joins
+    from pipeline.federation.apps import new_client_joins
     from pipeline.plan import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=5)
@@ -674,7 +677,7 @@ def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
 
 
 def test_join_patience_needs_that_many_flat_rounds():
-    from pipeline.federated import new_client_joins
+    from pipeline.federation.apps import new_client_joins
     from pipeline.plan import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=9)
@@ -702,7 +705,7 @@ def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_a
 def test_server_stops_waiting_for_clients_that_never_connect():
     # The ServerApp waits for every planned client to register; a SuperNode that never comes must end the run with
     # a clear error after train.round_timeout_s, not keep the server (and CI) waiting forever.
-    from pipeline.federated import _identify
+    from pipeline.federation.apps import _identify
 
     class OneNodeGrid:  # only one of the three planned clients ever connects
         def get_node_ids(self):

@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
-from pipeline.human_eval import Prediction, make_sheets, score_sheets
+from pipeline.results.human_eval import Prediction, make_sheets, score_sheets
 from pipeline.report import main as report_main
-from pipeline.schema import DataError
+from pipeline.common.schema import DataError
 
 DOMAINS = ("Academic", "Committee", "Product")
 METHODS = ("fedselectkd", "fedavg", "fedkd")

@@ -13,10 +13,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline import sources
+from pipeline.datasets import sources
 from pipeline.ingest import ingest_dataset, qmsum_meeting_id, read_interim, write_outputs
-from pipeline.schema import DataError
-from pipeline.sources import HMNET_CHUNKS, IngestConfig, resolve_source
+from pipeline.common.schema import DataError
+from pipeline.datasets.sources import HMNET_CHUNKS, IngestConfig, resolve_source
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
 AMI_DIR = "hmnet/ExampleRawData/meeting_summarization/AMI_proprec"

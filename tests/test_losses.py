@@ -21,7 +21,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.losses import KDConfig, distillation_loss, hard_kd_loss, selective_kd_loss, token_entropy
+from pipeline.modeling.losses import KDConfig, distillation_loss, hard_kd_loss, selective_kd_loss, token_entropy
 
 L = math.log
 H1, H2, H3 = 1.5 * L(2), -(0.8 * L(0.8) + 0.2 * L(0.1)), L(3)
@@ -271,7 +271,7 @@ def test_absolute_gate_reports_its_threshold_and_portable_tau_is_a_fraction(exam
 
 # ----------------------------------------------------------------------------------- per-token helpers
 def test_per_token_ce_and_kl_match_hand_computation(example):
-    from pipeline.losses import cross_entropy_tokens, kd_tokens
+    from pipeline.modeling.losses import cross_entropy_tokens, kd_tokens
 
     student, teacher, labels = example
     ce = cross_entropy_tokens(student, labels)
@@ -293,7 +293,7 @@ def test_per_token_ce_and_kl_match_hand_computation(example):
 @given(t=st.floats(0.25, 4.0), seed=st.integers(0, 2**16))
 def test_tempered_kl_is_t_squared_kl_of_the_softened_distributions(t, seed):
     """kd_tokens = T^2 KL(softmax(z_g/T) || softmax(z_l/T)) for any T, against torch's kl_div; >= 0; teacher frozen."""
-    from pipeline.losses import kd_tokens
+    from pipeline.modeling.losses import kd_tokens
 
     g = torch.Generator().manual_seed(seed)
     zl = (torch.randn(2, 3, 7, generator=g) * 2).requires_grad_(True)

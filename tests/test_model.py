@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
-from pipeline.adapters import AdapterConfig, HoulsbyAdapter
-from pipeline.data import IGNORE_INDEX, collate, make_batches, tokenize_pairs
-from pipeline.model import AdapterSummarizer, ModelConfig
+from pipeline.modeling.adapters import AdapterConfig, HoulsbyAdapter
+from pipeline.modeling.batching import IGNORE_INDEX, collate, make_batches, tokenize_pairs
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from tiny_models import save_tiny, tiny
 
 SOURCES = [
@@ -74,7 +74,7 @@ def test_two_path_forward_equals_two_full_forwards(summarizer, batch):
 
 
 def test_training_step_changes_only_local_adapters(summarizer, batch):
-    from pipeline.losses import KDConfig, distillation_loss
+    from pipeline.modeling.losses import KDConfig, distillation_loss
 
     backbone_before = {k: v.clone() for k, v in summarizer.backbone.state_dict().items()}
     global_before = summarizer.adapter_state("global")
@@ -233,7 +233,7 @@ def test_make_batches_shuffles_deterministically(summarizer):
 @pytest.mark.parametrize("kind", ["led", "mbart"])
 def test_other_architectures(kind, tmp_path):
     """LED (long input, post-LN) and mBART (pre-LN): two-path = full forwards, generation works; round 0 equals
-    the backbone exactly for post-LN LED, approximately for pre-LN mBART (see pipeline/adapters.py)."""
+    the backbone exactly for post-LN LED, approximately for pre-LN mBART (see pipeline/modeling/adapters.py)."""
     save_tiny(kind, tmp_path)
     model = AdapterSummarizer.from_pretrained(tmp_path, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     assert model.pre_layer_norm == (kind == "mbart")
@@ -254,7 +254,7 @@ def test_other_architectures(kind, tmp_path):
 def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
     """The LM head runs on non-padding positions only ([B, T, V] with zeros on padding, or packed [N, V]): same
     loss and same local-adapter gradients as the full HF forward on a padded batch."""
-    from pipeline.losses import KDConfig, distillation_loss
+    from pipeline.modeling.losses import KDConfig, distillation_loss
 
     valid = batch.labels != IGNORE_INDEX
     assert not valid.all()  # the batch is padded, so skipping padding matters

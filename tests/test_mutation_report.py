@@ -9,39 +9,39 @@ from pipeline import mutation_report as mr
 
 
 def _meta(tmp_path, module: str, codes: dict[int, int | None]) -> None:
-    d = tmp_path / "mutants" / "pipeline"
-    d.mkdir(parents=True, exist_ok=True)
+    meta = tmp_path / "mutants" / "pipeline" / f"{module.replace('.', '/')}.py.meta"
+    meta.parent.mkdir(parents=True, exist_ok=True)
     keys = {f"pipeline.{module}.x_f__mutmut_{i}": c for i, c in codes.items()}
-    (d / f"{module}.py.meta").write_text(json.dumps({"exit_code_by_key": keys}))
+    meta.write_text(json.dumps({"exit_code_by_key": keys}))
 
 
 def test_counts_and_score_leave_out_equivalent_and_unrun_mutants(tmp_path):
     # 1, 3: killed; 36: mutmut's timeout; 0: survived; 33: no test reaches it; 35: suspicious; None: not run yet
-    _meta(tmp_path, "losses", {1: 1, 2: 3, 3: 36, 4: 0, 5: 0, 6: 33, 7: 35, 8: None, 9: 1, 10: 1})
-    equivalent = {"pipeline.losses.x_f__mutmut_5": "same values"}
-    r = mr.collect(tmp_path / "mutants", equivalent)["losses"]
+    _meta(tmp_path, "modeling.losses", {1: 1, 2: 3, 3: 36, 4: 0, 5: 0, 6: 33, 7: 35, 8: None, 9: 1, 10: 1})
+    equivalent = {"pipeline.modeling.losses.x_f__mutmut_5": "same values"}
+    r = mr.collect(tmp_path / "mutants", equivalent)["modeling.losses"]
     assert (r.made, r.killed, r.timeout, r.survived, r.no_tests, r.other, r.not_run) == (10, 4, 1, 2, 1, 1, 1)
     assert r.equivalent == 1 and r.detected == 5
-    assert r.undetected == [f"pipeline.losses.x_f__mutmut_{i}" for i in (4, 5, 6, 7)]
+    assert r.undetected == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (4, 5, 6, 7)]
     assert r.score == pytest.approx(5 / (10 - 1 - 1))  # 5 detected of 8 run, non-equivalent mutants
-    assert "strategies" not in mr.collect(tmp_path / "mutants", equivalent)  # never generated: absent
+    assert "federation.strategies" not in mr.collect(tmp_path / "mutants", equivalent)  # never generated: absent
 
 
 def test_baseline_keeps_each_modules_first_run_and_scores_it_over_todays_mutants(tmp_path):
-    _meta(tmp_path, "losses", {1: 1, 2: 0, 3: 0, 4: 0})
+    _meta(tmp_path, "modeling.losses", {1: 1, 2: 0, 3: 0, 4: 0})
     first = mr.baseline_record(mr.collect(tmp_path / "mutants"), {"commit": "a"})
-    _meta(tmp_path, "losses", {1: 1, 2: 1, 3: 1, 4: 0})  # new tests kill two survivors
-    _meta(tmp_path, "scoring", {1: 1, 2: 0})
-    now = mr.collect(tmp_path / "mutants", {"pipeline.losses.x_f__mutmut_4": "same values"})
+    _meta(tmp_path, "modeling.losses", {1: 1, 2: 1, 3: 1, 4: 0})  # new tests kill two survivors
+    _meta(tmp_path, "results.scoring", {1: 1, 2: 0})
+    now = mr.collect(tmp_path / "mutants", {"pipeline.modeling.losses.x_f__mutmut_4": "same values"})
     second = mr.baseline_record(now, {"commit": "b"}, first)
-    assert second["modules"]["losses"]["killed"] == 1 and second["modules"]["scoring"]["killed"] == 1
-    assert mr.before_score(second["modules"]["losses"], now["losses"]) == pytest.approx(1 / 3)
-    assert now["losses"].score == 1.0
+    assert second["modules"]["modeling.losses"]["killed"] == 1 and second["modules"]["results.scoring"]["killed"] == 1
+    assert mr.before_score(second["modules"]["modeling.losses"], now["modeling.losses"]) == pytest.approx(1 / 3)
+    assert now["modeling.losses"].score == 1.0
 
 
 def test_equivalent_list_needs_a_reason(tmp_path):
     path = tmp_path / "eq.yaml"
-    path.write_text("pipeline.losses.x_f__mutmut_1: ''\n")
+    path.write_text("pipeline.modeling.losses.x_f__mutmut_1: ''\n")
     with pytest.raises(ValueError, match="mutant name -> non-empty reason"):
         mr.load_equivalent(path)
     assert mr.load_equivalent(tmp_path / "none.yaml") == {}

@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from pipeline import partition_schemes
+from pipeline.partitioning import schemes as partition_schemes
 from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
-from pipeline.partition_schemes import Partition, PartitionConfig, largest_remainder
-from pipeline.schema import SPLITS, DataError
+from pipeline.partitioning.schemes import Partition, PartitionConfig, largest_remainder
+from pipeline.common.schema import SPLITS, DataError
 
 QMSUM_SIZES = {"Academic": (12, 6, 6), "Committee": (15, 6, 9), "Product": (30, 9, 9)}
 # AMI holds Product's meetings under other splits, like the real data: ES2004a is a Product TEST meeting but an

@@ -9,9 +9,9 @@ import pytest
 import yaml
 
 from pipeline import postag
-from pipeline.data import IGNORE_INDEX, tokenize_pairs
+from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
 from pipeline.postag import NounVerbMasks, load_spacy, tag_targets
-from pipeline.schema import DataError
+from pipeline.common.schema import DataError
 from tiny_models import _bert_tokenizer, save_tiny
 
 SENTENCE = "The professor will present the new results to the group."

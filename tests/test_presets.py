@@ -12,7 +12,7 @@ import yaml
 from dvc.utils.hydra import apply_overrides
 
 from pipeline import presets as pr
-from pipeline.config import load_params
+from pipeline.common.config import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))

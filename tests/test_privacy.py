@@ -1,4 +1,4 @@
-"""Example-level DP-SGD (pipeline/privacy.py): the accountant against published numbers, per-example clipping
+"""Example-level DP-SGD (pipeline/training/privacy.py): the accountant against published numbers, per-example clipping
 (hand-computed and on the real adapters), the noise's standard deviation, the noise-free unclipped control
 against the non-private trainer, target_epsilon, the `privacy` params group, and a tiny federated run."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, from_dict
-from pipeline.privacy import ClientPrivacy, DPSGDStep, PrivacyConfig, client_privacy, epsilon
+from pipeline.common.config import ConfigError, from_dict
+from pipeline.training.privacy import ClientPrivacy, DPSGDStep, PrivacyConfig, client_privacy, epsilon
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
 
@@ -215,7 +215,7 @@ def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None
 
 def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
     """Record the gradients each AdamW step of the local trainer receives."""
-    from pipeline import client_training
+    from pipeline.training import client as client_training
 
     seen: list[list[torch.Tensor]] = []
 
@@ -229,7 +229,7 @@ def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
 
 
 def _train_once(plan_path: str, client: str = "Committee"):
-    from pipeline import client_training
+    from pipeline.training import client as client_training
     from pipeline.plan import read_plan
 
     plan = read_plan(plan_path)
@@ -277,9 +277,9 @@ def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, metho
 def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(ws, monkeypatch):
     # Per-example gradients from opacus' hooks on the real adapter set equal each example trained alone (no
     # coupling through the batch: padding, packing, the KD gate), and after clipping none exceeds C.
-    from pipeline import client_training
-    from pipeline.data import make_batches
-    from pipeline.losses import distillation_loss
+    from pipeline.training import client as client_training
+    from pipeline.modeling.batching import make_batches
+    from pipeline.modeling.losses import distillation_loss
     from pipeline.plan import read_plan
 
     plan = read_plan(_write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0},
@@ -383,8 +383,8 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
 def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline import client_training
-    from pipeline.federated import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS, _set_server_identity, client_app
+    from pipeline.training import client as client_training
+    from pipeline.federation.apps import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS, _set_server_identity, client_app
     from pipeline.plan import read_plan
 
     path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.adapters import AdapterConfig
-from pipeline.integrity import RECORD_NAME, ModelDirError, sha256_dir
-from pipeline.model import AdapterSummarizer
+from pipeline.modeling.adapters import AdapterConfig
+from pipeline.common.integrity import RECORD_NAME, ModelDirError, sha256_dir
+from pipeline.modeling.model import AdapterSummarizer
 from tiny_models import save_tiny
 
 

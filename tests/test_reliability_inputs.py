@@ -13,7 +13,7 @@ import pytest
 from tqdm import tqdm
 
 from pipeline import ingest
-from pipeline.cli import EXIT_USAGE
+from pipeline.common.cli import EXIT_USAGE
 from reliability import (
     build_mirror,
     hmnet_rel,
@@ -194,7 +194,7 @@ def test_records_skipped_by_design_are_counted_per_reason(root):
     assert n > 0
 
 
-# A new interpreter per case costs ~1.5 s here, so the full matrix runs in-process (same pipeline.cli.run path);
+# A new interpreter per case costs ~1.5 s here, so the full matrix runs in-process (same pipeline.common.cli.run path);
 # these run the real command line, one per dataset and file kind, plus the debug switch.
 SUBPROCESS_CASES = [("qmsum", "null_text"), ("samsum", "not_utf8"), ("ami", "duplicate"), ("icsi", "empty")]
 

@@ -1,9 +1,9 @@
-"""Outputs written whole (issue 15, item 3): every stage output goes through pipeline/atomic.py, a stage SIGKILLed
+"""Outputs written whole (issue 15, item 3): every stage output goes through pipeline/common/atomic.py, a stage SIGKILLed
 in the middle of a write leaves the old output (never half of one), the next run succeeds and removes what the
 killed run left behind, and DVC records only whole outputs.
 
 The kill point is deterministic: ``FEDMEET_FAULT_KILL_WRITE=<name>[@n]`` makes the stage cut its temporary file to
-half and SIGKILL itself inside its n-th atomic write of ``<name>`` (pipeline/atomic.py)."""
+half and SIGKILL itself inside its n-th atomic write of ``<name>`` (pipeline/common/atomic.py)."""
 from __future__ import annotations
 
 import hashlib
@@ -19,10 +19,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from pipeline.atomic import ENV_KILL
+from pipeline.common.atomic import ENV_KILL
 from reliability import FIXTURES, REPO_ROOT, run_subprocess, stage_env, write_params
 
-# Writes in pipeline/ that do not go through pipeline.atomic (file, start of the line), each with why it is whole.
+# Writes in pipeline/ that do not go through pipeline.common.atomic (file, start of the line), each with why it is whole.
 DIRECT_WRITE = re.compile(r"open\([^)]*[\"'](w|wb|a|ab|w\+)[\"']|(?<!atomic)\.(write_text|write_bytes|to_parquet|"
                           r"to_csv|savefig|to_json|save_pretrained)\(|\bsave_file\(|torch\.save\(|np\.save\(|json\.dump\(")
 ALLOWED = {
@@ -50,7 +50,7 @@ def test_every_write_in_the_pipeline_goes_through_atomic():
                 found.add((path.name, line.strip()))
     allowed = {(name, line) for name, line in found
                if any(name == a_name and line.startswith(a_line) for a_name, a_line in ALLOWED)}
-    assert found == allowed, f"direct writes outside pipeline/atomic.py: {sorted(found - allowed)}"
+    assert found == allowed, f"direct writes outside pipeline/common/atomic.py: {sorted(found - allowed)}"
     assert len(allowed) == len(ALLOWED)  # every exception is still there (else the list is stale)
 
 
@@ -130,7 +130,7 @@ def test_directory_output_killed_before_its_rename(tmp_path):
 
 def test_a_live_writers_temporary_is_left_alone(tmp_path):
     """Stale temporaries are removed only when the process that made them is gone (a concurrent writer's stays)."""
-    from pipeline import atomic
+    from pipeline.common import atomic
 
     target = tmp_path / "x.json"
     live = tmp_path / f".x.{1}.deadbeef.tmp.json"  # pid 1 (init) is always alive

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.cli import EXIT_USAGE
+from pipeline.common.cli import EXIT_USAGE
 from reliability import REPO_ROOT, run_inprocess
 
 BASE = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
@@ -113,9 +113,9 @@ def test_train_stage_checks_its_plan_before_touching_outputs(tmp_path, monkeypat
 
 def test_top_k_beyond_the_decoder_layers_names_the_allowed_range():
     """top_k's upper bound is the backbone's: checked when the model is built, before any training."""
-    from pipeline.adapters import AdapterConfig
-    from pipeline.config import ConfigError
-    from pipeline.model import AdapterSummarizer
+    from pipeline.modeling.adapters import AdapterConfig
+    from pipeline.common.config import ConfigError
+    from pipeline.modeling.model import AdapterSummarizer
     from tiny_models import tiny
 
     backbone, tok = tiny("bart")

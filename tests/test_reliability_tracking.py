@@ -64,12 +64,12 @@ def test_two_processes_log_to_one_fresh_store_at_once(tmp_path):
 
 
 def test_a_locked_store_is_retried_not_fatal(tmp_path, monkeypatch):
-    """Beyond SQLite's own wait MLflow raises "database is locked": pipeline.tracking retries the call with
+    """Beyond SQLite's own wait MLflow raises "database is locked": pipeline.results.tracking retries the call with
     backoff (here the store answers locked twice, then takes the write), and any other error is raised at once."""
     import sqlalchemy.exc
     from mlflow.tracking import MlflowClient
 
-    from pipeline import tracking
+    from pipeline.results import tracking
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = tracking.RunLogger.start("locked", "r", {"x": 1}, {})
@@ -106,7 +106,7 @@ SUMMARY_METRICS = ("best_val_loss", "bytes_sent_total", "bytes_received_total", 
 @pytest.mark.timeout(240)
 def test_two_train_stages_log_to_one_fresh_store_at_once(ws, tmp_path):
     """Two tiny trainings (a federated and a local one, 2 rounds, 3 clients), each a train stage
-    (``pipeline.train.main`` through ``pipeline.cli``) in its own process, started together against one fresh SQLite
+    (``pipeline.train.main`` through ``pipeline.common.cli``) in its own process, started together against one fresh SQLite
     store: both runs FINISHED, with every per-round metric of the stage's rounds.json, once per round."""
     from mlflow.tracking import MlflowClient
 

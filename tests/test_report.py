@@ -7,7 +7,7 @@ import math
 import pandas as pd
 import pytest
 
-from pipeline import published
+from pipeline.results import published
 from pipeline.report import (
     Paths,
     ReportConfig,
@@ -202,7 +202,7 @@ def test_report_with_nothing_evaluated(tmp_path):
 
 
 def test_published_numbers_match_method_md():
-    """pipeline.published transcribes METHOD.md section 9; re-read every number from the spec's text."""
+    """pipeline.results.published transcribes METHOD.md section 9; re-read every number from the spec's text."""
     import re
     from pathlib import Path
 

@@ -1,4 +1,4 @@
-"""ROUGE scoring (pipeline.scoring) and the `python -m pipeline.evaluate score` CLI, against hand-computed values."""
+"""ROUGE scoring (pipeline.results.scoring) and the `python -m pipeline.evaluate score` CLI, against hand-computed values."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 
 from pipeline.evaluate import main as evaluate_main
-from pipeline.schema import DataError
-from pipeline.scoring import (
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import (
     ROUGE_TYPES,
     TABLE_ROUGE_L,
     Scorer,
@@ -151,7 +151,7 @@ def test_sentence_ends_keep_closing_quotes_and_brackets_and_drop_blank_lines():
 
 
 def test_rougelsum_sees_one_sentence_per_line():
-    from pipeline.scoring import sentences_per_line
+    from pipeline.results.scoring import sentences_per_line
 
     assert sentences_per_line("One. Two? Dr. Three") == "One.\nTwo?\nDr. Three"
 
@@ -164,7 +164,7 @@ def test_mean_of_no_examples_is_nan_with_count_zero():
 
 
 def test_pairs_must_line_up_and_the_summary_is_the_mean_of_the_pairs(scorer):
-    from pipeline.scoring import rouge_summary
+    from pipeline.results.scoring import rouge_summary
 
     with pytest.raises(ValueError, match="2 predictions but 1 references"):
         scorer.score_pairs(["a", "b"], ["a"])
@@ -176,7 +176,7 @@ def test_pairs_must_line_up_and_the_summary_is_the_mean_of_the_pairs(scorer):
 
 
 def test_read_lines_one_summary_per_line(tmp_path):
-    from pipeline.scoring import read_lines
+    from pipeline.results.scoring import read_lines
 
     path = tmp_path / "p.txt"
     path.write_bytes(b"first one\r\n\r\nthird\r\n")  # Windows line ends; an empty summary in the middle is kept

@@ -1,5 +1,5 @@
 """Every stage module can run as ``python -m pipeline.<stage>``: the ``__main__`` block must not rebind a
-module-level function (``from pipeline.cli import run`` once shadowed postag's ``run()``, and the stage crashed)."""
+module-level function (``from pipeline.common.cli import run`` once shadowed postag's ``run()``, and the stage crashed)."""
 from __future__ import annotations
 
 import ast
@@ -31,5 +31,5 @@ def test_main_block_does_not_shadow_module_functions(path):
 
 
 def test_the_check_sees_a_shadowing_block():
-    tree = ast.parse("def run():\n    pass\nif __name__ == '__main__':\n    from pipeline.cli import run\n")
+    tree = ast.parse("def run():\n    pass\nif __name__ == '__main__':\n    from pipeline.common.cli import run\n")
     assert _main_block_names(tree) == {"run"}

@@ -1,10 +1,10 @@
-"""Bootstrap intervals against hand-computed cases (pipeline.stats)."""
+"""Bootstrap intervals against hand-computed cases (pipeline.results.stats)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pipeline.stats import BootstrapConfig, mean_interval, paired_difference
+from pipeline.results.stats import BootstrapConfig, mean_interval, paired_difference
 
 CFG = BootstrapConfig(n_resamples=2000, seed=0)
 

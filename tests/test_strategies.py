@@ -1,4 +1,4 @@
-"""Server aggregation (pipeline.strategies) against METHOD.md section 5, without a federated run.
+"""Server aggregation (pipeline.federation.strategies) against METHOD.md section 5, without a federated run.
 
 FedNova's update is checked against the formula worked out by hand and against its defining property (equal step
 counts give FedAvg exactly, for any weights and updates); each server algorithm is checked to be the Flower strategy
@@ -18,7 +18,7 @@ S = "num-steps"
 
 
 def _strategy(name: str, **kw):
-    from pipeline.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies import FedOptConfig, build_strategy
 
     args = dict(fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(), client_lr=1e-3)
     args.update(kw)
@@ -26,7 +26,7 @@ def _strategy(name: str, **kw):
 
 
 def _grid(n: int):
-    from pipeline.federated import InProcessGrid, _set_server_identity, client_app
+    from pipeline.federation.apps import InProcessGrid, _set_server_identity, client_app
 
     _set_server_identity(1)  # the strategies create Messages, as a ServerApp does
     return InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n)])
@@ -44,7 +44,7 @@ def _fednova_after_sending(global_w: dict[str, np.ndarray]):
 def _error_reply():
     from flwr.app import Error, Message, RecordDict
 
-    from pipeline.federated import _set_server_identity
+    from pipeline.federation.apps import _set_server_identity
 
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
@@ -146,7 +146,7 @@ def test_every_client_evaluates_one_node_suffices_and_weights_are_train_sizes(na
 def test_server_algorithms_get_their_settings():
     from flwr.serverapp import strategy as fs
 
-    from pipeline.strategies import FedOptConfig
+    from pipeline.federation.strategies import FedOptConfig
 
     prox = _strategy("fedprox", proximal_mu=0.01)
     assert type(prox) is fs.FedProx and prox.proximal_mu == 0.01
@@ -165,7 +165,7 @@ def test_server_algorithms_get_their_settings():
 
 
 def test_unknown_server_algorithms_are_rejected_by_name():
-    from pipeline.strategies import FedOptConfig
+    from pipeline.federation.strategies import FedOptConfig
 
     with pytest.raises(ValueError, match="unknown 'sgd'; expected sgdm, adam, yogi or adagrad"):
         _strategy("fedopt", fedopt=FedOptConfig(server_optimizer="sgd"))
@@ -174,7 +174,7 @@ def test_unknown_server_algorithms_are_rejected_by_name():
 
 
 def test_strategy_state_is_a_snapshot_and_restores_exactly():
-    from pipeline.strategies import restore_strategy_state, strategy_state
+    from pipeline.federation.strategies import restore_strategy_state, strategy_state
 
     strategy = _strategy("fedopt")
     strategy.current_arrays = {"w": np.array([1.0])}
@@ -195,7 +195,7 @@ def test_fednova_rejects_a_train_reply_without_arrays():
     from flwr.app import Message, MetricRecord, RecordDict
     from flwr.serverapp.exception import InconsistentMessageReplies
 
-    from pipeline.federated import _set_server_identity
+    from pipeline.federation.apps import _set_server_identity
 
     nova = _fednova_after_sending({"w": np.array([0.0], dtype=np.float32)})
     _set_server_identity(1)

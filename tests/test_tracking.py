@@ -46,7 +46,7 @@ def _use_checkout(root: Path, monkeypatch) -> None:
 
 # ------------------------------------------------------------------------------------------ experiment view
 def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(store):
-    from pipeline.tracking import experiment_id
+    from pipeline.results.tracking import experiment_id
 
     client = _client()
     old = client.create_experiment("tau_sweep")  # as an earlier fedmeet left it: no kind, no description
@@ -76,7 +76,7 @@ def _params(tau: float = 5.0, **entry) -> dict:
 
 
 def test_run_name_lists_exactly_the_settings_that_differ_from_the_base_plan():
-    from pipeline.tracking import run_name
+    from pipeline.results.tracking import run_name
 
     base = _plans(_params())
     tau3 = _plans(_params(tau=3.0))
@@ -98,7 +98,7 @@ def _git(cwd: Path, *args: str) -> str:
 
 def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
     from pipeline.plan import write_plans
-    from pipeline.tracking import dvc_tags, git_state
+    from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags, tracked_run_name
     from pipeline.plan import plan_hash, read_plan
 
@@ -140,7 +140,7 @@ def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
 
 def test_preset_is_recognised_from_the_params_it_sets(tmp_path):
     from pipeline.presets import apply_preset
-    from pipeline.tracking import preset_name
+    from pipeline.results.tracking import preset_name
 
     configs = tmp_path / "configs"
     configs.mkdir()
@@ -166,7 +166,7 @@ def _dead_pid() -> tuple[int, float]:
 
 
 def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment(store):
-    from pipeline.tracking import TAG_HOST, TAG_PID, TAG_PID_START, RunLogger, experiment_id, owner_tags
+    from pipeline.results.tracking import TAG_HOST, TAG_PID, TAG_PID_START, RunLogger, experiment_id, owner_tags
 
     client = _client()
     exp = experiment_id("s")
@@ -314,7 +314,7 @@ def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
 
 
 def test_a_store_outside_the_checkout_keeps_its_locations(store, tmp_path, monkeypatch):
-    from pipeline.tracking import experiment_id
+    from pipeline.results.tracking import experiment_id
 
     shared = tmp_path / "shared-store"
     shared.mkdir()
@@ -345,7 +345,7 @@ def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
 def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     from pipeline.evaluate import EvaluateConfig, log_to_mlflow
     from pipeline.plan import record_hash
-    from pipeline.tracking import RunLogger
+    from pipeline.results.tracking import RunLogger
 
     record_tau3 = {"experiment": "sel", "study": "s", "method": "fedselectkd", "partition": "domain/seed0",
                    "tau": 3.0}
@@ -378,8 +378,8 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
 
 
 def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
-    from pipeline.cli import run as run_cli
-    from pipeline.tracking import main
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import main
 
     metrics, d = _eval_dir(store, "offline")
     metrics["decoding"] = {"num_beams": 4, "batch_size": 8, "max_source_length": 512}

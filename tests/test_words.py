@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.words import word_index_from_markers, word_index_from_offsets, whitespace_words
+from pipeline.datasets.words import word_index_from_markers, word_index_from_offsets, whitespace_words
 from tiny_models import _bart_tokenizer, _bert_tokenizer
 
 TEXT = "The project manager decides to use LCD.\nHe isn't  sure, ok?"

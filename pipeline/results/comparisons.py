@@ -3,7 +3,7 @@ baselines (report.baselines: AdaSingle, AdaFedAvg, AdaFedKD) on the same partiti
 
 Reads each experiment's ``reports/eval/<exp>/per_example.parquet`` (ROUGE per test example) and
 ``predictions.jsonl`` (to count identical summaries); writes one row per (configuration, baseline, client or
-client average, metric) with the mean difference A - B, its interval and p-value (pipeline.stats), the number
+client average, metric) with the mean difference A - B, its interval and p-value (pipeline.results.stats), the number
 of paired examples and seeds, and the fraction of paired summaries that are the same text.
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-from pipeline.schema import DataError
-from pipeline.scoring import TABLE_ROUGE_L
-from pipeline.stats import BootstrapConfig, paired_difference
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.stats import BootstrapConfig, paired_difference
 
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 AVERAGE = "client average"

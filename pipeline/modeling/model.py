@@ -5,10 +5,10 @@
 ``path`` is ``global`` (the server's aggregate; the teacher q_g, never trained) or ``local`` (the client's
 summarizer q_l, the only trainable parameters). Everything below the first adapted layer -- the encoder output
 and the hidden state entering layer L-k -- does not depend on the path, so :meth:`forward_two_paths` computes it
-once (the :class:`Prefix`, cacheable on disk by ``pipeline.cache.PrefixCache``) and runs only the top k layers
+once (the :class:`Prefix`, cacheable on disk by ``pipeline.modeling.cache.PrefixCache``) and runs only the top k layers
 and the LM head once per path, the teacher path under ``torch.no_grad()``. The LM head (n x V, the largest
 matmul of a step) runs only on the real target tokens (labels != -100); ``packed=True`` hands those [N, V] rows
-straight to ``pipeline.losses.distillation_loss`` without a zero-padded [B, T, V] copy.
+straight to ``pipeline.modeling.losses.distillation_loss`` without a zero-padded [B, T, V] copy.
 
 Adapters are attached with forward hooks (on the output LayerNorm of each adapted post-LN layer, else on the
 layer), so the HF model itself is untouched and every HF code path (full forward, ``generate`` with beams and KV
@@ -30,10 +30,10 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from pipeline.adapters import AdapterConfig, AdapterSet, output_layer_norm
-from pipeline.config import ConfigError, require
-from pipeline.data import IGNORE_INDEX, Batch
-from pipeline.integrity import check_model_dir
+from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
+from pipeline.common.config import ConfigError, require
+from pipeline.modeling.batching import IGNORE_INDEX, Batch
+from pipeline.common.integrity import check_model_dir
 
 PATHS = ("global", "local")
 
@@ -54,7 +54,7 @@ class ModelConfig:
     teacher_cache_gb: float = 1.0
 
     def __post_init__(self) -> None:
-        from pipeline.cache import DTYPES  # local import: cache imports this module
+        from pipeline.modeling.cache import DTYPES  # local import: cache imports this module
 
         if self.cache_dtype not in DTYPES:
             raise ValueError(f"model.cache_dtype={self.cache_dtype!r}; expected one of {sorted(DTYPES)}")
@@ -171,7 +171,7 @@ class AdapterSummarizer(nn.Module):
 
         self._active: str | None = None
         # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
-        # (see pipeline/adapters.py); other layers: the adapter reads the layer's output.
+        # (see pipeline/modeling/adapters.py); other layers: the adapter reads the layer's output.
         self._hooks = [
             norm.register_forward_hook(self._make_adapter_hook(i, on_input=True))
             if norm is not None
@@ -404,7 +404,7 @@ class AdapterSummarizer(nn.Module):
         """Both paths from one prefix: local with gradients, global (the teacher) under no_grad.
 
         The LM head runs on the batch's real target tokens only; ``packed`` returns [N, V] rows instead of
-        [B, T, V] (see :meth:`path_logits`). ``teacher_logits`` (e.g. from ``pipeline.cache.TeacherCache``,
+        [B, T, V] (see :meth:`path_logits`). ``teacher_logits`` (e.g. from ``pipeline.modeling.cache.TeacherCache``,
         [B, T, V] or packed [N, V]) skips the global path when given."""
         if prefix is None:
             prefix = self.compute_prefix(batch)

@@ -18,7 +18,7 @@
   ``|D_i| / |D|``) even when the CPU profile trains on a capped subsample (``max_train_examples_per_client``,
   a compute shortcut: the update is estimated from fewer examples, its weight stays the client's real share);
   ``weight_by: trained`` weights by the examples actually trained on instead.
-- Transfer encoding (pipeline.compression, ``train.transfer_dtype`` fp32 | fp16 | int8): the server encodes the
+- Transfer encoding (pipeline.federation.compression, ``train.transfer_dtype`` fp32 | fp16 | int8): the server encodes the
   global once per round and sends the same bytes to every client; the client decodes it, and replies with its
   local adapter encoded; the server decodes every reply to float32 before the strategy aggregates, so Flower's
   strategies and the server state stay full precision. With ``train.transfer_delta`` (lossy encodings only)
@@ -56,11 +56,11 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from pipeline import atomic
-from pipeline import client_training
-from pipeline.compression import decode_state, encode_state
+from pipeline.common import atomic
+from pipeline.training import client as client_training
+from pipeline.federation.compression import decode_state, encode_state
 from pipeline.plan import Plan, plan_hash, read_plan
-from pipeline.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
+from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -79,7 +79,7 @@ IDENTIFY = "query.identify"
 # is the number of examples it trained on this round (fewer than |D_i| under max_train_examples_per_client).
 TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
                      "kd-fraction", "proximal")
-# Added under privacy.mode example (pipeline.privacy): the accountant's epsilon after all the client's steps so far
+# Added under privacy.mode example (pipeline.training.privacy): the accountant's epsilon after all the client's steps so far
 # (-1 = unbounded), its delta, sigma, C (-1 = no clipping), q, the cumulative steps, and this round's per-example
 # gradients and how many of them were clipped.
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
@@ -334,8 +334,8 @@ def client_evaluate(msg: Message, context: Context) -> Message:
 
 @client_app.query("summarize")
 def client_summarize(msg: Message, context: Context) -> Message:
-    """Federated evaluation: ROUGE of the client's own adapter on its own test set (pipeline.deployment)."""
-    from pipeline.deployment import summarize_test_set
+    """Federated evaluation: ROUGE of the client's own adapter on its own test set (pipeline.federation.deployment)."""
+    from pipeline.federation.deployment import summarize_test_set
 
     return summarize_test_set(msg, context)
 
@@ -699,8 +699,8 @@ server_app = ServerApp()
 @server_app.main()
 def server_main(grid: Grid, context: Context) -> None:
     # Records what the train stage records (rounds, metrics, MLflow, global adapter) and evaluates on the
-    # clients (pipeline.deployment).
-    from pipeline.deployment import serve
+    # clients (pipeline.federation.deployment).
+    from pipeline.federation.deployment import serve
 
     serve(grid, context)
 

@@ -13,7 +13,7 @@ import json
 import struct
 from pathlib import Path
 
-from pipeline.schema import DataError
+from pipeline.common.schema import DataError
 
 RECORD_NAME = "fedmeet_backbone.json"  # what the backbone stage writes beside the weights
 FIX = "rebuild it with `dvc repro backbone` (or `python -m pipeline.backbone`)"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from pipeline.data import IGNORE_INDEX
+from pipeline.modeling.batching import IGNORE_INDEX
 
 MODES = ("ce", "kd", "selective", "hard")
 KL_DIRECTIONS = ("teacher_to_student", "student_to_teacher")

@@ -4,7 +4,7 @@ either the old file or the new one, never half of one. A crashed run may leave a
 file behind; it is never read, and the next successful write of that output removes it (when the process that
 made it is gone).
 
-    from pipeline import atomic
+    from pipeline.common import atomic
     atomic.write_text(path, text)                 # also write_bytes, write_json, to_parquet, to_csv,
     atomic.savefig(fig, path, dpi=120)            # savefig, save_safetensors, torch_save
     with atomic.replacing(path) as tmp: writer(tmp)   # anything else that writes a file by name

@@ -1,7 +1,7 @@
 """Caches of what does not change while the backbone is frozen.
 
 ``PrefixCache`` (disk): per example, the encoder output (as the decoder's cross-attention sees it) and the hidden
-state entering the first adapted decoder layer (:class:`pipeline.model.Prefix`). Both depend only on the
+state entering the first adapted decoder layer (:class:`pipeline.modeling.model.Prefix`). Both depend only on the
 backbone, the example's token ids and k -- not on the adapters, the round, the client or the experiment -- so
 they are computed once and reused by every training step, validation loss and experiment.
 
@@ -39,10 +39,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline import atomic
-from pipeline.config import repo_root
-from pipeline.data import IGNORE_INDEX, Batch
-from pipeline.model import AdapterSummarizer, Prefix, target_mask_of
+from pipeline.common import atomic
+from pipeline.common.config import repo_root
+from pipeline.modeling.batching import IGNORE_INDEX, Batch
+from pipeline.modeling.model import AdapterSummarizer, Prefix, target_mask_of
 
 FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under another key and age out)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 def resolve_root(cache_dir: str | os.PathLike) -> Path:
     """``model.cache_dir`` as a path: absolute as given, relative under the project root (which follows DVC_ROOT,
-    pipeline.config.repo_root), never under the working directory of a DVC experiment's temporary copy."""
+    pipeline.common.config.repo_root), never under the working directory of a DVC experiment's temporary copy."""
     root = Path(cache_dir)
     return root if root.is_absolute() else repo_root() / root
 

@@ -4,7 +4,7 @@ and every process it started stopped afterwards (success, failure, Ctrl-C).
     python -m pipeline.federation local --experiment fedselectkd-domain
     python -m pipeline.federation local --experiment fedavg-domain --tls --auth   # self-signed CA, node keys
 
-It runs the real deployment path (pipeline.deployment: the ServerApp inside the SuperLink, ClientApps inside
+It runs the real deployment path (pipeline.federation.deployment: the ServerApp inside the SuperLink, ClientApps inside
 the SuperNodes, one ``flwr-clientapp`` process per message), so what it writes is what a multi-site run writes:
 ``models/<exp>/`` and ``reports/train/<exp>/`` on the server side, ``models/<exp>/clients/<name>/`` and the
 client checkpoints on the client side, ``reports/eval/<exp>/metrics.json`` from the federated evaluation.
@@ -39,17 +39,17 @@ from typing import IO
 
 import psutil
 
-from pipeline import atomic
+from pipeline.common import atomic
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 HOST = "127.0.0.1"
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 PLANS_DIR = Path("models/plans")
 LOCAL_HOME = Path(".flwr-local")
 
 
 class FederationError(RuntimeError):
-    """A local deployment that could not start or did not finish (one line; pipeline.cli prints it)."""
+    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
 
 
 # ================================================================================================ processes
@@ -311,8 +311,8 @@ class LocalFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalConfig):
-        from pipeline import client_training
-        from pipeline.federated import _load_plan
+        from pipeline.training import client as client_training
+        from pipeline.federation.apps import _load_plan
 
         self.cfg = cfg
         self.workdir = cfg.workdir.resolve()
@@ -472,7 +472,7 @@ class LocalFederation:
         return LocalRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
 
     def _resume_hint(self) -> str:
-        from pipeline.federated import load_server_checkpoint, server_checkpoint_path
+        from pipeline.federation.apps import load_server_checkpoint, server_checkpoint_path
 
         cwd = os.getcwd()
         try:
@@ -567,6 +567,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     raise SystemExit(run_cli(main))

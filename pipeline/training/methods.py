@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import ConfigError
+from pipeline.common.config import ConfigError
 
 KD_MODES = ("ce", "kd", "selective", "hard")
 

@@ -5,7 +5,7 @@ Shared by the Flower ClientApp (federated methods) and by `single` / `centralize
 (KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
 plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
 ("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
+(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.training.privacy).
 
 Also here: loading a client's examples from the partition (with the CPU profile's seeded subsampling), the
 process-wide model cache (one frozen backbone per process; clients swap adapter states in and out), and adapter
@@ -25,12 +25,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pipeline import atomic
-from pipeline.config import from_dict
-from pipeline.data import IGNORE_INDEX, Batch, make_batches
-from pipeline.model import AdapterSummarizer, ModelConfig
+from pipeline.common import atomic
+from pipeline.common.config import from_dict
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.plan import Plan, TrainConfig
-from pipeline.schema import DataError
+from pipeline.common.schema import DataError
 
 GATE_LOG_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
 
@@ -168,7 +168,7 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer):
     """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
     if not plan.train.prefix_cache:
         return None
-    from pipeline.cache import PrefixCache
+    from pipeline.modeling.cache import PrefixCache
 
     return PrefixCache.for_model(model, model_config(plan))
 
@@ -202,8 +202,8 @@ def noun_verb_masks(postags_path: str | Path):
 
 # ----------------------------------------------------------------------------------------------- training
 def kd_config(plan: Plan):
-    """The loss configuration of the plan's method (pipeline.losses.KDConfig)."""
-    from pipeline.losses import KDConfig
+    """The loss configuration of the plan's method (pipeline.modeling.losses.KDConfig)."""
+    from pipeline.modeling.losses import KDConfig
 
     t = plan.train
     mode = plan.spec.kd_mode
@@ -231,7 +231,7 @@ class LocalTrainResult:
     proximal: float  # last value of mu/2 ||W - W_global||^2
     gate_log: pd.DataFrame = field(repr=False, default=None)
     # DP-SGD (privacy.mode example): the client's setting, and this call's per-example gradients and clipped ones
-    privacy: Any = field(repr=False, default=None)  # pipeline.privacy.ClientPrivacy or None
+    privacy: Any = field(repr=False, default=None)  # pipeline.training.privacy.ClientPrivacy or None
     dp_examples: int = 0
     dp_clipped: int = 0
 
@@ -291,9 +291,9 @@ def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: 
 
 def _poisson_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
                    normalisation: str, setting, seed: int) -> list[list[tuple[Batch, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (pipeline.privacy.poisson_steps; a step may be empty),
+    """One epoch of DP-SGD: Poisson-sampled logical batches (pipeline.training.privacy.poisson_steps; a step may be empty),
     each cut into micro-batches of ``batch_size`` with the scale of :func:`per_example_loss_scale`."""
-    from pipeline.privacy import poisson_steps
+    from pipeline.training.privacy import poisson_steps
 
     steps = []
     for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
@@ -339,10 +339,10 @@ def train_local(
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
     (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
 
-    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
+    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.training.privacy):
     Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
     client's setting and this call's clipped counts, the caller composes the steps across rounds."""
-    from pipeline.losses import distillation_loss
+    from pipeline.modeling.losses import distillation_loss
 
     cfg: TrainConfig = plan.train
     mcfg = model_config(plan)
@@ -372,12 +372,12 @@ def train_local(
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
     if two_paths and cfg.local_epochs > 1 and mcfg.teacher_cache_gb > 0:
-        from pipeline.cache import TeacherCache
+        from pipeline.modeling.cache import TeacherCache
 
         teacher_cache = TeacherCache(int(mcfg.teacher_cache_gb * 2**30))
     dp = None
     if plan.privacy is not None and plan.privacy.enabled:
-        from pipeline.privacy import DPSGDStep, client_privacy
+        from pipeline.training.privacy import DPSGDStep, client_privacy
 
         setting = client_privacy(plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds,
                                  cfg.local_epochs, where=f"{plan.source}: client {client!r}")
@@ -405,7 +405,7 @@ def train_local(
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                     loss = out.loss
                     if dp is not None:
-                        # weight turns the batch mean into the sum of per-example losses (pipeline.privacy)
+                        # weight turns the batch mean into the sum of per-example losses (pipeline.training.privacy)
                         (loss * weight).backward()
                         dp.accumulate()
                     else:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import flatten, repo_root
+from pipeline.common.config import flatten, repo_root
 
 # MLflow rejects parameter values longer than this (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
 _MAX_PARAM_CHARS = 6000
@@ -446,9 +446,9 @@ def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]
     ``--no-mlflow`` on another machine). Generated text is never logged. Returns the run ids."""
     import dataclasses
 
-    from pipeline.config import from_dict
+    from pipeline.common.config import from_dict
     from pipeline.evaluate import EvaluateConfig, log_to_mlflow, read_json
-    from pipeline.schema import DataError
+    from pipeline.common.schema import DataError
 
     fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
     run_ids = []
@@ -468,7 +468,7 @@ def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.tracking", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.results.tracking", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
     imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
@@ -482,6 +482,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     import sys
 
-    from pipeline.cli import run as run_cli
+    from pipeline.common.cli import run as run_cli
 
     sys.exit(run_cli(main))

@@ -1,7 +1,7 @@
 """Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
 
 The in-process and Ray engines run inside the `train` stage, which records the run (pipeline.train). A deployed
-ServerApp runs inside a SuperLink, so ``pipeline.federated:server_app`` calls :func:`serve`, which records the
+ServerApp runs inside a SuperLink, so ``pipeline.federation.apps:server_app`` calls :func:`serve`, which records the
 same things from what the server receives - and nothing else, since the clients' data and adapters stay on
 their own disks:
 
@@ -9,7 +9,7 @@ their own disks:
   ``rounds.json`` and ``metrics.json`` (pipeline.train's writers), ``global_adapter.safetensors`` (the final
   aggregate), an MLflow run (parameters, per-round per-client metrics, bytes, the global adapter, test ROUGE);
 - client side (node config ``client-dir`` / ``checkpoint-dir``): best and final local adapters, the gate log,
-  round checkpoints (pipeline.federated.client_evaluate);
+  round checkpoints (pipeline.federation.apps.client_evaluate);
 - federated evaluation: after the last round (and every ``evaluate-every`` rounds) the server sends
   ``query.summarize``; each client summarises its own test set with its own adapter (pipeline.evaluate's
   sub-sampling, generation and ROUGE) and replies only ROUGE means and counts. The server writes them as
@@ -32,12 +32,14 @@ from typing import Any
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from pipeline import atomic, client_training
-from pipeline.config import from_dict, load_params
+from pipeline.common import atomic
+
+from pipeline.training import client as client_training
+from pipeline.common.config import from_dict, load_params
 from pipeline.evaluate import (EVAL_DIR, EvaluateConfig, generate_summaries, load_adapter, log_to_mlflow,
                                subsample_test_ids)
 from pipeline.plan import Plan
-from pipeline.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
 
 log = logging.getLogger("fedmeet.deployment")
 
@@ -64,7 +66,7 @@ def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
 # ================================================================================================ client side
 def summarize_test_set(msg: Message, context: Context) -> Message:
     """``query.summarize`` on a client: ROUGE of its own adapter on its own test set; replies numbers only."""
-    from pipeline import federated as fed
+    from pipeline.federation import apps as fed
 
     plan = fed._load_plan(fed._plan_path(msg, context))
     name = fed.client_name(plan, context)
@@ -99,7 +101,7 @@ def summarize_test_set(msg: Message, context: Context) -> Message:
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig,
                        timeout: float) -> dict[str, Any]:
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
-    from pipeline import federated as fed
+    from pipeline.federation import apps as fed
 
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
@@ -198,7 +200,7 @@ class DeploymentRecorder:
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
-    from pipeline import federated as fed
+    from pipeline.federation import apps as fed
     from pipeline.train import TrainRecorder, _backbone_name, privacy_metrics, summarize, write_rounds
 
     rc = dict(context.run_config)
@@ -212,7 +214,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
 
     logger = None
     if _flag(rc.get("mlflow"), True):
-        from pipeline.tracking import RunLogger
+        from pipeline.results.tracking import RunLogger
 
         run_id_file = fed.server_checkpoint_path(plan).parent / "mlflow_run_id"
         tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),

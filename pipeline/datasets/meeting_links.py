@@ -14,7 +14,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pipeline.schema import DataError
+from pipeline.common.schema import DataError
 
 SHINGLE_WORDS = 5
 _WORD = re.compile(r"[a-z0-9]+")

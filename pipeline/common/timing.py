@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from pipeline import atomic
+from pipeline.common import atomic
 
 TIMING_DIR = Path("reports/timing")
 

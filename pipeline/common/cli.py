@@ -1,7 +1,7 @@
 """One entry point for every stage CLI: bad input or bad parameters end in one line, not a traceback.
 
 Every ``python -m pipeline.<stage>`` runs its ``main`` through :func:`run`. Errors that are the user's to fix
-(:class:`pipeline.schema.DataError`: a bad input file; :class:`pipeline.config.ConfigError`: a bad parameter;
+(:class:`pipeline.common.schema.DataError`: a bad input file; :class:`pipeline.common.config.ConfigError`: a bad parameter;
 ``FileNotFoundError``: a missing input; the backbone's and the presets' errors) print ``error: <message>`` on stderr and exit with status 2, as argparse
 does for a bad command line. ``--debug`` (anywhere on the command line) or ``FEDMEET_DEBUG=1`` re-raises them so
 the traceback shows. Any other exception is a bug and keeps its traceback.
@@ -23,8 +23,8 @@ STAGE_ERRORS = ("BackboneError", "PresetError", "FederationError")
 
 
 def is_user_error(exc: BaseException) -> bool:
-    from pipeline.config import ConfigError
-    from pipeline.schema import DataError
+    from pipeline.common.config import ConfigError
+    from pipeline.common.schema import DataError
 
     # A missing input (an upstream stage not run yet, a wrong path) is the user's to fix too; its message names
     # the file.

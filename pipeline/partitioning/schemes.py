@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from pipeline.config import require
-from pipeline.schema import QMSUM_DOMAINS, SPLITS, DataError
+from pipeline.common.config import require
+from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
 
 MAX_DIRICHLET_REDRAWS = 1000
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pipeline import atomic
-from pipeline.schema import QMSUM_DOMAINS, DataError
+from pipeline.common import atomic
+from pipeline.common.schema import QMSUM_DOMAINS, DataError
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
@@ -83,7 +83,7 @@ def _may_be_absent(dataset: str, rel: str, cfg: IngestConfig) -> bool:
     """Whether ``ingest.allow_absent_splits`` lets the expected file ``rel`` be missing."""
     import fnmatch
 
-    from pipeline.schema import normalise_split
+    from pipeline.common.schema import normalise_split
 
     if dataset == "qmsum":  # data/<Domain>/jsonl/<split>.jsonl
         parts = rel.split("/")

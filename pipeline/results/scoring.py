@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 from rouge_score import rouge_scorer
 
-from pipeline.schema import DataError
+from pipeline.common.schema import DataError
 
 ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 # Which rouge-score variant the tables, figures and "average ROUGE" call ROUGE-L (see the module docstring).

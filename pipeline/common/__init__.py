@@ -1,0 +1,1 @@
+"""Shared plumbing: params, records and errors, atomic writes, CLI errors, integrity, stage timing."""

@@ -1,0 +1,1 @@
+"""Flower apps, strategies, adapter transfer, engines and the local deployment."""

@@ -1,0 +1,1 @@
+"""The frozen backbone with adapters, its batches, the prefix cache and the losses."""

@@ -1,0 +1,1 @@
+"""Partition schemes: which client gets which examples."""

@@ -1,0 +1,1 @@
+"""Scoring, statistics, comparisons, published numbers, human evaluation, MLflow tracking."""

@@ -1,0 +1,1 @@
+"""Local training of one client, the methods' registry, DP-SGD."""
