@@ -43,13 +43,14 @@ from pipeline.common.integrity import RECORD_NAME, sha256_dir, sha256_file
 from pipeline.common.schema import DATASETS, Turn
 from pipeline.results.scoring import rouge_summary
 from pipeline.common.timing import stage_timer
+from pipeline.paths import PATHS
 
 log = logging.getLogger("fedmeet.backbone")
 
 OFFLINE_RECIPE = "minilm-bert2bert"
-DEFAULT_OUT = Path("models/backbone")
-DEFAULT_REPORT = Path("reports/backbone.json")
-INTERIM_DIR = Path("data/interim")
+DEFAULT_OUT = PATHS.backbone
+DEFAULT_REPORT = PATHS.backbone_report
+INTERIM_DIR = PATHS.interim_dir
 
 
 class BackboneError(RuntimeError):

@@ -33,6 +33,7 @@ from pipeline.common.schema import (
 )
 from pipeline.datasets.sources import IngestConfig
 from pipeline.common.timing import stage_timer
+from pipeline.paths import PATHS
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -199,9 +200,9 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--interim-dir", default="data/interim")
-    ap.add_argument("--report-dir", default="reports/data")
-    ap.add_argument("--out", default="data/processed/examples.parquet")
+    ap.add_argument("--interim-dir", default=str(PATHS.interim_dir))
+    ap.add_argument("--report-dir", default=str(PATHS.data_reports))
+    ap.add_argument("--out", default=str(PATHS.examples))
     args = ap.parse_args(argv)
     with stage_timer("examples"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)

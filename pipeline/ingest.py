@@ -36,6 +36,7 @@ from pipeline.common.schema import (
 )
 from pipeline.datasets.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX, SAMSUM_FILES, IngestConfig, resolve_source
 from pipeline.common.timing import stage_timer
+from pipeline.paths import PATHS
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
@@ -381,8 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", required=True, choices=DATASETS)
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--interim-dir", default="data/interim")
-    ap.add_argument("--report-dir", default="reports/data")
+    ap.add_argument("--interim-dir", default=str(PATHS.interim_dir))
+    ap.add_argument("--report-dir", default=str(PATHS.data_reports))
     args = ap.parse_args(argv)
     with stage_timer(f"ingest-{args.dataset}"):  # wall time, peak RSS -> reports/timing/
         cfg = from_dict(IngestConfig, load_params(args.params).get("ingest"), "ingest")

@@ -22,6 +22,7 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
 from pipeline.common.schema import SPLITS, DataError
 from pipeline.common.timing import stage_timer
+from pipeline.paths import PATHS
 
 EXAMPLE_COLUMNS_USED = ["example_id", "dataset", "domain", "split", "meeting_id", "target"]
 JS_DEFINITION = ("scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
@@ -155,9 +156,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--scheme", required=True, choices=sorted(SCHEMES))
     ap.add_argument("--seed", required=True, type=int)
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--examples", default="data/processed/examples.parquet")
-    ap.add_argument("--out-dir", default="data/partitions")
-    ap.add_argument("--report-dir", default="reports/partitions")
+    ap.add_argument("--examples", default=str(PATHS.examples))
+    ap.add_argument("--out-dir", default=str(PATHS.partitions))
+    ap.add_argument("--report-dir", default=str(PATHS.partition_reports))
     args = ap.parse_args(argv)
     with stage_timer(f"partition-{args.scheme}-seed{args.seed}"):  # wall time, peak RSS -> reports/timing/
         cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), "partition")

@@ -9,7 +9,7 @@ Rules
 - Leaves (scalars and lists) replace the params.yaml value; a mapping is merged key by key.
 - ``experiments`` (see :data:`REPLACED_WHOLE`) is replaced as a whole: a profile defines its own set of
   experiments, and params.yaml's entries not named by it are dropped (``~experiments`` then
-  ``+experiments={...}``). Each entry is checked by the plan stage's parser (``pipeline.plan.parse_entry``: method,
+  ``+experiments={...}``). Each entry is checked by the experiments' one parser (``pipeline.experiments.parse_entry``: method,
   partition, seed, study, tau and ``train`` keys), its method must exist and its partition must be one the
   partition stage produces (``partition.schemes`` x ``partition.seeds`` after the preset).
 - ``seeds``, ``schemes`` and other lists are replaced, never appended to.
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import math
 import re
 import shlex
@@ -103,16 +102,14 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
             found.append(f"{path}: must be a non-empty mapping of experiment name -> settings")
             return
         # the plan stage's own entry parser decides what an experiment may say (no second copy of its rules)
-        from pipeline.training.methods import get_method
-        from pipeline.plan import TrainConfig, parse_entry
+        from pipeline.experiments import parse_entry
 
-        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        partition = apply_preset(params, preset).get("partition") or {}
+        applied = apply_preset(params, preset)
+        partition = applied.get("partition") or {}
         schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
         for name, entry in value.items():
             try:
-                parsed = parse_entry(str(name), entry, train_fields)
-                get_method(parsed.method)
+                parsed = parse_entry(str(name), entry, applied)
             except ValueError as e:
                 found.append(f"{path}.{name}: {e}")
                 continue

@@ -33,6 +33,7 @@ import logging
 import os
 import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +49,21 @@ FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under a
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECKSUM_KEY = "sha256"
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheConfig:
+    """Where the frozen-prefix cache lives and how much the caches may hold (params.yaml `model`, comments there).
+    None of it changes a result (float32 entries are exact; evicted entries are recomputed), so plans leave it out
+    (pipeline.experiments.RunSettings). The entries' dtype does change results: it travels in the plan."""
+
+    cache_dir: str = "data/cache/prefix"
+    cache_max_gb: float = 4.0
+    teacher_cache_gb: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.cache_max_gb < 0 or self.teacher_cache_gb < 0:
+            raise ValueError("model.cache_max_gb and model.teacher_cache_gb must be >= 0")
 
 
 def resolve_root(cache_dir: str | os.PathLike) -> Path:
@@ -108,10 +124,11 @@ class PrefixCache:
         self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
 
     @classmethod
-    def for_model(cls, model: AdapterSummarizer, cfg) -> "PrefixCache":
-        """From the ``model`` params group (``cache_dir``, lengths, ``top_k``, ``cache_dtype``, ``cache_max_gb``)."""
-        return cls(resolve_root(cfg.cache_dir), model.backbone_fingerprint(), cfg.max_source_length, cfg.max_target_length,
-                   model.adapter_config.top_k, cfg.cache_dtype, int(cfg.cache_max_gb * 2**30))
+    def for_model(cls, model: AdapterSummarizer, model_cfg, cache_cfg: CacheConfig,
+                  dtype: str = "float32") -> "PrefixCache":
+        """For ``model`` with the lengths of ``model_cfg`` (ModelConfig), stored where ``cache_cfg`` says."""
+        return cls(resolve_root(cache_cfg.cache_dir), model.backbone_fingerprint(), model_cfg.max_source_length,
+                   model_cfg.max_target_length, model.adapter_config.top_k, dtype, int(cache_cfg.cache_max_gb * 2**30))
 
     @property
     def size_bytes(self) -> int:
@@ -237,8 +254,7 @@ class TeacherCache:
         self.stats = {"hits": 0, "misses": 0, "refused": 0, "damaged": 0}
 
     @classmethod
-    def for_config(cls, cfg) -> "TeacherCache":
-        """From the ``model`` params group (``teacher_cache_gb``)."""
+    def for_config(cls, cfg: CacheConfig) -> "TeacherCache":
         return cls(int(cfg.teacher_cache_gb * 2**30))
 
     def clear(self) -> None:

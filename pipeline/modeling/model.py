@@ -40,7 +40,7 @@ PATHS = ("global", "local")
 
 @dataclass
 class ModelConfig:
-    """The ``model`` params group."""
+    """The ``model`` params group's keys that shape the model (the cache's: pipeline.modeling.cache.CacheConfig)."""
 
     top_k: int = 2
     bottleneck: int = 768
@@ -48,21 +48,11 @@ class ModelConfig:
     adapter_init_std: float = 0.02
     max_source_length: int = 512
     max_target_length: int = 128
-    cache_dir: str = "data/cache/prefix"
-    cache_dtype: str = "float32"
-    cache_max_gb: float = 4.0
-    teacher_cache_gb: float = 1.0
 
     def __post_init__(self) -> None:
-        from pipeline.modeling.cache import DTYPES  # local import: cache imports this module
-
-        if self.cache_dtype not in DTYPES:
-            raise ValueError(f"model.cache_dtype={self.cache_dtype!r}; expected one of {sorted(DTYPES)}")
         for name in ("max_source_length", "max_target_length"):
             if getattr(self, name) < 2:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 2 (room for special tokens)")
-        if self.cache_max_gb < 0 or self.teacher_cache_gb < 0:
-            raise ValueError("model.cache_max_gb and model.teacher_cache_gb must be >= 0")
         # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
         require(self.top_k >= 1, "top_k", self.top_k, "an integer from 1 to the backbone's decoder layers")
         require(self.bottleneck >= 1, "bottleneck", self.bottleneck, "an integer >= 1")

@@ -303,16 +303,13 @@ def base_params(cwd: Path | None = None) -> dict[str, Any] | None:
 
 def base_plan(experiment: str, params: dict[str, Any] | None) -> dict[str, Any] | None:
     """The plan the base params.yaml gives ``experiment`` (None when it has no such experiment or cannot)."""
-    import dataclasses
-
-    from pipeline.plan import TrainConfig, parse_entry, resolve_plan
+    from pipeline.experiments import parse_entry, resolve_plan
 
     raw = ((params or {}).get("experiments") or {}).get(experiment)
     if raw is None:
         return None
     try:
-        train_fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        return resolve_plan(experiment, parse_entry(experiment, raw, train_fields), params)
+        return resolve_plan(parse_entry(experiment, raw, params), params)
     except (ValueError, KeyError, TypeError):  # the base commit's params do not resolve with today's code
         return None
 

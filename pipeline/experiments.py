@@ -1,0 +1,434 @@
+"""Experiments: the one reader of params.yaml `experiments:` and of plan files.
+
+An *experiment* is one entry of params.yaml `experiments` (``{method, partition: "<scheme>/seed<k>", seed, study,
+...}``, optionally with `tau` or any `train` key as an override): :func:`declared` reads and checks them all, and
+every stage that needs the list (plan, analyze, report, presets, tracking) asks it. Its *plan* is the resolved
+configuration the plan stage writes to ``models/plans/<experiment>.json`` and the train stage reads
+(:func:`read_plan`): exactly what the result depends on. The train stages depend on their plan file, not on
+params, so a change reruns only the experiments it affects: tau is written only for methods that read it
+(selective KD) - `dvc exp run -S tau=4` reruns the selective-KD experiments and nothing else; KD, proximal and
+server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
+settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
+train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
+plans only, and only when its mode is not `none`.
+
+Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
+round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
+reads them from params.yaml when it runs, so changing them reruns no train stage and resumes the same checkpoint.
+Paths are not in plans either (:mod:`pipeline.paths`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.common import atomic
+from pipeline.common.config import ConfigError, from_dict, load_params, to_dict
+from pipeline.federation.compression import TRANSFER_DTYPES
+from pipeline.federation.strategies import FedOptConfig
+from pipeline.modeling.cache import DTYPES, CacheConfig
+from pipeline.modeling.losses import TAU_SCALES
+from pipeline.modeling.model import ModelConfig
+from pipeline.partitioning.schemes import SCHEMES
+from pipeline.paths import PATHS
+from pipeline.training.methods import MethodSpec, get_method
+from pipeline.training.privacy import PrivacyConfig
+
+RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
+ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
+# `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
+# (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
+RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s")
+RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
+MODEL_RESULT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
+
+
+@dataclass
+class JoinConfig:
+    """When the new client of the post-addition study joins (params.yaml `train.join`): once the existing clients
+    have converged, i.e. their mean validation loss improved by less than ``min_rel_improvement`` (relative to the
+    best earlier round) in each of the last ``patience`` rounds, and at ``max_round`` at the latest."""
+
+    min_rel_improvement: float = 0.01
+    patience: int = 1
+    max_round: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_rel_improvement < 1.0:
+            raise ValueError("params.yaml train.join: min_rel_improvement must be in [0, 1)")
+        if self.patience < 1:
+            raise ValueError("params.yaml train.join: patience must be >= 1")
+        if self.max_round < 2:
+            raise ValueError("params.yaml train.join: max_round must be >= 2 (round 1 has no earlier round)")
+
+
+@dataclass
+class TrainConfig:
+    """params.yaml `train` (the comments on each default live in params.yaml)."""
+
+    rounds: int = 3
+    local_epochs: int = 1
+    batch_size: int = 4
+    grad_accum_steps: int = 1
+    bucket_by_length: bool = True
+    lr: float = 2.0e-4
+    weight_decay: float = 0.01
+    # AdamW decay on LayerNorm weights and biases too (usual practice, and the default, leaves them undecayed).
+    decay_norm_and_bias: bool = False
+    kd_lambda: float = 0.2
+    kd_temperature: float = 1.0
+    kd_direction: str = "teacher_to_student"
+    entropy_log_base: str = "e"
+    tau_scale: str = "absolute"  # how selective KD reads tau (pipeline.modeling.losses.TAU_SCALES)
+    loss_normalisation: str = "tokens"
+    local_adapter: str = "keep"
+    fraction_train: float = 1.0
+    proximal_mu: float = 0.01
+    fedopt: FedOptConfig = field(default_factory=FedOptConfig)
+    new_client: str = "SAMSum"
+    join: JoinConfig = field(default_factory=JoinConfig)
+    max_train_examples_per_client: int | None = None
+    max_valid_examples_per_client: int | None = None
+    # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
+    # the examples it trained on this round (differs only under max_train_examples_per_client).
+    weight_by: str = "full"
+    transfer_dtype: str = "fp32"  # adapter encoding on the wire (pipeline.federation.compression): fp32 | fp16 | int8
+    # Lossy encodings as differences: uplink to the global received this round, downlink to the round-0 adapter
+    # (ignored for fp32, which is exact).
+    transfer_delta: bool = False
+    prefix_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.fedopt, dict):
+            self.fedopt = from_dict(FedOptConfig, self.fedopt, "train.fedopt")
+        if isinstance(self.join, dict):
+            self.join = from_dict(JoinConfig, self.join, "train.join")
+        checks = [
+            (self.rounds >= 1, "rounds must be >= 1"),
+            (self.local_epochs >= 1, "local_epochs must be >= 1"),
+            (self.batch_size >= 1, "batch_size must be >= 1"),
+            (self.grad_accum_steps >= 1, "grad_accum_steps must be >= 1"),
+            (0.0 < self.fraction_train <= 1.0, "fraction_train must be in (0, 1]"),
+            (0.0 <= self.kd_lambda <= 1.0, "kd_lambda must be in [0, 1]"),
+            (self.local_adapter in ("keep", "reset"), "local_adapter must be 'keep' or 'reset'"),
+            (self.weight_by in ("full", "trained"), "weight_by must be 'full' or 'trained'"),
+            (self.transfer_dtype in TRANSFER_DTYPES, f"transfer_dtype must be one of {TRANSFER_DTYPES}"),
+            (isinstance(self.transfer_delta, bool), "transfer_delta must be true or false"),
+            (self.tau_scale in TAU_SCALES, f"tau_scale must be one of {TAU_SCALES}"),
+        ]
+        for ok, problem in checks:
+            if not ok:
+                raise ConfigError(f"params.yaml train: {problem}")
+
+
+# Train keys that only matter for some methods: left out of other methods' plans so changing them does not
+# rerun experiments whose result cannot change.
+_KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
+_FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")
+
+
+def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
+    out = to_dict(train)
+    drop: set[str] = set()
+    if method.kd_mode == "ce":
+        drop.update(_KD_KEYS)
+    if method.kd_mode != "selective":
+        drop.update(("entropy_log_base", "tau_scale"))
+    if not method.proximal:
+        drop.add("proximal_mu")
+    if method.strategy != "fedopt":
+        drop.add("fedopt")
+    if method.new_client is None:
+        drop.add("new_client")
+    if method.new_client != "post":
+        drop.add("join")
+    if not method.federated:
+        drop.update(_FEDERATED_KEYS)
+    if method.local_from_global:
+        drop.add("local_adapter")  # the server average overwrites the adapter whatever this says
+    if train.transfer_dtype == "fp32":
+        drop.add("transfer_delta")  # fp32 sends the weights themselves, exactly
+    if train.max_train_examples_per_client is None:
+        drop.add("weight_by")  # no cap: the trained count is the full train size
+    return {k: v for k, v in out.items() if k not in drop}
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """One entry of params.yaml `experiments`, checked, with its tau resolved as its plan has it."""
+
+    name: str
+    method: str
+    partition: str  # "<scheme>/seed<k>"
+    seed: int = 0
+    study: str = "main"
+    tau: float | None = None  # the entry's tau, else the top-level tau for methods that read it, else None
+    train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params.yaml `train`
+
+    @property
+    def spec(self) -> MethodSpec:
+        return get_method(self.method)
+
+    @property
+    def scheme(self) -> str:
+        return self.partition.partition("/seed")[0]
+
+    @property
+    def variant(self) -> str:
+        """The entry's train overrides as text, e.g. "fraction_train=0.67" ("" when none)."""
+        return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
+
+    def train_config(self, params: dict[str, Any]) -> TrainConfig:
+        """params.yaml `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
+        merged = {**(params.get("train") or {}), **self.train}
+        return from_dict(TrainConfig, {k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
+                         f"experiments.{self.name} train")
+
+
+def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
+    """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
+    if not name or "/" in name or name in RESERVED_NAMES:
+        raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+                          f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
+    train_fields = {f.name for f in dataclasses.fields(TrainConfig)} | set(RUN_TRAIN_KEYS)
+    base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
+    overrides = {k: v for k, v in raw.items() if k not in base}
+    unknown = sorted(set(overrides) - train_fields)
+    if unknown:
+        raise ValueError(
+            f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
+            f"tau and the train keys {sorted(train_fields)}"
+        )
+    for key in ("method", "partition"):
+        if key not in base:
+            raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
+    scheme, sep, seed = str(base["partition"]).partition("/seed")
+    if not sep or not seed.isdigit():
+        raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
+                         f"got {base['partition']!r}")
+    if scheme not in SCHEMES:
+        raise ConfigError(f"params.yaml experiments.{name}.partition: unknown partition scheme {scheme!r}; "
+                          f"allowed: {sorted(SCHEMES)}")
+    try:
+        method = get_method(str(base["method"]))
+    except ConfigError as exc:
+        raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
+    tau = base.get("tau")
+    if method.uses_tau:
+        tau = float(tau if tau is not None else params["tau"])
+        if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
+            raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
+    elif tau is not None:
+        raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+    return Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
+                      seed=int(base.get("seed", 0)), study=str(base.get("study", "main")), tau=tau,
+                      train=overrides)
+
+
+def declared(params: dict[str, Any]) -> list[Experiment]:
+    """Every experiment of params.yaml, in its order, each checked (the first bad entry raises, naming it)."""
+    entries = params.get("experiments") or {}
+    if not isinstance(entries, dict):
+        raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
+    return [parse_entry(name, raw, params) for name, raw in entries.items()]
+
+
+def _file_md5(path: Path) -> str:
+    h = hashlib.md5()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
+    """The resolved configuration of one experiment (what its train stage reads)."""
+    method = exp.spec
+    train = exp.train_config(params)
+    model = params.get("model") or {}
+    plan: dict[str, Any] = {
+        "experiment": exp.name,
+        "study": exp.study,
+        "method": method.name,
+        "partition": exp.partition,
+        "seed": exp.seed,
+        "train": _relevant_train(train, method),
+        "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
+    }
+    cache_dtype = model.get("cache_dtype", "float32")
+    if cache_dtype not in DTYPES:
+        raise ConfigError(f"params.yaml model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
+    if train.prefix_cache and cache_dtype != "float32":
+        plan["cache_dtype"] = cache_dtype  # a float16/bfloat16 prefix changes the logits; float32 is exact
+    if method.new_client == "post" and train.join.max_round > train.rounds:
+        raise ValueError(f"params.yaml experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
+                         f"rounds {train.rounds}: the new client might never join")
+    if method.uses_tau:
+        plan["tau"] = exp.tau
+        if train.tau_scale != "absolute" and exp.tau > 1:
+            raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
+                              f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
+    privacy = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy")
+    if privacy.enabled and method.federated:
+        if method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
+            # the gate of every token would depend on the other examples of its batch: no per-example bound
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
+                              f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
+                              f"over the whole batch; use absolute or max_entropy")
+        plan["privacy"] = to_dict(privacy)
+    if method.uses_postags and PATHS.postags.exists():
+        # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
+        plan["postags_md5"] = _file_md5(PATHS.postags)
+    return plan
+
+
+@dataclass
+class Plan:
+    """A plan file as the train stage reads it: one experiment, resolved."""
+
+    experiment: str
+    study: str
+    method: str
+    partition: str
+    seed: int
+    train: TrainConfig
+    model: dict[str, Any]
+    tau: float | None = None
+    postags_md5: str | None = None
+    cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
+    privacy: PrivacyConfig | None = None  # DP-SGD of the client's training (absent = none)
+    source: str = ""  # the plan file it was read from
+
+    @property
+    def spec(self) -> MethodSpec:
+        return get_method(self.method)
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Where this experiment reads and writes (pipeline.paths; relative to the project root)."""
+        paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
+                 "backbone": str(PATHS.backbone), "out_dir": str(PATHS.model_dir(self.experiment)),
+                 "reports_dir": str(PATHS.train_report(self.experiment))}
+        if self.spec.uses_postags:
+            paths["postags"] = str(PATHS.postags)
+        return paths
+
+    def to_json_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("source")
+        for optional in ("privacy", "cache_dtype"):
+            if d[optional] is None:
+                d.pop(optional)  # plans without them keep their hash (and their checkpoints)
+        return d
+
+
+def plan_hash(plan: Plan) -> str:
+    """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it."""
+    return record_hash(plan.to_json_dict())
+
+
+def record_hash(record: dict[str, Any]) -> str:
+    """:func:`plan_hash` of a plan read back from ``models/<exp>/experiment.json`` (``Plan.to_json_dict``)."""
+    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def read_plan(path: str | Path) -> Plan:
+    """A plan file (``models/plans/<exp>.json``, or the copy ``models/<exp>/experiment.json`` a run keeps)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: plan file not found (run `python -m pipeline.plan` first)")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{p}: not a plan file (invalid JSON: {exc})") from None
+    train = from_dict(TrainConfig, raw.pop("train", {}), f"{p}: train")
+    privacy = from_dict(PrivacyConfig, raw.pop("privacy"), f"{p}: privacy") if raw.get("privacy") else None
+    try:
+        plan = Plan(train=train, privacy=privacy, source=str(p), **raw)
+    except TypeError as exc:
+        raise ConfigError(f"{p}: not a plan file ({exc})") from None
+    try:
+        get_method(plan.method)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: method: {exc}") from None
+    from_dict(ModelConfig, plan.model, f"{p}: model")  # before the stage touches its outputs or MLflow
+    return plan
+
+
+def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
+    # Checked here, before any plan is written, although only the train stage builds the model from it.
+    model_config(params)
+    run_settings(params)
+    plans = {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+    # Every experiment is checked before the first plan is written: a bad entry leaves the old plans as they were.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, plan in plans.items():
+        path = out_dir / f"{name}.json"
+        text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
+        # Rewrite only on change: the file is what downstream stages hash.
+        if not path.exists() or path.read_text() != text:
+            atomic.write_text(path, text)
+        written.append(path)
+    # A plan whose experiment left params.yaml is stale: remove it so nothing trains from it.
+    for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
+        stale.unlink()
+    return written
+
+
+def model_config(params: dict[str, Any]) -> ModelConfig:
+    """params.yaml `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
+    model = params.get("model") or {}
+    known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    return from_dict(ModelConfig, {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS}, "model")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Run-time settings: how a run executes, never what it computes
+
+
+@dataclass
+class RunSettings:
+    """params.yaml `train.engine`, `train.ray_*`, `train.round_timeout_s` and the cache budgets of `model`
+    (comments in params.yaml). Read when a run starts; no DVC stage declares them, so changing one reruns
+    nothing (tests/test_experiments.py)."""
+
+    engine: str = "inprocess"
+    ray_cpus_per_client: float = 1.0
+    ray_gpus_per_client: float = 0.0
+    round_timeout_s: float = 86400.0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cache, dict):
+            self.cache = from_dict(CacheConfig, self.cache, "model")
+        if self.engine not in ("inprocess", "ray"):
+            raise ConfigError("params.yaml train: engine must be 'inprocess' or 'ray'")
+        if self.round_timeout_s <= 0:
+            raise ConfigError("params.yaml train: round_timeout_s must be > 0")
+
+
+def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
+    """The run-time settings of params.yaml, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
+    train = dict(params.get("train") or {})
+    if experiment is not None:
+        train.update((params.get("experiments") or {}).get(experiment) or {})
+    model = params.get("model") or {}
+    return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
+                                   "cache": {k: model[k] for k in RUN_MODEL_KEYS if k in model}}, "params.yaml")
+
+
+def current_run_settings(experiment: str | None = None, params_path: str | Path = "params.yaml") -> RunSettings:
+    """:func:`run_settings` of the project's params.yaml (where DVC runs every stage); the defaults where there is
+    none (a SuperNode's working directory holds no params.yaml unless its site puts one there)."""
+    p = Path(params_path)
+    return run_settings(load_params(p), experiment) if p.exists() else RunSettings()

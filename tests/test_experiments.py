@@ -1,0 +1,205 @@
+"""pipeline.experiments (the one reader of `experiments:` and of plans) and the package's import structure."""
+from __future__ import annotations
+
+import ast
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.common.config import ConfigError, load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipeline"
+DVC_YAML = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+
+
+# ------------------------------------------------------------------------------------------- import structure
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """pipeline modules ``path`` imports anywhere in its source (function-level imports too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PIPELINE.rglob("*.py")}
+    return {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
+
+
+def stage_modules() -> set[str]:
+    """The modules dvc.yaml runs as stages (`python -m pipeline.<stage>`)."""
+    out = set()
+    for body in DVC_YAML["stages"].values():
+        cmd = body.get("do", body)["cmd"]
+        if "python -m pipeline." in cmd:
+            out.add(cmd.split("python -m ")[1].split()[0])
+    return out
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+            if nxt not in state:
+                found = visit(nxt, path + [nxt])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state:
+            found = visit(start, [start])
+            if found:
+                return found
+    return None
+
+
+def test_cycle_finder_finds_a_planted_cycle_and_accepts_a_tree():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_in_pipeline():
+    # function-level imports count: a local import that works around a cycle is still a cycle in the design
+    assert find_cycle(import_graph()) is None
+
+
+def test_library_modules_never_import_a_stage_module():
+    stages, graph = stage_modules(), import_graph()
+    assert {"pipeline.train", "pipeline.evaluate", "pipeline.report", "pipeline.plan"} <= stages
+    library = [m for m in graph if m.count(".") >= 2 or m in ("pipeline.experiments", "pipeline.paths")]
+    offenders = {m: sorted(graph[m] & stages) for m in library if graph[m] & stages}
+    assert offenders == {}
+
+
+def test_package_init_files_hold_no_code():
+    # dvc.yaml lists the modules a stage imports; the packages' __init__ files are not listed, so they must not
+    # hold anything a result could depend on
+    for init in PIPELINE.rglob("__init__.py"):
+        body = ast.parse(init.read_text()).body
+        assert all(isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) for n in body), init
+
+
+# ------------------------------------------------------------------------------------------- experiments
+def _params(**changes) -> dict:
+    params = copy.deepcopy(load_params(ROOT / "params.yaml"))
+    for dotted, value in changes.items():
+        node = params
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    return params
+
+
+def _plans(params: dict, out: Path) -> dict[str, str]:
+    from pipeline.experiments import write_plans
+
+    return {p.name: p.read_text() for p in write_plans(params, out)}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("model.cache_max_gb", 0.5), ("model.cache_dir", "/elsewhere/prefix"), ("model.teacher_cache_gb", 0.0),
+    ("train.engine", "ray"), ("train.ray_cpus_per_client", 2.0), ("train.ray_gpus_per_client", 0.5),
+    ("train.round_timeout_s", 60),
+])
+def test_settings_that_cannot_change_a_result_leave_every_plan_unchanged(tmp_path, key, value):
+    before = _plans(_params(), tmp_path / "a")
+    after = _plans(_params(**{key: value}), tmp_path / "b")
+    assert after == before
+    # ...and the train stages depend on their plan, never on params: so the change reruns no train stage
+    train = DVC_YAML["stages"]["train"]["do"]
+    assert "params" not in train and "models/plans/${key}.json" in train["deps"]
+
+
+def test_settings_that_change_results_change_the_plans_they_affect(tmp_path):
+    before = _plans(_params(), tmp_path / "a")
+    # a float16 prefix cache changes the logits: every plan with the cache on changes
+    half = _plans(_params(**{"model.cache_dtype": "float16"}), tmp_path / "b")
+    assert all(json.loads(half[n]).get("cache_dtype") == "float16" for n in half)
+    assert all("cache_dtype" not in json.loads(before[n]) for n in before)
+    # tau: the selective-KD experiments without their own tau, nothing else
+    tau4 = _plans(_params(tau=4.0), tmp_path / "c")
+    changed = {n for n in before if before[n] != tau4[n]}
+    assert changed == {"fedselectkd-domain.json", "fedselectkd-iid.json", "fedselectkd-noniid.json",
+                       "fedselectkd-extreme.json", "fedselectkd-sampling.json", "post_addition.json"}
+
+
+def test_declared_resolves_tau_and_seed_as_the_plan_does():
+    from pipeline.experiments import declared
+
+    params = _params(tau=4.5)
+    params["experiments"] = {
+        "a": {"method": "post_addition", "partition": "extreme/seed0"},  # selective: the top-level tau
+        "b": {"method": "fedavg", "partition": "domain/seed2", "fraction_train": 0.67},
+        "c": {"method": "fedselectkd", "partition": "domain/seed0", "tau": 2, "seed": 3, "study": "tau_sweep"},
+    }
+    a, b, c = declared(params)
+    assert (a.tau, a.seed, a.study, a.scheme) == (4.5, 0, "main", "extreme")
+    # the seed is the entry's (0 when absent), never read from the partition's name
+    assert (b.tau, b.seed, b.variant, b.scheme) == (None, 0, "fraction_train=0.67", "domain")
+    assert (c.tau, c.seed, c.study) == (2.0, 3, "tau_sweep")
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"method": "fedavg", "partition": "domain/seed0", "tau": 3}, "does not use it"),
+    ({"method": "fedavg", "partition": "domain"}, "'<scheme>/seed<k>'"),
+    ({"method": "nope", "partition": "domain/seed0"}, "experiments.x.method"),
+    ({"partition": "domain/seed0"}, "missing required key 'method'"),
+    ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
+])
+def test_a_bad_entry_is_one_line_naming_it(entry, message):
+    from pipeline.experiments import declared
+
+    params = _params()
+    params["experiments"] = {"x": entry}
+    with pytest.raises((ConfigError, ValueError), match=message) as err:
+        declared(params)
+    assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_run_settings_come_from_params_with_the_experiments_own_override():
+    from pipeline.experiments import run_settings
+
+    params = _params(**{"train.round_timeout_s": 30, "model.cache_max_gb": 1.5})
+    params["experiments"]["fedavg-domain"]["engine"] = "ray"
+    assert run_settings(params, "fedavg-domain").engine == "ray"
+    assert run_settings(params, "fedkd-domain").engine == "inprocess"
+    s = run_settings(params)
+    assert (s.round_timeout_s, s.cache.cache_max_gb) == (30, 1.5)
+    with pytest.raises(ConfigError, match="engine"):
+        run_settings(_params(**{"train.engine": "threads"}))
+
+
+def test_plan_paths_come_from_the_path_table(tmp_path):
+    from pipeline.experiments import declared, read_plan, write_plans
+    from pipeline.paths import PATHS
+
+    params = _params()
+    out = tmp_path / "plans"
+    write_plans(params, out)
+    hard = read_plan(out / "hardkd-domain.json")
+    assert hard.paths == {"examples": "data/processed/examples.parquet",
+                          "partition": "data/partitions/domain/seed0.json", "backbone": "models/backbone",
+                          "out_dir": "models/hardkd-domain", "reports_dir": "reports/train/hardkd-domain",
+                          "postags": "data/processed/postags.parquet"}
+    assert "paths" not in json.loads((out / "hardkd-domain.json").read_text())  # not a result: not in the plan
+    assert str(PATHS.plan("x")) == "models/plans/x.json" and len(declared(params)) == len(list(out.glob("*.json")))
