@@ -176,7 +176,7 @@ def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dic
             tags[key] = str(experiment[key])
     if backbone:
         tags["backbone"] = backbone
-    from pipeline.plan import record_hash
+    from pipeline.experiments import record_hash
     from pipeline.results.tracking import dvc_tags, git_state
 
     return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
@@ -228,7 +228,7 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
     from pipeline.results.tracking import RunLogger
 
-    from pipeline.plan import record_hash
+    from pipeline.experiments import record_hash
 
     run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
                                                                   record_hash(experiment))
@@ -368,6 +368,27 @@ def client_average_intervals(per_example: pd.DataFrame, cfg: BootstrapConfig) ->
                                  "clients (one seed: the choice of test examples only)"}
 
 
+def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]:
+    """Log evaluation records (``reports/.../eval/<exp>/metrics.json``) into the store, each into its training run
+    when the store has it, else into a new run of the study's experiment (e.g. results computed with
+    ``--no-mlflow`` on another machine). Generated text is never logged. Returns the run ids."""
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
+    run_ids = []
+    for path in paths:
+        metrics = read_json(Path(path), "evaluation record (reports/eval/<exp>/metrics.json)")
+        missing = [k for k in ("experiment", "clients", "mean") if k not in metrics]
+        if missing:
+            raise DataError(f"{path}: not an evaluation record (missing {missing})")
+        record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
+        record["study"] = study or metrics.get("study") or "main"
+        settings = {k: v for k, v in (metrics.get("decoding") or {}).items() if k in fields}
+        cfg = from_dict(EvaluateConfig, settings | {"adapter": metrics.get("adapter", "best")}, f"{path}: decoding")
+        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg))
+    return run_ids
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.evaluate", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -378,7 +399,17 @@ def main(argv: list[str] | None = None) -> int:
     score = sub.add_parser("score", help="ROUGE of line-aligned prediction/reference files, printed as JSON")
     score.add_argument("--pred", required=True, help="predictions, one summary per line")
     score.add_argument("--ref", required=True, help="references, one summary per line")
+    imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
+    imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
+    imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
     args = parser.parse_args(argv)
+
+    if args.command == "import-eval":
+        from pipeline.results.tracking import tracking_uri
+
+        run_ids = import_evaluations(args.records, args.study)
+        print(f"evaluate: logged {len(run_ids)} evaluation record(s) to {tracking_uri()}")
+        return 0
 
     if args.command == "score":
         try:

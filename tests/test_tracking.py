@@ -61,12 +61,9 @@ def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(
 
 # ------------------------------------------------------------------------------------------ run names
 def _plans(params: dict) -> dict[str, dict]:
-    import dataclasses
+    from pipeline.experiments import declared, resolve_plan
 
-    from pipeline.plan import TrainConfig, parse_entry, resolve_plan
-
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    return {n: resolve_plan(n, parse_entry(n, raw, fields), params) for n, raw in params["experiments"].items()}
+    return {e.name: resolve_plan(e, params) for e in declared(params)}
 
 
 def _params(tau: float = 5.0, **entry) -> dict:
@@ -97,10 +94,10 @@ def _git(cwd: Path, *args: str) -> str:
 
 
 def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
-    from pipeline.plan import write_plans
+    from pipeline.experiments import write_plans
     from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags, tracked_run_name
-    from pipeline.plan import plan_hash, read_plan
+    from pipeline.experiments import plan_hash, read_plan
 
     monkeypatch.chdir(tmp_path)
     for var in ("DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
@@ -344,7 +341,7 @@ def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
 
 def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     from pipeline.evaluate import EvaluateConfig, log_to_mlflow
-    from pipeline.plan import record_hash
+    from pipeline.experiments import record_hash
     from pipeline.results.tracking import RunLogger
 
     record_tau3 = {"experiment": "sel", "study": "s", "method": "fedselectkd", "partition": "domain/seed0",
@@ -379,7 +376,7 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
 
 def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     from pipeline.common.cli import run as run_cli
-    from pipeline.results.tracking import main
+    from pipeline.evaluate import main
 
     metrics, d = _eval_dir(store, "offline")
     metrics["decoding"] = {"num_beams": 4, "batch_size": 8, "max_source_length": 512}
