@@ -23,6 +23,7 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
+from pipeline.results.readers import read_json
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 
@@ -77,18 +78,6 @@ class EvaluateConfig:
 
 # ---------------------------------------------------------------------------------------------------------------
 # Inputs
-
-
-def read_json(path: Path, what: str) -> dict[str, Any]:
-    if not path.is_file():
-        raise DataError(f"{path}: {what} not found")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not valid JSON ({err})") from err
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object ({what})")
-    return data
 
 
 def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:

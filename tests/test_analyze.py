@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from pipeline import analyze
-from pipeline.analyze import kd_usage_ratio, word_updates
 from pipeline.common.schema import DataError
+from pipeline.results.kd_analysis import kd_usage_ratio, word_updates
 
 NA = None
 # Paper's worked example "project manager decides to use lcd" as BPE pieces; label positions 0..9.
@@ -181,3 +181,18 @@ def test_portable_gates_are_read_from_the_entry_or_the_train_group():
         "c": {"method": "fedavg", "partition": "domain/seed0"}}}
     got = {e.name: (e.tau, e.tau_scale) for e in experiments_from_params(params)}
     assert got == {"a": (5.0, "absolute"), "b": (0.87, "batch_quantile"), "c": (None, "absolute")}
+
+
+def test_read_json_reports_a_missing_or_bad_file_in_one_line(tmp_path):
+    from pipeline.results.readers import read_json
+
+    with pytest.raises(DataError, match=r"x\.json: train metrics not found$"):
+        read_json(tmp_path / "x.json", "train metrics")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(DataError, match=r"bad\.json: not valid JSON \("):
+        read_json(tmp_path / "bad.json", "train metrics")
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(DataError, match=r"list\.json: expected a JSON object \(train metrics\)$"):
+        read_json(tmp_path / "list.json", "train metrics")
+    (tmp_path / "ok.json").write_text('{"clients": {}}')
+    assert read_json(tmp_path / "ok.json") == {"clients": {}}

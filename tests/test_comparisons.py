@@ -9,7 +9,9 @@ import pandas as pd
 import pytest
 
 from pipeline.results import comparisons
-from pipeline.report import Planned, aggregate, collect_scores, study_table_markdown, with_labels
+from pipeline.report import Planned, with_labels
+from pipeline.results.readers import collect_scores
+from pipeline.results.tables import aggregate, study_table_markdown
 from pipeline.results.stats import BootstrapConfig
 
 CFG = BootstrapConfig(n_resamples=1000, seed=0)
@@ -80,8 +82,9 @@ def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluat
     eval_dir, planned = evaluated
     configs = comparisons.configurations(planned, with_labels(planned))
     table, _ = comparisons.comparisons_table(configs, ["single", "fedavg"], eval_dir, CFG)
-    scores, _ = collect_scores(planned, eval_dir)
-    md = study_table_markdown(aggregate(scores, planned, [0]), "main", table, CFG)
+    labels = with_labels(planned)
+    scores, _ = collect_scores(planned, labels, eval_dir)
+    md = study_table_markdown(aggregate(scores, planned, labels, [0]), "main", table, CFG)
     sel_rows = [line for line in md.splitlines() if line.startswith("| fedselectkd tau=5 | tiny | Academic")]
     assert sel_rows and "> single, > fedavg" in sel_rows[0]
     assert "(n=1)" in sel_rows[0] and "± 0.00" not in md

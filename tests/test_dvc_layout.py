@@ -13,7 +13,7 @@ from dvc.utils.hydra import apply_overrides
 
 from pipeline.results import comparisons
 from pipeline.presets import PresetError, flatten_leaves, grid_commands, hydra_value
-from pipeline.report import HEADLINE_STUDY, average_interval, headline_metrics
+from pipeline.results.headline import HEADLINE_STUDY, average_interval, headline_metrics
 from pipeline.results.stats import BootstrapConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,15 +7,16 @@ import math
 import pandas as pd
 import pytest
 
-from pipeline.results import published
 from pipeline.report import (
     Paths,
     ReportConfig,
-    aggregate,
     build_report,
-    collect_scores,
     planned_experiments,
+    with_labels,
 )
+from pipeline.results import published
+from pipeline.results.readers import collect_scores
+from pipeline.results.tables import aggregate
 
 CLIENTS = ("Academic", "Committee", "Product")
 
@@ -95,9 +96,10 @@ def project(tmp_path):
 def test_aggregate_mean_std_and_missing_seeds(project):
     root, params = project
     planned = planned_experiments(params)
-    scores, missing = collect_scores(planned, root / "reports/eval")
+    labels = with_labels(planned)
+    scores, missing = collect_scores(planned, labels, root / "reports/eval")
     assert missing == ["single-s0"]
-    agg = aggregate(scores, planned, expected_seeds=[0, 1, 2])
+    agg = aggregate(scores, planned, labels, expected_seeds=[0, 1, 2])
     row = agg[(agg["study"] == "main") & (agg["method"] == "fedavg") & (agg["client"] == "Academic")].iloc[0]
     assert row["rouge1_mean"] == pytest.approx(22.0)
     assert row["rouge1_std"] == pytest.approx(math.sqrt(8.0))  # sample std of 20, 24

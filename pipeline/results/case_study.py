@@ -1,0 +1,83 @@
+"""Generated summaries side by side: the evaluate stage's predictions per method, the examples' queries and
+meetings, and the case study (one test example per domain, FedAvg's and SelectKD's summary beside the gold one).
+The human-evaluation sheets (pipeline.results.human_eval) are made from the same predictions."""
+from __future__ import annotations
+
+import json
+import random
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.results import published
+from pipeline.results.human_eval import Prediction
+from pipeline.results.readers import PlannedRun
+from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
+
+
+def read_predictions(path: Path) -> dict[str, Prediction]:
+    out = {}
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            out[rec["example_id"]] = Prediction(rec["experiment"], rec["example_id"], rec["domain"],
+                                                rec["prediction"], rec["reference"])
+        except (json.JSONDecodeError, KeyError) as err:
+            raise DataError(f"{path}:{line_no}: not a prediction record ({err!r})") from err
+    return out
+
+
+def predictions_by_method(planned: Iterable[PlannedRun], eval_dir: Path, study: str = "main",
+                          seed: int | None = None) -> tuple[dict[str, dict[str, Prediction]], int | None]:
+    """method -> example_id -> Prediction for one study and seed (default: the lowest seed with predictions)."""
+    avail = [p for p in planned if p.study == study and (eval_dir / p.name / "predictions.jsonl").is_file()]
+    if not avail:
+        return {}, None
+    chosen_seed = min(p.seed for p in avail) if seed is None else seed
+    out: dict[str, dict[str, Prediction]] = {}
+    for p in sorted(avail, key=lambda p: p.name):
+        if p.seed == chosen_seed and p.method not in out:
+            out[p.method] = read_predictions(eval_dir / p.name / "predictions.jsonl")
+    return out, chosen_seed
+
+
+def example_info(path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """example_id -> query, example_id -> meeting_id (empty when the examples file is absent)."""
+    if not path.is_file():
+        return {}, {}
+    df = pd.read_parquet(path, columns=["example_id", "query", "meeting_id"])
+    return dict(zip(df["example_id"], df["query"].fillna(""))), dict(zip(df["example_id"], df["meeting_id"]))
+
+
+def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str], seed: int,
+               methods: tuple[str, str] = ("fedavg", "fedselectkd")) -> str | None:
+    """One test example per domain: FedAvg's and SelectKD's summary and the gold one (seeded choice)."""
+    if not all(m in preds for m in methods):
+        return None
+    scorer = Scorer()
+    common = sorted(set(preds[methods[0]]) & set(preds[methods[1]]))
+    by_domain: dict[str, list[str]] = defaultdict(list)
+    for ex in common:
+        by_domain[preds[methods[0]][ex].domain].append(ex)
+    rng = random.Random(f"case_study:{seed}")
+    lines = ["# Case study", "",
+             "One test example per domain, chosen at random (seeded, `report.case_study_seed`), summarised by each "
+             "client's own model; ROUGE F1 x 100 of each summary against the gold one.", ""]
+    for domain in sorted(by_domain):
+        ex = rng.choice(by_domain[domain])
+        gold = preds[methods[0]][ex].reference
+        lines += [f"## {domain}", "", f"Example `{ex}`", ""]
+        if queries.get(ex):
+            lines += [f"**Query:** {queries[ex]}", ""]
+        for m in methods:
+            p = preds[m][ex]
+            s = scorer.score(p.prediction, gold)
+            lines += [f"**{published.PAPER_METHOD_NAMES.get(m, m)}** (R-1 {s['rouge1']:.1f}, R-2 {s['rouge2']:.1f}, "
+                      f"R-L {s[TABLE_ROUGE_L]:.1f}; `{p.experiment}`): {p.prediction}", ""]
+        lines += [f"**Gold:** {gold}", ""]
+    return "\n".join(lines)

@@ -1,0 +1,290 @@
+"""Why selective KD works, the computation (METHOD.md section 7 items 6, 9, 10; definitions in the docstring of
+pipeline/analyze.py): token gate decisions collapsed to word updates, the KD usage ratio, the POS distribution of
+KD and non-KD word updates, gate statistics per round, hard KD against SelectKD and the tau sweep's points.
+
+Reading the inputs is pipeline.results.readers', drawing pipeline.results.kd_figures'.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.results.published import KD_USAGE_RATIO
+from pipeline.results.readers import METRICS
+
+WORD_RULES = ("first", "any", "all", "majority")
+SELECTKD, HARDKD = "fedselectkd", "hardkd"
+# Section 7.9: determiners and pronouns are 74 % of the words trained without KD.
+PAPER_DET_PRON_SHARE_OF_NON_KD = 0.74
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Word updates and the KD usage ratio
+
+
+@dataclass
+class WordUpdates:
+    """One row per (client, round, example_id, word_index): the word's POS and whether its update used KD."""
+
+    table: pd.DataFrame
+    tokens: int  # distinct (client, round, example, position) token updates in the log
+    tokens_without_word: int  # special / whitespace-only tokens, not words
+    epoch_disagreements: int  # tokens whose KD decision differed between epochs of one round
+
+
+def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
+                 source: str = "gate log", tags_source: str = "the POS tags") -> WordUpdates:
+    """Collapse token gate decisions to word updates (defined in the docstring of pipeline/analyze.py).
+    ``source`` and ``tags_source`` name the gate log and the POS-tag file in errors."""
+    if word_rule not in WORD_RULES:
+        raise ValueError(f"word_rule {word_rule!r} is not one of {WORD_RULES}")
+    keys = ["client", "round", "example_id", "position"]
+    per_token = gate.groupby(keys, sort=False).agg(
+        token_id=("token_id", "first"), kd_any=("kd_applied", "max"), kd_all=("kd_applied", "min")
+    ).reset_index()
+    disagreements = int((per_token["kd_any"] != per_token["kd_all"]).sum())
+    tags = postags[["example_id", "position", "token_id", "word_index", "pos", "is_noun_or_verb"]].rename(
+        columns={"token_id": "tagged_token_id"})
+    merged = per_token.merge(tags, on=["example_id", "position"], how="left", validate="many_to_one")
+    untagged = merged["tagged_token_id"].isna()
+    if untagged.any():
+        row = merged[untagged].iloc[0]
+        raise DataError(
+            f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. example "
+            f"{row['example_id']} position {row['position']}); re-run the postag stage over these examples")
+    differ = merged["tagged_token_id"].astype(np.int64) != merged["token_id"].astype(np.int64)
+    if differ.any():
+        row = merged[differ].iloc[0]
+        raise DataError(
+            f"{source}: {int(differ.sum())} tokens differ from {tags_source} (e.g. example {row['example_id']} "
+            f"position {row['position']}: trained {row['token_id']}, tagged {row['tagged_token_id']}); the "
+            f"POS tags were made with another tokenizer or max_target_length")
+    no_word = merged["word_index"].isna()
+    words = merged[~no_word].sort_values(keys, kind="stable")
+    grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
+    if word_rule == "first":
+        kd = grouped["kd_any"].first()
+    elif word_rule == "any":
+        kd = grouped["kd_any"].max()
+    elif word_rule == "all":
+        kd = grouped["kd_any"].min()
+    else:
+        kd = grouped["kd_any"].mean() > 0.5
+    table = pd.DataFrame({
+        "kd": kd.astype(bool),
+        "pos": grouped["pos"].first(),
+        "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
+        "n_tokens": grouped.size(),
+    }).reset_index()
+    return WordUpdates(table, len(per_token), int(no_word.sum()), disagreements)
+
+
+def kd_usage_ratio(updates: pd.DataFrame, best_round: int, first_round: int = 1) -> tuple[float, int, int]:
+    """(KD word updates / word updates, KD word updates, word updates) over rounds first_round..best_round."""
+    window = updates[(updates["round"] >= first_round) & (updates["round"] <= best_round)]
+    n = len(window)
+    k = int(window["kd"].sum())
+    return (k / n if n else math.nan), k, n
+
+
+def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per POS: KD / non-KD word updates, the POS's KD rate and its share of all KD / non-KD updates."""
+    counts = updates.groupby(["pos", "kd"]).size().unstack(fill_value=0)
+    for col in (True, False):
+        if col not in counts.columns:
+            counts[col] = 0
+    n_kd, n_no = int(counts[True].sum()), int(counts[False].sum())
+    out = {}
+    for pos, row in counts.sort_values(by=[True, False], ascending=False).iterrows():
+        kd, no = int(row[True]), int(row[False])
+        out[str(pos)] = {
+            "kd": kd,
+            "no_kd": no,
+            "kd_rate": kd / (kd + no),
+            "share_of_kd": kd / n_kd if n_kd else math.nan,
+            "share_of_no_kd": no / n_no if n_no else math.nan,
+        }
+    return out
+
+
+def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
+    """The paper's two statements as numbers."""
+    nv = updates[updates["is_noun_or_verb"]]
+    no_kd = updates[~updates["kd"]]
+    return {
+        "noun_verb_kd_rate": float(nv["kd"].mean()) if len(nv) else math.nan,
+        "noun_verb_share_of_kd": float(updates.loc[updates["kd"], "is_noun_or_verb"].mean())
+        if updates["kd"].any() else math.nan,
+        "det_pron_share_of_no_kd": float(no_kd["pos"].isin(["DET", "PRON"]).mean()) if len(no_kd) else math.nan,
+    }
+
+
+def gate_once(gate: pd.DataFrame, keys: Sequence[str] = ("client", "round", "example_id", "position")) -> pd.DataFrame:
+    """One row per token update per round: local epochs repeat the round's (fixed-teacher) gate decision."""
+    return gate.drop_duplicates(list(keys))
+
+
+def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
+    """Per round (rows of one client, already :func:`gate_once`): tokens, fraction passing the gate (KD applied),
+    entropy quantiles, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
+    rows = []
+    for rnd, g in gate.groupby("round"):
+        h = g["entropy"].to_numpy(dtype=float)
+        rows.append({
+            "round": int(rnd), "tokens": len(g), "pass_fraction": float(g["kd_applied"].mean()),
+            **{f"entropy_q{q}": float(np.quantile(h, q / 100)) for q in (5, 25, 50, 75, 95)},
+            "entropy_mean": float(h.mean()),
+            "gate_inconsistent": int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0,
+        })
+    return pd.DataFrame(rows, columns=["round", "tokens", "pass_fraction", "entropy_q5", "entropy_q25",
+                                       "entropy_q50", "entropy_q75", "entropy_q95", "entropy_mean",
+                                       "gate_inconsistent"])
+
+
+def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any, gate_path: Any) -> dict[str, Any]:
+    """Per client of one experiment's word updates: its best round and KD usage ratio over rounds 1..best."""
+    per_client = {}
+    for client, upd in words.groupby("client"):
+        if client not in best:
+            raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
+        ratio, k, n = kd_usage_ratio(upd, best[client])
+        per_client[client] = {"best_round": best[client], "kd_usage_ratio": ratio, "kd_word_updates": k,
+                              "word_updates": n}
+    return per_client
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per client of the main study, pooled over seeds
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std; the std of one value is undefined (NaN, written as null), never 0."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
+
+
+@dataclass
+class ClientSummary:
+    record: dict[str, Any]  # the client's entry of kd_analysis.json
+    gate: pd.DataFrame  # its token updates, once per round, pooled over the experiments (seeds)
+    stats: pd.DataFrame  # gate_per_round of them
+
+
+def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]],
+                   tau: float | None) -> ClientSummary:
+    """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
+    (experiment -> the client's :func:`usage_per_client` entry); ``words`` and ``gate`` carry an ``experiment``
+    column."""
+    windows = [w[(w["round"] >= 1) & (w["round"] <= per_seed[n]["best_round"])]
+               for n, w in words[words["client"] == client].groupby("experiment")]
+    window = pd.concat(windows)
+    ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
+    # entropy statistics over all logged rounds, pooled over seeds (one box per round)
+    gate_c = gate_once(gate[gate["client"] == client], ("experiment", "round", "example_id", "position"))
+    stats = gate_per_round(gate_c, tau)
+    record = {
+        "experiments": sorted(per_seed),
+        "kd_usage_ratio": ratio,
+        "kd_usage_ratio_std": ratio_std,
+        "paper_kd_usage_ratio": KD_USAGE_RATIO.get(client),
+        "per_experiment": per_seed,
+        **pos_summary(window),
+        "paper_det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
+        "pos": pos_distribution(window),
+        "gate_pass_fraction_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["pass_fraction"])},
+        "entropy_median_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["entropy_q50"])},
+        "gate_inconsistent_tokens": int(stats["gate_inconsistent"].sum()),
+    }
+    return ClientSummary(record, gate_c, stats)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hard KD against SelectKD
+
+
+def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
+    """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
+    per_client: dict[str, list[dict[str, float]]] = {}
+    names: dict[str, list[str]] = {}
+    for name, scores in runs:
+        for client, s in (scores or {}).items():
+            per_client.setdefault(client, []).append(s)
+            names.setdefault(client, []).append(name)
+    return {client: {"n_seeds": len(v), "experiments": names[client],
+                     "mean": {m: mean_std([s[m] for s in v])[0] for m in METRICS},
+                     "std": {m: mean_std([s[m] for s in v])[1] for m in METRICS}}
+            for client, v in per_client.items()}
+
+
+def hardkd_minus_selectkd(comparison: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
+    """Per client in both: hard KD's mean average ROUGE minus SelectKD's."""
+    return {c: comparison[HARDKD][c]["mean"]["avg_rouge"] - comparison[SELECTKD][c]["mean"]["avg_rouge"]
+            for c in comparison[HARDKD] if c in comparison[SELECTKD]}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tau sweep
+
+
+class SweepRun(Protocol):
+    name: str
+    seed: int
+    tau: float | None
+    tau_scale: str
+
+
+SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeLsum",
+                 "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
+
+
+def tau_sweep_rows(run: SweepRun, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """One sweep point per client of one experiment: its ROUGE, KD usage ratio and POS pattern."""
+    rows = []
+    words = usage["words"].table
+    for client, s in scores.items():
+        u = usage["clients"].get(client)
+        # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
+        w = words[(words["client"] == client) & (words["round"] >= 1)
+                  & (words["round"] <= (u["best_round"] if u else 0))]
+        pos = pos_summary(w) if len(w) else {}
+        rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
+                     "seed": run.seed,
+                     "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
+                     "rougeLsum": s["rougeLsum"],
+                     "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
+                     "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
+                     "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan)})
+    return rows
+
+
+def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Means over seeds per (client, tau): the points on the tau axis (thresholds in nats or bits, without the
+    tau_scale column) and the portable gates beside them."""
+    summary = (per_run.groupby(["tau_scale", "client", "tau"])
+               .agg(avg_rouge=("avg_rouge", "mean"), kd_usage_ratio=("kd_usage_ratio", "mean"),
+                    noun_verb_kd_rate=("noun_verb_kd_rate", "mean"),
+                    det_pron_share_of_no_kd=("det_pron_share_of_no_kd", "mean"), n_seeds=("seed", "nunique"))
+               .reset_index().sort_values(["tau_scale", "client", "tau"]))
+    # Only thresholds in nats (or bits) share an axis; the portable gates (a fraction of ln|V|, a quantile) are
+    # reported beside them, never drawn on the same tau axis.
+    table = summary[summary["tau_scale"] == "absolute"].drop(columns="tau_scale")
+    return table, summary[summary["tau_scale"] != "absolute"]
+
+
+def json_safe(obj: Any) -> Any:
+    """JSON-safe: NaN -> None, numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return None if math.isnan(float(obj)) else round(float(obj), 6)
+    return obj

@@ -1,0 +1,168 @@
+"""Reading what earlier stages wrote, for the analyze and report stages: JSON records, the evaluate stage's
+``metrics.json``, the train stage's ``rounds.json`` and ``metrics.json``, gate logs.
+
+Every bad or missing input is a :class:`DataError` whose message names the file and the problem in one line.
+Planned experiments arrive as plain objects with the attributes the callers document (``name``, ``study``, ...);
+nothing here imports a stage module.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import TABLE_ROUGE_L
+
+# The scores every evaluation carries per client, in the paper's order: R-1, R-2, R-L (R-L = rougeLsum, see
+# pipeline.results.scoring) and average ROUGE.
+METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
+# What tells one configuration from another in the scores tables.
+GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant")
+GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
+
+
+class PlannedRun(Protocol):
+    """One planned experiment as the report reads params.yaml: what the results modules use of it."""
+
+    name: str
+    study: str
+    method: str
+    scheme: str
+    seed: int
+    tau: float | None
+    variant: str
+
+
+def load_json(path: Path, what: str = "JSON file") -> Any:
+    """The parsed content of ``path``; a missing file or invalid JSON is a one-line DataError."""
+    if not path.is_file():
+        raise DataError(f"{path}: {what} not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not valid JSON ({err})") from err
+
+
+def read_json(path: Path, what: str = "JSON file") -> dict[str, Any]:
+    """A JSON object written by an earlier stage (``what`` names it in the error)."""
+    data = load_json(path, what)
+    if not isinstance(data, dict):
+        raise DataError(f"{path}: expected a JSON object ({what})")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The evaluate stage
+
+
+def read_eval_metrics(path: Path) -> dict[str, Any]:
+    data = read_json(path, "evaluation metrics")
+    if not isinstance(data.get("clients"), dict):
+        raise DataError(f"{path}: no per-client scores ('clients')")
+    for client, scores in data["clients"].items():
+        missing = [m for m in METRICS if m not in scores]
+        if missing:
+            raise DataError(f"{path}: client {client!r} lacks {missing}")
+    return data
+
+
+def eval_scores(metrics: dict[str, Any], path: Path) -> dict[str, dict[str, float]]:
+    """Per client ROUGE (the tables' metrics) from the evaluate stage's metrics.json."""
+    clients = metrics.get("clients")
+    if not isinstance(clients, dict) or not clients:
+        raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
+    out = {}
+    for client, rec in clients.items():
+        lacking = [m for m in METRICS if m not in rec]
+        if lacking:
+            raise DataError(f"{path}: client {client!r} lacks {lacking}")
+        out[str(client)] = {m: float(rec[m]) for m in METRICS}
+    return out
+
+
+def collect_scores(planned: Iterable[PlannedRun], labels: dict[str, str],
+                   eval_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+    """One row per (evaluated experiment, client); and the names of planned experiments without an evaluation.
+    ``labels``: the display label of each experiment."""
+    rows, missing = [], []
+    for p in planned:
+        path = eval_dir / p.name / "metrics.json"
+        if not path.is_file():
+            missing.append(p.name)
+            continue
+        metrics = read_eval_metrics(path)
+        for client, scores in metrics["clients"].items():
+            rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
+                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "seed": p.seed,
+                         "backbone": metrics.get("backbone") or "unknown", "client": client,
+                         **{m: float(scores[m]) for m in METRICS}, "n_examples": int(scores.get("n", 0))})
+    columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
+    return pd.DataFrame(rows, columns=columns), missing
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The train stage
+
+
+def read_rounds(path: Path) -> pd.DataFrame:
+    """Training rounds as long rows (round, client, train_loss, val_loss, ...).
+
+    Reads the train stage's ``reports/train/<exp>/rounds.json`` (one row per round, ``<client>/<quantity>``
+    columns) or ``models/<exp>/rounds.json`` (one row per round and client)."""
+    rows = load_json(path, "training rounds")
+    if not isinstance(rows, list) or any(not isinstance(r, dict) or "round" not in r for r in rows):
+        raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")
+    if not rows or "client" in rows[0]:
+        return pd.DataFrame(rows)
+    long: dict[tuple[int, str], dict[str, Any]] = {}
+    for r in rows:
+        for key, value in r.items():
+            if "/" in key:
+                client, quantity = key.split("/", 1)
+                long.setdefault((r["round"], client), {"round": r["round"], "client": client})[quantity] = value
+    return pd.DataFrame(list(long.values()))
+
+
+def best_rounds(metrics: dict[str, Any], path: Path) -> dict[str, int]:
+    """Per client best round from the train stage's metrics.json (``clients.<client>.best_round``)."""
+    clients = metrics.get("clients")
+    if not isinstance(clients, dict) or not clients:
+        raise DataError(f"{path}: no 'clients' mapping with per-client best rounds")
+    out = {}
+    for client, rec in clients.items():
+        if not isinstance(rec, dict) or rec.get("best_round") is None:
+            raise DataError(f"{path}: client {client!r} has no 'best_round'")
+        out[str(client)] = int(rec["best_round"])
+    return out
+
+
+def read_gate_log(path: Path) -> pd.DataFrame:
+    gate = pd.read_parquet(path)
+    missing = sorted(set(GATE_COLUMNS) - set(gate.columns))
+    if missing:
+        raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
+    gate = gate[GATE_COLUMNS].copy()
+    gate["example_id"] = gate["example_id"].astype(str)
+    gate["client"] = gate["client"].astype(str)
+    gate["kd_applied"] = gate["kd_applied"].astype(bool)
+    return gate
+
+
+@dataclass
+class Missing:
+    """Input files of listed experiments that do not exist (yet): reported, never replaced by numbers."""
+
+    _needed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+
+    def add(self, experiment: str, path: Path, needed_for: str) -> None:
+        uses = self._needed.setdefault((experiment, str(path)), [])
+        if needed_for not in uses:
+            uses.append(needed_for)
+
+    @property
+    def items(self) -> list[dict[str, str]]:
+        return [{"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self._needed.items())]

@@ -1,0 +1,252 @@
+"""The report's tables: scores averaged over seeds, the main table beside the published numbers (Table III
+layout), one table per study with its paired comparisons, and the stage times.
+
+Numbers are printed by :func:`fmt` ("mean ± sample std", "(n=1)" for a single seed). Planned experiments arrive
+as objects with ``name``, ``study``, ``method``, ``seed`` (see :class:`pipeline.results.readers.PlannedRun`) and
+their display labels as a mapping experiment -> label.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.results import comparisons, published
+from pipeline.results.readers import GROUP_COLS, METRICS, PlannedRun
+from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.stats import BootstrapConfig
+
+METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
+QMSUM = published.QMSUM_CLIENTS
+
+
+def aggregate(scores: pd.DataFrame, planned: Iterable[PlannedRun], labels: dict[str, str],
+              expected_seeds: Iterable[int]) -> pd.DataFrame:
+    """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing.
+
+    A configuration's expected seeds are ``expected_seeds`` plus any seed params.yaml plans for it; a seed is
+    missing for a client when no evaluated experiment of that configuration has the client.
+    """
+    expected = set(int(s) for s in expected_seeds)
+    planned_seeds: dict[tuple, set[int]] = defaultdict(set)
+    for p in planned:
+        planned_seeds[(p.study, labels[p.name], p.method, p.scheme, p.tau, p.variant)].add(p.seed)
+    keys = [*GROUP_COLS, "backbone", "client"]
+    out_rows = []
+    if scores.empty:
+        return pd.DataFrame(columns=[*keys, *[f"{m}_mean" for m in METRICS], *[f"{m}_std" for m in METRICS],
+                                     "n_seeds", "seeds", "missing_seeds"])
+    frame = scores.copy()
+    frame["tau"] = frame["tau"].astype(object).where(frame["tau"].notna(), None)
+    for key, grp in frame.groupby(keys, dropna=False, sort=False):
+        rec = dict(zip(keys, key))
+        config = tuple(rec[c] for c in GROUP_COLS)
+        config = tuple(None if (isinstance(v, float) and math.isnan(v)) else v for v in config)
+        rec["tau"] = config[4]
+        seeds = sorted(int(s) for s in grp["seed"])
+        want = expected | planned_seeds.get(config, set())
+        for m in METRICS:
+            rec[f"{m}_mean"] = float(grp[m].mean())
+            rec[f"{m}_std"] = float(grp[m].std(ddof=1)) if len(grp) > 1 else math.nan
+        rec["n_seeds"] = len(seeds)
+        rec["seeds"] = ",".join(map(str, seeds))
+        rec["missing_seeds"] = ",".join(map(str, sorted(want - set(seeds))))
+        out_rows.append(rec)
+    return pd.DataFrame(out_rows)
+
+
+def incomplete(agg: pd.DataFrame) -> list[str]:
+    """The configurations averaged over fewer seeds than expected, one line each."""
+    rows = agg[agg["missing_seeds"] != ""] if not agg.empty else agg
+    seen = dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in rows.itertuples())
+    return list(seen)
+
+
+def fmt(mean: float, std: float, n: int | None = None, missing: str = "") -> str:
+    """'27.09 ± 0.31' (sample std over n >= 2 seeds), '27.09 (n=1)': one seed has no spread, so none is shown
+    (never '± 0.00'); missing seeds appended as '[missing seed 1,2]'."""
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return "missing"
+    one_seed = n is not None and int(n) == 1
+    text = f"{mean:.2f}"
+    if one_seed:
+        text += " (n=1)"
+    elif std is not None and not math.isnan(std):
+        text += f" ± {std:.2f}"
+    if missing:
+        text += f" [missing seed {missing}]"
+    return text
+
+
+def backbone_slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The main table (Table III)
+
+
+def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[PlannedRun], labels: dict[str, str],
+               expected_seeds: Iterable[int] = ()) -> pd.DataFrame:
+    """Table III long form: method x client x metric, ours (mean/std/seeds) beside the paper's and the difference.
+
+    A planned main-study configuration without any evaluation still gets its rows (ours empty, every seed
+    missing), so the table never hides a method silently."""
+    paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
+    sub = agg[(agg["study"] == "main") & (agg["backbone"] == backbone)]
+    rows = []
+    present = set(sub["label"])
+    absent: dict[str, tuple[str, set[int]]] = {}
+    for p in planned:
+        if p.study == "main" and labels[p.name] not in present:
+            method, seeds = absent.setdefault(labels[p.name], (p.method, set()))
+            seeds.add(p.seed)
+    for label, (method, seeds) in absent.items():
+        for client in QMSUM:
+            pub = paper.get(client, {}).get(method)
+            for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
+                rows.append({"backbone": backbone, "method": method, "label": label,
+                             "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
+                             "metric": METRIC_LABELS[metric], "ours_mean": math.nan, "ours_std": math.nan,
+                             "n_seeds": 0, "seeds": "",
+                             "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds)))),
+                             "paper": getattr(pub, "rougeL" if metric == TABLE_ROUGE_L else metric) if pub else None,
+                             "diff": None})
+    methods = [m for m in published.METHOD_ORDER if m in set(sub["method"])] + sorted(
+        set(sub["method"]) - set(published.METHOD_ORDER))
+    for method in methods:
+        msub = sub[sub["method"] == method]
+        for label in sorted(set(msub["label"])):
+            lsub = msub[msub["label"] == label]
+            clients = [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM))
+            for client in clients:
+                r = lsub[lsub["client"] == client].iloc[0]
+                pub = paper.get(client, {}).get(method)
+                for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
+                    p = getattr(pub, "rougeL" if metric == TABLE_ROUGE_L else metric) if pub else None
+                    rows.append({"backbone": backbone, "method": method, "label": label,
+                                 "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
+                                 "metric": METRIC_LABELS[metric], "ours_mean": r[f"{metric}_mean"],
+                                 "ours_std": r[f"{metric}_std"], "n_seeds": r["n_seeds"], "seeds": r["seeds"],
+                                 "missing_seeds": r["missing_seeds"], "paper": p,
+                                 "diff": None if p is None else r[f"{metric}_mean"] - p})
+    table = pd.DataFrame(rows)
+    if table.empty:
+        return table
+    order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
+    table["_order"] = [order.get(m, len(order)) for m in table["method"]]
+    return table.sort_values(["_order", "label"], kind="stable").drop(columns="_order").reset_index(drop=True)
+
+
+def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFrame | None = None,
+                        bootstrap: BootstrapConfig | None = None) -> str:
+    """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
+    key = published.backbone_key(backbone)
+    clients = [c for c in QMSUM if c in set(table["client"])] + sorted(set(table["client"]) - set(QMSUM))
+    metrics = ["R-1", "R-2", "R-L"]
+    header = ["Method", "", *[f"{c} {m}" for c in clients for m in metrics], "seeds"]
+    lines = [f"# Main results, backbone `{backbone}`", "",
+             f"ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
+             f"`{TABLE_ROUGE_L}` "
+             "(summary-level, sentence-split, Porter stemming: ROUGE-1.5.5 as the QMSum authors ran it). "
+             + (f"Paper: Feng et al. Table III, {key}." if key else
+                "The paper reports no numbers for this backbone (BART-large, BART-base and LED-large only), "
+                "so only ours are shown."), "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for label in dict.fromkeys(table["label"]):
+        t = table[table["label"] == label]
+        method = t["method"].iloc[0]
+
+        def cell(client: str, metric: str, what: str) -> str:
+            r = t[(t["client"] == client) & (t["metric"] == metric)]
+            if r.empty:
+                return "missing"
+            r = r.iloc[0]
+            if what == "ours":
+                return fmt(r["ours_mean"], r["ours_std"], r["n_seeds"])
+            if r["paper"] is None or (isinstance(r["paper"], float) and math.isnan(r["paper"])):
+                return "–"
+            if what == "paper":
+                return f"{r['paper']:.2f}"
+            return "–" if r["diff"] is None or pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
+
+        seeds = t.iloc[0]
+        seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "") + (
+            f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else "")
+        name = published.PAPER_METHOD_NAMES.get(method, method)
+        name = name if label == method else f"{name} ({label})"
+        lines.append("| " + " | ".join([name, "ours", *[cell(c, m, "ours") for c in clients for m in metrics],
+                                         seed_text]) + " |")
+        if key:
+            lines.append("| " + " | ".join(["", "paper", *[cell(c, m, "paper") for c in clients for m in metrics],
+                                             ""]) + " |")
+            lines.append("| " + " | ".join(["", "ours − paper",
+                                             *[cell(c, m, "diff") for c in clients for m in metrics], ""]) + " |")
+    if compared is not None:
+        lines.append(comparisons.markdown_section(compared, "main", bootstrap or BootstrapConfig()))
+    return "\n".join(lines) + "\n"
+
+
+def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame | None = None,
+                         bootstrap: BootstrapConfig | None = None) -> str:
+    sub = agg[agg["study"] == study]
+    lines = [f"# Study `{study}`", "",
+             f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
+             f"`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). \"significantly vs\": the baselines whose avg this "
+             "configuration is above (>) or below (<) with a paired interval excluding 0 (section below).", "",
+             "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
+        marks = "–" if compared is None else comparisons.significance_marks(compared, study, r["label"], r["client"])
+        lines.append("| " + " | ".join([
+            str(r["label"]), str(r["backbone"]), str(r["client"]),
+            *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS], marks, str(r["n_seeds"]),
+            r["missing_seeds"] or "–",
+        ]) + " |")
+    if compared is not None:
+        lines.append(comparisons.markdown_section(compared, study, bootstrap or BootstrapConfig()))
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Stage times
+
+
+EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")
+
+
+def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFrame | None, list[str]]:
+    """The stage timing records, longest first, and the stages left out: train-/evaluate- records of experiments
+    params.yaml no longer plans (DVC leaves a removed stage's outputs in place)."""
+    files = sorted(timing_dir.glob("*.json")) if timing_dir.is_dir() else []
+    rows, left_out = [], []
+    for f in files:
+        try:
+            rec = json.loads(f.read_text())
+            row = {"stage": str(rec["stage"]), "seconds": float(rec["seconds"]),
+                   "peak_rss_mb": float(rec["peak_rss_mb"]), "finished_at": str(rec.get("finished_at", ""))}
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+            raise DataError(f"{f}: not a stage timing record ({err!r}); expected stage, seconds, peak_rss_mb") from err
+        m = EXPERIMENT_STAGE.match(row["stage"])
+        if m and m["experiment"] not in planned_names:
+            left_out.append(row["stage"])
+            continue
+        rows.append(row)
+    if not rows:
+        return None, left_out
+    return pd.DataFrame(rows).sort_values("seconds", ascending=False).reset_index(drop=True), left_out
+
+
+def timing_markdown(timing: pd.DataFrame) -> str:
+    lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`); the sum leaves out "
+             "process start-up (imports) and DVC's own work between stages.", "",
+             "| stage | seconds | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|"]
+    lines += [f"| {r.stage} | {r.seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |" for r in timing.itertuples()]
+    lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) | |")
+    return "\n".join(lines) + "\n"
