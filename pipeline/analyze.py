@@ -44,6 +44,8 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
+from pipeline.experiments import Experiment, declared
+from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.kd_analysis import (
     HARDKD,
     PAPER_DET_PRON_SHARE_OF_NON_KD,
@@ -63,12 +65,6 @@ from pipeline.results.kd_figures import plot_entropy, plot_hardkd, plot_pos, plo
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import Missing, best_rounds, eval_scores, read_gate_log, read_json
 
-MODELS_DIR = Path("models")
-TRAIN_REPORTS = Path("reports/train")
-EVAL_DIR = Path("reports/eval")
-POSTAGS = Path("data/processed/postags.parquet")
-OUT_DIR = Path("reports/analysis")
-
 MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
 
 
@@ -81,56 +77,15 @@ class AnalyzeConfig:
             raise ValueError(f"analyze.word_rule: {self.word_rule!r} is not one of {WORD_RULES}")
 
 
-@dataclass
-class Experiment:
-    name: str
-    method: str
-    study: str
-    partition: str
-    seed: int
-    tau: float | None
-    tau_scale: str = "absolute"  # how the gate reads tau (pipeline.modeling.losses.TAU_SCALES)
-
-
-def experiments_from_params(params: dict[str, Any]) -> list[Experiment]:
-    """The experiments of params.yaml, tau resolved as the plan stage resolves it (entry tau, else top-level)."""
-    out = []
-    for name, raw in (params.get("experiments") or {}).items():
-        if not isinstance(raw, dict) or "method" not in raw or "partition" not in raw:
-            raise ValueError(f"params.yaml experiments.{name}: needs at least 'method' and 'partition'")
-        tau = raw.get("tau", params.get("tau") if raw["method"] == SELECTKD else None)
-        tau_scale = raw.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute"))
-        out.append(Experiment(str(name), str(raw["method"]), str(raw.get("study", MAIN_STUDY)),
-                              str(raw["partition"]), int(raw.get("seed", 0)),
-                              None if tau is None else float(tau), str(tau_scale)))
-    return out
-
-
-@dataclass
-class Paths:
-    models: Path = MODELS_DIR
-    train_reports: Path = TRAIN_REPORTS
-    eval: Path = EVAL_DIR
-    postags: Path = POSTAGS
-    out: Path = OUT_DIR
-
-    def gate_log(self, exp: str) -> Path:
-        return self.models / exp / "gate_log.parquet"
-
-    def train_metrics(self, exp: str) -> Path:
-        return self.train_reports / exp / "metrics.json"
-
-    def eval_metrics(self, exp: str) -> Path:
-        return self.eval / exp / "metrics.json"
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The stage
 
 
 class Analysis:
-    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: Paths) -> None:
+    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None,
+                 paths: ProjectPaths = PATHS, out: Path | None = None) -> None:
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
+        self.out = out if out is not None else paths.analysis
         self.missing = Missing()
         self._postags: pd.DataFrame | None = None
 
@@ -221,7 +176,7 @@ class Analysis:
                 "experiments": sorted(per_run["experiment"].unique())}
 
     def run(self) -> dict[str, Any]:
-        out = self.paths.out
+        out = self.out
         figures = out / "figures"
         figures.mkdir(parents=True, exist_ok=True)
         for old in figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
@@ -246,12 +201,12 @@ class Analysis:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
-    ap.add_argument("--out", type=Path, default=OUT_DIR)
+    ap.add_argument("--out", type=Path, default=PATHS.analysis)
     args = ap.parse_args(argv)
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        analysis = Analysis(cfg, experiments_from_params(params), params.get("tau"), Paths(out=args.out))
+        analysis = Analysis(cfg, declared(params), params.get("tau"), PATHS, args.out)
         result = analysis.run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]

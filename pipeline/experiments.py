@@ -168,6 +168,7 @@ class Experiment:
     study: str = "main"
     tau: float | None = None  # the entry's tau, else the top-level tau for methods that read it, else None
     train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params.yaml `train`
+    tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else params.yaml's
 
     @property
     def spec(self) -> MethodSpec:
@@ -226,9 +227,29 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
             raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
     elif tau is not None:
         raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+    tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
     return Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
                       seed=int(base.get("seed", 0)), study=str(base.get("study", "main")), tau=tau,
-                      train=overrides)
+                      train=overrides, tau_scale=tau_scale)
+
+
+def with_labels(experiments: list[Experiment]) -> dict[str, str]:
+    """A display label per experiment: the method, plus whatever else varies within its study (tau, overrides,
+    partition scheme), so one study's configurations are told apart without hard-coding study layouts."""
+    by_study: dict[str, list[Experiment]] = {}
+    for e in experiments:
+        by_study.setdefault(e.study, []).append(e)
+    labels = {}
+    for members in by_study.values():
+        varying = [attr for attr in ("scheme", "tau", "variant") if len({getattr(e, attr) for e in members}) > 1]
+        for e in members:
+            parts = [e.method]
+            for attr in varying:
+                value = getattr(e, attr)
+                if value not in (None, ""):
+                    parts.append(value if attr == "variant" else f"{attr}={value:g}" if attr == "tau" else value)
+            labels[e.name] = " ".join(str(x) for x in parts)
+    return labels
 
 
 def declared(params: dict[str, Any]) -> list[Experiment]:

@@ -5,7 +5,7 @@
     python -m pipeline.report human --sheets DIR         # filled sheets -> win/tie/loss + bar chart
 
 Reads every planned experiment (params.yaml `experiments`) with its evaluation (``reports/eval/<exp>/metrics.json``),
-plan (``models/plans/<exp>.json``: tau) and training rounds (``reports/train/<exp>/rounds.json``), averages each
+its tau as its plan has it (pipeline.experiments) and training rounds (``reports/train/<exp>/rounds.json``), averages each
 configuration over its seeds (mean and sample std) and reports missing seeds next to the numbers. Writes
 ``reports/tables/`` (Table III layout per backbone beside the published numbers, one table per study, case study,
 stage times), ``reports/figures/*.png`` with their data in ``reports/plots/`` (DVC plots), ``reports/summary.json``
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -30,6 +29,8 @@ from typing import Any
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
+from pipeline.experiments import declared, with_labels
+from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import comparisons, published
 from pipeline.results.case_study import case_study, example_info, predictions_by_method
 from pipeline.results.figures import learning_curves
@@ -61,134 +62,12 @@ class ReportConfig:
     baselines: list[str] = field(default_factory=lambda: ["single", "fedavg", "fedkd"])
 
 
-@dataclass
-class Paths:
-    """Where the report reads and writes (relative to the project root; tests point them at a tmp dir)."""
-
-    root: Path = Path(".")
-
-    def __post_init__(self) -> None:
-        self.root = Path(self.root)
-
-    @property
-    def eval_dir(self) -> Path:
-        return self.root / "reports/eval"
-
-    @property
-    def plans_dir(self) -> Path:
-        return self.root / "models/plans"
-
-    @property
-    def train_reports(self) -> Path:
-        return self.root / "reports/train"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.root / "models"
-
-    @property
-    def examples(self) -> Path:
-        return self.root / "data/processed/examples.parquet"
-
-    @property
-    def timing_dir(self) -> Path:
-        return self.root / "reports/timing"
-
-    @property
-    def out(self) -> Path:
-        return self.root / "reports"
-
-    @property
-    def kd_analysis(self) -> Path:
-        return self.out / "analysis/kd_analysis.json"
-
-    @property
-    def tables(self) -> Path:
-        return self.out / "tables"
-
-    @property
-    def figures(self) -> Path:
-        return self.out / "figures"
-
-    @property
-    def plots(self) -> Path:
-        return self.out / "plots"
-
-    @property
-    def human_eval(self) -> Path:
-        return self.out / "human_eval"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Collecting results
-
-
-def scheme_of(partition: str) -> str:
-    """'<scheme>/seed<k>' -> '<scheme>'."""
-    return re.sub(r"/seed\d+$", "", str(partition))
-
-
-@dataclass
-class Planned:
-    name: str
-    study: str
-    method: str
-    scheme: str
-    seed: int
-    tau: float | None
-    variant: str  # train overrides of the entry, e.g. "fraction_train=0.67" ("" when none)
-
-
-def planned_experiments(params: dict[str, Any], plans_dir: Path | None = None) -> list[Planned]:
-    """The experiments params.yaml plans; tau from the plan file when the stage wrote one (resolved default)."""
-    out = []
-    for name, raw in (params.get("experiments") or {}).items():
-        if not isinstance(raw, dict) or "method" not in raw or "partition" not in raw:
-            raise DataError(f"params.yaml experiments.{name}: needs at least 'method' and 'partition'")
-        tau = raw.get("tau")
-        plan_file = plans_dir / f"{name}.json" if plans_dir else None
-        if plan_file is not None and plan_file.is_file():
-            tau = json.loads(plan_file.read_text()).get("tau", tau)
-        extra = {k: v for k, v in raw.items() if k not in ("method", "partition", "seed", "study", "tau")}
-        variant = ",".join(f"{k}={extra[k]}" for k in sorted(extra))
-        seed = raw.get("seed")
-        if seed is None:
-            m = re.search(r"/seed(\d+)$", str(raw["partition"]))
-            seed = int(m.group(1)) if m else 0
-        out.append(Planned(name, str(raw.get("study", "main")), str(raw["method"]), scheme_of(raw["partition"]),
-                           int(seed), None if tau is None else float(tau), variant))
-    return out
-
-
-def with_labels(planned: list[Planned]) -> dict[str, str]:
-    """A display label per experiment: the method, plus whatever else varies within its study (tau, overrides,
-    partition scheme), so one study's configurations are told apart without hard-coding study layouts."""
-    by_study: dict[str, list[Planned]] = defaultdict(list)
-    for p in planned:
-        by_study[p.study].append(p)
-    labels = {}
-    for members in by_study.values():
-        varying = [attr for attr in ("scheme", "tau", "variant") if len({getattr(p, attr) for p in members}) > 1]
-        for p in members:
-            parts = [p.method]
-            for attr in varying:
-                value = getattr(p, attr)
-                if value not in (None, ""):
-                    parts.append(value if attr == "variant" else f"{attr}={value:g}" if attr == "tau" else value)
-            labels[p.name] = " ".join(str(x) for x in parts)
-    return labels
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The stage
-
-
-def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dict[str, Any]:
+def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
-    planned = planned_experiments(params, paths.plans_dir)
+    planned = declared(params)
     labels = with_labels(planned)
-    scores, missing_eval = collect_scores(planned, labels, paths.eval_dir)
+    scores, missing_eval = collect_scores(planned, labels, paths.eval_reports)
     agg = with_stand_ins(aggregate(scores, planned, labels, cfg.expected_seeds))
     for d in (paths.tables, paths.figures, paths.plots):
         d.mkdir(parents=True, exist_ok=True)
@@ -197,7 +76,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
 
     # Which differences are real: every configuration against its baselines (paired bootstrap).
     compared, notes = comparisons.comparisons_table(
-        comparisons.configurations(planned, labels), cfg.baselines, paths.eval_dir, bootstrap)
+        comparisons.configurations(planned, labels), cfg.baselines, paths.eval_reports, bootstrap)
     atomic.to_csv(compared, paths.tables / "comparisons.csv", index=False)
     made["tables"].append(str(paths.tables / "comparisons.csv"))
     if notes:
@@ -229,13 +108,13 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
     figures, figures_not_made = study_figures(agg, paths.figures, paths.plots)
     made["figures"] += figures
     not_made.update(figures_not_made)
-    curves = learning_curves(planned, labels, paths.train_reports, paths.models_dir, paths.figures, paths.plots)
+    curves = learning_curves(planned, labels, paths.train_reports, paths.models, paths.figures, paths.plots)
     made["figures"] += [c["figure"] for c in curves]
     if not curves:
         not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
     # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
-    preds, pred_seed = predictions_by_method(planned, paths.eval_dir, "main")
+    preds, pred_seed = predictions_by_method(planned, paths.eval_reports, "main")
     queries, meetings = example_info(paths.examples)
     text = case_study(preds, queries, cfg.case_study_seed) if preds else None
     if text is None:
@@ -255,7 +134,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
         not_made["human evaluation sheets"] = (f"needs predictions of {cfg.human_eval_target} and at least one other "
                                                "method in study `main`")
 
-    timing, stale_timing = timing_table(paths.timing_dir, {p.name for p in planned})
+    timing, stale_timing = timing_table(paths.timing, {p.name for p in planned})
     if stale_timing:
         not_made["stage times of unplanned experiments"] = f"left out of the stage-time table: {', '.join(stale_timing)}"
     if timing is None:
@@ -266,28 +145,28 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: Paths) -> dic
         made["tables"] += [str(paths.tables / "timing.md"), str(paths.tables / "timing.csv")]
 
     summary = summary_metrics(agg, planned, missing_eval)
-    atomic.write_json(paths.out / "summary.json", summary, sort_keys=True)
-    intervals = {c.label: average_interval(c, paths.eval_dir, bootstrap)
+    atomic.write_json(paths.reports / "summary.json", summary, sort_keys=True)
+    intervals = {c.label: average_interval(c, paths.eval_reports, bootstrap)
                  for c in comparisons.configurations(planned, labels) if c.study == HEADLINE_STUDY}
     kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
-    atomic.write_json(paths.out / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
+    atomic.write_json(paths.reports / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
     planned_names = {p.name for p in planned}
-    ignored = sorted(d.name for d in paths.eval_dir.iterdir()
-                     if d.is_dir() and d.name not in planned_names) if paths.eval_dir.is_dir() else []
+    ignored = sorted(d.name for d in paths.eval_reports.iterdir()
+                     if d.is_dir() and d.name not in planned_names) if paths.eval_reports.is_dir() else []
     index = {"made": dict(made), "not_made": not_made, "missing_experiments": missing_eval,
              "incomplete_seeds": incomplete(agg), "ignored_evaluations": ignored}
-    atomic.write_text(paths.out / "README.md", readme(index, len(planned), paths.out, paths.plots))
+    atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports, paths.plots))
     return index
 
 
 def human_main(args: argparse.Namespace, cfg: ReportConfig, params: dict[str, Any]) -> int:
-    paths = Paths(Path("."))
+    paths = PATHS
     if args.make_sheets:
-        planned = planned_experiments(params, paths.plans_dir)
-        preds, seed = predictions_by_method(planned, paths.eval_dir, args.study, args.seed)
+        planned = declared(params)
+        preds, seed = predictions_by_method(planned, paths.eval_reports, args.study, args.seed)
         if not preds:
-            raise DataError(f"{paths.eval_dir}: no predictions.jsonl of study {args.study!r} (run the evaluate stage)")
+            raise DataError(f"{paths.eval_reports}: no predictions.jsonl of study {args.study!r} (run the evaluate stage)")
         queries, meetings = example_info(paths.examples)
         summary = make_sheets(preds, args.make_sheets, target=cfg.human_eval_target, queries=queries,
                               meetings=meetings, per_domain=cfg.human_eval_per_domain, seed=cfg.human_eval_seed)
@@ -324,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.common.timing import stage_timer
 
         with stage_timer("report"):
-            index = build_report(params, cfg, Paths(Path(".")))
+            index = build_report(params, cfg, PATHS)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

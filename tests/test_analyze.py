@@ -173,13 +173,13 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
 
 
 def test_portable_gates_are_read_from_the_entry_or_the_train_group():
-    from pipeline.analyze import experiments_from_params
+    from pipeline.experiments import declared
 
     params = {"tau": 5.0, "train": {"tau_scale": "absolute"}, "experiments": {
         "a": {"method": "fedselectkd", "partition": "domain/seed0"},
         "b": {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.87, "tau_scale": "batch_quantile"},
         "c": {"method": "fedavg", "partition": "domain/seed0"}}}
-    got = {e.name: (e.tau, e.tau_scale) for e in experiments_from_params(params)}
+    got = {e.name: (e.tau, e.tau_scale) for e in declared(params)}
     assert got == {"a": (5.0, "absolute"), "b": (0.87, "batch_quantile"), "c": (None, "absolute")}
 
 

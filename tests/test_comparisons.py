@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from pipeline.results import comparisons
-from pipeline.report import Planned, with_labels
+from pipeline.experiments import Experiment, with_labels
 from pipeline.results.readers import collect_scores
 from pipeline.results.tables import aggregate, study_table_markdown
 from pipeline.results.stats import BootstrapConfig
@@ -47,10 +47,10 @@ def evaluated(tmp_path):
     _write_eval(eval_dir, "fedavg-domain", 0.0, "same words")  # identical summaries and scores to single
     _write_eval(eval_dir, "fedselectkd-domain", 2.0, "other words")  # +2 on every example
     _write_eval(eval_dir, "fedavg-iid", 0.0, "iid words")
-    planned = [Planned("single-domain", "main", "single", "domain", 0, None, ""),
-               Planned("fedavg-domain", "main", "fedavg", "domain", 0, None, ""),
-               Planned("fedselectkd-domain", "main", "fedselectkd", "domain", 0, 5.0, ""),
-               Planned("fedavg-iid", "iid", "fedavg", "iid", 0, None, "")]
+    planned = [Experiment("single-domain", "single", "domain/seed0", 0, "main"),
+               Experiment("fedavg-domain", "fedavg", "domain/seed0", 0, "main"),
+               Experiment("fedselectkd-domain", "fedselectkd", "domain/seed0", 0, "main", tau=5.0),
+               Experiment("fedavg-iid", "fedavg", "iid/seed0", 0, "iid")]
     return eval_dir, planned
 
 

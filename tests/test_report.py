@@ -8,12 +8,11 @@ import pandas as pd
 import pytest
 
 from pipeline.report import (
-    Paths,
     ReportConfig,
     build_report,
-    planned_experiments,
-    with_labels,
 )
+from pipeline.experiments import declared, with_labels
+from pipeline.paths import ProjectPaths
 from pipeline.results import published
 from pipeline.results.readers import collect_scores
 from pipeline.results.tables import aggregate
@@ -95,7 +94,7 @@ def project(tmp_path):
 
 def test_aggregate_mean_std_and_missing_seeds(project):
     root, params = project
-    planned = planned_experiments(params)
+    planned = declared(params)
     labels = with_labels(planned)
     scores, missing = collect_scores(planned, labels, root / "reports/eval")
     assert missing == ["single-s0"]
@@ -118,7 +117,7 @@ def test_aggregate_mean_std_and_missing_seeds(project):
 
 def test_report_writes_tables_figures_and_index(project):
     root, params = project
-    index = build_report(params, ReportConfig(expected_seeds=[0, 1, 2], human_eval_per_domain=2), Paths(root))
+    index = build_report(params, ReportConfig(expected_seeds=[0, 1, 2], human_eval_per_domain=2), ProjectPaths(root))
     reports = root / "reports"
 
     table = pd.read_csv(reports / "tables/main_bart-large.csv")
@@ -132,11 +131,11 @@ def test_report_writes_tables_figures_and_index(project):
     single = [line for line in md.splitlines() if line.startswith("| AdaSingle")]
     assert single and "missing" in single[0] and "missing 0,1,2" in single[0]
 
-    for name, data in (("iid", "iid.csv"), ("learning_curves_main", "learning_curves/main--fedselectkd.csv")):
+    for name, data in (("iid", "iid.csv"), ("learning_curves_main", "learning_curves/main--fedselectkd_tau=5.csv")):
         png = reports / "figures" / f"{name}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
         assert len(pd.read_csv(reports / "plots" / data)) > 0
-    curve = pd.read_csv(reports / "plots/learning_curves/main--fedselectkd.csv")
+    curve = pd.read_csv(reports / "plots/learning_curves/main--fedselectkd_tau=5.csv")
     assert list(curve["round"]) == [1, 2, 3] and list(curve["Committee"]) == [4.0, 3.5, 3.0]
     assert curve["val_loss_mean"].iloc[0] == pytest.approx((5.0 + 4.0 + 3.0) / 3)
     # The tau sweep is drawn once, by the analyze stage (ROUGE and KD usage); the report only tabulates it.
@@ -147,7 +146,7 @@ def test_report_writes_tables_figures_and_index(project):
         assert (reports / "figures" / f"{name}.png").stat().st_size > 5000
     server = pd.read_csv(reports / "plots/server.csv")
     # The study ran FedProx; FedAvg and SelectKD come from the main study; the paper's values sit beside them.
-    assert set(server["label"]) == {"fedprox", "fedavg", "fedselectkd"}
+    assert set(server["label"]) == {"fedprox", "fedavg", "fedselectkd tau=5"}
     prox = server[(server["label"] == "fedprox") & (server["client"] == "Academic")].iloc[0]
     assert prox["paper_avg_rouge"] == published.SERVER_AVG_ROUGE["fedprox"]["Academic"]
     assert prox["avg_rouge_mean"] == pytest.approx((23 + 5 + 17) / 3)
@@ -170,7 +169,7 @@ def test_report_writes_tables_figures_and_index(project):
 
     summary = json.loads((reports / "summary.json").read_text())
     assert summary["experiments_planned"] == 14 and summary["experiments_missing"] == 1
-    assert summary["main"]["fedselectkd"]["Academic"] == pytest.approx((26 + 7 + 19) / 3, abs=1e-3)
+    assert summary["main"]["fedselectkd_tau=5"]["Academic"] == pytest.approx((26 + 7 + 19) / 3, abs=1e-3)
     # The headline DVC metrics: the main study only; fedselectkd over its 3 seeds, R-L = rougeLsum; no per-example
     # scores and no KD analysis here, so no interval and no KD usage (never invented).
     headline = json.loads((reports / "metrics.json").read_text())
@@ -196,7 +195,7 @@ def test_report_writes_tables_figures_and_index(project):
 def test_report_with_nothing_evaluated(tmp_path):
     params = {"experiments": {"a": {"method": "fedavg", "partition": "domain/seed0", "study": "main"}}}
     (tmp_path / "reports/eval/old-experiment").mkdir(parents=True)
-    index = build_report(params, ReportConfig(), Paths(tmp_path))
+    index = build_report(params, ReportConfig(), ProjectPaths(tmp_path))
     assert index["missing_experiments"] == ["a"]
     assert index["ignored_evaluations"] == ["old-experiment"]
     assert "main table" in index["not_made"]

@@ -14,7 +14,7 @@ import pandas as pd
 from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.human_eval import Prediction
-from pipeline.results.readers import PlannedRun
+from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 
 
@@ -32,7 +32,7 @@ def read_predictions(path: Path) -> dict[str, Prediction]:
     return out
 
 
-def predictions_by_method(planned: Iterable[PlannedRun], eval_dir: Path, study: str = "main",
+def predictions_by_method(planned: Iterable[Experiment], eval_dir: Path, study: str = "main",
                           seed: int | None = None) -> tuple[dict[str, dict[str, Prediction]], int | None]:
     """method -> example_id -> Prediction for one study and seed (default: the lowest seed with predictions)."""
     avail = [p for p in planned if p.study == study and (eval_dir / p.name / "predictions.jsonl").is_file()]

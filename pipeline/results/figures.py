@@ -11,7 +11,8 @@ from typing import Iterable
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.results.readers import PlannedRun, read_rounds
+from pipeline.experiments import Experiment
+from pipeline.results.readers import read_rounds
 from pipeline.results.scoring import TABLE_ROUGE_L
 
 
@@ -97,7 +98,7 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")
 
 
-def learning_curves(planned: Iterable[PlannedRun], labels: dict[str, str], train_reports: Path, models_dir: Path,
+def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, models_dir: Path,
                     figures: Path, plots: Path) -> list[dict[str, str]]:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration,
     for the lowest seed trained. Data: ``reports/plots/learning_curves/<study>--<configuration>.csv`` (round,

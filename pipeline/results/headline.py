@@ -9,12 +9,12 @@ from typing import Any, Sequence
 import pandas as pd
 
 from pipeline.results import comparisons
-from pipeline.results.readers import PlannedRun
+from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, mean_interval
 
 
-def summary_metrics(agg: pd.DataFrame, planned: Sequence[PlannedRun], missing_eval: list[str]) -> dict[str, Any]:
+def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
     """reports/summary.json (a plain output; the DVC metric is reports/metrics.json): average ROUGE per study,
     configuration and client, mean over clients."""
     out: dict[str, Any] = {"experiments_planned": len(planned), "experiments_evaluated": len(planned) - len(missing_eval),

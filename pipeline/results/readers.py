@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable
 
 import pandas as pd
 
 from pipeline.common.schema import DataError
+from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L
 
 # The scores every evaluation carries per client, in the paper's order: R-1, R-2, R-L (R-L = rougeLsum, see
@@ -23,18 +24,6 @@ METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant")
 GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
-
-
-class PlannedRun(Protocol):
-    """One planned experiment as the report reads params.yaml: what the results modules use of it."""
-
-    name: str
-    study: str
-    method: str
-    scheme: str
-    seed: int
-    tau: float | None
-    variant: str
 
 
 def load_json(path: Path, what: str = "JSON file") -> Any:
@@ -84,7 +73,7 @@ def eval_scores(metrics: dict[str, Any], path: Path) -> dict[str, dict[str, floa
     return out
 
 
-def collect_scores(planned: Iterable[PlannedRun], labels: dict[str, str],
+def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
                    eval_dir: Path) -> tuple[pd.DataFrame, list[str]]:
     """One row per (evaluated experiment, client); and the names of planned experiments without an evaluation.
     ``labels``: the display label of each experiment."""

@@ -2,7 +2,7 @@
 layout), one table per study with its paired comparisons, and the stage times.
 
 Numbers are printed by :func:`fmt` ("mean ± sample std", "(n=1)" for a single seed). Planned experiments arrive
-as objects with ``name``, ``study``, ``method``, ``seed`` (see :class:`pipeline.results.readers.PlannedRun`) and
+as objects with ``name``, ``study``, ``method``, ``seed`` (see :class:`pipeline.experiments.Experiment`) and
 their display labels as a mapping experiment -> label.
 """
 from __future__ import annotations
@@ -18,7 +18,8 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.results import comparisons, published
-from pipeline.results.readers import GROUP_COLS, METRICS, PlannedRun
+from pipeline.experiments import Experiment
+from pipeline.results.readers import GROUP_COLS, METRICS
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
 
@@ -26,7 +27,7 @@ METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_ro
 QMSUM = published.QMSUM_CLIENTS
 
 
-def aggregate(scores: pd.DataFrame, planned: Iterable[PlannedRun], labels: dict[str, str],
+def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str],
               expected_seeds: Iterable[int]) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing.
 
@@ -92,7 +93,7 @@ def backbone_slug(name: str) -> str:
 # The main table (Table III)
 
 
-def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[PlannedRun], labels: dict[str, str],
+def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
                expected_seeds: Iterable[int] = ()) -> pd.DataFrame:
     """Table III long form: method x client x metric, ours (mean/std/seeds) beside the paper's and the difference.
 
