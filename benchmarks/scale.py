@@ -202,7 +202,8 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     """Run one (engine, clients) point in this process; returns its per-round rows."""
     import torch
 
-    from pipeline.federation.apps import Recorder, run_federated
+    from pipeline.federation.engines import run_federated
+    from pipeline.training.rounds import Recorder
 
     torch.set_num_threads(cfg.threads)
     root = Path(root)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +22,10 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
+from pipeline.datasets.subsampling import subsample_test_ids
+from pipeline.modeling.adapter_io import client_adapter_path, load_local_adapter
+from pipeline.modeling.backbone_record import backbone_name
+from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 
@@ -91,43 +94,8 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
-    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client).
-
-    Every method evaluated on the same partition therefore sees the same examples (needed for paired
-    comparisons: case study, human evaluation). Order follows the partition file.
-    """
-    if k is None or k >= len(test_ids):
-        return list(test_ids)
-    chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))
-    return [i for i in test_ids if i in chosen]
-
-
-def client_adapter_path(model_dir: Path, client: str, which: str) -> Path:
-    return model_dir / "clients" / client / f"adapter_{which}.safetensors"
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# Generation
-
-
-def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
-    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
-    import torch
-    from tqdm import tqdm
-
-    tokenizer = model.tokenizer
-    outputs: list[str] = []
-    kwargs = cfg.generation_kwargs()
-    with torch.no_grad():
-        for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
-            chunk = sources[start:start + cfg.batch_size]
-            enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
-            ids = model.generate(
-                enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device), path="local", **kwargs
-            )
-            outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
-    return outputs
+# Model
 
 
 def model_config_of(experiment: dict[str, Any], where: Path):
@@ -144,24 +112,6 @@ def load_model(model_cfg, backbone_dir: Path):
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
     return AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
-
-
-def backbone_name(backbone_dir: Path, model) -> str:
-    """What the backbone stage resolved (``backbone.name`` in fedmeet_backbone.json), else the HF model type."""
-    record = backbone_dir / "fedmeet_backbone.json"
-    if record.is_file():
-        name = json.loads(record.read_text()).get("name")
-        if name:
-            return str(name)
-    return str(model.backbone.config.model_type)
-
-
-def load_adapter(model, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
-    model.load_adapter_state("local", load_file(str(path)))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -286,7 +236,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     model_cfg = model_config_of(experiment, exp_path)
     model = load_model(model_cfg, backbone_dir)
     max_src = cfg.max_source_length or model_cfg.max_source_length
-    backbone = backbone_name(backbone_dir, model)
+    backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
     scorer = Scorer(use_stemmer=True)
 
     out_dir = eval_dir / name
@@ -305,7 +255,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
             raise DataError(f"{part_path}: client {client!r} test ids not in {examples_path}: {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
         chosen = subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)
-        load_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
+        load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
         sub = examples.loc[chosen]
         predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{name}/{client}")
         scores = scorer.score_pairs(predictions, sub["target"].tolist())

@@ -6,7 +6,8 @@ import json
 import pandas as pd
 import pytest
 
-from pipeline.evaluate import EvaluateConfig, evaluate_experiment, subsample_test_ids
+from pipeline.datasets.subsampling import subsample_test_ids
+from pipeline.evaluate import EvaluateConfig, evaluate_experiment
 from pipeline.common.schema import DataError
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
