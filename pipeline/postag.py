@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
-from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
+from pipeline.modeling.batching import tokenize_pairs
 from pipeline.common.schema import DataError
 from pipeline.datasets.words import word_index_from_offsets
 from pipeline.common.timing import stage_timer

@@ -406,7 +406,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     names = client_names(load_plan(plan))
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
-    _, history = run_server(grid, _load_plan(plan), plan)
+    _, history = run_server(grid, load_plan(plan), plan)
     rows = {(r["round"], r["client"]): r for r in history}
     assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
     gone = rows[(2, "Committee")]

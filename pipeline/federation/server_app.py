@@ -22,8 +22,8 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 
 from pipeline.federation.compression import decode_state
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, downlink_reference,
-                                          decode_reply, encode_global, load_plan, payload_bytes, privacy_row)
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
+                                          downlink_reference, encode_global, payload_bytes, privacy_row)
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 from pipeline.plan import Plan
 from pipeline.training import rounds

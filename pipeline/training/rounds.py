@@ -26,6 +26,7 @@ from pipeline.modeling.adapter_io import adapter_file, save_adapter
 from pipeline.plan import Plan, plan_hash
 
 log = logging.getLogger("fedmeet.train")
+_federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 
 ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share",
                 "epsilon", "clipped_fraction")  # the last two under privacy.mode example only
@@ -215,13 +216,12 @@ class Recorder:
     """Receives each finished round (rounds.json, MLflow...). The base class only logs."""
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
-        logging.getLogger("fedmeet.federated").info("%s: %d clients %s, rounds %d..%d", plan.experiment,
-                                                    len(clients), clients, start_round, plan.train.rounds)
+        _federated_log.info("%s: %d clients %s, rounds %d..%d", plan.experiment, len(clients), clients, start_round,
+                            plan.train.rounds)
 
     def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
         losses = ", ".join(f"{r['client']} {r.get('val_loss', float('nan')):.4f}" for r in entry.rows)
-        logging.getLogger("fedmeet.federated").info("%s round %d (%.1fs): val loss %s", plan.experiment,
-                                                    entry.round, entry.seconds, losses)
+        _federated_log.info("%s round %d (%.1fs): val loss %s", plan.experiment, entry.round, entry.seconds, losses)
 
 
 class TrainRecorder:
