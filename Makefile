@@ -51,7 +51,7 @@ reliability: setup
 # priority, verdicts kept in mutants/ between runs, so `make mutants MODULES=modeling.losses` runs a part. Then
 # reports/mutation.md. MUTANTS=survivors re-runs only the mutants no test detected last time (after new tests).
 MODULES ?= modeling.losses federation.strategies federation.compression partitioning.schemes results.scoring \
-	modeling.adapters datasets.sources federation.apps
+	modeling.adapters datasets.sources federation.protocol federation.client_app federation.server_app
 MUTANTS ?= all
 mutants: setup
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'

@@ -2,12 +2,12 @@
 
 A round moves, per sampled client, one ``train`` instruction down (the global adapter + config) and one reply up
 (the local adapter + counts); the evaluate messages of fedmeet's methods carry no arrays. Each message is built
-like ``pipeline.federation.apps`` builds it (``ArrayRecord.from_torch_state_dict`` under ``arrays``, a ``ConfigRecord``
+like ``pipeline.federation.client_app`` builds it (``ArrayRecord.from_torch_state_dict`` under ``arrays``, a ``ConfigRecord``
 down, a ``MetricRecord`` of counts up) and measured three ways:
 - ``wire_bytes``: Flower's own serialisation, what a SuperNode/SuperLink pushes: the message is an inflatable
   object tree (message -> record dict -> records -> arrays -> array chunks), each object sent as its
   ``deflate()`` bytes (header + protobuf body), identical objects once (content-addressed);
-- ``record_bytes``: ``ArrayRecord.count_bytes()``, what ``pipeline.federation.apps`` logs as bytes_up/bytes_down;
+- ``record_bytes``: ``ArrayRecord.count_bytes()``, what ``pipeline.federation.server_app`` logs as bytes_up/bytes_down;
 - ``tensor_bytes``: the raw tensor bytes.
 Full-model FedAvg moves every backbone parameter (tied weights once) both ways in fp32.
 """
@@ -19,7 +19,8 @@ from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from benchmarks.common import Shape, build_summarizer
 from pipeline.federation.compression import TRANSFER_DTYPES, decode_state, encode_state, encoded_nbytes, transfer_error_bound
-from pipeline.federation.apps import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, _set_server_identity
+from pipeline.federation.engines import _set_server_identity
+from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 
 
@@ -33,7 +34,7 @@ def round_messages(down_state: dict[str, torch.Tensor], up_state: dict[str, torc
     down_arrays = ArrayRecord.from_torch_state_dict(down_state)
     config = ConfigRecord({"server-round": 1, "plan": "models/plans/experiment.json"})
     down = Message(RecordDict({ARRAYS_KEY: down_arrays, CONFIG_KEY: config}), dst_node_id=2, message_type="train")
-    metrics = MetricRecord({  # the keys pipeline.federation.apps.client_train replies with (counts and losses only)
+    metrics = MetricRecord({  # the keys pipeline.federation.client_app.client_train replies with (counts and losses only)
         NUM_EXAMPLES_KEY: 200, NUM_STEPS_KEY: 50, "num-tokens": 12000, "train-loss": 3.1, "ce": 3.2, "kd": 0.4,
         "kd-fraction": 0.3, "proximal": 0.0,
     })

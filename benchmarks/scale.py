@@ -93,7 +93,7 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path."""
     from pipeline.partition import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
-    from pipeline.plan import ExperimentEntry, resolve_plan
+    from pipeline.experiments import parse_entry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "models").mkdir(exist_ok=True)
@@ -108,11 +108,12 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     ppath = root / "data" / "partitions" / "quantity" / f"seed{cfg.seed}.json"
     ppath.parent.mkdir(parents=True, exist_ok=True)
     ppath.write_text(json.dumps(partition_json(part, "quantity", cfg.seed, pcfg)))
-    train = {"rounds": cfg.rounds, "batch_size": 4, "lr": 5.0e-3, "engine": engine, "ray_cpus_per_client": 1.0}
-    entry = ExperimentEntry(method="fedavg", partition=f"quantity/seed{cfg.seed}", seed=cfg.seed, study="bench",
-                            tau=None, train={})
+    train = {"rounds": cfg.rounds, "batch_size": 4, "lr": 5.0e-3}
+    params = {"tau": 5.0, "model": MODEL, "train": train}
     name = f"scale-{engine}-{n_clients}"
-    plan = resolve_plan(name, entry, {"tau": 5.0, "model": MODEL, "train": train})
+    entry = parse_entry(name, {"method": "fedavg", "partition": f"quantity/seed{cfg.seed}", "seed": cfg.seed,
+                               "study": "bench"}, params)
+    plan = resolve_plan(entry, params)
     path = root / "models" / "plans" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2, sort_keys=True))
@@ -202,7 +203,9 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     """Run one (engine, clients) point in this process; returns its per-round rows."""
     import torch
 
-    from pipeline.federation.apps import Recorder, run_federated
+    from pipeline.experiments import RunSettings
+    from pipeline.federation.engines import run_federated
+    from pipeline.training.rounds import Recorder
 
     torch.set_num_threads(cfg.threads)
     root = Path(root)
@@ -237,7 +240,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     sampler.start()
     try:
         with _in_workspace(root):
-            run_federated(plan_path, timer)
+            run_federated(plan_path, timer, RunSettings(engine=engine, ray_cpus_per_client=1.0))
     finally:
         sampler.stop()
     partition = json.loads((root / "data" / "partitions" / "quantity" / f"seed{cfg.seed}.json").read_text())

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,107 +22,27 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
+from pipeline.experiments import read_plan
+from pipeline.modeling.model import ModelConfig
+from pipeline.paths import PATHS
+from pipeline.results.evaluation import EvaluateConfig, import_evaluations, log_to_mlflow
 from pipeline.results.readers import read_json
+from pipeline.datasets.subsampling import subsample_test_ids
+from pipeline.modeling.adapter_io import client_adapter_path, load_local_adapter
+from pipeline.modeling.backbone_record import backbone_name
+from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 
-EVAL_DIR = Path("reports/eval")
-MODELS_DIR = Path("models")
-EXAMPLES_PATH = Path("data/processed/examples.parquet")
-PARTITIONS_DIR = Path("data/partitions")
-BACKBONE_DIR = Path("models/backbone")
-
-
-@dataclass
-class EvaluateConfig:
-    adapter: str = "best"
-    batch_size: int = 4
-    num_beams: int = 4
-    max_target_length: int = 128
-    min_target_length: int = 10
-    no_repeat_ngram_size: int = 3
-    length_penalty: float = 1.0
-    max_source_length: int | None = None
-    test_examples_per_client: int | None = None
-    subsample_seed: int = 0
-    log_text_to_mlflow: bool = False
-
-    def __post_init__(self) -> None:
-        if self.adapter not in ("best", "final"):
-            raise ValueError(f"evaluate.adapter: expected 'best' or 'final', got {self.adapter!r}")
-        for name in ("batch_size", "num_beams", "max_target_length"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"evaluate.{name}: must be >= 1, got {getattr(self, name)!r}")
-        if self.min_target_length < 0 or self.min_target_length > self.max_target_length:
-            raise ValueError(
-                f"evaluate.min_target_length: must be in [0, max_target_length={self.max_target_length}], "
-                f"got {self.min_target_length!r}"
-            )
-        if self.test_examples_per_client is not None and self.test_examples_per_client < 1:
-            raise ValueError(
-                f"evaluate.test_examples_per_client: must be >= 1 or null (all), got {self.test_examples_per_client!r}"
-            )
-
-    def generation_kwargs(self) -> dict[str, Any]:
-        return {
-            "num_beams": self.num_beams,
-            "max_new_tokens": self.max_target_length,
-            "min_new_tokens": self.min_target_length,
-            "no_repeat_ngram_size": self.no_repeat_ngram_size,
-            "length_penalty": self.length_penalty,
-            "early_stopping": True,
-            "do_sample": False,
-        }
+EVAL_DIR = PATHS.eval_reports
+MODELS_DIR = PATHS.models
+EXAMPLES_PATH = PATHS.examples
+PARTITIONS_DIR = PATHS.partitions
+BACKBONE_DIR = PATHS.backbone
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Inputs
-
-
-def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
-    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client).
-
-    Every method evaluated on the same partition therefore sees the same examples (needed for paired
-    comparisons: case study, human evaluation). Order follows the partition file.
-    """
-    if k is None or k >= len(test_ids):
-        return list(test_ids)
-    chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))
-    return [i for i in test_ids if i in chosen]
-
-
-def client_adapter_path(model_dir: Path, client: str, which: str) -> Path:
-    return model_dir / "clients" / client / f"adapter_{which}.safetensors"
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Generation
-
-
-def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
-    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
-    import torch
-    from tqdm import tqdm
-
-    tokenizer = model.tokenizer
-    outputs: list[str] = []
-    kwargs = cfg.generation_kwargs()
-    with torch.no_grad():
-        for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
-            chunk = sources[start:start + cfg.batch_size]
-            enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
-            ids = model.generate(
-                enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device), path="local", **kwargs
-            )
-            outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
-    return outputs
-
-
-def model_config_of(experiment: dict[str, Any], where: Path):
-    """The experiment's `model` group (adapter shape, max lengths) as pipeline.modeling.model.ModelConfig."""
-    from pipeline.modeling.model import ModelConfig
-
-    return from_dict(ModelConfig, experiment.get("model") or {}, f"{where}: model")
+# Model
 
 
 def load_model(model_cfg, backbone_dir: Path):
@@ -133,118 +52,6 @@ def load_model(model_cfg, backbone_dir: Path):
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
     return AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
-
-
-def backbone_name(backbone_dir: Path, model) -> str:
-    """What the backbone stage resolved (``backbone.name`` in fedmeet_backbone.json), else the HF model type."""
-    record = backbone_dir / "fedmeet_backbone.json"
-    if record.is_file():
-        name = json.loads(record.read_text()).get("name")
-        if name:
-            return str(name)
-    return str(model.backbone.config.model_type)
-
-
-def load_adapter(model, path: Path) -> None:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
-    model.load_adapter_state("local", load_file(str(path)))
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# MLflow
-
-
-def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dict[str, str]:
-    """Tags the MLflow compare view lines runs up by (the train stage sets the same ones)."""
-    tags = {"experiment": name}
-    for key in ("method", "partition", "seed", "study", "tau"):
-        if experiment.get(key) is not None:
-            tags[key] = str(experiment[key])
-    if backbone:
-        tags["backbone"] = backbone
-    from pipeline.experiments import record_hash
-    from pipeline.results.tracking import dvc_tags, git_state
-
-    return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
-
-
-def find_training_run(name: str, study: str, plan_hash: str | None = None) -> str | None:
-    """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow
-    experiment - with ``plan_hash``, the one that trained exactly this plan (two ablation points of one experiment
-    share its name), else the latest without a plan hash (trained before runs carried one) - or None."""
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.results.tracking import experiment_id, tracking_uri
-
-    client = MlflowClient(tracking_uri=tracking_uri())
-    runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
-                              order_by=["attributes.start_time DESC"], max_results=200)
-    if plan_hash is None:
-        return runs[0].info.run_id if runs else None
-    for wanted in (plan_hash, None):
-        for run in runs:
-            if run.data.tags.get("plan_hash") == wanted:
-                return run.info.run_id
-    return None
-
-
-# The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
-# listed before the others, so the compare view opens on the client averages ranked across runs.
-HEADLINE_PREFIX = "client_avg"
-HEADLINE_KEYS = {"ROUGE-1": "rouge1", "ROUGE-2": "rouge2", "ROUGE-L": TABLE_ROUGE_L, "avg_ROUGE": "avg_rouge"}
-
-
-def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>`` (ROUGE-L as the tables use it) with ``_ci_low`` and
-    ``_ci_high``: the bootstrap interval of the client average the evaluation computed (``mean_ci``)."""
-    out = {}
-    for label, key in HEADLINE_KEYS.items():
-        out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
-        interval = (metrics.get("mean_ci") or {}).get(key)
-        if interval:
-            out[f"{HEADLINE_PREFIX}/{label}_ci_low"] = float(interval["low"])
-            out[f"{HEADLINE_PREFIX}/{label}_ci_high"] = float(interval["high"])
-    return out
-
-
-def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
-                  cfg: EvaluateConfig) -> str:
-    """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
-    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
-    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
-    from pipeline.results.tracking import RunLogger
-
-    from pipeline.experiments import record_hash
-
-    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
-                                                                  record_hash(experiment))
-    if run_id:
-        logger = RunLogger(run_id)
-    else:
-        logger = RunLogger.start(str(experiment.get("study") or "main"), name, {},
-                                 run_tags(name, experiment, metrics.get("backbone")))
-    values: dict[str, float] = {}
-    for client, scores in metrics["clients"].items():
-        for key in (*ROUGE_TYPES, "avg_rouge"):
-            values[f"eval.{client}.{key}"] = float(scores[key])
-    for key in (*ROUGE_TYPES, "avg_rouge"):
-        values[f"eval.mean.{key}"] = float(metrics["mean"][key])
-    values |= headline_metrics(metrics)
-    logger.log_metrics(values, step=0)
-    # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
-    # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
-    logger.set_tags({f"evaluate.{k}": v for k, v in asdict(cfg).items()}
-                    | {"rouge_l_in_tables": TABLE_ROUGE_L}
-                    | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {}))
-    logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
-    if cfg.log_text_to_mlflow:
-        logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
-    if not run_id:
-        logger.finish()
-    return logger.run_id
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -258,11 +65,11 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     """Generate and score every client's test subsample for experiment ``name``; returns metrics.json's content."""
     model_dir = models_dir / name
     exp_path = model_dir / "experiment.json"
-    experiment = read_json(exp_path, "experiment record (written by the train stage)")
-    for key in ("method", "partition"):
-        if key not in experiment:
-            raise DataError(f"{exp_path}: missing key {key!r}")
-    part_path = partitions_dir / f"{experiment['partition']}.json"
+    if not exp_path.is_file():
+        raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
+    plan = read_plan(exp_path)  # the plan the adapters were trained with
+    experiment = plan.to_json_dict()
+    part_path = partitions_dir / f"{plan.partition}.json"
     partition = read_json(part_path, "partition")
     clients = partition.get("clients")
     if not isinstance(clients, dict) or not clients:
@@ -272,10 +79,10 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
 
-    model_cfg = model_config_of(experiment, exp_path)
+    model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
     model = load_model(model_cfg, backbone_dir)
     max_src = cfg.max_source_length or model_cfg.max_source_length
-    backbone = backbone_name(backbone_dir, model)
+    backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
     scorer = Scorer(use_stemmer=True)
 
     out_dir = eval_dir / name
@@ -294,7 +101,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
             raise DataError(f"{part_path}: client {client!r} test ids not in {examples_path}: {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
         chosen = subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)
-        load_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
+        load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
         sub = examples.loc[chosen]
         predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{name}/{client}")
         scores = scorer.score_pairs(predictions, sub["target"].tolist())
@@ -323,10 +130,10 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     mean_ci, ci = client_average_intervals(per_example, bootstrap or BootstrapConfig())
     metrics = {
         "experiment": name,
-        "method": experiment["method"],
-        "partition": experiment["partition"],
-        "seed": experiment.get("seed"),
-        "study": experiment.get("study"),
+        "method": plan.method,
+        "partition": plan.partition,
+        "seed": plan.seed,
+        "study": plan.study,
         "backbone": backbone,
         "adapter": cfg.adapter,
         "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
@@ -355,27 +162,6 @@ def client_average_intervals(per_example: pd.DataFrame, cfg: BootstrapConfig) ->
     return intervals, {"level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
                        "method": "percentile bootstrap of the client average, test examples resampled within "
                                  "clients (one seed: the choice of test examples only)"}
-
-
-def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]:
-    """Log evaluation records (``reports/.../eval/<exp>/metrics.json``) into the store, each into its training run
-    when the store has it, else into a new run of the study's experiment (e.g. results computed with
-    ``--no-mlflow`` on another machine). Generated text is never logged. Returns the run ids."""
-    import dataclasses
-
-    fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
-    run_ids = []
-    for path in paths:
-        metrics = read_json(Path(path), "evaluation record (reports/eval/<exp>/metrics.json)")
-        missing = [k for k in ("experiment", "clients", "mean") if k not in metrics]
-        if missing:
-            raise DataError(f"{path}: not an evaluation record (missing {missing})")
-        record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
-        record["study"] = study or metrics.get("study") or "main"
-        settings = {k: v for k, v in (metrics.get("decoding") or {}).items() if k in fields}
-        cfg = from_dict(EvaluateConfig, settings | {"adapter": metrics.get("adapter", "best")}, f"{path}: decoding")
-        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg))
-    return run_ids
 
 
 def main(argv: list[str] | None = None) -> int:

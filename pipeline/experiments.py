@@ -20,6 +20,7 @@ Paths are not in plans either (:mod:`pipeline.paths`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -451,5 +452,11 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
 def current_run_settings(experiment: str | None = None, params_path: str | Path = "params.yaml") -> RunSettings:
     """:func:`run_settings` of the project's params.yaml (where DVC runs every stage); the defaults where there is
     none (a SuperNode's working directory holds no params.yaml unless its site puts one there)."""
-    p = Path(params_path)
-    return run_settings(load_params(p), experiment) if p.exists() else RunSettings()
+    p = Path(params_path).resolve()
+    return _settings_of_file(str(p), p.stat().st_mtime_ns if p.exists() else None, experiment)
+
+
+@functools.lru_cache(maxsize=32)
+def _settings_of_file(path: str, mtime_ns: int | None, experiment: str | None) -> RunSettings:
+    # read once per file version: clients ask for every batch they train
+    return run_settings(load_params(path), experiment) if mtime_ns is not None else RunSettings()

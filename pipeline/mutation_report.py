@@ -36,7 +36,8 @@ EQUIVALENT = Path("tests/mutation_equivalent.yaml")
 # The core, in the order it is run and reported (pyproject.toml [tool.mutmut] only_mutate).
 # Dotted below pipeline/, as mutmut names the mutants (pipeline.<module>.x_<function>__mutmut_<n>).
 CORE = ("modeling.losses", "federation.strategies", "federation.compression", "partitioning.schemes",
-        "results.scoring", "modeling.adapters", "datasets.sources", "federation.apps")
+        "results.scoring", "modeling.adapters", "datasets.sources", "federation.protocol",
+        "federation.client_app", "federation.server_app")
 GOAL = 0.90
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.

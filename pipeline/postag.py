@@ -31,16 +31,16 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
-from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
+from pipeline.modeling.batching import tokenize_pairs
 from pipeline.common.schema import DataError
 from pipeline.datasets.words import word_index_from_offsets
 from pipeline.common.timing import stage_timer
+from pipeline.datasets.postags import POSTAG_COLUMNS
 
 EXAMPLES = Path("data/processed/examples.parquet")
 BACKBONE = Path("models/backbone")
 OUT = Path("data/processed/postags.parquet")
 REPORT = Path("reports/data/postag.json")
-POSTAG_COLUMNS = ["example_id", "position", "token_id", "word_index", "word", "pos", "is_noun_or_verb"]
 UNIVERSAL_TAGS = (
     "ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split()
 )
@@ -167,60 +167,6 @@ def tag_targets(
     table["is_noun_or_verb"] = table["is_noun_or_verb"].astype(bool)
     pos_counts = {str(k): int(v) for k, v in table["pos"].value_counts().sort_index().items()}
     return TaggedTargets(table, len(targets), len(table), n_words, n_no_word, pos_counts)
-
-
-class NounVerbMasks:
-    """Per example, which label positions are nouns or verbs: the mask of the noun-verb hard-KD method."""
-
-    def __init__(self, table: pd.DataFrame, source: str = str(OUT)) -> None:
-        missing = sorted(set(POSTAG_COLUMNS) - set(table.columns))
-        if missing:
-            raise DataError(f"{source}: missing column(s) {missing}")
-        self.source = source
-        self._mask: dict[str, np.ndarray] = {}
-        self._ids: dict[str, np.ndarray] = {}
-        table = table.sort_values(["example_id", "position"], kind="stable")
-        for eid, g in table.groupby("example_id", sort=False):
-            pos = g["position"].to_numpy()
-            if not np.array_equal(pos, np.arange(len(pos))):
-                raise DataError(f"{source}: example {eid}: positions are not 0..{len(pos) - 1}")
-            self._mask[str(eid)] = g["is_noun_or_verb"].to_numpy(dtype=bool)
-            self._ids[str(eid)] = g["token_id"].to_numpy(dtype=np.int64)
-
-    @classmethod
-    def from_parquet(cls, path: str | Path = OUT) -> "NounVerbMasks":
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: POS tags not found (run `dvc repro postag`)")
-        return cls(pd.read_parquet(path, columns=POSTAG_COLUMNS), str(path))
-
-    def __contains__(self, example_id: str) -> bool:
-        return example_id in self._mask
-
-    def __getitem__(self, example_id: str) -> np.ndarray:
-        if example_id not in self._mask:
-            raise DataError(f"{self.source}: example {example_id} has no POS tags (postag.datasets excludes it?)")
-        return self._mask[example_id]
-
-    def batch(self, example_ids: Sequence[str], labels) -> np.ndarray:
-        """[B, T] bool mask for a batch's ``labels`` ([B, T] ids, IGNORE_INDEX on padding).
-
-        Checks that the tagged token ids equal the batch's labels, so a mask can never be applied to a
-        differently tokenised target.
-        """
-        labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
-        out = np.zeros(labels.shape, dtype=bool)
-        for b, eid in enumerate(example_ids):
-            row = labels[b]
-            n = int((row != IGNORE_INDEX).sum())
-            if n != len(self._ids.get(eid, ())) or not np.array_equal(row[:n], self._ids[eid]):
-                self[eid]  # raises for an unknown example
-                raise DataError(
-                    f"{self.source}: example {eid}: tagged token ids differ from the training labels "
-                    f"(tagged {len(self._ids[eid])} tokens, batch {n}); re-run the postag stage"
-                )
-            out[b, :n] = self._mask[eid]
-        return out
 
 
 def backbone_decoder_start(backbone: Path) -> int | None:

@@ -14,18 +14,18 @@ class Killed(Exception):
 def killed_after_checkpoint(monkeypatch, rnd: int = 1):
     """The run inside dies right after the server checkpoint of round ``rnd`` is written (and before anything
     that round logs afterwards); the block must end by that death. The real checkpoint writer is restored after."""
-    from pipeline.federation import apps as federated
+    from pipeline.federation import server_app
 
-    real_save = federated.save_server_checkpoint
+    real_save = server_app.save_server_checkpoint
 
     def save_then_die(plan, r, *args, **kwargs):
         real_save(plan, r, *args, **kwargs)
         if r == rnd:
             raise Killed(f"simulated kill after round {rnd}'s checkpoint")
 
-    monkeypatch.setattr(federated, "save_server_checkpoint", save_then_die)
+    monkeypatch.setattr(server_app, "save_server_checkpoint", save_then_die)
     try:
         with pytest.raises(Killed):
             yield
     finally:
-        monkeypatch.setattr(federated, "save_server_checkpoint", real_save)
+        monkeypatch.setattr(server_app, "save_server_checkpoint", real_save)

@@ -164,10 +164,10 @@ def _die() -> None:
 def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
     """Inside ``client``'s round-``rnd`` training, at the loss of its ``batch``-th batch (after the optimizer steps
     of the batches before it; the clients trained before it this round have written their gate logs)."""
-    from pipeline.training import client as client_training
     from pipeline.modeling import losses
+    from pipeline.training import local as local_training
 
-    real_train, real_loss = client_training.train_local, losses.distillation_loss
+    real_train, real_loss = local_training.train_local, losses.distillation_loss
     state = {"armed": False, "batches": 0}
 
     def train_local(*args, **kwargs):
@@ -184,15 +184,15 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
                 _die()
         return real_loss(*args, **kwargs)
 
-    client_training.train_local = train_local
+    local_training.train_local = train_local
     losses.distillation_loss = distillation_loss  # train_local imports it at each call
 
 
 def _kill_after_aggregation(rnd: int) -> None:
     """Right after the server's strategy aggregated round ``rnd`` (before the clients evaluate it)."""
-    from pipeline.federation import apps as federated
+    from pipeline.federation import server_app
 
-    real_build = federated.build_strategy
+    real_build = server_app.build_strategy
 
     def build_strategy(*args, **kwargs):
         strategy = real_build(*args, **kwargs)
@@ -207,35 +207,35 @@ def _kill_after_aggregation(rnd: int) -> None:
         strategy.aggregate_train = aggregate_train
         return strategy
 
-    federated.build_strategy = build_strategy
+    server_app.build_strategy = build_strategy
 
 
 def _kill_after_recording(rnd: int) -> None:
     """Between rounds: round ``rnd`` checkpointed and recorded (rounds.json, MLflow), round ``rnd + 1`` not begun."""
-    from pipeline import train
+    from pipeline.training.rounds import TrainRecorder
 
-    real = train.TrainRecorder.round_done
+    real = TrainRecorder.round_done
 
     def round_done(self, plan, entry, history):
         real(self, plan, entry, history)
         if entry.round == rnd:
             _die()
 
-    train.TrainRecorder.round_done = round_done
+    TrainRecorder.round_done = round_done
 
 
 def _kill_after_checkpoint(rnd: int) -> None:
     """After the server checkpointed round ``rnd``, before the round is recorded (rounds.json, MLflow)."""
-    from pipeline.federation import apps as federated
+    from pipeline.federation import server_app
 
-    real = federated.save_server_checkpoint
+    real = server_app.save_server_checkpoint
 
     def save_server_checkpoint(plan, server_round, *args, **kwargs):
         real(plan, server_round, *args, **kwargs)
         if server_round == rnd:
             _die()
 
-    federated.save_server_checkpoint = save_server_checkpoint
+    server_app.save_server_checkpoint = save_server_checkpoint
 
 
 def _kill_in_write(name: str) -> None:
@@ -305,7 +305,7 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
 
     from pipeline.common import cli  # noqa: F401
 
-    from pipeline.federation import apps as federated
+    from pipeline.federation import engines  # noqa: F401  (Flower and the apps, imported before the forks)
 
     from pipeline import train
 

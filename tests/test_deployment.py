@@ -1,6 +1,6 @@
 """Real federation: the deployed ServerApp's records, federated evaluation, local SuperLink/SuperNode runs.
 
-The first tests drive ``pipeline.federation.apps:server_app`` (what a SuperLink runs) over the in-process Grid; the
+The first tests drive ``pipeline.federation.server_app:server_app`` (what a SuperLink runs) over the in-process Grid; the
 later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.local),
 each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
@@ -37,10 +37,13 @@ def _serve_inprocess(plan_path: str, **run_config):
     from flwr.app import Context, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from pipeline.training import client as client_training
-    from pipeline.federation.apps import InProcessGrid, _load_plan, _set_server_identity, client_app, server_app
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import server_app
+    from pipeline.training.client_data import client_names
 
-    names = client_training.client_names(_load_plan(plan_path))
+    names = client_names(load_plan(plan_path))
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
     _set_server_identity(grid.run.run_id)
     server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
@@ -57,7 +60,8 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     from safetensors.torch import load_file
 
     from pipeline.common.config import from_dict
-    from pipeline.evaluate import EvaluateConfig, evaluate_experiment
+    from pipeline.evaluate import evaluate_experiment
+    from pipeline.results.evaluation import EvaluateConfig
     from pipeline.train import run_experiment
 
     _serve_inprocess(write_plan("dep", "fedselectkd"))
@@ -206,10 +210,11 @@ def _pair_partition() -> str:
 
 
 def _server_round(plan_path: str) -> int:
-    from pipeline.federation.apps import _load_plan, load_server_checkpoint
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import load_server_checkpoint
 
     try:
-        ckpt = load_server_checkpoint(_load_plan(plan_path))
+        ckpt = load_server_checkpoint(load_plan(plan_path))
     except Exception:  # noqa: BLE001 -- a file being replaced; read it again on the next poll
         return 0
     return int(ckpt["round"]) if ckpt else 0
@@ -256,8 +261,9 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     from pipeline.federation.local import FederationError, LocalFederation, run_local
 
     before = _flower_pids()
-    plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4, round_timeout_s=40)
+    plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4)
     cfg = _local(plan)
+    cfg.run_config["round-timeout-s"] = 40.0  # a run-time setting: the site's choice, not the plan's
     events: list[str] = []
     fed = LocalFederation(cfg)
     with fed:
@@ -312,10 +318,11 @@ def test_ray_engine_gives_the_in_process_result(ws):
         ray.shutdown()
     except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
         pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
+    from pipeline.experiments import RunSettings
     from pipeline.train import run_experiment
 
     run_experiment(write_plan("ray-ref", "fedavg"), track=False)
-    run_experiment(write_plan("ray", "fedavg", engine="ray", ray_cpus_per_client=1.0), track=False)
+    run_experiment(write_plan("ray", "fedavg"), track=False, settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
     a, b = _final_adapters("ray"), _final_adapters("ray-ref")
     assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
     for client in a:
@@ -376,8 +383,11 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
 def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws):
     """Over the in-process Grid: Committee's node is gone in round 2 (as a SuperNode marked offline) and is back
     in round 3 under a new node id (a restarted SuperNode without authentication)."""
-    from pipeline.training import client as client_training
-    from pipeline.federation.apps import InProcessGrid, _load_plan, _set_server_identity, client_app, run_server
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import run_server
+    from pipeline.training.client_data import client_names
 
     class Flaky(InProcessGrid):
         calls = 0
@@ -396,10 +406,10 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
             return list(self.contexts)
 
     plan = write_plan("flaky", "fedavg", rounds=3)
-    names = client_training.client_names(_load_plan(plan))
+    names = client_names(load_plan(plan))
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
-    _, history = run_server(grid, _load_plan(plan), plan)
+    _, history = run_server(grid, load_plan(plan), plan)
     rows = {(r["round"], r["client"]): r for r in history}
     assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
     gone = rows[(2, "Committee")]

@@ -6,7 +6,9 @@ import json
 import pandas as pd
 import pytest
 
-from pipeline.evaluate import EvaluateConfig, evaluate_experiment, subsample_test_ids
+from pipeline.datasets.subsampling import subsample_test_ids
+from pipeline.evaluate import evaluate_experiment
+from pipeline.results.evaluation import EvaluateConfig
 from pipeline.common.schema import DataError
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
@@ -31,7 +33,8 @@ def workspace(tmp_path_factory):
     """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
     from safetensors.torch import save_file
 
-    from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+    from pipeline.experiments import model_config
+    from pipeline.modeling.model import AdapterSummarizer
 
     root = tmp_path_factory.mktemp("evalws")
     backbone = save_tiny("bart", root / "models" / "backbone")
@@ -49,7 +52,7 @@ def workspace(tmp_path_factory):
     (root / "partitions" / "domain").mkdir(parents=True)
     (root / "partitions" / "domain" / "seed0.json").write_text(json.dumps(partition))
 
-    model = AdapterSummarizer.from_pretrained(backbone, ModelConfig(**MODEL).adapter_config())
+    model = AdapterSummarizer.from_pretrained(backbone, model_config({"model": MODEL}).adapter_config())
     exp_dir = root / "models" / "exp1"
     for client in CLIENTS:
         d = exp_dir / "clients" / client

@@ -96,11 +96,11 @@ def ws(workspace, monkeypatch):
 
 def write_plan(name: str, method: str, partition: str = "domain/seed0", tau: float | None = None,
                model: dict | None = None, **train) -> str:
-    from pipeline.plan import ExperimentEntry, resolve_plan
+    from pipeline.experiments import parse_entry, resolve_plan
 
     params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
-    entry = ExperimentEntry(method=method, partition=partition, seed=0, study="tests", tau=tau, train={})
-    plan = resolve_plan(name, entry, params)
+    entry = {"method": method, "partition": partition, "seed": 0, "study": "tests"} | ({"tau": tau} if tau else {})
+    plan = resolve_plan(parse_entry(name, entry, params), params)
     path = Path("models/plans") / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2, sort_keys=True))
@@ -117,7 +117,7 @@ def _final_adapters(name: str) -> dict[str, dict[str, torch.Tensor]]:
 def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
-    from pipeline.federation.apps import _set_server_identity
+    from pipeline.federation.engines import _set_server_identity
 
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
@@ -142,7 +142,8 @@ def test_fedavg_aggregate_is_the_example_weighted_mean():
 def test_fednova_normalises_updates_by_local_steps():
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from pipeline.federation.apps import InProcessGrid, _set_server_identity, client_app
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies import FedOptConfig, build_strategy
 
     _set_server_identity(1)  # configure_train creates Messages (run alone, no earlier test has set it)
@@ -164,14 +165,17 @@ def test_fednova_normalises_updates_by_local_steps():
 def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.training import client as client_training
-    from pipeline.federation.apps import TRAIN_METRIC_KEYS, _set_server_identity, client_app
-    from pipeline.plan import read_plan
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.experiments import read_plan
+    from pipeline.training.local import GATE_LOG_COLUMNS
+    from pipeline.training.shared_model import initial_adapter_state
 
     path = write_plan("reply-check", "fedselectkd")
     plan = read_plan(path)
     _set_server_identity(1)
-    initial = client_training.initial_adapter_state(plan)
+    initial = initial_adapter_state(plan)
     msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
                               "config": ConfigRecord({"server-round": 1, "plan": path})}),
                   dst_node_id=1000, message_type="train")
@@ -195,7 +199,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     assert any(not np.allclose(arrays[k].numpy(), initial[k].numpy()) for k in initial)
     # the gate log stayed on the client's disk
     gate = pd.read_parquet(Path(plan.paths["out_dir"]) / "clients" / "Committee" / "gate_log" / "round001.parquet")
-    assert list(gate.columns) == client_training.GATE_LOG_COLUMNS
+    assert list(gate.columns) == GATE_LOG_COLUMNS
     assert gate["client"].eq("Committee").all() and len(gate) == metrics["num-tokens"]
 
 
@@ -285,8 +289,8 @@ def test_same_seed_gives_identical_adapters(ws):
 
 
 def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
-    from pipeline.training import client as client_training
     from pipeline.train import run_experiment
+    from pipeline.training import local as local_training
 
     path = write_plan("resume", "fedselectkd")
     with killed_after_checkpoint(monkeypatch, rnd=1):
@@ -294,13 +298,13 @@ def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
     assert torch.load("models/resume/checkpoint/server.pt", weights_only=False)["round"] == 1
 
     trained_rounds = []
-    real_train = client_training.train_local
+    real_train = local_training.train_local
 
     def counting(*args, **kwargs):
         trained_rounds.append(kwargs["rnd"])
         return real_train(*args, **kwargs)
 
-    monkeypatch.setattr(client_training, "train_local", counting)
+    monkeypatch.setattr(local_training, "train_local", counting)
     run_experiment(path, track=False)
     assert trained_rounds == [2, 2, 2]  # round 1 was not redone
     history = json.loads(Path("models/resume/rounds.json").read_text())
@@ -424,11 +428,11 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
 
 
 def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
-    from pipeline.training import client as client_training
-    from pipeline.federation import apps as federated
+    from pipeline.federation import server_app
     from pipeline.train import run_experiment
+    from pipeline.training import local as local_training
 
-    real_train = client_training.train_local
+    real_train = local_training.train_local
     aggregated_weights = []
 
     def flaky(*args, **kwargs):
@@ -436,8 +440,8 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
             raise RuntimeError("disk full on the Committee client")
         return real_train(*args, **kwargs)
 
-    monkeypatch.setattr(client_training, "train_local", flaky)
-    real_aggregate = federated.build_strategy  # the module global run_server calls
+    monkeypatch.setattr(local_training, "train_local", flaky)
+    real_aggregate = server_app.build_strategy  # the module global run_server calls
 
     def spying_strategy(*args, **kwargs):
         strategy = real_aggregate(*args, **kwargs)
@@ -452,7 +456,7 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
         strategy.aggregate_train = aggregate
         return strategy
 
-    monkeypatch.setattr(federated, "build_strategy", spying_strategy)
+    monkeypatch.setattr(server_app, "build_strategy", spying_strategy)
     metrics = run_experiment(write_plan("flaky", "fedavg"), track=False)
     history = json.loads(Path("models/flaky/rounds.json").read_text())
     committee = {r["round"]: r for r in history if r["client"] == "Committee"}
@@ -466,11 +470,11 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
 def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
     """Run an experiment recording each client's reply before encoding (its local state, the encoded tensors)
     and what the strategy aggregated each round (the decoded replies, their weights, the result)."""
-    from pipeline.federation import apps as federated
+    from pipeline.federation import client_app, server_app
     from pipeline.train import run_experiment
 
     uplinks, aggregates = [], []
-    real_encode, real_build = federated.encode_reply, federated.build_strategy
+    real_encode, real_build = client_app.encode_reply, server_app.build_strategy
 
     def encode_spy(local, plan, received):
         record = real_encode(local, plan, received)
@@ -496,8 +500,8 @@ def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
         return strategy
 
     with pytest.MonkeyPatch.context() as mp:  # undone after this run: spies of two runs must not stack
-        mp.setattr(federated, "encode_reply", encode_spy)
-        mp.setattr(federated, "build_strategy", build_spy)
+        mp.setattr(client_app, "encode_reply", encode_spy)  # the module global client_train calls
+        mp.setattr(server_app, "build_strategy", build_spy)
         run_experiment(plan_path, track=False)
     history = json.loads(Path(f"models/{Path(plan_path).stem}/rounds.json").read_text())
     return uplinks, aggregates, history
@@ -608,27 +612,28 @@ def test_client_first_sampled_after_round_1_starts_from_the_current_global(ws):
     the adapter it holds after training is exactly where it started."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.training import client as client_training
-
-    from pipeline.federation import apps as federated
+    from pipeline.federation import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import encode_global, load_plan
+    from pipeline.training.shared_model import initial_adapter_state
 
     path = write_plan("first-late", "fedselectkd", lr=0.0)
-    plan = federated._load_plan(path)
-    federated._set_server_identity(1)
+    plan = load_plan(path)
+    _set_server_identity(1)
     context = Context(run_id=1, node_id=7, node_config={"client-name": "Academic", "plan": path},
                       state=RecordDict(), run_config={})
     config = lambda rnd: RecordDict({"config": ConfigRecord({"server-round": rnd, "plan": path})})  # noqa: E731
     evaluate = Message(config(1), dst_node_id=7, message_type="evaluate")
     evaluate.metadata.__dict__["_message_id"] = "e1"
-    federated.client_evaluate(evaluate, context)  # round 1: evaluated, never trained
+    client_app.client_evaluate(evaluate, context)  # round 1: evaluated, never trained
 
-    initial = client_training.initial_adapter_state(plan)
+    initial = initial_adapter_state(plan)
     global_2 = {k: v + 0.25 for k, v in initial.items()}  # any global different from the round-0 adapter
     train = Message(config(2), dst_node_id=7, message_type="train")
-    train.content["arrays"] = federated.encode_global(global_2, plan)
+    train.content["arrays"] = encode_global(global_2, plan)
     train.metadata.__dict__["_message_id"] = "t2"
-    federated.client_train(train, context)
-    held = context.state[federated.LOCAL_STATE_KEY].to_torch_state_dict()
+    client_app.client_train(train, context)
+    held = context.state[client_app.LOCAL_STATE_KEY].to_torch_state_dict()
     for k in initial:
         assert torch.equal(held[k], global_2[k]), k
 
@@ -637,20 +642,22 @@ def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
     """The same after a restart: an untrained client's checkpoint restores its progress but no local adapter."""
     from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.federation import apps as federated
+    from pipeline.federation import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import load_plan
 
     path = write_plan("first-late-ckpt", "fedselectkd")
-    plan = federated._load_plan(path)
-    federated._set_server_identity(1)
+    plan = load_plan(path)
+    _set_server_identity(1)
     node_config = {"client-name": "Committee", "plan": path}
     first = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
     msg = Message(RecordDict({"config": ConfigRecord({"server-round": 1, "plan": path})}), dst_node_id=7,
                   message_type="evaluate")
     msg.metadata.__dict__["_message_id"] = "e1"
-    federated.client_evaluate(msg, first)
+    client_app.client_evaluate(msg, first)
     restarted = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
-    assert federated._restore_client_state(restarted, plan, "Committee", 2) is None
-    assert federated.PROGRESS_KEY in restarted.state
+    assert client_app._restore_client_state(restarted, plan, "Committee", 2) is None
+    assert client_app.PROGRESS_KEY in restarted.state
 
 
 def _join_history(means: list[float], late: str = "New") -> list[dict]:
@@ -669,16 +676,16 @@ def _join_history(means: list[float], late: str = "New") -> list[dict]:
     ([10.0, 9.0, 8.0], 5, True),        # max_round reached regardless
 ])
 def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
-    from pipeline.federation.apps import new_client_joins
-    from pipeline.plan import JoinConfig
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.experiments import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=5)
     assert new_client_joins(rnd, _join_history(means), "New", join) is expected
 
 
 def test_join_patience_needs_that_many_flat_rounds():
-    from pipeline.federation.apps import new_client_joins
-    from pipeline.plan import JoinConfig
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.experiments import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=9)
     assert not new_client_joins(4, _join_history([10.0, 9.0, 8.99]), "New", join)  # only one flat round
@@ -705,7 +712,7 @@ def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_a
 def test_server_stops_waiting_for_clients_that_never_connect():
     # The ServerApp waits for every planned client to register; a SuperNode that never comes must end the run with
     # a clear error after train.round_timeout_s, not keep the server (and CI) waiting forever.
-    from pipeline.federation.apps import _identify
+    from pipeline.federation.server_app import _identify
 
     class OneNodeGrid:  # only one of the three planned clients ever connects
         def get_node_ids(self):

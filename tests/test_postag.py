@@ -10,7 +10,8 @@ import yaml
 
 from pipeline import postag
 from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
-from pipeline.postag import NounVerbMasks, load_spacy, tag_targets
+from pipeline.datasets.postags import NounVerbMasks
+from pipeline.postag import load_spacy, tag_targets
 from pipeline.common.schema import DataError
 from tiny_models import _bert_tokenizer, save_tiny
 

@@ -168,23 +168,24 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_privacy_enters_federated_plans_only_and_only_when_on():
-    from pipeline.plan import ExperimentEntry, resolve_plan
+    from pipeline.experiments import parse_entry, resolve_plan
 
     on = {"mode": "example", "target_epsilon": 3.0}
     off = {"mode": "none", "max_grad_norm": 2.0}
     for method in ("fedavg", "fedselectkd", "fedprox", "single", "centralized"):
-        entry = ExperimentEntry(method=method, partition="domain/seed0")
-        plain = resolve_plan("x", entry, _params(None))
-        assert resolve_plan("x", entry, _params(off)) == plain  # mode none: the plan (and its hash) is unchanged
-        private = resolve_plan("x", entry, _params(on))
+        entry = parse_entry("x", {"method": method, "partition": "domain/seed0"}, _params(None))
+        plain = resolve_plan(entry, _params(None))
+        assert resolve_plan(entry, _params(off)) == plain  # mode none: the plan (and its hash) is unchanged
+        private = resolve_plan(entry, _params(on))
         if method in ("single", "centralized"):
             assert private == plain
         else:
             assert private["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3.0,
                                           "max_grad_norm": 1.0, "delta": None, "accountant": "rdp"}
     with pytest.raises(ConfigError, match="batch_quantile"):
-        resolve_plan("x", ExperimentEntry(method="fedselectkd", partition="domain/seed0", tau=0.5),
-                     _params(on, tau_scale="batch_quantile"))
+        params = _params(on, tau_scale="batch_quantile")
+        resolve_plan(parse_entry("x", {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.5}, params),
+                     params)
 
 
 def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
@@ -202,20 +203,21 @@ def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
 
 # ------------------------------------------------------------------------------------------ on the model
 def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None = None, **train) -> str:
-    from pipeline.plan import ExperimentEntry, resolve_plan
+    from pipeline.experiments import parse_entry, resolve_plan
 
     params = _params(privacy, **train)
     params["model"].update(model or {})
-    entry = ExperimentEntry(method=method, partition="domain/seed0", seed=0, study="tests-privacy")
+    entry = parse_entry(name, {"method": method, "partition": "domain/seed0", "seed": 0, "study": "tests-privacy"},
+                        params)
     path = Path("models/plans") / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(resolve_plan(name, entry, params), indent=2, sort_keys=True))
+    path.write_text(json.dumps(resolve_plan(entry, params), indent=2, sort_keys=True))
     return str(path)
 
 
 def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
     """Record the gradients each AdamW step of the local trainer receives."""
-    from pipeline.training import client as client_training
+    from pipeline.training import local as local_training
 
     seen: list[list[torch.Tensor]] = []
 
@@ -224,23 +226,25 @@ def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
             seen.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
             return super().step(closure)
 
-    monkeypatch.setattr(client_training.torch.optim, "AdamW", Spy)
+    monkeypatch.setattr(local_training.torch.optim, "AdamW", Spy)
     return seen
 
 
 def _train_once(plan_path: str, client: str = "Committee"):
-    from pipeline.training import client as client_training
-    from pipeline.plan import read_plan
+    from pipeline.experiments import read_plan
+    from pipeline.training.client_data import client_data
+    from pipeline.training.local import train_local
+    from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     plan = read_plan(plan_path)
-    model = client_training.shared_model(plan)
-    initial = client_training.initial_adapter_state(plan)
+    model = shared_model(plan)
+    initial = initial_adapter_state(plan)
     model.load_adapter_state("local", initial)
     model.load_adapter_state("global", initial)
-    data = client_training.client_data(plan, client)
+    data = client_data(plan, client)
     mu = plan.train.proximal_mu if plan.spec.proximal else 0.0
-    result = client_training.train_local(model, plan, data.train, client=client, rnd=1,
-                                         proximal_reference=initial if mu else None, proximal_mu=mu)
+    result = train_local(model, plan, data.train, client=client, rnd=1,
+                         proximal_reference=initial if mu else None, proximal_mu=mu)
     return result, model.adapter_state("local")
 
 
@@ -277,20 +281,23 @@ def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, metho
 def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(ws, monkeypatch):
     # Per-example gradients from opacus' hooks on the real adapter set equal each example trained alone (no
     # coupling through the batch: padding, packing, the KD gate), and after clipping none exceeds C.
-    from pipeline.training import client as client_training
     from pipeline.modeling.batching import make_batches
     from pipeline.modeling.losses import distillation_loss
-    from pipeline.plan import read_plan
+    from pipeline.experiments import read_plan
+    from pipeline.training.client_data import client_data
+    from pipeline.training.kd import kd_config
+    from pipeline.training.local import _forward_logits, per_example_loss_scale
+    from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
 
     plan = read_plan(_write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0},
                                  prefix_cache=False))
-    model = client_training.shared_model(plan)
-    initial = client_training.initial_adapter_state(plan)
+    model = shared_model(plan)
+    initial = initial_adapter_state(plan)
     up = {k: (torch.randn_like(v) * 0.05 if ".up." in k else v) for k, v in initial.items()}  # nonzero W_up
     model.load_adapter_state("local", up)
     model.load_adapter_state("global", initial)
-    data = client_training.client_data(plan, "Committee").train.iloc[:2]
-    mcfg, kd = client_training.model_config(plan), client_training.kd_config(plan)
+    data = client_data(plan, "Committee").train.iloc[:2]
+    mcfg, kd = model_config(plan), kd_config(plan)
 
     def batch_of(df):
         return make_batches(df, model.tokenizer, mcfg, 2, False, 0, model.decoder_start_token_id,
@@ -303,17 +310,17 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     alone = []
     for i in range(2):
         b = batch_of(data.iloc[i:i + 1])
-        ll, lg = client_training._forward_logits(model, b, True, None)
+        ll, lg = _forward_logits(model, b, True, None)
         out = distillation_loss(ll, lg, b.labels, kd)
-        grads = torch.autograd.grad(out.loss * client_training.per_example_loss_scale(b, "tokens", 12), params)
+        grads = torch.autograd.grad(out.loss * per_example_loss_scale(b, "tokens", 12), params)
         alone.append(torch.cat([g.flatten() for g in grads]))
     c = 0.5 * float(min(a.norm() for a in alone))  # both examples get clipped
     step = DPSGDStep(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), seed=0)
     try:
         b = batch_of(data)
-        ll, lg = client_training._forward_logits(model, b, True, None)
+        ll, lg = _forward_logits(model, b, True, None)
         out = distillation_loss(ll, lg, b.labels, kd)
-        (out.loss * client_training.per_example_loss_scale(b, "tokens", 12)).backward()
+        (out.loss * per_example_loss_scale(b, "tokens", 12)).backward()
         per_example = [torch.cat([p.grad_sample[i].flatten() for p in params]) for i in range(2)]
         for got, want in zip(per_example, alone):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
@@ -383,15 +390,17 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
 def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.training import client as client_training
-    from pipeline.federation.apps import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS, _set_server_identity, client_app
-    from pipeline.plan import read_plan
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS
+    from pipeline.experiments import read_plan
+    from pipeline.training.shared_model import initial_adapter_state
 
     path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0,
                                                    "max_grad_norm": 0.5})
     plan = read_plan(path)
     _set_server_identity(1)
-    initial = client_training.initial_adapter_state(plan)
+    initial = initial_adapter_state(plan)
     context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
                       run_config={})
     replies = []

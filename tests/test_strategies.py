@@ -26,7 +26,8 @@ def _strategy(name: str, **kw):
 
 
 def _grid(n: int):
-    from pipeline.federation.apps import InProcessGrid, _set_server_identity, client_app
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
 
     _set_server_identity(1)  # the strategies create Messages, as a ServerApp does
     return InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n)])
@@ -44,7 +45,7 @@ def _fednova_after_sending(global_w: dict[str, np.ndarray]):
 def _error_reply():
     from flwr.app import Error, Message, RecordDict
 
-    from pipeline.federation.apps import _set_server_identity
+    from pipeline.federation.engines import _set_server_identity
 
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
@@ -195,7 +196,7 @@ def test_fednova_rejects_a_train_reply_without_arrays():
     from flwr.app import Message, MetricRecord, RecordDict
     from flwr.serverapp.exception import InconsistentMessageReplies
 
-    from pipeline.federation.apps import _set_server_identity
+    from pipeline.federation.engines import _set_server_identity
 
     nova = _fednova_after_sending({"w": np.array([0.0], dtype=np.float32)})
     _set_server_identity(1)

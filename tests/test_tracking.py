@@ -198,7 +198,8 @@ def ws(workspace, monkeypatch):  # noqa: F811
 
 
 def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
-    from pipeline.train import TrainRecorder, run_experiment
+    from pipeline.train import run_experiment
+    from pipeline.training.rounds import TrainRecorder
 
     path = write_plan("mlflow-resume", "fedavg")
     real_done = TrainRecorder.round_done
@@ -252,18 +253,19 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
 
     from pipeline import plan as plan_stage
     from pipeline import train as train_stage
+    from pipeline.training.rounds import TrainRecorder
 
     params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN),
               "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}}}
     Path("params.yaml").write_text(yaml.safe_dump(params))
     plan_stage.main(["--params", "params.yaml"])
-    real_done = train_stage.TrainRecorder.round_done
+    real_done = TrainRecorder.round_done
 
     def done_then_terminated(self, plan, entry, history):
         real_done(self, plan, entry, history)
         os.kill(os.getpid(), signal.SIGTERM)  # what `kill PID` does to the stage process
 
-    monkeypatch.setattr(train_stage.TrainRecorder, "round_done", done_then_terminated)
+    monkeypatch.setattr(TrainRecorder, "round_done", done_then_terminated)
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped:
         train_stage.main(["--experiment", "sigterm"])
@@ -340,7 +342,7 @@ def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
 
 
 def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
-    from pipeline.evaluate import EvaluateConfig, log_to_mlflow
+    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.experiments import record_hash
     from pipeline.results.tracking import RunLogger
 

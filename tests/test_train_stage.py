@@ -29,7 +29,7 @@ def _params(**top) -> dict:
 
 
 def _plans(tmp_path: Path, params: dict, sub: str) -> dict[str, str]:
-    from pipeline.plan import write_plans
+    from pipeline.experiments import write_plans
 
     out = tmp_path / sub
     write_plans(params, out)
@@ -82,7 +82,7 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
 
 
 def test_train_config_rejects_bad_transfer_and_weighting():
-    from pipeline.plan import TrainConfig
+    from pipeline.experiments import TrainConfig
 
     for bad, message in [({"transfer_dtype": "bf16"}, "transfer_dtype"), ({"weight_by": "tokens"}, "weight_by"),
                          ({"transfer_delta": "yes"}, "transfer_delta")]:
@@ -91,7 +91,7 @@ def test_train_config_rejects_bad_transfer_and_weighting():
 
 
 def test_plan_rejects_bad_entries(tmp_path):
-    from pipeline.plan import write_plans
+    from pipeline.experiments import write_plans
 
     bad = [
         ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
@@ -111,7 +111,7 @@ def test_plan_rejects_bad_entries(tmp_path):
 
 def test_default_experiments_resolve(tmp_path):
     """Every experiment of the repo's params.yaml makes a valid plan (method, partition, overrides)."""
-    from pipeline.plan import read_plan, write_plans
+    from pipeline.experiments import read_plan, write_plans
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     written = write_plans(params, tmp_path / "plans")
@@ -178,7 +178,7 @@ def _batch(lengths: list[int]):
 def test_accumulated_micro_batches_weigh_as_one_token_mean():
     """Window of 2 micro-batches with 6 and 2 target tokens: weights 6/8 and 2/8, so the accumulated gradient
     is the token mean over all 8 tokens; a trailing single batch forms its own step (weight 1)."""
-    from pipeline.training.client import accumulation_weights
+    from pipeline.training.local import accumulation_weights
 
     batches = [_batch([4, 2]), _batch([2]), _batch([3, 3, 1])]
     assert accumulation_weights(batches, 2, "tokens") == [6 / 8, 2 / 8, 1.0]
@@ -190,7 +190,7 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
     """The identity the weights exist for: sum_b w_b * mean_b(l) == mean over the union of the batches."""
     import torch
 
-    from pipeline.training.client import accumulation_weights
+    from pipeline.training.local import accumulation_weights
 
     torch.manual_seed(0)
     theta = torch.randn(3, requires_grad=True)
@@ -206,8 +206,8 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
 
 def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
     from pipeline.modeling.adapters import HoulsbyAdapter
-    from pipeline.training.client import adamw_groups
-    from pipeline.plan import TrainConfig
+    from pipeline.training.local import adamw_groups
+    from pipeline.experiments import TrainConfig
 
     adapter = HoulsbyAdapter(8, 4, bias=True)
     groups = adamw_groups(adapter, TrainConfig(weight_decay=0.01))

@@ -1,45 +1,53 @@
 """Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
 
 The in-process and Ray engines run inside the `train` stage, which records the run (pipeline.train). A deployed
-ServerApp runs inside a SuperLink, so ``pipeline.federation.apps:server_app`` calls :func:`serve`, which records the
+ServerApp runs inside a SuperLink, so ``pipeline.federation.server_app:server_app`` calls :func:`serve`, which records the
 same things from what the server receives - and nothing else, since the clients' data and adapters stay on
 their own disks:
 
 - server side (``models/<exp>/`` and ``reports/train/<exp>/`` relative to the SuperLink's working directory):
-  ``rounds.json`` and ``metrics.json`` (pipeline.train's writers), ``global_adapter.safetensors`` (the final
-  aggregate), an MLflow run (parameters, per-round per-client metrics, bytes, the global adapter, test ROUGE);
+  ``rounds.json`` and ``metrics.json`` (the train stage's writers: pipeline.training.rounds and .summary),
+  ``global_adapter.safetensors`` (the final aggregate), an MLflow run (parameters, per-round per-client
+  metrics, bytes, the global adapter, test ROUGE);
 - client side (node config ``client-dir`` / ``checkpoint-dir``): best and final local adapters, the gate log,
-  round checkpoints (pipeline.federation.apps.client_evaluate);
+  round checkpoints (pipeline.federation.client_app.client_evaluate);
 - federated evaluation: after the last round (and every ``evaluate-every`` rounds) the server sends
-  ``query.summarize``; each client summarises its own test set with its own adapter (pipeline.evaluate's
-  sub-sampling, generation and ROUGE) and replies only ROUGE means and counts. The server writes them as
+  ``query.summarize``; each client summarises its own test set with its own adapter (the evaluate stage's
+  sub-sampling, generation and ROUGE: pipeline.datasets.subsampling, pipeline.modeling.generation) and replies only ROUGE means and counts. The server writes them as
   ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, without per-example files: the
   summaries never leave the clients).
 
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
 group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
-``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true).
+``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true), ``round-timeout-s`` (float, how
+long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``).
 """
 from __future__ import annotations
 
 import json
 import logging
-import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from pipeline.common import atomic
-
-from pipeline.training import client as client_training
 from pipeline.common.config import from_dict, load_params
-from pipeline.evaluate import (EVAL_DIR, EvaluateConfig, generate_summaries, load_adapter, log_to_mlflow,
-                               subsample_test_ids)
-from pipeline.plan import Plan
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
+from pipeline.experiments import current_run_settings
+from pipeline.paths import PATHS
+from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
+from pipeline.federation.server_app import load_server_checkpoint, run_server
+from pipeline.modeling.adapter_io import save_adapter
+from pipeline.modeling.backbone_record import backbone_name
+from pipeline.experiments import Plan
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
+from pipeline.training import rounds
+from pipeline.training.client_data import client_names
+from pipeline.training.shared_model import model_config, shared_model
+from pipeline.training.summary import final_run_metrics, prepare_outputs, run_identity_tags, summarize, write_metrics
 
 log = logging.getLogger("fedmeet.deployment")
 
@@ -56,6 +64,15 @@ def _flag(value: Any, default: bool) -> bool:
     return bool(value)
 
 
+def round_timeout_s(run_config: dict[str, Any], experiment: str) -> float:
+    """Run config ``round-timeout-s`` when set (> 0), else the run-time setting of the params file (run config
+    ``params``): a site chooses its timeout when it starts the run, and the plan (the result) does not change."""
+    given = float(run_config.get("round-timeout-s") or 0)
+    if given > 0:
+        return given
+    return current_run_settings(experiment, str(run_config.get("params") or "params.yaml")).round_timeout_s
+
+
 def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
     """The evaluate stage's decoding settings: ``params.yaml``'s ``evaluate`` group (run config ``params``)."""
     path = Path(str(run_config.get("params") or "params.yaml"))
@@ -63,49 +80,13 @@ def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
     return from_dict(EvaluateConfig, params.get("evaluate"), f"{path}: evaluate")
 
 
-# ================================================================================================ client side
-def summarize_test_set(msg: Message, context: Context) -> Message:
-    """``query.summarize`` on a client: ROUGE of its own adapter on its own test set; replies numbers only."""
-    from pipeline.federation import apps as fed
-
-    plan = fed._load_plan(fed._plan_path(msg, context))
-    name = fed.client_name(plan, context)
-    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[fed.CONFIG_KEY]["evaluate"])),
-                    "query.summarize: evaluate")
-    partition = client_training.read_partition(plan.paths["partition"])
-    if name not in partition["clients"]:
-        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
-    test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
-    metrics: dict[str, float | int] = {"n_test": len(test_ids)}
-    if test_ids:
-        examples = client_training.read_examples(plan.paths["examples"])
-        missing = [i for i in test_ids if i not in examples.index]
-        if missing:
-            raise ValueError(f"{plan.paths['partition']}: client {name!r} test id {missing[0]!r} is not in "
-                             f"{plan.paths['examples']} ({len(missing)} missing)")
-        chosen = subsample_test_ids(test_ids, name, cfg.test_examples_per_client, cfg.subsample_seed)
-        model = client_training.shared_model(plan)
-        load_adapter(model, fed.client_dir(plan, name, context) / f"adapter_{cfg.adapter}.safetensors")
-        sub = examples.loc[chosen]
-        max_src = cfg.max_source_length or client_training.model_config(plan).max_source_length
-        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{plan.experiment}/{name}")
-        metrics.update(mean_scores(Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())))
-        metrics["skipped_by_subsampling"] = len(test_ids) - len(chosen)
-    content = RecordDict({"identity": ConfigRecord({"client-name": name}),
-                          fed.METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
-                                                         if not (isinstance(v, float) and math.isnan(v))})})
-    return Message(content, reply_to=msg)
-
-
 # ================================================================================================ server side
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig,
                        timeout: float) -> dict[str, Any]:
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
-    from pipeline.federation import apps as fed
-
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
-    msgs = [Message(RecordDict({fed.CONFIG_KEY: config}), dst_node_id=n, message_type=SUMMARIZE)
+    msgs = [Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type=SUMMARIZE)
             for n in node_ids]
     replies = list(grid.send_and_receive(msgs, timeout=timeout))
     received: dict[str, dict[str, Any]] = {}
@@ -115,7 +96,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
             failed[f"node {reply.metadata.src_node_id}"] = reply.error.reason.splitlines()[0]
             continue
         name = str(reply.content["identity"]["client-name"])
-        m = dict(reply.content[fed.METRICS_KEY])
+        m = dict(reply.content[METRICS_KEY])
         received[name] = {k: (int(v) if k in ("n", "n_test", "skipped_by_subsampling") else float(v))
                           for k, v in m.items()}
     answered = {r.metadata.src_node_id for r in replies}
@@ -124,7 +105,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
             failed[f"node {n}"] = f"no reply within {timeout:.0f}s"
     # The evaluate stage's order (the partition's), so means add up in the same order.
     try:
-        order = client_training.client_names(plan)
+        order = client_names(plan)
     except FileNotFoundError:  # a server without the partition file: names as the clients gave them
         order = sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
@@ -149,7 +130,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         "backbone": _backbone(plan),
         "adapter": cfg.adapter,
         "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
-        | {"max_source_length": cfg.max_source_length or client_training.model_config(plan).max_source_length},
+        | {"max_source_length": cfg.max_source_length or model_config(plan).max_source_length},
         "rouge_l_in_tables": TABLE_ROUGE_L,
         "clients": per_client,
         "skipped_clients": skipped,
@@ -160,12 +141,11 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
 
 
 def _backbone(plan: Plan) -> str:
-    from pipeline.evaluate import backbone_name
+    """As the evaluate stage reports it: the recorded name, else the model type."""
+    return backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
 
-    return backbone_name(Path(plan.paths["backbone"]), client_training.shared_model(plan))
 
-
-def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = EVAL_DIR) -> Path:
+def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PATHS.eval_reports) -> Path:
     out = Path(eval_dir) / plan.experiment
     out.mkdir(parents=True, exist_ok=True)
     path = out / "metrics.json"
@@ -174,7 +154,7 @@ def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = EVA
 
 
 class DeploymentRecorder:
-    """pipeline.train's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
+    """The train stage's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
 
     def __init__(self, train_recorder, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int,
                  timeout: float):
@@ -200,37 +180,30 @@ class DeploymentRecorder:
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
-    from pipeline.federation import apps as fed
-    from pipeline.train import TrainRecorder, _backbone_name, privacy_metrics, summarize, write_rounds
-
     rc = dict(context.run_config)
-    plan_path = fed._plan_path(None, context)
-    plan = fed._load_plan(plan_path)
-    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out_dir / "experiment.json", plan.to_json_dict(), sort_keys=True)
-    resuming = fed.load_server_checkpoint(plan) is not None
+    plan_path = plan_path_of(None, context)
+    plan = load_plan(plan_path)
+    prepare_outputs(plan)
+    out_dir = Path(plan.paths["out_dir"])
+    resuming = load_server_checkpoint(plan) is not None
 
     logger = None
     if _flag(rc.get("mlflow"), True):
         from pipeline.results.tracking import RunLogger
 
-        run_id_file = fed.server_checkpoint_path(plan).parent / "mlflow_run_id"
-        tags = {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
-                "backbone": _backbone_name(plan), "study": plan.study, "experiment": plan.experiment,
-                "engine": "deployment"}
+        run_id_file = rounds.mlflow_run_id_path(plan)
         resume_id = run_id_file.read_text().strip() if resuming and run_id_file.exists() else None
-        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags, resume_run_id=resume_id)
+        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), run_identity_tags(plan, "deployment"),
+                                 resume_run_id=resume_id)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
     cfg = evaluate_config(rc) if _flag(rc.get("evaluate"), True) else None
-    train_recorder = TrainRecorder(plan, logger)
-    recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
-                                  plan.train.round_timeout_s)
+    train_recorder = rounds.TrainRecorder(plan, logger)
+    timeout = round_timeout_s(rc, plan.experiment)
+    recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0), timeout)
     try:
-        arrays, history = fed.run_server(grid, plan, plan_path, recorder)
+        arrays, history = run_server(grid, plan, plan_path, recorder, timeout)
     except BaseException:
         recorder.close()
         if logger is not None:
@@ -238,33 +211,28 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         raise
     recorder.close()
 
-    write_rounds(plan, history)
+    rounds.write_rounds(plan, history)
     metrics = summarize(plan, history, train_recorder.round_seconds)
-    text = json.dumps(metrics, indent=2) + "\n"
-    atomic.write_text(reports_dir / "metrics.json", text)
-    atomic.write_text(out_dir / "metrics.json", text)
-    client_training.save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
-                                 {"experiment": plan.experiment, "round": str(plan.train.rounds)})
+    write_metrics(plan, metrics)
+    save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
+                 {"experiment": plan.experiment, "round": str(plan.train.rounds)})
 
     eval_metrics = None
     if cfg is not None:
-        eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, plan.train.round_timeout_s)
+        eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, timeout)
         eval_path = write_eval_metrics(plan, eval_metrics)
         log.info("%s: federated evaluation %s -> %s", plan.experiment,
                  {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}, eval_path)
     if logger is not None:
-        logger.log_metrics({f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
-                            if v["best_val_loss"] is not None} | {
-            "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
-            "peak_rss_mb": metrics["peak_rss_mb"]} | privacy_metrics(metrics), step=plan.train.rounds)
+        logger.log_metrics(final_run_metrics(metrics), step=plan.train.rounds)
         for f in (out_dir / GLOBAL_ADAPTER, out_dir / "metrics.json", out_dir / "rounds.json",
                   out_dir / "experiment.json"):
             logger.log_artifact(f)
         if eval_metrics is not None:
             log_to_mlflow(plan.experiment, plan.to_json_dict() | {"mlflow_run_id": logger.run_id}, eval_metrics,
-                          EVAL_DIR / plan.experiment, cfg)
+                          PATHS.eval_dir(plan.experiment), cfg)
         logger.finish("FINISHED")
     # Finished: the next run of this plan starts over (client checkpoints stay on the clients' disks).
-    fed.server_checkpoint_path(plan).unlink(missing_ok=True)
-    (fed.server_checkpoint_path(plan).parent / "mlflow_run_id").unlink(missing_ok=True)
+    rounds.server_checkpoint_path(plan).unlink(missing_ok=True)
+    rounds.mlflow_run_id_path(plan).unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}

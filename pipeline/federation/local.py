@@ -26,7 +26,6 @@ import atexit
 import datetime as dt
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -40,11 +39,12 @@ from typing import IO
 import psutil
 
 from pipeline.common import atomic
+from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PLANS_DIR = Path("models/plans")
+PLANS_DIR = PATHS.plans
 LOCAL_HOME = Path(".flwr-local")
 
 
@@ -311,19 +311,19 @@ class LocalFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalConfig):
-        from pipeline.training import client as client_training
-        from pipeline.federation.apps import _load_plan
+        from pipeline.federation.protocol import load_plan
+        from pipeline.training.client_data import client_names
 
         self.cfg = cfg
         self.workdir = cfg.workdir.resolve()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():
             raise FederationError(f"{plan_file}: plan file not found (run the plan stage: dvc repro plan)")
-        self.plan = _load_plan(str(plan_file))
+        self.plan = load_plan(str(plan_file))
         cwd = os.getcwd()
         try:  # the plan's paths are relative to the working directory
             os.chdir(self.workdir)
-            self.clients = list(cfg.clients or client_training.client_names(self.plan))
+            self.clients = list(cfg.clients or client_names(self.plan))
         finally:
             os.chdir(cwd)
         self.home = (cfg.home or self.workdir / LOCAL_HOME / self.plan.experiment).resolve()
@@ -472,7 +472,8 @@ class LocalFederation:
         return LocalRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
 
     def _resume_hint(self) -> str:
-        from pipeline.federation.apps import load_server_checkpoint, server_checkpoint_path
+        from pipeline.federation.server_app import load_server_checkpoint
+        from pipeline.training.rounds import server_checkpoint_path
 
         cwd = os.getcwd()
         try:

@@ -11,8 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.common.config import ConfigError
-
-KD_MODES = ("ce", "kd", "selective", "hard")
+from pipeline.modeling.losses import MODES as KD_MODES
 
 
 @dataclass(frozen=True)
@@ -34,6 +33,10 @@ class MethodSpec:
     new_client: str | None = None
     # FedProx: the client adds mu/2 ||W - W_global||^2.
     proximal: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kd_mode not in KD_MODES:
+            raise ValueError(f"method {self.name!r}: kd_mode {self.kd_mode!r} is not one of {KD_MODES}")
 
     @property
     def uses_tau(self) -> bool:

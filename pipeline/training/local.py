@@ -6,217 +6,24 @@ Shared by the Flower ClientApp (federated methods) and by `single` / `centralize
 plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
 ("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
 (CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.training.privacy).
-
-Also here: loading a client's examples from the partition (with the CPU profile's seeded subsampling), the
-process-wide model cache (one frozen backbone per process; clients swap adapter states in and out), and adapter
-files (safetensors).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import zlib
 from dataclasses import dataclass, field
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from pipeline.common import atomic
-from pipeline.common.config import from_dict
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
-from pipeline.plan import Plan, TrainConfig
-from pipeline.common.schema import DataError
+from pipeline.experiments import Plan, TrainConfig, current_run_settings
+from pipeline.training.kd import kd_config, noun_verb_masks
+from pipeline.training.seeds import derived_seed, seed_everything
+from pipeline.training.shared_model import model_config
 
 GATE_LOG_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
-
-
-def derived_seed(*parts: Any) -> int:
-    """A stable 31-bit seed from (experiment seed, client, round, ...): same inputs, same seed, any process."""
-    return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
-
-
-def seed_everything(seed: int) -> None:
-    import random
-
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
-
-
-# ----------------------------------------------------------------------------------------------- data
-@lru_cache(maxsize=4)
-def _read_examples(path: str, mtime: float) -> pd.DataFrame:
-    df = pd.read_parquet(path)
-    for col in ("example_id", "source", "target"):
-        if col not in df.columns:
-            raise DataError(f"{path}: no column {col!r} (columns: {list(df.columns)})")
-    if df["example_id"].duplicated().any():
-        dup = df.loc[df["example_id"].duplicated(), "example_id"].iloc[0]
-        raise DataError(f"{path}: duplicate example_id {dup!r}")
-    return df.set_index("example_id", drop=False)
-
-
-def read_examples(path: str | Path) -> pd.DataFrame:
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: examples file not found (stage `examples`)")
-    return _read_examples(str(p.resolve()), p.stat().st_mtime)
-
-
-def read_partition(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: partition file not found (stage `partition`)")
-    raw = json.loads(p.read_text())
-    clients = raw.get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{p}: no 'clients' mapping")
-    for name, splits in clients.items():
-        for split in ("train", "valid"):
-            if not isinstance(splits.get(split), list):
-                raise DataError(f"{p}: client {name!r} has no '{split}' list")
-        if not splits["train"]:
-            raise DataError(f"{p}: client {name!r} has an empty train split")
-    return raw
-
-
-def _subsample(ids: list[str], limit: int | None, seed: int) -> list[str]:
-    """At most ``limit`` ids, drawn without replacement with a seeded generator, in partition order."""
-    if limit is None or len(ids) <= limit:
-        return list(ids)
-    keep = np.sort(np.random.default_rng(seed).choice(len(ids), size=limit, replace=False))
-    return [ids[i] for i in keep]
-
-
-@dataclass
-class ClientData:
-    client: str
-    train: pd.DataFrame
-    valid: pd.DataFrame
-    n_train_available: int  # before subsampling (reported, so the subsampling is visible)
-    n_valid_available: int
-
-
-def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None) -> ClientData:
-    partition = partition if partition is not None else read_partition(plan.paths["partition"])
-    if client not in partition["clients"]:
-        raise DataError(f"{plan.paths['partition']}: no client {client!r} (clients: {sorted(partition['clients'])})")
-    examples = read_examples(plan.paths["examples"])
-    splits = partition["clients"][client]
-    frames = {}
-    for split, limit in (("train", plan.train.max_train_examples_per_client),
-                         ("valid", plan.train.max_valid_examples_per_client)):
-        ids = [str(i) for i in splits[split]]
-        missing = [i for i in ids if i not in examples.index]
-        if missing:
-            raise DataError(f"{plan.paths['partition']}: client {client!r} {split} id {missing[0]!r} is not in "
-                            f"{plan.paths['examples']} ({len(missing)} missing)")
-        chosen = _subsample(ids, limit, derived_seed(plan.seed, client, split, "subsample"))
-        frames[split] = examples.loc[chosen].reset_index(drop=True)
-    return ClientData(client, frames["train"], frames["valid"], len(splits["train"]), len(splits["valid"]))
-
-
-def client_names(plan: Plan) -> list[str]:
-    return list(read_partition(plan.paths["partition"])["clients"])
-
-
-# ----------------------------------------------------------------------------------------------- model
-_MODELS: dict[tuple, AdapterSummarizer] = {}
-_INITIAL_STATES: dict[tuple, dict[str, torch.Tensor]] = {}
-
-
-def model_config(plan: Plan) -> ModelConfig:
-    return from_dict(ModelConfig, plan.model, f"{plan.source}: model")
-
-
-def _model_key(plan: Plan) -> tuple:
-    """What the shared model depends on: the backbone and the whole adapter configuration (init std included:
-    ``fresh_adapter_state`` draws with the model's own adapter config)."""
-    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(model_config(plan).adapter_config()))
-
-
-def shared_model(plan: Plan) -> AdapterSummarizer:
-    """One frozen backbone per process (clients of the in-process engine take turns on it; each message loads
-    the client's adapter states first, so nothing carries over between clients)."""
-    mcfg = model_config(plan)
-    key = _model_key(plan)
-    if key not in _MODELS:
-        backbone = Path(plan.paths["backbone"])
-        if not backbone.exists():
-            raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
-        _MODELS.clear()  # a process trains one backbone at a time; free the previous one
-        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, mcfg.adapter_config())
-    return _MODELS[key]
-
-
-def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
-    """Round-0 adapter weights, a function of the experiment seed only (a fresh AdapterSet drawn from its own
-    seeded generator, so whatever ran before in the process does not matter)."""
-    model = shared_model(plan)
-    key = (_model_key(plan), plan.seed)
-    if key not in _INITIAL_STATES:
-        _INITIAL_STATES[key] = model.fresh_adapter_state(derived_seed(plan.seed, "adapter-init"))
-    return {k: v.clone() for k, v in _INITIAL_STATES[key].items()}
-
-
-def prefix_cache_for(plan: Plan, model: AdapterSummarizer):
-    """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
-    if not plan.train.prefix_cache:
-        return None
-    from pipeline.modeling.cache import PrefixCache
-
-    return PrefixCache.for_model(model, model_config(plan))
-
-
-def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    atomic.save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()}, path, metadata)
-
-
-def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(path))
-
-
-# ----------------------------------------------------------------------------------------------- hard KD mask
-@lru_cache(maxsize=2)
-def _noun_verb_masks(path: str, mtime: float):
-    from pipeline.postag import NounVerbMasks
-
-    return NounVerbMasks.from_parquet(path)
-
-
-def noun_verb_masks(postags_path: str | Path):
-    """The hard-KD masks of stage `postag` (pipeline.postag.NounVerbMasks), read once per process and file
-    version, not per batch."""
-    p = Path(postags_path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p}: POS tags not found (stage `postag`); method hardkd needs them")
-    return _noun_verb_masks(str(p), p.stat().st_mtime)
-
-
-# ----------------------------------------------------------------------------------------------- training
-def kd_config(plan: Plan):
-    """The loss configuration of the plan's method (pipeline.modeling.losses.KDConfig)."""
-    from pipeline.modeling.losses import KDConfig
-
-    t = plan.train
-    mode = plan.spec.kd_mode
-    return KDConfig(
-        mode=mode,
-        lam=t.kd_lambda,
-        tau=plan.tau if plan.tau is not None else float("inf"),
-        temperature=t.kd_temperature,
-        kl_direction=t.kd_direction,
-        log_base=t.entropy_log_base,
-        tau_scale=t.tau_scale,
-        normalisation=t.loss_normalisation,
-    )
 
 
 @dataclass
@@ -371,10 +178,11 @@ def train_local(
     proximal_value = 0.0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
-    if two_paths and cfg.local_epochs > 1 and mcfg.teacher_cache_gb > 0:
+    teacher_budget = current_run_settings(plan.experiment).cache.teacher_cache_gb  # a run-time setting
+    if two_paths and cfg.local_epochs > 1 and teacher_budget > 0:
         from pipeline.modeling.cache import TeacherCache
 
-        teacher_cache = TeacherCache(int(mcfg.teacher_cache_gb * 2**30))
+        teacher_cache = TeacherCache(int(teacher_budget * 2**30))
     dp = None
     if plan.privacy is not None and plan.privacy.enabled:
         from pipeline.training.privacy import DPSGDStep, client_privacy

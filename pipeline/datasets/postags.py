@@ -1,0 +1,69 @@
+"""The POS-tag file of stage `postag` (``data/processed/postags.parquet``) as training reads it: per example, which
+label positions are target nouns and verbs (the mask of the hard-KD method)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.modeling.batching import IGNORE_INDEX
+
+POSTAGS_PATH = Path("data/processed/postags.parquet")  # where stage `postag` writes it
+POSTAG_COLUMNS = ["example_id", "position", "token_id", "word_index", "word", "pos", "is_noun_or_verb"]
+
+
+class NounVerbMasks:
+    """Per example, which label positions are nouns or verbs: the mask of the noun-verb hard-KD method."""
+
+    def __init__(self, table: pd.DataFrame, source: str = str(POSTAGS_PATH)) -> None:
+        missing = sorted(set(POSTAG_COLUMNS) - set(table.columns))
+        if missing:
+            raise DataError(f"{source}: missing column(s) {missing}")
+        self.source = source
+        self._mask: dict[str, np.ndarray] = {}
+        self._ids: dict[str, np.ndarray] = {}
+        table = table.sort_values(["example_id", "position"], kind="stable")
+        for eid, g in table.groupby("example_id", sort=False):
+            pos = g["position"].to_numpy()
+            if not np.array_equal(pos, np.arange(len(pos))):
+                raise DataError(f"{source}: example {eid}: positions are not 0..{len(pos) - 1}")
+            self._mask[str(eid)] = g["is_noun_or_verb"].to_numpy(dtype=bool)
+            self._ids[str(eid)] = g["token_id"].to_numpy(dtype=np.int64)
+
+    @classmethod
+    def from_parquet(cls, path: str | Path = POSTAGS_PATH) -> "NounVerbMasks":
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: POS tags not found (run `dvc repro postag`)")
+        return cls(pd.read_parquet(path, columns=POSTAG_COLUMNS), str(path))
+
+    def __contains__(self, example_id: str) -> bool:
+        return example_id in self._mask
+
+    def __getitem__(self, example_id: str) -> np.ndarray:
+        if example_id not in self._mask:
+            raise DataError(f"{self.source}: example {example_id} has no POS tags (postag.datasets excludes it?)")
+        return self._mask[example_id]
+
+    def batch(self, example_ids: Sequence[str], labels) -> np.ndarray:
+        """[B, T] bool mask for a batch's ``labels`` ([B, T] ids, IGNORE_INDEX on padding).
+
+        Checks that the tagged token ids equal the batch's labels, so a mask can never be applied to a
+        differently tokenised target.
+        """
+        labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
+        out = np.zeros(labels.shape, dtype=bool)
+        for b, eid in enumerate(example_ids):
+            row = labels[b]
+            n = int((row != IGNORE_INDEX).sum())
+            if n != len(self._ids.get(eid, ())) or not np.array_equal(row[:n], self._ids[eid]):
+                self[eid]  # raises for an unknown example
+                raise DataError(
+                    f"{self.source}: example {eid}: tagged token ids differ from the training labels "
+                    f"(tagged {len(self._ids[eid])} tokens, batch {n}); re-run the postag stage"
+                )
+            out[b, :n] = self._mask[eid]
+        return out

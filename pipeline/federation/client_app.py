@@ -1,0 +1,247 @@
+"""The ClientApp (Flower Message API, flwr 1.41): what a client does when the server asks.
+
+- ``query.identify`` answers the client's name.
+- ``train`` loads the server's weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local
+  one (AdaFedAvg and the server algorithm baselines: the average overwrites the client adapter), trains the local
+  adapter on the client's data and replies with the local adapter's tensors (ArrayRecord) and counts/metrics
+  (MetricRecord) - nothing else, no text, no token ids. The local adapter persists across rounds in
+  ``context.state`` (or is reset to the global weights with ``train.local_adapter: reset``); the gate log of
+  section 4 is written on the client's disk (it is the client's own data).
+- ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
+  checkpoints the client's state on the client's disk (pipeline.training.rounds).
+- ``query.summarize``: federated evaluation (pipeline.federation.deployment).
+- FedAvg weights: ``num-examples`` is the client's full train size |D_i| (``train.weight_by: full``, the paper's
+  ``|D_i| / |D|``) even when the CPU profile trains on a capped subsample (``max_train_examples_per_client``,
+  a compute shortcut: the update is estimated from fewer examples, its weight stays the client's real share);
+  ``weight_by: trained`` weights by the examples actually trained on instead.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from pipeline.common import atomic
+from pipeline.common.config import from_dict
+from pipeline.datasets.subsampling import subsample_test_ids
+from pipeline.modeling.generation import generate_summaries
+from pipeline.results.evaluation import EvaluateConfig
+from pipeline.results.scoring import Scorer, mean_scores
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
+                                          load_plan, plan_path_of)
+from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
+from pipeline.experiments import Plan
+from pipeline.training import local as local_training  # a module attribute: tests wrap train_local
+from pipeline.training import rounds
+from pipeline.training.client_data import client_data, client_names, read_examples, read_partition
+from pipeline.training.shared_model import initial_adapter_state, model_config, prefix_cache_for, shared_model
+
+log = logging.getLogger("fedmeet.federated")
+
+LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
+PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
+PRIVACY_KEY = "privacy"  # context.state: DP-SGD steps taken over all rounds so far (the accountant's history)
+
+
+def client_name(plan: Plan, context: Context) -> str:
+    """``node_config['client-name']`` (real federation, in-process engine) or the simulation's partition id."""
+    if context.node_config.get("client-name"):
+        return str(context.node_config["client-name"])
+    if "partition-id" in context.node_config:
+        names = client_names(plan)
+        return names[int(context.node_config["partition-id"])]
+    raise ValueError("node_config has neither 'client-name' nor 'partition-id'")
+
+
+def client_dir(plan: Plan, name: str, context: Context) -> Path:
+    return Path(context.node_config.get("client-dir") or rounds.client_output_dir(plan, name))
+
+
+def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
+    return Path(context.node_config.get("checkpoint-dir") or rounds.client_checkpoint_dir(plan, name))
+
+
+def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
+    """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
+    None while the client has not trained yet (its first train round then starts from the current global)."""
+    if LOCAL_STATE_KEY in context.state:
+        return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
+    ckpt = rounds.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
+    if ckpt is None:
+        return None
+    if ckpt.dp_steps is not None:
+        context.state[PRIVACY_KEY] = MetricRecord({"steps": ckpt.dp_steps})
+    context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
+    if not ckpt.trained:
+        return None
+    state = load_adapter(ckpt.adapter)
+    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(state)
+    log.info("client %s: resumed local adapter from its round-%d checkpoint", name, ckpt.round)
+    return state
+
+
+client_app = ClientApp()
+
+
+@client_app.query("identify")
+def client_identify(msg: Message, context: Context) -> Message:
+    plan = load_plan(plan_path_of(msg, context))
+    return Message(RecordDict({"identity": ConfigRecord({"client-name": client_name(plan, context)})}), reply_to=msg)
+
+
+@client_app.train()
+def client_train(msg: Message, context: Context) -> Message:
+    plan = load_plan(plan_path_of(msg, context))
+    spec = plan.spec
+    name = client_name(plan, context)
+    config = msg.content[CONFIG_KEY]
+    rnd = int(config["server-round"])
+    received = decode_global(msg.content[ARRAYS_KEY], plan)
+    model = shared_model(plan)
+
+    local = _restore_client_state(context, plan, name, rnd)
+    if spec.local_from_global or plan.train.local_adapter == "reset" or local is None:
+        local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
+    model.load_adapter_state("local", local)
+    if spec.two_adapters:
+        model.load_adapter_state("global", received)  # the teacher: the server's aggregate, never trained
+
+    data = client_data(plan, name)
+    mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
+    result = local_training.train_local(
+        model, plan, data.train, client=name, rnd=rnd,
+        proximal_reference=received if mu > 0 else None, proximal_mu=mu,
+        cache=prefix_cache_for(plan, model),
+        progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
+    )
+    new_local = model.adapter_state("local")
+    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
+    if spec.two_adapters:  # the gate log stays on the client's disk
+        out = client_dir(plan, name, context) / "gate_log" / f"round{rnd:03d}.parquet"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic.to_parquet(result.gate_log, out, index=False)
+
+    # FedAvg's |D_i| is the client's data size; the CPU profile's cap (max_train_examples_per_client) only
+    # shortens the local computation, so by default the weight stays the full size (train.weight_by).
+    weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
+    metrics = MetricRecord({
+        NUM_EXAMPLES_KEY: int(weight),
+        "num-trained": int(result.n_examples),
+        NUM_STEPS_KEY: int(result.n_steps),
+        "num-tokens": int(result.n_tokens),
+        "train-loss": float(result.train_loss),
+        "ce": float(result.ce),
+        "kd": float(result.kd),
+        "kd-fraction": float(result.kd_fraction),
+        "proximal": float(result.proximal),
+    })
+    if result.privacy is not None:
+        metrics.update(_privacy_metrics(context, result))
+    content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
+    return Message(content, reply_to=msg)
+
+
+def _privacy_metrics(context: Context, result: local_training.LocalTrainResult) -> dict[str, float | int]:
+    """Compose this round's DP-SGD steps with the client's earlier ones (context.state) and report the
+    accountant's (epsilon, delta) so far, the setting, and the clipped per-example gradients of this round."""
+    setting = result.privacy
+    before = int(context.state[PRIVACY_KEY]["steps"]) if PRIVACY_KEY in context.state else 0
+    total = before + int(result.n_steps)
+    context.state[PRIVACY_KEY] = MetricRecord({"steps": total})
+    eps = setting.epsilon(total)
+    return {
+        "dp-epsilon": float(eps) if eps != float("inf") else -1.0,  # -1: no bound (noise multiplier 0)
+        "dp-delta": float(setting.delta),
+        "dp-noise-multiplier": float(setting.noise_multiplier),
+        "dp-max-grad-norm": float(setting.max_grad_norm) if setting.max_grad_norm != float("inf") else -1.0,
+        "dp-sample-rate": float(setting.sample_rate),
+        "dp-steps": int(total),
+        "dp-examples": int(result.dp_examples),
+        "dp-clipped": int(result.dp_clipped),
+    }
+
+
+@client_app.evaluate()
+def client_evaluate(msg: Message, context: Context) -> Message:
+    plan = load_plan(plan_path_of(msg, context))
+    spec = plan.spec
+    name = client_name(plan, context)
+    rnd = int(msg.content[CONFIG_KEY]["server-round"])
+    model = shared_model(plan)
+    received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
+
+    local = _restore_client_state(context, plan, name, rnd)
+    if spec.local_from_global:
+        if len(received) == 0:
+            raise ValueError(f"client {name}: method {spec.name} evaluates the global adapter but none was sent")
+        local = decode_global(received, plan)
+    # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
+    # its state, so its first train round starts from the global of that round (as a joining client does).
+    trained = local is not None
+    if not trained:
+        local = initial_adapter_state(plan)
+    model.load_adapter_state("local", local)
+
+    data = client_data(plan, name)
+    if len(data.valid) == 0:
+        raise ValueError(f"{plan.paths['partition']}: client {name!r} has no valid examples: no best round")
+    val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid,
+                                                          cache=prefix_cache_for(plan, model))
+
+    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else rounds.initial_progress()
+    progress, is_best = rounds.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
+                                                   local, progress)
+    if trained:
+        context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
+    context.state[PROGRESS_KEY] = MetricRecord(progress)
+    dp_steps = int(context.state[PRIVACY_KEY]["steps"]) if PRIVACY_KEY in context.state else None
+    rounds.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
+                                   dp_steps)
+
+    metrics = MetricRecord({
+        NUM_EXAMPLES_KEY: len(data.valid),
+        "val-loss": float(val_loss),
+        "val-tokens": int(val_tokens),
+        "best-round": int(progress["best-round"]),
+        "is-best": int(is_best),
+    })
+    return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
+
+
+@client_app.query("summarize")
+def client_summarize(msg: Message, context: Context) -> Message:
+    """Federated evaluation (pipeline.federation.deployment): ROUGE of the client's own adapter on its own test
+    set, as the evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
+    plan = load_plan(plan_path_of(msg, context))
+    name = client_name(plan, context)
+    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])),
+                    "query.summarize: evaluate")
+    partition = read_partition(plan.paths["partition"])
+    if name not in partition["clients"]:
+        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
+    test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
+    metrics: dict[str, float | int] = {"n_test": len(test_ids)}
+    if test_ids:
+        examples = read_examples(plan.paths["examples"])
+        missing = [i for i in test_ids if i not in examples.index]
+        if missing:
+            raise ValueError(f"{plan.paths['partition']}: client {name!r} test id {missing[0]!r} is not in "
+                             f"{plan.paths['examples']} ({len(missing)} missing)")
+        chosen = subsample_test_ids(test_ids, name, cfg.test_examples_per_client, cfg.subsample_seed)
+        model = shared_model(plan)
+        load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
+        sub = examples.loc[chosen]
+        max_src = cfg.max_source_length or model_config(plan).max_source_length
+        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{plan.experiment}/{name}")
+        metrics.update(mean_scores(Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())))
+        metrics["skipped_by_subsampling"] = len(test_ids) - len(chosen)
+    content = RecordDict({"identity": ConfigRecord({"client-name": name}),
+                          METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
+                                                         if not (isinstance(v, float) and math.isnan(v))})})
+    return Message(content, reply_to=msg)

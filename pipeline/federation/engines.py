@@ -1,0 +1,159 @@
+"""The engines that run the ServerApp and the ClientApps inside the `train` stage.
+
+``InProcessGrid`` delivers each Message to the same ClientApp object in this process, one client after the other
+(no Ray, no sockets; each node keeps its own Context); ``engine: ray`` runs the same apps in Flower's simulation
+runtime (``flwr.simulation.run_simulation``, Ray actors with ``ray_cpus_per_client`` / ``ray_gpus_per_client``).
+As a real federation the same objects are served by ``flower-superlink`` + ``flower-supernode --node-config
+"client-name='Academic' plan='models/plans/<exp>.json'"`` (see README; pipeline.federation.deployment).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import traceback
+import uuid
+from typing import Any, Iterable
+
+from flwr.app import Context, Message, RecordDict
+from flwr.app.error import Error
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from pipeline.experiments import RunSettings, current_run_settings
+from pipeline.federation.simulation_poller import linear_polling
+from pipeline.federation.client_app import client_app
+from pipeline.federation.protocol import load_plan
+from pipeline.federation.server_app import run_server
+from pipeline.training.client_data import client_names
+from pipeline.training.rounds import Recorder
+
+log = logging.getLogger("fedmeet.federated")
+
+
+def make_server_app(plan_path: str, recorder: Recorder | None = None, result: dict | None = None,
+                    settings: RunSettings | None = None) -> ServerApp:
+    """A ServerApp bound to one plan (engines); ``result`` receives the final arrays and history."""
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        plan = load_plan(plan_path)
+        timeout = (settings or current_run_settings(plan.experiment)).round_timeout_s
+        arrays, history = run_server(grid, plan, plan_path, recorder, timeout)
+        if result is not None:
+            result.update(arrays=arrays, history=history)
+
+    return app
+
+
+
+class InProcessGrid(Grid):
+    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other.
+
+    Each node has its own Context (node_config: client name, plan; state: the client's private state), kept
+    across rounds as a SuperNode keeps it. Messages are deep-copied in both directions, so client and server
+    share no objects; a ClientApp exception becomes an error reply (ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
+    as Flower's runtimes report it.
+    """
+
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1):
+        self.client_app = client_app
+        self._run = Run.create_empty(run_id)
+        self.contexts: dict[int, Context] = {}
+        for i, node_config in enumerate(node_configs):
+            node_id = 1000 + i
+            self.contexts[node_id] = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config),
+                                             state=RecordDict(), run_config={})
+        self._pending: dict[str, Message] = {}
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.contexts)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            if msg.metadata.dst_node_id not in self.contexts:
+                raise ValueError(f"message to unknown node {msg.metadata.dst_node_id}")
+            msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
+            self._pending[msg.metadata.message_id] = copy.deepcopy(msg)
+            ids.append(msg.metadata.message_id)
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        replies = []
+        for mid in message_ids:
+            msg = self._pending.pop(mid)
+            context = self.contexts[msg.metadata.dst_node_id]
+            try:
+                reply = self.client_app(msg, context)
+            except Exception as exc:  # the client failed: Flower reports this as an error reply
+                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+                log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
+                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+            replies.append(copy.deepcopy(reply))
+        return replies
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(list(self.push_messages(messages)))
+
+
+def _set_server_identity(run_id: int) -> None:
+    # Flower's runtimes set the identity of the process running the ServerApp; Message() reads it.
+    TaskIdentity.task_id = 1
+    TaskIdentity.run_id = run_id
+    TaskIdentity.node_id = SUPERLINK_NODE_ID
+
+
+def run_inprocess(plan_path: str, recorder: Recorder | None = None, client_app_: ClientApp | None = None,
+                  settings: RunSettings | None = None) -> dict:
+    """Run the experiment's ServerApp and ClientApps in this process; returns {arrays, history}."""
+    plan = load_plan(plan_path)
+    names = client_names(plan)
+    grid = InProcessGrid(client_app_ or client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    _set_server_identity(grid.run.run_id)
+    result: dict = {}
+    app = make_server_app(plan_path, recorder, result, settings)
+    app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
+                                   state=RecordDict(), run_config={"plan": plan_path}))
+    result["contexts"] = grid.contexts
+    return result
+
+
+def run_ray(plan_path: str, recorder: Recorder | None = None, settings: RunSettings | None = None) -> dict:
+    """Run the same apps in Flower's simulation runtime on Ray (one virtual SuperNode per client)."""
+    from flwr.simulation import run_simulation
+
+    plan = load_plan(plan_path)
+    settings = settings or current_run_settings(plan.experiment)
+    names = client_names(plan)
+    result: dict = {}
+    backend_config = {"client_resources": {"num_cpus": settings.ray_cpus_per_client,
+                                           "num_gpus": settings.ray_gpus_per_client}}
+    _set_server_identity(1)
+    with linear_polling():  # Flower's own poller costs O(clients^2) per poll (pipeline.federation.simulation_poller)
+        run_simulation(server_app=make_server_app(plan_path, recorder, result, settings), client_app=client_app,
+                       num_supernodes=len(names), backend_config=backend_config)
+    if "history" not in result:
+        raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
+    return result
+
+
+def run_federated(plan_path: str, recorder: Recorder | None = None, settings: RunSettings | None = None) -> dict:
+    """The plan's run on the engine ``settings`` name (default: params.yaml's run-time settings)."""
+    settings = settings or current_run_settings(load_plan(plan_path).experiment)
+    if settings.engine == "ray":
+        return run_ray(plan_path, recorder, settings)
+    return run_inprocess(plan_path, recorder, settings=settings)

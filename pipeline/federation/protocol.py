@@ -1,0 +1,120 @@
+"""What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire.
+
+Transfer encoding (pipeline.federation.compression, ``train.transfer_dtype`` fp32 | fp16 | int8): the server
+encodes the global once per round and sends the same bytes to every client; the client decodes it, and replies
+with its local adapter encoded; the server decodes every reply to float32 before the strategy aggregates, so
+Flower's strategies and the server state stay full precision. With ``train.transfer_delta`` (lossy encodings only)
+the reply is the difference to the global the client received (both sides hold it bit for bit) and the downlink
+the difference to the round-0 adapter (every node derives it from the seed; a client that skipped rounds holds
+no earlier global): int8 of a LayerNorm weight near 1 would otherwise round with a step ~1/127. Bytes up/down
+are counted on the encoded messages.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+
+from pipeline.federation.compression import decode_state, encode_state
+from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.experiments import Plan, read_plan
+from pipeline.training.shared_model import initial_adapter_state
+
+ARRAYS_KEY = "arrays"  # Flower strategies' default ArrayRecord key
+CONFIG_KEY = "config"
+METRICS_KEY = "metrics"
+IDENTIFY = "query.identify"
+
+# What a train reply's MetricRecord holds: counts and aggregate losses only. NUM_EXAMPLES_KEY is the client's
+# FedAvg weight (train.weight_by: its full train size |D_i|, or the examples trained this round); "num-trained"
+# is the number of examples it trained on this round (fewer than |D_i| under max_train_examples_per_client).
+TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
+                     "kd-fraction", "proximal")
+# Added under privacy.mode example (pipeline.training.privacy): the accountant's epsilon after all the client's steps so far
+# (-1 = unbounded), its delta, sigma, C (-1 = no clipping), q, the cumulative steps, and this round's per-example
+# gradients and how many of them were clipped.
+PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
+                       "dp-steps", "dp-examples", "dp-clipped")
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+@lru_cache(maxsize=8)
+def _plan_cached(path: str, mtime: float) -> Plan:
+    return read_plan(path)
+
+
+def plan_path_of(msg: Message | None, context: Context) -> str:
+    """The plan file a node runs: node config ``plan``, run config ``plan``, or the message's config."""
+    for source in (context.node_config, context.run_config):
+        if source.get("plan"):
+            return str(source["plan"])
+    if msg is not None and CONFIG_KEY in msg.content and msg.content[CONFIG_KEY].get("plan"):
+        return str(msg.content[CONFIG_KEY]["plan"])
+    raise ValueError("no plan: set node_config 'plan', run_config 'plan', or send it in the message config")
+
+
+def load_plan(path: str) -> Plan:
+    """The plan at ``path``, read once per file version."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: plan file not found")
+    return _plan_cached(str(p.resolve()), p.stat().st_mtime)
+
+
+# ----------------------------------------------------------------------------------------------- adapters
+def _lossy(plan: Plan) -> bool:
+    return plan.train.transfer_dtype != "fp32"
+
+
+def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
+    """The reference of a delta-encoded downlink: the round-0 adapter, which every node derives from the plan's
+    seed on its own (a client that skipped rounds or joins late holds no earlier global, but it holds this)."""
+    return initial_adapter_state(plan) if plan.train.transfer_delta and _lossy(plan) else None
+
+
+def encode_global(state: dict[str, torch.Tensor], plan: Plan,
+                  reference: dict[str, torch.Tensor] | None = None) -> ArrayRecord:
+    """Server -> client: the global adapter as it travels (train.transfer_dtype; with train.transfer_delta, as
+    the difference to ``reference`` = :func:`downlink_reference`)."""
+    return ArrayRecord.from_torch_state_dict(encode_state(state, plan.train.transfer_dtype, reference=reference))
+
+
+def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:
+    """Client side: the float32 global from what the server sent."""
+    return decode_state(record.to_torch_state_dict(), reference=downlink_reference(plan))
+
+
+def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor]) -> ArrayRecord:
+    """Client -> server: the local adapter as it travels; with train.transfer_delta (lossy encodings only: fp32
+    is exact) as the difference to the global received this round, so the int8 scale follows the update."""
+    reference = received if plan.train.transfer_delta and _lossy(plan) else None
+    return ArrayRecord.from_torch_state_dict(encode_state(local, plan.train.transfer_dtype, reference=reference))
+
+
+def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Server side: the float32 local adapter of a reply; ``sent`` = the decoded global of this round (what the
+    client decoded too, bit for bit: the same bytes through the same function)."""
+    reference = sent if plan.train.transfer_delta and _lossy(plan) else None
+    return decode_state(record.to_torch_state_dict(), reference=reference)
+
+
+def payload_bytes(content: RecordDict) -> int:
+    """A message's adapter bytes as encoded on the wire (bytes up/down)."""
+    return sum(rec.count_bytes() for rec in content.array_records.values())
+
+
+# ----------------------------------------------------------------------------------------------- metrics
+def privacy_row(m: MetricRecord) -> dict[str, Any]:
+    """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
+    def bounded(key: str) -> float | None:
+        return None if float(m[key]) < 0 else float(m[key])
+
+    examples, clipped = int(m["dp-examples"]), int(m["dp-clipped"])
+    return {"epsilon": bounded("dp-epsilon"), "delta": float(m["dp-delta"]),
+            "noise_multiplier": float(m["dp-noise-multiplier"]), "max_grad_norm": bounded("dp-max-grad-norm"),
+            "sample_rate": float(m["dp-sample-rate"]), "dp_steps": int(m["dp-steps"]), "dp_examples": examples,
+            "dp_clipped": clipped, "clipped_fraction": clipped / examples if examples else 0.0}

@@ -1,0 +1,334 @@
+"""The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment.
+
+Per round Flower's strategy samples clients (``configure_train``), the Grid delivers the messages, the strategy
+aggregates (``aggregate_train``: FedAvg weighted by ``num-examples``, FedProx, FedAvgM/FedAdam/FedYogi, FedNova),
+all admitted clients evaluate, and the server checkpoints (global adapter, round, RNG state, strategy state;
+pipeline.training.rounds). A client that raises becomes an error reply, which Flower's strategies leave out of
+the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
+client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
+(``train.new_client``) is admitted once the others converged (``train.join``).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore.run import Run
+
+from pipeline.federation.compression import decode_state
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
+                                          downlink_reference, encode_global, payload_bytes, privacy_row)
+from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
+from pipeline.experiments import Plan
+from pipeline.training import rounds
+from pipeline.training.client_data import client_names
+from pipeline.training.rounds import Recorder, RoundLog
+from pipeline.training.seeds import derived_seed
+from pipeline.training.shared_model import initial_adapter_state
+
+log = logging.getLogger("fedmeet.federated")
+
+
+def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, history: list[dict]) -> None:
+    rounds.save_round_checkpoint(rounds.server_checkpoint_path(plan), plan, rnd, {
+        "arrays": {k: a.numpy() for k, a in arrays.items()},
+        "strategy_state": strategy_state(strategy),
+        "history": history,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    })
+
+
+def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
+    return rounds.load_round_checkpoint(rounds.server_checkpoint_path(plan), plan)
+
+
+class _NodeSubsetGrid(Grid):
+    """A view of a Grid that shows the strategy only the admitted nodes (a new client joins at its round)."""
+
+    def __init__(self, grid: Grid, node_ids: list[int]):
+        self._grid = grid
+        self._node_ids = list(node_ids)
+
+    def set_run(self, run: Run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self._node_ids)
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+def _identify(grid: Grid, plan_path: str, expected: int, timeout: float) -> dict[int, str]:
+    """Ask every node for its client name (after waiting for ``expected`` nodes to connect, as SuperNodes
+    and simulated nodes register asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while len(node_ids := list(grid.get_node_ids())) < expected:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(node_ids)} of {expected} clients connected within {timeout:.0f}s")
+        log.info("waiting for clients: %d of %d connected", len(node_ids), expected)
+        time.sleep(1.0)
+    names, failed = _ask_names(grid, plan_path, node_ids, timeout)
+    if failed:
+        node, reason = next(iter(failed.items()))
+        raise RuntimeError(f"node {node} failed to identify: {reason}")
+    if len(set(names.values())) != len(names):
+        raise RuntimeError(f"two nodes claim the same client name: {names}")
+    return names
+
+
+def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float) -> tuple[dict[int, str],
+                                                                                           dict[int, str]]:
+    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
+                    message_type=IDENTIFY) for n in node_ids]
+    names: dict[int, str] = {}
+    failed: dict[int, str] = {}
+    for reply in grid.send_and_receive(msgs, timeout=timeout):
+        if reply.has_error():
+            failed[reply.metadata.src_node_id] = reply.error.reason
+        else:
+            names[reply.metadata.src_node_id] = str(reply.content["identity"]["client-name"])
+    return names, failed
+
+
+def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
+    """The known clients connected now. A node id not seen before is identified: a restarted SuperNode (a new
+    id, unless SuperNode authentication keeps its key's id) takes its client's place from this round on;
+    ``node_names`` is updated in place."""
+    current = set(grid.get_node_ids())
+    new = sorted(current - set(node_names))
+    if new:
+        names, failed = _ask_names(grid, plan_path, new, timeout)
+        for node, reason in failed.items():
+            log.warning("node %d connected but failed to identify; left out: %s", node, reason.splitlines()[0])
+        known = set(node_names.values())
+        for node, name in names.items():
+            if name not in known:
+                log.warning("node %d claims client %r, which is not in the plan; left out", node, name)
+                continue
+            for old in [o for o, n in node_names.items() if n == name]:
+                del node_names[old]
+            node_names[node] = name
+            log.info("client %s (re)joined as node %d", name, node)
+    return {n: c for n, c in node_names.items() if n in current}
+
+
+def _senders(sent: list[Message], node_names: dict[int, str]):
+    """reply -> client name. A SuperLink answers for an offline node itself (ErrorCode.NODE_UNAVAILABLE, sent from
+    the SuperLink's id): such a reply is matched to the message it answers."""
+    by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
+
+    def sender(reply: Message) -> str:
+        if reply.metadata.src_node_id in node_names:
+            return node_names[reply.metadata.src_node_id]
+        return by_message[reply.metadata.reply_to_message_id]
+
+    return sender
+
+
+def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None,
+               round_timeout_s: float = 86400.0) -> tuple[ArrayRecord, list]:
+    """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
+    for a round's replies; late clients count as failed (params.yaml train.round_timeout_s, a run-time setting)."""
+    recorder = recorder or Recorder()
+    spec = plan.spec
+    t = plan.train
+    if not spec.federated:
+        raise ValueError(f"method {spec.name!r} is not federated")
+
+    expected = len(client_names(plan))
+    node_names = _identify(grid, plan_path, expected, round_timeout_s)
+    clients = sorted(node_names.values())
+    late = t.new_client if spec.new_client == "post" else None
+    if late is not None and late not in clients:
+        raise ValueError(f"{plan.paths['partition']}: new client {late!r} (train.new_client) is not among the "
+                         f"clients {clients}")
+
+    strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
+                              proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
+    ckpt = load_server_checkpoint(plan)
+    if ckpt is not None:
+        start = int(ckpt["round"]) + 1
+        arrays = ArrayRecord({k: _array(v) for k, v in ckpt["arrays"].items()})
+        restore_strategy_state(strategy, ckpt["strategy_state"])
+        history = list(ckpt["history"])
+        random.setstate(ckpt["rng"]["python"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        log.info("%s: resuming after round %d", plan.experiment, start - 1)
+    else:
+        start = 1
+        arrays = ArrayRecord.from_torch_state_dict(initial_adapter_state(plan))
+        history = []
+    recorder.started(plan, clients, start)
+    initial = downlink_reference(plan)
+    # The round the late client joined, if it has (a resumed run reads it from the restored history).
+    joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
+
+    for rnd in range(start, t.rounds + 1):
+        t0 = time.perf_counter()
+        if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
+            joined_at = rnd
+            log.info("%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment,
+                     rnd, late)
+        connected = _connected_nodes(grid, plan_path, node_names, round_timeout_s)
+        admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
+        view = _NodeSubsetGrid(grid, sorted(admitted))
+        # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
+        random.seed(derived_seed(plan.seed, rnd, "sampling"))
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path}), view))
+        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
+        # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
+        # reference of the clients' delta-encoded replies.
+        downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+        sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
+        for m in messages:
+            m.content[ARRAYS_KEY] = downlink
+        rows = {node_names[m.metadata.dst_node_id]: {
+            "round": rnd, "client": node_names[m.metadata.dst_node_id], "sampled": 1, "failed": 0,
+            "bytes_down": payload_bytes(m.content), "bytes_up": 0} for m in messages}
+        for n in admitted:
+            rows.setdefault(node_names[n], {"round": rnd, "client": node_names[n], "sampled": 0, "failed": 0,
+                                            "bytes_down": 0, "bytes_up": 0})
+        for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
+            # a client whose SuperNode is gone (Flower marked it offline): recorded, not waited for
+            rows[name] = {"round": rnd, "client": name, "sampled": 0, "failed": 0, "absent": 1,
+                          "bytes_down": 0, "bytes_up": 0}
+        replies = list(grid.send_and_receive(messages, timeout=round_timeout_s))
+        sender = _senders(messages, node_names)
+        undecodable: set[int] = set()
+        for reply in replies:
+            row = rows[sender(reply)]
+            if reply.has_error():
+                row["failed"] = 1
+                row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
+                log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
+                            reply.error.reason)
+                continue
+            row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
+            # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
+            try:
+                reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
+                    decode_reply(reply.content[ARRAYS_KEY], plan, sent))
+            except (KeyError, ValueError) as exc:
+                row["failed"] = 1
+                undecodable.add(id(reply))
+                log.warning("round %d: reply of client %s cannot be decoded and is left out of the aggregate: %s",
+                            rnd, row["client"], exc)
+                continue
+            m = reply.content[METRICS_KEY]
+            row.update({
+                "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
+                "n_steps": int(m[NUM_STEPS_KEY]),
+                "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
+                "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
+            })
+            if "dp-epsilon" in m:
+                row.update(privacy_row(m))
+        answered = {sender(r) for r in replies}
+        for name, row in rows.items():
+            if row["sampled"] and name not in answered:
+                row["failed"] = 1
+                row["error"] = f"no reply within {round_timeout_s:.0f}s (train.round_timeout_s)"
+                log.warning("round %d: no reply from client %s within the timeout", rnd, name)
+
+        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies).
+        total_weight = sum(r["weight"] for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r)
+        for r in rows.values():
+            if r["sampled"] and not r["failed"] and "weight" in r:
+                r["weight_share"] = r["weight"] / total_weight
+        new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in undecodable])
+        aggregated = new_arrays is not None
+        if aggregated:
+            arrays = new_arrays
+        else:
+            log.warning("round %d: no client update; the global adapter stays as it was", rnd)
+
+        # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
+        # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
+        eval_arrays = arrays if spec.local_from_global else ArrayRecord()
+        eval_messages = list(strategy.configure_evaluate(rnd, eval_arrays, ConfigRecord({"plan": plan_path}), view))
+        if spec.local_from_global and eval_messages:
+            eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+            for m in eval_messages:
+                m.content[ARRAYS_KEY] = eval_downlink
+        for m in eval_messages:
+            rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
+        eval_replies = list(grid.send_and_receive(eval_messages, timeout=round_timeout_s))
+        eval_sender = _senders(eval_messages, node_names)
+        for reply in eval_replies:
+            row = rows[eval_sender(reply)]
+            if reply.has_error():
+                row["eval_failed"] = 1
+                log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)
+                continue
+            m = reply.content[METRICS_KEY]
+            row.update({"val_loss": float(m["val-loss"]), "val_tokens": int(m["val-tokens"]),
+                        "best_round": int(m["best-round"])})
+        if eval_replies and any(not r.has_error() for r in eval_replies):
+            strategy.aggregate_evaluate(rnd, eval_replies)
+
+        round_rows = [rows[c] for c in sorted(rows)]
+        history.extend(round_rows)
+        save_server_checkpoint(plan, rnd, arrays, strategy, history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, aggregated), history)
+    return arrays, history
+
+
+def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:
+    """Whether the late client is admitted in round ``rnd``, from the rounds before it (train.join): at
+    ``join.max_round`` at the latest, earlier once the other clients' mean validation loss improved by less than
+    ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
+    if rnd >= join.max_round:
+        return True
+    by_round: dict[int, list[float]] = {}
+    for row in history:
+        if row["round"] < rnd and row["client"] != late and "val_loss" in row:
+            by_round.setdefault(int(row["round"]), []).append(float(row["val_loss"]))
+    means = [float(np.mean(by_round[r])) for r in sorted(by_round)]
+    if len(means) < join.patience + 1:
+        return False  # a round's improvement needs an earlier round to compare with
+    improvements = []
+    for i in range(1, len(means)):
+        best_before = min(means[:i])
+        improvements.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
+    return all(imp < join.min_rel_improvement for imp in improvements[-join.patience:])
+
+
+def _array(value: np.ndarray):
+    from flwr.app import Array
+
+    return Array(np.asarray(value))
+
+
+# The ServerApp `flwr run` / a SuperLink loads: the plan comes from the run config
+# (`[tool.flwr.app.config] plan = "models/plans/<exp>.json"` or `flwr run . --run-config "plan='...'"`).
+server_app = ServerApp()
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    # Records what the train stage records (rounds, metrics, MLflow, global adapter) and evaluates on the
+    # clients (pipeline.federation.deployment).
+    from pipeline.federation.deployment import serve
+
+    serve(grid, context)

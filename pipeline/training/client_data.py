@@ -1,0 +1,84 @@
+"""A client's examples: the partition file, the examples file, and the client's train/valid frames (with the CPU
+profile's seeded subsampling, pipeline.datasets.subsampling)."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.datasets.subsampling import subsample_ids
+from pipeline.experiments import Plan
+from pipeline.training.seeds import derived_seed
+
+
+@lru_cache(maxsize=4)
+def _read_examples(path: str, mtime: float) -> pd.DataFrame:
+    df = pd.read_parquet(path)
+    for col in ("example_id", "source", "target"):
+        if col not in df.columns:
+            raise DataError(f"{path}: no column {col!r} (columns: {list(df.columns)})")
+    if df["example_id"].duplicated().any():
+        dup = df.loc[df["example_id"].duplicated(), "example_id"].iloc[0]
+        raise DataError(f"{path}: duplicate example_id {dup!r}")
+    return df.set_index("example_id", drop=False)
+
+
+def read_examples(path: str | Path) -> pd.DataFrame:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: examples file not found (stage `examples`)")
+    return _read_examples(str(p.resolve()), p.stat().st_mtime)
+
+
+def read_partition(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: partition file not found (stage `partition`)")
+    raw = json.loads(p.read_text())
+    clients = raw.get("clients")
+    if not isinstance(clients, dict) or not clients:
+        raise DataError(f"{p}: no 'clients' mapping")
+    for name, splits in clients.items():
+        for split in ("train", "valid"):
+            if not isinstance(splits.get(split), list):
+                raise DataError(f"{p}: client {name!r} has no '{split}' list")
+        if not splits["train"]:
+            raise DataError(f"{p}: client {name!r} has an empty train split")
+    return raw
+
+
+@dataclass
+class ClientData:
+    client: str
+    train: pd.DataFrame
+    valid: pd.DataFrame
+    n_train_available: int  # before subsampling (reported, so the subsampling is visible)
+    n_valid_available: int
+
+
+def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None) -> ClientData:
+    partition = partition if partition is not None else read_partition(plan.paths["partition"])
+    if client not in partition["clients"]:
+        raise DataError(f"{plan.paths['partition']}: no client {client!r} (clients: {sorted(partition['clients'])})")
+    examples = read_examples(plan.paths["examples"])
+    splits = partition["clients"][client]
+    frames = {}
+    for split, limit in (("train", plan.train.max_train_examples_per_client),
+                         ("valid", plan.train.max_valid_examples_per_client)):
+        ids = [str(i) for i in splits[split]]
+        missing = [i for i in ids if i not in examples.index]
+        if missing:
+            raise DataError(f"{plan.paths['partition']}: client {client!r} {split} id {missing[0]!r} is not in "
+                            f"{plan.paths['examples']} ({len(missing)} missing)")
+        chosen = subsample_ids(ids, limit, derived_seed(plan.seed, client, split, "subsample"))
+        frames[split] = examples.loc[chosen].reset_index(drop=True)
+    return ClientData(client, frames["train"], frames["valid"], len(splits["train"]), len(splits["valid"]))
+
+
+def client_names(plan: Plan) -> list[str]:
+    return list(read_partition(plan.paths["partition"])["clients"])

@@ -1,0 +1,77 @@
+"""`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on every
+client): the local trainer and the round rules of pipeline.training.rounds, without a server."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pandas as pd
+
+from pipeline.experiments import Plan
+from pipeline.training import local as local_training  # a module attribute: tests wrap train_local
+from pipeline.training import rounds
+from pipeline.training.client_data import client_data, client_names
+from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
+
+log = logging.getLogger("fedmeet.train")
+
+
+def run_local(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> dict[str, Any]:
+    """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
+    epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
+    (``checkpoint/local.pt``: a rerun resumes after the last completed round)."""
+    spec = plan.spec
+    names = client_names(plan)
+    datas = {n: client_data(plan, n) for n in names}
+    model = shared_model(plan)
+    cache = prefix_cache_for(plan, model)
+    if spec.pooled:
+        units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
+        unit_of = {n: "pooled" for n in names}
+    else:
+        units = {n: datas[n].train for n in names}
+        unit_of = {n: n for n in names}
+    for n in names:
+        if len(datas[n].valid) == 0:
+            raise ValueError(f"{plan.paths['partition']}: client {n!r} has no valid examples: no best round")
+
+    ckpt_path = rounds.local_checkpoint_path(plan)
+    ckpt = rounds.load_round_checkpoint(ckpt_path, plan)
+    if ckpt is not None:
+        start, adapters, progress, history = ckpt["round"] + 1, ckpt["adapters"], ckpt["progress"], ckpt["history"]
+        log.info("%s: resuming after round %d", plan.experiment, start - 1)
+    else:
+        start, history = 1, []
+        initial = initial_adapter_state(plan)
+        adapters = {u: {k: v.clone() for k, v in initial.items()} for u in units}
+        progress = {n: rounds.initial_progress() for n in names}
+    if recorder:
+        recorder.started(plan, names, start)
+
+    for rnd in range(start, plan.train.rounds + 1):
+        t0 = time.perf_counter()
+        trained: dict[str, dict[str, Any]] = {}
+        for unit, train_df in units.items():
+            model.load_adapter_state("local", adapters[unit])
+            res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache)
+            adapters[unit] = model.adapter_state("local")
+            trained[unit] = {"n_examples": res.n_examples, "n_steps": res.n_steps, "n_tokens": res.n_tokens,
+                             "train_loss": res.train_loss, "ce": res.ce, "kd": res.kd,
+                             "kd_fraction": res.kd_fraction}
+        rows = []
+        for n in names:
+            unit = unit_of[n]
+            model.load_adapter_state("local", adapters[unit])
+            val, val_tokens = local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
+            progress[n], _ = rounds.keep_best_and_final(rounds.client_output_dir(plan, n), plan, n, rnd, val,
+                                                        adapters[unit], progress[n])
+            rows.append({"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0,
+                         **trained[unit], "val_loss": val, "val_tokens": val_tokens,
+                         "best_round": progress[n]["best-round"]})
+        history.extend(rows)
+        rounds.save_round_checkpoint(ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress,
+                                                            "history": history})
+        if recorder:
+            recorder.round_done(plan, rounds.RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
+    return {"history": history}

@@ -1,0 +1,63 @@
+"""The process-wide model: one frozen backbone per process, shared by the clients that run in it (each swaps its
+adapter states in and out), the round-0 adapter weights, and the disk cache of the frozen prefix."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from pipeline.common.config import from_dict
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.experiments import Plan
+from pipeline.training.seeds import derived_seed
+
+_MODELS: dict[tuple, AdapterSummarizer] = {}
+_INITIAL_STATES: dict[tuple, dict[str, torch.Tensor]] = {}
+
+
+def model_config(plan: Plan) -> ModelConfig:
+    return from_dict(ModelConfig, plan.model, f"{plan.source}: model")
+
+
+def _model_key(plan: Plan) -> tuple:
+    """What the shared model depends on: the backbone and the whole adapter configuration (init std included:
+    ``fresh_adapter_state`` draws with the model's own adapter config)."""
+    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(model_config(plan).adapter_config()))
+
+
+def shared_model(plan: Plan) -> AdapterSummarizer:
+    """One frozen backbone per process (clients of the in-process engine take turns on it; each message loads
+    the client's adapter states first, so nothing carries over between clients)."""
+    mcfg = model_config(plan)
+    key = _model_key(plan)
+    if key not in _MODELS:
+        backbone = Path(plan.paths["backbone"])
+        if not backbone.exists():
+            raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+        _MODELS.clear()  # a process trains one backbone at a time; free the previous one
+        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, mcfg.adapter_config())
+    return _MODELS[key]
+
+
+def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
+    """Round-0 adapter weights, a function of the experiment seed only (a fresh AdapterSet drawn from its own
+    seeded generator, so whatever ran before in the process does not matter)."""
+    model = shared_model(plan)
+    key = (_model_key(plan), plan.seed)
+    if key not in _INITIAL_STATES:
+        _INITIAL_STATES[key] = model.fresh_adapter_state(derived_seed(plan.seed, "adapter-init"))
+    return {k: v.clone() for k, v in _INITIAL_STATES[key].items()}
+
+
+def prefix_cache_for(plan: Plan, model: AdapterSummarizer):
+    """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
+    if not plan.train.prefix_cache:
+        return None
+    from pipeline.experiments import current_run_settings
+    from pipeline.modeling.cache import PrefixCache
+
+    # where the cache lives and its budget are run-time settings (params.yaml, not the plan); the dtype of its
+    # entries is the plan's (float16/bfloat16 entries change the logits)
+    cache = current_run_settings(plan.experiment).cache
+    return PrefixCache.for_model(model, model_config(plan), cache, plan.cache_dtype or "float32")
