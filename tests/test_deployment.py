@@ -1,6 +1,6 @@
 """Real federation: the deployed ServerApp's records, federated evaluation, local SuperLink/SuperNode runs.
 
-The first tests drive ``pipeline.federation.server_app:server_app`` (what a SuperLink runs) over the in-process Grid; the
+The first tests drive ``pipeline.federation.deployment:server_app`` (what a SuperLink runs) over the in-process Grid; the
 later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.local),
 each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
@@ -40,7 +40,7 @@ def _serve_inprocess(plan_path: str, **run_config):
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import server_app
+    from pipeline.federation.deployment import server_app
     from pipeline.training.client_data import client_names
 
     names = client_names(load_plan(plan_path))

@@ -1,7 +1,7 @@
 """Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
 
 The in-process and Ray engines run inside the `train` stage, which records the run (pipeline.train). A deployed
-ServerApp runs inside a SuperLink, so ``pipeline.federation.server_app:server_app`` calls :func:`serve`, which records the
+ServerApp runs inside a SuperLink, so ``pipeline.federation.deployment:server_app`` calls :func:`serve`, which records the
 same things from what the server receives - and nothing else, since the clients' data and adapters stay on
 their own disks:
 
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict
-from flwr.serverapp import Grid
+from flwr.serverapp import Grid, ServerApp
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
@@ -236,3 +236,13 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     rounds.server_checkpoint_path(plan).unlink(missing_ok=True)
     rounds.mlflow_run_id_path(plan).unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}
+
+
+# The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]): the plan comes from the
+# run config (`[tool.flwr.app.config] plan = "models/plans/<exp>.json"` or `flwr run . --run-config "plan='...'"`).
+server_app = ServerApp()
+
+
+@server_app.main()
+def server_main(grid: Grid, context: Context) -> None:
+    serve(grid, context)

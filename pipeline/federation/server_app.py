@@ -17,8 +17,8 @@ from typing import Any, Iterable
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.serverapp import Grid, ServerApp
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
 from pipeline.federation.compression import decode_state
@@ -318,17 +318,3 @@ def _array(value: np.ndarray):
     from flwr.app import Array
 
     return Array(np.asarray(value))
-
-
-# The ServerApp `flwr run` / a SuperLink loads: the plan comes from the run config
-# (`[tool.flwr.app.config] plan = "models/plans/<exp>.json"` or `flwr run . --run-config "plan='...'"`).
-server_app = ServerApp()
-
-
-@server_app.main()
-def server_main(grid: Grid, context: Context) -> None:
-    # Records what the train stage records (rounds, metrics, MLflow, global adapter) and evaluates on the
-    # clients (pipeline.federation.deployment).
-    from pipeline.federation.deployment import serve
-
-    serve(grid, context)
