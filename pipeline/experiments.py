@@ -223,6 +223,9 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
     tau = base.get("tau")
     if method.uses_tau:
+        if tau is None and params.get("tau") is None:
+            raise ConfigError(f"params.yaml experiments.{name}: method {method.name!r} needs tau (the entry's, or "
+                              f"the top-level tau)")
         tau = float(tau if tau is not None else params["tau"])
         if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
             raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
@@ -411,7 +414,7 @@ def model_config(params: dict[str, Any]) -> ModelConfig:
     unknown = sorted(set(model) - known)
     if unknown:
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    return from_dict(ModelConfig, {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS}, "model")
+    return ModelConfig.from_group(model)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def backbone_decoder_start(backbone: Path) -> int | None:
 def max_target_length_from(params: dict) -> int:
     from pipeline.modeling.model import ModelConfig  # the model group's dataclass (model-core helper)
 
-    return from_dict(ModelConfig, params.get("model"), "model").max_target_length
+    return ModelConfig.from_group(params.get("model")).max_target_length
 
 
 def run(

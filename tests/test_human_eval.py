@@ -129,7 +129,7 @@ def test_make_sheets_cli_from_eval_outputs(tmp_path, monkeypatch):
                 fh.write(json.dumps({"experiment": name, "client": p.domain, "example_id": p.example_id,
                                      "domain": p.domain, "prediction": p.prediction, "reference": p.reference}) + "\n")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(
-        {"experiments": experiments, "report": {"human_eval_per_domain": 2}}))
+        {"tau": 5.0, "experiments": experiments, "report": {"human_eval_per_domain": 2}}))
     assert report_main(["human", "--make-sheets", "sheets"]) == 0
     rows = read_sheet(tmp_path / "sheets/sheet.csv")
     assert len(rows) == 2 * 3 * 2

@@ -110,7 +110,7 @@ def test_stage_killed_mid_write_leaves_old_output_and_the_rerun_succeeds(samsum_
 def test_directory_output_killed_before_its_rename(tmp_path):
     """atomic.replace_dir (the backbone directory): a kill leaves the old directory whole; the next replacement
     removes the killed run's half-built directory."""
-    script = ("import sys; from pathlib import Path; from pipeline import atomic\n"
+    script = ("import sys; from pathlib import Path; from pipeline.common import atomic\n"
               "out = Path(sys.argv[1]); tmp = atomic.temp_dir_for(out)\n"
               "(tmp / 'weights.bin').write_bytes(sys.argv[2].encode() * 1000)\n"
               "atomic.replace_dir(tmp, out)\n")

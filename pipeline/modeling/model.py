@@ -57,6 +57,15 @@ class ModelConfig:
         require(self.top_k >= 1, "top_k", self.top_k, "an integer from 1 to the backbone's decoder layers")
         require(self.bottleneck >= 1, "bottleneck", self.bottleneck, "an integer >= 1")
 
+    @classmethod
+    def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":
+        """From params.yaml's `model` group, whose cache keys are not this config's (the plan stage checks that
+        every key of the group is known: pipeline.experiments.model_config)."""
+        from pipeline.common.config import from_dict
+
+        names = {f.name for f in dataclasses.fields(cls)}
+        return from_dict(cls, {k: v for k, v in (group or {}).items() if k in names}, where)
+
     def adapter_config(self, seed: int | None = None) -> AdapterConfig:
         return AdapterConfig(self.top_k, self.bottleneck, self.adapter_bias, self.adapter_init_std, seed)
 
