@@ -14,7 +14,8 @@ import pandas as pd
 import pytest
 
 from pipeline.datasets import sources
-from pipeline.ingest import ingest_dataset, qmsum_meeting_id, read_interim, write_outputs
+from pipeline.datasets.readers import qmsum_meeting_id
+from pipeline.ingest import ingest_dataset, read_interim, write_outputs
 from pipeline.common.schema import DataError
 from pipeline.datasets.sources import HMNET_CHUNKS, IngestConfig, resolve_source
 
