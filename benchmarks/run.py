@@ -56,7 +56,7 @@ QUICK = Profile("quick", (512, 1024), 3, 2, bart_batch=1, bart_source=256, bart_
 def study_uses(params_path: str) -> dict[str, int]:
     """How often one prefix is reused: every local epoch of every round of every experiment trains on it."""
     from pipeline.common.config import from_dict, load_params
-    from pipeline.experiments import TrainConfig
+    from pipeline.training.config import TrainConfig
 
     params = load_params(params_path)
     train = from_dict(TrainConfig, params.get("train"), "train")
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.memory import collect
     from benchmarks.train_step import bench_shape
     from pipeline.common.config import from_dict, load_params
-    from pipeline.experiments import TrainConfig
+    from pipeline.training.config import TrainConfig
 
     model_cfg = load_model_config(args.params)
     train_cfg = from_dict(TrainConfig, load_params(args.params).get("train"), "train")

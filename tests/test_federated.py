@@ -677,7 +677,7 @@ def _join_history(means: list[float], late: str = "New") -> list[dict]:
 ])
 def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.experiments import JoinConfig
+    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=5)
     assert new_client_joins(rnd, _join_history(means), "New", join) is expected
@@ -685,7 +685,7 @@ def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
 
 def test_join_patience_needs_that_many_flat_rounds():
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.experiments import JoinConfig
+    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=9)
     assert not new_client_joins(4, _join_history([10.0, 9.0, 8.99]), "New", join)  # only one flat round

@@ -82,7 +82,7 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
 
 
 def test_train_config_rejects_bad_transfer_and_weighting():
-    from pipeline.experiments import TrainConfig
+    from pipeline.training.config import TrainConfig
 
     for bad, message in [({"transfer_dtype": "bf16"}, "transfer_dtype"), ({"weight_by": "tokens"}, "weight_by"),
                          ({"transfer_delta": "yes"}, "transfer_delta")]:
@@ -207,7 +207,7 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
 def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
     from pipeline.modeling.adapters import HoulsbyAdapter
     from pipeline.training.local import adamw_groups
-    from pipeline.experiments import TrainConfig
+    from pipeline.training.config import TrainConfig
 
     adapter = HoulsbyAdapter(8, 4, bias=True)
     groups = adamw_groups(adapter, TrainConfig(weight_decay=0.01))

@@ -18,7 +18,8 @@ import torch
 
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
-from pipeline.experiments import Plan, TrainConfig, current_run_settings
+from pipeline.experiments import Plan, current_run_settings
+from pipeline.training.config import TrainConfig
 from pipeline.training.kd import kd_config, noun_verb_masks
 from pipeline.training.seeds import derived_seed, seed_everything
 from pipeline.training.shared_model import model_config
