@@ -96,11 +96,14 @@ def ws(workspace, monkeypatch):
 
 def write_plan(name: str, method: str, partition: str = "domain/seed0", tau: float | None = None,
                model: dict | None = None, **train) -> str:
-    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.experiments import Experiment, resolve_plan
+    from pipeline.training.methods import get_method
 
     params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
-    entry = {"method": method, "partition": partition, "seed": 0, "study": "tests"} | ({"tau": tau} if tau else {})
-    plan = resolve_plan(parse_entry(name, entry, params), params)
+    # built directly, not through params' entry checks: tests also train on partitions of their own (e.g. "pair")
+    entry = Experiment(name=name, method=method, partition=partition, seed=0, study="tests",
+                       tau=(tau or params["tau"]) if get_method(method).uses_tau else None)
+    plan = resolve_plan(entry, params)
     path = Path("models/plans") / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(plan, indent=2, sort_keys=True))
