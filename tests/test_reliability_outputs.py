@@ -35,7 +35,7 @@ ALLOWED = {
     # opens the temporary that atomic.replacing yields
     ("results/human_eval.py", "with atomic.replacing(out / \"sheet.csv\") as tmp, tmp.open(\"w\", newline=\"\", encoding=\"utf-8\") as fh:"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
-    ("federation/local.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
+    ("federation/processes.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
     ("federation/local.py", "log = open(run.log, \"a\", encoding=\"utf-8\")"),
 }
 
@@ -110,7 +110,7 @@ def test_stage_killed_mid_write_leaves_old_output_and_the_rerun_succeeds(samsum_
 def test_directory_output_killed_before_its_rename(tmp_path):
     """atomic.replace_dir (the backbone directory): a kill leaves the old directory whole; the next replacement
     removes the killed run's half-built directory."""
-    script = ("import sys; from pathlib import Path; from pipeline import atomic\n"
+    script = ("import sys; from pathlib import Path; from pipeline.common import atomic\n"
               "out = Path(sys.argv[1]); tmp = atomic.temp_dir_for(out)\n"
               "(tmp / 'weights.bin').write_bytes(sys.argv[2].encode() * 1000)\n"
               "atomic.replace_dir(tmp, out)\n")
