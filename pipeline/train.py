@@ -13,7 +13,7 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
 parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts, named by the settings
-that differ from the baseline's plan and tagged with its origin (pipeline.results.tracking). A killed run resumes after its
+that differ from the baseline's plan and tagged with its origin (pipeline.results.run_identity). A killed run resumes after its
 last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end), in the same MLflow run.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def run_tags(plan: Plan, params_path: Path = Path("params.yaml"), engine: str = 
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash, preset), so a run can be matched to its `dvc exp show` row."""
     from pipeline.common.config import ConfigError, load_params
-    from pipeline.results.tracking import dvc_tags, git_state, preset_name
+    from pipeline.results.run_identity import dvc_tags, git_state, preset_name
 
     tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {
         "plan_hash": plan_hash(plan)}
@@ -54,7 +54,7 @@ def run_tags(plan: Plan, params_path: Path = Path("params.yaml"), engine: str = 
 def tracked_run_name(plan: Plan, plan_path: str | Path) -> str:
     """The experiment name plus the plan settings that differ from the base commit's plan of the same experiment
     (the DVC experiment's baseline, else HEAD), e.g. ``fedselectkd-domain tau=3``."""
-    from pipeline.results.tracking import base_params, base_plan, run_name
+    from pipeline.results.run_identity import base_params, base_plan, run_name
 
     current = json.loads(Path(plan_path).read_text())
     return run_name(plan.experiment, current, base_plan(plan.experiment, base_params()))

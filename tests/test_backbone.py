@@ -14,6 +14,8 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderMod
 
 import tiny_models
 from pipeline import backbone as bb
+from pipeline.modeling import bert2bert
+from pipeline.modeling import warmup as wu
 from pipeline.common.timing import stage_timer
 
 DIALOGUES = [
@@ -42,7 +44,7 @@ def write_interim(path, n_train=4, n_valid=2):
 
 def local_cfg(name, **warmup):
     cfg = bb.BackboneConfig(name=str(name))
-    cfg.warmup = bb.WarmupConfig(**{"eval_examples": 0, **warmup})
+    cfg.warmup = wu.WarmupConfig(**{"eval_examples": 0, **warmup})
     return cfg
 
 
@@ -93,7 +95,7 @@ def test_encoder_only_directory_is_rejected(tmp_path):
     model, tok = tiny_models.tiny_bert2bert()
     model.encoder.save_pretrained(tmp_path / "bert")
     tok.save_pretrained(tmp_path / "bert")
-    with pytest.raises(bb.BackboneError, match="not an encoder-decoder"):
+    with pytest.raises(bert2bert.BackboneError, match="not an encoder-decoder"):
         bb.resolve(local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, None)
     assert not (tmp_path / "out").exists()
 
@@ -104,7 +106,7 @@ def test_classify():
     assert bb.classify("facebook/bart-base") == "hub"
     assert bb.classify("t5-small") == "hub"
     assert bb.classify(".") == "local"
-    with pytest.raises(bb.BackboneError, match="not an existing directory"):
+    with pytest.raises(bert2bert.BackboneError, match="not an existing directory"):
         bb.classify("./no/such/dir")
 
 
@@ -113,7 +115,7 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    with pytest.raises(bb.BackboneError) as err:
+    with pytest.raises(bert2bert.BackboneError) as err:
         bb.resolve(local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, None)
     msg = str(err.value)
     assert "facebook/bart-base" in msg and "cannot be downloaded" in msg
@@ -125,8 +127,8 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
 def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     interim = write_interim(tmp_path / "interim" / "samsum.parquet")
     cfg = bb.BackboneConfig()
-    cfg.warmup = bb.WarmupConfig(steps=2, batch_size=2, max_source_length=32, max_target_length=12,
-                                 log_every=1, eval_examples=2, eval_batch_size=2, length_grouping=0)
+    cfg.warmup = wu.WarmupConfig(steps=2, batch_size=2, max_source_length=32, max_target_length=12,
+                                log_every=1, eval_examples=2, eval_batch_size=2, length_grouping=0)
     cfg.generation = bb.GenerationDefaults(max_new_tokens=4)
     out = tmp_path / "out"
     record = bb.resolve(cfg, "#SEP#", out, interim.parent, tmp_path / "backbone.json")
@@ -147,7 +149,7 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     w = record["warmup"]
     assert (w["steps"], w["examples_seen"], w["train_examples"]) == (2, 4, 4)  # the empty dialogue is skipped
     assert [e["step"] for e in w["loss_log"]] == [1, 2]
-    minilm = load_file(str(bb.minilm_dir() / "model.safetensors"))
+    minilm = load_file(str(bert2bert.minilm_dir() / "model.safetensors"))
     key = "encoder.layer.5.attention.self.query.weight"
     pretrained = minilm[key] if key in minilm else minilm["bert." + key]
     assert not torch.equal(model.encoder.state_dict()[key], pretrained)
@@ -167,16 +169,16 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
 def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
     rng = np.random.default_rng(1)
     lengths = rng.integers(5, 300, size=200)
-    plain = bb.batch_order(lengths, 8, 25, seed=3, group=0)
+    plain = wu.batch_order(lengths, 8, 25, seed=3, group=0)
     assert all(len(b) == 8 for b in plain)
     assert len(np.unique(np.concatenate(plain))) == 200  # one epoch = every example once
-    assert all(np.array_equal(x, y) for x, y in zip(plain, bb.batch_order(lengths, 8, 25, seed=3, group=0)))
-    assert not all(np.array_equal(x, y) for x, y in zip(plain, bb.batch_order(lengths, 8, 25, seed=4, group=0)))
-    grouped = bb.batch_order(lengths, 8, 25, seed=3, group=5)
+    assert all(np.array_equal(x, y) for x, y in zip(plain, wu.batch_order(lengths, 8, 25, seed=3, group=0)))
+    assert not all(np.array_equal(x, y) for x, y in zip(plain, wu.batch_order(lengths, 8, 25, seed=4, group=0)))
+    grouped = wu.batch_order(lengths, 8, 25, seed=3, group=5)
     assert len(np.unique(np.concatenate(grouped))) == 200
     padded = lambda batches: sum(len(b) * lengths[b].max() for b in batches)  # noqa: E731
     assert padded(grouped) < padded(plain)
-    assert len(bb.batch_order(lengths, 8, 60, seed=3, group=0)) == 60  # more steps than one epoch
+    assert len(wu.batch_order(lengths, 8, 60, seed=3, group=0)) == 60  # more steps than one epoch
 
 
 @pytest.mark.timeout(10)
@@ -184,14 +186,14 @@ def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
 def test_batch_order_with_fewer_examples_than_a_batch_fails_instead_of_looping(group):
     # An epoch of 5 examples holds no batch of 8: without the guard the epoch loop never reaches `steps`.
     with pytest.raises(ValueError, match="5 examples, fewer than one batch of 8"):
-        bb.batch_order(np.arange(5), 8, 10, seed=0, group=group)
-    assert bb.batch_order(np.arange(5), 8, 0, seed=0, group=group) == []  # no steps asked: nothing to wait for
+        wu.batch_order(np.arange(5), 8, 10, seed=0, group=group)
+    assert wu.batch_order(np.arange(5), 8, 0, seed=0, group=group) == []  # no steps asked: nothing to wait for
 
 
 def test_new_cross_attention_gets_the_higher_learning_rate():
     model, _ = tiny_models.tiny_bert2bert()
-    wc = bb.WarmupConfig(lr=1e-4, cross_attention_lr=5e-4)
-    groups = bb.param_groups(model, wc)
+    wc = wu.WarmupConfig(lr=1e-4, cross_attention_lr=5e-4)
+    groups = wu.param_groups(model, wc)
     names = {id(p): n for n, p in model.named_parameters()}
     for g in groups:
         new = [("crossattention" in names[id(p)]) or ("cls.predictions.transform" in names[id(p)]) for p in g["params"]]
@@ -233,7 +235,7 @@ def test_cross_attention_can_start_from_the_layers_own_self_attention():
     model, _ = tiny_models.tiny_bert2bert()
     layer = model.decoder.bert.encoder.layer[0]
     assert not torch.equal(layer.crossattention.self.query.weight, layer.attention.self.query.weight)  # random
-    assert bb.init_cross_attention_from_self(model) == len(model.decoder.bert.encoder.layer)
+    assert bert2bert.init_cross_attention_from_self(model) == len(model.decoder.bert.encoder.layer)
     for layer in model.decoder.bert.encoder.layer:
         for name in ("query", "key", "value"):
             assert torch.equal(getattr(layer.crossattention.self, name).weight, getattr(layer.attention.self, name).weight)
@@ -244,12 +246,12 @@ def test_cross_attention_can_start_from_the_layers_own_self_attention():
     layer.crossattention.self.query.weight.data.add_(1.0)
     assert not torch.equal(layer.crossattention.self.query.weight, layer.attention.self.query.weight)
     with pytest.raises(ValueError, match="cross_attention_init"):
-        bb.WarmupConfig(cross_attention_init="zeros")
+        wu.WarmupConfig(cross_attention_init="zeros")
 
 
 def test_minilm_weights_can_come_from_a_local_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDMEET_MINILM_DIR", str(tmp_path))
-    with pytest.raises(bb.BackboneError, match="FEDMEET_MINILM_DIR"):
-        bb.minilm_dir()
+    with pytest.raises(bert2bert.BackboneError, match="FEDMEET_MINILM_DIR"):
+        bert2bert.minilm_dir()
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert bb.minilm_dir() == tmp_path
+    assert bert2bert.minilm_dir() == tmp_path

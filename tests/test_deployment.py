@@ -225,7 +225,8 @@ def test_tls_and_supernode_authentication(ws, tmp_path):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.local import LocalFederation, make_node_key, make_self_signed_ca
+    from pipeline.federation.credentials import make_node_key, make_self_signed_ca
+    from pipeline.federation.local import LocalFederation
 
     before = _flower_pids()
     certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
@@ -258,7 +259,8 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     after round 3: the command says which round to resume from, and its rerun runs round 4 only."""
     import threading
 
-    from pipeline.federation.local import FederationError, LocalFederation, run_local
+    from pipeline.federation.local import LocalFederation, run_local
+    from pipeline.federation.processes import FederationError
 
     before = _flower_pids()
     plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4)
@@ -343,7 +345,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
     import psutil
 
-    from pipeline.federation.local import ProcessGroup
+    from pipeline.federation.processes import ProcessGroup
 
     group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
     # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
@@ -365,7 +367,8 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
-    from pipeline.federation.local import Certificates, _parse_run_config, run_config_arg, write_connection
+    from pipeline.federation.credentials import Certificates
+    from pipeline.federation.local import _parse_run_config, run_config_arg, write_connection
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}

@@ -73,7 +73,7 @@ def _params(tau: float = 5.0, **entry) -> dict:
 
 
 def test_run_name_lists_exactly_the_settings_that_differ_from_the_base_plan():
-    from pipeline.results.tracking import run_name
+    from pipeline.results.run_identity import run_name
 
     base = _plans(_params())
     tau3 = _plans(_params(tau=3.0))
@@ -95,7 +95,7 @@ def _git(cwd: Path, *args: str) -> str:
 
 def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
     from pipeline.experiments import write_plans
-    from pipeline.results.tracking import dvc_tags, git_state
+    from pipeline.results.run_identity import dvc_tags, git_state
     from pipeline.train import run_tags, tracked_run_name
     from pipeline.experiments import plan_hash, read_plan
 
@@ -137,7 +137,7 @@ def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
 
 def test_preset_is_recognised_from_the_params_it_sets(tmp_path):
     from pipeline.presets import apply_preset
-    from pipeline.results.tracking import preset_name
+    from pipeline.results.run_identity import preset_name
 
     configs = tmp_path / "configs"
     configs.mkdir()
@@ -163,7 +163,8 @@ def _dead_pid() -> tuple[int, float]:
 
 
 def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment(store):
-    from pipeline.results.tracking import TAG_HOST, TAG_PID, TAG_PID_START, RunLogger, experiment_id, owner_tags
+    from pipeline.results.run_identity import TAG_HOST, TAG_PID, TAG_PID_START, owner_tags
+    from pipeline.results.tracking import RunLogger, experiment_id
 
     client = _client()
     exp = experiment_id("s")

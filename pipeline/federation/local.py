@@ -22,230 +22,25 @@ the command with the round the server checkpointed last and the command that res
 from __future__ import annotations
 
 import argparse
-import atexit
-import datetime as dt
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
-
-import psutil
 
 from pipeline.common import atomic
+from pipeline.federation.credentials import Certificates, make_node_key, make_self_signed_ca
+from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
-HOST = "127.0.0.1"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PLANS_DIR = PATHS.plans
 LOCAL_HOME = Path(".flwr-local")
-
-
-class FederationError(RuntimeError):
-    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
-
-
-# ================================================================================================ processes
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def remember_descendants(self) -> None:
-        # Flower's SuperExec runs in its own session: a group kill would miss it and its ServerApp.
-        try:
-            self.descendants |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
-        except psutil.Error:
-            pass
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-
-class ProcessGroup:
-    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
-        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
-        self.procs: list[Process] = []
-        log_dir.mkdir(parents=True, exist_ok=True)
-        _LIVE.add(self)
-
-    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
-        log = self.log_dir / f"{name}.log"
-        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
-        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        if not capture:
-            out.close()  # the child holds its own descriptor
-        proc = Process(name, popen, log)
-        self.procs.append(proc)
-        return proc
-
-    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
-        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
-        ``stop_timeout_s``; then reap it."""
-        proc.remember_descendants()
-        pids = [proc.pid, *sorted(proc.descendants)]
-        for s in dict.fromkeys((sig, signal.SIGKILL)):
-            for pid in pids:
-                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
-                    try:
-                        kill(pid, s)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-            deadline = time.monotonic() + self.stop_timeout_s
-            while time.monotonic() < deadline and any(_running(p) for p in pids):
-                time.sleep(0.1)
-            if not any(_running(p) for p in pids):
-                break
-        try:
-            proc.popen.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def stop_all(self) -> None:
-        # A second Ctrl-C must not cut the cleanup short and leave servers running.
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            for proc in reversed(self.procs):
-                self.stop(proc)
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
-            _LIVE.discard(self)
-
-
-_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
-
-
-@atexit.register
-def _stop_leftovers() -> None:
-    for group in list(_LIVE):
-        group.stop_all()
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_for(predicate, timeout_s: float, what: str, proc: Process | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if proc is not None and not proc.alive():
-            raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
-                                  f"log {proc.log}: {proc.tail(3)!r}")
-        if time.monotonic() > deadline:
-            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s" +
-                                  (f"; log {proc.log}" if proc else ""))
-        time.sleep(0.2)
-
-
-def _port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((HOST, port)) == 0
-
-
-# ============================================================================================ certificates
-@dataclass(frozen=True)
-class Certificates:
-    """TLS files of a SuperLink: its certificate and key, and the CA that signed it (given to the SuperNodes and
-    the CLI connection as ``root-certificates``)."""
-
-    ca: Path
-    cert: Path
-    key: Path
-
-
-def make_self_signed_ca(out: Path, host: str = HOST, days: int = 2) -> Certificates:
-    """A throwaway CA and a server certificate for ``host`` signed by it (localhost runs and tests only)."""
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    out.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP384R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fedmeet local CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(minutes=5))
-          .not_valid_after(now + dt.timedelta(days=days))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                       key_agreement=False, encipher_only=False, decipher_only=False),
-                         critical=True)
-          .sign(ca_key, hashes.SHA256()))
-    key = ec.generate_private_key(ec.SECP384R1())
-    try:
-        san = [x509.IPAddress(ipaddress.ip_address(host))]
-    except ValueError:
-        san = [x509.DNSName(host)]
-    if host == HOST:
-        san.append(x509.DNSName("localhost"))
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
-            .add_extension(x509.SubjectAlternativeName(san), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
-    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
-    atomic.write_bytes(certs.ca, ca.public_bytes(serialization.Encoding.PEM))
-    atomic.write_bytes(certs.cert, cert.public_bytes(serialization.Encoding.PEM))
-    atomic.write_bytes(certs.key, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                    serialization.NoEncryption()))
-    certs.key.chmod(0o600)
-    return certs
-
-
-def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
-    """A SuperNode's authentication key pair (EC P-384, OpenSSH format, as ``ssh-keygen -t ecdsa -b 384`` writes):
-    the SuperNode keeps the private key, the federation owner registers the public one."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    out.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP384R1())
-    private, public = out / name, out / f"{name}.pub"
-    atomic.write_bytes(private, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                                  serialization.NoEncryption()))
-    private.chmod(0o600)
-    atomic.write_bytes(public, key.public_key().public_bytes(serialization.Encoding.OpenSSH,
-                                                             serialization.PublicFormat.OpenSSH) + b"\n")
-    return private, public
 
 
 # ============================================================================================ deployment
@@ -363,7 +158,7 @@ class LocalFederation:
         if self.cfg.auth:
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
-        _wait_for(lambda: _port_open(self.port), self.cfg.startup_timeout_s,
+        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
                   f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
         write_connection(self.home, self.port, self.certificates)
         if self.cfg.auth:
@@ -400,7 +195,7 @@ class LocalFederation:
 
     def wait_registered(self, proc: Process) -> None:
         """Until the SuperNode logs the id the SuperLink gave it."""
-        _wait_for(lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s,
+        wait_for(lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s,
                   f"{proc.name} connecting to the SuperLink", proc)
 
     def start(self) -> None:

@@ -65,7 +65,7 @@ def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dic
     if backbone:
         tags["backbone"] = backbone
     from pipeline.experiments import record_hash
-    from pipeline.results.tracking import dvc_tags, git_state
+    from pipeline.results.run_identity import dvc_tags, git_state
 
     return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
 

@@ -1,0 +1,147 @@
+"""The processes of a local deployment (pipeline.federation.local): each started in its own process group with
+its output in a log file, and stopped by its id (SIGTERM to the group, then SIGKILL after the stop timeout),
+together with the descendants it spawned (Flower's SuperExec starts its own session); groups left running are
+stopped at interpreter exit. Plus the waits for a process to come up and free ports on 127.0.0.1."""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+HOST = "127.0.0.1"
+
+
+class FederationError(RuntimeError):
+    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def remember_descendants(self) -> None:
+        # Flower's SuperExec runs in its own session: a group kill would miss it and its ServerApp.
+        try:
+            self.descendants |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
+        except psutil.Error:
+            pass
+
+    def tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class ProcessGroup:
+    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
+        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
+        self.procs: list[Process] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
+
+    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
+        log = self.log_dir / f"{name}.log"
+        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
+        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        if not capture:
+            out.close()  # the child holds its own descriptor
+        proc = Process(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
+        ``stop_timeout_s``; then reap it."""
+        proc.remember_descendants()
+        pids = [proc.pid, *sorted(proc.descendants)]
+        for s in dict.fromkeys((sig, signal.SIGKILL)):
+            for pid in pids:
+                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
+                    try:
+                        kill(pid, s)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
+                time.sleep(0.1)
+            if not any(_running(p) for p in pids):
+                break
+        try:
+            proc.popen.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop_all(self) -> None:
+        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for proc in reversed(self.procs):
+                self.stop(proc)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            _LIVE.discard(self)
+
+
+_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for group in list(_LIVE):
+        group.stop_all()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: Process | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc is not None and not proc.alive():
+            raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
+                                  f"log {proc.log}: {proc.tail(3)!r}")
+        if time.monotonic() > deadline:
+            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s" +
+                                  (f"; log {proc.log}" if proc else ""))
+        time.sleep(0.2)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0

@@ -1,0 +1,221 @@
+"""Central warm-up of the offline recipe as a summarizer (``backbone.warmup``) and the backbone's score on a fixed
+validation subsample: the config, the seeded batch order, the optimiser groups and the training loop."""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from pipeline.common.config import require
+from pipeline.common.schema import DATASETS
+from pipeline.modeling.bert2bert import CROSS_ATTENTION_INITS
+from pipeline.results.scoring import rouge_summary
+
+log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-up: its log lines keep its name
+
+
+@dataclass
+class WarmupConfig:
+    """Central warm-up of the offline recipe (ignored for hub ids and local directories)."""
+
+    dataset: str = "samsum"  # read from data/interim/<dataset>.parquet, split train
+    steps: int = 400
+    batch_size: int = 16
+    max_source_length: int = 256
+    max_target_length: int = 64
+    lr: float = 1e-4  # pretrained MiniLM weights
+    cross_attention_lr: float = 3e-4  # new cross-attention and LM-head transform
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
+    freeze_embeddings: bool = False
+    # "random": the decoder's new cross-attention starts from HF's random init; "self_attention": each layer's
+    # cross-attention starts as a copy of the same layer's pretrained self-attention (query/key/value/output and
+    # its LayerNorm), so attention over the encoder starts from weights that already read MiniLM's hidden states.
+    cross_attention_init: str = "random"
+    length_grouping: int = 32  # sort each window of this many batches by length (less padding); 0 = off
+    bf16: bool = False  # bf16 autocast (CPU: only faster with native bf16 such as AVX512-BF16/AMX; CUDA: if supported)
+    num_threads: int = 0  # torch.set_num_threads; 0 = torch's default
+    seed: int = 0
+    log_every: int = 25
+    # fixed SAMSum validation subsample scored after the warm-up (0 = skip)
+    eval_examples: int = 100
+    eval_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.cross_attention_init not in CROSS_ATTENTION_INITS:
+            raise ValueError(f"backbone.warmup.cross_attention_init={self.cross_attention_init!r}: "
+                             f"one of {', '.join(CROSS_ATTENTION_INITS)}")
+        require(self.dataset in DATASETS, "dataset", self.dataset, f"one of {list(DATASETS)}")
+        require(self.steps >= 0, "steps", self.steps, "an integer >= 0 (0 = no warm-up)")
+        for name in ("batch_size", "eval_batch_size", "log_every"):
+            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
+        for name in ("max_source_length", "max_target_length"):
+            require(getattr(self, name) >= 2, name, getattr(self, name), "an integer >= 2 (room for special tokens)")
+        for name in ("lr", "cross_attention_lr"):
+            require(getattr(self, name) > 0, name, getattr(self, name), "a number > 0")
+        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
+        require(0 <= self.warmup_fraction < 1, "warmup_fraction", self.warmup_fraction, "a number in [0, 1)")
+        for name in ("length_grouping", "num_threads", "eval_examples"):
+            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
+
+
+# --------------------------------------------------------------------------------------------- batches
+def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, group: int) -> list[np.ndarray]:
+    """Indices of `steps` batches: seeded epoch-wise shuffles; with `group` > 0 each window of
+    `group * batch_size` shuffled examples is sorted by length and cut into batches (less padding), and the
+    batches are shuffled again so lengths do not trend within an epoch."""
+    if steps > 0 and len(lengths) < batch_size:  # no full batch in an epoch: the loop below would never end
+        raise ValueError(f"warm-up: {len(lengths)} examples, fewer than one batch of {batch_size}; "
+                         f"lower warmup.batch_size or add examples")
+    rng = np.random.default_rng(seed)
+    batches: list[np.ndarray] = []
+    while len(batches) < steps:
+        perm = rng.permutation(len(lengths))
+        epoch: list[np.ndarray] = []
+        window = group * batch_size if group > 0 else batch_size
+        for start in range(0, len(perm) - batch_size + 1, window):
+            chunk = perm[start : start + window]
+            if group > 0:
+                chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+            epoch.extend(chunk[i : i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size))
+        epoch = [epoch[i] for i in rng.permutation(len(epoch))] if group > 0 else epoch
+        batches.extend(epoch)
+    return batches[:steps]
+
+
+# --------------------------------------------------------------------------------------------- warm-up
+def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
+    """AdamW groups: new parameters (cross-attention, LM-head transform) get the higher lr; no weight decay on
+    biases and LayerNorm weights."""
+    groups: dict[tuple[bool, bool], list] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        new = "crossattention" in name or ".cls.predictions.transform" in name
+        no_decay = p.ndim < 2
+        groups.setdefault((new, no_decay), []).append(p)
+    return [
+        {
+            "params": ps,
+            "lr": wc.cross_attention_lr if new else wc.lr,
+            "weight_decay": 0.0 if no_decay else wc.weight_decay,
+        }
+        for (new, no_decay), ps in sorted(groups.items())
+    ]
+
+
+def autocast_ctx(device: torch.device, enabled: bool):
+    if enabled and (device.type == "cpu" or torch.cuda.is_bf16_supported()):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
+
+
+def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
+    """Full-parameter central training as a summarizer for ``wc.steps`` steps; returns its cost and losses."""
+    from transformers import get_linear_schedule_with_warmup
+
+    if wc.steps <= 0:
+        return {"steps": 0, "examples_seen": 0, "seconds": 0.0, "examples_per_second": None, "loss_log": []}
+    torch.manual_seed(wc.seed)
+    if wc.freeze_embeddings:
+        for emb in {model.get_encoder().get_input_embeddings(), model.get_decoder().get_input_embeddings()}:
+            emb.weight.requires_grad_(False)
+    sources = [s for _, s, _ in pairs]
+    targets = [t for _, _, t in pairs]
+    enc = tokenizer(sources, truncation=True, max_length=wc.max_source_length)["input_ids"]
+    dec = tokenizer(targets, truncation=True, max_length=wc.max_target_length)["input_ids"]
+    lengths = np.array([len(e) for e in enc])
+    order = batch_order(lengths, wc.batch_size, wc.steps, wc.seed, wc.length_grouping)
+
+    opt = torch.optim.AdamW(param_groups(model, wc), betas=(0.9, 0.999), eps=1e-8)
+    sched = get_linear_schedule_with_warmup(opt, math.ceil(wc.warmup_fraction * wc.steps), wc.steps)
+    pad = tokenizer.pad_token_id
+    model.to(device).train()
+    loss_log, window, seen = [], [], 0
+    t0 = time.perf_counter()
+    bar = tqdm(order, desc="backbone warm-up", unit="step", mininterval=5)
+    for step, idx in enumerate(bar, start=1):
+        src = tokenizer.pad({"input_ids": [enc[i] for i in idx]}, return_tensors="pt")
+        tgt = tokenizer.pad({"input_ids": [dec[i] for i in idx]}, return_tensors="pt")["input_ids"]
+        # teacher forcing: decoder input = [CLS] y_1..y_{T-1}; labels = y_1..y_T ([SEP]); both come from the
+        # tokenised summary "[CLS] y [SEP]", shifted by one.
+        labels = tgt[:, 1:].clone()
+        labels[labels == pad] = -100
+        dec_in = tgt[:, :-1]
+        with autocast_ctx(device, wc.bf16):
+            out = model(
+                input_ids=src["input_ids"].to(device),
+                attention_mask=src["attention_mask"].to(device),
+                decoder_input_ids=dec_in.to(device),
+                decoder_attention_mask=(dec_in != pad).to(device),
+            )
+        logits = out.logits.float()
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device), ignore_index=-100
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        seen += len(idx)
+        window.append(loss.item())
+        if step % wc.log_every == 0 or step == wc.steps:
+            mean = float(np.mean(window))
+            elapsed = time.perf_counter() - t0
+            loss_log.append({"step": step, "loss": round(mean, 4), "seconds": round(elapsed, 1)})
+            bar.set_postfix(loss=f"{mean:.3f}", ex_s=f"{seen / elapsed:.1f}")
+            log.info("warm-up step %d/%d loss %.4f (%.1f examples/s)", step, wc.steps, mean, seen / elapsed)
+            window = []
+    seconds = time.perf_counter() - t0
+    model.eval()
+    return {
+        "steps": wc.steps,
+        "examples_seen": seen,
+        "epochs": round(seen / len(pairs), 3),
+        "seconds": round(seconds, 1),
+        "examples_per_second": round(seen / seconds, 2),
+        "final_loss": loss_log[-1]["loss"] if loss_log else None,
+        "loss_log": loss_log,
+    }
+
+
+# --------------------------------------------------------------------------------------------- evaluation
+def eval_subsample(pairs, n: int) -> list[tuple[str, str, str]]:
+    """A fixed subsample: the first n validation dialogues in file order (no randomness, same for every run)."""
+    return pairs[:n]
+
+
+@torch.no_grad()
+def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
+    model.to(device).eval()
+    sources = [s for _, s, _ in pairs]
+    refs = [t for _, _, t in pairs]
+    order = np.argsort([len(s) for s in sources], kind="stable")  # batches of similar length
+    preds: list[str] = [""] * len(sources)
+    t0 = time.perf_counter()
+    for start in tqdm(range(0, len(order), wc.eval_batch_size), desc="backbone eval", unit="batch", mininterval=5):
+        idx = order[start : start + wc.eval_batch_size]
+        batch = tokenizer([sources[i] for i in idx], truncation=True, max_length=wc.max_source_length,
+                          padding=True, return_tensors="pt").to(device)
+        with autocast_ctx(device, wc.bf16):
+            out = model.generate(**batch)
+        for i, text in zip(idx, tokenizer.batch_decode(out, skip_special_tokens=True)):
+            preds[i] = text.strip()
+    scores = {k: round(float(v), 2) for k, v in rouge_summary(preds, refs).items() if k != "n"}
+    gc = model.generation_config
+    return {
+        "dataset_split": "valid",
+        "examples": len(pairs),
+        "decoding": {"num_beams": gc.num_beams, "max_new_tokens": gc.max_new_tokens,
+                     "min_new_tokens": gc.min_new_tokens or 0, "no_repeat_ngram_size": gc.no_repeat_ngram_size},
+        "seconds": round(time.perf_counter() - t0, 1),
+        **scores,
+        "mean_prediction_words": round(float(np.mean([len(p.split()) for p in preds])), 2),
+    }
