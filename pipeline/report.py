@@ -39,7 +39,7 @@ from pipeline.results.human_eval import make_sheets, plot_results, score_sheets
 from pipeline.results.index import readme
 from pipeline.results.readers import collect_scores
 from pipeline.results.stats import BootstrapConfig
-from pipeline.results.studies import study_figures, with_stand_ins
+from pipeline.results.study_figures import study_figures, with_stand_ins
 from pipeline.results.tables import (
     aggregate,
     backbone_slug,
@@ -104,7 +104,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap))
         made["tables"].append(str(path))
 
-    # Figures: the registered studies' (pipeline.results.studies), then the learning curves.
+    # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
     figures, figures_not_made = study_figures(agg, paths.figures, paths.plots)
     made["figures"] += figures
     not_made.update(figures_not_made)

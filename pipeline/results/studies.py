@@ -1,139 +1,27 @@
-"""The registry of the studies the report draws (METHOD.md section 7): one :class:`StudyFigure` entry per study,
-saying its figure's title, which rows its bars show (the study's own, plus the runs it is compared with), how the
-panels are split, the paper's values drawn beside ours, and rows another study's runs stand in for.
+"""The studies of METHOD.md section 7 that fedmeet reproduces: what each compares and where METHOD.md defines it.
 
-Every study gets its table (pipeline.results.tables.study_table_markdown) without an entry here; adding a
-study's figure is one entry in :data:`STUDY_FIGURES`.
+One entry per study (params.yaml experiments name their study). The MLflow experiment of a study carries this as
+its description (pipeline.results.tracking); a study's figure, when it has one, is an entry of
+pipeline.results.study_figures. A study without an entry still works, described by its name.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable
-
-import pandas as pd
-
-from pipeline.results import published
-from pipeline.results.figures import bar_figure
-
-# (client, configuration label) -> the paper's average ROUGE
-PaperValues = dict[tuple[str, str], float]
-
-
-def own_rows(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
-    return rows
-
-
-def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
-    """The main study's (3-client, every round) rows of ``methods``."""
-    base = agg[agg["study"] == "main"].copy()
-    return base[base["method"].isin(methods)]
+# study -> (what it compares, METHOD.md section)
+STUDIES: dict[str, tuple[str, str]] = {
+    "main": ("Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
+             "AdaFedSelectKD)", "7.1 (methods: section 6)"),
+    "iid": ("IID and balanced: each client gets a third of every domain; FedAvg vs FedKD vs SelectKD", "7.2"),
+    "noniid": ("Non-IID and balanced: per domain 200 train / 40 valid / 40 test per seed", "7.3"),
+    "extreme": ("Extreme non-IID and unbalanced: SAMSum as a 4th client, with and without it", "7.4"),
+    "sampling": ("Client sampling: 2 of 3 clients chosen at random each round", "7.5"),
+    "tau_sweep": ("Entropy threshold sweep over tau (selective KD gate, section 4)", "7.6"),
+    "server": ("Server algorithms: FedAvg, FedProx, FedOPT, FedNova vs SelectKD", "7.7 (server: section 5)"),
+    "new_client": ("New client: SAMSum joins after the QMSum clients converged (post) vs from the start (pre)",
+                   "7.8"),
+    "hardkd": ("Noun-verb hard KD vs SelectKD", "7.10 (POS analysis: 7.9)"),
+}
 
 
-def with_main_baselines(*methods: str) -> Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]:
-    """Bars: the study's rows plus the main study's runs of ``methods`` the study itself did not run (same
-    3-client setting)."""
-    def bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
-        base = main_rows_of(agg, {m for m in methods if m not in set(rows["method"])})
-        return pd.concat([rows, base], ignore_index=True)
-
-    return bars
-
-
-def extreme_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
-    """Panels with and without SAMSum as a 4th client."""
-    has_samsum = {lab for lab in rows["label"] if "SAMSum" in set(rows[rows["label"] == lab]["client"])}
-    rows["setting"] = ["with SAMSum" if lab in has_samsum else "without SAMSum" for lab in rows["label"]]
-    if (rows["setting"] == "without SAMSum").sum() == 0:
-        # The 3-client runs of the same methods in the main study are the "without" setting.
-        base = main_rows_of(agg, set(rows["method"])).copy()
-        base["setting"] = "without SAMSum (main study)"
-        rows = pd.concat([rows, base], ignore_index=True)
-    return rows
-
-
-def sampling_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
-    """Panels: the main study's runs of the same methods (every client every round) beside the sampled ones."""
-    rows["setting"] = "2 of 3 clients per round"
-    base = main_rows_of(agg, set(rows["method"])).copy()
-    base["setting"] = "all clients every round (main study)"
-    return pd.concat([base, rows], ignore_index=True)
-
-
-def server_paper(bars: pd.DataFrame) -> PaperValues:
-    paper = {(c, m): v for m, by_c in published.SERVER_AVG_ROUGE.items() for c, v in by_c.items()}
-    return {(c, lab): paper[(c, m)] for lab, m in zip(bars["label"], bars["method"])
-            for c in published.QMSUM_CLIENTS if (c, m) in paper}
-
-
-def new_client_paper(bars: pd.DataFrame) -> PaperValues:
-    key_of = {"post_addition": "post_addition", "pre_addition": "pre_addition", "fedselectkd": "three_clients"}
-    return {(c, lab): published.NEW_CLIENT_AVG_ROUGE[key_of[m]][c] for lab, m in zip(bars["label"], bars["method"])
-            if m in key_of for c in published.NEW_CLIENT_AVG_ROUGE[key_of[m]]}
-
-
-def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
-    """Pre-addition (SAMSum a client from round 1) is the same computation as the extreme study's SelectKD run,
-    so a profile may run it once, there: when study `new_client` has no pre_addition rows, the extreme study's
-    fedselectkd rows stand in, labelled as such."""
-    new_client = agg[agg["study"] == "new_client"]
-    if new_client.empty or "pre_addition" in set(new_client["method"]):
-        return agg
-    pre = agg[(agg["study"] == "extreme") & (agg["method"] == "fedselectkd")].copy()
-    pre["study"], pre["method"] = "new_client", "pre_addition"
-    pre["label"] = "pre_addition (= " + pre["label"].astype(str) + " of study extreme)"
-    return pd.concat([agg, pre], ignore_index=True)
-
-
-@dataclass(frozen=True)
-class StudyFigure:
-    """One study's bar chart of average ROUGE per client (x) and configuration (bars):
-    ``reports/figures/<study>.png``, its data in ``reports/plots/<study>.csv``."""
-
-    study: str
-    method_section: str  # where METHOD.md defines the study
-    title: str
-    bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] = own_rows  # (study rows, all rows) -> bars drawn
-    facet_col: str | None = None  # one panel per value of this column of the bars
-    paper: Callable[[pd.DataFrame], PaperValues] | None = None  # the bars -> the paper's values beside them
-    stand_in: Callable[[pd.DataFrame], pd.DataFrame] | None = None  # all rows -> with rows other runs stand in for
-
-
-# In the order the figures are listed in reports/README.md. The tau sweep's figure (ROUGE and KD usage against
-# tau, with the main study's tau) is the analyze stage's reports/analysis/figures/tau_sweep.png; its table is
-# tables/study_tau_sweep.md.
-STUDY_FIGURES: tuple[StudyFigure, ...] = (
-    StudyFigure("iid", "7.2", "IID and balanced (each client a third of every domain)"),
-    StudyFigure("noniid", "7.3", "Non-IID and balanced (200/40/40 per domain)"),
-    StudyFigure("extreme", "7.4", "Extreme non-IID and unbalanced (SAMSum as a 4th client)", extreme_bars,
-                facet_col="setting"),
-    StudyFigure("sampling", "7.5", "Client sampling (2 of 3 clients per round)", sampling_bars, facet_col="setting"),
-    StudyFigure("server", "7.7", "Server algorithms (paper: BART-large)", with_main_baselines("fedavg", "fedselectkd"),
-                paper=server_paper),
-    StudyFigure("new_client", "7.8", "New client (SAMSum joins) (paper: BART-large)", with_main_baselines("fedselectkd"),
-                paper=new_client_paper, stand_in=pre_addition_stand_in),
-)
-
-
-def with_stand_ins(agg: pd.DataFrame) -> pd.DataFrame:
-    """The aggregated rows with every registered study's stand-in rows added."""
-    for entry in STUDY_FIGURES:
-        if entry.stand_in is not None:
-            agg = entry.stand_in(agg)
-    return agg
-
-
-def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[str], dict[str, str]]:
-    """Draw every registered study's figure; returns the figures made and, per study without rows, why not."""
-    made: list[str] = []
-    not_made: dict[str, str] = {}
-    for entry in STUDY_FIGURES:
-        rows = agg[agg["study"] == entry.study].copy()
-        if rows.empty:
-            not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
-            continue
-        bars = entry.bars(rows, agg)
-        made.append(bar_figure(bars, entry.title, figures / f"{entry.study}.png", plots / f"{entry.study}.csv",
-                               facet_col=entry.facet_col,
-                               paper=entry.paper(bars) if entry.paper is not None else None)["figure"])
-    return made, not_made
+def describe(study: str) -> tuple[str, str]:
+    """(what the study compares, its METHOD.md section); an unlisted study by its name, section 7."""
+    return STUDIES.get(study, (f"Study {study!r} (params.yaml experiments with study: {study})", "7"))

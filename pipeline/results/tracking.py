@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.results.studies import describe
 from pipeline.common.config import flatten, repo_root
 from pipeline.results.run_identity import owner_alive, owner_tags
 
@@ -35,21 +36,6 @@ _MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the experiment's (and run's) description in the UI
-
-# What each study reproduces and where METHOD.md (/work/shared/docs/METHOD.md) describes it.
-STUDY_SECTIONS: dict[str, tuple[str, str]] = {
-    "main": ("Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
-             "AdaFedSelectKD)", "7.1 (methods: section 6)"),
-    "iid": ("IID and balanced: each client gets a third of every domain; FedAvg vs FedKD vs SelectKD", "7.2"),
-    "noniid": ("Non-IID and balanced: per domain 200 train / 40 valid / 40 test per seed", "7.3"),
-    "extreme": ("Extreme non-IID and unbalanced: SAMSum as a 4th client, with and without it", "7.4"),
-    "sampling": ("Client sampling: 2 of 3 clients chosen at random each round", "7.5"),
-    "tau_sweep": ("Entropy threshold sweep over tau (selective KD gate, section 4)", "7.6"),
-    "server": ("Server algorithms: FedAvg, FedProx, FedOPT, FedNova vs SelectKD", "7.7 (server: section 5)"),
-    "new_client": ("New client: SAMSum joins after the QMSum clients converged (post) vs from the start (pre)",
-                   "7.8"),
-    "hardkd": ("Noun-verb hard KD vs SelectKD", "7.10 (POS analysis: 7.9)"),
-}
 
 
 def tracking_uri() -> str:
@@ -126,8 +112,7 @@ def _client():
 
 
 def study_description(study: str) -> str:
-    what, section = STUDY_SECTIONS.get(study, (f"Study {study!r} (params.yaml experiments with study: {study})",
-                                               "7"))
+    what, section = describe(study)
     return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of params.yaml "
             "(named with the settings that differ from the baseline commit's). Compare methods on client_avg/"
             "ROUGE-1, ROUGE-2, ROUGE-L (rougeLsum, as in the tables) and avg_ROUGE, each with its 95 % interval "
