@@ -49,14 +49,16 @@ SIZES = (3, 10, 30, 100)
 QUICK_SIZES = (3, 10)
 ENGINES = ("inprocess", "ray")
 LINEAR_TOLERANCE = 0.1  # fitted slopes up to 1.1 count as linear: two rounds on a shared machine are noisy
-# What a profile showed (2026-11-23, cProfile of every thread, Ray engine, 100 clients, 3 rounds, flwr 1.41.0):
-# rendered in the README when Ray's per-round time grows superlinearly between the two largest sizes.
+# What a profile showed (2026-11-23, cProfile of every thread, Ray engine, 100 clients, 3 rounds, flwr 1.41.0) and
+# what fedmeet does about it; rendered in the README when Ray's per-round time still grows superlinearly between
+# the two largest sizes.
 RAY_PROFILE_NOTE = (
-    "Profiled (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation thread "
-    "`add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node (19,000 calls), and each call "
-    "scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU on this 2-core machine, "
-    "competing with the Ray actors): work of nodes polled x messages stored, roughly clients^2 per round, inside flwr's simulation runtime, not in "
-    "fedmeet's code (the in-process engine, which runs the same client code, stays linear).")
+    "Profiled before the fix (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation "
+    "thread `add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node every 0.1 s (19,000 "
+    "calls), and each call scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU): "
+    "roughly clients^2 work per poll. fedmeet's Ray engine now runs with pipeline.federation.simulation_poller, "
+    "which asks only for the nodes that have a message waiting (one pass over the store per poll); a remaining "
+    "superlinear term is elsewhere in the engine's path.")
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 
 
