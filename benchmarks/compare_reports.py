@@ -24,7 +24,7 @@ import pandas as pd
 # Keys and files whose values are measurements of a run, not results.
 VOLATILE_KEY = re.compile(r"second|time|rss|peak|wall|written|commit|date|duration|per_second|_mb$|mib|elapsed"
                           r"|speed|throughput|host|python|platform|cpu", re.I)
-VOLATILE_FILE = re.compile(r"^reports/(timing/|bench/|mlflow/|mutation|reliability)|\.png$")
+VOLATILE_FILE = re.compile(r"^reports/(timing/|tables/timing\.|bench/|mlflow/|mutation|reliability)|\.png$")
 TEXT_SUFFIXES = (".json", ".csv", ".md", ".txt", ".tsv", ".jsonl")  # figures are compared through their data
 TEXT_VOLATILE = re.compile(r"\d+(\.\d+)?\s*(s|min|MiB|MB|GB)\b|seconds|wall|peak RSS|timing", re.I)
 
