@@ -38,6 +38,8 @@ from pipeline.training.config import TrainConfig
 from pipeline.training.privacy import PrivacyConfig
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
+# Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
+RUNS_DIR = PATHS.root / "data/cache/runs"
 ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
 # `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
 # (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
@@ -256,9 +258,16 @@ class Plan:
 
     @property
     def paths(self) -> dict[str, str]:
-        """Where this experiment reads and writes (pipeline.paths; relative to the project root)."""
+        """Where this experiment reads and writes (pipeline.paths; relative to the project root).
+
+        ``out_dir`` is where a run writes while it runs (adapters, gate log parts, checkpoints), a directory of its
+        own per configuration under ``data/cache/runs/``; ``model_dir`` (``models/<exp>/``, the train stage's DVC
+        output) receives the finished outputs (pipeline.training.rounds.publish_outputs). Kept apart so the train
+        stage's output need not persist between runs: DVC's run cache then keeps every finished training, and a
+        killed queued or temporary experiment rerun restores them instead of training them again."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
-                 "backbone": str(PATHS.backbone), "out_dir": str(PATHS.model_dir(self.experiment)),
+                 "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
+                 "model_dir": str(PATHS.model_dir(self.experiment)),
                  "reports_dir": str(PATHS.train_report(self.experiment))}
         if self.spec.uses_postags:
             paths["postags"] = str(PATHS.postags)
@@ -271,6 +280,12 @@ class Plan:
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)
         return d
+
+
+    @property
+    def run_key(self) -> str:
+        """The first 16 hex digits of :func:`plan_hash`: names the run directory of this configuration."""
+        return plan_hash(self)[:16]
 
 
 def plan_hash(plan: Plan) -> str:

@@ -15,9 +15,16 @@ Rules
 - ``seeds``, ``schemes`` and other lists are replaced, never appended to.
 
     python -m pipeline.presets show configs/cpu-study.yaml          # the flattened overrides
-    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue] [--dry-run]
+    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue | --temp] [--parts KEY] [--dry-run]
     python -m pipeline.presets check configs/*.yaml                  # validate only
     make preset PRESET=configs/cpu-study.yaml
+
+A long preset in parts (``--parts seed``): one DVC experiment per seed, each finishing on its own, then the whole,
+whose trainings DVC's run cache restores from the parts (:func:`part_commands`); queued, ``dvc queue start`` runs
+them in that order:
+
+    python -m pipeline.presets run configs/cpu-study.yaml --name cpu-study --queue --parts seed
+    dvc queue start
 
 Grids (``grid``): one queued DVC experiment per (tau, seed) point, the seed set on every experiment of one study
 (default ``main``, so its methods stay paired seed by seed), then ``dvc queue start -j N`` runs them N at a time:
@@ -202,18 +209,53 @@ def overrides(preset: dict[str, Any]) -> list[str]:
 
 
 def exp_run_command(preset_path: str | Path, name: str | None = None, queue: bool = False,
-                    params_path: str | Path = "params.yaml") -> list[str]:
-    """Validate the preset against params.yaml and build the ``dvc exp run`` command that applies it."""
-    preset = load_preset(preset_path)
+                    params_path: str | Path = "params.yaml", preset: dict[str, Any] | None = None,
+                    temp: bool = False) -> list[str]:
+    """Validate the preset against params.yaml and build the ``dvc exp run`` command that applies it
+    (``preset``: the preset's content when already loaded, e.g. one part of it)."""
+    preset = preset if preset is not None else load_preset(preset_path)
     validate(preset, load_params(params_path), str(preset_path))
     cmd = [sys.executable, "-m", "dvc", "exp", "run"]
     if name:
         cmd += ["--name", name]
     if queue:
         cmd.append("--queue")
+    if temp:
+        cmd.append("--temp")
     for ov in overrides(preset):
         cmd += ["--set-param", ov]
     return cmd
+
+
+def part_commands(preset_path: str | Path, name: str, by: str, queue: bool = False,
+                  params_path: str | Path = "params.yaml", temp: bool = False) -> list[list[str]]:
+    """A long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
+    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``.
+
+    A part is one unit of work that finishes on its own (its tables cover its experiments only); the whole comes
+    last and trains nothing again: each train and evaluate stage it shares with a part has the same command, plan
+    file and inputs, so DVC restores it from its run cache, and only the analysis and report over all of them
+    run. An interruption loses at most the experiment in progress: finished trainings are in the run cache."""
+    preset = load_preset(preset_path)
+    validate(preset, load_params(params_path), str(preset_path))
+    entries = preset.get("experiments")
+    if not entries:
+        raise PresetError(f"{preset_path}: --parts needs the preset's own `experiments`")
+    from pipeline.experiments import ENTRY_KEYS
+
+    if by not in ENTRY_KEYS:
+        raise PresetError(f"--parts {by!r}: split by one of the experiments' keys {list(ENTRY_KEYS)}")
+    groups: dict[str, dict[str, Any]] = {}
+    for exp, entry in entries.items():
+        value = (entry or {}).get(by)
+        if value is None:
+            raise PresetError(f"{preset_path}: experiments.{exp} sets no {by!r}; every entry needs it for --parts")
+        groups.setdefault(re.sub(r"[^\w-]", "-", str(value)), {})[exp] = entry
+    if len(groups) < 2:
+        raise PresetError(f"{preset_path}: every experiment has the same {by!r}; nothing to split")
+    cmds = [exp_run_command(preset_path, f"{name}-{by}{value}", queue, params_path,
+                            preset={**preset, "experiments": group}, temp=temp) for value, group in groups.items()]
+    return cmds + [exp_run_command(preset_path, name, queue, params_path, preset=preset, temp=temp)]
 
 
 def grid_commands(params: dict[str, Any], taus: list[float], seeds: list[int], jobs: int, study: str = "main",
@@ -254,7 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="validate, then `dvc exp run --set-param ...` (a DVC experiment)")
     run.add_argument("preset")
     run.add_argument("--name", help="experiment name (dvc exp run --name)")
-    run.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
+    where = run.add_mutually_exclusive_group()
+    where.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
+    where.add_argument("--temp", action="store_true", help="run in a temporary copy (dvc exp run --temp), leaving "
+                                                           "the workspace as it is")
+    run.add_argument("--parts", metavar="KEY",
+                     help="one DVC experiment per value of the experiments' KEY (e.g. seed), then the whole, which "
+                          "restores their trainings from DVC's run cache (needs --name)")
     run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
     grid = sub.add_parser("grid", help="queue one DVC experiment per (tau, seed) and start the queue")
     grid.add_argument("--tau", type=float, nargs="+", required=True, help="values of the top-level tau")
@@ -286,14 +334,20 @@ def main(argv: list[str] | None = None) -> int:
                 validate(load_preset(path), params, path)
                 print(f"{path}: ok ({len(overrides(load_preset(path)))} overrides)")
             return 0
-        cmd = exp_run_command(args.preset, args.name, args.queue, args.params)
+        if args.parts:
+            if not args.name:
+                raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
+            cmds = part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp)
+        else:
+            cmds = [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)]
     except PresetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(shlex.join(cmd), flush=True)
-    if args.dry_run:
-        return 0
-    return subprocess.call(cmd)
+    for cmd in cmds:
+        print(shlex.join(cmd), flush=True)
+        if not args.dry_run and (status := subprocess.call(cmd)) != 0:
+            return status
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
 parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts, named by the settings
 that differ from the baseline's plan and tagged with its origin (pipeline.results.run_identity). A killed run resumes after its
-last completed round when rerun (``models/<exp>/checkpoint/``, removed at the end), in the same MLflow run.
+last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run directory
+``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
+``models/<exp>/``. So that DVC output need not persist between runs, and DVC's run cache keeps every finished
+training: a queued or temporary experiment that was killed restores them when rerun.
 """
 from __future__ import annotations
 
@@ -115,11 +118,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")
-    shutil.rmtree(rounds.checkpoint_dir(plan), ignore_errors=True)
-    # The per-round gate logs were only needed to survive a restart; removed after the checkpoint, since a run
-    # killed after the merge resumes from the checkpoint and merges them again.
-    for d in out_dir.glob("clients/*/gate_log"):
-        shutil.rmtree(d)
+    rounds.publish_outputs(plan)
+    # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
+    # after its last round from the checkpoint and publishes again.
+    shutil.rmtree(out_dir)
     return metrics
 
 

@@ -308,6 +308,7 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
     from pipeline.federation import engines  # noqa: F401  (Flower and the apps, imported before the forks)
 
     from pipeline import train
+    from pipeline.experiments import read_plan
 
     out = []
     for i, (experiment, point) in enumerate(legs):
@@ -329,12 +330,14 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
                 sys.stderr.flush()
                 os._exit(status)
         status = _wait(pid, timeout)
-        out_dir = Path("models") / experiment
-        ckpt = out_dir / "checkpoint" / "server.pt"
+        run_dir = Path(read_plan(Path(plans) / f"{experiment}.json").paths["out_dir"])
+        ckpt = run_dir / "checkpoint" / "server.pt"
         out.append({
             "experiment": experiment, "point": point, "status": status, "log": str(log_path),
             "checkpoint_round": torch.load(ckpt, weights_only=False)["round"] if ckpt.exists() else None,
-            "temporaries": sorted(str(p) for d in (out_dir, Path("reports/train") / experiment)
+            "run_dir_left": run_dir.exists(),
+            "temporaries": sorted(str(p) for d in (run_dir, Path("models") / experiment,
+                                                   Path("reports/train") / experiment)
                                   for p in d.rglob("*.tmp*")),
         })
         if status not in (0, -signal.SIGKILL):

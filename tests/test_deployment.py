@@ -87,13 +87,17 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     # The server kept the final aggregate; the server checkpoint is gone (the run finished).
     glob = load_file("models/dep/global_adapter.safetensors")
     assert set(glob) == set(a["Academic"])
-    assert not Path("models/dep/checkpoint/server.pt").exists()
-    # Clients kept their best adapters, gate logs and round checkpoints on their own disk.
+    from pipeline.federation.protocol import load_plan
+
+    run_dir = Path(load_plan("models/plans/dep.json").paths["out_dir"])
+    assert not (run_dir / "checkpoint/server.pt").exists() and not Path("models/dep/checkpoint").exists()
+    # Clients kept their best adapters, gate logs and round checkpoints on their own disk (here the run directory,
+    # whose adapters were published to models/dep/ beside the server's outputs).
     for c in a:
         assert Path(f"models/dep/clients/{c}/adapter_best.safetensors").exists()
-        assert sorted(p.name for p in Path(f"models/dep/clients/{c}/gate_log").iterdir()) == [
+        assert sorted(p.name for p in (run_dir / f"clients/{c}/gate_log").iterdir()) == [
             "round001.parquet", "round002.parquet"]
-        assert Path(f"models/dep/checkpoint/clients/{c}/round002.safetensors").exists()
+        assert (run_dir / f"checkpoint/clients/{c}/round002.safetensors").exists()
 
     # Federated evaluation = the evaluate stage's central path on the same adapters and test sets.
     fed = json.loads(Path("reports/eval/dep/metrics.json").read_text())
@@ -294,7 +298,11 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     _no_process_left(before, started)
 
     # The rerun (a new SuperLink and SuperNodes) resumes after round 3 from the server and client checkpoints.
-    checkpointed = torch.load("models/faults/checkpoint/server.pt", weights_only=False)["history"]
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.rounds import server_checkpoint_path
+
+    checkpointed = torch.load(server_checkpoint_path(load_plan("models/plans/faults.json")),
+                              weights_only=False)["history"]
     run, metrics = run_local(cfg)
     history = json.loads(Path("models/faults/rounds.json").read_text())
     assert history[:6] == checkpointed  # rounds 1-3 restored, not run again

@@ -57,14 +57,33 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
     outs = {path: opts for _, path, opts in _stage_sections("outs")}
     metric_paths = [path for _, path, _ in _stage_sections("metrics")]
     assert not [p for p in metric_paths if re.search(r"timing|time|memory|rss|bench", p)]
-    # Every stage still declares its wall-time record and its report, now as plain uncached outputs.
-    timing = [p for p in outs if p.startswith("reports/timing/")]
+    # Every stage still declares its wall-time record and its report as plain outputs: kept in git (uncached)
+    # by the cheap stages, in the DVC cache by the run-cached ones (next test).
     timed = {stage for stage, path, _ in _stage_sections("outs") if path.startswith("reports/timing/")}
     assert timed == set(DVC_YAML["stages"]) - {"plan"}  # every stage but plan (it writes no time record)
-    for path in [*timing, "reports/summary.json", "reports/analysis/kd_analysis.json", "reports/backbone.json",
-                 "reports/eval/${key}/metrics.json", "reports/train/${key}/metrics.json",
-                 "reports/partitions/${item.scheme}-seed${item.seed}.json", "reports/data/stats.json"]:
-        assert outs[path].get("cache") is False, path
+    for stage, path, opts in _stage_sections("outs"):
+        if path.startswith("reports/timing/") or path in (
+                "reports/summary.json", "reports/analysis/kd_analysis.json", "reports/backbone.json",
+                "reports/eval/${key}/metrics.json", "reports/train/${key}/metrics.json",
+                "reports/partitions/${item.scheme}-seed${item.seed}.json", "reports/data/stats.json"):
+            assert (opts.get("cache") is False) == (stage not in RUN_CACHED), path
+
+
+# The expensive stages, whose finished runs DVC's run cache must be able to restore (a rerun, a queued or --temp
+# experiment, a preset run in parts: pipeline.presets.part_commands).
+RUN_CACHED = ("backbone", "train", "evaluate")
+
+
+@pytest.mark.parametrize("stage", RUN_CACHED)
+def test_expensive_stages_can_be_restored_from_dvc_run_cache(stage):
+    """DVC 3.67 saves a run-cache entry only when no output persists (dvc.stage.cache._can_hash) and every
+    uncached output is a metric or a plot (dvc.stage.Stage.run: ``no_cache_outs``)."""
+    body = DVC_YAML["stages"][stage].get("do", DVC_YAML["stages"][stage])
+    outs = list(_entries(body.get("outs")))
+    assert outs and body.get("cmd") and body.get("deps")
+    for path, opts in outs:
+        assert not opts.get("persist"), path
+        assert opts.get("cache", True), f"{stage}: uncached output {path} disables DVC's run cache"
 
 
 def _agg_row(label, client, r1, r2, rl, study="main"):

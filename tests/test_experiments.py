@@ -199,7 +199,8 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
     hard = read_plan(out / "hardkd-domain.json")
     assert hard.paths == {"examples": "data/processed/examples.parquet",
                           "partition": "data/partitions/domain/seed0.json", "backbone": "models/backbone",
-                          "out_dir": "models/hardkd-domain", "reports_dir": "reports/train/hardkd-domain",
+                          "out_dir": f"data/cache/runs/hardkd-domain-{hard.run_key}",
+                          "model_dir": "models/hardkd-domain", "reports_dir": "reports/train/hardkd-domain",
                           "postags": "data/processed/postags.parquet"}
     assert "paths" not in json.loads((out / "hardkd-domain.json").read_text())  # not a result: not in the plan
     assert str(PATHS.plan("x")) == "models/plans/x.json" and len(declared(params)) == len(list(out.glob("*.json")))

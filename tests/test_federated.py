@@ -247,7 +247,9 @@ def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
             assert (gate["kd_applied"] == (gate["position"] % 2 == 0)).all()
     else:
         assert len(gate) == 0
-    assert not Path(f"models/{name}/checkpoint").exists()
+    # published without the run's checkpoints and per-round gate logs, and the run directory is gone
+    assert not Path(f"models/{name}/checkpoint").exists() and not list(Path(f"models/{name}").glob("clients/*/gate_log"))
+    assert not any(Path("data/cache/runs").glob(f"{name}-*"))
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     runs = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'")
@@ -298,7 +300,11 @@ def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
     path = write_plan("resume", "fedselectkd")
     with killed_after_checkpoint(monkeypatch, rnd=1):
         run_experiment(path, track=False)
-    assert torch.load("models/resume/checkpoint/server.pt", weights_only=False)["round"] == 1
+    from pipeline.experiments import read_plan
+    from pipeline.training.rounds import server_checkpoint_path
+
+    assert torch.load(server_checkpoint_path(read_plan(path)), weights_only=False)["round"] == 1
+    assert not Path("models/resume").exists()  # nothing is published before the run ends
 
     trained_rounds = []
     real_train = local_training.train_local
@@ -327,7 +333,7 @@ KILL_LEGS = [
     ("first-round", None, []),  # nothing to resume: the rerun starts over (its MLflow run is a new one)
     ("local-training", 1, []),
     ("aggregated", 1, []),
-    ("checkpoint-write", 1, ["models/{exp}/checkpoint/.server.*.tmp.pt"]),  # torn, beside the whole round-1 file
+    ("checkpoint-write", 1, ["data/cache/runs/{exp}-*/checkpoint/.server.*.tmp.pt"]),  # torn, beside the whole round-1 file
     ("between-rounds", 2, []),  # the next write of server.pt removed the torn one
     ("before-recording", 3, []),
     ("final-write", 3, ["reports/train/{exp}/.metrics.*.tmp.json"]),
@@ -394,6 +400,7 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
         previous = ckpt_round
     assert f"{exp}: resuming after round 3" in log_of(len(outcomes) - 1)
     assert outcomes[-1]["checkpoint_round"] is None and outcomes[-1]["temporaries"] == []
+    assert all(o["run_dir_left"] for o in outcomes[1:-1]) and not outcomes[-1]["run_dir_left"]
 
     # the same adapters, bit for bit, from the same best round
     for kind in ("final", "best"):

@@ -190,3 +190,83 @@ def test_run_makes_a_dvc_experiment(tmp_path, monkeypatch):
     shown = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True,
                            capture_output=True, text=True).stdout
     assert '"seven"' in shown
+
+
+def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
+    preset = write(tmp_path, "tau: 4.0\nexperiments:\n"
+                   "  a-s0: {method: fedavg, partition: domain/seed0, seed: 0}\n"
+                   "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
+                   "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n")
+    cmds = pr.part_commands(preset, "study", "seed", queue=True, params_path=ROOT / "params.yaml")
+    names = [c[c.index("--name") + 1] for c in cmds]
+    assert names == ["study-seed0", "study-seed1", "study"]  # the whole comes last
+    assert all("--queue" in c and "--set-param" in c and "tau=4.0" in c for c in cmds)
+
+    def experiments_of(cmd):
+        target = write(tmp_path, yaml.safe_dump(PARAMS), "params.yaml")
+        apply_overrides(str(target), [v for v in cmd if v.startswith(("~experiments", "+experiments"))])
+        return load_params(target)["experiments"]
+
+    assert experiments_of(cmds[0]) == {"a-s0": {"method": "fedavg", "partition": "domain/seed0", "seed": 0},
+                                       "b-s0": {"method": "fedkd", "partition": "domain/seed0", "seed": 0}}
+    assert list(experiments_of(cmds[1])) == ["a-s1"] and list(experiments_of(cmds[2])) == ["a-s0", "b-s0", "a-s1"]
+    with pytest.raises(pr.PresetError, match="same 'method'"):
+        pr.part_commands(write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"),
+                         "x", "method", params_path=ROOT / "params.yaml")
+    with pytest.raises(pr.PresetError, match="one of the experiments' keys"):
+        pr.part_commands(preset, "x", "lr", params_path=ROOT / "params.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, monkeypatch):
+    """The promise of --parts, against DVC itself: a scratch repo whose per-experiment stage declares the outputs
+    and plots of our train stage (dvc.yaml, as they are) counts its real runs; after the parts, the whole runs
+    none of them again, yet has every output, and its report stage sees all of them."""
+    real = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["do"]
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    (repo / "params.yaml").write_text(yaml.safe_dump(
+        {"tau": 5.0, "partition": {"schemes": ["domain"], "seeds": [0]},
+         "experiments": {"x": {"method": "fedavg", "partition": "domain/seed0"}}}, sort_keys=False))
+    outs = [next(iter(o)) if isinstance(o, dict) else o for o in real["outs"] + real["plots"]]
+    train = ("import sys, os, pathlib, yaml; k = sys.argv[1]; "
+             "open(os.environ['RUNS_LOG'], 'a').write(k + '\\n'); "
+             "e = yaml.safe_load(open('params.yaml'))['experiments'][k]; "
+             f"outs = [o.replace('${{key}}', k) for o in {outs!r}]; d = pathlib.Path(outs[0]); "
+             "d.mkdir(parents=True, exist_ok=True); (d / 'adapter.txt').write_text(str(e)); "
+             "[pathlib.Path(o).parent.mkdir(parents=True, exist_ok=True) for o in outs[1:]]; "
+             "[pathlib.Path(o).write_text('[{\"round\": 1, \"val_loss_mean\": 2.0}]') for o in outs[1:]]")
+    (repo / "train.py").write_text(train.replace("; ", "\n"))
+    assert outs[0] == "models/${key}"
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
+        "train": {"foreach": "${experiments}", "do": {
+            "cmd": "python train.py ${key}", "deps": ["train.py"],
+            "params": ["experiments.${key}"], "outs": real["outs"], "plots": real["plots"]}},
+        "report": {"cmd": "python -c \"import os; open('report.txt','w').write(' '.join(sorted(os.listdir('models'))))\"",
+                   "deps": ["models"], "params": ["experiments"], "outs": ["report.txt"]}}}, sort_keys=False))
+    (repo / ".gitignore").write_text("/models\n/report.txt\n")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
+    subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
+    preset = write(tmp_path, "tau: 4.0\nexperiments:\n"
+                   "  a-s0: {method: fedavg, partition: domain/seed0, seed: 0}\n"
+                   "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
+                   "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n", "preset.yaml")
+    runs_log = tmp_path / "runs.log"
+    monkeypatch.setenv("RUNS_LOG", str(runs_log))
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("DVC_ROOT", raising=False)
+    # --temp: each experiment in a fresh copy of the commit, as a queued one runs (no lock entries carried over)
+    assert pr.main(["--params", str(repo / "params.yaml"), "run", str(preset), "--name", "st", "--temp",
+                    "--parts", "seed"]) == 0
+    # each experiment trained exactly once, in its part; the whole restored all three and reported over them
+    assert sorted(runs_log.read_text().split()) == ["a-s0", "a-s1", "b-s0"]
+    subprocess.run([sys.executable, "-m", "dvc", "exp", "apply", "st"], cwd=repo, check=True)
+    assert (repo / "report.txt").read_text() == "a-s0 a-s1 b-s0"
+    assert "fedkd" in (repo / "models/b-s0/adapter.txt").read_text()
+    shown = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True,
+                           capture_output=True, text=True).stdout
+    assert all(f'"{n}"' in shown for n in ("st-seed0", "st-seed1", "st"))

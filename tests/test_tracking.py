@@ -275,7 +275,11 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     client = _client()
     [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.experiment = 'sigterm'")
     assert run.info.status == "KILLED"
-    assert Path("models/sigterm/checkpoint/mlflow_run_id").read_text() == run.info.run_id  # a rerun resumes it
+    from pipeline.experiments import read_plan
+    from pipeline.training.rounds import mlflow_run_id_path
+
+    run_id_file = mlflow_run_id_path(read_plan("models/plans/sigterm.json"))
+    assert run_id_file.read_text() == run.info.run_id  # a rerun resumes it
 
 
 def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):

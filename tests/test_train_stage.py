@@ -146,7 +146,7 @@ def test_train_cli_end_to_end(ws):
     assert (gate["kd_applied"] == (gate["entropy"] < 5.0)).all()
     assert json.loads(Path("models/cli-selectkd/experiment.json").read_text())["tau"] == 5.0
     assert Path("reports/timing/train-cli-selectkd.json").exists()
-    assert not Path("models/cli-selectkd/checkpoint").exists()
+    assert not Path("models/cli-selectkd/checkpoint").exists() and not any(Path("data/cache/runs").glob("cli-selectkd-*"))
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     run = mlflow.search_runs(experiment_names=["cli"], output_format="list")[0]

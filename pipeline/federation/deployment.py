@@ -5,12 +5,12 @@ ServerApp runs inside a SuperLink, so ``pipeline.federation.deployment:server_ap
 same things from what the server receives - and nothing else, since the clients' data and adapters stay on
 their own disks:
 
-- server side (``models/<exp>/`` and ``reports/train/<exp>/`` relative to the SuperLink's working directory):
-  ``rounds.json`` and ``metrics.json`` (the train stage's writers: pipeline.training.rounds and .summary),
+- server side (relative to the SuperLink's working directory: the run directory ``data/cache/runs/<exp>-<key>/``
+  while it runs, ``models/<exp>/`` once finished, and ``reports/train/<exp>/``): ``rounds.json`` and ``metrics.json`` (the train stage's writers: pipeline.training.rounds and .summary),
   ``global_adapter.safetensors`` (the final aggregate), an MLflow run (parameters, per-round per-client
   metrics, bytes, the global adapter, test ROUGE);
-- client side (node config ``client-dir`` / ``checkpoint-dir``): best and final local adapters, the gate log,
-  round checkpoints (pipeline.federation.client_app.client_evaluate);
+- client side (node config ``client-dir`` / ``checkpoint-dir``; by default the run directory's ``clients/<client>/``
+  and ``checkpoint/clients/<client>/``): best and final local adapters, the gate log, round checkpoints (pipeline.federation.client_app.client_evaluate);
 - federated evaluation: after the last round (and every ``evaluate-every`` rounds) the server sends
   ``query.summarize``; each client summarises its own test set with its own adapter (the evaluate stage's
   sub-sampling, generation and ROUGE: pipeline.datasets.subsampling, pipeline.modeling.generation) and replies only ROUGE means and counts. The server writes them as
@@ -232,7 +232,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             log_to_mlflow(plan.experiment, plan.to_json_dict() | {"mlflow_run_id": logger.run_id}, eval_metrics,
                           PATHS.eval_dir(plan.experiment), cfg)
         logger.finish("FINISHED")
-    # Finished: the next run of this plan starts over (client checkpoints stay on the clients' disks).
+    # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
+    # next run of this plan starts over (client checkpoints stay on the clients' disks).
+    rounds.publish_outputs(plan)
     rounds.server_checkpoint_path(plan).unlink(missing_ok=True)
     rounds.mlflow_run_id_path(plan).unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}

@@ -6,8 +6,8 @@ and every process it started stopped afterwards (success, failure, Ctrl-C).
 
 It runs the real deployment path (pipeline.federation.deployment: the ServerApp inside the SuperLink, ClientApps inside
 the SuperNodes, one ``flwr-clientapp`` process per message), so what it writes is what a multi-site run writes:
-``models/<exp>/`` and ``reports/train/<exp>/`` on the server side, ``models/<exp>/clients/<name>/`` and the
-client checkpoints on the client side, ``reports/eval/<exp>/metrics.json`` from the federated evaluation.
+``models/<exp>/`` (through the run directory ``data/cache/runs/<exp>-<key>/``) and ``reports/train/<exp>/`` on the
+server side, the run directory's ``clients/<name>/`` and client checkpoints on the client side, ``reports/eval/<exp>/metrics.json`` from the federated evaluation.
 
 Everything Flower keeps (the SuperLink's app installs, the CLI's ``config.toml`` connection, the process logs,
 the generated certificates and keys) goes to ``FLWR_HOME`` = ``.flwr-local/<exp>/`` in the working directory.

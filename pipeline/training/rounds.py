@@ -1,10 +1,11 @@
 """The rules of a training run's rounds, shared by the federated engines (pipeline.federation: server loop and
 client handlers) and by `single` / `centralized` (pipeline.training.serverless):
 
-- outputs and checkpoints: where they live (``models/<exp>/clients/<client>/``, ``models/<exp>/checkpoint/``:
-  ``server.pt`` or ``local.pt``, ``mlflow_run_id``, ``clients/<client>/round<NNN>.{safetensors,json}``), how a
-  round checkpoint is written and read back (tagged with the plan's hash: a checkpoint of another configuration
-  is not resumed);
+- outputs and checkpoints: where they live while the run runs (its run directory ``data/cache/runs/<exp>-<key>/``:
+  ``clients/<client>/``, ``checkpoint/`` with ``server.pt`` or ``local.pt``, ``mlflow_run_id``,
+  ``clients/<client>/round<NNN>.{safetensors,json}``), how a round checkpoint is written and read back (tagged
+  with the plan's hash: a checkpoint of another configuration is not resumed), and how the finished outputs move
+  to ``models/<exp>/`` (:func:`publish_outputs`);
 - the best adapter: every round a client's validation loss is compared with its best so far; the adapter is
   saved as ``adapter_final`` and, when better, as ``adapter_best``;
 - the rounds history: ``rounds.json`` (one row per round and client) and the DVC plot file, the per-round
@@ -38,8 +39,31 @@ DP_STEPS = "dp-steps"  # in a client checkpoint's progress: DP-SGD steps so far,
 
 # ----------------------------------------------------------------------------------------------- where
 def checkpoint_dir(plan: Plan) -> Path:
-    """``models/<exp>/checkpoint/``: everything a killed run resumes from (removed when the run finishes)."""
+    """``<run dir>/checkpoint/``: everything a killed run resumes from (removed when the run finishes)."""
     return Path(plan.paths["out_dir"]) / "checkpoint"
+
+
+def publish_outputs(plan: Plan) -> Path:
+    """Copy a finished run's outputs (adapters, rounds, metrics, the merged gate log, the plan) from its run
+    directory into ``models/<exp>/``, replacing what was there as a whole; returns that directory. The run
+    directory is left for the caller to remove: a kill before that resumes after the last round and publishes
+    again."""
+    import shutil
+
+    source, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
+
+    def run_only(directory: str, names: list[str]) -> set[str]:
+        # the checkpoints, and the clients' per-round gate log parts (merged into gate_log.parquet by now)
+        here = Path(directory)
+        if here == source:
+            return {"checkpoint"} & set(names)
+        return {"gate_log"} & set(names) if here.parent == source / "clients" else set()
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = atomic.temp_dir_for(target)
+    shutil.copytree(source, tmp, ignore=run_only, dirs_exist_ok=True)
+    atomic.replace_dir(tmp, target)
+    return target
 
 
 def server_checkpoint_path(plan: Plan) -> Path:
