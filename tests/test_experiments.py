@@ -165,6 +165,11 @@ def test_declared_resolves_tau_and_seed_as_the_plan_does():
     ({"method": "nope", "partition": "domain/seed0"}, "experiments.x.method"),
     ({"partition": "domain/seed0"}, "missing required key 'method'"),
     ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
+    ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"mode": "example"}}, "exactly one of"),
+    ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"epsilon": 3}}, "unknown key"),
+    ({"method": "fedavg", "partition": "domain/seed0", "privacy": 3}, "expected a mapping"),
+    ({"method": "single", "partition": "domain/seed0", "privacy": {"mode": "example", "target_epsilon": 3}},
+     "sends nothing"),
 ])
 def test_a_bad_entry_is_one_line_naming_it(entry, message):
     from pipeline.experiments import declared
@@ -174,6 +179,30 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     with pytest.raises((ConfigError, ValueError), match=message) as err:
         declared(params)
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_entrys_privacy_overrides_reach_its_plan_alone():
+    """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
+    privacy for that entry; entries without one keep the plan (and hash) they had."""
+    from pipeline.experiments import declared, resolve_plan, with_labels
+
+    params = _params()
+    before = {e.name: resolve_plan(e, params) for e in declared(params)}
+    params["experiments"] = {
+        "plain": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy"},
+        "eps3": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy",
+                 "privacy": {"mode": "example", "target_epsilon": 3, "max_grad_norm": 0.5}},
+        "sigma": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy",
+                  "privacy": {"mode": "example", "noise_multiplier": 1.1}},
+    }
+    plain, eps3, sigma = declared(params)
+    assert resolve_plan(plain, params) == before["fedavg-domain"] | {"experiment": "plain", "study": "privacy"}
+    plan = resolve_plan(eps3, params)
+    assert plan["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3,
+                               "max_grad_norm": 0.5, "delta": None, "accountant": "rdp"}
+    assert (plain.dp, eps3.dp, sigma.dp) == ("", "DP-SGD ε≤3", "DP-SGD σ=1.1")
+    assert with_labels([plain, eps3, sigma]) == {"plain": "fedavg", "eps3": "fedavg DP-SGD ε≤3",
+                                                 "sigma": "fedavg DP-SGD σ=1.1"}
 
 
 def test_run_settings_come_from_params_with_the_experiments_own_override():
