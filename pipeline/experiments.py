@@ -254,7 +254,7 @@ class Plan:
     tau: float | None = None
     postags_md5: str | None = None
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
-    privacy: PrivacyConfig | None = None  # DP-SGD of the client's training (absent = none)
+    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
     source: str = ""  # the plan file it was read from
 
     @property

@@ -354,6 +354,8 @@ def test_no_noise_and_no_clipping_is_the_non_private_run(ws, side):
     # the control went through the wrapper: every update aggregated, none clipped, no bound
     assert control["privacy"]["updates_aggregated"] == 3 * TRAIN["rounds"]
     assert control["privacy"]["clipped_fraction"] == 0.0 and control["privacy"]["epsilon"] is None
+    history = json.loads(Path(f"models/cdp-control-{side}/rounds.json").read_text())
+    assert all(r["update_norm"] > 0 for r in history)  # what a C is chosen from
     a, b = _final_adapters(f"cdp-plain-{side}"), _final_adapters(f"cdp-control-{side}")
     for client in a:
         for k in a[client]:
@@ -417,6 +419,8 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
         _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2).epsilon([2, 2]))
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     per_round = {r["round"]: r["epsilon"] for r in history if "update_clipped" in r}
+    # server side: every aggregated update's norm before clipping, clipped exactly when above C
+    assert all(r["update_clipped"] == int(r["update_norm"] > 0.05) for r in history if "update_clipped" in r)
     assert per_round[1] < per_round[2] == p["epsilon"]
     assert sum(c.get("privacy", {}).get("updates_aggregated", 0) for c in metrics["clients"].values()) == 4
     wide = json.loads(Path(f"reports/train/{name}/rounds.json").read_text())

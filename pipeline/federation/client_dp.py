@@ -184,7 +184,7 @@ def client_dp_mod(msg: Message, context: Context, call_next):
 
 # ----------------------------------------------------------------------------------------------- the record
 class RoundPrivacy:
-    """The server's side of one run: the setting, the wrapper, and the fields each round's rows get."""
+    """The server's side of one run: the setting, which updates were clipped, and the fields each round's rows get."""
 
     def __init__(self, plan: Plan, population: int):
         problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
@@ -196,25 +196,28 @@ class RoundPrivacy:
                  plan.experiment, self.setting.noise_multiplier, self.setting.clipping_norm, self.setting.sampled,
                  population, self.setting.sample_rate, self.setting.delta)
 
-    def clipped(self, reply: Message, global_arrays: ArrayRecord, clipping_norm: float) -> int | None:
-        """Whether this reply's update was (server side: will be) clipped at the round's C; None for a reply of
-        client-side clipping that is not within C (a client without the mod): it must not be aggregated."""
+    def clipped(self, reply: Message, global_arrays: ArrayRecord, clipping_norm: float) -> tuple[int, float] | None:
+        """Whether this reply's update was (server side: will be) clipped at the round's C, and the norm of the
+        update as received (server side: before clipping); None for a reply of client-side clipping that is not
+        within C (a client without the mod): it must not be aggregated."""
         norm = update_norm(reply.content[ARRAYS_KEY], global_arrays)
         if self.side == "server":
-            return int(norm > clipping_norm)
+            return int(norm > clipping_norm), norm
         metrics = reply.content[METRICS_KEY]
         if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + rounding_slack(reply.content[ARRAYS_KEY]):
             return None
-        return int(metrics[CLIPPED_KEY])
+        return int(metrics[CLIPPED_KEY]), norm
 
-    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, int], clipping_norm: float,
+    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[int, float]], clipping_norm: float,
                history: list[dict[str, Any]]) -> float:
         """Add the round's fields to the rows of the clients whose update entered the released aggregate;
-        returns epsilon after this round."""
+        returns epsilon after this round. ``update_norm`` is how C is chosen (a run with noise 0 and C .inf
+        shows every update's norm); like the losses, it is an un-noised number of the experiment record."""
         released = released_per_round(history) + [len(clipped)]
         eps = self.setting.epsilon(released)
-        for name, bit in clipped.items():
-            rows[name].update({"update_clipped": bit, "clipping_norm": float(clipping_norm),
+        for name, (bit, norm) in clipped.items():
+            rows[name].update({"update_clipped": bit, "update_norm": float(norm),
+                               "clipping_norm": float(clipping_norm),
                                "epsilon": None if eps == float("inf") else eps, "delta": self.setting.delta,
                                "noise_multiplier": self.setting.noise_multiplier,
                                "sample_rate": self.setting.sample_rate})

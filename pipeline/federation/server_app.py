@@ -224,7 +224,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         replies = list(grid.send_and_receive(messages, timeout=round_timeout_s))
         sender = _senders(messages, node_names)
         left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
-        clipped: dict[str, int] = {}  # client-level DP: whose update C bounds (1) or left as it was (0)
+        clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
         for reply in replies:
             row = rows[sender(reply)]
             if reply.has_error():
@@ -245,14 +245,14 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                             rnd, row["client"], exc)
                 continue
             if client_level is not None:
-                bit = client_level.clipped(reply, arrays, clipping_norm)
-                if bit is None:
+                update = client_level.clipped(reply, arrays, clipping_norm)
+                if update is None:
                     row["failed"] = 1
                     left_out.add(id(reply))
                     log.warning("round %d: reply of client %s is not clipped within C=%g and is left out of the "
                                 "aggregate", rnd, row["client"], clipping_norm)
                     continue
-                clipped[row["client"]] = bit
+                clipped[row["client"]] = update
             m = reply.content[METRICS_KEY]
             row.update({
                 "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
