@@ -11,7 +11,8 @@ params, so a change reruns only the experiments it affects: tau is written only 
 server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
 settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
 train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
-plans only, and only when its mode is not `none`.
+plans only, and only when its mode is not `none` (with the keys of that mode only); mode `client` refuses the
+methods it cannot protect (pipeline.training.privacy.client_level_problem).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
 round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
@@ -36,7 +37,7 @@ from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig
-from pipeline.training.privacy import PrivacyConfig
+from pipeline.training.privacy import PrivacyConfig, client_level_problem
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
@@ -182,7 +183,7 @@ def privacy_label(privacy: PrivacyConfig) -> str:
     "DP-SGD σ=1.1" (a noise multiplier); other modes by their name."""
     if not privacy.enabled:
         return ""
-    name = {"example": "DP-SGD"}.get(privacy.mode, f"DP {privacy.mode}")
+    name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
     if privacy.target_epsilon is not None:
         return f"{name} ε≤{privacy.target_epsilon:g}"
     return f"{name} σ={privacy.noise_multiplier:g}"
@@ -252,13 +253,17 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
                               f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
     privacy = exp.privacy_config(params)
+    if privacy.mode == "client":
+        problem = client_level_problem(method, train.transfer_dtype, privacy)
+        if problem:
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
     if privacy.enabled and method.federated:
-        if method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
+        if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
                               f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
                               f"over the whole batch; use absolute or max_entropy")
-        plan["privacy"] = to_dict(privacy)
+        plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = _file_md5(PATHS.postags)
@@ -279,7 +284,7 @@ class Plan:
     tau: float | None = None
     postags_md5: str | None = None
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
-    privacy: PrivacyConfig | None = None  # DP-SGD of the client's training (absent = none)
+    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
     source: str = ""  # the plan file it was read from
 
     @property
@@ -309,6 +314,8 @@ class Plan:
         for optional in ("privacy", "cache_dtype"):
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)
+        if self.privacy is not None:
+            d["privacy"] = self.privacy.plan_dict()  # its mode's keys only, as resolve_plan wrote them
         return d
 
 

@@ -32,6 +32,7 @@ from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.evaluation import EvaluateConfig
 from pipeline.results.scoring import Scorer, mean_scores
+from pipeline.federation.client_dp import client_dp_mod
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
                                           load_plan, plan_path_of)
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
@@ -95,7 +96,7 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": ConfigRecord({"client-name": client_name(plan, context)})}), reply_to=msg)
 
 
-@client_app.train()
+@client_app.train(mods=[client_dp_mod])  # privacy.mode client, clipping_side client: Flower's clipping mod
 def client_train(msg: Message, context: Context) -> Message:
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec

@@ -6,7 +6,9 @@ all admitted clients evaluate, and the server checkpoints (global adapter, round
 pipeline.training.rounds). A client that raises becomes an error reply, which Flower's strategies leave out of
 the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
-(``train.new_client``) is admitted once the others converged (``train.join``).
+(``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
+(``privacy.mode: client``) Flower's DP wrapper clips, averages uniformly and adds noise
+(pipeline.federation.client_dp); it releases no aggregate in a round with an error reply.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
+from pipeline.federation.client_dp import RoundPrivacy, wrap_strategy
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
                                           downlink_reference, encode_global, payload_bytes, privacy_row)
@@ -165,6 +168,10 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
     strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
                               proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
+    client_level = None  # privacy.mode client: Flower's DP wrapper around the strategy (pipeline.federation.client_dp)
+    if plan.privacy is not None and plan.privacy.mode == "client":
+        client_level = RoundPrivacy(plan, expected)
+        strategy = wrap_strategy(strategy, plan, client_level.setting)
     ckpt = load_server_checkpoint(plan)
     if ckpt is not None:
         start = int(ckpt["round"]) + 1
@@ -196,6 +203,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path}), view))
+        clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
         # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
         # reference of the clients' delta-encoded replies.
@@ -215,7 +223,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                           "bytes_down": 0, "bytes_up": 0}
         replies = list(grid.send_and_receive(messages, timeout=round_timeout_s))
         sender = _senders(messages, node_names)
-        undecodable: set[int] = set()
+        left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
+        clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
         for reply in replies:
             row = rows[sender(reply)]
             if reply.has_error():
@@ -231,10 +240,19 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                     decode_reply(reply.content[ARRAYS_KEY], plan, sent))
             except (KeyError, ValueError) as exc:
                 row["failed"] = 1
-                undecodable.add(id(reply))
+                left_out.add(id(reply))
                 log.warning("round %d: reply of client %s cannot be decoded and is left out of the aggregate: %s",
                             rnd, row["client"], exc)
                 continue
+            if client_level is not None:
+                update = client_level.clipped(reply, arrays, clipping_norm)
+                if update is None:
+                    row["failed"] = 1
+                    left_out.add(id(reply))
+                    log.warning("round %d: reply of client %s is not clipped within C=%g and is left out of the "
+                                "aggregate", rnd, row["client"], clipping_norm)
+                    continue
+                clipped[row["client"]] = update
             m = reply.content[METRICS_KEY]
             row.update({
                 "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
@@ -251,15 +269,18 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                 row["error"] = f"no reply within {round_timeout_s:.0f}s (train.round_timeout_s)"
                 log.warning("round %d: no reply from client %s within the timeout", rnd, name)
 
-        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies).
-        total_weight = sum(r["weight"] for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r)
-        for r in rows.values():
-            if r["sampled"] and not r["failed"] and "weight" in r:
-                r["weight_share"] = r["weight"] / total_weight
-        new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in undecodable])
+        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; equal
+        # shares under client-level DP, whose wrapper averages uniformly).
+        good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
+        total_weight = sum(r["weight"] for r in good)
+        for r in good:
+            r["weight_share"] = 1 / len(good) if client_level is not None else r["weight"] / total_weight
+        new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in left_out])
         aggregated = new_arrays is not None
         if aggregated:
             arrays = new_arrays
+            if client_level is not None:
+                client_level.record(rows, clipped, clipping_norm, history)
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 

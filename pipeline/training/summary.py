@@ -17,6 +17,8 @@ from pipeline.training.local import empty_gate_log
 
 # A client's DP-SGD report in metrics.json and MLflow (pipeline.training.privacy; None = unbounded)
 PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
+# privacy.mode client: the run's report (one guarantee for every client), in metrics.json's `privacy` and MLflow
+CLIENT_LEVEL_FIELDS = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction")
 
 
 def prepare_outputs(plan: Plan) -> None:
@@ -66,7 +68,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         if row.get("weight") is not None:
             c["fedavg_weight"] = row["weight"]  # |D_i| (train.weight_by: full) or the trained count
     for name, c in clients.items():
-        dp_rows = [r for r in history if r["client"] == name and "noise_multiplier" in r]
+        dp_rows = [r for r in history if r["client"] == name and "dp_steps" in r]
         if dp_rows:  # epsilon after the client's last training round (the accountant composes every step)
             last = max(dp_rows, key=lambda r: r["dp_steps"])
             examples = sum(r["dp_examples"] for r in dp_rows)
@@ -82,7 +84,9 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         c["kd_fraction_to_best"] = kd_tokens / tokens if tokens else 0.0
     vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
     privacy = None
-    if plan.privacy is not None and plan.privacy.enabled:
+    if plan.privacy is not None and plan.privacy.mode == "client":
+        privacy = client_level_summary(plan, history, clients)
+    elif plan.privacy is not None and plan.privacy.enabled:
         eps = [c["privacy"]["epsilon"] for c in clients.values() if "privacy" in c]
         privacy = {"mode": plan.privacy.mode, "accountant": plan.privacy.accountant, "sampling": "poisson",
                    "target_epsilon": plan.privacy.target_epsilon,
@@ -104,6 +108,30 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
     }
 
 
+def client_level_summary(plan: Plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]
+                         ) -> dict[str, Any]:
+    """privacy.mode client: the run's guarantee after its last released round (the same for every client), and
+    each client's share of clipped updates (``clients.<c>.privacy``)."""
+    released = [r for r in history if "update_clipped" in r]
+    for name, c in clients.items():
+        own = [r["update_clipped"] for r in released if r["client"] == name]
+        if own:
+            c["privacy"] = {"updates_aggregated": len(own), "clipped_fraction": sum(own) / len(own)}
+    last = max(released, key=lambda r: r["round"]) if released else None
+    cfg = plan.privacy
+    epsilon = last["epsilon"] if last else 0.0  # None: noise multiplier 0, no bound
+    return {"mode": "client", "accountant": cfg.accountant,
+            # Flower samples a fixed number without replacement; the accountant's Poisson rate is its approximation
+            "sampling": "poisson approximation of fixed-size sampling without replacement",
+            "clipping": cfg.clipping, "clipping_side": cfg.clipping_side, "target_epsilon": cfg.target_epsilon,
+            "epsilon": epsilon, "epsilon_max": epsilon, "delta": last["delta"] if last else None,
+            "noise_multiplier": last["noise_multiplier"] if last else None,
+            "clipping_norm": last["clipping_norm"] if last else None,
+            "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released) if released else 0.0,
+            "sample_rate": last["sample_rate"] if last else None,
+            "rounds_released": len({r["round"] for r in released}), "updates_aggregated": len(released)}
+
+
 def write_metrics(plan: Plan, metrics: dict[str, Any]) -> None:
     """``metrics.json`` in ``reports/train/<exp>/`` (the DVC metric) and in ``models/<exp>/``."""
     text = json.dumps(metrics, indent=2) + "\n"
@@ -112,7 +140,11 @@ def write_metrics(plan: Plan, metrics: dict[str, Any]) -> None:
 
 
 def privacy_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded values left out)."""
+    """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded values left out), or
+    under privacy.mode client the run's (``epsilon``, ``delta``, ...)."""
+    run = metrics.get("privacy") or {}
+    if run.get("mode") == "client":
+        return {k: float(run[k]) for k in CLIENT_LEVEL_FIELDS + ("epsilon_max",) if run.get(k) is not None}
     out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
            for k in PRIVACY_FIELDS if v["privacy"][k] is not None}
     if metrics.get("privacy") and metrics["privacy"]["epsilon_max"] is not None:
