@@ -10,7 +10,7 @@ params, so a change reruns only the experiments it affects: tau is written only 
 server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
 settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
 train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
-plans only, and only when its mode is not `none`.
+plans only, and only when its mode is not `none` or `secure_aggregation` is on (its SecAgg+ keys only then).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
 round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
@@ -35,7 +35,7 @@ from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig
-from pipeline.training.privacy import PrivacyConfig
+from pipeline.training.privacy import PrivacyConfig, secure_aggregation_refusal
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
@@ -222,13 +222,17 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
                               f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
     privacy = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy")
-    if privacy.enabled and method.federated:
-        if method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
+    if privacy.secure_aggregation:
+        refusal = secure_aggregation_refusal(method, train.transfer_dtype)
+        if refusal is not None:
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+    if (privacy.enabled or privacy.secure_aggregation) and method.federated:
+        if privacy.enabled and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
                               f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
                               f"over the whole batch; use absolute or max_entropy")
-        plan["privacy"] = to_dict(privacy)
+        plan["privacy"] = privacy.plan_record()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = _file_md5(PATHS.postags)
@@ -276,6 +280,8 @@ class Plan:
     def to_json_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("source")
+        if self.privacy is not None:
+            d["privacy"] = self.privacy.plan_record()  # as the plan file has it (its hash)
         for optional in ("privacy", "cache_dtype"):
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)

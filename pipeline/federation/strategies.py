@@ -18,6 +18,11 @@ import numpy as np
 NUM_EXAMPLES_KEY = "num-examples"
 NUM_STEPS_KEY = "num-steps"
 
+# Server algorithms whose new global is the weighted average of the replies and nothing more (Flower's FedProx
+# only adds `proximal-mu` to the train config; its aggregate is FedAvg's): they can run under SecAgg+, which gives
+# the server that average and no single reply (pipeline.federation.secure_aggregation).
+AVERAGING_STRATEGIES = ("fedavg", "fedprox")
+
 # Attributes through which Flower's message strategies carry state from one round to the next
 # (FedOpt family: current_arrays, m_t, v_t; FedAvgM: current_arrays, momentum_vector). A resumed run must
 # restore them or the server optimiser would restart from zero moments.
