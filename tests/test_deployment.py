@@ -429,3 +429,100 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     back = rows[(3, "Committee")]
     assert back["sampled"] == 1 and back["failed"] == 0 and back["train_loss"] > 0 and "val_loss" in back
     assert grid.calls == 4
+
+
+# ------------------------------------------------------------------ SecAgg+ (privacy.secure_aggregation)
+def _ray_or_skip() -> None:
+    try:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
+        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
+
+
+@pytest.mark.timeout(300)
+def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
+    from pipeline.experiments import RunSettings
+    from pipeline.train import run_experiment
+    from tests.test_privacy import _write_plan
+
+    _ray_or_skip()
+    run_experiment(_write_plan("sa-ray-ref", "fedavg", {"secure_aggregation": True}), track=False)
+    run_experiment(_write_plan("sa-ray", "fedavg", {"secure_aggregation": True}), track=False,
+                   settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
+    # The masks cancel exactly and the stochastic rounding draws from the generator each client's training seeded:
+    # Ray's actors compute what the in-process engine does.
+    a, b = _final_adapters("sa-ray"), _final_adapters("sa-ray-ref")
+    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    for client in a:
+        for k in a[client]:
+            torch.testing.assert_close(a[client][k], b[client][k])
+    rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("sa-ray", "sa-ray-ref"))
+    assert [(r["round"], r["client"], r["failed"]) for r in rounds] == [
+        (r["round"], r["client"], 0) for r in ref]
+
+
+@pytest.mark.timeout(600)
+def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
+        ws, monkeypatch):
+    """Real SuperLink and SuperNodes: round 1's unmasked global is the plain run's FedAvg of the same uploads within
+    SecAgg+'s bound; Committee's SuperNode is killed once round 1 is checkpointed, and round 2 is unmasked from the
+    other two (reconstruction threshold 2 of 3)."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from pipeline.federation.local import LocalFederation
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.federation.server_app import load_server_checkpoint
+    from pipeline.train import run_experiment
+    from pipeline.training.privacy import SecAggConfig
+    from tests.test_privacy import _write_plan
+    from tests.test_secure_aggregation import N_TRAIN, _max_abs, _max_diff, _spy_uploads, _weighted_mean
+
+    uploads = _spy_uploads(monkeypatch)  # the in-process plain run's (this process only)
+    run_experiment(_write_plan("sa-loc-plain", "fedavg", None, rounds=1), track=False)
+    states, weights = [uploads[(1, c)][0] for c in N_TRAIN], [uploads[(1, c)][1] for c in N_TRAIN]
+
+    before = _flower_pids()
+    plan = _write_plan("sa-loc", "fedavg", {"secure_aggregation": True}, rounds=2)
+    cfg = _local(plan)
+    cfg.run_config["round-timeout-s"] = 40.0
+    events: list[str] = []
+    fed = LocalFederation(cfg)
+    with fed:
+        fed.start()
+
+        def lose_committee() -> None:
+            deadline = time.monotonic() + 500
+            while _server_round(plan) < 1 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ckpt = load_server_checkpoint(load_plan(plan))
+            events.append((int(ckpt["round"]), ckpt["arrays"]))  # round 1's global, before round 2 replaces it
+            fed.kill_supernode("Committee")  # round 2's SecAgg+ stages are on their way
+            events.append("killed")
+
+        watcher = threading.Thread(target=lose_committee, daemon=True)
+        watcher.start()
+        run = fed.stream(fed.submit())
+        watcher.join(timeout=60)
+        started = list(fed.procs.procs)
+    assert run.returncode == 0, run.output[-2000:]
+    assert events[1:] == ["killed"]
+    _no_process_left(before, started)
+
+    cfg_sa = SecAggConfig()
+    bound = aggregation_error_bound(weights, weight_scale(cfg_sa, max(N_TRAIN.values())), cfg_sa, _max_abs(states))
+    assert events[0][0] == 1
+    assert _max_diff(events[0][1], _weighted_mean(states, weights)) <= bound
+    rows = {(r["round"], r["client"]): r for r in json.loads(Path("models/sa-loc/rounds.json").read_text())}
+    assert all(rows[(1, c)]["failed"] == 0 and rows[(1, c)]["secagg_clipped"] == 0 for c in N_TRAIN)
+    lost = rows[(2, "Committee")]
+    assert lost["failed"] == 1 and lost["error"].startswith("SecAgg+ ")
+    assert rows[(2, "Academic")]["failed"] == rows[(2, "Product")]["failed"] == 0
+    assert rows[(2, "Academic")]["weight_share"] == pytest.approx(4 / 9)
+    final = load_file("models/sa-loc/global_adapter.safetensors")
+    assert _max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated

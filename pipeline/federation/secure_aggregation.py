@@ -258,13 +258,24 @@ class _Offer(Strategy):
 
 
 class _Workflow(SecAggPlusWorkflow):
-    """Flower's workflow, keeping the protocol state of the round (threshold, shares) for the round's record."""
+    """Flower's workflow, keeping the protocol state of the round (threshold, shares) for the round's record, with
+    one fix: a client lost before its key shares went out (setup or share-keys stage) is forgotten.
+
+    Flower 1.41 keeps such a client among the sampled ones and, at the unmask stage, asks the survivors for shares
+    of its key, which none of them holds (``secaggplus_mod._unmask`` raises KeyError on every survivor) and the
+    round is lost. Forgetting it is exact: a client masks only with the neighbours whose shares it received
+    (``_collect_masked_vectors``: ``available_clients``), so no vector carries a mask of the lost client, and its
+    upload is not in the sum."""
 
     state = None
 
     def setup_stage(self, grid, context, state):
         self.state = state
         return super().setup_stage(grid, context, state)
+
+    def collect_masked_vectors_stage(self, grid, context, state):
+        state.sampled_node_ids = set(state.active_node_ids)  # those whose shares went out in the share-keys stage
+        return super().collect_masked_vectors_stage(grid, context, state)
 
 
 class SecureAggregator:
