@@ -481,7 +481,8 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     from pipeline.train import run_experiment
     from pipeline.training.privacy import SecAggConfig
     from tests.test_privacy import _write_plan
-    from tests.test_secure_aggregation import N_TRAIN, _max_abs, _max_diff, _spy_uploads, _weighted_mean
+    from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
+    from tests.test_secure_aggregation import N_TRAIN, _spy_uploads
 
     uploads = _spy_uploads(monkeypatch)  # the in-process plain run's (this process only)
     run_experiment(_write_plan("sa-loc-plain", "fedavg", None, rounds=1), track=False)
@@ -515,9 +516,9 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     _no_process_left(before, started)
 
     cfg_sa = SecAggConfig()
-    bound = aggregation_error_bound(weights, weight_scale(cfg_sa, max(N_TRAIN.values())), cfg_sa, _max_abs(states))
+    bound = aggregation_error_bound(weights, weight_scale(cfg_sa, max(N_TRAIN.values())), cfg_sa, max_abs(states))
     assert events[0][0] == 1
-    assert _max_diff(events[0][1], _weighted_mean(states, weights)) <= bound
+    assert max_diff(events[0][1], weighted_mean(states, weights)) <= bound
     rows = {(r["round"], r["client"]): r for r in json.loads(Path("models/sa-loc/rounds.json").read_text())}
     assert all(rows[(1, c)]["failed"] == 0 and rows[(1, c)]["secagg_clipped"] == 0 for c in N_TRAIN)
     lost = rows[(2, "Committee")]
@@ -525,4 +526,4 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     assert rows[(2, "Academic")]["failed"] == rows[(2, "Product")]["failed"] == 0
     assert rows[(2, "Academic")]["weight_share"] == pytest.approx(4 / 9)
     final = load_file("models/sa-loc/global_adapter.safetensors")
-    assert _max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated
+    assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated

@@ -13,30 +13,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
+from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.training.privacy import PrivacyConfig, SecAggConfig
-from tests.test_federated import MODEL, TRAIN, _reply, workspace, ws  # noqa: F401  (fixtures)
+from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
 from tests.test_privacy import _params, _write_plan
 
 N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5}  # the domain partition of tests/test_federated.py
 SECURE = {"secure_aggregation": True}
-
-
-def _weighted_mean(states: list[dict[str, np.ndarray]], weights: list[int]) -> dict[str, np.ndarray]:
-    """The exact (float64) FedAvg of ``states``: the independent expectation."""
-    total = float(sum(weights))
-    return {k: sum(w * s[k].astype(np.float64) for s, w in zip(states, weights)) / total for k in states[0]}
-
-
-def _max_diff(a: dict, b: dict) -> float:
-    return max(float(np.abs(np.asarray(a[k], dtype=np.float64) - np.asarray(b[k], dtype=np.float64)).max())
-               for k in b)
-
-
-def _max_abs(states: list[dict[str, np.ndarray]]) -> float:
-    return max(float(np.abs(v).max()) for s in states for v in s.values())
 
 
 # ------------------------------------------------------------------------------------------ the bound
@@ -53,47 +38,12 @@ def test_bound_is_the_documented_formula_for_a_hand_computed_case():
         weight_scale(SecAggConfig(quantization_range=4096), 5000)
 
 
-def _synthetic_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, int], cfg: SecAggConfig):
-    """One SecAgg+ train step over the in-process Grid, each client's train handler replying ``uploads[name]``
-    through the production mod and legacy-fit path; returns (round result, every reply the server received)."""
-    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-
-    from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
-
-    app = ClientApp()
-
-    @app.train(mods=[secure_aggregation_mod])
-    def train(msg, context):
-        name = context.node_config["client-name"]
-
-        def trained(m, _context):
-            return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in uploads[name].items()}),
-                                       "metrics": MetricRecord({"num-examples": weights[name]})}), reply_to=m)
-
-        return legacy_fit(msg, context, trained)
-
-    _set_server_identity(1)
-    names = list(uploads)
-    grid = InProcessGrid(app, [{"client-name": n} for n in names])
-    seen = []
-    real_pull = grid.pull_messages
-    grid.pull_messages = lambda ids: seen.extend(r := list(real_pull(ids))) or r
-    strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(), client_lr=1e-3)
-    global_ = ArrayRecord({k: Array(np.zeros_like(v)) for k, v in uploads[names[0]].items()})
-    messages = list(strategy.configure_train(1, global_, ConfigRecord({"plan": "-"}), grid))
-    secure = SecureAggregator(cfg, max(weights.values()), len(names), timeout=60)
-    return secure, secure.train_round(grid, messages, 1), seen
-
-
 @pytest.mark.parametrize("clipping_range,quantization_range", [(8.0, 2**22), (1.0, 2**12)])
 def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_range, quantization_range):
     from flwr.common import bytes_to_ndarray
 
+    from benchmarks.secure_aggregation import plain_fedavg, secure_round
     from pipeline.federation.secure_aggregation import aggregation_error_bound
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
 
     np.random.seed(0)  # Flower's stochastic rounding draws from numpy's global generator
     rng = np.random.default_rng(1)
@@ -103,20 +53,18 @@ def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_
     uploads = {n: {"w": (rng.uniform(-c, c, size=(40, 25)) * 0.999).astype(np.float32),
                    "ln": (1.0 + 0.1 * rng.standard_normal(30)).clip(-c, c).astype(np.float32)} for n in weights}
     cfg = SecAggConfig(clipping_range=c, quantization_range=quantization_range)
-    secure, result, replies = _synthetic_round(uploads, weights, cfg)
+    secure, result, replies = secure_round(uploads, weights, cfg)
 
     assert result.halted is None and result.in_sum == set(result.nodes) and len(result.nodes) == 3
     got = {k: a.numpy() for k, a in result.arrays.items()}
     states, w = [uploads[n] for n in weights], list(weights.values())
-    bound = aggregation_error_bound(w, secure.scale, cfg, _max_abs(states))
-    exact = _weighted_mean(states, w)
-    strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(), client_lr=1e-3)
-    plain, _ = strategy.aggregate_train(1, [_reply(uploads[n], {"num-examples": weights[n]}) for n in weights])
-    plain = {k: a.numpy() for k, a in plain.items()}
-    assert _max_diff(got, plain) <= bound
-    assert _max_diff(got, exact) <= bound
+    bound = aggregation_error_bound(w, secure.scale, cfg, max_abs(states))
+    exact = weighted_mean(states, w)
+    plain = plain_fedavg(uploads, weights)
+    assert max_diff(got, plain) <= bound
+    assert max_diff(got, exact) <= bound
     # the quantisation really happened (a plain mean would sit at float32 rounding, far below one step)
-    assert _max_diff(got, exact) > 0.1 * 2 * c / quantization_range
+    assert max_diff(got, exact) > 0.1 * 2 * c / quantization_range
 
     # the server saw no upload: each masked vector is the upload plus masks, nowhere near the upload itself
     collect = [r for r in replies if "fitres.metrics" in r.content.config_records]
@@ -175,8 +123,8 @@ def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[flo
         states = [uploads[(rnd, c)][0] for c in in_sum(rnd)]
         weights = [uploads[(rnd, c)][1] for c in in_sum(rnd)]
         assert all(uploads[(rnd, c)][2] for c in in_sum(rnd))  # every upload went through SecAgg+
-        diff = _max_diff(globals_[rnd], _weighted_mean(states, weights))
-        assert diff <= aggregation_error_bound(weights, scale, cfg, _max_abs(states)), rnd
+        diff = max_diff(globals_[rnd], weighted_mean(states, weights))
+        assert diff <= aggregation_error_bound(weights, scale, cfg, max_abs(states)), rnd
         diffs.append(diff)
     return diffs
 
@@ -231,8 +179,8 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
             np.testing.assert_array_equal(v, secure_uploads[(1, c)][0][k])
     states = [uploads[(1, c)][0] for c in N_TRAIN]
     bound = aggregation_error_bound(list(N_TRAIN.values()), weight_scale(SecAggConfig(), 6), SecAggConfig(),
-                                    _max_abs(states))
-    assert _max_diff(secure_round1, globals_[1]) <= bound
+                                    max_abs(states))
+    assert max_diff(secure_round1, globals_[1]) <= bound
     assert "secure_aggregation" not in plain
     # masked int64 vectors, keys and shares: more bytes up than the fp32 adapter
     plain_rows = json.loads(Path(f"models/plain-{method}/rounds.json").read_text())
@@ -316,8 +264,8 @@ def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monk
     path = _write_plan(name, "fedavg", {**SECURE, "secagg": {"reconstruction_threshold": 3}})  # 3 of 3 shares
     metrics = run_experiment(path, track=False)
     initial = initial_adapter_state(read_plan(path))
-    assert _max_diff(globals_[1], {k: v.numpy() for k, v in initial.items()}) == 0.0  # nothing unmasked
-    assert _max_diff(globals_[2], globals_[1]) > 0  # round 2, all three back, is aggregated
+    assert max_diff(globals_[1], {k: v.numpy() for k, v in initial.items()}) == 0.0  # nothing unmasked
+    assert max_diff(globals_[2], globals_[1]) > 0  # round 2, all three back, is aggregated
     rows = {(r["round"], r["client"]): r for r in json.loads(Path(f"models/{name}/rounds.json").read_text())}
     assert all(rows[(1, c)]["failed"] == 1 for c in N_TRAIN)
     assert rows[(1, "Academic")]["error"] == ("SecAgg+ could not unmask the sum: 2 of 3 sampled clients uploaded, "
