@@ -275,6 +275,25 @@ def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monk
     assert metrics["secure_aggregation"]["rounds_aggregated"] == 1
 
 
+def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch):
+    # The restarted clients hold no SecAgg+ state (their contexts died with the run): round 2's protocol starts
+    # afresh, and the stochastic rounding draws from the generator each client's training seeded.
+    from pipeline.train import run_experiment
+    from tests.faults import killed_after_checkpoint
+    from tests.test_federated import _final_adapters
+
+    run_experiment(_write_plan("sa-whole", "fedavg", SECURE), track=False)
+    path = _write_plan("sa-resumed", "fedavg", SECURE)
+    with killed_after_checkpoint(monkeypatch, rnd=1):
+        run_experiment(path, track=False)
+    run_experiment(path, track=False)
+    a, b = _final_adapters("sa-resumed"), _final_adapters("sa-whole")
+    assert a.keys() == b.keys() == set(N_TRAIN)
+    for client in a:
+        for k in a[client]:
+            np.testing.assert_array_equal(a[client][k].numpy(), b[client][k].numpy())
+
+
 # ------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("method,why", [
     ("fedopt", "server (fedopt) does more than average"), ("fednova", "server (fednova) does more than average"),

@@ -6,7 +6,9 @@ all admitted clients evaluate, and the server checkpoints (global adapter, round
 pipeline.training.rounds). A client that raises becomes an error reply, which Flower's strategies leave out of
 the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
-(``train.new_client``) is admitted once the others converged (``train.join``).
+(``train.new_client``) is admitted once the others converged (``train.join``). Under
+``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.federation.secure_aggregation): the
+same sampled clients, and the server receives their weighted mean instead of their replies.
 """
 from __future__ import annotations
 
