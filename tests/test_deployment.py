@@ -53,6 +53,25 @@ def _serve_inprocess(plan_path: str, **run_config):
     return grid
 
 
+def _assert_same_final_adapters(name: str, reference: str) -> None:
+    """Every client's final adapter of run ``name`` equals ``reference``'s (float tolerance: same math elsewhere)."""
+    a, b = _final_adapters(name), _final_adapters(reference)
+    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    for client in a:
+        for k in a[client]:
+            torch.testing.assert_close(a[client][k], b[client][k])
+
+
+def _ray_or_skip() -> None:
+    try:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
+        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
+
+
 # Two full federated runs plus beam-search evaluation: ~18 s idle, several times that on a loaded 2-core machine.
 @pytest.mark.timeout(300)
 def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_stage(ws):
@@ -68,11 +87,8 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     run_experiment(write_plan("dep-ref", "fedselectkd"))  # the in-process engine, same seed
 
     # Same adapters as the engine (the seed, not the experiment name, drives every random draw).
-    a, b = _final_adapters("dep"), _final_adapters("dep-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])
+    _assert_same_final_adapters("dep", "dep-ref")
+    a = _final_adapters("dep")
     rounds, ref_rounds = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("dep", "dep-ref"))
     assert len(rounds) == len(ref_rounds) == 6  # 2 rounds x 3 clients
     for r, q in zip(rounds, ref_rounds):
@@ -189,11 +205,7 @@ def test_local_deployment_gives_the_in_process_result(ws):
     assert run.returncode == 0, run.output[-2000:]
     _no_process_left(before, started)
 
-    a, b = _final_adapters("loc"), _final_adapters("loc-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])  # float tolerance: two processes, same math
+    _assert_same_final_adapters("loc", "loc-ref")  # two processes, same math
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("loc", "loc-ref"))
     assert [(r["round"], r["client"]) for r in rounds] == [(r["round"], r["client"]) for r in ref]
     for r, q in zip(rounds, ref):
@@ -222,6 +234,13 @@ def _server_round(plan_path: str) -> int:
     except Exception:  # noqa: BLE001 -- a file being replaced; read it again on the next poll
         return 0
     return int(ckpt["round"]) if ckpt else 0
+
+
+def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
+    """Until the server has checkpointed round ``rnd`` (or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while _server_round(plan_path) < rnd and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(300)
@@ -276,15 +295,13 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
         fed.start()
 
         def faults() -> None:
-            deadline = time.monotonic() + 700
-            while _server_round(plan) < 1 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            start = time.monotonic()
+            _await_round(plan, 1, 700)
             fed.kill_supernode("Committee")  # round 2's train message is on its way or being worked on
             events.append("killed")
             fed.restart_supernode("Committee")
             events.append("restarted")
-            while _server_round(plan) < 3 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            _await_round(plan, 3, 700 - (time.monotonic() - start))
             fed.procs.stop(fed.superlink, signal.SIGKILL)  # a crash: no clean shutdown
             events.append("superlink killed")
 
@@ -321,23 +338,13 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
 
 @pytest.mark.timeout(300)
 def test_ray_engine_gives_the_in_process_result(ws):
-    try:
-        import ray
-
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        ray.shutdown()
-    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
-        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
     from pipeline.experiments import RunSettings
     from pipeline.train import run_experiment
 
+    _ray_or_skip()
     run_experiment(write_plan("ray-ref", "fedavg"), track=False)
     run_experiment(write_plan("ray", "fedavg"), track=False, settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
-    a, b = _final_adapters("ray"), _final_adapters("ray-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])
+    _assert_same_final_adapters("ray", "ray-ref")
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("ray", "ray-ref"))
     assert len(rounds) == len(ref) == 6
     for r, q in zip(rounds, ref):
@@ -432,16 +439,6 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
 
 
 # ------------------------------------------------------------------ SecAgg+ (privacy.secure_aggregation)
-def _ray_or_skip() -> None:
-    try:
-        import ray
-
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        ray.shutdown()
-    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
-        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
-
-
 @pytest.mark.timeout(300)
 def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
     from pipeline.experiments import RunSettings
@@ -454,11 +451,7 @@ def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
                    settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
     # The masks cancel exactly and the stochastic rounding draws from the generator each client's training seeded:
     # Ray's actors compute what the in-process engine does.
-    a, b = _final_adapters("sa-ray"), _final_adapters("sa-ray-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])
+    _assert_same_final_adapters("sa-ray", "sa-ray-ref")
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("sa-ray", "sa-ray-ref"))
     assert [(r["round"], r["client"], r["failed"]) for r in rounds] == [
         (r["round"], r["client"], 0) for r in ref]
@@ -498,9 +491,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
         fed.start()
 
         def lose_committee() -> None:
-            deadline = time.monotonic() + 500
-            while _server_round(plan) < 1 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            _await_round(plan, 1, 500)
             ckpt = load_server_checkpoint(load_plan(plan))
             events.append((int(ckpt["round"]), ckpt["arrays"]))  # round 1's global, before round 2 replaces it
             fed.kill_supernode("Committee")  # round 2's SecAgg+ stages are on their way
