@@ -187,6 +187,37 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     assert sum(r["bytes_up"] for r in history) > sum(r["bytes_up"] for r in plain_rows)
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method,partition", [("fedprox", "domain/seed0"), ("post_addition", "extreme/seed0")])
+def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatch, method, partition):
+    # fedprox: the proximal term is the client's; post_addition: SAMSum joins in round 2 (train.join.max_round),
+    # so round 2's sum has one more client
+    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.train import run_experiment
+
+    uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
+    params = _params(SECURE)
+    entry = parse_entry(f"sa-{method}", {"method": method, "partition": partition, "study": "tests-privacy"},
+                        params)
+    path = Path(f"models/plans/sa-{method}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(resolve_plan(entry, params)))
+    metrics = run_experiment(str(path), track=False)
+    in_round = {rnd: sorted(c for r, c in uploads if r == rnd) for rnd in (1, 2)}
+    if method == "post_addition":
+        assert in_round == {1: sorted(N_TRAIN), 2: sorted([*N_TRAIN, "SAMSum"])}
+    _check_rounds_against_uploads(uploads, globals_, (1, 2), in_round.get)
+    assert metrics["secure_aggregation"]["rounds_aggregated"] == 2 and metrics["secure_aggregation"]["dropped"] == {}
+
+
+def test_fewer_than_two_clients_per_round_is_refused(ws):
+    from pipeline.train import run_experiment
+
+    with pytest.raises(ValueError, match=r"needs at least 2 clients in every round's sum; 3 clients x "
+                                         r"train.fraction_train 0.34 samples 1$"):
+        run_experiment(_write_plan("sa-one", "fedavg", SECURE, fraction_train=0.34), track=False)
+
+
 def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> None:
     """``client`` dies in round ``rnd``: at the setup or share-keys stage (before its key shares went out: Flower
     1.41 alone loses the round, pipeline.federation.secure_aggregation._Workflow forgets the client), while training

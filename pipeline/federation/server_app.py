@@ -169,7 +169,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
     strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
                               proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
-    secure = _secure_aggregator(plan, [c for c in clients if c != late], round_timeout_s)
+    secure = _secure_aggregator(plan, clients, late, round_timeout_s)
     ckpt = load_server_checkpoint(plan)
     if ckpt is not None:
         start = int(ckpt["round"]) + 1
@@ -314,17 +314,19 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
     return new_arrays
 
 
-def _secure_aggregator(plan: Plan, clients: list[str], timeout: float) -> SecureAggregator | None:
-    """The plan's SecAgg+ round runner (privacy.secure_aggregation), checked against the method and the clients."""
+def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout: float) -> SecureAggregator | None:
+    """The plan's SecAgg+ round runner (privacy.secure_aggregation), checked against the method and the clients
+    (``late``: the client that joins later, not there in the first rounds)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
     refusal = secure_aggregation_refusal(plan.spec, plan.train.transfer_dtype)
     if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
         raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
-    per_round = max(int(len(clients) * plan.train.fraction_train), 1)  # Flower's sample size
+    first = len([c for c in clients if c != late])
+    per_round = max(int(first * plan.train.fraction_train), 1)  # Flower's sample size
     if per_round < 2:
         raise ValueError(f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
-                         f"sum; {len(clients)} clients x train.fraction_train {plan.train.fraction_train} samples "
+                         f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
                          f"{per_round}")
     # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
     # it fixes Flower's integer weights (pipeline.federation.secure_aggregation.weight_scale).
