@@ -4,7 +4,7 @@ clients and the reconstruction threshold, the refusals, the `privacy.secagg` gro
 
 The bound (pipeline.federation.secure_aggregation.aggregation_error_bound, derived from Flower's quantiser): with
 clipping range c, quantisation range Q, k clients in the sum, Flower's integer weights q_i = n_i * (Q // max n) and
-m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 9uc) + (k + 3) u m, u = 2**-24.
+m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 10uc) + (k + 3) u m, u = 2**-24.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def test_bound_is_the_documented_formula_for_a_hand_computed_case():
     cfg = SecAggConfig(clipping_range=8.0, quantization_range=2**22)
     assert weight_scale(cfg, 10) == 419430  # 4194304 // 10
     # k = 3, weights 3 + 7 + 10 = 20, sum q = 419430 * 20 = 8388600, m = 8:
-    # 3 * (4194304 / 8388600) * (16 / 4194304 + 9 * 8 / 2**24) + 6 * 8 / 2**24
-    expected = 3 * 0.5000004768 * (3.814697265625e-06 + 4.291534423828125e-06) + 2.86102294921875e-06
+    # 3 * (4194304 / 8388600) * (16 / 4194304 + 10 * 8 / 2**24) + 6 * 8 / 2**24
+    expected = 3 * 0.5000004768 * (3.814697265625e-06 + 4.76837158203125e-06) + 2.86102294921875e-06
     assert aggregation_error_bound([3, 7, 10], 419430, cfg, 8.0) == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ValueError, match="below the largest client weight 5000"):
         weight_scale(SecAggConfig(quantization_range=4096), 5000)

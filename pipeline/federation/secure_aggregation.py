@@ -26,7 +26,6 @@ masks, as long as every sampled client keeps at least ``reconstruction_threshold
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -50,8 +49,6 @@ from flwr.serverapp import Grid
 from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY
 from pipeline.training.privacy import SECAGG_MODULUS, SecAggConfig
-
-log = logging.getLogger("fedmeet.federated")
 
 ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy Parameters carry none), as JSON
 CLIPPED_KEY = "secagg-clipped"  # reply metric: upload coordinates SecAgg+'s quantiser clipped to +-clipping_range
@@ -77,11 +74,12 @@ def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfi
 
     - each client's integer u_i differs from (x_i q_i / Q + c) Q / (2c) by less than 1 (stochastic rounding), plus
       the float32 arithmetic of Flower's quantiser: the scaling by q_i / Q (2uc), the shift by c (3uc) and the
-      product with Q / (2c) (4uc, float32 scalars included): each client's value error is below 2c/Q + 9uc;
-    - the server divides the sum of k such errors by sum_i q_i / Q: k (Q / sum_i q_i)(2c/Q + 9uc);
+      product with Q / (2c) (4uc, float32 scalars included), 9uc to first order; one more uc covers the
+      second-order terms and the server's float64 unmasking (about 1e-15): each client's value error is below
+      2c/Q + 10uc;
+    - the server divides the sum of k such errors by sum_i q_i / Q: k (Q / sum_i q_i)(2c/Q + 10uc);
     - float32: the unmasked mean is cast to float32 (u m, m = the largest |upload|), and the plain FedAvg adds
-      k float32 products (k + 1) u m to first order; one more u m covers the second-order terms and the server's
-      float64 arithmetic (about 1e-15 here).
+      k float32 products, (k + 1) u m to first order; one more u m covers their second-order terms.
 
     Equal weights n give k Q / sum_i q_i = Q / (s n) = about 1: the error is one quantisation step 2c/Q (3.8e-6
     with Flower's defaults c = 8, Q = 2**22) plus float32 rounding.
@@ -89,7 +87,7 @@ def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfi
     k = len(weights)
     total_q = scale * sum(int(w) for w in weights)
     c, q = cfg.clipping_range, cfg.quantization_range
-    return k * (q / total_q) * (2 * c / q + 9 * FLOAT32_EPS * c) + (k + 3) * FLOAT32_EPS * max_abs
+    return k * (q / total_q) * (2 * c / q + 10 * FLOAT32_EPS * c) + (k + 3) * FLOAT32_EPS * max_abs
 
 
 # ================================================================================================ client side
