@@ -11,8 +11,10 @@ params, so a change reruns only the experiments it affects: tau is written only 
 server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
 settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
 train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
-plans only, and only when its mode is not `none` (with the keys of that mode only); mode `client` refuses the
-methods it cannot protect (pipeline.training.privacy.client_level_problem).
+plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
+(its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
+(pipeline.training.privacy.client_level_problem), secure aggregation those whose server does more than average
+(pipeline.training.privacy.secure_aggregation_refusal).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
 round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
@@ -37,7 +39,7 @@ from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig
-from pipeline.training.privacy import PrivacyConfig, client_level_problem
+from pipeline.training.privacy import PrivacyConfig, client_level_problem, secure_aggregation_refusal
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
@@ -112,8 +114,12 @@ class Experiment:
         return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
 
     def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
-        """params.yaml `privacy` with this entry's overrides."""
-        return from_dict(PrivacyConfig, {**(params.get("privacy") or {}), **self.privacy},
+        """params.yaml `privacy` with this entry's overrides (its `secagg` mapping key by key over params.yaml's)."""
+        base = params.get("privacy") or {}
+        merged = {**base, **self.privacy}
+        if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
+            merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
+        return from_dict(PrivacyConfig, merged,
                          f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
 
     def train_config(self, params: dict[str, Any]) -> TrainConfig:
@@ -172,7 +178,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
                      seed=int(base.get("seed", 0)), study=str(base.get("study", "main")), tau=tau,
                      train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
-    if privacy and resolved.enabled and not method.federated:
+    if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
         raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
                           f"(privacy applies to federated methods)")
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
@@ -180,13 +186,16 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
 
 def privacy_label(privacy: PrivacyConfig) -> str:
     """The privacy a run trains with, in words for tables and figures: "" (none), "DP-SGD ε≤3" (a target) or
-    "DP-SGD σ=1.1" (a noise multiplier); other modes by their name."""
-    if not privacy.enabled:
-        return ""
-    name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
-    if privacy.target_epsilon is not None:
-        return f"{name} ε≤{privacy.target_epsilon:g}"
-    return f"{name} σ={privacy.noise_multiplier:g}"
+    "DP-SGD σ=1.1" (a noise multiplier); other modes by their name; "+ SecAgg+" (or "SecAgg+" alone) under
+    secure aggregation."""
+    parts = []
+    if privacy.enabled:
+        name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
+        parts.append(f"{name} ε≤{privacy.target_epsilon:g}" if privacy.target_epsilon is not None
+                     else f"{name} σ={privacy.noise_multiplier:g}")
+    if privacy.secure_aggregation:
+        parts.append("SecAgg+")
+    return " + ".join(parts)
 
 
 def with_labels(experiments: list[Experiment]) -> dict[str, str]:
@@ -257,7 +266,11 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         problem = client_level_problem(method, train.transfer_dtype, privacy)
         if problem:
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
-    if privacy.enabled and method.federated:
+    if privacy.secure_aggregation:
+        refusal = secure_aggregation_refusal(method, train.transfer_dtype)
+        if refusal is not None:
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+    if (privacy.enabled or privacy.secure_aggregation) and method.federated:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "

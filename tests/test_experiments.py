@@ -205,6 +205,32 @@ def test_an_entrys_privacy_overrides_reach_its_plan_alone():
                                                  "sigma": "fedavg DP-SGD σ=1.1"}
 
 
+def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_secagg_keys():
+    """An entry may turn SecAgg+ on for itself; its `secagg` mapping is merged key by key over params.yaml's (a
+    key it does not name keeps params.yaml's value, not the default)."""
+    from pipeline.experiments import declared, resolve_plan, with_labels
+
+    params = _params(**{"privacy.secagg.clipping_range": 2.0})
+    fedavg = {"method": "fedavg", "partition": "domain/seed0", "study": "secure"}
+    params["experiments"] = {
+        "plain": fedavg,
+        "secure": {**fedavg, "privacy": {"secure_aggregation": True,
+                                         "secagg": {"num_shares": 3, "reconstruction_threshold": 2}}},
+        "both": {**fedavg, "privacy": {"mode": "example", "target_epsilon": 3, "secure_aggregation": True}},
+    }
+    plain, secure, both = declared(params)
+    assert "privacy" not in resolve_plan(plain, params)
+    assert resolve_plan(secure, params)["privacy"] == {"mode": "none", "secure_aggregation": True, "secagg": {
+        "num_shares": 3, "reconstruction_threshold": 2, "clipping_range": 2.0, "quantization_range": 2**22}}
+    assert resolve_plan(both, params)["privacy"]["secagg"]["num_shares"] == 1.0  # params.yaml's
+    assert (plain.dp, secure.dp, both.dp) == ("", "SecAgg+", "DP-SGD ε≤3 + SecAgg+")
+    assert with_labels([plain, secure, both])["secure"] == "fedavg SecAgg+"
+    params["experiments"] = {"x": {"method": "single", "partition": "domain/seed0",
+                                   "privacy": {"secure_aggregation": True}}}
+    with pytest.raises(ConfigError, match=r"^params.yaml experiments.x.privacy: method 'single' sends nothing"):
+        declared(params)
+
+
 def test_run_settings_come_from_params_with_the_experiments_own_override():
     from pipeline.experiments import run_settings
 

@@ -147,7 +147,7 @@ def test_privacy_group_validation():
         ({"mode": "example", "noise_multiplier": -1.0}, "noise_multiplier must be"),
         ({"mode": "example", "noise_multiplier": 1.0, "delta": 1.5}, "delta must be in (0, 1)"),
         ({"mode": "example", "noise_multiplier": 1.0, "accountant": "gdp"}, "accountant must be one of"),
-        ({"mode": "example", "noise_multiplier": 1.0, "secure_aggregation": True}, "unknown key"),
+        ({"mode": "example", "noise_multiplier": 1.0, "secure_aggregaton": True}, "unknown key"),
     ]
     for raw, message in bad:
         with pytest.raises(ConfigError, match="^privacy") as exc:

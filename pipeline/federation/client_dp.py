@@ -45,6 +45,7 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_stdv,
 from pipeline.experiments import Plan
 from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, load_plan,
                                           plan_path_of)
+from pipeline.federation.secure_aggregation import is_legacy_fit
 from pipeline.training.privacy import (FederationPrivacy, client_level_problem, federation_privacy,
                                       flower_adaptive_multiplier)
 from pipeline.training.seeds import derived_seed
@@ -162,7 +163,10 @@ def rounding_slack(record: ArrayRecord) -> float:
 def client_dp_mod(msg: Message, context: Context, call_next):
     """The train handler's mod: with client-side clipping in the plan, Flower's ``fixedclipping_mod`` (or
     ``adaptiveclipping_mod``) clips the reply; before that, the reply gets ``dp-update-clipped`` (whether its
-    update exceeded C: a count, like the norm bit the adaptive mod adds). Otherwise it passes the message on."""
+    update exceeded C: a count, like the norm bit the adaptive mod adds). Otherwise it passes the message on, as
+    it does SecAgg+'s legacy FitIns (the train handler clips that round inside legacy_fit, before the masking)."""
+    if is_legacy_fit(msg):
+        return call_next(msg, context)
     privacy = load_plan(plan_path_of(msg, context)).privacy
     if privacy is None or privacy.mode != "client" or privacy.clipping_side != "client":
         return call_next(msg, context)

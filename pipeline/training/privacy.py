@@ -25,18 +25,23 @@ it trains; each client reports ``(epsilon, delta)`` with ``delta = 1 / n`` unles
 the noise multiplier from the planned steps: every round, ``rounds * local_epochs * steps_per_epoch`` (a client
 sampled in fewer rounds ends below the target). The noise comes from torch's seeded generator (reproducible
 runs); it is not a cryptographic source (opacus' secure_mode needs torchcsprng, which is not installed).
+
+Secure aggregation (``secure_aggregation: true``, the ``secagg`` settings; pipeline.federation.secure_aggregation) is
+independent of the mode: the server receives the weighted sum of the uploads through Flower's SecAgg+ protocol
+instead of each client's upload. Only methods whose server merely averages can use it (:func:`secure_aggregation_refusal`).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import torch
+
+from pipeline.common.config import to_dict
 
 # The first adapter's input is the frozen prefix (no gradient): torch warns on every backward that opacus' full
 # backward hook then sees only output gradients, which is all it needs.
@@ -57,6 +62,44 @@ ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stdde
 # Mode client, delta null: far below 1/N for every federation here (N <= 100 clients); N >= 1e5 must set delta.
 CLIENT_DELTA = 1e-5
 ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
+# The server algorithms (pipeline.federation.strategies) whose new global is the average of the replies and
+# nothing more (Flower's FedProx only adds `proximal-mu` to the train config): mode client's noise calibrates that
+# mean, and SecAgg+ gives the server that mean and no single reply.
+AVERAGING_STRATEGIES = ("fedavg", "fedprox")
+
+
+# SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
+# and of their integer weights must stay below it.
+SECAGG_MODULUS = 2**32
+
+
+@dataclass
+class SecAggConfig:
+    """params.yaml `privacy.secagg`: Flower's SecAggPlusWorkflow settings (comments in params.yaml). Flower's own
+    rules: a float num_shares is a fraction of the clients sampled in the round, an int a count > 2; a float
+    reconstruction_threshold is a fraction of num_shares, an int a count below an int num_shares."""
+
+    num_shares: int | float = 1.0
+    reconstruction_threshold: int | float = 0.67
+    clipping_range: float = 8.0
+    quantization_range: int = 2**22
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_shares, float) and not 0 < self.num_shares <= 1:
+            raise ValueError(f"num_shares as a fraction of the sampled clients must be in (0, 1], "
+                             f"got {self.num_shares}")
+        if isinstance(self.num_shares, int) and self.num_shares != 1 and self.num_shares <= 2:
+            raise ValueError(f"num_shares as a count must be > 2 (or a fraction), got {self.num_shares}")
+        t = self.reconstruction_threshold
+        if isinstance(t, float) and not 0 < t <= 1:
+            raise ValueError(f"reconstruction_threshold as a fraction of num_shares must be in (0, 1], got {t}")
+        counted = isinstance(self.num_shares, int) and self.num_shares > 1  # Flower reads an int 1 as 1.0
+        if isinstance(t, int) and not (t >= 2 and (not counted or t < self.num_shares)):
+            raise ValueError(f"reconstruction_threshold as a count must be >= 2 and < num_shares, got {t}")
+        if not 0 < self.clipping_range < math.inf:
+            raise ValueError(f"clipping_range must be a finite number > 0, got {self.clipping_range}")
+        if not 1 < self.quantization_range < SECAGG_MODULUS:
+            raise ValueError(f"quantization_range must be in (1, 2**32), got {self.quantization_range}")
 
 
 @dataclass
@@ -76,8 +119,13 @@ class PrivacyConfig:
     target_clipped_quantile: float = 0.5
     clip_norm_lr: float = 0.2
     clipped_count_stddev: float | None = None
+    # SecAgg+, independent of the mode (params.yaml)
+    secure_aggregation: bool = False
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.secagg, dict):
+            self.secagg = SecAggConfig(**self.secagg)
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.accountant not in ACCOUNTANTS:
@@ -128,15 +176,38 @@ class PrivacyConfig:
 
     @property
     def enabled(self) -> bool:
+        """DP-SGD on (``mode`` not none); secure aggregation is :attr:`secure_aggregation`."""
         return self.mode != "none"
 
     def plan_dict(self) -> dict[str, Any]:
         """The group as a plan carries it: the keys of the other mode (and adaptive clipping's, unless on) left
-        out, so they change no plan and an example-mode plan keeps its hash."""
-        drop = set(CLIENT_KEYS) if self.mode != "client" else set(EXAMPLE_KEYS)
+        out, so they change no plan and an example-mode plan keeps its hash; with mode none only the mode; the
+        SecAgg+ keys only when secure aggregation is on (plans without it keep their hash)."""
+        drop = {"secure_aggregation", "secagg"}
+        drop.update(CLIENT_KEYS if self.mode != "client" else EXAMPLE_KEYS)
         if self.mode == "client" and self.clipping != "adaptive":
             drop.update(ADAPTIVE_KEYS)
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in drop}
+        record = {k: v for k, v in to_dict(self).items() if k not in drop} if self.enabled else {"mode": self.mode}
+        if self.secure_aggregation:
+            record |= {"secure_aggregation": True, "secagg": to_dict(self.secagg)}
+        return record
+
+
+def secure_aggregation_refusal(method, transfer_dtype: str) -> str | None:
+    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``train.transfer_dtype``, or None. The server
+    then sees only the weighted sum of the uploads, so it must need nothing else: FedAvg and FedProx (the proximal
+    term is the client's) only average; FedOpt applies its server optimiser (momentum or Adam moments) to the
+    average and FedNova normalises each client's update by that client's steps; `single` and `centralized` have no
+    server. SecAgg+ quantises the fp32 upload itself, so the transfer stays fp32."""
+    if not method.federated:
+        return f"method {method.name!r} trains without a server: there is no aggregate to protect"
+    if method.strategy not in AVERAGING_STRATEGIES:
+        return (f"method {method.name!r}'s server ({method.strategy}) does more than average the uploads, and "
+                f"SecAgg+ gives it only their weighted sum (servers that average: {', '.join(AVERAGING_STRATEGIES)})")
+    if transfer_dtype != "fp32":
+        return (f"train.transfer_dtype is {transfer_dtype}: SecAgg+ quantises the fp32 upload itself "
+                f"(privacy.secagg), so the transfer must be fp32")
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- accounting
@@ -259,10 +330,6 @@ class FederationPrivacy:
         rounds = Counter(k for k in aggregated_per_round if k > 0)  # composition is order-free: group equal rounds
         return epsilon_of_history(tuple((self.round_multiplier(k), self.sample_rate, n)
                                         for k, n in sorted(rounds.items())), self.delta, self.accountant)
-
-
-# The server algorithms (pipeline.federation.strategies) whose server only averages: the noise calibrates a mean.
-AVERAGING_STRATEGIES = ("fedavg", "fedprox")
 
 
 def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str | None:

@@ -1,6 +1,7 @@
 """What a finished training run reports: ``metrics.json`` (per client: best round and validation loss, rounds
-trained and failed, bytes, FedAvg weight, DP-SGD report; the run's means), the merged gate log, and the final
-MLflow metrics. Written the same way by the train stage and by the deployed ServerApp."""
+trained and failed, bytes, FedAvg weight, DP-SGD report; the run's means; SecAgg+ settings and dropouts), the
+merged gate log, and the final MLflow metrics. Written the same way by the train stage and by the deployed
+ServerApp."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.config import to_dict
 from pipeline.common.timing import peak_rss_mb
 from pipeline.modeling.backbone_record import backbone_name
 from pipeline.experiments import Plan
@@ -91,6 +93,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         privacy = {"mode": plan.privacy.mode, "accountant": plan.privacy.accountant, "sampling": "poisson",
                    "target_epsilon": plan.privacy.target_epsilon,
                    "epsilon_max": None if (not eps or None in eps) else max(eps)}
+    secure = secure_aggregation_summary(plan, history)
     return {
         "experiment": plan.experiment,
         "method": plan.method,
@@ -105,6 +108,7 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         "seconds_per_round": sum(round_seconds) / len(round_seconds) if round_seconds else None,
         "peak_rss_mb": peak_rss_mb(),
         "privacy": privacy,
+        **({"secure_aggregation": secure} if secure is not None else {}),  # runs without it keep their layout
     }
 
 
@@ -132,6 +136,22 @@ def client_level_summary(plan: Plan, history: list[dict[str, Any]], clients: dic
             "rounds_released": len({r["round"] for r in released}), "updates_aggregated": len(released)}
 
 
+def secure_aggregation_summary(plan: Plan, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Under privacy.secure_aggregation: the SecAgg+ settings, the rounds whose sum was unmasked, the sampled
+    clients left out of a sum (dropped, or the whole round when it could not be unmasked), and the upload
+    coordinates SecAgg+ clipped (0 keeps the aggregate within its quantisation bound)."""
+    if plan.privacy is None or not plan.privacy.secure_aggregation:
+        return None
+    sampled = [r for r in history if r.get("sampled")]
+    dropped: dict[str, int] = {}
+    for r in sampled:
+        if r.get("failed"):
+            dropped[r["client"]] = dropped.get(r["client"], 0) + 1
+    return {"protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", **to_dict(plan.privacy.secagg),
+            "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
+            "dropped": dropped, "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled)}
+
+
 def write_metrics(plan: Plan, metrics: dict[str, Any]) -> None:
     """``metrics.json`` in ``reports/train/<exp>/`` (the DVC metric) and in ``models/<exp>/``."""
     text = json.dumps(metrics, indent=2) + "\n"
@@ -141,14 +161,20 @@ def write_metrics(plan: Plan, metrics: dict[str, Any]) -> None:
 
 def privacy_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded values left out), or
-    under privacy.mode client the run's (``epsilon``, ``delta``, ...)."""
+    under privacy.mode client the run's (``epsilon``, ``delta``, ...); and those of secure aggregation
+    (``secagg.*``; its settings are the run's parameters ``privacy.secagg.*``)."""
     run = metrics.get("privacy") or {}
     if run.get("mode") == "client":
-        return {k: float(run[k]) for k in CLIENT_LEVEL_FIELDS + ("epsilon_max",) if run.get(k) is not None}
-    out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
-           for k in PRIVACY_FIELDS if v["privacy"][k] is not None}
-    if metrics.get("privacy") and metrics["privacy"]["epsilon_max"] is not None:
-        out["epsilon_max"] = metrics["privacy"]["epsilon_max"]
+        out = {k: float(run[k]) for k in CLIENT_LEVEL_FIELDS + ("epsilon_max",) if run.get(k) is not None}
+    else:
+        out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
+               for k in PRIVACY_FIELDS if v["privacy"][k] is not None}
+        if run and run["epsilon_max"] is not None:
+            out["epsilon_max"] = run["epsilon_max"]
+    if metrics.get("secure_aggregation"):
+        sa = metrics["secure_aggregation"]
+        out |= {"secagg.rounds_aggregated": sa["rounds_aggregated"], "secagg.dropped": sum(sa["dropped"].values()),
+                "secagg.clipped_coordinates": sa["clipped_coordinates"]}
     return out
 
 
