@@ -267,7 +267,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         if problem:
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
     if privacy.secure_aggregation:
-        refusal = secure_aggregation_refusal(method, train.transfer_dtype)
+        refusal = secure_aggregation_refusal(method, train.transfer_dtype, privacy)
         if refusal is not None:
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
     if (privacy.enabled or privacy.secure_aggregation) and method.federated:

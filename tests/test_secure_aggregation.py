@@ -9,6 +9,7 @@ m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 1
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +79,9 @@ def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_
 
 
 # ------------------------------------------------------------------------------------------ on the model
-def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarray], int, bool]]:
-    """(round, client) -> (the adapter the client's train round produced, its weight, masked?)."""
+def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarray], int, bool, dict[str, np.ndarray]]]:
+    """(round, client) -> (the adapter the client's train round produced (before any client-level DP clipping),
+    its weight, masked?, the global adapter it received)."""
     from pipeline.federation import client_app
 
     seen = {}
@@ -90,7 +92,8 @@ def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarra
         rnd = int(msg.content["config"]["server-round"])
         name = client_app.client_name(client_app.load_plan(client_app.plan_path_of(msg, context)), context)
         seen[(rnd, name)] = ({k: a.numpy().copy() for k, a in reply.content["arrays"].items()},
-                             int(reply.content["metrics"]["num-examples"]), masked)
+                             int(reply.content["metrics"]["num-examples"]), masked,
+                             {k: a.numpy().copy() for k, a in msg.content["arrays"].items()})
         return reply
 
     monkeypatch.setattr(client_app, "train_round", spy)
@@ -435,3 +438,146 @@ def test_params_yaml_secagg_group_is_off_and_valid():
     params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
     cfg = from_dict(PrivacyConfig, params["privacy"], "params.yaml privacy")
     assert cfg.secure_aggregation is False and cfg.secagg == SecAggConfig()
+
+
+# ------------------------------------------------------------------------------------------ with client-level DP
+def _client_dp(**kw) -> dict:
+    """privacy.mode client, client-side fixed clipping, by default at C = 1e-3 (far below the tiny model's round
+    updates, whose norms are 0.1-0.3: every contribution to the mean is then exactly C long)."""
+    return {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e-3, "clipping_side": "client", **kw}
+
+
+def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = None
+                  ) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The mean (uniform, or with ``weights``) of the clients' received global plus their update scaled to L2
+    norm <= c (float64), and each update's norm before clipping: the expected aggregate, computed independently of
+    Flower's clipping mod from what :func:`_spy_uploads` saw."""
+    contributions, norms, w = [], [], []
+    for (r, client), (trained, _weight, _masked, received) in sorted(seen.items()):
+        if r != rnd:
+            continue
+        update = {k: trained[k].astype(np.float64) - received[k].astype(np.float64) for k in received}
+        norm = math.sqrt(sum(float((u ** 2).sum()) for u in update.values()))
+        scale = min(1.0, c / norm)
+        clipped = {k: u * scale for k, u in update.items()}
+        assert math.sqrt(sum(float((u ** 2).sum()) for u in clipped.values())) <= c * (1 + 1e-9)
+        contributions.append({k: received[k].astype(np.float64) + clipped[k] for k in received})
+        norms.append(norm)
+        w.append(1 if weights is None else weights[client])
+    return {k: sum(wi * s[k] for wi, s in zip(w, contributions)) / sum(w) for k in contributions[0]}, norms
+
+
+@pytest.mark.timeout(240)
+def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
+    from pipeline.federation import engines
+    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.federation.secure_aggregation import aggregation_error_bound
+    from pipeline.train import run_experiment
+
+    seen, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
+    replies = []
+    real_pull = engines.InProcessGrid.pull_messages
+    monkeypatch.setattr(engines.InProcessGrid, "pull_messages",
+                        lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r)
+    c = 0.18  # between the tiny model's round-1 update norms (0.13, 0.23, 0.24): one left as it is, two clipped
+    secure = run_experiment(_write_plan("sa-cdp", "fedavg", {**SECURE, **_client_dp(clipping_norm=c)}),
+                            track=False)
+    secure_seen, secure_r1 = dict(seen), globals_[1]
+    expected, norms = _clipped_mean(secure_seen, 1, c)
+    assert min(norms) < c < max(norms)  # the clipping matters, and not for every client
+
+    # uniform weights (q_i = Q for each of the 3 clients) and the bound of a mean of the clipped uploads
+    cfg = SecAggConfig()
+    m = max(float(np.abs(v).max()) for *_, received in secure_seen.values() for v in received.values()) + c
+    bound = aggregation_error_bound([1, 1, 1], cfg.quantization_range, cfg, m)
+    slack = 4 * 2.0**-24 * m  # float32 of the client's W + clip(W_i - W) against the float64 expectation
+    assert max_diff(secure_r1, expected) <= bound + slack
+    # (the clients' FedAvg weights 4, 6, 5 would give a mean far outside the bound: the mean is the uniform one)
+    assert max_diff(_clipped_mean(secure_seen, 1, c, N_TRAIN)[0], expected) > 10 * bound
+
+    # the same plan without SecAgg+: its round-1 uploads are the same, its aggregate is the same clipped mean
+    seen.clear()
+    plain = run_experiment(_write_plan("cdp-clear", "fedavg", _client_dp(clipping_norm=c)), track=False)
+    for key, (trained, *_) in seen.items():
+        if key[0] == 1:
+            assert max_diff(trained, secure_seen[key][0]) == 0.0
+    assert max_diff(globals_[1], expected) <= slack
+    assert max_diff(secure_r1, globals_[1]) <= bound + 2 * slack
+
+    # what the server recorded: the same accounting and clipped fraction, no norm, and no clipped bit in the clear
+    for key in ("rounds_released", "updates_aggregated", "clipped_fraction", "epsilon", "noise_multiplier",
+                "clipping_norm", "sample_rate", "delta"):
+        assert secure["privacy"][key] == plain["privacy"][key], key
+    assert secure["privacy"]["clipping_side"] == "client"
+    assert secure["clients"]["Academic"]["privacy"] == {"updates_aggregated": 2}  # its own share is not known
+    rows = [r for r in json.loads(Path("models/sa-cdp/rounds.json").read_text()) if r["round"] == 1]
+    clipped_share = sum(n > c for n in norms) / len(norms)  # 2 of 3, from the bits summed under the masks
+    assert all(r["update_clipped"] == pytest.approx(clipped_share) and r["update_norm"] is None
+               and r["weight_share"] == pytest.approx(1 / 3) for r in rows)
+    collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
+    assert len(collect) == 2 * len(N_TRAIN)
+    for r in collect:
+        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRIC_KEYS) | {"secagg-clipped"}
+        masked = r.content.config_records["secaggplus_configs"]["masked_params"]
+        assert len(masked) == 1 + len(secure_r1) + 1  # the weight, the adapter's tensors, the clipped bit
+
+
+@pytest.mark.timeout(240)
+def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monkeypatch):
+    from scipy import stats
+
+    from pipeline.train import run_experiment
+
+    globals_ = _spy_globals(monkeypatch)
+    z, c, m = 2.0, 1e-3, len(N_TRAIN)
+    std = z * c / m  # Flower's compute_stdv for the client-side wrapper: z C / (clients sampled per round)
+    run_experiment(_write_plan("sa-cdp-quiet", "fedavg", {**SECURE, **_client_dp()}), track=False)
+    quiet = globals_[1]
+    noisy = run_experiment(_write_plan("sa-cdp-noisy", "fedavg", {**SECURE, **_client_dp(noise_multiplier=z)}),
+                           track=False)
+    noise = np.concatenate([(globals_[1][k] - quiet[k]).astype(np.float64).ravel() for k in quiet])
+    n = noise.size
+    assert n > 1000
+    assert abs(noise.std() - std) < 5 * std / math.sqrt(2 * n)  # 5 standard errors of the std
+    assert abs(noise.mean()) < 5 * std / math.sqrt(n)
+    assert stats.kstest(noise / std, "norm").pvalue > 1e-3
+    # seeded as in the clear: the run without SecAgg+ draws the same noise (within the quantisation bound)
+    secure_noisy = globals_[1]
+    clear = run_experiment(_write_plan("cdp-clear-noisy", "fedavg", _client_dp(noise_multiplier=z)), track=False)
+    assert max_diff(secure_noisy, globals_[1]) < 0.01 * std  # two independent draws: ~4 std apart somewhere
+    assert noisy["privacy"]["epsilon"] == clear["privacy"]["epsilon"] and 0 < noisy["privacy"]["epsilon"] < math.inf
+
+
+@pytest.mark.timeout(240)
+def test_adaptive_clipping_under_secagg_moves_c_as_in_the_clear(ws):
+    # C's update needs only the count of clipped updates: their bits are summed under the masks, then the same
+    # seeded count noise as in the clear; round 2's C is the clear run's
+    from pipeline.train import run_experiment
+
+    privacy = _client_dp(noise_multiplier=0.5, clipping="adaptive", clipped_count_stddev=1.0)
+    secure = run_experiment(_write_plan("sa-cdp-adaptive", "fedavg", {**SECURE, **privacy}), track=False)
+    clear = run_experiment(_write_plan("cdp-clear-adaptive", "fedavg", privacy), track=False)
+    c2 = {name: {r["clipping_norm"] for r in json.loads(Path(f"models/{name}/rounds.json").read_text())
+                 if r["round"] == 2} for name in ("sa-cdp-adaptive", "cdp-clear-adaptive")}
+    assert len(c2["sa-cdp-adaptive"]) == 1 and c2["sa-cdp-adaptive"] == c2["cdp-clear-adaptive"]
+    assert c2["sa-cdp-adaptive"] != {1e-3}  # it moved
+    assert secure["privacy"]["epsilon"] == clear["privacy"]["epsilon"]
+
+
+def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_server(ws):
+    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.train import run_experiment
+
+    params = _params({**SECURE, **_client_dp(clipping_side="server")})
+    with pytest.raises(ConfigError) as exc:
+        resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
+    assert str(exc.value) == ("params.yaml experiments.x: privacy.secure_aggregation: privacy.mode client needs "
+                              "clipping_side client under SecAgg+: the server receives only the sum of the updates "
+                              "and cannot clip each one (the client clips its update before it is masked)")
+    path = Path(_write_plan("sa-cdp-hand", "fedavg", {**SECURE, **_client_dp()}))
+    plan = json.loads(path.read_text())
+    plan["privacy"]["clipping_side"] = "server"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match=r"sa-cdp-hand.json: privacy.secure_aggregation: privacy.mode client needs "
+                                         r"clipping_side client under SecAgg\+: [^\n]*$"):
+        run_experiment(str(path), track=False)

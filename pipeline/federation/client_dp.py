@@ -9,6 +9,11 @@ round records. The setting and the accountant are pipeline.training.privacy (:cl
   send C in the train config; Flower's ``fixedclipping_mod`` / ``adaptiveclipping_mod`` on the ClientApp's train
   handler clip the reply against the weights received, so the server never holds an unclipped update (the
   precondition of secure aggregation); the server averages and adds the same noise.
+- Under SecAgg+ (``privacy.secure_aggregation``, client-side clipping only: pipeline.training.privacy
+  .secure_aggregation_refusal) the mod clips inside ``secaggplus_mod`` before the upload is masked, each client
+  weighs 1 in the masked sum and its clipped bit is summed with it (pipeline.federation.secure_aggregation); the
+  secure step bypasses ``aggregate_train``, so the server hands the unmasked mean to the wrapper's
+  :meth:`_FedmeetDP.release_secure_mean`, which adds the same noise from the same seeded generator.
 
 What fedmeet changes in Flower's wrappers, and why:
 - Uniform weights. FedAvg weights a reply by its ``num-examples``; the noise ``z C / m`` calibrates a mean in
@@ -68,9 +73,12 @@ class _FedmeetDP:
     _rng: np.random.Generator
     _round_clipping_norm: float
 
-    def aggregate_train(self, server_round, replies):
+    def _start_round(self, server_round: int) -> None:
         self._rng = np.random.default_rng([self.seed, server_round])
         self._round_clipping_norm = self.clipping_norm  # what this round's updates are clipped to
+
+    def aggregate_train(self, server_round, replies):
+        self._start_round(server_round)
         replies = list(replies)
         for reply in replies:
             if not reply.has_error():
@@ -81,6 +89,18 @@ class _FedmeetDP:
             return super().aggregate_train(server_round, replies)
         finally:
             inner.weighted_by_key = key  # evaluate replies carry num-examples only
+
+    def release_secure_mean(self, server_round: int, mean: ArrayRecord, clipped_count: int,
+                            aggregated: int) -> ArrayRecord:
+        """Under SecAgg+ (client-side clipping only): what the client-side wrapper's ``aggregate_train`` does after
+        the inner strategy's mean, for the uniform mean of ``aggregated`` clipped updates that SecAgg+ unmasked
+        (the secure step bypasses ``aggregate_train``). In Flower's order and from the same seeded generator as
+        the round in the clear: adaptive clipping's C update from the noisy count of clipped updates
+        (``clipped_count``, summed under the same masks), then the noise N(0, (z C / m)^2) with the round's C."""
+        self._start_round(server_round)
+        if isinstance(self, DifferentialPrivacyClientSideAdaptiveClipping):
+            self._geometric_update(self._noisy_fraction(clipped_count, aggregated))
+        return self._add_noise_to_aggregated_arrays(mean)
 
     def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
         if self.noise_multiplier == 0:
@@ -212,15 +232,17 @@ class RoundPrivacy:
             return None
         return int(metrics[CLIPPED_KEY]), norm
 
-    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[int, float]], clipping_norm: float,
-               history: list[dict[str, Any]]) -> float:
+    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
+               clipping_norm: float, history: list[dict[str, Any]]) -> float:
         """Add the round's fields to the rows of the clients whose update entered the released aggregate;
         returns epsilon after this round. ``update_norm`` is how C is chosen (a run with noise 0 and C .inf
-        shows every update's norm); like the losses, it is an un-noised number of the experiment record."""
+        shows every update's norm); like the losses, it is an un-noised number of the experiment record. Under
+        SecAgg+ the server knows neither: each row of the round gets the fraction of the round's updates that
+        were clipped (their bits summed under the masks) and no norm."""
         released = released_per_round(history) + [len(clipped)]
         eps = self.setting.epsilon(released)
         for name, (bit, norm) in clipped.items():
-            rows[name].update({"update_clipped": bit, "update_norm": float(norm),
+            rows[name].update({"update_clipped": bit, "update_norm": None if norm is None else float(norm),
                                "clipping_norm": float(clipping_norm),
                                "epsilon": None if eps == float("inf") else eps, "delta": self.setting.delta,
                                "noise_multiplier": self.setting.noise_multiplier,

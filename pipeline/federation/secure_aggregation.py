@@ -22,6 +22,13 @@ sum_i q_i / Q. Flower's integer weight is q_i = round(n_i / max_weight * Q); wit
 n_i * s, so the weights are the plain run's weights exactly and the only error is the quantisation
 (:func:`aggregation_error_bound`). Dropped clients: the survivors' shares rebuild the dropped clients' pairwise
 masks, as long as every sampled client keeps at least ``reconstruction_threshold`` live neighbours.
+
+With client-level DP (``privacy.mode: client``, client-side clipping; pipeline.federation.client_dp) a reply that
+carries the clipped bit of client_dp_mod (its update was clipped inside ``secaggplus_mod``, before the masking)
+weighs 1, not n_i: the uniform mean the noise is calibrated to (max_weight 1, s = Q). Its clipped bit leaves only
+inside the masked vector, as one more coordinate of value bit x c / 2 (:func:`clipped_bit_value`, inside [-c, c]
+whatever c), so the server learns how many of the summed updates were clipped and not whose; it needs that count
+for the record and for adaptive clipping's C.
 """
 from __future__ import annotations
 
@@ -45,8 +52,9 @@ from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
+from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
+from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY
 from pipeline.training.privacy import SECAGG_MODULUS, SecAggConfig
 
@@ -91,6 +99,20 @@ def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfi
     return k * (q / total_q) * (2 * c / q + 10 * FLOAT32_EPS * c) + (k + 3) * FLOAT32_EPS * max_abs
 
 
+def clipped_bit_value(clipping_range: float) -> float:
+    """Client-level DP: the value a clipped update's bit takes in the masked vector (an unclipped one: 0)."""
+    return clipping_range / 2
+
+
+def clipped_count(bit_mean: np.ndarray, summed: int, cfg: SecAggConfig) -> int:
+    """How many of the ``summed`` uniformly weighted uploads were clipped, from the unmasked mean of their bit
+    coordinate: mean x summed / (c / 2), off an integer by far less than 1/2 (the quantisation bound of a mean of
+    values in [0, c / 2] times 2 summed / c: about 4 summed / Q)."""
+    count = float(np.asarray(bit_mean, dtype=np.float64).reshape(-1)[0]) * summed / clipped_bit_value(
+        cfg.clipping_range)
+    return min(max(int(round(count)), 0), summed)
+
+
 # ================================================================================================ client side
 def secure_aggregation_mod(msg: Message, context: Context, call_next) -> Message:
     """Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round; any other train message passes through, so
@@ -124,14 +146,25 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
         reply = train(msg, context)
     finally:
         msg.content = original
+    if reply.has_error():  # e.g. the clipping mod found no clipping norm in the config
+        raise RuntimeError(f"train reply: {reply.error.reason}")
     upload = [reply.content[ARRAYS_KEY][k].numpy() for k in keys]
     metrics = dict(reply.content[METRICS_KEY])
-    # What the quantiser will clip (the setup stage stored the server's settings in the mod's state): a clipped
-    # coordinate breaks the error bound, so the server is told how many, never which.
+    # The setup stage stored the server's settings in the mod's state.
     sa = context.state.config_records[RECORD_KEY_STATE]
-    ratio = float(metrics[NUM_EXAMPLES_KEY]) / float(sa["max_weight"])
+    weight = int(metrics[NUM_EXAMPLES_KEY])
+    if CLIPPED_KEY in metrics:
+        # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum
+        # instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
+        weight = 1
+        bit = int(metrics.pop(CLIPPED_KEY))
+        metrics.pop(KEY_NORM_BIT, None)
+        upload.append(np.array([bit * clipped_bit_value(float(sa["clipping_range"]))], dtype=np.float32))
+    # What the quantiser will clip: a clipped coordinate breaks the error bound, so the server is told how many,
+    # never which.
+    ratio = weight / float(sa["max_weight"])
     metrics[SECAGG_CLIPPED_KEY] = int(sum((np.abs(a) * ratio > float(sa["clipping_range"])).sum() for a in upload))
-    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(upload), int(metrics[NUM_EXAMPLES_KEY]), metrics)
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(upload), weight, metrics)
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
 
@@ -155,6 +188,7 @@ class SecureRound:
     threshold: int = 0
     num_shares: int = 0
     halted: str | None = None
+    clipped_count: int | None = None  # client-level DP: how many updates in the sum were clipped
 
 
 def _wire_bytes(content: RecordDict) -> int:
@@ -279,10 +313,12 @@ class _Workflow(SecAggPlusWorkflow):
 
 class SecureAggregator:
     """Runs the train step of a round through SecAgg+ (``privacy.secagg``); ``max_weight`` = the largest FedAvg
-    weight a client can report (its train split's size), ``clients`` = how many may be in one sum."""
+    weight a client can report (its train split's size; 1 under client-level DP), ``clients`` = how many may be
+    in one sum; ``clipped_bits``: client-level DP, every upload ends with its clipped bit."""
 
-    def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float):
+    def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
         self.cfg = cfg
+        self.clipped_bits = clipped_bits
         self.scale = weight_scale(cfg, max_weight)
         if clients * cfg.quantization_range >= SECAGG_MODULUS:
             raise ValueError(f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
@@ -323,7 +359,13 @@ class SecureAggregator:
             out.halted = (f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
                           f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares")
             return out
+        mean = list(strategy.mean)
+        if len(mean) != len(keys) + self.clipped_bits:
+            raise ValueError(f"SecAgg+ unmasked {len(mean)} arrays for {len(keys)} adapter tensors"
+                             f"{' and the clipped bit' if self.clipped_bits else ''}")
+        if self.clipped_bits:
+            out.clipped_count = clipped_count(mean.pop(), len(in_sum), self.cfg)
         dtype = messages[0].content[ARRAYS_KEY][keys[0]].numpy().dtype
         out.arrays = ArrayRecord.from_torch_state_dict(
-            {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, strategy.mean)})
+            {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, mean)})
         return out

@@ -10,7 +10,8 @@ client name they answer (``query.identify``); a restarted SuperNode takes its cl
 (``privacy.mode: client``) Flower's DP wrapper clips, averages uniformly and adds noise
 (pipeline.federation.client_dp); it releases no aggregate in a round with an error reply. Under
 ``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.federation.secure_aggregation): the
-same sampled clients, and the server receives their weighted mean instead of their replies.
+same sampled clients, and the server receives their weighted mean instead of their replies (with client-level DP:
+their uniform mean of client-clipped updates, to which the DP wrapper adds its noise).
 """
 from __future__ import annotations
 
@@ -231,7 +232,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             new_arrays = _train_in_the_clear(grid, strategy, messages, rows, node_names, plan, sent, rnd,
                                              round_timeout_s, client_level, arrays, clipping_norm, clipped)
         else:
-            new_arrays = _train_secure(secure, grid, messages, rows, node_names, rnd)
+            new_arrays = _train_secure(secure, grid, messages, rows, node_names, rnd, strategy, clipped)
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; equal
         # shares under client-level DP, whose wrapper averages uniformly).
@@ -344,7 +345,7 @@ def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout
     (``late``: the client that joins later, not there in the first rounds)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
-    refusal = secure_aggregation_refusal(plan.spec, plan.train.transfer_dtype)
+    refusal = secure_aggregation_refusal(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
         raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
     first = len([c for c in clients if c != late])
@@ -353,6 +354,8 @@ def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout
         raise ValueError(f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
                          f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
                          f"{per_round}")
+    if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
+        return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
     # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
     # it fixes Flower's integer weights (pipeline.federation.secure_aggregation.weight_scale).
     max_weight = max(len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values())
@@ -360,9 +363,13 @@ def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout
 
 
 def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],
-                  node_names: dict[int, str], rnd: int) -> ArrayRecord | None:
+                  node_names: dict[int, str], rnd: int, strategy, clipped: dict[str, tuple[float, None]]
+                  ) -> ArrayRecord | None:
     """The train step of a SecAgg+ round: the same sampled messages, trained and summed under masks; the server
-    records each client's metrics (sent in the clear, as in a plain round) and only the weighted mean."""
+    records each client's metrics (sent in the clear, as in a plain round) and only the weighted mean. Under
+    client-level DP (``strategy``: the client-side DP wrapper) the mean is uniform, its noise is added as the
+    wrapper's aggregate_train would (bypassed by the secure step), and ``clipped`` gets each summed client's
+    share: the fraction of the round's updates that were clipped (whose, the server does not learn)."""
     result = secure.train_round(grid, messages, rnd)
     for node, outcome in result.nodes.items():
         row = rows[node_names[node]]
@@ -380,7 +387,12 @@ def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message],
     if result.arrays is not None and len(result.in_sum) < len(messages):
         log.info("round %d: SecAgg+ unmasked the sum of %d of %d sampled clients (threshold %d of %d shares)", rnd,
                  len(result.in_sum), len(messages), result.threshold, result.num_shares)
-    return result.arrays
+    if result.arrays is None or result.clipped_count is None:
+        return result.arrays
+    summed = len(result.in_sum)
+    for node in result.in_sum:
+        clipped[node_names[node]] = (result.clipped_count / summed, None)
+    return strategy.release_secure_mean(rnd, result.arrays, result.clipped_count, summed)
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:

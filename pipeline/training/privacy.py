@@ -26,9 +26,10 @@ the noise multiplier from the planned steps: every round, ``rounds * local_epoch
 sampled in fewer rounds ends below the target). The noise comes from torch's seeded generator (reproducible
 runs); it is not a cryptographic source (opacus' secure_mode needs torchcsprng, which is not installed).
 
-Secure aggregation (``secure_aggregation: true``, the ``secagg`` settings; pipeline.federation.secure_aggregation) is
-independent of the mode: the server receives the weighted sum of the uploads through Flower's SecAgg+ protocol
-instead of each client's upload. Only methods whose server merely averages can use it (:func:`secure_aggregation_refusal`).
+Secure aggregation (``secure_aggregation: true``, the ``secagg`` settings; pipeline.federation.secure_aggregation):
+the server receives the weighted sum of the uploads through Flower's SecAgg+ protocol instead of each client's
+upload. Only methods whose server merely averages can use it, and with mode client only client-side clipping
+(:func:`secure_aggregation_refusal`).
 """
 from __future__ import annotations
 
@@ -193,12 +194,17 @@ class PrivacyConfig:
         return record
 
 
-def secure_aggregation_refusal(method, transfer_dtype: str) -> str | None:
-    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``train.transfer_dtype``, or None. The server
-    then sees only the weighted sum of the uploads, so it must need nothing else: FedAvg and FedProx (the proximal
-    term is the client's) only average; FedOpt applies its server optimiser (momentum or Adam moments) to the
-    average and FedNova normalises each client's update by that client's steps; `single` and `centralized` have no
-    server. SecAgg+ quantises the fp32 upload itself, so the transfer stays fp32."""
+def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
+    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``train.transfer_dtype`` and the privacy group
+    ``cfg``, or None. The server then sees only the weighted sum of the uploads, so it must need nothing else:
+    FedAvg and FedProx (the proximal term is the client's) only average; FedOpt applies its server optimiser
+    (momentum or Adam moments) to the average and FedNova normalises each client's update by that client's steps;
+    `single` and `centralized` have no server. SecAgg+ quantises the fp32 upload itself, so the transfer stays
+    fp32. With client-level DP the server never holds an update, so it cannot clip one: the client clips
+    (``clipping_side: client``) before SecAgg+ masks its upload."""
+    if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
+        return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
+                "of the updates and cannot clip each one (the client clips its update before it is masked)")
     if not method.federated:
         return f"method {method.name!r} trains without a server: there is no aggregate to protect"
     if method.strategy not in AVERAGING_STRATEGIES:

@@ -115,12 +115,15 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
 def client_level_summary(plan: Plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]
                          ) -> dict[str, Any]:
     """privacy.mode client: the run's guarantee after its last released round (the same for every client), and
-    each client's share of clipped updates (``clients.<c>.privacy``)."""
+    each client's share of clipped updates (``clients.<c>.privacy``; under SecAgg+ the server knows only each
+    round's count: the rows carry the round's fraction, and a client's own share is not reported)."""
     released = [r for r in history if "update_clipped" in r]
+    secure = plan.privacy.secure_aggregation
     for name, c in clients.items():
         own = [r["update_clipped"] for r in released if r["client"] == name]
         if own:
-            c["privacy"] = {"updates_aggregated": len(own), "clipped_fraction": sum(own) / len(own)}
+            c["privacy"] = {"updates_aggregated": len(own)} | (
+                {} if secure else {"clipped_fraction": sum(own) / len(own)})
     last = max(released, key=lambda r: r["round"]) if released else None
     cfg = plan.privacy
     epsilon = last["epsilon"] if last else 0.0  # None: noise multiplier 0, no bound
