@@ -26,6 +26,13 @@ them in that order:
     python -m pipeline.presets run configs/cpu-study.yaml --name cpu-study --queue --parts seed
     dvc queue start
 
+A finished experiment's results into the repository (``export``): its params.yaml and dvc.lock (the exact record
+of what ran) and the outputs named, read at the experiment's commit through DVC's file system (git-tracked files
+from the commit, cached outputs from the local DVC cache), so the workspace and its params stay as they are:
+
+    python -m pipeline.presets export privacy-study reports/privacy/study reports/tables/study_privacy.md \
+        'reports/train/*/metrics.json'
+
 Grids (``grid``): one queued DVC experiment per (tau, seed) point, the seed set on every experiment of one study
 (default ``main``, so its methods stay paired seed by seed), then ``dvc queue start -j N`` runs them N at a time:
 
@@ -258,6 +265,50 @@ def part_commands(preset_path: str | Path, name: str, by: str, queue: bool = Fal
     return cmds + [exp_run_command(preset_path, name, queue, params_path, preset=preset, temp=temp)]
 
 
+def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
+    """(commit, ref) of the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)."""
+    listed = subprocess.run(["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)",
+                             "refs/exps/"], cwd=repo, capture_output=True, text=True, check=True).stdout.split("\n")
+    found = [line.split(" ", 1) for line in listed if line.endswith("/" + name)]
+    if not found:
+        raise PresetError(f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list "
+                          "--all-commits`)")
+    commit, ref = found[0]
+    return commit, ref
+
+
+def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str | Path = ".") -> list[str]:
+    """Copy the experiment's params.yaml, dvc.lock and ``paths`` (globs allowed; ``SRC=TARGET`` renames) into
+    ``dest`` and write ``dest/EXPERIMENT.yaml`` naming the experiment, its commit and what was copied. Returns the
+    files written, relative to ``dest``. A path the experiment does not have is an error naming it."""
+    from dvc.api import DVCFileSystem
+
+    commit, ref = experiment_commit(name, repo)
+    fs = DVCFileSystem(str(repo), rev=commit)
+    dest = Path(dest)
+    written: list[str] = []
+    for spec in ["params.yaml", "dvc.lock", *paths]:
+        src, _, target = spec.partition("=")
+        matches = sorted(fs.glob(src)) if any(c in src for c in "*?[") else [src] if fs.exists(src) else []
+        if not matches:
+            raise PresetError(f"experiment {name!r} ({commit[:7]}) has no {src!r}")
+        for match in matches:
+            match = match.lstrip("/")
+            # a renamed path goes to TARGET; each match of a glob keeps its path, under TARGET when given
+            out = dest / target / match if target and match != src else dest / (target or match)
+            files = [f.lstrip("/") for f in fs.find(match)] if fs.isdir(match) else [match]
+            for f in files:
+                to = out / Path(f).relative_to(match) if fs.isdir(match) else out
+                to.parent.mkdir(parents=True, exist_ok=True)
+                fs.get_file(f, str(to))
+                written.append(str(to.relative_to(dest)))
+    record = {"experiment": name, "ref": ref, "commit": commit,
+              "exported_with": "python -m pipeline.presets export " + shlex.join([name, str(dest), *paths]),
+              "files": sorted(written)}
+    (dest / "EXPERIMENT.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    return written
+
+
 def grid_commands(params: dict[str, Any], taus: list[float], seeds: list[int], jobs: int, study: str = "main",
                   prefix: str = "grid") -> list[list[str]]:
     """``dvc exp run --queue`` per (tau, seed) point (named ``<prefix>-tau<t>-seed<s>``), then ``dvc queue start``.
@@ -304,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="one DVC experiment per value of the experiments' KEY (e.g. seed), then the whole, which "
                           "restores their trainings from DVC's run cache (needs --name)")
     run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
+    export = sub.add_parser("export", help="copy a finished experiment's params, dvc.lock and named outputs into "
+                                           "a folder (read at its commit; the workspace is left as it is)")
+    export.add_argument("experiment", help="the experiment's name (dvc exp list --all-commits)")
+    export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
+    export.add_argument("paths", nargs="*", help="outputs or git files of the experiment; globs allowed; "
+                                                 "SRC=TARGET writes SRC to dest/TARGET")
     grid = sub.add_parser("grid", help="queue one DVC experiment per (tau, seed) and start the queue")
     grid.add_argument("--tau", type=float, nargs="+", required=True, help="values of the top-level tau")
     grid.add_argument("--seeds", type=int, nargs="+", required=True, help="seeds of every experiment of --study")
@@ -322,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"error: `{shlex.join(cmd)}` failed (an existing experiment of that name? `dvc exp "
                           "remove` it, or pass --prefix)", file=sys.stderr)
                     return 1
+            return 0
+        if args.command == "export":
+            written = export_experiment(args.experiment, args.dest, args.paths)
+            print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
             return 0
         if args.command == "show":
             preset = load_preset(args.preset)

@@ -282,6 +282,17 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
                     "--parts", "seed"]) == 0
     # each experiment trained exactly once, in its part; the whole restored all three and reported over them
     assert sorted(runs_log.read_text().split()) == ["a-s0", "a-s1", "b-s0"]
+    # export reads the experiment at its commit (the workspace never had these outputs: --temp), cached
+    # outputs from DVC's cache, without changing the workspace
+    dest = tmp_path / "exported"
+    assert pr.main(["export", "st", str(dest), "models/*/adapter.txt", "report.txt=summary.txt"]) == 0
+    assert (dest / "summary.txt").read_text() == "a-s0 a-s1 b-s0"
+    assert "fedkd" in (dest / "models/b-s0/adapter.txt").read_text()
+    assert yaml.safe_load((dest / "params.yaml").read_text())["tau"] == 4.0 and (dest / "dvc.lock").exists()
+    record = yaml.safe_load((dest / "EXPERIMENT.yaml").read_text())
+    assert record["experiment"] == "st" and len(record["files"]) == 6 and not (repo / "report.txt").exists()
+    assert pr.main(["export", "st", str(dest), "nothing.txt"]) == 2  # a missing path is an error naming it
+    assert pr.main(["export", "no-such-experiment", str(dest)]) == 2
     subprocess.run([sys.executable, "-m", "dvc", "exp", "apply", "st"], cwd=repo, check=True)
     assert (repo / "report.txt").read_text() == "a-s0 a-s1 b-s0"
     assert "fedkd" in (repo / "models/b-s0/adapter.txt").read_text()
