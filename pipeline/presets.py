@@ -53,6 +53,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.common import atomic
 from pipeline.common.config import load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
@@ -300,12 +301,13 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
             for f in files:
                 to = out / Path(f).relative_to(match) if fs.isdir(match) else out
                 to.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(f, str(to))
+                with atomic.replacing(to) as tmp:
+                    fs.get_file(f, str(tmp))
                 written.append(str(to.relative_to(dest)))
     record = {"experiment": name, "ref": ref, "commit": commit,
               "exported_with": "python -m pipeline.presets export " + shlex.join([name, str(dest), *paths]),
               "files": sorted(written)}
-    (dest / "EXPERIMENT.yaml").write_text(yaml.safe_dump(record, sort_keys=False))
+    atomic.write_text(dest / "EXPERIMENT.yaml", yaml.safe_dump(record, sort_keys=False))
     return written
 
 
