@@ -91,8 +91,11 @@ def _examples(n_clients: int, cfg: ScaleConfig):
     return pd.DataFrame(rows)
 
 
-def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, backbone: Path) -> str:
-    """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path."""
+def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, backbone: Path,
+                   name: str | None = None, train: dict[str, Any] | None = None,
+                   privacy: dict[str, Any] | None = None) -> str:
+    """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path. ``name``,
+    ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
     from pipeline.partition import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
     from pipeline.experiments import parse_entry, resolve_plan
@@ -110,9 +113,9 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     ppath = root / "data" / "partitions" / "quantity" / f"seed{cfg.seed}.json"
     ppath.parent.mkdir(parents=True, exist_ok=True)
     ppath.write_text(json.dumps(partition_json(part, "quantity", cfg.seed, pcfg)))
-    train = {"rounds": cfg.rounds, "batch_size": 4, "lr": 5.0e-3}
-    params = {"tau": 5.0, "model": MODEL, "train": train}
-    name = f"scale-{engine}-{n_clients}"
+    train = {"rounds": cfg.rounds, "batch_size": 4, "lr": 5.0e-3, **(train or {})}
+    params = {"tau": 5.0, "model": MODEL, "train": train, **({"privacy": privacy} if privacy else {})}
+    name = name or f"scale-{engine}-{n_clients}"
     entry = parse_entry(name, {"method": "fedavg", "partition": f"quantity/seed{cfg.seed}", "seed": cfg.seed,
                                "study": "bench"}, params)
     plan = resolve_plan(entry, params)

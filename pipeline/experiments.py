@@ -1,8 +1,9 @@
 """Experiments: the one reader of params.yaml `experiments:` and of plan files.
 
 An *experiment* is one entry of params.yaml `experiments` (``{method, partition: "<scheme>/seed<k>", seed, study,
-...}``, optionally with `tau` or any `train` key as an override): :func:`declared` reads and checks them all, and
-every stage that needs the list (plan, analyze, report, presets, tracking) asks it. Its *plan* is the resolved
+...}``, optionally with `tau`, any `train` key, or a `privacy` mapping of params.yaml privacy keys as an
+override): :func:`declared` reads and checks them all, and every stage that needs the list (plan, analyze,
+report, presets, tracking) asks it. Its *plan* is the resolved
 configuration the plan stage writes to ``models/plans/<experiment>.json`` and the train stage reads
 (:func:`read_plan`): exactly what the result depends on. The train stages depend on their plan file, not on
 params, so a change reruns only the experiments it affects: tau is written only for methods that read it
@@ -10,7 +11,10 @@ params, so a change reruns only the experiments it affects: tau is written only 
 server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
 settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
 train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
-plans only, and only when its mode is not `none`.
+plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
+(its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
+(pipeline.training.privacy.client_level_problem), secure aggregation those whose server does more than average
+(pipeline.training.privacy.secure_aggregation_refusal).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
 round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
@@ -35,12 +39,13 @@ from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig
-from pipeline.training.privacy import PrivacyConfig
+from pipeline.training.privacy import PrivacyConfig, client_level_problem, secure_aggregation_refusal
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
 RUNS_DIR = PATHS.root / "data/cache/runs"
 ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
+PRIVACY_KEY = "privacy"  # an entry's overrides of params.yaml `privacy` (a privacy-utility study in one experiment)
 # `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
 # (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
 RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s")
@@ -92,6 +97,8 @@ class Experiment:
     tau: float | None = None  # the entry's tau, else the top-level tau for methods that read it, else None
     train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params.yaml `train`
     tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else params.yaml's
+    privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params.yaml `privacy`
+    dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
 
     @property
     def spec(self) -> MethodSpec:
@@ -105,6 +112,15 @@ class Experiment:
     def variant(self) -> str:
         """The entry's train overrides as text, e.g. "fraction_train=0.67" ("" when none)."""
         return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
+
+    def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
+        """params.yaml `privacy` with this entry's overrides (its `secagg` mapping key by key over params.yaml's)."""
+        base = params.get("privacy") or {}
+        merged = {**base, **self.privacy}
+        if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
+            merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
+        return from_dict(PrivacyConfig, merged,
+                         f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
 
     def train_config(self, params: dict[str, Any]) -> TrainConfig:
         """params.yaml `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
@@ -122,13 +138,17 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
     train_fields = {f.name for f in dataclasses.fields(TrainConfig)} | set(RUN_TRAIN_KEYS)
     base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
-    overrides = {k: v for k, v in raw.items() if k not in base}
+    overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
     unknown = sorted(set(overrides) - train_fields)
     if unknown:
         raise ValueError(
             f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
-            f"tau and the train keys {sorted(train_fields)}"
+            f"tau, {PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
+    privacy = raw.get(PRIVACY_KEY) or {}
+    if not isinstance(privacy, dict):
+        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+                          f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}")
     for key in ("method", "partition"):
         if key not in base:
             raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
@@ -154,9 +174,28 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
     elif tau is not None:
         raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
-    return Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
-                      seed=int(base.get("seed", 0)), study=str(base.get("study", "main")), tau=tau,
-                      train=overrides, tau_scale=tau_scale)
+    exp = Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
+                     seed=int(base.get("seed", 0)), study=str(base.get("study", "main")), tau=tau,
+                     train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
+    resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
+    if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
+        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
+                          f"(privacy applies to federated methods)")
+    return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
+
+
+def privacy_label(privacy: PrivacyConfig) -> str:
+    """The privacy a run trains with, in words for tables and figures: "" (none), "DP-SGD ε≤3" (a target) or
+    "DP-SGD σ=1.1" (a noise multiplier); other modes by their name; "+ SecAgg+" (or "SecAgg+" alone) under
+    secure aggregation."""
+    parts = []
+    if privacy.enabled:
+        name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
+        parts.append(f"{name} ε≤{privacy.target_epsilon:g}" if privacy.target_epsilon is not None
+                     else f"{name} σ={privacy.noise_multiplier:g}")
+    if privacy.secure_aggregation:
+        parts.append("SecAgg+")
+    return " + ".join(parts)
 
 
 def with_labels(experiments: list[Experiment]) -> dict[str, str]:
@@ -167,7 +206,8 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
         by_study.setdefault(e.study, []).append(e)
     labels = {}
     for members in by_study.values():
-        varying = [attr for attr in ("scheme", "tau", "variant") if len({getattr(e, attr) for e in members}) > 1]
+        varying = [attr for attr in ("scheme", "tau", "variant", "dp")
+                   if len({getattr(e, attr) for e in members}) > 1]
         for e in members:
             parts = [e.method]
             for attr in varying:
@@ -221,14 +261,22 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         if train.tau_scale != "absolute" and exp.tau > 1:
             raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
                               f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
-    privacy = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy")
-    if privacy.enabled and method.federated:
-        if method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
+    privacy = exp.privacy_config(params)
+    if privacy.mode == "client":
+        problem = client_level_problem(method, train.transfer_dtype, privacy)
+        if problem:
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
+    if privacy.secure_aggregation:
+        refusal = secure_aggregation_refusal(method, train.transfer_dtype, privacy)
+        if refusal is not None:
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+    if (privacy.enabled or privacy.secure_aggregation) and method.federated:
+        if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
             raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
                               f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
                               f"over the whole batch; use absolute or max_entropy")
-        plan["privacy"] = to_dict(privacy)
+        plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = _file_md5(PATHS.postags)
@@ -249,7 +297,7 @@ class Plan:
     tau: float | None = None
     postags_md5: str | None = None
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
-    privacy: PrivacyConfig | None = None  # DP-SGD of the client's training (absent = none)
+    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
     source: str = ""  # the plan file it was read from
 
     @property
@@ -279,6 +327,8 @@ class Plan:
         for optional in ("privacy", "cache_dtype"):
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)
+        if self.privacy is not None:
+            d["privacy"] = self.privacy.plan_dict()  # its mode's keys only, as resolve_plan wrote them
         return d
 
 

@@ -37,6 +37,7 @@ from pipeline.results.figures import learning_curves
 from pipeline.results.headline import HEADLINE_STUDY, average_interval, headline_metrics, summary_metrics
 from pipeline.results.human_eval import make_sheets, plot_results, score_sheets
 from pipeline.results.index import readme
+from pipeline.results.privacy_study import privacy_figure, privacy_points
 from pipeline.results.readers import collect_scores
 from pipeline.results.stats import BootstrapConfig
 from pipeline.results.study_figures import study_figures, with_stand_ins
@@ -108,6 +109,9 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     figures, figures_not_made = study_figures(agg, paths.figures, paths.plots)
     made["figures"] += figures
     not_made.update(figures_not_made)
+    points = privacy_points(planned, labels, scores, paths.train_reports)
+    if not points.empty:
+        made["figures"].append(str(privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv")))
     curves = learning_curves(planned, labels, paths.train_reports, paths.models, paths.figures, paths.plots)
     made["figures"] += [c["figure"] for c in curves]
     if not curves:

@@ -93,6 +93,34 @@ def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluat
     assert "**+2.00**" in md
 
 
+def test_private_configurations_are_compared_with_the_same_method_without_privacy(tmp_path):
+    eval_dir = tmp_path / "eval"
+    _write_eval(eval_dir, "fa", 0.0, "plain words")
+    _write_eval(eval_dir, "fa-dp", -1.5, "noisy words")  # DP costs 1.5 on every example
+    _write_eval(eval_dir, "sel", 2.0, "sel words")
+    _write_eval(eval_dir, "sel-dp", 1.0, "sel noisy")  # 1.0 below SelectKD without DP
+    planned = [Experiment("fa", "fedavg", "domain/seed0", 0, "privacy"),
+               Experiment("fa-dp", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
+               Experiment("sel", "fedselectkd", "domain/seed0", 0, "privacy", tau=5.0),
+               Experiment("sel-dp", "fedselectkd", "domain/seed0", 0, "privacy", tau=5.0, dp="DP-SGD ε≤3")]
+    labels = with_labels(planned)
+    configs = comparisons.configurations(planned, labels)
+    table, notes = comparisons.comparisons_table(configs, ["single", "fedavg", "fedkd"], eval_dir, CFG)
+    avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")]
+    diffs = {(r.config_a, r.config_b): r.mean_diff for r in avg.itertuples()}
+    # each private configuration against its own method without privacy; the FedAvg baseline is the plain one
+    assert diffs == pytest.approx({("fedavg DP-SGD ε≤3", "fedavg"): -1.5,
+                                   ("fedselectkd tau=5", "fedavg"): 2.0,
+                                   ("fedselectkd tau=5 DP-SGD ε≤3", "fedavg"): 1.0,
+                                   ("fedselectkd tau=5 DP-SGD ε≤3", "fedselectkd tau=5"): -1.0})
+    assert avg["significant"].all()
+    # a private run without a plain counterpart in its study is said, not compared with something else
+    lone = comparisons.Config("other", "fedkd DP-SGD ε≤1", "fedkd", "domain", ((0, "x"),), dp="DP-SGD ε≤1")
+    _, notes = comparisons.comparisons_table([lone], [], eval_dir, CFG)
+    assert notes == ["other: fedkd DP-SGD ε≤1 has no run of fedkd without privacy on partition scheme 'domain' "
+                     "in its study to compare with"]
+
+
 def test_baseline_prefers_the_same_study_then_main():
     a = comparisons.Config("sampling", "fedselectkd", "fedselectkd", "domain", ((0, "s"),))
     same_study = comparisons.Config("sampling", "fedavg", "fedavg", "domain", ((0, "fa-s"),))
@@ -102,3 +130,5 @@ def test_baseline_prefers_the_same_study_then_main():
     assert comparisons.baseline_for(a, "fedavg", [other, main, same_study, wrong_partition]) == same_study
     assert comparisons.baseline_for(a, "fedavg", [other, main, wrong_partition]) == main
     assert comparisons.baseline_for(a, "single", [other, main]) is None
+    private = comparisons.Config("sampling", "fedavg DP", "fedavg", "domain", ((0, "fa-dp"),), dp="DP")
+    assert comparisons.baseline_for(a, "fedavg", [private, same_study]) == same_study  # never a private baseline

@@ -53,6 +53,25 @@ def _serve_inprocess(plan_path: str, **run_config):
     return grid
 
 
+def _assert_same_final_adapters(name: str, reference: str) -> None:
+    """Every client's final adapter of run ``name`` equals ``reference``'s (float tolerance: same math elsewhere)."""
+    a, b = _final_adapters(name), _final_adapters(reference)
+    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    for client in a:
+        for k in a[client]:
+            torch.testing.assert_close(a[client][k], b[client][k])
+
+
+def _ray_or_skip() -> None:
+    try:
+        import ray
+
+        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        ray.shutdown()
+    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
+        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
+
+
 # Two full federated runs plus beam-search evaluation: ~18 s idle, several times that on a loaded 2-core machine.
 @pytest.mark.timeout(300)
 def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_stage(ws):
@@ -68,11 +87,8 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     run_experiment(write_plan("dep-ref", "fedselectkd"))  # the in-process engine, same seed
 
     # Same adapters as the engine (the seed, not the experiment name, drives every random draw).
-    a, b = _final_adapters("dep"), _final_adapters("dep-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])
+    _assert_same_final_adapters("dep", "dep-ref")
+    a = _final_adapters("dep")
     rounds, ref_rounds = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("dep", "dep-ref"))
     assert len(rounds) == len(ref_rounds) == 6  # 2 rounds x 3 clients
     for r, q in zip(rounds, ref_rounds):
@@ -189,11 +205,7 @@ def test_local_deployment_gives_the_in_process_result(ws):
     assert run.returncode == 0, run.output[-2000:]
     _no_process_left(before, started)
 
-    a, b = _final_adapters("loc"), _final_adapters("loc-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])  # float tolerance: two processes, same math
+    _assert_same_final_adapters("loc", "loc-ref")  # two processes, same math
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("loc", "loc-ref"))
     assert [(r["round"], r["client"]) for r in rounds] == [(r["round"], r["client"]) for r in ref]
     for r, q in zip(rounds, ref):
@@ -222,6 +234,13 @@ def _server_round(plan_path: str) -> int:
     except Exception:  # noqa: BLE001 -- a file being replaced; read it again on the next poll
         return 0
     return int(ckpt["round"]) if ckpt else 0
+
+
+def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
+    """Until the server has checkpointed round ``rnd`` (or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while _server_round(plan_path) < rnd and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 @pytest.mark.timeout(300)
@@ -276,15 +295,13 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
         fed.start()
 
         def faults() -> None:
-            deadline = time.monotonic() + 700
-            while _server_round(plan) < 1 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            start = time.monotonic()
+            _await_round(plan, 1, 700)
             fed.kill_supernode("Committee")  # round 2's train message is on its way or being worked on
             events.append("killed")
             fed.restart_supernode("Committee")
             events.append("restarted")
-            while _server_round(plan) < 3 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            _await_round(plan, 3, 700 - (time.monotonic() - start))
             fed.procs.stop(fed.superlink, signal.SIGKILL)  # a crash: no clean shutdown
             events.append("superlink killed")
 
@@ -321,23 +338,13 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
 
 @pytest.mark.timeout(300)
 def test_ray_engine_gives_the_in_process_result(ws):
-    try:
-        import ray
-
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        ray.shutdown()
-    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
-        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
     from pipeline.experiments import RunSettings
     from pipeline.train import run_experiment
 
+    _ray_or_skip()
     run_experiment(write_plan("ray-ref", "fedavg"), track=False)
     run_experiment(write_plan("ray", "fedavg"), track=False, settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
-    a, b = _final_adapters("ray"), _final_adapters("ray-ref")
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
-    for client in a:
-        for k in a[client]:
-            torch.testing.assert_close(a[client][k], b[client][k])
+    _assert_same_final_adapters("ray", "ray-ref")
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("ray", "ray-ref"))
     assert len(rounds) == len(ref) == 6
     for r, q in zip(rounds, ref):
@@ -429,3 +436,85 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     back = rows[(3, "Committee")]
     assert back["sampled"] == 1 and back["failed"] == 0 and back["train_loss"] > 0 and "val_loss" in back
     assert grid.calls == 4
+
+
+# ------------------------------------------------------------------ SecAgg+ (privacy.secure_aggregation)
+@pytest.mark.timeout(300)
+def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
+    from pipeline.experiments import RunSettings
+    from pipeline.train import run_experiment
+    from tests.test_privacy import _write_plan
+
+    _ray_or_skip()
+    run_experiment(_write_plan("sa-ray-ref", "fedavg", {"secure_aggregation": True}), track=False)
+    run_experiment(_write_plan("sa-ray", "fedavg", {"secure_aggregation": True}), track=False,
+                   settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
+    # The masks cancel exactly and the stochastic rounding draws from the generator each client's training seeded:
+    # Ray's actors compute what the in-process engine does.
+    _assert_same_final_adapters("sa-ray", "sa-ray-ref")
+    rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("sa-ray", "sa-ray-ref"))
+    assert [(r["round"], r["client"], r["failed"]) for r in rounds] == [
+        (r["round"], r["client"], 0) for r in ref]
+
+
+@pytest.mark.timeout(600)
+def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
+        ws, monkeypatch):
+    """Real SuperLink and SuperNodes: round 1's unmasked global is the plain run's FedAvg of the same uploads within
+    SecAgg+'s bound; Committee's SuperNode is killed once round 1 is checkpointed, and round 2 is unmasked from the
+    other two (reconstruction threshold 2 of 3)."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    from pipeline.federation.local import LocalFederation
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.federation.server_app import load_server_checkpoint
+    from pipeline.train import run_experiment
+    from pipeline.training.privacy import SecAggConfig
+    from tests.test_privacy import _write_plan
+    from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
+    from tests.test_secure_aggregation import N_TRAIN, _spy_uploads
+
+    uploads = _spy_uploads(monkeypatch)  # the in-process plain run's (this process only)
+    run_experiment(_write_plan("sa-loc-plain", "fedavg", None, rounds=1), track=False)
+    states, weights = [uploads[(1, c)][0] for c in N_TRAIN], [uploads[(1, c)][1] for c in N_TRAIN]
+
+    before = _flower_pids()
+    plan = _write_plan("sa-loc", "fedavg", {"secure_aggregation": True}, rounds=2)
+    cfg = _local(plan)
+    cfg.run_config["round-timeout-s"] = 40.0
+    events: list[str] = []
+    fed = LocalFederation(cfg)
+    with fed:
+        fed.start()
+
+        def lose_committee() -> None:
+            _await_round(plan, 1, 500)
+            ckpt = load_server_checkpoint(load_plan(plan))
+            events.append((int(ckpt["round"]), ckpt["arrays"]))  # round 1's global, before round 2 replaces it
+            fed.kill_supernode("Committee")  # round 2's SecAgg+ stages are on their way
+            events.append("killed")
+
+        watcher = threading.Thread(target=lose_committee, daemon=True)
+        watcher.start()
+        run = fed.stream(fed.submit())
+        watcher.join(timeout=60)
+        started = list(fed.procs.procs)
+    assert run.returncode == 0, run.output[-2000:]
+    assert events[1:] == ["killed"]
+    _no_process_left(before, started)
+
+    cfg_sa = SecAggConfig()
+    bound = aggregation_error_bound(weights, weight_scale(cfg_sa, max(N_TRAIN.values())), cfg_sa, max_abs(states))
+    assert events[0][0] == 1
+    assert max_diff(events[0][1], weighted_mean(states, weights)) <= bound
+    rows = {(r["round"], r["client"]): r for r in json.loads(Path("models/sa-loc/rounds.json").read_text())}
+    assert all(rows[(1, c)]["failed"] == 0 and rows[(1, c)]["secagg_clipped"] == 0 for c in N_TRAIN)
+    lost = rows[(2, "Committee")]
+    assert lost["failed"] == 1 and lost["error"].startswith("SecAgg+ ")
+    assert rows[(2, "Academic")]["failed"] == rows[(2, "Product")]["failed"] == 0
+    assert rows[(2, "Academic")]["weight_share"] == pytest.approx(4 / 9)
+    final = load_file("models/sa-loc/global_adapter.safetensors")
+    assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated

@@ -165,6 +165,11 @@ def test_declared_resolves_tau_and_seed_as_the_plan_does():
     ({"method": "nope", "partition": "domain/seed0"}, "experiments.x.method"),
     ({"partition": "domain/seed0"}, "missing required key 'method'"),
     ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
+    ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"mode": "example"}}, "exactly one of"),
+    ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"epsilon": 3}}, "unknown key"),
+    ({"method": "fedavg", "partition": "domain/seed0", "privacy": 3}, "expected a mapping"),
+    ({"method": "single", "partition": "domain/seed0", "privacy": {"mode": "example", "target_epsilon": 3}},
+     "sends nothing"),
 ])
 def test_a_bad_entry_is_one_line_naming_it(entry, message):
     from pipeline.experiments import declared
@@ -174,6 +179,56 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     with pytest.raises((ConfigError, ValueError), match=message) as err:
         declared(params)
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_an_entrys_privacy_overrides_reach_its_plan_alone():
+    """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
+    privacy for that entry; entries without one keep the plan (and hash) they had."""
+    from pipeline.experiments import declared, resolve_plan, with_labels
+
+    params = _params()
+    before = {e.name: resolve_plan(e, params) for e in declared(params)}
+    params["experiments"] = {
+        "plain": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy"},
+        "eps3": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy",
+                 "privacy": {"mode": "example", "target_epsilon": 3, "max_grad_norm": 0.5}},
+        "sigma": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy",
+                  "privacy": {"mode": "example", "noise_multiplier": 1.1}},
+    }
+    plain, eps3, sigma = declared(params)
+    assert resolve_plan(plain, params) == before["fedavg-domain"] | {"experiment": "plain", "study": "privacy"}
+    plan = resolve_plan(eps3, params)
+    assert plan["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3,
+                               "max_grad_norm": 0.5, "delta": None, "accountant": "rdp"}
+    assert (plain.dp, eps3.dp, sigma.dp) == ("", "DP-SGD ε≤3", "DP-SGD σ=1.1")
+    assert with_labels([plain, eps3, sigma]) == {"plain": "fedavg", "eps3": "fedavg DP-SGD ε≤3",
+                                                 "sigma": "fedavg DP-SGD σ=1.1"}
+
+
+def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_secagg_keys():
+    """An entry may turn SecAgg+ on for itself; its `secagg` mapping is merged key by key over params.yaml's (a
+    key it does not name keeps params.yaml's value, not the default)."""
+    from pipeline.experiments import declared, resolve_plan, with_labels
+
+    params = _params(**{"privacy.secagg.clipping_range": 2.0})
+    fedavg = {"method": "fedavg", "partition": "domain/seed0", "study": "secure"}
+    params["experiments"] = {
+        "plain": fedavg,
+        "secure": {**fedavg, "privacy": {"secure_aggregation": True,
+                                         "secagg": {"num_shares": 3, "reconstruction_threshold": 2}}},
+        "both": {**fedavg, "privacy": {"mode": "example", "target_epsilon": 3, "secure_aggregation": True}},
+    }
+    plain, secure, both = declared(params)
+    assert "privacy" not in resolve_plan(plain, params)
+    assert resolve_plan(secure, params)["privacy"] == {"mode": "none", "secure_aggregation": True, "secagg": {
+        "num_shares": 3, "reconstruction_threshold": 2, "clipping_range": 2.0, "quantization_range": 2**22}}
+    assert resolve_plan(both, params)["privacy"]["secagg"]["num_shares"] == 1.0  # params.yaml's
+    assert (plain.dp, secure.dp, both.dp) == ("", "SecAgg+", "DP-SGD ε≤3 + SecAgg+")
+    assert with_labels([plain, secure, both])["secure"] == "fedavg SecAgg+"
+    params["experiments"] = {"x": {"method": "single", "partition": "domain/seed0",
+                                   "privacy": {"secure_aggregation": True}}}
+    with pytest.raises(ConfigError, match=r"^params.yaml experiments.x.privacy: method 'single' sends nothing"):
+        declared(params)
 
 
 def test_run_settings_come_from_params_with_the_experiments_own_override():

@@ -19,6 +19,22 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 PARAMS = load_params(ROOT / "params.yaml")
 
 
+def test_privacy_study_pairs_every_budget_with_the_plain_run_seed_by_seed():
+    from pipeline.experiments import declared, with_labels
+
+    merged = pr.apply_preset(PARAMS, pr.load_preset(ROOT / "configs" / "privacy-study.yaml"))
+    planned = declared(merged)
+    labels = with_labels(planned)
+    by_config: dict[tuple[str, str], set[int]] = {}
+    for e in planned:
+        assert e.study == "privacy" and e.partition == "domain/seed0"
+        by_config.setdefault((e.method, e.dp), set()).add(e.seed)
+    assert set(by_config) == {(m, dp) for m in ("fedavg", "fedselectkd")
+                              for dp in ("", "DP-SGD ε≤8", "DP-SGD ε≤3", "DP-SGD ε≤1")}
+    assert all(seeds == {0, 1, 2} for seeds in by_config.values())
+    assert len(set(labels.values())) == 8
+
+
 def test_the_four_profiles_exist():
     assert {p.name for p in PRESETS} >= {"paper-bart-large.yaml", "paper-bart-base.yaml", "paper-led-large.yaml",
                                          "cpu-study.yaml"}
@@ -39,7 +55,9 @@ def test_every_profile_names_only_params_yaml_keys(path):
 def test_every_profile_uses_the_study_names_the_default_profile_uses(path):
     # The report and analyze stages find a study by name (tau_sweep, new_client, ...): a renamed study would
     # silently lose its figure and its analysis.
-    known = {e.get("study", "main") for e in PARAMS["experiments"].values()}
+    from pipeline.results.studies import STUDIES
+
+    known = {e.get("study", "main") for e in PARAMS["experiments"].values()} | set(STUDIES)
     used = {e.get("study", "main") for e in (pr.load_preset(path).get("experiments") or {}).values()}
     assert used <= known, f"{path.name}: unknown studies {sorted(used - known)}"
 

@@ -139,7 +139,7 @@ def test_privacy_group_validation():
     assert ok.enabled and ok.delta is None
     assert not from_dict(PrivacyConfig, {}, "privacy").enabled
     bad = [
-        ({"mode": "client"}, "mode must be one of"),
+        ({"mode": "central"}, "mode must be one of"),
         ({"mode": "example"}, "exactly one of noise_multiplier and target_epsilon"),
         ({"mode": "example", "noise_multiplier": 1.0, "target_epsilon": 3}, "exactly one"),
         ({"mode": "none", "target_epsilon": 3}, "mode is 'none'"),
@@ -147,7 +147,7 @@ def test_privacy_group_validation():
         ({"mode": "example", "noise_multiplier": -1.0}, "noise_multiplier must be"),
         ({"mode": "example", "noise_multiplier": 1.0, "delta": 1.5}, "delta must be in (0, 1)"),
         ({"mode": "example", "noise_multiplier": 1.0, "accountant": "gdp"}, "accountant must be one of"),
-        ({"mode": "example", "noise_multiplier": 1.0, "secure_aggregation": True}, "unknown key"),
+        ({"mode": "example", "noise_multiplier": 1.0, "secure_aggregaton": True}, "unknown key"),
     ]
     for raw, message in bad:
         with pytest.raises(ConfigError, match="^privacy") as exc:

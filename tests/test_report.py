@@ -238,3 +238,39 @@ def test_published_numbers_match_method_md():
     assert published.backbone_key("facebook/bart-large") == "bart-large"
     assert published.backbone_key("allenai/led-large-16384") == "led-large"
     assert published.backbone_key("minilm-bert2bert") is None
+
+
+def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
+    """ROUGE against epsilon: client average per seed, then mean and std over seeds; epsilon = the largest any
+    client spent (inf without DP), from the train stage's metrics; the figure is drawn with its data beside it."""
+    import math
+
+    from pipeline.experiments import Experiment, with_labels
+    from pipeline.results.privacy_study import privacy_figure, privacy_points
+
+    planned = [Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
+               Experiment("p1", "fedavg", "domain/seed0", 1, "privacy"),
+               Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
+               Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3"),
+               Experiment("m0", "fedavg", "domain/seed0", 0, "main")]
+    labels = with_labels(planned)
+    avg = {("p0", "A"): 10.0, ("p0", "B"): 12.0, ("p1", "A"): 14.0, ("p1", "B"): 16.0,
+           ("d0", "A"): 8.0, ("d0", "B"): 8.0, ("m0", "A"): 1.0, ("m0", "B"): 1.0}  # d1 not evaluated
+    scores = pd.DataFrame([{"experiment": e, "client": c, "avg_rouge": v, "backbone": "tiny"}
+                           for (e, c), v in avg.items()])
+    for name, eps in (("p0", None), ("p1", None), ("d0", (2.5, 2.9)), ("d1", (2.0, 2.0))):
+        d = tmp_path / "train" / name
+        d.mkdir(parents=True)
+        clients = {c: {} if eps is None else {"privacy": {"epsilon": e, "noise_multiplier": 1.2}}
+                   for c, e in zip("AB", eps or (0, 0))}
+        d.joinpath("metrics.json").write_text(json.dumps(
+            {"clients": clients, "privacy": None if eps is None else {"target_epsilon": 3}}))
+    points = privacy_points(planned, labels, scores, tmp_path / "train").set_index("label")
+    assert list(points.index) == ["fedavg", "fedavg DP-SGD ε≤3"]  # the main study's run is not part of it
+    plain, dp = points.loc["fedavg"], points.loc["fedavg DP-SGD ε≤3"]
+    assert (plain.avg_rouge_mean, plain.n_seeds, plain.epsilon) == (13.0, 2, math.inf)
+    assert plain.avg_rouge_std == pytest.approx(math.sqrt(8.0))  # seeds at 11 and 15
+    assert (dp.avg_rouge_mean, dp.n_seeds, dp.epsilon, dp.target_epsilon) == (8.0, 1, 2.9, 3)
+    assert math.isnan(dp.avg_rouge_std)  # one seed: no spread
+    fig = privacy_figure(points.reset_index(), tmp_path / "privacy.png", tmp_path / "privacy.csv")
+    assert fig.stat().st_size > 0 and len(pd.read_csv(tmp_path / "privacy.csv")) == 2

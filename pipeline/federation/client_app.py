@@ -4,7 +4,9 @@
 - ``train`` loads the server's weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local
   one (AdaFedAvg and the server algorithm baselines: the average overwrites the client adapter), trains the local
   adapter on the client's data and replies with the local adapter's tensors (ArrayRecord) and counts/metrics
-  (MetricRecord) - nothing else, no text, no token ids. The local adapter persists across rounds in
+  (MetricRecord) - nothing else, no text, no token ids. Under ``privacy.secure_aggregation`` the same round runs
+  inside SecAgg+ (pipeline.federation.secure_aggregation): the tensors leave only masked, and a plan that sets it
+  makes the client refuse a plain train message. The local adapter persists across rounds in
   ``context.state`` (or is reset to the global weights with ``train.local_adapter: reset``); the gate log of
   section 4 is written on the client's disk (it is the client's own data).
 - ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
@@ -32,8 +34,10 @@ from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.evaluation import EvaluateConfig
 from pipeline.results.scoring import Scorer, mean_scores
+from pipeline.federation.client_dp import client_dp_mod
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
                                           load_plan, plan_path_of)
+from pipeline.federation.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
 from pipeline.experiments import Plan
@@ -95,11 +99,30 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": ConfigRecord({"client-name": client_name(plan, context)})}), reply_to=msg)
 
 
-@client_app.train()
+# client_dp_mod: privacy.mode client with clipping_side client, Flower's clipping mod on the reply. A SecAgg+ round
+# passes it by (its FitIns is no Message-API train message) and applies it inside legacy_fit, on the Message-API
+# call, so the update is clipped before secaggplus_mod masks it.
+@client_app.train(mods=[secure_aggregation_mod, client_dp_mod])
 def client_train(msg: Message, context: Context) -> Message:
+    if is_legacy_fit(msg):  # a SecAgg+ round's masked-vector stage: the same round, its upload masked
+        return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, _train_masked))
+    return train_round(msg, context, masked=False)
+
+
+def _train_masked(msg: Message, context: Context) -> Message:
+    return train_round(msg, context, masked=True)
+
+
+def train_round(msg: Message, context: Context, masked: bool) -> Message:
+    """One training round of this client: the Message-API reply (adapter arrays, metrics); ``masked``: the reply
+    goes to SecAgg+'s mod (pipeline.federation.secure_aggregation), which sends it only masked."""
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
     name = client_name(plan, context)
+    if plan.privacy is not None and plan.privacy.secure_aggregation and not masked:
+        # the client, not the server, decides whether its adapter may leave in the clear
+        raise ValueError(f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads its "
+                         f"adapter only through SecAgg+")
     config = msg.content[CONFIG_KEY]
     rnd = int(config["server-round"])
     received = decode_global(msg.content[ARRAYS_KEY], plan)

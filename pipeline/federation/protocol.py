@@ -39,6 +39,10 @@ TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens
 # gradients and how many of them were clipped.
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
                        "dp-steps", "dp-examples", "dp-clipped")
+# Added under privacy.mode client with client-side clipping (pipeline.federation.client_dp): whether the update
+# exceeded C before the mod clipped it (0/1), and, with adaptive clipping, Flower's adaptiveclipping_mod's norm bit.
+CLIPPED_KEY = "dp-update-clipped"
+CLIENT_LEVEL_METRIC_KEYS = (CLIPPED_KEY, "norm_bit")
 
 
 # ----------------------------------------------------------------------------------------------- the plan

@@ -6,7 +6,12 @@ all admitted clients evaluate, and the server checkpoints (global adapter, round
 pipeline.training.rounds). A client that raises becomes an error reply, which Flower's strategies leave out of
 the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
-(``train.new_client``) is admitted once the others converged (``train.join``).
+(``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
+(``privacy.mode: client``) Flower's DP wrapper clips, averages uniformly and adds noise
+(pipeline.federation.client_dp); it releases no aggregate in a round with an error reply. Under
+``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.federation.secure_aggregation): the
+same sampled clients, and the server receives their weighted mean instead of their replies (with client-level DP:
+their uniform mean of client-clipped updates, to which the DP wrapper adds its noise).
 """
 from __future__ import annotations
 
@@ -21,13 +26,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
+from pipeline.federation.client_dp import RoundPrivacy, wrap_strategy
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
                                           downlink_reference, encode_global, payload_bytes, privacy_row)
+from pipeline.federation.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan
 from pipeline.training import rounds
-from pipeline.training.client_data import client_names
+from pipeline.training.client_data import client_names, read_partition
+from pipeline.training.privacy import secure_aggregation_refusal
 from pipeline.training.rounds import Recorder, RoundLog
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
@@ -165,6 +173,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
     strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
                               proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
+    client_level = None  # privacy.mode client: Flower's DP wrapper around the strategy (pipeline.federation.client_dp)
+    if plan.privacy is not None and plan.privacy.mode == "client":
+        client_level = RoundPrivacy(plan, expected)
+        strategy = wrap_strategy(strategy, plan, client_level.setting)
+    secure = _secure_aggregator(plan, clients, late, round_timeout_s)
     ckpt = load_server_checkpoint(plan)
     if ckpt is not None:
         start = int(ckpt["round"]) + 1
@@ -196,6 +209,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path}), view))
+        clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
         # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
         # reference of the clients' delta-encoded replies.
@@ -213,53 +227,24 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             # a client whose SuperNode is gone (Flower marked it offline): recorded, not waited for
             rows[name] = {"round": rnd, "client": name, "sampled": 0, "failed": 0, "absent": 1,
                           "bytes_down": 0, "bytes_up": 0}
-        replies = list(grid.send_and_receive(messages, timeout=round_timeout_s))
-        sender = _senders(messages, node_names)
-        undecodable: set[int] = set()
-        for reply in replies:
-            row = rows[sender(reply)]
-            if reply.has_error():
-                row["failed"] = 1
-                row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
-                log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
-                            reply.error.reason)
-                continue
-            row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
-            # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
-            try:
-                reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
-                    decode_reply(reply.content[ARRAYS_KEY], plan, sent))
-            except (KeyError, ValueError) as exc:
-                row["failed"] = 1
-                undecodable.add(id(reply))
-                log.warning("round %d: reply of client %s cannot be decoded and is left out of the aggregate: %s",
-                            rnd, row["client"], exc)
-                continue
-            m = reply.content[METRICS_KEY]
-            row.update({
-                "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
-                "n_steps": int(m[NUM_STEPS_KEY]),
-                "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
-                "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
-            })
-            if "dp-epsilon" in m:
-                row.update(privacy_row(m))
-        answered = {sender(r) for r in replies}
-        for name, row in rows.items():
-            if row["sampled"] and name not in answered:
-                row["failed"] = 1
-                row["error"] = f"no reply within {round_timeout_s:.0f}s (train.round_timeout_s)"
-                log.warning("round %d: no reply from client %s within the timeout", rnd, name)
+        clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
+        if secure is None:
+            new_arrays = _train_in_the_clear(grid, strategy, messages, rows, node_names, plan, sent, rnd,
+                                             round_timeout_s, client_level, arrays, clipping_norm, clipped)
+        else:
+            new_arrays = _train_secure(secure, grid, messages, rows, node_names, rnd, strategy, clipped)
 
-        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies).
-        total_weight = sum(r["weight"] for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r)
-        for r in rows.values():
-            if r["sampled"] and not r["failed"] and "weight" in r:
-                r["weight_share"] = r["weight"] / total_weight
-        new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in undecodable])
+        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; equal
+        # shares under client-level DP, whose wrapper averages uniformly).
+        good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
+        total_weight = sum(r["weight"] for r in good)
+        for r in good:
+            r["weight_share"] = 1 / len(good) if client_level is not None else r["weight"] / total_weight
         aggregated = new_arrays is not None
         if aggregated:
             arrays = new_arrays
+            if client_level is not None:
+                client_level.record(rows, clipped, clipping_norm, history)
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 
@@ -292,6 +277,122 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         save_server_checkpoint(plan, rnd, arrays, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, aggregated), history)
     return arrays, history
+
+
+def _record_train_metrics(row: dict[str, Any], m) -> None:
+    """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) into its history row."""
+    row.update({
+        "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
+        "n_steps": int(m[NUM_STEPS_KEY]),
+        "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
+        "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
+    })
+    if "dp-epsilon" in m:
+        row.update(privacy_row(m))
+
+
+def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dict[str, dict], node_names: dict[int, str],
+                        plan: Plan, sent: dict[str, torch.Tensor], rnd: int, timeout: float,
+                        client_level: RoundPrivacy | None, global_arrays: ArrayRecord, clipping_norm: float | None,
+                        clipped: dict[str, tuple[int, float]]) -> ArrayRecord | None:
+    """The train step of a plain round: every sampled client replies with its adapter, the strategy aggregates.
+    Under client-level DP (``client_level``) each decoded reply's update is checked against this round's C and
+    ``clipped`` gets (clipped or not, its norm) per aggregated client."""
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    sender = _senders(messages, node_names)
+    left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
+    for reply in replies:
+        row = rows[sender(reply)]
+        if reply.has_error():
+            row["failed"] = 1
+            row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
+            log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
+                        reply.error.reason)
+            continue
+        row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
+        # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
+        try:
+            reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
+                decode_reply(reply.content[ARRAYS_KEY], plan, sent))
+        except (KeyError, ValueError) as exc:
+            row["failed"] = 1
+            left_out.add(id(reply))
+            log.warning("round %d: reply of client %s cannot be decoded and is left out of the aggregate: %s",
+                        rnd, row["client"], exc)
+            continue
+        if client_level is not None:
+            update = client_level.clipped(reply, global_arrays, clipping_norm)
+            if update is None:
+                row["failed"] = 1
+                left_out.add(id(reply))
+                log.warning("round %d: reply of client %s is not clipped within C=%g and is left out of the "
+                            "aggregate", rnd, row["client"], clipping_norm)
+                continue
+            clipped[row["client"]] = update
+        _record_train_metrics(row, reply.content[METRICS_KEY])
+    answered = {sender(r) for r in replies}
+    for name, row in rows.items():
+        if row["sampled"] and name not in answered:
+            row["failed"] = 1
+            row["error"] = f"no reply within {timeout:.0f}s (train.round_timeout_s)"
+            log.warning("round %d: no reply from client %s within the timeout", rnd, name)
+    new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in left_out])
+    return new_arrays
+
+
+def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout: float) -> SecureAggregator | None:
+    """The plan's SecAgg+ round runner (privacy.secure_aggregation), checked against the method and the clients
+    (``late``: the client that joins later, not there in the first rounds)."""
+    if plan.privacy is None or not plan.privacy.secure_aggregation:
+        return None
+    refusal = secure_aggregation_refusal(plan.spec, plan.train.transfer_dtype, plan.privacy)
+    if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
+        raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
+    first = len([c for c in clients if c != late])
+    per_round = max(int(first * plan.train.fraction_train), 1)  # Flower's sample size
+    if per_round < 2:
+        raise ValueError(f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
+                         f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
+                         f"{per_round}")
+    if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
+        return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
+    # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
+    # it fixes Flower's integer weights (pipeline.federation.secure_aggregation.weight_scale).
+    max_weight = max(len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values())
+    return SecureAggregator(plan.privacy.secagg, max_weight, len(clients), timeout)
+
+
+def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],
+                  node_names: dict[int, str], rnd: int, strategy, clipped: dict[str, tuple[float, None]]
+                  ) -> ArrayRecord | None:
+    """The train step of a SecAgg+ round: the same sampled messages, trained and summed under masks; the server
+    records each client's metrics (sent in the clear, as in a plain round) and only the weighted mean. Under
+    client-level DP (``strategy``: the client-side DP wrapper) the mean is uniform, its noise is added as the
+    wrapper's aggregate_train would (bypassed by the secure step), and ``clipped`` gets each summed client's
+    share: the fraction of the round's updates that were clipped (whose, the server does not learn)."""
+    result = secure.train_round(grid, messages, rnd)
+    for node, outcome in result.nodes.items():
+        row = rows[node_names[node]]
+        row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
+        if outcome.metrics is not None:
+            _record_train_metrics(row, outcome.metrics)
+            row["secagg_clipped"] = int(outcome.metrics[SECAGG_CLIPPED_KEY])
+        stage_error = f"SecAgg+ {outcome.failed_stage}: {outcome.error}" if outcome.failed_stage else None
+        if result.arrays is None or node not in result.in_sum:
+            row["failed"] = 1
+            row["error"] = stage_error or result.halted
+            log.warning("round %d: client %s is not in the SecAgg+ sum: %s", rnd, row["client"], row["error"])
+        elif stage_error:  # its masked vector is in the sum; the others' shares unmasked it
+            row["secagg_error"] = stage_error
+    if result.arrays is not None and len(result.in_sum) < len(messages):
+        log.info("round %d: SecAgg+ unmasked the sum of %d of %d sampled clients (threshold %d of %d shares)", rnd,
+                 len(result.in_sum), len(messages), result.threshold, result.num_shares)
+    if result.arrays is None or result.clipped_count is None:
+        return result.arrays
+    summed = len(result.in_sum)
+    for node in result.in_sum:
+        clipped[node_names[node]] = (result.clipped_count / summed, None)
+    return strategy.release_secure_mean(rnd, result.arrays, result.clipped_count, summed)
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:

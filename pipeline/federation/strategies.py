@@ -20,8 +20,9 @@ NUM_STEPS_KEY = "num-steps"
 
 # Attributes through which Flower's message strategies carry state from one round to the next
 # (FedOpt family: current_arrays, m_t, v_t; FedAvgM: current_arrays, momentum_vector). A resumed run must
-# restore them or the server optimiser would restart from zero moments.
-_STATEFUL_ATTRIBUTES = ("current_arrays", "m_t", "v_t", "momentum_vector")
+# restore them or the server optimiser would restart from zero moments. clipping_norm: Flower's DP wrappers
+# (privacy.mode client); adaptive clipping moves it every round.
+_STATEFUL_ATTRIBUTES = ("current_arrays", "m_t", "v_t", "momentum_vector", "clipping_norm")
 
 
 @dataclass

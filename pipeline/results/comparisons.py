@@ -1,5 +1,7 @@
 """Which differences between methods are real: paired bootstrap comparisons of every configuration with its
-baselines (report.baselines: AdaSingle, AdaFedAvg, AdaFedKD) on the same partition and test examples.
+baselines (report.baselines: AdaSingle, AdaFedAvg, AdaFedKD) on the same partition and test examples, and of
+every private configuration (an entry with `privacy`) with the same method trained without privacy in its study
+(what the privacy costs).
 
 Reads each experiment's ``reports/eval/<exp>/per_example.parquet`` (ROUGE per test example) and
 ``predictions.jsonl`` (to count identical summaries); writes one row per (configuration, baseline, client or
@@ -38,22 +40,34 @@ class Config:
     method: str
     scheme: str
     runs: tuple[tuple[int, str], ...]  # (seed, experiment name)
+    dp: str = ""  # its privacy in words ("" = none: pipeline.experiments.privacy_label)
 
 
 def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Config]:
-    """Group planned experiments (objects with name, study, method, scheme, seed) into configurations."""
-    groups: dict[tuple[str, str, str, str], list[tuple[int, str]]] = defaultdict(list)
+    """Group planned experiments (objects with name, study, method, scheme, seed, optionally dp) into
+    configurations."""
+    groups: dict[tuple[str, str, str, str, str], list[tuple[int, str]]] = defaultdict(list)
     for p in planned:
-        groups[(p.study, labels[p.name], p.method, p.scheme)].append((int(p.seed), p.name))
-    return [Config(study, label, method, scheme, tuple(sorted(runs)))
-            for (study, label, method, scheme), runs in groups.items()]
+        groups[(p.study, labels[p.name], p.method, p.scheme, getattr(p, "dp", ""))].append((int(p.seed), p.name))
+    return [Config(study, label, method, scheme, tuple(sorted(runs)), dp)
+            for (study, label, method, scheme, dp), runs in groups.items()]
+
+
+def non_private_for(config: Config, configs: list[Config]) -> Config | None:
+    """The same method on the same partition in the same study, trained without privacy (None if ``config`` is
+    itself non-private or its study has no such run)."""
+    if not config.dp:
+        return None
+    same = [c for c in configs if not c.dp and (c.study, c.method, c.scheme) == (config.study, config.method,
+                                                                                 config.scheme)]
+    return min(same, key=lambda c: c.label) if same else None
 
 
 def baseline_for(config: Config, method: str, configs: list[Config]) -> Config | None:
     """The ``method`` configuration ``config`` is compared with: same partition scheme, preferably the same study,
     else the main study's (a study such as the tau sweep has no baselines of its own)."""
     candidates = [c for c in configs if c.method == method and c.scheme == config.scheme]
-    candidates.sort(key=lambda c: (c.study != config.study, c.study != "main", c.label))
+    candidates.sort(key=lambda c: (bool(c.dp), c.study != config.study, c.study != "main", c.label))
     return candidates[0] if candidates else None
 
 
@@ -162,6 +176,16 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
             found = compare(config, base, eval_dir, cfg)
             if not found:
                 notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
+                             "in common")
+            rows.extend(found)
+        plain = non_private_for(config, configs)
+        if config.dp and plain is None:
+            notes.append(f"{config.study}: {config.label} has no run of {config.method} without privacy on "
+                         f"partition scheme {config.scheme!r} in its study to compare with")
+        elif plain is not None:
+            found = compare(config, plain, eval_dir, cfg)
+            if not found:
+                notes.append(f"{config.study}: {config.label} vs {plain.label}: no evaluated seed and test example "
                              "in common")
             rows.extend(found)
     table = pd.DataFrame(rows, columns=COLUMNS)

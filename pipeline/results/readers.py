@@ -22,7 +22,7 @@ from pipeline.results.scoring import TABLE_ROUGE_L
 # pipeline.results.scoring) and average ROUGE.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
-GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant")
+GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
 GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
 
 
@@ -86,7 +86,7 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
         metrics = read_eval_metrics(path)
         for client, scores in metrics["clients"].items():
             rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
-                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "seed": p.seed,
+                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""), "seed": p.seed,
                          "backbone": metrics.get("backbone") or "unknown", "client": client,
                          **{m: float(scores[m]) for m in METRICS}, "n_examples": int(scores.get("n", 0))})
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]

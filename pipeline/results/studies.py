@@ -19,6 +19,8 @@ STUDIES: dict[str, tuple[str, str]] = {
     "new_client": ("New client: SAMSum joins after the QMSum clients converged (post) vs from the start (pre)",
                    "7.8"),
     "hardkd": ("Noun-verb hard KD vs SelectKD", "7.10 (POS analysis: 7.9)"),
+    "privacy": ("Privacy vs utility: the same methods without and with differential privacy at several epsilon "
+                "(the paper names DP as its next step)", "(none: beyond the paper; README 'Privacy')"),
 }
 
 

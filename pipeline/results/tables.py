@@ -37,7 +37,7 @@ def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[
     expected = set(int(s) for s in expected_seeds)
     planned_seeds: dict[tuple, set[int]] = defaultdict(set)
     for p in planned:
-        planned_seeds[(p.study, labels[p.name], p.method, p.scheme, p.tau, p.variant)].add(p.seed)
+        planned_seeds[tuple(labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS)].add(p.seed)
     keys = [*GROUP_COLS, "backbone", "client"]
     out_rows = []
     if scores.empty:

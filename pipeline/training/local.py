@@ -185,7 +185,7 @@ def train_local(
 
         teacher_cache = TeacherCache(int(teacher_budget * 2**30))
     dp = None
-    if plan.privacy is not None and plan.privacy.enabled:
+    if plan.privacy is not None and plan.privacy.mode == "example":  # (mode client: the server's wrapper)
         from pipeline.training.privacy import DPSGDStep, client_privacy
 
         setting = client_privacy(plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds,

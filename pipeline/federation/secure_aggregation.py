@@ -1,0 +1,371 @@
+"""SecAgg+ (Bell et al., CCS 2020) through Flower 1.41's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the server
+receives the weighted sum of the sampled clients' uploads and no single upload (params ``privacy.secure_aggregation``).
+
+Flower ships SecAgg+ only for its legacy strategy API (``LegacyContext``, ``FitIns``/``FitRes``). The round loop
+(pipeline.federation.server_app) keeps its Message-API strategy for sampling, so the same clients are sampled as
+in the plain run, and hands the sampled train messages to :class:`SecureAggregator`, which runs the workflow's four
+stages (setup: public keys; share keys: encrypted key shares; collect masked vectors: each client trains and
+uploads its masked, quantised adapter; unmask: shares of the survivors' mask seeds and of the dropped clients'
+keys) through the same Grid, with a legacy strategy whose only job is to offer those messages and take the
+unmasked mean. On the client, :func:`secure_aggregation_mod` routes the SecAgg+ messages through Flower's
+``secaggplus_mod``, and :func:`legacy_fit` turns the ``FitIns`` of the masked-vector stage into the Message-API
+train call every other round makes (one training path), and its reply into the ``FitRes`` the mod masks. The
+metrics of that reply (counts, losses) travel in the clear, as in a plain round; the adapter arrays are cleared
+by the mod and only the masked vector leaves.
+
+What the server gets (Flower's quantisation, secaggplus_mod ``_collect_masked_vectors`` and the workflow's
+``unmask_stage``): client i with weight n_i (its ``num-examples``) uploads x_i scaled by q_i / Q, clipped to
+[-c, c] (``clipping_range``), shifted by c and stochastically rounded to an integer in [0, Q] (``quantization_range``
+Q), plus masks that cancel in the sum modulo 2**32; the server unmasks sum_i u_i, dequantises it and divides by
+sum_i q_i / Q. Flower's integer weight is q_i = round(n_i / max_weight * Q); with ``max_weight = Q / s`` and
+``s = Q // (largest client weight)`` (the partition's largest train split, :func:`weight_scale`) it is exactly
+n_i * s, so the weights are the plain run's weights exactly and the only error is the quantisation
+(:func:`aggregation_error_bound`). Dropped clients: the survivors' shares rebuild the dropped clients' pairwise
+masks, as long as every sampled client keeps at least ``reconstruction_threshold`` live neighbours.
+
+With client-level DP (``privacy.mode: client``, client-side clipping; pipeline.federation.client_dp) a reply that
+carries the clipped bit of client_dp_mod (its update was clipped inside ``secaggplus_mod``, before the masking)
+weighs 1, not n_i: the uniform mean the noise is calibrated to (max_weight 1, s = Q). Its clipped bit leaves only
+inside the masked vector, as one more coordinate of value bit x c / 2 (:func:`clipped_bit_value`, inside [-c, c]
+whatever c), so the server learns how many of the summed updates were clipped and not whose; it needs that count
+for the record and for adaptive clipping's C.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.client.mod import secaggplus_mod
+from flwr.common import Code, FitIns, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, RECORD_KEY_STATE, Key, Stage
+from flwr.compat.common import recorddict_compat as compat
+from flwr.server.client_manager import SimpleClientManager
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.compat.legacy_context import LegacyContext
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
+from flwr.supercore.differential_privacy import KEY_NORM_BIT
+
+from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY
+from pipeline.federation.strategies import NUM_EXAMPLES_KEY
+from pipeline.training.privacy import SECAGG_MODULUS, SecAggConfig
+
+ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy Parameters carry none), as JSON
+# reply metric: upload coordinates SecAgg+'s quantiser clipped to +-clipping_range
+SECAGG_CLIPPED_KEY = "secagg-clipped"
+FLOAT32_EPS = 2.0**-24  # unit roundoff of float32
+
+
+# ================================================================================================ the bound
+def weight_scale(cfg: SecAggConfig, max_weight: int) -> int:
+    """s = Q // (largest FedAvg weight): Flower's integer weight of a client is then n_i * s exactly."""
+    if max_weight < 1:
+        raise ValueError("secure aggregation: no client has a training example")
+    if cfg.quantization_range < max_weight:
+        raise ValueError(f"privacy.secagg.quantization_range {cfg.quantization_range} is below the largest client "
+                         f"weight {max_weight}: Flower's integer weights would round; raise it")
+    return cfg.quantization_range // max_weight
+
+
+def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfig, max_abs: float) -> float:
+    """Largest possible |SecAgg+ mean - plain FedAvg mean| of one coordinate, for the k clients in the sum.
+
+    With Q = ``quantization_range``, c = ``clipping_range``, q_i = n_i * s (``scale``) and u = 2**-24, when no
+    coordinate of any upload was clipped (|x_i| q_i / Q <= c; the clients count clipped ones, ``secagg-clipped``):
+
+    - each client's integer u_i differs from (x_i q_i / Q + c) Q / (2c) by less than 1 (stochastic rounding), plus
+      the float32 arithmetic of Flower's quantiser: the scaling by q_i / Q (2uc), the shift by c (3uc) and the
+      product with Q / (2c) (4uc, float32 scalars included), 9uc to first order; one more uc covers the
+      second-order terms and the server's float64 unmasking (about 1e-15): each client's value error is below
+      2c/Q + 10uc;
+    - the server divides the sum of k such errors by sum_i q_i / Q: k (Q / sum_i q_i)(2c/Q + 10uc);
+    - float32: the unmasked mean is cast to float32 (u m, m = the largest |upload|), and the plain FedAvg adds
+      k float32 products, (k + 1) u m to first order; one more u m covers their second-order terms.
+
+    Equal weights n give k Q / sum_i q_i = Q / (s n) = about 1: the error is one quantisation step 2c/Q (3.8e-6
+    with Flower's defaults c = 8, Q = 2**22) plus float32 rounding.
+    """
+    k = len(weights)
+    total_q = scale * sum(int(w) for w in weights)
+    c, q = cfg.clipping_range, cfg.quantization_range
+    return k * (q / total_q) * (2 * c / q + 10 * FLOAT32_EPS * c) + (k + 3) * FLOAT32_EPS * max_abs
+
+
+def clipped_bit_value(clipping_range: float) -> float:
+    """Client-level DP: the value a clipped update's bit takes in the masked vector (an unclipped one: 0)."""
+    return clipping_range / 2
+
+
+def clipped_count(bit_mean: np.ndarray, summed: int, cfg: SecAggConfig) -> int:
+    """How many of the ``summed`` uniformly weighted uploads were clipped, from the unmasked mean of their bit
+    coordinate: mean x summed / (c / 2), off an integer by far less than 1/2 (the quantisation bound of a mean of
+    values in [0, c / 2] times 2 summed / c: about 4 summed / Q)."""
+    count = float(np.asarray(bit_mean, dtype=np.float64).reshape(-1)[0]) * summed / clipped_bit_value(
+        cfg.clipping_range)
+    return min(max(int(round(count)), 0), summed)
+
+
+# ================================================================================================ client side
+def secure_aggregation_mod(msg: Message, context: Context, call_next) -> Message:
+    """Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round; any other train message passes through, so
+    one ClientApp serves plain and secure runs (the plan decides which a client accepts: :func:`legacy_fit`)."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, call_next)
+    return call_next(msg, context)
+
+
+def is_legacy_fit(msg: Message) -> bool:
+    """The masked-vector stage of SecAgg+ hands the train handler Flower's legacy ``FitIns`` layout."""
+    return "fitins.parameters" in msg.content.array_records
+
+
+def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context], Message]) -> Message:
+    """One SecAgg+ training round: the ``FitIns`` becomes the Message-API train message every round gets (``train``
+    is that handler), and its reply the ``FitRes`` that ``secaggplus_mod`` quantises, masks and clears."""
+    if RECORD_KEY_CONFIGS not in msg.content.config_records:
+        raise ValueError("a legacy FitIns outside SecAgg+: this client uploads its adapter only masked or as a "
+                         "Message-API reply")
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    config = dict(fitins.config)
+    keys = json.loads(str(config.pop(ARRAY_KEYS)))
+    received = parameters_to_ndarrays(fitins.parameters)
+    if len(keys) != len(received):
+        raise ValueError(f"FitIns: {len(received)} arrays for {len(keys)} names")
+    original = msg.content
+    msg.content = RecordDict({ARRAYS_KEY: ArrayRecord({k: Array(a) for k, a in zip(keys, received)}),
+                              CONFIG_KEY: ConfigRecord(config)})
+    try:
+        reply = train(msg, context)
+    finally:
+        msg.content = original
+    if reply.has_error():  # e.g. the clipping mod found no clipping norm in the config
+        raise RuntimeError(f"train reply: {reply.error.reason}")
+    upload = [reply.content[ARRAYS_KEY][k].numpy() for k in keys]
+    metrics = dict(reply.content[METRICS_KEY])
+    # The setup stage stored the server's settings in the mod's state.
+    sa = context.state.config_records[RECORD_KEY_STATE]
+    weight = int(metrics[NUM_EXAMPLES_KEY])
+    if CLIPPED_KEY in metrics:
+        # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum
+        # instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
+        weight = 1
+        bit = int(metrics.pop(CLIPPED_KEY))
+        metrics.pop(KEY_NORM_BIT, None)
+        upload.append(np.array([bit * clipped_bit_value(float(sa["clipping_range"]))], dtype=np.float32))
+    # What the quantiser will clip: a clipped coordinate breaks the error bound, so the server is told how many,
+    # never which.
+    ratio = weight / float(sa["max_weight"])
+    metrics[SECAGG_CLIPPED_KEY] = int(sum((np.abs(a) * ratio > float(sa["clipping_range"])).sum() for a in upload))
+    fitres = FitRes(Status(Code.OK, ""), ndarrays_to_parameters(upload), weight, metrics)
+    return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+
+# ================================================================================================ server side
+@dataclass
+class NodeOutcome:
+    """What the server learnt of one sampled client in a SecAgg+ round."""
+
+    metrics: dict | None = None  # the train reply's metrics (in the clear), when it reached the masked-vector stage
+    failed_stage: str | None = None  # the first stage it failed or did not answer in time
+    error: str | None = None
+    bytes_down: int = 0  # every stage: adapter arrays plus the protocol's keys, shares and masked vectors
+    bytes_up: int = 0
+
+
+@dataclass
+class SecureRound:
+    arrays: ArrayRecord | None  # the unmasked weighted mean; None when the protocol halted
+    nodes: dict[int, NodeOutcome] = field(default_factory=dict)
+    in_sum: set[int] = field(default_factory=set)  # the clients whose masked vector is in the sum
+    threshold: int = 0
+    num_shares: int = 0
+    halted: str | None = None
+    clipped_count: int | None = None  # client-level DP: how many updates in the sum were clipped
+
+
+def _wire_bytes(content: RecordDict) -> int:
+    n = sum(rec.count_bytes() for rec in content.array_records.values())
+    for rec in content.config_records.values():
+        for v in rec.values():
+            if isinstance(v, bytes):
+                n += len(v)
+            elif isinstance(v, list):
+                n += sum(len(b) for b in v if isinstance(b, bytes))
+    return n
+
+
+class _ObservedGrid(Grid):
+    """Passes the workflow's messages on, noting per node what each stage sent, received and failed."""
+
+    def __init__(self, grid: Grid):
+        self._grid = grid
+        self.nodes: dict[int, NodeOutcome] = {}
+
+    def set_run(self, run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self):
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        stage = {}
+        for m in messages:
+            node = m.metadata.dst_node_id
+            stage[node] = str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE])
+            self.nodes.setdefault(node, NodeOutcome()).bytes_down += _wire_bytes(m.content)
+        replies = list(self._grid.send_and_receive(messages, timeout=timeout))
+        # A SuperLink answers for an offline node itself (from its own id): match replies to what they answer.
+        by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
+        answered = set()
+        for r in replies:
+            node = by_id[r.metadata.reply_to_message_id]
+            answered.add(node)
+            out = self.nodes[node]
+            if r.has_error():
+                reason = r.error.reason.splitlines()[0] if r.error.reason else f"code {r.error.code}"
+                self._failed(out, stage[node], reason)
+                continue
+            out.bytes_up += _wire_bytes(r.content)
+            if stage[node] == Stage.COLLECT_MASKED_VECTORS:
+                out.metrics = dict(r.content.config_records["fitres.metrics"])
+        for node in set(stage) - answered:
+            self._failed(self.nodes[node], stage[node], f"no reply within {timeout}s")
+        return replies
+
+    @staticmethod
+    def _failed(out: NodeOutcome, stage: str, reason: str) -> None:
+        if out.failed_stage is None:
+            out.failed_stage, out.error = stage, reason
+
+
+class _Offer(Strategy):
+    """The legacy strategy the workflow asks: it offers the round's sampled messages (``configure_fit``) and takes
+    the unmasked mean (``aggregate_fit``: every result carries it); the round loop does the rest."""
+
+    def __init__(self, offers: list[tuple[GridClientProxy, FitIns]]):
+        self.offers = offers
+        self.mean: list[np.ndarray] | None = None
+
+    def initialize_parameters(self, client_manager):
+        return None
+
+    def configure_fit(self, server_round, parameters, client_manager):
+        return self.offers
+
+    def aggregate_fit(self, server_round, results, failures):
+        if not results:
+            return None, {}
+        self.mean = parameters_to_ndarrays(results[0][1].parameters)
+        return results[0][1].parameters, {}
+
+    def configure_evaluate(self, server_round, parameters, client_manager):
+        return []
+
+    def aggregate_evaluate(self, server_round, results, failures):
+        return None, {}
+
+    def evaluate(self, server_round, parameters):
+        return None
+
+
+class _Workflow(SecAggPlusWorkflow):
+    """Flower's workflow, keeping the protocol state of the round (threshold, shares) for the round's record, with
+    one fix: a client lost before its key shares went out (setup or share-keys stage) is forgotten.
+
+    Flower 1.41 keeps such a client among the sampled ones and, at the unmask stage, asks the survivors for shares
+    of its key, which none of them holds (``secaggplus_mod._unmask`` raises KeyError on every survivor) and the
+    round is lost. Forgetting it is exact: a client masks only with the neighbours whose shares it received
+    (``_collect_masked_vectors``: ``available_clients``), so no vector carries a mask of the lost client, and its
+    upload is not in the sum."""
+
+    state = None
+
+    def setup_stage(self, grid, context, state):
+        self.state = state
+        return super().setup_stage(grid, context, state)
+
+    def collect_masked_vectors_stage(self, grid, context, state):
+        state.sampled_node_ids = set(state.active_node_ids)  # those whose shares went out in the share-keys stage
+        return super().collect_masked_vectors_stage(grid, context, state)
+
+
+class SecureAggregator:
+    """Runs the train step of a round through SecAgg+ (``privacy.secagg``); ``max_weight`` = the largest FedAvg
+    weight a client can report (its train split's size; 1 under client-level DP), ``clients`` = how many may be
+    in one sum; ``clipped_bits``: client-level DP, every upload ends with its clipped bit."""
+
+    def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
+        self.cfg = cfg
+        self.clipped_bits = clipped_bits
+        self.scale = weight_scale(cfg, max_weight)
+        if clients * cfg.quantization_range >= SECAGG_MODULUS:
+            raise ValueError(f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
+                             f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}")
+        self.timeout = timeout
+
+    def workflow(self) -> _Workflow:
+        return _Workflow(self.cfg.num_shares, self.cfg.reconstruction_threshold,
+                         max_weight=self.cfg.quantization_range / self.scale, clipping_range=float(self.cfg.clipping_range),
+                         quantization_range=self.cfg.quantization_range, modulus_range=SECAGG_MODULUS,
+                         timeout=self.timeout)
+
+    def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
+        """``messages``: the strategy's sampled train messages, carrying the downlink (ArrayRecord) and the config."""
+        offers = []
+        keys: list[str] = []
+        for m in messages:
+            arrays = m.content[ARRAYS_KEY]
+            keys = list(arrays.keys())
+            config = {**dict(m.content[CONFIG_KEY]), ARRAY_KEYS: json.dumps(keys)}
+            offers.append((GridClientProxy(m.metadata.dst_node_id, grid, grid.run.run_id),
+                           FitIns(compat.arrayrecord_to_parameters(arrays, keep_input=True), config)))
+        strategy = _Offer(offers)
+        observed = _ObservedGrid(grid)
+        context = LegacyContext(Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
+                                        state=RecordDict(), run_config={}),
+                                strategy=strategy, client_manager=SimpleClientManager())
+        context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
+        context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # the offers carry the global
+        workflow = self.workflow()
+        workflow(observed, context)
+
+        in_sum = {n for n, o in observed.nodes.items() if o.metrics is not None}
+        out = SecureRound(arrays=None, nodes=observed.nodes, in_sum=in_sum)
+        if workflow.state is not None:
+            out.threshold, out.num_shares = workflow.state.threshold, workflow.state.num_shares
+        if strategy.mean is None:
+            out.halted = (f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
+                          f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares")
+            return out
+        mean = list(strategy.mean)
+        if len(mean) != len(keys) + self.clipped_bits:
+            raise ValueError(f"SecAgg+ unmasked {len(mean)} arrays for {len(keys)} adapter tensors"
+                             f"{' and the clipped bit' if self.clipped_bits else ''}")
+        if self.clipped_bits:
+            out.clipped_count = clipped_count(mean.pop(), len(in_sum), self.cfg)
+        dtype = messages[0].content[ARRAYS_KEY][keys[0]].numpy().dtype
+        out.arrays = ArrayRecord.from_torch_state_dict(
+            {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, mean)})
+        return out

@@ -1,0 +1,490 @@
+"""Client-level DP across organisations (privacy.mode client: pipeline/federation/client_dp.py, the setting and
+accountant in pipeline/training/privacy.py): the accountant against a published DP-FedAvg case, clipping of every
+client's update (hand-computed, server and client side, and on the real adapters), the noise's standard deviation,
+the adaptive split, the noise-free unclipped control against the non-private run, refusals, plans, and tiny
+federated runs with a target epsilon and with adaptive clipping (resumed)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.common.config import ConfigError, from_dict
+from pipeline.training.privacy import (FederationPrivacy, PrivacyConfig, adaptive_update_multiplier,
+                                       federation_privacy, flower_adaptive_multiplier)
+from tests.faults import killed_after_checkpoint
+from tests.test_federated import MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
+
+
+def _client_cfg(**kw) -> PrivacyConfig:
+    return PrivacyConfig(**{"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, **kw})
+
+
+# ------------------------------------------------------------------------------------------ accountant
+def _rdp_poisson_gaussian(q: float, sigma: float, alpha: int) -> float:
+    """RDP of order alpha (integer) of the Poisson-subsampled Gaussian mechanism, from the binomial expansion of
+    Mironov, Talwar and Zhang (2019, section 3.3): log(sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2-k) / (2 s^2))) /
+    (a-1), summed in log space. Written here from the formula, independently of opacus."""
+    logs = [math.lgamma(alpha + 1) - math.lgamma(k + 1) - math.lgamma(alpha - k + 1)
+            + (alpha - k) * math.log1p(-q) + k * math.log(q) + (k * k - k) / (2 * sigma ** 2)
+            for k in range(alpha + 1)]
+    top = max(logs)
+    return (top + math.log(sum(math.exp(x - top) for x in logs))) / (alpha - 1)
+
+
+def _independent_epsilon(q: float, sigma: float, rounds: int, delta: float) -> float:
+    # RDP -> (eps, delta) with the conversion of Canonne, Kamath and Steinke / Balle et al. (2020) that
+    # TF Privacy's get_privacy_spent uses: eps = rdp + log((a-1)/a) - (log delta + log a) / (a-1)
+    orders = list(range(2, 64)) + [128, 256, 512]
+    return min(rounds * _rdp_poisson_gaussian(q, sigma, a) + math.log((a - 1) / a)
+               - (math.log(delta) + math.log(a)) / (a - 1) for a in orders)
+
+
+# TensorFlow Federated's tutorial "Differential Privacy in TFF" (federated_learning_with_differential_privacy,
+# the DP-FedAvg of McMahan et al. 2018 on federated EMNIST): 3383 clients, 100 rounds, delta 1e-5, noise multiplier
+# scaled with the clients per round (0.5 x m / 50); its binary search prints "To get (2, 1e-05)-DP, use 120
+# clients with noise multiplier 1.2." - 120 is the smallest m whose epsilon is below 2, so 119 is above it.
+TFF_CLIENTS, TFF_ROUNDS, TFF_DELTA, TFF_EPS = 3383, 100, 1e-5, 2.0
+
+
+def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
+    def ours(m: int) -> float:
+        cfg = _client_cfg(noise_multiplier=0.5 * m / 50, delta=TFF_DELTA)
+        setting = federation_privacy(cfg, population=TFF_CLIENTS, sampled=m, rounds=TFF_ROUNDS)
+        assert setting.sample_rate == m / TFF_CLIENTS
+        return setting.epsilon([m] * TFF_ROUNDS)  # every round releases a mean over all m sampled
+
+    for m in (119, 120):  # the published boundary, computed from the formula
+        independent = _independent_epsilon(m / TFF_CLIENTS, 0.5 * m / 50, TFF_ROUNDS, TFF_DELTA)
+        assert (independent < TFF_EPS) == (m == 120)
+        # opacus' RDP accountant (fractional orders too, so at most a little tighter)
+        assert independent - 0.01 <= ours(m) <= independent + 1e-9
+    assert ours(120) <= TFF_EPS < ours(119)
+
+
+def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
+    cfg = _client_cfg(noise_multiplier=None, target_epsilon=TFF_EPS, delta=TFF_DELTA)
+    s = federation_privacy(cfg, population=TFF_CLIENTS, sampled=120, rounds=TFF_ROUNDS)
+    assert TFF_EPS - 0.01 <= s.epsilon([120] * TFF_ROUNDS) <= TFF_EPS
+    assert s.noise_multiplier <= 1.2  # the tutorial's 1.2 reaches the target, so the search needs no more
+    assert s.epsilon([120] * 60) < s.epsilon([120] * TFF_ROUNDS)  # fewer released rounds: less spent
+
+
+def test_a_round_with_fewer_replies_is_accounted_with_their_larger_share():
+    s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
+    # noise std stays z C / 10; the mean over 5 replies has sensitivity C / 5: multiplier 1.0 x 5 / 10
+    assert s.round_multiplier(10) == 1.0 and s.round_multiplier(5) == pytest.approx(0.5)
+    assert s.epsilon([10, 5]) > s.epsilon([10, 10]) and s.epsilon([10, 0]) == s.epsilon([10])
+    assert s.epsilon([]) == 0.0
+    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 5, 1e-5, "rdp").epsilon([10]) == math.inf
+
+
+def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
+    z, sigma_b = 0.4, 1.0
+    z_u = adaptive_update_multiplier(z, sigma_b)
+    assert z_u == pytest.approx((0.4 ** -2 - 1.0) ** -0.5)  # hand: (6.25 - 1)^-1/2 = 0.43644
+    # Flower derives z_u = (z'^-2 - (2 sigma_b)^-2)^-1/2 from what it is given (Andrew et al.'s split)
+    z_flower = flower_adaptive_multiplier(z, sigma_b)
+    assert (z_flower ** -2 - (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(z_u)
+    cfg = _client_cfg(noise_multiplier=z, clipping="adaptive", clipping_norm=None, clipped_count_stddev=sigma_b)
+    s = federation_privacy(cfg, population=30, sampled=10, rounds=3)
+    # the count of clipped updates is a sum of 0/1 bits: sensitivity 1, so the round's multiplier is
+    # (z_u^-2 + sigma_b^-2)^-1/2 = z
+    assert s.round_multiplier(10) == pytest.approx(z) and s.clipping_norm == 0.1
+    with pytest.raises(ValueError, match="clipped_count_stddev > it"):  # default sigma_b = 10 / 20 = 0.5
+        federation_privacy(_client_cfg(noise_multiplier=0.6, clipping="adaptive"), population=30, sampled=10,
+                           rounds=3)
+
+
+# ------------------------------------------------------------------------------------------ the wrappers
+def _global(values) -> "ArrayRecord":
+    from flwr.app import Array, ArrayRecord
+
+    return ArrayRecord({"w": Array(np.asarray(values, dtype=np.float32))})
+
+
+def _reply(values, num_examples: int, extra: dict | None = None):
+    from flwr.app import Message, MetricRecord, RecordDict
+
+    from pipeline.federation.engines import _set_server_identity
+
+    _set_server_identity(1)
+    ins = Message(RecordDict(), dst_node_id=7, message_type="train")
+    ins.metadata.__dict__["_message_id"] = "m"
+    content = RecordDict({"arrays": _global(values),
+                          "metrics": MetricRecord({"num-examples": num_examples, "num-steps": 1, **(extra or {})})})
+    return Message(content, reply_to=ins)
+
+
+def _wrapped(n_nodes: int, global_arrays, **privacy):
+    """FedAvg in the plan's DP wrapper, after configure_train of round 1 over ``n_nodes`` nodes."""
+    from flwr.app import ConfigRecord
+
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.client_dp import wrap_strategy
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.strategies import FedOptConfig, build_strategy
+
+    _set_server_identity(1)
+    cfg = _client_cfg(**privacy)
+    setting = federation_privacy(cfg, population=n_nodes, sampled=n_nodes, rounds=1)
+    strategy = wrap_strategy(build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+                                            client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0), setting)
+    grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n_nodes)])
+    messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(), grid))
+    assert len(messages) == n_nodes
+    return strategy, messages
+
+
+def test_server_side_clipping_bounds_each_update_and_weighs_clients_equally():
+    g = np.array([1.0, 1.0])
+    strategy, _ = _wrapped(2, _global(g), noise_multiplier=0.0, clipping_norm=1.0)
+    # update (3, 4) has norm 5: clipped to (0.6, 0.8); (0.3, 0.4) has norm 0.5 < C: kept. Unequal num-examples:
+    # FedAvg would weigh them 1:3; the mean the noise calibrates weighs each 1/2.
+    big, small = _reply(g + [3.0, 4.0], 1), _reply(g + [0.3, 0.4], 3)
+    arrays, _ = strategy.aggregate_train(1, [big, small])
+    np.testing.assert_allclose(arrays["w"].numpy(), g + ([0.6, 0.8] + np.array([0.3, 0.4])) / 2, rtol=1e-6)
+    assert strategy.strategy.weighted_by_key == "num-examples"  # restored for the evaluate replies
+
+
+def test_client_side_mod_clips_the_reply_and_marks_it(ws):
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    from pipeline.federation.client_dp import client_dp_mod
+
+    path = write_plan("cdp-mod", "fedavg")
+    plan_with = json.loads(Path(path).read_text())
+    plan_with["privacy"] = _client_cfg(clipping_side="client", clipping_norm=1.0).plan_dict()
+    Path(path).write_text(json.dumps(plan_with))
+    g = np.array([1.0, 1.0])
+    context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+
+    def send(update):
+        msg = Message(RecordDict({"arrays": _global(g), "config": ConfigRecord({KEY_CLIPPING_NORM: 1.0,
+                                                                                "plan": path})}),
+                      dst_node_id=1, message_type="train")
+        msg.metadata.__dict__["_message_id"] = "x"
+        return client_dp_mod(msg, context, lambda m, c: _reply(g + update, 5))
+
+    big, small = send(np.array([3.0, 4.0])), send(np.array([0.3, 0.4]))
+    np.testing.assert_allclose(big.content["arrays"]["w"].numpy(), g + [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(small.content["arrays"]["w"].numpy(), g + [0.3, 0.4], rtol=1e-6)
+    assert (big.content["metrics"]["dp-update-clipped"], small.content["metrics"]["dp-update-clipped"]) == (1, 0)
+    # the client-side wrapper averages what the clients clipped, uniformly, and sends C in the train config
+    strategy, messages = _wrapped(2, _global(g), noise_multiplier=0.0, clipping_norm=1.0, clipping_side="client")
+    assert all(m.content["config"][KEY_CLIPPING_NORM] == 1.0 for m in messages)
+    arrays, _ = strategy.aggregate_train(1, [big, small])
+    np.testing.assert_allclose(arrays["w"].numpy(), g + [0.45, 0.6], rtol=1e-6)
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
+    # Four clients whose updates have norms 0.5, 5, 6, 7 every round; target: clip half of them. Andrew et al.'s
+    # rule C <- C exp(lr (clipped fraction - target)) grows C from 0.1 while 3 or 4 of 4 are clipped and stops in
+    # [5, 6), where exactly 2 are (Flower 1.41's own sign would shrink C towards 0).
+    from flwr.app import ConfigRecord
+    from flwr.supercore.differential_privacy import KEY_NORM_BIT
+
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.client_dp import wrap_strategy
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.strategies import FedOptConfig, build_strategy
+
+    _set_server_identity(1)
+    cfg = _client_cfg(noise_multiplier=0.0, clipping="adaptive", clipping_norm=0.1, clipped_count_stddev=0.0,
+                      clip_norm_lr=0.2, target_clipped_quantile=0.5, clipping_side=side)
+    strategy = wrap_strategy(build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+                                            client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0),
+                             federation_privacy(cfg, population=4, sampled=4, rounds=1))
+    grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(4)])
+    g = np.zeros(2)
+    norms = [0.5, 5.0, 6.0, 7.0]
+    seen = []
+    for rnd in range(1, 81):
+        list(strategy.configure_train(rnd, _global(g), ConfigRecord(), grid))
+        c = strategy.clipping_norm
+        seen.append(c)
+        # client side: what adaptiveclipping_mod would have sent back (clipped to C, with its norm bit)
+        replies = [_reply([n, 0.0], 1) if side == "server" else
+                   _reply([min(n, c), 0.0], 1, {KEY_NORM_BIT: int(n > c)}) for n in norms]
+        strategy.aggregate_train(rnd, replies)
+    assert seen[1] == pytest.approx(0.1 * math.exp(0.2 * (1.0 - 0.5)))  # round 1 clipped all four
+    assert 5.0 <= strategy.clipping_norm < 6.0 and all(5.0 <= c < 6.0 for c in seen[-10:])
+
+
+@pytest.mark.parametrize("clipping,sigma,c,expected_std", [
+    # Flower's compute_stdv: the noise on the mean is z C / m (DP-FedAvg: N(0, (z C)^2) on the sum of m clipped
+    # updates, then divided by m): 1.5 x 2 / 4
+    ("fixed", 1.5, 2.0, 0.75),
+    # adaptive: the update part z_u C / m with z_u = (0.4^-2 - 1^-2)^-1/2 (clipped_count_stddev 1): 0.43644 x 2 / 4
+    ("adaptive", 0.4, 2.0, (0.4 ** -2 - 1.0) ** -0.5 * 2.0 / 4)])
+def test_noise_has_the_configured_standard_deviation(clipping, sigma, c, expected_std):
+    from scipy import stats
+
+    g = np.zeros(20000)
+    privacy = dict(noise_multiplier=sigma, clipping_norm=c, clipping=clipping)
+    if clipping == "adaptive":
+        privacy["clipped_count_stddev"] = 1.0
+    draws = []
+    for rnd in (1, 1, 2):
+        strategy, _ = _wrapped(4, _global(g), **privacy)
+        arrays, _ = strategy.aggregate_train(rnd, [_reply(g, 1) for _ in range(4)])  # zero updates: noise only
+        draws.append(arrays["w"].numpy().astype(np.float64))
+    a, again, b = draws
+    n = a.size
+    assert abs(a.std() - expected_std) < 5 * expected_std / math.sqrt(2 * n)  # 5 standard errors of the std
+    assert abs(a.mean()) < 5 * expected_std / math.sqrt(n)
+    assert stats.kstest(a / expected_std, "norm").pvalue > 1e-3
+    np.testing.assert_array_equal(a, again)  # seeded per (experiment seed, round): a resumed run draws the same
+    assert abs(np.corrcoef(a, b)[0, 1]) < 5 / math.sqrt(n)  # and a fresh draw every round
+
+
+# ------------------------------------------------------------------------------------------ params and plans
+def test_privacy_group_validation_for_mode_client():
+    ok = from_dict(PrivacyConfig, {"mode": "client", "target_epsilon": 3, "clipping_norm": 0.5}, "privacy")
+    assert ok.enabled and ok.clipping_side == "server" and ok.clipping == "fixed"
+    assert from_dict(PrivacyConfig, {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive"},
+                     "privacy").clipping_norm is None  # adaptive starts at 0.1 (federation_privacy)
+    bad = [
+        ({"mode": "client", "noise_multiplier": 1.0}, "clipping_norm must be set"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": math.inf}, "needs clipping fixed and noise"),
+        ({"mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping": "adaptive"},
+         "needs clipping fixed"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "both"},
+         "clipping_side must be one of"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping": "quantile"},
+         "clipping must be one of"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": -1.0}, "clipping_norm must be > 0"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "target_clipped_quantile": 1.5},
+         "target_clipped_quantile must be in [0, 1]"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clip_norm_lr": 0.0},
+         "clip_norm_lr must be"),
+        ({"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clipped_count_stddev": -1.0},
+         "clipped_count_stddev must be"),
+        ({"mode": "client", "clipping_norm": 1.0}, "exactly one of noise_multiplier and target_epsilon"),
+    ]
+    for raw, message in bad:
+        with pytest.raises(ConfigError, match="^privacy") as exc:
+            from_dict(PrivacyConfig, raw, "privacy")
+        assert message in str(exc.value) and "\n" not in str(exc.value), (raw, str(exc.value))
+    with pytest.raises(ValueError, match=r"delta 0.5 >= 1/3 \(1 / the number of clients\)"):
+        federation_privacy(_client_cfg(delta=0.5), population=3, sampled=3, rounds=2)
+    assert federation_privacy(_client_cfg(), population=100, sampled=10, rounds=2).delta == 1e-5
+
+
+def _params(privacy: dict | None, **train) -> dict:
+    return {"tau": 5.0, "model": dict(MODEL), "train": {**TRAIN, **train}, **({"privacy": privacy} if privacy else {})}
+
+
+def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_protect():
+    from pipeline.experiments import parse_entry, resolve_plan
+
+    def plan(method: str, privacy: dict | None, **train) -> dict:
+        params = _params(privacy, **train)
+        return resolve_plan(parse_entry("x", {"method": method, "partition": "domain/seed0"}, params), params)
+
+    fixed = {"mode": "client", "target_epsilon": 3.0, "clipping_norm": 0.5, "max_grad_norm": 7.0,
+             "target_clipped_quantile": 0.9}
+    for method in ("fedavg", "fedprox", "fedkd", "fedselectkd", "hardkd", "pre_addition"):
+        p = plan(method, fixed)
+        assert p["privacy"] == {"mode": "client", "noise_multiplier": None, "target_epsilon": 3.0, "delta": None,
+                                "accountant": "rdp", "clipping_side": "server", "clipping": "fixed",
+                                "clipping_norm": 0.5}  # no DP-SGD key, no adaptive key
+        assert {k: v for k, v in p.items() if k != "privacy"} == plan(method, None)
+    adaptive = plan("fedavg", {**fixed, "clipping": "adaptive"})["privacy"]
+    assert (adaptive["target_clipped_quantile"], adaptive["clip_norm_lr"], adaptive["clipped_count_stddev"]) == (
+        0.9, 0.2, None)
+    # the client-mode keys change neither mode none's nor mode example's plans
+    example = {"mode": "example", "noise_multiplier": 1.0}
+    assert plan("fedavg", {**example, "clipping_norm": 9.0, "clipping": "adaptive"}) == plan("fedavg", example)
+    assert plan("fedavg", {"mode": "none", "clipping_norm": 9.0}) == plan("fedavg", None)
+
+    refused = [("single", {}, "trains each client alone"), ("centralized", {}, "pools every client's data"),
+               ("fedopt", {}, "applies an optimiser"), ("fednova", {}, "rescales each update"),
+               ("post_addition", {}, "population grows"),
+               ("fedavg", {"transfer_dtype": "int8"}, "clipping_side client needs train.transfer_dtype fp32")]
+    for method, train, message in refused:
+        with pytest.raises(ConfigError) as exc:
+            plan(method, {**fixed, "clipping_side": "client"}, **train)
+        text = str(exc.value)
+        assert text.startswith("params.yaml experiments.x: privacy.mode client: ") and message in text, text
+        assert "\n" not in text
+    plan("fedavg", fixed, transfer_dtype="int8")  # server-side clipping clips the decoded reply: lossy is fine
+
+
+# ------------------------------------------------------------------------------------------ on the model
+def _write_equal_partition(root: Path) -> None:
+    """The three domain clients with 4 training examples each: FedAvg's size weights are then equal, so its mean
+    is the uniform mean client-level DP takes and the two runs differ only by the DP wrapper."""
+    domain = json.loads((root / "data/partitions/domain/seed0.json").read_text())
+    clients = {c: {**s, "train": s["train"][:4]} for c, s in domain["clients"].items()}
+    out = root / "data/partitions/equal/seed0.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**domain, "scheme": "equal", "clients": clients}))
+
+
+def _with_privacy(path: str, privacy: dict) -> str:
+    plan = json.loads(Path(path).read_text())
+    plan["privacy"] = from_dict(PrivacyConfig, privacy, "privacy").plan_dict()
+    Path(path).write_text(json.dumps(plan, indent=2, sort_keys=True))
+    return path
+
+
+def _final_adapters(name: str) -> dict[str, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    return {d.name: load_file(d / "adapter_final.safetensors") for d in sorted(Path(f"models/{name}/clients").iterdir())}
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+def test_no_noise_and_no_clipping_is_the_non_private_run(ws, side):
+    from pipeline.train import run_experiment
+
+    _write_equal_partition(ws)
+    plain = run_experiment(write_plan(f"cdp-plain-{side}", "fedavg", "equal/seed0"), track=False)
+    control = run_experiment(_with_privacy(write_plan(f"cdp-control-{side}", "fedavg", "equal/seed0"), {
+        "mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping_side": side}), track=False)
+    # the control went through the wrapper: every update aggregated, none clipped, no bound
+    assert control["privacy"]["updates_aggregated"] == 3 * TRAIN["rounds"]
+    assert control["privacy"]["clipped_fraction"] == 0.0 and control["privacy"]["epsilon"] is None
+    history = json.loads(Path(f"models/cdp-control-{side}/rounds.json").read_text())
+    assert all(r["update_norm"] > 0 for r in history)  # what a C is chosen from
+    a, b = _final_adapters(f"cdp-plain-{side}"), _final_adapters(f"cdp-control-{side}")
+    for client in a:
+        for k in a[client]:
+            # equal up to float32 rounding of W + (W_i - W) in the wrapper's clip
+            torch.testing.assert_close(b[client][k], a[client][k], rtol=1e-5, atol=1e-6)
+    for client, c in plain["clients"].items():
+        assert control["clients"][client]["best_val_loss"] == pytest.approx(c["best_val_loss"], rel=1e-5)
+
+
+def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
+
+    from pipeline.experiments import read_plan
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.client_dp import update_norm
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRIC_KEYS
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = _with_privacy(write_plan("cdp-reply", "fedselectkd"), {
+        "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"})
+    _set_server_identity(1)
+    received = ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path)))
+    replies = {}
+    for c in (1e-4, 100.0):  # far below and far above a tiny model's round update
+        context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
+                          run_config={})
+        msg = Message(RecordDict({"arrays": received, "config": ConfigRecord({"server-round": 1, "plan": path,
+                                                                              KEY_CLIPPING_NORM: c})}),
+                      dst_node_id=1000, message_type="train")
+        msg.metadata.__dict__["_message_id"] = f"x{c}"
+        replies[c] = client_app(msg, context).content
+    small, large = replies[1e-4], replies[100.0]
+    norm_small, norm_large = update_norm(small["arrays"], received), update_norm(large["arrays"], received)
+    assert norm_small == pytest.approx(1e-4, rel=1e-3) and small["metrics"][CLIPPED_KEY] == 1
+    assert 1e-4 < norm_large < 100.0 and large["metrics"][CLIPPED_KEY] == 0  # the same training, left as it was
+    # what leaves the client: the adapter's tensors, the counts, and the one 0/1 count of client-level DP
+    assert set(small["arrays"].keys()) == set(received.keys())
+    assert set(small["metrics"].keys()) == set(TRAIN_METRIC_KEYS) | {CLIPPED_KEY}
+    assert not small.config_records
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def test_federated_run_with_target_epsilon_reports_it(ws):
+    import mlflow
+
+    from pipeline.train import run_experiment
+
+    name = "cdp-target"
+    path = _with_privacy(write_plan(name, "fedavg", fraction_train=0.67), {
+        "mode": "client", "target_epsilon": 8.0, "clipping_norm": 0.05})
+    metrics = run_experiment(path)
+    p = metrics["privacy"]
+    # 2 of 3 clients per round (q = 2/3), 2 rounds, both released: close to the target, never above
+    assert 7.9 < p["epsilon"] <= 8.0 and p["epsilon_max"] == p["epsilon"]
+    assert (p["mode"], p["delta"], p["sample_rate"], p["rounds_released"], p["updates_aggregated"]) == (
+        "client", 1e-5, pytest.approx(2 / 3), 2, 4)
+    assert p["clipping_norm"] == 0.05 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
+    assert p["epsilon"] == pytest.approx(federation_privacy(
+        _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2).epsilon([2, 2]))
+    history = json.loads(Path(f"models/{name}/rounds.json").read_text())
+    per_round = {r["round"]: r["epsilon"] for r in history if "update_clipped" in r}
+    # server side: every aggregated update's norm before clipping, clipped exactly when above C
+    assert all(r["update_clipped"] == int(r["update_norm"] > 0.05) for r in history if "update_clipped" in r)
+    assert per_round[1] < per_round[2] == p["epsilon"]
+    assert sum(c.get("privacy", {}).get("updates_aggregated", 0) for c in metrics["clients"].values()) == 4
+    wide = json.loads(Path(f"reports/train/{name}/rounds.json").read_text())
+    assert [w["epsilon"] for w in wide] == [per_round[1], per_round[2]]
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    run = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'").iloc[0]
+    assert run["metrics.epsilon"] <= 8.0 and run["metrics.epsilon_max"] == run["metrics.epsilon"]
+    for key in ("delta", "noise_multiplier", "clipping_norm", "clipped_fraction"):
+        assert run[f"metrics.{key}"] == pytest.approx(p[key])
+    client = mlflow.tracking.MlflowClient()
+    # per round, and the run's closing value at the last round's step (the same)
+    assert {(m.step, round(m.value, 9)) for m in client.get_metric_history(run["run_id"], "epsilon")} == {
+        (1, round(per_round[1], 9)), (2, round(per_round[2], 9))}
+
+
+def test_adaptive_clipping_moves_c_by_the_clipped_fraction_and_a_resumed_run_keeps_it(ws, monkeypatch):
+    from pipeline.train import run_experiment
+
+    # No noise (count noise 0 too): C moves deterministically, C_2 = C_1 exp(lr (clipped fraction - target))
+    privacy = {"mode": "client", "noise_multiplier": 0.0, "clipping": "adaptive", "clipping_norm": 1e-3,
+               "clipped_count_stddev": 0.0, "target_clipped_quantile": 0.5, "clip_norm_lr": 0.2,
+               "clipping_side": "client"}
+    path = _with_privacy(write_plan("cdp-adaptive", "fedavg"), privacy)
+    with killed_after_checkpoint(monkeypatch, rnd=1):
+        run_experiment(path, track=False)
+    run_experiment(path, track=False)
+    history = json.loads(Path("models/cdp-adaptive/rounds.json").read_text())
+    r1 = [r for r in history if r["round"] == 1]
+    r2 = [r for r in history if r["round"] == 2]
+    fraction = sum(r["update_clipped"] for r in r1) / len(r1)
+    assert fraction == 1.0  # C = 0.001 clips every round-1 update of the tiny model
+    assert {r["clipping_norm"] for r in r1} == {1e-3}
+    # every update clipped, more than the target half: C grows (restored from the round-1 checkpoint)
+    assert len(r2) == 3 and all(r["clipping_norm"] == pytest.approx(1e-3 * math.exp(0.2 * (fraction - 0.5)))
+                                for r in r2)
+
+
+def test_a_reply_not_clipped_within_c_is_left_out(ws):
+    # Client-side clipping: the server checks every reply's update against C (it sees them, without secure
+    # aggregation); a ClientApp without Flower's mod that claims "not clipped" sends its update as it is and is
+    # not aggregated.
+    from flwr.clientapp import ClientApp
+
+    from pipeline.experiments import read_plan
+    from pipeline.federation import client_app as apps
+    from pipeline.federation.engines import run_inprocess
+    from pipeline.federation.protocol import CLIPPED_KEY
+    from pipeline.training.summary import summarize
+
+    unclipped = ClientApp()
+
+    @unclipped.train()
+    def train(msg, context):
+        reply = apps.client_train(msg, context)
+        reply.content["metrics"][CLIPPED_KEY] = 0
+        return reply
+
+    unclipped.evaluate()(apps.client_evaluate)
+    unclipped.query("identify")(apps.client_identify)
+    path = _with_privacy(write_plan("cdp-nomod", "fedavg"), {
+        "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"})
+    history = run_inprocess(path, client_app_=unclipped)["history"]
+    assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
+    assert not any("update_clipped" in r for r in history)
+    privacy = summarize(read_plan(path), history, [])["privacy"]
+    assert (privacy["rounds_released"], privacy["epsilon"]) == (0, 0.0)

@@ -1,0 +1,583 @@
+"""SecAgg+ (privacy.secure_aggregation, pipeline/federation/secure_aggregation.py): the unmasked aggregate against the
+plain weighted mean of the same uploads within the quantisation bound, what a client's masked reply holds, dropped
+clients and the reconstruction threshold, the refusals, the `privacy.secagg` group and the plans.
+
+The bound (pipeline.federation.secure_aggregation.aggregation_error_bound, derived from Flower's quantiser): with
+clipping range c, quantisation range Q, k clients in the sum, Flower's integer weights q_i = n_i * (Q // max n) and
+m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 10uc) + (k + 3) u m, u = 2**-24.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
+from pipeline.common.config import ConfigError, from_dict
+from pipeline.training.privacy import PrivacyConfig, SecAggConfig
+from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
+from tests.test_privacy import _params, _write_plan
+
+N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5}  # the domain partition of tests/test_federated.py
+SECURE = {"secure_aggregation": True}
+
+
+# ------------------------------------------------------------------------------------------ the bound
+def test_bound_is_the_documented_formula_for_a_hand_computed_case():
+    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+
+    cfg = SecAggConfig(clipping_range=8.0, quantization_range=2**22)
+    assert weight_scale(cfg, 10) == 419430  # 4194304 // 10
+    # k = 3, weights 3 + 7 + 10 = 20, sum q = 419430 * 20 = 8388600, m = 8:
+    # 3 * (4194304 / 8388600) * (16 / 4194304 + 10 * 8 / 2**24) + 6 * 8 / 2**24
+    expected = 3 * 0.5000004768 * (3.814697265625e-06 + 4.76837158203125e-06) + 2.86102294921875e-06
+    assert aggregation_error_bound([3, 7, 10], 419430, cfg, 8.0) == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ValueError, match="below the largest client weight 5000"):
+        weight_scale(SecAggConfig(quantization_range=4096), 5000)
+
+
+@pytest.mark.parametrize("clipping_range,quantization_range", [(8.0, 2**22), (1.0, 2**12)])
+def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_range, quantization_range):
+    from flwr.common import bytes_to_ndarray
+
+    from benchmarks.secure_aggregation import plain_fedavg, secure_round
+    from pipeline.federation.secure_aggregation import aggregation_error_bound
+
+    np.random.seed(0)  # Flower's stochastic rounding draws from numpy's global generator
+    rng = np.random.default_rng(1)
+    c = clipping_range
+    weights = {"a": 3, "b": 7, "c": 10}
+    # uniform over the whole clipping range (no coordinate clipped: |x| n / max n <= c), a LayerNorm-like block
+    uploads = {n: {"w": (rng.uniform(-c, c, size=(40, 25)) * 0.999).astype(np.float32),
+                   "ln": (1.0 + 0.1 * rng.standard_normal(30)).clip(-c, c).astype(np.float32)} for n in weights}
+    cfg = SecAggConfig(clipping_range=c, quantization_range=quantization_range)
+    secure, result, replies = secure_round(uploads, weights, cfg)
+
+    assert result.halted is None and result.in_sum == set(result.nodes) and len(result.nodes) == 3
+    got = {k: a.numpy() for k, a in result.arrays.items()}
+    states, w = [uploads[n] for n in weights], list(weights.values())
+    bound = aggregation_error_bound(w, secure.scale, cfg, max_abs(states))
+    exact = weighted_mean(states, w)
+    plain = plain_fedavg(uploads, weights)
+    assert max_diff(got, plain) <= bound
+    assert max_diff(got, exact) <= bound
+    # the quantisation really happened (a plain mean would sit at float32 rounding, far below one step)
+    assert max_diff(got, exact) > 0.1 * 2 * c / quantization_range
+
+    # the server saw no upload: each masked vector is the upload plus masks, nowhere near the upload itself
+    collect = [r for r in replies if "fitres.metrics" in r.content.config_records]
+    assert len(collect) == 3
+    for r in collect:
+        assert all(len(rec) == 0 for rec in r.content.array_records.values())  # the mod cleared the arrays
+        masked = [bytes_to_ndarray(b) for b in r.content.config_records["secaggplus_configs"]["masked_params"]]
+        assert len(masked) == 1 + len(uploads["a"])  # the masked integer weight, then one vector per tensor
+        # a quantised upload lies in [0, Q]; masked, its entries spread over [0, 2**32)
+        assert float(np.mean(masked[1] > quantization_range)) > 0.9
+
+
+# ------------------------------------------------------------------------------------------ on the model
+def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarray], int, bool, dict[str, np.ndarray]]]:
+    """(round, client) -> (the adapter the client's train round produced (before any client-level DP clipping),
+    its weight, masked?, the global adapter it received)."""
+    from pipeline.federation import client_app
+
+    seen = {}
+    real = client_app.train_round
+
+    def spy(msg, context, masked):
+        reply = real(msg, context, masked)
+        rnd = int(msg.content["config"]["server-round"])
+        name = client_app.client_name(client_app.load_plan(client_app.plan_path_of(msg, context)), context)
+        seen[(rnd, name)] = ({k: a.numpy().copy() for k, a in reply.content["arrays"].items()},
+                             int(reply.content["metrics"]["num-examples"]), masked,
+                             {k: a.numpy().copy() for k, a in msg.content["arrays"].items()})
+        return reply
+
+    monkeypatch.setattr(client_app, "train_round", spy)
+    return seen
+
+
+def _spy_globals(monkeypatch) -> dict[int, dict[str, np.ndarray]]:
+    """round -> the global adapter the server checkpointed after it."""
+    from pipeline.federation import server_app
+
+    seen = {}
+    real = server_app.save_server_checkpoint
+
+    def spy(plan, rnd, arrays, *args, **kwargs):
+        seen[rnd] = {k: a.numpy().copy() for k, a in arrays.items()}
+        return real(plan, rnd, arrays, *args, **kwargs)
+
+    monkeypatch.setattr(server_app, "save_server_checkpoint", spy)
+    return seen
+
+
+def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[float]:
+    """Every round's unmasked global against the exact FedAvg of the uploads of the clients ``in_sum(rnd)``."""
+    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+
+    cfg = SecAggConfig()
+    scale = weight_scale(cfg, max(N_TRAIN.values()))
+    diffs = []
+    for rnd in rounds:
+        states = [uploads[(rnd, c)][0] for c in in_sum(rnd)]
+        weights = [uploads[(rnd, c)][1] for c in in_sum(rnd)]
+        assert all(uploads[(rnd, c)][2] for c in in_sum(rnd))  # every upload went through SecAgg+
+        diff = max_diff(globals_[rnd], weighted_mean(states, weights))
+        assert diff <= aggregation_error_bound(weights, scale, cfg, max_abs(states)), rnd
+        diffs.append(diff)
+    return diffs
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("method", ["fedavg", "fedselectkd"])
+def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_plain_run(ws, monkeypatch, method):
+    import mlflow
+
+    from pipeline.federation import engines
+    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.train import run_experiment
+
+    uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
+    replies = []
+    real_pull = engines.InProcessGrid.pull_messages
+    monkeypatch.setattr(engines.InProcessGrid, "pull_messages",
+                        lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r)
+    name = f"sa-{method}"
+    metrics = run_experiment(_write_plan(name, method, SECURE))
+    _check_rounds_against_uploads(uploads, globals_, (1, 2), lambda rnd: list(N_TRAIN))
+
+    # what left the clients: no adapter array, the train metrics and the count of clipped coordinates
+    collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
+    assert len(collect) == 2 * len(N_TRAIN)
+    for r in collect:
+        assert all(len(rec) == 0 for rec in r.content.array_records.values())
+        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRIC_KEYS) | {"secagg-clipped"}
+        assert all(isinstance(v, (int, float)) for v in r.content.config_records["fitres.metrics"].values())
+        assert dict(r.content.config_records["fitres.status"]) == {"code": 0, "message": ""}
+    history = json.loads(Path(f"models/{name}/rounds.json").read_text())
+    assert all(r["sampled"] == 1 and r["failed"] == 0 and r["secagg_clipped"] == 0 for r in history)
+    assert metrics["secure_aggregation"] == {
+        "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", "num_shares": 1.0, "reconstruction_threshold": 0.67,
+        "clipping_range": 8.0, "quantization_range": 2**22, "rounds_aggregated": 2, "dropped": {},
+        "clipped_coordinates": 0}
+    assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text())["secure_aggregation"]["dropped"] == {}
+    mlflow.set_tracking_uri(__import__("os").environ["MLFLOW_TRACKING_URI"])
+    run = mlflow.search_runs(experiment_names=["tests-privacy"], filter_string=f"tags.experiment = '{name}'").iloc[0]
+    assert run["params.privacy.secure_aggregation"] == "True" and run["params.privacy.secagg.clipping_range"] == "8.0"
+    assert run["metrics.secagg.clipped_coordinates"] == 0 and run["metrics.secagg.rounds_aggregated"] == 2
+
+    # The plain run: round 1 trains on the same inputs, so the uploads are identical bit for bit and the two
+    # round-1 aggregates differ only by SecAgg+'s quantisation.
+    secure_uploads, secure_round1 = dict(uploads), globals_[1]
+    uploads.clear()
+    plain = run_experiment(_write_plan(f"plain-{method}", method, None), track=False)
+    for c in N_TRAIN:
+        assert not uploads[(1, c)][2]
+        for k, v in uploads[(1, c)][0].items():
+            np.testing.assert_array_equal(v, secure_uploads[(1, c)][0][k])
+    states = [uploads[(1, c)][0] for c in N_TRAIN]
+    bound = aggregation_error_bound(list(N_TRAIN.values()), weight_scale(SecAggConfig(), 6), SecAggConfig(),
+                                    max_abs(states))
+    assert max_diff(secure_round1, globals_[1]) <= bound
+    assert "secure_aggregation" not in plain
+    # masked int64 vectors, keys and shares: more bytes up than the fp32 adapter
+    plain_rows = json.loads(Path(f"models/plain-{method}/rounds.json").read_text())
+    assert sum(r["bytes_up"] for r in history) > sum(r["bytes_up"] for r in plain_rows)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("method,partition", [("fedprox", "domain/seed0"), ("post_addition", "extreme/seed0")])
+def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatch, method, partition):
+    # fedprox: the proximal term is the client's; post_addition: SAMSum joins in round 2 (train.join.max_round),
+    # so round 2's sum has one more client
+    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.train import run_experiment
+
+    uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
+    params = _params(SECURE)
+    entry = parse_entry(f"sa-{method}", {"method": method, "partition": partition, "study": "tests-privacy"},
+                        params)
+    path = Path(f"models/plans/sa-{method}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(resolve_plan(entry, params)))
+    metrics = run_experiment(str(path), track=False)
+    in_round = {rnd: sorted(c for r, c in uploads if r == rnd) for rnd in (1, 2)}
+    if method == "post_addition":
+        assert in_round == {1: sorted(N_TRAIN), 2: sorted([*N_TRAIN, "SAMSum"])}
+    _check_rounds_against_uploads(uploads, globals_, (1, 2), in_round.get)
+    assert metrics["secure_aggregation"]["rounds_aggregated"] == 2 and metrics["secure_aggregation"]["dropped"] == {}
+
+
+def test_fewer_than_two_clients_per_round_is_refused(ws):
+    from pipeline.train import run_experiment
+
+    with pytest.raises(ValueError, match=r"needs at least 2 clients in every round's sum; 3 clients x "
+                                         r"train.fraction_train 0.34 samples 1$"):
+        run_experiment(_write_plan("sa-one", "fedavg", SECURE, fraction_train=0.34), track=False)
+
+
+def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> None:
+    """``client`` dies in round ``rnd``: at the setup or share-keys stage (before its key shares went out: Flower
+    1.41 alone loses the round, pipeline.federation.secure_aggregation._Workflow forgets the client), while training
+    (after the key exchange: its pairwise masks are in the others' vectors) or at the unmask stage (after its
+    masked vector is in the sum)."""
+    import importlib
+
+    from pipeline.training import local as local_training
+
+    mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")  # the package exports the
+    # function under the module's name
+
+    if stage == "training":
+        real = local_training.train_local
+
+        def train_local(model, plan, examples, *, client: str, rnd: int, **kw):
+            if (client, rnd) == (target, at):
+                raise RuntimeError("simulated crash while training")
+            return real(model, plan, examples, client=client, rnd=rnd, **kw)
+
+        target, at = client, rnd
+        monkeypatch.setattr(local_training, "train_local", train_local)
+    else:  # one of the mod's protocol stages: setup, share_keys, unmask
+        name = "_" + stage
+        real_stage = getattr(mod, name)
+        node = 1000 + list(N_TRAIN).index(client)  # the in-process Grid's node ids, in partition order
+        calls = {"n": 0}
+
+        def crash(state, configs, *args):
+            if state.nid == node:
+                calls["n"] += 1
+                if calls["n"] == rnd:
+                    raise RuntimeError(f"simulated crash at {stage}")
+            return real_stage(state, configs, *args)
+
+        monkeypatch.setattr(mod, name, crash)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", ["setup", "share_keys", "training", "unmask"])
+def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, stage):
+    from pipeline.train import run_experiment
+
+    uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
+    _drop(monkeypatch, stage)
+    name = f"sa-drop-{stage}"
+    metrics = run_experiment(_write_plan(name, "fedavg", SECURE), track=False)
+    survivors = list(N_TRAIN) if stage == "unmask" else ["Academic", "Product"]
+    # round 1: the sum of the clients whose masked vector arrived, unmasked with the others' shares (2 of 3)
+    _check_rounds_against_uploads(uploads, globals_, (1, 2), lambda rnd: survivors if rnd == 1 else list(N_TRAIN))
+    rows = {(r["round"], r["client"]): r for r in json.loads(Path(f"models/{name}/rounds.json").read_text())}
+    dropped = rows[(1, "Committee")]
+    if stage != "unmask":
+        protocol_stage = "collect_masked_vectors" if stage == "training" else stage
+        assert dropped["failed"] == 1 and "weight_share" not in dropped
+        assert dropped["error"].startswith(f"SecAgg+ {protocol_stage}: RuntimeError: simulated crash")
+        assert rows[(1, "Academic")]["weight_share"] == pytest.approx(4 / 9)
+        assert metrics["secure_aggregation"]["dropped"] == {"Committee": 1}
+    else:  # in the sum: only its own shares are missing, and the others' rebuild its mask
+        assert dropped["failed"] == 0 and dropped["secagg_error"].startswith("SecAgg+ unmask: RuntimeError")
+        assert metrics["secure_aggregation"]["dropped"] == {}
+    assert rows[(2, "Committee")]["failed"] == 0  # back in the next round
+    assert metrics["secure_aggregation"]["rounds_aggregated"] == 2
+
+
+@pytest.mark.timeout(180)
+def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monkeypatch):
+    from pipeline.train import run_experiment
+    from pipeline.experiments import read_plan
+    from pipeline.training.shared_model import initial_adapter_state
+
+    globals_ = _spy_globals(monkeypatch)
+    _drop(monkeypatch, "training")
+    name = "sa-threshold"
+    path = _write_plan(name, "fedavg", {**SECURE, "secagg": {"reconstruction_threshold": 3}})  # 3 of 3 shares
+    metrics = run_experiment(path, track=False)
+    initial = initial_adapter_state(read_plan(path))
+    assert max_diff(globals_[1], {k: v.numpy() for k, v in initial.items()}) == 0.0  # nothing unmasked
+    assert max_diff(globals_[2], globals_[1]) > 0  # round 2, all three back, is aggregated
+    rows = {(r["round"], r["client"]): r for r in json.loads(Path(f"models/{name}/rounds.json").read_text())}
+    assert all(rows[(1, c)]["failed"] == 1 for c in N_TRAIN)
+    assert rows[(1, "Academic")]["error"] == ("SecAgg+ could not unmask the sum: 2 of 3 sampled clients uploaded, "
+                                              "reconstruction threshold 3 of 3 shares")
+    assert rows[(1, "Committee")]["error"].startswith("SecAgg+ collect_masked_vectors")
+    assert metrics["secure_aggregation"]["dropped"] == {c: 1 for c in N_TRAIN}
+    assert metrics["secure_aggregation"]["rounds_aggregated"] == 1
+
+
+def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch):
+    # The restarted clients hold no SecAgg+ state (their contexts died with the run): round 2's protocol starts
+    # afresh, and the stochastic rounding draws from the generator each client's training seeded.
+    from pipeline.train import run_experiment
+    from tests.faults import killed_after_checkpoint
+    from tests.test_federated import _final_adapters
+
+    run_experiment(_write_plan("sa-whole", "fedavg", SECURE), track=False)
+    path = _write_plan("sa-resumed", "fedavg", SECURE)
+    with killed_after_checkpoint(monkeypatch, rnd=1):
+        run_experiment(path, track=False)
+    run_experiment(path, track=False)
+    a, b = _final_adapters("sa-resumed"), _final_adapters("sa-whole")
+    assert a.keys() == b.keys() == set(N_TRAIN)
+    for client in a:
+        for k in a[client]:
+            np.testing.assert_array_equal(a[client][k].numpy(), b[client][k].numpy())
+
+
+# ------------------------------------------------------------------------------------------ refusals
+@pytest.mark.parametrize("method,why", [
+    ("fedopt", "server (fedopt) does more than average"), ("fednova", "server (fednova) does more than average"),
+    ("single", "trains without a server"), ("centralized", "trains without a server")])
+def test_refused_for_servers_that_do_more_than_average_and_for_local_methods(method, why):
+    from pipeline.experiments import parse_entry, resolve_plan
+
+    params = _params(SECURE)
+    with pytest.raises(ConfigError) as exc:
+        resolve_plan(parse_entry("x", {"method": method, "partition": "domain/seed0"}, params), params)
+    message = str(exc.value)
+    assert "\n" not in message and message.startswith("params.yaml experiments.x: privacy.secure_aggregation: ")
+    assert why in message
+
+
+def test_accepted_for_servers_that_only_average_and_refused_with_a_lossy_transfer():
+    from pipeline.experiments import parse_entry, resolve_plan
+
+    params = _params(SECURE)
+    for method in ("fedavg", "fedkd", "fedselectkd", "fedprox", "hardkd", "post_addition", "pre_addition"):
+        entry = parse_entry("x", {"method": method, "partition": "domain/seed0"}, params)
+        assert resolve_plan(entry, params)["privacy"]["secure_aggregation"] is True
+    params = _params(SECURE, transfer_dtype="int8")
+    with pytest.raises(ConfigError, match=r"^params.yaml experiments.x: privacy.secure_aggregation: "
+                                          r"train.transfer_dtype is int8: .* must be fp32$"):
+        resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
+
+
+def test_a_hand_written_plan_is_refused_by_the_server_and_plain_messages_by_the_client(ws):
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from pipeline.experiments import read_plan
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.train import run_experiment
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = Path(_write_plan("sa-hand", "fedavg", SECURE))
+    plan = json.loads(path.read_text())
+    path.write_text(json.dumps(plan | {"method": "fednova"}))
+    with pytest.raises(ValueError, match="privacy.secure_aggregation: method 'fednova'"):
+        run_experiment(str(path), track=False)
+
+    path.write_text(json.dumps(plan))
+    _set_server_identity(1)
+    msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path))),
+                              "config": ConfigRecord({"server-round": 1, "plan": str(path)})}),
+                  dst_node_id=1000, message_type="train")
+    msg.metadata.__dict__["_message_id"] = "plain"
+    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
+                      run_config={})
+    with pytest.raises(ValueError, match="uploads its adapter only through SecAgg\\+"):
+        client_app(msg, context)
+
+
+# ------------------------------------------------------------------------------------------ params and plans
+def test_secagg_group_validation():
+    cfg = from_dict(PrivacyConfig, {"secure_aggregation": True, "secagg": {"num_shares": 5,
+                                                                          "reconstruction_threshold": 3}}, "privacy")
+    assert cfg.secure_aggregation and not cfg.enabled and cfg.secagg.num_shares == 5
+    bad = [
+        ({"num_shares": 2}, "privacy.secagg: num_shares as a count must be > 2"),
+        ({"num_shares": 1.5}, "privacy.secagg: num_shares as a fraction"),
+        ({"reconstruction_threshold": 1.2}, "privacy.secagg: reconstruction_threshold as a fraction"),
+        ({"num_shares": 4, "reconstruction_threshold": 4}, "must be >= 2 and < num_shares"),
+        ({"clipping_range": 0.0}, "privacy.secagg: clipping_range must be"),
+        ({"quantization_range": 2**32}, "privacy.secagg: quantization_range must be in (1, 2**32)"),
+        ({"num_shares": True}, "privacy.secagg.num_shares: expected int or float"),
+        ({"quantisation_range": 4096}, "privacy.secagg: unknown key(s) ['quantisation_range']"),
+    ]
+    for secagg, message in bad:
+        with pytest.raises(ConfigError) as exc:
+            from_dict(PrivacyConfig, {"secure_aggregation": True, "secagg": secagg}, "privacy")
+        assert message in str(exc.value) and "\n" not in str(exc.value), (secagg, str(exc.value))
+    with pytest.raises(ConfigError, match="privacy.secure_aggregation: expected true or false"):
+        from_dict(PrivacyConfig, {"secure_aggregation": "yes"}, "privacy")
+
+
+def test_secure_aggregation_enters_plans_only_when_on(ws):
+    from pipeline.experiments import parse_entry, plan_hash, read_plan, record_hash, resolve_plan
+
+    entry = parse_entry("x", {"method": "fedselectkd", "partition": "domain/seed0", "tau": 5.0}, _params(None))
+    other_settings = {"clipping_range": 2.0, "num_shares": 4, "reconstruction_threshold": 3}
+    plain = resolve_plan(entry, _params(None))
+    assert resolve_plan(entry, _params({"secure_aggregation": False, "secagg": other_settings})) == plain
+    example = {"mode": "example", "target_epsilon": 3.0}
+    dp = resolve_plan(entry, _params(example))
+    assert resolve_plan(entry, _params(example | {"secagg": other_settings})) == dp  # off: DP plans unchanged
+    on = resolve_plan(entry, _params(SECURE))
+    assert on == plain | {"privacy": {"mode": "none", "secure_aggregation": True, "secagg": {
+        "num_shares": 1.0, "reconstruction_threshold": 0.67, "clipping_range": 8.0, "quantization_range": 2**22}}}
+    both = resolve_plan(entry, _params(example | SECURE))
+    assert both["privacy"] == dp["privacy"] | on["privacy"] | {"mode": "example"}
+    # what a run hashes (Plan.to_json_dict) is what the plan file holds, with and without secure aggregation
+    for name, resolved in (("h-dp", dp), ("h-on", on), ("h-both", both)):
+        p = Path(f"models/plans/{name}.json")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps(resolved))
+        assert read_plan(p).to_json_dict()["privacy"] == resolved["privacy"]
+    assert plan_hash(read_plan("models/plans/h-on.json")) != plan_hash(read_plan("models/plans/h-dp.json"))
+    assert record_hash(read_plan("models/plans/h-dp.json").to_json_dict()) == plan_hash(read_plan(
+        "models/plans/h-dp.json"))
+
+
+def test_params_yaml_secagg_group_is_off_and_valid():
+    import yaml
+
+    params = yaml.safe_load((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
+    cfg = from_dict(PrivacyConfig, params["privacy"], "params.yaml privacy")
+    assert cfg.secure_aggregation is False and cfg.secagg == SecAggConfig()
+
+
+# ------------------------------------------------------------------------------------------ with client-level DP
+def _client_dp(**kw) -> dict:
+    """privacy.mode client, client-side fixed clipping, by default at C = 1e-3 (far below the tiny model's round
+    updates, whose norms are 0.1-0.3: every contribution to the mean is then exactly C long)."""
+    return {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e-3, "clipping_side": "client", **kw}
+
+
+def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = None
+                  ) -> tuple[dict[str, np.ndarray], list[float]]:
+    """The mean (uniform, or with ``weights``) of the clients' received global plus their update scaled to L2
+    norm <= c (float64), and each update's norm before clipping: the expected aggregate, computed independently of
+    Flower's clipping mod from what :func:`_spy_uploads` saw."""
+    contributions, norms, w = [], [], []
+    for (r, client), (trained, _weight, _masked, received) in sorted(seen.items()):
+        if r != rnd:
+            continue
+        update = {k: trained[k].astype(np.float64) - received[k].astype(np.float64) for k in received}
+        norm = math.sqrt(sum(float((u ** 2).sum()) for u in update.values()))
+        scale = min(1.0, c / norm)
+        clipped = {k: u * scale for k, u in update.items()}
+        assert math.sqrt(sum(float((u ** 2).sum()) for u in clipped.values())) <= c * (1 + 1e-9)
+        contributions.append({k: received[k].astype(np.float64) + clipped[k] for k in received})
+        norms.append(norm)
+        w.append(1 if weights is None else weights[client])
+    return {k: sum(wi * s[k] for wi, s in zip(w, contributions)) / sum(w) for k in contributions[0]}, norms
+
+
+@pytest.mark.timeout(240)
+def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
+    from pipeline.federation import engines
+    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.federation.secure_aggregation import aggregation_error_bound
+    from pipeline.train import run_experiment
+
+    seen, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
+    replies = []
+    real_pull = engines.InProcessGrid.pull_messages
+    monkeypatch.setattr(engines.InProcessGrid, "pull_messages",
+                        lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r)
+    c = 0.18  # between the tiny model's round-1 update norms (0.13, 0.23, 0.24): one left as it is, two clipped
+    secure = run_experiment(_write_plan("sa-cdp", "fedavg", {**SECURE, **_client_dp(clipping_norm=c)}),
+                            track=False)
+    secure_seen, secure_r1 = dict(seen), globals_[1]
+    expected, norms = _clipped_mean(secure_seen, 1, c)
+    assert min(norms) < c < max(norms)  # the clipping matters, and not for every client
+
+    # uniform weights (q_i = Q for each of the 3 clients) and the bound of a mean of the clipped uploads
+    cfg = SecAggConfig()
+    m = max(float(np.abs(v).max()) for *_, received in secure_seen.values() for v in received.values()) + c
+    bound = aggregation_error_bound([1, 1, 1], cfg.quantization_range, cfg, m)
+    slack = 4 * 2.0**-24 * m  # float32 of the client's W + clip(W_i - W) against the float64 expectation
+    assert max_diff(secure_r1, expected) <= bound + slack
+    # (the clients' FedAvg weights 4, 6, 5 would give a mean far outside the bound: the mean is the uniform one)
+    assert max_diff(_clipped_mean(secure_seen, 1, c, N_TRAIN)[0], expected) > 10 * bound
+
+    # the same plan without SecAgg+: its round-1 uploads are the same, its aggregate is the same clipped mean
+    seen.clear()
+    plain = run_experiment(_write_plan("cdp-clear", "fedavg", _client_dp(clipping_norm=c)), track=False)
+    for key, (trained, *_) in seen.items():
+        if key[0] == 1:
+            assert max_diff(trained, secure_seen[key][0]) == 0.0
+    assert max_diff(globals_[1], expected) <= slack
+    assert max_diff(secure_r1, globals_[1]) <= bound + 2 * slack
+
+    # what the server recorded: the same accounting and clipped fraction, no norm, and no clipped bit in the clear
+    for key in ("rounds_released", "updates_aggregated", "clipped_fraction", "epsilon", "noise_multiplier",
+                "clipping_norm", "sample_rate", "delta"):
+        assert secure["privacy"][key] == plain["privacy"][key], key
+    assert secure["privacy"]["clipping_side"] == "client"
+    assert secure["clients"]["Academic"]["privacy"] == {"updates_aggregated": 2}  # its own share is not known
+    rows = [r for r in json.loads(Path("models/sa-cdp/rounds.json").read_text()) if r["round"] == 1]
+    clipped_share = sum(n > c for n in norms) / len(norms)  # 2 of 3, from the bits summed under the masks
+    assert all(r["update_clipped"] == pytest.approx(clipped_share) and r["update_norm"] is None
+               and r["weight_share"] == pytest.approx(1 / 3) for r in rows)
+    collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
+    assert len(collect) == 2 * len(N_TRAIN)
+    for r in collect:
+        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRIC_KEYS) | {"secagg-clipped"}
+        masked = r.content.config_records["secaggplus_configs"]["masked_params"]
+        assert len(masked) == 1 + len(secure_r1) + 1  # the weight, the adapter's tensors, the clipped bit
+
+
+@pytest.mark.timeout(240)
+def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monkeypatch):
+    from scipy import stats
+
+    from pipeline.train import run_experiment
+
+    globals_ = _spy_globals(monkeypatch)
+    z, c, m = 2.0, 1e-3, len(N_TRAIN)
+    std = z * c / m  # Flower's compute_stdv for the client-side wrapper: z C / (clients sampled per round)
+    run_experiment(_write_plan("sa-cdp-quiet", "fedavg", {**SECURE, **_client_dp()}), track=False)
+    quiet = globals_[1]
+    noisy = run_experiment(_write_plan("sa-cdp-noisy", "fedavg", {**SECURE, **_client_dp(noise_multiplier=z)}),
+                           track=False)
+    noise = np.concatenate([(globals_[1][k] - quiet[k]).astype(np.float64).ravel() for k in quiet])
+    n = noise.size
+    assert n > 1000
+    assert abs(noise.std() - std) < 5 * std / math.sqrt(2 * n)  # 5 standard errors of the std
+    assert abs(noise.mean()) < 5 * std / math.sqrt(n)
+    assert stats.kstest(noise / std, "norm").pvalue > 1e-3
+    # seeded as in the clear: the run without SecAgg+ draws the same noise (within the quantisation bound)
+    secure_noisy = globals_[1]
+    clear = run_experiment(_write_plan("cdp-clear-noisy", "fedavg", _client_dp(noise_multiplier=z)), track=False)
+    assert max_diff(secure_noisy, globals_[1]) < 0.01 * std  # two independent draws: ~4 std apart somewhere
+    assert noisy["privacy"]["epsilon"] == clear["privacy"]["epsilon"] and 0 < noisy["privacy"]["epsilon"] < math.inf
+
+
+@pytest.mark.timeout(240)
+def test_adaptive_clipping_under_secagg_moves_c_as_in_the_clear(ws):
+    # C's update needs only the count of clipped updates: their bits are summed under the masks, then the same
+    # seeded count noise as in the clear; round 2's C is the clear run's
+    from pipeline.train import run_experiment
+
+    privacy = _client_dp(noise_multiplier=0.5, clipping="adaptive", clipped_count_stddev=1.0)
+    secure = run_experiment(_write_plan("sa-cdp-adaptive", "fedavg", {**SECURE, **privacy}), track=False)
+    clear = run_experiment(_write_plan("cdp-clear-adaptive", "fedavg", privacy), track=False)
+    c2 = {name: {r["clipping_norm"] for r in json.loads(Path(f"models/{name}/rounds.json").read_text())
+                 if r["round"] == 2} for name in ("sa-cdp-adaptive", "cdp-clear-adaptive")}
+    assert len(c2["sa-cdp-adaptive"]) == 1 and c2["sa-cdp-adaptive"] == c2["cdp-clear-adaptive"]
+    assert c2["sa-cdp-adaptive"] != {1e-3}  # it moved
+    assert secure["privacy"]["epsilon"] == clear["privacy"]["epsilon"]
+
+
+def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_server(ws):
+    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.train import run_experiment
+
+    params = _params({**SECURE, **_client_dp(clipping_side="server")})
+    with pytest.raises(ConfigError) as exc:
+        resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
+    assert str(exc.value) == ("params.yaml experiments.x: privacy.secure_aggregation: privacy.mode client needs "
+                              "clipping_side client under SecAgg+: the server receives only the sum of the updates "
+                              "and cannot clip each one (the client clips its update before it is masked)")
+    path = Path(_write_plan("sa-cdp-hand", "fedavg", {**SECURE, **_client_dp()}))
+    plan = json.loads(path.read_text())
+    plan["privacy"]["clipping_side"] = "server"
+    path.write_text(json.dumps(plan))
+    with pytest.raises(ValueError, match=r"sa-cdp-hand.json: privacy.secure_aggregation: privacy.mode client needs "
+                                         r"clipping_side client under SecAgg\+: [^\n]*$"):
+        run_experiment(str(path), track=False)
