@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fnmatch
 import json
 import subprocess
 import sys
@@ -75,6 +76,7 @@ class ModuleResult:
     not_run: int = 0
     equivalent: int = 0
     undetected: list[str] = field(default_factory=list)  # survived / no tests / other, equivalent ones included
+    functions: dict[str, list[int]] = field(default_factory=dict)  # function -> [mutants run, mutants not run]
 
     @property
     def detected(self) -> int:
@@ -112,6 +114,8 @@ def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None =
         for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0])):
             r.made += 1
             s = status(code)
+            counts = r.functions.setdefault(_function(name), [0, 0])
+            counts[s == "not run"] += 1
             if s == "not run":
                 r.not_run += 1
                 continue
@@ -129,6 +133,12 @@ def unfinished(module: str, equivalent: dict[str, str], mutants_dir: Path = MUTA
     data = json.loads((mutants_dir / "pipeline" / f"{module.replace('.', '/')}.py.meta").read_text())
     return [name for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0]))
             if name not in equivalent and status(code) in ("not run", "survived", "no tests", "other")]
+
+
+def _function(name: str) -> str:
+    """The function of a mutant as the source spells it: x_f__mutmut_3 -> f, xǁCǁm__mutmut_1 -> C.m."""
+    head = name.rpartition("__mutmut_")[0].rpartition(".")[2]
+    return head.removeprefix("x_") if not head.startswith("xǁ") else head.removeprefix("xǁ").replace("ǁ", ".")
 
 
 def _natural(name: str) -> tuple[str, int]:
@@ -153,6 +163,8 @@ def _which(module: str, mutants: str) -> str:
     """A run's mutants as the report shows them: all, survivors, or the functions of its name patterns."""
     if mutants in ("all", "survivors", "unfinished"):
         return mutants
+    if mutants.startswith("unfinished "):
+        return "unfinished mutants of " + _which(module, mutants.removeprefix("unfinished "))
     prefix = f"pipeline.{module}."
     names = [p.removeprefix(prefix).removesuffix("__mutmut_*").removeprefix("x_") for p in mutants.split()]
     return "functions " + ", ".join(f"`{n}`" for n in names)
@@ -237,6 +249,18 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
             f"`{_file(m)}`: {b['run'].get('tests') or 'saved ' + b['run']['written'] + ' at commit ' + b['run']['commit']}"
             for m, b in before.items() if "run" in b)
             + ". The survivors of each were then re-run with the new tests (`make mutants MUTANTS=survivors`)."]
+    partly = [m for m in CORE if m in results and 0 < results[m].not_run < results[m].made]
+    if partly:
+        lines += ["", "Scope of the modules run in part (the score counts only the mutants run):", ""]
+        for m in partly:
+            fns = results[m].functions
+            done = [f"`{f}` ({n})" for f, (n, left) in fns.items() if n and not left]
+            some = [f"`{f}` ({n} of {n + left})" for f, (n, left) in fns.items() if n and left]
+            none = [f"`{f}` ({left})" for f, (n, left) in fns.items() if not n]
+            lines.append(f"- `{_file(m)}`: {results[m].made - results[m].not_run} of {results[m].made} mutants run"
+                         + (f"; every mutant of {', '.join(done)}" if done else "")
+                         + (f"; part of {', '.join(some)}" if some else "")
+                         + (f"; not run: {', '.join(none)}" if none else "") + ".")
     not_reached = [m for m in CORE if m not in results or results[m].not_run == results[m].made]
     if not_reached:
         lines += ["", "Not run yet: " + ", ".join(f"`{_file(m)}`" for m in not_reached) + "."]
@@ -284,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--survivors", metavar="MODULE", help="print the names of MODULE's undetected mutants")
     ap.add_argument("--unfinished", metavar="MODULE",
                     help="print the names of MODULE's undetected and not yet run mutants")
+    ap.add_argument("--match", nargs="*", default=None, metavar="PATTERN",
+                    help="with --unfinished: only the names matching one of these mutmut name patterns")
     args = ap.parse_args(argv)
     equivalent = load_equivalent()
     results = collect(equivalent=equivalent)
@@ -295,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.unfinished:
         if args.unfinished not in results:
             raise SystemExit(f"error: no mutmut results for pipeline.{args.unfinished} in {MUTANTS_DIR}/")
-        print("\n".join(unfinished(args.unfinished, equivalent)))
+        names = unfinished(args.unfinished, equivalent)
+        if args.match:
+            names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in args.match)]
+        print("\n".join(names))
         return 0
     info = _run_info()
     if args.save_baseline:

@@ -71,3 +71,19 @@ def test_unfinished_mutants_are_the_undetected_and_unrun_non_equivalent_ones(tmp
     equivalent = {"pipeline.modeling.losses.x_f__mutmut_6": "same values"}
     names = mr.unfinished("modeling.losses", equivalent, tmp_path / "mutants")
     assert names == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (2, 3, 4, 10)]
+    assert mr._which("modeling.losses", "unfinished pipeline.modeling.losses.x_f__mutmut_*") == (
+        "unfinished mutants of functions `f`")
+
+
+def test_a_module_run_in_part_names_the_functions_run_and_not_run(tmp_path):
+    meta = tmp_path / "mutants" / "pipeline" / "training" / "rounds.py.meta"
+    meta.parent.mkdir(parents=True)
+    keys = {"pipeline.training.rounds.x_keep_best__mutmut_1": 1, "pipeline.training.rounds.x_keep_best__mutmut_2": 0,
+            "pipeline.training.rounds.xǁRecorderǁstarted__mutmut_1": None,
+            "pipeline.training.rounds.x_write__mutmut_1": 1, "pipeline.training.rounds.x_write__mutmut_2": None}
+    meta.write_text(json.dumps({"exit_code_by_key": keys}))
+    r = mr.collect(tmp_path / "mutants")["training.rounds"]
+    assert r.functions == {"keep_best": [2, 0], "Recorder.started": [0, 1], "write": [1, 1]}
+    text = mr.render({"training.rounds": r}, {}, None, {}, {"written": "now", "commit": "c", "mutmut": "3", "runs": []})
+    assert ("- `pipeline/training/rounds.py`: 3 of 5 mutants run; every mutant of `keep_best` (2); part of `write` "
+            "(1 of 2); not run: `Recorder.started` (1).") in text

@@ -244,6 +244,8 @@ def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
     (lambda: partition_schemes.DomainDirichletConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
     (lambda: partition_schemes.DomainDirichletConfig(alpha=-1.0),
      "alpha=-1.0 is out of range; allowed: a Dirichlet concentration > 0"),
+    (lambda: partition_schemes.DomainDirichletConfig(alpha=0.0),
+     "alpha=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
     (lambda: PartitionConfig(schemes=["domain", "random", "iid2"]),
      "partition.schemes: unknown scheme(s) ['iid2', 'random']; allowed: ['cluster', 'domain', 'domain_dirichlet', "
      "'extreme', 'iid', 'long_meeting', 'noniid_balanced', 'quantity']"),
@@ -288,7 +290,8 @@ def test_noniid_balanced_may_take_a_whole_split():
 
 
 @settings(max_examples=200, deadline=None)
-@given(shares=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8).filter(lambda s: sum(s) > 0),
+@given(shares=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8).filter(lambda s: sum(s) > 0)
+       | st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=1, max_size=40),  # equal shares: tied remainders
        total=st.integers(0, 500))
 def test_largest_remainder_is_hamiltons_method(shares, total):
     """Counts sum to the total, each is the floor or the ceiling of its exact quota, and the extra units go to the
@@ -390,3 +393,47 @@ def test_cluster_labels_are_a_function_of_the_seed(monkeypatch):
     labels = [make_partition(EXAMPLES, "cluster", 7, c).labels for _ in range(2)]
     assert runs[0] == runs[1] == runs[2] and labels[0] == labels[1]
     assert all(s is c.cluster for s in seen)
+
+
+def _planted_clusters() -> tuple[np.ndarray, np.ndarray]:
+    """Six tight blobs (sd 0.15) in three well separated pairs, each pair a big and a small blob 1.2 apart: the
+    least-inertia 6-clustering is the planted one, but a single k-means++ start often merges a small blob into
+    its big neighbour and splits another."""
+    rng = np.random.default_rng(0)
+    centers = np.array([[0, 0], [0, 1.2], [5, 0], [5, 1.2], [10, 0], [10, 1.2]], float)
+    sizes = [40, 5, 40, 5, 40, 5]
+    vectors = np.concatenate([c + rng.normal(scale=0.15, size=(n, 2)) for c, n in zip(centers, sizes)])
+    return vectors, np.repeat(np.arange(6), sizes)
+
+
+def test_cluster_labels_recover_planted_clusters_whatever_the_seed(monkeypatch):
+    """K-Means with restarts (n_init=10) finds the planted clusters for every seed: each blob one label, six labels."""
+    vectors, truth = _planted_clusters()
+    pool = pd.DataFrame({"example_id": [f"e{i:03d}" for i in range(len(truth))], "target": ["t"] * len(truth)})
+    monkeypatch.setattr(partition_schemes, "embed_targets", lambda texts, c: vectors)
+    cluster_cfg = partition_schemes.ClusterConfig(n_clusters=6)
+    for seed in range(12):
+        labels = partition_schemes.cluster_labels(pool, cluster_cfg, random_state=seed)
+        got = np.array([labels[i] for i in pool.example_id])
+        per_blob = [set(got[truth == k]) for k in range(6)]
+        assert all(len(s) == 1 for s in per_blob), seed
+        assert len(set.union(*per_blob)) == 6, seed
+
+
+def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order():
+    """Meetings M1 and M3 are in a test set: every train/valid example of them is excluded (and counted), by split."""
+    part = Partition(clients={"a": {"train": ["x1", "x2", "x5"], "valid": ["x3"], "test": ["y1"]},
+                              "b": {"train": ["y2"], "valid": [], "test": ["x4"]}})
+    meeting_of = {"x1": "M1", "x2": "M2", "x3": "M1", "x4": "M1", "x5": "M4", "y1": "M3", "y2": "M3"}
+    assert partition_schemes.guard_leakage(part, meeting_of) == 3
+    assert part.clients["a"] == {"train": ["x2", "x5"], "valid": [], "test": ["y1"]}
+    assert part.clients["b"] == {"train": [], "valid": [], "test": ["x4"]}
+    assert part.excluded == {"x1": "leakage guard: meeting in a test set (train example)",
+                             "x3": "leakage guard: meeting in a test set (valid example)",
+                             "y2": "leakage guard: meeting in a test set (train example)"}
+    assert partition_schemes.guard_leakage(part, meeting_of) == 0  # nothing left to move
+
+
+def test_assigned_lists_every_clients_splits_in_split_order_a_missing_split_holding_none():
+    part = Partition(clients={"a": {"test": ["t1"], "train": ["r1", "r2"]}, "b": {"valid": ["v1"]}, "c": {}})
+    assert part.assigned() == ["r1", "r2", "t1", "v1"]
