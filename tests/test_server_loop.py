@@ -132,10 +132,12 @@ class Grid:
     are gone in some rounds (``gone``: round -> client names), nodes that come back under a new id
     (``restart``: round -> client names) and replies lost on the way (``lost``: (client, round) pairs)."""
 
-    def __init__(self, plan_path: str, script: Script, clients: list[str], extra: dict[int, str] | None = None):
+    def __init__(self, plan_path: str, script: Script, clients: list[str], extra: dict[int, str] | None = None,
+                 plan_in_node_config: bool = True):
         from pipeline.federation.engines import InProcessGrid, _set_server_identity
 
-        self.inner = InProcessGrid(scripted_app(script), [{"client-name": c, "plan": plan_path} for c in clients])
+        self.inner = InProcessGrid(scripted_app(script), [{"client-name": c, "plan": plan_path if plan_in_node_config
+                                                           else ""} for c in clients])
         for node, name in (extra or {}).items():  # nodes beyond the plan's clients
             from flwr.app import Context, RecordDict
 
@@ -318,6 +320,17 @@ def test_fedprox_sends_every_sampled_client_the_plans_mu(ws):
     assert all(cfg["proximal-mu"] == 0.375 for _, _, cfg in script.configs), script.configs
 
 
+def test_clients_configured_without_a_plan_follow_the_plan_each_message_names(ws):
+    """A SuperNode started without a plan in its node config reads it from the train and evaluation messages."""
+    path = write_plan("loop-plan-in-message", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"], plan_in_node_config=False)
+    final, history, _ = run(path, script, grid=grid)
+    assert all(r["failed"] == 0 and "eval_failed" not in r and "val_loss" in r for r in history)
+    assert_state(final, {k: v + 2 * weighted_update(["Academic", "Committee", "Product"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
 def test_eval_messages_carry_the_global_only_for_methods_that_evaluate_it(ws):
     """AdaFedAvg evaluates the new global itself: the evaluation message carries it (a second download); the KD
     methods evaluate the client's own adapter: nothing is sent with the evaluation."""
@@ -474,8 +487,11 @@ def test_sampling_picks_the_fraction_of_clients_each_as_often_and_every_client_e
 
 
 def test_sampling_is_a_function_of_the_seed_and_the_round(ws):
-    def sample(name, seed_offset_rounds):
+    def sample(name, seed_offset_rounds, seed=0):
         path = write_plan(name, "fedavg", rounds=8, fraction_train=0.34)
+        plan = json.loads(Path(path).read_text())
+        plan["seed"] = seed
+        Path(path).write_text(json.dumps(plan, indent=2, sort_keys=True))
         script = Script(delta={c: 0.0 for c in DELTAS})
         import random
 
@@ -485,6 +501,9 @@ def test_sampling_is_a_function_of_the_seed_and_the_round(ws):
 
     a, b = sample("loop-seed-a", 1), sample("loop-seed-b", 2)
     assert a == b and all(len(s) == 1 for s in a)
+    # another experiment seed, another sequence (8 rounds of 1 of 3 clients: 3^8 possible sequences)
+    other = sample("loop-seed-c", 1, seed=1)
+    assert other != a and all(len(s) == 1 for s in other)
 
 
 def test_a_run_killed_after_any_round_resumes_to_the_uninterrupted_result(ws, monkeypatch, caplog):
@@ -580,6 +599,22 @@ def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
     assert rows["Committee"]["weight_share"] == pytest.approx(2 / 7)
     assert_state(final, {k: v + weighted_update(["Committee", "Product"], script)
                          for k, v in initial(path).items()}, exact=False)
+
+
+def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
+    """Whatever the order the replies arrive in: a different client's reply is undecodable in each of 3 rounds;
+    each round aggregates exactly the other two."""
+    path = write_plan("loop-undecodable3", "fedavg", rounds=3, fraction_train=1.0)
+    bad = {1: "Academic", 2: "Committee", 3: "Product"}
+    script = Script(bad_reply={(c, r) for r, c in bad.items()})
+    final, history, _ = run(path, script)
+    clients = ["Academic", "Committee", "Product"]
+    for rnd, c in bad.items():
+        rows = rows_of(history, rnd)
+        assert [n for n in clients if rows[n]["failed"]] == [c]
+        assert all("weight_share" in rows[n] for n in clients if n != c)
+    move = sum(weighted_update([n for n in clients if n != c], script) for c in bad.values())
+    assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
 
 
 def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
@@ -720,6 +755,15 @@ def test_a_resumed_run_keeps_the_late_clients_admission(ws, monkeypatch):
     script = Script(val=lambda c, r: losses[r])
     _, history, _ = run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
     assert trained(script, 4) == ["Academic", "Committee", "Product", "SAMSum"]
+    # killed before it joined (after round 1): the resumed run still keeps it out until round 3
+    path = write_plan("loop-join-resume-early", "post_addition", "extreme/seed0", rounds=3, fraction_train=1.0,
+                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3})
+    with killed_after_checkpoint(monkeypatch, 1):
+        run(path, Script(val=lambda c, r: losses[r]), clients=["Academic", "Committee", "Product", "SAMSum"])
+    script = Script(val=lambda c, r: losses[r])
+    run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
+    assert trained(script, 1) == [] and trained(script, 2) == ["Academic", "Committee", "Product"]
+    assert trained(script, 3) == ["Academic", "Committee", "Product", "SAMSum"]
 
 
 def test_a_late_client_outside_the_partition_is_an_error(ws):
