@@ -206,6 +206,7 @@ class Recorder:
         self.started_with = None
         self.rounds = []
         self.round_plans = []
+        self.seconds = []
 
     def started(self, plan, clients, start_round):
         self.started_with = (list(clients), start_round)
@@ -215,6 +216,7 @@ class Recorder:
 
     def round_done(self, plan, entry, history):
         self.round_plans.append(plan.experiment)
+        self.seconds.append(entry.seconds)
         self.rounds.append((entry.round, entry.aggregated, [dict(r) for r in entry.rows], len(history)))
         if self.grid is not None:
             self.grid.next_round(entry.round + 1)
@@ -271,7 +273,12 @@ def weighted_update(clients: list[str], script: Script) -> float:
 def test_fedavg_moves_the_global_by_the_weighted_mean_update_every_round(ws):
     path = write_plan("loop-fedavg", "fedavg", rounds=3, fraction_train=1.0)
     script = Script()
+    import time
+
+    t0 = time.perf_counter()
     final, history, recorder = run(path, script)
+    wall = time.perf_counter() - t0
+    assert len(recorder.seconds) == 3 and all(0 < s <= wall for s in recorder.seconds)  # each round's duration
     w0 = initial(path)
     step = weighted_update(["Academic", "Committee", "Product"], script)  # (0.5 - 0.5 + 0.625) / 8
     assert step == pytest.approx(0.078125)
@@ -378,6 +385,12 @@ def test_a_delta_encoded_reply_is_added_back_to_the_global_the_client_received(w
     step = weighted_update(["Academic", "Committee", "Product"], script)
     assert_state(final, {k: v + 2 * step for k, v in initial(path).items()}, exact=False)
     assert all(r["failed"] == 0 for r in history)
+    # what the clients evaluate (FedAvg evaluates the global) is each round's aggregate, decoded like the train copy
+    for rnd in (1, 2):
+        evaluated = [st for kind, _, r, st in script.calls if kind == "evaluate" and r == rnd]
+        assert len(evaluated) == 3
+        for got in evaluated:
+            assert_state(got, {k: v + rnd * step for k, v in initial(path).items()}, exact=False)
 
 
 def test_every_wait_on_the_clients_is_bounded_by_the_round_timeout(ws):
@@ -475,7 +488,7 @@ def test_sampling_picks_the_fraction_of_clients_each_as_often_and_every_client_e
         assert sorted(c for c, r in rows.items() if r["sampled"]) == picked
         assert len(rows) == 3 and all("val_loss" in r for r in rows.values())  # all evaluate
         for c, r in rows.items():
-            assert (r["bytes_up"] > 0) == (c in picked)
+            assert (r["bytes_up"] > 0) == (c in picked) and r["failed"] == 0
             if c not in picked:
                 assert r["bytes_down"] > 0  # only the evaluation copy of the global
         for c in picked:
@@ -547,6 +560,7 @@ def test_a_failed_client_is_left_out_of_that_rounds_aggregate_only(ws, caplog):
                             "full on Committee") for m in logged(caplog))
     r1 = rows_of(history, 1)
     assert r1["Committee"]["failed"] == 1 and r1["Committee"]["error"] == "RuntimeError: disk full on Committee"
+    assert r1["Committee"]["bytes_up"] == 0 and r1["Committee"]["sampled"] == 1  # sampled, sent nothing back
     assert "weight" not in r1["Committee"] and "weight_share" not in r1["Committee"]
     assert r1["Academic"]["weight_share"] == pytest.approx(1 / 6) and r1["Product"]["weight_share"] == pytest.approx(
         5 / 6)
@@ -737,6 +751,22 @@ def test_the_late_client_hears_nothing_before_it_joins_once_the_others_stop_impr
     assert min(r["round"] for r in history if r["client"] == "SAMSum") == 4
     assert not any(r.get("absent") for r in history)  # not absent before joining: not admitted yet
     assert rows_of(history, 5)["SAMSum"]["sampled"] == 1
+
+
+def test_the_late_client_is_recorded_absent_only_once_it_has_joined(ws):
+    """Its SuperNode is gone in rounds 1, 2 and 4; it joins at max_round 3: no row at all before joining (not
+    admitted, so not missed), a normal one in round 3, an absent one in round 4."""
+    path = write_plan("loop-join-gone", "post_addition", "extreme/seed0", rounds=4, fraction_train=1.0,
+                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3})
+    script = Script(val=lambda c, r: 10.0 * 0.8 ** r)  # the others keep improving: it joins at max_round
+    clients = ["Academic", "Committee", "Product", "SAMSum"]
+    grid = Grid(path, script, clients)
+    grid.gone = {1: {"SAMSum"}, 2: {"SAMSum"}, 4: {"SAMSum"}}
+    _, history, _ = run(path, script, clients=clients, grid=grid)
+    late = {r["round"]: r for r in history if r["client"] == "SAMSum"}
+    assert sorted(late) == [3, 4]
+    assert late[3]["sampled"] == 1 and "absent" not in late[3]
+    assert late[4]["absent"] == 1 and late[4]["sampled"] == 0
 
 
 def test_the_late_client_joins_at_max_round_while_the_others_still_improve(ws):
