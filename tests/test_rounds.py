@@ -66,6 +66,10 @@ def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last
         meta = f.metadata()
     assert meta == {"experiment": plan.experiment, "client": "Academic", "round": str(best_round),
                     "val_loss": f"{min(val):.6f}"}
+    with safe_open(str(adapter_file(out, "final")), "pt") as f:
+        final_meta = f.metadata()
+    assert final_meta == {"experiment": plan.experiment, "client": "Academic", "round": str(len(val)),
+                          "val_loss": f"{val[-1]:.6f}"}
 
 
 _PLAN = {}
@@ -109,7 +113,8 @@ def test_a_round_checkpoint_comes_back_only_to_its_plan(caplog):
     other = _plan("rounds-ckpt", rounds=4)  # same experiment, another configuration
     with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
         assert rounds.load_round_checkpoint(path, other) is None
-    assert "checkpoint belongs to another configuration; starting over" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.train"] == [
+        f"{path}: checkpoint belongs to another configuration; starting over"]
     assert not rounds.has_valid_checkpoint(other)
 
 
@@ -303,3 +308,15 @@ def test_the_recorders_log_and_write_each_round(caplog):
     assert Logger.calls == [({"round_seconds": 1.5} | round_metrics(ROWS[:2]), 2)]
     assert recorder.round_seconds == [1.5]
     assert json.loads((Path(plan.paths["out_dir"]) / "rounds.json").read_text()) == ROWS[:2]
+
+
+def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_error(tmp_path):
+    """A kill between writing a round's adapter and its progress leaves round<r>.safetensors alone; writing a
+    later round removes it like any other old checkpoint."""
+    from pipeline.modeling.adapter_io import save_adapter
+    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+
+    save_adapter(tmp_path / "round001.safetensors", _state(1.0))  # no round001.json
+    write_client_checkpoint(tmp_path, 3, _state(3.0), {"best-val-loss": 1.0, "best-round": 3}, True, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round003.json", "round003.safetensors"]
+    assert latest_client_checkpoint(tmp_path, before=4).round == 3
