@@ -1091,3 +1091,108 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
     assert wrapper.calls == [(6, mean, 1, 3)]
     assert clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
     assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0
+
+
+class _InTheClearSecure:
+    """Stands in for SecureAggregator in run_server: the same sampled train messages, the replies' weighted mean
+    computed in the clear (what SecAgg+ unmasks); ``lost_at_unmask`` answered with its metrics but is not in the
+    sum."""
+
+    made: list = []
+    lost_at_unmask = "Product"
+
+    def __init__(self, cfg, max_weight, clients, timeout, clipped_bits=False):
+        type(self).made.append((cfg, max_weight, clients, timeout, clipped_bits))
+        self.timeout, self.clipped_bits = timeout, clipped_bits
+
+    def train_round(self, grid, messages, rnd):
+        from flwr.app import ArrayRecord
+
+        from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+
+        nodes, total, mean, in_sum = {}, 0, None, set()
+        for reply in grid.send_and_receive(messages, timeout=self.timeout):
+            node = reply.metadata.src_node_id
+            metrics = {**dict(reply.content["metrics"]), "secagg-clipped": 0}
+            if grid.name(node) == self.lost_at_unmask:
+                nodes[node] = NodeOutcome(metrics=metrics, failed_stage="unmask", error="gone", bytes_up=11)
+                continue
+            nodes[node] = NodeOutcome(metrics=metrics, bytes_down=7, bytes_up=13)
+            w = int(metrics[N])
+            state = reply.content["arrays"].to_torch_state_dict()
+            mean = {k: w * v for k, v in state.items()} if mean is None else {k: mean[k] + w * state[k] for k in mean}
+            total += w
+            in_sum.add(node)
+        arrays = ArrayRecord.from_torch_state_dict({k: v / total for k, v in mean.items()})
+        return SecureRound(arrays=arrays, nodes=nodes, in_sum=in_sum, threshold=2, num_shares=3,
+                           clipped_count=0 if self.clipped_bits else None)
+
+
+def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_it(ws, monkeypatch):
+    """privacy.secure_aggregation: the server builds its SecAgg+ runner from the plan (secagg settings, the largest
+    train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
+    client lost at unmask is failed and gets no weight share even though its metrics arrived."""
+    from pipeline.federation import server_app
+    from pipeline.federation.protocol import load_plan
+
+    path = _secure_plan("loop-secure", fraction_train=1.0)
+    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    _InTheClearSecure.made = []
+    script = Script()
+    final, history, _ = run(path, script, timeout=4.5)
+    plan = load_plan(path)
+    partition = json.loads(Path(plan.paths["partition"]).read_text())
+    largest = max(len(c["train"]) for c in partition["clients"].values())
+    assert _InTheClearSecure.made == [(plan.privacy.secagg, largest, 3, 4.5, False)]
+    rows = rows_of(history, 1)
+    assert rows["Product"]["failed"] == 1 and rows["Product"]["error"] == "SecAgg+ unmask: gone"
+    assert "weight_share" not in rows["Product"] and rows["Product"]["bytes_up"] == 11
+    assert rows["Academic"]["weight_share"] == pytest.approx(1 / 3) and rows["Committee"]["bytes_up"] == 13
+    assert_state(final, {k: v + weighted_update(["Academic", "Committee"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def _secure_plan(name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None,
+                 **train) -> str:
+    from pipeline.common.config import from_dict
+    from pipeline.training.privacy import PrivacyConfig
+
+    path = write_plan(name, method, partition, **{"rounds": 1, **train})
+    raw = json.loads(Path(path).read_text())
+    raw["privacy"] = from_dict(PrivacyConfig, {"secure_aggregation": True, **(privacy or {})}, "privacy").plan_dict()
+    Path(path).write_text(json.dumps(raw, indent=2, sort_keys=True))
+    return path
+
+
+def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_released_by_the_dp_wrapper(ws, monkeypatch):
+    """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
+    clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
+    from pipeline.federation import server_app
+    from pipeline.federation.protocol import load_plan
+
+    path = _secure_plan("loop-secure-cdp", fraction_train=1.0, privacy={
+        "mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"})
+    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    _InTheClearSecure.made = []
+    script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
+    final, history, _ = run(path, script, timeout=4.5)
+    assert _InTheClearSecure.made == [(load_plan(path).privacy.secagg, 1, 3, 4.5, True)]
+    assert rows_of(history, 1)["Product"]["failed"] == 1
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+    assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
+    """post_addition: the late client is not in the first rounds' sums, so 3 existing clients x 0.5 sample one."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import run_server
+
+    path = _secure_plan("loop-secure-few", "post_addition", "extreme/seed0", fraction_train=0.5, rounds=2,
+                        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 2})
+    clients = ["Academic", "Committee", "Product", "SAMSum"]
+    grid = Grid(path, Script(), clients)
+    with pytest.raises(ValueError) as err:
+        run_server(grid, load_plan(path), path, Recorder(grid), round_timeout_s=4.5)
+    assert str(err.value) == ("loop-secure-few: privacy.secure_aggregation needs at least 2 clients in every round's "
+                              "sum; 3 clients x train.fraction_train 0.5 samples 1")
+
