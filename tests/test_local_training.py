@@ -257,3 +257,42 @@ def test_the_proximal_gradient_pulls_towards_the_global(ws):
     for k in w0:
         if k.endswith("norm.weight"):
             torch.testing.assert_close(new[k] - w0[k], torch.full_like(w0[k], lr), rtol=1e-3, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------- small rules, by hand
+def _labelled(*rows):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(labels=torch.tensor(rows), example_ids=[f"e{i}" for i in range(len(rows))])
+
+
+def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequences():
+    from pipeline.training.local import per_example_loss_scale
+
+    batch = _labelled([5, 6, -100], [-100, -100, -100], [7, -100, -100])  # 3 tokens, 2 non-empty sequences
+    assert per_example_loss_scale(batch, "tokens", max_target_length=4) == 3 / 4
+    assert per_example_loss_scale(batch, "sequences", max_target_length=4) == 2.0
+
+
+def test_accumulation_weights_count_only_sequences_with_a_target_token():
+    from pipeline.training.local import accumulation_weights
+
+    b1 = _labelled([5, 6, -100], [-100, -100, -100])  # one sequence with targets, one empty
+    b2 = _labelled([7, 8, 9])
+    assert accumulation_weights([b1, b2], 2, "sequences") == [0.5, 0.5]
+    assert accumulation_weights([b1, b2], 2, "tokens") == [0.4, 0.6]
+
+
+def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_position():
+    from pipeline.training.local import _gate_rows
+
+    batch = _labelled([3, -100], [4, 5])
+    labels = batch.labels
+    entropy = torch.tensor([[0.5, 9.0], [1.5, 2.5]])
+    gate = torch.tensor([[True, True], [False, True]])
+    rows = _gate_rows(batch, labels, entropy, gate, "Academic", 7)
+    assert rows["client"].tolist() == ["Academic"] * 3 and str(rows["client"].dtype) == "string"
+    assert rows["round"].tolist() == [7, 7, 7]
+    assert rows["example_id"].tolist() == ["e0", "e1", "e1"] and rows["position"].tolist() == [0, 0, 1]
+    assert rows["token_id"].tolist() == [3, 4, 5] and rows["entropy"].tolist() == [0.5, 1.5, 2.5]
+    assert rows["kd_applied"].tolist() == [True, False, True]
