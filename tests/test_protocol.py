@@ -100,6 +100,8 @@ def test_the_client_decodes_the_servers_global_within_the_codec_bound(ws, dtype,
     record = encode_global(glob, plan, reference=reference)
     encoded = record.to_torch_state_dict()
     decoded = decode_global(record, plan)
+    wire = {"fp32": torch.float32, "fp16": torch.float16, "int8": torch.int8}[dtype]
+    assert all(encoded[k].dtype == wire for k in glob)  # the plan's transfer dtype on the wire
     for k, v in glob.items():
         err = float((decoded[k] - v).abs().max())
         assert decoded[k].dtype == torch.float32
@@ -176,3 +178,24 @@ def test_a_privacy_report_becomes_a_history_row():
     zero = privacy_row(_privacy(**{"dp-epsilon": 0.0, "dp-examples": 0, "dp-clipped": 0}))
     assert zero["epsilon"] == 0.0 and zero["clipped_fraction"] == 0.0  # 0 is a bound; no examples, no fraction
     assert type(zero["dp_steps"]) is int and type(zero["delta"]) is float
+
+
+def test_fp32_never_sends_a_delta_even_when_a_plan_asks_for_one(ws):
+    """A hand-written plan with fp32 and train.transfer_delta: fp32 is exact, so no delta is taken (it could only
+    add float32 rounding): no downlink reference, the client decodes the global bit for bit."""
+    import json
+    from pathlib import Path
+
+    from pipeline.federation.protocol import decode_global, downlink_reference, encode_global, load_plan
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = write_plan("protocol-fp32-handdelta", "fedavg", transfer_dtype="fp32")
+    raw = json.loads(Path(path).read_text())
+    raw["train"]["transfer_delta"] = True
+    Path(path).write_text(json.dumps(raw, indent=2, sort_keys=True))
+    plan = load_plan(path)
+    assert plan.train.transfer_delta is True and downlink_reference(plan) is None
+    glob = {k: v + 0.1 for k, v in initial_adapter_state(plan).items()}
+    decoded = decode_global(encode_global(glob, plan, reference=downlink_reference(plan)), plan)
+    assert all(torch.equal(decoded[k], v) for k, v in glob.items())
+
