@@ -238,8 +238,9 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
                      f"{_pct(before_score(before.get(module), r)) if before.get(module) else '-'} |")
     runs = info.get("runs") or []
     if runs:
-        lines += ["", "Runs (`mutants/runs.tsv`, written by `make mutants`; wall time on a 2-core machine shared with "
-                  "other work):", "", "| module | mutants run | started (UTC) | wall | command | commit |",
+        lines += ["", "Runs (`mutants/runs.tsv`, written by `make mutants`, one line per module and run: a single mutmut "
+                  "run over the survivors of several modules is listed under each; \"stopped early\": interrupted "
+                  "to add tests, its verdicts kept; wall time on a 2-core machine shared with other work):", "", "| module | mutants run | started (UTC) | wall | command | commit |",
                   "|---|---|---|---:|---|---|"]
         for r in runs:
             lines.append(f"| {_file(r['module'])} | {_which(r['module'], r['mutants'])} | {r['started']} | {r['wall']} | `{r['command']}` | "

@@ -9,6 +9,8 @@ accountant's epsilon after all the client's steps so far, -1 meaning unbounded.
 """
 from __future__ import annotations
 
+import logging
+
 import math
 from pathlib import Path
 
@@ -85,14 +87,17 @@ def test_a_running_client_keeps_its_adapter_from_its_state(ws):
     assert all(torch.equal(got[k], v) for k, v in _state(7.0).items())
 
 
-def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(ws):
+def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(ws, caplog):
     from pipeline.federation.client_app import LOCAL_STATE_KEY, PRIVACY_KEY, PROGRESS_KEY, _restore_client_state
 
     plan = _plan("client-resume")
     first = _context(**{"client-name": "Committee"})
     _checkpoints(plan, "Committee", first, {2: (2.0, True, 8), 3: (3.0, True, 12)})
     restarted = _context(**{"client-name": "Committee"})
-    got = _restore_client_state(restarted, plan, "Committee", 4)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        got = _restore_client_state(restarted, plan, "Committee", 4)
+    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"] == [
+        "client Committee: resumed local adapter from its round-3 checkpoint"]
     assert all(torch.equal(got[k], v) for k, v in _state(3.0).items())
     held = restarted.state[LOCAL_STATE_KEY].to_torch_state_dict()
     assert all(torch.equal(held[k], v) for k, v in _state(3.0).items())  # kept for the next messages
