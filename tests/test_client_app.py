@@ -10,7 +10,6 @@ accountant's epsilon after all the client's steps so far, -1 meaning unbounded.
 from __future__ import annotations
 
 import logging
-
 import math
 from pathlib import Path
 

@@ -327,6 +327,18 @@ def test_an_incomplete_mirror_lists_five_missing_files_and_counts_them(mirror, t
     assert resolve_source("qmsum", cfg) == mirror / "qmsum"
 
 
+def test_five_missing_files_are_all_listed_without_an_ellipsis(mirror, tmp_path):
+    gone = [("Academic", "train"), ("Academic", "val"), ("Academic", "test"), ("Committee", "train"),
+            ("Committee", "val")]
+    for domain, split in gone:
+        (mirror / f"qmsum/data/{domain}/jsonl/{split}.jsonl").unlink()
+    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={})
+    with pytest.raises(DataError) as err:
+        resolve_source("qmsum", cfg)
+    missing = [f"data/{d}/jsonl/{s}.jsonl" for d, s in gone]
+    assert str(err.value) == f"{mirror / 'qmsum'}: local mirror of qmsum is incomplete; missing {missing} (5 files)"
+
+
 def test_without_a_mirror_or_a_download_the_error_says_what_to_set(tmp_path, monkeypatch):
     monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
     cfg = IngestConfig(data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"), urls={})
