@@ -234,7 +234,7 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
             lines.append(f"| {_file(module)} | not generated | | | | | | | | | |")
             continue
         lines.append(f"| {_file(module)} | {r.made} | {r.killed} | {r.survived} | {r.timeout} | {r.no_tests} | "
-                     f"{r.other} | {r.not_run} | {r.equivalent} | {_pct(r.score)} | "
+                     f"{r.other} | {r.not_run} | {r.equivalent} | {_pct(r.score)}{' (part run)' if 0 < r.not_run < r.made else ''} | "
                      f"{_pct(before_score(before.get(module), r)) if before.get(module) else '-'} |")
     runs = info.get("runs") or []
     if runs:
