@@ -320,3 +320,30 @@ def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_err
     write_client_checkpoint(tmp_path, 3, _state(3.0), {"best-val-loss": 1.0, "best-round": 3}, True, None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round003.json", "round003.safetensors"]
     assert latest_client_checkpoint(tmp_path, before=4).round == 3
+
+
+def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_released_updates_clipped():
+    """Client-level DP rows (by hand): A and B were aggregated (A clipped), C failed; the run-level fields are
+    C = 2, a clipped fraction of 1/2 and the round's epsilon, not per-client epsilons; an absent client sent and
+    received nothing."""
+    from pipeline.training.rounds import client_level_round, round_metrics
+
+    def row(client, **kw):
+        return {"round": 1, "client": client, "sampled": 1, "failed": 0, "bytes_down": 10, "bytes_up": 4, **kw}
+
+    rows = [row("C", failed=1, bytes_up=0), row("A", update_clipped=1, clipping_norm=2.0, epsilon=3.5, val_loss=1.0),
+            row("B", update_clipped=0, clipping_norm=2.0, epsilon=3.5, val_loss=2.0),
+            {"round": 1, "client": "D", "sampled": 0, "failed": 0, "absent": 1}]
+    assert client_level_round(rows) == {"clipping_norm": 2.0, "clipped_fraction": 0.5, "epsilon": 3.5}
+    m = round_metrics(rows)
+    assert (m["clipping_norm"], m["clipped_fraction"], m["epsilon"]) == (2.0, 0.5, 3.5)
+    assert not any(k.endswith(".epsilon") for k in m)  # one epsilon for the federation, not per client
+    assert m["C.failed"] == 1.0 and m["A.failed"] == 0.0
+    assert (m["bytes_sent"], m["bytes_received"], m["val_loss_mean"]) == (30.0, 8.0, 1.5)
+    # no noise: no epsilon; nothing released: no run-level field
+    unbounded = [dict(r, epsilon=None) if "update_clipped" in r else r for r in rows]
+    assert client_level_round(unbounded) == {"clipping_norm": 2.0, "clipped_fraction": 0.5}
+    assert client_level_round([rows[0], rows[3]]) == {}
+    assert client_level_round([rows[0], rows[1]]) == {"clipping_norm": 2.0, "clipped_fraction": 1.0, "epsilon": 3.5}
+    # example-level DP rows keep their own epsilon per client
+    assert round_metrics([row("E", epsilon=1.25)])["E.epsilon"] == 1.25
