@@ -9,6 +9,7 @@ earlier survivors the new tests kill.
     python -m pipeline.mutation_report                       # write reports/mutation.md
     python -m pipeline.mutation_report --save-baseline       # keep the current verdicts as the "before" run
     python -m pipeline.mutation_report --survivors modeling.losses  # names of modeling/losses.py's undetected mutants (to re-run)
+    python -m pipeline.mutation_report --unfinished modeling.losses  # ... and those not run yet (to finish a module)
 
 Score = detected / (made - equivalent - not run), detected = killed + timed out (a mutant that makes a test hang is
 caught, by mutmut's time limit or pytest-timeout's); "no tests" mutants (no selected test reaches the function)
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import fnmatch
 import json
 import subprocess
 import sys
@@ -33,11 +35,12 @@ MUTANTS_DIR = Path("mutants")
 REPORT = Path("reports/mutation.md")
 BASELINE = Path("reports/mutation-baseline.json")
 EQUIVALENT = Path("tests/mutation_equivalent.yaml")
+RUNS = MUTANTS_DIR / "runs.tsv"  # one line per `make mutants` run of a module
 # The core, in the order it is run and reported (pyproject.toml [tool.mutmut] only_mutate).
 # Dotted below pipeline/, as mutmut names the mutants (pipeline.<module>.x_<function>__mutmut_<n>).
 CORE = ("modeling.losses", "federation.strategies", "federation.compression", "partitioning.schemes",
-        "results.scoring", "modeling.adapters", "datasets.sources", "federation.protocol",
-        "federation.client_app", "federation.server_app")
+        "results.scoring", "modeling.adapters", "datasets.sources", "datasets.readers", "federation.protocol",
+        "training.rounds", "training.local", "federation.client_app", "federation.server_app")
 GOAL = 0.90
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
@@ -73,6 +76,7 @@ class ModuleResult:
     not_run: int = 0
     equivalent: int = 0
     undetected: list[str] = field(default_factory=list)  # survived / no tests / other, equivalent ones included
+    functions: dict[str, list[int]] = field(default_factory=dict)  # function -> [mutants run, mutants not run]
 
     @property
     def detected(self) -> int:
@@ -110,6 +114,8 @@ def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None =
         for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0])):
             r.made += 1
             s = status(code)
+            counts = r.functions.setdefault(_function(name), [0, 0])
+            counts[s == "not run"] += 1
             if s == "not run":
                 r.not_run += 1
                 continue
@@ -120,6 +126,19 @@ def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None =
                     r.equivalent += 1
         results[module] = r
     return results
+
+
+def unfinished(module: str, equivalent: dict[str, str], mutants_dir: Path = MUTANTS_DIR) -> list[str]:
+    """MODULE's mutants not run yet or not detected last time (equivalent ones left out), in mutmut's order."""
+    data = json.loads((mutants_dir / "pipeline" / f"{module.replace('.', '/')}.py.meta").read_text())
+    return [name for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0]))
+            if name not in equivalent and status(code) in ("not run", "survived", "no tests", "other")]
+
+
+def _function(name: str) -> str:
+    """The function of a mutant as the source spells it: x_f__mutmut_3 -> f, xǁCǁm__mutmut_1 -> C.m."""
+    head = name.rpartition("__mutmut_")[0].rpartition(".")[2]
+    return head.removeprefix("x_") if not head.startswith("xǁ") else head.removeprefix("xǁ").replace("ǁ", ".")
 
 
 def _natural(name: str) -> tuple[str, int]:
@@ -136,8 +155,40 @@ def mutant_diff(name: str, module: str) -> str:
                      if line[:1] in "+-" and not line.startswith(("+++", "---")))
 
 
+def _file(module: str) -> str:
+    return f"pipeline/{module.replace('.', '/')}.py"
+
+
+def _which(module: str, mutants: str) -> str:
+    """A run's mutants as the report shows them: all, survivors, or the functions of its name patterns."""
+    if mutants in ("all", "survivors", "unfinished"):
+        return mutants
+    if mutants.startswith("unfinished "):
+        return "unfinished mutants of " + _which(module, mutants.removeprefix("unfinished "))
+    prefix = f"pipeline.{module}."
+    names = [p.removeprefix(prefix).removesuffix("__mutmut_*").removeprefix("x_") for p in mutants.split()]
+    return "functions " + ", ".join(f"`{n}`" for n in names)
+
+
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.1f} %"
+
+
+def read_runs(path: Path = RUNS) -> list[dict[str, str]]:
+    """The runs `make mutants` logged: module, which mutants, start (epoch s), wall seconds, command, commit."""
+    if not path.exists():
+        return []
+    runs = []
+    for line in path.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) != 6:
+            continue
+        module, mutants, start, wall, command, commit = parts
+        started = dt.datetime.fromtimestamp(int(start), dt.timezone.utc).strftime("%Y-%m-%d %H:%M")
+        seconds = int(wall)
+        runs.append({"module": module, "mutants": mutants, "started": started,
+                     "wall": f"{seconds // 60} min {seconds % 60:02d} s", "command": command, "commit": commit})
+    return runs
 
 
 def _run_info() -> dict[str, Any]:
@@ -147,7 +198,7 @@ def _run_info() -> dict[str, Any]:
     stats = MUTANTS_DIR / "mutmut-stats.json"
     return {"mutmut": version("mutmut"), "commit": head or "unknown",
             "stats_time": json.loads(stats.read_text()).get("stats_time") if stats.exists() else None,
-            "written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "written": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "runs": read_runs()}
 
 
 def before_score(baseline: dict[str, Any], now: ModuleResult) -> float | None:
@@ -163,11 +214,12 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
         "# Mutation testing of the core",
         "",
         f"Written by `python -m pipeline.mutation_report` ({info['written']}, commit {info['commit']}, "
-        f"mutmut {info['mutmut']}) from the verdicts that `make mutants` left in `mutants/`. Each module is run with "
-        "`nice -n 19 mutmut run --max-children 2 'pipeline.<module>.*'` (pyproject.toml `[tool.mutmut]`: the test "
-        "files of the core without the end-to-end federated runs and the real-data counts, process isolation by a "
-        "fork server). A mutant only an end-to-end run would catch counts as undetected: the scores are lower "
-        "bounds.",
+        f"mutmut {info['mutmut']}) from the verdicts that `make mutants` left in `mutants/` (the runs below). "
+        "pyproject.toml `[tool.mutmut]` selects the test files of the core without the end-to-end federated and "
+        "training runs, the subprocess command-line tests and the real-data counts; mutmut runs, for each mutant, "
+        "only the selected tests that reach the mutated function (fastest first, stopping at the first failure), "
+        "each mutant in a fresh process forked from a server that has imported the tests. A mutant only an "
+        "end-to-end run would catch counts as undetected: the scores are lower bounds.",
         "",
         "Score = (killed + timed out) / (made - equivalent - not run); a \"no tests\" mutant (no selected test "
         f"reaches its function) counts as not detected. Goal: {_pct(GOAL)} per module.",
@@ -179,25 +231,46 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
     for module in CORE:
         r = results.get(module)
         if r is None:
-            lines.append(f"| {module}.py | not generated | | | | | | | | | |")
+            lines.append(f"| {_file(module)} | not generated | | | | | | | | | |")
             continue
-        lines.append(f"| {module}.py | {r.made} | {r.killed} | {r.survived} | {r.timeout} | {r.no_tests} | "
-                     f"{r.other} | {r.not_run} | {r.equivalent} | {_pct(r.score)} | "
+        lines.append(f"| {_file(module)} | {r.made} | {r.killed} | {r.survived} | {r.timeout} | {r.no_tests} | "
+                     f"{r.other} | {r.not_run} | {r.equivalent} | {_pct(r.score)}{' (part run)' if 0 < r.not_run < r.made else ''} | "
                      f"{_pct(before_score(before.get(module), r)) if before.get(module) else '-'} |")
+    runs = info.get("runs") or []
+    if runs:
+        lines += ["", "Runs (`mutants/runs.tsv`, written by `make mutants`, one line per module and run: a single mutmut "
+                  "run over the survivors of several modules is listed under each; \"stopped early\": interrupted "
+                  "to add tests, its verdicts kept; wall time on a 2-core machine shared with other work):", "", "| module | mutants run | started (UTC) | wall | command | commit |",
+                  "|---|---|---|---:|---|---|"]
+        for r in runs:
+            lines.append(f"| {_file(r['module'])} | {_which(r['module'], r['mutants'])} | {r['started']} | {r['wall']} | `{r['command']}` | "
+                         f"{r['commit']} |")
     if before:
         lines += ["", "Baseline (\"before new tests\") runs, each with the tests of its commit: " + "; ".join(
-            f"`{m}.py`: {b['run'].get('tests') or 'saved ' + b['run']['written'] + ' at commit ' + b['run']['commit']}"
+            f"`{_file(m)}`: {b['run'].get('tests') or 'saved ' + b['run']['written'] + ' at commit ' + b['run']['commit']}"
             for m, b in before.items() if "run" in b)
             + ". The survivors of each were then re-run with the new tests (`make mutants MUTANTS=survivors`)."]
+    partly = [m for m in CORE if m in results and 0 < results[m].not_run < results[m].made]
+    if partly:
+        lines += ["", "Scope of the modules run in part (the score counts only the mutants run):", ""]
+        for m in partly:
+            fns = results[m].functions
+            done = [f"`{f}` ({n})" for f, (n, left) in fns.items() if n and not left]
+            some = [f"`{f}` ({n} of {n + left})" for f, (n, left) in fns.items() if n and left]
+            none = [f"`{f}` ({left})" for f, (n, left) in fns.items() if not n]
+            lines.append(f"- `{_file(m)}`: {results[m].made - results[m].not_run} of {results[m].made} mutants run"
+                         + (f"; every mutant of {', '.join(done)}" if done else "")
+                         + (f"; part of {', '.join(some)}" if some else "")
+                         + (f"; not run: {', '.join(none)}" if none else "") + ".")
     not_reached = [m for m in CORE if m not in results or results[m].not_run == results[m].made]
     if not_reached:
-        lines += ["", "Not run yet: " + ", ".join(f"`{m}.py`" for m in not_reached) + "."]
+        lines += ["", "Not run yet: " + ", ".join(f"`{_file(m)}`" for m in not_reached) + "."]
     for module in CORE:
         r = results.get(module)
         if r is None or not r.undetected:
             continue
         earlier = set((before.get(module) or {}).get("undetected", []))
-        lines += ["", f"## {module}.py: mutants no test detects", ""]
+        lines += ["", f"## {_file(module)}: mutants no test detects", ""]
         for name in r.undetected:
             verdict = f"equivalent: {equivalent[name]}" if name in equivalent else "**not killed**"
             lines += [f"- `{name}`: {verdict}", "", "  ```diff",
@@ -213,7 +286,7 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
             continue
         killed_now = sorted(set(b.get("undetected", [])) - set(r.undetected), key=_natural)
         if killed_now and not r.undetected:
-            lines += ["", f"## {module}.py", "", f"Killed by the new tests ({len(killed_now)} that survived the "
+            lines += ["", f"## {_file(module)}", "", f"Killed by the new tests ({len(killed_now)} that survived the "
                       "baseline run): " + ", ".join(f"`{n.rpartition('.')[2]}`" for n in killed_now) + "."]
     return "\n".join(lines) + "\n"
 
@@ -225,7 +298,7 @@ def baseline_record(results: dict[str, ModuleResult], info: dict[str, Any],
     modules = dict((earlier or {}).get("modules", {}))
     for m, r in results.items():
         if m not in modules and r.not_run < r.made:
-            modules[m] = {**asdict(r), "score": r.score, "run": info}
+            modules[m] = {**asdict(r), "score": r.score, "run": {k: v for k, v in info.items() if k != "runs"}}
     return {"modules": modules}
 
 
@@ -234,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save-baseline", action="store_true",
                     help=f"add the modules run since the last save to {BASELINE} (their 'before' verdicts)")
     ap.add_argument("--survivors", metavar="MODULE", help="print the names of MODULE's undetected mutants")
+    ap.add_argument("--unfinished", metavar="MODULE",
+                    help="print the names of MODULE's undetected and not yet run mutants")
+    ap.add_argument("--match", nargs="*", default=None, metavar="PATTERN",
+                    help="with --unfinished: only the names matching one of these mutmut name patterns")
     args = ap.parse_args(argv)
     equivalent = load_equivalent()
     results = collect(equivalent=equivalent)
@@ -241,6 +318,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.survivors not in results:
             raise SystemExit(f"error: no mutmut results for pipeline.{args.survivors} in {MUTANTS_DIR}/")
         print("\n".join(n for n in results[args.survivors].undetected if n not in equivalent))
+        return 0
+    if args.unfinished:
+        if args.unfinished not in results:
+            raise SystemExit(f"error: no mutmut results for pipeline.{args.unfinished} in {MUTANTS_DIR}/")
+        names = unfinished(args.unfinished, equivalent)
+        if args.match:
+            names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in args.match)]
+        print("\n".join(names))
         return 0
     info = _run_info()
     if args.save_baseline:

@@ -55,6 +55,9 @@ def test_fp32_is_exact_copy():
     assert torch.equal(decode_state(enc)["w"], x)
     enc["w"].add_(1.0)  # a copy: the caller's tensor is untouched
     assert not torch.equal(enc["w"], x)
+    # fp32 is the default encoding (train.transfer_dtype's default): exact, float32, no scales
+    default = encode_state({"w": x.double()})
+    assert set(default) == {"w"} and default["w"].dtype == torch.float32 and torch.equal(default["w"], x)
 
 
 @pytest.mark.parametrize("dtype,bytes_per_value", [("fp32", 4), ("fp16", 2), ("int8", 1)])

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline.datasets import sources
 from pipeline.datasets.readers import qmsum_meeting_id
@@ -238,6 +240,14 @@ def test_download_from_file_url_then_reuse(mirror, tmp_path):
     assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
 
 
+def test_a_download_url_may_end_in_a_slash_whatever_its_last_letter(mirror, tmp_path):
+    site = _upstream_layout(mirror, tmp_path)
+    shutil.move(site / "qmsum", site / "qmsumX")  # a copy whose directory name ends in "X"
+    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
+                       urls={"qmsum": (site / "qmsumX").as_uri() + "/"})
+    assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
+
+
 def test_no_mirror_and_failed_download_says_what_to_set(tmp_path, monkeypatch):
     monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
     cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
@@ -258,3 +268,260 @@ def test_real_qmsum_counts(shared_data):
     # SOURCE.md: 232 meetings, 234 general queries
     assert frame.meeting_id.nunique() == 232
     assert report.query_types == {"general": 234, "specific": 1576}
+
+
+# ---------------------------------------------------------------------------------------------- sources (units)
+def test_the_expected_files_are_the_upstream_layout():
+    assert sources.expected_files("qmsum") == [f"data/{d}/jsonl/{s}.jsonl" for d in ("Academic", "Committee", "Product")
+                                               for s in ("train", "val", "test")]
+    assert sources.expected_files("samsum") == ["train.json", "validation.json", "test.json"]
+    for dataset, corpus, chunks in (("ami", "AMI", {"train": 32, "dev": 20, "test": 20}),
+                                    ("icsi", "ICSI", {"train": 32, "dev": 10, "test": 6})):
+        files = sources.expected_files(dataset)
+        assert len(files) == sum(chunks.values())
+        assert files[0] == f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/train/split_0.jsonl.gz"
+        assert files[-1] == (f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/test/"
+                             f"split_{chunks['test'] - 1}.jsonl.gz")
+    with pytest.raises(DataError) as err:
+        sources.expected_files("cnn")
+    assert str(err.value) == "unknown dataset 'cnn'; expected qmsum, samsum, ami or icsi"
+
+
+def test_ingest_config_names_an_unknown_dataset():
+    IngestConfig(datasets=["qmsum", "samsum", "ami", "icsi"])
+    with pytest.raises(ValueError) as err:
+        IngestConfig(datasets=["qmsum", "xsum", "cnn"])
+    assert str(err.value) == "ingest.datasets: unknown dataset(s) ['cnn', 'xsum']; allowed: ['ami', 'icsi', 'qmsum', 'samsum']"
+
+
+@pytest.mark.parametrize("dataset, rel, key", [
+    ("qmsum", "data/Academic/jsonl/val.jsonl", "qmsum/Academic/valid"),
+    ("qmsum", "data/Product/jsonl/test.jsonl", "qmsum/Product/test"),
+    ("samsum", "validation.json", "samsum/SAMSum/valid"),
+    ("ami", "hmnet/ExampleRawData/meeting_summarization/AMI_proprec/dev/split_3.jsonl.gz", "ami/AMI/valid"),
+    ("icsi", "hmnet/ExampleRawData/meeting_summarization/ICSI_proprec/train/split_0.jsonl.gz", "icsi/ICSI/train"),
+])
+def test_a_missing_file_may_be_absent_exactly_when_its_split_key_is_allowed(dataset, rel, key):
+    def allowed(*patterns):
+        return sources._may_be_absent(dataset, rel, IngestConfig(allow_absent_splits=list(patterns)))
+
+    assert allowed(key) and allowed(f"{dataset}/*/*") and allowed("*")
+    assert not allowed() and not allowed(key + "x") and not allowed(key.upper()) and not allowed("other/*/*")
+
+
+def test_the_data_root_is_the_environment_variable_else_the_parameter(monkeypatch):
+    cfg = IngestConfig(data_root="data/raw")
+    monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
+    assert sources.data_root(cfg) == Path("data/raw")
+    monkeypatch.setenv(sources.ENV_DATA_ROOT, "")
+    assert sources.data_root(cfg) == Path("data/raw")
+    monkeypatch.setenv(sources.ENV_DATA_ROOT, "/mnt/copy")
+    assert sources.data_root(cfg) == Path("/mnt/copy")
+
+
+def test_an_incomplete_mirror_lists_five_missing_files_and_counts_them(mirror, tmp_path):
+    for split in ("train", "val", "test"):
+        for domain in ("Academic", "Committee"):
+            (mirror / f"qmsum/data/{domain}/jsonl/{split}.jsonl").unlink()
+    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={})
+    with pytest.raises(DataError) as err:
+        resolve_source("qmsum", cfg)
+    missing = [f"data/{d}/jsonl/{s}.jsonl" for d in ("Academic", "Committee") for s in ("train", "val", "test")]
+    assert str(err.value) == (f"{mirror / 'qmsum'}: local mirror of qmsum is incomplete; missing {missing[:5]} ... "
+                              "(6 files)")
+    # the same files allowed absent: the mirror is used as it is
+    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={},
+                       allow_absent_splits=["qmsum/Academic/*", "qmsum/Committee/*"])
+    assert resolve_source("qmsum", cfg) == mirror / "qmsum"
+
+
+def test_five_missing_files_are_all_listed_without_an_ellipsis(mirror, tmp_path):
+    gone = [("Academic", "train"), ("Academic", "val"), ("Academic", "test"), ("Committee", "train"),
+            ("Committee", "val")]
+    for domain, split in gone:
+        (mirror / f"qmsum/data/{domain}/jsonl/{split}.jsonl").unlink()
+    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={})
+    with pytest.raises(DataError) as err:
+        resolve_source("qmsum", cfg)
+    missing = [f"data/{d}/jsonl/{s}.jsonl" for d, s in gone]
+    assert str(err.value) == f"{mirror / 'qmsum'}: local mirror of qmsum is incomplete; missing {missing} (5 files)"
+
+
+def test_without_a_mirror_or_a_download_the_error_says_what_to_set(tmp_path, monkeypatch):
+    monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
+    cfg = IngestConfig(data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"), urls={})
+    with pytest.raises(DataError) as err:
+        resolve_source("samsum", cfg, allow_download=False)
+    assert str(err.value) == (
+        f"cannot read dataset 'samsum': {tmp_path / 'none' / 'samsum'} does not exist and downloading is disabled. "
+        "Run `dvc update data/raw/samsum.dvc` (a DVC import of ../shared/data/samsum) or `dvc pull "
+        "data/raw/samsum.dvc`; or set the environment variable FEDMEET_DATA_ROOT (or `ingest.data_root` in "
+        f"params.yaml, now {str(tmp_path / 'none')!r}) to a directory laid out like ../shared/data "
+        "(<root>/samsum/...), or set `ingest.urls.samsum` to a reachable copy of the upstream files.")
+    with pytest.raises(DataError) as err:
+        resolve_source("samsum", cfg)
+    assert str(err.value).startswith("cannot read dataset 'samsum': no local mirror and no `ingest.urls.samsum`. "
+                                     "Run `dvc update data/raw/samsum.dvc`")
+
+
+def test_a_partial_download_is_resumed_not_refetched(mirror, tmp_path, monkeypatch):
+    site = _upstream_layout(mirror, tmp_path)
+    fetched = []
+    real = sources._fetch
+    monkeypatch.setattr(sources, "_fetch", lambda url: fetched.append(url) or real(url))
+    raw = tmp_path / "raw" / "qmsum"
+    (raw / "data/Academic/jsonl").mkdir(parents=True)
+    (raw / "data/Academic/jsonl/train.jsonl").write_text((site / "qmsum/data/Academic/jsonl/train.jsonl").read_text())
+    cfg = IngestConfig(data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"),
+                       urls={"qmsum": (site / "qmsum").as_uri() + "/"})  # a trailing slash is not doubled
+    assert resolve_source("qmsum", cfg) == raw
+    assert len(fetched) == 8 and not any("Academic/jsonl/train" in u for u in fetched)
+    assert all("//data" not in u for u in fetched)
+
+
+def test_hmnet_files_are_fetched_from_the_repository_root(mirror, tmp_path, monkeypatch):
+    fetched = []
+    monkeypatch.setattr(sources, "_fetch", lambda url: fetched.append(url) or b"")
+    sources.download("ami", IngestConfig(urls={"ami": "https://example.org/hmnet"}), tmp_path / "ami")
+    assert fetched[0] == "https://example.org/hmnet/ExampleRawData/meeting_summarization/AMI_proprec/train/split_0.jsonl.gz"
+    assert (tmp_path / "ami/hmnet/ExampleRawData/meeting_summarization/AMI_proprec/train/split_0.jsonl.gz").is_file()
+
+
+def test_a_samsum_zip_without_a_split_is_named(tmp_path, monkeypatch):
+    import io
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        zf.writestr("samsum/train.json", "{}")
+        zf.writestr("samsum/validation.json", "{}")
+    monkeypatch.setattr(sources, "_fetch", lambda url: buffer.getvalue())
+    with pytest.raises(DataError) as err:
+        sources.download("samsum", IngestConfig(urls={"samsum": "https://x/samsum.zip"}), tmp_path / "samsum")
+    assert str(err.value) == "https://x/samsum.zip: zip has no member 'samsum/test.json'"
+    monkeypatch.setattr(sources, "_fetch", lambda url: b"not a zip")
+    with pytest.raises(DataError, match=r"download from https://x/samsum.zip failed \(File is not a zip file\)"):
+        sources.download("samsum", IngestConfig(urls={"samsum": "https://x/samsum.zip"}), tmp_path / "samsum")
+
+
+def test_a_download_that_hangs_is_given_up_after_the_timeout(monkeypatch):
+    seen = {}
+
+    class Response:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return b"data"
+
+    def urlopen(url, timeout):
+        seen.update(url=url, timeout=timeout)
+        return Response()
+
+    monkeypatch.setattr(sources.urllib.request, "urlopen", urlopen)
+    assert sources._fetch("https://x/a") == b"data"
+    assert seen == {"url": "https://x/a", "timeout": sources.DOWNLOAD_TIMEOUT_S} and sources.DOWNLOAD_TIMEOUT_S == 120
+
+
+# ---------------------------------------------------------------------------------------------- spans (properties)
+def _one_meeting(tmp_path: Path, spans: list, n_turns: int = 6, domain: str = "Committee") -> Path:
+    """A QMSum copy holding one meeting in <domain>/train (every other split allowed absent)."""
+    meeting = {"topic_list": [], "meeting_transcripts": [{"speaker": f"S{i}", "content": f"turn {i}"}
+                                                           for i in range(n_turns)],
+               "general_query_list": [{"query": "Summarize.", "answer": "All."}],
+               "specific_query_list": [{"query": "What?", "answer": "That.", "relevant_text_span": spans}]}
+    path = tmp_path / "qmsum" / "data" / domain / "jsonl" / "train.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meeting) + "\n")
+    return tmp_path / "qmsum"
+
+
+def _read(directory: Path):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_qmsum
+
+    report = IngestReport("qmsum", str(directory))
+    return list(read_qmsum(directory, report, allow_absent=["qmsum/*/*"])), report
+
+
+span_bounds = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)).map(sorted), min_size=0, max_size=4)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(spans=span_bounds, as_text=st.booleans())
+def test_a_specific_query_gets_the_end_exclusive_slices_of_its_spans_in_order(tmp_path_factory, spans, as_text):
+    directory = _one_meeting(tmp_path_factory.mktemp("q"), [[str(a), str(b)] if as_text else [a, b]
+                                                             for a, b in spans])
+    records, report = _read(directory)
+    general, specific = records
+    assert general.query_type == "general" and [t.content for t in general.turns] == [f"turn {i}" for i in range(6)]
+    assert general.spans == [] and specific.query_type == "specific"
+    assert [t.content for t in specific.turns] == [f"turn {i}" for a, b in spans for i in range(a, b)]
+    assert [tuple(s) for s in specific.spans] == [tuple(s) for s in spans]
+    assert all(type(x) is int for s in specific.spans for x in s)
+    empty = sum(a == b for a, b in spans)
+    assert report.notes.get("specific spans with start == end (empty slice, kept)", 0) == empty
+    assert report.notes.get("specific queries whose spans select no turn (kept, query only)", 0) == (
+        1 if all(a == b for a, b in spans) else 0)
+    assert (specific.domain, specific.split, specific.query_index) == ("Committee", "train", 0)
+    assert specific.source_file == "qmsum/data/Committee/jsonl/train.jsonl" and specific.source_line == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.integers(-3, 9), end=st.integers(-3, 9), n=st.integers(0, 6), as_text=st.booleans())
+def test_a_span_is_accepted_exactly_when_it_lies_within_the_meeting(start, end, n, as_text):
+    from pipeline.datasets.readers import _parse_span
+
+    raw = [str(start), str(end)] if as_text else (start, end)
+    if 0 <= start <= end <= n:
+        assert _parse_span(raw, n, "w") == (start, end)
+        return
+    with pytest.raises(DataError) as err:
+        _parse_span(raw, n, "w")
+    if start > end:
+        assert str(err.value) == f"w: span [{start}, {end}] is reversed"
+    else:
+        assert str(err.value) == f"w: span [{start}, {end}] is out of range for a meeting of {n} turns"
+
+
+@pytest.mark.parametrize("raw, problem", [
+    (["1"], "is not a [start, end] pair"), (["1", "2", "3"], "is not a [start, end] pair"),
+    ("12", "is not a [start, end] pair"), ({"a": 1, "b": 2}, "is not a [start, end] pair"),
+    ([1.0, 2], "has a non-integer index"), ([True, 2], "has a non-integer index"), ([1, False], "has a non-integer index"),
+    (["1.5", "2"], "has a non-integer index"), ([None, 2], "has a non-integer index"), ([1, "x"], "has a non-integer index"),
+])
+def test_a_malformed_span_is_named_not_read(raw, problem):
+    from pipeline.datasets.readers import _parse_span
+
+    with pytest.raises(DataError) as err:
+        _parse_span(raw, 5, "file:3")
+    assert str(err.value) == f"file:3: span {raw!r} {problem}"
+
+
+def test_a_bad_span_is_reported_with_its_meeting_and_query(tmp_path):
+    from pipeline.datasets.readers import qmsum_meeting_id
+
+    directory = _one_meeting(tmp_path, [[0, 2], [3, 9]])
+    transcript = json.loads((directory / "data/Committee/jsonl/train.jsonl").read_text())["meeting_transcripts"]
+    with pytest.raises(DataError) as err:
+        _read(directory)
+    assert str(err.value) == (f"qmsum/data/Committee/jsonl/train.jsonl:1: meeting {qmsum_meeting_id(transcript)} "
+                              "specific_query_list[0]: span [3, 9] is out of range for a meeting of 6 turns")
+
+
+def test_the_meeting_id_hashes_speakers_and_contents_in_order():
+    import hashlib
+
+    from pipeline.datasets.readers import qmsum_meeting_id
+
+    # the formula is the contract: meeting ids are part of the example ids stored in partitions and reports
+    a = [{"speaker": "A", "content": "hello"}, {"speaker": "B", "content": "yes"}]
+
+    text = json.dumps([["A", "hello"], ["B", "yes"]], ensure_ascii=True)
+    assert qmsum_meeting_id(a) == "m" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:10]
+    assert qmsum_meeting_id(a[::-1]) != qmsum_meeting_id(a)
+    assert qmsum_meeting_id([{"speaker": "A", "content": "hello", "extra": 1}, a[1]]) == qmsum_meeting_id(a)
+    assert qmsum_meeting_id([{"speaker": "é", "content": "x"}]) == "m" + hashlib.sha1(
+        json.dumps([["é", "x"]], ensure_ascii=True).encode()).hexdigest()[:10]

@@ -45,3 +45,45 @@ def test_equivalent_list_needs_a_reason(tmp_path):
     with pytest.raises(ValueError, match="mutant name -> non-empty reason"):
         mr.load_equivalent(path)
     assert mr.load_equivalent(tmp_path / "none.yaml") == {}
+
+
+def test_runs_are_read_from_the_make_log_and_shown_with_the_functions_they_ran(tmp_path):
+    runs = tmp_path / "runs.tsv"
+    runs.write_text("datasets.readers\tpipeline.datasets.readers.x__parse_span__mutmut_* "
+                    "pipeline.datasets.readers.x_read_qmsum__mutmut_*\t1795459012\t3725\tnice -n 10 mutmut run"
+                    "\tabc1234\nmodeling.losses\tsurvivors\t1795459012\t59\tcmd\tdef5678+changes\nbroken line\n")
+    read = mr.read_runs(runs)
+    assert read == [
+        {"module": "datasets.readers", "mutants": "pipeline.datasets.readers.x__parse_span__mutmut_* "
+         "pipeline.datasets.readers.x_read_qmsum__mutmut_*", "started": "2026-11-23 18:36",
+         "wall": "62 min 05 s", "command": "nice -n 10 mutmut run", "commit": "abc1234"},
+        {"module": "modeling.losses", "mutants": "survivors", "started": "2026-11-23 18:36", "wall": "0 min 59 s",
+         "command": "cmd", "commit": "def5678+changes"}]
+    assert mr._which("datasets.readers", read[0]["mutants"]) == "functions `_parse_span`, `read_qmsum`"
+    assert mr._which("modeling.losses", "survivors") == "survivors"
+    text = mr.render({}, {}, None, {}, {"written": "now", "commit": "c", "mutmut": "3.8.1", "runs": read})
+    assert "| pipeline/datasets/readers.py | functions `_parse_span`, `read_qmsum` | 2026-11-23 18:36 | 62 min 05 s |" in text
+    assert mr.read_runs(tmp_path / "none.tsv") == []
+
+
+def test_unfinished_mutants_are_the_undetected_and_unrun_non_equivalent_ones(tmp_path):
+    _meta(tmp_path, "modeling.losses", {1: 1, 2: 0, 3: None, 4: 33, 5: 36, 6: 0, 10: None})
+    equivalent = {"pipeline.modeling.losses.x_f__mutmut_6": "same values"}
+    names = mr.unfinished("modeling.losses", equivalent, tmp_path / "mutants")
+    assert names == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (2, 3, 4, 10)]
+    assert mr._which("modeling.losses", "unfinished pipeline.modeling.losses.x_f__mutmut_*") == (
+        "unfinished mutants of functions `f`")
+
+
+def test_a_module_run_in_part_names_the_functions_run_and_not_run(tmp_path):
+    meta = tmp_path / "mutants" / "pipeline" / "training" / "rounds.py.meta"
+    meta.parent.mkdir(parents=True)
+    keys = {"pipeline.training.rounds.x_keep_best__mutmut_1": 1, "pipeline.training.rounds.x_keep_best__mutmut_2": 0,
+            "pipeline.training.rounds.xǁRecorderǁstarted__mutmut_1": None,
+            "pipeline.training.rounds.x_write__mutmut_1": 1, "pipeline.training.rounds.x_write__mutmut_2": None}
+    meta.write_text(json.dumps({"exit_code_by_key": keys}))
+    r = mr.collect(tmp_path / "mutants")["training.rounds"]
+    assert r.functions == {"keep_best": [2, 0], "Recorder.started": [0, 1], "write": [1, 1]}
+    text = mr.render({"training.rounds": r}, {}, None, {}, {"written": "now", "commit": "c", "mutmut": "3", "runs": []})
+    assert ("- `pipeline/training/rounds.py`: 3 of 5 mutants run; every mutant of `keep_best` (2); part of `write` "
+            "(1 of 2); not run: `Recorder.started` (1).") in text

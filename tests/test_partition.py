@@ -7,6 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipeline.partitioning import schemes as partition_schemes
 from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
@@ -222,3 +224,216 @@ def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
     assert sum(c["sizes"]["train"] for c in stats["clients"].values()) == 57
     png = tmp_path / "rep/iid-seed2.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------------------------- properties
+@pytest.mark.parametrize("make, message", [
+    (lambda: partition_schemes.IidConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.NoniidBalancedConfig(sizes={"dev": 3}),
+     "sizes={'dev': 3} is out of range; allowed: keys train, valid, test"),
+    (lambda: partition_schemes.NoniidBalancedConfig(sizes={"train": 0}),
+     "sizes.train=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.QuantityConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.QuantityConfig(beta=0.0), "beta=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
+    (lambda: partition_schemes.QuantityConfig(min_per_split=-1),
+     "min_per_split=-1 is out of range; allowed: an integer >= 0"),
+    (lambda: partition_schemes.ClusterConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.ClusterConfig(alpha=0.0), "alpha=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
+    (lambda: partition_schemes.ClusterConfig(n_clusters=0), "n_clusters=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.ClusterConfig(batch_size=0), "batch_size=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.DomainDirichletConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.DomainDirichletConfig(alpha=-1.0),
+     "alpha=-1.0 is out of range; allowed: a Dirichlet concentration > 0"),
+    (lambda: partition_schemes.DomainDirichletConfig(alpha=0.0),
+     "alpha=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
+    (lambda: PartitionConfig(schemes=["domain", "random", "iid2"]),
+     "partition.schemes: unknown scheme(s) ['iid2', 'random']; allowed: ['cluster', 'domain', 'domain_dirichlet', "
+     "'extreme', 'iid', 'long_meeting', 'noniid_balanced', 'quantity']"),
+])
+def test_partition_settings_out_of_range_are_named(make, message):
+    with pytest.raises(ValueError) as err:
+        make()
+    assert str(err.value) == message
+
+
+def test_the_smallest_allowed_settings_are_accepted():
+    partition_schemes.IidConfig(n_clients=1)
+    partition_schemes.NoniidBalancedConfig(sizes={"train": 1, "valid": 1, "test": 1})
+    partition_schemes.QuantityConfig(n_clients=1, beta=1e-9, min_per_split=0)
+    partition_schemes.ClusterConfig(n_clients=1, alpha=1e-9, n_clusters=1, batch_size=1)
+    partition_schemes.DomainDirichletConfig(n_clients=1, alpha=1e-9)
+
+
+def test_a_pool_without_qmsum_or_a_domain_without_examples_is_named():
+    with pytest.raises(DataError) as err:
+        make_partition(EXAMPLES[EXAMPLES.dataset != "qmsum"], "iid", 0, cfg())
+    assert str(err.value) == "examples: no QMSum examples to partition (is qmsum in ingest.datasets?)"
+    with pytest.raises(DataError) as err:
+        make_partition(EXAMPLES[EXAMPLES.domain != "SAMSum"], "extreme", 0, cfg())
+    assert str(err.value) == "examples: no examples of domain 'SAMSum'"
+
+
+@pytest.mark.parametrize("scheme", ["domain", "extreme", "long_meeting", "iid", "noniid_balanced", "quantity",
+                                    "domain_dirichlet"])
+def test_every_example_is_labelled_with_the_domain_the_scheme_skews_on(scheme):
+    c = cfg(noniid_balanced={"sizes": {"train": 10, "valid": 4, "test": 4}})
+    part = make_partition(EXAMPLES, scheme, 0, c)
+    domain_of = dict(zip(EXAMPLES.example_id, EXAMPLES.domain))
+    assert set(part.assigned()) <= set(part.labels)
+    assert all(part.labels[i] == domain_of[i] for i in part.labels)
+
+
+def test_noniid_balanced_may_take_a_whole_split():
+    part = make_partition(EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 12, "valid": 6,
+                                                                                          "test": 6}}))
+    assert sorted(part.clients["Academic"]["train"]) == sorted(i for i in QMSUM_IDS if "/Academic/train/" in i)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shares=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8).filter(lambda s: sum(s) > 0)
+       | st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=1, max_size=40),  # equal shares: tied remainders
+       total=st.integers(0, 500))
+def test_largest_remainder_is_hamiltons_method(shares, total):
+    """Counts sum to the total, each is the floor or the ceiling of its exact quota, and the extra units go to the
+    largest remainders (ties to the earlier entry)."""
+    shares = np.array(shares)
+    counts = largest_remainder(shares, total)
+    quota = shares / shares.sum() * total
+    floors = np.floor(quota).astype(int)
+    assert counts.sum() == total
+    assert np.all((counts == floors) | (counts == floors + 1))
+    rem = quota - floors
+    extra = counts > floors
+    for i in np.flatnonzero(extra):
+        for j in np.flatnonzero(~extra):
+            assert rem[i] > rem[j] or (rem[i] == rem[j] and i < j)
+
+
+def test_largest_remainder_by_hand_when_the_largest_remainder_is_not_the_largest_share():
+    # 5 * (0.62, 0.38) = (3.1, 1.9): floors (3, 1), the unit left goes to the remainder 0.9
+    assert largest_remainder(np.array([0.62, 0.38]), 5).tolist() == [3, 2]
+    # 20 equal shares of 30: each 1.5, the ten extra units to the first ten (ties in order)
+    assert largest_remainder(np.ones(20), 30).tolist() == [2] * 10 + [1] * 10
+
+
+def test_quantity_uses_the_first_draw_that_meets_the_minimum_even_with_empty_clients():
+    c = cfg(quantity={"n_clients": 4, "beta": 0.05, "min_per_split": 0})
+    n = {s: sum(1 for i in QMSUM_IDS if f"/{s}/" in i) for s in SPLITS}
+    z = np.random.default_rng(3).dirichlet(np.full(4, 0.05))
+    assert largest_remainder(z, n["train"]).min() == 0  # the first draw leaves a client empty: still used
+    part = make_partition(EXAMPLES, "quantity", 3, c)
+    assert [len(cl["train"]) for cl in part.clients.values()] == largest_remainder(z, n["train"]).tolist()
+
+
+def _skewed_pool(sizes=(600, 200, 200)) -> pd.DataFrame:
+    """QMSum-like examples with unequal domains (60 / 20 / 20 %), every split."""
+    return pd.DataFrame([("qmsum", d, s, f"{d}-{s}-{k}", f"qmsum/{d}/{s}/{d}-{s}-{k}/q0", "x")
+                         for d, n in zip(QMSUM_SIZES, sizes) for s, m in zip(SPLITS, (n, n // 5, n // 5))
+                         for k in range(m)], columns=EXAMPLES.columns)
+
+
+def test_with_a_large_alpha_every_client_gets_the_global_label_mix():
+    """q_c ~ Dir(alpha p): alpha -> infinity gives q_c = p, the global label proportions (60 / 20 / 20 %)."""
+    pool = _skewed_pool()
+    part = make_partition(pool, "domain_dirichlet", 0, cfg(domain_dirichlet={"alpha": 1e4, "n_clients": 3}))
+    domain_of = dict(zip(pool.example_id, pool.domain))
+    for client in part.clients.values():
+        train = [domain_of[i] for i in client["train"]]
+        share = train.count("Academic") / len(train)
+        assert abs(share - 0.6) < 0.05, share
+
+
+def test_with_a_tiny_alpha_clients_whose_label_ran_out_take_what_is_left():
+    """Dir(alpha p) with alpha -> 0 puts each client's whole mix on one label; when that label is used up, the
+    client takes from the labels still available, and every example is still assigned."""
+    pool = _skewed_pool((60, 20, 20))
+    for seed in range(4):
+        part = make_partition(pool, "domain_dirichlet", seed, cfg(domain_dirichlet={"alpha": 1e-4, "n_clients": 3}))
+        assert sorted(part.assigned()) == sorted(pool.example_id)
+
+
+def test_the_sentence_model_is_found_in_its_package_or_next_to_it(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    with_path = types.ModuleType("st_with_path")
+    with_path.get_model_path = lambda: str(tmp_path / "elsewhere")
+    with_path.__file__ = str(tmp_path / "pkg1" / "__init__.py")
+    plain = types.ModuleType("st_plain")
+    plain.__file__ = str(tmp_path / "pkg2" / "__init__.py")
+    monkeypatch.setitem(sys.modules, "st_with_path", with_path)
+    monkeypatch.setitem(sys.modules, "st_plain", plain)
+    assert partition_schemes.model_dir("st_with_path") == tmp_path / "elsewhere"
+    assert partition_schemes.model_dir("st_plain") == tmp_path / "pkg2" / "model"
+    assert partition_schemes.model_dir(str(tmp_path)) == tmp_path  # a directory is used as it is
+
+
+def test_target_embeddings_are_unit_vectors_that_put_paraphrases_together():
+    texts = ["The committee approved the school budget.", "The school budget was approved by the committee.",
+             "The remote control should be yellow and spongy."]
+    vectors = partition_schemes.embed_targets(texts, partition_schemes.ClusterConfig(batch_size=2))
+    assert isinstance(vectors, np.ndarray) and vectors.shape == (3, 384)
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
+    sim = vectors @ vectors.T
+    assert sim[0, 1] > 0.8 > 0.3 > sim[0, 2]
+
+
+def test_cluster_labels_are_a_function_of_the_seed(monkeypatch):
+    """Random targets (no cluster structure, so K-Means' initialisation matters): the same seed gives the same
+    labels, the embedding is asked with the cluster settings."""
+    seen = []
+
+    def random_embed(texts, cluster_cfg):
+        seen.append(cluster_cfg)
+        return np.random.default_rng(len(texts)).normal(size=(len(texts), 4))
+
+    monkeypatch.setattr(partition_schemes, "embed_targets", random_embed)
+    c = cfg(cluster={"n_clusters": 4, "alpha": 1.0})
+    runs = [partition_json(make_partition(EXAMPLES, "cluster", 7, c), "cluster", 7, c) for _ in range(3)]
+    labels = [make_partition(EXAMPLES, "cluster", 7, c).labels for _ in range(2)]
+    assert runs[0] == runs[1] == runs[2] and labels[0] == labels[1]
+    assert all(s is c.cluster for s in seen)
+
+
+def _planted_clusters() -> tuple[np.ndarray, np.ndarray]:
+    """Six tight blobs (sd 0.15) in three well separated pairs, each pair a big and a small blob 1.2 apart: the
+    least-inertia 6-clustering is the planted one, but a single k-means++ start often merges a small blob into
+    its big neighbour and splits another."""
+    rng = np.random.default_rng(0)
+    centers = np.array([[0, 0], [0, 1.2], [5, 0], [5, 1.2], [10, 0], [10, 1.2]], float)
+    sizes = [40, 5, 40, 5, 40, 5]
+    vectors = np.concatenate([c + rng.normal(scale=0.15, size=(n, 2)) for c, n in zip(centers, sizes)])
+    return vectors, np.repeat(np.arange(6), sizes)
+
+
+def test_cluster_labels_recover_planted_clusters_whatever_the_seed(monkeypatch):
+    """K-Means with restarts (n_init=10) finds the planted clusters for every seed: each blob one label, six labels."""
+    vectors, truth = _planted_clusters()
+    pool = pd.DataFrame({"example_id": [f"e{i:03d}" for i in range(len(truth))], "target": ["t"] * len(truth)})
+    monkeypatch.setattr(partition_schemes, "embed_targets", lambda texts, c: vectors)
+    cluster_cfg = partition_schemes.ClusterConfig(n_clusters=6)
+    for seed in range(12):
+        labels = partition_schemes.cluster_labels(pool, cluster_cfg, random_state=seed)
+        got = np.array([labels[i] for i in pool.example_id])
+        per_blob = [set(got[truth == k]) for k in range(6)]
+        assert all(len(s) == 1 for s in per_blob), seed
+        assert len(set.union(*per_blob)) == 6, seed
+
+
+def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order():
+    """Meetings M1 and M3 are in a test set: every train/valid example of them is excluded (and counted), by split."""
+    part = Partition(clients={"a": {"train": ["x1", "x2", "x5"], "valid": ["x3"], "test": ["y1"]},
+                              "b": {"train": ["y2"], "valid": [], "test": ["x4"]}})
+    meeting_of = {"x1": "M1", "x2": "M2", "x3": "M1", "x4": "M1", "x5": "M4", "y1": "M3", "y2": "M3"}
+    assert partition_schemes.guard_leakage(part, meeting_of) == 3
+    assert part.clients["a"] == {"train": ["x2", "x5"], "valid": [], "test": ["y1"]}
+    assert part.clients["b"] == {"train": [], "valid": [], "test": ["x4"]}
+    assert part.excluded == {"x1": "leakage guard: meeting in a test set (train example)",
+                             "x3": "leakage guard: meeting in a test set (valid example)",
+                             "y2": "leakage guard: meeting in a test set (train example)"}
+    assert partition_schemes.guard_leakage(part, meeting_of) == 0  # nothing left to move
+
+
+def test_assigned_lists_every_clients_splits_in_split_order_a_missing_split_holding_none():
+    part = Partition(clients={"a": {"test": ["t1"], "train": ["r1", "r2"]}, "b": {"valid": ["v1"]}, "c": {}})
+    assert part.assigned() == ["r1", "r2", "t1", "v1"]

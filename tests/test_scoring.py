@@ -196,3 +196,33 @@ def test_score_files_without_stemming_and_names_the_table_rouge_l(tmp_path):
     assert score_files(pred, ref)["rouge1"] == pytest.approx(100.0)
     plain = score_files(pred, ref, use_stemmer=False)
     assert plain["rouge1"] == 0.0 and plain["rouge_l_in_tables"] == "rougeLsum" and plain["n"] == 1
+
+
+def test_scores_print_as_one_key_per_line_in_sorted_order_whatever_the_dict_order():
+    from pipeline.results.scoring import dumps_scores
+
+    scores = {"rouge2": 1.5, "n": 2, "avg_rouge": 3.25, "rouge1": 7.0}
+    text = dumps_scores(scores)
+    assert json.loads(text) == scores
+    assert text == dumps_scores(dict(reversed(list(scores.items()))))  # the same bytes for the same scores
+    lines = text.splitlines()
+    assert len(lines) == len(scores) + 2  # braces + one score per line
+    assert [json.loads("{" + line.rstrip(",") + "}") for line in lines[1:-1]] == [
+        {"avg_rouge": 3.25}, {"n": 2}, {"rouge1": 7.0}, {"rouge2": 1.5}]
+
+
+def test_read_lines_keeps_each_line_as_written_but_its_line_end(tmp_path):
+    from pipeline.results.scoring import read_lines
+
+    path = tmp_path / "p.txt"
+    path.write_bytes("café au lait \t\r\n  indented\nthe vote on item X\n".encode("utf-8"))
+    assert read_lines(path) == ["café au lait \t", "  indented", "the vote on item X"]
+
+
+def test_sentence_splitting_of_leading_breaks_and_single_letter_initials():
+    # a text that starts with a line break or a blank line has no empty first sentence
+    assert split_sentences("\nFirst one. Second") == ["First one.", "Second"]
+    assert split_sentences("  \n\nFirst one.") == ["First one."]
+    # any single capital initial, X included, continues the sentence
+    assert split_sentences("Agent X. Smith left. Then Y. Jones came.") == ["Agent X. Smith left.",
+                                                                           "Then Y. Jones came."]

@@ -129,11 +129,15 @@ def test_fednova_reports_the_example_weighted_train_metrics():
     assert metrics["train-loss"] == pytest.approx((1 * 2.0 + 3 * 6.0) / 4)
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedprox", "fedopt", "fednova"])
-def test_every_client_evaluates_one_node_suffices_and_weights_are_train_sizes(name):
+@pytest.mark.parametrize("name, optimizer", [("fedavg", "sgdm"), ("fedprox", "sgdm"), ("fedopt", "sgdm"),
+                                             ("fedopt", "adam"), ("fedopt", "yogi"), ("fedopt", "adagrad"),
+                                             ("fednova", "sgdm")])
+def test_every_client_evaluates_one_node_suffices_and_weights_are_train_sizes(name, optimizer):
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    strategy = _strategy(name, fraction_train=0.67)
+    from pipeline.federation.strategies import FedOptConfig
+
+    strategy = _strategy(name, fraction_train=0.67, fedopt=FedOptConfig(server_optimizer=optimizer))
     arrays = ArrayRecord({"w": Array(np.zeros(1, dtype=np.float32))})
     # 0.67 of 3 nodes -> int(2.01) = 2 trained; all 3 evaluate (each keeps its best adapter on its own valid set)
     assert len(list(strategy.configure_train(1, arrays, ConfigRecord(), _grid(3)))) == 2

@@ -1,0 +1,298 @@
+"""One client's local training (pipeline.training.local.train_local, METHOD.md section 4) on the tiny BART, as a
+unit: what it counts, what its losses mean and what one optimizer step does.
+
+Properties stated: with lr 0 the adapter does not move and the reported losses are the method's loss on the
+training examples (CE = the validation CE of those examples; KD on every token with teacher = student gives KL 0
+and (1 - lambda) CE; selective KD gates exactly the tokens whose teacher entropy is below tau, and the gate log
+has one row per trained token saying so); steps and tokens follow batches, accumulation and epochs; a first AdamW
+step moves every parameter with a gradient by lr and shrinks the decayed ones by lr x weight decay; accumulated
+micro-batches give the step of the whole effective batch; the FedProx term is mu/2 ||W - W_global||^2; training
+is a function of (seed, client, round).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+
+# imported here, not only in the tests: mutmut's fork server imports the test modules once
+import pipeline.training.local  # noqa: F401
+import pipeline.training.shared_model  # noqa: F401
+
+CLIENT = "Committee"  # 6 training examples in tests/test_federated.py's workspace
+
+
+def _setup(name: str, method: str = "fedavg", **train):
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.client_data import client_data
+    from pipeline.training.shared_model import initial_adapter_state, shared_model
+
+    plan = load_plan(write_plan(name, method, **{"prefix_cache": False, **train}))
+    model = shared_model(plan)
+    w0 = initial_adapter_state(plan)
+    model.load_adapter_state("local", w0)
+    model.load_adapter_state("global", w0)
+    return plan, model, client_data(plan, CLIENT).train, w0
+
+
+def _train(plan, model, examples, rnd: int = 1, **kw):
+    from pipeline.training.local import train_local
+
+    return train_local(model, plan, examples, client=CLIENT, rnd=rnd, **kw)
+
+
+def _target_tokens(model, plan, examples) -> list[int]:
+    """Non-padding target tokens per example, from the tokenizer alone."""
+    from pipeline.modeling.batching import IGNORE_INDEX, make_batches
+    from pipeline.training.shared_model import model_config
+
+    batches = make_batches(examples, model.tokenizer, model_config(plan), 1, shuffle=False, seed=0,
+                           decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id)
+    return [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
+
+
+def _unchanged(model, w0) -> bool:
+    state = model.adapter_state("local")
+    return all(torch.equal(state[k], w0[k]) for k in w0)
+
+
+# ----------------------------------------------------------------------------------------------- lr 0: the loss
+def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
+    from pipeline.training.local import GATE_LOG_COLUMNS, validation_loss
+
+    plan, model, train, w0 = _setup("local-ce", lr=0.0, local_epochs=2, batch_size=4)
+    result = _train(plan, model, train)
+    assert _unchanged(model, w0)  # lr 0 (and AdamW's decay is lr x wd): nothing moves
+    val, tokens = validation_loss(model, plan, train)
+    assert (result.n_examples, result.n_tokens) == (6, 2 * tokens) and tokens == sum(_target_tokens(model, plan,
+                                                                                                   train))
+    assert result.n_steps == 2 * math.ceil(6 / 4)  # two epochs of two batches
+    assert result.train_loss == pytest.approx(val, rel=1e-5) and result.ce == pytest.approx(val, rel=1e-5)
+    assert (result.kd, result.kd_fraction, result.proximal) == (0.0, 0.0, 0.0)
+    assert list(result.gate_log.columns) == GATE_LOG_COLUMNS and len(result.gate_log) == 0  # no teacher, no log
+    assert result.privacy is None and (result.dp_examples, result.dp_clipped) == (0, 0)
+    # training leaves the adapter frozen and the model in evaluation mode
+    assert not any(p.requires_grad for p in model.local_parameters()) and not model.training
+    assert set(result.metrics()) == {"n_examples", "n_steps", "n_tokens", "train_loss", "ce", "kd", "kd_fraction",
+                                     "proximal", "dp_examples", "dp_clipped"}
+
+
+def test_kd_on_every_token_with_the_teacher_equal_to_the_student_is_zero_kl(ws):
+    from pipeline.training.local import validation_loss
+
+    plan, model, train, w0 = _setup("local-kd", "fedkd", lr=0.0, batch_size=4)
+    result = _train(plan, model, train)
+    ce, tokens = validation_loss(model, plan, train)
+    lam = plan.train.kd_lambda
+    assert result.kd_fraction == 1.0 and abs(result.kd) < 1e-6
+    assert result.ce == pytest.approx(ce, rel=1e-5)
+    assert result.train_loss == pytest.approx((1 - lam) * ce, rel=1e-5)  # L_t = (1 - lambda) CE + lambda * 0
+    assert len(result.gate_log) == tokens and result.gate_log["kd_applied"].all()
+
+
+def _teacher_entropies(model, plan, examples) -> list[np.ndarray]:
+    """H(q_g) of every target token of each example, from the global path's logits (an independent forward)."""
+    from pipeline.modeling.batching import IGNORE_INDEX, make_batches
+    from pipeline.training.shared_model import model_config
+
+    out = []
+    for b in make_batches(examples, model.tokenizer, model_config(plan), 1, shuffle=False, seed=0,
+                          decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id):
+        with torch.no_grad():
+            logits = model.forward_path(b, "global")[0][b.labels[0] != IGNORE_INDEX].double()
+        logp = torch.log_softmax(logits, -1)
+        out.append((-(logp.exp() * logp).sum(-1)).numpy())
+    return out
+
+
+def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
+    from pipeline.federation.protocol import load_plan
+
+    plan, model, train, w0 = _setup("local-sel-probe", "fedselectkd", lr=0.0, batch_size=4)
+    # a teacher that differs from the student, so KL > 0 where KD applies
+    g = torch.Generator().manual_seed(4)
+    teacher = {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in w0.items()}
+    model.load_adapter_state("global", teacher)
+    entropies = _teacher_entropies(model, plan, train)
+    flat = np.concatenate(entropies)
+    tau = float(np.median(flat))  # about half the tokens below it
+    plan = load_plan(write_plan("local-sel", "fedselectkd", tau=tau, lr=0.0, batch_size=4, prefix_cache=False))
+    result = _train(plan, model, train)
+    log = result.gate_log
+    assert len(log) == len(flat) == result.n_tokens
+    # per example, in target order: position 0.. n-1, the teacher's entropy, gated iff H < tau
+    ids = train["example_id"].tolist()
+    for i, h in zip(ids, entropies):
+        rows = log[log.example_id == i].sort_values("position")
+        assert rows["position"].tolist() == list(range(len(h)))
+        np.testing.assert_allclose(rows["entropy"].to_numpy(), h, rtol=1e-4, atol=1e-5)
+        assert rows["kd_applied"].tolist() == (h < tau).tolist()
+    assert result.kd_fraction == pytest.approx(float((flat < tau).mean()))
+    assert 0 < result.kd_fraction < 1 and result.kd > 0
+    assert (log["client"] == CLIENT).all() and (log["round"] == 1).all()
+    # the gate log's token ids are the example's target tokens
+    from pipeline.modeling.batching import IGNORE_INDEX, make_batches
+    from pipeline.training.shared_model import model_config
+
+    for b in make_batches(train, model.tokenizer, model_config(plan), 1, shuffle=False, seed=0,
+                          decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id):
+        labels = b.labels[0][b.labels[0] != IGNORE_INDEX].tolist()
+        assert log[log.example_id == b.example_ids[0]].sort_values("position")["token_id"].tolist() == labels
+
+
+def test_the_gate_log_of_no_token_has_the_columns_and_types_of_one_with_tokens(ws):
+    from pipeline.training.local import empty_gate_log
+
+    plan, model, train, _ = _setup("local-gatelog", "fedkd", lr=0.0, batch_size=4)
+    log = _train(plan, model, train).gate_log
+    empty = empty_gate_log()
+    assert len(empty) == 0 and list(empty.columns) == list(log.columns)
+    assert empty.dtypes.to_dict() == log.dtypes.to_dict()
+    assert pd.concat([empty, log], ignore_index=True).dtypes.to_dict() == log.dtypes.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------- steps and updates
+@pytest.mark.parametrize("batch_size, accum, epochs, steps", [(4, 1, 1, 2), (2, 2, 1, 2), (2, 3, 2, 2), (1, 4, 1, 2),
+                                                             (6, 1, 3, 3)])
+def test_optimizer_steps_follow_batches_accumulation_and_epochs(ws, batch_size, accum, epochs, steps):
+    plan, model, train, _ = _setup(f"local-steps-{batch_size}-{accum}-{epochs}", lr=0.0, batch_size=batch_size,
+                                   grad_accum_steps=accum, local_epochs=epochs)
+    result = _train(plan, model, train)
+    assert result.n_steps == steps == epochs * math.ceil(math.ceil(6 / batch_size) / accum)
+    assert result.n_tokens == epochs * sum(_target_tokens(model, plan, train))
+
+
+def test_a_first_adamw_step_moves_each_parameter_by_lr_and_decays_the_matrices(ws):
+    """AdamW's first step: m = g, v = g^2, so the update is -lr g / (|g| + eps) = -lr sign(g) where g != 0, after
+    p <- p (1 - lr wd) for the decayed parameters (the adapter matrices; not LayerNorm and biases). W_up = 0 at
+    init, so W_down has no gradient in the first step and only decays."""
+    lr, wd = 1e-3, 0.1
+    plan, model, train, w0 = _setup("local-adamw", lr=lr, weight_decay=wd, batch_size=6)  # one batch, one step
+    result = _train(plan, model, train)
+    assert result.n_steps == 1
+    new = model.adapter_state("local")
+    for k, before in w0.items():
+        after = new[k]
+        decayed = before * (1 - lr * wd) if before.ndim == 2 else before  # the matrices only
+        if ".down." in k:  # no gradient through W_up = 0: the decay alone
+            torch.testing.assert_close(after, decayed, rtol=1e-6, atol=0)
+            continue
+        _assert_sign_step(after - decayed, lr, k)
+
+
+def _assert_sign_step(step: torch.Tensor, lr: float, name: str) -> None:
+    """Adam's first step: |step| = lr |g| / (|g| + 1e-8) <= lr, = lr up to rounding where |g| >> 1e-8."""
+    step = step.abs()
+    assert float(step.max()) <= lr * (1 + 1e-3), name
+    moved = step[step > 0]
+    assert moved.numel() > 0.5 * step.numel(), name  # most entries have a gradient
+    assert float(moved.median()) == pytest.approx(lr, rel=1e-3), name
+
+
+def test_norms_and_biases_decay_too_when_asked(ws):
+    lr, wd = 1e-3, 0.5
+    plan, model, train, w0 = _setup("local-decay-all", lr=lr, weight_decay=wd, batch_size=6,
+                                    decay_norm_and_bias=True)
+    _train(plan, model, train)
+    new = model.adapter_state("local")
+    # the LayerNorm gain: 1 before, decayed to 1 - lr wd, then moved by lr
+    for k in ("layer0.norm.weight", "layer1.up.bias"):
+        _assert_sign_step(new[k] - w0[k] * (1 - lr * wd), lr, k)
+
+
+def test_accumulated_micro_batches_make_the_step_of_the_whole_batch(ws):
+    plan, model, train, w0 = _setup("local-accum-whole", lr=1e-3, batch_size=6, grad_accum_steps=1)
+    _train(plan, model, train)
+    whole = model.adapter_state("local")
+    plan2, model2, train2, _ = _setup("local-accum-parts", lr=1e-3, batch_size=2, grad_accum_steps=3)
+    result = _train(plan2, model2, train2)
+    assert result.n_steps == 1
+    parts = model2.adapter_state("local")
+    for k in whole:
+        torch.testing.assert_close(parts[k], whole[k], rtol=0, atol=2e-6)
+    assert not all(torch.equal(whole[k], w0[k]) for k in w0)
+
+
+def test_training_is_a_function_of_seed_client_and_round(ws):
+    plan, model, train, w0 = _setup("local-det", lr=5e-3, batch_size=2)
+    runs = []
+    for rnd in (1, 1, 2):
+        model.load_adapter_state("local", w0)
+        torch.manual_seed(rnd * 100)  # whatever the global RNG holds
+        _train(plan, model, train, rnd=rnd)
+        runs.append(model.adapter_state("local"))
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in w0)
+    assert not all(torch.equal(runs[0][k], runs[2][k]) for k in w0)  # another round: another batch order
+
+
+# ----------------------------------------------------------------------------------------------- FedProx
+def test_the_proximal_term_is_half_mu_times_the_squared_distance_to_the_global(ws):
+    mu = 0.5
+    plan, model, train, w0 = _setup("local-prox", "fedprox", lr=0.0, batch_size=4, proximal_mu=mu)
+    g = torch.Generator().manual_seed(2)
+    reference = {k: v + 0.1 * torch.randn(v.shape, generator=g) for k, v in w0.items()}
+    result = _train(plan, model, train, proximal_reference=reference, proximal_mu=mu)
+    distance = sum(float(((w0[k].double() - reference[k].double()) ** 2).sum()) for k in w0)
+    assert result.proximal == pytest.approx(mu / 2 * distance, rel=1e-5)
+    plain = _train(plan, model, train)
+    assert result.train_loss == pytest.approx(plain.train_loss, rel=1e-6)  # reported without the proximal term
+    with pytest.raises(ValueError) as err:
+        _train(plan, model, train, proximal_mu=mu)
+    assert str(err.value) == "train_local: proximal_mu > 0 needs the global weights (proximal_reference)"
+
+
+def test_the_proximal_gradient_pulls_towards_the_global(ws):
+    """With a reference far from the adapter the proximal gradient mu (W - W_g) dominates: the first (sign) step
+    moves every LayerNorm gain towards the reference."""
+    mu, lr = 100.0, 1e-3
+    plan, model, train, w0 = _setup("local-prox-grad", "fedprox", lr=lr, batch_size=6, proximal_mu=mu)
+    reference = {k: v + (1.0 if k.endswith("norm.weight") else 0.0) for k, v in w0.items()}
+    _train(plan, model, train, proximal_reference=reference, proximal_mu=mu)
+    new = model.adapter_state("local")
+    for k in w0:
+        if k.endswith("norm.weight"):
+            torch.testing.assert_close(new[k] - w0[k], torch.full_like(w0[k], lr), rtol=1e-3, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------- small rules, by hand
+def _labelled(*rows):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(labels=torch.tensor(rows), example_ids=[f"e{i}" for i in range(len(rows))])
+
+
+def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequences():
+    from pipeline.training.local import per_example_loss_scale
+
+    batch = _labelled([5, 6, -100], [-100, -100, -100], [7, -100, -100])  # 3 tokens, 2 non-empty sequences
+    assert per_example_loss_scale(batch, "tokens", max_target_length=4) == 3 / 4
+    assert per_example_loss_scale(batch, "sequences", max_target_length=4) == 2.0
+
+
+def test_accumulation_weights_count_only_sequences_with_a_target_token():
+    from pipeline.training.local import accumulation_weights
+
+    b1 = _labelled([5, 6, -100], [-100, -100, -100])  # one sequence with targets, one empty
+    b2 = _labelled([7, 8, 9])
+    assert accumulation_weights([b1, b2], 2, "sequences") == [0.5, 0.5]
+    assert accumulation_weights([b1, b2], 2, "tokens") == [0.4, 0.6]
+
+
+def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_position():
+    from pipeline.training.local import _gate_rows
+
+    batch = _labelled([3, -100], [4, 5])
+    labels = batch.labels
+    entropy = torch.tensor([[0.5, 9.0], [1.5, 2.5]])
+    gate = torch.tensor([[True, True], [False, True]])
+    rows = _gate_rows(batch, labels, entropy, gate, "Academic", 7)
+    assert rows["client"].tolist() == ["Academic"] * 3 and str(rows["client"].dtype) == "string"
+    assert rows["round"].tolist() == [7, 7, 7]
+    assert rows["example_id"].tolist() == ["e0", "e1", "e1"] and rows["position"].tolist() == [0, 0, 1]
+    assert rows["token_id"].tolist() == [3, 4, 5] and rows["entropy"].tolist() == [0.5, 1.5, 2.5]
+    assert rows["kd_applied"].tolist() == [True, False, True]

@@ -1,0 +1,349 @@
+"""The rules of a run's rounds (pipeline.training.rounds) as units: the best-adapter choice, the checkpoints a
+killed run resumes from, the rounds history and its metrics.
+
+Properties stated: after any sequence of validation losses the best adapter is the state of the first round with
+the lowest loss and the final one the last round's; a checkpoint comes back only to the plan that wrote it; a
+client keeps exactly its last two round checkpoints and reads back the latest before a round with its progress,
+trained flag and DP steps; the round metrics and the DVC plot rows are the rows' values, their sums and means;
+publishing copies a finished run without its checkpoints and per-round gate logs.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+
+# imported here, not only in the tests: mutmut's fork server imports the test modules once
+import pipeline.federation.protocol  # noqa: F401,E402
+import pipeline.training.rounds  # noqa: F401,E402
+
+
+def _plan(name: str, **train):
+    from pipeline.federation.protocol import load_plan
+
+    return load_plan(write_plan(name, "fedavg", **train))
+
+
+def _state(value: float) -> dict[str, torch.Tensor]:
+    return {"layer0.w": torch.full((2, 3), value), "layer0.b": torch.tensor([value, -value])}
+
+
+# ----------------------------------------------------------------------------------------------- best adapter
+def test_initial_progress_has_no_best_round():
+    from pipeline.training.rounds import initial_progress
+
+    assert initial_progress() == {"best-val-loss": math.inf, "best-round": 0}
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(val=st.lists(st.sampled_from([3.0, 2.5, 2.0, 2.0, 4.0, 1.5, 1.5]), min_size=1, max_size=6))
+def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last(tmp_path_factory, val):
+    from pipeline.modeling.adapter_io import adapter_file, load_adapter
+    from pipeline.training.rounds import initial_progress, keep_best_and_final
+
+    plan = _plan_cached()
+    out = tmp_path_factory.mktemp("client")
+    progress = initial_progress()
+    for rnd, loss in enumerate(val, start=1):
+        progress, is_best = keep_best_and_final(out, plan, "Academic", rnd, loss, _state(float(rnd)), progress)
+        best_round = 1 + val[:rnd].index(min(val[:rnd]))
+        assert is_best is (best_round == rnd)
+        assert progress == {"best-val-loss": min(val[:rnd]), "best-round": best_round}
+        best, final = load_adapter(adapter_file(out, "best")), load_adapter(adapter_file(out, "final"))
+        assert all(torch.equal(best[k], v) for k, v in _state(float(best_round)).items())
+        assert all(torch.equal(final[k], v) for k, v in _state(float(rnd)).items())
+    from safetensors import safe_open
+
+    with safe_open(str(adapter_file(out, "best")), "pt") as f:
+        meta = f.metadata()
+    assert meta == {"experiment": plan.experiment, "client": "Academic", "round": str(best_round),
+                    "val_loss": f"{min(val):.6f}"}
+    with safe_open(str(adapter_file(out, "final")), "pt") as f:
+        final_meta = f.metadata()
+    assert final_meta == {"experiment": plan.experiment, "client": "Academic", "round": str(len(val)),
+                          "val_loss": f"{val[-1]:.6f}"}
+
+
+_PLAN = {}
+
+
+def _plan_cached():
+    """One plan for the hypothesis examples (they share the test's workspace)."""
+    if "plan" not in _PLAN:
+        _PLAN["plan"] = _plan("rounds-best")
+    return _PLAN["plan"]
+
+
+@pytest.fixture(autouse=True)
+def _in_workspace(ws):
+    _PLAN.clear()
+    yield
+
+
+def test_a_nan_loss_is_never_best():
+    from pipeline.training.rounds import initial_progress, keep_best_and_final
+
+    plan = _plan_cached()
+    out = Path("models/rounds-nan/clients/Academic")
+    progress, is_best = keep_best_and_final(out, plan, "Academic", 1, float("nan"), _state(1.0), initial_progress())
+    assert not is_best and progress["best-round"] == 0
+    assert not (out / "adapter_best.safetensors").exists() and (out / "adapter_final.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------------------------- run checkpoints
+def test_a_round_checkpoint_comes_back_only_to_its_plan(caplog):
+    from pipeline.training import rounds
+
+    plan = _plan("rounds-ckpt", rounds=3)
+    path = rounds.server_checkpoint_path(plan)
+    assert path == Path(plan.paths["out_dir"]) / "checkpoint" / "server.pt"
+    assert rounds.load_round_checkpoint(path, plan) is None and not rounds.has_valid_checkpoint(plan)
+    rounds.save_round_checkpoint(path, plan, 2, {"arrays": {"w": [1.0]}, "history": [{"round": 1}]})
+    state = rounds.load_round_checkpoint(path, plan)
+    assert state["round"] == 2 and state["arrays"] == {"w": [1.0]} and state["history"] == [{"round": 1}]
+    assert rounds.has_valid_checkpoint(plan)
+    other = _plan("rounds-ckpt", rounds=4)  # same experiment, another configuration
+    with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
+        assert rounds.load_round_checkpoint(path, other) is None
+    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.train"] == [
+        f"{path}: checkpoint belongs to another configuration; starting over"]
+    assert not rounds.has_valid_checkpoint(other)
+
+
+def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
+    from pipeline.training import rounds
+
+    plan = _plan("rounds-local")
+    path = rounds.local_checkpoint_path(plan)
+    assert path.name == "local.pt" and path.parent == rounds.checkpoint_dir(plan)
+    rounds.save_round_checkpoint(path, plan, 1, {})
+    assert rounds.has_valid_checkpoint(plan)
+    path.write_bytes(b"not a torch file")
+    assert not rounds.has_valid_checkpoint(plan)
+
+
+def test_run_directory_layout():
+    from pipeline.training import rounds
+
+    plan = _plan("rounds-layout")
+    out = Path(plan.paths["out_dir"])
+    assert rounds.checkpoint_dir(plan) == out / "checkpoint"
+    assert rounds.mlflow_run_id_path(plan) == out / "checkpoint" / "mlflow_run_id"
+    assert rounds.client_output_dir(plan, "Product") == out / "clients" / "Product"
+    assert rounds.client_checkpoint_dir(plan, "Product") == out / "checkpoint" / "clients" / "Product"
+
+
+# ----------------------------------------------------------------------------------------------- client checkpoints
+def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest_before_a_round(tmp_path):
+    from pipeline.modeling.adapter_io import load_adapter
+    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    assert latest_client_checkpoint(ckpt, before=5) is None
+    for rnd in range(1, 6):
+        progress = {"best-val-loss": 10.0 - rnd, "best-round": rnd}
+        write_client_checkpoint(ckpt, rnd, _state(float(rnd)), progress, trained=rnd > 1,
+                                dp_steps=3 * rnd if rnd % 2 else None)
+        kept = sorted(p.name for p in ckpt.iterdir())
+        expected = [f"round{r:03d}.{ext}" for r in (rnd - 1, rnd) if r >= 1 for ext in ("json", "safetensors")]
+        assert kept == expected
+    latest = latest_client_checkpoint(ckpt, before=6)
+    assert (latest.round, latest.progress, latest.trained, latest.dp_steps) == (
+        5, {"best-val-loss": 5.0, "best-round": 5}, True, 15)
+    assert all(torch.equal(load_adapter(latest.adapter)[k], v) for k, v in _state(5.0).items())
+    earlier = latest_client_checkpoint(ckpt, before=5)  # a server resumed after round 4 asks for round 5
+    assert (earlier.round, earlier.trained, earlier.dp_steps) == (4, True, None)
+    assert earlier.progress == {"best-val-loss": 6.0, "best-round": 4}
+    assert latest_client_checkpoint(ckpt, before=4) is None  # round 3's is gone
+
+
+def test_an_untrained_client_checkpoint_says_so(tmp_path):
+    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+
+    write_client_checkpoint(tmp_path, 1, _state(0.0), {"best-val-loss": 2.0, "best-round": 1}, trained=False,
+                            dp_steps=0)
+    ck = latest_client_checkpoint(tmp_path, before=2)
+    assert ck.trained is False and ck.dp_steps == 0 and ck.progress == {"best-val-loss": 2.0, "best-round": 1}
+    # a checkpoint written before the flag existed counts as trained
+    (tmp_path / "round001.json").write_text(json.dumps({"best-val-loss": 2.0, "best-round": 1}))
+    assert latest_client_checkpoint(tmp_path, before=2).trained is True
+
+
+def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
+    """Whatever was there (a resumed client writes a round again): after round r is written the client holds
+    exactly rounds r - 1 (if it had it) and r, and round r's content is the new one."""
+    from pipeline.modeling.adapter_io import load_adapter
+    from pipeline.training.rounds import write_client_checkpoint
+
+    for rnd in (1, 2, 3):
+        write_client_checkpoint(tmp_path, rnd, _state(1.0), {}, True, None)
+    write_client_checkpoint(tmp_path, 3, _state(3.0), {}, True, None)  # resumed after round 2
+    assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["round002", "round003"]
+    assert torch.equal(load_adapter(tmp_path / "round003.safetensors")["layer0.w"], _state(3.0)["layer0.w"])
+    write_client_checkpoint(tmp_path, 2, _state(2.0), {}, True, None)  # resumed after round 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round002.json", "round002.safetensors"]
+
+
+# ----------------------------------------------------------------------------------------------- history
+ROWS = [
+    {"round": 1, "client": "A", "train_loss": 2.0, "ce": 1.0, "kd": 0.5, "kd_fraction": 0.25, "val_loss": 3.0,
+     "bytes_up": 100, "bytes_down": 200, "weight_share": 0.25, "failed": 0, "sampled": 1, "weight": 4},
+    {"round": 1, "client": "B", "val_loss": 5.0, "bytes_up": 0, "bytes_down": 50, "failed": 1, "epsilon": 2.0,
+     "clipped_fraction": 0.5, "sampled": 1},
+    {"round": 1, "client": "C", "bytes_down": 7, "failed": 0, "absent": 1, "kd": None},
+]
+
+
+def test_round_metrics_are_the_rows_values_their_byte_sums_and_mean_validation_loss():
+    from pipeline.training.rounds import round_metrics
+
+    m = round_metrics(ROWS)
+    assert m == {"A.train_loss": 2.0, "A.ce": 1.0, "A.kd": 0.5, "A.kd_fraction": 0.25, "A.val_loss": 3.0,
+                 "A.bytes_up": 100.0, "A.bytes_down": 200.0, "A.weight_share": 0.25, "A.failed": 0.0,
+                 "B.val_loss": 5.0, "B.bytes_up": 0.0, "B.bytes_down": 50.0, "B.failed": 1.0, "B.epsilon": 2.0,
+                 "B.clipped_fraction": 0.5, "C.bytes_down": 7.0, "C.failed": 0.0,
+                 "bytes_sent": 257.0, "bytes_received": 100.0, "val_loss_mean": 4.0}
+    assert all(type(v) is float for v in m.values())
+    assert "val_loss_mean" not in round_metrics([{"client": "A", "bytes_up": 1}])
+
+
+def test_rounds_files_hold_the_history_and_one_wide_row_per_round():
+    from pipeline.training.rounds import write_rounds
+
+    plan = _plan("rounds-files")
+    history = ROWS + [{"round": 2, "client": "A", "val_loss": 1.0, "bytes_up": 1, "bytes_down": 2},
+                      {"round": 2, "client": "B", "bytes_up": 0}]
+    write_rounds(plan, history[::-1])  # any order of rows
+    assert json.loads((Path(plan.paths["out_dir"]) / "rounds.json").read_text()) == history[::-1]
+    wide = json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text())
+    assert [w["round"] for w in wide] == [1, 2]
+    assert wide[0] == {"round": 1, "A/train_loss": 2.0, "A/ce": 1.0, "A/kd": 0.5, "A/kd_fraction": 0.25,
+                       "A/val_loss": 3.0, "A/bytes_up": 100, "A/bytes_down": 200, "A/weight_share": 0.25,
+                       "B/val_loss": 5.0, "B/bytes_up": 0, "B/bytes_down": 50, "B/epsilon": 2.0,
+                       "B/clipped_fraction": 0.5, "C/bytes_down": 7, "val_loss_mean": 4.0}
+    assert wide[1] == {"round": 2, "A/val_loss": 1.0, "A/bytes_up": 1, "A/bytes_down": 2, "B/bytes_up": 0,
+                       "val_loss_mean": 1.0}
+    write_rounds(plan, [{"round": 1, "client": "A", "bytes_up": 3}])
+    assert json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text()) == [
+        {"round": 1, "A/bytes_up": 3, "val_loss_mean": None}]
+
+
+class _Logger:
+    def __init__(self, logged_steps):
+        self.logged = {s: {} for s in logged_steps}
+
+    def metric_history(self, key):
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(step=s) for s, m in self.logged.items() if key in m or not m]
+
+    def log_metrics(self, metrics, step):
+        self.logged[step] = metrics
+
+
+def test_rounds_missing_from_the_mlflow_run_are_logged_once():
+    from pipeline.training.rounds import log_missing_rounds, round_metrics
+
+    history = [dict(r, round=rnd) for rnd in (1, 2, 3) for r in ROWS[:2]]
+    logger = _Logger([1])
+    assert log_missing_rounds(logger, history) == [2, 3]
+    assert logger.logged[3] == round_metrics([r for r in history if r["round"] == 3])
+    assert log_missing_rounds(logger, history) == []
+
+
+def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts():
+    from pipeline.training import rounds
+
+    plan = _plan("rounds-publish")
+    out, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
+    (out / "checkpoint" / "clients" / "A").mkdir(parents=True)
+    (out / "checkpoint" / "server.pt").write_text("ckpt")
+    for client in ("A", "B"):
+        (out / "clients" / client / "gate_log").mkdir(parents=True)
+        (out / "clients" / client / "gate_log" / "round001.parquet").write_text("part")
+        (out / "clients" / client / "adapter_best.safetensors").write_text(client)
+    (out / "clients" / "A" / "sub" / "gate_log").mkdir(parents=True)  # only a client's own gate_log is left out
+    (out / "rounds.json").write_text("[]")
+    (out / "gate_log.parquet").write_text("merged")
+    target.mkdir(parents=True, exist_ok=True)
+    (target / "stale.txt").write_text("from an earlier run")
+    assert rounds.publish_outputs(plan) == target
+    files = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
+    assert files == ["clients", "clients/A", "clients/A/adapter_best.safetensors", "clients/A/sub",
+                     "clients/A/sub/gate_log", "clients/B", "clients/B/adapter_best.safetensors", "gate_log.parquet",
+                     "rounds.json"]
+    assert (target / "clients" / "B" / "adapter_best.safetensors").read_text() == "B"
+    assert (out / "checkpoint" / "server.pt").exists()  # the run directory is left for the caller
+
+
+def test_the_recorders_log_and_write_each_round(caplog):
+    from pipeline.training.rounds import Recorder, RoundLog, TrainRecorder, round_metrics
+
+    plan = _plan("rounds-recorder", rounds=3)
+    entry = RoundLog(2, 1.5, ROWS[:2], True)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        Recorder().started(plan, ["A", "B"], 2)
+        Recorder().round_done(plan, entry, ROWS[:2])
+    assert "rounds-recorder: 2 clients ['A', 'B'], rounds 2..3" in caplog.text
+    assert "rounds-recorder round 2 (1.5s): val loss A 3.0000, B 5.0000" in caplog.text
+
+    class Logger:
+        calls = []
+
+        def log_metrics(self, metrics, step):
+            self.calls.append((metrics, step))
+
+    recorder = TrainRecorder(plan, Logger())
+    recorder.started(plan, ["A", "B"], 2)
+    recorder.round_done(plan, entry, ROWS[:2])
+    recorder.close()
+    assert Logger.calls == [({"round_seconds": 1.5} | round_metrics(ROWS[:2]), 2)]
+    assert recorder.round_seconds == [1.5]
+    assert json.loads((Path(plan.paths["out_dir"]) / "rounds.json").read_text()) == ROWS[:2]
+
+
+def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_error(tmp_path):
+    """A kill between writing a round's adapter and its progress leaves round<r>.safetensors alone; writing a
+    later round removes it like any other old checkpoint."""
+    from pipeline.modeling.adapter_io import save_adapter
+    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+
+    save_adapter(tmp_path / "round001.safetensors", _state(1.0))  # no round001.json
+    write_client_checkpoint(tmp_path, 3, _state(3.0), {"best-val-loss": 1.0, "best-round": 3}, True, None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round003.json", "round003.safetensors"]
+    assert latest_client_checkpoint(tmp_path, before=4).round == 3
+
+
+def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_released_updates_clipped():
+    """Client-level DP rows (by hand): A and B were aggregated (A clipped), C failed; the run-level fields are
+    C = 2, a clipped fraction of 1/2 and the round's epsilon, not per-client epsilons; an absent client sent and
+    received nothing."""
+    from pipeline.training.rounds import client_level_round, round_metrics
+
+    def row(client, **kw):
+        return {"round": 1, "client": client, "sampled": 1, "failed": 0, "bytes_down": 10, "bytes_up": 4, **kw}
+
+    rows = [row("C", failed=1, bytes_up=0), row("A", update_clipped=1, clipping_norm=2.0, epsilon=3.5, val_loss=1.0),
+            row("B", update_clipped=0, clipping_norm=2.0, epsilon=3.5, val_loss=2.0),
+            {"round": 1, "client": "D", "sampled": 0, "failed": 0, "absent": 1}]
+    assert client_level_round(rows) == {"clipping_norm": 2.0, "clipped_fraction": 0.5, "epsilon": 3.5}
+    m = round_metrics(rows)
+    assert (m["clipping_norm"], m["clipped_fraction"], m["epsilon"]) == (2.0, 0.5, 3.5)
+    assert not any(k.endswith(".epsilon") for k in m)  # one epsilon for the federation, not per client
+    assert m["C.failed"] == 1.0 and m["A.failed"] == 0.0
+    assert (m["bytes_sent"], m["bytes_received"], m["val_loss_mean"]) == (30.0, 8.0, 1.5)
+    # no noise: no epsilon; nothing released: no run-level field
+    unbounded = [dict(r, epsilon=None) if "update_clipped" in r else r for r in rows]
+    assert client_level_round(unbounded) == {"clipping_norm": 2.0, "clipped_fraction": 0.5}
+    assert client_level_round([rows[0], rows[3]]) == {}
+    assert client_level_round([rows[0], rows[1]]) == {"clipping_norm": 2.0, "clipped_fraction": 1.0, "epsilon": 3.5}
+    # example-level DP rows keep their own epsilon per client
+    assert round_metrics([row("E", epsilon=1.25)])["E.epsilon"] == 1.25

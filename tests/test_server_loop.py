@@ -1,0 +1,1198 @@
+"""The server round loop (pipeline.federation.server_app.run_server) on a scripted federation: real Flower
+messages, the real strategies, transfer encodings and checkpoints, but clients whose replies are written down in
+advance (a constant update per client, a validation loss per round), so every quantity the loop computes has a
+hand-computed expected value and a run takes a fraction of a second.
+
+Properties stated: FedAvg moves the global by the |D_i|-weighted mean of the sampled clients' updates, round after
+round; sampling picks round(fraction x n) clients, each about as often as the others, from (seed, round) alone;
+a failed, silent or undecodable client is recorded and left out of that round's aggregate only; the late client
+of the post-addition study gets no message before it is admitted and is admitted exactly when the others stop
+improving (or at max_round); a gone node is recorded as absent and a restarted one takes its client's place; a
+run killed after any round resumes to the uninterrupted result; every row's bytes are the encoded messages'.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.faults import killed_after_checkpoint
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+
+# imported here, not only in the tests: mutmut's fork server imports the test modules once, so each mutant's run
+# does not pay for importing Flower, transformers and the federation modules again
+import pipeline.federation.engines  # noqa: F401,E402
+import pipeline.federation.server_app  # noqa: F401,E402
+import pipeline.training.shared_model  # noqa: F401,E402
+
+N = "num-examples"
+WEIGHTS = {"Academic": 1, "Committee": 2, "Product": 5, "SAMSum": 3}
+DELTAS = {"Academic": 0.5, "Committee": -0.25, "Product": 0.125, "SAMSum": 1.0}  # exact in binary
+
+
+@dataclass
+class Script:
+    """What each scripted client does: add ``delta[c]`` to every weight of the global it received, report
+    ``weight[c]`` examples, ``steps[c]`` local steps and ``val(c, rnd)`` as validation loss; ``fail`` holds the
+    (client, round) pairs whose training raises, ``bad_reply`` those whose reply cannot be decoded."""
+
+    delta: dict[str, float] = field(default_factory=lambda: dict(DELTAS))
+    weight: dict[str, int] = field(default_factory=lambda: dict(WEIGHTS))
+    steps: dict[str, int] = field(default_factory=lambda: {"Academic": 1, "Committee": 2, "Product": 4,
+                                                           "SAMSum": 1})
+    val: Callable[[str, int], float] = lambda c, rnd: 1.0 + 0.5 * rnd  # noqa: E731  (no client improves)
+    fail: set = field(default_factory=set)
+    fail_eval: set = field(default_factory=set)
+    bad_reply: set = field(default_factory=set)
+    privacy: bool = False
+    dp_clipped: dict = field(default_factory=dict)  # client -> the client-side clipping mod's "clipped" bit
+    calls: list = field(default_factory=list)  # (kind, client, round, received state or None)
+    configs: list = field(default_factory=list)  # (client, round, the train message's config)
+    wire: dict = field(default_factory=dict)  # (client, round) -> [bytes received, bytes sent], counted here
+
+
+def _nbytes(content) -> int:
+    """The adapter bytes of a message as they travel: Flower's own count of each ArrayRecord."""
+    return sum(record.count_bytes() for record in content.array_records.values())
+
+
+def scripted_app(script: Script):
+    from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.protocol import decode_global, encode_reply, load_plan, plan_path_of
+
+    app = ClientApp()
+
+    def count(name, rnd, received=0, sent=0):
+        wire = script.wire.setdefault((name, rnd), [0, 0])
+        wire[0] += received
+        wire[1] += sent
+
+    @app.query("identify")
+    def identify(msg, context):
+        if context.node_config["client-name"] is None:
+            raise RuntimeError("no client name configured\n(a second line)")
+        return Message(RecordDict({"identity": ConfigRecord({"client-name": context.node_config["client-name"]})}),
+                       reply_to=msg)
+
+    @app.train()
+    def train(msg, context):
+        plan = load_plan(plan_path_of(msg, context))
+        name, rnd = context.node_config["client-name"], int(msg.content["config"]["server-round"])
+        received = decode_global(msg.content["arrays"], plan)
+        script.calls.append(("train", name, rnd, received))
+        script.configs.append((name, rnd, dict(msg.content["config"])))
+        count(name, rnd, received=_nbytes(msg.content))
+        if (name, rnd) in script.fail:
+            raise RuntimeError(f"disk full on {name}")
+        local = {k: v + script.delta[name] for k, v in received.items()}
+        arrays = encode_reply(local, plan, received)
+        if (name, rnd) in script.bad_reply:  # an int8 tensor without its scale
+            arrays = ArrayRecord.from_torch_state_dict({k: torch.zeros(v.shape, dtype=torch.int8)
+                                                        for k, v in local.items()})
+        metrics = {N: script.weight[name], "num-trained": script.weight[name] - 1, "num-steps": script.steps[name],
+                   "num-tokens": 10 * script.weight[name], "train-loss": 2.0 + rnd, "ce": 1.5 + rnd,
+                   "kd": 0.25, "kd-fraction": 0.5, "proximal": 0.125}
+        if script.privacy:
+            metrics.update({"dp-epsilon": 3.0 * rnd, "dp-delta": 1e-5, "dp-noise-multiplier": 1.1,
+                            "dp-max-grad-norm": -1.0, "dp-sample-rate": 0.25, "dp-steps": 4 * rnd,
+                            "dp-examples": 8, "dp-clipped": 2})
+        if name in script.dp_clipped:
+            metrics["dp-update-clipped"] = script.dp_clipped[name]
+        content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
+        count(name, rnd, sent=_nbytes(content))
+        return Message(content, reply_to=msg)
+
+    @app.evaluate()
+    def evaluate(msg, context):
+        plan = load_plan(plan_path_of(msg, context))
+        name, rnd = context.node_config["client-name"], int(msg.content["config"]["server-round"])
+        sent = decode_global(msg.content["arrays"], plan) if len(msg.content.get("arrays", ArrayRecord())) else None
+        script.calls.append(("evaluate", name, rnd, sent))
+        count(name, rnd, received=_nbytes(msg.content))
+        if (name, rnd) in script.fail_eval:
+            raise RuntimeError(f"{name} cannot evaluate")
+        return Message(RecordDict({"metrics": MetricRecord({N: 2, "val-loss": float(script.val(name, rnd)),
+                                                            "val-tokens": 7, "best-round": rnd})}), reply_to=msg)
+
+    return app
+
+
+class Grid:
+    """The in-process grid of the engines with the scripted clients, and faults a real federation has: nodes that
+    are gone in some rounds (``gone``: round -> client names), nodes that come back under a new id
+    (``restart``: round -> client names) and replies lost on the way (``lost``: (client, round) pairs)."""
+
+    def __init__(self, plan_path: str, script: Script, clients: list[str], extra: dict[int, str] | None = None,
+                 plan_in_node_config: bool = True):
+        from pipeline.federation.engines import InProcessGrid, _set_server_identity
+
+        self.inner = InProcessGrid(scripted_app(script), [{"client-name": c, "plan": plan_path if plan_in_node_config
+                                                           else ""} for c in clients])
+        for node, name in (extra or {}).items():  # nodes beyond the plan's clients
+            from flwr.app import Context, RecordDict
+
+            self.inner.contexts[node] = Context(run_id=1, node_id=node, node_config={"client-name": name,
+                                                "plan": plan_path}, state=RecordDict(), run_config={})
+        _set_server_identity(self.inner.run.run_id)
+        self.gone: dict[int, set[str]] = {}
+        self.restart: dict[int, set[str]] = {}
+        self.lost: set[tuple[str, int]] = set()
+        self.silent_error: set[tuple[str, int]] = set()  # train replies turned into an error without a reason
+        self.timeouts: list[tuple[str | None, float | None]] = []  # (message type, timeout) of every wait
+        self.round = 0
+        self.script = script
+
+    def name(self, node: int) -> str:
+        return self.inner.contexts[node].node_config["client-name"]
+
+    # the Grid interface run_server uses
+    @property
+    def run(self):
+        return self.inner.run
+
+    def set_run(self, run):
+        self.inner.set_run(run)
+
+    def create_message(self, *args, **kwargs):
+        return self.inner.create_message(*args, **kwargs)
+
+    def get_node_ids(self):
+        return [n for n in self.inner.get_node_ids() if self.name(n) not in self.gone.get(self.round, set())]
+
+    def push_messages(self, messages):
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, ids):
+        return self.inner.pull_messages(ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == "train":
+            self.round = int(messages[0].content["config"]["server-round"])
+        self.timeouts.append((messages[0].metadata.message_type if messages else None, timeout))
+        replies = self.inner.send_and_receive(messages, timeout=timeout)
+        if self.silent_error:
+            from flwr.app import Error, Message
+
+            by_id = {m.metadata.message_id: m for m in messages}
+            replies = [Message(error=Error(code=7, reason=""), reply_to=by_id[r.metadata.reply_to_message_id])
+                       if (self.name(r.metadata.src_node_id), self.round) in self.silent_error
+                       and r.metadata.message_type == "train" else r for r in replies]
+        return [r for r in replies if (self.name(r.metadata.src_node_id), self.round) not in self.lost]
+
+    def next_round(self, rnd: int) -> None:
+        """Called by the recorder before round ``rnd``: apply that round's node changes."""
+        self.round = rnd
+        for name in self.restart.get(rnd, set()):
+            old = next(n for n in self.inner.contexts if self.name(n) == name)
+            ctx = self.inner.contexts.pop(old)
+            ctx.node_id = old + 100
+            self.inner.contexts[old + 100] = ctx
+
+
+class Recorder:
+    def __init__(self, grid: Grid | None = None):
+        self.grid = grid
+        self.started_with = None
+        self.rounds = []
+        self.round_plans = []
+        self.seconds = []
+
+    def started(self, plan, clients, start_round):
+        self.started_with = (list(clients), start_round)
+        self.plan = plan
+        if self.grid is not None:
+            self.grid.next_round(start_round)
+
+    def round_done(self, plan, entry, history):
+        self.round_plans.append(plan.experiment)
+        self.seconds.append(entry.seconds)
+        self.rounds.append((entry.round, entry.aggregated, [dict(r) for r in entry.rows], len(history)))
+        if self.grid is not None:
+            self.grid.next_round(entry.round + 1)
+
+
+def run(plan_path: str, script: Script, clients: list[str] | None = None, grid: Grid | None = None,
+        timeout: float = 5.0):
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import run_server
+
+    plan = load_plan(plan_path)
+    clients = clients or ["Academic", "Committee", "Product"]
+    grid = grid or Grid(plan_path, script, clients)
+    recorder = Recorder(grid)
+    arrays, history = run_server(grid, plan, plan_path, recorder, round_timeout_s=timeout)
+    return {k: torch.as_tensor(a.numpy()) for k, a in arrays.items()}, history, recorder
+
+
+def initial(plan_path: str) -> dict[str, torch.Tensor]:
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.shared_model import initial_adapter_state
+
+    return initial_adapter_state(load_plan(plan_path))
+
+
+def logged(caplog) -> list[str]:
+    """The federation log's messages (what an operator reads about the run)."""
+    return [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"]
+
+
+def rows_of(history: list[dict], rnd: int) -> dict[str, dict]:
+    return {r["client"]: r for r in history if r["round"] == rnd}
+
+
+def trained(script: Script, rnd: int) -> list[str]:
+    return sorted(c for kind, c, r, _ in script.calls if kind == "train" and r == rnd)
+
+
+def assert_state(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], exact: bool = True) -> None:
+    assert got.keys() == expected.keys()
+    for k in expected:
+        if exact:
+            assert torch.equal(got[k], expected[k].to(got[k].dtype)), k
+        else:
+            torch.testing.assert_close(got[k], expected[k].to(got[k].dtype), rtol=0, atol=1e-6)
+
+
+def weighted_update(clients: list[str], script: Script) -> float:
+    w = np.array([script.weight[c] for c in clients], dtype=np.float64)
+    return float((w / w.sum()) @ np.array([script.delta[c] for c in clients]))
+
+
+# ----------------------------------------------------------------------------------------------- aggregation
+def test_fedavg_moves_the_global_by_the_weighted_mean_update_every_round(ws):
+    path = write_plan("loop-fedavg", "fedavg", rounds=3, fraction_train=1.0)
+    script = Script()
+    import time
+
+    t0 = time.perf_counter()
+    final, history, recorder = run(path, script)
+    wall = time.perf_counter() - t0
+    assert len(recorder.seconds) == 3 and all(0 < s <= wall for s in recorder.seconds)  # each round's duration
+    w0 = initial(path)
+    step = weighted_update(["Academic", "Committee", "Product"], script)  # (0.5 - 0.5 + 0.625) / 8
+    assert step == pytest.approx(0.078125)
+    assert_state(final, {k: v + 3 * step for k, v in w0.items()}, exact=False)
+    # each round every client received the previous round's global, exactly (fp32 on the wire)
+    for rnd in (1, 2, 3):
+        got = [s for kind, _, r, s in script.calls if kind == "train" and r == rnd]
+        assert len(got) == 3
+        for s in got:
+            assert_state(s, {k: v + (rnd - 1) * step for k, v in w0.items()}, exact=False)
+    rows = rows_of(history, 2)
+    total = sum(WEIGHTS[c] for c in rows)
+    for c, row in rows.items():
+        assert (row["sampled"], row["failed"], row["weight"]) == (1, 0, WEIGHTS[c])
+        assert row["weight_share"] == pytest.approx(WEIGHTS[c] / total)
+        assert (row["n_examples"], row["n_steps"], row["n_tokens"]) == (WEIGHTS[c] - 1, script.steps[c],
+                                                                         10 * WEIGHTS[c])
+        assert (row["train_loss"], row["ce"], row["kd"], row["kd_fraction"], row["proximal"]) == (
+            4.0, 3.5, 0.25, 0.5, 0.125)
+        assert (row["val_loss"], row["val_tokens"], row["best_round"]) == (2.0, 7, 2)
+        assert "epsilon" not in row and "absent" not in row and "error" not in row
+    assert recorder.started_with == (["Academic", "Committee", "Product"], 1)
+    assert recorder.plan.experiment == "loop-fedavg"  # the recorder is told whose run started and ended rounds
+    assert recorder.round_plans == ["loop-fedavg"] * 3
+    assert [(r, agg, n) for r, agg, _, n in recorder.rounds] == [(1, True, 3), (2, True, 6), (3, True, 9)]
+    assert [r["round"] for r in history] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert [r["client"] for r in history[:3]] == ["Academic", "Committee", "Product"]  # sorted by client
+
+
+def test_fednova_on_the_loop_normalises_by_each_clients_steps(ws):
+    """tau = (1, 2, 4), p = (1, 2, 5)/8, update per client d_c: W_new = W - tau_eff sum p_c (-d_c) / tau_c."""
+    path = write_plan("loop-fednova", "fednova", rounds=1, fraction_train=1.0)
+    script = Script()
+    final, _, _ = run(path, script)
+    p = {c: WEIGHTS[c] / 8 for c in ("Academic", "Committee", "Product")}
+    tau_eff = sum(p[c] * script.steps[c] for c in p)
+    move = tau_eff * sum(p[c] * DELTAS[c] / script.steps[c] for c in p)
+    assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
+def test_fedprox_sends_every_sampled_client_the_plans_mu(ws):
+    path = write_plan("loop-fedprox", "fedprox", rounds=2, fraction_train=0.67, proximal_mu=0.375)
+    script = Script()
+    run(path, script)
+    assert len(script.configs) == 4  # 2 of 3 clients per round
+    assert all(cfg["proximal-mu"] == 0.375 for _, _, cfg in script.configs), script.configs
+
+
+def test_clients_configured_without_a_plan_follow_the_plan_each_message_names(ws):
+    """A SuperNode started without a plan in its node config reads it from the train and evaluation messages."""
+    path = write_plan("loop-plan-in-message", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"], plan_in_node_config=False)
+    final, history, _ = run(path, script, grid=grid)
+    assert all(r["failed"] == 0 and "eval_failed" not in r and "val_loss" in r for r in history)
+    assert_state(final, {k: v + 2 * weighted_update(["Academic", "Committee", "Product"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def test_eval_messages_carry_the_global_only_for_methods_that_evaluate_it(ws):
+    """AdaFedAvg evaluates the new global itself: the evaluation message carries it (a second download); the KD
+    methods evaluate the client's own adapter: nothing is sent with the evaluation."""
+    avg = Script()
+    _, h_avg, _ = run(write_plan("loop-evalsend", "fedavg", rounds=1, fraction_train=1.0), avg)
+    kd = Script()
+    _, h_kd, _ = run(write_plan("loop-evalnone", "fedkd", rounds=1, fraction_train=1.0), kd)
+    evals_avg = [s for kind, _, _, s in avg.calls if kind == "evaluate"]
+    evals_kd = [s for kind, _, _, s in kd.calls if kind == "evaluate"]
+    assert len(evals_avg) == len(evals_kd) == 3
+    assert all(s is None for s in evals_kd)
+    w1 = {k: v + weighted_update(["Academic", "Committee", "Product"], avg) for k, v in
+          initial("models/plans/loop-evalsend.json").items()}
+    for s in evals_avg:
+        assert_state(s, w1, exact=False)  # the aggregate of this round
+    for c, row in rows_of(h_avg, 1).items():
+        assert row["bytes_up"] > 0 and row["bytes_down"] == 2 * row["bytes_up"]  # fp32: train + eval copy
+    for c, row in rows_of(h_kd, 1).items():
+        assert row["bytes_down"] == row["bytes_up"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_bytes_are_those_the_clients_received_and_sent(ws, dtype):
+    """bytes_down / bytes_up of a row = the adapter bytes the client got (train and evaluation messages) and sent
+    that round, counted on the client's side; int8 sends a quarter of the tensor bytes of fp32."""
+    script = Script()
+    _, history, _ = run(write_plan(f"loop-bytes-{dtype}", "fedavg", rounds=2, fraction_train=0.67,
+                                   transfer_dtype=dtype), script)
+    for row in history:
+        assert [row["bytes_down"], row["bytes_up"]] == script.wire[(row["client"], row["round"])]
+    n = sum(v.numel() for v in initial(f"models/plans/loop-bytes-{dtype}.json").values())
+    sent = [row["bytes_up"] for row in history if row["sampled"]]
+    assert all(b >= (4 if dtype == "fp32" else 1) * n for b in sent)
+    if dtype == "int8":
+        assert all(b < 4 * n for b in sent)
+
+
+def test_a_delta_encoded_reply_is_added_back_to_the_global_the_client_received(ws):
+    """int8 with train.transfer_delta: clients send W_c - W_received, the server adds it back to what it sent, so
+    FedAvg still moves the global by the weighted mean update (a constant delta quantises exactly)."""
+    path = write_plan("loop-delta", "fedavg", rounds=2, fraction_train=1.0, transfer_dtype="int8",
+                      transfer_delta=True)
+    script = Script()
+    final, history, _ = run(path, script)
+    step = weighted_update(["Academic", "Committee", "Product"], script)
+    assert_state(final, {k: v + 2 * step for k, v in initial(path).items()}, exact=False)
+    assert all(r["failed"] == 0 for r in history)
+    # what the clients evaluate (FedAvg evaluates the global) is each round's aggregate, decoded like the train copy
+    for rnd in (1, 2):
+        evaluated = [st for kind, _, r, st in script.calls if kind == "evaluate" and r == rnd]
+        assert len(evaluated) == 3
+        for got in evaluated:
+            assert_state(got, {k: v + rnd * step for k, v in initial(path).items()}, exact=False)
+
+
+def test_every_wait_on_the_clients_is_bounded_by_the_round_timeout(ws):
+    """Identification (at the start and of a restarted node), training and evaluation replies are all awaited at
+    most round_timeout_s."""
+    grid_path = write_plan("loop-timeouts", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script()
+    grid = Grid(grid_path, script, ["Academic", "Committee", "Product"])
+    grid.restart = {2: {"Product"}}  # a new node id in round 2: identified again
+    run(grid_path, script, grid=grid, timeout=3.5)
+    kinds = [k for k, _ in grid.timeouts]
+    assert kinds.count("train") == 2 and kinds.count("evaluate") == 2 and kinds.count("query.identify") == 2
+    assert all(t == 3.5 for _, t in grid.timeouts), grid.timeouts
+    # without a round timeout the server still waits at most a day
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import run_server
+
+    path = write_plan("loop-timeouts-default", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    run_server(grid, load_plan(path), path, Recorder(grid))
+    assert grid.timeouts and all(t == 86400.0 for _, t in grid.timeouts), grid.timeouts
+
+
+def test_a_failure_without_a_reason_is_recorded_by_its_error_code(ws, caplog):
+    path = write_plan("loop-silent", "fedavg", rounds=1, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.silent_error = {("Committee", 1)}
+    final, history, _ = run(path, script, grid=grid)
+    row = rows_of(history, 1)["Committee"]
+    assert (row["failed"], row["error"]) == (1, "code 7") and "weight" not in row
+    step = weighted_update(["Academic", "Product"], script)  # the others' aggregate only
+    assert_state(final, {k: v + step for k, v in initial(path).items()}, exact=False)
+
+
+def _client_dp(path: str, **privacy) -> str:
+    from pipeline.common.config import from_dict
+    from pipeline.training.privacy import PrivacyConfig
+
+    plan = json.loads(Path(path).read_text())
+    plan["privacy"] = from_dict(PrivacyConfig, {"mode": "client", "noise_multiplier": 0.0, **privacy},
+                                "privacy").plan_dict()
+    Path(path).write_text(json.dumps(plan, indent=2, sort_keys=True))
+    return path
+
+
+def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_averages_the_rest_uniformly(ws, caplog):
+    """Client-level DP, client-side clipping, noise 0: a reply without the clipping mod's bit is not aggregated
+    (failed, logged); the others enter a uniform mean (not |D_i|-weighted) and their rows get their bit, the norm
+    of their update (|delta_c| sqrt(n)) and C."""
+    path = _client_dp(write_plan("loop-cdp-client", "fedavg", rounds=1, fraction_train=1.0),
+                      clipping_norm=1e6, clipping_side="client")
+    script = Script(dp_clipped={"Academic": 1, "Committee": 0})  # Product: a client without the mod
+    with caplog.at_level(logging.WARNING, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    rows = rows_of(history, 1)
+    n = sum(v.numel() for v in initial(path).values())
+    assert rows["Product"]["failed"] == 1 and "update_clipped" not in rows["Product"]
+    assert "round 1: reply of client Product is not clipped within C=1e+06 and is left out of the aggregate" in (
+        logged(caplog))
+    for c, bit in (("Academic", 1), ("Committee", 0)):
+        assert rows[c]["failed"] == 0 and rows[c]["update_clipped"] == bit and rows[c]["clipping_norm"] == 1e6
+        assert rows[c]["update_norm"] == pytest.approx(abs(DELTAS[c]) * n ** 0.5, rel=1e-5)
+        assert rows[c]["weight_share"] == 0.5
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+    assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
+
+
+def test_server_side_clipping_marks_the_updates_above_c_and_aggregates_every_reply(ws):
+    """Server-side clipping at C between the updates' norms: the update above C is marked clipped, the others not;
+    every reply is aggregated (the wrapper clips), uniformly."""
+    path = write_plan("loop-cdp-server", "fedavg", rounds=1, fraction_train=1.0)
+    n = sum(v.numel() for v in initial(path).values())
+    c = 0.3 * n ** 0.5  # Academic's update (0.5 sqrt(n)) is above C, Committee's (0.25) and Product's (0.125) below
+    _client_dp(path, clipping_norm=c, clipping_side="server")
+    script = Script()
+    _, history, _ = run(path, script)
+    rows = rows_of(history, 1)
+    assert {k: r["update_clipped"] for k, r in rows.items()} == {"Academic": 1, "Committee": 0, "Product": 0}
+    assert all(r["failed"] == 0 and r["weight_share"] == pytest.approx(1 / 3) for r in rows.values())
+    assert rows["Academic"]["update_norm"] == pytest.approx(0.5 * n ** 0.5, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+def test_sampling_picks_the_fraction_of_clients_each_as_often_and_every_client_evaluates(ws):
+    rounds = 30
+    path = write_plan("loop-sampling", "fedavg", rounds=rounds, fraction_train=0.67)
+    script = Script(delta={c: 0.0 for c in DELTAS})  # the global stays put: only who is sampled matters
+    _, history, _ = run(path, script)
+    counts = {c: 0 for c in ("Academic", "Committee", "Product")}
+    for rnd in range(1, rounds + 1):
+        rows = rows_of(history, rnd)
+        picked = trained(script, rnd)
+        assert len(picked) == 2  # int(0.67 * 3)
+        assert sorted(c for c, r in rows.items() if r["sampled"]) == picked
+        assert len(rows) == 3 and all("val_loss" in r for r in rows.values())  # all evaluate
+        for c, r in rows.items():
+            assert (r["bytes_up"] > 0) == (c in picked) and r["failed"] == 0
+            if c not in picked:
+                assert r["bytes_down"] > 0  # only the evaluation copy of the global
+        for c in picked:
+            counts[c] += 1
+    # each client sampled with probability 2/3: Binomial(30, 2/3) has mean 20 and sd 2.6; +-3 sd
+    assert all(12 <= n <= 28 for n in counts.values()), counts
+    # and the sampling differs from round to round
+    assert len({tuple(trained(script, r)) for r in range(1, rounds + 1)}) == 3
+
+
+def test_sampling_is_a_function_of_the_seed_and_the_round(ws):
+    def sample(name, seed_offset_rounds, seed=0):
+        path = write_plan(name, "fedavg", rounds=8, fraction_train=0.34)
+        plan = json.loads(Path(path).read_text())
+        plan["seed"] = seed
+        Path(path).write_text(json.dumps(plan, indent=2, sort_keys=True))
+        script = Script(delta={c: 0.0 for c in DELTAS})
+        import random
+
+        random.seed(seed_offset_rounds)  # whatever the process's RNG held before
+        run(path, script)
+        return [tuple(trained(script, r)) for r in range(1, 9)]
+
+    a, b = sample("loop-seed-a", 1), sample("loop-seed-b", 2)
+    assert a == b and all(len(s) == 1 for s in a)
+    # another experiment seed, another sequence (8 rounds of 1 of 3 clients: 3^8 possible sequences)
+    other = sample("loop-seed-c", 1, seed=1)
+    assert other != a and all(len(s) == 1 for s in other)
+
+
+def test_a_run_killed_after_any_round_resumes_to_the_uninterrupted_result(ws, monkeypatch, caplog):
+    """Killed after any round's checkpoint, the rerun samples, aggregates and records exactly as the run that was
+    never killed: the checkpoint holds the global, the server optimiser's moments, the RNG and the history."""
+    kwargs = dict(rounds=4, fraction_train=0.67, fedopt={"server_optimizer": "adam", "server_lr": 0.1})
+    full_script = Script()
+    full, full_history, _ = run(write_plan("loop-uninterrupted", "fedopt", **kwargs), full_script)
+    for kill_after in (1, 3):
+        path = write_plan(f"loop-killed{kill_after}", "fedopt", **kwargs)
+        script = Script()
+        with killed_after_checkpoint(monkeypatch, kill_after):
+            run(path, script)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+            resumed, history, recorder = run(path, script)
+        assert f"loop-killed{kill_after}: resuming after round {kill_after}" in logged(caplog)
+        assert recorder.started_with[1] == kill_after + 1  # resumed, not restarted
+        assert_state(resumed, full)
+        assert history == full_history
+        assert [(c, r) for k, c, r, _ in script.calls if k == "train"] == [
+            (c, r) for k, c, r, _ in full_script.calls if k == "train"]
+
+
+def test_a_checkpoint_of_another_configuration_is_not_resumed(ws, monkeypatch):
+    path = write_plan("loop-otherplan", "fedavg", rounds=2, fraction_train=1.0)
+    with killed_after_checkpoint(monkeypatch, 1):
+        run(path, Script())
+    path = write_plan("loop-otherplan", "fedavg", rounds=2, fraction_train=1.0, lr=0.5)  # same name, new plan
+    _, history, recorder = run(path, Script())
+    assert recorder.started_with[1] == 1 and [r["round"] for r in history] == [1, 1, 1, 2, 2, 2]
+
+
+# ----------------------------------------------------------------------------------------------- failures
+def test_a_failed_client_is_left_out_of_that_rounds_aggregate_only(ws, caplog):
+    path = write_plan("loop-fail", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script(fail={("Committee", 1)})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, recorder = run(path, script)
+    assert any(m.startswith("round 1: client Committee failed and is left out of the aggregate: RuntimeError: disk "
+                            "full on Committee") for m in logged(caplog))
+    r1 = rows_of(history, 1)
+    assert r1["Committee"]["failed"] == 1 and r1["Committee"]["error"] == "RuntimeError: disk full on Committee"
+    assert r1["Committee"]["bytes_up"] == 0 and r1["Committee"]["sampled"] == 1  # sampled, sent nothing back
+    assert "weight" not in r1["Committee"] and "weight_share" not in r1["Committee"]
+    assert r1["Academic"]["weight_share"] == pytest.approx(1 / 6) and r1["Product"]["weight_share"] == pytest.approx(
+        5 / 6)
+    assert rows_of(history, 2)["Committee"]["failed"] == 0
+    step1 = weighted_update(["Academic", "Product"], script)
+    step2 = weighted_update(["Academic", "Committee", "Product"], script)
+    assert_state(final, {k: v + step1 + step2 for k, v in initial(path).items()}, exact=False)
+    assert [agg for _, agg, _, _ in recorder.rounds] == [True, True]
+
+
+def test_a_round_without_any_update_keeps_the_global(ws, caplog):
+    path = write_plan("loop-allfail", "fedavg", rounds=2, fraction_train=1.0)
+    script = Script(fail={(c, 1) for c in WEIGHTS})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, recorder = run(path, script)
+    assert "round 1: no client update; the global adapter stays as it was" in logged(caplog)
+    assert "round 2: no client update; the global adapter stays as it was" not in logged(caplog)
+    assert [agg for _, agg, _, _ in recorder.rounds] == [False, True]
+    assert all(r["failed"] == 1 for r in rows_of(history, 1).values())
+    # round 2 started from the round-0 adapter
+    assert_state(final, {k: v + weighted_update(["Academic", "Committee", "Product"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_reply_lost_on_the_way_counts_as_failed_with_the_timeout(ws, caplog):
+    path = write_plan("loop-lost", "fedavg", rounds=1, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.lost = {("Product", 1)}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script, grid=grid, timeout=7)
+    assert "round 1: no reply from client Product within the timeout" in logged(caplog)
+    row = rows_of(history, 1)["Product"]
+    assert row["failed"] == 1 and row["error"] == "no reply within 7s (train.round_timeout_s)"
+    assert "val_loss" not in row  # its evaluation reply was lost too
+    assert_state(final, {k: v + weighted_update(["Academic", "Committee"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
+    path = write_plan("loop-undecodable", "fedavg", rounds=1, fraction_train=1.0)
+    script = Script(bad_reply={("Academic", 1)})
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script)
+    assert any(m.startswith("round 1: reply of client Academic cannot be decoded and is left out of the aggregate: "
+                            "encoded state: int8 tensor") for m in logged(caplog))
+    rows = rows_of(history, 1)
+    assert rows["Academic"]["failed"] == 1 and "weight_share" not in rows["Academic"]
+    assert rows["Academic"]["bytes_up"] > 0  # it did arrive
+    assert rows["Committee"]["weight_share"] == pytest.approx(2 / 7)
+    assert_state(final, {k: v + weighted_update(["Committee", "Product"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
+    """Whatever the order the replies arrive in: a different client's reply is undecodable in each of 3 rounds;
+    each round aggregates exactly the other two."""
+    path = write_plan("loop-undecodable3", "fedavg", rounds=3, fraction_train=1.0)
+    bad = {1: "Academic", 2: "Committee", 3: "Product"}
+    script = Script(bad_reply={(c, r) for r, c in bad.items()})
+    final, history, _ = run(path, script)
+    clients = ["Academic", "Committee", "Product"]
+    for rnd, c in bad.items():
+        rows = rows_of(history, rnd)
+        assert [n for n in clients if rows[n]["failed"]] == [c]
+        assert all("weight_share" in rows[n] for n in clients if n != c)
+    move = sum(weighted_update([n for n in clients if n != c], script) for c in bad.values())
+    assert_state(final, {k: v + move for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
+    path = write_plan("loop-evalfail", "fedkd", rounds=1, fraction_train=1.0)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        _, history, _ = run(path, Script(fail_eval={("Product", 1)}))
+    assert any(m.startswith("round 1: client Product failed to evaluate: RuntimeError: Product cannot evaluate")
+               for m in logged(caplog))
+    rows = rows_of(history, 1)
+    assert rows["Product"]["eval_failed"] == 1 and "val_loss" not in rows["Product"]
+    assert rows["Product"]["failed"] == 0 and "eval_failed" not in rows["Academic"]
+    assert rows["Academic"]["val_loss"] == 1.5
+
+
+def test_privacy_reports_become_the_rows_privacy_fields(ws):
+    path = write_plan("loop-privacy", "fedkd", rounds=1, fraction_train=1.0)
+    _, history, _ = run(path, Script(privacy=True))
+    row = rows_of(history, 1)["Academic"]
+    assert (row["epsilon"], row["max_grad_norm"], row["dp_steps"], row["clipped_fraction"]) == (3.0, None, 4, 0.25)
+
+
+# ----------------------------------------------------------------------------------------------- nodes
+def test_a_gone_node_is_recorded_absent_and_a_restarted_one_takes_its_clients_place(ws, caplog):
+    path = write_plan("loop-nodes", "fedavg", rounds=3, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.gone = {2: {"Committee"}}
+    grid.restart = {3: {"Product"}}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        final, history, _ = run(path, script, grid=grid)
+    assert "client Product (re)joined as node 1102" in logged(caplog)
+    r2 = rows_of(history, 2)["Committee"]
+    assert r2 == {"round": 2, "client": "Committee", "sampled": 0, "failed": 0, "absent": 1, "bytes_down": 0,
+                  "bytes_up": 0}
+    assert trained(script, 2) == ["Academic", "Product"]
+    assert trained(script, 3) == ["Academic", "Committee", "Product"]  # Product under its new node id
+    assert rows_of(history, 3)["Product"]["failed"] == 0 and "absent" not in rows_of(history, 3)["Committee"]
+    all3 = weighted_update(["Academic", "Committee", "Product"], script)
+    assert_state(final, {k: v + 2 * all3 + weighted_update(["Academic", "Product"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
+    from pipeline.federation.server_app import _connected_nodes
+
+    path = write_plan("loop-stranger", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"], extra={5000: "Mallory"})
+    node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        connected = _connected_nodes(grid, path, node_names, timeout=5)
+    assert logged(caplog) == ["node 5000 claims client 'Mallory', which is not in the plan; left out"]
+    assert connected == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    assert node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+
+
+def test_a_stranger_among_new_nodes_does_not_keep_a_restarted_client_out(ws, caplog):
+    """Two new node ids in one round: a stranger (id 500, asked first) and Product's restarted SuperNode (1002,
+    Product's old node 9 is gone): the stranger is left out, Product takes its new node."""
+    from pipeline.federation.server_app import _connected_nodes
+
+    path = write_plan("loop-stranger2", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"], extra={500: "Mallory"})
+    node_names = {1000: "Academic", 1001: "Committee", 9: "Product"}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        connected = _connected_nodes(grid, path, node_names, timeout=5)
+    assert logged(caplog) == ["node 500 claims client 'Mallory', which is not in the plan; left out",
+                              "client Product (re)joined as node 1002"]
+    assert connected == node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+
+
+def test_identify_names_every_node_and_rejects_two_claiming_one_client(ws):
+    from pipeline.federation.server_app import _identify
+
+    path = write_plan("loop-identify", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    assert _identify(grid, path, expected=3, timeout=5) == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    twice = Grid(path, Script(), ["Academic", "Academic"])
+    with pytest.raises(RuntimeError, match="two nodes claim the same client name"):
+        _identify(twice, path, expected=2, timeout=5)
+
+
+def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_message():
+    from flwr.app import Message, RecordDict
+
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.server_app import _senders
+
+    _set_server_identity(1)
+    sent = []
+    for node, mid in ((7, "a"), (8, "b")):
+        m = Message(RecordDict(), dst_node_id=node, message_type="train")
+        m.metadata.__dict__["_message_id"] = mid
+        sent.append(m)
+    sender = _senders(sent, {7: "Academic", 8: "Committee"})
+    by_node = Message(RecordDict(), reply_to=sent[0])
+    assert sender(by_node) == "Academic"
+    relayed = Message(RecordDict(), reply_to=sent[1])
+    relayed.metadata.__dict__["_src_node_id"] = 1  # the SuperLink's id, not the node's
+    assert sender(relayed) == "Committee"
+
+
+# ----------------------------------------------------------------------------------------------- admission
+def _post_addition(name: str, val, max_round: int, rounds: int = 5):
+    path = write_plan(name, "post_addition", "extreme/seed0", rounds=rounds, fraction_train=1.0,
+                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": max_round})
+    script = Script(val=val)
+    _, history, _ = run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
+    return script, history
+
+
+def test_the_late_client_hears_nothing_before_it_joins_once_the_others_stop_improving(ws, caplog):
+    # the others' mean validation loss: 10, 9 (10 % better), 8.96 (0.4 % better: converged) -> joins in round 4
+    losses = {1: 10.0, 2: 9.0, 3: 8.96, 4: 8.9, 5: 8.8}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        script, history = _post_addition("loop-join", lambda c, r: losses[r], max_round=5)
+    assert [m for m in logged(caplog) if "joins" in m] == [
+        "loop-join: round 4: the existing clients have converged (or max_round): SAMSum joins"]
+    late = [(k, r) for k, c, r, _ in script.calls if c == "SAMSum"]
+    assert min(r for _, r in late) == 4 and ("train", 4) in late and ("evaluate", 4) in late
+    assert min(r["round"] for r in history if r["client"] == "SAMSum") == 4
+    assert not any(r.get("absent") for r in history)  # not absent before joining: not admitted yet
+    assert rows_of(history, 5)["SAMSum"]["sampled"] == 1
+
+
+def test_the_late_client_is_recorded_absent_only_once_it_has_joined(ws):
+    """Its SuperNode is gone in rounds 1, 2 and 4; it joins at max_round 3: no row at all before joining (not
+    admitted, so not missed), a normal one in round 3, an absent one in round 4."""
+    path = write_plan("loop-join-gone", "post_addition", "extreme/seed0", rounds=4, fraction_train=1.0,
+                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3})
+    script = Script(val=lambda c, r: 10.0 * 0.8 ** r)  # the others keep improving: it joins at max_round
+    clients = ["Academic", "Committee", "Product", "SAMSum"]
+    grid = Grid(path, script, clients)
+    grid.gone = {1: {"SAMSum"}, 2: {"SAMSum"}, 4: {"SAMSum"}}
+    _, history, _ = run(path, script, clients=clients, grid=grid)
+    late = {r["round"]: r for r in history if r["client"] == "SAMSum"}
+    assert sorted(late) == [3, 4]
+    assert late[3]["sampled"] == 1 and "absent" not in late[3]
+    assert late[4]["absent"] == 1 and late[4]["sampled"] == 0
+
+
+def test_the_late_client_joins_at_max_round_while_the_others_still_improve(ws):
+    script, history = _post_addition("loop-join-max", lambda c, r: 10.0 * 0.8 ** r, max_round=3)
+    assert min(r["round"] for r in history if r["client"] == "SAMSum") == 3
+    assert min(r for k, c, r, _ in script.calls if c == "SAMSum") == 3
+
+
+def test_a_resumed_run_keeps_the_late_clients_admission(ws, monkeypatch):
+    # converged after round 2 (joins in 3), improving again after: only the restored admission lets it train in 4
+    losses = {1: 10.0, 2: 10.0, 3: 5.0, 4: 4.0, 5: 3.0}
+    path = write_plan("loop-join-resume", "post_addition", "extreme/seed0", rounds=5, fraction_train=1.0,
+                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 5})
+    with killed_after_checkpoint(monkeypatch, 3):
+        run(path, Script(val=lambda c, r: losses[r]), clients=["Academic", "Committee", "Product", "SAMSum"])
+    script = Script(val=lambda c, r: losses[r])
+    _, history, _ = run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
+    assert trained(script, 4) == ["Academic", "Committee", "Product", "SAMSum"]
+    # killed before it joined (after round 1): the resumed run still keeps it out until round 3
+    path = write_plan("loop-join-resume-early", "post_addition", "extreme/seed0", rounds=3, fraction_train=1.0,
+                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3})
+    with killed_after_checkpoint(monkeypatch, 1):
+        run(path, Script(val=lambda c, r: losses[r]), clients=["Academic", "Committee", "Product", "SAMSum"])
+    script = Script(val=lambda c, r: losses[r])
+    run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
+    assert trained(script, 1) == [] and trained(script, 2) == ["Academic", "Committee", "Product"]
+    assert trained(script, 3) == ["Academic", "Committee", "Product", "SAMSum"]
+
+
+def test_a_late_client_outside_the_partition_is_an_error(ws):
+    path = write_plan("loop-late-missing", "post_addition", "domain/seed0", rounds=2)
+    with pytest.raises(ValueError) as err:
+        run(path, Script())
+    assert "new client 'SAMSum' (train.new_client) is not among the clients ['Academic', 'Committee', 'Product']" \
+        in str(err.value)
+
+
+def test_a_serverless_method_has_no_server_loop(ws):
+    path = write_plan("loop-single", "single", rounds=1)
+    with pytest.raises(ValueError, match="method 'single' is not federated"):
+        run(path, Script())
+
+
+# ----------------------------------------------------------------------------------------------- the join rule
+def _history(means: list[float], spread: float = 0.5) -> list[dict]:
+    """Two existing clients whose mean validation loss in round r is means[r - 1]."""
+    return [{"round": r, "client": c, "val_loss": m + d} for r, m in enumerate(means, start=1)
+            for c, d in (("A", -spread), ("B", spread))]
+
+
+losses = st.lists(st.floats(0.5, 20.0), min_size=0, max_size=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(means=losses, patience=st.integers(1, 3), threshold=st.floats(0.0, 0.5), max_round=st.integers(2, 8),
+       noise=st.lists(st.floats(0.0, 50.0), min_size=0, max_size=4))
+def test_join_reads_only_the_other_clients_earlier_rounds(means, patience, threshold, max_round, noise):
+    """The decision for round r is a function of the existing clients' rows of rounds < r: rows of the late
+    client, of round r and later, and evaluation rows without a validation loss change nothing; from max_round on
+    the answer is yes."""
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.training.config import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=threshold, patience=patience, max_round=max_round)
+    rnd = len(means) + 1
+    history = _history(means)
+    decided = new_client_joins(rnd, history, "New", join)
+    extra = ([{"round": r, "client": "New", "val_loss": v} for r, v in enumerate(noise, start=1)]
+             + [{"round": rnd + i, "client": c, "val_loss": v} for i, v in enumerate(noise) for c in "AB"]
+             + [{"round": 1, "client": "A", "eval_failed": 1}])
+    assert new_client_joins(rnd, history + extra, "New", join) is decided
+    if rnd >= max_round:
+        assert decided
+    elif len(means) < patience + 1:
+        assert not decided  # not enough rounds to see `patience` improvements
+
+
+@settings(max_examples=60, deadline=None)
+@given(start=st.floats(1.0, 20.0), n=st.integers(2, 6), patience=st.integers(1, 3), threshold=st.floats(0.005, 0.3),
+       margin=st.floats(1.05, 3.0))
+def test_join_waits_while_the_others_improve_and_admits_once_they_stall(start, n, patience, threshold, margin):
+    """Means that drop by more than the threshold every round (relative to the best so far) keep the late client
+    out until max_round; flat means admit it as soon as `patience` flat rounds follow a first one."""
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.training.config import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=threshold, patience=patience, max_round=99)
+    factor = 1.0 - min(threshold * margin, 0.9)
+    improving = [start * factor**i for i in range(n)]
+    assert not new_client_joins(n + 1, _history(improving, spread=0.0), "New", join)
+    flat = [start] * n
+    assert new_client_joins(n + 1, _history(flat, spread=0.0), "New", join) is (n >= patience + 1)
+    # a late stall counts only when the last `patience` rounds all stall
+    stalled = improving + [improving[-1]] * patience
+    assert new_client_joins(len(stalled) + 1, _history(stalled, spread=0.0), "New", join)
+    if patience > 1:
+        almost = improving + [improving[-1]] * (patience - 1)
+        assert not new_client_joins(len(almost) + 1, _history(almost, spread=0.0), "New", join)
+
+
+def test_improvement_is_measured_against_the_best_earlier_round_not_the_last():
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.training.config import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=9)
+    # 10 -> 12 (worse) -> 9.95: 17 % better than round 2 but only 0.5 % better than the best (10): converged
+    assert new_client_joins(4, _history([10.0, 12.0, 9.95]), "New", join)
+    # 10 -> 12 -> 9.0: 10 % better than the best: still learning
+    assert not new_client_joins(4, _history([10.0, 12.0, 9.0]), "New", join)
+    # the mean over the clients, not one client: A improves 50 %, B worsens, the mean is flat
+    history = [{"round": 1, "client": "A", "val_loss": 4.0}, {"round": 1, "client": "B", "val_loss": 6.0},
+               {"round": 2, "client": "A", "val_loss": 2.0}, {"round": 2, "client": "B", "val_loss": 8.0}]
+    assert new_client_joins(3, history, "New", join)
+    # a best of exactly 0 gives no relative improvement (converged), not a division by zero
+    assert new_client_joins(3, _history([0.0, 0.0], spread=0.0), "New", join)
+
+
+def test_an_improvement_of_exactly_the_threshold_is_still_learning():
+    """'Improved by less than min_rel_improvement' is strict: 1.0 -> 0.5 is exactly 50 %, so with a 50 % threshold
+    the others are still learning; 1.0 -> 0.75 (25 %) is below it: the late client joins."""
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.training.config import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=0.5, patience=1, max_round=9)
+    assert not new_client_joins(3, _history([1.0, 0.5], spread=0.0), "New", join)
+    assert new_client_joins(3, _history([1.0, 0.75], spread=0.0), "New", join)
+
+
+def test_the_strategy_sees_the_grid_restricted_to_the_admitted_nodes(ws):
+    """_NodeSubsetGrid: the node list is the admitted subset (a copy), everything else is the grid's own."""
+    from pipeline.federation.server_app import _NodeSubsetGrid
+
+    class Recording:
+        def __init__(self):
+            self.calls = []
+            self.run = "the run"
+
+        def set_run(self, run):
+            self.calls.append(("set_run", run))
+
+        def create_message(self, *args):
+            self.calls.append(("create_message", args))
+            return "message"
+
+        def get_node_ids(self):
+            return [1, 2, 3]
+
+        def push_messages(self, messages):
+            self.calls.append(("push", messages))
+            return ["id"]
+
+        def pull_messages(self, ids):
+            self.calls.append(("pull", ids))
+            return ["reply"]
+
+        def send_and_receive(self, messages, *, timeout=None):
+            self.calls.append(("send", messages, timeout))
+            return ["replies"]
+
+    inner = Recording()
+    nodes = [3, 1]
+    view = _NodeSubsetGrid(inner, nodes)
+    nodes.append(2)  # the view keeps its own list
+    assert list(view.get_node_ids()) == [3, 1] and view.get_node_ids() is not view.get_node_ids()
+    assert view.run == "the run"
+    view.set_run("another run")
+    assert view.create_message("content", "train", 3, "g", 60) == "message"
+    assert view.create_message("content", "train", 1, "g") == "message"
+    assert view.push_messages(["m"]) == ["id"] and view.pull_messages(["id"]) == ["reply"]
+    assert view.send_and_receive(["m"], timeout=7.5) == ["replies"]
+    assert inner.calls == [("set_run", "another run"), ("create_message", ("content", "train", 3, "g", 60)),
+                           ("create_message", ("content", "train", 1, "g", None)), ("push", ["m"]),
+                           ("pull", ["id"]), ("send", ["m"], 7.5)]
+
+
+def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
+    from pipeline.federation.server_app import _connected_nodes, _identify
+
+    path = write_plan("loop-badnode", "fedavg", rounds=1)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.inner.contexts[1001].node_config["client-name"] = None  # cannot say who it is
+    with pytest.raises(RuntimeError, match="node 1001 failed to identify: RuntimeError: no client name configured"):
+        _identify(grid, path, expected=3, timeout=5)
+    grid.inner.contexts[1001].node_config["client-name"] = "Committee"
+    node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    grid.inner.contexts[1099] = grid.inner.contexts.pop(1001)  # Committee's node restarts as a new node
+    grid.inner.contexts[1099].node_config["client-name"] = None
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert _connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product"}
+    assert [m for m in logged(caplog) if "failed to identify" in m] == [
+        "node 1099 connected but failed to identify; left out: RuntimeError: no client name configured"]
+    assert node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    grid.inner.contexts[1099].node_config["client-name"] = "Committee"  # asked again, it answers
+    assert _connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product",
+                                                                    1099: "Committee"}
+    assert node_names == {1000: "Academic", 1002: "Product", 1099: "Committee"}  # the old node is forgotten
+
+
+def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
+    from pipeline.federation.server_app import _identify
+
+    path = write_plan("loop-wait", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    polls = []
+
+    def late_node():  # the third node registers after the server's first look
+        polls.append(1)
+        return [1000, 1001] if len(polls) == 1 else [1000, 1001, 1002]
+
+    grid.get_node_ids = late_node
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        names = _identify(grid, path, expected=3, timeout=30)
+    assert names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    assert logged(caplog) == ["waiting for clients: 2 of 3 connected"] and len(polls) == 2
+
+
+# ----------------------------------------------------------------------------------------------- SecAgg+ bookkeeping
+# The train step of a SecAgg+ round (_train_secure) on a scripted SecureAggregator: the protocol itself is tested end
+# to end in tests/test_secure_aggregation.py; here, what the server records from its outcome for every client.
+def _secure_metrics(weight: int, clipped: int = 0) -> dict:
+    return {N: weight, "num-trained": weight, "num-steps": 2 * weight, "num-tokens": 10 * weight,
+            "train-loss": 0.5 * weight, "ce": 0.25 * weight, "kd": 0.125, "kd-fraction": 0.5, "proximal": 0.0,
+            "secagg-clipped": clipped}
+
+
+class _ScriptedSecure:
+    def __init__(self, result):
+        self.result, self.calls = result, []
+
+    def train_round(self, grid, messages, rnd):
+        self.calls.append((grid, len(messages), rnd))
+        return self.result
+
+
+def _secure_rows(names):
+    return {n: {"round": 3, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0} for n in names}
+
+
+def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
+    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.federation.server_app import _train_secure
+
+    names = {11: "Academic", 12: "Committee", 13: "Product"}
+    mean = object()
+    result = SecureRound(arrays=mean, threshold=2, num_shares=3, in_sum={11, 12, 13}, nodes={
+        11: NodeOutcome(metrics=_secure_metrics(1), bytes_down=100, bytes_up=40),
+        12: NodeOutcome(metrics=_secure_metrics(2), bytes_down=101, bytes_up=41),
+        13: NodeOutcome(metrics=_secure_metrics(5), failed_stage="unmask", error="no answer", bytes_down=102,
+                        bytes_up=42)})
+    secure, rows, clipped = _ScriptedSecure(result), _secure_rows(names.values()), {}
+    grid = object()
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert _train_secure(secure, grid, ["m"] * 3, rows, names, 3, None, clipped) is mean
+    assert secure.calls == [(grid, 3, 3)]
+    for node, name in names.items():
+        w = {11: 1, 12: 2, 13: 5}[node]
+        assert rows[name]["bytes_down"] == 100 + node - 11 and rows[name]["bytes_up"] == 40 + node - 11
+        assert rows[name]["failed"] == 0 and "error" not in rows[name]
+        assert (rows[name]["weight"], rows[name]["n_steps"], rows[name]["n_tokens"]) == (w, 2 * w, 10 * w)
+        assert rows[name]["train_loss"] == 0.5 * w and rows[name]["secagg_clipped"] == 0
+    # the client lost at unmask is in the sum (the others' shares unmasked it): recorded, not failed
+    assert rows["Product"]["secagg_error"] == "SecAgg+ unmask: no answer"
+    assert "secagg_error" not in rows["Academic"] and clipped == {}
+    assert logged(caplog) == []  # every sampled client is in the sum: nothing to report
+
+
+def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of_the_others_is_logged(caplog):
+    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.federation.server_app import _train_secure
+
+    names = {11: "Academic", 12: "Committee", 13: "Product"}
+    mean = object()
+    result = SecureRound(arrays=mean, threshold=2, num_shares=3, in_sum={11, 13}, nodes={
+        11: NodeOutcome(metrics=_secure_metrics(1)), 13: NodeOutcome(metrics=_secure_metrics(5)),
+        12: NodeOutcome(failed_stage="share_keys", error="timeout", bytes_down=7)})
+    rows = _secure_rows(names.values())
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert _train_secure(_ScriptedSecure(result), None, ["m"] * 3, rows, names, 4, None, {}) is mean
+    assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ share_keys: timeout"
+    assert rows["Committee"]["bytes_down"] == 7 and "weight" not in rows["Committee"]
+    assert rows["Academic"]["failed"] == 0 and rows["Product"]["failed"] == 0
+    assert logged(caplog) == ["round 4: client Committee is not in the SecAgg+ sum: SecAgg+ share_keys: timeout",
+                              "round 4: SecAgg+ unmasked the sum of 2 of 3 sampled clients (threshold 2 of 3 shares)"]
+
+
+def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog):
+    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.federation.server_app import _train_secure
+
+    names = {11: "Academic", 12: "Committee"}
+    result = SecureRound(arrays=None, threshold=2, num_shares=2, in_sum=set(), halted="too few shares",
+                         clipped_count=1, nodes={11: NodeOutcome(metrics=_secure_metrics(1)),
+                                                 12: NodeOutcome(failed_stage="setup", error="gone")})
+    rows, clipped = _secure_rows(names.values()), {}
+    assert _train_secure(_ScriptedSecure(result), None, ["m"] * 2, rows, names, 2, None, clipped) is None
+    assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
+    assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ setup: gone"
+    assert clipped == {}
+
+
+def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
+    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.federation.server_app import _train_secure
+
+    class Wrapper:
+        def __init__(self):
+            self.calls = []
+
+        def release_secure_mean(self, rnd, arrays, clipped_count, summed):
+            self.calls.append((rnd, arrays, clipped_count, summed))
+            return "noised"
+
+    names = {11: "Academic", 12: "Committee", 13: "Product", 14: "SAMSum"}
+    mean = object()
+    result = SecureRound(arrays=mean, threshold=3, num_shares=4, in_sum={11, 12, 14}, clipped_count=1, nodes={
+        11: NodeOutcome(metrics=_secure_metrics(1, clipped=1)), 12: NodeOutcome(metrics=_secure_metrics(1)),
+        13: NodeOutcome(failed_stage="training", error="crashed"), 14: NodeOutcome(metrics=_secure_metrics(1))})
+    wrapper, clipped = Wrapper(), {}
+    rows = _secure_rows(names.values())
+    assert _train_secure(_ScriptedSecure(result), None, ["m"] * 4, rows, names, 6, wrapper, clipped) == "noised"
+    assert wrapper.calls == [(6, mean, 1, 3)]
+    assert clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
+    assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0
+
+
+class _InTheClearSecure:
+    """Stands in for SecureAggregator in run_server: the same sampled train messages, the replies' weighted mean
+    computed in the clear (what SecAgg+ unmasks); ``lost_at_unmask`` answered with its metrics but is not in the
+    sum."""
+
+    made: list = []
+    lost_at_unmask = "Product"
+
+    def __init__(self, cfg, max_weight, clients, timeout, clipped_bits=False):
+        type(self).made.append((cfg, max_weight, clients, timeout, clipped_bits))
+        self.timeout, self.clipped_bits = timeout, clipped_bits
+
+    def train_round(self, grid, messages, rnd):
+        from flwr.app import ArrayRecord
+
+        from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+
+        nodes, total, mean, in_sum = {}, 0, None, set()
+        for reply in grid.send_and_receive(messages, timeout=self.timeout):
+            node = reply.metadata.src_node_id
+            metrics = {**dict(reply.content["metrics"]), "secagg-clipped": 0}
+            if grid.name(node) == self.lost_at_unmask:
+                nodes[node] = NodeOutcome(metrics=metrics, failed_stage="unmask", error="gone", bytes_up=11)
+                continue
+            nodes[node] = NodeOutcome(metrics=metrics, bytes_down=7, bytes_up=13)
+            w = int(metrics[N])
+            state = reply.content["arrays"].to_torch_state_dict()
+            mean = {k: w * v for k, v in state.items()} if mean is None else {k: mean[k] + w * state[k] for k in mean}
+            total += w
+            in_sum.add(node)
+        arrays = ArrayRecord.from_torch_state_dict({k: v / total for k, v in mean.items()})
+        return SecureRound(arrays=arrays, nodes=nodes, in_sum=in_sum, threshold=2, num_shares=3,
+                           clipped_count=0 if self.clipped_bits else None)
+
+
+def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_it(ws, monkeypatch):
+    """privacy.secure_aggregation: the server builds its SecAgg+ runner from the plan (secagg settings, the largest
+    train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
+    client lost at unmask is failed and gets no weight share even though its metrics arrived."""
+    from pipeline.federation import server_app
+    from pipeline.federation.protocol import load_plan
+
+    path = _secure_plan("loop-secure", fraction_train=1.0)
+    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    _InTheClearSecure.made = []
+    script = Script()
+    final, history, _ = run(path, script, timeout=4.5)
+    plan = load_plan(path)
+    partition = json.loads(Path(plan.paths["partition"]).read_text())
+    largest = max(len(c["train"]) for c in partition["clients"].values())
+    assert _InTheClearSecure.made == [(plan.privacy.secagg, largest, 3, 4.5, False)]
+    rows = rows_of(history, 1)
+    assert rows["Product"]["failed"] == 1 and rows["Product"]["error"] == "SecAgg+ unmask: gone"
+    assert "weight_share" not in rows["Product"] and rows["Product"]["bytes_up"] == 11
+    assert rows["Academic"]["weight_share"] == pytest.approx(1 / 3) and rows["Committee"]["bytes_up"] == 13
+    assert_state(final, {k: v + weighted_update(["Academic", "Committee"], script)
+                         for k, v in initial(path).items()}, exact=False)
+
+
+def _secure_plan(name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None,
+                 **train) -> str:
+    from pipeline.common.config import from_dict
+    from pipeline.training.privacy import PrivacyConfig
+
+    path = write_plan(name, method, partition, **{"rounds": 1, **train})
+    raw = json.loads(Path(path).read_text())
+    raw["privacy"] = from_dict(PrivacyConfig, {"secure_aggregation": True, **(privacy or {})}, "privacy").plan_dict()
+    Path(path).write_text(json.dumps(raw, indent=2, sort_keys=True))
+    return path
+
+
+def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_released_by_the_dp_wrapper(ws, monkeypatch):
+    """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
+    clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
+    from pipeline.federation import server_app
+    from pipeline.federation.protocol import load_plan
+
+    path = _secure_plan("loop-secure-cdp", fraction_train=1.0, privacy={
+        "mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"})
+    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    _InTheClearSecure.made = []
+    script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
+    final, history, _ = run(path, script, timeout=4.5)
+    assert _InTheClearSecure.made == [(load_plan(path).privacy.secagg, 1, 3, 4.5, True)]
+    assert rows_of(history, 1)["Product"]["failed"] == 1
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+    assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
+
+
+def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
+    """post_addition: the late client is not in the first rounds' sums, so 3 existing clients x 0.5 sample one."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import run_server
+
+    path = _secure_plan("loop-secure-few", "post_addition", "extreme/seed0", fraction_train=0.5, rounds=2,
+                        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 2})
+    clients = ["Academic", "Committee", "Product", "SAMSum"]
+    grid = Grid(path, Script(), clients)
+    with pytest.raises(ValueError) as err:
+        run_server(grid, load_plan(path), path, Recorder(grid), round_timeout_s=4.5)
+    assert str(err.value) == ("loop-secure-few: privacy.secure_aggregation needs at least 2 clients in every round's "
+                              "sum; 3 clients x train.fraction_train 0.5 samples 1")
+
