@@ -297,9 +297,9 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
             match = match.lstrip("/")
             # a renamed path goes to TARGET; each match of a glob keeps its path, under TARGET when given
             out = dest / target / match if target and match != src else dest / (target or match)
-            files = [f.lstrip("/") for f in fs.find(match)] if fs.isdir(match) else [match]
-            for f in files:
-                to = out / Path(f).relative_to(match) if fs.isdir(match) else out
+            is_dir = fs.isdir(match)
+            for f in [f.lstrip("/") for f in fs.find(match)] if is_dir else [match]:
+                to = out / Path(f).relative_to(match) if is_dir else out
                 to.parent.mkdir(parents=True, exist_ok=True)
                 with atomic.replacing(to) as tmp:
                     fs.get_file(f, str(tmp))
