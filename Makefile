@@ -48,11 +48,13 @@ reliability: setup
 		--reliability-report reports/reliability.md $(RELIABILITY_TESTS)
 
 # Mutation testing of the core (not in CI; minutes to hours per module on 2 cores): one module at a time, verdicts
-# kept in mutants/ between runs, so `make mutants MODULES=modeling.losses` runs a part. Then reports/mutation.md.
+# kept between runs, so `make mutants MODULES=modeling.losses` runs a part. Then reports/mutation.md. mutmut keeps its
+# verdicts in mutants/ (git-ignored, gone with the machine); they are also kept in git, in
+# reports/mutation-verdicts.json: restored into mutants/ before a run, merged back by the report after it.
 # MUTANTS=survivors re-runs only the mutants no test detected last time (after new tests), MUTANTS=unfinished those
 # and the ones not run yet (with NAMES: of those functions only). MUTANTS_JOBS parallel
 # mutants, at MUTANTS_NICE (a shared machine: the defaults leave a core to everything else). Each run's module,
-# command, start and wall seconds go to mutants/runs.tsv, which the report cites. NAMES='<pattern> ...' runs only
+# command, start and wall seconds go to reports/mutation-runs.tsv, which the report cites. NAMES='<pattern> ...' runs only
 # the mutants matching mutmut name patterns (e.g. one function's: pipeline.datasets.readers.x__parse_span__*).
 MODULES ?= modeling.adapters results.scoring federation.strategies federation.compression partitioning.schemes \
 	datasets.sources datasets.readers modeling.losses federation.protocol training.rounds training.local \
@@ -63,6 +65,7 @@ MUTANTS_NICE ?= 10
 mutants: setup
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'
 	mkdir -p mutants
+	$(BIN)/python -m pipeline.mutation_report --restore
 	for m in $(MODULES); do \
 	  if [ "$(MUTANTS)" = survivors ]; then names=$$($(BIN)/python -m pipeline.mutation_report --survivors $$m) || exit 1; \
 	  elif [ "$(MUTANTS)" = unfinished ]; then names=$$($(BIN)/python -m pipeline.mutation_report --unfinished $$m $(if $(NAMES),--match $(NAMES))) || exit 1; \
@@ -71,7 +74,7 @@ mutants: setup
 	  start=$$(date -u +%s); \
 	  FEDMEET_DATA_ROOT=$(abspath ..)/shared/data nice -n $(MUTANTS_NICE) $(BIN)/mutmut run --max-children $(MUTANTS_JOBS) $$names || exit 1; \
 	  printf '%s\t%s\t%s\t%s\tnice -n $(MUTANTS_NICE) mutmut run --max-children $(MUTANTS_JOBS)\t%s\n' "$$m" "$(if $(NAMES),$(if $(filter unfinished,$(MUTANTS)),unfinished )$(NAMES),$(MUTANTS))" \
-	    "$$start" "$$(( $$(date -u +%s) - start ))" "$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- pipeline tests || echo +changes)" >> mutants/runs.tsv; \
+	    "$$start" "$$(( $$(date -u +%s) - start ))" "$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- pipeline tests || echo +changes)" >> reports/mutation-runs.tsv; \
 	done
 	$(BIN)/python -m pipeline.mutation_report
 

@@ -1,12 +1,21 @@
-"""reports/mutation.md from mutmut's results in mutants/ (``make mutants``; not part of the pipeline's stages).
+"""reports/mutation.md from mutmut's verdicts (``make mutants``; not part of the pipeline's stages).
 
-mutmut 3 keeps one verdict per mutant in ``mutants/<module>.meta`` (a process exit code); this module counts them
-per core module and lists every mutant that no test caught, each with its diff and either the reason it is
-equivalent (``tests/mutation_equivalent.yaml``: mutant name -> reason) or "not killed". With a baseline (the counts
-and survivors of an earlier run, ``--save-baseline``) the report shows the score before and after and which of the
-earlier survivors the new tests kill.
+mutmut 3 keeps one verdict per mutant in ``mutants/<module>.meta`` (a process exit code), but ``mutants/`` is
+git-ignored and lives only as long as the machine: the verdicts are also kept in git, in
+``reports/mutation-verdicts.json`` (per core module, mutmut's hash of every function and the exit code of every
+mutant), and the run log in ``reports/mutation-runs.tsv``. ``--restore`` writes
+the kept verdicts into ``mutants/`` before a run (mutmut itself then drops those of functions whose source changed),
+and every report merges the verdicts of ``mutants/`` back into the file, so a module can be run in parts across
+machines. A kept verdict counts only while its function's source is unchanged (mutmut's hash of it today): the
+others are "not run".
 
-    python -m pipeline.mutation_report                       # write reports/mutation.md
+This module counts the verdicts per core module and lists every mutant that no test caught, each with its diff and
+either the reason it is equivalent (``tests/mutation_equivalent.yaml``: mutant name -> reason) or "not killed". With
+a baseline (the counts and survivors of an earlier run, ``--save-baseline``) the report shows the score before and
+after and which of the earlier survivors the new tests kill.
+
+    python -m pipeline.mutation_report                       # merge mutants/ into the kept verdicts, write reports/mutation.md
+    python -m pipeline.mutation_report --restore             # the kept verdicts into mutants/ (before `mutmut run`)
     python -m pipeline.mutation_report --save-baseline       # keep the current verdicts as the "before" run
     python -m pipeline.mutation_report --survivors modeling.losses  # names of modeling/losses.py's undetected mutants (to re-run)
     python -m pipeline.mutation_report --unfinished modeling.losses  # ... and those not run yet (to finish a module)
@@ -35,7 +44,8 @@ MUTANTS_DIR = Path("mutants")
 REPORT = Path("reports/mutation.md")
 BASELINE = Path("reports/mutation-baseline.json")
 EQUIVALENT = Path("tests/mutation_equivalent.yaml")
-RUNS = MUTANTS_DIR / "runs.tsv"  # one line per `make mutants` run of a module
+VERDICTS = Path("reports/mutation-verdicts.json")  # the verdicts kept in git (mutants/ is not)
+RUNS = Path("reports/mutation-runs.tsv")  # one line per `make mutants` run of a module
 # The core, in the order it is run and reported (pyproject.toml [tool.mutmut] only_mutate).
 # Dotted below pipeline/, as mutmut names the mutants (pipeline.<module>.x_<function>__mutmut_<n>).
 CORE = ("modeling.losses", "federation.strategies", "federation.compression", "partitioning.schemes",
@@ -101,17 +111,119 @@ def load_equivalent(path: Path = EQUIVALENT) -> dict[str, str]:
     return data
 
 
-def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None = None) -> dict[str, ModuleResult]:
+def _meta_path(module: str, mutants_dir: Path) -> Path:
+    return mutants_dir / "pipeline" / f"{module.replace('.', '/')}.py.meta"
+
+
+def _mangled(name: str) -> str:
+    """The function a mutant belongs to as mutmut hashes it: ...x_f__mutmut_3 -> x_f, ...xǁCǁm__mutmut_1 -> xǁCǁm."""
+    return name.partition("__mutmut_")[0].rpartition(".")[2]
+
+
+def read_meta(mutants_dir: Path = MUTANTS_DIR) -> dict[str, dict[str, Any]]:
+    """Per core module that mutants/ holds: mutmut's function hashes and verdicts (None: not run)."""
+    found = {}
+    for module in CORE:
+        path = _meta_path(module, mutants_dir)
+        if path.exists():
+            data = json.loads(path.read_text())
+            found[module] = {"hash_by_function_name": data.get("hash_by_function_name", {}),
+                             "exit_code_by_key": data["exit_code_by_key"]}
+    return found
+
+
+def load_kept(path: Path = VERDICTS) -> dict[str, dict[str, Any]]:
+    return json.loads(path.read_text())["modules"] if path.exists() else {}
+
+
+def save_kept(kept: dict[str, dict[str, Any]], path: Path = VERDICTS) -> None:
+    atomic.write_text(path, json.dumps({"modules": kept}, indent=1, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def merge(kept: dict[str, dict[str, Any]], fresh: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The kept verdicts updated with mutants/'s: a module in ``fresh`` takes its mutants and hashes from there; a
+    mutant it has not run keeps its kept verdict when its function's hash is the same in both (mutmut's own rule)."""
+    merged = dict(kept)
+    for module, new in fresh.items():
+        old = kept.get(module, {})
+        old_hashes, new_hashes = old.get("hash_by_function_name", {}), new["hash_by_function_name"]
+        old_codes = old.get("exit_code_by_key", {})
+        codes = {}
+        for name, code in new["exit_code_by_key"].items():
+            f = _mangled(name)
+            if code is None and f in new_hashes and old_hashes.get(f) == new_hashes[f]:
+                code = old_codes.get(name)
+            codes[name] = code
+        merged[module] = {"hash_by_function_name": dict(new_hashes), "exit_code_by_key": codes}
+    return merged
+
+
+def restore(kept: dict[str, dict[str, Any]], mutants_dir: Path = MUTANTS_DIR) -> int:
+    """Write the kept verdicts into mutants/<module>.meta (a meta already there keeps what it ran and takes the
+    kept verdicts of the rest), so that ``mutmut run`` goes on where the last machine stopped; mutmut drops the
+    verdicts of functions whose source changed when it generates the mutants. Returns the verdicts restored."""
+    present = read_meta(mutants_dir)
+    restored = 0
+    for module, entry in kept.items():
+        path = _meta_path(module, mutants_dir)
+        if module in present:
+            meta = json.loads(path.read_text())
+            meta["exit_code_by_key"] = merge({module: entry}, {module: present[module]})[module]["exit_code_by_key"]
+        else:
+            meta = {"exit_code_by_key": entry["exit_code_by_key"], "hash_by_function_name": entry["hash_by_function_name"],
+                    "type_check_error_by_key": {}, "durations_by_key": {}, "estimated_durations_by_key": {}}
+        restored += sum(code is not None for code in meta["exit_code_by_key"].values())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(meta, indent=4))
+    return restored
+
+
+@dataclass
+class Mutated:
+    """What mutmut makes of one module's source today: its mutants, its hash of every function, the mutated code."""
+
+    names: list[str]
+    hashes: dict[str, str]
+    code: str
+
+
+def current_mutants(module: str) -> Mutated:
+    from mutmut.mutation.file_mutation import mutate_file_contents
+    from mutmut.utils.format_utils import get_mutant_name
+
+    path = Path(_file(module))
+    mutated = mutate_file_contents(str(path), path.read_text())
+    return Mutated([get_mutant_name(path, n) for n in mutated.mutant_names], dict(mutated.hash_by_function_name),
+                   mutated.code)
+
+
+def in_force(kept: dict[str, dict[str, Any]], today: dict[str, Mutated]
+             ) -> tuple[dict[str, dict[str, int | None]], dict[str, int]]:
+    """Per module, today's mutants with the kept verdicts that still hold (their function's hash unchanged), the
+    rest None; and per module how many kept verdicts were dropped because their function changed since."""
+    codes: dict[str, dict[str, int | None]] = {}
+    dropped: dict[str, int] = {}
+    for module, mutated in today.items():
+        if module not in kept:
+            continue
+        entry = kept[module]
+        old_hashes, old_codes = entry["hash_by_function_name"], entry["exit_code_by_key"]
+        same = {f for f, h in mutated.hashes.items() if old_hashes.get(f) == h}
+        codes[module] = {n: old_codes.get(n) if _mangled(n) in same else None for n in mutated.names}
+        dropped[module] = sum(c is not None and _mangled(n) not in same for n, c in old_codes.items())
+    return codes, dropped
+
+
+def collect(codes_by_module: dict[str, dict[str, int | None]], equivalent: dict[str, str] | None = None
+            ) -> dict[str, ModuleResult]:
     """Per core module, the counts of mutmut's verdicts (modules never generated are absent)."""
     equivalent = equivalent or {}
     results: dict[str, ModuleResult] = {}
     for module in CORE:
-        meta = mutants_dir / "pipeline" / f"{module.replace('.', '/')}.py.meta"
-        if not meta.exists():
+        if module not in codes_by_module:
             continue
-        data = json.loads(meta.read_text())
         r = ModuleResult(module)
-        for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0])):
+        for name, code in sorted(codes_by_module[module].items(), key=lambda kv: _natural(kv[0])):
             r.made += 1
             s = status(code)
             counts = r.functions.setdefault(_function(name), [0, 0])
@@ -128,10 +240,9 @@ def collect(mutants_dir: Path = MUTANTS_DIR, equivalent: dict[str, str] | None =
     return results
 
 
-def unfinished(module: str, equivalent: dict[str, str], mutants_dir: Path = MUTANTS_DIR) -> list[str]:
-    """MODULE's mutants not run yet or not detected last time (equivalent ones left out), in mutmut's order."""
-    data = json.loads((mutants_dir / "pipeline" / f"{module.replace('.', '/')}.py.meta").read_text())
-    return [name for name, code in sorted(data["exit_code_by_key"].items(), key=lambda kv: _natural(kv[0]))
+def unfinished(codes: dict[str, int | None], equivalent: dict[str, str]) -> list[str]:
+    """A module's mutants not run yet or not detected last time (equivalent ones left out), in mutmut's order."""
+    return [name for name, code in sorted(codes.items(), key=lambda kv: _natural(kv[0]))
             if name not in equivalent and status(code) in ("not run", "survived", "no tests", "other")]
 
 
@@ -146,13 +257,22 @@ def _natural(name: str) -> tuple[str, int]:
     return head, int(num) if num.isdigit() else 0
 
 
-def mutant_diff(name: str, module: str) -> str:
-    """The changed lines of one mutant (mutmut's own diff, without the file header)."""
-    from mutmut.mutation.diff_apply import get_diff_for_mutant
+def mutant_diffs(mutated: Mutated, names: list[str]) -> dict[str, str]:
+    """The changed lines of each named mutant (mutmut's own diff, without the file header), read from the mutated
+    code itself, so no mutants/ directory is needed."""
+    import difflib
 
-    diff = get_diff_for_mutant(name, path=Path("pipeline") / f"{module.replace('.', '/')}.py")  # mutmut reads it under mutants/
-    return "\n".join(line for line in diff.splitlines()
-                     if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    import libcst as cst
+    from mutmut.mutation.diff_apply import read_mutant_function, read_original_function
+
+    tree = cst.parse_module(mutated.code)
+    diffs = {}
+    for name in names:
+        before, after = (cst.Module([f]).code.strip().split("\n")
+                         for f in (read_original_function(tree, name), read_mutant_function(tree, name)))
+        diffs[name] = "\n".join(line for line in difflib.unified_diff(before, after, lineterm="")
+                                 if line[:1] in "+-" and not line.startswith(("+++", "---")))
+    return diffs
 
 
 def _file(module: str) -> str:
@@ -304,6 +424,8 @@ def baseline_record(results: dict[str, ModuleResult], info: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--restore", action="store_true",
+                    help=f"write the verdicts kept in {VERDICTS} into {MUTANTS_DIR}/ (before `mutmut run`)")
     ap.add_argument("--save-baseline", action="store_true",
                     help=f"add the modules run since the last save to {BASELINE} (their 'before' verdicts)")
     ap.add_argument("--survivors", metavar="MODULE", help="print the names of MODULE's undetected mutants")
@@ -313,28 +435,38 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --unfinished: only the names matching one of these mutmut name patterns")
     args = ap.parse_args(argv)
     equivalent = load_equivalent()
-    results = collect(equivalent=equivalent)
-    if args.survivors:
-        if args.survivors not in results:
-            raise SystemExit(f"error: no mutmut results for pipeline.{args.survivors} in {MUTANTS_DIR}/")
-        print("\n".join(n for n in results[args.survivors].undetected if n not in equivalent))
+    kept = merge(load_kept(), read_meta())
+    if args.restore:
+        print(f"restored {restore(kept)} verdicts from {VERDICTS} into {MUTANTS_DIR}/")
         return 0
-    if args.unfinished:
-        if args.unfinished not in results:
-            raise SystemExit(f"error: no mutmut results for pipeline.{args.unfinished} in {MUTANTS_DIR}/")
-        names = unfinished(args.unfinished, equivalent)
-        if args.match:
-            names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in args.match)]
+    today = {m: current_mutants(m) for m in CORE}
+    codes, dropped = in_force(kept, today)
+    if args.survivors or args.unfinished:
+        module = args.survivors or args.unfinished
+        if module not in codes:
+            raise SystemExit(f"error: no verdicts for pipeline.{module} in {VERDICTS} or {MUTANTS_DIR}/")
+        if args.survivors:
+            names = [n for n in collect({module: codes[module]})[module].undetected if n not in equivalent]
+        else:
+            names = unfinished(codes[module], equivalent)
+            if args.match:
+                names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in args.match)]
         print("\n".join(names))
         return 0
+    results = collect(codes, equivalent)
     info = _run_info()
     if args.save_baseline:
         earlier = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
         atomic.write_json(BASELINE, baseline_record(results, info, earlier))
         print(f"wrote {BASELINE}")
         return 0
+    save_kept(kept)
+    for m, n in dropped.items():
+        if n:
+            print(f"note: {n} kept verdict(s) of pipeline.{m} no longer count: their functions changed since",
+                  file=sys.stderr)
     baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
-    diffs = {n: mutant_diff(n, m) for m, r in results.items() for n in r.undetected}
+    diffs = {n: d for m, r in results.items() for n, d in mutant_diffs(today[m], r.undetected).items()}
     stale = sorted(set(equivalent) - {n for r in results.values() for n in r.undetected})
     if stale:  # an "equivalent" mutant that some test now kills: its reason was wrong or the code changed
         print(f"note: {len(stale)} mutant(s) in {EQUIVALENT} are detected now: {stale[:5]}", file=sys.stderr)
@@ -343,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     for m, r in results.items():
         print(f"{m:18s} made {r.made:4d}  detected {r.detected:4d}  undetected {len(r.undetected) - r.equivalent:4d}"
               f"  equivalent {r.equivalent:3d}  not run {r.not_run:4d}  score {_pct(r.score)}")
-    print(f"wrote {REPORT}")
+    print(f"wrote {VERDICTS} and {REPORT}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""pipeline.mutation_report: verdict counts and scores from mutmut's meta files (a synthetic mutants/ dir)."""
+"""pipeline.mutation_report: verdict counts and scores from mutmut's meta files (a synthetic mutants/ dir), and the
+verdicts kept in git across machines."""
 from __future__ import annotations
 
 import json
@@ -15,24 +16,28 @@ def _meta(tmp_path, module: str, codes: dict[int, int | None]) -> None:
     meta.write_text(json.dumps({"exit_code_by_key": keys}))
 
 
+def _codes(tmp_path) -> dict[str, dict[str, int | None]]:
+    return {m: e["exit_code_by_key"] for m, e in mr.read_meta(tmp_path / "mutants").items()}
+
+
 def test_counts_and_score_leave_out_equivalent_and_unrun_mutants(tmp_path):
     # 1, 3: killed; 36: mutmut's timeout; 0: survived; 33: no test reaches it; 35: suspicious; None: not run yet
     _meta(tmp_path, "modeling.losses", {1: 1, 2: 3, 3: 36, 4: 0, 5: 0, 6: 33, 7: 35, 8: None, 9: 1, 10: 1})
     equivalent = {"pipeline.modeling.losses.x_f__mutmut_5": "same values"}
-    r = mr.collect(tmp_path / "mutants", equivalent)["modeling.losses"]
+    r = mr.collect(_codes(tmp_path), equivalent)["modeling.losses"]
     assert (r.made, r.killed, r.timeout, r.survived, r.no_tests, r.other, r.not_run) == (10, 4, 1, 2, 1, 1, 1)
     assert r.equivalent == 1 and r.detected == 5
     assert r.undetected == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (4, 5, 6, 7)]
     assert r.score == pytest.approx(5 / (10 - 1 - 1))  # 5 detected of 8 run, non-equivalent mutants
-    assert "federation.strategies" not in mr.collect(tmp_path / "mutants", equivalent)  # never generated: absent
+    assert "federation.strategies" not in mr.collect(_codes(tmp_path), equivalent)  # never generated: absent
 
 
 def test_baseline_keeps_each_modules_first_run_and_scores_it_over_todays_mutants(tmp_path):
     _meta(tmp_path, "modeling.losses", {1: 1, 2: 0, 3: 0, 4: 0})
-    first = mr.baseline_record(mr.collect(tmp_path / "mutants"), {"commit": "a"})
+    first = mr.baseline_record(mr.collect(_codes(tmp_path)), {"commit": "a"})
     _meta(tmp_path, "modeling.losses", {1: 1, 2: 1, 3: 1, 4: 0})  # new tests kill two survivors
     _meta(tmp_path, "results.scoring", {1: 1, 2: 0})
-    now = mr.collect(tmp_path / "mutants", {"pipeline.modeling.losses.x_f__mutmut_4": "same values"})
+    now = mr.collect(_codes(tmp_path), {"pipeline.modeling.losses.x_f__mutmut_4": "same values"})
     second = mr.baseline_record(now, {"commit": "b"}, first)
     assert second["modules"]["modeling.losses"]["killed"] == 1 and second["modules"]["results.scoring"]["killed"] == 1
     assert mr.before_score(second["modules"]["modeling.losses"], now["modeling.losses"]) == pytest.approx(1 / 3)
@@ -69,7 +74,7 @@ def test_runs_are_read_from_the_make_log_and_shown_with_the_functions_they_ran(t
 def test_unfinished_mutants_are_the_undetected_and_unrun_non_equivalent_ones(tmp_path):
     _meta(tmp_path, "modeling.losses", {1: 1, 2: 0, 3: None, 4: 33, 5: 36, 6: 0, 10: None})
     equivalent = {"pipeline.modeling.losses.x_f__mutmut_6": "same values"}
-    names = mr.unfinished("modeling.losses", equivalent, tmp_path / "mutants")
+    names = mr.unfinished(_codes(tmp_path)["modeling.losses"], equivalent)
     assert names == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (2, 3, 4, 10)]
     assert mr._which("modeling.losses", "unfinished pipeline.modeling.losses.x_f__mutmut_*") == (
         "unfinished mutants of functions `f`")
@@ -82,8 +87,61 @@ def test_a_module_run_in_part_names_the_functions_run_and_not_run(tmp_path):
             "pipeline.training.rounds.xǁRecorderǁstarted__mutmut_1": None,
             "pipeline.training.rounds.x_write__mutmut_1": 1, "pipeline.training.rounds.x_write__mutmut_2": None}
     meta.write_text(json.dumps({"exit_code_by_key": keys}))
-    r = mr.collect(tmp_path / "mutants")["training.rounds"]
+    r = mr.collect(_codes(tmp_path))["training.rounds"]
     assert r.functions == {"keep_best": [2, 0], "Recorder.started": [0, 1], "write": [1, 1]}
     text = mr.render({"training.rounds": r}, {}, None, {}, {"written": "now", "commit": "c", "mutmut": "3", "runs": []})
     assert ("- `pipeline/training/rounds.py`: 3 of 5 mutants run; every mutant of `keep_best` (2); part of `write` "
             "(1 of 2); not run: `Recorder.started` (1).") in text
+
+
+def _entry(hashes: dict[str, str], codes: dict[str, int | None]) -> dict:
+    return {"hash_by_function_name": hashes, "exit_code_by_key": {f"pipeline.training.rounds.{k}": c for k, c in codes.items()}}
+
+
+def test_merge_keeps_a_verdict_only_while_its_function_is_unchanged_and_fresh_verdicts_win():
+    kept = {"training.rounds": _entry({"x_f": "h1", "x_g": "h2"},
+                                      {"x_f__mutmut_1": 1, "x_f__mutmut_2": 0, "x_g__mutmut_1": 1, "x_gone__mutmut_1": 1}),
+            "modeling.losses": {"hash_by_function_name": {}, "exit_code_by_key": {"pipeline.modeling.losses.x_l__mutmut_1": 3}}}
+    # this machine ran x_f__mutmut_2 again (now killed); x_g's source changed (new hash), x_gone no longer exists
+    fresh = {"training.rounds": _entry({"x_f": "h1", "x_g": "h3"},
+                                       {"x_f__mutmut_1": None, "x_f__mutmut_2": 1, "x_g__mutmut_1": None})}
+    merged = mr.merge(kept, fresh)
+    assert merged["training.rounds"]["exit_code_by_key"] == {
+        "pipeline.training.rounds.x_f__mutmut_1": 1,  # not run here, function unchanged: the kept verdict
+        "pipeline.training.rounds.x_f__mutmut_2": 1,  # run here: the fresh verdict
+        "pipeline.training.rounds.x_g__mutmut_1": None}  # function changed: not run
+    assert merged["training.rounds"]["hash_by_function_name"] == {"x_f": "h1", "x_g": "h3"}
+    assert merged["modeling.losses"] == kept["modeling.losses"]  # a module this machine did not run is kept whole
+
+
+def test_kept_verdicts_round_trip_through_git_and_restore_into_mutants(tmp_path):
+    kept = {"training.rounds": _entry({"x_f": "h1"}, {"x_f__mutmut_1": 1, "x_f__mutmut_2": 0, "x_f__mutmut_3": None})}
+    mr.save_kept(kept, tmp_path / "verdicts.json")
+    assert mr.load_kept(tmp_path / "verdicts.json") == kept
+    assert mr.load_kept(tmp_path / "none.json") == {}
+    mutants = tmp_path / "mutants"
+    assert mr.restore(kept, mutants) == 2  # two decided verdicts written for mutmut to resume from
+    meta = json.loads((mutants / "pipeline" / "training" / "rounds.py.meta").read_text())
+    assert {"durations_by_key", "estimated_durations_by_key", "type_check_error_by_key"} <= set(meta)  # mutmut pops them
+    assert mr.read_meta(mutants)["training.rounds"] == kept["training.rounds"]
+    # a meta this machine already has keeps what it ran and takes the kept verdicts of the rest
+    meta["exit_code_by_key"] = {"pipeline.training.rounds.x_f__mutmut_1": None, "pipeline.training.rounds.x_f__mutmut_2": 1,
+                                "pipeline.training.rounds.x_f__mutmut_3": 0}
+    (mutants / "pipeline" / "training" / "rounds.py.meta").write_text(json.dumps(meta))
+    assert mr.restore(kept, mutants) == 3
+    assert mr.read_meta(mutants)["training.rounds"]["exit_code_by_key"] == {
+        "pipeline.training.rounds.x_f__mutmut_1": 1, "pipeline.training.rounds.x_f__mutmut_2": 1,
+        "pipeline.training.rounds.x_f__mutmut_3": 0}
+
+
+def test_verdicts_in_force_are_todays_mutants_with_the_kept_verdicts_of_unchanged_functions():
+    kept = {"training.rounds": _entry({"x_f": "h1", "x_g": "h2"}, {"x_f__mutmut_1": 1, "x_g__mutmut_1": 0, "x_g__mutmut_2": 1})}
+    today = {"training.rounds": mr.Mutated(
+        ["pipeline.training.rounds.x_f__mutmut_1", "pipeline.training.rounds.x_f__mutmut_2",
+         "pipeline.training.rounds.x_g__mutmut_1"], {"x_f": "h1", "x_g": "h9"}, ""),
+        "modeling.losses": mr.Mutated(["pipeline.modeling.losses.x_l__mutmut_1"], {"x_l": "h"}, "")}
+    codes, dropped = mr.in_force(kept, today)
+    assert codes == {"training.rounds": {"pipeline.training.rounds.x_f__mutmut_1": 1,
+                                         "pipeline.training.rounds.x_f__mutmut_2": None,  # new mutant: not run
+                                         "pipeline.training.rounds.x_g__mutmut_1": None}}  # x_g changed since
+    assert dropped == {"training.rounds": 2}  # x_g's two verdicts no longer count; losses has none kept: absent
