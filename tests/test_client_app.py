@@ -167,3 +167,16 @@ def test_a_restarted_client_keeps_composing_from_its_checkpointed_steps(ws):
     context = _context()
     context.state[PRIVACY_KEY] = MetricRecord({"steps": 30})
     assert _privacy_metrics(context, _result(_setting(1.0, 1.0), 5))["dp-steps"] == 35
+
+
+def test_a_secure_aggregation_round_trains_with_its_upload_masked(monkeypatch):
+    """SecAgg+'s masked-vector stage calls _train_masked: the same round's training, its reply marked for the
+    SecAgg+ mod to send only masked (an unmasked reply there would leak the client's adapter update)."""
+    from pipeline.federation import client_app
+
+    calls = []
+    monkeypatch.setattr(client_app, "train_round",
+                        lambda msg, context, masked: calls.append((msg, context, masked)) or "reply")
+    msg, context = object(), object()
+    assert client_app._train_masked(msg, context) == "reply"
+    assert len(calls) == 1 and calls[0][0] is msg and calls[0][1] is context and calls[0][2] is True

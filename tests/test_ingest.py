@@ -525,3 +525,91 @@ def test_the_meeting_id_hashes_speakers_and_contents_in_order():
     assert qmsum_meeting_id([{"speaker": "A", "content": "hello", "extra": 1}, a[1]]) == qmsum_meeting_id(a)
     assert qmsum_meeting_id([{"speaker": "é", "content": "x"}]) == "m" + hashlib.sha1(
         json.dumps([["é", "x"]], ensure_ascii=True).encode()).hexdigest()[:10]
+
+
+# ---------------------------------------------------------------------------------------------- reader units
+@pytest.mark.parametrize("value, name", [("x", "a string"), (True, "a boolean"), (False, "a boolean"),
+                                         (1.5, "a number"), (2, "a number"), (None, "null"), ([1], "a list"),
+                                         ({"a": 1}, "an object"), ((1, 2), "tuple")])
+def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
+    """Every JSON type has its English name in the one-line error; a value no JSON parser makes (a tuple) is named
+    by its Python type rather than crashing the message."""
+    from pipeline.datasets import readers
+
+    kind = list if isinstance(value, dict) else dict
+    expected = "a list" if kind is list else "an object"
+    with pytest.raises(DataError) as err:
+        readers._field({"f": value}, "f", "x.json:3", kind)
+    assert str(err.value) == f"x.json:3: field 'f' is {name}, expected {expected}"
+
+
+def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
+    directory = tmp_path / "samsum"
+    directory.mkdir()
+    for name in sources.SAMSUM_FILES:
+        content = files.get(name.removesuffix(".json"), [{"id": f"{name}-1", "dialogue": "A: hi", "summary": "s"}])
+        text = content if isinstance(content, str) else "".join(json.dumps(r) + "\n" for r in content)
+        (directory / name).write_text(text)
+    return directory
+
+
+def test_an_empty_split_file_is_read_as_absent_exactly_when_a_pattern_allows_its_split(tmp_path):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_samsum
+
+    directory = _samsum_dir(tmp_path, test="\n")
+    records = list(read_samsum(directory, IngestReport("samsum", "test"), allow_absent=["qmsum/*", "samsum/*/test"]))
+    assert sorted(r.split for r in records) == ["train", "valid"]
+    with pytest.raises(DataError, match=r"samsum/test.json: no records \(empty or blank file\) for split "
+                                        r"samsum/SAMSum/test; if that split may be absent, add"):
+        list(read_samsum(directory, IngestReport("samsum", "test"), allow_absent=["qmsum/*", "samsum/*/valid"]))
+
+
+def test_an_empty_dialogue_is_skipped_and_the_rest_of_the_file_still_read(tmp_path):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_samsum
+
+    train = [{"id": "1", "dialogue": "A: hi", "summary": "s1"}, {"id": "2", "dialogue": " ", "summary": "s2"},
+             {"id": "3", "dialogue": "B: bye", "summary": "s3"}]
+    report = IngestReport("samsum", "test")
+    records = list(read_samsum(_samsum_dir(tmp_path, train=train), report))
+    assert [r.meeting_id for r in records if r.split == "train"] == ["1", "3"]
+    assert [(s.record, s.source_line, s.reason) for s in report.skipped] == [("2", 2, "empty dialogue")]
+
+
+def test_a_duplicate_dialogue_id_names_both_places(tmp_path):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_samsum
+
+    directory = _samsum_dir(tmp_path, validation=[{"id": "train.json-1", "dialogue": "A: x", "summary": "s"}])
+    with pytest.raises(DataError) as err:
+        list(read_samsum(directory, IngestReport("samsum", "test")))
+    assert str(err.value) == ("samsum/validation.json:1: duplicate dialogue id 'train.json-1' "
+                              "(first at samsum/train.json:1)")
+
+
+def test_dialogue_lines_become_turns_with_every_repair_counted():
+    """Blank lines are dropped and counted; a line without ': ' splits at its first ':' (the rest, colons and all,
+    is the content); a line without a colon continues the latest turn; parsing goes on after each repair."""
+    from pipeline.common.schema import IngestReport, Turn
+    from pipeline.datasets.readers import split_dialogue
+
+    report = IngestReport("samsum", "test")
+    dialogue = "\r\n".join(["A: one", "", "B: two", "C:three 3:00", "and more", "   ", "D: four", "E: five",
+                            "still five"])
+    assert split_dialogue(dialogue, "w", report) == [
+        Turn("A", "one"), Turn("B", "two"), Turn("C", "three 3:00 and more"), Turn("D", "four"),
+        Turn("E", "five still five")]
+    assert report.notes == {"blank dialogue lines (dropped)": 2, "turns split at ':' without a following space": 1,
+                            "lines without a speaker appended to the previous turn": 2}
+
+
+def test_a_dialogue_that_does_not_start_with_a_speaker_is_named_with_its_first_60_characters():
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import split_dialogue
+
+    line = "no speaker here " * 5
+    with pytest.raises(DataError) as err:
+        split_dialogue(line + "\nA: hi", "samsum/train.json:4: dialogue 7", IngestReport("samsum", "test"))
+    assert str(err.value) == ("samsum/train.json:4: dialogue 7: first dialogue line has no 'Speaker:' prefix: "
+                              + repr(line[:60]))

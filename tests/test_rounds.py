@@ -292,8 +292,9 @@ def test_the_recorders_log_and_write_each_round(caplog):
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         Recorder().started(plan, ["A", "B"], 2)
         Recorder().round_done(plan, entry, ROWS[:2])
-    assert "rounds-recorder: 2 clients ['A', 'B'], rounds 2..3" in caplog.text
-    assert "rounds-recorder round 2 (1.5s): val loss A 3.0000, B 5.0000" in caplog.text
+    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"] == [
+        "rounds-recorder: 2 clients ['A', 'B'], rounds 2..3",
+        "rounds-recorder round 2 (1.5s): val loss A 3.0000, B 5.0000"]
 
     class Logger:
         calls = []
@@ -347,3 +348,87 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
     assert client_level_round([rows[0], rows[1]]) == {"clipping_norm": 2.0, "clipped_fraction": 1.0, "epsilon": 3.5}
     # example-level DP rows keep their own epsilon per client
     assert round_metrics([row("E", epsilon=1.25)])["E.epsilon"] == 1.25
+
+
+def test_a_round_without_a_validation_loss_logs_nan_for_that_client(caplog):
+    """A client that sent no validation loss (it failed) is shown as nan, not as an error that stops the run."""
+    from pipeline.training.rounds import Recorder, RoundLog
+
+    plan = _plan("rounds-nan", rounds=2)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        Recorder().round_done(plan, RoundLog(1, 2.0, ROWS, True), ROWS)
+    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"] == [
+        "rounds-nan round 1 (2.0s): val loss A 3.0000, B 5.0000, C nan"]
+
+
+def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
+    """Started at round 2 of 3 (a resumed run): the bar says 1 of 3 rounds done, per round, with the validation
+    losses of the clients that have one; the log names the experiment, its method, the clients and the round."""
+    import tqdm as tqdm_module
+
+    from pipeline.training.rounds import RoundLog, TrainRecorder
+
+    plan = _plan("rounds-progress", rounds=3)
+    recorder = TrainRecorder(plan)
+    with caplog.at_level(logging.INFO, logger="fedmeet.train"):
+        recorder.started(plan, ["A", "B", "C"], 2)
+    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.train"] == [
+        "rounds-progress (fedavg): clients ['A', 'B', 'C'], starting at round 2 of 3"]
+    bar = recorder._bar
+    assert (bar.n, bar.total, bar.desc, bar.unit) == (1, 3, "rounds-progress rounds", "round")
+    recorder.round_done(plan, RoundLog(2, 1.5, ROWS, True), ROWS)
+    assert bar.n == 2 and bar.postfix == "val A=3.000 B=5.000"  # C sent no validation loss
+    recorder.close()
+    assert bar not in tqdm_module.tqdm._instances  # closed, not left on the console
+
+
+def test_a_recorder_closed_before_its_run_started_does_nothing():
+    """train.py closes the recorder in a finally block: a run that fails before its first round must not raise
+    a second error from there."""
+    from pipeline.training.rounds import TrainRecorder
+
+    TrainRecorder(_plan("rounds-early-close")).close()
+
+
+def test_a_checkpoint_with_numpy_arrays_and_rng_states_as_the_server_writes_it_is_resumed():
+    """The server's checkpoint holds numpy arrays and the numpy RNG state (not plain tensors): it must count as
+    a valid checkpoint of its plan, or every killed run would start over."""
+    import numpy as np
+
+    from pipeline.training import rounds
+
+    plan = _plan("rounds-numpy-ckpt", rounds=3)
+    rounds.save_round_checkpoint(rounds.server_checkpoint_path(plan), plan, 1, {
+        "arrays": {"w": np.ones((2, 2), dtype=np.float32)}, "rng": {"numpy": np.random.get_state()}})
+    assert rounds.has_valid_checkpoint(plan)
+
+
+def test_publishing_creates_the_missing_parents_of_the_model_directory(monkeypatch):
+    from pipeline.paths import ProjectPaths
+    from pipeline.training import rounds
+
+    plan = _plan("rounds-publish-parents")
+    out = Path(plan.paths["out_dir"])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rounds.json").write_text("[]")
+    target = out.parent / "not" / "yet" / "there" / "model"
+    monkeypatch.setattr(ProjectPaths, "model_dir", lambda self, experiment: target)  # e.g. models/ on a new disk
+    assert rounds.publish_outputs(plan) == target and (target / "rounds.json").read_text() == "[]"
+
+
+def test_client_level_dp_rows_put_one_epsilon_per_round_in_the_rounds_file_not_one_per_client():
+    """Under client-level DP the rows of aggregated clients all carry the round's epsilon; the DVC plot row has it
+    once, as the run-level field, beside each client's own values."""
+    from pipeline.training.rounds import client_level_round, write_rounds
+
+    plan = _plan("rounds-client-dp")
+    rows = [{"round": 1, "client": "A", "val_loss": 2.0, "bytes_up": 10, "epsilon": 1.5, "update_clipped": 1,
+             "clipping_norm": 0.5},
+            {"round": 1, "client": "B", "val_loss": 4.0, "bytes_up": 20, "epsilon": 1.5, "update_clipped": 0,
+             "clipping_norm": 0.5},
+            {"round": 1, "client": "C", "val_loss": 6.0, "epsilon": 3.0}]  # example-level: its own epsilon
+    write_rounds(plan, rows)
+    [wide] = json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text())
+    assert not any(k in wide for k in ("A/epsilon", "B/epsilon"))
+    assert wide["C/epsilon"] == 3.0 and wide["epsilon"] == 1.5 == client_level_round(rows)["epsilon"]
+    assert (wide["A/val_loss"], wide["B/val_loss"], wide["A/bytes_up"], wide["B/bytes_up"]) == (2.0, 4.0, 10, 20)

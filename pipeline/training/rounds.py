@@ -271,11 +271,8 @@ class TrainRecorder:
     """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
 
     def __init__(self, plan: Plan, logger=None):
-        self.plan = plan
         self.logger = logger
         self.round_seconds: list[float] = []
-        self.out_dir = Path(plan.paths["out_dir"])
-        self.reports_dir = Path(plan.paths["reports_dir"])
         self._bar = None
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
