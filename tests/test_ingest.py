@@ -545,7 +545,7 @@ def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
 
 def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
     directory = tmp_path / "samsum"
-    directory.mkdir()
+    directory.mkdir(parents=True)
     for name in sources.SAMSUM_FILES:
         content = files.get(name.removesuffix(".json"), [{"id": f"{name}-1", "dialogue": "A: hi", "summary": "s"}])
         text = content if isinstance(content, str) else "".join(json.dumps(r) + "\n" for r in content)
@@ -613,3 +613,79 @@ def test_a_dialogue_that_does_not_start_with_a_speaker_is_named_with_its_first_6
         split_dialogue(line + "\nA: hi", "samsum/train.json:4: dialogue 7", IngestReport("samsum", "test"))
     assert str(err.value) == ("samsum/train.json:4: dialogue 7: first dialogue line has no 'Speaker:' prefix: "
                               + repr(line[:60]))
+
+
+def test_a_samsum_record_is_the_whole_dialogue_with_no_query_and_its_file_and_line(tmp_path):
+    from pipeline.common.schema import CanonicalRecord, IngestReport, Turn
+    from pipeline.datasets.readers import read_samsum
+
+    train = [{"id": "7", "dialogue": "A: hi\nB: yes", "summary": "They greet."}]
+    records = [r for r in read_samsum(_samsum_dir(tmp_path, train=train), IngestReport("samsum", "test"))
+               if r.split == "train"]
+    assert records == [CanonicalRecord(
+        dataset="samsum", domain="SAMSum", split="train", meeting_id="7", query_index=-1, query="",
+        query_type="none", turns=[Turn("A", "hi"), Turn("B", "yes")], spans=[], summary="They greet.",
+        source_file="samsum/train.json", source_line=1)]
+
+
+def test_samsum_errors_and_skips_name_the_file_line_and_dialogue(tmp_path):
+    from pipeline.common.schema import IngestReport, Skipped
+    from pipeline.datasets.readers import read_samsum
+
+    report = IngestReport("samsum", "test")
+    list(read_samsum(_samsum_dir(tmp_path, test=[{"id": "9", "dialogue": "", "summary": "s"}]), report))
+    assert report.skipped == [Skipped("samsum/test.json", 1, "9", "empty dialogue")]
+    bad = _samsum_dir(tmp_path / "bad", train=[{"id": "4", "dialogue": "no speaker", "summary": "s"}])
+    with pytest.raises(DataError) as err:
+        list(read_samsum(bad, IngestReport("samsum", "test")))
+    assert str(err.value) == ("samsum/train.json:1: dialogue 4: first dialogue line has no 'Speaker:' prefix: "
+                              "'no speaker'")
+
+
+def _qmsum_meeting(*turns: tuple[str, str]) -> dict:
+    return {"topic_list": [], "general_query_list": [{"query": "Summarize", "answer": "A."}],
+            "specific_query_list": [], "meeting_transcripts": [{"speaker": s, "content": c} for s, c in turns]}
+
+
+def test_two_meetings_of_one_split_are_both_read_and_an_identical_transcript_is_named(mirror):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_qmsum
+
+    path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "val.jsonl"
+    path.write_text("".join(json.dumps(m) + "\n" for m in (_qmsum_meeting(("A", "x")), _qmsum_meeting(("B", "y")))))
+    records = [r for r in read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test"))
+               if r.domain == "Committee" and r.split == "valid"]
+    assert [(r.source_line, [t.speaker for t in r.turns]) for r in records] == [(1, ["A"]), (2, ["B"])]
+    path.write_text("".join(json.dumps(m) + "\n" for m in (_qmsum_meeting(("A", "x")), _qmsum_meeting(("A", "x")))))
+    with pytest.raises(DataError) as err:
+        list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+    first = "qmsum/data/Committee/jsonl/val.jsonl"
+    assert str(err.value) == (f"{first}:2: duplicate meeting (identical transcript) "
+                              f"{records[0].meeting_id!r} (first at {first}:1)")
+
+
+def test_an_allowed_absent_qmsum_split_leaves_the_domains_other_splits_read(mirror):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_qmsum
+
+    (mirror / "qmsum" / "data" / "Academic" / "jsonl" / "train.jsonl").unlink()
+    report = IngestReport("qmsum", "test")
+    records = list(read_qmsum(mirror / "qmsum", report, allow_absent=["qmsum/Academic/train"]))
+    assert {r.split for r in records if r.domain == "Academic"} == {"valid", "test"}
+    assert report.notes["absent split files allowed by ingest.allow_absent_splits (qmsum/Academic/train)"] == 1
+
+
+@pytest.mark.parametrize("meeting, problem", [
+    ({"meeting_transcripts": {"speaker": "A"}}, ": field 'meeting_transcripts' is an object, expected a list"),
+    ({"meeting_transcripts": [{"speaker": 3, "content": "x"}]},
+     ": meeting_transcripts[0]: field 'speaker' is a number, expected a string"),
+])
+def test_a_malformed_qmsum_transcript_is_named_with_its_file_and_line(mirror, meeting, problem):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_qmsum
+
+    path = mirror / "qmsum" / "data" / "Academic" / "jsonl" / "train.jsonl"
+    path.write_text(json.dumps(_qmsum_meeting(("A", "x")) | meeting) + "\n")
+    with pytest.raises(DataError) as err:
+        list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+    assert str(err.value) == "qmsum/data/Academic/jsonl/train.jsonl:1" + problem
