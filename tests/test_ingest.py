@@ -689,3 +689,52 @@ def test_a_malformed_qmsum_transcript_is_named_with_its_file_and_line(mirror, me
     with pytest.raises(DataError) as err:
         list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
     assert str(err.value) == "qmsum/data/Academic/jsonl/train.jsonl:1" + problem
+
+
+def _hmnet_chunk(mirror, split: str, meetings: list[dict], k: int = 0) -> None:
+    with gzip.open(mirror / "ami" / AMI_DIR / split / f"split_{k}.jsonl.gz", "wt") as fh:
+        fh.write("".join(json.dumps(m) + "\n" for m in meetings))
+
+
+def _hmnet_meeting(mid: str = "ES9", **edit) -> dict:
+    meeting = {"id": mid, "meeting": [{"speaker": "A", "role": "PM", "utt": {"word": ["Hi", "."]}}],
+               "summary": ["They met ."]}
+    return meeting | edit
+
+
+@pytest.mark.parametrize("meeting, problem", [
+    (_hmnet_meeting(meeting=[{"speaker": "A", "role": 3, "utt": {"word": ["x"]}}]),
+     "meeting ES9 meeting[0]: field 'role' is a number, expected a string"),
+    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": ["x"]}, "start": 0}]),
+     "meeting ES9 meeting[0]: unexpected field(s) ['start']; expected ['role', 'speaker', 'utt']"),
+    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": ["x"]}]),
+     "meeting ES9 meeting[0]: field 'utt' is a list, expected an object"),
+    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": {"0": "x"}}}]),
+     "meeting ES9 meeting[0].utt: field 'word' is an object, expected a list"),
+    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": ["x", 7, "y"]}}]),
+     "meeting ES9 meeting[0].utt.word[1]: a number, expected a string"),
+    (_hmnet_meeting(meeting=[]), "meeting ES9: empty transcript"),
+    (_hmnet_meeting(summary=[]), "meeting ES9: empty summary"),
+])
+def test_a_malformed_hmnet_meeting_is_named_down_to_the_turn_and_word(mirror, meeting, problem):
+    _hmnet_chunk(mirror, "test", [meeting])
+    with pytest.raises(DataError) as err:
+        ingest_dataset("ami", mirror / "ami")
+    assert str(err.value) == f"ami/{AMI_DIR}/test/split_0.jsonl.gz:1: {problem}"
+
+
+def test_a_meeting_id_in_two_hmnet_splits_names_both_places(mirror):
+    _hmnet_chunk(mirror, "test", [_hmnet_meeting("IS1005c")])  # the dev chunk's meeting
+    with pytest.raises(DataError) as err:
+        ingest_dataset("ami", mirror / "ami")
+    assert str(err.value) == (f"ami/{AMI_DIR}/test/split_0.jsonl.gz:1: duplicate meeting id 'IS1005c' "
+                              f"(first at ami/{AMI_DIR}/dev/split_0.jsonl.gz:1)")
+
+
+def test_an_allowed_absent_hmnet_chunk_leaves_the_splits_other_chunks_read(mirror, monkeypatch):
+    monkeypatch.setitem(HMNET_CHUNKS, "ami", {"train": 2, "dev": 1, "test": 1})
+    (mirror / "ami" / AMI_DIR / "train" / "split_0.jsonl.gz").rename(
+        mirror / "ami" / AMI_DIR / "train" / "split_1.jsonl.gz")
+    frame, report = ingest_dataset("ami", mirror / "ami", allow_absent=["ami/AMI/train"])
+    assert report.counts == {"AMI": {"train": 1, "valid": 1, "test": 1}}
+    assert rows(frame, meeting_id="ES2002a")[0]["source_file"] == f"ami/{AMI_DIR}/train/split_1.jsonl.gz"

@@ -229,7 +229,6 @@ def read_hmnet(directory: Path, dataset: str, report: IngestReport,
     for upstream_split, n_chunks in HMNET_CHUNKS[dataset].items():
         split = normalise_split(upstream_split)
         split_key = f"{dataset}/{corpus}/{split}"
-        n_split = 0
         for k in range(n_chunks):
             rel = f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{upstream_split}/split_{k}.jsonl.gz"
             display = f"{dataset}/{rel}"
@@ -269,7 +268,6 @@ def read_hmnet(directory: Path, dataset: str, report: IngestReport,
             if n_lines == 0:
                 # One empty chunk of a split that has others is a damaged copy, never an allowed absence.
                 _no_records(display, split_key, allow_absent if n_chunks == 1 else [])
-            n_split += n_lines
 
 
 # ---------------------------------------------------------------------------------------------- SAMSum
