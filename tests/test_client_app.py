@@ -180,3 +180,121 @@ def test_a_secure_aggregation_round_trains_with_its_upload_masked(monkeypatch):
     msg, context = object(), object()
     assert client_app._train_masked(msg, context) == "reply"
     assert len(calls) == 1 and calls[0][0] is msg and calls[0][1] is context and calls[0][2] is True
+
+
+# ----------------------------------------------------------------------------------------------- one training round
+def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float | None = None,
+                 local: dict[str, torch.Tensor] | None = None, masked: bool = False, n_trained: int = 2,
+                 edit_plan=None, **train):
+    """One train_round with train_local replaced by a recorder of what it is given: the global the server sent
+    is the round-0 adapter + 0.5, so every adapter state can be told apart."""
+    import json
+
+    from flwr.app import ConfigRecord, Message
+
+    from pipeline.federation import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, downlink_reference, encode_global, load_plan
+    from pipeline.training.local import LocalTrainResult, empty_gate_log
+    from pipeline.training.shared_model import initial_adapter_state
+
+    _set_server_identity(1)  # Flower stamps a message with the run's identity
+    path = write_plan(name, method, **train)
+    if edit_plan is not None:
+        Path(path).write_text(json.dumps(edit_plan(json.loads(Path(path).read_text())), indent=2, sort_keys=True))
+    plan = load_plan(path)
+    received = {k: v + 0.5 for k, v in initial_adapter_state(plan).items()}
+    seen = {}
+
+    def train_local(model, plan_, examples, **kwargs):
+        seen.update(kwargs, examples=examples, local=model.adapter_state("local"),
+                    teacher=model.adapter_state("global") if plan_.spec.two_adapters else None)
+        gate = empty_gate_log()
+        return LocalTrainResult(n_examples=n_trained, n_steps=1, n_tokens=5, train_loss=1.0, ce=1.0, kd=0.0,
+                                kd_fraction=0.0, proximal=0.0, gate_log=gate)
+
+    monkeypatch.setattr(client_app.local_training, "train_local", train_local)
+    context = _context(**node)
+    if local is not None:
+        context.state[client_app.LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
+    config = {"server-round": 2, "plan": path} | ({"proximal-mu": mu} if mu is not None else {})
+    msg = Message(RecordDict({ARRAYS_KEY: encode_global(received, plan, reference=downlink_reference(plan)),
+                              CONFIG_KEY: ConfigRecord(config)}), dst_node_id=7, message_type="train")
+    reply = client_app.train_round(msg, context, masked=masked)
+    return plan, received, seen, reply, context
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fedprox_pulls_towards_the_global_it_received_with_the_servers_mu_and_no_other_method_does(ws, monkeypatch):
+    _, received, seen, _, _ = _train_round(monkeypatch, "round-prox", "fedprox", node={"client-name": "Product"},
+                                           mu=0.3)
+    assert seen["proximal_mu"] == pytest.approx(0.3) and _same(seen["proximal_reference"], received)
+    _, _, seen, _, _ = _train_round(monkeypatch, "round-prox-none", "fedprox", node={"client-name": "Product"})
+    assert seen["proximal_mu"] == 0.0 and seen["proximal_reference"] is None  # no mu sent: plain local training
+    _, _, seen, _, _ = _train_round(monkeypatch, "round-avg-mu", "fedavg", node={"client-name": "Product"}, mu=0.3)
+    assert seen["proximal_mu"] == 0.0 and seen["proximal_reference"] is None  # FedAvg ignores a stray mu
+
+
+def test_the_local_adapter_persists_for_kd_methods_and_is_replaced_by_the_global_otherwise(ws, monkeypatch):
+    """AdaFedSelectKD keeps its own local adapter between rounds and learns from the global as the teacher;
+    local_adapter=reset and AdaFedAvg start each round from the received global."""
+    from pipeline.training.shared_model import initial_adapter_state
+
+    own = {k: v - 1.0 for k, v in initial_adapter_state(_plan("round-own-ref")).items()}  # this client's own
+    _, received, seen, _, _ = _train_round(monkeypatch, "round-keep", "fedselectkd",
+                                           node={"partition-id": 2}, local=own)
+    assert _same(seen["local"], own) and _same(seen["teacher"], received) and seen["client"] == "Product"
+    _, received, seen, _, _ = _train_round(monkeypatch, "round-reset", "fedselectkd", node={"partition-id": 2},
+                                           local=own, local_adapter="reset")
+    assert _same(seen["local"], received) and _same(seen["teacher"], received)
+    _, received, seen, _, _ = _train_round(monkeypatch, "round-fedavg", "fedavg", node={"partition-id": 0},
+                                           local=own)
+    assert _same(seen["local"], received) and seen["teacher"] is None and seen["client"] == "Academic"
+
+
+def test_the_reply_weight_is_the_clients_data_size_unless_weighted_by_what_it_trained(ws, monkeypatch):
+    """Under a train-size cap the FedAvg weight stays the client's full |D_i| (the paper's weight); weight_by
+    trained makes it the examples trained this round."""
+    from pipeline.training.client_data import client_data
+
+    plan, _, seen, reply, _ = _train_round(monkeypatch, "round-weight-full", "fedavg",
+                                           node={"client-name": "Committee"}, n_trained=1,
+                                           max_train_examples_per_client=1)
+    available = client_data(plan, "Committee").n_train_available
+    assert available > 1 and reply.content["metrics"]["num-examples"] == available
+    assert reply.content["metrics"]["num-trained"] == 1
+    _, _, _, reply, _ = _train_round(monkeypatch, "round-weight-trained", "fedavg",
+                                     node={"client-name": "Committee"}, n_trained=1,
+                                     max_train_examples_per_client=1, weight_by="trained")
+    assert reply.content["metrics"]["num-examples"] == 1
+
+
+def test_a_kd_clients_gate_log_stays_on_its_disk_as_a_plain_table_and_it_trains_on_the_prefix_cache(ws, monkeypatch):
+    import pyarrow.parquet as pq
+
+    from pipeline.federation.client_app import client_dir
+    from pipeline.training.local import empty_gate_log
+
+    plan, _, seen, reply, context = _train_round(monkeypatch, "round-gate", "fedselectkd",
+                                                 node={"client-name": "Academic"})
+    out = client_dir(plan, "Academic", context) / "gate_log" / "round002.parquet"
+    assert pq.read_schema(out).names == list(empty_gate_log().columns)  # no index column beside the gate rows
+    assert set(reply.content["arrays"].keys()) == set(seen["local"].keys())  # only the adapter leaves
+    assert seen["cache"] is not None and seen["cache"].root.name  # the plan's frozen-prefix cache (exact)
+
+
+def test_a_client_refuses_to_send_its_adapter_in_the_clear_when_the_plan_asks_for_secure_aggregation(ws, monkeypatch):
+    def secagg(plan):
+        plan["privacy"] = {"mode": "none", "secure_aggregation": True}
+        return plan
+
+    with pytest.raises(ValueError) as err:
+        _train_round(monkeypatch, "round-secagg", "fedavg", node={"client-name": "Product"}, edit_plan=secagg)
+    assert str(err.value) == ("round-secagg: the plan sets privacy.secure_aggregation; this client uploads its "
+                              "adapter only through SecAgg+")
+    _, _, seen, reply, _ = _train_round(monkeypatch, "round-secagg-masked", "fedavg",
+                                        node={"client-name": "Product"}, edit_plan=secagg, masked=True)
+    assert seen["client"] == "Product" and "arrays" in reply.content  # the masked path trains as usual
