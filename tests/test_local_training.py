@@ -296,3 +296,45 @@ def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_po
     assert rows["example_id"].tolist() == ["e0", "e1", "e1"] and rows["position"].tolist() == [0, 0, 1]
     assert rows["token_id"].tolist() == [3, 4, 5] and rows["entropy"].tolist() == [0.5, 1.5, 2.5]
     assert rows["kd_applied"].tolist() == [True, False, True]
+
+
+# ----------------------------------------------------------------------------------------------- DP-SGD epochs
+def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_batches_with_the_dp_scale(ws):
+    """Every sampled example of a step is in exactly one of its micro-batches (an empty sample is an empty step),
+    micro-batches hold at most batch_size examples padded with the model's pad id and bucketed by target length
+    (train.bucket_by_length), and each carries per_example_loss_scale's factor for the plan's normalisation."""
+    from types import SimpleNamespace
+
+    from pipeline.modeling.batching import IGNORE_INDEX
+    from pipeline.training.local import _poisson_steps, per_example_loss_scale
+    from pipeline.training.privacy import poisson_steps
+    from pipeline.training.shared_model import model_config
+
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.shared_model import shared_model
+
+    plan = load_plan(write_plan("dp-epoch", "fedavg", model={"max_target_length": 48}, prefix_cache=False,
+                                batch_size=2))
+    model = shared_model(plan)
+    # targets of 1 to 7 words, none cut at max_target_length: token counts differ from example to example
+    lengths = [5, 1, 7, 3, 6, 2, 4, 1, 6, 3]
+    examples = pd.DataFrame({"example_id": [f"e{i}" for i in range(10)],
+                             "source": [f"A: word {i} here." for i in range(10)],
+                             "target": [" ".join(["talk"] * n) + "." for n in lengths]})
+    mcfg, setting = model_config(plan), SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
+    assert max(_target_tokens(model, plan, examples)) < mcfg.max_target_length
+    sampled = poisson_steps(len(examples), 0.3, 8, 1)
+    assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
+    for normalisation in ("tokens", "sequences"):
+        steps = _poisson_steps(model, examples, mcfg, plan.train, normalisation, setting, seed=1)
+        assert len(steps) == len(sampled)
+        for idx, step in zip(sampled, steps):
+            ids = [e for batch, _ in step for e in batch.example_ids]
+            assert sorted(ids) == sorted(examples.iloc[idx]["example_id"].astype(str))
+            assert all(len(batch.example_ids) <= 2 for batch, _ in step)
+            lengths = [int(n) for batch, _ in step for n in batch.target_lengths]
+            assert lengths == sorted(lengths)  # one bucket: sorted by target length
+            for batch, scale in step:
+                assert scale == per_example_loss_scale(batch, normalisation, mcfg.max_target_length)
+                padded = batch.labels == IGNORE_INDEX
+                assert bool((batch.decoder_input_ids[:, 1:][padded[:, 1:]] == model.pad_token_id).all())
