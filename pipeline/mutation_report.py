@@ -334,7 +334,9 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
         "# Mutation testing of the core",
         "",
         f"Written by `python -m pipeline.mutation_report` ({info['written']}, commit {info['commit']}, "
-        f"mutmut {info['mutmut']}) from the verdicts that `make mutants` left in `mutants/` (the runs below). "
+        f"mutmut {info['mutmut']}) from the verdicts of the runs below, kept in `reports/mutation-verdicts.json` "
+        "(mutmut's own `mutants/` lives only as long as a machine); a verdict counts while its function's source "
+        "is what it was when the verdict was made (mutmut's hash of it), else the mutant counts as not run. "
         "pyproject.toml `[tool.mutmut]` selects the test files of the core without the end-to-end federated and "
         "training runs, the subprocess command-line tests and the real-data counts; mutmut runs, for each mutant, "
         "only the selected tests that reach the mutated function (fastest first, stopping at the first failure), "
@@ -358,7 +360,7 @@ def render(results: dict[str, ModuleResult], equivalent: dict[str, str], baselin
                      f"{_pct(before_score(before.get(module), r)) if before.get(module) else '-'} |")
     runs = info.get("runs") or []
     if runs:
-        lines += ["", "Runs (`mutants/runs.tsv`, written by `make mutants`, one line per module and run: a single mutmut "
+        lines += ["", "Runs (`reports/mutation-runs.tsv`, written by `make mutants`, one line per module and run: a single mutmut "
                   "run over the survivors of several modules is listed under each; \"stopped early\": interrupted "
                   "to add tests, its verdicts kept; wall time on a 2-core machine shared with other work):", "", "| module | mutants run | started (UTC) | wall | command | commit |",
                   "|---|---|---|---:|---|---|"]
