@@ -230,6 +230,24 @@ def test_training_is_a_function_of_seed_client_and_round(ws):
     assert not all(torch.equal(runs[0][k], runs[2][k]) for k in w0)  # another round: another batch order
 
 
+def test_another_client_or_experiment_seed_trains_on_another_batch_order(ws):
+    """The batch order is drawn from (experiment seed, client, round): the same examples trained as another
+    client, or under another experiment seed, take other steps (clients of one federation must not share it)."""
+    import dataclasses
+
+    from pipeline.training.local import train_local
+
+    plan, model, train, w0 = _setup("local-det-who", lr=5e-3, batch_size=2)
+    runs = {}
+    for key, p, client in (("base", plan, CLIENT), ("client", plan, "Product"),
+                           ("seed", dataclasses.replace(plan, seed=plan.seed + 1), CLIENT)):
+        model.load_adapter_state("local", w0)
+        train_local(model, p, train, client=client, rnd=1)
+        runs[key] = model.adapter_state("local")
+    assert not all(torch.equal(runs["base"][k], runs["client"][k]) for k in w0)
+    assert not all(torch.equal(runs["base"][k], runs["seed"][k]) for k in w0)
+
+
 # ----------------------------------------------------------------------------------------------- FedProx
 def test_the_proximal_term_is_half_mu_times_the_squared_distance_to_the_global(ws):
     mu = 0.5
@@ -299,6 +317,14 @@ def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_po
 
 
 # ----------------------------------------------------------------------------------------------- DP-SGD epochs
+def _varied_targets() -> pd.DataFrame:
+    """Ten examples whose targets are 1 to 7 words: token counts differ, none reaches max_target_length 48."""
+    lengths = [5, 1, 7, 3, 6, 2, 4, 1, 6, 3]
+    return pd.DataFrame({"example_id": [f"e{i}" for i in range(10)],
+                         "source": [f"A: word {i} here." for i in range(10)],
+                         "target": [" ".join(["talk"] * n) + "." for n in lengths]})
+
+
 def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_batches_with_the_dp_scale(ws):
     """Every sampled example of a step is in exactly one of its micro-batches (an empty sample is an empty step),
     micro-batches hold at most batch_size examples padded with the model's pad id and bucketed by target length
@@ -316,11 +342,7 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     plan = load_plan(write_plan("dp-epoch", "fedavg", model={"max_target_length": 48}, prefix_cache=False,
                                 batch_size=2))
     model = shared_model(plan)
-    # targets of 1 to 7 words, none cut at max_target_length: token counts differ from example to example
-    lengths = [5, 1, 7, 3, 6, 2, 4, 1, 6, 3]
-    examples = pd.DataFrame({"example_id": [f"e{i}" for i in range(10)],
-                             "source": [f"A: word {i} here." for i in range(10)],
-                             "target": [" ".join(["talk"] * n) + "." for n in lengths]})
+    examples = _varied_targets()
     mcfg, setting = model_config(plan), SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
     assert max(_target_tokens(model, plan, examples)) < mcfg.max_target_length
     sampled = poisson_steps(len(examples), 0.3, 8, 1)
@@ -338,3 +360,84 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
                 assert scale == per_example_loss_scale(batch, normalisation, mcfg.max_target_length)
                 padded = batch.labels == IGNORE_INDEX
                 assert bool((batch.decoder_input_ids[:, 1:][padded[:, 1:]] == model.pad_token_id).all())
+
+
+def test_hard_kd_distils_exactly_on_the_target_nouns_and_verbs_of_the_pos_tags(ws):
+    """Method hardkd (METHOD.md's POS ablation): KD on the tokens stage `postag` tagged noun or verb, CE alone on
+    the others, whatever the teacher's entropy; the workspace tags every even target position a noun."""
+    plan, model, train, w0 = _setup("local-hard", "hardkd", lr=0.0, batch_size=4)
+    g = torch.Generator().manual_seed(5)
+    model.load_adapter_state("global", {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in w0.items()})
+    log = _train(plan, model, train).gate_log
+    assert len(log) > 0 and log["kd_applied"].tolist() == (log["position"] % 2 == 0).tolist()
+
+
+def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws, monkeypatch):
+    """With more than one local epoch a KD round keeps the teacher's logits in RAM (model.teacher_cache_gb); the
+    cache is exact, so the round trains to the same adapter as without it. It is built only where it can help:
+    two paths, several epochs, a budget above 0."""
+    from pipeline.experiments import RunSettings
+    from pipeline.modeling import cache as cache_module
+    from pipeline.training import local
+
+    built = []
+
+    class Spy(cache_module.TeacherCache):
+        def __init__(self, max_bytes):
+            super().__init__(max_bytes)
+            built.append(self)
+
+    monkeypatch.setattr(cache_module, "TeacherCache", Spy)
+
+    def run(method: str, epochs: int, budget_gb: float):
+        monkeypatch.setattr(local, "current_run_settings",
+                            lambda experiment: RunSettings(cache={"teacher_cache_gb": budget_gb}))
+        plan, model, train, w0 = _setup(f"local-tc-{method}-{epochs}", method, lr=5e-3, batch_size=2,
+                                        local_epochs=epochs)
+        model.load_adapter_state("global", {k: v + 0.1 for k, v in w0.items()})
+        result = _train(plan, model, train)
+        return model.adapter_state("local"), result
+
+    cached, with_cache = run("fedselectkd", 2, 1.0)
+    assert len(built) == 1 and built[0].stats["hits"] > 0
+    plain, without = run("fedselectkd", 2, 0.0)
+    assert len(built) == 1 and all(torch.equal(cached[k], plain[k]) for k in cached)
+    assert (with_cache.train_loss, with_cache.kd, with_cache.kd_fraction) == (
+        without.train_loss, without.kd, without.kd_fraction)
+    run("fedselectkd", 1, 1.0)  # one epoch: every teacher logit is needed once
+    run("fedavg", 2, 1.0)  # one path: no teacher
+    assert len(built) == 1
+
+
+def test_fedprox_refuses_a_model_whose_adapter_parameters_and_state_disagree(ws, monkeypatch):
+    """The proximal reference is matched to the parameters by the order of adapter_state's keys: a model where the
+    two lists differ would pull each parameter towards another's global value, so it is refused."""
+    plan, model, train, w0 = _setup("local-prox-keys", "fedprox", lr=5e-3, batch_size=2)
+    monkeypatch.setattr(model, "adapter_state", lambda path: dict(list(w0.items())[:-1]))
+    with pytest.raises(RuntimeError) as err:
+        _train(plan, model, train, proximal_reference=w0, proximal_mu=0.1)
+    assert str(err.value) == "adapter parameters and adapter_state keys disagree"
+
+
+def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_of_target_tokens(ws):
+    """Without privacy: batches of similar target length (train.bucket_by_length: the least padding a cut of
+    the examples into batches of batch_size can have), grad_accum_steps of them per optimizer step, each weighted
+    by its target tokens over its window's (train.loss_normalisation tokens)."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.local import _accumulation_steps
+    from pipeline.training.shared_model import model_config, shared_model
+
+    plan = load_plan(write_plan("epoch-buckets", "fedavg", model={"max_target_length": 48}, prefix_cache=False,
+                                batch_size=2, grad_accum_steps=2))
+    model, examples = shared_model(plan), _varied_targets()
+    tokens = sorted(_target_tokens(model, plan, examples))
+    least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i:i + 2] for i in range(0, 10, 2)))
+    steps = _accumulation_steps(model, examples, model_config(plan), plan.train, "tokens", seed=3)
+    batches = [b for step in steps for b, _ in step]
+    assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
+    assert sorted(e for b in batches for e in b.example_ids) == sorted(examples["example_id"])
+    padding = sum(int(b.target_lengths.max()) * len(b.example_ids) - int(b.target_lengths.sum()) for b in batches)
+    assert padding == least_padding
+    for step in steps:
+        n = [int(b.target_lengths.sum()) for b, _ in step]
+        assert [w for _, w in step] == pytest.approx([k / sum(n) for k in n])
