@@ -441,10 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.restore:
         print(f"restored {restore(kept)} verdicts from {VERDICTS} into {MUTANTS_DIR}/")
         return 0
-    today = {m: current_mutants(m) for m in CORE}
-    codes, dropped = in_force(kept, today)
     if args.survivors or args.unfinished:
         module = args.survivors or args.unfinished
+        codes, _ = in_force(kept, {module: current_mutants(module)} if module in CORE else {})
         if module not in codes:
             raise SystemExit(f"error: no verdicts for pipeline.{module} in {VERDICTS} or {MUTANTS_DIR}/")
         if args.survivors:
@@ -455,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
                 names = [n for n in names if any(fnmatch.fnmatch(n, p) for p in args.match)]
         print("\n".join(names))
         return 0
+    today = {m: current_mutants(m) for m in CORE}
+    codes, dropped = in_force(kept, today)
     results = collect(codes, equivalent)
     info = _run_info()
     if args.save_baseline:

@@ -1196,3 +1196,56 @@ def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
     assert str(err.value) == ("loop-secure-few: privacy.secure_aggregation needs at least 2 clients in every round's "
                               "sum; 3 clients x train.fraction_train 0.5 samples 1")
 
+
+
+def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan_the_server_names(ws):
+    """A simulated node's config holds its partition id and no plan: the identify message names the plan, from
+    which the client app resolves the name; a node that cannot name itself fails identification with its reason."""
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.server_app import _identify
+
+    path = write_plan("loop-identify-ids", "fedavg", rounds=1)
+    grid = InProcessGrid(client_app, [{"partition-id": i} for i in (2, 0, 1)])
+    _set_server_identity(grid.run.run_id)
+    assert _identify(grid, path, expected=3, timeout=5) == {1000: "Product", 1001: "Academic", 1002: "Committee"}
+    broken = InProcessGrid(client_app, [{"partition-id": 0}, {"plan": path}])
+    _set_server_identity(broken.run.run_id)
+    with pytest.raises(RuntimeError) as err:
+        _identify(broken, path, expected=2, timeout=5)
+    assert str(err.value).startswith("node 1001 failed to identify:")
+    assert "node_config has neither 'client-name' nor 'partition-id'" in str(err.value)
+
+
+@pytest.mark.parametrize("fraction, ok", [(0.67, True), (0.5, False)])
+def test_a_secure_round_needs_two_existing_clients_in_every_sum_and_two_are_enough(ws, fraction, ok):
+    """3 clients x 0.67 sample 2 per round: SecAgg+ can hide each upload in a sum of two; x 0.5 samples 1."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import _secure_aggregator
+
+    plan = load_plan(_secure_plan(f"loop-secure-{fraction}", "fedavg", fraction_train=fraction, rounds=1))
+    clients = ["Academic", "Committee", "Product"]
+    if ok:
+        assert _secure_aggregator(plan, clients, None, 5.0) is not None
+    else:
+        with pytest.raises(ValueError, match="needs at least 2 clients in every round's sum; 3 clients x "
+                                             "train.fraction_train 0.5 samples 1"):
+            _secure_aggregator(plan, clients, None, 5.0)
+
+
+def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_more_than_average_is_refused(ws):
+    """The plan stage refuses it already; a plan file edited by hand is refused again by the server, naming the
+    file and the reason."""
+    import dataclasses
+
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import _secure_aggregator
+    from pipeline.training.privacy import secure_aggregation_refusal
+
+    plan = load_plan(_secure_plan("loop-secure-fedopt", "fedavg", rounds=1))
+    fedopt = dataclasses.replace(plan, method="fedopt")
+    reason = secure_aggregation_refusal(fedopt.spec, fedopt.train.transfer_dtype, fedopt.privacy)
+    assert reason is not None and "fedopt" in reason
+    with pytest.raises(ValueError) as err:
+        _secure_aggregator(fedopt, ["Academic", "Committee", "Product"], None, 5.0)
+    assert str(err.value) == f"{plan.source}: privacy.secure_aggregation: {reason}"
