@@ -419,3 +419,47 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
         assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1 / 6), 1.0, 0.5)
         assert 0 <= m["dp-clipped"] <= m["dp-examples"]
     assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
+
+
+def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_counts_its_clipped_examples(ws, monkeypatch):
+    """Each (experiment seed, client, round) has its own Poisson samples - another in each local epoch - and its
+    own noise stream; the same triple draws the same again. The logical batch is batch_size x grad_accum_steps,
+    and with a tiny C every per-example gradient is clipped and counted."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training import privacy
+    from pipeline.training.client_data import client_data
+    from pipeline.training.local import train_local
+    from pipeline.training.shared_model import initial_adapter_state, shared_model
+
+    samples, noise_seeds = [], []
+    real_steps, real_init = privacy.poisson_steps, privacy.DPSGDStep.__init__
+
+    def steps_spy(*args):
+        out = real_steps(*args)
+        samples[-1].append(out)
+        return out
+
+    def init_spy(self, module, setting, seed):
+        noise_seeds.append(seed)
+        real_init(self, module, setting, seed)
+
+    monkeypatch.setattr(privacy, "poisson_steps", steps_spy)
+    monkeypatch.setattr(privacy.DPSGDStep, "__init__", init_spy)
+    plan = load_plan(_write_plan("dp-streams", "fedavg", {"mode": "example", "noise_multiplier": 1.0,
+                                                          "max_grad_norm": 1e-6},
+                                 batch_size=2, grad_accum_steps=2, local_epochs=2, prefix_cache=False))
+    model, examples = shared_model(plan), client_data(plan, "Committee").train
+    results = []
+    for client, rnd in (("Committee", 1), ("Committee", 1), ("Product", 1), ("Committee", 2)):
+        samples.append([])
+        model.load_adapter_state("local", initial_adapter_state(plan))
+        results.append(train_local(model, plan, examples, client=client, rnd=rnd))
+    again, other_client, other_round = samples[1], samples[2], samples[3]
+    assert samples[0] == again and noise_seeds[0] == noise_seeds[1]
+    assert samples[0][0] != samples[0][1]  # epoch 2 draws anew
+    assert samples[0] != other_client and samples[0] != other_round
+    assert len({noise_seeds[0], noise_seeds[2], noise_seeds[3]}) == 3
+    first = results[0]
+    assert first.privacy.logical_batch == 4 and first.privacy.sample_rate == pytest.approx(4 / len(examples))
+    assert first.dp_examples == sum(len(idx) for epoch in samples[0] for idx in epoch) > 0
+    assert first.dp_clipped == first.dp_examples  # C = 1e-6: every per-example gradient is clipped
