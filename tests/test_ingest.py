@@ -738,3 +738,51 @@ def test_an_allowed_absent_hmnet_chunk_leaves_the_splits_other_chunks_read(mirro
     frame, report = ingest_dataset("ami", mirror / "ami", allow_absent=["ami/AMI/train"])
     assert report.counts == {"AMI": {"train": 1, "valid": 1, "test": 1}}
     assert rows(frame, meeting_id="ES2002a")[0]["source_file"] == f"ami/{AMI_DIR}/train/split_1.jsonl.gz"
+
+
+def _lines(path: Path) -> list:
+    from pipeline.datasets.readers import _json_lines
+
+    return list(_json_lines(path, path.name))
+
+
+def test_json_lines_are_numbered_as_in_the_file_past_blank_lines(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n\n   \n{"b": 2}\n')
+    assert _lines(path) == [(1, {"a": 1}), (4, {"b": 2})]
+
+
+@pytest.mark.parametrize("content, problem", [
+    (b'{"a": 1}\n{"b": "\xff"}\n', "x.jsonl:2: not UTF-8 (byte 0xff at column 8)"),
+    (b'{"a": 1}\n' + b"[" * 100000 + b"\n", "x.jsonl:2: malformed JSON (nested too deeply)"),
+    (b'{"a": 1}\n{"b": }\n', "x.jsonl:2: malformed JSON (Expecting value at column 7)"),
+])
+def test_an_unreadable_json_line_is_named_with_its_line_and_column(tmp_path, content, problem):
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as err:
+        _lines(path)
+    assert str(err.value) == problem
+
+
+def test_a_missing_or_damaged_gzip_chunk_names_the_line_it_stopped_at(tmp_path):
+    missing = tmp_path / "missing.jsonl.gz"
+    with pytest.raises(DataError) as err:
+        _lines(missing)
+    assert str(err.value) == "missing.jsonl.gz: expected split file is missing"
+    plain = tmp_path / "plain.jsonl.gz"  # not gzip at all: fails before its first line
+    plain.write_bytes(b'{"a": 1}\n')
+    with pytest.raises(OSError) as gz:
+        gzip.open(plain).read()
+    with pytest.raises(DataError) as err:
+        _lines(plain)
+    assert str(err.value) == f"plain.jsonl.gz:1: truncated or damaged file ({' '.join(str(gz.value).split())})"
+    cut = tmp_path / "cut.jsonl.gz"  # cut short: the lines before the cut are read, the error names the next
+    cut.write_bytes(gzip.compress(b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * 50) for i in range(20000)))[:-40])
+    from pipeline.datasets.readers import _json_lines
+
+    read = []
+    with pytest.raises(DataError) as err:
+        for line_no, _ in _json_lines(cut, "cut.jsonl.gz"):
+            read.append(line_no)
+    assert read and str(err.value).startswith(f"cut.jsonl.gz:{read[-1] + 1}: truncated or damaged file (")

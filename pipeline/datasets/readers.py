@@ -79,15 +79,19 @@ def _json_type(value: Any) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _field(obj: Any, name: str, where: str, kind: type | tuple[type, ...] = object) -> Any:
+_FIELD_KINDS = {str: "a string", list: "a list", dict: "an object"}  # what an upstream field can be expected to be
+
+
+def _field(obj: Any, name: str, where: str, kind: type) -> Any:
+    """``obj[name]``, which must be of ``kind`` (str, list or dict): JSON's true and false are not strings,
+    lists or objects, so no separate check for them is needed."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
     if name not in obj:
         raise DataError(f"{where}: missing field {name!r}")
     value = obj[name]
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        expected = {str: "a string", list: "a list", dict: "an object"}.get(kind, str(kind))
-        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {expected}")
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {_FIELD_KINDS[kind]}")
     return value
 
 
