@@ -441,3 +441,24 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     for step in steps:
         n = [int(b.target_lengths.sum()) for b, _ in step]
         assert [w for _, w in step] == pytest.approx([k / sum(n) for k in n])
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedselectkd"])
+def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
+    """model.cache_dtype float16 stores the frozen prefix rounded (half the disk): the round must train on those
+    entries, so its losses differ from the exact float32 round by the rounding and no more."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.shared_model import prefix_cache_for
+
+    exact, model, train, w0 = _setup(f"local-f32-{method}", method, lr=5e-3, batch_size=2)
+    half = load_plan(write_plan(f"local-f16-{method}", method, model={"cache_dtype": "float16"}, lr=5e-3,
+                                batch_size=2, prefix_cache=True))
+    assert half.cache_dtype == "float16"
+    losses = []
+    for plan, cache in ((exact, None), (half, prefix_cache_for(half, model))):
+        model.load_adapter_state("local", w0)
+        model.load_adapter_state("global", {k: v + 0.1 for k, v in w0.items()})
+        result = _train(plan, model, train, cache=cache)
+        losses.append((result.train_loss, result.ce))
+    assert losses[0] != losses[1]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-2)
