@@ -786,3 +786,71 @@ def test_a_missing_or_damaged_gzip_chunk_names_the_line_it_stopped_at(tmp_path):
         for line_no, _ in _json_lines(cut, "cut.jsonl.gz"):
             read.append(line_no)
     assert read and str(err.value).startswith(f"cut.jsonl.gz:{read[-1] + 1}: truncated or damaged file (")
+
+
+def test_an_hmnet_record_is_the_whole_meeting_with_no_query_and_its_chunk_and_line(mirror):
+    from pipeline.common.schema import CanonicalRecord, IngestReport, Turn
+    from pipeline.datasets.readers import read_hmnet
+
+    _hmnet_chunk(mirror, "test", [_hmnet_meeting("ES1"), _hmnet_meeting("ES2", summary=[" A. ", "B."])])
+    records = [r for r in read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test")) if r.split == "test"]
+    chunk = f"ami/{AMI_DIR}/test/split_0.jsonl.gz"
+    assert records == [
+        CanonicalRecord(dataset="ami", domain="AMI", split="test", meeting_id=mid, query_index=-1, query="",
+                        query_type="none", turns=[Turn("PM A", "Hi .")], spans=[], summary=summary,
+                        source_file=chunk, source_line=line)
+        for mid, summary, line in (("ES1", "They met .", 1), ("ES2", "A.\nB.", 2))]
+
+
+def test_an_empty_hmnet_chunk_is_an_allowed_absence_only_when_it_is_its_splits_one_chunk(mirror, monkeypatch):
+    """A split kept in one chunk may be allowed empty; one empty chunk among several is a damaged copy."""
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_hmnet
+
+    _hmnet_chunk(mirror, "test", [])
+    records = list(read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test"), allow_absent=["ami/AMI/test"]))
+    assert {r.split for r in records} == {"train", "valid"}
+    monkeypatch.setitem(HMNET_CHUNKS, "ami", {"train": 1, "dev": 1, "test": 2})
+    _hmnet_chunk(mirror, "test", [_hmnet_meeting("ES7")], k=1)
+    with pytest.raises(DataError, match=r"test/split_0\.jsonl\.gz: no records \(empty or blank file\) for split "
+                                        r"ami/AMI/test"):
+        list(read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test"), allow_absent=["ami/AMI/test"]))
+
+
+def test_a_missing_samsum_split_allowed_by_a_pattern_leaves_the_others_read(tmp_path):
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers import read_samsum
+
+    directory = _samsum_dir(tmp_path)
+    (directory / "train.json").unlink()
+    records = list(read_samsum(directory, IngestReport("samsum", "test"), allow_absent=["samsum/SAMSum/train"]))
+    assert sorted(r.split for r in records) == ["test", "valid"]
+
+
+def test_a_qmsum_query_record_is_its_query_answer_and_selected_turns_and_its_errors_name_the_query(mirror):
+    from pipeline.common.schema import CanonicalRecord, IngestReport, Turn
+    from pipeline.datasets.readers import qmsum_meeting_id, read_qmsum
+
+    path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "test.jsonl"
+    meeting = _qmsum_meeting(("A", "x"), ("B", "y")) | {"specific_query_list": [
+        {"query": "Q?", "answer": "Ans.", "relevant_text_span": [["1", "2"]]}]}
+    path.write_text(json.dumps(meeting) + "\n")
+    mid = qmsum_meeting_id(meeting["meeting_transcripts"])
+    where = "qmsum/data/Committee/jsonl/test.jsonl"
+    records = [r for r in read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test"))
+               if r.domain == "Committee" and r.split == "test"]
+    assert records == [
+        CanonicalRecord(dataset="qmsum", domain="Committee", split="test", meeting_id=mid, query_index=0,
+                        query="Summarize", query_type="general", turns=[Turn("A", "x"), Turn("B", "y")], spans=[],
+                        summary="A.", source_file=where, source_line=1),
+        CanonicalRecord(dataset="qmsum", domain="Committee", split="test", meeting_id=mid, query_index=0,
+                        query="Q?", query_type="specific", turns=[Turn("B", "y")], spans=[(1, 2)],
+                        summary="Ans.", source_file=where, source_line=1)]
+    for edit, problem in (({"query": 1}, "field 'query' is a number, expected a string"),
+                          ({"answer": None}, "field 'answer' is null, expected a string"),
+                          ({"relevant_text_span": "1-2"}, "field 'relevant_text_span' is a string, expected a list")):
+        bad = dict(meeting, specific_query_list=[meeting["specific_query_list"][0] | edit])
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(DataError) as err:
+            list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+        assert str(err.value) == f"{where}:1: meeting {mid} specific_query_list[0]: {problem}"
