@@ -1249,3 +1249,20 @@ def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_mor
     with pytest.raises(ValueError) as err:
         _secure_aggregator(fedopt, ["Academic", "Committee", "Product"], None, 5.0)
     assert str(err.value) == f"{plan.source}: privacy.secure_aggregation: {reason}"
+
+
+def test_a_hand_written_plan_of_client_level_dp_clipped_by_the_server_under_secure_aggregation_is_refused(ws):
+    """Under SecAgg+ the server holds only the sum, so it cannot clip each update: client-level DP must clip on
+    the client. The server checks the plan's privacy group, not only its method."""
+    import dataclasses
+
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import _secure_aggregator
+
+    plan = load_plan(_secure_plan("loop-secure-server-clip", "fedavg", rounds=1, privacy={
+        "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"}))
+    server_side = dataclasses.replace(plan, privacy=dataclasses.replace(plan.privacy, clipping_side="server"))
+    with pytest.raises(ValueError) as err:
+        _secure_aggregator(server_side, ["Academic", "Committee", "Product"], None, 5.0)
+    assert str(err.value).startswith(f"{plan.source}: privacy.secure_aggregation: privacy.mode client needs "
+                                     "clipping_side client under SecAgg+")
