@@ -134,7 +134,9 @@ def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
         assert rows["kd_applied"].tolist() == (h < tau).tolist()
     assert result.kd_fraction == pytest.approx(float((flat < tau).mean()))
     assert 0 < result.kd_fraction < 1 and result.kd > 0
-    assert (log["client"] == CLIENT).all() and (log["round"] == 1).all()
+    # tolist: a missing client name would be <NA>, which pandas' all() skips
+    assert log["client"].tolist() == [CLIENT] * len(log) and log["round"].tolist() == [1] * len(log)
+    assert log.index.equals(pd.RangeIndex(len(log)))  # one table, rows numbered 0..n-1 across batches
     # the gate log's token ids are the example's target tokens
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
     from pipeline.training.shared_model import model_config
@@ -399,7 +401,7 @@ def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws
         return model.adapter_state("local"), result
 
     cached, with_cache = run("fedselectkd", 2, 1.0)
-    assert len(built) == 1 and built[0].stats["hits"] > 0
+    assert len(built) == 1 and built[0].stats["hits"] > 0 and built[0].max_bytes == 2**30  # 1.0 GiB
     plain, without = run("fedselectkd", 2, 0.0)
     assert len(built) == 1 and all(torch.equal(cached[k], plain[k]) for k in cached)
     assert (with_cache.train_loss, with_cache.kd, with_cache.kd_fraction) == (
@@ -462,3 +464,39 @@ def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
         losses.append((result.train_loss, result.ce))
     assert losses[0] != losses[1]
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
+
+
+
+def test_training_leaves_the_model_in_evaluation_mode_for_the_validation_that_follows(ws):
+    plan, model, train, w0 = _setup("local-eval-mode", lr=5e-3, batch_size=2)
+    _train(plan, model, train)
+    assert not model.training and not any(m.training for m in model.modules())
+
+
+def test_each_local_epoch_reshuffles_the_batches(ws, monkeypatch):
+    from pipeline.training import local
+
+    seeds = []
+    real = local._accumulation_steps
+
+    def spy(model, examples, mcfg, cfg, normalisation, seed):
+        seeds.append((normalisation, seed))
+        return real(model, examples, mcfg, cfg, normalisation, seed)
+
+    monkeypatch.setattr(local, "_accumulation_steps", spy)
+    plan, model, train, w0 = _setup("local-epochs-shuffle", lr=5e-3, batch_size=2, local_epochs=3)
+    _train(plan, model, train)
+    assert len({seed for _, seed in seeds}) == 3 and {n for n, _ in seeds} == {"tokens"}
+
+
+def test_the_rounds_kd_is_the_token_weighted_mean_of_its_examples_kd(ws):
+    """With lr 0 nothing moves, so each example trained alone reports its own KD; the round over all of them
+    reports their mean weighted by target tokens (AdaFedKD: KD on every token)."""
+    plan, model, train, w0 = _setup("local-kd-mean", "fedkd", lr=0.0, batch_size=2)
+    g = torch.Generator().manual_seed(6)
+    model.load_adapter_state("global", {k: v + 0.5 * torch.randn(v.shape, generator=g) for k, v in w0.items()})
+    whole = _train(plan, model, train)
+    alone = [_train(plan, model, train.iloc[[i]]) for i in range(len(train))]
+    assert len({round(r.kd, 6) for r in alone}) > 1  # the examples differ
+    assert whole.kd == pytest.approx(sum(r.kd * r.n_tokens for r in alone) / sum(r.n_tokens for r in alone),
+                                     rel=1e-5)

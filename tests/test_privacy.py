@@ -463,3 +463,20 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
     assert first.privacy.logical_batch == 4 and first.privacy.sample_rate == pytest.approx(4 / len(examples))
     assert first.dp_examples == sum(len(idx) for epoch in samples[0] for idx in epoch) > 0
     assert first.dp_clipped == first.dp_examples  # C = 1e-6: every per-example gradient is clipped
+
+
+def test_a_client_too_small_for_the_default_delta_is_named_with_its_plan(ws):
+    """delta defaults to 1/n: a client with one training example cannot use it, and the error says which plan
+    and which client, as a federation's log must."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.client_data import client_data
+    from pipeline.training.local import train_local
+    from pipeline.training.shared_model import shared_model
+
+    plan = load_plan(_write_plan("dp-one-example", "fedavg", {"mode": "example", "noise_multiplier": 1.0},
+                                 prefix_cache=False))
+    one = client_data(plan, "Committee").train.iloc[:1]
+    with pytest.raises(ValueError) as err:
+        train_local(shared_model(plan), plan, one, client="Committee", rnd=1)
+    assert str(err.value) == (f"{plan.source}: client 'Committee': 1 training example(s): delta = 1/n is "
+                              "meaningless; set privacy.delta")

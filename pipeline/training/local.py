@@ -228,7 +228,7 @@ def train_local(
                         (loss * weight).backward()
                     n_tok = int(out.n_tokens)
                     valid = labels != IGNORE_INDEX
-                    gate = out.gate.detach() & valid if out.gate is not None else torch.zeros_like(valid)
+                    gate = out.gate.detach() & valid  # all False where no KD applies (mode ce)
                     n_kd = int(gate.sum())
                     sums["loss"] += float(out.loss.detach()) * n_tok
                     sums["ce"] += float(out.ce_mean) * n_tok
