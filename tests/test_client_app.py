@@ -298,3 +298,19 @@ def test_a_client_refuses_to_send_its_adapter_in_the_clear_when_the_plan_asks_fo
     _, _, seen, reply, _ = _train_round(monkeypatch, "round-secagg-masked", "fedavg",
                                         node={"client-name": "Product"}, edit_plan=secagg, masked=True)
     assert seen["client"] == "Product" and "arrays" in reply.content  # the masked path trains as usual
+
+
+def test_a_delta_encoded_reply_is_the_local_adapter_minus_the_global_it_received(ws, monkeypatch):
+    """train.transfer_delta with a lossy dtype: the reply carries local - received, so the server, which holds
+    what it sent, decodes the local adapter to within the int8 step."""
+    from pipeline.federation.compression import decode_state
+    from pipeline.training.shared_model import initial_adapter_state
+
+    own = {k: v - 1.0 for k, v in initial_adapter_state(_plan("round-delta-ref")).items()}
+    plan, received, seen, reply, _ = _train_round(monkeypatch, "round-delta", "fedselectkd",
+                                                  node={"client-name": "Product"}, local=own,
+                                                  transfer_dtype="int8", transfer_delta=True)
+    decoded = decode_state(reply.content["arrays"].to_torch_state_dict(), reference=received)
+    for k, v in seen["local"].items():
+        step = float((v - received[k]).abs().max()) / 127
+        assert torch.allclose(decoded[k], v, atol=step + 1e-6)
