@@ -241,9 +241,11 @@ def collect(codes_by_module: dict[str, dict[str, int | None]], equivalent: dict[
 
 
 def unfinished(codes: dict[str, int | None], equivalent: dict[str, str]) -> list[str]:
-    """A module's mutants not run yet or not detected last time (equivalent ones left out), in mutmut's order."""
+    """A module's mutants not run yet (equivalent ones too: their verdict is what says they survive) or not
+    detected last time (equivalent ones left out), in mutmut's order."""
     return [name for name, code in sorted(codes.items(), key=lambda kv: _natural(kv[0]))
-            if name not in equivalent and status(code) in ("not run", "survived", "no tests", "other")]
+            if status(code) == "not run"
+            or (name not in equivalent and status(code) in ("survived", "no tests", "other"))]
 
 
 def _function(name: str) -> str:
@@ -470,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else None
     diffs = {n: d for m, r in results.items() for n, d in mutant_diffs(today[m], r.undetected).items()}
-    stale = sorted(set(equivalent) - {n for r in results.values() for n in r.undetected})
+    detected = {n for m in results for n, c in codes[m].items() if status(c) in ("killed", "timeout")}
+    stale = sorted(set(equivalent) & detected)
     if stale:  # an "equivalent" mutant that some test now kills: its reason was wrong or the code changed
         print(f"note: {len(stale)} mutant(s) in {EQUIVALENT} are detected now: {stale[:5]}", file=sys.stderr)
     REPORT.parent.mkdir(parents=True, exist_ok=True)

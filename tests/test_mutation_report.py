@@ -72,10 +72,11 @@ def test_runs_are_read_from_the_make_log_and_shown_with_the_functions_they_ran(t
 
 
 def test_unfinished_mutants_are_the_undetected_and_unrun_non_equivalent_ones(tmp_path):
-    _meta(tmp_path, "modeling.losses", {1: 1, 2: 0, 3: None, 4: 33, 5: 36, 6: 0, 10: None})
-    equivalent = {"pipeline.modeling.losses.x_f__mutmut_6": "same values"}
+    _meta(tmp_path, "modeling.losses", {1: 1, 2: 0, 3: None, 4: 33, 5: 36, 6: 0, 7: None, 10: None})
+    equivalent = {"pipeline.modeling.losses.x_f__mutmut_6": "same values", "pipeline.modeling.losses.x_f__mutmut_7": "x"}
     names = mr.unfinished(_codes(tmp_path)["modeling.losses"], equivalent)
-    assert names == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (2, 3, 4, 10)]
+    # 6: equivalent and already seen to survive; 7: equivalent but not run since its function changed - run it
+    assert names == [f"pipeline.modeling.losses.x_f__mutmut_{i}" for i in (2, 3, 4, 7, 10)]
     assert mr._which("modeling.losses", "unfinished pipeline.modeling.losses.x_f__mutmut_*") == (
         "unfinished mutants of functions `f`")
 
