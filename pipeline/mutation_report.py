@@ -250,7 +250,7 @@ def unfinished(codes: dict[str, int | None], equivalent: dict[str, str]) -> list
 
 def _function(name: str) -> str:
     """The function of a mutant as the source spells it: x_f__mutmut_3 -> f, xǁCǁm__mutmut_1 -> C.m."""
-    head = name.rpartition("__mutmut_")[0].rpartition(".")[2]
+    head = _mangled(name)
     return head.removeprefix("x_") if not head.startswith("xǁ") else head.removeprefix("xǁ").replace("ǁ", ".")
 
 
