@@ -83,7 +83,7 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
     from pipeline.federation.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
     from pipeline.training.client_data import client_data, client_names
-    from pipeline.training.local import validation_loss
+    from pipeline.training.client_training import validation_loss
     from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     path = make_workspace(root, n, "inprocess", _scale_config(cfg), backbone, name=f"norms-{n}",

@@ -5,7 +5,7 @@
 - prefix_cached: fedmeet's path, the frozen prefix read from ``PrefixCache`` (hits), then the top k layers and the
   LM head once per path (``AdapterSummarizer.forward_two_paths``).
 Each step = forward(s) + ``distillation_loss`` + backward + AdamW step on the local adapter, like
-``pipeline.training.local.train_local``. The loss runs KD on every token (``mode="kd"``): the worst case of
+``pipeline.training.client_training.train_local``. The loss runs KD on every token (``mode="kd"``): the worst case of
 selective KD, chosen because a random-weight teacher is near-uniform (entropy ~ log V > tau), so the entropy gate
 would skip the KL term that real training pays for on confident tokens.
 """

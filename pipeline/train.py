@@ -34,7 +34,7 @@ from pipeline.experiments import Plan, RunSettings, current_run_settings, plan_h
 from pipeline.paths import PATHS
 from pipeline.common.timing import stage_timer
 from pipeline.training import rounds
-from pipeline.training.serverless import run_local
+from pipeline.training.serverless import run_serverless
 from pipeline.training.summary import (final_run_metrics, merge_gate_logs, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
 
@@ -93,7 +93,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
 
             result = run_federated(plan_path, recorder, settings)
         else:
-            result = run_local(plan, recorder)
+            result = run_serverless(plan, recorder)
     except BaseException:
         recorder.close()
         if logger is not None:

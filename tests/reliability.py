@@ -165,7 +165,7 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
     """Inside ``client``'s round-``rnd`` training, at the loss of its ``batch``-th batch (after the optimizer steps
     of the batches before it; the clients trained before it this round have written their gate logs)."""
     from pipeline.modeling import losses
-    from pipeline.training import local as local_training
+    from pipeline.training import client_training as local_training
 
     real_train, real_loss = local_training.train_local, losses.distillation_loss
     state = {"armed": False, "batches": 0}

@@ -122,7 +122,7 @@ def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
 
 # ----------------------------------------------------------------------------------------------- privacy report
 def _result(setting, steps: int, examples: int = 10, clipped: int = 3):
-    from pipeline.training.local import LocalTrainResult
+    from pipeline.training.client_training import LocalTrainResult
 
     return LocalTrainResult(n_examples=examples, n_steps=steps, n_tokens=0, train_loss=0.0, ce=0.0, kd=0.0,
                             kd_fraction=0.0, proximal=0.0, privacy=setting, dp_examples=examples, dp_clipped=clipped)
@@ -195,7 +195,7 @@ def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float |
     from pipeline.federation import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, downlink_reference, encode_global, load_plan
-    from pipeline.training.local import LocalTrainResult, empty_gate_log
+    from pipeline.training.client_training import LocalTrainResult, empty_gate_log
     from pipeline.training.shared_model import initial_adapter_state
 
     _set_server_identity(1)  # Flower stamps a message with the run's identity
@@ -276,7 +276,7 @@ def test_a_kd_clients_gate_log_stays_on_its_disk_as_a_plain_table_and_it_trains_
     import pyarrow.parquet as pq
 
     from pipeline.federation.client_app import client_dir
-    from pipeline.training.local import empty_gate_log
+    from pipeline.training.client_training import empty_gate_log
 
     plan, _, seen, reply, context = _train_round(monkeypatch, "round-gate", "fedselectkd",
                                                  node={"client-name": "Academic"})

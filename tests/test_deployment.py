@@ -1,7 +1,7 @@
 """Real federation: the deployed ServerApp's records, federated evaluation, local SuperLink/SuperNode runs.
 
 The first tests drive ``pipeline.federation.deployment:server_app`` (what a SuperLink runs) over the in-process Grid; the
-later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.local),
+later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.localhost),
 each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
 from __future__ import annotations
@@ -157,13 +157,13 @@ def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, mon
     assert all(not math.isnan(v["avg_rouge"]) for v in calls[-1]["clients"].values())
 
 
-# ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation.local)
+# ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation.localhost)
 def _local(plan: str, **kw):
-    from pipeline.federation.local import LocalConfig
+    from pipeline.federation.localhost import LocalhostConfig
 
     # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
     # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
-    return LocalConfig(plan=plan, workdir=Path.cwd(), run_config={"evaluate": False, "mlflow": False},
+    return LocalhostConfig(plan=plan, workdir=Path.cwd(), run_config={"evaluate": False, "mlflow": False},
                        quiet=True, startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
 
 
@@ -192,12 +192,12 @@ def _no_process_left(before: set[int], started: list) -> None:
 
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation.local import LocalFederation
+    from pipeline.federation.localhost import LocalhostFederation
     from pipeline.train import run_experiment
 
     before = _flower_pids()
     run_experiment(write_plan("loc-ref", "fedselectkd"), track=False)
-    fed = LocalFederation(_local(write_plan("loc", "fedselectkd")))
+    fed = LocalhostFederation(_local(write_plan("loc", "fedselectkd")))
     with fed:
         fed.start()
         run = fed.stream(fed.submit())
@@ -249,7 +249,7 @@ def test_tls_and_supernode_authentication(ws, tmp_path):
     from cryptography import x509
 
     from pipeline.federation.credentials import make_node_key, make_self_signed_ca
-    from pipeline.federation.local import LocalFederation
+    from pipeline.federation.localhost import LocalhostFederation
 
     before = _flower_pids()
     certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
@@ -257,7 +257,7 @@ def test_tls_and_supernode_authentication(ws, tmp_path):
     server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
     assert server.issuer == ca.subject and server.issuer != server.subject  # signed by the CA, not self-signed
     plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
-    fed = LocalFederation(_local(plan, tls=True, certificates=certs, auth=True))
+    fed = LocalhostFederation(_local(plan, tls=True, certificates=certs, auth=True))
     with fed:
         fed.start()
         assert set(fed.keys) == {"Academic", "Committee"}
@@ -282,7 +282,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     after round 3: the command says which round to resume from, and its rerun runs round 4 only."""
     import threading
 
-    from pipeline.federation.local import LocalFederation, run_local
+    from pipeline.federation.localhost import LocalhostFederation, run_localhost
     from pipeline.federation.processes import FederationError
 
     before = _flower_pids()
@@ -290,7 +290,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     cfg = _local(plan)
     cfg.run_config["round-timeout-s"] = 40.0  # a run-time setting: the site's choice, not the plan's
     events: list[str] = []
-    fed = LocalFederation(cfg)
+    fed = LocalhostFederation(cfg)
     with fed:
         fed.start()
 
@@ -320,7 +320,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
 
     checkpointed = torch.load(server_checkpoint_path(load_plan("models/plans/faults.json")),
                               weights_only=False)["history"]
-    run, metrics = run_local(cfg)
+    run, metrics = run_localhost(cfg)
     history = json.loads(Path("models/faults/rounds.json").read_text())
     assert history[:6] == checkpointed  # rounds 1-3 restored, not run again
     rows = {(r["round"], r["client"]): r for r in json.loads(Path("models/faults/rounds.json").read_text())}
@@ -383,7 +383,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     from pipeline.federation.credentials import Certificates
-    from pipeline.federation.local import _parse_run_config, run_config_arg, write_connection
+    from pipeline.federation.localhost import _parse_run_config, run_config_arg, write_connection
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
@@ -467,7 +467,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
 
     from safetensors.torch import load_file
 
-    from pipeline.federation.local import LocalFederation
+    from pipeline.federation.localhost import LocalhostFederation
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.federation.server_app import load_server_checkpoint
@@ -486,7 +486,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     cfg = _local(plan)
     cfg.run_config["round-timeout-s"] = 40.0
     events: list[str] = []
-    fed = LocalFederation(cfg)
+    fed = LocalhostFederation(cfg)
     with fed:
         fed.start()
 

@@ -172,7 +172,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import TRAIN_METRIC_KEYS
     from pipeline.experiments import read_plan
-    from pipeline.training.local import GATE_LOG_COLUMNS
+    from pipeline.training.client_training import GATE_LOG_COLUMNS
     from pipeline.training.shared_model import initial_adapter_state
 
     path = write_plan("reply-check", "fedselectkd")
@@ -295,7 +295,7 @@ def test_same_seed_gives_identical_adapters(ws):
 
 def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
     from pipeline.train import run_experiment
-    from pipeline.training import local as local_training
+    from pipeline.training import client_training as local_training
 
     path = write_plan("resume", "fedselectkd")
     with killed_after_checkpoint(monkeypatch, rnd=1):
@@ -440,7 +440,7 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
 def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
     from pipeline.federation import server_app
     from pipeline.train import run_experiment
-    from pipeline.training import local as local_training
+    from pipeline.training import client_training as local_training
 
     real_train = local_training.train_local
     aggregated_weights = []

@@ -1,4 +1,4 @@
-"""One client's local training (pipeline.training.local.train_local, METHOD.md section 4) on the tiny BART, as a
+"""One client's local training (pipeline.training.client_training.train_local, METHOD.md section 4) on the tiny BART, as a
 unit: what it counts, what its losses mean and what one optimizer step does.
 
 Properties stated: with lr 0 the adapter does not move and the reported losses are the method's loss on the
@@ -21,7 +21,7 @@ import torch
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
-import pipeline.training.local  # noqa: F401
+import pipeline.training.client_training  # noqa: F401
 import pipeline.training.shared_model  # noqa: F401
 
 CLIENT = "Committee"  # 6 training examples in tests/test_federated.py's workspace
@@ -41,7 +41,7 @@ def _setup(name: str, method: str = "fedavg", **train):
 
 
 def _train(plan, model, examples, rnd: int = 1, **kw):
-    from pipeline.training.local import train_local
+    from pipeline.training.client_training import train_local
 
     return train_local(model, plan, examples, client=CLIENT, rnd=rnd, **kw)
 
@@ -63,7 +63,7 @@ def _unchanged(model, w0) -> bool:
 
 # ----------------------------------------------------------------------------------------------- lr 0: the loss
 def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
-    from pipeline.training.local import GATE_LOG_COLUMNS, validation_loss
+    from pipeline.training.client_training import GATE_LOG_COLUMNS, validation_loss
 
     plan, model, train, w0 = _setup("local-ce", lr=0.0, local_epochs=2, batch_size=4)
     result = _train(plan, model, train)
@@ -83,7 +83,7 @@ def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
 
 
 def test_kd_on_every_token_with_the_teacher_equal_to_the_student_is_zero_kl(ws):
-    from pipeline.training.local import validation_loss
+    from pipeline.training.client_training import validation_loss
 
     plan, model, train, w0 = _setup("local-kd", "fedkd", lr=0.0, batch_size=4)
     result = _train(plan, model, train)
@@ -148,7 +148,7 @@ def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
 
 
 def test_the_gate_log_of_no_token_has_the_columns_and_types_of_one_with_tokens(ws):
-    from pipeline.training.local import empty_gate_log
+    from pipeline.training.client_training import empty_gate_log
 
     plan, model, train, _ = _setup("local-gatelog", "fedkd", lr=0.0, batch_size=4)
     log = _train(plan, model, train).gate_log
@@ -237,7 +237,7 @@ def test_another_client_or_experiment_seed_trains_on_another_batch_order(ws):
     client, or under another experiment seed, take other steps (clients of one federation must not share it)."""
     import dataclasses
 
-    from pipeline.training.local import train_local
+    from pipeline.training.client_training import train_local
 
     plan, model, train, w0 = _setup("local-det-who", lr=5e-3, batch_size=2)
     runs = {}
@@ -287,7 +287,7 @@ def _labelled(*rows):
 
 
 def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequences():
-    from pipeline.training.local import per_example_loss_scale
+    from pipeline.training.client_training import per_example_loss_scale
 
     batch = _labelled([5, 6, -100], [-100, -100, -100], [7, -100, -100])  # 3 tokens, 2 non-empty sequences
     assert per_example_loss_scale(batch, "tokens", max_target_length=4) == 3 / 4
@@ -295,7 +295,7 @@ def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequence
 
 
 def test_accumulation_weights_count_only_sequences_with_a_target_token():
-    from pipeline.training.local import accumulation_weights
+    from pipeline.training.client_training import accumulation_weights
 
     b1 = _labelled([5, 6, -100], [-100, -100, -100])  # one sequence with targets, one empty
     b2 = _labelled([7, 8, 9])
@@ -304,7 +304,7 @@ def test_accumulation_weights_count_only_sequences_with_a_target_token():
 
 
 def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_position():
-    from pipeline.training.local import _gate_rows
+    from pipeline.training.client_training import _gate_rows
 
     batch = _labelled([3, -100], [4, 5])
     labels = batch.labels
@@ -334,7 +334,7 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     from types import SimpleNamespace
 
     from pipeline.modeling.batching import IGNORE_INDEX
-    from pipeline.training.local import _poisson_steps, per_example_loss_scale
+    from pipeline.training.client_training import _poisson_steps, per_example_loss_scale
     from pipeline.training.privacy import poisson_steps
     from pipeline.training.shared_model import model_config
 
@@ -380,7 +380,7 @@ def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws
     two paths, several epochs, a budget above 0."""
     from pipeline.experiments import RunSettings
     from pipeline.modeling import cache as cache_module
-    from pipeline.training import local
+    from pipeline.training import client_training as local
 
     built = []
 
@@ -426,7 +426,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     the examples into batches of batch_size can have), grad_accum_steps of them per optimizer step, each weighted
     by its target tokens over its window's (train.loss_normalisation tokens)."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.training.local import _accumulation_steps
+    from pipeline.training.client_training import _accumulation_steps
     from pipeline.training.shared_model import model_config, shared_model
 
     plan = load_plan(write_plan("epoch-buckets", "fedavg", model={"max_target_length": 48}, prefix_cache=False,
@@ -474,7 +474,7 @@ def test_training_leaves_the_model_in_evaluation_mode_for_the_validation_that_fo
 
 
 def test_each_local_epoch_reshuffles_the_batches(ws, monkeypatch):
-    from pipeline.training import local
+    from pipeline.training import client_training as local
 
     seeds = []
     real = local._accumulation_steps

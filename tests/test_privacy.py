@@ -217,7 +217,7 @@ def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None
 
 def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
     """Record the gradients each AdamW step of the local trainer receives."""
-    from pipeline.training import local as local_training
+    from pipeline.training import client_training as local_training
 
     seen: list[list[torch.Tensor]] = []
 
@@ -233,7 +233,7 @@ def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
 def _train_once(plan_path: str, client: str = "Committee"):
     from pipeline.experiments import read_plan
     from pipeline.training.client_data import client_data
-    from pipeline.training.local import train_local
+    from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     plan = read_plan(plan_path)
@@ -286,7 +286,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.experiments import read_plan
     from pipeline.training.client_data import client_data
     from pipeline.training.kd import kd_config
-    from pipeline.training.local import _forward_logits, per_example_loss_scale
+    from pipeline.training.client_training import _forward_logits, per_example_loss_scale
     from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
 
     plan = read_plan(_write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0},
@@ -428,7 +428,7 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
     from pipeline.federation.protocol import load_plan
     from pipeline.training import privacy
     from pipeline.training.client_data import client_data
-    from pipeline.training.local import train_local
+    from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     samples, noise_seeds = [], []
@@ -470,7 +470,7 @@ def test_a_client_too_small_for_the_default_delta_is_named_with_its_plan(ws):
     and which client, as a federation's log must."""
     from pipeline.federation.protocol import load_plan
     from pipeline.training.client_data import client_data
-    from pipeline.training.local import train_local
+    from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import shared_model
 
     plan = load_plan(_write_plan("dp-one-example", "fedavg", {"mode": "example", "noise_multiplier": 1.0},

@@ -36,7 +36,7 @@ ALLOWED = {
     ("results/human_eval.py", "with atomic.replacing(out / \"sheet.csv\") as tmp, tmp.open(\"w\", newline=\"\", encoding=\"utf-8\") as fh:"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
     ("federation/processes.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
-    ("federation/local.py", "log = open(run.log, \"a\", encoding=\"utf-8\")"),
+    ("federation/localhost.py", "log = open(run.log, \"a\", encoding=\"utf-8\")"),
 }
 
 

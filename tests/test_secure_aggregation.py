@@ -228,7 +228,7 @@ def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> N
     masked vector is in the sum)."""
     import importlib
 
-    from pipeline.training import local as local_training
+    from pipeline.training import client_training as local_training
 
     mod = importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod")  # the package exports the
     # function under the module's name

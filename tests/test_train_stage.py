@@ -178,7 +178,7 @@ def _batch(lengths: list[int]):
 def test_accumulated_micro_batches_weigh_as_one_token_mean():
     """Window of 2 micro-batches with 6 and 2 target tokens: weights 6/8 and 2/8, so the accumulated gradient
     is the token mean over all 8 tokens; a trailing single batch forms its own step (weight 1)."""
-    from pipeline.training.local import accumulation_weights
+    from pipeline.training.client_training import accumulation_weights
 
     batches = [_batch([4, 2]), _batch([2]), _batch([3, 3, 1])]
     assert accumulation_weights(batches, 2, "tokens") == [6 / 8, 2 / 8, 1.0]
@@ -190,7 +190,7 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
     """The identity the weights exist for: sum_b w_b * mean_b(l) == mean over the union of the batches."""
     import torch
 
-    from pipeline.training.local import accumulation_weights
+    from pipeline.training.client_training import accumulation_weights
 
     torch.manual_seed(0)
     theta = torch.randn(3, requires_grad=True)
@@ -206,7 +206,7 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
 
 def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
     from pipeline.modeling.adapters import HoulsbyAdapter
-    from pipeline.training.local import adamw_groups
+    from pipeline.training.client_training import adamw_groups
     from pipeline.training.config import TrainConfig
 
     adapter = HoulsbyAdapter(8, 4, bias=True)

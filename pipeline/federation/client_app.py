@@ -41,7 +41,7 @@ from pipeline.federation.secure_aggregation import is_legacy_fit, legacy_fit, se
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
 from pipeline.experiments import Plan
-from pipeline.training import local as local_training  # a module attribute: tests wrap train_local
+from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import rounds
 from pipeline.training.client_data import client_data, client_names, read_examples, read_partition
 from pipeline.training.shared_model import initial_adapter_state, model_config, prefix_cache_for, shared_model

@@ -9,7 +9,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.experiments import Plan
-from pipeline.training import local as local_training  # a module attribute: tests wrap train_local
+from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import rounds
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
@@ -17,7 +17,7 @@ from pipeline.training.shared_model import initial_adapter_state, prefix_cache_f
 log = logging.getLogger("fedmeet.train")
 
 
-def run_local(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> dict[str, Any]:
+def run_serverless(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> dict[str, Any]:
     """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
     epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
     (``checkpoint/local.pt``: a rerun resumes after the last completed round)."""

@@ -15,7 +15,7 @@ from pipeline.common.config import to_dict
 from pipeline.common.timing import peak_rss_mb
 from pipeline.modeling.backbone_record import backbone_name
 from pipeline.experiments import Plan
-from pipeline.training.local import empty_gate_log
+from pipeline.training.client_training import empty_gate_log
 
 # A client's DP-SGD report in metrics.json and MLflow (pipeline.training.privacy; None = unbounded)
 PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")

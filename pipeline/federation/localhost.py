@@ -45,7 +45,7 @@ LOCAL_HOME = Path(".flwr-local")
 
 # ============================================================================================ deployment
 @dataclass
-class LocalConfig:
+class LocalhostConfig:
     """One local deployment (the ``local`` command's options)."""
 
     plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
@@ -64,8 +64,8 @@ class LocalConfig:
 
 
 @dataclass
-class LocalRun:
-    """What :func:`run_local` did: the run's exit status, the process logs, the outputs it checked."""
+class LocalhostRun:
+    """What :func:`run_localhost` did: the run's exit status, the process logs, the outputs it checked."""
 
     returncode: int
     home: Path
@@ -102,10 +102,10 @@ def _bin(name: str) -> str:
     return str(exe) if exe.exists() else name
 
 
-class LocalFederation:
+class LocalhostFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
-    def __init__(self, cfg: LocalConfig):
+    def __init__(self, cfg: LocalhostConfig):
         from pipeline.federation.protocol import load_plan
         from pipeline.training.client_data import client_names
 
@@ -135,7 +135,7 @@ class LocalFederation:
         self.supernodes: dict[str, Process] = {}
 
     # -- lifecycle
-    def __enter__(self) -> "LocalFederation":
+    def __enter__(self) -> "LocalhostFederation":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -233,7 +233,7 @@ class LocalFederation:
                 "--run-config", run_config_arg(rc)]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
-    def stream(self, run: Process, on_line=None) -> LocalRun:
+    def stream(self, run: Process, on_line=None) -> LocalhostRun:
         """Echo the run's output until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
         lines: list[str] = []
         log = open(run.log, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
@@ -264,7 +264,7 @@ class LocalFederation:
             reader.join(timeout=5)
         finally:
             log.close()
-        return LocalRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
+        return LocalhostRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
 
     def _resume_hint(self) -> str:
         from pipeline.federation.server_app import load_server_checkpoint
@@ -295,9 +295,9 @@ class LocalFederation:
         return json.loads(metrics.read_text())
 
 
-def run_local(cfg: LocalConfig) -> tuple[LocalRun, dict]:
+def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
     """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise."""
-    with LocalFederation(cfg) as fed:
+    with LocalhostFederation(cfg) as fed:
         started = time.time()
         fed.start()
         run = fed.stream(fed.submit())
@@ -345,13 +345,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     plan = args.plan or str(PLANS_DIR / f"{args.experiment}.json")
-    cfg = LocalConfig(plan=plan, run_config=_parse_run_config(args.run_config), tls=args.tls, auth=args.auth,
+    cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), tls=args.tls, auth=args.auth,
                       startup_timeout_s=args.startup_timeout, run_timeout_s=args.run_timeout,
                       stop_timeout_s=args.stop_timeout)
-    # Ctrl-C / SIGTERM unwind through LocalFederation.__exit__, which stops every process it started.
+    # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        run, metrics = run_local(cfg)
+        run, metrics = run_localhost(cfg)
     except KeyboardInterrupt:
         print("interrupted: every process this command started was stopped", file=sys.stderr)
         return 130
