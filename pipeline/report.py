@@ -26,13 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
 from pipeline.experiments import declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results import comparisons, published
+from pipeline.results import claims, comparisons, published
 from pipeline.results.case_study import case_study, example_info, predictions_by_method
+from pipeline.results.convergence import convergence_table
 from pipeline.results.figures import learning_curves
 from pipeline.results.headline import HEADLINE_STUDY, average_interval, headline_metrics, summary_metrics
 from pipeline.results.human_eval import make_sheets, plot_results, score_sheets
@@ -63,30 +66,45 @@ class ReportConfig:
     baselines: list[str] = field(default_factory=lambda: ["single", "fedavg", "fedkd"])
 
 
-def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
-    """Everything the stage writes; returns the index (what was made and what is missing)."""
+@dataclass
+class Tables:
+    """What :func:`write_tables` computed and wrote."""
+
+    compared: Any  # the comparisons table with the published columns (pandas)
+    scores: Any
+    agg: Any
+    converged: Any  # pipeline.results.convergence.convergence_table
+    missing_eval: list[str]
+
+
+def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, train_dir: Path, tables_dir: Path,
+                 made: dict[str, list[str]], not_made: dict[str, str], previous: Path | None = None) -> Tables:
+    """The comparisons (with the paper's differences), the scores, the main table per backbone and one table per
+    study, from the evaluations in ``eval_dir`` and the train records in ``train_dir``. ``previous``: a
+    comparisons.csv whose identical-summary fractions fill those the missing predictions leave out."""
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
     planned = declared(params)
     labels = with_labels(planned)
-    scores, missing_eval = collect_scores(planned, labels, paths.eval_reports)
+    scores, missing_eval = collect_scores(planned, labels, eval_dir)
     agg = with_stand_ins(aggregate(scores, planned, labels, cfg.expected_seeds))
-    for d in (paths.tables, paths.figures, paths.plots):
-        d.mkdir(parents=True, exist_ok=True)
-    made: dict[str, list[str]] = defaultdict(list)
-    not_made: dict[str, str] = {}
+    tables_dir.mkdir(parents=True, exist_ok=True)
+    converged = convergence_table(planned, labels, train_dir)
 
-    # Which differences are real: every configuration against its baselines (paired bootstrap).
+    # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
     compared, notes = comparisons.comparisons_table(
-        comparisons.configurations(planned, labels), cfg.baselines, paths.eval_reports, bootstrap)
-    atomic.to_csv(compared, paths.tables / "comparisons.csv", index=False)
-    made["tables"].append(str(paths.tables / "comparisons.csv"))
+        comparisons.configurations(planned, labels), cfg.baselines, eval_dir, bootstrap)
+    if previous is not None and previous.is_file():
+        compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
+    compared = claims.with_published(compared)
+    atomic.to_csv(compared, tables_dir / "comparisons.csv", index=False)
+    made["tables"].append(str(tables_dir / "comparisons.csv"))
     if notes:
         not_made["comparisons"] = "; ".join(notes)
 
     # Per-experiment and aggregated scores, machine-readable.
-    atomic.to_csv(scores, paths.tables / "scores_per_experiment.csv", index=False)
-    atomic.to_csv(agg, paths.tables / "scores_aggregated.csv", index=False)
-    made["tables"] += [str(paths.tables / "scores_per_experiment.csv"), str(paths.tables / "scores_aggregated.csv")]
+    atomic.to_csv(scores, tables_dir / "scores_per_experiment.csv", index=False)
+    atomic.to_csv(agg, tables_dir / "scores_aggregated.csv", index=False)
+    made["tables"] += [str(tables_dir / "scores_per_experiment.csv"), str(tables_dir / "scores_aggregated.csv")]
 
     # Main table per backbone (Table III layout) beside the published numbers.
     main = agg[agg["study"] == "main"]
@@ -94,16 +112,35 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         not_made["main table"] = "no evaluated experiment of study `main`"
     for backbone in sorted(set(main["backbone"])):
         table = main_table(agg, backbone, planned, labels, cfg.expected_seeds)
-        stem = paths.tables / f"main_{backbone_slug(backbone)}"
+        stem = tables_dir / f"main_{backbone_slug(backbone)}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
-        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap))
+        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap,
+                                                                       converged))
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
-    # One table per study, with its paired comparisons.
+    # One table per study, with its paired comparisons and its runs' convergence.
     for study in sorted(set(agg["study"])):
-        path = paths.tables / f"study_{study}.md"
-        atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap))
+        path = tables_dir / f"study_{study}.md"
+        atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap, converged))
         made["tables"].append(str(path))
+    return Tables(compared, scores, agg, converged, missing_eval)
+
+
+def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
+    """Everything the stage writes; returns the index (what was made and what is missing)."""
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
+    planned = declared(params)
+    labels = with_labels(planned)
+    for d in (paths.tables, paths.figures, paths.plots):
+        d.mkdir(parents=True, exist_ok=True)
+    made: dict[str, list[str]] = defaultdict(list)
+    not_made: dict[str, str] = {}
+    written = write_tables(params, cfg, paths.eval_reports, paths.train_reports, paths.tables, made, not_made)
+    scores, agg, missing_eval = written.scores, written.agg, written.missing_eval
+    # The results in words, rendered from the comparisons and the train records (never typed by hand).
+    atomic.write_text(paths.tables / "results.md", "# Results\n\n" + claims.results_text(
+        written.compared, written.converged, source=str(paths.tables / "comparisons.csv")))
+    made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
     figures, figures_not_made = study_figures(agg, paths.figures, paths.plots)
@@ -164,6 +201,52 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     return index
 
 
+def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
+    """The results text of a study folder (``comparisons.csv``, ``train/``, ``params.yaml``: reports/cpu-study)."""
+    params = load_params(folder / "params.yaml")
+    planned = declared(params)
+    compared = pd.read_csv(comparisons_csv or folder / "comparisons.csv")
+    converged = convergence_table(planned, with_labels(planned), folder / "train")
+    return claims.results_text(compared, converged, source=str(comparisons_csv or folder / "comparisons.csv"))
+
+
+def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:
+    """Rewrite the results block of each markdown file from the study folder (or, with ``check``, only list the
+    files whose block differs from what would be written). Returns the files changed (or differing)."""
+    block = study_claims(folder)
+    changed = []
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        try:
+            new = claims.replace_block(text, block, str(f))
+        except ValueError as err:
+            raise DataError(str(err)) from err
+        if new != text:
+            changed.append(f)
+            if not check:
+                atomic.write_text(f, new)
+    return changed
+
+
+def rebuild_study(folder: Path, cfg_override: ReportConfig | None = None) -> dict[str, Any]:
+    """Recompute a study folder's comparisons and tables from its committed per-example scores and train records
+    (``eval/``, ``train/``, ``params.yaml``; no training, no evaluation) and rewrite its README's results block.
+    Identical-summary fractions come from the folder's previous comparisons.csv where predictions are absent."""
+    params = load_params(folder / "params.yaml")
+    cfg = cfg_override or from_dict(ReportConfig, params.get("report"), "report")
+    made: dict[str, list[str]] = defaultdict(list)
+    not_made: dict[str, str] = {}
+    written = write_tables(params, cfg, folder / "eval", folder / "train", folder / "tables", made, not_made,
+                           previous=folder / "comparisons.csv")
+    atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
+    made["tables"].append(str(folder / "comparisons.csv"))
+    readme_path = folder / "README.md"
+    if readme_path.is_file() and claims.BEGIN in readme_path.read_text(encoding="utf-8"):
+        write_claims(folder, [readme_path])
+        made["text"].append(str(readme_path))
+    return {"made": dict(made), "not_made": not_made}
+
+
 def human_main(args: argparse.Namespace, cfg: ReportConfig, params: dict[str, Any]) -> int:
     paths = PATHS
     if args.make_sheets:
@@ -198,7 +281,28 @@ def main(argv: list[str] | None = None) -> int:
     human.add_argument("--study", default="main", help="study whose predictions the sheets compare (--make-sheets)")
     human.add_argument("--seed", type=int, default=None, help="experiment seed (default: the lowest evaluated)")
     human.add_argument("--out", default="reports/human_eval", help="where results.json and the chart go (--sheets)")
+    rebuild = sub.add_parser("rebuild", help="recompute a study folder's comparisons and tables from its "
+                             "committed scores (e.g. reports/cpu-study)")
+    rebuild.add_argument("folder", type=Path)
+    text = sub.add_parser("claims", help="rewrite the results block (<!-- results:begin/end -->) of markdown files "
+                          "from a study folder's comparisons.csv and train records")
+    text.add_argument("folder", type=Path, help="the study folder (comparisons.csv, train/, params.yaml)")
+    text.add_argument("files", nargs="+", type=Path, help="markdown files with a results block")
+    text.add_argument("--check", action="store_true", help="change nothing; exit 1 if a block differs")
     args = parser.parse_args(argv)
+    try:
+        if args.command == "rebuild":
+            print(json.dumps(rebuild_study(args.folder), indent=2))
+            return 0
+        if args.command == "claims":
+            changed = write_claims(args.folder, args.files, check=args.check)
+            for f in changed:
+                print(f"{f}: results block {'differs from' if args.check else 'rewritten from'} {args.folder}",
+                      file=sys.stderr)
+            return 1 if (args.check and changed) else 0
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     params = load_params(args.params)
     cfg = from_dict(ReportConfig, params.get("report"), "report")
     try:

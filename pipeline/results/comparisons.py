@@ -26,6 +26,9 @@ from pipeline.results.stats import BootstrapConfig, paired_difference
 
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 AVERAGE = "client average"
+# The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
+# federation against local training, selectivity against plain KD, and AdaCentralized against every other method.
+MAIN_ORDER: tuple[str, ...] = ("single", "fedavg", "fedkd", "fedselectkd", "centralized")
 COLUMNS = ["study", "client", "method_a", "method_b", "config_a", "config_b", "study_b", "metric", "mean_diff",
            "ci_low", "ci_high", "p_value", "n_examples", "n_seeds", "identical_fraction", "significant",
            "mostly_identical", "experiments_a", "experiments_b"]
@@ -156,17 +159,39 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
     return out
 
 
+def variant_of(config: Config, configs: list[Config]) -> Config | None:
+    """The main study's configuration of the same method on the same partition that ``config`` varies (a gate or
+    tau of the tau sweep varies the main SelectKD); None for a main-study or private configuration."""
+    if config.dp or config.study == "main":
+        return None
+    same = [c for c in configs if c.study == "main" and not c.dp and (c.method, c.scheme) == (config.method,
+                                                                                             config.scheme)]
+    return min(same, key=lambda c: c.label) if same else None
+
+
 def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
                       cfg: BootstrapConfig) -> tuple[pd.DataFrame, list[str]]:
-    """Every configuration against each baseline it has; and a note per comparison that could not be made."""
+    """Every configuration against each baseline it has; and a note per comparison that could not be made.
+
+    The baselines are ``baselines`` followed by the paper's main methods (:data:`MAIN_ORDER`), so every pair of
+    main methods is compared once, A − B with B the earlier in that order. A variant of a main method (another
+    study's configuration of it, e.g. a KD gate of the tau sweep) is compared with every one of them, its own
+    method's main-study configuration included."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
-    baselines = list(baselines)
+    baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))
+    done: set[tuple[Config, Config]] = set()
     for config in configs:
+        varied = variant_of(config, configs) if config.method in baselines else None
         # A baseline is compared only with the baselines listed before it (fedavg vs single, not also the reverse).
-        against = baselines[:baselines.index(config.method)] if config.method in baselines else baselines
+        against = baselines[:baselines.index(config.method)] if config.method in baselines and not varied else (
+            baselines)
         for method in against:
-            base = baseline_for(config, method, configs)
+            base = varied if method == config.method else baseline_for(config, method, configs)
+            if base is not None and ((config, base) in done or (base, config) in done):
+                continue
+            if base is not None:
+                done.add((config, base))
             if base is None:
                 notes.append(f"{config.study}: {config.label} has no {method} run on partition scheme "
                              f"{config.scheme!r} to compare with")
@@ -202,15 +227,19 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
     if sub.empty:
         return ""
     level = f"{cfg.level:.0%}"
+    # The paper's difference for the same pair per backbone (pipeline.results.claims.with_published), when present.
+    backbones = [c.removeprefix("vs_published_") for c in sub.columns if c.startswith("vs_published_")]
+    backbones = [b for b in backbones if (sub[f"vs_published_{b}"].fillna("") != "").any()]
+    paper_head = f" paper's Δ ({' / '.join(backbones)}): where it sits against our interval |" if backbones else ""
     lines = ["", f"## Paired comparisons (client average of `{metric}`, A − B)", "",
              f"Paired bootstrap over test examples within clients ({cfg.n_resamples} replicates, seed {cfg.seed}; "
              "seeds paired and resampled when there are several). **Bold** = the "
              f"{level} interval excludes 0. ⚠ = more than {cfg.identical_warning:.0%} of the paired summaries are "
              "the same text: the runs did not separate, so neither a difference nor its absence says much about "
              "the methods.", "",
-             f"| A | B | Δ | {level} interval | p | seeds | examples | identical summaries |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in sub.itertuples():
+             f"| A | B | Δ | {level} interval | p | seeds | examples | identical summaries |{paper_head}",
+             "|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head)]
+    for rec, r in zip(sub.to_dict("records"), sub.itertuples()):
         b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
         delta = f"{r.mean_diff:+.2f}"
         interval = f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
@@ -219,8 +248,10 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
         if r.mostly_identical:
             identical = f"⚠ {identical}"
+        paper = [f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}" for bb in backbones
+                 if isinstance(rec[f"vs_published_{bb}"], str) and rec[f"vs_published_{bb}"]]
         lines.append(f"| {r.config_a} | {b} | {delta} | {interval} | {_fmt_p(r.p_value)} | {r.n_seeds} | "
-                     f"{r.n_examples} | {identical} |")
+                     f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else ""))
     n_identical = int(sub["mostly_identical"].sum())
     if n_identical:
         lines += ["", f"⚠ {n_identical} of {len(sub)} comparisons above are between mostly identical summaries."]
@@ -233,3 +264,17 @@ def significance_marks(table: pd.DataFrame, study: str, label: str, client: str,
     sub = table[(table["study"] == study) & (table["config_a"] == label) & (table["client"] == client)
                 & (table["metric"] == metric) & table["significant"]]
     return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"
+
+
+def carry_identical(table: pd.DataFrame, previous: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
+    """``table`` with the identical-summary fractions it could not compute (no predictions.jsonl: a study folder
+    keeps only per-example scores) taken from ``previous``, a comparisons table made when the predictions were
+    there, for the same experiments, client and metric; rows without such a match keep NaN."""
+    key = ["experiments_a", "experiments_b", "client", "metric"]
+    known = previous.dropna(subset=["identical_fraction"]).drop_duplicates(key).set_index(key)["identical_fraction"]
+    out = table.copy()
+    missing = out["identical_fraction"].isna()
+    idx = pd.MultiIndex.from_frame(out.loc[missing, key])
+    out.loc[missing, "identical_fraction"] = known.reindex(idx).to_numpy()
+    out["mostly_identical"] = out["identical_fraction"].gt(cfg.identical_warning)
+    return out

@@ -17,7 +17,7 @@ from typing import Iterable
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.results import comparisons, published
+from pipeline.results import comparisons, convergence, published
 from pipeline.experiments import Experiment
 from pipeline.results.readers import GROUP_COLS, METRICS
 from pipeline.results.scoring import TABLE_ROUGE_L
@@ -146,7 +146,7 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
 
 
 def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFrame | None = None,
-                        bootstrap: BootstrapConfig | None = None) -> str:
+                        bootstrap: BootstrapConfig | None = None, converged: pd.DataFrame | None = None) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
     clients = [c for c in QMSUM if c in set(table["client"])] + sorted(set(table["client"]) - set(QMSUM))
@@ -182,6 +182,8 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
             f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else "")
         name = published.PAPER_METHOD_NAMES.get(method, method)
         name = name if label == method else f"{name} ({label})"
+        mark = convergence.row_mark(converged, "main", label, None)
+        seed_text += f" {mark}" if mark else ""
         lines.append("| " + " | ".join([name, "ours", *[cell(c, m, "ours") for c in clients for m in metrics],
                                          seed_text]) + " |")
         if key:
@@ -189,27 +191,36 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
                                              ""]) + " |")
             lines.append("| " + " | ".join(["", "ours − paper",
                                              *[cell(c, m, "diff") for c in clients for m in metrics], ""]) + " |")
+    budget = convergence.note(converged, ["main"], set(table["label"]))
+    if budget:
+        lines += ["", budget + f" ({convergence.MARK} k/n after the seeds: client-runs of that method.)"]
     if compared is not None:
         lines.append(comparisons.markdown_section(compared, "main", bootstrap or BootstrapConfig()))
     return "\n".join(lines) + "\n"
 
 
 def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame | None = None,
-                         bootstrap: BootstrapConfig | None = None) -> str:
+                         bootstrap: BootstrapConfig | None = None, converged: pd.DataFrame | None = None) -> str:
     sub = agg[agg["study"] == study]
     lines = [f"# Study `{study}`", "",
              f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
              f"`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). \"significantly vs\": the baselines whose avg this "
-             "configuration is above (>) or below (<) with a paired interval excluding 0 (section below).", "",
-             "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "configuration is above (>) or below (<) with a paired interval excluding 0 (section below). "
+             f"\"best round last\": {convergence.MARK} k/n = k of the n seeds had their best validation round in "
+             "their last round (still improving when training stopped).", "",
+             "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds "
+             "| best round last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
         marks = "–" if compared is None else comparisons.significance_marks(compared, study, r["label"], r["client"])
         lines.append("| " + " | ".join([
             str(r["label"]), str(r["backbone"]), str(r["client"]),
             *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS], marks, str(r["n_seeds"]),
-            r["missing_seeds"] or "–",
+            r["missing_seeds"] or "–", convergence.row_mark(converged, study, r["label"], r["client"]) or "–",
         ]) + " |")
+    budget = convergence.note(converged, [study])
+    if budget:
+        lines += ["", budget]
     if compared is not None:
         lines.append(comparisons.markdown_section(compared, study, bootstrap or BootstrapConfig()))
     return "\n".join(lines) + "\n"

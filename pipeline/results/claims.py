@@ -1,0 +1,272 @@
+"""Our effects against the paper's, and the sentences that state them, both computed from the comparisons table.
+
+:func:`with_published` adds to each comparison row (pipeline.results.comparisons) the published difference of the
+same pair, client and metric for every backbone of the paper's Table III (METHOD.md section 9, via
+pipeline.results.published), as ``published_<backbone>``, and where it sits against our interval as
+``vs_published_<backbone>``: ``contains`` (inside our interval), ``excludes above`` (above our upper limit) or
+``excludes below`` (below our lower limit). Only rows between two of the paper's methods as run in the main study
+get them (a gate variant such as the batch-quantile one is ours, not the paper's).
+
+:func:`results_text` renders the README's results sentences from those rows and the convergence records
+(pipeline.results.convergence), so no number in the text is typed by hand; :func:`replace_block` puts it between
+the ``<!-- results:begin -->`` / ``<!-- results:end -->`` markers of a markdown file.
+"""
+from __future__ import annotations
+
+import math
+import re
+from types import SimpleNamespace
+
+import pandas as pd
+
+from pipeline.results import published
+from pipeline.results.comparisons import AVERAGE
+from pipeline.results.convergence import note as convergence_note
+
+BACKBONES: tuple[str, ...] = tuple(published.MAIN_TABLE)
+PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
+CONTAINS, ABOVE, BELOW = "contains", "excludes above", "excludes below"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+SHORT = {"single": "AdaSingle", "centralized": "AdaCentralized", "fedavg": "FedAvg", "fedkd": "FedKD",
+         "fedselectkd": "SelectKD"}
+FEDERATED = ("fedavg", "fedkd", "fedselectkd")
+
+
+def published_columns() -> list[str]:
+    return [c for b in BACKBONES for c in (f"published_{b}", f"vs_published_{b}")]
+
+
+def classify(low: float, high: float, value: float | None) -> str:
+    """Where a published difference sits against our interval [low, high] ('' when there is none)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if value > high:
+        return ABOVE
+    if value < low:
+        return BELOW
+    return CONTAINS
+
+
+def published_difference(backbone: str, method_a: str, method_b: str, client: str, metric: str) -> float | None:
+    """The paper's A - B for one client (or the client average) and metric; None where it reports none."""
+    table = published.MAIN_TABLE[backbone]
+    clients = list(table) if client == AVERAGE else [client]
+    if any(c not in table or method_a not in table[c] or method_b not in table[c] for c in clients):
+        return None
+    field = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": "rougeL", "rougeLsum": "rougeL",
+             "avg_rouge": "average"}.get(metric)
+    if field is None:
+        return None
+    return sum(getattr(table[c][method_a], field) - getattr(table[c][method_b], field) for c in clients) / len(clients)
+
+
+def with_published(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with the published-difference columns (rows outside the paper's pairs get NaN and '')."""
+    out = table.copy()
+    for b in BACKBONES:
+        values, where = [], []
+        for r in out.itertuples():
+            paper = (published_difference(b, r.method_a, r.method_b, r.client, r.metric)
+                     if r.study == "main" and r.study_b == "main" else None)
+            values.append(math.nan if paper is None else paper)
+            where.append(classify(r.ci_low, r.ci_high, paper))
+        out[f"published_{b}"] = values
+        out[f"vs_published_{b}"] = where
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sentences
+
+
+def _num(x: float) -> str:
+    return f"{x:+.2f}".replace("-", "−")
+
+
+def effect(r) -> str:
+    """'+0.02 [−0.56, +0.62]'."""
+    return f"{_num(r.mean_diff)} [{_num(r.ci_low)}, {_num(r.ci_high)}]"
+
+
+def _p(r) -> str:
+    return "p < 0.001" if r.p_value < 0.001 else f"p = {r.p_value:.2f}"
+
+
+def _range(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return _num(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{_num(lo)} to {_num(hi)}"
+
+
+def paper_clause(r) -> str:
+    """Where the paper's difference for this pair sits against our interval, per backbone."""
+    found = {b: (getattr(r, f"published_{b}"), getattr(r, f"vs_published_{b}")) for b in BACKBONES
+             if isinstance(getattr(r, f"vs_published_{b}", ""), str) and getattr(r, f"vs_published_{b}", "")}
+    if not found:
+        return ""
+    groups: dict[str, list[str]] = {}
+    for b, (_, where) in found.items():
+        groups.setdefault(where, []).append(b)
+    parts = []
+    for where in (ABOVE, CONTAINS, BELOW):
+        if where not in groups:
+            continue
+        bbs = groups[where]
+        value = _range([found[b][0] for b in bbs])
+        who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
+               ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
+        if where == ABOVE:
+            parts.append(f"{value} on {who}, excluded: above our upper limit")
+        elif where == BELOW:
+            parts.append(f"{value} on {who}, excluded: below our lower limit")
+        else:
+            parts.append(f"{value} on {who}, inside our interval")
+    return "paper " + "; ".join(parts)
+
+
+def _all(r, where: str) -> bool:
+    return all(getattr(r, f"vs_published_{b}", "") == where for b in BACKBONES)
+
+
+def _papers(rows: list) -> str:
+    return _range([getattr(r, f"published_{b}") for r in rows for b in BACKBONES])
+
+
+def _name(r, side: str) -> str:
+    method, label, study = ((r.method_a, r.config_a, r.study) if side == "a" else (r.method_b, r.config_b, r.study_b))
+    base = SHORT.get(method, label)
+    return base if study == "main" else f"{base} ({label})"
+
+
+def _pair(r) -> str:
+    text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}"
+    clause = paper_clause(r)
+    return f"{text} ({clause})" if clause else text
+
+
+def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
+    sub = avg[(avg["study"] == "main") & (avg["study_b"] == "main") & avg["method_a"].isin(a) & avg["method_b"].isin(b)]
+    order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
+    return sorted(_records(sub), key=lambda r: (order.get(r.method_a, 99), order.get(r.method_b, 99)))
+
+
+def _records(frame: pd.DataFrame) -> list[SimpleNamespace]:
+    """Rows as objects whose attributes are the column names as they are (``published_bart-large``)."""
+    return [SimpleNamespace(**rec) for rec in frame.to_dict("records")]
+
+
+def _fraction_range(rows: list) -> str:
+    vals = [r.identical_fraction for r in rows if not math.isnan(r.identical_fraction)]
+    if not vals:
+        return ""
+    lo, hi = round(min(vals) * 100), round(max(vals) * 100)
+    return f"{lo} %" if lo == hi else f"{lo}-{hi} %"
+
+
+def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, metric: str = "avg_rouge",
+                 source: str = "comparisons.csv") -> str:
+    """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
+    table with the published columns, and the convergence records of the studies the table covers."""
+    if "vs_published_" + BACKBONES[0] not in table.columns:
+        table = with_published(table)
+    avg = table[(table["client"] == AVERAGE) & (table["metric"] == metric)]
+    per_client = table[(table["client"] != AVERAGE) & (table["metric"] == metric) & (table["study"] == "main")
+                       & (table["study_b"] == "main")]
+    lines = [f"Generated by `python -m pipeline.report claims` from `{source}` (paired bootstrap of the client "
+             f"average of `{metric}`, A − B with its 95 % interval; the paper's differences are its Table III's, "
+             "BART-large, BART-base and LED-large):"]
+
+    central = _rows(avg, ("centralized",), ("single", *FEDERATED))
+    if central:
+        ahead = all(r.significant and r.mean_diff > 0 for r in central)
+        head = "Pooling the data helps" if ahead else "Pooling the data does not always measurably help"
+        worst_p = max(r.p_value for r in central)
+        p_text = "p < 0.001 each" if worst_p < 0.001 else f"p ≤ {worst_p:.3f}"
+        lines.append(f"- **{head}** ({p_text}): " + "; ".join(_pair(r) for r in central) + ".")
+        by_b = []
+        for r in central:
+            sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
+            yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
+            no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
+            by_b.append(f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
+                        + (f" (not {', '.join(no)})" if no and yes else ""))
+        lines.append("  Per client its lead excludes 0 " + "; ".join(by_b) + ".")
+        gaps = [r for r in central if r.method_b in FEDERATED]
+        if gaps and all(_all(r, BELOW) for r in gaps):
+            lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
+            lines.append(f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
+                         f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
+                         f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)}).")
+
+    fed = _rows(avg, FEDERATED, ("single",))
+    if fed:
+        helps = any(r.significant and r.mean_diff > 0 for r in fed)
+        head = "Federation helps" if helps else "Federation, as run here, does not measurably help"
+        lines.append(f"- **{head}**: " + "; ".join(_pair(r) for r in fed) + ".")
+        excluded = [r for r in fed if _all(r, ABOVE)]
+        if excluded:
+            lines.append(f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
+                         f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
+                         f"{' and '.join(_num(r.ci_high) for r in excluded)}.")
+        same = _fraction_range([r for r in fed if r.method_a in ("fedkd", "fedselectkd")])
+        if same:
+            lines.append(f"  {same} of the FedKD and SelectKD summaries are the same text as AdaSingle's "
+                         "(`identical_fraction`): many runs did not separate from local training.")
+
+    select = _rows(avg, ("fedselectkd",), ("fedkd",))
+    if select:
+        r = select[0]
+        head = "Selectivity helps" if r.significant and r.mean_diff > 0 else "Selectivity does not measurably help"
+        lines.append(f"- **{head}**: {_pair(r)}.")
+
+    distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
+    if distil:
+        lines.append("- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
+                     "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + ".")
+
+    mains = ("single", *FEDERATED)
+    fed_clients = per_client[per_client["method_a"].isin(mains) & per_client["method_b"].isin(mains)]
+    if not fed_clients.empty:
+        sig = fed_clients[fed_clients["significant"]]
+        if sig.empty:
+            c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
+            lines.append(f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD excludes 0 "
+                         f"(closest: {SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
+                         f"{_p(c)}); no ordering among them is supported.")
+        else:
+            lines.append("- Per-client federated comparisons that exclude 0: " + "; ".join(
+                f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}" for c in _records(sig))
+                + ".")
+
+    variants = avg[(avg["study"] != "main") & (avg["method_a"] == "fedselectkd") & (avg["method_b"] == "fedselectkd")
+                   & (avg["study_b"] == "main")]
+    for r in _records(variants):
+        gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
+        if r.significant:
+            verdict = f"the gate changes ROUGE ({_p(r)})"
+        else:
+            verdict = (f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
+                       f"{_num(r.ci_low)}, not a smaller difference either way")
+        base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
+        lines.append(f"- **A different KD gate** ({gate}) − SelectKD ({base}): {effect(r)}: {verdict}.")
+
+    if convergence is not None and not convergence.empty:
+        studies = sorted(set(table["study"]) | set(table["study_b"]))
+        text = convergence_note(convergence, studies)
+        if text:
+            lines.append(f"- **Round budget**: {text.removeprefix('↗ ')} The whole comparison is conditional on it.")
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, block: str, where: str = "markdown file") -> str:
+    """``text`` with the part between the results markers replaced by ``block``."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{where}: no {BEGIN} ... {END} block")
+    return text[: start + len(BEGIN)] + "\n" + block + text[end:]
+
+
+def current_block(text: str, where: str = "markdown file") -> str:
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{where}: no {BEGIN} ... {END} block")
+    return text[start + len(BEGIN) + 1: end]

@@ -1,0 +1,110 @@
+"""Did a run's clients converge within their round budget: a client-run whose best validation round is its last
+round was still improving when training stopped, so its scores (and every comparison with it) hold for that
+budget only. Flagged in the tables as identical summaries are (a mark per row, a count in the note).
+
+Read from the train stage's records (``reports/train/<exp>/``): a ``metrics.json`` that states ``converged``
+(per client, or for the run) is taken as it says; otherwise ``rounds.json`` decides, the round of each client's
+lowest ``<client>/val_loss`` against the last round that has one; without ``rounds.json`` the ``metrics.json``
+summary's ``best_round`` against ``rounds_trained``.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+import pandas as pd
+
+from pipeline.common.schema import DataError
+
+COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last"]
+MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
+
+
+def _read(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}: not JSON ({err})") from err
+
+
+def best_rounds(rounds: list[dict[str, Any]], source: str = "rounds.json") -> dict[str, tuple[int, int]]:
+    """{client: (round of its lowest validation loss, its last round with a validation loss)} from rounds.json rows
+    (one per round, keys ``round`` and ``<client>/val_loss``); the earliest round wins a tie."""
+    seen: dict[str, list[tuple[float, int]]] = {}
+    for i, row in enumerate(rounds):
+        if not isinstance(row, dict) or "round" not in row:
+            raise DataError(f"{source}: row {i} has no 'round'")
+        for key, value in row.items():
+            if key.endswith("/val_loss") and value is not None:
+                seen.setdefault(key[: -len("/val_loss")], []).append((float(value), int(row["round"])))
+    return {client: (min(vals, key=lambda v: (v[0], v[1]))[1], max(r for _, r in vals))
+            for client, vals in sorted(seen.items())}
+
+
+def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
+    """One row per client of ``experiment``: best and last round and whether the best is the last (None when the
+    record says ``converged`` without rounds); empty when the experiment has no train record."""
+    run = train_dir / experiment
+    metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
+    metrics = _read(metrics_path) if metrics_path.is_file() else {}
+    clients = metrics.get("clients") or {}
+    found = best_rounds(_read(rounds_path), str(rounds_path)) if rounds_path.is_file() else {
+        c: (int(v["best_round"]), int(v.get("rounds_trained") or metrics.get("rounds") or v["best_round"]))
+        for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
+    rows = []
+    for client in sorted(set(found) | {c for c, v in clients.items() if isinstance(v, dict) and "converged" in v}):
+        best, last = found.get(client, (None, None))
+        stated = (clients.get(client) or {}).get("converged", metrics.get("converged"))
+        flagged = (not bool(stated)) if stated is not None else (None if best is None else best == last)
+        rows.append({"experiment": experiment, "client": client, "best_round": best, "last_round": last,
+                     "best_is_last": flagged})
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def convergence_table(planned: Iterable[Any], labels: dict[str, str], train_dir: Path) -> pd.DataFrame:
+    """Every planned experiment's client-runs (objects with name, study, seed), with study and label."""
+    frames = []
+    for p in planned:
+        f = run_convergence(train_dir, p.name)
+        if not f.empty:
+            frames.append(f.assign(study=p.study, label=labels[p.name], seed=int(p.seed)))
+    if not frames:
+        return pd.DataFrame(columns=[*COLUMNS, "study", "label", "seed"])
+    return pd.concat(frames, ignore_index=True)
+
+
+def run_converged(train_dir: Path, experiment: str) -> bool | None:
+    """The run's MLflow tag ``converged``: no client's best round is its last (None: no train record)."""
+    f = run_convergence(train_dir, experiment)
+    flags = f["best_is_last"].dropna()
+    return None if flags.empty else not bool(flags.any())
+
+
+def row_mark(table: pd.DataFrame | None, study: str, label: str, client: str | None) -> str:
+    """'↗ 2/3': of the client-runs of (study, label) - for one client, or all clients with None - how many had
+    their best round last ('' if none)."""
+    if table is None or table.empty:
+        return ""
+    sub = table[(table["study"] == study) & (table["label"] == label)]
+    sub = sub[sub["client"] == client] if client is not None else sub
+    flagged = int(sub["best_is_last"].fillna(False).astype(bool).sum())
+    return f"{MARK} {flagged}/{len(sub)}" if flagged else ""
+
+
+def note(table: pd.DataFrame | None, studies: Iterable[str], labels: Iterable[str] | None = None) -> str:
+    """The tables' note: how many client-runs had their best validation round in their last round ('' if none)."""
+    if table is None or table.empty:
+        return ""
+    sub = table[table["study"].isin(list(studies))]
+    if labels is not None:
+        sub = sub[sub["label"].isin(list(labels))]
+    known = sub.dropna(subset=["best_is_last"])
+    flagged = known[known["best_is_last"].astype(bool)]
+    if flagged.empty:
+        return ""
+    lasts = sorted({int(r) for r in flagged["last_round"].dropna()})
+    at = f" ({', '.join(map(str, lasts))})" if lasts else ""
+    return (f"{MARK} {len(flagged)} of {len(known)} client-runs had their best validation round in their last "
+            f"round{at}: they were still improving when training stopped, so these numbers hold for this round "
+            "budget only.")

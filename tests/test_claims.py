@@ -1,0 +1,193 @@
+"""Effects against the paper's (pipeline.results.claims), every main pair compared (pipeline.results.comparisons),
+the round-budget flags (pipeline.results.convergence) and the README's generated results block."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from pipeline.experiments import Experiment, with_labels
+from pipeline.results import claims, comparisons, convergence
+from pipeline.results.stats import BootstrapConfig
+from tests.test_comparisons import _write_eval
+
+ROOT = Path(__file__).resolve().parents[1]
+CFG = BootstrapConfig(n_resamples=200, seed=0)
+
+
+# --- where the paper's difference sits against our interval ---------------------------------------------------
+
+@pytest.mark.parametrize("low, high, value, expected", [
+    (-0.56, 0.62, 0.30, "contains"),
+    (-0.56, 0.62, 0.62, "contains"),        # on the limit: not excluded
+    (-0.56, 0.62, -0.56, "contains"),
+    (-0.56, 0.62, 0.85, "excludes above"),
+    (1.03, 3.10, 0.30, "excludes below"),
+    (-0.56, 0.62, math.nan, ""),
+    (-0.56, 0.62, None, ""),
+])
+def test_classify_places_the_published_value_against_the_interval(low, high, value, expected):
+    assert claims.classify(low, high, value) == expected
+
+
+def test_published_difference_is_the_client_average_of_table_iii():
+    # BART-large, SelectKD - AdaSingle, avg ROUGE: hand-computed from METHOD.md section 9's cells
+    sel = [(27.09 + 7.62 + 19.79) / 3, (34.70 + 15.19 + 25.37) / 3, (33.32 + 12.86 + 23.53) / 3]
+    single = [(24.83 + 5.70 + 17.24) / 3, (32.38 + 13.08 + 23.24) / 3, (31.83 + 11.11 + 21.27) / 3]
+    expected = sum(s - b for s, b in zip(sel, single)) / 3
+    got = claims.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge")
+    assert got == pytest.approx(expected) and round(got, 2) == 2.09
+    # one client and one metric: the table's R-L is what our rougeLsum rows compare
+    assert claims.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeLsum") == \
+        pytest.approx(18.88 - 18.20)
+    assert claims.published_difference("bart-large", "fedprox", "single", comparisons.AVERAGE, "avg_rouge") is None
+
+
+def _row(**kw) -> dict:
+    base = {"study": "main", "study_b": "main", "client": comparisons.AVERAGE, "metric": "avg_rouge",
+            "config_a": kw.get("method_a"), "config_b": kw.get("method_b"), "p_value": 0.5, "significant": False,
+            "identical_fraction": math.nan, "mean_diff": 0.0}
+    return base | kw
+
+
+def test_with_published_fills_only_the_papers_pairs_in_the_main_study():
+    table = pd.DataFrame([
+        _row(method_a="fedselectkd", method_b="single", ci_low=-0.56, ci_high=0.62),
+        _row(method_a="centralized", method_b="fedselectkd", ci_low=1.03, ci_high=3.10),
+        _row(method_a="fedselectkd", method_b="fedkd", ci_low=-0.36, ci_high=0.48),
+        _row(method_a="fedselectkd", method_b="single", ci_low=-0.5, ci_high=0.5, study="tau_sweep",
+             config_a="fedselectkd tau=0.87"),
+    ])
+    out = claims.with_published(table)
+    assert list(out.columns[-6:]) == claims.published_columns()
+    assert list(out["vs_published_bart-large"]) == ["excludes above", "excludes below", "contains", ""]
+    assert list(out["vs_published_bart-base"]) == ["excludes above", "excludes below", "excludes above", ""]
+    assert math.isnan(out["published_led-large"].iloc[3])
+
+
+# --- every pair of the main methods ---------------------------------------------------------------------------
+
+MAIN = ("single", "centralized", "fedavg", "fedkd", "fedselectkd")
+
+
+@pytest.fixture
+def five_methods(tmp_path):
+    eval_dir = tmp_path / "eval"
+    planned = []
+    for i, method in enumerate(MAIN):
+        _write_eval(eval_dir, f"{method}-domain", float(i), f"{method} words")
+        planned.append(Experiment(f"{method}-domain", method, "domain/seed0", 0, "main",
+                                  tau=5.0 if method == "fedselectkd" else None))
+    _write_eval(eval_dir, "quantile", 4.5, "quantile words")
+    planned.append(Experiment("quantile", "fedselectkd", "domain/seed0", 0, "tau_sweep", tau=0.87))
+    return eval_dir, planned
+
+
+def test_every_pair_of_the_main_methods_and_the_gate_variant_is_compared_once(five_methods):
+    eval_dir, planned = five_methods
+    configs = comparisons.configurations(planned, with_labels(planned))
+    table, _ = comparisons.comparisons_table(configs, ["single", "fedavg", "fedkd"], eval_dir, CFG)
+    avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")]
+    main = avg[avg["study"] == "main"]
+    pairs = [frozenset((r.method_a, r.method_b)) for r in main.itertuples()]
+    assert len(pairs) == len(set(pairs))  # no pair twice, in either orientation
+    assert set(pairs) == {frozenset(p) for p in itertools.combinations(MAIN, 2)}
+    # AdaCentralized is A against every other method; the mean difference is A's shift minus B's
+    central = main[main["method_a"] == "centralized"]
+    assert set(central["method_b"]) == {"single", "fedavg", "fedkd", "fedselectkd"}
+    shift = {m: float(i) for i, m in enumerate(MAIN)}
+    for r in main.itertuples():
+        assert r.mean_diff == pytest.approx(shift[r.method_a] - shift[r.method_b])
+    # the gate variant against each main method, its own method's main configuration included
+    gate = avg[avg["study"] == "tau_sweep"]
+    assert sorted(gate["method_b"]) == sorted(MAIN)
+    own = gate[gate["method_b"] == "fedselectkd"].iloc[0]
+    assert own["study_b"] == "main" and own["mean_diff"] == pytest.approx(0.5)
+
+
+# --- convergence from rounds files ----------------------------------------------------------------------------
+
+def _rounds(path: Path, losses: dict[str, list[float]], metrics: dict | None = None) -> None:
+    path.mkdir(parents=True)
+    n = max(len(v) for v in losses.values())
+    rows = [{"round": r + 1} | {f"{c}/val_loss": v[r] for c, v in losses.items() if r < len(v)} for r in range(n)]
+    (path / "rounds.json").write_text(json.dumps(rows))
+    if metrics is not None:
+        (path / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
+    train = tmp_path / "train"
+    _rounds(train / "a", {"X": [5.0, 4.0, 3.0], "Y": [5.0, 3.0, 4.0]})  # X best at 3 = last; Y at 2
+    _rounds(train / "b", {"X": [5.0, 4.0, 3.9], "Y": [4.0, 4.0, 4.5]})  # X last; Y tie 1/2 -> earliest (1)
+    # a record that states `converged` is taken as it says, whatever the rounds show
+    _rounds(train / "c", {"X": [3.0, 2.0]}, {"clients": {"X": {"best_round": 2, "converged": True}}})
+    planned = [Experiment("a", "fedavg", "domain/seed0", 0, "main"), Experiment("b", "fedavg", "domain/seed0", 1, "main"),
+               Experiment("c", "single", "domain/seed0", 0, "other"), Experiment("gone", "single", "domain/seed0", 0, "main")]
+    table = convergence.convergence_table(planned, with_labels(planned), train)
+    flags = {(r.experiment, r.client): (r.best_round, r.last_round, r.best_is_last) for r in table.itertuples()}
+    assert flags == {("a", "X"): (3, 3, True), ("a", "Y"): (2, 3, False), ("b", "X"): (3, 3, True),
+                     ("b", "Y"): (1, 3, False), ("c", "X"): (2, 2, False)}
+    assert convergence.row_mark(table, "main", "fedavg", "X") == f"{convergence.MARK} 2/2"
+    assert convergence.row_mark(table, "main", "fedavg", "Y") == ""
+    assert convergence.note(table, ["main"]).startswith(f"{convergence.MARK} 2 of 4 client-runs")
+    assert "(3)" in convergence.note(table, ["main"])
+    assert convergence.note(table, ["other"]) == ""
+    assert convergence.run_converged(train, "a") is False and convergence.run_converged(train, "c") is True
+    assert convergence.run_converged(train, "gone") is None
+
+
+def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "metrics.json").write_text(json.dumps({"rounds": 8, "clients": {
+        "X": {"best_round": 8, "rounds_trained": 8}, "Y": {"best_round": 5, "rounds_trained": 8}}}))
+    f = convergence.run_convergence(tmp_path, "r")
+    assert dict(zip(f["client"], f["best_is_last"])) == {"X": True, "Y": False}
+
+
+# --- the generated text ---------------------------------------------------------------------------------------
+
+def test_results_text_renders_the_numbers_of_the_table():
+    table = pd.DataFrame([
+        _row(method_a="fedkd", method_b="single", mean_diff=-0.05, ci_low=-0.71, ci_high=0.57, identical_fraction=0.18),
+        _row(method_a="fedselectkd", method_b="single", mean_diff=0.02, ci_low=-0.56, ci_high=0.62,
+             identical_fraction=0.23),
+    ])
+    text = claims.results_text(table)
+    assert "+0.02 [−0.56, +0.62]" in text and "−0.05 [−0.71, +0.57]" in text
+    assert "+0.85 to +2.09" in text and "+0.57 and +0.62" in text  # the excluded published gains, our upper limits
+    assert "18-23 %" in text
+    moved = table.assign(ci_high=[0.90, 2.50])  # now the paper's SelectKD gain on BART-base (+1.40) is inside
+    assert "+0.85 to +2.09" not in claims.results_text(moved)
+
+
+def test_replace_block_rewrites_only_between_the_markers():
+    text = f"head\n{claims.BEGIN}\nold\n{claims.END}\ntail\n"
+    new = claims.replace_block(text, "new line\n")
+    assert new == f"head\n{claims.BEGIN}\nnew line\n{claims.END}\ntail\n"
+    assert claims.current_block(new) == "new line\n"
+    with pytest.raises(ValueError):
+        claims.replace_block("no markers", "x")
+
+
+def test_committed_readme_blocks_equal_what_the_study_generates():
+    """Both READMEs' results blocks are what `python -m pipeline.report claims` renders from the committed
+    reports/cpu-study/comparisons.csv and train/ rounds files: a number edited by hand, or a table that moved
+    without the text, fails here."""
+    result = subprocess.run([sys.executable, "-m", "pipeline.report", "claims", "reports/cpu-study", "README.md",
+                             "reports/cpu-study/README.md", "--check"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    block = claims.current_block((ROOT / "README.md").read_text(encoding="utf-8"))
+    assert "59 of 63 client-runs" in block  # counted from the study's rounds files
+    comp = pd.read_csv(ROOT / "reports/cpu-study/comparisons.csv")
+    main = comp[(comp["study"] == "main") & (comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")]
+    assert {frozenset(p) for p in zip(main["method_a"], main["method_b"])} == {
+        frozenset(p) for p in itertools.combinations(MAIN, 2)}
+    assert set(claims.published_columns()) <= set(comp.columns)
