@@ -191,3 +191,67 @@ def test_committed_readme_blocks_equal_what_the_study_generates():
     assert {frozenset(p) for p in zip(main["method_a"], main["method_b"])} == {
         frozenset(p) for p in itertools.combinations(MAIN, 2)}
     assert set(claims.published_columns()) <= set(comp.columns)
+
+
+# --- the report stage and the study rebuild -------------------------------------------------------------------
+
+def _study_folder(root: Path) -> dict:
+    """A study laid out as reports/cpu-study is: params.yaml, eval/<exp>/per_example.parquet, train/<exp>/rounds.json."""
+    params = {"tau": 5.0, "experiments": {}, "bootstrap": {"n_resamples": 200, "seed": 0}}
+    for i, method in enumerate(MAIN):
+        name = f"{method}-domain"
+        params["experiments"][name] = {"method": method, "partition": "domain/seed0", "seed": 0, "study": "main"}
+        _write_eval(root / "eval", name, float(i), f"{method} words")
+        # AdaSingle still improving at its last round on Academic; every other client-run best at round 2 of 3
+        _rounds(root / "train" / name, {"Academic": [5.0, 4.0, 3.0 if method == "single" else 4.5],
+                                        "Product": [5.0, 4.0, 4.2]})
+    import yaml
+
+    (root / "params.yaml").write_text(yaml.safe_dump(params))
+    return params
+
+
+def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_path):
+    from pipeline.paths import ProjectPaths
+    from pipeline.report import ReportConfig, build_report
+
+    study = tmp_path / "study"
+    params = _study_folder(study)
+    (tmp_path / "reports").mkdir()
+    (study / "eval").rename(tmp_path / "reports/eval")
+    (study / "train").rename(tmp_path / "reports/train")
+    for f in (tmp_path / "reports/eval").glob("*/predictions.jsonl"):
+        f.unlink()  # the fixture's records lack the case study's fields; comparisons do not need them
+    build_report(params, ReportConfig(expected_seeds=[0]), ProjectPaths(tmp_path))
+    tables = tmp_path / "reports/tables"
+    comp = pd.read_csv(tables / "comparisons.csv")
+    avg = comp[(comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")]
+    assert {frozenset(p) for p in zip(avg["method_a"], avg["method_b"])} == {
+        frozenset(p) for p in itertools.combinations(MAIN, 2)}
+    row = avg[(avg["method_a"] == "fedselectkd") & (avg["method_b"] == "single")].iloc[0]
+    assert row["mean_diff"] == pytest.approx(4.0)  # shifts 4 and 0
+    assert row["published_bart-large"] == pytest.approx(
+        claims.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge"))
+    assert row["vs_published_bart-large"] == "excludes below"  # our [+4, +4] is above the paper's +2.09
+    main_md = (tables / "study_main.md").read_text()
+    assert f"{convergence.MARK} 1 of 10 client-runs" in main_md
+    single = [line for line in main_md.splitlines() if line.startswith("| single | tiny | Academic")]
+    assert single and single[0].rstrip(" |").endswith(f"{convergence.MARK} 1/1")
+    assert "1 of 10 client-runs" in (tables / "results.md").read_text()
+
+
+def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
+    _study_folder(tmp_path)
+    (tmp_path / "README.md").write_text(f"# study\n\n{claims.BEGIN}\nstale\n{claims.END}\nkept\n")
+    run = subprocess.run([sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 4  # 10 pairs x (2 clients + average) x 4
+    text = (tmp_path / "README.md").read_text()
+    assert "stale" not in text and text.endswith(f"{claims.END}\nkept\n") and "1 of 10 client-runs" in text
+    check = [sys.executable, "-m", "pipeline.report", "claims", str(tmp_path), str(tmp_path / "README.md"), "--check"]
+    assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 0
+    (tmp_path / "README.md").write_text(text.replace("1 of 10", "0 of 10"))  # a number edited by hand
+    assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 1
+    (tmp_path / "README.md").write_text("no block")
+    assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 2
