@@ -25,6 +25,7 @@ from pipeline.common.schema import DataError
 from pipeline.experiments import read_plan
 from pipeline.modeling.model import ModelConfig
 from pipeline.paths import PATHS
+from pipeline.results.convergence import run_converged
 from pipeline.results.evaluation import EvaluateConfig, import_evaluations, log_to_mlflow
 from pipeline.results.readers import read_json
 from pipeline.datasets.subsampling import subsample_test_ids
@@ -147,7 +148,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     }
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
-        metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg)
+        metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg,
+                                    converged=run_converged(models_dir, name))
         print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
     return metrics
 
@@ -182,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "import-eval":
         from pipeline.results.tracking import tracking_uri
 
-        run_ids = import_evaluations(args.records, args.study)
+        # The train record beside each evaluation (<folder>/train/<exp>/, as reports/cpu-study lays them out)
+        # gives the run's `converged` tag.
+        run_ids = import_evaluations(args.records, args.study,
+                                     lambda record, exp: run_converged(record.parent.parent.parent / "train", exp))
         print(f"evaluate: logged {len(run_ids)} evaluation record(s) to {tracking_uri()}")
         return 0
 

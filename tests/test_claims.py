@@ -255,3 +255,28 @@ def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 1
     (tmp_path / "README.md").write_text("no block")
     assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 2
+
+
+# --- the MLflow tag -------------------------------------------------------------------------------------------
+
+def test_imported_evaluation_tags_its_run_converged_from_the_train_record_beside_it(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.evaluate import main
+    from tests.test_tracking import _eval_dir
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    records = []
+    for name, academic in (("still-improving", [5.0, 4.0, 3.0]), ("settled", [5.0, 3.0, 4.0]), ("no-train", None)):
+        metrics, d = _eval_dir(tmp_path, name)  # tmp/eval/<name>: its train record is tmp/train/<name>
+        records.append(str(d / "metrics.json"))
+        if academic is not None:
+            _rounds(tmp_path / "train" / name, {"Academic": academic, "Committee": [5.0, 3.0, 3.5]})
+    assert run_cli(main, ["import-eval", "--study", "imported", *records]) == 0
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("imported").experiment_id])
+    tags = {r.info.run_name: r.data.tags.get("converged") for r in runs}
+    assert tags == {"still-improving": "false", "settled": "true", "no-train": None}

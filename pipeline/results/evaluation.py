@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.common.config import from_dict
 from pipeline.common.schema import DataError
@@ -110,10 +110,13 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
-                  cfg: EvaluateConfig) -> str:
+                  cfg: EvaluateConfig, converged: bool | None = None) -> str:
     """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
     study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
-    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
+    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id.
+    ``converged`` (pipeline.results.convergence.run_converged of the training records) becomes the tag
+    ``converged``: "false" when some client's best validation round was its last, so the scores hold for that
+    round budget only (filter with ``tags.converged = 'false'``)."""
     from pipeline.results.tracking import RunLogger
 
     from pipeline.experiments import record_hash
@@ -137,7 +140,8 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
     logger.set_tags({f"evaluate.{k}": v for k, v in asdict(cfg).items()}
                     | {"rouge_l_in_tables": TABLE_ROUGE_L}
-                    | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {}))
+                    | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {})
+                    | ({} if converged is None else {"converged": str(bool(converged)).lower()}))
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
     if cfg.log_text_to_mlflow:
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
@@ -146,10 +150,12 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     return logger.run_id
 
 
-def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]:
+def import_evaluations(paths: list[Path], study: str | None = None,
+                       converged_of: Callable[[Path, str], bool | None] | None = None) -> list[str]:
     """Log evaluation records (``reports/.../eval/<exp>/metrics.json``) into the store, each into its training run
     when the store has it, else into a new run of the study's experiment (e.g. results computed with
-    ``--no-mlflow`` on another machine). Generated text is never logged. Returns the run ids."""
+    ``--no-mlflow`` on another machine). Generated text is never logged. ``converged_of(record path, experiment)``:
+    the run's ``converged`` tag (see :func:`log_to_mlflow`). Returns the run ids."""
     fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
     run_ids = []
     for path in paths:
@@ -161,5 +167,6 @@ def import_evaluations(paths: list[Path], study: str | None = None) -> list[str]
         record["study"] = study or metrics.get("study") or "main"
         settings = {k: v for k, v in (metrics.get("decoding") or {}).items() if k in fields}
         cfg = from_dict(EvaluateConfig, settings | {"adapter": metrics.get("adapter", "best")}, f"{path}: decoding")
-        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg))
+        converged = converged_of(Path(path), str(metrics["experiment"])) if converged_of else None
+        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg, converged))
     return run_ids
