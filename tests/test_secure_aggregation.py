@@ -18,6 +18,7 @@ import pytest
 from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.training.privacy import PrivacyConfig, SecAggConfig
+from tests.errors import names
 from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
 from tests.test_privacy import _params, _write_plan
 
@@ -571,9 +572,7 @@ def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_se
     params = _params({**SECURE, **_client_dp(clipping_side="server")})
     with pytest.raises(ConfigError) as exc:
         resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
-    assert str(exc.value) == ("params.yaml experiments.x: privacy.secure_aggregation: privacy.mode client needs "
-                              "clipping_side client under SecAgg+: the server receives only the sum of the updates "
-                              "and cannot clip each one (the client clips its update before it is masked)")
+    names(exc.value, "params.yaml", "experiments.x", "privacy.secure_aggregation", "clipping_side")
     path = Path(_write_plan("sa-cdp-hand", "fedavg", {**SECURE, **_client_dp()}))
     plan = json.loads(path.read_text())
     plan["privacy"]["clipping_side"] = "server"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.errors import names
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, write_plan  # noqa: F401  (fixtures)
 
@@ -398,5 +399,4 @@ def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     (d / "broken.json").write_text(json.dumps({"experiment": "x"}))
     capsys.readouterr()
     assert run_cli(main, ["import-eval", str(d / "broken.json")]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: {d / 'broken.json'}: not an evaluation record "
-                                               "(missing ['clients', 'mean'])")
+    names(capsys.readouterr().err, str(d / "broken.json"), "'clients'", "'mean'")
