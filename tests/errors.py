@@ -12,3 +12,11 @@ def names(message: object, *parts: str) -> str:
     missing = [p for p in parts if p not in text]
     assert not missing, f"{text!r} does not name {missing}"
     return text
+
+
+def logs(lines: list[str], *parts: str) -> str:
+    """Assert one of the log ``lines`` names every part (the client, the round, the file, the value); returns it.
+    Log lines are read by people, so what they name matters and their wording and layout do not."""
+    hits = [line for line in lines if all(p in line for p in parts)]
+    assert hits, f"no log line names {list(parts)}: {lines!r}"
+    return hits[0]

@@ -17,7 +17,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 
-from tests.errors import names
+from tests.errors import logs, names
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
@@ -96,8 +96,7 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
     restarted = _context(**{"client-name": "Committee"})
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         got = _restore_client_state(restarted, plan, "Committee", 4)
-    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"] == [
-        "client Committee: resumed local adapter from its round-3 checkpoint"]
+    logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"], "Committee", "round-3")
     assert all(torch.equal(got[k], v) for k, v in _state(3.0).items())
     held = restarted.state[LOCAL_STATE_KEY].to_torch_state_dict()
     assert all(torch.equal(held[k], v) for k, v in _state(3.0).items())  # kept for the next messages
