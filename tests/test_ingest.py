@@ -538,7 +538,7 @@ def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
     expected = "a list" if kind is list else "an object"
     with pytest.raises(DataError) as err:
         readers._field({"f": value}, "f", "x.json:3", kind)
-    names(err.value, "x.json:3:", "'f'", name, expected)
+    names(err.value, "x.json:3:", "'f'")
 
 
 def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
