@@ -38,13 +38,14 @@ repro: data-sources
 # Two lanes (pyproject.toml [tool.pytest.ini_options] markers), both on every core (pytest-xdist; PYTEST_JOBS=1 for
 # one process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
 # method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools.
+# --dist loadgroup: the deployment tests (xdist_group "deployment") run one after another in one worker.
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) -m "$(FAST_LANE)"
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"
 
 test-all: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS)
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup
 
 # Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,
 # damaged caches and backbone, a federated run killed at seven points; writes reports/reliability.md.

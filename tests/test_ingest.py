@@ -257,6 +257,7 @@ def test_no_mirror_and_failed_download_says_what_to_set(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- real data
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_real_qmsum_counts(shared_data):
     frame, report = ingest_dataset("qmsum", shared_data / "qmsum")

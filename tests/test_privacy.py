@@ -340,6 +340,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
 
 
 # ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
     import mlflow
 
@@ -372,6 +373,7 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
     assert run["params.privacy.target_epsilon"] == "3.0"
 
 
+@pytest.mark.slow
 def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
     # The in-process engine's contexts die with the killed run: the step count must come back from the client's
     # checkpoint, or round 2 would report the epsilon of one round.

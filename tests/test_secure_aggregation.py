@@ -133,6 +133,7 @@ def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[flo
     return diffs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", ["fedavg", "fedselectkd"])
 def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_plain_run(ws, monkeypatch, method):
@@ -191,6 +192,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     assert sum(r["bytes_up"] for r in history) > sum(r["bytes_up"] for r in plain_rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method,partition", [("fedprox", "domain/seed0"), ("post_addition", "extreme/seed0")])
 def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatch, method, partition):
@@ -260,6 +262,7 @@ def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> N
         monkeypatch.setattr(mod, name, crash)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", ["setup", "share_keys", "training", "unmask"])
 def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, stage):
@@ -287,6 +290,7 @@ def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, 
     assert metrics["secure_aggregation"]["rounds_aggregated"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monkeypatch):
     from pipeline.train import run_experiment
@@ -310,6 +314,7 @@ def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monk
     assert metrics["secure_aggregation"]["rounds_aggregated"] == 1
 
 
+@pytest.mark.slow
 def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch):
     # The restarted clients hold no SecAgg+ state (their contexts died with the run): round 2's protocol starts
     # afresh, and the stochastic rounding draws from the generator each client's training seeded.
@@ -468,6 +473,7 @@ def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = Non
     return {k: sum(wi * s[k] for wi, s in zip(w, contributions)) / sum(w) for k in contributions[0]}, norms
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
     from pipeline.federation import engines
@@ -523,6 +529,7 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
         assert len(masked) == 1 + len(secure_r1) + 1  # the weight, the adapter's tensors, the clipped bit
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monkeypatch):
     from scipy import stats
@@ -549,6 +556,7 @@ def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monke
     assert noisy["privacy"]["epsilon"] == clear["privacy"]["epsilon"] and 0 < noisy["privacy"]["epsilon"] < math.inf
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_adaptive_clipping_under_secagg_moves_c_as_in_the_clear(ws):
     # C's update needs only the count of clipped updates: their bits are summed under the masks, then the same
