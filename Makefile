@@ -1,4 +1,5 @@
-# fedmeet: `make repro` regenerates every table and figure; `make test` runs the tests.
+# fedmeet: `make repro` regenerates every table and figure; `make test` runs the fast test lane, `make test-all`
+# every test (CI).
 # Both create the virtual environment on first use. torch is pinned to the local CPU wheel (see pyproject.toml).
 PYTHON ?= python3
 VENV   := .venv
@@ -13,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup data-sources repro test reliability bench clean-cache preset grid exp-show mutants
+.PHONY: setup data-sources repro test test-all reliability bench clean-cache preset grid exp-show mutants
 
 setup: $(STAMP)
 
@@ -34,8 +35,17 @@ data-sources: setup
 repro: data-sources
 	$(BIN)/dvc repro
 
+# Two lanes (pyproject.toml [tool.pytest.ini_options] markers), both on every core (pytest-xdist; PYTEST_JOBS=1 for
+# one process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
+# method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools.
+# --dist loadgroup: the deployment tests (xdist_group "deployment") run one after another in one worker.
+FAST_LANE   := not slow and not deployment and not integration and not tools
+PYTEST_JOBS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"
+
+test-all: setup
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup
 
 # Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,
 # damaged caches and backbone, a federated run killed at seven points; writes reports/reliability.md.
@@ -47,36 +57,18 @@ reliability: setup
 	PYTHONPATH=tests $(BIN)/python -m pytest -q -p no:cacheprovider -p reliability_report \
 		--reliability-report reports/reliability.md $(RELIABILITY_TESTS)
 
-# Mutation testing of the core (not in CI; minutes to hours per module on 2 cores): one module at a time, verdicts
-# kept between runs, so `make mutants MODULES=modeling.losses` runs a part. Then reports/mutation.md. mutmut keeps its
-# verdicts in mutants/ (git-ignored, gone with the machine); they are also kept in git, in
-# reports/mutation-verdicts.json: restored into mutants/ before a run, merged back by the report after it.
-# MUTANTS=survivors re-runs only the mutants no test detected last time (after new tests), MUTANTS=unfinished those
-# and the ones not run yet (with NAMES: of those functions only). MUTANTS_JOBS parallel
-# mutants, at MUTANTS_NICE (a shared machine: the defaults leave a core to everything else). Each run's module,
-# command, start and wall seconds go to reports/mutation-runs.tsv, which the report cites. NAMES='<pattern> ...' runs only
-# the mutants matching mutmut name patterns (e.g. one function's: pipeline.datasets.readers.x__parse_span__*).
-MODULES ?= modeling.adapters results.scoring federation.strategies federation.compression partitioning.schemes \
-	datasets.sources datasets.readers modeling.losses federation.protocol training.rounds training.client_training \
-	federation.client_app federation.server_app
-MUTANTS ?= all
+# Mutation testing of the numerical core (an occasional tool, not in CI; pyproject.toml [tool.mutmut]): mutmut runs
+# the core's fast-lane tests against each mutant of MODULES, keeping its verdicts in the git-ignored mutants/ (a
+# second run only re-runs what changed); then tools/mutation/report.py prints the score per module and every
+# survivor's diff, for review (a missing test, or a mutant that cannot change behaviour), and writes the score
+# table to reports/mutation.md. MUTANTS_JOBS parallel mutants at MUTANTS_NICE (leave a core to other work).
+MODULES ?= modeling.losses federation.strategies federation.compression results.stats partitioning.schemes
 MUTANTS_JOBS ?= 1
 MUTANTS_NICE ?= 10
 mutants: setup
 	$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'
-	mkdir -p mutants
-	$(BIN)/python -m pipeline.mutation_report --restore
-	for m in $(MODULES); do \
-	  if [ "$(MUTANTS)" = survivors ]; then names=$$($(BIN)/python -m pipeline.mutation_report --survivors $$m) || exit 1; \
-	  elif [ "$(MUTANTS)" = unfinished ]; then names=$$($(BIN)/python -m pipeline.mutation_report --unfinished $$m $(if $(NAMES),--match $(NAMES))) || exit 1; \
-	  elif [ -n "$(NAMES)" ]; then names="$(NAMES)"; else names="pipeline.$$m.*"; fi; \
-	  [ -n "$$names" ] || continue; \
-	  start=$$(date -u +%s); \
-	  FEDMEET_DATA_ROOT=$(abspath ..)/shared/data nice -n $(MUTANTS_NICE) $(BIN)/mutmut run --max-children $(MUTANTS_JOBS) $$names || exit 1; \
-	  printf '%s\t%s\t%s\t%s\tnice -n $(MUTANTS_NICE) mutmut run --max-children $(MUTANTS_JOBS)\t%s\n' "$$m" "$(if $(NAMES),$(if $(filter unfinished,$(MUTANTS)),unfinished )$(NAMES),$(MUTANTS))" \
-	    "$$start" "$$(( $$(date -u +%s) - start ))" "$$(git rev-parse --short HEAD)$$(git diff --quiet HEAD -- pipeline tests || echo +changes)" >> reports/mutation-runs.tsv; \
-	done
-	$(BIN)/python -m pipeline.mutation_report
+	nice -n $(MUTANTS_NICE) $(BIN)/mutmut run --max-children $(MUTANTS_JOBS) $(foreach m,$(MODULES),'pipeline.$(m).*')
+	$(BIN)/python -m tools.mutation.report --summary reports/mutation.md
 
 bench: setup
 	$(BIN)/python -m benchmarks.run

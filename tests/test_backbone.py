@@ -124,6 +124,7 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------ offline recipe
+@pytest.mark.slow
 def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     interim = write_interim(tmp_path / "interim" / "samsum.parquet")
     cfg = bb.BackboneConfig()

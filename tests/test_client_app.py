@@ -17,6 +17,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 
+from tests.errors import logs, names
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
@@ -50,7 +51,7 @@ def test_a_node_is_the_client_it_names_else_the_partitions_client_at_its_id(ws):
     assert client_name(plan, _context(**{"client-name": "", "partition-id": "2"})) == "Product"
     with pytest.raises(ValueError) as err:
         client_name(plan, _context(plan="x.json"))
-    assert str(err.value) == "node_config has neither 'client-name' nor 'partition-id'"
+    names(err.value, "node_config", "'client-name'", "'partition-id'")
 
 
 def test_a_deployed_client_may_keep_its_files_elsewhere(ws, tmp_path):
@@ -95,8 +96,7 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
     restarted = _context(**{"client-name": "Committee"})
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         got = _restore_client_state(restarted, plan, "Committee", 4)
-    assert [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"] == [
-        "client Committee: resumed local adapter from its round-3 checkpoint"]
+    logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"], "Committee", "round-3")
     assert all(torch.equal(got[k], v) for k, v in _state(3.0).items())
     held = restarted.state[LOCAL_STATE_KEY].to_torch_state_dict()
     assert all(torch.equal(held[k], v) for k, v in _state(3.0).items())  # kept for the next messages
@@ -293,8 +293,7 @@ def test_a_client_refuses_to_send_its_adapter_in_the_clear_when_the_plan_asks_fo
 
     with pytest.raises(ValueError) as err:
         _train_round(monkeypatch, "round-secagg", "fedavg", node={"client-name": "Product"}, edit_plan=secagg)
-    assert str(err.value) == ("round-secagg: the plan sets privacy.secure_aggregation; this client uploads its "
-                              "adapter only through SecAgg+")
+    names(err.value, "round-secagg", "privacy.secure_aggregation")
     _, _, seen, reply, _ = _train_round(monkeypatch, "round-secagg-masked", "fedavg",
                                         node={"client-name": "Product"}, edit_plan=secagg, masked=True)
     assert seen["client"] == "Product" and "arrays" in reply.content  # the masked path trains as usual

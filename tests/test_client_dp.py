@@ -400,6 +400,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
 
 
 # ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_federated_run_with_target_epsilon_reports_it(ws):
     import mlflow
 

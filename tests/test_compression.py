@@ -164,20 +164,20 @@ def test_delta_encoding_round_trip_and_errors():
     assert enc["w"].tolist() == [0.5, -1.0, 0.0]  # the delta travels, not the state
     assert decode_state(enc, reference=reference)["w"].tolist() == [1.5, 1.0, 3.0]
     assert reference["w"].tolist() == [1.0, 2.0, 3.0]  # the reference is left as it was
-    with pytest.raises(ValueError, match="delta decoding: reference lacks key 'w'"):
+    with pytest.raises(ValueError, match="reference.*'w'"):
         decode_state(enc, reference={"v": torch.zeros(3)})
-    with pytest.raises(ValueError, match=r"delta encoding: w has shape \(3,\) but the reference \(2,\)"):
+    with pytest.raises(ValueError, match=r"w.*\(3,\).*\(2,\)"):
         encode_state(state, "int8", reference={"w": torch.zeros(2)})
 
 
 def test_malformed_encodings_are_named():
-    with pytest.raises(ValueError, match="'w' is torch.float16 but has an int8 scale"):
+    with pytest.raises(ValueError, match="'w'.*float16"):
         decode_state({"w": torch.ones(2, dtype=torch.float16), "w" + SCALE_SUFFIX: torch.tensor(1.0)})
-    with pytest.raises(ValueError, match="'w' has dtype torch.int32; expected float32, float16 or int8"):
+    with pytest.raises(ValueError, match="'w'.*int32"):
         decode_state({"w": torch.ones(2, dtype=torch.int32)})
-    with pytest.raises(ValueError, match="'w': contains NaN or inf"):
+    with pytest.raises(ValueError, match="'w'.*NaN"):
         encode_state({"w": torch.tensor([float("inf")])}, "fp32")
-    with pytest.raises(ValueError, match=r"'w': \|x\| = 7e\+04 exceeds the fp16 range"):
+    with pytest.raises(ValueError, match=r"'w'.*7e\+04.*fp16"):
         encode_state({"w": torch.tensor([-7.0e4, 1.0])}, "fp16")  # the magnitude, whatever the sign
 
 
@@ -199,12 +199,12 @@ def test_int8_scale_of_exactly_one_and_any_input_precision():
 
 
 def test_input_errors_name_the_key_and_what_is_wrong():
-    with pytest.raises(ValueError, match=r"^state key 'w': expected a floating-point tensor, got torch.int64$"):
+    with pytest.raises(ValueError, match=r"'w'.*torch.int64"):
         encode_state({"w": torch.ones(2, dtype=torch.long)}, "fp32")
-    with pytest.raises(ValueError, match=r"^state key 'w': expected a floating-point tensor, got <class 'list'>$"):
+    with pytest.raises(ValueError, match=r"'w'.*list"):
         encode_state({"w": [1.0, 2.0]}, "fp32")
     state = {k: torch.ones(1) for k in "abcde"}
-    with pytest.raises(ValueError, match=r"^delta encoding: reference lacks key\(s\) \['a', 'b', 'c', 'd'\]$"):
+    with pytest.raises(ValueError, match=r"\['a', 'b', 'c', 'd'\]"):
         encode_state(state, "int8", reference={})  # the first four of five, sorted
 
 

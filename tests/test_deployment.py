@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -17,7 +18,9 @@ import torch
 
 from tests.test_federated import _final_adapters, workspace, write_plan  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.deployment
+# One xdist worker runs them one after another (make test-all: --dist loadgroup): each starts a SuperLink and
+# SuperNodes, and two at once on 2 cores made rounds miss their timeouts.
+pytestmark = [pytest.mark.deployment, pytest.mark.xdist_group("deployment")]
 
 # Short greedy decoding: the federated and the central path must agree for any settings; these keep it fast.
 EVALUATE = {"num_beams": 2, "max_target_length": 8, "min_target_length": 2, "batch_size": 2}
@@ -27,6 +30,7 @@ EVALUATE = {"num_beams": 2, "max_target_length": 8, "min_target_length": 2, "bat
 def ws(workspace, monkeypatch):  # noqa: F811
     monkeypatch.chdir(workspace)
     monkeypatch.setenv("FEDMEET_ROOT", str(workspace))
+    monkeypatch.setenv("FEDMEET_TEST_OWNER", str(os.getpid()))  # marks the Flower processes this test starts
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
     (workspace / "deploy-params.yaml").write_text(json.dumps({"evaluate": EVALUATE}))  # JSON is YAML
     return workspace
@@ -174,7 +178,11 @@ def _flower_pids() -> set[int]:
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "flower-super" in cmd or "flwr-serverapp" in cmd or "flwr-clientapp" in cmd:
-            out.add(p.info["pid"])
+            try:  # only this test process's federations (they inherit its environment), not other runs'
+                if p.environ().get("FEDMEET_TEST_OWNER") == str(os.getpid()):
+                    out.add(p.info["pid"])
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
     return out
 
 

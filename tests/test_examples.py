@@ -94,6 +94,7 @@ def test_stats_markdown_shows_paper_values_and_skips():
     assert "- samsum: 1 x empty dialogue" in md
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_table_ii_from_the_real_qmsum(shared_data):
     frame, _ = ingest_dataset("qmsum", shared_data / "qmsum")

@@ -216,6 +216,7 @@ METHOD_CASES = [
 
 
 # Each case is a full tiny federated run; the single-domain cases take ~14 s idle.
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("method,partition", METHOD_CASES)
 def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
@@ -266,6 +267,7 @@ def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
         assert run["metrics.bytes_received"] > 0
 
 
+@pytest.mark.slow
 def test_client_sampling_picks_two_of_three_each_round(ws):
     from pipeline.train import run_experiment
 
@@ -293,6 +295,7 @@ def test_same_seed_gives_identical_adapters(ws):
             assert torch.equal(a[client][k], b[client][k]), (client, k)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
     from pipeline.train import run_experiment
     from pipeline.training import client_training as local_training
@@ -354,6 +357,7 @@ def _run_metrics(client, experiment: str, killed: int):
                  for k in run.data.metrics}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws, tmp_path):
     """Issue 15, item 6: the train stage (3 rounds, 3 clients) SIGKILLed during local training (before the first
@@ -437,6 +441,7 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
     assert artifacts == {"adapters/Product/adapter_best.safetensors", "adapters/Product/adapter_final.safetensors"}
 
 
+@pytest.mark.slow
 def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
     from pipeline.federation import server_app
     from pipeline.train import run_experiment
@@ -517,6 +522,7 @@ def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
     return uplinks, aggregates, history
 
 
+@pytest.mark.slow
 def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
     from pipeline.federation.compression import transfer_error_bound
 
@@ -574,6 +580,7 @@ def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
         assert max(errors[("int8-delta", key)]) < max(errors[("int8", key)]) / 10, key
 
 
+@pytest.mark.slow
 def test_fp32_transfer_is_what_the_client_holds(ws):
     """fp32 (the default) sends the state itself: the bytes of the plain ArrayRecord, decoded bit for bit."""
     from flwr.app import ArrayRecord
@@ -705,6 +712,7 @@ def test_join_patience_needs_that_many_flat_rounds():
     assert new_client_joins(3, history, "New", JoinConfig(0.01, 1, 9))
 
 
+@pytest.mark.slow
 def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_after_joining(ws):
     from pipeline.train import run_experiment
 

@@ -379,50 +379,50 @@ def test_ce_without_a_teacher_trains_the_student_with_the_ce_gradient(example):
 
 
 # ----------------------------------------------------------------------------------- bad input: one clear line
-def _raises_exactly(message: str):
+def _raises_naming(*parts: str):
+    """A ValueError whose message is one line naming each part (the field, its value, the shapes), worded freely."""
     import re
 
-    return pytest.raises(ValueError, match=f"^{re.escape(message)}$")
+    return pytest.raises(ValueError, match="^[^\n]*" + "".join(f"(?=[^\n]*{re.escape(p)})" for p in parts))
 
 
 def test_bad_config_messages_name_the_field_value_and_allowed_values():
-    with _raises_exactly("KDConfig.mode='selectve'; expected one of ('ce', 'kd', 'selective', 'hard')"):
+    with _raises_naming("KDConfig.mode", "'selectve'", "'selective'"):
         KDConfig(mode="selectve")
-    with _raises_exactly("KDConfig.tau_scale='rank'; expected one of ('absolute', 'max_entropy', 'batch_quantile')"):
+    with _raises_naming("KDConfig.tau_scale", "'rank'", "'max_entropy'"):
         KDConfig(tau_scale="rank")
-    with _raises_exactly("KDConfig.kl_direction='both'; expected one of ('teacher_to_student', 'student_to_teacher')"):
+    with _raises_naming("KDConfig.kl_direction", "'both'", "'teacher_to_student'"):
         KDConfig(kl_direction="both")
-    with _raises_exactly("KDConfig.log_base='10'; expected one of ('e', '2')"):
+    with _raises_naming("KDConfig.log_base", "10"):
         KDConfig(log_base=10)
-    with _raises_exactly("KDConfig.normalisation='batch'; expected one of ('tokens', 'sequences')"):
+    with _raises_naming("KDConfig.normalisation", "'batch'", "'tokens'"):
         KDConfig(normalisation="batch")
     assert KDConfig(log_base=2).log_base == "2"  # a number from YAML is read as the base's name
-    with _raises_exactly("KDConfig.lam=-0.1 must be in [0, 1]"):
+    with _raises_naming("KDConfig.lam", "-0.1"):
         KDConfig(lam=-0.1)
     assert KDConfig(lam=0.0).lam == 0.0 and KDConfig(lam=1.0).lam == 1.0  # both ends allowed
-    with _raises_exactly("KDConfig.temperature=0.0 must be > 0"):
+    with _raises_naming("KDConfig.temperature", "0.0"):
         KDConfig(temperature=0.0)
-    with _raises_exactly("KDConfig.tau=0.0 must be in (0, 1] with tau_scale 'batch_quantile'"):
+    with _raises_naming("KDConfig.tau", "0.0", "batch_quantile"):
         KDConfig(tau=0.0, tau_scale="batch_quantile")
     assert KDConfig(tau=1.0, tau_scale="max_entropy").tau == 1.0
 
 
 def test_bad_batches_are_named(example):
     student, teacher, labels = example
-    with _raises_exactly("distillation_loss: the batch has no non-padding target token"):
+    with _raises_naming("distillation_loss", "padding"):
         distillation_loss(student, teacher, torch.full_like(labels, -100), KDConfig())
-    with _raises_exactly("distillation_loss: mode 'kd' needs the global (teacher) logits"):
+    with _raises_naming("distillation_loss", "'kd'"):
         distillation_loss(student, None, labels, KDConfig(mode="kd"))
-    with _raises_exactly("distillation_loss: mode 'hard' needs hard_mask [B, T]"):
+    with _raises_naming("distillation_loss", "'hard'", "hard_mask"):
         distillation_loss(student, teacher, labels, KDConfig(mode="hard"))
-    with _raises_exactly("hard_mask shape (2, 1) != labels shape (2, 2)"):
+    with _raises_naming("hard_mask", "(2, 1)", "(2, 2)"):
         distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.ones(2, 1))
-    with _raises_exactly("distillation_loss: logits_local shape (2, 1, 3) does not match labels (2, 2)"):
+    with _raises_naming("logits_local", "(2, 1, 3)", "(2, 2)"):
         distillation_loss(student[:, :1], teacher, labels, KDConfig())
-    with _raises_exactly("distillation_loss: logits_global shape (1, 2, 3) does not match labels (2, 2)"):
+    with _raises_naming("logits_global", "(1, 2, 3)", "(2, 2)"):
         distillation_loss(student, teacher[:1], labels, KDConfig())
-    with _raises_exactly("distillation_loss: logits_global must be [B, T, V] like the labels (2, 2) or packed [N, V] "
-                         "with N = 3 non-padding tokens; got (4, 3)"):
+    with _raises_naming("logits_global", "(2, 2)", "N = 3", "(4, 3)"):
         distillation_loss(student, teacher.reshape(4, 3), labels, KDConfig())
 
 
@@ -452,7 +452,7 @@ def test_unpadded_batches_and_empty_sequences_give_the_same_loss():
 
 
 def test_portable_tau_above_one_is_rejected():
-    with _raises_exactly("KDConfig.tau=1.5 must be in (0, 1] with tau_scale 'max_entropy'"):
+    with _raises_naming("KDConfig.tau", "1.5", "max_entropy"):
         KDConfig(tau=1.5, tau_scale="max_entropy")
 
 

@@ -14,6 +14,7 @@ from pipeline.partitioning import schemes as partition_schemes
 from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
 from pipeline.partitioning.schemes import Partition, PartitionConfig, largest_remainder
 from pipeline.common.schema import SPLITS, DataError
+from tests.errors import names
 
 QMSUM_SIZES = {"Academic": (12, 6, 6), "Committee": (15, 6, 9), "Product": (30, 9, 9)}
 # AMI holds Product's meetings under other splits, like the real data: ES2004a is a Product TEST meeting but an
@@ -228,32 +229,32 @@ def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------- properties
 @pytest.mark.parametrize("make, message", [
-    (lambda: partition_schemes.IidConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
+    (lambda: partition_schemes.IidConfig(n_clients=0), ("n_clients=0",)),
     (lambda: partition_schemes.NoniidBalancedConfig(sizes={"dev": 3}),
-     "sizes={'dev': 3} is out of range; allowed: keys train, valid, test"),
+     ("sizes={'dev': 3}",)),
     (lambda: partition_schemes.NoniidBalancedConfig(sizes={"train": 0}),
-     "sizes.train=0 is out of range; allowed: an integer >= 1"),
-    (lambda: partition_schemes.QuantityConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
-    (lambda: partition_schemes.QuantityConfig(beta=0.0), "beta=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
+     ("sizes.train=0",)),
+    (lambda: partition_schemes.QuantityConfig(n_clients=0), ("n_clients=0",)),
+    (lambda: partition_schemes.QuantityConfig(beta=0.0), ("beta=0.0",)),
     (lambda: partition_schemes.QuantityConfig(min_per_split=-1),
-     "min_per_split=-1 is out of range; allowed: an integer >= 0"),
-    (lambda: partition_schemes.ClusterConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
-    (lambda: partition_schemes.ClusterConfig(alpha=0.0), "alpha=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
-    (lambda: partition_schemes.ClusterConfig(n_clusters=0), "n_clusters=0 is out of range; allowed: an integer >= 1"),
-    (lambda: partition_schemes.ClusterConfig(batch_size=0), "batch_size=0 is out of range; allowed: an integer >= 1"),
-    (lambda: partition_schemes.DomainDirichletConfig(n_clients=0), "n_clients=0 is out of range; allowed: an integer >= 1"),
+     ("min_per_split=-1",)),
+    (lambda: partition_schemes.ClusterConfig(n_clients=0), ("n_clients=0",)),
+    (lambda: partition_schemes.ClusterConfig(alpha=0.0), ("alpha=0.0",)),
+    (lambda: partition_schemes.ClusterConfig(n_clusters=0), ("n_clusters=0",)),
+    (lambda: partition_schemes.ClusterConfig(batch_size=0), ("batch_size=0",)),
+    (lambda: partition_schemes.DomainDirichletConfig(n_clients=0), ("n_clients=0",)),
     (lambda: partition_schemes.DomainDirichletConfig(alpha=-1.0),
-     "alpha=-1.0 is out of range; allowed: a Dirichlet concentration > 0"),
+     ("alpha=-1.0",)),
     (lambda: partition_schemes.DomainDirichletConfig(alpha=0.0),
-     "alpha=0.0 is out of range; allowed: a Dirichlet concentration > 0"),
+     ("alpha=0.0",)),
     (lambda: PartitionConfig(schemes=["domain", "random", "iid2"]),
-     "partition.schemes: unknown scheme(s) ['iid2', 'random']; allowed: ['cluster', 'domain', 'domain_dirichlet', "
-     "'extreme', 'iid', 'long_meeting', 'noniid_balanced', 'quantity']"),
+     ("partition.schemes", "'iid2'", "'random'")),
 ])
 def test_partition_settings_out_of_range_are_named(make, message):
+    """The error names the setting and its value (the params key the user sets)."""
     with pytest.raises(ValueError) as err:
         make()
-    assert str(err.value) == message
+    names(err.value, *message)
 
 
 def test_the_smallest_allowed_settings_are_accepted():
@@ -267,10 +268,10 @@ def test_the_smallest_allowed_settings_are_accepted():
 def test_a_pool_without_qmsum_or_a_domain_without_examples_is_named():
     with pytest.raises(DataError) as err:
         make_partition(EXAMPLES[EXAMPLES.dataset != "qmsum"], "iid", 0, cfg())
-    assert str(err.value) == "examples: no QMSum examples to partition (is qmsum in ingest.datasets?)"
+    names(err.value, "examples", "QMSum", "ingest.datasets")
     with pytest.raises(DataError) as err:
         make_partition(EXAMPLES[EXAMPLES.domain != "SAMSum"], "extreme", 0, cfg())
-    assert str(err.value) == "examples: no examples of domain 'SAMSum'"
+    names(err.value, "examples", "'SAMSum'")
 
 
 @pytest.mark.parametrize("scheme", ["domain", "extreme", "long_meeting", "iid", "noniid_balanced", "quantity",

@@ -199,6 +199,7 @@ def test_records_skipped_by_design_are_counted_per_reason(root):
 SUBPROCESS_CASES = [("qmsum", "null_text"), ("samsum", "not_utf8"), ("ami", "duplicate"), ("icsi", "empty")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dataset, kind", SUBPROCESS_CASES, ids=[f"{d}-{k}" for d, k in SUBPROCESS_CASES])
 def test_command_line_error_is_one_line(root, dataset, kind):
     spec = FILES[dataset]
@@ -207,6 +208,7 @@ def test_command_line_error_is_one_line(root, dataset, kind):
     assert_one_error_line(outcome, expected_line(dataset, kind))
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(root):
     spec = FILES["qmsum"]
     damage("null_text", spec)(root / spec["rel"])
@@ -215,6 +217,7 @@ def test_debug_shows_the_traceback(root):
     assert "Traceback" in outcome.stderr and "DataError" in outcome.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.shared_data
 def test_real_qmsum_copy_with_null_content(shared_data, tmp_path):
     """The issue's hand test on a copy of the real QMSum files: a null turn content is named, not accepted."""

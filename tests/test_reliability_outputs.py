@@ -81,6 +81,7 @@ def add_dialogue(root: Path) -> None:
     path.write_text(path.read_text() + json.dumps(rec) + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", ["samsum.parquet", "ingest_samsum.json"])
 def test_stage_killed_mid_write_leaves_old_output_and_the_rerun_succeeds(samsum_stage, kill_at):
     cwd, args = samsum_stage
@@ -148,6 +149,7 @@ def md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_dvc_never_records_a_half_written_output(samsum_stage):
     """`dvc repro` of a stage killed in mid-write fails and records nothing; the next `dvc repro` records the
     whole output (its hash in dvc.lock is that of the complete file)."""

@@ -15,6 +15,9 @@ import pytest
 from reliability import REPO_ROOT, stage_env
 from tests.test_federated import DOMAINS, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
+# Real processes racing one store: full lane only (make test-all).
+pytestmark = pytest.mark.slow
+
 STEPS = 20
 
 

@@ -115,6 +115,7 @@ def test_aggregate_mean_std_and_missing_seeds(project):
     assert sorted(set(taus["label"])) == ["fedselectkd tau=3", "fedselectkd tau=5"]
 
 
+@pytest.mark.slow
 def test_report_writes_tables_figures_and_index(project):
     root, params = project
     index = build_report(params, ReportConfig(expected_seeds=[0, 1, 2], human_eval_per_domain=2), ProjectPaths(root))

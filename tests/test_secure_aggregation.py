@@ -18,6 +18,7 @@ import pytest
 from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.training.privacy import PrivacyConfig, SecAggConfig
+from tests.errors import names
 from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
 from tests.test_privacy import _params, _write_plan
 
@@ -132,6 +133,7 @@ def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[flo
     return diffs
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("method", ["fedavg", "fedselectkd"])
 def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_plain_run(ws, monkeypatch, method):
@@ -190,6 +192,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     assert sum(r["bytes_up"] for r in history) > sum(r["bytes_up"] for r in plain_rows)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("method,partition", [("fedprox", "domain/seed0"), ("post_addition", "extreme/seed0")])
 def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatch, method, partition):
@@ -259,6 +262,7 @@ def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> N
         monkeypatch.setattr(mod, name, crash)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("stage", ["setup", "share_keys", "training", "unmask"])
 def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, stage):
@@ -286,6 +290,7 @@ def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, 
     assert metrics["secure_aggregation"]["rounds_aggregated"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monkeypatch):
     from pipeline.train import run_experiment
@@ -309,6 +314,7 @@ def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monk
     assert metrics["secure_aggregation"]["rounds_aggregated"] == 1
 
 
+@pytest.mark.slow
 def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch):
     # The restarted clients hold no SecAgg+ state (their contexts died with the run): round 2's protocol starts
     # afresh, and the stochastic rounding draws from the generator each client's training seeded.
@@ -467,6 +473,7 @@ def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = Non
     return {k: sum(wi * s[k] for wi, s in zip(w, contributions)) / sum(w) for k in contributions[0]}, norms
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
     from pipeline.federation import engines
@@ -522,6 +529,7 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
         assert len(masked) == 1 + len(secure_r1) + 1  # the weight, the adapter's tensors, the clipped bit
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monkeypatch):
     from scipy import stats
@@ -548,6 +556,7 @@ def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monke
     assert noisy["privacy"]["epsilon"] == clear["privacy"]["epsilon"] and 0 < noisy["privacy"]["epsilon"] < math.inf
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_adaptive_clipping_under_secagg_moves_c_as_in_the_clear(ws):
     # C's update needs only the count of clipped updates: their bits are summed under the masks, then the same
@@ -571,9 +580,7 @@ def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_se
     params = _params({**SECURE, **_client_dp(clipping_side="server")})
     with pytest.raises(ConfigError) as exc:
         resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
-    assert str(exc.value) == ("params.yaml experiments.x: privacy.secure_aggregation: privacy.mode client needs "
-                              "clipping_side client under SecAgg+: the server receives only the sum of the updates "
-                              "and cannot clip each one (the client clips its update before it is masked)")
+    names(exc.value, "params.yaml", "experiments.x", "privacy.secure_aggregation", "clipping_side")
     path = Path(_write_plan("sa-cdp-hand", "fedavg", {**SECURE, **_client_dp()}))
     plan = json.loads(path.read_text())
     plan["privacy"]["clipping_side"] = "server"

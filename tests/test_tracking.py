@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.errors import names
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, write_plan  # noqa: F401  (fixtures)
 
@@ -45,6 +46,7 @@ def _use_checkout(root: Path, monkeypatch) -> None:
 
 
 # ------------------------------------------------------------------------------------------ experiment view
+@pytest.mark.slow
 def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(store):
     from pipeline.results.tracking import experiment_id
 
@@ -162,6 +164,7 @@ def _dead_pid() -> tuple[int, float]:
     return proc.pid, started
 
 
+@pytest.mark.slow
 def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment(store):
     from pipeline.results.run_identity import TAG_HOST, TAG_PID, TAG_PID_START, owner_tags
     from pipeline.results.tracking import RunLogger, experiment_id
@@ -198,6 +201,7 @@ def ws(workspace, monkeypatch):  # noqa: F811
     return workspace
 
 
+@pytest.mark.slow
 def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     from pipeline.train import run_experiment
     from pipeline.training.rounds import TrainRecorder
@@ -230,6 +234,7 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "Academic.val_loss")] == [1, 2]
 
 
+@pytest.mark.slow
 def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_run(ws, monkeypatch):
     from pipeline.train import run_experiment
 
@@ -282,6 +287,7 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     assert run_id_file.read_text() == run.info.run_id  # a rerun resumes it
 
 
+@pytest.mark.slow
 def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
     from mlflow.utils.file_utils import local_file_uri_to_path
 
@@ -317,6 +323,7 @@ def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
     assert Path(local_file_uri_to_path(exp_first.artifact_location)) == first / "mlartifacts" / "tests"
 
 
+@pytest.mark.slow
 def test_a_store_outside_the_checkout_keeps_its_locations(store, tmp_path, monkeypatch):
     from pipeline.results.tracking import experiment_id
 
@@ -346,6 +353,7 @@ def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
     return metrics, d
 
 
+@pytest.mark.slow
 def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.experiments import record_hash
@@ -381,6 +389,7 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     assert log_to_mlflow("legacy", legacy, metrics, d, EvaluateConfig()) == old.run_id
 
 
+@pytest.mark.slow
 def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     from pipeline.common.cli import run as run_cli
     from pipeline.evaluate import main
@@ -398,5 +407,4 @@ def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     (d / "broken.json").write_text(json.dumps({"experiment": "x"}))
     capsys.readouterr()
     assert run_cli(main, ["import-eval", str(d / "broken.json")]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: {d / 'broken.json'}: not an evaluation record "
-                                               "(missing ['clients', 'mean'])")
+    names(capsys.readouterr().err, str(d / "broken.json"), "'clients'", "'mean'")

@@ -120,6 +120,7 @@ def test_default_experiments_resolve(tmp_path):
     assert {"main", "iid", "noniid", "extreme", "sampling", "tau_sweep", "server", "new_client", "hardkd"} <= studies
 
 
+@pytest.mark.slow
 def test_train_cli_end_to_end(ws):
     import mlflow
 

@@ -1,0 +1,35 @@
+"""tools/mutation/report.py: verdict counts and scores from mutmut's meta files (a synthetic mutants/ dir).
+A developer tool, so full lane only (marker `tools`)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tools.mutation import report
+
+pytestmark = pytest.mark.tools
+
+
+def _meta(root, module: str, codes: dict[int, int | None]) -> None:
+    meta = root / "pipeline" / f"{module.replace('.', '/')}.py.meta"
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.write_text(json.dumps({"exit_code_by_key": {f"pipeline.{module}.x_f__mutmut_{i}": c
+                                                     for i, c in codes.items()}}))
+
+
+def test_counts_score_and_survivors_in_mutmut_order(tmp_path):
+    # 1, 3: killed; 36: timeout; 0: survived; 33: no test reaches it; 35: suspicious; None: not run yet
+    _meta(tmp_path, "modeling.losses", {10: 1, 2: 3, 3: 36, 4: 0, 11: 0, 6: 33, 7: 35, 8: None, 9: 1})
+    r = report.collect(tmp_path)["modeling.losses"]
+    assert r.made == 9 and r.counts["killed"] == 3 and r.counts["not run"] == 1
+    assert r.score == pytest.approx(4 / 8)  # killed + timeout over the mutants run
+    assert [n.rpartition("_")[2] for n in r.undetected] == ["4", "6", "7", "11"]
+    assert "federation.strategies" not in report.collect(tmp_path)  # never generated: absent
+
+
+def test_survivor_names_and_exit_2_without_results(tmp_path, capsys):
+    assert report.main(["--mutants-dir", str(tmp_path)]) == 2
+    _meta(tmp_path, "results.stats", {1: 1, 2: 0})
+    assert report.main(["--mutants-dir", str(tmp_path), "--survivors"]) == 0
+    assert capsys.readouterr().out.split() == ["pipeline.results.stats.x_f__mutmut_2"]
