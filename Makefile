@@ -57,7 +57,8 @@ reliability: setup
 # command, start and wall seconds go to reports/mutation-runs.tsv, which the report cites. NAMES='<pattern> ...' runs only
 # the mutants matching mutmut name patterns (e.g. one function's: pipeline.datasets.readers.x__parse_span__*).
 MODULES ?= modeling.adapters results.scoring federation.strategies federation.compression partitioning.schemes \
-	datasets.sources datasets.readers modeling.losses federation.protocol training.rounds training.client_training \
+	datasets.sources datasets.readers modeling.losses federation.protocol training.checkpoints training.best_adapter \
+	training.history training.recorder training.publish training.client_training \
 	federation.client_app federation.server_app
 MUTANTS ?= all
 MUTANTS_JOBS ?= 1

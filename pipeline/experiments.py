@@ -310,7 +310,7 @@ class Plan:
 
         ``out_dir`` is where a run writes while it runs (adapters, gate log parts, checkpoints), a directory of its
         own per configuration under ``data/cache/runs/``; ``model_dir`` (``models/<exp>/``, the train stage's DVC
-        output) receives the finished outputs (pipeline.training.rounds.publish_outputs). Kept apart so the train
+        output) receives the finished outputs (pipeline.training.publish.publish_outputs). Kept apart so the train
         stage's output need not persist between runs: DVC's run cache then keeps every finished training, and a
         killed queued or temporary experiment rerun restores them instead of training them again."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),

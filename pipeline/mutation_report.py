@@ -50,7 +50,8 @@ RUNS = Path("reports/mutation-runs.tsv")  # one line per `make mutants` run of a
 # Dotted below pipeline/, as mutmut names the mutants (pipeline.<module>.x_<function>__mutmut_<n>).
 CORE = ("modeling.losses", "federation.strategies", "federation.compression", "partitioning.schemes",
         "results.scoring", "modeling.adapters", "datasets.sources", "datasets.readers", "federation.protocol",
-        "training.rounds", "training.client_training", "federation.client_app", "federation.server_app")
+        "training.checkpoints", "training.best_adapter", "training.history", "training.recorder", "training.publish",
+        "training.client_training", "federation.client_app", "federation.server_app")
 GOAL = 0.90
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.

@@ -5,7 +5,7 @@
 Federated methods run Flower's ServerApp/ClientApp (pipeline.federation; in-process engine by default, Ray with
 ``train.engine: ray``: pipeline.federation.engines); `single` (each client alone) and `centralized` (all clients'
 train data pooled) run the same local trainer without a server (pipeline.training.serverless). Every round each
-client's validation loss picks its best adapter (pipeline.training.rounds).
+client's validation loss picks its best adapter (pipeline.training.best_adapter).
 
 Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors``, ``gate_log.parquet``
 (client, round, example_id, position, token_id, entropy, kd_applied; empty for CE-only methods),
@@ -33,7 +33,9 @@ from pipeline.common import atomic
 from pipeline.experiments import Plan, RunSettings, current_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
 from pipeline.common.timing import stage_timer
-from pipeline.training import rounds
+from pipeline.training import checkpoints, publish
+from pipeline.training.history import log_missing_rounds, write_rounds
+from pipeline.training.recorder import TrainRecorder
 from pipeline.training.serverless import run_serverless
 from pipeline.training.summary import (final_run_metrics, merge_gate_logs, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
@@ -70,7 +72,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     plan = read_plan(plan_path)
     settings = settings or current_run_settings(plan.experiment)
     out_dir = Path(plan.paths["out_dir"])
-    if out_dir.exists() and not rounds.has_valid_checkpoint(plan):
+    if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
     prepare_outputs(plan)
 
@@ -79,14 +81,14 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         from pipeline.results.tracking import RunLogger
 
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
-        run_id_file = rounds.mlflow_run_id_path(plan)
+        run_id_file = checkpoints.mlflow_run_id_path(plan)
         logger = RunLogger.start(plan.study, tracked_run_name(plan, plan_path), plan.to_json_dict(),
                                  run_tags(plan, engine=settings.engine),
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
-    recorder = rounds.TrainRecorder(plan, logger)
+    recorder = TrainRecorder(plan, logger)
     try:
         if plan.spec.federated:
             from pipeline.federation.engines import run_federated
@@ -102,12 +104,12 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     recorder.close()
 
     history = result["history"]
-    rounds.write_rounds(plan, history)
+    write_rounds(plan, history)
     merge_gate_logs(plan)
     metrics = summarize(plan, history, recorder.round_seconds)
     write_metrics(plan, metrics)
     if logger is not None:
-        rounds.log_missing_rounds(logger, history)
+        log_missing_rounds(logger, history)
         # Once per run: a run killed after this point (uploading the artifacts) resumes here.
         if not logger.metric_history("bytes_sent_total"):
             logger.log_metrics(final_run_metrics(metrics), step=plan.train.rounds)
@@ -118,7 +120,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")
-    rounds.publish_outputs(plan)
+    publish.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
     # after its last round from the checkpoint and publishes again.
     shutil.rmtree(out_dir)

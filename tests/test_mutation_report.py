@@ -82,67 +82,67 @@ def test_unfinished_mutants_are_the_undetected_and_unrun_non_equivalent_ones(tmp
 
 
 def test_a_module_run_in_part_names_the_functions_run_and_not_run(tmp_path):
-    meta = tmp_path / "mutants" / "pipeline" / "training" / "rounds.py.meta"
+    meta = tmp_path / "mutants" / "pipeline" / "training" / "recorder.py.meta"
     meta.parent.mkdir(parents=True)
-    keys = {"pipeline.training.rounds.x_keep_best__mutmut_1": 1, "pipeline.training.rounds.x_keep_best__mutmut_2": 0,
-            "pipeline.training.rounds.xǁRecorderǁstarted__mutmut_1": None,
-            "pipeline.training.rounds.x_write__mutmut_1": 1, "pipeline.training.rounds.x_write__mutmut_2": None}
+    keys = {"pipeline.training.recorder.x_keep_best__mutmut_1": 1, "pipeline.training.recorder.x_keep_best__mutmut_2": 0,
+            "pipeline.training.recorder.xǁRecorderǁstarted__mutmut_1": None,
+            "pipeline.training.recorder.x_write__mutmut_1": 1, "pipeline.training.recorder.x_write__mutmut_2": None}
     meta.write_text(json.dumps({"exit_code_by_key": keys}))
-    r = mr.collect(_codes(tmp_path))["training.rounds"]
+    r = mr.collect(_codes(tmp_path))["training.recorder"]
     assert r.functions == {"keep_best": [2, 0], "Recorder.started": [0, 1], "write": [1, 1]}
-    text = mr.render({"training.rounds": r}, {}, None, {}, {"written": "now", "commit": "c", "mutmut": "3", "runs": []})
-    assert ("- `pipeline/training/rounds.py`: 3 of 5 mutants run; every mutant of `keep_best` (2); part of `write` "
+    text = mr.render({"training.recorder": r}, {}, None, {}, {"written": "now", "commit": "c", "mutmut": "3", "runs": []})
+    assert ("- `pipeline/training/recorder.py`: 3 of 5 mutants run; every mutant of `keep_best` (2); part of `write` "
             "(1 of 2); not run: `Recorder.started` (1).") in text
 
 
 def _entry(hashes: dict[str, str], codes: dict[str, int | None]) -> dict:
-    return {"hash_by_function_name": hashes, "exit_code_by_key": {f"pipeline.training.rounds.{k}": c for k, c in codes.items()}}
+    return {"hash_by_function_name": hashes, "exit_code_by_key": {f"pipeline.training.recorder.{k}": c for k, c in codes.items()}}
 
 
 def test_merge_keeps_a_verdict_only_while_its_function_is_unchanged_and_fresh_verdicts_win():
-    kept = {"training.rounds": _entry({"x_f": "h1", "x_g": "h2"},
+    kept = {"training.recorder": _entry({"x_f": "h1", "x_g": "h2"},
                                       {"x_f__mutmut_1": 1, "x_f__mutmut_2": 0, "x_g__mutmut_1": 1, "x_gone__mutmut_1": 1}),
             "modeling.losses": {"hash_by_function_name": {}, "exit_code_by_key": {"pipeline.modeling.losses.x_l__mutmut_1": 3}}}
     # this machine ran x_f__mutmut_2 again (now killed); x_g's source changed (new hash), x_gone no longer exists
-    fresh = {"training.rounds": _entry({"x_f": "h1", "x_g": "h3"},
+    fresh = {"training.recorder": _entry({"x_f": "h1", "x_g": "h3"},
                                        {"x_f__mutmut_1": None, "x_f__mutmut_2": 1, "x_g__mutmut_1": None})}
     merged = mr.merge(kept, fresh)
-    assert merged["training.rounds"]["exit_code_by_key"] == {
-        "pipeline.training.rounds.x_f__mutmut_1": 1,  # not run here, function unchanged: the kept verdict
-        "pipeline.training.rounds.x_f__mutmut_2": 1,  # run here: the fresh verdict
-        "pipeline.training.rounds.x_g__mutmut_1": None}  # function changed: not run
-    assert merged["training.rounds"]["hash_by_function_name"] == {"x_f": "h1", "x_g": "h3"}
+    assert merged["training.recorder"]["exit_code_by_key"] == {
+        "pipeline.training.recorder.x_f__mutmut_1": 1,  # not run here, function unchanged: the kept verdict
+        "pipeline.training.recorder.x_f__mutmut_2": 1,  # run here: the fresh verdict
+        "pipeline.training.recorder.x_g__mutmut_1": None}  # function changed: not run
+    assert merged["training.recorder"]["hash_by_function_name"] == {"x_f": "h1", "x_g": "h3"}
     assert merged["modeling.losses"] == kept["modeling.losses"]  # a module this machine did not run is kept whole
 
 
 def test_kept_verdicts_round_trip_through_git_and_restore_into_mutants(tmp_path):
-    kept = {"training.rounds": _entry({"x_f": "h1"}, {"x_f__mutmut_1": 1, "x_f__mutmut_2": 0, "x_f__mutmut_3": None})}
+    kept = {"training.recorder": _entry({"x_f": "h1"}, {"x_f__mutmut_1": 1, "x_f__mutmut_2": 0, "x_f__mutmut_3": None})}
     mr.save_kept(kept, tmp_path / "verdicts.json")
     assert mr.load_kept(tmp_path / "verdicts.json") == kept
     assert mr.load_kept(tmp_path / "none.json") == {}
     mutants = tmp_path / "mutants"
     assert mr.restore(kept, mutants) == 2  # two decided verdicts written for mutmut to resume from
-    meta = json.loads((mutants / "pipeline" / "training" / "rounds.py.meta").read_text())
+    meta = json.loads((mutants / "pipeline" / "training" / "recorder.py.meta").read_text())
     assert {"durations_by_key", "estimated_durations_by_key", "type_check_error_by_key"} <= set(meta)  # mutmut pops them
-    assert mr.read_meta(mutants)["training.rounds"] == kept["training.rounds"]
+    assert mr.read_meta(mutants)["training.recorder"] == kept["training.recorder"]
     # a meta this machine already has keeps what it ran and takes the kept verdicts of the rest
-    meta["exit_code_by_key"] = {"pipeline.training.rounds.x_f__mutmut_1": None, "pipeline.training.rounds.x_f__mutmut_2": 1,
-                                "pipeline.training.rounds.x_f__mutmut_3": 0}
-    (mutants / "pipeline" / "training" / "rounds.py.meta").write_text(json.dumps(meta))
+    meta["exit_code_by_key"] = {"pipeline.training.recorder.x_f__mutmut_1": None, "pipeline.training.recorder.x_f__mutmut_2": 1,
+                                "pipeline.training.recorder.x_f__mutmut_3": 0}
+    (mutants / "pipeline" / "training" / "recorder.py.meta").write_text(json.dumps(meta))
     assert mr.restore(kept, mutants) == 3
-    assert mr.read_meta(mutants)["training.rounds"]["exit_code_by_key"] == {
-        "pipeline.training.rounds.x_f__mutmut_1": 1, "pipeline.training.rounds.x_f__mutmut_2": 1,
-        "pipeline.training.rounds.x_f__mutmut_3": 0}
+    assert mr.read_meta(mutants)["training.recorder"]["exit_code_by_key"] == {
+        "pipeline.training.recorder.x_f__mutmut_1": 1, "pipeline.training.recorder.x_f__mutmut_2": 1,
+        "pipeline.training.recorder.x_f__mutmut_3": 0}
 
 
 def test_verdicts_in_force_are_todays_mutants_with_the_kept_verdicts_of_unchanged_functions():
-    kept = {"training.rounds": _entry({"x_f": "h1", "x_g": "h2"}, {"x_f__mutmut_1": 1, "x_g__mutmut_1": 0, "x_g__mutmut_2": 1})}
-    today = {"training.rounds": mr.Mutated(
-        ["pipeline.training.rounds.x_f__mutmut_1", "pipeline.training.rounds.x_f__mutmut_2",
-         "pipeline.training.rounds.x_g__mutmut_1"], {"x_f": "h1", "x_g": "h9"}, ""),
+    kept = {"training.recorder": _entry({"x_f": "h1", "x_g": "h2"}, {"x_f__mutmut_1": 1, "x_g__mutmut_1": 0, "x_g__mutmut_2": 1})}
+    today = {"training.recorder": mr.Mutated(
+        ["pipeline.training.recorder.x_f__mutmut_1", "pipeline.training.recorder.x_f__mutmut_2",
+         "pipeline.training.recorder.x_g__mutmut_1"], {"x_f": "h1", "x_g": "h9"}, ""),
         "modeling.losses": mr.Mutated(["pipeline.modeling.losses.x_l__mutmut_1"], {"x_l": "h"}, "")}
     codes, dropped = mr.in_force(kept, today)
-    assert codes == {"training.rounds": {"pipeline.training.rounds.x_f__mutmut_1": 1,
-                                         "pipeline.training.rounds.x_f__mutmut_2": None,  # new mutant: not run
-                                         "pipeline.training.rounds.x_g__mutmut_1": None}}  # x_g changed since
-    assert dropped == {"training.rounds": 2}  # x_g's two verdicts no longer count; losses has none kept: absent
+    assert codes == {"training.recorder": {"pipeline.training.recorder.x_f__mutmut_1": 1,
+                                         "pipeline.training.recorder.x_f__mutmut_2": None,  # new mutant: not run
+                                         "pipeline.training.recorder.x_g__mutmut_1": None}}  # x_g changed since
+    assert dropped == {"training.recorder": 2}  # x_g's two verdicts no longer count; losses has none kept: absent

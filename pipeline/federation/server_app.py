@@ -3,7 +3,7 @@
 Per round Flower's strategy samples clients (``configure_train``), the Grid delivers the messages, the strategy
 aggregates (``aggregate_train``: FedAvg weighted by ``num-examples``, FedProx, FedAvgM/FedAdam/FedYogi, FedNova),
 all admitted clients evaluate, and the server checkpoints (global adapter, round, RNG state, strategy state;
-pipeline.training.rounds). A client that raises becomes an error reply, which Flower's strategies leave out of
+pipeline.training.checkpoints). A client that raises becomes an error reply, which Flower's strategies leave out of
 the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
 (``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
@@ -33,10 +33,11 @@ from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METR
 from pipeline.federation.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan
-from pipeline.training import rounds
+from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names, read_partition
 from pipeline.training.privacy import secure_aggregation_refusal
-from pipeline.training.rounds import Recorder, RoundLog
+from pipeline.training.history import RoundLog
+from pipeline.training.recorder import Recorder
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 
@@ -44,7 +45,7 @@ log = logging.getLogger("fedmeet.federated")
 
 
 def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, history: list[dict]) -> None:
-    rounds.save_round_checkpoint(rounds.server_checkpoint_path(plan), plan, rnd, {
+    checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, rnd, {
         "arrays": {k: a.numpy() for k, a in arrays.items()},
         "strategy_state": strategy_state(strategy),
         "history": history,
@@ -53,7 +54,7 @@ def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, 
 
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
-    return rounds.load_round_checkpoint(rounds.server_checkpoint_path(plan), plan)
+    return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
 
 
 class _NodeSubsetGrid(Grid):
