@@ -37,8 +37,8 @@ from pipeline.training import checkpoints, publish
 from pipeline.training.history import log_missing_rounds, write_rounds
 from pipeline.training.recorder import TrainRecorder
 from pipeline.training.serverless import run_serverless
-from pipeline.training.summary import (final_run_metrics, merge_gate_logs, prepare_outputs, run_identity_tags,
-                                       summarize, write_metrics)
+from pipeline.training.summary import (convergence_tags, final_run_metrics, merge_gate_logs, prepare_outputs,
+                                       run_identity_tags, summarize, write_metrics)
 
 
 def run_tags(plan: Plan, params_path: Path = Path("params.yaml"), engine: str = "inprocess") -> dict[str, str]:
@@ -112,7 +112,8 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         log_missing_rounds(logger, history)
         # Once per run: a run killed after this point (uploading the artifacts) resumes here.
         if not logger.metric_history("bytes_sent_total"):
-            logger.log_metrics(final_run_metrics(metrics), step=plan.train.rounds)
+            logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+        logger.set_tags(convergence_tags(metrics))
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
         for client_dir in sorted((out_dir / "clients").iterdir()):
             for f in sorted(client_dir.glob("adapter_*.safetensors")):

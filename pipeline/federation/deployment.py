@@ -49,7 +49,8 @@ from pipeline.training.history import write_rounds
 from pipeline.training.recorder import TrainRecorder
 from pipeline.training.client_data import client_names
 from pipeline.training.shared_model import model_config, shared_model
-from pipeline.training.summary import final_run_metrics, prepare_outputs, run_identity_tags, summarize, write_metrics
+from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
+                                       summarize, write_metrics)
 
 log = logging.getLogger("fedmeet.deployment")
 
@@ -217,7 +218,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     metrics = summarize(plan, history, train_recorder.round_seconds)
     write_metrics(plan, metrics)
     save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
-                 {"experiment": plan.experiment, "round": str(plan.train.rounds)})
+                 {"experiment": plan.experiment, "round": str(metrics["stopped_round"])})
 
     eval_metrics = None
     if cfg is not None:
@@ -226,7 +227,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         log.info("%s: federated evaluation %s -> %s", plan.experiment,
                  {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}, eval_path)
     if logger is not None:
-        logger.log_metrics(final_run_metrics(metrics), step=plan.train.rounds)
+        logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+        logger.set_tags(convergence_tags(metrics))
         for f in (out_dir / GLOBAL_ADAPTER, out_dir / "metrics.json", out_dir / "rounds.json",
                   out_dir / "experiment.json"):
             logger.log_artifact(f)

@@ -38,6 +38,7 @@ from pipeline.training.client_data import client_names, read_partition
 from pipeline.training.privacy import secure_aggregation_refusal
 from pipeline.training.history import RoundLog
 from pipeline.training.recorder import Recorder
+from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 
@@ -199,6 +200,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
     for rnd in range(start, t.rounds + 1):
+        if should_stop(history, t.stop, late):  # train.stop: converged (checked first: a resumed run too)
+            log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
+            break
         t0 = time.perf_counter()
         if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
             joined_at = rnd
@@ -402,18 +406,8 @@ def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -
     ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
     if rnd >= join.max_round:
         return True
-    by_round: dict[int, list[float]] = {}
-    for row in history:
-        if row["round"] < rnd and row["client"] != late and "val_loss" in row:
-            by_round.setdefault(int(row["round"]), []).append(float(row["val_loss"]))
-    means = [float(np.mean(by_round[r])) for r in sorted(by_round)]
-    if len(means) < join.patience + 1:
-        return False  # a round's improvement needs an earlier round to compare with
-    improvements = []
-    for i in range(1, len(means)):
-        best_before = min(means[:i])
-        improvements.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
-    return all(imp < join.min_rel_improvement for imp in improvements[-join.patience:])
+    means = [m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)]
+    return plateaued(means, join.min_rel_improvement, join.patience)
 
 
 def _array(value: np.ndarray):

@@ -16,6 +16,7 @@ from pipeline.training.history import RoundLog
 from pipeline.training.recorder import TrainRecorder
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
+from pipeline.training.stopping import should_stop
 
 log = logging.getLogger("fedmeet.train")
 
@@ -53,6 +54,9 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None = None) -> dict[st
         recorder.started(plan, names, start)
 
     for rnd in range(start, plan.train.rounds + 1):
+        if should_stop(history, plan.train.stop):  # train.stop: converged (checked first: a resumed run too)
+            log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
+            break
         t0 = time.perf_counter()
         trained: dict[str, dict[str, Any]] = {}
         for unit, train_df in units.items():
