@@ -1,6 +1,12 @@
 """Stage `train`: one experiment (a DVC `foreach` over params.yaml `experiments`) from its plan file.
 
     python -m pipeline.train --experiment fedselectkd-domain
+    python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
+
+Several experiments in one process (a GPU machine packing runs to save start-up and model loading) give each the
+results it has alone in a fresh process: every run starts from the process's initial RNG state
+(:func:`run_packed`), and what the process shares between runs (the frozen backbone, the round-0 adapters, the
+prefix cache) is a function of the plan (tests/test_packing.py).
 
 Federated methods run Flower's ServerApp/ClientApp (pipeline.federation; in-process engine by default, Ray with
 ``train.engine: ray``: pipeline.federation.engines); `single` (each client alone) and `centralized` (all clients'
@@ -128,13 +134,53 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     return metrics
 
 
+class _InitialRngState:
+    """The global RNG state of the process when it started (Python, NumPy, torch CPU), put back before each run, so
+    that a run packed after another draws what it would draw alone in a fresh process. (Every draw of a run is
+    seeded from its plan (pipeline.training.seeds); this keeps it so should an unseeded draw creep in.)"""
+
+    def __init__(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        self.python, self.numpy, self.torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(torch.initial_seed())  # a fresh process's CUDA generators: the default seed
+
+
+def run_packed(plan_paths: list[Path], track: bool = True) -> dict[str, dict[str, Any]]:
+    """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's
+    initial RNG state; returns their metrics by experiment."""
+    initial = _InitialRngState()
+    out = {}
+    for path in plan_paths:
+        initial.restore()
+        experiment = Path(path).stem
+        with stage_timer(f"train-{experiment}"):
+            out[experiment] = run_experiment(path, track=track)
+    return out
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experiment", required=True, help="a key of params.yaml `experiments`")
+    ap.add_argument("--experiment", required=True, action="append",
+                    help="a key of params.yaml `experiments`; repeated: several, one after the other")
     ap.add_argument("--plans", default=str(PATHS.plans), help="directory of the plan files (stage `plan`)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     args = ap.parse_args(argv)
@@ -143,11 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     # (SIGKILL cannot be caught: the next start of the experiment closes that run).
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        with stage_timer(f"train-{args.experiment}"):
-            metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+        results = run_packed([Path(args.plans) / f"{e}.json" for e in args.experiment], track=not args.no_mlflow)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in metrics["clients"].items()}))
+    for metrics in results.values():
+        clients = metrics["clients"]
+        print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in clients.items()}))
 
 
 if __name__ == "__main__":
