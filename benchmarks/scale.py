@@ -210,7 +210,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
 
     from pipeline.experiments import RunSettings
     from pipeline.federation.engines import run_federated
-    from pipeline.training.rounds import Recorder
+    from pipeline.training.recorder import Recorder
 
     torch.set_num_threads(cfg.threads)
     root = Path(root)

@@ -74,6 +74,8 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
         drop.add("new_client")
     if method.new_client != "post":
         drop.add("join")
+    if not train.stop.enabled:
+        drop.add("stop")  # a fixed number of rounds: plans as before train.stop existed
     if not method.federated:
         drop.update(_FEDERATED_KEYS)
     if method.local_from_global:
@@ -238,6 +240,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method = exp.spec
     train = exp.train_config(params)
+    if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
+        train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}
     plan: dict[str, Any] = {
         "experiment": exp.name,
@@ -310,7 +314,7 @@ class Plan:
 
         ``out_dir`` is where a run writes while it runs (adapters, gate log parts, checkpoints), a directory of its
         own per configuration under ``data/cache/runs/``; ``model_dir`` (``models/<exp>/``, the train stage's DVC
-        output) receives the finished outputs (pipeline.training.rounds.publish_outputs). Kept apart so the train
+        output) receives the finished outputs (pipeline.training.publish.publish_outputs). Kept apart so the train
         stage's output need not persist between runs: DVC's run cache then keeps every finished training, and a
         killed queued or temporary experiment rerun restores them instead of training them again."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),

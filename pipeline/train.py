@@ -1,11 +1,17 @@
 """Stage `train`: one experiment (a DVC `foreach` over params.yaml `experiments`) from its plan file.
 
     python -m pipeline.train --experiment fedselectkd-domain
+    python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
+
+Several experiments in one process (a GPU machine packing runs to save start-up and model loading) give each the
+results it has alone in a fresh process: every run starts from the process's initial RNG state
+(:func:`run_packed`), and what the process shares between runs (the frozen backbone, the round-0 adapters, the
+prefix cache) is a function of the plan (tests/test_packing.py).
 
 Federated methods run Flower's ServerApp/ClientApp (pipeline.federation; in-process engine by default, Ray with
 ``train.engine: ray``: pipeline.federation.engines); `single` (each client alone) and `centralized` (all clients'
 train data pooled) run the same local trainer without a server (pipeline.training.serverless). Every round each
-client's validation loss picks its best adapter (pipeline.training.rounds).
+client's validation loss picks its best adapter (pipeline.training.best_adapter).
 
 Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors``, ``gate_log.parquet``
 (client, round, example_id, position, token_id, entropy, kd_applied; empty for CE-only methods),
@@ -33,10 +39,12 @@ from pipeline.common import atomic
 from pipeline.experiments import Plan, RunSettings, current_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
 from pipeline.common.timing import stage_timer
-from pipeline.training import rounds
+from pipeline.training import checkpoints, publish
+from pipeline.training.history import log_missing_rounds, write_rounds
+from pipeline.training.recorder import TrainRecorder
 from pipeline.training.serverless import run_serverless
-from pipeline.training.summary import (final_run_metrics, merge_gate_logs, prepare_outputs, run_identity_tags,
-                                       summarize, write_metrics)
+from pipeline.training.summary import (convergence_tags, final_run_metrics, merge_gate_logs, prepare_outputs,
+                                       run_identity_tags, summarize, write_metrics)
 
 
 def run_tags(plan: Plan, params_path: Path = Path("params.yaml"), engine: str = "inprocess") -> dict[str, str]:
@@ -70,7 +78,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     plan = read_plan(plan_path)
     settings = settings or current_run_settings(plan.experiment)
     out_dir = Path(plan.paths["out_dir"])
-    if out_dir.exists() and not rounds.has_valid_checkpoint(plan):
+    if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
     prepare_outputs(plan)
 
@@ -79,14 +87,14 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         from pipeline.results.tracking import RunLogger
 
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
-        run_id_file = rounds.mlflow_run_id_path(plan)
+        run_id_file = checkpoints.mlflow_run_id_path(plan)
         logger = RunLogger.start(plan.study, tracked_run_name(plan, plan_path), plan.to_json_dict(),
                                  run_tags(plan, engine=settings.engine),
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
-    recorder = rounds.TrainRecorder(plan, logger)
+    recorder = TrainRecorder(plan, logger)
     try:
         if plan.spec.federated:
             from pipeline.federation.engines import run_federated
@@ -102,15 +110,16 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     recorder.close()
 
     history = result["history"]
-    rounds.write_rounds(plan, history)
+    write_rounds(plan, history)
     merge_gate_logs(plan)
     metrics = summarize(plan, history, recorder.round_seconds)
     write_metrics(plan, metrics)
     if logger is not None:
-        rounds.log_missing_rounds(logger, history)
+        log_missing_rounds(logger, history)
         # Once per run: a run killed after this point (uploading the artifacts) resumes here.
         if not logger.metric_history("bytes_sent_total"):
-            logger.log_metrics(final_run_metrics(metrics), step=plan.train.rounds)
+            logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+        logger.set_tags(convergence_tags(metrics))
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
         for client_dir in sorted((out_dir / "clients").iterdir()):
             for f in sorted(client_dir.glob("adapter_*.safetensors")):
@@ -118,11 +127,50 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")
-    rounds.publish_outputs(plan)
+    publish.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
     # after its last round from the checkpoint and publishes again.
     shutil.rmtree(out_dir)
     return metrics
+
+
+class _InitialRngState:
+    """The global RNG state of the process when it started (Python, NumPy, torch CPU), put back before each run, so
+    that a run packed after another draws what it would draw alone in a fresh process. (Every draw of a run is
+    seeded from its plan (pipeline.training.seeds); this keeps it so should an unseeded draw creep in.)"""
+
+    def __init__(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        self.python, self.numpy, self.torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+    def restore(self) -> None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(torch.initial_seed())  # a fresh process's CUDA generators: the default seed
+
+
+def run_packed(plan_paths: list[Path], track: bool = True) -> dict[str, dict[str, Any]]:
+    """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's
+    initial RNG state; returns their metrics by experiment."""
+    initial = _InitialRngState()
+    out = {}
+    for path in plan_paths:
+        initial.restore()
+        experiment = Path(path).stem
+        with stage_timer(f"train-{experiment}"):
+            out[experiment] = run_experiment(path, track=track)
+    return out
 
 
 def _exit_on_sigterm(signum, frame) -> None:
@@ -131,7 +179,8 @@ def _exit_on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experiment", required=True, help="a key of params.yaml `experiments`")
+    ap.add_argument("--experiment", required=True, action="append",
+                    help="a key of params.yaml `experiments`; repeated: several, one after the other")
     ap.add_argument("--plans", default=str(PATHS.plans), help="directory of the plan files (stage `plan`)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     args = ap.parse_args(argv)
@@ -140,11 +189,12 @@ def main(argv: list[str] | None = None) -> None:
     # (SIGKILL cannot be caught: the next start of the experiment closes that run).
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        with stage_timer(f"train-{args.experiment}"):
-            metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow)
+        results = run_packed([Path(args.plans) / f"{e}.json" for e in args.experiment], track=not args.no_mlflow)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in metrics["clients"].items()}))
+    for metrics in results.values():
+        clients = metrics["clients"]
+        print(json.dumps({c: {k: v[k] for k in ("best_round", "best_val_loss")} for c, v in clients.items()}))
 
 
 if __name__ == "__main__":

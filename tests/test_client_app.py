@@ -69,7 +69,7 @@ def test_a_deployed_client_may_keep_its_files_elsewhere(ws, tmp_path):
 # ----------------------------------------------------------------------------------------------- resume
 def _checkpoints(plan, name: str, context: Context, rounds: dict[int, tuple[float, bool, int | None]]) -> None:
     from pipeline.federation.client_app import client_checkpoint_dir
-    from pipeline.training.rounds import write_client_checkpoint
+    from pipeline.training.checkpoints import write_client_checkpoint
 
     for rnd, (value, trained, dp_steps) in sorted(rounds.items()):
         write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, _state(value),

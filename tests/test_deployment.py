@@ -324,7 +324,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
 
     # The rerun (a new SuperLink and SuperNodes) resumes after round 3 from the server and client checkpoints.
     from pipeline.federation.protocol import load_plan
-    from pipeline.training.rounds import server_checkpoint_path
+    from pipeline.training.checkpoints import server_checkpoint_path
 
     checkpointed = torch.load(server_checkpoint_path(load_plan("models/plans/faults.json")),
                               weights_only=False)["history"]

@@ -304,7 +304,7 @@ def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
     with killed_after_checkpoint(monkeypatch, rnd=1):
         run_experiment(path, track=False)
     from pipeline.experiments import read_plan
-    from pipeline.training.rounds import server_checkpoint_path
+    from pipeline.training.checkpoints import server_checkpoint_path
 
     assert torch.load(server_checkpoint_path(read_plan(path)), weights_only=False)["round"] == 1
     assert not Path("models/resume").exists()  # nothing is published before the run ends

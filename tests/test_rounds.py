@@ -1,5 +1,5 @@
-"""The rules of a run's rounds (pipeline.training.rounds) as units: the best-adapter choice, the checkpoints a
-killed run resumes from, the rounds history and its metrics.
+"""The rules of a run's rounds (pipeline.training: best_adapter, checkpoints, publish, history, recorder) as units:
+the best-adapter choice, the checkpoints a killed run resumes from, the rounds history and its metrics.
 
 Properties stated: after any sequence of validation losses the best adapter is the state of the first round with
 the lowest loss and the final one the last round's; a checkpoint comes back only to the plan that wrote it; a
@@ -24,7 +24,11 @@ from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtu
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.protocol  # noqa: F401,E402
-import pipeline.training.rounds  # noqa: F401,E402
+import pipeline.training.best_adapter  # noqa: F401,E402
+import pipeline.training.checkpoints  # noqa: F401,E402
+import pipeline.training.history  # noqa: F401,E402
+import pipeline.training.publish  # noqa: F401,E402
+import pipeline.training.recorder  # noqa: F401,E402
 
 
 def _plan(name: str, **train):
@@ -39,7 +43,7 @@ def _state(value: float) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------- best adapter
 def test_initial_progress_has_no_best_round():
-    from pipeline.training.rounds import initial_progress
+    from pipeline.training.best_adapter import initial_progress
 
     assert initial_progress() == {"best-val-loss": math.inf, "best-round": 0}
 
@@ -48,7 +52,7 @@ def test_initial_progress_has_no_best_round():
 @given(val=st.lists(st.sampled_from([3.0, 2.5, 2.0, 2.0, 4.0, 1.5, 1.5]), min_size=1, max_size=6))
 def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last(tmp_path_factory, val):
     from pipeline.modeling.adapter_io import adapter_file, load_adapter
-    from pipeline.training.rounds import initial_progress, keep_best_and_final
+    from pipeline.training.best_adapter import initial_progress, keep_best_and_final
 
     plan = _plan_cached()
     out = tmp_path_factory.mktemp("client")
@@ -90,7 +94,7 @@ def _in_workspace(ws):
 
 
 def test_a_nan_loss_is_never_best():
-    from pipeline.training.rounds import initial_progress, keep_best_and_final
+    from pipeline.training.best_adapter import initial_progress, keep_best_and_final
 
     plan = _plan_cached()
     out = Path("models/rounds-nan/clients/Academic")
@@ -101,50 +105,50 @@ def test_a_nan_loss_is_never_best():
 
 # ----------------------------------------------------------------------------------------------- run checkpoints
 def test_a_round_checkpoint_comes_back_only_to_its_plan(caplog):
-    from pipeline.training import rounds
+    from pipeline.training import checkpoints
 
     plan = _plan("rounds-ckpt", rounds=3)
-    path = rounds.server_checkpoint_path(plan)
+    path = checkpoints.server_checkpoint_path(plan)
     assert path == Path(plan.paths["out_dir"]) / "checkpoint" / "server.pt"
-    assert rounds.load_round_checkpoint(path, plan) is None and not rounds.has_valid_checkpoint(plan)
-    rounds.save_round_checkpoint(path, plan, 2, {"arrays": {"w": [1.0]}, "history": [{"round": 1}]})
-    state = rounds.load_round_checkpoint(path, plan)
+    assert checkpoints.load_round_checkpoint(path, plan) is None and not checkpoints.has_valid_checkpoint(plan)
+    checkpoints.save_round_checkpoint(path, plan, 2, {"arrays": {"w": [1.0]}, "history": [{"round": 1}]})
+    state = checkpoints.load_round_checkpoint(path, plan)
     assert state["round"] == 2 and state["arrays"] == {"w": [1.0]} and state["history"] == [{"round": 1}]
-    assert rounds.has_valid_checkpoint(plan)
+    assert checkpoints.has_valid_checkpoint(plan)
     other = _plan("rounds-ckpt", rounds=4)  # same experiment, another configuration
     with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
-        assert rounds.load_round_checkpoint(path, other) is None
+        assert checkpoints.load_round_checkpoint(path, other) is None
     logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.train"], str(path))
-    assert not rounds.has_valid_checkpoint(other)
+    assert not checkpoints.has_valid_checkpoint(other)
 
 
 def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
-    from pipeline.training import rounds
+    from pipeline.training import checkpoints
 
     plan = _plan("rounds-local")
-    path = rounds.local_checkpoint_path(plan)
-    assert path.name == "local.pt" and path.parent == rounds.checkpoint_dir(plan)
-    rounds.save_round_checkpoint(path, plan, 1, {})
-    assert rounds.has_valid_checkpoint(plan)
+    path = checkpoints.local_checkpoint_path(plan)
+    assert path.name == "local.pt" and path.parent == checkpoints.checkpoint_dir(plan)
+    checkpoints.save_round_checkpoint(path, plan, 1, {})
+    assert checkpoints.has_valid_checkpoint(plan)
     path.write_bytes(b"not a torch file")
-    assert not rounds.has_valid_checkpoint(plan)
+    assert not checkpoints.has_valid_checkpoint(plan)
 
 
 def test_run_directory_layout():
-    from pipeline.training import rounds
+    from pipeline.training import checkpoints
 
     plan = _plan("rounds-layout")
     out = Path(plan.paths["out_dir"])
-    assert rounds.checkpoint_dir(plan) == out / "checkpoint"
-    assert rounds.mlflow_run_id_path(plan) == out / "checkpoint" / "mlflow_run_id"
-    assert rounds.client_output_dir(plan, "Product") == out / "clients" / "Product"
-    assert rounds.client_checkpoint_dir(plan, "Product") == out / "checkpoint" / "clients" / "Product"
+    assert checkpoints.checkpoint_dir(plan) == out / "checkpoint"
+    assert checkpoints.mlflow_run_id_path(plan) == out / "checkpoint" / "mlflow_run_id"
+    assert checkpoints.client_output_dir(plan, "Product") == out / "clients" / "Product"
+    assert checkpoints.client_checkpoint_dir(plan, "Product") == out / "checkpoint" / "clients" / "Product"
 
 
 # ----------------------------------------------------------------------------------------------- client checkpoints
 def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest_before_a_round(tmp_path):
     from pipeline.modeling.adapter_io import load_adapter
-    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
     ckpt = tmp_path / "ckpt"
     assert latest_client_checkpoint(ckpt, before=5) is None
@@ -166,7 +170,7 @@ def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest
 
 
 def test_an_untrained_client_checkpoint_says_so(tmp_path):
-    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
     write_client_checkpoint(tmp_path, 1, _state(0.0), {"best-val-loss": 2.0, "best-round": 1}, trained=False,
                             dp_steps=0)
@@ -181,7 +185,7 @@ def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
     """Whatever was there (a resumed client writes a round again): after round r is written the client holds
     exactly rounds r - 1 (if it had it) and r, and round r's content is the new one."""
     from pipeline.modeling.adapter_io import load_adapter
-    from pipeline.training.rounds import write_client_checkpoint
+    from pipeline.training.checkpoints import write_client_checkpoint
 
     for rnd in (1, 2, 3):
         write_client_checkpoint(tmp_path, rnd, _state(1.0), {}, True, None)
@@ -203,7 +207,7 @@ ROWS = [
 
 
 def test_round_metrics_are_the_rows_values_their_byte_sums_and_mean_validation_loss():
-    from pipeline.training.rounds import round_metrics
+    from pipeline.training.history import round_metrics
 
     m = round_metrics(ROWS)
     assert m == {"A.train_loss": 2.0, "A.ce": 1.0, "A.kd": 0.5, "A.kd_fraction": 0.25, "A.val_loss": 3.0,
@@ -216,7 +220,7 @@ def test_round_metrics_are_the_rows_values_their_byte_sums_and_mean_validation_l
 
 
 def test_rounds_files_hold_the_history_and_one_wide_row_per_round():
-    from pipeline.training.rounds import write_rounds
+    from pipeline.training.history import write_rounds
 
     plan = _plan("rounds-files")
     history = ROWS + [{"round": 2, "client": "A", "val_loss": 1.0, "bytes_up": 1, "bytes_down": 2},
@@ -250,7 +254,7 @@ class _Logger:
 
 
 def test_rounds_missing_from_the_mlflow_run_are_logged_once():
-    from pipeline.training.rounds import log_missing_rounds, round_metrics
+    from pipeline.training.history import log_missing_rounds, round_metrics
 
     history = [dict(r, round=rnd) for rnd in (1, 2, 3) for r in ROWS[:2]]
     logger = _Logger([1])
@@ -260,7 +264,7 @@ def test_rounds_missing_from_the_mlflow_run_are_logged_once():
 
 
 def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts():
-    from pipeline.training import rounds
+    from pipeline.training import publish
 
     plan = _plan("rounds-publish")
     out, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
@@ -275,7 +279,7 @@ def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts(
     (out / "gate_log.parquet").write_text("merged")
     target.mkdir(parents=True, exist_ok=True)
     (target / "stale.txt").write_text("from an earlier run")
-    assert rounds.publish_outputs(plan) == target
+    assert publish.publish_outputs(plan) == target
     files = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
     assert files == ["clients", "clients/A", "clients/A/adapter_best.safetensors", "clients/A/sub",
                      "clients/A/sub/gate_log", "clients/B", "clients/B/adapter_best.safetensors", "gate_log.parquet",
@@ -285,7 +289,8 @@ def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts(
 
 
 def test_the_recorders_log_and_write_each_round(caplog):
-    from pipeline.training.rounds import Recorder, RoundLog, TrainRecorder, round_metrics
+    from pipeline.training.history import RoundLog, round_metrics
+    from pipeline.training.recorder import Recorder, TrainRecorder
 
     plan = _plan("rounds-recorder", rounds=3)
     entry = RoundLog(2, 1.5, ROWS[:2], True)
@@ -315,7 +320,7 @@ def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_err
     """A kill between writing a round's adapter and its progress leaves round<r>.safetensors alone; writing a
     later round removes it like any other old checkpoint."""
     from pipeline.modeling.adapter_io import save_adapter
-    from pipeline.training.rounds import latest_client_checkpoint, write_client_checkpoint
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
     save_adapter(tmp_path / "round001.safetensors", _state(1.0))  # no round001.json
     write_client_checkpoint(tmp_path, 3, _state(3.0), {"best-val-loss": 1.0, "best-round": 3}, True, None)
@@ -327,7 +332,7 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
     """Client-level DP rows (by hand): A and B were aggregated (A clipped), C failed; the run-level fields are
     C = 2, a clipped fraction of 1/2 and the round's epsilon, not per-client epsilons; an absent client sent and
     received nothing."""
-    from pipeline.training.rounds import client_level_round, round_metrics
+    from pipeline.training.history import client_level_round, round_metrics
 
     def row(client, **kw):
         return {"round": 1, "client": client, "sampled": 1, "failed": 0, "bytes_down": 10, "bytes_up": 4, **kw}
@@ -352,7 +357,8 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
 
 def test_a_round_without_a_validation_loss_logs_nan_for_that_client(caplog):
     """A client that sent no validation loss (it failed) is shown as nan, not as an error that stops the run."""
-    from pipeline.training.rounds import Recorder, RoundLog
+    from pipeline.training.history import RoundLog
+    from pipeline.training.recorder import Recorder
 
     plan = _plan("rounds-nan", rounds=2)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
@@ -365,7 +371,8 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
     losses of the clients that have one; the log names the experiment, its method, the clients and the round."""
     import tqdm as tqdm_module
 
-    from pipeline.training.rounds import RoundLog, TrainRecorder
+    from pipeline.training.history import RoundLog
+    from pipeline.training.recorder import TrainRecorder
 
     plan = _plan("rounds-progress", rounds=3)
     recorder = TrainRecorder(plan)
@@ -384,7 +391,7 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
 def test_a_recorder_closed_before_its_run_started_does_nothing():
     """train.py closes the recorder in a finally block: a run that fails before its first round must not raise
     a second error from there."""
-    from pipeline.training.rounds import TrainRecorder
+    from pipeline.training.recorder import TrainRecorder
 
     TrainRecorder(_plan("rounds-early-close")).close()
 
@@ -394,17 +401,17 @@ def test_a_checkpoint_with_numpy_arrays_and_rng_states_as_the_server_writes_it_i
     a valid checkpoint of its plan, or every killed run would start over."""
     import numpy as np
 
-    from pipeline.training import rounds
+    from pipeline.training import checkpoints
 
     plan = _plan("rounds-numpy-ckpt", rounds=3)
-    rounds.save_round_checkpoint(rounds.server_checkpoint_path(plan), plan, 1, {
+    checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, 1, {
         "arrays": {"w": np.ones((2, 2), dtype=np.float32)}, "rng": {"numpy": np.random.get_state()}})
-    assert rounds.has_valid_checkpoint(plan)
+    assert checkpoints.has_valid_checkpoint(plan)
 
 
 def test_publishing_creates_the_missing_parents_of_the_model_directory(monkeypatch):
     from pipeline.paths import ProjectPaths
-    from pipeline.training import rounds
+    from pipeline.training import publish
 
     plan = _plan("rounds-publish-parents")
     out = Path(plan.paths["out_dir"])
@@ -412,13 +419,13 @@ def test_publishing_creates_the_missing_parents_of_the_model_directory(monkeypat
     (out / "rounds.json").write_text("[]")
     target = out.parent / "not" / "yet" / "there" / "model"
     monkeypatch.setattr(ProjectPaths, "model_dir", lambda self, experiment: target)  # e.g. models/ on a new disk
-    assert rounds.publish_outputs(plan) == target and (target / "rounds.json").read_text() == "[]"
+    assert publish.publish_outputs(plan) == target and (target / "rounds.json").read_text() == "[]"
 
 
 def test_client_level_dp_rows_put_one_epsilon_per_round_in_the_rounds_file_not_one_per_client():
     """Under client-level DP the rows of aggregated clients all carry the round's epsilon; the DVC plot row has it
     once, as the run-level field, beside each client's own values."""
-    from pipeline.training.rounds import client_level_round, write_rounds
+    from pipeline.training.history import client_level_round, write_rounds
 
     plan = _plan("rounds-client-dp")
     rows = [{"round": 1, "client": "A", "val_loss": 2.0, "bytes_up": 10, "epsilon": 1.5, "update_clipped": 1,

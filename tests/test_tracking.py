@@ -204,7 +204,7 @@ def ws(workspace, monkeypatch):  # noqa: F811
 @pytest.mark.slow
 def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     from pipeline.train import run_experiment
-    from pipeline.training.rounds import TrainRecorder
+    from pipeline.training.recorder import TrainRecorder
 
     path = write_plan("mlflow-resume", "fedavg")
     real_done = TrainRecorder.round_done
@@ -259,7 +259,7 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
 
     from pipeline import plan as plan_stage
     from pipeline import train as train_stage
-    from pipeline.training.rounds import TrainRecorder
+    from pipeline.training.recorder import TrainRecorder
 
     params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN),
               "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}}}
@@ -281,7 +281,7 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.experiment = 'sigterm'")
     assert run.info.status == "KILLED"
     from pipeline.experiments import read_plan
-    from pipeline.training.rounds import mlflow_run_id_path
+    from pipeline.training.checkpoints import mlflow_run_id_path
 
     run_id_file = mlflow_run_id_path(read_plan("models/plans/sigterm.json"))
     assert run_id_file.read_text() == run.info.run_id  # a rerun resumes it

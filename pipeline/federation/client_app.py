@@ -10,7 +10,7 @@
   ``context.state`` (or is reset to the global weights with ``train.local_adapter: reset``); the gate log of
   section 4 is written on the client's disk (it is the client's own data).
 - ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
-  checkpoints the client's state on the client's disk (pipeline.training.rounds).
+  checkpoints the client's state on the client's disk (pipeline.training.checkpoints).
 - ``query.summarize``: federated evaluation (pipeline.federation.deployment).
 - FedAvg weights: ``num-examples`` is the client's full train size |D_i| (``train.weight_by: full``, the paper's
   ``|D_i| / |D|``) even when the CPU profile trains on a capped subsample (``max_train_examples_per_client``,
@@ -42,7 +42,7 @@ from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
 from pipeline.experiments import Plan
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
-from pipeline.training import rounds
+from pipeline.training import best_adapter, checkpoints
 from pipeline.training.client_data import client_data, client_names, read_examples, read_partition
 from pipeline.training.shared_model import initial_adapter_state, model_config, prefix_cache_for, shared_model
 
@@ -64,11 +64,11 @@ def client_name(plan: Plan, context: Context) -> str:
 
 
 def client_dir(plan: Plan, name: str, context: Context) -> Path:
-    return Path(context.node_config.get("client-dir") or rounds.client_output_dir(plan, name))
+    return Path(context.node_config.get("client-dir") or checkpoints.client_output_dir(plan, name))
 
 
 def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
-    return Path(context.node_config.get("checkpoint-dir") or rounds.client_checkpoint_dir(plan, name))
+    return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
 
 
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
@@ -76,7 +76,7 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     None while the client has not trained yet (its first train round then starts from the current global)."""
     if LOCAL_STATE_KEY in context.state:
         return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
-    ckpt = rounds.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
+    ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
     if ckpt is None:
         return None
     if ckpt.dp_steps is not None:
@@ -217,14 +217,14 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid,
                                                           cache=prefix_cache_for(plan, model))
 
-    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else rounds.initial_progress()
-    progress, is_best = rounds.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
+    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else best_adapter.initial_progress()
+    progress, is_best = best_adapter.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
                                                    local, progress)
     if trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     dp_steps = int(context.state[PRIVACY_KEY]["steps"]) if PRIVACY_KEY in context.state else None
-    rounds.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
+    checkpoints.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
                                    dp_steps)
 
     metrics = MetricRecord({

@@ -6,7 +6,7 @@ same things from what the server receives - and nothing else, since the clients'
 their own disks:
 
 - server side (relative to the SuperLink's working directory: the run directory ``data/cache/runs/<exp>-<key>/``
-  while it runs, ``models/<exp>/`` once finished, and ``reports/train/<exp>/``): ``rounds.json`` and ``metrics.json`` (the train stage's writers: pipeline.training.rounds and .summary),
+  while it runs, ``models/<exp>/`` once finished, and ``reports/train/<exp>/``): ``rounds.json`` and ``metrics.json`` (the train stage's writers: pipeline.training.history and .summary),
   ``global_adapter.safetensors`` (the final aggregate), an MLflow run (parameters, per-round per-client
   metrics, bytes, the global adapter, test ROUGE);
 - client side (node config ``client-dir`` / ``checkpoint-dir``; by default the run directory's ``clients/<client>/``
@@ -44,10 +44,13 @@ from pipeline.modeling.adapter_io import save_adapter
 from pipeline.modeling.backbone_record import backbone_name
 from pipeline.experiments import Plan
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
-from pipeline.training import rounds
+from pipeline.training import checkpoints, publish
+from pipeline.training.history import write_rounds
+from pipeline.training.recorder import TrainRecorder
 from pipeline.training.client_data import client_names
 from pipeline.training.shared_model import model_config, shared_model
-from pipeline.training.summary import final_run_metrics, prepare_outputs, run_identity_tags, summarize, write_metrics
+from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
+                                       summarize, write_metrics)
 
 log = logging.getLogger("fedmeet.deployment")
 
@@ -191,7 +194,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     if _flag(rc.get("mlflow"), True):
         from pipeline.results.tracking import RunLogger
 
-        run_id_file = rounds.mlflow_run_id_path(plan)
+        run_id_file = checkpoints.mlflow_run_id_path(plan)
         resume_id = run_id_file.read_text().strip() if resuming and run_id_file.exists() else None
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), run_identity_tags(plan, "deployment"),
                                  resume_run_id=resume_id)
@@ -199,7 +202,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         atomic.write_text(run_id_file, logger.run_id)
 
     cfg = evaluate_config(rc) if _flag(rc.get("evaluate"), True) else None
-    train_recorder = rounds.TrainRecorder(plan, logger)
+    train_recorder = TrainRecorder(plan, logger)
     timeout = round_timeout_s(rc, plan.experiment)
     recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0), timeout)
     try:
@@ -211,11 +214,11 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         raise
     recorder.close()
 
-    rounds.write_rounds(plan, history)
+    write_rounds(plan, history)
     metrics = summarize(plan, history, train_recorder.round_seconds)
     write_metrics(plan, metrics)
     save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
-                 {"experiment": plan.experiment, "round": str(plan.train.rounds)})
+                 {"experiment": plan.experiment, "round": str(metrics["stopped_round"])})
 
     eval_metrics = None
     if cfg is not None:
@@ -224,7 +227,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         log.info("%s: federated evaluation %s -> %s", plan.experiment,
                  {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}, eval_path)
     if logger is not None:
-        logger.log_metrics(final_run_metrics(metrics), step=plan.train.rounds)
+        logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+        logger.set_tags(convergence_tags(metrics))
         for f in (out_dir / GLOBAL_ADAPTER, out_dir / "metrics.json", out_dir / "rounds.json",
                   out_dir / "experiment.json"):
             logger.log_artifact(f)
@@ -234,9 +238,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         logger.finish("FINISHED")
     # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
     # next run of this plan starts over (client checkpoints stay on the clients' disks).
-    rounds.publish_outputs(plan)
-    rounds.server_checkpoint_path(plan).unlink(missing_ok=True)
-    rounds.mlflow_run_id_path(plan).unlink(missing_ok=True)
+    publish.publish_outputs(plan)
+    checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)
+    checkpoints.mlflow_run_id_path(plan).unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}
 
 

@@ -268,7 +268,7 @@ class LocalhostFederation:
 
     def _resume_hint(self) -> str:
         from pipeline.federation.server_app import load_server_checkpoint
-        from pipeline.training.rounds import server_checkpoint_path
+        from pipeline.training.checkpoints import server_checkpoint_path
 
         cwd = os.getcwd()
         try:

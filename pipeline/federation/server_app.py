@@ -3,7 +3,7 @@
 Per round Flower's strategy samples clients (``configure_train``), the Grid delivers the messages, the strategy
 aggregates (``aggregate_train``: FedAvg weighted by ``num-examples``, FedProx, FedAvgM/FedAdam/FedYogi, FedNova),
 all admitted clients evaluate, and the server checkpoints (global adapter, round, RNG state, strategy state;
-pipeline.training.rounds). A client that raises becomes an error reply, which Flower's strategies leave out of
+pipeline.training.checkpoints). A client that raises becomes an error reply, which Flower's strategies leave out of
 the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
 (``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
@@ -33,10 +33,12 @@ from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METR
 from pipeline.federation.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan
-from pipeline.training import rounds
+from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names, read_partition
 from pipeline.training.privacy import secure_aggregation_refusal
-from pipeline.training.rounds import Recorder, RoundLog
+from pipeline.training.history import RoundLog
+from pipeline.training.recorder import Recorder
+from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 
@@ -44,7 +46,7 @@ log = logging.getLogger("fedmeet.federated")
 
 
 def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, history: list[dict]) -> None:
-    rounds.save_round_checkpoint(rounds.server_checkpoint_path(plan), plan, rnd, {
+    checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, rnd, {
         "arrays": {k: a.numpy() for k, a in arrays.items()},
         "strategy_state": strategy_state(strategy),
         "history": history,
@@ -53,7 +55,7 @@ def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, 
 
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
-    return rounds.load_round_checkpoint(rounds.server_checkpoint_path(plan), plan)
+    return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
 
 
 class _NodeSubsetGrid(Grid):
@@ -198,6 +200,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
     for rnd in range(start, t.rounds + 1):
+        if should_stop(history, t.stop, late):  # train.stop: converged (checked first: a resumed run too)
+            log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
+            break
         t0 = time.perf_counter()
         if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
             joined_at = rnd
@@ -401,18 +406,8 @@ def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -
     ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
     if rnd >= join.max_round:
         return True
-    by_round: dict[int, list[float]] = {}
-    for row in history:
-        if row["round"] < rnd and row["client"] != late and "val_loss" in row:
-            by_round.setdefault(int(row["round"]), []).append(float(row["val_loss"]))
-    means = [float(np.mean(by_round[r])) for r in sorted(by_round)]
-    if len(means) < join.patience + 1:
-        return False  # a round's improvement needs an earlier round to compare with
-    improvements = []
-    for i in range(1, len(means)):
-        best_before = min(means[:i])
-        improvements.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
-    return all(imp < join.min_rel_improvement for imp in improvements[-join.patience:])
+    means = [m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)]
+    return plateaued(means, join.min_rel_improvement, join.patience)
 
 
 def _array(value: np.ndarray):

@@ -30,6 +30,27 @@ class JoinConfig:
 
 
 @dataclass
+class StopConfig:
+    """When a run ends (params.yaml `train.stop`): disabled, a run trains its fixed ``train.rounds``; enabled, it
+    ends once the client-average validation loss has not improved by at least ``min_rel_improvement`` (relative
+    to its best so far) in each of the last ``patience`` rounds (pipeline.training.stopping, the test `train.join`
+    uses), and after ``max_rounds`` at the latest (the plan's ``train.rounds`` is then ``max_rounds``)."""
+
+    enabled: bool = False
+    min_rel_improvement: float = 0.005
+    patience: int = 3
+    max_rounds: int = 40
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_rel_improvement < 1.0:
+            raise ValueError("params.yaml train.stop: min_rel_improvement must be in [0, 1)")
+        if self.patience < 1:
+            raise ValueError("params.yaml train.stop: patience must be >= 1")
+        if self.max_rounds < 1:
+            raise ValueError("params.yaml train.stop: max_rounds must be >= 1")
+
+
+@dataclass
 class TrainConfig:
     """params.yaml `train` (the comments on each default live in params.yaml)."""
 
@@ -54,6 +75,7 @@ class TrainConfig:
     fedopt: FedOptConfig = field(default_factory=FedOptConfig)
     new_client: str = "SAMSum"
     join: JoinConfig = field(default_factory=JoinConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
     max_train_examples_per_client: int | None = None
     max_valid_examples_per_client: int | None = None
     # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
@@ -70,6 +92,8 @@ class TrainConfig:
             self.fedopt = from_dict(FedOptConfig, self.fedopt, "train.fedopt")
         if isinstance(self.join, dict):
             self.join = from_dict(JoinConfig, self.join, "train.join")
+        if isinstance(self.stop, dict):
+            self.stop = from_dict(StopConfig, self.stop, "train.stop")
         checks = [
             (self.rounds >= 1, "rounds must be >= 1"),
             (self.local_epochs >= 1, "local_epochs must be >= 1"),

@@ -1,5 +1,6 @@
 """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on every
-client): the local trainer and the round rules of pipeline.training.rounds, without a server."""
+client): the local trainer and the round rules of pipeline.training (best_adapter, checkpoints, history), without
+a server."""
 from __future__ import annotations
 
 import logging
@@ -10,14 +11,17 @@ import pandas as pd
 
 from pipeline.experiments import Plan
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
-from pipeline.training import rounds
+from pipeline.training import best_adapter, checkpoints
+from pipeline.training.history import RoundLog
+from pipeline.training.recorder import TrainRecorder
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
+from pipeline.training.stopping import should_stop
 
 log = logging.getLogger("fedmeet.train")
 
 
-def run_serverless(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> dict[str, Any]:
+def run_serverless(plan: Plan, recorder: TrainRecorder | None = None) -> dict[str, Any]:
     """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
     epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
     (``checkpoint/local.pt``: a rerun resumes after the last completed round)."""
@@ -36,8 +40,8 @@ def run_serverless(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> 
         if len(datas[n].valid) == 0:
             raise ValueError(f"{plan.paths['partition']}: client {n!r} has no valid examples: no best round")
 
-    ckpt_path = rounds.local_checkpoint_path(plan)
-    ckpt = rounds.load_round_checkpoint(ckpt_path, plan)
+    ckpt_path = checkpoints.local_checkpoint_path(plan)
+    ckpt = checkpoints.load_round_checkpoint(ckpt_path, plan)
     if ckpt is not None:
         start, adapters, progress, history = ckpt["round"] + 1, ckpt["adapters"], ckpt["progress"], ckpt["history"]
         log.info("%s: resuming after round %d", plan.experiment, start - 1)
@@ -45,11 +49,14 @@ def run_serverless(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> 
         start, history = 1, []
         initial = initial_adapter_state(plan)
         adapters = {u: {k: v.clone() for k, v in initial.items()} for u in units}
-        progress = {n: rounds.initial_progress() for n in names}
+        progress = {n: best_adapter.initial_progress() for n in names}
     if recorder:
         recorder.started(plan, names, start)
 
     for rnd in range(start, plan.train.rounds + 1):
+        if should_stop(history, plan.train.stop):  # train.stop: converged (checked first: a resumed run too)
+            log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
+            break
         t0 = time.perf_counter()
         trained: dict[str, dict[str, Any]] = {}
         for unit, train_df in units.items():
@@ -64,14 +71,14 @@ def run_serverless(plan: Plan, recorder: rounds.TrainRecorder | None = None) -> 
             unit = unit_of[n]
             model.load_adapter_state("local", adapters[unit])
             val, val_tokens = local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
-            progress[n], _ = rounds.keep_best_and_final(rounds.client_output_dir(plan, n), plan, n, rnd, val,
-                                                        adapters[unit], progress[n])
+            progress[n], _ = best_adapter.keep_best_and_final(checkpoints.client_output_dir(plan, n), plan, n, rnd,
+                                                              val, adapters[unit], progress[n])
             rows.append({"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0,
                          **trained[unit], "val_loss": val, "val_tokens": val_tokens,
                          "best_round": progress[n]["best-round"]})
         history.extend(rows)
-        rounds.save_round_checkpoint(ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress,
+        checkpoints.save_round_checkpoint(ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress,
                                                             "history": history})
         if recorder:
-            recorder.round_done(plan, rounds.RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
+            recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
     return {"history": history}

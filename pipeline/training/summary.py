@@ -16,6 +16,7 @@ from pipeline.common.timing import peak_rss_mb
 from pipeline.modeling.backbone_record import backbone_name
 from pipeline.experiments import Plan
 from pipeline.training.client_training import empty_gate_log
+from pipeline.training.stopping import convergence
 
 # A client's DP-SGD report in metrics.json and MLflow (pipeline.training.privacy; None = unbounded)
 PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
@@ -101,6 +102,8 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
         "partition": plan.partition,
         "seed": plan.seed,
         "rounds": plan.train.rounds,
+        # train.stop: the round it stopped at, its best round by client-average validation loss, converged or not
+        **convergence(history, plan.train.stop, plan.train.new_client if plan.spec.new_client == "post" else None),
         "clients": clients,
         "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
         "bytes_sent": sum(c["bytes_sent"] for c in clients.values()),
@@ -181,8 +184,14 @@ def privacy_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def convergence_tags(metrics: dict[str, Any]) -> dict[str, str]:
+    """The run's stop outcome as MLflow tags (``converged`` true|false, ``stopped_round``, ``best_round``)."""
+    return {"converged": str(metrics["converged"]).lower(), "stopped_round": str(metrics["stopped_round"]),
+            "best_round": str(metrics["best_round"])}
+
+
 def final_run_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The run's closing MLflow metrics (logged at step ``train.rounds``): each client's best validation loss,
+    """The run's closing MLflow metrics (logged at its last round): each client's best validation loss,
     the bytes in total, the peak memory, the DP-SGD reports."""
     return {f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
             if v["best_val_loss"] is not None} | {

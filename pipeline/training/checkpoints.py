@@ -1,0 +1,127 @@
+"""Where a training run keeps its state while it runs, and its checkpoints, shared by the federated engines
+(pipeline.federation: server loop and client handlers) and by `single` / `centralized` (pipeline.training.serverless).
+
+A run's run directory is ``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` (adapters, gate log),
+``checkpoint/`` with ``server.pt`` or ``local.pt``, ``mlflow_run_id``,
+``clients/<client>/round<NNN>.{safetensors,json}``.
+A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.common import atomic
+from pipeline.modeling.adapter_io import save_adapter
+from pipeline.experiments import Plan, plan_hash
+
+log = logging.getLogger("fedmeet.train")
+
+SERVER_CHECKPOINT = "server.pt"  # the federated server's: global adapter, strategy state, RNG, history
+LOCAL_CHECKPOINT = "local.pt"  # single / centralized: every unit's adapter, progress, history
+TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the client has not trained yet
+DP_STEPS = "dp-steps"  # in a client checkpoint's progress: DP-SGD steps so far, so a resumed client keeps composing
+
+
+# ----------------------------------------------------------------------------------------------- where
+def checkpoint_dir(plan: Plan) -> Path:
+    """``<run dir>/checkpoint/``: everything a killed run resumes from (removed when the run finishes)."""
+    return Path(plan.paths["out_dir"]) / "checkpoint"
+
+
+def server_checkpoint_path(plan: Plan) -> Path:
+    return checkpoint_dir(plan) / SERVER_CHECKPOINT
+
+
+def local_checkpoint_path(plan: Plan) -> Path:
+    return checkpoint_dir(plan) / LOCAL_CHECKPOINT
+
+
+def mlflow_run_id_path(plan: Plan) -> Path:
+    """The run id beside the checkpoint: a resumed training continues its MLflow run."""
+    return checkpoint_dir(plan) / "mlflow_run_id"
+
+
+def client_output_dir(plan: Plan, client: str) -> Path:
+    """A client's adapters and gate log (a deployed client may set its own: node config ``client-dir``)."""
+    return Path(plan.paths["out_dir"]) / "clients" / client
+
+
+def client_checkpoint_dir(plan: Plan, client: str) -> Path:
+    """A client's round checkpoints (a deployed client may set its own: node config ``checkpoint-dir``)."""
+    return checkpoint_dir(plan) / "clients" / client
+
+
+# ----------------------------------------------------------------------------------------------- run checkpoints
+def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
+    """The checkpoint after round ``rnd``: ``state`` tagged with the plan's hash and the round."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic.torch_save({"plan_hash": plan_hash(plan), "round": rnd, **state}, path)
+
+
+def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
+    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another configuration."""
+    if not path.exists():
+        return None
+    state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
+    if state.get("plan_hash") != plan_hash(plan):
+        log.warning("%s: checkpoint belongs to another configuration; starting over", path)
+        return None
+    return state
+
+
+def has_valid_checkpoint(plan: Plan) -> bool:
+    """Whether the experiment's outputs belong to an unfinished run of this plan (then they are resumed)."""
+    for path in (server_checkpoint_path(plan), local_checkpoint_path(plan)):
+        if path.exists():
+            try:
+                return torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
+            except Exception:  # unreadable (killed mid-write before the atomic rename cannot happen, but be safe)
+                return False
+    return False
+
+
+# ----------------------------------------------------------------------------------------------- client checkpoints
+@dataclass
+class ClientCheckpoint:
+    """A client's checkpoint of one round: its progress, whether it had trained, its DP-SGD steps so far."""
+
+    round: int
+    progress: dict[str, float]
+    trained: bool
+    dp_steps: int | None
+    adapter: Path
+
+
+def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
+    return sorted(int(p.stem[len("round"):]) for p in ckpt.glob("round*.safetensors"))
+
+
+def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
+    """The client's latest checkpoint of a round before ``before``, or None."""
+    earlier = [r for r in _client_checkpoint_rounds(ckpt) if r < before]
+    if not earlier:
+        return None
+    last = earlier[-1]
+    progress = json.loads((ckpt / f"round{last:03d}.json").read_text())
+    trained = bool(progress.pop(TRAINED_FLAG, 1))
+    dp_steps = int(progress.pop(DP_STEPS)) if DP_STEPS in progress else None
+    return ClientCheckpoint(last, progress, trained, dp_steps, ckpt / f"round{last:03d}.safetensors")
+
+
+def write_client_checkpoint(ckpt: Path, rnd: int, state: dict[str, torch.Tensor], progress: dict[str, float],
+                            trained: bool, dp_steps: int | None) -> None:
+    """Client-side checkpoint of round ``rnd`` (its adapter and progress); the previous round's stays until the
+    server's checkpoint of this round exists, so a kill in between still finds a consistent state."""
+    save_adapter(ckpt / f"round{rnd:03d}.safetensors", state)
+    steps = {DP_STEPS: dp_steps} if dp_steps is not None else {}
+    atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained), **steps}))
+    for old in _client_checkpoint_rounds(ckpt):
+        if old < rnd - 1 or old > rnd:
+            (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
+            (ckpt / f"round{old:03d}.json").unlink(missing_ok=True)

@@ -1,0 +1,72 @@
+"""When a run's clients have converged: one test, used for the end of a run (``train.stop``) and for the admission
+of the post-addition study's new client (``train.join``).
+
+The test reads the client-average validation loss of each round (the mean over the clients that evaluated in it):
+it holds when, in each of the last ``patience`` rounds, that mean improved on the best mean of the rounds before it
+by less than ``min_rel_improvement`` of that best. Each client still keeps its own best adapter
+(pipeline.training.best_adapter); the rule only decides how many rounds the run trains.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def relative_improvements(means: Sequence[float]) -> list[float]:
+    """For each round after the first, how much its mean improved on the best mean before it, relative to that
+    best (negative when it got worse)."""
+    out = []
+    for i in range(1, len(means)):
+        best_before = min(means[:i])
+        out.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
+    return out
+
+
+def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int) -> bool:
+    """Whether each of the last ``patience`` means improved on the best mean before it by less than
+    ``min_rel_improvement`` (relative); False while there are not ``patience`` rounds after a first one."""
+    if len(means) < patience + 1:
+        return False  # a round's improvement needs an earlier round to compare with
+    return all(imp < min_rel_improvement for imp in relative_improvements(means)[-patience:])
+
+
+def mean_val_loss_by_round(history: list[dict[str, Any]], since: int = 1, before: int | None = None,
+                           exclude: str | None = None) -> list[tuple[int, float]]:
+    """(round, client-average validation loss) for the rounds ``since`` <= round < ``before`` that have one, in
+    round order; the rows of client ``exclude`` are left out."""
+    by_round: dict[int, list[float]] = {}
+    for row in history:
+        rnd = int(row["round"])
+        if rnd >= since and (before is None or rnd < before) and row["client"] != exclude \
+                and row.get("val_loss") is not None:
+            by_round.setdefault(rnd, []).append(float(row["val_loss"]))
+    return [(r, sum(v) / len(v)) for r, v in sorted(by_round.items())]
+
+
+def series_start(history: list[dict[str, Any]], late: str | None) -> int:
+    """The first round of the run's stop series: with a late client (post-addition), the round it joined, since
+    the client average changes its meaning then (before it joins: no round, the run cannot stop yet)."""
+    if late is None:
+        return 1
+    joined = [int(r["round"]) for r in history if r["client"] == late]
+    return min(joined) if joined else 10 ** 9
+
+
+def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:
+    """Whether a run with ``train.stop`` enabled ends after the rounds of ``history`` (checked before each round,
+    so a resumed run reads the same answer from its restored history)."""
+    if not stop.enabled:
+        return False
+    means = [m for _, m in mean_val_loss_by_round(history, since=series_start(history, late))]
+    return plateaued(means, stop.min_rel_improvement, stop.patience)
+
+
+def convergence(history: list[dict[str, Any]], stop, late: str | None = None) -> dict[str, Any]:
+    """What a finished run records (metrics.json, MLflow): the round it stopped at, its best round (lowest
+    client-average validation loss, the first of equals) and whether it converged: the rule of ``stop`` holds at
+    its last round, so it is false when it stopped at the last round allowed (max_rounds, or the fixed
+    ``train.rounds``) before the rule held, and whenever its best round is its last."""
+    stopped = max((int(r["round"]) for r in history), default=0)
+    series = mean_val_loss_by_round(history, since=series_start(history, late))
+    best = min(series, key=lambda rm: rm[1])[0] if series else None
+    converged = plateaued([m for _, m in series], stop.min_rel_improvement, stop.patience) and best != stopped
+    return {"stopped_round": stopped, "best_round": best, "converged": bool(converged)}

@@ -1,0 +1,177 @@
+"""Training until convergence (params.yaml `train.stop`, pipeline.training.stopping): the rule on hand-made loss
+sequences, its place in the plan, and tiny runs of both engines that stop by it and record the outcome.
+
+Properties stated: a run ends after the first round at which each of the last `patience` client-average validation
+losses improved on the best before it by less than `min_rel_improvement`, or at `max_rounds`; it records the round
+it stopped at, its best round (lowest client average, first of equals) and converged = the rule held and its best
+round is not its last. Disabled, plans are those of a fixed `train.rounds` and no run stops early.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+
+
+def _stop(**kw):
+    from pipeline.training.config import StopConfig
+
+    return StopConfig(**{"enabled": True, "min_rel_improvement": 0.005, "patience": 3, "max_rounds": 40, **kw})
+
+
+def _rows(rnd: int, mean: float) -> list[dict]:
+    # two clients whose average is `mean` (the rule reads the client average, not one client)
+    return [{"round": rnd, "client": "A", "val_loss": mean - 0.5},
+            {"round": rnd, "client": "B", "val_loss": mean + 0.5}]
+
+
+def _run(means: list[float], stop) -> tuple[int, dict]:
+    """A scripted run as the engines loop: before each round the rule is checked on the rounds so far; round r's
+    validation gives the client average means[r - 1]. Returns the rounds trained and the recorded outcome."""
+    from pipeline.training.stopping import convergence, should_stop
+
+    history: list[dict] = []
+    for rnd in range(1, stop.max_rounds + 1):
+        if should_stop(history, stop):
+            break
+        history += _rows(rnd, means[rnd - 1])
+    return max(r["round"] for r in history), convergence(history, stop)
+
+
+def test_a_plateau_of_patience_rounds_stops_the_run_after_its_last_round():
+    # best 8.0 at round 2; rounds 3-5 improve on it by less than 0.5 % (8.0 -> 7.97 is 0.375 %): stop after round 5
+    trained, outcome = _run([10.0, 8.0, 8.1, 7.97, 8.05, 1.0, 1.0], _stop(patience=3))
+    assert trained == 5
+    assert outcome == {"stopped_round": 5, "best_round": 4, "converged": True}
+
+
+def test_an_improvement_of_at_least_min_rel_restarts_the_count():
+    # round 4 improves 8.0 -> 7.9 (1.25 % >= 0.5 %): the patience count starts again from round 5
+    trained, outcome = _run([10.0, 8.0, 8.0, 7.9, 7.9, 7.9, 7.9, 7.0], _stop(patience=3))
+    assert trained == 7
+    assert outcome == {"stopped_round": 7, "best_round": 4, "converged": True}  # first of equal averages
+
+
+def test_a_run_still_improving_stops_at_max_rounds_not_converged():
+    trained, outcome = _run([10.0, 9.0, 8.0, 7.0, 6.0, 5.0], _stop(patience=2, max_rounds=4))
+    assert trained == 4
+    assert outcome == {"stopped_round": 4, "best_round": 4, "converged": False}
+
+
+def test_max_rounds_before_the_rule_held_is_not_converged_even_with_an_earlier_best():
+    # rounds 3-4 are worse than round 2, but patience 3 needs a third round: the ceiling comes first
+    trained, outcome = _run([10.0, 8.0, 8.5, 9.0, 9.0], _stop(patience=3, max_rounds=4))
+    assert trained == 4
+    assert outcome == {"stopped_round": 4, "best_round": 2, "converged": False}
+
+
+def test_best_round_last_is_not_converged_although_the_rule_held():
+    # each round improves, by less than 0.5 %: the rule stops the run, but its best round is its last
+    trained, outcome = _run([10.0, 8.0, 7.99, 7.98, 7.97, 7.0], _stop(patience=3))
+    assert trained == 5
+    assert outcome == {"stopped_round": 5, "best_round": 5, "converged": False}
+
+
+def test_disabled_never_stops_early_but_still_records_the_outcome():
+    from pipeline.training.stopping import convergence, should_stop
+
+    history = [row for rnd, m in enumerate([10.0, 8.0, 8.5, 9.0, 9.5], 1) for row in _rows(rnd, m)]
+    off = _stop(enabled=False, patience=2)
+    assert not should_stop(history, off)
+    assert convergence(history, off) == {"stopped_round": 5, "best_round": 2, "converged": True}
+
+
+def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
+    from pipeline.training.stopping import mean_val_loss_by_round, plateaued, relative_improvements
+
+    history = [{"round": 1, "client": "A", "val_loss": 2.0}, {"round": 1, "client": "B", "val_loss": 4.0},
+               {"round": 2, "client": "A", "val_loss": 1.0}, {"round": 2, "client": "B"},  # B failed to evaluate
+               {"round": 2, "client": "C", "val_loss": 5.0}]
+    assert mean_val_loss_by_round(history) == [(1, 3.0), (2, 3.0)]
+    assert mean_val_loss_by_round(history, exclude="C") == [(1, 3.0), (2, 1.0)]
+    assert mean_val_loss_by_round(history, before=2) == [(1, 3.0)]
+    assert relative_improvements([4.0, 3.0, 3.5, 2.4]) == pytest.approx([0.25, -1 / 6, 0.2])
+    assert not plateaued([4.0, 4.0], 0.01, patience=2)  # two rounds after a first one needed
+    assert plateaued([4.0, 4.0, 4.0], 0.01, patience=2)
+    assert not plateaued([4.0, 4.0, 4.0], 0.0, patience=2)  # min_rel 0: any non-improvement counts, none did
+
+
+def test_a_late_client_s_run_counts_from_its_join():
+    from pipeline.training.stopping import convergence, should_stop
+
+    stop = _stop(patience=1)
+    before = [row for rnd in (1, 2, 3) for row in _rows(rnd, 5.0)]  # flat before the join: not a reason to stop
+    assert not should_stop(before, stop, late="SAMSum")
+    joined = before + [{"round": 4, "client": "A", "val_loss": 5.0}, {"round": 4, "client": "SAMSum", "val_loss": 9.0}]
+    assert not should_stop(joined, stop, late="SAMSum")  # one round since the join
+    joined += [{"round": 5, "client": "A", "val_loss": 5.0}, {"round": 5, "client": "SAMSum", "val_loss": 9.0}]
+    assert should_stop(joined, stop, late="SAMSum")
+    assert convergence(joined, stop, late="SAMSum") == {"stopped_round": 5, "best_round": 4, "converged": True}
+
+
+def test_join_admission_still_uses_the_same_test():
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.training.config import JoinConfig
+
+    join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=10)
+    history = [row for rnd, m in enumerate([10.0, 8.0, 7.95, 7.93], 1) for row in _rows(rnd, m)]
+    history.append({"round": 2, "client": "SAMSum", "val_loss": 99.0})  # the late client's rows do not count
+    assert not new_client_joins(4, history, "SAMSum", join)  # rounds 2-3: 20 %, 0.6 %
+    assert new_client_joins(5, history, "SAMSum", join)  # rounds 3-4: 0.6 %, 0.25 %
+    assert new_client_joins(10, [], "SAMSum", join)  # max_round
+
+
+def test_stop_settings_are_checked():
+    from pipeline.common.config import ConfigError, from_dict
+    from pipeline.training.config import TrainConfig
+
+    for bad in ({"patience": 0}, {"min_rel_improvement": 1.0}, {"max_rounds": 0}, {"rounds_max": 3}):
+        with pytest.raises(ConfigError, match=r"train\.stop"):
+            from_dict(TrainConfig, {"stop": bad}, "train")
+
+
+def test_plan_holds_stop_only_when_enabled_and_its_ceiling_as_rounds(ws):
+    off = json.loads(Path(write_plan("stop-off", "fedavg", rounds=2)).read_text())
+    assert "stop" not in off["train"] and off["train"]["rounds"] == 2
+    on = json.loads(Path(write_plan("stop-on", "fedavg", rounds=2,
+                                    stop={"enabled": True, "patience": 2, "max_rounds": 6})).read_text())
+    assert on["train"]["rounds"] == 6
+    assert on["train"]["stop"] == {"enabled": True, "min_rel_improvement": 0.005, "patience": 2, "max_rounds": 6}
+    assert {k: v for k, v in on["train"].items() if k not in ("stop", "rounds")} == \
+        {k: v for k, v in off["train"].items() if k != "rounds"}
+
+
+@pytest.mark.parametrize("method", ["fedavg", "single"])
+def test_a_tiny_run_with_the_rule_stops_early_and_records_it(ws, method):
+    """min_rel_improvement 0.9 with patience 1: round 2 cannot improve the client average by 90 %, so the run
+    ends after round 2 of at most 5, in both engines (Flower's server loop and the serverless one)."""
+    import mlflow
+
+    from pipeline.experiments import RunSettings
+    from pipeline.train import run_experiment
+
+    name = f"stop-{method}"
+    plan = write_plan(name, method, stop={"enabled": True, "min_rel_improvement": 0.9, "patience": 1,
+                                          "max_rounds": 5})
+    metrics = run_experiment(plan, settings=RunSettings())
+    wide = json.loads(Path(f"reports/train/{name}/rounds.json").read_text())
+    assert [r["round"] for r in wide] == [1, 2]
+    means = [r["val_loss_mean"] for r in wide]
+    best = 1 if means[0] <= means[1] else 2
+    recorded = json.loads(Path(f"reports/train/{name}/metrics.json").read_text())
+    assert {k: recorded[k] for k in ("stopped_round", "best_round", "converged")} == {
+        "stopped_round": 2, "best_round": best, "converged": best == 1}
+    assert recorded == json.loads(Path(f"models/{name}/metrics.json").read_text()) and metrics["stopped_round"] == 2
+    for c in recorded["clients"].values():  # each client keeps its own best round
+        assert c["best_round"] in (1, 2)
+
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    run = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'",
+                             output_format="list")[0]
+    assert run.data.tags["stopped_round"] == "2" and run.data.tags["best_round"] == str(best)
+    assert run.data.tags["converged"] == str(best == 1).lower()
+    assert run.data.params["train.stop.patience"] == "1" and run.data.params["train.rounds"] == "5"
