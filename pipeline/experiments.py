@@ -13,8 +13,8 @@ settings only in federated plans (transfer_delta only with a lossy transfer_dtyp
 train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
 plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
 (its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
-(pipeline.training.privacy.client_level_problem), secure aggregation those whose server does more than average
-(pipeline.training.privacy.secure_aggregation_refusal).
+(pipeline.privacy.settings.client_level_problem), secure aggregation those whose server does more than average
+(pipeline.privacy.settings.secure_aggregation_refusal).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
 round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
@@ -39,7 +39,7 @@ from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig
-from pipeline.training.privacy import PrivacyConfig, client_level_problem, secure_aggregation_refusal
+from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.

@@ -1,5 +1,5 @@
-"""Client-level DP across organisations (privacy.mode client: pipeline/federation/client_dp.py, the setting and
-accountant in pipeline/training/privacy.py): the accountant against a published DP-FedAvg case, clipping of every
+"""Client-level DP across organisations (privacy.mode client: pipeline/privacy/client_dp.py, the setting and
+accountant in pipeline/privacy/): the accountant against a published DP-FedAvg case, clipping of every
 client's update (hand-computed, server and client side, and on the real adapters), the noise's standard deviation,
 the adaptive split, the noise-free unclipped control against the non-private run, refusals, plans, and tiny
 federated runs with a target epsilon and with adaptive clipping (resumed)."""
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.training.privacy import (FederationPrivacy, PrivacyConfig, adaptive_update_multiplier,
-                                       federation_privacy, flower_adaptive_multiplier)
+from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy, flower_adaptive_multiplier
+from pipeline.privacy.settings import PrivacyConfig
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
@@ -127,7 +127,7 @@ def _wrapped(n_nodes: int, global_arrays, **privacy):
     from flwr.app import ConfigRecord
 
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import wrap_strategy
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies import FedOptConfig, build_strategy
 
@@ -157,7 +157,7 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-    from pipeline.federation.client_dp import client_dp_mod
+    from pipeline.privacy.client_dp import client_dp_mod
 
     path = write_plan("cdp-mod", "fedavg")
     plan_with = json.loads(Path(path).read_text())
@@ -193,7 +193,7 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
     from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import wrap_strategy
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies import FedOptConfig, build_strategy
 
@@ -371,7 +371,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
 
     from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import update_norm
+    from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRIC_KEYS
     from pipeline.training.shared_model import initial_adapter_state

@@ -335,7 +335,7 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
 
     from pipeline.modeling.batching import IGNORE_INDEX
     from pipeline.training.client_training import _poisson_steps, per_example_loss_scale
-    from pipeline.training.privacy import poisson_steps
+    from pipeline.privacy.example_dp import poisson_steps
     from pipeline.training.shared_model import model_config
 
     from pipeline.federation.protocol import load_plan

@@ -1,4 +1,4 @@
-"""Example-level DP-SGD (pipeline/training/privacy.py): the accountant against published numbers, per-example clipping
+"""Example-level DP-SGD (pipeline/privacy/): the accountant against published numbers, per-example clipping
 (hand-computed and on the real adapters), the noise's standard deviation, the noise-free unclipped control
 against the non-private trainer, target_epsilon, the `privacy` params group, and a tiny federated run."""
 from __future__ import annotations
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.training.privacy import ClientPrivacy, DPSGDStep, PrivacyConfig, client_privacy, epsilon
+from pipeline.privacy.accounting import ClientPrivacy, client_privacy, epsilon
+from pipeline.privacy.example_dp import DPSGDStep
+from pipeline.privacy.settings import PrivacyConfig
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
 
@@ -426,7 +428,7 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
     own noise stream; the same triple draws the same again. The logical batch is batch_size x grad_accum_steps,
     and with a tiny C every per-example gradient is clipped and counted."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.training import privacy
+    from pipeline.privacy import example_dp as privacy
     from pipeline.training.client_data import client_data
     from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import initial_adapter_state, shared_model

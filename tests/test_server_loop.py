@@ -428,7 +428,7 @@ def test_a_failure_without_a_reason_is_recorded_by_its_error_code(ws, caplog):
 
 def _client_dp(path: str, **privacy) -> str:
     from pipeline.common.config import from_dict
-    from pipeline.training.privacy import PrivacyConfig
+    from pipeline.privacy.settings import PrivacyConfig
 
     plan = json.loads(Path(path).read_text())
     plan["privacy"] = from_dict(PrivacyConfig, {"mode": "client", "noise_multiplier": 0.0, **privacy},
@@ -1007,7 +1007,7 @@ def _secure_rows(names):
 
 
 def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
@@ -1035,7 +1035,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
 
 
 def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of_the_others_is_logged(caplog):
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
@@ -1054,7 +1054,7 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
 
 
 def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog):
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     names = {11: "Academic", 12: "Committee"}
@@ -1069,7 +1069,7 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
 
 
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     class Wrapper:
@@ -1108,7 +1108,7 @@ class _InTheClearSecure:
     def train_round(self, grid, messages, rnd):
         from flwr.app import ArrayRecord
 
-        from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+        from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
         nodes, total, mean, in_sum = {}, 0, None, set()
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
@@ -1155,7 +1155,7 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
 def _secure_plan(name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None,
                  **train) -> str:
     from pipeline.common.config import from_dict
-    from pipeline.training.privacy import PrivacyConfig
+    from pipeline.privacy.settings import PrivacyConfig
 
     path = write_plan(name, method, partition, **{"rounds": 1, **train})
     raw = json.loads(Path(path).read_text())
@@ -1240,7 +1240,7 @@ def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_mor
 
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import _secure_aggregator
-    from pipeline.training.privacy import secure_aggregation_refusal
+    from pipeline.privacy.settings import secure_aggregation_refusal
 
     plan = load_plan(_secure_plan("loop-secure-fedopt", "fedavg", rounds=1))
     fedopt = dataclasses.replace(plan, method="fedopt")

@@ -8,8 +8,8 @@ the aggregate; the run goes on. A rerun resumes after the last checkpointed roun
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
 (``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
 (``privacy.mode: client``) Flower's DP wrapper clips, averages uniformly and adds noise
-(pipeline.federation.client_dp); it releases no aggregate in a round with an error reply. Under
-``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.federation.secure_aggregation): the
+(pipeline.privacy.client_dp); it releases no aggregate in a round with an error reply. Under
+``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.privacy.secure_aggregation): the
 same sampled clients, and the server receives their weighted mean instead of their replies (with client-level DP:
 their uniform mean of client-clipped updates, to which the DP wrapper adds its noise).
 """
@@ -26,16 +26,16 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from pipeline.federation.client_dp import RoundPrivacy, wrap_strategy
+from pipeline.privacy.client_dp import RoundPrivacy, wrap_strategy
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
                                           downlink_reference, encode_global, payload_bytes, privacy_row)
-from pipeline.federation.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
+from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan
 from pipeline.training import rounds
 from pipeline.training.client_data import client_names, read_partition
-from pipeline.training.privacy import secure_aggregation_refusal
+from pipeline.privacy.settings import secure_aggregation_refusal
 from pipeline.training.rounds import Recorder, RoundLog
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
@@ -173,7 +173,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
     strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
                               proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
-    client_level = None  # privacy.mode client: Flower's DP wrapper around the strategy (pipeline.federation.client_dp)
+    client_level = None  # privacy.mode client: Flower's DP wrapper around the strategy (pipeline.privacy.client_dp)
     if plan.privacy is not None and plan.privacy.mode == "client":
         client_level = RoundPrivacy(plan, expected)
         strategy = wrap_strategy(strategy, plan, client_level.setting)
@@ -357,7 +357,7 @@ def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout
     if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
         return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
     # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
-    # it fixes Flower's integer weights (pipeline.federation.secure_aggregation.weight_scale).
+    # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.weight_scale).
     max_weight = max(len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values())
     return SecureAggregator(plan.privacy.secagg, max_weight, len(clients), timeout)
 

@@ -5,7 +5,7 @@ Shared by the Flower ClientApp (federated methods) and by `single` / `centralize
 (KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
 plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
 ("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.training.privacy).
+(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class LocalTrainResult:
     proximal: float  # last value of mu/2 ||W - W_global||^2
     gate_log: pd.DataFrame = field(repr=False, default=None)
     # DP-SGD (privacy.mode example): the client's setting, and this call's per-example gradients and clipped ones
-    privacy: Any = field(repr=False, default=None)  # pipeline.training.privacy.ClientPrivacy or None
+    privacy: Any = field(repr=False, default=None)  # pipeline.privacy.accounting.ClientPrivacy or None
     dp_examples: int = 0
     dp_clipped: int = 0
 
@@ -99,9 +99,9 @@ def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: 
 
 def _poisson_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
                    normalisation: str, setting, seed: int) -> list[list[tuple[Batch, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (pipeline.training.privacy.poisson_steps; a step may be empty),
+    """One epoch of DP-SGD: Poisson-sampled logical batches (pipeline.privacy.example_dp.poisson_steps; a step may be empty),
     each cut into micro-batches of ``batch_size`` with the scale of :func:`per_example_loss_scale`."""
-    from pipeline.training.privacy import poisson_steps
+    from pipeline.privacy.example_dp import poisson_steps
 
     steps = []
     for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
@@ -147,7 +147,7 @@ def train_local(
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
     (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
 
-    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.training.privacy):
+    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
     Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
     client's setting and this call's clipped counts, the caller composes the steps across rounds."""
     from pipeline.modeling.losses import distillation_loss
@@ -186,7 +186,8 @@ def train_local(
         teacher_cache = TeacherCache(int(teacher_budget * 2**30))
     dp = None
     if plan.privacy is not None and plan.privacy.mode == "example":  # (mode client: the server's wrapper)
-        from pipeline.training.privacy import DPSGDStep, client_privacy
+        from pipeline.privacy.accounting import client_privacy
+        from pipeline.privacy.example_dp import DPSGDStep
 
         setting = client_privacy(plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds,
                                  cfg.local_epochs, where=f"{plan.source}: client {client!r}")
@@ -214,7 +215,7 @@ def train_local(
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                     loss = out.loss
                     if dp is not None:
-                        # weight turns the batch mean into the sum of per-example losses (pipeline.training.privacy)
+                        # weight turns the batch mean into the sum of per-example losses (pipeline.privacy)
                         (loss * weight).backward()
                         dp.accumulate()
                     else:

@@ -17,7 +17,7 @@ from pipeline.modeling.backbone_record import backbone_name
 from pipeline.experiments import Plan
 from pipeline.training.client_training import empty_gate_log
 
-# A client's DP-SGD report in metrics.json and MLflow (pipeline.training.privacy; None = unbounded)
+# A client's DP-SGD report in metrics.json and MLflow (pipeline.privacy; None = unbounded)
 PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
 # privacy.mode client: the run's report (one guarantee for every client), in metrics.json's `privacy` and MLflow
 CLIENT_LEVEL_FIELDS = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction")

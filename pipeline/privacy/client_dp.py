@@ -1,6 +1,6 @@
 """Client-level differential privacy across organisations (params ``privacy.mode: client``, README "Privacy"):
 Flower 1.41's DP strategy wrappers around the FedAvg-family strategy, the matching client mods, and what each
-round records. The setting and the accountant are pipeline.training.privacy (:class:`FederationPrivacy`).
+round records. The setting and the accountant are pipeline.privacy (:class:`FederationPrivacy`).
 
 - Server-side clipping (``clipping_side: server``): ``DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping``
   clip every reply's update ``W_i - W`` to C on the server (which sees the updates in the clear: central DP
@@ -9,9 +9,9 @@ round records. The setting and the accountant are pipeline.training.privacy (:cl
   send C in the train config; Flower's ``fixedclipping_mod`` / ``adaptiveclipping_mod`` on the ClientApp's train
   handler clip the reply against the weights received, so the server never holds an unclipped update (the
   precondition of secure aggregation); the server averages and adds the same noise.
-- Under SecAgg+ (``privacy.secure_aggregation``, client-side clipping only: pipeline.training.privacy
+- Under SecAgg+ (``privacy.secure_aggregation``, client-side clipping only: pipeline.privacy
   .secure_aggregation_refusal) the mod clips inside ``secaggplus_mod`` before the upload is masked, each client
-  weighs 1 in the masked sum and its clipped bit is summed with it (pipeline.federation.secure_aggregation); the
+  weighs 1 in the masked sum and its clipped bit is summed with it (pipeline.privacy.secure_aggregation); the
   secure step bypasses ``aggregate_train``, so the server hands the unmasked mean to the wrapper's
   :meth:`_FedmeetDP.release_secure_mean`, which adds the same noise from the same seeded generator.
 
@@ -30,7 +30,7 @@ What fedmeet changes in Flower's wrappers, and why:
   clipped fraction f and the target clipped quantile t, ``C exp(lr (f - t))``, whose fixed point clips a
   fraction t. (2) The noise: Flower updates C before it adds the round's noise, so the noise is scaled by next
   round's C, not by the C the updates were clipped to (under-noised whenever C shrinks); here it uses the
-  round's C. The accounting of Flower's uncentred clipped count is pipeline.training.privacy's.
+  round's C. The accounting of Flower's uncentred clipped count is pipeline.privacy's.
 """
 from __future__ import annotations
 
@@ -50,9 +50,9 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_stdv,
 from pipeline.experiments import Plan
 from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, load_plan,
                                           plan_path_of)
-from pipeline.federation.secure_aggregation import is_legacy_fit
-from pipeline.training.privacy import (FederationPrivacy, client_level_problem, federation_privacy,
-                                      flower_adaptive_multiplier)
+from pipeline.privacy.secure_aggregation import is_legacy_fit
+from pipeline.privacy.accounting import FederationPrivacy, federation_privacy, flower_adaptive_multiplier
+from pipeline.privacy.settings import client_level_problem
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
