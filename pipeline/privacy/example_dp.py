@@ -33,10 +33,12 @@ upload. Only methods whose server merely averages can use it, and with mode clie
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
 from pipeline.privacy.accounting import ClientPrivacy
+from pipeline.training.seeds import derived_seed
 
 # The first adapter's input is the frozen prefix (no gradient): torch warns on every backward that opacus' full
 # backward hook then sees only output gradients, which is all it needs.
@@ -108,3 +110,66 @@ class DPSGDStep:
             for attr in ("grad_sample", "_current_grad_sample"):
                 if hasattr(p, attr):
                     delattr(p, attr)
+
+
+def per_example_loss_scale(batch, normalisation: str, max_target_length: int) -> float:
+    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses of DP-SGD:
+    ``tokens``: sum_t L_t / max_target_length per example (the batch mean x N_tokens / T_max); ``sequences``:
+    the mean of each example's L_t (the batch mean x the number of sequences)."""
+    from pipeline.modeling.batching import IGNORE_INDEX
+
+    valid = batch.labels != IGNORE_INDEX
+    if normalisation == "tokens":
+        return int(valid.sum()) / max_target_length
+    return float(int((valid.sum(dim=1) > 0).sum()))
+
+
+def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation: str, max_target_length: int,
+                  seed: int) -> list[list[tuple[Any, float]]]:
+    """One epoch of DP-SGD: Poisson-sampled logical batches (:func:`poisson_steps`; a step may be empty), each cut
+    by ``micro_batches`` (a frame of examples -> its batches of ``train.batch_size``, in order) with the scale of
+    :func:`per_example_loss_scale`."""
+    steps = []
+    for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
+        batches = micro_batches(examples.iloc[idx]) if idx else []
+        steps.append([(b, per_example_loss_scale(b, normalisation, max_target_length)) for b in batches])
+    return steps
+
+
+class DPSGDSteps:
+    """The local trainer's step object under mode example (the same interface as its non-private one,
+    pipeline.training.client_training.PlainSteps): :meth:`epoch` gives an epoch's steps of (micro-batch, weight)
+    from Poisson samples, :meth:`backward` backpropagates a micro-batch's per-example loss sum and clips it,
+    :meth:`finish` adds the noise and then the proximal gradient (data-independent: outside the clipping)."""
+
+    def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
+                 normalisation: str, max_target_length: int, proximal=None):
+        self.seed, self.examples_frame, self.micro_batches = seed, examples, micro_batches
+        self.normalisation, self.max_target_length = normalisation, max_target_length
+        self.proximal = proximal
+        self.step = DPSGDStep(module, setting, derived_seed(seed, "dp-noise"))
+        self.setting = setting
+
+    def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
+        return poisson_epoch(self.examples_frame, self.micro_batches, self.setting, self.normalisation,
+                             self.max_target_length, derived_seed(self.seed, epoch, "poisson"))
+
+    def backward(self, loss: torch.Tensor, weight: float) -> None:
+        (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
+        self.step.accumulate()
+
+    def finish(self) -> None:
+        self.step.finish()
+        if self.proximal is not None:
+            self.proximal.add_gradient()
+
+    def close(self) -> None:
+        self.step.close()
+
+    @property
+    def examples(self) -> int:
+        return self.step.examples
+
+    @property
+    def clipped(self) -> int:
+        return self.step.clipped
