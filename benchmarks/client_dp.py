@@ -190,8 +190,7 @@ def bench(cfg: ClientDPConfig, work: Path | None = None, progress=print) -> dict
                      "seconds": round(time.perf_counter() - t0, 1)},
             "config": asdict(cfg), "backbone": BACKBONE, "method": "fedavg",
             "privacy": {"mode": "client", "clipping_side": "server", "clipping": "fixed", "delta": DELTA,
-                        "accountant": "rdp", "sampling": "poisson approximation of fixed-size sampling without "
-                                                         "replacement"},
+                        "accountant": "rdp", "sampling": "poisson"},
             "pools": norms, "runs": runs, "accountant_table": accountant_table()}
 
 

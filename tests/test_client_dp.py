@@ -76,11 +76,11 @@ def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
     assert s.epsilon([120] * 60) < s.epsilon([120] * TFF_ROUNDS)  # fewer released rounds: less spent
 
 
-def test_a_round_with_fewer_replies_is_accounted_with_their_larger_share():
+def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated():
     s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
-    # noise std stays z C / 10; the mean over 5 replies has sensitivity C / 5: multiplier 1.0 x 5 / 10
-    assert s.round_multiplier(10) == 1.0 and s.round_multiplier(5) == pytest.approx(0.5)
-    assert s.epsilon([10, 5]) > s.epsilon([10, 10]) and s.epsilon([10, 0]) == s.epsilon([10])
+    # Poisson sampling with the public denominator 10: the sum's sensitivity is C, its noise z C, in every round
+    assert s.round_multiplier(10) == 1.0 and s.round_multiplier(5) == 1.0 and s.sampling == "poisson"
+    assert s.epsilon([10, 5]) == s.epsilon([10, 10]) == s.epsilon([10, 0]) == s.epsilon_after(2) > s.epsilon([10])
     assert s.epsilon([]) == 0.0
     assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 5, 1e-5, "rdp").epsilon([10]) == math.inf
 
@@ -487,4 +487,8 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]
-    assert (privacy["rounds_released"], privacy["epsilon"]) == (0, 0.0)
+    # nothing released, yet every round ran its (Poisson) sampling and counts: the accountant over all rounds
+    assert privacy["rounds_released"] == 0 and privacy["rounds_accounted"] == TRAIN["rounds"]
+    assert privacy["epsilon"] == pytest.approx(federation_privacy(
+        _client_cfg(noise_multiplier=1.0, clipping_norm=1e-3, clipping_side="client"), population=3, sampled=3,
+        rounds=TRAIN["rounds"]).epsilon_after(TRAIN["rounds"]))

@@ -454,8 +454,8 @@ def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_avera
     for c, bit in (("Academic", 1), ("Committee", 0)):
         assert rows[c]["failed"] == 0 and rows[c]["update_clipped"] == bit and rows[c]["clipping_norm"] == 1e6
         assert rows[c]["update_norm"] == pytest.approx(abs(DELTAS[c]) * n ** 0.5, rel=1e-5)
-        assert rows[c]["weight_share"] == 0.5
-    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+        assert rows[c]["weight_share"] == pytest.approx(1 / 3)  # 1 / the expected count, whoever replied
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 3  # the sum over the expected count (3 of 3)
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
 
 
@@ -1133,10 +1133,11 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
     train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
     client lost at unmask is failed and gets no weight share even though its metrics arrived."""
     from pipeline.federation import server_app
+    from pipeline.privacy import secure_aggregation
     from pipeline.federation.protocol import load_plan
 
     path = _secure_plan("loop-secure", fraction_train=1.0)
-    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script()
     final, history, _ = run(path, script, timeout=4.5)
@@ -1168,17 +1169,18 @@ def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_release
     """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
     clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
     from pipeline.federation import server_app
+    from pipeline.privacy import secure_aggregation
     from pipeline.federation.protocol import load_plan
 
     path = _secure_plan("loop-secure-cdp", fraction_train=1.0, privacy={
         "mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"})
-    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
     final, history, _ = run(path, script, timeout=4.5)
     assert _InTheClearSecure.made == [(load_plan(path).privacy.secagg, 1, 3, 4.5, True)]
     assert rows_of(history, 1)["Product"]["failed"] == 1
-    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 3  # the sum over the expected count (3 of 3)
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
 
 
@@ -1221,7 +1223,7 @@ def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan
 def test_a_secure_round_needs_two_existing_clients_in_every_sum_and_two_are_enough(ws, fraction, ok):
     """3 clients x 0.67 sample 2 per round: SecAgg+ can hide each upload in a sum of two; x 0.5 samples 1."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import _secure_aggregator
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
 
     plan = load_plan(_secure_plan(f"loop-secure-{fraction}", "fedavg", fraction_train=fraction, rounds=1))
     clients = ["Academic", "Committee", "Product"]
@@ -1239,7 +1241,7 @@ def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_mor
     import dataclasses
 
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import _secure_aggregator
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
     from pipeline.privacy.settings import secure_aggregation_refusal
 
     plan = load_plan(_secure_plan("loop-secure-fedopt", "fedavg", rounds=1))
@@ -1257,7 +1259,7 @@ def test_a_hand_written_plan_of_client_level_dp_clipped_by_the_server_under_secu
     import dataclasses
 
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import _secure_aggregator
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
 
     plan = load_plan(_secure_plan("loop-secure-server-clip", "fedavg", rounds=1, privacy={
         "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"}))

@@ -4,11 +4,10 @@ client). The mechanisms are in pipeline.privacy.example_dp and pipeline.privacy.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, PrivacyConfig
+from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, SAMPLING, PrivacyConfig
 
 
 def sample_rate(n_examples: int, logical_batch: int) -> float:
@@ -96,40 +95,46 @@ def flower_adaptive_multiplier(noise_multiplier: float, count_stddev: float) -> 
 class FederationPrivacy:
     """Client-level DP of a federated run (mode client): one client's whole contribution to every aggregate.
 
-    Per round Flower samples ``sampled`` of the ``population`` clients; each sampled update ``W_i - W`` is clipped
-    to C, the uniform mean is taken and N(0, (z_u C / sampled)^2) added to every coordinate (Flower's
-    ``compute_stdv``). The accountant treats a round as the Poisson-subsampled Gaussian mechanism of rate
-    ``q = sampled / population`` on the sum of clipped updates (DP-FedAvg, McMahan et al. 2018) and composes the
-    rounds that released an aggregate."""
+    Per round every client joins independently with probability ``q = sampled / population`` (Poisson sampling,
+    pipeline.privacy.client_dp); each joined update ``W_i - W`` is clipped to C, the clipped updates are summed
+    and divided by the expected count ``sampled`` (a public denominator: one client's presence moves the result by
+    at most C / sampled, whoever else joined), and N(0, (z_u C / sampled)^2) is added to every coordinate. That is
+    the Poisson-subsampled Gaussian mechanism of multiplier z on the sum of clipped updates (DP-FedAvg, McMahan
+    et al. 2018), which opacus' accountants compose exactly, once per round: a round whose sample came out empty
+    (nothing aggregated) is counted too."""
 
     noise_multiplier: float  # z: what the accountant composes per round (adaptive: updates and count together)
     update_noise_multiplier: float  # z_u: the noise on the mean update is z_u C / sampled (fixed: = z)
     count_stddev: float | None  # adaptive: sigma_b of the clipped count; None with fixed clipping
     clipping_norm: float  # fixed C, or adaptive clipping's initial C
     population: int
-    sampled: int
+    sampled: int  # the expected number of clients per round (Poisson: q x population)
     rounds: int
     delta: float
     accountant: str
+    sampling: str = SAMPLING  # "poisson": each client independently with probability q, every round
 
     @property
     def sample_rate(self) -> float:
         return self.sampled / self.population
 
-    def round_multiplier(self, aggregated: int) -> float:
-        """The effective multiplier of a round that averaged ``aggregated`` updates: the noise stays
-        z_u C / sampled, the sensitivity of a mean over fewer grows to C / aggregated (a client that did not reply
-        makes the others' share larger)."""
-        z_u = self.update_noise_multiplier * min(aggregated, self.sampled) / self.sampled
+    def round_multiplier(self, aggregated: int | None = None) -> float:
+        """The multiplier of one round, whatever number of updates it aggregated: the sum is divided by the
+        expected count, so its sensitivity stays C / sampled and the noise z_u C / sampled (adaptive clipping:
+        combined with the clipped count's noise)."""
+        z_u = self.update_noise_multiplier
         if self.count_stddev is None or z_u == 0:
             return z_u
         return (z_u ** -2 + self.count_stddev ** -2) ** -0.5
 
+    def epsilon_after(self, rounds: int) -> float:
+        """epsilon after ``rounds`` rounds (every round counts, an empty sample too)."""
+        return epsilon_of_history(((self.round_multiplier(), self.sample_rate, int(rounds)),), self.delta,
+                                  self.accountant)
+
     def epsilon(self, aggregated_per_round: list[int]) -> float:
-        """epsilon after the given rounds (replies averaged in each; 0 = no release that round)."""
-        rounds = Counter(k for k in aggregated_per_round if k > 0)  # composition is order-free: group equal rounds
-        return epsilon_of_history(tuple((self.round_multiplier(k), self.sample_rate, n)
-                                        for k, n in sorted(rounds.items())), self.delta, self.accountant)
+        """epsilon after the given rounds (one entry per round run, whatever it aggregated)."""
+        return self.epsilon_after(len(aggregated_per_round))
 
 
 def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds: int,
@@ -165,6 +170,24 @@ def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds
     return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, rounds, delta, cfg.accountant)
 
 
+# Mode example, delta null: at most 1e-5 and at most 1 / (10 n) for a client of n training examples. A delta of 1/n
+# or more promises nothing: publishing one random training example in the clear meets (0, 1/n).
+EXAMPLE_DELTA = 1e-5
+
+
+def example_delta(cfg: PrivacyConfig, n_examples: int, where: str = "") -> float:
+    """The delta of a client with ``n_examples`` training examples: ``privacy.delta``, refused at 1/n or above,
+    else min(1e-5, 1 / (10 n))."""
+    if n_examples < 1:
+        raise ValueError(f"{where}: no training example")
+    if cfg.delta is None:
+        return min(EXAMPLE_DELTA, 1.0 / (10 * n_examples))
+    if cfg.delta >= 1.0 / n_examples:
+        raise ValueError(f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
+                         f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))")
+    return float(cfg.delta)
+
+
 @dataclass(frozen=True)
 class ClientPrivacy:
     """A client's DP-SGD setting: fixed for all its rounds (its data size and the plan decide it)."""
@@ -186,9 +209,7 @@ class ClientPrivacy:
 def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int,
                    where: str = "") -> ClientPrivacy:
     """Resolve sigma, q and delta for a client with ``n_examples`` training examples."""
-    if n_examples < 2 and cfg.delta is None:
-        raise ValueError(f"{where}: {n_examples} training example(s): delta = 1/n is meaningless; set privacy.delta")
-    delta = cfg.delta if cfg.delta is not None else 1.0 / n_examples
+    delta = example_delta(cfg, n_examples, where)
     q = sample_rate(n_examples, logical_batch)
     per_epoch = steps_per_epoch(n_examples, logical_batch)
     planned = rounds * local_epochs * per_epoch

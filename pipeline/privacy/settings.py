@@ -100,7 +100,8 @@ class PrivacyConfig:
         if self.target_epsilon is not None and not (0 < self.target_epsilon < math.inf):
             raise ValueError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon}")
         if self.delta is not None and not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1) (null = 1 / the client's training examples), got {self.delta}")
+            raise ValueError(f"delta must be in (0, 1) (null = mode example: min(1e-5, 1/(10 n)) for a client of n "
+                             f"training examples; mode client: 1e-5), got {self.delta}")
         if self.mode == "none":
             if self.noise_multiplier is not None or self.target_epsilon is not None:
                 raise ValueError("noise_multiplier / target_epsilon are set but mode is 'none': set mode 'example' "
