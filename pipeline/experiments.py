@@ -185,14 +185,19 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
 
 
 def privacy_label(privacy: PrivacyConfig) -> str:
-    """The privacy a run trains with, in words for tables and figures: "" (none), "DP-SGD ε≤3" (a target) or
+    """The privacy a run trains with, in words for tables and figures: "" (none), "DP-SGD ε≤3 δ≤1e-5" (a target,
+    with the delta it holds at: mode example's default is at most 1e-5, an explicit one is given as is) or
     "DP-SGD σ=1.1" (a noise multiplier); other modes by their name; "+ SecAgg+" (or "SecAgg+" alone) under
     secure aggregation."""
     parts = []
     if privacy.enabled:
         name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
-        parts.append(f"{name} ε≤{privacy.target_epsilon:g}" if privacy.target_epsilon is not None
-                     else f"{name} σ={privacy.noise_multiplier:g}")
+        if privacy.target_epsilon is not None:
+            delta = f"δ={privacy.delta:g}" if privacy.delta is not None else (
+                "δ≤1e-05" if privacy.mode == "example" else "δ=1e-05")  # the defaults (pipeline.privacy.accounting)
+            parts.append(f"{name} ε≤{privacy.target_epsilon:g} {delta.replace('e-0', 'e-')}")
+        else:
+            parts.append(f"{name} σ={privacy.noise_multiplier:g}")
     if privacy.secure_aggregation:
         parts.append("SecAgg+")
     return " + ".join(parts)
