@@ -80,7 +80,7 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
 
     from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import update_norm
+    from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
     from pipeline.training.client_data import client_data, client_names
     from pipeline.training.client_training import validation_loss
@@ -114,7 +114,7 @@ def run_point(root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str
               privacy: dict[str, Any] | None) -> dict[str, Any]:
     """One training run; its epsilon, clipped fraction and the clients' mean final validation loss."""
     from pipeline.experiments import RunSettings
-    from pipeline.federation.client_dp import sampled_per_round
+    from pipeline.privacy.client_dp import sampled_per_round
     from pipeline.train import run_experiment
 
     fraction = 1.0 if sampled == n else (sampled + 0.5) / n  # Flower samples int(n * fraction)
@@ -137,7 +137,8 @@ def run_point(root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str
 
 def accountant_table() -> list[dict[str, Any]]:
     """The z that reaches each epsilon over TABLE_ROUNDS rounds at (N, m), and z / m (noise on the mean per C)."""
-    from pipeline.training.privacy import PrivacyConfig, federation_privacy
+    from pipeline.privacy.accounting import federation_privacy
+    from pipeline.privacy.settings import PrivacyConfig
 
     rows = []
     for n, m in TABLE_POINTS:
@@ -189,8 +190,7 @@ def bench(cfg: ClientDPConfig, work: Path | None = None, progress=print) -> dict
                      "seconds": round(time.perf_counter() - t0, 1)},
             "config": asdict(cfg), "backbone": BACKBONE, "method": "fedavg",
             "privacy": {"mode": "client", "clipping_side": "server", "clipping": "fixed", "delta": DELTA,
-                        "accountant": "rdp", "sampling": "poisson approximation of fixed-size sampling without "
-                                                         "replacement"},
+                        "accountant": "rdp", "sampling": "poisson"},
             "pools": norms, "runs": runs, "accountant_table": accountant_table()}
 
 

@@ -1,12 +1,12 @@
 """SecAgg+ on the adapters fedmeet's clients send: the aggregation error against its bound, the protocol's time and
-bytes, with and without a client dropped mid-round (privacy.secure_aggregation, pipeline/federation/secure_aggregation.py).
+bytes, with and without a client dropped mid-round (privacy.secure_aggregation, pipeline.privacy.secure_aggregation.py).
 
 One train step of a round runs through the production path (SecureAggregator on the server, secure_aggregation_mod
 and legacy_fit on the clients) over the in-process Grid, each client's training replaced by a fixed upload: the
 adapter set of the shape (k adapters of width m on hidden size n, as pipeline.modeling.adapters builds them) moved
 away from its initialisation as training would move it. Measured against the plain FedAvg of the same uploads
 (Flower's strategy, and the exact float64 mean) and against the bound of
-pipeline.federation.secure_aggregation.aggregation_error_bound. Times are the whole protocol (key agreement, share
+pipeline.privacy.secure_aggregation.aggregation_error_bound. Times are the whole protocol (key agreement, share
 encryption, masking, unmasking) on one process, no training; the Grid's deep copies included.
 
     python -m benchmarks.secure_aggregation                 # default and bart-base adapters, 3 and 10 clients
@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import write_json  # noqa: E402
-from pipeline.training.privacy import SecAggConfig  # noqa: E402
+from pipeline.privacy.settings import SecAggConfig  # noqa: E402
 
 
 def adapter_uploads(hidden: int, top_k: int, bottleneck: int, names: list[str], seed: int = 0,
@@ -49,7 +49,7 @@ def secure_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
     from flwr.clientapp import ClientApp
 
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
+    from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
     from pipeline.federation.strategies import FedOptConfig, build_strategy
 
     app = ClientApp()
@@ -122,7 +122,7 @@ def max_abs(states: list[dict[str, np.ndarray]]) -> float:
 
 def measure(shape: str, hidden: int, top_k: int, bottleneck: int, n_clients: int, cfg: SecAggConfig,
             drop: bool) -> dict:
-    from pipeline.federation.secure_aggregation import aggregation_error_bound
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound
 
     names = [f"client{i}" for i in range(n_clients)]
     weights = {n: 50 + 37 * i for i, n in enumerate(names)}  # unequal sizes, so the weighting matters
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import minilm_config
     from pipeline.common.config import from_dict, load_params
     from pipeline.experiments import model_config
-    from pipeline.training.privacy import PrivacyConfig
+    from pipeline.privacy.settings import PrivacyConfig
 
     params = load_params(args.params)
     cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg

@@ -13,8 +13,8 @@ settings only in federated plans (transfer_delta only with a lossy transfer_dtyp
 train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
 plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
 (its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
-(pipeline.training.privacy.client_level_problem), secure aggregation those whose server does more than average
-(pipeline.training.privacy.secure_aggregation_refusal).
+(pipeline.privacy.settings.client_level_problem), secure aggregation those whose server does more than average
+(pipeline.privacy.settings.secure_aggregation_refusal).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
 round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
@@ -39,7 +39,7 @@ from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig
-from pipeline.training.privacy import PrivacyConfig, client_level_problem, secure_aggregation_refusal
+from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
@@ -187,14 +187,19 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
 
 
 def privacy_label(privacy: PrivacyConfig) -> str:
-    """The privacy a run trains with, in words for tables and figures: "" (none), "DP-SGD ε≤3" (a target) or
+    """The privacy a run trains with, in words for tables and figures: "" (none), "DP-SGD ε≤3 δ≤1e-5" (a target,
+    with the delta it holds at: mode example's default is at most 1e-5, an explicit one is given as is) or
     "DP-SGD σ=1.1" (a noise multiplier); other modes by their name; "+ SecAgg+" (or "SecAgg+" alone) under
     secure aggregation."""
     parts = []
     if privacy.enabled:
         name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
-        parts.append(f"{name} ε≤{privacy.target_epsilon:g}" if privacy.target_epsilon is not None
-                     else f"{name} σ={privacy.noise_multiplier:g}")
+        if privacy.target_epsilon is not None:
+            delta = f"δ={privacy.delta:g}" if privacy.delta is not None else (
+                "δ≤1e-05" if privacy.mode == "example" else "δ=1e-05")  # the defaults (pipeline.privacy.accounting)
+            parts.append(f"{name} ε≤{privacy.target_epsilon:g} {delta.replace('e-0', 'e-')}")
+        else:
+            parts.append(f"{name} σ={privacy.noise_multiplier:g}")
     if privacy.secure_aggregation:
         parts.append("SecAgg+")
     return " + ".join(parts)

@@ -38,6 +38,7 @@ from typing import Any
 from pipeline.common import atomic
 from pipeline.experiments import Plan, RunSettings, current_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
+from pipeline.privacy import seam as privacy
 from pipeline.common.timing import stage_timer
 from pipeline.training import checkpoints, publish
 from pipeline.training.history import log_missing_rounds, write_rounds
@@ -76,6 +77,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     ``settings``: how to run it (engine, timeouts, caches; default: params.yaml's run-time settings)."""
     plan_path = str(plan_path)
     plan = read_plan(plan_path)
+    privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains
     settings = settings or current_run_settings(plan.experiment)
     out_dir = Path(plan.paths["out_dir"])
     if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):

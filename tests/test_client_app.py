@@ -22,7 +22,7 @@ from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtu
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.client_app  # noqa: F401
-import pipeline.training.privacy  # noqa: F401
+import pipeline.privacy.example_dp  # noqa: F401
 
 
 def _context(**node) -> Context:
@@ -129,7 +129,7 @@ def _result(setting, steps: int, examples: int = 10, clipped: int = 3):
 
 
 def _setting(noise: float, clip: float):
-    from pipeline.training.privacy import ClientPrivacy
+    from pipeline.privacy.accounting import ClientPrivacy
 
     return ClientPrivacy(noise_multiplier=noise, max_grad_norm=clip, sample_rate=0.1, logical_batch=4,
                          steps_per_epoch=10, planned_steps=60, delta=1e-5, accountant="rdp", n_examples=40)
@@ -137,7 +137,7 @@ def _setting(noise: float, clip: float):
 
 def test_the_reported_epsilon_composes_all_the_clients_steps(ws):
     from pipeline.federation.client_app import PRIVACY_KEY, _privacy_metrics
-    from pipeline.training.privacy import epsilon
+    from pipeline.privacy.accounting import epsilon
 
     setting = _setting(1.1, 0.5)
     context = _context()

@@ -1,5 +1,5 @@
-"""Client-level DP across organisations (privacy.mode client: pipeline/federation/client_dp.py, the setting and
-accountant in pipeline/training/privacy.py): the accountant against a published DP-FedAvg case, clipping of every
+"""Client-level DP across organisations (privacy.mode client: pipeline/privacy/client_dp.py, the setting and
+accountant in pipeline/privacy/): the accountant against a published DP-FedAvg case, clipping of every
 client's update (hand-computed, server and client side, and on the real adapters), the noise's standard deviation,
 the adaptive split, the noise-free unclipped control against the non-private run, refusals, plans, and tiny
 federated runs with a target epsilon and with adaptive clipping (resumed)."""
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.training.privacy import (FederationPrivacy, PrivacyConfig, adaptive_update_multiplier,
-                                       federation_privacy, flower_adaptive_multiplier)
+from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy, flower_adaptive_multiplier
+from pipeline.privacy.settings import PrivacyConfig
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
@@ -76,11 +76,11 @@ def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
     assert s.epsilon([120] * 60) < s.epsilon([120] * TFF_ROUNDS)  # fewer released rounds: less spent
 
 
-def test_a_round_with_fewer_replies_is_accounted_with_their_larger_share():
+def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated():
     s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
-    # noise std stays z C / 10; the mean over 5 replies has sensitivity C / 5: multiplier 1.0 x 5 / 10
-    assert s.round_multiplier(10) == 1.0 and s.round_multiplier(5) == pytest.approx(0.5)
-    assert s.epsilon([10, 5]) > s.epsilon([10, 10]) and s.epsilon([10, 0]) == s.epsilon([10])
+    # Poisson sampling with the public denominator 10: the sum's sensitivity is C, its noise z C, in every round
+    assert s.round_multiplier(10) == 1.0 and s.round_multiplier(5) == 1.0 and s.sampling == "poisson"
+    assert s.epsilon([10, 5]) == s.epsilon([10, 10]) == s.epsilon([10, 0]) == s.epsilon_after(2) > s.epsilon([10])
     assert s.epsilon([]) == 0.0
     assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 5, 1e-5, "rdp").epsilon([10]) == math.inf
 
@@ -127,7 +127,7 @@ def _wrapped(n_nodes: int, global_arrays, **privacy):
     from flwr.app import ConfigRecord
 
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import wrap_strategy
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies import FedOptConfig, build_strategy
 
@@ -157,7 +157,7 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws):
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-    from pipeline.federation.client_dp import client_dp_mod
+    from pipeline.privacy.client_dp import client_dp_mod
 
     path = write_plan("cdp-mod", "fedavg")
     plan_with = json.loads(Path(path).read_text())
@@ -193,7 +193,7 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
     from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import wrap_strategy
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies import FedOptConfig, build_strategy
 
@@ -371,7 +371,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
 
     from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
-    from pipeline.federation.client_dp import update_norm
+    from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRIC_KEYS
     from pipeline.training.shared_model import initial_adapter_state
@@ -488,4 +488,8 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]
-    assert (privacy["rounds_released"], privacy["epsilon"]) == (0, 0.0)
+    # nothing released, yet every round ran its (Poisson) sampling and counts: the accountant over all rounds
+    assert privacy["rounds_released"] == 0 and privacy["rounds_accounted"] == TRAIN["rounds"]
+    assert privacy["epsilon"] == pytest.approx(federation_privacy(
+        _client_cfg(noise_multiplier=1.0, clipping_norm=1e-3, clipping_side="client"), population=3, sampled=3,
+        rounds=TRAIN["rounds"]).epsilon_after(TRAIN["rounds"]))

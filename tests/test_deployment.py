@@ -477,10 +477,10 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
 
     from pipeline.federation.localhost import LocalhostFederation
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.federation.server_app import load_server_checkpoint
     from pipeline.train import run_experiment
-    from pipeline.training.privacy import SecAggConfig
+    from pipeline.privacy.settings import SecAggConfig
     from tests.test_privacy import _write_plan
     from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
     from tests.test_secure_aggregation import N_TRAIN, _spy_uploads

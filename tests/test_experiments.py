@@ -200,8 +200,8 @@ def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     plan = resolve_plan(eps3, params)
     assert plan["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3,
                                "max_grad_norm": 0.5, "delta": None, "accountant": "rdp"}
-    assert (plain.dp, eps3.dp, sigma.dp) == ("", "DP-SGD ε≤3", "DP-SGD σ=1.1")
-    assert with_labels([plain, eps3, sigma]) == {"plain": "fedavg", "eps3": "fedavg DP-SGD ε≤3",
+    assert (plain.dp, eps3.dp, sigma.dp) == ("", "DP-SGD ε≤3 δ≤1e-5", "DP-SGD σ=1.1")
+    assert with_labels([plain, eps3, sigma]) == {"plain": "fedavg", "eps3": "fedavg DP-SGD ε≤3 δ≤1e-5",
                                                  "sigma": "fedavg DP-SGD σ=1.1"}
 
 
@@ -223,7 +223,7 @@ def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_se
     assert resolve_plan(secure, params)["privacy"] == {"mode": "none", "secure_aggregation": True, "secagg": {
         "num_shares": 3, "reconstruction_threshold": 2, "clipping_range": 2.0, "quantization_range": 2**22}}
     assert resolve_plan(both, params)["privacy"]["secagg"]["num_shares"] == 1.0  # params.yaml's
-    assert (plain.dp, secure.dp, both.dp) == ("", "SecAgg+", "DP-SGD ε≤3 + SecAgg+")
+    assert (plain.dp, secure.dp, both.dp) == ("", "SecAgg+", "DP-SGD ε≤3 δ≤1e-5 + SecAgg+")
     assert with_labels([plain, secure, both])["secure"] == "fedavg SecAgg+"
     params["experiments"] = {"x": {"method": "single", "partition": "domain/seed0",
                                    "privacy": {"secure_aggregation": True}}}

@@ -288,7 +288,7 @@ def _labelled(*rows):
 
 
 def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequences():
-    from pipeline.training.client_training import per_example_loss_scale
+    from pipeline.privacy.example_dp import per_example_loss_scale
 
     batch = _labelled([5, 6, -100], [-100, -100, -100], [7, -100, -100])  # 3 tokens, 2 non-empty sequences
     assert per_example_loss_scale(batch, "tokens", max_target_length=4) == 3 / 4
@@ -335,8 +335,8 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     from types import SimpleNamespace
 
     from pipeline.modeling.batching import IGNORE_INDEX
-    from pipeline.training.client_training import _poisson_steps, per_example_loss_scale
-    from pipeline.training.privacy import poisson_steps
+    from pipeline.modeling.batching import make_batches
+    from pipeline.privacy.example_dp import per_example_loss_scale, poisson_epoch, poisson_steps
     from pipeline.training.shared_model import model_config
 
     from pipeline.federation.protocol import load_plan
@@ -351,7 +351,12 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     sampled = poisson_steps(len(examples), 0.3, 8, 1)
     assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
     for normalisation in ("tokens", "sequences"):
-        steps = _poisson_steps(model, examples, mcfg, plan.train, normalisation, setting, seed=1)
+        def micro_batches(frame):  # as train_local cuts a step's sample
+            return make_batches(frame, model.tokenizer, mcfg, plan.train.batch_size, shuffle=False, seed=0,
+                                decoder_start_token_id=model.decoder_start_token_id,
+                                pad_token_id=model.pad_token_id, bucket_by_length=plan.train.bucket_by_length)
+
+        steps = poisson_epoch(examples, micro_batches, setting, normalisation, mcfg.max_target_length, seed=1)
         assert len(steps) == len(sampled)
         for idx, step in zip(sampled, steps):
             ids = [e for batch, _ in step for e in batch.example_ids]

@@ -30,7 +30,7 @@ def test_privacy_study_pairs_every_budget_with_the_plain_run_seed_by_seed():
         assert e.study == "privacy" and e.partition == "domain/seed0"
         by_config.setdefault((e.method, e.dp), set()).add(e.seed)
     assert set(by_config) == {(m, dp) for m in ("fedavg", "fedselectkd")
-                              for dp in ("", "DP-SGD ε≤8", "DP-SGD ε≤3", "DP-SGD ε≤1")}
+                              for dp in ("", "DP-SGD ε≤8 δ≤1e-5", "DP-SGD ε≤3 δ≤1e-5", "DP-SGD ε≤1 δ≤1e-5")}
     assert all(seeds == {0, 1, 2} for seeds in by_config.values())
     assert len(set(labels.values())) == 8
 

@@ -1,4 +1,4 @@
-"""Example-level DP-SGD (pipeline/training/privacy.py): the accountant against published numbers, per-example clipping
+"""Example-level DP-SGD (pipeline/privacy/): the accountant against published numbers, per-example clipping
 (hand-computed and on the real adapters), the noise's standard deviation, the noise-free unclipped control
 against the non-private trainer, target_epsilon, the `privacy` params group, and a tiny federated run."""
 from __future__ import annotations
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.training.privacy import ClientPrivacy, DPSGDStep, PrivacyConfig, client_privacy, epsilon
+from pipeline.privacy.accounting import ClientPrivacy, client_privacy, epsilon
+from pipeline.privacy.example_dp import DPSGDStep
+from pipeline.privacy.settings import PrivacyConfig
 from tests.errors import names
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
@@ -61,11 +63,11 @@ def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
     s = client_privacy(cfg, n_examples=16, logical_batch=8, rounds=3, local_epochs=1)
-    assert (s.sample_rate, s.steps_per_epoch, s.planned_steps, s.delta) == (0.5, 2, 6, 1 / 16)
+    assert (s.sample_rate, s.steps_per_epoch, s.planned_steps, s.delta) == (0.5, 2, 6, 1e-5)
     eps = s.epsilon(s.planned_steps)
     assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
     assert s.epsilon(s.planned_steps - 2) < eps  # a client that trained fewer rounds stays below it
-    assert epsilon(0.9 * s.noise_multiplier, 0.5, 6, 1 / 16, accountant) > 3.0  # and the search is not loose
+    assert epsilon(0.9 * s.noise_multiplier, 0.5, 6, 1e-5, accountant) > 3.0  # and the search is not loose
 
 
 # ------------------------------------------------------------------------------------------ the step
@@ -156,12 +158,18 @@ def test_privacy_group_validation():
         assert message in str(exc.value), (raw, str(exc.value))
 
 
-def test_delta_defaults_to_one_over_the_clients_examples_and_needs_two():
+def test_delta_defaults_to_at_most_1e_5_and_a_tenth_of_one_over_n_and_refuses_one_over_n():
     cfg = PrivacyConfig(mode="example", noise_multiplier=1.0)
-    assert client_privacy(cfg, 40, 8, 3, 1).delta == 1 / 40
+    assert client_privacy(cfg, 40, 8, 3, 1).delta == 1e-5
+    assert client_privacy(cfg, 1, 8, 3, 1).delta == 1e-5
+    assert client_privacy(cfg, 200_000, 8, 3, 1).delta == pytest.approx(1 / 2_000_000)  # 1/(10 n) < 1e-5
     assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6), 40, 8, 3, 1).delta == 1e-6
-    with pytest.raises(ValueError, match="set privacy.delta"):
-        client_privacy(cfg, 1, 8, 3, 1, where="client x")
+    for n, delta in ((40, 1 / 40), (40, 0.5), (4, 0.3)):  # 1/n itself and above: refused, naming key and client
+        with pytest.raises(ValueError) as err:
+            client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta), n, 8, 3, 1,
+                           where="client x")
+        assert str(err.value).startswith("client x: privacy.delta ")
+    assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=0.024), 40, 8, 3, 1).delta == 0.024
 
 
 def _params(privacy: dict | None, **train) -> dict:
@@ -287,7 +295,8 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.experiments import read_plan
     from pipeline.training.client_data import client_data
     from pipeline.training.kd import kd_config
-    from pipeline.training.client_training import _forward_logits, per_example_loss_scale
+    from pipeline.privacy.example_dp import per_example_loss_scale
+    from pipeline.training.client_training import _forward_logits
     from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
 
     plan = read_plan(_write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0},
@@ -353,7 +362,7 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
     for client, c in metrics["clients"].items():
         p = c["privacy"]
         assert 2.9 < p["epsilon"] <= 3.0  # every round trained: the planned steps, so close to the target
-        assert p["delta"] == pytest.approx(1 / n_train[client])
+        assert p["delta"] == 1e-5  # min(1e-5, 1 / (10 n))
         assert p["steps"] == TRAIN["rounds"] * math.ceil(n_train[client] / TRAIN["batch_size"])
         assert p["max_grad_norm"] == 1.0 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
     assert metrics["privacy"]["epsilon_max"] <= 3.0
@@ -387,7 +396,7 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
         per_round = math.ceil(n / TRAIN["batch_size"])
         p = metrics["clients"][client]["privacy"]
         assert p["steps"] == 2 * per_round
-        assert p["epsilon"] == pytest.approx(epsilon(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1 / n))
+        assert p["epsilon"] == pytest.approx(epsilon(1.0, min(1.0, TRAIN["batch_size"] / n), 2 * per_round, 1e-5))
 
 
 def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
@@ -418,8 +427,8 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
         assert set(m.keys()) == set(TRAIN_METRIC_KEYS) | set(PRIVACY_METRIC_KEYS)
         assert all(isinstance(v, (int, float)) for v in m.values())
         assert m["dp-steps"] == rnd * per_round and m["num-steps"] == per_round
-        assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1 / 6))
-        assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1 / 6), 1.0, 0.5)
+        assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1e-5))
+        assert (m["dp-delta"], m["dp-noise-multiplier"], m["dp-max-grad-norm"]) == (pytest.approx(1e-5), 1.0, 0.5)
         assert 0 <= m["dp-clipped"] <= m["dp-examples"]
     assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
 
@@ -429,7 +438,7 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
     own noise stream; the same triple draws the same again. The logical batch is batch_size x grad_accum_steps,
     and with a tiny C every per-example gradient is clipped and counted."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.training import privacy
+    from pipeline.privacy import example_dp as privacy
     from pipeline.training.client_data import client_data
     from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import initial_adapter_state, shared_model
@@ -468,17 +477,18 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
     assert first.dp_clipped == first.dp_examples  # C = 1e-6: every per-example gradient is clipped
 
 
-def test_a_client_too_small_for_the_default_delta_is_named_with_its_plan(ws):
-    """delta defaults to 1/n: a client with one training example cannot use it, and the error says which plan
+def test_a_delta_of_one_over_n_or_more_is_refused_naming_the_key_the_plan_and_the_client(ws):
+    """delta >= 1/n promises nothing: the trainer refuses it for the client it does not fit, and says which plan
     and which client, as a federation's log must."""
     from pipeline.federation.protocol import load_plan
     from pipeline.training.client_data import client_data
     from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import shared_model
 
-    plan = load_plan(_write_plan("dp-one-example", "fedavg", {"mode": "example", "noise_multiplier": 1.0},
-                                 prefix_cache=False))
-    one = client_data(plan, "Committee").train.iloc[:1]
+    plan = load_plan(_write_plan("dp-big-delta", "fedavg", {"mode": "example", "noise_multiplier": 1.0,
+                                                            "delta": 0.2}, prefix_cache=False))
+    six = client_data(plan, "Committee").train  # 6 examples: 0.2 >= 1/6
+    assert len(six) == 6
     with pytest.raises(ValueError) as err:
-        train_local(shared_model(plan), plan, one, client="Committee", rnd=1)
+        train_local(shared_model(plan), plan, six, client="Committee", rnd=1)
     names(err.value, str(plan.source), "'Committee'", "privacy.delta")

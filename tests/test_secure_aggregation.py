@@ -1,8 +1,8 @@
-"""SecAgg+ (privacy.secure_aggregation, pipeline/federation/secure_aggregation.py): the unmasked aggregate against the
+"""SecAgg+ (privacy.secure_aggregation, pipeline/privacy/secure_aggregation.py): the unmasked aggregate against the
 plain weighted mean of the same uploads within the quantisation bound, what a client's masked reply holds, dropped
 clients and the reconstruction threshold, the refusals, the `privacy.secagg` group and the plans.
 
-The bound (pipeline.federation.secure_aggregation.aggregation_error_bound, derived from Flower's quantiser): with
+The bound (pipeline.privacy.secure_aggregation.aggregation_error_bound, derived from Flower's quantiser): with
 clipping range c, quantisation range Q, k clients in the sum, Flower's integer weights q_i = n_i * (Q // max n) and
 m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 10uc) + (k + 3) u m, u = 2**-24.
 """
@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.training.privacy import PrivacyConfig, SecAggConfig
+from pipeline.privacy.settings import PrivacyConfig, SecAggConfig
 from tests.errors import names
 from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
 from tests.test_privacy import _params, _write_plan
@@ -28,7 +28,7 @@ SECURE = {"secure_aggregation": True}
 
 # ------------------------------------------------------------------------------------------ the bound
 def test_bound_is_the_documented_formula_for_a_hand_computed_case():
-    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
 
     cfg = SecAggConfig(clipping_range=8.0, quantization_range=2**22)
     assert weight_scale(cfg, 10) == 419430  # 4194304 // 10
@@ -45,7 +45,7 @@ def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_
     from flwr.common import bytes_to_ndarray
 
     from benchmarks.secure_aggregation import plain_fedavg, secure_round
-    from pipeline.federation.secure_aggregation import aggregation_error_bound
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound
 
     np.random.seed(0)  # Flower's stochastic rounding draws from numpy's global generator
     rng = np.random.default_rng(1)
@@ -118,7 +118,7 @@ def _spy_globals(monkeypatch) -> dict[int, dict[str, np.ndarray]]:
 
 def _check_rounds_against_uploads(uploads, globals_, rounds, in_sum) -> list[float]:
     """Every round's unmasked global against the exact FedAvg of the uploads of the clients ``in_sum(rnd)``."""
-    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
 
     cfg = SecAggConfig()
     scale = weight_scale(cfg, max(N_TRAIN.values()))
@@ -141,7 +141,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
 
     from pipeline.federation import engines
     from pipeline.federation.protocol import TRAIN_METRIC_KEYS
-    from pipeline.federation.secure_aggregation import aggregation_error_bound, weight_scale
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.train import run_experiment
 
     uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
@@ -226,7 +226,7 @@ def test_fewer_than_two_clients_per_round_is_refused(ws):
 
 def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> None:
     """``client`` dies in round ``rnd``: at the setup or share-keys stage (before its key shares went out: Flower
-    1.41 alone loses the round, pipeline.federation.secure_aggregation._Workflow forgets the client), while training
+    1.41 alone loses the round, pipeline.privacy.secure_aggregation._Workflow forgets the client), while training
     (after the key exchange: its pairwise masks are in the others' vectors) or at the unmask stage (after its
     masked vector is in the sum)."""
     import importlib
@@ -478,7 +478,7 @@ def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = Non
 def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
     from pipeline.federation import engines
     from pipeline.federation.protocol import TRAIN_METRIC_KEYS
-    from pipeline.federation.secure_aggregation import aggregation_error_bound
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound
     from pipeline.train import run_experiment
 
     seen, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)

@@ -429,7 +429,7 @@ def test_a_failure_without_a_reason_is_recorded_by_its_error_code(ws, caplog):
 
 def _client_dp(path: str, **privacy) -> str:
     from pipeline.common.config import from_dict
-    from pipeline.training.privacy import PrivacyConfig
+    from pipeline.privacy.settings import PrivacyConfig
 
     plan = json.loads(Path(path).read_text())
     plan["privacy"] = from_dict(PrivacyConfig, {"mode": "client", "noise_multiplier": 0.0, **privacy},
@@ -454,8 +454,8 @@ def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_avera
     for c, bit in (("Academic", 1), ("Committee", 0)):
         assert rows[c]["failed"] == 0 and rows[c]["update_clipped"] == bit and rows[c]["clipping_norm"] == 1e6
         assert rows[c]["update_norm"] == pytest.approx(abs(DELTAS[c]) * n ** 0.5, rel=1e-5)
-        assert rows[c]["weight_share"] == 0.5
-    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+        assert rows[c]["weight_share"] == pytest.approx(1 / 3)  # 1 / the expected count, whoever replied
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 3  # the sum over the expected count (3 of 3)
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
 
 
@@ -1001,7 +1001,7 @@ def _secure_rows(names):
 
 
 def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
@@ -1029,7 +1029,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
 
 
 def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of_the_others_is_logged(caplog):
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
@@ -1048,7 +1048,7 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
 
 
 def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog):
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     names = {11: "Academic", 12: "Committee"}
@@ -1063,7 +1063,7 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
 
 
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
-    from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
 
     class Wrapper:
@@ -1102,7 +1102,7 @@ class _InTheClearSecure:
     def train_round(self, grid, messages, rnd):
         from flwr.app import ArrayRecord
 
-        from pipeline.federation.secure_aggregation import NodeOutcome, SecureRound
+        from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
         nodes, total, mean, in_sum = {}, 0, None, set()
         for reply in grid.send_and_receive(messages, timeout=self.timeout):
@@ -1127,10 +1127,11 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
     train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
     client lost at unmask is failed and gets no weight share even though its metrics arrived."""
     from pipeline.federation import server_app
+    from pipeline.privacy import secure_aggregation
     from pipeline.federation.protocol import load_plan
 
     path = _secure_plan("loop-secure", fraction_train=1.0)
-    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script()
     final, history, _ = run(path, script, timeout=4.5)
@@ -1149,7 +1150,7 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
 def _secure_plan(name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None,
                  **train) -> str:
     from pipeline.common.config import from_dict
-    from pipeline.training.privacy import PrivacyConfig
+    from pipeline.privacy.settings import PrivacyConfig
 
     path = write_plan(name, method, partition, **{"rounds": 1, **train})
     raw = json.loads(Path(path).read_text())
@@ -1162,17 +1163,18 @@ def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_release
     """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
     clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
     from pipeline.federation import server_app
+    from pipeline.privacy import secure_aggregation
     from pipeline.federation.protocol import load_plan
 
     path = _secure_plan("loop-secure-cdp", fraction_train=1.0, privacy={
         "mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"})
-    monkeypatch.setattr(server_app, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
     final, history, _ = run(path, script, timeout=4.5)
     assert _InTheClearSecure.made == [(load_plan(path).privacy.secagg, 1, 3, 4.5, True)]
     assert rows_of(history, 1)["Product"]["failed"] == 1
-    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 2
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 3  # the sum over the expected count (3 of 3)
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
 
 
@@ -1214,7 +1216,7 @@ def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan
 def test_a_secure_round_needs_two_existing_clients_in_every_sum_and_two_are_enough(ws, fraction, ok):
     """3 clients x 0.67 sample 2 per round: SecAgg+ can hide each upload in a sum of two; x 0.5 samples 1."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import _secure_aggregator
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
 
     plan = load_plan(_secure_plan(f"loop-secure-{fraction}", "fedavg", fraction_train=fraction, rounds=1))
     clients = ["Academic", "Committee", "Product"]
@@ -1232,8 +1234,8 @@ def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_mor
     import dataclasses
 
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import _secure_aggregator
-    from pipeline.training.privacy import secure_aggregation_refusal
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
+    from pipeline.privacy.settings import secure_aggregation_refusal
 
     plan = load_plan(_secure_plan("loop-secure-fedopt", "fedavg", rounds=1))
     fedopt = dataclasses.replace(plan, method="fedopt")
@@ -1250,7 +1252,7 @@ def test_a_hand_written_plan_of_client_level_dp_clipped_by_the_server_under_secu
     import dataclasses
 
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import _secure_aggregator
+    from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
 
     plan = load_plan(_secure_plan("loop-secure-server-clip", "fedavg", rounds=1, privacy={
         "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"}))

@@ -5,7 +5,7 @@
   one (AdaFedAvg and the server algorithm baselines: the average overwrites the client adapter), trains the local
   adapter on the client's data and replies with the local adapter's tensors (ArrayRecord) and counts/metrics
   (MetricRecord) - nothing else, no text, no token ids. Under ``privacy.secure_aggregation`` the same round runs
-  inside SecAgg+ (pipeline.federation.secure_aggregation): the tensors leave only masked, and a plan that sets it
+  inside SecAgg+ (pipeline.privacy.secure_aggregation): the tensors leave only masked, and a plan that sets it
   makes the client refuse a plain train message. The local adapter persists across rounds in
   ``context.state`` (or is reset to the global weights with ``train.local_adapter: reset``); the gate log of
   section 4 is written on the client's disk (it is the client's own data).
@@ -34,10 +34,10 @@ from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.evaluation import EvaluateConfig
 from pipeline.results.scoring import Scorer, mean_scores
-from pipeline.federation.client_dp import client_dp_mod
+from pipeline.privacy.client_dp import client_dp_mod
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
                                           load_plan, plan_path_of)
-from pipeline.federation.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
+from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
 from pipeline.experiments import Plan
@@ -115,7 +115,7 @@ def _train_masked(msg: Message, context: Context) -> Message:
 
 def train_round(msg: Message, context: Context, masked: bool) -> Message:
     """One training round of this client: the Message-API reply (adapter arrays, metrics); ``masked``: the reply
-    goes to SecAgg+'s mod (pipeline.federation.secure_aggregation), which sends it only masked."""
+    goes to SecAgg+'s mod (pipeline.privacy.secure_aggregation), which sends it only masked."""
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
     name = client_name(plan, context)

@@ -34,12 +34,12 @@ IDENTIFY = "query.identify"
 # is the number of examples it trained on this round (fewer than |D_i| under max_train_examples_per_client).
 TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
                      "kd-fraction", "proximal")
-# Added under privacy.mode example (pipeline.training.privacy): the accountant's epsilon after all the client's steps so far
+# Added under privacy.mode example (pipeline.privacy): the accountant's epsilon after all the client's steps so far
 # (-1 = unbounded), its delta, sigma, C (-1 = no clipping), q, the cumulative steps, and this round's per-example
 # gradients and how many of them were clipped.
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
                        "dp-steps", "dp-examples", "dp-clipped")
-# Added under privacy.mode client with client-side clipping (pipeline.federation.client_dp): whether the update
+# Added under privacy.mode client with client-side clipping (pipeline.privacy.client_dp): whether the update
 # exceeded C before the mod clipped it (0/1), and, with adaptive clipping, Flower's adaptiveclipping_mod's norm bit.
 CLIPPED_KEY = "dp-update-clipped"
 CLIENT_LEVEL_METRIC_KEYS = (CLIPPED_KEY, "norm_bit")

@@ -8,8 +8,8 @@ the aggregate; the run goes on. A rerun resumes after the last checkpointed roun
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
 (``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
 (``privacy.mode: client``) Flower's DP wrapper clips, averages uniformly and adds noise
-(pipeline.federation.client_dp); it releases no aggregate in a round with an error reply. Under
-``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.federation.secure_aggregation): the
+(pipeline.privacy.client_dp); it releases no aggregate in a round with an error reply. Under
+``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.privacy.secure_aggregation): the
 same sampled clients, and the server receives their weighted mean instead of their replies (with client-level DP:
 their uniform mean of client-clipped updates, to which the DP wrapper adds its noise).
 """
@@ -26,16 +26,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 
-from pipeline.federation.client_dp import RoundPrivacy, wrap_strategy
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
                                           downlink_reference, encode_global, payload_bytes, privacy_row)
-from pipeline.federation.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
+from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan
+from pipeline.privacy import seam as privacy
 from pipeline.training import checkpoints
-from pipeline.training.client_data import client_names, read_partition
-from pipeline.training.privacy import secure_aggregation_refusal
+from pipeline.training.client_data import client_names
 from pipeline.training.history import RoundLog
 from pipeline.training.recorder import Recorder
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
@@ -175,11 +174,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
     strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
                               proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
-    client_level = None  # privacy.mode client: Flower's DP wrapper around the strategy (pipeline.federation.client_dp)
-    if plan.privacy is not None and plan.privacy.mode == "client":
-        client_level = RoundPrivacy(plan, expected)
-        strategy = wrap_strategy(strategy, plan, client_level.setting)
-    secure = _secure_aggregator(plan, clients, late, round_timeout_s)
+    # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
+    strategy, client_level = privacy.client_level(plan, strategy, expected)
+    secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s)
     ckpt = load_server_checkpoint(plan)
     if ckpt is not None:
         start = int(ckpt["round"]) + 1
@@ -244,7 +241,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
         total_weight = sum(r["weight"] for r in good)
         for r in good:
-            r["weight_share"] = 1 / len(good) if client_level is not None else r["weight"] / total_weight
+            # (client-level DP: each update weighs 1 / the expected count, whoever replied)
+            r["weight_share"] = (1 / client_level.setting.sampled if client_level is not None
+                                 else r["weight"] / total_weight)
         aggregated = new_arrays is not None
         if aggregated:
             arrays = new_arrays
@@ -298,7 +297,7 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
 
 def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dict[str, dict], node_names: dict[int, str],
                         plan: Plan, sent: dict[str, torch.Tensor], rnd: int, timeout: float,
-                        client_level: RoundPrivacy | None, global_arrays: ArrayRecord, clipping_norm: float | None,
+                        client_level, global_arrays: ArrayRecord, clipping_norm: float | None,
                         clipped: dict[str, tuple[int, float]]) -> ArrayRecord | None:
     """The train step of a plain round: every sampled client replies with its adapter, the strategy aggregates.
     Under client-level DP (``client_level``) each decoded reply's update is checked against this round's C and
@@ -343,28 +342,6 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
             log.warning("round %d: no reply from client %s within the timeout", rnd, name)
     new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in left_out])
     return new_arrays
-
-
-def _secure_aggregator(plan: Plan, clients: list[str], late: str | None, timeout: float) -> SecureAggregator | None:
-    """The plan's SecAgg+ round runner (privacy.secure_aggregation), checked against the method and the clients
-    (``late``: the client that joins later, not there in the first rounds)."""
-    if plan.privacy is None or not plan.privacy.secure_aggregation:
-        return None
-    refusal = secure_aggregation_refusal(plan.spec, plan.train.transfer_dtype, plan.privacy)
-    if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
-        raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
-    first = len([c for c in clients if c != late])
-    per_round = max(int(first * plan.train.fraction_train), 1)  # Flower's sample size
-    if per_round < 2:
-        raise ValueError(f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
-                         f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
-                         f"{per_round}")
-    if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
-        return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
-    # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
-    # it fixes Flower's integer weights (pipeline.federation.secure_aggregation.weight_scale).
-    max_weight = max(len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values())
-    return SecureAggregator(plan.privacy.secagg, max_weight, len(clients), timeout)
 
 
 def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],

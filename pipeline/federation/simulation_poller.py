@@ -8,13 +8,19 @@ engine's time per round grow faster than linearly in the number of clients (repo
 not yet delivered, and asks for those nodes only; every message still goes through Flower's own
 ``get_message_ins`` (delivery marking, expiry and federation checks), so what reaches the queue is the same.
 
-It is installed only around a simulation fedmeet starts (:func:`linear_polling`) and only for Flower's in-memory
-LinkState, whose store it reads; any other state gets Flower's own poller. Flower internals are touched here and
-nowhere else outside ``pipeline.federation``.
+It is installed only around a simulation fedmeet starts on the Ray engine (``train.engine: ray``, not the default:
+the default in-process engine never reaches Flower's simulation runtime), only for Flower's in-memory LinkState,
+whose store it reads (any other state gets Flower's own poller), and only while Flower's poller and its caller
+are the code it was written against (:data:`UPSTREAM`; otherwise Flower's own poller runs, with a warning).
+Flower 1.41 offers no supported way to replace the poller: ``run_api`` looks it up as a module global.
+tests/test_flower_overrides.py fails when either upstream function changes, so that a maintainer re-checks this.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import inspect
+import logging
 import threading
 from queue import Queue
 from typing import Any, Iterator
@@ -23,6 +29,20 @@ from flwr.server.superlink.fleet.vce import vce_api
 
 _flower_poller = vce_api.add_messages_to_queue
 POLL_INTERVAL_S = 0.1  # Flower's own interval
+log = logging.getLogger("fedmeet.federated")
+
+# sha256 (first 16 hex digits) of the source of the functions this module stands in for, in flwr 1.41: the poller
+# it replaces and the caller that looks it up by name. A change upstream turns the replacement off (see above).
+UPSTREAM = {"add_messages_to_queue": "953f4bd41a931a77", "run_api": "f85c0cd6e902752f"}
+
+
+def source_digest(fn) -> str:
+    return hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+
+
+def upstream_matches() -> bool:
+    """Whether Flower's poller and its caller are still the code :data:`UPSTREAM` recorded."""
+    return all(source_digest(getattr(vce_api, name)) == digest for name, digest in UPSTREAM.items())
 
 
 def nodes_with_pending_messages(state: Any) -> set[int]:
@@ -53,7 +73,13 @@ def add_messages_to_queue(state: Any, queue: Queue, nodes_mapping, f_stop: threa
 
 @contextlib.contextmanager
 def linear_polling() -> Iterator[None]:
-    """Use this module's poller for the simulations started inside the block (restored afterwards)."""
+    """Use this module's poller for the simulations started inside the block (restored afterwards), as long as
+    Flower's code is the one it was written against."""
+    if not upstream_matches():
+        log.warning("flwr's vce_api poller changed since fedmeet's linear poller was written: using Flower's own "
+                    "(pipeline/federation/simulation_poller.py, UPSTREAM)")
+        yield
+        return
     previous = vce_api.add_messages_to_queue
     vce_api.add_messages_to_queue = add_messages_to_queue
     try:

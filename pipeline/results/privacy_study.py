@@ -4,7 +4,8 @@ each run actually spent.
 
 Per configuration: the client average of average ROUGE (mean over seeds, with the seeds' spread; one seed has no
 spread and is labelled n=1), and epsilon as the train stage's accountant reported it (``reports/train/<exp>/
-metrics.json``: the largest over clients, mean over seeds). The non-private runs are drawn at epsilon = inf, to the
+metrics.json``: the largest over clients, mean over seeds) with the delta it holds at (the largest over clients
+and seeds: each client's (epsilon, delta) holds, so does the pair of the largest). The non-private runs are drawn at epsilon = inf, to the
 right of every finite budget. What each budget costs, with its paired interval, is in the study's table
 (pipeline.results.comparisons: every private configuration against the same method without privacy).
 """
@@ -21,19 +22,21 @@ from pipeline.experiments import Experiment
 from pipeline.results.readers import read_json
 
 STUDY = "privacy"
-COLUMNS = ["method", "label", "dp", "epsilon", "target_epsilon", "noise_multiplier", "avg_rouge_mean",
+COLUMNS = ["method", "label", "dp", "epsilon", "delta", "target_epsilon", "noise_multiplier", "avg_rouge_mean",
            "avg_rouge_std", "n_seeds", "backbone"]
 
 
-def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None]:
-    """(epsilon, target, noise multiplier) of one run: the largest epsilon over its clients (inf without DP)."""
+def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None, float | None]:
+    """(epsilon, target, noise multiplier, delta) of one run: the largest epsilon over its clients (inf without
+    DP) and the largest delta (None without DP)."""
     privacy = train_metrics.get("privacy") or {}
     clients = [c["privacy"] for c in (train_metrics.get("clients") or {}).values() if "privacy" in c]
     if not privacy or not clients:
-        return math.inf, None, None
+        return math.inf, None, None, None
     eps = [c["epsilon"] for c in clients]
     return (math.inf if None in eps else max(eps)), privacy.get("target_epsilon"), \
-        max(c["noise_multiplier"] for c in clients)
+        max(c["noise_multiplier"] for c in clients), max((c["delta"] for c in clients if c.get("delta") is not None),
+                                                          default=None)
 
 
 def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame,
@@ -43,15 +46,16 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
     rows = []
     for label in dict.fromkeys(labels[p.name] for p in members):
         runs = [p for p in members if labels[p.name] == label]
-        per_seed, eps, targets, sigmas = [], [], [], []
+        per_seed, eps, targets, sigmas, deltas = [], [], [], [], []
         for p in runs:
             mine = scores[scores["experiment"] == p.name]
             metrics_path = train_reports / p.name / "metrics.json"
             if mine.empty or not metrics_path.is_file():
                 continue
             per_seed.append(float(mine["avg_rouge"].mean()))  # the client average of this seed
-            e, t, s = spent_epsilon(read_json(metrics_path, "train metrics"))
+            e, t, s, d = spent_epsilon(read_json(metrics_path, "train metrics"))
             eps.append(e)
+            deltas.append(d)
             targets.append(t)
             sigmas.append(s)
         if not per_seed:
@@ -59,6 +63,7 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
         series = pd.Series(per_seed)
         rows.append({"method": runs[0].method, "label": label, "dp": runs[0].dp,
                      "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
+                     "delta": max((d for d in deltas if d is not None), default=None),
                      "target_epsilon": targets[0], "noise_multiplier": sigmas[0],
                      "avg_rouge_mean": float(series.mean()),
                      "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
@@ -90,7 +95,9 @@ def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
     ax.minorticks_off()
     backbones = ", ".join(sorted(set(points["backbone"])))
     seeds = "/".join(str(n) for n in sorted(set(points["n_seeds"])))
-    ax.set_xlabel("epsilon spent (largest over clients; delta = 1/n per client)")
+    deltas = points["delta"].dropna()
+    held = f"delta <= {deltas.max():.3g}" if not deltas.empty else "no DP run"
+    ax.set_xlabel(f"epsilon spent (largest over clients; {held})")
     ax.set_ylabel("average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)

@@ -5,7 +5,7 @@ Shared by the Flower ClientApp (federated methods) and by `single` / `centralize
 (KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
 plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
 ("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.training.privacy).
+(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import torch
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.experiments import Plan, current_run_settings
+from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
 from pipeline.training.kd import kd_config, noun_verb_masks
 from pipeline.training.seeds import derived_seed, seed_everything
@@ -39,7 +40,7 @@ class LocalTrainResult:
     proximal: float  # last value of mu/2 ||W - W_global||^2
     gate_log: pd.DataFrame = field(repr=False, default=None)
     # DP-SGD (privacy.mode example): the client's setting, and this call's per-example gradients and clipped ones
-    privacy: Any = field(repr=False, default=None)  # pipeline.training.privacy.ClientPrivacy or None
+    privacy: Any = field(repr=False, default=None)  # pipeline.privacy.accounting.ClientPrivacy or None
     dp_examples: int = 0
     dp_clipped: int = 0
 
@@ -87,31 +88,54 @@ def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: 
     return [pairs[i:i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
 
 
-def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:
-    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses of DP-SGD:
-    ``tokens``: sum_t L_t / max_target_length per example (the batch mean x N_tokens / T_max); ``sequences``:
-    the mean of each example's L_t (the batch mean x the number of sequences)."""
-    valid = batch.labels != IGNORE_INDEX
-    if normalisation == "tokens":
-        return int(valid.sum()) / max_target_length
-    return float(int((valid.sum(dim=1) > 0).sum()))
+class Proximal:
+    """FedProx's term ``mu/2 ||W - W_global||^2`` on the local adapter's parameters: as a loss term (the plain
+    step) or as its gradient added after DP-SGD's noise (data-independent, outside the clipping)."""
+
+    def __init__(self, params: list[torch.Tensor], reference: list[torch.Tensor], mu: float):
+        self.params, self.reference, self.mu = params, reference, mu
+        self.value = 0.0  # last value of the term
+
+    def term(self) -> torch.Tensor:
+        prox = sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
+        self.value = float(0.5 * self.mu * prox.detach())
+        return 0.5 * self.mu * prox
+
+    def add_gradient(self) -> None:
+        with torch.no_grad():
+            self.value = float(0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference)))
+            for p, r in zip(self.params, self.reference):
+                p.grad.add_(self.mu * (p - r))
 
 
-def _poisson_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
-                   normalisation: str, setting, seed: int) -> list[list[tuple[Batch, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (pipeline.training.privacy.poisson_steps; a step may be empty),
-    each cut into micro-batches of ``batch_size`` with the scale of :func:`per_example_loss_scale`."""
-    from pipeline.training.privacy import poisson_steps
+class PlainSteps:
+    """The local trainer's step object without privacy (pipeline.privacy.example_dp.DPSGDSteps under mode
+    example): shuffled batches in windows of ``grad_accum_steps``; each micro-batch's share of its optimizer step
+    (its tokens / the step's tokens), so a step's gradient is that of the mean over the whole effective batch; the
+    proximal term enters each step once."""
 
-    steps = []
-    for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
-        batches = make_batches(
-            examples.iloc[idx], model.tokenizer, mcfg, cfg.batch_size, shuffle=False, seed=0,
-            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-            bucket_by_length=cfg.bucket_by_length,
-        ) if idx else []
-        steps.append([(b, per_example_loss_scale(b, normalisation, mcfg.max_target_length)) for b in batches])
-    return steps
+    setting = None  # no DP-SGD setting
+    examples = clipped = 0
+
+    def __init__(self, model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
+                 normalisation: str, seed: int, proximal: Proximal | None):
+        self.model, self.frame, self.mcfg, self.cfg = model, examples, mcfg, cfg
+        self.normalisation, self.seed, self.proximal = normalisation, seed, proximal
+
+    def epoch(self, epoch: int) -> list[list[tuple[Batch, float]]]:
+        return _accumulation_steps(self.model, self.frame, self.mcfg, self.cfg, self.normalisation,
+                                   derived_seed(self.seed, epoch))
+
+    def backward(self, loss: torch.Tensor, weight: float) -> None:
+        if self.proximal is not None:
+            loss = loss + self.proximal.term()
+        (loss * weight).backward()
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
@@ -147,7 +171,7 @@ def train_local(
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
     (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
 
-    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.training.privacy):
+    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
     Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
     client's setting and this call's clipped counts, the caller composes the steps across rounds."""
     from pipeline.modeling.losses import distillation_loss
@@ -176,7 +200,6 @@ def train_local(
     sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
     gate_parts: list[pd.DataFrame] = []
     n_steps = 0
-    proximal_value = 0.0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
     teacher_budget = current_run_settings(plan.experiment).cache.teacher_cache_gb  # a run-time setting
@@ -184,20 +207,20 @@ def train_local(
         from pipeline.modeling.cache import TeacherCache
 
         teacher_cache = TeacherCache(int(teacher_budget * 2**30))
-    dp = None
-    if plan.privacy is not None and plan.privacy.mode == "example":  # (mode client: the server's wrapper)
-        from pipeline.training.privacy import DPSGDStep, client_privacy
+    proximal = Proximal(params, reference, proximal_mu) if reference is not None else None
 
-        setting = client_privacy(plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds,
-                                 cfg.local_epochs, where=f"{plan.source}: client {client!r}")
-        dp = DPSGDStep(model.adapter_sets["local"], setting, derived_seed(seed, "dp-noise"))
+    def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
+        return make_batches(frame, model.tokenizer, mcfg, cfg.batch_size, shuffle=False, seed=0,
+                            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+                            bucket_by_length=cfg.bucket_by_length)
+
+    stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed,
+                                  f"{plan.source}: client {client!r}", micro_batches, kd.normalisation,
+                                  mcfg.max_target_length, proximal) \
+        or PlainSteps(model, examples, mcfg, cfg, kd.normalisation, seed, proximal)
     try:
         for epoch in range(cfg.local_epochs):
-            if dp is None:
-                steps = _accumulation_steps(model, examples, mcfg, cfg, kd.normalisation, derived_seed(seed, epoch))
-            else:
-                steps = _poisson_steps(model, examples, mcfg, cfg, kd.normalisation, dp.setting,
-                                       derived_seed(seed, epoch, "poisson"))
+            steps = stepper.epoch(epoch)
             iterator = steps
             if progress:
                 from tqdm import tqdm
@@ -212,20 +235,7 @@ def train_local(
                     logits_local, logits_global = _forward_logits(model, batch, two_paths, cache, teacher_cache)
                     labels = batch.labels.to(model.device)
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
-                    loss = out.loss
-                    if dp is not None:
-                        # weight turns the batch mean into the sum of per-example losses (pipeline.training.privacy)
-                        (loss * weight).backward()
-                        dp.accumulate()
-                    else:
-                        if reference is not None:
-                            prox = sum(((p - r) ** 2).sum() for p, r in zip(params, reference))
-                            proximal_value = float(0.5 * proximal_mu * prox.detach())
-                            loss = loss + 0.5 * proximal_mu * prox
-                        # Each micro-batch's share of its optimizer step (its tokens / the step's tokens), so a
-                        # step's gradient is that of the mean over the whole effective batch; the proximal term
-                        # enters each step once.
-                        (loss * weight).backward()
+                    stepper.backward(out.loss, weight)
                     n_tok = int(out.n_tokens)
                     valid = labels != IGNORE_INDEX
                     gate = out.gate.detach() & valid  # all False where no KD applies (mode ce)
@@ -237,19 +247,11 @@ def train_local(
                     sums["kd_tokens"] += n_kd
                     if two_paths:
                         gate_parts.append(_gate_rows(batch, labels, out.entropy.detach(), gate, client, rnd))
-                if dp is not None:
-                    dp.finish()
-                    if reference is not None:  # data-independent: added after the noise, outside the clipping
-                        with torch.no_grad():
-                            proximal_value = float(0.5 * proximal_mu * sum(((p - r) ** 2).sum()
-                                                                           for p, r in zip(params, reference)))
-                            for p, r in zip(params, reference):
-                                p.grad.add_(proximal_mu * (p - r))
+                stepper.finish()
                 optimizer.step()
                 n_steps += 1
     finally:
-        if dp is not None:
-            dp.close()
+        stepper.close()
     model.train(False)
     for p in params:
         p.requires_grad_(False)
@@ -263,11 +265,11 @@ def train_local(
         ce=sums["ce"] / tokens,
         kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
         kd_fraction=sums["kd_tokens"] / tokens,
-        proximal=proximal_value,
+        proximal=proximal.value if proximal is not None else 0.0,
         gate_log=gate_log,
-        privacy=dp.setting if dp is not None else None,
-        dp_examples=dp.examples if dp is not None else 0,
-        dp_clipped=dp.clipped if dp is not None else 0,
+        privacy=stepper.setting,
+        dp_examples=stepper.examples,
+        dp_clipped=stepper.clipped,
     )
 
 

@@ -23,7 +23,7 @@ n_i * s, so the weights are the plain run's weights exactly and the only error i
 (:func:`aggregation_error_bound`). Dropped clients: the survivors' shares rebuild the dropped clients' pairwise
 masks, as long as every sampled client keeps at least ``reconstruction_threshold`` live neighbours.
 
-With client-level DP (``privacy.mode: client``, client-side clipping; pipeline.federation.client_dp) a reply that
+With client-level DP (``privacy.mode: client``, client-side clipping; pipeline.privacy.client_dp) a reply that
 carries the clipped bit of client_dp_mod (its update was clipped inside ``secaggplus_mod``, before the masking)
 weighs 1, not n_i: the uniform mean the noise is calibrated to (max_weight 1, s = Q). Its clipped bit leaves only
 inside the masked vector, as one more coordinate of value bit x c / 2 (:func:`clipped_bit_value`, inside [-c, c]
@@ -56,7 +56,7 @@ from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
 from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY
 from pipeline.federation.strategies import NUM_EXAMPLES_KEY
-from pipeline.training.privacy import SECAGG_MODULUS, SecAggConfig
+from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
 ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy Parameters carry none), as JSON
 # reply metric: upload coordinates SecAgg+'s quantiser clipped to +-clipping_range

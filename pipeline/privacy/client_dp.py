@@ -1,6 +1,6 @@
 """Client-level differential privacy across organisations (params ``privacy.mode: client``, README "Privacy"):
 Flower 1.41's DP strategy wrappers around the FedAvg-family strategy, the matching client mods, and what each
-round records. The setting and the accountant are pipeline.training.privacy (:class:`FederationPrivacy`).
+round records. The setting and the accountant are pipeline.privacy (:class:`FederationPrivacy`).
 
 - Server-side clipping (``clipping_side: server``): ``DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping``
   clip every reply's update ``W_i - W`` to C on the server (which sees the updates in the clear: central DP
@@ -9,9 +9,9 @@ round records. The setting and the accountant are pipeline.training.privacy (:cl
   send C in the train config; Flower's ``fixedclipping_mod`` / ``adaptiveclipping_mod`` on the ClientApp's train
   handler clip the reply against the weights received, so the server never holds an unclipped update (the
   precondition of secure aggregation); the server averages and adds the same noise.
-- Under SecAgg+ (``privacy.secure_aggregation``, client-side clipping only: pipeline.training.privacy
+- Under SecAgg+ (``privacy.secure_aggregation``, client-side clipping only: pipeline.privacy
   .secure_aggregation_refusal) the mod clips inside ``secaggplus_mod`` before the upload is masked, each client
-  weighs 1 in the masked sum and its clipped bit is summed with it (pipeline.federation.secure_aggregation); the
+  weighs 1 in the masked sum and its clipped bit is summed with it (pipeline.privacy.secure_aggregation); the
   secure step bypasses ``aggregate_train``, so the server hands the unmasked mean to the wrapper's
   :meth:`_FedmeetDP.release_secure_mean`, which adds the same noise from the same seeded generator.
 
@@ -30,7 +30,7 @@ What fedmeet changes in Flower's wrappers, and why:
   clipped fraction f and the target clipped quantile t, ``C exp(lr (f - t))``, whose fixed point clips a
   fraction t. (2) The noise: Flower updates C before it adds the round's noise, so the noise is scaled by next
   round's C, not by the C the updates were clipped to (under-noised whenever C shrinks); here it uses the
-  round's C. The accounting of Flower's uncentred clipped count is pipeline.training.privacy's.
+  round's C. The accounting of Flower's uncentred clipped count is pipeline.privacy's.
 """
 from __future__ import annotations
 
@@ -50,36 +50,73 @@ from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_stdv,
 from pipeline.experiments import Plan
 from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, load_plan,
                                           plan_path_of)
-from pipeline.federation.secure_aggregation import is_legacy_fit
-from pipeline.training.privacy import (FederationPrivacy, client_level_problem, federation_privacy,
-                                      flower_adaptive_multiplier)
+from pipeline.privacy.secure_aggregation import is_legacy_fit
+from pipeline.privacy.accounting import FederationPrivacy, federation_privacy, flower_adaptive_multiplier
+from pipeline.privacy.settings import client_level_problem
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
 
-UNIFORM_WEIGHT_KEY = "dp-unit-weight"  # set by the server on each reply it aggregates under mode client
+UNIFORM_WEIGHT_KEY = "dp-unit-weight"
+SAMPLING_STREAM = 1  # the Poisson sample's generator: [seed, round, 1] (the noise's is [seed, round])  # set by the server on each reply it aggregates under mode client
 
 
 def sampled_per_round(population: int, fraction_train: float) -> int:
-    """How many clients Flower's FedAvg samples per round (``max(int(n * fraction_train), min_train_nodes=1)``)."""
+    """The expected number of clients per round, ``max(int(n * fraction_train), 1)`` (what Flower's FedAvg samples
+    as a fixed count); under client-level DP each client joins with probability this / n."""
     return max(int(population * fraction_train), 1)
 
 
+def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -> list[int]:
+    """Each node independently with probability ``rate`` (one uniform draw per node, in the given order)."""
+    return [n for n, u in zip(node_ids, rng.random(len(node_ids))) if u < rate]
+
+
+class _ChosenNodes:
+    """A Grid that shows the inner strategy only the round's Poisson sample (it configures every node it sees)."""
+
+    def __init__(self, grid, nodes: list[int]):
+        self._grid, self._nodes = grid, list(nodes)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self._nodes)
+
+    def __getattr__(self, name):
+        return getattr(self._grid, name)
+
+
 class _FedmeetDP:
-    """Mixed into each Flower DP wrapper: uniform weights, seeded noise, no noise at multiplier 0, and adaptive
-    clipping's direction and noise scale (module docstring)."""
+    """Mixed into each Flower DP wrapper: Poisson sampling of clients and the public denominator, uniform weights,
+    seeded noise, no noise at multiplier 0, and adaptive clipping's direction and noise scale (module
+    docstring). The inner strategy runs with fraction_train 1: it configures every client of the sample."""
 
     seed: int
+    sample_rate: float  # q: each client joins a round with this probability
     _rng: np.random.Generator
     _round_clipping_norm: float
+    _round_arrays: ArrayRecord | None = None  # the global the round's updates are taken against
+    _round_count: int = 0  # updates in this round's aggregate
 
     def _start_round(self, server_round: int) -> None:
         self._rng = np.random.default_rng([self.seed, server_round])
         self._round_clipping_norm = self.clipping_norm  # what this round's updates are clipped to
 
+    def configure_train(self, server_round, arrays, config, grid):
+        """Poisson sampling (a generator of its own per (experiment seed, round), apart from the noise's): an empty
+        sample configures nobody, the round aggregates nothing and the accountant still counts it."""
+        self._round_arrays = arrays
+        rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
+        chosen = poisson_sample(sorted(grid.get_node_ids()), self.sample_rate, rng)
+        if not chosen:
+            log.info("round %d: the Poisson sample of clients is empty (q=%.4g): nothing to aggregate",
+                     server_round, self.sample_rate)
+            return []
+        return super().configure_train(server_round, arrays, config, _ChosenNodes(grid, chosen))
+
     def aggregate_train(self, server_round, replies):
         self._start_round(server_round)
         replies = list(replies)
+        self._round_count = sum(1 for reply in replies if not reply.has_error())
         for reply in replies:
             if not reply.has_error():
                 next(iter(reply.content.metric_records.values()))[UNIFORM_WEIGHT_KEY] = 1
@@ -90,6 +127,16 @@ class _FedmeetDP:
         finally:
             inner.weighted_by_key = key  # evaluate replies carry num-examples only
 
+    def _public_denominator(self, mean: ArrayRecord) -> ArrayRecord:
+        """The uniform mean of k updates as the sum over the expected count m: ``W + (k / m)(mean - W)``; the mean
+        itself when k = m (the bits of a run whose every sampled client replied stay as they were)."""
+        k, m = self._round_count, self.num_sampled_clients
+        if k == m or k == 0 or self._round_arrays is None:
+            return mean
+        ref = self._round_arrays.to_numpy_ndarrays()
+        return ArrayRecord({name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
+                            for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)})
+
     def release_secure_mean(self, server_round: int, mean: ArrayRecord, clipped_count: int,
                             aggregated: int) -> ArrayRecord:
         """Under SecAgg+ (client-side clipping only): what the client-side wrapper's ``aggregate_train`` does after
@@ -98,11 +145,13 @@ class _FedmeetDP:
         the round in the clear: adaptive clipping's C update from the noisy count of clipped updates
         (``clipped_count``, summed under the same masks), then the noise N(0, (z C / m)^2) with the round's C."""
         self._start_round(server_round)
+        self._round_count = aggregated
         if isinstance(self, DifferentialPrivacyClientSideAdaptiveClipping):
             self._geometric_update(self._noisy_fraction(clipped_count, aggregated))
         return self._add_noise_to_aggregated_arrays(mean)
 
     def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
+        aggregated = self._public_denominator(aggregated)
         if self.noise_multiplier == 0:
             return aggregated
         std = compute_stdv(self.noise_multiplier, self._round_clipping_norm, self.num_sampled_clients)
@@ -111,8 +160,9 @@ class _FedmeetDP:
                             for k, a in zip(aggregated.keys(), aggregated.to_numpy_ndarrays())})
 
     def _noisy_fraction(self, count: int, total: int) -> float:  # adaptive wrappers only
+        # over the expected count m (public), not the k replies: k would tell who joined
         noise = self._rng.normal(0.0, self.clipped_count_stddev) if self.clipped_count_stddev > 0 else 0.0
-        return float(count + noise) / float(total)
+        return float(count + noise) / float(self.num_sampled_clients)
 
     def _geometric_update(self, clipped_fraction: float) -> None:  # adaptive wrappers only
         self.clipping_norm *= math.exp(self.clip_norm_lr * (clipped_fraction - self.target_clipped_quantile))
@@ -133,6 +183,23 @@ class ServerSideAdaptive(_FedmeetDP, DifferentialPrivacyServerSideAdaptiveClippi
 class ClientSideAdaptive(_FedmeetDP, DifferentialPrivacyClientSideAdaptiveClipping):
     pass
 
+
+# The Flower 1.41 methods the wrappers above override or rely on (sha256 of their source, first 16 hex digits):
+# tests/test_flower_overrides.py fails when one changes upstream, so that a maintainer re-checks the override
+# (Flower has no public hook for the noise, the clipped fraction or C's update; the subclasses are the seam).
+_FIXED = ("configure_train", "aggregate_train", "_add_noise_to_aggregated_arrays")
+_ADAPTIVE = _FIXED + ("_noisy_fraction", "_geometric_update")
+FLOWER_METHODS = {
+    "FedAvg.configure_train": "1c8cad62dc921a66",  # configures every node its grid shows when fraction_train = 1
+    **dict(zip((f"DifferentialPrivacyServerSideFixedClipping.{m}" for m in _FIXED),
+               ("cca4c4bae7752bd5", "59e602ef32c7d7d5", "16ea4f0006dd4e4a"))),
+    **dict(zip((f"DifferentialPrivacyClientSideFixedClipping.{m}" for m in _FIXED),
+               ("5b565fcfea5a7f2b", "09ee66dc127451ef", "16ea4f0006dd4e4a"))),
+    **dict(zip((f"DifferentialPrivacyServerSideAdaptiveClipping.{m}" for m in _ADAPTIVE),
+               ("fb225fdecc3c2b34", "fba06bac9d5c1f6b", "bf9099d1c2d53327", "8fabee661038b17d", "6405cb317c8ee034"))),
+    **dict(zip((f"DifferentialPrivacyClientSideAdaptiveClipping.{m}" for m in _ADAPTIVE),
+               ("0ec9e6105dc9dae9", "71215369fc9eb429", "bf9099d1c2d53327", "8fabee661038b17d", "6405cb317c8ee034"))),
+}
 
 WRAPPERS = {("server", "fixed"): ServerSideFixed, ("client", "fixed"): ClientSideFixed,
             ("server", "adaptive"): ServerSideAdaptive, ("client", "adaptive"): ClientSideAdaptive}
@@ -157,6 +224,8 @@ def wrap_strategy(strategy, plan: Plan, setting: FederationPrivacy):
                       target_clipped_quantile=cfg.target_clipped_quantile, clip_norm_lr=cfg.clip_norm_lr,
                       clipped_count_stddev=setting.count_stddev)
     wrapped.seed = derived_seed(plan.seed, "client-dp-noise")
+    wrapped.sample_rate = setting.sample_rate
+    strategy.fraction_train = 1.0  # the wrapper draws the Poisson sample; the inner strategy configures all of it
     return wrapped
 
 
@@ -239,8 +308,8 @@ class RoundPrivacy:
         shows every update's norm); like the losses, it is an un-noised number of the experiment record. Under
         SecAgg+ the server knows neither: each row of the round gets the fraction of the round's updates that
         were clipped (their bits summed under the masks) and no norm."""
-        released = released_per_round(history) + [len(clipped)]
-        eps = self.setting.epsilon(released)
+        rnd = max(int(row["round"]) for row in rows.values())
+        eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():
             rows[name].update({"update_clipped": bit, "update_norm": None if norm is None else float(norm),
                                "clipping_norm": float(clipping_norm),
@@ -249,11 +318,3 @@ class RoundPrivacy:
                                "sample_rate": self.setting.sample_rate})
         return eps
 
-
-def released_per_round(history: list[dict[str, Any]]) -> list[int]:
-    """Per round of ``history`` that released an aggregate under client-level DP: the updates averaged in it."""
-    counts: dict[int, int] = {}
-    for row in history:
-        if "update_clipped" in row:
-            counts[int(row["round"])] = counts.get(int(row["round"]), 0) + 1
-    return [counts[r] for r in sorted(counts)]

@@ -1,0 +1,203 @@
+"""The params.yaml `privacy` group as a plan carries it (:class:`PrivacyConfig`, :class:`SecAggConfig`) and the
+refusals of what a privacy setting cannot protect (:func:`client_level_problem`, :func:`secure_aggregation_refusal`).
+What each mode does: pipeline.privacy.example_dp (mode example), pipeline.privacy.client_dp (mode client),
+pipeline.privacy.secure_aggregation (SecAgg+); the accountant: pipeline.privacy.accounting."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.common.config import to_dict
+
+MODES = ("none", "example", "client")
+ACCOUNTANTS = ("rdp", "prv")
+SAMPLING = "poisson"
+CLIPPING_SIDES = ("server", "client")  # mode client: who clips a client's update (Flower wrapper or client mod)
+CLIPPING_KINDS = ("fixed", "adaptive")  # mode client: fixed C, or Andrew et al.'s quantile-tracking C
+# Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
+# key of the other mode changes no plan.
+EXAMPLE_KEYS = ("max_grad_norm",)
+CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm", "target_clipped_quantile", "clip_norm_lr",
+               "clipped_count_stddev")
+ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stddev")
+# Mode client, delta null: far below 1/N for every federation here (N <= 100 clients); N >= 1e5 must set delta.
+CLIENT_DELTA = 1e-5
+ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
+# The server algorithms (pipeline.federation.strategies) whose new global is the average of the replies and
+# nothing more (Flower's FedProx only adds `proximal-mu` to the train config): mode client's noise calibrates that
+# mean, and SecAgg+ gives the server that mean and no single reply.
+AVERAGING_STRATEGIES = ("fedavg", "fedprox")
+
+
+# SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
+# and of their integer weights must stay below it.
+SECAGG_MODULUS = 2**32
+
+
+@dataclass
+class SecAggConfig:
+    """params.yaml `privacy.secagg`: Flower's SecAggPlusWorkflow settings (comments in params.yaml). Flower's own
+    rules: a float num_shares is a fraction of the clients sampled in the round, an int a count > 2; a float
+    reconstruction_threshold is a fraction of num_shares, an int a count below an int num_shares."""
+
+    num_shares: int | float = 1.0
+    reconstruction_threshold: int | float = 0.67
+    clipping_range: float = 8.0
+    quantization_range: int = 2**22
+
+    def __post_init__(self) -> None:
+        if isinstance(self.num_shares, float) and not 0 < self.num_shares <= 1:
+            raise ValueError(f"num_shares as a fraction of the sampled clients must be in (0, 1], "
+                             f"got {self.num_shares}")
+        if isinstance(self.num_shares, int) and self.num_shares != 1 and self.num_shares <= 2:
+            raise ValueError(f"num_shares as a count must be > 2 (or a fraction), got {self.num_shares}")
+        t = self.reconstruction_threshold
+        if isinstance(t, float) and not 0 < t <= 1:
+            raise ValueError(f"reconstruction_threshold as a fraction of num_shares must be in (0, 1], got {t}")
+        counted = isinstance(self.num_shares, int) and self.num_shares > 1  # Flower reads an int 1 as 1.0
+        if isinstance(t, int) and not (t >= 2 and (not counted or t < self.num_shares)):
+            raise ValueError(f"reconstruction_threshold as a count must be >= 2 and < num_shares, got {t}")
+        if not 0 < self.clipping_range < math.inf:
+            raise ValueError(f"clipping_range must be a finite number > 0, got {self.clipping_range}")
+        if not 1 < self.quantization_range < SECAGG_MODULUS:
+            raise ValueError(f"quantization_range must be in (1, 2**32), got {self.quantization_range}")
+
+
+@dataclass
+class PrivacyConfig:
+    """params.yaml `privacy` (the comments on each key live in params.yaml)."""
+
+    mode: str = "none"
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    max_grad_norm: float = 1.0
+    delta: float | None = None
+    accountant: str = "rdp"
+    # mode client only (params.yaml says what each means)
+    clipping_side: str = "server"
+    clipping: str = "fixed"
+    clipping_norm: float | None = None
+    target_clipped_quantile: float = 0.5
+    clip_norm_lr: float = 0.2
+    clipped_count_stddev: float | None = None
+    # SecAgg+, independent of the mode (params.yaml)
+    secure_aggregation: bool = False
+    secagg: SecAggConfig = field(default_factory=SecAggConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.secagg, dict):
+            self.secagg = SecAggConfig(**self.secagg)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {list(ACCOUNTANTS)}, got {self.accountant!r}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 (.inf = no clipping), got {self.max_grad_norm}")
+        self._check_client_keys()
+        if self.noise_multiplier is not None and not (0 <= self.noise_multiplier < math.inf):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}")
+        if self.target_epsilon is not None and not (0 < self.target_epsilon < math.inf):
+            raise ValueError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon}")
+        if self.delta is not None and not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1) (null = mode example: min(1e-5, 1/(10 n)) for a client of n "
+                             f"training examples; mode client: 1e-5), got {self.delta}")
+        if self.mode == "none":
+            if self.noise_multiplier is not None or self.target_epsilon is not None:
+                raise ValueError("noise_multiplier / target_epsilon are set but mode is 'none': set mode 'example' "
+                                 "or 'client', or leave them null")
+            return
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError(f"mode {self.mode!r} needs exactly one of noise_multiplier and target_epsilon "
+                             f"(got {self.noise_multiplier} and {self.target_epsilon})")
+        if self.mode == "example" and math.isinf(self.max_grad_norm) and self.noise_multiplier != 0:
+            # the noise std is sigma * C: unbounded clipping is only meaningful as the noise-free control
+            raise ValueError("max_grad_norm .inf (no clipping) needs noise_multiplier 0 (noise std = sigma * C)")
+        if self.mode == "client":
+            if self.clipping == "fixed" and self.clipping_norm is None:
+                raise ValueError("clipping_norm must be set with mode client and clipping fixed: the bound C on "
+                                 "the L2 norm of a client's round update (no default fits every backbone)")
+            if self.clipping_norm is not None and math.isinf(self.clipping_norm) and (
+                    self.noise_multiplier != 0 or self.clipping == "adaptive"):
+                raise ValueError("clipping_norm .inf (no clipping) needs clipping fixed and noise_multiplier 0 "
+                                 "(noise std = noise_multiplier x C / sampled clients)")
+
+    def _check_client_keys(self) -> None:
+        if self.clipping_side not in CLIPPING_SIDES:
+            raise ValueError(f"clipping_side must be one of {list(CLIPPING_SIDES)}, got {self.clipping_side!r}")
+        if self.clipping not in CLIPPING_KINDS:
+            raise ValueError(f"clipping must be one of {list(CLIPPING_KINDS)}, got {self.clipping!r}")
+        if self.clipping_norm is not None and not self.clipping_norm > 0:
+            raise ValueError(f"clipping_norm must be > 0 (.inf = no clipping), got {self.clipping_norm}")
+        if not 0 <= self.target_clipped_quantile <= 1:
+            raise ValueError(f"target_clipped_quantile must be in [0, 1], got {self.target_clipped_quantile}")
+        if not 0 < self.clip_norm_lr < math.inf:
+            raise ValueError(f"clip_norm_lr must be a finite number > 0, got {self.clip_norm_lr}")
+        if self.clipped_count_stddev is not None and not 0 <= self.clipped_count_stddev < math.inf:
+            raise ValueError(f"clipped_count_stddev must be a finite number >= 0 (null = sampled clients / 20), "
+                             f"got {self.clipped_count_stddev}")
+
+    @property
+    def enabled(self) -> bool:
+        """DP-SGD on (``mode`` not none); secure aggregation is :attr:`secure_aggregation`."""
+        return self.mode != "none"
+
+    def plan_dict(self) -> dict[str, Any]:
+        """The group as a plan carries it: the keys of the other mode (and adaptive clipping's, unless on) left
+        out, so they change no plan and an example-mode plan keeps its hash; with mode none only the mode; the
+        SecAgg+ keys only when secure aggregation is on (plans without it keep their hash)."""
+        drop = {"secure_aggregation", "secagg"}
+        drop.update(CLIENT_KEYS if self.mode != "client" else EXAMPLE_KEYS)
+        if self.mode == "client" and self.clipping != "adaptive":
+            drop.update(ADAPTIVE_KEYS)
+        record = {k: v for k, v in to_dict(self).items() if k not in drop} if self.enabled else {"mode": self.mode}
+        if self.secure_aggregation:
+            record |= {"secure_aggregation": True, "secagg": to_dict(self.secagg)}
+        return record
+
+
+def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
+    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``train.transfer_dtype`` and the privacy group
+    ``cfg``, or None. The server then sees only the weighted sum of the uploads, so it must need nothing else:
+    FedAvg and FedProx (the proximal term is the client's) only average; FedOpt applies its server optimiser
+    (momentum or Adam moments) to the average and FedNova normalises each client's update by that client's steps;
+    `single` and `centralized` have no server. SecAgg+ quantises the fp32 upload itself, so the transfer stays
+    fp32. With client-level DP the server never holds an update, so it cannot clip one: the client clips
+    (``clipping_side: client``) before SecAgg+ masks its upload."""
+    if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
+        return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
+                "of the updates and cannot clip each one (the client clips its update before it is masked)")
+    if not method.federated:
+        return f"method {method.name!r} trains without a server: there is no aggregate to protect"
+    if method.strategy not in AVERAGING_STRATEGIES:
+        return (f"method {method.name!r}'s server ({method.strategy}) does more than average the uploads, and "
+                f"SecAgg+ gives it only their weighted sum (servers that average: {', '.join(AVERAGING_STRATEGIES)})")
+    if transfer_dtype != "fp32":
+        return (f"train.transfer_dtype is {transfer_dtype}: SecAgg+ quantises the fp32 upload itself "
+                f"(privacy.secagg), so the transfer must be fp32")
+    return None
+
+
+def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str | None:
+    """Why mode client makes no sense for ``method`` (a pipeline.training.methods.MethodSpec), or None."""
+    if not method.federated:
+        what = "pools every client's data in one place" if method.pooled else "trains each client alone"
+        return (f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
+                f"client-level guarantee to give (mode example protects its examples in federated methods)")
+    if method.strategy == "fednova":
+        return ("method fednova: its server rescales each update by the client's own step count and by their "
+                "weighted mean, so one client's influence on the aggregate is not bounded by C / sampled clients; "
+                "use fedavg or fedprox")
+    if method.strategy not in AVERAGING_STRATEGIES:
+        return (f"method {method.name}: its server applies an optimiser (momentum, adaptive moments) to the mean "
+                f"and keeps that un-noised state from round to round, while Flower's wrappers add the noise to the "
+                f"optimiser's output: neither the sensitivity C / sampled clients nor the composition holds; use "
+                f"fedavg or fedprox")
+    if method.new_client == "post":
+        return (f"method {method.name}: the population grows when the new client joins mid-run, so the number "
+                f"sampled per round and the sampling rate change, while the noise is calibrated to one fixed "
+                f"sample size")
+    if cfg.clipping_side == "client" and transfer_dtype != "fp32":
+        return (f"privacy.clipping_side client needs train.transfer_dtype fp32 (got {transfer_dtype}): Flower's "
+                f"clipping mod clips the reply against the received arrays as they travel, encoded")
+    return None

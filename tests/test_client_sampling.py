@@ -1,0 +1,142 @@
+"""Client-level DP accounted for the sampling that runs (issue 29 item 5): each client joins a round independently
+with probability q (Poisson), the clipped updates are summed over the expected count m = q N (a public
+denominator), an empty sample aggregates nothing but is counted, and the epsilon recorded equals opacus' RDP
+accountant of the Poisson-subsampled Gaussian computed here directly."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.test_client_dp import _client_cfg, _global, _independent_epsilon, _reply
+from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
+
+
+def _opacus_rdp_epsilon(q: float, sigma: float, steps: int, delta: float) -> float:
+    """opacus' RDP analysis called directly (not through pipeline.privacy)."""
+    from opacus.accountants.analysis.rdp import compute_rdp, get_privacy_spent
+
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders)
+    return float(get_privacy_spent(orders=orders, rdp=rdp, delta=delta)[0])
+
+
+class _Nodes:
+    def __init__(self, n: int):
+        self.ids = list(range(100, 100 + n))
+
+    def get_node_ids(self):
+        return list(self.ids)
+
+
+def _fixed_wrapper(population: int, sampled: int, noise: float = 0.0):
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.privacy.accounting import federation_privacy
+    from pipeline.privacy.client_dp import wrap_strategy
+
+    _set_server_identity(1)  # messages are created as the ServerApp's (as tests/test_client_dp.py does)
+    cfg = _client_cfg(noise_multiplier=noise, clipping_norm=1.0)
+    setting = federation_privacy(cfg, population=population, sampled=sampled, rounds=10)
+    inner = build_strategy("fedavg", fraction_train=sampled / population, proximal_mu=0.0, fedopt=FedOptConfig(),
+                           client_lr=1e-3)
+    return wrap_strategy(inner, SimpleNamespace(privacy=cfg, seed=0), setting), setting
+
+
+def test_poisson_sample_takes_each_client_independently_with_probability_q():
+    from pipeline.privacy.client_dp import poisson_sample
+
+    nodes = list(range(20))
+    rng = np.random.default_rng(0)
+    draws = [poisson_sample(nodes, 0.25, rng) for _ in range(4000)]
+    counts = np.bincount([n for d in draws for n in d], minlength=20) / 4000
+    assert np.all(np.abs(counts - 0.25) < 0.03)  # each client about q of the rounds (4000 draws: sd 0.007)
+    sizes = np.array([len(d) for d in draws])
+    assert abs(sizes.mean() - 5.0) < 0.1 and sizes.min() < 5 < sizes.max()  # the sample size varies
+    assert poisson_sample(nodes, 1.0, rng) == nodes and poisson_sample(nodes, 0.0, rng) == []
+
+
+def test_the_wrapper_configures_the_poisson_sample_and_an_empty_sample_configures_nobody():
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    from pipeline.privacy.client_dp import SAMPLING_STREAM, poisson_sample
+
+    strategy, setting = _fixed_wrapper(population=10, sampled=1)  # q = 0.1: P(empty) = 0.9^10 = 0.35
+    assert setting.sample_rate == 0.1 and strategy.strategy.fraction_train == 1.0
+    grid, seen_empty, seen_many = _Nodes(10), False, False
+    for rnd in range(1, 30):
+        messages = list(strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid))
+        expected = poisson_sample(grid.ids, 0.1, np.random.default_rng([strategy.seed, rnd, SAMPLING_STREAM]))
+        assert sorted(m.metadata.dst_node_id for m in messages) == expected
+        seen_empty |= not messages
+        seen_many |= len(messages) > 1
+    assert seen_empty and seen_many
+
+
+def test_the_aggregate_is_the_sum_of_clipped_updates_over_the_expected_count():
+    """m = 2 expected, 3 joined: W + (clip(d1) + clip(d2) + clip(d3)) / 2, not their mean (noise 0)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    strategy, _ = _fixed_wrapper(population=4, sampled=2)
+    g = np.array([1.0, 1.0])
+    strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(4))
+    replies = [_reply(g + [3.0, 4.0], 1), _reply(g + [0.3, 0.4], 1), _reply(g + [0.0, 0.5], 1)]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(arrays["w"].numpy(), g + (np.array([0.6, 0.8]) + [0.3, 0.4] + [0.0, 0.5]) / 2,
+                               rtol=1e-6)
+    # as many as expected: the plain uniform mean, as before
+    strategy.configure_train(2, _global(g), ConfigRecord(), _Nodes(4))
+    two, _ = strategy.aggregate_train(2, replies[1:])
+    assert isinstance(two, ArrayRecord)
+    np.testing.assert_allclose(two["w"].numpy(), (g + [0.3, 0.4] + g + [0.0, 0.5]) / 2, rtol=1e-6)
+
+
+@pytest.mark.parametrize("population,sampled,z,rounds", [(100, 10, 1.0, 8), (3, 2, 1.5, 5), (30, 30, 2.0, 4)])
+def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round(population, sampled, z, rounds):
+    """RoundPrivacy's epsilon after round r (empty rounds included) against opacus' RDP analysis called here,
+    and against the integer-order formula of Mironov et al. (tests/test_client_dp.py) within its slack."""
+    from pipeline.privacy.client_dp import RoundPrivacy
+
+    setting_holder = RoundPrivacy.__new__(RoundPrivacy)  # the server's record without a plan file
+    from pipeline.privacy.accounting import federation_privacy
+
+    setting_holder.setting = federation_privacy(_client_cfg(noise_multiplier=z, clipping_norm=1.0, delta=1e-5),
+                                                population=population, sampled=sampled, rounds=rounds)
+    setting_holder.side = "server"
+    q = sampled / population
+    rows = {"a": {"round": rounds, "client": "a"}}
+    eps = setting_holder.record(rows, {"a": (1, 2.0)}, 1.0, history=[])
+    assert eps == pytest.approx(_opacus_rdp_epsilon(q, z, rounds, 1e-5), rel=1e-9)
+    if q < 1:
+        assert eps <= _independent_epsilon(q, z, rounds, 1e-5) + 1e-9  # opacus' conversion is the tighter one
+    else:  # no sampling: the Gaussian mechanism's RDP a / (2 z^2) per round, classical conversion
+        assert eps <= min(rounds * a / (2 * z * z) + math.log(1e5) / (a - 1) for a in range(2, 64)) + 1e-9
+    assert rows["a"]["epsilon"] == eps and rows["a"]["sample_rate"] == q and rows["a"]["delta"] == 1e-5
+
+
+def test_the_run_record_names_the_sampling_and_the_accountant_and_counts_empty_rounds(ws):
+    from pipeline.privacy.record import client_level_summary
+    from tests.test_client_dp import _with_privacy
+    from tests.test_federated import write_plan
+    from pipeline.federation.protocol import load_plan
+
+    path = _with_privacy(write_plan("cdp-record", "fedavg", rounds=4, fraction_train=0.34),
+                         {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0})
+    plan = load_plan(path)
+    clients = ["Academic", "Committee", "Product"]
+    history = []
+    for rnd, joined in ((1, ["Academic"]), (2, []), (3, ["Product"]), (4, [])):  # rounds 2 and 4: empty samples
+        for c in clients:
+            row = {"round": rnd, "client": c, "sampled": int(c in joined), "failed": 0}
+            if c in joined:
+                row.update({"update_clipped": 0, "clipping_norm": 1.0})
+            history.append(row)
+    out = client_level_summary(plan, history, {c: {} for c in clients})
+    assert (out["sampling"], out["accountant"]) == ("poisson", "rdp")
+    assert (out["rounds_accounted"], out["rounds_empty"], out["rounds_released"]) == (4, 2, 2)
+    q = 1 / 3  # max(int(3 x 0.34), 1) = 1 expected of 3
+    assert out["sample_rate"] == pytest.approx(q) and out["delta"] == 1e-5
+    assert out["epsilon"] == pytest.approx(_opacus_rdp_epsilon(q, 1.0, 4, 1e-5), rel=1e-9)  # all 4 rounds
+    assert out["epsilon"] > _opacus_rdp_epsilon(q, 1.0, 2, 1e-5) and math.isfinite(out["epsilon"])

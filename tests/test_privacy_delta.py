@@ -1,0 +1,113 @@
+"""Example-level DP with a meaningful delta (issue 29 item 4): delta defaults to min(1e-5, 1/(10 n)), a delta of
+1/n or more is refused before anything trains (exit 2, naming the key and the client), and every epsilon is
+reported with its delta. The accountant is checked against an independent conversion and against PRV."""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
+from tests.test_privacy import _write_plan
+
+# The privacy study (configs/privacy-study.yaml, default profile): n = 16 examples per client, logical batch 8,
+# 3 rounds of 1 epoch: q = 1/2, 6 steps; the noise multipliers opacus chose for epsilon 8 / 3 / 1 at delta 1/16.
+STUDY_Q, STUDY_STEPS, STUDY_SIGMAS = 0.5, 6, (0.64, 1.09, 2.08)
+
+
+def _classical_rdp_epsilon(sigma: float, q: float, steps: int, delta: float) -> float:
+    """Mironov's RDP of the subsampled Gaussian (opacus' analytical RDP per order) with the classical conversion
+    eps = min_a RDP(a) + log(1/delta) / (a - 1), which is looser than the Balle et al. conversion opacus uses."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+
+    orders = [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64))
+    rdp = compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=orders)
+    return min(r + math.log(1 / delta) / (a - 1) for r, a in zip(rdp, orders))
+
+
+@pytest.mark.parametrize("sigma,expected", [(0.64, 17.60), (1.09, 7.92), (2.08, 3.23)])
+def test_the_study_sigmas_at_delta_1e_5_against_independent_accountants(sigma, expected):
+    """At delta = 1e-5 the study's noise gives epsilon ~17.6 / 7.9 / 3.2, not 8 / 3 / 1 (which held at delta =
+    1/16). The value sits between the PRV accountant's (tighter) and the classical RDP conversion's (looser)."""
+    from pipeline.privacy.accounting import epsilon
+
+    rdp = epsilon(sigma, STUDY_Q, STUDY_STEPS, 1e-5, "rdp")
+    prv = epsilon(sigma, STUDY_Q, STUDY_STEPS, 1e-5, "prv")
+    classical = _classical_rdp_epsilon(sigma, STUDY_Q, STUDY_STEPS, 1e-5)
+    assert rdp == pytest.approx(expected, abs=0.01)
+    assert prv <= rdp <= classical
+    assert rdp - prv < 0.15 * rdp  # PRV is near-exact: RDP is at most 15 % above it here
+    assert epsilon(sigma, STUDY_Q, STUDY_STEPS, 1 / 16, "rdp") < rdp / 2  # what delta = 1/n hid
+
+
+def test_a_target_epsilon_at_the_default_delta_is_met_at_that_delta():
+    from pipeline.privacy.accounting import client_privacy, epsilon
+    from pipeline.privacy.settings import PrivacyConfig
+
+    s = client_privacy(PrivacyConfig(mode="example", target_epsilon=3.0), 16, 8, 3, 1)
+    assert s.delta == 1e-5 and s.delta <= 1 / (10 * 16)
+    rdp = epsilon(s.noise_multiplier, 0.5, 6, 1e-5)
+    assert 2.98 <= rdp <= 3.0 and epsilon(s.noise_multiplier, 0.5, 6, 1e-5, "prv") <= rdp  # PRV: tighter
+
+
+def test_the_train_stage_refuses_a_delta_of_one_over_n_before_training_with_exit_2(ws, capsys):
+    """Academic has 4 training examples, Committee 6: delta 0.2 is below 1/4 but not below 1/6. The train stage
+    exits 2 naming privacy.delta and Committee, and nothing was trained."""
+    from pathlib import Path
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.train import main
+
+    path = _write_plan("dp-delta-too-big", "fedavg", {"mode": "example", "noise_multiplier": 1.0, "delta": 0.2},
+                       prefix_cache=False)
+    status = run_cli(main, ["--experiment", "dp-delta-too-big", "--plans", str(Path(path).parent), "--no-mlflow"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1
+    assert "privacy.delta" in err[0] and "'Committee'" in err[0] and "'Academic'" not in err[0]
+    assert not Path("models/dp-delta-too-big").exists()
+
+
+def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
+    from types import SimpleNamespace
+
+    from pipeline.privacy.record import mlflow_metrics, run_record
+    from pipeline.privacy.settings import PrivacyConfig
+
+    plan = SimpleNamespace(privacy=PrivacyConfig(mode="example", target_epsilon=3.0))
+    row = dict(epsilon=2.5, noise_multiplier=1.2, max_grad_norm=1.0, dp_examples=10, dp_clipped=5,
+               sample_rate=0.5)
+    history = [{"client": "A", "round": 1, "dp_steps": 2, "delta": 1e-5, **row},
+               {"client": "B", "round": 1, "dp_steps": 2, "delta": 5e-6, **row, "epsilon": 2.9}]
+    clients = {"A": {}, "B": {}}
+    record = run_record(plan, history, clients)
+    assert (record["privacy"]["epsilon_max"], record["privacy"]["delta_max"]) == (2.9, 1e-5)
+    assert (clients["A"]["privacy"]["delta"], clients["B"]["privacy"]["delta"]) == (1e-5, 5e-6)
+    assert record["privacy"]["sampling"] == "poisson" and record["privacy"]["accountant"] == "rdp"
+    out = mlflow_metrics({"clients": clients, **record})
+    assert (out["A.delta"], out["B.epsilon"], out["B.delta"], out["delta_max"]) == (1e-5, 2.9, 5e-6, 1e-5)
+
+
+def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):
+    from pipeline.experiments import Experiment, with_labels
+    from pipeline.results.privacy_study import privacy_figure, privacy_points
+
+    planned = [Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
+               Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
+               Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3")]
+    labels = with_labels(planned)
+    scores = pd.DataFrame([{"experiment": e, "client": c, "avg_rouge": 5.0, "backbone": "tiny"}
+                           for e in ("p0", "d0", "d1") for c in "AB"])
+    for name, deltas in (("p0", None), ("d0", (1e-5, 4e-6)), ("d1", (2e-6, 3e-6))):
+        d = tmp_path / "train" / name
+        d.mkdir(parents=True)
+        clients = {c: {} if deltas is None else {"privacy": {"epsilon": 2.0, "delta": x, "noise_multiplier": 1.0}}
+                   for c, x in zip("AB", deltas or (0, 0))}
+        d.joinpath("metrics.json").write_text(json.dumps(
+            {"clients": clients, "privacy": None if deltas is None else {"target_epsilon": 3}}))
+    points = privacy_points(planned, labels, scores, tmp_path / "train").set_index("label")
+    assert points.loc["fedavg DP-SGD ε≤3", "delta"] == 1e-5  # the largest over clients and seeds
+    assert pd.isna(points.loc["fedavg", "delta"])
+    privacy_figure(points.reset_index(), tmp_path / "privacy.png", tmp_path / "privacy.csv")
+    assert pd.read_csv(tmp_path / "privacy.csv")["delta"].max() == 1e-5
