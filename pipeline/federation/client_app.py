@@ -38,7 +38,7 @@ from pipeline.federation.client_dp import client_dp_mod
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
                                           load_plan, plan_path_of)
 from pipeline.federation.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
-from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
 from pipeline.experiments import Plan
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local

@@ -2,11 +2,13 @@
 plan stage resolves it per experiment (pipeline.experiments keeps out of each plan the keys its method ignores)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.federation.compression import TRANSFER_DTYPES
-from pipeline.federation.strategies import FedOptConfig
+from pipeline.federation.strategies.catalog import STRATEGIES, strategy_params_keys
 from pipeline.modeling.losses import TAU_SCALES
 
 
@@ -50,8 +52,6 @@ class TrainConfig:
     loss_normalisation: str = "tokens"
     local_adapter: str = "keep"
     fraction_train: float = 1.0
-    proximal_mu: float = 0.01
-    fedopt: FedOptConfig = field(default_factory=FedOptConfig)
     new_client: str = "SAMSum"
     join: JoinConfig = field(default_factory=JoinConfig)
     max_train_examples_per_client: int | None = None
@@ -64,10 +64,11 @@ class TrainConfig:
     # (ignored for fp32, which is exact).
     transfer_delta: bool = False
     prefix_cache: bool = True
+    # The server strategies' own `train` keys as params.yaml has them (proximal_mu, fedopt, ...: each strategy
+    # module of pipeline.federation.strategies reads its settings from them); built by :func:`train_config`.
+    strategy_params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.fedopt, dict):
-            self.fedopt = from_dict(FedOptConfig, self.fedopt, "train.fedopt")
         if isinstance(self.join, dict):
             self.join = from_dict(JoinConfig, self.join, "train.join")
         checks = [
@@ -86,3 +87,19 @@ class TrainConfig:
         for ok, problem in checks:
             if not ok:
                 raise ConfigError(f"params.yaml train: {problem}")
+
+
+def train_keys() -> set[str]:
+    """Every key params.yaml `train` may hold for a plan: TrainConfig's and the registered strategies'."""
+    return ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | strategy_params_keys()
+
+
+def train_config(data: dict[str, Any] | None, where: str = "train") -> TrainConfig:
+    """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each registered
+    strategy's settings checked there (a bad value raises ConfigError naming ``where.<key>``)."""
+    data = dict(data or {})
+    owned = strategy_params_keys()
+    strategy_params = {k: data.pop(k) for k in sorted(owned & set(data))}
+    for spec in STRATEGIES.values():
+        spec.settings(strategy_params, where)
+    return dataclasses.replace(from_dict(TrainConfig, data, where), strategy_params=strategy_params)

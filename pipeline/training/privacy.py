@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from pipeline.common.config import to_dict
+from pipeline.federation.strategies.catalog import STRATEGIES
 
 # The first adapter's input is the frozen prefix (no gradient): torch warns on every backward that opacus' full
 # backward hook then sees only output gradients, which is all it needs.
@@ -64,9 +65,9 @@ ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stdde
 CLIENT_DELTA = 1e-5
 ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
 # The server algorithms (pipeline.federation.strategies) whose new global is the average of the replies and
-# nothing more (Flower's FedProx only adds `proximal-mu` to the train config): mode client's noise calibrates that
-# mean, and SecAgg+ gives the server that mean and no single reply.
-AVERAGING_STRATEGIES = ("fedavg", "fedprox")
+# nothing more (Flower's FedProx only adds `proximal-mu` to the train config; each registers `averaging`): mode
+# client's noise calibrates that mean, and SecAgg+ gives the server that mean and no single reply.
+AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.averaging)
 
 
 # SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
