@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.federation.strategies import fedavg, fednova, fedopt, fedprox  # noqa: F401 (they register)
+from pipeline.federation.strategies import fedavg, fednova, fedopt, fedprox, fedtrimmedavg  # noqa: F401 (register)
 from pipeline.federation.strategies.registry import STRATEGIES, StrategySpec, common_arguments
 
 
