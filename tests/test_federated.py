@@ -590,12 +590,12 @@ def test_fp32_transfer_is_what_the_client_holds(ws):
         assert all(torch.equal(decoded[k], up["state"][k]) for k in decoded)
 
 
-@pytest.mark.parametrize("weight_by", ["full", "trained"])
+@pytest.mark.parametrize("weight_by", ["full", "trained", None])  # None: the default, which is trained
 def test_fedavg_weights_follow_the_full_train_size_under_the_cap(ws, weight_by):
     cap = 3  # below every client's train size (4, 6, 5, 4): each trains on 3 examples
     uplinks, aggregates, history = _spy_run(write_plan(
         f"weights-{weight_by}", "fedavg", "extreme/seed0", rounds=1, max_train_examples_per_client=cap,
-        weight_by=weight_by))
+        **({} if weight_by is None else {"weight_by": weight_by})))
     clients = sorted(N_TRAIN)
     rows = {r["client"]: r for r in history}
     assert {c: rows[c]["n_examples"] for c in clients} == {c: cap for c in clients}

@@ -12,10 +12,10 @@
 - ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
   checkpoints the client's state on the client's disk (pipeline.training.rounds).
 - ``query.summarize``: federated evaluation (pipeline.federation.deployment).
-- FedAvg weights: ``num-examples`` is the client's full train size |D_i| (``train.weight_by: full``, the paper's
-  ``|D_i| / |D|``) even when the CPU profile trains on a capped subsample (``max_train_examples_per_client``,
-  a compute shortcut: the update is estimated from fewer examples, its weight stays the client's real share);
-  ``weight_by: trained`` weights by the examples actually trained on instead.
+- FedAvg weights: ``num-examples`` is the number of examples the client trained on this round (``train.weight_by:
+  trained``, the default): under the CPU profile's cap (``max_train_examples_per_client``) each update is
+  estimated from that many examples, so it weighs what it was computed from; ``weight_by: full`` weights by the
+  client's full train size |D_i| instead (the paper's ``|D_i| / |D|``, equal to the trained count without a cap).
 """
 from __future__ import annotations
 
@@ -150,8 +150,8 @@ def train_round(msg: Message, context: Context, masked: bool) -> Message:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic.to_parquet(result.gate_log, out, index=False)
 
-    # FedAvg's |D_i| is the client's data size; the CPU profile's cap (max_train_examples_per_client) only
-    # shortens the local computation, so by default the weight stays the full size (train.weight_by).
+    # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
+    # which differs only under the CPU profile's cap (max_train_examples_per_client).
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
     metrics = MetricRecord({
         NUM_EXAMPLES_KEY: int(weight),

@@ -56,9 +56,9 @@ class TrainConfig:
     join: JoinConfig = field(default_factory=JoinConfig)
     max_train_examples_per_client: int | None = None
     max_valid_examples_per_client: int | None = None
-    # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
-    # the examples it trained on this round (differs only under max_train_examples_per_client).
-    weight_by: str = "full"
+    # FedAvg weight of a client: "trained" = the examples it trained on this round, "full" = its whole train split
+    # |D_i| (the paper's data-size weights); they differ only under max_train_examples_per_client.
+    weight_by: str = "trained"
     transfer_dtype: str = "fp32"  # adapter encoding on the wire (pipeline.federation.compression): fp32 | fp16 | int8
     # Lossy encodings as differences: uplink to the global received this round, downlink to the round-0 adapter
     # (ignored for fp32, which is exact).
