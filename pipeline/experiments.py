@@ -63,11 +63,11 @@ _FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dty
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     out = to_dict(train)
     strategy_params = out.pop("strategy_params")
-    drop: set[str] = set()
+    drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
     if method.kd_mode == "ce":
         drop.update(_KD_KEYS)
     if method.kd_mode != "selective":
-        drop.update(("entropy_log_base", "tau_scale"))
+        drop.update(("entropy_log_base", "tau_scale", "kd_gate"))
     if method.new_client is None:
         drop.add("new_client")
     if method.new_client != "post":

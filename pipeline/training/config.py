@@ -9,6 +9,7 @@ from typing import Any
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.federation.compression import TRANSFER_DTYPES
 from pipeline.federation.strategies.catalog import STRATEGIES, strategy_params_keys
+from pipeline.modeling.gates.catalog import GATES
 from pipeline.modeling.losses import TAU_SCALES
 
 
@@ -49,6 +50,9 @@ class TrainConfig:
     kd_direction: str = "teacher_to_student"
     entropy_log_base: str = "e"
     tau_scale: str = "absolute"  # how selective KD reads tau (pipeline.modeling.losses.TAU_SCALES)
+    # Selective KD's gate (pipeline/modeling/gates/<name>.py), reading tau as its threshold; plans carry it only when
+    # it is not the paper's entropy gate (so the entropy-gated plans stay as they were).
+    kd_gate: str = "entropy"
     loss_normalisation: str = "tokens"
     local_adapter: str = "keep"
     fraction_train: float = 1.0
@@ -83,6 +87,7 @@ class TrainConfig:
             (self.transfer_dtype in TRANSFER_DTYPES, f"transfer_dtype must be one of {TRANSFER_DTYPES}"),
             (isinstance(self.transfer_delta, bool), "transfer_delta must be true or false"),
             (self.tau_scale in TAU_SCALES, f"tau_scale must be one of {TAU_SCALES}"),
+            (self.kd_gate in GATES, f"kd_gate must be one of {tuple(GATES)}"),
         ]
         for ok, problem in checks:
             if not ok:
