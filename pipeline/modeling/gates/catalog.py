@@ -1,7 +1,7 @@
 """Every KD gate, by name: importing this module registers each gate module below."""
 from __future__ import annotations
 
-from pipeline.modeling.gates import entropy, every_token, token_mask  # noqa: F401 (they register)
+from pipeline.modeling.gates import entropy, every_token, margin, token_mask  # noqa: F401 (they register)
 from pipeline.modeling.gates.registry import GATES, Gate
 
 # The gate of each KD mode; selective KD's is the configuration's `gate` (train.kd_gate, default entropy).
