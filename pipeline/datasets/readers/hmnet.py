@@ -96,6 +96,7 @@ for _dataset, _corpus in HMNET_CORPUS.items():
         read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
         files=lambda dataset=_dataset: hmnet_files(dataset),
         # .../<CORPUS>_proprec/<split>/split_<k>.jsonl.gz
-        split_key=lambda rel, dataset=_dataset, corpus=_corpus: f"{dataset}/{corpus}/{normalise_split(rel.split('/')[-2])}",
+        split_key=lambda rel, dataset=_dataset, corpus=_corpus: (
+            f"{dataset}/{corpus}/{normalise_split(rel.split('/')[-2])}"),
         upstream_path=lambda rel: rel[len(HMNET_PREFIX):],  # the download address is the HMNet repository itself
     ))

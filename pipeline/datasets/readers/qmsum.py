@@ -10,7 +10,8 @@ from typing import Any
 
 from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _absent_allowed, _field, _json_lines, _no_records, _object, _text, _Unique
+from pipeline.datasets.readers.upstream import (_absent_allowed, _field, _json_lines, _no_records, _object, _text,
+                                                _Unique)
 
 
 def qmsum_meeting_id(transcript: list[dict]) -> str:
