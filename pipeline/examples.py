@@ -19,7 +19,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict, load_params
+from pipeline.common.config import ConfigError, from_dict, load_params
 from pipeline.datasets.meeting_links import link_meetings
 from pipeline.common.schema import (
     EXAMPLE_COLUMNS,
@@ -31,7 +31,6 @@ from pipeline.common.schema import (
     spoken_word_count,
     summary_word_count,
 )
-from pipeline.datasets.sources import IngestConfig
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 
@@ -207,7 +206,11 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("examples"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(ExamplesConfig, params.get("examples"), "examples")
-        datasets = from_dict(IngestConfig, params.get("ingest"), "ingest").datasets
+        # The names only (the ingest stage checked them against the readers): reading them through
+        # pipeline.datasets.sources would put every reader module into this stage's deps, and the backbone's.
+        datasets = (params.get("ingest") or {}).get("datasets")
+        if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
+            raise ConfigError(f"params.yaml ingest.datasets: expected a list of dataset names, got {datasets!r}")
         interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
         report_dir = Path(args.report_dir)

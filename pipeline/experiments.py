@@ -33,12 +33,13 @@ from typing import Any
 
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, from_dict, load_params, to_dict
+from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
-from pipeline.training.config import TrainConfig
+from pipeline.training.config import TrainConfig, train_config, train_keys
 from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
@@ -61,15 +62,12 @@ _FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dty
 
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     out = to_dict(train)
-    drop: set[str] = set()
+    strategy_params = out.pop("strategy_params")
+    drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
     if method.kd_mode == "ce":
         drop.update(_KD_KEYS)
     if method.kd_mode != "selective":
-        drop.update(("entropy_log_base", "tau_scale"))
-    if not method.proximal:
-        drop.add("proximal_mu")
-    if method.strategy != "fedopt":
-        drop.add("fedopt")
+        drop.update(("entropy_log_base", "tau_scale", "kd_gate"))
     if method.new_client is None:
         drop.add("new_client")
     if method.new_client != "post":
@@ -84,6 +82,8 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
         drop.add("transfer_delta")  # fp32 sends the weights themselves, exactly
     if train.max_train_examples_per_client is None:
         drop.add("weight_by")  # no cap: the trained count is the full train size
+    if method.strategy is not None:  # the settings of this method's strategy only (its own params keys)
+        out.update(get_strategy(method.strategy).plan_entries(strategy_params))
     return {k: v for k, v in out.items() if k not in drop}
 
 
@@ -127,8 +127,8 @@ class Experiment:
     def train_config(self, params: dict[str, Any]) -> TrainConfig:
         """params.yaml `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
         merged = {**(params.get("train") or {}), **self.train}
-        return from_dict(TrainConfig, {k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
-                         f"experiments.{self.name} train")
+        return train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
+                            f"experiments.{self.name} train")
 
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
@@ -138,7 +138,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
                           f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
     if not isinstance(raw, dict):
         raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
-    train_fields = {f.name for f in dataclasses.fields(TrainConfig)} | set(RUN_TRAIN_KEYS)
+    train_fields = train_keys() | set(RUN_TRAIN_KEYS)
     base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
     overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
     unknown = sorted(set(overrides) - train_fields)
@@ -333,13 +333,13 @@ class Plan:
     def to_json_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d.pop("source")
+        d["train"] |= d["train"].pop("strategy_params")  # the strategy's keys where the plan file has them
         for optional in ("privacy", "cache_dtype"):
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)
         if self.privacy is not None:
             d["privacy"] = self.privacy.plan_dict()  # its mode's keys only, as resolve_plan wrote them
         return d
-
 
     @property
     def run_key(self) -> str:
@@ -366,7 +366,7 @@ def read_plan(path: str | Path) -> Plan:
         raw = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{p}: not a plan file (invalid JSON: {exc})") from None
-    train = from_dict(TrainConfig, raw.pop("train", {}), f"{p}: train")
+    train = train_config(raw.pop("train", {}), f"{p}: train")
     privacy = from_dict(PrivacyConfig, raw.pop("privacy"), f"{p}: privacy") if raw.get("privacy") else None
     try:
         plan = Plan(train=train, privacy=privacy, source=str(p), **raw)

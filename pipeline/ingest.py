@@ -2,7 +2,7 @@
 
     python -m pipeline.ingest --dataset qmsum      # -> data/interim/qmsum.parquet, reports/data/ingest_qmsum.json
 
-The readers (pipeline.datasets.readers, one per dataset) raise DataError naming file, line and problem; records
+The readers (pipeline/datasets/readers/, one module per upstream layout) raise DataError naming file, line and problem; records
 left out by design (empty SAMSum dialogue) are counted in the report with their reason.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
-from pipeline.common.schema import DATASETS, DataError, IngestReport, canonical_arrow_schema
-from pipeline.datasets.readers import READERS
+from pipeline.common.schema import DataError, IngestReport, canonical_arrow_schema
+from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
 from pipeline.datasets.sources import IngestConfig, resolve_source
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
@@ -31,9 +31,9 @@ def ingest_dataset(dataset: str, directory: Path,
     file may be missing or empty; any other missing or empty split is an error.
     """
     report = IngestReport(dataset=dataset, source=str(directory))
-    if dataset not in READERS:
-        raise DataError(f"unknown dataset {dataset!r}; expected one of {DATASETS}")
-    records = READERS[dataset](directory, report, allow_absent)
+    if dataset not in DATASETS:
+        raise DataError(f"unknown dataset {dataset!r}; expected one of {tuple(DATASETS)}")
+    records = dataset_spec(dataset).read(directory, report, allow_absent)
     rows = []
     for rec in tqdm(records, desc=f"ingest {dataset}", unit="rec", mininterval=2):
         report.count(rec)
@@ -55,7 +55,7 @@ def read_interim(path: Path) -> pd.DataFrame:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", required=True, choices=DATASETS)
+    ap.add_argument("--dataset", required=True, choices=tuple(DATASETS))
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--interim-dir", default=str(PATHS.interim_dir))
     ap.add_argument("--report-dir", default=str(PATHS.data_reports))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.datasets.sources import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX
+from pipeline.datasets.readers.hmnet import HMNET_CHUNKS, HMNET_CORPUS, HMNET_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"

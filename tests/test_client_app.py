@@ -255,21 +255,21 @@ def test_the_local_adapter_persists_for_kd_methods_and_is_replaced_by_the_global
     assert _same(seen["local"], received) and seen["teacher"] is None and seen["client"] == "Academic"
 
 
-def test_the_reply_weight_is_the_clients_data_size_unless_weighted_by_what_it_trained(ws, monkeypatch):
-    """Under a train-size cap the FedAvg weight stays the client's full |D_i| (the paper's weight); weight_by
-    trained makes it the examples trained this round."""
+def test_the_reply_weight_is_what_trained_unless_weighted_by_the_clients_data_size(ws, monkeypatch):
+    """Under a train-size cap the FedAvg weight is the examples trained this round (issue 29 item 6); weight_by
+    full makes it the client's full |D_i| (the paper's weight)."""
     from pipeline.training.client_data import client_data
 
-    plan, _, seen, reply, _ = _train_round(monkeypatch, "round-weight-full", "fedavg",
+    plan, _, seen, reply, _ = _train_round(monkeypatch, "round-weight-trained", "fedavg",
                                            node={"client-name": "Committee"}, n_trained=1,
                                            max_train_examples_per_client=1)
+    assert plan.train.weight_by == "trained"  # the default
+    assert reply.content["metrics"]["num-examples"] == 1 and reply.content["metrics"]["num-trained"] == 1
+    plan, _, _, reply, _ = _train_round(monkeypatch, "round-weight-full", "fedavg",
+                                        node={"client-name": "Committee"}, n_trained=1,
+                                        max_train_examples_per_client=1, weight_by="full")
     available = client_data(plan, "Committee").n_train_available
     assert available > 1 and reply.content["metrics"]["num-examples"] == available
-    assert reply.content["metrics"]["num-trained"] == 1
-    _, _, _, reply, _ = _train_round(monkeypatch, "round-weight-trained", "fedavg",
-                                     node={"client-name": "Committee"}, n_trained=1,
-                                     max_train_examples_per_client=1, weight_by="trained")
-    assert reply.content["metrics"]["num-examples"] == 1
 
 
 def test_a_kd_clients_gate_log_stays_on_its_disk_as_a_plain_table_and_it_trains_on_the_prefix_cache(ws, monkeypatch):

@@ -129,12 +129,12 @@ def _wrapped(n_nodes: int, global_arrays, **privacy):
     from pipeline.federation.client_app import client_app
     from pipeline.privacy.client_dp import wrap_strategy
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)
     cfg = _client_cfg(**privacy)
     setting = federation_privacy(cfg, population=n_nodes, sampled=n_nodes, rounds=1)
-    strategy = wrap_strategy(build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+    strategy = wrap_strategy(build_strategy("fedavg", {}, fraction_train=1.0,
                                             client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0), setting)
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n_nodes)])
     messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(), grid))
@@ -195,12 +195,12 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
     from pipeline.federation.client_app import client_app
     from pipeline.privacy.client_dp import wrap_strategy
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)
     cfg = _client_cfg(noise_multiplier=0.0, clipping="adaptive", clipping_norm=0.1, clipped_count_stddev=0.0,
                       clip_norm_lr=0.2, target_clipped_quantile=0.5, clipping_side=side)
-    strategy = wrap_strategy(build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+    strategy = wrap_strategy(build_strategy("fedavg", {}, fraction_train=1.0,
                                             client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0),
                              federation_privacy(cfg, population=4, sampled=4, rounds=1))
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(4)])

@@ -12,7 +12,7 @@ from pipeline.examples import PAPER_TABLE_II, ExamplesConfig, build_examples, st
 from pipeline.ingest import ingest_dataset
 from pipeline.datasets.meeting_links import link_meetings
 from pipeline.common.schema import DataError, Turn, spoken_word_count, summary_word_count
-from pipeline.datasets.sources import HMNET_CHUNKS
+from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
 

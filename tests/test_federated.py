@@ -131,9 +131,9 @@ def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
 
 
 def test_fedavg_aggregate_is_the_example_weighted_mean():
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
 
-    strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+    strategy = build_strategy("fedavg", {}, fraction_train=1.0,
                               client_lr=1e-3)
     a = _reply({"w": np.array([1.0, 2.0], dtype=np.float32)}, {"num-examples": 1, "num-steps": 1})
     b = _reply({"w": np.array([4.0, 8.0], dtype=np.float32)}, {"num-examples": 3, "num-steps": 1})
@@ -147,10 +147,10 @@ def test_fednova_normalises_updates_by_local_steps():
 
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)  # configure_train creates Messages (run alone, no earlier test has set it)
-    strategy = build_strategy("fednova", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(),
+    strategy = build_strategy("fednova", {}, fraction_train=1.0,
                               client_lr=1e-3)
     grid = InProcessGrid(client_app, [{"client-name": "x"}, {"client-name": "y"}])
     list(strategy.configure_train(1, ArrayRecord({"w": Array(np.array([0.0], dtype=np.float32))}), ConfigRecord(),
@@ -597,12 +597,12 @@ def test_fp32_transfer_is_what_the_client_holds(ws):
         assert all(torch.equal(decoded[k], up["state"][k]) for k in decoded)
 
 
-@pytest.mark.parametrize("weight_by", ["full", "trained"])
+@pytest.mark.parametrize("weight_by", ["full", "trained", None])  # None: the default, which is trained
 def test_fedavg_weights_follow_the_full_train_size_under_the_cap(ws, weight_by):
     cap = 3  # below every client's train size (4, 6, 5, 4): each trains on 3 examples
     uplinks, aggregates, history = _spy_run(write_plan(
         f"weights-{weight_by}", "fedavg", "extreme/seed0", rounds=1, max_train_examples_per_client=cap,
-        weight_by=weight_by))
+        **({} if weight_by is None else {"weight_by": weight_by})))
     clients = sorted(N_TRAIN)
     rows = {r["client"]: r for r in history}
     assert {c: rows[c]["n_examples"] for c in clients} == {c: cap for c in clients}

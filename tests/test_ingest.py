@@ -16,10 +16,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.datasets import sources
-from pipeline.datasets.readers import qmsum_meeting_id
+from pipeline.datasets.readers.qmsum import qmsum_meeting_id
 from pipeline.ingest import ingest_dataset, read_interim, write_outputs
 from pipeline.common.schema import DataError
-from pipeline.datasets.sources import HMNET_CHUNKS, IngestConfig, resolve_source
+from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
+from pipeline.datasets.sources import IngestConfig, resolve_source
 from tests.errors import names
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
@@ -439,7 +440,7 @@ def _one_meeting(tmp_path: Path, spans: list, n_turns: int = 6, domain: str = "C
 
 def _read(directory: Path):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_qmsum
+    from pipeline.datasets.readers.qmsum import read_qmsum
 
     report = IngestReport("qmsum", str(directory))
     return list(read_qmsum(directory, report, allow_absent=["qmsum/*/*"])), report
@@ -471,7 +472,7 @@ def test_a_specific_query_gets_the_end_exclusive_slices_of_its_spans_in_order(tm
 @settings(max_examples=60, deadline=None)
 @given(start=st.integers(-3, 9), end=st.integers(-3, 9), n=st.integers(0, 6), as_text=st.booleans())
 def test_a_span_is_accepted_exactly_when_it_lies_within_the_meeting(start, end, n, as_text):
-    from pipeline.datasets.readers import _parse_span
+    from pipeline.datasets.readers.qmsum import _parse_span
 
     raw = [str(start), str(end)] if as_text else (start, end)
     if 0 <= start <= end <= n:
@@ -492,7 +493,7 @@ def test_a_span_is_accepted_exactly_when_it_lies_within_the_meeting(start, end, 
     (["1.5", "2"], "has a non-integer index"), ([None, 2], "has a non-integer index"), ([1, "x"], "has a non-integer index"),
 ])
 def test_a_malformed_span_is_named_not_read(raw, problem):
-    from pipeline.datasets.readers import _parse_span
+    from pipeline.datasets.readers.qmsum import _parse_span
 
     with pytest.raises(DataError) as err:
         _parse_span(raw, 5, "file:3")
@@ -500,7 +501,7 @@ def test_a_malformed_span_is_named_not_read(raw, problem):
 
 
 def test_a_bad_span_is_reported_with_its_meeting_and_query(tmp_path):
-    from pipeline.datasets.readers import qmsum_meeting_id
+    from pipeline.datasets.readers.qmsum import qmsum_meeting_id
 
     directory = _one_meeting(tmp_path, [[0, 2], [3, 9]])
     transcript = json.loads((directory / "data/Committee/jsonl/train.jsonl").read_text())["meeting_transcripts"]
@@ -513,7 +514,7 @@ def test_a_bad_span_is_reported_with_its_meeting_and_query(tmp_path):
 def test_the_meeting_id_hashes_speakers_and_contents_in_order():
     import hashlib
 
-    from pipeline.datasets.readers import qmsum_meeting_id
+    from pipeline.datasets.readers.qmsum import qmsum_meeting_id
 
     # the formula is the contract: meeting ids are part of the example ids stored in partitions and reports
     a = [{"speaker": "A", "content": "hello"}, {"speaker": "B", "content": "yes"}]
@@ -533,7 +534,7 @@ def test_the_meeting_id_hashes_speakers_and_contents_in_order():
 def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
     """Every JSON type has its English name in the one-line error; a value no JSON parser makes (a tuple) is named
     by its Python type rather than crashing the message."""
-    from pipeline.datasets import readers
+    from pipeline.datasets.readers import upstream as readers
 
     kind = list if isinstance(value, dict) else dict
     expected = "a list" if kind is list else "an object"
@@ -554,7 +555,7 @@ def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
 
 def test_an_empty_split_file_is_read_as_absent_exactly_when_a_pattern_allows_its_split(tmp_path):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_samsum
+    from pipeline.datasets.readers.samsum import read_samsum
 
     directory = _samsum_dir(tmp_path, test="\n")
     records = list(read_samsum(directory, IngestReport("samsum", "test"), allow_absent=["qmsum/*", "samsum/*/test"]))
@@ -565,7 +566,7 @@ def test_an_empty_split_file_is_read_as_absent_exactly_when_a_pattern_allows_its
 
 def test_an_empty_dialogue_is_skipped_and_the_rest_of_the_file_still_read(tmp_path):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_samsum
+    from pipeline.datasets.readers.samsum import read_samsum
 
     train = [{"id": "1", "dialogue": "A: hi", "summary": "s1"}, {"id": "2", "dialogue": " ", "summary": "s2"},
              {"id": "3", "dialogue": "B: bye", "summary": "s3"}]
@@ -577,7 +578,7 @@ def test_an_empty_dialogue_is_skipped_and_the_rest_of_the_file_still_read(tmp_pa
 
 def test_a_duplicate_dialogue_id_names_both_places(tmp_path):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_samsum
+    from pipeline.datasets.readers.samsum import read_samsum
 
     directory = _samsum_dir(tmp_path, validation=[{"id": "train.json-1", "dialogue": "A: x", "summary": "s"}])
     with pytest.raises(DataError) as err:
@@ -589,7 +590,7 @@ def test_dialogue_lines_become_turns_with_every_repair_counted():
     """Blank lines are dropped and counted; a line without ': ' splits at its first ':' (the rest, colons and all,
     is the content); a line without a colon continues the latest turn; parsing goes on after each repair."""
     from pipeline.common.schema import IngestReport, Turn
-    from pipeline.datasets.readers import split_dialogue
+    from pipeline.datasets.readers.samsum import split_dialogue
 
     report = IngestReport("samsum", "test")
     dialogue = "\r\n".join(["A: one", "", "B: two", "C:three 3:00", "and more", "   ", "D: four", "E: five",
@@ -603,7 +604,7 @@ def test_dialogue_lines_become_turns_with_every_repair_counted():
 
 def test_a_dialogue_that_does_not_start_with_a_speaker_is_named_with_its_first_60_characters():
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import split_dialogue
+    from pipeline.datasets.readers.samsum import split_dialogue
 
     line = "no speaker here " * 5
     with pytest.raises(DataError) as err:
@@ -613,7 +614,7 @@ def test_a_dialogue_that_does_not_start_with_a_speaker_is_named_with_its_first_6
 
 def test_a_samsum_record_is_the_whole_dialogue_with_no_query_and_its_file_and_line(tmp_path):
     from pipeline.common.schema import CanonicalRecord, IngestReport, Turn
-    from pipeline.datasets.readers import read_samsum
+    from pipeline.datasets.readers.samsum import read_samsum
 
     train = [{"id": "7", "dialogue": "A: hi\nB: yes", "summary": "They greet."}]
     records = [r for r in read_samsum(_samsum_dir(tmp_path, train=train), IngestReport("samsum", "test"))
@@ -626,7 +627,7 @@ def test_a_samsum_record_is_the_whole_dialogue_with_no_query_and_its_file_and_li
 
 def test_samsum_errors_and_skips_name_the_file_line_and_dialogue(tmp_path):
     from pipeline.common.schema import IngestReport, Skipped
-    from pipeline.datasets.readers import read_samsum
+    from pipeline.datasets.readers.samsum import read_samsum
 
     report = IngestReport("samsum", "test")
     list(read_samsum(_samsum_dir(tmp_path, test=[{"id": "9", "dialogue": "", "summary": "s"}]), report))
@@ -644,7 +645,7 @@ def _qmsum_meeting(*turns: tuple[str, str]) -> dict:
 
 def test_two_meetings_of_one_split_are_both_read_and_an_identical_transcript_is_named(mirror):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_qmsum
+    from pipeline.datasets.readers.qmsum import read_qmsum
 
     path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "val.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in (_qmsum_meeting(("A", "x")), _qmsum_meeting(("B", "y")))))
@@ -660,7 +661,7 @@ def test_two_meetings_of_one_split_are_both_read_and_an_identical_transcript_is_
 
 def test_an_allowed_absent_qmsum_split_leaves_the_domains_other_splits_read(mirror):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_qmsum
+    from pipeline.datasets.readers.qmsum import read_qmsum
 
     (mirror / "qmsum" / "data" / "Academic" / "jsonl" / "train.jsonl").unlink()
     report = IngestReport("qmsum", "test")
@@ -675,7 +676,7 @@ def test_an_allowed_absent_qmsum_split_leaves_the_domains_other_splits_read(mirr
 ])
 def test_a_malformed_qmsum_transcript_is_named_with_its_file_and_line(mirror, meeting, problem):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_qmsum
+    from pipeline.datasets.readers.qmsum import read_qmsum
 
     path = mirror / "qmsum" / "data" / "Academic" / "jsonl" / "train.jsonl"
     path.write_text(json.dumps(_qmsum_meeting(("A", "x")) | meeting) + "\n")
@@ -729,7 +730,7 @@ def test_an_allowed_absent_hmnet_chunk_leaves_the_splits_other_chunks_read(mirro
 
 
 def _lines(path: Path) -> list:
-    from pipeline.datasets.readers import _json_lines
+    from pipeline.datasets.readers.upstream import _json_lines
 
     return list(_json_lines(path, path.name))
 
@@ -767,7 +768,7 @@ def test_a_missing_or_damaged_gzip_chunk_names_the_line_it_stopped_at(tmp_path):
     names(err.value, "plain.jsonl.gz:1")
     cut = tmp_path / "cut.jsonl.gz"  # cut short: the lines before the cut are read, the error names the next
     cut.write_bytes(gzip.compress(b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * 50) for i in range(20000)))[:-40])
-    from pipeline.datasets.readers import _json_lines
+    from pipeline.datasets.readers.upstream import _json_lines
 
     read = []
     with pytest.raises(DataError) as err:
@@ -778,7 +779,7 @@ def test_a_missing_or_damaged_gzip_chunk_names_the_line_it_stopped_at(tmp_path):
 
 def test_an_hmnet_record_is_the_whole_meeting_with_no_query_and_its_chunk_and_line(mirror):
     from pipeline.common.schema import CanonicalRecord, IngestReport, Turn
-    from pipeline.datasets.readers import read_hmnet
+    from pipeline.datasets.readers.hmnet import read_hmnet
 
     _hmnet_chunk(mirror, "test", [_hmnet_meeting("ES1"), _hmnet_meeting("ES2", summary=[" A. ", "B."])])
     records = [r for r in read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test")) if r.split == "test"]
@@ -793,7 +794,7 @@ def test_an_hmnet_record_is_the_whole_meeting_with_no_query_and_its_chunk_and_li
 def test_an_empty_hmnet_chunk_is_an_allowed_absence_only_when_it_is_its_splits_one_chunk(mirror, monkeypatch):
     """A split kept in one chunk may be allowed empty; one empty chunk among several is a damaged copy."""
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_hmnet
+    from pipeline.datasets.readers.hmnet import read_hmnet
 
     _hmnet_chunk(mirror, "test", [])
     records = list(read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test"), allow_absent=["ami/AMI/test"]))
@@ -806,7 +807,7 @@ def test_an_empty_hmnet_chunk_is_an_allowed_absence_only_when_it_is_its_splits_o
 
 def test_a_missing_samsum_split_allowed_by_a_pattern_leaves_the_others_read(tmp_path):
     from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers import read_samsum
+    from pipeline.datasets.readers.samsum import read_samsum
 
     directory = _samsum_dir(tmp_path)
     (directory / "train.json").unlink()
@@ -816,7 +817,7 @@ def test_a_missing_samsum_split_allowed_by_a_pattern_leaves_the_others_read(tmp_
 
 def test_a_qmsum_query_record_is_its_query_answer_and_selected_turns_and_its_errors_name_the_query(mirror):
     from pipeline.common.schema import CanonicalRecord, IngestReport, Turn
-    from pipeline.datasets.readers import qmsum_meeting_id, read_qmsum
+    from pipeline.datasets.readers.qmsum import qmsum_meeting_id, read_qmsum
 
     path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "test.jsonl"
     meeting = _qmsum_meeting(("A", "x"), ("B", "y")) | {"specific_query_list": [

@@ -251,7 +251,7 @@ def _train_once(plan_path: str, client: str = "Committee"):
     model.load_adapter_state("local", initial)
     model.load_adapter_state("global", initial)
     data = client_data(plan, client)
-    mu = plan.train.proximal_mu if plan.spec.proximal else 0.0
+    mu = plan.train.strategy_params["proximal_mu"] if plan.spec.proximal else 0.0
     result = train_local(model, plan, data.train, client=client, rnd=1,
                          proximal_reference=initial if mu else None, proximal_mu=mu)
     return result, model.adapter_state("local")

@@ -17,12 +17,11 @@ N = "num-examples"
 S = "num-steps"
 
 
-def _strategy(name: str, **kw):
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+def _strategy(name: str, fraction_train: float = 1.0, client_lr: float = 1e-3, **strategy_params):
+    """``strategy_params``: the strategies' params.yaml `train` keys (proximal_mu, fedopt, ...)."""
+    from pipeline.federation.strategies.catalog import build_strategy
 
-    args = dict(fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(), client_lr=1e-3)
-    args.update(kw)
-    return build_strategy(name, **args)
+    return build_strategy(name, strategy_params, fraction_train=fraction_train, client_lr=client_lr)
 
 
 def _grid(n: int):
@@ -135,9 +134,7 @@ def test_fednova_reports_the_example_weighted_train_metrics():
 def test_every_client_evaluates_one_node_suffices_and_weights_are_train_sizes(name, optimizer):
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    from pipeline.federation.strategies import FedOptConfig
-
-    strategy = _strategy(name, fraction_train=0.67, fedopt=FedOptConfig(server_optimizer=optimizer))
+    strategy = _strategy(name, fraction_train=0.67, fedopt={"server_optimizer": optimizer})
     arrays = ArrayRecord({"w": Array(np.zeros(1, dtype=np.float32))})
     # 0.67 of 3 nodes -> int(2.01) = 2 trained; all 3 evaluate (each keeps its best adapter on its own valid set)
     assert len(list(strategy.configure_train(1, arrays, ConfigRecord(), _grid(3)))) == 2
@@ -151,35 +148,31 @@ def test_every_client_evaluates_one_node_suffices_and_weights_are_train_sizes(na
 def test_server_algorithms_get_their_settings():
     from flwr.serverapp import strategy as fs
 
-    from pipeline.federation.strategies import FedOptConfig
-
     prox = _strategy("fedprox", proximal_mu=0.01)
     assert type(prox) is fs.FedProx and prox.proximal_mu == 0.01
     assert type(_strategy("fedavg")) is fs.FedAvg
-    sgdm = _strategy("fedopt", fedopt=FedOptConfig(server_lr=0.5, server_momentum=0.8))
+    sgdm = _strategy("fedopt", fedopt={"server_lr": 0.5, "server_momentum": 0.8})
     assert type(sgdm) is fs.FedAvgM and (sgdm.server_learning_rate, sgdm.server_momentum) == (0.5, 0.8)
-    cfg = FedOptConfig(server_optimizer="adam", server_lr=0.05, beta_1=0.8, beta_2=0.95, eps=1e-4)
+    cfg = {"server_optimizer": "adam", "server_lr": 0.05, "beta_1": 0.8, "beta_2": 0.95, "eps": 1e-4}
     adam = _strategy("fedopt", fedopt=cfg, client_lr=3e-4)
     assert type(adam) is fs.FedAdam
     assert (adam.eta, adam.eta_l, adam.tau, adam.beta_1, adam.beta_2) == (0.05, 3e-4, 1e-4, 0.8, 0.95)
-    yogi = _strategy("fedopt", fedopt=FedOptConfig(server_optimizer="yogi", beta_1=0.7, beta_2=0.9))
+    yogi = _strategy("fedopt", fedopt={"server_optimizer": "yogi", "beta_1": 0.7, "beta_2": 0.9})
     assert type(yogi) is fs.FedYogi and (yogi.beta_1, yogi.beta_2) == (0.7, 0.9)
-    adagrad = _strategy("fedopt", fedopt=FedOptConfig(server_optimizer="adagrad", server_lr=0.2, eps=1e-2))
+    adagrad = _strategy("fedopt", fedopt={"server_optimizer": "adagrad", "server_lr": 0.2, "eps": 1e-2})
     assert type(adagrad) is fs.FedAdagrad and (adagrad.eta, adagrad.tau) == (0.2, 1e-2)
     assert type(_strategy("fednova")).__name__ == "FedNova"
 
 
 def test_unknown_server_algorithms_are_rejected_by_name():
-    from pipeline.federation.strategies import FedOptConfig
-
     with pytest.raises(ValueError, match="unknown 'sgd'; expected sgdm, adam, yogi or adagrad"):
-        _strategy("fedopt", fedopt=FedOptConfig(server_optimizer="sgd"))
+        _strategy("fedopt", fedopt={"server_optimizer": "sgd"})
     with pytest.raises(ValueError, match="unknown server strategy 'fedsgd'"):
         _strategy("fedsgd")
 
 
 def test_strategy_state_is_a_snapshot_and_restores_exactly():
-    from pipeline.federation.strategies import restore_strategy_state, strategy_state
+    from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 
     strategy = _strategy("fedopt")
     strategy.current_arrays = {"w": np.array([1.0])}

@@ -73,12 +73,12 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
     delta8 = _plans(tmp_path, _params(train={**TRAIN, "transfer_dtype": "int8", "transfer_delta": True}), "g")
     assert {n for n in int8 if int8[n] != delta8[n]} == federated
     # the FedAvg weighting only matters when a cap makes the trained count differ from |D_i|
-    trained = _plans(tmp_path, _params(train={**TRAIN, "weight_by": "trained"}), "h")
-    assert trained == base
+    full = _plans(tmp_path, _params(train={**TRAIN, "weight_by": "full"}), "h")
+    assert full == base
     capped = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8}), "i")
-    capped_trained = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8,
-                                                     "weight_by": "trained"}), "j")
-    assert {n for n in capped if capped[n] != capped_trained[n]} == federated
+    capped_full = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8,
+                                                  "weight_by": "full"}), "j")
+    assert {n for n in capped if capped[n] != capped_full[n]} == federated
 
 
 def test_train_config_rejects_bad_transfer_and_weighting():

@@ -1,4 +1,6 @@
-"""Where each dataset's upstream files are, and how to fetch them when there is no local mirror.
+"""Where each dataset's upstream files are, and how to fetch them when there is no local mirror (which files a
+dataset needs, how their splits are named and how its upstream copy downloads: its reader module's registration,
+pipeline.datasets.readers).
 
 Order of sources (first that works wins):
   (a) a copy laid out like ../shared/data: ``$FEDMEET_DATA_ROOT`` or ``ingest.data_root`` (data/raw, where each
@@ -9,7 +11,7 @@ otherwise a DataError says what to set.
 """
 from __future__ import annotations
 
-import io
+import fnmatch
 import os
 import urllib.error
 import urllib.request
@@ -20,18 +22,12 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pipeline.common import atomic
-from pipeline.common.schema import QMSUM_DOMAINS, DataError
+from pipeline.common.schema import DataError
+from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
+from pipeline.datasets.readers.samsum import SAMSUM_FILES  # noqa: F401 (read here by tests/test_ingest.py)
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
-
-# HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
-# upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
-HMNET_CORPUS = {"ami": "AMI", "icsi": "ICSI"}
-HMNET_CHUNKS = {"ami": {"train": 32, "dev": 20, "test": 20}, "icsi": {"train": 32, "dev": 10, "test": 6}}
-HMNET_PREFIX = "hmnet/"  # the mirror keeps the HMNet repository under <dataset>/hmnet/
-SAMSUM_FILES = ("train.json", "validation.json", "test.json")
-SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 
 
 @dataclass
@@ -45,34 +41,14 @@ class IngestConfig:
     allow_absent_splits: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.datasets) - {"qmsum", "samsum", "ami", "icsi"})
+        unknown = sorted(set(self.datasets) - set(DATASETS))
         if unknown:
-            raise ValueError(f"ingest.datasets: unknown dataset(s) {unknown}; allowed: ['ami', 'icsi', 'qmsum', "
-                             f"'samsum']")
-
-
-def qmsum_files() -> list[str]:
-    return [f"data/{d}/jsonl/{s}.jsonl" for d in QMSUM_DOMAINS for s in ("train", "val", "test")]
-
-
-def hmnet_files(dataset: str) -> list[str]:
-    corpus = HMNET_CORPUS[dataset]
-    return [
-        f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz"
-        for split, n in HMNET_CHUNKS[dataset].items()
-        for k in range(n)
-    ]
+            raise ValueError(f"ingest.datasets: unknown dataset(s) {unknown}; allowed: {sorted(DATASETS)}")
 
 
 def expected_files(dataset: str) -> list[str]:
     """Files (relative to ``<root>/<dataset>/``) the reader needs, in the upstream layout."""
-    if dataset == "qmsum":
-        return qmsum_files()
-    if dataset in HMNET_CORPUS:
-        return hmnet_files(dataset)
-    if dataset == "samsum":
-        return list(SAMSUM_FILES)
-    raise DataError(f"unknown dataset {dataset!r}; expected qmsum, samsum, ami or icsi")
+    return dataset_spec(dataset).files()
 
 
 def missing_files(directory: Path, dataset: str) -> list[str]:
@@ -81,18 +57,7 @@ def missing_files(directory: Path, dataset: str) -> list[str]:
 
 def _may_be_absent(dataset: str, rel: str, cfg: IngestConfig) -> bool:
     """Whether ``ingest.allow_absent_splits`` lets the expected file ``rel`` be missing."""
-    import fnmatch
-
-    from pipeline.common.schema import normalise_split
-
-    if dataset == "qmsum":  # data/<Domain>/jsonl/<split>.jsonl
-        parts = rel.split("/")
-        key = f"qmsum/{parts[1]}/{normalise_split(parts[3].removesuffix('.jsonl'))}"
-    elif dataset == "samsum":
-        key = f"samsum/SAMSum/{normalise_split(rel.removesuffix('.json'))}"
-    else:  # .../<CORPUS>_proprec/<split>/split_<k>.jsonl.gz
-        parts = rel.split("/")
-        key = f"{dataset}/{HMNET_CORPUS[dataset]}/{normalise_split(parts[-2])}"
+    key = dataset_spec(dataset).split_key(rel)
     return any(fnmatch.fnmatchcase(key, pat) for pat in cfg.allow_absent_splits)
 
 
@@ -143,20 +108,14 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
     if not base:
         raise DataError(_how_to_fix(dataset, cfg, f"no local mirror and no `ingest.urls.{dataset}`"))
     base = base.rstrip("/")
+    spec = dataset_spec(dataset)
     try:
-        if dataset == "samsum":
-            # One zip upstream; its members samsum/{train,validation,test}.json are stored without the prefix.
-            with zipfile.ZipFile(io.BytesIO(_fetch(base))) as zf:
-                for name in tqdm(SAMSUM_FILES, desc=f"extract {dataset}", unit="file"):
-                    member = SAMSUM_ZIP_DIR + name
-                    if member not in zf.namelist():
-                        raise DataError(f"{base}: zip has no member {member!r}")
-                    _write_atomic(target / name, zf.read(member))
+        if spec.download is not None:  # an upstream copy that is not the files one by one (SAMSum's zip)
+            spec.download(base, target, lambda url: _fetch(url), _write_atomic)
             return
-        for rel in tqdm(expected_files(dataset), desc=f"download {dataset}", unit="file"):
+        for rel in tqdm(spec.files(), desc=f"download {dataset}", unit="file"):
             if (target / rel).is_file():
                 continue  # resume an interrupted download
-            upstream_rel = rel[len(HMNET_PREFIX):] if rel.startswith(HMNET_PREFIX) else rel
-            _write_atomic(target / rel, _fetch(f"{base}/{upstream_rel}"))
+            _write_atomic(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc

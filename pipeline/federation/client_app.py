@@ -12,10 +12,10 @@
 - ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
   checkpoints the client's state on the client's disk (pipeline.training.checkpoints).
 - ``query.summarize``: federated evaluation (pipeline.federation.deployment).
-- FedAvg weights: ``num-examples`` is the client's full train size |D_i| (``train.weight_by: full``, the paper's
-  ``|D_i| / |D|``) even when the CPU profile trains on a capped subsample (``max_train_examples_per_client``,
-  a compute shortcut: the update is estimated from fewer examples, its weight stays the client's real share);
-  ``weight_by: trained`` weights by the examples actually trained on instead.
+- FedAvg weights: ``num-examples`` is the number of examples the client trained on this round (``train.weight_by:
+  trained``, the default): under the CPU profile's cap (``max_train_examples_per_client``) each update is
+  estimated from that many examples, so it weighs what it was computed from; ``weight_by: full`` weights by the
+  client's full train size |D_i| instead (the paper's ``|D_i| / |D|``, equal to the trained count without a cap).
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from pipeline.privacy.client_dp import client_dp_mod
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
                                           load_plan, plan_path_of)
 from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
-from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
 from pipeline.experiments import Plan
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
@@ -150,8 +150,8 @@ def train_round(msg: Message, context: Context, masked: bool) -> Message:
         out.parent.mkdir(parents=True, exist_ok=True)
         atomic.to_parquet(result.gate_log, out, index=False)
 
-    # FedAvg's |D_i| is the client's data size; the CPU profile's cap (max_train_examples_per_client) only
-    # shortens the local computation, so by default the weight stays the full size (train.weight_by).
+    # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
+    # which differs only under the CPU profile's cap (max_train_examples_per_client).
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
     metrics = MetricRecord({
         NUM_EXAMPLES_KEY: int(weight),

@@ -20,7 +20,7 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from pipeline.federation.compression import decode_state, encode_state
-from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.experiments import Plan, read_plan
 from pipeline.training.shared_model import initial_adapter_state
 

@@ -30,7 +30,8 @@ from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
                                           downlink_reference, encode_global, payload_bytes, privacy_row)
 from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
-from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, build_strategy, restore_strategy_state, strategy_state
+from pipeline.federation.strategies.catalog import build_strategy
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training import checkpoints
@@ -172,8 +173,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         raise ValueError(f"{plan.paths['partition']}: new client {late!r} (train.new_client) is not among the "
                          f"clients {clients}")
 
-    strategy = build_strategy(spec.strategy, fraction_train=t.fraction_train,
-                              proximal_mu=t.proximal_mu, fedopt=t.fedopt, client_lr=t.lr)
+    strategy = build_strategy(spec.strategy, t.strategy_params, fraction_train=t.fraction_train, client_lr=t.lr)
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
     strategy, client_level = privacy.client_level(plan, strategy, expected)
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s)

@@ -5,6 +5,7 @@ For every non-padding target token y_t (teacher forcing), with q_g the global (t
 
     H(q_g)  = -sum_v q_g(v) log q_g(v)                         (whole vocabulary; natural log by default)
     gate_t  = H(q_g) < tau          (mode "selective"; "kd": always; "ce": never; "hard": a given mask)
+              (the gates are pipeline/modeling/gates/, one module each; selective KD's is train.kd_gate)
     L_t     = (1 - lambda) CE(q_l, y_t) + lambda KL(q_g || q_l)   if gate_t
     L_t     = CE(q_l, y_t)                                          otherwise (weight 1, not 1 - lambda)
     loss    = mean of L_t over the batch's non-padding tokens      ("tokens"; "sequences" = mean of per-sequence means)
@@ -16,17 +17,20 @@ asks how confident the teacher itself is). With the default T = 1 all three coin
 Cost: the vocabulary dimension dominates, so ``distillation_loss`` works on the packed [N, V] rows of real tokens,
 chunk by chunk, with one softmax (one exp pass) per distribution and chunk, H/CE/KL from row dot products
 (``H = lse - sum p z``), and the gradient w.r.t. the student logits written in the same pass in closed form
-(``_FusedDistillation``; checked against plain autograd in tests/test_losses.py).
+(``_FusedDistillation``; checked against plain autograd in tests/test_losses.py). The gate is decided before the
+kernel, from the teacher's rows and their entropies (one pass of its own), and the kernel takes it as a mask.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pipeline.modeling.batching import IGNORE_INDEX
+from pipeline.modeling.gates.catalog import GATES, gate_of
+from pipeline.modeling.gates.registry import TeacherRows, token_entropy  # noqa: F401 (token_entropy: part of this API)
 
 MODES = ("ce", "kd", "selective", "hard")
 KL_DIRECTIONS = ("teacher_to_student", "student_to_teacher")
@@ -49,6 +53,7 @@ class KDConfig:
     log_base: str = "e"  # unit of H(q_g) and so of tau: nats ("e") or bits ("2")
     normalisation: str = "tokens"
     tau_scale: str = "absolute"
+    gate: str = "entropy"  # selective KD's gate (pipeline.modeling.gates); kd and hard have their own
 
     def __post_init__(self) -> None:
         for name, value, allowed in (
@@ -65,6 +70,8 @@ class KDConfig:
             raise ValueError(f"KDConfig.lam={self.lam} must be in [0, 1]")
         if self.temperature <= 0:
             raise ValueError(f"KDConfig.temperature={self.temperature} must be > 0")
+        if self.gate not in GATES:
+            raise ValueError(f"KDConfig.gate={self.gate!r}; expected one of {tuple(GATES)}")
         if self.tau_scale != "absolute" and not 0.0 < self.tau <= 1.0:
             raise ValueError(f"KDConfig.tau={self.tau} must be in (0, 1] with tau_scale {self.tau_scale!r}")
 
@@ -78,12 +85,7 @@ class LossOutput:
     gate: torch.Tensor  # [B, T] bool, KD applied (False on padding)
     n_tokens: int  # non-padding target tokens
     n_kd: int  # gated tokens
-    threshold: float = float("nan")  # the entropy threshold the gate used (log_base units); NaN when no gate
-
-
-def _entropy_from_logp(logp: torch.Tensor, log_base: str) -> torch.Tensor:
-    h = -(logp.exp() * logp).sum(dim=-1)
-    return h / math.log(2.0) if str(log_base) == "2" else h
+    threshold: float = float("nan")  # the threshold the gate compared with (entropy gate: log_base units); NaN: none
 
 
 def _kl_from_logp(logp_l: torch.Tensor, logp_g: torch.Tensor, direction: str) -> torch.Tensor:
@@ -98,11 +100,6 @@ def _ce_from_logp(logp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     valid = labels != IGNORE_INDEX
     picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (-picked).masked_fill(~valid, 0.0)
-
-
-def token_entropy(logits: torch.Tensor, log_base: str = "e") -> torch.Tensor:
-    """H(softmax(logits)) over the last dimension, in nats ("e") or bits ("2")."""
-    return _entropy_from_logp(F.log_softmax(logits.float(), dim=-1), log_base)
 
 
 def cross_entropy_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -156,45 +153,29 @@ class _FusedDistillation(torch.autograd.Function):
         dCE/dz_l = q_l - onehot(y),   d(T^2 KL(p_g^T || q_l^T))/dz_l = T (q_l^T - p_g^T),
         d(T^2 KL(q_l^T || p_g^T))/dz_l = T q_l^T * (log q_l^T - log p_g^T - KL).
 
-    The gate (a_t, b_t) depends on H(q_g) of the same row only, so it is decided inside the chunk loop."""
+    The gate (a_t, b_t) is given: ``gate`` [N] bool (None without a teacher), decided before the kernel."""
 
     @staticmethod
-    def forward(ctx, z_l, z_g, y, row_weight, hard_gate, cfg, chunk_rows, want_grad):
+    def forward(ctx, z_l, z_g, y, row_weight, gate, cfg, chunk_rows, want_grad):
         n, v = z_l.shape
         dev = z_l.device
         ce = torch.empty(n, device=dev)
         kl = torch.zeros(n, device=dev)
-        entropy = torch.zeros(n, device=dev)
-        gate = torch.zeros(n, dtype=torch.bool, device=dev)
         grad = torch.empty(z_l.shape, dtype=z_l.dtype, device=dev) if want_grad else None
         t = float(cfg.temperature)
-        inv_log2 = 1.0 / math.log(2.0) if cfg.log_base == "2" else 1.0
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
             zl = z_l[s:e].float()
             y_c = y[s:e].unsqueeze(-1)
             q, lse_l = _softmax_lse(zl)
             ce[s:e] = lse_l - zl.gather(-1, y_c).squeeze(-1)
-            if z_g is not None:
-                zg = z_g[s:e].float()
-                p, lse_g = _softmax_lse(zg)
-                p_dot_zg = _rowdot(p, zg)
-                h = lse_g - p_dot_zg  # H(q_g) = lse - sum_v p z
-                entropy[s:e] = h * inv_log2
-                if cfg.mode == "kd":
-                    g_c = torch.ones(e - s, dtype=torch.bool, device=dev)
-                elif cfg.mode == "selective":
-                    g_c = entropy[s:e] < cfg.tau
-                elif cfg.mode == "hard":
-                    g_c = hard_gate[s:e]
-                else:
-                    g_c = torch.zeros(e - s, dtype=torch.bool, device=dev)
-                gate[s:e] = g_c
-            else:
-                g_c = None
+            g_c = gate[s:e] if gate is not None else None
             any_kd = g_c is not None and bool(g_c.any())
             if any_kd:
+                zg = z_g[s:e].float()
                 if t == 1.0:
+                    p, lse_g = _softmax_lse(zg)
+                    p_dot_zg = _rowdot(p, zg)
                     p_t, lse_gt, q_t, lse_lt, zg_t, zl_t, pt_dot_zgt = p, lse_g, q, lse_l, zg, zl, p_dot_zg
                 else:
                     zg_t, zl_t = zg / t, zl / t
@@ -224,12 +205,13 @@ class _FusedDistillation(torch.autograd.Function):
                 gr.scatter_add_(-1, y_c, -a)
                 if gr.data_ptr() != grad[s:e].data_ptr():
                     grad[s:e] = gr
-        a_all = torch.where(gate, 1.0 - cfg.lam, 1.0)
-        b_all = torch.where(gate, cfg.lam, 0.0)
+        gate_all = gate if gate is not None else torch.zeros(n, dtype=torch.bool, device=dev)
+        a_all = torch.where(gate_all, 1.0 - cfg.lam, 1.0)
+        b_all = torch.where(gate_all, cfg.lam, 0.0)
         loss = (row_weight * (a_all * ce + b_all * kl)).sum()
         ctx.save_for_backward(grad if want_grad else torch.empty(0))
-        ctx.mark_non_differentiable(ce, kl, entropy, gate)
-        return loss, ce, kl, entropy, gate
+        ctx.mark_non_differentiable(ce, kl)
+        return loss, ce, kl
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
@@ -281,12 +263,18 @@ def distillation_loss(
         seq_of_row = valid.nonzero()[:, 0]
         row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device)
     want_grad = torch.is_grad_enabled() and z_l.requires_grad
+    chunk_rows = max(1, int(chunk_rows))
     threshold = float("nan")
-    if cfg.mode == "selective":
-        threshold = gate_threshold(z_g, cfg, chunk_rows)
-        cfg = replace(cfg, tau=threshold, tau_scale="absolute")
-    loss, ce, kl, entropy_p, gate_p = _FusedDistillation.apply(
-        z_l, z_g, y, row_weight, hard_gate, cfg, max(1, int(chunk_rows)), want_grad
+    entropy_p = torch.zeros(n_tokens, device=z_l.device)
+    gate_p = torch.zeros(n_tokens, dtype=torch.bool, device=z_l.device)
+    if z_g is not None:
+        entropy_p = teacher_entropy(z_g, cfg.log_base, chunk_rows)
+        gate = gate_of(cfg)
+        if gate is not None:
+            gate_p, threshold = gate(TeacherRows(z_g, entropy_p, hard_gate, chunk_rows), cfg)
+            gate_p = gate_p.to(device=z_l.device, dtype=torch.bool)
+    loss, ce, kl = _FusedDistillation.apply(
+        z_l, z_g, y, row_weight, gate_p if z_g is not None else None, cfg, chunk_rows, want_grad
     )
 
     entropy = torch.zeros(labels.shape, device=z_l.device)
@@ -307,17 +295,16 @@ def distillation_loss(
     )
 
 
-def gate_threshold(z_g: torch.Tensor, cfg: KDConfig, chunk_rows: int = 128) -> float:
-    """The entropy below which a token gets KD, in ``cfg.log_base`` units, from ``cfg.tau`` and ``cfg.tau_scale``
-    (see TAU_SCALES); ``z_g``: the packed [N, V] teacher logits of the batch."""
-    to_unit = 1.0 / math.log(2.0) if cfg.log_base == "2" else 1.0
-    if cfg.tau_scale == "absolute":
-        return float(cfg.tau)
-    if cfg.tau_scale == "max_entropy":
-        return float(cfg.tau * math.log(z_g.shape[-1]) * to_unit)
-    with torch.no_grad():  # batch_quantile: one extra pass over the teacher rows for their entropies
-        h = torch.cat([token_entropy(z_g[s:s + chunk_rows], cfg.log_base) for s in range(0, z_g.shape[0], chunk_rows)])
-        return float(torch.quantile(h.double(), cfg.tau))
+def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> torch.Tensor:
+    """H(q_g) [N] of the packed teacher rows, chunk by chunk, as ``lse - sum_v p z`` (one exp pass per chunk)."""
+    inv_log2 = 1.0 / math.log(2.0) if log_base == "2" else 1.0
+    out = torch.empty(z_g.shape[0], device=z_g.device)
+    with torch.no_grad():
+        for s in range(0, z_g.shape[0], chunk_rows):
+            zg = z_g[s:s + chunk_rows].float()
+            p, lse_g = _softmax_lse(zg)
+            out[s:s + chunk_rows] = (lse_g - _rowdot(p, zg)) * inv_log2
+    return out
 
 
 def selective_kd_loss(logits_local, logits_global, labels, lam: float = 0.2, tau: float = 5.0, **kw) -> LossOutput:

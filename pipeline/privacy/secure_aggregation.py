@@ -55,7 +55,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
 from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY
-from pipeline.federation.strategies import NUM_EXAMPLES_KEY
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
 ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy Parameters carry none), as JSON

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.common.config import to_dict
+from pipeline.federation.strategies.catalog import STRATEGIES
 
 MODES = ("none", "example", "client")
 ACCOUNTANTS = ("rdp", "prv")
@@ -25,9 +26,9 @@ ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stdde
 CLIENT_DELTA = 1e-5
 ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
 # The server algorithms (pipeline.federation.strategies) whose new global is the average of the replies and
-# nothing more (Flower's FedProx only adds `proximal-mu` to the train config): mode client's noise calibrates that
+# nothing more (Flower's FedProx only adds `proximal-mu` to the train config; each registers `averaging`): mode client's noise calibrates that
 # mean, and SecAgg+ gives the server that mean and no single reply.
-AVERAGING_STRATEGIES = ("fedavg", "fedprox")
+AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.averaging)
 
 
 # SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads

@@ -2,11 +2,14 @@
 plan stage resolves it per experiment (pipeline.experiments keeps out of each plan the keys its method ignores)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.federation.compression import TRANSFER_DTYPES
-from pipeline.federation.strategies import FedOptConfig
+from pipeline.federation.strategies.catalog import STRATEGIES, strategy_params_keys
+from pipeline.modeling.gates.catalog import GATES
 from pipeline.modeling.losses import TAU_SCALES
 
 
@@ -68,28 +71,30 @@ class TrainConfig:
     kd_direction: str = "teacher_to_student"
     entropy_log_base: str = "e"
     tau_scale: str = "absolute"  # how selective KD reads tau (pipeline.modeling.losses.TAU_SCALES)
+    # Selective KD's gate (pipeline/modeling/gates/<name>.py), reading tau as its threshold; plans carry it only when
+    # it is not the paper's entropy gate (so the entropy-gated plans stay as they were).
+    kd_gate: str = "entropy"
     loss_normalisation: str = "tokens"
     local_adapter: str = "keep"
     fraction_train: float = 1.0
-    proximal_mu: float = 0.01
-    fedopt: FedOptConfig = field(default_factory=FedOptConfig)
     new_client: str = "SAMSum"
     join: JoinConfig = field(default_factory=JoinConfig)
     stop: StopConfig = field(default_factory=StopConfig)
     max_train_examples_per_client: int | None = None
     max_valid_examples_per_client: int | None = None
-    # FedAvg weight of a client: "full" = its whole train split |D_i| (the paper's data-size weights), "trained" =
-    # the examples it trained on this round (differs only under max_train_examples_per_client).
-    weight_by: str = "full"
+    # FedAvg weight of a client: "trained" = the examples it trained on this round, "full" = its whole train split
+    # |D_i| (the paper's data-size weights); they differ only under max_train_examples_per_client.
+    weight_by: str = "trained"
     transfer_dtype: str = "fp32"  # adapter encoding on the wire (pipeline.federation.compression): fp32 | fp16 | int8
     # Lossy encodings as differences: uplink to the global received this round, downlink to the round-0 adapter
     # (ignored for fp32, which is exact).
     transfer_delta: bool = False
     prefix_cache: bool = True
+    # The server strategies' own `train` keys as params.yaml has them (proximal_mu, fedopt, ...: each strategy
+    # module of pipeline.federation.strategies reads its settings from them); built by :func:`train_config`.
+    strategy_params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.fedopt, dict):
-            self.fedopt = from_dict(FedOptConfig, self.fedopt, "train.fedopt")
         if isinstance(self.join, dict):
             self.join = from_dict(JoinConfig, self.join, "train.join")
         if isinstance(self.stop, dict):
@@ -106,7 +111,24 @@ class TrainConfig:
             (self.transfer_dtype in TRANSFER_DTYPES, f"transfer_dtype must be one of {TRANSFER_DTYPES}"),
             (isinstance(self.transfer_delta, bool), "transfer_delta must be true or false"),
             (self.tau_scale in TAU_SCALES, f"tau_scale must be one of {TAU_SCALES}"),
+            (self.kd_gate in GATES, f"kd_gate must be one of {tuple(GATES)}"),
         ]
         for ok, problem in checks:
             if not ok:
                 raise ConfigError(f"params.yaml train: {problem}")
+
+
+def train_keys() -> set[str]:
+    """Every key params.yaml `train` may hold for a plan: TrainConfig's and the registered strategies'."""
+    return ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | strategy_params_keys()
+
+
+def train_config(data: dict[str, Any] | None, where: str = "train") -> TrainConfig:
+    """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each registered
+    strategy's settings checked there (a bad value raises ConfigError naming ``where.<key>``)."""
+    data = dict(data or {})
+    owned = strategy_params_keys()
+    strategy_params = {k: data.pop(k) for k in sorted(owned & set(data))}
+    for spec in STRATEGIES.values():
+        spec.settings(strategy_params, where)
+    return dataclasses.replace(from_dict(TrainConfig, data, where), strategy_params=strategy_params)

@@ -23,6 +23,7 @@ def kd_config(plan: Plan):
         kl_direction=t.kd_direction,
         log_base=t.entropy_log_base,
         tau_scale=t.tau_scale,
+        gate=t.kd_gate,
         normalisation=t.loss_normalisation,
     )
 

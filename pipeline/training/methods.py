@@ -2,8 +2,9 @@
 
 A method fixes: whether training is federated, which adapter sets a client uses, the KD mode of the local loss,
 whether the server's average overwrites the client's adapter, the server algorithm, and whether a new client
-joins late. Table V (section 7.7) compares *server algorithms*, so `fedprox`, `fedopt` and `fednova` train
-like AdaFedAvg (one adapter set, CE) with the other server algorithm **(our default)**; `fedselectkd` is the
+joins late. Table V (section 7.7) compares *server algorithms*, so every registered server strategy without a
+method below (`fedprox`, `fedopt`, `fednova`, ...: pipeline.federation.strategies) is a method of its own name that
+trains like AdaFedAvg (one adapter set, CE) with that server algorithm **(our default)**; `fedselectkd` is the
 row they are compared against.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.common.config import ConfigError
+from pipeline.federation.strategies.catalog import STRATEGIES
 from pipeline.modeling.losses import MODES as KD_MODES
 
 
@@ -25,14 +27,12 @@ class MethodSpec:
     two_adapters: bool
     # AdaFedAvg: the server average overwrites the client adapter at the start of every round.
     local_from_global: bool = False
-    # Server algorithm (strategies.build_strategy) for federated methods.
+    # Server algorithm (a registered strategy: pipeline.federation.strategies) for federated methods.
     strategy: str | None = None
     # Centralized: pool every client's train data into one training set.
     pooled: bool = False
     # New-client study: "post" = the new client joins once the others converged (train.join), "pre" = from round 1.
     new_client: str | None = None
-    # FedProx: the client adds mu/2 ||W - W_global||^2.
-    proximal: bool = False
 
     def __post_init__(self) -> None:
         if self.kd_mode not in KD_MODES:
@@ -42,6 +42,11 @@ class MethodSpec:
     def uses_tau(self) -> bool:
         """Only selective KD reads the entropy threshold: plans of other methods leave tau out."""
         return self.kd_mode == "selective"
+
+    @property
+    def proximal(self) -> bool:
+        """FedProx: the client adds mu/2 ||W - W_global||^2 (its strategy says so)."""
+        return self.strategy is not None and STRATEGIES[self.strategy].proximal
 
     @property
     def uses_postags(self) -> bool:
@@ -57,12 +62,6 @@ METHODS: dict[str, MethodSpec] = {
                    strategy="fedavg"),
         MethodSpec("fedkd", federated=True, kd_mode="kd", two_adapters=True, strategy="fedavg"),
         MethodSpec("fedselectkd", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg"),
-        MethodSpec("fedprox", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
-                   strategy="fedprox", proximal=True),
-        MethodSpec("fedopt", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
-                   strategy="fedopt"),
-        MethodSpec("fednova", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
-                   strategy="fednova"),
         MethodSpec("hardkd", federated=True, kd_mode="hard", two_adapters=True, strategy="fedavg"),
         MethodSpec("post_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg",
                    new_client="post"),
@@ -70,6 +69,9 @@ METHODS: dict[str, MethodSpec] = {
                    new_client="pre"),
     ]
 }
+# Table V's server algorithms: CE with one adapter set, as AdaFedAvg, under each strategy without a method above.
+METHODS.update({name: MethodSpec(name, federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
+                                 strategy=name) for name in STRATEGIES if name not in METHODS})
 
 
 def get_method(name: str) -> MethodSpec:

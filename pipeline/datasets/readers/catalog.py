@@ -1,0 +1,17 @@
+"""Every dataset reader, by name: importing this module registers each reader module below."""
+from __future__ import annotations
+
+from pipeline.common.schema import DataError
+from pipeline.datasets.readers import qmsum, samsum, hmnet  # noqa: F401 (they register; this order is the datasets')
+from pipeline.datasets.readers.registry import DATASETS, DatasetSpec
+
+# DATASETS: dataset name (as params.yaml ingest.datasets names it) -> its DatasetSpec. A reader module imported
+# later (a dataset tried out before it joins the imports above) registers into it too: every lookup, here, in
+# pipeline.datasets.sources and in the ingest stage, reads it at call time.
+
+
+def dataset_spec(dataset: str) -> DatasetSpec:
+    if dataset not in DATASETS:
+        names = list(DATASETS)
+        raise DataError(f"unknown dataset {dataset!r}; expected {', '.join(names[:-1])} or {names[-1]}")
+    return DATASETS[dataset]

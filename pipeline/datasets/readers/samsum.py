@@ -1,0 +1,91 @@
+"""SAMSum (Gliwa et al. 2019): chat dialogues with summaries, one JSON-lines file per split (the mirror's
+``{train,validation,test}.json``); upstream one zip whose members are ``samsum/<split>.json``."""
+from __future__ import annotations
+
+import io
+import re
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
+from pipeline.datasets.readers.registry import DatasetSpec, register_reader
+from pipeline.datasets.readers.upstream import _absent_allowed, _json_lines, _no_records, _object, _text, _Unique
+
+SAMSUM_FILES = ("train.json", "validation.json", "test.json")
+SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
+
+
+_TURN_SEP = re.compile(r"\r\n|\n")
+
+
+def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn]:
+    """``Speaker: text`` lines -> turns, split at the first ``": "``.
+
+    A few upstream lines lack the space (``"Phil:<file_photo>"``): those split at the first ``":"``. A line
+    with no colon at all continues the previous turn. Both repairs are counted in the report.
+    """
+    turns: list[Turn] = []
+    for line in _TURN_SEP.split(dialogue):
+        if not line.strip():
+            report.note("blank dialogue lines (dropped)")
+            continue
+        if ": " in line:
+            speaker, content = line.split(": ", 1)
+        elif ":" in line:
+            speaker, content = line.split(":", 1)
+            report.note("turns split at ':' without a following space")
+        elif turns:
+            turns[-1] = Turn(turns[-1].speaker, f"{turns[-1].content} {line.strip()}")
+            report.note("lines without a speaker appended to the previous turn")
+            continue
+        else:
+            raise DataError(f"{where}: first dialogue line has no 'Speaker:' prefix: {line[:60]!r}")
+        turns.append(Turn(speaker.strip(), content.strip()))
+    return turns
+
+
+def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
+    dialogues = _Unique("dialogue id")
+    for name in SAMSUM_FILES:
+        display = f"samsum/{name}"
+        split = normalise_split(name.removesuffix(".json"), display)
+        split_key = f"samsum/SAMSum/{split}"
+        if _absent_allowed(directory / name, split_key, allow_absent, report):
+            continue
+        n_lines = 0
+        for line_no, rec in _json_lines(directory / name, display):
+            n_lines += 1
+            where = f"{display}:{line_no}"
+            rid = _text(rec, "id", where)
+            rwhere = f"{where}: dialogue {rid}"
+            _object(rec, rwhere, ("id", "dialogue", "summary"))
+            dialogues.check(rid, where)
+            dialogue = _text(rec, "dialogue", rwhere)
+            summary = _text(rec, "summary", rwhere)
+            if not dialogue.strip():
+                report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
+                continue
+            yield CanonicalRecord(
+                dataset="samsum", domain="SAMSum", split=split, meeting_id=rid, query_index=-1, query="",
+                query_type="none", turns=split_dialogue(dialogue, rwhere, report), spans=[], summary=summary,
+                source_file=display, source_line=line_no,
+            )
+        if n_lines == 0:
+            _no_records(display, split_key, allow_absent)
+
+
+
+
+def _download(base: str, target: Path, fetch, write) -> None:
+    """One zip upstream; its members samsum/{train,validation,test}.json are stored without the prefix."""
+    with zipfile.ZipFile(io.BytesIO(fetch(base))) as zf:
+        for name in SAMSUM_FILES:
+            member = SAMSUM_ZIP_DIR + name
+            if member not in zf.namelist():
+                raise DataError(f"{base}: zip has no member {member!r}")
+            write(target / name, zf.read(member))
+
+
+register_reader(DatasetSpec("samsum", read_samsum, lambda: list(SAMSUM_FILES),
+                            lambda rel: f"samsum/SAMSum/{normalise_split(rel.removesuffix('.json'))}", _download))

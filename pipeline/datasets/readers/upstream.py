@@ -1,0 +1,114 @@
+"""What every reader of an upstream layout shares: JSON lines read with one-line errors naming file and line, fields
+checked against the upstream schema, duplicate keys, and splits that may be absent (ingest.allow_absent_splits)."""
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pipeline.common.schema import DataError, IngestReport
+
+
+def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed object) for every non-blank line.
+
+    Every way a file can be unreadable becomes a DataError naming the file and, where there is one, the line:
+    missing file, bytes that are not UTF-8, malformed JSON, a truncated or damaged gzip chunk.
+    """
+    if not path.is_file():
+        raise DataError(f"{display}: expected split file is missing")
+    opener = gzip.open if path.suffix == ".gz" else open
+    line_no = 0
+    try:
+        with opener(path, "rb") as fh:
+            for line_no, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{display}:{line_no}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
+                                    f"{exc.start + 1})") from None
+                if not line.strip():
+                    continue
+                try:
+                    yield line_no, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{display}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno})") from None
+                except RecursionError:
+                    raise DataError(f"{display}:{line_no}: malformed JSON (nested too deeply)") from None
+    except (EOFError, OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
+        raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
+
+
+def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """``obj`` as a JSON object with exactly the upstream fields: a list, a number or an unknown field (a file of
+    another format or version) is named instead of being read wrongly."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    for name in required:
+        if name not in obj:
+            raise DataError(f"{where}: missing field {name!r}")
+    extra = sorted(set(obj) - set(required) - set(optional))
+    if extra:
+        raise DataError(f"{where}: unexpected field(s) {extra}; expected {sorted(required + optional)}")
+    return obj
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
+             int: "a number", float: "a number"}
+    return names.get(type(value), type(value).__name__)
+
+
+_FIELD_KINDS = {str: "a string", list: "a list", dict: "an object"}  # what an upstream field can be expected to be
+
+
+def _field(obj: Any, name: str, where: str, kind: type) -> Any:
+    """``obj[name]``, which must be of ``kind`` (str, list or dict): JSON's true and false are not strings,
+    lists or objects, so no separate check for them is needed."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
+    if name not in obj:
+        raise DataError(f"{where}: missing field {name!r}")
+    value = obj[name]
+    if not isinstance(value, kind):
+        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {_FIELD_KINDS[kind]}")
+    return value
+
+
+def _text(obj: Any, name: str, where: str) -> str:
+    """A text field: a string (null or a number where text belongs is an error, not the text "None")."""
+    return _field(obj, name, where, str)
+
+
+def _no_records(display: str, split_key: str, allow: list[str]) -> None:
+    """An empty split file is an error unless ``ingest.allow_absent_splits`` names its split."""
+    if not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow):
+        raise DataError(f"{display}: no records (empty or blank file) for split {split_key}; if that split may be "
+                        f"absent, add {split_key!r} to ingest.allow_absent_splits")
+
+
+class _Unique:
+    """Record keys seen so far: a duplicate names both places."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.seen: dict[Any, str] = {}
+
+    def check(self, key: Any, where: str) -> None:
+        if key in self.seen:
+            raise DataError(f"{where}: duplicate {self.what} {key!r} (first at {self.seen[key]})")
+        self.seen[key] = where
+
+
+
+def _absent_allowed(path: Path, split_key: str, allow_absent: list[str], report: IngestReport) -> bool:
+    """True when the split file is missing and ``ingest.allow_absent_splits`` allows it (counted in the report)."""
+    if path.is_file() or not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow_absent):
+        return False
+    report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
+    return True
+

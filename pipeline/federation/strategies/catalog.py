@@ -1,0 +1,24 @@
+"""Every server strategy, by name: importing this module registers each strategy module below."""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.federation.strategies import fedavg, fednova, fedopt, fedprox, fedtrimmedavg  # noqa: F401 (register)
+from pipeline.federation.strategies.registry import STRATEGIES, StrategySpec, common_arguments
+
+
+def get_strategy(name: str) -> StrategySpec:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown server strategy {name!r}; expected one of {', '.join(sorted(STRATEGIES))}")
+    return STRATEGIES[name]
+
+
+def strategy_params_keys() -> set[str]:
+    """Every params.yaml `train` key a strategy owns (they are the strategies', not TrainConfig's)."""
+    return {key for spec in STRATEGIES.values() for key in spec.params_keys}
+
+
+def build_strategy(name: str, strategy_params: dict[str, Any], *, fraction_train: float, client_lr: float):
+    """The Flower strategy ``name`` with its settings read from ``strategy_params`` (the plan's strategy keys)."""
+    spec = get_strategy(name)
+    return spec.build(spec.settings(strategy_params), common_arguments(fraction_train), client_lr)

@@ -1,0 +1,27 @@
+"""FedTrimmedAvg (Yin et al., ICML 2018): per coordinate, the mean of the replies left after dropping the
+``int(beta * n)`` largest and smallest values - robust to a client whose update is far off. Flower's
+``FedTrimmedAvg``; unweighted (``num-examples`` is ignored), so neither SecAgg+ nor client-level DP applies.
+Settings: params.yaml ``train.fedtrimmedavg``; method ``fedtrimmedavg`` (CE, one adapter set, as Table V's rows)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.federation.strategies.registry import register_strategy
+
+
+@dataclass
+class FedTrimmedAvgSettings:
+    # Fraction cut from each end per coordinate (Flower's default 0.2 cuts nothing from 3 clients; 0.34 cuts one
+    # from each end, i.e. the coordinate-wise median of 3).
+    beta: float = 0.2
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta < 0.5:
+            raise ValueError(f"beta must be in [0, 0.5), got {self.beta}")
+
+
+@register_strategy("fedtrimmedavg", FedTrimmedAvgSettings)
+def build(settings: FedTrimmedAvgSettings, common, client_lr):
+    from flwr.serverapp.strategy import FedTrimmedAvg
+
+    return FedTrimmedAvg(**common, beta=settings.beta)

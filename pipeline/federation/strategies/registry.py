@@ -1,0 +1,109 @@
+"""The strategy registry: what a server strategy module declares about itself, and the glue every strategy shares.
+
+A strategy module (pipeline/federation/strategies/<name>.py) defines its settings dataclass and a builder, and
+registers both with :func:`register_strategy`; ``catalog`` imports every module. A strategy's settings are read
+from params.yaml ``train.<name>`` (a mapping) - or, for the keys that predate the registry, from flat ``train``
+keys (FedProx's ``proximal_mu``) - and only the chosen strategy's settings enter a plan.
+
+METHOD.md section 5: FedAvg weighted by data size (`W = sum_i |D_i|/|D| W_i`), FedProx, FedOPT and FedNova.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeline.common.config import from_dict, to_dict
+
+# Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key: the
+# client's FedAvg weight (the examples it trained this round, or its full train size with train.weight_by: full).
+NUM_EXAMPLES_KEY = "num-examples"
+NUM_STEPS_KEY = "num-steps"
+
+# Attributes through which Flower's message strategies carry state from one round to the next
+# (FedOpt family: current_arrays, m_t, v_t; FedAvgM: current_arrays, momentum_vector). A resumed run must
+# restore them or the server optimiser would restart from zero moments. clipping_norm: Flower's DP wrappers
+# (privacy.mode client); adaptive clipping moves it every round.
+_STATEFUL_ATTRIBUTES = ("current_arrays", "m_t", "v_t", "momentum_vector", "clipping_norm")
+
+
+@dataclass(frozen=True)
+class NoSettings:
+    """A strategy without settings of its own (FedAvg, FedNova): nothing enters the plan."""
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    # build(settings, common, client_lr) -> a Flower Message-API strategy; ``common`` holds the keyword arguments
+    # every strategy takes (sampling fraction, minimum node counts, weighting key).
+    build: Callable[[Any, dict[str, Any], float], Any]
+    settings_cls: type = NoSettings
+    # params.yaml train key holding the settings mapping; None: the settings' fields are flat train keys.
+    group: str | None = None
+    # The new global is the (weighted) mean of the replies and nothing more: client-level DP calibrates its noise
+    # to that mean, SecAgg+ gives the server only that mean (pipeline.privacy.settings).
+    averaging: bool = False
+    # Clients add mu/2 ||W - W_global||^2 (the mu arrives in the train message's config, as Flower's FedProx sends it).
+    proximal: bool = False
+
+    @property
+    def params_keys(self) -> tuple[str, ...]:
+        """The params.yaml `train` keys this strategy owns."""
+        if self.settings_cls is NoSettings:
+            return ()
+        if self.group is not None:
+            return (self.group,)
+        return tuple(f.name for f in dataclasses.fields(self.settings_cls))
+
+    def settings(self, train_params: dict[str, Any], where: str = "train") -> Any:
+        """The settings dataclass from the `train` params (defaults for keys left out); bad keys raise ConfigError."""
+        if self.group is not None:
+            return from_dict(self.settings_cls, train_params.get(self.group), f"{where}.{self.group}")
+        return from_dict(self.settings_cls, {k: train_params[k] for k in self.params_keys if k in train_params}, where)
+
+    def plan_entries(self, train_params: dict[str, Any]) -> dict[str, Any]:
+        """The settings, defaults filled in, as the plan's `train` mapping carries them (params.yaml's keys)."""
+        if self.settings_cls is NoSettings:
+            return {}
+        values = to_dict(self.settings(train_params))
+        return {self.group: values} if self.group is not None else values
+
+
+STRATEGIES: dict[str, StrategySpec] = {}
+
+
+def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str | None = "", averaging: bool = False,
+                      proximal: bool = False):
+    """Decorator on a strategy module's builder: registers strategy ``name`` with its settings dataclass, read from
+    params.yaml ``train.<group>`` (``group`` defaults to ``name``; None = flat train keys)."""
+    def register(build: Callable[[Any, dict[str, Any], float], Any]):
+        if name in STRATEGIES:
+            raise ValueError(f"strategy {name!r} is registered twice")
+        STRATEGIES[name] = StrategySpec(name, build, settings_cls, name if group == "" else group, averaging,
+                                        proximal)
+        return build
+    return register
+
+
+def common_arguments(fraction_train: float) -> dict[str, Any]:
+    """Keyword arguments of every Flower strategy here.
+
+    Flower samples ``max(int(n * fraction_train), min_train_nodes)`` nodes per round (0.67 of 3 -> 2); all
+    clients are evaluated every round (``fraction_evaluate`` 1) so each keeps its best adapter.
+    """
+    return dict(fraction_train=fraction_train, fraction_evaluate=1.0, min_train_nodes=1, min_evaluate_nodes=1,
+                min_available_nodes=1, weighted_by_key=NUM_EXAMPLES_KEY)
+
+
+def strategy_state(strategy: Any) -> dict[str, Any]:
+    """The round-to-round state of a Flower strategy (server optimiser moments), for checkpoints."""
+    return {k: copy.deepcopy(getattr(strategy, k)) for k in _STATEFUL_ATTRIBUTES if hasattr(strategy, k)}
+
+
+def restore_strategy_state(strategy: Any, state: dict[str, Any]) -> None:
+    for key, value in state.items():
+        if key not in _STATEFUL_ATTRIBUTES:
+            raise ValueError(f"checkpoint: unexpected strategy state {key!r}")
+        setattr(strategy, key, value)

@@ -1,0 +1,49 @@
+"""The KD gate registry: which target tokens the local loss distils, decided from the teacher before the fused loss
+kernel (pipeline.modeling.losses._FusedDistillation), which then only does the arithmetic on the mask it is given.
+
+A gate module (pipeline/modeling/gates/<name>.py) defines ``gate(rows, cfg) -> (mask [N] bool, threshold)`` and
+registers it with :func:`register_gate`; ``catalog`` imports every module. ``rows`` holds what a gate may read:
+the batch's packed teacher logits, their entropies H(q_g) (as the gate log records them) and, for hard KD, the
+token mask; ``cfg`` is the loss configuration (``tau``, ``tau_scale``, ``log_base``: KDConfig). The threshold is
+the one the gate compared with (NaN when it has none); the gate log records it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class TeacherRows:
+    logits: torch.Tensor  # [N, V] the teacher's logits of the batch's N non-padding target tokens (no gradient)
+    entropy: torch.Tensor  # [N] H(q_g) in the configuration's log_base units (float32)
+    mask: torch.Tensor | None = None  # [N] bool, the given token mask (hard KD: the target nouns and verbs)
+    chunk_rows: int = 128  # rows per pass, for a gate that runs over the logits again
+
+
+Gate = Callable[[TeacherRows, Any], tuple[torch.Tensor, float]]
+GATES: dict[str, Gate] = {}
+
+
+def register_gate(name: str):
+    """Decorator on a gate module's function: registers KD gate ``name``."""
+    def register(gate: Gate) -> Gate:
+        if name in GATES:
+            raise ValueError(f"KD gate {name!r} is registered twice")
+        GATES[name] = gate
+        return gate
+    return register
+
+
+def entropy_from_logp(logp: torch.Tensor, log_base: str) -> torch.Tensor:
+    h = -(logp.exp() * logp).sum(dim=-1)
+    return h / math.log(2.0) if str(log_base) == "2" else h
+
+
+def token_entropy(logits: torch.Tensor, log_base: str = "e") -> torch.Tensor:
+    """H(softmax(logits)) over the last dimension, in nats ("e") or bits ("2")."""
+    return entropy_from_logp(F.log_softmax(logits.float(), dim=-1), log_base)
