@@ -143,8 +143,8 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
         parent, keys = next(iter(unknown.items()))
         at = f"{where}.{parent}" if parent else where
         return f"{at}: unknown key(s) {sorted(keys)}; allowed: {_allowed(cls, parent)}"
-    return "; ".join(f"{where}.{path}: expected {' or '.join(parts[:-1])}, {parts[-1]}" if path
-                     else f"{where}: expected {' or '.join(parts[:-1])}, {parts[-1]}" for path, parts in problems.items())
+    return "; ".join(f"{where}{'.' + path if path else ''}: expected {' or '.join(parts[:-1])}, {parts[-1]}"
+                     for path, parts in problems.items())
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
