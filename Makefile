@@ -77,16 +77,18 @@ bench: setup
 preset: setup
 	$(BIN)/python -m pipeline.presets run $(PRESET)
 
-# Ablation grid: one queued DVC experiment per (tau, seed), run by $(JOBS) queue workers (README, "Working with it").
-GRID_TAUS  ?= 2 3 4 5
-GRID_SEEDS ?= 0 1 2
+# Ablation grid: DVC's own sweep over the top-level tau and seed (every experiment inherits the seed), one queued
+# DVC experiment per point, run by $(JOBS) queue workers (README, "Working with it").
+GRID_TAUS  ?= 2,3,4,5
+GRID_SEEDS ?= 0,1,2
 JOBS       ?= 2
 grid: data-sources
-	$(BIN)/python -m pipeline.presets grid --tau $(GRID_TAUS) --seeds $(GRID_SEEDS) --jobs $(JOBS)
+	$(BIN)/dvc exp run --queue -S 'tau=$(GRID_TAUS)' -S 'seed=$(GRID_SEEDS)'
+	$(BIN)/dvc queue start -j $(JOBS)
 
-# The experiments side by side with only the headline columns (reports/metrics.json), tau and the main study's seed;
+# The experiments side by side with only the headline columns (reports/metrics.json), tau and the seed;
 # plain `dvc exp show` also lists every param and dependency hash (~350 columns).
-EXP_SHOW_KEEP := ^(Experiment|Created|State|Executor)$$|(.*:)?tau$$|(.*:)?experiments\.fedselectkd-domain\.seed$$|(.*:)?(main|kd_usage)\.
+EXP_SHOW_KEEP := ^(Experiment|Created|State|Executor)$$|(.*:)?tau$$|(.*:)?seed$$|(.*:)?(main|kd_usage)\.
 exp-show: setup
 	$(BIN)/dvc exp show --drop '.*' --keep '$(EXP_SHOW_KEEP)' $(EXP_SHOW_ARGS)
 

@@ -54,7 +54,7 @@ class GenerationDefaults:
     """Stored in the backbone's generation_config; evaluation may override them."""
 
     max_new_tokens: int = 64
-    min_new_tokens: int = 0  # 0 = none; the evaluate stage's min_target_length plays the same role
+    min_new_tokens: int = 10  # 0 = none; the evaluate stage's min_target_length plays the same role
     num_beams: int = 1
     no_repeat_ngram_size: int = 3
     length_penalty: float = 1.0

@@ -1,9 +1,9 @@
 """Experiments: the one reader of params.yaml `experiments:` and of plan files.
 
-An *experiment* is one entry of params.yaml `experiments` (``{method, partition: "<scheme>/seed<k>", seed, study,
-...}``, optionally with `tau`, any `train` key, or a `privacy` mapping of params.yaml privacy keys as an
-override): :func:`declared` reads and checks them all, and every stage that needs the list (plan, analyze,
-report, presets, tracking) asks it. Its *plan* is the resolved
+An *experiment* is one entry of params.yaml `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``,
+optionally with `seed` (else the top-level seed), `tau`, any `train` key, or a `privacy` mapping of params.yaml
+privacy keys as an override): :func:`declared` reads and checks them all, and every stage that needs the list
+(plan, analyze, report, presets, tracking) asks it. Its *plan* is the resolved
 configuration the plan stage writes to ``models/plans/<experiment>.json`` and the train stage reads
 (:func:`read_plan`): exactly what the result depends on. The train stages depend on their plan file, not on
 params, so a change reruns only the experiments it affects: tau is written only for methods that read it
@@ -177,7 +177,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
     exp = Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
-                     seed=int(base.get("seed", 0)), study=str(base.get("study", "main")), tau=tau,
+                     seed=int(base.get("seed", params.get("seed", 0))), study=str(base.get("study", "main")), tau=tau,
                      train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
     if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:

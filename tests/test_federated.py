@@ -21,7 +21,9 @@ N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5, "SAMSum": 4}  # unequal,
 
 TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "new_client": "SAMSum",
          "join": {"min_rel_improvement": 0.01, "patience": 1, "max_round": 2},
-         "fedopt": {"server_optimizer": "adam", "server_lr": 0.01}}
+         "fedopt": {"server_optimizer": "adam", "server_lr": 0.01},
+         # every example (params.yaml's CPU-profile caps are the dataclass defaults)
+         "max_train_examples_per_client": None, "max_valid_examples_per_client": None}
 
 
 def _examples() -> tuple[pd.DataFrame, dict, dict]:

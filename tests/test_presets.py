@@ -299,3 +299,14 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
     shown = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True,
                            capture_output=True, text=True).stdout
     assert all(f'"{n}"' in shown for n in ("st-seed0", "st-seed1", "st"))
+
+
+def test_a_profiles_experiments_without_a_seed_take_its_top_level_seed():
+    """A profile sets the seed once for the experiments it does not seed themselves (the entry's own seed wins)."""
+    from pipeline.experiments import declared
+
+    preset = {"seed": 3, "experiments": {"a": {"method": "fedavg", "partition": "domain/seed0"},
+                                         "b": {"method": "fedkd", "partition": "domain/seed0", "seed": 1}}}
+    assert pr.problems(preset, PARAMS) == []
+    assert [e.seed for e in declared(pr.apply_preset(PARAMS, preset))] == [3, 1]
+    assert pr.overrides(preset)[0] == "seed=3"

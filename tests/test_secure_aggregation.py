@@ -401,7 +401,7 @@ def test_secagg_group_validation():
         ({"num_shares": 4, "reconstruction_threshold": 4}, "must be >= 2 and < num_shares"),
         ({"clipping_range": 0.0}, "privacy.secagg: clipping_range must be"),
         ({"quantization_range": 2**32}, "privacy.secagg: quantization_range must be in (1, 2**32)"),
-        ({"num_shares": True}, "privacy.secagg.num_shares: expected int or float"),
+        ({"num_shares": True}, "privacy.secagg.num_shares: expected an integer or a number"),
         ({"quantisation_range": 4096}, "privacy.secagg: unknown key(s) ['quantisation_range']"),
     ]
     for secagg, message in bad:

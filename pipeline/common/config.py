@@ -1,22 +1,29 @@
 """Parameters and paths shared by every stage.
 
 Every stage reads ``params.yaml`` through :func:`load_params` and turns its own group into a typed
-dataclass with :func:`from_dict`, before any work. It rejects unknown keys (derived from the dataclass's fields,
-so a new key needs only a new field) and values of the wrong type (from the field's annotation), and turns the
-dataclass's own range checks (``__post_init__``) into a :class:`ConfigError` naming the group: a typo in
-params.yaml or a preset is one clear line instead of a silently ignored setting or a crash deep in a stage.
+dataclass with :func:`from_dict`, before any work. pydantic validates the group against the dataclass's fields
+and annotations (strict types, unknown keys refused: a new key needs only a new field, a new config class needs
+nothing more), and :func:`from_dict` turns pydantic's errors and the dataclass's own range checks
+(``__post_init__``) into one :class:`ConfigError` line naming the key: a typo in params.yaml or a preset is one
+clear line instead of a silently ignored setting or a crash deep in a stage.
+
+Defaults: params.yaml is the one place a value is chosen (DVC tracks it, users edit it); a dataclass default is
+params.yaml's value for that key, so code and tests that build a config without params.yaml run what
+`make repro` runs (tests/test_params_defaults.py holds every group to it).
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 import subprocess
-import types
-import typing
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 import yaml
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+from typing_extensions import TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
 
 T = TypeVar("T")
 
@@ -64,53 +71,80 @@ def load_params(path: str | os.PathLike | None = None) -> dict[str, Any]:
     return data
 
 
-def _type_name(typ: Any) -> str:
-    return getattr(typ, "__name__", None) or str(typ).replace("typing.", "")
+# Strict: a YAML string, bool or float never passes for an integer ("96", true, 8.0), nor a bool for a number;
+# an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level.
+_STRICT = ConfigDict(strict=True, extra="forbid")
 
 
-def type_problem(value: Any, typ: Any) -> str | None:
-    """Why ``value`` does not fit the annotation ``typ`` (None when it fits). YAML gives ints where floats are
-    meant (``lr: 1`` means 1.0), so an int fits a float; a bool fits neither an int nor a float."""
-    if typ is None or typ is Any or isinstance(typ, TypeVar):
-        return None
-    origin, args = typing.get_origin(typ), typing.get_args(typ)
-    if origin in (typing.Union, types.UnionType):
-        if any(type_problem(value, a) is None for a in args):
-            return None
-        return f"expected {' or '.join(_type_name(a) for a in args)}, got {type(value).__name__} {value!r}"
-    if origin is typing.Literal:
-        return None if value in args else f"expected one of {list(args)}, got {value!r}"
-    if dataclasses.is_dataclass(typ):
-        return None if isinstance(value, (dict, typ)) else f"expected a mapping, got {type(value).__name__}"
-    if typ is bool:
-        return None if isinstance(value, bool) else f"expected true or false, got {type(value).__name__} {value!r}"
-    if typ is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-        return None if ok else f"expected an integer, got {type(value).__name__} {value!r}"
-    if typ is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        return None if ok else f"expected a number, got {type(value).__name__} {value!r}"
-    if typ is str:
-        return None if isinstance(value, str) else f"expected a string, got {type(value).__name__} {value!r}"
-    if origin in (list, tuple) or typ in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            return f"expected a list, got {type(value).__name__} {value!r}"
-        item = args[0] if args and (origin is list or (len(args) == 2 and args[1] is Ellipsis)) else None
-        for i, v in enumerate(value):
-            problem = type_problem(v, item)
-            if problem:
-                return f"item {i}: {problem}"
-        return None
-    if origin is dict or typ is dict:
-        if not isinstance(value, dict):
-            return f"expected a mapping, got {type(value).__name__} {value!r}"
-        if len(args) == 2:
-            for k, v in value.items():
-                problem = type_problem(v, args[1])
-                if problem:
-                    return f"key {k!r}: {problem}"
-        return None
-    return None  # other annotations (Path, Any-like): the dataclass's own checks decide
+@functools.cache
+def _schema(cls: type) -> type:
+    """The keys of dataclass ``cls`` as a pydantic-validated TypedDict (every key optional: the dataclass's own
+    defaults fill the missing ones; nested dataclasses become nested TypedDicts). A TypedDict, not the dataclass
+    itself, because pydantic in strict mode accepts only instances for a dataclass."""
+    hints = get_type_hints(cls)
+    fields = {f.name: _schema(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else hints[f.name]
+              for f in dataclasses.fields(cls) if f.init}
+    schema = TypedDict(cls.__name__, fields, total=False)  # type: ignore[misc]
+    schema.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
+    return schema
+
+
+@functools.cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(_schema(cls))
+
+
+def _as_mapping(value: Any) -> Any:
+    """A nested dataclass instance given where a mapping is read (code building a config from parts)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _as_mapping(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
+    return value
+
+
+def _key_path(data: Any, loc: tuple) -> tuple[str, Any]:
+    """The part of pydantic's error location that names keys of ``data`` (``a.b[2]``; union branch tags such as
+    ``int`` dropped) and the value found there."""
+    path, node = "", data
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            path, node = f"{path}.{part}" if path else str(part), node[part]
+        elif isinstance(node, (list, tuple)) and isinstance(part, int) and 0 <= part < len(node):
+            path, node = f"{path}[{part}]", node[part]
+        else:
+            break
+    return path, node
+
+
+def _allowed(cls: type, path: str) -> list[str]:
+    """The keys of the (nested) dataclass at ``path`` inside ``cls``."""
+    for part in filter(None, path.split(".")):
+        cls = get_type_hints(cls)[part]
+    return sorted(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError) -> str:
+    """pydantic's errors as one line: unknown keys first (all of them, with the allowed ones), else every type
+    problem, each ``where.key: expected ..., got <type> <value>``."""
+    unknown: dict[str, list[str]] = {}
+    problems: dict[str, list[str]] = {}
+    for err in exc.errors():
+        if err["type"] == "extra_forbidden":
+            parent, _ = _key_path(data, err["loc"][:-1])
+            unknown.setdefault(parent, []).append(str(err["loc"][-1]))
+            continue
+        path, value = _key_path(data, err["loc"])
+        # "Input should be a valid integer" -> "an integer" (the wording of the rest of fedmeet's messages)
+        msg = re.sub(r"\ba ([aeiou])", r"an \1", err["msg"].replace("Input should be ", "").replace("valid ", ""))
+        msg = "true or false" if err["type"] == "bool_type" else msg  # as YAML writes a boolean
+        problems.setdefault(path, [f"got {type(value).__name__} {value!r}"])
+        if msg not in problems[path]:
+            problems[path].insert(-1, msg)
+    if unknown:
+        parent, keys = next(iter(unknown.items()))
+        at = f"{where}.{parent}" if parent else where
+        return f"{at}: unknown key(s) {sorted(keys)}; allowed: {_allowed(cls, parent)}"
+    return "; ".join(f"{where}{'.' + path if path else ''}: expected {' or '.join(parts[:-1])}, {parts[-1]}"
+                     for path, parts in problems.items())
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -120,36 +154,36 @@ def require(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ValueError(f"{key}={value!r} is out of range; allowed: {allowed}")
 
 
-def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``; nested dataclass fields are built recursively.
-
-    Unknown keys, values of the wrong type and values the dataclass's ``__post_init__`` rejects raise
-    :class:`ConfigError` naming ``where.key`` and what is allowed.
-    """
-    where = where or cls.__name__
-    if data is not None and not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of keys, got {type(data).__name__} {data!r}")
-    data = dict(data or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(names)}")
+def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
+    """The dataclass from validated ``data``, nested ones first; a ``__post_init__`` range check that fails is a
+    :class:`ConfigError` naming the (nested) group."""
     hints = get_type_hints(cls)
-    kwargs = {}
-    for key, value in data.items():
-        typ = hints.get(key)
-        problem = type_problem(value, typ)
-        if problem:
-            raise ConfigError(f"{where}.{key}: {problem}")
-        if dataclasses.is_dataclass(typ) and isinstance(value, dict):
-            value = from_dict(typ, value, f"{where}.{key}")
-        kwargs[key] = value
+    kwargs = {key: _build(hints[key], value, f"{where}.{key}") if dataclasses.is_dataclass(hints[key]) else value
+              for key, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError:
         raise
     except (ValueError, TypeError) as exc:  # the dataclass's own range checks
         raise ConfigError(f"{where}: {' '.join(str(exc).split())}") from None
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
+    """Build dataclass ``cls`` from ``data`` (a params.yaml group); nested dataclass fields are built too.
+
+    pydantic checks keys and types against the dataclass's fields and annotations (:func:`_schema`); unknown keys,
+    values of the wrong type and values the dataclass's ``__post_init__`` rejects raise one-line
+    :class:`ConfigError` naming ``where.key`` and what is allowed.
+    """
+    where = where or cls.__name__
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of keys, got {type(data).__name__} {data!r}")
+    data = {key: _as_mapping(value) for key, value in (data or {}).items()}
+    try:
+        valid = _adapter(cls).validate_python(data)
+    except ValidationError as exc:
+        raise ConfigError(_one_line(cls, data, where, exc)) from None
+    return _build(cls, valid, where)
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

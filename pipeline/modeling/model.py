@@ -47,7 +47,7 @@ class ModelConfig:
     adapter_bias: bool = True
     adapter_init_std: float = 0.02
     max_source_length: int = 512
-    max_target_length: int = 128
+    max_target_length: int = 96
 
     def __post_init__(self) -> None:
         for name in ("max_source_length", "max_target_length"):

@@ -25,12 +25,12 @@ class WarmupConfig:
     """Central warm-up of the offline recipe (ignored for hub ids and local directories)."""
 
     dataset: str = "samsum"  # read from data/interim/<dataset>.parquet, split train
-    steps: int = 400
+    steps: int = 120
     batch_size: int = 16
     max_source_length: int = 256
     max_target_length: int = 64
-    lr: float = 1e-4  # pretrained MiniLM weights
-    cross_attention_lr: float = 3e-4  # new cross-attention and LM-head transform
+    lr: float = 2e-4  # pretrained MiniLM weights
+    cross_attention_lr: float = 6e-4  # new cross-attention and LM-head transform
     weight_decay: float = 0.01
     warmup_fraction: float = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
     freeze_embeddings: bool = False

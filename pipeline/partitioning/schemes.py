@@ -84,7 +84,8 @@ class DomainDirichletConfig:
 @dataclass
 class PartitionConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
-    schemes: list[str] = field(default_factory=lambda: ["domain"])
+    schemes: list[str] = field(default_factory=lambda: ["domain", "iid", "noniid_balanced", "extreme", "long_meeting",
+                                                          "quantity", "cluster", "domain_dirichlet"])
     iid: IidConfig = field(default_factory=IidConfig)
     noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
     long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)

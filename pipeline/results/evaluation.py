@@ -17,14 +17,14 @@ from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 @dataclass
 class EvaluateConfig:
     adapter: str = "best"
-    batch_size: int = 4
-    num_beams: int = 4
-    max_target_length: int = 128
+    batch_size: int = 8
+    num_beams: int = 1
+    max_target_length: int = 96
     min_target_length: int = 10
     no_repeat_ngram_size: int = 3
     length_penalty: float = 1.0
     max_source_length: int | None = None
-    test_examples_per_client: int | None = None
+    test_examples_per_client: int | None = 8
     subsample_seed: int = 0
     log_text_to_mlflow: bool = False
 

@@ -59,7 +59,7 @@ class TrainConfig:
 
     rounds: int = 3
     local_epochs: int = 1
-    batch_size: int = 4
+    batch_size: int = 8
     grad_accum_steps: int = 1
     bucket_by_length: bool = True
     lr: float = 2.0e-4
@@ -80,8 +80,8 @@ class TrainConfig:
     new_client: str = "SAMSum"
     join: JoinConfig = field(default_factory=JoinConfig)
     stop: StopConfig = field(default_factory=StopConfig)
-    max_train_examples_per_client: int | None = None
-    max_valid_examples_per_client: int | None = None
+    max_train_examples_per_client: int | None = 16
+    max_valid_examples_per_client: int | None = 6
     # FedAvg weight of a client: "trained" = the examples it trained on this round, "full" = its whole train split
     # |D_i| (the paper's data-size weights); they differ only under max_train_examples_per_client.
     weight_by: str = "trained"

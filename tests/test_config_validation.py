@@ -1,0 +1,71 @@
+"""pipeline.common.config.from_dict: pydantic validation of any config dataclass, one line naming the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from pipeline.common.config import ConfigError, from_dict, require
+
+
+@dataclass
+class Inner:
+    rate: float = 0.5
+    names: list[str] = field(default_factory=lambda: ["a"])
+
+    def __post_init__(self) -> None:
+        require(0 < self.rate <= 1, "rate", self.rate, "a fraction in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Outer:  # a config class of its own: validated with no code beyond its fields
+    steps: int = 3
+    cap: int | None = None
+    share: int | float = 1.0
+    on: bool = False
+    sizes: dict[str, int] = field(default_factory=dict)
+    inner: Inner = field(default_factory=Inner)
+
+
+def _error(data: dict) -> str:
+    with pytest.raises(ConfigError) as err:
+        from_dict(Outer, data, "params.yaml grp")
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_values_are_built_with_defaults_for_missing_keys():
+    built = from_dict(Outer, {"steps": 5, "share": 3, "inner": {"rate": 1}, "sizes": {"train": 2}}, "grp")
+    assert built == Outer(steps=5, share=3, sizes={"train": 2}, inner=Inner(rate=1.0))
+    assert isinstance(built.inner.rate, float) and isinstance(built.share, int)  # int|float keeps an int
+    assert from_dict(Outer, None) == Outer()
+    assert from_dict(Outer, {"inner": Inner(rate=0.25)}).inner.rate == 0.25  # an instance passes for its mapping
+
+
+@pytest.mark.parametrize("data, key", [
+    ({"steps": "96"}, "params.yaml grp.steps"),  # no string-to-number coercion
+    ({"steps": 8.0}, "params.yaml grp.steps"),
+    ({"steps": True}, "params.yaml grp.steps"),
+    ({"on": "yes"}, "params.yaml grp.on"),
+    ({"cap": "x"}, "params.yaml grp.cap"),
+    ({"share": True}, "params.yaml grp.share"),
+    ({"sizes": {"train": "2"}}, "params.yaml grp.sizes.train"),
+    ({"inner": {"names": ["a", 3]}}, "params.yaml grp.inner.names[1]"),
+    ({"inner": 3}, "params.yaml grp.inner"),
+])
+def test_a_wrong_type_names_the_key_path_and_the_value(data, key):
+    message = _error(data)
+    assert message.startswith(key + ": expected ")
+    assert message.count(": expected ") == 1
+
+
+def test_unknown_keys_are_refused_at_every_level_with_the_allowed_ones():
+    assert _error({"stpes": 1, "zz": 2}) == ("params.yaml grp: unknown key(s) ['stpes', 'zz']; allowed: "
+                                             "['cap', 'inner', 'on', 'share', 'sizes', 'steps']")
+    assert _error({"inner": {"rat": 1}}) == "params.yaml grp.inner: unknown key(s) ['rat']; allowed: ['names', 'rate']"
+
+
+def test_a_range_check_names_the_nested_group():
+    assert _error({"inner": {"rate": 2}}).startswith("params.yaml grp.inner: rate=2.0 is out of range")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        from_dict(Outer, [1], "grp")  # type: ignore[arg-type]
