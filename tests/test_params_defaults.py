@@ -30,7 +30,7 @@ def _groups() -> dict[str, list[type]]:
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.results.stats import BootstrapConfig
     from pipeline.training.config import TrainConfig
-    from pipeline.training.privacy import PrivacyConfig
+    from pipeline.privacy.settings import PrivacyConfig
 
     assert set(RUN_TRAIN_KEYS) <= {f.name for f in dataclasses.fields(RunSettings)}
     return {"ingest": [IngestConfig], "examples": [ExamplesConfig], "partition": [PartitionConfig],
@@ -51,8 +51,11 @@ def _disagreements(cls: type, group: dict, where: str) -> list[str]:
     found = []
     for f in dataclasses.fields(cls):
         default = _default(f)
-        if default is dataclasses.MISSING or (cls.__name__ == "RunSettings" and f.name == "cache"):
-            continue  # required (params.yaml must carry it); RunSettings.cache is model's CacheConfig
+        if default is dataclasses.MISSING or (cls.__name__ == "RunSettings" and f.name == "cache") or (
+                cls.__name__ == "TrainConfig" and f.name == "strategy_params"):
+            # required (params.yaml must carry it); RunSettings.cache is model's CacheConfig; strategy_params holds
+            # the strategies' own keys, checked against their settings classes below
+            continue
         key = f"{where}.{f.name}"
         if f.name not in group:
             found.append(f"{key}: default {default!r}, absent from params.yaml")
@@ -88,3 +91,15 @@ def test_an_experiment_without_its_own_seed_trains_with_the_top_level_seed():
     params = {**PARAMS, "seed": 7, "experiments": {"a": entry, "b": {**entry, "seed": 2}}}
     assert [e.seed for e in declared(params)] == [7, 2]  # inherited; the entry's own wins
     assert {e.seed for e in declared(PARAMS)} == {PARAMS["seed"]}
+
+
+def test_every_strategy_settings_default_is_params_yaml_value():
+    from pipeline.federation.strategies.catalog import STRATEGIES
+
+    found = []
+    for spec in STRATEGIES.values():
+        if spec.params_keys:
+            group = PARAMS["train"] if spec.group is None else PARAMS["train"][spec.group]
+            where = "train" if spec.group is None else f"train.{spec.group}"
+            found += _disagreements(spec.settings_cls, group, where)
+    assert found == []

@@ -11,9 +11,9 @@ from pipeline.federation.strategies.registry import register_strategy
 
 @dataclass
 class FedTrimmedAvgSettings:
-    # Fraction cut from each end per coordinate (Flower's default 0.2 cuts nothing from 3 clients; 0.34 cuts one
-    # from each end, i.e. the coordinate-wise median of 3).
-    beta: float = 0.2
+    # Fraction cut from each end per coordinate (params.yaml's value; Flower's default 0.2 cuts nothing from 3
+    # clients, 0.34 cuts one from each end, i.e. the coordinate-wise median of 3).
+    beta: float = 0.34
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta < 0.5:
