@@ -95,8 +95,16 @@ client_app = ClientApp()
 
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
+    """Admission (pipeline.federation.server_app._identify): the client's name and the sizes of its train and
+    valid splits, from its own partition slice - what the server needs of the client's data, and no more."""
     plan = load_plan(plan_path_of(msg, context))
-    return Message(RecordDict({"identity": ConfigRecord({"client-name": client_name(plan, context)})}), reply_to=msg)
+    name = client_name(plan, context)
+    partition = read_partition(plan.paths["partition"])
+    if name not in partition["clients"]:
+        raise ValueError(f"{plan.paths['partition']}: no client {name!r} (clients: {sorted(partition['clients'])})")
+    splits = partition["clients"][name]
+    return Message(RecordDict({"identity": ConfigRecord({"client-name": name, "num-train": len(splits["train"]),
+                                                         "num-valid": len(splits["valid"])})}), reply_to=msg)
 
 
 # client_dp_mod: privacy.mode client with clipping_side client, Flower's clipping mod on the reply. A SecAgg+ round

@@ -20,7 +20,9 @@ their own disks:
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
 group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
 ``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true), ``round-timeout-s`` (float, how
-long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``).
+long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``),
+``admission-timeout-s`` (float, how long it waits for every client the plan declares to join; 0 = that params
+file's ``train.admission_timeout_s``).
 """
 from __future__ import annotations
 
@@ -45,7 +47,6 @@ from pipeline.modeling.backbone_record import backbone_name
 from pipeline.experiments import Plan
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 from pipeline.training import rounds
-from pipeline.training.client_data import client_names
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import final_run_metrics, prepare_outputs, run_identity_tags, summarize, write_metrics
 
@@ -64,13 +65,15 @@ def _flag(value: Any, default: bool) -> bool:
     return bool(value)
 
 
-def round_timeout_s(run_config: dict[str, Any], experiment: str) -> float:
-    """Run config ``round-timeout-s`` when set (> 0), else the run-time setting of the params file (run config
-    ``params``): a site chooses its timeout when it starts the run, and the plan (the result) does not change."""
-    given = float(run_config.get("round-timeout-s") or 0)
+def round_timeout_s(run_config: dict[str, Any], experiment: str, key: str = "round-timeout-s") -> float:
+    """Run config ``round-timeout-s`` (``admission-timeout-s``) when set (> 0), else the run-time setting of the
+    params file (run config ``params``): a site chooses its timeouts when it starts the run, and the plan (the
+    result) does not change."""
+    given = float(run_config.get(key) or 0)
     if given > 0:
         return given
-    return current_run_settings(experiment, str(run_config.get("params") or "params.yaml")).round_timeout_s
+    settings = current_run_settings(experiment, str(run_config.get("params") or "params.yaml"))
+    return settings.round_timeout_s if key == "round-timeout-s" else settings.admission_timeout_s
 
 
 def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
@@ -103,11 +106,9 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     for n in node_ids:
         if n not in answered:
             failed[f"node {n}"] = f"no reply within {timeout:.0f}s"
-    # The evaluate stage's order (the partition's), so means add up in the same order.
-    try:
-        order = client_names(plan)
-    except FileNotFoundError:  # a server without the partition file: names as the clients gave them
-        order = sorted(received)
+    # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
+    # plan without declared clients: names as the clients gave them (the server holds no partition file).
+    order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for name in order + sorted(set(received) - set(order)):
@@ -203,7 +204,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     timeout = round_timeout_s(rc, plan.experiment)
     recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0), timeout)
     try:
-        arrays, history = run_server(grid, plan, plan_path, recorder, timeout)
+        arrays, history = run_server(grid, plan, plan_path, recorder, timeout,
+                                     round_timeout_s(rc, plan.experiment, "admission-timeout-s"))
     except BaseException:
         recorder.close()
         if logger is not None:
