@@ -40,6 +40,7 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.experiments import current_run_settings
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+from pipeline.federation.run_checks import SERVER_KEYS, check_run_config
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapter_io import save_adapter
@@ -182,6 +183,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
     rc = dict(context.run_config)
+    check_run_config(rc, SERVER_KEYS, "run config")  # `flwr run` lets any value of a known key through
     plan_path = plan_path_of(None, context)
     plan = load_plan(plan_path)
     prepare_outputs(plan)
