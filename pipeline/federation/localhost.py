@@ -36,7 +36,8 @@ from pathlib import Path
 from pipeline.common import atomic
 from pipeline.federation.credentials import Certificates, make_node_key, make_self_signed_ca
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
-from pipeline.federation.run_checks import app_keys, check_run_config, close_left_running, parse_run_status
+from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, parse_run_status,
+                                            status_command)
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
@@ -382,16 +383,6 @@ def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
     return out
 
 
-def status_command(superlink: str | None, run_id: int | None) -> int:
-    """The manual recipe's check after ``flwr run``: one line with the run's status; 0 only if it completed."""
-    argv = [_bin("flwr"), "ls", *([superlink] if superlink else []), "--format", "json",
-            *(["--run-id", str(run_id)] if run_id is not None else [])]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    rid, status, details = parse_run_status(out.stdout, run_id)
-    print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
-    return 0 if status == "finished:completed" else 1
-
-
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -415,9 +406,20 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("superlink", nargs="?", help="the SuperLink connection of FLWR_HOME/config.toml (default: its "
                                                  "default)")
     st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
+    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out "
+                                     "(pipeline.federation.sites)")
+    kit.add_argument("--plan", required=True)
+    kit.add_argument("--client", help="the site's client (default: the server's kit)")
+    kit.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
     if args.command == "status":
         return status_command(args.superlink, args.run_id)
+    if args.command == "kit":
+        from pipeline.federation.sites import write_kit
+
+        written = write_kit(args.plan, args.out, args.client)
+        print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
+        return 0
 
     plan = args.plan or str(PLANS_DIR / f"{args.experiment}.json")
     cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), tls=args.tls, auth=args.auth,

@@ -12,6 +12,8 @@ Status: ``flwr run`` exits 0 whether the ServerApp returned or raised; the Super
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -95,3 +97,14 @@ def close_left_running(workdir: Path, plan, reason: str) -> str | None:
     client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
     client.set_terminated(run_id, status="KILLED")
     return run_id
+
+
+def status_command(superlink: str | None, run_id: int | None) -> int:
+    """The manual recipe's check after ``flwr run``: one line with the run's status; 0 only if it completed."""
+    flwr = Path(sys.executable).parent / "flwr"  # the CLI beside this interpreter, whatever PATH says
+    argv = [str(flwr) if flwr.exists() else "flwr", "ls", *([superlink] if superlink else []), "--format", "json",
+            *(["--run-id", str(run_id)] if run_id is not None else [])]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    rid, status, details = parse_run_status(out.stdout, run_id)
+    print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
+    return 0 if status == "finished:completed" else 1
