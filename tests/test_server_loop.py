@@ -1376,3 +1376,30 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
     assert {r["client"] for r in rows} == set(clients) and result["eval"] is None
     data = server / "data"
     assert sorted(p.name for p in data.iterdir()) == ["cache"] and sorted(p.name for p in (data / "cache").iterdir()) == ["runs"]
+
+
+def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(ws, monkeypatch):
+    """Run config evaluate-every=2, mlflow=false: rounds 2 and 4 of a 5-round plan are evaluated on the clients
+    (not 5: the final evaluation is metrics.json's) and both land in reports/eval/<exp>/rounds.json."""
+    from types import SimpleNamespace
+
+    from pipeline.federation import deployment
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+
+    plan = load_plan(write_plan("dep-every", "fedavg", rounds=5))
+    asked = []
+
+    def evaluate(grid, plan_, plan_path, cfg, timeout):
+        asked.append(len(asked) + 1)
+        return {"clients": {"Academic": {"avg_rouge": float(len(asked))}}, "mean": {"avg_rouge": float(len(asked))},
+                "failed_clients": {}}
+
+    monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
+    inner = SimpleNamespace(round_done=lambda *a: None, logger=None)
+    recorder = deployment.DeploymentRecorder(inner, None, "p.json", object(), 2, 5.0)
+    for rnd in range(1, 6):
+        recorder.round_done(plan, SimpleNamespace(round=rnd), [])
+    saved = json.loads((PATHS.eval_dir("dep-every") / "rounds.json").read_text())
+    assert [r["round"] for r in saved["rounds"]] == [2, 4]
+    assert [r["mean"]["avg_rouge"] for r in saved["rounds"]] == [1.0, 2.0]

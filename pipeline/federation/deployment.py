@@ -15,7 +15,8 @@ their own disks:
   ``query.summarize``; each client summarises its own test set with its own adapter (the evaluate stage's
   sub-sampling, generation and ROUGE: pipeline.datasets.subsampling, pipeline.modeling.generation) and replies only ROUGE means and counts. The server writes them as
   ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, without per-example files: the
-  summaries never leave the clients).
+  summaries never leave the clients); the evaluations every ``evaluate-every`` rounds go to
+  ``reports/eval/<exp>/rounds.json`` (and MLflow).
 
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
 group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
@@ -56,6 +57,7 @@ log = logging.getLogger("fedmeet.deployment")
 SUMMARIZE = "query.summarize"
 SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
+ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 
 
 def _flag(value: Any, default: bool) -> bool:
@@ -162,6 +164,7 @@ class DeploymentRecorder:
                  timeout: float):
         self.inner = train_recorder
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
+        self.per_round: list[dict[str, Any]] = []
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         self.inner.started(plan, clients, start_round)
@@ -171,6 +174,12 @@ class DeploymentRecorder:
         if self.cfg is not None and self.every > 0 and entry.round % self.every == 0 \
                 and entry.round < plan.train.rounds:
             metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
+            # on disk too, so the scores are kept without MLflow (run config mlflow=false)
+            self.per_round.append({"round": entry.round, "clients": metrics["clients"], "mean": metrics["mean"],
+                                   "failed_clients": metrics["failed_clients"]})
+            out = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(out, {"experiment": plan.experiment, "rounds": self.per_round})
             if self.inner.logger is not None:
                 self.inner.logger.log_metrics({f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items()
                                                for k in SCORE_KEYS}, step=entry.round)
