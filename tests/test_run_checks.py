@@ -15,6 +15,8 @@ from pipeline.federation.processes import FederationError
 from pipeline.federation.run_checks import (SERVER_KEYS, RunConfigError, app_keys, check_run_config,
                                             close_left_running, parse_run_status)
 
+from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -125,3 +127,18 @@ def test_the_server_app_refuses_a_bad_run_config_before_anything_else(tmp_path, 
     with pytest.raises(RunConfigError, match=key):
         serve(None, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                             run_config={"plan": "models/plans/none.json", **rc}))
+
+
+def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
+    """No server checkpoint: round 1; one after round 2 of this plan: round 3 (what the command prints)."""
+    from tests.test_federated import write_plan
+
+    from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.rounds import save_round_checkpoint, server_checkpoint_path
+
+    path = write_plan("resume-round", "fedavg", rounds=4)
+    fed = LocalhostFederation(LocalhostConfig(plan=path, workdir=Path.cwd(), quiet=True))
+    assert fed.clients == ["Academic", "Committee", "Product"] and fed.start_round() == 1
+    save_round_checkpoint(server_checkpoint_path(load_plan(path)), load_plan(path), 2, {})
+    assert fed.start_round() == 3

@@ -1345,7 +1345,7 @@ def test_a_client_without_valid_examples_is_refused_at_admission(ws):
     assert "'Committee'" in str(err.value) and "valid" in str(err.value)
 
 
-def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_path, monkeypatch):
+def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_path, monkeypatch, capsys):
     """The ServerApp (pipeline.federation.deployment.serve) started in a directory that holds only the plan and the
     backbone (for the round-0 adapter): no data/ and no other site's files. The scripted clients report their
     weights through Flower messages; the run trains, writes rounds.json and metrics.json, and reads nothing under
@@ -1371,6 +1371,7 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
                                  state=RecordDict(), run_config={"plan": plan_src, "mlflow": False,
                                                                  "evaluate": False}))
     assert trained(script, 1) == trained(script, 2) == clients
+    assert "srv-nodata: starting at round 1 of 2" in capsys.readouterr().out  # what `flwr run --stream` shows
     rows = json.loads((server / "models/srv-nodata/rounds.json").read_text())
     rows = rows["rounds"] if isinstance(rows, dict) else rows
     assert {r["client"] for r in rows} == set(clients) and result["eval"] is None

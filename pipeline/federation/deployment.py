@@ -197,7 +197,12 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     plan = load_plan(plan_path)
     prepare_outputs(plan)
     out_dir = Path(plan.paths["out_dir"])
-    resuming = load_server_checkpoint(plan) is not None
+    checkpoint = load_server_checkpoint(plan)
+    resuming = checkpoint is not None
+    # `flwr run --stream` shows the ServerApp's output: the manual recipe's operator sees where the run starts
+    print(f"{plan.experiment}: " + (f"resuming from round {int(checkpoint['round']) + 1} of {plan.train.rounds} "
+                                    f"(server checkpoint)" if resuming else f"starting at round 1 of "
+                                                                            f"{plan.train.rounds}"), flush=True)
 
     logger = None
     if _flag(rc.get("mlflow"), True):
