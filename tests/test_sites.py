@@ -54,3 +54,16 @@ def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
 
     with pytest.raises(DataError, match="'Prodcut'"):
         write_kit(write_plan("kit-typo", "fedavg", rounds=1), tmp_path / "x", "Prodcut")
+
+
+def test_a_client_named_outside_its_partition_still_says_its_name_so_the_server_can_refuse_it(ws):
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.server_app import _ask_names
+
+    plan = write_plan("kit-typo-node", "fedavg", rounds=1)
+    grid = InProcessGrid(client_app, [{"client-name": "Prodcut", "plan": plan}])
+    _set_server_identity(grid.run.run_id)
+    sizes = {}
+    assert _ask_names(grid, plan, [1000], 5, sizes) == ({1000: "Prodcut"}, {})
+    assert sizes == {"Prodcut": {}}

@@ -113,12 +113,11 @@ def client_identify(msg: Message, context: Context) -> Message:
     valid splits, from its own partition slice - what the server needs of the client's data, and no more."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(plan, context)
-    partition = read_partition(plan.paths["partition"])
-    if name not in partition["clients"]:
-        raise ValueError(f"{plan.paths['partition']}: no client {name!r} (clients: {sorted(partition['clients'])})")
-    splits = partition["clients"][name]
-    return Message(RecordDict({"identity": ConfigRecord({"client-name": name, "num-train": len(splits["train"]),
-                                                         "num-valid": len(splits["valid"])})}), reply_to=msg)
+    identity = ConfigRecord({"client-name": name})
+    splits = read_partition(plan.paths["partition"])["clients"].get(name)
+    if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it
+        identity.update({"num-train": len(splits["train"]), "num-valid": len(splits["valid"])})
+    return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
 # client_dp_mod: privacy.mode client with clipping_side client, Flower's clipping mod on the reply. A SecAgg+ round
