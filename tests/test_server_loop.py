@@ -1404,3 +1404,24 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
     saved = json.loads((PATHS.eval_dir("dep-every") / "rounds.json").read_text())
     assert [r["round"] for r in saved["rounds"]] == [2, 4]
     assert [r["mean"]["avg_rouge"] for r in saved["rounds"]] == [1.0, 2.0]
+
+
+def test_a_client_that_fails_every_round_fails_the_deployed_run_naming_it(ws, tmp_path, monkeypatch):
+    """A hung node (no reply within the round timeout, every round): the rounds are recorded, then the ServerApp
+    fails naming the client and its error, so `flwr run`'s status (and the local command) is non-zero; a client
+    that failed some rounds only does not fail the run."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from pipeline.federation.deployment import never_contributed, serve
+
+    path = write_plan("srv-hung", "fedavg", rounds=2, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    grid.lost = {("Product", 1), ("Product", 2)}
+    with pytest.raises(RuntimeError) as err:
+        serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
+                            run_config={"plan": path, "mlflow": False, "evaluate": False, "round-timeout-s": 2.0}))
+    assert "['Product']" in str(err.value) and "no reply within 2s" in str(err.value)
+    rows = [{"round": 1, "client": "A", "sampled": 1, "failed": 1, "error": "x"},
+            {"round": 2, "client": "A", "sampled": 1, "failed": 0}, {"round": 1, "client": "B", "sampled": 0}]
+    assert never_contributed(rows) == {}

@@ -18,6 +18,9 @@ their own disks:
   summaries never leave the clients); the evaluations every ``evaluate-every`` rounds go to
   ``reports/eval/<exp>/rounds.json`` (and MLflow).
 
+A client that failed in every round it was sampled in (a hung node: no reply within the round timeout) fails the
+run after its rounds are recorded, so ``flwr ls`` reports it (:func:`never_contributed`).
+
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
 group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
 ``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true), ``round-timeout-s`` (float, how
@@ -149,6 +152,17 @@ def _backbone(plan: Plan) -> str:
     return backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
 
 
+def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
+    """Clients sampled at least once whose every sampled round failed (no reply within the round timeout, an
+    error, an undecodable reply): client -> its last error. Such a run has trained nothing of theirs."""
+    sampled: dict[str, list[dict[str, Any]]] = {}
+    for row in history:
+        if row.get("sampled"):
+            sampled.setdefault(row["client"], []).append(row)
+    return {c: str(rows[-1].get("error") or "failed") for c, rows in sampled.items()
+            if all(r.get("failed") for r in rows)}
+
+
 def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PATHS.eval_reports) -> Path:
     out = Path(eval_dir) / plan.experiment
     out.mkdir(parents=True, exist_ok=True)
@@ -232,6 +246,15 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     rounds.write_rounds(plan, history)
     metrics = summarize(plan, history, train_recorder.round_seconds)
     write_metrics(plan, metrics)
+    silent = never_contributed(history)
+    if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client
+        if logger is not None:
+            logger.finish("FAILED")
+        rounds.server_checkpoint_path(plan).unlink(missing_ok=True)  # a rerun starts over
+        rounds.mlflow_run_id_path(plan).unlink(missing_ok=True)
+        name, error = next(iter(silent.items()))
+        raise RuntimeError(f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
+                           f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error")
     save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
                  {"experiment": plan.experiment, "round": str(plan.train.rounds)})
 
