@@ -1388,7 +1388,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
     from pipeline.federation.protocol import load_plan
     from pipeline.paths import PATHS
 
-    plan = load_plan(write_plan("dep-every", "fedavg", rounds=5))
+    plan = load_plan(write_plan("dep-every-disk", "fedavg", rounds=5))
     asked = []
 
     def evaluate(grid, plan_, plan_path, cfg, timeout):
@@ -1401,7 +1401,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
     recorder = deployment.DeploymentRecorder(inner, None, "p.json", object(), 2, 5.0)
     for rnd in range(1, 6):
         recorder.round_done(plan, SimpleNamespace(round=rnd), [])
-    saved = json.loads((PATHS.eval_dir("dep-every") / "rounds.json").read_text())
+    saved = json.loads((PATHS.eval_dir("dep-every-disk") / "rounds.json").read_text())
     assert [r["round"] for r in saved["rounds"]] == [2, 4]
     assert [r["mean"]["avg_rouge"] for r in saved["rounds"]] == [1.0, 2.0]
 
