@@ -196,7 +196,8 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
 
 
 def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None,
-               round_timeout_s: float = RunSettings.round_timeout_s, admission_timeout_s: float | None = None) -> tuple[ArrayRecord, list]:
+               round_timeout_s: float = RunSettings.round_timeout_s,
+               admission_timeout_s: float | None = None) -> tuple[ArrayRecord, list]:
     """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
     for a round's replies; late clients count as failed (params.yaml train.round_timeout_s, a run-time setting).
     ``admission_timeout_s``: how long it waits for every client the plan declares to join (default: the round
