@@ -36,7 +36,7 @@ from pipeline.common.config import ConfigError, from_dict, load_params, to_dict
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.model import ModelConfig
-from pipeline.partitioning.schemes import SCHEMES
+from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig, train_config, train_keys
@@ -49,7 +49,7 @@ ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
 PRIVACY_KEY = "privacy"  # an entry's overrides of params.yaml `privacy` (a privacy-utility study in one experiment)
 # `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
 # (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
-RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s")
+RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s", "admission_timeout_s")
 RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 MODEL_RESULT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
@@ -257,6 +257,10 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         "train": _relevant_train(train, method),
         "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
     }
+    if method.federated and exp.scheme in SCHEMES:
+        # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
+        plan["clients"] = scheme_client_names(exp.scheme, from_dict(PartitionConfig, params.get("partition"),
+                                                                    "partition"))
     cache_dtype = model.get("cache_dtype", "float32")
     if cache_dtype not in DTYPES:
         raise ConfigError(f"params.yaml model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
@@ -307,6 +311,7 @@ class Plan:
     postags_md5: str | None = None
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
     privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
+    clients: list[str] | None = None  # federated: the clients the server admits, in the partition's order
     source: str = ""  # the plan file it was read from
 
     @property
@@ -334,7 +339,7 @@ class Plan:
         d = dataclasses.asdict(self)
         d.pop("source")
         d["train"] |= d["train"].pop("strategy_params")  # the strategy's keys where the plan file has them
-        for optional in ("privacy", "cache_dtype"):
+        for optional in ("privacy", "cache_dtype", "clients"):
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)
         if self.privacy is not None:
@@ -417,14 +422,15 @@ def model_config(params: dict[str, Any]) -> ModelConfig:
 
 @dataclass
 class RunSettings:
-    """params.yaml `train.engine`, `train.ray_*`, `train.round_timeout_s` and the cache budgets of `model`
+    """params.yaml `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of `model`
     (comments in params.yaml). Read when a run starts; no DVC stage declares them, so changing one reruns
     nothing (tests/test_experiments.py)."""
 
     engine: str = "inprocess"
     ray_cpus_per_client: float = 1.0
     ray_gpus_per_client: float = 0.0
-    round_timeout_s: float = 86400.0
+    round_timeout_s: float = 1800.0
+    admission_timeout_s: float = 600.0
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:
@@ -432,8 +438,9 @@ class RunSettings:
             self.cache = from_dict(CacheConfig, self.cache, "model")
         if self.engine not in ("inprocess", "ray"):
             raise ConfigError("params.yaml train: engine must be 'inprocess' or 'ray'")
-        if self.round_timeout_s <= 0:
-            raise ConfigError("params.yaml train: round_timeout_s must be > 0")
+        for key in ("round_timeout_s", "admission_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"params.yaml train: {key} must be > 0")
 
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:

@@ -313,3 +313,25 @@ def test_a_delta_encoded_reply_is_the_local_adapter_minus_the_global_it_received
     for k, v in seen["local"].items():
         step = float((v - received[k]).abs().max()) / 127
         assert torch.allclose(decoded[k], v, atol=step + 1e-6)
+
+
+def test_a_new_run_clears_an_earlier_runs_gate_log_and_a_resumed_run_keeps_its_own(ws, monkeypatch):
+    """The gate-log folder of a client holds the rounds of one run: a run that resumes nothing removes the files an
+    earlier run of the same plan left (rounds 2-3 here); a resumed run (a client checkpoint before its round) keeps
+    them, since they are its own earlier rounds."""
+    import shutil
+
+    from pipeline.federation.client_app import client_checkpoint_dir, client_dir
+
+    plan, _, _, _, context = _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})
+    folder = client_dir(plan, "Academic", context) / "gate_log"
+    for rnd in (1, 3):  # what an earlier run left beside this run's round 2
+        shutil.copy(folder / "round002.parquet", folder / f"round{rnd:03d}.parquet")
+    shutil.rmtree(client_checkpoint_dir(plan, "Academic", context), ignore_errors=True)
+    _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})  # a new run, round 2
+    assert sorted(p.name for p in folder.iterdir()) == ["round002.parquet"]
+
+    shutil.copy(folder / "round002.parquet", folder / "round001.parquet")
+    _checkpoints(plan, "Academic", context, {1: (0.5, False, None)})  # this run evaluated round 1: it resumes
+    _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})
+    assert sorted(p.name for p in folder.iterdir()) == ["round001.parquet", "round002.parquet"]

@@ -526,3 +526,21 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     assert rows[(2, "Academic")]["weight_share"] == pytest.approx(4 / 9)
     final = load_file("models/sa-loc/global_adapter.safetensors")
     assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated
+
+
+@pytest.mark.timeout(400)
+def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
+    """Product's SuperNode is started as "Prodcut": the ServerApp refuses it, Product never joins within the
+    admission timeout, the SuperLink reports the run failed (`flwr run` itself exits 0) and the command raises one
+    line naming the missing client and the refused name."""
+    from pipeline.federation.localhost import run_localhost
+    from pipeline.federation.processes import FederationError
+
+    cfg = _local(write_plan("misnamed", "fedavg", rounds=1), clients=["Academic", "Committee", "Prodcut"])
+    cfg.run_config["admission-timeout-s"] = 90.0  # each identify reply is a fresh flwr-clientapp process
+    with pytest.raises(FederationError) as err:
+        run_localhost(cfg)
+    message = str(err.value)
+    assert "\n" not in message and "finished:failed" in message
+    assert "['Product']" in message and "'Prodcut'" in message
+    assert not Path("models/misnamed/metrics.json").exists()

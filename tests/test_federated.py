@@ -731,15 +731,21 @@ def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_a
 @pytest.mark.timeout(30)
 def test_server_stops_waiting_for_clients_that_never_connect():
     # The ServerApp waits for every planned client to register; a SuperNode that never comes must end the run with
-    # a clear error after train.round_timeout_s, not keep the server (and CI) waiting forever.
-    from pipeline.federation.server_app import _identify
+    # a clear error after the admission timeout, naming the clients missing, not keep the server (and CI) waiting.
+    from flwr.app import ConfigRecord, Message, RecordDict
+
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.server_app import AdmissionError, _identify
 
     class OneNodeGrid:  # only one of the three planned clients ever connects
         def get_node_ids(self):
             return [1001]
 
         def send_and_receive(self, messages, *, timeout=None):
-            raise AssertionError("no client may be asked for its name before all have connected")
+            return [Message(RecordDict({"identity": ConfigRecord({"client-name": "Academic"})}), reply_to=m)
+                    for m in messages]
 
-    with pytest.raises(TimeoutError, match="only 1 of 3 clients connected within 0s"):
-        _identify(OneNodeGrid(), "plan.json", expected=3, timeout=0.2)
+    _set_server_identity(1)
+    with pytest.raises(AdmissionError) as err:
+        _identify(OneNodeGrid(), "plan.json", expected=["Academic", "Committee", "Product"], timeout=0.2)
+    assert "['Committee', 'Product']" in str(err.value) and str(err.value).startswith("plan.json:")

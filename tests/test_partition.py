@@ -438,3 +438,19 @@ def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order
 def test_assigned_lists_every_clients_splits_in_split_order_a_missing_split_holding_none():
     part = Partition(clients={"a": {"test": ["t1"], "train": ["r1", "r2"]}, "b": {"valid": ["v1"]}, "c": {}})
     assert part.assigned() == ["r1", "r2", "t1", "v1"]
+
+
+@pytest.mark.parametrize("scheme, groups", [
+    ("domain", {}), ("extreme", {}), ("noniid_balanced", {"noniid_balanced": {"sizes": {"train": 10, "valid": 4,
+                                                                                        "test": 5}}}),
+    ("long_meeting", {}), ("long_meeting", {"long_meeting": {"include_qmsum": True}}), ("iid", {"iid": {"n_clients": 4}}),
+    ("quantity", {"quantity": {"n_clients": 2}}), ("domain_dirichlet", {"domain_dirichlet": {"n_clients": 5}}),
+    ("cluster", {"cluster": {"n_clusters": 2, "n_clients": 2}})])
+def test_the_clients_a_plan_declares_are_exactly_those_of_the_schemes_partition(monkeypatch, scheme, groups):
+    """Plans declare the clients the server admits from the partition config alone
+    (partitioning.schemes.scheme_client_names); every scheme's partition has exactly these, in that order."""
+    monkeypatch.setattr(partition_schemes, "embed_targets",
+                        lambda texts, c: np.array([[1.0, 0.0] if t.startswith("alpha") else [0.0, 1.0] for t in texts]))
+    c = cfg(**groups)
+    part = make_partition(EXAMPLES, scheme, 0, c)
+    assert list(part.clients) == partition_schemes.scheme_client_names(scheme, c)

@@ -405,14 +405,16 @@ def test_every_wait_on_the_clients_is_bounded_by_the_round_timeout(ws):
     kinds = [k for k, _ in grid.timeouts]
     assert kinds.count("train") == 2 and kinds.count("evaluate") == 2 and kinds.count("query.identify") == 2
     assert all(t == 3.5 for _, t in grid.timeouts), grid.timeouts
-    # without a round timeout the server still waits at most a day
+    # without a round timeout the server waits the run-time setting's default: a hung node costs minutes, not a day
+    from pipeline.experiments import RunSettings
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
     path = write_plan("loop-timeouts-default", "fedavg", rounds=1, fraction_train=1.0)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
     run_server(grid, load_plan(path), path, Recorder(grid))
-    assert grid.timeouts and all(t == 86400.0 for _, t in grid.timeouts), grid.timeouts
+    default = RunSettings().round_timeout_s
+    assert default <= 3600 and grid.timeouts and all(t == default for _, t in grid.timeouts), grid.timeouts
 
 
 def test_a_failure_without_a_reason_is_recorded_by_its_error_code(ws, caplog):
@@ -700,10 +702,10 @@ def test_identify_names_every_node_and_rejects_two_claiming_one_client(ws):
 
     path = write_plan("loop-identify", "fedavg", rounds=1)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
-    assert _identify(grid, path, expected=3, timeout=5) == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     twice = Grid(path, Script(), ["Academic", "Academic"])
     with pytest.raises(RuntimeError, match="two nodes claim the same client name"):
-        _identify(twice, path, expected=2, timeout=5)
+        _identify(twice, path, expected=["Academic", "Committee"], timeout=5)
 
 
 def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_message():
@@ -945,7 +947,7 @@ def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
     grid = Grid(path, script, ["Academic", "Committee", "Product"])
     grid.inner.contexts[1001].node_config["client-name"] = None  # cannot say who it is
     with pytest.raises(RuntimeError, match="node 1001 failed to identify: RuntimeError: no client name configured"):
-        _identify(grid, path, expected=3, timeout=5)
+        _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5)
     grid.inner.contexts[1001].node_config["client-name"] = "Committee"
     node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
     grid.inner.contexts[1099] = grid.inner.contexts.pop(1001)  # Committee's node restarts as a new node
@@ -973,7 +975,7 @@ def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
 
     grid.get_node_ids = late_node
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        names = _identify(grid, path, expected=3, timeout=30)
+        names = _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=30)
     assert names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     assert len(logged(caplog)) == 1 and logs(logged(caplog), "2 of 3") and len(polls) == 2
 
@@ -1203,11 +1205,11 @@ def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan
     path = write_plan("loop-identify-ids", "fedavg", rounds=1)
     grid = InProcessGrid(client_app, [{"partition-id": i} for i in (2, 0, 1)])
     _set_server_identity(grid.run.run_id)
-    assert _identify(grid, path, expected=3, timeout=5) == {1000: "Product", 1001: "Academic", 1002: "Committee"}
+    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {1000: "Product", 1001: "Academic", 1002: "Committee"}
     broken = InProcessGrid(client_app, [{"partition-id": 0}, {"plan": path}])
     _set_server_identity(broken.run.run_id)
     with pytest.raises(RuntimeError) as err:
-        _identify(broken, path, expected=2, timeout=5)
+        _identify(broken, path, expected=["Academic", "Committee"], timeout=5)
     assert str(err.value).startswith("node 1001 failed to identify:")
     assert "node_config has neither 'client-name' nor 'partition-id'" in str(err.value)
 
@@ -1261,3 +1263,160 @@ def test_a_hand_written_plan_of_client_level_dp_clipped_by_the_server_under_secu
         _secure_aggregator(server_side, ["Academic", "Committee", "Product"], None, 5.0)
     assert str(err.value).startswith(f"{plan.source}: privacy.secure_aggregation: privacy.mode client needs "
                                      "clipping_side client under SecAgg+")
+
+
+# ----------------------------------------------------------------------------------------------- admission
+def test_the_plan_declares_the_clients_of_its_partition_scheme(ws):
+    """The plan stage writes the clients the server admits (from params, no data read): the domain scheme's are the
+    QMSum domains, extreme adds SAMSum; a serverless method declares none."""
+    from pipeline.federation.protocol import load_plan
+
+    assert load_plan(write_plan("adm-plan", "fedavg")).clients == ["Academic", "Committee", "Product"]
+    assert load_plan(write_plan("adm-plan-x", "fedavg", "extreme/seed0")).clients == [
+        "Academic", "Committee", "Product", "SAMSum"]
+    assert load_plan(write_plan("adm-plan-single", "single")).clients is None
+
+
+def test_a_node_naming_an_unknown_client_is_refused_and_the_missing_client_fails_the_run(ws, caplog):
+    """A SuperNode configured with a misspelt client name ("Prodcut"): it is refused with one line naming the name
+    and the plan; Product never joins, so the run fails after the admission timeout naming Product, before any
+    round (no client trained)."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import AdmissionError, run_server
+
+    path = write_plan("adm-typo", "fedavg", rounds=1, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Prodcut"])
+    recorder = Recorder(grid)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"), pytest.raises(AdmissionError) as err:
+        run_server(grid, load_plan(path), path, recorder, round_timeout_s=60, admission_timeout_s=0.5)
+    assert "['Product']" in str(err.value) and str(err.value).startswith(path)
+    refusals = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(refusals) == 1 and "'Prodcut'" in refusals[0].getMessage() and path in refusals[0].getMessage()
+    assert recorder.started_with is None and script.calls == []
+
+
+def test_a_client_that_joins_within_the_admission_timeout_is_admitted_and_a_stranger_stays_out(ws, caplog):
+    """A stranger connects first, Product's node a poll later: the run starts with the three declared clients and
+    the stranger never gets a train message."""
+    path = write_plan("adm-late", "fedavg", rounds=1, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"], extra={5000: "Mallory"})
+    polls = []
+    every = grid.get_node_ids
+
+    def product_late():
+        polls.append(1)
+        return [n for n in every() if len(polls) > 1 or grid.name(n) != "Product"]
+
+    grid.get_node_ids = product_late
+    _, history, recorder = run(path, script, grid=grid, timeout=30)
+    assert recorder.started_with == (["Academic", "Committee", "Product"], 1)
+    assert trained(script, 1) == ["Academic", "Committee", "Product"]
+    assert sorted(r["client"] for r in history) == ["Academic", "Committee", "Product"]
+
+
+def test_a_client_without_valid_examples_is_refused_at_admission(ws):
+    """The real ClientApp reports its split sizes from its own partition slice when it identifies; a client with an
+    empty valid split (no best round, no score) fails admission naming it, before round 1."""
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import AdmissionError, run_server
+    from pipeline.paths import PATHS
+
+    partition = json.loads(PATHS.partition("domain/seed0").read_text())
+    partition["clients"]["Committee"]["valid"] = []
+    target = PATHS.partition("novalid/seed0")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(partition))
+    path = write_plan("adm-novalid", "fedavg", "novalid/seed0", rounds=1)
+    raw = json.loads(Path(path).read_text())
+    Path(path).write_text(json.dumps({**raw, "clients": ["Academic", "Committee", "Product"]}))
+    grid = InProcessGrid(client_app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee", "Product")])
+    _set_server_identity(grid.run.run_id)
+    with pytest.raises(AdmissionError) as err:
+        run_server(grid, load_plan(path), path, Recorder(), round_timeout_s=30)
+    assert "'Committee'" in str(err.value) and "valid" in str(err.value)
+
+
+def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_path, monkeypatch, capsys):
+    """The ServerApp (pipeline.federation.deployment.serve) started in a directory that holds only the plan and the
+    backbone (for the round-0 adapter): no data/ and no other site's files. The scripted clients report their
+    weights through Flower messages; the run trains, writes rounds.json and metrics.json, and reads nothing under
+    data/ (it only writes its run directory there)."""
+    import shutil
+
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from pipeline.federation.deployment import serve
+
+    plan_src = write_plan("srv-nodata", "fedavg", rounds=2, fraction_train=1.0)
+    clients = ["Academic", "Committee", "Product"]
+    script = Script()
+    server = tmp_path / "server"
+    (server / "models/plans").mkdir(parents=True)
+    shutil.copy(plan_src, server / plan_src)
+    shutil.copytree(ws / "models/backbone", server / "models/backbone")
+    monkeypatch.chdir(server)
+    monkeypatch.setenv("FEDMEET_ROOT", str(server))
+    grid = Grid(plan_src, script, clients)
+    result = serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
+                                 state=RecordDict(), run_config={"plan": plan_src, "mlflow": False,
+                                                                 "evaluate": False}))
+    assert trained(script, 1) == trained(script, 2) == clients
+    assert "srv-nodata: starting at round 1 of 2" in capsys.readouterr().out  # what `flwr run --stream` shows
+    rows = json.loads((server / "models/srv-nodata/rounds.json").read_text())
+    rows = rows["rounds"] if isinstance(rows, dict) else rows
+    assert {r["client"] for r in rows} == set(clients) and result["eval"] is None
+    data = server / "data"
+    assert sorted(p.name for p in data.iterdir()) == ["cache"] and sorted(p.name for p in (data / "cache").iterdir()) == ["runs"]
+
+
+def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(ws, monkeypatch):
+    """Run config evaluate-every=2, mlflow=false: rounds 2 and 4 of a 5-round plan are evaluated on the clients
+    (not 5: the final evaluation is metrics.json's) and both land in reports/eval/<exp>/rounds.json."""
+    from types import SimpleNamespace
+
+    from pipeline.federation import deployment
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+
+    plan = load_plan(write_plan("dep-every-disk", "fedavg", rounds=5))
+    asked = []
+
+    def evaluate(grid, plan_, plan_path, cfg, timeout):
+        asked.append(len(asked) + 1)
+        return {"clients": {"Academic": {"avg_rouge": float(len(asked))}}, "mean": {"avg_rouge": float(len(asked))},
+                "failed_clients": {}}
+
+    monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
+    inner = SimpleNamespace(round_done=lambda *a: None, logger=None)
+    recorder = deployment.DeploymentRecorder(inner, None, "p.json", object(), 2, 5.0)
+    for rnd in range(1, 6):
+        recorder.round_done(plan, SimpleNamespace(round=rnd), [])
+    saved = json.loads((PATHS.eval_dir("dep-every-disk") / "rounds.json").read_text())
+    assert [r["round"] for r in saved["rounds"]] == [2, 4]
+    assert [r["mean"]["avg_rouge"] for r in saved["rounds"]] == [1.0, 2.0]
+
+
+def test_a_client_that_fails_every_round_fails_the_deployed_run_naming_it(ws, tmp_path, monkeypatch):
+    """A hung node (no reply within the round timeout, every round): the rounds are recorded, then the ServerApp
+    fails naming the client and its error, so `flwr run`'s status (and the local command) is non-zero; a client
+    that failed some rounds only does not fail the run."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from pipeline.federation.deployment import never_contributed, serve
+
+    path = write_plan("srv-hung", "fedavg", rounds=2, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    grid.lost = {("Product", 1), ("Product", 2)}
+    with pytest.raises(RuntimeError) as err:
+        serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
+                            run_config={"plan": path, "mlflow": False, "evaluate": False, "round-timeout-s": 2.0}))
+    assert "['Product']" in str(err.value) and "no reply within 2s" in str(err.value)
+    rows = [{"round": 1, "client": "A", "sampled": 1, "failed": 1, "error": "x"},
+            {"round": 2, "client": "A", "sampled": 1, "failed": 0}, {"round": 1, "client": "B", "sampled": 0}]
+    assert never_contributed(rows) == {}

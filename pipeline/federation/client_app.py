@@ -51,6 +51,7 @@ log = logging.getLogger("fedmeet.federated")
 LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
 PRIVACY_KEY = "privacy"  # context.state: DP-SGD steps taken over all rounds so far (the accountant's history)
+STARTED_KEY = "run-started"  # context.state: the round of the client's first message in this run
 
 
 def client_name(plan: Plan, context: Context) -> str:
@@ -69,6 +70,19 @@ def client_dir(plan: Plan, name: str, context: Context) -> Path:
 
 def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
     return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
+
+
+def _start_run_files(context: Context, plan: Plan, name: str, rnd: int) -> None:
+    """On the client's first message of a run: a run that resumes nothing (no client checkpoint before ``rnd``)
+    removes the gate-log files an earlier run of the same plan left in its folder, so the folder holds this
+    run's rounds only. A resumed run keeps them (its earlier rounds are this run's)."""
+    if STARTED_KEY in context.state:
+        return
+    context.state[STARTED_KEY] = MetricRecord({"round": rnd})
+    if checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd) is not None:
+        return
+    for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
+        stale.unlink()
 
 
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
@@ -95,8 +109,15 @@ client_app = ClientApp()
 
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
+    """Admission (pipeline.federation.server_app._identify): the client's name and the sizes of its train and
+    valid splits, from its own partition slice - what the server needs of the client's data, and no more."""
     plan = load_plan(plan_path_of(msg, context))
-    return Message(RecordDict({"identity": ConfigRecord({"client-name": client_name(plan, context)})}), reply_to=msg)
+    name = client_name(plan, context)
+    identity = ConfigRecord({"client-name": name})
+    splits = read_partition(plan.paths["partition"])["clients"].get(name)
+    if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it
+        identity.update({"num-train": len(splits["train"]), "num-valid": len(splits["valid"])})
+    return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
 # client_dp_mod: privacy.mode client with clipping_side client, Flower's clipping mod on the reply. A SecAgg+ round
@@ -128,6 +149,7 @@ def train_round(msg: Message, context: Context, masked: bool) -> Message:
     received = decode_global(msg.content[ARRAYS_KEY], plan)
     model = shared_model(plan)
 
+    _start_run_files(context, plan, name, rnd)
     local = _restore_client_state(context, plan, name, rnd)
     if spec.local_from_global or plan.train.local_adapter == "reset" or local is None:
         local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
@@ -199,6 +221,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     model = shared_model(plan)
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
+    _start_run_files(context, plan, name, rnd)
     local = _restore_client_state(context, plan, name, rnd)
     if spec.local_from_global:
         if len(received) == 0:

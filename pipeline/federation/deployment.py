@@ -15,12 +15,18 @@ their own disks:
   ``query.summarize``; each client summarises its own test set with its own adapter (the evaluate stage's
   sub-sampling, generation and ROUGE: pipeline.datasets.subsampling, pipeline.modeling.generation) and replies only ROUGE means and counts. The server writes them as
   ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, without per-example files: the
-  summaries never leave the clients).
+  summaries never leave the clients); the evaluations every ``evaluate-every`` rounds go to
+  ``reports/eval/<exp>/rounds.json`` (and MLflow).
+
+A client that failed in every round it was sampled in (a hung node: no reply within the round timeout) fails the
+run after its rounds are recorded, so ``flwr ls`` reports it (:func:`never_contributed`).
 
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
 group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
 ``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true), ``round-timeout-s`` (float, how
-long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``).
+long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``),
+``admission-timeout-s`` (float, how long it waits for every client the plan declares to join; 0 = that params
+file's ``train.admission_timeout_s``).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.experiments import current_run_settings
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+from pipeline.federation.run_checks import SERVER_KEYS, check_run_config
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapter_io import save_adapter
@@ -47,7 +54,6 @@ from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 from pipeline.training import checkpoints, publish
 from pipeline.training.history import write_rounds
 from pipeline.training.recorder import TrainRecorder
-from pipeline.training.client_data import client_names
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
@@ -57,6 +63,7 @@ log = logging.getLogger("fedmeet.deployment")
 SUMMARIZE = "query.summarize"
 SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
+ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 
 
 def _flag(value: Any, default: bool) -> bool:
@@ -67,13 +74,15 @@ def _flag(value: Any, default: bool) -> bool:
     return bool(value)
 
 
-def round_timeout_s(run_config: dict[str, Any], experiment: str) -> float:
-    """Run config ``round-timeout-s`` when set (> 0), else the run-time setting of the params file (run config
-    ``params``): a site chooses its timeout when it starts the run, and the plan (the result) does not change."""
-    given = float(run_config.get("round-timeout-s") or 0)
+def round_timeout_s(run_config: dict[str, Any], experiment: str, key: str = "round-timeout-s") -> float:
+    """Run config ``round-timeout-s`` (``admission-timeout-s``) when set (> 0), else the run-time setting of the
+    params file (run config ``params``): a site chooses its timeouts when it starts the run, and the plan (the
+    result) does not change."""
+    given = float(run_config.get(key) or 0)
     if given > 0:
         return given
-    return current_run_settings(experiment, str(run_config.get("params") or "params.yaml")).round_timeout_s
+    settings = current_run_settings(experiment, str(run_config.get("params") or "params.yaml"))
+    return settings.round_timeout_s if key == "round-timeout-s" else settings.admission_timeout_s
 
 
 def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
@@ -106,11 +115,9 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     for n in node_ids:
         if n not in answered:
             failed[f"node {n}"] = f"no reply within {timeout:.0f}s"
-    # The evaluate stage's order (the partition's), so means add up in the same order.
-    try:
-        order = client_names(plan)
-    except FileNotFoundError:  # a server without the partition file: names as the clients gave them
-        order = sorted(received)
+    # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
+    # plan without declared clients: names as the clients gave them (the server holds no partition file).
+    order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for name in order + sorted(set(received) - set(order)):
@@ -148,6 +155,17 @@ def _backbone(plan: Plan) -> str:
     return backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
 
 
+def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
+    """Clients sampled at least once whose every sampled round failed (no reply within the round timeout, an
+    error, an undecodable reply): client -> its last error. Such a run has trained nothing of theirs."""
+    sampled: dict[str, list[dict[str, Any]]] = {}
+    for row in history:
+        if row.get("sampled"):
+            sampled.setdefault(row["client"], []).append(row)
+    return {c: str(rows[-1].get("error") or "failed") for c, rows in sampled.items()
+            if all(r.get("failed") for r in rows)}
+
+
 def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PATHS.eval_reports) -> Path:
     out = Path(eval_dir) / plan.experiment
     out.mkdir(parents=True, exist_ok=True)
@@ -163,6 +181,7 @@ class DeploymentRecorder:
                  timeout: float):
         self.inner = train_recorder
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
+        self.per_round: list[dict[str, Any]] = []
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         self.inner.started(plan, clients, start_round)
@@ -172,6 +191,12 @@ class DeploymentRecorder:
         if self.cfg is not None and self.every > 0 and entry.round % self.every == 0 \
                 and entry.round < plan.train.rounds:
             metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
+            # on disk too, so the scores are kept without MLflow (run config mlflow=false)
+            self.per_round.append({"round": entry.round, "clients": metrics["clients"], "mean": metrics["mean"],
+                                   "failed_clients": metrics["failed_clients"]})
+            out = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL
+            out.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_json(out, {"experiment": plan.experiment, "rounds": self.per_round})
             if self.inner.logger is not None:
                 self.inner.logger.log_metrics({f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items()
                                                for k in SCORE_KEYS}, step=entry.round)
@@ -184,11 +209,17 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
     rc = dict(context.run_config)
+    check_run_config(rc, SERVER_KEYS, "run config")  # `flwr run` lets any value of a known key through
     plan_path = plan_path_of(None, context)
     plan = load_plan(plan_path)
     prepare_outputs(plan)
     out_dir = Path(plan.paths["out_dir"])
-    resuming = load_server_checkpoint(plan) is not None
+    checkpoint = load_server_checkpoint(plan)
+    resuming = checkpoint is not None
+    # `flwr run --stream` shows the ServerApp's output: the manual recipe's operator sees where the run starts
+    print(f"{plan.experiment}: " + (f"resuming from round {int(checkpoint['round']) + 1} of {plan.train.rounds} "
+                                    f"(server checkpoint)" if resuming else f"starting at round 1 of "
+                                                                            f"{plan.train.rounds}"), flush=True)
 
     logger = None
     if _flag(rc.get("mlflow"), True):
@@ -206,7 +237,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     timeout = round_timeout_s(rc, plan.experiment)
     recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0), timeout)
     try:
-        arrays, history = run_server(grid, plan, plan_path, recorder, timeout)
+        arrays, history = run_server(grid, plan, plan_path, recorder, timeout,
+                                     round_timeout_s(rc, plan.experiment, "admission-timeout-s"))
     except BaseException:
         recorder.close()
         if logger is not None:
@@ -217,6 +249,15 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     write_rounds(plan, history)
     metrics = summarize(plan, history, train_recorder.round_seconds)
     write_metrics(plan, metrics)
+    silent = never_contributed(history)
+    if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client
+        if logger is not None:
+            logger.finish("FAILED")
+        checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)  # a rerun starts over
+        checkpoints.mlflow_run_id_path(plan).unlink(missing_ok=True)
+        name, error = next(iter(silent.items()))
+        raise RuntimeError(f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
+                           f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error")
     save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
                  {"experiment": plan.experiment, "round": str(metrics["stopped_round"])})
 

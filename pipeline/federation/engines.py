@@ -41,8 +41,8 @@ def make_server_app(plan_path: str, recorder: Recorder | None = None, result: di
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         plan = load_plan(plan_path)
-        timeout = (settings or current_run_settings(plan.experiment)).round_timeout_s
-        arrays, history = run_server(grid, plan, plan_path, recorder, timeout)
+        run = settings or current_run_settings(plan.experiment)
+        arrays, history = run_server(grid, plan, plan_path, recorder, run.round_timeout_s, run.admission_timeout_s)
         if result is not None:
             result.update(arrays=arrays, history=history)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,8 @@ from pathlib import Path
 from pipeline.common import atomic
 from pipeline.federation.credentials import Certificates, make_node_key, make_self_signed_ca
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
+from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, parse_run_status,
+                                            status_command)
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
@@ -110,6 +113,9 @@ class LocalhostFederation:
         from pipeline.training.client_data import client_names
 
         self.cfg = cfg
+        if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
+            raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
+        check_run_config(cfg.run_config, app_keys(cfg.app))  # before any process starts (Flower: ~40 s later)
         self.workdir = cfg.workdir.resolve()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():
@@ -118,7 +124,7 @@ class LocalhostFederation:
         cwd = os.getcwd()
         try:  # the plan's paths are relative to the working directory
             os.chdir(self.workdir)
-            self.clients = list(cfg.clients or client_names(self.plan))
+            self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         finally:
             os.chdir(cwd)
         self.home = (cfg.home or self.workdir / LOCAL_HOME / self.plan.experiment).resolve()
@@ -266,6 +272,30 @@ class LocalhostFederation:
             log.close()
         return LocalhostRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
 
+    def start_round(self) -> int:
+        """The round the run starts at: 1, or the one after the server's last checkpointed round (a resumed run)."""
+        from pipeline.federation.server_app import load_server_checkpoint
+
+        cwd = os.getcwd()
+        try:
+            os.chdir(self.workdir)
+            ckpt = load_server_checkpoint(self.plan)
+        finally:
+            os.chdir(cwd)
+        return 1 if ckpt is None else int(ckpt["round"]) + 1
+
+    def run_status(self, run_id: int) -> tuple[str, str]:
+        """(status, details) of run ``run_id`` as the SuperLink reports it (``flwr ls --run-id N --format json``):
+        ``finished:completed`` for a ServerApp that returned, ``finished:failed`` for one that raised."""
+        out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        return parse_run_status(out.stdout, run_id)[1:]
+
+    def close_left_running(self, reason: str) -> str | None:
+        """After the processes stopped (Ctrl-C, a lost SuperLink, a timeout): the ServerApp was killed before it
+        could end its MLflow run, so mark that run KILLED (a rerun resumes it from the server checkpoint and sets
+        it RUNNING again). Returns the run id it marked, if any."""
+        return close_left_running(self.workdir, self.plan, reason)
+
     def _resume_hint(self) -> str:
         from pipeline.federation.server_app import load_server_checkpoint
         from pipeline.training.checkpoints import server_checkpoint_path
@@ -295,14 +325,43 @@ class LocalhostFederation:
         return json.loads(metrics.read_text())
 
 
+RUN_ID = re.compile(r"Successfully started run (\d+)")
+
+
 def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
-    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise."""
-    with LocalhostFederation(cfg) as fed:
+    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise (``flwr run``
+    failed, or the SuperLink reports the ServerApp's run as failed: ``flwr run`` exits 0 for that too)."""
+    fed = LocalhostFederation(cfg)
+    try:
+        return _run(fed)
+    except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
+        try:
+            fed.close_left_running("interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split()))
+        except Exception as closing:  # noqa: BLE001 -- the run's own error is the one to report
+            print(f"warning: the MLflow run could not be marked KILLED: {closing}", file=sys.stderr)
+        raise
+
+
+def _run(fed: LocalhostFederation) -> tuple[LocalhostRun, dict]:
+    with fed:
         started = time.time()
+        start = fed.start_round()
+        print(f"{fed.plan.experiment}: " + (f"resuming from round {start} of {fed.plan.train.rounds} (server "
+                                             f"checkpoint)" if start > 1 else f"starting at round 1 of "
+                                                                               f"{fed.plan.train.rounds}"),
+              file=sys.stderr, flush=True)
         fed.start()
         run = fed.stream(fed.submit())
         if run.returncode != 0:
             raise FederationError(f"`flwr run` exited with status {run.returncode}; logs in {fed.procs.log_dir}; "
+                                  f"{fed._resume_hint()}")
+        found = RUN_ID.search(run.output)
+        if found is None:
+            raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
+        status, details = fed.run_status(int(found.group(1)))
+        if status != "finished:completed":
+            cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
+            raise FederationError(f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; "
                                   f"{fed._resume_hint()}")
         return run, fed.check_outputs(started)
 
@@ -342,7 +401,25 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
     lo.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for the whole run")
     lo.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a process gets to stop on SIGTERM")
+    st = sub.add_parser("status", help="exit 0 if the SuperLink reports the run completed, else 1 with its status "
+                                       "(`flwr run` exits 0 when the ServerApp failed)")
+    st.add_argument("superlink", nargs="?", help="the SuperLink connection of FLWR_HOME/config.toml (default: its "
+                                                 "default)")
+    st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
+    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out "
+                                     "(pipeline.federation.sites)")
+    kit.add_argument("--plan", required=True)
+    kit.add_argument("--client", help="the site's client (default: the server's kit)")
+    kit.add_argument("--out", required=True, type=Path)
     args = ap.parse_args(argv)
+    if args.command == "status":
+        return status_command(args.superlink, args.run_id)
+    if args.command == "kit":
+        from pipeline.federation.sites import write_kit
+
+        written = write_kit(args.plan, args.out, args.client)
+        print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
+        return 0
 
     plan = args.plan or str(PLANS_DIR / f"{args.experiment}.json")
     cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), tls=args.tls, auth=args.auth,

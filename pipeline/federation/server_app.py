@@ -32,7 +32,7 @@ from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METR
 from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, restore_strategy_state, strategy_state
-from pipeline.experiments import Plan
+from pipeline.experiments import Plan, RunSettings
 from pipeline.privacy import seam as privacy
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
@@ -88,26 +88,64 @@ class _NodeSubsetGrid(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
-def _identify(grid: Grid, plan_path: str, expected: int, timeout: float) -> dict[int, str]:
-    """Ask every node for its client name (after waiting for ``expected`` nodes to connect, as SuperNodes
-    and simulated nodes register asynchronously)."""
+class AdmissionError(RuntimeError):
+    """The federation the plan declares did not assemble: a declared client never joined, or one cannot train."""
+
+
+def planned_clients(plan: Plan) -> list[str]:
+    """The clients the server admits: those the plan declares (a deployed server holds no partition file), else
+    (a plan written before plans declared them) the partition's."""
+    return list(plan.clients) if plan.clients else client_names(plan)
+
+
+def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
+              sizes: dict[str, dict[str, int]] | None = None) -> dict[int, str]:
+    """Admission: ask every node that connects for its client name until each client of ``expected`` (the plan's)
+    has its node; SuperNodes and simulated nodes register asynchronously. A node naming a client outside the plan
+    is refused (one error line naming it and the plan) and never counts; a declared client without a node after
+    ``timeout`` seconds fails the run (:class:`AdmissionError`). ``sizes`` receives what each client reports of
+    its splits (``num-train``, ``num-valid``); a client reporting an empty valid split is refused: it has no best
+    round and could not be scored."""
     deadline = time.monotonic() + timeout
-    while len(node_ids := list(grid.get_node_ids())) < expected:
+    names: dict[int, str] = {}
+    refused: dict[int, str] = {}
+    while True:
+        node_ids = list(grid.get_node_ids())
+        new = [n for n in node_ids if n not in names and n not in refused]
+        if new:
+            got, failed = _ask_names(grid, plan_path, new, timeout, sizes)
+            if failed:
+                node, reason = next(iter(failed.items()))
+                raise RuntimeError(f"node {node} failed to identify: {reason}")
+            for node, name in sorted(got.items()):
+                if name not in expected:
+                    refused[node] = name
+                    log.error("node %d names client %r, which is not among the clients %s of plan %s; refused",
+                              node, name, expected, plan_path)
+                    continue
+                holder = [o for o, c in names.items() if c == name]
+                if holder and holder[0] in node_ids:
+                    raise RuntimeError(f"two nodes claim the same client name: {names | {node: name}}")
+                for old in holder:  # its SuperNode restarted while the others were joining
+                    del names[old]
+                names[node] = name
+        missing = [c for c in expected if c not in names.values()]
+        if not missing:
+            empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
+            if empty:
+                raise AdmissionError(f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no "
+                                     f"score); refused")
+            return names
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(node_ids)} of {expected} clients connected within {timeout:.0f}s")
-        log.info("waiting for clients: %d of %d connected", len(node_ids), expected)
+            strangers = f"; refused nodes naming {sorted(set(refused.values()))}" if refused else ""
+            raise AdmissionError(f"{plan_path}: client(s) {missing} never joined within {timeout:.0f}s "
+                                 f"(admission timeout){strangers}")
+        log.info("waiting for clients: %d of %d connected", len(names), len(expected))
         time.sleep(1.0)
-    names, failed = _ask_names(grid, plan_path, node_ids, timeout)
-    if failed:
-        node, reason = next(iter(failed.items()))
-        raise RuntimeError(f"node {node} failed to identify: {reason}")
-    if len(set(names.values())) != len(names):
-        raise RuntimeError(f"two nodes claim the same client name: {names}")
-    return names
 
 
-def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float) -> tuple[dict[int, str],
-                                                                                           dict[int, str]]:
+def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float,
+               sizes: dict[str, dict[str, int]] | None = None) -> tuple[dict[int, str], dict[int, str]]:
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
                     message_type=IDENTIFY) for n in node_ids]
     names: dict[int, str] = {}
@@ -116,7 +154,11 @@ def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float) 
         if reply.has_error():
             failed[reply.metadata.src_node_id] = reply.error.reason
         else:
-            names[reply.metadata.src_node_id] = str(reply.content["identity"]["client-name"])
+            identity = reply.content["identity"]
+            name = str(identity["client-name"])
+            names[reply.metadata.src_node_id] = name
+            if sizes is not None:
+                sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
     return names, failed
 
 
@@ -156,27 +198,32 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
 
 
 def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None,
-               round_timeout_s: float = 86400.0) -> tuple[ArrayRecord, list]:
+               round_timeout_s: float = RunSettings.round_timeout_s,
+               admission_timeout_s: float | None = None) -> tuple[ArrayRecord, list]:
     """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
-    for a round's replies; late clients count as failed (params.yaml train.round_timeout_s, a run-time setting)."""
+    for a round's replies; late clients count as failed (params.yaml train.round_timeout_s, a run-time setting).
+    ``admission_timeout_s``: how long it waits for every client the plan declares to join (default: the round
+    timeout; params.yaml train.admission_timeout_s); one missing then fails the run."""
     recorder = recorder or Recorder()
     spec = plan.spec
     t = plan.train
     if not spec.federated:
         raise ValueError(f"method {spec.name!r} is not federated")
 
-    expected = len(client_names(plan))
-    node_names = _identify(grid, plan_path, expected, round_timeout_s)
+    declared = planned_clients(plan)
+    expected = len(declared)
+    sizes: dict[str, dict[str, int]] = {}
+    node_names = _identify(grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes)
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:
-        raise ValueError(f"{plan.paths['partition']}: new client {late!r} (train.new_client) is not among the "
-                         f"clients {clients}")
+        raise ValueError(f"{plan.source or plan.experiment}: new client {late!r} (train.new_client) is not among "
+                         f"the clients {clients}")
 
     strategy = build_strategy(spec.strategy, t.strategy_params, fraction_train=t.fraction_train, client_lr=t.lr)
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
     strategy, client_level = privacy.client_level(plan, strategy, expected)
-    secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s)
+    secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
     ckpt = load_server_checkpoint(plan)
     if ckpt is not None:
         start = int(ckpt["round"]) + 1

@@ -125,6 +125,21 @@ def client_names(n: int) -> list[str]:
     return [f"client{i}" for i in range(n)]
 
 
+def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
+    """The clients a scheme's partition holds, in its order, from the config alone (no data): the plan declares
+    them, so a deployed server knows whom to admit without any client's data (tests check each scheme's
+    partition has exactly these)."""
+    named = {"domain": list(QMSUM_DOMAINS), "noniid_balanced": list(QMSUM_DOMAINS),
+             "extreme": [*QMSUM_DOMAINS, "SAMSum"],
+             "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else []),
+             "iid": client_names(cfg.iid.n_clients), "quantity": client_names(cfg.quantity.n_clients),
+             "cluster": client_names(cfg.cluster.n_clients),
+             "domain_dirichlet": client_names(cfg.domain_dirichlet.n_clients)}
+    if scheme not in named:
+        raise ValueError(f"partition scheme {scheme!r}: unknown; allowed: {sorted(named)}")
+    return named[scheme]
+
+
 def qmsum_pool(examples: pd.DataFrame) -> pd.DataFrame:
     pool = examples[examples.dataset == "qmsum"]
     if pool.empty:

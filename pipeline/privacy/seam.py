@@ -71,9 +71,11 @@ def client_level(plan, strategy, population: int):
     return wrap_strategy(strategy, plan, record.setting), record
 
 
-def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float):
+def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float,
+                      sizes: dict[str, dict[str, int]] | None = None):
     """The plan's SecAgg+ round runner (privacy.secure_aggregation), checked against the method and the clients
-    (``late``: the client that joins later, not there in the first rounds)."""
+    (``late``: the client that joins later, not there in the first rounds; ``sizes``: the train sizes the clients
+    reported at admission, else the partition file's)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
     from pipeline.privacy.secure_aggregation import SecureAggregator
@@ -93,5 +95,7 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
         return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
     # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
     # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.weight_scale).
-    max_weight = max(len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values())
-    return SecureAggregator(plan.privacy.secagg, max_weight, len(clients), timeout)
+    reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
+    if None in reported:
+        reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
+    return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)

@@ -1,0 +1,110 @@
+"""Checks around a deployed run: its run config before it starts, its status and MLflow run after it ends.
+
+Run config (pyproject.toml ``[tool.flwr.app.config]``):
+Flower refuses an unknown ``--run-config`` key only inside the SuperLink (its log names the key; ``flwr run``
+says "Invalid run configuration"), and it takes any TOML value for a known one. The local command checks the
+keys and types here before it starts a process; the ServerApp checks them again (the manual recipe's
+``flwr run`` goes straight to the SuperLink), so a bad value ends the run with one line naming the key.
+
+Status: ``flwr run`` exits 0 whether the ServerApp returned or raised; the SuperLink knows which (``flwr ls
+--format json``: ``finished:completed`` / ``finished:failed`` with the exception in ``status-details``).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pipeline.common.config import ConfigError
+from pipeline.federation.processes import FederationError
+
+# Keys whose value is a count or a duration: a negative one has no meaning (0 = the default / "only at the end").
+NON_NEGATIVE = ("evaluate-every", "round-timeout-s", "admission-timeout-s")
+
+
+class RunConfigError(ConfigError):
+    """A run config key or value the app does not accept (one line: the key and the problem)."""
+
+
+# What the ServerApp reads (pipeline.federation.deployment), with the type of each value; pyproject.toml's
+# [tool.flwr.app.config] declares the same keys with defaults of these types (tests/test_run_config.py).
+SERVER_KEYS: dict[str, type] = {"plan": str, "params": str, "evaluate": bool, "evaluate-every": int, "mlflow": bool,
+                                "round-timeout-s": float, "admission-timeout-s": float}
+
+
+def app_keys(app: Path) -> dict[str, type]:
+    """``[tool.flwr.app.config]`` of the Flower app at ``app`` (a directory holding pyproject.toml): key -> the
+    type of its default."""
+    pyproject = Path(app) / "pyproject.toml"
+    with open(pyproject, "rb") as fh:
+        config = tomllib.load(fh).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
+    return {k: type(v) for k, v in config.items()}
+
+
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str = "--run-config") -> None:
+    """Every key of ``values`` is one of ``keys`` (the app's config), of its type (an integer is a number too),
+    and the counts and durations are not negative. Raises :class:`RunConfigError` naming the first bad key."""
+    for key, value in values.items():
+        if key not in keys:
+            raise RunConfigError(f"{source}: unknown key {key!r}; allowed: {sorted(keys)}")
+        kind = keys[key]
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise RunConfigError(f"{source}: {key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
+        if key in NON_NEGATIVE and value < 0:
+            raise RunConfigError(f"{source}: {key}={value!r} must be >= 0")
+
+
+def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, str]:
+    """(run id, status, details) of ``run_id`` - else of the run submitted last - in ``flwr ls --format json``
+    output; raises FederationError when the SuperLink did not list it."""
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        raise FederationError(f"`flwr ls` gave no run list: {' '.join(text.split())[-300:]}") from None
+    runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
+    if not listed.get("success") or not runs:
+        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: "
+                              f"{' '.join(text.split())[-300:]}")
+    run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
+    return str(run.get("run-id")), str(run.get("status", "")), str(run.get("status-details") or "")
+
+
+def close_left_running(workdir: Path, plan, reason: str) -> str | None:
+    """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
+    from pipeline.training.rounds import mlflow_run_id_path
+
+    path = workdir / mlflow_run_id_path(plan)
+    if not path.exists():
+        return None
+    from pipeline.results.tracking import _client
+
+    run_id = path.read_text().strip()
+    client = _client()
+    if client.get_run(run_id).info.status != "RUNNING":
+        return None
+    client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
+    client.set_terminated(run_id, status="KILLED")
+    return run_id
+
+
+def status_command(superlink: str | None, run_id: int | None) -> int:
+    """The manual recipe's check after ``flwr run``: one line with the run's status; 0 only if it completed."""
+    flwr = Path(sys.executable).parent / "flwr"  # the CLI beside this interpreter, whatever PATH says
+    argv = [str(flwr) if flwr.exists() else "flwr", "ls", *([superlink] if superlink else []), "--format", "json",
+            *(["--run-id", str(run_id)] if run_id is not None else [])]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    rid, status, details = parse_run_status(out.stdout, run_id)
+    print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
+    return 0 if status == "finished:completed" else 1

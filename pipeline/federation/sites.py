@@ -1,0 +1,70 @@
+"""What each role of a real federation holds, copied out of a checkout that ran the data stages:
+
+- the server (SuperLink + ServerApp): the plan (it declares the clients to admit) and the backbone (the round-0
+  adapter is drawn on it from the plan's seed) - no partition, no example;
+- a site (one SuperNode): the plan, the backbone, its own partition slice (only its client's example ids) and
+  its own examples (and, for hard-KD plans, its examples' POS tags).
+
+Each goes to a directory laid out as the project root (``models/plans/``, ``models/backbone/``,
+``data/partitions/``, ``data/processed/``), where that role's processes run:
+
+    python -m pipeline.federation kit --plan models/plans/fedavg-domain.json --out ../server
+    python -m pipeline.federation kit --plan models/plans/fedavg-domain.json --client Product --out ../product
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from pipeline.common import atomic
+from pipeline.common.schema import DataError
+from pipeline.experiments import read_plan
+
+
+def write_kit(plan_path: str, out: Path, client: str | None = None) -> list[Path]:
+    """Copy what the server (``client`` None) or ``client``'s site needs into ``out``; returns the paths written
+    (relative to ``out``). The plan keeps its relative path, so the same run config works on every role."""
+    from pipeline.training.client_data import read_examples, read_partition
+
+    plan = read_plan(plan_path)
+    if not plan.clients:
+        raise DataError(f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
+                        f"declared them: rerun the plan stage)")
+    if client is not None and client not in plan.clients:
+        raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
+    out = Path(out)
+    written = [Path(plan_path)]
+    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(plan_path, out / plan_path)
+    backbone = Path(plan.paths["backbone"])
+    if not backbone.is_dir():
+        raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+    shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
+    written.append(backbone)
+    if client is None:
+        return written
+
+    partition = read_partition(plan.paths["partition"])
+    splits = partition["clients"][client]
+    part_path = Path(plan.paths["partition"])
+    (out / part_path).parent.mkdir(parents=True, exist_ok=True)
+    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
+    atomic.write_text(out / part_path, json.dumps({k: partition[k] for k in ("scheme", "seed", "params")
+                                                   if k in partition} | {"clients": {client: splits}}, indent=1))
+    written.append(part_path)
+    ids = {str(i) for split in splits.values() for i in split}
+    examples = read_examples(plan.paths["examples"])
+    own = [(examples_path := Path(plan.paths["examples"])), *([Path(plan.paths["postags"])]
+                                                              if "postags" in plan.paths else [])]
+    (out / examples_path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True),
+                      out / examples_path, index=False)
+    written.append(examples_path)
+    if len(own) > 1:
+        import pandas as pd
+
+        tags = pd.read_parquet(own[1])
+        atomic.to_parquet(tags[tags["example_id"].astype(str).isin(ids)], out / own[1], index=False)
+        written.append(own[1])
+    return written

@@ -1,0 +1,144 @@
+"""Checks around a deployed run (pipeline.federation.run_checks, the `local` and `status` commands): run-config
+keys, types and signs named before any process starts, --auth without --tls refused, a run's status read from
+what `flwr ls --format json` prints, an MLflow run left RUNNING by a killed ServerApp marked KILLED. No
+processes: these run in the fast lane."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.common.cli import run as run_cli
+from pipeline.federation import localhost
+from pipeline.federation.processes import FederationError
+from pipeline.federation.run_checks import (SERVER_KEYS, RunConfigError, app_keys, check_run_config,
+                                            close_left_running, parse_run_status)
+
+from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_apps_run_config_is_what_the_server_app_reads():
+    assert app_keys(REPO) == SERVER_KEYS
+
+
+@pytest.mark.parametrize("item, key", [("evaluate_every=1", "evaluate_every"), ("round-timeout=5", "round-timeout"),
+                                       ("evaluate-every='two'", "evaluate-every"), ("mlflow=3", "mlflow"),
+                                       ("evaluate-every=-1", "evaluate-every"),
+                                       ("round-timeout-s=-0.5", "round-timeout-s"),
+                                       ("admission-timeout-s=-2", "admission-timeout-s"), ("plan=3", "plan")])
+def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monkeypatch, capsys, item, key):
+    monkeypatch.chdir(tmp_path)  # no plan, no FLWR_HOME here: the check must come before both
+    monkeypatch.setattr(localhost.ProcessGroup, "start", lambda *a, **k: pytest.fail("a process was started"))
+    status = run_cli(localhost.main, ["local", "--experiment", "fedavg-domain", "--run-config", item])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and (f"{key}=" in err[0] or f"'{key}'" in err[0]), err
+    assert not (tmp_path / ".flwr-local").exists()
+
+
+def test_good_run_config_values_pass_and_an_integer_is_a_number():
+    check_run_config({"evaluate-every": 2, "round-timeout-s": 30, "admission-timeout-s": 0.0, "mlflow": False,
+                      "plan": "models/plans/x.json"}, SERVER_KEYS)
+    with pytest.raises(RunConfigError):
+        check_run_config({"evaluate-every": 1.5}, SERVER_KEYS)
+    with pytest.raises(RunConfigError):
+        check_run_config({"evaluate": "yes"}, SERVER_KEYS)
+
+
+def test_auth_without_tls_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    status = run_cli(localhost.main, ["local", "--experiment", "fedavg-domain", "--auth"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "--auth" in err[0] and "TLS" in err[0]
+
+
+def _flwr_ls_json(rows: list[tuple[int, str, str, str]]) -> str:
+    """What `flwr ls --format json` prints, made by flwr 1.41's own formatter."""
+    from flwr.cli.ls import _to_json
+    from flwr.cli.run_utils import RunRow
+
+    return _to_json([RunRow(run_id=rid, federation_id="", fab_id="fedmeet/fedmeet", fab_version="1.0",
+                            fab_hash="h", status_text=status, details=details, elapsed="00:00:01",
+                            pending_at=pending, starting_at=pending, running_at=pending, finished_at=pending,
+                            network_traffic_inbound=0, network_traffic_outbound=0, compute_time_serverapp=0.0,
+                            compute_time_clientapp=0.0) for rid, status, details, pending in rows])
+
+
+def test_a_runs_status_and_its_cause_come_from_the_superlinks_run_list():
+    text = _flwr_ls_json([(93, "finished:failed", "ServerApp failed with exception: plan.json: client(s) "
+                                                  "['Product'] never joined within 600s", "2026-01-02 10:00:00Z"),
+                          (7, "finished:completed", "", "2026-01-01 10:00:00Z")])
+    assert parse_run_status(text, 7) == ("7", "finished:completed", "")
+    rid, status, details = parse_run_status(text)  # the run submitted last, whatever its (random) id
+    assert (rid, status) == ("93", "finished:failed") and "['Product']" in details
+    with pytest.raises(FederationError, match="lists no run 5"):
+        parse_run_status(text, 5)
+    with pytest.raises(FederationError):
+        parse_run_status("Connection refused")
+
+
+def test_the_status_command_exits_non_zero_for_a_failed_run(monkeypatch, capsys):
+    import subprocess
+
+    text = _flwr_ls_json([(93, "finished:failed", "ServerApp failed with exception: boom", "2026-01-02 10:00:00Z")])
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""))
+    assert run_cli(localhost.main, ["status", "fedmeet"]) == 1
+    assert capsys.readouterr().out.strip() == "run 93: finished:failed (ServerApp failed with exception: boom)"
+    assert calls[0][1:] == ["ls", "fedmeet", "--format", "json"]
+
+
+def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_alone(tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.experiments import Plan
+    from pipeline.training.config import TrainConfig
+    from pipeline.training.rounds import mlflow_run_id_path
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("t")
+    plan = Plan(experiment="fedavg-x", study="t", method="fedavg", partition="domain/seed0", seed=0,
+                train=TrainConfig(), model={})
+    id_file = mlflow_run_id_path(plan)
+    id_file.parent.mkdir(parents=True)
+    running = client.create_run(exp).info.run_id
+    id_file.write_text(running)
+    assert close_left_running(tmp_path, plan, "interrupted") == running
+    assert client.get_run(running).info.status == "KILLED"
+    assert close_left_running(tmp_path, plan, "again") is None  # not RUNNING any more
+    id_file.unlink()
+    assert close_left_running(tmp_path, plan, "no run") is None
+
+
+@pytest.mark.parametrize("rc, key", [({"evaluate-every": -1}, "evaluate-every"), ({"round-timeout-s": "60"}, "round-timeout-s")])
+def test_the_server_app_refuses_a_bad_run_config_before_anything_else(tmp_path, monkeypatch, rc, key):
+    """The manual recipe's `flwr run` reaches the ServerApp without the local command's check: it names the key."""
+    from flwr.app import Context, RecordDict
+
+    from pipeline.federation.deployment import serve
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RunConfigError, match=key):
+        serve(None, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                            run_config={"plan": "models/plans/none.json", **rc}))
+
+
+def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
+    """No server checkpoint: round 1; one after round 2 of this plan: round 3 (what the command prints)."""
+    from tests.test_federated import write_plan
+
+    from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.rounds import save_round_checkpoint, server_checkpoint_path
+
+    path = write_plan("resume-round", "fedavg", rounds=4)
+    fed = LocalhostFederation(LocalhostConfig(plan=path, workdir=Path.cwd(), quiet=True))
+    assert fed.clients == ["Academic", "Committee", "Product"] and fed.start_round() == 1
+    save_round_checkpoint(server_checkpoint_path(load_plan(path)), load_plan(path), 2, {})
+    assert fed.start_round() == 3

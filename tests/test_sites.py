@@ -1,0 +1,69 @@
+"""What each role of a real federation holds (pipeline.federation.sites, `python -m pipeline.federation kit`): the
+server the plan and the backbone only; a site its own partition slice and examples, with which its ClientApp
+identifies itself and reports its split sizes."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+
+
+def test_the_servers_kit_is_the_plan_and_the_backbone(ws, tmp_path):
+    from pipeline.federation.sites import write_kit
+
+    plan = write_plan("kit-server", "fedavg", rounds=1)
+    write_kit(plan, tmp_path / "server")
+    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models"]
+    assert sorted(p.name for p in (tmp_path / "server/models").iterdir()) == ["backbone", "plans"]
+    assert (tmp_path / "server" / plan).read_text() == Path(plan).read_text()
+
+
+def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path,
+                                                                                          monkeypatch):
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.server_app import _identify
+    from pipeline.federation.sites import write_kit
+    from pipeline.paths import PATHS
+
+    plan = write_plan("kit-site", "fedavg", rounds=1)
+    full = json.loads(PATHS.partition("domain/seed0").read_text())
+    write_kit(plan, tmp_path / "product", "Product")
+    site = tmp_path / "product"
+    part = json.loads((site / PATHS.partition("domain/seed0")).read_text())
+    assert list(part["clients"]) == ["Product"] and part["clients"]["Product"] == full["clients"]["Product"]
+    own = {i for split in full["clients"]["Product"].values() for i in split}
+    assert set(pd.read_parquet(site / PATHS.examples)["example_id"]) == own
+
+    monkeypatch.chdir(site)
+    grid = InProcessGrid(client_app, [{"client-name": "Product", "plan": plan}])
+    _set_server_identity(grid.run.run_id)
+    sizes = {}
+    assert list(_identify(grid, plan, ["Product"], 5, sizes).values()) == ["Product"]
+    assert sizes == {"Product": {"num-train": len(full["clients"]["Product"]["train"]),
+                                 "num-valid": len(full["clients"]["Product"]["valid"])}}
+
+
+def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
+    from pipeline.common.schema import DataError
+    from pipeline.federation.sites import write_kit
+
+    with pytest.raises(DataError, match="'Prodcut'"):
+        write_kit(write_plan("kit-typo", "fedavg", rounds=1), tmp_path / "x", "Prodcut")
+
+
+def test_a_client_named_outside_its_partition_still_says_its_name_so_the_server_can_refuse_it(ws):
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.server_app import _ask_names
+
+    plan = write_plan("kit-typo-node", "fedavg", rounds=1)
+    grid = InProcessGrid(client_app, [{"client-name": "Prodcut", "plan": plan}])
+    _set_server_identity(grid.run.run_id)
+    sizes = {}
+    assert _ask_names(grid, plan, [1000], 5, sizes) == ({1000: "Prodcut"}, {})
+    assert sizes == {"Prodcut": {}}
