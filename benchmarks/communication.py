@@ -21,7 +21,7 @@ from benchmarks.common import Shape, build_summarizer
 from pipeline.federation.compression import TRANSFER_DTYPES, decode_state, encode_state, encoded_nbytes, transfer_error_bound
 from pipeline.federation.engines import _set_server_identity
 from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
-from pipeline.federation.strategies import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 
 
 def wire_bytes(message: Message) -> int:

@@ -50,7 +50,7 @@ def secure_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
 
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
 
     app = ClientApp()
 
@@ -78,7 +78,7 @@ def secure_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
         return replies
 
     grid.pull_messages = pull
-    strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(), client_lr=1e-3)
+    strategy = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
     global_ = ArrayRecord({k: Array(np.zeros_like(v)) for k, v in uploads[names[0]].items()})
     messages = list(strategy.configure_train(1, global_, ConfigRecord({"plan": "-"}), grid))
     secure = SecureAggregator(cfg, max(weights.values()), len(names), timeout=600)
@@ -90,7 +90,7 @@ def plain_fedavg(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)
     replies = []
@@ -99,7 +99,7 @@ def plain_fedavg(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
         ins.metadata.__dict__["_message_id"] = f"m{i}"
         replies.append(Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in state.items()}),
                                            "metrics": MetricRecord({"num-examples": weights[name]})}), reply_to=ins))
-    strategy = build_strategy("fedavg", fraction_train=1.0, proximal_mu=0.0, fedopt=FedOptConfig(), client_lr=1e-3)
+    strategy = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
     arrays, _ = strategy.aggregate_train(1, replies)
     return {k: a.numpy() for k, a in arrays.items()}
 

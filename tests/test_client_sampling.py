@@ -33,15 +33,14 @@ class _Nodes:
 
 def _fixed_wrapper(population: int, sampled: int, noise: float = 0.0):
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.strategies import FedOptConfig, build_strategy
+    from pipeline.federation.strategies.catalog import build_strategy
     from pipeline.privacy.accounting import federation_privacy
     from pipeline.privacy.client_dp import wrap_strategy
 
     _set_server_identity(1)  # messages are created as the ServerApp's (as tests/test_client_dp.py does)
     cfg = _client_cfg(noise_multiplier=noise, clipping_norm=1.0)
     setting = federation_privacy(cfg, population=population, sampled=sampled, rounds=10)
-    inner = build_strategy("fedavg", fraction_train=sampled / population, proximal_mu=0.0, fedopt=FedOptConfig(),
-                           client_lr=1e-3)
+    inner = build_strategy("fedavg", {}, fraction_train=sampled / population, client_lr=1e-3)
     return wrap_strategy(inner, SimpleNamespace(privacy=cfg, seed=0), setting), setting
 
 
