@@ -200,7 +200,7 @@ def _no_process_left(before: set[int], started: list) -> None:
 
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation.localhost import LocalhostFederation
+    from pipeline.federation.localhost import RUN_ID, LocalhostFederation
     from pipeline.train import run_experiment
 
     before = _flower_pids()
@@ -209,8 +209,9 @@ def test_local_deployment_gives_the_in_process_result(ws):
     with fed:
         fed.start()
         run = fed.stream(fed.submit())
+        status = fed.run_status(int(RUN_ID.search(run.output).group(1)))  # what the SuperLink says of the run
         started = list(fed.procs.procs)
-    assert run.returncode == 0, run.output[-2000:]
+    assert run.returncode == 0 and status[0] == "finished:completed", run.output[-2000:]
     _no_process_left(before, started)
 
     _assert_same_final_adapters("loc", "loc-ref")  # two processes, same math

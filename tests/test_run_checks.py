@@ -69,7 +69,7 @@ def _flwr_ls_json(rows: list[tuple[int, str, str, str]]) -> str:
 def test_a_runs_status_and_its_cause_come_from_the_superlinks_run_list():
     text = _flwr_ls_json([(93, "finished:failed", "ServerApp failed with exception: plan.json: client(s) "
                                                   "['Product'] never joined within 600s", "2026-01-02 10:00:00Z"),
-                          (7, "finished:completed", "", "2026-01-01 10:00:00Z")])
+                          (7, "finished:completed", "N/A", "2026-01-01 10:00:00Z")])  # flwr 1.41's "no details"
     assert parse_run_status(text, 7) == ("7", "finished:completed", "")
     rid, status, details = parse_run_status(text)  # the run submitted last, whatever its (random) id
     assert (rid, status) == ("93", "finished:failed") and "['Product']" in details

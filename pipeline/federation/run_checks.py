@@ -78,7 +78,8 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
         raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: "
                               f"{' '.join(text.split())[-300:]}")
     run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
-    return str(run.get("run-id")), str(run.get("status", "")), str(run.get("status-details") or "")
+    details = str(run.get("status-details") or "")
+    return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
 
 
 def close_left_running(workdir: Path, plan, reason: str) -> str | None:
