@@ -96,7 +96,7 @@ def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_al
 
     from pipeline.experiments import Plan
     from pipeline.training.config import TrainConfig
-    from pipeline.training.rounds import mlflow_run_id_path
+    from pipeline.training.checkpoints import mlflow_run_id_path
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -135,7 +135,7 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
 
     from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation
     from pipeline.federation.protocol import load_plan
-    from pipeline.training.rounds import save_round_checkpoint, server_checkpoint_path
+    from pipeline.training.checkpoints import save_round_checkpoint, server_checkpoint_path
 
     path = write_plan("resume-round", "fedavg", rounds=4)
     fed = LocalhostFederation(LocalhostConfig(plan=path, workdir=Path.cwd(), quiet=True))

@@ -84,7 +84,7 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
 
 def close_left_running(workdir: Path, plan, reason: str) -> str | None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
-    from pipeline.training.rounds import mlflow_run_id_path
+    from pipeline.training.checkpoints import mlflow_run_id_path
 
     path = workdir / mlflow_run_id_path(plan)
     if not path.exists():
