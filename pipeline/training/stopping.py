@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 
 def relative_improvements(means: Sequence[float]) -> list[float]:
     """For each round after the first, how much its mean improved on the best mean before it, relative to that
@@ -39,7 +41,7 @@ def mean_val_loss_by_round(history: list[dict[str, Any]], since: int = 1, before
         if rnd >= since and (before is None or rnd < before) and row["client"] != exclude \
                 and row.get("val_loss") is not None:
             by_round.setdefault(rnd, []).append(float(row["val_loss"]))
-    return [(r, sum(v) / len(v)) for r, v in sorted(by_round.items())]
+    return [(r, float(np.mean(v))) for r, v in sorted(by_round.items())]  # numpy's sum order, as join had
 
 
 def series_start(history: list[dict[str, Any]], late: str | None) -> int:
