@@ -21,16 +21,19 @@ PARTS=$LEASE/parts
 CARRY=$LEASE/carry
 SITE=$LEASE/site
 STUDY=$LEASE/study
-PY=${LEASE_PYTHON:-python3}
+PY=$(command -v "${LEASE_PYTHON:-python3}") || { echo "run.sh: no ${LEASE_PYTHON:-python3}" >&2; exit 2; }
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 die() { echo "run.sh: $*" >&2; exit 2; }
 
 study_env() {
   mkdir -p "$LEASE/bin"
-  # dvc.yaml's commands call `python`; the image has python3 only
-  ln -sf "$(command -v "$PY")" "$LEASE/bin/python"
-  export PATH="$LEASE/bin:$PATH"
+  # dvc.yaml's commands call `python`; the image has python3 only. A wrapper, not a link: that python3 is a venv's,
+  # found by the path it is started from.
+  rm -f "$LEASE/bin/python"  # never write through an old link
+  printf '#!/bin/sh\nexec %s "$@"\n' "$(command -v "$PY")" >"$LEASE/bin/python"
+  chmod +x "$LEASE/bin/python"
+  export PATH="$LEASE/bin:$PATH" LEASE_PYTHON="$PY"  # the detached part gets the real one, not the wrapper
   if [ -z "${LEASE_NO_WHEELS:-}" ]; then export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
   export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 FLWR_TELEMETRY_ENABLED=0 MLFLOW_ENABLE_TELEMETRY=false \
     TOKENIZERS_PARALLELISM=false DVC_NO_ANALYTICS=1 PYTHONUNBUFFERED=1 FEDMEET_MINILM_DIR="$CARRY/minilm"
@@ -79,6 +82,7 @@ cmd_start() {
   if [ -f "$LEASE/repro.pid" ] && kill -0 "$(cat "$LEASE/repro.pid")" 2>/dev/null; then
     die "a study is already running (pid $(cat "$LEASE/repro.pid")); run.sh wait / collect"
   fi
+  rm -f "$LEASE"/{repro.rc,repro.log,started,ended,gpu.csv,smi.pid,repro.pid}  # a previous start's
   assemble
   if [ -z "${LEASE_NO_WHEELS:-}" ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -91,6 +95,9 @@ cmd_start() {
     --exclude=./mlartifacts --exclude=./mlruns --exclude=./data/cache --exclude=./mutants --exclude=./.flwr-local \
     --exclude=./.dvc/cache --exclude=./.dvc/tmp --exclude=__pycache__ -cf - . | tar -C "$STUDY" -xf -
   tar -C "$STUDY" -xzf "$CARRY/data-raw.tar.gz"
+  # The frozen import stages data/raw/*.dvc check that their source, ../shared/data/<dataset>, exists: there too.
+  rm -rf "$LEASE/shared" && mkdir -p "$LEASE/shared"
+  tar -C "$LEASE/shared" --transform 's|^data/raw|data|' -xzf "$CARRY/data-raw.tar.gz"
   cp "$profile" "$LEASE/profile.yaml"
   cd "$STUDY"
   "$PY" "$HERE/lease.py" merge "$LEASE/profile.yaml" params.yaml
