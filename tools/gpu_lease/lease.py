@@ -6,9 +6,9 @@
 
 ``merge`` is the profile's merge into params.yaml that ``python -m pipeline.presets`` performs (a mapping merged key
 by key, a leaf or list replaced, ``experiments`` replaced whole), kept here so that the lease depends on no CLI of the
-package. ``collect`` packs, as tar.gz files cut at 15 MiB: dvc.lock, params.yaml and reports/ of the study
-(train, eval with per-example scores, timing, backbone, analysis and tables), models/ without weights (plans, gate
-logs, run records: what the analyze stage reads), the MLflow store (mlflow.db, and mlartifacts/ without adapters),
+package. ``collect`` packs, as tar.gz files cut at 15 MiB, what the run wrote: dvc.lock, params.yaml and reports/
+of the study (train, eval with per-example scores, timing, backbone, analysis and tables), models/ without weights
+(plans, gate logs, run records) and data/processed, data/partitions (what analyze and report read), the MLflow store (mlflow.db, and mlartifacts/ without adapters),
 and the lease's own logs (dvc repro output stamped per line, nvidia-smi samples, per-stage wall times). ``import``
 unpacks them into the checkout, points the MLflow store's artifact locations at it, and puts the logs into
 reports/gpu-lease/.
@@ -73,14 +73,16 @@ def stage_times(log: Path, ended: int | None) -> list[tuple[str, int]]:
     return out
 
 
-def _add_tree(tar: tarfile.TarFile, root: Path, rel: str, skip) -> None:
+def _add_tree(tar: tarfile.TarFile, root: Path, rel: str, skip, since: float = 0.0) -> None:
+    """Files under ``root/rel`` written since ``since`` (epoch s) that ``skip`` keeps: the run's outputs, not the
+    reports the working tree already had (reports/cpu-study and the like travel there and back for nothing)."""
     base = root / rel
     if not base.exists():
         return
     paths = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
     for p in paths:
         name = p.relative_to(root).as_posix()
-        if not skip(name):
+        if not skip(name) and p.stat().st_mtime >= since:
             tar.add(p, arcname=name)
 
 
@@ -110,12 +112,19 @@ def cmd_collect(lease: Path, out: Path) -> None:
             "ended": ended,
             "dvc_repro_exit": int((lease / "repro.rc").read_text()) if (lease / "repro.rc").is_file() else None}
 
+    since = (info["started"] or 0) - 1
+
     def reports(tar):
-        for rel in ("dvc.lock", "params.yaml", "reports"):
+        for rel in ("dvc.lock", "params.yaml"):
             _add_tree(tar, study, rel, lambda n: False)
+        _add_tree(tar, study, "reports", lambda n: False, since)
 
     def models(tar):  # no weights: neither the backbone's nor the adapters
-        _add_tree(tar, study, "models", lambda n: n.endswith((".safetensors", ".bin", ".pt")))
+        _add_tree(tar, study, "models", lambda n: n.endswith((".safetensors", ".bin", ".pt")), since)
+        # what analyze and report read besides reports/: the model inputs, the POS tags (they need the backbone's
+        # tokenizer, which stays there) and the partitions
+        for rel in ("data/processed", "data/partitions"):
+            _add_tree(tar, study, rel, lambda n: False, since)
 
     def mlflow(tar):
         _add_tree(tar, study, "mlflow.db", lambda n: False)
@@ -132,7 +141,7 @@ def cmd_collect(lease: Path, out: Path) -> None:
             tar.addfile(ti, io.BytesIO(blob.encode()))
 
     files = []
-    for name, fill in (("lease.tar.gz", logs), ("reports.tar.gz", reports), ("models.tar.gz", models),
+    for name, fill in (("lease.tar.gz", logs), ("reports.tar.gz", reports), ("models-data.tar.gz", models),
                        ("mlflow.tar.gz", mlflow)):
         files += _pack(name, out, fill)
     total = sum(f.stat().st_size for f in files)
@@ -164,7 +173,7 @@ def cmd_import(folder: Path, root: Path, mlflow_db: Path | None) -> None:
     with tarfile.open(fileobj=io.BytesIO(archives["lease.tar.gz"])) as tar:
         tar.extractall(root / "reports", filter="data")
         info = json.loads((root / "reports/gpu-lease/lease.json").read_text())
-    for name in ("reports.tar.gz", "models.tar.gz"):
+    for name in ("reports.tar.gz", "models-data.tar.gz"):
         if name in archives:
             with tarfile.open(fileobj=io.BytesIO(archives[name])) as tar:
                 tar.extractall(root, filter="data")
