@@ -187,9 +187,9 @@ def cmd_import(folder: Path, root: Path, mlflow_db: Path | None) -> None:
             shutil.move(Path(tmp) / "mlflow.db", db)
             if (Path(tmp) / "mlartifacts").is_dir():
                 shutil.copytree(Path(tmp) / "mlartifacts", root / "mlartifacts", dirs_exist_ok=True)
-        # MLflow stores absolute file: locations; point the lease machine's at this checkout's mlartifacts/
-        old = Path(info["study_root"]).joinpath("mlartifacts").as_uri()
-        new = (root / "mlartifacts").resolve().as_uri()
+        # MLflow stores absolute file: locations; point the lease machine's (mlartifacts/, mlruns/ of the Default
+        # experiment) at this checkout
+        old, new = Path(info["study_root"]).as_uri(), root.resolve().as_uri()
         with sqlite3.connect(db) as con:
             con.execute("UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?)", (old, new))
             con.execute("UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?)", (old, new))
