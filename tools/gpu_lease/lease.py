@@ -8,8 +8,8 @@
 by key, a leaf or list replaced, ``experiments`` replaced whole), kept here so that the lease depends on no CLI of the
 package. ``collect`` packs, as tar.gz files cut at 15 MiB, what the run wrote: dvc.lock, params.yaml and reports/
 of the study (train, eval with per-example scores, timing, backbone, analysis and tables), models/ without weights
-(plans, gate logs, run records) and data/processed, data/partitions (what analyze and report read), the MLflow store (mlflow.db, and mlartifacts/ without adapters),
-and the lease's own logs (dvc repro output stamped per line, nvidia-smi samples, per-stage wall times). ``import``
+(plans, gate logs, run records) and data/processed, data/partitions (what analyze and report read), the MLflow
+store (mlflow.db, and mlartifacts/ without adapters), and the lease's own logs (dvc repro output stamped per line, nvidia-smi samples, per-stage wall times). ``import``
 unpacks them into the checkout, points the MLflow store's artifact locations at it, and puts the logs into
 reports/gpu-lease/.
 """
@@ -188,11 +188,14 @@ def cmd_import(folder: Path, root: Path, mlflow_db: Path | None) -> None:
             if (Path(tmp) / "mlartifacts").is_dir():
                 shutil.copytree(Path(tmp) / "mlartifacts", root / "mlartifacts", dirs_exist_ok=True)
         # MLflow stores absolute file: locations; point the lease machine's (mlartifacts/, mlruns/ of the Default
-        # experiment) at this checkout
-        old, new = Path(info["study_root"]).as_uri(), root.resolve().as_uri()
+        # experiment) at this checkout; as file: URIs and as plain paths (the Default experiment's)
+        study_root = Path(info["study_root"])
         with sqlite3.connect(db) as con:
-            con.execute("UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?)", (old, new))
-            con.execute("UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?)", (old, new))
+            for old, new in ((study_root.as_uri(), root.resolve().as_uri()), (f"{study_root}/", f"{root.resolve()}/")):
+                con.execute("UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?) "
+                            "WHERE artifact_location LIKE ?", (old, new, old + "%"))
+                con.execute("UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?) WHERE artifact_uri LIKE ?",
+                            (old, new, old + "%"))
         print(f"MLflow store: {db} (mlflow ui --backend-store-uri sqlite:///{db})")
     print(f"imported {folder} into {root}: dvc repro exit status {info.get('dvc_repro_exit')}, "
           f"{(info.get('ended') or 0) - (info.get('started') or 0)} s; logs in {root / 'reports/gpu-lease'}")

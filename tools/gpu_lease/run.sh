@@ -138,7 +138,9 @@ cmd__repro() {
   if [ -f "$LEASE/smi.pid" ]; then kill "$(cat "$LEASE/smi.pid")" 2>/dev/null || true; fi
 }
 
-running() { [ -f "$LEASE/repro.pid" ] && [ ! -f "$LEASE/repro.rc" ] && kill -0 "$(cat "$LEASE/repro.pid")" 2>/dev/null; }
+running() {
+  [ -f "$LEASE/repro.pid" ] && [ ! -f "$LEASE/repro.rc" ] && kill -0 "$(cat "$LEASE/repro.pid")" 2>/dev/null
+}
 
 cmd_status() {
   [ -f "$LEASE/repro.log" ] || die "$LEASE: no study started"
