@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from pipeline.ingest import ingest_dataset
 from pipeline.common.schema import DataError
-from pipeline.datasets.sources import HMNET_CHUNKS
+from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
 from reliability import FIXTURES, hmnet_meeting, hmnet_rel, read_lines, write_lines
 
 # JSON values of every type, nested a little: what a damaged or foreign file may hold where a field belongs.
