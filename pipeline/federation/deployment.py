@@ -18,7 +18,8 @@ their own disks:
   summaries never leave the clients).
 
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
-group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
+group sets decoding, and whose run-time settings give the round timeout; default params.yaml; a file that is not
+there is an error, never the defaults), ``evaluate`` (bool, default true),
 ``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true), ``round-timeout-s`` (float, how
 long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``).
 """
@@ -35,7 +36,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
-from pipeline.experiments import current_run_settings
+from pipeline.experiments import load_run_settings
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
@@ -70,13 +71,16 @@ def round_timeout_s(run_config: dict[str, Any], experiment: str) -> float:
     given = float(run_config.get("round-timeout-s") or 0)
     if given > 0:
         return given
-    return current_run_settings(experiment, str(run_config.get("params") or "params.yaml")).round_timeout_s
+    return load_run_settings(str(run_config.get("params") or "params.yaml"), experiment).round_timeout_s
 
 
 def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
     """The evaluate stage's decoding settings: ``params.yaml``'s ``evaluate`` group (run config ``params``)."""
     path = Path(str(run_config.get("params") or "params.yaml"))
-    params = load_params(path) if path.exists() else {}
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: params file not found (run config 'params': its `evaluate` group sets the "
+                                f"federated evaluation's decoding)")
+    params = load_params(path)
     return from_dict(EvaluateConfig, params.get("evaluate"), f"{path}: evaluate")
 
 

@@ -1,5 +1,5 @@
 """An evaluation as the evaluate stage and the deployed clients' federated evaluation make it: the decoding
-settings (params.yaml `evaluate`) and the evaluation's MLflow record (the client averages as headline metrics, the
+settings (the `evaluate` params) and the evaluation's MLflow record (the client averages as headline metrics, the
 training run it belongs to, records computed elsewhere imported)."""
 from __future__ import annotations
 
@@ -114,10 +114,13 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
     study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
     ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id."""
-    from pipeline.results.tracking import RunLogger
+    from pipeline.results.studies import study_description
+    from pipeline.results.tracking import RunLogger, experiment_id
 
     from pipeline.experiments import record_hash
 
+    study = str(experiment.get("study") or "main")
+    experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
                                                                   record_hash(experiment))
     if run_id:
