@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         with stage_timer(f"train-{args.experiment}"):
-            metrics = run_experiment(Path(args.plans) / f"{args.experiment}.json", track=not args.no_mlflow,
+            plan_path = Path(args.plans) / f"{args.experiment}.json"
+            read_plan(plan_path)  # a bad plan is reported before anything else is read
+            metrics = run_experiment(plan_path, track=not args.no_mlflow,
                                      settings=load_run_settings(args.params, args.experiment))
     finally:
         signal.signal(signal.SIGTERM, previous)

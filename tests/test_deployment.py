@@ -168,10 +168,8 @@ def _local(plan: str, **kw):
 
     # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
     # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
-    # the workspace holds no params.yaml: the run config gives the round timeout (a server never runs on defaults)
-    return LocalhostConfig(plan=plan, workdir=Path.cwd(),
-                           run_config={"evaluate": False, "mlflow": False, "round-timeout-s": 86400.0},
-                           quiet=True, startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
+    return LocalhostConfig(plan=plan, workdir=Path.cwd(), run_config={"evaluate": False, "mlflow": False},
+                       quiet=True, startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
 
 
 def _flower_pids() -> set[int]:

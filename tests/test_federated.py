@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 
 from pipeline.experiments import RunSettings
 from pipeline.federation.protocol import client_settings_config
@@ -88,6 +89,9 @@ def workspace(tmp_path_factory):
     _write_partition(root, "domain", domain_clients)
     _write_partition(root, "extreme", extreme_clients)
     _write_postags(root, examples)
+    # A project root's params file, with the run-time settings only (RunSettings' defaults): what the train stage
+    # (`--params`, default params.yaml) and a deployed ServerApp (run config `params`) read them from.
+    (root / "params.yaml").write_text(yaml.safe_dump({"train": {"engine": "inprocess", "round_timeout_s": 86400}}))
     return root
 
 
