@@ -26,7 +26,6 @@ Paths are not in plans either (:mod:`pipeline.paths`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -440,16 +439,10 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
-    """:func:`run_settings` of the params file ``params_path``, which a stage entry point names (the train stage:
-    the project's, where DVC runs every stage; a deployed ServerApp: its run config ``params``). A missing file is
-    an error, never a silent fall-back to the defaults."""
-    p = Path(params_path).resolve()
-    if not p.exists():
+    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; a
+    deployed ServerApp: its run config ``params``), read once per run. A missing file is an error, never the
+    defaults."""
+    if not Path(params_path).exists():
         raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "
                                 f"timeout, cache location and budgets)")
-    return _settings_of_file(str(p), p.stat().st_mtime_ns, experiment)
-
-
-@functools.lru_cache(maxsize=32)
-def _settings_of_file(path: str, mtime_ns: int, experiment: str | None) -> RunSettings:
-    return run_settings(load_params(path), experiment)  # read once per file version
+    return run_settings(load_params(params_path), experiment)
