@@ -245,7 +245,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     sampler.start()
     try:
         with _in_workspace(root):
-            run_federated(plan_path, timer, RunSettings(engine=engine, ray_cpus_per_client=1.0))
+            run_federated(plan_path, RunSettings(engine=engine, ray_cpus_per_client=1.0), timer)
     finally:
         sampler.stop()
     partition = json.loads((root / "data" / "partitions" / "quantity" / f"seed{cfg.seed}.json").read_text())

@@ -17,14 +17,15 @@ plans only, and only when its mode is not `none` (with the keys of that mode onl
 (pipeline.privacy.settings.secure_aggregation_refusal).
 
 Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
-round timeout, where the prefix cache lives and how large it and the teacher cache may grow): the train stage
-reads them from params.yaml when it runs, so changing them reruns no train stage and resumes the same checkpoint.
+round timeout, where the prefix cache lives and how large it and the teacher cache may grow): a stage entry point
+(pipeline.train; a deployed ServerApp from its run config, a ClientApp from its node or run config) builds them
+once when it starts and passes them down, so changing them reruns no train stage and resumes the same checkpoint;
+nothing below the entry points reads a params file.
 Paths are not in plans either (:mod:`pipeline.paths`).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -423,8 +424,8 @@ def model_config(params: dict[str, Any]) -> ModelConfig:
 @dataclass
 class RunSettings:
     """params.yaml `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of `model`
-    (comments in params.yaml). Read when a run starts; no DVC stage declares them, so changing one reruns
-    nothing (tests/test_experiments.py)."""
+    (comments in params.yaml). Built by a stage entry point when a run starts (:func:`load_run_settings`) and passed
+    down; no DVC stage declares them, so changing one reruns nothing (tests/test_experiments.py)."""
 
     engine: str = "inprocess"
     ray_cpus_per_client: float = 1.0
@@ -453,14 +454,11 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
                                    "cache": {k: model[k] for k in RUN_MODEL_KEYS if k in model}}, "params.yaml")
 
 
-def current_run_settings(experiment: str | None = None, params_path: str | Path = "params.yaml") -> RunSettings:
-    """:func:`run_settings` of the project's params.yaml (where DVC runs every stage); the defaults where there is
-    none (a SuperNode's working directory holds no params.yaml unless its site puts one there)."""
-    p = Path(params_path).resolve()
-    return _settings_of_file(str(p), p.stat().st_mtime_ns if p.exists() else None, experiment)
-
-
-@functools.lru_cache(maxsize=32)
-def _settings_of_file(path: str, mtime_ns: int | None, experiment: str | None) -> RunSettings:
-    # read once per file version: clients ask for every batch they train
-    return run_settings(load_params(path), experiment) if mtime_ns is not None else RunSettings()
+def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
+    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; a
+    deployed ServerApp: its run config ``params``), read once per run. A missing file is an error, never the
+    defaults."""
+    if not Path(params_path).exists():
+        raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "
+                                f"timeout, cache location and budgets)")
+    return run_settings(load_params(params_path), experiment)

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
-from pipeline.experiments import Plan, RunSettings, current_run_settings, plan_hash, read_plan
+from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.common.timing import stage_timer
@@ -48,37 +48,33 @@ from pipeline.training.summary import (convergence_tags, final_run_metrics, merg
                                        run_identity_tags, summarize, write_metrics)
 
 
-def run_tags(plan: Plan, params_path: Path = Path("params.yaml"), engine: str = "inprocess") -> dict[str, str]:
+def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
-    plan hash, preset), so a run can be matched to its `dvc exp show` row."""
-    from pipeline.common.config import ConfigError, load_params
-    from pipeline.results.run_identity import dvc_tags, git_state, preset_name
+    plan hash), so a run can be matched to its `dvc exp show` row."""
+    from pipeline.results.run_identity import dvc_tags, git_state
 
     tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {
         "plan_hash": plan_hash(plan)}
-    try:
-        tags["preset"] = preset_name(load_params(params_path))
-    except ConfigError:
-        tags["preset"] = "unknown"  # run outside a project root (no params.yaml)
     return tags | git_state() | dvc_tags()
 
 
-def tracked_run_name(plan: Plan, plan_path: str | Path) -> str:
+def tracked_run_name(plan: Plan, plan_path: str | Path, params_file: str = "params.yaml") -> str:
     """The experiment name plus the plan settings that differ from the base commit's plan of the same experiment
-    (the DVC experiment's baseline, else HEAD), e.g. ``fedselectkd-domain tau=3``."""
+    (the DVC experiment's baseline, else HEAD; its ``params_file``), e.g. ``fedselectkd-domain tau=3``."""
     from pipeline.results.run_identity import base_params, base_plan, run_name
 
     current = json.loads(Path(plan_path).read_text())
-    return run_name(plan.experiment, current, base_plan(plan.experiment, base_params()))
+    return run_name(plan.experiment, current, base_plan(plan.experiment, base_params(params_file)))
 
 
 def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSettings | None = None) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
-    ``settings``: how to run it (engine, timeouts, caches; default: params.yaml's run-time settings)."""
+    ``settings``: how to run it (engine, timeouts, caches): :func:`main` passes the params file's; None is
+    RunSettings' own defaults, never a file read here."""
     plan_path = str(plan_path)
     plan = read_plan(plan_path)
     privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains
-    settings = settings or current_run_settings(plan.experiment)
+    settings = settings if settings is not None else RunSettings()
     out_dir = Path(plan.paths["out_dir"])
     if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
@@ -101,9 +97,9 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         if plan.spec.federated:
             from pipeline.federation.engines import run_federated
 
-            result = run_federated(plan_path, recorder, settings)
+            result = run_federated(plan_path, settings, recorder)
         else:
-            result = run_serverless(plan, recorder)
+            result = run_serverless(plan, recorder, settings.cache)
     except BaseException:
         recorder.close()
         if logger is not None:
@@ -162,16 +158,18 @@ class _InitialRngState:
             torch.cuda.manual_seed_all(torch.initial_seed())  # a fresh process's CUDA generators: the default seed
 
 
-def run_packed(plan_paths: list[Path], track: bool = True) -> dict[str, dict[str, Any]]:
+def run_packed(plan_paths: list[Path], track: bool = True,
+               settings: dict[str, RunSettings] | None = None) -> dict[str, dict[str, Any]]:
     """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's
-    initial RNG state; returns their metrics by experiment."""
+    initial RNG state (``settings``: each experiment's run-time settings, default RunSettings()); returns their
+    metrics by experiment."""
     initial = _InitialRngState()
     out = {}
     for path in plan_paths:
         initial.restore()
         experiment = Path(path).stem
         with stage_timer(f"train-{experiment}"):
-            out[experiment] = run_experiment(path, track=track)
+            out[experiment] = run_experiment(path, track=track, settings=(settings or {}).get(experiment))
     return out
 
 
@@ -185,13 +183,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="a key of params.yaml `experiments`; repeated: several, one after the other")
     ap.add_argument("--plans", default=str(PATHS.plans), help="directory of the plan files (stage `plan`)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    ap.add_argument("--params", default="params.yaml",
+                    help="params file of the run-time settings (engine, round timeout, cache location and budgets)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C, so the MLflow run is closed as KILLED at once
     # (SIGKILL cannot be caught: the next start of the experiment closes that run).
     previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        results = run_packed([Path(args.plans) / f"{e}.json" for e in args.experiment], track=not args.no_mlflow)
+        paths = [Path(args.plans) / f"{e}.json" for e in args.experiment]
+        for path in paths:
+            read_plan(path)  # a bad plan is reported before anything else is read
+        results = run_packed(paths, track=not args.no_mlflow,
+                             settings={e: load_run_settings(args.params, e) for e in args.experiment})
     finally:
         signal.signal(signal.SIGTERM, previous)
     for metrics in results.values():

@@ -18,7 +18,7 @@ import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 
 from tests.errors import logs, names
-from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+from tests.test_federated import CLIENT_SETTINGS, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.client_app  # noqa: F401
@@ -217,7 +217,7 @@ def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float |
     context = _context(**node)
     if local is not None:
         context.state[client_app.LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
-    config = {"server-round": 2, "plan": path} | ({"proximal-mu": mu} if mu is not None else {})
+    config = {"server-round": 2, "plan": path, **CLIENT_SETTINGS} | ({"proximal-mu": mu} if mu is not None else {})
     msg = Message(RecordDict({ARRAYS_KEY: encode_global(received, plan, reference=downlink_reference(plan)),
                               CONFIG_KEY: ConfigRecord(config)}), dst_node_id=7, message_type="train")
     reply = client_app.train_round(msg, context, masked=masked)

@@ -19,7 +19,7 @@ from pipeline.common.config import ConfigError, from_dict
 from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy, flower_adaptive_multiplier
 from pipeline.privacy.settings import PrivacyConfig
 from tests.faults import killed_after_checkpoint
-from tests.test_federated import MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
+from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
 def _client_cfg(**kw) -> PrivacyConfig:
@@ -385,7 +385,8 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
         context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
                           run_config={})
         msg = Message(RecordDict({"arrays": received, "config": ConfigRecord({"server-round": 1, "plan": path,
-                                                                              KEY_CLIPPING_NORM: c})}),
+                                                                              KEY_CLIPPING_NORM: c,
+                                                                              **CLIENT_SETTINGS})}),
                       dst_node_id=1000, message_type="train")
         msg.metadata.__dict__["_message_id"] = f"x{c}"
         replies[c] = client_app(msg, context).content
@@ -468,6 +469,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
 
     from pipeline.experiments import read_plan
     from pipeline.federation import client_app as apps
+    from pipeline.experiments import RunSettings
     from pipeline.federation.engines import run_inprocess
     from pipeline.federation.protocol import CLIPPED_KEY
     from pipeline.training.summary import summarize
@@ -484,7 +486,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     unclipped.query("identify")(apps.client_identify)
     path = _with_privacy(write_plan("cdp-nomod", "fedavg"), {
         "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"})
-    history = run_inprocess(path, client_app_=unclipped)["history"]
+    history = run_inprocess(path, RunSettings(), client_app_=unclipped)["history"]
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]

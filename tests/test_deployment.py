@@ -11,12 +11,15 @@ import math
 import os
 import signal
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.test_federated import _final_adapters, workspace, write_plan  # noqa: F401  (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # One xdist worker runs them one after another (make test-all: --dist loadgroup): each starts a SuperLink and
 # SuperNodes, and two at once on 2 cores made rounds miss their timeouts.
@@ -41,14 +44,16 @@ def _serve_inprocess(plan_path: str, **run_config):
     from flwr.app import Context, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from pipeline.federation.client_app import client_app
+    from pipeline.federation.client_evaluation import client_app  # the deployed ClientApp (pyproject.toml)
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.deployment import server_app
     from pipeline.training.client_data import client_names
 
     names = client_names(load_plan(plan_path))
-    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    # the clients see the app's run config, as deployed SuperNodes do (their cache settings come from it)
+    app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names], run_config=app_config)
     _set_server_identity(grid.run.run_id)
     server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                           state=RecordDict(),
@@ -436,7 +441,10 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     names = client_names(load_plan(plan))
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
-    _, history = run_server(grid, load_plan(plan), plan)
+    from pipeline.experiments import RunSettings
+    from pipeline.federation.protocol import client_settings_config
+
+    _, history = run_server(grid, load_plan(plan), plan, client_settings=client_settings_config(RunSettings().cache))
     rows = {(r["round"], r["client"]): r for r in history}
     assert sorted(rows) == [(r, c) for r in (1, 2, 3) for c in ("Academic", "Committee", "Product")]
     gone = rows[(2, "Committee")]

@@ -257,6 +257,17 @@ def _pipeline_imports(module: str) -> set[str]:
     return {n for n in names if n.startswith("pipeline.") and (ROOT / (n.replace(".", "/") + ".py")).exists()}
 
 
+def import_closure(module: str) -> set[str]:
+    """The files of the pipeline modules ``module`` imports, directly or not (itself included)."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo.extend(_pipeline_imports(current))
+    return {m.replace(".", "/") + ".py" for m in seen}
+
+
 def test_every_stage_depends_on_exactly_the_pipeline_modules_it_imports():
     # A module a stage reads but does not declare is a change DVC never reruns for (e.g. int8 transfer in
     # compression.py changes training results); one declared but not read reruns the stage for nothing.
@@ -265,12 +276,6 @@ def test_every_stage_depends_on_exactly_the_pipeline_modules_it_imports():
         command = re.search(r"python -m (pipeline\.\w+)", body["cmd"])
         if command is None:
             continue
-        seen, todo = set(), [command.group(1)]
-        while todo:
-            module = todo.pop()
-            if module not in seen:
-                seen.add(module)
-                todo.extend(_pipeline_imports(module))
-        read = {m.replace(".", "/") + ".py" for m in seen}
+        read = import_closure(command.group(1))
         declared = {d for d in body.get("deps", []) if isinstance(d, str) and d.startswith("pipeline/")}
         assert declared == read, (stage, sorted(read - declared), sorted(declared - read))

@@ -13,7 +13,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+import yaml
 
+from pipeline.experiments import RunSettings
+from pipeline.federation.protocol import client_settings_config
 from tests.faults import killed_after_checkpoint
 from tests.tiny_models import DOMAINS, MODEL, WORDS, save_tiny
 
@@ -24,6 +27,9 @@ TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "new_client": "SAMSum",
          "fedopt": {"server_optimizer": "adam", "server_lr": 0.01},
          # every example (params.yaml's CPU-profile caps are the dataclass defaults)
          "max_train_examples_per_client": None, "max_valid_examples_per_client": None}
+# What the engines send a client as its run-time settings (pipeline.federation.protocol.client_cache_config) when
+# a test calls a ClientApp handler itself: RunSettings' defaults, as a train stage without its own would send.
+CLIENT_SETTINGS = client_settings_config(RunSettings().cache)
 
 
 def _examples() -> tuple[pd.DataFrame, dict, dict]:
@@ -85,6 +91,9 @@ def workspace(tmp_path_factory):
     _write_partition(root, "domain", domain_clients)
     _write_partition(root, "extreme", extreme_clients)
     _write_postags(root, examples)
+    # A project root's params file, with the run-time settings only (RunSettings' defaults): what the train stage
+    # (`--params`, default params.yaml) and a deployed ServerApp (run config `params`) read them from.
+    (root / "params.yaml").write_text(yaml.safe_dump({"train": {"engine": "inprocess", "round_timeout_s": 86400}}))
     return root
 
 
@@ -182,7 +191,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     _set_server_identity(1)
     initial = initial_adapter_state(plan)
     msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
-                              "config": ConfigRecord({"server-round": 1, "plan": path})}),
+                              "config": ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS})}),
                   dst_node_id=1000, message_type="train")
     msg.metadata.__dict__["_message_id"] = "x"
     context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
@@ -641,7 +650,8 @@ def test_client_first_sampled_after_round_1_starts_from_the_current_global(ws):
     _set_server_identity(1)
     context = Context(run_id=1, node_id=7, node_config={"client-name": "Academic", "plan": path},
                       state=RecordDict(), run_config={})
-    config = lambda rnd: RecordDict({"config": ConfigRecord({"server-round": rnd, "plan": path})})  # noqa: E731
+    config = lambda rnd: RecordDict({"config": ConfigRecord({"server-round": rnd, "plan": path,  # noqa: E731
+                                                             **CLIENT_SETTINGS})})
     evaluate = Message(config(1), dst_node_id=7, message_type="evaluate")
     evaluate.metadata.__dict__["_message_id"] = "e1"
     client_app.client_evaluate(evaluate, context)  # round 1: evaluated, never trained
@@ -670,8 +680,8 @@ def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
     _set_server_identity(1)
     node_config = {"client-name": "Committee", "plan": path}
     first = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
-    msg = Message(RecordDict({"config": ConfigRecord({"server-round": 1, "plan": path})}), dst_node_id=7,
-                  message_type="evaluate")
+    msg = Message(RecordDict({"config": ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS})}),
+                  dst_node_id=7, message_type="evaluate")
     msg.metadata.__dict__["_message_id"] = "e1"
     client_app.client_evaluate(msg, first)
     restarted = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})

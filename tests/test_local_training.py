@@ -384,9 +384,7 @@ def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws
     """With more than one local epoch a KD round keeps the teacher's logits in RAM (model.teacher_cache_gb); the
     cache is exact, so the round trains to the same adapter as without it. It is built only where it can help:
     two paths, several epochs, a budget above 0."""
-    from pipeline.experiments import RunSettings
     from pipeline.modeling import cache as cache_module
-    from pipeline.training import client_training as local
 
     built = []
 
@@ -398,12 +396,10 @@ def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws
     monkeypatch.setattr(cache_module, "TeacherCache", Spy)
 
     def run(method: str, epochs: int, budget_gb: float):
-        monkeypatch.setattr(local, "current_run_settings",
-                            lambda experiment: RunSettings(cache={"teacher_cache_gb": budget_gb}))
         plan, model, train, w0 = _setup(f"local-tc-{method}-{epochs}", method, lr=5e-3, batch_size=2,
                                         local_epochs=epochs)
         model.load_adapter_state("global", {k: v + 0.1 for k, v in w0.items()})
-        result = _train(plan, model, train)
+        result = _train(plan, model, train, teacher_cache_gb=budget_gb)
         return model.adapter_state("local"), result
 
     cached, with_cache = run("fedselectkd", 2, 1.0)
@@ -455,6 +451,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
 def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
     """model.cache_dtype float16 stores the frozen prefix rounded (half the disk): the round must train on those
     entries, so its losses differ from the exact float32 round by the rounding and no more."""
+    from pipeline.experiments import RunSettings
     from pipeline.federation.protocol import load_plan
     from pipeline.training.shared_model import prefix_cache_for
 
@@ -463,7 +460,7 @@ def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
                                 batch_size=2, prefix_cache=True))
     assert half.cache_dtype == "float16"
     losses = []
-    for plan, cache in ((exact, None), (half, prefix_cache_for(half, model))):
+    for plan, cache in ((exact, None), (half, prefix_cache_for(half, model, RunSettings().cache))):
         model.load_adapter_state("local", w0)
         model.load_adapter_state("global", {k: v + 0.1 for k, v in w0.items()})
         result = _train(plan, model, train, cache=cache)

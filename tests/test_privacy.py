@@ -18,7 +18,7 @@ from pipeline.privacy.example_dp import DPSGDStep
 from pipeline.privacy.settings import PrivacyConfig
 from tests.errors import names
 from tests.faults import killed_after_checkpoint
-from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
+from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
 
 
 def _setting(sigma: float = 0.0, c: float = 1.0, logical_batch: int = 2) -> ClientPrivacy:
@@ -418,7 +418,7 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     replies = []
     for rnd in (1, 2):
         msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
-                                  "config": ConfigRecord({"server-round": rnd, "plan": path})}),
+                                  "config": ConfigRecord({"server-round": rnd, "plan": path, **CLIENT_SETTINGS})}),
                       dst_node_id=1000, message_type="train")
         msg.metadata.__dict__["_message_id"] = f"x{rnd}"
         replies.append(client_app(msg, context).content["metrics"])

@@ -48,13 +48,16 @@ def _use_checkout(root: Path, monkeypatch) -> None:
 # ------------------------------------------------------------------------------------------ experiment view
 @pytest.mark.slow
 def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(store):
+    from pipeline.results.studies import study_description
     from pipeline.results.tracking import experiment_id
 
     client = _client()
     old = client.create_experiment("tau_sweep")  # as an earlier fedmeet left it: no kind, no description
     assert experiment_id("tau_sweep") == old
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+    assert "mlflow.note.content" not in client.get_experiment(old).tags  # training describes no study
     for study, section in (("tau_sweep", "7.6"), ("main", "7.1"), ("my-study", "7")):
-        tags = client.get_experiment(experiment_id(study)).tags
+        tags = client.get_experiment(experiment_id(study, study_description(study))).tags
         # The value MLflow 3.17's UI bundle maps to the model-training (runs table) view.
         assert tags["mlflow.experimentKind"] == "custom_model_development"
         assert f"`{study}`" in tags["mlflow.note.content"]
@@ -131,15 +134,14 @@ def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
     assert tags["git.dirty"] == "true" and tags["git.changed"] == "params.yaml"
     assert tags["dvc.exp_name"] == "tau-three" and tags["dvc.baseline_rev"] == base_rev
     assert tags["plan_hash"] == plan_hash(plan) and len(tags["plan_hash"]) == 64
-    assert tags["preset"] == "none"  # no configs/ here
+    assert "preset" not in tags  # the run profile is no part of training (pipeline.presets.preset_name)
 
     monkeypatch.delenv("DVC_EXP_BASELINE_REV")  # a plain `dvc repro` compares with HEAD (tau 3)
     assert tracked_run_name(plan, plan_path) == "fedselectkd-domain lr=0.0001"
 
 
 def test_preset_is_recognised_from_the_params_it_sets(tmp_path):
-    from pipeline.presets import apply_preset
-    from pipeline.results.run_identity import preset_name
+    from pipeline.presets import apply_preset, preset_name
 
     configs = tmp_path / "configs"
     configs.mkdir()

@@ -94,7 +94,7 @@ def _how_to_fix(dataset: str, cfg: IngestConfig, problem: str) -> str:
     return (f"cannot read dataset {dataset!r}: {problem}. Run `dvc update data/raw/{dataset}.dvc` (a DVC import "
             f"of ../shared/data/{dataset}) or `dvc pull data/raw/{dataset}.dvc`; or set the environment variable "
             f"{ENV_DATA_ROOT} "
-            f"(or `ingest.data_root` in params.yaml, now {cfg.data_root!r}) to a directory laid out like "
+            f"(or the params key `ingest.data_root`, now {cfg.data_root!r}) to a directory laid out like "
             f"../shared/data (<root>/{dataset}/...), or set `ingest.urls.{dataset}` to a reachable copy of "
             f"the upstream files.")
 

@@ -11,7 +11,8 @@
   section 4 is written on the client's disk (it is the client's own data).
 - ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
   checkpoints the client's state on the client's disk (pipeline.training.checkpoints).
-- ``query.summarize``: federated evaluation (pipeline.federation.deployment).
+- ``query.summarize`` (federated evaluation) is registered on this app by pipeline.federation.client_evaluation,
+  the deployed ClientApp (pyproject.toml), so decoding and scoring stay out of the train stage's code.
 - FedAvg weights: ``num-examples`` is the number of examples the client trained on this round (``train.weight_by:
   trained``, the default): under the CPU profile's cap (``max_train_examples_per_client``) each update is
   estimated from that many examples, so it weighs what it was computed from; ``weight_by: full`` weights by the
@@ -19,9 +20,7 @@
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 from pathlib import Path
 
 import torch
@@ -29,22 +28,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict
-from pipeline.datasets.subsampling import subsample_test_ids
-from pipeline.modeling.generation import generate_summaries
-from pipeline.results.evaluation import EvaluateConfig
-from pipeline.results.scoring import Scorer, mean_scores
 from pipeline.privacy.client_dp import client_dp_mod
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, decode_global, encode_reply,
-                                          load_plan, plan_path_of)
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, client_cache_config, decode_global,
+                                          encode_reply, load_plan, plan_path_of)
 from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
-from pipeline.modeling.adapter_io import adapter_file, load_adapter, load_local_adapter
+from pipeline.modeling.adapter_io import load_adapter
 from pipeline.experiments import Plan
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import best_adapter, checkpoints
-from pipeline.training.client_data import client_data, client_names, read_examples, read_partition
-from pipeline.training.shared_model import initial_adapter_state, model_config, prefix_cache_for, shared_model
+from pipeline.training.client_data import client_data, client_names, read_partition
+from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -159,10 +153,11 @@ def train_round(msg: Message, context: Context, masked: bool) -> Message:
 
     data = client_data(plan, name)
     mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
+    cache_settings = client_cache_config(msg, context)
     result = local_training.train_local(
         model, plan, data.train, client=name, rnd=rnd,
         proximal_reference=received if mu > 0 else None, proximal_mu=mu,
-        cache=prefix_cache_for(plan, model),
+        cache=prefix_cache_for(plan, model, cache_settings), teacher_cache_gb=cache_settings.teacher_cache_gb,
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
     )
     new_local = model.adapter_state("local")
@@ -238,7 +233,8 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     if len(data.valid) == 0:
         raise ValueError(f"{plan.paths['partition']}: client {name!r} has no valid examples: no best round")
     val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid,
-                                                          cache=prefix_cache_for(plan, model))
+                                                          cache=prefix_cache_for(plan, model,
+                                                                                 client_cache_config(msg, context)))
 
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else best_adapter.initial_progress()
     progress, is_best = best_adapter.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
@@ -258,36 +254,3 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         "is-best": int(is_best),
     })
     return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
-
-
-@client_app.query("summarize")
-def client_summarize(msg: Message, context: Context) -> Message:
-    """Federated evaluation (pipeline.federation.deployment): ROUGE of the client's own adapter on its own test
-    set, as the evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
-    plan = load_plan(plan_path_of(msg, context))
-    name = client_name(plan, context)
-    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])),
-                    "query.summarize: evaluate")
-    partition = read_partition(plan.paths["partition"])
-    if name not in partition["clients"]:
-        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
-    test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
-    metrics: dict[str, float | int] = {"n_test": len(test_ids)}
-    if test_ids:
-        examples = read_examples(plan.paths["examples"])
-        missing = [i for i in test_ids if i not in examples.index]
-        if missing:
-            raise ValueError(f"{plan.paths['partition']}: client {name!r} test id {missing[0]!r} is not in "
-                             f"{plan.paths['examples']} ({len(missing)} missing)")
-        chosen = subsample_test_ids(test_ids, name, cfg.test_examples_per_client, cfg.subsample_seed)
-        model = shared_model(plan)
-        load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
-        sub = examples.loc[chosen]
-        max_src = cfg.max_source_length or model_config(plan).max_source_length
-        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{plan.experiment}/{name}")
-        metrics.update(mean_scores(Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())))
-        metrics["skipped_by_subsampling"] = len(test_ids) - len(chosen)
-    content = RecordDict({"identity": ConfigRecord({"client-name": name}),
-                          METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
-                                                         if not (isinstance(v, float) and math.isnan(v))})})
-    return Message(content, reply_to=msg)

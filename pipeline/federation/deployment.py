@@ -22,7 +22,8 @@ A client that failed in every round it was sampled in (a hung node: no reply wit
 run after its rounds are recorded, so ``flwr ls`` reports it (:func:`never_contributed`).
 
 Run config keys (``flwr run . --run-config "..."``): ``plan`` (required), ``params`` (file whose ``evaluate``
-group sets decoding; default params.yaml, else the evaluate stage's defaults), ``evaluate`` (bool, default true),
+group sets decoding, and whose run-time settings give the round timeout; default params.yaml; a file that is not
+there is an error, never the defaults), ``evaluate`` (bool, default true),
 ``evaluate-every`` (int, 0 = only at the end), ``mlflow`` (bool, default true), ``round-timeout-s`` (float, how
 long the server waits for a round's replies; 0 = that params file's ``train.round_timeout_s``),
 ``admission-timeout-s`` (float, how long it waits for every client the plan declares to join; 0 = that params
@@ -41,7 +42,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
-from pipeline.experiments import current_run_settings
+from pipeline.experiments import load_run_settings
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.federation.run_checks import SERVER_KEYS, check_run_config
@@ -81,14 +82,17 @@ def round_timeout_s(run_config: dict[str, Any], experiment: str, key: str = "rou
     given = float(run_config.get(key) or 0)
     if given > 0:
         return given
-    settings = current_run_settings(experiment, str(run_config.get("params") or "params.yaml"))
+    settings = load_run_settings(str(run_config.get("params") or "params.yaml"), experiment)
     return settings.round_timeout_s if key == "round-timeout-s" else settings.admission_timeout_s
 
 
 def evaluate_config(run_config: dict[str, Any]) -> EvaluateConfig:
     """The evaluate stage's decoding settings: ``params.yaml``'s ``evaluate`` group (run config ``params``)."""
     path = Path(str(run_config.get("params") or "params.yaml"))
-    params = load_params(path) if path.exists() else {}
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: params file not found (run config 'params': its `evaluate` group sets the "
+                                f"federated evaluation's decoding)")
+    params = load_params(path)
     return from_dict(EvaluateConfig, params.get("evaluate"), f"{path}: evaluate")
 
 

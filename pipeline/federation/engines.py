@@ -22,10 +22,10 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from pipeline.experiments import RunSettings, current_run_settings
+from pipeline.experiments import RunSettings
 from pipeline.federation.simulation_poller import linear_polling
 from pipeline.federation.client_app import client_app
-from pipeline.federation.protocol import load_plan
+from pipeline.federation.protocol import client_settings_config, load_plan
 from pipeline.federation.server_app import run_server
 from pipeline.training.client_data import client_names
 from pipeline.training.recorder import Recorder
@@ -33,16 +33,18 @@ from pipeline.training.recorder import Recorder
 log = logging.getLogger("fedmeet.federated")
 
 
-def make_server_app(plan_path: str, recorder: Recorder | None = None, result: dict | None = None,
-                    settings: RunSettings | None = None) -> ServerApp:
-    """A ServerApp bound to one plan (engines); ``result`` receives the final arrays and history."""
+def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
+                    result: dict | None = None) -> ServerApp:
+    """A ServerApp bound to one plan (engines); ``result`` receives the final arrays and history. ``settings``:
+    the train stage's run-time settings; the clients this engine hosts get their cache settings with every
+    message (pipeline.federation.protocol.client_cache_config)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         plan = load_plan(plan_path)
-        run = settings or current_run_settings(plan.experiment)
-        arrays, history = run_server(grid, plan, plan_path, recorder, run.round_timeout_s, run.admission_timeout_s)
+        arrays, history = run_server(grid, plan, plan_path, recorder, settings.round_timeout_s,
+                                     settings.admission_timeout_s, client_settings_config(settings.cache))
         if result is not None:
             result.update(arrays=arrays, history=history)
 
@@ -59,14 +61,16 @@ class InProcessGrid(Grid):
     as Flower's runtimes report it.
     """
 
-    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1):
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1,
+                 run_config: dict[str, Any] | None = None):
         self.client_app = client_app
         self._run = Run.create_empty(run_id)
         self.contexts: dict[int, Context] = {}
         for i, node_config in enumerate(node_configs):
             node_id = 1000 + i
+            # run_config: what a deployed ClientApp sees as its run config (the FAB's, e.g. pyproject.toml's)
             self.contexts[node_id] = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config),
-                                             state=RecordDict(), run_config={})
+                                             state=RecordDict(), run_config=dict(run_config or {}))
         self._pending: dict[str, Message] = {}
 
     def set_run(self, run: Run) -> None:
@@ -117,43 +121,41 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_inprocess(plan_path: str, recorder: Recorder | None = None, client_app_: ClientApp | None = None,
-                  settings: RunSettings | None = None) -> dict:
+def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
+                  client_app_: ClientApp | None = None) -> dict:
     """Run the experiment's ServerApp and ClientApps in this process; returns {arrays, history}."""
     plan = load_plan(plan_path)
     names = client_names(plan)
     grid = InProcessGrid(client_app_ or client_app, [{"client-name": n, "plan": plan_path} for n in names])
     _set_server_identity(grid.run.run_id)
     result: dict = {}
-    app = make_server_app(plan_path, recorder, result, settings)
+    app = make_server_app(plan_path, settings, recorder, result)
     app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                    state=RecordDict(), run_config={"plan": plan_path}))
     result["contexts"] = grid.contexts
     return result
 
 
-def run_ray(plan_path: str, recorder: Recorder | None = None, settings: RunSettings | None = None) -> dict:
+def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
     """Run the same apps in Flower's simulation runtime on Ray (one virtual SuperNode per client)."""
     from flwr.simulation import run_simulation
 
     plan = load_plan(plan_path)
-    settings = settings or current_run_settings(plan.experiment)
     names = client_names(plan)
     result: dict = {}
     backend_config = {"client_resources": {"num_cpus": settings.ray_cpus_per_client,
                                            "num_gpus": settings.ray_gpus_per_client}}
     _set_server_identity(1)
     with linear_polling():  # Flower's own poller costs O(clients^2) per poll (pipeline.federation.simulation_poller)
-        run_simulation(server_app=make_server_app(plan_path, recorder, result, settings), client_app=client_app,
+        run_simulation(server_app=make_server_app(plan_path, settings, recorder, result), client_app=client_app,
                        num_supernodes=len(names), backend_config=backend_config)
     if "history" not in result:
         raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
     return result
 
 
-def run_federated(plan_path: str, recorder: Recorder | None = None, settings: RunSettings | None = None) -> dict:
-    """The plan's run on the engine ``settings`` name (default: params.yaml's run-time settings)."""
-    settings = settings or current_run_settings(load_plan(plan_path).experiment)
+def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
+    """The plan's run on the engine ``settings`` names (the train stage's run-time settings)."""
     if settings.engine == "ray":
-        return run_ray(plan_path, recorder, settings)
-    return run_inprocess(plan_path, recorder, settings=settings)
+        return run_ray(plan_path, settings, recorder)
+    return run_inprocess(plan_path, settings, recorder)

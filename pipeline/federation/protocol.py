@@ -12,6 +12,7 @@ are counted on the encoded messages.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 
 from pipeline.federation.compression import decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.common.config import from_dict
 from pipeline.experiments import Plan, read_plan
+from pipeline.modeling.cache import CacheConfig
 from pipeline.training.shared_model import initial_adapter_state
 
 ARRAYS_KEY = "arrays"  # Flower strategies' default ArrayRecord key
@@ -43,6 +46,41 @@ PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-
 # exceeded C before the mod clipped it (0/1), and, with adaptive clipping, Flower's adaptiveclipping_mod's norm bit.
 CLIPPED_KEY = "dp-update-clipped"
 CLIENT_LEVEL_METRIC_KEYS = (CLIPPED_KEY, "norm_bit")
+
+
+# ------------------------------------------------------------------------------------ the client's settings
+# A client's run-time settings (pipeline.experiments.RunSettings.cache: where its prefix cache lives, how much its
+# caches may hold; none of them changes a result). A SuperNode's own node config gives them, else the run config
+# (a deployment's pyproject.toml [tool.flwr.app.config]), else the message config (the engines' server, which hosts
+# its clients in the train stage, sends the stage's own: :func:`client_settings_config`). Nothing else: a client
+# never reads a params file.
+CLIENT_SETTING_KEYS = {"cache-dir": "cache_dir", "cache-max-gb": "cache_max_gb", "teacher-cache-gb": "teacher_cache_gb"}
+
+
+def client_settings_config(cache: CacheConfig) -> dict[str, str | float]:
+    """The message config keys that carry ``cache`` to the clients (:func:`client_cache_config` reads them)."""
+    values = dataclasses.asdict(cache)
+    return {key: values[name] for key, name in CLIENT_SETTING_KEYS.items()}
+
+
+def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
+    """The client's cache settings: each key from the node config, else the run config, else the message config;
+    a key none of them sets is an error naming it (a client never runs on defaults it was not given)."""
+    message_config = msg.content[CONFIG_KEY] if msg is not None and CONFIG_KEY in msg.content else {}
+    values, missing = {}, []
+    for key, name in CLIENT_SETTING_KEYS.items():
+        for source in (context.node_config, context.run_config, message_config):
+            if key in source and source[key] not in (None, ""):
+                values[name] = source[key]
+                break
+        else:
+            missing.append(key)
+    if missing:
+        raise ValueError(f"client settings: {missing} set neither in the node config (--node-config "
+                         f"\"{missing[0]}=...\"), the run config nor the message")
+    values = {"cache_dir": str(values["cache_dir"]), "cache_max_gb": float(values["cache_max_gb"]),
+              "teacher_cache_gb": float(values["teacher_cache_gb"])}
+    return from_dict(CacheConfig, values, "client settings")
 
 
 # ----------------------------------------------------------------------------------------------- the plan

@@ -199,11 +199,14 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
 
 def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None,
                round_timeout_s: float = RunSettings.round_timeout_s,
-               admission_timeout_s: float | None = None) -> tuple[ArrayRecord, list]:
+               admission_timeout_s: float | None = None,
+               client_settings: dict[str, Any] | None = None) -> tuple[ArrayRecord, list]:
     """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
-    for a round's replies; late clients count as failed (params.yaml train.round_timeout_s, a run-time setting).
+    for a round's replies; late clients count as failed (`train.round_timeout_s`, a run-time setting).
     ``admission_timeout_s``: how long it waits for every client the plan declares to join (default: the round
-    timeout; params.yaml train.admission_timeout_s); one missing then fails the run."""
+    timeout; `train.admission_timeout_s`); one missing then fails the run. ``client_settings``: run-time settings
+    sent with every train and evaluate message, for clients that take them from the server (the engines' own:
+    pipeline.federation.protocol.client_settings_config)."""
     recorder = recorder or Recorder()
     spec = plan.spec
     t = plan.train
@@ -257,7 +260,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         view = _NodeSubsetGrid(grid, sorted(admitted))
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path}), view))
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path, **(client_settings or {})}), view))
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
         # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
@@ -302,7 +305,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
         # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
         eval_arrays = arrays if spec.local_from_global else ArrayRecord()
-        eval_messages = list(strategy.configure_evaluate(rnd, eval_arrays, ConfigRecord({"plan": plan_path}), view))
+        eval_messages = list(strategy.configure_evaluate(rnd, eval_arrays,
+                                                         ConfigRecord({"plan": plan_path, **(client_settings or {})}),
+                                                         view))
         if spec.local_from_global and eval_messages:
             eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
             for m in eval_messages:

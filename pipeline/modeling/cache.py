@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class CacheConfig:
-    """Where the frozen-prefix cache lives and how much the caches may hold (params.yaml `model`, comments there).
-    None of it changes a result (float32 entries are exact; evicted entries are recomputed), so plans leave it out
+    """Where the frozen-prefix cache lives and how much the caches may hold (`model.cache_dir`,
+    `model.cache_max_gb`, `model.teacher_cache_gb`). None of it changes a result (float32 entries are exact; evicted entries are recomputed), so plans leave it out
     (pipeline.experiments.RunSettings). The entries' dtype does change results: it travels in the plan."""
 
     cache_dir: str = "data/cache/prefix"

@@ -59,7 +59,7 @@ class ModelConfig:
 
     @classmethod
     def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":
-        """From params.yaml's `model` group, whose cache keys are not this config's (the plan stage checks that
+        """From the `model` params group, whose cache keys are not this config's (the plan stage checks that
         every key of the group is known: pipeline.experiments.model_config)."""
         from pipeline.common.config import from_dict
 

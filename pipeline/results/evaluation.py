@@ -1,5 +1,5 @@
 """An evaluation as the evaluate stage and the deployed clients' federated evaluation make it: the decoding
-settings (params.yaml `evaluate`) and the evaluation's MLflow record (the client averages as headline metrics, the
+settings (the `evaluate` params) and the evaluation's MLflow record (the client averages as headline metrics, the
 training run it belongs to, records computed elsewhere imported)."""
 from __future__ import annotations
 
@@ -117,10 +117,13 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     ``converged`` (pipeline.results.convergence.run_converged of the training records) becomes the tag
     ``converged``: "false" when some client's best validation round was its last, so the scores hold for that
     round budget only (filter with ``tags.converged = 'false'``)."""
-    from pipeline.results.tracking import RunLogger
+    from pipeline.results.studies import study_description
+    from pipeline.results.tracking import RunLogger, experiment_id
 
     from pipeline.experiments import record_hash
 
+    study = str(experiment.get("study") or "main")
+    experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
                                                                   record_hash(experiment))
     if run_id:

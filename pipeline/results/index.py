@@ -44,7 +44,7 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
         lines += ["", "Planned experiments without an evaluation (`reports/eval/<exp>/metrics.json`):", ""]
         lines += [f"- `{name}`" for name in index["missing_experiments"]]
     if index["ignored_evaluations"]:
-        lines += ["", "Evaluations left out because their experiment is not in params.yaml `experiments`:", ""]
+        lines += ["", "Evaluations left out because their experiment is not in the `experiments` params:", ""]
         lines += [f"- `reports/eval/{name}`" for name in index["ignored_evaluations"]]
     if index["incomplete_seeds"]:
         lines += ["", "Configurations averaged over fewer seeds than expected (`report.expected_seeds`):", ""]

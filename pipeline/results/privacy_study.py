@@ -1,4 +1,4 @@
-"""The privacy-utility study (params.yaml experiments of study `privacy`: the same methods trained without
+"""The privacy-utility study (the `experiments` of study `privacy`: the same methods trained without
 privacy and with DP at several budgets, each entry's `privacy` mapping saying which): ROUGE against the epsilon
 each run actually spent.
 

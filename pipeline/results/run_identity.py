@@ -1,7 +1,8 @@
-"""Who a tracked run is: where it came from (git commit and changed files, the DVC experiment, the run profile
-applied), its name (the plan settings that differ from the baseline commit's plan) and the process that owns it
-(host, pid and the pid's start time), so a run whose process died can be told from one still running
-(pipeline.results.tracking marks it KILLED)."""
+"""Who a tracked run is: where it came from (git commit and changed files, the DVC experiment), its name (the plan
+settings that differ from the baseline commit's plan) and the process that owns it (host, pid and the pid's start
+time), so a run whose process died can be told from one still running (pipeline.results.tracking marks it KILLED).
+The run profile (preset) applied is pipeline.presets.preset_name: not imported here, so the train stage's code
+holds no run-profile CLI."""
 from __future__ import annotations
 
 import json
@@ -51,20 +52,6 @@ def dvc_tags() -> dict[str, str]:
     return {tag: os.environ[var] for var, tag in names.items() if os.environ.get(var)}
 
 
-def preset_name(params: dict[str, Any], configs_dir: Path = Path("configs")) -> str:
-    """The run profile (configs/*.yaml) whose settings params.yaml holds, i.e. the preset applied with
-    `make preset` / `dvc exp run -S` (DVC keeps no record of it: it only sees the overrides); "none" otherwise."""
-    from pipeline.presets import PresetError, apply_preset, load_preset
-
-    for path in sorted(configs_dir.glob("*.yaml")):
-        try:
-            if apply_preset(params, load_preset(path)) == params:
-                return path.stem
-        except (PresetError, OSError, ValueError, TypeError, KeyError):
-            continue
-    return "none"
-
-
 def _format_value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
@@ -101,12 +88,13 @@ def run_name(experiment: str, plan: dict[str, Any], base: dict[str, Any] | None)
     return name if len(name) <= _MAX_RUN_NAME_CHARS else name[: _MAX_RUN_NAME_CHARS - 3] + "..."
 
 
-def base_params(cwd: Path | None = None) -> dict[str, Any] | None:
-    """params.yaml of the commit the run is compared with: the DVC experiment's baseline when set, else HEAD."""
+def base_params(params_file: str, cwd: Path | None = None) -> dict[str, Any] | None:
+    """The params file (``params_file``, relative to the repository root) of the commit the run is compared with:
+    the DVC experiment's baseline when set, else HEAD."""
     import yaml
 
     rev = os.environ.get("DVC_EXP_BASELINE_REV") or "HEAD"
-    text = _git("show", f"{rev}:params.yaml", cwd=cwd)
+    text = _git("show", f"{rev}:{params_file}", cwd=cwd)
     if text is None:
         return None
     try:
@@ -117,7 +105,8 @@ def base_params(cwd: Path | None = None) -> dict[str, Any] | None:
 
 
 def base_plan(experiment: str, params: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The plan the base params.yaml gives ``experiment`` (None when it has no such experiment or cannot)."""
+    """The plan the base params (:func:`base_params`) give ``experiment`` (None when it has no such experiment or
+    cannot)."""
     from pipeline.experiments import parse_entry, resolve_plan
 
     raw = ((params or {}).get("experiments") or {}).get(experiment)

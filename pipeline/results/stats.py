@@ -21,7 +21,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    """params.yaml `bootstrap` (shared by the evaluate and report stages)."""
+    """The `bootstrap` params (shared by the evaluate and report stages)."""
 
     n_resamples: int = 10000
     level: float = 0.95
@@ -32,11 +32,11 @@ class BootstrapConfig:
 
     def __post_init__(self) -> None:
         if self.n_resamples < 100:
-            raise ValueError(f"params.yaml bootstrap.n_resamples: {self.n_resamples} is too few (at least 100)")
+            raise ValueError(f"bootstrap.n_resamples: {self.n_resamples} is too few (at least 100)")
         if not 0.5 < self.level < 1.0:
-            raise ValueError(f"params.yaml bootstrap.level: {self.level} must be in (0.5, 1)")
+            raise ValueError(f"bootstrap.level: {self.level} must be in (0.5, 1)")
         if not 0.0 <= self.identical_warning <= 1.0:
-            raise ValueError(f"params.yaml bootstrap.identical_warning: {self.identical_warning} must be in [0, 1]")
+            raise ValueError(f"bootstrap.identical_warning: {self.identical_warning} must be in [0, 1]")
 
 
 @dataclass(frozen=True)

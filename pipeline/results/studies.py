@@ -1,8 +1,9 @@
 """The studies of METHOD.md section 7 that fedmeet reproduces: what each compares and where METHOD.md defines it.
 
-One entry per study (params.yaml experiments name their study). The MLflow experiment of a study carries this as
-its description (pipeline.results.tracking); a study's figure, when it has one, is an entry of
-pipeline.results.study_figures. A study without an entry still works, described by its name.
+One entry per study (each entry of the `experiments` params names its study). The MLflow experiment of a study
+carries :func:`study_description` as its description (set by the evaluation's logging, pipeline.results.evaluation:
+training never imports this module, so rewording a study reruns no training); a study's figure, when it has one,
+is an entry of pipeline.results.study_figures. A study without an entry still works, described by its name.
 """
 from __future__ import annotations
 
@@ -26,4 +27,13 @@ STUDIES: dict[str, tuple[str, str]] = {
 
 def describe(study: str) -> tuple[str, str]:
     """(what the study compares, its METHOD.md section); an unlisted study by its name, section 7."""
-    return STUDIES.get(study, (f"Study {study!r} (params.yaml experiments with study: {study})", "7"))
+    return STUDIES.get(study, (f"Study {study!r} (experiments with study: {study})", "7"))
+
+
+def study_description(study: str) -> str:
+    """The description of a study's MLflow experiment (pipeline.results.tracking.experiment_id)."""
+    what, section = describe(study)
+    return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
+            "`experiments` params (named with the settings that differ from the baseline commit's). Compare methods "
+            "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (rougeLsum, as in the tables) and avg_ROUGE, each with its "
+            "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: eval.<client>.<rouge>.")

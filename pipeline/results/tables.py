@@ -31,8 +31,8 @@ def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[
               expected_seeds: Iterable[int]) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing.
 
-    A configuration's expected seeds are ``expected_seeds`` plus any seed params.yaml plans for it; a seed is
-    missing for a client when no evaluated experiment of that configuration has the client.
+    A configuration's expected seeds are ``expected_seeds`` plus any seed the `experiments` params plan for it; a
+    seed is missing for a client when no evaluated experiment of that configuration has the client.
     """
     expected = set(int(s) for s in expected_seeds)
     planned_seeds: dict[tuple, set[int]] = defaultdict(set)
@@ -235,7 +235,7 @@ EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")
 
 def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFrame | None, list[str]]:
     """The stage timing records, longest first, and the stages left out: train-/evaluate- records of experiments
-    params.yaml no longer plans (DVC leaves a removed stage's outputs in place)."""
+    the `experiments` params no longer plan (DVC leaves a removed stage's outputs in place)."""
     files = sorted(timing_dir.glob("*.json")) if timing_dir.is_dir() else []
     rows, left_out = [], []
     for f in files:

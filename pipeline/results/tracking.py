@@ -7,7 +7,9 @@ artifact location (``mlflow-artifacts:`` proxy), so a second machine's adapters 
 mlflow is imported lazily: stages that never log start fast.
 
 Each study's MLflow experiment opens in the UI's runs table (``mlflow.experimentKind``; MLflow 3 would otherwise
-open the GenAI traces view, empty for us) and carries a description naming the study and its METHOD.md section.
+open the GenAI traces view, empty for us) and carries a description naming the study and its METHOD.md section,
+given by whoever describes studies (pipeline.results.studies.study_description, passed in by the evaluation's
+logging): the train stage logs without one, so a study's wording is no part of training's fingerprint.
 Each run carries where it came from and the process that owns it (pipeline.results.run_identity), so a run whose
 process died is marked KILLED when the same experiment starts again (:func:`close_dead_runs`).
 """
@@ -24,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.results.studies import describe
 from pipeline.common.config import flatten, repo_root
 from pipeline.results.run_identity import owner_alive, owner_tags
 
@@ -111,22 +112,14 @@ def _client():
         return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
 
 
-def study_description(study: str) -> str:
-    what, section = describe(study)
-    return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of params.yaml "
-            "(named with the settings that differ from the baseline commit's). Compare methods on client_avg/"
-            "ROUGE-1, ROUGE-2, ROUGE-L (rougeLsum, as in the tables) and avg_ROUGE, each with its 95 % interval "
-            "(_ci_low/_ci_high: bootstrap over test examples); per client: eval.<client>.<rouge>.")
+def experiment_tags(description: str | None = None) -> dict[str, str]:
+    return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND} | ({NOTE_TAG: description} if description else {})
 
 
-def experiment_tags(study: str) -> dict[str, str]:
-    return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND, NOTE_TAG: study_description(study)}
-
-
-def experiment_id(study: str) -> str:
-    """The MLflow experiment of a study: created on first use (runs-table view, description, artifacts under
-    mlartifacts/ or the server's store); an existing one gets the view and description it lacks and, when the
-    checkout moved, its artifact locations rebased (:func:`rebase_artifacts`)."""
+def experiment_id(study: str, description: str | None = None) -> str:
+    """The MLflow experiment of a study: created on first use (runs-table view, ``description`` when given,
+    artifacts under mlartifacts/ or the server's store); an existing one gets the view and the description it
+    lacks and, when the checkout moved, its artifact locations rebased (:func:`rebase_artifacts`)."""
     client = _client()
     exp = client.get_experiment_by_name(study)
     if exp is None:
@@ -136,12 +129,12 @@ def experiment_id(study: str) -> str:
             path.mkdir(parents=True, exist_ok=True)
             location = path.as_uri()
         try:
-            return client.create_experiment(study, artifact_location=location, tags=experiment_tags(study))
+            return client.create_experiment(study, artifact_location=location, tags=experiment_tags(description))
         except Exception:  # another process created it in between
             exp = client.get_experiment_by_name(study)
             if exp is None:
                 raise
-    for key, value in experiment_tags(study).items():
+    for key, value in experiment_tags(description).items():
         if exp.tags.get(key) != value:
             client.set_experiment_tag(exp.experiment_id, key, value)
     rebase_artifacts(exp.experiment_id, exp.name, exp.artifact_location)

@@ -18,7 +18,7 @@ import torch
 
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
-from pipeline.experiments import Plan, current_run_settings
+from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
 from pipeline.training.kd import kd_config, noun_verb_masks
@@ -166,6 +166,7 @@ def train_local(
     proximal_reference: dict[str, torch.Tensor] | None = None,
     proximal_mu: float = 0.0,
     cache=None,
+    teacher_cache_gb: float = 0.0,
     progress: bool = False,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
@@ -173,7 +174,11 @@ def train_local(
 
     With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
     Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
-    client's setting and this call's clipped counts, the caller composes the steps across rounds."""
+    client's setting and this call's clipped counts, the caller composes the steps across rounds.
+
+    ``cache``: the prefix cache (shared_model.prefix_cache_for); ``teacher_cache_gb``: how much the teacher's logits
+    may hold in memory across epochs (RunSettings.cache, a run-time setting the caller passes; 0 = none). Neither
+    changes the result."""
     from pipeline.modeling.losses import distillation_loss
 
     cfg: TrainConfig = plan.train
@@ -202,7 +207,7 @@ def train_local(
     n_steps = 0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
-    teacher_budget = current_run_settings(plan.experiment).cache.teacher_cache_gb  # a run-time setting
+    teacher_budget = teacher_cache_gb  # a run-time setting (RunSettings.cache), never the plan's
     if two_paths and cfg.local_epochs > 1 and teacher_budget > 0:
         from pipeline.modeling.cache import TeacherCache
 

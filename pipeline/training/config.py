@@ -1,5 +1,6 @@
-"""The `train` params group (the comments on each key live in params.yaml): what a training run does, as the
-plan stage resolves it per experiment (pipeline.experiments keeps out of each plan the keys its method ignores)."""
+"""The `train` params group (the comments on each key live in the project's params file): what a training run
+does, as the plan stage resolves it per experiment (pipeline.experiments keeps out of each plan the keys its method
+ignores)."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +16,7 @@ from pipeline.modeling.losses import TAU_SCALES
 
 @dataclass
 class JoinConfig:
-    """When the new client of the post-addition study joins (params.yaml `train.join`): once the existing clients
+    """When the new client of the post-addition study joins (`train.join`): once the existing clients
     have converged, i.e. their mean validation loss improved by less than ``min_rel_improvement`` (relative to the
     best earlier round) in each of the last ``patience`` rounds, and at ``max_round`` at the latest."""
 
@@ -25,16 +26,16 @@ class JoinConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_rel_improvement < 1.0:
-            raise ValueError("params.yaml train.join: min_rel_improvement must be in [0, 1)")
+            raise ValueError("train.join: min_rel_improvement must be in [0, 1)")
         if self.patience < 1:
-            raise ValueError("params.yaml train.join: patience must be >= 1")
+            raise ValueError("train.join: patience must be >= 1")
         if self.max_round < 2:
-            raise ValueError("params.yaml train.join: max_round must be >= 2 (round 1 has no earlier round)")
+            raise ValueError("train.join: max_round must be >= 2 (round 1 has no earlier round)")
 
 
 @dataclass
 class StopConfig:
-    """When a run ends (params.yaml `train.stop`): disabled, a run trains its fixed ``train.rounds``; enabled, it
+    """When a run ends (params `train.stop`): disabled, a run trains its fixed ``train.rounds``; enabled, it
     ends once the client-average validation loss has not improved by at least ``min_rel_improvement`` (relative
     to its best so far) in each of the last ``patience`` rounds (pipeline.training.stopping, the test `train.join`
     uses), and after ``max_rounds`` at the latest (the plan's ``train.rounds`` is then ``max_rounds``)."""
@@ -46,16 +47,16 @@ class StopConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_rel_improvement < 1.0:
-            raise ValueError("params.yaml train.stop: min_rel_improvement must be in [0, 1)")
+            raise ValueError("train.stop: min_rel_improvement must be in [0, 1)")
         if self.patience < 1:
-            raise ValueError("params.yaml train.stop: patience must be >= 1")
+            raise ValueError("train.stop: patience must be >= 1")
         if self.max_rounds < 1:
-            raise ValueError("params.yaml train.stop: max_rounds must be >= 1")
+            raise ValueError("train.stop: max_rounds must be >= 1")
 
 
 @dataclass
 class TrainConfig:
-    """params.yaml `train` (the comments on each default live in params.yaml)."""
+    """The `train` params (the comments on each default live in the project's params file)."""
 
     rounds: int = 3
     local_epochs: int = 1
@@ -115,7 +116,7 @@ class TrainConfig:
         ]
         for ok, problem in checks:
             if not ok:
-                raise ConfigError(f"params.yaml train: {problem}")
+                raise ConfigError(f"train: {problem}")
 
 
 def train_keys() -> set[str]:

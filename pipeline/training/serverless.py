@@ -10,6 +10,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.experiments import Plan
+from pipeline.modeling.cache import CacheConfig
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import best_adapter, checkpoints
 from pipeline.training.history import RoundLog
@@ -21,15 +22,16 @@ from pipeline.training.stopping import should_stop
 log = logging.getLogger("fedmeet.train")
 
 
-def run_serverless(plan: Plan, recorder: TrainRecorder | None = None) -> dict[str, Any]:
+def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: CacheConfig) -> dict[str, Any]:
     """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
     epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
-    (``checkpoint/local.pt``: a rerun resumes after the last completed round)."""
+    (``checkpoint/local.pt``: a rerun resumes after the last completed round). ``cache_settings``: where the
+    prefix cache lives and the caches' budgets (RunSettings.cache, from the stage entry point)."""
     spec = plan.spec
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
     model = shared_model(plan)
-    cache = prefix_cache_for(plan, model)
+    cache = prefix_cache_for(plan, model, cache_settings)
     if spec.pooled:
         units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
         unit_of = {n: "pooled" for n in names}
@@ -61,7 +63,8 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None = None) -> dict[st
         trained: dict[str, dict[str, Any]] = {}
         for unit, train_df in units.items():
             model.load_adapter_state("local", adapters[unit])
-            res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache)
+            res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache,
+                                             teacher_cache_gb=cache_settings.teacher_cache_gb)
             adapters[unit] = model.adapter_state("local")
             trained[unit] = {"n_examples": res.n_examples, "n_steps": res.n_steps, "n_tokens": res.n_tokens,
                              "train_loss": res.train_loss, "ce": res.ce, "kd": res.kd,

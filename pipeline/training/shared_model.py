@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from pipeline.common.config import from_dict
+from pipeline.modeling.cache import CacheConfig
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.experiments import Plan
 from pipeline.training.seeds import derived_seed
@@ -50,14 +51,13 @@ def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in _INITIAL_STATES[key].items()}
 
 
-def prefix_cache_for(plan: Plan, model: AdapterSummarizer):
+def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
     if not plan.train.prefix_cache:
         return None
-    from pipeline.experiments import current_run_settings
     from pipeline.modeling.cache import PrefixCache
 
-    # where the cache lives and its budget are run-time settings (params.yaml, not the plan); the dtype of its
-    # entries is the plan's (float16/bfloat16 entries change the logits)
-    cache = current_run_settings(plan.experiment).cache
+    # where the cache lives and its budget are run-time settings (``cache``: RunSettings.cache, which the caller's
+    # entry point built, not the plan); the dtype of its entries is the plan's (float16/bfloat16 entries change the
+    # logits)
     return PrefixCache.for_model(model, model_config(plan), cache, plan.cache_dtype or "float32")
