@@ -1341,8 +1341,8 @@ def test_a_client_without_valid_examples_is_refused_at_admission(ws):
 
 
 def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_path, monkeypatch, capsys):
-    """The ServerApp (pipeline.federation.deployment.serve) started in a directory that holds only the plan and the
-    backbone (for the round-0 adapter): no data/ and no other site's files. The scripted clients report their
+    """The ServerApp (pipeline.federation.deployment.serve) started in a directory that holds only the plan, the
+    backbone (for the round-0 adapter) and the params file (its run-time settings): no data/ and no site's files. The scripted clients report their
     weights through Flower messages; the run trains, writes rounds.json and metrics.json, and reads nothing under
     data/ (it only writes its run directory there)."""
     import shutil
@@ -1359,6 +1359,7 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
     (server / "models/plans").mkdir(parents=True)
     shutil.copy(plan_src, server / plan_src)
     shutil.copytree(ws / "models/backbone", server / "models/backbone")
+    shutil.copy(ws / "params.yaml", server / "params.yaml")
     monkeypatch.chdir(server)
     monkeypatch.setenv("FEDMEET_ROOT", str(server))
     grid = Grid(plan_src, script, clients)

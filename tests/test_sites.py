@@ -12,12 +12,12 @@ import pytest
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
-def test_the_servers_kit_is_the_plan_and_the_backbone(ws, tmp_path):
+def test_the_servers_kit_is_the_plan_the_backbone_and_the_params_file(ws, tmp_path):
     from pipeline.federation.sites import write_kit
 
     plan = write_plan("kit-server", "fedavg", rounds=1)
-    write_kit(plan, tmp_path / "server")
-    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models"]
+    write_kit(plan, tmp_path / "server", params_file="params.yaml")
+    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models", "params.yaml"]
     assert sorted(p.name for p in (tmp_path / "server/models").iterdir()) == ["backbone", "plans"]
     assert (tmp_path / "server" / plan).read_text() == Path(plan).read_text()
 

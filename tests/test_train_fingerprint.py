@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Reporting, run-profile CLI, study descriptions and evaluation (decoding, scoring, reading results).
 NOT_TRAINING = ("pipeline/results/studies.py", "pipeline/presets.py", "pipeline/results/scoring.py",
                 "pipeline/results/evaluation.py", "pipeline/results/readers.py", "pipeline/modeling/generation.py",
-                "pipeline/report.py", "pipeline/analyze.py", "pipeline/mutation_report.py")
+                "pipeline/report.py", "pipeline/analyze.py")
 
 
 def _train_stages() -> dict[str, list[str]]:

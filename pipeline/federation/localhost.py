@@ -411,13 +411,15 @@ def main(argv: list[str] | None = None) -> int:
     kit.add_argument("--plan", required=True)
     kit.add_argument("--client", help="the site's client (default: the server's kit)")
     kit.add_argument("--out", required=True, type=Path)
+    kit.add_argument("--params", default="params.yaml",
+                     help="the server's params file (run-time settings, decoding); not copied into a site's kit")
     args = ap.parse_args(argv)
     if args.command == "status":
         return status_command(args.superlink, args.run_id)
     if args.command == "kit":
         from pipeline.federation.sites import write_kit
 
-        written = write_kit(args.plan, args.out, args.client)
+        written = write_kit(args.plan, args.out, args.client, None if args.client else args.params)
         print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
         return 0
 

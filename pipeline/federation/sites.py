@@ -1,7 +1,8 @@
 """What each role of a real federation holds, copied out of a checkout that ran the data stages:
 
-- the server (SuperLink + ServerApp): the plan (it declares the clients to admit) and the backbone (the round-0
-  adapter is drawn on it from the plan's seed) - no partition, no example;
+- the server (SuperLink + ServerApp): the plan (it declares the clients to admit), the backbone (the round-0
+  adapter is drawn on it from the plan's seed) and the params file (its run-time settings: round and admission
+  timeouts; the federated evaluation's decoding) - no partition, no example;
 - a site (one SuperNode): the plan, the backbone, its own partition slice (only its client's example ids) and
   its own examples (and, for hard-KD plans, its examples' POS tags).
 
@@ -22,9 +23,10 @@ from pipeline.common.schema import DataError
 from pipeline.experiments import read_plan
 
 
-def write_kit(plan_path: str, out: Path, client: str | None = None) -> list[Path]:
-    """Copy what the server (``client`` None) or ``client``'s site needs into ``out``; returns the paths written
-    (relative to ``out``). The plan keeps its relative path, so the same run config works on every role."""
+def write_kit(plan_path: str, out: Path, client: str | None = None, params_file: str | None = None) -> list[Path]:
+    """Copy what the server (``client`` None; with ``params_file``, its run-time settings) or ``client``'s site
+    needs into ``out``; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
+    same run config works on every role."""
     from pipeline.training.client_data import read_examples, read_partition
 
     plan = read_plan(plan_path)
@@ -43,6 +45,9 @@ def write_kit(plan_path: str, out: Path, client: str | None = None) -> list[Path
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
     written.append(backbone)
     if client is None:
+        if params_file is not None:
+            shutil.copyfile(params_file, out / Path(params_file).name)
+            written.append(Path(Path(params_file).name))
         return written
 
     partition = read_partition(plan.paths["partition"])
