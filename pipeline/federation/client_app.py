@@ -28,13 +28,12 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
-from pipeline.privacy.client_dp import client_dp_mod
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, client_cache_config, decode_global,
                                           encode_reply, load_plan, plan_path_of)
-from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.adapter_io import load_adapter
 from pipeline.experiments import Plan
+from pipeline.privacy import seam as privacy
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import best_adapter, checkpoints
 from pipeline.training.client_data import client_data, client_names, read_partition
@@ -117,11 +116,10 @@ def client_identify(msg: Message, context: Context) -> Message:
 # client_dp_mod: privacy.mode client with clipping_side client, Flower's clipping mod on the reply. A SecAgg+ round
 # passes it by (its FitIns is no Message-API train message) and applies it inside legacy_fit, on the Message-API
 # call, so the update is clipped before secaggplus_mod masks it.
-@client_app.train(mods=[secure_aggregation_mod, client_dp_mod])
+@client_app.train(mods=privacy.train_mods())
 def client_train(msg: Message, context: Context) -> Message:
-    if is_legacy_fit(msg):  # a SecAgg+ round's masked-vector stage: the same round, its upload masked
-        return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, _train_masked))
-    return train_round(msg, context, masked=False)
+    masked = privacy.masked_round(msg, context, _train_masked)  # a SecAgg+ round's masked-vector stage, or None
+    return masked if masked is not None else train_round(msg, context, masked=False)
 
 
 def _train_masked(msg: Message, context: Context) -> Message:

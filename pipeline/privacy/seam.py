@@ -99,3 +99,22 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
     if None in reported:
         reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
     return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)
+
+
+def train_mods() -> list:
+    """The ClientApp train handler's mods: SecAgg+'s (its protocol messages), then client-level DP's clipping."""
+    from pipeline.privacy.client_dp import client_dp_mod
+    from pipeline.privacy.secure_aggregation import secure_aggregation_mod
+
+    return [secure_aggregation_mod, client_dp_mod]
+
+
+def masked_round(msg, context, train_masked):
+    """A SecAgg+ round's masked-vector stage (Flower's legacy FitIns): the same round's training, ``train_masked``,
+    clipped by client_dp_mod before secaggplus_mod masks the upload; None for any other train message."""
+    from pipeline.privacy.client_dp import client_dp_mod
+    from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit
+
+    if not is_legacy_fit(msg):
+        return None
+    return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_masked))
