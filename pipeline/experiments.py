@@ -1,7 +1,7 @@
-"""Experiments: the one reader of params.yaml `experiments:` and of plan files.
+"""Experiments: the one reader of params `experiments:` and of plan files.
 
-An *experiment* is one entry of params.yaml `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``,
-optionally with `seed` (else the top-level seed), `tau`, any `train` key, or a `privacy` mapping of params.yaml
+An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``,
+optionally with `seed` (else the top-level seed), `tau`, any `train` key, or a `privacy` mapping of the params file
 privacy keys as an override): :func:`declared` reads and checks them all, and every stage that needs the list
 (plan, analyze, report, presets, tracking) asks it. Its *plan* is the resolved
 configuration the plan stage writes to ``models/plans/<experiment>.json`` and the train stage reads
@@ -33,25 +33,24 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, load_params, to_dict
+from pipeline.common.config import ConfigError, from_dict, to_dict
 from pipeline.federation.strategies.catalog import get_strategy
-from pipeline.modeling.cache import DTYPES, CacheConfig
+from pipeline.modeling.cache import DTYPES
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
 from pipeline.training.methods import MethodSpec, get_method
 from pipeline.training.config import TrainConfig, train_config, train_keys
 from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
+# the run-time settings live in their own module; re-exported here, where stages and tests have always found them
+from pipeline.run_settings import (RUN_MODEL_KEYS, RUN_TRAIN_KEYS, RunSettings, load_run_settings,  # noqa: F401
+                                   run_settings)
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
 RUNS_DIR = PATHS.root / "data/cache/runs"
 ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
-PRIVACY_KEY = "privacy"  # an entry's overrides of params.yaml `privacy` (a privacy-utility study in one experiment)
-# `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
-# (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
-RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s", "admission_timeout_s")
-RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
+PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-utility study in one experiment)
 MODEL_RESULT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 
 
@@ -90,7 +89,7 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Experiment:
-    """One entry of params.yaml `experiments`, checked, with its tau resolved as its plan has it."""
+    """One entry of params `experiments`, checked, with its tau resolved as its plan has it."""
 
     name: str
     method: str
@@ -98,9 +97,9 @@ class Experiment:
     seed: int = 0
     study: str = "main"
     tau: float | None = None  # the entry's tau, else the top-level tau for methods that read it, else None
-    train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params.yaml `train`
-    tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else params.yaml's
-    privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params.yaml `privacy`
+    train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `train`
+    tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
+    privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
 
     @property
@@ -117,16 +116,16 @@ class Experiment:
         return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
 
     def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
-        """params.yaml `privacy` with this entry's overrides (its `secagg` mapping key by key over params.yaml's)."""
+        """params `privacy` with this entry's overrides (its `secagg` mapping key by key over the params file's)."""
         base = params.get("privacy") or {}
         merged = {**base, **self.privacy}
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
             merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
         return from_dict(PrivacyConfig, merged,
-                         f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
+                         f"experiments.{self.name} privacy" if self.privacy else "params privacy")
 
     def train_config(self, params: dict[str, Any]) -> TrainConfig:
-        """params.yaml `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
+        """params `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
         merged = {**(params.get("train") or {}), **self.train}
         return train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
                             f"experiments.{self.name} train")
@@ -135,54 +134,54 @@ class Experiment:
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     if not name or "/" in name or name in RESERVED_NAMES:
-        raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+        raise ConfigError(f"experiments: invalid experiment name {name!r} (no '/', not one of "
                           f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"experiments.{name}: expected a mapping, got {type(raw).__name__}")
     train_fields = train_keys() | set(RUN_TRAIN_KEYS)
     base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
     overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
     unknown = sorted(set(overrides) - train_fields)
     if unknown:
         raise ValueError(
-            f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
-            f"tau, {PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
+            f"experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
+            f"tau, {PRIVACY_KEY} (a mapping of params privacy keys) and the train keys {sorted(train_fields)}"
         )
     privacy = raw.get(PRIVACY_KEY) or {}
     if not isinstance(privacy, dict):
-        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+        raise ConfigError(f"experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
                           f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}")
     for key in ("method", "partition"):
         if key not in base:
-            raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
+            raise ConfigError(f"experiments.{name}: missing required key {key!r}")
     scheme, sep, seed = str(base["partition"]).partition("/seed")
     if not sep or not seed.isdigit():
-        raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
+        raise ConfigError(f"experiments.{name}: partition must look like '<scheme>/seed<k>', "
                          f"got {base['partition']!r}")
     if scheme not in SCHEMES:
-        raise ConfigError(f"params.yaml experiments.{name}.partition: unknown partition scheme {scheme!r}; "
+        raise ConfigError(f"experiments.{name}.partition: unknown partition scheme {scheme!r}; "
                           f"allowed: {sorted(SCHEMES)}")
     try:
         method = get_method(str(base["method"]))
     except ConfigError as exc:
-        raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
+        raise ConfigError(f"experiments.{name}.method: {exc}") from None
     tau = base.get("tau")
     if method.uses_tau:
         if tau is None and params.get("tau") is None:
-            raise ConfigError(f"params.yaml experiments.{name}: method {method.name!r} needs tau (the entry's, or "
+            raise ConfigError(f"experiments.{name}: method {method.name!r} needs tau (the entry's, or "
                               f"the top-level tau)")
         tau = float(tau if tau is not None else params["tau"])
         if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
-            raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
+            raise ConfigError(f"experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
     elif tau is not None:
-        raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+        raise ConfigError(f"experiments.{name}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
     exp = Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
                      seed=int(base.get("seed", params.get("seed", 0))), study=str(base.get("study", "main")), tau=tau,
                      train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
     if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
-        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
+        raise ConfigError(f"experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
                           f"(privacy applies to federated methods)")
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
 
@@ -227,10 +226,10 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
 
 
 def declared(params: dict[str, Any]) -> list[Experiment]:
-    """Every experiment of params.yaml, in its order, each checked (the first bad entry raises, naming it)."""
+    """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
     entries = params.get("experiments") or {}
     if not isinstance(entries, dict):
-        raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
+        raise ConfigError("the params file experiments: expected a mapping of experiment name -> entry")
     return [parse_entry(name, raw, params) for name, raw in entries.items()]
 
 
@@ -264,30 +263,30 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
                                                                     "partition"))
     cache_dtype = model.get("cache_dtype", "float32")
     if cache_dtype not in DTYPES:
-        raise ConfigError(f"params.yaml model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
+        raise ConfigError(f"params model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
     if train.prefix_cache and cache_dtype != "float32":
         plan["cache_dtype"] = cache_dtype  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(f"params.yaml experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
+        raise ValueError(f"experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
                          f"rounds {train.rounds}: the new client might never join")
     if method.uses_tau:
         plan["tau"] = exp.tau
         if train.tau_scale != "absolute" and exp.tau > 1:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
+            raise ConfigError(f"experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
                               f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
     privacy = exp.privacy_config(params)
     if privacy.mode == "client":
         problem = client_level_problem(method, train.transfer_dtype, privacy)
         if problem:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
+            raise ConfigError(f"experiments.{exp.name}: privacy.mode client: {problem}")
     if privacy.secure_aggregation:
         refusal = secure_aggregation_refusal(method, train.transfer_dtype, privacy)
         if refusal is not None:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+            raise ConfigError(f"experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
     if (privacy.enabled or privacy.secure_aggregation) and method.federated:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
+            raise ConfigError(f"experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
                               f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
                               f"over the whole batch; use absolute or max_entropy")
         plan["privacy"] = privacy.plan_dict()
@@ -401,64 +400,17 @@ def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
         if not path.exists() or path.read_text() != text:
             atomic.write_text(path, text)
         written.append(path)
-    # A plan whose experiment left params.yaml is stale: remove it so nothing trains from it.
+    # A plan whose experiment left the params file is stale: remove it so nothing trains from it.
     for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
         stale.unlink()
     return written
 
 
 def model_config(params: dict[str, Any]) -> ModelConfig:
-    """params.yaml `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
+    """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
     model = params.get("model") or {}
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
     unknown = sorted(set(model) - known)
     if unknown:
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
     return ModelConfig.from_group(model)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Run-time settings: how a run executes, never what it computes
-
-
-@dataclass
-class RunSettings:
-    """params.yaml `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of `model`
-    (comments in params.yaml). Built by a stage entry point when a run starts (:func:`load_run_settings`) and passed
-    down; no DVC stage declares them, so changing one reruns nothing (tests/test_experiments.py)."""
-
-    engine: str = "inprocess"
-    ray_cpus_per_client: float = 1.0
-    ray_gpus_per_client: float = 0.0
-    round_timeout_s: float = 1800.0
-    admission_timeout_s: float = 600.0
-    cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.cache, dict):
-            self.cache = from_dict(CacheConfig, self.cache, "model")
-        if self.engine not in ("inprocess", "ray"):
-            raise ConfigError("params.yaml train: engine must be 'inprocess' or 'ray'")
-        for key in ("round_timeout_s", "admission_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"params.yaml train: {key} must be > 0")
-
-
-def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
-    """The run-time settings of params.yaml, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
-    train = dict(params.get("train") or {})
-    if experiment is not None:
-        train.update((params.get("experiments") or {}).get(experiment) or {})
-    model = params.get("model") or {}
-    return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
-                                   "cache": {k: model[k] for k in RUN_MODEL_KEYS if k in model}}, "params.yaml")
-
-
-def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
-    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; a
-    deployed ServerApp: its run config ``params``), read once per run. A missing file is an error, never the
-    defaults."""
-    if not Path(params_path).exists():
-        raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "
-                                f"timeout, cache location and budgets)")
-    return run_settings(load_params(params_path), experiment)

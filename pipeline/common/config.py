@@ -1,14 +1,14 @@
 """Parameters and paths shared by every stage.
 
-Every stage reads ``params.yaml`` through :func:`load_params` and turns its own group into a typed
+Every stage reads the params file through :func:`load_params` and turns its own group into a typed
 dataclass with :func:`from_dict`, before any work. pydantic validates the group against the dataclass's fields
 and annotations (strict types, unknown keys refused: a new key needs only a new field, a new config class needs
 nothing more), and :func:`from_dict` turns pydantic's errors and the dataclass's own range checks
-(``__post_init__``) into one :class:`ConfigError` line naming the key: a typo in params.yaml or a preset is one
+(``__post_init__``) into one :class:`ConfigError` line naming the key: a typo in the params file or a preset is one
 clear line instead of a silently ignored setting or a crash deep in a stage.
 
-Defaults: params.yaml is the one place a value is chosen (DVC tracks it, users edit it); a dataclass default is
-params.yaml's value for that key, so code and tests that build a config without params.yaml run what
+Defaults: the params file is the one place a value is chosen (DVC tracks it, users edit it); a dataclass default is
+the params file's value for that key, so code and tests that build a config without the params file run what
 `make repro` runs (tests/test_params_defaults.py holds every group to it).
 """
 from __future__ import annotations
@@ -56,9 +56,9 @@ def repo_root() -> Path:
     return root
 
 
-def load_params(path: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Read params.yaml (default: ./params.yaml, where DVC runs every stage)."""
-    p = Path(path) if path is not None else Path("params.yaml")
+def load_params(path: str | os.PathLike) -> dict[str, Any]:
+    """Read the params file a stage entry point names (DVC runs every stage at the project root)."""
+    p = Path(path)
     if not p.exists():
         raise ConfigError(f"{p}: parameter file not found (run from the project root)")
     try:
@@ -169,7 +169,7 @@ def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
-    """Build dataclass ``cls`` from ``data`` (a params.yaml group); nested dataclass fields are built too.
+    """Build dataclass ``cls`` from ``data`` (a params group); nested dataclass fields are built too.
 
     pydantic checks keys and types against the dataclass's fields and annotations (:func:`_schema`); unknown keys,
     values of the wrong type and values the dataclass's ``__post_init__`` rejects raise one-line

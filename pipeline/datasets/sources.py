@@ -35,7 +35,7 @@ class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
     datasets: list[str] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
-    # params.yaml's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
+    # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
     urls: dict[str, str] = field(default_factory=lambda: {
         "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
         "ami": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",

@@ -1,4 +1,4 @@
-"""The params.yaml `privacy` group as a plan carries it (:class:`PrivacyConfig`, :class:`SecAggConfig`) and the
+"""The params `privacy` group as a plan carries it (:class:`PrivacyConfig`, :class:`SecAggConfig`) and the
 refusals of what a privacy setting cannot protect (:func:`client_level_problem`, :func:`secure_aggregation_refusal`).
 What each mode does: pipeline.privacy.example_dp (mode example), pipeline.privacy.client_dp (mode client),
 pipeline.privacy.secure_aggregation (SecAgg+); the accountant: pipeline.privacy.accounting."""
@@ -38,7 +38,7 @@ SECAGG_MODULUS = 2**32
 
 @dataclass
 class SecAggConfig:
-    """params.yaml `privacy.secagg`: Flower's SecAggPlusWorkflow settings (comments in params.yaml). Flower's own
+    """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings (comments in the params file). Flower's own
     rules: a float num_shares is a fraction of the clients sampled in the round, an int a count > 2; a float
     reconstruction_threshold is a fraction of num_shares, an int a count below an int num_shares."""
 
@@ -67,7 +67,7 @@ class SecAggConfig:
 
 @dataclass
 class PrivacyConfig:
-    """params.yaml `privacy` (the comments on each key live in params.yaml)."""
+    """params `privacy` (the comments on each key live in the params file)."""
 
     mode: str = "none"
     noise_multiplier: float | None = None
@@ -75,14 +75,14 @@ class PrivacyConfig:
     max_grad_norm: float = 1.0
     delta: float | None = None
     accountant: str = "rdp"
-    # mode client only (params.yaml says what each means)
+    # mode client only (the params file says what each means)
     clipping_side: str = "server"
     clipping: str = "fixed"
     clipping_norm: float | None = None
     target_clipped_quantile: float = 0.5
     clip_norm_lr: float = 0.2
     clipped_count_stddev: float | None = None
-    # SecAgg+, independent of the mode (params.yaml)
+    # SecAgg+, independent of the mode (the params file)
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 

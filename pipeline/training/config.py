@@ -91,7 +91,7 @@ class TrainConfig:
     # (ignored for fp32, which is exact).
     transfer_delta: bool = False
     prefix_cache: bool = True
-    # The server strategies' own `train` keys as params.yaml has them (proximal_mu, fedopt, ...: each strategy
+    # The server strategies' own `train` keys as the params file has them (proximal_mu, fedopt, ...: each strategy
     # module of pipeline.federation.strategies reads its settings from them); built by :func:`train_config`.
     strategy_params: dict[str, Any] = field(default_factory=dict)
 
@@ -120,7 +120,7 @@ class TrainConfig:
 
 
 def train_keys() -> set[str]:
-    """Every key params.yaml `train` may hold for a plan: TrainConfig's and the registered strategies'."""
+    """Every key params `train` may hold for a plan: TrainConfig's and the registered strategies'."""
     return ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | strategy_params_keys()
 
 

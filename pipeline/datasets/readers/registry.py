@@ -5,7 +5,7 @@ the reader (directory, report, allow_absent) -> canonical records, the files it 
 ``<root>/<dataset>/`` (how pipeline.datasets.sources checks a mirror and downloads), the split key of each file
 (``<dataset>/<domain>/<split>``, matched by ``ingest.allow_absent_splits``) and, where the upstream copy is not
 those files one by one, how to download it. A new dataset is its module, its import in ``catalog``, its name in
-params.yaml ``ingest.datasets`` (+ ``ingest.urls``), and a DVC import of its files (data/raw/<dataset>.dvc).
+params ``ingest.datasets`` (+ ``ingest.urls``), and a DVC import of its files (data/raw/<dataset>.dvc).
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ DATASETS: dict[str, DatasetSpec] = {}
 
 
 def register_reader(spec: DatasetSpec) -> DatasetSpec:
-    """Register dataset ``spec.name`` (the name params.yaml ingest.datasets uses)."""
+    """Register dataset ``spec.name`` (the name params ingest.datasets uses)."""
     if spec.name in DATASETS:
         raise ValueError(f"dataset {spec.name!r} is registered twice")
     DATASETS[spec.name] = spec

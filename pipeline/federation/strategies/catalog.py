@@ -14,7 +14,7 @@ def get_strategy(name: str) -> StrategySpec:
 
 
 def strategy_params_keys() -> set[str]:
-    """Every params.yaml `train` key a strategy owns (they are the strategies', not TrainConfig's)."""
+    """Every params `train` key a strategy owns (they are the strategies', not TrainConfig's)."""
     return {key for spec in STRATEGIES.values() for key in spec.params_keys}
 
 

@@ -1,5 +1,5 @@
 """FedOPT (Reddi et al. 2021): a server optimiser on the pseudo-gradient. Flower's ``FedAvgM`` (FedNLP's default:
-server SGD with momentum) or ``FedAdam`` / ``FedYogi`` / ``FedAdagrad``; settings params.yaml ``train.fedopt``."""
+server SGD with momentum) or ``FedAdam`` / ``FedYogi`` / ``FedAdagrad``; settings params ``train.fedopt``."""
 from __future__ import annotations
 
 from dataclasses import dataclass

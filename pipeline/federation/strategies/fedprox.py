@@ -9,7 +9,7 @@ from pipeline.federation.strategies.registry import register_strategy
 
 @dataclass
 class FedProxSettings:
-    # params.yaml train.proximal_mu (a flat key, older than the registry; FedNLP tunes mu in {0.001, 0.01, 0.1, 1}).
+    # params train.proximal_mu (a flat key, older than the registry; FedNLP tunes mu in {0.001, 0.01, 0.1, 1}).
     proximal_mu: float = 0.01
 
 

@@ -1,7 +1,7 @@
 """FedTrimmedAvg (Yin et al., ICML 2018): per coordinate, the mean of the replies left after dropping the
 ``int(beta * n)`` largest and smallest values - robust to a client whose update is far off. Flower's
 ``FedTrimmedAvg``; unweighted (``num-examples`` is ignored), so neither SecAgg+ nor client-level DP applies.
-Settings: params.yaml ``train.fedtrimmedavg``; method ``fedtrimmedavg`` (CE, one adapter set, as Table V's rows)."""
+Settings: params ``train.fedtrimmedavg``; method ``fedtrimmedavg`` (CE, one adapter set, as Table V's rows)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,7 +11,7 @@ from pipeline.federation.strategies.registry import register_strategy
 
 @dataclass
 class FedTrimmedAvgSettings:
-    # Fraction cut from each end per coordinate (params.yaml's value; Flower's default 0.2 cuts nothing from 3
+    # Fraction cut from each end per coordinate (the params file's value; Flower's default 0.2 cuts nothing from 3
     # clients, 0.34 cuts one from each end, i.e. the coordinate-wise median of 3).
     beta: float = 0.34
 

@@ -2,7 +2,7 @@
 
 A strategy module (pipeline/federation/strategies/<name>.py) defines its settings dataclass and a builder, and
 registers both with :func:`register_strategy`; ``catalog`` imports every module. A strategy's settings are read
-from params.yaml ``train.<name>`` (a mapping) - or, for the keys that predate the registry, from flat ``train``
+from params ``train.<name>`` (a mapping) - or, for the keys that predate the registry, from flat ``train``
 keys (FedProx's ``proximal_mu``) - and only the chosen strategy's settings enter a plan.
 
 METHOD.md section 5: FedAvg weighted by data size (`W = sum_i |D_i|/|D| W_i`), FedProx, FedOPT and FedNova.
@@ -40,7 +40,7 @@ class StrategySpec:
     # every strategy takes (sampling fraction, minimum node counts, weighting key).
     build: Callable[[Any, dict[str, Any], float], Any]
     settings_cls: type = NoSettings
-    # params.yaml train key holding the settings mapping; None: the settings' fields are flat train keys.
+    # params train key holding the settings mapping; None: the settings' fields are flat train keys.
     group: str | None = None
     # The new global is the (weighted) mean of the replies and nothing more: client-level DP calibrates its noise
     # to that mean, SecAgg+ gives the server only that mean (pipeline.privacy.settings).
@@ -50,7 +50,7 @@ class StrategySpec:
 
     @property
     def params_keys(self) -> tuple[str, ...]:
-        """The params.yaml `train` keys this strategy owns."""
+        """The params `train` keys this strategy owns."""
         if self.settings_cls is NoSettings:
             return ()
         if self.group is not None:
@@ -64,7 +64,7 @@ class StrategySpec:
         return from_dict(self.settings_cls, {k: train_params[k] for k in self.params_keys if k in train_params}, where)
 
     def plan_entries(self, train_params: dict[str, Any]) -> dict[str, Any]:
-        """The settings, defaults filled in, as the plan's `train` mapping carries them (params.yaml's keys)."""
+        """The settings, defaults filled in, as the plan's `train` mapping carries them (the params file's keys)."""
         if self.settings_cls is NoSettings:
             return {}
         values = to_dict(self.settings(train_params))
@@ -77,7 +77,7 @@ STRATEGIES: dict[str, StrategySpec] = {}
 def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str | None = "", averaging: bool = False,
                       proximal: bool = False):
     """Decorator on a strategy module's builder: registers strategy ``name`` with its settings dataclass, read from
-    params.yaml ``train.<group>`` (``group`` defaults to ``name``; None = flat train keys)."""
+    params ``train.<group>`` (``group`` defaults to ``name``; None = flat train keys)."""
     def register(build: Callable[[Any, dict[str, Any], float], Any]):
         if name in STRATEGIES:
             raise ValueError(f"strategy {name!r} is registered twice")
