@@ -297,20 +297,14 @@ class LocalhostFederation:
         return close_left_running(self.workdir, self.plan, reason)
 
     def _resume_hint(self) -> str:
-        from pipeline.federation.server_app import load_server_checkpoint
         from pipeline.training.checkpoints import server_checkpoint_path
 
-        cwd = os.getcwd()
-        try:
-            os.chdir(self.workdir)
-            ckpt = load_server_checkpoint(self.plan)
-        finally:
-            os.chdir(cwd)
+        start = self.start_round()
         command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
-        if ckpt is None:
+        if start == 1:
             return f"no round was checkpointed; rerun `{command}` to start over"
-        return (f"the server checkpointed round {ckpt['round']} of {self.plan.train.rounds} "
-                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {ckpt['round'] + 1}")
+        return (f"the server checkpointed round {start - 1} of {self.plan.train.rounds} "
+                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
 
     def _superlink_lost(self) -> str:
         status = self.superlink.popen.returncode if self.superlink else None

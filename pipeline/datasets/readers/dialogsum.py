@@ -10,7 +10,7 @@ from pathlib import Path
 from pipeline.common.schema import CanonicalRecord, IngestReport, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
 from pipeline.datasets.readers.samsum import split_dialogue
-from pipeline.datasets.readers.upstream import _absent_allowed, _json_lines, _no_records, _object, _text, _Unique
+from pipeline.datasets.readers.upstream import _object, _text, _Unique, split_json_lines
 
 DIALOGSUM_SPLITS = ("train", "dev", "test")
 TEST_FIELDS = ("fname", "dialogue", "summary1", "topic1", "summary2", "topic2", "summary3", "topic3")
@@ -22,31 +22,23 @@ def dialogsum_files() -> list[str]:
 
 def read_dialogsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues = _Unique("dialogue fname")
-    for upstream_split, name in zip(DIALOGSUM_SPLITS, dialogsum_files()):
-        display = f"dialogsum/{name}"
-        split = normalise_split(upstream_split, display)
-        split_key = f"dialogsum/DialogSum/{split}"
-        if _absent_allowed(directory / name, split_key, allow_absent, report):
-            continue
-        n_lines = 0
-        for line_no, rec in _json_lines(directory / name, display):
-            n_lines += 1
-            where = f"{display}:{line_no}"
-            fname = _text(rec, "fname", where)
-            rwhere = f"{where}: dialogue {fname}"
-            if upstream_split == "test":
-                _object(rec, rwhere, TEST_FIELDS)
-            else:
-                _object(rec, rwhere, ("fname", "dialogue", "summary", "topic"))
-            dialogues.check(fname, where)
-            summary = _text(rec, "summary1" if upstream_split == "test" else "summary", rwhere)
-            yield CanonicalRecord(
-                dataset="dialogsum", domain="DialogSum", split=split, meeting_id=fname, query_index=-1, query="",
-                query_type="none", turns=split_dialogue(_text(rec, "dialogue", rwhere), rwhere, report), spans=[],
-                summary=summary, source_file=display, source_line=line_no,
-            )
-        if n_lines == 0:
-            _no_records(display, split_key, allow_absent)
+    files = list(zip(DIALOGSUM_SPLITS, dialogsum_files()))
+    for upstream_split, split, display, line_no, rec in split_json_lines(directory, files, "dialogsum/DialogSum",
+                                                                          allow_absent, report):
+        where = f"{display}:{line_no}"
+        fname = _text(rec, "fname", where)
+        rwhere = f"{where}: dialogue {fname}"
+        if upstream_split == "test":
+            _object(rec, rwhere, TEST_FIELDS)
+        else:
+            _object(rec, rwhere, ("fname", "dialogue", "summary", "topic"))
+        dialogues.check(fname, where)
+        summary = _text(rec, "summary1" if upstream_split == "test" else "summary", rwhere)
+        yield CanonicalRecord(
+            dataset="dialogsum", domain="DialogSum", split=split, meeting_id=fname, query_index=-1, query="",
+            query_type="none", turns=split_dialogue(_text(rec, "dialogue", rwhere), rwhere, report), spans=[],
+            summary=summary, source_file=display, source_line=line_no,
+        )
 
 
 register_reader(DatasetSpec(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _absent_allowed, _json_lines, _no_records, _object, _text, _Unique
+from pipeline.datasets.readers.upstream import _object, _text, _Unique, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
@@ -47,34 +47,23 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues = _Unique("dialogue id")
-    for name in SAMSUM_FILES:
-        display = f"samsum/{name}"
-        split = normalise_split(name.removesuffix(".json"), display)
-        split_key = f"samsum/SAMSum/{split}"
-        if _absent_allowed(directory / name, split_key, allow_absent, report):
+    files = [(name.removesuffix(".json"), name) for name in SAMSUM_FILES]
+    for _, split, display, line_no, rec in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
+        where = f"{display}:{line_no}"
+        rid = _text(rec, "id", where)
+        rwhere = f"{where}: dialogue {rid}"
+        _object(rec, rwhere, ("id", "dialogue", "summary"))
+        dialogues.check(rid, where)
+        dialogue = _text(rec, "dialogue", rwhere)
+        summary = _text(rec, "summary", rwhere)
+        if not dialogue.strip():
+            report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
             continue
-        n_lines = 0
-        for line_no, rec in _json_lines(directory / name, display):
-            n_lines += 1
-            where = f"{display}:{line_no}"
-            rid = _text(rec, "id", where)
-            rwhere = f"{where}: dialogue {rid}"
-            _object(rec, rwhere, ("id", "dialogue", "summary"))
-            dialogues.check(rid, where)
-            dialogue = _text(rec, "dialogue", rwhere)
-            summary = _text(rec, "summary", rwhere)
-            if not dialogue.strip():
-                report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
-                continue
-            yield CanonicalRecord(
-                dataset="samsum", domain="SAMSum", split=split, meeting_id=rid, query_index=-1, query="",
-                query_type="none", turns=split_dialogue(dialogue, rwhere, report), spans=[], summary=summary,
-                source_file=display, source_line=line_no,
-            )
-        if n_lines == 0:
-            _no_records(display, split_key, allow_absent)
-
-
+        yield CanonicalRecord(
+            dataset="samsum", domain="SAMSum", split=split, meeting_id=rid, query_index=-1, query="",
+            query_type="none", turns=split_dialogue(dialogue, rwhere, report), spans=[], summary=summary,
+            source_file=display, source_line=line_no,
+        )
 
 
 def _download(base: str, target: Path, fetch, write) -> None:

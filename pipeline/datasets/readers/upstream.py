@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.common.schema import DataError, IngestReport
+from pipeline.common.schema import DataError, IngestReport, normalise_split
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
@@ -112,3 +112,21 @@ def _absent_allowed(path: Path, split_key: str, allow_absent: list[str], report:
     report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
     return True
 
+
+def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_prefix: str, allow_absent: list[str],
+                     report: IngestReport) -> Iterator[tuple[str, str, str, int, Any]]:
+    """The JSON lines of a dataset's split files, ``files`` as (upstream split, file name) pairs: yields
+    (upstream split, split, display name, line number, record). An absent split file is skipped (counted) only
+    where ``allow_absent`` names ``<split_key_prefix>/<split>``; a file without a line is an error unless allowed."""
+    for upstream_split, name in files:
+        display = f"{split_key_prefix.split('/')[0]}/{name}"
+        split = normalise_split(upstream_split, display)
+        split_key = f"{split_key_prefix}/{split}"
+        if _absent_allowed(directory / name, split_key, allow_absent, report):
+            continue
+        n_lines = 0
+        for line_no, rec in _json_lines(directory / name, display):
+            n_lines += 1
+            yield upstream_split, split, display, line_no, rec
+        if n_lines == 0:
+            _no_records(display, split_key, allow_absent)
