@@ -122,7 +122,7 @@ class Experiment:
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
             merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
         return from_dict(PrivacyConfig, merged,
-                         f"experiments.{self.name} privacy" if self.privacy else "params privacy")
+                         f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
 
     def train_config(self, params: dict[str, Any]) -> TrainConfig:
         """params `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
@@ -134,54 +134,54 @@ class Experiment:
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     if not name or "/" in name or name in RESERVED_NAMES:
-        raise ConfigError(f"experiments: invalid experiment name {name!r} (no '/', not one of "
+        raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
                           f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"experiments.{name}: expected a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
     train_fields = train_keys() | set(RUN_TRAIN_KEYS)
     base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
     overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
     unknown = sorted(set(overrides) - train_fields)
     if unknown:
         raise ValueError(
-            f"experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
-            f"tau, {PRIVACY_KEY} (a mapping of params privacy keys) and the train keys {sorted(train_fields)}"
+            f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
+            f"tau, {PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
     privacy = raw.get(PRIVACY_KEY) or {}
     if not isinstance(privacy, dict):
-        raise ConfigError(f"experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
                           f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}")
     for key in ("method", "partition"):
         if key not in base:
-            raise ConfigError(f"experiments.{name}: missing required key {key!r}")
+            raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
     scheme, sep, seed = str(base["partition"]).partition("/seed")
     if not sep or not seed.isdigit():
-        raise ConfigError(f"experiments.{name}: partition must look like '<scheme>/seed<k>', "
+        raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
                          f"got {base['partition']!r}")
     if scheme not in SCHEMES:
-        raise ConfigError(f"experiments.{name}.partition: unknown partition scheme {scheme!r}; "
+        raise ConfigError(f"params.yaml experiments.{name}.partition: unknown partition scheme {scheme!r}; "
                           f"allowed: {sorted(SCHEMES)}")
     try:
         method = get_method(str(base["method"]))
     except ConfigError as exc:
-        raise ConfigError(f"experiments.{name}.method: {exc}") from None
+        raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
     tau = base.get("tau")
     if method.uses_tau:
         if tau is None and params.get("tau") is None:
-            raise ConfigError(f"experiments.{name}: method {method.name!r} needs tau (the entry's, or "
+            raise ConfigError(f"params.yaml experiments.{name}: method {method.name!r} needs tau (the entry's, or "
                               f"the top-level tau)")
         tau = float(tau if tau is not None else params["tau"])
         if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
-            raise ConfigError(f"experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
+            raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
     elif tau is not None:
-        raise ConfigError(f"experiments.{name}: tau is set but method {method.name!r} does not use it")
+        raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
     exp = Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
                      seed=int(base.get("seed", params.get("seed", 0))), study=str(base.get("study", "main")), tau=tau,
                      train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
     if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
-        raise ConfigError(f"experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
+        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
                           f"(privacy applies to federated methods)")
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
 
@@ -229,7 +229,7 @@ def declared(params: dict[str, Any]) -> list[Experiment]:
     """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
     entries = params.get("experiments") or {}
     if not isinstance(entries, dict):
-        raise ConfigError("the params file experiments: expected a mapping of experiment name -> entry")
+        raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
     return [parse_entry(name, raw, params) for name, raw in entries.items()]
 
 
@@ -263,30 +263,30 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
                                                                     "partition"))
     cache_dtype = model.get("cache_dtype", "float32")
     if cache_dtype not in DTYPES:
-        raise ConfigError(f"params model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
+        raise ConfigError(f"params.yaml model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
     if train.prefix_cache and cache_dtype != "float32":
         plan["cache_dtype"] = cache_dtype  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(f"experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
+        raise ValueError(f"params.yaml experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
                          f"rounds {train.rounds}: the new client might never join")
     if method.uses_tau:
         plan["tau"] = exp.tau
         if train.tau_scale != "absolute" and exp.tau > 1:
-            raise ConfigError(f"experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
+            raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
                               f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
     privacy = exp.privacy_config(params)
     if privacy.mode == "client":
         problem = client_level_problem(method, train.transfer_dtype, privacy)
         if problem:
-            raise ConfigError(f"experiments.{exp.name}: privacy.mode client: {problem}")
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
     if privacy.secure_aggregation:
         refusal = secure_aggregation_refusal(method, train.transfer_dtype, privacy)
         if refusal is not None:
-            raise ConfigError(f"experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
     if (privacy.enabled or privacy.secure_aggregation) and method.federated:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
-            raise ConfigError(f"experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
+            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
                               f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
                               f"over the whole batch; use absolute or max_entropy")
         plan["privacy"] = privacy.plan_dict()

@@ -35,10 +35,10 @@ class RunSettings:
         if isinstance(self.cache, dict):
             self.cache = from_dict(CacheConfig, self.cache, "model")
         if self.engine not in ("inprocess", "ray"):
-            raise ConfigError("params train: engine must be 'inprocess' or 'ray'")
+            raise ConfigError("params.yaml train: engine must be 'inprocess' or 'ray'")
         for key in ("round_timeout_s", "admission_timeout_s"):
             if getattr(self, key) <= 0:
-                raise ConfigError(f"params train: {key} must be > 0")
+                raise ConfigError(f"params.yaml train: {key} must be > 0")
 
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:

@@ -227,7 +227,7 @@ def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_se
     assert with_labels([plain, secure, both])["secure"] == "fedavg SecAgg+"
     params["experiments"] = {"x": {"method": "single", "partition": "domain/seed0",
                                    "privacy": {"secure_aggregation": True}}}
-    with pytest.raises(ConfigError, match=r"^experiments.x.privacy: method 'single' sends nothing"):
+    with pytest.raises(ConfigError, match=r"^params.yaml experiments.x.privacy: method 'single' sends nothing"):
         declared(params)
 
 
