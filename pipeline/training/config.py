@@ -14,6 +14,14 @@ from pipeline.modeling.gates.catalog import GATES
 from pipeline.modeling.losses import TAU_SCALES
 
 
+def _check_plateau_rule(group: str, min_rel_improvement: float, patience: int) -> None:
+    """The settings of the plateau test train.join and train.stop share (pipeline.training.stopping)."""
+    if not 0.0 <= min_rel_improvement < 1.0:
+        raise ValueError(f"{group}: min_rel_improvement must be in [0, 1)")
+    if patience < 1:
+        raise ValueError(f"{group}: patience must be >= 1")
+
+
 @dataclass
 class JoinConfig:
     """When the new client of the post-addition study joins (`train.join`): once the existing clients
@@ -25,10 +33,7 @@ class JoinConfig:
     max_round: int = 3
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.min_rel_improvement < 1.0:
-            raise ValueError("train.join: min_rel_improvement must be in [0, 1)")
-        if self.patience < 1:
-            raise ValueError("train.join: patience must be >= 1")
+        _check_plateau_rule("train.join", self.min_rel_improvement, self.patience)
         if self.max_round < 2:
             raise ValueError("train.join: max_round must be >= 2 (round 1 has no earlier round)")
 
@@ -46,10 +51,7 @@ class StopConfig:
     max_rounds: int = 40
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.min_rel_improvement < 1.0:
-            raise ValueError("train.stop: min_rel_improvement must be in [0, 1)")
-        if self.patience < 1:
-            raise ValueError("train.stop: patience must be >= 1")
+        _check_plateau_rule("train.stop", self.min_rel_improvement, self.patience)
         if self.max_rounds < 1:
             raise ValueError("train.stop: max_rounds must be >= 1")
 
