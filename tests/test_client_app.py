@@ -88,7 +88,8 @@ def test_a_running_client_keeps_its_adapter_from_its_state(ws):
 
 
 def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(ws, caplog):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PRIVACY_KEY, PROGRESS_KEY, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _restore_client_state
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-resume")
     first = _context(**{"client-name": "Committee"})
@@ -109,7 +110,8 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
 
 
 def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PRIVACY_KEY, PROGRESS_KEY, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _restore_client_state
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-untrained")
     context = _context(**{"client-name": "Product"})
@@ -136,13 +138,13 @@ def _setting(noise: float, clip: float):
 
 
 def test_the_reported_epsilon_composes_all_the_clients_steps(ws):
-    from pipeline.federation.client_app import PRIVACY_KEY, _privacy_metrics
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, ClientLedger
     from pipeline.privacy.accounting import epsilon
 
     setting = _setting(1.1, 0.5)
     context = _context()
-    first = _privacy_metrics(context, _result(setting, 10, examples=20, clipped=5))
-    second = _privacy_metrics(context, _result(setting, 7))
+    first = ClientLedger(context).account(_result(setting, 10, examples=20, clipped=5))
+    second = ClientLedger(context).account(_result(setting, 7))
     assert first == {"dp-epsilon": pytest.approx(epsilon(1.1, 0.1, 10, 1e-5, "rdp")), "dp-delta": 1e-5,
                      "dp-noise-multiplier": 1.1, "dp-max-grad-norm": 0.5, "dp-sample-rate": 0.1, "dp-steps": 10,
                      "dp-examples": 20, "dp-clipped": 5}
@@ -155,39 +157,36 @@ def test_the_reported_epsilon_composes_all_the_clients_steps(ws):
 
 
 def test_no_noise_or_no_clipping_is_reported_as_unbounded(ws):
-    from pipeline.federation.client_app import _privacy_metrics
+    from pipeline.privacy.seam import ClientLedger
 
-    m = _privacy_metrics(_context(), _result(_setting(0.0, math.inf), 3))
+    m = ClientLedger(_context()).account(_result(_setting(0.0, math.inf), 3))
     assert m["dp-epsilon"] == -1.0 and m["dp-max-grad-norm"] == -1.0 and m["dp-noise-multiplier"] == 0.0
 
 
 def test_a_restarted_client_keeps_composing_from_its_checkpointed_steps(ws):
-    from pipeline.federation.client_app import PRIVACY_KEY, _privacy_metrics
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, ClientLedger
 
     context = _context()
     context.state[PRIVACY_KEY] = MetricRecord({"steps": 30})
-    assert _privacy_metrics(context, _result(_setting(1.0, 1.0), 5))["dp-steps"] == 35
+    assert ClientLedger(context).account(_result(_setting(1.0, 1.0), 5))["dp-steps"] == 35
 
 
-def test_a_secure_aggregation_round_trains_with_its_upload_masked(monkeypatch):
-    """SecAgg+'s masked-vector stage calls _train_masked: the same round's training, its reply marked for the
-    SecAgg+ mod to send only masked (an unmasked reply there would leak the client's adapter update)."""
-    from pipeline.federation import client_app
+def test_a_round_without_example_level_dp_reports_and_records_no_privacy(ws):
+    from pipeline.privacy.seam import STEPS_KEY, ClientLedger
 
-    calls = []
-    monkeypatch.setattr(client_app, "train_round",
-                        lambda msg, context, masked: calls.append((msg, context, masked)) or "reply")
-    msg, context = object(), object()
-    assert client_app._train_masked(msg, context) == "reply"
-    assert len(calls) == 1 and calls[0][0] is msg and calls[0][1] is context and calls[0][2] is True
+    context = _context()
+    assert ClientLedger(context).account(_result(None, 4)) == {}
+    assert STEPS_KEY not in context.state and ClientLedger(context).steps is None  # the checkpoint records none
 
 
 # ----------------------------------------------------------------------------------------------- one training round
 def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float | None = None,
-                 local: dict[str, torch.Tensor] | None = None, masked: bool = False, n_trained: int = 2,
+                 local: dict[str, torch.Tensor] | None = None, handler: bool = False, n_trained: int = 2,
                  edit_plan=None, **train):
     """One train_round with train_local replaced by a recorder of what it is given: the global the server sent
-    is the round-0 adapter + 0.5, so every adapter state can be told apart."""
+    is the round-0 adapter + 0.5, so every adapter state can be told apart. ``handler``: the message goes
+    through the ClientApp's train handler (its privacy checks, then train_round), else to train_round itself (as
+    a SecAgg+ round's masked stage does)."""
     import json
 
     from flwr.app import ConfigRecord, Message
@@ -220,7 +219,7 @@ def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float |
     config = {"server-round": 2, "plan": path, **CLIENT_SETTINGS} | ({"proximal-mu": mu} if mu is not None else {})
     msg = Message(RecordDict({ARRAYS_KEY: encode_global(received, plan, reference=downlink_reference(plan)),
                               CONFIG_KEY: ConfigRecord(config)}), dst_node_id=7, message_type="train")
-    reply = client_app.train_round(msg, context, masked=masked)
+    reply = client_app.client_train(msg, context) if handler else client_app.train_round(msg, context)
     return plan, received, seen, reply, context
 
 
@@ -292,11 +291,16 @@ def test_a_client_refuses_to_send_its_adapter_in_the_clear_when_the_plan_asks_fo
         return plan
 
     with pytest.raises(ValueError) as err:
-        _train_round(monkeypatch, "round-secagg", "fedavg", node={"client-name": "Product"}, edit_plan=secagg)
+        _train_round(monkeypatch, "round-secagg", "fedavg", node={"client-name": "Product"}, edit_plan=secagg,
+                     handler=True)
     names(err.value, "round-secagg", "privacy.secure_aggregation")
     _, _, seen, reply, _ = _train_round(monkeypatch, "round-secagg-masked", "fedavg",
-                                        node={"client-name": "Product"}, edit_plan=secagg, masked=True)
+                                        node={"client-name": "Product"}, edit_plan=secagg)
     assert seen["client"] == "Product" and "arrays" in reply.content  # the masked path trains as usual
+    # without secure aggregation the handler trains the same round in the clear
+    _, _, seen, reply, _ = _train_round(monkeypatch, "round-plain", "fedavg", node={"client-name": "Product"},
+                                        handler=True)
+    assert seen["client"] == "Product" and "arrays" in reply.content
 
 
 def test_a_delta_encoded_reply_is_the_local_adapter_minus_the_global_it_received(ws, monkeypatch):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -80,16 +81,28 @@ def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_
 
 
 # ------------------------------------------------------------------------------------------ on the model
+def _inside(function) -> bool:
+    """Whether ``function`` is on the current call stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is function.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarray], int, bool, dict[str, np.ndarray]]]:
     """(round, client) -> (the adapter the client's train round produced (before any client-level DP clipping),
     its weight, masked?, the global adapter it received)."""
     from pipeline.federation import client_app
+    from pipeline.privacy.secure_aggregation import legacy_fit
 
     seen = {}
     real = client_app.train_round
 
-    def spy(msg, context, masked):
-        reply = real(msg, context, masked)
+    def spy(msg, context):
+        reply = real(msg, context)
+        masked = _inside(legacy_fit)  # called by SecAgg+'s masked-vector stage: the reply leaves only masked
         rnd = int(msg.content["config"]["server-round"])
         name = client_app.client_name(client_app.load_plan(client_app.plan_path_of(msg, context)), context)
         seen[(rnd, name)] = ({k: a.numpy().copy() for k, a in reply.content["arrays"].items()},

@@ -43,7 +43,6 @@ log = logging.getLogger("fedmeet.federated")
 
 LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
-PRIVACY_KEY = "privacy"  # context.state: DP-SGD steps taken over all rounds so far (the accountant's history)
 STARTED_KEY = "run-started"  # context.state: the round of the client's first message in this run
 
 
@@ -86,8 +85,7 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
     if ckpt is None:
         return None
-    if ckpt.dp_steps is not None:
-        context.state[PRIVACY_KEY] = MetricRecord({"steps": ckpt.dp_steps})
+    privacy.ClientLedger(context).restore(ckpt.dp_steps)
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
     if not ckpt.trained:
         return None
@@ -113,29 +111,18 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
-# client_dp_mod: privacy.mode client with clipping_side client, Flower's clipping mod on the reply. A SecAgg+ round
-# passes it by (its FitIns is no Message-API train message) and applies it inside legacy_fit, on the Message-API
-# call, so the update is clipped before secaggplus_mod masks it.
-@client_app.train(mods=privacy.train_mods())
-def client_train(msg: Message, context: Context) -> Message:
-    masked = privacy.masked_round(msg, context, _train_masked)  # a SecAgg+ round's masked-vector stage, or None
-    return masked if masked is not None else train_round(msg, context, masked=False)
+# The train handler with its privacy mods (SecAgg+, client-level DP clipping) and the refusal to upload in the clear
+# under SecAgg+ (pipeline.privacy.seam.register_train). train_round is looked up when a message comes, so a wrapper
+# set on this module (tests, instrumentation) is the one that runs.
+client_train = privacy.register_train(client_app, lambda msg, context: train_round(msg, context))
 
 
-def _train_masked(msg: Message, context: Context) -> Message:
-    return train_round(msg, context, masked=True)
-
-
-def train_round(msg: Message, context: Context, masked: bool) -> Message:
-    """One training round of this client: the Message-API reply (adapter arrays, metrics); ``masked``: the reply
-    goes to SecAgg+'s mod (pipeline.privacy.secure_aggregation), which sends it only masked."""
+def train_round(msg: Message, context: Context) -> Message:
+    """One training round of this client: the Message-API reply (adapter arrays, metrics). In a SecAgg+ round the
+    reply goes to SecAgg+'s mod (pipeline.privacy.secure_aggregation), which sends it only masked."""
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
     name = client_name(plan, context)
-    if plan.privacy is not None and plan.privacy.secure_aggregation and not masked:
-        # the client, not the server, decides whether its adapter may leave in the clear
-        raise ValueError(f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads its "
-                         f"adapter only through SecAgg+")
     config = msg.content[CONFIG_KEY]
     rnd = int(config["server-round"])
     received = decode_global(msg.content[ARRAYS_KEY], plan)
@@ -179,30 +166,9 @@ def train_round(msg: Message, context: Context, masked: bool) -> Message:
         "kd-fraction": float(result.kd_fraction),
         "proximal": float(result.proximal),
     })
-    if result.privacy is not None:
-        metrics.update(_privacy_metrics(context, result))
+    metrics.update(privacy.ClientLedger(context).account(result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
-
-
-def _privacy_metrics(context: Context, result: local_training.LocalTrainResult) -> dict[str, float | int]:
-    """Compose this round's DP-SGD steps with the client's earlier ones (context.state) and report the
-    accountant's (epsilon, delta) so far, the setting, and the clipped per-example gradients of this round."""
-    setting = result.privacy
-    before = int(context.state[PRIVACY_KEY]["steps"]) if PRIVACY_KEY in context.state else 0
-    total = before + int(result.n_steps)
-    context.state[PRIVACY_KEY] = MetricRecord({"steps": total})
-    eps = setting.epsilon(total)
-    return {
-        "dp-epsilon": float(eps) if eps != float("inf") else -1.0,  # -1: no bound (noise multiplier 0)
-        "dp-delta": float(setting.delta),
-        "dp-noise-multiplier": float(setting.noise_multiplier),
-        "dp-max-grad-norm": float(setting.max_grad_norm) if setting.max_grad_norm != float("inf") else -1.0,
-        "dp-sample-rate": float(setting.sample_rate),
-        "dp-steps": int(total),
-        "dp-examples": int(result.dp_examples),
-        "dp-clipped": int(result.dp_clipped),
-    }
 
 
 @client_app.evaluate()
@@ -240,9 +206,8 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     if trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
-    dp_steps = int(context.state[PRIVACY_KEY]["steps"]) if PRIVACY_KEY in context.state else None
     checkpoints.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
-                                   dp_steps)
+                                        privacy.ClientLedger(context).steps)
 
     metrics = MetricRecord({
         NUM_EXAMPLES_KEY: len(data.valid),

@@ -101,20 +101,71 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
     return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)
 
 
-def train_mods() -> list:
-    """The ClientApp train handler's mods: SecAgg+'s (its protocol messages), then client-level DP's clipping."""
+def register_train(app, train_round):
+    """Register the ClientApp's train handler on ``app``: SecAgg+'s mod (its protocol messages), then client-level
+    DP's clipping mod on the reply. A SecAgg+ round's masked-vector stage (Flower's legacy FitIns) trains through
+    ``train_round(msg, context)``, clipped by client_dp_mod before secaggplus_mod masks the upload; so does any
+    other train message, except that the client, not the server, decides whether its adapter may leave in the
+    clear: a plan with ``privacy.secure_aggregation`` makes it refuse a plain train message."""
+    from pipeline.federation.protocol import load_plan, plan_path_of
     from pipeline.privacy.client_dp import client_dp_mod
-    from pipeline.privacy.secure_aggregation import secure_aggregation_mod
+    from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
 
-    return [secure_aggregation_mod, client_dp_mod]
+    @app.train(mods=[secure_aggregation_mod, client_dp_mod])
+    def client_train(msg, context):
+        if is_legacy_fit(msg):
+            return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
+        plan = load_plan(plan_path_of(msg, context))
+        if plan.privacy is not None and plan.privacy.secure_aggregation:
+            raise ValueError(f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
+                             f"its adapter only through SecAgg+")
+        return train_round(msg, context)
+
+    return client_train
 
 
-def masked_round(msg, context, train_masked):
-    """A SecAgg+ round's masked-vector stage (Flower's legacy FitIns): the same round's training, ``train_masked``,
-    clipped by client_dp_mod before secaggplus_mod masks the upload; None for any other train message."""
-    from pipeline.privacy.client_dp import client_dp_mod
-    from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit
+STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
 
-    if not is_legacy_fit(msg):
-        return None
-    return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_masked))
+
+class ClientLedger:
+    """A client's example-level DP history across rounds, kept in its ``context.state`` (and in its checkpoints,
+    so a restarted client keeps composing): the steps taken so far and each round's (epsilon, delta)."""
+
+    def __init__(self, context):
+        self.state = context.state
+
+    @property
+    def steps(self) -> int | None:
+        """DP-SGD steps so far; None when the client has taken none under DP (the checkpoint then records none)."""
+        return int(self.state[STEPS_KEY]["steps"]) if STEPS_KEY in self.state else None
+
+    def restore(self, steps: int | None) -> None:
+        """A resumed client's steps, from its checkpoint."""
+        if steps is not None:
+            self._set(steps)
+
+    def account(self, result) -> dict[str, float | int]:
+        """The round's reply metrics of privacy: compose this round's DP-SGD steps (``result``, the local trainer's)
+        with the earlier ones and report the accountant's (epsilon, delta) so far, the setting and this round's
+        clipped per-example gradients; {} for a round without example-level DP."""
+        setting = result.privacy
+        if setting is None:
+            return {}
+        total = (self.steps or 0) + int(result.n_steps)
+        self._set(total)
+        eps = setting.epsilon(total)
+        return {
+            "dp-epsilon": float(eps) if eps != float("inf") else -1.0,  # -1: no bound (noise multiplier 0)
+            "dp-delta": float(setting.delta),
+            "dp-noise-multiplier": float(setting.noise_multiplier),
+            "dp-max-grad-norm": float(setting.max_grad_norm) if setting.max_grad_norm != float("inf") else -1.0,
+            "dp-sample-rate": float(setting.sample_rate),
+            "dp-steps": int(total),
+            "dp-examples": int(result.dp_examples),
+            "dp-clipped": int(result.dp_clipped),
+        }
+
+    def _set(self, steps: int) -> None:
+        from flwr.app import MetricRecord
+
+        self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
