@@ -168,6 +168,28 @@ def test_results_text_renders_the_numbers_of_the_table():
     assert "+0.85 to +2.09" not in claims.results_text(moved)
 
 
+def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
+    table = pd.DataFrame([
+        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=5", config_b="fedselectkd tau=5",
+             study="sampling", mean_diff=0.75, ci_low=0.23, ci_high=1.31, p_value=0.01, significant=True),
+        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=3", config_b="fedselectkd tau=5",
+             study="tau_sweep", mean_diff=-0.21, ci_low=-0.54, ci_high=0.03, p_value=0.2),
+        _row(method_a="centralized", method_b="single", mean_diff=0.30, ci_low=-0.58, ci_high=1.19, p_value=0.855),
+        _row(method_a="centralized", method_b="fedavg", mean_diff=2.17, ci_low=1.31, ci_high=3.05, p_value=0.001,
+             significant=True),
+    ])
+    lines = claims.results_text(table).splitlines()
+    sampling = next(line for line in lines if "+0.75 [+0.23, +1.31]" in line)
+    assert "gate" not in sampling and "sampling" in sampling
+    tau = next(line for line in lines if "−0.21 [−0.54, +0.03]" in line)
+    assert "gate** (tau=3)" in tau and "no difference detected" in tau
+    pooling = next(line for line in lines if "+2.17 [+1.31, +3.05]" in line)
+    assert "0.855" not in pooling  # the largest p of a line that is not supported is no evidence for it
+    both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001])
+    pooled = next(line for line in claims.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
+    assert "p ≤ 0.004 each" in pooled
+
+
 def test_replace_block_rewrites_only_between_the_markers():
     text = f"head\n{claims.BEGIN}\nold\n{claims.END}\ntail\n"
     new = claims.replace_block(text, "new line\n")

@@ -180,8 +180,9 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
         ahead = all(r.significant and r.mean_diff > 0 for r in central)
         head = "Pooling the data helps" if ahead else "Pooling the data does not always measurably help"
         worst_p = max(r.p_value for r in central)
-        p_text = "p < 0.001 each" if worst_p < 0.001 else f"p ≤ {worst_p:.3f}"
-        lines.append(f"- **{head}** ({p_text}): " + "; ".join(_pair(r) for r in central) + ".")
+        # one p for the whole line only when it supports the line (every lead excludes 0); else each interval speaks
+        p_text = (" (p < 0.001 each)" if worst_p < 0.001 else f" (p ≤ {worst_p:.3f} each)") if ahead else ""
+        lines.append(f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + ".")
         by_b = []
         for r in central:
             sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
@@ -241,13 +242,17 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
                    & (avg["study_b"] == "main")]
     for r in _records(variants):
         gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
+        base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
+        # the same gate in another study (e.g. client sampling) differs in that study's settings, not in its gate
+        changed = "the gate" if r.config_a != r.config_b else f"study {r.study}'s settings"
         if r.significant:
-            verdict = f"the gate changes ROUGE ({_p(r)})"
+            verdict = f"{changed} change{'s' if changed == 'the gate' else ''} ROUGE ({_p(r)})"
         else:
             verdict = (f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
                        f"{_num(r.ci_low)}, not a smaller difference either way")
-        base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
-        lines.append(f"- **A different KD gate** ({gate}) − SelectKD ({base}): {effect(r)}: {verdict}.")
+        what = (f"**A different KD gate** ({gate})" if r.config_a != r.config_b
+                else f"**SelectKD in study {r.study}** ({gate})")
+        lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {verdict}.")
 
     if convergence is not None and not convergence.empty:
         studies = sorted(set(table["study"]) | set(table["study_b"]))
