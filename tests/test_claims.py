@@ -170,10 +170,12 @@ def test_results_text_renders_the_numbers_of_the_table():
 
 def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
     table = pd.DataFrame([
-        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=5", config_b="fedselectkd tau=5",
-             study="sampling", mean_diff=0.75, ci_low=0.23, ci_high=1.31, p_value=0.01, significant=True),
-        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=3", config_b="fedselectkd tau=5",
-             study="tau_sweep", mean_diff=-0.21, ci_low=-0.54, ci_high=0.03, p_value=0.2),
+        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=5",
+             config_b="fedselectkd tau=5", study="sampling", mean_diff=0.75, ci_low=0.23, ci_high=1.31, p_value=0.01,
+             significant=True),
+        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=3",
+             config_b="fedselectkd tau=5", study="tau_sweep", mean_diff=-0.21, ci_low=-0.54, ci_high=0.03,
+             p_value=0.2),
         _row(method_a="centralized", method_b="single", mean_diff=0.30, ci_low=-0.58, ci_high=1.19, p_value=0.855),
         _row(method_a="centralized", method_b="fedavg", mean_diff=2.17, ci_low=1.31, ci_high=3.05, p_value=0.001,
              significant=True),
