@@ -133,3 +133,13 @@ def test_baseline_prefers_the_same_study_then_main():
     assert comparisons.baseline_for(a, "single", [other, main]) is None
     private = comparisons.Config("sampling", "fedavg DP", "fedavg", "domain", ((0, "fa-dp"),), dp="DP")
     assert comparisons.baseline_for(a, "fedavg", [private, same_study]) == same_study  # never a private baseline
+
+
+def test_p_values_print_rounded_down_so_a_significant_p_never_reads_0_050():
+    from pipeline.results.comparisons import format_p
+    assert format_p(0.0496) == "0.049"
+    assert format_p(0.05) == "0.050"
+    assert format_p(0.047) == "0.047"  # 0.047 * 1000 is 46.99999... in binary: still 0.047
+    assert format_p(0.0009) == "< 0.001"
+    assert format_p(1.0) == "1.000"
+    assert format_p(float("nan")) == "–"

@@ -71,3 +71,27 @@ def test_seed_variation_widens_the_interval():
 def test_unpaired_shapes_are_rejected():
     with pytest.raises(ValueError, match="shapes differ"):
         paired_difference([np.zeros((1, 3))], [np.zeros((1, 4))], CFG)
+
+
+def test_p_is_below_one_minus_level_exactly_when_the_interval_excludes_zero():
+    """The p-value is the percentile interval's dual, also on tied, skewed replicates (many identical summaries),
+    where a p from replicates shifted to the null disagreed with the interval (p = 0.08 beside [-0.56, -0.01])."""
+    rng = np.random.default_rng(5)
+    checked = {True: 0, False: 0}
+    for trial in range(300):
+        n = int(rng.integers(3, 30))
+        # Mostly zero differences (identical summaries) plus a few shifted ones: heavy ties near 0.
+        d = np.where(rng.random((1, n)) < rng.uniform(0.3, 0.9), 0.0, rng.normal(rng.uniform(-2, 2), 2.0, (1, n)))
+        r = paired_difference([d], [np.zeros_like(d)], BootstrapConfig(n_resamples=200, seed=trial))
+        assert 1 / 201 <= r.p_value <= 1.0
+        assert r.significant == (r.p_value < 0.05), (trial, r)
+        checked[r.significant] += 1
+    assert min(checked.values()) > 20  # both outcomes occurred
+
+
+def test_p_is_twice_the_smaller_tail_of_the_replicates():
+    """Hand-computed: differences (1, 1, -1) on one client; the 27 equally likely resamples have means
+    1 (8), 1/3 (12), -1/3 (6), -1 (1): 7/27 of them are negative, so p is close to 2 x 7/27 = 0.52."""
+    r = paired_difference([np.array([[1.0, 1.0, -1.0]])], [np.zeros((1, 3))], BootstrapConfig(n_resamples=20000))
+    assert r.p_value == pytest.approx(14 / 27, abs=0.02)
+    assert not r.significant

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 import pandas as pd
 
 from pipeline.results import published
-from pipeline.results.comparisons import AVERAGE
+from pipeline.results.comparisons import AVERAGE, format_p
 from pipeline.results.convergence import note as convergence_note
 
 BACKBONES: tuple[str, ...] = tuple(published.MAIN_TABLE)
@@ -89,7 +89,8 @@ def effect(r) -> str:
 
 
 def _p(r) -> str:
-    return "p < 0.001" if r.p_value < 0.001 else f"p = {r.p_value:.2f}"
+    shown = format_p(r.p_value)
+    return f"p {shown}" if shown.startswith("<") else f"p = {shown}"
 
 
 def _range(values: list[float]) -> str:

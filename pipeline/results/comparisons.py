@@ -217,8 +217,12 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     return table, notes
 
 
-def _fmt_p(p: float) -> str:
-    return "–" if p is None or math.isnan(p) else ("< 0.001" if p < 0.001 else f"{p:.3f}")
+def format_p(p: float) -> str:
+    """A p-value for tables and text: "< 0.001", else three decimals rounded *down*, so a p just below 0.05 (its
+    interval excludes 0) never prints as 0.050."""
+    if p is None or math.isnan(p):
+        return "–"
+    return "< 0.001" if p < 0.001 else f"{math.floor(p * 1000 + 1e-9) / 1000:.3f}"
 
 
 def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metric: str = "avg_rouge") -> str:
@@ -250,7 +254,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
             identical = f"⚠ {identical}"
         paper = [f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}" for bb in backbones
                  if isinstance(rec[f"vs_published_{bb}"], str) and rec[f"vs_published_{bb}"]]
-        lines.append(f"| {r.config_a} | {b} | {delta} | {interval} | {_fmt_p(r.p_value)} | {r.n_seeds} | "
+        lines.append(f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {r.n_seeds} | "
                      f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else ""))
     n_identical = int(sub["mostly_identical"].sum())
     if n_identical:

@@ -8,9 +8,11 @@ methods are paired seed by seed (seed s of A against seed s of B, on the seeds b
 bootstrap replicate also redraws the seeds with replacement (a two-level bootstrap), so the interval covers
 seed-to-seed variation as well as the choice of test examples. With one seed it covers the test examples only.
 
-The interval is the percentile interval of the replicates; the p-value is two-sided, from the replicates shifted
-to the null of no difference: p = (1 + #{|d* - d| >= |d|}) / (1 + B). Identical scores give d = 0 and p = 1;
-B replicates can show p no smaller than 1 / (1 + B).
+The interval is the percentile interval of the replicates (numpy's linear quantiles). The two-sided p-value is
+that interval's dual: the smallest 1 - level at which the percentile interval, computed the same way, excludes 0.
+So "the interval excludes 0" and "p < 1 - level" never disagree, which a p from replicates shifted to the null
+does on skewed, tied replicates (many identical summaries). Identical scores give d = 0 and p = 1; B replicates
+can show p no smaller than 1 / (1 + B).
 """
 from __future__ import annotations
 
@@ -101,6 +103,18 @@ def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndar
             raise ValueError(f"paired bootstrap: shapes differ {a.shape} vs {b.shape} (pair seeds and examples first)")
         diffs.append(a - b)
     observed, reps = _replicates(diffs, cfg)
-    extreme = np.abs(reps - observed) >= abs(observed)
-    p = float((1 + extreme.sum()) / (1 + len(reps)))
+    p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
     return _interval(observed, reps, cfg, p, sum(d.shape[1] for d in diffs), diffs[0].shape[0])
+
+
+def _level_excluding_zero(reps: np.ndarray) -> float:
+    """The alpha above which np.quantile(reps, alpha / 2) > 0: twice the fractional rank of 0 among the sorted
+    replicates under linear interpolation (0 when every replicate is positive, 2 when none is)."""
+    x = np.sort(reps)
+    k = int(np.searchsorted(x, 0.0, side="right"))  # replicates <= 0
+    if k == 0:
+        return 0.0
+    if k == len(x):
+        return 2.0
+    rank = k - 1 + (0.0 - x[k - 1]) / (x[k] - x[k - 1])
+    return 2.0 * rank / (len(x) - 1)
