@@ -217,6 +217,15 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
 
 
 # --------------------------------------------------------------------------------------------- stage
+def _record_source_name(config, name: str) -> None:
+    """Set ``_name_or_path`` on a model config and on its encoder and decoder sub-configs (EncoderDecoderConfig)."""
+    config._name_or_path = name
+    for part in ("encoder", "decoder"):
+        sub = getattr(config, part, None)
+        if hasattr(sub, "_name_or_path"):
+            sub._name_or_path = name
+
+
 def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path = INTERIM_DIR,
             report_path: Path | None = DEFAULT_REPORT) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record."""
@@ -267,6 +276,10 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         evaluation["dataset"] = wc.dataset
 
     final_dir, out_dir = out_dir, atomic.temp_dir_for(out_dir)  # written whole: built beside, renamed at the end
+    # save_pretrained writes where the weights were loaded from (config._name_or_path): for the offline recipe an
+    # absolute path inside this checkout's .venv, so the output's hash, and every stage below it, would depend on
+    # where the repository was cloned. The name the params gave is recorded instead.
+    _record_source_name(model.config, cfg.name)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     cfg_model = model.config

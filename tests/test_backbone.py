@@ -165,6 +165,12 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     assert all(set(e) == {"step", "loss"} for e in kept["warmup"]["loss_log"])
     assert kept["warmup"]["loss_log"] == [{"step": e["step"], "loss": e["loss"]} for e in w["loss_log"]]
     assert kept["backbone_sha256"] == record["backbone_sha256"] and kept["parameters"] == record["parameters"]
+    # Nothing in the output names the place it was built from (the checkout's .venv), so a clone elsewhere
+    # builds the same bytes: config.json names the backbone as params.yaml does.
+    for f in out.iterdir():
+        assert str(bert2bert.minilm_dir().parent) not in f.read_text(errors="ignore"), f.name
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["encoder"]["_name_or_path"] == saved["decoder"]["_name_or_path"] == cfg.name
 
 
 def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
