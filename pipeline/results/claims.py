@@ -245,14 +245,15 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
         gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
         base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
         # the same gate in another study (e.g. client sampling) differs in that study's settings, not in its gate
-        changed = "the gate" if r.config_a != r.config_b else f"study {r.study}'s settings"
+        if r.config_a != r.config_b:
+            what, changed = f"**A different KD gate** ({gate})", "the gate changes"
+        else:
+            what, changed = f"**SelectKD in study {r.study}** ({gate})", f"study {r.study}'s settings change"
         if r.significant:
-            verdict = f"{changed} change{'s' if changed == 'the gate' else ''} ROUGE ({_p(r)})"
+            verdict = f"{changed} ROUGE ({_p(r)})"
         else:
             verdict = (f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
                        f"{_num(r.ci_low)}, not a smaller difference either way")
-        what = (f"**A different KD gate** ({gate})" if r.config_a != r.config_b
-                else f"**SelectKD in study {r.study}** ({gate})")
         lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {verdict}.")
 
     if convergence is not None and not convergence.empty:
