@@ -10,7 +10,9 @@ params, so a change reruns only the experiments it affects: tau is written only 
 (selective KD) - `dvc exp run -S tau=4` reruns the selective-KD experiments and nothing else; KD, proximal and
 server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
 settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
-train-size cap). The POS-tag file's hash enters only the `hardkd` plans. The `privacy` group enters federated
+train-size cap). The POS-tag file's hash enters only the `hardkd` plans, the source hash of a strategy or KD gate
+module only the plans of the experiments that run it (:func:`extension_md5`: those modules are no train stage's
+deps, so editing one reruns only its experiments). The `privacy` group enters federated
 plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
 (its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
 (pipeline.privacy.settings.client_level_problem), secure aggregation those whose server does more than average
@@ -28,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +39,7 @@ from pipeline.common import atomic
 from pipeline.common.config import ConfigError, from_dict, to_dict
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES
+from pipeline.modeling.gates.catalog import GATES, MODE_GATES
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
@@ -241,6 +245,16 @@ def _file_md5(path: Path) -> str:
     return h.hexdigest()
 
 
+def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
+    """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
+    used = []
+    if method.strategy is not None:
+        used.append(get_strategy(method.strategy).build)
+    if method.kd_mode != "ce":
+        used.append(GATES[MODE_GATES.get(method.kd_mode, kd_gate)])
+    return {f.__module__: _file_md5(Path(sys.modules[f.__module__].__file__)) for f in used}
+
+
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method = exp.spec
@@ -293,6 +307,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = _file_md5(PATHS.postags)
+    if extensions := extension_md5(method, train.kd_gate):
+        plan["extension_md5"] = extensions
     return plan
 
 
@@ -309,6 +325,7 @@ class Plan:
     model: dict[str, Any]
     tau: float | None = None
     postags_md5: str | None = None
+    extension_md5: dict[str, str] | None = None  # source hashes of the strategy and gate modules it runs
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
     privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
     clients: list[str] | None = None  # federated: the clients the server admits, in the partition's order
@@ -339,7 +356,7 @@ class Plan:
         d = dataclasses.asdict(self)
         d.pop("source")
         d["train"] |= d["train"].pop("strategy_params")  # the strategy's keys where the plan file has them
-        for optional in ("privacy", "cache_dtype", "clients"):
+        for optional in ("privacy", "cache_dtype", "clients", "extension_md5"):
             if d[optional] is None:
                 d.pop(optional)  # plans without them keep their hash (and their checkpoints)
         if self.privacy is not None:

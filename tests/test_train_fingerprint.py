@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_dvc_layout import import_closure
+from tests.test_dvc_layout import expand, extension_modules, import_closure
 
 ROOT = Path(__file__).resolve().parents[1]
 # Reporting, run-profile CLI, study descriptions and evaluation (decoding, scoring, reading results).
@@ -47,11 +47,47 @@ def test_an_edit_of_reporting_or_evaluation_code_changes_no_train_stage_deps(tra
     assert path not in import_closure("pipeline.train")
 
 
-def test_train_stage_deps_are_its_import_closure(train_stages):
+def test_train_stage_deps_are_its_import_closure_less_the_extension_modules(train_stages):
     closure = import_closure("pipeline.train")
     assert "pipeline/train.py" in closure and "pipeline/training/client_training.py" in closure
+    extensions = extension_modules()
+    assert {"pipeline/federation/strategies/fedtrimmedavg.py", "pipeline/modeling/gates/margin.py"} <= extensions
+    assert extensions <= closure  # read by training, yet no train stage's dep: its plan carries their hash
     for stage, deps in train_stages.items():
-        assert {d for d in deps if d.startswith("pipeline/")} == closure, stage
+        modules = set().union(*(expand(d) for d in deps if d.startswith("pipeline/")))
+        assert modules == closure - extensions, stage
+        assert len(deps) < 40, stage  # packages read whole are one folder dep each
+
+
+def _plans(params) -> dict:
+    from pipeline.experiments import declared, resolve_plan
+
+    return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+
+
+@pytest.mark.parametrize("module, runs", [
+    ("pipeline.federation.strategies.fedtrimmedavg", lambda plan: False),  # no experiment runs it
+    ("pipeline.modeling.gates.margin", lambda plan: False),
+    ("pipeline.federation.strategies.fedprox", lambda plan: plan["method"] == "fedprox"),
+    ("pipeline.modeling.gates.entropy", lambda plan: plan.get("tau") is not None),  # selective KD's gate
+])
+def test_editing_a_strategy_or_gate_changes_exactly_the_plans_of_the_experiments_that_run_it(
+        tmp_path, monkeypatch, module, runs):
+    import importlib
+    import sys
+
+    from pipeline.common.config import load_params
+
+    params = load_params(str(ROOT / "params.yaml"))
+    before = _plans(params)
+    importlib.import_module(module)
+    edited = tmp_path / "edited.py"
+    edited.write_text(Path(sys.modules[module].__file__).read_text() + "# an edit\n")
+    monkeypatch.setattr(sys.modules[module], "__file__", str(edited))
+    after = _plans(params)
+    changed = {name for name in before if after[name] != before[name]}
+    assert changed == {name for name, plan in before.items() if runs(plan)}
+    assert all(after[name]["extension_md5"][module] != before[name]["extension_md5"][module] for name in changed)
 
 
 def test_the_deployed_client_app_keeps_federated_evaluation_outside_training():

@@ -61,7 +61,7 @@ def _format_value(v: Any) -> str:
 
 
 # Plan keys that identify rather than configure (the name already says them) or are derived hashes.
-_NAME_IGNORED = ("experiment", "study", "paths.", "postags_md5")
+_NAME_IGNORED = ("experiment", "study", "paths.", "postags_md5", "extension_md5.")
 
 
 def plan_differences(plan: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
