@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -338,14 +337,6 @@ def _hidden_size(model) -> int:
         if getattr(c, key, None):
             return int(getattr(c, key))
     raise BackboneError(f"{c.model_type}: cannot tell the hidden size from its config")
-
-
-def load_record(path: str | os.PathLike = DEFAULT_OUT) -> dict[str, Any]:
-    """The ``fedmeet_backbone.json`` of a resolved backbone directory."""
-    f = Path(path) / RECORD_NAME
-    if not f.is_file():
-        raise FileNotFoundError(f"{f}: not a resolved backbone (run `dvc repro backbone`)")
-    return json.loads(f.read_text())
 
 
 def main(argv: list[str] | None = None) -> None:

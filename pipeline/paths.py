@@ -14,18 +14,9 @@ class ProjectPaths:
     root: Path = Path(".")
 
     # --- data -------------------------------------------------------------------------------------------------
-    def raw(self, dataset: str) -> Path:
-        return self.root / "data/raw" / dataset
-
     @property
     def interim_dir(self) -> Path:
         return self.root / "data/interim"
-
-    def interim(self, dataset: str) -> Path:
-        return self.interim_dir / f"{dataset}.parquet"
-
-    def ingest_report(self, dataset: str) -> Path:
-        return self.root / "reports/data" / f"ingest_{dataset}.json"
 
     @property
     def examples(self) -> Path:
@@ -47,16 +38,9 @@ class ProjectPaths:
     def partition_reports(self) -> Path:
         return self.root / "reports/partitions"
 
-    def partition_report(self, scheme: str, seed: int) -> Path:
-        return self.partition_reports / f"{scheme}-seed{seed}.json"
-
     @property
     def postags(self) -> Path:
         return self.root / "data/processed/postags.parquet"
-
-    @property
-    def postag_report(self) -> Path:
-        return self.data_reports / "postag.json"
 
     # --- models -----------------------------------------------------------------------------------------------
     @property
@@ -119,15 +103,8 @@ class ProjectPaths:
         return self.analysis / "kd_analysis.json"
 
     @property
-    def analysis_figures(self) -> Path:
-        return self.analysis / "figures"
-
-    @property
     def timing(self) -> Path:
         return self.reports / "timing"
-
-    def stage_timing(self, stage: str) -> Path:
-        return self.timing / f"{stage}.json"
 
     @property
     def tables(self) -> Path:
@@ -145,14 +122,6 @@ class ProjectPaths:
     def human_eval(self) -> Path:
         return self.reports / "human_eval"
 
-    @property
-    def headline_metrics(self) -> Path:
-        """The only DVC metrics file (dvc.yaml `metrics`)."""
-        return self.reports / "metrics.json"
-
-    @property
-    def bench(self) -> Path:
-        return self.reports / "bench"
 
 
 PATHS = ProjectPaths()

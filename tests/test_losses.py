@@ -18,10 +18,9 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from pipeline.modeling.losses import KDConfig, distillation_loss, hard_kd_loss, selective_kd_loss, token_entropy
+from pipeline.modeling.gates.registry import token_entropy
+from pipeline.modeling.losses import KDConfig, distillation_loss
 
 L = math.log
 H1, H2, H3 = 1.5 * L(2), -(0.8 * L(0.8) + 0.2 * L(0.1)), L(3)
@@ -95,7 +94,7 @@ def test_kd_and_ce_modes(example):
 def test_hard_mode_uses_the_mask_only(example):
     student, teacher, labels = example
     mask = torch.tensor([[True, False], [True, True]])  # the padding position must stay off
-    out = hard_kd_loss(student, teacher, labels, mask, lam=LAM)
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="hard", lam=LAM), hard_mask=mask)
     assert out.gate.tolist() == [[True, False], [True, False]]
     assert out.loss.item() == pytest.approx(((1 - LAM) * (CE1 + CE3) + LAM * (KL1 + KL3) + CE2) / 3, abs=1e-5)
 
@@ -138,7 +137,7 @@ def test_only_student_gets_gradients(example):
     student, teacher, labels = example
     student = student.clone().requires_grad_(True)
     teacher = teacher.clone().requires_grad_(True)
-    selective_kd_loss(student, teacher, labels, lam=LAM, tau=2.0).loss.backward()
+    distillation_loss(student, teacher, labels, KDConfig(lam=LAM, tau=2.0)).loss.backward()
     assert student.grad is not None and student.grad.abs().sum() > 0
     assert teacher.grad is None
     assert student.grad[1, 1].abs().sum() == 0  # padding contributes nothing
@@ -269,65 +268,24 @@ def test_absolute_gate_reports_its_threshold_and_portable_tau_is_a_fraction(exam
         KDConfig(tau=0.5, tau_scale="entropy_rank")
 
 
-# ----------------------------------------------------------------------------------- per-token helpers
-def test_per_token_ce_and_kl_match_hand_computation(example):
-    from pipeline.modeling.losses import cross_entropy_tokens, kd_tokens
-
-    student, teacher, labels = example
-    ce = cross_entropy_tokens(student, labels)
-    torch.testing.assert_close(ce, torch.tensor([[CE1, CE2], [CE3, 0.0]]), atol=1e-5, rtol=0)  # 0 on padding
-    kl = kd_tokens(student, teacher)  # KL(q_g || q_l)
-    torch.testing.assert_close(kl[0], torch.tensor([KL1, KL2]), atol=1e-5, rtol=0)
-    assert kl[1, 0].item() == pytest.approx(KL3, abs=1e-5)
-    # KL(q_l || q_g) of token 1: 1/4 ln(1/2) + 1/2 ln 2 + 0 = 1/4 ln 2 (= KL1 by symmetry of this pair)
-    # and of token 3: 0.2 ln(0.6) * 2 + 0.6 ln(1.8)
-    rev = kd_tokens(student, teacher, direction="student_to_teacher")
-    assert rev[0, 0].item() == pytest.approx(0.25 * L(2), abs=1e-5)
-    assert rev[1, 0].item() == pytest.approx(0.4 * L(0.6) + 0.6 * L(1.8), abs=1e-5)
-    assert abs(rev[1, 0].item() - kl[1, 0].item()) > 3e-3  # the two directions differ here (0.1483 vs 0.1446)
-    with pytest.raises(ValueError, match="unknown KL direction 'both'"):
-        kd_tokens(student, teacher, direction="both")
-
-
-@settings(max_examples=30, deadline=None)
-@given(t=st.floats(0.25, 4.0), seed=st.integers(0, 2**16))
-def test_tempered_kl_is_t_squared_kl_of_the_softened_distributions(t, seed):
-    """kd_tokens = T^2 KL(softmax(z_g/T) || softmax(z_l/T)) for any T, against torch's kl_div; >= 0; teacher frozen."""
-    from pipeline.modeling.losses import kd_tokens
-
-    g = torch.Generator().manual_seed(seed)
-    zl = (torch.randn(2, 3, 7, generator=g) * 2).requires_grad_(True)
-    zg = (torch.randn(2, 3, 7, generator=g) * 2).requires_grad_(True)
-    out = kd_tokens(zl, zg, temperature=t)
-    ref = torch.nn.functional.kl_div(torch.log_softmax(zl.detach() / t, -1), torch.log_softmax(zg.detach() / t, -1),
-                                     log_target=True, reduction="none").sum(-1) * t * t
-    torch.testing.assert_close(out.detach(), ref, atol=1e-5, rtol=1e-4)
-    assert (out >= -1e-6).all()
-    out.sum().backward()
-    assert zg.grad is None and zl.grad is not None  # the teacher gets no gradient
-    rev = kd_tokens(zl.detach(), zg.detach(), temperature=t, direction="student_to_teacher")
-    ref_rev = torch.nn.functional.kl_div(torch.log_softmax(zg.detach() / t, -1), torch.log_softmax(zl.detach() / t, -1),
-                                         log_target=True, reduction="none").sum(-1) * t * t
-    torch.testing.assert_close(rev, ref_rev, atol=1e-5, rtol=1e-4)
-
-
-def test_loss_helpers_default_to_the_papers_lambda_and_tau(example):
+def test_the_default_config_is_the_papers_lambda_and_tau(example):
     """METHOD.md: lambda 0.2, tau 5 nats. All three example tokens have H < 5, so all get KD."""
     student, teacher, labels = example
-    out = selective_kd_loss(student, teacher, labels)
+    out = distillation_loss(student, teacher, labels, KDConfig())
     assert out.gate.tolist() == [[True, True], [True, False]] and out.threshold == 5.0
     expected = sum(0.8 * ce + 0.2 * kl for ce, kl in ((CE1, KL1), (CE2, KL2), (CE3, KL3))) / 3
     assert out.loss.item() == pytest.approx(expected, abs=1e-5)
     # keyword settings reach the config: tau 1.05 nats = 1.515 bits sits between H1 = 1.5 and H3 = 1.585 bits
-    bits = selective_kd_loss(student, teacher, labels, lam=0.5, tau=1.55, log_base="2")
+    bits = distillation_loss(student, teacher, labels, KDConfig(lam=0.5, tau=1.55, log_base="2"))
     assert bits.gate.tolist() == [[True, True], [False, False]]
     expected = (0.5 * (CE1 + KL1) + 0.5 * (CE2 + KL2) + CE3) / 3
     assert bits.loss.item() == pytest.approx(expected, abs=1e-5)
     mask = torch.tensor([[False, True], [True, True]])
-    hard = hard_kd_loss(student, teacher, labels, mask)
+    hard = distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=mask)
     assert hard.gate.tolist() == [[False, True], [True, False]]  # the mask, never on padding
     assert hard.loss.item() == pytest.approx((CE1 + 0.8 * CE2 + 0.2 * KL2 + 0.8 * CE3 + 0.2 * KL3) / 3, abs=1e-5)
-    seq = hard_kd_loss(student, teacher, labels, mask, lam=1.0, normalisation="sequences")
+    seq = distillation_loss(student, teacher, labels, KDConfig(mode="hard", lam=1.0, normalisation="sequences"),
+                            hard_mask=mask)
     assert seq.loss.item() == pytest.approx(((CE1 + KL2) / 2 + KL3) / 2, abs=1e-5)
 
 
@@ -428,8 +386,9 @@ def test_bad_batches_are_named(example):
 
 def test_hard_mask_may_be_given_as_zeros_and_ones(example):
     student, teacher, labels = example
-    as_bool = hard_kd_loss(student, teacher, labels, torch.tensor([[True, False], [True, True]]))
-    as_int = hard_kd_loss(student, teacher, labels, torch.tensor([[1, 0], [1, 1]]))
+    as_bool = distillation_loss(student, teacher, labels, KDConfig(mode="hard"),
+                                hard_mask=torch.tensor([[True, False], [True, True]]))
+    as_int = distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.tensor([[1, 0], [1, 1]]))
     assert as_int.gate.tolist() == as_bool.gate.tolist() == [[True, False], [True, False]]
     assert as_int.loss.item() == as_bool.loss.item()
 

@@ -1,9 +1,7 @@
 """Sub-word -> word mapping on byte-level BPE and WordPiece tokenizations (expected indices written by hand)."""
 from __future__ import annotations
 
-import pytest
-
-from pipeline.datasets.words import word_index_from_markers, word_index_from_offsets, whitespace_words
+from pipeline.datasets.words import word_index_from_offsets, whitespace_words
 from tiny_models import _bart_tokenizer, _bert_tokenizer
 
 TEXT = "The project manager decides to use LCD.\nHe isn't  sure, ok?"
@@ -15,24 +13,6 @@ def test_whitespace_words():
     words, spans = whitespace_words(TEXT)
     assert words == WORDS
     assert spans[6] == (35, 39) and spans[7] == (40, 42)
-
-
-def test_bpe_markers_hand_written():
-    # BART-style pieces of "<s>The project manager decides to use LCD.\nHe isn't  sure</s>"
-    tokens = ["<s>", "The", "Ġpro", "ject", "Ġmanager", "Ġdec", "ides", "Ġto", "Ġuse", "Ġ", "L", "CD", ".", "Ċ",
-              "He", "Ġisn", "'t", "Ġ", "Ġsure", "</s>"]
-    special = [t in ("<s>", "</s>") for t in tokens]
-    expected = [None, 0, 1, 1, 2, 3, 3, 4, 5, 6, 6, 6, 6, None, 7, 8, 8, None, 9, None]
-    assert word_index_from_markers(tokens, "bpe", special) == expected
-
-
-def test_wordpiece_markers_hand_written():
-    tokens = ["[CLS]", "the", "project", "manager", "decides", "to", "use", "lc", "##d", ".", "[SEP]"]
-    special = [t.startswith("[") for t in tokens]
-    # WordPiece strings carry no whitespace: BERT's split-off "." becomes its own word.
-    assert word_index_from_markers(tokens, "wordpiece", special) == [None, 0, 1, 2, 3, 4, 5, 6, 6, 7, None]
-    with pytest.raises(ValueError, match="unknown word-marker scheme"):
-        word_index_from_markers(tokens, "sentencepiece")
 
 
 def _encode(tok, text):
@@ -50,7 +30,7 @@ def test_wordpiece_offsets_real_tokenizer():
     assert mapped.word_index == [None, 0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 8, 9, 9, 10, 10, None]
 
 
-def test_bpe_offsets_real_tokenizer_agree_with_markers():
+def test_bpe_offsets_real_tokenizer():
     tokens, offsets, special = _encode(_bart_tokenizer(), TEXT)
     mapped = word_index_from_offsets(TEXT, offsets, special)
     # The pieces of each word spell the word (Ġ = the space in front of it); specials, Ċ and the lone Ġ of the
@@ -59,4 +39,3 @@ def test_bpe_offsets_real_tokenizer_agree_with_markers():
         pieces = [t for t, i in zip(tokens, mapped.word_index) if i == w]
         assert "".join(pieces).replace("Ġ", "") == word
     assert [t for t, i in zip(tokens, mapped.word_index) if i is None] == ["<s>", "Ċ", "Ġ", "</s>"]
-    assert word_index_from_markers(tokens, "bpe", special) == mapped.word_index

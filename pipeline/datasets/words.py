@@ -6,14 +6,8 @@ definition does not depend on the tokenizer: "lcd." and "isn't" are one word eac
 ``</s>``, ``[CLS]``, ``[SEP]``, padding) and tokens that encode only whitespace (BPE ``Ċ``, a lone ``Ġ`` before
 a space) belong to no word (``None``).
 
-Three ways to get the mapping:
-- :func:`word_index_from_offsets` - from a fast tokenizer's character offsets (any fast tokenizer; what the
-  pipeline uses, because it also gives the characters that spaCy's tags are aligned to);
-- :func:`word_index_from_markers` with ``scheme="bpe"`` - byte-level BPE tokens (BART, RoBERTa, GPT-2), where
-  ``Ġ`` marks a preceding space: gives exactly the whitespace words;
-- :func:`word_index_from_markers` with ``scheme="wordpiece"`` - WordPiece tokens (BERT), where ``##`` marks a
-  continuation. WordPiece strings carry no whitespace, so punctuation split off by BERT's pre-tokenizer becomes
-  its own word ("lcd." -> "lcd", "."); use offsets when the text is available.
+:func:`word_index_from_offsets` maps tokens to words from a fast tokenizer's character offsets (any fast
+tokenizer; the same characters spaCy's tags are aligned to).
 """
 from __future__ import annotations
 
@@ -22,10 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-BPE_SPACE = "Ġ"  # byte-level BPE's visible form of " "
-BPE_WHITESPACE = frozenset("ĠĊčĉ")  # visible forms of space, \n, \r, \t
-WORDPIECE_CONTINUATION = "##"
 
 _WORD = re.compile(r"\S+")
 
@@ -78,64 +68,3 @@ def word_index_from_offsets(
         hit = inside[inside >= 0]
         index.append(int(hit[0]) if hit.size else None)  # whitespace-only token (Ċ, ĠĠ): no word
     return TargetWords(index, words, spans)
-
-
-def word_index_from_markers(
-    tokens: Sequence[str], scheme: str, special: Sequence[bool] | None = None
-) -> list[int | None]:
-    """Word index of each token from the tokenizer's own word-boundary markers.
-
-    scheme ``"bpe"``: a token starting with ``Ġ`` starts a word, so does the first token after a special or
-    whitespace-only token; a whitespace-only token (``Ċ``, ``ĠĠ``, a lone ``Ġ``) belongs to no word, except a
-    lone ``Ġ`` directly followed by a word's first piece (``Ġ`` ``L`` ``CD`` = " LCD"), which starts that word.
-    scheme ``"wordpiece"``: a token not starting with ``##`` starts a word.
-    """
-    special = list(special) if special is not None else [False] * len(tokens)
-    if len(special) != len(tokens):
-        raise ValueError(f"{len(tokens)} tokens but {len(special)} special-token flags")
-    if scheme == "wordpiece":
-        out: list[int | None] = []
-        current = -1
-        for tok, is_special in zip(tokens, special):
-            if is_special:
-                out.append(None)
-                continue
-            if not tok.startswith(WORDPIECE_CONTINUATION) or current < 0:
-                current += 1
-            out.append(current)
-        return out
-    if scheme != "bpe":
-        raise ValueError(f"unknown word-marker scheme {scheme!r}; expected 'bpe' or 'wordpiece'")
-
-    def whitespace_only(tok: str) -> bool:
-        return all(ch in BPE_WHITESPACE for ch in tok)
-
-    out = []
-    current = -1
-    open_word = False  # whether the previous token left a word open for continuation pieces
-    for i, (tok, is_special) in enumerate(zip(tokens, special)):
-        if is_special:
-            out.append(None)
-            open_word = False
-            continue
-        if whitespace_only(tok):
-            nxt = tokens[i + 1] if i + 1 < len(tokens) else ""
-            starts_next = (
-                tok == BPE_SPACE
-                and i + 1 < len(tokens)
-                and not special[i + 1]
-                and nxt[:1] not in BPE_WHITESPACE
-            )
-            if starts_next:
-                current += 1
-                out.append(current)
-                open_word = True
-            else:
-                out.append(None)
-                open_word = False
-            continue
-        if tok.startswith(BPE_SPACE) or not open_word:
-            current += 1
-        out.append(current)
-        open_word = True
-    return out

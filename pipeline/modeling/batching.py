@@ -37,10 +37,6 @@ class Batch:
     def target_lengths(self) -> torch.Tensor:
         return (self.labels != IGNORE_INDEX).sum(dim=1)
 
-    @property
-    def source_lengths(self) -> torch.Tensor:
-        return self.attention_mask.sum(dim=1)
-
     def to(self, device: torch.device | str) -> "Batch":
         return Batch(
             self.example_ids,

@@ -253,10 +253,6 @@ class TeacherCache:
         self._version: tuple[int, int] | None = None
         self.stats = {"hits": 0, "misses": 0, "refused": 0, "damaged": 0}
 
-    @classmethod
-    def for_config(cls, cfg: CacheConfig) -> "TeacherCache":
-        return cls(int(cfg.teacher_cache_gb * 2**30))
-
     def clear(self) -> None:
         self._store.clear()
         self._crc.clear()

@@ -26,11 +26,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pipeline.modeling.batching import IGNORE_INDEX
 from pipeline.modeling.gates.catalog import GATES, gate_of
-from pipeline.modeling.gates.registry import TeacherRows, token_entropy  # noqa: F401 (token_entropy: part of this API)
+from pipeline.modeling.gates.registry import TeacherRows
 
 MODES = ("ce", "kd", "selective", "hard")
 KL_DIRECTIONS = ("teacher_to_student", "student_to_teacher")
@@ -86,37 +85,6 @@ class LossOutput:
     n_tokens: int  # non-padding target tokens
     n_kd: int  # gated tokens
     threshold: float = float("nan")  # the threshold the gate compared with (entropy gate: log_base units); NaN: none
-
-
-def _kl_from_logp(logp_l: torch.Tensor, logp_g: torch.Tensor, direction: str) -> torch.Tensor:
-    if direction == "teacher_to_student":  # KL(q_g || q_l)
-        return (logp_g.exp() * (logp_g - logp_l)).sum(dim=-1)
-    if direction == "student_to_teacher":  # KL(q_l || q_g)
-        return (logp_l.exp() * (logp_l - logp_g)).sum(dim=-1)
-    raise ValueError(f"unknown KL direction {direction!r}; expected one of {KL_DIRECTIONS}")
-
-
-def _ce_from_logp(logp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    valid = labels != IGNORE_INDEX
-    picked = logp.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    return (-picked).masked_fill(~valid, 0.0)
-
-
-def cross_entropy_tokens(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Per-token CE(q_l, y_t) [B, T]; 0 on padding (labels == -100)."""
-    return _ce_from_logp(F.log_softmax(logits.float(), dim=-1), labels)
-
-
-def kd_tokens(
-    logits_local: torch.Tensor,
-    logits_global: torch.Tensor,
-    temperature: float = 1.0,
-    direction: str = "teacher_to_student",
-) -> torch.Tensor:
-    """Per-token T^2 * KL between the tempered distributions [B, T]; teacher_to_student = KL(q_g || q_l)."""
-    logp_l = F.log_softmax(logits_local.float() / temperature, dim=-1)
-    logp_g = F.log_softmax(logits_global.detach().float() / temperature, dim=-1)
-    return _kl_from_logp(logp_l, logp_g, direction) * temperature**2
 
 
 def _pack(logits: torch.Tensor | None, valid: torch.Tensor, name: str) -> torch.Tensor | None:
@@ -305,12 +273,3 @@ def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> 
             p, lse_g = _softmax_lse(zg)
             out[s:s + chunk_rows] = (lse_g - _rowdot(p, zg)) * inv_log2
     return out
-
-
-def selective_kd_loss(logits_local, logits_global, labels, lam: float = 0.2, tau: float = 5.0, **kw) -> LossOutput:
-    return distillation_loss(logits_local, logits_global, labels, KDConfig(mode="selective", lam=lam, tau=tau, **kw))
-
-
-def hard_kd_loss(logits_local, logits_global, labels, mask, lam: float = 0.2, **kw) -> LossOutput:
-    """KD exactly on ``mask`` tokens (e.g. target nouns and verbs, METHOD.md experiment 10)."""
-    return distillation_loss(logits_local, logits_global, labels, KDConfig(mode="hard", lam=lam, **kw), hard_mask=mask)
