@@ -33,18 +33,14 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params, require
-from pipeline.examples import model_input
 from pipeline.common.integrity import RECORD_NAME, sha256_dir, sha256_file
-from pipeline.common.schema import Turn
+from pipeline.common.schema import Turn, model_input
 from pipeline.common.timing import stage_timer
 from pipeline.modeling.bert2bert import BackboneError, build_bert2bert, init_cross_attention_from_self, minilm_dir
 from pipeline.modeling.warmup import WarmupConfig, eval_subsample, evaluate_summarizer, warm_up
 from pipeline.paths import PATHS
 
 OFFLINE_RECIPE = "minilm-bert2bert"
-DEFAULT_OUT = PATHS.backbone
-DEFAULT_REPORT = PATHS.backbone_report
-INTERIM_DIR = PATHS.interim_dir
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -77,10 +73,6 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
     cfg = from_dict(BackboneConfig, params.get("backbone"), "backbone")
     sep_token = (params.get("examples") or {}).get("sep_token", "#SEP#")
     return cfg, sep_token
-
-
-def device_for() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 # --------------------------------------------------------------------------------------------- resolving
@@ -225,11 +217,11 @@ def _record_source_name(config, name: str) -> None:
             sub._name_or_path = name
 
 
-def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path = INTERIM_DIR,
-            report_path: Path | None = DEFAULT_REPORT) -> dict[str, Any]:
+def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path = PATHS.interim_dir,
+            report_path: Path | None = PATHS.backbone_report) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record."""
     kind = classify(cfg.name)
-    device = device_for()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.warmup.num_threads > 0:
         torch.set_num_threads(cfg.warmup.num_threads)
     source: dict[str, Any] = {"kind": kind, "name": cfg.name}
@@ -344,9 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--name", help="override backbone.name")
     ap.add_argument("--steps", type=int, help="override backbone.warmup.steps")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    ap.add_argument("--report", type=Path, default=DEFAULT_REPORT)
-    ap.add_argument("--interim-dir", type=Path, default=INTERIM_DIR)
+    ap.add_argument("--out", type=Path, default=PATHS.backbone)
+    ap.add_argument("--report", type=Path, default=PATHS.backbone_report)
+    ap.add_argument("--interim-dir", type=Path, default=PATHS.interim_dir)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     cfg, sep_token = load_config(load_params(args.params))

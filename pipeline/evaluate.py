@@ -23,7 +23,7 @@ from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
 from pipeline.experiments import read_plan
-from pipeline.modeling.model import ModelConfig
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
 from pipeline.results.convergence import run_converged
 from pipeline.results.evaluation import EvaluateConfig, import_evaluations, log_to_mlflow
@@ -35,33 +35,9 @@ from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 
-EVAL_DIR = PATHS.eval_reports
-MODELS_DIR = PATHS.models
-EXAMPLES_PATH = PATHS.examples
-PARTITIONS_DIR = PATHS.partitions
-BACKBONE_DIR = PATHS.backbone
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Model
-
-
-def load_model(model_cfg, backbone_dir: Path):
-    """The frozen backbone with the experiment's adapter shape (adapters are filled per client later)."""
-    from pipeline.modeling.model import AdapterSummarizer
-
-    if not backbone_dir.is_dir():
-        raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
-    return AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The stage
-
-
-def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MODELS_DIR,
-                        eval_dir: Path = EVAL_DIR, examples_path: Path = EXAMPLES_PATH,
-                        partitions_dir: Path = PARTITIONS_DIR, backbone_dir: Path = BACKBONE_DIR,
+def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PATHS.models,
+                        eval_dir: Path = PATHS.eval_reports, examples_path: Path = PATHS.examples,
+                        partitions_dir: Path = PATHS.partitions, backbone_dir: Path = PATHS.backbone,
                         mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None) -> dict[str, Any]:
     """Generate and score every client's test subsample for experiment ``name``; returns metrics.json's content."""
     model_dir = models_dir / name
@@ -81,7 +57,10 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = MO
     examples = examples.set_index("example_id", drop=False)
 
     model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
-    model = load_model(model_cfg, backbone_dir)
+    if not backbone_dir.is_dir():
+        raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
+    # the frozen backbone with the experiment's adapter shape (each client's adapter is loaded below)
+    model = AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
     max_src = cfg.max_source_length or model_cfg.max_source_length
     backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
     scorer = Scorer(use_stemmer=True)

@@ -28,6 +28,7 @@ from pipeline.common.schema import (
     DataError,
     Example,
     Turn,
+    model_input,
     spoken_word_count,
     summary_word_count,
 )
@@ -67,15 +68,6 @@ class ExamplesConfig:
     qmsum_query_types: list[str] = field(default_factory=lambda: ["specific"])
     samsum_query: str = ""
     link_min_jaccard: float = 0.05
-
-
-def render_transcript(turns: list[Turn]) -> str:
-    return "\n".join(t.render() for t in turns)
-
-
-def model_input(query: str, turns: list[Turn], sep_token: str) -> str:
-    transcript = render_transcript(turns)
-    return f"{query} {sep_token} {transcript}" if query else transcript
 
 
 def _turns(raw: Any) -> list[Turn]:

@@ -40,6 +40,12 @@ class Turn:
         return f"{self.speaker}: {self.content}"
 
 
+def model_input(query: str, turns: list[Turn], sep_token: str) -> str:
+    """The model's source text (examples and the backbone warm-up): one turn a line, after ``query #SEP#``."""
+    transcript = "\n".join(t.render() for t in turns)
+    return f"{query} {sep_token} {transcript}" if query else transcript
+
+
 @dataclass
 class CanonicalRecord:
     dataset: str
