@@ -37,7 +37,7 @@ from pipeline.common.integrity import RECORD_NAME, sha256_dir, sha256_file
 from pipeline.common.schema import Turn, model_input
 from pipeline.common.timing import stage_timer
 from pipeline.modeling.bert2bert import BackboneError, build_bert2bert, init_cross_attention_from_self, minilm_dir
-from pipeline.modeling.warmup import WarmupConfig, eval_subsample, evaluate_summarizer, warm_up
+from pipeline.modeling.warmup import WarmupConfig, evaluate_summarizer, warm_up
 from pipeline.paths import PATHS
 
 OFFLINE_RECIPE = "minilm-bert2bert"
@@ -262,7 +262,8 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         warmup.update({"dataset": wc.dataset, "train_examples": len(train_pairs),
                        "config": asdict(wc), "device": device.type})
     if wc.eval_examples > 0:
-        valid = eval_subsample(load_pairs(interim, "valid", sep_token), wc.eval_examples)
+        # a fixed subsample: the first validation dialogues in file order (the same for every run)
+        valid = load_pairs(interim, "valid", sep_token)[:wc.eval_examples]
         evaluation = evaluate_summarizer(model, tokenizer, valid, wc, device)
         evaluation["dataset"] = wc.dataset
 

@@ -22,7 +22,6 @@ from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 
 
-# ---------------------------------------------------------------------------------------------- stage
 def ingest_dataset(dataset: str, directory: Path,
                    allow_absent: list[str] = ()) -> tuple[pd.DataFrame, IngestReport]:
     """Read ``dataset`` from ``directory`` (its upstream layout) into the canonical table.
@@ -31,8 +30,6 @@ def ingest_dataset(dataset: str, directory: Path,
     file may be missing or empty; any other missing or empty split is an error.
     """
     report = IngestReport(dataset=dataset, source=str(directory))
-    if dataset not in DATASETS:
-        raise DataError(f"unknown dataset {dataset!r}; expected one of {tuple(DATASETS)}")
     records = dataset_spec(dataset).read(directory, report, allow_absent)
     rows = []
     for rec in tqdm(records, desc=f"ingest {dataset}", unit="rec", mininterval=2):
@@ -47,10 +44,6 @@ def write_outputs(frame: pd.DataFrame, report: IngestReport, interim_dir: Path, 
     report_dir.mkdir(parents=True, exist_ok=True)
     atomic.to_parquet(frame, interim_dir / f"{report.dataset}.parquet", schema=canonical_arrow_schema(), index=False)
     atomic.write_json(report_dir / f"ingest_{report.dataset}.json", report.to_dict())
-
-
-def read_interim(path: Path) -> pd.DataFrame:
-    return pd.read_parquet(path)
 
 
 def main(argv: list[str] | None = None) -> None:

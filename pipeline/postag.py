@@ -32,15 +32,13 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.modeling.batching import tokenize_pairs
+from pipeline.modeling.model import ModelConfig
 from pipeline.common.schema import DataError
 from pipeline.datasets.words import word_index_from_offsets
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.postags import POSTAG_COLUMNS
+from pipeline.paths import PATHS
 
-EXAMPLES = Path("data/processed/examples.parquet")
-BACKBONE = Path("models/backbone")
-OUT = Path("data/processed/postags.parquet")
-REPORT = Path("reports/data/postag.json")
 UNIVERSAL_TAGS = (
     "ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split()
 )
@@ -142,7 +140,7 @@ def tag_targets(
         drop = len(ids) - len(label_ids)  # 1 when tokenize_pairs dropped a leading decoder-start token
         if drop not in (0, 1) or list(ids[drop:]) != list(label_ids):
             raise DataError(
-                f"{EXAMPLES}: example {eid}: target token ids with offsets differ from the training labels "
+                f"{PATHS.examples}: example {eid}: target token ids with offsets differ from the training labels "
                 f"({len(ids)} vs {len(label_ids)} tokens); the tokenizer must be a fast tokenizer"
             )
         words = word_index_from_offsets(
@@ -178,12 +176,6 @@ def backbone_decoder_start(backbone: Path) -> int | None:
     if value is None and (backbone / "generation_config.json").exists():
         value = GenerationConfig.from_pretrained(backbone).decoder_start_token_id
     return value
-
-
-def max_target_length_from(params: dict) -> int:
-    from pipeline.modeling.model import ModelConfig  # the model group's dataclass (model-core helper)
-
-    return ModelConfig.from_group(params.get("model")).max_target_length
 
 
 def run(
@@ -248,16 +240,17 @@ def run(
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--examples", type=Path, default=EXAMPLES)
-    ap.add_argument("--backbone", type=Path, default=BACKBONE)
-    ap.add_argument("--out", type=Path, default=OUT)
-    ap.add_argument("--report", type=Path, default=REPORT)
+    ap.add_argument("--examples", type=Path, default=PATHS.examples)
+    ap.add_argument("--backbone", type=Path, default=PATHS.backbone)
+    ap.add_argument("--out", type=Path, default=PATHS.postags)
+    ap.add_argument("--report", type=Path, default=PATHS.data_reports / "postag.json")
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
     args = ap.parse_args(argv)
     with stage_timer("postag"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(PostagConfig, params.get("postag"), "postag")
-        run(cfg, args.examples, args.backbone, args.out, args.report, max_target_length_from(params))
+        max_target_length = ModelConfig.from_group(params.get("model")).max_target_length
+        run(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
 
 
 if __name__ == "__main__":

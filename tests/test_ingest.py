@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pipeline.datasets import sources
 from pipeline.datasets.readers.qmsum import qmsum_meeting_id
-from pipeline.ingest import ingest_dataset, read_interim, write_outputs
+from pipeline.ingest import ingest_dataset, write_outputs
 from pipeline.common.schema import DataError
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
 from pipeline.datasets.sources import IngestConfig, resolve_source
@@ -120,7 +120,7 @@ def test_hmnet_speaker_content_summary(mirror):
 def test_outputs_round_trip(mirror, tmp_path):
     frame, report = ingest_dataset("ami", mirror / "ami")
     write_outputs(frame, report, tmp_path / "interim", tmp_path / "reports")
-    back = read_interim(tmp_path / "interim" / "ami.parquet")
+    back = pd.read_parquet(tmp_path / "interim" / "ami.parquet")
     assert back.turns.iloc[0][0] == {"speaker": "PM B", "content": "Hello everyone ."}
     assert list(back.spans.iloc[0]) == []
     rep = json.loads((tmp_path / "reports" / "ingest_ami.json").read_text())

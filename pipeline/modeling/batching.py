@@ -8,8 +8,8 @@ padded decoder inputs hold the pad id. Padding is per batch (to the longest memb
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -31,21 +31,10 @@ class Batch:
     attention_mask: torch.Tensor  # [B, S] 1 on source tokens
     decoder_input_ids: torch.Tensor  # [B, T] labels shifted right, start token first
     labels: torch.Tensor  # [B, T] target ids, IGNORE_INDEX (-100) on padding
-    extra: dict[str, Any] = field(default_factory=dict)  # e.g. a hard-KD mask [B, T] bool
 
     @property
     def target_lengths(self) -> torch.Tensor:
         return (self.labels != IGNORE_INDEX).sum(dim=1)
-
-    def to(self, device: torch.device | str) -> "Batch":
-        return Batch(
-            self.example_ids,
-            self.input_ids.to(device),
-            self.attention_mask.to(device),
-            self.decoder_input_ids.to(device),
-            self.labels.to(device),
-            {k: v.to(device) if torch.is_tensor(v) else v for k, v in self.extra.items()},
-        )
 
     def __len__(self) -> int:
         return len(self.example_ids)

@@ -187,11 +187,6 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
 
 
 # --------------------------------------------------------------------------------------------- evaluation
-def eval_subsample(pairs, n: int) -> list[tuple[str, str, str]]:
-    """A fixed subsample: the first n validation dialogues in file order (no randomness, same for every run)."""
-    return pairs[:n]
-
-
 @torch.no_grad()
 def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
     model.to(device).eval()
