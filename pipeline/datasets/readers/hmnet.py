@@ -7,8 +7,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import (_absent_allowed, _field, _json_lines, _json_type, _no_records, _object,
-                                                _text, _Unique)
+from pipeline.datasets.readers.upstream import _field, _json_type, _object, _text, _Unique, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -32,69 +31,54 @@ def hmnet_speaker(turn: dict, where: str) -> str:
     return f"{role} {letter}" if role else letter
 
 
+def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
+    """(upstream split, path) of each chunk file of ``dataset``."""
+    corpus = HMNET_CORPUS[dataset]
+    return [(split, f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz")
+            for split, n in HMNET_CHUNKS[dataset].items() for k in range(n)]
+
+
 def read_hmnet(directory: Path, dataset: str, report: IngestReport,
                allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
     meetings = _Unique("meeting id")
-    for upstream_split, n_chunks in HMNET_CHUNKS[dataset].items():
-        split = normalise_split(upstream_split)
-        split_key = f"{dataset}/{corpus}/{split}"
-        for k in range(n_chunks):
-            rel = f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{upstream_split}/split_{k}.jsonl.gz"
-            display = f"{dataset}/{rel}"
-            if _absent_allowed(directory / rel, split_key, allow_absent, report):
-                continue
-            n_lines = 0
-            for line_no, meeting in _json_lines(directory / rel, display):
-                n_lines += 1
-                where = f"{display}:{line_no}"
-                meeting_id = _text(meeting, "id", where)
-                mwhere = f"{where}: meeting {meeting_id}"
-                _object(meeting, mwhere, ("id", "meeting", "summary"))
-                meetings.check(meeting_id, where)
-                turns = []
-                for i, utt in enumerate(_field(meeting, "meeting", mwhere, list)):
-                    twhere = f"{mwhere} meeting[{i}]"
-                    _object(utt, twhere, ("speaker", "utt"), ("role",))
-                    if not str(utt.get("role") or "").strip():
-                        report.note("turns without a role (speaker letter only)")
-                    words = _field(_field(utt, "utt", twhere, dict), "word", f"{twhere}.utt", list)
-                    bad = next((j for j, w in enumerate(words) if not isinstance(w, str)), None)
-                    if bad is not None:
-                        raise DataError(f"{twhere}.utt.word[{bad}]: {_json_type(words[bad])}, expected a string")
-                    turns.append(Turn(hmnet_speaker(utt, twhere), " ".join(words)))
-                sentences = _field(meeting, "summary", mwhere, list)
-                bad = next((j for j, x in enumerate(sentences) if not isinstance(x, str)), None)
-                if bad is not None:
-                    raise DataError(f"{mwhere}: summary[{bad}] is {_json_type(sentences[bad])}, expected a string")
-                if not turns or not sentences:
-                    raise DataError(f"{mwhere}: empty {'transcript' if not turns else 'summary'}")
-                yield CanonicalRecord(
-                    dataset=dataset, domain=corpus, split=split, meeting_id=meeting_id, query_index=-1,
-                    query="", query_type="none", turns=turns, spans=[],
-                    summary="\n".join(s.strip() for s in sentences),
-                    source_file=display, source_line=line_no,
-                )
-            if n_lines == 0:
-                # One empty chunk of a split that has others is a damaged copy, never an allowed absence.
-                _no_records(display, split_key, allow_absent if n_chunks == 1 else [])
-
-
-
-def hmnet_files(dataset: str) -> list[str]:
-    corpus = HMNET_CORPUS[dataset]
-    return [
-        f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz"
-        for split, n in HMNET_CHUNKS[dataset].items()
-        for k in range(n)
-    ]
+    for _, split, display, line_no, meeting in split_json_lines(directory, hmnet_chunks(dataset), f"{dataset}/{corpus}",
+                                                              allow_absent, report):
+        where = f"{display}:{line_no}"
+        meeting_id = _text(meeting, "id", where)
+        mwhere = f"{where}: meeting {meeting_id}"
+        _object(meeting, mwhere, ("id", "meeting", "summary"))
+        meetings.check(meeting_id, where)
+        turns = []
+        for i, utt in enumerate(_field(meeting, "meeting", mwhere, list)):
+            twhere = f"{mwhere} meeting[{i}]"
+            _object(utt, twhere, ("speaker", "utt"), ("role",))
+            if not str(utt.get("role") or "").strip():
+                report.note("turns without a role (speaker letter only)")
+            words = _field(_field(utt, "utt", twhere, dict), "word", f"{twhere}.utt", list)
+            bad = next((j for j, w in enumerate(words) if not isinstance(w, str)), None)
+            if bad is not None:
+                raise DataError(f"{twhere}.utt.word[{bad}]: {_json_type(words[bad])}, expected a string")
+            turns.append(Turn(hmnet_speaker(utt, twhere), " ".join(words)))
+        sentences = _field(meeting, "summary", mwhere, list)
+        bad = next((j for j, x in enumerate(sentences) if not isinstance(x, str)), None)
+        if bad is not None:
+            raise DataError(f"{mwhere}: summary[{bad}] is {_json_type(sentences[bad])}, expected a string")
+        if not turns or not sentences:
+            raise DataError(f"{mwhere}: empty {'transcript' if not turns else 'summary'}")
+        yield CanonicalRecord(
+            dataset=dataset, domain=corpus, split=split, meeting_id=meeting_id, query_index=-1,
+            query="", query_type="none", turns=turns, spans=[],
+            summary="\n".join(s.strip() for s in sentences),
+            source_file=display, source_line=line_no,
+        )
 
 
 for _dataset, _corpus in HMNET_CORPUS.items():
     register_reader(DatasetSpec(
         _dataset,
         read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
-        files=lambda dataset=_dataset: hmnet_files(dataset),
+        files=lambda dataset=_dataset: [path for _, path in hmnet_chunks(dataset)],
         # .../<CORPUS>_proprec/<split>/split_<k>.jsonl.gz
         split_key=lambda rel, dataset=_dataset, corpus=_corpus: (
             f"{dataset}/{corpus}/{normalise_split(rel.split('/')[-2])}"),

@@ -10,8 +10,7 @@ from typing import Any
 
 from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import (_absent_allowed, _field, _json_lines, _no_records, _object, _text,
-                                                _Unique)
+from pipeline.datasets.readers.upstream import _field, _object, _text, _Unique, split_json_lines
 
 
 def qmsum_meeting_id(transcript: list[dict]) -> str:
@@ -45,54 +44,45 @@ QMSUM_MEETING_FIELDS = ("topic_list", "general_query_list", "specific_query_list
 
 
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
+    meetings: dict[str, _Unique] = {}  # per file
     for domain in QMSUM_DOMAINS:
-        for upstream_split in ("train", "val", "test"):
-            rel = f"data/{domain}/jsonl/{upstream_split}.jsonl"
-            display = f"qmsum/{rel}"
-            split = normalise_split(upstream_split, display)
-            split_key = f"qmsum/{domain}/{split}"
-            if _absent_allowed(directory / rel, split_key, allow_absent, report):
-                continue
-            meetings = _Unique("meeting (identical transcript)")
-            n_lines = 0
-            for line_no, meeting in _json_lines(directory / rel, display):
-                n_lines += 1
-                where = f"{display}:{line_no}"
-                _object(meeting, where, QMSUM_MEETING_FIELDS[1:], QMSUM_MEETING_FIELDS[:1])
-                transcript = _field(meeting, "meeting_transcripts", where, list)
-                turns = []
-                for i, t in enumerate(transcript):
-                    twhere = f"{where}: meeting_transcripts[{i}]"
-                    _object(t, twhere, ("speaker", "content"))
-                    turns.append(Turn(_text(t, "speaker", twhere), _text(t, "content", twhere)))
-                meeting_id = qmsum_meeting_id(transcript)
-                meetings.check(meeting_id, where)
-                for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
-                    for qi, q in enumerate(_field(meeting, key, where, list)):
-                        qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
-                        _object(q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific"
-                                                                     else ()))
-                        query = _text(q, "query", qwhere)
-                        answer = _text(q, "answer", qwhere)
-                        if query_type == "specific":
-                            spans = [_parse_span(s, len(turns), qwhere)
-                                     for s in _field(q, "relevant_text_span", qwhere, list)]
-                            # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
-                            selected = [t for start, end in spans for t in turns[start:end]]
-                            empty = sum(1 for start, end in spans if start == end)
-                            if empty:
-                                report.note("specific spans with start == end (empty slice, kept)", empty)
-                            if not selected:
-                                report.note("specific queries whose spans select no turn (kept, query only)")
-                        else:
-                            spans, selected = [], list(turns)
-                        yield CanonicalRecord(
-                            dataset="qmsum", domain=domain, split=split, meeting_id=meeting_id,
-                            query_index=qi, query=query, query_type=query_type, turns=selected, spans=spans,
-                            summary=answer, source_file=display, source_line=line_no,
-                        )
-            if n_lines == 0:
-                _no_records(display, split_key, allow_absent)
+        files = [(s, f"data/{domain}/jsonl/{s}.jsonl") for s in ("train", "val", "test")]
+        for _, split, display, line_no, meeting in split_json_lines(directory, files, f"qmsum/{domain}", allow_absent,
+                                                                  report):
+            where = f"{display}:{line_no}"
+            _object(meeting, where, QMSUM_MEETING_FIELDS[1:], QMSUM_MEETING_FIELDS[:1])
+            transcript = _field(meeting, "meeting_transcripts", where, list)
+            turns = []
+            for i, t in enumerate(transcript):
+                twhere = f"{where}: meeting_transcripts[{i}]"
+                _object(t, twhere, ("speaker", "content"))
+                turns.append(Turn(_text(t, "speaker", twhere), _text(t, "content", twhere)))
+            meeting_id = qmsum_meeting_id(transcript)
+            meetings.setdefault(display, _Unique("meeting (identical transcript)")).check(meeting_id, where)
+            for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
+                for qi, q in enumerate(_field(meeting, key, where, list)):
+                    qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
+                    _object(q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific"
+                                                                 else ()))
+                    query = _text(q, "query", qwhere)
+                    answer = _text(q, "answer", qwhere)
+                    if query_type == "specific":
+                        spans = [_parse_span(s, len(turns), qwhere)
+                                 for s in _field(q, "relevant_text_span", qwhere, list)]
+                        # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
+                        selected = [t for start, end in spans for t in turns[start:end]]
+                        empty = sum(1 for start, end in spans if start == end)
+                        if empty:
+                            report.note("specific spans with start == end (empty slice, kept)", empty)
+                        if not selected:
+                            report.note("specific queries whose spans select no turn (kept, query only)")
+                    else:
+                        spans, selected = [], list(turns)
+                    yield CanonicalRecord(
+                        dataset="qmsum", domain=domain, split=split, meeting_id=meeting_id,
+                        query_index=qi, query=query, query_type=query_type, turns=selected, spans=spans,
+                        summary=answer, source_file=display, source_line=line_no,
+                    )
 
 
 def qmsum_files() -> list[str]:

@@ -6,6 +6,7 @@ import fnmatch
 import gzip
 import json
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,6 @@ class _Unique:
         self.seen[key] = where
 
 
-
 def _absent_allowed(path: Path, split_key: str, allow_absent: list[str], report: IngestReport) -> bool:
     """True when the split file is missing and ``ingest.allow_absent_splits`` allows it (counted in the report)."""
     if path.is_file() or not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow_absent):
@@ -117,7 +117,9 @@ def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_pr
                      report: IngestReport) -> Iterator[tuple[str, str, str, int, Any]]:
     """The JSON lines of a dataset's split files, ``files`` as (upstream split, file name) pairs: yields
     (upstream split, split, display name, line number, record). An absent split file is skipped (counted) only
-    where ``allow_absent`` names ``<split_key_prefix>/<split>``; a file without a line is an error unless allowed."""
+    where ``allow_absent`` names ``<split_key_prefix>/<split>``; a file without a line is an error unless allowed
+    and the split's only file (one empty chunk of a split that has others is a damaged copy)."""
+    files_of = Counter(upstream_split for upstream_split, _ in files)
     for upstream_split, name in files:
         display = f"{split_key_prefix.split('/')[0]}/{name}"
         split = normalise_split(upstream_split, display)
@@ -129,4 +131,4 @@ def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_pr
             n_lines += 1
             yield upstream_split, split, display, line_no, rec
         if n_lines == 0:
-            _no_records(display, split_key, allow_absent)
+            _no_records(display, split_key, allow_absent if files_of[upstream_split] == 1 else [])
