@@ -19,7 +19,9 @@ from pipeline.datasets import sources
 from pipeline.datasets.readers.qmsum import qmsum_meeting_id
 from pipeline.ingest import ingest_dataset, write_outputs
 from pipeline.common.schema import DataError
+from pipeline.datasets.readers.catalog import dataset_spec
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
+from pipeline.datasets.readers.samsum import SAMSUM_FILES
 from pipeline.datasets.sources import IngestConfig, resolve_source
 from tests.errors import names
 
@@ -274,18 +276,18 @@ def test_real_qmsum_counts(shared_data):
 
 # ---------------------------------------------------------------------------------------------- sources (units)
 def test_the_expected_files_are_the_upstream_layout():
-    assert sources.expected_files("qmsum") == [f"data/{d}/jsonl/{s}.jsonl" for d in ("Academic", "Committee", "Product")
-                                               for s in ("train", "val", "test")]
-    assert sources.expected_files("samsum") == ["train.json", "validation.json", "test.json"]
+    assert dataset_spec("qmsum").files() == [f"data/{d}/jsonl/{s}.jsonl" for d in ("Academic", "Committee", "Product")
+                                             for s in ("train", "val", "test")]
+    assert dataset_spec("samsum").files() == ["train.json", "validation.json", "test.json"]
     for dataset, corpus, chunks in (("ami", "AMI", {"train": 32, "dev": 20, "test": 20}),
                                     ("icsi", "ICSI", {"train": 32, "dev": 10, "test": 6})):
-        files = sources.expected_files(dataset)
+        files = dataset_spec(dataset).files()
         assert len(files) == sum(chunks.values())
         assert files[0] == f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/train/split_0.jsonl.gz"
         assert files[-1] == (f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/test/"
                              f"split_{chunks['test'] - 1}.jsonl.gz")
     with pytest.raises(DataError) as err:
-        sources.expected_files("cnn")
+        dataset_spec("cnn")
     names(err.value, "'cnn'", "qmsum", "samsum", "ami", "icsi")
 
 
@@ -546,7 +548,7 @@ def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
 def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
     directory = tmp_path / "samsum"
     directory.mkdir(parents=True)
-    for name in sources.SAMSUM_FILES:
+    for name in SAMSUM_FILES:
         content = files.get(name.removesuffix(".json"), [{"id": f"{name}-1", "dialogue": "A: hi", "summary": "s"}])
         text = content if isinstance(content, str) else "".join(json.dumps(r) + "\n" for r in content)
         (directory / name).write_text(text)

@@ -24,7 +24,6 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.schema import DataError
 from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
-from pipeline.datasets.readers.samsum import SAMSUM_FILES  # noqa: F401 (read here by tests/test_ingest.py)
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
@@ -52,13 +51,9 @@ class IngestConfig:
             raise ValueError(f"ingest.datasets: unknown dataset(s) {unknown}; allowed: {sorted(DATASETS)}")
 
 
-def expected_files(dataset: str) -> list[str]:
-    """Files (relative to ``<root>/<dataset>/``) the reader needs, in the upstream layout."""
-    return dataset_spec(dataset).files()
-
-
 def missing_files(directory: Path, dataset: str) -> list[str]:
-    return [rel for rel in expected_files(dataset) if not (directory / rel).is_file()]
+    """The files (relative to ``<root>/<dataset>/``, in the upstream layout) of ``dataset`` not in ``directory``."""
+    return [rel for rel in dataset_spec(dataset).files() if not (directory / rel).is_file()]
 
 
 def _may_be_absent(dataset: str, rel: str, cfg: IngestConfig) -> bool:
@@ -104,10 +99,6 @@ def _fetch(url: str) -> bytes:
         return resp.read()
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    atomic.write_bytes(path, data)
-
-
 def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
     """Download ``dataset`` from ``cfg.urls[dataset]`` into ``target`` keeping the upstream layout."""
     base = cfg.urls.get(dataset)
@@ -117,11 +108,11 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
     spec = dataset_spec(dataset)
     try:
         if spec.download is not None:  # an upstream copy that is not the files one by one (SAMSum's zip)
-            spec.download(base, target, lambda url: _fetch(url), _write_atomic)
+            spec.download(base, target, _fetch, atomic.write_bytes)
             return
         for rel in tqdm(spec.files(), desc=f"download {dataset}", unit="file"):
             if (target / rel).is_file():
                 continue  # resume an interrupted download
-            _write_atomic(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
+            atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc
