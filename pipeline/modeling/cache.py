@@ -271,9 +271,8 @@ class TeacherCache:
         return False
 
     @torch.no_grad()
-    def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix, packed: bool = False) -> torch.Tensor:
-        """Global-path logits [B, T, V] for ``batch`` (valid up to each target length; zeros beyond), or with
-        ``packed`` the [N, V] rows of the N real target tokens in row-major order (no zero padding)."""
+    def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix) -> torch.Tensor:
+        """Global-path logits of ``batch``: the [N, V] rows of its N real target tokens in row-major order."""
         version = (id(model), model.adapter_version["global"])
         if self._version != version:
             self.clear()  # a new global adapter (or another model): the stored teacher is stale
@@ -281,16 +280,7 @@ class TeacherCache:
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
         if all([self._intact(eid) for eid in batch.example_ids]):  # a list: check (and drop) every entry
             self.stats["hits"] += len(batch)
-            if packed:
-                return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
-            t = batch.labels.shape[1]
-            out = None
-            for i, eid in enumerate(batch.example_ids):
-                cached = self._store[eid]
-                if out is None:
-                    out = torch.zeros(len(batch), t, cached.shape[-1], device=model.device)
-                out[i, : cached.shape[0]] = cached.to(model.device)
-            return out
+            return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
         self.stats["misses"] += len(batch)
         target_mask = target_mask_of(batch).to(model.device)
         logits = model.path_logits(prefix.to(model.device), "global", target_mask=target_mask, packed=True)
@@ -308,8 +298,4 @@ class TeacherCache:
             self._store[eid] = row
             self._crc[eid] = tensor_crc32(row)
             self._bytes += size
-        if packed:
-            return logits
-        full = logits.new_zeros(*target_mask.shape, logits.shape[-1])
-        full[target_mask] = logits
-        return full
+        return logits

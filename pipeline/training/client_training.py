@@ -147,7 +147,7 @@ def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cac
         if teacher_cache is not None:
             if prefix is None:
                 prefix = model.compute_prefix(batch)
-            teacher = teacher_cache.logits_for(model, batch, prefix, packed=True)
+            teacher = teacher_cache.logits_for(model, batch, prefix)
         # packed: the LM head and the loss run only on the real (non-padding) target tokens
         out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
         return out.logits_local, out.logits_global
