@@ -66,15 +66,6 @@ class CanonicalRecord:
         row["spans"] = [list(s) for s in self.spans]
         return row
 
-    @classmethod
-    def from_row(cls, row: dict[str, Any]) -> "CanonicalRecord":
-        kw = dict(row)
-        kw["turns"] = [Turn(str(t["speaker"]), str(t["content"])) for t in row["turns"]]
-        kw["spans"] = [(int(s[0]), int(s[1])) for s in row["spans"]]
-        kw["query_index"] = int(row["query_index"])
-        kw["source_line"] = int(row["source_line"])
-        return cls(**kw)
-
 
 CANONICAL_COLUMNS = [f.name for f in dataclasses.fields(CanonicalRecord)]
 

@@ -210,9 +210,7 @@ def distillation_loss(
     if cfg.mode != "ce" and logits_global is None:
         raise ValueError(f"distillation_loss: mode {cfg.mode!r} needs the global (teacher) logits")
     hard_gate = None
-    if cfg.mode == "hard":
-        if hard_mask is None:
-            raise ValueError("distillation_loss: mode 'hard' needs hard_mask [B, T]")
+    if cfg.mode == "hard" and hard_mask is not None:  # without one, its gate (token_mask) says what is missing
         if hard_mask.shape != labels.shape:
             raise ValueError(f"hard_mask shape {tuple(hard_mask.shape)} != labels shape {tuple(labels.shape)}")
         hard_gate = hard_mask.to(torch.bool).to(valid.device)[valid]
