@@ -70,10 +70,6 @@ class ExamplesConfig:
     link_min_jaccard: float = 0.05
 
 
-def _turns(raw: Any) -> list[Turn]:
-    return [Turn(t["speaker"], t["content"]) for t in raw]
-
-
 def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[dict[str, str], dict[str, Any]]:
     """QMSum meeting hash -> AMI/ICSI meeting name for Product/Academic (whole transcripts from general queries)."""
     links: dict[str, str] = {}
@@ -111,7 +107,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
         if dataset == "qmsum":
             frame = frame[frame.query_type.isin(cfg.qmsum_query_types)]
         for r in tqdm(frame.itertuples(index=False), total=len(frame), desc=f"examples {dataset}", mininterval=2):
-            turns = _turns(r.turns)
+            turns = [Turn(t["speaker"], t["content"]) for t in r.turns]
             meeting_id = links.get(r.meeting_id, r.meeting_id)
             if dataset == "qmsum":
                 kind = "q" if r.query_type == "specific" else "g"

@@ -86,10 +86,6 @@ def tensors_sha256(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def tensor_crc32(t: torch.Tensor) -> int:
-    return zlib.crc32(_raw(t))
-
-
 def _sha(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
@@ -134,15 +130,13 @@ class PrefixCache:
     def size_bytes(self) -> int:
         return self._bytes
 
-    def entry_path(self, example_id: str, source_ids: list[int], decoder_ids: list[int]) -> Path:
-        return self.dir / f"{_sha(example_id, source_ids, decoder_ids)[:32]}.safetensors"
-
     def prefix_for(self, model: AdapterSummarizer, batch: Batch) -> Prefix:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
         paths = [
-            self.entry_path(eid, batch.input_ids[i, : src_len[i]].tolist(), batch.decoder_input_ids[i, : tgt_len[i]].tolist())
+            self.dir / (_sha(eid, batch.input_ids[i, : src_len[i]].tolist(),
+                             batch.decoder_input_ids[i, : tgt_len[i]].tolist())[:32] + ".safetensors")
             for i, eid in enumerate(batch.example_ids)
         ]
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -262,7 +256,7 @@ class TeacherCache:
         """Whether ``eid`` is stored and its bytes still match their CRC (a changed entry is dropped)."""
         if eid not in self._store:
             return False
-        if tensor_crc32(self._store[eid]) == self._crc[eid]:
+        if zlib.crc32(_raw(self._store[eid])) == self._crc[eid]:
             return True
         log.warning("teacher cache: entry of example %s changed since it was stored; recomputing it", eid)
         self.stats["damaged"] += 1
@@ -296,6 +290,6 @@ class TeacherCache:
                 self.stats["refused"] += 1
                 continue
             self._store[eid] = row
-            self._crc[eid] = tensor_crc32(row)
+            self._crc[eid] = zlib.crc32(_raw(row))
             self._bytes += size
         return logits

@@ -115,14 +115,6 @@ def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool)
     return full
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 class AdapterSummarizer(nn.Module):
     def __init__(self, backbone: nn.Module, tokenizer, adapter: AdapterConfig, device: torch.device | str | None = None):
         super().__init__()
@@ -178,7 +170,7 @@ class AdapterSummarizer(nn.Module):
             for i, (layer, norm) in enumerate(zip(self._top_layers, norms))
         ]
         self._fingerprint: str | None = None
-        self.to(default_device() if device is None else torch.device(device))
+        self.to(torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"))
         self.train(False)
 
     # ------------------------------------------------------------------ construction
@@ -287,7 +279,7 @@ class AdapterSummarizer(nn.Module):
             h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
             for name, tensor in sorted(self.backbone.state_dict().items()):
                 h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-                h.update(_tensor_bytes(tensor))
+                h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
             vocab = sorted(self.tokenizer.get_vocab().items())
             h.update(json.dumps([vocab, sorted(self.tokenizer.all_special_tokens)]).encode())
             self._fingerprint = h.hexdigest()
