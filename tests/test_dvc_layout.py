@@ -293,7 +293,7 @@ def expected_module_deps(module: str) -> list[str]:
     reads a plan), each package whose modules it all reads named as one folder; its own module first."""
     needed = import_closure(module) - (extension_modules() if module in PLAN_READERS else set())
     folders = {str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*") if p.is_dir()
-               and p.name != "__pycache__" and expand(str(p.relative_to(ROOT))) <= needed}
+               and p.name != "__pycache__" and set() < expand(str(p.relative_to(ROOT))) <= needed}
     folders = {f for f in folders if not any(f.startswith(g + "/") for g in folders)}
     files = {m for m in needed if not any(m.startswith(f + "/") for f in folders)}
     own = module.replace(".", "/") + ".py"

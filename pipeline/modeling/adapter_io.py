@@ -11,11 +11,8 @@ from pipeline.common.schema import DataError
 if TYPE_CHECKING:
     import torch
 
-ADAPTER_CHOICES = ("best", "final")  # adapter_best: lowest validation loss so far; adapter_final: the last round
-
-
 def adapter_file(client_dir: Path, which: str) -> Path:
-    """A client's ``best`` or ``final`` adapter in its output directory."""
+    """A client's ``best`` (lowest validation loss so far) or ``final`` (last round) adapter in its output directory."""
     return Path(client_dir) / f"adapter_{which}.safetensors"
 
 
