@@ -11,14 +11,13 @@ import pandas as pd
 from pipeline.common.schema import DataError
 from pipeline.modeling.batching import IGNORE_INDEX
 
-POSTAGS_PATH = Path("data/processed/postags.parquet")  # where stage `postag` writes it
 POSTAG_COLUMNS = ["example_id", "position", "token_id", "word_index", "word", "pos", "is_noun_or_verb"]
 
 
 class NounVerbMasks:
     """Per example, which label positions are nouns or verbs: the mask of the noun-verb hard-KD method."""
 
-    def __init__(self, table: pd.DataFrame, source: str = str(POSTAGS_PATH)) -> None:
+    def __init__(self, table: pd.DataFrame, source: str = "data/processed/postags.parquet") -> None:
         missing = sorted(set(POSTAG_COLUMNS) - set(table.columns))
         if missing:
             raise DataError(f"{source}: missing column(s) {missing}")
@@ -34,14 +33,9 @@ class NounVerbMasks:
             self._ids[str(eid)] = g["token_id"].to_numpy(dtype=np.int64)
 
     @classmethod
-    def from_parquet(cls, path: str | Path = POSTAGS_PATH) -> "NounVerbMasks":
-        path = Path(path)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: POS tags not found (run `dvc repro postag`)")
+    def from_parquet(cls, path: str | Path) -> "NounVerbMasks":
+        """The file of stage `postag` (pipeline.training.kd.noun_verb_masks checks it exists)."""
         return cls(pd.read_parquet(path, columns=POSTAG_COLUMNS), str(path))
-
-    def __contains__(self, example_id: str) -> bool:
-        return example_id in self._mask
 
     def __getitem__(self, example_id: str) -> np.ndarray:
         if example_id not in self._mask:
