@@ -19,11 +19,12 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Annotated, Any, TypeVar, get_type_hints
+from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
 
 import pydantic.dataclasses
 import yaml
 from pydantic import ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
 from pydantic_core import ArgsKwargs
 
 T = TypeVar("T")
@@ -120,15 +121,43 @@ def _key_path(data: Any, loc: tuple) -> tuple[str, Any]:
     return path, node
 
 
-_BOUNDS = {"greater_than": ("gt", ">"), "greater_than_equal": ("ge", ">="), "less_than": ("lt", "<"),
-           "less_than_equal": ("le", "<=")}
+_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error",
+                 "finite_number"}
+
+
+def _number(v: Any) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"
+
+
+def _allowed(cls: type, err: dict[str, Any], path: str) -> str:
+    """What a key allows: its Literal choices, or its Field bounds (all of them when the field has several)."""
+    if err["type"] == "literal_error":
+        return f"one of {err['ctx']['expected']}"
+    if err["type"] == "finite_number":
+        return "a finite number"
+    info = getattr(cls, "__pydantic_fields__", {}).get(path)  # None for an item of a list or a mapping
+    bounds = [f"{op} {_number(getattr(m, name))}" for m in _metadata(info) for name, op in _BOUNDS.items()
+              if getattr(m, name, None) is not None]
+    return " and ".join(bounds) or " and ".join(f"{op} {_number(err['ctx'][name])}"
+                                                 for name, op in _BOUNDS.items() if name in err["ctx"])
+
+
+def _metadata(info: FieldInfo | None) -> list[Any]:
+    """A field's constraints, also those inside ``Annotated[...] | None`` (where pydantic keeps them in the type)."""
+    if info is None:
+        return []
+    found, todo = list(info.metadata), list(get_args(info.annotation))
+    while todo:
+        arg = todo.pop()
+        todo.extend(get_args(arg)[:1] if get_origin(arg) is Annotated else [])
+        for m in getattr(arg, "__metadata__", ()):
+            found.extend(m.metadata if isinstance(m, FieldInfo) else [m])
+    return found
 
 
 def _expected(err: dict[str, Any]) -> str:
-    """What pydantic wanted, in fedmeet's words ("an integer", "a number >= 1", "'keep' or 'reset'")."""
-    if err["type"] in _BOUNDS:
-        key, op = _BOUNDS[err["type"]]
-        return f"a value {op} {err['ctx'][key]}"
+    """The type pydantic wanted, in fedmeet's words ("an integer", "a number", "true or false")."""
     if err["type"] == "bool_type":
         return "true or false"  # as YAML writes a boolean
     msg = err["msg"].replace("Input should be ", "").replace("valid ", "")
@@ -137,24 +166,41 @@ def _expected(err: dict[str, Any]) -> str:
 
 def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError) -> str:
     """pydantic's errors as one line: unknown keys first (all of them, with the allowed ones), else a check across
-    keys (a ``model_validator``'s message), else every bad value, each ``where.key: expected ..., got <type> <value>``."""
+    keys (a ``model_validator``'s message), else every bad value: ``where.key=<value> is out of range; allowed: ...``
+    for a bound or a choice, ``where.key: expected <type>, got <type> <value>`` for a wrong type."""
     errors = exc.errors()
+    fields = sorted(f.name for f in dataclasses.fields(cls))
     unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument")
     if unknown:
-        return f"{where}: unknown key(s) {unknown}; allowed: {sorted(f.name for f in dataclasses.fields(cls))}"
-    problems: dict[str, list[str]] = {}
+        return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
     for err in errors:
         if err["type"] == "value_error":  # a model_validator's: its message starts with the key when it names one
             text = " ".join(err["msg"].removeprefix("Value error, ").split())
             first = re.match(r"\w+", text)
-            sep = "." if first and first.group() in {f.name for f in dataclasses.fields(cls)} else ": "
-            return f"{where}{sep}{text}"
-        path, value = _key_path(data, err["loc"])
-        problems.setdefault(path, [f"got {type(value).__name__} {value!r}"])
-        if _expected(err) not in problems[path]:
-            problems[path].insert(-1, _expected(err))
-    return "; ".join(f"{where}{'.' + path if path else ''}: expected {' or '.join(parts[:-1])}, {parts[-1]}"
-                     for path, parts in problems.items())
+            return f"{where}{'.' if first and first.group() in fields else ': '}{text}"
+    by_path: dict[str, tuple[Any, list[dict[str, Any]]]] = {}
+    choices: dict[str, tuple[list[Any], str]] = {}  # list items outside a Literal, one entry per list
+    for err in errors:
+        is_key = "[key]" in err["loc"]  # a mapping's key (not its value) is out of range
+        loc = err["loc"][:err["loc"].index("[key]") - 1] if is_key else err["loc"]
+        path, value = _key_path(data, loc)
+        if err["type"] == "literal_error" and re.search(r"\[\d+\]$", path):
+            choices.setdefault(re.sub(r"\[\d+\]$", "", path), ([], err["ctx"]["expected"]))[0].append(value)
+            continue
+        by_path.setdefault(path, (value, []))[1].append(err | {"is_key": is_key})
+    lines = [f"{where}.{path}: unknown value(s) {values}; allowed: {expected}"
+             for path, (values, expected) in choices.items()]
+    for path, (value, errs) in by_path.items():
+        at = f"{where}.{path}" if path else where
+        ranges = [e for e in errs if e["type"] in _RANGE_ERRORS]
+        if ranges and ranges[0]["is_key"]:
+            lines.append(f"{at}={value!r}: unknown key(s); allowed: {ranges[0]['ctx']['expected']}")
+        elif ranges:
+            lines.append(f"{at}={value!r} is out of range; allowed: {_allowed(cls, ranges[0], path)}")
+        else:
+            wanted = " or ".join(dict.fromkeys(_expected(e) for e in errs))
+            lines.append(f"{at}: expected {wanted}, got {type(value).__name__} {value!r}")
+    return "; ".join(lines)
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:

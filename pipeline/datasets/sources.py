@@ -36,7 +36,7 @@ DOWNLOAD_TIMEOUT_S = 120
 class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
-    datasets: list[Literal[DATASETS]] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
+    datasets: list[Literal[tuple(DATASETS)]] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
     # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
     urls: dict[str, str] = field(default_factory=lambda: {
         "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
