@@ -9,7 +9,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.common.config import Positive, config, from_dict, load_params
+from pipeline.common.config import Positive, config, from_dict, group, load_params
 from pipeline.modeling.cache import CacheConfig
 
 # `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
@@ -34,10 +34,10 @@ class RunSettings:
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
     """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
-    train = dict(params.get("train") or {})
+    train = dict(group(params, "train"))
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})
-    model = params.get("model") or {}
+    model = group(params, "model")
     return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
                                    "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model},
                                                       "params.yaml model")}, "params.yaml train")

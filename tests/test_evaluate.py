@@ -131,7 +131,7 @@ def test_missing_adapter_is_a_clear_error(workspace):
 
 
 def test_bad_config_rejected():
-    with pytest.raises(ValueError, match="evaluate.adapter"):
+    with pytest.raises(ValueError, match="EvaluateConfig.adapter='middle' is out of range; allowed: one of 'best' or 'final'"):
         EvaluateConfig(adapter="middle")
     with pytest.raises(ValueError, match="min_target_length"):
         EvaluateConfig(min_target_length=50, max_target_length=10)

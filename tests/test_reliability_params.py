@@ -22,7 +22,7 @@ BASE = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
 # (stage, arguments, key path in params.yaml, bad value, what the line must say: the key ... the allowed values)
 CASES = [
     ("ingest", ["--dataset", "qmsum"], "ingest.bogus", 1, r"ingest: unknown key\(s\) \['bogus'\]; allowed: \[.*'datasets'"),
-    ("ingest", ["--dataset", "qmsum"], "ingest.datasets", ["qmsum", "x"], r"ingest.datasets: unknown value\(s\) \['x'\]; allowed: 'ami'"),
+    ("ingest", ["--dataset", "qmsum"], "ingest.datasets", ["qmsum", "x"], r"ingest.datasets\[1\]: unknown dataset 'x'; allowed: \['ami'"),
     ("ingest", ["--dataset", "qmsum"], "ingest.allow_absent_splits", "qmsum/*", r"ingest.allow_absent_splits: expected a list"),
     ("examples", [], "examples.bogus", 1, r"examples: unknown key\(s\) \['bogus'\]; allowed: \["),
     ("partition", ["--scheme", "domain", "--seed", "0"], "partition.schemes", ["domain", "x"], r"partition.schemes: unknown value\(s\) \['x'\]; allowed: 'domain'"),

@@ -29,6 +29,14 @@ from pydantic_core import ArgsKwargs
 
 T = TypeVar("T")
 
+def group(params: dict[str, Any], name: str) -> dict[str, Any]:
+    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it."""
+    value = params.get(name) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
+    return value
+
+
 # Strict: a YAML string, bool or float never passes for an integer ("96", true, 8.0), nor a bool for a number;
 # an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level.
 _STRICT = ConfigDict(strict=True, extra="forbid")
@@ -174,7 +182,7 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     if unknown:
         return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
     for err in errors:
-        if err["type"] == "value_error":  # a model_validator's: its message starts with the key when it names one
+        if err["type"] == "value_error" and not err["loc"]:  # a model_validator's: its message starts with the key
             text = " ".join(err["msg"].removeprefix("Value error, ").split())
             first = re.match(r"\w+", text)
             return f"{where}{'.' if first and first.group() in fields else ': '}{text}"
@@ -193,7 +201,10 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     for path, (value, errs) in by_path.items():
         at = f"{where}.{path}" if path else where
         ranges = [e for e in errs if e["type"] in _RANGE_ERRORS]
-        if ranges and ranges[0]["is_key"]:
+        checked = [e for e in errs if e["type"] == "value_error"]  # a field validator's message
+        if checked:
+            lines.append(f"{at}: {' '.join(checked[0]['msg'].removeprefix('Value error, ').split())}")
+        elif ranges and ranges[0]["is_key"]:
             lines.append(f"{at}={value!r}: unknown key(s); allowed: {ranges[0]['ctx']['expected']}")
         elif ranges:
             lines.append(f"{at}={value!r} is out of range; allowed: {_allowed(cls, ranges[0], path)}")

@@ -17,9 +17,10 @@ import urllib.error
 import urllib.request
 import zipfile
 from dataclasses import field
-from typing import Literal
+from typing import Annotated
 from pathlib import Path
 
+from pydantic import AfterValidator
 from tqdm import tqdm
 
 from pipeline.common import atomic
@@ -32,11 +33,18 @@ ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
 
 
+def _registered(name: str) -> str:
+    """A dataset with a reader (checked when the config is built: readers register when their module loads)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
+    return name
+
+
 @config
 class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
-    datasets: list[Literal[tuple(DATASETS)]] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
+    datasets: list[Annotated[str, AfterValidator(_registered)]] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
     # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
     urls: dict[str, str] = field(default_factory=lambda: {
         "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",

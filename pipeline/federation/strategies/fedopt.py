@@ -31,8 +31,6 @@ def build(fedopt: FedOptConfig, common, client_lr):
     if opt == "sgdm":
         return fs.FedAvgM(**common, server_learning_rate=fedopt.server_lr, server_momentum=fedopt.server_momentum)
     adaptive = {"adam": fs.FedAdam, "yogi": fs.FedYogi, "adagrad": fs.FedAdagrad}
-    if opt not in adaptive:
-        raise ValueError(f"train.fedopt.server_optimizer: unknown {opt!r}; expected sgdm, adam, yogi or adagrad")
     kwargs = dict(eta=fedopt.server_lr, eta_l=client_lr, tau=fedopt.eps)
     if opt != "adagrad":
         kwargs.update(beta_1=fedopt.beta_1, beta_2=fedopt.beta_2)
