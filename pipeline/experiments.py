@@ -388,7 +388,7 @@ def read_plan(path: str | Path) -> Plan:
 def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
-    model_config(params)
+    check_model_group(params)
     run_settings(params)
     return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
 
@@ -411,7 +411,7 @@ def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
-def model_config(params: dict[str, Any]) -> ModelConfig:
+def check_model_group(params: dict[str, Any]) -> ModelConfig:
     """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
     model = group(params, "model")
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}

@@ -29,13 +29,6 @@ from pydantic_core import ArgsKwargs
 
 T = TypeVar("T")
 
-def group(params: dict[str, Any], name: str) -> dict[str, Any]:
-    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it."""
-    value = params.get(name) or {}
-    if not isinstance(value, dict):
-        raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
-    return value
-
 
 # Strict: a YAML string, bool or float never passes for an integer ("96", true, 8.0), nor a bool for a number;
 # an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level.
@@ -231,6 +224,14 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
     except ValidationError as exc:
         raise ConfigError(_one_line(cls, data, where, exc)) from None
     return built
+
+
+def group(params: dict[str, Any], name: str) -> dict[str, Any]:
+    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it."""
+    value = params.get(name) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
+    return value
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

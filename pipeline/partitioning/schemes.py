@@ -104,7 +104,7 @@ def _ids(frame: pd.DataFrame) -> list[str]:
     return sorted(frame.example_id)  # sorted first, so only the seed decides the order
 
 
-def client_names(n: int) -> list[str]:
+def numbered_clients(n: int) -> list[str]:
     return [f"client{i}" for i in range(n)]
 
 
@@ -115,9 +115,9 @@ def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     named = {"domain": list(QMSUM_DOMAINS), "noniid_balanced": list(QMSUM_DOMAINS),
              "extreme": [*QMSUM_DOMAINS, "SAMSum"],
              "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else []),
-             "iid": client_names(cfg.iid.n_clients), "quantity": client_names(cfg.quantity.n_clients),
-             "cluster": client_names(cfg.cluster.n_clients),
-             "domain_dirichlet": client_names(cfg.domain_dirichlet.n_clients)}
+             "iid": numbered_clients(cfg.iid.n_clients), "quantity": numbered_clients(cfg.quantity.n_clients),
+             "cluster": numbered_clients(cfg.cluster.n_clients),
+             "domain_dirichlet": numbered_clients(cfg.domain_dirichlet.n_clients)}
     if scheme not in named:
         raise ValueError(f"partition scheme {scheme!r}: unknown; allowed: {sorted(named)}")
     return named[scheme]
@@ -159,7 +159,7 @@ def scheme_long_meeting(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.ra
 def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
     pool = qmsum_pool(examples)
-    names = client_names(cfg.iid.n_clients)
+    names = numbered_clients(cfg.iid.n_clients)
     part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
@@ -206,7 +206,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
     """
     q = cfg.quantity
     pool = qmsum_pool(examples)
-    names = client_names(q.n_clients)
+    names = numbered_clients(q.n_clients)
     split_ids = {s: np.array(_ids(pool[pool.split == s])) for s in SPLITS}
     for _ in range(MAX_DIRICHLET_REDRAWS):
         z = rng.dirichlet(np.full(q.n_clients, q.beta))
@@ -232,7 +232,7 @@ def label_skew(pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alp
     clients get equal shares of the examples; each slot picks a label from ``q_c`` (renormalised over labels
     still available) and takes a random remaining example with that label. Every example is assigned.
     """
-    names = client_names(n_clients)
+    names = numbered_clients(n_clients)
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])
