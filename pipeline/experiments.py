@@ -36,6 +36,7 @@ from pipeline.common import atomic
 from pipeline.common.config import ConfigError, from_dict, group, to_dict
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES
+from pipeline.modeling.losses import KDConfig
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
@@ -271,9 +272,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
                          f"rounds {train.rounds}: the new client might never join")
     if method.uses_tau:
         plan["tau"] = exp.tau
-        if train.tau_scale != "absolute" and exp.tau > 1:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
-                              f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
+        # the loss's own check of tau against train.tau_scale, at plan time rather than in training
+        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, f"params.yaml experiments.{exp.name}")
     privacy = exp.privacy_config(params)
     if privacy.mode == "client":
         problem = client_level_problem(method, train.transfer_dtype, privacy)

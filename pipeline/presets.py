@@ -41,7 +41,6 @@ experiment inherits the seed unless it sets one), one queued experiment per poin
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import re
 import shlex
