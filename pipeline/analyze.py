@@ -35,14 +35,14 @@ reading of the earlier stages' files :mod:`pipeline.results.readers`; this modul
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict, load_params
+from pipeline.common.config import config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared
 from pipeline.paths import PATHS, ProjectPaths
@@ -68,13 +68,9 @@ from pipeline.results.readers import Missing, best_rounds, eval_scores, read_gat
 MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
 
 
-@dataclass
+@config
 class AnalyzeConfig:
-    word_rule: str = "first"
-
-    def __post_init__(self) -> None:
-        if self.word_rule not in WORD_RULES:
-            raise ValueError(f"analyze.word_rule: {self.word_rule!r} is not one of {WORD_RULES}")
+    word_rule: Literal[WORD_RULES] = "first"  # type: ignore[valid-type]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import argparse
 import json
 import logging
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict, load_params, require
+from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dict, load_params
 from pipeline.common.integrity import RECORD_NAME, sha256_dir, sha256_file
 from pipeline.common.schema import Turn, model_input
 from pipeline.common.timing import stage_timer
@@ -44,24 +44,18 @@ OFFLINE_RECIPE = "minilm-bert2bert"
 
 
 # --------------------------------------------------------------------------------------------- config
-@dataclass
+@config
 class GenerationDefaults:
     """Stored in the backbone's generation_config; evaluation may override them."""
 
-    max_new_tokens: int = 64
-    min_new_tokens: int = 10  # 0 = none; the evaluate stage's min_target_length plays the same role
-    num_beams: int = 1
-    no_repeat_ngram_size: int = 3
+    max_new_tokens: PositiveInt = 64
+    min_new_tokens: NonNegativeInt = 10  # 0 = none; the evaluate stage's min_target_length plays the same role
+    num_beams: PositiveInt = 1
+    no_repeat_ngram_size: NonNegativeInt = 3
     length_penalty: float = 1.0
 
-    def __post_init__(self) -> None:
-        require(self.max_new_tokens >= 1, "max_new_tokens", self.max_new_tokens, "an integer >= 1")
-        require(self.num_beams >= 1, "num_beams", self.num_beams, "an integer >= 1")
-        for name in ("min_new_tokens", "no_repeat_ngram_size"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
 
-
-@dataclass
+@config
 class BackboneConfig:
     name: str = OFFLINE_RECIPE
     revision: str = "main"  # hub revision (branch, tag or commit); ignored for local dirs and the recipe

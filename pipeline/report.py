@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict, load_params
+from pipeline.common.config import config, from_dict, load_params
 from pipeline.common.schema import DataError
 from pipeline.experiments import declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
@@ -56,7 +56,7 @@ from pipeline.results.tables import (
 )
 
 
-@dataclass
+@config
 class ReportConfig:
     expected_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     case_study_seed: int = 0

@@ -5,11 +5,11 @@ of plans, so changing one reruns no train stage and resumes the same checkpoint 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pipeline.common.config import ConfigError, from_dict, load_params
+from pipeline.common.config import Positive, config, from_dict, group, load_params
 from pipeline.modeling.cache import CacheConfig
 
 # `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
@@ -18,37 +18,29 @@ RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round
 RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
-@dataclass
+@config
 class RunSettings:
     """params `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of `model`
     (comments in the params file). Built by a stage entry point when a run starts (:func:`load_run_settings`) and passed
     down; no DVC stage declares them, so changing one reruns nothing (tests/test_experiments.py)."""
 
-    engine: str = "inprocess"
+    engine: Literal["inprocess", "ray"] = "inprocess"
     ray_cpus_per_client: float = 1.0
     ray_gpus_per_client: float = 0.0
-    round_timeout_s: float = 1800.0
-    admission_timeout_s: float = 600.0
+    round_timeout_s: Positive = 1800.0
+    admission_timeout_s: Positive = 600.0
     cache: CacheConfig = field(default_factory=CacheConfig)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.cache, dict):
-            self.cache = from_dict(CacheConfig, self.cache, "model")
-        if self.engine not in ("inprocess", "ray"):
-            raise ConfigError("params.yaml train: engine must be 'inprocess' or 'ray'")
-        for key in ("round_timeout_s", "admission_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"params.yaml train: {key} must be > 0")
 
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
     """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
-    train = dict(params.get("train") or {})
+    train = dict(group(params, "train"))
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})
-    model = params.get("model") or {}
+    model = group(params, "model")
     return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
-                                   "cache": {k: model[k] for k in RUN_MODEL_KEYS if k in model}}, "train")
+                                   "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model},
+                                                      "params.yaml model")}, "params.yaml train")
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:

@@ -1,25 +1,33 @@
-"""pipeline.common.config.from_dict: pydantic validation of any config dataclass, one line naming the key."""
+"""pipeline.common.config.from_dict: pydantic validation of any config class, one line naming the key."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import field
+from typing import Annotated, Literal
 
 import pytest
+from pydantic import Field, model_validator
 
-from pipeline.common.config import ConfigError, from_dict, require
+from pipeline.common.config import ConfigError, config, from_dict
 
 
-@dataclass
+@config
 class Inner:
-    rate: float = 0.5
+    rate: Annotated[float, Field(gt=0, le=1)] = 0.5
     names: list[str] = field(default_factory=lambda: ["a"])
+    kind: Literal["x", "y"] = "x"
+    limit: float = 2.0
 
-    def __post_init__(self) -> None:
-        require(0 < self.rate <= 1, "rate", self.rate, "a fraction in (0, 1]")
+    @model_validator(mode="after")
+    def _rate_below_limit(self) -> Inner:
+        if self.rate > self.limit:
+            raise ValueError(f"rate={self.rate} must be <= limit={self.limit}")
+        return self
 
 
-@dataclass(frozen=True)
+@config(frozen=True)
 class Outer:  # a config class of its own: validated with no code beyond its fields
-    steps: int = 3
+    steps: Annotated[int, Field(ge=1)] = 3
     cap: int | None = None
     share: int | float = 1.0
     on: bool = False
@@ -62,10 +70,26 @@ def test_a_wrong_type_names_the_key_path_and_the_value(data, key):
 def test_unknown_keys_are_refused_at_every_level_with_the_allowed_ones():
     assert _error({"stpes": 1, "zz": 2}) == ("params.yaml grp: unknown key(s) ['stpes', 'zz']; allowed: "
                                              "['cap', 'inner', 'on', 'share', 'sizes', 'steps']")
-    assert _error({"inner": {"rat": 1}}) == "params.yaml grp.inner: unknown key(s) ['rat']; allowed: ['names', 'rate']"
+    assert _error({"inner": {"rat": 1}}) == ("params.yaml grp.inner: unknown key(s) ['rat']; allowed: "
+                                             "['kind', 'limit', 'names', 'rate']")
 
 
-def test_a_range_check_names_the_nested_group():
-    assert _error({"inner": {"rate": 2}}).startswith("params.yaml grp.inner: rate=2.0 is out of range")
+def test_a_range_or_choice_check_names_the_key_and_what_is_allowed():
+    assert _error({"inner": {"rate": 2}}) == "params.yaml grp.inner.rate=2 is out of range; allowed: > 0 and <= 1"
+    assert _error({"inner": {"rate": 0}}) == "params.yaml grp.inner.rate=0 is out of range; allowed: > 0 and <= 1"
+    assert _error({"inner": {"kind": "z"}}) == ("params.yaml grp.inner.kind='z' is out of range; allowed: one of 'x' "
+                                                "or 'y'")
+    assert _error({"sizes": {"train": 2}, "steps": 0}) == ("params.yaml grp.steps=0 is out of range; allowed: >= 1")
     with pytest.raises(ConfigError, match="expected a mapping"):
         from_dict(Outer, [1], "grp")  # type: ignore[arg-type]
+
+
+def test_a_check_across_keys_names_its_key():
+    assert _error({"inner": {"rate": 0.9, "limit": 0.5}}) == "params.yaml grp.inner.rate=0.9 must be <= limit=0.5"
+
+
+def test_built_in_code_a_bad_value_is_one_line_naming_the_class_and_key():
+    with pytest.raises(ConfigError, match=r"^Inner.kind='q' is out of range; allowed: one of 'x' or 'y'$"):
+        Inner(kind="q")
+    with pytest.raises(ConfigError, match=r"^Inner.rate=3.0 is out of range; allowed: > 0 and <= 1$"):
+        dataclasses.replace(Inner(), rate=3.0)

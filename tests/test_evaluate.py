@@ -33,7 +33,7 @@ def workspace(tmp_path_factory):
     """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
     from safetensors.torch import save_file
 
-    from pipeline.experiments import model_config
+    from pipeline.experiments import check_model_group
     from pipeline.modeling.model import AdapterSummarizer
 
     root = tmp_path_factory.mktemp("evalws")
@@ -52,7 +52,7 @@ def workspace(tmp_path_factory):
     (root / "partitions" / "domain").mkdir(parents=True)
     (root / "partitions" / "domain" / "seed0.json").write_text(json.dumps(partition))
 
-    model = AdapterSummarizer.from_pretrained(backbone, model_config({"model": MODEL}).adapter_config())
+    model = AdapterSummarizer.from_pretrained(backbone, check_model_group({"model": MODEL}).adapter_config())
     exp_dir = root / "models" / "exp1"
     for client in CLIENTS:
         d = exp_dir / "clients" / client
@@ -131,7 +131,7 @@ def test_missing_adapter_is_a_clear_error(workspace):
 
 
 def test_bad_config_rejected():
-    with pytest.raises(ValueError, match="evaluate.adapter"):
+    with pytest.raises(ValueError, match="EvaluateConfig.adapter='middle' is out of range; allowed: one of 'best' or 'final'"):
         EvaluateConfig(adapter="middle")
     with pytest.raises(ValueError, match="min_target_length"):
         EvaluateConfig(min_target_length=50, max_target_length=10)

@@ -22,7 +22,7 @@ def _loss(tau: float, lam: float = 0.2):
     teacher = torch.tensor(TEACHER).log().unsqueeze(0)  # logits whose softmax is TEACHER
     student = torch.zeros(1, 3, 3, requires_grad=True)  # uniform q_l
     labels = torch.tensor([[0, 1, 2]])
-    return distillation_loss(student, teacher, labels, KDConfig(mode="selective", gate="margin", tau=tau, lam=lam))
+    return distillation_loss(student, teacher, labels, KDConfig(mode="selective", kd_gate="margin", tau=tau, kd_lambda=lam))
 
 
 def test_the_margin_gate_distils_where_the_teacher_clearly_prefers_one_word():
@@ -56,4 +56,4 @@ def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(
     assert {n: t for n, t in after.items() if n != "margin-domain.json"} == before
     assert json.loads(after["margin-domain.json"])["train"]["kd_gate"] == "margin"
     cfg = kd_config(read_plan(tmp_path / "b" / "margin-domain.json"))
-    assert (cfg.mode, cfg.gate, cfg.tau) == ("selective", "margin", 0.5)
+    assert (cfg.mode, cfg.kd_gate, cfg.tau) == ("selective", "margin", 0.5)

@@ -295,7 +295,7 @@ def test_ingest_config_names_an_unknown_dataset():
     IngestConfig(datasets=["qmsum", "samsum", "ami", "icsi"])
     with pytest.raises(ValueError) as err:
         IngestConfig(datasets=["qmsum", "xsum", "cnn"])
-    names(err.value, "ingest.datasets", "'cnn'", "'xsum'")
+    names(err.value, "IngestConfig.datasets", "'cnn'", "'xsum'")
 
 
 @pytest.mark.parametrize("dataset, rel, key", [

@@ -68,7 +68,7 @@ def test_token_entropy_nats_and_bits(example):
 )
 def test_selective_kd_matches_hand_computation(example, tau, expected_gate, expected_loss):
     student, teacher, labels = example
-    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", lam=LAM, tau=tau))
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau))
     assert out.gate.tolist() == expected_gate
     assert out.loss.item() == pytest.approx(expected_loss, abs=1e-5)
     assert out.n_tokens == 3
@@ -79,7 +79,7 @@ def test_selective_kd_matches_hand_computation(example, tau, expected_gate, expe
 
 def test_kd_and_ce_modes(example):
     student, teacher, labels = example
-    kd = distillation_loss(student, teacher, labels, KDConfig(mode="kd", lam=LAM, tau=0.0))
+    kd = distillation_loss(student, teacher, labels, KDConfig(mode="kd", kd_lambda=LAM, tau=0.0))
     assert kd.loss.item() == pytest.approx(((1 - LAM) * (CE1 + CE2 + CE3) + LAM * (KL1 + KL2 + KL3)) / 3, abs=1e-5)
     assert kd.kd_mean == pytest.approx((KL1 + KL2 + KL3) / 3, abs=1e-5)
     ce = distillation_loss(student, teacher, labels, KDConfig(mode="ce", tau=100.0))
@@ -94,14 +94,14 @@ def test_kd_and_ce_modes(example):
 def test_hard_mode_uses_the_mask_only(example):
     student, teacher, labels = example
     mask = torch.tensor([[True, False], [True, True]])  # the padding position must stay off
-    out = distillation_loss(student, teacher, labels, KDConfig(mode="hard", lam=LAM), hard_mask=mask)
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="hard", kd_lambda=LAM), hard_mask=mask)
     assert out.gate.tolist() == [[True, False], [True, False]]
     assert out.loss.item() == pytest.approx(((1 - LAM) * (CE1 + CE3) + LAM * (KL1 + KL3) + CE2) / 3, abs=1e-5)
 
 
 def test_padding_is_excluded(example):
     student, teacher, labels = example
-    cfg = KDConfig(mode="kd", lam=LAM)
+    cfg = KDConfig(mode="kd", kd_lambda=LAM)
     base = distillation_loss(student, teacher, labels, cfg).loss.item()
     student2, teacher2 = student.clone(), teacher.clone()
     student2[1, 1] = torch.tensor([9.0, -9.0, 3.0])
@@ -111,7 +111,7 @@ def test_padding_is_excluded(example):
 
 def test_sequence_normalisation(example):
     student, teacher, labels = example
-    out = distillation_loss(student, teacher, labels, KDConfig(mode="ce", normalisation="sequences"))
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="ce", loss_normalisation="sequences"))
     assert out.loss.item() == pytest.approx(((CE1 + CE2) / 2 + CE3) / 2, abs=1e-5)
 
 
@@ -120,7 +120,7 @@ def test_temperature_scales_kl_by_t_squared():
     teacher = torch.zeros(1, 1, 3)
     student = torch.tensor([[[2 * L(2), 0.0, 0.0]]])
     labels = torch.tensor([[0]])
-    out = distillation_loss(student, teacher, labels, KDConfig(mode="kd", lam=1.0, temperature=2.0))
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="kd", kd_lambda=1.0, kd_temperature=2.0))
     kl_tempered = (L((1 / 3) / 0.5) + 2 * L((1 / 3) / 0.25)) / 3
     assert out.loss.item() == pytest.approx(4 * kl_tempered, abs=1e-5)
 
@@ -128,7 +128,7 @@ def test_temperature_scales_kl_by_t_squared():
 def test_kl_direction_student_to_teacher(example):
     student, teacher, labels = example
     out = distillation_loss(student[:1, :1], teacher[:1, :1], labels[:1, :1],
-                            KDConfig(mode="kd", lam=1.0, kl_direction="student_to_teacher"))
+                            KDConfig(mode="kd", kd_lambda=1.0, kd_direction="student_to_teacher"))
     # KL(q_l || q_g) for token 1: 1/4 ln(1/2) + 1/2 ln 2 + 1/4 ln 1 = 1/4 ln 2
     assert out.loss.item() == pytest.approx(0.25 * L(2), abs=1e-6)
 
@@ -137,7 +137,7 @@ def test_only_student_gets_gradients(example):
     student, teacher, labels = example
     student = student.clone().requires_grad_(True)
     teacher = teacher.clone().requires_grad_(True)
-    distillation_loss(student, teacher, labels, KDConfig(lam=LAM, tau=2.0)).loss.backward()
+    distillation_loss(student, teacher, labels, KDConfig(kd_lambda=LAM, tau=2.0)).loss.backward()
     assert student.grad is not None and student.grad.abs().sum() > 0
     assert teacher.grad is None
     assert student.grad[1, 1].abs().sum() == 0  # padding contributes nothing
@@ -146,8 +146,8 @@ def test_only_student_gets_gradients(example):
 def test_bad_config_is_rejected():
     with pytest.raises(ValueError, match="mode"):
         KDConfig(mode="selectve")
-    with pytest.raises(ValueError, match="lam"):
-        KDConfig(lam=1.5)
+    with pytest.raises(ValueError, match="kd_lambda"):
+        KDConfig(kd_lambda=1.5)
 
 
 def _reference_loss(student, teacher, labels, cfg, hard_mask=None):
@@ -156,17 +156,17 @@ def _reference_loss(student, teacher, labels, cfg, hard_mask=None):
     logp_l = torch.log_softmax(student, -1)
     ce = -logp_l.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     logp_g = torch.log_softmax(teacher, -1)
-    entropy = -(logp_g.exp() * logp_g).sum(-1) / (L(2) if cfg.log_base == "2" else 1.0)
-    t = cfg.temperature
+    entropy = -(logp_g.exp() * logp_g).sum(-1) / (L(2) if cfg.entropy_log_base == "2" else 1.0)
+    t = cfg.kd_temperature
     lt, gt = torch.log_softmax(student / t, -1), torch.log_softmax(teacher / t, -1)
-    if cfg.kl_direction == "teacher_to_student":
+    if cfg.kd_direction == "teacher_to_student":
         kl = (gt.exp() * (gt - lt)).sum(-1) * t * t
     else:
         kl = (lt.exp() * (lt - gt)).sum(-1) * t * t
     gate = {"ce": torch.zeros_like(valid), "kd": valid, "selective": (entropy < cfg.tau) & valid,
             "hard": (hard_mask if hard_mask is not None else valid) & valid}[cfg.mode]
-    per_token = torch.where(gate, (1 - cfg.lam) * ce + cfg.lam * kl, ce) * valid
-    if cfg.normalisation == "tokens":
+    per_token = torch.where(gate, (1 - cfg.kd_lambda) * ce + cfg.kd_lambda * kl, ce) * valid
+    if cfg.loss_normalisation == "tokens":
         loss = per_token.sum() / valid.sum()
     else:
         loss = (per_token.sum(1) / valid.sum(1)).mean()
@@ -190,8 +190,8 @@ def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalis
     labels[1, 4:] = -100
     labels[2, 2:] = -100
     hard = torch.rand(b, t, generator=g) < 0.5
-    cfg = KDConfig(mode=mode, lam=0.3, tau=3.0, temperature=temperature, kl_direction=direction,
-                   normalisation=normalisation)
+    cfg = KDConfig(mode=mode, kd_lambda=0.3, tau=3.0, kd_temperature=temperature, kd_direction=direction,
+                   loss_normalisation=normalisation)
     ref_in = student.clone().requires_grad_(True)
     ref_loss, ref_entropy, ref_gate = _reference_loss(ref_in, teacher, labels, cfg, hard)
     ref_loss.backward()
@@ -218,7 +218,7 @@ def test_packed_logits_must_match_the_labels(example):
 
 def test_half_precision_logits_are_handled_in_float32(example):
     student, teacher, labels = example
-    cfg = KDConfig(mode="kd", lam=LAM)
+    cfg = KDConfig(mode="kd", kd_lambda=LAM)
     ref_in = student.clone().requires_grad_(True)
     ref = distillation_loss(ref_in, teacher, labels, cfg)
     ref.loss.backward()
@@ -245,7 +245,7 @@ def test_half_precision_logits_are_handled_in_float32(example):
 )
 def test_portable_gates_match_hand_computation(example, scale, tau, expected_gate, expected_threshold):
     student, teacher, labels = example
-    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", lam=LAM, tau=tau, tau_scale=scale))
+    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau, tau_scale=scale))
     assert out.gate.tolist() == expected_gate
     assert out.threshold == pytest.approx(expected_threshold, abs=1e-5)
 
@@ -253,7 +253,7 @@ def test_portable_gates_match_hand_computation(example, scale, tau, expected_gat
 def test_max_entropy_gate_in_bits_is_the_same_gate(example):
     student, teacher, labels = example
     nats = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy"))
-    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy", log_base="2"))
+    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.9, tau_scale="max_entropy", entropy_log_base="2"))
     assert nats.gate.tolist() == bits.gate.tolist()
     assert bits.threshold == pytest.approx(0.9 * math.log2(3), abs=1e-6)
 
@@ -276,7 +276,7 @@ def test_the_default_config_is_the_papers_lambda_and_tau(example):
     expected = sum(0.8 * ce + 0.2 * kl for ce, kl in ((CE1, KL1), (CE2, KL2), (CE3, KL3))) / 3
     assert out.loss.item() == pytest.approx(expected, abs=1e-5)
     # keyword settings reach the config: tau 1.05 nats = 1.515 bits sits between H1 = 1.5 and H3 = 1.585 bits
-    bits = distillation_loss(student, teacher, labels, KDConfig(lam=0.5, tau=1.55, log_base="2"))
+    bits = distillation_loss(student, teacher, labels, KDConfig(kd_lambda=0.5, tau=1.55, entropy_log_base="2"))
     assert bits.gate.tolist() == [[True, True], [False, False]]
     expected = (0.5 * (CE1 + KL1) + 0.5 * (CE2 + KL2) + CE3) / 3
     assert bits.loss.item() == pytest.approx(expected, abs=1e-5)
@@ -284,7 +284,7 @@ def test_the_default_config_is_the_papers_lambda_and_tau(example):
     hard = distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=mask)
     assert hard.gate.tolist() == [[False, True], [True, False]]  # the mask, never on padding
     assert hard.loss.item() == pytest.approx((CE1 + 0.8 * CE2 + 0.2 * KL2 + 0.8 * CE3 + 0.2 * KL3) / 3, abs=1e-5)
-    seq = distillation_loss(student, teacher, labels, KDConfig(mode="hard", lam=1.0, normalisation="sequences"),
+    seq = distillation_loss(student, teacher, labels, KDConfig(mode="hard", kd_lambda=1.0, loss_normalisation="sequences"),
                             hard_mask=mask)
     assert seq.loss.item() == pytest.approx(((CE1 + KL2) / 2 + KL3) / 2, abs=1e-5)
 
@@ -303,7 +303,7 @@ def test_max_entropy_threshold_depends_on_the_vocabulary_not_the_batch(n_tokens)
 def test_batch_quantile_gate_in_bits_is_the_same_gate(example):
     student, teacher, labels = example
     nats = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile"))
-    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", log_base="2"))
+    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", entropy_log_base="2"))
     assert nats.gate.tolist() == bits.gate.tolist() == [[True, True], [False, False]]
     assert bits.threshold == pytest.approx((H1 + H3) / 2 / L(2), abs=1e-5)  # the same quantile, in bits
 
@@ -315,7 +315,7 @@ def test_gradient_is_linear_in_the_upstream_gradient(example, scale):
     grads = []
     for c in (1.0, scale):
         leaf = student.clone().requires_grad_(True)
-        (distillation_loss(leaf, teacher, labels, KDConfig(mode="kd", lam=LAM)).loss * c).backward()
+        (distillation_loss(leaf, teacher, labels, KDConfig(mode="kd", kd_lambda=LAM)).loss * c).backward()
         grads.append(leaf.grad)
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[1], scale * grads[0], atol=1e-7, rtol=1e-6)
@@ -349,18 +349,18 @@ def test_bad_config_messages_name_the_field_value_and_allowed_values():
         KDConfig(mode="selectve")
     with _raises_naming("KDConfig.tau_scale", "'rank'", "'max_entropy'"):
         KDConfig(tau_scale="rank")
-    with _raises_naming("KDConfig.kl_direction", "'both'", "'teacher_to_student'"):
-        KDConfig(kl_direction="both")
-    with _raises_naming("KDConfig.log_base", "10"):
-        KDConfig(log_base=10)
-    with _raises_naming("KDConfig.normalisation", "'batch'", "'tokens'"):
-        KDConfig(normalisation="batch")
-    assert KDConfig(log_base=2).log_base == "2"  # a number from YAML is read as the base's name
-    with _raises_naming("KDConfig.lam", "-0.1"):
-        KDConfig(lam=-0.1)
-    assert KDConfig(lam=0.0).lam == 0.0 and KDConfig(lam=1.0).lam == 1.0  # both ends allowed
-    with _raises_naming("KDConfig.temperature", "0.0"):
-        KDConfig(temperature=0.0)
+    with _raises_naming("KDConfig.kd_direction", "'both'", "'teacher_to_student'"):
+        KDConfig(kd_direction="both")
+    with _raises_naming("KDConfig.entropy_log_base", "10"):
+        KDConfig(entropy_log_base=10)
+    with _raises_naming("KDConfig.loss_normalisation", "'batch'", "'tokens'"):
+        KDConfig(loss_normalisation="batch")
+    assert KDConfig(entropy_log_base=2).entropy_log_base == "2"  # a number from YAML is read as the base's name
+    with _raises_naming("KDConfig.kd_lambda", "-0.1"):
+        KDConfig(kd_lambda=-0.1)
+    assert KDConfig(kd_lambda=0.0).kd_lambda == 0.0 and KDConfig(kd_lambda=1.0).kd_lambda == 1.0  # both ends allowed
+    with _raises_naming("KDConfig.kd_temperature", "0.0"):
+        KDConfig(kd_temperature=0.0)
     with _raises_naming("KDConfig.tau", "0.0", "batch_quantile"):
         KDConfig(tau=0.0, tau_scale="batch_quantile")
     assert KDConfig(tau=1.0, tau_scale="max_entropy").tau == 1.0
@@ -399,7 +399,7 @@ def test_unpadded_batches_and_empty_sequences_give_the_same_loss():
     student, teacher = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 5, generator=g)
     labels = torch.randint(0, 5, (2, 3), generator=g)
     for norm in ("tokens", "sequences"):
-        cfg = KDConfig(mode="kd", lam=0.3, normalisation=norm)
+        cfg = KDConfig(mode="kd", kd_lambda=0.3, loss_normalisation=norm)
         full = distillation_loss(student, teacher, labels, cfg)
         packed = distillation_loss(student.reshape(6, 5), teacher.reshape(6, 5), labels, cfg)
         assert full.loss.item() == pytest.approx(packed.loss.item(), abs=1e-6)

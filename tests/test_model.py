@@ -255,7 +255,7 @@ def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
 
     valid = batch.labels != IGNORE_INDEX
     assert not valid.all()  # the batch is padded, so skipping padding matters
-    cfg = KDConfig(mode="kd", lam=0.4)
+    cfg = KDConfig(mode="kd", kd_lambda=0.4)
     params = summarizer.local_parameters()
     trainable_before = [p.requires_grad for p in params]  # restored below: the fixture is shared by later tests
     for p in params:

@@ -248,7 +248,7 @@ def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
     (lambda: partition_schemes.DomainDirichletConfig(alpha=0.0),
      ("alpha=0.0",)),
     (lambda: PartitionConfig(schemes=["domain", "random", "iid2"]),
-     ("partition.schemes", "'iid2'", "'random'")),
+     ("PartitionConfig.schemes", "'iid2'", "'random'")),
 ])
 def test_partition_settings_out_of_range_are_named(make, message):
     """The error names the setting and its value (the params key the user sets)."""

@@ -89,7 +89,7 @@ def test_missing_spacy_model_names_the_package():
 
 
 def test_bad_params_rejected():
-    with pytest.raises(ValueError, match="not universal POS tags"):
+    with pytest.raises(ValueError, match=r"PostagConfig.noun_verb_tags: unknown value\(s\) \['NN'\]; allowed: 'ADJ'"):
         postag.PostagConfig(noun_verb_tags=["NN"])
 
 

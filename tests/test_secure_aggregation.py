@@ -408,12 +408,12 @@ def test_secagg_group_validation():
                                                                           "reconstruction_threshold": 3}}, "privacy")
     assert cfg.secure_aggregation and not cfg.enabled and cfg.secagg.num_shares == 5
     bad = [
-        ({"num_shares": 2}, "privacy.secagg: num_shares as a count must be > 2"),
-        ({"num_shares": 1.5}, "privacy.secagg: num_shares as a fraction"),
-        ({"reconstruction_threshold": 1.2}, "privacy.secagg: reconstruction_threshold as a fraction"),
+        ({"num_shares": 2}, "privacy.secagg.num_shares as a count must be > 2"),
+        ({"num_shares": 1.5}, "privacy.secagg.num_shares=1.5 is out of range; allowed: > 0 and <= 1"),
+        ({"reconstruction_threshold": 1.2}, "privacy.secagg.reconstruction_threshold=1.2 is out of range; allowed: > 0 and <= 1"),
         ({"num_shares": 4, "reconstruction_threshold": 4}, "must be >= 2 and < num_shares"),
-        ({"clipping_range": 0.0}, "privacy.secagg: clipping_range must be"),
-        ({"quantization_range": 2**32}, "privacy.secagg: quantization_range must be in (1, 2**32)"),
+        ({"clipping_range": 0.0}, "privacy.secagg.clipping_range=0.0 is out of range; allowed: > 0"),
+        ({"quantization_range": 2**32}, "privacy.secagg.quantization_range=4294967296 is out of range; allowed: > 1 and < 4294967296"),
         ({"num_shares": True}, "privacy.secagg.num_shares: expected an integer or a number"),
         ({"quantisation_range": 4096}, "privacy.secagg: unknown key(s) ['quantisation_range']"),
     ]

@@ -1,13 +1,13 @@
 """Parameters and paths shared by every stage.
 
-Every stage reads the params file through :func:`load_params` and turns its own group into a typed
-dataclass with :func:`from_dict`, before any work. pydantic validates the group against the dataclass's fields
-and annotations (strict types, unknown keys refused: a new key needs only a new field, a new config class needs
-nothing more), and :func:`from_dict` turns pydantic's errors and the dataclass's own range checks
-(``__post_init__``) into one :class:`ConfigError` line naming the key: a typo in the params file or a preset is one
-clear line instead of a silently ignored setting or a crash deep in a stage.
+Every stage reads the params file through :func:`load_params` and turns its own group into a config class with
+:func:`from_dict`, before any work. A config class is a pydantic dataclass (:func:`config`): its annotations,
+``Literal`` choices and ``Field`` bounds are every check (strict types, unknown keys refused), and a check that
+spans keys is a pydantic ``model_validator``. :func:`from_dict` turns pydantic's errors into one
+:class:`ConfigError` line naming the key: a typo in the params file or a preset is one clear line instead of a
+silently ignored setting or a crash deep in a stage.
 
-Defaults: the params file is the one place a value is chosen (DVC tracks it, users edit it); a dataclass default is
+Defaults: the params file is the one place a value is chosen (DVC tracks it, users edit it); a config default is
 the params file's value for that key, so code and tests that build a config without the params file run what
 `make repro` runs (tests/test_params_defaults.py holds every group to it).
 """
@@ -19,17 +19,54 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Any, TypeVar, get_type_hints
+from typing import Annotated, Any, TypeVar, get_args, get_origin, get_type_hints
 
+import pydantic.dataclasses
 import yaml
-from pydantic import ConfigDict, TypeAdapter, ValidationError
-from typing_extensions import TypedDict  # pydantic needs typing_extensions' TypedDict before Python 3.12
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_core import ArgsKwargs
 
 T = TypeVar("T")
 
 
+# Strict: a YAML string, bool or float never passes for an integer ("96", true, 8.0), nor a bool for a number;
+# an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level.
+_STRICT = ConfigDict(strict=True, extra="forbid")
+
+# Bounds several groups share
+PositiveInt = Annotated[int, Field(ge=1)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0.0)]
+NonNegative = Annotated[float, Field(ge=0.0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+TokenLength = Annotated[int, Field(ge=2)]  # room for the special tokens
+
+
 class ConfigError(ValueError):
     """A bad parameter. The message names the key (``group.key``), the value and what is allowed."""
+
+
+def config(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
+    """``@config`` / ``@config(frozen=True)``: a pydantic dataclass, strict. Still a dataclass (dataclasses.asdict,
+    replace and fields work); built in code (``Cls(...)``, ``dataclasses.replace``) a bad value is a one-line
+    :class:`ConfigError` naming ``Cls.key``, built by :func:`from_dict` one naming the params key."""
+    def wrap(c: type[T]) -> type[T]:
+        c = pydantic.dataclasses.dataclass(c, config=_STRICT, **kwargs)
+        init = c.__init__
+
+        @functools.wraps(init)
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            try:
+                init(self, *args, **kw)
+            except ValidationError as exc:
+                named = dict(zip((f.name for f in dataclasses.fields(c)), args)) | kw
+                raise ConfigError(_one_line(c, named, c.__name__, exc)) from None
+
+        c.__init__ = __init__
+        return c
+
+    return wrap if cls is None else wrap(cls)
 
 
 def repo_root() -> Path:
@@ -71,36 +108,6 @@ def load_params(path: str | os.PathLike) -> dict[str, Any]:
     return data
 
 
-# Strict: a YAML string, bool or float never passes for an integer ("96", true, 8.0), nor a bool for a number;
-# an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level.
-_STRICT = ConfigDict(strict=True, extra="forbid")
-
-
-@functools.cache
-def _schema(cls: type) -> type:
-    """The keys of dataclass ``cls`` as a pydantic-validated TypedDict (every key optional: the dataclass's own
-    defaults fill the missing ones; nested dataclasses become nested TypedDicts). A TypedDict, not the dataclass
-    itself, because pydantic in strict mode accepts only instances for a dataclass."""
-    hints = get_type_hints(cls)
-    fields = {f.name: _schema(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else hints[f.name]
-              for f in dataclasses.fields(cls) if f.init}
-    schema = TypedDict(cls.__name__, fields, total=False)  # type: ignore[misc]
-    schema.__pydantic_config__ = _STRICT  # type: ignore[attr-defined]
-    return schema
-
-
-@functools.cache
-def _adapter(cls: type) -> TypeAdapter:
-    return TypeAdapter(_schema(cls))
-
-
-def _as_mapping(value: Any) -> Any:
-    """A nested dataclass instance given where a mapping is read (code building a config from parts)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _as_mapping(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init}
-    return value
-
-
 def _key_path(data: Any, loc: tuple) -> tuple[str, Any]:
     """The part of pydantic's error location that names keys of ``data`` (``a.b[2]``; union branch tags such as
     ``int`` dropped) and the value found there."""
@@ -115,75 +122,116 @@ def _key_path(data: Any, loc: tuple) -> tuple[str, Any]:
     return path, node
 
 
-def _allowed(cls: type, path: str) -> list[str]:
-    """The keys of the (nested) dataclass at ``path`` inside ``cls``."""
-    for part in filter(None, path.split(".")):
-        cls = get_type_hints(cls)[part]
-    return sorted(f.name for f in dataclasses.fields(cls) if f.init)
+_BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error",
+                 "finite_number"}
+
+
+def _number(v: Any) -> str:
+    return str(v) if isinstance(v, int) else f"{v:g}"
+
+
+def _allowed(cls: type, err: dict[str, Any], path: str) -> str:
+    """What a key allows: its Literal choices, or its Field bounds (all of them when the field has several)."""
+    if err["type"] == "literal_error":
+        return f"one of {err['ctx']['expected']}"
+    if err["type"] == "finite_number":
+        return "a finite number"
+    info = getattr(cls, "__pydantic_fields__", {}).get(path)  # None for an item of a list or a mapping
+    bounds = [f"{op} {_number(getattr(m, name))}" for m in _metadata(info) for name, op in _BOUNDS.items()
+              if getattr(m, name, None) is not None]
+    return " and ".join(bounds) or " and ".join(f"{op} {_number(err['ctx'][name])}"
+                                                 for name, op in _BOUNDS.items() if name in err["ctx"])
+
+
+def _metadata(info: FieldInfo | None) -> list[Any]:
+    """A field's constraints, also those inside ``Annotated[...] | None`` (where pydantic keeps them in the type)."""
+    if info is None:
+        return []
+    found, todo = list(info.metadata), list(get_args(info.annotation))
+    while todo:
+        arg = todo.pop()
+        todo.extend(get_args(arg)[:1] if get_origin(arg) is Annotated else [])
+        for m in getattr(arg, "__metadata__", ()):
+            found.extend(m.metadata if isinstance(m, FieldInfo) else [m])
+    return found
+
+
+def _expected(err: dict[str, Any]) -> str:
+    """The type pydantic wanted, in fedmeet's words ("an integer", "a number", "true or false")."""
+    if err["type"] == "bool_type":
+        return "true or false"  # as YAML writes a boolean
+    msg = err["msg"].replace("Input should be ", "").replace("valid ", "")
+    return msg.replace("a integer", "an integer").replace("a instance", "an instance")
 
 
 def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError) -> str:
-    """pydantic's errors as one line: unknown keys first (all of them, with the allowed ones), else every type
-    problem, each ``where.key: expected ..., got <type> <value>``."""
-    unknown: dict[str, list[str]] = {}
-    problems: dict[str, list[str]] = {}
-    for err in exc.errors():
-        if err["type"] == "extra_forbidden":
-            parent, _ = _key_path(data, err["loc"][:-1])
-            unknown.setdefault(parent, []).append(str(err["loc"][-1]))
-            continue
-        path, value = _key_path(data, err["loc"])
-        # "Input should be a valid integer" -> "an integer" (the wording of the rest of fedmeet's messages)
-        msg = re.sub(r"\ba ([aeiou])", r"an \1", err["msg"].replace("Input should be ", "").replace("valid ", ""))
-        msg = "true or false" if err["type"] == "bool_type" else msg  # as YAML writes a boolean
-        problems.setdefault(path, [f"got {type(value).__name__} {value!r}"])
-        if msg not in problems[path]:
-            problems[path].insert(-1, msg)
+    """pydantic's errors as one line: unknown keys first (all of them, with the allowed ones), else a check across
+    keys (a ``model_validator``'s message), else every bad value: ``where.key=<value> is out of range; allowed: ...``
+    for a bound or a choice, ``where.key: expected <type>, got <type> <value>`` for a wrong type."""
+    errors = exc.errors()
+    fields = sorted(f.name for f in dataclasses.fields(cls))
+    unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument")
     if unknown:
-        parent, keys = next(iter(unknown.items()))
-        at = f"{where}.{parent}" if parent else where
-        return f"{at}: unknown key(s) {sorted(keys)}; allowed: {_allowed(cls, parent)}"
-    return "; ".join(f"{where}{'.' + path if path else ''}: expected {' or '.join(parts[:-1])}, {parts[-1]}"
-                     for path, parts in problems.items())
-
-
-def require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    """A dataclass range check (from ``__post_init__``): ``key=value; allowed: ...``. :func:`from_dict` prefixes
-    the group, so the line names the full key."""
-    if not ok:
-        raise ValueError(f"{key}={value!r} is out of range; allowed: {allowed}")
-
-
-def _build(cls: type[T], data: dict[str, Any], where: str) -> T:
-    """The dataclass from validated ``data``, nested ones first; a ``__post_init__`` range check that fails is a
-    :class:`ConfigError` naming the (nested) group."""
-    hints = get_type_hints(cls)
-    kwargs = {key: _build(hints[key], value, f"{where}.{key}") if dataclasses.is_dataclass(hints[key]) else value
-              for key, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:  # the dataclass's own range checks
-        raise ConfigError(f"{where}: {' '.join(str(exc).split())}") from None
+        return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
+    for err in errors:
+        if err["type"] == "value_error" and not err["loc"]:  # a model_validator's: its message starts with the key
+            text = " ".join(err["msg"].removeprefix("Value error, ").split())
+            first = re.match(r"\w+", text)
+            return f"{where}{'.' if first and first.group() in fields else ': '}{text}"
+    by_path: dict[str, tuple[Any, list[dict[str, Any]]]] = {}
+    choices: dict[str, tuple[list[Any], str]] = {}  # list items outside a Literal, one entry per list
+    for err in errors:
+        is_key = "[key]" in err["loc"]  # a mapping's key (not its value) is out of range
+        loc = err["loc"][:err["loc"].index("[key]") - 1] if is_key else err["loc"]
+        path, value = _key_path(data, loc)
+        if err["type"] == "literal_error" and re.search(r"\[\d+\]$", path):
+            choices.setdefault(re.sub(r"\[\d+\]$", "", path), ([], err["ctx"]["expected"]))[0].append(value)
+            continue
+        by_path.setdefault(path, (value, []))[1].append(err | {"is_key": is_key})
+    lines = [f"{where}.{path}: unknown value(s) {values}; allowed: {expected}"
+             for path, (values, expected) in choices.items()]
+    for path, (value, errs) in by_path.items():
+        at = f"{where}.{path}" if path else where
+        ranges = [e for e in errs if e["type"] in _RANGE_ERRORS]
+        checked = [e for e in errs if e["type"] == "value_error"]  # a field validator's message
+        if checked:
+            lines.append(f"{at}: {' '.join(checked[0]['msg'].removeprefix('Value error, ').split())}")
+        elif ranges and ranges[0]["is_key"]:
+            lines.append(f"{at}={value!r}: unknown key(s); allowed: {ranges[0]['ctx']['expected']}")
+        elif ranges:
+            lines.append(f"{at}={value!r} is out of range; allowed: {_allowed(cls, ranges[0], path)}")
+        else:
+            wanted = " or ".join(dict.fromkeys(_expected(e) for e in errs))
+            lines.append(f"{at}: expected {wanted}, got {type(value).__name__} {value!r}")
+    return "; ".join(lines)
 
 
 def from_dict(cls: type[T], data: dict[str, Any] | None, where: str = "") -> T:
-    """Build dataclass ``cls`` from ``data`` (a params group); nested dataclass fields are built too.
-
-    pydantic checks keys and types against the dataclass's fields and annotations (:func:`_schema`); unknown keys,
-    values of the wrong type and values the dataclass's ``__post_init__`` rejects raise one-line
-    :class:`ConfigError` naming ``where.key`` and what is allowed.
-    """
+    """Config class ``cls`` (:func:`config`) from ``data`` (a params group), nested config groups first; a bad
+    key or value raises one-line :class:`ConfigError` naming ``where.key`` and what is allowed."""
     where = where or cls.__name__
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of keys, got {type(data).__name__} {data!r}")
-    data = {key: _as_mapping(value) for key, value in (data or {}).items()}
-    try:
-        valid = _adapter(cls).validate_python(data)
+    data = dict(data or {})
+    hints = get_type_hints(cls)
+    for key, value in data.items():
+        if isinstance(value, dict) and dataclasses.is_dataclass(hints.get(key)):
+            data[key] = from_dict(hints[key], value, f"{where}.{key}")
+    built = cls.__new__(cls)
+    try:  # what the dataclass's __init__ does, with the params key in the error
+        cls.__pydantic_validator__.validate_python(ArgsKwargs((), data), self_instance=built)
     except ValidationError as exc:
         raise ConfigError(_one_line(cls, data, where, exc)) from None
-    return _build(cls, valid, where)
+    return built
+
+
+def group(params: dict[str, Any], name: str) -> dict[str, Any]:
+    """Params group ``name`` ({} when absent or null); anything but a mapping is a ConfigError naming it."""
+    value = params.get(name) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
+    return value
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -16,12 +16,15 @@ import os
 import urllib.error
 import urllib.request
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 from pathlib import Path
 
+from pydantic import AfterValidator
 from tqdm import tqdm
 
 from pipeline.common import atomic
+from pipeline.common.config import config
 from pipeline.common.schema import DataError
 from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
 
@@ -29,11 +32,18 @@ ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
 
 
-@dataclass
+def _registered(name: str) -> str:
+    """A dataset with a reader (checked when the config is built: readers register when their module loads)."""
+    if name not in DATASETS:
+        raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
+    return name
+
+
+@config
 class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
-    datasets: list[str] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
+    datasets: list[Annotated[str, AfterValidator(_registered)]] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
     # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
     urls: dict[str, str] = field(default_factory=lambda: {
         "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
@@ -44,11 +54,6 @@ class IngestConfig:
     # Splits whose file may be missing or empty, as fnmatch patterns of "<dataset>/<domain>/<split>" (e.g.
     # "qmsum/Academic/test", "samsum/*/valid"); any other missing or empty split is an error.
     allow_absent_splits: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.datasets) - set(DATASETS))
-        if unknown:
-            raise ValueError(f"ingest.datasets: unknown dataset(s) {unknown}; allowed: {sorted(DATASETS)}")
 
 
 def missing_files(directory: Path, dataset: str) -> list[str]:

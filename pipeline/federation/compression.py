@@ -19,9 +19,12 @@ themselves is ~1/127 while a round's update is far smaller; the scale of the del
 """
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-TRANSFER_DTYPES = ("fp32", "fp16", "int8")
+TransferDtype = Literal["fp32", "fp16", "int8"]
+TRANSFER_DTYPES = get_args(TransferDtype)
 SCALE_SUFFIX = ".int8_scale"
 INT8_LEVELS = 127  # symmetric grid -127..127
 FP16_MAX = float(torch.finfo(torch.float16).max)

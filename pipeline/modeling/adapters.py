@@ -16,27 +16,21 @@ Where Y is taken, and why (round 0 must be the backbone):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
+from pipeline.common.config import PositiveInt, config
 
-@dataclass
+
+@config
 class AdapterConfig:
-    top_k: int  # adapters after the top k decoder layers
-    bottleneck: int  # m (the paper: 2n, e.g. 1536 for BART-base)
+    top_k: PositiveInt  # adapters after the top k decoder layers
+    bottleneck: PositiveInt  # m (the paper: 2n, e.g. 1536 for BART-base)
     bias: bool = True  # biases on W_down and W_up (our default; the paper's equation has none)
     init_std: float = 0.02  # std of the W_down init (BERT/BART initializer_range)
     # W_down init: from a generator seeded with ``seed`` (same seed, same adapters, whatever ran before), or from
     # torch's global RNG when None (seed it yourself)
     seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.top_k < 1:
-            raise ValueError(f"adapter top_k must be >= 1, got {self.top_k}")
-        if self.bottleneck < 1:
-            raise ValueError(f"adapter bottleneck must be >= 1, got {self.bottleneck}")
 
 
 class HoulsbyAdapter(nn.Module):

@@ -33,7 +33,7 @@ import logging
 import os
 import tempfile
 import zlib
-from dataclasses import dataclass
+
 from pathlib import Path
 
 import torch
@@ -41,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.common import atomic
-from pipeline.common.config import repo_root
+from pipeline.common.config import NonNegative, config, repo_root
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.modeling.model import AdapterSummarizer, Prefix, target_mask_of
 
@@ -51,19 +51,15 @@ CHECKSUM_KEY = "sha256"
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@config
 class CacheConfig:
     """Where the frozen-prefix cache lives and how much the caches may hold (`model.cache_dir`,
     `model.cache_max_gb`, `model.teacher_cache_gb`). None of it changes a result (float32 entries are exact; evicted entries are recomputed), so plans leave it out
     (pipeline.experiments.RunSettings). The entries' dtype does change results: it travels in the plan."""
 
     cache_dir: str = "data/cache/prefix"
-    cache_max_gb: float = 4.0
-    teacher_cache_gb: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.cache_max_gb < 0 or self.teacher_cache_gb < 0:
-            raise ValueError("model.cache_max_gb and model.teacher_cache_gb must be >= 0")
+    cache_max_gb: NonNegative = 4.0
+    teacher_cache_gb: NonNegative = 1.0
 
 
 def resolve_root(cache_dir: str | os.PathLike) -> Path:

@@ -24,55 +24,53 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Annotated, Literal, get_args
 
 import torch
+from pydantic import BeforeValidator, model_validator
 
+from pipeline.common.config import Fraction, Positive, config
 from pipeline.modeling.batching import IGNORE_INDEX
 from pipeline.modeling.gates.catalog import GATES, gate_of
 from pipeline.modeling.gates.registry import TeacherRows
 
-MODES = ("ce", "kd", "selective", "hard")
-KL_DIRECTIONS = ("teacher_to_student", "student_to_teacher")
+KdMode = Literal["ce", "kd", "selective", "hard"]
+KdDirection = Literal["teacher_to_student", "student_to_teacher"]
+# The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
+LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
+Normalisation = Literal["tokens", "sequences"]
+# How tau is read (selective mode): "absolute" = an entropy in entropy_log_base units (the paper's 5 nats);
+# "max_entropy" = a fraction of the largest possible entropy log|V| (portable across vocabularies: 5 nats on BART's
+# 50,265 tokens is 0.46 of ln|V|); "batch_quantile" = the tau-quantile of H(q_g) over the batch's target tokens (a
+# fixed share of tokens gets KD, whatever the backbone's calibration).
+TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
+GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered gate (pipeline.modeling.gates)
+MODES = get_args(KdMode)
+KL_DIRECTIONS = get_args(KdDirection)
 LOG_BASES = ("e", "2")
-NORMALISATIONS = ("tokens", "sequences")
-# How tau is read (selective mode): "absolute" = an entropy in log_base units (the paper's 5 nats); "max_entropy" =
-# a fraction of the largest possible entropy log|V| (portable across vocabularies: 5 nats on BART's 50,265 tokens is
-# 0.46 of ln|V|); "batch_quantile" = the tau-quantile of H(q_g) over the batch's target tokens (a fixed share of
-# tokens gets KD, whatever the backbone's calibration).
-TAU_SCALES = ("absolute", "max_entropy", "batch_quantile")
+NORMALISATIONS = get_args(Normalisation)
+TAU_SCALES = get_args(TauScale)
 
 
-@dataclass
+@config
 class KDConfig:
-    mode: str = "selective"  # ce | kd | selective | hard
-    lam: float = 0.2  # lambda, weight of the KL term on gated tokens
-    tau: float = 5.0  # entropy threshold (in units of log_base)
-    temperature: float = 1.0
-    kl_direction: str = "teacher_to_student"  # KL(q_g || q_l); the alternative is KL(q_l || q_g)
-    log_base: str = "e"  # unit of H(q_g) and so of tau: nats ("e") or bits ("2")
-    normalisation: str = "tokens"
-    tau_scale: str = "absolute"
-    gate: str = "entropy"  # selective KD's gate (pipeline.modeling.gates); kd and hard have their own
+    """The loss of one client step; the names are the params file's `train` keys (pipeline.training.kd)."""
 
-    def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("mode", self.mode, MODES),
-            ("tau_scale", self.tau_scale, TAU_SCALES),
-            ("kl_direction", self.kl_direction, KL_DIRECTIONS),
-            ("log_base", str(self.log_base), LOG_BASES),
-            ("normalisation", self.normalisation, NORMALISATIONS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"KDConfig.{name}={value!r}; expected one of {allowed}")
-        self.log_base = str(self.log_base)
-        if not 0.0 <= self.lam <= 1.0:
-            raise ValueError(f"KDConfig.lam={self.lam} must be in [0, 1]")
-        if self.temperature <= 0:
-            raise ValueError(f"KDConfig.temperature={self.temperature} must be > 0")
-        if self.gate not in GATES:
-            raise ValueError(f"KDConfig.gate={self.gate!r}; expected one of {tuple(GATES)}")
+    mode: KdMode = "selective"
+    kd_lambda: Fraction = 0.2  # lambda, weight of the KL term on gated tokens
+    tau: float = 5.0  # entropy threshold (in units of entropy_log_base)
+    kd_temperature: Positive = 1.0
+    kd_direction: KdDirection = "teacher_to_student"  # KL(q_g || q_l); the alternative is KL(q_l || q_g)
+    entropy_log_base: LogBase = "e"
+    loss_normalisation: Normalisation = "tokens"
+    tau_scale: TauScale = "absolute"
+    kd_gate: GateName = "entropy"  # selective KD's gate (pipeline.modeling.gates); kd and hard have their own
+
+    @model_validator(mode="after")
+    def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:
         if self.tau_scale != "absolute" and not 0.0 < self.tau <= 1.0:
-            raise ValueError(f"KDConfig.tau={self.tau} must be in (0, 1] with tau_scale {self.tau_scale!r}")
+            raise ValueError(f"tau={self.tau} must be in (0, 1] with tau_scale {self.tau_scale!r}")
+        return self
 
 
 @dataclass
@@ -130,7 +128,7 @@ class _FusedDistillation(torch.autograd.Function):
         ce = torch.empty(n, device=dev)
         kl = torch.zeros(n, device=dev)
         grad = torch.empty(z_l.shape, dtype=z_l.dtype, device=dev) if want_grad else None
-        t = float(cfg.temperature)
+        t = float(cfg.kd_temperature)
         for s in range(0, n, chunk_rows):
             e = min(n, s + chunk_rows)
             zl = z_l[s:e].float()
@@ -149,23 +147,23 @@ class _FusedDistillation(torch.autograd.Function):
                     zg_t, zl_t = zg / t, zl / t
                     (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), _softmax_lse(zl_t)
                     pt_dot_zgt = _rowdot(p_t, zg_t)
-                if cfg.kl_direction == "teacher_to_student":  # sum p (log p - log q)
+                if cfg.kd_direction == "teacher_to_student":  # sum p (log p - log q)
                     kl_c = (lse_lt - lse_gt) + pt_dot_zgt - _rowdot(p_t, zl_t)
                 else:  # sum q (log q - log p)
                     kl_c = (lse_gt - lse_lt) + _rowdot(q_t, zl_t) - _rowdot(q_t, zg_t)
                 kl[s:e] = (kl_c * t * t).masked_fill(~g_c, 0.0)
             if want_grad:
                 w = row_weight[s:e]
-                a = (torch.where(g_c, 1.0 - cfg.lam, 1.0) * w if g_c is not None else w).unsqueeze(-1)  # CE weight
-                b = (torch.where(g_c, cfg.lam, 0.0) * w * t).unsqueeze(-1) if any_kd else None  # KL (x T: dz/T)
+                a = (torch.where(g_c, 1.0 - cfg.kd_lambda, 1.0) * w if g_c is not None else w).unsqueeze(-1)  # CE weight
+                b = (torch.where(g_c, cfg.kd_lambda, 0.0) * w * t).unsqueeze(-1) if any_kd else None  # KL (x T: dz/T)
                 # written in place when the logits are float32; half-precision logits get a float32 chunk copied back
                 gr = grad[s:e] if grad.dtype == torch.float32 else torch.empty(e - s, v, device=dev)
-                if any_kd and cfg.kl_direction == "teacher_to_student" and t == 1.0:
+                if any_kd and cfg.kd_direction == "teacher_to_student" and t == 1.0:
                     torch.mul(q, a + b, out=gr)  # a (q - onehot) + b (q - p), one pass
                     gr.addcmul_(p, b, value=-1.0)
                 else:
                     torch.mul(q, a, out=gr)
-                    if any_kd and cfg.kl_direction == "teacher_to_student":
+                    if any_kd and cfg.kd_direction == "teacher_to_student":
                         gr.add_(b * (q_t - p_t))
                     elif any_kd:
                         log_ratio = (zl_t - zg_t) - (lse_lt - lse_gt).unsqueeze(-1) - kl_c.unsqueeze(-1)
@@ -174,8 +172,8 @@ class _FusedDistillation(torch.autograd.Function):
                 if gr.data_ptr() != grad[s:e].data_ptr():
                     grad[s:e] = gr
         gate_all = gate if gate is not None else torch.zeros(n, dtype=torch.bool, device=dev)
-        a_all = torch.where(gate_all, 1.0 - cfg.lam, 1.0)
-        b_all = torch.where(gate_all, cfg.lam, 0.0)
+        a_all = torch.where(gate_all, 1.0 - cfg.kd_lambda, 1.0)
+        b_all = torch.where(gate_all, cfg.kd_lambda, 0.0)
         loss = (row_weight * (a_all * ce + b_all * kl)).sum()
         ctx.save_for_backward(grad if want_grad else torch.empty(0))
         ctx.mark_non_differentiable(ce, kl)
@@ -221,7 +219,7 @@ def distillation_loss(
     y = labels[valid].to(z_l.device)
 
     # w_t: the token's weight in the batch mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b))
-    if cfg.normalisation == "tokens":
+    if cfg.loss_normalisation == "tokens":
         row_weight = torch.full((n_tokens,), 1.0 / n_tokens, device=z_l.device)
     else:
         per_seq_tokens = valid.sum(dim=1)
@@ -234,7 +232,7 @@ def distillation_loss(
     entropy_p = torch.zeros(n_tokens, device=z_l.device)
     gate_p = torch.zeros(n_tokens, dtype=torch.bool, device=z_l.device)
     if z_g is not None:
-        entropy_p = teacher_entropy(z_g, cfg.log_base, chunk_rows)
+        entropy_p = teacher_entropy(z_g, cfg.entropy_log_base, chunk_rows)
         gate = gate_of(cfg)
         if gate is not None:
             gate_p, threshold = gate(TeacherRows(z_g, entropy_p, hard_gate, chunk_rows), cfg)

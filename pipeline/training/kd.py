@@ -17,14 +17,14 @@ def kd_config(plan: Plan):
     mode = plan.spec.kd_mode
     return KDConfig(
         mode=mode,
-        lam=t.kd_lambda,
+        kd_lambda=t.kd_lambda,
         tau=plan.tau if plan.tau is not None else float("inf"),
-        temperature=t.kd_temperature,
-        kl_direction=t.kd_direction,
-        log_base=t.entropy_log_base,
+        kd_temperature=t.kd_temperature,
+        kd_direction=t.kd_direction,
+        entropy_log_base=t.entropy_log_base,
         tau_scale=t.tau_scale,
-        gate=t.kd_gate,
-        normalisation=t.loss_normalisation,
+        kd_gate=t.kd_gate,
+        loss_normalisation=t.loss_normalisation,
     )
 
 

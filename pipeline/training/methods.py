@@ -9,20 +9,20 @@ row they are compared against.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
-from pipeline.common.config import ConfigError
+
+from pipeline.common.config import ConfigError, config
 from pipeline.federation.strategies.catalog import STRATEGIES
-from pipeline.modeling.losses import MODES as KD_MODES
+from pipeline.modeling.losses import KdMode
 
 
-@dataclass(frozen=True)
+@config(frozen=True)
 class MethodSpec:
     name: str
     # False: `single` (each client alone) and `centralized` (all clients' data pooled) - same trainer, no server.
     federated: bool
     # Loss on the local path: ce | kd (every token) | selective (H(q_g) < tau) | hard (target nouns and verbs).
-    kd_mode: str
+    kd_mode: KdMode
     # True when the client keeps a global (teacher) adapter next to its local one.
     two_adapters: bool
     # AdaFedAvg: the server average overwrites the client adapter at the start of every round.
@@ -33,10 +33,6 @@ class MethodSpec:
     pooled: bool = False
     # New-client study: "post" = the new client joins once the others converged (train.join), "pre" = from round 1.
     new_client: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.kd_mode not in KD_MODES:
-            raise ValueError(f"method {self.name!r}: kd_mode {self.kd_mode!r} is not one of {KD_MODES}")
 
     @property
     def uses_tau(self) -> bool:

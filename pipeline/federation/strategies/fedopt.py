@@ -2,18 +2,19 @@
 server SGD with momentum) or ``FedAdam`` / ``FedYogi`` / ``FedAdagrad``; settings params ``train.fedopt``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Literal
 
+from pipeline.common.config import config
 from pipeline.federation.strategies.registry import register_strategy
 
 SERVER_OPTIMIZERS = ("sgdm", "adam", "yogi", "adagrad")
 
 
-@dataclass
+@config
 class FedOptConfig:
     # Server optimiser for `fedopt`: "sgdm" = FedAvgM (FedNLP's default: server SGD, lr 1.0, momentum 0.9),
     # or "adam" | "yogi" | "adagrad" (Reddi et al. 2021, Flower's FedAdam/FedYogi/FedAdagrad).
-    server_optimizer: str = "sgdm"
+    server_optimizer: Literal[SERVER_OPTIMIZERS] = "sgdm"  # type: ignore[valid-type]
     server_lr: float = 1.0
     server_momentum: float = 0.9
     beta_1: float = 0.9
@@ -30,8 +31,6 @@ def build(fedopt: FedOptConfig, common, client_lr):
     if opt == "sgdm":
         return fs.FedAvgM(**common, server_learning_rate=fedopt.server_lr, server_momentum=fedopt.server_momentum)
     adaptive = {"adam": fs.FedAdam, "yogi": fs.FedYogi, "adagrad": fs.FedAdagrad}
-    if opt not in adaptive:
-        raise ValueError(f"train.fedopt.server_optimizer: unknown {opt!r}; expected sgdm, adam, yogi or adagrad")
     kwargs = dict(eta=fedopt.server_lr, eta_l=client_lr, tau=fedopt.eps)
     if opt != "adagrad":
         kwargs.update(beta_1=fedopt.beta_1, beta_2=fedopt.beta_2)

@@ -2,12 +2,11 @@
 ``FedProx`` only ships ``proximal-mu`` in the train config (pipeline.federation.client_app reads it)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from pipeline.common.config import config
 from pipeline.federation.strategies.registry import register_strategy
 
 
-@dataclass
+@config
 class FedProxSettings:
     # params train.proximal_mu (a flat key, older than the registry; FedNLP tunes mu in {0.001, 0.01, 0.1, 1}).
     proximal_mu: float = 0.01

@@ -4,20 +4,19 @@
 Settings: params ``train.fedtrimmedavg``; method ``fedtrimmedavg`` (CE, one adapter set, as Table V's rows)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Annotated
 
+from pydantic import Field
+
+from pipeline.common.config import config
 from pipeline.federation.strategies.registry import register_strategy
 
 
-@dataclass
+@config
 class FedTrimmedAvgSettings:
     # Fraction cut from each end per coordinate (the params file's value; Flower's default 0.2 cuts nothing from 3
     # clients, 0.34 cuts one from each end, i.e. the coordinate-wise median of 3).
-    beta: float = 0.34
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.beta < 0.5:
-            raise ValueError(f"beta must be in [0, 0.5), got {self.beta}")
+    beta: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.34
 
 
 @register_strategy("fedtrimmedavg", FedTrimmedAvgSettings)

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.common.config import from_dict, to_dict
+from pipeline.common.config import config, from_dict, to_dict
 
 # Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key: the
 # client's FedAvg weight (the examples it trained this round, or its full train size with train.weight_by: full).
@@ -28,7 +28,7 @@ NUM_STEPS_KEY = "num-steps"
 _STATEFUL_ATTRIBUTES = ("current_arrays", "m_t", "v_t", "momentum_vector", "clipping_norm")
 
 
-@dataclass(frozen=True)
+@config(frozen=True)
 class NoSettings:
     """A strategy without settings of its own (FedAvg, FedNova): nothing enters the plan."""
 

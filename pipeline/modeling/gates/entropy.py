@@ -12,15 +12,15 @@ from pipeline.modeling.gates.registry import TeacherRows, register_gate, token_e
 
 
 def gate_threshold(z_g: torch.Tensor, cfg, chunk_rows: int = 128) -> float:
-    """The entropy below which a token gets KD, in ``cfg.log_base`` units, from ``cfg.tau`` and ``cfg.tau_scale``;
+    """The entropy below which a token gets KD, in ``cfg.entropy_log_base`` units, from ``cfg.tau`` and ``cfg.tau_scale``;
     ``z_g``: the packed [N, V] teacher logits of the batch."""
-    to_unit = 1.0 / math.log(2.0) if cfg.log_base == "2" else 1.0
+    to_unit = 1.0 / math.log(2.0) if cfg.entropy_log_base == "2" else 1.0
     if cfg.tau_scale == "absolute":
         return float(cfg.tau)
     if cfg.tau_scale == "max_entropy":
         return float(cfg.tau * math.log(z_g.shape[-1]) * to_unit)
     with torch.no_grad():  # batch_quantile: one extra pass over the teacher rows for their entropies
-        h = torch.cat([token_entropy(z_g[s:s + chunk_rows], cfg.log_base) for s in range(0, z_g.shape[0], chunk_rows)])
+        h = torch.cat([token_entropy(z_g[s:s + chunk_rows], cfg.entropy_log_base) for s in range(0, z_g.shape[0], chunk_rows)])
         return float(torch.quantile(h.double(), cfg.tau))
 
 
