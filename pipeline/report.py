@@ -29,7 +29,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.config import config, from_dict, load_params
+from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.schema import DataError
 from pipeline.experiments import declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
@@ -64,6 +64,11 @@ class ReportConfig:
     human_eval_seed: int = 0
     human_eval_target: str = "fedselectkd"
     baselines: list[str] = field(default_factory=lambda: ["single", "fedavg", "fedkd"])
+    # A smoke run (the default CPU profile) states its differences as numbers and draws no claim from them; a
+    # study draws claims only from main-study comparisons with at least these seeds and test examples.
+    smoke: bool = True
+    claim_min_seeds: PositiveInt = 2
+    claim_min_examples: PositiveInt = 100
 
 
 @dataclass
@@ -139,7 +144,8 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     scores, agg, missing_eval = written.scores, written.agg, written.missing_eval
     # The results in words, rendered from the comparisons and the train records (never typed by hand).
     atomic.write_text(paths.tables / "results.md", "# Results\n\n" + claims.results_text(
-        written.compared, written.converged, source=str(paths.tables / "comparisons.csv")))
+        written.compared, written.converged, source=str(paths.tables / "comparisons.csv"), smoke=cfg.smoke,
+        min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples))
     made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
@@ -204,10 +210,12 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
 def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
     """The results text of a study folder (``comparisons.csv``, ``train/``, ``params.yaml``: reports/cpu-study)."""
     params = load_params(folder / "params.yaml")
+    cfg = from_dict(ReportConfig, params.get("report"), f"{folder / 'params.yaml'} report")
     planned = declared(params)
     compared = pd.read_csv(comparisons_csv or folder / "comparisons.csv")
     converged = convergence_table(planned, with_labels(planned), folder / "train")
-    return claims.results_text(compared, converged, source=str(comparisons_csv or folder / "comparisons.csv"))
+    return claims.results_text(compared, converged, source=str(comparisons_csv or folder / "comparisons.csv"),
+                               smoke=cfg.smoke, min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples)
 
 
 def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:

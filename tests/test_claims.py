@@ -43,9 +43,10 @@ def test_published_difference_is_the_client_average_of_table_iii():
     expected = sum(s - b for s, b in zip(sel, single)) / 3
     got = claims.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge")
     assert got == pytest.approx(expected) and round(got, 2) == 2.09
-    # one client and one metric: the table's R-L is what our rougeLsum rows compare
-    assert claims.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeLsum") == \
+    # one client and one metric: the table's R-L is what our plain rougeL rows compare; rougeLsum has no paper value
+    assert claims.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeL") == \
         pytest.approx(18.88 - 18.20)
+    assert claims.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeLsum") is None
     assert claims.published_difference("bart-large", "fedprox", "single", comparisons.AVERAGE, "avg_rouge") is None
 
 
@@ -270,7 +271,7 @@ def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     run = subprocess.run([sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 4  # 10 pairs x (2 clients + average) x 4
+    assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 5  # 10 pairs x (2 clients + average) x 5 metrics
     text = (tmp_path / "README.md").read_text()
     assert "stale" not in text and text.endswith(f"{claims.END}\nkept\n") and "1 of 10 client-runs" in text
     check = [sys.executable, "-m", "pipeline.report", "claims", str(tmp_path), str(tmp_path / "README.md"), "--check"]

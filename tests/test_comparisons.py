@@ -36,7 +36,7 @@ def _write_eval(eval_dir: Path, name: str, shift: float, texts: str, scale: floa
     pd.DataFrame(rows).to_parquet(d / "per_example.parquet", index=False)
     (d / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
     per_client = {c: {m: float(np.mean([r[m] for r in rows if r["client"] == c]))
-                      for m in ("rouge1", "rouge2", "rougeLsum", "avg_rouge")} | {"n": CLIENTS[c]} for c in CLIENTS}
+                      for m in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge")} | {"n": CLIENTS[c]} for c in CLIENTS}
     (d / "metrics.json").write_text(json.dumps({"backbone": "tiny", "clients": per_client}))
 
 

@@ -88,7 +88,7 @@ def test_expensive_stages_can_be_restored_from_dvc_run_cache(stage):
 
 def _agg_row(label, client, r1, r2, rl, study="main"):
     return {"study": study, "label": label, "method": label.split()[0], "client": client, "rouge1_mean": r1, "rouge2_mean": r2,
-            "rougeLsum_mean": rl, "avg_rouge_mean": (r1 + r2 + rl) / 3}
+            "rougeL_mean": rl, "avg_rouge_mean": (r1 + r2 + rl) / 3}
 
 
 def test_headline_metrics_from_hand_made_results():
@@ -117,7 +117,7 @@ def test_headline_metrics_from_hand_made_results():
 
 
 def _per_example(eval_dir: Path, name: str, scores: dict[str, list[float]]) -> None:
-    rows = [{"client": c, "example_id": f"{c}{i}", "rouge1": v, "rouge2": v, "rougeLsum": v, "avg_rouge": v}
+    rows = [{"client": c, "example_id": f"{c}{i}", "rouge1": v, "rouge2": v, "rougeL": v, "rougeLsum": v, "avg_rouge": v}
             for c, vals in scores.items() for i, v in enumerate(vals)]
     (eval_dir / name).mkdir(parents=True)
     pd.DataFrame(rows).to_parquet(eval_dir / name / "per_example.parquet")

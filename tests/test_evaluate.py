@@ -81,7 +81,7 @@ def test_evaluate_stage_end_to_end(workspace):
     out = workspace / "eval" / "exp1"
     on_disk = json.loads((out / "metrics.json").read_text())
     assert on_disk == json.loads(json.dumps(metrics))
-    assert on_disk["rouge_l_in_tables"] == "rougeLsum"
+    assert on_disk["rouge_l_in_tables"] == "rougeL"
     assert set(on_disk["clients"]) == set(CLIENTS)
     for client in CLIENTS:
         c = on_disk["clients"][client]

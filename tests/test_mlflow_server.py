@@ -134,7 +134,7 @@ def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_pa
         assert tags["method"] == method and tags["experiment"] == name and len(tags["plan_hash"]) == 64
         metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
         local = json.loads((tmp_path / "eval" / name / "metrics.json").read_text())
-        for label, key in (("ROUGE-1", "rouge1"), ("ROUGE-2", "rouge2"), ("ROUGE-L", "rougeLsum"),
+        for label, key in (("ROUGE-1", "rouge1"), ("ROUGE-2", "rouge2"), ("ROUGE-L", "rougeL"),
                            ("avg_ROUGE", "avg_rouge")):
             value = metrics[f"client_avg/{label}"]
             assert value == pytest.approx(local["mean"][key]) == pytest.approx(metrics[f"eval.mean.{key}"])

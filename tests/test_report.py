@@ -21,7 +21,7 @@ CLIENTS = ("Academic", "Committee", "Product")
 
 
 def client_scores(r1: float, r2: float, rl: float) -> dict[str, float]:
-    return {"rouge1": r1, "rouge2": r2, "rougeL": rl - 1.0, "rougeLsum": rl, "avg_rouge": (r1 + r2 + rl) / 3, "n": 5}
+    return {"rouge1": r1, "rouge2": r2, "rougeL": rl, "rougeLsum": rl + 1.0, "avg_rouge": (r1 + r2 + rl) / 3, "n": 5}
 
 
 # experiment -> (study, method, partition, seed, extra entry keys, {client: (r1, r2, rl)} or None = not evaluated)
@@ -102,7 +102,7 @@ def test_aggregate_mean_std_and_missing_seeds(project):
     row = agg[(agg["study"] == "main") & (agg["method"] == "fedavg") & (agg["client"] == "Academic")].iloc[0]
     assert row["rouge1_mean"] == pytest.approx(22.0)
     assert row["rouge1_std"] == pytest.approx(math.sqrt(8.0))  # sample std of 20, 24
-    assert row["rougeLsum_mean"] == pytest.approx(16.0)
+    assert row["rougeL_mean"] == pytest.approx(16.0)
     assert row["n_seeds"] == 2 and row["seeds"] == "0,1" and row["missing_seeds"] == "2"
     row = agg[(agg["study"] == "main") & (agg["method"] == "fedselectkd") & (agg["client"] == "Committee")].iloc[0]
     assert row["rouge2_mean"] == pytest.approx(15.0) and row["rouge2_std"] == pytest.approx(1.0)
@@ -171,7 +171,7 @@ def test_report_writes_tables_figures_and_index(project):
     summary = json.loads((reports / "summary.json").read_text())
     assert summary["experiments_planned"] == 14 and summary["experiments_missing"] == 1
     assert summary["main"]["fedselectkd_tau=5"]["Academic"] == pytest.approx((26 + 7 + 19) / 3, abs=1e-3)
-    # The headline DVC metrics: the main study only; fedselectkd over its 3 seeds, R-L = rougeLsum; no per-example
+    # The headline DVC metrics: the main study only; fedselectkd over its 3 seeds, R-L = rougeL; no per-example
     # scores and no KD analysis here, so no interval and no KD usage (never invented).
     headline = json.loads((reports / "metrics.json").read_text())
     assert set(headline) == {"main"} and set(headline["main"]) == {"fedavg", "fedselectkd"}

@@ -96,8 +96,8 @@ def test_mean_scores_and_average_rouge():
     ]
     m = mean_scores(rows)
     assert m["rouge1"] == 20.0 and m["rouge2"] == 2.0 and m["rougeLsum"] == 12.0 and m["n"] == 2
-    assert TABLE_ROUGE_L == "rougeLsum"
-    assert m["avg_rouge"] == pytest.approx((20.0 + 2.0 + 12.0) / 3)
+    assert TABLE_ROUGE_L == "rougeL"  # the paper's R-L (its R-L / R-1 ratios), not the summary-level rougeLsum
+    assert m["avg_rouge"] == pytest.approx((20.0 + 2.0 + 10.0) / 3)
     assert average_rouge(m) == m["avg_rouge"]
 
 
@@ -195,7 +195,7 @@ def test_score_files_without_stemming_and_names_the_table_rouge_l(tmp_path):
     ref.write_text("run\n")
     assert score_files(pred, ref)["rouge1"] == pytest.approx(100.0)
     plain = score_files(pred, ref, use_stemmer=False)
-    assert plain["rouge1"] == 0.0 and plain["rouge_l_in_tables"] == "rougeLsum" and plain["n"] == 1
+    assert plain["rouge1"] == 0.0 and plain["rouge_l_in_tables"] == "rougeL" and plain["n"] == 1
 
 
 def test_scores_print_as_the_same_bytes_whatever_the_dict_order():

@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, paired_difference
 
-METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
+METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "rougeLsum", "avg_rouge")
 AVERAGE = "client average"
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
 # federation against local training, selectivity against plain KD, and AdaCentralized against every other method.
@@ -82,7 +82,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     missing = [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}")
-    return frame
+    return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 
 
 def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:

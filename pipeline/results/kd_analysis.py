@@ -239,7 +239,7 @@ class SweepRun(Protocol):
     tau_scale: str
 
 
-SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeLsum",
+SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeL",
                  "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
 
 
@@ -256,7 +256,7 @@ def tau_sweep_rows(run: SweepRun, usage: dict[str, Any], scores: dict[str, dict[
         rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
                      "seed": run.seed,
                      "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
-                     "rougeLsum": s["rougeLsum"],
+                     "rougeL": s["rougeL"],
                      "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
                      "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
                      "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan)})

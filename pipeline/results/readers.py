@@ -16,14 +16,19 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
-from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.scoring import TABLE_ROUGE_L, average_rouge
 
-# The scores every evaluation carries per client, in the paper's order, R-L (R-L = rougeLsum, see
-# pipeline.results.scoring) and average ROUGE.
+# The scores every evaluation carries per client, in the paper's order, R-L (plain rougeL, see
+# pipeline.results.scoring) and average ROUGE (recomputed from the three, so records written under an earlier R-L
+# choice read the same way). The comparisons table adds rougeLsum as its own metric.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
 GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
+
+
+def with_average(scores: dict[str, float]) -> dict[str, float]:
+    return scores | {"avg_rouge": average_rouge(scores)}
 
 
 def load_json(path: Path, what: str = "JSON file") -> Any:
@@ -88,7 +93,8 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
             rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
                          "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""), "seed": p.seed,
                          "backbone": metrics.get("backbone") or "unknown", "client": client,
-                         **{m: float(scores[m]) for m in METRICS}, "n_examples": int(scores.get("n", 0))})
+                         **with_average({m: float(scores[m]) for m in METRICS}),
+                         "n_examples": int(scores.get("n", 0))})
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
 

@@ -35,5 +35,5 @@ def study_description(study: str) -> str:
     what, section = describe(study)
     return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
             "`experiments` params (named with the settings that differ from the baseline commit's). Compare methods "
-            "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (rougeLsum, as in the tables) and avg_ROUGE, each with its "
+            "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (plain rougeL, as in the tables) and avg_ROUGE, each with its "
             "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: eval.<client>.<rouge>.")

@@ -155,7 +155,8 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
     lines = [f"# Main results, backbone `{backbone}`", "",
              f"ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
              f"`{TABLE_ROUGE_L}` "
-             "(summary-level, sentence-split, Porter stemming: ROUGE-1.5.5 as the QMSum authors ran it). "
+             "(LCS of the whole summary, Porter stemming; its R-L / R-1 ratios match the paper's, `rougeLsum`'s "
+             "do not: pipeline/results/scoring.py). "
              + (f"Paper: Feng et al. Table III, {key}." if key else
                 "The paper reports no numbers for this backbone (BART-large, BART-base and LED-large only), "
                 "so only ours are shown."), "",
