@@ -382,8 +382,9 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="A local deployment of one experiment (a SuperLink and one SuperNode per "
-                                             "client on 127.0.0.1, then `flwr run`), a run's status, or what a site holds.")
+    ap = argparse.ArgumentParser(description="A local deployment of one experiment (a SuperLink and one SuperNode "
+                                             "per client on 127.0.0.1, then `flwr run`), a run's status, or what a "
+                                             "site holds.")
     sub = ap.add_subparsers(dest="command", required=True)
     lo = sub.add_parser("local", help="SuperLink + one SuperNode per client on 127.0.0.1, then `flwr run`")
     which = lo.add_mutually_exclusive_group(required=True)
