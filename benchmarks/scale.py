@@ -56,9 +56,8 @@ RAY_PROFILE_NOTE = (
     "Profiled before the fix (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation "
     "thread `add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node every 0.1 s (19,000 "
     "calls), and each call scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU): "
-    "roughly clients^2 work per poll. fedmeet's Ray engine now runs with pipeline.federation.simulation_poller, "
-    "which asks only for the nodes that have a message waiting (one pass over the store per poll); a remaining "
-    "superlinear term is elsewhere in the engine's path.")
+    "roughly clients^2 work per poll. fedmeet runs Flower's poller unpatched (no assignment into flwr modules): "
+    "the Ray engine is opt-in (`train.engine: ray`) and the default in-process engine never reaches it.")
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 
 

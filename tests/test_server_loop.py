@@ -1375,6 +1375,26 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
     assert sorted(p.name for p in data.iterdir()) == ["cache"] and sorted(p.name for p in (data / "cache").iterdir()) == ["runs"]
 
 
+def test_federated_metrics_replace_an_earlier_evaluate_stages_files(tmp_path):
+    """A federated evaluation's folder holds only its own files: no per_example.parquet/predictions.jsonl of an
+    earlier evaluate stage beside the fresh metrics.json; the run's own rounds.json stays when asked to."""
+    from types import SimpleNamespace
+
+    from pipeline.federation.deployment import write_eval_metrics
+
+    out = tmp_path / "dep-stale"
+    out.mkdir()
+    for name in ("per_example.parquet", "predictions.jsonl", "metrics.json", "rounds.json"):
+        (out / name).write_text("old")
+    plan = SimpleNamespace(experiment="dep-stale")
+    write_eval_metrics(plan, {"mean": {"avg_rouge": 1.0}}, tmp_path, keep=("rounds.json",))
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "rounds.json"]
+    assert (out / "rounds.json").read_text() == "old"
+    assert json.loads((out / "metrics.json").read_text()) == {"mean": {"avg_rouge": 1.0}}
+    write_eval_metrics(plan, {"mean": {"avg_rouge": 2.0}}, tmp_path)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
+
+
 def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(ws, monkeypatch):
     """Run config evaluate-every=2, mlflow=false: rounds 2 and 4 of a 5-round plan are evaluated on the clients
     (not 5: the final evaluation is metrics.json's) and both land in reports/eval/<exp>/rounds.json."""

@@ -170,9 +170,15 @@ def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
             if all(r.get("failed") for r in rows)}
 
 
-def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PATHS.eval_reports) -> Path:
+def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PATHS.eval_reports,
+                       keep: tuple[str, ...] = ()) -> Path:
+    """metrics.json in a folder holding only this run's files (``keep``): an earlier evaluate stage's
+    per-example files would otherwise sit beside scores they do not belong to."""
     out = Path(eval_dir) / plan.experiment
     out.mkdir(parents=True, exist_ok=True)
+    for stale in out.iterdir():
+        if stale.is_file() and stale.name not in keep:
+            stale.unlink()
     path = out / "metrics.json"
     atomic.write_json(path, metrics)
     return path
@@ -268,7 +274,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     eval_metrics = None
     if cfg is not None:
         eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, timeout)
-        eval_path = write_eval_metrics(plan, eval_metrics)
+        kept = (ROUNDS_EVAL,) if recorder.per_round or resuming else ()  # this run's evaluations every N rounds
+        eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
         log.info("%s: federated evaluation %s -> %s", plan.experiment,
                  {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}, eval_path)
     if logger is not None:

@@ -23,7 +23,6 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from pipeline.experiments import RunSettings
-from pipeline.federation.simulation_poller import linear_polling
 from pipeline.federation.client_app import client_app
 from pipeline.federation.protocol import client_settings_config, load_plan
 from pipeline.federation.server_app import run_server
@@ -146,9 +145,8 @@ def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = N
     backend_config = {"client_resources": {"num_cpus": settings.ray_cpus_per_client,
                                            "num_gpus": settings.ray_gpus_per_client}}
     _set_server_identity(1)
-    with linear_polling():  # Flower's own poller costs O(clients^2) per poll (pipeline.federation.simulation_poller)
-        run_simulation(server_app=make_server_app(plan_path, settings, recorder, result), client_app=client_app,
-                       num_supernodes=len(names), backend_config=backend_config)
+    run_simulation(server_app=make_server_app(plan_path, settings, recorder, result), client_app=client_app,
+                   num_supernodes=len(names), backend_config=backend_config)
     if "history" not in result:
         raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
     return result

@@ -382,14 +382,17 @@ def _interrupt(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description="A local deployment of one experiment (a SuperLink and one SuperNode "
+                                             "per client on 127.0.0.1, then `flwr run`), a run's status, or what a "
+                                             "site holds.")
     sub = ap.add_subparsers(dest="command", required=True)
     lo = sub.add_parser("local", help="SuperLink + one SuperNode per client on 127.0.0.1, then `flwr run`")
     which = lo.add_mutually_exclusive_group(required=True)
     which.add_argument("--experiment", help="a key of params.yaml `experiments` (plan models/plans/<exp>.json)")
     which.add_argument("--plan", help="a plan file (relative to the working directory)")
     lo.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
-                    help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, params)")
+                    help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, params, "
+                         "round-timeout-s, admission-timeout-s)")
     lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
     lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
