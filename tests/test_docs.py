@@ -38,6 +38,15 @@ def _strip_parentheses(text: str) -> str:
     return text
 
 
+def _parenthesised(text: str, start: int) -> str:
+    depth = 1
+    for end in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end]
+    return text[start:]
+
+
 def _modules() -> dict[str, set[str]]:
     """Package -> names under it (module stems and subpackage/sub-subpackage names), __init__ excluded."""
     found: dict[str, set[str]] = {"": set()}
@@ -79,9 +88,11 @@ def test_every_module_in_the_map_exists():
         if package not in modules:
             stale.append(f"{package}/")
             continue
-        # the listed names are the bare identifiers between separators once explanations in parentheses are gone
-        body = " ".join(_strip_parentheses(text.replace(f"{package}/", "", 1)).split())
-        for chunk in re.split(r"[,;:]|\band\b", body):
+        # the listed names are the bare identifiers between separators once explanations in parentheses are gone;
+        # a subpackage's parentheses list its modules, so they are read the same way
+        text = " ".join(text.replace(f"{package}/", "", 1).split())
+        bodies = [_strip_parentheses(text)] + [_strip_parentheses(_parenthesised(text, m.end())) for m in re.finditer(r"\w+/ \(", text)]
+        for chunk in re.split(r"[,;:]|\band\b", " , ".join(bodies)):
             chunk = chunk.strip().rstrip("/").removeprefix("+ ").strip()
             if re.fullmatch(r"[a-z][a-z0-9_]*", chunk) and chunk not in modules[package]:
                 stale.append(f"{package}/{chunk}")
