@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +103,100 @@ def test_every_module_in_the_map_exists():
             if re.fullmatch(r"[a-z][a-z0-9_]*", chunk) and chunk not in modules[package]:
                 stale.append(f"{package}/{chunk}")
     assert not stale, f"names in docs/ARCHITECTURE.md's module map that are not modules: {sorted(stale)}"
+
+
+def _commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line in a shell code block of README.md and docs/*.md."""
+    found = []
+    for doc in DOCS:
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", doc.read_text(), re.S):
+            lines = block.replace("\\\n", " ").splitlines()
+            for line in lines:
+                line = line.split(" #", 1)[0].strip()
+                for command in re.split(r"\s*&&\s*", line):
+                    if re.match(r"(python|make|dvc|flwr|bash tools/)\b", command):
+                        found.append((doc.name, command))
+    return found
+
+
+def _main_of(module: str):
+    imported = importlib.import_module(module)
+    if hasattr(imported, "main"):
+        return imported.main
+    source = (PIPELINE.parent / module.replace(".", "/") / "__main__.py").read_text()
+    return importlib.import_module(re.search(r"from (\S+) import main", source).group(1)).main
+
+
+def _help(main, argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0, f"{argv} --help exited {exited.value.code}"
+    return out.getvalue()
+
+
+def _flags(tokens: list[str]) -> list[str]:
+    return [t.split("=", 1)[0] for t in tokens if t.startswith("--")]
+
+
+def test_the_docs_have_commands():
+    # the extraction below must keep finding the documented commands, else the checks pass on nothing
+    kinds = {command.split()[0] for _, command in _commands()}
+    assert {"python", "make", "dvc", "flwr", "bash"} <= kinds
+
+
+def test_every_pipeline_command_exists():
+    wrong = []
+    for doc, command in _commands():
+        tokens = shlex.split(command, comments=True) if "'" not in command else command.split()
+        if tokens[:2] != ["python", "-m"] or not tokens[2].startswith("pipeline."):
+            continue
+        main = _main_of(tokens[2])
+        args = tokens[3:]
+        text = _help(main, [])
+        choices = re.search(r"\{([\w,-]+)\}", text)
+        if choices and args and args[0] in choices.group(1).split(","):
+            text = _help(main, [args[0]])
+        elif choices and args and not args[0].startswith("-"):
+            wrong.append(f"{doc}: {command}: no subcommand {args[0]!r}")
+            continue
+        wrong += [f"{doc}: {command}: no flag {f}" for f in _flags(args) if not re.search(rf"{f}\b", text)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_make_target_and_tool_exists():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    wrong = []
+    for doc, command in _commands():
+        tokens = command.split()
+        if tokens[0] == "make":
+            wrong += [f"{doc}: {command}" for t in tokens[1:] if "=" not in t and t not in targets]
+        elif tokens[0] in ("python", "bash") and tokens[1].startswith("tools/"):
+            script = ROOT / tokens[1]
+            if not script.is_file():
+                wrong.append(f"{doc}: {command}: no {tokens[1]}")
+            elif len(tokens) > 2 and not tokens[2].startswith(("-", ".", "/")) and tokens[2] not in script.read_text():
+                wrong.append(f"{doc}: {command}: {tokens[1]} has no {tokens[2]!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("tool", ["dvc", "flwr"])
+def test_every_dvc_and_flwr_command_exists_in_the_pinned_version(tool):
+    executable = Path(sys.executable).parent / tool
+    wrong = []
+    for doc, command in _commands():
+        tokens = command.replace("'", " ").split()
+        if tokens[0] != tool:
+            continue
+        words = [t for t in tokens[1:3] if re.fullmatch(r"[a-z-]+", t)]
+        while words:
+            result = subprocess.run([executable, *words, "--help"], capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                break
+            words.pop()
+        if not words:
+            wrong.append(f"{doc}: {command}: no subcommand")
+            continue
+        wrong += [f"{doc}: {command}: no flag {f}" for f in _flags(tokens) if not re.search(rf"{f}\b", result.stdout)]
+    assert not wrong, "\n".join(wrong)
