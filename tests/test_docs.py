@@ -1,0 +1,202 @@
+"""The docs stay true: ARCHITECTURE.md's module map names every module, and every command in README/docs exists."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipeline"
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _map_block() -> str:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## Module map", 1)[1]
+    return section.split("```", 2)[1]
+
+
+def _map_sections() -> dict[str, str]:
+    """Map text per package: '' for the top level, 'common' for the `  common/` entry and its continuation lines."""
+    sections: dict[str, list[str]] = {"": []}
+    current = ""
+    for line in _map_block().splitlines()[1:]:
+        head = re.match(r"^  ([a-z_]+)/\s", line)
+        if head:
+            current = head.group(1)
+            sections[current] = []
+        sections[current].append(line)
+    return {name: "\n".join(lines) for name, lines in sections.items()}
+
+
+def _strip_parentheses(text: str) -> str:
+    previous = None
+    while previous != text:
+        previous, text = text, re.sub(r"\([^()]*\)", "", text)
+    return text
+
+
+def _parenthesised(text: str, start: int) -> str:
+    depth = 1
+    for end in range(start, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return text[start:end]
+    return text[start:]
+
+
+def _modules() -> dict[str, set[str]]:
+    """Package -> names under it (module stems and subpackage/sub-subpackage names), __init__ excluded."""
+    found: dict[str, set[str]] = {"": set()}
+    for path in PIPELINE.rglob("*.py"):
+        rel = path.relative_to(PIPELINE)
+        if path.name == "__init__.py" or "__pycache__" in rel.parts:
+            continue
+        if len(rel.parts) == 1:
+            found[""].add(path.stem)
+            continue
+        names = found.setdefault(rel.parts[0], set())
+        names.update(rel.parts[1:-1])
+        names.add(path.stem)
+    return found
+
+
+def test_every_module_is_in_the_map():
+    sections = _map_sections()
+    missing = []
+    for package, names in _modules().items():
+        text = sections.get(package)
+        if text is None:
+            missing.append(f"{package}/ (the whole package)")
+            continue
+        for name in names:
+            pattern = rf"\b{name}\.py\b" if package == "" else rf"(?<![\w.]){name}\b"
+            if not re.search(pattern, text):
+                missing.append(f"{package}/{name}" if package else f"{name}.py")
+    assert not missing, f"modules absent from docs/ARCHITECTURE.md's module map: {sorted(missing)}"
+
+
+def test_every_module_in_the_map_exists():
+    modules = _modules()
+    stale = []
+    for package, text in _map_sections().items():
+        if package == "":
+            stale += [f"{m}.py" for m in re.findall(r"\b(\w+)\.py\b", text) if m not in modules[""]]
+            continue
+        if package not in modules:
+            stale.append(f"{package}/")
+            continue
+        # the listed names are the bare identifiers between separators once explanations in parentheses are gone;
+        # a subpackage's parentheses list its modules, so they are read the same way
+        text = " ".join(text.replace(f"{package}/", "", 1).split())
+        bodies = [_strip_parentheses(text)] + [_strip_parentheses(_parenthesised(text, m.end())) for m in re.finditer(r"\w+/ \(", text)]
+        for chunk in re.split(r"[,;:]|\band\b", " , ".join(bodies)):
+            chunk = chunk.strip().rstrip("/").removeprefix("+ ").strip()
+            if re.fullmatch(r"[a-z][a-z0-9_]*", chunk) and chunk not in modules[package]:
+                stale.append(f"{package}/{chunk}")
+    assert not stale, f"names in docs/ARCHITECTURE.md's module map that are not modules: {sorted(stale)}"
+
+
+def _commands() -> list[tuple[str, str]]:
+    """(file, command) for every command line in a shell code block of README.md and docs/*.md."""
+    found = []
+    for doc in DOCS:
+        for block in re.findall(r"```(?:bash|sh|console)?\n(.*?)```", doc.read_text(), re.S):
+            lines = block.replace("\\\n", " ").splitlines()
+            for line in lines:
+                line = line.split(" #", 1)[0].strip()
+                for command in re.split(r"\s*&&\s*", line):
+                    if re.match(r"(python|make|dvc|flwr|bash tools/)\b", command):
+                        found.append((doc.name, command))
+    return found
+
+
+def _main_of(module: str):
+    imported = importlib.import_module(module)
+    if hasattr(imported, "main"):
+        return imported.main
+    source = (PIPELINE.parent / module.replace(".", "/") / "__main__.py").read_text()
+    return importlib.import_module(re.search(r"from (\S+) import main", source).group(1)).main
+
+
+def _help(main, argv: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0, f"{argv} --help exited {exited.value.code}"
+    return out.getvalue()
+
+
+def _flags(tokens: list[str]) -> list[str]:
+    return [t.split("=", 1)[0] for t in tokens if t.startswith("--")]
+
+
+def test_the_docs_have_commands():
+    # the extraction below must keep finding the documented commands, else the checks pass on nothing
+    kinds = {command.split()[0] for _, command in _commands()}
+    assert {"python", "make", "dvc", "flwr", "bash"} <= kinds
+
+
+def test_every_pipeline_command_exists():
+    wrong = []
+    for doc, command in _commands():
+        tokens = shlex.split(command, comments=True) if "'" not in command else command.split()
+        if tokens[:2] != ["python", "-m"] or not tokens[2].startswith("pipeline."):
+            continue
+        main = _main_of(tokens[2])
+        args = tokens[3:]
+        text = _help(main, [])
+        choices = re.search(r"\{([\w,-]+)\}", text)
+        if choices and args and args[0] in choices.group(1).split(","):
+            text = _help(main, [args[0]])
+        elif choices and args and not args[0].startswith("-"):
+            wrong.append(f"{doc}: {command}: no subcommand {args[0]!r}")
+            continue
+        wrong += [f"{doc}: {command}: no flag {f}" for f in _flags(args) if not re.search(rf"{f}\b", text)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_make_target_and_tool_exists():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    wrong = []
+    for doc, command in _commands():
+        tokens = command.split()
+        if tokens[0] == "make":
+            wrong += [f"{doc}: {command}" for t in tokens[1:] if "=" not in t and t not in targets]
+        elif tokens[0] in ("python", "bash") and tokens[1].startswith("tools/"):
+            script = ROOT / tokens[1]
+            if not script.is_file():
+                wrong.append(f"{doc}: {command}: no {tokens[1]}")
+            elif len(tokens) > 2 and not tokens[2].startswith(("-", ".", "/")) and tokens[2] not in script.read_text():
+                wrong.append(f"{doc}: {command}: {tokens[1]} has no {tokens[2]!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.tools
+@pytest.mark.parametrize("tool", ["dvc", "flwr"])
+def test_every_dvc_and_flwr_command_exists_in_the_pinned_version(tool):
+    executable = Path(sys.executable).parent / tool
+    wrong = []
+    for doc, command in _commands():
+        tokens = command.replace("'", " ").split()
+        if tokens[0] != tool:
+            continue
+        words = [t for t in tokens[1:3] if re.fullmatch(r"[a-z-]+", t)]
+        while words:
+            result = subprocess.run([executable, *words, "--help"], capture_output=True, text=True, timeout=120)
+            if result.returncode == 0:
+                break
+            words.pop()
+        if not words:
+            wrong.append(f"{doc}: {command}: no subcommand")
+            continue
+        wrong += [f"{doc}: {command}: no flag {f}" for f in _flags(tokens) if not re.search(rf"{f}\b", result.stdout)]
+    assert not wrong, "\n".join(wrong)
