@@ -30,6 +30,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
+from pipeline.training.config import TrainConfig
 from pipeline.common.schema import DataError
 from pipeline.experiments import declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
@@ -145,7 +146,8 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     # The results in words, rendered from the comparisons and the train records (never typed by hand).
     atomic.write_text(paths.tables / "results.md", "# Results\n\n" + claims.results_text(
         written.compared, written.converged, source=str(paths.tables / "comparisons.csv"), smoke=cfg.smoke,
-        min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples))
+        min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples,
+        centralized_steps=step_rule(params)))
     made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
@@ -207,6 +209,11 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     return index
 
 
+def step_rule(params: dict[str, Any]) -> str:
+    """How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent)."""
+    return (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
+
+
 def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
     """The results text of a study folder (``comparisons.csv``, ``train/``, ``params.yaml``: reports/cpu-study)."""
     params = load_params(folder / "params.yaml")
@@ -215,7 +222,8 @@ def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
     compared = pd.read_csv(comparisons_csv or folder / "comparisons.csv")
     converged = convergence_table(planned, with_labels(planned), folder / "train")
     return claims.results_text(compared, converged, source=str(comparisons_csv or folder / "comparisons.csv"),
-                               smoke=cfg.smoke, min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples)
+                               smoke=cfg.smoke, min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples,
+                               centralized_steps=step_rule(params))
 
 
 def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:

@@ -503,3 +503,15 @@ def test_the_rounds_kd_is_the_token_weighted_mean_of_its_examples_kd(ws):
     assert len({round(r.kd, 6) for r in alone}) > 1  # the examples differ
     assert whole.kd == pytest.approx(sum(r.kd * r.n_tokens for r in alone) / sum(r.n_tokens for r in alone),
                                      rel=1e-5)
+
+
+def test_step_matched_centralized_windows_use_every_pooled_example_equally():
+    from pipeline.training.serverless import round_window
+
+    # 7 pooled rows, the largest client has 3: 7 rounds x 3 rows use each row exactly 3 times, 3 distinct a round
+    windows = [round_window(7, 3, rnd, seed=5) for rnd in range(1, 8)]
+    assert all(len(set(w.tolist())) == 3 for w in windows)
+    assert np.bincount(np.concatenate(windows), minlength=7).tolist() == [3] * 7
+    assert round_window(7, 3, 4, seed=5).tolist() == windows[3].tolist()  # a resumed round picks the same rows
+    assert sorted(round_window(7, 7, 1, seed=6).tolist()) == list(range(7))  # window = all rows: one epoch
+    assert sorted(round_window(4, 9, 2, seed=0).tolist()) == [0, 1, 2, 3]  # a window past the data: all of it once

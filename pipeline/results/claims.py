@@ -30,6 +30,13 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SHORT = {"single": "AdaSingle", "centralized": "AdaCentralized", "fedavg": "FedAvg", "fedkd": "FedKD",
          "fedselectkd": "SelectKD"}
 FEDERATED = ("fedavg", "fedkd", "fedselectkd")
+# What AdaCentralized's lead can mean under each `train.centralized_steps` rule (pipeline.training.serverless).
+STEP_RULE = {
+    "largest_client": "AdaCentralized trained with the largest client's optimizer steps a round "
+                      "(`train.centralized_steps: largest_client`), so its lead is not one of more steps.",
+    "epoch": "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`), several "
+             "times the optimizer steps of any client: its lead cannot be told apart from more steps.",
+}
 
 
 def published_columns() -> list[str]:
@@ -197,7 +204,7 @@ def numbers_only(avg: pd.DataFrame, why: str) -> str:
 
 def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, metric: str = "avg_rouge",
                  source: str = "comparisons.csv", smoke: bool = False, min_seeds: int = 2,
-                 min_examples: int = 100) -> str:
+                 min_examples: int = 100, centralized_steps: str = "largest_client") -> str:
     """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
     table with the published columns, and the convergence records of the studies the table covers. A smoke run,
     or one with fewer seeds or test examples than ``min_seeds`` / ``min_examples``, states numbers, no claim."""
@@ -223,6 +230,7 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
         # one p for the whole line only when it supports the line (every lead excludes 0); else each interval speaks
         p_text = (" (p < 0.001 each)" if worst_p < 0.001 else f" (p ≤ {worst_p:.3f} each)") if ahead else ""
         lines.append(f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + ".")
+        lines.append("  " + STEP_RULE[centralized_steps])
         by_b = []
         for r in central:
             sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]

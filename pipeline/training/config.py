@@ -65,6 +65,10 @@ class TrainConfig:
     kd_gate: GateName = "entropy"
     loss_normalisation: Normalisation = "tokens"
     local_adapter: Literal["keep", "reset"] = "keep"
+    # AdaCentralized's steps a round: "largest_client" trains each round on a window of the seeded, shuffled pooled
+    # data as large as the largest client's train set, so under a fixed round budget it gets the optimizer steps of
+    # the largest client; "epoch" is one pass over all pooled data (several times the steps of any client).
+    centralized_steps: Literal["largest_client", "epoch"] = "largest_client"
     fraction_train: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     new_client: str = "SAMSum"
     join: JoinConfig = field(default_factory=JoinConfig)

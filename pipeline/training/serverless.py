@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from pipeline.experiments import Plan
@@ -22,6 +23,14 @@ from pipeline.training.stopping import should_stop
 log = logging.getLogger("fedmeet.train")
 
 
+def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
+    """The pooled rows AdaCentralized trains on in round ``rnd`` (train.centralized_steps: largest_client): the
+    ``window`` rows after the previous round's in one seeded permutation, wrapping around, so every example is
+    used equally often and a resumed run picks the same rows."""
+    order = np.random.default_rng(seed).permutation(n_rows)
+    return order[((rnd - 1) * window + np.arange(min(window, n_rows))) % n_rows]
+
+
 def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: CacheConfig) -> dict[str, Any]:
     """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
     epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
@@ -32,9 +41,12 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
     datas = {n: client_data(plan, n) for n in names}
     model = shared_model(plan)
     cache = prefix_cache_for(plan, model, cache_settings)
+    window = None
     if spec.pooled:
         units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
         unit_of = {n: "pooled" for n in names}
+        if plan.train.centralized_steps == "largest_client":
+            window = max(len(datas[n].train) for n in names)
     else:
         units = {n: datas[n].train for n in names}
         unit_of = {n: n for n in names}
@@ -62,6 +74,8 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
         t0 = time.perf_counter()
         trained: dict[str, dict[str, Any]] = {}
         for unit, train_df in units.items():
+            if window is not None:
+                train_df = train_df.iloc[round_window(len(train_df), window, rnd, plan.seed)]
             model.load_adapter_state("local", adapters[unit])
             res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache,
                                              teacher_cache_gb=cache_settings.teacher_cache_gb)
