@@ -147,7 +147,8 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     atomic.write_text(paths.tables / "results.md", "# Results\n\n" + claims.results_text(
         written.compared, written.converged, source=str(paths.tables / "comparisons.csv"), smoke=cfg.smoke,
         min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples,
-        centralized_steps=step_rule(params)))
+        centralized_steps=step_rule(params), backbone=claims.backbone_note(
+            _json_or_none(paths.backbone_report), _json_or_none(paths.kd_analysis))))
     made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
@@ -209,6 +210,10 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     return index
 
 
+def _json_or_none(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def step_rule(params: dict[str, Any]) -> str:
     """How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent)."""
     return (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
@@ -223,7 +228,9 @@ def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
     converged = convergence_table(planned, with_labels(planned), folder / "train")
     return claims.results_text(compared, converged, source=str(comparisons_csv or folder / "comparisons.csv"),
                                smoke=cfg.smoke, min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples,
-                               centralized_steps=step_rule(params))
+                               centralized_steps=step_rule(params), backbone=claims.backbone_note(
+                                   _json_or_none(folder / "backbone.json"),
+                                   _json_or_none(folder / "analysis/kd_analysis.json")))
 
 
 def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:

@@ -305,3 +305,44 @@ def test_imported_evaluation_tags_its_run_converged_from_the_train_record_beside
     runs = client.search_runs([client.get_experiment_by_name("imported").experiment_id])
     tags = {r.info.run_name: r.data.tags.get("converged") for r in runs}
     assert tags == {"still-improving": "false", "settled": "true", "no-train": None}
+
+
+def _scaled(rows: list[dict], seeds: int, examples: int) -> pd.DataFrame:
+    return pd.DataFrame([r | {"n_seeds": seeds, "n_examples": examples} for r in rows])
+
+
+VERDICT_ROWS = [
+    _row(method_a="fedavg", method_b="single", mean_diff=-1.87, ci_low=-2.55, ci_high=-1.15, p_value=0.001,
+         significant=True),
+    _row(method_a="fedselectkd", method_b="fedkd", mean_diff=0.58, ci_low=0.23, ci_high=0.85, p_value=0.002,
+         significant=True),
+]
+
+
+def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
+    lines = claims.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
+    assert any(line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line
+               for line in lines)
+    assert any(line.startswith("- **Selectivity helps**") for line in lines)
+    assert "3 seed(s) and 244 test examples a comparison" in lines[0]
+
+
+@pytest.mark.parametrize("smoke, seeds, examples, why", [
+    (True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")])
+def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
+    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples), smoke=smoke, min_seeds=2, min_examples=100)
+    assert "No comparative claim" in text and why in text
+    assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
+    for verdict in ("helps", "hurts", "does not measurably help"):
+        assert verdict not in text
+
+
+def test_the_backbone_caveat_comes_from_the_records():
+    backbone = {"name": "tiny", "parameters": 12_345_678,
+                "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"}}
+    kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
+    note = claims.backbone_note(backbone, kd)
+    assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note
+    assert "42-54 % of target tokens at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
+    assert claims.backbone_note(None, kd) == ""
+    assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
