@@ -82,6 +82,8 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
     from pipeline.federation.client_app import client_app
     from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import client_settings_config
+    from pipeline.modeling.cache import CacheConfig
     from pipeline.training.client_data import client_data, client_names
     from pipeline.training.client_training import validation_loss
     from pipeline.training.shared_model import initial_adapter_state, shared_model
@@ -99,7 +101,7 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
         norms = []
         for i, name in enumerate(client_names(plan)[:10]):
             context = Context(run_id=1, node_id=1000 + i, node_config={"client-name": name}, state=RecordDict(),
-                              run_config={})
+                              run_config=client_settings_config(CacheConfig(cache_dir=str(root / "cache"))))
             msg = Message(RecordDict({"arrays": received, "config": ConfigRecord({"server-round": 1,
                                                                                   "plan": path})}),
                           dst_node_id=1000 + i, message_type="train")

@@ -124,10 +124,10 @@ def savefig(fig, path: str | os.PathLike, **kwargs: Any) -> None:
 
 
 def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
-    with replacing(path) as tmp:
-        save_file(tensors, str(tmp), metadata=metadata)
+    # serialized here and written as any file, not by save_file, which creates its file mode 0600 whatever the umask
+    write_bytes(path, save(tensors, metadata=metadata))
 
 
 def torch_save(obj: Any, path: str | os.PathLike) -> None:
