@@ -6,6 +6,7 @@ import difflib
 import re
 from pathlib import Path
 
+import scipy.stats
 import pandas as pd
 import pytest
 import yaml
@@ -129,12 +130,15 @@ def test_average_interval_of_a_configuration(tmp_path):
     _per_example(tmp_path, "flat", {"A": [10.0] * 4, "B": [20.0] * 6})
     flat = comparisons.Config("main", "x", "fedavg", "domain", ((0, "flat"),))
     assert average_interval(flat, tmp_path, cfg) == pytest.approx((15.0, 15.0))
-    # Two seeds whose examples differ: the interval lies inside the range of possible client averages.
+    # Two seeds: client averages 7.5 and 9.5 (seed variance 2 / 2 = 1), seed-averaged examples A 1, 11, 21 and
+    # B 6, 6 (example variance (100 / 3 + 0) / 4), no seed x example residual; t with Welch-Satterthwaite's df.
     _per_example(tmp_path, "s0", {"A": [0.0, 10.0, 20.0], "B": [5.0, 5.0]})
     _per_example(tmp_path, "s1", {"A": [2.0, 12.0, 22.0], "B": [7.0, 7.0]})
     two = comparisons.Config("main", "y", "fedavg", "domain", ((0, "s0"), (1, "s1")))
     low, high = average_interval(two, tmp_path, cfg)
-    assert 2.5 <= low < high <= 15.5 and low <= (11.0 + 6.0) / 2 <= high
+    var = 1.0 + 25.0 / 3.0
+    half = scipy.stats.t.ppf(0.975, var ** 2 / (1.0 + (25.0 / 3.0) ** 2 / 3)) * var ** 0.5
+    assert (low, high) == pytest.approx((8.5 - half, 8.5 + half))
     assert average_interval(two, tmp_path, cfg) == (low, high)  # the bootstrap seed fixes it
     missing = comparisons.Config("main", "z", "fedavg", "domain", ((0, "never-evaluated"),))
     assert average_interval(missing, tmp_path, cfg) is None

@@ -223,3 +223,22 @@ def test_sentence_splitting_of_leading_breaks_and_single_letter_initials():
     # any single capital initial, X included, continues the sentence
     assert split_sentences("Agent X. Smith left. Then Y. Jones came.") == ["Agent X. Smith left.",
                                                                            "Then Y. Jones came."]
+
+
+def test_plain_rouge_l_is_the_papers_r_l_by_its_ratio_to_r1():
+    # The paper's R-L / R-1 (Table III, every backbone, client and method) against the CPU study's client-runs
+    import json
+    from pathlib import Path
+
+    from pipeline.results import published
+
+    paper = [x.rougeL / x.rouge1 for t in published.MAIN_TABLE.values() for c in t.values() for x in c.values()]
+    assert 0.65 <= min(paper) and max(paper) <= 0.78
+    runs = [v for f in sorted((Path(__file__).resolve().parents[1] / "reports/cpu-study/eval").glob("*/metrics.json"))
+            for v in json.loads(f.read_text())["clients"].values()]
+    assert len(runs) >= 3 * 20
+    plain = [v["rougeL"] / v["rouge1"] for v in runs]
+    summary = [v["rougeLsum"] / v["rouge1"] for v in runs]
+    assert 0.66 <= min(plain) and max(plain) <= 0.77  # inside the paper's range
+    assert 0.83 <= min(summary) and max(summary) <= 0.91 and min(summary) > max(paper)  # above all of it
+    assert TABLE_ROUGE_L == "rougeL"

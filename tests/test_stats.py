@@ -38,7 +38,7 @@ def test_client_average_weighs_clients_equally_not_examples():
 
 def test_the_seed_of_the_resampling_fixes_the_output():
     rng = np.random.default_rng(0)
-    a, b = [rng.normal(10, 3, size=(2, 20))], [rng.normal(10, 3, size=(2, 20))]
+    a, b = [rng.normal(10, 3, size=(1, 20))], [rng.normal(10, 3, size=(1, 20))]  # one seed: the bootstrap
     r1 = paired_difference(a, b, BootstrapConfig(n_resamples=500, seed=7))
     r2 = paired_difference(a, b, BootstrapConfig(n_resamples=500, seed=7))
     r3 = paired_difference(a, b, BootstrapConfig(n_resamples=500, seed=8))
@@ -59,13 +59,28 @@ def test_interval_matches_the_normal_approximation_for_a_large_sample():
 
 
 def test_seed_variation_widens_the_interval():
-    """Two seeds that disagree (differences +2 and -2 on every example) average to 0 with a wide interval once
-    the seeds are resampled; a single seed with constant differences has none."""
+    """Two seeds that disagree (differences +2 and -2 on every example): mean 0, standard error sd / sqrt(2) = 2,
+    and a t quantile of 1 degree of freedom, the Cauchy's tan(0.475 pi) = 12.706: the interval is +-25.4."""
     a = [np.array([[2.0] * 10, [-2.0] * 10])]
     r = paired_difference(a, [np.zeros((2, 10))], CFG)
     assert r.estimate == 0.0 and r.n_seeds == 2
-    assert r.low == pytest.approx(-2.0) and r.high == pytest.approx(2.0)
-    assert not r.significant
+    assert r.high == pytest.approx(2.0 * np.tan(0.475 * np.pi)) and r.low == pytest.approx(-r.high)
+    assert not r.significant and r.p_value == 1.0
+
+
+def test_several_seeds_of_constant_differences_are_the_one_sample_t_interval_of_the_seeds():
+    """Per-seed differences 2.63, 1.02, 2.75 (the CPU study's AdaCentralized - SelectKD, issue 39): with nothing
+    varying within a seed the interval is the seed-level t-interval (the issue's [-0.28, +4.54] from unrounded
+    differences), and p the t test's."""
+    from scipy import stats as sps
+
+    d = np.array([2.63, 1.02, 2.75])
+    a = [np.repeat(d[:, None], 7, axis=1), np.repeat(d[:, None], 4, axis=1)]
+    r = paired_difference(a, [np.zeros_like(x) for x in a], CFG)
+    assert (r.low, r.high) == pytest.approx(sps.t.interval(0.95, 2, loc=d.mean(), scale=sps.sem(d)))
+    assert (round(r.low, 2), round(r.high, 2)) == (-0.27, 4.53)
+    assert r.p_value == pytest.approx(sps.ttest_1samp(d, 0.0).pvalue)
+    assert not r.significant and r.p_value > 0.05
 
 
 def test_unpaired_shapes_are_rejected():

@@ -1,4 +1,4 @@
-"""Which differences between methods are real: paired bootstrap comparisons of every configuration with its
+"""Which differences between methods are real: paired comparisons of every configuration with its
 baselines (report.baselines: AdaSingle, AdaFedAvg, AdaFedKD) on the same partition and test examples, and of
 every private configuration (an entry with `privacy`) with the same method trained without privacy in its study
 (what the privacy costs).
@@ -236,8 +236,9 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
     backbones = [b for b in backbones if (sub[f"vs_published_{b}"].fillna("") != "").any()]
     paper_head = f" paper's Δ ({' / '.join(backbones)}): where it sits against our interval |" if backbones else ""
     lines = ["", f"## Paired comparisons (client average of `{metric}`, A − B)", "",
-             f"Paired bootstrap over test examples within clients ({cfg.n_resamples} replicates, seed {cfg.seed}; "
-             "seeds paired and resampled when there are several). **Bold** = the "
+             "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
+             f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
+             "that adds the test examples' spread. **Bold** = the "
              f"{level} interval excludes 0. ⚠ = more than {cfg.identical_warning:.0%} of the paired summaries are "
              "the same text: the runs did not separate, so neither a difference nor its absence says much about "
              "the methods.", "",

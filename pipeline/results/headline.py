@@ -35,9 +35,8 @@ HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_
 
 
 def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
-    """Bootstrap interval of a configuration's client-average avg ROUGE over its seeds (pipeline.results.stats): the test
-    examples every seed has, resampled within clients, seeds resampled when there are several. None without any
-    per-example scores."""
+    """Interval of a configuration's client-average avg ROUGE over its seeds (pipeline.results.stats.mean_interval) on
+    the test examples every seed has. None without any per-example scores."""
     frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
     if not frames:
         return None

@@ -1,0 +1,72 @@
+"""Coverage of the paired interval (pipeline.results.stats) by simulation, against a known difference.
+
+Synthetic per-example score differences for three clients of QMSum's test sizes (49, 66, 129): the true difference
+DELTA, an example effect common to every seed (sd 8, the same test examples under every seed), a seed x example
+interaction (sd 8), and, with several seeds, a seed effect shared by the clients (sd 0.6, about the example-level
+standard error of the client average, 0.56) plus a per-client one (sd 0.3). One seed has no seed effect: its
+interval covers the test examples only. The slow test asserts 95 % coverage within [0.93, 0.97] at 1, 2, 3, 5 and 10
+seeds (2,000 replicates: the binomial standard error is 0.005); the fast one runs fewer replicates with a wider band.
+Where the seed effect is much larger than the example-level error (sd 1.5 = 2.7 x), this interval covers about
+0.92 at 2 seeds, 0.94 at 3 and 0.95 at 5; the seed-resampling bootstrap used before covered 0.86 and 0.90.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipeline.results.stats import BootstrapConfig, paired_difference
+
+SIZES = (49, 66, 129)
+DELTA = 1.0
+CFG = BootstrapConfig(n_resamples=1000, seed=0)
+
+
+def simulate(rng: np.random.Generator, seeds: int, seed_sd: float = 0.6) -> list[np.ndarray]:
+    shared = rng.normal(0, seed_sd, seeds) if seeds > 1 else np.zeros(1)
+    out = []
+    for n in SIZES:
+        own = rng.normal(0, 0.3, seeds) if seeds > 1 else np.zeros(1)
+        example = rng.normal(0, 8.0, n)
+        out.append(DELTA + (shared + own)[:, None] + example[None, :] + rng.normal(0, 8.0, (seeds, n)))
+    return out
+
+
+def coverage(seeds: int, replicates: int, interval=None, seed_sd: float = 0.6) -> float:
+    interval = interval or (lambda d: paired_difference(d, [np.zeros_like(x) for x in d], CFG))
+    rng = np.random.default_rng(1000 + seeds)
+    hits = 0
+    for _ in range(replicates):
+        r = interval(simulate(rng, seeds, seed_sd))
+        hits += r[0] <= DELTA <= r[1] if isinstance(r, tuple) else r.low <= DELTA <= r.high
+    return hits / replicates
+
+
+def seed_resampling_bootstrap(diffs: list[np.ndarray], b: int = 400, seed: int = 0) -> tuple[float, float]:
+    """The interval this project printed before: each replicate redraws the seeds with replacement and the examples
+    within clients, percentile limits."""
+    rng = np.random.default_rng(seed)
+    s = diffs[0].shape[0]
+    weights = np.stack([np.bincount(r, minlength=s) for r in rng.integers(0, s, size=(b, s))]) / s
+    total = np.zeros(b)
+    for d in diffs:
+        idx = rng.integers(0, d.shape[1], size=(b, d.shape[1]))
+        total += (weights * d[:, idx].mean(axis=2).T).sum(axis=1)
+    return tuple(np.quantile(total / len(diffs), [0.025, 0.975]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seeds", [1, 2, 3, 5, 10])
+def test_the_95_interval_covers_93_to_97_percent(seeds):
+    assert 0.93 <= coverage(seeds, 2000) <= 0.97
+
+
+@pytest.mark.parametrize("seeds", [2, 3])
+def test_coverage_small_version(seeds):
+    assert 0.90 <= coverage(seeds, 400) <= 0.99
+
+
+def test_the_old_seed_resampling_bootstrap_undercovers_where_seeds_vary_more():
+    # seed effects 2.7 x the example-level standard error: the old interval covered about 0.86 at 2 seeds (this
+    # module's about 0.92: with 2 seeds a strong seed effect is barely estimable; 0.94 at 3, 0.95 at 5)
+    assert coverage(2, 600, seed_resampling_bootstrap, seed_sd=1.5) < 0.90
