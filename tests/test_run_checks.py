@@ -142,3 +142,28 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     assert fed.clients == ["Academic", "Committee", "Product"] and fed.start_round() == 1
     save_round_checkpoint(server_checkpoint_path(load_plan(path)), load_plan(path), 2, {})
     assert fed.start_round() == 3
+
+
+def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeypatch, capsys, tmp_path):
+    import subprocess
+
+    text = _flwr_ls_json([(93, "finished:failed", "boom", "2026-01-02 10:00:00Z"),
+                          (7, "finished:completed", "N/A", "2026-01-01 10:00:00Z")])
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: calls.append(argv) or
+                        subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""))
+    started = tmp_path / "run.json"
+    started.write_text('{"success": true, "run-id": "7"}')  # what `flwr run --format json` prints
+    assert run_cli(localhost.main, ["status", "fedmeet", "--submitted", str(started)]) == 0
+    assert capsys.readouterr().out.strip() == "run 7: finished:completed"  # not run 93, submitted later
+    refused = tmp_path / "refused.json"
+    refused.write_text('{"success": false, "error-message": "Invalid run configuration: admision-timeout-s"}')
+    assert run_cli(localhost.main, ["status", "fedmeet", "--submitted", str(refused)]) == 1
+    assert capsys.readouterr().out.strip() == "no run started: Invalid run configuration: admision-timeout-s"
+    assert len(calls) == 1  # the SuperLink is not asked about a run that never started
+
+
+def test_status_says_when_it_cannot_reach_the_superlink():
+    down = '{"success": false, "error-message": "Connection refused: 127.0.0.1:9093"}'
+    with pytest.raises(FederationError, match="cannot reach the SuperLink: Connection refused"):
+        parse_run_status(down)

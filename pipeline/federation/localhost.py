@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("superlink", nargs="?", help="the SuperLink connection of FLWR_HOME/config.toml (default: its "
                                                  "default)")
     st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
+    st.add_argument("--submitted", type=Path, help="what `flwr run --format json` printed: the status of the run it "
+                                                   "started, or that it started none")
     kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out "
                                      "(pipeline.federation.sites)")
     kit.add_argument("--plan", required=True)
@@ -412,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="the server's params file (run-time settings, decoding); not copied into a site's kit")
     args = ap.parse_args(argv)
     if args.command == "status":
-        return status_command(args.superlink, args.run_id)
+        return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
         from pipeline.federation.sites import write_kit
 

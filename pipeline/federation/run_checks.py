@@ -75,8 +75,11 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
         listed = json.loads(text)
     except json.JSONDecodeError:
         raise FederationError(f"`flwr ls` gave no run list: {' '.join(text.split())[-300:]}") from None
+    if not listed.get("success"):  # flwr's JSON error: the SuperLink could not be asked at all
+        raise FederationError("cannot reach the SuperLink: "
+                              + " ".join(str(listed.get("error-message") or text).split())[-300:])
     runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
-    if not listed.get("success") or not runs:
+    if not runs:
         raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: "
                               f"{' '.join(text.split())[-300:]}")
     run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
@@ -102,8 +105,24 @@ def close_left_running(workdir: Path, plan, reason: str) -> str | None:
     return run_id
 
 
-def status_command(superlink: str | None, run_id: int | None) -> int:
-    """The manual recipe's check after ``flwr run``: one line with the run's status; 0 only if it completed."""
+def submitted_run(path: Path) -> int | None:
+    """The run id in what ``flwr run --format json`` printed (``path``); None when it started no run (a refused
+    run config, say), after printing flwr's reason."""
+    try:
+        submitted = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise FederationError(f"{path}: not the JSON `flwr run --format json` prints ({err})") from None
+    if submitted.get("success") and submitted.get("run-id"):
+        return int(submitted["run-id"])
+    print("no run started: " + " ".join(str(submitted.get("error-message") or "flwr run gave no run id").split()))
+    return None
+
+
+def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
+    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` names (else
+    ``run_id``, else the run submitted last); 0 only if it completed."""
+    if submitted is not None and (run_id := submitted_run(submitted)) is None:
+        return 1
     flwr = Path(sys.executable).parent / "flwr"  # the CLI beside this interpreter, whatever PATH says
     argv = [str(flwr) if flwr.exists() else "flwr", "ls", *([superlink] if superlink else []), "--format", "json",
             *(["--run-id", str(run_id)] if run_id is not None else [])]
