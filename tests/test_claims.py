@@ -333,6 +333,7 @@ def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, see
     text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples), smoke=smoke, min_seeds=2, min_examples=100)
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
+    assert "excluded" not in text and "inside our interval" not in text  # nor a verdict against the paper
     for verdict in ("helps", "hurts", "does not measurably help"):
         assert verdict not in text
 

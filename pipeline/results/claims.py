@@ -228,8 +228,8 @@ def too_small(table: pd.DataFrame, smoke: bool, min_seeds: int, min_examples: in
 def numbers_only(avg: pd.DataFrame, why: str) -> str:
     """The differences of the main study, stated without a verdict."""
     rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
-    return (f"- **No comparative claim**: {why}. The differences, as numbers only: "
-            + "; ".join(_pair(r) for r in rows) + ".")
+    return (f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the paper's): "
+            + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + ".")
 
 
 def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, metric: str = "avg_rouge",
