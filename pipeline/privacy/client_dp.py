@@ -1,36 +1,25 @@
-"""Client-level differential privacy across organisations (params ``privacy.mode: client``, README "Privacy"):
-Flower 1.41's DP strategy wrappers around the FedAvg-family strategy, the matching client mods, and what each
-round records. The setting and the accountant are pipeline.privacy (:class:`FederationPrivacy`).
+"""Client-level differential privacy across organisations (``privacy.mode: client``, docs/privacy.md): the server
+strategy that samples, clips, averages and noises the clients' updates, the client's clipping mod, and what each
+round records. The setting and the accountant: pipeline.privacy.accounting (:class:`FederationPrivacy`).
 
-- Server-side clipping (``clipping_side: server``): ``DifferentialPrivacyServerSide{Fixed,Adaptive}Clipping``
-  clip every reply's update ``W_i - W`` to C on the server (which sees the updates in the clear: central DP
-  trusts it), average, and add N(0, (z_u C / m)^2) to every coordinate.
-- Client-side clipping (``clipping_side: client``): ``DifferentialPrivacyClientSide{Fixed,Adaptive}Clipping``
-  send C in the train config; Flower's ``fixedclipping_mod`` / ``adaptiveclipping_mod`` on the ClientApp's train
-  handler clip the reply against the weights received, so the server never holds an unclipped update (the
-  precondition of secure aggregation); the server averages and adds the same noise.
-- Under SecAgg+ (``privacy.secure_aggregation``, client-side clipping only: pipeline.privacy
-  .secure_aggregation_refusal) the mod clips inside ``secaggplus_mod`` before the upload is masked, each client
-  weighs 1 in the masked sum and its clipped bit is summed with it (pipeline.privacy.secure_aggregation); the
-  secure step bypasses ``aggregate_train``, so the server hands the unmasked mean to the wrapper's
-  :meth:`_FedmeetDP.release_secure_mean`, which adds the same noise from the same seeded generator.
-
-What fedmeet changes in Flower's wrappers, and why:
-- Uniform weights. FedAvg weights a reply by its ``num-examples``; the noise ``z C / m`` calibrates a mean in
-  which each client weighs 1/m, so a client weighing more than that would be under-noised (Flower's own
-  accountant refuses unequal weights). The wrappers below aggregate with weight 1 per reply; the clients'
-  ``num-examples`` still reach the records.
-- The noise and the adaptive clipped count come from a generator seeded per (experiment seed, round), not from
-  numpy's global one: runs are reproducible and a resumed run draws what the uninterrupted one would have. The
-  seed is in the plan, so the noise is not secret from whoever has the plan (as for DP-SGD's noise).
-- Noise multiplier 0 adds nothing (Flower would draw N(0, 0 * inf) = NaN with the unclipped control, C = .inf).
-- Adaptive clipping, two fixes. (1) The direction of C's update: Flower 1.41 multiplies C by
-  ``exp(-lr (clipped fraction - target))``, which shrinks C when too many updates are clipped (C runs to 0, or to
-  infinity); Andrew et al.'s rule ``C exp(-lr (unclipped fraction - target unclipped quantile))`` is, in the
-  clipped fraction f and the target clipped quantile t, ``C exp(lr (f - t))``, whose fixed point clips a
-  fraction t. (2) The noise: Flower updates C before it adds the round's noise, so the noise is scaled by next
-  round's C, not by the C the updates were clipped to (under-noised whenever C shrinks); here it uses the
-  round's C. The accounting of Flower's uncentred clipped count is pipeline.privacy's.
+:class:`ClientLevelDP` is a Flower ``Strategy`` around the inner FedAvg/FedProx, which it drives through its
+public ``configure_train`` / ``aggregate_train``, with Flower's DP primitives: the flat clipping and
+``compute_stdv`` of ``flwr.supercore.differential_privacy`` and, on the client (``clipping_side: client``),
+``fixedclipping_mod`` / ``adaptiveclipping_mod``, which clip the reply before it leaves (the precondition of
+SecAgg+). Flower's ``DifferentialPrivacy*Clipping`` wrappers are not used: no public hook changes what the
+accountant here needs, and they differ from it in
+- sampling: a fixed-size sample, while the accountant composes Poisson sampling (each client joins with
+  probability q) of a sum over the expected count m (a public denominator, whoever joined);
+- weights: FedAvg weighs a reply by its ``num-examples``, while the noise z C / m calibrates a mean in which each
+  client weighs 1/m (the clients' ``num-examples`` still reach the records);
+- the noise: numpy's global generator, while here a generator per (experiment seed, round) makes runs
+  reproducible and a resumed run draw what the uninterrupted one would have (the seed is in the plan, so the
+  noise is not secret from whoever has the plan, as for DP-SGD's); and z = 0 with C = .inf draws N(0, 0 x inf) =
+  NaN there;
+- adaptive clipping: Flower 1.41 multiplies C by ``exp(-lr (f - t))`` in the clipped fraction f and the target
+  t, which runs C away from the target, where Andrew et al.'s rule is ``C exp(lr (f - t))`` (fixed point: a
+  fraction t clipped); and it scales the round's noise by next round's C, not by the C the updates were clipped
+  to (under-noised whenever C shrinks).
 """
 from __future__ import annotations
 
@@ -41,24 +30,22 @@ from typing import Any
 import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
-from flwr.serverapp.strategy import (DifferentialPrivacyClientSideAdaptiveClipping,
-                                     DifferentialPrivacyClientSideFixedClipping,
-                                     DifferentialPrivacyServerSideAdaptiveClipping,
-                                     DifferentialPrivacyServerSideFixedClipping)
-from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM, compute_stdv, get_norm
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore.differential_privacy import (KEY_CLIPPING_NORM, KEY_NORM_BIT, adaptive_clip_inputs_inplace,
+                                                 compute_stdv, get_norm)
 
 from pipeline.experiments import Plan
 from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, load_plan,
                                           plan_path_of)
+from pipeline.privacy.accounting import FederationPrivacy, federation_privacy
 from pipeline.privacy.secure_aggregation import is_legacy_fit
-from pipeline.privacy.accounting import FederationPrivacy, federation_privacy, flower_adaptive_multiplier
-from pipeline.privacy.settings import client_level_problem
+from pipeline.privacy.settings import PrivacyConfig, client_level_problem
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
 
-UNIFORM_WEIGHT_KEY = "dp-unit-weight"
-SAMPLING_STREAM = 1  # the Poisson sample's generator: [seed, round, 1] (the noise's is [seed, round])  # set by the server on each reply it aggregates under mode client
+UNIFORM_WEIGHT_KEY = "dp-unit-weight"  # set by the server on each reply it aggregates under mode client
+SAMPLING_STREAM = 1  # the Poisson sample's generator: [seed, round, 1] (the noise's is [seed, round])
 
 
 def sampled_per_round(population: int, fraction_train: float) -> int:
@@ -85,148 +72,127 @@ class _ChosenNodes:
         return getattr(self._grid, name)
 
 
-class _FedmeetDP:
-    """Mixed into each Flower DP wrapper: Poisson sampling of clients and the public denominator, uniform weights,
-    seeded noise, no noise at multiplier 0, and adaptive clipping's direction and noise scale (module
-    docstring). The inner strategy runs with fraction_train 1: it configures every client of the sample."""
+class ClientLevelDP(Strategy):
+    """DP-FedAvg around ``strategy`` (module docstring): Poisson sampling, clipping to C (on the server, or checked
+    and counted from the clients' mods), the uniform sum over the expected count and the Gaussian noise; adaptive
+    clipping moves :attr:`clipping_norm` every round. The inner strategy runs with fraction_train 1."""
 
-    seed: int
-    sample_rate: float  # q: each client joins a round with this probability
-    _rng: np.random.Generator
-    _round_clipping_norm: float
-    _round_arrays: ArrayRecord | None = None  # the global the round's updates are taken against
-    _round_count: int = 0  # updates in this round's aggregate
-
-    def _start_round(self, server_round: int) -> None:
-        self._rng = np.random.default_rng([self.seed, server_round])
-        self._round_clipping_norm = self.clipping_norm  # what this round's updates are clipped to
+    def __init__(self, strategy, setting: FederationPrivacy, cfg: PrivacyConfig, seed: int):
+        super().__init__()
+        self.strategy, self.setting, self.seed = strategy, setting, seed
+        self.client_side, self.adaptive = cfg.clipping_side == "client", cfg.clipping == "adaptive"
+        self.target_clipped_quantile, self.clip_norm_lr = cfg.target_clipped_quantile, cfg.clip_norm_lr
+        # Flat clipping scales by min(1, C / ||update||): a Python float C raises ZeroDivisionError on an update of
+        # norm exactly zero (and stops the server); numpy's C / 0 is inf, i.e. no scaling, as it should be.
+        self.clipping_norm = np.float64(setting.clipping_norm)
+        self._arrays: ArrayRecord | None = None  # the global the round's updates are taken against
+        strategy.fraction_train = 1.0
 
     def configure_train(self, server_round, arrays, config, grid):
         """Poisson sampling (a generator of its own per (experiment seed, round), apart from the noise's): an empty
         sample configures nobody, the round aggregates nothing and the accountant still counts it."""
-        self._round_arrays = arrays
+        self._arrays = arrays
         rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
-        chosen = poisson_sample(sorted(grid.get_node_ids()), self.sample_rate, rng)
+        chosen = poisson_sample(sorted(grid.get_node_ids()), self.setting.sample_rate, rng)
         if not chosen:
             log.info("round %d: the Poisson sample of clients is empty (q=%.4g): nothing to aggregate",
-                     server_round, self.sample_rate)
+                     server_round, self.setting.sample_rate)
             return []
-        return super().configure_train(server_round, arrays, config, _ChosenNodes(grid, chosen))
+        if self.client_side:
+            config[KEY_CLIPPING_NORM] = self.clipping_norm  # what the clients' mods clip to
+        return self.strategy.configure_train(server_round, arrays, config, _ChosenNodes(grid, chosen))
 
     def aggregate_train(self, server_round, replies):
-        self._start_round(server_round)
+        """No aggregate from a round with an error reply; else clip (server side), move C (adaptive), average
+        uniformly over the expected count and add the noise at the C the updates were clipped to."""
         replies = list(replies)
-        self._round_count = sum(1 for reply in replies if not reply.has_error())
+        if any(reply.has_error() for reply in replies):
+            log.info("round %d: a client replied with an error: no aggregate is released", server_round)
+            return None, None
+        rng, norm = np.random.default_rng([self.seed, server_round]), self.clipping_norm
+        clipped = 0
         for reply in replies:
-            if not reply.has_error():
-                next(iter(reply.content.metric_records.values()))[UNIFORM_WEIGHT_KEY] = 1
+            metrics = reply.content[METRICS_KEY]
+            metrics[UNIFORM_WEIGHT_KEY] = 1
+            if not self.client_side:
+                clipped += self._clip(reply, norm)
+            elif self.adaptive:
+                if KEY_NORM_BIT not in metrics:
+                    raise ValueError(f"round {server_round}: a reply without {KEY_NORM_BIT!r} (Flower's "
+                                     f"adaptiveclipping_mod adds it)")
+                clipped += int(bool(metrics[KEY_NORM_BIT]))
+        if self.adaptive:
+            self._move_clipping_norm(rng, clipped)
         inner = self.strategy
         key, inner.weighted_by_key = inner.weighted_by_key, UNIFORM_WEIGHT_KEY
         try:
-            return super().aggregate_train(server_round, replies)
+            mean, metrics = inner.aggregate_train(server_round, replies)
         finally:
             inner.weighted_by_key = key  # evaluate replies carry num-examples only
-
-    def _public_denominator(self, mean: ArrayRecord) -> ArrayRecord:
-        """The uniform mean of k updates as the sum over the expected count m: ``W + (k / m)(mean - W)``; the mean
-        itself when k = m (the bits of a run whose every sampled client replied stay as they were)."""
-        k, m = self._round_count, self.num_sampled_clients
-        if k == m or k == 0 or self._round_arrays is None:
-            return mean
-        ref = self._round_arrays.to_numpy_ndarrays()
-        return ArrayRecord({name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
-                            for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)})
+        if mean:
+            mean = self._release(rng, norm, mean, len(replies))
+        return mean, metrics
 
     def release_secure_mean(self, server_round: int, mean: ArrayRecord, clipped_count: int,
                             aggregated: int) -> ArrayRecord:
-        """Under SecAgg+ (client-side clipping only): what the client-side wrapper's ``aggregate_train`` does after
-        the inner strategy's mean, for the uniform mean of ``aggregated`` clipped updates that SecAgg+ unmasked
-        (the secure step bypasses ``aggregate_train``). In Flower's order and from the same seeded generator as
-        the round in the clear: adaptive clipping's C update from the noisy count of clipped updates
-        (``clipped_count``, summed under the same masks), then the noise N(0, (z C / m)^2) with the round's C."""
-        self._start_round(server_round)
-        self._round_count = aggregated
-        if isinstance(self, DifferentialPrivacyClientSideAdaptiveClipping):
-            self._geometric_update(self._noisy_fraction(clipped_count, aggregated))
-        return self._add_noise_to_aggregated_arrays(mean)
+        """Under SecAgg+ (client-side clipping only), which bypasses ``aggregate_train``: what it does after the
+        inner mean, for the uniform mean of ``aggregated`` clipped updates that SecAgg+ unmasked, from the same
+        seeded generator: adaptive clipping's C update from the count of clipped updates (``clipped_count``,
+        summed under the same masks), then the noise with the round's C."""
+        rng, norm = np.random.default_rng([self.seed, server_round]), self.clipping_norm
+        if self.adaptive:
+            self._move_clipping_norm(rng, clipped_count)
+        return self._release(rng, norm, mean, aggregated)
 
-    def _add_noise_to_aggregated_arrays(self, aggregated: ArrayRecord) -> ArrayRecord:
-        aggregated = self._public_denominator(aggregated)
-        if self.noise_multiplier == 0:
-            return aggregated
-        std = compute_stdv(self.noise_multiplier, self._round_clipping_norm, self.num_sampled_clients)
+    def _clip(self, reply: Message, norm: float) -> int:
+        """Clip the reply's update ``W_i - W`` to ``norm`` in place; 1 if it was clipped."""
+        received = reply.content[ARRAYS_KEY]
+        reference = self._arrays.to_numpy_ndarrays()
+        update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
+        bit = adaptive_clip_inputs_inplace(update, norm)
+        reply.content[ARRAYS_KEY] = ArrayRecord({k: Array(np.asarray(w + u))
+                                                 for k, w, u in zip(received.keys(), reference, update, strict=True)})
+        return int(bit)
+
+    def _move_clipping_norm(self, rng: np.random.Generator, clipped: int) -> None:
+        """Andrew et al.'s ``C exp(lr (f - t))``, f the noisy count of clipped updates over the expected count m
+        (public: the number that replied would tell who joined)."""
+        sigma_b = self.setting.count_stddev
+        noise = rng.normal(0.0, sigma_b) if sigma_b > 0 else 0.0
+        fraction = float(clipped + noise) / float(self.setting.sampled)
+        self.clipping_norm *= math.exp(self.clip_norm_lr * (fraction - self.target_clipped_quantile))
+
+    def _release(self, rng: np.random.Generator, norm: float, mean: ArrayRecord, k: int) -> ArrayRecord:
+        """The uniform mean of k updates as their sum over the expected count m, ``W + (k / m)(mean - W)`` (the mean
+        itself when k = m), plus N(0, (z_u C / m)^2) on every coordinate (nothing at z = 0)."""
+        m = self.setting.sampled
+        if k not in (m, 0) and self._arrays is not None:
+            ref = self._arrays.to_numpy_ndarrays()
+            mean = ArrayRecord({name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
+                                for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)})
+        z = self.setting.update_noise_multiplier
+        if z == 0:
+            return mean
+        std = compute_stdv(z, norm, m)
         log.info("client-level DP: noise std %.4g on the aggregate", std)
-        return ArrayRecord({k: Array(np.asarray(a + self._rng.normal(0.0, std, a.shape).astype(a.dtype)))
-                            for k, a in zip(aggregated.keys(), aggregated.to_numpy_ndarrays())})
+        return ArrayRecord({k: Array(np.asarray(a + rng.normal(0.0, std, a.shape).astype(a.dtype)))
+                            for k, a in zip(mean.keys(), mean.to_numpy_ndarrays())})
 
-    def _noisy_fraction(self, count: int, total: int) -> float:  # adaptive wrappers only
-        # over the expected count m (public), not the k replies: k would tell who joined
-        noise = self._rng.normal(0.0, self.clipped_count_stddev) if self.clipped_count_stddev > 0 else 0.0
-        return float(count + noise) / float(self.num_sampled_clients)
+    def configure_evaluate(self, server_round, arrays, config, grid):
+        return self.strategy.configure_evaluate(server_round, arrays, config, grid)
 
-    def _geometric_update(self, clipped_fraction: float) -> None:  # adaptive wrappers only
-        self.clipping_norm *= math.exp(self.clip_norm_lr * (clipped_fraction - self.target_clipped_quantile))
+    def aggregate_evaluate(self, server_round, replies):
+        return self.strategy.aggregate_evaluate(server_round, replies)
 
-
-class ServerSideFixed(_FedmeetDP, DifferentialPrivacyServerSideFixedClipping):
-    pass
-
-
-class ClientSideFixed(_FedmeetDP, DifferentialPrivacyClientSideFixedClipping):
-    pass
+    def summary(self) -> None:
+        log.info("client-level DP: z=%.4g, C=%s, q=%.4g", self.setting.noise_multiplier, self.clipping_norm,
+                 self.setting.sample_rate)
+        self.strategy.summary()
 
 
-class ServerSideAdaptive(_FedmeetDP, DifferentialPrivacyServerSideAdaptiveClipping):
-    pass
-
-
-class ClientSideAdaptive(_FedmeetDP, DifferentialPrivacyClientSideAdaptiveClipping):
-    pass
-
-
-# The Flower 1.41 methods the wrappers above override or rely on (sha256 of their source, first 16 hex digits):
-# tests/test_flower_overrides.py fails when one changes upstream, so that a maintainer re-checks the override
-# (Flower has no public hook for the noise, the clipped fraction or C's update; the subclasses are the seam).
-_FIXED = ("configure_train", "aggregate_train", "_add_noise_to_aggregated_arrays")
-_ADAPTIVE = _FIXED + ("_noisy_fraction", "_geometric_update")
-FLOWER_METHODS = {
-    "FedAvg.configure_train": "1c8cad62dc921a66",  # configures every node its grid shows when fraction_train = 1
-    **dict(zip((f"DifferentialPrivacyServerSideFixedClipping.{m}" for m in _FIXED),
-               ("cca4c4bae7752bd5", "59e602ef32c7d7d5", "16ea4f0006dd4e4a"))),
-    **dict(zip((f"DifferentialPrivacyClientSideFixedClipping.{m}" for m in _FIXED),
-               ("5b565fcfea5a7f2b", "09ee66dc127451ef", "16ea4f0006dd4e4a"))),
-    **dict(zip((f"DifferentialPrivacyServerSideAdaptiveClipping.{m}" for m in _ADAPTIVE),
-               ("fb225fdecc3c2b34", "fba06bac9d5c1f6b", "bf9099d1c2d53327", "8fabee661038b17d", "6405cb317c8ee034"))),
-    **dict(zip((f"DifferentialPrivacyClientSideAdaptiveClipping.{m}" for m in _ADAPTIVE),
-               ("0ec9e6105dc9dae9", "71215369fc9eb429", "bf9099d1c2d53327", "8fabee661038b17d", "6405cb317c8ee034"))),
-}
-
-WRAPPERS = {("server", "fixed"): ServerSideFixed, ("client", "fixed"): ClientSideFixed,
-            ("server", "adaptive"): ServerSideAdaptive, ("client", "adaptive"): ClientSideAdaptive}
-
-
-def _safe_norm(c: float) -> np.float64:
-    # Flower clips with min(1, C / ||update||): a client whose update is exactly zero makes a Python float raise
-    # ZeroDivisionError (and stops the server); numpy's C / 0 is inf, i.e. no scaling, as it should be.
-    return np.float64(c)
-
-
-def wrap_strategy(strategy, plan: Plan, setting: FederationPrivacy):
-    """The plan's Flower DP wrapper around ``strategy`` (FedAvg or FedProx)."""
-    cfg = plan.privacy
-    cls = WRAPPERS[(cfg.clipping_side, cfg.clipping)]
-    norm = _safe_norm(setting.clipping_norm)
-    if cfg.clipping == "fixed":
-        wrapped = cls(strategy, setting.noise_multiplier, norm, setting.sampled)
-    else:
-        wrapped = cls(strategy, flower_adaptive_multiplier(setting.noise_multiplier, setting.count_stddev),
-                      setting.sampled, initial_clipping_norm=norm,
-                      target_clipped_quantile=cfg.target_clipped_quantile, clip_norm_lr=cfg.clip_norm_lr,
-                      clipped_count_stddev=setting.count_stddev)
-    wrapped.seed = derived_seed(plan.seed, "client-dp-noise")
-    wrapped.sample_rate = setting.sample_rate
-    strategy.fraction_train = 1.0  # the wrapper draws the Poisson sample; the inner strategy configures all of it
-    return wrapped
+def wrap_strategy(strategy, plan: Plan, setting: FederationPrivacy) -> ClientLevelDP:
+    """The plan's client-level DP strategy around ``strategy`` (FedAvg or FedProx)."""
+    return ClientLevelDP(strategy, setting, plan.privacy, derived_seed(plan.seed, "client-dp-noise"))
 
 
 def server_setting(plan: Plan, population: int) -> FederationPrivacy:
@@ -269,8 +235,8 @@ def client_dp_mod(msg: Message, context: Context, call_next):
             reply.content[METRICS_KEY][CLIPPED_KEY] = int(norm > float(config[KEY_CLIPPING_NORM]))
         return reply
 
-    if KEY_CLIPPING_NORM in config:
-        config[KEY_CLIPPING_NORM] = _safe_norm(config[KEY_CLIPPING_NORM])  # a float again after the wire
+    if KEY_CLIPPING_NORM in config:  # a float again after the wire: numpy's, for an update of norm zero
+        config[KEY_CLIPPING_NORM] = np.float64(config[KEY_CLIPPING_NORM])
     mod = adaptiveclipping_mod if privacy.clipping == "adaptive" else fixedclipping_mod
     return mod(msg, context, mark_clipped)
 
@@ -317,4 +283,3 @@ class RoundPrivacy:
                                "noise_multiplier": self.setting.noise_multiplier,
                                "sample_rate": self.setting.sample_rate})
         return eps
-
