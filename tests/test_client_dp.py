@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy, flower_adaptive_multiplier
+from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy
 from pipeline.privacy.settings import PrivacyConfig
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
@@ -58,7 +58,7 @@ def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
         cfg = _client_cfg(noise_multiplier=0.5 * m / 50, delta=TFF_DELTA)
         setting = federation_privacy(cfg, population=TFF_CLIENTS, sampled=m, rounds=TFF_ROUNDS)
         assert setting.sample_rate == m / TFF_CLIENTS
-        return setting.epsilon([m] * TFF_ROUNDS)  # every round releases a mean over all m sampled
+        return setting.epsilon_after(TFF_ROUNDS)
 
     for m in (119, 120):  # the published boundary, computed from the formula
         independent = _independent_epsilon(m / TFF_CLIENTS, 0.5 * m / 50, TFF_ROUNDS, TFF_DELTA)
@@ -71,32 +71,31 @@ def test_accountant_reproduces_the_tff_dp_fedavg_tutorial():
 def test_target_epsilon_gives_the_noise_for_the_planned_rounds():
     cfg = _client_cfg(noise_multiplier=None, target_epsilon=TFF_EPS, delta=TFF_DELTA)
     s = federation_privacy(cfg, population=TFF_CLIENTS, sampled=120, rounds=TFF_ROUNDS)
-    assert TFF_EPS - 0.01 <= s.epsilon([120] * TFF_ROUNDS) <= TFF_EPS
+    assert TFF_EPS - 0.01 <= s.epsilon_after(TFF_ROUNDS) <= TFF_EPS
     assert s.noise_multiplier <= 1.2  # the tutorial's 1.2 reaches the target, so the search needs no more
-    assert s.epsilon([120] * 60) < s.epsilon([120] * TFF_ROUNDS)  # fewer released rounds: less spent
+    assert s.epsilon_after(60) < s.epsilon_after(TFF_ROUNDS)  # fewer rounds: less spent
 
 
 def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated():
     s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
     # Poisson sampling with the public denominator 10: the sum's sensitivity is C, its noise z C, in every round
-    assert s.round_multiplier(10) == 1.0 and s.round_multiplier(5) == 1.0 and s.sampling == "poisson"
-    assert s.epsilon([10, 5]) == s.epsilon([10, 10]) == s.epsilon([10, 0]) == s.epsilon_after(2) > s.epsilon([10])
-    assert s.epsilon([]) == 0.0
-    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 5, 1e-5, "rdp").epsilon([10]) == math.inf
+    # (an empty round too), so epsilon depends on the rounds run and nothing else
+    assert s.sampling == "poisson" and s.epsilon_after(2) > s.epsilon_after(1) > s.epsilon_after(0) == 0.0
+    assert 0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.epsilon_after(2) <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
+    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 5, 1e-5, "rdp").epsilon_after(1) == math.inf
 
 
 def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
     z, sigma_b = 0.4, 1.0
     z_u = adaptive_update_multiplier(z, sigma_b)
     assert z_u == pytest.approx((0.4 ** -2 - 1.0) ** -0.5)  # hand: (6.25 - 1)^-1/2 = 0.43644
-    # Flower derives z_u = (z'^-2 - (2 sigma_b)^-2)^-1/2 from what it is given (Andrew et al.'s split)
-    z_flower = flower_adaptive_multiplier(z, sigma_b)
-    assert (z_flower ** -2 - (2 * sigma_b) ** -2) ** -0.5 == pytest.approx(z_u)
     cfg = _client_cfg(noise_multiplier=z, clipping="adaptive", clipping_norm=None, clipped_count_stddev=sigma_b)
     s = federation_privacy(cfg, population=30, sampled=10, rounds=3)
     # the count of clipped updates is a sum of 0/1 bits: sensitivity 1, so the round's multiplier is
     # (z_u^-2 + sigma_b^-2)^-1/2 = z
-    assert s.round_multiplier(10) == pytest.approx(z) and s.clipping_norm == 0.1
+    assert s.update_noise_multiplier == pytest.approx(z_u) and s.clipping_norm == 0.1
+    assert s.epsilon_after(3) == pytest.approx(federation_privacy(_client_cfg(noise_multiplier=z), population=30,
+                                                                  sampled=10, rounds=3).epsilon_after(3), rel=1e-9)
     with pytest.raises(ValueError, match="clipped_count_stddev > it"):  # default sigma_b = 10 / 20 = 0.5
         federation_privacy(_client_cfg(noise_multiplier=0.6, clipping="adaptive"), population=30, sampled=10,
                            rounds=3)
@@ -418,7 +417,7 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
         "client", 1e-5, pytest.approx(2 / 3), 2, 4)
     assert p["clipping_norm"] == 0.05 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
     assert p["epsilon"] == pytest.approx(federation_privacy(
-        _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2).epsilon([2, 2]))
+        _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2).epsilon_after(2))
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     per_round = {r["round"]: r["epsilon"] for r in history if "update_clipped" in r}
     # server side: every aggregated update's norm before clipping, clipped exactly when above C

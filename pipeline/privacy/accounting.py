@@ -7,23 +7,12 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, SAMPLING, PrivacyConfig
-
-
-def sample_rate(n_examples: int, logical_batch: int) -> float:
-    """Poisson rate q: each example joins a step with this probability (expected batch = the effective batch)."""
-    if n_examples < 1:
-        raise ValueError("sample_rate: no training example")
-    return min(1.0, logical_batch / n_examples)
-
-
-def steps_per_epoch(n_examples: int, logical_batch: int) -> int:
-    return math.ceil(n_examples / logical_batch)
+from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, EXAMPLE_DELTA, SAMPLING, PrivacyConfig
 
 
 def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
     """(epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps (opacus' RDP accountant, with its
-    RDP-to-DP conversion of Balle et al. 2020, or the PRV accountant of Gopi et al. 2021)."""
+    RDP-to-DP conversion of Balle et al. 2020, or the PRV accountant of Gopi et al. 2021); unbounded without noise."""
     if steps <= 0:
         return 0.0
     if noise_multiplier <= 0:
@@ -50,45 +39,28 @@ def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, 
                                       steps=steps, accountant=accountant, epsilon_tolerance=0.01))
 
 
-def epsilon_of_history(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str = "rdp") -> float:
-    """epsilon of a composition of Poisson-subsampled Gaussian mechanisms, ``(noise multiplier, q, steps)`` each
-    (opacus' accountants take such a history); unbounded if any of them has no noise."""
-    history = tuple((float(s), float(q), int(n)) for s, q, n in history if n > 0)
-    if not history:
-        return 0.0
-    if any(s <= 0 for s, _, _ in history):
-        return math.inf
-    return _history_epsilon(history, float(delta), accountant)
-
-
-@lru_cache(maxsize=256)
-def _history_epsilon(history: tuple[tuple[float, float, int], ...], delta: float, accountant: str) -> float:
-    from opacus.accountants import create_accountant
-
-    acc = create_accountant(mechanism=accountant)
-    acc.history = list(history)
-    return float(acc.get_epsilon(delta=delta))
+def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, what: str) -> float:
+    """``privacy.noise_multiplier``, or the one that reaches ``privacy.target_epsilon`` after ``steps``."""
+    if cfg.noise_multiplier is not None:
+        return float(cfg.noise_multiplier)
+    try:
+        return noise_for_target(float(cfg.target_epsilon), delta, q, steps, cfg.accountant)
+    except ValueError as exc:  # opacus: "The privacy budget is too low."
+        raise ValueError(f"{where}: privacy.target_epsilon {cfg.target_epsilon} cannot be met with q={q:.4g} "
+                         f"over {steps} {what} ({exc})") from None
 
 
 # ------------------------------------------------------------------------------------ client-level (mode client)
 def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
     """Adaptive clipping releases two Gaussian sums per round: the clipped updates (multiplier z_u) and the count of
-    clipped updates (std sigma_b). Flower adds Andrew et al.'s split ``z_u = (z'^-2 - (2 sigma_b)^-2)^-1/2`` of
-    the multiplier z' it is given; that split assumes the count's sensitivity is 1/2 (TF Privacy centres each bit
-    at -0.5), but Flower counts uncentred 0/1 bits, sensitivity 1, so the pair is a Gaussian mechanism of
-    multiplier ``(z_u^-2 + sigma_b^-2)^-1/2``. Here z (``noise_multiplier``) is that combined multiplier, the
-    one the accountant composes; this returns z_u (needs ``z < sigma_b``)."""
+    clipped updates (std sigma_b). Andrew et al.'s split ``z_u = (z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's wrappers
+    use it) assumes the count's sensitivity is 1/2 (TF Privacy centres each bit at -0.5); the count here sums
+    uncentred 0/1 bits (Flower's norm bit), sensitivity 1, so the pair is a Gaussian mechanism of multiplier
+    ``(z_u^-2 + sigma_b^-2)^-1/2``. z (``noise_multiplier``) is that combined multiplier, the one the accountant
+    composes; this returns z_u (needs ``z < sigma_b``)."""
     if noise_multiplier == 0:
         return 0.0
     return (noise_multiplier ** -2 - count_stddev ** -2) ** -0.5
-
-
-def flower_adaptive_multiplier(noise_multiplier: float, count_stddev: float) -> float:
-    """The z' to hand Flower's adaptive wrappers so that their update noise is :func:`adaptive_update_multiplier`
-    (Flower computes ``z_u = (z'^-2 - (2 sigma_b)^-2)^-1/2`` from it)."""
-    if noise_multiplier == 0:
-        return 0.0
-    return (adaptive_update_multiplier(noise_multiplier, count_stddev) ** -2 + (2 * count_stddev) ** -2) ** -0.5
 
 
 @dataclass(frozen=True)
@@ -118,47 +90,27 @@ class FederationPrivacy:
     def sample_rate(self) -> float:
         return self.sampled / self.population
 
-    def round_multiplier(self, aggregated: int | None = None) -> float:
-        """The multiplier of one round, whatever number of updates it aggregated: the sum is divided by the
-        expected count, so its sensitivity stays C / sampled and the noise z_u C / sampled (adaptive clipping:
-        combined with the clipped count's noise)."""
-        z_u = self.update_noise_multiplier
-        if self.count_stddev is None or z_u == 0:
-            return z_u
-        return (z_u ** -2 + self.count_stddev ** -2) ** -0.5
-
     def epsilon_after(self, rounds: int) -> float:
-        """epsilon after ``rounds`` rounds (every round counts, an empty sample too)."""
-        return epsilon_of_history(((self.round_multiplier(), self.sample_rate, int(rounds)),), self.delta,
-                                  self.accountant)
-
-    def epsilon(self, aggregated_per_round: list[int]) -> float:
-        """epsilon after the given rounds (one entry per round run, whatever it aggregated)."""
-        return self.epsilon_after(len(aggregated_per_round))
+        """epsilon after ``rounds`` rounds, whatever each aggregated (an empty sample too): the sum is divided by
+        the expected count, so every round's sensitivity is C / sampled and its multiplier z_u (adaptive clipping:
+        combined with the clipped count's, ``(z_u^-2 + sigma_b^-2)^-1/2``)."""
+        z = self.update_noise_multiplier
+        if self.count_stddev is not None and z != 0:
+            z = (z ** -2 + self.count_stddev ** -2) ** -0.5
+        return epsilon(z, self.sample_rate, rounds, self.delta, self.accountant)
 
 
 def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds: int,
                        where: str = "privacy") -> FederationPrivacy:
     """Resolve z (from ``target_epsilon`` over all planned rounds if set), delta and the adaptive split for a
     federation of ``population`` clients sampling ``sampled`` per round."""
-    if not 1 <= sampled <= population:
-        raise ValueError(f"{where}: {sampled} sampled clients of {population}")
     delta = cfg.delta if cfg.delta is not None else CLIENT_DELTA
     if delta >= 1 / population:
         # a mechanism that publishes one random client's data in the clear meets (0, 1/N)
         raise ValueError(f"{where}: privacy.delta {delta:g} >= 1/{population} (1 / the number of clients) "
                          f"promises nothing; set it well below")
-    q = sampled / population
-    if cfg.noise_multiplier is not None:
-        z = float(cfg.noise_multiplier)
-    else:
-        try:
-            z = noise_for_target(float(cfg.target_epsilon), delta, q, rounds, cfg.accountant)
-        except ValueError as exc:
-            raise ValueError(f"{where}: privacy.target_epsilon {cfg.target_epsilon} cannot be met with "
-                             f"q={q:.4g} over {rounds} rounds ({exc})") from None
-    count_stddev = None
-    z_u = z
+    z = _noise(cfg, delta, sampled / population, rounds, where, "rounds")
+    count_stddev, z_u = None, z
     if cfg.clipping == "adaptive":
         count_stddev = cfg.clipped_count_stddev if cfg.clipped_count_stddev is not None else sampled / 20
         if z > 0 and not z < count_stddev:
@@ -170,31 +122,14 @@ def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds
     return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, rounds, delta, cfg.accountant)
 
 
-# Mode example, delta null: at most 1e-5 and at most 1 / (10 n) for a client of n training examples. A delta of 1/n
-# or more promises nothing: publishing one random training example in the clear meets (0, 1/n).
-EXAMPLE_DELTA = 1e-5
-
-
-def example_delta(cfg: PrivacyConfig, n_examples: int, where: str = "") -> float:
-    """The delta of a client with ``n_examples`` training examples: ``privacy.delta``, refused at 1/n or above,
-    else min(1e-5, 1 / (10 n))."""
-    if n_examples < 1:
-        raise ValueError(f"{where}: no training example")
-    if cfg.delta is None:
-        return min(EXAMPLE_DELTA, 1.0 / (10 * n_examples))
-    if cfg.delta >= 1.0 / n_examples:
-        raise ValueError(f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
-                         f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))")
-    return float(cfg.delta)
-
-
+# ----------------------------------------------------------------------------------- example-level (mode example)
 @dataclass(frozen=True)
 class ClientPrivacy:
     """A client's DP-SGD setting: fixed for all its rounds (its data size and the plan decide it)."""
 
     noise_multiplier: float
     max_grad_norm: float
-    sample_rate: float
+    sample_rate: float  # Poisson: each example joins a step with this probability
     logical_batch: int  # expected examples per step (q n); the divisor of the noisy sum
     steps_per_epoch: int
     planned_steps: int  # every round, every local epoch
@@ -208,18 +143,18 @@ class ClientPrivacy:
 
 def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int,
                    where: str = "") -> ClientPrivacy:
-    """Resolve sigma, q and delta for a client with ``n_examples`` training examples."""
-    delta = example_delta(cfg, n_examples, where)
-    q = sample_rate(n_examples, logical_batch)
-    per_epoch = steps_per_epoch(n_examples, logical_batch)
+    """Resolve sigma, q and delta for a client with ``n_examples`` training examples: delta is
+    ``privacy.delta``, refused at 1/n or above (publishing one random training example in the clear meets
+    (0, 1/n)), else min(1e-5, 1 / (10 n))."""
+    if n_examples < 1:
+        raise ValueError(f"{where}: no training example")
+    delta = cfg.delta if cfg.delta is not None else min(EXAMPLE_DELTA, 1.0 / (10 * n_examples))
+    if delta >= 1.0 / n_examples:
+        raise ValueError(f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
+                         f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))")
+    q = min(1.0, logical_batch / n_examples)
+    per_epoch = math.ceil(n_examples / logical_batch)
     planned = rounds * local_epochs * per_epoch
-    if cfg.noise_multiplier is not None:
-        sigma = float(cfg.noise_multiplier)
-    else:
-        try:
-            sigma = noise_for_target(float(cfg.target_epsilon), delta, q, planned, cfg.accountant)
-        except ValueError as exc:  # opacus: "The privacy budget is too low."
-            raise ValueError(f"{where}: privacy.target_epsilon {cfg.target_epsilon} cannot be met with q={q:.4g} "
-                             f"over {planned} steps ({exc})") from None
+    sigma = _noise(cfg, delta, q, planned, where, "steps")
     return ClientPrivacy(sigma, float(cfg.max_grad_norm), q, min(logical_batch, n_examples), per_epoch, planned,
-                         delta, cfg.accountant, n_examples)
+                         float(delta), cfg.accountant, n_examples)

@@ -24,6 +24,7 @@ CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm", "target_clipped_qua
 ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stddev")
 # Mode client, delta null: far below 1/N for every federation here (N <= 100 clients); N >= 1e5 must set delta.
 CLIENT_DELTA = 1e-5
+EXAMPLE_DELTA = 1e-5  # mode example, delta null: min(this, 1 / (10 n)) for a client of n training examples
 ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
 # The server algorithms (pipeline.federation.strategies) whose new global is the average of the replies and
 # nothing more (Flower's FedProx only adds `proximal-mu` to the train config; each registers `averaging`): mode client's noise calibrates that
