@@ -116,7 +116,7 @@ def run_point(root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str
               privacy: dict[str, Any] | None) -> dict[str, Any]:
     """One training run; its epsilon, clipped fraction and the clients' mean final validation loss."""
     from pipeline.experiments import RunSettings
-    from pipeline.privacy.client_dp import sampled_per_round
+    from pipeline.privacy.accounting import sampled_per_round
     from pipeline.train import run_experiment
 
     fraction = 1.0 if sampled == n else (sampled + 0.5) / n  # Flower samples int(n * fraction)

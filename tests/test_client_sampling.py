@@ -94,19 +94,17 @@ def test_the_aggregate_is_the_sum_of_clipped_updates_over_the_expected_count():
 
 @pytest.mark.parametrize("population,sampled,z,rounds", [(100, 10, 1.0, 8), (3, 2, 1.5, 5), (30, 30, 2.0, 4)])
 def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round(population, sampled, z, rounds):
-    """RoundPrivacy's epsilon after round r (empty rounds included) against opacus' RDP analysis called here,
+    """The server's recorded epsilon after round r (empty rounds included) against opacus' RDP analysis called here,
     and against the integer-order formula of Mironov et al. (tests/test_client_dp.py) within its slack."""
-    from pipeline.privacy.client_dp import RoundPrivacy
-
-    setting_holder = RoundPrivacy.__new__(RoundPrivacy)  # the server's record without a plan file
     from pipeline.privacy.accounting import federation_privacy
+    from pipeline.privacy.client_dp import ClientLevelDP
 
-    setting_holder.setting = federation_privacy(_client_cfg(noise_multiplier=z, clipping_norm=1.0, delta=1e-5),
-                                                population=population, sampled=sampled, rounds=rounds)
-    setting_holder.side = "server"
+    cfg = _client_cfg(noise_multiplier=z, clipping_norm=1.0, delta=1e-5)
+    server = ClientLevelDP(SimpleNamespace(), federation_privacy(cfg, population=population, sampled=sampled,
+                                                                 rounds=rounds), cfg, seed=0)
     q = sampled / population
     rows = {"a": {"round": rounds, "client": "a"}}
-    eps = setting_holder.record(rows, {"a": (1, 2.0)}, 1.0, history=[])
+    eps = server.record(rows, {"a": (1, 2.0)}, 1.0, history=[])
     assert eps == pytest.approx(_opacus_rdp_epsilon(q, z, rounds, 1e-5), rel=1e-9)
     if q < 1:
         assert eps <= _independent_epsilon(q, z, rounds, 1e-5) + 1e-9  # opacus' conversion is the tighter one

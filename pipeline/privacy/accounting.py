@@ -122,6 +122,19 @@ def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds
     return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, rounds, delta, cfg.accountant)
 
 
+def sampled_per_round(population: int, fraction_train: float) -> int:
+    """The expected number of clients per round, ``max(int(n * fraction_train), 1)`` (what Flower's FedAvg samples
+    as a fixed count); under client-level DP each client joins with probability this / n."""
+    return max(int(population * fraction_train), 1)
+
+
+def server_setting(plan, population: int) -> FederationPrivacy:
+    """A run's client-level DP setting: the plan's group over ``population`` clients."""
+    t = plan.train
+    return federation_privacy(plan.privacy, population, sampled_per_round(population, t.fraction_train), t.rounds,
+                              where=plan.source or plan.experiment)
+
+
 # ----------------------------------------------------------------------------------- example-level (mode example)
 @dataclass(frozen=True)
 class ClientPrivacy:

@@ -1,25 +1,19 @@
 """Client-level differential privacy across organisations (``privacy.mode: client``, docs/privacy.md): the server
-strategy that samples, clips, averages and noises the clients' updates, the client's clipping mod, and what each
-round records. The setting and the accountant: pipeline.privacy.accounting (:class:`FederationPrivacy`).
+strategy that samples, clips, averages and noises the clients' updates and records each round, and the client's
+clipping mod. The setting and the accountant: pipeline.privacy.accounting (:class:`FederationPrivacy`).
 
-:class:`ClientLevelDP` is a Flower ``Strategy`` around the inner FedAvg/FedProx, which it drives through its
-public ``configure_train`` / ``aggregate_train``, with Flower's DP primitives: the flat clipping and
-``compute_stdv`` of ``flwr.supercore.differential_privacy`` and, on the client (``clipping_side: client``),
-``fixedclipping_mod`` / ``adaptiveclipping_mod``, which clip the reply before it leaves (the precondition of
-SecAgg+). Flower's ``DifferentialPrivacy*Clipping`` wrappers are not used: no public hook changes what the
-accountant here needs, and they differ from it in
-- sampling: a fixed-size sample, while the accountant composes Poisson sampling (each client joins with
-  probability q) of a sum over the expected count m (a public denominator, whoever joined);
-- weights: FedAvg weighs a reply by its ``num-examples``, while the noise z C / m calibrates a mean in which each
-  client weighs 1/m (the clients' ``num-examples`` still reach the records);
-- the noise: numpy's global generator, while here a generator per (experiment seed, round) makes runs
-  reproducible and a resumed run draw what the uninterrupted one would have (the seed is in the plan, so the
-  noise is not secret from whoever has the plan, as for DP-SGD's); and z = 0 with C = .inf draws N(0, 0 x inf) =
-  NaN there;
-- adaptive clipping: Flower 1.41 multiplies C by ``exp(-lr (f - t))`` in the clipped fraction f and the target
-  t, which runs C away from the target, where Andrew et al.'s rule is ``C exp(lr (f - t))`` (fixed point: a
-  fraction t clipped); and it scales the round's noise by next round's C, not by the C the updates were clipped
-  to (under-noised whenever C shrinks).
+:class:`ClientLevelDP` is a Flower ``Strategy`` around the inner FedAvg/FedProx, driven through its public
+``configure_train`` / ``aggregate_train``, with Flower's DP primitives (the flat clipping and ``compute_stdv``;
+on the client, ``fixedclipping_mod`` / ``adaptiveclipping_mod``, which clip before the reply leaves: the
+precondition of SecAgg+). Flower's ``DifferentialPrivacy*Clipping`` wrappers are not used, and no public hook of
+theirs changes what they do: they sample a fixed number of clients (the accountant composes Poisson sampling
+of a sum over the expected count m, a public denominator); they weigh a reply by its ``num-examples`` (the noise
+z C / m calibrates a mean in which each client weighs 1/m); they draw from numpy's global generator (here one per
+(experiment seed, round): reproducible, and a resumed run draws what the uninterrupted one would have; the seed
+is in the plan, so the noise is not secret from whoever has it, as for DP-SGD's) and draw N(0, 0 x inf) = NaN
+at z = 0 with C = .inf; and Flower 1.41's adaptive clipping multiplies C by ``exp(-lr (f - t))`` in the clipped
+fraction f and the target t, which runs C away from the target (Andrew et al.: ``C exp(lr (f - t))``), and
+scales the round's noise by next round's C instead of the C the updates were clipped to.
 """
 from __future__ import annotations
 
@@ -34,24 +28,17 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.differential_privacy import (KEY_CLIPPING_NORM, KEY_NORM_BIT, adaptive_clip_inputs_inplace,
                                                  compute_stdv, get_norm)
 
-from pipeline.experiments import Plan
 from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, load_plan,
                                           plan_path_of)
-from pipeline.privacy.accounting import FederationPrivacy, federation_privacy
+from pipeline.privacy.accounting import FederationPrivacy
 from pipeline.privacy.secure_aggregation import is_legacy_fit
-from pipeline.privacy.settings import PrivacyConfig, client_level_problem
+from pipeline.privacy.settings import PrivacyConfig
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
 
 UNIFORM_WEIGHT_KEY = "dp-unit-weight"  # set by the server on each reply it aggregates under mode client
 SAMPLING_STREAM = 1  # the Poisson sample's generator: [seed, round, 1] (the noise's is [seed, round])
-
-
-def sampled_per_round(population: int, fraction_train: float) -> int:
-    """The expected number of clients per round, ``max(int(n * fraction_train), 1)`` (what Flower's FedAvg samples
-    as a fixed count); under client-level DP each client joins with probability this / n."""
-    return max(int(population * fraction_train), 1)
 
 
 def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -> list[int]:
@@ -75,7 +62,8 @@ class _ChosenNodes:
 class ClientLevelDP(Strategy):
     """DP-FedAvg around ``strategy`` (module docstring): Poisson sampling, clipping to C (on the server, or checked
     and counted from the clients' mods), the uniform sum over the expected count and the Gaussian noise; adaptive
-    clipping moves :attr:`clipping_norm` every round. The inner strategy runs with fraction_train 1."""
+    clipping moves :attr:`clipping_norm` every round. The inner strategy runs with fraction_train 1. It is also the
+    server's record of the run (:meth:`clipped`, :meth:`record`)."""
 
     def __init__(self, strategy, setting: FederationPrivacy, cfg: PrivacyConfig, seed: int):
         super().__init__()
@@ -87,6 +75,9 @@ class ClientLevelDP(Strategy):
         self.clipping_norm = np.float64(setting.clipping_norm)
         self._arrays: ArrayRecord | None = None  # the global the round's updates are taken against
         strategy.fraction_train = 1.0
+        log.info("client-level DP, z=%.4g, C=%s, %d of %d clients per round (q=%.4g), delta=%g",
+                 setting.noise_multiplier, setting.clipping_norm, setting.sampled, setting.population,
+                 setting.sample_rate, setting.delta)
 
     def configure_train(self, server_round, arrays, config, grid):
         """Poisson sampling (a generator of its own per (experiment seed, round), apart from the noise's): an empty
@@ -95,8 +86,7 @@ class ClientLevelDP(Strategy):
         rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
         chosen = poisson_sample(sorted(grid.get_node_ids()), self.setting.sample_rate, rng)
         if not chosen:
-            log.info("round %d: the Poisson sample of clients is empty (q=%.4g): nothing to aggregate",
-                     server_round, self.setting.sample_rate)
+            log.info("round %d: the Poisson sample of clients is empty: nothing to aggregate", server_round)
             return []
         if self.client_side:
             config[KEY_CLIPPING_NORM] = self.clipping_norm  # what the clients' mods clip to
@@ -129,16 +119,13 @@ class ClientLevelDP(Strategy):
             mean, metrics = inner.aggregate_train(server_round, replies)
         finally:
             inner.weighted_by_key = key  # evaluate replies carry num-examples only
-        if mean:
-            mean = self._release(rng, norm, mean, len(replies))
-        return mean, metrics
+        return (self._release(rng, norm, mean, len(replies)) if mean else mean), metrics
 
     def release_secure_mean(self, server_round: int, mean: ArrayRecord, clipped_count: int,
                             aggregated: int) -> ArrayRecord:
-        """Under SecAgg+ (client-side clipping only), which bypasses ``aggregate_train``: what it does after the
-        inner mean, for the uniform mean of ``aggregated`` clipped updates that SecAgg+ unmasked, from the same
-        seeded generator: adaptive clipping's C update from the count of clipped updates (``clipped_count``,
-        summed under the same masks), then the noise with the round's C."""
+        """Under SecAgg+ (client-side clipping only), which bypasses ``aggregate_train``: what that does after the
+        inner mean, from the same seeded generator, for the uniform mean of ``aggregated`` clipped updates that
+        SecAgg+ unmasked and the count of clipped ones summed under the same masks."""
         rng, norm = np.random.default_rng([self.seed, server_round]), self.clipping_norm
         if self.adaptive:
             self._move_clipping_norm(rng, clipped_count)
@@ -146,8 +133,7 @@ class ClientLevelDP(Strategy):
 
     def _clip(self, reply: Message, norm: float) -> int:
         """Clip the reply's update ``W_i - W`` to ``norm`` in place; 1 if it was clipped."""
-        received = reply.content[ARRAYS_KEY]
-        reference = self._arrays.to_numpy_ndarrays()
+        received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
         update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
         bit = adaptive_clip_inputs_inplace(update, norm)
         reply.content[ARRAYS_KEY] = ArrayRecord({k: Array(np.asarray(w + u))
@@ -155,8 +141,8 @@ class ClientLevelDP(Strategy):
         return int(bit)
 
     def _move_clipping_norm(self, rng: np.random.Generator, clipped: int) -> None:
-        """Andrew et al.'s ``C exp(lr (f - t))``, f the noisy count of clipped updates over the expected count m
-        (public: the number that replied would tell who joined)."""
+        """``C exp(lr (f - t))``, f the noisy count of clipped updates over the expected count m (public: the
+        number that replied would tell who joined)."""
         sigma_b = self.setting.count_stddev
         noise = rng.normal(0.0, sigma_b) if sigma_b > 0 else 0.0
         fraction = float(clipped + noise) / float(self.setting.sampled)
@@ -185,21 +171,41 @@ class ClientLevelDP(Strategy):
         return self.strategy.aggregate_evaluate(server_round, replies)
 
     def summary(self) -> None:
-        log.info("client-level DP: z=%.4g, C=%s, q=%.4g", self.setting.noise_multiplier, self.clipping_norm,
-                 self.setting.sample_rate)
         self.strategy.summary()
 
+    def clipped(self, reply: Message, global_arrays: ArrayRecord, clipping_norm: float) -> tuple[int, float] | None:
+        """Whether this reply's update was (server side: will be) clipped at the round's C, and the norm of the
+        update as received (server side: before clipping); None for a reply of client-side clipping that is not
+        within C (a client without the mod): it must not be aggregated."""
+        norm = update_norm(reply.content[ARRAYS_KEY], global_arrays)
+        if not self.client_side:
+            return int(norm > clipping_norm), norm
+        metrics = reply.content[METRICS_KEY]
+        if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + rounding_slack(reply.content[ARRAYS_KEY]):
+            return None
+        return int(metrics[CLIPPED_KEY]), norm
 
-def wrap_strategy(strategy, plan: Plan, setting: FederationPrivacy) -> ClientLevelDP:
+    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
+               clipping_norm: float, history: list[dict[str, Any]]) -> float:
+        """Add the round's fields to the rows of the clients whose update entered the released aggregate;
+        returns epsilon after this round. ``update_norm`` is how C is chosen (a run with noise 0 and C .inf
+        shows every update's norm); like the losses, it is an un-noised number of the experiment record. Under
+        SecAgg+ the server knows neither: each row of the round gets the fraction of the round's updates that
+        were clipped (their bits summed under the masks) and no norm."""
+        rnd = max(int(row["round"]) for row in rows.values())
+        eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
+        for name, (bit, norm) in clipped.items():
+            rows[name].update({"update_clipped": bit, "update_norm": None if norm is None else float(norm),
+                               "clipping_norm": float(clipping_norm),
+                               "epsilon": None if eps == float("inf") else eps, "delta": self.setting.delta,
+                               "noise_multiplier": self.setting.noise_multiplier,
+                               "sample_rate": self.setting.sample_rate})
+        return eps
+
+
+def wrap_strategy(strategy, plan, setting: FederationPrivacy) -> ClientLevelDP:
     """The plan's client-level DP strategy around ``strategy`` (FedAvg or FedProx)."""
     return ClientLevelDP(strategy, setting, plan.privacy, derived_seed(plan.seed, "client-dp-noise"))
-
-
-def server_setting(plan: Plan, population: int) -> FederationPrivacy:
-    """The run's client-level DP setting: the plan's group over ``population`` clients."""
-    t = plan.train
-    return federation_privacy(plan.privacy, population, sampled_per_round(population, t.fraction_train), t.rounds,
-                              where=plan.source or plan.experiment)
 
 
 # ----------------------------------------------------------------------------------------------- client side
@@ -239,47 +245,3 @@ def client_dp_mod(msg: Message, context: Context, call_next):
         config[KEY_CLIPPING_NORM] = np.float64(config[KEY_CLIPPING_NORM])
     mod = adaptiveclipping_mod if privacy.clipping == "adaptive" else fixedclipping_mod
     return mod(msg, context, mark_clipped)
-
-
-# ----------------------------------------------------------------------------------------------- the record
-class RoundPrivacy:
-    """The server's side of one run: the setting, which updates were clipped, and the fields each round's rows get."""
-
-    def __init__(self, plan: Plan, population: int):
-        problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
-        if problem:  # the plan stage refuses it; a plan file written by hand is refused here
-            raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
-        self.setting = server_setting(plan, population)
-        self.side = plan.privacy.clipping_side
-        log.info("%s: client-level DP, z=%.4g, C=%s, %d of %d clients per round (q=%.4g), delta=%g",
-                 plan.experiment, self.setting.noise_multiplier, self.setting.clipping_norm, self.setting.sampled,
-                 population, self.setting.sample_rate, self.setting.delta)
-
-    def clipped(self, reply: Message, global_arrays: ArrayRecord, clipping_norm: float) -> tuple[int, float] | None:
-        """Whether this reply's update was (server side: will be) clipped at the round's C, and the norm of the
-        update as received (server side: before clipping); None for a reply of client-side clipping that is not
-        within C (a client without the mod): it must not be aggregated."""
-        norm = update_norm(reply.content[ARRAYS_KEY], global_arrays)
-        if self.side == "server":
-            return int(norm > clipping_norm), norm
-        metrics = reply.content[METRICS_KEY]
-        if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + rounding_slack(reply.content[ARRAYS_KEY]):
-            return None
-        return int(metrics[CLIPPED_KEY]), norm
-
-    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
-               clipping_norm: float, history: list[dict[str, Any]]) -> float:
-        """Add the round's fields to the rows of the clients whose update entered the released aggregate;
-        returns epsilon after this round. ``update_norm`` is how C is chosen (a run with noise 0 and C .inf
-        shows every update's norm); like the losses, it is an un-noised number of the experiment record. Under
-        SecAgg+ the server knows neither: each row of the round gets the fraction of the round's updates that
-        were clipped (their bits summed under the masks) and no norm."""
-        rnd = max(int(row["round"]) for row in rows.values())
-        eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
-        for name, (bit, norm) in clipped.items():
-            rows[name].update({"update_clipped": bit, "update_norm": None if norm is None else float(norm),
-                               "clipping_norm": float(clipping_norm),
-                               "epsilon": None if eps == float("inf") else eps, "delta": self.setting.delta,
-                               "noise_multiplier": self.setting.noise_multiplier,
-                               "sample_rate": self.setting.sample_rate})
-        return eps

@@ -1,34 +1,9 @@
-"""Example-level DP-SGD inside each organisation (params ``privacy.mode: example``, README "Privacy"): Poisson
-micro-batches, per-example clipping and Gaussian noise, hidden behind :class:`DPSGDStep` (the local trainer's one
-step path asks it for its batches and its gradient).
-
-The mechanism (Abadi et al. 2016), per optimizer step of a client's local training:
-
-- Sampling: Poisson. Every training example joins the step's logical batch independently with probability
-  ``q = batch_size * grad_accum_steps / n`` (opacus' ``UniformWithReplacementSampler``, the sampler of its
-  ``DPDataLoader``); an epoch is ``ceil(n / (batch_size * grad_accum_steps))`` such steps, as without privacy.
-  The logical batch (random size, possibly empty) is cut into micro-batches of ``train.batch_size`` for memory.
-- Per-example loss: a function of the example alone, so that clipping bounds its whole contribution. The
-  project's token mean over the effective batch divides by the batch's token count, which depends on the other
-  examples (removing one rescales everyone's share), so it cannot be clipped per example. Instead, with
-  ``train.loss_normalisation: tokens``, ``l_i = sum_t L_t / max_target_length`` (every token weighs the same, as
-  in the token mean, over a public denominator); with ``sequences``, ``l_i = mean_t L_t``.
-- Per-example gradients ``g_i`` of ``l_i`` (opacus' ``GradSampleHooks`` on the local adapter set), clipped as
-  opacus' DPOptimizer clips: ``g_i * min(1, C / (||g_i|| + 1e-6))``, summed over the micro-batches of the step.
-- Noise ``N(0, sigma^2 C^2)`` on every coordinate of the sum, then division by the expected batch size ``q n``
-  (public). A data-independent term (the FedProx proximal gradient) is added after the noise; AdamW's moments and
-  weight decay are post-processing.
-
-The accountant (opacus RDP or PRV) composes ``(sigma, q, steps)`` over every step the client takes in every round
-it trains; each client reports ``(epsilon, delta)`` with ``delta = 1 / n`` unless set. ``target_epsilon`` gives
-the noise multiplier from the planned steps: every round, ``rounds * local_epochs * steps_per_epoch`` (a client
-sampled in fewer rounds ends below the target). The noise comes from torch's seeded generator (reproducible
-runs); it is not a cryptographic source (opacus' secure_mode needs torchcsprng, which is not installed).
-
-Secure aggregation (``secure_aggregation: true``, the ``secagg`` settings; pipeline.privacy.secure_aggregation):
-the server receives the weighted sum of the uploads through Flower's SecAgg+ protocol instead of each client's
-upload. Only methods whose server merely averages can use it, and with mode client only client-side clipping
-(:func:`secure_aggregation_refusal`).
+"""Example-level DP-SGD inside each organisation (``privacy.mode: example``; the mechanism, what it covers and its
+accountant: docs/privacy.md): Poisson-sampled logical batches cut into micro-batches, per-example clipping as
+opacus' DPOptimizer clips, Gaussian noise N(0, sigma^2 C^2) on the sum and division by the expected batch size
+(Abadi et al. 2016). :class:`DPSGDSteps` is the local trainer's step object under this mode. The noise comes from
+torch's seeded generator (reproducible runs), not a cryptographic source (opacus' secure_mode needs torchcsprng,
+which is not installed).
 """
 from __future__ import annotations
 
@@ -55,7 +30,6 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
                                                                generator=generator, steps=n_steps)]
 
 
-# ----------------------------------------------------------------------------------------------- the step
 class DPSGDStep:
     """Per-example clipping, summing across micro-batches and Gaussian noise for one adapter set.
 
@@ -66,7 +40,6 @@ class DPSGDStep:
     def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int):
         from opacus.grad_sample import GradSampleHooks
 
-        self.module = module
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.setting = setting
         # sum reduction: grad_sample[i] is the gradient of example i's own loss l_i (no batch-size rescaling)
@@ -76,16 +49,13 @@ class DPSGDStep:
         self.clipped = 0  # per-example gradients whose norm exceeded C (over every step)
         self.examples = 0  # per-example gradients clipped or not
 
-    def per_example_norms(self) -> torch.Tensor:
-        grads = [p.grad_sample for p in self.params]
-        return torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in grads], dim=1).norm(2, dim=1)
-
     def accumulate(self) -> torch.Tensor:
         """Clip this micro-batch's per-example gradients, add them to the step's sum; returns their norms."""
-        norms = self.per_example_norms()
+        grads = [p.grad_sample for p in self.params]
+        norms = torch.stack([g.reshape(len(g), -1).norm(2, dim=-1) for g in grads], dim=1).norm(2, dim=1)
         c = self.setting.max_grad_norm
         factor = (c / (norms + 1e-6)).clamp(max=1.0)  # opacus' DPOptimizer formula (C = inf -> 1)
-        clipped = [torch.einsum("i,i...->...", factor.to(p.grad_sample.dtype), p.grad_sample) for p in self.params]
+        clipped = [torch.einsum("i,i...->...", factor.to(g.dtype), g) for g in grads]
         self._summed = clipped if self._summed is None else [s + g for s, g in zip(self._summed, clipped)]
         self.clipped += int((norms > c).sum())
         self.examples += len(norms)
@@ -113,9 +83,10 @@ class DPSGDStep:
 
 
 def per_example_loss_scale(batch, normalisation: str, max_target_length: int) -> float:
-    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses of DP-SGD:
-    ``tokens``: sum_t L_t / max_target_length per example (the batch mean x N_tokens / T_max); ``sequences``:
-    the mean of each example's L_t (the batch mean x the number of sequences)."""
+    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses of DP-SGD (a
+    per-example loss is a function of the example alone, so that clipping bounds its whole contribution):
+    ``tokens``: sum_t L_t / max_target_length per example (the batch mean x N_tokens / T_max, a public
+    denominator); ``sequences``: the mean of each example's L_t (the batch mean x the number of sequences)."""
     from pipeline.modeling.batching import IGNORE_INDEX
 
     valid = batch.labels != IGNORE_INDEX
@@ -136,40 +107,27 @@ def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation
     return steps
 
 
-class DPSGDSteps:
-    """The local trainer's step object under mode example (the same interface as its non-private one,
+class DPSGDSteps(DPSGDStep):
+    """The local trainer's step object under mode example (the interface of its non-private one,
     pipeline.training.client_training.PlainSteps): :meth:`epoch` gives an epoch's steps of (micro-batch, weight)
     from Poisson samples, :meth:`backward` backpropagates a micro-batch's per-example loss sum and clips it,
     :meth:`finish` adds the noise and then the proximal gradient (data-independent: outside the clipping)."""
 
     def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
                  normalisation: str, max_target_length: int, proximal=None):
-        self.seed, self.examples_frame, self.micro_batches = seed, examples, micro_batches
+        super().__init__(module, setting, derived_seed(seed, "dp-noise"))
+        self.seed, self.frame, self.micro_batches, self.proximal = seed, examples, micro_batches, proximal
         self.normalisation, self.max_target_length = normalisation, max_target_length
-        self.proximal = proximal
-        self.step = DPSGDStep(module, setting, derived_seed(seed, "dp-noise"))
-        self.setting = setting
 
     def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
-        return poisson_epoch(self.examples_frame, self.micro_batches, self.setting, self.normalisation,
+        return poisson_epoch(self.frame, self.micro_batches, self.setting, self.normalisation,
                              self.max_target_length, derived_seed(self.seed, epoch, "poisson"))
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
         (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
-        self.step.accumulate()
+        self.accumulate()
 
     def finish(self) -> None:
-        self.step.finish()
+        super().finish()
         if self.proximal is not None:
             self.proximal.add_gradient()
-
-    def close(self) -> None:
-        self.step.close()
-
-    @property
-    def examples(self) -> int:
-        return self.step.examples
-
-    @property
-    def clipped(self) -> int:
-        return self.step.clipped

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.common.config import to_dict
-from pipeline.privacy.client_dp import server_setting
+from pipeline.privacy.accounting import server_setting
 
 # A client's DP-SGD report in metrics.json and MLflow (pipeline.privacy; None = unbounded)
 PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")

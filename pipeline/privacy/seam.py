@@ -2,15 +2,16 @@
 changes stays in pipeline/privacy/ and a run without privacy goes through the same code with ``None`` back."""
 from __future__ import annotations
 
-from pipeline.privacy.accounting import client_privacy
+from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
 from pipeline.privacy.example_dp import DPSGDSteps
+from pipeline.privacy.record import mlflow_metrics, run_record  # noqa: F401  (metrics.json's and MLflow's)
 
 
 def local_steps(plan, module, examples, seed: int, where: str, micro_batches, normalisation: str,
                 max_target_length: int, proximal=None) -> DPSGDSteps | None:
     """The local trainer's step object under privacy.mode example (DP-SGD on ``module``, the local adapter set,
     for this client's ``examples``), or None: the trainer then takes its plain steps (mode client's mechanism is
-    the server's wrapper and the client's clipping mod, not the local step)."""
+    the server's strategy and the client's clipping mod, not the local step)."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
     cfg = plan.train
@@ -24,19 +25,17 @@ def check_run(plan) -> None:
     of 1/n or more (n: the examples a client trains on, after the run's cap; mode client: the clients), or a
     target epsilon the accountant cannot reach. One line naming the params key, the plan and the client."""
     from pipeline.common.config import ConfigError
-    from pipeline.privacy.client_dp import server_setting
     from pipeline.training.client_data import read_partition
 
     cfg = plan.privacy
     if cfg is None or not cfg.enabled or not plan.spec.federated:
         return
     clients = read_partition(plan.paths["partition"])["clients"]
-    where = plan.source or plan.experiment
+    where, t = plan.source or plan.experiment, plan.train
     try:
         if cfg.mode == "client":
             server_setting(plan, len(clients))
             return
-        t = plan.train
         for name, splits in clients.items():
             n = len(splits["train"])
             n = n if t.max_train_examples_per_client is None else min(n, t.max_train_examples_per_client)
@@ -46,29 +45,19 @@ def check_run(plan) -> None:
         raise ConfigError(str(exc)) from None
 
 
-def run_record(plan, history, clients):
-    """metrics.json's privacy parts of a finished run (pipeline.privacy.record.run_record)."""
-    from pipeline.privacy.record import run_record as record
-
-    return record(plan, history, clients)
-
-
-def mlflow_metrics(metrics):
-    """The run's closing MLflow metrics of privacy (pipeline.privacy.record.mlflow_metrics)."""
-    from pipeline.privacy.record import mlflow_metrics as of
-
-    return of(metrics)
-
-
 def client_level(plan, strategy, population: int):
-    """(strategy, record): under privacy.mode client, Flower's DP wrapper around ``strategy`` and the server's
-    per-round record (pipeline.privacy.client_dp.RoundPrivacy); else ``strategy`` itself and None."""
+    """(strategy, record): under privacy.mode client, the DP strategy around ``strategy``, which is also the
+    server's per-round record (pipeline.privacy.client_dp.ClientLevelDP), twice; else ``strategy`` and None."""
     if plan.privacy is None or plan.privacy.mode != "client":
         return strategy, None
-    from pipeline.privacy.client_dp import RoundPrivacy, wrap_strategy
+    from pipeline.privacy.client_dp import wrap_strategy
+    from pipeline.privacy.settings import client_level_problem
 
-    record = RoundPrivacy(plan, population)
-    return wrap_strategy(strategy, plan, record.setting), record
+    problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
+    if problem:  # the plan stage refuses it; a plan file written by hand is refused here
+        raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
+    dp = wrap_strategy(strategy, plan, server_setting(plan, population))
+    return dp, dp
 
 
 def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float,
@@ -86,7 +75,7 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
     if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
         raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
     first = len([c for c in clients if c != late])
-    per_round = max(int(first * plan.train.fraction_train), 1)  # Flower's sample size
+    per_round = sampled_per_round(first, plan.train.fraction_train)  # Flower's sample size
     if per_round < 2:
         raise ValueError(f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
                          f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
@@ -129,7 +118,7 @@ STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rou
 
 class ClientLedger:
     """A client's example-level DP history across rounds, kept in its ``context.state`` (and in its checkpoints,
-    so a restarted client keeps composing): the steps taken so far and each round's (epsilon, delta)."""
+    so a restarted client keeps composing): the DP-SGD steps taken so far."""
 
     def __init__(self, context):
         self.state = context.state
@@ -147,23 +136,18 @@ class ClientLedger:
     def account(self, result) -> dict[str, float | int]:
         """The round's reply metrics of privacy: compose this round's DP-SGD steps (``result``, the local trainer's)
         with the earlier ones and report the accountant's (epsilon, delta) so far, the setting and this round's
-        clipped per-example gradients; {} for a round without example-level DP."""
+        clipped per-example gradients (-1: unbounded); {} for a round without example-level DP."""
         setting = result.privacy
         if setting is None:
             return {}
         total = (self.steps or 0) + int(result.n_steps)
         self._set(total)
-        eps = setting.epsilon(total)
-        return {
-            "dp-epsilon": float(eps) if eps != float("inf") else -1.0,  # -1: no bound (noise multiplier 0)
-            "dp-delta": float(setting.delta),
-            "dp-noise-multiplier": float(setting.noise_multiplier),
-            "dp-max-grad-norm": float(setting.max_grad_norm) if setting.max_grad_norm != float("inf") else -1.0,
-            "dp-sample-rate": float(setting.sample_rate),
-            "dp-steps": int(total),
-            "dp-examples": int(result.dp_examples),
-            "dp-clipped": int(result.dp_clipped),
-        }
+        eps, c = setting.epsilon(total), setting.max_grad_norm
+        return {"dp-epsilon": float(eps) if eps != float("inf") else -1.0, "dp-delta": float(setting.delta),
+                "dp-noise-multiplier": float(setting.noise_multiplier),
+                "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
+                "dp-sample-rate": float(setting.sample_rate), "dp-steps": int(total),
+                "dp-examples": int(result.dp_examples), "dp-clipped": int(result.dp_clipped)}
 
     def _set(self, steps: int) -> None:
         from flwr.app import MetricRecord

@@ -1,20 +1,16 @@
 """The params `privacy` group as a plan carries it (:class:`PrivacyConfig`, :class:`SecAggConfig`) and the
-refusals of what a privacy setting cannot protect (:func:`client_level_problem`, :func:`secure_aggregation_refusal`).
-What each mode does: pipeline.privacy.example_dp (mode example), pipeline.privacy.client_dp (mode client),
-pipeline.privacy.secure_aggregation (SecAgg+); the accountant: pipeline.privacy.accounting."""
+refusals of what a privacy setting cannot protect (:func:`client_level_problem`, :func:`secure_aggregation_refusal`)."""
 from __future__ import annotations
 
 import math
 from dataclasses import field
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from pipeline.common.config import Fraction, config, to_dict
 from pipeline.federation.strategies.catalog import STRATEGIES
 
-Mode = Literal["none", "example", "client"]
-MODES = get_args(Mode)
 SAMPLING = "poisson"
 # Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
 # key of the other mode changes no plan.
@@ -26,11 +22,10 @@ ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stdde
 CLIENT_DELTA = 1e-5
 EXAMPLE_DELTA = 1e-5  # mode example, delta null: min(this, 1 / (10 n)) for a client of n training examples
 ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
-# The server algorithms (pipeline.federation.strategies) whose new global is the average of the replies and
-# nothing more (Flower's FedProx only adds `proximal-mu` to the train config; each registers `averaging`): mode client's noise calibrates that
-# mean, and SecAgg+ gives the server that mean and no single reply.
+# The server algorithms whose new global is the average of the replies and nothing more (each registers
+# `averaging`; FedProx's mu is the client's): mode client's noise calibrates that mean, and SecAgg+ gives the
+# server that mean and no single reply.
 AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.averaging)
-
 
 # SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
 # and of their integer weights must stay below it.
@@ -68,7 +63,7 @@ class SecAggConfig:
 class PrivacyConfig:
     """params `privacy` (the comments on each key live in the params file)."""
 
-    mode: Mode = "none"
+    mode: Literal["none", "example", "client"] = "none"
     noise_multiplier: FiniteNonNegative | None = None
     target_epsilon: FinitePositive | None = None
     max_grad_norm: Bound = 1.0
