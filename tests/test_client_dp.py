@@ -82,7 +82,7 @@ def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated(
     # (an empty round too), so epsilon depends on the rounds run and nothing else
     assert s.sampling == "poisson" and s.epsilon_after(2) > s.epsilon_after(1) > s.epsilon_after(0) == 0.0
     assert 0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.epsilon_after(2) <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
-    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 5, 1e-5, "rdp").epsilon_after(1) == math.inf
+    assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 1e-5, "rdp").epsilon_after(1) == math.inf
 
 
 def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
@@ -126,14 +126,14 @@ def _wrapped(n_nodes: int, global_arrays, **privacy):
     from flwr.app import ConfigRecord
 
     from pipeline.federation.client_app import client_app
-    from pipeline.privacy.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import ClientLevelDP
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)
     cfg = _client_cfg(**privacy)
     setting = federation_privacy(cfg, population=n_nodes, sampled=n_nodes, rounds=1)
-    strategy = wrap_strategy(build_strategy("fedavg", {}, fraction_train=1.0,
+    strategy = ClientLevelDP(build_strategy("fedavg", {}, fraction_train=1.0,
                                             client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0), setting)
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n_nodes)])
     messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(), grid))
@@ -192,14 +192,14 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
     from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
     from pipeline.federation.client_app import client_app
-    from pipeline.privacy.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import ClientLevelDP
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)
     cfg = _client_cfg(noise_multiplier=0.0, clipping="adaptive", clipping_norm=0.1, clipped_count_stddev=0.0,
                       clip_norm_lr=0.2, target_clipped_quantile=0.5, clipping_side=side)
-    strategy = wrap_strategy(build_strategy("fedavg", {}, fraction_train=1.0,
+    strategy = ClientLevelDP(build_strategy("fedavg", {}, fraction_train=1.0,
                                             client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0),
                              federation_privacy(cfg, population=4, sampled=4, rounds=1))
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(4)])

@@ -35,13 +35,13 @@ def _fixed_wrapper(population: int, sampled: int, noise: float = 0.0):
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
     from pipeline.privacy.accounting import federation_privacy
-    from pipeline.privacy.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import ClientLevelDP
 
     _set_server_identity(1)  # messages are created as the ServerApp's (as tests/test_client_dp.py does)
     cfg = _client_cfg(noise_multiplier=noise, clipping_norm=1.0)
     setting = federation_privacy(cfg, population=population, sampled=sampled, rounds=10)
     inner = build_strategy("fedavg", {}, fraction_train=sampled / population, client_lr=1e-3)
-    return wrap_strategy(inner, SimpleNamespace(privacy=cfg, seed=0), setting), setting
+    return ClientLevelDP(inner, SimpleNamespace(privacy=cfg, seed=0), setting), setting
 
 
 def test_poisson_sample_takes_each_client_independently_with_probability_q():
@@ -100,8 +100,8 @@ def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round
     from pipeline.privacy.client_dp import ClientLevelDP
 
     cfg = _client_cfg(noise_multiplier=z, clipping_norm=1.0, delta=1e-5)
-    server = ClientLevelDP(SimpleNamespace(), federation_privacy(cfg, population=population, sampled=sampled,
-                                                                 rounds=rounds), cfg, seed=0)
+    server = ClientLevelDP(SimpleNamespace(), SimpleNamespace(privacy=cfg, seed=0),
+                           federation_privacy(cfg, population=population, sampled=sampled, rounds=rounds))
     q = sampled / population
     rows = {"a": {"round": rounds, "client": "a"}}
     eps = server.record(rows, {"a": (1, 2.0)}, 1.0, history=[])

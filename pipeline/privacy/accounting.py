@@ -1,13 +1,13 @@
 """The accountant of both DP modes (opacus' RDP or PRV) and the resolved settings: a client's DP-SGD setting
 (:class:`ClientPrivacy`, mode example) and a federation's client-level setting (:class:`FederationPrivacy`, mode
-client). The mechanisms are in pipeline.privacy.example_dp and pipeline.privacy.client_dp."""
+client)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, EXAMPLE_DELTA, SAMPLING, PrivacyConfig
+from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, EXAMPLE_DELTA, PrivacyConfig
 
 
 def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
@@ -53,11 +53,10 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
 # ------------------------------------------------------------------------------------ client-level (mode client)
 def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
     """Adaptive clipping releases two Gaussian sums per round: the clipped updates (multiplier z_u) and the count of
-    clipped updates (std sigma_b). Andrew et al.'s split ``z_u = (z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's wrappers
-    use it) assumes the count's sensitivity is 1/2 (TF Privacy centres each bit at -0.5); the count here sums
-    uncentred 0/1 bits (Flower's norm bit), sensitivity 1, so the pair is a Gaussian mechanism of multiplier
-    ``(z_u^-2 + sigma_b^-2)^-1/2``. z (``noise_multiplier``) is that combined multiplier, the one the accountant
-    composes; this returns z_u (needs ``z < sigma_b``)."""
+    clipped updates (std sigma_b). Andrew et al.'s split ``z_u = (z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's) assumes
+    the count's sensitivity is 1/2 (TF Privacy centres each bit at -0.5); Flower's norm bits are uncentred 0/1,
+    sensitivity 1, so the pair is a Gaussian mechanism of multiplier ``(z_u^-2 + sigma_b^-2)^-1/2``: z
+    (``noise_multiplier``), the one the accountant composes. This returns z_u (needs ``z < sigma_b``)."""
     if noise_multiplier == 0:
         return 0.0
     return (noise_multiplier ** -2 - count_stddev ** -2) ** -0.5
@@ -65,15 +64,9 @@ def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> 
 
 @dataclass(frozen=True)
 class FederationPrivacy:
-    """Client-level DP of a federated run (mode client): one client's whole contribution to every aggregate.
-
-    Per round every client joins independently with probability ``q = sampled / population`` (Poisson sampling,
-    pipeline.privacy.client_dp); each joined update ``W_i - W`` is clipped to C, the clipped updates are summed
-    and divided by the expected count ``sampled`` (a public denominator: one client's presence moves the result by
-    at most C / sampled, whoever else joined), and N(0, (z_u C / sampled)^2) is added to every coordinate. That is
-    the Poisson-subsampled Gaussian mechanism of multiplier z on the sum of clipped updates (DP-FedAvg, McMahan
-    et al. 2018), which opacus' accountants compose exactly, once per round: a round whose sample came out empty
-    (nothing aggregated) is counted too."""
+    """Client-level DP of a federated run (mode client; the mechanism: pipeline.privacy.client_dp): the
+    Poisson-subsampled Gaussian mechanism on the sum of clipped updates over the expected count (DP-FedAvg, McMahan
+    et al. 2018), which opacus' accountants compose exactly, once per round, an empty sample included."""
 
     noise_multiplier: float  # z: what the accountant composes per round (adaptive: updates and count together)
     update_noise_multiplier: float  # z_u: the noise on the mean update is z_u C / sampled (fixed: = z)
@@ -81,19 +74,17 @@ class FederationPrivacy:
     clipping_norm: float  # fixed C, or adaptive clipping's initial C
     population: int
     sampled: int  # the expected number of clients per round (Poisson: q x population)
-    rounds: int
     delta: float
     accountant: str
-    sampling: str = SAMPLING  # "poisson": each client independently with probability q, every round
+    sampling: str = "poisson"  # each client independently with probability q, every round
 
     @property
     def sample_rate(self) -> float:
         return self.sampled / self.population
 
     def epsilon_after(self, rounds: int) -> float:
-        """epsilon after ``rounds`` rounds, whatever each aggregated (an empty sample too): the sum is divided by
-        the expected count, so every round's sensitivity is C / sampled and its multiplier z_u (adaptive clipping:
-        combined with the clipped count's, ``(z_u^-2 + sigma_b^-2)^-1/2``)."""
+        """epsilon after ``rounds`` rounds, whatever each aggregated: the sum is divided by the expected count, so
+        every round's sensitivity is C / sampled and its multiplier z_u (adaptive: combined with the count's)."""
         z = self.update_noise_multiplier
         if self.count_stddev is not None and z != 0:
             z = (z ** -2 + self.count_stddev ** -2) ** -0.5
@@ -119,12 +110,11 @@ def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds
                              f"/ 20): the count's noise alone must not exceed the budget")
         z_u = adaptive_update_multiplier(z, count_stddev)
     norm = cfg.clipping_norm if cfg.clipping_norm is not None else ADAPTIVE_INITIAL_NORM
-    return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, rounds, delta, cfg.accountant)
+    return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, delta, cfg.accountant)
 
 
 def sampled_per_round(population: int, fraction_train: float) -> int:
-    """The expected number of clients per round, ``max(int(n * fraction_train), 1)`` (what Flower's FedAvg samples
-    as a fixed count); under client-level DP each client joins with probability this / n."""
+    """The expected number of clients per round: what Flower's FedAvg samples as a fixed count."""
     return max(int(population * fraction_train), 1)
 
 
@@ -156,9 +146,8 @@ class ClientPrivacy:
 
 def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int,
                    where: str = "") -> ClientPrivacy:
-    """Resolve sigma, q and delta for a client with ``n_examples`` training examples: delta is
-    ``privacy.delta``, refused at 1/n or above (publishing one random training example in the clear meets
-    (0, 1/n)), else min(1e-5, 1 / (10 n))."""
+    """Resolve sigma, q and delta (``privacy.delta``, else min(1e-5, 1 / (10 n))) for a client of n training
+    examples; a delta of 1/n or more is refused: publishing one random example in the clear meets (0, 1/n)."""
     if n_examples < 1:
         raise ValueError(f"{where}: no training example")
     delta = cfg.delta if cfg.delta is not None else min(EXAMPLE_DELTA, 1.0 / (10 * n_examples))

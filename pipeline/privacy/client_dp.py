@@ -2,18 +2,16 @@
 strategy that samples, clips, averages and noises the clients' updates and records each round, and the client's
 clipping mod. The setting and the accountant: pipeline.privacy.accounting (:class:`FederationPrivacy`).
 
-:class:`ClientLevelDP` is a Flower ``Strategy`` around the inner FedAvg/FedProx, driven through its public
-``configure_train`` / ``aggregate_train``, with Flower's DP primitives (the flat clipping and ``compute_stdv``;
-on the client, ``fixedclipping_mod`` / ``adaptiveclipping_mod``, which clip before the reply leaves: the
-precondition of SecAgg+). Flower's ``DifferentialPrivacy*Clipping`` wrappers are not used, and no public hook of
-theirs changes what they do: they sample a fixed number of clients (the accountant composes Poisson sampling
-of a sum over the expected count m, a public denominator); they weigh a reply by its ``num-examples`` (the noise
-z C / m calibrates a mean in which each client weighs 1/m); they draw from numpy's global generator (here one per
-(experiment seed, round): reproducible, and a resumed run draws what the uninterrupted one would have; the seed
-is in the plan, so the noise is not secret from whoever has it, as for DP-SGD's) and draw N(0, 0 x inf) = NaN
-at z = 0 with C = .inf; and Flower 1.41's adaptive clipping multiplies C by ``exp(-lr (f - t))`` in the clipped
-fraction f and the target t, which runs C away from the target (Andrew et al.: ``C exp(lr (f - t))``), and
-scales the round's noise by next round's C instead of the C the updates were clipped to.
+:class:`ClientLevelDP` is a Flower ``Strategy`` around the inner FedAvg/FedProx (its public ``configure_train`` /
+``aggregate_train``), with Flower's DP primitives: the flat clipping, ``compute_stdv``, and on the client
+``fixedclipping_mod`` / ``adaptiveclipping_mod``. Not Flower's ``DifferentialPrivacy*Clipping`` wrappers, whose
+public methods cannot be told to: sample clients by Poisson sampling over a public denominator (what the
+accountant composes), weigh each client 1/m (the mean z C / m calibrates; FedAvg weighs by ``num-examples``), draw
+the noise from a generator seeded per (experiment seed, round) (reproducible and resumable; numpy's global one
+there), add nothing at z = 0 (N(0, 0 x inf) = NaN with C = .inf there), move C by Andrew et al.'s
+``C exp(lr (f - t))`` (Flower 1.41: ``exp(-lr (f - t))``, which runs away from the target) and noise a round at
+the C its updates were clipped to (Flower: next round's C). The seed is in the plan: the noise is not secret
+from whoever has the plan, as for DP-SGD's.
 """
 from __future__ import annotations
 
@@ -32,7 +30,6 @@ from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, M
                                           plan_path_of)
 from pipeline.privacy.accounting import FederationPrivacy
 from pipeline.privacy.secure_aggregation import is_legacy_fit
-from pipeline.privacy.settings import PrivacyConfig
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
@@ -50,34 +47,29 @@ class _ChosenNodes:
     """A Grid that shows the inner strategy only the round's Poisson sample (it configures every node it sees)."""
 
     def __init__(self, grid, nodes: list[int]):
-        self._grid, self._nodes = grid, list(nodes)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self._nodes)
+        self._grid, self.get_node_ids = grid, lambda: list(nodes)
 
     def __getattr__(self, name):
         return getattr(self._grid, name)
 
 
 class ClientLevelDP(Strategy):
-    """DP-FedAvg around ``strategy`` (module docstring): Poisson sampling, clipping to C (on the server, or checked
-    and counted from the clients' mods), the uniform sum over the expected count and the Gaussian noise; adaptive
-    clipping moves :attr:`clipping_norm` every round. The inner strategy runs with fraction_train 1. It is also the
-    server's record of the run (:meth:`clipped`, :meth:`record`)."""
+    """DP-FedAvg around ``strategy`` (FedAvg or FedProx, run with fraction_train 1) for ``plan``'s privacy group and
+    the resolved ``setting`` (module docstring); adaptive clipping moves :attr:`clipping_norm` every round. It is
+    also the server's record of the run (:meth:`clipped`, :meth:`record`)."""
 
-    def __init__(self, strategy, setting: FederationPrivacy, cfg: PrivacyConfig, seed: int):
+    def __init__(self, strategy, plan, setting: FederationPrivacy):
         super().__init__()
-        self.strategy, self.setting, self.seed = strategy, setting, seed
-        self.client_side, self.adaptive = cfg.clipping_side == "client", cfg.clipping == "adaptive"
-        self.target_clipped_quantile, self.clip_norm_lr = cfg.target_clipped_quantile, cfg.clip_norm_lr
+        self.strategy, self.setting, self.cfg = strategy, setting, plan.privacy
+        self.seed = derived_seed(plan.seed, "client-dp-noise")
+        self.client_side, self.adaptive = self.cfg.clipping_side == "client", self.cfg.clipping == "adaptive"
         # Flat clipping scales by min(1, C / ||update||): a Python float C raises ZeroDivisionError on an update of
         # norm exactly zero (and stops the server); numpy's C / 0 is inf, i.e. no scaling, as it should be.
         self.clipping_norm = np.float64(setting.clipping_norm)
         self._arrays: ArrayRecord | None = None  # the global the round's updates are taken against
         strategy.fraction_train = 1.0
-        log.info("client-level DP, z=%.4g, C=%s, %d of %d clients per round (q=%.4g), delta=%g",
-                 setting.noise_multiplier, setting.clipping_norm, setting.sampled, setting.population,
-                 setting.sample_rate, setting.delta)
+        log.info("client-level DP, z=%.4g, C=%s, %d of %d clients per round, delta=%g", setting.noise_multiplier,
+                 setting.clipping_norm, setting.sampled, setting.population, setting.delta)
 
     def configure_train(self, server_round, arrays, config, grid):
         """Poisson sampling (a generator of its own per (experiment seed, round), apart from the noise's): an empty
@@ -93,76 +85,62 @@ class ClientLevelDP(Strategy):
         return self.strategy.configure_train(server_round, arrays, config, _ChosenNodes(grid, chosen))
 
     def aggregate_train(self, server_round, replies):
-        """No aggregate from a round with an error reply; else clip (server side), move C (adaptive), average
-        uniformly over the expected count and add the noise at the C the updates were clipped to."""
+        """No aggregate from a round with an error reply; else clip (server side), average uniformly and release."""
         replies = list(replies)
         if any(reply.has_error() for reply in replies):
             log.info("round %d: a client replied with an error: no aggregate is released", server_round)
             return None, None
-        rng, norm = np.random.default_rng([self.seed, server_round]), self.clipping_norm
         clipped = 0
         for reply in replies:
             metrics = reply.content[METRICS_KEY]
             metrics[UNIFORM_WEIGHT_KEY] = 1
             if not self.client_side:
-                clipped += self._clip(reply, norm)
+                clipped += self._clip(reply)
             elif self.adaptive:
                 if KEY_NORM_BIT not in metrics:
                     raise ValueError(f"round {server_round}: a reply without {KEY_NORM_BIT!r} (Flower's "
                                      f"adaptiveclipping_mod adds it)")
                 clipped += int(bool(metrics[KEY_NORM_BIT]))
-        if self.adaptive:
-            self._move_clipping_norm(rng, clipped)
         inner = self.strategy
         key, inner.weighted_by_key = inner.weighted_by_key, UNIFORM_WEIGHT_KEY
         try:
             mean, metrics = inner.aggregate_train(server_round, replies)
         finally:
             inner.weighted_by_key = key  # evaluate replies carry num-examples only
-        return (self._release(rng, norm, mean, len(replies)) if mean else mean), metrics
+        return self.release_secure_mean(server_round, mean, clipped, len(replies)), metrics
 
-    def release_secure_mean(self, server_round: int, mean: ArrayRecord, clipped_count: int,
-                            aggregated: int) -> ArrayRecord:
-        """Under SecAgg+ (client-side clipping only), which bypasses ``aggregate_train``: what that does after the
-        inner mean, from the same seeded generator, for the uniform mean of ``aggregated`` clipped updates that
-        SecAgg+ unmasked and the count of clipped ones summed under the same masks."""
-        rng, norm = np.random.default_rng([self.seed, server_round]), self.clipping_norm
-        if self.adaptive:
-            self._move_clipping_norm(rng, clipped_count)
-        return self._release(rng, norm, mean, aggregated)
-
-    def _clip(self, reply: Message, norm: float) -> int:
-        """Clip the reply's update ``W_i - W`` to ``norm`` in place; 1 if it was clipped."""
-        received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
-        update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
-        bit = adaptive_clip_inputs_inplace(update, norm)
-        reply.content[ARRAYS_KEY] = ArrayRecord({k: Array(np.asarray(w + u))
-                                                 for k, w, u in zip(received.keys(), reference, update, strict=True)})
-        return int(bit)
-
-    def _move_clipping_norm(self, rng: np.random.Generator, clipped: int) -> None:
-        """``C exp(lr (f - t))``, f the noisy count of clipped updates over the expected count m (public: the
-        number that replied would tell who joined)."""
-        sigma_b = self.setting.count_stddev
-        noise = rng.normal(0.0, sigma_b) if sigma_b > 0 else 0.0
-        fraction = float(clipped + noise) / float(self.setting.sampled)
-        self.clipping_norm *= math.exp(self.clip_norm_lr * (fraction - self.target_clipped_quantile))
-
-    def _release(self, rng: np.random.Generator, norm: float, mean: ArrayRecord, k: int) -> ArrayRecord:
-        """The uniform mean of k updates as their sum over the expected count m, ``W + (k / m)(mean - W)`` (the mean
-        itself when k = m), plus N(0, (z_u C / m)^2) on every coordinate (nothing at z = 0)."""
-        m = self.setting.sampled
-        if k not in (m, 0) and self._arrays is not None:
-            ref = self._arrays.to_numpy_ndarrays()
+    def release_secure_mean(self, server_round: int, mean: ArrayRecord | None, clipped_count: int,
+                            aggregated: int) -> ArrayRecord | None:
+        """The release of the uniform mean of ``aggregated`` clipped updates (SecAgg+, which bypasses
+        ``aggregate_train``, unmasks it and the count of clipped ones): adaptive clipping's C update, then the mean
+        as the sum over the expected count m, ``W + (k / m)(mean - W)`` (the mean itself when k = m), plus
+        N(0, (z_u C / m)^2) on every coordinate at the round's C (nothing at z = 0)."""
+        rng, norm, m = np.random.default_rng([self.seed, server_round]), self.clipping_norm, self.setting.sampled
+        if self.adaptive:  # f: the noisy count over m (public: the number that replied would tell who joined)
+            noise = rng.normal(0.0, self.setting.count_stddev) if self.setting.count_stddev > 0 else 0.0
+            fraction = float(clipped_count + noise) / float(m)
+            self.clipping_norm *= math.exp(self.cfg.clip_norm_lr * (fraction - self.cfg.target_clipped_quantile))
+        if not mean:
+            return mean
+        if aggregated not in (m, 0) and self._arrays is not None:
+            k, ref = aggregated, self._arrays.to_numpy_ndarrays()
             mean = ArrayRecord({name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
                                 for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)})
         z = self.setting.update_noise_multiplier
         if z == 0:
             return mean
         std = compute_stdv(z, norm, m)
-        log.info("client-level DP: noise std %.4g on the aggregate", std)
         return ArrayRecord({k: Array(np.asarray(a + rng.normal(0.0, std, a.shape).astype(a.dtype)))
                             for k, a in zip(mean.keys(), mean.to_numpy_ndarrays())})
+
+    def _clip(self, reply: Message) -> int:
+        """Clip the reply's update ``W_i - W`` to C in place; 1 if it was clipped."""
+        received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
+        update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
+        bit = adaptive_clip_inputs_inplace(update, self.clipping_norm)
+        reply.content[ARRAYS_KEY] = ArrayRecord({k: Array(np.asarray(w + u))
+                                                 for k, w, u in zip(received.keys(), reference, update, strict=True)})
+        return int(bit)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
         return self.strategy.configure_evaluate(server_round, arrays, config, grid)
@@ -203,11 +181,6 @@ class ClientLevelDP(Strategy):
         return eps
 
 
-def wrap_strategy(strategy, plan, setting: FederationPrivacy) -> ClientLevelDP:
-    """The plan's client-level DP strategy around ``strategy`` (FedAvg or FedProx)."""
-    return ClientLevelDP(strategy, setting, plan.privacy, derived_seed(plan.seed, "client-dp-noise"))
-
-
 # ----------------------------------------------------------------------------------------------- client side
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:
     """The L2 norm of ``reply - reference`` over all tensors (Flower's flat clipping norm)."""
@@ -223,25 +196,23 @@ def rounding_slack(record: ArrayRecord) -> float:
 
 def client_dp_mod(msg: Message, context: Context, call_next):
     """The train handler's mod: with client-side clipping in the plan, Flower's ``fixedclipping_mod`` (or
-    ``adaptiveclipping_mod``) clips the reply; before that, the reply gets ``dp-update-clipped`` (whether its
-    update exceeded C: a count, like the norm bit the adaptive mod adds). Otherwise it passes the message on, as
-    it does SecAgg+'s legacy FitIns (the train handler clips that round inside legacy_fit, before the masking)."""
+    ``adaptiveclipping_mod``) clips the reply, which first gets ``dp-update-clipped`` (whether its update exceeded
+    C). Otherwise, and for SecAgg+'s legacy FitIns (clipped inside legacy_fit, before the masking), it passes."""
     if is_legacy_fit(msg):
         return call_next(msg, context)
     privacy = load_plan(plan_path_of(msg, context)).privacy
     if privacy is None or privacy.mode != "client" or privacy.clipping_side != "client":
         return call_next(msg, context)
-    received = msg.content[ARRAYS_KEY]
-    config = msg.content[CONFIG_KEY]
+    received, config = msg.content[ARRAYS_KEY], msg.content[CONFIG_KEY]
+    if KEY_CLIPPING_NORM in config:  # else Flower's mod answers with an error and calls nothing
+        config[KEY_CLIPPING_NORM] = np.float64(config[KEY_CLIPPING_NORM])  # numpy's again after the wire
 
     def mark_clipped(m: Message, c: Context) -> Message:
         reply = call_next(m, c)
-        if not reply.has_error() and KEY_CLIPPING_NORM in config:
+        if not reply.has_error():
             norm = update_norm(reply.content[ARRAYS_KEY], received)
             reply.content[METRICS_KEY][CLIPPED_KEY] = int(norm > float(config[KEY_CLIPPING_NORM]))
         return reply
 
-    if KEY_CLIPPING_NORM in config:  # a float again after the wire: numpy's, for an update of norm zero
-        config[KEY_CLIPPING_NORM] = np.float64(config[KEY_CLIPPING_NORM])
     mod = adaptiveclipping_mod if privacy.clipping == "adaptive" else fixedclipping_mod
     return mod(msg, context, mark_clipped)

@@ -3,6 +3,7 @@ run's client-level guarantee (mode client), the SecAgg+ settings and dropouts. E
 and the run's record names the sampling and the accountant."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 from pipeline.common.config import to_dict
@@ -28,18 +29,16 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
                 "clipped_fraction": sum(r["dp_clipped"] for r in dp_rows) / examples if examples else 0.0,
                 "steps": last["dp_steps"], "sample_rate": last["sample_rate"],
             }
-    privacy = None
-    if plan.privacy is not None and plan.privacy.mode == "client":
+    cfg, privacy = plan.privacy, None
+    if cfg is not None and cfg.mode == "client":
         privacy = client_level_summary(plan, history, clients)
-    elif plan.privacy is not None and plan.privacy.enabled:
-        eps = [c["privacy"]["epsilon"] for c in clients.values() if "privacy" in c]
-        deltas = [c["privacy"]["delta"] for c in clients.values() if "privacy" in c]
+    elif cfg is not None and cfg.enabled:
+        reports = [c["privacy"] for c in clients.values() if "privacy" in c]
+        eps = [r["epsilon"] for r in reports]
         # epsilon_max holds at delta_max: each client's (epsilon, delta) holds, so does the pair of the largest
-        privacy = {"mode": plan.privacy.mode, "accountant": plan.privacy.accountant,
-                   "sampling": "poisson",
-                   "target_epsilon": plan.privacy.target_epsilon,
-                   "epsilon_max": None if (not eps or None in eps) else max(eps),
-                   "delta_max": max(deltas) if deltas else None}
+        privacy = {"mode": cfg.mode, "accountant": cfg.accountant, "sampling": "poisson",
+                   "target_epsilon": cfg.target_epsilon, "epsilon_max": None if (not eps or None in eps) else max(eps),
+                   "delta_max": max((r["delta"] for r in reports), default=None)}
     secure = secure_aggregation_summary(plan, history)
     return {"privacy": privacy, **({"secure_aggregation": secure} if secure is not None else {})}
 
@@ -83,10 +82,7 @@ def secure_aggregation_summary(plan, history: list[dict[str, Any]]) -> dict[str,
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
     sampled = [r for r in history if r.get("sampled")]
-    dropped: dict[str, int] = {}
-    for r in sampled:
-        if r.get("failed"):
-            dropped[r["client"]] = dropped.get(r["client"], 0) + 1
+    dropped = dict(Counter(r["client"] for r in sampled if r.get("failed")))
     return {"protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", **to_dict(plan.privacy.secagg),
             "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
             "dropped": dropped, "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled)}
@@ -102,10 +98,7 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     else:
         out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
                for k in PRIVACY_FIELDS if v["privacy"][k] is not None}
-        if run and run["epsilon_max"] is not None:
-            out["epsilon_max"] = run["epsilon_max"]
-        if run and run.get("delta_max") is not None:
-            out["delta_max"] = run["delta_max"]
+        out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
     if metrics.get("secure_aggregation"):
         sa = metrics["secure_aggregation"]
         out |= {"secagg.rounds_aggregated": sa["rounds_aggregated"], "secagg.dropped": sum(sa["dropped"].values()),

@@ -10,8 +10,7 @@ from pipeline.privacy.record import mlflow_metrics, run_record  # noqa: F401  (m
 def local_steps(plan, module, examples, seed: int, where: str, micro_batches, normalisation: str,
                 max_target_length: int, proximal=None) -> DPSGDSteps | None:
     """The local trainer's step object under privacy.mode example (DP-SGD on ``module``, the local adapter set,
-    for this client's ``examples``), or None: the trainer then takes its plain steps (mode client's mechanism is
-    the server's strategy and the client's clipping mod, not the local step)."""
+    for this client's ``examples``), or None: the trainer then takes its plain steps."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
     cfg = plan.train
@@ -46,17 +45,17 @@ def check_run(plan) -> None:
 
 
 def client_level(plan, strategy, population: int):
-    """(strategy, record): under privacy.mode client, the DP strategy around ``strategy``, which is also the
-    server's per-round record (pipeline.privacy.client_dp.ClientLevelDP), twice; else ``strategy`` and None."""
+    """(strategy, record): under privacy.mode client, the DP strategy around ``strategy`` twice (it is also the
+    server's per-round record); else ``strategy`` and None."""
     if plan.privacy is None or plan.privacy.mode != "client":
         return strategy, None
-    from pipeline.privacy.client_dp import wrap_strategy
+    from pipeline.privacy.client_dp import ClientLevelDP
     from pipeline.privacy.settings import client_level_problem
 
     problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if problem:  # the plan stage refuses it; a plan file written by hand is refused here
         raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
-    dp = wrap_strategy(strategy, plan, server_setting(plan, population))
+    dp = ClientLevelDP(strategy, plan, server_setting(plan, population))
     return dp, dp
 
 
@@ -117,39 +116,35 @@ STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rou
 
 
 class ClientLedger:
-    """A client's example-level DP history across rounds, kept in its ``context.state`` (and in its checkpoints,
-    so a restarted client keeps composing): the DP-SGD steps taken so far."""
+    """A client's DP-SGD steps across rounds (mode example), kept in its ``context.state`` and its checkpoints, so
+    that a restarted client keeps composing."""
 
     def __init__(self, context):
         self.state = context.state
 
     @property
     def steps(self) -> int | None:
-        """DP-SGD steps so far; None when the client has taken none under DP (the checkpoint then records none)."""
+        """None when the client has taken no step under DP (its checkpoint then records none)."""
         return int(self.state[STEPS_KEY]["steps"]) if STEPS_KEY in self.state else None
 
     def restore(self, steps: int | None) -> None:
-        """A resumed client's steps, from its checkpoint."""
+        from flwr.app import MetricRecord
+
         if steps is not None:
-            self._set(steps)
+            self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
     def account(self, result) -> dict[str, float | int]:
-        """The round's reply metrics of privacy: compose this round's DP-SGD steps (``result``, the local trainer's)
-        with the earlier ones and report the accountant's (epsilon, delta) so far, the setting and this round's
+        """The round's reply metrics of privacy: this round's DP-SGD steps (``result``, the local trainer's)
+        composed with the earlier ones, the accountant's (epsilon, delta) so far, the setting and this round's
         clipped per-example gradients (-1: unbounded); {} for a round without example-level DP."""
         setting = result.privacy
         if setting is None:
             return {}
         total = (self.steps or 0) + int(result.n_steps)
-        self._set(total)
+        self.restore(total)
         eps, c = setting.epsilon(total), setting.max_grad_norm
         return {"dp-epsilon": float(eps) if eps != float("inf") else -1.0, "dp-delta": float(setting.delta),
                 "dp-noise-multiplier": float(setting.noise_multiplier),
                 "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
                 "dp-sample-rate": float(setting.sample_rate), "dp-steps": int(total),
                 "dp-examples": int(result.dp_examples), "dp-clipped": int(result.dp_clipped)}
-
-    def _set(self, steps: int) -> None:
-        from flwr.app import MetricRecord
-
-        self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})

@@ -11,7 +11,6 @@ from pydantic import Field, model_validator
 from pipeline.common.config import Fraction, config, to_dict
 from pipeline.federation.strategies.catalog import STRATEGIES
 
-SAMPLING = "poisson"
 # Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
 # key of the other mode changes no plan.
 EXAMPLE_KEYS = ("max_grad_norm",)
@@ -126,12 +125,8 @@ class PrivacyConfig:
 
 def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
     """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``train.transfer_dtype`` and the privacy group
-    ``cfg``, or None. The server then sees only the weighted sum of the uploads, so it must need nothing else:
-    FedAvg and FedProx (the proximal term is the client's) only average; FedOpt applies its server optimiser
-    (momentum or Adam moments) to the average and FedNova normalises each client's update by that client's steps;
-    `single` and `centralized` have no server. SecAgg+ quantises the fp32 upload itself, so the transfer stays
-    fp32. With client-level DP the server never holds an update, so it cannot clip one: the client clips
-    (``clipping_side: client``) before SecAgg+ masks its upload."""
+    ``cfg``, or None. The server then sees only the weighted sum of the uploads, so it must need nothing else
+    (FedOpt's server optimiser and FedNova's per-client step normalisation do), and cannot clip an update."""
     if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
         return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
                 "of the updates and cannot clip each one (the client clips its update before it is masked)")
@@ -158,7 +153,7 @@ def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str
                 "use fedavg or fedprox")
     if method.strategy not in AVERAGING_STRATEGIES:
         return (f"method {method.name}: its server applies an optimiser (momentum, adaptive moments) to the mean "
-                f"and keeps that un-noised state from round to round, while Flower's wrappers add the noise to the "
+                f"and keeps that un-noised state from round to round, while the noise would be added to the "
                 f"optimiser's output: neither the sensitivity C / sampled clients nor the composition holds; use "
                 f"fedavg or fedprox")
     if method.new_client == "post":
