@@ -7,9 +7,10 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, CLIENT_DELTA, EXAMPLE_DELTA, PrivacyConfig
+from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, DEFAULT_DELTA, PrivacyConfig
 
 
+@lru_cache(maxsize=256)
 def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
     """(epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps (opacus' RDP accountant, with its
     RDP-to-DP conversion of Balle et al. 2020, or the PRV accountant of Gopi et al. 2021); unbounded without noise."""
@@ -17,16 +18,11 @@ def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, account
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    return _epsilon(float(noise_multiplier), float(q), int(steps), float(delta), accountant)
-
-
-@lru_cache(maxsize=256)
-def _epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str) -> float:
     from opacus.accountants import create_accountant
 
     acc = create_accountant(mechanism=accountant)
-    acc.history = [(noise_multiplier, q, steps)]
-    return float(acc.get_epsilon(delta=delta))
+    acc.history = [(float(noise_multiplier), float(q), int(steps))]
+    return float(acc.get_epsilon(delta=float(delta)))
 
 
 @lru_cache(maxsize=64)
@@ -50,13 +46,11 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
                          f"over {steps} {what} ({exc})") from None
 
 
-# ------------------------------------------------------------------------------------ client-level (mode client)
 def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
-    """Adaptive clipping releases two Gaussian sums per round: the clipped updates (multiplier z_u) and the count of
-    clipped updates (std sigma_b). Andrew et al.'s split ``z_u = (z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's) assumes
-    the count's sensitivity is 1/2 (TF Privacy centres each bit at -0.5); Flower's norm bits are uncentred 0/1,
-    sensitivity 1, so the pair is a Gaussian mechanism of multiplier ``(z_u^-2 + sigma_b^-2)^-1/2``: z
-    (``noise_multiplier``), the one the accountant composes. This returns z_u (needs ``z < sigma_b``)."""
+    """z_u, the multiplier of the clipped updates' noise, given z and the clipped count's std sigma_b (needs
+    ``z < sigma_b``). Andrew et al.'s split ``(z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's) assumes the count's
+    sensitivity is 1/2 (TF Privacy centres each bit at -0.5); Flower's norm bits are uncentred 0/1, sensitivity 1,
+    so the pair of sums is a Gaussian mechanism of multiplier ``(z_u^-2 + sigma_b^-2)^-1/2`` = z."""
     if noise_multiplier == 0:
         return 0.0
     return (noise_multiplier ** -2 - count_stddev ** -2) ** -0.5
@@ -64,9 +58,8 @@ def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> 
 
 @dataclass(frozen=True)
 class FederationPrivacy:
-    """Client-level DP of a federated run (mode client; the mechanism: pipeline.privacy.client_dp): the
-    Poisson-subsampled Gaussian mechanism on the sum of clipped updates over the expected count (DP-FedAvg, McMahan
-    et al. 2018), which opacus' accountants compose exactly, once per round, an empty sample included."""
+    """Client-level DP of a federated run (mode client, pipeline.privacy.client_dp): the Poisson-subsampled
+    Gaussian mechanism on the sum of clipped updates (DP-FedAvg, McMahan et al. 2018), composed once per round."""
 
     noise_multiplier: float  # z: what the accountant composes per round (adaptive: updates and count together)
     update_noise_multiplier: float  # z_u: the noise on the mean update is z_u C / sampled (fixed: = z)
@@ -83,8 +76,8 @@ class FederationPrivacy:
         return self.sampled / self.population
 
     def epsilon_after(self, rounds: int) -> float:
-        """epsilon after ``rounds`` rounds, whatever each aggregated: the sum is divided by the expected count, so
-        every round's sensitivity is C / sampled and its multiplier z_u (adaptive: combined with the count's)."""
+        """epsilon after ``rounds`` rounds, an empty sample too: the sum over the expected count has sensitivity
+        C / sampled whoever joined (adaptive: the updates' and the count's multipliers combined)."""
         z = self.update_noise_multiplier
         if self.count_stddev is not None and z != 0:
             z = (z ** -2 + self.count_stddev ** -2) ** -0.5
@@ -93,9 +86,9 @@ class FederationPrivacy:
 
 def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds: int,
                        where: str = "privacy") -> FederationPrivacy:
-    """Resolve z (from ``target_epsilon`` over all planned rounds if set), delta and the adaptive split for a
-    federation of ``population`` clients sampling ``sampled`` per round."""
-    delta = cfg.delta if cfg.delta is not None else CLIENT_DELTA
+    """Resolve z (``target_epsilon``'s over all planned rounds), delta and the adaptive split for ``population``
+    clients, ``sampled`` per round."""
+    delta = cfg.delta if cfg.delta is not None else DEFAULT_DELTA
     if delta >= 1 / population:
         # a mechanism that publishes one random client's data in the clear meets (0, 1/N)
         raise ValueError(f"{where}: privacy.delta {delta:g} >= 1/{population} (1 / the number of clients) "
@@ -125,7 +118,6 @@ def server_setting(plan, population: int) -> FederationPrivacy:
                               where=plan.source or plan.experiment)
 
 
-# ----------------------------------------------------------------------------------- example-level (mode example)
 @dataclass(frozen=True)
 class ClientPrivacy:
     """A client's DP-SGD setting: fixed for all its rounds (its data size and the plan decide it)."""
@@ -150,7 +142,7 @@ def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, roun
     examples; a delta of 1/n or more is refused: publishing one random example in the clear meets (0, 1/n)."""
     if n_examples < 1:
         raise ValueError(f"{where}: no training example")
-    delta = cfg.delta if cfg.delta is not None else min(EXAMPLE_DELTA, 1.0 / (10 * n_examples))
+    delta = cfg.delta if cfg.delta is not None else min(DEFAULT_DELTA, 1.0 / (10 * n_examples))
     if delta >= 1.0 / n_examples:
         raise ValueError(f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
                          f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))")

@@ -1,18 +1,12 @@
-"""Client-level differential privacy across organisations (``privacy.mode: client``, docs/privacy.md): the server
-strategy that samples, clips, averages and noises the clients' updates and records each round, and the client's
-clipping mod. The setting and the accountant: pipeline.privacy.accounting (:class:`FederationPrivacy`).
-
-:class:`ClientLevelDP` is a Flower ``Strategy`` around the inner FedAvg/FedProx (its public ``configure_train`` /
-``aggregate_train``), with Flower's DP primitives: the flat clipping, ``compute_stdv``, and on the client
-``fixedclipping_mod`` / ``adaptiveclipping_mod``. Not Flower's ``DifferentialPrivacy*Clipping`` wrappers, whose
-public methods cannot be told to: sample clients by Poisson sampling over a public denominator (what the
-accountant composes), weigh each client 1/m (the mean z C / m calibrates; FedAvg weighs by ``num-examples``), draw
-the noise from a generator seeded per (experiment seed, round) (reproducible and resumable; numpy's global one
-there), add nothing at z = 0 (N(0, 0 x inf) = NaN with C = .inf there), move C by Andrew et al.'s
-``C exp(lr (f - t))`` (Flower 1.41: ``exp(-lr (f - t))``, which runs away from the target) and noise a round at
-the C its updates were clipped to (Flower: next round's C). The seed is in the plan: the noise is not secret
-from whoever has the plan, as for DP-SGD's.
-"""
+"""Client-level differential privacy across organisations (``privacy.mode: client``; the setting and accountant:
+pipeline.privacy.accounting): :class:`ClientLevelDP`, a Flower ``Strategy`` around the inner FedAvg/FedProx (its
+public ``configure_train`` / ``aggregate_train``) that samples, clips, averages and noises the clients' updates
+with Flower's DP primitives and records each round, and the client's clipping mod around Flower's. Flower's own
+``DifferentialPrivacy*Clipping`` wrappers are not used: none of their public methods gives what the accountant
+and the records need (Poisson sampling over a public denominator, uniform weights, noise seeded per round, no
+NaN at z = 0 with C = .inf, Andrew et al.'s direction of C's update and the noise at the round's C; the list,
+with Flower 1.41's behaviour: docs/privacy.md). The noise seed is in the plan: the noise is not secret from
+whoever has the plan, as for DP-SGD's."""
 from __future__ import annotations
 
 import logging
@@ -55,8 +49,7 @@ class _ChosenNodes:
 
 class ClientLevelDP(Strategy):
     """DP-FedAvg around ``strategy`` (FedAvg or FedProx, run with fraction_train 1) for ``plan``'s privacy group and
-    the resolved ``setting`` (module docstring); adaptive clipping moves :attr:`clipping_norm` every round. It is
-    also the server's record of the run (:meth:`clipped`, :meth:`record`)."""
+    its ``setting``; adaptive clipping moves :attr:`clipping_norm`. Also the server's record (:meth:`record`)."""
 
     def __init__(self, strategy, plan, setting: FederationPrivacy):
         super().__init__()
@@ -72,8 +65,8 @@ class ClientLevelDP(Strategy):
                  setting.clipping_norm, setting.sampled, setting.population, setting.delta)
 
     def configure_train(self, server_round, arrays, config, grid):
-        """Poisson sampling (a generator of its own per (experiment seed, round), apart from the noise's): an empty
-        sample configures nobody, the round aggregates nothing and the accountant still counts it."""
+        """Poisson sampling (a generator per (experiment seed, round), apart from the noise's): an empty sample
+        configures nobody, aggregates nothing and is still accounted."""
         self._arrays = arrays
         rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
         chosen = poisson_sample(sorted(grid.get_node_ids()), self.setting.sample_rate, rng)
@@ -152,9 +145,8 @@ class ClientLevelDP(Strategy):
         self.strategy.summary()
 
     def clipped(self, reply: Message, global_arrays: ArrayRecord, clipping_norm: float) -> tuple[int, float] | None:
-        """Whether this reply's update was (server side: will be) clipped at the round's C, and the norm of the
-        update as received (server side: before clipping); None for a reply of client-side clipping that is not
-        within C (a client without the mod): it must not be aggregated."""
+        """(clipped at the round's C or not, the update's norm as received); None for a client-side-clipped reply
+        not within C (a client without the mod): it must not be aggregated."""
         norm = update_norm(reply.content[ARRAYS_KEY], global_arrays)
         if not self.client_side:
             return int(norm > clipping_norm), norm
@@ -165,11 +157,9 @@ class ClientLevelDP(Strategy):
 
     def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
                clipping_norm: float, history: list[dict[str, Any]]) -> float:
-        """Add the round's fields to the rows of the clients whose update entered the released aggregate;
-        returns epsilon after this round. ``update_norm`` is how C is chosen (a run with noise 0 and C .inf
-        shows every update's norm); like the losses, it is an un-noised number of the experiment record. Under
-        SecAgg+ the server knows neither: each row of the round gets the fraction of the round's updates that
-        were clipped (their bits summed under the masks) and no norm."""
+        """Add the round's fields to the rows of the clients whose update entered the released aggregate; returns
+        epsilon after this round. ``update_norm`` (how C is chosen) is, like the losses, an un-noised number of the
+        experiment record; under SecAgg+ each row gets the round's clipped fraction and no norm."""
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():
@@ -181,7 +171,6 @@ class ClientLevelDP(Strategy):
         return eps
 
 
-# ----------------------------------------------------------------------------------------------- client side
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:
     """The L2 norm of ``reply - reference`` over all tensors (Flower's flat clipping norm)."""
     return get_norm([r - g for r, g in zip(reply.to_numpy_ndarrays(), reference.to_numpy_ndarrays())])

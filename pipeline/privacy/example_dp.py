@@ -1,10 +1,7 @@
-"""Example-level DP-SGD inside each organisation (``privacy.mode: example``; the mechanism, what it covers and its
-accountant: docs/privacy.md): Poisson-sampled logical batches cut into micro-batches, per-example clipping as
-opacus' DPOptimizer clips, Gaussian noise N(0, sigma^2 C^2) on the sum and division by the expected batch size
-(Abadi et al. 2016). :class:`DPSGDSteps` is the local trainer's step object under this mode. The noise comes from
+"""Example-level DP-SGD inside each organisation (``privacy.mode: example``, Abadi et al. 2016; the mechanism and
+what it covers: docs/privacy.md), as the local trainer's step object :class:`DPSGDSteps`. The noise comes from
 torch's seeded generator (reproducible runs), not a cryptographic source (opacus' secure_mode needs torchcsprng,
-which is not installed).
-"""
+which is not installed)."""
 from __future__ import annotations
 
 import warnings
@@ -31,11 +28,9 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
 
 
 class DPSGDStep:
-    """Per-example clipping, summing across micro-batches and Gaussian noise for one adapter set.
-
-    Usage per step: for each micro-batch, ``backward`` the sum of its per-example losses, then
-    :meth:`accumulate`; after the last one, :meth:`finish` writes ``(sum clipped + noise) / logical_batch`` into
-    ``p.grad``. Call :meth:`close` when done (removes opacus' hooks from the shared model)."""
+    """Per-example clipping, summing across micro-batches and Gaussian noise for one adapter set: per micro-batch,
+    ``backward`` the sum of its per-example losses, then :meth:`accumulate`; after the last, :meth:`finish`; then
+    :meth:`close` (removes opacus' hooks from the shared model)."""
 
     def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int):
         from opacus.grad_sample import GradSampleHooks
@@ -75,18 +70,13 @@ class DPSGDStep:
         self._summed = None
 
     def close(self) -> None:
-        self._hooks.cleanup()
-        for p in self.params:
-            for attr in ("grad_sample", "_current_grad_sample"):
-                if hasattr(p, attr):
-                    delattr(p, attr)
+        self._hooks.cleanup()  # opacus removes its hooks and the grad_sample attributes of the parameters
 
 
 def per_example_loss_scale(batch, normalisation: str, max_target_length: int) -> float:
-    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses of DP-SGD (a
-    per-example loss is a function of the example alone, so that clipping bounds its whole contribution):
-    ``tokens``: sum_t L_t / max_target_length per example (the batch mean x N_tokens / T_max, a public
-    denominator); ``sequences``: the mean of each example's L_t (the batch mean x the number of sequences)."""
+    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses, each a function
+    of its example alone (so clipping bounds its contribution): ``tokens``, sum_t L_t / max_target_length (a public
+    denominator; the batch mean x N_tokens / T_max); ``sequences``, each example's token mean."""
     from pipeline.modeling.batching import IGNORE_INDEX
 
     valid = batch.labels != IGNORE_INDEX
@@ -97,9 +87,8 @@ def per_example_loss_scale(batch, normalisation: str, max_target_length: int) ->
 
 def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation: str, max_target_length: int,
                   seed: int) -> list[list[tuple[Any, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (:func:`poisson_steps`; a step may be empty), each cut
-    by ``micro_batches`` (a frame of examples -> its batches of ``train.batch_size``, in order) with the scale of
-    :func:`per_example_loss_scale`."""
+    """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty), each cut by ``micro_batches`` (a
+    frame of examples -> its batches of ``train.batch_size``) with the scale of :func:`per_example_loss_scale`."""
     steps = []
     for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
         batches = micro_batches(examples.iloc[idx]) if idx else []
@@ -108,10 +97,9 @@ def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation
 
 
 class DPSGDSteps(DPSGDStep):
-    """The local trainer's step object under mode example (the interface of its non-private one,
-    pipeline.training.client_training.PlainSteps): :meth:`epoch` gives an epoch's steps of (micro-batch, weight)
-    from Poisson samples, :meth:`backward` backpropagates a micro-batch's per-example loss sum and clips it,
-    :meth:`finish` adds the noise and then the proximal gradient (data-independent: outside the clipping)."""
+    """The local trainer's step object under mode example (the interface of pipeline.training.client_training
+    .PlainSteps): an epoch's steps of (micro-batch, weight) from Poisson samples; :meth:`finish` adds the noise and
+    then the proximal gradient (data-independent: outside the clipping)."""
 
     def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
                  normalisation: str, max_target_length: int, proximal=None):

@@ -9,11 +9,6 @@ from typing import Any
 from pipeline.common.config import to_dict
 from pipeline.privacy.accounting import server_setting
 
-# A client's DP-SGD report in metrics.json and MLflow (pipeline.privacy; None = unbounded)
-PRIVACY_FIELDS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
-# privacy.mode client: the run's report (one guarantee for every client), in metrics.json's `privacy` and MLflow
-CLIENT_LEVEL_FIELDS = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction")
-
 
 def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """Fill ``clients.<c>.privacy`` from the history rows and return metrics.json's ``privacy`` (None without
@@ -45,9 +40,8 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
 
 def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]
                          ) -> dict[str, Any]:
-    """privacy.mode client: the run's guarantee after its last released round (the same for every client), and
-    each client's share of clipped updates (``clients.<c>.privacy``; under SecAgg+ the server knows only each
-    round's count: the rows carry the round's fraction, and a client's own share is not reported)."""
+    """privacy.mode client: the run's guarantee (the same for every client) and each client's share of clipped
+    updates in ``clients.<c>.privacy`` (not under SecAgg+: the server knows only each round's count)."""
     released = [r for r in history if "update_clipped" in r]
     secure = plan.privacy.secure_aggregation
     for name, c in clients.items():
@@ -77,8 +71,7 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
 
 def secure_aggregation_summary(plan, history: list[dict[str, Any]]) -> dict[str, Any] | None:
     """Under privacy.secure_aggregation: the SecAgg+ settings, the rounds whose sum was unmasked, the sampled
-    clients left out of a sum (dropped, or the whole round when it could not be unmasked), and the upload
-    coordinates SecAgg+ clipped (0 keeps the aggregate within its quantisation bound)."""
+    clients left out of a sum, and the upload coordinates SecAgg+ clipped (0: within its quantisation bound)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
     sampled = [r for r in history if r.get("sampled")]
@@ -89,15 +82,16 @@ def secure_aggregation_summary(plan, history: list[dict[str, Any]]) -> dict[str,
 
 
 def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded values left out), or
-    under privacy.mode client the run's (``epsilon``, ``delta``, ...); and those of secure aggregation
-    (``secagg.*``; its settings are the run's parameters ``privacy.secagg.*``)."""
+    """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded ones left out) or of
+    the run's client-level guarantee, and those of secure aggregation (``secagg.*``)."""
     run = metrics.get("privacy") or {}
     if run.get("mode") == "client":
-        out = {k: float(run[k]) for k in CLIENT_LEVEL_FIELDS + ("epsilon_max",) if run.get(k) is not None}
+        fields = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction", "epsilon_max")
+        out = {k: float(run[k]) for k in fields if run.get(k) is not None}
     else:
+        fields = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
         out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
-               for k in PRIVACY_FIELDS if v["privacy"][k] is not None}
+               for k in fields if v["privacy"][k] is not None}
         out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
     if metrics.get("secure_aggregation"):
         sa = metrics["secure_aggregation"]

@@ -20,9 +20,8 @@ def local_steps(plan, module, examples, seed: int, where: str, micro_batches, no
 
 
 def check_run(plan) -> None:
-    """Refuse, before anything trains, a privacy setting that cannot hold for one of the plan's clients: a delta
-    of 1/n or more (n: the examples a client trains on, after the run's cap; mode client: the clients), or a
-    target epsilon the accountant cannot reach. One line naming the params key, the plan and the client."""
+    """Refuse, before anything trains, a delta of 1/n or more (n: a client's training examples after the run's
+    cap; mode client: the clients) or an unreachable target epsilon, in one line naming key, plan and client."""
     from pipeline.common.config import ConfigError
     from pipeline.training.client_data import read_partition
 
@@ -61,9 +60,8 @@ def client_level(plan, strategy, population: int):
 
 def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float,
                       sizes: dict[str, dict[str, int]] | None = None):
-    """The plan's SecAgg+ round runner (privacy.secure_aggregation), checked against the method and the clients
-    (``late``: the client that joins later, not there in the first rounds; ``sizes``: the train sizes the clients
-    reported at admission, else the partition file's)."""
+    """The plan's SecAgg+ round runner, checked against the method and the clients (``late``: the client that
+    joins later; ``sizes``: the train sizes the clients reported at admission, else the partition file's)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
     from pipeline.privacy.secure_aggregation import SecureAggregator
@@ -90,11 +88,10 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
 
 
 def register_train(app, train_round):
-    """Register the ClientApp's train handler on ``app``: SecAgg+'s mod (its protocol messages), then client-level
-    DP's clipping mod on the reply. A SecAgg+ round's masked-vector stage (Flower's legacy FitIns) trains through
-    ``train_round(msg, context)``, clipped by client_dp_mod before secaggplus_mod masks the upload; so does any
-    other train message, except that the client, not the server, decides whether its adapter may leave in the
-    clear: a plan with ``privacy.secure_aggregation`` makes it refuse a plain train message."""
+    """Register the ClientApp's train handler on ``app`` behind SecAgg+'s mod and client-level DP's clipping mod.
+    A SecAgg+ round's masked-vector stage (Flower's legacy FitIns) trains through ``train_round``, clipped by
+    client_dp_mod before secaggplus_mod masks the upload; the client, not the server, decides whether its adapter
+    may leave in the clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
     from pipeline.federation.protocol import load_plan, plan_path_of
     from pipeline.privacy.client_dp import client_dp_mod
     from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod

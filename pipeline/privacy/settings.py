@@ -14,22 +14,19 @@ from pipeline.federation.strategies.catalog import STRATEGIES
 # Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
 # key of the other mode changes no plan.
 EXAMPLE_KEYS = ("max_grad_norm",)
-CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm", "target_clipped_quantile", "clip_norm_lr",
-               "clipped_count_stddev")
 ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stddev")
-# Mode client, delta null: far below 1/N for every federation here (N <= 100 clients); N >= 1e5 must set delta.
-CLIENT_DELTA = 1e-5
-EXAMPLE_DELTA = 1e-5  # mode example, delta null: min(this, 1 / (10 n)) for a client of n training examples
+CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm") + ADAPTIVE_KEYS
+# delta null: mode client, this (far below 1/N for every federation here, N <= 100; N >= 1e5 must set delta);
+# mode example, min(this, 1 / (10 n)) for a client of n training examples
+DEFAULT_DELTA = 1e-5
 ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
 # The server algorithms whose new global is the average of the replies and nothing more (each registers
 # `averaging`; FedProx's mu is the client's): mode client's noise calibrates that mean, and SecAgg+ gives the
 # server that mean and no single reply.
 AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.averaging)
-
 # SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
 # and of their integer weights must stay below it.
 SECAGG_MODULUS = 2**32
-
 
 FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 FinitePositive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -38,9 +35,8 @@ Bound = Annotated[float, Field(gt=0)]  # a clipping bound; .inf = no clipping
 
 @config
 class SecAggConfig:
-    """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings (comments in the params file). Flower's own
-    rules: a float num_shares is a fraction of the clients sampled in the round, an int a count > 2; a float
-    reconstruction_threshold is a fraction of num_shares, an int a count below an int num_shares."""
+    """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings, checked by its rules at params time: a float
+    is a fraction (of the sampled clients, of num_shares), an int a count (> 2; >= 2 and below num_shares)."""
 
     num_shares: int | Annotated[float, Field(gt=0, le=1)] = 1.0
     reconstruction_threshold: int | Annotated[float, Field(gt=0, le=1)] = 0.67
@@ -69,8 +65,8 @@ class PrivacyConfig:
     # null = mode example: min(1e-5, 1/(10 n)) for a client of n training examples; mode client: 1e-5
     delta: Annotated[float, Field(gt=0, lt=1)] | None = None
     accountant: Literal["rdp", "prv"] = "rdp"
-    # mode client only (the params file says what each means); clipping_side: who clips a client's update (Flower
-    # wrapper or client mod); clipping: fixed C, or Andrew et al.'s quantile-tracking C
+    # mode client only: who clips a client's update (the server, or Flower's mod on the client); fixed C, or
+    # Andrew et al.'s quantile-tracking C
     clipping_side: Literal["server", "client"] = "server"
     clipping: Literal["fixed", "adaptive"] = "fixed"
     clipping_norm: Bound | None = None
@@ -105,14 +101,12 @@ class PrivacyConfig:
         return self
 
     @property
-    def enabled(self) -> bool:
-        """DP-SGD on (``mode`` not none); secure aggregation is :attr:`secure_aggregation`."""
+    def enabled(self) -> bool:  # a DP mode; secure aggregation is secure_aggregation
         return self.mode != "none"
 
     def plan_dict(self) -> dict[str, Any]:
-        """The group as a plan carries it: the keys of the other mode (and adaptive clipping's, unless on) left
-        out, so they change no plan and an example-mode plan keeps its hash; with mode none only the mode; the
-        SecAgg+ keys only when secure aggregation is on (plans without it keep their hash)."""
+        """The group as a plan carries it: without the other mode's keys (and adaptive clipping's, unless on), only
+        the mode with mode none, SecAgg+'s only when on: keys that change nothing change no plan hash."""
         drop = {"secure_aggregation", "secagg"}
         drop.update(CLIENT_KEYS if self.mode != "client" else EXAMPLE_KEYS)
         if self.mode == "client" and self.clipping != "adaptive":
