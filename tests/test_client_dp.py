@@ -80,7 +80,7 @@ def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated(
     s = federation_privacy(_client_cfg(noise_multiplier=1.0, delta=1e-5), population=100, sampled=10, rounds=5)
     # Poisson sampling with the public denominator 10: the sum's sensitivity is C, its noise z C, in every round
     # (an empty round too), so epsilon depends on the rounds run and nothing else
-    assert s.sampling == "poisson" and s.epsilon_after(2) > s.epsilon_after(1) > s.epsilon_after(0) == 0.0
+    assert s.epsilon_after(2) > s.epsilon_after(1) > s.epsilon_after(0) == 0.0
     assert 0.9 * _independent_epsilon(0.1, 1.0, 2, 1e-5) < s.epsilon_after(2) <= _independent_epsilon(0.1, 1.0, 2, 1e-5)
     assert FederationPrivacy(0.0, 0.0, None, 1.0, 100, 10, 1e-5, "rdp").epsilon_after(1) == math.inf
 
@@ -101,7 +101,7 @@ def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_to
                            rounds=3)
 
 
-# ------------------------------------------------------------------------------------------ the wrappers
+# ------------------------------------------------------------------------------------------ the strategy
 def _global(values) -> "ArrayRecord":
     from flwr.app import Array, ArrayRecord
 
@@ -122,7 +122,7 @@ def _reply(values, num_examples: int, extra: dict | None = None):
 
 
 def _wrapped(n_nodes: int, global_arrays, **privacy):
-    """FedAvg in the plan's DP wrapper, after configure_train of round 1 over ``n_nodes`` nodes."""
+    """FedAvg in the plan's DP strategy, after configure_train of round 1 over ``n_nodes`` nodes."""
     from flwr.app import ConfigRecord
 
     from pipeline.federation.client_app import client_app
@@ -176,7 +176,7 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws):
     np.testing.assert_allclose(big.content["arrays"]["w"].numpy(), g + [0.6, 0.8], rtol=1e-6)
     np.testing.assert_allclose(small.content["arrays"]["w"].numpy(), g + [0.3, 0.4], rtol=1e-6)
     assert (big.content["metrics"]["dp-update-clipped"], small.content["metrics"]["dp-update-clipped"]) == (1, 0)
-    # the client-side wrapper averages what the clients clipped, uniformly, and sends C in the train config
+    # client-side clipping: the server averages what the clients clipped, uniformly, and sends C in the train config
     strategy, messages = _wrapped(2, _global(g), noise_multiplier=0.0, clipping_norm=1.0, clipping_side="client")
     assert all(m.content["config"][KEY_CLIPPING_NORM] == 1.0 for m in messages)
     arrays, _ = strategy.aggregate_train(1, [big, small])
@@ -321,7 +321,7 @@ def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_p
 # ------------------------------------------------------------------------------------------ on the model
 def _write_equal_partition(root: Path) -> None:
     """The three domain clients with 4 training examples each: FedAvg's size weights are then equal, so its mean
-    is the uniform mean client-level DP takes and the two runs differ only by the DP wrapper."""
+    is the uniform mean client-level DP takes and the two runs differ only by the DP strategy."""
     domain = json.loads((root / "data/partitions/domain/seed0.json").read_text())
     clients = {c: {**s, "train": s["train"][:4]} for c, s in domain["clients"].items()}
     out = root / "data/partitions/equal/seed0.json"
@@ -350,7 +350,7 @@ def test_no_noise_and_no_clipping_is_the_non_private_run(ws, side):
     plain = run_experiment(write_plan(f"cdp-plain-{side}", "fedavg", "equal/seed0"), track=False)
     control = run_experiment(_with_privacy(write_plan(f"cdp-control-{side}", "fedavg", "equal/seed0"), {
         "mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping_side": side}), track=False)
-    # the control went through the wrapper: every update aggregated, none clipped, no bound
+    # the control went through the DP strategy: every update aggregated, none clipped, no bound
     assert control["privacy"]["updates_aggregated"] == 3 * TRAIN["rounds"]
     assert control["privacy"]["clipped_fraction"] == 0.0 and control["privacy"]["epsilon"] is None
     history = json.loads(Path(f"models/cdp-control-{side}/rounds.json").read_text())
@@ -358,7 +358,7 @@ def test_no_noise_and_no_clipping_is_the_non_private_run(ws, side):
     a, b = _final_adapters(f"cdp-plain-{side}"), _final_adapters(f"cdp-control-{side}")
     for client in a:
         for k in a[client]:
-            # equal up to float32 rounding of W + (W_i - W) in the wrapper's clip
+            # equal up to float32 rounding of W + (W_i - W) in the server's clip
             torch.testing.assert_close(b[client][k], a[client][k], rtol=1e-5, atol=1e-6)
     for client, c in plain["clients"].items():
         assert control["clients"][client]["best_val_loss"] == pytest.approx(c["best_val_loss"], rel=1e-5)

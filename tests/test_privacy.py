@@ -23,7 +23,7 @@ from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, ws  #
 
 def _setting(sigma: float = 0.0, c: float = 1.0, logical_batch: int = 2) -> ClientPrivacy:
     return ClientPrivacy(noise_multiplier=sigma, max_grad_norm=c, sample_rate=0.5, logical_batch=logical_batch,
-                         steps_per_epoch=1, planned_steps=1, delta=1e-5, accountant="rdp", n_examples=4)
+                         steps_per_epoch=1, planned_steps=1, delta=1e-5, accountant="rdp")
 
 
 # ------------------------------------------------------------------------------------------ accountant

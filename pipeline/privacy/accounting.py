@@ -1,6 +1,5 @@
 """The accountant of both DP modes (opacus' RDP or PRV) and the resolved settings: a client's DP-SGD setting
-(:class:`ClientPrivacy`, mode example) and a federation's client-level setting (:class:`FederationPrivacy`, mode
-client)."""
+(:class:`ClientPrivacy`, mode example) and a federation's (:class:`FederationPrivacy`, mode client)."""
 from __future__ import annotations
 
 import math
@@ -47,10 +46,9 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
 
 
 def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
-    """z_u, the multiplier of the clipped updates' noise, given z and the clipped count's std sigma_b (needs
-    ``z < sigma_b``). Andrew et al.'s split ``(z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's) assumes the count's
-    sensitivity is 1/2 (TF Privacy centres each bit at -0.5); Flower's norm bits are uncentred 0/1, sensitivity 1,
-    so the pair of sums is a Gaussian mechanism of multiplier ``(z_u^-2 + sigma_b^-2)^-1/2`` = z."""
+    """z_u, the clipped updates' noise multiplier for z and the clipped count's std sigma_b < z: Andrew et al.'s
+    split ``(z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's) assumes a count of sensitivity 1/2 (bits centred at -0.5);
+    Flower's 0/1 norm bits have 1, so the pair is a Gaussian mechanism of ``(z_u^-2 + sigma_b^-2)^-1/2`` = z."""
     if noise_multiplier == 0:
         return 0.0
     return (noise_multiplier ** -2 - count_stddev ** -2) ** -0.5
@@ -69,7 +67,6 @@ class FederationPrivacy:
     sampled: int  # the expected number of clients per round (Poisson: q x population)
     delta: float
     accountant: str
-    sampling: str = "poisson"  # each client independently with probability q, every round
 
     @property
     def sample_rate(self) -> float:
@@ -130,7 +127,6 @@ class ClientPrivacy:
     planned_steps: int  # every round, every local epoch
     delta: float
     accountant: str
-    n_examples: int
 
     def epsilon(self, steps: int) -> float:
         return epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
@@ -151,4 +147,4 @@ def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, roun
     planned = rounds * local_epochs * per_epoch
     sigma = _noise(cfg, delta, q, planned, where, "steps")
     return ClientPrivacy(sigma, float(cfg.max_grad_norm), q, min(logical_batch, n_examples), per_epoch, planned,
-                         float(delta), cfg.accountant, n_examples)
+                         float(delta), cfg.accountant)

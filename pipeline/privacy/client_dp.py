@@ -104,10 +104,9 @@ class ClientLevelDP(Strategy):
 
     def release_secure_mean(self, server_round: int, mean: ArrayRecord | None, clipped_count: int,
                             aggregated: int) -> ArrayRecord | None:
-        """The release of the uniform mean of ``aggregated`` clipped updates (SecAgg+, which bypasses
-        ``aggregate_train``, unmasks it and the count of clipped ones): adaptive clipping's C update, then the mean
-        as the sum over the expected count m, ``W + (k / m)(mean - W)`` (the mean itself when k = m), plus
-        N(0, (z_u C / m)^2) on every coordinate at the round's C (nothing at z = 0)."""
+        """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+, bypassing ``aggregate_train``,
+        unmasks it and the clipped count): move C (adaptive), take the sum over the expected count m,
+        ``W + (k / m)(mean - W)``, and add N(0, (z_u C / m)^2) per coordinate at the round's C (none at z = 0)."""
         rng, norm, m = np.random.default_rng([self.seed, server_round]), self.clipping_norm, self.setting.sampled
         if self.adaptive:  # f: the noisy count over m (public: the number that replied would tell who joined)
             noise = rng.normal(0.0, self.setting.count_stddev) if self.setting.count_stddev > 0 else 0.0
@@ -184,9 +183,8 @@ def rounding_slack(record: ArrayRecord) -> float:
 
 
 def client_dp_mod(msg: Message, context: Context, call_next):
-    """The train handler's mod: with client-side clipping in the plan, Flower's ``fixedclipping_mod`` (or
-    ``adaptiveclipping_mod``) clips the reply, which first gets ``dp-update-clipped`` (whether its update exceeded
-    C). Otherwise, and for SecAgg+'s legacy FitIns (clipped inside legacy_fit, before the masking), it passes."""
+    """With client-side clipping, Flower's fixed or adaptive clipping mod on the reply, marked ``dp-update-clipped``
+    first; otherwise, and for SecAgg+'s legacy FitIns (clipped inside legacy_fit), the message passes."""
     if is_legacy_fit(msg):
         return call_next(msg, context)
     privacy = load_plan(plan_path_of(msg, context)).privacy

@@ -1,7 +1,6 @@
-"""Example-level DP-SGD inside each organisation (``privacy.mode: example``, Abadi et al. 2016; the mechanism and
-what it covers: docs/privacy.md), as the local trainer's step object :class:`DPSGDSteps`. The noise comes from
-torch's seeded generator (reproducible runs), not a cryptographic source (opacus' secure_mode needs torchcsprng,
-which is not installed)."""
+"""Example-level DP-SGD inside each organisation (``privacy.mode: example``, Abadi et al. 2016; docs/privacy.md),
+the local trainer's step object :class:`DPSGDSteps`. The noise comes from torch's seeded generator (reproducible
+runs), not a cryptographic source (opacus' secure_mode needs torchcsprng, which is not installed)."""
 from __future__ import annotations
 
 import warnings
@@ -29,8 +28,7 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
 
 class DPSGDStep:
     """Per-example clipping, summing across micro-batches and Gaussian noise for one adapter set: per micro-batch,
-    ``backward`` the sum of its per-example losses, then :meth:`accumulate`; after the last, :meth:`finish`; then
-    :meth:`close` (removes opacus' hooks from the shared model)."""
+    backward its per-example loss sum, :meth:`accumulate`; then :meth:`finish`; :meth:`close` removes the hooks."""
 
     def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int):
         from opacus.grad_sample import GradSampleHooks
@@ -97,9 +95,8 @@ def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation
 
 
 class DPSGDSteps(DPSGDStep):
-    """The local trainer's step object under mode example (the interface of pipeline.training.client_training
-    .PlainSteps): an epoch's steps of (micro-batch, weight) from Poisson samples; :meth:`finish` adds the noise and
-    then the proximal gradient (data-independent: outside the clipping)."""
+    """The local trainer's step object under mode example (the interface of client_training.PlainSteps); the
+    proximal gradient is added after the noise (it is data-independent: outside the clipping)."""
 
     def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
                  normalisation: str, max_target_length: int, proximal=None):

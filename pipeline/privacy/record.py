@@ -1,6 +1,5 @@
-"""What a run records of its privacy (metrics.json and MLflow): each client's DP-SGD report (mode example), the
-run's client-level guarantee (mode client), the SecAgg+ settings and dropouts. Every epsilon goes with its delta,
-and the run's record names the sampling and the accountant."""
+"""What a run records of its privacy (metrics.json and MLflow): each client's DP-SGD report, the run's client-level
+guarantee, the SecAgg+ settings and dropouts; every epsilon with its delta, the sampling and accountant named."""
 from __future__ import annotations
 
 from collections import Counter
@@ -18,12 +17,9 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
         if dp_rows:  # epsilon after the client's last training round (the accountant composes every step)
             last = max(dp_rows, key=lambda r: r["dp_steps"])
             examples = sum(r["dp_examples"] for r in dp_rows)
-            c["privacy"] = {
-                "epsilon": last["epsilon"], "delta": last["delta"], "noise_multiplier": last["noise_multiplier"],
-                "max_grad_norm": last["max_grad_norm"],
+            c["privacy"] = {k: last[k] for k in ("epsilon", "delta", "noise_multiplier", "max_grad_norm")} | {
                 "clipped_fraction": sum(r["dp_clipped"] for r in dp_rows) / examples if examples else 0.0,
-                "steps": last["dp_steps"], "sample_rate": last["sample_rate"],
-            }
+                "steps": last["dp_steps"], "sample_rate": last["sample_rate"]}
     cfg, privacy = plan.privacy, None
     if cfg is not None and cfg.mode == "client":
         privacy = client_level_summary(plan, history, clients)
@@ -42,15 +38,13 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
                          ) -> dict[str, Any]:
     """privacy.mode client: the run's guarantee (the same for every client) and each client's share of clipped
     updates in ``clients.<c>.privacy`` (not under SecAgg+: the server knows only each round's count)."""
-    released = [r for r in history if "update_clipped" in r]
-    secure = plan.privacy.secure_aggregation
+    cfg, released = plan.privacy, [r for r in history if "update_clipped" in r]
     for name, c in clients.items():
         own = [r["update_clipped"] for r in released if r["client"] == name]
         if own:
             c["privacy"] = {"updates_aggregated": len(own)} | (
-                {} if secure else {"clipped_fraction": sum(own) / len(own)})
+                {} if cfg.secure_aggregation else {"clipped_fraction": sum(own) / len(own)})
     last = max(released, key=lambda r: r["round"]) if released else None
-    cfg = plan.privacy
     rounds_run = max((int(r["round"]) for r in history), default=0)
     sampled_rounds = {int(r["round"]) for r in history if r.get("sampled")}
     # Every round run consumed budget, an empty Poisson sample too: the accountant composes them all.

@@ -88,10 +88,9 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
 
 
 def register_train(app, train_round):
-    """Register the ClientApp's train handler on ``app`` behind SecAgg+'s mod and client-level DP's clipping mod.
-    A SecAgg+ round's masked-vector stage (Flower's legacy FitIns) trains through ``train_round``, clipped by
-    client_dp_mod before secaggplus_mod masks the upload; the client, not the server, decides whether its adapter
-    may leave in the clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
+    """Register the ClientApp's train handler behind SecAgg+'s mod and client-level DP's clipping mod (also on the
+    masked-vector stage, Flower's legacy FitIns, before the masking). The client, not the server, decides whether
+    its adapter may leave in the clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
     from pipeline.federation.protocol import load_plan, plan_path_of
     from pipeline.privacy.client_dp import client_dp_mod
     from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -131,9 +130,8 @@ class ClientLedger:
             self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
     def account(self, result) -> dict[str, float | int]:
-        """The round's reply metrics of privacy: this round's DP-SGD steps (``result``, the local trainer's)
-        composed with the earlier ones, the accountant's (epsilon, delta) so far, the setting and this round's
-        clipped per-example gradients (-1: unbounded); {} for a round without example-level DP."""
+        """The round's reply metrics of privacy (-1: unbounded): the accountant's (epsilon, delta) over every DP-SGD
+        step so far, the setting and the round's clipped per-example gradients; {} without example-level DP."""
         setting = result.privacy
         if setting is None:
             return {}

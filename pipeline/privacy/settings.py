@@ -118,9 +118,8 @@ class PrivacyConfig:
 
 
 def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
-    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``train.transfer_dtype`` and the privacy group
-    ``cfg``, or None. The server then sees only the weighted sum of the uploads, so it must need nothing else
-    (FedOpt's server optimiser and FedNova's per-client step normalisation do), and cannot clip an update."""
+    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``transfer_dtype`` and ``cfg``, or None: the
+    server then sees only the weighted sum of the uploads, so it must need nothing else and cannot clip one."""
     if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
         return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
                 "of the updates and cannot clip each one (the client clips its update before it is masked)")
@@ -142,18 +141,15 @@ def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str
         return (f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
                 f"client-level guarantee to give (mode example protects its examples in federated methods)")
     if method.strategy == "fednova":
-        return ("method fednova: its server rescales each update by the client's own step count and by their "
-                "weighted mean, so one client's influence on the aggregate is not bounded by C / sampled clients; "
-                "use fedavg or fedprox")
+        return ("method fednova: its server rescales each update by the client's own step count, so one client's "
+                "influence on the aggregate is not bounded by C / sampled clients; use fedavg or fedprox")
     if method.strategy not in AVERAGING_STRATEGIES:
-        return (f"method {method.name}: its server applies an optimiser (momentum, adaptive moments) to the mean "
-                f"and keeps that un-noised state from round to round, while the noise would be added to the "
-                f"optimiser's output: neither the sensitivity C / sampled clients nor the composition holds; use "
-                f"fedavg or fedprox")
+        return (f"method {method.name}: its server applies an optimiser to the mean and keeps its un-noised state "
+                f"(momentum, moments) across rounds: neither the sensitivity C / sampled clients nor the "
+                f"composition holds; use fedavg or fedprox")
     if method.new_client == "post":
-        return (f"method {method.name}: the population grows when the new client joins mid-run, so the number "
-                f"sampled per round and the sampling rate change, while the noise is calibrated to one fixed "
-                f"sample size")
+        return (f"method {method.name}: the population grows when the new client joins mid-run, so the sampling "
+                f"rate changes while the noise is calibrated to one sample size")
     if cfg.clipping_side == "client" and transfer_dtype != "fp32":
         return (f"privacy.clipping_side client needs train.transfer_dtype fp32 (got {transfer_dtype}): Flower's "
                 f"clipping mod clips the reply against the received arrays as they travel, encoded")
