@@ -114,7 +114,7 @@ def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round
 
 
 def test_the_run_record_names_the_sampling_and_the_accountant_and_counts_empty_rounds(ws):
-    from pipeline.privacy.record import client_level_summary
+    from pipeline.privacy.seam import client_level_summary
     from tests.test_client_dp import _with_privacy
     from tests.test_federated import write_plan
     from pipeline.federation.protocol import load_plan

@@ -97,7 +97,7 @@ def test_the_train_stage_refuses_a_delta_of_one_over_n_before_training_with_exit
 def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
     from types import SimpleNamespace
 
-    from pipeline.privacy.record import mlflow_metrics, run_record
+    from pipeline.privacy.seam import mlflow_metrics, run_record
     from pipeline.privacy.settings import PrivacyConfig
 
     plan = SimpleNamespace(privacy=PrivacyConfig(mode="example", target_epsilon=3.0))

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.privacy.settings import ADAPTIVE_INITIAL_NORM, DEFAULT_DELTA, PrivacyConfig
+from pipeline.privacy.settings import DEFAULT_DELTA, PrivacyConfig
 
 
 @lru_cache(maxsize=256)
@@ -26,8 +26,7 @@ def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, account
 
 @lru_cache(maxsize=64)
 def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, accountant: str) -> float:
-    """The smallest noise multiplier (opacus' binary search, to 0.01 in epsilon) whose epsilon after ``steps``
-    is at most ``target_epsilon``."""
+    """The smallest z whose epsilon after ``steps`` is at most the target (opacus' binary search, to 0.01)."""
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q,
@@ -83,8 +82,7 @@ class FederationPrivacy:
 
 def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds: int,
                        where: str = "privacy") -> FederationPrivacy:
-    """Resolve z (``target_epsilon``'s over all planned rounds), delta and the adaptive split for ``population``
-    clients, ``sampled`` per round."""
+    """Resolve z (``target_epsilon``'s over the planned rounds), delta and the adaptive split of a federation."""
     delta = cfg.delta if cfg.delta is not None else DEFAULT_DELTA
     if delta >= 1 / population:
         # a mechanism that publishes one random client's data in the clear meets (0, 1/N)
@@ -99,7 +97,7 @@ def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds
                              f"privacy.clipped_count_stddev > it (now {count_stddev:.4g}; null = sampled clients "
                              f"/ 20): the count's noise alone must not exceed the budget")
         z_u = adaptive_update_multiplier(z, count_stddev)
-    norm = cfg.clipping_norm if cfg.clipping_norm is not None else ADAPTIVE_INITIAL_NORM
+    norm = cfg.clipping_norm if cfg.clipping_norm is not None else 0.1  # adaptive: Andrew et al.'s initial C
     return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, delta, cfg.accountant)
 
 
@@ -145,6 +143,5 @@ def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, roun
     q = min(1.0, logical_batch / n_examples)
     per_epoch = math.ceil(n_examples / logical_batch)
     planned = rounds * local_epochs * per_epoch
-    sigma = _noise(cfg, delta, q, planned, where, "steps")
-    return ClientPrivacy(sigma, float(cfg.max_grad_norm), q, min(logical_batch, n_examples), per_epoch, planned,
-                         float(delta), cfg.accountant)
+    return ClientPrivacy(_noise(cfg, delta, q, planned, where, "steps"), float(cfg.max_grad_norm), q,
+                         min(logical_batch, n_examples), per_epoch, planned, float(delta), cfg.accountant)

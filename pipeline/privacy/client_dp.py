@@ -1,12 +1,10 @@
-"""Client-level differential privacy across organisations (``privacy.mode: client``; the setting and accountant:
+"""Client-level differential privacy across organisations (``privacy.mode: client``; setting and accountant:
 pipeline.privacy.accounting): :class:`ClientLevelDP`, a Flower ``Strategy`` around the inner FedAvg/FedProx (its
 public ``configure_train`` / ``aggregate_train``) that samples, clips, averages and noises the clients' updates
-with Flower's DP primitives and records each round, and the client's clipping mod around Flower's. Flower's own
-``DifferentialPrivacy*Clipping`` wrappers are not used: none of their public methods gives what the accountant
-and the records need (Poisson sampling over a public denominator, uniform weights, noise seeded per round, no
-NaN at z = 0 with C = .inf, Andrew et al.'s direction of C's update and the noise at the round's C; the list,
-with Flower 1.41's behaviour: docs/privacy.md). The noise seed is in the plan: the noise is not secret from
-whoever has the plan, as for DP-SGD's."""
+with Flower's DP primitives and records each round, and the client's clipping mod around Flower's. Not Flower's
+``DifferentialPrivacy*Clipping`` wrappers: no public method of theirs gives Poisson sampling over a public
+denominator, uniform weights, noise seeded per round (the seed is in the plan: not secret from its holder),
+Andrew et al.'s direction of C's update and the noise at the round's C (docs/privacy.md lists what they do)."""
 from __future__ import annotations
 
 import logging
@@ -91,8 +89,7 @@ class ClientLevelDP(Strategy):
                 clipped += self._clip(reply)
             elif self.adaptive:
                 if KEY_NORM_BIT not in metrics:
-                    raise ValueError(f"round {server_round}: a reply without {KEY_NORM_BIT!r} (Flower's "
-                                     f"adaptiveclipping_mod adds it)")
+                    raise ValueError(f"round {server_round}: a reply without adaptiveclipping_mod's {KEY_NORM_BIT!r}")
                 clipped += int(bool(metrics[KEY_NORM_BIT]))
         inner = self.strategy
         key, inner.weighted_by_key = inner.weighted_by_key, UNIFORM_WEIGHT_KEY
@@ -144,8 +141,7 @@ class ClientLevelDP(Strategy):
         self.strategy.summary()
 
     def clipped(self, reply: Message, global_arrays: ArrayRecord, clipping_norm: float) -> tuple[int, float] | None:
-        """(clipped at the round's C or not, the update's norm as received); None for a client-side-clipped reply
-        not within C (a client without the mod): it must not be aggregated."""
+        """(clipped at the round's C or not, its update's norm); None for a client-side reply not within C."""
         norm = update_norm(reply.content[ARRAYS_KEY], global_arrays)
         if not self.client_side:
             return int(norm > clipping_norm), norm
@@ -156,9 +152,8 @@ class ClientLevelDP(Strategy):
 
     def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
                clipping_norm: float, history: list[dict[str, Any]]) -> float:
-        """Add the round's fields to the rows of the clients whose update entered the released aggregate; returns
-        epsilon after this round. ``update_norm`` (how C is chosen) is, like the losses, an un-noised number of the
-        experiment record; under SecAgg+ each row gets the round's clipped fraction and no norm."""
+        """The round's fields on the rows of the clients in the released aggregate (``update_norm``, how C is chosen,
+        is un-noised like the losses; under SecAgg+ the round's clipped fraction and no norm); epsilon so far."""
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():

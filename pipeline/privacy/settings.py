@@ -19,7 +19,6 @@ CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm") + ADAPTIVE_KEYS
 # delta null: mode client, this (far below 1/N for every federation here, N <= 100; N >= 1e5 must set delta);
 # mode example, min(this, 1 / (10 n)) for a client of n training examples
 DEFAULT_DELTA = 1e-5
-ADAPTIVE_INITIAL_NORM = 0.1  # mode client, adaptive, clipping_norm null: Andrew et al.'s recommended start
 # The server algorithms whose new global is the average of the replies and nothing more (each registers
 # `averaging`; FedProx's mu is the client's): mode client's noise calibrates that mean, and SecAgg+ gives the
 # server that mean and no single reply.
@@ -35,8 +34,7 @@ Bound = Annotated[float, Field(gt=0)]  # a clipping bound; .inf = no clipping
 
 @config
 class SecAggConfig:
-    """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings, checked by its rules at params time: a float
-    is a fraction (of the sampled clients, of num_shares), an int a count (> 2; >= 2 and below num_shares)."""
+    """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings, checked by Flower's rules at params time."""
 
     num_shares: int | Annotated[float, Field(gt=0, le=1)] = 1.0
     reconstruction_threshold: int | Annotated[float, Field(gt=0, le=1)] = 0.67
@@ -88,7 +86,6 @@ class PrivacyConfig:
             raise ValueError(f"mode {self.mode!r} needs exactly one of noise_multiplier and target_epsilon "
                              f"(got {self.noise_multiplier} and {self.target_epsilon})")
         if self.mode == "example" and math.isinf(self.max_grad_norm) and self.noise_multiplier != 0:
-            # the noise std is sigma * C: unbounded clipping is only meaningful as the noise-free control
             raise ValueError("max_grad_norm .inf (no clipping) needs noise_multiplier 0 (noise std = sigma * C)")
         if self.mode == "client":
             if self.clipping == "fixed" and self.clipping_norm is None:
