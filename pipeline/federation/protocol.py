@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 
 from pipeline.federation.compression import decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
@@ -81,6 +82,36 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
     values = {"cache_dir": str(values["cache_dir"]), "cache_max_gb": float(values["cache_max_gb"]),
               "teacher_cache_gb": float(values["teacher_cache_gb"])}
     return from_dict(CacheConfig, values, "client settings")
+
+
+class GridView(Grid):
+    """A Grid that passes every call on to ``grid``; a subclass changes what it needs (the nodes it shows, what it
+    notes of the messages)."""
+
+    def __init__(self, grid: Grid):
+        self._grid = grid
+
+    def set_run(self, run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self):
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------------- the plan

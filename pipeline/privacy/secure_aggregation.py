@@ -54,7 +54,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY
+from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
@@ -202,31 +202,12 @@ def _wire_bytes(content: RecordDict) -> int:
     return n
 
 
-class _ObservedGrid(Grid):
+class _ObservedGrid(GridView):
     """Passes the workflow's messages on, noting per node what each stage sent, received and failed."""
 
     def __init__(self, grid: Grid):
-        self._grid = grid
+        super().__init__(grid)
         self.nodes: dict[int, NodeOutcome] = {}
-
-    def set_run(self, run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self):
-        return self._grid.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self):
-        return self._grid.get_node_ids()
-
-    def push_messages(self, messages):
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        return self._grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
