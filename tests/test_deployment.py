@@ -35,7 +35,6 @@ def ws(workspace, monkeypatch):  # noqa: F811
     monkeypatch.setenv("FEDMEET_ROOT", str(workspace))
     monkeypatch.setenv("FEDMEET_TEST_OWNER", str(os.getpid()))  # marks the Flower processes this test starts
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
-    (workspace / "deploy-params.yaml").write_text(json.dumps({"evaluate": EVALUATE}))  # JSON is YAML
     return workspace
 
 
@@ -57,7 +56,7 @@ def _serve_inprocess(plan_path: str, **run_config):
     _set_server_identity(grid.run.run_id)
     server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                           state=RecordDict(),
-                                          run_config={"plan": plan_path, "params": "deploy-params.yaml",
+                                          run_config={"plan": plan_path, "decoding": json.dumps(EVALUATE),
                                                       **run_config}))
     return grid
 

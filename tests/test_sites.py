@@ -12,14 +12,30 @@ import pytest
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
-def test_the_servers_kit_is_the_plan_the_backbone_and_the_params_file(ws, tmp_path):
-    from pipeline.federation.sites import write_kit
+def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_params_file(ws, tmp_path):
+    """`kit` without --client: the plan, the backbone and run_config.toml, whose timeouts and decoding are the
+    params file's (with the experiment's own overrides); the ServerApp reads them from its run config."""
+    import tomllib
+
+    import yaml
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.federation.deployment import decoding, timeouts
+    from pipeline.federation.localhost import main
 
     plan = write_plan("kit-server", "fedavg", rounds=1)
-    write_kit(plan, tmp_path / "server", params_file="params.yaml")
-    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models", "params.yaml"]
+    Path("kit-params.yaml").write_text(yaml.safe_dump({
+        "train": {"round_timeout_s": 120, "admission_timeout_s": 45},
+        "experiments": {"kit-server": {"round_timeout_s": 77}}, "evaluate": {"num_beams": 3, "adapter": "final"}}))
+    assert run_cli(main, ["kit", "--plan", plan, "--out", str(tmp_path / "server"), "--params", "kit-params.yaml"]) == 0
+    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models", "run_config.toml"]
     assert sorted(p.name for p in (tmp_path / "server/models").iterdir()) == ["backbone", "plans"]
     assert (tmp_path / "server" / plan).read_text() == Path(plan).read_text()
+    run_config = tomllib.loads((tmp_path / "server" / "run_config.toml").read_text())
+    assert run_config["plan"] == plan and timeouts(run_config) == (77.0, 45.0)
+    cfg = decoding(run_config)
+    assert (cfg.num_beams, cfg.adapter, cfg.max_target_length) == (3, "final", 96)  # 96: the group's default
+    assert timeouts({}) == (1800.0, 600.0) and decoding({"decoding": ""}).num_beams == 1
 
 
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path,

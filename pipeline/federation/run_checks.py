@@ -31,8 +31,8 @@ class RunConfigError(ConfigError):
 
 # What the ServerApp reads (pipeline.federation.deployment), with the type of each value; pyproject.toml's
 # [tool.flwr.app.config] declares the same keys with defaults of these types (tests/test_run_config.py).
-SERVER_KEYS: dict[str, type] = {"plan": str, "params": str, "evaluate": bool, "evaluate-every": int, "mlflow": bool,
-                                "round-timeout-s": float, "admission-timeout-s": float,
+SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, "evaluate-every": int,
+                                "mlflow": bool, "round-timeout-s": float, "admission-timeout-s": float,
                                 # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
                                 "cache-dir": str, "cache-max-gb": float, "teacher-cache-gb": float}
 
