@@ -165,6 +165,31 @@ def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, mon
     assert all(not math.isnan(v["avg_rouge"]) for v in calls[-1]["clients"].values())
 
 
+@pytest.mark.timeout(400)
+def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earlier_run(ws):
+    """The train and evaluate stages ran an experiment (models/, reports/train/, reports/eval/ with per-example
+    files); the deployed run of the same plan then replaces every file of its output folders: none is older than
+    it (an earlier predictions.jsonl beside the federated metrics.json would be scores of another run)."""
+    from pipeline.common.config import from_dict
+    from pipeline.evaluate import evaluate_experiment
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.train import run_experiment
+
+    path = write_plan("dep-rerun", "fedavg", rounds=1)
+    run_experiment(path, track=False)
+    evaluate_experiment("dep-rerun", from_dict(EvaluateConfig, EVALUATE, "test"), mlflow_logging=False)
+    plan = load_plan(path)
+    folders = [Path(plan.paths[k]) for k in ("model_dir", "reports_dir")] + [Path("reports/eval/dep-rerun")]
+    assert (folders[2] / "predictions.jsonl").exists() and (folders[2] / "per_example.parquet").exists()
+    time.sleep(1.1)  # file times of the rerun are then later than any of the earlier run's
+    started = time.time()
+    _serve_inprocess(path, mlflow=False)
+    files = [f for folder in folders for f in folder.rglob("*") if f.is_file()]
+    assert {f.name for f in files} >= {"metrics.json", "rounds.json", "global_adapter.safetensors"}
+    assert [str(f) for f in files if f.stat().st_mtime < started] == []
+
+
 # ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation.localhost)
 def _local(plan: str, **kw):
     from pipeline.federation.localhost import LocalhostConfig

@@ -83,3 +83,25 @@ def test_a_client_named_outside_its_partition_still_says_its_name_so_the_server_
     sizes = {}
     assert _ask_names(grid, plan, [1000], 5, sizes) == ({1000: "Prodcut"}, {})
     assert sizes == {"Prodcut": {}}
+
+
+def test_the_servers_mlflow_store_is_the_project_root_of_the_directory_it_runs_in(tmp_path, monkeypatch):
+    """docs/federation.md: the deployed ServerApp logs to the store of the SuperLink's working directory: the git
+    checkout that holds it (a kit inside the project checkout: the project's mlflow.db), else that directory (a
+    server machine whose kit is no checkout); MLFLOW_TRACKING_URI overrides both."""
+    import subprocess
+
+    from pipeline.results.tracking import tracking_uri
+
+    for var in ("MLFLOW_TRACKING_URI", "FEDMEET_ROOT", "DVC_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+    checkout, alone = tmp_path / "checkout", tmp_path / "alone" / "server"
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    for kit in (checkout / ".flwr-local/sites/server", alone):
+        kit.mkdir(parents=True)
+    monkeypatch.chdir(checkout / ".flwr-local/sites/server")
+    assert tracking_uri() == f"sqlite:///{checkout.resolve() / 'mlflow.db'}"
+    monkeypatch.chdir(alone)
+    assert tracking_uri() == f"sqlite:///{alone.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/mlflow.db")
+    assert tracking_uri() == "sqlite:////elsewhere/mlflow.db"

@@ -61,11 +61,10 @@ class LocalhostConfig:
 
 @dataclass
 class LocalhostRun:
-    """What :func:`run_localhost` did: the run's exit status, the process logs, the outputs it checked."""
+    """What :func:`run_localhost` did: the run's exit status, FLWR_HOME (with the process logs), its output."""
 
     returncode: int
     home: Path
-    logs: dict[str, Path]
     output: str
 
 
@@ -267,7 +266,7 @@ class LocalhostFederation:
             reader.join(timeout=5)
         finally:
             log.close()
-        return LocalhostRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
+        return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
 
     def start_round(self) -> int:
         """The round the run starts at: 1, or the one after the server's last checkpointed round (a resumed run)."""
