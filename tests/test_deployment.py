@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import kill_supernode, restart_supernode
 from tests.test_federated import _final_adapters, workspace, write_plan  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -335,9 +336,9 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
         def faults() -> None:
             start = time.monotonic()
             _await_round(plan, 1, 700)
-            fed.kill_supernode("Committee")  # round 2's train message is on its way or being worked on
+            kill_supernode(fed, "Committee")  # round 2's train message is on its way or being worked on
             events.append("killed")
-            fed.restart_supernode("Committee")
+            restart_supernode(fed, "Committee")
             events.append("restarted")
             _await_round(plan, 3, 700 - (time.monotonic() - start))
             fed.procs.stop(fed.superlink, signal.SIGKILL)  # a crash: no clean shutdown
@@ -535,7 +536,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
             _await_round(plan, 1, 500)
             ckpt = load_server_checkpoint(load_plan(plan))
             events.append((int(ckpt["round"]), ckpt["arrays"]))  # round 1's global, before round 2 replaces it
-            fed.kill_supernode("Committee")  # round 2's SecAgg+ stages are on their way
+            kill_supernode(fed, "Committee")  # round 2's SecAgg+ stages are on their way
             events.append("killed")
 
         watcher = threading.Thread(target=lose_committee, daemon=True)

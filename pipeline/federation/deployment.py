@@ -142,20 +142,17 @@ def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PAT
     return out / "metrics.json"
 
 
-class DeploymentRecorder:
+class DeploymentRecorder(TrainRecorder):
     """The train stage's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
 
-    def __init__(self, train_recorder, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int,
+    def __init__(self, plan: Plan, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int,
                  timeout: float):
-        self.inner = train_recorder
+        super().__init__(plan, logger)
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
 
-    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
-        self.inner.started(plan, clients, start_round)
-
     def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:
-        self.inner.round_done(plan, entry, history)
+        super().round_done(plan, entry, history)
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
             return
         metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
@@ -164,8 +161,8 @@ class DeploymentRecorder:
         PATHS.eval_dir(plan.experiment).mkdir(parents=True, exist_ok=True)
         atomic.write_json(PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL,
                           {"experiment": plan.experiment, "rounds": self.per_round})
-        if self.inner.logger is not None:
-            self.inner.logger.log_metrics({f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items()
+        if self.logger is not None:
+            self.logger.log_metrics({f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items()
                                            for k in SCORE_KEYS}, step=entry.round)
 
 
@@ -211,21 +208,20 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         atomic.write_text(run_id_file, logger.run_id)
 
     cfg = decoding(rc) if rc.get("evaluate", True) else None
-    train_recorder = TrainRecorder(plan, logger)
     round_timeout, admission_timeout = timeouts(rc)
-    recorder = DeploymentRecorder(train_recorder, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
+    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
                                   round_timeout)
     try:
         arrays, history = run_server(grid, plan, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:
-        train_recorder.close()
+        recorder.close()
         if logger is not None:
             logger.finish("KILLED")  # a rerun resumes it from the server checkpoint, or deletes it if none
         raise
-    train_recorder.close()
+    recorder.close()
 
     write_rounds(plan, history)
-    metrics = summarize(plan, history, train_recorder.round_seconds)
+    metrics = summarize(plan, history, recorder.round_seconds)
     write_metrics(plan, metrics)
     silent = never_contributed(history)
     if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client

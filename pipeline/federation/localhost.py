@@ -206,26 +206,6 @@ class LocalhostFederation:
         for proc in self.supernodes.values():
             self.wait_registered(proc)
 
-    def restart_supernode(self, name: str, timeout_s: float = 150.0) -> Process:
-        """Start ``name``'s SuperNode again until the SuperLink accepts it. With SuperNode authentication the
-        SuperLink refuses the key while the killed node still counts as online (until two 30 s heartbeats are
-        missed); without it the new process gets a new node id at once."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            proc = self.start_supernode(name)
-            try:
-                self.wait_registered(proc)
-                return proc
-            except FederationError:
-                self.procs.stop(proc)
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(2.0)
-
-    def kill_supernode(self, name: str) -> None:
-        """Kill a SuperNode and what it spawned (SIGKILL: no goodbye to the SuperLink, as in a crash)."""
-        self.procs.stop(self.supernodes[name], signal.SIGKILL)
-
     # -- the run
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
