@@ -91,12 +91,6 @@ def write_connection(home: Path, port: int, certificates: Certificates | None) -
     return path
 
 
-def _bin(name: str) -> str:
-    # Flower's entry points live beside this interpreter (the project's venv), whatever PATH says.
-    exe = Path(sys.executable).parent / name
-    return str(exe) if exe.exists() else name
-
-
 class LocalhostFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
@@ -125,6 +119,7 @@ class LocalhostFederation:
         self.home = (cfg.home or self.workdir / LOCAL_HOME / self.plan.experiment).resolve()
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0",
                    PYTHONUNBUFFERED="1")
+        # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
@@ -153,7 +148,7 @@ class LocalhostFederation:
         return ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
 
     def start_superlink(self) -> Process:
-        argv = [_bin("flower-superlink"), *self._security_args(), "--host", HOST, "--port", str(self.port),
+        argv = ["flower-superlink", *self._security_args(), "--host", HOST, "--port", str(self.port),
                 # the app's dependencies are this environment's: no `uv sync` per run
                 "--disable-runtime-dependency-installation"]
         if self.cfg.auth:
@@ -169,7 +164,7 @@ class LocalhostFederation:
 
     def flwr(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
         """A ``flwr`` CLI command against this deployment's connection."""
-        return subprocess.run([_bin("flwr"), *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
+        return subprocess.run(["flwr", *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
                               text=True, timeout=timeout_s or self.cfg.startup_timeout_s)
 
     def register(self, name: str) -> None:
@@ -182,7 +177,7 @@ class LocalhostFederation:
 
     # -- SuperNodes
     def start_supernode(self, name: str, key: Path | None = None) -> Process:
-        argv = [_bin("flower-supernode"), "--superlink", f"{HOST}:{self.port}", "--host", HOST,
+        argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--host", HOST,
                 "--port", str(free_port()),
                 "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
         argv[1:1] = (["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"])
@@ -210,7 +205,7 @@ class LocalhostFederation:
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
         rc = {"plan": self.cfg.plan, **self.run_config}
-        argv = [_bin("flwr"), "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
+        argv = ["flwr", "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
                 "--run-config", run_config_arg(rc)]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
