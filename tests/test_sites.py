@@ -75,14 +75,14 @@ def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
 def test_a_client_named_outside_its_partition_still_says_its_name_so_the_server_can_refuse_it(ws):
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.server_app import _ask_names
+    from pipeline.federation.server_app import _name_nodes
 
     plan = write_plan("kit-typo-node", "fedavg", rounds=1)
     grid = InProcessGrid(client_app, [{"client-name": "Prodcut", "plan": plan}])
     _set_server_identity(grid.run.run_id)
-    sizes = {}
-    assert _ask_names(grid, plan, [1000], 5, sizes) == ({1000: "Prodcut"}, {})
-    assert sizes == {"Prodcut": {}}
+    sizes, names = {}, {}
+    assert _name_nodes(grid, plan, names, [1000], ["Product"], 5, sizes, admission=True) == {1000: "Prodcut"}
+    assert sizes == {"Prodcut": {}} and names == {}
 
 
 def test_the_servers_mlflow_store_is_the_project_root_of_the_directory_it_runs_in(tmp_path, monkeypatch):

@@ -209,7 +209,7 @@ class LocalhostFederation:
                 "--run-config", run_config_arg(rc)]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
-    def stream(self, run: Process, on_line=None) -> LocalhostRun:
+    def stream(self, run: Process) -> LocalhostRun:
         """Echo the run's output until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
         lines: list[str] = []
         log = open(run.log, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
@@ -223,8 +223,6 @@ class LocalhostFederation:
                 if not self.cfg.quiet:
                     sys.stdout.write(line)
                     sys.stdout.flush()
-                if on_line is not None:
-                    on_line(line)
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
@@ -257,12 +255,11 @@ class LocalhostFederation:
         return parse_run_status(out.stdout, run_id)[1:]
 
     def _resume_hint(self) -> str:
-        from pipeline.training.checkpoints import server_checkpoint_path
-
-        start = self.start_round()
-        command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
+        start, command = self.start_round(), f"python -m pipeline.federation local --plan {self.cfg.plan}"
         if start == 1:
             return f"no round was checkpointed; rerun `{command}` to start over"
+        from pipeline.training.checkpoints import server_checkpoint_path
+
         return (f"the server checkpointed round {start - 1} of {self.plan.train.rounds} "
                 f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
 

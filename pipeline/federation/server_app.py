@@ -85,20 +85,7 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
         node_ids = list(grid.get_node_ids())
         new = [n for n in node_ids if n not in names and n not in refused]
         if new:
-            got, failed = _ask_names(grid, plan_path, new, timeout, sizes)
-            if failed:
-                node, reason = next(iter(failed.items()))
-                raise RuntimeError(f"node {node} failed to identify: {reason}")
-            for node, name in sorted(got.items()):
-                if name not in expected:
-                    refused[node] = name
-                    log.error("node %d names client %r, which is not among the clients %s of plan %s; refused",
-                              node, name, expected, plan_path)
-                    continue
-                holder = [o for o, c in names.items() if c == name]
-                if holder and holder[0] in node_ids:
-                    raise RuntimeError(f"two nodes claim the same client name: {names | {node: name}}")
-                _assign(names, node, name)  # its SuperNode restarted while the others were joining
+            refused |= _name_nodes(grid, plan_path, names, new, expected, timeout, sizes, admission=True)
         missing = [c for c in expected if c not in names.values()]
         if not missing:
             empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
@@ -114,28 +101,45 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
         time.sleep(1.0)
 
 
-def _assign(node_names: dict[int, str], node: int, name: str) -> None:
-    """``node`` answers for ``name`` from now on (a restarted SuperNode replaces its old node id)."""
-    for old in [o for o, n in node_names.items() if n == name]:
-        del node_names[old]
-    node_names[node] = name
-
-
-def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float,
-               sizes: dict[str, dict[str, int]] | None = None) -> tuple[dict[int, str], dict[int, str]]:
+def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: list[int], allowed: list[str],
+                timeout: float, sizes: dict[str, dict[str, int]] | None = None,
+                admission: bool = False) -> dict[int, str]:
+    """Ask the ``new`` nodes their client names; a node naming a client of ``allowed`` takes its place in
+    ``node_names`` (a restarted SuperNode replaces its old node id). Returns the nodes naming another client,
+    left out. At ``admission`` a node that fails to identify, or two connected nodes claiming one client, fail the
+    run; later such a node is left out with a warning until it answers."""
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
-                    message_type=IDENTIFY) for n in node_ids]
-    names: dict[int, str] = {}
-    failed: dict[int, str] = {}
+                    message_type=IDENTIFY) for n in new]
+    named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):
+        node = reply.metadata.src_node_id
         if reply.has_error():
-            failed[reply.metadata.src_node_id] = reply.error.reason
+            if admission:
+                raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
+            log.warning("node %d connected but failed to identify; left out: %s", node,
+                        reply.error.reason.splitlines()[0])
             continue
         identity = reply.content["identity"]
-        name = names[reply.metadata.src_node_id] = str(identity["client-name"])
+        name = named[node] = str(identity["client-name"])
         if sizes is not None:
             sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
-    return names, failed
+    refused: dict[int, str] = {}
+    for node, name in sorted(named.items()):
+        if name not in allowed:
+            refused[node] = name
+            log.log(logging.ERROR if admission else logging.WARNING, "node %d names client %r, which is not among "
+                    "the clients %s of plan %s; %s", node, name, allowed, plan_path, "refused" if admission
+                    else "left out")
+            continue
+        holder = [o for o, c in node_names.items() if c == name]
+        if admission and holder and holder[0] in grid.get_node_ids():
+            raise RuntimeError(f"two nodes claim the same client name: {node_names | {node: name}}")
+        for old in holder:  # its SuperNode restarted
+            del node_names[old]
+        node_names[node] = name
+        if not admission:
+            log.info("client %s (re)joined as node %d", name, node)
+    return refused
 
 
 def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
@@ -145,16 +149,7 @@ def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], tim
     current = set(grid.get_node_ids())
     new = sorted(current - set(node_names))
     if new:
-        names, failed = _ask_names(grid, plan_path, new, timeout)
-        for node, reason in failed.items():
-            log.warning("node %d connected but failed to identify; left out: %s", node, reason.splitlines()[0])
-        known = set(node_names.values())
-        for node, name in names.items():
-            if name not in known:
-                log.warning("node %d claims client %r, which is not in the plan; left out", node, name)
-                continue
-            _assign(node_names, node, name)
-            log.info("client %s (re)joined as node %d", name, node)
+        _name_nodes(grid, plan_path, node_names, new, sorted(set(node_names.values())), timeout)
     return {n: c for n, c in node_names.items() if n in current}
 
 
