@@ -1,26 +1,19 @@
 """Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
 
-The in-process and Ray engines run inside the `train` stage, which records the run (pipeline.train). A deployed
-ServerApp runs inside a SuperLink (pyproject.toml: ``pipeline.federation.deployment:server_app``) and records the
-same things from what the server receives - the clients' data and adapters stay on their own disks:
+A deployed ServerApp (pyproject.toml: ``pipeline.federation.deployment:server_app``) records what the train stage
+records for the engines, from what the server receives - the clients' data and adapters stay on their disks:
+relative to the SuperLink's working directory, the run directory ``data/cache/runs/<exp>-<key>/`` while it runs,
+then ``models/<exp>/`` (``rounds.json``, ``metrics.json``, ``global_adapter.safetensors``) and
+``reports/train/<exp>/``, and an MLflow run. Federated evaluation: after the last round (and every
+``evaluate-every`` rounds) each client scores its own test set with its own adapter as the evaluate stage would
+and replies only ROUGE means and counts: ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, no
+per-example files) and ``rounds.json``. A client that failed in every round it was sampled in fails the run after
+its rounds are recorded, so ``flwr ls`` reports it (:func:`never_contributed`).
 
-- server side (relative to the SuperLink's working directory: the run directory ``data/cache/runs/<exp>-<key>/``
-  while it runs, ``models/<exp>/`` once finished, and ``reports/train/<exp>/``): ``rounds.json``, ``metrics.json``,
-  ``global_adapter.safetensors`` (the final aggregate) and an MLflow run;
-- client side: pipeline.federation.client_app;
-- federated evaluation: after the last round (and every ``evaluate-every`` rounds) the server sends
-  ``query.summarize``; each client scores its own test set with its own adapter as the evaluate stage would and
-  replies only ROUGE means and counts, written as ``reports/eval/<exp>/metrics.json`` (the evaluate stage's
-  layout, without per-example files) and, every ``evaluate-every`` rounds, ``reports/eval/<exp>/rounds.json``.
-
-A client that failed in every round it was sampled in fails the run after its rounds are recorded, so ``flwr ls``
-reports it (:func:`never_contributed`).
-
-Run config (pyproject.toml ``[tool.flwr.app.config]``; pipeline.federation.run_checks): ``plan``, ``evaluate``,
-``evaluate-every`` (0 = only at the end), ``mlflow``, ``round-timeout-s`` and ``admission-timeout-s`` (0 = the
-run-time settings' defaults), ``decoding`` (the evaluate group as JSON; "" = its defaults). The entry points set
-the last three from a params file: ``python -m pipeline.federation local --params`` and the server's ``kit``
-(its run_config.toml); nothing here reads one.
+Run config (pyproject.toml ``[tool.flwr.app.config]``): ``plan``, ``evaluate``, ``evaluate-every`` (0 = only at
+the end), ``mlflow``, ``round-timeout-s`` and ``admission-timeout-s`` (0 = the run-time settings' defaults),
+``decoding`` (the evaluate group as JSON; "" = its defaults). The entry points fill the last three from a params
+file (``python -m pipeline.federation local --params``, the server's ``kit``); nothing here reads one.
 """
 from __future__ import annotations
 
