@@ -7,6 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.common import atomic
 from pipeline.federation.processes import HOST, FederationError
 
 
@@ -34,7 +35,7 @@ def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
     _run("openssl", "req", "-x509", *new_key, "-days", days, "-subj", "/CN=fedmeet local CA",
          "-keyout", out / "ca.key", "-out", certs.ca)
     _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
-    (out / "san.cnf").write_text(f"subjectAltName=IP:{HOST},DNS:localhost\n")
+    atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
     _run("openssl", "x509", "-req", "-in", out / "server.csr", "-CA", certs.ca, "-CAkey", out / "ca.key",
          "-CAcreateserial", "-days", days, "-extfile", out / "san.cnf", "-out", certs.cert)
     return certs

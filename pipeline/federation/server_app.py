@@ -206,7 +206,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         arrays = ArrayRecord.from_torch_state_dict(initial_adapter_state(plan))
     recorder.started(plan, clients, start)
     initial = downlink_reference(plan)
-    config = ConfigRecord({"plan": plan_path, **(client_settings or {})})
+    # Flower's strategies write into the config they get (server-round, proximal-mu, the DP clipping norm): each
+    # message set gets its own
+    config = {"plan": plan_path, **(client_settings or {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
@@ -224,7 +226,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         view = _NodeSubsetGrid(grid, sorted(admitted))
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        messages = list(strategy.configure_train(rnd, arrays, config, view))
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
         # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
@@ -263,7 +265,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
         # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, arrays if spec.local_from_global else ArrayRecord(),
-                                                         config, view))
+                                                         ConfigRecord(config), view))
         if spec.local_from_global and eval_messages:
             eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
             for m in eval_messages:
