@@ -44,8 +44,8 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
-    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; a
-    deployed ServerApp: its run config ``params``), read once per run. A missing file is an error, never the
+    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
+    federation commands: their ``--params``), read once per run. A missing file is an error, never the
     defaults."""
     if not Path(params_path).exists():
         raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.faults import kill_supernode, restart_supernode
 from tests.test_federated import _final_adapters, workspace, write_plan  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +36,6 @@ def ws(workspace, monkeypatch):  # noqa: F811
     monkeypatch.setenv("FEDMEET_ROOT", str(workspace))
     monkeypatch.setenv("FEDMEET_TEST_OWNER", str(os.getpid()))  # marks the Flower processes this test starts
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
-    (workspace / "deploy-params.yaml").write_text(json.dumps({"evaluate": EVALUATE}))  # JSON is YAML
     return workspace
 
 
@@ -57,7 +57,7 @@ def _serve_inprocess(plan_path: str, **run_config):
     _set_server_identity(grid.run.run_id)
     server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                           state=RecordDict(),
-                                          run_config={"plan": plan_path, "params": "deploy-params.yaml",
+                                          run_config={"plan": plan_path, "decoding": json.dumps(EVALUATE),
                                                       **run_config}))
     return grid
 
@@ -164,6 +164,31 @@ def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, mon
     assert len(calls) == 3  # after rounds 1 and 2, then the final evaluation after round 3
     assert all(set(c["clients"]) == {"Academic", "Committee", "Product"} for c in calls)
     assert all(not math.isnan(v["avg_rouge"]) for v in calls[-1]["clients"].values())
+
+
+@pytest.mark.timeout(400)
+def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earlier_run(ws):
+    """The train and evaluate stages ran an experiment (models/, reports/train/, reports/eval/ with per-example
+    files); the deployed run of the same plan then replaces every file of its output folders: none is older than
+    it (an earlier predictions.jsonl beside the federated metrics.json would be scores of another run)."""
+    from pipeline.common.config import from_dict
+    from pipeline.evaluate import evaluate_experiment
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.train import run_experiment
+
+    path = write_plan("dep-rerun", "fedavg", rounds=1)
+    run_experiment(path, track=False)
+    evaluate_experiment("dep-rerun", from_dict(EvaluateConfig, EVALUATE, "test"), mlflow_logging=False)
+    plan = load_plan(path)
+    folders = [Path(plan.paths[k]) for k in ("model_dir", "reports_dir")] + [Path("reports/eval/dep-rerun")]
+    assert (folders[2] / "predictions.jsonl").exists() and (folders[2] / "per_example.parquet").exists()
+    time.sleep(1.1)  # file times of the rerun are then later than any of the earlier run's
+    started = time.time()
+    _serve_inprocess(path, mlflow=False)
+    files = [f for folder in folders for f in folder.rglob("*") if f.is_file()]
+    assert {f.name for f in files} >= {"metrics.json", "rounds.json", "global_adapter.safetensors"}
+    assert [str(f) for f in files if f.stat().st_mtime < started] == []
 
 
 # ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation.localhost)
@@ -311,9 +336,9 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
         def faults() -> None:
             start = time.monotonic()
             _await_round(plan, 1, 700)
-            fed.kill_supernode("Committee")  # round 2's train message is on its way or being worked on
+            kill_supernode(fed, "Committee")  # round 2's train message is on its way or being worked on
             events.append("killed")
-            fed.restart_supernode("Committee")
+            restart_supernode(fed, "Committee")
             events.append("restarted")
             _await_round(plan, 3, 700 - (time.monotonic() - start))
             fed.procs.stop(fed.superlink, signal.SIGKILL)  # a crash: no clean shutdown
@@ -511,7 +536,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
             _await_round(plan, 1, 500)
             ckpt = load_server_checkpoint(load_plan(plan))
             events.append((int(ckpt["round"]), ckpt["arrays"]))  # round 1's global, before round 2 replaces it
-            fed.kill_supernode("Committee")  # round 2's SecAgg+ stages are on their way
+            kill_supernode(fed, "Committee")  # round 2's SecAgg+ stages are on their way
             events.append("killed")
 
         watcher = threading.Thread(target=lose_committee, daemon=True)

@@ -144,6 +144,43 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     assert fed.start_round() == 3
 
 
+def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
+    """The closing line of `local` carries the client-average ROUGE of reports/eval/<exp>/metrics.json when the run
+    wrote it (not recomputed), and none when the file is an earlier run's."""
+    import os
+    import time
+
+    from tests.test_federated import write_plan
+
+    from pipeline.federation.localhost import LocalhostFederation, LocalhostRun
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+
+    path = write_plan("local-rouge", "fedavg", rounds=1)
+    plan = load_plan(path)
+    evaluated = PATHS.eval_dir(plan.experiment) / "metrics.json"
+    evaluated.parent.mkdir(parents=True, exist_ok=True)
+    mean = {"rouge1": 31.5, "rouge2": 9.25, "rougeL": 24.0, "avg_rouge": 21.58}
+
+    def run(cfg, age: float):
+        fed = LocalhostFederation(cfg)
+        since = time.time()
+        train = Path(plan.paths["reports_dir"]) / "metrics.json"
+        train.parent.mkdir(parents=True, exist_ok=True)
+        train.write_text(json.dumps({"experiment": plan.experiment, "clients": {
+            "Academic": {"best_round": 1, "best_val_loss": 0.5, "rounds_failed": 0}}}))
+        evaluated.write_text(json.dumps({"mean": mean}))
+        os.utime(evaluated, (since - age, since - age))
+        return LocalhostRun(0, fed.home, ""), fed.check_outputs(since)
+
+    monkeypatch.setattr(localhost, "run_localhost", lambda cfg: run(cfg, age=-1.0))
+    assert run_cli(localhost.main, ["local", "--plan", path]) == 0
+    assert json.loads(capsys.readouterr().out)["rouge"] == mean
+    monkeypatch.setattr(localhost, "run_localhost", lambda cfg: run(cfg, age=60.0))  # an earlier run's file
+    assert run_cli(localhost.main, ["local", "--plan", path]) == 0
+    assert "rouge" not in json.loads(capsys.readouterr().out)
+
+
 def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeypatch, capsys, tmp_path):
     import subprocess
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -1341,8 +1342,8 @@ def test_a_client_without_valid_examples_is_refused_at_admission(ws):
 
 
 def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_path, monkeypatch, capsys):
-    """The ServerApp (pipeline.federation.deployment.serve) started in a directory that holds only the plan, the
-    backbone (for the round-0 adapter) and the params file (its run-time settings): no data/ and no site's files. The scripted clients report their
+    """The ServerApp (pipeline.federation.deployment.serve) started in a directory that holds only the plan and the
+    backbone (for the round-0 adapter): no params file, no data/ and no site's files. The scripted clients report their
     weights through Flower messages; the run trains, writes rounds.json and metrics.json, and reads nothing under
     data/ (it only writes its run directory there)."""
     import shutil
@@ -1359,7 +1360,6 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
     (server / "models/plans").mkdir(parents=True)
     shutil.copy(plan_src, server / plan_src)
     shutil.copytree(ws / "models/backbone", server / "models/backbone")
-    shutil.copy(ws / "params.yaml", server / "params.yaml")
     monkeypatch.chdir(server)
     monkeypatch.setenv("FEDMEET_ROOT", str(server))
     grid = Grid(plan_src, script, clients)
@@ -1413,8 +1413,8 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
                 "failed_clients": {}}
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
-    inner = SimpleNamespace(round_done=lambda *a: None, logger=None)
-    recorder = deployment.DeploymentRecorder(inner, None, "p.json", object(), 2, 5.0)
+    monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
+    recorder = deployment.DeploymentRecorder(plan, None, None, "p.json", object(), 2, 5.0)
     for rnd in range(1, 6):
         recorder.round_done(plan, SimpleNamespace(round=rnd), [])
     saved = json.loads((PATHS.eval_dir("dep-every-disk") / "rounds.json").read_text())
@@ -1441,3 +1441,40 @@ def test_a_client_that_fails_every_round_fails_the_deployed_run_naming_it(ws, tm
     rows = [{"round": 1, "client": "A", "sampled": 1, "failed": 1, "error": "x"},
             {"round": 2, "client": "A", "sampled": 1, "failed": 0}, {"round": 1, "client": "B", "sampled": 0}]
     assert never_contributed(rows) == {}
+
+
+def test_a_retry_after_a_failed_admission_deletes_the_dead_mlflow_run_and_keeps_one_run(ws):
+    """A ServerApp whose admission fails (a declared client never joins) ends its MLflow run KILLED and leaves its
+    id without a server checkpoint; the retry deletes that run (it holds no round) instead of leaving a dead
+    attempt in the runs table, and records one run of its own."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.federation.deployment import serve
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import AdmissionError
+    from pipeline.training import checkpoints
+
+    path = write_plan("srv-retry", "fedavg", rounds=1, fraction_train=1.0)
+    plan = load_plan(path)
+    run_config = {"plan": path, "evaluate": False, "admission-timeout-s": 0.5}
+
+    def attempt(clients):
+        grid = Grid(path, Script(), clients)
+        return serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
+                                   state=RecordDict(), run_config=run_config))
+
+    with pytest.raises(AdmissionError):
+        attempt(["Academic", "Committee"])  # Product never joins
+    id_file = checkpoints.mlflow_run_id_path(plan)
+    dead = id_file.read_text().strip()
+    assert not checkpoints.server_checkpoint_path(plan).exists()
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    assert client.get_run(dead).info.status == "KILLED"
+    attempt(["Academic", "Committee", "Product"])
+    assert client.get_run(dead).info.lifecycle_stage == "deleted"
+    experiment = client.get_experiment_by_name(plan.study)
+    runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-retry'")
+    assert [r.info.status for r in runs] == ["FINISHED"] and runs[0].info.run_id != dead
+    assert not id_file.exists()

@@ -12,14 +12,30 @@ import pytest
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
-def test_the_servers_kit_is_the_plan_the_backbone_and_the_params_file(ws, tmp_path):
-    from pipeline.federation.sites import write_kit
+def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_params_file(ws, tmp_path):
+    """`kit` without --client: the plan, the backbone and run_config.toml, whose timeouts and decoding are the
+    params file's (with the experiment's own overrides); the ServerApp reads them from its run config."""
+    import tomllib
+
+    import yaml
+
+    from pipeline.common.cli import run as run_cli
+    from pipeline.federation.deployment import decoding, timeouts
+    from pipeline.federation.localhost import main
 
     plan = write_plan("kit-server", "fedavg", rounds=1)
-    write_kit(plan, tmp_path / "server", params_file="params.yaml")
-    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models", "params.yaml"]
+    Path("kit-params.yaml").write_text(yaml.safe_dump({
+        "train": {"round_timeout_s": 120, "admission_timeout_s": 45},
+        "experiments": {"kit-server": {"round_timeout_s": 77}}, "evaluate": {"num_beams": 3, "adapter": "final"}}))
+    assert run_cli(main, ["kit", "--plan", plan, "--out", str(tmp_path / "server"), "--params", "kit-params.yaml"]) == 0
+    assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models", "run_config.toml"]
     assert sorted(p.name for p in (tmp_path / "server/models").iterdir()) == ["backbone", "plans"]
     assert (tmp_path / "server" / plan).read_text() == Path(plan).read_text()
+    run_config = tomllib.loads((tmp_path / "server" / "run_config.toml").read_text())
+    assert run_config["plan"] == plan and timeouts(run_config) == (77.0, 45.0)
+    cfg = decoding(run_config)
+    assert (cfg.num_beams, cfg.adapter, cfg.max_target_length) == (3, "final", 96)  # 96: the group's default
+    assert timeouts({}) == (1800.0, 600.0) and decoding({"decoding": ""}).num_beams == 1
 
 
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path,
@@ -59,11 +75,33 @@ def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
 def test_a_client_named_outside_its_partition_still_says_its_name_so_the_server_can_refuse_it(ws):
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.server_app import _ask_names
+    from pipeline.federation.server_app import _name_nodes
 
     plan = write_plan("kit-typo-node", "fedavg", rounds=1)
     grid = InProcessGrid(client_app, [{"client-name": "Prodcut", "plan": plan}])
     _set_server_identity(grid.run.run_id)
-    sizes = {}
-    assert _ask_names(grid, plan, [1000], 5, sizes) == ({1000: "Prodcut"}, {})
-    assert sizes == {"Prodcut": {}}
+    sizes, names = {}, {}
+    assert _name_nodes(grid, plan, names, [1000], ["Product"], 5, sizes, admission=True) == {1000: "Prodcut"}
+    assert sizes == {"Prodcut": {}} and names == {}
+
+
+def test_the_servers_mlflow_store_is_the_project_root_of_the_directory_it_runs_in(tmp_path, monkeypatch):
+    """docs/federation.md: the deployed ServerApp logs to the store of the SuperLink's working directory: the git
+    checkout that holds it (a kit inside the project checkout: the project's mlflow.db), else that directory (a
+    server machine whose kit is no checkout); MLFLOW_TRACKING_URI overrides both."""
+    import subprocess
+
+    from pipeline.results.tracking import tracking_uri
+
+    for var in ("MLFLOW_TRACKING_URI", "FEDMEET_ROOT", "DVC_ROOT"):
+        monkeypatch.delenv(var, raising=False)
+    checkout, alone = tmp_path / "checkout", tmp_path / "alone" / "server"
+    subprocess.run(["git", "init", "-q", str(checkout)], check=True)
+    for kit in (checkout / ".flwr-local/sites/server", alone):
+        kit.mkdir(parents=True)
+    monkeypatch.chdir(checkout / ".flwr-local/sites/server")
+    assert tracking_uri() == f"sqlite:///{checkout.resolve() / 'mlflow.db'}"
+    monkeypatch.chdir(alone)
+    assert tracking_uri() == f"sqlite:///{alone.resolve() / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////elsewhere/mlflow.db")
+    assert tracking_uri() == "sqlite:////elsewhere/mlflow.db"

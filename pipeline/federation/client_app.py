@@ -1,22 +1,17 @@
 """The ClientApp (Flower Message API, flwr 1.41): what a client does when the server asks.
 
-- ``query.identify`` answers the client's name.
-- ``train`` loads the server's weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local
-  one (AdaFedAvg and the server algorithm baselines: the average overwrites the client adapter), trains the local
-  adapter on the client's data and replies with the local adapter's tensors (ArrayRecord) and counts/metrics
-  (MetricRecord) - nothing else, no text, no token ids. Under ``privacy.secure_aggregation`` the same round runs
-  inside SecAgg+ (pipeline.privacy.secure_aggregation): the tensors leave only masked, and a plan that sets it
-  makes the client refuse a plain train message. The local adapter persists across rounds in
-  ``context.state`` (or is reset to the global weights with ``train.local_adapter: reset``); the gate log of
-  section 4 is written on the client's disk (it is the client's own data).
-- ``evaluate`` measures the validation loss of the client's adapter, keeps its best and final adapter and
-  checkpoints the client's state on the client's disk (pipeline.training.checkpoints).
-- ``query.summarize`` (federated evaluation) is registered on this app by pipeline.federation.client_evaluation,
-  the deployed ClientApp (pyproject.toml), so decoding and scoring stay out of the train stage's code.
-- FedAvg weights: ``num-examples`` is the number of examples the client trained on this round (``train.weight_by:
-  trained``, the default): under the CPU profile's cap (``max_train_examples_per_client``) each update is
-  estimated from that many examples, so it weighs what it was computed from; ``weight_by: full`` weights by the
-  client's full train size |D_i| instead (the paper's ``|D_i| / |D|``, equal to the trained count without a cap).
+- ``query.identify``: the client's name and split sizes.
+- ``train``: loads the server's weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local one
+  (AdaFedAvg and the server algorithm baselines), trains the local adapter on the client's data and replies with
+  its tensors and counts/metrics only - no text, no token ids. Under ``privacy.secure_aggregation`` the same round
+  runs inside SecAgg+ and the tensors leave only masked (pipeline.privacy.secure_aggregation). The local adapter
+  persists in ``context.state`` (``train.local_adapter: reset``: the global each round); the gate log stays on
+  the client's disk. FedAvg weight ``num-examples``: the examples trained this round (``train.weight_by:
+  trained``; under ``max_train_examples_per_client`` an update weighs what it was computed from), or the full
+  train size |D_i| (``full``, the paper's |D_i| / |D|).
+- ``evaluate``: the validation loss of the client's adapter; keeps its best and final adapter and checkpoints the
+  client's state on its disk (pipeline.training.checkpoints).
+- ``query.summarize`` (federated evaluation) is registered by pipeline.federation.client_evaluation.
 """
 from __future__ import annotations
 

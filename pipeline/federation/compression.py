@@ -1,21 +1,9 @@
-"""Adapter transfer encodings: fp32 (exact), fp16, int8 with one symmetric scale per tensor.
-
-Only adapter tensors travel between clients and server (METHOD.md section 5); this module shrinks them on the
-wire. ``encode_state`` turns a float state dict into a flat dict of tensors that goes straight into Flower's
-``ArrayRecord.from_torch_state_dict``; ``decode_state`` turns what arrives back into float32. The encoding is
-self-describing (by tensor dtype), so the receiver needs no side channel:
-
-- fp32: the tensors as float32 (exact; the default).
-- fp16: ``x.half()``; relative error <= 2^-11 for |x| in fp16's normal range, and an error for |x| > 65504
-  (it would become inf) instead of silently sending inf.
-- int8: per-tensor symmetric quantisation ``s = max|x| / 127``, ``q = round(x / s)`` in [-127, 127], sent as the
-  int8 ``q`` plus the float32 scalar ``s`` under ``<key>.int8_scale``; decoded ``q * s``, so every element's
-  error is at most ``s / 2`` (rounding to the nearest integer). -128 is never used, so the grid is symmetric.
-
-Delta encoding (optional): with ``reference`` (a state both sides hold, e.g. the global adapter the server sent
-this round) the difference ``state - reference`` is encoded instead and ``decode_state(..., reference)`` adds it
-back. For int8 this matters: the adapters' LayerNorm weights sit near 1, so a per-tensor scale of the weights
-themselves is ~1/127 while a round's update is far smaller; the scale of the delta follows the update.
+"""Adapter transfer encodings (``train.transfer_dtype``), self-describing by tensor dtype so the receiver needs no
+side channel: fp32 (exact, the default); fp16 (relative error <= 2^-11, and an error instead of inf above 65504);
+int8 with one symmetric scale per tensor, ``s = max|x| / 127``, ``q = round(x / s)`` in [-127, 127] sent with the
+float32 ``s`` under ``<key>.int8_scale`` (error <= s / 2 per element). With ``reference`` (a state both sides
+hold) the difference to it is encoded: the adapters' LayerNorm weights sit near 1, so int8 of the weights would
+have a step of ~1/127 while a round's update is far smaller; the scale of the delta follows the update.
 """
 from __future__ import annotations
 
@@ -31,9 +19,7 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-tensor int8: returns (q int8, scale float32 scalar) with ``x ~= q * scale``.
-
-    An all-zero tensor gets scale 0 (and q = 0), which decodes exactly."""
+    """Symmetric per-tensor int8: (q int8, scale float32 scalar) with ``x ~= q * scale``; all zeros: scale 0."""
     x = x.detach().to(torch.float32)
     amax = x.abs().max() if x.numel() else torch.tensor(0.0)
     scale = (amax / INT8_LEVELS).to(torch.float32)
@@ -41,10 +27,6 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros_like(x, dtype=torch.int8), scale.reshape(())
     q = torch.round(x / scale).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
     return q, scale.reshape(())
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32) * scale.to(torch.float32)
 
 
 def _check_inputs(state: dict[str, torch.Tensor], dtype: str, reference: dict[str, torch.Tensor] | None) -> None:
@@ -107,7 +89,7 @@ def decode_state(
         if value.dtype == torch.int8:
             if key not in scales:
                 raise ValueError(f"encoded state: int8 tensor {key!r} has no {key + SCALE_SUFFIX!r}")
-            x = dequantize_int8(value, torch.as_tensor(scales[key]).reshape(()))
+            x = value.to(torch.float32) * torch.as_tensor(scales[key]).reshape(()).to(torch.float32)
         elif value.dtype in (torch.float16, torch.float32):
             if key in scales:
                 raise ValueError(f"encoded state: {key!r} is {value.dtype} but has an int8 scale")

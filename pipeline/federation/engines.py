@@ -3,8 +3,7 @@
 ``InProcessGrid`` delivers each Message to the same ClientApp object in this process, one client after the other
 (no Ray, no sockets; each node keeps its own Context); ``engine: ray`` runs the same apps in Flower's simulation
 runtime (``flwr.simulation.run_simulation``, Ray actors with ``ray_cpus_per_client`` / ``ray_gpus_per_client``).
-As a real federation the same objects are served by ``flower-superlink`` + ``flower-supernode --node-config
-"client-name='Academic' plan='models/plans/<exp>.json'"`` (see README; pipeline.federation.deployment).
+A real federation serves the same apps from a SuperLink and SuperNodes (pipeline.federation.deployment).
 """
 from __future__ import annotations
 
@@ -41,14 +40,12 @@ def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | 
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
-        plan = load_plan(plan_path)
-        arrays, history = run_server(grid, plan, plan_path, recorder, settings.round_timeout_s,
+        arrays, history = run_server(grid, load_plan(plan_path), plan_path, recorder, settings.round_timeout_s,
                                      settings.admission_timeout_s, client_settings_config(settings.cache))
         if result is not None:
             result.update(arrays=arrays, history=history)
 
     return app
-
 
 
 class InProcessGrid(Grid):
@@ -99,9 +96,8 @@ class InProcessGrid(Grid):
         replies = []
         for mid in message_ids:
             msg = self._pending.pop(mid)
-            context = self.contexts[msg.metadata.dst_node_id]
             try:
-                reply = self.client_app(msg, context)
+                reply = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
             except Exception as exc:  # the client failed: Flower reports this as an error reply
                 reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
                 log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
@@ -123,13 +119,12 @@ def _set_server_identity(run_id: int) -> None:
 def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
                   client_app_: ClientApp | None = None) -> dict:
     """Run the experiment's ServerApp and ClientApps in this process; returns {arrays, history}."""
-    plan = load_plan(plan_path)
-    names = client_names(plan)
+    names = client_names(load_plan(plan_path))
     grid = InProcessGrid(client_app_ or client_app, [{"client-name": n, "plan": plan_path} for n in names])
     _set_server_identity(grid.run.run_id)
     result: dict = {}
-    app = make_server_app(plan_path, settings, recorder, result)
-    app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
+    make_server_app(plan_path, settings, recorder, result)(
+        grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                    state=RecordDict(), run_config={"plan": plan_path}))
     result["contexts"] = grid.contexts
     return result
@@ -139,14 +134,12 @@ def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = N
     """Run the same apps in Flower's simulation runtime on Ray (one virtual SuperNode per client)."""
     from flwr.simulation import run_simulation
 
-    plan = load_plan(plan_path)
-    names = client_names(plan)
     result: dict = {}
-    backend_config = {"client_resources": {"num_cpus": settings.ray_cpus_per_client,
-                                           "num_gpus": settings.ray_gpus_per_client}}
     _set_server_identity(1)
     run_simulation(server_app=make_server_app(plan_path, settings, recorder, result), client_app=client_app,
-                   num_supernodes=len(names), backend_config=backend_config)
+                   num_supernodes=len(client_names(load_plan(plan_path))),
+                   backend_config={"client_resources": {"num_cpus": settings.ray_cpus_per_client,
+                                                        "num_gpus": settings.ray_gpus_per_client}})
     if "history" not in result:
         raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
     return result

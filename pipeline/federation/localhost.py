@@ -1,27 +1,18 @@
 """A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
-and every process it started stopped afterwards (success, failure, Ctrl-C).
+and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md.
 
     python -m pipeline.federation local --experiment fedselectkd-domain
     python -m pipeline.federation local --experiment fedavg-domain --tls --auth   # self-signed CA, node keys
 
-It runs the real deployment path (pipeline.federation.deployment: the ServerApp inside the SuperLink, ClientApps inside
-the SuperNodes, one ``flwr-clientapp`` process per message), so what it writes is what a multi-site run writes:
-``models/<exp>/`` (through the run directory ``data/cache/runs/<exp>-<key>/``) and ``reports/train/<exp>/`` on the
-server side, the run directory's ``clients/<name>/`` and client checkpoints on the client side, ``reports/eval/<exp>/metrics.json`` from the federated evaluation.
-
-Everything Flower keeps (the SuperLink's app installs, the CLI's ``config.toml`` connection, the process logs,
-the generated certificates and keys) goes to ``FLWR_HOME`` = ``.flwr-local/<exp>/`` in the working directory.
-Each process is started in its own process group and stopped by its id (SIGTERM to the group, then SIGKILL
-after ``--stop-timeout``), together with the descendants it spawned (Flower's SuperExec starts its own session).
-
-Faults: a SuperNode that dies mid-round is left out of that round's aggregate (after Flower marks it offline,
-at most two missed 30 s heartbeats, or the plan's ``train.round_timeout_s``) and recorded as failed in
-rounds.json; a restarted SuperNode is identified again and rejoins the next round. A SuperLink that dies ends
-the command with the round the server checkpointed last and the command that resumes from it.
+It runs the real deployment path (pipeline.federation.deployment: the ServerApp inside the SuperLink, ClientApps
+inside the SuperNodes), so it writes what a multi-site run writes. Flower's files (app installs, the CLI's
+``config.toml``, process logs, certificates and keys) go to ``FLWR_HOME`` = ``.flwr-local/<exp>/``. This module
+is the entry point that reads a params file (``--params``): the ServerApp gets its settings in the run config.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -34,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.common import atomic
+from pipeline.common.config import from_dict
 from pipeline.federation.credentials import Certificates, make_node_key, make_self_signed_ca
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, parse_run_status,
@@ -54,7 +46,8 @@ class LocalhostConfig:
     plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
     workdir: Path = Path(".")
     app: Path = REPO_ROOT  # the Flower app (pyproject.toml with [tool.flwr.app])
-    run_config: dict[str, str | int | float | bool] = field(default_factory=dict)
+    run_config: dict[str, str | int | float | bool] = field(default_factory=dict)  # the ServerApp's
+    params: str | None = None  # params file of the run config's timeouts and decoding (unless set there)
     clients: list[str] | None = None  # default: the plan's partition
     tls: bool = False
     certificates: Certificates | None = None  # with tls: these files, else a CA made under FLWR_HOME
@@ -68,11 +61,10 @@ class LocalhostConfig:
 
 @dataclass
 class LocalhostRun:
-    """What :func:`run_localhost` did: the run's exit status, the process logs, the outputs it checked."""
+    """What :func:`run_localhost` did: the run's exit status, FLWR_HOME (with the process logs), its output."""
 
     returncode: int
     home: Path
-    logs: dict[str, Path]
     output: str
 
 
@@ -99,12 +91,6 @@ def write_connection(home: Path, port: int, certificates: Certificates | None) -
     return path
 
 
-def _bin(name: str) -> str:
-    # Flower's entry points live beside this interpreter (the project's venv), whatever PATH says.
-    exe = Path(sys.executable).parent / name
-    return str(exe) if exe.exists() else name
-
-
 class LocalhostFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
@@ -121,6 +107,9 @@ class LocalhostFederation:
         if not plan_file.exists():
             raise FederationError(f"{plan_file}: plan file not found (run the plan stage: dvc repro plan)")
         self.plan = load_plan(str(plan_file))
+        self.run_config = dict(cfg.run_config)
+        if cfg.params is not None:
+            self.run_config = server_run_config(str(self.workdir / cfg.params), self.plan.experiment) | self.run_config
         cwd = os.getcwd()
         try:  # the plan's paths are relative to the working directory
             os.chdir(self.workdir)
@@ -130,6 +119,7 @@ class LocalhostFederation:
         self.home = (cfg.home or self.workdir / LOCAL_HOME / self.plan.experiment).resolve()
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0",
                    PYTHONUNBUFFERED="1")
+        # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
@@ -158,7 +148,7 @@ class LocalhostFederation:
         return ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
 
     def start_superlink(self) -> Process:
-        argv = [_bin("flower-superlink"), *self._security_args(), "--host", HOST, "--port", str(self.port),
+        argv = ["flower-superlink", *self._security_args(), "--host", HOST, "--port", str(self.port),
                 # the app's dependencies are this environment's: no `uv sync` per run
                 "--disable-runtime-dependency-installation"]
         if self.cfg.auth:
@@ -174,7 +164,7 @@ class LocalhostFederation:
 
     def flwr(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
         """A ``flwr`` CLI command against this deployment's connection."""
-        return subprocess.run([_bin("flwr"), *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
+        return subprocess.run(["flwr", *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
                               text=True, timeout=timeout_s or self.cfg.startup_timeout_s)
 
     def register(self, name: str) -> None:
@@ -187,7 +177,7 @@ class LocalhostFederation:
 
     # -- SuperNodes
     def start_supernode(self, name: str, key: Path | None = None) -> Process:
-        argv = [_bin("flower-supernode"), "--superlink", f"{HOST}:{self.port}", "--host", HOST,
+        argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--host", HOST,
                 "--port", str(free_port()),
                 "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
         argv[1:1] = (["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"])
@@ -211,35 +201,15 @@ class LocalhostFederation:
         for proc in self.supernodes.values():
             self.wait_registered(proc)
 
-    def restart_supernode(self, name: str, timeout_s: float = 150.0) -> Process:
-        """Start ``name``'s SuperNode again until the SuperLink accepts it. With SuperNode authentication the
-        SuperLink refuses the key while the killed node still counts as online (until two 30 s heartbeats are
-        missed); without it the new process gets a new node id at once."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            proc = self.start_supernode(name)
-            try:
-                self.wait_registered(proc)
-                return proc
-            except FederationError:
-                self.procs.stop(proc)
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(2.0)
-
-    def kill_supernode(self, name: str) -> None:
-        """Kill a SuperNode and what it spawned (SIGKILL: no goodbye to the SuperLink, as in a crash)."""
-        self.procs.stop(self.supernodes[name], signal.SIGKILL)
-
     # -- the run
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
-        rc = {"plan": self.cfg.plan, **self.cfg.run_config}
-        argv = [_bin("flwr"), "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
+        rc = {"plan": self.cfg.plan, **self.run_config}
+        argv = ["flwr", "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
                 "--run-config", run_config_arg(rc)]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
-    def stream(self, run: Process, on_line=None) -> LocalhostRun:
+    def stream(self, run: Process) -> LocalhostRun:
         """Echo the run's output until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
         lines: list[str] = []
         log = open(run.log, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
@@ -253,8 +223,6 @@ class LocalhostFederation:
                 if not self.cfg.quiet:
                     sys.stdout.write(line)
                     sys.stdout.flush()
-                if on_line is not None:
-                    on_line(line)
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
@@ -262,7 +230,8 @@ class LocalhostFederation:
         try:
             while run.alive():
                 if self.superlink is not None and not self.superlink.alive():
-                    raise FederationError(self._superlink_lost())
+                    raise FederationError(f"the SuperLink stopped during the run (status "
+                                          f"{self.superlink.popen.returncode}); {self._resume_hint()}")
                 if time.monotonic() > deadline:
                     raise FederationError(f"the run did not finish within {self.cfg.run_timeout_s:.0f}s "
                                           f"(--run-timeout); {self._resume_hint()}")
@@ -270,18 +239,13 @@ class LocalhostFederation:
             reader.join(timeout=5)
         finally:
             log.close()
-        return LocalhostRun(run.popen.returncode, self.home, {p.name: p.log for p in self.procs.procs}, "".join(lines))
+        return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
 
     def start_round(self) -> int:
         """The round the run starts at: 1, or the one after the server's last checkpointed round (a resumed run)."""
-        from pipeline.federation.server_app import load_server_checkpoint
+        from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path
 
-        cwd = os.getcwd()
-        try:
-            os.chdir(self.workdir)
-            ckpt = load_server_checkpoint(self.plan)
-        finally:
-            os.chdir(cwd)
+        ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
         return 1 if ckpt is None else int(ckpt["round"]) + 1
 
     def run_status(self, run_id: int) -> tuple[str, str]:
@@ -290,33 +254,25 @@ class LocalhostFederation:
         out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
         return parse_run_status(out.stdout, run_id)[1:]
 
-    def close_left_running(self, reason: str) -> str | None:
-        """After the processes stopped (Ctrl-C, a lost SuperLink, a timeout): the ServerApp was killed before it
-        could end its MLflow run, so mark that run KILLED (a rerun resumes it from the server checkpoint and sets
-        it RUNNING again). Returns the run id it marked, if any."""
-        return close_left_running(self.workdir, self.plan, reason)
-
     def _resume_hint(self) -> str:
-        from pipeline.training.checkpoints import server_checkpoint_path
-
-        start = self.start_round()
-        command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
+        start, command = self.start_round(), f"python -m pipeline.federation local --plan {self.cfg.plan}"
         if start == 1:
             return f"no round was checkpointed; rerun `{command}` to start over"
+        from pipeline.training.checkpoints import server_checkpoint_path
+
         return (f"the server checkpointed round {start - 1} of {self.plan.train.rounds} "
                 f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
 
-    def _superlink_lost(self) -> str:
-        status = self.superlink.popen.returncode if self.superlink else None
-        return f"the SuperLink stopped during the run (status {status}); {self._resume_hint()}"
-
     def check_outputs(self, since: float) -> dict:
-        """The run's train metrics (written by the deployed ServerApp), or an error naming what is missing."""
+        """The run's train metrics (written by the deployed ServerApp), or an error naming what is missing; with
+        ``rouge``, the client-average ROUGE of the federated evaluation when this run wrote one."""
         metrics = self.workdir / self.plan.paths["reports_dir"] / "metrics.json"
         if not metrics.exists() or metrics.stat().st_mtime < since:
             raise FederationError(f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; "
                                   f"{self._resume_hint()}")
-        return json.loads(metrics.read_text())
+        evaluated = self.workdir / PATHS.eval_dir(self.plan.experiment) / "metrics.json"
+        fresh = evaluated.exists() and evaluated.stat().st_mtime >= since
+        return json.loads(metrics.read_text()) | ({"rouge": json.loads(evaluated.read_text())["mean"]} if fresh else {})
 
 
 RUN_ID = re.compile(r"Successfully started run (\d+)")
@@ -330,7 +286,9 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
         return _run(fed)
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:
-            fed.close_left_running("interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split()))
+            # the ServerApp was killed before it could end its MLflow run: marked KILLED (a rerun resumes it)
+            close_left_running(fed.workdir, fed.plan, "interrupted" if isinstance(exc, KeyboardInterrupt)
+                               else " ".join(str(exc).split()))
         except Exception as closing:  # noqa: BLE001 -- the run's own error is the one to report
             print(f"warning: the MLflow run could not be marked KILLED: {closing}", file=sys.stderr)
         raise
@@ -338,12 +296,7 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
 
 def _run(fed: LocalhostFederation) -> tuple[LocalhostRun, dict]:
     with fed:
-        started = time.time()
-        start = fed.start_round()
-        print(f"{fed.plan.experiment}: " + (f"resuming from round {start} of {fed.plan.train.rounds} (server "
-                                             f"checkpoint)" if start > 1 else f"starting at round 1 of "
-                                                                               f"{fed.plan.train.rounds}"),
-              file=sys.stderr, flush=True)
+        started = time.time()  # the ServerApp prints the round it starts at, in the run's stream
         fed.start()
         run = fed.stream(fed.submit())
         if run.returncode != 0:
@@ -377,6 +330,19 @@ def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
     return out
 
 
+def server_run_config(params_file: str, experiment: str) -> dict[str, str | float]:
+    """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
+    overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
+    from pipeline.common.config import load_params
+    from pipeline.experiments import load_run_settings
+    from pipeline.results.evaluation import EvaluateConfig
+
+    settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
+    decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
+    return {"round-timeout-s": settings.round_timeout_s, "admission-timeout-s": settings.admission_timeout_s,
+            "decoding": json.dumps(dataclasses.asdict(decoding))}
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -391,8 +357,10 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--experiment", help="a key of params.yaml `experiments` (plan models/plans/<exp>.json)")
     which.add_argument("--plan", help="a plan file (relative to the working directory)")
     lo.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
-                    help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, params, "
-                         "round-timeout-s, admission-timeout-s)")
+                    help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, decoding, "
+                         "round-timeout-s, admission-timeout-s; the last three default to --params')")
+    lo.add_argument("--params", default="params.yaml",
+                    help="params file of the server's timeouts (train) and decoding (evaluate)")
     lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
     lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
@@ -411,19 +379,24 @@ def main(argv: list[str] | None = None) -> int:
     kit.add_argument("--client", help="the site's client (default: the server's kit)")
     kit.add_argument("--out", required=True, type=Path)
     kit.add_argument("--params", default="params.yaml",
-                     help="the server's params file (run-time settings, decoding); not copied into a site's kit")
+                     help="the server's kit: its run_config.toml's timeouts and decoding come from this params file")
     args = ap.parse_args(argv)
     if args.command == "status":
         return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
         from pipeline.federation.sites import write_kit
 
-        written = write_kit(args.plan, args.out, args.client, None if args.client else args.params)
+        
+        from pipeline.experiments import read_plan
+
+        run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
+        written = write_kit(args.plan, args.out, args.client, run_config)
         print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
         return 0
 
     plan = args.plan or str(PLANS_DIR / f"{args.experiment}.json")
-    cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), tls=args.tls, auth=args.auth,
+    cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), params=args.params,
+                          tls=args.tls, auth=args.auth,
                       startup_timeout_s=args.startup_timeout, run_timeout_s=args.run_timeout,
                       stop_timeout_s=args.stop_timeout)
     # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
@@ -435,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     summary = {c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")}
                for c, v in metrics["clients"].items()}
+    # the client-average ROUGE of the federated evaluation, as the ServerApp wrote it (reports/eval/<exp>/)
     print(json.dumps({"experiment": metrics.get("experiment", Path(plan).stem), "clients": summary,
-                      "logs": str(run.home / "logs")}))
+                      **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}), "logs": str(run.home / "logs")}))
     return 0
 
 

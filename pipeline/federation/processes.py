@@ -1,7 +1,6 @@
-"""The processes of a local deployment (pipeline.federation.localhost): each started in its own process group with
-its output in a log file, and stopped by its id (SIGTERM to the group, then SIGKILL after the stop timeout),
-together with the descendants it spawned (Flower's SuperExec starts its own session); groups left running are
-stopped at interpreter exit. Plus the waits for a process to come up and free ports on 127.0.0.1."""
+"""The processes of a local deployment (pipeline.federation.localhost): each in its own process group, logging to a
+file, stopped by its id with the descendants it spawned (Flower's SuperExec starts its own session); groups left
+running are stopped at interpreter exit. Plus waits for a process to come up and free ports on 127.0.0.1."""
 from __future__ import annotations
 
 import atexit

@@ -1,14 +1,11 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
 metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire.
 
-Transfer encoding (pipeline.federation.compression, ``train.transfer_dtype`` fp32 | fp16 | int8): the server
-encodes the global once per round and sends the same bytes to every client; the client decodes it, and replies
-with its local adapter encoded; the server decodes every reply to float32 before the strategy aggregates, so
-Flower's strategies and the server state stay full precision. With ``train.transfer_delta`` (lossy encodings only)
-the reply is the difference to the global the client received (both sides hold it bit for bit) and the downlink
-the difference to the round-0 adapter (every node derives it from the seed; a client that skipped rounds holds
-no earlier global): int8 of a LayerNorm weight near 1 would otherwise round with a step ~1/127. Bytes up/down
-are counted on the encoded messages.
+The server encodes the global once per round (pipeline.federation.compression, ``train.transfer_dtype``) and
+decodes every reply to float32 before the strategy aggregates, so Flower's strategies and the server state stay
+full precision; bytes up/down are counted encoded. With ``train.transfer_delta`` (lossy encodings only) a reply is
+the difference to the global the client received (both sides hold it bit for bit) and the downlink the difference
+to the round-0 adapter (every node derives it from the seed; a client that skipped rounds holds no earlier global).
 """
 from __future__ import annotations
 
@@ -19,6 +16,7 @@ from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
 
 from pipeline.federation.compression import decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
@@ -43,17 +41,14 @@ TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
                        "dp-steps", "dp-examples", "dp-clipped")
 # Added under privacy.mode client with client-side clipping (pipeline.privacy.client_dp): whether the update
-# exceeded C before the mod clipped it (0/1), and, with adaptive clipping, Flower's adaptiveclipping_mod's norm bit.
+# exceeded C before the mod clipped it (0/1).
 CLIPPED_KEY = "dp-update-clipped"
-CLIENT_LEVEL_METRIC_KEYS = (CLIPPED_KEY, "norm_bit")
 
 
 # ------------------------------------------------------------------------------------ the client's settings
-# A client's run-time settings (pipeline.experiments.RunSettings.cache: where its prefix cache lives, how much its
-# caches may hold; none of them changes a result). A SuperNode's own node config gives them, else the run config
-# (a deployment's pyproject.toml [tool.flwr.app.config]), else the message config (the engines' server, which hosts
-# its clients in the train stage, sends the stage's own: :func:`client_settings_config`). Nothing else: a client
-# never reads a params file.
+# A client's run-time settings (RunSettings.cache; none changes a result): from a SuperNode's node config, else the
+# run config (pyproject.toml [tool.flwr.app.config]), else the message config (the engines' server sends the train
+# stage's: :func:`client_settings_config`). A client never reads a params file.
 CLIENT_SETTING_KEYS = {"cache-dir": "cache_dir", "cache-max-gb": "cache_max_gb", "teacher-cache-gb": "teacher_cache_gb"}
 
 
@@ -78,9 +73,38 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
     if missing:
         raise ValueError(f"client settings: {missing} set neither in the node config (--node-config "
                          f"\"{missing[0]}=...\"), the run config nor the message")
-    values = {"cache_dir": str(values["cache_dir"]), "cache_max_gb": float(values["cache_max_gb"]),
-              "teacher_cache_gb": float(values["teacher_cache_gb"])}
-    return from_dict(CacheConfig, values, "client settings")
+    return from_dict(CacheConfig, {k: (str if k == "cache_dir" else float)(v) for k, v in values.items()},
+                     "client settings")
+
+
+class GridView(Grid):
+    """A Grid that passes every call on to ``grid``; a subclass changes what it needs (the nodes it shows, what it
+    notes of the messages)."""
+
+    def __init__(self, grid: Grid):
+        self._grid = grid
+
+    def set_run(self, run) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self):
+        return self._grid.run
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self):
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages):
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids):
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -108,14 +132,14 @@ def load_plan(path: str) -> Plan:
 
 
 # ----------------------------------------------------------------------------------------------- adapters
-def _lossy(plan: Plan) -> bool:
-    return plan.train.transfer_dtype != "fp32"
+def _delta(plan: Plan) -> bool:
+    """Delta encoding applies: train.transfer_delta with a lossy encoding (fp32 is exact)."""
+    return plan.train.transfer_delta and plan.train.transfer_dtype != "fp32"
 
 
 def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
-    """The reference of a delta-encoded downlink: the round-0 adapter, which every node derives from the plan's
-    seed on its own (a client that skipped rounds or joins late holds no earlier global, but it holds this)."""
-    return initial_adapter_state(plan) if plan.train.transfer_delta and _lossy(plan) else None
+    """The reference of a delta-encoded downlink: the round-0 adapter, which every node derives on its own."""
+    return initial_adapter_state(plan) if _delta(plan) else None
 
 
 def encode_global(state: dict[str, torch.Tensor], plan: Plan,
@@ -131,17 +155,15 @@ def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:
 
 
 def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor]) -> ArrayRecord:
-    """Client -> server: the local adapter as it travels; with train.transfer_delta (lossy encodings only: fp32
-    is exact) as the difference to the global received this round, so the int8 scale follows the update."""
-    reference = received if plan.train.transfer_delta and _lossy(plan) else None
-    return ArrayRecord.from_torch_state_dict(encode_state(local, plan.train.transfer_dtype, reference=reference))
+    """Client -> server: the local adapter as it travels (delta encoding: against the global received)."""
+    return ArrayRecord.from_torch_state_dict(encode_state(local, plan.train.transfer_dtype,
+                                                          reference=received if _delta(plan) else None))
 
 
 def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Server side: the float32 local adapter of a reply; ``sent`` = the decoded global of this round (what the
     client decoded too, bit for bit: the same bytes through the same function)."""
-    reference = sent if plan.train.transfer_delta and _lossy(plan) else None
-    return decode_state(record.to_torch_state_dict(), reference=reference)
+    return decode_state(record.to_torch_state_dict(), reference=sent if _delta(plan) else None)
 
 
 def payload_bytes(content: RecordDict) -> int:

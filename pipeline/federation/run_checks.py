@@ -1,13 +1,9 @@
 """Checks around a deployed run: its run config before it starts, its status and MLflow run after it ends.
 
-Run config (pyproject.toml ``[tool.flwr.app.config]``):
-Flower refuses an unknown ``--run-config`` key only inside the SuperLink (its log names the key; ``flwr run``
-says "Invalid run configuration"), and it takes any TOML value for a known one. The local command checks the
-keys and types here before it starts a process; the ServerApp checks them again (the manual recipe's
-``flwr run`` goes straight to the SuperLink), so a bad value ends the run with one line naming the key.
-
-Status: ``flwr run`` exits 0 whether the ServerApp returned or raised; the SuperLink knows which (``flwr ls
---format json``: ``finished:completed`` / ``finished:failed`` with the exception in ``status-details``).
+Flower refuses an unknown ``--run-config`` key only inside the SuperLink ("Invalid run configuration"), and takes
+any TOML value for a known one: the local command checks keys and types before it starts a process, and the
+ServerApp again (``flwr run`` of the manual recipe goes straight to the SuperLink). ``flwr run`` exits 0 whether
+the ServerApp returned or raised; ``flwr ls --format json`` says which (``finished:completed`` / ``finished:failed``).
 """
 from __future__ import annotations
 
@@ -31,8 +27,8 @@ class RunConfigError(ConfigError):
 
 # What the ServerApp reads (pipeline.federation.deployment), with the type of each value; pyproject.toml's
 # [tool.flwr.app.config] declares the same keys with defaults of these types (tests/test_run_config.py).
-SERVER_KEYS: dict[str, type] = {"plan": str, "params": str, "evaluate": bool, "evaluate-every": int, "mlflow": bool,
-                                "round-timeout-s": float, "admission-timeout-s": float,
+SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, "evaluate-every": int,
+                                "mlflow": bool, "round-timeout-s": float, "admission-timeout-s": float,
                                 # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
                                 "cache-dir": str, "cache-max-gb": float, "teacher-cache-gb": float}
 

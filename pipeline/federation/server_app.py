@@ -1,46 +1,43 @@
 """The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment.
 
 Per round Flower's strategy samples clients (``configure_train``), the Grid delivers the messages, the strategy
-aggregates (``aggregate_train``: FedAvg weighted by ``num-examples``, FedProx, FedAvgM/FedAdam/FedYogi, FedNova),
-all admitted clients evaluate, and the server checkpoints (global adapter, round, RNG state, strategy state;
-pipeline.training.checkpoints). A client that raises becomes an error reply, which Flower's strategies leave out of
-the aggregate; the run goes on. A rerun resumes after the last checkpointed round. Nodes are identified by the
+aggregates (``aggregate_train``), all admitted clients evaluate, and the server checkpoints (global adapter, round,
+RNG state, strategy state; pipeline.training.checkpoints), so a rerun resumes after the last checkpointed round. A
+client that raises becomes an error reply, left out of the aggregate; the run goes on. Nodes are identified by the
 client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
-(``train.new_client``) is admitted once the others converged (``train.join``). Under client-level DP
-(``privacy.mode: client``) Flower's DP wrapper clips, averages uniformly and adds noise
-(pipeline.privacy.client_dp); it releases no aggregate in a round with an error reply. Under
-``privacy.secure_aggregation`` the train step runs through SecAgg+ (pipeline.privacy.secure_aggregation): the
-same sampled clients, and the server receives their weighted mean instead of their replies (with client-level DP:
-their uniform mean of client-clipped updates, to which the DP wrapper adds its noise).
+(``train.new_client``) is admitted once the others converged (``train.join``). Client-level DP wraps the strategy
+(pipeline.privacy.client_dp); under ``privacy.secure_aggregation`` the train step runs through SecAgg+
+(pipeline.privacy.secure_aggregation) and the server receives the sampled clients' mean instead of their replies.
+Why this loop and not Flower's ``Strategy.start``: docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
 import logging
 import random
 import time
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
-from pipeline.federation.compression import decode_state
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, decode_reply,
-                                          downlink_reference, encode_global, payload_bytes, privacy_row)
-from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
-from pipeline.federation.strategies.catalog import build_strategy
-from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY, restore_strategy_state, strategy_state
 from pipeline.experiments import Plan, RunSettings
+from pipeline.federation.compression import decode_state
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, GridView, decode_reply,
+                                          downlink_reference, encode_global, payload_bytes, privacy_row)
+from pipeline.federation.strategies.catalog import build_strategy
+from pipeline.federation.strategies.registry import (NUM_EXAMPLES_KEY, NUM_STEPS_KEY, restore_strategy_state,
+                                                     strategy_state)
 from pipeline.privacy import seam as privacy
+from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
 from pipeline.training.history import RoundLog
 from pipeline.training.recorder import Recorder
-from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
+from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -58,44 +55,19 @@ def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
     return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
 
 
-class _NodeSubsetGrid(Grid):
-    """A view of a Grid that shows the strategy only the admitted nodes (a new client joins at its round)."""
+class _NodeSubsetGrid(GridView):
+    """The Grid as the strategy sees it: only the admitted nodes (a new client joins at its round)."""
 
     def __init__(self, grid: Grid, node_ids: list[int]):
-        self._grid = grid
+        super().__init__(grid)
         self._node_ids = list(node_ids)
 
-    def set_run(self, run: Run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        return self._grid.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
+    def get_node_ids(self) -> list[int]:
         return list(self._node_ids)
-
-    def push_messages(self, messages):
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 class AdmissionError(RuntimeError):
     """The federation the plan declares did not assemble: a declared client never joined, or one cannot train."""
-
-
-def planned_clients(plan: Plan) -> list[str]:
-    """The clients the server admits: those the plan declares (a deployed server holds no partition file), else
-    (a plan written before plans declared them) the partition's."""
-    return list(plan.clients) if plan.clients else client_names(plan)
 
 
 def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
@@ -113,22 +85,7 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
         node_ids = list(grid.get_node_ids())
         new = [n for n in node_ids if n not in names and n not in refused]
         if new:
-            got, failed = _ask_names(grid, plan_path, new, timeout, sizes)
-            if failed:
-                node, reason = next(iter(failed.items()))
-                raise RuntimeError(f"node {node} failed to identify: {reason}")
-            for node, name in sorted(got.items()):
-                if name not in expected:
-                    refused[node] = name
-                    log.error("node %d names client %r, which is not among the clients %s of plan %s; refused",
-                              node, name, expected, plan_path)
-                    continue
-                holder = [o for o, c in names.items() if c == name]
-                if holder and holder[0] in node_ids:
-                    raise RuntimeError(f"two nodes claim the same client name: {names | {node: name}}")
-                for old in holder:  # its SuperNode restarted while the others were joining
-                    del names[old]
-                names[node] = name
+            refused |= _name_nodes(grid, plan_path, names, new, expected, timeout, sizes, admission=True)
         missing = [c for c in expected if c not in names.values()]
         if not missing:
             empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
@@ -144,22 +101,45 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
         time.sleep(1.0)
 
 
-def _ask_names(grid: Grid, plan_path: str, node_ids: list[int], timeout: float,
-               sizes: dict[str, dict[str, int]] | None = None) -> tuple[dict[int, str], dict[int, str]]:
+def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: list[int], allowed: list[str],
+                timeout: float, sizes: dict[str, dict[str, int]] | None = None,
+                admission: bool = False) -> dict[int, str]:
+    """Ask the ``new`` nodes their client names; a node naming a client of ``allowed`` takes its place in
+    ``node_names`` (a restarted SuperNode replaces its old node id). Returns the nodes naming another client,
+    left out. At ``admission`` a node that fails to identify, or two connected nodes claiming one client, fail the
+    run; later such a node is left out with a warning until it answers."""
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
-                    message_type=IDENTIFY) for n in node_ids]
-    names: dict[int, str] = {}
-    failed: dict[int, str] = {}
+                    message_type=IDENTIFY) for n in new]
+    named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):
+        node = reply.metadata.src_node_id
         if reply.has_error():
-            failed[reply.metadata.src_node_id] = reply.error.reason
-        else:
-            identity = reply.content["identity"]
-            name = str(identity["client-name"])
-            names[reply.metadata.src_node_id] = name
-            if sizes is not None:
-                sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
-    return names, failed
+            if admission:
+                raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
+            log.warning("node %d connected but failed to identify; left out: %s", node,
+                        reply.error.reason.splitlines()[0])
+            continue
+        identity = reply.content["identity"]
+        name = named[node] = str(identity["client-name"])
+        if sizes is not None:
+            sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
+    refused: dict[int, str] = {}
+    for node, name in sorted(named.items()):
+        if name not in allowed:
+            refused[node] = name
+            log.log(logging.ERROR if admission else logging.WARNING, "node %d names client %r, which is not among "
+                    "the clients %s of plan %s; %s", node, name, allowed, plan_path, "refused" if admission
+                    else "left out")
+            continue
+        holder = [o for o, c in node_names.items() if c == name]
+        if admission and holder and holder[0] in grid.get_node_ids():
+            raise RuntimeError(f"two nodes claim the same client name: {node_names | {node: name}}")
+        for old in holder:  # its SuperNode restarted
+            del node_names[old]
+        node_names[node] = name
+        if not admission:
+            log.info("client %s (re)joined as node %d", name, node)
+    return refused
 
 
 def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
@@ -169,18 +149,7 @@ def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], tim
     current = set(grid.get_node_ids())
     new = sorted(current - set(node_names))
     if new:
-        names, failed = _ask_names(grid, plan_path, new, timeout)
-        for node, reason in failed.items():
-            log.warning("node %d connected but failed to identify; left out: %s", node, reason.splitlines()[0])
-        known = set(node_names.values())
-        for node, name in names.items():
-            if name not in known:
-                log.warning("node %d claims client %r, which is not in the plan; left out", node, name)
-                continue
-            for old in [o for o, n in node_names.items() if n == name]:
-                del node_names[old]
-            node_names[node] = name
-            log.info("client %s (re)joined as node %d", name, node)
+        _name_nodes(grid, plan_path, node_names, new, sorted(set(node_names.values())), timeout)
     return {n: c for n, c in node_names.items() if n in current}
 
 
@@ -188,13 +157,11 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
     """reply -> client name. A SuperLink answers for an offline node itself (ErrorCode.NODE_UNAVAILABLE, sent from
     the SuperLink's id): such a reply is matched to the message it answers."""
     by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
+    return lambda reply: node_names.get(reply.metadata.src_node_id) or by_message[reply.metadata.reply_to_message_id]
 
-    def sender(reply: Message) -> str:
-        if reply.metadata.src_node_id in node_names:
-            return node_names[reply.metadata.src_node_id]
-        return by_message[reply.metadata.reply_to_message_id]
 
-    return sender
+def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
+    return {"round": rnd, "client": client, "sampled": sampled, "failed": 0, **extra, "bytes_down": 0, "bytes_up": 0}
 
 
 def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None,
@@ -202,19 +169,16 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                admission_timeout_s: float | None = None,
                client_settings: dict[str, Any] | None = None) -> tuple[ArrayRecord, list]:
     """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
-    for a round's replies; late clients count as failed (`train.round_timeout_s`, a run-time setting).
-    ``admission_timeout_s``: how long it waits for every client the plan declares to join (default: the round
-    timeout; `train.admission_timeout_s`); one missing then fails the run. ``client_settings``: run-time settings
-    sent with every train and evaluate message, for clients that take them from the server (the engines' own:
-    pipeline.federation.protocol.client_settings_config)."""
+    for a round's replies; late clients count as failed. ``admission_timeout_s``: how long it waits for every client
+    the plan declares to join (default: the round timeout); one missing then fails the run. ``client_settings``:
+    run-time settings sent with every train and evaluate message, for clients that take them from the server (the
+    engines' own: pipeline.federation.protocol.client_settings_config)."""
     recorder = recorder or Recorder()
-    spec = plan.spec
-    t = plan.train
+    spec, t = plan.spec, plan.train
     if not spec.federated:
         raise ValueError(f"method {spec.name!r} is not federated")
-
-    declared = planned_clients(plan)
-    expected = len(declared)
+    # the clients the plan declares (a deployed server holds no partition file), else (an older plan) the partition's
+    declared = list(plan.clients) if plan.clients else client_names(plan)
     sizes: dict[str, dict[str, int]] = {}
     node_names = _identify(grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes)
     clients = sorted(node_names.values())
@@ -225,12 +189,12 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
     strategy = build_strategy(spec.strategy, t.strategy_params, fraction_train=t.fraction_train, client_lr=t.lr)
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
-    strategy, client_level = privacy.client_level(plan, strategy, expected)
+    strategy, client_level = privacy.client_level(plan, strategy, len(declared))
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
     ckpt = load_server_checkpoint(plan)
     if ckpt is not None:
         start = int(ckpt["round"]) + 1
-        arrays = ArrayRecord({k: _array(v) for k, v in ckpt["arrays"].items()})
+        arrays = ArrayRecord({k: Array(np.asarray(v)) for k, v in ckpt["arrays"].items()})
         restore_strategy_state(strategy, ckpt["strategy_state"])
         history = list(ckpt["history"])
         random.setstate(ckpt["rng"]["python"])
@@ -238,11 +202,13 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         torch.set_rng_state(ckpt["rng"]["torch"])
         log.info("%s: resuming after round %d", plan.experiment, start - 1)
     else:
-        start = 1
+        start, history = 1, []
         arrays = ArrayRecord.from_torch_state_dict(initial_adapter_state(plan))
-        history = []
     recorder.started(plan, clients, start)
     initial = downlink_reference(plan)
+    # Flower's strategies write into the config they get (server-round, proximal-mu, the DP clipping norm): each
+    # message set gets its own
+    config = {"plan": plan_path, **(client_settings or {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
@@ -260,7 +226,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         view = _NodeSubsetGrid(grid, sorted(admitted))
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord({"plan": plan_path, **(client_settings or {})}), view))
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
         # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
@@ -269,16 +235,13 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
-        rows = {node_names[m.metadata.dst_node_id]: {
-            "round": rnd, "client": node_names[m.metadata.dst_node_id], "sampled": 1, "failed": 0,
-            "bytes_down": payload_bytes(m.content), "bytes_up": 0} for m in messages}
+        rows = {node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
+                | {"bytes_down": payload_bytes(m.content)} for m in messages}
         for n in admitted:
-            rows.setdefault(node_names[n], {"round": rnd, "client": node_names[n], "sampled": 0, "failed": 0,
-                                            "bytes_down": 0, "bytes_up": 0})
+            rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
         for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
             # a client whose SuperNode is gone (Flower marked it offline): recorded, not waited for
-            rows[name] = {"round": rnd, "client": name, "sampled": 0, "failed": 0, "absent": 1,
-                          "bytes_down": 0, "bytes_up": 0}
+            rows[name] = _row(rnd, name, 0, absent=1)
         clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
         if secure is None:
             new_arrays = _train_in_the_clear(grid, strategy, messages, rows, node_names, plan, sent, rnd,
@@ -286,16 +249,13 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         else:
             new_arrays = _train_secure(secure, grid, messages, rows, node_names, rnd, strategy, clipped)
 
-        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; equal
-        # shares under client-level DP, whose wrapper averages uniformly).
+        # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
+        # client-level DP each update weighs 1 / the expected count, whoever replied).
         good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
-        total_weight = sum(r["weight"] for r in good)
         for r in good:
-            # (client-level DP: each update weighs 1 / the expected count, whoever replied)
             r["weight_share"] = (1 / client_level.setting.sampled if client_level is not None
-                                 else r["weight"] / total_weight)
-        aggregated = new_arrays is not None
-        if aggregated:
+                                 else r["weight"] / sum(g["weight"] for g in good))
+        if new_arrays is not None:
             arrays = new_arrays
             if client_level is not None:
                 client_level.record(rows, clipped, clipping_norm, history)
@@ -304,10 +264,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
         # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
         # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
-        eval_arrays = arrays if spec.local_from_global else ArrayRecord()
-        eval_messages = list(strategy.configure_evaluate(rnd, eval_arrays,
-                                                         ConfigRecord({"plan": plan_path, **(client_settings or {})}),
-                                                         view))
+        eval_messages = list(strategy.configure_evaluate(rnd, arrays if spec.local_from_global else ArrayRecord(),
+                                                         ConfigRecord(config), view))
         if spec.local_from_global and eval_messages:
             eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
             for m in eval_messages:
@@ -325,21 +283,21 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             m = reply.content[METRICS_KEY]
             row.update({"val_loss": float(m["val-loss"]), "val_tokens": int(m["val-tokens"]),
                         "best_round": int(m["best-round"])})
-        if eval_replies and any(not r.has_error() for r in eval_replies):
+        if any(not r.has_error() for r in eval_replies):
             strategy.aggregate_evaluate(rnd, eval_replies)
 
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
         save_server_checkpoint(plan, rnd, arrays, strategy, history)
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, aggregated), history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None),
+                            history)
     return arrays, history
 
 
 def _record_train_metrics(row: dict[str, Any], m) -> None:
     """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) into its history row."""
     row.update({
-        "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]),
-        "n_steps": int(m[NUM_STEPS_KEY]),
+        "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]), "n_steps": int(m[NUM_STEPS_KEY]),
         "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
         "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
     })
@@ -347,9 +305,9 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
         row.update(privacy_row(m))
 
 
-def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dict[str, dict], node_names: dict[int, str],
-                        plan: Plan, sent: dict[str, torch.Tensor], rnd: int, timeout: float,
-                        client_level, global_arrays: ArrayRecord, clipping_norm: float | None,
+def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dict[str, dict],
+                        node_names: dict[int, str], plan: Plan, sent: dict[str, torch.Tensor], rnd: int,
+                        timeout: float, client_level, global_arrays: ArrayRecord, clipping_norm: float | None,
                         clipped: dict[str, tuple[int, float]]) -> ArrayRecord | None:
     """The train step of a plain round: every sampled client replies with its adapter, the strategy aggregates.
     Under client-level DP (``client_level``) each decoded reply's update is checked against this round's C and
@@ -370,20 +328,16 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
         try:
             reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
                 decode_reply(reply.content[ARRAYS_KEY], plan, sent))
+            update = client_level.clipped(reply, global_arrays, clipping_norm) if client_level else (0, 0.0)
+            why = None if update is not None else f"its update is not clipped within C={clipping_norm:g}"
         except (KeyError, ValueError) as exc:
+            why = f"it cannot be decoded: {exc}"
+        if why is not None:
             row["failed"] = 1
             left_out.add(id(reply))
-            log.warning("round %d: reply of client %s cannot be decoded and is left out of the aggregate: %s",
-                        rnd, row["client"], exc)
+            log.warning("round %d: reply of client %s is left out of the aggregate: %s", rnd, row["client"], why)
             continue
         if client_level is not None:
-            update = client_level.clipped(reply, global_arrays, clipping_norm)
-            if update is None:
-                row["failed"] = 1
-                left_out.add(id(reply))
-                log.warning("round %d: reply of client %s is not clipped within C=%g and is left out of the "
-                            "aggregate", rnd, row["client"], clipping_norm)
-                continue
             clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
     answered = {sender(r) for r in replies}
@@ -423,10 +377,9 @@ def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message],
                  len(result.in_sum), len(messages), result.threshold, result.num_shares)
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
-    summed = len(result.in_sum)
     for node in result.in_sum:
-        clipped[node_names[node]] = (result.clipped_count / summed, None)
-    return strategy.release_secure_mean(rnd, result.arrays, result.clipped_count, summed)
+        clipped[node_names[node]] = (result.clipped_count / len(result.in_sum), None)
+    return strategy.release_secure_mean(rnd, result.arrays, result.clipped_count, len(result.in_sum))
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:
@@ -435,11 +388,5 @@ def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -
     ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
     if rnd >= join.max_round:
         return True
-    means = [m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)]
-    return plateaued(means, join.min_rel_improvement, join.patience)
-
-
-def _array(value: np.ndarray):
-    from flwr.app import Array
-
-    return Array(np.asarray(value))
+    return plateaued([m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)],
+                     join.min_rel_improvement, join.patience)

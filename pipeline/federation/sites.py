@@ -1,8 +1,9 @@
 """What each role of a real federation holds, copied out of a checkout that ran the data stages:
 
 - the server (SuperLink + ServerApp): the plan (it declares the clients to admit), the backbone (the round-0
-  adapter is drawn on it from the plan's seed) and the params file (its run-time settings: round and admission
-  timeouts; the federated evaluation's decoding) - no partition, no example;
+  adapter is drawn on it from the plan's seed) and ``run_config.toml`` (the plan, the round and admission
+  timeouts and the federated evaluation's decoding: ``flwr run <app> --run-config run_config.toml``) - no
+  partition, no example;
 - a site (one SuperNode): the plan, the backbone, its own partition slice (only its client's example ids) and
   its own examples (and, for hard-KD plans, its examples' POS tags).
 
@@ -22,11 +23,13 @@ from pipeline.common import atomic
 from pipeline.common.schema import DataError
 from pipeline.experiments import read_plan
 
+RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
 
-def write_kit(plan_path: str, out: Path, client: str | None = None, params_file: str | None = None) -> list[Path]:
-    """Copy what the server (``client`` None; with ``params_file``, its run-time settings) or ``client``'s site
-    needs into ``out``; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
-    same run config works on every role."""
+def write_kit(plan_path: str, out: Path, client: str | None = None,
+              run_config: dict[str, str | float] | None = None) -> list[Path]:
+    """Copy what the server (``client`` None; with ``run_config``, its run_config.toml) or ``client``'s site needs
+    into ``out``; returns the paths written (relative to ``out``). The plan keeps its relative path, so the same
+    run config works on every role."""
     from pipeline.training.client_data import read_examples, read_partition
 
     plan = read_plan(plan_path)
@@ -45,9 +48,11 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params_file:
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
     written.append(backbone)
     if client is None:
-        if params_file is not None:
-            shutil.copyfile(params_file, out / Path(params_file).name)
-            written.append(Path(Path(params_file).name))
+        if run_config is not None:
+            # JSON's strings, numbers and booleans are TOML's too
+            atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n"
+                                                        for k, v in {"plan": plan_path, **run_config}.items()))
+            written.append(Path(RUN_CONFIG))
         return written
 
     partition = read_partition(plan.paths["partition"])

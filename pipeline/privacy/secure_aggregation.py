@@ -2,33 +2,20 @@
 receives the weighted sum of the sampled clients' uploads and no single upload (params ``privacy.secure_aggregation``).
 
 Flower ships SecAgg+ only for its legacy strategy API (``LegacyContext``, ``FitIns``/``FitRes``). The round loop
-(pipeline.federation.server_app) keeps its Message-API strategy for sampling, so the same clients are sampled as
-in the plain run, and hands the sampled train messages to :class:`SecureAggregator`, which runs the workflow's four
-stages (setup: public keys; share keys: encrypted key shares; collect masked vectors: each client trains and
-uploads its masked, quantised adapter; unmask: shares of the survivors' mask seeds and of the dropped clients'
-keys) through the same Grid, with a legacy strategy whose only job is to offer those messages and take the
-unmasked mean. On the client, :func:`secure_aggregation_mod` routes the SecAgg+ messages through Flower's
-``secaggplus_mod``, and :func:`legacy_fit` turns the ``FitIns`` of the masked-vector stage into the Message-API
-train call every other round makes (one training path), and its reply into the ``FitRes`` the mod masks. The
-metrics of that reply (counts, losses) travel in the clear, as in a plain round; the adapter arrays are cleared
-by the mod and only the masked vector leaves.
+(pipeline.federation.server_app) keeps its Message-API strategy for sampling and hands the sampled train messages
+to :class:`SecureAggregator`, which runs the workflow's four stages through the same Grid with a legacy strategy
+that only offers those messages and takes the unmasked mean. On the client, :func:`secure_aggregation_mod` routes
+the SecAgg+ messages through ``secaggplus_mod``, and :func:`legacy_fit` turns the masked-vector stage's ``FitIns``
+into the Message-API train call every other round makes (one training path) and its reply into the ``FitRes`` the
+mod masks: the metrics travel in the clear, as in a plain round; only the masked vector of the adapter leaves.
 
-What the server gets (Flower's quantisation, secaggplus_mod ``_collect_masked_vectors`` and the workflow's
-``unmask_stage``): client i with weight n_i (its ``num-examples``) uploads x_i scaled by q_i / Q, clipped to
-[-c, c] (``clipping_range``), shifted by c and stochastically rounded to an integer in [0, Q] (``quantization_range``
-Q), plus masks that cancel in the sum modulo 2**32; the server unmasks sum_i u_i, dequantises it and divides by
-sum_i q_i / Q. Flower's integer weight is q_i = round(n_i / max_weight * Q); with ``max_weight = Q / s`` and
-``s = Q // (largest client weight)`` (the partition's largest train split, :func:`weight_scale`) it is exactly
-n_i * s, so the weights are the plain run's weights exactly and the only error is the quantisation
-(:func:`aggregation_error_bound`). Dropped clients: the survivors' shares rebuild the dropped clients' pairwise
-masks, as long as every sampled client keeps at least ``reconstruction_threshold`` live neighbours.
-
-With client-level DP (``privacy.mode: client``, client-side clipping; pipeline.privacy.client_dp) a reply that
-carries the clipped bit of client_dp_mod (its update was clipped inside ``secaggplus_mod``, before the masking)
-weighs 1, not n_i: the uniform mean the noise is calibrated to (max_weight 1, s = Q). Its clipped bit leaves only
-inside the masked vector, as one more coordinate of value bit x c / 2 (:func:`clipped_bit_value`, inside [-c, c]
-whatever c), so the server learns how many of the summed updates were clipped and not whose; it needs that count
-for the record and for adaptive clipping's C.
+Weights: client i with weight n_i uploads x_i scaled by q_i / Q, clipped to [-c, c], shifted by c and rounded to
+an integer in [0, Q], plus masks that cancel modulo 2**32; the server unmasks the sum, dequantises it and divides
+by sum_i q_i / Q. Flower's integer weight is q_i = round(n_i / max_weight * Q); with ``max_weight = Q / s`` and
+``s = Q // (largest client weight)`` (:func:`weight_scale`) it is exactly n_i * s, so the weights are the plain
+run's and the only error is the quantisation (:func:`aggregation_error_bound`). With client-level DP
+(pipeline.privacy.client_dp) each upload weighs 1 (the uniform mean the noise is calibrated to) and carries its
+clipped bit as one more coordinate of value bit x c / 2: the server learns how many updates were clipped, not whose.
 """
 from __future__ import annotations
 
@@ -47,14 +34,14 @@ from flwr.compat.common import recorddict_compat as compat
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
-from flwr.server.strategy import Strategy
+from flwr.server.strategy import FedAvg
 from flwr.server.workflow import SecAggPlusWorkflow
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY
+from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
@@ -202,31 +189,12 @@ def _wire_bytes(content: RecordDict) -> int:
     return n
 
 
-class _ObservedGrid(Grid):
+class _ObservedGrid(GridView):
     """Passes the workflow's messages on, noting per node what each stage sent, received and failed."""
 
     def __init__(self, grid: Grid):
-        self._grid = grid
+        super().__init__(grid)
         self.nodes: dict[int, NodeOutcome] = {}
-
-    def set_run(self, run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self):
-        return self._grid.run
-
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self):
-        return self._grid.get_node_ids()
-
-    def push_messages(self, messages):
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        return self._grid.pull_messages(message_ids)
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
@@ -260,16 +228,14 @@ class _ObservedGrid(Grid):
             out.failed_stage, out.error = stage, reason
 
 
-class _Offer(Strategy):
+class _Offer(FedAvg):
     """The legacy strategy the workflow asks: it offers the round's sampled messages (``configure_fit``) and takes
     the unmasked mean (``aggregate_fit``: every result carries it); the round loop does the rest."""
 
     def __init__(self, offers: list[tuple[GridClientProxy, FitIns]]):
+        super().__init__()
         self.offers = offers
         self.mean: list[np.ndarray] | None = None
-
-    def initialize_parameters(self, client_manager):
-        return None
 
     def configure_fit(self, server_round, parameters, client_manager):
         return self.offers
@@ -279,15 +245,6 @@ class _Offer(Strategy):
             return None, {}
         self.mean = parameters_to_ndarrays(results[0][1].parameters)
         return results[0][1].parameters, {}
-
-    def configure_evaluate(self, server_round, parameters, client_manager):
-        return []
-
-    def aggregate_evaluate(self, server_round, results, failures):
-        return None, {}
-
-    def evaluate(self, server_round, parameters):
-        return None
 
 
 class _Workflow(SecAggPlusWorkflow):

@@ -1,12 +1,7 @@
-"""The strategy registry: what a server strategy module declares about itself, and the glue every strategy shares.
-
-A strategy module (pipeline/federation/strategies/<name>.py) defines its settings dataclass and a builder, and
-registers both with :func:`register_strategy`; ``catalog`` imports every module. A strategy's settings are read
-from params ``train.<name>`` (a mapping) - or, for the keys that predate the registry, from flat ``train``
-keys (FedProx's ``proximal_mu``) - and only the chosen strategy's settings enter a plan.
-
-METHOD.md section 5: FedAvg weighted by data size (`W = sum_i |D_i|/|D| W_i`), FedProx, FedOPT and FedNova.
-"""
+"""The strategy registry: a strategy module (strategies/<name>.py) registers its builder and settings dataclass
+with :func:`register_strategy`; ``catalog`` imports every module. Settings are read from params ``train.<name>``
+(or, for keys that predate the registry, flat ``train`` keys: FedProx's ``proximal_mu``); only the chosen
+strategy's settings enter a plan. METHOD.md section 5."""
 from __future__ import annotations
 
 import copy
