@@ -330,7 +330,8 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
 @pytest.mark.parametrize("smoke, seeds, examples, why", [
     (True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")])
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
-    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples), smoke=smoke, min_seeds=2, min_examples=100)
+    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples),
+                              scale=claims.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100))
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
     assert "excluded" not in text and "inside our interval" not in text  # nor a verdict against the paper
