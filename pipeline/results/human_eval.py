@@ -235,10 +235,7 @@ def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> d
 
 def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, int]], path: str | Path) -> Path:
     """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeline.results.figures import plt, save
 
     labels, rows = [], []
     for opp, c in results["opponents"].items():
@@ -261,9 +258,4 @@ def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, i
     ax.set_xlabel(f"% of judged comparisons ({results['target']} wins / ties / losses)")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.savefig(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, Path(path))

@@ -74,10 +74,9 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
 
 def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
     """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf)."""
-    from pipeline.results.figures import _plt, _save
+    from pipeline.results.figures import plt, save
 
     atomic.to_csv(points, data, index=False)
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     finite = points.loc[points["epsilon"].apply(math.isfinite), "epsilon"]
     right = (finite.max() * 4) if not finite.empty else 10.0  # where "no privacy" (epsilon = inf) is drawn
@@ -101,4 +100,4 @@ def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
     ax.set_ylabel("average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
-    return _save(fig, figure)
+    return save(fig, figure)
