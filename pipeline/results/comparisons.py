@@ -102,50 +102,49 @@ def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:
     return out
 
 
+def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
+    """Per client, the test examples every frame (one seed's per-example scores) has: the same test subsample for
+    a partition and seed."""
+    frames = list(frames)
+    shared = {}
+    for client in sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []:
+        ids = set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames))
+        if ids:
+            shared[client] = sorted(ids)
+    return shared
+
+
+def stacked(frames: Iterable[pd.DataFrame], client: str, ids: list[str], column: str) -> np.ndarray:
+    """``column`` of one client's examples ``ids``, one row per frame (seed): [n_seeds, n_examples]."""
+    return np.stack([f[f["client"] == client].set_index("example_id").loc[ids, column].to_numpy(dtype=float)
+                     for f in frames])
+
+
 def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[dict[str, Any]]:
     """Rows for A - B: per client and on the client average, per metric; [] when they share no seed or example."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
-    seeds = sorted(set(seeds_a) & set(seeds_b))
     frames = {}
-    for s in seeds:
+    for s in sorted(set(seeds_a) & set(seeds_b)):
         fa, fb = per_example(eval_dir, seeds_a[s]), per_example(eval_dir, seeds_b[s])
         if fa is not None and fb is not None:
             frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
     seeds = sorted(frames)
-    if not seeds:
-        return []
-    # The examples every paired seed has, per client (the same test subsample for a partition and seed).
-    shared: dict[str, list[str]] = {}
-    for client in sorted(set.intersection(*(set(f["client"]) for f in frames.values()))):
-        ids = set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames.values()))
-        if ids:
-            shared[client] = sorted(ids)
+    shared = shared_ids(frames[s] for s in seeds)
     if not shared:
         return []
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
         pa, pb = _predictions(eval_dir, seeds_a[s]), _predictions(eval_dir, seeds_b[s])
         for client, ids in shared.items():
-            for i in ids:
-                if (client, i) in pa and (client, i) in pb:
-                    same[client].append(pa[(client, i)] == pb[(client, i)])
-
-    def arrays(client: str, metric: str, side: str) -> np.ndarray:
-        rows = []
-        for s in seeds:
-            f = frames[s]
-            f = f[f["client"] == client].set_index("example_id").loc[shared[client]]
-            rows.append(f[f"{metric}_{side}"].to_numpy(dtype=float))
-        return np.stack(rows)
+            same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
     out = []
-    scopes = [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]
-    for scope, clients in scopes:
+    for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         for metric in METRICS:
-            r = paired_difference([arrays(c, metric, "a") for c in clients], [arrays(c, metric, "b") for c in clients],
-                                  cfg)
+            r = paired_difference(*([stacked((frames[s] for s in seeds), c, shared[c], f"{metric}_{side}")
+                                     for c in clients] for side in "ab"), cfg)
             out.append({
                 "study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
                 "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
