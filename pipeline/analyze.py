@@ -27,8 +27,7 @@ Outputs: ``reports/analysis/kd_analysis.json`` (DVC metric), ``reports/analysis/
 ``reports/analysis/figures/`` (DVC plots directory): ``pos_<client>.png``, ``entropy_<client>.png``,
 ``hardkd_vs_selectkd.png``, ``tau_sweep.png``.
 
-The computation is :mod:`pipeline.results.kd_analysis`, the figures :mod:`pipeline.results.kd_figures`, the
-reading of the earlier stages' files :mod:`pipeline.results.readers`; this module picks the experiments and runs them.
+The computation is :mod:`pipeline.results.kd_analysis`; this module picks the experiments and runs it.
 
     python -m pipeline.analyze [--params params.yaml] [--out reports/analysis]
 """

@@ -1,8 +1,8 @@
 """Stage `report`: tables, figures and the index of everything the pipeline produced (METHOD.md section 7).
 
-    python -m pipeline.report                            # the DVC stage
-    python -m pipeline.report human --make-sheets DIR    # blind pairwise human-evaluation sheets
+    python -m pipeline.report                            # the DVC stage (blind human-evaluation sheets included)
     python -m pipeline.report human --sheets DIR         # filled sheets -> win/tie/loss + bar chart
+    python -m pipeline.report rebuild|claims ...         # a study folder's tables / README results block
 
 Reads every planned experiment (params.yaml `experiments`) with its evaluation (``reports/eval/<exp>/metrics.json``),
 its tau as its plan has it (pipeline.experiments) and training rounds (``reports/train/<exp>/rounds.json``), averages each
@@ -12,9 +12,7 @@ stage times), ``reports/figures/*.png`` with their data in ``reports/plots/`` (D
 (every study's averages), ``reports/metrics.json`` (the headline numbers, the only DVC metrics file),
 human-evaluation sheets and ``reports/README.md`` (index; lists what is missing and why).
 
-The library is in pipeline/results/: readers (the earlier stages' files), tables, studies (the registry of study
-figures), figures, case_study, headline (summary.json, metrics.json) and index (README.md); this module reads
-params.yaml's experiments and runs them in order.
+The library is pipeline/results/; this module reads params.yaml's experiments and runs it in order.
 """
 from __future__ import annotations
 
@@ -255,19 +253,10 @@ def rebuild_study(folder: Path, cfg_override: ReportConfig | None = None) -> dic
     return {"made": dict(made), "not_made": not_made}
 
 
-def human_main(args: argparse.Namespace, cfg: ReportConfig, params: dict[str, Any]) -> int:
-    if args.make_sheets:
-        preds, seed = predictions_by_method(declared(params), PATHS.eval_reports, args.study, args.seed)
-        if not preds:
-            raise DataError(f"{PATHS.eval_reports}: no predictions.jsonl of study {args.study!r} (run the evaluate stage)")
-        queries, meetings = example_info(PATHS.examples)
-        summary = make_sheets(preds, args.make_sheets, target=cfg.human_eval_target, queries=queries,
-                              meetings=meetings, per_domain=cfg.human_eval_per_domain, seed=cfg.human_eval_seed)
-        print(json.dumps({**summary, "study": args.study, "experiment_seed": seed}, indent=2))
-        return 0
-    results = score_sheets(args.sheets)
-    results["published"] = published.HUMAN_EVAL
-    out = Path(args.out)
+def score_human_eval(sheets: Path, out: Path) -> int:
+    """Win/tie/loss counts of the filled sheets in ``sheets`` (key.json beside them) and their chart, beside the
+    paper's, into ``out``."""
+    results = {**score_sheets(sheets), "published": published.HUMAN_EVAL}
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out / "results.json", results)
     plot_results(results, published.HUMAN_EVAL, out / "human_eval.png")
@@ -280,13 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
     parser.add_argument("--params", default="params.yaml")
     sub = parser.add_subparsers(dest="command")
-    human = sub.add_parser("human", help="human-evaluation kit")
-    mode = human.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--make-sheets", metavar="DIR", help="write blind pairwise sheets (+ key.json) into DIR")
-    mode.add_argument("--sheets", metavar="DIR", help="score the filled sheet*.csv files in DIR (key.json beside them)")
-    human.add_argument("--study", default="main", help="study whose predictions the sheets compare (--make-sheets)")
-    human.add_argument("--seed", type=int, default=None, help="experiment seed (default: the lowest evaluated)")
-    human.add_argument("--out", default="reports/human_eval", help="where results.json and the chart go (--sheets)")
+    human = sub.add_parser("human", help="score filled human-evaluation sheets (the report stage writes them blank)")
+    human.add_argument("--sheets", metavar="DIR", type=Path, required=True,
+                       help="score the filled sheet*.csv files in DIR (key.json beside them)")
+    human.add_argument("--out", type=Path, default=Path("reports/human_eval"), help="where results.json and the chart go")
     rebuild = sub.add_parser("rebuild", help="recompute a study folder's comparisons and tables from its "
                              "committed scores (e.g. reports/cpu-study)")
     rebuild.add_argument("folder", type=Path)
@@ -306,10 +292,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{f}: results block {'differs from' if args.check else 'rewritten from'} {args.folder}",
                       file=sys.stderr)
             return 1 if (args.check and changed) else 0
+        if args.command == "human":
+            return score_human_eval(args.sheets, args.out)
         params = load_params(args.params)
         cfg = from_dict(ReportConfig, params.get("report"), "report")
-        if args.command == "human":
-            return human_main(args, cfg, params)
         from pipeline.common.timing import stage_timer
 
         with stage_timer("report"):

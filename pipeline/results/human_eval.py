@@ -189,7 +189,7 @@ def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> d
     sheet_dir = Path(sheet_dir)
     key_path = Path(key_path) if key_path else sheet_dir / "key.json"
     if not key_path.is_file():
-        raise DataError(f"{key_path}: answer key not found (it is written next to the sheets by --make-sheets)")
+        raise DataError(f"{key_path}: answer key not found (the report stage writes it next to the blank sheets)")
     data = json.loads(key_path.read_text())
     key = {k: KeyEntry(**v) for k, v in data["items"].items()}
     files = sorted(sheet_dir.glob("sheet*.csv"))

@@ -12,7 +12,7 @@ import math
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import pandas as pd
 
@@ -102,41 +102,35 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
     sub = agg[(agg["study"] == "main") & (agg["backbone"] == backbone)]
     rows = []
-    present = set(sub["label"])
+
+    def add(method: str, label: str, client: str, ours: Any) -> None:
+        pub = paper.get(client, {}).get(method)
+        for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
+            p = getattr(pub, metric) if pub else None
+            rows.append({"backbone": backbone, "method": method, "label": label,
+                         "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
+                         "metric": METRIC_LABELS[metric], "ours_mean": ours[f"{metric}_mean"],
+                         "ours_std": ours[f"{metric}_std"], "n_seeds": ours["n_seeds"], "seeds": ours["seeds"],
+                         "missing_seeds": ours["missing_seeds"], "paper": p,
+                         "diff": None if p is None else ours[f"{metric}_mean"] - p})
+
     absent: dict[str, tuple[str, set[int]]] = {}
     for p in planned:
-        if p.study == "main" and labels[p.name] not in present:
-            method, seeds = absent.setdefault(labels[p.name], (p.method, set()))
-            seeds.add(p.seed)
+        if p.study == "main" and labels[p.name] not in set(sub["label"]):
+            absent.setdefault(labels[p.name], (p.method, set()))[1].add(p.seed)
     for label, (method, seeds) in absent.items():
+        none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")}
         for client in QMSUM:
-            pub = paper.get(client, {}).get(method)
-            for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
-                rows.append({"backbone": backbone, "method": method, "label": label,
-                             "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
-                             "metric": METRIC_LABELS[metric], "ours_mean": math.nan, "ours_std": math.nan,
-                             "n_seeds": 0, "seeds": "",
-                             "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds)))),
-                             "paper": getattr(pub, "rougeL" if metric == TABLE_ROUGE_L else metric) if pub else None,
-                             "diff": None})
+            add(method, label, client, {**none, "n_seeds": 0, "seeds": "",
+                                        "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds))))})
     methods = [m for m in published.METHOD_ORDER if m in set(sub["method"])] + sorted(
         set(sub["method"]) - set(published.METHOD_ORDER))
     for method in methods:
         msub = sub[sub["method"] == method]
         for label in sorted(set(msub["label"])):
             lsub = msub[msub["label"] == label]
-            clients = [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM))
-            for client in clients:
-                r = lsub[lsub["client"] == client].iloc[0]
-                pub = paper.get(client, {}).get(method)
-                for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
-                    p = getattr(pub, "rougeL" if metric == TABLE_ROUGE_L else metric) if pub else None
-                    rows.append({"backbone": backbone, "method": method, "label": label,
-                                 "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
-                                 "metric": METRIC_LABELS[metric], "ours_mean": r[f"{metric}_mean"],
-                                 "ours_std": r[f"{metric}_std"], "n_seeds": r["n_seeds"], "seeds": r["seeds"],
-                                 "missing_seeds": r["missing_seeds"], "paper": p,
-                                 "diff": None if p is None else r[f"{metric}_mean"] - p})
+            for client in [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM)):
+                add(method, label, client, lsub[lsub["client"] == client].iloc[0])
     table = pd.DataFrame(rows)
     if table.empty:
         return table
