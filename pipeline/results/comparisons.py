@@ -56,14 +56,16 @@ def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Confi
             for (study, label, method, scheme, dp), runs in groups.items()]
 
 
+def _closest(configs: list[Config], keep) -> Config | None:
+    """The configuration with the lowest label among those ``keep`` accepts (None if none)."""
+    return min((c for c in configs if keep(c)), key=lambda c: c.label, default=None)
+
+
 def non_private_for(config: Config, configs: list[Config]) -> Config | None:
     """The same method on the same partition in the same study, trained without privacy (None if ``config`` is
     itself non-private or its study has no such run)."""
-    if not config.dp:
-        return None
-    same = [c for c in configs if not c.dp and (c.study, c.method, c.scheme) == (config.study, config.method,
-                                                                                 config.scheme)]
-    return min(same, key=lambda c: c.label) if same else None
+    return _closest(configs, lambda c: not c.dp and (c.study, c.method, c.scheme) == (
+        config.study, config.method, config.scheme)) if config.dp else None
 
 
 def baseline_for(config: Config, method: str, configs: list[Config]) -> Config | None:
@@ -163,9 +165,8 @@ def variant_of(config: Config, configs: list[Config]) -> Config | None:
     tau of the tau sweep varies the main SelectKD); None for a main-study or private configuration."""
     if config.dp or config.study == "main":
         return None
-    same = [c for c in configs if c.study == "main" and not c.dp and (c.method, c.scheme) == (config.method,
-                                                                                             config.scheme)]
-    return min(same, key=lambda c: c.label) if same else None
+    return _closest(configs, lambda c: c.study == "main" and not c.dp and (c.method, c.scheme) == (config.method,
+                                                                                                  config.scheme))
 
 
 def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
@@ -178,6 +179,13 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     method's main-study configuration included."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+
+    def add(config: Config, base: Config) -> None:
+        found = compare(config, base, eval_dir, cfg)
+        if not found:
+            notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common")
+        rows.extend(found)
+
     baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))
     done: set[tuple[Config, Config]] = set()
     for config in configs:
@@ -187,33 +195,19 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
             baselines)
         for method in against:
             base = varied if method == config.method else baseline_for(config, method, configs)
-            if base is not None and ((config, base) in done or (base, config) in done):
-                continue
-            if base is not None:
-                done.add((config, base))
             if base is None:
                 notes.append(f"{config.study}: {config.label} has no {method} run on partition scheme "
                              f"{config.scheme!r} to compare with")
-                continue
-            if base == config:
-                continue
-            found = compare(config, base, eval_dir, cfg)
-            if not found:
-                notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
-                             "in common")
-            rows.extend(found)
+            elif base != config and (config, base) not in done and (base, config) not in done:
+                done.add((config, base))
+                add(config, base)
         plain = non_private_for(config, configs)
         if config.dp and plain is None:
             notes.append(f"{config.study}: {config.label} has no run of {config.method} without privacy on "
                          f"partition scheme {config.scheme!r} in its study to compare with")
         elif plain is not None:
-            found = compare(config, plain, eval_dir, cfg)
-            if not found:
-                notes.append(f"{config.study}: {config.label} vs {plain.label}: no evaluated seed and test example "
-                             "in common")
-            rows.extend(found)
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    return table, notes
+            add(config, plain)
+    return pd.DataFrame(rows, columns=COLUMNS), notes
 
 
 def format_p(p: float) -> str:
