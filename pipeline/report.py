@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     human = sub.add_parser("human", help="score filled human-evaluation sheets (the report stage writes them blank)")
     human.add_argument("--sheets", metavar="DIR", type=Path, required=True,
                        help="score the filled sheet*.csv files in DIR (key.json beside them)")
-    human.add_argument("--out", type=Path, default=Path("reports/human_eval"), help="where results.json and the chart go")
+    human.add_argument("--out", type=Path, default=Path("reports/human_eval"),
+                       help="where results.json and the chart go")
     rebuild = sub.add_parser("rebuild", help="recompute a study folder's comparisons and tables from its "
                              "committed scores (e.g. reports/cpu-study)")
     rebuild.add_argument("folder", type=Path)

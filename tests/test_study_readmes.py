@@ -76,7 +76,8 @@ def test_the_backbone_cost_and_warmup_are_its_records():
             f"({warm['epochs']:.1f} epochs)") in TEXT
     assert f"validation split ({ev['examples']} dialogues)" in TEXT
     builds = [v for k, v in times.items() if k.startswith("backbone-")]
-    assert f"{warm['seconds']:.0f} s of warm-up on the H100 ({len(builds)} recipes side by side, {span(builds)} s" in TEXT
+    assert f"{warm['seconds']:.0f} s of warm-up on the H100 ({len(builds)} recipes side by side, {span(builds)} s" \
+        in TEXT
     assert (f"{len(builds)} recipes side by side, {span(builds)} s each ({warm['seconds']:.0f} s warm-up + "
             f"{ev['seconds']:.0f} s scoring") in TEXT
 
@@ -94,7 +95,8 @@ def test_the_wall_times_are_the_timing_file():
     assert f"evaluate stage (beam 4, 244 examples) {span(evaluated)} s" in TEXT
     assert f"Sum over the {len(trained)} runs" in TEXT and len(trained) == len(evaluated)
     assert f"train {sum(trained):,.0f} s, evaluate {sum(evaluated):,.0f} s" in TEXT
-    assert not any("fedavg-domain-s1" in k or "fedavg-domain-s2" in k for k in times)  # "FedAvg seeds 1 and 2 are not in it"
+    # "FedAvg seeds 1 and 2 are not in it"
+    assert not any("fedavg-domain-s1" in k or "fedavg-domain-s2" in k for k in times)
 
 
 def test_the_kd_usage_table_is_the_kd_analysis():
@@ -118,7 +120,8 @@ def test_the_kd_usage_table_is_the_kd_analysis():
     # tau = 5 nats is 46 % of ln|V| on BART's vocabulary; the same share of MiniLM's is 4.75 nats
     assert round(kd["tau"] / math.log(50265), 2) == 0.46 and f"{0.46 * math.log(backbone['vocab_size']):.2f}" == "4.75"
     assert f"MiniLM's {backbone['vocab_size']:,} tokens" in TEXT
-    drops = [100 * (kd["clients"][c]["kd_usage_ratio"] - portable[("max_entropy", c)]["kd_usage_ratio"]) for c in clients]
+    drops = [100 * (kd["clients"][c]["kd_usage_ratio"] - portable[("max_entropy", c)]["kd_usage_ratio"])
+             for c in clients]
     assert all(abs(d - 5) < 1 for d in drops)  # "usage drops by ~5 points"
     quantile = [100 * portable[("batch_quantile", c)]["kd_usage_ratio"] for c in clients]
     assert f"reproduces the paper's usage ({span(quantile)} %)" in TEXT

@@ -183,7 +183,8 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     def add(config: Config, base: Config) -> None:
         found = compare(config, base, eval_dir, cfg)
         if not found:
-            notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common")
+            notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
+                         "in common")
         rows.extend(found)
 
     baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))

@@ -98,8 +98,8 @@ def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
     """Per POS: KD / non-KD word updates, the POS's KD rate and its share of all KD / non-KD updates."""
     counts = updates.groupby(["pos", "kd"]).size().unstack(fill_value=0).reindex(columns=[True, False], fill_value=0)
     n_kd, n_no = int(counts[True].sum()), int(counts[False].sum())
-    return {str(pos): {"kd": kd, "no_kd": no, "kd_rate": kd / (kd + no),
-                       "share_of_kd": kd / n_kd if n_kd else math.nan, "share_of_no_kd": no / n_no if n_no else math.nan}
+    return {str(pos): {"kd": kd, "no_kd": no, "kd_rate": kd / (kd + no), "share_of_kd": kd / n_kd if n_kd else math.nan,
+                       "share_of_no_kd": no / n_no if n_no else math.nan}
             for pos, kd, no in ((p, int(r[True]), int(r[False]))
                                 for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows())}
 
