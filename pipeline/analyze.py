@@ -62,7 +62,7 @@ from pipeline.results.kd_analysis import (
 )
 from pipeline.results.kd_figures import plot_entropy, plot_hardkd, plot_pos, plot_tau_sweep, safe_name
 from pipeline.results.published import KD_USAGE_RATIO
-from pipeline.results.readers import Missing, best_rounds, eval_scores, read_gate_log
+from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
 MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
 
@@ -77,7 +77,9 @@ class Analysis:
                  paths: ProjectPaths = PATHS, out: Path | None = None) -> None:
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
         self.out = out if out is not None else paths.analysis
-        self.missing = Missing()
+        # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
+        # kd_analysis.json, never replaced by numbers
+        self.missing: dict[tuple[str, str], list[str]] = {}
         self.main = [e for e in experiments if e.method == SELECTKD and e.study == MAIN_STUDY]
 
     @functools.cached_property
@@ -89,8 +91,8 @@ class Analysis:
     def _present(self, exp: Experiment, needed_for: str, *paths: Path) -> bool:
         """Whether every input file is there; each absent one is reported as missing."""
         for p in paths:
-            if not p.exists():
-                self.missing.add(exp.name, p, needed_for)
+            if not p.exists() and needed_for not in (uses := self.missing.setdefault((exp.name, str(p)), [])):
+                uses.append(needed_for)
         return all(p.exists() for p in paths)
 
     def usage(self, exp: Experiment, needed_for: str) -> dict[str, Any] | None:
@@ -164,16 +166,19 @@ class Analysis:
         for old in figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
             old.unlink()
         clients, usages = self.main_study(figures)
+        hardkd, sweep = self.hardkd(figures), self.tau_sweep(usages, figures, self.out / "tau_sweep.csv")
+        missing = [{"experiment": e, "file": f, "needed_for": ", ".join(u)}
+                   for (e, f), u in sorted(self.missing.items())]
         result = json_safe({
             "word_rule": self.cfg.word_rule,
             "tau": self.tau,
             "paper": {"kd_usage_ratio": KD_USAGE_RATIO, "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
                       "noun_verb": "nearly all noun and verb words are trained with KD"},
             "clients": clients,
-            "hardkd_vs_selectkd": self.hardkd(figures),
-            "tau_sweep": self.tau_sweep(usages, figures, self.out / "tau_sweep.csv"),
-            "missing": self.missing.items,
-            "n_missing": len(self.missing.items),
+            "hardkd_vs_selectkd": hardkd,
+            "tau_sweep": sweep,
+            "missing": missing,
+            "n_missing": len(missing),
         })
         atomic.write_json(self.out / "kd_analysis.json", result)
         return result

@@ -8,7 +8,6 @@ nothing here imports a stage module.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -123,18 +122,3 @@ def read_gate_log(path: Path) -> pd.DataFrame:
         raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
     return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
 
-
-@dataclass
-class Missing:
-    """Input files of listed experiments that do not exist (yet): reported, never replaced by numbers."""
-
-    _needed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-
-    def add(self, experiment: str, path: Path, needed_for: str) -> None:
-        uses = self._needed.setdefault((experiment, str(path)), [])
-        if needed_for not in uses:
-            uses.append(needed_for)
-
-    @property
-    def items(self) -> list[dict[str, str]]:
-        return [{"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self._needed.items())]
