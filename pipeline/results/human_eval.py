@@ -124,9 +124,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
         writer.writerows(rows)
     atomic.write_text(out / "sheet.html", _html_page(rows))
     atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}})
-    per_domain_counts: dict[str, int] = defaultdict(int)
-    for ex in chosen:
-        per_domain_counts[domain_of[ex]] += 1
+    per_domain_counts = Counter(domain_of[ex] for ex in chosen)
     summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
                "examples_per_domain": dict(sorted(per_domain_counts.items())),
                "requested_per_domain": per_domain, "seed": seed}

@@ -69,14 +69,8 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
     no_word = merged["word_index"].isna()
     words = merged[~no_word].sort_values(keys, kind="stable")
     grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
-    if word_rule == "first":
-        kd = grouped["kd_any"].first()
-    elif word_rule == "any":
-        kd = grouped["kd_any"].max()
-    elif word_rule == "all":
-        kd = grouped["kd_any"].min()
-    else:
-        kd = grouped["kd_any"].mean() > 0.5
+    kd = (grouped["kd_any"].mean() > 0.5 if word_rule == "majority" else
+          grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule]))
     table = pd.DataFrame({
         "kd": kd.astype(bool),
         "pos": grouped["pos"].first(),
