@@ -69,20 +69,14 @@ def incomplete(agg: pd.DataFrame) -> list[str]:
     return list(seen)
 
 
-def fmt(mean: float, std: float, n: int | None = None, missing: str = "") -> str:
+def fmt(mean: float, std: float, n: int | None = None) -> str:
     """'27.09 ± 0.31' (sample std over n >= 2 seeds), '27.09 (n=1)': one seed has no spread, so none is shown
-    (never '± 0.00'); missing seeds appended as '[missing seed 1,2]'."""
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+    (never '± 0.00')."""
+    if pd.isna(mean):
         return "missing"
-    one_seed = n is not None and int(n) == 1
-    text = f"{mean:.2f}"
-    if one_seed:
-        text += " (n=1)"
-    elif std is not None and not math.isnan(std):
-        text += f" ± {std:.2f}"
-    if missing:
-        text += f" [missing seed {missing}]"
-    return text
+    if n is not None and int(n) == 1:
+        return f"{mean:.2f} (n=1)"
+    return f"{mean:.2f}" + ("" if pd.isna(std) else f" ± {std:.2f}")
 
 
 def backbone_slug(name: str) -> str:
@@ -166,11 +160,9 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
             r = r.iloc[0]
             if what == "ours":
                 return fmt(r["ours_mean"], r["ours_std"], r["n_seeds"])
-            if r["paper"] is None or (isinstance(r["paper"], float) and math.isnan(r["paper"])):
+            if pd.isna(r["paper"]):
                 return "–"
-            if what == "paper":
-                return f"{r['paper']:.2f}"
-            return "–" if r["diff"] is None or pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
+            return f"{r['paper']:.2f}" if what == "paper" else "–" if pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
 
         seeds = t.iloc[0]
         seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "") + (
