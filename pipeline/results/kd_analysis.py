@@ -80,9 +80,14 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
     return WordUpdates(table, len(per_token), int(no_word.sum()), disagreements)
 
 
-def kd_usage_ratio(updates: pd.DataFrame, best_round: int, first_round: int = 1) -> tuple[float, int, int]:
-    """(KD word updates / word updates, KD word updates, word updates) over rounds first_round..best_round."""
-    window = updates[(updates["round"] >= first_round) & (updates["round"] <= best_round)]
+def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
+    """The word updates of rounds 1 .. ``best_round``: the window the KD usage ratio and the POS pattern cover."""
+    return updates[(updates["round"] >= 1) & (updates["round"] <= best_round)]
+
+
+def kd_usage_ratio(updates: pd.DataFrame, best_round: int) -> tuple[float, int, int]:
+    """(KD word updates / word updates, KD word updates, word updates) over rounds 1..best_round."""
+    window = to_best(updates, best_round)
     n = len(window)
     k = int(window["kd"].sum())
     return (k / n if n else math.nan), k, n
@@ -161,9 +166,8 @@ def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_see
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
     (experiment -> the client's :func:`usage_per_client` entry); ``words`` and ``gate`` carry an ``experiment``
     column."""
-    windows = [w[(w["round"] >= 1) & (w["round"] <= per_seed[n]["best_round"])]
-               for n, w in words[words["client"] == client].groupby("experiment")]
-    window = pd.concat(windows)
+    window = pd.concat([to_best(w, per_seed[n]["best_round"])
+                        for n, w in words[words["client"] == client].groupby("experiment")])
     ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
     # entropy statistics over all logged rounds, pooled over seeds (one box per round); one row per token update
     # and round: local epochs repeat the round's (fixed-teacher) gate decision
@@ -223,8 +227,7 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
     for client, s in scores.items():
         u = usage["clients"].get(client)
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
-        w = words[(words["client"] == client) & (words["round"] >= 1)
-                  & (words["round"] <= (u["best_round"] if u else 0))]
+        w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
         rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
                      "seed": run.seed,
