@@ -27,15 +27,14 @@ Outputs: ``reports/analysis/kd_analysis.json`` (DVC metric), ``reports/analysis/
 ``reports/analysis/figures/`` (DVC plots directory): ``pos_<client>.png``, ``entropy_<client>.png``,
 ``hardkd_vs_selectkd.png``, ``tau_sweep.png``.
 
-The computation is :mod:`pipeline.results.kd_analysis`, the figures :mod:`pipeline.results.kd_figures`, the
-reading of the earlier stages' files :mod:`pipeline.results.readers`; this module picks the experiments and runs them.
+The computation is :mod:`pipeline.results.kd_analysis`; this module picks the experiments and runs it.
 
     python -m pipeline.analyze [--params params.yaml] [--out reports/analysis]
 """
 from __future__ import annotations
 
 import argparse
-
+import functools
 from pathlib import Path
 from typing import Any, Literal
 
@@ -63,7 +62,7 @@ from pipeline.results.kd_analysis import (
 )
 from pipeline.results.kd_figures import plot_entropy, plot_hardkd, plot_pos, plot_tau_sweep, safe_name
 from pipeline.results.published import KD_USAGE_RATIO
-from pipeline.results.readers import Missing, best_rounds, eval_scores, read_gate_log, read_json
+from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
 MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
 
@@ -73,57 +72,52 @@ class AnalyzeConfig:
     word_rule: Literal[WORD_RULES] = "first"  # type: ignore[valid-type]
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The stage
-
-
 class Analysis:
     def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None,
                  paths: ProjectPaths = PATHS, out: Path | None = None) -> None:
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
         self.out = out if out is not None else paths.analysis
-        self.missing = Missing()
-        self._postags: pd.DataFrame | None = None
+        # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
+        # kd_analysis.json, never replaced by numbers
+        self.missing: dict[tuple[str, str], list[str]] = {}
+        self.main = [e for e in experiments if e.method == SELECTKD and e.study == MAIN_STUDY]
 
-    @property
+    @functools.cached_property
     def postags(self) -> pd.DataFrame:
-        if self._postags is None:
-            if not self.paths.postags.exists():
-                raise FileNotFoundError(f"{self.paths.postags}: POS tags not found (run `dvc repro postag`)")
-            self._postags = pd.read_parquet(self.paths.postags)
-            self._postags["example_id"] = self._postags["example_id"].astype(str)
-        return self._postags
+        if not self.paths.postags.exists():
+            raise FileNotFoundError(f"{self.paths.postags}: POS tags not found (run `dvc repro postag`)")
+        return pd.read_parquet(self.paths.postags).astype({"example_id": str})
+
+    def _present(self, exp: Experiment, needed_for: str, *paths: Path) -> bool:
+        """Whether every input file is there; each absent one is reported as missing."""
+        for p in paths:
+            if not p.exists() and needed_for not in (uses := self.missing.setdefault((exp.name, str(p)), [])):
+                uses.append(needed_for)
+        return all(p.exists() for p in paths)
 
     def usage(self, exp: Experiment, needed_for: str) -> dict[str, Any] | None:
         """Word updates + per client best round and KD usage ratio of one experiment, or None if files are missing."""
         gate_path, train_path = self.paths.gate_log(exp.name), self.paths.train_metrics(exp.name)
-        absent = [p for p in (gate_path, train_path) if not p.exists()]
-        for p in absent:
-            self.missing.add(exp.name, p, needed_for)
-        if absent:
+        if not self._present(exp, needed_for, gate_path, train_path):
             return None
         gate = read_gate_log(gate_path)
-        best = best_rounds(read_json(train_path, "train metrics"), train_path)
         wu = word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
-        return {"gate": gate, "words": wu, "clients": usage_per_client(wu.table, best, train_path, gate_path)}
+        return {"gate": gate, "words": wu,
+                "clients": usage_per_client(wu.table, best_rounds(train_path), train_path, gate_path)}
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
         path = self.paths.eval_metrics(exp.name)
-        if not path.exists():
-            self.missing.add(exp.name, path, needed_for)
-            return None
-        return eval_scores(read_json(path, "evaluation metrics"), path)
+        return eval_scores(path) if self._present(exp, needed_for, path) else None
 
     def main_study(self, figures: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage."""
-        main = [e for e in self.experiments if e.method == SELECTKD and e.study == MAIN_STUDY]
-        usages = {e.name: u for e in main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
+        usages = {e.name: u for e in self.main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
         clients: dict[str, Any] = {}
         if not usages:
             return clients, usages
         all_words = pd.concat([u["words"].table.assign(experiment=n) for n, u in usages.items()])
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
-        taus = sorted({e.tau for e in main if e.name in usages and e.tau is not None})
+        taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
         if len(taus) > 1:
             raise ValueError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
         tau = taus[0] if taus else None
@@ -139,11 +133,9 @@ class Analysis:
 
     def hardkd(self, figures: Path) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
-        main_parts = {e.partition for e in self.experiments if e.method == SELECTKD and e.study == MAIN_STUDY}
-        groups = {
-            SELECTKD: [e for e in self.experiments if e.method == SELECTKD and e.study == MAIN_STUDY],
-            HARDKD: [e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)],
-        }
+        main_parts = {e.partition for e in self.main}
+        groups = {SELECTKD: self.main, HARDKD: [e for e in self.experiments if e.method == HARDKD
+                                                 and (not main_parts or e.partition in main_parts)]}
         comparison = {method: seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
                       for method, exps in groups.items()}
         plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
@@ -153,17 +145,14 @@ class Analysis:
         sweep = [e for e in self.experiments if e.study == TAU_STUDY]
         sweep_parts = {e.partition.split("/seed")[0] for e in sweep}
         # The main SelectKD is the sweep's point at the top-level tau - only when there is a sweep to join.
-        main = [e for e in self.experiments if e.method == SELECTKD and e.study == MAIN_STUDY
-                and e.partition.split("/seed")[0] in sweep_parts]
         rows = []
-        for e in sweep + main:
+        for e in sweep + [e for e in self.main if e.partition.split("/seed")[0] in sweep_parts]:
             if e.tau is None:
                 raise ValueError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
             usage = usages.get(e.name) or self.usage(e, "tau sweep")
             scores = self.scores(e, "tau sweep")
-            if usage is None or scores is None:
-                continue
-            rows += tau_sweep_rows(e, usage, scores)
+            if usage is not None and scores is not None:
+                rows += tau_sweep_rows(e, usage, scores)
         per_run = pd.DataFrame(rows, columns=SWEEP_COLUMNS)
         table, portable = tau_sweep_summary(per_run)
         atomic.to_csv(table.round(6), csv_path, index=False)
@@ -172,25 +161,26 @@ class Analysis:
                 "experiments": sorted(per_run["experiment"].unique())}
 
     def run(self) -> dict[str, Any]:
-        out = self.out
-        figures = out / "figures"
+        figures = self.out / "figures"
         figures.mkdir(parents=True, exist_ok=True)
         for old in figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
             old.unlink()
         clients, usages = self.main_study(figures)
-        result = {
+        hardkd, sweep = self.hardkd(figures), self.tau_sweep(usages, figures, self.out / "tau_sweep.csv")
+        missing = [{"experiment": e, "file": f, "needed_for": ", ".join(u)}
+                   for (e, f), u in sorted(self.missing.items())]
+        result = json_safe({
             "word_rule": self.cfg.word_rule,
             "tau": self.tau,
             "paper": {"kd_usage_ratio": KD_USAGE_RATIO, "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
                       "noun_verb": "nearly all noun and verb words are trained with KD"},
             "clients": clients,
-            "hardkd_vs_selectkd": self.hardkd(figures),
-            "tau_sweep": self.tau_sweep(usages, figures, out / "tau_sweep.csv"),
-            "missing": self.missing.items,
-            "n_missing": len(self.missing.items),
-        }
-        result = json_safe(result)
-        atomic.write_json(out / "kd_analysis.json", result)
+            "hardkd_vs_selectkd": hardkd,
+            "tau_sweep": sweep,
+            "missing": missing,
+            "n_missing": len(missing),
+        })
+        atomic.write_json(self.out / "kd_analysis.json", result)
         return result
 
 

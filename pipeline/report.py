@@ -1,8 +1,8 @@
 """Stage `report`: tables, figures and the index of everything the pipeline produced (METHOD.md section 7).
 
-    python -m pipeline.report                            # the DVC stage
-    python -m pipeline.report human --make-sheets DIR    # blind pairwise human-evaluation sheets
+    python -m pipeline.report                            # the DVC stage (blind human-evaluation sheets included)
     python -m pipeline.report human --sheets DIR         # filled sheets -> win/tie/loss + bar chart
+    python -m pipeline.report rebuild|claims ...         # a study folder's tables / README results block
 
 Reads every planned experiment (params.yaml `experiments`) with its evaluation (``reports/eval/<exp>/metrics.json``),
 its tau as its plan has it (pipeline.experiments) and training rounds (``reports/train/<exp>/rounds.json``), averages each
@@ -12,9 +12,7 @@ stage times), ``reports/figures/*.png`` with their data in ``reports/plots/`` (D
 (every study's averages), ``reports/metrics.json`` (the headline numbers, the only DVC metrics file),
 human-evaluation sheets and ``reports/README.md`` (index; lists what is missing and why).
 
-The library is in pipeline/results/: readers (the earlier stages' files), tables, studies (the registry of study
-figures), figures, case_study, headline (summary.json, metrics.json) and index (README.md); this module reads
-params.yaml's experiments and runs them in order.
+The library is pipeline/results/; this module reads params.yaml's experiments and runs it in order.
 """
 from __future__ import annotations
 
@@ -30,9 +28,8 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
-from pipeline.training.config import TrainConfig
 from pipeline.common.schema import DataError
-from pipeline.experiments import declared, with_labels
+from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import claims, comparisons, published
 from pipeline.results.case_study import case_study, example_info, predictions_by_method
@@ -45,16 +42,9 @@ from pipeline.results.privacy_study import privacy_figure, privacy_points
 from pipeline.results.readers import collect_scores
 from pipeline.results.stats import BootstrapConfig
 from pipeline.results.study_figures import study_figures, with_stand_ins
-from pipeline.results.tables import (
-    aggregate,
-    backbone_slug,
-    incomplete,
-    main_table,
-    main_table_markdown,
-    study_table_markdown,
-    timing_markdown,
-    timing_table,
-)
+from pipeline.results.tables import (aggregate, backbone_slug, incomplete, main_table, main_table_markdown,
+                                     study_table_markdown, timing_markdown, timing_table)
+from pipeline.training.config import TrainConfig
 
 
 @config
@@ -76,10 +66,13 @@ class ReportConfig:
 class Tables:
     """What :func:`write_tables` computed and wrote."""
 
-    compared: Any  # the comparisons table with the published columns (pandas)
-    scores: Any
-    agg: Any
-    converged: Any  # pipeline.results.convergence.convergence_table
+    planned: list[Experiment]
+    labels: dict[str, str]
+    bootstrap: BootstrapConfig
+    compared: pd.DataFrame  # the comparisons table with the published columns
+    scores: pd.DataFrame
+    agg: pd.DataFrame
+    converged: pd.DataFrame  # pipeline.results.convergence.convergence_table
     missing_eval: list[str]
 
 
@@ -102,15 +95,11 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
     if previous is not None and previous.is_file():
         compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
     compared = claims.with_published(compared)
-    atomic.to_csv(compared, tables_dir / "comparisons.csv", index=False)
-    made["tables"].append(str(tables_dir / "comparisons.csv"))
     if notes:
         not_made["comparisons"] = "; ".join(notes)
-
-    # Per-experiment and aggregated scores, machine-readable.
-    atomic.to_csv(scores, tables_dir / "scores_per_experiment.csv", index=False)
-    atomic.to_csv(agg, tables_dir / "scores_aggregated.csv", index=False)
-    made["tables"] += [str(tables_dir / "scores_per_experiment.csv"), str(tables_dir / "scores_aggregated.csv")]
+    for frame, name in ((compared, "comparisons"), (scores, "scores_per_experiment"), (agg, "scores_aggregated")):
+        atomic.to_csv(frame, tables_dir / f"{name}.csv", index=False)
+        made["tables"].append(str(tables_dir / f"{name}.csv"))
 
     # Main table per backbone (Table III layout) beside the published numbers.
     main = agg[agg["study"] == "main"]
@@ -129,33 +118,41 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
         path = tables_dir / f"study_{study}.md"
         atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap, converged))
         made["tables"].append(str(path))
-    return Tables(compared, scores, agg, converged, missing_eval)
+    return Tables(planned, labels, bootstrap, compared, scores, agg, converged, missing_eval)
+
+
+def results_text(params: dict[str, Any], cfg: ReportConfig, compared: pd.DataFrame, converged: pd.DataFrame,
+                 source: Path, backbone_record: Path, kd_analysis: Path) -> str:
+    """The results in words (pipeline.results.claims), rendered from the comparisons and the train records under
+    the profile's claim rules (never typed by hand)."""
+    def record(path: Path) -> Any:
+        return json.loads(path.read_text()) if path.is_file() else None
+
+    # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
+    steps = (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
+    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
+    return claims.results_text(compared, converged, scale, source=str(source),
+                               backbone=claims.backbone_note(record(backbone_record), record(kd_analysis)))
 
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
-    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
-    planned = declared(params)
-    labels = with_labels(planned)
-    for d in (paths.tables, paths.figures, paths.plots):
-        d.mkdir(parents=True, exist_ok=True)
     made: dict[str, list[str]] = defaultdict(list)
     not_made: dict[str, str] = {}
-    written = write_tables(params, cfg, paths.eval_reports, paths.train_reports, paths.tables, made, not_made)
-    scores, agg, missing_eval = written.scores, written.agg, written.missing_eval
-    # The results in words, rendered from the comparisons and the train records (never typed by hand).
-    atomic.write_text(paths.tables / "results.md", "# Results\n\n" + claims.results_text(
-        written.compared, written.converged, source=str(paths.tables / "comparisons.csv"), smoke=cfg.smoke,
-        min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples,
-        centralized_steps=step_rule(params), backbone=claims.backbone_note(
-            _json_or_none(paths.backbone_report), _json_or_none(paths.kd_analysis))))
+    t = write_tables(params, cfg, paths.eval_reports, paths.train_reports, paths.tables, made, not_made)
+    planned, labels = t.planned, t.labels
+    for d in (paths.figures, paths.plots):
+        d.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(paths.tables / "results.md", "# Results\n\n" + results_text(
+        params, cfg, t.compared, t.converged, paths.tables / "comparisons.csv", paths.backbone_report,
+        paths.kd_analysis))
     made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
-    figures, figures_not_made = study_figures(agg, paths.figures, paths.plots)
+    figures, figures_not_made = study_figures(t.agg, paths.figures, paths.plots)
     made["figures"] += figures
     not_made.update(figures_not_made)
-    points = privacy_points(planned, labels, scores, paths.train_reports)
+    points = privacy_points(planned, labels, t.scores, paths.train_reports)
     if not points.empty:
         made["figures"].append(str(privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv")))
     curves = learning_curves(planned, labels, paths.train_reports, paths.models, paths.figures, paths.plots)
@@ -184,7 +181,8 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         not_made["human evaluation sheets"] = (f"needs predictions of {cfg.human_eval_target} and at least one other "
                                                "method in study `main`")
 
-    timing, stale_timing = timing_table(paths.timing, {p.name for p in planned})
+    planned_names = {p.name for p in planned}
+    timing, stale_timing = timing_table(paths.timing, planned_names)
     if stale_timing:
         not_made["stage times of unplanned experiments"] = f"left out of the stage-time table: {', '.join(stale_timing)}"
     if timing is None:
@@ -194,29 +192,18 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         atomic.write_text(paths.tables / "timing.md", timing_markdown(timing))
         made["tables"] += [str(paths.tables / "timing.md"), str(paths.tables / "timing.csv")]
 
-    summary = summary_metrics(agg, planned, missing_eval)
-    atomic.write_json(paths.reports / "summary.json", summary, sort_keys=True)
-    intervals = {c.label: average_interval(c, paths.eval_reports, bootstrap)
+    atomic.write_json(paths.reports / "summary.json", summary_metrics(t.agg, planned, t.missing_eval), sort_keys=True)
+    intervals = {c.label: average_interval(c, paths.eval_reports, t.bootstrap)
                  for c in comparisons.configurations(planned, labels) if c.study == HEADLINE_STUDY}
     kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
-    atomic.write_json(paths.reports / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
+    atomic.write_json(paths.reports / "metrics.json", headline_metrics(t.agg, intervals, kd), sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
-    planned_names = {p.name for p in planned}
     ignored = sorted(d.name for d in paths.eval_reports.iterdir()
                      if d.is_dir() and d.name not in planned_names) if paths.eval_reports.is_dir() else []
-    index = {"made": dict(made), "not_made": not_made, "missing_experiments": missing_eval,
-             "incomplete_seeds": incomplete(agg), "ignored_evaluations": ignored}
+    index = {"made": dict(made), "not_made": not_made, "missing_experiments": t.missing_eval,
+             "incomplete_seeds": incomplete(t.agg), "ignored_evaluations": ignored}
     atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports, paths.plots))
     return index
-
-
-def _json_or_none(path: Path) -> Any:
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def step_rule(params: dict[str, Any]) -> str:
-    """How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent)."""
-    return (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
 
 
 def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
@@ -224,13 +211,9 @@ def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), f"{folder / 'params.yaml'} report")
     planned = declared(params)
-    compared = pd.read_csv(comparisons_csv or folder / "comparisons.csv")
-    converged = convergence_table(planned, with_labels(planned), folder / "train")
-    return claims.results_text(compared, converged, source=str(comparisons_csv or folder / "comparisons.csv"),
-                               smoke=cfg.smoke, min_seeds=cfg.claim_min_seeds, min_examples=cfg.claim_min_examples,
-                               centralized_steps=step_rule(params), backbone=claims.backbone_note(
-                                   _json_or_none(folder / "backbone.json"),
-                                   _json_or_none(folder / "analysis/kd_analysis.json")))
+    source = comparisons_csv or folder / "comparisons.csv"
+    return results_text(params, cfg, pd.read_csv(source), convergence_table(planned, with_labels(planned),
+                        folder / "train"), source, folder / "backbone.json", folder / "analysis/kd_analysis.json")
 
 
 def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:
@@ -270,21 +253,10 @@ def rebuild_study(folder: Path, cfg_override: ReportConfig | None = None) -> dic
     return {"made": dict(made), "not_made": not_made}
 
 
-def human_main(args: argparse.Namespace, cfg: ReportConfig, params: dict[str, Any]) -> int:
-    paths = PATHS
-    if args.make_sheets:
-        planned = declared(params)
-        preds, seed = predictions_by_method(planned, paths.eval_reports, args.study, args.seed)
-        if not preds:
-            raise DataError(f"{paths.eval_reports}: no predictions.jsonl of study {args.study!r} (run the evaluate stage)")
-        queries, meetings = example_info(paths.examples)
-        summary = make_sheets(preds, args.make_sheets, target=cfg.human_eval_target, queries=queries,
-                              meetings=meetings, per_domain=cfg.human_eval_per_domain, seed=cfg.human_eval_seed)
-        print(json.dumps({**summary, "study": args.study, "experiment_seed": seed}, indent=2))
-        return 0
-    results = score_sheets(args.sheets)
-    results["published"] = published.HUMAN_EVAL
-    out = Path(args.out)
+def score_human_eval(sheets: Path, out: Path) -> int:
+    """Win/tie/loss counts of the filled sheets in ``sheets`` (key.json beside them) and their chart, beside the
+    paper's, into ``out``."""
+    results = {**score_sheets(sheets), "published": published.HUMAN_EVAL}
     out.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out / "results.json", results)
     plot_results(results, published.HUMAN_EVAL, out / "human_eval.png")
@@ -297,13 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
     parser.add_argument("--params", default="params.yaml")
     sub = parser.add_subparsers(dest="command")
-    human = sub.add_parser("human", help="human-evaluation kit")
-    mode = human.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--make-sheets", metavar="DIR", help="write blind pairwise sheets (+ key.json) into DIR")
-    mode.add_argument("--sheets", metavar="DIR", help="score the filled sheet*.csv files in DIR (key.json beside them)")
-    human.add_argument("--study", default="main", help="study whose predictions the sheets compare (--make-sheets)")
-    human.add_argument("--seed", type=int, default=None, help="experiment seed (default: the lowest evaluated)")
-    human.add_argument("--out", default="reports/human_eval", help="where results.json and the chart go (--sheets)")
+    human = sub.add_parser("human", help="score filled human-evaluation sheets (the report stage writes them blank)")
+    human.add_argument("--sheets", metavar="DIR", type=Path, required=True,
+                       help="score the filled sheet*.csv files in DIR (key.json beside them)")
+    human.add_argument("--out", type=Path, default=Path("reports/human_eval"),
+                       help="where results.json and the chart go")
     rebuild = sub.add_parser("rebuild", help="recompute a study folder's comparisons and tables from its "
                              "committed scores (e.g. reports/cpu-study)")
     rebuild.add_argument("folder", type=Path)
@@ -323,14 +293,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{f}: results block {'differs from' if args.check else 'rewritten from'} {args.folder}",
                       file=sys.stderr)
             return 1 if (args.check and changed) else 0
-    except DataError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    params = load_params(args.params)
-    cfg = from_dict(ReportConfig, params.get("report"), "report")
-    try:
         if args.command == "human":
-            return human_main(args, cfg, params)
+            return score_human_eval(args.sheets, args.out)
+        params = load_params(args.params)
+        cfg = from_dict(ReportConfig, params.get("report"), "report")
         from pipeline.common.timing import stage_timer
 
         with stage_timer("report"):

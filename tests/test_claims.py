@@ -330,7 +330,8 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
 @pytest.mark.parametrize("smoke, seeds, examples, why", [
     (True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")])
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
-    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples), smoke=smoke, min_seeds=2, min_examples=100)
+    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples),
+                              scale=claims.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100))
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
     assert "excluded" not in text and "inside our interval" not in text  # nor a verdict against the paper
@@ -347,3 +348,16 @@ def test_the_backbone_caveat_comes_from_the_records():
     assert "42-54 % of target tokens at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
     assert claims.backbone_note(None, kd) == ""
     assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
+
+
+def test_the_default_profile_states_numbers_and_draws_no_claim():
+    """params.yaml (the CPU smoke profile) sets report.smoke, and its committed results.md holds numbers only."""
+    from pipeline.common.config import from_dict, load_params
+    from pipeline.report import ReportConfig
+
+    params = load_params(ROOT / "params.yaml")
+    assert from_dict(ReportConfig, params.get("report"), "report").smoke
+    text = (ROOT / "reports/tables/results.md").read_text(encoding="utf-8")
+    assert "**No comparative claim**: a smoke run (`report.smoke: true`)" in text
+    for verdict in ("helps", "hurts", "does not measurably help", "excluded", "inside our interval"):
+        assert verdict not in text

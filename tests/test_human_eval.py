@@ -114,22 +114,3 @@ def test_bad_judgement_names_file_and_line(tmp_path):
     write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
     with pytest.raises(DataError, match=r"sheet\.csv:3: judgement 'maybe'"):
         score_sheets(tmp_path)
-
-
-def test_make_sheets_cli_from_eval_outputs(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    experiments = {}
-    for m in METHODS:
-        name = f"{m}-s0"
-        experiments[name] = {"method": m, "partition": "domain/seed0", "seed": 0, "study": "main"}
-        d = tmp_path / "reports/eval" / name
-        d.mkdir(parents=True)
-        with (d / "predictions.jsonl").open("w") as fh:
-            for p in predictions()[m].values():
-                fh.write(json.dumps({"experiment": name, "client": p.domain, "example_id": p.example_id,
-                                     "domain": p.domain, "prediction": p.prediction, "reference": p.reference}) + "\n")
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(
-        {"tau": 5.0, "experiments": experiments, "report": {"human_eval_per_domain": 2}}))
-    assert report_main(["human", "--make-sheets", "sheets"]) == 0
-    rows = read_sheet(tmp_path / "sheets/sheet.csv")
-    assert len(rows) == 2 * 3 * 2

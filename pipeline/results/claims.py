@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import pandas as pd
@@ -26,6 +27,9 @@ from pipeline.results.convergence import note as convergence_note
 BACKBONES: tuple[str, ...] = tuple(published.MAIN_TABLE)
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
 CONTAINS, ABOVE, BELOW = "contains", "excludes above", "excludes below"
+# How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
+PLACED = {ABOVE: "excluded: above our upper limit", CONTAINS: "inside our interval",
+          BELOW: "excluded: below our lower limit"}
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SHORT = {"single": "AdaSingle", "centralized": "AdaCentralized", "fedavg": "FedAvg", "fedkd": "FedKD",
          "fedselectkd": "SelectKD"}
@@ -39,6 +43,18 @@ STEP_RULE = {
 }
 
 
+@dataclass(frozen=True)
+class ClaimScale:
+    """What a profile needs before the results text draws a comparative claim (`report.smoke`,
+    `report.claim_min_seeds`, `report.claim_min_examples`), and how AdaCentralized's steps were budgeted
+    (`train.centralized_steps`), which the sentence on its lead states."""
+
+    smoke: bool = False
+    min_seeds: int = 2
+    min_examples: int = 100
+    centralized_steps: str = "largest_client"
+
+
 def published_columns() -> list[str]:
     return [c for b in BACKBONES for c in (f"published_{b}", f"vs_published_{b}")]
 
@@ -47,22 +63,15 @@ def classify(low: float, high: float, value: float | None) -> str:
     """Where a published difference sits against our interval [low, high] ('' when there is none)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
-    if value > high:
-        return ABOVE
-    if value < low:
-        return BELOW
-    return CONTAINS
+    return ABOVE if value > high else BELOW if value < low else CONTAINS
 
 
 def published_difference(backbone: str, method_a: str, method_b: str, client: str, metric: str) -> float | None:
     """The paper's A - B for one client (or the client average) and metric; None where it reports none."""
     table = published.MAIN_TABLE[backbone]
     clients = list(table) if client == AVERAGE else [client]
-    if any(c not in table or method_a not in table[c] or method_b not in table[c] for c in clients):
-        return None
-    field = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": "rougeL",
-             "avg_rouge": "average"}.get(metric)
-    if field is None:
+    field = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": "rougeL", "avg_rouge": "average"}.get(metric)
+    if field is None or any(c not in table or method_a not in table[c] or method_b not in table[c] for c in clients):
         return None
     return sum(getattr(table[c][method_a], field) - getattr(table[c][method_b], field) for c in clients) / len(clients)
 
@@ -71,14 +80,10 @@ def with_published(table: pd.DataFrame) -> pd.DataFrame:
     """``table`` with the published-difference columns (rows outside the paper's pairs get NaN and '')."""
     out = table.copy()
     for b in BACKBONES:
-        values, where = [], []
-        for r in out.itertuples():
-            paper = (published_difference(b, r.method_a, r.method_b, r.client, r.metric)
-                     if r.study == "main" and r.study_b == "main" else None)
-            values.append(math.nan if paper is None else paper)
-            where.append(classify(r.ci_low, r.ci_high, paper))
-        out[f"published_{b}"] = values
-        out[f"vs_published_{b}"] = where
+        paper = [published_difference(b, r.method_a, r.method_b, r.client, r.metric)
+                 if r.study == "main" and r.study_b == "main" else None for r in out.itertuples()]
+        out[f"published_{b}"] = [math.nan if p is None else p for p in paper]
+        out[f"vs_published_{b}"] = [classify(lo, hi, p) for lo, hi, p in zip(out["ci_low"], out["ci_high"], paper)]
     return out
 
 
@@ -105,30 +110,24 @@ def _range(values: list[float]) -> str:
     return _num(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{_num(lo)} to {_num(hi)}"
 
 
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
 def paper_clause(r) -> str:
     """Where the paper's difference for this pair sits against our interval, per backbone."""
-    found = {b: (getattr(r, f"published_{b}"), getattr(r, f"vs_published_{b}")) for b in BACKBONES
-             if isinstance(getattr(r, f"vs_published_{b}", ""), str) and getattr(r, f"vs_published_{b}", "")}
-    if not found:
-        return ""
     groups: dict[str, list[str]] = {}
-    for b, (_, where) in found.items():
-        groups.setdefault(where, []).append(b)
+    for b in BACKBONES:
+        where = getattr(r, f"vs_published_{b}", "")
+        if isinstance(where, str) and where:
+            groups.setdefault(where, []).append(b)
     parts = []
-    for where in (ABOVE, CONTAINS, BELOW):
-        if where not in groups:
-            continue
+    for where in (w for w in PLACED if w in groups):
         bbs = groups[where]
-        value = _range([found[b][0] for b in bbs])
         who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
                ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
-        if where == ABOVE:
-            parts.append(f"{value} on {who}, excluded: above our upper limit")
-        elif where == BELOW:
-            parts.append(f"{value} on {who}, excluded: below our lower limit")
-        else:
-            parts.append(f"{value} on {who}, inside our interval")
-    return "paper " + "; ".join(parts)
+        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
+    return "paper " + "; ".join(parts) if parts else ""
 
 
 def _all(r, where: str) -> bool:
@@ -151,23 +150,15 @@ def _pair(r) -> str:
     return f"{text} ({clause})" if clause else text
 
 
-def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
-    sub = avg[(avg["study"] == "main") & (avg["study_b"] == "main") & avg["method_a"].isin(a) & avg["method_b"].isin(b)]
-    order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
-    return sorted(_records(sub), key=lambda r: (order.get(r.method_a, 99), order.get(r.method_b, 99)))
-
-
 def _records(frame: pd.DataFrame) -> list[SimpleNamespace]:
     """Rows as objects whose attributes are the column names as they are (``published_bart-large``)."""
     return [SimpleNamespace(**rec) for rec in frame.to_dict("records")]
 
 
-def _fraction_range(rows: list) -> str:
-    vals = [r.identical_fraction for r in rows if not math.isnan(r.identical_fraction)]
-    if not vals:
-        return ""
-    lo, hi = round(min(vals) * 100), round(max(vals) * 100)
-    return f"{lo} %" if lo == hi else f"{lo}-{hi} %"
+def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
+    sub = avg[(avg["study"] == "main") & (avg["study_b"] == "main") & avg["method_a"].isin(a) & avg["method_b"].isin(b)]
+    order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
+    return sorted(_records(sub), key=lambda r: (order.get(r.method_a, 99), order.get(r.method_b, 99)))
 
 
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
@@ -200,56 +191,49 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     return text
 
 
-def _scale(avg: pd.DataFrame) -> str:
-    """'; 2-3 seeds and 244 test examples a comparison' for the main study's rows."""
-    main = avg[(avg["study"] == "main") & (avg["study_b"] == "main")]
-    if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns):
-        return ""
-    seeds, examples = sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int)))
-    return (f"; {seeds[0] if len(seeds) == 1 else f'{seeds[0]}-{seeds[-1]}'} seed(s) and "
-            f"{examples[0] if len(examples) == 1 else f'{examples[0]}-{examples[-1]}'} test examples a comparison")
-
-
-def too_small(table: pd.DataFrame, smoke: bool, min_seeds: int, min_examples: int) -> str:
-    """Why the table supports no comparative claim ('' when it does): a smoke run by its profile, or a main-study
-    comparison with fewer seeds or test examples (summed over clients) than the profile declares enough."""
-    if smoke:
-        return "a smoke run (`report.smoke: true`)"
+def main_scale(table: pd.DataFrame) -> tuple[list[int], list[int]] | None:
+    """The distinct seed counts and test-example counts (summed over clients) of the main study's client-average
+    comparisons, sorted; None when the table has none."""
     main = table[(table["study"] == "main") & (table["study_b"] == "main") & (table["client"] == AVERAGE)]
     if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns):
+        return None
+    return sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int)))
+
+
+def too_small(table: pd.DataFrame, scale: ClaimScale) -> str:
+    """Why the table supports no comparative claim ('' when it does): a smoke run by its profile, or a main-study
+    comparison with fewer seeds or test examples than the profile declares enough."""
+    if scale.smoke:
+        return "a smoke run (`report.smoke: true`)"
+    found = main_scale(table)
+    if found is None or (found[0][0] >= scale.min_seeds and found[1][0] >= scale.min_examples):
         return ""
-    seeds, examples = int(main["n_seeds"].min()), int(main["n_examples"].min())
-    if seeds < min_seeds or examples < min_examples:
-        return (f"{seeds} seed(s) and {examples} test examples, below the {min_seeds} seeds and {min_examples} "
-                "examples this profile needs for a claim (`report.claim_min_seeds`, `report.claim_min_examples`)")
-    return ""
+    return (f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
+            f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
+            "`report.claim_min_examples`)")
 
 
-def numbers_only(avg: pd.DataFrame, why: str) -> str:
-    """The differences of the main study, stated without a verdict."""
-    rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
-    return (f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the paper's): "
-            + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + ".")
-
-
-def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, metric: str = "avg_rouge",
-                 source: str = "comparisons.csv", smoke: bool = False, min_seeds: int = 2,
-                 min_examples: int = 100, centralized_steps: str = "largest_client", backbone: str = "") -> str:
+def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, scale: ClaimScale = ClaimScale(),
+                 metric: str = "avg_rouge", source: str = "comparisons.csv", backbone: str = "") -> str:
     """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
     table with the published columns, and the convergence records of the studies the table covers. A smoke run,
-    or one with fewer seeds or test examples than ``min_seeds`` / ``min_examples``, states numbers, no claim."""
+    or one smaller than ``scale`` asks for, states numbers, no claim; ``backbone``: :func:`backbone_note`."""
     if "vs_published_" + BACKBONES[0] not in table.columns:
         table = with_published(table)
     avg = table[(table["client"] == AVERAGE) & (table["metric"] == metric)]
     per_client = table[(table["client"] != AVERAGE) & (table["metric"] == metric) & (table["study"] == "main")
                        & (table["study_b"] == "main")]
+    found = main_scale(table)
+    size = f"; {_span(found[0])} seed(s) and {_span(found[1])} test examples a comparison" if found else ""
     lines = [f"Generated by `python -m pipeline.report claims` from `{source}` (paired difference of the client "
              f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, "
              "pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's differences are its "
-             f"Table III's, BART-large, BART-base and LED-large){_scale(avg)}:"] + ([backbone] if backbone else [])
-    why = too_small(table, smoke, min_seeds, min_examples)
+             f"Table III's, BART-large, BART-base and LED-large){size}:"] + ([backbone] if backbone else [])
+    why = too_small(table, scale)
     if why:
-        lines.append(numbers_only(avg, why))
+        rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
+        lines.append(f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the "
+                     "paper's): " + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + ".")
         return _with_budget(lines, table, convergence)
 
     central = _rows(avg, ("centralized",), ("single", *FEDERATED))
@@ -260,7 +244,7 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
         # one p for the whole line only when it supports the line (every lead excludes 0); else each interval speaks
         p_text = (" (p < 0.001 each)" if worst_p < 0.001 else f" (p ≤ {worst_p:.3f} each)") if ahead else ""
         lines.append(f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + ".")
-        lines.append("  " + STEP_RULE[centralized_steps])
+        lines.append("  " + STEP_RULE[scale.centralized_steps])
         by_b = []
         for r in central:
             sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
@@ -278,23 +262,22 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
 
     fed = _rows(avg, FEDERATED, ("single",))
     if fed:
-        head = verdict(fed, "Federation, as run here,")
-        lines.append(f"- **{head}**: " + "; ".join(_pair(r) for r in fed) + ".")
+        lines.append(f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + ".")
         excluded = [r for r in fed if _all(r, ABOVE)]
         if excluded:
             lines.append(f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
                          f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
                          f"{' and '.join(_num(r.ci_high) for r in excluded)}.")
-        same = _fraction_range([r for r in fed if r.method_a in ("fedkd", "fedselectkd")])
+        same = [round(r.identical_fraction * 100) for r in fed
+                if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)]
         if same:
-            lines.append(f"  {same} of the FedKD and SelectKD summaries are the same text as AdaSingle's "
-                         "(`identical_fraction`): many runs did not separate from local training.")
+            lines.append(f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
+                         "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local "
+                         "training.")
 
     select = _rows(avg, ("fedselectkd",), ("fedkd",))
     if select:
-        r = select[0]
-        head = verdict(select, "Selectivity")
-        lines.append(f"- **{head}**: {_pair(r)}.")
+        lines.append(f"- **{verdict(select, 'Selectivity')}**: {_pair(select[0])}.")
 
     distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
     if distil:
@@ -325,11 +308,9 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
             what, changed = f"**A different KD gate** ({gate})", "the gate changes"
         else:
             what, changed = f"**SelectKD in study {r.study}** ({gate})", f"study {r.study}'s settings change"
-        if r.significant:
-            finding = f"{changed} ROUGE ({_p(r)})"
-        else:
-            finding = (f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
-                       f"{_num(r.ci_low)}, not a smaller difference either way")
+        finding = (f"{changed} ROUGE ({_p(r)})" if r.significant else
+                   f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
+                   f"{_num(r.ci_low)}, not a smaller difference either way")
         lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {finding}.")
 
     return _with_budget(lines, table, convergence)
@@ -338,23 +319,25 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, m
 def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
     """``lines`` and the round-budget note of the studies the table covers, as markdown."""
     if convergence is not None and not convergence.empty:
-        studies = sorted(set(table["study"]) | set(table["study_b"]))
-        text = convergence_note(convergence, studies)
+        text = convergence_note(convergence, sorted(set(table["study"]) | set(table["study_b"])))
         if text:
             lines.append(f"- **Round budget**: {text.removeprefix('↗ ')} The whole comparison is conditional on it.")
     return "\n".join(lines) + "\n"
 
 
-def replace_block(text: str, block: str, where: str = "markdown file") -> str:
-    """``text`` with the part between the results markers replaced by ``block``."""
+def _markers(text: str, where: str) -> tuple[int, int]:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError(f"{where}: no {BEGIN} ... {END} block")
-    return text[: start + len(BEGIN)] + "\n" + block + text[end:]
+    return start + len(BEGIN), end
+
+
+def replace_block(text: str, block: str, where: str = "markdown file") -> str:
+    """``text`` with the part between the results markers replaced by ``block``."""
+    start, end = _markers(text, where)
+    return text[:start] + "\n" + block + text[end:]
 
 
 def current_block(text: str, where: str = "markdown file") -> str:
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{where}: no {BEGIN} ... {END} block")
-    return text[start + len(BEGIN) + 1: end]
+    start, end = _markers(text, where)
+    return text[start + 1: end]

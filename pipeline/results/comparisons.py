@@ -56,14 +56,16 @@ def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Confi
             for (study, label, method, scheme, dp), runs in groups.items()]
 
 
+def _closest(configs: list[Config], keep) -> Config | None:
+    """The configuration with the lowest label among those ``keep`` accepts (None if none)."""
+    return min((c for c in configs if keep(c)), key=lambda c: c.label, default=None)
+
+
 def non_private_for(config: Config, configs: list[Config]) -> Config | None:
     """The same method on the same partition in the same study, trained without privacy (None if ``config`` is
     itself non-private or its study has no such run)."""
-    if not config.dp:
-        return None
-    same = [c for c in configs if not c.dp and (c.study, c.method, c.scheme) == (config.study, config.method,
-                                                                                 config.scheme)]
-    return min(same, key=lambda c: c.label) if same else None
+    return _closest(configs, lambda c: not c.dp and (c.study, c.method, c.scheme) == (
+        config.study, config.method, config.scheme)) if config.dp else None
 
 
 def baseline_for(config: Config, method: str, configs: list[Config]) -> Config | None:
@@ -102,50 +104,49 @@ def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:
     return out
 
 
+def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
+    """Per client, the test examples every frame (one seed's per-example scores) has: the same test subsample for
+    a partition and seed."""
+    frames = list(frames)
+    shared = {}
+    for client in sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []:
+        ids = set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames))
+        if ids:
+            shared[client] = sorted(ids)
+    return shared
+
+
+def stacked(frames: Iterable[pd.DataFrame], client: str, ids: list[str], column: str) -> np.ndarray:
+    """``column`` of one client's examples ``ids``, one row per frame (seed): [n_seeds, n_examples]."""
+    return np.stack([f[f["client"] == client].set_index("example_id").loc[ids, column].to_numpy(dtype=float)
+                     for f in frames])
+
+
 def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[dict[str, Any]]:
     """Rows for A - B: per client and on the client average, per metric; [] when they share no seed or example."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
-    seeds = sorted(set(seeds_a) & set(seeds_b))
     frames = {}
-    for s in seeds:
+    for s in sorted(set(seeds_a) & set(seeds_b)):
         fa, fb = per_example(eval_dir, seeds_a[s]), per_example(eval_dir, seeds_b[s])
         if fa is not None and fb is not None:
             frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
     seeds = sorted(frames)
-    if not seeds:
-        return []
-    # The examples every paired seed has, per client (the same test subsample for a partition and seed).
-    shared: dict[str, list[str]] = {}
-    for client in sorted(set.intersection(*(set(f["client"]) for f in frames.values()))):
-        ids = set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames.values()))
-        if ids:
-            shared[client] = sorted(ids)
+    shared = shared_ids(frames[s] for s in seeds)
     if not shared:
         return []
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
         pa, pb = _predictions(eval_dir, seeds_a[s]), _predictions(eval_dir, seeds_b[s])
         for client, ids in shared.items():
-            for i in ids:
-                if (client, i) in pa and (client, i) in pb:
-                    same[client].append(pa[(client, i)] == pb[(client, i)])
-
-    def arrays(client: str, metric: str, side: str) -> np.ndarray:
-        rows = []
-        for s in seeds:
-            f = frames[s]
-            f = f[f["client"] == client].set_index("example_id").loc[shared[client]]
-            rows.append(f[f"{metric}_{side}"].to_numpy(dtype=float))
-        return np.stack(rows)
+            same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
     out = []
-    scopes = [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]
-    for scope, clients in scopes:
+    for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         for metric in METRICS:
-            r = paired_difference([arrays(c, metric, "a") for c in clients], [arrays(c, metric, "b") for c in clients],
-                                  cfg)
+            r = paired_difference(*([stacked((frames[s] for s in seeds), c, shared[c], f"{metric}_{side}")
+                                     for c in clients] for side in "ab"), cfg)
             out.append({
                 "study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
                 "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
@@ -164,9 +165,8 @@ def variant_of(config: Config, configs: list[Config]) -> Config | None:
     tau of the tau sweep varies the main SelectKD); None for a main-study or private configuration."""
     if config.dp or config.study == "main":
         return None
-    same = [c for c in configs if c.study == "main" and not c.dp and (c.method, c.scheme) == (config.method,
-                                                                                             config.scheme)]
-    return min(same, key=lambda c: c.label) if same else None
+    return _closest(configs, lambda c: c.study == "main" and not c.dp and (c.method, c.scheme) == (config.method,
+                                                                                                  config.scheme))
 
 
 def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
@@ -179,6 +179,14 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     method's main-study configuration included."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+
+    def add(config: Config, base: Config) -> None:
+        found = compare(config, base, eval_dir, cfg)
+        if not found:
+            notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
+                         "in common")
+        rows.extend(found)
+
     baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))
     done: set[tuple[Config, Config]] = set()
     for config in configs:
@@ -188,33 +196,19 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
             baselines)
         for method in against:
             base = varied if method == config.method else baseline_for(config, method, configs)
-            if base is not None and ((config, base) in done or (base, config) in done):
-                continue
-            if base is not None:
-                done.add((config, base))
             if base is None:
                 notes.append(f"{config.study}: {config.label} has no {method} run on partition scheme "
                              f"{config.scheme!r} to compare with")
-                continue
-            if base == config:
-                continue
-            found = compare(config, base, eval_dir, cfg)
-            if not found:
-                notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
-                             "in common")
-            rows.extend(found)
+            elif base != config and (config, base) not in done and (base, config) not in done:
+                done.add((config, base))
+                add(config, base)
         plain = non_private_for(config, configs)
         if config.dp and plain is None:
             notes.append(f"{config.study}: {config.label} has no run of {config.method} without privacy on "
                          f"partition scheme {config.scheme!r} in its study to compare with")
         elif plain is not None:
-            found = compare(config, plain, eval_dir, cfg)
-            if not found:
-                notes.append(f"{config.study}: {config.label} vs {plain.label}: no evaluated seed and test example "
-                             "in common")
-            rows.extend(found)
-    table = pd.DataFrame(rows, columns=COLUMNS)
-    return table, notes
+            add(config, plain)
+    return pd.DataFrame(rows, columns=COLUMNS), notes
 
 
 def format_p(p: float) -> str:

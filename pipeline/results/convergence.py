@@ -9,26 +9,19 @@ summary's ``best_round`` against ``rounds_trained``.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Iterable
 
 import pandas as pd
 
 from pipeline.common.schema import DataError
+from pipeline.results.readers import load_json
 
 COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last"]
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 
 
-def _read(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}: not JSON ({err})") from err
-
-
-def best_rounds(rounds: list[dict[str, Any]], source: str = "rounds.json") -> dict[str, tuple[int, int]]:
+def best_and_last_rounds(rounds: list[dict[str, Any]], source: str = "rounds.json") -> dict[str, tuple[int, int]]:
     """{client: (round of its lowest validation loss, its last round with a validation loss)} from rounds.json rows
     (one per round, keys ``round`` and ``<client>/val_loss``); the earliest round wins a tie."""
     seen: dict[str, list[tuple[float, int]]] = {}
@@ -47,9 +40,9 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     record says ``converged`` without rounds); empty when the experiment has no train record."""
     run = train_dir / experiment
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
-    metrics = _read(metrics_path) if metrics_path.is_file() else {}
+    metrics = load_json(metrics_path) if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
-    found = best_rounds(_read(rounds_path), str(rounds_path)) if rounds_path.is_file() else {
+    found = best_and_last_rounds(load_json(rounds_path), str(rounds_path)) if rounds_path.is_file() else {
         c: (int(v["best_round"]), int(v.get("rounds_trained") or metrics.get("rounds") or v["best_round"]))
         for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
     rows = []

@@ -8,28 +8,25 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable
 
+import matplotlib
 import pandas as pd
 
-from pipeline.common import atomic
-from pipeline.experiments import Experiment
-from pipeline.results.readers import read_rounds
-from pipeline.results.scoring import TABLE_ROUGE_L
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from pipeline.common import atomic  # noqa: E402
+from pipeline.experiments import Experiment  # noqa: E402
+from pipeline.results.readers import read_rounds  # noqa: E402
+from pipeline.results.scoring import TABLE_ROUGE_L  # noqa: E402
 
 
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
+    """Lay out, write (atomically, 120 dpi) and close a figure."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     atomic.savefig(fig, path, dpi=120)
-    _plt().close(fig)
+    plt.close(fig)
     return path
 
 
@@ -65,7 +62,6 @@ def grouped_bars(ax, data: pd.DataFrame, group_col: str, bar_col: str, value: st
 def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, facet_col: str | None = None,
                paper: dict[tuple[str, str], float] | None = None) -> dict[str, str]:
     """Average ROUGE per client (x) and configuration (bars), one panel per ``facet_col`` value."""
-    plt = _plt()
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
@@ -80,7 +76,7 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
     axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over n seeds")
     backbones = ", ".join(sorted(set(data["backbone"].astype(str))))
     fig.suptitle(f"{title}\nours: backbone {backbones}", fontsize=10)
-    _save(fig, fig_path)
+    save(fig, fig_path)
     out = data.copy()
     out["bar"] = out["client"] + " | " + out["label"] + (
         (" | " + out[facet_col].astype(str)) if facet_col else "")
@@ -103,9 +99,6 @@ def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration,
     for the lowest seed trained. Data: ``reports/plots/learning_curves/<study>--<configuration>.csv`` (round,
     val_loss_mean, one column per client), one line per file in ``dvc plots show``."""
-    plt = _plt()
-    from matplotlib.ticker import MaxNLocator
-
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in planned:
         path = train_reports / p.name / "rounds.json"
@@ -142,6 +135,6 @@ def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train
             atomic.to_csv(wide.reset_index(), data_path, index=False)
             data_paths.append(str(data_path))
         axes[0][0].set_ylabel("loss per target token")
-        fig_path = _save(fig, figures / f"learning_curves_{study}.png")
+        fig_path = save(fig, figures / f"learning_curves_{study}.png")
         made.append({"figure": str(fig_path), "data": data_paths, "study": study})
     return made

@@ -38,16 +38,10 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     """Interval of a configuration's client-average avg ROUGE over its seeds (pipeline.results.stats.mean_interval) on
     the test examples every seed has. None without any per-example scores."""
     frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
-    if not frames:
+    shared = comparisons.shared_ids(frames)
+    if not shared:
         return None
-    per_client = []
-    for client in sorted(set.intersection(*(set(f["client"]) for f in frames))):
-        ids = sorted(set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames)))
-        if ids:
-            per_client.append(pd.DataFrame([f[f["client"] == client].set_index("example_id").loc[ids, "avg_rouge"]
-                                            for f in frames]).to_numpy(dtype=float))
-    if not per_client:
-        return None
+    per_client = [comparisons.stacked(frames, client, ids, "avg_rouge") for client, ids in shared.items()]
     r = mean_interval(per_client, cfg)
     return r.low, r.high
 

@@ -18,15 +18,18 @@ import csv
 import html
 import json
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.schema import DataError
 
 SHEET_COLUMNS = ("item_id", "domain", "query", "reference", "summary_A", "summary_B", "judgement", "comment")
+OUTCOMES = ("win", "tie", "loss")
 JUDGEMENTS = {"a": "A", "b": "B", "tie": "tie", "t": "tie", "=": "tie", "same": "tie"}
 
 
@@ -121,9 +124,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
         writer.writerows(rows)
     atomic.write_text(out / "sheet.html", _html_page(rows))
     atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}})
-    per_domain_counts: dict[str, int] = defaultdict(int)
-    for ex in chosen:
-        per_domain_counts[domain_of[ex]] += 1
+    per_domain_counts = Counter(domain_of[ex] for ex in chosen)
     summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
                "examples_per_domain": dict(sorted(per_domain_counts.items())),
                "requested_per_domain": per_domain, "seed": seed}
@@ -177,13 +178,6 @@ function download() {
     )
 
 
-def read_key(path: Path) -> tuple[str, dict[str, KeyEntry]]:
-    if not path.is_file():
-        raise DataError(f"{path}: answer key not found (it is written next to the sheets by --make-sheets)")
-    data = json.loads(path.read_text())
-    return data["target"], {k: KeyEntry(**v) for k, v in data["items"].items()}
-
-
 def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> dict[str, Any]:
     """Win/tie/loss counts of the key's target method against each opponent, over every ``sheet*.csv``.
 
@@ -191,43 +185,45 @@ def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> d
     not judged). A judgement of an unknown item or an unreadable value is an error naming file and row.
     """
     sheet_dir = Path(sheet_dir)
-    target, key = read_key(Path(key_path) if key_path else sheet_dir / "key.json")
+    key_path = Path(key_path) if key_path else sheet_dir / "key.json"
+    if not key_path.is_file():
+        raise DataError(f"{key_path}: answer key not found (the report stage writes it next to the blank sheets)")
+    data = json.loads(key_path.read_text())
+    key = {k: KeyEntry(**v) for k, v in data["items"].items()}
     files = sorted(sheet_dir.glob("sheet*.csv"))
     if not files:
         raise DataError(f"{sheet_dir}: no sheet*.csv files to score")
-    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"win": 0, "tie": 0, "loss": 0})
-    by_domain: dict[str, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(lambda: {"win": 0, "tie": 0, "loss": 0}))
-    unjudged = 0
-    per_file: dict[str, int] = {}
+    judged = []  # (opponent, domain, outcome)
+    unjudged, per_file = 0, {}
     for f in files:
-        with f.open(newline="", encoding="utf-8") as fh:
-            reader = csv.DictReader(fh)
-            missing = {"item_id", "judgement"} - set(reader.fieldnames or [])
-            if missing:
-                raise DataError(f"{f}: missing column(s) {sorted(missing)} (columns: {reader.fieldnames})")
-            judged = 0
-            for line_no, row in enumerate(reader, start=2):
-                item = (row["item_id"] or "").strip()
-                if item not in key:
-                    raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
-                raw = (row["judgement"] or "").strip()
-                if not raw:
-                    unjudged += 1
-                    continue
-                if raw.lower() not in JUDGEMENTS:
-                    raise DataError(f"{f}:{line_no}: judgement {raw!r} for {item}; expected A, B or tie")
-                choice = JUDGEMENTS[raw.lower()]
-                entry = key[item]
-                outcome = "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")
-                counts[entry.opponent][outcome] += 1
-                by_domain[entry.opponent][entry.domain][outcome] += 1
-                judged += 1
-            per_file[f.name] = judged
-    opponents = {o: {**c, "n": sum(c.values())} for o, c in sorted(counts.items())}
+        sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
+        if {"item_id", "judgement"} - set(sheet.columns):
+            raise DataError(f"{f}: missing column(s) {sorted({'item_id', 'judgement'} - set(sheet.columns))} "
+                            f"(columns: {list(sheet.columns)})")
+        per_file[f.name] = 0
+        for line_no, item, raw in zip(range(2, len(sheet) + 2), sheet["item_id"].str.strip(),
+                                      sheet["judgement"].str.strip()):
+            if item not in key:
+                raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
+            if not raw:
+                unjudged += 1
+                continue
+            if raw.lower() not in JUDGEMENTS:
+                raise DataError(f"{f}:{line_no}: judgement {raw!r} for {item}; expected A, B or tie")
+            choice, entry = JUDGEMENTS[raw.lower()], key[item]
+            judged.append((entry.opponent, entry.domain,
+                           "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")))
+            per_file[f.name] += 1
+    counts = Counter(judged)
+    opponents = sorted({o for o, _, _ in judged})
+    totals = {o: {r: sum(n for (oo, _, rr), n in counts.items() if (oo, rr) == (o, r)) for r in OUTCOMES}
+              for o in opponents}
     return {
-        "target": target,
-        "opponents": opponents,
-        "by_domain": {o: {d: dict(c) for d, c in sorted(ds.items())} for o, ds in sorted(by_domain.items())},
+        "target": data["target"],
+        "opponents": {o: {**c, "n": sum(c.values())} for o, c in totals.items()},
+        "by_domain": {o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged
+                                                                                       if oo == o})}
+                      for o in opponents},
         "unjudged": unjudged,
         "judged_per_file": per_file,
     }
@@ -235,10 +231,7 @@ def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> d
 
 def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, int]], path: str | Path) -> Path:
     """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pipeline.results.figures import plt, save
 
     labels, rows = [], []
     for opp, c in results["opponents"].items():
@@ -261,9 +254,4 @@ def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, i
     ax.set_xlabel(f"% of judged comparisons ({results['target']} wins / ties / losses)")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.savefig(fig, path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, Path(path))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
+from pipeline.experiments import Experiment
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import METRICS
 
@@ -68,14 +69,8 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
     no_word = merged["word_index"].isna()
     words = merged[~no_word].sort_values(keys, kind="stable")
     grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
-    if word_rule == "first":
-        kd = grouped["kd_any"].first()
-    elif word_rule == "any":
-        kd = grouped["kd_any"].max()
-    elif word_rule == "all":
-        kd = grouped["kd_any"].min()
-    else:
-        kd = grouped["kd_any"].mean() > 0.5
+    kd = (grouped["kd_any"].mean() > 0.5 if word_rule == "majority" else
+          grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule]))
     table = pd.DataFrame({
         "kd": kd.astype(bool),
         "pos": grouped["pos"].first(),
@@ -85,9 +80,14 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
     return WordUpdates(table, len(per_token), int(no_word.sum()), disagreements)
 
 
-def kd_usage_ratio(updates: pd.DataFrame, best_round: int, first_round: int = 1) -> tuple[float, int, int]:
-    """(KD word updates / word updates, KD word updates, word updates) over rounds first_round..best_round."""
-    window = updates[(updates["round"] >= first_round) & (updates["round"] <= best_round)]
+def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
+    """The word updates of rounds 1 .. ``best_round``: the window the KD usage ratio and the POS pattern cover."""
+    return updates[(updates["round"] >= 1) & (updates["round"] <= best_round)]
+
+
+def kd_usage_ratio(updates: pd.DataFrame, best_round: int) -> tuple[float, int, int]:
+    """(KD word updates / word updates, KD word updates, word updates) over rounds 1..best_round."""
+    window = to_best(updates, best_round)
     n = len(window)
     k = int(window["kd"].sum())
     return (k / n if n else math.nan), k, n
@@ -95,22 +95,12 @@ def kd_usage_ratio(updates: pd.DataFrame, best_round: int, first_round: int = 1)
 
 def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
     """Per POS: KD / non-KD word updates, the POS's KD rate and its share of all KD / non-KD updates."""
-    counts = updates.groupby(["pos", "kd"]).size().unstack(fill_value=0)
-    for col in (True, False):
-        if col not in counts.columns:
-            counts[col] = 0
+    counts = updates.groupby(["pos", "kd"]).size().unstack(fill_value=0).reindex(columns=[True, False], fill_value=0)
     n_kd, n_no = int(counts[True].sum()), int(counts[False].sum())
-    out = {}
-    for pos, row in counts.sort_values(by=[True, False], ascending=False).iterrows():
-        kd, no = int(row[True]), int(row[False])
-        out[str(pos)] = {
-            "kd": kd,
-            "no_kd": no,
-            "kd_rate": kd / (kd + no),
-            "share_of_kd": kd / n_kd if n_kd else math.nan,
-            "share_of_no_kd": no / n_no if n_no else math.nan,
-        }
-    return out
+    return {str(pos): {"kd": kd, "no_kd": no, "kd_rate": kd / (kd + no), "share_of_kd": kd / n_kd if n_kd else math.nan,
+                       "share_of_no_kd": no / n_no if n_no else math.nan}
+            for pos, kd, no in ((p, int(r[True]), int(r[False]))
+                                for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows())}
 
 
 def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
@@ -125,13 +115,8 @@ def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
     }
 
 
-def gate_once(gate: pd.DataFrame, keys: Sequence[str] = ("client", "round", "example_id", "position")) -> pd.DataFrame:
-    """One row per token update per round: local epochs repeat the round's (fixed-teacher) gate decision."""
-    return gate.drop_duplicates(list(keys))
-
-
 def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
-    """Per round (rows of one client, already :func:`gate_once`): tokens, fraction passing the gate (KD applied),
+    """Per round (rows of one client, one per token update and round): tokens, fraction passing the gate (KD applied),
     entropy quantiles, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
     rows = []
     for rnd, g in gate.groupby("round"):
@@ -181,12 +166,12 @@ def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_see
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
     (experiment -> the client's :func:`usage_per_client` entry); ``words`` and ``gate`` carry an ``experiment``
     column."""
-    windows = [w[(w["round"] >= 1) & (w["round"] <= per_seed[n]["best_round"])]
-               for n, w in words[words["client"] == client].groupby("experiment")]
-    window = pd.concat(windows)
+    window = pd.concat([to_best(w, per_seed[n]["best_round"])
+                        for n, w in words[words["client"] == client].groupby("experiment")])
     ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
-    # entropy statistics over all logged rounds, pooled over seeds (one box per round)
-    gate_c = gate_once(gate[gate["client"] == client], ("experiment", "round", "example_id", "position"))
+    # entropy statistics over all logged rounds, pooled over seeds (one box per round); one row per token update
+    # and round: local epochs repeat the round's (fixed-teacher) gate decision
+    gate_c = gate[gate["client"] == client].drop_duplicates(["experiment", "round", "example_id", "position"])
     stats = gate_per_round(gate_c, tau)
     record = {
         "experiments": sorted(per_seed),
@@ -217,8 +202,7 @@ def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -
             per_client.setdefault(client, []).append(s)
             names.setdefault(client, []).append(name)
     return {client: {"n_seeds": len(v), "experiments": names[client],
-                     "mean": {m: mean_std([s[m] for s in v])[0] for m in METRICS},
-                     "std": {m: mean_std([s[m] for s in v])[1] for m in METRICS}}
+                     **{k: {m: mean_std([s[m] for s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))}}
             for client, v in per_client.items()}
 
 
@@ -232,26 +216,18 @@ def hardkd_minus_selectkd(comparison: dict[str, dict[str, dict[str, Any]]]) -> d
 # The tau sweep
 
 
-class SweepRun(Protocol):
-    name: str
-    seed: int
-    tau: float | None
-    tau_scale: str
-
-
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeL",
                  "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
 
 
-def tau_sweep_rows(run: SweepRun, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     """One sweep point per client of one experiment: its ROUGE, KD usage ratio and POS pattern."""
     rows = []
     words = usage["words"].table
     for client, s in scores.items():
         u = usage["clients"].get(client)
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
-        w = words[(words["client"] == client) & (words["round"] >= 1)
-                  & (words["round"] <= (u["best_round"] if u else 0))]
+        w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
         rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
                      "seed": run.seed,

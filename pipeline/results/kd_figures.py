@@ -6,16 +6,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+import numpy as np
+import pandas as pd
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from pipeline.common import atomic  # noqa: E402
-from pipeline.results.kd_analysis import HARDKD, SELECTKD  # noqa: E402
-from pipeline.results.readers import METRICS  # noqa: E402
+from pipeline.results.figures import plt, save
+from pipeline.results.kd_analysis import HARDKD, SELECTKD
+from pipeline.results.readers import METRICS
 
 
 def safe_name(client: str) -> str:
@@ -43,9 +39,7 @@ def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper
     ax2.set_title("KD usage per POS")
     ax2.legend(loc="lower right")
     fig.suptitle(f"{client}: KD usage ratio {100 * ratio:.1f} % (rounds 1..best)")
-    fig.tight_layout()
-    atomic.savefig(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: float | None,
@@ -68,9 +62,7 @@ def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: floa
     ax2.set_ylabel("% tokens with KD")
     ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
     ax2.set_xticks(rounds)
-    fig.tight_layout()
-    atomic.savefig(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, title: str, path: Path) -> None:
@@ -79,9 +71,7 @@ def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, tit
         axes[0][0].text(0.5, 0.5, empty_message, ha="center", va="center")
         axes[0][0].set_axis_off()
     fig.suptitle(title)
-    fig.tight_layout()
-    atomic.savefig(fig, path, dpi=120)
-    plt.close(fig)
+    save(fig, path)
 
 
 def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:

@@ -34,9 +34,9 @@ def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | Non
     if not privacy or not clients:
         return math.inf, None, None, None
     eps = [c["epsilon"] for c in clients]
-    return (math.inf if None in eps else max(eps)), privacy.get("target_epsilon"), \
-        max(c["noise_multiplier"] for c in clients), max((c["delta"] for c in clients if c.get("delta") is not None),
-                                                          default=None)
+    return ((math.inf if None in eps else max(eps)), privacy.get("target_epsilon"),
+            max(c["noise_multiplier"] for c in clients),
+            max((c["delta"] for c in clients if c.get("delta") is not None), default=None))
 
 
 def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame,
@@ -46,20 +46,16 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
     rows = []
     for label in dict.fromkeys(labels[p.name] for p in members):
         runs = [p for p in members if labels[p.name] == label]
-        per_seed, eps, targets, sigmas, deltas = [], [], [], [], []
+        per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
         for p in runs:
             mine = scores[scores["experiment"] == p.name]
             metrics_path = train_reports / p.name / "metrics.json"
-            if mine.empty or not metrics_path.is_file():
-                continue
-            per_seed.append(float(mine["avg_rouge"].mean()))  # the client average of this seed
-            e, t, s, d = spent_epsilon(read_json(metrics_path, "train metrics"))
-            eps.append(e)
-            deltas.append(d)
-            targets.append(t)
-            sigmas.append(s)
+            if not mine.empty and metrics_path.is_file():
+                per_seed.append(float(mine["avg_rouge"].mean()))
+                spent.append(spent_epsilon(read_json(metrics_path, "train metrics")))
         if not per_seed:
             continue
+        eps, targets, sigmas, deltas = zip(*spent)
         series = pd.Series(per_seed)
         rows.append({"method": runs[0].method, "label": label, "dp": runs[0].dp,
                      "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
@@ -74,10 +70,9 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
 
 def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
     """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf)."""
-    from pipeline.results.figures import _plt, _save
+    from pipeline.results.figures import plt, save
 
     atomic.to_csv(points, data, index=False)
-    plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     finite = points.loc[points["epsilon"].apply(math.isfinite), "epsilon"]
     right = (finite.max() * 4) if not finite.empty else 10.0  # where "no privacy" (epsilon = inf) is drawn
@@ -101,4 +96,4 @@ def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
     ax.set_ylabel("average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
-    return _save(fig, figure)
+    return save(fig, figure)

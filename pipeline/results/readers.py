@@ -8,7 +8,6 @@ nothing here imports a stage module.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -25,10 +24,6 @@ METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
 GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
-
-
-def with_average(scores: dict[str, float]) -> dict[str, float]:
-    return scores | {"avg_rouge": average_rouge(scores)}
 
 
 def load_json(path: Path, what: str = "JSON file") -> Any:
@@ -49,14 +44,11 @@ def read_json(path: Path, what: str = "JSON file") -> dict[str, Any]:
     return data
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The evaluate stage
-
-
 def read_eval_metrics(path: Path) -> dict[str, Any]:
+    """The evaluate stage's metrics.json, every client with the tables' metrics."""
     data = read_json(path, "evaluation metrics")
     if not isinstance(data.get("clients"), dict):
-        raise DataError(f"{path}: no per-client scores ('clients')")
+        raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
     for client, scores in data["clients"].items():
         missing = [m for m in METRICS if m not in scores]
         if missing:
@@ -64,18 +56,12 @@ def read_eval_metrics(path: Path) -> dict[str, Any]:
     return data
 
 
-def eval_scores(metrics: dict[str, Any], path: Path) -> dict[str, dict[str, float]]:
+def eval_scores(path: Path) -> dict[str, dict[str, float]]:
     """Per client ROUGE (the tables' metrics) from the evaluate stage's metrics.json."""
-    clients = metrics.get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
-    out = {}
-    for client, rec in clients.items():
-        lacking = [m for m in METRICS if m not in rec]
-        if lacking:
-            raise DataError(f"{path}: client {client!r} lacks {lacking}")
-        out[str(client)] = {m: float(rec[m]) for m in METRICS}
-    return out
+    clients = read_eval_metrics(path)["clients"]
+    if not clients:
+        raise DataError(f"{path}: no client has ROUGE scores")
+    return {str(c): {m: float(s[m]) for m in METRICS} for c, s in clients.items()}
 
 
 def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
@@ -90,17 +76,13 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
             continue
         metrics = read_eval_metrics(path)
         for client, scores in metrics["clients"].items():
+            three = {m: float(scores[m]) for m in METRICS}
             rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
                          "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""), "seed": p.seed,
                          "backbone": metrics.get("backbone") or "unknown", "client": client,
-                         **with_average({m: float(scores[m]) for m in METRICS}),
-                         "n_examples": int(scores.get("n", 0))})
+                         **three, "avg_rouge": average_rouge(three), "n_examples": int(scores.get("n", 0))})
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The train stage
 
 
 def read_rounds(path: Path) -> pd.DataFrame:
@@ -122,17 +104,15 @@ def read_rounds(path: Path) -> pd.DataFrame:
     return pd.DataFrame(list(long.values()))
 
 
-def best_rounds(metrics: dict[str, Any], path: Path) -> dict[str, int]:
+def best_rounds(path: Path) -> dict[str, int]:
     """Per client best round from the train stage's metrics.json (``clients.<client>.best_round``)."""
-    clients = metrics.get("clients")
+    clients = read_json(path, "train metrics").get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{path}: no 'clients' mapping with per-client best rounds")
-    out = {}
-    for client, rec in clients.items():
-        if not isinstance(rec, dict) or rec.get("best_round") is None:
-            raise DataError(f"{path}: client {client!r} has no 'best_round'")
-        out[str(client)] = int(rec["best_round"])
-    return out
+    bad = [c for c, rec in clients.items() if not isinstance(rec, dict) or rec.get("best_round") is None]
+    if bad:
+        raise DataError(f"{path}: client {bad[0]!r} has no 'best_round'")
+    return {str(c): int(rec["best_round"]) for c, rec in clients.items()}
 
 
 def read_gate_log(path: Path) -> pd.DataFrame:
@@ -140,24 +120,5 @@ def read_gate_log(path: Path) -> pd.DataFrame:
     missing = sorted(set(GATE_COLUMNS) - set(gate.columns))
     if missing:
         raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
-    gate = gate[GATE_COLUMNS].copy()
-    gate["example_id"] = gate["example_id"].astype(str)
-    gate["client"] = gate["client"].astype(str)
-    gate["kd_applied"] = gate["kd_applied"].astype(bool)
-    return gate
+    return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
 
-
-@dataclass
-class Missing:
-    """Input files of listed experiments that do not exist (yet): reported, never replaced by numbers."""
-
-    _needed: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-
-    def add(self, experiment: str, path: Path, needed_for: str) -> None:
-        uses = self._needed.setdefault((experiment, str(path)), [])
-        if needed_for not in uses:
-            uses.append(needed_for)
-
-    @property
-    def items(self) -> list[dict[str, str]]:
-        return [{"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self._needed.items())]

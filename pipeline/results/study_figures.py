@@ -21,14 +21,9 @@ from pipeline.results.figures import bar_figure
 PaperValues = dict[tuple[str, str], float]
 
 
-def own_rows(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
-    return rows
-
-
 def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
     """The main study's (3-client, every round) rows of ``methods``."""
-    base = agg[agg["study"] == "main"].copy()
-    return base[base["method"].isin(methods)]
+    return agg[(agg["study"] == "main") & agg["method"].isin(methods)].copy()
 
 
 def with_main_baselines(*methods: str) -> Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]:
@@ -47,18 +42,15 @@ def extreme_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
     rows["setting"] = ["with SAMSum" if lab in has_samsum else "without SAMSum" for lab in rows["label"]]
     if (rows["setting"] == "without SAMSum").sum() == 0:
         # The 3-client runs of the same methods in the main study are the "without" setting.
-        base = main_rows_of(agg, set(rows["method"])).copy()
-        base["setting"] = "without SAMSum (main study)"
+        base = main_rows_of(agg, set(rows["method"])).assign(setting="without SAMSum (main study)")
         rows = pd.concat([rows, base], ignore_index=True)
     return rows
 
 
 def sampling_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
     """Panels: the main study's runs of the same methods (every client every round) beside the sampled ones."""
-    rows["setting"] = "2 of 3 clients per round"
-    base = main_rows_of(agg, set(rows["method"])).copy()
-    base["setting"] = "all clients every round (main study)"
-    return pd.concat([base, rows], ignore_index=True)
+    base = main_rows_of(agg, set(rows["method"])).assign(setting="all clients every round (main study)")
+    return pd.concat([base, rows.assign(setting="2 of 3 clients per round")], ignore_index=True)
 
 
 def server_paper(bars: pd.DataFrame) -> PaperValues:
@@ -80,9 +72,9 @@ def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
     new_client = agg[agg["study"] == "new_client"]
     if new_client.empty or "pre_addition" in set(new_client["method"]):
         return agg
-    pre = agg[(agg["study"] == "extreme") & (agg["method"] == "fedselectkd")].copy()
-    pre["study"], pre["method"] = "new_client", "pre_addition"
-    pre["label"] = "pre_addition (= " + pre["label"].astype(str) + " of study extreme)"
+    pre = agg[(agg["study"] == "extreme") & (agg["method"] == "fedselectkd")]
+    pre = pre.assign(study="new_client", method="pre_addition",
+                     label="pre_addition (= " + pre["label"].astype(str) + " of study extreme)")
     return pd.concat([agg, pre], ignore_index=True)
 
 
@@ -93,7 +85,8 @@ class StudyFigure:
 
     study: str  # its METHOD.md section and description: pipeline.results.studies
     title: str
-    bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] = own_rows  # (study rows, all rows) -> bars drawn
+    # (study rows, all rows) -> the bars drawn (None: the study's own rows)
+    bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] | None = None
     facet_col: str | None = None  # one panel per value of this column of the bars
     paper: Callable[[pd.DataFrame], PaperValues] | None = None  # the bars -> the paper's values beside them
     stand_in: Callable[[pd.DataFrame], pd.DataFrame] | None = None  # all rows -> with rows other runs stand in for
@@ -132,7 +125,7 @@ def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[s
         if rows.empty:
             not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
             continue
-        bars = entry.bars(rows, agg)
+        bars = entry.bars(rows, agg) if entry.bars is not None else rows
         made.append(bar_figure(bars, entry.title, figures / f"{entry.study}.png", plots / f"{entry.study}.csv",
                                facet_col=entry.facet_col,
                                paper=entry.paper(bars) if entry.paper is not None else None)["figure"])

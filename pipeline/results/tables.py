@@ -12,7 +12,7 @@ import math
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import pandas as pd
 
@@ -69,20 +69,14 @@ def incomplete(agg: pd.DataFrame) -> list[str]:
     return list(seen)
 
 
-def fmt(mean: float, std: float, n: int | None = None, missing: str = "") -> str:
+def fmt(mean: float, std: float, n: int | None = None) -> str:
     """'27.09 ± 0.31' (sample std over n >= 2 seeds), '27.09 (n=1)': one seed has no spread, so none is shown
-    (never '± 0.00'); missing seeds appended as '[missing seed 1,2]'."""
-    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+    (never '± 0.00')."""
+    if pd.isna(mean):
         return "missing"
-    one_seed = n is not None and int(n) == 1
-    text = f"{mean:.2f}"
-    if one_seed:
-        text += " (n=1)"
-    elif std is not None and not math.isnan(std):
-        text += f" ± {std:.2f}"
-    if missing:
-        text += f" [missing seed {missing}]"
-    return text
+    if n is not None and int(n) == 1:
+        return f"{mean:.2f} (n=1)"
+    return f"{mean:.2f}" + ("" if pd.isna(std) else f" ± {std:.2f}")
 
 
 def backbone_slug(name: str) -> str:
@@ -102,41 +96,35 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
     sub = agg[(agg["study"] == "main") & (agg["backbone"] == backbone)]
     rows = []
-    present = set(sub["label"])
+
+    def add(method: str, label: str, client: str, ours: Any) -> None:
+        pub = paper.get(client, {}).get(method)
+        for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
+            p = getattr(pub, metric) if pub else None
+            rows.append({"backbone": backbone, "method": method, "label": label,
+                         "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
+                         "metric": METRIC_LABELS[metric], "ours_mean": ours[f"{metric}_mean"],
+                         "ours_std": ours[f"{metric}_std"], "n_seeds": ours["n_seeds"], "seeds": ours["seeds"],
+                         "missing_seeds": ours["missing_seeds"], "paper": p,
+                         "diff": None if p is None else ours[f"{metric}_mean"] - p})
+
     absent: dict[str, tuple[str, set[int]]] = {}
     for p in planned:
-        if p.study == "main" and labels[p.name] not in present:
-            method, seeds = absent.setdefault(labels[p.name], (p.method, set()))
-            seeds.add(p.seed)
+        if p.study == "main" and labels[p.name] not in set(sub["label"]):
+            absent.setdefault(labels[p.name], (p.method, set()))[1].add(p.seed)
     for label, (method, seeds) in absent.items():
+        none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")}
         for client in QMSUM:
-            pub = paper.get(client, {}).get(method)
-            for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
-                rows.append({"backbone": backbone, "method": method, "label": label,
-                             "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
-                             "metric": METRIC_LABELS[metric], "ours_mean": math.nan, "ours_std": math.nan,
-                             "n_seeds": 0, "seeds": "",
-                             "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds)))),
-                             "paper": getattr(pub, "rougeL" if metric == TABLE_ROUGE_L else metric) if pub else None,
-                             "diff": None})
+            add(method, label, client, {**none, "n_seeds": 0, "seeds": "",
+                                        "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds))))})
     methods = [m for m in published.METHOD_ORDER if m in set(sub["method"])] + sorted(
         set(sub["method"]) - set(published.METHOD_ORDER))
     for method in methods:
         msub = sub[sub["method"] == method]
         for label in sorted(set(msub["label"])):
             lsub = msub[msub["label"] == label]
-            clients = [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM))
-            for client in clients:
-                r = lsub[lsub["client"] == client].iloc[0]
-                pub = paper.get(client, {}).get(method)
-                for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
-                    p = getattr(pub, "rougeL" if metric == TABLE_ROUGE_L else metric) if pub else None
-                    rows.append({"backbone": backbone, "method": method, "label": label,
-                                 "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
-                                 "metric": METRIC_LABELS[metric], "ours_mean": r[f"{metric}_mean"],
-                                 "ours_std": r[f"{metric}_std"], "n_seeds": r["n_seeds"], "seeds": r["seeds"],
-                                 "missing_seeds": r["missing_seeds"], "paper": p,
-                                 "diff": None if p is None else r[f"{metric}_mean"] - p})
+            for client in [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM)):
+                add(method, label, client, lsub[lsub["client"] == client].iloc[0])
     table = pd.DataFrame(rows)
     if table.empty:
         return table
@@ -172,11 +160,9 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
             r = r.iloc[0]
             if what == "ours":
                 return fmt(r["ours_mean"], r["ours_std"], r["n_seeds"])
-            if r["paper"] is None or (isinstance(r["paper"], float) and math.isnan(r["paper"])):
+            if pd.isna(r["paper"]):
                 return "–"
-            if what == "paper":
-                return f"{r['paper']:.2f}"
-            return "–" if r["diff"] is None or pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
+            return f"{r['paper']:.2f}" if what == "paper" else "–" if pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
 
         seeds = t.iloc[0]
         seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "") + (

@@ -1,0 +1,139 @@
+"""The numbers the study READMEs quote by hand, against the committed files that back them: a number that drifts
+from its file fails here. (The Results block of reports/cpu-study/README.md is generated: tests/test_claims.py.)"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = ROOT / "reports/cpu-study"
+README = (STUDY / "README.md").read_text(encoding="utf-8")
+TEXT = " ".join(README.split())  # the prose with its line breaks as spaces
+
+
+def load(name: str):
+    return json.loads((STUDY / name).read_text())
+
+
+def table_rows(heading: str) -> list[list[str]]:
+    """The cells of the body rows of the first markdown table after ``heading``."""
+    part = README.split(heading, 1)[1].split("\n\n")
+    lines = next(p for p in part if p.lstrip().startswith("|")).strip().splitlines()[2:]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]
+
+
+def span(values, fmt: str = "{:.0f}", unit: str = "") -> str:
+    lo, hi = fmt.format(min(values)), fmt.format(max(values))
+    return f"{lo}{unit}" if lo == hi else f"{lo}-{hi}{unit}"
+
+
+def test_the_settings_quoted_are_the_studys_params_and_records():
+    params = yaml.safe_load((STUDY / "params.yaml").read_text())
+    train, model = params["train"], params["model"]
+    assert f"{train['rounds']} rounds of {train['local_epochs']} local epoch" in TEXT
+    assert f"batch {train['batch_size']} x {train['grad_accum_steps']} accumulation steps" in TEXT
+    assert f"lr {train['lr']:.0e}".replace("e-0", "e-") in TEXT and f"weight decay {train['weight_decay']}" in TEXT
+    assert f"lambda {train['kd_lambda']}" in TEXT and f"tau {params['tau']:g} nats" in TEXT
+    assert f"top-{model['top_k']} decoder layers adapted (m = {model['bottleneck']})" in TEXT
+    seeds = sorted({e["seed"] for e in params["experiments"].values()})
+    assert f"training seeds {', '.join(map(str, seeds))}." in TEXT
+    metrics = load("train/single-domain-s0/metrics.json")["clients"]
+    assert "(" + ", ".join(f"{c} {v['n_train_examples']}" for c, v in metrics.items()) + " training examples)" in TEXT
+    tests = load("eval/single-domain-s0/metrics.json")["clients"]
+    assert "beam 4 on every test example (" + "/".join(str(v["n"]) for v in tests.values()) + ")" in TEXT
+    assert all(v["n"] == v["n_test"] for v in tests.values())  # every test example
+    assert f"giving the {len(params['experiments'])} plan files" in TEXT
+    assert f"{sum(v['n'] for v in tests.values())} examples" in TEXT
+
+
+def test_the_backbone_recipes_table_is_backbones_json():
+    variants = load("backbones.json")["variants"]
+    init = {"copy of the layer's self-attention": "self_attention", "random (HF default)": "random"}
+    rows = table_rows("## The backbone")
+    assert len(rows) == len(variants)
+    for cells in rows:
+        lr, new_lr = (float(x) for x in cells[1].split(" / "))
+        specs = {n: dict(kv.split("=") for kv in v["spec"].split(":", 1)[1].split(",")) for n, v in variants.items()}
+        match = [variants[n] for n, spec in specs.items() if spec["cross_attention_init"] == init[cells[0]]
+                 and float(spec["lr"]) == lr and float(spec["cross_attention_lr"]) == new_lr]
+        assert len(match) == 1, cells
+        v = match[0]
+        assert [c.strip("*") for c in cells[2:]] == [f"{v['rouge1']:.2f}", f"{v['rouge2']:.2f}", f"{v['rougeL']:.2f}",
+                                                     f"{v['final_loss']:.2f}"]
+    chosen = variants[load("backbones.json")["chosen"]]
+    assert f"**{chosen['rouge1']:.2f}**" in TEXT and rows[0][2] == f"**{chosen['rouge1']:.2f}**"  # "the first"
+
+
+def test_the_backbone_cost_and_warmup_are_its_records():
+    backbone, times = load("backbone.json"), load("timing/device-study.json")
+    warm, ev = backbone["warmup"], backbone["evaluation"]
+    assert (f"Four warm-up recipes, {warm['steps']:,} steps of {warm['config']['batch_size']} SAMSum dialogues each "
+            f"({warm['epochs']:.1f} epochs)") in TEXT
+    assert f"validation split ({ev['examples']} dialogues)" in TEXT
+    builds = [v for k, v in times.items() if k.startswith("backbone-")]
+    assert f"{warm['seconds']:.0f} s of warm-up on the H100 ({len(builds)} recipes side by side, {span(builds)} s" \
+        in TEXT
+    assert (f"{len(builds)} recipes side by side, {span(builds)} s each ({warm['seconds']:.0f} s warm-up + "
+            f"{ev['seconds']:.0f} s scoring") in TEXT
+
+
+def test_the_wall_times_are_the_timing_file():
+    times = load("timing/device-study.json")
+
+    def of(*prefixes: str) -> list[float]:
+        return [v for k, v in times.items() if k.startswith(prefixes)]
+
+    assert f"AdaSingle, AdaCentralized and FedAvg {span(of('train-single', 'train-centralized', 'train-fedavg'))} s" \
+        in TEXT
+    assert f"FedKD and SelectKD (two model paths a round) {span(of('train-fedkd', 'train-fedselectkd'))} s" in TEXT
+    trained, evaluated = of("train-"), of("evaluate-")
+    assert f"evaluate stage (beam 4, 244 examples) {span(evaluated)} s" in TEXT
+    assert f"Sum over the {len(trained)} runs" in TEXT and len(trained) == len(evaluated)
+    assert f"train {sum(trained):,.0f} s, evaluate {sum(evaluated):,.0f} s" in TEXT
+    # "FedAvg seeds 1 and 2 are not in it"
+    assert not any("fedavg-domain-s1" in k or "fedavg-domain-s2" in k for k in times)
+
+
+def test_the_kd_usage_table_is_the_kd_analysis():
+    kd = load("analysis/kd_analysis.json")
+    backbone = load("backbone.json")
+    portable = {(p["tau_scale"], p["client"]): p for p in kd["tau_sweep"]["portable_gates"]}
+    clients = list(kd["clients"])
+    gates = {
+        f"tau = {kd['tau']:g} nats (paper's value)": [kd["clients"][c] for c in clients],
+        "tau = 0.46 ln\\|V\\| (= 4.75 nats here)": [portable[("max_entropy", c)] for c in clients],
+        "0.87-quantile of each batch's H(q_g)": [portable[("batch_quantile", c)] for c in clients],
+    }
+    rows = {cells[0]: cells[1:] for cells in table_rows("## Why KD usage differs from the paper")}
+    for gate, recs in gates.items():
+        assert rows[gate] == [*(f"{100 * r['kd_usage_ratio']:.1f} %" for r in recs),
+                              span([100 * r["noun_verb_kd_rate"] for r in recs], unit=" %"),
+                              span([100 * r["det_pron_share_of_no_kd"] for r in recs], unit=" %")], gate
+    paper = rows["paper (BART-large)"]
+    assert paper[:3] == [f"{100 * kd['paper']['kd_usage_ratio'][c]:.0f} %" for c in clients]
+    assert paper[4] == f"{100 * kd['paper']['det_pron_share_of_no_kd']:.0f} %"
+    # tau = 5 nats is 46 % of ln|V| on BART's vocabulary; the same share of MiniLM's is 4.75 nats
+    assert round(kd["tau"] / math.log(50265), 2) == 0.46 and f"{0.46 * math.log(backbone['vocab_size']):.2f}" == "4.75"
+    assert f"MiniLM's {backbone['vocab_size']:,} tokens" in TEXT
+    drops = [100 * (kd["clients"][c]["kd_usage_ratio"] - portable[("max_entropy", c)]["kd_usage_ratio"])
+             for c in clients]
+    assert all(abs(d - 5) < 1 for d in drops)  # "usage drops by ~5 points"
+    quantile = [100 * portable[("batch_quantile", c)]["kd_usage_ratio"] for c in clients]
+    assert f"reproduces the paper's usage ({span(quantile)} %)" in TEXT
+    det_pron = [100 * r["det_pron_share_of_no_kd"] for recs in gates.values() for r in recs]
+    assert f"({span(det_pron)} % vs the paper's {100 * kd['paper']['det_pron_share_of_no_kd']:.0f} %)" in TEXT
+
+
+def test_the_bench_readme_is_rendered_from_its_json_files():
+    """reports/bench/README.md is benchmarks.readme's rendering of the JSON files beside it, number for number."""
+    pytest.importorskip("torch")
+    from benchmarks import readme
+    from benchmarks.run import load_results
+
+    bench = ROOT / "reports/bench"
+    assert readme.render(load_results(bench)) == (bench / "README.md").read_text(encoding="utf-8")
