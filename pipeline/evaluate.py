@@ -2,15 +2,18 @@
 
     python -m pipeline.evaluate run --experiment NAME      # the DVC stage (foreach over `experiments`)
     python -m pipeline.evaluate score --pred PRED.txt --ref REF.txt   # score any line-aligned files
+    python -m pipeline.evaluate model models:/m-...   # a client's adapter logged in MLflow, on its client's test set
 
 Per experiment it writes ``reports/eval/<exp>/predictions.jsonl`` (one generated summary per test example),
 ``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients,
-a DVC metric), and logs the scores into the experiment's MLflow run (the one training created). Generated text
-stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
+a DVC metric), and logs the scores into the experiment's MLflow run (the one training created; each client's into
+its client's run, linked to its adapter model). Generated text stays on disk unless ``evaluate.log_text_to_mlflow``
+is true (privacy: summaries are client data).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from dataclasses import asdict
@@ -34,12 +37,15 @@ from pipeline.modeling.backbone_record import backbone_name
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
+from pipeline.results.tracking import download_model, split_dataset
 
 def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PATHS.models,
                         eval_dir: Path = PATHS.eval_reports, examples_path: Path = PATHS.examples,
                         partitions_dir: Path = PATHS.partitions, backbone_dir: Path = PATHS.backbone,
-                        mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None) -> dict[str, Any]:
-    """Generate and score every client's test subsample for experiment ``name``; returns metrics.json's content."""
+                        mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None,
+                        only: str | None = None) -> dict[str, Any]:
+    """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
+    metrics.json's content."""
     model_dir = models_dir / name
     exp_path = model_dir / "experiment.json"
     if not exp_path.is_file():
@@ -71,7 +77,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     records: list[dict[str, Any]] = []
     per_client: dict[str, dict[str, Any]] = {}
     skipped_clients: dict[str, str] = {}
-    for client in clients:  # every client of the partition, each with its own adapter, in partition order
+    test_sets = {}
+    for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
         test_ids = list(clients[client].get("test", []))
         if not test_ids:
             skipped_clients[client] = f"no test examples in {part_path}"
@@ -81,6 +88,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
             raise DataError(f"{part_path}: client {client!r} test ids not in {examples_path}: {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
         chosen = subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)
+        test_sets[client] = split_dataset(plan.partition, client, "test", chosen, part_path)
         load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
         sub = examples.loc[chosen]
         predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{name}/{client}")
@@ -128,7 +136,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
         metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg,
-                                    converged=run_converged(models_dir, name))
+                                    converged=run_converged(models_dir, name), test_sets=test_sets)
         print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
     return metrics
 
@@ -155,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     score = sub.add_parser("score", help="ROUGE of line-aligned prediction/reference files, printed as JSON")
     score.add_argument("--pred", required=True, help="predictions, one summary per line")
     score.add_argument("--ref", required=True, help="references, one summary per line")
+    logged = sub.add_parser("model", help="a client's adapter logged in MLflow on its client's test subsample: "
+                                          "prints its scores as JSON")
+    logged.add_argument("model", help="the LoggedModel's id (m-...) or models:/<id>")
+    logged.add_argument("--params", default="params.yaml")
+    logged.add_argument("--out", type=Path, help="keep predictions and scores here (default: a temporary folder)")
     imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
     imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
     imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
@@ -184,6 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     params = load_params(args.params)
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    if args.command == "model":
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tags, folder = download_model(args.model, Path(tmp) / "models" / "m")
+            folder = folder.rename(folder.with_name(tags["experiment"]))  # the layout evaluate_experiment reads
+            out = evaluate_experiment(tags["experiment"], dataclasses.replace(cfg, adapter="best"),
+                                      models_dir=folder.parent, eval_dir=args.out or Path(tmp) / "eval",
+                                      mlflow_logging=False, bootstrap=bootstrap, only=tags["client"])
+        print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
+        return 0
     with stage_timer(f"evaluate-{args.experiment}"):
         evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
     return 0

@@ -103,35 +103,28 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
-                  cfg: EvaluateConfig, converged: bool | None = None) -> str:
-    """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
-    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
-    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id.
-    ``converged`` (pipeline.results.convergence.run_converged of the training records) becomes the tag
-    ``converged``: "false" when some client's best validation round was its last, so the scores hold for that
-    round budget only (filter with ``tags.converged = 'false'``)."""
+                  cfg: EvaluateConfig, converged: bool | None = None, test_sets: dict[str, Any] | None = None) -> str:
+    """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the study's
+    MLflow experiment when the record has none): the headline :func:`headline_metrics` into it, each client's
+    ROUGE (``rouge1`` ... ``avg_rouge``) into the client's run, linked to the client's adapter model and to its
+    ``test_sets`` dataset (pipeline.results.tracking.split_dataset) when given. Generated text is logged only with
+    ``log_text_to_mlflow``. Returns the run id. ``converged`` (pipeline.results.convergence.run_converged of the
+    training records) becomes the tag ``converged``: "false" when some client's best validation round was its last,
+    so the scores hold for that round budget only (filter with ``tags.converged = 'false'``)."""
+    from pipeline.experiments import record_hash
     from pipeline.results.studies import study_description
     from pipeline.results.tracking import RunLogger, experiment_id
 
-    from pipeline.experiments import record_hash
-
     study = str(experiment.get("study") or "main")
     experiment_id(study, study_description(study))  # the study's description, which training does not set
-    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
-                                                                  record_hash(experiment))
-    if run_id:
-        logger = RunLogger(run_id)
-    else:
-        logger = RunLogger.start(str(experiment.get("study") or "main"), name, {},
-                                 run_tags(name, experiment, metrics.get("backbone")))
-    values: dict[str, float] = {}
+    run_id = experiment.get("mlflow_run_id") or find_training_run(name, study, record_hash(experiment))
+    logger = RunLogger(run_id) if run_id else RunLogger.start(study, name, {}, run_tags(name, experiment, metrics.get(
+        "backbone")), clients=tuple(metrics["clients"]))
+    logger.log_metrics(headline_metrics(metrics), step=0)
+    models = logger.adapter_models() if cfg.adapter == "best" else {}  # the logged models are the best adapters
     for client, scores in metrics["clients"].items():
-        for key in (*ROUGE_TYPES, "avg_rouge"):
-            values[f"eval.{client}.{key}"] = float(scores[key])
-    for key in (*ROUGE_TYPES, "avg_rouge"):
-        values[f"eval.mean.{key}"] = float(metrics["mean"][key])
-    values |= headline_metrics(metrics)
-    logger.log_metrics(values, step=0)
+        logger.log_metrics({f"{client}.{k}": scores[k] for k in (*ROUGE_TYPES, "avg_rouge")}, 0, models.get(client),
+                           (test_sets or {}).get(client))
     # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
     # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
     logger.set_tags({f"evaluate.{k}": v for k, v in asdict(cfg).items()}

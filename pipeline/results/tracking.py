@@ -1,4 +1,5 @@
-"""MLflow helpers: one SQLite store per project, one MLflow experiment per study, one run per experiment.
+"""MLflow helpers: one SQLite store per project, one MLflow experiment per study, one run per experiment with a
+child run per client, and each client's best adapter as an MLflow LoggedModel of its client's run.
 
 The store is ``sqlite:///<repo root>/mlflow.db`` with artifacts in ``<repo root>/mlartifacts/`` (ARCHITECTURE.md),
 so `dvc repro` and `dvc exp run` (which runs in a temporary workspace) log into the same place;
@@ -12,12 +13,16 @@ given by whoever describes studies (pipeline.results.studies.study_description, 
 logging): the train stage logs without one, so a study's wording is no part of training's fingerprint.
 Each run carries where it came from and the process that owns it (pipeline.results.run_identity), so a run whose
 process died is marked KILLED when the same experiment starts again (:func:`close_dead_runs`).
+What leaves a client for the store: adapter tensors, counts, metrics, and its splits as datasets of metadata only
+(name, digest of the example ids): never text.
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import functools
+import hashlib
+import json
 import math
 import os
 import random
@@ -37,6 +42,9 @@ _MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the experiment's (and run's) description in the UI
+PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
+# The run tags a client's run repeats from its experiment's run. Not `experiment`: that tag finds experiment runs.
+CHILD_TAGS = ("method", "partition", "seed", "study", "backbone", "engine")
 
 
 def tracking_uri() -> str:
@@ -45,10 +53,6 @@ def tracking_uri() -> str:
 
 def artifact_root() -> Path:
     return repo_root() / "mlartifacts"
-
-
-def _is_remote(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
 
 
 # SQLite takes one writer at a time: two stages logging at once (two `dvc exp run --queue` workers) may find the
@@ -81,9 +85,8 @@ def _store_init_lock(uri: str):
     if path is None:
         yield
         return
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -124,7 +127,7 @@ def experiment_id(study: str, description: str | None = None) -> str:
     exp = client.get_experiment_by_name(study)
     if exp is None:
         location = None
-        if not _is_remote(tracking_uri()):
+        if not tracking_uri().startswith(("http://", "https://")):
             path = (artifact_root() / study).resolve()
             path.mkdir(parents=True, exist_ok=True)
             location = path.as_uri()
@@ -151,45 +154,37 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
     db = _sqlite_path(tracking_uri())
     if db is None or not location or not location.startswith("file:"):
         return False
-    root = repo_root().resolve()
-    try:
-        db.resolve().relative_to(root)
-    except ValueError:
+    if not db.resolve().is_relative_to(repo_root().resolve()):
         return False
     from mlflow.utils.file_utils import local_file_uri_to_path
 
-    old_path = Path(local_file_uri_to_path(location))
-    if old_path.name != study or old_path.parent.name != "mlartifacts":
-        return False
-    new_path = (artifact_root() / study).resolve()
-    if old_path == new_path:
+    old_path, new_path = Path(local_file_uri_to_path(location)), (artifact_root() / study).resolve()
+    if old_path.name != study or old_path.parent.name != "mlartifacts" or old_path == new_path:
         return False
     new_path.mkdir(parents=True, exist_ok=True)
     old_uri, new_uri = location.rstrip("/"), new_path.as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
-        rows = con.execute("SELECT run_uuid, artifact_uri FROM runs WHERE experiment_id = ?", (int(exp_id),))
-        for run_uuid, uri in rows.fetchall():
-            if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
-                con.execute("UPDATE runs SET artifact_uri = ? WHERE run_uuid = ?",
-                            (new_uri + uri[len(old_uri):], run_uuid))
+        for table, key, column in (("runs", "run_uuid", "artifact_uri"), ("logged_models", "model_id",
+                                                                          "artifact_location")):
+            rows = con.execute(f"SELECT {key}, {column} FROM {table} WHERE experiment_id = ?", (int(exp_id),))
+            for row_id, uri in rows.fetchall():
+                if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
+                    con.execute(f"UPDATE {table} SET {column} = ? WHERE {key} = ?",
+                                (new_uri + uri[len(old_uri):], row_id))
     return True
 
 
 def close_dead_runs(exp_id: str, experiment: str, keep: str | None = None) -> list[str]:
-    """Mark KILLED every RUNNING run of ``experiment`` whose process is gone (SIGKILL, power loss), except ``keep``.
-    Returns their run ids."""
-    client = _client()
-    runs = client.search_runs([exp_id], filter_string=f"tags.experiment = '{experiment}' and "
-                                                       "attributes.status = 'RUNNING'", max_results=1000)
-    closed = []
-    for run in runs:
-        if run.info.run_id == keep or owner_alive(run.data.tags):
-            continue
-        client.set_tag(run.info.run_id, "fedmeet.end", "marked KILLED at the next start of the experiment: "
-                                                       "its process was gone")
-        client.set_terminated(run.info.run_id, status="KILLED")
-        closed.append(run.info.run_id)
+    """Mark KILLED every RUNNING run of ``experiment`` whose process is gone (SIGKILL, power loss), except ``keep``,
+    and its clients' runs. Returns their run ids."""
+    runs = _client().search_runs([exp_id], filter_string=f"tags.experiment = '{experiment}' and "
+                                                          "attributes.status = 'RUNNING'", max_results=1000)
+    closed = [r.info.run_id for r in runs if r.info.run_id != keep and not owner_alive(r.data.tags)]
+    for run_id in closed:
+        logger = RunLogger(run_id)
+        logger.set_tags({"fedmeet.end": "marked KILLED at the next start of the experiment: its process was gone"})
+        logger.finish("KILLED")
     return closed
 
 
@@ -198,57 +193,107 @@ def _param_value(v: Any) -> str:
     return s if len(s) <= _MAX_PARAM_CHARS else s[: _MAX_PARAM_CHARS - 3] + "..."
 
 
+def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
+    """A client's split as an MLflow dataset of metadata only: ``<partition>/<client>/<split>``, the digest of its
+    example ids, the partition file as its source."""
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+
+    digest = hashlib.sha256(json.dumps([str(i) for i in ids]).encode()).hexdigest()[:16]
+    return MetaDataset(LocalArtifactDatasetSource(str(source)), name=f"{partition}/{client}/{split}", digest=digest)
+
+
 class RunLogger:
-    """An MLflow run addressed by id (no thread-local active run), so the Flower server thread can log to it."""
+    """An MLflow run addressed by id (no thread-local active run, so the Flower server thread can log to it), and
+    its clients' child runs: a metric ``<client>.<key>`` of a client with a run goes to that run as ``<key>``."""
 
     def __init__(self, run_id: str):
         self.run_id = run_id
         self._client = _client()
+        self._monitor = None
+        self.splits: dict[str, dict[str, list]] = {}  # the clients' example ids (the partition file's), by split
+        self.datasets: dict[str, dict[str, Any]] = {}  # and as MLflow datasets
+        children = self._client.search_runs([self._client.get_run(run_id).info.experiment_id],
+                                            filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'", max_results=1000)
+        self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
 
     @classmethod
     def start(cls, study: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
-              resume_run_id: str | None = None) -> "RunLogger":
-        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter.
+              resume_run_id: str | None = None, partition: str | Path | None = None,
+              clients: tuple[str, ...] = ()) -> "RunLogger":
+        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter, with a
+        child run per client of the ``partition`` file (its splits logged as the child's datasets) or of
+        ``clients``, and MLflow's
+        system metrics (``system/...``: CPU, memory, disk, network, a GPU where nvidia-ml-py finds one).
         Earlier runs of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
         client = _client()
         exp_id = experiment_id(study)
-        logger = None
+        resumed = False
         if resume_run_id:
-            try:
+            with contextlib.suppress(Exception):  # the run is gone (store deleted): start a new one
                 client.get_run(resume_run_id)
-            except Exception:
-                pass  # run gone (store deleted): start a new one
-            else:
-                client.update_run(resume_run_id, status="RUNNING")
-                logger = cls(resume_run_id)
-                logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
-        if logger is None:
-            run = client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags())
-            logger = cls(run.info.run_id)
+                resumed = True
+        if resumed:
+            logger = cls(resume_run_id)
+            for run_id in (resume_run_id, *logger.children.values()):
+                client.update_run(run_id, status="RUNNING")
+            logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
+        else:
+            logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
             logger.log_params(params)
+        splits = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
+        logger._start_children(exp_id, run_name, tags, {c: {} for c in clients} | splits, partition)
         if tags.get("experiment"):
             close_dead_runs(exp_id, tags["experiment"], keep=logger.run_id)
+        logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
+        logger._monitor.start()
         return logger
+
+    def _start_children(self, exp_id: str, run_name: str, tags: dict[str, str], clients: dict[str, dict],
+                        partition: str | Path | None) -> None:
+        from mlflow.entities import DatasetInput, InputTag
+
+        self.splits |= clients
+        for name, splits in clients.items():
+            self.datasets[name] = {split: split_dataset(tags.get("partition", ""), name, split, splits[split],
+                                                        partition) for split in ("train", "valid") if split in splits}
+            if name in self.children:
+                continue
+            child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: self.run_id, "client": name}
+            self.children[name] = self._client.create_run(exp_id, run_name=f"{run_name}/{name}",
+                                                          tags=child_tags).info.run_id
+            if self.datasets[name]:
+                self._client.log_inputs(self.children[name], datasets=[
+                    DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
+                    for split, ds in self.datasets[name].items()])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        flat = [Param(k, _param_value(v)) for k, v in sorted(flatten(params).items())]
-        for i in range(0, len(flat), 100):  # log_batch takes at most 100 params per call
-            self._client.log_batch(self.run_id, params=flat[i : i + 100])
+        self._client.log_batch(self.run_id, params=[Param(k, _param_value(v))
+                                                    for k, v in sorted(flatten(params).items())])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None,
+                    dataset=None) -> None:
+        """Log ``metrics`` at ``step`` (NaN and None left out); a client's go to its run. ``model_id`` and
+        ``dataset`` (an MLflow dataset): the model and the data the values belong to."""
         from mlflow.entities import Metric
-        import time
 
         now = int(time.time() * 1000)
-        rows = [
-            Metric(k, float(v), now, step)
-            for k, v in sorted(metrics.items())
-            if v is not None and not (isinstance(v, float) and math.isnan(v))
-        ]
-        for i in range(0, len(rows), 1000):
-            self._client.log_batch(self.run_id, metrics=rows[i : i + 1000])
+        link = {"model_id": model_id} | ({"dataset_name": dataset.name, "dataset_digest": dataset.digest}
+                                         if dataset is not None else {})
+        rows: dict[str, list] = {}
+        for key, v in sorted(metrics.items()):
+            if v is None or (isinstance(v, float) and math.isnan(v)):
+                continue
+            client, _, rest = key.partition(".")
+            run_id = self.children.get(client) if rest else None
+            rows.setdefault(run_id or self.run_id, []).append(Metric(rest if run_id else key, float(v), now, step,
+                                                                     **link))
+        for run_id, batch in rows.items():
+            self._client.log_batch(run_id, metrics=batch)
 
     def metric_history(self, key: str) -> list:
         return self._client.get_metric_history(self.run_id, key)
@@ -256,15 +301,66 @@ class RunLogger:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        rows = [RunTag(k, str(v)) for k, v in sorted(tags.items())]
-        for i in range(0, len(rows), 100):
-            self._client.log_batch(self.run_id, tags=rows[i : i + 100])
-
-    def log_artifacts(self, local_dir: str | Path, artifact_path: str | None = None) -> None:
-        self._client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(local_path), artifact_path)
 
+    def log_adapter_models(self, model_dir: Path, global_adapter: Path | None = None) -> dict[str, str]:
+        """Each client's best adapter (``<model_dir>/clients/<client>/adapter_best.safetensors``) as a LoggedModel
+        of the client's run, named ``<experiment>-<client>``, with the plan (``experiment.json``) in the layout
+        ``python -m pipeline.evaluate model`` loads; its final adapter an artifact of the client's run; and
+        ``global_adapter`` (the deployed server's final aggregate) a LoggedModel of this run. Returns model ids by
+        client (``global`` for the aggregate)."""
+        import shutil
+        import tempfile
+
+        plan = json.loads((model_dir / "experiment.json").read_text())
+        tags = {k: str(plan[k]) for k in ("experiment", "method", "partition", "seed", "study")}
+        adapters = {c.name: c / "adapter_best.safetensors" for c in sorted((model_dir / "clients").glob("*"))}
+        adapters |= {"global": global_adapter} if global_adapter is not None else {}
+        exp_id = self._client.get_run(self.run_id).info.experiment_id
+        models = {}
+        for client, adapter in adapters.items():
+            if (final := adapter.with_name("adapter_final.safetensors")).is_file() and client in self.children:
+                self._client.log_artifact(self.children[client], str(final), "adapters")
+            model = self._client.create_logged_model(exp_id, name=f"{plan['experiment']}-{client}",
+                                                     source_run_id=self.children.get(client, self.run_id),
+                                                     tags=tags | {"client": client})
+            with tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / "clients" / client).mkdir(parents=True)
+                shutil.copy(adapter, Path(tmp) / "clients" / client / "adapter_best.safetensors")
+                shutil.copy(model_dir / "experiment.json", tmp)
+                self._client.log_model_artifacts(model.model_id, tmp)
+            self._client.finalize_logged_model(model.model_id, "READY")
+            if train := self.datasets.get(client, {}).get("train"):  # the model's link to the data it learnt from
+                self.log_metrics({f"{client}.train_examples": len(self.splits[client]["train"])}, 0, model.model_id, train)
+            models[client] = model.model_id
+        return models
+
+    def adapter_models(self) -> dict[str, str]:
+        """The LoggedModels of this run's clients (the newest of each), by client."""
+        models: dict[str, str] = {}
+        for client, run_id in self.children.items():
+            found = self._client.search_logged_models([self._client.get_run(run_id).info.experiment_id],
+                                                      filter_string=f"source_run_id = '{run_id}'",
+                                                      order_by=[{"field_name": "creation_timestamp",
+                                                                 "ascending": False}], max_results=1)
+            models |= {client: found[0].model_id} if found else {}
+        return models
+
     def finish(self, status: str = "FINISHED") -> None:
-        self._client.set_terminated(self.run_id, status=status)
+        if self._monitor is not None:
+            self._monitor.finish()
+        for run_id in (*self.children.values(), self.run_id):
+            self._client.set_terminated(run_id, status=status)
+
+
+def download_model(model: str, dst: Path) -> tuple[dict[str, str], Path]:
+    """A LoggedModel (its id ``m-...`` or ``models:/<id>``) downloaded into ``dst``: its tags and its folder."""
+    import mlflow
+
+    model_id = model.removeprefix("models:/").strip("/")
+    _client()  # sets the tracking URI
+    tags = mlflow.get_logged_model(model_id).tags
+    return tags, Path(mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(dst)))
