@@ -16,7 +16,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from dataclasses import asdict
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
 from pipeline.results.convergence import run_converged
-from pipeline.results.evaluation import EvaluateConfig, import_evaluations, log_to_mlflow
+from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.readers import read_json
 from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.adapter_io import client_adapter_path, load_local_adapter
@@ -57,8 +57,6 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     clients = partition.get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{part_path}: no 'clients' mapping")
-    if not examples_path.is_file():
-        raise DataError(f"{examples_path}: examples file not found (run the examples stage)")
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
 
@@ -79,7 +77,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     skipped_clients: dict[str, str] = {}
     test_sets = {}
     for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
-        test_ids = list(clients[client].get("test", []))
+        test_ids = list(clients.get(client, {}).get("test", []))
         if not test_ids:
             skipped_clients[client] = f"no test examples in {part_path}"
             continue
@@ -124,7 +122,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
         "study": plan.study,
         "backbone": backbone,
         "adapter": cfg.adapter,
-        "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
+        "decoding": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": max_src},
         "rouge_l_in_tables": TABLE_ROUGE_L,
         "clients": per_client,
@@ -135,9 +133,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     }
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
-        metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg,
-                                    converged=run_converged(models_dir, name), test_sets=test_sets)
-        print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
+        run_id = log_to_mlflow(name, experiment, metrics, out_dir, cfg, run_converged(models_dir, name), test_sets)
+        print(f"[evaluate] logged to MLflow run {run_id}", file=sys.stderr)
     return metrics
 
 
@@ -163,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     score = sub.add_parser("score", help="ROUGE of line-aligned prediction/reference files, printed as JSON")
     score.add_argument("--pred", required=True, help="predictions, one summary per line")
     score.add_argument("--ref", required=True, help="references, one summary per line")
-    logged = sub.add_parser("model", help="a client's adapter logged in MLflow on its client's test subsample: "
-                                          "prints its scores as JSON")
+    logged = sub.add_parser("model", help="score a client's adapter logged in MLflow on its client's test subsample")
     logged.add_argument("model", help="the LoggedModel's id (m-...) or models:/<id>")
     logged.add_argument("--params", default="params.yaml")
     logged.add_argument("--out", type=Path, help="keep predictions and scores here (default: a temporary folder)")
@@ -173,14 +169,17 @@ def main(argv: list[str] | None = None) -> int:
     imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
     args = parser.parse_args(argv)
 
-    if args.command == "import-eval":
-        from pipeline.results.tracking import tracking_uri
-
-        # The train record beside each evaluation (<folder>/train/<exp>/, as reports/cpu-study lays them out)
-        # gives the run's `converged` tag.
-        run_ids = import_evaluations(args.records, args.study,
-                                     lambda record, exp: run_converged(record.parent.parent.parent / "train", exp))
-        print(f"evaluate: logged {len(run_ids)} evaluation record(s) to {tracking_uri()}")
+    if args.command == "import-eval":  # each record into its training run, else into a new run of its study
+        for path in args.records:
+            metrics = read_json(path, "evaluation record (reports/eval/<exp>/metrics.json)")
+            if missing := [k for k in ("experiment", "clients", "mean") if k not in metrics]:
+                raise DataError(f"{path}: not an evaluation record (missing {missing})")
+            record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
+            # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`
+            log_to_mlflow(metrics["experiment"], record | {"study": args.study or metrics.get("study") or "main"},
+                          metrics, path.parent, EvaluateConfig(),
+                          run_converged(path.parent.parent.parent / "train", metrics["experiment"]))
+        print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
         return 0
 
     if args.command == "score":
@@ -198,13 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
     if args.command == "model":
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
-            tags, folder = download_model(args.model, Path(tmp) / "models" / "m")
-            folder = folder.rename(folder.with_name(tags["experiment"]))  # the layout evaluate_experiment reads
+            tags = download_model(args.model, Path(tmp))
             out = evaluate_experiment(tags["experiment"], dataclasses.replace(cfg, adapter="best"),
-                                      models_dir=folder.parent, eval_dir=args.out or Path(tmp) / "eval",
+                                      models_dir=Path(tmp), eval_dir=args.out or Path(tmp) / "eval",
                                       mlflow_logging=False, bootstrap=bootstrap, only=tags["client"])
         print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
         return 0

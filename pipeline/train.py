@@ -18,8 +18,8 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``rounds.json`` (one row per round and client), ``metrics.json``, ``experiment.json`` (the plan).
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
-parameter and a child run per client (per-round metrics, bytes, its best adapter as a LoggedModel), tagged with its
-origin (pipeline.results.run_identity; pipeline.results.tracking). A killed run resumes after its
+parameter, the adapters as artifacts and a child run per client (per-round metrics, bytes, its best adapter as a
+LoggedModel), tagged with its origin (pipeline.results.run_identity, pipeline.results.tracking). A killed run resumes after its
 last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run directory
 ``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
 ``models/<exp>/``. So that DVC output need not persist between runs, and DVC's run cache keeps every finished
@@ -112,7 +112,10 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
             logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
         logger.set_tags(convergence_tags(metrics))
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
-        logger.log_adapter_models(out_dir)
+        for client_dir in sorted((out_dir / "clients").iterdir()):
+            for f in sorted(client_dir.glob("adapter_*.safetensors")):
+                logger.log_artifact(f, f"adapters/{client_dir.name}")
+        logger.log_adapter_models(out_dir)  # and each client's best adapter as a LoggedModel of its client's run
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")

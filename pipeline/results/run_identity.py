@@ -6,35 +6,27 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from pathlib import Path
 
 # Run tags (besides the experiment's own: method, partition, seed, study, experiment, backbone, engine).
 TAG_HOST, TAG_PID, TAG_PID_START = "fedmeet.host", "fedmeet.pid", "fedmeet.pid_start"
 
 
 # ------------------------------------------------------------------------------------------------ provenance
-def _git(*args: str, cwd: Path | None = None) -> str | None:
-    try:
-        out = subprocess.run(["git", *args], capture_output=True, text=True, check=True, timeout=30,
-                             cwd=cwd or Path.cwd())
-    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout
-
-
-def git_state(cwd: Path | None = None) -> dict[str, str]:
+def git_state() -> dict[str, str]:
     """Commit of the workspace (a DVC temporary workspace is a git checkout of the baseline) and whether tracked
     files differ from it. dvc.lock is left out: `dvc repro` rewrites it after each stage, which says nothing about
     the code or parameters the run used."""
-    commit = (_git("rev-parse", "HEAD", cwd=cwd) or "").strip()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                 ":(exclude)dvc.lock"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
     if not commit:
         return {}
-    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock", cwd=cwd)
-    changed = sorted(line[3:] for line in (status or "").splitlines() if line.strip())
+    changed = sorted(line[3:] for line in status.splitlines() if line.strip())
     tags = {"git.commit": commit, "mlflow.source.git.commit": commit, "git.dirty": str(bool(changed)).lower()}
-    if changed:
-        tags["git.changed"] = ", ".join(changed)[:500]
-    return tags
+    return tags | ({"git.changed": ", ".join(changed)[:500]} if changed else {})
 
 
 def dvc_tags() -> dict[str, str]:
@@ -44,9 +36,8 @@ def dvc_tags() -> dict[str, str]:
 
 
 def run_name(experiment: str) -> str:
-    """The experiment's name, with the DVC experiment's under `dvc exp run` (``fedselectkd-domain [tau-three]``), so
-    ablation points of one experiment tell apart in the UI and match their `dvc exp show` rows (the settings
-    themselves are the run's parameters)."""
+    """The experiment, with the DVC experiment's name under `dvc exp run` (``fedselectkd-domain [tau-three]``): ablation
+    points of one experiment tell apart in the UI and match their `dvc exp show` rows (their settings are params)."""
     return f"{experiment} [{os.environ['DVC_EXP_NAME']}]" if os.environ.get("DVC_EXP_NAME") else experiment
 
 

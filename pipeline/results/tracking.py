@@ -1,25 +1,18 @@
-"""MLflow helpers: one SQLite store per project, one MLflow experiment per study, one run per experiment with a
-child run per client, and each client's best adapter as an MLflow LoggedModel of its client's run.
+"""MLflow: one store per project, one MLflow experiment per study, one run per experiment with a child run per
+client, each client's best adapter a LoggedModel of its client's run.
 
-The store is ``sqlite:///<repo root>/mlflow.db`` with artifacts in ``<repo root>/mlartifacts/`` (ARCHITECTURE.md),
-so `dvc repro` and `dvc exp run` (which runs in a temporary workspace) log into the same place;
-``MLFLOW_TRACKING_URI`` overrides it. With an ``http(s)://`` URI (an ``mlflow server``) the server chooses the
-artifact location (``mlflow-artifacts:`` proxy), so a second machine's adapters reach the server, not its own disk.
-mlflow is imported lazily: stages that never log start fast.
-
+The store is ``sqlite:///<repo root>/mlflow.db``, artifacts in ``<repo root>/mlartifacts/``, so `dvc repro` and
+`dvc exp run` (a temporary workspace) log into one place; ``MLFLOW_TRACKING_URI`` overrides it (an ``mlflow server``
+picks the artifact location: a second machine's adapters reach the server). mlflow is imported lazily.
 Each study's MLflow experiment opens in the UI's runs table (``mlflow.experimentKind``; MLflow 3 would otherwise
-open the GenAI traces view, empty for us) and carries a description naming the study and its METHOD.md section,
-given by whoever describes studies (pipeline.results.studies.study_description, passed in by the evaluation's
-logging): the train stage logs without one, so a study's wording is no part of training's fingerprint.
-Each run carries where it came from and the process that owns it (pipeline.results.run_identity), so a run whose
-process died is marked KILLED when the same experiment starts again (:func:`close_dead_runs`).
-What leaves a client for the store: adapter tensors, counts, metrics, and its splits as datasets of metadata only
-(name, digest of the example ids): never text.
+open the GenAI traces view) with the description the evaluation's logging gives it (studies.study_description; the
+train stage gives none, so a study's wording is no part of training's fingerprint). A run whose process died is
+marked KILLED when the same experiment starts again (:func:`close_dead_runs`). What leaves a client: adapter
+tensors, counts, metrics, and its splits as datasets of metadata only (name, digest of the example ids).
 """
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -34,15 +27,13 @@ from typing import Any
 from pipeline.common.config import flatten, repo_root
 from pipeline.results.run_identity import owner_alive, owner_tags
 
-# MLflow rejects parameter values longer than this (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
-_MAX_PARAM_CHARS = 6000
-
 # The experiment tag MLflow 3.17's UI reads to pick an experiment's landing view (found in the installed UI bundle,
 # mlflow/server/js/build: ExperimentKind "custom_model_development" = runs table, "genai_development" = traces).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the experiment's (and run's) description in the UI
 PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
+MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
 # The run tags a client's run repeats from its experiment's run. Not `experiment`: that tag finds experiment runs.
 CHILD_TAGS = ("method", "partition", "seed", "study", "backbone", "engine")
 
@@ -51,8 +42,10 @@ def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
-def artifact_root() -> Path:
-    return repo_root() / "mlartifacts"
+def artifact_dir(study: str) -> Path:
+    """``<repo root>/mlartifacts/<study>``, created."""
+    (path := (repo_root() / "mlartifacts" / study).resolve()).mkdir(parents=True, exist_ok=True)
+    return path
 
 
 # SQLite takes one writer at a time: two stages logging at once (two `dvc exp run --queue` workers) may find the
@@ -76,24 +69,6 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///").split("?", 1)[0]) if uri.startswith("sqlite:///") else None
 
 
-@contextlib.contextmanager
-def _store_init_lock(uri: str):
-    """Opening a SQLite store creates or migrates its tables; two processes doing that at once collide ("table
-    already exists", "duplicate column"). They take turns: an exclusive flock on the store's directory (not on the
-    database file, whose POSIX locks SQLite owns)."""
-    path = _sqlite_path(uri)
-    if path is None:
-        yield
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the flock
-
-
 class _RetryingClient:
     """An MlflowClient whose calls are retried while the store is locked."""
 
@@ -109,14 +84,10 @@ def _client():
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
-    with _store_init_lock(uri):
-        return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
-
-
-def experiment_tags(description: str | None = None) -> dict[str, str]:
-    return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND} | ({NOTE_TAG: description} if description else {})
+    # Two processes opening a fresh store at once take turns creating its tables: MLflow's own lock
+    # (mlflow.store.db.utils._safe_initialize_tables)
+    mlflow.set_tracking_uri(tracking_uri())
+    return _RetryingClient(_retrying(MlflowClient, tracking_uri=tracking_uri()))
 
 
 def experiment_id(study: str, description: str | None = None) -> str:
@@ -124,20 +95,17 @@ def experiment_id(study: str, description: str | None = None) -> str:
     artifacts under mlartifacts/ or the server's store); an existing one gets the view and the description it
     lacks and, when the checkout moved, its artifact locations rebased (:func:`rebase_artifacts`)."""
     client = _client()
+    tags = {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND} | ({NOTE_TAG: description} if description else {})
     exp = client.get_experiment_by_name(study)
     if exp is None:
-        location = None
-        if not tracking_uri().startswith(("http://", "https://")):
-            path = (artifact_root() / study).resolve()
-            path.mkdir(parents=True, exist_ok=True)
-            location = path.as_uri()
+        location = None if tracking_uri().startswith(("http://", "https://")) else artifact_dir(study).as_uri()
         try:
-            return client.create_experiment(study, artifact_location=location, tags=experiment_tags(description))
+            return client.create_experiment(study, artifact_location=location, tags=tags)
         except Exception:  # another process created it in between
             exp = client.get_experiment_by_name(study)
             if exp is None:
                 raise
-    for key, value in experiment_tags(description).items():
+    for key, value in tags.items():
         if exp.tags.get(key) != value:
             client.set_experiment_tag(exp.experiment_id, key, value)
     rebase_artifacts(exp.experiment_id, exp.name, exp.artifact_location)
@@ -145,24 +113,21 @@ def experiment_id(study: str, description: str | None = None) -> str:
 
 
 def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
-    """Point a study's artifact location (and its runs') at this checkout's ``mlartifacts/<study>``.
+    """Point a study's artifact location (and its runs' and models') at this checkout's ``mlartifacts/<study>``.
 
     MLflow stores absolute ``file://`` locations (it resolves relative ones at creation), so a moved or copied
     checkout, whose mlflow.db travels with it, would log into the first folder. Only a store inside this checkout
     is rebased (a store shared by several checkouts keeps its locations), and only locations of our own layout
     (``.../mlartifacts/<study>``). MLflow has no API to change a location, hence the SQL. Returns True if changed."""
-    db = _sqlite_path(tracking_uri())
-    if db is None or not location or not location.startswith("file:"):
-        return False
-    if not db.resolve().is_relative_to(repo_root().resolve()):
-        return False
     from mlflow.utils.file_utils import local_file_uri_to_path
 
-    old_path, new_path = Path(local_file_uri_to_path(location)), (artifact_root() / study).resolve()
-    if old_path.name != study or old_path.parent.name != "mlartifacts" or old_path == new_path:
+    db = _sqlite_path(tracking_uri())
+    if db is None or not (location or "").startswith("file:") or not db.resolve().is_relative_to(repo_root().resolve()):
         return False
-    new_path.mkdir(parents=True, exist_ok=True)
-    old_uri, new_uri = location.rstrip("/"), new_path.as_uri()
+    old = Path(local_file_uri_to_path(location))
+    if old.name != study or old.parent.name != "mlartifacts" or old == artifact_dir(study):
+        return False  # not our layout, or already here
+    old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
         for table, key, column in (("runs", "run_uuid", "artifact_uri"), ("logged_models", "model_id",
@@ -188,11 +153,6 @@ def close_dead_runs(exp_id: str, experiment: str, keep: str | None = None) -> li
     return closed
 
 
-def _param_value(v: Any) -> str:
-    s = "None" if v is None else str(v)
-    return s if len(s) <= _MAX_PARAM_CHARS else s[: _MAX_PARAM_CHARS - 3] + "..."
-
-
 def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
     """A client's split as an MLflow dataset of metadata only: ``<partition>/<client>/<split>``, the digest of its
     example ids, the partition file as its source."""
@@ -211,30 +171,27 @@ class RunLogger:
         self.run_id = run_id
         self._client = _client()
         self._monitor = None
-        self.splits: dict[str, dict[str, list]] = {}  # the clients' example ids (the partition file's), by split
-        self.datasets: dict[str, dict[str, Any]] = {}  # and as MLflow datasets
+        self.datasets: dict[str, dict[str, Any]] = {}  # the clients' splits as MLflow datasets, by client and split
+        self.train_sizes: dict[str, int] = {}
         children = self._client.search_runs([self._client.get_run(run_id).info.experiment_id],
                                             filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'", max_results=1000)
         self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
+        # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
+        self.models = {r.data.tags["client"]: r.data.tags[MODEL_TAG] for r in children if MODEL_TAG in r.data.tags}
 
     @classmethod
     def start(cls, study: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
               resume_run_id: str | None = None, partition: str | Path | None = None,
               clients: tuple[str, ...] = ()) -> "RunLogger":
         """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter, with a
-        child run per client of the ``partition`` file (its splits logged as the child's datasets) or of
-        ``clients``, and MLflow's
-        system metrics (``system/...``: CPU, memory, disk, network, a GPU where nvidia-ml-py finds one).
-        Earlier runs of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
+        child run per client of the ``partition`` file (its splits the child's datasets) or of ``clients``, and MLflow's
+        system metrics (``system/...``: CPU, memory, disk, network, a GPU where nvidia-ml-py finds one). Earlier runs
+        of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-        client = _client()
-        exp_id = experiment_id(study)
-        resumed = False
-        if resume_run_id:
-            with contextlib.suppress(Exception):  # the run is gone (store deleted): start a new one
-                client.get_run(resume_run_id)
-                resumed = True
+        client, exp_id, resumed = _client(), experiment_id(study), False
+        with contextlib.suppress(Exception):  # no run to resume, or it is gone (store deleted): start a new one
+            resumed = client.get_run(resume_run_id).info.run_id == resume_run_id
         if resumed:
             logger = cls(resume_run_id)
             for run_id in (resume_run_id, *logger.children.values()):
@@ -255,8 +212,8 @@ class RunLogger:
                         partition: str | Path | None) -> None:
         from mlflow.entities import DatasetInput, InputTag
 
-        self.splits |= clients
         for name, splits in clients.items():
+            self.train_sizes[name] = len(splits.get("train", []))
             self.datasets[name] = {split: split_dataset(tags.get("partition", ""), name, split, splits[split],
                                                         partition) for split in ("train", "valid") if split in splits}
             if name in self.children:
@@ -272,26 +229,22 @@ class RunLogger:
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        self._client.log_batch(self.run_id, params=[Param(k, _param_value(v))
-                                                    for k, v in sorted(flatten(params).items())])
+        # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
+        self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
 
-    def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None,
-                    dataset=None) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
         """Log ``metrics`` at ``step`` (NaN and None left out); a client's go to its run. ``model_id`` and
         ``dataset`` (an MLflow dataset): the model and the data the values belong to."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        link = {"model_id": model_id} | ({"dataset_name": dataset.name, "dataset_digest": dataset.digest}
-                                         if dataset is not None else {})
-        rows: dict[str, list] = {}
+        now, rows = int(time.time() * 1000), {}
+        data = {"dataset_name": dataset.name, "dataset_digest": dataset.digest} if dataset is not None else {}
         for key, v in sorted(metrics.items()):
-            if v is None or (isinstance(v, float) and math.isnan(v)):
-                continue
-            client, _, rest = key.partition(".")
-            run_id = self.children.get(client) if rest else None
-            rows.setdefault(run_id or self.run_id, []).append(Metric(rest if run_id else key, float(v), now, step,
-                                                                     **link))
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                client, _, rest = key.partition(".")
+                run_id = self.children.get(client) if rest else None
+                rows.setdefault(run_id or self.run_id, []).append(
+                    Metric(rest if run_id else key, float(v), now, step, model_id=model_id, **data))
         for run_id, batch in rows.items():
             self._client.log_batch(run_id, metrics=batch)
 
@@ -308,46 +261,26 @@ class RunLogger:
 
     def log_adapter_models(self, model_dir: Path, global_adapter: Path | None = None) -> dict[str, str]:
         """Each client's best adapter (``<model_dir>/clients/<client>/adapter_best.safetensors``) as a LoggedModel
-        of the client's run, named ``<experiment>-<client>``, with the plan (``experiment.json``) in the layout
-        ``python -m pipeline.evaluate model`` loads; its final adapter an artifact of the client's run; and
-        ``global_adapter`` (the deployed server's final aggregate) a LoggedModel of this run. Returns model ids by
-        client (``global`` for the aggregate)."""
-        import shutil
-        import tempfile
-
+        ``<experiment>-<client>`` of the client's run (``global_adapter``, a deployed server's aggregate, of this
+        run), its files ``adapters/<client>/`` and the plan ``experiment.json``. Returns model ids by client."""
         plan = json.loads((model_dir / "experiment.json").read_text())
         tags = {k: str(plan[k]) for k in ("experiment", "method", "partition", "seed", "study")}
         adapters = {c.name: c / "adapter_best.safetensors" for c in sorted((model_dir / "clients").glob("*"))}
         adapters |= {"global": global_adapter} if global_adapter is not None else {}
         exp_id = self._client.get_run(self.run_id).info.experiment_id
-        models = {}
         for client, adapter in adapters.items():
-            if (final := adapter.with_name("adapter_final.safetensors")).is_file() and client in self.children:
-                self._client.log_artifact(self.children[client], str(final), "adapters")
             model = self._client.create_logged_model(exp_id, name=f"{plan['experiment']}-{client}",
                                                      source_run_id=self.children.get(client, self.run_id),
                                                      tags=tags | {"client": client})
-            with tempfile.TemporaryDirectory() as tmp:
-                (Path(tmp) / "clients" / client).mkdir(parents=True)
-                shutil.copy(adapter, Path(tmp) / "clients" / client / "adapter_best.safetensors")
-                shutil.copy(model_dir / "experiment.json", tmp)
-                self._client.log_model_artifacts(model.model_id, tmp)
+            self._client.log_model_artifact(model.model_id, str(adapter), f"adapters/{client}")
+            self._client.log_model_artifact(model.model_id, str(model_dir / "experiment.json"))
             self._client.finalize_logged_model(model.model_id, "READY")
+            if client in self.children:
+                self._client.set_tag(self.children[client], MODEL_TAG, model.model_id)
             if train := self.datasets.get(client, {}).get("train"):  # the model's link to the data it learnt from
-                self.log_metrics({f"{client}.train_examples": len(self.splits[client]["train"])}, 0, model.model_id, train)
-            models[client] = model.model_id
-        return models
-
-    def adapter_models(self) -> dict[str, str]:
-        """The LoggedModels of this run's clients (the newest of each), by client."""
-        models: dict[str, str] = {}
-        for client, run_id in self.children.items():
-            found = self._client.search_logged_models([self._client.get_run(run_id).info.experiment_id],
-                                                      filter_string=f"source_run_id = '{run_id}'",
-                                                      order_by=[{"field_name": "creation_timestamp",
-                                                                 "ascending": False}], max_results=1)
-            models |= {client: found[0].model_id} if found else {}
-        return models
+                self.log_metrics({f"{client}.train_examples": self.train_sizes[client]}, 0, model.model_id, train)
+            self.models[client] = model.model_id
+        return self.models
 
     def finish(self, status: str = "FINISHED") -> None:
         if self._monitor is not None:
@@ -356,11 +289,15 @@ class RunLogger:
             self._client.set_terminated(run_id, status=status)
 
 
-def download_model(model: str, dst: Path) -> tuple[dict[str, str], Path]:
-    """A LoggedModel (its id ``m-...`` or ``models:/<id>``) downloaded into ``dst``: its tags and its folder."""
+def download_model(model: str, models_dir: Path) -> dict[str, str]:
+    """A LoggedModel (its id ``m-...`` or ``models:/<id>``) downloaded into ``models_dir/<experiment>/`` as the train
+    stage lays out its output (``clients/<client>/adapter_best.safetensors``, ``experiment.json``); its tags."""
     import mlflow
 
     model_id = model.removeprefix("models:/").strip("/")
     _client()  # sets the tracking URI
     tags = mlflow.get_logged_model(model_id).tags
-    return tags, Path(mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(dst)))
+    folder = models_dir / tags["experiment"]
+    mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(folder))
+    (folder / "adapters").rename(folder / "clients")
+    return tags
