@@ -5,10 +5,9 @@
     python -m pipeline.evaluate model models:/m-...   # a client's adapter logged in MLflow, on its client's test set
 
 Per experiment it writes ``reports/eval/<exp>/predictions.jsonl`` (one generated summary per test example),
-``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients,
-a DVC metric), and logs the scores into the experiment's MLflow run (the one training created; each client's into
-its client's run, linked to its adapter model). Generated text stays on disk unless ``evaluate.log_text_to_mlflow``
-is true (privacy: summaries are client data).
+``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients, a DVC
+metric), and logs the scores into the experiment's MLflow runs (pipeline.results.evaluation.log_to_mlflow).
+Generated text stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
 """
 from __future__ import annotations
 
@@ -182,13 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
         return 0
 
-    if args.command == "score":
-        try:
-            result = score_files(args.pred, args.ref)
-        except DataError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        print(dumps_scores(result))
+    if args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
+        print(dumps_scores(score_files(args.pred, args.ref)))
         return 0
 
     from pipeline.common.timing import stage_timer

@@ -74,13 +74,10 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
                   cfg: EvaluateConfig, converged: bool | None = None, test_sets: dict[str, Any] | None = None) -> str:
-    """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the study's
-    MLflow experiment when the record has none): the headline :func:`headline_metrics` into it, each client's
-    ROUGE (``rouge1`` ... ``avg_rouge``) into the client's run, linked to the client's adapter model and to its
-    ``test_sets`` dataset (pipeline.results.tracking.split_dataset) when given. Generated text is logged only with
-    ``log_text_to_mlflow``. Returns the run id. ``converged`` (pipeline.results.convergence.run_converged of the
-    training records) becomes the tag ``converged``: "false" when some client's best validation round was its last,
-    so the scores hold for that round budget only (filter with ``tags.converged = 'false'``)."""
+    """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
+    each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset. Text only
+    with ``log_text_to_mlflow``. ``converged`` (convergence.run_converged) becomes the tag ``converged``: "false" when
+    some client's best validation round was its last (scores for that round budget only). Returns the run id."""
     from pipeline.experiments import record_hash
     from pipeline.results.studies import study_description
     from pipeline.results.tracking import RunLogger, experiment_id

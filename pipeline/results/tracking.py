@@ -1,18 +1,15 @@
 """MLflow: one store per project, one MLflow experiment per study, one run per experiment with a child run per
 client, each client's best adapter a LoggedModel of its client's run.
 
-The store is ``sqlite:///<repo root>/mlflow.db``, artifacts in ``<repo root>/mlartifacts/``, so `dvc repro` and
-`dvc exp run` (a temporary workspace) log into one place; ``MLFLOW_TRACKING_URI`` overrides it (an ``mlflow server``
-picks the artifact location: a second machine's adapters reach the server). mlflow is imported lazily.
-Each study's MLflow experiment opens in the UI's runs table (``mlflow.experimentKind``; MLflow 3 would otherwise
-open the GenAI traces view) with the description the evaluation's logging gives it (studies.study_description; the
-train stage gives none, so a study's wording is no part of training's fingerprint). A run whose process died is
-marked KILLED when the same experiment starts again (:func:`close_dead_runs`). What leaves a client: adapter
-tensors, counts, metrics, and its splits as datasets of metadata only (name, digest of the example ids).
-"""
-from __future__ import annotations
+The store is ``sqlite:///<repo root>/mlflow.db`` (artifacts in ``mlartifacts/``), so `dvc repro` and `dvc exp run`
+log into one place; ``MLFLOW_TRACKING_URI`` overrides it (an ``mlflow server`` stores a second machine's adapters).
+A study's experiment opens in the UI's runs table (``mlflow.experimentKind``; else MLflow 3 opens its GenAI view),
+described by the evaluation's logging (studies.study_description), never by training: no part of its fingerprint.
+What leaves a client: adapter tensors, counts, metrics, its splits as metadata (name, digest of the example ids).
+"""from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import json
@@ -69,6 +66,23 @@ def _sqlite_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///").split("?", 1)[0]) if uri.startswith("sqlite:///") else None
 
 
+@contextlib.contextmanager
+def _store_init_lock(uri: str):
+    """Two processes opening a fresh SQLite store collide creating or migrating its tables ("duplicate column": MLflow's
+    own lock does not cover that); an exclusive flock on the store's directory (SQLite owns the file's) orders them."""
+    path = _sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
 class _RetryingClient:
     """An MlflowClient whose calls are retried while the store is locked."""
 
@@ -84,10 +98,9 @@ def _client():
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    # Two processes opening a fresh store at once take turns creating its tables: MLflow's own lock
-    # (mlflow.store.db.utils._safe_initialize_tables)
-    mlflow.set_tracking_uri(tracking_uri())
-    return _RetryingClient(_retrying(MlflowClient, tracking_uri=tracking_uri()))
+    mlflow.set_tracking_uri(uri := tracking_uri())
+    with _store_init_lock(uri):
+        return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
 
 
 def experiment_id(study: str, description: str | None = None) -> str:
@@ -113,12 +126,10 @@ def experiment_id(study: str, description: str | None = None) -> str:
 
 
 def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
-    """Point a study's artifact location (and its runs' and models') at this checkout's ``mlartifacts/<study>``.
-
-    MLflow stores absolute ``file://`` locations (it resolves relative ones at creation), so a moved or copied
-    checkout, whose mlflow.db travels with it, would log into the first folder. Only a store inside this checkout
-    is rebased (a store shared by several checkouts keeps its locations), and only locations of our own layout
-    (``.../mlartifacts/<study>``). MLflow has no API to change a location, hence the SQL. Returns True if changed."""
+    """Point a study's artifact location (and its runs' and models') at this checkout's ``mlartifacts/<study>``:
+    MLflow stores absolute ``file://`` locations, so a moved or copied checkout, whose mlflow.db travels with it,
+    would log into the first folder. Only a store inside this checkout is rebased (a store shared by several
+    checkouts keeps its locations), only locations of our layout; MLflow has no API for it, hence the SQL."""
     from mlflow.utils.file_utils import local_file_uri_to_path
 
     db = _sqlite_path(tracking_uri())
@@ -154,8 +165,7 @@ def close_dead_runs(exp_id: str, experiment: str, keep: str | None = None) -> li
 
 
 def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
-    """A client's split as an MLflow dataset of metadata only: ``<partition>/<client>/<split>``, the digest of its
-    example ids, the partition file as its source."""
+    """A client's split as an MLflow dataset of metadata only: ``<partition>/<client>/<split>``, its ids' digest."""
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.data.sources import LocalArtifactDatasetSource
 
@@ -221,10 +231,9 @@ class RunLogger:
             child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: self.run_id, "client": name}
             self.children[name] = self._client.create_run(exp_id, run_name=f"{run_name}/{name}",
                                                           tags=child_tags).info.run_id
-            if self.datasets[name]:
-                self._client.log_inputs(self.children[name], datasets=[
-                    DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
-                    for split, ds in self.datasets[name].items()])
+            self._client.log_inputs(self.children[name], datasets=[
+                DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
+                for split, ds in self.datasets[name].items()])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
