@@ -6,7 +6,8 @@ log into one place; ``MLFLOW_TRACKING_URI`` overrides it (an ``mlflow server`` s
 A study's experiment opens in the UI's runs table (``mlflow.experimentKind``; else MLflow 3 opens its GenAI view),
 described by the evaluation's logging (studies.study_description), never by training: no part of its fingerprint.
 What leaves a client: adapter tensors, counts, metrics, its splits as metadata (name, digest of the example ids).
-"""from __future__ import annotations
+"""
+from __future__ import annotations
 
 import contextlib
 import fcntl
