@@ -19,9 +19,9 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
 parameter, the adapters as artifacts and a child run per client (per-round metrics, bytes, its best adapter as a
-LoggedModel), tagged with its origin (pipeline.results.run_identity, pipeline.results.tracking). A killed run resumes after its
-last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run directory
-``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
+LoggedModel), tagged with its origin (pipeline.results.run_identity, pipeline.results.tracking). A killed run resumes
+after its last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run
+directory ``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
 ``models/<exp>/``. So that DVC output need not persist between runs, and DVC's run cache keeps every finished
 training: a queued or temporary experiment that was killed restores them when rerun.
 """

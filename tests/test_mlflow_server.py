@@ -4,7 +4,8 @@ Starts ``mlflow server`` (SQLite backend, ``--artifacts-destination``, artifacts
 port (bounded wait; the process group is always killed), trains and evaluates two tiny experiments with
 ``MLFLOW_TRACKING_URI=http://127.0.0.1:PORT``, then finds through ``/api/2.0/mlflow/...`` alone the runs, their
 tags, per-round and evaluation metrics (with intervals) and their adapters, stored in the server's artifact
-destination; and, with ``mlflow.search_logged_models``, a client's adapter by its test score. Marked ``integration`` (``.ci/run`` runs it with the rest of ``make test``).
+destination; and, with ``mlflow.search_logged_models``, a client's adapter by its test score. Marked
+``integration`` (``.ci/run`` runs it with the rest of ``make test``).
 """
 from __future__ import annotations
 
@@ -173,7 +174,8 @@ def test_an_adapter_is_found_by_its_score_on_the_server(ws, mlflow_server, tmp_p
     run_experiment(write_plan("srv-scored", "fedavg"))
     # Tiny untrained models score 0 everywhere: the evaluation record gives each client a score of its own.
     avg = {"Academic": 12.0, "Committee": 31.0, "Product": 20.0}
-    clients = {c: {"rouge1": v, "rouge2": v, "rougeL": v, "rougeLsum": v, "avg_rouge": v, "n": 2} for c, v in avg.items()}
+    clients = {c: {k: v for k in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge")} | {"n": 2}
+               for c, v in avg.items()}
     record = {"experiment": "srv-scored", "clients": clients, "mean": {k: 21.0 for k in clients["Academic"]}}
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "metrics.json").write_text(json.dumps(record))
