@@ -275,7 +275,7 @@ class RunLogger:
         run), its files ``adapters/<client>/`` and the plan ``experiment.json``. Returns model ids by client."""
         plan = json.loads((model_dir / "experiment.json").read_text())
         tags = {k: str(plan[k]) for k in ("experiment", "method", "partition", "seed", "study")}
-        adapters = {c.name: c / "adapter_best.safetensors" for c in sorted((model_dir / "clients").glob("*"))}
+        adapters = {f.parent.name: f for f in sorted((model_dir / "clients").glob("*/adapter_best.safetensors"))}
         adapters |= {"global": global_adapter} if global_adapter is not None else {}
         exp_id = self._client.get_run(self.run_id).info.experiment_id
         for client, adapter in adapters.items():
