@@ -2,18 +2,20 @@
 
     python -m pipeline.evaluate run --experiment NAME      # the DVC stage (foreach over `experiments`)
     python -m pipeline.evaluate score --pred PRED.txt --ref REF.txt   # score any line-aligned files
+    python -m pipeline.evaluate model models:/m-...   # a client's adapter logged in MLflow, on its client's test set
 
 Per experiment it writes ``reports/eval/<exp>/predictions.jsonl`` (one generated summary per test example),
-``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients,
-a DVC metric), and logs the scores into the experiment's MLflow run (the one training created). Generated text
-stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
+``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients, a DVC
+metric), and logs the scores into the experiment's MLflow runs (pipeline.results.evaluation.log_to_mlflow).
+Generated text stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-from dataclasses import asdict
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +28,7 @@ from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
 from pipeline.results.convergence import run_converged
-from pipeline.results.evaluation import EvaluateConfig, import_evaluations, log_to_mlflow
+from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.readers import read_json
 from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.adapter_io import client_adapter_path, load_local_adapter
@@ -34,12 +36,15 @@ from pipeline.modeling.backbone_record import backbone_name
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
+from pipeline.results.tracking import download_model, split_dataset
 
 def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PATHS.models,
                         eval_dir: Path = PATHS.eval_reports, examples_path: Path = PATHS.examples,
                         partitions_dir: Path = PATHS.partitions, backbone_dir: Path = PATHS.backbone,
-                        mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None) -> dict[str, Any]:
-    """Generate and score every client's test subsample for experiment ``name``; returns metrics.json's content."""
+                        mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None,
+                        only: str | None = None) -> dict[str, Any]:
+    """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
+    metrics.json's content."""
     model_dir = models_dir / name
     exp_path = model_dir / "experiment.json"
     if not exp_path.is_file():
@@ -51,8 +56,6 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     clients = partition.get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{part_path}: no 'clients' mapping")
-    if not examples_path.is_file():
-        raise DataError(f"{examples_path}: examples file not found (run the examples stage)")
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
 
@@ -71,8 +74,9 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     records: list[dict[str, Any]] = []
     per_client: dict[str, dict[str, Any]] = {}
     skipped_clients: dict[str, str] = {}
-    for client in clients:  # every client of the partition, each with its own adapter, in partition order
-        test_ids = list(clients[client].get("test", []))
+    test_sets = {}
+    for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
+        test_ids = list(clients.get(client, {}).get("test", []))
         if not test_ids:
             skipped_clients[client] = f"no test examples in {part_path}"
             continue
@@ -81,6 +85,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
             raise DataError(f"{part_path}: client {client!r} test ids not in {examples_path}: {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
         chosen = subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)
+        test_sets[client] = split_dataset(plan.partition, client, "test", chosen, part_path)
         load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
         sub = examples.loc[chosen]
         predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{name}/{client}")
@@ -116,7 +121,7 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
         "study": plan.study,
         "backbone": backbone,
         "adapter": cfg.adapter,
-        "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
+        "decoding": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": max_src},
         "rouge_l_in_tables": TABLE_ROUGE_L,
         "clients": per_client,
@@ -127,9 +132,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     }
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
-        metrics_run = log_to_mlflow(name, experiment, metrics, out_dir, cfg,
-                                    converged=run_converged(models_dir, name))
-        print(f"[evaluate] logged to MLflow run {metrics_run}", file=sys.stderr)
+        run_id = log_to_mlflow(name, experiment, metrics, out_dir, cfg, run_converged(models_dir, name), test_sets)
+        print(f"[evaluate] logged to MLflow run {run_id}", file=sys.stderr)
     return metrics
 
 
@@ -155,28 +159,30 @@ def main(argv: list[str] | None = None) -> int:
     score = sub.add_parser("score", help="ROUGE of line-aligned prediction/reference files, printed as JSON")
     score.add_argument("--pred", required=True, help="predictions, one summary per line")
     score.add_argument("--ref", required=True, help="references, one summary per line")
+    logged = sub.add_parser("model", help="score a client's adapter logged in MLflow on its client's test subsample")
+    logged.add_argument("model", help="the LoggedModel's id (m-...) or models:/<id>")
+    logged.add_argument("--params", default="params.yaml")
+    logged.add_argument("--out", type=Path, help="keep predictions and scores here (default: a temporary folder)")
     imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
     imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
     imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
     args = parser.parse_args(argv)
 
-    if args.command == "import-eval":
-        from pipeline.results.tracking import tracking_uri
-
-        # The train record beside each evaluation (<folder>/train/<exp>/, as reports/cpu-study lays them out)
-        # gives the run's `converged` tag.
-        run_ids = import_evaluations(args.records, args.study,
-                                     lambda record, exp: run_converged(record.parent.parent.parent / "train", exp))
-        print(f"evaluate: logged {len(run_ids)} evaluation record(s) to {tracking_uri()}")
+    if args.command == "import-eval":  # each record into its training run, else into a new run of its study
+        for path in args.records:
+            metrics = read_json(path, "evaluation record (reports/eval/<exp>/metrics.json)")
+            if missing := [k for k in ("experiment", "clients", "mean") if k not in metrics]:
+                raise DataError(f"{path}: not an evaluation record (missing {missing})")
+            record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
+            # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`
+            log_to_mlflow(metrics["experiment"], record | {"study": args.study or metrics.get("study") or "main"},
+                          metrics, path.parent, EvaluateConfig(),
+                          run_converged(path.parent.parent.parent / "train", metrics["experiment"]))
+        print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
         return 0
 
-    if args.command == "score":
-        try:
-            result = score_files(args.pred, args.ref)
-        except DataError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
-        print(dumps_scores(result))
+    if args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
+        print(dumps_scores(score_files(args.pred, args.ref)))
         return 0
 
     from pipeline.common.timing import stage_timer
@@ -184,6 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     params = load_params(args.params)
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    if args.command == "model":
+        with tempfile.TemporaryDirectory() as tmp:
+            tags = download_model(args.model, Path(tmp))
+            out = evaluate_experiment(tags["experiment"], dataclasses.replace(cfg, adapter="best"),
+                                      models_dir=Path(tmp), eval_dir=args.out or Path(tmp) / "eval",
+                                      mlflow_logging=False, bootstrap=bootstrap, only=tags["client"])
+        print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
+        return 0
     with stage_timer(f"evaluate-{args.experiment}"):
         evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
     return 0

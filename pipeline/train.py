@@ -18,10 +18,10 @@ Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors
 ``rounds.json`` (one row per round and client), ``metrics.json``, ``experiment.json`` (the plan).
 ``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
 per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
-parameter, per-round per-client metrics, bytes sent/received and the adapters as artifacts, named by the settings
-that differ from the baseline's plan and tagged with its origin (pipeline.results.run_identity). A killed run resumes after its
-last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run directory
-``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
+parameter, the adapters as artifacts and a child run per client (per-round metrics, bytes, its best adapter as a
+LoggedModel), tagged with its origin (pipeline.results.run_identity, pipeline.results.tracking). A killed run resumes
+after its last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run
+directory ``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
 ``models/<exp>/``. So that DVC output need not persist between runs, and DVC's run cache keeps every finished
 training: a queued or temporary experiment that was killed restores them when rerun.
 """
@@ -58,15 +58,6 @@ def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
     return tags | git_state() | dvc_tags()
 
 
-def tracked_run_name(plan: Plan, plan_path: str | Path, params_file: str = "params.yaml") -> str:
-    """The experiment name plus the plan settings that differ from the base commit's plan of the same experiment
-    (the DVC experiment's baseline, else HEAD; its ``params_file``), e.g. ``fedselectkd-domain tau=3``."""
-    from pipeline.results.run_identity import base_params, base_plan, run_name
-
-    current = json.loads(Path(plan_path).read_text())
-    return run_name(plan.experiment, current, base_plan(plan.experiment, base_params(params_file)))
-
-
 def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSettings | None = None) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
     ``settings``: how to run it (engine, timeouts, caches): :func:`main` passes the params file's; None is
@@ -82,13 +73,15 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
 
     logger = None
     if track:
+        from pipeline.results.run_identity import run_name
         from pipeline.results.tracking import RunLogger
 
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = checkpoints.mlflow_run_id_path(plan)
-        logger = RunLogger.start(plan.study, tracked_run_name(plan, plan_path), plan.to_json_dict(),
+        logger = RunLogger.start(plan.study, run_name(plan.experiment), plan.to_json_dict(),
                                  run_tags(plan, engine=settings.engine),
-                                 resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
+                                 resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None,
+                                 partition=plan.paths["partition"])
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
@@ -122,6 +115,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         for client_dir in sorted((out_dir / "clients").iterdir()):
             for f in sorted(client_dir.glob("adapter_*.safetensors")):
                 logger.log_artifact(f, f"adapters/{client_dir.name}")
+        logger.log_adapter_models(out_dir)  # and each client's best adapter as a LoggedModel of its client's run
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")

@@ -302,7 +302,7 @@ def test_imported_evaluation_tags_its_run_converged_from_the_train_record_beside
             _rounds(tmp_path / "train" / name, {"Academic": academic, "Committee": [5.0, 3.0, 3.5]})
     assert run_cli(main, ["import-eval", "--study", "imported", *records]) == 0
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("imported").experiment_id])
+    runs = client.search_runs([client.get_experiment_by_name("imported").experiment_id], "tags.experiment LIKE '%'")
     tags = {r.info.run_name: r.data.tags.get("converged") for r in runs}
     assert tags == {"still-improving": "false", "settled": "true", "no-train": None}
 

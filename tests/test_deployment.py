@@ -143,9 +143,13 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     assert len(runs) == 1 and runs.iloc[0]["status"] == "FINISHED" and runs.iloc[0]["tags.engine"] == "deployment"
     run = runs.iloc[0]
     assert run["metrics.Academic.val_loss"] == pytest.approx(rounds[-3]["val_loss"])
-    assert run["metrics.eval.mean.avg_rouge"] == pytest.approx(fed["mean"]["avg_rouge"])
+    assert run["metrics.client_avg/avg_ROUGE"] == pytest.approx(fed["mean"]["avg_rouge"])
     arts = {f.path for f in mlflow.MlflowClient().list_artifacts(run["run_id"])}
     assert "global_adapter.safetensors" in arts and "rounds.json" in arts
+    [aggregate] = mlflow.search_logged_models(  # and the final aggregate as a LoggedModel of the run
+        experiment_ids=[run["experiment_id"]], filter_string="tags.experiment = 'dep' AND tags.client = 'global'",
+        output_format="list")
+    assert aggregate.source_run_id == run["run_id"] and aggregate.name == "dep-global"
 
 
 def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, monkeypatch):

@@ -47,11 +47,20 @@ def _stage_sections(name: str) -> list[tuple[str, str, dict]]:
 
 
 # ------------------------------------------------------------------------------------------------ metrics
-def test_only_the_headline_file_is_a_dvc_metric():
-    metrics = _stage_sections("metrics")
-    assert [(stage, path) for stage, path, _ in metrics] == [("report", "reports/metrics.json")]
-    assert metrics[0][2].get("cache") is False  # small JSON kept in git, as DVC metrics usually are
+def test_the_metrics_are_the_headline_and_each_experiments_evaluation():
+    metrics = {(stage, path): opts for stage, path, opts in _stage_sections("metrics")}
+    assert list(metrics) == [("evaluate", "reports/eval/${key}/metrics.json"), ("report", "reports/metrics.json")]
+    assert metrics[("report", "reports/metrics.json")].get("cache") is False  # small JSON kept in git
     assert "metrics" not in DVC_YAML  # no top-level metrics either
+
+
+def test_every_experiment_of_the_default_profile_is_a_dvc_model_artifact():
+    experiments = yaml.safe_load((ROOT / "params.yaml").read_text())["experiments"]
+    artifacts = DVC_YAML["artifacts"]
+    assert list(artifacts) == list(experiments)
+    for name, artifact in artifacts.items():
+        assert (artifact["path"], artifact["type"]) == (f"models/{name}", "model")
+        assert artifact["labels"] == [experiments[name]["method"], experiments[name].get("study", "main")]
 
 
 def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs():
@@ -65,7 +74,7 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
     for stage, path, opts in _stage_sections("outs"):
         if path.startswith("reports/timing/") or path in (
                 "reports/summary.json", "reports/analysis/kd_analysis.json", "reports/backbone.json",
-                "reports/eval/${key}/metrics.json", "reports/train/${key}/metrics.json",
+                "reports/train/${key}/metrics.json",
                 "reports/partitions/${item.scheme}-seed${item.seed}.json", "reports/data/stats.json"):
             assert (opts.get("cache") is False) == (stage not in RUN_CACHED), path
 
@@ -80,7 +89,7 @@ def test_expensive_stages_can_be_restored_from_dvc_run_cache(stage):
     """DVC 3.67 saves a run-cache entry only when no output persists (dvc.stage.cache._can_hash) and every
     uncached output is a metric or a plot (dvc.stage.Stage.run: ``no_cache_outs``)."""
     body = DVC_YAML["stages"][stage].get("do", DVC_YAML["stages"][stage])
-    outs = list(_entries(body.get("outs")))
+    outs = list(_entries(body.get("outs"))) + list(_entries(body.get("metrics")))
     assert outs and body.get("cmd") and body.get("deps")
     for path, opts in outs:
         assert not opts.get("persist"), path

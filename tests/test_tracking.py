@@ -39,6 +39,13 @@ def _client():
     return MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
 
 
+def _client_run(parent: str, client: str) -> str:
+    """The run of ``client`` under the experiment's run ``parent``."""
+    exp = _client().get_run(parent).info.experiment_id
+    [run] = _client().search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent}' and tags.client = '{client}'")
+    return run.info.run_id
+
+
 def _use_checkout(root: Path, monkeypatch) -> None:
     monkeypatch.chdir(root)
     monkeypatch.setenv("FEDMEET_ROOT", str(root))
@@ -65,31 +72,19 @@ def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(
 
 
 # ------------------------------------------------------------------------------------------ run names
-def _plans(params: dict) -> dict[str, dict]:
-    from pipeline.experiments import declared, resolve_plan
-
-    return {e.name: resolve_plan(e, params) for e in declared(params)}
-
-
 def _params(tau: float = 5.0, **entry) -> dict:
     return {"tau": tau, "model": dict(MODEL), "train": dict(TRAIN),
             "experiments": {"fedselectkd-domain": {"method": "fedselectkd", "partition": "domain/seed0", **entry},
                             "fedavg-domain": {"method": "fedavg", "partition": "domain/seed0"}}}
 
 
-def test_run_name_lists_exactly_the_settings_that_differ_from_the_base_plan():
+def test_run_name_is_the_experiment_with_its_dvc_experiment(monkeypatch):
     from pipeline.results.run_identity import run_name
 
-    base = _plans(_params())
-    tau3 = _plans(_params(tau=3.0))
-    assert run_name("fedselectkd-domain", tau3["fedselectkd-domain"], base["fedselectkd-domain"]) == \
-        "fedselectkd-domain tau=3"
-    # FedAvg does not read tau: the same plan, the plain name.
-    assert run_name("fedavg-domain", tau3["fedavg-domain"], base["fedavg-domain"]) == "fedavg-domain"
-    both = _plans(_params(tau=3.5, lr=1.0e-4, seed=2))["fedselectkd-domain"]
-    assert run_name("fedselectkd-domain", both, base["fedselectkd-domain"]) == \
-        "fedselectkd-domain lr=0.0001 seed=2 tau=3.5"  # sorted keys, `train.` dropped, shortest floats
-    assert run_name("fedselectkd-domain", both, None) == "fedselectkd-domain"  # no base: nothing to compare
+    monkeypatch.delenv("DVC_EXP_NAME", raising=False)
+    assert run_name("fedselectkd-domain") == "fedselectkd-domain"
+    monkeypatch.setenv("DVC_EXP_NAME", "tau-three")  # what `dvc exp run -n tau-three -S tau=3` sets
+    assert run_name("fedselectkd-domain") == "fedselectkd-domain [tau-three]"
 
 
 def _git(cwd: Path, *args: str) -> str:
@@ -98,11 +93,10 @@ def _git(cwd: Path, *args: str) -> str:
     return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout
 
 
-def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
-    from pipeline.experiments import write_plans
+def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
+    from pipeline.experiments import plan_hash, read_plan, write_plans
     from pipeline.results.run_identity import dvc_tags, git_state
-    from pipeline.train import run_tags, tracked_run_name
-    from pipeline.experiments import plan_hash, read_plan
+    from pipeline.train import run_tags
 
     monkeypatch.chdir(tmp_path)
     for var in ("DVC_EXP_NAME", "DVC_EXP_BASELINE_REV"):
@@ -127,17 +121,12 @@ def test_provenance_tags_and_run_name_from_git_and_dvc(tmp_path, monkeypatch):
     write_plans(yaml.safe_load(Path("params.yaml").read_text()), Path("models/plans"))
     plan_path = Path("models/plans/fedselectkd-domain.json")
     plan = read_plan(plan_path)
-    # Against the baseline (tau 5), not HEAD (tau 3): both differences show.
-    assert tracked_run_name(plan, plan_path) == "fedselectkd-domain lr=0.0001 tau=3"
     tags = run_tags(plan)
     assert tags["git.commit"] == _git(tmp_path, "rev-parse", "HEAD").strip()
     assert tags["git.dirty"] == "true" and tags["git.changed"] == "params.yaml"
     assert tags["dvc.exp_name"] == "tau-three" and tags["dvc.baseline_rev"] == base_rev
     assert tags["plan_hash"] == plan_hash(plan) and len(tags["plan_hash"]) == 64
     assert "preset" not in tags  # the run profile is no part of training (pipeline.presets.preset_name)
-
-    monkeypatch.delenv("DVC_EXP_BASELINE_REV")  # a plain `dvc repro` compares with HEAD (tau 3)
-    assert tracked_run_name(plan, plan_path) == "fedselectkd-domain lr=0.0001"
 
 
 def test_preset_is_recognised_from_the_params_it_sets(tmp_path):
@@ -233,7 +222,9 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     [run] = client.search_runs([exp], query)  # the same run, not a second one beside it
     assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
     assert run.data.tags["fedmeet.resumed"] == "true"
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "Academic.val_loss")] == [1, 2]
+    academic = _client_run(run.info.run_id, "Academic")  # the same client run too
+    assert client.get_run(academic).info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(academic, "val_loss")] == [1, 2]
 
 
 @pytest.mark.slow
@@ -246,13 +237,13 @@ def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_r
     client = _client()
     exp = client.get_experiment_by_name("tests").experiment_id
     [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")
-    assert client.get_metric_history(killed.info.run_id, "Academic.val_loss") == []
+    assert client.get_metric_history(_client_run(killed.info.run_id, "Academic"), "val_loss") == []
 
     run_experiment(path)  # resumes at round 2: round 1 is not trained again
     [run] = client.search_runs([exp], "tags.experiment = 'mlflow-gap'")
     rounds = json.loads(Path("models/mlflow-gap/rounds.json").read_text())
     expected = {r["round"]: r["val_loss"] for r in rounds if r["client"] == "Academic"}
-    history = client.get_metric_history(run.info.run_id, "Academic.val_loss")
+    history = client.get_metric_history(_client_run(run.info.run_id, "Academic"), "val_loss")
     assert {m.step: m.value for m in history} == pytest.approx(expected) and len(history) == 2  # once each
 
 
@@ -301,7 +292,7 @@ def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
     _use_checkout(first, monkeypatch)
     run_experiment(write_plan("moved", "single"))
     client = _client()
-    [old_run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    [old_run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.experiment = 'moved'")
 
     copy = tmp_path / "copy"
     shutil.copytree(first, copy)  # mlflow.db and mlartifacts/ travel with the checkout
@@ -367,28 +358,26 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     runs = {}
     for record in (record_tau3, record_tau4):  # tau=4 trained last: the newest run of experiment "sel"
         logger = RunLogger.start("s", f"sel tau={record['tau']:g}", {}, {"experiment": "sel",
-                                                                         "plan_hash": record_hash(record)})
+                                                                         "plan_hash": record_hash(record)},
+                                 clients=("Academic", "Committee"))
         logger.finish()
-        runs[record["tau"]] = logger.run_id
+        runs[record["tau"]] = logger
     metrics, d = _eval_dir(store, "sel")
-    assert log_to_mlflow("sel", record_tau3, metrics, d, EvaluateConfig()) == runs[3.0]
-    logged = _client().get_run(runs[3.0]).data.metrics
-    assert logged["eval.mean.rouge1"] == 20.5 and logged["eval.Committee.rouge1"] == 21.0
+    assert log_to_mlflow("sel", record_tau3, metrics, d, EvaluateConfig()) == runs[3.0].run_id
+    logged = _client().get_run(runs[3.0].run_id).data.metrics
     # Headline: client averages with the evaluation's intervals; ROUGE-L is the tables' (plain rougeL, 15.0).
     headline = {k.removeprefix("client_avg/"): v for k, v in logged.items() if k.startswith("client_avg/")}
     assert headline == {"ROUGE-1": 20.5, "ROUGE-1_ci_low": 19.0, "ROUGE-1_ci_high": 22.5,
                         "ROUGE-2": 5.0, "ROUGE-2_ci_low": 3.5, "ROUGE-2_ci_high": 7.0,
                         "ROUGE-L": 15.0, "ROUGE-L_ci_low": 13.5, "ROUGE-L_ci_high": 17.0,
                         "avg_ROUGE": 14.0, "avg_ROUGE_ci_low": 12.5, "avg_ROUGE_ci_high": 16.0}
-    assert not any(k.startswith("eval.") for k in _client().get_run(runs[4.0]).data.metrics)
+    assert set(logged) == {f"client_avg/{k}" for k in headline}  # each client's scores are in its own run
+    committee = _client().get_run(runs[3.0].children["Committee"]).data.metrics
+    assert committee == {"rouge1": 21.0, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0}
+    for run_id in (runs[4.0].run_id, *runs[4.0].children.values()):
+        assert not _client().get_run(run_id).data.metrics  # another plan's runs: nothing logged there
     # Privacy: the generated summaries stay on disk unless asked for.
-    assert [a.path for a in _client().list_artifacts(runs[3.0], "eval")] == ["eval/metrics.json"]
-
-    # A run trained before runs carried a plan hash is still found (not one of another plan's).
-    old = RunLogger.start("s", "legacy", {}, {"experiment": "legacy"})
-    RunLogger.start("s", "legacy tau=4", {}, {"experiment": "legacy", "plan_hash": record_hash(record_tau4)})
-    legacy = {**record_tau3, "experiment": "legacy"}
-    assert log_to_mlflow("legacy", legacy, metrics, d, EvaluateConfig()) == old.run_id
+    assert [a.path for a in _client().list_artifacts(runs[3.0].run_id, "eval")] == ["eval/metrics.json"]
 
 
 @pytest.mark.slow
@@ -401,12 +390,78 @@ def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     (d / "metrics.json").write_text(json.dumps(metrics))
     assert run_cli(main, ["import-eval", "--study", "imported", str(d / "metrics.json")]) == 0
     client = _client()
-    [run] = client.search_runs([client.get_experiment_by_name("imported").experiment_id])
+    [run] = client.search_runs([client.get_experiment_by_name("imported").experiment_id], "tags.experiment = 'offline'")
     assert run.info.run_name == "offline"
     assert run.data.metrics["client_avg/ROUGE-1_ci_high"] == 22.5
+    children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+    assert {c.data.tags["client"]: c.data.metrics["rouge1"] for c in children} == {"Academic": 20.0,
+                                                                                  "Committee": 21.0}
     assert run.data.tags["evaluate.num_beams"] == "4"  # the record's own decoding settings, not the defaults
     assert [a.path for a in client.list_artifacts(run.info.run_id, "eval")] == ["eval/metrics.json"]
     (d / "broken.json").write_text(json.dumps({"experiment": "x"}))
     capsys.readouterr()
     assert run_cli(main, ["import-eval", str(d / "broken.json")]) == 2
     names(capsys.readouterr().err, str(d / "broken.json"), "'clients'", "'mean'")
+
+
+# ------------------------------------------------------------------------------------------ clients and models
+@pytest.mark.slow
+def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_the_evaluation(ws, monkeypatch,
+                                                                                                tmp_path, capsys):
+    import mlflow
+    from safetensors.torch import load_file
+
+    from pipeline.evaluate import evaluate_experiment, main
+    from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.results.stats import BootstrapConfig
+    from pipeline.train import run_experiment
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's own setting (default 10 s)
+    run_experiment(write_plan("models-fedavg", "fedavg"))
+    cfg = EvaluateConfig(num_beams=1, max_target_length=8, min_target_length=2, batch_size=2)
+    scores = evaluate_experiment("models-fedavg", cfg, eval_dir=tmp_path / "eval",
+                                 bootstrap=BootstrapConfig(n_resamples=100))["clients"]
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [parent] = client.search_runs([exp], "tags.experiment = 'models-fedavg'")
+    assert any(k.startswith("system/") for k in parent.data.metrics)  # CPU, memory, disk of the training
+    children = {r.data.tags["client"]: r for r in
+                client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    rounds = json.loads(Path("models/models-fedavg/rounds.json").read_text())
+    partition = json.loads(Path("data/partitions/domain/seed0.json").read_text())["clients"]
+    assert sorted(children) == sorted(partition) == sorted(scores)
+    models = mlflow.search_logged_models(experiment_ids=[exp], filter_string="tags.experiment = 'models-fedavg'",
+                                         output_format="list")
+    assert sorted(m.tags["client"] for m in models) == sorted(partition)
+    for m in models:
+        name, run = m.tags["client"], children[m.tags["client"]]
+        assert run.info.status == "FINISHED" and m.source_run_id == run.info.run_id
+        # per-round values without the client prefix, as rounds.json has them
+        history = client.get_metric_history(run.info.run_id, "val_loss")
+        assert {h.step: h.value for h in history} == pytest.approx(
+            {r["round"]: r["val_loss"] for r in rounds if r["client"] == name})
+        # the model's metrics: its test ROUGE (the evaluation's) and its train split, each on its dataset
+        by_key = {x.key: x for x in m.metrics}
+        assert by_key["avg_rouge"].value == pytest.approx(scores[name]["avg_rouge"])
+        assert by_key["avg_rouge"].dataset_name == f"domain/seed0/{name}/test"
+        assert by_key["train_examples"].value == len(partition[name]["train"])
+        [train] = [i.dataset for i in run.inputs.dataset_inputs if i.dataset.name.endswith("/train")]
+        assert train.name == f"domain/seed0/{name}/train" and train.digest == by_key["train_examples"].dataset_digest
+        # the model is the best adapter, nothing else of the client's (no text, no gate log)
+        files = {f.path for f in client.list_logged_model_artifacts(m.model_id, f"adapters/{name}")}
+        assert files == {f"adapters/{name}/adapter_best.safetensors"}
+        folder = mlflow.artifacts.download_artifacts(f"models:/{m.model_id}", dst_path=str(tmp_path / name))
+        got = load_file(Path(folder) / "adapters" / name / "adapter_best.safetensors")
+        want = load_file(f"models/models-fedavg/clients/{name}/adapter_best.safetensors")
+        assert got.keys() == want.keys() and all((got[k] == want[k]).all() for k in want)
+
+    # `python -m pipeline.evaluate model models:/<id>` scores that adapter as the evaluation did
+    params = tmp_path / "params.yaml"
+    params.write_text(yaml.safe_dump({"evaluate": {"num_beams": 1, "max_target_length": 8, "min_target_length": 2,
+                                                   "batch_size": 2}, "bootstrap": {"n_resamples": 100}}))
+    m = models[0]
+    capsys.readouterr()
+    assert main(["model", f"models:/{m.model_id}", "--params", str(params)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["client"] == m.tags["client"] and out["avg_rouge"] == pytest.approx(scores[out["client"]]["avg_rouge"])
+    assert out["n"] == scores[out["client"]]["n"]

@@ -240,6 +240,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         logger.set_tags(convergence_tags(metrics))
         for f in (GLOBAL_ADAPTER, "metrics.json", "rounds.json", "experiment.json"):
             logger.log_artifact(out_dir / f)
+        logger.log_adapter_models(out_dir, global_adapter=out_dir / GLOBAL_ADAPTER)  # the aggregate as a LoggedModel
         if eval_metrics is not None:
             log_to_mlflow(plan.experiment, plan.to_json_dict() | {"mlflow_run_id": logger.run_id}, eval_metrics,
                           PATHS.eval_dir(plan.experiment), cfg)

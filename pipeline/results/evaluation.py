@@ -1,18 +1,14 @@
 """An evaluation as the evaluate stage and the deployed clients' federated evaluation make it: the decoding
-settings (the `evaluate` params) and the evaluation's MLflow record (the client averages as headline metrics, the
-training run it belongs to, records computed elsewhere imported)."""
+settings (the `evaluate` params) and the evaluation's MLflow record (the client averages as headline metrics, each
+client's scores in its client's run, the training run it belongs to)."""
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from pydantic import model_validator
 
-from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dict
-from pipeline.common.schema import DataError
-from pipeline.results.readers import read_json
+from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 
 
@@ -49,38 +45,14 @@ class EvaluateConfig:
         }
 
 
-def run_tags(name: str, experiment: dict[str, Any], backbone: str | None) -> dict[str, str]:
-    """Tags the MLflow compare view lines runs up by (the train stage sets the same ones)."""
-    tags = {"experiment": name}
-    for key in ("method", "partition", "seed", "study", "tau"):
-        if experiment.get(key) is not None:
-            tags[key] = str(experiment[key])
-    if backbone:
-        tags["backbone"] = backbone
-    from pipeline.experiments import record_hash
-    from pipeline.results.run_identity import dvc_tags, git_state
+def find_training_run(name: str, study: str, plan_hash: str) -> str | None:
+    """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow experiment
+    that trained exactly this plan (``plan_hash``: two ablation points of one experiment share its name), or None."""
+    from pipeline.results.tracking import _client, experiment_id
 
-    return tags | {"plan_hash": record_hash(experiment)} | git_state() | dvc_tags()
-
-
-def find_training_run(name: str, study: str, plan_hash: str | None = None) -> str | None:
-    """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow
-    experiment - with ``plan_hash``, the one that trained exactly this plan (two ablation points of one experiment
-    share its name), else the latest without a plan hash (trained before runs carried one) - or None."""
-    from mlflow.tracking import MlflowClient
-
-    from pipeline.results.tracking import experiment_id, tracking_uri
-
-    client = MlflowClient(tracking_uri=tracking_uri())
-    runs = client.search_runs([experiment_id(study)], filter_string=f"tags.experiment = '{name}'",
-                              order_by=["attributes.start_time DESC"], max_results=200)
-    if plan_hash is None:
-        return runs[0].info.run_id if runs else None
-    for wanted in (plan_hash, None):
-        for run in runs:
-            if run.data.tags.get("plan_hash") == wanted:
-                return run.info.run_id
-    return None
+    runs = _client().search_runs([experiment_id(study)], order_by=["attributes.start_time DESC"], max_results=1,
+                                 filter_string=f"tags.experiment = '{name}' and tags.plan_hash = '{plan_hash}'")
+    return runs[0].info.run_id if runs else None
 
 
 # The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
@@ -95,74 +67,43 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     out = {}
     for label, key in HEADLINE_KEYS.items():
         out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
-        interval = (metrics.get("mean_ci") or {}).get(key)
-        if interval:
-            out[f"{HEADLINE_PREFIX}/{label}_ci_low"] = float(interval["low"])
-            out[f"{HEADLINE_PREFIX}/{label}_ci_high"] = float(interval["high"])
+        interval = (metrics.get("mean_ci") or {}).get(key) or {}  # {"low": ..., "high": ...}
+        out |= {f"{HEADLINE_PREFIX}/{label}_ci_{end}": float(value) for end, value in interval.items()}
     return out
 
 
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
-                  cfg: EvaluateConfig, converged: bool | None = None) -> str:
-    """Log evaluation scores into the experiment's MLflow run (the one training created; a new run in the
-    study's MLflow experiment when the record has none). Metric names: ``eval.<client>.<rouge>``,
-    ``eval.mean.<rouge>`` and the headline :func:`headline_metrics`. Generated text is logged only with ``log_text_to_mlflow``. Returns the run id.
-    ``converged`` (pipeline.results.convergence.run_converged of the training records) becomes the tag
-    ``converged``: "false" when some client's best validation round was its last, so the scores hold for that
-    round budget only (filter with ``tags.converged = 'false'``)."""
+                  cfg: EvaluateConfig, converged: bool | None = None, test_sets: dict[str, Any] | None = None) -> str:
+    """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
+    each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset. Text only
+    with ``log_text_to_mlflow``. ``converged`` (convergence.run_converged) becomes the tag ``converged``: "false" when
+    some client's best validation round was its last (scores for that round budget only). Returns the run id."""
+    from pipeline.experiments import record_hash
     from pipeline.results.studies import study_description
     from pipeline.results.tracking import RunLogger, experiment_id
 
-    from pipeline.experiments import record_hash
-
     study = str(experiment.get("study") or "main")
     experiment_id(study, study_description(study))  # the study's description, which training does not set
-    run_id = experiment.get("mlflow_run_id") or find_training_run(name, str(experiment.get("study") or "main"),
-                                                                  record_hash(experiment))
-    if run_id:
-        logger = RunLogger(run_id)
-    else:
-        logger = RunLogger.start(str(experiment.get("study") or "main"), name, {},
-                                 run_tags(name, experiment, metrics.get("backbone")))
-    values: dict[str, float] = {}
-    for client, scores in metrics["clients"].items():
-        for key in (*ROUGE_TYPES, "avg_rouge"):
-            values[f"eval.{client}.{key}"] = float(scores[key])
-    for key in (*ROUGE_TYPES, "avg_rouge"):
-        values[f"eval.mean.{key}"] = float(metrics["mean"][key])
-    values |= headline_metrics(metrics)
-    logger.log_metrics(values, step=0)
-    # Evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a trained run
-    # with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
-    logger.set_tags({f"evaluate.{k}": v for k, v in asdict(cfg).items()}
-                    | {"rouge_l_in_tables": TABLE_ROUGE_L}
+    run_id = experiment.get("mlflow_run_id") or find_training_run(name, study, record_hash(experiment))
+    # a record without a training run (imported) gets a run of its own, tagged with what the record says
+    keys = ("method", "partition", "seed", "study", "tau")
+    tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
+    logger = RunLogger(run_id) if run_id else RunLogger.start(study, name, {}, {"experiment": name, **tags},
+                                                              clients=tuple(metrics["clients"]))
+    logger.log_metrics(headline_metrics(metrics), step=0)
+    # The record's evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a
+    # trained run with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
+    settings = {"adapter": metrics.get("adapter", cfg.adapter)} | (metrics.get("decoding") or {})
+    logger.set_tags({f"evaluate.{k}": v for k, v in settings.items()} | {"rouge_l_in_tables": TABLE_ROUGE_L}
                     | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {})
                     | ({} if converged is None else {"converged": str(bool(converged)).lower()}))
+    models = logger.models if settings["adapter"] == "best" else {}  # the logged models are the best adapters
+    for client, scores in metrics["clients"].items():
+        logger.log_metrics({f"{client}.{k}": scores[k] for k in (*ROUGE_TYPES, "avg_rouge")}, 0, models.get(client),
+                           (test_sets or {}).get(client))
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
     if cfg.log_text_to_mlflow:
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
     if not run_id:
         logger.finish()
     return logger.run_id
-
-
-def import_evaluations(paths: list[Path], study: str | None = None,
-                       converged_of: Callable[[Path, str], bool | None] | None = None) -> list[str]:
-    """Log evaluation records (``reports/.../eval/<exp>/metrics.json``) into the store, each into its training run
-    when the store has it, else into a new run of the study's experiment (e.g. results computed with
-    ``--no-mlflow`` on another machine). Generated text is never logged. ``converged_of(record path, experiment)``:
-    the run's ``converged`` tag (see :func:`log_to_mlflow`). Returns the run ids."""
-    fields = {f.name for f in dataclasses.fields(EvaluateConfig)} - {"log_text_to_mlflow"}
-    run_ids = []
-    for path in paths:
-        metrics = read_json(Path(path), "evaluation record (reports/eval/<exp>/metrics.json)")
-        missing = [k for k in ("experiment", "clients", "mean") if k not in metrics]
-        if missing:
-            raise DataError(f"{path}: not an evaluation record (missing {missing})")
-        record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
-        record["study"] = study or metrics.get("study") or "main"
-        settings = {k: v for k, v in (metrics.get("decoding") or {}).items() if k in fields}
-        cfg = from_dict(EvaluateConfig, settings | {"adapter": metrics.get("adapter", "best")}, f"{path}: decoding")
-        converged = converged_of(Path(path), str(metrics["experiment"])) if converged_of else None
-        run_ids.append(log_to_mlflow(str(metrics["experiment"]), record, metrics, Path(path).parent, cfg, converged))
-    return run_ids

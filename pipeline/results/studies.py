@@ -34,6 +34,7 @@ def study_description(study: str) -> str:
     """The description of a study's MLflow experiment (pipeline.results.tracking.experiment_id)."""
     what, section = describe(study)
     return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
-            "`experiments` params (named with the settings that differ from the baseline commit's). Compare methods "
+            "`experiments` params (with the DVC experiment's name under `dvc exp run`). Compare methods "
             "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (plain rougeL, as in the tables) and avg_ROUGE, each with its "
-            "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: eval.<client>.<rouge>.")
+            "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: its child run and its "
+            "adapter's LoggedModel (Models tab).")

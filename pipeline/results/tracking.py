@@ -1,23 +1,19 @@
-"""MLflow helpers: one SQLite store per project, one MLflow experiment per study, one run per experiment.
+"""MLflow: one store per project, one MLflow experiment per study, one run per experiment with a child run per
+client, each client's best adapter a LoggedModel of its client's run.
 
-The store is ``sqlite:///<repo root>/mlflow.db`` with artifacts in ``<repo root>/mlartifacts/`` (ARCHITECTURE.md),
-so `dvc repro` and `dvc exp run` (which runs in a temporary workspace) log into the same place;
-``MLFLOW_TRACKING_URI`` overrides it. With an ``http(s)://`` URI (an ``mlflow server``) the server chooses the
-artifact location (``mlflow-artifacts:`` proxy), so a second machine's adapters reach the server, not its own disk.
-mlflow is imported lazily: stages that never log start fast.
-
-Each study's MLflow experiment opens in the UI's runs table (``mlflow.experimentKind``; MLflow 3 would otherwise
-open the GenAI traces view, empty for us) and carries a description naming the study and its METHOD.md section,
-given by whoever describes studies (pipeline.results.studies.study_description, passed in by the evaluation's
-logging): the train stage logs without one, so a study's wording is no part of training's fingerprint.
-Each run carries where it came from and the process that owns it (pipeline.results.run_identity), so a run whose
-process died is marked KILLED when the same experiment starts again (:func:`close_dead_runs`).
+The store is ``sqlite:///<repo root>/mlflow.db`` (artifacts in ``mlartifacts/``), so `dvc repro` and `dvc exp run`
+log into one place; ``MLFLOW_TRACKING_URI`` overrides it (an ``mlflow server`` stores a second machine's adapters).
+A study's experiment opens in the UI's runs table (``mlflow.experimentKind``; else MLflow 3 opens its GenAI view),
+described by the evaluation's logging (studies.study_description), never by training: no part of its fingerprint.
+What leaves a client: adapter tensors, counts, metrics, its splits as metadata (name, digest of the example ids).
 """
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import functools
+import hashlib
+import json
 import math
 import os
 import random
@@ -29,26 +25,25 @@ from typing import Any
 from pipeline.common.config import flatten, repo_root
 from pipeline.results.run_identity import owner_alive, owner_tags
 
-# MLflow rejects parameter values longer than this (mlflow.utils.validation.MAX_PARAM_VAL_LENGTH).
-_MAX_PARAM_CHARS = 6000
-
 # The experiment tag MLflow 3.17's UI reads to pick an experiment's landing view (found in the installed UI bundle,
 # mlflow/server/js/build: ExperimentKind "custom_model_development" = runs table, "genai_development" = traces).
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 NOTE_TAG = "mlflow.note.content"  # the experiment's (and run's) description in the UI
+PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
+MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
+# The run tags a client's run repeats from its experiment's run. Not `experiment`: that tag finds experiment runs.
+CHILD_TAGS = ("method", "partition", "seed", "study", "backbone", "engine")
 
 
 def tracking_uri() -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{repo_root() / 'mlflow.db'}"
 
 
-def artifact_root() -> Path:
-    return repo_root() / "mlartifacts"
-
-
-def _is_remote(uri: str) -> bool:
-    return uri.startswith(("http://", "https://"))
+def artifact_dir(study: str) -> Path:
+    """``<repo root>/mlartifacts/<study>``, created."""
+    (path := (repo_root() / "mlartifacts" / study).resolve()).mkdir(parents=True, exist_ok=True)
+    return path
 
 
 # SQLite takes one writer at a time: two stages logging at once (two `dvc exp run --queue` workers) may find the
@@ -74,16 +69,14 @@ def _sqlite_path(uri: str) -> Path | None:
 
 @contextlib.contextmanager
 def _store_init_lock(uri: str):
-    """Opening a SQLite store creates or migrates its tables; two processes doing that at once collide ("table
-    already exists", "duplicate column"). They take turns: an exclusive flock on the store's directory (not on the
-    database file, whose POSIX locks SQLite owns)."""
+    """Two processes opening a fresh SQLite store collide creating or migrating its tables ("duplicate column": MLflow's
+    own lock does not cover that); an exclusive flock on the store's directory (SQLite owns the file's) orders them."""
     path = _sqlite_path(uri)
     if path is None:
         yield
         return
-    directory = path.parent
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.parent, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -106,14 +99,9 @@ def _client():
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    uri = tracking_uri()
-    mlflow.set_tracking_uri(uri)
+    mlflow.set_tracking_uri(uri := tracking_uri())
     with _store_init_lock(uri):
         return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
-
-
-def experiment_tags(description: str | None = None) -> dict[str, str]:
-    return {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND} | ({NOTE_TAG: description} if description else {})
 
 
 def experiment_id(study: str, description: str | None = None) -> str:
@@ -121,20 +109,17 @@ def experiment_id(study: str, description: str | None = None) -> str:
     artifacts under mlartifacts/ or the server's store); an existing one gets the view and the description it
     lacks and, when the checkout moved, its artifact locations rebased (:func:`rebase_artifacts`)."""
     client = _client()
+    tags = {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND} | ({NOTE_TAG: description} if description else {})
     exp = client.get_experiment_by_name(study)
     if exp is None:
-        location = None
-        if not _is_remote(tracking_uri()):
-            path = (artifact_root() / study).resolve()
-            path.mkdir(parents=True, exist_ok=True)
-            location = path.as_uri()
+        location = None if tracking_uri().startswith(("http://", "https://")) else artifact_dir(study).as_uri()
         try:
-            return client.create_experiment(study, artifact_location=location, tags=experiment_tags(description))
+            return client.create_experiment(study, artifact_location=location, tags=tags)
         except Exception:  # another process created it in between
             exp = client.get_experiment_by_name(study)
             if exp is None:
                 raise
-    for key, value in experiment_tags(description).items():
+    for key, value in tags.items():
         if exp.tags.get(key) != value:
             client.set_experiment_tag(exp.experiment_id, key, value)
     rebase_artifacts(exp.experiment_id, exp.name, exp.artifact_location)
@@ -142,113 +127,136 @@ def experiment_id(study: str, description: str | None = None) -> str:
 
 
 def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
-    """Point a study's artifact location (and its runs') at this checkout's ``mlartifacts/<study>``.
-
-    MLflow stores absolute ``file://`` locations (it resolves relative ones at creation), so a moved or copied
-    checkout, whose mlflow.db travels with it, would log into the first folder. Only a store inside this checkout
-    is rebased (a store shared by several checkouts keeps its locations), and only locations of our own layout
-    (``.../mlartifacts/<study>``). MLflow has no API to change a location, hence the SQL. Returns True if changed."""
-    db = _sqlite_path(tracking_uri())
-    if db is None or not location or not location.startswith("file:"):
-        return False
-    root = repo_root().resolve()
-    try:
-        db.resolve().relative_to(root)
-    except ValueError:
-        return False
+    """Point a study's artifact location (and its runs' and models') at this checkout's ``mlartifacts/<study>``:
+    MLflow stores absolute ``file://`` locations, so a moved or copied checkout, whose mlflow.db travels with it,
+    would log into the first folder. Only a store inside this checkout is rebased (a store shared by several
+    checkouts keeps its locations), only locations of our layout; MLflow has no API for it, hence the SQL."""
     from mlflow.utils.file_utils import local_file_uri_to_path
 
-    old_path = Path(local_file_uri_to_path(location))
-    if old_path.name != study or old_path.parent.name != "mlartifacts":
+    db = _sqlite_path(tracking_uri())
+    if db is None or not (location or "").startswith("file:") or not db.resolve().is_relative_to(repo_root().resolve()):
         return False
-    new_path = (artifact_root() / study).resolve()
-    if old_path == new_path:
-        return False
-    new_path.mkdir(parents=True, exist_ok=True)
-    old_uri, new_uri = location.rstrip("/"), new_path.as_uri()
+    old = Path(local_file_uri_to_path(location))
+    if old.name != study or old.parent.name != "mlartifacts" or old == artifact_dir(study):
+        return False  # not our layout, or already here
+    old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
-        rows = con.execute("SELECT run_uuid, artifact_uri FROM runs WHERE experiment_id = ?", (int(exp_id),))
-        for run_uuid, uri in rows.fetchall():
-            if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
-                con.execute("UPDATE runs SET artifact_uri = ? WHERE run_uuid = ?",
-                            (new_uri + uri[len(old_uri):], run_uuid))
+        for table, key, column in (("runs", "run_uuid", "artifact_uri"), ("logged_models", "model_id",
+                                                                          "artifact_location")):
+            rows = con.execute(f"SELECT {key}, {column} FROM {table} WHERE experiment_id = ?", (int(exp_id),))
+            for row_id, uri in rows.fetchall():
+                if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
+                    con.execute(f"UPDATE {table} SET {column} = ? WHERE {key} = ?",
+                                (new_uri + uri[len(old_uri):], row_id))
     return True
 
 
 def close_dead_runs(exp_id: str, experiment: str, keep: str | None = None) -> list[str]:
-    """Mark KILLED every RUNNING run of ``experiment`` whose process is gone (SIGKILL, power loss), except ``keep``.
-    Returns their run ids."""
-    client = _client()
-    runs = client.search_runs([exp_id], filter_string=f"tags.experiment = '{experiment}' and "
-                                                       "attributes.status = 'RUNNING'", max_results=1000)
-    closed = []
-    for run in runs:
-        if run.info.run_id == keep or owner_alive(run.data.tags):
-            continue
-        client.set_tag(run.info.run_id, "fedmeet.end", "marked KILLED at the next start of the experiment: "
-                                                       "its process was gone")
-        client.set_terminated(run.info.run_id, status="KILLED")
-        closed.append(run.info.run_id)
+    """Mark KILLED every RUNNING run of ``experiment`` whose process is gone (SIGKILL, power loss), except ``keep``,
+    and its clients' runs. Returns their run ids."""
+    runs = _client().search_runs([exp_id], filter_string=f"tags.experiment = '{experiment}' and "
+                                                          "attributes.status = 'RUNNING'", max_results=1000)
+    closed = [r.info.run_id for r in runs if r.info.run_id != keep and not owner_alive(r.data.tags)]
+    for run_id in closed:
+        logger = RunLogger(run_id)
+        logger.set_tags({"fedmeet.end": "marked KILLED at the next start of the experiment: its process was gone"})
+        logger.finish("KILLED")
     return closed
 
 
-def _param_value(v: Any) -> str:
-    s = "None" if v is None else str(v)
-    return s if len(s) <= _MAX_PARAM_CHARS else s[: _MAX_PARAM_CHARS - 3] + "..."
+def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
+    """A client's split as an MLflow dataset of metadata only: ``<partition>/<client>/<split>``, its ids' digest."""
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.data.sources import LocalArtifactDatasetSource
+
+    digest = hashlib.sha256(json.dumps([str(i) for i in ids]).encode()).hexdigest()[:16]
+    return MetaDataset(LocalArtifactDatasetSource(str(source)), name=f"{partition}/{client}/{split}", digest=digest)
 
 
 class RunLogger:
-    """An MLflow run addressed by id (no thread-local active run), so the Flower server thread can log to it."""
+    """An MLflow run addressed by id (no thread-local active run, so the Flower server thread can log to it), and
+    its clients' child runs: a metric ``<client>.<key>`` of a client with a run goes to that run as ``<key>``."""
 
     def __init__(self, run_id: str):
         self.run_id = run_id
         self._client = _client()
+        self._monitor = None
+        self.datasets: dict[str, dict[str, Any]] = {}  # the clients' splits as MLflow datasets, by client and split
+        self.train_sizes: dict[str, int] = {}
+        children = self._client.search_runs([self._client.get_run(run_id).info.experiment_id],
+                                            filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'", max_results=1000)
+        self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
+        # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
+        self.models = {r.data.tags["client"]: r.data.tags[MODEL_TAG] for r in children if MODEL_TAG in r.data.tags}
 
     @classmethod
     def start(cls, study: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
-              resume_run_id: str | None = None) -> "RunLogger":
-        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter.
-        Earlier runs of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
-        client = _client()
-        exp_id = experiment_id(study)
-        logger = None
-        if resume_run_id:
-            try:
-                client.get_run(resume_run_id)
-            except Exception:
-                pass  # run gone (store deleted): start a new one
-            else:
-                client.update_run(resume_run_id, status="RUNNING")
-                logger = cls(resume_run_id)
-                logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
-        if logger is None:
-            run = client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags())
-            logger = cls(run.info.run_id)
+              resume_run_id: str | None = None, partition: str | Path | None = None,
+              clients: tuple[str, ...] = ()) -> "RunLogger":
+        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter, with a
+        child run per client of the ``partition`` file (its splits the child's datasets) or of ``clients``, and MLflow's
+        system metrics (``system/...``: CPU, memory, disk, network, a GPU where nvidia-ml-py finds one). Earlier runs
+        of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        client, exp_id, resumed = _client(), experiment_id(study), False
+        with contextlib.suppress(Exception):  # no run to resume, or it is gone (store deleted): start a new one
+            resumed = client.get_run(resume_run_id).info.run_id == resume_run_id
+        if resumed:
+            logger = cls(resume_run_id)
+            for run_id in (resume_run_id, *logger.children.values()):
+                client.update_run(run_id, status="RUNNING")
+            logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
+        else:
+            logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
             logger.log_params(params)
+        splits = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
+        logger._start_children(exp_id, run_name, tags, {c: {} for c in clients} | splits, partition)
         if tags.get("experiment"):
             close_dead_runs(exp_id, tags["experiment"], keep=logger.run_id)
+        logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
+        logger._monitor.start()
         return logger
+
+    def _start_children(self, exp_id: str, run_name: str, tags: dict[str, str], clients: dict[str, dict],
+                        partition: str | Path | None) -> None:
+        from mlflow.entities import DatasetInput, InputTag
+
+        for name, splits in clients.items():
+            self.train_sizes[name] = len(splits.get("train", []))
+            self.datasets[name] = {split: split_dataset(tags.get("partition", ""), name, split, splits[split],
+                                                        partition) for split in ("train", "valid") if split in splits}
+            if name in self.children:
+                continue
+            child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: self.run_id, "client": name}
+            self.children[name] = self._client.create_run(exp_id, run_name=f"{run_name}/{name}",
+                                                          tags=child_tags).info.run_id
+            self._client.log_inputs(self.children[name], datasets=[
+                DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
+                for split, ds in self.datasets[name].items()])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        flat = [Param(k, _param_value(v)) for k, v in sorted(flatten(params).items())]
-        for i in range(0, len(flat), 100):  # log_batch takes at most 100 params per call
-            self._client.log_batch(self.run_id, params=flat[i : i + 100])
+        # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
+        self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
+        """Log ``metrics`` at ``step`` (NaN and None left out); a client's go to its run. ``model_id`` and
+        ``dataset`` (an MLflow dataset): the model and the data the values belong to."""
         from mlflow.entities import Metric
-        import time
 
-        now = int(time.time() * 1000)
-        rows = [
-            Metric(k, float(v), now, step)
-            for k, v in sorted(metrics.items())
-            if v is not None and not (isinstance(v, float) and math.isnan(v))
-        ]
-        for i in range(0, len(rows), 1000):
-            self._client.log_batch(self.run_id, metrics=rows[i : i + 1000])
+        now, rows = int(time.time() * 1000), {}
+        data = {"dataset_name": dataset.name, "dataset_digest": dataset.digest} if dataset is not None else {}
+        for key, v in sorted(metrics.items()):
+            if v is not None and not (isinstance(v, float) and math.isnan(v)):
+                client, _, rest = key.partition(".")
+                run_id = self.children.get(client) if rest else None
+                rows.setdefault(run_id or self.run_id, []).append(
+                    Metric(rest if run_id else key, float(v), now, step, model_id=model_id, **data))
+        for run_id, batch in rows.items():
+            self._client.log_batch(run_id, metrics=batch)
 
     def metric_history(self, key: str) -> list:
         return self._client.get_metric_history(self.run_id, key)
@@ -256,15 +264,50 @@ class RunLogger:
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
 
-        rows = [RunTag(k, str(v)) for k, v in sorted(tags.items())]
-        for i in range(0, len(rows), 100):
-            self._client.log_batch(self.run_id, tags=rows[i : i + 100])
-
-    def log_artifacts(self, local_dir: str | Path, artifact_path: str | None = None) -> None:
-        self._client.log_artifacts(self.run_id, str(local_dir), artifact_path)
+        self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
 
     def log_artifact(self, local_path: str | Path, artifact_path: str | None = None) -> None:
         self._client.log_artifact(self.run_id, str(local_path), artifact_path)
 
+    def log_adapter_models(self, model_dir: Path, global_adapter: Path | None = None) -> dict[str, str]:
+        """Each client's best adapter (``<model_dir>/clients/<client>/adapter_best.safetensors``) as a LoggedModel
+        ``<experiment>-<client>`` of the client's run (``global_adapter``, a deployed server's aggregate, of this
+        run), its files ``adapters/<client>/`` and the plan ``experiment.json``. Returns model ids by client."""
+        plan = json.loads((model_dir / "experiment.json").read_text())
+        tags = {k: str(plan[k]) for k in ("experiment", "method", "partition", "seed", "study")}
+        adapters = {f.parent.name: f for f in sorted((model_dir / "clients").glob("*/adapter_best.safetensors"))}
+        adapters |= {"global": global_adapter} if global_adapter is not None else {}
+        exp_id = self._client.get_run(self.run_id).info.experiment_id
+        for client, adapter in adapters.items():
+            model = self._client.create_logged_model(exp_id, name=f"{plan['experiment']}-{client}",
+                                                     source_run_id=self.children.get(client, self.run_id),
+                                                     tags=tags | {"client": client})
+            self._client.log_model_artifact(model.model_id, str(adapter), f"adapters/{client}")
+            self._client.log_model_artifact(model.model_id, str(model_dir / "experiment.json"))
+            self._client.finalize_logged_model(model.model_id, "READY")
+            if client in self.children:
+                self._client.set_tag(self.children[client], MODEL_TAG, model.model_id)
+            if train := self.datasets.get(client, {}).get("train"):  # the model's link to the data it learnt from
+                self.log_metrics({f"{client}.train_examples": self.train_sizes[client]}, 0, model.model_id, train)
+            self.models[client] = model.model_id
+        return self.models
+
     def finish(self, status: str = "FINISHED") -> None:
-        self._client.set_terminated(self.run_id, status=status)
+        if self._monitor is not None:
+            self._monitor.finish()
+        for run_id in (*self.children.values(), self.run_id):
+            self._client.set_terminated(run_id, status=status)
+
+
+def download_model(model: str, models_dir: Path) -> dict[str, str]:
+    """A LoggedModel (its id ``m-...`` or ``models:/<id>``) downloaded into ``models_dir/<experiment>/`` as the train
+    stage lays out its output (``clients/<client>/adapter_best.safetensors``, ``experiment.json``); its tags."""
+    import mlflow
+
+    model_id = model.removeprefix("models:/").strip("/")
+    _client()  # sets the tracking URI
+    tags = mlflow.get_logged_model(model_id).tags
+    folder = models_dir / tags["experiment"]
+    mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(folder))
+    (folder / "adapters").rename(folder / "clients")
+    return tags
