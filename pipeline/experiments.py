@@ -1,29 +1,17 @@
 """Experiments: the one reader of params `experiments:` and of plan files.
 
-An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``,
-optionally with `seed` (else the top-level seed), `tau`, any `train` key, or a `privacy` mapping of the params file
-privacy keys as an override): :func:`declared` reads and checks them all, and every stage that needs the list
-(plan, analyze, report, presets, tracking) asks it. Its *plan* is the resolved
-configuration the plan stage writes to ``models/plans/<experiment>.json`` and the train stage reads
-(:func:`read_plan`): exactly what the result depends on. The train stages depend on their plan file, not on
-params, so a change reruns only the experiments it affects: tau is written only for methods that read it
-(selective KD) - `dvc exp run -S tau=4` reruns the selective-KD experiments and nothing else; KD, proximal and
-server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
-settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
-train-size cap). The POS-tag file's hash enters only the `hardkd` plans, the source hash of a strategy or KD gate
-module only the plans of the experiments that run it (:func:`extension_md5`: those modules are no train stage's
-deps, so editing one reruns only its experiments). The `privacy` group enters federated
-plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
-(its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
-(pipeline.privacy.settings.client_level_problem), secure aggregation those whose server does more than average
-(pipeline.privacy.settings.secure_aggregation_refusal).
+An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``, with
+optional `seed`, `tau`, any `train` key and a `privacy` mapping overriding the params file's): :func:`declared` reads
+and checks them all for every stage that needs the list. Its *plan* (``models/plans/<experiment>.json``, written by
+the plan stage, read by the train stage with :func:`read_plan`) holds exactly what its result depends on, so a params
+change reruns only the experiments it affects: tau enters only selective-KD plans, KD, proximal and server-optimiser
+settings only the plans of methods that use them, transfer settings only federated plans, the POS tags' hash only
+`hardkd` plans, and the source hash of a strategy or KD gate module only the plans that run it (:func:`extension_md5`:
+those modules are no train stage's deps). `privacy` enters federated plans only, with its mode's keys only.
 
-Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
-round timeout, where the prefix cache lives and how large it and the teacher cache may grow): a stage entry point
-(pipeline.train; a deployed ServerApp from its run config, a ClientApp from its node or run config) builds them
-once when it starts and passes them down, so changing them reruns no train stage and resumes the same checkpoint;
-nothing below the entry points reads a params file.
-Paths are not in plans either (:mod:`pipeline.paths`).
+Settings that cannot change a result stay out of plans (:class:`RunSettings`): a stage entry point builds them once
+(:func:`load_run_settings`) and passes them down, so changing one reruns no train stage and resumes the same
+checkpoint; nothing below the entry points reads a params file. Paths are not in plans either (:mod:`pipeline.paths`).
 """
 from __future__ import annotations
 
@@ -33,23 +21,59 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, group, to_dict
+from pipeline.common.config import ConfigError, Positive, config, from_dict, group, load_params, to_dict
 from pipeline.federation.strategies.catalog import get_strategy
-from pipeline.modeling.cache import DTYPES
+from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
 from pipeline.modeling.losses import KDConfig
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
-from pipeline.training.methods import MethodSpec, get_method
-from pipeline.training.config import TrainConfig, train_config, train_keys
 from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
-# the run-time settings live in their own module; re-exported here, where stages and tests have always found them
-from pipeline.run_settings import (RUN_MODEL_KEYS, RUN_TRAIN_KEYS, RunSettings, load_run_settings,  # noqa: F401
-                                   run_settings)
+from pipeline.training.config import TrainConfig, train_config, train_keys
+from pipeline.training.methods import MethodSpec, get_method
+
+# `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
+# (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
+RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s", "admission_timeout_s")
+RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
+
+
+@config
+class RunSettings:
+    """params `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of
+    `model`: how a run executes, never what it computes; no DVC stage declares them (tests/test_experiments.py)."""
+
+    engine: Literal["inprocess", "ray"] = "inprocess"
+    ray_cpus_per_client: float = 1.0
+    ray_gpus_per_client: float = 0.0
+    round_timeout_s: Positive = 1800.0
+    admission_timeout_s: Positive = 600.0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
+    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
+    train = dict(group(params, "train"))
+    if experiment is not None:
+        train.update((params.get("experiments") or {}).get(experiment) or {})
+    model = group(params, "model")
+    return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
+                                   "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model},
+                                                      "params.yaml model")}, "params.yaml train")
+
+
+def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
+    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; a deployed
+    ServerApp: its run config ``params``). A missing file is an error, never the defaults."""
+    if not Path(params_path).exists():
+        raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "
+                                f"timeout, cache location and budgets)")
+    return run_settings(load_params(params_path), experiment)
+
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
@@ -121,7 +145,7 @@ class Experiment:
         return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
 
     def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
-        """params `privacy` with this entry's overrides (its `secagg` mapping key by key over the params file's)."""
+        """params `privacy` with this entry's overrides (`secagg` merged key by key)."""
         base = group(params, "privacy")
         merged = {**base, **self.privacy}
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
@@ -148,10 +172,9 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
     overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
     unknown = sorted(set(overrides) - train_fields)
     if unknown:
-        raise ValueError(
-            f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
-            f"tau, {PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
-        )
+        raise ConfigError(f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, "
+                          f"{PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys "
+                          f"{sorted(train_fields)}")
     privacy = raw.get(PRIVACY_KEY) or {}
     if not isinstance(privacy, dict):
         raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
@@ -239,11 +262,8 @@ def declared(params: dict[str, Any]) -> list[Experiment]:
 
 
 def _file_md5(path: Path) -> str:
-    h = hashlib.md5()
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "md5").hexdigest()
 
 
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
@@ -337,13 +357,9 @@ class Plan:
 
     @property
     def paths(self) -> dict[str, str]:
-        """Where this experiment reads and writes (pipeline.paths; relative to the project root).
-
-        ``out_dir`` is where a run writes while it runs (adapters, gate log parts, checkpoints), a directory of its
-        own per configuration under ``data/cache/runs/``; ``model_dir`` (``models/<exp>/``, the train stage's DVC
-        output) receives the finished outputs (pipeline.training.publish.publish_outputs). Kept apart so the train
-        stage's output need not persist between runs: DVC's run cache then keeps every finished training, and a
-        killed queued or temporary experiment rerun restores them instead of training them again."""
+        """Where this experiment reads and writes. ``out_dir``: where a run writes while it runs (checkpoints
+        included), one directory per configuration; ``model_dir`` (``models/<exp>/``) receives the finished outputs
+        (pipeline.training.publish), so that DVC output need not persist and DVC's run cache keeps every training."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
                  "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
                  "model_dir": str(PATHS.model_dir(self.experiment)),
