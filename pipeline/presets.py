@@ -1,42 +1,16 @@
 """Run profiles: partial params.yaml files in ``configs/`` applied through DVC's own parameter mechanism.
 
-A preset is a YAML mapping with the nested layout of params.yaml naming only keys params.yaml already has
-(an unknown key is an error, so a typo can never be silently ignored). Applying it means running
-``dvc exp run --set-param key=value ...`` with one override per leaf key, so every profile run is a DVC
-experiment whose params DVC records and ``dvc exp show`` compares.
-
-Rules
-- Leaves (scalars and lists) replace the params.yaml value; a mapping is merged key by key.
-- ``experiments`` (see :data:`REPLACED_WHOLE`) is replaced as a whole: a profile defines its own set of
-  experiments, and params.yaml's entries not named by it are dropped (``~experiments`` then
-  ``+experiments={...}``). Each entry is checked by the experiments' one parser (``pipeline.experiments.parse_entry``: method,
-  partition, seed, study, tau and ``train`` keys), its method must exist and its partition must be one the
-  partition stage produces (``partition.schemes`` x ``partition.seeds`` after the preset).
-- ``seeds``, ``schemes`` and other lists are replaced, never appended to.
+A preset has params.yaml's nested layout and names only keys params.yaml has (an unknown key is an error). Applying
+it runs ``dvc exp run --set-param key=value ...``, one override per leaf, so every profile run is a DVC experiment.
+Leaves (lists included) replace the params.yaml value, mappings merge key by key, and ``experiments`` is replaced
+whole (``~experiments`` then ``+experiments={...}``), each entry checked by the plan stage's parser and its
+partition one the partition stage produces. A grid is DVC's own sweep (``make grid``); docs/experiments.md has the
+recipes.
 
     python -m pipeline.presets show configs/cpu-study.yaml          # the flattened overrides
-    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue | --temp] [--parts KEY] [--dry-run]
     python -m pipeline.presets check configs/*.yaml                  # validate only
-    make preset PRESET=configs/cpu-study.yaml
-
-A long preset in parts (``--parts seed``): one DVC experiment per seed, each finishing on its own, then the whole,
-whose trainings DVC's run cache restores from the parts (:func:`part_commands`); queued, ``dvc queue start`` runs
-them in that order:
-
-    python -m pipeline.presets run configs/cpu-study.yaml --name cpu-study --queue --parts seed
-    dvc queue start
-
-A finished experiment's results into the repository (``export``): its params.yaml and dvc.lock (the exact record
-of what ran) and the outputs named, read at the experiment's commit through DVC's file system (git-tracked files
-from the commit, cached outputs from the local DVC cache), so the workspace and its params stay as they are:
-
-    python -m pipeline.presets export privacy-study reports/privacy/study reports/tables/study_privacy.md \
-        'reports/train/*/metrics.json'
-
-What DVC does itself is left to it: a grid is DVC's own sweep over the top-level ``tau`` and ``seed`` (every
-experiment inherits the seed unless it sets one), one queued experiment per point, run by ``dvc queue start``:
-
-    dvc exp run --queue -S 'tau=2,3,4,5' -S 'seed=0,1,2' && dvc queue start -j 2     # make grid JOBS=2
+    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue | --temp] [--parts KEY] [--dry-run]
+    python -m pipeline.presets export NAME DEST [PATH | SRC=TARGET ...]  # a finished experiment's files, at its commit
 """
 from __future__ import annotations
 

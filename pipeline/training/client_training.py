@@ -9,23 +9,57 @@ plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gat
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
 
-from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments import Plan
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
+from pipeline.modeling.losses import KDConfig
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
-from pipeline.training.kd import kd_config, noun_verb_masks
 from pipeline.training.seeds import derived_seed, seed_everything
 from pipeline.training.shared_model import model_config
 
-GATE_LOG_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
+GATE_LOG_DTYPES = {"client": "string", "round": "int32", "example_id": "string", "position": "int32",
+                   "token_id": "int64", "entropy": "float32", "kd_applied": "bool"}
+GATE_LOG_COLUMNS = list(GATE_LOG_DTYPES)
+
+
+def kd_config(plan: Plan) -> KDConfig:
+    """The loss configuration of the plan's method: its KD mode, its tau (inf when it reads none) and the `train`
+    keys of the same names."""
+    same_names = {f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig)
+                  if f.name not in ("mode", "tau")}
+    return KDConfig(mode=plan.spec.kd_mode, tau=plan.tau if plan.tau is not None else float("inf"), **same_names)
+
+
+@lru_cache(maxsize=2)
+def _noun_verb_masks(path: str, mtime: float) -> NounVerbMasks:
+    return NounVerbMasks.from_parquet(path)
+
+
+def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:
+    """Hard KD's masks of the target nouns and verbs (stage `postag`), read once per process and file version."""
+    p = Path(postags_path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: POS tags not found (stage `postag`); method hardkd needs them")
+    return _noun_verb_masks(str(p), p.stat().st_mtime)
+
+
+def _batches(model: AdapterSummarizer, frame: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig, shuffle: bool,
+             seed: int, bucket_by_length: bool) -> list[Batch]:
+    return make_batches(frame, model.tokenizer, mcfg, cfg.batch_size, shuffle, seed,
+                        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+                        bucket_by_length=bucket_by_length)
 
 
 @dataclass
@@ -78,11 +112,7 @@ def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: 
                         normalisation: str, seed: int) -> list[list[tuple[Batch, float]]]:
     """One epoch without privacy: shuffled batches in windows of ``grad_accum_steps``, each batch with its share
     of its optimizer step (:func:`accumulation_weights`)."""
-    batches = make_batches(
-        examples, model.tokenizer, mcfg, cfg.batch_size, shuffle=True, seed=seed,
-        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-        bucket_by_length=cfg.bucket_by_length,
-    )
+    batches = _batches(model, examples, mcfg, cfg, True, seed, cfg.bucket_by_length)
     weights = accumulation_weights(batches, cfg.grad_accum_steps, normalisation)
     pairs = list(zip(batches, weights))
     return [pairs[i:i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
@@ -134,8 +164,7 @@ class PlainSteps:
     def finish(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    close = finish
 
 
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
@@ -191,15 +220,14 @@ def train_local(
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"], cfg), lr=cfg.lr)
-    reference = None
+    proximal = None
     if proximal_mu > 0.0:
         if proximal_reference is None:
             raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
-        names = [name for name, _ in model.adapter_sets["local"].named_parameters()]
-        state_names = list(model.adapter_state("local"))
-        if len(names) != len(state_names):
+        state_names = list(model.adapter_state("local"))  # matched to the parameters by order
+        if len(params) != len(state_names):
             raise RuntimeError("adapter parameters and adapter_state keys disagree")
-        reference = [proximal_reference[k].to(model.device) for k in state_names]
+        proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
 
     model.train(True)
     sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
@@ -207,17 +235,13 @@ def train_local(
     n_steps = 0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
-    teacher_budget = teacher_cache_gb  # a run-time setting (RunSettings.cache), never the plan's
-    if two_paths and cfg.local_epochs > 1 and teacher_budget > 0:
+    if two_paths and cfg.local_epochs > 1 and teacher_cache_gb > 0:
         from pipeline.modeling.cache import TeacherCache
 
-        teacher_cache = TeacherCache(int(teacher_budget * 2**30))
-    proximal = Proximal(params, reference, proximal_mu) if reference is not None else None
+        teacher_cache = TeacherCache(int(teacher_cache_gb * 2**30))
 
     def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
-        return make_batches(frame, model.tokenizer, mcfg, cfg.batch_size, shuffle=False, seed=0,
-                            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-                            bucket_by_length=cfg.bucket_by_length)
+        return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length)
 
     stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed,
                                   f"{plan.source}: client {client!r}", micro_batches, kd.loss_normalisation,
@@ -279,12 +303,7 @@ def train_local(
 
 
 def empty_gate_log() -> pd.DataFrame:
-    return pd.DataFrame({
-        "client": pd.Series(dtype="string"), "round": pd.Series(dtype="int32"),
-        "example_id": pd.Series(dtype="string"), "position": pd.Series(dtype="int32"),
-        "token_id": pd.Series(dtype="int64"), "entropy": pd.Series(dtype="float32"),
-        "kd_applied": pd.Series(dtype="bool"),
-    })
+    return pd.DataFrame({column: pd.Series(dtype=dtype) for column, dtype in GATE_LOG_DTYPES.items()})
 
 
 def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: torch.Tensor, client: str,
@@ -293,14 +312,10 @@ def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: 
     b_idx, t_idx = np.nonzero(valid)
     ids = np.asarray(batch.example_ids, dtype=object)
     return pd.DataFrame({
-        "client": pd.Series([client] * len(b_idx), dtype="string"),
-        "round": np.full(len(b_idx), rnd, dtype=np.int32),
-        "example_id": pd.Series(ids[b_idx], dtype="string"),
-        "position": t_idx.astype(np.int32),
-        "token_id": labels.cpu().numpy()[b_idx, t_idx].astype(np.int64),
-        "entropy": entropy.float().cpu().numpy()[b_idx, t_idx].astype(np.float32),
-        "kd_applied": gate.cpu().numpy()[b_idx, t_idx].astype(bool),
-    })
+        "client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
+        "token_id": labels.cpu().numpy()[b_idx, t_idx], "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
+        "kd_applied": gate.cpu().numpy()[b_idx, t_idx],
+    }).astype(GATE_LOG_DTYPES)
 
 
 @torch.no_grad()
@@ -311,11 +326,7 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
     mcfg = model_config(plan)
     model.train(False)
     total, tokens = 0.0, 0
-    batches = make_batches(
-        examples, model.tokenizer, mcfg, plan.train.batch_size, shuffle=False, seed=0,
-        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-    )
-    for batch in batches:
+    for batch in _batches(model, examples, mcfg, plan.train, False, 0, False):
         logits, _ = _forward_logits(model, batch, False, cache)  # packed: [real target tokens, V]
         labels = batch.labels.to(model.device)
         ce = torch.nn.functional.cross_entropy(logits.float(), labels[labels != IGNORE_INDEX], reduction="sum")
