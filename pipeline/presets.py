@@ -99,7 +99,6 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     partition the partition stage does not produce, then what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
-    from pipeline.common.config import ConfigError
     from pipeline.experiments import check_params, parse_entry
 
     try:
@@ -128,7 +127,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     if not found:
         try:
             check_params(applied)
-        except (ConfigError, ValueError) as e:
+        except ValueError as e:  # ConfigError among them
             found.append(str(e))
     return found
 
@@ -306,27 +305,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="the params.yaml presets are checked against")
     sub = ap.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="validate and print the flattened overrides")
-    show.add_argument("preset")
-    check = sub.add_parser("check", help="validate one or more presets")
-    check.add_argument("presets", nargs="+")
+    sub.add_parser("show", help="validate and print the flattened overrides").add_argument("preset")
+    sub.add_parser("check", help="validate one or more presets").add_argument("presets", nargs="+")
     run = sub.add_parser("run", help="validate, then `dvc exp run --set-param ...` (a DVC experiment)")
     run.add_argument("preset")
     run.add_argument("--name", help="experiment name (dvc exp run --name)")
     where = run.add_mutually_exclusive_group()
     where.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
-    where.add_argument("--temp", action="store_true", help="run in a temporary copy (dvc exp run --temp), leaving "
-                                                           "the workspace as it is")
-    run.add_argument("--parts", metavar="KEY",
-                     help="one DVC experiment per value of the experiments' KEY (e.g. seed), then the whole, which "
-                          "restores their trainings from DVC's run cache (needs --name)")
+    where.add_argument("--temp", action="store_true", help="run in a temporary copy (dvc exp run --temp)")
+    run.add_argument("--parts", metavar="KEY", help="one DVC experiment per value of the experiments' KEY (e.g. "
+                                                    "seed), then the whole (needs --name)")
     run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
     export = sub.add_parser("export", help="copy a finished experiment's params, dvc.lock and named outputs into "
                                            "a folder (read at its commit; the workspace is left as it is)")
     export.add_argument("experiment", help="the experiment's name (dvc exp list --all-commits)")
     export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
-    export.add_argument("paths", nargs="*", help="outputs or git files of the experiment; globs allowed; "
-                                                 "SRC=TARGET writes SRC to dest/TARGET")
+    export.add_argument("paths", nargs="*", help="its outputs or git files; globs allowed; SRC=TARGET renames")
     args = ap.parse_args(argv)
     params = load_params(args.params)
     try:
@@ -334,23 +328,17 @@ def main(argv: list[str] | None = None) -> int:
             written = export_experiment(args.experiment, args.dest, args.paths)
             print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
             return 0
-        if args.command == "show":
-            preset = load_preset(args.preset)
-            validate(preset, params, args.preset)
-            for ov in overrides(preset):
-                print(ov)
+        if args.command in ("show", "check"):
+            for path in [args.preset] if args.command == "show" else args.presets:
+                preset = load_preset(path)
+                validate(preset, params, path)
+                print("\n".join(overrides(preset)) if args.command == "show"
+                      else f"{path}: ok ({len(overrides(preset))} overrides)")
             return 0
-        if args.command == "check":
-            for path in args.presets:
-                validate(load_preset(path), params, path)
-                print(f"{path}: ok ({len(overrides(load_preset(path)))} overrides)")
-            return 0
-        if args.parts:
-            if not args.name:
-                raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
-            cmds = part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp)
-        else:
-            cmds = [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)]
+        if args.parts and not args.name:
+            raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
+        cmds = (part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp) if args.parts
+                else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)])
     except PresetError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

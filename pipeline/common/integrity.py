@@ -43,12 +43,9 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:

@@ -13,7 +13,6 @@ from typing import Any
 DATASETS = ("qmsum", "samsum", "ami", "icsi")
 SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
-QUERY_TYPES = ("general", "specific", "none")
 
 # Upstream split names -> ours (QMSum `val`, SAMSum `validation`, HMNet `dev`).
 _SPLIT_ALIASES = {"train": "train", "val": "valid", "valid": "valid", "validation": "valid", "dev": "valid", "test": "test"}
@@ -65,9 +64,6 @@ class CanonicalRecord:
         row = dataclasses.asdict(self)
         row["spans"] = [list(s) for s in self.spans]
         return row
-
-
-CANONICAL_COLUMNS = [f.name for f in dataclasses.fields(CanonicalRecord)]
 
 
 @dataclass
@@ -128,8 +124,7 @@ class IngestReport:
         return d
 
 
-# ----------------------------------------------------------------------------------------------
-# Word counters used by the statistics (METHOD.md section 2, Table II).
+# Word counters of the statistics (METHOD.md section 2, Table II).
 _DISFLUENCY_TAG = re.compile(r"\{[^}]*\}")
 
 

@@ -1,9 +1,6 @@
-"""Where a training run keeps its state while it runs, and its checkpoints, shared by the federated engines
-(pipeline.federation: server loop and client handlers) and by `single` / `centralized` (pipeline.training.serverless).
-
-A run's run directory is ``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` (adapters, gate log),
-``checkpoint/`` with ``server.pt`` or ``local.pt``, ``mlflow_run_id``,
-``clients/<client>/round<NNN>.{safetensors,json}``.
+"""Where a training run keeps its state while it runs, and its checkpoints (the federated engines and `single` /
+`centralized`). A run directory ``data/cache/runs/<exp>-<key>/`` holds ``clients/<client>/`` (adapters, gate log) and
+``checkpoint/`` (``server.pt`` or ``local.pt``, ``mlflow_run_id``, ``clients/<client>/round<NNN>.{safetensors,json}``).
 A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed.
 """
 from __future__ import annotations
@@ -28,7 +25,6 @@ TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the clien
 DP_STEPS = "dp-steps"  # in a client checkpoint's progress: DP-SGD steps so far, so a resumed client keeps composing
 
 
-# ----------------------------------------------------------------------------------------------- where
 def checkpoint_dir(plan: Plan) -> Path:
     """``<run dir>/checkpoint/``: everything a killed run resumes from (removed when the run finishes)."""
     return Path(plan.paths["out_dir"]) / "checkpoint"
@@ -57,7 +53,6 @@ def client_checkpoint_dir(plan: Plan, client: str) -> Path:
     return checkpoint_dir(plan) / "clients" / client
 
 
-# ----------------------------------------------------------------------------------------------- run checkpoints
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
     """The checkpoint after round ``rnd``: ``state`` tagged with the plan's hash and the round."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,12 +76,11 @@ def has_valid_checkpoint(plan: Plan) -> bool:
         if path.exists():
             try:
                 return torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
-            except Exception:  # unreadable (killed mid-write before the atomic rename cannot happen, but be safe)
+            except Exception:  # unreadable
                 return False
     return False
 
 
-# ----------------------------------------------------------------------------------------------- client checkpoints
 @dataclass
 class ClientCheckpoint:
     """A client's checkpoint of one round: its progress, whether it had trained, its DP-SGD steps so far."""

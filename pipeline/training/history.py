@@ -23,6 +23,12 @@ class RoundLog:
     aggregated: bool
 
 
+def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:
+    """A client row's quantities that are set (its epsilon only under example-level DP: client-level DP's is the
+    run's, :func:`client_level_round`)."""
+    return {k: row[k] for k in keys if row.get(k) is not None and not (k == "epsilon" and "update_clipped" in row)}
+
+
 def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The run-level privacy fields of one round under privacy.mode client, empty when it released nothing: one
     epsilon and C for the whole federation, and the fraction of the aggregated updates C clipped (the rows of the
@@ -39,11 +45,8 @@ def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One round's MLflow metrics from its rows (one per client)."""
-    metrics: dict[str, float] = {}
-    for row in rows:
-        for key in ROUND_FIELDS + ("failed",):
-            if row.get(key) is not None and not (key == "epsilon" and "update_clipped" in row):
-                metrics[f"{row['client']}.{key}"] = float(row[key])
+    metrics = {f"{row['client']}.{k}": float(v) for row in rows
+               for k, v in _client_fields(row, ROUND_FIELDS + ("failed",)).items()}
     metrics.update({k: float(v) for k, v in client_level_round(rows).items()})
     metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
     metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
@@ -53,13 +56,18 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return metrics
 
 
+def _by_round(history: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        by_round.setdefault(int(row["round"]), []).append(row)
+    return by_round
+
+
 def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
     """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
     leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
     logged = {m.step for m in logger.metric_history("bytes_sent")}
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        by_round.setdefault(int(row["round"]), []).append(row)
+    by_round = _by_round(history)
     missing = sorted(set(by_round) - logged)
     for rnd in missing:
         logger.log_metrics(round_metrics(by_round[rnd]), step=rnd)
@@ -69,21 +77,14 @@ def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
 def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     """``models/<exp>/rounds.json`` (the history rows) and ``reports/train/<exp>/rounds.json`` (DVC plots: one row
     per round, a column per client and quantity)."""
-    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out_dir / "rounds.json", history, indent=1)
-    wide: dict[int, dict[str, Any]] = {}
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        w = wide.setdefault(row["round"], {"round": row["round"]})
-        by_round.setdefault(row["round"], []).append(row)
-        for key in ROUND_FIELDS:
-            if row.get(key) is not None and not (key == "epsilon" and "update_clipped" in row):
-                w[f"{row['client']}/{key}"] = row[key]
-    for rnd, rows in by_round.items():
-        wide[rnd].update(client_level_round(rows))
-    for w in wide.values():
+    atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
+    wide = []
+    for rnd, rows in sorted(_by_round(history).items()):
+        w: dict[str, Any] = {"round": rnd}
+        for row in rows:
+            w.update({f"{row['client']}/{k}": v for k, v in _client_fields(row).items()})
+        w.update(client_level_round(rows))
         vals = [v for k, v in w.items() if k.endswith("/val_loss")]
         w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
-    atomic.write_json(reports_dir / "rounds.json", [wide[r] for r in sorted(wide)], indent=1)
+        wide.append(w)
+    atomic.write_json(Path(plan.paths["reports_dir"]) / "rounds.json", wide, indent=1)

@@ -9,8 +9,6 @@ row they are compared against.
 """
 from __future__ import annotations
 
-
-
 from pipeline.common.config import ConfigError, config
 from pipeline.federation.strategies.catalog import STRATEGIES
 from pipeline.modeling.losses import KdMode

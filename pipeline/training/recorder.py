@@ -28,9 +28,7 @@ class TrainRecorder:
     """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
 
     def __init__(self, plan: Plan, logger=None):
-        self.logger = logger
-        self.round_seconds: list[float] = []
-        self._bar = None
+        self.logger, self.round_seconds, self._bar = logger, [], None
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         from tqdm import tqdm

@@ -16,11 +16,7 @@ import numpy as np
 def relative_improvements(means: Sequence[float]) -> list[float]:
     """For each round after the first, how much its mean improved on the best mean before it, relative to that
     best (negative when it got worse)."""
-    out = []
-    for i in range(1, len(means)):
-        best_before = min(means[:i])
-        out.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
-    return out
+    return [(min(means[:i]) - means[i]) / abs(min(means[:i])) if min(means[:i]) else 0.0 for i in range(1, len(means))]
 
 
 def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int) -> bool:
