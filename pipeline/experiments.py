@@ -283,24 +283,15 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}
-    plan: dict[str, Any] = {
-        "experiment": exp.name,
-        "study": exp.study,
-        "method": method.name,
-        "partition": exp.partition,
-        "seed": exp.seed,
-        "train": _relevant_train(train, method),
-        "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
-    }
+    plan: dict[str, Any] = {"experiment": exp.name, "study": exp.study, "method": method.name,
+                            "partition": exp.partition, "seed": exp.seed, "train": _relevant_train(train, method),
+                            "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS}}
     if method.federated and exp.scheme in SCHEMES:
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
         plan["clients"] = scheme_client_names(exp.scheme, from_dict(PartitionConfig, params.get("partition"),
                                                                     "partition"))
-    cache_dtype = model.get("cache_dtype", "float32")
-    if cache_dtype not in DTYPES:
-        raise ConfigError(f"params.yaml model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
-    if train.prefix_cache and cache_dtype != "float32":
-        plan["cache_dtype"] = cache_dtype  # a float16/bfloat16 prefix changes the logits; float32 is exact
+    if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
+        plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
         raise ValueError(f"params.yaml experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
                          f"rounds {train.rounds}: the new client might never join")
@@ -408,12 +399,9 @@ def read_plan(path: str | Path) -> Plan:
     privacy = from_dict(PrivacyConfig, raw.pop("privacy"), f"{p}: privacy") if raw.get("privacy") else None
     try:
         plan = Plan(train=train, privacy=privacy, source=str(p), **raw)
-    except TypeError as exc:
+        plan.spec  # noqa: B018 - an unknown method
+    except (TypeError, ConfigError) as exc:
         raise ConfigError(f"{p}: not a plan file ({exc})") from None
-    try:
-        get_method(plan.method)
-    except ConfigError as exc:
-        raise ConfigError(f"{p}: method: {exc}") from None
     from_dict(ModelConfig, plan.model, f"{p}: model")  # before the stage touches its outputs or MLflow
     return plan
 
@@ -451,4 +439,6 @@ def check_model_group(params: dict[str, Any]) -> ModelConfig:
     unknown = sorted(set(model) - known)
     if unknown:
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    if model.get("cache_dtype", "float32") not in DTYPES:
+        raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
     return ModelConfig.from_group(model)

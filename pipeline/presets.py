@@ -15,7 +15,7 @@ recipes.
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import re
 import shlex
 import subprocess
@@ -167,18 +167,6 @@ _BARE = re.compile(r"^[A-Za-z_][\w-]*$")
 
 def hydra_value(value: Any) -> str:
     """A value in Hydra's override grammar (what ``dvc exp run -S`` parses). Strings are always quoted."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
     if isinstance(value, str):
         # Hydra: inside quotes only backslashes right before a quote or the closing quote need doubling
         escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value).replace("'", "\\'")
@@ -186,12 +174,12 @@ def hydra_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(hydra_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        items = []
-        for k, v in value.items():
-            if not _BARE.match(str(k)):
-                raise PresetError(f"key {k!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
-            items.append(f"{k}: {hydra_value(v)}")
-        return "{" + ", ".join(items) + "}"
+        if bad := [k for k in value if not _BARE.match(str(k))]:
+            raise PresetError(f"key {bad[0]!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
+        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float)):  # JSON's spelling but for nan and inf
+        text = json.dumps(value)
+        return {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(text, text)
     raise PresetError(f"value {value!r}: unsupported type {type(value).__name__}")
 
 

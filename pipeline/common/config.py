@@ -1,15 +1,11 @@
-"""Parameters and paths shared by every stage.
+"""Parameters shared by every stage.
 
-Every stage reads the params file through :func:`load_params` and turns its own group into a config class with
-:func:`from_dict`, before any work. A config class is a pydantic dataclass (:func:`config`): its annotations,
-``Literal`` choices and ``Field`` bounds are every check (strict types, unknown keys refused), and a check that
-spans keys is a pydantic ``model_validator``. :func:`from_dict` turns pydantic's errors into one
-:class:`ConfigError` line naming the key: a typo in the params file or a preset is one clear line instead of a
-silently ignored setting or a crash deep in a stage.
-
-Defaults: the params file is the one place a value is chosen (DVC tracks it, users edit it); a config default is
-the params file's value for that key, so code and tests that build a config without the params file run what
-`make repro` runs (tests/test_params_defaults.py holds every group to it).
+Every stage reads the params file with :func:`load_params` and turns its own group into a config class with
+:func:`from_dict` before any work. A config class is a strict pydantic dataclass (:func:`config`): its annotations,
+``Literal`` choices and ``Field`` bounds are every check, a check across keys is a ``model_validator``, and
+:func:`from_dict` turns pydantic's errors into one :class:`ConfigError` line naming the key. A config default is the
+params file's value for that key, so code and tests that build a config without the file run what `make repro` runs
+(tests/test_params_defaults.py holds every group to it).
 """
 from __future__ import annotations
 
