@@ -36,12 +36,6 @@ from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secur
 from pipeline.training.config import TrainConfig, train_config, train_keys
 from pipeline.training.methods import MethodSpec, get_method
 
-# `train` keys that decide how a run is executed, never what it computes (RunSettings); `model` keys likewise
-# (CacheConfig). cache_dtype is not among them: a float16 prefix changes the logits.
-RUN_TRAIN_KEYS = ("engine", "ray_cpus_per_client", "ray_gpus_per_client", "round_timeout_s", "admission_timeout_s")
-RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
-
-
 @config
 class RunSettings:
     """params `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of
@@ -53,6 +47,11 @@ class RunSettings:
     round_timeout_s: Positive = 1800.0
     admission_timeout_s: Positive = 600.0
     cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+# The `train` and `model` keys of RunSettings. cache_dtype is not among them: a float16 prefix changes the logits.
+RUN_TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name != "cache")
+RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:

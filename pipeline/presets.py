@@ -201,27 +201,16 @@ def exp_run_command(preset_path: str | Path, name: str | None = None, queue: boo
     (``preset``: the preset's content when already loaded, e.g. one part of it)."""
     preset = preset if preset is not None else load_preset(preset_path)
     validate(preset, load_params(params_path), str(preset_path))
-    cmd = [sys.executable, "-m", "dvc", "exp", "run"]
-    if name:
-        cmd += ["--name", name]
-    if queue:
-        cmd.append("--queue")
-    if temp:
-        cmd.append("--temp")
-    for ov in overrides(preset):
-        cmd += ["--set-param", ov]
-    return cmd
+    cmd = [sys.executable, "-m", "dvc", "exp", "run", *(["--name", name] if name else []),
+           *(["--queue"] if queue else []), *(["--temp"] if temp else [])]
+    return cmd + [arg for ov in overrides(preset) for arg in ("--set-param", ov)]
 
 
 def part_commands(preset_path: str | Path, name: str, by: str, queue: bool = False,
                   params_path: str | Path = "params.yaml", temp: bool = False) -> list[list[str]]:
     """A long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
-    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``.
-
-    A part is one unit of work that finishes on its own (its tables cover its experiments only); the whole comes
-    last and trains nothing again: each train and evaluate stage it shares with a part has the same command, plan
-    file and inputs, so DVC restores it from its run cache, and only the analysis and report over all of them
-    run. An interruption loses at most the experiment in progress: finished trainings are in the run cache."""
+    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
+    nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
     preset = load_preset(preset_path)
     validate(preset, load_params(params_path), str(preset_path))
     entries = preset.get("experiments")
@@ -252,8 +241,7 @@ def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
     if not found:
         raise PresetError(f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list "
                           "--all-commits`)")
-    commit, ref = found[0]
-    return commit, ref
+    return found[0][0], found[0][1]
 
 
 def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str | Path = ".") -> list[str]:

@@ -68,23 +68,19 @@ def config(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
 def repo_root() -> Path:
     """The project root, the same for `dvc repro` and `dvc exp run` (queued/temp runs execute in a copy under
     ``<root>/.dvc/tmp/exps/``, whose results must still land in the one MLflow store at ``<root>``)."""
-    root: Path | None = None
-    for var in ("FEDMEET_ROOT", "DVC_ROOT"):
-        if os.environ.get(var):
-            root = Path(os.environ[var]).resolve()
-            break
-    if root is None:
+    env = os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT")
+    if env:
+        root = Path(env).resolve()
+    else:
         try:
-            out = subprocess.run(
-                ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            root = Path(out) if out else None
+            out = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
-            root = None
-    root = root or Path.cwd().resolve()
+            out = ""
+        root = Path(out) if out else Path.cwd().resolve()
     parts = root.parts
-    for i in range(len(parts) - 3):
-        if parts[i : i + 4] == (".dvc", "tmp", "exps", parts[i + 3]) and i > 0:
+    for i in range(1, len(parts) - 3):
+        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return root
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,12 +117,8 @@ class IngestReport:
         self.notes[what] = self.notes.get(what, 0) + n
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["n_skipped"] = len(self.skipped)
-        d["skipped_by_reason"] = {}
-        for s in self.skipped:
-            d["skipped_by_reason"][s.reason] = d["skipped_by_reason"].get(s.reason, 0) + 1
-        return d
+        return dataclasses.asdict(self) | {"n_skipped": len(self.skipped),
+                                           "skipped_by_reason": dict(Counter(s.reason for s in self.skipped))}
 
 
 # Word counters of the statistics (METHOD.md section 2, Table II).

@@ -72,13 +72,11 @@ def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
 
 def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan (then they are resumed)."""
-    for path in (server_checkpoint_path(plan), local_checkpoint_path(plan)):
-        if path.exists():
-            try:
-                return torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
-            except Exception:  # unreadable
-                return False
-    return False
+    path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
+    try:
+        return path is not None and torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
+    except Exception:  # unreadable
+        return False
 
 
 @dataclass

@@ -1,11 +1,8 @@
-"""The local trainer: what one client does with its own data in one round (METHOD.md section 4).
-
-Shared by the Flower ClientApp (federated methods) and by `single` / `centralized` (no server). It trains the
-*local* adapter set with AdamW on ``L = mean_t L_t`` where ``L_t`` is CE, KD on every token, selective KD
-(KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
-plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
-("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
+"""The local trainer: what one client does with its own data in one round (METHOD.md section 4), for the Flower
+ClientApp and for `single` / `centralized`. It trains the *local* adapter set with AdamW on ``L = mean_t L_t``
+(CE, KD on every token, selective KD where the global adapter's entropy ``H(q_g) < tau``, or hard KD on target nouns
+and verbs) plus FedProx's ``mu/2 ||W - W_global||^2`` when asked, records the gate log rows of section 4, and
+measures the validation loss (CE of the local path). Under params `privacy` the steps are DP-SGD (pipeline.privacy).
 """
 from __future__ import annotations
 
@@ -199,15 +196,10 @@ def train_local(
     progress: bool = False,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
-
-    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
-    Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
-    client's setting and this call's clipped counts, the caller composes the steps across rounds.
-
-    ``cache``: the prefix cache (shared_model.prefix_cache_for); ``teacher_cache_gb``: how much the teacher's logits
-    may hold in memory across epochs (RunSettings.cache, a run-time setting the caller passes; 0 = none). Neither
-    changes the result."""
+    (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Under the
+    plan's ``privacy`` every step is a DP-SGD step; the result carries this call's clipped counts, the caller
+    composes the steps across rounds. ``cache`` (the prefix cache) and ``teacher_cache_gb`` (the teacher's logits
+    kept across epochs; RunSettings.cache) change no result."""
     from pipeline.modeling.losses import distillation_loss
 
     cfg: TrainConfig = plan.train

@@ -42,14 +42,13 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
     model = shared_model(plan)
     cache = prefix_cache_for(plan, model, cache_settings)
     window = None
+    unit_of = {n: "pooled" if spec.pooled else n for n in names}  # the adapter each client is tested with
     if spec.pooled:
         units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
-        unit_of = {n: "pooled" for n in names}
         if plan.train.centralized_steps == "largest_client":
             window = max(len(datas[n].train) for n in names)
     else:
         units = {n: datas[n].train for n in names}
-        unit_of = {n: n for n in names}
     for n in names:
         if len(datas[n].valid) == 0:
             raise ValueError(f"{plan.paths['partition']}: client {n!r} has no valid examples: no best round")
@@ -80,9 +79,8 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
             res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache,
                                              teacher_cache_gb=cache_settings.teacher_cache_gb)
             adapters[unit] = model.adapter_state("local")
-            trained[unit] = {"n_examples": res.n_examples, "n_steps": res.n_steps, "n_tokens": res.n_tokens,
-                             "train_loss": res.train_loss, "ce": res.ce, "kd": res.kd,
-                             "kd_fraction": res.kd_fraction}
+            trained[unit] = {k: getattr(res, k) for k in ("n_examples", "n_steps", "n_tokens", "train_loss", "ce",
+                                                          "kd", "kd_fraction")}
         rows = []
         for n in names:
             unit = unit_of[n]
