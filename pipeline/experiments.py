@@ -337,7 +337,7 @@ class Plan:
     postags_md5: str | None = None
     extension_md5: dict[str, str] | None = None  # source hashes of the strategy and gate modules it runs
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
-    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
+    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP
     clients: list[str] | None = None  # federated: the clients the server admits, in the partition's order
     source: str = ""  # the plan file it was read from
 

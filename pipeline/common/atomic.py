@@ -77,7 +77,8 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         yield tmp
         _fault_point(target, tmp)
         os.replace(tmp, target)
-        _remove_stale(target, rf"\.{re.escape(target.stem)}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{re.escape(target.suffix)}")
+        stem, suffix = re.escape(target.stem), re.escape(target.suffix)
+        _remove_stale(target, rf"\.{stem}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{suffix}")
     finally:
         if tmp.exists():
             tmp.unlink()

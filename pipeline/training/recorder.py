@@ -44,7 +44,8 @@ class TrainRecorder:
         if self.logger is not None:
             self.logger.log_metrics({"round_seconds": entry.seconds} | round_metrics(entry.rows), step=entry.round)
         if self._bar is not None:
-            summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows if r.get("val_loss") is not None)
+            summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows
+                               if r.get("val_loss") is not None)
             self._bar.set_postfix_str(f"val {summary}")
             self._bar.update(1)
 
