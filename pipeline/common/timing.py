@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 from pipeline.common import atomic
 
+TIMING_DIR = Path("reports/timing")
 
 def peak_rss_mb() -> float:
     """Peak resident set size so far of this process and of its finished children (e.g. Ray workers, each by its own
@@ -28,7 +29,7 @@ class stage_timer(contextlib.ContextDecorator):
     """Records a stage's wall time and peak RSS in ``out_dir`` (relative to the project root DVC runs stages from);
     after the block ``.record`` holds what was written."""
 
-    def __init__(self, stage: str, out_dir: str | Path = "reports/timing"):
+    def __init__(self, stage: str, out_dir: str | Path = TIMING_DIR):
         if not stage or "/" in stage:
             raise ValueError(f"stage_timer: invalid stage name {stage!r}")
         self.stage, self.out_dir, self.record = stage, Path(out_dir), None
