@@ -15,6 +15,7 @@ from pipeline.common import atomic
 
 TIMING_DIR = Path("reports/timing")
 
+
 def peak_rss_mb() -> float:
     """Peak resident set size so far of this process and of its finished children (e.g. Ray workers, each by its own
     peak), in MiB. ``ru_maxrss`` is the kernel's high-water mark, so short peaks between samples are not missed
