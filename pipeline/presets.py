@@ -94,9 +94,9 @@ def _hydra_problem(override: str, exc: BaseException) -> str:
 
 
 def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
-    """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (then applied
-    one by one, so every unknown key is named), then each experiment entry the plan stage's parser refuses or whose
-    partition the partition stage does not produce, then what the plan stage refuses in the result."""
+    """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (one by one, so
+    every unknown key is named), else each experiment entry the plan stage refuses or whose partition the partition
+    stage does not produce, else what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
     from pipeline.experiments import check_params, parse_entry

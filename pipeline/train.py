@@ -59,8 +59,7 @@ def tracked_run_name(plan: Plan, plan_path: str | Path, params_file: str = "para
 
 def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSettings | None = None) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
-    ``settings``: how to run it (engine, timeouts, caches): :func:`main` passes the params file's; None is
-    RunSettings' own defaults, never a file read here."""
+    ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults)."""
     plan_path = str(plan_path)
     plan = read_plan(plan_path)
     privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains

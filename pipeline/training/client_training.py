@@ -107,8 +107,7 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
 
 def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
                         normalisation: str, seed: int) -> list[list[tuple[Batch, float]]]:
-    """One epoch without privacy: shuffled batches in windows of ``grad_accum_steps``, each batch with its share
-    of its optimizer step (:func:`accumulation_weights`)."""
+    """One epoch's steps: shuffled batches in windows of ``grad_accum_steps``, each with its share of the step."""
     batches = _batches(model, examples, mcfg, cfg, True, seed, cfg.bucket_by_length)
     weights = accumulation_weights(batches, cfg.grad_accum_steps, normalisation)
     pairs = list(zip(batches, weights))
@@ -136,10 +135,9 @@ class Proximal:
 
 
 class PlainSteps:
-    """The local trainer's step object without privacy (pipeline.privacy.example_dp.DPSGDSteps under mode
-    example): shuffled batches in windows of ``grad_accum_steps``; each micro-batch's share of its optimizer step
-    (its tokens / the step's tokens), so a step's gradient is that of the mean over the whole effective batch; the
-    proximal term enters each step once."""
+    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps): shuffled
+    batches in windows of ``grad_accum_steps`` (:func:`accumulation_weights`); the proximal term enters each step
+    once."""
 
     setting = None  # no DP-SGD setting
     examples = clipped = 0

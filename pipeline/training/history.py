@@ -30,9 +30,8 @@ def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) ->
 
 
 def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The run-level privacy fields of one round under privacy.mode client, empty when it released nothing: one
-    epsilon and C for the whole federation, and the fraction of the aggregated updates C clipped (the rows of the
-    aggregated clients carry them; logged per run, not per client)."""
+    """One round's run-level privacy fields under privacy.mode client (empty when it released nothing): the
+    federation's epsilon and C, and the fraction of the aggregated updates C clipped."""
     released = [r for r in rows if "update_clipped" in r]
     if not released:
         return {}

@@ -8,10 +8,8 @@ from pipeline.experiments import Plan
 
 
 def publish_outputs(plan: Plan) -> Path:
-    """Copy a finished run's outputs (adapters, rounds, metrics, the merged gate log, the plan) from its run
-    directory into ``models/<exp>/``, replacing what was there as a whole; returns that directory. The run
-    directory is left for the caller to remove: a kill before that resumes after the last round and publishes
-    again."""
+    """Copy a finished run's outputs from its run directory into ``models/<exp>/``, replacing what was there as a
+    whole; returns that directory. The caller removes the run directory: a kill before that publishes again."""
     import shutil
 
     source, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])

@@ -32,10 +32,9 @@ def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
 
 
 def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: CacheConfig) -> dict[str, Any]:
-    """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
-    epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
-    (``checkpoint/local.pt``: a rerun resumes after the last completed round). ``cache_settings``: where the
-    prefix cache lives and the caches' budgets (RunSettings.cache, from the stage entry point)."""
+    """The federated methods' trainer and round structure without a server: every round each client's validation
+    loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
+    ``cache_settings``: RunSettings.cache, from the stage entry point."""
     spec = plan.spec
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
