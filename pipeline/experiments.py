@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, Positive, config, from_dict, group, load_params, to_dict
+from pipeline.common.config import ConfigError, Positive, config, from_dict, group, load_params
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
@@ -89,7 +89,7 @@ _FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dty
 
 
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
-    out = to_dict(train)
+    out = dataclasses.asdict(train)
     strategy_params = out.pop("strategy_params")
     drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
     if method.kd_mode == "ce":
@@ -349,7 +349,8 @@ class Plan:
     def paths(self) -> dict[str, str]:
         """Where this experiment reads and writes. ``out_dir``: where a run writes while it runs (checkpoints
         included), one directory per configuration; ``model_dir`` (``models/<exp>/``) receives the finished outputs
-        (pipeline.training.publish), so that DVC output need not persist and DVC's run cache keeps every training."""
+        (pipeline.training.checkpoints.publish_outputs), so that DVC output need not persist and DVC's run cache
+        keeps every training."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
                  "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
                  "model_dir": str(PATHS.model_dir(self.experiment)),

@@ -30,9 +30,8 @@ from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.common.timing import stage_timer
-from pipeline.training import checkpoints, publish
-from pipeline.training.history import log_missing_rounds, write_rounds
-from pipeline.training.recorder import TrainRecorder
+from pipeline.training import checkpoints
+from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
 from pipeline.training.serverless import run_serverless
 from pipeline.training.summary import (convergence_tags, final_run_metrics, merge_gate_logs, prepare_outputs,
                                        run_identity_tags, summarize, write_metrics)
@@ -114,7 +113,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")
-    publish.publish_outputs(plan)
+    checkpoints.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
     # after its last round from the checkpoint and publishes again.
     shutil.rmtree(out_dir)

@@ -226,10 +226,6 @@ def group(params: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
-
-
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'a': {'b': 1}} -> {'a.b': 1}; used to log every parameter to MLflow."""
     out: dict[str, Any] = {}

@@ -3,9 +3,9 @@ run's client-level guarantee (mode client), the SecAgg+ settings and dropouts. E
 and the run's record names the sampling and the accountant."""
 from __future__ import annotations
 
+from dataclasses import asdict as to_dict
 from typing import Any
 
-from pipeline.common.config import to_dict
 from pipeline.privacy.client_dp import server_setting
 
 # A client's DP-SGD report in metrics.json and MLflow (pipeline.privacy; None = unbounded)

@@ -5,12 +5,13 @@ pipeline.privacy.secure_aggregation (SecAgg+); the accountant: pipeline.privacy.
 from __future__ import annotations
 
 import math
+from dataclasses import asdict as to_dict
 from dataclasses import field
 from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field, model_validator
 
-from pipeline.common.config import Fraction, config, to_dict
+from pipeline.common.config import Fraction, config
 from pipeline.federation.strategies.catalog import STRATEGIES
 
 Mode = Literal["none", "example", "client"]

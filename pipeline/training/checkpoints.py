@@ -1,12 +1,16 @@
 """Where a training run keeps its state while it runs, and its checkpoints (the federated engines and `single` /
 `centralized`). A run directory ``data/cache/runs/<exp>-<key>/`` holds ``clients/<client>/`` (adapters, gate log) and
 ``checkpoint/`` (``server.pt`` or ``local.pt``, ``mlflow_run_id``, ``clients/<client>/round<NNN>.{safetensors,json}``).
-A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed.
+A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed. Every round a
+client's adapter is saved as ``adapter_final`` and, when its validation loss beats its best so far, as
+``adapter_best`` (:func:`keep_best_and_final`, both engines); a finished run's outputs are then copied to
+``models/<exp>/`` (:func:`publish_outputs`).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,7 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.modeling.adapter_io import save_adapter
+from pipeline.modeling.adapter_io import adapter_file, save_adapter
 from pipeline.experiments import Plan, plan_hash
 
 log = logging.getLogger("fedmeet.train")
@@ -117,3 +121,42 @@ def write_client_checkpoint(ckpt: Path, rnd: int, state: dict[str, torch.Tensor]
         if old < rnd - 1 or old > rnd:
             (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
             (ckpt / f"round{old:03d}.json").unlink(missing_ok=True)
+
+
+def initial_progress() -> dict[str, float]:
+    """A client's progress before its first validation: no best round yet."""
+    return {"best-val-loss": math.inf, "best-round": 0}
+
+
+def keep_best_and_final(out: Path, plan: Plan, client: str, rnd: int, val_loss: float,
+                        state: dict[str, torch.Tensor], progress: dict[str, float]) -> tuple[dict[str, float], bool]:
+    """Save the round's adapter as ``adapter_final`` and, when its validation loss beats the client's best so
+    far, as ``adapter_best``; returns the client's progress after this round and whether the round is its best."""
+    meta = {"experiment": plan.experiment, "client": client, "round": str(rnd), "val_loss": f"{val_loss:.6f}"}
+    is_best = val_loss < progress["best-val-loss"]
+    if is_best:
+        progress = {"best-val-loss": float(val_loss), "best-round": rnd}
+        save_adapter(adapter_file(out, "best"), state, meta)
+    save_adapter(adapter_file(out, "final"), state, meta)
+    return progress, is_best
+
+
+def publish_outputs(plan: Plan) -> Path:
+    """Copy a finished run's outputs from its run directory into ``models/<exp>/``, replacing what was there as a
+    whole; returns that directory. The caller removes the run directory: a kill before that publishes again."""
+    import shutil
+
+    source, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
+
+    def run_only(directory: str, names: list[str]) -> set[str]:
+        # the checkpoints, and the clients' per-round gate log parts (merged into gate_log.parquet by now)
+        here = Path(directory)
+        if here == source:
+            return {"checkpoint"} & set(names)
+        return {"gate_log"} & set(names) if here.parent == source / "clients" else set()
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = atomic.temp_dir_for(target)
+    shutil.copytree(source, tmp, ignore=run_only, dirs_exist_ok=True)
+    atomic.replace_dir(tmp, target)
+    return target

@@ -1,5 +1,5 @@
 """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on every
-client): the local trainer and the round rules of pipeline.training (best_adapter, checkpoints, history), without
+client): the local trainer and the round rules of pipeline.training (checkpoints, history), without
 a server."""
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pandas as pd
 from pipeline.experiments import Plan
 from pipeline.modeling.cache import CacheConfig
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
-from pipeline.training import best_adapter, checkpoints
-from pipeline.training.history import RoundLog
-from pipeline.training.recorder import TrainRecorder
+from pipeline.training import checkpoints
+from pipeline.training.history import RoundLog, TrainRecorder
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 from pipeline.training.stopping import should_stop
@@ -61,7 +60,7 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
         start, history = 1, []
         initial = initial_adapter_state(plan)
         adapters = {u: {k: v.clone() for k, v in initial.items()} for u in units}
-        progress = {n: best_adapter.initial_progress() for n in names}
+        progress = {n: checkpoints.initial_progress() for n in names}
     if recorder:
         recorder.started(plan, names, start)
 
@@ -85,8 +84,8 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
             unit = unit_of[n]
             model.load_adapter_state("local", adapters[unit])
             val, val_tokens = local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
-            progress[n], _ = best_adapter.keep_best_and_final(checkpoints.client_output_dir(plan, n), plan, n, rnd,
-                                                              val, adapters[unit], progress[n])
+            progress[n], _ = checkpoints.keep_best_and_final(checkpoints.client_output_dir(plan, n), plan, n, rnd,
+                                                             val, adapters[unit], progress[n])
             rows.append({"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0,
                          **trained[unit], "val_loss": val, "val_tokens": val_tokens,
                          "best_round": progress[n]["best-round"]})
