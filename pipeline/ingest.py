@@ -39,8 +39,6 @@ def ingest_dataset(dataset: str, directory: Path,
 
 
 def write_outputs(frame: pd.DataFrame, report: IngestReport, interim_dir: Path, report_dir: Path) -> None:
-    interim_dir.mkdir(parents=True, exist_ok=True)
-    report_dir.mkdir(parents=True, exist_ok=True)
     atomic.to_parquet(frame, interim_dir / f"{report.dataset}.parquet", schema=canonical_arrow_schema(), index=False)
     atomic.write_json(report_dir / f"ingest_{report.dataset}.json", report.to_dict())
 

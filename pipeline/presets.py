@@ -266,7 +266,6 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
             is_dir = fs.isdir(match)
             for f in [f.lstrip("/") for f in fs.find(match)] if is_dir else [match]:
                 to = out / Path(f).relative_to(match) if is_dir else out
-                to.parent.mkdir(parents=True, exist_ok=True)
                 with atomic.replacing(to) as tmp:
                     fs.get_file(f, str(tmp))
                 written.append(str(to.relative_to(dest)))

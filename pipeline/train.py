@@ -77,7 +77,6 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         logger = RunLogger.start(plan.study, tracked_run_name(plan, plan_path), plan.to_json_dict(),
                                  run_tags(plan, engine=settings.engine),
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None)
-        run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
     recorder = TrainRecorder(plan, logger)

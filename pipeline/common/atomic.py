@@ -120,13 +120,6 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str,
     write_bytes(path, save(tensors, metadata=metadata))
 
 
-def torch_save(obj: Any, path: str | os.PathLike) -> None:
-    import torch
-
-    with replacing(path) as tmp:
-        torch.save(obj, tmp)
-
-
 def temp_dir_for(path: str | os.PathLike) -> Path:
     """A fresh, empty temporary directory beside ``path``, to fill and then :func:`replace_dir` into place."""
     target = Path(path)

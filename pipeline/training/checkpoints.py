@@ -59,8 +59,8 @@ def client_checkpoint_dir(plan: Plan, client: str) -> Path:
 
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
     """The checkpoint after round ``rnd``: ``state`` tagged with the plan's hash and the round."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.torch_save({"plan_hash": plan_hash(plan), "round": rnd, **state}, path)
+    with atomic.replacing(path) as tmp:
+        torch.save({"plan_hash": plan_hash(plan), "round": rnd, **state}, tmp)
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
@@ -155,7 +155,6 @@ def publish_outputs(plan: Plan) -> Path:
             return {"checkpoint"} & set(names)
         return {"gate_log"} & set(names) if here.parent == source / "clients" else set()
 
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = atomic.temp_dir_for(target)
     shutil.copytree(source, tmp, ignore=run_only, dirs_exist_ok=True)
     atomic.replace_dir(tmp, target)

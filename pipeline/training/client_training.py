@@ -75,9 +75,6 @@ class LocalTrainResult:
     dp_examples: int = 0
     dp_clipped: int = 0
 
-    def metrics(self) -> dict[str, float]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("gate_log", "privacy")}
-
 
 def adamw_groups(module: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
     """AdamW parameter groups: weight decay on the adapter matrices only; LayerNorm weights and biases (every
@@ -123,13 +120,13 @@ class Proximal:
         self.value = 0.0  # last value of the term
 
     def term(self) -> torch.Tensor:
-        prox = sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
-        self.value = float(0.5 * self.mu * prox.detach())
-        return 0.5 * self.mu * prox
+        prox = 0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
+        self.value = float(prox.detach())
+        return prox
 
     def add_gradient(self) -> None:
         with torch.no_grad():
-            self.value = float(0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference)))
+            self.term()
             for p, r in zip(self.params, self.reference):
                 p.grad.add_(self.mu * (p - r))
 
