@@ -45,9 +45,6 @@ class ProjectPaths:
         """``partition`` as experiments name it, ``<scheme>/seed<k>``."""
         return self.partitions / f"{partition}.json"
 
-    def plan(self, experiment: str) -> Path:
-        return self.plans / f"{experiment}.json"
-
     def model_dir(self, experiment: str) -> Path:
         """An experiment's adapters, rounds, gate log, the plan it trained (experiment.json) and checkpoints."""
         return self.models / experiment

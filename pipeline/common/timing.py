@@ -7,9 +7,9 @@ import contextlib
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from types import SimpleNamespace
 
 from pipeline.common import atomic
 
@@ -26,23 +26,13 @@ def peak_rss_mb() -> float:
     return round(max(own, children) * scale / 2**20, 1)
 
 
-class stage_timer(contextlib.ContextDecorator):
-    """Records a stage's wall time and peak RSS in ``out_dir`` (relative to the project root DVC runs stages from);
-    after the block ``.record`` holds what was written."""
-
-    def __init__(self, stage: str, out_dir: str | Path = TIMING_DIR):
-        if not stage or "/" in stage:
-            raise ValueError(f"stage_timer: invalid stage name {stage!r}")
-        self.stage, self.out_dir, self.record = stage, Path(out_dir), None
-
-    def __enter__(self) -> stage_timer:
-        self._start = time.perf_counter()
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.record = SimpleNamespace(stage=self.stage, seconds=round(time.perf_counter() - self._start, 3),
-                                          peak_rss_mb=peak_rss_mb(),
-                                          finished_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-            atomic.write_json(self.out_dir / f"{self.stage}.json", vars(self.record))
-        return False  # never swallow the stage's exception
+@contextlib.contextmanager
+def stage_timer(stage: str, out_dir: str | Path = TIMING_DIR) -> Iterator[None]:
+    """Records a stage's wall time and peak RSS in ``out_dir`` (relative to the project root DVC runs stages from)."""
+    if not stage or "/" in stage:
+        raise ValueError(f"stage_timer: invalid stage name {stage!r}")
+    start = time.perf_counter()
+    yield  # the stage's exception propagates from here: no record
+    atomic.write_json(Path(out_dir) / f"{stage}.json", {
+        "stage": stage, "seconds": round(time.perf_counter() - start, 3), "peak_rss_mb": peak_rss_mb(),
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
