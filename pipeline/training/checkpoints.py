@@ -23,8 +23,6 @@ from pipeline.experiments import Plan, plan_hash
 
 log = logging.getLogger("fedmeet.train")
 
-SERVER_CHECKPOINT = "server.pt"  # the federated server's: global adapter, strategy state, RNG, history
-LOCAL_CHECKPOINT = "local.pt"  # single / centralized: every unit's adapter, progress, history
 TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the client has not trained yet
 DP_STEPS = "dp-steps"  # in a client checkpoint's progress: DP-SGD steps so far, so a resumed client keeps composing
 
@@ -35,11 +33,11 @@ def checkpoint_dir(plan: Plan) -> Path:
 
 
 def server_checkpoint_path(plan: Plan) -> Path:
-    return checkpoint_dir(plan) / SERVER_CHECKPOINT
+    return checkpoint_dir(plan) / "server.pt"  # the federated server's: global adapter, strategy state, RNG, history
 
 
 def local_checkpoint_path(plan: Plan) -> Path:
-    return checkpoint_dir(plan) / LOCAL_CHECKPOINT
+    return checkpoint_dir(plan) / "local.pt"  # single / centralized: every unit's adapter, progress, history
 
 
 def mlflow_run_id_path(plan: Plan) -> Path:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import torch
+import transformers
 
 from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments import Plan
@@ -23,7 +24,7 @@ from pipeline.modeling.losses import KDConfig
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
-from pipeline.training.seeds import derived_seed, seed_everything
+from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import model_config
 
 GATE_LOG_DTYPES = {"client": "string", "round": "int32", "example_id": "string", "position": "int32",
@@ -201,7 +202,7 @@ def train_local(
     kd = kd_config(plan)
     two_paths = kd.mode != "ce"
     seed = derived_seed(plan.seed, client, rnd, "train")
-    seed_everything(seed)
+    transformers.set_seed(seed)  # Python's, NumPy's and torch's generators
     params = model.local_parameters()
     for p in params:
         p.requires_grad_(True)
