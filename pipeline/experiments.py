@@ -161,55 +161,49 @@ class Experiment:
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
+    where = f"params.yaml experiments.{name}"
     if not name or "/" in name or name in RESERVED_NAMES:
         raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
                           f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     train_fields = train_keys() | set(RUN_TRAIN_KEYS)
-    base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
-    overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
-    unknown = sorted(set(overrides) - train_fields)
-    if unknown:
-        raise ConfigError(f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, "
-                          f"{PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys "
-                          f"{sorted(train_fields)}")
+    overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
+    if unknown := sorted(set(overrides) - train_fields):
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
+                          f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}")
     privacy = raw.get(PRIVACY_KEY) or {}
     if not isinstance(privacy, dict):
-        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+        raise ConfigError(f"{where}.{PRIVACY_KEY}: expected a mapping of privacy keys "
                           f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}")
-    for key in ("method", "partition"):
-        if key not in base:
-            raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
-    scheme, sep, seed = str(base["partition"]).partition("/seed")
+    if missing := [k for k in ("method", "partition") if k not in raw]:
+        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
+    scheme, sep, seed = str(raw["partition"]).partition("/seed")
     if not sep or not seed.isdigit():
-        raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
-                         f"got {base['partition']!r}")
+        raise ConfigError(f"{where}: partition must look like '<scheme>/seed<k>', got {raw['partition']!r}")
     if scheme not in SCHEMES:
-        raise ConfigError(f"params.yaml experiments.{name}.partition: unknown partition scheme {scheme!r}; "
-                          f"allowed: {sorted(SCHEMES)}")
+        raise ConfigError(f"{where}.partition: unknown partition scheme {scheme!r}; allowed: {sorted(SCHEMES)}")
     try:
-        method = get_method(str(base["method"]))
+        method = get_method(str(raw["method"]))
     except ConfigError as exc:
-        raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
-    tau = base.get("tau")
+        raise ConfigError(f"{where}.method: {exc}") from None
+    tau = raw.get("tau")
     if method.uses_tau:
         if tau is None and params.get("tau") is None:
-            raise ConfigError(f"params.yaml experiments.{name}: method {method.name!r} needs tau (the entry's, or "
-                              f"the top-level tau)")
+            raise ConfigError(f"{where}: method {method.name!r} needs tau (the entry's, or the top-level tau)")
         tau = float(tau if tau is not None else params["tau"])
         if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
-            raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
+            raise ConfigError(f"{where}: tau={tau} must be > 0 (entropy threshold)")
     elif tau is not None:
-        raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+        raise ConfigError(f"{where}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
-    exp = Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
-                     seed=int(base.get("seed", params.get("seed", 0))), study=str(base.get("study", "main")), tau=tau,
+    exp = Experiment(name=str(name), method=method.name, partition=str(raw["partition"]),
+                     seed=int(raw.get("seed", params.get("seed", 0))), study=str(raw.get("study", "main")), tau=tau,
                      train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
     if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
-        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
-                          f"(privacy applies to federated methods)")
+        raise ConfigError(f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to "
+                          f"federated methods)")
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
 
 
@@ -277,7 +271,7 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
-    method = exp.spec
+    method, where = exp.spec, f"params.yaml experiments.{exp.name}"
     train = exp.train_config(params)
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
@@ -292,27 +286,23 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
         plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(f"params.yaml experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
-                         f"rounds {train.rounds}: the new client might never join")
+        raise ValueError(f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
+                         f"client might never join")
     if method.uses_tau:
         plan["tau"] = exp.tau
         # the loss's own check of tau against train.tau_scale, at plan time rather than in training
-        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, f"params.yaml experiments.{exp.name}")
+        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, where)
     privacy = exp.privacy_config(params)
-    if privacy.mode == "client":
-        problem = client_level_problem(method, train.transfer_dtype, privacy)
-        if problem:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
-    if privacy.secure_aggregation:
-        refusal = secure_aggregation_refusal(method, train.transfer_dtype, privacy)
-        if refusal is not None:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+    if privacy.mode == "client" and (problem := client_level_problem(method, train.transfer_dtype, privacy)):
+        raise ConfigError(f"{where}: privacy.mode client: {problem}")
+    if privacy.secure_aggregation and (refusal := secure_aggregation_refusal(method, train.transfer_dtype, privacy)):
+        raise ConfigError(f"{where}: privacy.secure_aggregation: {refusal}")
     if (privacy.enabled or privacy.secure_aggregation) and method.federated:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
-                              f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
-                              f"over the whole batch; use absolute or max_entropy")
+            raise ConfigError(f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
+                              f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
+                              f"max_entropy")
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.

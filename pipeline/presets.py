@@ -135,7 +135,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
 def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset") -> None:
     bad = problems(preset, params)
     if bad:
-        raise PresetError(f"{source}: {len(bad)} problem(s):\n  " + "\n  ".join(bad))
+        raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
 
 
 def preset_name(params: dict[str, Any], configs_dir: Path = Path("configs")) -> str:
@@ -298,25 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     export.add_argument("paths", nargs="*", help="its outputs or git files; globs allowed; SRC=TARGET renames")
     args = ap.parse_args(argv)
     params = load_params(args.params)
-    try:
-        if args.command == "export":
-            written = export_experiment(args.experiment, args.dest, args.paths)
-            print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
-            return 0
-        if args.command in ("show", "check"):
-            for path in [args.preset] if args.command == "show" else args.presets:
-                preset = load_preset(path)
-                validate(preset, params, path)
-                print("\n".join(overrides(preset)) if args.command == "show"
-                      else f"{path}: ok ({len(overrides(preset))} overrides)")
-            return 0
-        if args.parts and not args.name:
-            raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
-        cmds = (part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp) if args.parts
-                else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)])
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "export":
+        written = export_experiment(args.experiment, args.dest, args.paths)
+        print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
+        return 0
+    if args.command in ("show", "check"):
+        for path in [args.preset] if args.command == "show" else args.presets:
+            preset = load_preset(path)
+            validate(preset, params, path)
+            print("\n".join(overrides(preset)) if args.command == "show"
+                  else f"{path}: ok ({len(overrides(preset))} overrides)")
+        return 0
+    if args.parts and not args.name:
+        raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
+    cmds = (part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp) if args.parts
+            else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)])
     for cmd in cmds:
         print(shlex.join(cmd), flush=True)
         if not args.dry_run and (status := subprocess.call(cmd)) != 0:
