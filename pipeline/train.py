@@ -88,11 +88,11 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         else:
             result = run_serverless(plan, recorder, settings.cache)
     except BaseException:
-        recorder.close()
         if logger is not None:
             logger.finish("KILLED")  # resumable: the rerun reopens this run
         raise
-    recorder.close()
+    finally:
+        recorder.close()
 
     history = result["history"]
     write_rounds(plan, history)
