@@ -64,7 +64,7 @@ def _unchanged(model, w0) -> bool:
 
 # ----------------------------------------------------------------------------------------------- lr 0: the loss
 def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
-    from pipeline.training.client_training import GATE_LOG_DTYPES, validation_loss
+    from pipeline.training.client_training import GATE_LOG_COLUMNS, validation_loss
 
     plan, model, train, w0 = _setup("local-ce", lr=0.0, local_epochs=2, batch_size=4)
     result = _train(plan, model, train)
@@ -75,7 +75,7 @@ def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
     assert result.n_steps == 2 * math.ceil(6 / 4)  # two epochs of two batches
     assert result.train_loss == pytest.approx(val, rel=1e-5) and result.ce == pytest.approx(val, rel=1e-5)
     assert (result.kd, result.kd_fraction, result.proximal) == (0.0, 0.0, 0.0)
-    assert list(result.gate_log.columns) == list(GATE_LOG_DTYPES) and len(result.gate_log) == 0  # no teacher, no log
+    assert list(result.gate_log.columns) == GATE_LOG_COLUMNS and len(result.gate_log) == 0  # no teacher, no log
     assert result.privacy is None and (result.dp_examples, result.dp_clipped) == (0, 0)
     # training leaves the adapter frozen and the model in evaluation mode
     assert not any(p.requires_grad for p in model.local_parameters()) and not model.training

@@ -29,6 +29,7 @@ from pipeline.training.shared_model import model_config
 
 GATE_LOG_DTYPES = {"client": "string", "round": "int32", "example_id": "string", "position": "int32",
                    "token_id": "int64", "entropy": "float32", "kd_applied": "bool"}
+GATE_LOG_COLUMNS = list(GATE_LOG_DTYPES)
 
 
 def kd_config(plan: Plan) -> KDConfig:
