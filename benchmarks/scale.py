@@ -97,7 +97,7 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
     from pipeline.partition import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
-    from pipeline.common.config import to_dict
+    from dataclasses import asdict as to_dict
     from pipeline.experiments import parse_entry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
@@ -212,7 +212,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
 
     from pipeline.experiments import RunSettings
     from pipeline.federation.engines import run_federated
-    from pipeline.training.recorder import Recorder
+    from pipeline.training.history import Recorder
 
     torch.set_num_threads(cfg.threads)
     root = Path(root)

@@ -165,12 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from benchmarks.common import minilm_config
     from pipeline.common.config import from_dict, load_params
-    from pipeline.experiments import model_config
+    from pipeline.experiments import check_model_group
     from pipeline.privacy.settings import PrivacyConfig
 
     params = load_params(args.params)
     cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg
-    model = model_config(params)
+    model = check_model_group(params)
     shapes = [("default (MiniLM-L6 BERT2BERT)", minilm_config()["hidden_size"], model.top_k, model.bottleneck),
               ("bart-base", 768, 3, 1536)]
     warm = adapter_uploads(8, 1, 4, ["a", "b", "c"])  # imports and first-call costs stay out of the timings

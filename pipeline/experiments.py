@@ -1,29 +1,17 @@
 """Experiments: the one reader of params `experiments:` and of plan files.
 
-An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``,
-optionally with `seed` (else the top-level seed), `tau`, any `train` key, or a `privacy` mapping of the params file
-privacy keys as an override): :func:`declared` reads and checks them all, and every stage that needs the list
-(plan, analyze, report, presets, tracking) asks it. Its *plan* is the resolved
-configuration the plan stage writes to ``models/plans/<experiment>.json`` and the train stage reads
-(:func:`read_plan`): exactly what the result depends on. The train stages depend on their plan file, not on
-params, so a change reruns only the experiments it affects: tau is written only for methods that read it
-(selective KD) - `dvc exp run -S tau=4` reruns the selective-KD experiments and nothing else; KD, proximal and
-server-optimiser settings likewise appear only in plans of methods that use them, transfer and FedAvg-weighting
-settings only in federated plans (transfer_delta only with a lossy transfer_dtype, weight_by only under a
-train-size cap). The POS-tag file's hash enters only the `hardkd` plans, the source hash of a strategy or KD gate
-module only the plans of the experiments that run it (:func:`extension_md5`: those modules are no train stage's
-deps, so editing one reruns only its experiments). The `privacy` group enters federated
-plans only, and only when its mode is not `none` (with the keys of that mode only) or `secure_aggregation` is on
-(its SecAgg+ keys only then); mode `client` refuses the methods it cannot protect
-(pipeline.privacy.settings.client_level_problem), secure aggregation those whose server does more than average
-(pipeline.privacy.settings.secure_aggregation_refusal).
+An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``, with
+optional `seed`, `tau`, any `train` key and a `privacy` mapping overriding the params file's): :func:`declared` reads
+and checks them all for every stage that needs the list. Its *plan* (``models/plans/<experiment>.json``, written by
+the plan stage, read by the train stage with :func:`read_plan`) holds exactly what its result depends on, so a params
+change reruns only the experiments it affects: tau enters only selective-KD plans, KD, proximal and server-optimiser
+settings only the plans of methods that use them, transfer settings only federated plans, the POS tags' hash only
+`hardkd` plans, and the source hash of a strategy or KD gate module only the plans that run it (:func:`extension_md5`:
+those modules are no train stage's deps). `privacy` enters federated plans only, with its mode's keys only.
 
-Settings that cannot change a result stay out of plans (:class:`RunSettings`: the engine, Ray resources, the
-round timeout, where the prefix cache lives and how large it and the teacher cache may grow): a stage entry point
-(pipeline.train; a deployed ServerApp from its run config, a ClientApp from its node or run config) builds them
-once when it starts and passes them down, so changing them reruns no train stage and resumes the same checkpoint;
-nothing below the entry points reads a params file.
-Paths are not in plans either (:mod:`pipeline.paths`).
+Settings that cannot change a result stay out of plans (:class:`RunSettings`): a stage entry point builds them once
+(:func:`load_run_settings`) and passes them down, so changing one reruns no train stage and resumes the same
+checkpoint; nothing below the entry points reads a params file. Paths are not in plans either (:mod:`pipeline.paths`).
 """
 from __future__ import annotations
 
@@ -33,23 +21,58 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, group, to_dict
+from pipeline.common.config import ConfigError, Positive, config, from_dict, group, load_params
 from pipeline.federation.strategies.catalog import get_strategy
-from pipeline.modeling.cache import DTYPES
+from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
 from pipeline.modeling.losses import KDConfig
 from pipeline.modeling.model import ModelConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
-from pipeline.training.methods import MethodSpec, get_method
-from pipeline.training.config import TrainConfig, train_config, train_keys
 from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
-# the run-time settings live in their own module; re-exported here, where stages and tests have always found them
-from pipeline.run_settings import (RUN_MODEL_KEYS, RUN_TRAIN_KEYS, RunSettings, load_run_settings,  # noqa: F401
-                                   run_settings)
+from pipeline.training.config import TrainConfig, train_config, train_keys
+from pipeline.training.methods import MethodSpec, get_method
+
+@config
+class RunSettings:
+    """params `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of
+    `model`: how a run executes, never what it computes; no DVC stage declares them (tests/test_experiments.py)."""
+
+    engine: Literal["inprocess", "ray"] = "inprocess"
+    ray_cpus_per_client: float = 1.0
+    ray_gpus_per_client: float = 0.0
+    round_timeout_s: Positive = 1800.0
+    admission_timeout_s: Positive = 600.0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+# The `train` and `model` keys of RunSettings. cache_dtype is not among them: a float16 prefix changes the logits.
+RUN_TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name != "cache")
+RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
+
+
+def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
+    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
+    train = dict(group(params, "train"))
+    if experiment is not None:
+        train.update((params.get("experiments") or {}).get(experiment) or {})
+    model = group(params, "model")
+    return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
+                                   "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model},
+                                                      "params.yaml model")}, "params.yaml train")
+
+
+def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
+    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
+    federation commands: their ``--params``). A missing file is an error, never the defaults."""
+    if not Path(params_path).exists():
+        raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "
+                                f"timeout, cache location and budgets)")
+    return run_settings(load_params(params_path), experiment)
+
 
 RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
@@ -66,7 +89,7 @@ _FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dty
 
 
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
-    out = to_dict(train)
+    out = dataclasses.asdict(train)
     strategy_params = out.pop("strategy_params")
     drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
     if method.kd_mode == "ce":
@@ -121,7 +144,7 @@ class Experiment:
         return ",".join(f"{k}={self.train[k]}" for k in sorted(self.train))
 
     def privacy_config(self, params: dict[str, Any]) -> PrivacyConfig:
-        """params `privacy` with this entry's overrides (its `secagg` mapping key by key over the params file's)."""
+        """params `privacy` with this entry's overrides (`secagg` merged key by key)."""
         base = group(params, "privacy")
         merged = {**base, **self.privacy}
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
@@ -138,56 +161,49 @@ class Experiment:
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
+    where = f"params.yaml experiments.{name}"
     if not name or "/" in name or name in RESERVED_NAMES:
         raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
                           f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
     if not isinstance(raw, dict):
-        raise ConfigError(f"params.yaml experiments.{name}: expected a mapping, got {type(raw).__name__}")
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     train_fields = train_keys() | set(RUN_TRAIN_KEYS)
-    base = {k: raw[k] for k in ENTRY_KEYS if k in raw}
-    overrides = {k: v for k, v in raw.items() if k not in base and k != PRIVACY_KEY}
-    unknown = sorted(set(overrides) - train_fields)
-    if unknown:
-        raise ValueError(
-            f"params.yaml experiments.{name}: unknown key(s) {unknown}; allowed: method, partition, seed, study, "
-            f"tau, {PRIVACY_KEY} (a mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
-        )
+    overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
+    if unknown := sorted(set(overrides) - train_fields):
+        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
+                          f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}")
     privacy = raw.get(PRIVACY_KEY) or {}
     if not isinstance(privacy, dict):
-        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+        raise ConfigError(f"{where}.{PRIVACY_KEY}: expected a mapping of privacy keys "
                           f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}")
-    for key in ("method", "partition"):
-        if key not in base:
-            raise ConfigError(f"params.yaml experiments.{name}: missing required key {key!r}")
-    scheme, sep, seed = str(base["partition"]).partition("/seed")
+    if missing := [k for k in ("method", "partition") if k not in raw]:
+        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
+    scheme, sep, seed = str(raw["partition"]).partition("/seed")
     if not sep or not seed.isdigit():
-        raise ConfigError(f"params.yaml experiments.{name}: partition must look like '<scheme>/seed<k>', "
-                         f"got {base['partition']!r}")
+        raise ConfigError(f"{where}: partition must look like '<scheme>/seed<k>', got {raw['partition']!r}")
     if scheme not in SCHEMES:
-        raise ConfigError(f"params.yaml experiments.{name}.partition: unknown partition scheme {scheme!r}; "
-                          f"allowed: {sorted(SCHEMES)}")
+        raise ConfigError(f"{where}.partition: unknown partition scheme {scheme!r}; allowed: {sorted(SCHEMES)}")
     try:
-        method = get_method(str(base["method"]))
+        method = get_method(str(raw["method"]))
     except ConfigError as exc:
-        raise ConfigError(f"params.yaml experiments.{name}.method: {exc}") from None
-    tau = base.get("tau")
+        raise ConfigError(f"{where}.method: {exc}") from None
+    tau = raw.get("tau")
     if method.uses_tau:
         if tau is None and params.get("tau") is None:
-            raise ConfigError(f"params.yaml experiments.{name}: method {method.name!r} needs tau (the entry's, or "
-                              f"the top-level tau)")
+            raise ConfigError(f"{where}: method {method.name!r} needs tau (the entry's, or the top-level tau)")
         tau = float(tau if tau is not None else params["tau"])
         if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
-            raise ConfigError(f"params.yaml experiments.{name}: tau={tau} must be > 0 (entropy threshold)")
+            raise ConfigError(f"{where}: tau={tau} must be > 0 (entropy threshold)")
     elif tau is not None:
-        raise ConfigError(f"params.yaml experiments.{name}: tau is set but method {method.name!r} does not use it")
+        raise ConfigError(f"{where}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
-    exp = Experiment(name=str(name), method=method.name, partition=str(base["partition"]),
-                     seed=int(base.get("seed", params.get("seed", 0))), study=str(base.get("study", "main")), tau=tau,
+    exp = Experiment(name=str(name), method=method.name, partition=str(raw["partition"]),
+                     seed=int(raw.get("seed", params.get("seed", 0))), study=str(raw.get("study", "main")), tau=tau,
                      train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
     if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
-        raise ConfigError(f"params.yaml experiments.{name}.{PRIVACY_KEY}: method {method.name!r} sends nothing "
-                          f"(privacy applies to federated methods)")
+        raise ConfigError(f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to "
+                          f"federated methods)")
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
 
 
@@ -239,11 +255,8 @@ def declared(params: dict[str, Any]) -> list[Experiment]:
 
 
 def _file_md5(path: Path) -> str:
-    h = hashlib.md5()
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "md5").hexdigest()
 
 
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
@@ -258,51 +271,38 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
-    method = exp.spec
+    method, where = exp.spec, f"params.yaml experiments.{exp.name}"
     train = exp.train_config(params)
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}
-    plan: dict[str, Any] = {
-        "experiment": exp.name,
-        "study": exp.study,
-        "method": method.name,
-        "partition": exp.partition,
-        "seed": exp.seed,
-        "train": _relevant_train(train, method),
-        "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
-    }
+    plan: dict[str, Any] = {"experiment": exp.name, "study": exp.study, "method": method.name,
+                            "partition": exp.partition, "seed": exp.seed, "train": _relevant_train(train, method),
+                            "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS}}
     if method.federated and exp.scheme in SCHEMES:
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
         plan["clients"] = scheme_client_names(exp.scheme, from_dict(PartitionConfig, params.get("partition"),
                                                                     "partition"))
-    cache_dtype = model.get("cache_dtype", "float32")
-    if cache_dtype not in DTYPES:
-        raise ConfigError(f"params.yaml model.cache_dtype={cache_dtype!r}; expected one of {sorted(DTYPES)}")
-    if train.prefix_cache and cache_dtype != "float32":
-        plan["cache_dtype"] = cache_dtype  # a float16/bfloat16 prefix changes the logits; float32 is exact
+    if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
+        plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(f"params.yaml experiments.{exp.name}: train.join.max_round {train.join.max_round} > "
-                         f"rounds {train.rounds}: the new client might never join")
+        raise ValueError(f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
+                         f"client might never join")
     if method.uses_tau:
         plan["tau"] = exp.tau
         # the loss's own check of tau against train.tau_scale, at plan time rather than in training
-        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, f"params.yaml experiments.{exp.name}")
+        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, where)
     privacy = exp.privacy_config(params)
-    if privacy.mode == "client":
-        problem = client_level_problem(method, train.transfer_dtype, privacy)
-        if problem:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode client: {problem}")
-    if privacy.secure_aggregation:
-        refusal = secure_aggregation_refusal(method, train.transfer_dtype, privacy)
-        if refusal is not None:
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.secure_aggregation: {refusal}")
+    if privacy.mode == "client" and (problem := client_level_problem(method, train.transfer_dtype, privacy)):
+        raise ConfigError(f"{where}: privacy.mode client: {problem}")
+    if privacy.secure_aggregation and (refusal := secure_aggregation_refusal(method, train.transfer_dtype, privacy)):
+        raise ConfigError(f"{where}: privacy.secure_aggregation: {refusal}")
     if (privacy.enabled or privacy.secure_aggregation) and method.federated:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
-            raise ConfigError(f"params.yaml experiments.{exp.name}: privacy.mode {privacy.mode} needs a "
-                              f"per-example loss, but train.tau_scale batch_quantile gates each token by a quantile "
-                              f"over the whole batch; use absolute or max_entropy")
+            raise ConfigError(f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
+                              f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
+                              f"max_entropy")
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
@@ -327,7 +327,7 @@ class Plan:
     postags_md5: str | None = None
     extension_md5: dict[str, str] | None = None  # source hashes of the strategy and gate modules it runs
     cache_dtype: str | None = None  # of the prefix cache, when not the exact float32 (absent = float32)
-    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP (absent = none)
+    privacy: PrivacyConfig | None = None  # example: DP-SGD of the local training; client: client-level DP
     clients: list[str] | None = None  # federated: the clients the server admits, in the partition's order
     source: str = ""  # the plan file it was read from
 
@@ -337,13 +337,10 @@ class Plan:
 
     @property
     def paths(self) -> dict[str, str]:
-        """Where this experiment reads and writes (pipeline.paths; relative to the project root).
-
-        ``out_dir`` is where a run writes while it runs (adapters, gate log parts, checkpoints), a directory of its
-        own per configuration under ``data/cache/runs/``; ``model_dir`` (``models/<exp>/``, the train stage's DVC
-        output) receives the finished outputs (pipeline.training.publish.publish_outputs). Kept apart so the train
-        stage's output need not persist between runs: DVC's run cache then keeps every finished training, and a
-        killed queued or temporary experiment rerun restores them instead of training them again."""
+        """Where this experiment reads and writes. ``out_dir``: where a run writes while it runs (checkpoints
+        included), one directory per configuration; ``model_dir`` (``models/<exp>/``) receives the finished outputs
+        (pipeline.training.checkpoints.publish_outputs), so that DVC output need not persist and DVC's run cache
+        keeps every training."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
                  "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
                  "model_dir": str(PATHS.model_dir(self.experiment)),
@@ -392,12 +389,9 @@ def read_plan(path: str | Path) -> Plan:
     privacy = from_dict(PrivacyConfig, raw.pop("privacy"), f"{p}: privacy") if raw.get("privacy") else None
     try:
         plan = Plan(train=train, privacy=privacy, source=str(p), **raw)
-    except TypeError as exc:
+        plan.spec  # noqa: B018 - an unknown method
+    except (TypeError, ConfigError) as exc:
         raise ConfigError(f"{p}: not a plan file ({exc})") from None
-    try:
-        get_method(plan.method)
-    except ConfigError as exc:
-        raise ConfigError(f"{p}: method: {exc}") from None
     from_dict(ModelConfig, plan.model, f"{p}: model")  # before the stage touches its outputs or MLflow
     return plan
 
@@ -435,4 +429,6 @@ def check_model_group(params: dict[str, Any]) -> ModelConfig:
     unknown = sorted(set(model) - known)
     if unknown:
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    if model.get("cache_dtype", "float32") not in DTYPES:
+        raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
     return ModelConfig.from_group(model)

@@ -2,8 +2,8 @@
 
     python -m pipeline.ingest --dataset qmsum      # -> data/interim/qmsum.parquet, reports/data/ingest_qmsum.json
 
-The readers (pipeline/datasets/readers/, one module per upstream layout) raise DataError naming file, line and problem; records
-left out by design (empty SAMSum dialogue) are counted in the report with their reason.
+The readers (pipeline/datasets/readers/) raise DataError naming file, line and problem; records left out by design
+(empty SAMSum dialogue) are counted in the report with their reason.
 """
 from __future__ import annotations
 
@@ -35,13 +35,10 @@ def ingest_dataset(dataset: str, directory: Path,
     for rec in tqdm(records, desc=f"ingest {dataset}", unit="rec", mininterval=2):
         report.count(rec)
         rows.append(rec.to_row())
-    frame = pd.DataFrame(rows, columns=[f.name for f in canonical_arrow_schema()])
-    return frame, report
+    return pd.DataFrame(rows, columns=canonical_arrow_schema().names), report
 
 
 def write_outputs(frame: pd.DataFrame, report: IngestReport, interim_dir: Path, report_dir: Path) -> None:
-    interim_dir.mkdir(parents=True, exist_ok=True)
-    report_dir.mkdir(parents=True, exist_ok=True)
     atomic.to_parquet(frame, interim_dir / f"{report.dataset}.parquet", schema=canonical_arrow_schema(), index=False)
     atomic.write_json(report_dir / f"ingest_{report.dataset}.json", report.to_dict())
 

@@ -9,58 +9,41 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+def _at(relative: str) -> property:
+    return property(lambda self: self.root / relative)
+
+
 @dataclass(frozen=True)
 class ProjectPaths:
     root: Path = Path(".")
 
-    # --- data -------------------------------------------------------------------------------------------------
-    @property
-    def interim_dir(self) -> Path:
-        return self.root / "data/interim"
-
-    @property
-    def examples(self) -> Path:
-        return self.root / "data/processed/examples.parquet"
-
-    @property
-    def data_reports(self) -> Path:
-        return self.root / "reports/data"
-
-    @property
-    def partitions(self) -> Path:
-        return self.root / "data/partitions"
+    # data
+    interim_dir = _at("data/interim")
+    examples = _at("data/processed/examples.parquet")
+    postags = _at("data/processed/postags.parquet")
+    partitions = _at("data/partitions")
+    data_reports = _at("reports/data")
+    partition_reports = _at("reports/partitions")
+    # models
+    models = _at("models")
+    backbone = _at("models/backbone")
+    plans = _at("models/plans")
+    # reports
+    reports = _at("reports")
+    backbone_report = _at("reports/backbone.json")
+    train_reports = _at("reports/train")
+    eval_reports = _at("reports/eval")
+    analysis = _at("reports/analysis")
+    kd_analysis = _at("reports/analysis/kd_analysis.json")
+    timing = _at("reports/timing")
+    tables = _at("reports/tables")
+    figures = _at("reports/figures")
+    plots = _at("reports/plots")
+    human_eval = _at("reports/human_eval")
 
     def partition(self, partition: str) -> Path:
         """``partition`` as experiments name it, ``<scheme>/seed<k>``."""
         return self.partitions / f"{partition}.json"
-
-    @property
-    def partition_reports(self) -> Path:
-        return self.root / "reports/partitions"
-
-    @property
-    def postags(self) -> Path:
-        return self.root / "data/processed/postags.parquet"
-
-    # --- models -----------------------------------------------------------------------------------------------
-    @property
-    def models(self) -> Path:
-        return self.root / "models"
-
-    @property
-    def backbone(self) -> Path:
-        return self.models / "backbone"
-
-    @property
-    def backbone_report(self) -> Path:
-        return self.reports / "backbone.json"
-
-    @property
-    def plans(self) -> Path:
-        return self.models / "plans"
-
-    def plan(self, experiment: str) -> Path:
-        return self.plans / f"{experiment}.json"
 
     def model_dir(self, experiment: str) -> Path:
         """An experiment's adapters, rounds, gate log, the plan it trained (experiment.json) and checkpoints."""
@@ -69,59 +52,17 @@ class ProjectPaths:
     def gate_log(self, experiment: str) -> Path:
         return self.model_dir(experiment) / "gate_log.parquet"
 
-    # --- reports ----------------------------------------------------------------------------------------------
-    @property
-    def reports(self) -> Path:
-        return self.root / "reports"
-
-    @property
-    def train_reports(self) -> Path:
-        return self.reports / "train"
-
     def train_report(self, experiment: str) -> Path:
         return self.train_reports / experiment
 
     def train_metrics(self, experiment: str) -> Path:
         return self.train_report(experiment) / "metrics.json"
 
-    @property
-    def eval_reports(self) -> Path:
-        return self.reports / "eval"
-
     def eval_dir(self, experiment: str) -> Path:
         return self.eval_reports / experiment
 
     def eval_metrics(self, experiment: str) -> Path:
         return self.eval_dir(experiment) / "metrics.json"
-
-    @property
-    def analysis(self) -> Path:
-        return self.reports / "analysis"
-
-    @property
-    def kd_analysis(self) -> Path:
-        return self.analysis / "kd_analysis.json"
-
-    @property
-    def timing(self) -> Path:
-        return self.reports / "timing"
-
-    @property
-    def tables(self) -> Path:
-        return self.reports / "tables"
-
-    @property
-    def figures(self) -> Path:
-        return self.reports / "figures"
-
-    @property
-    def plots(self) -> Path:
-        return self.reports / "plots"
-
-    @property
-    def human_eval(self) -> Path:
-        return self.reports / "human_eval"
-
 
 
 PATHS = ProjectPaths()

@@ -1,9 +1,5 @@
-"""Stage `plan`: one resolved configuration per experiment, `models/plans/<experiment>.json`.
-
-Each experiment of params.yaml `experiments` becomes a JSON file holding exactly what its result depends on
-(pipeline.experiments: which keys enter which plans, and why). The train stages depend on their plan file, not on
-params, so a change reruns only the experiments it affects: `dvc exp run -S tau=4` reruns the selective-KD
-experiments and nothing else; `-S privacy.mode=example ...` the federated ones; a cache budget or the engine none.
+"""Stage `plan`: one resolved configuration per experiment, `models/plans/<experiment>.json`, holding exactly what
+its result depends on (pipeline.experiments), so a params change reruns only the train stages it affects.
 
     python -m pipeline.plan [--params params.yaml] [--out models/plans]
 """

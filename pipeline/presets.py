@@ -1,47 +1,21 @@
 """Run profiles: partial params.yaml files in ``configs/`` applied through DVC's own parameter mechanism.
 
-A preset is a YAML mapping with the nested layout of params.yaml naming only keys params.yaml already has
-(an unknown key is an error, so a typo can never be silently ignored). Applying it means running
-``dvc exp run --set-param key=value ...`` with one override per leaf key, so every profile run is a DVC
-experiment whose params DVC records and ``dvc exp show`` compares.
-
-Rules
-- Leaves (scalars and lists) replace the params.yaml value; a mapping is merged key by key.
-- ``experiments`` (see :data:`REPLACED_WHOLE`) is replaced as a whole: a profile defines its own set of
-  experiments, and params.yaml's entries not named by it are dropped (``~experiments`` then
-  ``+experiments={...}``). Each entry is checked by the experiments' one parser (``pipeline.experiments.parse_entry``: method,
-  partition, seed, study, tau and ``train`` keys), its method must exist and its partition must be one the
-  partition stage produces (``partition.schemes`` x ``partition.seeds`` after the preset).
-- ``seeds``, ``schemes`` and other lists are replaced, never appended to.
+A preset has params.yaml's nested layout and names only keys params.yaml has (an unknown key is an error). Applying
+it runs ``dvc exp run --set-param key=value ...``, one override per leaf, so every profile run is a DVC experiment.
+Leaves (lists included) replace the params.yaml value, mappings merge key by key, and ``experiments`` is replaced
+whole (``~experiments`` then ``+experiments={...}``), each entry checked by the plan stage's parser and its
+partition one the partition stage produces. A grid is DVC's own sweep (``make grid``); docs/experiments.md has the
+recipes.
 
     python -m pipeline.presets show configs/cpu-study.yaml          # the flattened overrides
-    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue | --temp] [--parts KEY] [--dry-run]
     python -m pipeline.presets check configs/*.yaml                  # validate only
-    make preset PRESET=configs/cpu-study.yaml
-
-A long preset in parts (``--parts seed``): one DVC experiment per seed, each finishing on its own, then the whole,
-whose trainings DVC's run cache restores from the parts (:func:`part_commands`); queued, ``dvc queue start`` runs
-them in that order:
-
-    python -m pipeline.presets run configs/cpu-study.yaml --name cpu-study --queue --parts seed
-    dvc queue start
-
-A finished experiment's results into the repository (``export``): its params.yaml and dvc.lock (the exact record
-of what ran) and the outputs named, read at the experiment's commit through DVC's file system (git-tracked files
-from the commit, cached outputs from the local DVC cache), so the workspace and its params stay as they are:
-
-    python -m pipeline.presets export privacy-study reports/privacy/study reports/tables/study_privacy.md \
-        'reports/train/*/metrics.json'
-
-What DVC does itself is left to it: a grid is DVC's own sweep over the top-level ``tau`` and ``seed`` (every
-experiment inherits the seed unless it sets one), one queued experiment per point, run by ``dvc queue start``:
-
-    dvc exp run --queue -S 'tau=2,3,4,5' -S 'seed=0,1,2' && dvc queue start -j 2     # make grid JOBS=2
+    python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue | --temp] [--parts KEY] [--dry-run]
+    python -m pipeline.presets export NAME DEST [PATH | SRC=TARGET ...]  # a finished experiment's files, at its commit
 """
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import re
 import shlex
 import subprocess
@@ -120,12 +94,11 @@ def _hydra_problem(override: str, exc: BaseException) -> str:
 
 
 def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
-    """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (then applied
-    one by one, so every unknown key is named), then each experiment entry the plan stage's parser refuses or whose
-    partition the partition stage does not produce, then what the plan stage refuses in the result."""
+    """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (one by one, so
+    every unknown key is named), else each experiment entry the plan stage refuses or whose partition the partition
+    stage does not produce, else what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
-    from pipeline.common.config import ConfigError
     from pipeline.experiments import check_params, parse_entry
 
     try:
@@ -154,7 +127,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     if not found:
         try:
             check_params(applied)
-        except (ConfigError, ValueError) as e:
+        except ValueError as e:  # ConfigError among them
             found.append(str(e))
     return found
 
@@ -162,7 +135,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
 def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset") -> None:
     bad = problems(preset, params)
     if bad:
-        raise PresetError(f"{source}: {len(bad)} problem(s):\n  " + "\n  ".join(bad))
+        raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
 
 
 def preset_name(params: dict[str, Any], configs_dir: Path = Path("configs")) -> str:
@@ -194,18 +167,6 @@ _BARE = re.compile(r"^[A-Za-z_][\w-]*$")
 
 def hydra_value(value: Any) -> str:
     """A value in Hydra's override grammar (what ``dvc exp run -S`` parses). Strings are always quoted."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
     if isinstance(value, str):
         # Hydra: inside quotes only backslashes right before a quote or the closing quote need doubling
         escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value).replace("'", "\\'")
@@ -213,12 +174,12 @@ def hydra_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(hydra_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        items = []
-        for k, v in value.items():
-            if not _BARE.match(str(k)):
-                raise PresetError(f"key {k!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
-            items.append(f"{k}: {hydra_value(v)}")
-        return "{" + ", ".join(items) + "}"
+        if bad := [k for k in value if not _BARE.match(str(k))]:
+            raise PresetError(f"key {bad[0]!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
+        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, (bool, int, float)):  # JSON's spelling but for nan and inf
+        text = json.dumps(value)
+        return {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(text, text)
     raise PresetError(f"value {value!r}: unsupported type {type(value).__name__}")
 
 
@@ -240,27 +201,16 @@ def exp_run_command(preset_path: str | Path, name: str | None = None, queue: boo
     (``preset``: the preset's content when already loaded, e.g. one part of it)."""
     preset = preset if preset is not None else load_preset(preset_path)
     validate(preset, load_params(params_path), str(preset_path))
-    cmd = [sys.executable, "-m", "dvc", "exp", "run"]
-    if name:
-        cmd += ["--name", name]
-    if queue:
-        cmd.append("--queue")
-    if temp:
-        cmd.append("--temp")
-    for ov in overrides(preset):
-        cmd += ["--set-param", ov]
-    return cmd
+    cmd = [sys.executable, "-m", "dvc", "exp", "run", *(["--name", name] if name else []),
+           *(["--queue"] if queue else []), *(["--temp"] if temp else [])]
+    return cmd + [arg for ov in overrides(preset) for arg in ("--set-param", ov)]
 
 
 def part_commands(preset_path: str | Path, name: str, by: str, queue: bool = False,
                   params_path: str | Path = "params.yaml", temp: bool = False) -> list[list[str]]:
     """A long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
-    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``.
-
-    A part is one unit of work that finishes on its own (its tables cover its experiments only); the whole comes
-    last and trains nothing again: each train and evaluate stage it shares with a part has the same command, plan
-    file and inputs, so DVC restores it from its run cache, and only the analysis and report over all of them
-    run. An interruption loses at most the experiment in progress: finished trainings are in the run cache."""
+    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
+    nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
     preset = load_preset(preset_path)
     validate(preset, load_params(params_path), str(preset_path))
     entries = preset.get("experiments")
@@ -291,8 +241,7 @@ def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
     if not found:
         raise PresetError(f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list "
                           "--all-commits`)")
-    commit, ref = found[0]
-    return commit, ref
+    return found[0][0], found[0][1]
 
 
 def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str | Path = ".") -> list[str]:
@@ -317,7 +266,6 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
             is_dir = fs.isdir(match)
             for f in [f.lstrip("/") for f in fs.find(match)] if is_dir else [match]:
                 to = out / Path(f).relative_to(match) if is_dir else out
-                to.parent.mkdir(parents=True, exist_ok=True)
                 with atomic.replacing(to) as tmp:
                     fs.get_file(f, str(tmp))
                 written.append(str(to.relative_to(dest)))
@@ -332,54 +280,39 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", default="params.yaml", help="the params.yaml presets are checked against")
     sub = ap.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="validate and print the flattened overrides")
-    show.add_argument("preset")
-    check = sub.add_parser("check", help="validate one or more presets")
-    check.add_argument("presets", nargs="+")
+    sub.add_parser("show", help="validate and print the flattened overrides").add_argument("preset")
+    sub.add_parser("check", help="validate one or more presets").add_argument("presets", nargs="+")
     run = sub.add_parser("run", help="validate, then `dvc exp run --set-param ...` (a DVC experiment)")
     run.add_argument("preset")
     run.add_argument("--name", help="experiment name (dvc exp run --name)")
     where = run.add_mutually_exclusive_group()
     where.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
-    where.add_argument("--temp", action="store_true", help="run in a temporary copy (dvc exp run --temp), leaving "
-                                                           "the workspace as it is")
-    run.add_argument("--parts", metavar="KEY",
-                     help="one DVC experiment per value of the experiments' KEY (e.g. seed), then the whole, which "
-                          "restores their trainings from DVC's run cache (needs --name)")
+    where.add_argument("--temp", action="store_true", help="run in a temporary copy (dvc exp run --temp)")
+    run.add_argument("--parts", metavar="KEY", help="one DVC experiment per value of the experiments' KEY (e.g. "
+                                                    "seed), then the whole (needs --name)")
     run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
     export = sub.add_parser("export", help="copy a finished experiment's params, dvc.lock and named outputs into "
                                            "a folder (read at its commit; the workspace is left as it is)")
     export.add_argument("experiment", help="the experiment's name (dvc exp list --all-commits)")
     export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
-    export.add_argument("paths", nargs="*", help="outputs or git files of the experiment; globs allowed; "
-                                                 "SRC=TARGET writes SRC to dest/TARGET")
+    export.add_argument("paths", nargs="*", help="its outputs or git files; globs allowed; SRC=TARGET renames")
     args = ap.parse_args(argv)
     params = load_params(args.params)
-    try:
-        if args.command == "export":
-            written = export_experiment(args.experiment, args.dest, args.paths)
-            print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
-            return 0
-        if args.command == "show":
-            preset = load_preset(args.preset)
-            validate(preset, params, args.preset)
-            for ov in overrides(preset):
-                print(ov)
-            return 0
-        if args.command == "check":
-            for path in args.presets:
-                validate(load_preset(path), params, path)
-                print(f"{path}: ok ({len(overrides(load_preset(path)))} overrides)")
-            return 0
-        if args.parts:
-            if not args.name:
-                raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
-            cmds = part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp)
-        else:
-            cmds = [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)]
-    except PresetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.command == "export":
+        written = export_experiment(args.experiment, args.dest, args.paths)
+        print(f"{args.dest}: {len(written)} files of experiment {args.experiment!r} (EXPERIMENT.yaml names them)")
+        return 0
+    if args.command in ("show", "check"):
+        for path in [args.preset] if args.command == "show" else args.presets:
+            preset = load_preset(path)
+            validate(preset, params, path)
+            print("\n".join(overrides(preset)) if args.command == "show"
+                  else f"{path}: ok ({len(overrides(preset))} overrides)")
+        return 0
+    if args.parts and not args.name:
+        raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
+    cmds = (part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp) if args.parts
+            else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)])
     for cmd in cmds:
         print(shlex.join(cmd), flush=True)
         if not args.dry_run and (status := subprocess.call(cmd)) != 0:

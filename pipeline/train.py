@@ -3,27 +3,18 @@
     python -m pipeline.train --experiment fedselectkd-domain
     python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
 
-Several experiments in one process (a GPU machine packing runs to save start-up and model loading) give each the
-results it has alone in a fresh process: every run starts from the process's initial RNG state
-(:func:`run_packed`), and what the process shares between runs (the frozen backbone, the round-0 adapters, the
-prefix cache) is a function of the plan (tests/test_packing.py).
-
 Federated methods run Flower's ServerApp/ClientApp (pipeline.federation; in-process engine by default, Ray with
-``train.engine: ray``: pipeline.federation.engines); `single` (each client alone) and `centralized` (all clients'
-train data pooled) run the same local trainer without a server (pipeline.training.serverless). Every round each
-client's validation loss picks its best adapter (pipeline.training.best_adapter).
+``train.engine: ray``); `single` and `centralized` run the same local trainer without a server
+(pipeline.training.serverless). Packed experiments each start from the process's initial RNG state
+(:func:`run_packed`), so each gets the results it has alone (tests/test_packing.py).
 
-Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors``, ``gate_log.parquet``
-(client, round, example_id, position, token_id, entropy, kd_applied; empty for CE-only methods),
-``rounds.json`` (one row per round and client), ``metrics.json``, ``experiment.json`` (the plan).
-``reports/train/<exp>/metrics.json`` (DVC metrics) and ``rounds.json`` (DVC plots: one row per round, a column
-per client and quantity). One MLflow run per experiment (MLflow experiment = the entry's study) with every
-parameter, the adapters as artifacts and a child run per client (per-round metrics, bytes, its best adapter as a
-LoggedModel), tagged with its origin (pipeline.results.run_identity, pipeline.results.tracking). A killed run resumes
-after its last completed round when rerun, in the same MLflow run: while it runs, an experiment writes into its run
-directory ``data/cache/runs/<exp>-<plan key>/`` (checkpoints included) and only the finished outputs are copied to
-``models/<exp>/``. So that DVC output need not persist between runs, and DVC's run cache keeps every finished
-training: a queued or temporary experiment that was killed restores them when rerun.
+Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors``, ``gate_log.parquet``,
+``rounds.json``, ``metrics.json``, ``experiment.json`` (the plan); ``reports/train/<exp>/metrics.json`` (DVC metrics)
+and ``rounds.json`` (DVC plots); one MLflow run per experiment with a child run per client (per-round metrics,
+bytes, its best adapter as a LoggedModel; pipeline.results.tracking).
+While it runs, an experiment writes into ``data/cache/runs/<exp>-<plan key>/`` (checkpoints included: a killed run
+resumes after its last round, in the same MLflow run) and only the finished outputs are copied to ``models/<exp>/``,
+so that output need not persist and DVC's run cache keeps every finished training.
 """
 from __future__ import annotations
 
@@ -40,9 +31,8 @@ from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.common.timing import stage_timer
-from pipeline.training import checkpoints, publish
-from pipeline.training.history import log_missing_rounds, write_rounds
-from pipeline.training.recorder import TrainRecorder
+from pipeline.training import checkpoints
+from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
 from pipeline.training.serverless import run_serverless
 from pipeline.training.summary import (convergence_tags, final_run_metrics, merge_gate_logs, prepare_outputs,
                                        run_identity_tags, summarize, write_metrics)
@@ -60,8 +50,7 @@ def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
 
 def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSettings | None = None) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
-    ``settings``: how to run it (engine, timeouts, caches): :func:`main` passes the params file's; None is
-    RunSettings' own defaults, never a file read here."""
+    ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults)."""
     plan_path = str(plan_path)
     plan = read_plan(plan_path)
     privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains
@@ -82,7 +71,6 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
                                  run_tags(plan, engine=settings.engine),
                                  resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None,
                                  partition=plan.paths["partition"])
-        run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
     recorder = TrainRecorder(plan, logger)
@@ -94,11 +82,11 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         else:
             result = run_serverless(plan, recorder, settings.cache)
     except BaseException:
-        recorder.close()
         if logger is not None:
             logger.finish("KILLED")  # resumable: the rerun reopens this run
         raise
-    recorder.close()
+    finally:
+        recorder.close()
 
     history = result["history"]
     write_rounds(plan, history)
@@ -119,48 +107,32 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
             logger.log_artifact(f)
         logger.finish("FINISHED")
-    publish.publish_outputs(plan)
+    checkpoints.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
     # after its last round from the checkpoint and publishes again.
     shutil.rmtree(out_dir)
     return metrics
 
 
-class _InitialRngState:
-    """The global RNG state of the process when it started (Python, NumPy, torch CPU), put back before each run, so
-    that a run packed after another draws what it would draw alone in a fresh process. (Every draw of a run is
-    seeded from its plan (pipeline.training.seeds); this keeps it so should an unseeded draw creep in.)"""
-
-    def __init__(self) -> None:
-        import random
-
-        import numpy as np
-        import torch
-
-        self.python, self.numpy, self.torch = random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-    def restore(self) -> None:
-        import random
-
-        import numpy as np
-        import torch
-
-        random.setstate(self.python)
-        np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(torch.initial_seed())  # a fresh process's CUDA generators: the default seed
-
-
 def run_packed(plan_paths: list[Path], track: bool = True,
                settings: dict[str, RunSettings] | None = None) -> dict[str, dict[str, Any]]:
-    """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's
-    initial RNG state (``settings``: each experiment's run-time settings, default RunSettings()); returns their
-    metrics by experiment."""
-    initial = _InitialRngState()
+    """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's initial
+    RNG state (Python, NumPy, torch), so that a run packed after another draws what it would draw alone in a fresh
+    process should an unseeded draw creep in (``settings``: each experiment's, default RunSettings()); returns
+    their metrics by experiment."""
+    import random
+
+    import numpy as np
+    import torch
+
+    initial = random.getstate(), np.random.get_state(), torch.get_rng_state()
     out = {}
     for path in plan_paths:
-        initial.restore()
+        random.setstate(initial[0])
+        np.random.set_state(initial[1])
+        torch.set_rng_state(initial[2])
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.manual_seed_all(torch.initial_seed())  # a fresh process's CUDA generators: the default seed
         experiment = Path(path).stem
         with stage_timer(f"train-{experiment}"):
             out[experiment] = run_experiment(path, track=track, settings=(settings or {}).get(experiment))

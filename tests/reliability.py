@@ -212,7 +212,7 @@ def _kill_after_aggregation(rnd: int) -> None:
 
 def _kill_after_recording(rnd: int) -> None:
     """Between rounds: round ``rnd`` checkpointed and recorded (rounds.json, MLflow), round ``rnd + 1`` not begun."""
-    from pipeline.training.recorder import TrainRecorder
+    from pipeline.training.history import TrainRecorder
 
     real = TrainRecorder.round_done
 

@@ -246,7 +246,6 @@ def test_run_settings_come_from_params_with_the_experiments_own_override():
 
 def test_plan_paths_come_from_the_path_table(tmp_path):
     from pipeline.experiments import declared, read_plan, write_plans
-    from pipeline.paths import PATHS
 
     params = _params()
     out = tmp_path / "plans"
@@ -258,4 +257,4 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
                           "model_dir": "models/hardkd-domain", "reports_dir": "reports/train/hardkd-domain",
                           "postags": "data/processed/postags.parquet"}
     assert "paths" not in json.loads((out / "hardkd-domain.json").read_text())  # not a result: not in the plan
-    assert str(PATHS.plan("x")) == "models/plans/x.json" and len(declared(params)) == len(list(out.glob("*.json")))
+    assert len(declared(params)) == len(list(out.glob("*.json")))

@@ -46,7 +46,7 @@ def test_the_margin_gate_reads_a_probability_margin():
 
 def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(tmp_path):
     from pipeline.experiments import read_plan, write_plans
-    from pipeline.training.kd import kd_config
+    from pipeline.training.client_training import kd_config
 
     params = copy.deepcopy(load_params(ROOT / "params.yaml"))
     before = {p.name: p.read_text() for p in write_plans(params, tmp_path / "a")}

@@ -12,6 +12,7 @@ import yaml
 from dvc.utils.hydra import apply_overrides
 
 from pipeline import presets as pr
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import load_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +191,7 @@ def test_show_and_dry_run_print_the_overrides(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dvc exp run --name t4 --queue --set-param tau=4.0 --set-param train.rounds=2" in out
     bad = write(tmp_path, "tua: 4.0\n", "bad.yaml")
-    assert pr.main(["--params", str(ROOT / "params.yaml"), "run", str(bad), "--dry-run"]) == 2
+    assert run_cli(pr.main, ["--params", str(ROOT / "params.yaml"), "run", str(bad), "--dry-run"]) == 2
     assert "tua: unknown key" in capsys.readouterr().err
 
 
@@ -303,8 +304,8 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
     assert yaml.safe_load((dest / "params.yaml").read_text())["tau"] == 4.0 and (dest / "dvc.lock").exists()
     record = yaml.safe_load((dest / "EXPERIMENT.yaml").read_text())
     assert record["experiment"] == "st" and len(record["files"]) == 6 and not (repo / "report.txt").exists()
-    assert pr.main(["export", "st", str(dest), "nothing.txt"]) == 2  # a missing path is an error naming it
-    assert pr.main(["export", "no-such-experiment", str(dest)]) == 2
+    assert run_cli(pr.main, ["export", "st", str(dest), "nothing.txt"]) == 2  # a missing path is an error naming it
+    assert run_cli(pr.main, ["export", "no-such-experiment", str(dest)]) == 2
     subprocess.run([sys.executable, "-m", "dvc", "exp", "apply", "st"], cwd=repo, check=True)
     assert (repo / "report.txt").read_text() == "a-s0 a-s1 b-s0"
     assert "fedkd" in (repo / "models/b-s0/adapter.txt").read_text()

@@ -294,7 +294,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.modeling.losses import distillation_loss
     from pipeline.experiments import read_plan
     from pipeline.training.client_data import client_data
-    from pipeline.training.kd import kd_config
+    from pipeline.training.client_training import kd_config
     from pipeline.privacy.example_dp import per_example_loss_scale
     from pipeline.training.client_training import _forward_logits
     from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model

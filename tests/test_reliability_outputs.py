@@ -32,7 +32,8 @@ ALLOWED = {
     ("backbone.py", "(out_dir / RECORD_NAME).write_text("),
     # its own temporary + os.replace (it decides after writing whether the entry fits the size budget)
     ("modeling/cache.py", "save_file({\"encoder_hidden\": enc, \"decoder_hidden\": dec}, tmp,"),
-    # opens the temporary that atomic.replacing yields
+    # write the temporary that atomic.replacing yields
+    ("training/checkpoints.py", "torch.save({\"plan_hash\": plan_hash(plan)"),
     ("results/human_eval.py", "with atomic.replacing(out / \"sheet.csv\") as tmp, tmp.open(\"w\", newline=\"\", encoding=\"utf-8\") as fh:"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
     ("federation/processes.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),

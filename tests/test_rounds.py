@@ -24,11 +24,8 @@ from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtu
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.protocol  # noqa: F401,E402
-import pipeline.training.best_adapter  # noqa: F401,E402
 import pipeline.training.checkpoints  # noqa: F401,E402
 import pipeline.training.history  # noqa: F401,E402
-import pipeline.training.publish  # noqa: F401,E402
-import pipeline.training.recorder  # noqa: F401,E402
 
 
 def _plan(name: str, **train):
@@ -43,7 +40,7 @@ def _state(value: float) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------------------- best adapter
 def test_initial_progress_has_no_best_round():
-    from pipeline.training.best_adapter import initial_progress
+    from pipeline.training.checkpoints import initial_progress
 
     assert initial_progress() == {"best-val-loss": math.inf, "best-round": 0}
 
@@ -52,7 +49,7 @@ def test_initial_progress_has_no_best_round():
 @given(val=st.lists(st.sampled_from([3.0, 2.5, 2.0, 2.0, 4.0, 1.5, 1.5]), min_size=1, max_size=6))
 def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last(tmp_path_factory, val):
     from pipeline.modeling.adapter_io import adapter_file, load_adapter
-    from pipeline.training.best_adapter import initial_progress, keep_best_and_final
+    from pipeline.training.checkpoints import initial_progress, keep_best_and_final
 
     plan = _plan_cached()
     out = tmp_path_factory.mktemp("client")
@@ -94,7 +91,7 @@ def _in_workspace(ws):
 
 
 def test_a_nan_loss_is_never_best():
-    from pipeline.training.best_adapter import initial_progress, keep_best_and_final
+    from pipeline.training.checkpoints import initial_progress, keep_best_and_final
 
     plan = _plan_cached()
     out = Path("models/rounds-nan/clients/Academic")
@@ -264,7 +261,7 @@ def test_rounds_missing_from_the_mlflow_run_are_logged_once():
 
 
 def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts():
-    from pipeline.training import publish
+    from pipeline.training import checkpoints as publish
 
     plan = _plan("rounds-publish")
     out, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
@@ -290,7 +287,7 @@ def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts(
 
 def test_the_recorders_log_and_write_each_round(caplog):
     from pipeline.training.history import RoundLog, round_metrics
-    from pipeline.training.recorder import Recorder, TrainRecorder
+    from pipeline.training.history import Recorder, TrainRecorder
 
     plan = _plan("rounds-recorder", rounds=3)
     entry = RoundLog(2, 1.5, ROWS[:2], True)
@@ -358,7 +355,7 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
 def test_a_round_without_a_validation_loss_logs_nan_for_that_client(caplog):
     """A client that sent no validation loss (it failed) is shown as nan, not as an error that stops the run."""
     from pipeline.training.history import RoundLog
-    from pipeline.training.recorder import Recorder
+    from pipeline.training.history import Recorder
 
     plan = _plan("rounds-nan", rounds=2)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
@@ -372,7 +369,7 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
     import tqdm as tqdm_module
 
     from pipeline.training.history import RoundLog
-    from pipeline.training.recorder import TrainRecorder
+    from pipeline.training.history import TrainRecorder
 
     plan = _plan("rounds-progress", rounds=3)
     recorder = TrainRecorder(plan)
@@ -391,7 +388,7 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
 def test_a_recorder_closed_before_its_run_started_does_nothing():
     """train.py closes the recorder in a finally block: a run that fails before its first round must not raise
     a second error from there."""
-    from pipeline.training.recorder import TrainRecorder
+    from pipeline.training.history import TrainRecorder
 
     TrainRecorder(_plan("rounds-early-close")).close()
 
@@ -411,7 +408,7 @@ def test_a_checkpoint_with_numpy_arrays_and_rng_states_as_the_server_writes_it_i
 
 def test_publishing_creates_the_missing_parents_of_the_model_directory(monkeypatch):
     from pipeline.paths import ProjectPaths
-    from pipeline.training import publish
+    from pipeline.training import checkpoints as publish
 
     plan = _plan("rounds-publish-parents")
     out = Path(plan.paths["out_dir"])

@@ -195,7 +195,7 @@ def ws(workspace, monkeypatch):  # noqa: F811
 @pytest.mark.slow
 def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
     from pipeline.train import run_experiment
-    from pipeline.training.recorder import TrainRecorder
+    from pipeline.training.history import TrainRecorder
 
     path = write_plan("mlflow-resume", "fedavg")
     real_done = TrainRecorder.round_done
@@ -252,7 +252,7 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
 
     from pipeline import plan as plan_stage
     from pipeline import train as train_stage
-    from pipeline.training.recorder import TrainRecorder
+    from pipeline.training.history import TrainRecorder
 
     params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN),
               "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}}}

@@ -1,13 +1,7 @@
-"""Outputs written whole: every file a stage writes goes to a temporary name in its directory and is renamed
-into place (``os.replace``, atomic on POSIX within one file system), so a stage killed at any moment leaves
-either the old file or the new one, never half of one. A crashed run may leave a ``.<name>.<pid>.<hex>.tmp``
-file behind; it is never read, and the next successful write of that output removes it (when the process that
-made it is gone).
-
-    from pipeline.common import atomic
-    atomic.write_text(path, text)                 # also write_bytes, write_json, to_parquet, to_csv,
-    atomic.savefig(fig, path, dpi=120)            # savefig, save_safetensors, torch_save
-    with atomic.replacing(path) as tmp: writer(tmp)   # anything else that writes a file by name
+"""Outputs written whole: every file a stage writes goes to a temporary name in its directory and is renamed into
+place (``os.replace``, atomic on POSIX), so a stage killed at any moment leaves the old file or the new one, never
+half of one. A killed run's ``.<name>.<pid>.<hex>.tmp`` is never read; the next write of that output removes it.
+``with atomic.replacing(path) as tmp: writer(tmp)`` covers any writer that takes a file name.
 
 Fault injection for the reliability tests (never set in normal runs): ``FEDMEET_FAULT_KILL_WRITE=<glob>[@<n>]``
 makes the process SIGKILL itself in the middle of its n-th (default first) atomic write whose file name matches
@@ -28,11 +22,6 @@ from typing import Any
 
 ENV_KILL = "FEDMEET_FAULT_KILL_WRITE"
 _matching_writes = 0  # atomic writes so far whose name matches the kill pattern (this process)
-
-
-def temp_name(path: Path) -> Path:
-    """A fresh temporary name beside ``path`` that keeps its suffix (savefig and friends infer the format)."""
-    return path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{path.suffix}")
 
 
 def _fault_point(path: Path, tmp: Path) -> None:
@@ -57,7 +46,7 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's live process
-        return True
+        pass
     return True
 
 
@@ -82,12 +71,14 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on normal exit it replaces ``path``, on an exception it is removed."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(target)
+    # a fresh name beside it that keeps its suffix (savefig and friends infer the format from it)
+    tmp = target.with_name(f".{target.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp{target.suffix}")
     try:
         yield tmp
         _fault_point(target, tmp)
         os.replace(tmp, target)
-        _remove_stale(target, rf"\.{re.escape(target.stem)}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{re.escape(target.suffix)}")
+        stem, suffix = re.escape(target.stem), re.escape(target.suffix)
+        _remove_stale(target, rf"\.{stem}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{suffix}")
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -104,7 +95,6 @@ def write_text(path: str | os.PathLike, text: str, encoding: str = "utf-8") -> N
 
 
 def write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2, **kwargs: Any) -> None:
-    """``json.dumps(obj, indent=indent, **kwargs)`` plus a final newline."""
     write_text(path, json.dumps(obj, indent=indent, **kwargs) + "\n")
 
 
@@ -128,13 +118,6 @@ def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str,
 
     # serialized here and written as any file, not by save_file, which creates its file mode 0600 whatever the umask
     write_bytes(path, save(tensors, metadata=metadata))
-
-
-def torch_save(obj: Any, path: str | os.PathLike) -> None:
-    import torch
-
-    with replacing(path) as tmp:
-        torch.save(obj, tmp)
 
 
 def temp_dir_for(path: str | os.PathLike) -> Path:

@@ -1,10 +1,10 @@
 """One entry point for every stage CLI: bad input or bad parameters end in one line, not a traceback.
 
-Every ``python -m pipeline.<stage>`` runs its ``main`` through :func:`run`. Errors that are the user's to fix
-(:class:`pipeline.common.schema.DataError`: a bad input file; :class:`pipeline.common.config.ConfigError`: a bad parameter;
-``FileNotFoundError``: a missing input; the backbone's and the presets' errors) print ``error: <message>`` on stderr and exit with status 2, as argparse
-does for a bad command line. ``--debug`` (anywhere on the command line) or ``FEDMEET_DEBUG=1`` re-raises them so
-the traceback shows. Any other exception is a bug and keeps its traceback.
+Every ``python -m pipeline.<stage>`` runs its ``main`` through :func:`run`. Errors that are the user's to fix (a bad
+input file: DataError; a bad parameter: ConfigError; a missing input: FileNotFoundError; the backbone's, presets' and
+federation's errors) print ``error: <message>`` on stderr and exit with status 2, as argparse does for a bad command
+line. ``--debug`` (anywhere on the command line) or ``FEDMEET_DEBUG=1`` re-raises them so the traceback shows.
+Any other exception is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -14,22 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 EXIT_USAGE = 2
-DEBUG_FLAG = "--debug"
-ENV_DEBUG = "FEDMEET_DEBUG"
-
-
 # Defined in stage modules that may run as ``__main__`` (so matched by name, not by identity).
 STAGE_ERRORS = ("BackboneError", "PresetError", "FederationError")
-
-
-def is_user_error(exc: BaseException) -> bool:
-    from pipeline.common.config import ConfigError
-    from pipeline.common.schema import DataError
-
-    # A missing input (an upstream stage not run yet, a wrong path) is the user's to fix too; its message names
-    # the file.
-    return (isinstance(exc, (DataError, ConfigError, FileNotFoundError))
-            or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__))
 
 
 def one_line(exc: BaseException) -> str:
@@ -44,13 +30,19 @@ def one_line(exc: BaseException) -> str:
 
 def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
     """Run a stage's ``main(argv)`` and return the process exit status."""
+    from pipeline.common.config import ConfigError
+    from pipeline.common.schema import DataError
+
     args = list(sys.argv[1:] if argv is None else argv)
-    debug = DEBUG_FLAG in args or os.environ.get(ENV_DEBUG, "") not in ("", "0")
-    args = [a for a in args if a != DEBUG_FLAG]
+    debug = "--debug" in args or os.environ.get("FEDMEET_DEBUG", "") not in ("", "0")
     try:
-        status = main(args)
+        status = main([a for a in args if a != "--debug"])
     except Exception as exc:  # noqa: BLE001 -- narrowed just below, the rest is re-raised
-        if debug or not is_user_error(exc):
+        # A missing input (an upstream stage not run yet, a wrong path) is the user's to fix too; its message names
+        # the file.
+        user = (isinstance(exc, (DataError, ConfigError, FileNotFoundError))
+                or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__))
+        if debug or not user:
             raise
         print(f"error: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,15 +1,11 @@
-"""Parameters and paths shared by every stage.
+"""Parameters shared by every stage.
 
-Every stage reads the params file through :func:`load_params` and turns its own group into a config class with
-:func:`from_dict`, before any work. A config class is a pydantic dataclass (:func:`config`): its annotations,
-``Literal`` choices and ``Field`` bounds are every check (strict types, unknown keys refused), and a check that
-spans keys is a pydantic ``model_validator``. :func:`from_dict` turns pydantic's errors into one
-:class:`ConfigError` line naming the key: a typo in the params file or a preset is one clear line instead of a
-silently ignored setting or a crash deep in a stage.
-
-Defaults: the params file is the one place a value is chosen (DVC tracks it, users edit it); a config default is
-the params file's value for that key, so code and tests that build a config without the params file run what
-`make repro` runs (tests/test_params_defaults.py holds every group to it).
+Every stage reads the params file with :func:`load_params` and turns its own group into a config class with
+:func:`from_dict` before any work. A config class is a strict pydantic dataclass (:func:`config`): its annotations,
+``Literal`` choices and ``Field`` bounds are every check, a check across keys is a ``model_validator``, and
+:func:`from_dict` turns pydantic's errors into one :class:`ConfigError` line naming the key. A config default is the
+params file's value for that key, so code and tests that build a config without the file run what `make repro` runs
+(tests/test_params_defaults.py holds every group to it).
 """
 from __future__ import annotations
 
@@ -72,23 +68,19 @@ def config(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
 def repo_root() -> Path:
     """The project root, the same for `dvc repro` and `dvc exp run` (queued/temp runs execute in a copy under
     ``<root>/.dvc/tmp/exps/``, whose results must still land in the one MLflow store at ``<root>``)."""
-    root: Path | None = None
-    for var in ("FEDMEET_ROOT", "DVC_ROOT"):
-        if os.environ.get(var):
-            root = Path(os.environ[var]).resolve()
-            break
-    if root is None:
+    env = os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT")
+    if env:
+        root = Path(env).resolve()
+    else:
         try:
-            out = subprocess.run(
-                ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-            root = Path(out) if out else None
+            out = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
-            root = None
-    root = root or Path.cwd().resolve()
+            out = ""
+        root = Path(out) if out else Path.cwd().resolve()
     parts = root.parts
-    for i in range(len(parts) - 3):
-        if parts[i : i + 4] == (".dvc", "tmp", "exps", parts[i + 3]) and i > 0:
+    for i in range(1, len(parts) - 3):
+        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return root
 
@@ -232,10 +224,6 @@ def group(params: dict[str, Any], name: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"params.yaml {name}: expected a mapping of keys, got {type(value).__name__} {value!r}")
     return value
-
-
-def to_dict(obj: Any) -> dict[str, Any]:
-    return dataclasses.asdict(obj)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -1,10 +1,7 @@
-"""Checks that a model directory (``models/backbone``) is whole before it is loaded.
-
-Loading a damaged directory with transformers fails deep inside with messages that name no file (a truncated
-safetensors file: "Error while deserializing header: MetadataIncompleteBuffer"). :func:`check_model_dir` names
-the file and the problem instead: a JSON file that does not parse, a safetensors file whose size differs from
-what its header promises, a weight file cut short; and, when the backbone stage recorded the directory's
-sha256 (``fedmeet_backbone.json``), any byte changed since.
+"""Checks that a model directory (``models/backbone``) is whole before it is loaded: transformers fails on a damaged
+one with messages that name no file ("MetadataIncompleteBuffer"); :func:`check_model_dir` names the file and the
+problem (JSON that does not parse, a safetensors size its header does not promise, and any byte changed since the
+backbone stage recorded the directory's sha256 in ``fedmeet_backbone.json``).
 """
 from __future__ import annotations
 
@@ -43,12 +40,9 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:

@@ -7,16 +7,17 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 DATASETS = ("qmsum", "samsum", "ami", "icsi")
 SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
-QUERY_TYPES = ("general", "specific", "none")
 
 # Upstream split names -> ours (QMSum `val`, SAMSum `validation`, HMNet `dev`).
-_SPLIT_ALIASES = {"train": "train", "val": "valid", "valid": "valid", "validation": "valid", "dev": "valid", "test": "test"}
+_SPLIT_ALIASES = {"train": "train", "val": "valid", "valid": "valid", "validation": "valid", "dev": "valid",
+                  "test": "test"}
 
 
 class DataError(ValueError):
@@ -65,9 +66,6 @@ class CanonicalRecord:
         row = dataclasses.asdict(self)
         row["spans"] = [list(s) for s in self.spans]
         return row
-
-
-CANONICAL_COLUMNS = [f.name for f in dataclasses.fields(CanonicalRecord)]
 
 
 @dataclass
@@ -120,16 +118,11 @@ class IngestReport:
         self.notes[what] = self.notes.get(what, 0) + n
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["n_skipped"] = len(self.skipped)
-        d["skipped_by_reason"] = {}
-        for s in self.skipped:
-            d["skipped_by_reason"][s.reason] = d["skipped_by_reason"].get(s.reason, 0) + 1
-        return d
+        return dataclasses.asdict(self) | {"n_skipped": len(self.skipped),
+                                           "skipped_by_reason": dict(Counter(s.reason for s in self.skipped))}
 
 
-# ----------------------------------------------------------------------------------------------
-# Word counters used by the statistics (METHOD.md section 2, Table II).
+# Word counters of the statistics (METHOD.md section 2, Table II).
 _DISFLUENCY_TAG = re.compile(r"\{[^}]*\}")
 
 

@@ -34,7 +34,7 @@ class NounVerbMasks:
 
     @classmethod
     def from_parquet(cls, path: str | Path) -> "NounVerbMasks":
-        """The file of stage `postag` (pipeline.training.kd.noun_verb_masks checks it exists)."""
+        """The file of stage `postag` (pipeline.training.client_training.noun_verb_masks checks it exists)."""
         return cls(pd.read_parquet(path, columns=POSTAG_COLUMNS), str(path))
 
     def __getitem__(self, example_id: str) -> np.ndarray:

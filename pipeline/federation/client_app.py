@@ -30,7 +30,8 @@ from pipeline.modeling.adapter_io import load_adapter
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
-from pipeline.training import best_adapter, checkpoints
+from pipeline.training import checkpoints
+from pipeline.training import checkpoints as best_adapter
 from pipeline.training.client_data import client_data, client_names, read_partition
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 

@@ -37,9 +37,10 @@ from pipeline.modeling.backbone_record import backbone_name
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
-from pipeline.training import checkpoints, publish
+from pipeline.training import checkpoints
+from pipeline.training import checkpoints as publish
 from pipeline.training.history import write_rounds
-from pipeline.training.recorder import TrainRecorder
+from pipeline.training.history import TrainRecorder
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)

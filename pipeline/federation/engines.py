@@ -26,7 +26,7 @@ from pipeline.federation.client_app import client_app
 from pipeline.federation.protocol import client_settings_config, load_plan
 from pipeline.federation.server_app import run_server
 from pipeline.training.client_data import client_names
-from pipeline.training.recorder import Recorder
+from pipeline.training.history import Recorder
 
 log = logging.getLogger("fedmeet.federated")
 

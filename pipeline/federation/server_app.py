@@ -34,7 +34,7 @@ from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggreg
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
 from pipeline.training.history import RoundLog
-from pipeline.training.recorder import Recorder
+from pipeline.training.history import Recorder
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop

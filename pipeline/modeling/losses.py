@@ -54,7 +54,7 @@ TAU_SCALES = get_args(TauScale)
 
 @config
 class KDConfig:
-    """The loss of one client step; the names are the params file's `train` keys (pipeline.training.kd)."""
+    """The loss of one client step; the names are the params file's `train` keys (pipeline.training.client_training)."""
 
     mode: KdMode = "selective"
     kd_lambda: Fraction = 0.2  # lambda, weight of the KL term on gated tokens

@@ -53,7 +53,7 @@ class ModelConfig:
     @classmethod
     def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":
         """From the `model` params group, whose cache keys are not this config's (the plan stage checks that
-        every key of the group is known: pipeline.experiments.model_config)."""
+        every key of the group is known: pipeline.experiments.check_model_group)."""
         from pipeline.common.config import from_dict
 
         names = {f.name for f in dataclasses.fields(cls)}

@@ -4,9 +4,9 @@ the run's privacy records (metrics.json, MLflow: every epsilon with its delta, t
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import asdict as to_dict
 from typing import Any
 
-from pipeline.common.config import to_dict
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.settings import client_level_problem, secure_aggregation_refusal

@@ -3,12 +3,13 @@ refusals of what a privacy setting cannot protect (:func:`client_level_problem`,
 from __future__ import annotations
 
 import math
+from dataclasses import asdict as to_dict
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.common.config import Fraction, config, to_dict
+from pipeline.common.config import Fraction, config
 from pipeline.federation.strategies.catalog import STRATEGIES
 
 # Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a

@@ -1,15 +1,16 @@
-"""Where a training run keeps its state while it runs, and its checkpoints, shared by the federated engines
-(pipeline.federation: server loop and client handlers) and by `single` / `centralized` (pipeline.training.serverless).
-
-A run's run directory is ``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` (adapters, gate log),
-``checkpoint/`` with ``server.pt`` or ``local.pt``, ``mlflow_run_id``,
-``clients/<client>/round<NNN>.{safetensors,json}``.
-A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed.
+"""Where a training run keeps its state while it runs, and its checkpoints (the federated engines and `single` /
+`centralized`). A run directory ``data/cache/runs/<exp>-<key>/`` holds ``clients/<client>/`` (adapters, gate log) and
+``checkpoint/`` (``server.pt`` or ``local.pt``, ``mlflow_run_id``, ``clients/<client>/round<NNN>.{safetensors,json}``).
+A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed. Every round a
+client's adapter is saved as ``adapter_final`` and, when its validation loss beats its best so far, as
+``adapter_best`` (:func:`keep_best_and_final`, both engines); a finished run's outputs are then copied to
+``models/<exp>/`` (:func:`publish_outputs`).
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,29 +18,26 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.modeling.adapter_io import save_adapter
+from pipeline.modeling.adapter_io import adapter_file, save_adapter
 from pipeline.experiments import Plan, plan_hash
 
 log = logging.getLogger("fedmeet.train")
 
-SERVER_CHECKPOINT = "server.pt"  # the federated server's: global adapter, strategy state, RNG, history
-LOCAL_CHECKPOINT = "local.pt"  # single / centralized: every unit's adapter, progress, history
 TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the client has not trained yet
 DP_STEPS = "dp-steps"  # in a client checkpoint's progress: DP-SGD steps so far, so a resumed client keeps composing
 
 
-# ----------------------------------------------------------------------------------------------- where
 def checkpoint_dir(plan: Plan) -> Path:
     """``<run dir>/checkpoint/``: everything a killed run resumes from (removed when the run finishes)."""
     return Path(plan.paths["out_dir"]) / "checkpoint"
 
 
 def server_checkpoint_path(plan: Plan) -> Path:
-    return checkpoint_dir(plan) / SERVER_CHECKPOINT
+    return checkpoint_dir(plan) / "server.pt"  # the federated server's: global adapter, strategy state, RNG, history
 
 
 def local_checkpoint_path(plan: Plan) -> Path:
-    return checkpoint_dir(plan) / LOCAL_CHECKPOINT
+    return checkpoint_dir(plan) / "local.pt"  # single / centralized: every unit's adapter, progress, history
 
 
 def mlflow_run_id_path(plan: Plan) -> Path:
@@ -57,11 +55,10 @@ def client_checkpoint_dir(plan: Plan, client: str) -> Path:
     return checkpoint_dir(plan) / "clients" / client
 
 
-# ----------------------------------------------------------------------------------------------- run checkpoints
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
     """The checkpoint after round ``rnd``: ``state`` tagged with the plan's hash and the round."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.torch_save({"plan_hash": plan_hash(plan), "round": rnd, **state}, path)
+    with atomic.replacing(path) as tmp:
+        torch.save({"plan_hash": plan_hash(plan), "round": rnd, **state}, tmp)
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
@@ -77,16 +74,13 @@ def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
 
 def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan (then they are resumed)."""
-    for path in (server_checkpoint_path(plan), local_checkpoint_path(plan)):
-        if path.exists():
-            try:
-                return torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
-            except Exception:  # unreadable (killed mid-write before the atomic rename cannot happen, but be safe)
-                return False
-    return False
+    path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
+    try:
+        return path is not None and torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
+    except Exception:  # unreadable
+        return False
 
 
-# ----------------------------------------------------------------------------------------------- client checkpoints
 @dataclass
 class ClientCheckpoint:
     """A client's checkpoint of one round: its progress, whether it had trained, its DP-SGD steps so far."""
@@ -125,3 +119,41 @@ def write_client_checkpoint(ckpt: Path, rnd: int, state: dict[str, torch.Tensor]
         if old < rnd - 1 or old > rnd:
             (ckpt / f"round{old:03d}.safetensors").unlink(missing_ok=True)
             (ckpt / f"round{old:03d}.json").unlink(missing_ok=True)
+
+
+def initial_progress() -> dict[str, float]:
+    """A client's progress before its first validation: no best round yet."""
+    return {"best-val-loss": math.inf, "best-round": 0}
+
+
+def keep_best_and_final(out: Path, plan: Plan, client: str, rnd: int, val_loss: float,
+                        state: dict[str, torch.Tensor], progress: dict[str, float]) -> tuple[dict[str, float], bool]:
+    """Save the round's adapter as ``adapter_final`` and, when its validation loss beats the client's best so
+    far, as ``adapter_best``; returns the client's progress after this round and whether the round is its best."""
+    meta = {"experiment": plan.experiment, "client": client, "round": str(rnd), "val_loss": f"{val_loss:.6f}"}
+    is_best = val_loss < progress["best-val-loss"]
+    if is_best:
+        progress = {"best-val-loss": float(val_loss), "best-round": rnd}
+        save_adapter(adapter_file(out, "best"), state, meta)
+    save_adapter(adapter_file(out, "final"), state, meta)
+    return progress, is_best
+
+
+def publish_outputs(plan: Plan) -> Path:
+    """Copy a finished run's outputs from its run directory into ``models/<exp>/``, replacing what was there as a
+    whole; returns that directory. The caller removes the run directory: a kill before that publishes again."""
+    import shutil
+
+    source, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
+
+    def run_only(directory: str, names: list[str]) -> set[str]:
+        # the checkpoints, and the clients' per-round gate log parts (merged into gate_log.parquet by now)
+        here = Path(directory)
+        if here == source:
+            return {"checkpoint"} & set(names)
+        return {"gate_log"} & set(names) if here.parent == source / "clients" else set()
+
+    tmp = atomic.temp_dir_for(target)
+    shutil.copytree(source, tmp, ignore=run_only, dirs_exist_ok=True)
+    atomic.replace_dir(tmp, target)
+    return target

@@ -1,5 +1,5 @@
-"""A client's examples: the partition file, the examples file, and the client's train/valid frames (with the CPU
-profile's seeded subsampling, pipeline.datasets.subsampling)."""
+"""A client's examples: the partition file, the examples file, and the client's train/valid frames (seeded
+subsampling: pipeline.datasets.subsampling)."""
 from __future__ import annotations
 
 import json
@@ -81,4 +81,5 @@ def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None
 
 
 def client_names(plan: Plan) -> list[str]:
+    """The clients of the plan's partition file, in its order."""
     return list(read_partition(plan.paths["partition"])["clients"])

@@ -1,31 +1,63 @@
-"""The local trainer: what one client does with its own data in one round (METHOD.md section 4).
-
-Shared by the Flower ClientApp (federated methods) and by `single` / `centralized` (no server). It trains the
-*local* adapter set with AdamW on ``L = mean_t L_t`` where ``L_t`` is CE, KD on every token, selective KD
-(KD only where the global adapter's entropy ``H(q_g) < tau``) or hard KD (KD only on target nouns and verbs),
-plus the FedProx term ``mu/2 ||W - W_global||^2`` when asked. It records the gate log rows of section 4
-("Record": client, round, example id, position, token id, H(q_g), KD applied) and measures the validation loss
-(CE of the local path) on the client's valid set. Under params `privacy` the steps are DP-SGD (pipeline.privacy).
+"""The local trainer: what one client does with its own data in one round (METHOD.md section 4), for the Flower
+ClientApp and for `single` / `centralized`. It trains the *local* adapter set with AdamW on ``L = mean_t L_t``
+(CE, KD on every token, selective KD where the global adapter's entropy ``H(q_g) < tau``, or hard KD on target nouns
+and verbs) plus FedProx's ``mu/2 ||W - W_global||^2`` when asked, records the gate log rows of section 4, and
+measures the validation loss (CE of the local path). Under params `privacy` the steps are DP-SGD (pipeline.privacy).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import torch
+import transformers
 
-from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments import Plan
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
+from pipeline.modeling.losses import KDConfig
+from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
-from pipeline.training.kd import kd_config, noun_verb_masks
-from pipeline.training.seeds import derived_seed, seed_everything
+from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import model_config
 
-GATE_LOG_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
+GATE_LOG_DTYPES = {"client": "string", "round": "int32", "example_id": "string", "position": "int32",
+                   "token_id": "int64", "entropy": "float32", "kd_applied": "bool"}
+GATE_LOG_COLUMNS = list(GATE_LOG_DTYPES)
+
+
+def kd_config(plan: Plan) -> KDConfig:
+    """The loss configuration of the plan's method: its KD mode, its tau (inf when it reads none) and the `train`
+    keys of the same names."""
+    same_names = {f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig)
+                  if f.name not in ("mode", "tau")}
+    return KDConfig(mode=plan.spec.kd_mode, tau=plan.tau if plan.tau is not None else float("inf"), **same_names)
+
+
+@lru_cache(maxsize=2)
+def _noun_verb_masks(path: str, mtime: float) -> NounVerbMasks:
+    return NounVerbMasks.from_parquet(path)
+
+
+def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:
+    """Hard KD's masks of the target nouns and verbs (stage `postag`), read once per process and file version."""
+    p = Path(postags_path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: POS tags not found (stage `postag`); method hardkd needs them")
+    return _noun_verb_masks(str(p), p.stat().st_mtime)
+
+
+def _batches(model: AdapterSummarizer, frame: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig, shuffle: bool,
+             seed: int, bucket_by_length: bool) -> list[Batch]:
+    return make_batches(frame, model.tokenizer, mcfg, cfg.batch_size, shuffle, seed,
+                        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
+                        bucket_by_length=bucket_by_length)
 
 
 @dataclass
@@ -43,9 +75,6 @@ class LocalTrainResult:
     privacy: Any = field(repr=False, default=None)  # pipeline.privacy.accounting.ClientPrivacy or None
     dp_examples: int = 0
     dp_clipped: int = 0
-
-    def metrics(self) -> dict[str, float]:
-        return {k: v for k, v in self.__dict__.items() if k not in ("gate_log", "privacy")}
 
 
 def adamw_groups(module: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
@@ -76,13 +105,8 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
 
 def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
                         normalisation: str, seed: int) -> list[list[tuple[Batch, float]]]:
-    """One epoch without privacy: shuffled batches in windows of ``grad_accum_steps``, each batch with its share
-    of its optimizer step (:func:`accumulation_weights`)."""
-    batches = make_batches(
-        examples, model.tokenizer, mcfg, cfg.batch_size, shuffle=True, seed=seed,
-        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-        bucket_by_length=cfg.bucket_by_length,
-    )
+    """One epoch's steps: shuffled batches in windows of ``grad_accum_steps``, each with its share of the step."""
+    batches = _batches(model, examples, mcfg, cfg, True, seed, cfg.bucket_by_length)
     weights = accumulation_weights(batches, cfg.grad_accum_steps, normalisation)
     pairs = list(zip(batches, weights))
     return [pairs[i:i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
@@ -97,22 +121,21 @@ class Proximal:
         self.value = 0.0  # last value of the term
 
     def term(self) -> torch.Tensor:
-        prox = sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
-        self.value = float(0.5 * self.mu * prox.detach())
-        return 0.5 * self.mu * prox
+        prox = 0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
+        self.value = float(prox.detach())
+        return prox
 
     def add_gradient(self) -> None:
         with torch.no_grad():
-            self.value = float(0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference)))
+            self.term()
             for p, r in zip(self.params, self.reference):
                 p.grad.add_(self.mu * (p - r))
 
 
 class PlainSteps:
-    """The local trainer's step object without privacy (pipeline.privacy.example_dp.DPSGDSteps under mode
-    example): shuffled batches in windows of ``grad_accum_steps``; each micro-batch's share of its optimizer step
-    (its tokens / the step's tokens), so a step's gradient is that of the mean over the whole effective batch; the
-    proximal term enters each step once."""
+    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps): shuffled
+    batches in windows of ``grad_accum_steps`` (:func:`accumulation_weights`); the proximal term enters each step
+    once."""
 
     setting = None  # no DP-SGD setting
     examples = clipped = 0
@@ -134,8 +157,7 @@ class PlainSteps:
     def finish(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    close = finish
 
 
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
@@ -170,15 +192,10 @@ def train_local(
     progress: bool = False,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd)). The global adapter must already hold the teacher weights for KD modes.
-
-    With the plan's ``privacy`` on (federated plans only), every step is a DP-SGD step (pipeline.privacy):
-    Poisson-sampled batches, per-example losses and clipped gradients, Gaussian noise; the result carries the
-    client's setting and this call's clipped counts, the caller composes the steps across rounds.
-
-    ``cache``: the prefix cache (shared_model.prefix_cache_for); ``teacher_cache_gb``: how much the teacher's logits
-    may hold in memory across epochs (RunSettings.cache, a run-time setting the caller passes; 0 = none). Neither
-    changes the result."""
+    (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Under the
+    plan's ``privacy`` every step is a DP-SGD step; the result carries this call's clipped counts, the caller
+    composes the steps across rounds. ``cache`` (the prefix cache) and ``teacher_cache_gb`` (the teacher's logits
+    kept across epochs; RunSettings.cache) change no result."""
     from pipeline.modeling.losses import distillation_loss
 
     cfg: TrainConfig = plan.train
@@ -186,20 +203,19 @@ def train_local(
     kd = kd_config(plan)
     two_paths = kd.mode != "ce"
     seed = derived_seed(plan.seed, client, rnd, "train")
-    seed_everything(seed)
+    transformers.set_seed(seed)  # Python's, NumPy's and torch's generators
     params = model.local_parameters()
     for p in params:
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"], cfg), lr=cfg.lr)
-    reference = None
+    proximal = None
     if proximal_mu > 0.0:
         if proximal_reference is None:
             raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
-        names = [name for name, _ in model.adapter_sets["local"].named_parameters()]
-        state_names = list(model.adapter_state("local"))
-        if len(names) != len(state_names):
+        state_names = list(model.adapter_state("local"))  # matched to the parameters by order
+        if len(params) != len(state_names):
             raise RuntimeError("adapter parameters and adapter_state keys disagree")
-        reference = [proximal_reference[k].to(model.device) for k in state_names]
+        proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
 
     model.train(True)
     sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
@@ -207,17 +223,13 @@ def train_local(
     n_steps = 0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
-    teacher_budget = teacher_cache_gb  # a run-time setting (RunSettings.cache), never the plan's
-    if two_paths and cfg.local_epochs > 1 and teacher_budget > 0:
+    if two_paths and cfg.local_epochs > 1 and teacher_cache_gb > 0:
         from pipeline.modeling.cache import TeacherCache
 
-        teacher_cache = TeacherCache(int(teacher_budget * 2**30))
-    proximal = Proximal(params, reference, proximal_mu) if reference is not None else None
+        teacher_cache = TeacherCache(int(teacher_cache_gb * 2**30))
 
     def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
-        return make_batches(frame, model.tokenizer, mcfg, cfg.batch_size, shuffle=False, seed=0,
-                            decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-                            bucket_by_length=cfg.bucket_by_length)
+        return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length)
 
     stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed,
                                   f"{plan.source}: client {client!r}", micro_batches, kd.loss_normalisation,
@@ -279,12 +291,7 @@ def train_local(
 
 
 def empty_gate_log() -> pd.DataFrame:
-    return pd.DataFrame({
-        "client": pd.Series(dtype="string"), "round": pd.Series(dtype="int32"),
-        "example_id": pd.Series(dtype="string"), "position": pd.Series(dtype="int32"),
-        "token_id": pd.Series(dtype="int64"), "entropy": pd.Series(dtype="float32"),
-        "kd_applied": pd.Series(dtype="bool"),
-    })
+    return pd.DataFrame({column: pd.Series(dtype=dtype) for column, dtype in GATE_LOG_DTYPES.items()})
 
 
 def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: torch.Tensor, client: str,
@@ -293,14 +300,10 @@ def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: 
     b_idx, t_idx = np.nonzero(valid)
     ids = np.asarray(batch.example_ids, dtype=object)
     return pd.DataFrame({
-        "client": pd.Series([client] * len(b_idx), dtype="string"),
-        "round": np.full(len(b_idx), rnd, dtype=np.int32),
-        "example_id": pd.Series(ids[b_idx], dtype="string"),
-        "position": t_idx.astype(np.int32),
-        "token_id": labels.cpu().numpy()[b_idx, t_idx].astype(np.int64),
-        "entropy": entropy.float().cpu().numpy()[b_idx, t_idx].astype(np.float32),
-        "kd_applied": gate.cpu().numpy()[b_idx, t_idx].astype(bool),
-    })
+        "client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
+        "token_id": labels.cpu().numpy()[b_idx, t_idx], "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
+        "kd_applied": gate.cpu().numpy()[b_idx, t_idx],
+    }).astype(GATE_LOG_DTYPES)
 
 
 @torch.no_grad()
@@ -311,11 +314,7 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
     mcfg = model_config(plan)
     model.train(False)
     total, tokens = 0.0, 0
-    batches = make_batches(
-        examples, model.tokenizer, mcfg, plan.train.batch_size, shuffle=False, seed=0,
-        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-    )
-    for batch in batches:
+    for batch in _batches(model, examples, mcfg, plan.train, False, 0, False):
         logits, _ = _forward_logits(model, batch, False, cache)  # packed: [real target tokens, V]
         labels = batch.labels.to(model.device)
         ce = torch.nn.functional.cross_entropy(logits.float(), labels[labels != IGNORE_INDEX], reduction="sum")

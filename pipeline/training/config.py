@@ -1,6 +1,4 @@
-"""The `train` params group (the comments on each key live in the project's params file): what a training run
-does, as the plan stage resolves it per experiment (pipeline.experiments keeps out of each plan the keys its method
-ignores)."""
+"""The `train` params group (each key's comment lives in the params file): what a training run does."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,9 +18,8 @@ RelativeImprovement = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 @config
 class JoinConfig:
-    """When the new client of the post-addition study joins (`train.join`): once the existing clients
-    have converged, i.e. their mean validation loss improved by less than ``min_rel_improvement`` (relative to the
-    best earlier round) in each of the last ``patience`` rounds, and at ``max_round`` at the latest."""
+    """When the post-addition study's new client joins (`train.join`): once the existing clients have converged
+    (pipeline.training.stopping), at ``max_round`` at the latest."""
 
     min_rel_improvement: RelativeImprovement = 0.01
     patience: PositiveInt = 1
@@ -31,10 +28,8 @@ class JoinConfig:
 
 @config
 class StopConfig:
-    """When a run ends (params `train.stop`): disabled, a run trains its fixed ``train.rounds``; enabled, it
-    ends once the client-average validation loss has not improved by at least ``min_rel_improvement`` (relative
-    to its best so far) in each of the last ``patience`` rounds (pipeline.training.stopping, the test `train.join`
-    uses), and after ``max_rounds`` at the latest (the plan's ``train.rounds`` is then ``max_rounds``)."""
+    """When a run ends (`train.stop`): disabled, after its fixed ``train.rounds``; enabled, once its clients have
+    converged (pipeline.training.stopping), after ``max_rounds`` at the latest (the plan's ``train.rounds``)."""
 
     enabled: bool = False
     min_rel_improvement: RelativeImprovement = 0.005

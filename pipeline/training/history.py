@@ -1,13 +1,19 @@
 """The rounds history of a training run: ``rounds.json`` (one row per round and client) and the DVC plot file, the
-per-round MLflow metrics, and the back-fill of rounds a killed run checkpointed but did not log."""
+per-round MLflow metrics, the back-fill of rounds a killed run checkpointed but did not log, and the recorders that
+receive each finished round: the base :class:`Recorder` logs (an engine run without the train stage),
+:class:`TrainRecorder` writes the rounds files and the per-round MLflow metrics (the train stage)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
 from pipeline.experiments import Plan
+
+log = logging.getLogger("fedmeet.train")
+_federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 
 ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share",
                 "epsilon", "clipped_fraction")  # the last two under privacy.mode example only
@@ -23,10 +29,15 @@ class RoundLog:
     aggregated: bool
 
 
+def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:
+    """A client row's quantities that are set (its epsilon only under example-level DP: client-level DP's is the
+    run's, :func:`client_level_round`)."""
+    return {k: row[k] for k in keys if row.get(k) is not None and not (k == "epsilon" and "update_clipped" in row)}
+
+
 def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """The run-level privacy fields of one round under privacy.mode client, empty when it released nothing: one
-    epsilon and C for the whole federation, and the fraction of the aggregated updates C clipped (the rows of the
-    aggregated clients carry them; logged per run, not per client)."""
+    """One round's run-level privacy fields under privacy.mode client (empty when it released nothing): the
+    federation's epsilon and C, and the fraction of the aggregated updates C clipped."""
     released = [r for r in rows if "update_clipped" in r]
     if not released:
         return {}
@@ -39,11 +50,8 @@ def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One round's MLflow metrics from its rows (one per client)."""
-    metrics: dict[str, float] = {}
-    for row in rows:
-        for key in ROUND_FIELDS + ("failed",):
-            if row.get(key) is not None and not (key == "epsilon" and "update_clipped" in row):
-                metrics[f"{row['client']}.{key}"] = float(row[key])
+    metrics = {f"{row['client']}.{k}": float(v) for row in rows
+               for k, v in _client_fields(row, ROUND_FIELDS + ("failed",)).items()}
     metrics.update({k: float(v) for k, v in client_level_round(rows).items()})
     metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
     metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
@@ -53,13 +61,18 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     return metrics
 
 
+def _by_round(history: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    by_round: dict[int, list[dict[str, Any]]] = {}
+    for row in history:
+        by_round.setdefault(int(row["round"]), []).append(row)
+    return by_round
+
+
 def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
     """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
     leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
     logged = {m.step for m in logger.metric_history("bytes_sent")}
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        by_round.setdefault(int(row["round"]), []).append(row)
+    by_round = _by_round(history)
     missing = sorted(set(by_round) - logged)
     for rnd in missing:
         logger.log_metrics(round_metrics(by_round[rnd]), step=rnd)
@@ -69,21 +82,56 @@ def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
 def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     """``models/<exp>/rounds.json`` (the history rows) and ``reports/train/<exp>/rounds.json`` (DVC plots: one row
     per round, a column per client and quantity)."""
-    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out_dir / "rounds.json", history, indent=1)
-    wide: dict[int, dict[str, Any]] = {}
-    by_round: dict[int, list[dict[str, Any]]] = {}
-    for row in history:
-        w = wide.setdefault(row["round"], {"round": row["round"]})
-        by_round.setdefault(row["round"], []).append(row)
-        for key in ROUND_FIELDS:
-            if row.get(key) is not None and not (key == "epsilon" and "update_clipped" in row):
-                w[f"{row['client']}/{key}"] = row[key]
-    for rnd, rows in by_round.items():
-        wide[rnd].update(client_level_round(rows))
-    for w in wide.values():
+    atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
+    wide = []
+    for rnd, rows in sorted(_by_round(history).items()):
+        w: dict[str, Any] = {"round": rnd}
+        for row in rows:
+            w.update({f"{row['client']}/{k}": v for k, v in _client_fields(row).items()})
+        w.update(client_level_round(rows))
         vals = [v for k, v in w.items() if k.endswith("/val_loss")]
         w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
-    atomic.write_json(reports_dir / "rounds.json", [wide[r] for r in sorted(wide)], indent=1)
+        wide.append(w)
+    atomic.write_json(Path(plan.paths["reports_dir"]) / "rounds.json", wide, indent=1)
+
+
+class Recorder:
+    """Receives each finished round (rounds.json, MLflow...). The base class only logs."""
+
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        _federated_log.info("%s: %d clients %s, rounds %d..%d", plan.experiment, len(clients), clients, start_round,
+                            plan.train.rounds)
+
+    def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
+        losses = ", ".join(f"{r['client']} {r.get('val_loss', float('nan')):.4f}" for r in entry.rows)
+        _federated_log.info("%s round %d (%.1fs): val loss %s", plan.experiment, entry.round, entry.seconds, losses)
+
+
+class TrainRecorder:
+    """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
+
+    def __init__(self, plan: Plan, logger=None):
+        self.logger, self.round_seconds, self._bar = logger, [], None
+
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=plan.train.rounds, initial=start_round - 1, desc=f"{plan.experiment} rounds",
+                         unit="round")
+        log.info("%s (%s): clients %s, starting at round %d of %d", plan.experiment, plan.method, clients,
+                 start_round, plan.train.rounds)
+
+    def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
+        self.round_seconds.append(entry.seconds)
+        write_rounds(plan, history)
+        if self.logger is not None:
+            self.logger.log_metrics({"round_seconds": entry.seconds} | round_metrics(entry.rows), step=entry.round)
+        if self._bar is not None:
+            summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows
+                               if r.get("val_loss") is not None)
+            self._bar.set_postfix_str(f"val {summary}")
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

@@ -1,15 +1,11 @@
 """The methods compared (METHOD.md sections 6 and 7), selectable by name.
 
-A method fixes: whether training is federated, which adapter sets a client uses, the KD mode of the local loss,
-whether the server's average overwrites the client's adapter, the server algorithm, and whether a new client
-joins late. Table V (section 7.7) compares *server algorithms*, so every registered server strategy without a
-method below (`fedprox`, `fedopt`, `fednova`, ...: pipeline.federation.strategies) is a method of its own name that
-trains like AdaFedAvg (one adapter set, CE) with that server algorithm **(our default)**; `fedselectkd` is the
-row they are compared against.
+Table V (section 7.7) compares *server algorithms*, so every registered server strategy without a method below
+(`fedprox`, `fedopt`, `fednova`, ...: pipeline.federation.strategies) is a method of its own name that trains like
+AdaFedAvg (one adapter set, CE) with that server algorithm **(our default)**; `fedselectkd` is the row they are
+compared against.
 """
 from __future__ import annotations
-
-
 
 from pipeline.common.config import ConfigError, config
 from pipeline.federation.strategies.catalog import STRATEGIES

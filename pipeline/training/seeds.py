@@ -5,18 +5,8 @@ from __future__ import annotations
 import zlib
 from typing import Any
 
-import numpy as np
-import torch
-
 
 def derived_seed(*parts: Any) -> int:
     """A stable 31-bit seed from (experiment seed, client, round, ...): same inputs, same seed, any process."""
     return zlib.crc32("/".join(str(p) for p in parts).encode()) & 0x7FFFFFFF
 
-
-def seed_everything(seed: int) -> None:
-    import random
-
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)

@@ -1,5 +1,5 @@
 """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on every
-client): the local trainer and the round rules of pipeline.training (best_adapter, checkpoints, history), without
+client): the local trainer and the round rules of pipeline.training (checkpoints, history), without
 a server."""
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pandas as pd
 from pipeline.experiments import Plan
 from pipeline.modeling.cache import CacheConfig
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
-from pipeline.training import best_adapter, checkpoints
-from pipeline.training.history import RoundLog
-from pipeline.training.recorder import TrainRecorder
+from pipeline.training import checkpoints
+from pipeline.training.history import RoundLog, TrainRecorder
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 from pipeline.training.stopping import should_stop
@@ -32,24 +31,22 @@ def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
 
 
 def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: CacheConfig) -> dict[str, Any]:
-    """The same trainer and the same round structure as the federated methods (a round = ``local_epochs``
-    epochs); every round each client's validation loss picks its best adapter, and the round is checkpointed
-    (``checkpoint/local.pt``: a rerun resumes after the last completed round). ``cache_settings``: where the
-    prefix cache lives and the caches' budgets (RunSettings.cache, from the stage entry point)."""
+    """The federated methods' trainer and round structure without a server: every round each client's validation
+    loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
+    ``cache_settings``: RunSettings.cache, from the stage entry point."""
     spec = plan.spec
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
     model = shared_model(plan)
     cache = prefix_cache_for(plan, model, cache_settings)
     window = None
+    unit_of = {n: "pooled" if spec.pooled else n for n in names}  # the adapter each client is tested with
     if spec.pooled:
         units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
-        unit_of = {n: "pooled" for n in names}
         if plan.train.centralized_steps == "largest_client":
             window = max(len(datas[n].train) for n in names)
     else:
         units = {n: datas[n].train for n in names}
-        unit_of = {n: n for n in names}
     for n in names:
         if len(datas[n].valid) == 0:
             raise ValueError(f"{plan.paths['partition']}: client {n!r} has no valid examples: no best round")
@@ -63,7 +60,7 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
         start, history = 1, []
         initial = initial_adapter_state(plan)
         adapters = {u: {k: v.clone() for k, v in initial.items()} for u in units}
-        progress = {n: best_adapter.initial_progress() for n in names}
+        progress = {n: checkpoints.initial_progress() for n in names}
     if recorder:
         recorder.started(plan, names, start)
 
@@ -80,16 +77,15 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
             res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache,
                                              teacher_cache_gb=cache_settings.teacher_cache_gb)
             adapters[unit] = model.adapter_state("local")
-            trained[unit] = {"n_examples": res.n_examples, "n_steps": res.n_steps, "n_tokens": res.n_tokens,
-                             "train_loss": res.train_loss, "ce": res.ce, "kd": res.kd,
-                             "kd_fraction": res.kd_fraction}
+            trained[unit] = {k: getattr(res, k) for k in ("n_examples", "n_steps", "n_tokens", "train_loss", "ce",
+                                                          "kd", "kd_fraction")}
         rows = []
         for n in names:
             unit = unit_of[n]
             model.load_adapter_state("local", adapters[unit])
             val, val_tokens = local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
-            progress[n], _ = best_adapter.keep_best_and_final(checkpoints.client_output_dir(plan, n), plan, n, rnd,
-                                                              val, adapters[unit], progress[n])
+            progress[n], _ = checkpoints.keep_best_and_final(checkpoints.client_output_dir(plan, n), plan, n, rnd,
+                                                             val, adapters[unit], progress[n])
             rows.append({"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0,
                          **trained[unit], "val_loss": val, "val_tokens": val_tokens,
                          "best_round": progress[n]["best-round"]})

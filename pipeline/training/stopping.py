@@ -1,10 +1,7 @@
-"""When a run's clients have converged: one test, used for the end of a run (``train.stop``) and for the admission
-of the post-addition study's new client (``train.join``).
-
-The test reads the client-average validation loss of each round (the mean over the clients that evaluated in it):
-it holds when, in each of the last ``patience`` rounds, that mean improved on the best mean of the rounds before it
-by less than ``min_rel_improvement`` of that best. Each client still keeps its own best adapter
-(pipeline.training.best_adapter); the rule only decides how many rounds the run trains.
+"""When a run's clients have converged, the one test of ``train.stop`` (end of a run) and ``train.join`` (the
+post-addition study's new client): in each of the last ``patience`` rounds the client-average validation loss
+improved on the best mean of the rounds before it by less than ``min_rel_improvement`` of that best. Each client
+still keeps its own best adapter; the rule only decides how many rounds the run trains.
 """
 from __future__ import annotations
 
@@ -16,11 +13,7 @@ import numpy as np
 def relative_improvements(means: Sequence[float]) -> list[float]:
     """For each round after the first, how much its mean improved on the best mean before it, relative to that
     best (negative when it got worse)."""
-    out = []
-    for i in range(1, len(means)):
-        best_before = min(means[:i])
-        out.append((best_before - means[i]) / abs(best_before) if best_before else 0.0)
-    return out
+    return [(min(means[:i]) - means[i]) / abs(min(means[:i])) if min(means[:i]) else 0.0 for i in range(1, len(means))]
 
 
 def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int) -> bool:
@@ -63,10 +56,9 @@ def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) ->
 
 
 def convergence(history: list[dict[str, Any]], stop, late: str | None = None) -> dict[str, Any]:
-    """What a finished run records (metrics.json, MLflow): the round it stopped at, its best round (lowest
-    client-average validation loss, the first of equals) and whether it converged: the rule of ``stop`` holds at
-    its last round, so it is false when it stopped at the last round allowed (max_rounds, or the fixed
-    ``train.rounds``) before the rule held, and whenever its best round is its last."""
+    """What a finished run records: the round it stopped at, its best round (lowest client-average validation loss,
+    the first of equals) and whether it converged (the rule of ``stop`` holds at its last round, which is not its
+    best round)."""
     stopped = max((int(r["round"]) for r in history), default=0)
     series = mean_val_loss_by_round(history, since=series_start(history, late))
     best = min(series, key=lambda rm: rm[1])[0] if series else None

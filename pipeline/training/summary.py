@@ -18,12 +18,11 @@ from pipeline.privacy import seam as privacy
 from pipeline.training.client_training import empty_gate_log
 from pipeline.training.stopping import convergence
 
+
 def prepare_outputs(plan: Plan) -> None:
     """The experiment's output directories, and ``experiment.json`` (the plan) in ``models/<exp>/``."""
-    out_dir, reports_dir = Path(plan.paths["out_dir"]), Path(plan.paths["reports_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out_dir / "experiment.json", plan.to_json_dict(), sort_keys=True)
+    Path(plan.paths["reports_dir"]).mkdir(parents=True, exist_ok=True)
+    atomic.write_json(Path(plan.paths["out_dir"]) / "experiment.json", plan.to_json_dict(), sort_keys=True)
 
 
 def run_identity_tags(plan: Plan, engine: str) -> dict[str, str]:
@@ -37,14 +36,11 @@ def merge_gate_logs(plan: Plan) -> Path:
     """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet (the parts
     stay until the run's checkpoint is gone: pipeline.train.run_experiment)."""
     out_dir = Path(plan.paths["out_dir"])
-    parts = []
-    for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet")):
-        if int(f.stem[len("round"):]) <= plan.train.rounds:
-            parts.append(pd.read_parquet(f))
-    df = pd.concat(parts, ignore_index=True) if parts else empty_gate_log()
-    path = out_dir / "gate_log.parquet"
-    atomic.to_parquet(df, path, index=False)
-    return path
+    parts = [pd.read_parquet(f) for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet"))
+             if int(f.stem[len("round"):]) <= plan.train.rounds]
+    atomic.to_parquet(pd.concat(parts, ignore_index=True) if parts else empty_gate_log(),
+                      out_dir / "gate_log.parquet", index=False)
+    return out_dir / "gate_log.parquet"
 
 
 def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[float]) -> dict[str, Any]:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import asdict as to_dict
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.common.config import config, from_dict, to_dict
+from pipeline.common.config import config, from_dict
 
 # Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key: the
 # client's FedAvg weight (the examples it trained this round, or its full train size with train.weight_by: full).
