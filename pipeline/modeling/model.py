@@ -171,17 +171,14 @@ class AdapterSummarizer(nn.Module):
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
         """Load an HF encoder-decoder (BART/LED/mBART/Pegasus via AutoModelForSeq2SeqLM, or an
         ``EncoderDecoderModel`` such as BERT2BERT) and its tokenizer from ``path`` (a local dir or a hub id)."""
-        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         config = AutoConfig.from_pretrained(str(path))
-        if config.model_type == "encoder-decoder":
-            backbone = EncoderDecoderModel.from_pretrained(str(path))
-        elif getattr(config, "is_encoder_decoder", False):
-            backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))
-        else:
+        if not getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"{path}: model_type {config.model_type!r} is not an encoder-decoder")
+        backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path), config=config)  # EncoderDecoderModel included
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls.from_backbone(backbone, tokenizer, adapter, device)
 
