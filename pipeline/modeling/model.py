@@ -367,12 +367,7 @@ class AdapterSummarizer(nn.Module):
             logits = self._head(h)
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
         mask = mask.to(h.device, torch.bool)
-        rows = self._head(h[mask])  # [N, V]
-        if packed:
-            return rows
-        full = rows.new_zeros(*mask.shape, rows.shape[-1])
-        full[mask] = rows  # differentiable scatter: the gradient of the zeros is dropped
-        return full
+        return _match_layout(self._head(h[mask]), mask, packed)  # unpacked: a differentiable scatter into zeros
 
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None,
                           packed: bool = False) -> TwoPathOutput:
