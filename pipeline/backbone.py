@@ -251,7 +251,6 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     interim = interim_dir / f"{wc.dataset}.parquet"
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
-        torch.manual_seed(wc.seed)
         warmup = warm_up(model, tokenizer, train_pairs, wc, device)
         warmup.update({"dataset": wc.dataset, "train_examples": len(train_pairs),
                        "config": asdict(wc), "device": device.type})
