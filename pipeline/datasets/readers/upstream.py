@@ -80,6 +80,14 @@ def _field(obj: Any, name: str, where: str, kind: type) -> Any:
     return value
 
 
+def _strings(values: list, where: str) -> list:
+    """A list field's items, which must all be strings (``where`` names the list)."""
+    bad = next((j for j, v in enumerate(values) if not isinstance(v, str)), None)
+    if bad is not None:
+        raise DataError(f"{where}[{bad}] is {_json_type(values[bad])}, expected a string")
+    return values
+
+
 def _text(obj: Any, name: str, where: str) -> str:
     """A text field: a string (null or a number where text belongs is an error, not the text "None")."""
     return _field(obj, name, where, str)
