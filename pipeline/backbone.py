@@ -251,7 +251,6 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     interim = interim_dir / f"{wc.dataset}.parquet"
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
-        torch.manual_seed(wc.seed)
         warmup = warm_up(model, tokenizer, train_pairs, wc, device)
         warmup.update({"dataset": wc.dataset, "train_examples": len(train_pairs),
                        "config": asdict(wc), "device": device.type})
@@ -278,8 +277,9 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         "vocab_size": len(tokenizer),
         "sep_token": sep_token,
         "sep_token_id": int(sep_id),
-        "decoder_layers": _decoder_layers(model),
-        "hidden_size": _hidden_size(model),
+        "decoder_layers": _decoder_value(model, ("decoder_layers", "num_decoder_layers", "num_layers",
+                                                 "num_hidden_layers"), "number of decoder layers"),
+        "hidden_size": _decoder_value(model, ("d_model", "hidden_size"), "hidden size"),
         "generation": asdict(cfg.generation),
         "warmup": warmup,
         "evaluation": evaluation,
@@ -307,23 +307,13 @@ def without_wall_times(record: Any) -> Any:
     return record
 
 
-def _decoder_layers(model) -> int:
-    c = model.config
-    if c.model_type == "encoder-decoder":
-        return int(c.decoder.num_hidden_layers)
-    for key in ("decoder_layers", "num_decoder_layers", "num_layers"):
+def _decoder_value(model, keys: tuple[str, ...], what: str) -> int:
+    """The first of ``keys`` set in the decoder's config (an EncoderDecoderModel's decoder, else the model's)."""
+    c = model.config.decoder if model.config.model_type == "encoder-decoder" else model.config
+    for key in keys:
         if getattr(c, key, None):
             return int(getattr(c, key))
-    raise BackboneError(f"{c.model_type}: cannot tell the number of decoder layers from its config")
-
-
-def _hidden_size(model) -> int:
-    c = model.config
-    c = c.decoder if c.model_type == "encoder-decoder" else c
-    for key in ("d_model", "hidden_size"):
-        if getattr(c, key, None):
-            return int(getattr(c, key))
-    raise BackboneError(f"{c.model_type}: cannot tell the hidden size from its config")
+    raise BackboneError(f"{c.model_type}: cannot tell the {what} from its config")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,19 +23,18 @@ import argparse
 import time
 from collections.abc import Sequence
 from typing import Literal
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
-from pipeline.modeling.batching import tokenize_pairs
+from pipeline.modeling.batching import target_labels
 from pipeline.modeling.model import ModelConfig
 from pipeline.common.schema import DataError
-from pipeline.datasets.words import word_index_from_offsets
+from pipeline.datasets.words import char_to_word, word_index_from_offsets
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.postags import POSTAG_COLUMNS
 from pipeline.paths import PATHS
@@ -78,26 +77,11 @@ def load_spacy(name: str):
 
 def word_tags(doc, spans: Sequence[tuple[int, int]]) -> list[str]:
     """The POS of the spaCy token covering the first character of each word span."""
-    owner = np.full(len(doc.text), -1, dtype=np.int64)
-    for tok in doc:
-        owner[tok.idx : tok.idx + len(tok.text)] = tok.i
-    tags = []
-    for start, _ in spans:
-        i = owner[start]
-        if i < 0:  # cannot happen for a non-space character; guard against a tokenizer that drops characters
-            raise DataError(f"word at character {start} of {doc.text!r} is not covered by any spaCy token")
-        tags.append(doc[int(i)].pos_)
-    return tags
-
-
-@dataclass
-class TaggedTargets:
-    table: pd.DataFrame
-    n_examples: int
-    n_tokens: int
-    n_words: int
-    n_tokens_without_word: int
-    pos_counts: dict[str, int]
+    owner = char_to_word(doc.text, [(tok.idx, tok.idx + len(tok.text)) for tok in doc])
+    if any(owner[start] < 0 for start, _ in spans):  # only a tokenizer that drops characters leaves one uncovered
+        start = next(start for start, _ in spans if owner[start] < 0)
+        raise DataError(f"word at character {start} of {doc.text!r} is not covered by any spaCy token")
+    return [doc[int(owner[start])].pos_ for start, _ in spans]
 
 
 def tag_targets(
@@ -110,56 +94,30 @@ def tag_targets(
     noun_verb_tags: Sequence[str] = ("NOUN", "PROPN", "VERB"),
     batch_size: int = 32,
     progress: bool = True,
-) -> TaggedTargets:
+) -> pd.DataFrame:
     """POS rows (``POSTAG_COLUMNS``) for every label position of every target."""
     if len(example_ids) != len(targets):
         raise ValueError(f"{len(example_ids)} example ids but {len(targets)} targets")
-    # Labels exactly as training builds them (truncation, dropped leading decoder-start token).
-    labels = tokenize_pairs(
-        tokenizer, [""] * len(targets), targets, 1, max_target_length, example_ids, decoder_start_token_id
-    )
-    enc = tokenizer(
-        text_target=list(targets),
-        max_length=max_target_length,
-        truncation=True,
-        return_offsets_mapping=True,
-        return_special_tokens_mask=True,
-    )
+    # Tokenised as training tokenises targets (tokenize_pairs), with each token's characters
+    enc = tokenizer(text_target=list(targets), max_length=max_target_length, truncation=True,
+                    return_offsets_mapping=True, return_special_tokens_mask=True)
     nv = set(noun_verb_tags)
     cols: dict[str, list] = {c: [] for c in POSTAG_COLUMNS}
-    n_words = n_no_word = 0
     docs = nlp.pipe(targets, batch_size=batch_size)
     for k, doc in enumerate(tqdm(docs, total=len(targets), desc="postag", unit="summary", disable=not progress)):
-        eid, text, label_ids = example_ids[k], targets[k], labels[k].labels
-        ids = enc["input_ids"][k]
-        drop = len(ids) - len(label_ids)  # 1 when tokenize_pairs dropped a leading decoder-start token
-        if drop not in (0, 1) or list(ids[drop:]) != list(label_ids):
-            raise DataError(
-                f"{PATHS.examples}: example {eid}: target token ids with offsets differ from the training labels "
-                f"({len(ids)} vs {len(label_ids)} tokens); the tokenizer must be a fast tokenizer"
-            )
+        label_ids = target_labels(enc["input_ids"][k], decoder_start_token_id)
+        drop = len(enc["input_ids"][k]) - len(label_ids)  # 1 when a leading decoder-start token was dropped
         words = word_index_from_offsets(
-            text, enc["offset_mapping"][k][drop:], [bool(s) for s in enc["special_tokens_mask"][k][drop:]]
+            targets[k], enc["offset_mapping"][k][drop:], [bool(s) for s in enc["special_tokens_mask"][k][drop:]]
         )
         tags = word_tags(doc, words.word_spans)
-        n_words += len({w for w in words.word_index if w is not None})
         for pos_i, (tok_id, w) in enumerate(zip(label_ids, words.word_index)):
-            cols["example_id"].append(eid)
-            cols["position"].append(pos_i)
-            cols["token_id"].append(int(tok_id))
-            cols["word_index"].append(w)
-            cols["word"].append(None if w is None else words.words[w])
             tag = None if w is None else tags[w]
-            cols["pos"].append(tag)
-            cols["is_noun_or_verb"].append(tag in nv)
-            n_no_word += w is None
-    table = pd.DataFrame(cols)
-    table["position"] = table["position"].astype("int32")
-    table["token_id"] = table["token_id"].astype("int64")
-    table["word_index"] = table["word_index"].astype("Int32")
-    table["is_noun_or_verb"] = table["is_noun_or_verb"].astype(bool)
-    pos_counts = {str(k): int(v) for k, v in table["pos"].value_counts().sort_index().items()}
-    return TaggedTargets(table, len(targets), len(table), n_words, n_no_word, pos_counts)
+            for col, value in zip(POSTAG_COLUMNS, (example_ids[k], pos_i, int(tok_id), w,
+                                                   None if w is None else words.words[w], tag, tag in nv)):
+                cols[col].append(value)
+    return pd.DataFrame(cols).astype({"position": "int32", "token_id": "int64", "word_index": "Int32",
+                                      "is_noun_or_verb": bool})
 
 
 def backbone_decoder_start(backbone: Path) -> int | None:
@@ -180,7 +138,7 @@ def run(
     out_path: Path,
     report_path: Path,
     max_target_length: int,
-) -> TaggedTargets:
+) -> pd.DataFrame:
     from transformers import AutoTokenizer
 
     if not examples_path.exists():
@@ -197,7 +155,7 @@ def run(
         raise RuntimeError(f"{backbone}: the tokenizer is not a fast tokenizer; character offsets are needed")
     nlp = load_spacy(cfg.spacy_model)
     t0 = time.perf_counter()
-    tagged = tag_targets(
+    table = tag_targets(
         examples["example_id"].astype(str).tolist(),
         examples["target"].astype(str).tolist(),
         tokenizer,
@@ -209,28 +167,26 @@ def run(
     )
     seconds = time.perf_counter() - t0
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    atomic.to_parquet(tagged.table, out_path, index=False)
-    nv = tagged.table["is_noun_or_verb"]
+    atomic.to_parquet(table, out_path, index=False)
+    nv = table["is_noun_or_verb"]
+    words = table[["example_id", "word_index"]].dropna().drop_duplicates()
     report = {
         "spacy_model": cfg.spacy_model,
         "noun_verb_tags": list(cfg.noun_verb_tags),
-        "examples_tagged": tagged.n_examples,
-        "examples_skipped_by_datasets_filter": n_all - tagged.n_examples,
+        "examples_tagged": len(examples),
+        "examples_skipped_by_datasets_filter": n_all - len(examples),
         "datasets": sorted(examples["dataset"].unique().tolist()),
-        "tokens": tagged.n_tokens,
-        "words": tagged.n_words,
-        "tokens_without_word": tagged.n_tokens_without_word,
+        "tokens": len(table),
+        "words": len(words),
+        "tokens_without_word": int(table["word_index"].isna().sum()),
         "noun_verb_token_fraction": round(float(nv.mean()), 4) if len(nv) else None,
-        "pos_counts_tokens": tagged.pos_counts,
+        "pos_counts_tokens": {str(k): int(v) for k, v in table["pos"].value_counts().sort_index().items()},
         "seconds": round(seconds, 1),
     }
     report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(report_path, report)
-    print(
-        f"postag: {tagged.n_examples} summaries, {tagged.n_tokens} tokens, {tagged.n_words} words in {seconds:.0f} s "
-        f"-> {out_path}"
-    )
-    return tagged
+    print(f"postag: {len(examples)} summaries, {len(table)} tokens, {len(words)} words in {seconds:.0f} s -> {out_path}")
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,6 +21,7 @@ from pipeline.ingest import ingest_dataset, write_outputs
 from pipeline.common.schema import DataError
 from pipeline.datasets.readers.catalog import dataset_spec
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
+from pipeline.datasets.readers.upstream import absent_allowed
 from pipeline.datasets.readers.samsum import SAMSUM_FILES
 from pipeline.datasets.sources import IngestConfig, resolve_source
 from tests.errors import names
@@ -307,7 +308,7 @@ def test_ingest_config_names_an_unknown_dataset():
 ])
 def test_a_missing_file_may_be_absent_exactly_when_its_split_key_is_allowed(dataset, rel, key):
     def allowed(*patterns):
-        return sources._may_be_absent(dataset, rel, IngestConfig(allow_absent_splits=list(patterns)))
+        return absent_allowed(dataset_spec(dataset).split_key(rel), list(patterns))
 
     assert allowed(key) and allowed(f"{dataset}/*/*") and allowed("*")
     assert not allowed() and not allowed(key + "x") and not allowed(key.upper()) and not allowed("other/*/*")

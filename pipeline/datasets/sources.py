@@ -11,7 +11,6 @@ otherwise a DataError says what to set.
 """
 from __future__ import annotations
 
-import fnmatch
 import os
 import urllib.error
 import urllib.request
@@ -27,6 +26,7 @@ from pipeline.common import atomic
 from pipeline.common.config import config
 from pipeline.common.schema import DataError
 from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
+from pipeline.datasets.readers.upstream import absent_allowed
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
@@ -61,12 +61,6 @@ def missing_files(directory: Path, dataset: str) -> list[str]:
     return [rel for rel in dataset_spec(dataset).files() if not (directory / rel).is_file()]
 
 
-def _may_be_absent(dataset: str, rel: str, cfg: IngestConfig) -> bool:
-    """Whether ``ingest.allow_absent_splits`` lets the expected file ``rel`` be missing."""
-    key = dataset_spec(dataset).split_key(rel)
-    return any(fnmatch.fnmatchcase(key, pat) for pat in cfg.allow_absent_splits)
-
-
 def data_root(cfg: IngestConfig) -> Path:
     return Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root)
 
@@ -75,7 +69,8 @@ def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True)
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
     mirror = data_root(cfg) / dataset
     if mirror.is_dir():
-        missing = [rel for rel in missing_files(mirror, dataset) if not _may_be_absent(dataset, rel, cfg)]
+        missing = [rel for rel in missing_files(mirror, dataset)
+                   if not absent_allowed(dataset_spec(dataset).split_key(rel), cfg.allow_absent_splits)]
         if missing:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"

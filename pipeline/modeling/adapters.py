@@ -66,11 +66,10 @@ class HoulsbyAdapter(nn.Module):
 def output_layer_norm(layer: nn.Module) -> nn.LayerNorm | None:
     """The LayerNorm that produces a post-LN decoder layer's output (None for pre-LN or unknown layers)."""
     for name in ("final_layer_norm", "output.LayerNorm"):  # BART/mBART/Pegasus/LED, BERT/RoBERTa
-        mod: nn.Module | None = layer
-        for part in name.split("."):
-            mod = getattr(mod, part, None)
-            if mod is None:
-                break
+        try:
+            mod = layer.get_submodule(name)
+        except AttributeError:
+            continue
         if isinstance(mod, nn.LayerNorm):
             return mod
     return None

@@ -58,13 +58,17 @@ def tokenize_pairs(
     tgt = tokenizer(text_target=list(targets), max_length=max_target_length, truncation=True)["input_ids"]
     out = []
     for eid, s, t in zip(example_ids, src, tgt):
-        t = list(t)
-        if decoder_start_token_id is not None and len(t) > 1 and t[0] == decoder_start_token_id:
-            t = t[1:]
+        t = target_labels(t, decoder_start_token_id)
         if not t:
             raise ValueError(f"example {eid}: empty target after tokenisation")
         out.append(TokenizedExample(str(eid), list(s), t))
     return out
+
+
+def target_labels(ids: Sequence[int], decoder_start_token_id: int | None) -> list[int]:
+    """A tokenised target's labels: its ids without a leading decoder start token (see the module docstring)."""
+    ids = list(ids)
+    return ids[1:] if decoder_start_token_id is not None and len(ids) > 1 and ids[0] == decoder_start_token_id else ids
 
 
 def collate(

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 import torch
 from pydantic import BeforeValidator, model_validator
@@ -45,11 +45,6 @@ Normalisation = Literal["tokens", "sequences"]
 # fixed share of tokens gets KD, whatever the backbone's calibration).
 TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered gate (pipeline.modeling.gates)
-MODES = get_args(KdMode)
-KL_DIRECTIONS = get_args(KdDirection)
-LOG_BASES = ("e", "2")
-NORMALISATIONS = get_args(Normalisation)
-TAU_SCALES = get_args(TauScale)
 
 
 @config
@@ -108,10 +103,6 @@ def _softmax_lse(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return p, (m - p.gather(-1, idx).log()).squeeze(-1)
 
 
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vecdot(a, b)
-
-
 class _FusedDistillation(torch.autograd.Function):
     """L = sum_t w_t [a_t CE_t + b_t T^2 KL_t] on packed rows, chunk by chunk (the [N, V] intermediates of one
     chunk stay in cache; one exp pass per distribution and chunk), with dL/dz_l written in the same pass:
@@ -141,16 +132,16 @@ class _FusedDistillation(torch.autograd.Function):
                 zg = z_g[s:e].float()
                 if t == 1.0:
                     p, lse_g = _softmax_lse(zg)
-                    p_dot_zg = _rowdot(p, zg)
+                    p_dot_zg = torch.linalg.vecdot(p, zg)
                     p_t, lse_gt, q_t, lse_lt, zg_t, zl_t, pt_dot_zgt = p, lse_g, q, lse_l, zg, zl, p_dot_zg
                 else:
                     zg_t, zl_t = zg / t, zl / t
                     (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), _softmax_lse(zl_t)
-                    pt_dot_zgt = _rowdot(p_t, zg_t)
+                    pt_dot_zgt = torch.linalg.vecdot(p_t, zg_t)
                 if cfg.kd_direction == "teacher_to_student":  # sum p (log p - log q)
-                    kl_c = (lse_lt - lse_gt) + pt_dot_zgt - _rowdot(p_t, zl_t)
+                    kl_c = (lse_lt - lse_gt) + pt_dot_zgt - torch.linalg.vecdot(p_t, zl_t)
                 else:  # sum q (log q - log p)
-                    kl_c = (lse_gt - lse_lt) + _rowdot(q_t, zl_t) - _rowdot(q_t, zg_t)
+                    kl_c = (lse_gt - lse_lt) + torch.linalg.vecdot(q_t, zl_t) - torch.linalg.vecdot(q_t, zg_t)
                 kl[s:e] = (kl_c * t * t).masked_fill(~g_c, 0.0)
             if want_grad:
                 w = row_weight[s:e]
@@ -267,5 +258,5 @@ def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> 
         for s in range(0, z_g.shape[0], chunk_rows):
             zg = z_g[s:s + chunk_rows].float()
             p, lse_g = _softmax_lse(zg)
-            out[s:s + chunk_rows] = (lse_g - _rowdot(p, zg)) * inv_log2
+            out[s:s + chunk_rows] = (lse_g - torch.linalg.vecdot(p, zg)) * inv_log2
     return out

@@ -171,17 +171,14 @@ class AdapterSummarizer(nn.Module):
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
         """Load an HF encoder-decoder (BART/LED/mBART/Pegasus via AutoModelForSeq2SeqLM, or an
         ``EncoderDecoderModel`` such as BERT2BERT) and its tokenizer from ``path`` (a local dir or a hub id)."""
-        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
+        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         config = AutoConfig.from_pretrained(str(path))
-        if config.model_type == "encoder-decoder":
-            backbone = EncoderDecoderModel.from_pretrained(str(path))
-        elif getattr(config, "is_encoder_decoder", False):
-            backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))
-        else:
+        if not getattr(config, "is_encoder_decoder", False):
             raise ValueError(f"{path}: model_type {config.model_type!r} is not an encoder-decoder")
+        backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path), config=config)  # EncoderDecoderModel included
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls.from_backbone(backbone, tokenizer, adapter, device)
 
@@ -370,12 +367,7 @@ class AdapterSummarizer(nn.Module):
             logits = self._head(h)
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
         mask = mask.to(h.device, torch.bool)
-        rows = self._head(h[mask])  # [N, V]
-        if packed:
-            return rows
-        full = rows.new_zeros(*mask.shape, rows.shape[-1])
-        full[mask] = rows  # differentiable scatter: the gradient of the zeros is dropped
-        return full
+        return _match_layout(self._head(h[mask]), mask, packed)  # unpacked: a differentiable scatter into zeros
 
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None,
                           packed: bool = False) -> TwoPathOutput:

@@ -89,9 +89,6 @@ class Partition:
     excluded: dict[str, str] = field(default_factory=dict)  # example_id -> reason
     labels: dict[str, str] = field(default_factory=dict)  # example_id -> label the scheme skews on
 
-    def exclude(self, example_id: str, reason: str) -> None:
-        self.excluded[example_id] = reason
-
     def assigned(self) -> list[str]:
         return [i for c in self.clients.values() for s in SPLITS for i in c.get(s, [])]
 
@@ -144,16 +141,15 @@ def by_domain(examples: pd.DataFrame, domains: list[str]) -> Partition:
 
 
 def scheme_domain(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    return by_domain(qmsum_pool(examples), list(QMSUM_DOMAINS))
+    return by_domain(qmsum_pool(examples), scheme_client_names("domain", cfg))
 
 
 def scheme_extreme(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    return by_domain(examples, [*QMSUM_DOMAINS, "SAMSum"])
+    return by_domain(examples, scheme_client_names("extreme", cfg))
 
 
 def scheme_long_meeting(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    domains = ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else [])
-    return by_domain(examples, domains)
+    return by_domain(examples, scheme_client_names("long_meeting", cfg))
 
 
 def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
@@ -182,9 +178,7 @@ def scheme_noniid_balanced(examples: pd.DataFrame, cfg: PartitionConfig, rng: np
                                 f"{len(ids)} {split} examples")
             chosen = set(rng.choice(ids, size=size, replace=False).tolist())
             part.clients[domain][split] = sorted(chosen)
-            for i in ids:
-                if i not in chosen:
-                    part.exclude(i, "not sampled (noniid_balanced sizes)")
+            part.excluded.update(dict.fromkeys(sorted(set(ids) - chosen), "not sampled (noniid_balanced sizes)"))
     return part
 
 
@@ -323,12 +317,8 @@ def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> int:
     n = 0
     for client in part.clients.values():
         for split in ("train", "valid"):
-            keep = []
-            for i in client[split]:
-                if meeting_of[i] in test_meetings:
-                    part.exclude(i, f"leakage guard: meeting in a test set ({split} example)")
-                    n += 1
-                else:
-                    keep.append(i)
-            client[split] = keep
+            leaked = [i for i in client[split] if meeting_of[i] in test_meetings]
+            part.excluded.update(dict.fromkeys(leaked, f"leakage guard: meeting in a test set ({split} example)"))
+            client[split] = [i for i in client[split] if meeting_of[i] not in test_meetings]
+            n += len(leaked)
     return n

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _json_type, _object, _text, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _json_type, _object, _strings, _text, _Unique, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -55,15 +55,10 @@ def read_hmnet(directory: Path, dataset: str, report: IngestReport,
             _object(utt, twhere, ("speaker", "utt"), ("role",))
             if not str(utt.get("role") or "").strip():
                 report.note("turns without a role (speaker letter only)")
-            words = _field(_field(utt, "utt", twhere, dict), "word", f"{twhere}.utt", list)
-            bad = next((j for j, w in enumerate(words) if not isinstance(w, str)), None)
-            if bad is not None:
-                raise DataError(f"{twhere}.utt.word[{bad}]: {_json_type(words[bad])}, expected a string")
+            utterance = _field(utt, "utt", twhere, dict)
+            words = _strings(_field(utterance, "word", f"{twhere}.utt", list), f"{twhere}.utt.word")
             turns.append(Turn(hmnet_speaker(utt, twhere), " ".join(words)))
-        sentences = _field(meeting, "summary", mwhere, list)
-        bad = next((j for j, x in enumerate(sentences) if not isinstance(x, str)), None)
-        if bad is not None:
-            raise DataError(f"{mwhere}: summary[{bad}] is {_json_type(sentences[bad])}, expected a string")
+        sentences = _strings(_field(meeting, "summary", mwhere, list), f"{mwhere}: summary")
         if not turns or not sentences:
             raise DataError(f"{mwhere}: empty {'transcript' if not turns else 'summary'}")
         yield CanonicalRecord(

@@ -80,16 +80,22 @@ def _field(obj: Any, name: str, where: str, kind: type) -> Any:
     return value
 
 
+def _strings(values: list, where: str) -> list:
+    """A list field's items, which must all be strings (``where`` names the list)."""
+    bad = next((j for j, v in enumerate(values) if not isinstance(v, str)), None)
+    if bad is not None:
+        raise DataError(f"{where}[{bad}] is {_json_type(values[bad])}, expected a string")
+    return values
+
+
 def _text(obj: Any, name: str, where: str) -> str:
     """A text field: a string (null or a number where text belongs is an error, not the text "None")."""
     return _field(obj, name, where, str)
 
 
-def _no_records(display: str, split_key: str, allow: list[str]) -> None:
-    """An empty split file is an error unless ``ingest.allow_absent_splits`` names its split."""
-    if not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow):
-        raise DataError(f"{display}: no records (empty or blank file) for split {split_key}; if that split may be "
-                        f"absent, add {split_key!r} to ingest.allow_absent_splits")
+def absent_allowed(split_key: str, allow_absent: list[str]) -> bool:
+    """Whether ``ingest.allow_absent_splits`` (fnmatch patterns) lets split ``<dataset>/<domain>/<split>`` be absent."""
+    return any(fnmatch.fnmatchcase(split_key, pat) for pat in allow_absent)
 
 
 class _Unique:
@@ -105,14 +111,6 @@ class _Unique:
         self.seen[key] = where
 
 
-def _absent_allowed(path: Path, split_key: str, allow_absent: list[str], report: IngestReport) -> bool:
-    """True when the split file is missing and ``ingest.allow_absent_splits`` allows it (counted in the report)."""
-    if path.is_file() or not any(fnmatch.fnmatchcase(split_key, pat) for pat in allow_absent):
-        return False
-    report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
-    return True
-
-
 def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_prefix: str, allow_absent: list[str],
                      report: IngestReport) -> Iterator[tuple[str, str, str, int, Any]]:
     """The JSON lines of a dataset's split files, ``files`` as (upstream split, file name) pairs: yields
@@ -124,11 +122,13 @@ def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_pr
         display = f"{split_key_prefix.split('/')[0]}/{name}"
         split = normalise_split(upstream_split, display)
         split_key = f"{split_key_prefix}/{split}"
-        if _absent_allowed(directory / name, split_key, allow_absent, report):
+        if not (directory / name).is_file() and absent_allowed(split_key, allow_absent):
+            report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
             continue
         n_lines = 0
         for line_no, rec in _json_lines(directory / name, display):
             n_lines += 1
             yield upstream_split, split, display, line_no, rec
-        if n_lines == 0:
-            _no_records(display, split_key, allow_absent if files_of[upstream_split] == 1 else [])
+        if n_lines == 0 and not (files_of[upstream_split] == 1 and absent_allowed(split_key, allow_absent)):
+            raise DataError(f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
+                            f"be absent, add {split_key!r} to ingest.allow_absent_splits")

@@ -39,11 +39,8 @@ def register_gate(name: str):
     return register
 
 
-def entropy_from_logp(logp: torch.Tensor, log_base: str) -> torch.Tensor:
-    h = -(logp.exp() * logp).sum(dim=-1)
-    return h / math.log(2.0) if str(log_base) == "2" else h
-
-
 def token_entropy(logits: torch.Tensor, log_base: str = "e") -> torch.Tensor:
     """H(softmax(logits)) over the last dimension, in nats ("e") or bits ("2")."""
-    return entropy_from_logp(F.log_softmax(logits.float(), dim=-1), log_base)
+    logp = F.log_softmax(logits.float(), dim=-1)
+    h = -(logp.exp() * logp).sum(dim=-1)
+    return h / math.log(2.0) if str(log_base) == "2" else h
