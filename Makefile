@@ -86,9 +86,10 @@ grid: data-sources
 	$(BIN)/dvc exp run --queue -S 'tau=$(GRID_TAUS)' -S 'seed=$(GRID_SEEDS)'
 	$(BIN)/dvc queue start -j $(JOBS)
 
-# The experiments side by side with only the headline columns (reports/metrics.json), tau and the seed;
+# The experiments side by side with only the headline columns (reports/metrics.json), each evaluation's own
+# client-average avg ROUGE (reports/eval/<exp>/metrics.json), tau and the seed;
 # plain `dvc exp show` also lists every param and dependency hash (~350 columns).
-EXP_SHOW_KEEP := ^(Experiment|Created|State|Executor)$$|(.*:)?tau$$|(.*:)?seed$$|(.*:)?(main|kd_usage)\.
+EXP_SHOW_KEEP := ^(Experiment|Created|State|Executor)$$|(.*:)?tau$$|(.*:)?seed$$|(.*:)?(main|kd_usage)\.|(.*:)?mean\.avg_rouge$$
 exp-show: setup
 	$(BIN)/dvc exp show --drop '.*' --keep '$(EXP_SHOW_KEEP)' $(EXP_SHOW_ARGS)
 
