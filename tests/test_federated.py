@@ -366,8 +366,15 @@ def _run_metrics(client, experiment: str, killed: int):
     assert sorted(r.info.status for r in runs) == ["FINISHED"] + ["KILLED"] * killed
     assert all(r.data.metrics == {} for r in runs if r.info.status == "KILLED")
     run = next(r for r in runs if r.info.status == "FINISHED")
-    return run, {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
-                 for k in run.data.metrics}
+    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+               for k in run.data.metrics}
+    # each client's child run holds its own metrics (pipeline.results.tracking): read back as <client>.<key>
+    for child in client.search_runs([run.info.experiment_id],
+                                    filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"):
+        history |= {f"{child.data.tags['client']}.{k}": sorted((m.step, m.value) for m in
+                                                               client.get_metric_history(child.info.run_id, k))
+                    for k in child.data.metrics}
+    return run, history
 
 
 @pytest.mark.slow

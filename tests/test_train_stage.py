@@ -150,11 +150,14 @@ def test_train_cli_end_to_end(ws):
     assert not Path("models/cli-selectkd/checkpoint").exists() and not any(Path("data/cache/runs").glob("cli-selectkd-*"))
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    run = mlflow.search_runs(experiment_names=["cli"], output_format="list")[0]
+    runs = mlflow.search_runs(experiment_names=["cli"], output_format="list")
+    run = next(r for r in runs if "mlflow.parentRunId" not in r.data.tags)  # the experiment's run
+    children = {r.data.tags["client"]: r for r in runs if r.data.tags.get("mlflow.parentRunId") == run.info.run_id}
+    assert set(children) == {"Academic", "Committee", "Product"}  # one child run per client
     client = mlflow.MlflowClient()
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "adapters/Academic")}
     assert artifacts == {"adapters/Academic/adapter_best.safetensors", "adapters/Academic/adapter_final.safetensors"}
-    history = client.get_metric_history(run.info.run_id, "Committee.kd_fraction")
+    history = client.get_metric_history(children["Committee"].info.run_id, "kd_fraction")
     assert [m.step for m in history] == [1, 2]
     assert run.data.params["train.kd_direction"] == "teacher_to_student"  # "(our default)" choices are logged
     # the gate log (client token ids) never goes to MLflow
