@@ -79,9 +79,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
     opponents = sorted(m for m in predictions if m != target)
     if not opponents:
         raise DataError(f"human evaluation: only {target!r} has predictions; nothing to compare it with")
-    common = set(predictions[target])
-    for m in opponents:
-        common &= set(predictions[m])
+    common = set(predictions[target]).intersection(*(predictions[m] for m in opponents))
     if not common:
         raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
                         "(were they evaluated on the same partition?)")
