@@ -28,8 +28,6 @@ Outputs: ``reports/analysis/kd_analysis.json`` (DVC metric), ``reports/analysis/
 ``hardkd_vs_selectkd.png``, ``tau_sweep.png``.
 
 The computation is :mod:`pipeline.results.kd_analysis`; this module picks the experiments and runs it.
-
-    python -m pipeline.analyze [--params params.yaml] [--out reports/analysis]
 """
 from __future__ import annotations
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
@@ -35,12 +36,11 @@ from pipeline.results import claims, comparisons, published
 from pipeline.results.case_study import case_study, example_info, predictions_by_method
 from pipeline.results.convergence import convergence_table
 from pipeline.results.figures import learning_curves
-from pipeline.results.headline import HEADLINE_STUDY, average_interval, headline_metrics, summary_metrics
 from pipeline.results.human_eval import make_sheets, plot_results, score_sheets
-from pipeline.results.index import readme
 from pipeline.results.privacy_study import privacy_figure, privacy_points
 from pipeline.results.readers import collect_scores
-from pipeline.results.stats import BootstrapConfig
+from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.study_figures import study_figures, with_stand_ins
 from pipeline.results.tables import (aggregate, backbone_slug, incomplete, main_table, main_table_markdown,
                                      study_table_markdown, timing_markdown, timing_table)
@@ -60,6 +60,115 @@ class ReportConfig:
     smoke: bool = True
     claim_min_seeds: PositiveInt = 2
     claim_min_examples: PositiveInt = 100
+
+
+def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
+    """reports/summary.json (a plain output; the DVC metric is reports/metrics.json): average ROUGE per study,
+    configuration and client, mean over clients."""
+    out: dict[str, Any] = {"experiments_planned": len(planned), "experiments_evaluated": len(planned) - len(missing_eval),
+                           "experiments_missing": len(missing_eval)}
+    for (study, label), grp in agg.groupby(["study", "label"], sort=True):
+        entry = {client: round(float(v), 4) for client, v in zip(grp["client"], grp["avg_rouge_mean"])}
+        entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
+        entry["n_seeds"] = int(grp["n_seeds"].min())
+        out.setdefault(study, {})[label.replace(" ", "_")] = entry
+    return out
+
+
+# reports/metrics.json, the one DVC metrics file: what `dvc exp show` / `dvc metrics diff` put side by side across
+# DVC experiments. Only the main study's results (the study `-S tau=...` ablates): every other report file is a
+# plain output, and no time or memory figure is a metric (they differ between runs of the same experiment).
+HEADLINE_STUDY = "main"
+HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_L, "avg_rouge": "avg_rouge"}
+
+
+def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
+    """Interval of a configuration's client-average avg ROUGE over its seeds (pipeline.results.stats.mean_interval) on
+    the test examples every seed has. None without any per-example scores."""
+    frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
+    shared = comparisons.shared_ids(frames)
+    if not shared:
+        return None
+    per_client = [comparisons.stacked(frames, client, ids, "avg_rouge") for client, ids in shared.items()]
+    r = mean_interval(per_client, cfg)
+    return r.low, r.high
+
+
+def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None],
+                     kd_analysis: dict[str, Any]) -> dict[str, Any]:
+    """The headline numbers: per method (per configuration where a method has several) of the main study, its client-average ROUGE-1/2/L and average ROUGE
+    (means over seeds) with the average's interval (``intervals``, by label), and each client's average ROUGE; and
+    the KD usage ratio per client of the main SelectKD run (``kd_analysis``: reports/analysis/kd_analysis.json)."""
+    out: dict[str, Any] = {}
+    main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
+    # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
+    # by label only where the study holds several configurations of one method.
+    methods = main.groupby("label")["method"].first() if "method" in main else pd.Series(dtype=object)
+    repeated = set(methods[methods.duplicated(keep=False)])
+    for label, grp in main.groupby("label", sort=True):
+        method = methods.get(label)
+        key = str(method) if method is not None and method not in repeated else str(label).replace(" ", "_")
+        entry: dict[str, Any] = {key: round(float(grp[f"{col}_mean"].mean()), 4) for key, col in HEADLINE_ROUGE.items()}
+        interval = intervals.get(label)
+        if interval is not None:
+            entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
+        entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
+        out.setdefault(HEADLINE_STUDY, {})[key] = entry
+    usage = {str(c): round(float(v["kd_usage_ratio"]), 4) for c, v in sorted(kd_analysis.get("clients", {}).items())
+             if isinstance(v, dict) and v.get("kd_usage_ratio") is not None}
+    if usage:
+        out["kd_usage"] = {**usage, "mean": round(sum(usage.values()) / len(usage), 4)}
+    return out
+
+
+def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
+    """The index of ``out`` (the reports directory): ``index`` holds what was made, what not and why;
+    ``plots`` is the DVC plots data directory."""
+    def rel(p: str | Path) -> str:
+        return os.path.relpath(p, out)
+
+    lines = ["# fedmeet reports", "",
+             "Generated by `dvc repro report` (`python -m pipeline.report`). ROUGE is F1 x 100 from `rouge-score` with "
+             f"Porter stemming; the tables' R-L is `{TABLE_ROUGE_L}` (as the paper's R-L, by its R-L / R-1 ratios; "
+             "`rougeLsum` is its own column). Every number is a mean over the seeds present; missing seeds are "
+             "printed beside it.", "",
+             f"Experiments planned: {n_planned}; evaluated: {n_planned - len(index['missing_experiments'])}.", ""]
+    for section in ("tables", "figures", "human evaluation"):
+        items = index["made"].get(section, [])
+        if items:
+            lines += [f"## {section.capitalize()}", ""]
+            lines += [f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items]
+            lines.append("")
+    plot_files = sorted(plots.rglob("*.csv")) if plots.is_dir() else []
+    if plot_files:
+        lines += ["## Plot data (`dvc plots show`)", ""] + [f"- [{rel(p)}]({rel(p)})" for p in plot_files] + [""]
+    others = [p for pattern in ("data/*.md", "data/*.json", "partitions/*.png", "analysis/*.json", "analysis/*.csv",
+                                "analysis/figures/*.png", "backbone.json",
+                                "eval/*/metrics.json")
+              for p in sorted(out.glob(pattern))]
+    if others:
+        lines += ["## Other stage outputs", ""] + [f"- [{rel(p)}]({rel(p)})" for p in others] + [""]
+    lines += ["## Not produced", ""]
+    if not index["not_made"] and not index["missing_experiments"] and not index["incomplete_seeds"]:
+        lines.append("Nothing: every planned experiment is evaluated with every expected seed.")
+    for what, why in sorted(index["not_made"].items()):
+        lines.append(f"- {what}: {why}")
+    if index["missing_experiments"]:
+        lines += ["", "Planned experiments without an evaluation (`reports/eval/<exp>/metrics.json`):", ""]
+        lines += [f"- `{name}`" for name in index["missing_experiments"]]
+    if index["ignored_evaluations"]:
+        lines += ["", "Evaluations left out because their experiment is not in the `experiments` params:", ""]
+        lines += [f"- `reports/eval/{name}`" for name in index["ignored_evaluations"]]
+    if index["incomplete_seeds"]:
+        lines += ["", "Configurations averaged over fewer seeds than expected (`report.expected_seeds`):", ""]
+        lines += [f"- {x}" for x in index["incomplete_seeds"]]
+    lines += ["", "## Human evaluation", "",
+              "Blind sheets: `reports/human_eval/sheets/` (give annotators `sheet.html` or `sheet.csv`, never "
+              "`key.json`). Copy the sheets elsewhere, fill the `judgement` column (A, B or tie) or download it from "
+              "the HTML page as `sheet_<name>.csv`, then run "
+              "`python -m pipeline.report human --sheets DIR` -> `reports/human_eval/results.json` and "
+              "`reports/human_eval/human_eval.png` (paper: SelectKD vs FedAvg 52 wins, 4 ties, 4 losses of 60).", ""]
+    return "\n".join(lines)
 
 
 @dataclass

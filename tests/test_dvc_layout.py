@@ -14,7 +14,7 @@ from dvc.utils.hydra import apply_overrides
 
 from pipeline.results import comparisons
 from pipeline.presets import flatten_leaves, hydra_value
-from pipeline.results.headline import HEADLINE_STUDY, average_interval, headline_metrics
+from pipeline.report import HEADLINE_STUDY, average_interval, headline_metrics
 from pipeline.results.stats import BootstrapConfig
 
 ROOT = Path(__file__).resolve().parents[1]

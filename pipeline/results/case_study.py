@@ -3,33 +3,22 @@ meetings, and the case study (one test example per domain, FedAvg's and SelectKD
 The human-evaluation sheets (pipeline.results.human_eval) are made from the same predictions."""
 from __future__ import annotations
 
-import json
 import random
 from collections import defaultdict
+from dataclasses import fields
 from pathlib import Path
 from typing import Iterable
 
 import pandas as pd
 
-from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.human_eval import Prediction
+from pipeline.results.readers import read_predictions
 from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 
 
-def read_predictions(path: Path) -> dict[str, Prediction]:
-    out = {}
-    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            out[rec["example_id"]] = Prediction(rec["experiment"], rec["example_id"], rec["domain"],
-                                                rec["prediction"], rec["reference"])
-        except (json.JSONDecodeError, KeyError) as err:
-            raise DataError(f"{path}:{line_no}: not a prediction record ({err!r})") from err
-    return out
+PREDICTION_KEYS = tuple(f.name for f in fields(Prediction))
 
 
 def predictions_by_method(planned: Iterable[Experiment], eval_dir: Path, study: str = "main",
@@ -42,7 +31,8 @@ def predictions_by_method(planned: Iterable[Experiment], eval_dir: Path, study: 
     out: dict[str, dict[str, Prediction]] = {}
     for p in sorted(avail, key=lambda p: p.name):
         if p.seed == chosen_seed and p.method not in out:
-            out[p.method] = read_predictions(eval_dir / p.name / "predictions.jsonl")
+            rows = read_predictions(eval_dir / p.name / "predictions.jsonl", PREDICTION_KEYS)
+            out[p.method] = {pred.example_id: pred for pred in (Prediction(*r) for r in rows)}
     return out, chosen_seed
 
 

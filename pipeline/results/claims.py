@@ -1,16 +1,5 @@
-"""Our effects against the paper's, and the sentences that state them, both computed from the comparisons table.
-
-:func:`with_published` adds to each comparison row (pipeline.results.comparisons) the published difference of the
-same pair, client and metric for every backbone of the paper's Table III (METHOD.md section 9, via
-pipeline.results.published), as ``published_<backbone>``, and where it sits against our interval as
-``vs_published_<backbone>``: ``contains`` (inside our interval), ``excludes above`` (above our upper limit) or
-``excludes below`` (below our lower limit). Only rows between two of the paper's methods as run in the main study
-get them (a gate variant such as the batch-quantile one is ours, not the paper's).
-
-:func:`results_text` renders the README's results sentences from those rows and the convergence records
-(pipeline.results.convergence), so no number in the text is typed by hand; :func:`replace_block` puts it between
-the ``<!-- results:begin -->`` / ``<!-- results:end -->`` markers of a markdown file.
-"""
+"""Our effects against the paper's, and the sentences that state them, both computed from the comparisons table
+(pipeline.results.comparisons), so no number in the README's results text is typed by hand."""
 from __future__ import annotations
 
 import math
@@ -77,7 +66,10 @@ def published_difference(backbone: str, method_a: str, method_b: str, client: st
 
 
 def with_published(table: pd.DataFrame) -> pd.DataFrame:
-    """``table`` with the published-difference columns (rows outside the paper's pairs get NaN and '')."""
+    """``table`` with, per backbone of the paper's Table III, ``published_<backbone>`` (its difference of the same
+    pair, client and metric) and ``vs_published_<backbone>`` (where it sits against our interval). Only rows between
+    two of the paper's methods as run in the main study get them (a gate variant such as the batch-quantile one is
+    ours, not the paper's); the others get NaN and ''."""
     out = table.copy()
     for b in BACKBONES:
         paper = [published_difference(b, r.method_a, r.method_b, r.client, r.metric)

@@ -10,7 +10,6 @@ of paired examples and seeds, and the fraction of paired summaries that are the 
 """
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
+from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, paired_difference
 
@@ -89,19 +89,8 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
 
 def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:
     path = eval_dir / name / "predictions.jsonl"
-    out: dict[tuple[str, str], str] = {}
-    if not path.is_file():
-        return out
-    with path.open(encoding="utf-8") as fh:
-        for line_no, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                out[(str(rec["client"]), str(rec["example_id"]))] = str(rec["prediction"])
-            except (json.JSONDecodeError, KeyError) as err:
-                raise DataError(f"{path}:{line_no}: not a prediction record ({err})") from err
-    return out
+    rows = read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
+    return {(str(c), str(e)): str(p) for c, e, p in rows}
 
 
 def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:

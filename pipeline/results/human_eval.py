@@ -1,17 +1,6 @@
-"""Human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets and their win/tie/loss counts.
-
-The paper compares SelectKD pairwise against every other method on 20 meetings per domain; annotators see the
-two summaries in random order without method names. :func:`make_sheets` writes
-
-- ``sheet.csv``: one row per comparison (query, gold summary, summary A, summary B, an empty ``judgement``
-  column to fill with ``A``, ``B`` or ``tie``);
-- ``sheet.html``: the same items as one static page with radio buttons and a button that downloads the filled
-  ``judgement`` column as ``sheet_<annotator>.csv``;
-- ``key.json``: which side is SelectKD in each item (keep it away from annotators).
-
-:func:`score_sheets` reads every filled ``sheet*.csv`` in a directory and counts, per opponent, how often the
-target method won, tied or lost (blank judgements are counted as unjudged, never guessed).
-"""
+"""Human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets (``sheet.csv``, ``sheet.html``; which side
+is the target method is only in ``key.json``) and their win/tie/loss counts. The paper compares SelectKD pairwise
+against every other method on 20 meetings per domain, the two summaries in random order without method names."""
 from __future__ import annotations
 
 import csv
@@ -90,9 +79,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
     opponents = sorted(m for m in predictions if m != target)
     if not opponents:
         raise DataError(f"human evaluation: only {target!r} has predictions; nothing to compare it with")
-    common = set(predictions[target])
-    for m in opponents:
-        common &= set(predictions[m])
+    common = set(predictions[target]).intersection(*(predictions[m] for m in opponents))
     if not common:
         raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
                         "(were they evaluated on the same partition?)")

@@ -36,6 +36,19 @@ def load_json(path: Path, what: str = "JSON file") -> Any:
         raise DataError(f"{path}: not valid JSON ({err})") from err
 
 
+def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]:
+    """The ``keys`` of each record of the evaluate stage's predictions.jsonl, one tuple per line."""
+    rows = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rec = json.loads(line)
+                rows.append(tuple(rec[k] for k in keys))
+            except (json.JSONDecodeError, KeyError) as err:
+                raise DataError(f"{path}:{line_no}: not a prediction record ({err!r})") from err
+    return rows
+
+
 def read_json(path: Path, what: str = "JSON file") -> dict[str, Any]:
     """A JSON object written by an earlier stage (``what`` names it in the error)."""
     data = load_json(path, what)

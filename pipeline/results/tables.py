@@ -1,10 +1,5 @@
 """The report's tables: scores averaged over seeds, the main table beside the published numbers (Table III
-layout), one table per study with its paired comparisons, and the stage times.
-
-Numbers are printed by :func:`fmt` ("mean ± sample std", "(n=1)" for a single seed). Planned experiments arrive
-as objects with ``name``, ``study``, ``method``, ``seed`` (see :class:`pipeline.experiments.Experiment`) and
-their display labels as a mapping experiment -> label.
-"""
+layout), one table per study with its paired comparisons, and the stage times."""
 from __future__ import annotations
 
 import json
