@@ -68,9 +68,10 @@ def _sqlite_path(uri: str) -> Path | None:
 
 
 @contextlib.contextmanager
-def _store_init_lock(uri: str):
-    """Two processes opening a fresh SQLite store collide creating or migrating its tables ("duplicate column": MLflow's
-    own lock does not cover that); an exclusive flock on the store's directory (SQLite owns the file's) orders them."""
+def _store_lock(uri: str):
+    """Two processes on one SQLite store collide creating or migrating its tables ("duplicate column") and inserting
+    the same dataset (MLflow checks, then inserts: "UNIQUE constraint failed"); MLflow's own lock covers neither. An
+    exclusive flock on the store's directory (SQLite owns the file's) orders them."""
     path = _sqlite_path(uri)
     if path is None:
         yield
@@ -100,7 +101,7 @@ def _client():
     from mlflow.tracking import MlflowClient
 
     mlflow.set_tracking_uri(uri := tracking_uri())
-    with _store_init_lock(uri):
+    with _store_lock(uri):
         return _RetryingClient(_retrying(MlflowClient, tracking_uri=uri))
 
 
@@ -232,9 +233,10 @@ class RunLogger:
             child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: self.run_id, "client": name}
             self.children[name] = self._client.create_run(exp_id, run_name=f"{run_name}/{name}",
                                                           tags=child_tags).info.run_id
-            self._client.log_inputs(self.children[name], datasets=[
-                DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
-                for split, ds in self.datasets[name].items()])
+            with _store_lock(tracking_uri()):  # two trainings of one partition log the same datasets at once
+                self._client.log_inputs(self.children[name], datasets=[
+                    DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
+                    for split, ds in self.datasets[name].items()])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
