@@ -97,7 +97,6 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
     from pipeline.partition import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
-    from dataclasses import asdict as to_dict
     from pipeline.experiments import parse_entry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
@@ -115,7 +114,7 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     ppath.write_text(json.dumps(partition_json(part, "quantity", cfg.seed, pcfg)))
     train = {"rounds": cfg.rounds, "batch_size": 4, "lr": 5.0e-3, **(train or {})}
     # the partition group too: the plan declares the scheme's clients (n_clients of them) from it
-    params = {"tau": 5.0, "model": MODEL, "train": train, "partition": to_dict(pcfg),
+    params = {"tau": 5.0, "model": MODEL, "train": train, "partition": asdict(pcfg),
               **({"privacy": privacy} if privacy else {})}
     name = name or f"scale-{engine}-{n_clients}"
     entry = parse_entry(name, {"method": "fedavg", "partition": f"quantity/seed{cfg.seed}", "seed": cfg.seed,

@@ -1,4 +1,4 @@
-"""The rules of a run's rounds (pipeline.training: best_adapter, checkpoints, publish, history, recorder) as units:
+"""The rules of a run's rounds (pipeline.training: checkpoints, history) as units:
 the best-adapter choice, the checkpoints a killed run resumes from, the rounds history and its metrics.
 
 Properties stated: after any sequence of validation losses the best adapter is the state of the first round with
@@ -261,7 +261,7 @@ def test_rounds_missing_from_the_mlflow_run_are_logged_once():
 
 
 def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts():
-    from pipeline.training import checkpoints as publish
+    from pipeline.training import checkpoints
 
     plan = _plan("rounds-publish")
     out, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
@@ -276,7 +276,7 @@ def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts(
     (out / "gate_log.parquet").write_text("merged")
     target.mkdir(parents=True, exist_ok=True)
     (target / "stale.txt").write_text("from an earlier run")
-    assert publish.publish_outputs(plan) == target
+    assert checkpoints.publish_outputs(plan) == target
     files = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
     assert files == ["clients", "clients/A", "clients/A/adapter_best.safetensors", "clients/A/sub",
                      "clients/A/sub/gate_log", "clients/B", "clients/B/adapter_best.safetensors", "gate_log.parquet",
@@ -408,7 +408,7 @@ def test_a_checkpoint_with_numpy_arrays_and_rng_states_as_the_server_writes_it_i
 
 def test_publishing_creates_the_missing_parents_of_the_model_directory(monkeypatch):
     from pipeline.paths import ProjectPaths
-    from pipeline.training import checkpoints as publish
+    from pipeline.training import checkpoints
 
     plan = _plan("rounds-publish-parents")
     out = Path(plan.paths["out_dir"])
@@ -416,7 +416,7 @@ def test_publishing_creates_the_missing_parents_of_the_model_directory(monkeypat
     (out / "rounds.json").write_text("[]")
     target = out.parent / "not" / "yet" / "there" / "model"
     monkeypatch.setattr(ProjectPaths, "model_dir", lambda self, experiment: target)  # e.g. models/ on a new disk
-    assert publish.publish_outputs(plan) == target and (target / "rounds.json").read_text() == "[]"
+    assert checkpoints.publish_outputs(plan) == target and (target / "rounds.json").read_text() == "[]"
 
 
 def test_client_level_dp_rows_put_one_epsilon_per_round_in_the_rounds_file_not_one_per_client():

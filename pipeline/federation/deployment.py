@@ -38,7 +38,6 @@ from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 from pipeline.training import checkpoints
-from pipeline.training import checkpoints as publish
 from pipeline.training.history import write_rounds
 from pipeline.training.history import TrainRecorder
 from pipeline.training.shared_model import model_config, shared_model
@@ -248,7 +247,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         logger.finish("FINISHED")
     # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
     # next run of this plan starts over (client checkpoints stay on the clients' disks).
-    publish.publish_outputs(plan)
+    checkpoints.publish_outputs(plan)
     checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)
     run_id_file.unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}
