@@ -95,10 +95,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
                          **sc, "pred_words": len(pred.split()), "ref_words": len(row["target"].split())})
             records.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
                             "prediction": pred, "reference": row["target"]})
-        summary = mean_scores(scores)
-        summary["n_test"] = len(test_ids)
-        summary["skipped_by_subsampling"] = len(test_ids) - len(chosen)
-        per_client[client] = summary
+        per_client[client] = summary = mean_scores(scores) | {"n_test": len(test_ids),
+                                                             "skipped_by_subsampling": len(test_ids) - len(chosen)}
         print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
               + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")), file=sys.stderr)
 
@@ -114,21 +112,12 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     mean = {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in (*ROUGE_TYPES, "avg_rouge")}
     mean_ci, ci = client_average_intervals(per_example, bootstrap or BootstrapConfig())
     metrics = {
-        "experiment": name,
-        "method": plan.method,
-        "partition": plan.partition,
-        "seed": plan.seed,
-        "study": plan.study,
-        "backbone": backbone,
-        "adapter": cfg.adapter,
+        "experiment": name, "method": plan.method, "partition": plan.partition, "seed": plan.seed, "study": plan.study,
+        "backbone": backbone, "adapter": cfg.adapter,
         "decoding": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": max_src},
-        "rouge_l_in_tables": TABLE_ROUGE_L,
-        "clients": per_client,
-        "skipped_clients": skipped_clients,
-        "mean": mean,
-        "mean_ci": mean_ci,
-        "ci": ci,
+        "rouge_l_in_tables": TABLE_ROUGE_L, "clients": per_client, "skipped_clients": skipped_clients,
+        "mean": mean, "mean_ci": mean_ci, "ci": ci,
     }
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:

@@ -3,18 +3,11 @@
     python -m pipeline.train --experiment fedselectkd-domain
     python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
 
-Federated methods run Flower's ServerApp/ClientApp (pipeline.federation; in-process engine by default, Ray with
-``train.engine: ray``); `single` and `centralized` run the same local trainer without a server
-(pipeline.training.serverless). Packed experiments each start from the process's initial RNG state
-(:func:`run_packed`), so each gets the results it has alone (tests/test_packing.py).
-
-Outputs (``models/<exp>/``): ``clients/<client>/adapter_{best,final}.safetensors``, ``gate_log.parquet``,
-``rounds.json``, ``metrics.json``, ``experiment.json`` (the plan); ``reports/train/<exp>/metrics.json`` (DVC metrics)
-and ``rounds.json`` (DVC plots); one MLflow run per experiment with a child run per client (per-round metrics,
-bytes, its best adapter as a LoggedModel; pipeline.results.tracking).
-While it runs, an experiment writes into ``data/cache/runs/<exp>-<plan key>/`` (checkpoints included: a killed run
-resumes after its last round, in the same MLflow run) and only the finished outputs are copied to ``models/<exp>/``,
-so that output need not persist and DVC's run cache keeps every finished training.
+Federated methods run Flower's ServerApp/ClientApp (pipeline.federation); `single` and `centralized` run the same
+local trainer without a server (pipeline.training.serverless). Outputs (``models/<exp>/``, ``reports/train/<exp>/``,
+one MLflow run per experiment with a child run per client) are listed in docs/ARCHITECTURE.md. A run writes into
+``data/cache/runs/<exp>-<plan key>/`` (checkpoints included: a killed run resumes after its last round, in the same
+MLflow run) and only the finished outputs are copied to ``models/<exp>/``, so DVC's run cache keeps every training.
 """
 from __future__ import annotations
 
@@ -43,8 +36,7 @@ def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
     plan hash), so a run can be matched to its `dvc exp show` row."""
     from pipeline.results.run_identity import dvc_tags, git_state
 
-    tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {
-        "plan_hash": plan_hash(plan)}
+    tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
     return tags | git_state() | dvc_tags()
 
 
