@@ -1,17 +1,13 @@
 """Experiments: the one reader of params `experiments:` and of plan files.
 
 An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``, with
-optional `seed`, `tau`, any `train` key and a `privacy` mapping overriding the params file's): :func:`declared` reads
-and checks them all for every stage that needs the list. Its *plan* (``models/plans/<experiment>.json``, written by
-the plan stage, read by the train stage with :func:`read_plan`) holds exactly what its result depends on, so a params
-change reruns only the experiments it affects: tau enters only selective-KD plans, KD, proximal and server-optimiser
-settings only the plans of methods that use them, transfer settings only federated plans, the POS tags' hash only
-`hardkd` plans, and the source hash of a strategy or KD gate module only the plans that run it (:func:`extension_md5`:
-those modules are no train stage's deps). `privacy` enters federated plans only, with its mode's keys only.
-
-Settings that cannot change a result stay out of plans (:class:`RunSettings`): a stage entry point builds them once
-(:func:`load_run_settings`) and passes them down, so changing one reruns no train stage and resumes the same
-checkpoint; nothing below the entry points reads a params file. Paths are not in plans either (:mod:`pipeline.paths`).
+optional `seed`, `tau`, any `train` key and a `privacy` mapping): :func:`declared` reads and checks them all. Its
+*plan* (``models/plans/<experiment>.json``, written by the plan stage, read by the train stage with :func:`read_plan`)
+holds exactly what its result depends on, so a params change reruns only the experiments it affects (each setting
+enters only the plans of the methods that use it; the source hash of a strategy or KD gate module only the plans that
+run it: :func:`extension_md5`, those modules are no train stage's deps). Settings that cannot change a result
+(:class:`RunSettings`) and paths (:mod:`pipeline.paths`) stay out of plans: a stage entry point builds them once
+(:func:`load_run_settings`) and passes them down; nothing below the entry points reads a params file.
 """
 from __future__ import annotations
 
@@ -35,6 +31,7 @@ from pipeline.paths import PATHS
 from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
 from pipeline.training.config import TrainConfig, train_config, train_keys
 from pipeline.training.methods import MethodSpec, get_method
+
 
 @config
 class RunSettings:

@@ -24,11 +24,9 @@ from pipeline.paths import PATHS
 
 def ingest_dataset(dataset: str, directory: Path,
                    allow_absent: list[str] = ()) -> tuple[pd.DataFrame, IngestReport]:
-    """Read ``dataset`` from ``directory`` (its upstream layout) into the canonical table.
-
-    ``allow_absent``: patterns of ``<dataset>/<domain>/<split>`` (``ingest.allow_absent_splits``) whose split
-    file may be missing or empty; any other missing or empty split is an error.
-    """
+    """Read ``dataset`` from ``directory`` (its upstream layout) into the canonical table. ``allow_absent``: patterns of
+    ``<dataset>/<domain>/<split>`` (``ingest.allow_absent_splits``) whose split file may be missing or empty; any other
+    missing or empty split is an error."""
     report = IngestReport(dataset=dataset, source=str(directory))
     records = dataset_spec(dataset).read(directory, report, allow_absent)
     rows = []

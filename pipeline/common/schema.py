@@ -127,20 +127,15 @@ _DISFLUENCY_TAG = re.compile(r"\{[^}]*\}")
 
 
 def summary_word_count(text: str) -> int:
-    """Words of a summary as the paper counts them: ``str.split(' ')`` per line.
-
-    Splitting on single spaces (so a double space counts an empty word) reproduces all nine Table II
-    "avg. summary words" values exactly; plain ``split()`` is up to 0.12 lower. Multi-sentence summaries
-    (AMI/ICSI, one sentence per line) are counted line by line.
-    """
+    """Words of a summary as the paper counts them: ``str.split(' ')`` per line. Splitting on single spaces (so a double
+    space counts an empty word) reproduces all nine Table II "avg. summary words" values exactly; plain ``split()`` is
+    up to 0.12 lower. Multi-sentence summaries (AMI/ICSI, one sentence per line) are counted line by line."""
     return sum(len(line.split(" ")) for line in text.split("\n"))
 
 
 def spoken_word_count(turn: Turn) -> int:
-    """Words spoken in a turn: whitespace words of ``speaker + content`` with ``{...}`` tags removed.
-
-    The paper's counter is unknown; this one comes within 1-2.5 % of Table II (METHOD.md section 2).
-    """
+    """Words spoken in a turn: whitespace words of ``speaker + content`` with ``{...}`` tags removed. The paper's
+    counter is unknown; this one comes within 1-2.5 % of Table II (METHOD.md section 2)."""
     return len(_DISFLUENCY_TAG.sub("", f"{turn.speaker} {turn.content}").split())
 
 

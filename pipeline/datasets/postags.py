@@ -43,11 +43,8 @@ class NounVerbMasks:
         return self._mask[example_id]
 
     def batch(self, example_ids: Sequence[str], labels) -> np.ndarray:
-        """[B, T] bool mask for a batch's ``labels`` ([B, T] ids, IGNORE_INDEX on padding).
-
-        Checks that the tagged token ids equal the batch's labels, so a mask can never be applied to a
-        differently tokenised target.
-        """
+        """[B, T] bool mask for a batch's ``labels`` ([B, T] ids, IGNORE_INDEX on padding). Checks that the tagged token
+        ids equal the batch's labels, so a mask can never be applied to a differently tokenised target."""
         labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
         out = np.zeros(labels.shape, dtype=bool)
         for b, eid in enumerate(example_ids):

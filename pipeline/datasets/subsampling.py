@@ -1,15 +1,6 @@
-"""The two seeded subsamplers of client examples. They draw differently on purpose and must stay as they are: each
-fixes which examples a recorded result was computed on.
-
-- :func:`subsample_ids` (training, the CPU profile's ``max_{train,valid}_examples_per_client``): numpy's
-  ``default_rng(seed)`` picks positions without replacement; the seed is derived per (experiment seed, client,
-  split).
-- :func:`subsample_test_ids` (evaluation, ``evaluate.test_examples_per_client``): Python's
-  ``random.Random("evaluate:<seed>:<client>")`` samples the sorted ids, so the choice depends only on (seed,
-  client) - every method evaluated on a partition sees the same test examples.
-
-Both keep the partition file's order.
-"""
+"""The two seeded subsamplers of client examples (training caps, evaluation's test subsample). They draw differently
+on purpose and must stay as they are: each fixes which examples a recorded result was computed on. Both keep the
+partition file's order."""
 from __future__ import annotations
 
 import random
@@ -26,11 +17,9 @@ def subsample_ids(ids: list[str], limit: int | None, seed: int) -> list[str]:
 
 
 def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
-    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client).
-
-    Every method evaluated on the same partition therefore sees the same examples (needed for paired
-    comparisons: case study, human evaluation). Order follows the partition file.
-    """
+    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client). Every method
+    evaluated on the same partition therefore sees the same examples (needed for paired comparisons: case study, human
+    evaluation). Order follows the partition file."""
     if k is None or k >= len(test_ids):
         return list(test_ids)
     chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))

@@ -1,13 +1,6 @@
-"""Sub-word token -> word mapping for target summaries (METHOD.md section 7 item 9).
-
-The POS analysis counts *words*, not sub-word tokens ("project manager decides to use lcd" has 6 words however
-the tokenizer splits it). A **word** here is a maximal whitespace-delimited run of the target text, so the
-definition does not depend on the tokenizer: "lcd." and "isn't" are one word each. Special tokens (``<s>``,
-``</s>``, ``[CLS]``, ``[SEP]``, padding) and tokens that encode only whitespace (BPE ``Ċ``, a lone ``Ġ`` before
-a space) belong to no word (``None``).
-
-:func:`word_index_from_offsets` maps tokens to words from a fast tokenizer's character offsets (any fast
-tokenizer; the same characters spaCy's tags are aligned to).
+"""Sub-word token -> word mapping for target summaries (METHOD.md section 7 item 9): the POS analysis counts words.
+A word is a maximal whitespace-delimited run of the target text, whatever the tokenizer ("lcd." and "isn't" are one
+word each); special tokens and tokens that encode only whitespace (BPE ``Ċ``) belong to no word (``None``).
 """
 from __future__ import annotations
 
@@ -43,15 +36,11 @@ def char_to_word(text: str, spans: Sequence[tuple[int, int]]) -> np.ndarray:
     return owner
 
 
-def word_index_from_offsets(
-    text: str, offsets: Sequence[tuple[int, int]], special: Sequence[bool]
-) -> TargetWords:
-    """Map each token to the whitespace word containing its first non-space character.
-
-    ``offsets`` are the tokenizer's character spans of the tokens in ``text``; ``special[i]`` marks special
-    tokens. A zero-width token (BPE ``Ġ`` whose space was trimmed from its span) belongs to the word starting
-    right at its position, if any: it encodes the space in front of that word.
-    """
+def word_index_from_offsets(text: str, offsets: Sequence[tuple[int, int]], special: Sequence[bool]) -> TargetWords:
+    """Map each token to the whitespace word containing its first non-space character. ``offsets`` are the tokenizer's
+    character spans of the tokens in ``text``; ``special[i]`` marks special tokens. A zero-width token (BPE ``Ġ`` whose
+    space was trimmed from its span) belongs to the word starting right at its position, if any: it encodes the space in
+    front of that word."""
     if len(offsets) != len(special):
         raise ValueError(f"{len(offsets)} offsets but {len(special)} special-token flags")
     words, spans = whitespace_words(text)

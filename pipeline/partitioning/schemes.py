@@ -172,12 +172,10 @@ def largest_remainder(shares: np.ndarray, total: int) -> np.ndarray:
 
 
 def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
-    """FedSum quantity skew: client sizes z ~ Dir(beta) over the pooled QMSum data.
-
-    One z for all splits, so a client's valid and test sets are as large, relatively, as its training set.
-    z is redrawn until every client has ``min_per_split`` examples in every split (a client without test
-    data cannot be evaluated); the number of redraws is bounded.
-    """
+    """FedSum quantity skew: client sizes z ~ Dir(beta) over the pooled QMSum data. One z for all splits, so a client's
+    valid and test sets are as large, relatively, as its training set. z is redrawn until every client has
+    ``min_per_split`` examples in every split (a client without test data cannot be evaluated); the number of redraws is
+    bounded."""
     q = cfg.quantity
     pool = qmsum_pool(examples)
     names = numbered_clients(q.n_clients)
@@ -200,12 +198,10 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
 
 def label_skew(pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alpha: float,
                rng: np.random.Generator) -> Partition:
-    """Dirichlet label skew (FedNLP), sampling without replacement.
-
-    Each client draws one label mix ``q_c ~ Dir(alpha * p)`` with ``p`` the global label proportions. Per split,
-    clients get equal shares of the examples; each slot picks a label from ``q_c`` (renormalised over labels
-    still available) and takes a random remaining example with that label. Every example is assigned.
-    """
+    """Dirichlet label skew (FedNLP), sampling without replacement. Each client draws one label mix ``q_c ~ Dir(alpha *
+    p)`` with ``p`` the global label proportions. Per split, clients get equal shares of the examples; each slot picks a
+    label from ``q_c`` (renormalised over labels still available) and takes a random remaining example with that label.
+    Every example is assigned."""
     names = numbered_clients(n_clients)
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
@@ -287,12 +283,9 @@ SCHEMES: dict[str, Callable[..., Partition]] = {
 
 
 def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> int:
-    """No meeting of any client's test set may appear in any client's train or valid set.
-
-    QMSum Product/Academic and AMI/ICSI hold the same meetings under different splits, so a scheme mixing
-    them would otherwise train on test meetings. Offending train/valid examples are moved to ``excluded``.
-    Returns the number excluded.
-    """
+    """No meeting of any client's test set may appear in any client's train or valid set. QMSum Product/Academic and
+    AMI/ICSI hold the same meetings under different splits, so a scheme mixing them would otherwise train on test
+    meetings. Offending train/valid examples are moved to ``excluded``. Returns the number excluded."""
     test_meetings = {meeting_of[i] for c in part.clients.values() for i in c["test"]}
     n = 0
     for client in part.clients.values():

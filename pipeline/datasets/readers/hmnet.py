@@ -17,12 +17,9 @@ HMNET_PREFIX = "hmnet/"  # the mirror keeps the HMNet repository under <dataset>
 
 
 def hmnet_speaker(turn: dict, where: str) -> str:
-    """``"<role> <letter>"``, e.g. ``"PM B"`` or ``"Grad F"``.
-
-    This is the form QMSum's Academic transcripts use for the same ICSI meetings ("Grad F", "PhD C"): the
-    role carries meaning a summarizer can use ("the project manager said ..."), and the letter keeps two
-    participants with the same role (common in ICSI) apart.
-    """
+    """``"<role> <letter>"``, e.g. ``"PM B"`` or ``"Grad F"``. This is the form QMSum's Academic transcripts use for the
+    same ICSI meetings ("Grad F", "PhD C"): the role carries meaning a summarizer can use ("the project manager said
+    ..."), and the letter keeps two participants with the same role (common in ICSI) apart."""
     letter = _text(turn, "speaker", where)
     role = turn.get("role")
     if role is not None and not isinstance(role, str):

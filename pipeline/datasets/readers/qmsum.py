@@ -14,11 +14,9 @@ from pipeline.datasets.readers.upstream import _field, _object, _text, _Unique, 
 
 
 def qmsum_meeting_id(transcript: list[dict]) -> str:
-    """QMSum's jsonl lines carry no meeting name, so a meeting is named by a hash of its transcript.
-
-    The name is stable across mirrors and line orders (the Product train file was re-ordered, see
-    SOURCE.md). The `examples` stage links Product/Academic meetings to their AMI/ICSI names.
-    """
+    """QMSum's jsonl lines carry no meeting name, so a meeting is named by a hash of its transcript. The name is stable
+    across mirrors and line orders (the Product train file was re-ordered, see SOURCE.md). The `examples` stage links
+    Product/Academic meetings to their AMI/ICSI names."""
     text = json.dumps([[t["speaker"], t["content"]] for t in transcript], ensure_ascii=True)
     return "m" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:10]
 

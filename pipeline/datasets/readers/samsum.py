@@ -20,11 +20,9 @@ _TURN_SEP = re.compile(r"\r\n|\n")
 
 
 def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn]:
-    """``Speaker: text`` lines -> turns, split at the first ``": "``.
-
-    A few upstream lines lack the space (``"Phil:<file_photo>"``): those split at the first ``":"``. A line
-    with no colon at all continues the previous turn. Both repairs are counted in the report.
-    """
+    """``Speaker: text`` lines -> turns, split at the first ``": "``. A few upstream lines lack the space
+    (``"Phil:<file_photo>"``): those split at the first ``":"``. A line with no colon at all continues the previous
+    turn. Both repairs are counted in the report."""
     turns: list[Turn] = []
     for line in _TURN_SEP.split(dialogue):
         if not line.strip():

@@ -15,11 +15,9 @@ from pipeline.common.schema import DataError, IngestReport, normalise_split
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed object) for every non-blank line.
-
-    Every way a file can be unreadable becomes a DataError naming the file and, where there is one, the line:
-    missing file, bytes that are not UTF-8, malformed JSON, a truncated or damaged gzip chunk.
-    """
+    """(line number, parsed object) for every non-blank line. Every way a file can be unreadable becomes a DataError
+    naming the file and, where there is one, the line: missing file, bytes that are not UTF-8, malformed JSON, a
+    truncated or damaged gzip chunk."""
     if not path.is_file():
         raise DataError(f"{display}: expected split file is missing")
     opener = gzip.open if path.suffix == ".gz" else open
