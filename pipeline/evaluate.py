@@ -129,11 +129,9 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
 def client_average_intervals(per_example: pd.DataFrame, cfg: BootstrapConfig) -> tuple[dict, dict]:
     """The bootstrap interval of each ROUGE's client average (test examples resampled within clients)."""
     groups = [g for _, g in per_example.groupby("client", sort=True)]
-    intervals = {}
-    for key in (*ROUGE_TYPES, "avg_rouge"):
-        r = mean_interval([g[key].to_numpy()[None, :] for g in groups], cfg)
-        intervals[key] = {"low": r.low, "high": r.high}
-    return intervals, {"level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
+    intervals = {key: mean_interval([g[key].to_numpy()[None, :] for g in groups], cfg)
+                 for key in (*ROUGE_TYPES, "avg_rouge")}
+    return {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}, {"level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
                        "method": "percentile bootstrap of the client average, test examples resampled within "
                                  "clients (one seed: the choice of test examples only)"}
 

@@ -16,8 +16,8 @@ import urllib.error
 import urllib.request
 import zipfile
 from dataclasses import field
-from typing import Annotated
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import AfterValidator
 from tqdm import tqdm
@@ -88,10 +88,9 @@ def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True)
 def _how_to_fix(dataset: str, cfg: IngestConfig, problem: str) -> str:
     return (f"cannot read dataset {dataset!r}: {problem}. Run `dvc update data/raw/{dataset}.dvc` (a DVC import "
             f"of ../shared/data/{dataset}) or `dvc pull data/raw/{dataset}.dvc`; or set the environment variable "
-            f"{ENV_DATA_ROOT} "
-            f"(or the params key `ingest.data_root`, now {cfg.data_root!r}) to a directory laid out like "
-            f"../shared/data (<root>/{dataset}/...), or set `ingest.urls.{dataset}` to a reachable copy of "
-            f"the upstream files.")
+            f"{ENV_DATA_ROOT} (or the params key `ingest.data_root`, now {cfg.data_root!r}) to a directory laid out "
+            f"like ../shared/data (<root>/{dataset}/...), or set `ingest.urls.{dataset}` to a reachable copy of the "
+            f"upstream files.")
 
 
 def _fetch(url: str) -> bytes:

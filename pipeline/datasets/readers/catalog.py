@@ -5,9 +5,8 @@ from pipeline.common.schema import DataError
 from pipeline.datasets.readers import qmsum, samsum, hmnet  # noqa: F401 (they register; this order is the datasets')
 from pipeline.datasets.readers.registry import DATASETS, DatasetSpec
 
-# DATASETS: dataset name (as params ingest.datasets names it) -> its DatasetSpec. A reader module imported
-# later (a dataset tried out before it joins the imports above) registers into it too: every lookup, here, in
-# pipeline.datasets.sources and in the ingest stage, reads it at call time.
+# A reader module imported later (a dataset tried out before it joins the imports above) registers into DATASETS
+# too: every lookup reads it at call time.
 
 
 def dataset_spec(dataset: str) -> DatasetSpec:
