@@ -131,9 +131,10 @@ def client_average_intervals(per_example: pd.DataFrame, cfg: BootstrapConfig) ->
     groups = [g for _, g in per_example.groupby("client", sort=True)]
     intervals = {key: mean_interval([g[key].to_numpy()[None, :] for g in groups], cfg)
                  for key in (*ROUGE_TYPES, "avg_rouge")}
-    return {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}, {"level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
-                       "method": "percentile bootstrap of the client average, test examples resampled within "
-                                 "clients (one seed: the choice of test examples only)"}
+    return {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}, {
+        "level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
+        "method": "percentile bootstrap of the client average, test examples resampled within clients (one seed: the "
+                  "choice of test examples only)"}
 
 
 def main(argv: list[str] | None = None) -> int:
