@@ -78,7 +78,6 @@ def backbone_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The main table (Table III)
 
 
@@ -208,7 +207,6 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame |
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Stage times
 
 
