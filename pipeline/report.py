@@ -117,8 +117,7 @@ def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float]
 
 
 def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
-    """The index of ``out`` (the reports directory): ``index`` holds what was made, what not and why;
-    ``plots`` is the DVC plots data directory."""
+    """The index of ``out`` (the reports directory) from ``index``: what was made, what not and why."""
     def rel(p: str | Path) -> str:
         return os.path.relpath(p, out)
 
@@ -168,8 +167,6 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
 
 @dataclass
 class Tables:
-    """What :func:`write_tables` computed and wrote."""
-
     planned: list[Experiment]
     labels: dict[str, str]
     bootstrap: BootstrapConfig
@@ -182,8 +179,7 @@ class Tables:
 
 def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, train_dir: Path, tables_dir: Path,
                  made: dict[str, list[str]], not_made: dict[str, str], previous: Path | None = None) -> Tables:
-    """The comparisons (with the paper's differences), the scores, the main table per backbone and one table per
-    study, from the evaluations in ``eval_dir`` and the train records in ``train_dir``. ``previous``: a
+    """The comparisons, the scores, the main table per backbone and one table per study. ``previous``: a
     comparisons.csv whose identical-summary fractions fill those the missing predictions leave out."""
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
     planned = declared(params)
