@@ -96,9 +96,8 @@ def slug(text: str) -> str:
 
 def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, models_dir: Path,
                     figures: Path, plots: Path) -> list[dict[str, str]]:
-    """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration,
-    for the lowest seed trained. Data: ``reports/plots/learning_curves/<study>--<configuration>.csv`` (round,
-    val_loss_mean, one column per client), one line per file in ``dvc plots show``."""
+    """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
+    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in planned:
         path = train_reports / p.name / "rounds.json"

@@ -162,11 +162,11 @@ function download() {
     )
 
 
-def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> dict[str, Any]:
+def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     """Win/tie/loss counts of the key's target method against each opponent over every filled ``sheet*.csv``
     (columns ``item_id`` and ``judgement``: A, B or tie; blank = not judged)."""
     sheet_dir = Path(sheet_dir)
-    key_path = Path(key_path) if key_path else sheet_dir / "key.json"
+    key_path = sheet_dir / "key.json"
     if not key_path.is_file():
         raise DataError(f"{key_path}: answer key not found (the report stage writes it next to the blank sheets)")
     data = json.loads(key_path.read_text())

@@ -24,11 +24,8 @@ QMSUM = published.QMSUM_CLIENTS
 
 def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str],
               expected_seeds: Iterable[int]) -> pd.DataFrame:
-    """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing.
-
-    A configuration's expected seeds are ``expected_seeds`` plus any seed the `experiments` params plan for it; a
-    seed is missing for a client when no evaluated experiment of that configuration has the client.
-    """
+    """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
+    (expected: ``expected_seeds`` plus any seed the `experiments` params plan for the configuration)."""
     expected = set(int(s) for s in expected_seeds)
     planned_seeds: dict[tuple, set[int]] = defaultdict(set)
     for p in planned:
@@ -83,10 +80,8 @@ def backbone_slug(name: str) -> str:
 
 def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
                expected_seeds: Iterable[int] = ()) -> pd.DataFrame:
-    """Table III long form: method x client x metric, ours (mean/std/seeds) beside the paper's and the difference.
-
-    A planned main-study configuration without any evaluation still gets its rows (ours empty, every seed
-    missing), so the table never hides a method silently."""
+    """Table III long form: method x client x metric, ours beside the paper's and the difference; a planned
+    configuration without any evaluation gets its rows too (every seed missing), so no method hides silently."""
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
     sub = agg[(agg["study"] == "main") & (agg["backbone"] == backbone)]
     rows = []
