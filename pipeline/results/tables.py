@@ -160,13 +160,11 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
         name = name if label == method else f"{name} ({label})"
         mark = convergence.row_mark(converged, "main", label, None)
         seed_text += f" {mark}" if mark else ""
-        lines.append("| " + " | ".join([name, "ours", *[cell(c, m, "ours") for c in clients for m in metrics],
-                                         seed_text]) + " |")
-        if key:
-            lines.append("| " + " | ".join(["", "paper", *[cell(c, m, "paper") for c in clients for m in metrics],
-                                             ""]) + " |")
-            lines.append("| " + " | ".join(["", "ours − paper",
-                                             *[cell(c, m, "diff") for c in clients for m in metrics], ""]) + " |")
+        rows = [(name, "ours", "ours", seed_text)] + ([("", "paper", "paper", ""), ("", "ours − paper", "diff", "")]
+                                                      if key else [])
+        for first, kind, what, last in rows:
+            lines.append("| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics],
+                                             last]) + " |")
     budget = convergence.note(converged, ["main"], set(table["label"]))
     if budget:
         lines += ["", budget + f" ({convergence.MARK} k/n after the seeds: client-runs of that method.)"]
