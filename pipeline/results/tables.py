@@ -22,6 +22,12 @@ METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_ro
 QMSUM = published.QMSUM_CLIENTS
 
 
+def _client_order(clients: Iterable[str]) -> list[str]:
+    """QMSum's clients in the paper's order, then any other client sorted."""
+    present = set(clients)
+    return [c for c in QMSUM if c in present] + sorted(present - set(QMSUM))
+
+
 def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str],
               expected_seeds: Iterable[int]) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
@@ -106,14 +112,10 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
         for client in QMSUM:
             add(method, label, client, {**none, "n_seeds": 0, "seeds": "",
                                         "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds))))})
-    methods = [m for m in published.METHOD_ORDER if m in set(sub["method"])] + sorted(
-        set(sub["method"]) - set(published.METHOD_ORDER))
-    for method in methods:
-        msub = sub[sub["method"] == method]
-        for label in sorted(set(msub["label"])):
-            lsub = msub[msub["label"] == label]
-            for client in [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM)):
-                add(method, label, client, lsub[lsub["client"] == client].iloc[0])
+    # the sort below puts the configurations in the paper's method order
+    for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
+        for client in _client_order(lsub["client"]):
+            add(method, label, client, lsub[lsub["client"] == client].iloc[0])
     table = pd.DataFrame(rows)
     if table.empty:
         return table
@@ -126,7 +128,7 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
                         bootstrap: BootstrapConfig | None = None, converged: pd.DataFrame | None = None) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
-    clients = [c for c in QMSUM if c in set(table["client"])] + sorted(set(table["client"]) - set(QMSUM))
+    clients = _client_order(table["client"])
     metrics = ["R-1", "R-2", "R-L"]
     header = ["Method", "", *[f"{c} {m}" for c in clients for m in metrics], "seeds"]
     lines = [f"# Main results, backbone `{backbone}`", "",
