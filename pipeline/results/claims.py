@@ -101,22 +101,6 @@ def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
-def paper_clause(r) -> str:
-    """Where the paper's difference for this pair sits against our interval, per backbone."""
-    groups: dict[str, list[str]] = {}
-    for b in BACKBONES:
-        where = getattr(r, f"vs_published_{b}", "")
-        if isinstance(where, str) and where:
-            groups.setdefault(where, []).append(b)
-    parts = []
-    for where in (w for w in PLACED if w in groups):
-        bbs = groups[where]
-        who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
-               ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
-        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
-    return "paper " + "; ".join(parts) if parts else ""
-
-
 def _all(r, where: str) -> bool:
     return all(getattr(r, f"vs_published_{b}", "") == where for b in BACKBONES)
 
@@ -132,9 +116,20 @@ def _name(r, side: str) -> str:
 
 
 def _pair(r) -> str:
+    """'A − B effect', with where the paper's difference for this pair sits against our interval, per backbone."""
+    groups: dict[str, list[str]] = {}
+    for b in BACKBONES:
+        where = getattr(r, f"vs_published_{b}", "")
+        if isinstance(where, str) and where:
+            groups.setdefault(where, []).append(b)
+    parts = []
+    for where in (w for w in PLACED if w in groups):
+        bbs = groups[where]
+        who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
+               ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
+        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
     text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}"
-    clause = paper_clause(r)
-    return f"{text} ({clause})" if clause else text
+    return f"{text} (paper {'; '.join(parts)})" if parts else text
 
 
 def _records(frame: pd.DataFrame) -> list[SimpleNamespace]:
