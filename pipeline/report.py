@@ -186,7 +186,6 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
     labels = with_labels(planned)
     scores, missing_eval = collect_scores(planned, labels, eval_dir)
     agg = with_stand_ins(aggregate(scores, planned, labels, cfg.expected_seeds))
-    tables_dir.mkdir(parents=True, exist_ok=True)
     converged = convergence_table(planned, labels, train_dir)
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
@@ -349,7 +348,6 @@ def score_human_eval(sheets: Path, out: Path) -> int:
     """Win/tie/loss counts of the filled sheets in ``sheets`` (key.json beside them) and their chart, beside the
     paper's, into ``out``."""
     results = {**score_sheets(sheets), "published": published.HUMAN_EVAL}
-    out.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out / "results.json", results)
     plot_results(results, published.HUMAN_EVAL, out / "human_eval.png")
     print(json.dumps(results["opponents"], indent=2))

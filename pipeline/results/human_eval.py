@@ -100,8 +100,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
                      "judgement": "", "comment": ""})
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # the atomic writes create it
     with atomic.replacing(out / "sheet.csv") as tmp, tmp.open("w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=SHEET_COLUMNS)
         writer.writeheader()
