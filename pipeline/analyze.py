@@ -21,13 +21,8 @@ From the gate logs of the selective-KD experiments of the main study (``method: 
   ``study: tau_sweep`` experiments plus the main SelectKD at the top-level tau.
 
 Experiments listed in params.yaml whose files are missing are reported in the JSON (``missing``) and left out;
-no number is invented. Every number is a mean over the seeds available (per-seed values are kept).
-
-Outputs: ``reports/analysis/kd_analysis.json`` (DVC metric), ``reports/analysis/tau_sweep.csv`` (DVC plot) and
-``reports/analysis/figures/`` (DVC plots directory): ``pos_<client>.png``, ``entropy_<client>.png``,
-``hardkd_vs_selectkd.png``, ``tau_sweep.png``.
-
-The computation is :mod:`pipeline.results.kd_analysis`; this module picks the experiments and runs it.
+no number is invented. Every number is a mean over the seeds available (per-seed values are kept). Outputs:
+``reports/analysis/`` (kd_analysis.json, tau_sweep.csv, figures/). The computation is pipeline.results.kd_analysis.
 """
 from __future__ import annotations
 
@@ -43,21 +38,9 @@ from pipeline.common.config import config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results.kd_analysis import (
-    HARDKD,
-    PAPER_DET_PRON_SHARE_OF_NON_KD,
-    SELECTKD,
-    SWEEP_COLUMNS,
-    WORD_RULES,
-    client_summary,
-    hardkd_minus_selectkd,
-    json_safe,
-    seed_means,
-    tau_sweep_rows,
-    tau_sweep_summary,
-    usage_per_client,
-    word_updates,
-)
+from pipeline.results.kd_analysis import (HARDKD, PAPER_DET_PRON_SHARE_OF_NON_KD, SELECTKD, SWEEP_COLUMNS, WORD_RULES,
+                                          client_summary, hardkd_minus_selectkd, json_safe, seed_means, tau_sweep_rows,
+                                          tau_sweep_summary, usage_per_client, word_updates)
 from pipeline.results.kd_figures import plot_entropy, plot_hardkd, plot_pos, plot_tau_sweep, safe_name
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log

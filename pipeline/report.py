@@ -4,15 +4,10 @@
     python -m pipeline.report human --sheets DIR         # filled sheets -> win/tie/loss + bar chart
     python -m pipeline.report rebuild|claims ...         # a study folder's tables / README results block
 
-Reads every planned experiment (params.yaml `experiments`) with its evaluation (``reports/eval/<exp>/metrics.json``),
-its tau as its plan has it (pipeline.experiments) and training rounds (``reports/train/<exp>/rounds.json``), averages each
-configuration over its seeds (mean and sample std) and reports missing seeds next to the numbers. Writes
-``reports/tables/`` (Table III layout per backbone beside the published numbers, one table per study, case study,
-stage times), ``reports/figures/*.png`` with their data in ``reports/plots/`` (DVC plots), ``reports/summary.json``
-(every study's averages), ``reports/metrics.json`` (the headline numbers, the only DVC metrics file),
-human-evaluation sheets and ``reports/README.md`` (index; lists what is missing and why).
-
-The library is pipeline/results/; this module reads params.yaml's experiments and runs it in order.
+Averages every planned experiment's evaluation over its seeds (missing seeds beside the numbers) and writes
+``reports/tables/``, ``reports/figures/`` (data in ``reports/plots/``), ``reports/summary.json``,
+``reports/metrics.json`` (the only DVC metrics file), human-evaluation sheets and the index ``reports/README.md``
+(docs/ARCHITECTURE.md lists them). The library is pipeline/results/; this module runs it in order.
 """
 from __future__ import annotations
 
@@ -96,9 +91,9 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
 
 def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None],
                      kd_analysis: dict[str, Any]) -> dict[str, Any]:
-    """The headline numbers: per method (per configuration where a method has several) of the main study, its client-average ROUGE-1/2/L and average ROUGE
-    (means over seeds) with the average's interval (``intervals``, by label), and each client's average ROUGE; and
-    the KD usage ratio per client of the main SelectKD run (``kd_analysis``: reports/analysis/kd_analysis.json)."""
+    """Per method of the main study (per configuration where a method has several): client-average ROUGE-1/2/L
+    and average ROUGE with the average's interval (``intervals``, by label) and each client's average ROUGE; and
+    the KD usage ratio per client (``kd_analysis``: reports/analysis/kd_analysis.json)."""
     out: dict[str, Any] = {}
     main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
     # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
@@ -122,8 +117,7 @@ def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float]
 
 
 def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
-    """The index of ``out`` (the reports directory): ``index`` holds what was made, what not and why;
-    ``plots`` is the DVC plots data directory."""
+    """The index of ``out`` (the reports directory) from ``index``: what was made, what not and why."""
     def rel(p: str | Path) -> str:
         return os.path.relpath(p, out)
 
@@ -173,8 +167,6 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
 
 @dataclass
 class Tables:
-    """What :func:`write_tables` computed and wrote."""
-
     planned: list[Experiment]
     labels: dict[str, str]
     bootstrap: BootstrapConfig
@@ -187,15 +179,13 @@ class Tables:
 
 def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, train_dir: Path, tables_dir: Path,
                  made: dict[str, list[str]], not_made: dict[str, str], previous: Path | None = None) -> Tables:
-    """The comparisons (with the paper's differences), the scores, the main table per backbone and one table per
-    study, from the evaluations in ``eval_dir`` and the train records in ``train_dir``. ``previous``: a
+    """The comparisons, the scores, the main table per backbone and one table per study. ``previous``: a
     comparisons.csv whose identical-summary fractions fill those the missing predictions leave out."""
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
     planned = declared(params)
     labels = with_labels(planned)
     scores, missing_eval = collect_scores(planned, labels, eval_dir)
     agg = with_stand_ins(aggregate(scores, planned, labels, cfg.expected_seeds))
-    tables_dir.mkdir(parents=True, exist_ok=True)
     converged = convergence_table(planned, labels, train_dir)
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
@@ -231,17 +221,15 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
 
 
 def results_text(params: dict[str, Any], cfg: ReportConfig, compared: pd.DataFrame, converged: pd.DataFrame,
-                 source: Path, backbone_record: Path, kd_analysis: Path) -> str:
-    """The results in words (pipeline.results.claims), rendered from the comparisons and the train records under
-    the profile's claim rules (never typed by hand)."""
-    def record(path: Path) -> Any:
-        return json.loads(path.read_text()) if path.is_file() else None
-
+                 source: Path, root: Path) -> str:
+    """The results in words (pipeline.results.claims) under the profile's claim rules; ``root`` holds
+    ``backbone.json`` and ``analysis/kd_analysis.json`` (reports/ or a study folder)."""
+    records = [json.loads(f.read_text()) if f.is_file() else None
+               for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")]
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
     steps = (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
     scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
-    return claims.results_text(compared, converged, scale, source=str(source),
-                               backbone=claims.backbone_note(record(backbone_record), record(kd_analysis)))
+    return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
@@ -253,8 +241,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     for d in (paths.figures, paths.plots):
         d.mkdir(parents=True, exist_ok=True)
     atomic.write_text(paths.tables / "results.md", "# Results\n\n" + results_text(
-        params, cfg, t.compared, t.converged, paths.tables / "comparisons.csv", paths.backbone_report,
-        paths.kd_analysis))
+        params, cfg, t.compared, t.converged, paths.tables / "comparisons.csv", paths.reports))
     made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
@@ -315,20 +302,15 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     return index
 
 
-def study_claims(folder: Path, comparisons_csv: Path | None = None) -> str:
-    """The results text of a study folder (``comparisons.csv``, ``train/``, ``params.yaml``: reports/cpu-study)."""
+def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:
+    """Rewrite the results block of each markdown file from the study folder (``comparisons.csv``, ``train/``,
+    ``params.yaml``: reports/cpu-study), or with ``check`` only list the files whose block differs."""
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), f"{folder / 'params.yaml'} report")
     planned = declared(params)
-    source = comparisons_csv or folder / "comparisons.csv"
-    return results_text(params, cfg, pd.read_csv(source), convergence_table(planned, with_labels(planned),
-                        folder / "train"), source, folder / "backbone.json", folder / "analysis/kd_analysis.json")
-
-
-def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[Path]:
-    """Rewrite the results block of each markdown file from the study folder (or, with ``check``, only list the
-    files whose block differs from what would be written). Returns the files changed (or differing)."""
-    block = study_claims(folder)
+    converged = convergence_table(planned, with_labels(planned), folder / "train")
+    source = folder / "comparisons.csv"
+    block = results_text(params, cfg, pd.read_csv(source), converged, source, folder)
     changed = []
     for f in files:
         text = f.read_text(encoding="utf-8")
@@ -343,12 +325,12 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     return changed
 
 
-def rebuild_study(folder: Path, cfg_override: ReportConfig | None = None) -> dict[str, Any]:
-    """Recompute a study folder's comparisons and tables from its committed per-example scores and train records
-    (``eval/``, ``train/``, ``params.yaml``; no training, no evaluation) and rewrite its README's results block.
-    Identical-summary fractions come from the folder's previous comparisons.csv where predictions are absent."""
+def rebuild_study(folder: Path) -> dict[str, Any]:
+    """Recompute a study folder's comparisons and tables from its committed scores and train records (``eval/``,
+    ``train/``, ``params.yaml``) and rewrite its README's results block; identical-summary fractions come from its
+    previous comparisons.csv where predictions are absent."""
     params = load_params(folder / "params.yaml")
-    cfg = cfg_override or from_dict(ReportConfig, params.get("report"), "report")
+    cfg = from_dict(ReportConfig, params.get("report"), "report")
     made: dict[str, list[str]] = defaultdict(list)
     not_made: dict[str, str] = {}
     written = write_tables(params, cfg, folder / "eval", folder / "train", folder / "tables", made, not_made,
@@ -366,7 +348,6 @@ def score_human_eval(sheets: Path, out: Path) -> int:
     """Win/tie/loss counts of the filled sheets in ``sheets`` (key.json beside them) and their chart, beside the
     paper's, into ``out``."""
     results = {**score_sheets(sheets), "published": published.HUMAN_EVAL}
-    out.mkdir(parents=True, exist_ok=True)
     atomic.write_json(out / "results.json", results)
     plot_results(results, published.HUMAN_EVAL, out / "human_eval.png")
     print(json.dumps(results["opponents"], indent=2))

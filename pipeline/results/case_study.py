@@ -18,9 +18,6 @@ from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 
 
-PREDICTION_KEYS = tuple(f.name for f in fields(Prediction))
-
-
 def predictions_by_method(planned: Iterable[Experiment], eval_dir: Path, study: str = "main",
                           seed: int | None = None) -> tuple[dict[str, dict[str, Prediction]], int | None]:
     """method -> example_id -> Prediction for one study and seed (default: the lowest seed with predictions)."""
@@ -31,7 +28,7 @@ def predictions_by_method(planned: Iterable[Experiment], eval_dir: Path, study: 
     out: dict[str, dict[str, Prediction]] = {}
     for p in sorted(avail, key=lambda p: p.name):
         if p.seed == chosen_seed and p.method not in out:
-            rows = read_predictions(eval_dir / p.name / "predictions.jsonl", PREDICTION_KEYS)
+            rows = read_predictions(eval_dir / p.name / "predictions.jsonl", tuple(f.name for f in fields(Prediction)))
             out[p.method] = {pred.example_id: pred for pred in (Prediction(*r) for r in rows)}
     return out, chosen_seed
 

@@ -34,9 +34,7 @@ STEP_RULE = {
 
 @dataclass(frozen=True)
 class ClaimScale:
-    """What a profile needs before the results text draws a comparative claim (`report.smoke`,
-    `report.claim_min_seeds`, `report.claim_min_examples`), and how AdaCentralized's steps were budgeted
-    (`train.centralized_steps`), which the sentence on its lead states."""
+    """`report.smoke`, `report.claim_min_seeds`, `report.claim_min_examples` and `train.centralized_steps`."""
 
     smoke: bool = False
     min_seeds: int = 2
@@ -66,10 +64,8 @@ def published_difference(backbone: str, method_a: str, method_b: str, client: st
 
 
 def with_published(table: pd.DataFrame) -> pd.DataFrame:
-    """``table`` with, per backbone of the paper's Table III, ``published_<backbone>`` (its difference of the same
-    pair, client and metric) and ``vs_published_<backbone>`` (where it sits against our interval). Only rows between
-    two of the paper's methods as run in the main study get them (a gate variant such as the batch-quantile one is
-    ours, not the paper's); the others get NaN and ''."""
+    """``table`` with ``published_<backbone>`` and ``vs_published_<backbone>`` per backbone of Table III; only rows
+    between two of the paper's methods as run in the main study get them (a gate variant is ours, not the paper's)."""
     out = table.copy()
     for b in BACKBONES:
         paper = [published_difference(b, r.method_a, r.method_b, r.client, r.metric)
@@ -79,7 +75,6 @@ def with_published(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Sentences
 
 
@@ -106,22 +101,6 @@ def _span(values: list[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
 
 
-def paper_clause(r) -> str:
-    """Where the paper's difference for this pair sits against our interval, per backbone."""
-    groups: dict[str, list[str]] = {}
-    for b in BACKBONES:
-        where = getattr(r, f"vs_published_{b}", "")
-        if isinstance(where, str) and where:
-            groups.setdefault(where, []).append(b)
-    parts = []
-    for where in (w for w in PLACED if w in groups):
-        bbs = groups[where]
-        who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
-               ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
-        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
-    return "paper " + "; ".join(parts) if parts else ""
-
-
 def _all(r, where: str) -> bool:
     return all(getattr(r, f"vs_published_{b}", "") == where for b in BACKBONES)
 
@@ -137,9 +116,20 @@ def _name(r, side: str) -> str:
 
 
 def _pair(r) -> str:
+    """'A − B effect', with where the paper's difference for this pair sits against our interval, per backbone."""
+    groups: dict[str, list[str]] = {}
+    for b in BACKBONES:
+        where = getattr(r, f"vs_published_{b}", "")
+        if isinstance(where, str) and where:
+            groups.setdefault(where, []).append(b)
+    parts = []
+    for where in (w for w in PLACED if w in groups):
+        bbs = groups[where]
+        who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
+               ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
+        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
     text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}"
-    clause = paper_clause(r)
-    return f"{text} ({clause})" if clause else text
+    return f"{text} (paper {'; '.join(parts)})" if parts else text
 
 
 def _records(frame: pd.DataFrame) -> list[SimpleNamespace]:
@@ -183,21 +173,11 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     return text
 
 
-def main_scale(table: pd.DataFrame) -> tuple[list[int], list[int]] | None:
-    """The distinct seed counts and test-example counts (summed over clients) of the main study's client-average
-    comparisons, sorted; None when the table has none."""
-    main = table[(table["study"] == "main") & (table["study_b"] == "main") & (table["client"] == AVERAGE)]
-    if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns):
-        return None
-    return sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int)))
-
-
-def too_small(table: pd.DataFrame, scale: ClaimScale) -> str:
-    """Why the table supports no comparative claim ('' when it does): a smoke run by its profile, or a main-study
-    comparison with fewer seeds or test examples than the profile declares enough."""
+def too_small(found: tuple[list[int], list[int]] | None, scale: ClaimScale) -> str:
+    """Why no comparative claim is drawn ('' when one is): a smoke run, or a main-study comparison with fewer seeds
+    or test examples (``found``: the sorted distinct counts) than the profile declares enough."""
     if scale.smoke:
         return "a smoke run (`report.smoke: true`)"
-    found = main_scale(table)
     if found is None or (found[0][0] >= scale.min_seeds and found[1][0] >= scale.min_examples):
         return ""
     return (f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
@@ -215,13 +195,15 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, s
     avg = table[(table["client"] == AVERAGE) & (table["metric"] == metric)]
     per_client = table[(table["client"] != AVERAGE) & (table["metric"] == metric) & (table["study"] == "main")
                        & (table["study_b"] == "main")]
-    found = main_scale(table)
+    main = table[(table["study"] == "main") & (table["study_b"] == "main") & (table["client"] == AVERAGE)]
+    found = None if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns) else (
+        sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int))))
     size = f"; {_span(found[0])} seed(s) and {_span(found[1])} test examples a comparison" if found else ""
     lines = [f"Generated by `python -m pipeline.report claims` from `{source}` (paired difference of the client "
              f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, "
              "pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's differences are its "
              f"Table III's, BART-large, BART-base and LED-large){size}:"] + ([backbone] if backbone else [])
-    why = too_small(table, scale)
+    why = too_small(found, scale)
     if why:
         rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
         lines.append(f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the "

@@ -1,13 +1,6 @@
-"""Which differences between methods are real: paired comparisons of every configuration with its
-baselines (report.baselines: AdaSingle, AdaFedAvg, AdaFedKD) on the same partition and test examples, and of
-every private configuration (an entry with `privacy`) with the same method trained without privacy in its study
-(what the privacy costs).
-
-Reads each experiment's ``reports/eval/<exp>/per_example.parquet`` (ROUGE per test example) and
-``predictions.jsonl`` (to count identical summaries); writes one row per (configuration, baseline, client or
-client average, metric) with the mean difference A - B, its interval and p-value (pipeline.results.stats), the number
-of paired examples and seeds, and the fraction of paired summaries that are the same text.
-"""
+"""Which differences between methods are real (docs/statistics.md): paired comparisons of every configuration
+with its baselines on the same partition and test examples, and of every private configuration with the same method
+without privacy, from each experiment's ``reports/eval/<exp>/per_example.parquet`` and ``predictions.jsonl``."""
 from __future__ import annotations
 
 import math
@@ -47,8 +40,7 @@ class Config:
 
 
 def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Config]:
-    """Group planned experiments (objects with name, study, method, scheme, seed, optionally dp) into
-    configurations."""
+    """Group planned experiments (name, study, method, scheme, seed, optionally dp) into configurations."""
     groups: dict[tuple[str, str, str, str, str], list[tuple[int, str]]] = defaultdict(list)
     for p in planned:
         groups[(p.study, labels[p.name], p.method, p.scheme, getattr(p, "dp", ""))].append((int(p.seed), p.name))
@@ -87,12 +79,6 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 
 
-def _predictions(eval_dir: Path, name: str) -> dict[tuple[str, str], str]:
-    path = eval_dir / name / "predictions.jsonl"
-    rows = read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
-    return {(str(c), str(e)): str(p) for c, e, p in rows}
-
-
 def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
     """Per client, the test examples every frame (one seed's per-example scores) has: the same test subsample for
     a partition and seed."""
@@ -125,7 +111,9 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         return []
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
-        pa, pb = _predictions(eval_dir, seeds_a[s]), _predictions(eval_dir, seeds_b[s])
+        paths = [eval_dir / seeds[s] / "predictions.jsonl" for seeds in (seeds_a, seeds_b)]
+        pa, pb = ({(str(c), str(e)): str(p) for c, e, p in (read_predictions(path, ("client", "example_id",
+                  "prediction")) if path.is_file() else [])} for path in paths)
         for client, ids in shared.items():
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
@@ -160,12 +148,9 @@ def variant_of(config: Config, configs: list[Config]) -> Config | None:
 
 def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
                       cfg: BootstrapConfig) -> tuple[pd.DataFrame, list[str]]:
-    """Every configuration against each baseline it has; and a note per comparison that could not be made.
-
-    The baselines are ``baselines`` followed by the paper's main methods (:data:`MAIN_ORDER`), so every pair of
-    main methods is compared once, A − B with B the earlier in that order. A variant of a main method (another
-    study's configuration of it, e.g. a KD gate of the tau sweep) is compared with every one of them, its own
-    method's main-study configuration included."""
+    """Every configuration against each baseline it has (``baselines`` then :data:`MAIN_ORDER`: every pair of main
+    methods once, B the earlier; a variant of a main method against all of them, its own method's main
+    configuration included), and a note per comparison that could not be made."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
 
@@ -255,9 +240,8 @@ def significance_marks(table: pd.DataFrame, study: str, label: str, client: str,
 
 
 def carry_identical(table: pd.DataFrame, previous: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
-    """``table`` with the identical-summary fractions it could not compute (no predictions.jsonl: a study folder
-    keeps only per-example scores) taken from ``previous``, a comparisons table made when the predictions were
-    there, for the same experiments, client and metric; rows without such a match keep NaN."""
+    """``table`` with the identical-summary fractions it could not compute (a study folder keeps no
+    predictions.jsonl) taken from ``previous`` for the same experiments, client and metric; others keep NaN."""
     key = ["experiments_a", "experiments_b", "client", "metric"]
     known = previous.dropna(subset=["identical_fraction"]).drop_duplicates(key).set_index(key)["identical_fraction"]
     out = table.copy()

@@ -1,12 +1,7 @@
-"""Did a run's clients converge within their round budget: a client-run whose best validation round is its last
-round was still improving when training stopped, so its scores (and every comparison with it) hold for that
-budget only. Flagged in the tables as identical summaries are (a mark per row, a count in the note).
-
-Read from the train stage's records (``reports/train/<exp>/``): a ``metrics.json`` that states ``converged``
-(per client, or for the run) is taken as it says; otherwise ``rounds.json`` decides, the round of each client's
-lowest ``<client>/val_loss`` against the last round that has one; without ``rounds.json`` the ``metrics.json``
-summary's ``best_round`` against ``rounds_trained``.
-"""
+"""Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"): a client-run whose
+best validation round is its last was still improving when training stopped. Read from ``reports/train/<exp>/``: a
+``converged`` stated in ``metrics.json`` as it says; else ``rounds.json`` (each client's lowest ``val_loss`` against
+its last round); else ``metrics.json``'s ``best_round`` against ``rounds_trained``."""
 from __future__ import annotations
 
 from pathlib import Path

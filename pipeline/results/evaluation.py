@@ -45,16 +45,6 @@ class EvaluateConfig:
         }
 
 
-def find_training_run(name: str, study: str, plan_hash: str) -> str | None:
-    """The latest run the train stage made for experiment ``name`` (tag ``experiment``) in the study's MLflow experiment
-    that trained exactly this plan (``plan_hash``: two ablation points of one experiment share its name), or None."""
-    from pipeline.results.tracking import _client, experiment_id
-
-    runs = _client().search_runs([experiment_id(study)], order_by=["attributes.start_time DESC"], max_results=1,
-                                 filter_string=f"tags.experiment = '{name}' and tags.plan_hash = '{plan_hash}'")
-    return runs[0].info.run_id if runs else None
-
-
 # The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
 # listed before the others, so the compare view opens on the client averages ranked across runs.
 HEADLINE_PREFIX = "client_avg"
@@ -80,11 +70,16 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     some client's best validation round was its last (scores for that round budget only). Returns the run id."""
     from pipeline.experiments import record_hash
     from pipeline.results.studies import study_description
-    from pipeline.results.tracking import RunLogger, experiment_id
+    from pipeline.results.tracking import RunLogger, _client, experiment_id
 
     study = str(experiment.get("study") or "main")
     experiment_id(study, study_description(study))  # the study's description, which training does not set
-    run_id = experiment.get("mlflow_run_id") or find_training_run(name, study, record_hash(experiment))
+    run_id = experiment.get("mlflow_run_id")
+    if not run_id:  # the train stage's latest run of exactly this plan (two ablation points share a name)
+        runs = _client().search_runs([experiment_id(study)], order_by=["attributes.start_time DESC"], max_results=1,
+                                     filter_string=f"tags.experiment = '{name}' and "
+                                                   f"tags.plan_hash = '{record_hash(experiment)}'")
+        run_id = runs[0].info.run_id if runs else None
     # a record without a training run (imported) gets a run of its own, tagged with what the record says
     keys = ("method", "partition", "seed", "study", "tau")
     tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}

@@ -22,8 +22,7 @@ from pipeline.results.scoring import TABLE_ROUGE_L  # noqa: E402
 
 
 def save(fig, path: Path) -> Path:
-    """Lay out, write (atomically, 120 dpi) and close a figure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Lay out, write (atomically, 120 dpi; its folder created) and close a figure."""
     fig.tight_layout()
     atomic.savefig(fig, path, dpi=120)
     plt.close(fig)
@@ -85,7 +84,6 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
     cols = ["bar", "client", "label", *([facet_col] if facet_col else []), "avg_rouge_mean", "avg_rouge_std",
             "rouge1_mean", "rouge2_mean", f"{TABLE_ROUGE_L}_mean", "n_seeds", "missing_seeds",
             *(["paper_avg_rouge"] if paper else [])]
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.to_csv(out[cols], plot_path, index=False)
     return {"figure": str(fig_path), "data": str(plot_path)}
 
@@ -96,9 +94,8 @@ def slug(text: str) -> str:
 
 def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, models_dir: Path,
                     figures: Path, plots: Path) -> list[dict[str, str]]:
-    """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration,
-    for the lowest seed trained. Data: ``reports/plots/learning_curves/<study>--<configuration>.csv`` (round,
-    val_loss_mean, one column per client), one line per file in ``dvc plots show``."""
+    """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
+    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in planned:
         path = train_reports / p.name / "rounds.json"
@@ -131,7 +128,6 @@ def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
             data_path = plots / "learning_curves" / f"{study}--{slug(label)}.csv"
-            data_path.parent.mkdir(parents=True, exist_ok=True)
             atomic.to_csv(wide.reset_index(), data_path, index=False)
             data_paths.append(str(data_path))
         axes[0][0].set_ylabel("loss per target token")

@@ -68,11 +68,8 @@ def choose_examples(example_ids: list[str], meeting_of: Mapping[str, str], domai
 def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: str | Path, *, target: str,
                 queries: Mapping[str, str] | None = None, meetings: Mapping[str, str] | None = None,
                 per_domain: int = 20, seed: int = 0) -> dict[str, Any]:
-    """Write blind pairwise sheets comparing ``target`` with every other method in ``predictions``.
-
-    ``predictions``: method -> example_id -> Prediction. Only examples every method predicted are used.
-    Returns a summary (items, examples per domain, opponents) that is also written to ``summary.json``.
-    """
+    """Blind pairwise sheets of ``target`` against every other method of ``predictions`` (method -> example_id ->
+    Prediction) on the examples all predicted; returns the summary also written to ``summary.json``."""
     if target not in predictions:
         raise DataError(f"human evaluation: no predictions of the target method {target!r} "
                         f"(methods with predictions: {sorted(predictions)})")
@@ -103,8 +100,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
                      "judgement": "", "comment": ""})
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(out_dir)  # the atomic writes create it
     with atomic.replacing(out / "sheet.csv") as tmp, tmp.open("w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=SHEET_COLUMNS)
         writer.writeheader()
@@ -165,14 +161,11 @@ function download() {
     )
 
 
-def score_sheets(sheet_dir: str | Path, key_path: str | Path | None = None) -> dict[str, Any]:
-    """Win/tie/loss counts of the key's target method against each opponent, over every ``sheet*.csv``.
-
-    Each filled sheet (one per annotator) needs the columns ``item_id`` and ``judgement`` (A, B or tie; blank =
-    not judged). A judgement of an unknown item or an unreadable value is an error naming file and row.
-    """
+def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
+    """Win/tie/loss counts of the key's target method against each opponent over every filled ``sheet*.csv``
+    (columns ``item_id`` and ``judgement``: A, B or tie; blank = not judged)."""
     sheet_dir = Path(sheet_dir)
-    key_path = Path(key_path) if key_path else sheet_dir / "key.json"
+    key_path = sheet_dir / "key.json"
     if not key_path.is_file():
         raise DataError(f"{key_path}: answer key not found (the report stage writes it next to the blank sheets)")
     data = json.loads(key_path.read_text())

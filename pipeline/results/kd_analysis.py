@@ -1,9 +1,5 @@
-"""Why selective KD works, the computation (METHOD.md section 7 items 6, 9, 10; definitions in the docstring of
-pipeline/analyze.py): token gate decisions collapsed to word updates, the KD usage ratio, the POS distribution of
-KD and non-KD word updates, gate statistics per round, hard KD against SelectKD and the tau sweep's points.
-
-Reading the inputs is pipeline.results.readers', drawing pipeline.results.kd_figures'.
-"""
+"""Why selective KD works, the computation (definitions in the docstring of pipeline/analyze.py): word updates, the
+KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points."""
 from __future__ import annotations
 
 import math
@@ -25,7 +21,6 @@ SELECTKD, HARDKD = "fedselectkd", "hardkd"
 PAPER_DET_PRON_SHARE_OF_NON_KD = 0.74
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Word updates and the KD usage ratio
 
 
@@ -144,7 +139,6 @@ def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any,
     return per_client
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Per client of the main study, pooled over seeds
 
 
@@ -189,7 +183,6 @@ def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_see
     return ClientSummary(record, gate_c, stats)
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # Hard KD against SelectKD
 
 
@@ -212,7 +205,6 @@ def hardkd_minus_selectkd(comparison: dict[str, dict[str, dict[str, Any]]]) -> d
             for c in comparison[HARDKD] if c in comparison[SELECTKD]}
 
 
-# ----------------------------------------------------------------------------------------------------------------
 # The tau sweep
 
 

@@ -44,11 +44,10 @@ def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper
 
 def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: float | None,
                  best: list[int], path: Path) -> None:
-    once = gate  # already one row per token update per round
-    rounds = sorted(once["round"].unique())
+    rounds = sorted(gate["round"].unique())  # gate: one row per token update and round
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.6 * len(rounds) + 3), 6), sharex=True,
                                    gridspec_kw={"height_ratios": [2, 1]})
-    data = [once.loc[once["round"] == r, "entropy"].to_numpy(dtype=float) for r in rounds]
+    data = [gate.loc[gate["round"] == r, "entropy"].to_numpy(dtype=float) for r in rounds]
     ax1.boxplot(data, positions=rounds, whis=(5, 95), showfliers=False, widths=0.6)
     if tau is not None:
         ax1.axhline(tau, color="tab:red", ls="--", label=f"tau = {tau:g}")

@@ -1,14 +1,7 @@
-"""The privacy-utility study (the `experiments` of study `privacy`: the same methods trained without
-privacy and with DP at several budgets, each entry's `privacy` mapping saying which): ROUGE against the epsilon
-each run actually spent.
-
-Per configuration: the client average of average ROUGE (mean over seeds, with the seeds' spread; one seed has no
-spread and is labelled n=1), and epsilon as the train stage's accountant reported it (``reports/train/<exp>/
-metrics.json``: the largest over clients, mean over seeds) with the delta it holds at (the largest over clients
-and seeds: each client's (epsilon, delta) holds, so does the pair of the largest). The non-private runs are drawn at epsilon = inf, to the
-right of every finite budget. What each budget costs, with its paired interval, is in the study's table
-(pipeline.results.comparisons: every private configuration against the same method without privacy).
-"""
+"""The privacy-utility study (study `privacy`: the same methods without privacy and with DP at several budgets):
+per configuration, the client average of average ROUGE over seeds against the epsilon the runs spent (the largest
+over clients, mean over seeds; delta: the largest over clients and seeds), no privacy drawn at epsilon = inf. What
+each budget costs, with its paired interval, is in the study's table (pipeline.results.comparisons)."""
 from __future__ import annotations
 
 import math

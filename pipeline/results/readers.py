@@ -1,10 +1,5 @@
-"""Reading what earlier stages wrote, for the analyze and report stages: JSON records, the evaluate stage's
-``metrics.json``, the train stage's ``rounds.json`` and ``metrics.json``, gate logs.
-
-Every bad or missing input is a :class:`DataError` whose message names the file and the problem in one line.
-Planned experiments arrive as plain objects with the attributes the callers document (``name``, ``study``, ...);
-nothing here imports a stage module.
-"""
+"""Reading what earlier stages wrote, for the analyze and report stages. Every bad or missing input is a
+:class:`DataError` whose message names the file and the problem in one line."""
 from __future__ import annotations
 
 import json

@@ -1,25 +1,16 @@
-"""Intervals for ROUGE: one method's client average, and paired differences between two methods.
+"""Intervals for ROUGE's client average (mean over the fixed clients of each client's mean over its test examples):
+one method's, and paired differences (seed s of A against seed s of B, example by example). docs/statistics.md.
 
-The number reported is the paper's headline, the client average: the mean over clients of each client's mean over
-its test examples (the clients are fixed, not a sample). Its uncertainty has two sources: which test examples were
-drawn, and which training seeds ran (the replication unit of a training run). Two methods are paired seed by seed
-(seed s of A against seed s of B) and example by example.
+- One seed: the percentile interval of an example-level bootstrap within clients; p is its dual (the smallest
+  1 - level at which it excludes 0).
+- Several seeds: a t-interval around the seed mean for a crossed seeds x examples design: between-seed variance of
+  the per-seed client averages / s, plus the example-level variance of the seed-averaged scores, minus the seed x
+  example residual both contain (residual mean square), floored at the larger of the first two; Welch-Satterthwaite
+  degrees of freedom. p is the two-sided t test's.
 
-- One seed: the percentile interval of an example-level bootstrap within clients; p is that interval's dual (the
-  smallest 1 - level at which it excludes 0, so "excludes 0" and "p < 1 - level" never disagree).
-- Several seeds: a t-interval around the seed mean whose variance is that of a crossed seeds x examples design
-  (the same test examples under every seed): the between-seed variance of the per-seed client averages / s, plus
-  the example-level variance of the seed-averaged scores, minus the seed x example residual both of them contain
-  (estimated from the residual mean square), floored at the larger of the first two; degrees of freedom by
-  Welch-Satterthwaite, so 2 or 3 seeds get a t quantile of 1 or 2 degrees of freedom. p is the two-sided t test's,
-  the interval's dual.
-
-A bootstrap that resamples 2-3 seeds with replacement (this module before) understates seed-to-seed spread (the
-resampled mean's variance is (s - 1) / s of the sample's, with no t widening). tests/test_interval_coverage.py
-measures both by simulation (known difference, example noise, seed effects and their interaction; 2,000 replicates):
-with a seed effect about the size of the example-level error these intervals cover 0.93-0.97 at 1, 2, 3, 5 and 10
-seeds (the former bootstrap 0.94 at 2 seeds); with one 2.7 x that size, which 2 seeds barely estimate, they cover
-0.91 at 2 seeds, 0.93 at 3 and 0.94 at 5, the former bootstrap 0.85 at 2 and 0.90 at 3.
+tests/test_interval_coverage.py measures coverage by simulation (2,000 replicates): 0.93-0.97 at 1, 2, 3, 5 and 10
+seeds with a seed effect the size of the example-level error; with one 2.7 x that size 0.91 at 2 seeds, 0.93 at 3,
+0.94 at 5 (a bootstrap resampling seeds, used before: 0.85 at 2 and 0.90 at 3; 0.94 at 2 with the smaller effect).
 """
 from __future__ import annotations
 

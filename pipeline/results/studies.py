@@ -25,14 +25,9 @@ STUDIES: dict[str, tuple[str, str]] = {
 }
 
 
-def describe(study: str) -> tuple[str, str]:
-    """(what the study compares, its METHOD.md section); an unlisted study by its name, section 7."""
-    return STUDIES.get(study, (f"Study {study!r} (experiments with study: {study})", "7"))
-
-
 def study_description(study: str) -> str:
-    """The description of a study's MLflow experiment (pipeline.results.tracking.experiment_id)."""
-    what, section = describe(study)
+    """The description of a study's MLflow experiment (an unlisted study by its name, section 7)."""
+    what, section = STUDIES.get(study, (f"Study {study!r} (experiments with study: {study})", "7"))
     return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
             "`experiments` params (with the DVC experiment's name under `dvc exp run`). Compare methods "
             "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (plain rougeL, as in the tables) and avg_ROUGE, each with its "

@@ -1,11 +1,6 @@
-"""The registry of the study figures the report draws (METHOD.md section 7; the studies themselves:
-pipeline.results.studies): one :class:`StudyFigure` entry per study,
-saying its figure's title, which rows its bars show (the study's own, plus the runs it is compared with), how the
-panels are split, the paper's values drawn beside ours, and rows another study's runs stand in for.
-
-Every study gets its table (pipeline.results.tables.study_table_markdown) without an entry here; adding a
-study's figure is one entry in :data:`STUDY_FIGURES`.
-"""
+"""The registry of the study figures the report draws: one :class:`StudyFigure` entry per study (its title, the
+rows its bars show, its panels, the paper's values beside ours, rows another study's runs stand in for). Every study
+gets its table without an entry here; adding a study's figure is one entry in :data:`STUDY_FIGURES`."""
 from __future__ import annotations
 
 from dataclasses import dataclass

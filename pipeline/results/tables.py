@@ -22,13 +22,16 @@ METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_ro
 QMSUM = published.QMSUM_CLIENTS
 
 
+def _client_order(clients: Iterable[str]) -> list[str]:
+    """QMSum's clients in the paper's order, then any other client sorted."""
+    present = set(clients)
+    return [c for c in QMSUM if c in present] + sorted(present - set(QMSUM))
+
+
 def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str],
               expected_seeds: Iterable[int]) -> pd.DataFrame:
-    """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing.
-
-    A configuration's expected seeds are ``expected_seeds`` plus any seed the `experiments` params plan for it; a
-    seed is missing for a client when no evaluated experiment of that configuration has the client.
-    """
+    """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
+    (expected: ``expected_seeds`` plus any seed the `experiments` params plan for the configuration)."""
     expected = set(int(s) for s in expected_seeds)
     planned_seeds: dict[tuple, set[int]] = defaultdict(set)
     for p in planned:
@@ -78,16 +81,13 @@ def backbone_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # The main table (Table III)
 
 
 def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
                expected_seeds: Iterable[int] = ()) -> pd.DataFrame:
-    """Table III long form: method x client x metric, ours (mean/std/seeds) beside the paper's and the difference.
-
-    A planned main-study configuration without any evaluation still gets its rows (ours empty, every seed
-    missing), so the table never hides a method silently."""
+    """Table III long form: method x client x metric, ours beside the paper's and the difference; a planned
+    configuration without any evaluation gets its rows too (every seed missing), so no method hides silently."""
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
     sub = agg[(agg["study"] == "main") & (agg["backbone"] == backbone)]
     rows = []
@@ -112,14 +112,10 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
         for client in QMSUM:
             add(method, label, client, {**none, "n_seeds": 0, "seeds": "",
                                         "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds))))})
-    methods = [m for m in published.METHOD_ORDER if m in set(sub["method"])] + sorted(
-        set(sub["method"]) - set(published.METHOD_ORDER))
-    for method in methods:
-        msub = sub[sub["method"] == method]
-        for label in sorted(set(msub["label"])):
-            lsub = msub[msub["label"] == label]
-            for client in [c for c in QMSUM if c in set(lsub["client"])] + sorted(set(lsub["client"]) - set(QMSUM)):
-                add(method, label, client, lsub[lsub["client"] == client].iloc[0])
+    # the sort below puts the configurations in the paper's method order
+    for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
+        for client in _client_order(lsub["client"]):
+            add(method, label, client, lsub[lsub["client"] == client].iloc[0])
     table = pd.DataFrame(rows)
     if table.empty:
         return table
@@ -132,7 +128,7 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
                         bootstrap: BootstrapConfig | None = None, converged: pd.DataFrame | None = None) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
-    clients = [c for c in QMSUM if c in set(table["client"])] + sorted(set(table["client"]) - set(QMSUM))
+    clients = _client_order(table["client"])
     metrics = ["R-1", "R-2", "R-L"]
     header = ["Method", "", *[f"{c} {m}" for c in clients for m in metrics], "seeds"]
     lines = [f"# Main results, backbone `{backbone}`", "",
@@ -166,13 +162,11 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
         name = name if label == method else f"{name} ({label})"
         mark = convergence.row_mark(converged, "main", label, None)
         seed_text += f" {mark}" if mark else ""
-        lines.append("| " + " | ".join([name, "ours", *[cell(c, m, "ours") for c in clients for m in metrics],
-                                         seed_text]) + " |")
-        if key:
-            lines.append("| " + " | ".join(["", "paper", *[cell(c, m, "paper") for c in clients for m in metrics],
-                                             ""]) + " |")
-            lines.append("| " + " | ".join(["", "ours − paper",
-                                             *[cell(c, m, "diff") for c in clients for m in metrics], ""]) + " |")
+        rows = [(name, "ours", "ours", seed_text)] + ([("", "paper", "paper", ""), ("", "ours − paper", "diff", "")]
+                                                      if key else [])
+        for first, kind, what, last in rows:
+            lines.append("| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics],
+                                             last]) + " |")
     budget = convergence.note(converged, ["main"], set(table["label"]))
     if budget:
         lines += ["", budget + f" ({convergence.MARK} k/n after the seeds: client-runs of that method.)"]
@@ -208,7 +202,6 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame |
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------------------------------------------------------
 # Stage times
 
 
