@@ -1,9 +1,8 @@
-"""The params `privacy` group as a plan carries it (:class:`PrivacyConfig`, :class:`SecAggConfig`) and the
-refusals of what a privacy setting cannot protect (:func:`client_level_problem`, :func:`secure_aggregation_refusal`)."""
+"""The params `privacy` group as a plan carries it and the refusals of what a privacy setting cannot protect."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict as to_dict
+from dataclasses import asdict
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
@@ -36,7 +35,6 @@ Bound = Annotated[float, Field(gt=0)]  # a clipping bound; .inf = no clipping
 @config
 class SecAggConfig:
     """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings, checked by Flower's rules at params time."""
-
     num_shares: int | Annotated[float, Field(gt=0, le=1)] = 1.0
     reconstruction_threshold: int | Annotated[float, Field(gt=0, le=1)] = 0.67
     clipping_range: FinitePositive = 8.0
@@ -56,23 +54,19 @@ class SecAggConfig:
 @config
 class PrivacyConfig:
     """params `privacy` (the comments on each key live in the params file)."""
-
     mode: Literal["none", "example", "client"] = "none"
     noise_multiplier: FiniteNonNegative | None = None
     target_epsilon: FinitePositive | None = None
     max_grad_norm: Bound = 1.0
-    # null = mode example: min(1e-5, 1/(10 n)) for a client of n training examples; mode client: 1e-5
     delta: Annotated[float, Field(gt=0, lt=1)] | None = None
     accountant: Literal["rdp", "prv"] = "rdp"
-    # mode client only: who clips a client's update (the server, or Flower's mod on the client); fixed C, or
-    # Andrew et al.'s quantile-tracking C
+    # mode client only
     clipping_side: Literal["server", "client"] = "server"
     clipping: Literal["fixed", "adaptive"] = "fixed"
     clipping_norm: Bound | None = None
     target_clipped_quantile: Fraction = 0.5
     clip_norm_lr: FinitePositive = 0.2
     clipped_count_stddev: FiniteNonNegative | None = None  # null = sampled clients / 20
-    # SecAgg+, independent of the mode (the params file)
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
@@ -103,21 +97,21 @@ class PrivacyConfig:
         return self.mode != "none"
 
     def plan_dict(self) -> dict[str, Any]:
-        """The group as a plan carries it: without the other mode's keys (and adaptive clipping's, unless on), only
-        the mode with mode none, SecAgg+'s only when on: keys that change nothing change no plan hash."""
+        """The group as a plan carries it: keys that change nothing (the other mode's, adaptive clipping's unless on,
+        every DP key with mode none, SecAgg+'s unless on) change no plan hash."""
         drop = {"secure_aggregation", "secagg"}
         drop.update(CLIENT_KEYS if self.mode != "client" else EXAMPLE_KEYS)
         if self.mode == "client" and self.clipping != "adaptive":
             drop.update(ADAPTIVE_KEYS)
-        record = {k: v for k, v in to_dict(self).items() if k not in drop} if self.enabled else {"mode": self.mode}
+        record = {k: v for k, v in asdict(self).items() if k not in drop} if self.enabled else {"mode": self.mode}
         if self.secure_aggregation:
-            record |= {"secure_aggregation": True, "secagg": to_dict(self.secagg)}
+            record |= {"secure_aggregation": True, "secagg": asdict(self.secagg)}
         return record
 
 
 def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
-    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``transfer_dtype`` and ``cfg``, or None: the
-    server then sees only the weighted sum of the uploads, so it must need nothing else and cannot clip one."""
+    """Why ``method`` (a MethodSpec) cannot run under SecAgg+, or None: the server then sees only the weighted sum
+    of the uploads, so it must need nothing else and cannot clip one."""
     if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
         return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
                 "of the updates and cannot clip each one (the client clips its update before it is masked)")
@@ -133,7 +127,7 @@ def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig |
 
 
 def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str | None:
-    """Why mode client makes no sense for ``method`` (a pipeline.training.methods.MethodSpec), or None."""
+    """Why mode client makes no sense for ``method`` (a MethodSpec), or None."""
     if not method.federated:
         what = "pools every client's data in one place" if method.pooled else "trains each client alone"
         return (f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
