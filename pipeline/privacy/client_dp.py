@@ -137,7 +137,11 @@ class ClientLevelDP(Strategy):
         if not self.client_side:
             return int(norm > clipping_norm), norm
         metrics = reply.content[METRICS_KEY]
-        if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + rounding_slack(reply.content[ARRAYS_KEY]):
+        # Float32 rounding can move the norm of W + clip(W_i - W) - W off C by one ulp per coordinate of the reply
+        # (the clipped update is added to weights near 1, whose ulp dwarfs a small update's coordinates).
+        slack = float(np.sqrt(sum(float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
+                                  for a in reply.content[ARRAYS_KEY].to_numpy_ndarrays())))
+        if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + slack:
             return None
         return int(metrics[CLIPPED_KEY]), norm
 
@@ -157,13 +161,6 @@ class ClientLevelDP(Strategy):
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:
     return get_norm([r - g for r, g in zip(reply.to_numpy_ndarrays(), reference.to_numpy_ndarrays())])
-
-
-def rounding_slack(record: ArrayRecord) -> float:
-    """How far float32 rounding can move the norm of ``W + clip(W_i - W) - W`` off C: one ulp per coordinate of
-    the reply (the clipped update is added to weights near 1, whose ulp dwarfs a small update's coordinates)."""
-    return float(np.sqrt(sum(float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
-                             for a in record.to_numpy_ndarrays())))
 
 
 def client_dp_mod(msg: Message, context: Context, call_next):

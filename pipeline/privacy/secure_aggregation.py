@@ -142,14 +142,10 @@ class SecureRound:
 
 
 def _wire_bytes(content: RecordDict) -> int:
-    n = sum(rec.count_bytes() for rec in content.array_records.values())
-    for rec in content.config_records.values():
-        for v in rec.values():
-            if isinstance(v, bytes):
-                n += len(v)
-            elif isinstance(v, list):
-                n += sum(len(b) for b in v if isinstance(b, bytes))
-    return n
+    values = [b for rec in content.config_records.values() for v in rec.values()
+              for b in (v if isinstance(v, list) else [v])]
+    return sum(rec.count_bytes() for rec in content.array_records.values()) + sum(
+        len(b) for b in values if isinstance(b, bytes))
 
 
 class _ObservedGrid(GridView):

@@ -2,8 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
-from dataclasses import field
+from dataclasses import asdict, field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -35,6 +34,7 @@ Bound = Annotated[float, Field(gt=0)]  # a clipping bound; .inf = no clipping
 @config
 class SecAggConfig:
     """params `privacy.secagg`: Flower's SecAggPlusWorkflow settings, checked by Flower's rules at params time."""
+
     num_shares: int | Annotated[float, Field(gt=0, le=1)] = 1.0
     reconstruction_threshold: int | Annotated[float, Field(gt=0, le=1)] = 0.67
     clipping_range: FinitePositive = 8.0
@@ -54,6 +54,7 @@ class SecAggConfig:
 @config
 class PrivacyConfig:
     """params `privacy` (the comments on each key live in the params file)."""
+
     mode: Literal["none", "example", "client"] = "none"
     noise_multiplier: FiniteNonNegative | None = None
     target_epsilon: FinitePositive | None = None
