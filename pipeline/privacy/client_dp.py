@@ -1,6 +1,5 @@
-"""Client-level DP across organisations (``privacy.mode: client``, docs/privacy.md): :class:`ClientLevelDP`, a Flower
-``Strategy`` around the inner FedAvg/FedProx with Flower's DP primitives (not its ``DifferentialPrivacy*Clipping``
-wrappers: docs/privacy.md says why), and the client's clipping mod around Flower's."""
+"""Client-level DP (``privacy.mode: client``): :class:`ClientLevelDP`, a Flower ``Strategy`` around FedAvg/FedProx
+with Flower's DP primitives, not its DP wrappers (docs/privacy.md says why), and the client's clipping mod."""
 from __future__ import annotations
 
 import logging
@@ -147,7 +146,6 @@ class ClientLevelDP(Strategy):
 
     def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
                clipping_norm: float, history: list[dict[str, Any]]) -> float:
-        """The round's fields on the rows of the clients in the released aggregate; epsilon so far."""
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():

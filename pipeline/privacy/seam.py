@@ -13,7 +13,6 @@ from pipeline.privacy.settings import client_level_problem, secure_aggregation_r
 
 def local_steps(plan, module, examples, seed: int, where: str, micro_batches, normalisation: str,
                 max_target_length: int, proximal=None) -> DPSGDSteps | None:
-    """The local trainer's DP-SGD step object on ``module`` under mode example, else None."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
     cfg = plan.train
@@ -23,8 +22,7 @@ def local_steps(plan, module, examples, seed: int, where: str, micro_batches, no
 
 
 def check_run(plan) -> None:
-    """Refuse, before anything trains, a delta of 1/n or more (n: a client's capped training examples; mode client:
-    the clients) or an unreachable target epsilon."""
+    """Refuse, before anything trains, a delta of 1/n or more or an unreachable target epsilon."""
     from pipeline.common.config import ConfigError
     from pipeline.training.client_data import read_partition
 
@@ -129,8 +127,7 @@ class ClientLedger:
             self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
     def account(self, result) -> dict[str, float | int]:
-        """The round's privacy reply metrics (-1: unbounded): (epsilon, delta) over every DP-SGD step so far, the
-        setting and the round's clipped per-example gradients; {} without example-level DP."""
+        """The round's privacy reply metrics (-1: unbounded), epsilon over every DP-SGD step so far."""
         setting = result.privacy
         if setting is None:
             return {}
@@ -145,8 +142,7 @@ class ClientLedger:
 
 
 def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Fill ``clients.<c>.privacy`` from the history rows; metrics.json's ``privacy`` (None without privacy) and,
-    under SecAgg+ only, ``secure_aggregation`` (runs without it keep their layout)."""
+    """Fill ``clients.<c>.privacy``; metrics.json's ``privacy`` and, under SecAgg+ only, ``secure_aggregation``."""
     for name, c in clients.items():
         dp_rows = [r for r in history if r["client"] == name and "dp_steps" in r]
         if dp_rows:  # epsilon after the client's last training round (the accountant composes every step)

@@ -1,8 +1,6 @@
-"""SecAgg+ (Bell et al., CCS 2020) through Flower 1.41's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the server
-receives the weighted sum of the sampled clients' uploads and no single upload (docs/privacy.md: how, weights, the
-error bound, client-level DP's clipped bit). Flower ships it only for its legacy strategy API, so the server runs it
-with a legacy strategy (:class:`SecureAggregator`) and the client turns the masked-vector stage's ``FitIns`` into
-the Message-API train call every other round makes (:func:`legacy_fit`)."""
+"""SecAgg+ (Bell et al., CCS 2020) through Flower 1.41's ``SecAggPlusWorkflow`` and ``secaggplus_mod``, which
+exist only for Flower's legacy strategy API: the server runs a legacy strategy (:class:`SecureAggregator`), the client
+turns its ``FitIns`` into the Message-API train call of every other round (:func:`legacy_fit`). docs/privacy.md."""
 from __future__ import annotations
 
 import json
@@ -183,8 +181,7 @@ class _ObservedGrid(GridView):
 
 
 class _Offer(FedAvg):
-    """The legacy strategy the workflow asks: it offers the round's sampled messages (``configure_fit``) and takes
-    the unmasked mean (``aggregate_fit``: every result carries it); the round loop does the rest."""
+    """The legacy strategy the workflow asks: it offers the round's sampled messages and takes the unmasked mean."""
 
     def __init__(self, offers: list[tuple[GridClientProxy, FitIns]]):
         super().__init__()
@@ -219,9 +216,8 @@ class _Workflow(SecAggPlusWorkflow):
 
 
 class SecureAggregator:
-    """Runs the train step of a round through SecAgg+ (``privacy.secagg``); ``max_weight`` = the largest FedAvg
-    weight a client can report (its train split's size; 1 under client-level DP), ``clients`` = how many may be
-    in one sum; ``clipped_bits``: client-level DP, every upload ends with its clipped bit."""
+    """Runs the train step of a round through SecAgg+; ``max_weight``: the largest FedAvg weight a client can report
+    (1 under client-level DP, where every upload ends with its clipped bit: ``clipped_bits``)."""
 
     def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
         self.cfg = cfg
@@ -233,7 +229,6 @@ class SecureAggregator:
         self.timeout = timeout
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
-        """``messages``: the strategy's sampled train messages, carrying the downlink (ArrayRecord) and the config."""
         offers = []
         keys: list[str] = []
         for m in messages:

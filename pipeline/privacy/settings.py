@@ -10,17 +10,15 @@ from pydantic import Field, model_validator
 from pipeline.common.config import Fraction, config
 from pipeline.federation.strategies.catalog import STRATEGIES
 
-# Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
-# key of the other mode changes no plan.
+# Keys one mode reads and the other ignores (PrivacyConfig.plan_dict leaves them out)
 EXAMPLE_KEYS = ("max_grad_norm",)
 ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stddev")
 CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm") + ADAPTIVE_KEYS
 # delta null: mode client, this (far below 1/N for every federation here, N <= 100; N >= 1e5 must set delta);
 # mode example, min(this, 1 / (10 n)) for a client of n training examples
 DEFAULT_DELTA = 1e-5
-# The server algorithms whose new global is the average of the replies and nothing more (each registers
-# `averaging`; FedProx's mu is the client's): mode client's noise calibrates that mean, and SecAgg+ gives the
-# server that mean and no single reply.
+# The servers whose new global is the average of the replies and nothing more (FedProx's mu is the client's):
+# mode client's noise calibrates that mean, and SecAgg+ gives the server that mean and no single reply.
 AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.averaging)
 # SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
 # and of their integer weights must stay below it.
@@ -98,8 +96,7 @@ class PrivacyConfig:
         return self.mode != "none"
 
     def plan_dict(self) -> dict[str, Any]:
-        """The group as a plan carries it: keys that change nothing (the other mode's, adaptive clipping's unless on,
-        every DP key with mode none, SecAgg+'s unless on) change no plan hash."""
+        """The group as a plan carries it: without the keys that change nothing (so they change no plan hash)."""
         drop = {"secure_aggregation", "secagg"}
         drop.update(CLIENT_KEYS if self.mode != "client" else EXAMPLE_KEYS)
         if self.mode == "client" and self.clipping != "adaptive":
