@@ -1,5 +1,5 @@
-"""The accountant of both DP modes (opacus' RDP or PRV) and the resolved settings: a client's DP-SGD setting
-(:class:`ClientPrivacy`, mode example) and a federation's (:class:`FederationPrivacy`, mode client)."""
+"""The accountant of both DP modes (opacus' RDP or PRV) and their resolved settings (mode example: a client's,
+:class:`ClientPrivacy`; mode client: a federation's, :class:`FederationPrivacy`)."""
 from __future__ import annotations
 
 import math
@@ -11,8 +11,7 @@ from pipeline.privacy.settings import DEFAULT_DELTA, PrivacyConfig
 
 @lru_cache(maxsize=256)
 def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, accountant: str = "rdp") -> float:
-    """(epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps (opacus' RDP accountant, with its
-    RDP-to-DP conversion of Balle et al. 2020, or the PRV accountant of Gopi et al. 2021); unbounded without noise."""
+    """(epsilon, delta)-DP of ``steps`` Poisson-subsampled Gaussian steps (opacus' RDP or PRV accountant)."""
     if steps <= 0:
         return 0.0
     if noise_multiplier <= 0:
@@ -26,7 +25,7 @@ def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, account
 
 @lru_cache(maxsize=64)
 def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, accountant: str) -> float:
-    """The smallest z whose epsilon after ``steps`` is at most the target (opacus' binary search, to 0.01)."""
+    """The smallest z whose epsilon after ``steps`` is at most the target (opacus' search, to 0.01)."""
     from opacus.accountants.utils import get_noise_multiplier
 
     return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q,
@@ -34,7 +33,6 @@ def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, 
 
 
 def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, what: str) -> float:
-    """``privacy.noise_multiplier``, or the one that reaches ``privacy.target_epsilon`` after ``steps``."""
     if cfg.noise_multiplier is not None:
         return float(cfg.noise_multiplier)
     try:
@@ -45,9 +43,8 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
 
 
 def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
-    """z_u, the clipped updates' noise multiplier for z and the clipped count's std sigma_b < z: Andrew et al.'s
-    split ``(z^-2 - (2 sigma_b)^-2)^-1/2`` (Flower's) assumes a count of sensitivity 1/2 (bits centred at -0.5);
-    Flower's 0/1 norm bits have 1, so the pair is a Gaussian mechanism of ``(z_u^-2 + sigma_b^-2)^-1/2`` = z."""
+    """z_u, the updates' noise multiplier, so that with the clipped count's std sigma_b the pair is a Gaussian
+    mechanism of (z_u^-2 + sigma_b^-2)^-1/2 = z: Flower's 0/1 norm bits have sensitivity 1, not Andrew et al.'s 1/2."""
     if noise_multiplier == 0:
         return 0.0
     return (noise_multiplier ** -2 - count_stddev ** -2) ** -0.5
@@ -55,9 +52,7 @@ def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> 
 
 @dataclass(frozen=True)
 class FederationPrivacy:
-    """Client-level DP of a federated run (mode client, pipeline.privacy.client_dp): the Poisson-subsampled
-    Gaussian mechanism on the sum of clipped updates (DP-FedAvg, McMahan et al. 2018), composed once per round."""
-
+    """Client-level DP of a federated run: DP-FedAvg (McMahan et al. 2018), composed once per round."""
     noise_multiplier: float  # z: what the accountant composes per round (adaptive: updates and count together)
     update_noise_multiplier: float  # z_u: the noise on the mean update is z_u C / sampled (fixed: = z)
     count_stddev: float | None  # adaptive: sigma_b of the clipped count; None with fixed clipping
@@ -72,8 +67,7 @@ class FederationPrivacy:
         return self.sampled / self.population
 
     def epsilon_after(self, rounds: int) -> float:
-        """epsilon after ``rounds`` rounds, an empty sample too: the sum over the expected count has sensitivity
-        C / sampled whoever joined (adaptive: the updates' and the count's multipliers combined)."""
+        """epsilon after ``rounds`` rounds, empty samples too (adaptive: the updates' and count's z combined)."""
         z = self.update_noise_multiplier
         if self.count_stddev is not None and z != 0:
             z = (z ** -2 + self.count_stddev ** -2) ** -0.5
@@ -82,7 +76,6 @@ class FederationPrivacy:
 
 def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds: int,
                        where: str = "privacy") -> FederationPrivacy:
-    """Resolve z (``target_epsilon``'s over the planned rounds), delta and the adaptive split of a federation."""
     delta = cfg.delta if cfg.delta is not None else DEFAULT_DELTA
     if delta >= 1 / population:
         # a mechanism that publishes one random client's data in the clear meets (0, 1/N)
@@ -102,12 +95,11 @@ def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds
 
 
 def sampled_per_round(population: int, fraction_train: float) -> int:
-    """The expected number of clients per round: what Flower's FedAvg samples as a fixed count."""
+    """The expected number of clients per round (what Flower's FedAvg samples)."""
     return max(int(population * fraction_train), 1)
 
 
 def server_setting(plan, population: int) -> FederationPrivacy:
-    """A run's client-level DP setting: the plan's group over ``population`` clients."""
     t = plan.train
     return federation_privacy(plan.privacy, population, sampled_per_round(population, t.fraction_train), t.rounds,
                               where=plan.source or plan.experiment)
@@ -116,7 +108,6 @@ def server_setting(plan, population: int) -> FederationPrivacy:
 @dataclass(frozen=True)
 class ClientPrivacy:
     """A client's DP-SGD setting: fixed for all its rounds (its data size and the plan decide it)."""
-
     noise_multiplier: float
     max_grad_norm: float
     sample_rate: float  # Poisson: each example joins a step with this probability
@@ -132,8 +123,8 @@ class ClientPrivacy:
 
 def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int,
                    where: str = "") -> ClientPrivacy:
-    """Resolve sigma, q and delta (``privacy.delta``, else min(1e-5, 1 / (10 n))) for a client of n training
-    examples; a delta of 1/n or more is refused: publishing one random example in the clear meets (0, 1/n)."""
+    """Resolve sigma, q and delta for a client of n training examples; a delta of 1/n or more is refused:
+    publishing one random example in the clear meets (0, 1/n)."""
     if n_examples < 1:
         raise ValueError(f"{where}: no training example")
     delta = cfg.delta if cfg.delta is not None else min(DEFAULT_DELTA, 1.0 / (10 * n_examples))

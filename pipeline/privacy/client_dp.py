@@ -1,10 +1,5 @@
-"""Client-level differential privacy across organisations (``privacy.mode: client``; setting and accountant:
-pipeline.privacy.accounting): :class:`ClientLevelDP`, a Flower ``Strategy`` around the inner FedAvg/FedProx (its
-public ``configure_train`` / ``aggregate_train``) that samples, clips, averages and noises the clients' updates
-with Flower's DP primitives and records each round, and the client's clipping mod around Flower's. Not Flower's
-``DifferentialPrivacy*Clipping`` wrappers: no public method of theirs gives Poisson sampling over a public
-denominator, uniform weights, noise seeded per round (the seed is in the plan: not secret from its holder),
-Andrew et al.'s direction of C's update and the noise at the round's C (docs/privacy.md lists what they do)."""
+"""Client-level DP (``privacy.mode: client``): :class:`ClientLevelDP`, a Flower ``Strategy`` around FedAvg/FedProx
+with Flower's DP primitives, not its DP wrappers (docs/privacy.md says why), and the client's clipping mod."""
 from __future__ import annotations
 
 import logging
@@ -36,7 +31,7 @@ def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -
 
 
 class _ChosenNodes:
-    """A Grid that shows the inner strategy only the round's Poisson sample (it configures every node it sees)."""
+    """Shows the inner strategy only the round's Poisson sample (it configures every node it sees)."""
 
     def __init__(self, grid, nodes: list[int]):
         self._grid, self.get_node_ids = grid, lambda: list(nodes)
@@ -46,8 +41,7 @@ class _ChosenNodes:
 
 
 class ClientLevelDP(Strategy):
-    """DP-FedAvg around ``strategy`` (FedAvg or FedProx, run with fraction_train 1) for ``plan``'s privacy group and
-    its ``setting``; adaptive clipping moves :attr:`clipping_norm`. Also the server's record (:meth:`record`)."""
+    """DP-FedAvg around ``strategy`` (run with fraction_train 1); adaptive clipping moves :attr:`clipping_norm`."""
 
     def __init__(self, strategy, plan, setting: FederationPrivacy):
         super().__init__()
@@ -63,8 +57,7 @@ class ClientLevelDP(Strategy):
                  setting.clipping_norm, setting.sampled, setting.population, setting.delta)
 
     def configure_train(self, server_round, arrays, config, grid):
-        """Poisson sampling (a generator per (experiment seed, round), apart from the noise's): an empty sample
-        configures nobody, aggregates nothing and is still accounted."""
+        """Poisson sampling (seeded per round, apart from the noise): an empty sample is still accounted."""
         self._arrays = arrays
         rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
         chosen = poisson_sample(sorted(grid.get_node_ids()), self.setting.sample_rate, rng)
@@ -76,7 +69,6 @@ class ClientLevelDP(Strategy):
         return self.strategy.configure_train(server_round, arrays, config, _ChosenNodes(grid, chosen))
 
     def aggregate_train(self, server_round, replies):
-        """No aggregate from a round with an error reply; else clip (server side), average uniformly and release."""
         replies = list(replies)
         if any(reply.has_error() for reply in replies):
             log.info("round %d: a client replied with an error: no aggregate is released", server_round)
@@ -101,9 +93,8 @@ class ClientLevelDP(Strategy):
 
     def release_secure_mean(self, server_round: int, mean: ArrayRecord | None, clipped_count: int,
                             aggregated: int) -> ArrayRecord | None:
-        """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+, bypassing ``aggregate_train``,
-        unmasks it and the clipped count): move C (adaptive), take the sum over the expected count m,
-        ``W + (k / m)(mean - W)``, and add N(0, (z_u C / m)^2) per coordinate at the round's C (none at z = 0)."""
+        """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+ calls it directly): move C
+        (adaptive), take the sum over the expected count m, ``W + (k / m)(mean - W)``, add N(0, (z_u C / m)^2)."""
         rng, norm, m = np.random.default_rng([self.seed, server_round]), self.clipping_norm, self.setting.sampled
         if self.adaptive:  # f: the noisy count over m (public: the number that replied would tell who joined)
             noise = rng.normal(0.0, self.setting.count_stddev) if self.setting.count_stddev > 0 else 0.0
@@ -123,7 +114,6 @@ class ClientLevelDP(Strategy):
                             for k, a in zip(mean.keys(), mean.to_numpy_ndarrays())})
 
     def _clip(self, reply: Message) -> int:
-        """Clip the reply's update ``W_i - W`` to C in place; 1 if it was clipped."""
         received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
         update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
         bit = adaptive_clip_inputs_inplace(update, self.clipping_norm)
@@ -146,14 +136,16 @@ class ClientLevelDP(Strategy):
         if not self.client_side:
             return int(norm > clipping_norm), norm
         metrics = reply.content[METRICS_KEY]
-        if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + rounding_slack(reply.content[ARRAYS_KEY]):
+        # Float32 rounding can move the norm of W + clip(W_i - W) - W off C by one ulp per coordinate of the reply
+        # (the clipped update is added to weights near 1, whose ulp dwarfs a small update's coordinates).
+        slack = float(np.sqrt(sum(float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
+                                  for a in reply.content[ARRAYS_KEY].to_numpy_ndarrays())))
+        if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + slack:
             return None
         return int(metrics[CLIPPED_KEY]), norm
 
     def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
                clipping_norm: float, history: list[dict[str, Any]]) -> float:
-        """The round's fields on the rows of the clients in the released aggregate (``update_norm``, how C is chosen,
-        is un-noised like the losses; under SecAgg+ the round's clipped fraction and no norm); epsilon so far."""
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():
@@ -166,20 +158,12 @@ class ClientLevelDP(Strategy):
 
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:
-    """The L2 norm of ``reply - reference`` over all tensors (Flower's flat clipping norm)."""
     return get_norm([r - g for r, g in zip(reply.to_numpy_ndarrays(), reference.to_numpy_ndarrays())])
 
 
-def rounding_slack(record: ArrayRecord) -> float:
-    """How far float32 rounding can move the norm of ``W + clip(W_i - W) - W`` off C: one ulp per coordinate of
-    the reply (the clipped update is added to weights near 1, whose ulp dwarfs a small update's coordinates)."""
-    return float(np.sqrt(sum(float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
-                             for a in record.to_numpy_ndarrays())))
-
-
 def client_dp_mod(msg: Message, context: Context, call_next):
-    """With client-side clipping, Flower's fixed or adaptive clipping mod on the reply, marked ``dp-update-clipped``
-    first; otherwise, and for SecAgg+'s legacy FitIns (clipped inside legacy_fit), the message passes."""
+    """With client-side clipping, Flower's fixed or adaptive clipping mod on the reply, marked ``dp-update-clipped``;
+    otherwise, and for SecAgg+'s legacy FitIns (clipped inside legacy_fit), the message passes."""
     if is_legacy_fit(msg):
         return call_next(msg, context)
     privacy = load_plan(plan_path_of(msg, context)).privacy

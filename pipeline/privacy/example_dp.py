@@ -85,8 +85,7 @@ def per_example_loss_scale(batch, normalisation: str, max_target_length: int) ->
 
 def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation: str, max_target_length: int,
                   seed: int) -> list[list[tuple[Any, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty), each cut by ``micro_batches`` (a
-    frame of examples -> its batches of ``train.batch_size``) with the scale of :func:`per_example_loss_scale`."""
+    """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty) cut by ``micro_batches``."""
     steps = []
     for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
         batches = micro_batches(examples.iloc[idx]) if idx else []

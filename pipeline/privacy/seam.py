@@ -1,10 +1,9 @@
-"""The privacy package's door: the calls other modules make (one or two each), so that what a privacy mode
-changes stays in pipeline/privacy/ and a run without privacy goes through the same code with ``None`` back; and
-the run's privacy records (metrics.json, MLflow: every epsilon with its delta, the sampling, the accountant)."""
+"""The privacy package's door: the calls other modules make, so that what a privacy mode changes stays in
+pipeline/privacy/ (a run without privacy gets ``None`` back), and the run's privacy records (metrics.json, MLflow)."""
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict as to_dict
+from dataclasses import asdict
 from typing import Any
 
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
@@ -14,7 +13,6 @@ from pipeline.privacy.settings import client_level_problem, secure_aggregation_r
 
 def local_steps(plan, module, examples, seed: int, where: str, micro_batches, normalisation: str,
                 max_target_length: int, proximal=None) -> DPSGDSteps | None:
-    """The local trainer's DP-SGD step object on ``module`` (the local adapter set) under mode example, else None."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
     cfg = plan.train
@@ -24,8 +22,7 @@ def local_steps(plan, module, examples, seed: int, where: str, micro_batches, no
 
 
 def check_run(plan) -> None:
-    """Refuse, before anything trains, a delta of 1/n or more (n: a client's training examples after the run's
-    cap; mode client: the clients) or an unreachable target epsilon, in one line naming key, plan and client."""
+    """Refuse, before anything trains, a delta of 1/n or more or an unreachable target epsilon."""
     from pipeline.common.config import ConfigError
     from pipeline.training.client_data import read_partition
 
@@ -48,7 +45,7 @@ def check_run(plan) -> None:
 
 
 def client_level(plan, strategy, population: int):
-    """(strategy, round record): under privacy.mode client both the DP strategy around ``strategy``; else None."""
+    """(strategy, round record): under privacy.mode client both the DP strategy around ``strategy``."""
     if plan.privacy is None or plan.privacy.mode != "client":
         return strategy, None
     from pipeline.privacy.client_dp import ClientLevelDP
@@ -62,8 +59,8 @@ def client_level(plan, strategy, population: int):
 
 def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float,
                       sizes: dict[str, dict[str, int]] | None = None):
-    """The plan's SecAgg+ round runner, checked against the method and the clients (``late``: the client that
-    joins later; ``sizes``: the train sizes the clients reported at admission, else the partition file's)."""
+    """The plan's SecAgg+ round runner (``late``: the client that joins later; ``sizes``: the train sizes the
+    clients reported at admission, else the partition file's)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
     from pipeline.privacy.secure_aggregation import SecureAggregator
@@ -89,9 +86,9 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
 
 
 def register_train(app, train_round):
-    """Register the ClientApp's train handler behind SecAgg+'s mod and client-level DP's clipping mod (also on the
-    masked-vector stage, Flower's legacy FitIns, before the masking). The client, not the server, decides whether
-    its adapter may leave in the clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
+    """The ClientApp's train handler behind SecAgg+'s mod and client-level DP's clipping mod (also on SecAgg+'s
+    legacy FitIns, before the masking). The client, not the server, decides whether its adapter may leave in the
+    clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
     from pipeline.federation.protocol import load_plan, plan_path_of
     from pipeline.privacy.client_dp import client_dp_mod
     from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -113,8 +110,7 @@ STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rou
 
 
 class ClientLedger:
-    """A client's DP-SGD steps across rounds (mode example), kept in its ``context.state`` and its checkpoints, so
-    that a restarted client keeps composing."""
+    """A client's DP-SGD steps across rounds, in its ``context.state`` and checkpoints: a restarted one composes on."""
 
     def __init__(self, context):
         self.state = context.state
@@ -131,8 +127,7 @@ class ClientLedger:
             self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
     def account(self, result) -> dict[str, float | int]:
-        """The round's reply metrics of privacy (-1: unbounded): the accountant's (epsilon, delta) over every DP-SGD
-        step so far, the setting and the round's clipped per-example gradients; {} without example-level DP."""
+        """The round's privacy reply metrics (-1: unbounded), epsilon over every DP-SGD step so far."""
         setting = result.privacy
         if setting is None:
             return {}
@@ -147,8 +142,7 @@ class ClientLedger:
 
 
 def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Fill ``clients.<c>.privacy`` from the history rows and return metrics.json's ``privacy`` (None without
-    privacy) and, under SecAgg+ only, ``secure_aggregation`` (runs without it keep their layout)."""
+    """Fill ``clients.<c>.privacy``; metrics.json's ``privacy`` and, under SecAgg+ only, ``secure_aggregation``."""
     for name, c in clients.items():
         dp_rows = [r for r in history if r["client"] == name and "dp_steps" in r]
         if dp_rows:  # epsilon after the client's last training round (the accountant composes every step)
@@ -167,8 +161,14 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
         privacy = {"mode": cfg.mode, "accountant": cfg.accountant, "sampling": "poisson",
                    "target_epsilon": cfg.target_epsilon, "epsilon_max": None if (not eps or None in eps) else max(eps),
                    "delta_max": max((r["delta"] for r in reports), default=None)}
-    secure = secure_aggregation_summary(plan, history)
-    return {"privacy": privacy, **({"secure_aggregation": secure} if secure is not None else {})}
+    if cfg is None or not cfg.secure_aggregation:
+        return {"privacy": privacy}
+    sampled = [r for r in history if r.get("sampled")]
+    return {"privacy": privacy, "secure_aggregation": {
+        "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", **asdict(cfg.secagg),
+        "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
+        "dropped": dict(Counter(r["client"] for r in sampled if r.get("failed"))),
+        "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled)}}
 
 
 def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]
@@ -200,21 +200,9 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
             "rounds_released": len({r["round"] for r in released}), "updates_aggregated": len(released)}
 
 
-def secure_aggregation_summary(plan, history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Under privacy.secure_aggregation: the SecAgg+ settings, the rounds whose sum was unmasked, the sampled
-    clients left out of a sum, and the upload coordinates SecAgg+ clipped (0: within its quantisation bound)."""
-    if plan.privacy is None or not plan.privacy.secure_aggregation:
-        return None
-    sampled = [r for r in history if r.get("sampled")]
-    return {"protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", **to_dict(plan.privacy.secagg),
-            "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
-            "dropped": dict(Counter(r["client"] for r in sampled if r.get("failed"))),
-            "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled)}
-
-
 def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """The MLflow metrics of the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded ones left out) or of
-    the run's client-level guarantee, and those of secure aggregation (``secagg.*``)."""
+    """MLflow metrics: the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded ones left out) or the run's
+    client-level guarantee, and secure aggregation's (``secagg.*``)."""
     run = metrics.get("privacy") or {}
     if run.get("mode") == "client":
         fields = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction", "epsilon_max")

@@ -1,22 +1,6 @@
-"""SecAgg+ (Bell et al., CCS 2020) through Flower 1.41's ``SecAggPlusWorkflow`` and ``secaggplus_mod``: the server
-receives the weighted sum of the sampled clients' uploads and no single upload (params ``privacy.secure_aggregation``).
-
-Flower ships SecAgg+ only for its legacy strategy API (``LegacyContext``, ``FitIns``/``FitRes``). The round loop
-(pipeline.federation.server_app) keeps its Message-API strategy for sampling and hands the sampled train messages
-to :class:`SecureAggregator`, which runs the workflow's four stages through the same Grid with a legacy strategy
-that only offers those messages and takes the unmasked mean. On the client, :func:`secure_aggregation_mod` routes
-the SecAgg+ messages through ``secaggplus_mod``, and :func:`legacy_fit` turns the masked-vector stage's ``FitIns``
-into the Message-API train call every other round makes (one training path) and its reply into the ``FitRes`` the
-mod masks: the metrics travel in the clear, as in a plain round; only the masked vector of the adapter leaves.
-
-Weights: client i with weight n_i uploads x_i scaled by q_i / Q, clipped to [-c, c], shifted by c and rounded to
-an integer in [0, Q], plus masks that cancel modulo 2**32; the server unmasks the sum, dequantises it and divides
-by sum_i q_i / Q. Flower's integer weight is q_i = round(n_i / max_weight * Q); with ``max_weight = Q / s`` and
-``s = Q // (largest client weight)`` (:func:`weight_scale`) it is exactly n_i * s, so the weights are the plain
-run's and the only error is the quantisation (:func:`aggregation_error_bound`). With client-level DP
-(pipeline.privacy.client_dp) each upload weighs 1 (the uniform mean the noise is calibrated to) and carries its
-clipped bit as one more coordinate of value bit x c / 2: the server learns how many updates were clipped, not whose.
-"""
+"""SecAgg+ (Bell et al., CCS 2020) through Flower 1.41's ``SecAggPlusWorkflow`` and ``secaggplus_mod``, which
+exist only for Flower's legacy strategy API: the server runs a legacy strategy (:class:`SecureAggregator`), the client
+turns its ``FitIns`` into the Message-API train call of every other round (:func:`legacy_fit`). docs/privacy.md."""
 from __future__ import annotations
 
 import json
@@ -51,7 +35,6 @@ SECAGG_CLIPPED_KEY = "secagg-clipped"
 FLOAT32_EPS = 2.0**-24  # unit roundoff of float32
 
 
-# ================================================================================================ the bound
 def weight_scale(cfg: SecAggConfig, max_weight: int) -> int:
     """s = Q // (largest FedAvg weight): Flower's integer weight of a client is then n_i * s exactly."""
     if max_weight < 1:
@@ -63,47 +46,28 @@ def weight_scale(cfg: SecAggConfig, max_weight: int) -> int:
 
 
 def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfig, max_abs: float) -> float:
-    """Largest possible |SecAgg+ mean - plain FedAvg mean| of one coordinate, for the k clients in the sum.
-
-    With Q = ``quantization_range``, c = ``clipping_range``, q_i = n_i * s (``scale``) and u = 2**-24, when no
-    coordinate of any upload was clipped (|x_i| q_i / Q <= c; the clients count clipped ones, ``secagg-clipped``):
-
-    - each client's integer u_i differs from (x_i q_i / Q + c) Q / (2c) by less than 1 (stochastic rounding), plus
-      the float32 arithmetic of Flower's quantiser: the scaling by q_i / Q (2uc), the shift by c (3uc) and the
-      product with Q / (2c) (4uc, float32 scalars included), 9uc to first order; one more uc covers the
-      second-order terms and the server's float64 unmasking (about 1e-15): each client's value error is below
-      2c/Q + 10uc;
-    - the server divides the sum of k such errors by sum_i q_i / Q: k (Q / sum_i q_i)(2c/Q + 10uc);
-    - float32: the unmasked mean is cast to float32 (u m, m = the largest |upload|), and the plain FedAvg adds
-      k float32 products, (k + 1) u m to first order; one more u m covers their second-order terms.
-
-    Equal weights n give k Q / sum_i q_i = Q / (s n) = about 1: the error is one quantisation step 2c/Q (3.8e-6
-    with Flower's defaults c = 8, Q = 2**22) plus float32 rounding.
-    """
+    """Largest possible |SecAgg+ mean - plain FedAvg mean| of one coordinate, for the k clients in the sum, when no
+    coordinate was clipped (Q = ``quantization_range``, c = ``clipping_range``, q_i = n_i * s, u = 2**-24):
+    each client's integer is off (x_i q_i / Q + c) Q / (2c) by < 1 (stochastic rounding) plus Flower's float32
+    quantiser (scale 2uc, shift 3uc, product 4uc; one more uc for second-order terms and the float64 unmasking),
+    so its value error is < 2c/Q + 10uc; the server divides k of them by sum_i q_i / Q; the float32 cast of the mean
+    (u m, m = the largest |upload|) and FedAvg's k float32 products ((k + 1) u m, one more u m second-order) add
+    (k + 3) u m. Equal weights: about one quantisation step 2c/Q (3.8e-6 with c = 8, Q = 2**22)."""
     k = len(weights)
     total_q = scale * sum(int(w) for w in weights)
     c, q = cfg.clipping_range, cfg.quantization_range
     return k * (q / total_q) * (2 * c / q + 10 * FLOAT32_EPS * c) + (k + 3) * FLOAT32_EPS * max_abs
 
 
-def clipped_bit_value(clipping_range: float) -> float:
-    """Client-level DP: the value a clipped update's bit takes in the masked vector (an unclipped one: 0)."""
-    return clipping_range / 2
-
-
 def clipped_count(bit_mean: np.ndarray, summed: int, cfg: SecAggConfig) -> int:
     """How many of the ``summed`` uniformly weighted uploads were clipped, from the unmasked mean of their bit
-    coordinate: mean x summed / (c / 2), off an integer by far less than 1/2 (the quantisation bound of a mean of
-    values in [0, c / 2] times 2 summed / c: about 4 summed / Q)."""
-    count = float(np.asarray(bit_mean, dtype=np.float64).reshape(-1)[0]) * summed / clipped_bit_value(
-        cfg.clipping_range)
+    coordinate (bit x c / 2): off an integer by about 4 summed / Q, far less than 1/2."""
+    count = float(np.asarray(bit_mean, dtype=np.float64).reshape(-1)[0]) * summed / (cfg.clipping_range / 2)
     return min(max(int(round(count)), 0), summed)
 
 
-# ================================================================================================ client side
 def secure_aggregation_mod(msg: Message, context: Context, call_next) -> Message:
-    """Flower's ``secaggplus_mod`` for the messages of a SecAgg+ round; any other train message passes through, so
-    one ClientApp serves plain and secure runs (the plan decides which a client accepts: :func:`legacy_fit`)."""
+    """Flower's ``secaggplus_mod`` for a SecAgg+ round's messages; any other passes (one ClientApp for both)."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return secaggplus_mod(msg, context, call_next)
     return call_next(msg, context)
@@ -115,8 +79,8 @@ def is_legacy_fit(msg: Message) -> bool:
 
 
 def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context], Message]) -> Message:
-    """One SecAgg+ training round: the ``FitIns`` becomes the Message-API train message every round gets (``train``
-    is that handler), and its reply the ``FitRes`` that ``secaggplus_mod`` quantises, masks and clears."""
+    """The ``FitIns`` becomes the Message-API train message of ``train`` and its reply the ``FitRes`` that
+    ``secaggplus_mod`` quantises and masks."""
     if RECORD_KEY_CONFIGS not in msg.content.config_records:
         raise ValueError("a legacy FitIns outside SecAgg+: this client uploads its adapter only masked or as a "
                          "Message-API reply")
@@ -141,12 +105,12 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     sa = context.state.config_records[RECORD_KEY_STATE]
     weight = int(metrics[NUM_EXAMPLES_KEY])
     if CLIPPED_KEY in metrics:
-        # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum
-        # instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
+        # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum as
+        # bit x c / 2 instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
         weight = 1
         bit = int(metrics.pop(CLIPPED_KEY))
         metrics.pop(KEY_NORM_BIT, None)
-        upload.append(np.array([bit * clipped_bit_value(float(sa["clipping_range"]))], dtype=np.float32))
+        upload.append(np.array([bit * (float(sa["clipping_range"]) / 2)], dtype=np.float32))
     # What the quantiser will clip: a clipped coordinate breaks the error bound, so the server is told how many,
     # never which.
     ratio = weight / float(sa["max_weight"])
@@ -155,11 +119,8 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
 
-# ================================================================================================ server side
 @dataclass
-class NodeOutcome:
-    """What the server learnt of one sampled client in a SecAgg+ round."""
-
+class NodeOutcome:  # what the server learnt of one sampled client in a SecAgg+ round
     metrics: dict | None = None  # the train reply's metrics (in the clear), when it reached the masked-vector stage
     failed_stage: str | None = None  # the first stage it failed or did not answer in time
     error: str | None = None
@@ -179,14 +140,10 @@ class SecureRound:
 
 
 def _wire_bytes(content: RecordDict) -> int:
-    n = sum(rec.count_bytes() for rec in content.array_records.values())
-    for rec in content.config_records.values():
-        for v in rec.values():
-            if isinstance(v, bytes):
-                n += len(v)
-            elif isinstance(v, list):
-                n += sum(len(b) for b in v if isinstance(b, bytes))
-    return n
+    values = [b for rec in content.config_records.values() for v in rec.values()
+              for b in (v if isinstance(v, list) else [v])]
+    return sum(rec.count_bytes() for rec in content.array_records.values()) + sum(
+        len(b) for b in values if isinstance(b, bytes))
 
 
 class _ObservedGrid(GridView):
@@ -206,31 +163,25 @@ class _ObservedGrid(GridView):
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
         # A SuperLink answers for an offline node itself (from its own id): match replies to what they answer.
         by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
-        answered = set()
+        failed = {node: f"no reply within {timeout}s" for node in stage}  # until it answers
         for r in replies:
             node = by_id[r.metadata.reply_to_message_id]
-            answered.add(node)
             out = self.nodes[node]
             if r.has_error():
-                reason = r.error.reason.splitlines()[0] if r.error.reason else f"code {r.error.code}"
-                self._failed(out, stage[node], reason)
+                failed[node] = r.error.reason.splitlines()[0] if r.error.reason else f"code {r.error.code}"
                 continue
+            failed.pop(node)
             out.bytes_up += _wire_bytes(r.content)
             if stage[node] == Stage.COLLECT_MASKED_VECTORS:
                 out.metrics = dict(r.content.config_records["fitres.metrics"])
-        for node in set(stage) - answered:
-            self._failed(self.nodes[node], stage[node], f"no reply within {timeout}s")
+        for node, reason in failed.items():
+            if self.nodes[node].failed_stage is None:  # the first stage it failed in
+                self.nodes[node].failed_stage, self.nodes[node].error = stage[node], reason
         return replies
-
-    @staticmethod
-    def _failed(out: NodeOutcome, stage: str, reason: str) -> None:
-        if out.failed_stage is None:
-            out.failed_stage, out.error = stage, reason
 
 
 class _Offer(FedAvg):
-    """The legacy strategy the workflow asks: it offers the round's sampled messages (``configure_fit``) and takes
-    the unmasked mean (``aggregate_fit``: every result carries it); the round loop does the rest."""
+    """The legacy strategy the workflow asks: it offers the round's sampled messages and takes the unmasked mean."""
 
     def __init__(self, offers: list[tuple[GridClientProxy, FitIns]]):
         super().__init__()
@@ -248,14 +199,10 @@ class _Offer(FedAvg):
 
 
 class _Workflow(SecAggPlusWorkflow):
-    """Flower's workflow, keeping the protocol state of the round (threshold, shares) for the round's record, with
-    one fix: a client lost before its key shares went out (setup or share-keys stage) is forgotten.
-
-    Flower 1.41 keeps such a client among the sampled ones and, at the unmask stage, asks the survivors for shares
-    of its key, which none of them holds (``secaggplus_mod._unmask`` raises KeyError on every survivor) and the
-    round is lost. Forgetting it is exact: a client masks only with the neighbours whose shares it received
-    (``_collect_masked_vectors``: ``available_clients``), so no vector carries a mask of the lost client, and its
-    upload is not in the sum."""
+    """Flower's workflow, keeping the round's protocol state (threshold, shares), and forgetting a client lost
+    before its key shares went out: Flower 1.41 asks the survivors for its shares at the unmask stage, which none
+    holds (KeyError), and loses the round. Exact: a client masks only with the neighbours whose shares it received
+    (``_collect_masked_vectors``), so no vector carries the lost client's masks."""
 
     state = None
 
@@ -269,9 +216,8 @@ class _Workflow(SecAggPlusWorkflow):
 
 
 class SecureAggregator:
-    """Runs the train step of a round through SecAgg+ (``privacy.secagg``); ``max_weight`` = the largest FedAvg
-    weight a client can report (its train split's size; 1 under client-level DP), ``clients`` = how many may be
-    in one sum; ``clipped_bits``: client-level DP, every upload ends with its clipped bit."""
+    """Runs the train step of a round through SecAgg+; ``max_weight``: the largest FedAvg weight a client can report
+    (1 under client-level DP, where every upload ends with its clipped bit: ``clipped_bits``)."""
 
     def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
         self.cfg = cfg
@@ -282,14 +228,7 @@ class SecureAggregator:
                              f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}")
         self.timeout = timeout
 
-    def workflow(self) -> _Workflow:
-        return _Workflow(self.cfg.num_shares, self.cfg.reconstruction_threshold,
-                         max_weight=self.cfg.quantization_range / self.scale, clipping_range=float(self.cfg.clipping_range),
-                         quantization_range=self.cfg.quantization_range, modulus_range=SECAGG_MODULUS,
-                         timeout=self.timeout)
-
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
-        """``messages``: the strategy's sampled train messages, carrying the downlink (ArrayRecord) and the config."""
         offers = []
         keys: list[str] = []
         for m in messages:
@@ -305,7 +244,11 @@ class SecureAggregator:
                                 strategy=strategy, client_manager=SimpleClientManager())
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # the offers carry the global
-        workflow = self.workflow()
+        workflow = _Workflow(self.cfg.num_shares, self.cfg.reconstruction_threshold,
+                             max_weight=self.cfg.quantization_range / self.scale,
+                             clipping_range=float(self.cfg.clipping_range),
+                             quantization_range=self.cfg.quantization_range, modulus_range=SECAGG_MODULUS,
+                             timeout=self.timeout)
         workflow(observed, context)
 
         in_sum = {n for n, o in observed.nodes.items() if o.metrics is not None}

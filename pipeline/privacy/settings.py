@@ -1,10 +1,8 @@
-"""The params `privacy` group as a plan carries it (:class:`PrivacyConfig`, :class:`SecAggConfig`) and the
-refusals of what a privacy setting cannot protect (:func:`client_level_problem`, :func:`secure_aggregation_refusal`)."""
+"""The params `privacy` group as a plan carries it and the refusals of what a privacy setting cannot protect."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict as to_dict
-from dataclasses import field
+from dataclasses import asdict, field
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
@@ -12,17 +10,15 @@ from pydantic import Field, model_validator
 from pipeline.common.config import Fraction, config
 from pipeline.federation.strategies.catalog import STRATEGIES
 
-# Keys one mode reads and the other ignores: a plan carries only its mode's keys (PrivacyConfig.plan_dict), so a
-# key of the other mode changes no plan.
+# Keys one mode reads and the other ignores (PrivacyConfig.plan_dict leaves them out)
 EXAMPLE_KEYS = ("max_grad_norm",)
 ADAPTIVE_KEYS = ("target_clipped_quantile", "clip_norm_lr", "clipped_count_stddev")
 CLIENT_KEYS = ("clipping_side", "clipping", "clipping_norm") + ADAPTIVE_KEYS
 # delta null: mode client, this (far below 1/N for every federation here, N <= 100; N >= 1e5 must set delta);
 # mode example, min(this, 1 / (10 n)) for a client of n training examples
 DEFAULT_DELTA = 1e-5
-# The server algorithms whose new global is the average of the replies and nothing more (each registers
-# `averaging`; FedProx's mu is the client's): mode client's noise calibrates that mean, and SecAgg+ gives the
-# server that mean and no single reply.
+# The servers whose new global is the average of the replies and nothing more (FedProx's mu is the client's):
+# mode client's noise calibrates that mean, and SecAgg+ gives the server that mean and no single reply.
 AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.averaging)
 # SecAgg+ masks are drawn in [0, 2**32) (Flower's default modulus_range): the masked sum of the quantised uploads
 # and of their integer weights must stay below it.
@@ -61,18 +57,15 @@ class PrivacyConfig:
     noise_multiplier: FiniteNonNegative | None = None
     target_epsilon: FinitePositive | None = None
     max_grad_norm: Bound = 1.0
-    # null = mode example: min(1e-5, 1/(10 n)) for a client of n training examples; mode client: 1e-5
     delta: Annotated[float, Field(gt=0, lt=1)] | None = None
     accountant: Literal["rdp", "prv"] = "rdp"
-    # mode client only: who clips a client's update (the server, or Flower's mod on the client); fixed C, or
-    # Andrew et al.'s quantile-tracking C
+    # mode client only
     clipping_side: Literal["server", "client"] = "server"
     clipping: Literal["fixed", "adaptive"] = "fixed"
     clipping_norm: Bound | None = None
     target_clipped_quantile: Fraction = 0.5
     clip_norm_lr: FinitePositive = 0.2
     clipped_count_stddev: FiniteNonNegative | None = None  # null = sampled clients / 20
-    # SecAgg+, independent of the mode (the params file)
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 
@@ -103,21 +96,20 @@ class PrivacyConfig:
         return self.mode != "none"
 
     def plan_dict(self) -> dict[str, Any]:
-        """The group as a plan carries it: without the other mode's keys (and adaptive clipping's, unless on), only
-        the mode with mode none, SecAgg+'s only when on: keys that change nothing change no plan hash."""
+        """The group as a plan carries it: without the keys that change nothing (so they change no plan hash)."""
         drop = {"secure_aggregation", "secagg"}
         drop.update(CLIENT_KEYS if self.mode != "client" else EXAMPLE_KEYS)
         if self.mode == "client" and self.clipping != "adaptive":
             drop.update(ADAPTIVE_KEYS)
-        record = {k: v for k, v in to_dict(self).items() if k not in drop} if self.enabled else {"mode": self.mode}
+        record = {k: v for k, v in asdict(self).items() if k not in drop} if self.enabled else {"mode": self.mode}
         if self.secure_aggregation:
-            record |= {"secure_aggregation": True, "secagg": to_dict(self.secagg)}
+            record |= {"secure_aggregation": True, "secagg": asdict(self.secagg)}
         return record
 
 
 def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig | None = None) -> str | None:
-    """Why ``method`` (a MethodSpec) cannot run under SecAgg+ with ``transfer_dtype`` and ``cfg``, or None: the
-    server then sees only the weighted sum of the uploads, so it must need nothing else and cannot clip one."""
+    """Why ``method`` (a MethodSpec) cannot run under SecAgg+, or None: the server then sees only the weighted sum
+    of the uploads, so it must need nothing else and cannot clip one."""
     if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
         return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
                 "of the updates and cannot clip each one (the client clips its update before it is masked)")
@@ -133,7 +125,7 @@ def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig |
 
 
 def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str | None:
-    """Why mode client makes no sense for ``method`` (a pipeline.training.methods.MethodSpec), or None."""
+    """Why mode client makes no sense for ``method`` (a MethodSpec), or None."""
     if not method.federated:
         what = "pools every client's data in one place" if method.pooled else "trains each client alone"
         return (f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
