@@ -55,9 +55,10 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
     if not plan.train.prefix_cache:
         return None
-    from pipeline.modeling.cache import PrefixCache
+    from pipeline.modeling.cache import PrefixCache, resolve_root
 
-    # where the cache lives and its budget are run-time settings (``cache``: RunSettings.cache, which the caller's
-    # entry point built, not the plan); the dtype of its entries is the plan's (float16/bfloat16 entries change the
-    # logits)
-    return PrefixCache.for_model(model, model_config(plan), cache, plan.cache_dtype or "float32")
+    # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
+    mcfg = model_config(plan)
+    return PrefixCache(resolve_root(cache.cache_dir), model.backbone_fingerprint(), mcfg.max_source_length,
+                       mcfg.max_target_length, model.adapter_config.top_k, plan.cache_dtype or "float32",
+                       int(cache.cache_max_gb * 2**30))
