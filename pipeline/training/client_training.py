@@ -20,7 +20,7 @@ import transformers
 from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments import Plan
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
-from pipeline.modeling.losses import KDConfig
+from pipeline.modeling.losses import KDConfig, distillation_loss
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
@@ -133,9 +133,7 @@ class Proximal:
 
 
 class PlainSteps:
-    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps): shuffled
-    batches in windows of ``grad_accum_steps`` (:func:`accumulation_weights`); the proximal term enters each step
-    once."""
+    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps)."""
 
     setting = None  # no DP-SGD setting
     examples = clipped = 0
@@ -178,26 +176,13 @@ def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cac
     return model.path_logits(prefix.to(model.device), "local", packed=True), None
 
 
-def train_local(
-    model: AdapterSummarizer,
-    plan: Plan,
-    examples: pd.DataFrame,
-    *,
-    client: str,
-    rnd: int,
-    proximal_reference: dict[str, torch.Tensor] | None = None,
-    proximal_mu: float = 0.0,
-    cache=None,
-    teacher_cache_gb: float = 0.0,
-    progress: bool = False,
-) -> LocalTrainResult:
+def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *, client: str, rnd: int,
+                proximal_reference: dict[str, torch.Tensor] | None = None, proximal_mu: float = 0.0, cache=None,
+                teacher_cache_gb: float = 0.0, progress: bool = False) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
     (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Under the
-    plan's ``privacy`` every step is a DP-SGD step; the result carries this call's clipped counts, the caller
-    composes the steps across rounds. ``cache`` (the prefix cache) and ``teacher_cache_gb`` (the teacher's logits
-    kept across epochs; RunSettings.cache) change no result."""
-    from pipeline.modeling.losses import distillation_loss
-
+    plan's ``privacy`` every step is a DP-SGD step (the caller composes them across rounds). ``cache`` and
+    ``teacher_cache_gb`` (RunSettings.cache) change no result."""
     cfg: TrainConfig = plan.train
     mcfg = model_config(plan)
     kd = kd_config(plan)
@@ -275,19 +260,10 @@ def train_local(
     tokens = max(sums["tokens"], 1)
     gate_log = pd.concat(gate_parts, ignore_index=True) if gate_parts else empty_gate_log()
     return LocalTrainResult(
-        n_examples=len(examples),
-        n_steps=n_steps,
-        n_tokens=sums["tokens"],
-        train_loss=sums["loss"] / tokens,
-        ce=sums["ce"] / tokens,
-        kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
-        kd_fraction=sums["kd_tokens"] / tokens,
-        proximal=proximal.value if proximal is not None else 0.0,
-        gate_log=gate_log,
-        privacy=stepper.setting,
-        dp_examples=stepper.examples,
-        dp_clipped=stepper.clipped,
-    )
+        n_examples=len(examples), n_steps=n_steps, n_tokens=sums["tokens"], train_loss=sums["loss"] / tokens,
+        ce=sums["ce"] / tokens, kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
+        kd_fraction=sums["kd_tokens"] / tokens, proximal=proximal.value if proximal is not None else 0.0,
+        gate_log=gate_log, privacy=stepper.setting, dp_examples=stepper.examples, dp_clipped=stepper.clipped)
 
 
 def empty_gate_log() -> pd.DataFrame:
