@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 from pipeline.common import atomic
 from pipeline.common.config import NonNegative, config, repo_root
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
-from pipeline.modeling.model import AdapterSummarizer, Prefix, target_mask_of
+from pipeline.modeling.model import AdapterSummarizer, Prefix
 
 FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under another key and age out)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -73,16 +73,8 @@ def _sha(*parts) -> str:
 
 
 class PrefixCache:
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        fingerprint: str,
-        max_source_length: int,
-        max_target_length: int,
-        top_k: int,
-        dtype: str = "float32",
-        max_bytes: int = 4 * 2**30,
-    ):
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_source_length: int, max_target_length: int,
+                 top_k: int, dtype: str = "float32", max_bytes: int = 4 * 2**30):
         self.root = Path(root)
         self.dtype = DTYPES[dtype]
         self.max_bytes = int(max_bytes)
@@ -91,11 +83,9 @@ class PrefixCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "key.json"
         if not meta.exists():  # atomic: another worker may create the same key at once
-            atomic.write_json(meta, {
-                "fingerprint": fingerprint, "max_source_length": max_source_length,
-                "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
-                "format_version": FORMAT_VERSION,
-            }, indent=1)
+            atomic.write_json(meta, {"fingerprint": fingerprint, "max_source_length": max_source_length,
+                                     "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
+                                     "format_version": FORMAT_VERSION}, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
 
@@ -121,11 +111,8 @@ class PrefixCache:
         missing = [i for i in range(len(paths)) if i not in entries]
         if missing:
             self.stats["misses"] += len(missing)
-            sub = Batch(
-                [batch.example_ids[i] for i in missing],
-                batch.input_ids[missing], batch.attention_mask[missing],
-                batch.decoder_input_ids[missing], batch.labels[missing],
-            )
+            sub = Batch([batch.example_ids[i] for i in missing], batch.input_ids[missing],
+                        batch.attention_mask[missing], batch.decoder_input_ids[missing], batch.labels[missing])
             computed = model.compute_prefix(sub)
             for j, i in enumerate(missing):
                 enc = computed.encoder_hidden[j, : src_len[i]].to("cpu", self.dtype).contiguous()
@@ -133,15 +120,13 @@ class PrefixCache:
                 self._store(paths[i], enc, dec)
                 entries[i] = (enc, dec)
 
-        b, s = batch.input_ids.shape
-        t = batch.labels.shape[1]
         n = entries[0][0].shape[-1]
-        enc_h = torch.zeros(b, s, n)
-        dec_h = torch.zeros(b, t, n)
+        enc_h = torch.zeros(*batch.input_ids.shape, n)
+        dec_h = torch.zeros(*batch.labels.shape, n)
         for i, (enc, dec) in entries.items():
             enc_h[i, : enc.shape[0]] = enc.float()
             dec_h[i, : dec.shape[0]] = dec.float()
-        return Prefix(enc_h, batch.attention_mask, dec_h, target_mask_of(batch)).to(model.device)
+        return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
         try:
@@ -249,7 +234,7 @@ class TeacherCache:
             self.stats["hits"] += len(batch)
             return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
         self.stats["misses"] += len(batch)
-        target_mask = target_mask_of(batch).to(model.device)
+        target_mask = (batch.labels != IGNORE_INDEX).to(model.device)
         logits = model.path_logits(prefix.to(model.device), "global", target_mask=target_mask, packed=True)
         starts = [0, *itertools.accumulate(tgt_len)]
         for i, eid in enumerate(batch.example_ids):

@@ -71,15 +71,10 @@ class TwoPathOutput:
     # [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target tokens (row-major)
     logits_local: torch.Tensor  # differentiable w.r.t. the local adapters
     logits_global: torch.Tensor  # computed under no_grad
-    target_mask: torch.Tensor | None = None  # [B, T] bool, where the logits are real
 
 
 class _PrefixReady(Exception):
     """Raised from a pre-hook to stop the backbone forward once the prefix has been captured."""
-
-
-def target_mask_of(batch: Batch) -> torch.Tensor:
-    return batch.labels != IGNORE_INDEX
 
 
 def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool) -> torch.Tensor:
@@ -262,13 +257,12 @@ class AdapterSummarizer(nn.Module):
     def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
         with self.use_path(path):
-            out = self.backbone(
-                input_ids=batch.input_ids.to(self.device),
-                attention_mask=batch.attention_mask.to(self.device),
-                decoder_input_ids=batch.decoder_input_ids.to(self.device),
-                use_cache=False,
-            )
-        return out.logits
+            return self._full_forward(batch).logits
+
+    def _full_forward(self, batch: Batch):
+        device = self.device
+        return self.backbone(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                             decoder_input_ids=batch.decoder_input_ids.to(device), use_cache=False)
 
     @torch.no_grad()
     def compute_prefix(self, batch: Batch) -> Prefix:
@@ -285,12 +279,7 @@ class AdapterSummarizer(nn.Module):
         handle = self._first_layer.register_forward_pre_hook(grab, with_kwargs=True)
         try:
             with self.use_path(None):
-                self.backbone(
-                    input_ids=batch.input_ids.to(self.device),
-                    attention_mask=batch.attention_mask.to(self.device),
-                    decoder_input_ids=batch.decoder_input_ids.to(self.device),
-                    use_cache=False,
-                )
+                self._full_forward(batch)
         except _PrefixReady:
             pass
         finally:
@@ -298,7 +287,7 @@ class AdapterSummarizer(nn.Module):
         if "decoder_hidden" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
         return Prefix(captured["encoder_hidden"], batch.attention_mask.to(self.device), captured["decoder_hidden"],
-                      target_mask_of(batch).to(self.device))
+                      (batch.labels != IGNORE_INDEX).to(self.device))
 
     def _top_masks(self, prefix: Prefix):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -356,7 +345,7 @@ class AdapterSummarizer(nn.Module):
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
-        target_mask = target_mask_of(batch).to(self.device)
+        target_mask = (batch.labels != IGNORE_INDEX).to(self.device)
         masks = self._top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, target_mask, packed)
         if teacher_logits is None:
@@ -364,7 +353,7 @@ class AdapterSummarizer(nn.Module):
                 teacher_logits = self.path_logits(prefix, "global", masks, target_mask, packed)
         else:
             teacher_logits = _match_layout(teacher_logits.to(self.device), target_mask, packed)
-        return TwoPathOutput(logits_local, teacher_logits, target_mask)
+        return TwoPathOutput(logits_local, teacher_logits)
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
