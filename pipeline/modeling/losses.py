@@ -37,10 +37,7 @@ KdDirection = Literal["teacher_to_student", "student_to_teacher"]
 # The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
 LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
 Normalisation = Literal["tokens", "sequences"]
-# How tau is read (selective mode): "absolute" = an entropy in entropy_log_base units (the paper's 5 nats);
-# "max_entropy" = a fraction of the largest possible entropy log|V| (portable across vocabularies: 5 nats on BART's
-# 50,265 tokens is 0.46 of ln|V|); "batch_quantile" = the tau-quantile of H(q_g) over the batch's target tokens (a
-# fixed share of tokens gets KD, whatever the backbone's calibration).
+# How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
 TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered gate (pipeline.modeling.gates)
 
@@ -50,14 +47,14 @@ class KDConfig:
     """The loss of one client step; the names are the params file's `train` keys (pipeline.training.client_training)."""
 
     mode: KdMode = "selective"
-    kd_lambda: Fraction = 0.2  # lambda, weight of the KL term on gated tokens
-    tau: float = 5.0  # entropy threshold (in units of entropy_log_base)
+    kd_lambda: Fraction = 0.2
+    tau: float = 5.0  # the gate's threshold
     kd_temperature: Positive = 1.0
-    kd_direction: KdDirection = "teacher_to_student"  # KL(q_g || q_l); the alternative is KL(q_l || q_g)
+    kd_direction: KdDirection = "teacher_to_student"
     entropy_log_base: LogBase = "e"
     loss_normalisation: Normalisation = "tokens"
     tau_scale: TauScale = "absolute"
-    kd_gate: GateName = "entropy"  # selective KD's gate (pipeline.modeling.gates); kd and hard have their own
+    kd_gate: GateName = "entropy"  # selective KD's; kd and hard have their own (gates.catalog.MODE_GATES)
 
     @model_validator(mode="after")
     def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:

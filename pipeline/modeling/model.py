@@ -137,17 +137,12 @@ class AdapterSummarizer(nn.Module):
         self._active: str | None = None
         # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
         # (see pipeline/modeling/adapters.py); other layers: the adapter reads the layer's output.
-        self._hooks = [
-            norm.register_forward_hook(self._make_adapter_hook(i, on_input=True))
-            if norm is not None
-            else layer.register_forward_hook(self._make_adapter_hook(i, on_input=False))
-            for i, (layer, norm) in enumerate(zip(self._top_layers, norms))
-        ]
+        for i, (layer, norm) in enumerate(zip(self._top_layers, norms)):
+            (layer if norm is None else norm).register_forward_hook(self._make_adapter_hook(i, norm is not None))
         self._fingerprint: str | None = None
         self.to(torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"))
         self.train(False)
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
         """An HF encoder-decoder (BART/LED/mBART/Pegasus, or an EncoderDecoderModel such as BERT2BERT) and its
@@ -166,10 +161,8 @@ class AdapterSummarizer(nn.Module):
     @classmethod
     def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
-                f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
-            )
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
+                             f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first")
         gen = model.generation_config
         for key in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
             if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
@@ -192,7 +185,6 @@ class AdapterSummarizer(nn.Module):
         self.backbone.eval()  # frozen: no dropout, so the shared prefix is deterministic (and cacheable)
         return self
 
-    # ------------------------------------------------------------------ adapters
     def _make_adapter_hook(self, i: int, on_input: bool):
         def hook(module, args, output):
             if self._active is None:
@@ -253,7 +245,6 @@ class AdapterSummarizer(nn.Module):
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
-    # ------------------------------------------------------------------ forward
     def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
         with self.use_path(path):

@@ -22,28 +22,24 @@ log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-
 
 @config
 class WarmupConfig:
-    """Central warm-up of the offline recipe (ignored for hub ids and local directories)."""
+    """Central warm-up of the offline recipe (params.yaml `backbone.warmup` says what each key does)."""
 
-    dataset: Literal[DATASETS] = "samsum"  # type: ignore[valid-type]  # read from data/interim/<dataset>.parquet
+    dataset: Literal[DATASETS] = "samsum"  # type: ignore[valid-type]
     steps: NonNegativeInt = 120  # 0 = no warm-up
     batch_size: PositiveInt = 16
     max_source_length: TokenLength = 256
     max_target_length: TokenLength = 64
-    lr: Positive = 2e-4  # pretrained MiniLM weights
-    cross_attention_lr: Positive = 6e-4  # new cross-attention and LM-head transform
+    lr: Positive = 2e-4
+    cross_attention_lr: Positive = 6e-4
     weight_decay: NonNegative = 0.01
-    warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
+    warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     freeze_embeddings: bool = False
-    # "random": the decoder's new cross-attention starts from HF's random init; "self_attention": each layer's
-    # cross-attention starts as a copy of the same layer's pretrained self-attention (query/key/value/output and
-    # its LayerNorm), so attention over the encoder starts from weights that already read MiniLM's hidden states.
     cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
-    length_grouping: NonNegativeInt = 32  # sort each window of this many batches by length (less padding); 0 = off
-    bf16: bool = False  # bf16 autocast (CPU: only faster with native bf16 such as AVX512-BF16/AMX; CUDA: if supported)
-    num_threads: NonNegativeInt = 0  # torch.set_num_threads; 0 = torch's default
+    length_grouping: NonNegativeInt = 32
+    bf16: bool = False  # CUDA: only where bf16 is supported
+    num_threads: NonNegativeInt = 0
     seed: int = 0
     log_every: PositiveInt = 25
-    # fixed SAMSum validation subsample scored after the warm-up (0 = skip)
     eval_examples: NonNegativeInt = 100
     eval_batch_size: PositiveInt = 32
 
