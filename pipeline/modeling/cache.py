@@ -97,11 +97,9 @@ class PrefixCache:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
-        paths = [
-            self.dir / (_sha(eid, batch.input_ids[i, : src_len[i]].tolist(),
-                             batch.decoder_input_ids[i, : tgt_len[i]].tolist())[:32] + ".safetensors")
-            for i, eid in enumerate(batch.example_ids)
-        ]
+        paths = [self.dir / (_sha(eid, batch.input_ids[i, : src_len[i]].tolist(),
+                                  batch.decoder_input_ids[i, : tgt_len[i]].tolist())[:32] + ".safetensors")
+                 for i, eid in enumerate(batch.example_ids)]
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, path in enumerate(paths):
             loaded = self._load(path)

@@ -287,18 +287,11 @@ class AdapterSummarizer(nn.Module):
         b, t = h.shape[:2]
         # Causal self-attention over right-padded targets (padding never reaches valid tokens); cross-attention:
         # source padding masked. The same builders the HF decoders call.
-        self_mask = create_causal_mask(
-            config=self._stack.config,
-            inputs_embeds=h,
-            attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device),
-            past_key_values=None,
-        )
-        cross_mask = create_bidirectional_mask(
-            config=self._stack.config,
-            inputs_embeds=h,
-            attention_mask=prefix.encoder_mask.to(h.device),
-            encoder_hidden_states=prefix.encoder_hidden,
-        )
+        self_mask = create_causal_mask(config=self._stack.config, inputs_embeds=h, past_key_values=None,
+                                       attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device))
+        cross_mask = create_bidirectional_mask(config=self._stack.config, inputs_embeds=h,
+                                               attention_mask=prefix.encoder_mask.to(h.device),
+                                               encoder_hidden_states=prefix.encoder_hidden)
         return self_mask, cross_mask
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -350,6 +343,5 @@ class AdapterSummarizer(nn.Module):
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
         """HF ``generate`` with ``path``'s adapters active."""
         with self.use_path(path):
-            return self.backbone.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generation_kwargs
-            )
+            return self.backbone.generate(input_ids=input_ids.to(self.device),
+                                          attention_mask=attention_mask.to(self.device), **generation_kwargs)

@@ -239,8 +239,7 @@ def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *,
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                     stepper.backward(out.loss, weight)
                     n_tok = int(out.n_tokens)
-                    valid = labels != IGNORE_INDEX
-                    gate = out.gate.detach() & valid  # all False where no KD applies (mode ce)
+                    gate = out.gate.detach()  # False on padding, and everywhere without KD (mode ce)
                     n_kd = int(gate.sum())
                     sums["loss"] += float(out.loss.detach()) * n_tok
                     sums["ce"] += float(out.ce_mean) * n_tok
@@ -275,11 +274,10 @@ def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: 
     valid = (labels != IGNORE_INDEX).cpu().numpy()
     b_idx, t_idx = np.nonzero(valid)
     ids = np.asarray(batch.example_ids, dtype=object)
-    return pd.DataFrame({
-        "client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
-        "token_id": labels.cpu().numpy()[b_idx, t_idx], "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
-        "kd_applied": gate.cpu().numpy()[b_idx, t_idx],
-    }).astype(GATE_LOG_DTYPES)
+    return pd.DataFrame({"client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
+                         "token_id": labels.cpu().numpy()[b_idx, t_idx],
+                         "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
+                         "kd_applied": gate.cpu().numpy()[b_idx, t_idx]}).astype(GATE_LOG_DTYPES)
 
 
 @torch.no_grad()
