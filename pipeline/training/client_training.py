@@ -161,19 +161,13 @@ class PlainSteps:
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
     """(local logits with gradients, global logits or None). The frozen prefix comes from the disk cache when
     there is one; with more than one local epoch the teacher's logits come from the round's RAM cache."""
-    prefix = cache.prefix_for(model, batch) if cache is not None else None
-    if two_paths:
-        teacher = None
-        if teacher_cache is not None:
-            if prefix is None:
-                prefix = model.compute_prefix(batch)
-            teacher = teacher_cache.logits_for(model, batch, prefix)
-        # packed: the LM head and the loss run only on the real (non-padding) target tokens
-        out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
-        return out.logits_local, out.logits_global
-    if prefix is None:
-        prefix = model.compute_prefix(batch)
-    return model.path_logits(prefix.to(model.device), "local", packed=True), None
+    prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
+    # packed: the LM head and the loss run only on the real (non-padding) target tokens
+    if not two_paths:
+        return model.path_logits(prefix.to(model.device), "local", packed=True), None
+    teacher = teacher_cache.logits_for(model, batch, prefix) if teacher_cache is not None else None
+    out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
+    return out.logits_local, out.logits_global
 
 
 def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *, client: str, rnd: int,

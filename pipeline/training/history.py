@@ -1,7 +1,5 @@
-"""The rounds history of a training run: ``rounds.json`` (one row per round and client) and the DVC plot file, the
-per-round MLflow metrics, the back-fill of rounds a killed run checkpointed but did not log, and the recorders that
-receive each finished round: the base :class:`Recorder` logs (an engine run without the train stage),
-:class:`TrainRecorder` writes the rounds files and the per-round MLflow metrics (the train stage)."""
+"""The rounds history of a training run: ``rounds.json`` and the DVC plot file, the per-round MLflow metrics (and
+their back-fill after a kill), and the recorders of each finished round (:class:`Recorder` only logs)."""
 from __future__ import annotations
 
 import logging
