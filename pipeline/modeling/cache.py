@@ -15,6 +15,7 @@ epoch; cleared when the global adapter changes; each entry's CRC-32 is checked o
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -142,21 +143,17 @@ class PrefixCache:
         if tensors_sha256(enc, dec) != expected:
             self._damaged(path, "tensor bytes do not match the recorded sha256")
             return None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # LRU: a hit makes the entry recent
-        except FileNotFoundError:
-            pass
         return enc, dec
 
     def _damaged(self, path: Path, why: str) -> None:
         log.warning("prefix cache: damaged entry %s: %s; recomputing it", path, why)
         self.stats["damaged"] += 1
-        try:
+        with contextlib.suppress(OSError):
             size = path.stat().st_size
             path.unlink()
             self._bytes -= size
-        except OSError:
-            pass
 
     def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")

@@ -269,10 +269,8 @@ class AdapterSummarizer(nn.Module):
 
         handle = self._first_layer.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            with self.use_path(None):
+            with self.use_path(None), contextlib.suppress(_PrefixReady):
                 self._full_forward(batch)
-        except _PrefixReady:
-            pass
         finally:
             handle.remove()
         if "decoder_hidden" not in captured:
