@@ -33,8 +33,7 @@ GATE_LOG_COLUMNS = list(GATE_LOG_DTYPES)
 
 
 def kd_config(plan: Plan) -> KDConfig:
-    """The loss configuration of the plan's method: its KD mode, its tau (inf when it reads none) and the `train`
-    keys of the same names."""
+    """The plan's loss: its method's KD mode, its tau (inf when none) and the `train` keys of the same names."""
     same_names = {f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig)
                   if f.name not in ("mode", "tau")}
     return KDConfig(mode=plan.spec.kd_mode, tau=plan.tau if plan.tau is not None else float("inf"), **same_names)
@@ -159,8 +158,7 @@ class PlainSteps:
 
 
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
-    """(local logits with gradients, global logits or None). The frozen prefix comes from the disk cache when
-    there is one; with more than one local epoch the teacher's logits come from the round's RAM cache."""
+    """(local logits with gradients, global logits or None), the prefix and the teacher from their caches if any."""
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     # packed: the LM head and the loss run only on the real (non-padding) target tokens
     if not two_paths:

@@ -28,8 +28,7 @@ class RoundLog:
 
 
 def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:
-    """A client row's quantities that are set (its epsilon only under example-level DP: client-level DP's is the
-    run's, :func:`client_level_round`)."""
+    """A client row's quantities that are set (epsilon only under example-level DP; client-level DP's is the run's)."""
     return {k: row[k] for k in keys if row.get(k) is not None and not (k == "epsilon" and "update_clipped" in row)}
 
 
