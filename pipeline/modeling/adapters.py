@@ -2,17 +2,11 @@
 
     Y_hat = LayerNorm(Y + ReLU(Y W_down) W_up),   W_down: n x m,  W_up: m x n
 
-Where Y is taken, and why (round 0 must be the backbone):
-- Post-LN layers (BART, LED, BERT/RoBERTa decoders) end with their own LayerNorm, ``out = LN_layer(Z)`` with Z
-  the residual sum of the last sub-layer. A second LayerNorm on top of ``out`` can not be made the identity (it
-  renormalises ``g * x_hat + b``; measured on MiniLM's layers: 17-118 % relative change of the hidden state, even
-  with LN_layer's (g, b) copied in). So, as in Houlsby et al. (2019), the adapter sits before the layer's final
-  LayerNorm and that LayerNorm becomes the adapter's: Y = Z, and the adapter's LayerNorm (trained in the local
-  set) starts as a copy of LN_layer. With W_up = 0 at init, Y_hat = LN_layer(Z) = the layer's output, exactly.
-  The layer's own (frozen) LayerNorm output is then replaced by Y_hat.
-- Layers without a final LayerNorm (pre-LN: mBART, Pegasus) get the adapter on their output (Y = layer output)
-  with a unit LayerNorm; there round 0 is only approximately the backbone.
-- W_down ~ N(0, init_std^2) so the bottleneck is not dead: W_up gets a nonzero gradient from the first step.
+Round 0 must be the backbone. Post-LN layers (BART, LED, BERT) end with ``out = LN_layer(Z)``, and a second
+LayerNorm on top cannot be made the identity (measured on MiniLM: 17-118 % relative change), so, as in Houlsby et
+al. (2019), the adapter reads Y = Z and its LayerNorm replaces the layer's, starting as a copy of it: with W_up = 0,
+Y_hat is the layer's output exactly. Pre-LN layers (mBART, Pegasus) get the adapter on their output with a unit
+LayerNorm (round 0 only approximately the backbone). W_down ~ N(0, init_std^2), so W_up gets a gradient at once.
 """
 from __future__ import annotations
 
@@ -42,9 +36,8 @@ class HoulsbyAdapter(nn.Module):
         self.up = nn.Linear(bottleneck, hidden, bias=bias)  # W_up
         self.norm = nn.LayerNorm(hidden, eps=eps)
 
-    def reset_parameters(
-        self, init_std: float, layer_norm: nn.LayerNorm | None = None, generator: torch.Generator | None = None
-    ) -> None:
+    def reset_parameters(self, init_std: float, layer_norm: nn.LayerNorm | None = None,
+                         generator: torch.Generator | None = None) -> None:
         with torch.no_grad():
             nn.init.normal_(self.down.weight, std=init_std, generator=generator)
             nn.init.zeros_(self.up.weight)
@@ -81,9 +74,8 @@ class AdapterSet(nn.Module):
 
     def __init__(self, hidden: int, config: AdapterConfig, layer_norms: list[nn.LayerNorm | None]):
         super().__init__()
-        self.adapters = nn.ModuleList(
-            HoulsbyAdapter(hidden, config.bottleneck, config.bias) for _ in range(config.top_k)
-        )
+        self.adapters = nn.ModuleList(HoulsbyAdapter(hidden, config.bottleneck, config.bias)
+                                      for _ in range(config.top_k))
         generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         for adapter, ln in zip(self.adapters, layer_norms):
             adapter.reset_parameters(config.init_std, ln, generator)
@@ -94,17 +86,15 @@ class AdapterSet(nn.Module):
     def __len__(self) -> int:
         return len(self.adapters)
 
+    def _named(self) -> dict[str, nn.Parameter]:
+        return {f"layer{i}.{name}": p for i, adapter in enumerate(self.adapters)
+                for name, p in adapter.named_parameters()}
+
     def state(self) -> dict[str, torch.Tensor]:
-        return {
-            f"layer{i}.{name}": p.detach().to("cpu", torch.float32).clone()
-            for i, adapter in enumerate(self.adapters)
-            for name, p in adapter.named_parameters()
-        }
+        return {key: p.detach().to("cpu", torch.float32).clone() for key, p in self._named().items()}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        own = dict(
-            (f"layer{i}.{name}", p) for i, adapter in enumerate(self.adapters) for name, p in adapter.named_parameters()
-        )
+        own = self._named()
         missing, unknown = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if missing or unknown:
             raise ValueError(f"adapter state does not match: missing {missing[:4]}, unknown {unknown[:4]}")

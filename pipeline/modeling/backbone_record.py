@@ -12,11 +12,8 @@ def backbone_name(backbone_dir: str | Path, fallback: str) -> str:
     """``name`` in the backbone directory's record, else ``fallback`` (no record, an unreadable one, or no name
     in it): training falls back to the backbone path, evaluation to the loaded model's type."""
     record = Path(backbone_dir) / RECORD_NAME
-    if record.is_file():
-        try:
-            name = json.loads(record.read_text()).get("name")
-        except json.JSONDecodeError:
-            return fallback
-        if name:
-            return str(name)
-    return fallback
+    try:
+        name = json.loads(record.read_text()).get("name") if record.is_file() else None
+    except json.JSONDecodeError:
+        return fallback
+    return str(name) if name else fallback

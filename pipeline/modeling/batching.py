@@ -40,18 +40,10 @@ class Batch:
         return len(self.example_ids)
 
 
-def tokenize_pairs(
-    tokenizer,
-    sources: Sequence[str],
-    targets: Sequence[str],
-    max_source_length: int,
-    max_target_length: int,
-    example_ids: Sequence[str] | None = None,
-    decoder_start_token_id: int | None = None,
-) -> list[TokenizedExample]:
+def tokenize_pairs(tokenizer, sources: Sequence[str], targets: Sequence[str], max_source_length: int,
+                   max_target_length: int, example_ids: Sequence[str] | None = None,
+                   decoder_start_token_id: int | None = None) -> list[TokenizedExample]:
     """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding."""
-    if len(sources) != len(targets):
-        raise ValueError(f"tokenize_pairs: {len(sources)} sources but {len(targets)} targets")
     if example_ids is None:
         example_ids = [str(i) for i in range(len(sources))]
     src = tokenizer(list(sources), max_length=max_source_length, truncation=True)["input_ids"]
@@ -71,12 +63,8 @@ def target_labels(ids: Sequence[int], decoder_start_token_id: int | None) -> lis
     return ids[1:] if decoder_start_token_id is not None and len(ids) > 1 and ids[0] == decoder_start_token_id else ids
 
 
-def collate(
-    examples: Sequence[TokenizedExample], pad_token_id: int, decoder_start_token_id: int
-) -> Batch:
+def collate(examples: Sequence[TokenizedExample], pad_token_id: int, decoder_start_token_id: int) -> Batch:
     """Pad a list of tokenised examples into a Batch (right padding)."""
-    if not examples:
-        raise ValueError("collate: empty list of examples")
     b = len(examples)
     s = max(len(e.input_ids) for e in examples)
     t = max(len(e.labels) for e in examples)
@@ -93,50 +81,28 @@ def collate(
     return Batch([e.example_id for e in examples], input_ids, attention_mask, decoder_input_ids, labels)
 
 
-def make_batches(
-    examples_df,
-    tokenizer,
-    cfg,
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-    decoder_start_token_id: int,
-    pad_token_id: int | None = None,
-    bucket_by_length: bool = False,
-    bucket_batches: int = 50,
-) -> list[Batch]:
-    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> list of Batches.
+def make_batches(examples_df, tokenizer, cfg, batch_size: int, shuffle: bool, seed: int, decoder_start_token_id: int,
+                 pad_token_id: int | None = None, bucket_by_length: bool = False,
+                 bucket_batches: int = 50) -> list[Batch]:
+    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches; ``cfg`` has the max lengths.
 
-    ``cfg`` is anything with ``max_source_length`` and ``max_target_length`` (the ``model`` params group).
-    With ``shuffle`` the order is a permutation drawn from ``numpy.random.default_rng(seed)``.
-    ``bucket_by_length`` cuts padding (the top layers and the LM head run on padded [B, T] positions): the
-    (shuffled) order is cut into chunks of ``bucket_batches * batch_size`` examples, each chunk is sorted by
-    target length (stable; then source length), batched, and with ``shuffle`` the batch order is permuted again
-    with the same generator -- batches stay random in content across chunks and epochs, but similar in length.
+    With ``shuffle`` the order is a permutation from ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts
+    padding: chunks of ``bucket_batches * batch_size`` examples of that order are sorted by (target, source)
+    length, batched, and with ``shuffle`` the batches are permuted again with the same generator.
     """
     for col in ("example_id", "source", "target"):
         if col not in examples_df.columns:
             raise ValueError(f"make_batches: examples table has no column {col!r} (columns: {list(examples_df.columns)})")
-    if batch_size < 1:
-        raise ValueError(f"make_batches: batch_size must be >= 1, got {batch_size}")
     pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
     if pad is None:
         raise ValueError("make_batches: the tokenizer has no pad token")
-    examples = tokenize_pairs(
-        tokenizer,
-        examples_df["source"].tolist(),
-        examples_df["target"].tolist(),
-        cfg.max_source_length,
-        cfg.max_target_length,
-        examples_df["example_id"].astype(str).tolist(),
-        decoder_start_token_id,
-    )
+    examples = tokenize_pairs(tokenizer, examples_df["source"].tolist(), examples_df["target"].tolist(),
+                              cfg.max_source_length, cfg.max_target_length,
+                              examples_df["example_id"].astype(str).tolist(), decoder_start_token_id)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
     if bucket_by_length:
-        if bucket_batches < 1:
-            raise ValueError(f"make_batches: bucket_batches must be >= 1, got {bucket_batches}")
         chunk = bucket_batches * batch_size
         groups = []
         for c in range(0, len(order), chunk):

@@ -37,11 +37,8 @@ def minilm_dir() -> Path:
 
 
 def build_bert2bert(encoder_dir: Path):
-    """EncoderDecoderModel with encoder and decoder both initialised from one BERT checkpoint.
-
-    The decoder gets ``is_decoder=True`` (causal self-attention) and new, randomly initialised cross-attention;
-    its LM head is tied to its own word embeddings (BERT's default). [CLS] starts decoding, [SEP] ends it.
-    """
+    """EncoderDecoderModel with encoder and decoder from one BERT checkpoint: the decoder gets causal
+    self-attention, new random cross-attention and an LM head tied to its word embeddings; [CLS] starts, [SEP] ends."""
     from transformers import AutoTokenizer, EncoderDecoderModel
     from transformers.utils import logging as hf_logging
 

@@ -1,39 +1,28 @@
 """Caches of what does not change while the backbone is frozen.
 
-``PrefixCache`` (disk): per example, the encoder output (as the decoder's cross-attention sees it) and the hidden
-state entering the first adapted decoder layer (:class:`pipeline.modeling.model.Prefix`). Both depend only on the
-backbone, the example's token ids and k -- not on the adapters, the round, the client or the experiment -- so
-they are computed once and reused by every training step, validation loss and experiment.
+``PrefixCache`` (disk): per example, the encoder output and the hidden state entering the first adapted decoder layer
+(:class:`pipeline.modeling.model.Prefix`); they depend only on the backbone, the example's token ids and k, so every
+step, validation and experiment reuses them. ``<root>/<key>/<entry>.safetensors``: the key hashes the backbone
+fingerprint, max lengths, k, dtype and format version; the entry the example id and its token ids (so edited text
+never hits a stale entry). Entries are trimmed to the example's lengths, evicted least recently used (mtime) beyond
+``max_bytes``, written to a temp file and renamed (concurrent workers see a whole file or none), and carry the
+sha256 of their tensors: a damaged entry is logged, deleted and recomputed. A relative ``root`` is under the project
+root (:func:`resolve_root`), so DVC's temporary experiment copies share one cache. float16/bfloat16 entries are
+not exact.
 
-Layout: ``<root>/<key>/<entry>.safetensors`` with
-  key   = sha256(backbone fingerprint, max_source_length, max_target_length, top_k, dtype, format version)[:20]
-  entry = sha256(example_id, source token ids, decoder input ids)[:32]   (so edited text never hits a stale entry)
-Each file holds ``encoder_hidden [S_i, n]`` and ``decoder_hidden [T_i, n]`` trimmed to the example's own lengths,
-read memory-mapped by safetensors. Size limit: when adding a file would exceed ``max_bytes`` the least recently
-used files (by mtime; a hit refreshes it) anywhere under ``root`` are evicted -- stale keys go first because
-they are never hit. A file larger than the whole budget is not stored (counted in ``stats["refused"]``).
-Writes go to a temp file and are renamed into place, so concurrent clients never read half a file. Each file
-carries the sha256 of its tensors' bytes in its safetensors metadata; an entry that is unreadable or whose bytes
-no longer match (a damaged disk, a copy cut short) is logged, deleted and recomputed (``stats["damaged"]``).
-Deleting ``root`` is always safe. A relative ``root`` is under the project root (:func:`resolve_root`), so DVC's
-queued and temporary experiments, which run in copies under ``.dvc/tmp/exps/``, share the one cache; two workers
-writing the same entry each write their own temp file and rename it, so a reader sees one whole file or none.
-Stored in float16/bfloat16 the cache halves its size but is no longer exact.
-
-``TeacherCache`` (RAM, one round): the global-path logits of each example, exact (float32), for rounds with
-more than one local epoch; cleared automatically when the global adapter changes. Examples beyond its byte budget
-are simply recomputed. Each entry keeps a CRC-32 of its bytes, checked on every hit: an entry changed in place
-(e.g. by a caller writing into a tensor it was handed) is logged, dropped and recomputed.
+``TeacherCache`` (RAM, one round): each example's exact global-path logits, for rounds with more than one local
+epoch; cleared when the global adapter changes; each entry's CRC-32 is checked on every hit.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import os
 import tempfile
 import zlib
-
 from pathlib import Path
 
 import torch
@@ -43,7 +32,7 @@ from safetensors.torch import save_file
 from pipeline.common import atomic
 from pipeline.common.config import NonNegative, config, repo_root
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
-from pipeline.modeling.model import AdapterSummarizer, Prefix, target_mask_of
+from pipeline.modeling.model import AdapterSummarizer, Prefix
 
 FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under another key and age out)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -53,9 +42,8 @@ log = logging.getLogger(__name__)
 
 @config
 class CacheConfig:
-    """Where the frozen-prefix cache lives and how much the caches may hold (`model.cache_dir`,
-    `model.cache_max_gb`, `model.teacher_cache_gb`). None of it changes a result (float32 entries are exact; evicted entries are recomputed), so plans leave it out
-    (pipeline.experiments.RunSettings). The entries' dtype does change results: it travels in the plan."""
+    """Where the prefix cache lives and what the caches may hold; no result depends on it, so plans leave it out
+    (pipeline.experiments.RunSettings; the entries' dtype, which does, travels in the plan)."""
 
     cache_dir: str = "data/cache/prefix"
     cache_max_gb: NonNegative = 4.0
@@ -63,8 +51,7 @@ class CacheConfig:
 
 
 def resolve_root(cache_dir: str | os.PathLike) -> Path:
-    """``model.cache_dir`` as a path: absolute as given, relative under the project root (which follows DVC_ROOT,
-    pipeline.common.config.repo_root), never under the working directory of a DVC experiment's temporary copy."""
+    """``model.cache_dir``: absolute as given, relative under the project root (pipeline.common.config.repo_root)."""
     root = Path(cache_dir)
     return root if root.is_absolute() else repo_root() / root
 
@@ -87,18 +74,8 @@ def _sha(*parts) -> str:
 
 
 class PrefixCache:
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        fingerprint: str,
-        max_source_length: int,
-        max_target_length: int,
-        top_k: int,
-        dtype: str = "float32",
-        max_bytes: int = 4 * 2**30,
-    ):
-        if dtype not in DTYPES:
-            raise ValueError(f"PrefixCache dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    def __init__(self, root: str | os.PathLike, fingerprint: str, max_source_length: int, max_target_length: int,
+                 top_k: int, dtype: str = "float32", max_bytes: int = 4 * 2**30):
         self.root = Path(root)
         self.dtype = DTYPES[dtype]
         self.max_bytes = int(max_bytes)
@@ -107,20 +84,11 @@ class PrefixCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "key.json"
         if not meta.exists():  # atomic: another worker may create the same key at once
-            atomic.write_json(meta, {
-                "fingerprint": fingerprint, "max_source_length": max_source_length,
-                "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
-                "format_version": FORMAT_VERSION,
-            }, indent=1)
+            atomic.write_json(meta, {"fingerprint": fingerprint, "max_source_length": max_source_length,
+                                     "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
+                                     "format_version": FORMAT_VERSION}, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
-
-    @classmethod
-    def for_model(cls, model: AdapterSummarizer, model_cfg, cache_cfg: CacheConfig,
-                  dtype: str = "float32") -> "PrefixCache":
-        """For ``model`` with the lengths of ``model_cfg`` (ModelConfig), stored where ``cache_cfg`` says."""
-        return cls(resolve_root(cache_cfg.cache_dir), model.backbone_fingerprint(), model_cfg.max_source_length,
-                   model_cfg.max_target_length, model.adapter_config.top_k, dtype, int(cache_cfg.cache_max_gb * 2**30))
 
     @property
     def size_bytes(self) -> int:
@@ -130,11 +98,9 @@ class PrefixCache:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
-        paths = [
-            self.dir / (_sha(eid, batch.input_ids[i, : src_len[i]].tolist(),
-                             batch.decoder_input_ids[i, : tgt_len[i]].tolist())[:32] + ".safetensors")
-            for i, eid in enumerate(batch.example_ids)
-        ]
+        paths = [self.dir / (_sha(eid, batch.input_ids[i, : src_len[i]].tolist(),
+                                  batch.decoder_input_ids[i, : tgt_len[i]].tolist())[:32] + ".safetensors")
+                 for i, eid in enumerate(batch.example_ids)]
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, path in enumerate(paths):
             loaded = self._load(path)
@@ -144,11 +110,8 @@ class PrefixCache:
         missing = [i for i in range(len(paths)) if i not in entries]
         if missing:
             self.stats["misses"] += len(missing)
-            sub = Batch(
-                [batch.example_ids[i] for i in missing],
-                batch.input_ids[missing], batch.attention_mask[missing],
-                batch.decoder_input_ids[missing], batch.labels[missing],
-            )
+            sub = Batch([batch.example_ids[i] for i in missing], batch.input_ids[missing],
+                        batch.attention_mask[missing], batch.decoder_input_ids[missing], batch.labels[missing])
             computed = model.compute_prefix(sub)
             for j, i in enumerate(missing):
                 enc = computed.encoder_hidden[j, : src_len[i]].to("cpu", self.dtype).contiguous()
@@ -156,15 +119,13 @@ class PrefixCache:
                 self._store(paths[i], enc, dec)
                 entries[i] = (enc, dec)
 
-        b, s = batch.input_ids.shape
-        t = batch.labels.shape[1]
         n = entries[0][0].shape[-1]
-        enc_h = torch.zeros(b, s, n)
-        dec_h = torch.zeros(b, t, n)
+        enc_h = torch.zeros(*batch.input_ids.shape, n)
+        dec_h = torch.zeros(*batch.labels.shape, n)
         for i, (enc, dec) in entries.items():
             enc_h[i, : enc.shape[0]] = enc.float()
             dec_h[i, : dec.shape[0]] = dec.float()
-        return Prefix(enc_h, batch.attention_mask, dec_h, target_mask_of(batch)).to(model.device)
+        return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
         try:
@@ -182,21 +143,17 @@ class PrefixCache:
         if tensors_sha256(enc, dec) != expected:
             self._damaged(path, "tensor bytes do not match the recorded sha256")
             return None
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.utime(path)  # LRU: a hit makes the entry recent
-        except FileNotFoundError:
-            pass
         return enc, dec
 
     def _damaged(self, path: Path, why: str) -> None:
         log.warning("prefix cache: damaged entry %s: %s; recomputing it", path, why)
         self.stats["damaged"] += 1
-        try:
+        with contextlib.suppress(OSError):
             size = path.stat().st_size
             path.unlink()
             self._bytes -= size
-        except OSError:
-            pass
 
     def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
@@ -249,7 +206,7 @@ class TeacherCache:
         self._bytes = 0
 
     def _intact(self, eid: str) -> bool:
-        """Whether ``eid`` is stored and its bytes still match their CRC (a changed entry is dropped)."""
+        """Whether ``eid`` is stored and unchanged (a changed entry is dropped)."""
         if eid not in self._store:
             return False
         if zlib.crc32(_raw(self._store[eid])) == self._crc[eid]:
@@ -272,11 +229,9 @@ class TeacherCache:
             self.stats["hits"] += len(batch)
             return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
         self.stats["misses"] += len(batch)
-        target_mask = target_mask_of(batch).to(model.device)
+        target_mask = (batch.labels != IGNORE_INDEX).to(model.device)
         logits = model.path_logits(prefix.to(model.device), "global", target_mask=target_mask, packed=True)
-        starts = [0]
-        for n in tgt_len:
-            starts.append(starts[-1] + n)
+        starts = [0, *itertools.accumulate(tgt_len)]
         for i, eid in enumerate(batch.example_ids):
             row = logits[starts[i] : starts[i + 1]].to("cpu", torch.float32).clone()
             size = row.numel() * 4

@@ -2,20 +2,10 @@
 clients' federated evaluation produce them."""
 from __future__ import annotations
 
-from typing import Any, Protocol
 
-
-class DecodingSettings(Protocol):
-    """What generation reads of the evaluate stage's settings (pipeline.results.evaluation.EvaluateConfig)."""
-
-    batch_size: int
-
-    def generation_kwargs(self) -> dict[str, Any]: ...
-
-
-def generate_summaries(model, sources: list[str], cfg: DecodingSettings, max_source_length: int,
-                       desc: str) -> list[str]:
-    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
+def generate_summaries(model, sources: list[str], cfg, max_source_length: int, desc: str) -> list[str]:
+    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``
+    (``cfg``: pipeline.results.evaluation.EvaluateConfig, whose ``generation_kwargs()`` are passed on)."""
     import torch
     from tqdm import tqdm
 
@@ -26,8 +16,6 @@ def generate_summaries(model, sources: list[str], cfg: DecodingSettings, max_sou
         for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
             chunk = sources[start:start + cfg.batch_size]
             enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
-            ids = model.generate(
-                enc["input_ids"].to(model.device), enc["attention_mask"].to(model.device), path="local", **kwargs
-            )
+            ids = model.generate(enc["input_ids"], enc["attention_mask"], path="local", **kwargs)
             outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
     return outputs

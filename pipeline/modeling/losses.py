@@ -14,11 +14,9 @@ Temperature T (standard KD, Hinton et al. 2015): KL is taken between softmax(z /
 by T^2, so its gradient keeps the scale of the T = 1 case; CE and the entropy gate always use T = 1 (the gate
 asks how confident the teacher itself is). With the default T = 1 all three coincide with the equations above.
 
-Cost: the vocabulary dimension dominates, so ``distillation_loss`` works on the packed [N, V] rows of real tokens,
-chunk by chunk, with one softmax (one exp pass) per distribution and chunk, H/CE/KL from row dot products
-(``H = lse - sum p z``), and the gradient w.r.t. the student logits written in the same pass in closed form
-(``_FusedDistillation``; checked against plain autograd in tests/test_losses.py). The gate is decided before the
-kernel, from the teacher's rows and their entropies (one pass of its own), and the kernel takes it as a mask.
+Cost: the vocabulary dominates, so the loss runs on packed [N, V] rows of real tokens, chunk by chunk, one exp pass
+per distribution and chunk, with the student gradient in closed form in the same pass (``_FusedDistillation``;
+checked against autograd in tests/test_losses.py). The gate is decided before the kernel, which takes it as a mask.
 """
 from __future__ import annotations
 
@@ -39,10 +37,7 @@ KdDirection = Literal["teacher_to_student", "student_to_teacher"]
 # The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
 LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
 Normalisation = Literal["tokens", "sequences"]
-# How tau is read (selective mode): "absolute" = an entropy in entropy_log_base units (the paper's 5 nats);
-# "max_entropy" = a fraction of the largest possible entropy log|V| (portable across vocabularies: 5 nats on BART's
-# 50,265 tokens is 0.46 of ln|V|); "batch_quantile" = the tau-quantile of H(q_g) over the batch's target tokens (a
-# fixed share of tokens gets KD, whatever the backbone's calibration).
+# How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
 TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered gate (pipeline.modeling.gates)
 
@@ -52,14 +47,14 @@ class KDConfig:
     """The loss of one client step; the names are the params file's `train` keys (pipeline.training.client_training)."""
 
     mode: KdMode = "selective"
-    kd_lambda: Fraction = 0.2  # lambda, weight of the KL term on gated tokens
-    tau: float = 5.0  # entropy threshold (in units of entropy_log_base)
+    kd_lambda: Fraction = 0.2
+    tau: float = 5.0  # the gate's threshold
     kd_temperature: Positive = 1.0
-    kd_direction: KdDirection = "teacher_to_student"  # KL(q_g || q_l); the alternative is KL(q_l || q_g)
+    kd_direction: KdDirection = "teacher_to_student"
     entropy_log_base: LogBase = "e"
     loss_normalisation: Normalisation = "tokens"
     tau_scale: TauScale = "absolute"
-    kd_gate: GateName = "entropy"  # selective KD's gate (pipeline.modeling.gates); kd and hard have their own
+    kd_gate: GateName = "entropy"  # selective KD's; kd and hard have their own (gates.catalog.MODE_GATES)
 
     @model_validator(mode="after")
     def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:
@@ -80,10 +75,8 @@ class LossOutput:
     threshold: float = float("nan")  # the threshold the gate compared with (entropy gate: log_base units); NaN: none
 
 
-def _pack(logits: torch.Tensor | None, valid: torch.Tensor, name: str) -> torch.Tensor | None:
+def _pack(logits: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor:
     """[B, T, V] -> the [N, V] rows at ``valid`` (row-major, as ``logits[valid]``); [N, V] is taken as packed."""
-    if logits is None:
-        return None
     n = int(valid.sum())
     if logits.dim() == valid.dim() + 1:
         if logits.shape[:-1] != valid.shape:
@@ -178,20 +171,10 @@ class _FusedDistillation(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-def distillation_loss(
-    logits_local: torch.Tensor,
-    logits_global: torch.Tensor | None,
-    labels: torch.Tensor,
-    cfg: KDConfig,
-    hard_mask: torch.Tensor | None = None,
-    chunk_rows: int = 128,
-) -> LossOutput:
-    """The batch loss of the module docstring and per-token (entropy, gate) [B, T].
-
-    ``logits_local`` / ``logits_global``: [B, T, V] (padding positions are ignored, whatever they hold) or packed
-    [N, V], the rows of the N non-padding tokens in row-major order (``logits[labels != -100]``, as
-    ``AdapterSummarizer.forward_two_paths(..., packed=True)`` returns them), which skips the head and the loss on
-    padding. Computed in float32, ``chunk_rows`` tokens at a time (see ``_FusedDistillation``)."""
+def distillation_loss(logits_local: torch.Tensor, logits_global: torch.Tensor | None, labels: torch.Tensor,
+                      cfg: KDConfig, hard_mask: torch.Tensor | None = None, chunk_rows: int = 128) -> LossOutput:
+    """The batch loss of the module docstring and per-token (entropy, gate) [B, T]. The logits are [B, T, V]
+    (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, ``chunk_rows`` at a time."""
     valid = labels != IGNORE_INDEX
     n_tokens = int(valid.sum())
     if n_tokens == 0:
@@ -204,9 +187,7 @@ def distillation_loss(
             raise ValueError(f"hard_mask shape {tuple(hard_mask.shape)} != labels shape {tuple(labels.shape)}")
         hard_gate = hard_mask.to(torch.bool).to(valid.device)[valid]
     z_l = _pack(logits_local, valid, "logits_local")
-    z_g = _pack(logits_global.detach(), valid, "logits_global") if logits_global is not None else None
-    if z_g is not None and z_g.device != z_l.device:
-        z_g = z_g.to(z_l.device)
+    z_g = _pack(logits_global.detach(), valid, "logits_global").to(z_l.device) if logits_global is not None else None
     y = labels[valid].to(z_l.device)
 
     # w_t: the token's weight in the batch mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b))
@@ -228,9 +209,8 @@ def distillation_loss(
         if gate is not None:
             gate_p, threshold = gate(TeacherRows(z_g, entropy_p, hard_gate, chunk_rows), cfg)
             gate_p = gate_p.to(device=z_l.device, dtype=torch.bool)
-    loss, ce, kl = _FusedDistillation.apply(
-        z_l, z_g, y, row_weight, gate_p if z_g is not None else None, cfg, chunk_rows, want_grad
-    )
+    loss, ce, kl = _FusedDistillation.apply(z_l, z_g, y, row_weight, gate_p if z_g is not None else None, cfg,
+                                            chunk_rows, want_grad)
 
     entropy = torch.zeros(labels.shape, device=z_l.device)
     gate = torch.zeros(labels.shape, dtype=torch.bool, device=z_l.device)
@@ -238,16 +218,8 @@ def distillation_loss(
     entropy[valid_d] = entropy_p
     gate[valid_d] = gate_p
     n_kd = int(gate_p.sum())
-    return LossOutput(
-        loss=loss,
-        ce_mean=float(ce.mean()),
-        kd_mean=float(kl[gate_p].mean()) if n_kd else 0.0,
-        entropy=entropy,
-        gate=gate,
-        n_tokens=n_tokens,
-        n_kd=n_kd,
-        threshold=threshold,
-    )
+    return LossOutput(loss, float(ce.mean()), float(kl[gate_p].mean()) if n_kd else 0.0, entropy, gate, n_tokens, n_kd,
+                      threshold)
 
 
 def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> torch.Tensor:

@@ -1,20 +1,9 @@
-"""The client model: a frozen encoder-decoder with two adapter sets on its top k decoder layers (METHOD.md s. 3).
-
-    encoder -> decoder layers 0..L-k-1 (frozen, shared)  ->  [layer L-k+i -> adapter_i^path] for i < k -> head
-
-``path`` is ``global`` (the server's aggregate; the teacher q_g, never trained) or ``local`` (the client's
-summarizer q_l, the only trainable parameters). Everything below the first adapted layer -- the encoder output
-and the hidden state entering layer L-k -- does not depend on the path, so :meth:`forward_two_paths` computes it
-once (the :class:`Prefix`, cacheable on disk by ``pipeline.modeling.cache.PrefixCache``) and runs only the top k layers
-and the LM head once per path, the teacher path under ``torch.no_grad()``. The LM head (n x V, the largest
-matmul of a step) runs only on the real target tokens (labels != -100); ``packed=True`` hands those [N, V] rows
-straight to ``pipeline.modeling.losses.distillation_loss`` without a zero-padded [B, T, V] copy.
-
-Adapters are attached with forward hooks (on the output LayerNorm of each adapted post-LN layer, else on the
-layer), so the HF model itself is untouched and every HF code path (full forward, ``generate`` with beams and KV
-cache) sees the active path's adapters.
-The backbone always runs in eval mode (dropout off): it is frozen, and a deterministic prefix is what makes the
-prefix cache exact.
+"""The client model: a frozen encoder-decoder with two adapter sets, ``global`` (the server's aggregate, the teacher,
+never trained) and ``local`` (the client's summarizer, the only trainable parameters), on its top k decoder layers
+(METHOD.md s. 3; docs/ARCHITECTURE.md, Model). Everything below the first adapted layer does not depend on the path,
+so :meth:`forward_two_paths` computes that :class:`Prefix` once (cacheable: pipeline.modeling.cache) and runs only the
+top k layers and the LM head per path. Adapters are forward hooks, so every HF code path (``generate`` included) sees
+the active path's. The backbone always runs in eval mode: a deterministic prefix is what makes the cache exact.
 """
 from __future__ import annotations
 
@@ -52,8 +41,7 @@ class ModelConfig:
 
     @classmethod
     def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":
-        """From the `model` params group, whose cache keys are not this config's (the plan stage checks that
-        every key of the group is known: pipeline.experiments.check_model_group)."""
+        """From the `model` params group, leaving out its cache keys (pipeline.experiments checks those)."""
         from pipeline.common.config import from_dict
 
         names = {f.name for f in dataclasses.fields(cls)}
@@ -80,20 +68,13 @@ class Prefix:
 
 @dataclass
 class TwoPathOutput:
-    # [B, T, V] (0 on padding), or packed [N, V] = the rows of the N real target tokens in row-major order
-    # (``logits[batch.labels != -100]``) with ``forward_two_paths(..., packed=True)``
+    # [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target tokens (row-major)
     logits_local: torch.Tensor  # differentiable w.r.t. the local adapters
     logits_global: torch.Tensor  # computed under no_grad
-    target_mask: torch.Tensor | None = None  # [B, T] bool, where the logits are real
 
 
 class _PrefixReady(Exception):
     """Raised from a pre-hook to stop the backbone forward once the prefix has been captured."""
-
-
-def target_mask_of(batch: Batch) -> torch.Tensor:
-    """[B, T] bool: the batch's real (non-padding) target positions."""
-    return batch.labels != IGNORE_INDEX
 
 
 def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool) -> torch.Tensor:
@@ -148,29 +129,24 @@ class AdapterSummarizer(nn.Module):
         norms = [None if self.pre_layer_norm else output_layer_norm(layer) for layer in self._top_layers]
         self.__dict__["_adapter_norms"] = norms
         self.adapter_sets = nn.ModuleDict({path: AdapterSet(self.hidden_size, adapter, norms) for path in PATHS})
+        self.adapter_version = {path: 0 for path in PATHS}  # bumped on every load; lets caches notice changes
         self.copy_adapter("local", "global")  # identical start: round 0 teacher = student
         for p in self.adapter_sets["global"].parameters():
             p.requires_grad_(False)
-        self.adapter_version = {path: 0 for path in PATHS}  # bumped on every load; lets caches notice changes
 
         self._active: str | None = None
         # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
         # (see pipeline/modeling/adapters.py); other layers: the adapter reads the layer's output.
-        self._hooks = [
-            norm.register_forward_hook(self._make_adapter_hook(i, on_input=True))
-            if norm is not None
-            else layer.register_forward_hook(self._make_adapter_hook(i, on_input=False))
-            for i, (layer, norm) in enumerate(zip(self._top_layers, norms))
-        ]
+        for i, (layer, norm) in enumerate(zip(self._top_layers, norms)):
+            (layer if norm is None else norm).register_forward_hook(self._make_adapter_hook(i, norm is not None))
         self._fingerprint: str | None = None
         self.to(torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"))
         self.train(False)
 
-    # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
-        """Load an HF encoder-decoder (BART/LED/mBART/Pegasus via AutoModelForSeq2SeqLM, or an
-        ``EncoderDecoderModel`` such as BERT2BERT) and its tokenizer from ``path`` (a local dir or a hub id)."""
+        """An HF encoder-decoder (BART/LED/mBART/Pegasus, or an EncoderDecoderModel such as BERT2BERT) and its
+        tokenizer from ``path`` (a local dir or a hub id)."""
         from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
 
         if Path(path).is_dir():
@@ -185,10 +161,8 @@ class AdapterSummarizer(nn.Module):
     @classmethod
     def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
-                f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
-            )
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
+                             f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first")
         gen = model.generation_config
         for key in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
             if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
@@ -197,8 +171,7 @@ class AdapterSummarizer(nn.Module):
 
     def _config_value(self, key: str) -> int:
         value = getattr(self.backbone.config, key, None)
-        if value is None:
-            value = getattr(self.backbone.generation_config, key, None)
+        value = getattr(self.backbone.generation_config, key, None) if value is None else value
         if value is None:
             raise ValueError(f"{type(self.backbone).__name__}: config has no {key}")
         return int(value)
@@ -212,7 +185,6 @@ class AdapterSummarizer(nn.Module):
         self.backbone.eval()  # frozen: no dropout, so the shared prefix is deterministic (and cacheable)
         return self
 
-    # ------------------------------------------------------------------ adapters
     def _make_adapter_hook(self, i: int, on_input: bool):
         def hook(module, args, output):
             if self._active is None:
@@ -246,9 +218,7 @@ class AdapterSummarizer(nn.Module):
         self.adapter_version[path] += 1
 
     def copy_adapter(self, src: str, dst: str) -> None:
-        self.adapter_sets[dst].load_state(self.adapter_sets[src].state())
-        if hasattr(self, "adapter_version"):
-            self.adapter_version[dst] += 1
+        self.load_adapter_state(dst, self.adapter_state(src))
 
     def fresh_adapter_state(self, seed: int) -> dict[str, torch.Tensor]:
         """A newly initialised adapter set (as ``adapter_state`` returns it) from ``seed``: the round-0 weights."""
@@ -275,17 +245,15 @@ class AdapterSummarizer(nn.Module):
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
-    # ------------------------------------------------------------------ forward
     def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
         with self.use_path(path):
-            out = self.backbone(
-                input_ids=batch.input_ids.to(self.device),
-                attention_mask=batch.attention_mask.to(self.device),
-                decoder_input_ids=batch.decoder_input_ids.to(self.device),
-                use_cache=False,
-            )
-        return out.logits
+            return self._full_forward(batch).logits
+
+    def _full_forward(self, batch: Batch):
+        device = self.device
+        return self.backbone(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                             decoder_input_ids=batch.decoder_input_ids.to(device), use_cache=False)
 
     @torch.no_grad()
     def compute_prefix(self, batch: Batch) -> Prefix:
@@ -301,41 +269,27 @@ class AdapterSummarizer(nn.Module):
 
         handle = self._first_layer.register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            with self.use_path(None):
-                self.backbone(
-                    input_ids=batch.input_ids.to(self.device),
-                    attention_mask=batch.attention_mask.to(self.device),
-                    decoder_input_ids=batch.decoder_input_ids.to(self.device),
-                    use_cache=False,
-                )
-        except _PrefixReady:
-            pass
+            with self.use_path(None), contextlib.suppress(_PrefixReady):
+                self._full_forward(batch)
         finally:
             handle.remove()
         if "decoder_hidden" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
         return Prefix(captured["encoder_hidden"], batch.attention_mask.to(self.device), captured["decoder_hidden"],
-                      target_mask_of(batch).to(self.device))
+                      (batch.labels != IGNORE_INDEX).to(self.device))
 
     def _top_masks(self, prefix: Prefix):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         h = prefix.decoder_hidden
         b, t = h.shape[:2]
-        # Decoder self-attention: causal over right-padded targets (padding only follows valid tokens, so it
-        # never reaches them); cross-attention: source padding masked. The same builders the HF decoders call.
-        self_mask = create_causal_mask(
-            config=self._stack.config,
-            inputs_embeds=h,
-            attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device),
-            past_key_values=None,
-        )
-        cross_mask = create_bidirectional_mask(
-            config=self._stack.config,
-            inputs_embeds=h,
-            attention_mask=prefix.encoder_mask.to(h.device),
-            encoder_hidden_states=prefix.encoder_hidden,
-        )
+        # Causal self-attention over right-padded targets (padding never reaches valid tokens); cross-attention:
+        # source padding masked. The same builders the HF decoders call.
+        self_mask = create_causal_mask(config=self._stack.config, inputs_embeds=h, past_key_values=None,
+                                       attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device))
+        cross_mask = create_bidirectional_mask(config=self._stack.config, inputs_embeds=h,
+                                               attention_mask=prefix.encoder_mask.to(h.device),
+                                               encoder_hidden_states=prefix.encoder_hidden)
         return self_mask, cross_mask
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -350,11 +304,8 @@ class AdapterSummarizer(nn.Module):
 
     def path_logits(self, prefix: Prefix, path: str, masks=None, target_mask: torch.Tensor | None = None,
                     packed: bool = False) -> torch.Tensor:
-        """Top k layers with ``path``'s adapters + LM head on a prefix. Gradients flow when enabled by the caller.
-
-        The LM head (n x V, the dominant cost) runs only where ``target_mask`` [B, T] (default: the prefix's own
-        ``target_mask``; None = everywhere) is True. Returns [B, T, V] with 0 elsewhere, or with ``packed`` the
-        [N, V] rows of the masked positions in row-major order (no scatter; ``distillation_loss`` takes them)."""
+        """Top k layers with ``path``'s adapters + LM head on a prefix. The LM head (n x V, the dominant cost) runs
+        only where ``target_mask`` (default: the prefix's) is True: [B, T, V] with 0 elsewhere, or ``packed`` rows."""
         self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
         h = prefix.decoder_hidden
         with self.use_path(path):
@@ -371,15 +322,12 @@ class AdapterSummarizer(nn.Module):
 
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None,
                           packed: bool = False) -> TwoPathOutput:
-        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad.
-
-        The LM head runs on the batch's real target tokens only; ``packed`` returns [N, V] rows instead of
-        [B, T, V] (see :meth:`path_logits`). ``teacher_logits`` (e.g. from ``pipeline.modeling.cache.TeacherCache``,
-        [B, T, V] or packed [N, V]) skips the global path when given."""
+        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad, unless
+        ``teacher_logits`` (e.g. from ``pipeline.modeling.cache.TeacherCache``) are given."""
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
-        target_mask = target_mask_of(batch).to(self.device)
+        target_mask = (batch.labels != IGNORE_INDEX).to(self.device)
         masks = self._top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, target_mask, packed)
         if teacher_logits is None:
@@ -387,13 +335,11 @@ class AdapterSummarizer(nn.Module):
                 teacher_logits = self.path_logits(prefix, "global", masks, target_mask, packed)
         else:
             teacher_logits = _match_layout(teacher_logits.to(self.device), target_mask, packed)
-        return TwoPathOutput(logits_local, teacher_logits, target_mask)
+        return TwoPathOutput(logits_local, teacher_logits)
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
-        """HF ``generate`` (greedy, beam, ...; the encoder runs once, the decoder reuses its self- and
-        cross-attention key/value cache) with ``path``'s adapters active."""
+        """HF ``generate`` with ``path``'s adapters active."""
         with self.use_path(path):
-            return self.backbone.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generation_kwargs
-            )
+            return self.backbone.generate(input_ids=input_ids.to(self.device),
+                                          attention_mask=attention_mask.to(self.device), **generation_kwargs)

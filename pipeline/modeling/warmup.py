@@ -22,34 +22,28 @@ log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-
 
 @config
 class WarmupConfig:
-    """Central warm-up of the offline recipe (ignored for hub ids and local directories)."""
+    """Central warm-up of the offline recipe (params.yaml `backbone.warmup` says what each key does)."""
 
-    dataset: Literal[DATASETS] = "samsum"  # type: ignore[valid-type]  # read from data/interim/<dataset>.parquet
+    dataset: Literal[DATASETS] = "samsum"  # type: ignore[valid-type]
     steps: NonNegativeInt = 120  # 0 = no warm-up
     batch_size: PositiveInt = 16
     max_source_length: TokenLength = 256
     max_target_length: TokenLength = 64
-    lr: Positive = 2e-4  # pretrained MiniLM weights
-    cross_attention_lr: Positive = 6e-4  # new cross-attention and LM-head transform
+    lr: Positive = 2e-4
+    cross_attention_lr: Positive = 6e-4
     weight_decay: NonNegative = 0.01
-    warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05  # linear lr warm-up, then linear decay to 0 at `steps`
+    warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
     freeze_embeddings: bool = False
-    # "random": the decoder's new cross-attention starts from HF's random init; "self_attention": each layer's
-    # cross-attention starts as a copy of the same layer's pretrained self-attention (query/key/value/output and
-    # its LayerNorm), so attention over the encoder starts from weights that already read MiniLM's hidden states.
     cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
-    length_grouping: NonNegativeInt = 32  # sort each window of this many batches by length (less padding); 0 = off
-    bf16: bool = False  # bf16 autocast (CPU: only faster with native bf16 such as AVX512-BF16/AMX; CUDA: if supported)
-    num_threads: NonNegativeInt = 0  # torch.set_num_threads; 0 = torch's default
+    length_grouping: NonNegativeInt = 32
+    bf16: bool = False  # CUDA: only where bf16 is supported
+    num_threads: NonNegativeInt = 0
     seed: int = 0
     log_every: PositiveInt = 25
-    # fixed SAMSum validation subsample scored after the warm-up (0 = skip)
     eval_examples: NonNegativeInt = 100
     eval_batch_size: PositiveInt = 32
 
 
-
-# --------------------------------------------------------------------------------------------- batches
 def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, group: int) -> list[np.ndarray]:
     """Indices of `steps` batches: seeded epoch-wise shuffles; with `group` > 0 each window of
     `group * batch_size` shuffled examples is sorted by length and cut into batches (less padding), and the
@@ -73,7 +67,6 @@ def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, gro
     return batches[:steps]
 
 
-# --------------------------------------------------------------------------------------------- warm-up
 def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
     """AdamW groups: new parameters (cross-attention, LM-head transform) get the higher lr; no weight decay on
     biases and LayerNorm weights."""
@@ -82,16 +75,9 @@ def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
         if not p.requires_grad:
             continue
         new = "crossattention" in name or ".cls.predictions.transform" in name
-        no_decay = p.ndim < 2
-        groups.setdefault((new, no_decay), []).append(p)
-    return [
-        {
-            "params": ps,
-            "lr": wc.cross_attention_lr if new else wc.lr,
-            "weight_decay": 0.0 if no_decay else wc.weight_decay,
-        }
-        for (new, no_decay), ps in sorted(groups.items())
-    ]
+        groups.setdefault((new, p.ndim < 2), []).append(p)
+    return [{"params": ps, "lr": wc.cross_attention_lr if new else wc.lr,
+             "weight_decay": 0.0 if no_decay else wc.weight_decay} for (new, no_decay), ps in sorted(groups.items())]
 
 
 def autocast_ctx(device: torch.device, enabled: bool):
@@ -138,16 +124,11 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
         labels[labels == pad] = -100
         dec_in = tgt[:, :-1]
         with autocast_ctx(device, wc.bf16):
-            out = model(
-                input_ids=src["input_ids"].to(device),
-                attention_mask=src["attention_mask"].to(device),
-                decoder_input_ids=dec_in.to(device),
-                decoder_attention_mask=(dec_in != pad).to(device),
-            )
+            out = model(input_ids=src["input_ids"].to(device), attention_mask=src["attention_mask"].to(device),
+                        decoder_input_ids=dec_in.to(device), decoder_attention_mask=(dec_in != pad).to(device))
         logits = out.logits.float()
-        loss = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device), ignore_index=-100
-        )
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device),
+                                                 ignore_index=-100)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -164,18 +145,11 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
             window = []
     seconds = time.perf_counter() - t0
     model.eval()
-    return {
-        "steps": wc.steps,
-        "examples_seen": seen,
-        "epochs": round(seen / len(pairs), 3),
-        "seconds": round(seconds, 1),
-        "examples_per_second": round(seen / seconds, 2),
-        "final_loss": loss_log[-1]["loss"] if loss_log else None,
-        "loss_log": loss_log,
-    }
+    return {"steps": wc.steps, "examples_seen": seen, "epochs": round(seen / len(pairs), 3),
+            "seconds": round(seconds, 1), "examples_per_second": round(seen / seconds, 2),
+            "final_loss": loss_log[-1]["loss"] if loss_log else None, "loss_log": loss_log}
 
 
-# --------------------------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
     model.to(device).eval()
@@ -195,8 +169,7 @@ def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch
     scores = {k: round(float(v), 2) for k, v in rouge_summary(preds, refs).items() if k != "n"}
     gc = model.generation_config
     return {
-        "dataset_split": "valid",
-        "examples": len(pairs),
+        "dataset_split": "valid", "examples": len(pairs),
         "decoding": {"num_beams": gc.num_beams, "max_new_tokens": gc.max_new_tokens,
                      "min_new_tokens": gc.min_new_tokens or 0, "no_repeat_ngram_size": gc.no_repeat_ngram_size},
         "seconds": round(time.perf_counter() - t0, 1),

@@ -1,16 +1,14 @@
-"""Where a training run keeps its state while it runs, and its checkpoints (the federated engines and `single` /
-`centralized`). A run directory ``data/cache/runs/<exp>-<key>/`` holds ``clients/<client>/`` (adapters, gate log) and
-``checkpoint/`` (``server.pt`` or ``local.pt``, ``mlflow_run_id``, ``clients/<client>/round<NNN>.{safetensors,json}``).
-A round checkpoint is tagged with the plan's hash: a checkpoint of another configuration is not resumed. Every round a
-client's adapter is saved as ``adapter_final`` and, when its validation loss beats its best so far, as
-``adapter_best`` (:func:`keep_best_and_final`, both engines); a finished run's outputs are then copied to
-``models/<exp>/`` (:func:`publish_outputs`).
+"""Where a training run keeps its state while it runs, and its checkpoints (both engines and `single` /
+`centralized`): the run directory ``data/cache/runs/<exp>-<key>/`` holds ``clients/<client>/`` (adapters, gate log)
+and ``checkpoint/``. Round checkpoints are tagged with the plan's hash (another configuration's is not resumed); a
+finished run's outputs are copied to ``models/<exp>/`` (:func:`publish_outputs`).
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +39,7 @@ def local_checkpoint_path(plan: Plan) -> Path:
 
 
 def mlflow_run_id_path(plan: Plan) -> Path:
-    """The run id beside the checkpoint: a resumed training continues its MLflow run."""
-    return checkpoint_dir(plan) / "mlflow_run_id"
+    return checkpoint_dir(plan) / "mlflow_run_id"  # a resumed training continues its MLflow run
 
 
 def client_output_dir(plan: Plan, client: str) -> Path:
@@ -56,7 +53,6 @@ def client_checkpoint_dir(plan: Plan, client: str) -> Path:
 
 
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
-    """The checkpoint after round ``rnd``: ``state`` tagged with the plan's hash and the round."""
     with atomic.replacing(path) as tmp:
         torch.save({"plan_hash": plan_hash(plan), "round": rnd, **state}, tmp)
 
@@ -83,8 +79,6 @@ def has_valid_checkpoint(plan: Plan) -> bool:
 
 @dataclass
 class ClientCheckpoint:
-    """A client's checkpoint of one round: its progress, whether it had trained, its DP-SGD steps so far."""
-
     round: int
     progress: dict[str, float]
     trained: bool
@@ -122,7 +116,6 @@ def write_client_checkpoint(ckpt: Path, rnd: int, state: dict[str, torch.Tensor]
 
 
 def initial_progress() -> dict[str, float]:
-    """A client's progress before its first validation: no best round yet."""
     return {"best-val-loss": math.inf, "best-round": 0}
 
 
@@ -142,8 +135,6 @@ def keep_best_and_final(out: Path, plan: Plan, client: str, rnd: int, val_loss: 
 def publish_outputs(plan: Plan) -> Path:
     """Copy a finished run's outputs from its run directory into ``models/<exp>/``, replacing what was there as a
     whole; returns that directory. The caller removes the run directory: a kill before that publishes again."""
-    import shutil
-
     source, target = Path(plan.paths["out_dir"]), Path(plan.paths["model_dir"])
 
     def run_only(directory: str, names: list[str]) -> set[str]:

@@ -33,8 +33,7 @@ GATE_LOG_COLUMNS = list(GATE_LOG_DTYPES)
 
 
 def kd_config(plan: Plan) -> KDConfig:
-    """The loss configuration of the plan's method: its KD mode, its tau (inf when it reads none) and the `train`
-    keys of the same names."""
+    """The plan's loss: its method's KD mode, its tau (inf when none) and the `train` keys of the same names."""
     same_names = {f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig)
                   if f.name not in ("mode", "tau")}
     return KDConfig(mode=plan.spec.kd_mode, tau=plan.tau if plan.tau is not None else float("inf"), **same_names)
@@ -133,9 +132,7 @@ class Proximal:
 
 
 class PlainSteps:
-    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps): shuffled
-    batches in windows of ``grad_accum_steps`` (:func:`accumulation_weights`); the proximal term enters each step
-    once."""
+    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps)."""
 
     setting = None  # no DP-SGD setting
     examples = clipped = 0
@@ -161,42 +158,24 @@ class PlainSteps:
 
 
 def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
-    """(local logits with gradients, global logits or None). The frozen prefix comes from the disk cache when
-    there is one; with more than one local epoch the teacher's logits come from the round's RAM cache."""
-    prefix = cache.prefix_for(model, batch) if cache is not None else None
-    if two_paths:
-        teacher = None
-        if teacher_cache is not None:
-            if prefix is None:
-                prefix = model.compute_prefix(batch)
-            teacher = teacher_cache.logits_for(model, batch, prefix)
-        # packed: the LM head and the loss run only on the real (non-padding) target tokens
-        out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
-        return out.logits_local, out.logits_global
-    if prefix is None:
-        prefix = model.compute_prefix(batch)
-    return model.path_logits(prefix.to(model.device), "local", packed=True), None
+    """(local logits with gradients, global logits or None), the prefix and the teacher from their caches if any."""
+    prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
+    # packed: the LM head and the loss run only on the real (non-padding) target tokens
+    if not two_paths:
+        return model.path_logits(prefix.to(model.device), "local", packed=True), None
+    teacher = teacher_cache.logits_for(model, batch, prefix) if teacher_cache is not None else None
+    out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
+    return out.logits_local, out.logits_global
 
 
-def train_local(
-    model: AdapterSummarizer,
-    plan: Plan,
-    examples: pd.DataFrame,
-    *,
-    client: str,
-    rnd: int,
-    proximal_reference: dict[str, torch.Tensor] | None = None,
-    proximal_mu: float = 0.0,
-    cache=None,
-    teacher_cache_gb: float = 0.0,
-    progress: bool = False,
-) -> LocalTrainResult:
+def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *, client: str, rnd: int,
+                proximal_reference: dict[str, torch.Tensor] | None = None, proximal_mu: float = 0.0, cache=None,
+                teacher_cache_gb: float = 0.0, progress: bool = False) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
     (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Under the
-    plan's ``privacy`` every step is a DP-SGD step; the result carries this call's clipped counts, the caller
-    composes the steps across rounds. ``cache`` (the prefix cache) and ``teacher_cache_gb`` (the teacher's logits
-    kept across epochs; RunSettings.cache) change no result."""
-    from pipeline.modeling.losses import distillation_loss
+    plan's ``privacy`` every step is a DP-SGD step (the caller composes them across rounds). ``cache`` and
+    ``teacher_cache_gb`` (RunSettings.cache) change no result."""
+    from pipeline.modeling.losses import distillation_loss  # looked up per call: tests/reliability.py wraps it
 
     cfg: TrainConfig = plan.train
     mcfg = model_config(plan)
@@ -254,8 +233,7 @@ def train_local(
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                     stepper.backward(out.loss, weight)
                     n_tok = int(out.n_tokens)
-                    valid = labels != IGNORE_INDEX
-                    gate = out.gate.detach() & valid  # all False where no KD applies (mode ce)
+                    gate = out.gate.detach()  # False on padding, and everywhere without KD (mode ce)
                     n_kd = int(gate.sum())
                     sums["loss"] += float(out.loss.detach()) * n_tok
                     sums["ce"] += float(out.ce_mean) * n_tok
@@ -275,19 +253,10 @@ def train_local(
     tokens = max(sums["tokens"], 1)
     gate_log = pd.concat(gate_parts, ignore_index=True) if gate_parts else empty_gate_log()
     return LocalTrainResult(
-        n_examples=len(examples),
-        n_steps=n_steps,
-        n_tokens=sums["tokens"],
-        train_loss=sums["loss"] / tokens,
-        ce=sums["ce"] / tokens,
-        kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
-        kd_fraction=sums["kd_tokens"] / tokens,
-        proximal=proximal.value if proximal is not None else 0.0,
-        gate_log=gate_log,
-        privacy=stepper.setting,
-        dp_examples=stepper.examples,
-        dp_clipped=stepper.clipped,
-    )
+        n_examples=len(examples), n_steps=n_steps, n_tokens=sums["tokens"], train_loss=sums["loss"] / tokens,
+        ce=sums["ce"] / tokens, kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
+        kd_fraction=sums["kd_tokens"] / tokens, proximal=proximal.value if proximal is not None else 0.0,
+        gate_log=gate_log, privacy=stepper.setting, dp_examples=stepper.examples, dp_clipped=stepper.clipped)
 
 
 def empty_gate_log() -> pd.DataFrame:
@@ -299,11 +268,10 @@ def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: 
     valid = (labels != IGNORE_INDEX).cpu().numpy()
     b_idx, t_idx = np.nonzero(valid)
     ids = np.asarray(batch.example_ids, dtype=object)
-    return pd.DataFrame({
-        "client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
-        "token_id": labels.cpu().numpy()[b_idx, t_idx], "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
-        "kd_applied": gate.cpu().numpy()[b_idx, t_idx],
-    }).astype(GATE_LOG_DTYPES)
+    return pd.DataFrame({"client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
+                         "token_id": labels.cpu().numpy()[b_idx, t_idx],
+                         "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
+                         "kd_applied": gate.cpu().numpy()[b_idx, t_idx]}).astype(GATE_LOG_DTYPES)
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ class StopConfig:
 
 @config
 class TrainConfig:
-    """The `train` params (the comments on each default live in the project's params file)."""
+    """The `train` params (each key's comment lives in params.yaml)."""
 
     rounds: PositiveInt = 3
     local_epochs: PositiveInt = 1
@@ -48,21 +48,15 @@ class TrainConfig:
     bucket_by_length: bool = True
     lr: float = 2.0e-4
     weight_decay: float = 0.01
-    # AdamW decay on LayerNorm weights and biases too (usual practice, and the default, leaves them undecayed).
     decay_norm_and_bias: bool = False
     kd_lambda: Fraction = 0.2
     kd_temperature: Positive = 1.0
     kd_direction: KdDirection = "teacher_to_student"
     entropy_log_base: LogBase = "e"
-    tau_scale: TauScale = "absolute"  # how selective KD reads tau (pipeline.modeling.losses)
-    # Selective KD's gate (pipeline/modeling/gates/<name>.py), reading tau as its threshold; plans carry it only when
-    # it is not the paper's entropy gate (so the entropy-gated plans stay as they were).
+    tau_scale: TauScale = "absolute"
     kd_gate: GateName = "entropy"
     loss_normalisation: Normalisation = "tokens"
     local_adapter: Literal["keep", "reset"] = "keep"
-    # AdaCentralized's steps a round: "largest_client" trains each round on a window of the seeded, shuffled pooled
-    # data as large as the largest client's train set, so under a fixed round budget it gets the optimizer steps of
-    # the largest client; "epoch" is one pass over all pooled data (several times the steps of any client).
     centralized_steps: Literal["largest_client", "epoch"] = "largest_client"
     fraction_train: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     new_client: str = "SAMSum"
@@ -70,12 +64,8 @@ class TrainConfig:
     stop: StopConfig = field(default_factory=StopConfig)
     max_train_examples_per_client: int | None = 16
     max_valid_examples_per_client: int | None = 6
-    # FedAvg weight of a client: "trained" = the examples it trained on this round, "full" = its whole train split
-    # |D_i| (the paper's data-size weights); they differ only under max_train_examples_per_client.
     weight_by: Literal["full", "trained"] = "trained"
-    transfer_dtype: TransferDtype = "fp32"  # adapter encoding on the wire (pipeline.federation.compression)
-    # Lossy encodings as differences: uplink to the global received this round, downlink to the round-0 adapter
-    # (ignored for fp32, which is exact).
+    transfer_dtype: TransferDtype = "fp32"
     transfer_delta: bool = False
     prefix_cache: bool = True
     # The server strategies' own `train` keys as the params file has them (proximal_mu, fedopt, ...: each strategy

@@ -1,7 +1,5 @@
-"""The rounds history of a training run: ``rounds.json`` (one row per round and client) and the DVC plot file, the
-per-round MLflow metrics, the back-fill of rounds a killed run checkpointed but did not log, and the recorders that
-receive each finished round: the base :class:`Recorder` logs (an engine run without the train stage),
-:class:`TrainRecorder` writes the rounds files and the per-round MLflow metrics (the train stage)."""
+"""The rounds history of a training run: ``rounds.json`` and the DVC plot file, the per-round MLflow metrics (and
+their back-fill after a kill), and the recorders of each finished round (:class:`Recorder` only logs)."""
 from __future__ import annotations
 
 import logging
@@ -30,8 +28,7 @@ class RoundLog:
 
 
 def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:
-    """A client row's quantities that are set (its epsilon only under example-level DP: client-level DP's is the
-    run's, :func:`client_level_round`)."""
+    """A client row's quantities that are set (epsilon only under example-level DP; client-level DP's is the run's)."""
     return {k: row[k] for k in keys if row.get(k) is not None and not (k == "epsilon" and "update_clipped" in row)}
 
 

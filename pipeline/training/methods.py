@@ -15,18 +15,12 @@ from pipeline.modeling.losses import KdMode
 @config(frozen=True)
 class MethodSpec:
     name: str
-    # False: `single` (each client alone) and `centralized` (all clients' data pooled) - same trainer, no server.
-    federated: bool
-    # Loss on the local path: ce | kd (every token) | selective (H(q_g) < tau) | hard (target nouns and verbs).
-    kd_mode: KdMode
-    # True when the client keeps a global (teacher) adapter next to its local one.
-    two_adapters: bool
-    # AdaFedAvg: the server average overwrites the client adapter at the start of every round.
-    local_from_global: bool = False
-    # Server algorithm (a registered strategy: pipeline.federation.strategies) for federated methods.
-    strategy: str | None = None
-    # Centralized: pool every client's train data into one training set.
-    pooled: bool = False
+    federated: bool  # False: `single` (each client alone) and `centralized` (data pooled): no server
+    kd_mode: KdMode  # the local path's loss: ce | kd (every token) | selective (H(q_g) < tau) | hard (nouns, verbs)
+    two_adapters: bool  # the client keeps a global (teacher) adapter next to its local one
+    local_from_global: bool = False  # AdaFedAvg: the server average overwrites the client adapter every round
+    strategy: str | None = None  # the server algorithm (pipeline.federation.strategies) of federated methods
+    pooled: bool = False  # centralized: every client's train data in one training set
     # New-client study: "post" = the new client joins once the others converged (train.join), "pre" = from round 1.
     new_client: str | None = None
 

@@ -1,6 +1,5 @@
 """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on every
-client): the local trainer and the round rules of pipeline.training (checkpoints, history), without
-a server."""
+client): the local trainer and the round rules of pipeline.training, without a server."""
 from __future__ import annotations
 
 import logging

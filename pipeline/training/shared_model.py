@@ -22,14 +22,12 @@ def model_config(plan: Plan) -> ModelConfig:
 
 
 def _model_key(plan: Plan) -> tuple:
-    """What the shared model depends on: the backbone and the whole adapter configuration (init std included:
-    ``fresh_adapter_state`` draws with the model's own adapter config)."""
+    """What the shared model depends on: the backbone and the whole adapter configuration (init std included)."""
     return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(model_config(plan).adapter_config()))
 
 
 def shared_model(plan: Plan) -> AdapterSummarizer:
-    """One frozen backbone per process (clients of the in-process engine take turns on it; each message loads
-    the client's adapter states first, so nothing carries over between clients)."""
+    """One frozen backbone per process (clients take turns on it, each loading its adapter states first)."""
     mcfg = model_config(plan)
     key = _model_key(plan)
     if key not in _MODELS:
@@ -42,8 +40,7 @@ def shared_model(plan: Plan) -> AdapterSummarizer:
 
 
 def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
-    """Round-0 adapter weights, a function of the experiment seed only (a fresh AdapterSet drawn from its own
-    seeded generator, so whatever ran before in the process does not matter)."""
+    """Round-0 adapter weights, a function of the experiment seed only (drawn from their own seeded generator)."""
     model = shared_model(plan)
     key = (_model_key(plan), plan.seed)
     if key not in _INITIAL_STATES:
@@ -55,9 +52,10 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
     if not plan.train.prefix_cache:
         return None
-    from pipeline.modeling.cache import PrefixCache
+    from pipeline.modeling.cache import PrefixCache, resolve_root
 
-    # where the cache lives and its budget are run-time settings (``cache``: RunSettings.cache, which the caller's
-    # entry point built, not the plan); the dtype of its entries is the plan's (float16/bfloat16 entries change the
-    # logits)
-    return PrefixCache.for_model(model, model_config(plan), cache, plan.cache_dtype or "float32")
+    # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
+    mcfg = model_config(plan)
+    return PrefixCache(resolve_root(cache.cache_dir), model.backbone_fingerprint(), mcfg.max_source_length,
+                       mcfg.max_target_length, model.adapter_config.top_k, plan.cache_dtype or "float32",
+                       int(cache.cache_max_gb * 2**30))

@@ -1,8 +1,6 @@
-"""When a run's clients have converged, the one test of ``train.stop`` (end of a run) and ``train.join`` (the
-post-addition study's new client): in each of the last ``patience`` rounds the client-average validation loss
-improved on the best mean of the rounds before it by less than ``min_rel_improvement`` of that best. Each client
-still keeps its own best adapter; the rule only decides how many rounds the run trains.
-"""
+"""When a run's clients have converged, the one test of ``train.stop`` and ``train.join`` (docs/ARCHITECTURE.md):
+in each of the last ``patience`` rounds the client-average validation loss improved on the best mean before it by
+less than ``min_rel_improvement`` of that best."""
 from __future__ import annotations
 
 from typing import Any, Sequence

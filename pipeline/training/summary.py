@@ -68,16 +68,11 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
     vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
     record = privacy.run_record(plan, history, clients)  # clients.<c>.privacy, the run's privacy and SecAgg+
     return {
-        "experiment": plan.experiment,
-        "method": plan.method,
-        "study": plan.study,
-        "partition": plan.partition,
-        "seed": plan.seed,
-        "rounds": plan.train.rounds,
+        "experiment": plan.experiment, "method": plan.method, "study": plan.study, "partition": plan.partition,
+        "seed": plan.seed, "rounds": plan.train.rounds,
         # train.stop: the round it stopped at, its best round by client-average validation loss, converged or not
         **convergence(history, plan.train.stop, plan.train.new_client if plan.spec.new_client == "post" else None),
-        "clients": clients,
-        "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
+        "clients": clients, "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
         "bytes_sent": sum(c["bytes_sent"] for c in clients.values()),
         "bytes_received": sum(c["bytes_received"] for c in clients.values()),
         "seconds_per_round": sum(round_seconds) / len(round_seconds) if round_seconds else None,

@@ -12,7 +12,4 @@ def gate_of(cfg) -> Gate | None:
     """The gate of a loss configuration (KDConfig), or None for mode ce (no KD)."""
     if cfg.mode == "ce":
         return None
-    name = MODE_GATES.get(cfg.mode, cfg.kd_gate)
-    if name not in GATES:
-        raise ValueError(f"unknown KD gate {name!r}; expected one of {', '.join(sorted(GATES))}")
-    return GATES[name]
+    return GATES[MODE_GATES.get(cfg.mode, cfg.kd_gate)]  # kd_gate is one of GATES (KDConfig's GateName)

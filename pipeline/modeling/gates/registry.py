@@ -1,11 +1,6 @@
 """The KD gate registry: which target tokens the local loss distils, decided from the teacher before the fused loss
-kernel (pipeline.modeling.losses._FusedDistillation), which then only does the arithmetic on the mask it is given.
-
-A gate module (pipeline/modeling/gates/<name>.py) defines ``gate(rows, cfg) -> (mask [N] bool, threshold)`` and
-registers it with :func:`register_gate`; ``catalog`` imports every module. ``rows`` holds what a gate may read:
-the batch's packed teacher logits, their entropies H(q_g) (as the gate log records them) and, for hard KD, the
-token mask; ``cfg`` is the loss configuration (``tau``, ``tau_scale``, ``entropy_log_base``: KDConfig). The threshold is
-the one the gate compared with (NaN when it has none); the gate log records it.
+kernel (pipeline.modeling.losses). A gate module (gates/<name>.py) registers ``gate(rows, cfg) -> (mask [N] bool,
+threshold)`` with :func:`register_gate` (``cfg``: KDConfig; threshold NaN when it has none); ``catalog`` imports it.
 """
 from __future__ import annotations
 
