@@ -1,17 +1,7 @@
-"""The ClientApp (Flower Message API, flwr 1.41): what a client does when the server asks.
-
-- ``query.identify``: the client's name and split sizes.
-- ``train``: loads the server's weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local one
-  (AdaFedAvg and the server algorithm baselines), trains the local adapter on the client's data and replies with
-  its tensors and counts/metrics only - no text, no token ids. Under ``privacy.secure_aggregation`` the same round
-  runs inside SecAgg+ and the tensors leave only masked (pipeline.privacy.secure_aggregation). The local adapter
-  persists in ``context.state`` (``train.local_adapter: reset``: the global each round); the gate log stays on
-  the client's disk. FedAvg weight ``num-examples``: the examples trained this round (``train.weight_by:
-  trained``; under ``max_train_examples_per_client`` an update weighs what it was computed from), or the full
-  train size |D_i| (``full``, the paper's |D_i| / |D|).
-- ``evaluate``: the validation loss of the client's adapter; keeps its best and final adapter and checkpoints the
-  client's state on its disk (pipeline.training.checkpoints).
-- ``query.summarize`` (federated evaluation) is registered by pipeline.federation.client_evaluation.
+"""The ClientApp (Flower Message API, flwr 1.41): ``query.identify`` (name and split sizes), ``train`` (the local
+adapter trained on the client's data; the reply holds tensors and counts only, no text) and ``evaluate`` (validation
+loss; keeps the best and final adapter and checkpoints the client). ``query.summarize`` (federated evaluation) is
+registered by pipeline.federation.client_evaluation.
 """
 from __future__ import annotations
 

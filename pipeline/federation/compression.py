@@ -1,9 +1,6 @@
-"""Adapter transfer encodings (``train.transfer_dtype``), self-describing by tensor dtype so the receiver needs no
-side channel: fp32 (exact, the default); fp16 (relative error <= 2^-11, and an error instead of inf above 65504);
-int8 with one symmetric scale per tensor, ``s = max|x| / 127``, ``q = round(x / s)`` in [-127, 127] sent with the
-float32 ``s`` under ``<key>.int8_scale`` (error <= s / 2 per element). With ``reference`` (a state both sides
-hold) the difference to it is encoded: the adapters' LayerNorm weights sit near 1, so int8 of the weights would
-have a step of ~1/127 while a round's update is far smaller; the scale of the delta follows the update.
+"""Adapter transfer encodings (``train.transfer_dtype``), self-describing by tensor dtype: fp32 (exact), fp16,
+int8 with one symmetric scale per tensor sent under ``<key>.int8_scale``. With ``reference`` (a state both sides
+hold) the difference to it is encoded, so the int8 step follows the update rather than the weights (~1).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""TLS and authentication material of a local deployment, made with the commands of docs/federation.md's recipe: a
-throwaway CA (openssl) with a SuperLink certificate for 127.0.0.1 signed by it, and the SuperNodes' key pairs
-(ssh-keygen, ECDSA P-384 in OpenSSH format, as Flower reads them). Localhost runs and tests only."""
+"""TLS and authentication material of a local deployment (docs/federation.md's recipe): a throwaway CA with a
+SuperLink certificate for 127.0.0.1, and the SuperNodes' key pairs."""
 from __future__ import annotations
 
 import subprocess

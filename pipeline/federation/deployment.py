@@ -1,19 +1,7 @@
-"""Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
-
-A deployed ServerApp (pyproject.toml: ``pipeline.federation.deployment:server_app``) records what the train stage
-records for the engines, from what the server receives - the clients' data and adapters stay on their disks:
-relative to the SuperLink's working directory, the run directory ``data/cache/runs/<exp>-<key>/`` while it runs,
-then ``models/<exp>/`` (``rounds.json``, ``metrics.json``, ``global_adapter.safetensors``) and
-``reports/train/<exp>/``, and an MLflow run. Federated evaluation: after the last round (and every
-``evaluate-every`` rounds) each client scores its own test set with its own adapter as the evaluate stage would
-and replies only ROUGE means and counts: ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, no
-per-example files) and ``rounds.json``. A client that failed in every round it was sampled in fails the run after
-its rounds are recorded, so ``flwr ls`` reports it (:func:`never_contributed`).
-
-Run config (pyproject.toml ``[tool.flwr.app.config]``): ``plan``, ``evaluate``, ``evaluate-every`` (0 = only at
-the end), ``mlflow``, ``round-timeout-s`` and ``admission-timeout-s`` (0 = the run-time settings' defaults),
-``decoding`` (the evaluate group as JSON; "" = its defaults). The entry points fill the last three from a params
-file (``python -m pipeline.federation local --params``, the server's ``kit``); nothing here reads one.
+"""Real federation (SuperLink + SuperNodes): the deployed ServerApp (pyproject.toml
+``pipeline.federation.deployment:server_app``) records what the train stage records, from what the server receives,
+and runs the federated evaluation (each client scores its own test set; only ROUGE means reach the server). Run
+config keys: pyproject.toml ``[tool.flwr.app.config]``; nothing here reads a params file. docs/federation.md.
 """
 from __future__ import annotations
 
@@ -38,30 +26,16 @@ from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 from pipeline.training import checkpoints
-from pipeline.training.history import write_rounds
-from pipeline.training.history import TrainRecorder
+from pipeline.training.history import TrainRecorder, write_rounds
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
 
 log = logging.getLogger("fedmeet.deployment")
 
-SUMMARIZE = "query.summarize"
 SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
-
-
-def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
-    """(round, admission) timeouts: run config ``round-timeout-s`` / ``admission-timeout-s`` when > 0, else the
-    run-time settings' defaults (params.yaml's, tests/test_params_defaults.py)."""
-    return (float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
-            float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s)
-
-
-def decoding(run_config: dict[str, Any]) -> EvaluateConfig:
-    """The federated evaluation's decoding: run config ``decoding``, the evaluate group as JSON ("": defaults)."""
-    return from_dict(EvaluateConfig, json.loads(str(run_config.get("decoding") or "{}")), "run config 'decoding'")
 
 
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig,
@@ -70,7 +44,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
     replies = list(grid.send_and_receive([Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n,
-                                                  message_type=SUMMARIZE) for n in node_ids], timeout=timeout))
+                                                  message_type="query.summarize") for n in node_ids], timeout=timeout))
     received: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     for reply in replies:
@@ -159,20 +133,6 @@ class DeploymentRecorder(TrainRecorder):
                                            for k in SCORE_KEYS}, step=entry.round)
 
 
-def _discard_dead_run(run_id_file: Path) -> None:
-    """The MLflow run an earlier attempt of this plan left without a checkpointed round (a failed admission, a
-    ServerApp killed in round 1) holds no round: it is deleted, so the runs table keeps no dead attempts."""
-    if not run_id_file.exists():
-        return
-    from pipeline.results.tracking import _client
-
-    try:
-        _client().delete_run(run_id_file.read_text().strip())
-    except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
-        log.info("earlier MLflow run not deleted: %s", exc)
-    run_id_file.unlink()
-
-
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
@@ -190,18 +150,27 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = None
     if rc.get("mlflow", True):
-        from pipeline.results.tracking import RunLogger
+        from pipeline.results.tracking import RunLogger, _client
 
-        if checkpoint is None:
-            _discard_dead_run(run_id_file)
+        if checkpoint is None and run_id_file.exists():
+            # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
+            # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
+            try:
+                _client().delete_run(run_id_file.read_text().strip())
+            except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
+                log.info("earlier MLflow run not deleted: %s", exc)
+            run_id_file.unlink()
         resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(),
                                  run_identity_tags(plan, "deployment"), resume_run_id=resume_id)
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
-    cfg = decoding(rc) if rc.get("evaluate", True) else None
-    round_timeout, admission_timeout = timeouts(rc)
+    # decoding: the evaluate group as JSON ("": its defaults); a timeout of 0: the run-time settings' default
+    cfg = (from_dict(EvaluateConfig, json.loads(str(rc.get("decoding") or "{}")), "run config 'decoding'")
+           if rc.get("evaluate", True) else None)
+    round_timeout = float(rc.get("round-timeout-s") or 0) or RunSettings.round_timeout_s
+    admission_timeout = float(rc.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s
     recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
                                   round_timeout)
     try:

@@ -1,9 +1,5 @@
-"""The engines that run the ServerApp and the ClientApps inside the `train` stage.
-
-``InProcessGrid`` delivers each Message to the same ClientApp object in this process, one client after the other
-(no Ray, no sockets; each node keeps its own Context); ``engine: ray`` runs the same apps in Flower's simulation
-runtime (``flwr.simulation.run_simulation``, Ray actors with ``ray_cpus_per_client`` / ``ray_gpus_per_client``).
-A real federation serves the same apps from a SuperLink and SuperNodes (pipeline.federation.deployment).
+"""The engines that run the ServerApp and the ClientApps inside the `train` stage: ``InProcessGrid`` (each
+Message to the ClientApp in this process, one client after the other) or ``engine: ray`` (Flower's simulation).
 """
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The processes of a local deployment (pipeline.federation.localhost): each in its own process group, logging to a
-file, stopped by its id with the descendants it spawned (Flower's SuperExec starts its own session); groups left
-running are stopped at interpreter exit. Plus waits for a process to come up and free ports on 127.0.0.1."""
+"""The processes of a local deployment: each in its own process group, logging to a file, stopped with the
+descendants it spawned; groups left running are stopped at interpreter exit."""
 from __future__ import annotations
 
 import atexit

@@ -1,11 +1,7 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
-metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire.
-
-The server encodes the global once per round (pipeline.federation.compression, ``train.transfer_dtype``) and
-decodes every reply to float32 before the strategy aggregates, so Flower's strategies and the server state stay
-full precision; bytes up/down are counted encoded. With ``train.transfer_delta`` (lossy encodings only) a reply is
-the difference to the global the client received (both sides hold it bit for bit) and the downlink the difference
-to the round-0 adapter (every node derives it from the seed; a client that skipped rounds holds no earlier global).
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (encoded by
+pipeline.federation.compression; with ``train.transfer_delta`` a reply is the difference to the global the client
+received, the downlink the difference to the round-0 adapter every node derives from the seed).
 """
 from __future__ import annotations
 

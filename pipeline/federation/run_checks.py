@@ -1,9 +1,6 @@
-"""Checks around a deployed run: its run config before it starts, its status and MLflow run after it ends.
-
-Flower refuses an unknown ``--run-config`` key only inside the SuperLink ("Invalid run configuration"), and takes
-any TOML value for a known one: the local command checks keys and types before it starts a process, and the
-ServerApp again (``flwr run`` of the manual recipe goes straight to the SuperLink). ``flwr run`` exits 0 whether
-the ServerApp returned or raised; ``flwr ls --format json`` says which (``finished:completed`` / ``finished:failed``).
+"""Checks around a deployed run: its run config before it starts (Flower refuses an unknown key only inside the
+SuperLink and takes any TOML value for a known one), its status and MLflow run after it ends (``flwr run`` exits 0
+whether the ServerApp returned or raised).
 """
 from __future__ import annotations
 

@@ -1,14 +1,7 @@
-"""The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment.
-
-Per round Flower's strategy samples clients (``configure_train``), the Grid delivers the messages, the strategy
-aggregates (``aggregate_train``), all admitted clients evaluate, and the server checkpoints (global adapter, round,
-RNG state, strategy state; pipeline.training.checkpoints), so a rerun resumes after the last checkpointed round. A
-client that raises becomes an error reply, left out of the aggregate; the run goes on. Nodes are identified by the
-client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
-(``train.new_client``) is admitted once the others converged (``train.join``). Client-level DP wraps the strategy
-(pipeline.privacy.client_dp); under ``privacy.secure_aggregation`` the train step runs through SecAgg+
-(pipeline.privacy.secure_aggregation) and the server receives the sampled clients' mean instead of their replies.
-Why this loop and not Flower's ``Strategy.start``: docs/ARCHITECTURE.md.
+"""The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment. Per round the
+strategy samples and aggregates, every admitted client evaluates, and the server checkpoints, so a rerun resumes
+after the last checkpointed round; a client that fails is left out of that round's aggregate. Nodes are known by
+the client name they answer (``query.identify``). Why this loop and not ``Strategy.start``: docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -33,8 +26,7 @@ from pipeline.privacy import seam as privacy
 from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
-from pipeline.training.history import RoundLog
-from pipeline.training.history import Recorder
+from pipeline.training.history import Recorder, RoundLog
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop

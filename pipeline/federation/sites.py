@@ -1,17 +1,6 @@
-"""What each role of a real federation holds, copied out of a checkout that ran the data stages:
-
-- the server (SuperLink + ServerApp): the plan (it declares the clients to admit), the backbone (the round-0
-  adapter is drawn on it from the plan's seed) and ``run_config.toml`` (the plan, the round and admission
-  timeouts and the federated evaluation's decoding: ``flwr run <app> --run-config run_config.toml``) - no
-  partition, no example;
-- a site (one SuperNode): the plan, the backbone, its own partition slice (only its client's example ids) and
-  its own examples (and, for hard-KD plans, its examples' POS tags).
-
-Each goes to a directory laid out as the project root (``models/plans/``, ``models/backbone/``,
-``data/partitions/``, ``data/processed/``), where that role's processes run:
-
-    python -m pipeline.federation kit --plan models/plans/fedavg-domain.json --out ../server
-    python -m pipeline.federation kit --plan models/plans/fedavg-domain.json --client Product --out ../product
+"""What each role of a real federation holds, copied out of a checkout that ran the data stages into a directory
+laid out as the project root: the server (plan, backbone, ``run_config.toml``; no example) or one site (plan,
+backbone, its own partition slice, examples and POS tags); docs/federation.md.
 """
 from __future__ import annotations
 
