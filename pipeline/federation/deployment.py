@@ -38,6 +38,18 @@ GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 
 
+def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
+    """(round, admission) timeouts: run config ``round-timeout-s`` / ``admission-timeout-s`` when > 0, else the
+    run-time settings' defaults."""
+    return (float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
+            float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s)
+
+
+def decoding(run_config: dict[str, Any]) -> EvaluateConfig:
+    """The federated evaluation's decoding: run config ``decoding``, the evaluate group as JSON ("": defaults)."""
+    return from_dict(EvaluateConfig, json.loads(str(run_config.get("decoding") or "{}")), "run config 'decoding'")
+
+
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig,
                        timeout: float) -> dict[str, Any]:
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
@@ -166,11 +178,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
-    # decoding: the evaluate group as JSON ("": its defaults); a timeout of 0: the run-time settings' default
-    cfg = (from_dict(EvaluateConfig, json.loads(str(rc.get("decoding") or "{}")), "run config 'decoding'")
-           if rc.get("evaluate", True) else None)
-    round_timeout = float(rc.get("round-timeout-s") or 0) or RunSettings.round_timeout_s
-    admission_timeout = float(rc.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s
+    cfg = decoding(rc) if rc.get("evaluate", True) else None
+    round_timeout, admission_timeout = timeouts(rc)
     recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
                                   round_timeout)
     try:

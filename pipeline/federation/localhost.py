@@ -19,8 +19,8 @@ from pathlib import Path
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict
-from pipeline.federation.credentials import Certificates, make_node_key, make_self_signed_ca
-from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
+from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
+                                          make_node_key, make_self_signed_ca, port_open, wait_for)
 from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, parse_run_status,
                                             status_command)
 from pipeline.paths import PATHS
