@@ -21,7 +21,6 @@ from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import checkpoints
-from pipeline.training import checkpoints as best_adapter
 from pipeline.training.client_data import client_data, client_names, read_partition
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
@@ -51,9 +50,8 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
 
 
 def _start_run_files(context: Context, plan: Plan, name: str, rnd: int) -> None:
-    """On the client's first message of a run: a run that resumes nothing (no client checkpoint before ``rnd``)
-    removes the gate-log files an earlier run of the same plan left in its folder, so the folder holds this
-    run's rounds only. A resumed run keeps them (its earlier rounds are this run's)."""
+    """On the client's first message of a run that resumes nothing (no client checkpoint before ``rnd``): remove
+    the gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
     if STARTED_KEY in context.state:
         return
     context.state[STARTED_KEY] = MetricRecord({"round": rnd})
@@ -65,7 +63,7 @@ def _start_run_files(context: Context, plan: Plan, name: str, rnd: int) -> None:
 
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
     """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
-    None while the client has not trained yet (its first train round then starts from the current global)."""
+    None while the client has not trained yet."""
     if LOCAL_STATE_KEY in context.state:
         return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
     ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
@@ -86,8 +84,7 @@ client_app = ClientApp()
 
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
-    """Admission (pipeline.federation.server_app._identify): the client's name and the sizes of its train and
-    valid splits, from its own partition slice - what the server needs of the client's data, and no more."""
+    """Admission (server_app._identify): the client's name and the sizes of its train and valid splits."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(plan, context)
     identity = ConfigRecord({"client-name": name})
@@ -104,8 +101,7 @@ client_train = privacy.register_train(client_app, lambda msg, context: train_rou
 
 
 def train_round(msg: Message, context: Context) -> Message:
-    """One training round of this client: the Message-API reply (adapter arrays, metrics). In a SecAgg+ round the
-    reply goes to SecAgg+'s mod (pipeline.privacy.secure_aggregation), which sends it only masked."""
+    """One training round of this client: the reply (adapter arrays, metrics; under SecAgg+ sent only masked)."""
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
     name = client_name(plan, context)
@@ -142,15 +138,9 @@ def train_round(msg: Message, context: Context) -> Message:
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
     metrics = MetricRecord({
-        NUM_EXAMPLES_KEY: int(weight),
-        "num-trained": int(result.n_examples),
-        NUM_STEPS_KEY: int(result.n_steps),
-        "num-tokens": int(result.n_tokens),
-        "train-loss": float(result.train_loss),
-        "ce": float(result.ce),
-        "kd": float(result.kd),
-        "kd-fraction": float(result.kd_fraction),
-        "proximal": float(result.proximal),
+        NUM_EXAMPLES_KEY: int(weight), "num-trained": int(result.n_examples), NUM_STEPS_KEY: int(result.n_steps),
+        "num-tokens": int(result.n_tokens), "train-loss": float(result.train_loss), "ce": float(result.ce),
+        "kd": float(result.kd), "kd-fraction": float(result.kd_fraction), "proximal": float(result.proximal),
     })
     metrics.update(privacy.ClientLedger(context).account(result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
@@ -186,20 +176,16 @@ def client_evaluate(msg: Message, context: Context) -> Message:
                                                           cache=prefix_cache_for(plan, model,
                                                                                  client_cache_config(msg, context)))
 
-    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else best_adapter.initial_progress()
-    progress, is_best = best_adapter.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
-                                                   local, progress)
+    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
+    progress, is_best = checkpoints.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
+                                                        local, progress)
     if trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     checkpoints.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
                                         privacy.ClientLedger(context).steps)
 
-    metrics = MetricRecord({
-        NUM_EXAMPLES_KEY: len(data.valid),
-        "val-loss": float(val_loss),
-        "val-tokens": int(val_tokens),
-        "best-round": int(progress["best-round"]),
-        "is-best": int(is_best),
-    })
+    metrics = MetricRecord({NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss),
+                            "val-tokens": int(val_tokens), "best-round": int(progress["best-round"]),
+                            "is-best": int(is_best)})
     return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)

@@ -29,9 +29,8 @@ log = logging.getLogger("fedmeet.federated")
 
 def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
                     result: dict | None = None) -> ServerApp:
-    """A ServerApp bound to one plan (engines); ``result`` receives the final arrays and history. ``settings``:
-    the train stage's run-time settings; the clients this engine hosts get their cache settings with every
-    message (pipeline.federation.protocol.client_cache_config)."""
+    """A ServerApp bound to one plan; ``result`` receives the final arrays and history. The clients get the cache
+    settings of ``settings`` with every message."""
     app = ServerApp()
 
     @app.main()
@@ -45,13 +44,9 @@ def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | 
 
 
 class InProcessGrid(Grid):
-    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other.
-
-    Each node has its own Context (node_config: client name, plan; state: the client's private state), kept
-    across rounds as a SuperNode keeps it. Messages are deep-copied in both directions, so client and server
-    share no objects; a ClientApp exception becomes an error reply (ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
-    as Flower's runtimes report it.
-    """
+    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other. Each
+    node keeps its own Context across rounds, as a SuperNode does; messages are deep-copied both ways (client and
+    server share no objects); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
 
     def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1,
                  run_config: dict[str, Any] | None = None):
@@ -126,8 +121,11 @@ def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | No
     return result
 
 
-def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """Run the same apps in Flower's simulation runtime on Ray (one virtual SuperNode per client)."""
+def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
+    """The plan's run on the engine ``settings`` names; ray: Flower's simulation runtime (a virtual SuperNode per
+    client)."""
+    if settings.engine != "ray":
+        return run_inprocess(plan_path, settings, recorder)
     from flwr.simulation import run_simulation
 
     result: dict = {}
@@ -139,10 +137,3 @@ def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = N
     if "history" not in result:
         raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
     return result
-
-
-def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """The plan's run on the engine ``settings`` names (the train stage's run-time settings)."""
-    if settings.engine == "ray":
-        return run_ray(plan_path, settings, recorder)
-    return run_inprocess(plan_path, settings, recorder)

@@ -31,10 +31,8 @@ SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, 
 
 
 def app_keys(app: Path) -> dict[str, type]:
-    """``[tool.flwr.app.config]`` of the Flower app at ``app`` (a directory holding pyproject.toml): key -> the
-    type of its default."""
-    pyproject = Path(app) / "pyproject.toml"
-    with open(pyproject, "rb") as fh:
+    """``[tool.flwr.app.config]`` of the Flower app at ``app``: key -> the type of its default."""
+    with open(Path(app) / "pyproject.toml", "rb") as fh:
         config = tomllib.load(fh).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
     return {k: type(v) for k, v in config.items()}
 
@@ -98,24 +96,20 @@ def close_left_running(workdir: Path, plan, reason: str) -> str | None:
     return run_id
 
 
-def submitted_run(path: Path) -> int | None:
-    """The run id in what ``flwr run --format json`` printed (``path``); None when it started no run (a refused
-    run config, say), after printing flwr's reason."""
-    try:
-        submitted = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise FederationError(f"{path}: not the JSON `flwr run --format json` prints ({err})") from None
-    if submitted.get("success") and submitted.get("run-id"):
-        return int(submitted["run-id"])
-    print("no run started: " + " ".join(str(submitted.get("error-message") or "flwr run gave no run id").split()))
-    return None
-
-
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
-    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` names (else
-    ``run_id``, else the run submitted last); 0 only if it completed."""
-    if submitted is not None and (run_id := submitted_run(submitted)) is None:
-        return 1
+    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` (what
+    ``flwr run --format json`` printed) started, else ``run_id``, else the run submitted last; 0 only if it
+    completed."""
+    if submitted is not None:
+        try:
+            started = json.loads(submitted.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise FederationError(f"{submitted}: not the JSON `flwr run --format json` prints ({err})") from None
+        if not (started.get("success") and started.get("run-id")):  # a refused run config, say
+            print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id")
+                                                .split()))
+            return 1
+        run_id = int(started["run-id"])
     flwr = Path(sys.executable).parent / "flwr"  # the CLI beside this interpreter, whatever PATH says
     argv = [str(flwr) if flwr.exists() else "flwr", "ls", *([superlink] if superlink else []), "--format", "json",
             *(["--run-id", str(run_id)] if run_id is not None else [])]

@@ -64,12 +64,9 @@ class AdmissionError(RuntimeError):
 
 def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
               sizes: dict[str, dict[str, int]] | None = None) -> dict[int, str]:
-    """Admission: ask every node that connects for its client name until each client of ``expected`` (the plan's)
-    has its node; SuperNodes and simulated nodes register asynchronously. A node naming a client outside the plan
-    is refused (one error line naming it and the plan) and never counts; a declared client without a node after
-    ``timeout`` seconds fails the run (:class:`AdmissionError`). ``sizes`` receives what each client reports of
-    its splits (``num-train``, ``num-valid``); a client reporting an empty valid split is refused: it has no best
-    round and could not be scored."""
+    """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
+    (nodes register asynchronously); a node naming another client is refused. ``sizes`` receives each client's
+    ``num-train`` / ``num-valid``; an empty valid split is refused (no best round, no score)."""
     deadline = time.monotonic() + timeout
     names: dict[int, str] = {}
     refused: dict[int, str] = {}
@@ -96,10 +93,9 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
 def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: list[int], allowed: list[str],
                 timeout: float, sizes: dict[str, dict[str, int]] | None = None,
                 admission: bool = False) -> dict[int, str]:
-    """Ask the ``new`` nodes their client names; a node naming a client of ``allowed`` takes its place in
-    ``node_names`` (a restarted SuperNode replaces its old node id). Returns the nodes naming another client,
-    left out. At ``admission`` a node that fails to identify, or two connected nodes claiming one client, fail the
-    run; later such a node is left out with a warning until it answers."""
+    """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
+    returns the nodes naming a client outside ``allowed``. A failure to identify or a duplicate name fails the run
+    at ``admission``; later such a node is left out with a warning until it answers."""
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
                     message_type=IDENTIFY) for n in new]
     named: dict[int, str] = {}
@@ -135,9 +131,8 @@ def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: lis
 
 
 def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
-    """The known clients connected now. A node id not seen before is identified: a restarted SuperNode (a new
-    id, unless SuperNode authentication keeps its key's id) takes its client's place from this round on;
-    ``node_names`` is updated in place."""
+    """The known clients connected now; a new node id (a restarted SuperNode) is identified and takes its
+    client's place in ``node_names``."""
     current = set(grid.get_node_ids())
     new = sorted(current - set(node_names))
     if new:
@@ -160,11 +155,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                round_timeout_s: float = RunSettings.round_timeout_s,
                admission_timeout_s: float | None = None,
                client_settings: dict[str, Any] | None = None) -> tuple[ArrayRecord, list]:
-    """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
-    for a round's replies; late clients count as failed. ``admission_timeout_s``: how long it waits for every client
-    the plan declares to join (default: the round timeout); one missing then fails the run. ``client_settings``:
-    run-time settings sent with every train and evaluate message, for clients that take them from the server (the
-    engines' own: pipeline.federation.protocol.client_settings_config)."""
+    """The federated training loop of one experiment (the ServerApp's main); late replies count as failed, a
+    declared client missing after ``admission_timeout_s`` (default: the round timeout) fails the run.
+    ``client_settings``: run-time settings sent with every message (the engines': protocol.client_settings_config)."""
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
     if not spec.federated:
@@ -301,9 +294,8 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
                         node_names: dict[int, str], plan: Plan, sent: dict[str, torch.Tensor], rnd: int,
                         timeout: float, client_level, global_arrays: ArrayRecord, clipping_norm: float | None,
                         clipped: dict[str, tuple[int, float]]) -> ArrayRecord | None:
-    """The train step of a plain round: every sampled client replies with its adapter, the strategy aggregates.
-    Under client-level DP (``client_level``) each decoded reply's update is checked against this round's C and
-    ``clipped`` gets (clipped or not, its norm) per aggregated client."""
+    """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
+    and ``clipped`` gets (clipped or not, its norm) per aggregated client."""
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     sender = _senders(messages, node_names)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
@@ -345,11 +337,9 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
 def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],
                   node_names: dict[int, str], rnd: int, strategy, clipped: dict[str, tuple[float, None]]
                   ) -> ArrayRecord | None:
-    """The train step of a SecAgg+ round: the same sampled messages, trained and summed under masks; the server
-    records each client's metrics (sent in the clear, as in a plain round) and only the weighted mean. Under
-    client-level DP (``strategy``: the client-side DP wrapper) the mean is uniform, its noise is added as the
-    wrapper's aggregate_train would (bypassed by the secure step), and ``clipped`` gets each summed client's
-    share: the fraction of the round's updates that were clipped (whose, the server does not learn)."""
+    """The train step of a SecAgg+ round: the server records each client's metrics (sent in the clear) and only the
+    weighted mean. Under client-level DP the wrapper's noise is added to the (uniform) mean here, and ``clipped``
+    gets each summed client's share of the clipped fraction (whose updates, the server does not learn)."""
     result = secure.train_round(grid, messages, rnd)
     for node, outcome in result.nodes.items():
         row = rows[node_names[node]]
@@ -375,9 +365,8 @@ def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message],
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:
-    """Whether the late client is admitted in round ``rnd``, from the rounds before it (train.join): at
-    ``join.max_round`` at the latest, earlier once the other clients' mean validation loss improved by less than
-    ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
+    """Whether the late client is admitted in round ``rnd`` (train.join): at ``join.max_round``, or earlier once
+    the other clients' mean validation loss has plateaued."""
     if rnd >= join.max_round:
         return True
     return plateaued([m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)],
