@@ -1,7 +1,5 @@
 """The strategy registry: a strategy module (strategies/<name>.py) registers its builder and settings dataclass
-with :func:`register_strategy`; ``catalog`` imports every module. Settings are read from params ``train.<name>``
-(or, for keys that predate the registry, flat ``train`` keys: FedProx's ``proximal_mu``); only the chosen
-strategy's settings enter a plan. METHOD.md section 5."""
+with :func:`register_strategy`; only the chosen strategy's settings enter a plan. METHOD.md section 5."""
 from __future__ import annotations
 
 import copy
@@ -12,15 +10,12 @@ from typing import Any, Callable
 
 from pipeline.common.config import config, from_dict
 
-# Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key: the
-# client's FedAvg weight (the examples it trained this round, or its full train size with train.weight_by: full).
+# Every reply's MetricRecord carries these two counts; "num-examples" (the FedAvg weight) is Flower's default key.
 NUM_EXAMPLES_KEY = "num-examples"
 NUM_STEPS_KEY = "num-steps"
 
-# Attributes through which Flower's message strategies carry state from one round to the next
-# (FedOpt family: current_arrays, m_t, v_t; FedAvgM: current_arrays, momentum_vector). A resumed run must
-# restore them or the server optimiser would restart from zero moments. clipping_norm: Flower's DP wrappers
-# (privacy.mode client); adaptive clipping moves it every round.
+# Attributes through which Flower's strategies carry state from round to round (server optimiser moments; the DP
+# wrappers' adaptive clipping_norm): a resumed run restores them, or the server optimiser would restart from zero.
 _STATEFUL_ATTRIBUTES = ("current_arrays", "m_t", "v_t", "momentum_vector", "clipping_norm")
 
 
@@ -84,17 +79,13 @@ def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str 
 
 
 def common_arguments(fraction_train: float) -> dict[str, Any]:
-    """Keyword arguments of every Flower strategy here.
-
-    Flower samples ``max(int(n * fraction_train), min_train_nodes)`` nodes per round (0.67 of 3 -> 2); all
-    clients are evaluated every round (``fraction_evaluate`` 1) so each keeps its best adapter.
-    """
+    """Keyword arguments of every Flower strategy here; all clients evaluate every round (each keeps its best
+    adapter)."""
     return dict(fraction_train=fraction_train, fraction_evaluate=1.0, min_train_nodes=1, min_evaluate_nodes=1,
                 min_available_nodes=1, weighted_by_key=NUM_EXAMPLES_KEY)
 
 
 def strategy_state(strategy: Any) -> dict[str, Any]:
-    """The round-to-round state of a Flower strategy (server optimiser moments), for checkpoints."""
     return {k: copy.deepcopy(getattr(strategy, k)) for k in _STATEFUL_ATTRIBUTES if hasattr(strategy, k)}
 
 
