@@ -5,6 +5,7 @@ to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -93,12 +94,8 @@ class LocalhostFederation:
         self.run_config = dict(cfg.run_config)
         if cfg.params is not None:
             self.run_config = server_run_config(str(self.workdir / cfg.params), self.plan.experiment) | self.run_config
-        cwd = os.getcwd()
-        try:  # the plan's paths are relative to the working directory
-            os.chdir(self.workdir)
+        with contextlib.chdir(self.workdir):  # the plan's paths are relative to the working directory
             self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
-        finally:
-            os.chdir(cwd)
         self.home = (cfg.home or self.workdir / ".flwr-local" / self.plan.experiment).resolve()
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1",
@@ -129,9 +126,12 @@ class LocalhostFederation:
         wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
                   f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
         write_connection(self.home, self.port, self.certificates)
-        if self.cfg.auth:
-            for name in self.clients:
-                self.register(name)
+        for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
+            self.keys[name] = make_node_key(self.home / "keys", name)
+            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
+            if out.returncode != 0:
+                raise FederationError(f"registering the key of SuperNode {name} failed: "
+                                      f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
         return self.superlink
 
     def flwr(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
@@ -139,19 +139,10 @@ class LocalhostFederation:
         return subprocess.run(["flwr", *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
                               text=True, timeout=timeout_s or self.cfg.startup_timeout_s)
 
-    def register(self, name: str) -> None:
-        """Make ``name``'s key pair and register its public key with the SuperLink (SuperNode authentication)."""
-        self.keys[name] = make_node_key(self.home / "keys", name)
-        out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
-        if out.returncode != 0:
-            raise FederationError(f"registering the key of SuperNode {name} failed: "
-                                  f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
-
     def start_supernode(self, name: str, key: Path | None = None) -> Process:
-        argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--host", HOST,
-                "--port", str(free_port()),
-                "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
-        argv[1:1] = (["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"])
+        security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
+        argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST, "--port",
+                str(free_port()), "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
         key = key or (self.keys[name][0] if name in self.keys else None)
         if key is not None:
             argv += ["--auth-supernode-private-key", str(key)]
