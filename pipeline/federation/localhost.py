@@ -41,7 +41,6 @@ class LocalhostConfig:
     tls: bool = False
     certificates: Certificates | None = None  # with tls: these files, else a CA made under FLWR_HOME
     auth: bool = False  # SuperNode authentication: a key per client, registered before the run
-    home: Path | None = None  # FLWR_HOME; default .flwr-local/<exp>
     startup_timeout_s: float = 60.0
     run_timeout_s: float = 3600.0
     stop_timeout_s: float = 10.0
@@ -96,7 +95,7 @@ class LocalhostFederation:
             self.run_config = server_run_config(str(self.workdir / cfg.params), self.plan.experiment) | self.run_config
         with contextlib.chdir(self.workdir):  # the plan's paths are relative to the working directory
             self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
-        self.home = (cfg.home or self.workdir / ".flwr-local" / self.plan.experiment).resolve()
+        self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1",
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")

@@ -5,6 +5,7 @@ SuperNodes' key pairs."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -41,7 +42,6 @@ class Process:
         return self.popen.poll() is None
 
 
-
 class ProcessGroup:
     """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
 
@@ -65,27 +65,21 @@ class ProcessGroup:
     def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
         """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
         ``stop_timeout_s``; then reap it."""
-        try:  # Flower's SuperExec runs in its own session: a group kill would miss it and its ServerApp
+        with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
             proc.descendants |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        except psutil.Error:
-            pass
         pids = [proc.pid, *sorted(proc.descendants)]
         for s in dict.fromkeys((sig, signal.SIGKILL)):
             for pid in pids:
                 for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
-                    try:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         kill(pid, s)
-                    except (ProcessLookupError, PermissionError):
-                        pass
             deadline = time.monotonic() + self.stop_timeout_s
             while time.monotonic() < deadline and any(_running(p) for p in pids):
                 time.sleep(0.1)
             if not any(_running(p) for p in pids):
                 break
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
 
     def stop_all(self) -> None:
         # A second Ctrl-C must not cut the cleanup short and leave servers running.
