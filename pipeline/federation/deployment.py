@@ -145,6 +145,12 @@ class DeploymentRecorder(TrainRecorder):
                                            for k in SCORE_KEYS}, step=entry.round)
 
 
+# The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
+# run config. Flower ignores what serve returns.
+server_app = ServerApp()
+
+
+@server_app.main()
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
     clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
@@ -229,13 +235,3 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)
     run_id_file.unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}
-
-
-# The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
-# run config (`[tool.flwr.app.config] plan = "models/plans/<exp>.json"` or `flwr run . --run-config "plan='...'"`).
-server_app = ServerApp()
-
-
-@server_app.main()
-def server_main(grid: Grid, context: Context) -> None:
-    serve(grid, context)

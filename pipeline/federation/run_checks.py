@@ -41,19 +41,14 @@ _TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a numb
 
 
 def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str = "--run-config") -> None:
-    """Every key of ``values`` is one of ``keys`` (the app's config), of its type (an integer is a number too),
-    and the counts and durations are not negative. Raises :class:`RunConfigError` naming the first bad key."""
+    """Every key of ``values`` is one of ``keys``, of its type (an integer is a number too), and the counts and
+    durations are not negative; else :class:`RunConfigError` naming the first bad key."""
     for key, value in values.items():
         if key not in keys:
             raise RunConfigError(f"{source}: unknown key {key!r}; allowed: {sorted(keys)}")
         kind = keys[key]
-        if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
+        if not isinstance(value, (int, float) if kind is float else kind) or (
+                kind in (int, float) and isinstance(value, bool)):  # a boolean is no number
             raise RunConfigError(f"{source}: {key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
         if key in NON_NEGATIVE and value < 0:
             raise RunConfigError(f"{source}: {key}={value!r} must be >= 0")

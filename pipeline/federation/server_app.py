@@ -141,8 +141,7 @@ def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], tim
 
 
 def _senders(sent: list[Message], node_names: dict[int, str]):
-    """reply -> client name. A SuperLink answers for an offline node itself (ErrorCode.NODE_UNAVAILABLE, sent from
-    the SuperLink's id): such a reply is matched to the message it answers."""
+    """reply -> client name; a SuperLink's own answer for an offline node is matched to the message it answers."""
     by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
     return lambda reply: node_names.get(reply.metadata.src_node_id) or by_message[reply.metadata.reply_to_message_id]
 
@@ -155,9 +154,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                round_timeout_s: float = RunSettings.round_timeout_s,
                admission_timeout_s: float | None = None,
                client_settings: dict[str, Any] | None = None) -> tuple[ArrayRecord, list]:
-    """The federated training loop of one experiment (the ServerApp's main); late replies count as failed, a
-    declared client missing after ``admission_timeout_s`` (default: the round timeout) fails the run.
-    ``client_settings``: run-time settings sent with every message (the engines': protocol.client_settings_config)."""
+    """The federated training loop of one experiment (the ServerApp's main). ``admission_timeout_s`` defaults to the
+    round timeout; ``client_settings`` go with every message (the engines': protocol.client_settings_config)."""
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
     if not spec.federated:
@@ -191,8 +189,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         arrays = ArrayRecord.from_torch_state_dict(initial_adapter_state(plan))
     recorder.started(plan, clients, start)
     initial = downlink_reference(plan)
-    # Flower's strategies write into the config they get (server-round, proximal-mu, the DP clipping norm): each
-    # message set gets its own
+    # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
     config = {"plan": plan_path, **(client_settings or {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
@@ -213,9 +210,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
-        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
-        # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
-        # reference of the clients' delta-encoded replies.
+        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
+        # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
         downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
         sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
         for m in messages:
@@ -247,8 +243,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 
-        # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
-        # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
+        # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
+        # evaluate the global adapter, the others their local one: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, arrays if spec.local_from_global else ArrayRecord(),
                                                          ConfigRecord(config), view))
         if spec.local_from_global and eval_messages:
