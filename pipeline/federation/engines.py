@@ -27,8 +27,7 @@ from pipeline.training.history import Recorder
 log = logging.getLogger("fedmeet.federated")
 
 
-def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
-                    result: dict | None = None) -> ServerApp:
+def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None, result: dict) -> ServerApp:
     """A ServerApp bound to one plan; ``result`` receives the final arrays and history. The clients get the cache
     settings of ``settings`` with every message."""
     app = ServerApp()
@@ -37,8 +36,7 @@ def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | 
     def main(grid: Grid, context: Context) -> None:
         arrays, history = run_server(grid, load_plan(plan_path), plan_path, recorder, settings.round_timeout_s,
                                      settings.admission_timeout_s, client_settings_config(settings.cache))
-        if result is not None:
-            result.update(arrays=arrays, history=history)
+        result.update(arrays=arrays, history=history)
 
     return app
 
@@ -48,16 +46,14 @@ class InProcessGrid(Grid):
     node keeps its own Context across rounds, as a SuperNode does; messages are deep-copied both ways (client and
     server share no objects); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
 
-    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1,
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]],
                  run_config: dict[str, Any] | None = None):
         self.client_app = client_app
-        self._run = Run.create_empty(run_id)
-        self.contexts: dict[int, Context] = {}
-        for i, node_config in enumerate(node_configs):
-            node_id = 1000 + i
-            # run_config: what a deployed ClientApp sees as its run config (the FAB's, e.g. pyproject.toml's)
-            self.contexts[node_id] = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config),
-                                             state=RecordDict(), run_config=dict(run_config or {}))
+        self._run = Run.create_empty(1)
+        # run_config: what a deployed ClientApp sees as its run config (the FAB's, e.g. pyproject.toml's)
+        self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=dict(node_config),
+                                           state=RecordDict(), run_config=dict(run_config or {}))
+                         for i, node_config in enumerate(node_configs)}
         self._pending: dict[str, Message] = {}
 
     def set_run(self, run: Run) -> None:
