@@ -36,8 +36,7 @@ def client_name(plan: Plan, context: Context) -> str:
     if context.node_config.get("client-name"):
         return str(context.node_config["client-name"])
     if "partition-id" in context.node_config:
-        names = client_names(plan)
-        return names[int(context.node_config["partition-id"])]
+        return client_names(plan)[int(context.node_config["partition-id"])]
     raise ValueError("node_config has neither 'client-name' nor 'partition-id'")
 
 
@@ -94,9 +93,8 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
-# The train handler with its privacy mods (SecAgg+, client-level DP clipping) and the refusal to upload in the clear
-# under SecAgg+ (pipeline.privacy.seam.register_train). train_round is looked up when a message comes, so a wrapper
-# set on this module (tests, instrumentation) is the one that runs.
+# The train handler with its privacy mods (pipeline.privacy.seam.register_train). train_round is looked up when a
+# message comes, so a wrapper set on this module (tests, instrumentation) is the one that runs.
 client_train = privacy.register_train(client_app, lambda msg, context: train_round(msg, context))
 
 

@@ -208,8 +208,7 @@ class LocalhostFederation:
         return 1 if ckpt is None else int(ckpt["round"]) + 1
 
     def run_status(self, run_id: int) -> tuple[str, str]:
-        """(status, details) of run ``run_id`` as the SuperLink reports it (``flwr ls --run-id N --format json``):
-        ``finished:completed`` for a ServerApp that returned, ``finished:failed`` for one that raised."""
+        """(status, details) of run ``run_id`` as the SuperLink reports it (``finished:completed`` / ``:failed``)."""
         out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
         return parse_run_status(out.stdout, run_id)[1:]
 
@@ -223,8 +222,8 @@ class LocalhostFederation:
                 f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
 
     def check_outputs(self, since: float) -> dict:
-        """The run's train metrics (written by the deployed ServerApp), or an error naming what is missing; with
-        ``rouge``, the client-average ROUGE of the federated evaluation when this run wrote one."""
+        """The run's train metrics, or an error naming what is missing; with ``rouge``, the client-average ROUGE of
+        the federated evaluation when this run wrote one."""
         metrics = self.workdir / self.plan.paths["reports_dir"] / "metrics.json"
         if not metrics.exists() or metrics.stat().st_mtime < since:
             raise FederationError(f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; "
@@ -238,8 +237,8 @@ RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 
 def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
-    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise (``flwr run``
-    failed, or the SuperLink reports the ServerApp's run as failed: ``flwr run`` exits 0 for that too)."""
+    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise (also when the
+    ServerApp failed: ``flwr run`` exits 0 for that too)."""
     fed = LocalhostFederation(cfg)
     try:
         with fed:
