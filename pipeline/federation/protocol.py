@@ -77,8 +77,11 @@ class GridView(Grid):
         self._grid = grid
 
     run = property(lambda self: self._grid.run)
-    set_run, create_message, get_node_ids, push_messages, pull_messages, send_and_receive = map(_forward, (
-        "set_run", "create_message", "get_node_ids", "push_messages", "pull_messages", "send_and_receive"))
+    set_run, get_node_ids, push_messages, pull_messages, send_and_receive = map(_forward, (
+        "set_run", "get_node_ids", "push_messages", "pull_messages", "send_and_receive"))
+
+    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
+        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
 
 
 @lru_cache(maxsize=8)
