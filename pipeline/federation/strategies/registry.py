@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import asdict as to_dict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -27,14 +26,12 @@ class NoSettings:
 @dataclass(frozen=True)
 class StrategySpec:
     name: str
-    # build(settings, common, client_lr) -> a Flower Message-API strategy; ``common`` holds the keyword arguments
-    # every strategy takes (sampling fraction, minimum node counts, weighting key).
+    # build(settings, common, client_lr) -> a Flower strategy; ``common``: :func:`common_arguments`
     build: Callable[[Any, dict[str, Any], float], Any]
     settings_cls: type = NoSettings
     # params train key holding the settings mapping; None: the settings' fields are flat train keys.
     group: str | None = None
-    # The new global is the (weighted) mean of the replies and nothing more: client-level DP calibrates its noise
-    # to that mean, SecAgg+ gives the server only that mean (pipeline.privacy.settings).
+    # The new global is the (weighted) mean of the replies and nothing more (what client-level DP and SecAgg+ need).
     averaging: bool = False
     # Clients add mu/2 ||W - W_global||^2 (the mu arrives in the train message's config, as Flower's FedProx sends it).
     proximal: bool = False
@@ -58,7 +55,7 @@ class StrategySpec:
         """The settings, defaults filled in, as the plan's `train` mapping carries them (the params file's keys)."""
         if self.settings_cls is NoSettings:
             return {}
-        values = to_dict(self.settings(train_params))
+        values = dataclasses.asdict(self.settings(train_params))
         return {self.group: values} if self.group is not None else values
 
 
