@@ -39,8 +39,7 @@ ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation eve
 
 
 def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
-    """(round, admission) timeouts: run config ``round-timeout-s`` / ``admission-timeout-s`` when > 0, else the
-    run-time settings' defaults."""
+    """(round, admission) timeouts from the run config; 0 or unset: the run-time settings' defaults."""
     return (float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
             float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s)
 
@@ -88,10 +87,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         "adapter": cfg.adapter,
         "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": cfg.max_source_length or model_config(plan).max_source_length},
-        "rouge_l_in_tables": TABLE_ROUGE_L,
-        "clients": per_client,
-        "skipped_clients": skipped,
-        "mean": mean,
+        "rouge_l_in_tables": TABLE_ROUGE_L, "clients": per_client, "skipped_clients": skipped, "mean": mean,
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
     }
@@ -152,8 +148,7 @@ server_app = ServerApp()
 
 @server_app.main()
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
-    """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
-    clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
+    """Train (resuming after the last checkpointed round), record, evaluate on the clients: {"train", "eval"}."""
     rc = dict(context.run_config)
     check_run_config(rc, SERVER_KEYS, "run config")  # `flwr run` lets any value of a known key through
     plan_path = plan_path_of(None, context)

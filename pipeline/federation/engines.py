@@ -28,8 +28,7 @@ log = logging.getLogger("fedmeet.federated")
 
 
 def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None, result: dict) -> ServerApp:
-    """A ServerApp bound to one plan; ``result`` receives the final arrays and history. The clients get the cache
-    settings of ``settings`` with every message."""
+    """A ServerApp bound to one plan; ``result`` receives the final arrays and history."""
     app = ServerApp()
 
     @app.main()
@@ -118,8 +117,7 @@ def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | No
 
 
 def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """The plan's run on the engine ``settings`` names; ray: Flower's simulation runtime (a virtual SuperNode per
-    client)."""
+    """The plan's run on the engine ``settings`` names (ray: Flower's simulation, a virtual SuperNode per client)."""
     if settings.engine != "ray":
         return run_inprocess(plan_path, settings, recorder)
     from flwr.simulation import run_simulation

@@ -140,8 +140,7 @@ def port_open(port: int) -> bool:
 
 @dataclass(frozen=True)
 class Certificates:
-    """TLS files of a SuperLink: its certificate and key, and the CA that signed it (given to the SuperNodes and
-    the CLI connection as ``root-certificates``)."""
+    """TLS files of a SuperLink and the CA that signed it (the SuperNodes' and the CLI's ``root-certificates``)."""
 
     ca: Path
     cert: Path
@@ -169,8 +168,7 @@ def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
 
 
 def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
-    """A SuperNode's authentication key pair: the SuperNode keeps the private key, the federation owner registers
-    the public one."""
+    """A SuperNode's authentication key pair: (private key the SuperNode keeps, public key the server registers)."""
     out.mkdir(parents=True, exist_ok=True)
     private, public = out / name, out / f"{name}.pub"
     private.unlink(missing_ok=True)  # ssh-keygen would ask before overwriting

@@ -70,8 +70,7 @@ def _forward(name: str):
 
 
 class GridView(Grid):
-    """A Grid that passes every call on to ``grid``; a subclass changes what it needs (the nodes it shows, what it
-    notes of the messages)."""
+    """A Grid that passes every call on to ``grid``; a subclass changes what it needs."""
 
     def __init__(self, grid: Grid):
         self._grid = grid
