@@ -20,6 +20,8 @@ from pipeline.results.scoring import Scorer, mean_scores
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.shared_model import model_config, shared_model
 
+__all__ = ["client_app", "client_summarize"]  # Flower finds pyproject's `client_evaluation:client_app` in __all__
+
 @client_app.query("summarize")
 def client_summarize(msg: Message, context: Context) -> Message:
     """Federated evaluation (pipeline.federation.deployment): ROUGE of the client's own adapter on its own test
