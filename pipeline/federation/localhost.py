@@ -112,31 +112,10 @@ class LocalhostFederation:
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
 
-    def start_superlink(self) -> Process:
-        c = self.certificates
-        security = (["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
-                    if c else ["--insecure"])
-        argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port),
-                # the app's dependencies are this environment's: no `uv sync` per run
-                "--disable-runtime-dependency-installation"]
-        if self.cfg.auth:
-            argv.append("--enable-supernode-auth")
-        self.superlink = self.procs.start("superlink", argv, self.workdir)
-        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
-                  f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
-        write_connection(self.home, self.port, self.certificates)
-        for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
-            self.keys[name] = make_node_key(self.home / "keys", name)
-            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
-            if out.returncode != 0:
-                raise FederationError(f"registering the key of SuperNode {name} failed: "
-                                      f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
-        return self.superlink
-
-    def flwr(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    def flwr(self, *args: str) -> subprocess.CompletedProcess:
         """A ``flwr`` CLI command against this deployment's connection."""
         return subprocess.run(["flwr", *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
-                              text=True, timeout=timeout_s or self.cfg.startup_timeout_s)
+                              text=True, timeout=self.cfg.startup_timeout_s)
 
     def start_supernode(self, name: str, key: Path | None = None) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
@@ -156,7 +135,24 @@ class LocalhostFederation:
                   f"{proc.name} connecting to the SuperLink", proc)
 
     def start(self) -> None:
-        self.start_superlink()
+        c = self.certificates
+        security = (["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
+                    if c else ["--insecure"])
+        argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port),
+                # the app's dependencies are this environment's: no `uv sync` per run
+                "--disable-runtime-dependency-installation"]
+        if self.cfg.auth:
+            argv.append("--enable-supernode-auth")
+        self.superlink = self.procs.start("superlink", argv, self.workdir)
+        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
+                  f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
+        write_connection(self.home, self.port, self.certificates)
+        for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
+            self.keys[name] = make_node_key(self.home / "keys", name)
+            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
+            if out.returncode != 0:
+                raise FederationError(f"registering the key of SuperNode {name} failed: "
+                                      f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
         for name in self.clients:
             self.start_supernode(name)
         for proc in self.supernodes.values():
