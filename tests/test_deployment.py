@@ -291,7 +291,7 @@ def test_tls_and_supernode_authentication(ws, tmp_path):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.credentials import make_node_key, make_self_signed_ca
+    from pipeline.federation.processes import make_node_key, make_self_signed_ca
     from pipeline.federation.localhost import LocalhostFederation
 
     before = _flower_pids()
@@ -425,7 +425,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
-    from pipeline.federation.credentials import Certificates
+    from pipeline.federation.processes import Certificates
     from pipeline.federation.localhost import _parse_run_config, run_config_arg, write_connection
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])

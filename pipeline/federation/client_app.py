@@ -1,17 +1,7 @@
-"""The ClientApp (Flower Message API, flwr 1.41): what a client does when the server asks.
-
-- ``query.identify``: the client's name and split sizes.
-- ``train``: loads the server's weights into the global adapter (AdaFedKD / SelectKD teacher) or into the local one
-  (AdaFedAvg and the server algorithm baselines), trains the local adapter on the client's data and replies with
-  its tensors and counts/metrics only - no text, no token ids. Under ``privacy.secure_aggregation`` the same round
-  runs inside SecAgg+ and the tensors leave only masked (pipeline.privacy.secure_aggregation). The local adapter
-  persists in ``context.state`` (``train.local_adapter: reset``: the global each round); the gate log stays on
-  the client's disk. FedAvg weight ``num-examples``: the examples trained this round (``train.weight_by:
-  trained``; under ``max_train_examples_per_client`` an update weighs what it was computed from), or the full
-  train size |D_i| (``full``, the paper's |D_i| / |D|).
-- ``evaluate``: the validation loss of the client's adapter; keeps its best and final adapter and checkpoints the
-  client's state on its disk (pipeline.training.checkpoints).
-- ``query.summarize`` (federated evaluation) is registered by pipeline.federation.client_evaluation.
+"""The ClientApp (Flower Message API, flwr 1.41): ``query.identify`` (name and split sizes), ``train`` (the local
+adapter trained on the client's data; the reply holds tensors and counts only, no text) and ``evaluate`` (validation
+loss; keeps the best and final adapter and checkpoints the client). ``query.summarize`` (federated evaluation) is
+registered by pipeline.federation.client_evaluation.
 """
 from __future__ import annotations
 
@@ -31,7 +21,6 @@ from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import checkpoints
-from pipeline.training import checkpoints as best_adapter
 from pipeline.training.client_data import client_data, client_names, read_partition
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
@@ -47,8 +36,7 @@ def client_name(plan: Plan, context: Context) -> str:
     if context.node_config.get("client-name"):
         return str(context.node_config["client-name"])
     if "partition-id" in context.node_config:
-        names = client_names(plan)
-        return names[int(context.node_config["partition-id"])]
+        return client_names(plan)[int(context.node_config["partition-id"])]
     raise ValueError("node_config has neither 'client-name' nor 'partition-id'")
 
 
@@ -61,9 +49,8 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
 
 
 def _start_run_files(context: Context, plan: Plan, name: str, rnd: int) -> None:
-    """On the client's first message of a run: a run that resumes nothing (no client checkpoint before ``rnd``)
-    removes the gate-log files an earlier run of the same plan left in its folder, so the folder holds this
-    run's rounds only. A resumed run keeps them (its earlier rounds are this run's)."""
+    """On the client's first message of a run that resumes nothing (no client checkpoint before ``rnd``): remove
+    the gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
     if STARTED_KEY in context.state:
         return
     context.state[STARTED_KEY] = MetricRecord({"round": rnd})
@@ -75,7 +62,7 @@ def _start_run_files(context: Context, plan: Plan, name: str, rnd: int) -> None:
 
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
     """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
-    None while the client has not trained yet (its first train round then starts from the current global)."""
+    None while the client has not trained yet."""
     if LOCAL_STATE_KEY in context.state:
         return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
     ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
@@ -96,8 +83,7 @@ client_app = ClientApp()
 
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
-    """Admission (pipeline.federation.server_app._identify): the client's name and the sizes of its train and
-    valid splits, from its own partition slice - what the server needs of the client's data, and no more."""
+    """Admission (server_app._identify): the client's name and the sizes of its train and valid splits."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(plan, context)
     identity = ConfigRecord({"client-name": name})
@@ -107,15 +93,13 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
-# The train handler with its privacy mods (SecAgg+, client-level DP clipping) and the refusal to upload in the clear
-# under SecAgg+ (pipeline.privacy.seam.register_train). train_round is looked up when a message comes, so a wrapper
-# set on this module (tests, instrumentation) is the one that runs.
+# The train handler with its privacy mods (pipeline.privacy.seam.register_train). train_round is looked up when a
+# message comes, so a wrapper set on this module (tests, instrumentation) is the one that runs.
 client_train = privacy.register_train(client_app, lambda msg, context: train_round(msg, context))
 
 
 def train_round(msg: Message, context: Context) -> Message:
-    """One training round of this client: the Message-API reply (adapter arrays, metrics). In a SecAgg+ round the
-    reply goes to SecAgg+'s mod (pipeline.privacy.secure_aggregation), which sends it only masked."""
+    """One training round of this client: the reply (adapter arrays, metrics; under SecAgg+ sent only masked)."""
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
     name = client_name(plan, context)
@@ -152,15 +136,9 @@ def train_round(msg: Message, context: Context) -> Message:
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
     metrics = MetricRecord({
-        NUM_EXAMPLES_KEY: int(weight),
-        "num-trained": int(result.n_examples),
-        NUM_STEPS_KEY: int(result.n_steps),
-        "num-tokens": int(result.n_tokens),
-        "train-loss": float(result.train_loss),
-        "ce": float(result.ce),
-        "kd": float(result.kd),
-        "kd-fraction": float(result.kd_fraction),
-        "proximal": float(result.proximal),
+        NUM_EXAMPLES_KEY: int(weight), "num-trained": int(result.n_examples), NUM_STEPS_KEY: int(result.n_steps),
+        "num-tokens": int(result.n_tokens), "train-loss": float(result.train_loss), "ce": float(result.ce),
+        "kd": float(result.kd), "kd-fraction": float(result.kd_fraction), "proximal": float(result.proximal),
     })
     metrics.update(privacy.ClientLedger(context).account(result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
@@ -196,20 +174,16 @@ def client_evaluate(msg: Message, context: Context) -> Message:
                                                           cache=prefix_cache_for(plan, model,
                                                                                  client_cache_config(msg, context)))
 
-    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else best_adapter.initial_progress()
-    progress, is_best = best_adapter.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
-                                                   local, progress)
+    progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
+    progress, is_best = checkpoints.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
+                                                        local, progress)
     if trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     checkpoints.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
                                         privacy.ClientLedger(context).steps)
 
-    metrics = MetricRecord({
-        NUM_EXAMPLES_KEY: len(data.valid),
-        "val-loss": float(val_loss),
-        "val-tokens": int(val_tokens),
-        "best-round": int(progress["best-round"]),
-        "is-best": int(is_best),
-    })
+    metrics = MetricRecord({NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss),
+                            "val-tokens": int(val_tokens), "best-round": int(progress["best-round"]),
+                            "is-best": int(is_best)})
     return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)

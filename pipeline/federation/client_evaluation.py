@@ -1,10 +1,6 @@
-"""The deployed ClientApp (pyproject.toml ``clientapp``): the training ClientApp of pipeline.federation.client_app
-plus federated evaluation, ``query.summarize`` (pipeline.federation.deployment asks it after the last round).
-
-Kept apart from the training handlers because it decodes and scores (pipeline.modeling.generation,
-pipeline.results.scoring): the train stage's engines import only pipeline.federation.client_app, so editing the
-evaluation's decoding or ROUGE code reruns no training. Importing this module registers the handler on that same
-``client_app`` object, which this module exports.
+"""The deployed ClientApp (pyproject.toml ``clientapp``): pipeline.federation.client_app's ``client_app`` plus
+federated evaluation, ``query.summarize``. Kept apart so the train stage's engines do not import decoding and
+scoring code (editing it reruns no training).
 """
 from __future__ import annotations
 
@@ -24,8 +20,7 @@ from pipeline.results.scoring import Scorer, mean_scores
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.shared_model import model_config, shared_model
 
-__all__ = ["client_app", "client_summarize"]
-
+__all__ = ["client_app", "client_summarize"]  # Flower finds pyproject's `client_evaluation:client_app` in __all__
 
 @client_app.query("summarize")
 def client_summarize(msg: Message, context: Context) -> Message:

@@ -1,9 +1,6 @@
-"""Adapter transfer encodings (``train.transfer_dtype``), self-describing by tensor dtype so the receiver needs no
-side channel: fp32 (exact, the default); fp16 (relative error <= 2^-11, and an error instead of inf above 65504);
-int8 with one symmetric scale per tensor, ``s = max|x| / 127``, ``q = round(x / s)`` in [-127, 127] sent with the
-float32 ``s`` under ``<key>.int8_scale`` (error <= s / 2 per element). With ``reference`` (a state both sides
-hold) the difference to it is encoded: the adapters' LayerNorm weights sit near 1, so int8 of the weights would
-have a step of ~1/127 while a round's update is far smaller; the scale of the delta follows the update.
+"""Adapter transfer encodings (``train.transfer_dtype``), self-describing by tensor dtype: fp32 (exact), fp16,
+int8 with one symmetric scale per tensor sent under ``<key>.int8_scale``. With ``reference`` (a state both sides
+hold) the difference to it is encoded, so the int8 step follows the update rather than the weights (~1).
 """
 from __future__ import annotations
 
@@ -29,14 +26,17 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reshape(())
 
 
-def _check_inputs(state: dict[str, torch.Tensor], dtype: str, reference: dict[str, torch.Tensor] | None) -> None:
+def encode_state(state: dict[str, torch.Tensor], dtype: str = "fp32",
+                 reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Encode a float state dict for transfer (``dtype`` in fp32|fp16|int8), optionally as a delta to ``reference``."""
     if dtype not in TRANSFER_DTYPES:
         raise ValueError(f"transfer dtype {dtype!r}; expected one of {TRANSFER_DTYPES}")
     for key, value in state.items():
         if key.endswith(SCALE_SUFFIX):
             raise ValueError(f"state key {key!r} ends with the reserved suffix {SCALE_SUFFIX!r}")
         if not torch.is_tensor(value) or not value.is_floating_point():
-            raise ValueError(f"state key {key!r}: expected a floating-point tensor, got {getattr(value, 'dtype', type(value))}")
+            raise ValueError(f"state key {key!r}: expected a floating-point tensor, got "
+                             f"{getattr(value, 'dtype', type(value))}")
         if not torch.isfinite(value).all():
             raise ValueError(f"state key {key!r}: contains NaN or inf; refusing to send it")
     if reference is not None:
@@ -47,13 +47,6 @@ def _check_inputs(state: dict[str, torch.Tensor], dtype: str, reference: dict[st
             if tuple(reference[key].shape) != tuple(value.shape):
                 raise ValueError(f"delta encoding: {key} has shape {tuple(value.shape)} but the reference "
                                  f"{tuple(reference[key].shape)}")
-
-
-def encode_state(
-    state: dict[str, torch.Tensor], dtype: str = "fp32", reference: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
-    """Encode a float state dict for transfer (``dtype`` in fp32|fp16|int8), optionally as a delta to ``reference``."""
-    _check_inputs(state, dtype, reference)
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         x = value.detach().to("cpu", torch.float32)
@@ -64,7 +57,8 @@ def encode_state(
         elif dtype == "fp16":
             amax = float(x.abs().max()) if x.numel() else 0.0
             if amax > FP16_MAX:
-                raise ValueError(f"state key {key!r}: |x| = {amax:.4g} exceeds the fp16 range ({FP16_MAX}); use fp32 or int8")
+                raise ValueError(f"state key {key!r}: |x| = {amax:.4g} exceeds the fp16 range ({FP16_MAX}); use "
+                                 f"fp32 or int8")
             out[key] = x.to(torch.float16).contiguous()
         else:
             q, scale = quantize_int8(x)
@@ -73,9 +67,8 @@ def encode_state(
     return out
 
 
-def decode_state(
-    encoded: dict[str, torch.Tensor], reference: dict[str, torch.Tensor] | None = None
-) -> dict[str, torch.Tensor]:
+def decode_state(encoded: dict[str, torch.Tensor],
+                 reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Float32 state dict from :func:`encode_state`'s output (whatever its dtype); adds ``reference`` back when the
     sender encoded a delta against it."""
     scales = {k[: -len(SCALE_SUFFIX)]: v for k, v in encoded.items() if k.endswith(SCALE_SUFFIX)}

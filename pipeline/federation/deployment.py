@@ -1,19 +1,7 @@
-"""Real federation (SuperLink + SuperNodes): what the deployed ServerApp records, and federated evaluation.
-
-A deployed ServerApp (pyproject.toml: ``pipeline.federation.deployment:server_app``) records what the train stage
-records for the engines, from what the server receives - the clients' data and adapters stay on their disks:
-relative to the SuperLink's working directory, the run directory ``data/cache/runs/<exp>-<key>/`` while it runs,
-then ``models/<exp>/`` (``rounds.json``, ``metrics.json``, ``global_adapter.safetensors``) and
-``reports/train/<exp>/``, and an MLflow run. Federated evaluation: after the last round (and every
-``evaluate-every`` rounds) each client scores its own test set with its own adapter as the evaluate stage would
-and replies only ROUGE means and counts: ``reports/eval/<exp>/metrics.json`` (the evaluate stage's layout, no
-per-example files) and ``rounds.json``. A client that failed in every round it was sampled in fails the run after
-its rounds are recorded, so ``flwr ls`` reports it (:func:`never_contributed`).
-
-Run config (pyproject.toml ``[tool.flwr.app.config]``): ``plan``, ``evaluate``, ``evaluate-every`` (0 = only at
-the end), ``mlflow``, ``round-timeout-s`` and ``admission-timeout-s`` (0 = the run-time settings' defaults),
-``decoding`` (the evaluate group as JSON; "" = its defaults). The entry points fill the last three from a params
-file (``python -m pipeline.federation local --params``, the server's ``kit``); nothing here reads one.
+"""Real federation (SuperLink + SuperNodes): the deployed ServerApp (pyproject.toml
+``pipeline.federation.deployment:server_app``) records what the train stage records, from what the server receives,
+and runs the federated evaluation (each client scores its own test set; only ROUGE means reach the server). Run
+config keys: pyproject.toml ``[tool.flwr.app.config]``; nothing here reads a params file. docs/federation.md.
 """
 from __future__ import annotations
 
@@ -38,23 +26,20 @@ from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 from pipeline.training import checkpoints
-from pipeline.training.history import write_rounds
-from pipeline.training.history import TrainRecorder
+from pipeline.training.history import TrainRecorder, write_rounds
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
 
 log = logging.getLogger("fedmeet.deployment")
 
-SUMMARIZE = "query.summarize"
 SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 
 
 def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
-    """(round, admission) timeouts: run config ``round-timeout-s`` / ``admission-timeout-s`` when > 0, else the
-    run-time settings' defaults (params.yaml's, tests/test_params_defaults.py)."""
+    """(round, admission) timeouts from the run config; 0 or unset: the run-time settings' defaults."""
     return (float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
             float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s)
 
@@ -70,7 +55,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
     replies = list(grid.send_and_receive([Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n,
-                                                  message_type=SUMMARIZE) for n in node_ids], timeout=timeout))
+                                                  message_type="query.summarize") for n in node_ids], timeout=timeout))
     received: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     for reply in replies:
@@ -102,10 +87,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         "adapter": cfg.adapter,
         "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": cfg.max_source_length or model_config(plan).max_source_length},
-        "rouge_l_in_tables": TABLE_ROUGE_L,
-        "clients": per_client,
-        "skipped_clients": skipped,
-        "mean": mean,
+        "rouge_l_in_tables": TABLE_ROUGE_L, "clients": per_client, "skipped_clients": skipped, "mean": mean,
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
     }
@@ -159,23 +141,14 @@ class DeploymentRecorder(TrainRecorder):
                                            for k in SCORE_KEYS}, step=entry.round)
 
 
-def _discard_dead_run(run_id_file: Path) -> None:
-    """The MLflow run an earlier attempt of this plan left without a checkpointed round (a failed admission, a
-    ServerApp killed in round 1) holds no round: it is deleted, so the runs table keeps no dead attempts."""
-    if not run_id_file.exists():
-        return
-    from pipeline.results.tracking import _client
-
-    try:
-        _client().delete_run(run_id_file.read_text().strip())
-    except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
-        log.info("earlier MLflow run not deleted: %s", exc)
-    run_id_file.unlink()
+# The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
+# run config. Flower ignores what serve returns.
+server_app = ServerApp()
 
 
+@server_app.main()
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
-    """The deployed ServerApp: train (resuming after the last checkpointed round), record, evaluate on the
-    clients. Returns {"train": train metrics, "eval": eval metrics or None}."""
+    """Train (resuming after the last checkpointed round), record, evaluate on the clients: {"train", "eval"}."""
     rc = dict(context.run_config)
     check_run_config(rc, SERVER_KEYS, "run config")  # `flwr run` lets any value of a known key through
     plan_path = plan_path_of(None, context)
@@ -190,10 +163,16 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = None
     if rc.get("mlflow", True):
-        from pipeline.results.tracking import RunLogger
+        from pipeline.results.tracking import RunLogger, _client
 
-        if checkpoint is None:
-            _discard_dead_run(run_id_file)
+        if checkpoint is None and run_id_file.exists():
+            # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
+            # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
+            try:
+                _client().delete_run(run_id_file.read_text().strip())
+            except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
+                log.info("earlier MLflow run not deleted: %s", exc)
+            run_id_file.unlink()
         resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(),
                                  run_identity_tags(plan, "deployment"), resume_run_id=resume_id)
@@ -251,13 +230,3 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)
     run_id_file.unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}
-
-
-# The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
-# run config (`[tool.flwr.app.config] plan = "models/plans/<exp>.json"` or `flwr run . --run-config "plan='...'"`).
-server_app = ServerApp()
-
-
-@server_app.main()
-def server_main(grid: Grid, context: Context) -> None:
-    serve(grid, context)

@@ -1,9 +1,5 @@
-"""The engines that run the ServerApp and the ClientApps inside the `train` stage.
-
-``InProcessGrid`` delivers each Message to the same ClientApp object in this process, one client after the other
-(no Ray, no sockets; each node keeps its own Context); ``engine: ray`` runs the same apps in Flower's simulation
-runtime (``flwr.simulation.run_simulation``, Ray actors with ``ray_cpus_per_client`` / ``ray_gpus_per_client``).
-A real federation serves the same apps from a SuperLink and SuperNodes (pipeline.federation.deployment).
+"""The engines that run the ServerApp and the ClientApps inside the `train` stage: ``InProcessGrid`` (each
+Message to the ClientApp in this process, one client after the other) or ``engine: ray`` (Flower's simulation).
 """
 from __future__ import annotations
 
@@ -31,42 +27,32 @@ from pipeline.training.history import Recorder
 log = logging.getLogger("fedmeet.federated")
 
 
-def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
-                    result: dict | None = None) -> ServerApp:
-    """A ServerApp bound to one plan (engines); ``result`` receives the final arrays and history. ``settings``:
-    the train stage's run-time settings; the clients this engine hosts get their cache settings with every
-    message (pipeline.federation.protocol.client_cache_config)."""
+def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None, result: dict) -> ServerApp:
+    """A ServerApp bound to one plan; ``result`` receives the final arrays and history."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
         arrays, history = run_server(grid, load_plan(plan_path), plan_path, recorder, settings.round_timeout_s,
                                      settings.admission_timeout_s, client_settings_config(settings.cache))
-        if result is not None:
-            result.update(arrays=arrays, history=history)
+        result.update(arrays=arrays, history=history)
 
     return app
 
 
 class InProcessGrid(Grid):
-    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other.
+    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other. Each
+    node keeps its own Context across rounds, as a SuperNode does; messages are deep-copied both ways (client and
+    server share no objects); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
 
-    Each node has its own Context (node_config: client name, plan; state: the client's private state), kept
-    across rounds as a SuperNode keeps it. Messages are deep-copied in both directions, so client and server
-    share no objects; a ClientApp exception becomes an error reply (ErrorCode.CLIENT_APP_RAISED_EXCEPTION),
-    as Flower's runtimes report it.
-    """
-
-    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], run_id: int = 1,
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]],
                  run_config: dict[str, Any] | None = None):
         self.client_app = client_app
-        self._run = Run.create_empty(run_id)
-        self.contexts: dict[int, Context] = {}
-        for i, node_config in enumerate(node_configs):
-            node_id = 1000 + i
-            # run_config: what a deployed ClientApp sees as its run config (the FAB's, e.g. pyproject.toml's)
-            self.contexts[node_id] = Context(run_id=run_id, node_id=node_id, node_config=dict(node_config),
-                                             state=RecordDict(), run_config=dict(run_config or {}))
+        self._run = Run.create_empty(1)
+        # run_config: what a deployed ClientApp sees as its run config (the FAB's, e.g. pyproject.toml's)
+        self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=dict(node_config),
+                                           state=RecordDict(), run_config=dict(run_config or {}))
+                         for i, node_config in enumerate(node_configs)}
         self._pending: dict[str, Message] = {}
 
     def set_run(self, run: Run) -> None:
@@ -130,8 +116,10 @@ def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | No
     return result
 
 
-def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """Run the same apps in Flower's simulation runtime on Ray (one virtual SuperNode per client)."""
+def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
+    """The plan's run on the engine ``settings`` names (ray: Flower's simulation, a virtual SuperNode per client)."""
+    if settings.engine != "ray":
+        return run_inprocess(plan_path, settings, recorder)
     from flwr.simulation import run_simulation
 
     result: dict = {}
@@ -143,10 +131,3 @@ def run_ray(plan_path: str, settings: RunSettings, recorder: Recorder | None = N
     if "history" not in result:
         raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
     return result
-
-
-def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """The plan's run on the engine ``settings`` names (the train stage's run-time settings)."""
-    if settings.engine == "ray":
-        return run_ray(plan_path, settings, recorder)
-    return run_inprocess(plan_path, settings, recorder)

@@ -1,17 +1,11 @@
 """A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
-and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md.
-
-    python -m pipeline.federation local --experiment fedselectkd-domain
-    python -m pipeline.federation local --experiment fedavg-domain --tls --auth   # self-signed CA, node keys
-
-It runs the real deployment path (pipeline.federation.deployment: the ServerApp inside the SuperLink, ClientApps
-inside the SuperNodes), so it writes what a multi-site run writes. Flower's files (app installs, the CLI's
-``config.toml``, process logs, certificates and keys) go to ``FLWR_HOME`` = ``.flwr-local/<exp>/``. This module
-is the entry point that reads a params file (``--params``): the ServerApp gets its settings in the run config.
+and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md. Flower's files go
+to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -26,23 +20,18 @@ from pathlib import Path
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict
-from pipeline.federation.credentials import Certificates, make_node_key, make_self_signed_ca
-from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
+from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
+                                          make_node_key, make_self_signed_ca, port_open, wait_for)
 from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, parse_run_status,
                                             status_command)
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]
-PLANS_DIR = PATHS.plans
-LOCAL_HOME = Path(".flwr-local")
 
 
-# ============================================================================================ deployment
 @dataclass
 class LocalhostConfig:
-    """One local deployment (the ``local`` command's options)."""
-
     plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
     workdir: Path = Path(".")
     app: Path = REPO_ROOT  # the Flower app (pyproject.toml with [tool.flwr.app])
@@ -52,7 +41,6 @@ class LocalhostConfig:
     tls: bool = False
     certificates: Certificates | None = None  # with tls: these files, else a CA made under FLWR_HOME
     auth: bool = False  # SuperNode authentication: a key per client, registered before the run
-    home: Path | None = None  # FLWR_HOME; default .flwr-local/<exp>
     startup_timeout_s: float = 60.0
     run_timeout_s: float = 3600.0
     stop_timeout_s: float = 10.0
@@ -61,30 +49,25 @@ class LocalhostConfig:
 
 @dataclass
 class LocalhostRun:
-    """What :func:`run_localhost` did: the run's exit status, FLWR_HOME (with the process logs), its output."""
-
     returncode: int
     home: Path
     output: str
 
 
-def _toml_value(v: str | int | float | bool) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return "'" + str(v).replace("'", "") + "'"
-
-
 def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
     """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs."""
-    return " ".join(f"{k}={_toml_value(v)}" for k, v in values.items())
+    def toml(v: str | int | float | bool) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return repr(v) if isinstance(v, (int, float)) else "'" + str(v).replace("'", "") + "'"
+
+    return " ".join(f"{k}={toml(v)}" for k, v in values.items())
 
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> Path:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
     home.mkdir(parents=True, exist_ok=True)
-    security = (f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true")
+    security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
     path = home / "config.toml"
     atomic.write_text(path, f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
                             f'address = "{HOST}:{port}"\n{security}\n')
@@ -110,77 +93,34 @@ class LocalhostFederation:
         self.run_config = dict(cfg.run_config)
         if cfg.params is not None:
             self.run_config = server_run_config(str(self.workdir / cfg.params), self.plan.experiment) | self.run_config
-        cwd = os.getcwd()
-        try:  # the plan's paths are relative to the working directory
-            os.chdir(self.workdir)
+        with contextlib.chdir(self.workdir):  # the plan's paths are relative to the working directory
             self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
-        finally:
-            os.chdir(cwd)
-        self.home = (cfg.home or self.workdir / LOCAL_HOME / self.plan.experiment).resolve()
-        env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0",
-                   PYTHONUNBUFFERED="1")
+        self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
-        env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+        env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1",
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
-        self.certificates: Certificates | None = None
-        if cfg.tls:
-            self.certificates = cfg.certificates or make_self_signed_ca(self.home / "certs")
+        self.certificates = (cfg.certificates or make_self_signed_ca(self.home / "certs")) if cfg.tls else None
         self.keys: dict[str, tuple[Path, Path]] = {}
         self.superlink: Process | None = None
         self.supernodes: dict[str, Process] = {}
 
-    # -- lifecycle
     def __enter__(self) -> "LocalhostFederation":
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
         self.procs.stop_all()
 
-    # -- SuperLink
-    def _security_args(self) -> list[str]:
-        if self.certificates is None:
-            return ["--insecure"]
-        c = self.certificates
-        return ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
-
-    def start_superlink(self) -> Process:
-        argv = ["flower-superlink", *self._security_args(), "--host", HOST, "--port", str(self.port),
-                # the app's dependencies are this environment's: no `uv sync` per run
-                "--disable-runtime-dependency-installation"]
-        if self.cfg.auth:
-            argv.append("--enable-supernode-auth")
-        self.superlink = self.procs.start("superlink", argv, self.workdir)
-        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
-                  f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
-        write_connection(self.home, self.port, self.certificates)
-        if self.cfg.auth:
-            for name in self.clients:
-                self.register(name)
-        return self.superlink
-
-    def flwr(self, *args: str, timeout_s: float | None = None) -> subprocess.CompletedProcess:
+    def flwr(self, *args: str) -> subprocess.CompletedProcess:
         """A ``flwr`` CLI command against this deployment's connection."""
         return subprocess.run(["flwr", *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
-                              text=True, timeout=timeout_s or self.cfg.startup_timeout_s)
+                              text=True, timeout=self.cfg.startup_timeout_s)
 
-    def register(self, name: str) -> None:
-        """Make ``name``'s key pair and register its public key with the SuperLink (SuperNode authentication)."""
-        self.keys[name] = make_node_key(self.home / "keys", name)
-        out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
-        if out.returncode != 0:
-            raise FederationError(f"registering the key of SuperNode {name} failed: "
-                                  f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
-
-    # -- SuperNodes
     def start_supernode(self, name: str, key: Path | None = None) -> Process:
-        argv = ["flower-supernode", "--superlink", f"{HOST}:{self.port}", "--host", HOST,
-                "--port", str(free_port()),
-                "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
-        argv[1:1] = (["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"])
+        security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
+        argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST, "--port",
+                str(free_port()), "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
         key = key or (self.keys[name][0] if name in self.keys else None)
         if key is not None:
             argv += ["--auth-supernode-private-key", str(key)]
@@ -195,18 +135,33 @@ class LocalhostFederation:
                   f"{proc.name} connecting to the SuperLink", proc)
 
     def start(self) -> None:
-        self.start_superlink()
+        c = self.certificates
+        security = (["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
+                    if c else ["--insecure"])
+        argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port),
+                # the app's dependencies are this environment's: no `uv sync` per run
+                "--disable-runtime-dependency-installation"]
+        if self.cfg.auth:
+            argv.append("--enable-supernode-auth")
+        self.superlink = self.procs.start("superlink", argv, self.workdir)
+        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
+                  f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
+        write_connection(self.home, self.port, self.certificates)
+        for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
+            self.keys[name] = make_node_key(self.home / "keys", name)
+            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
+            if out.returncode != 0:
+                raise FederationError(f"registering the key of SuperNode {name} failed: "
+                                      f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
         for name in self.clients:
             self.start_supernode(name)
         for proc in self.supernodes.values():
             self.wait_registered(proc)
 
-    # -- the run
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
-        rc = {"plan": self.cfg.plan, **self.run_config}
         argv = ["flwr", "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
-                "--run-config", run_config_arg(rc)]
+                "--run-config", run_config_arg({"plan": self.cfg.plan, **self.run_config})]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
     def stream(self, run: Process) -> LocalhostRun:
@@ -249,23 +204,22 @@ class LocalhostFederation:
         return 1 if ckpt is None else int(ckpt["round"]) + 1
 
     def run_status(self, run_id: int) -> tuple[str, str]:
-        """(status, details) of run ``run_id`` as the SuperLink reports it (``flwr ls --run-id N --format json``):
-        ``finished:completed`` for a ServerApp that returned, ``finished:failed`` for one that raised."""
+        """(status, details) of run ``run_id`` as the SuperLink reports it (``finished:completed`` / ``:failed``)."""
         out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
         return parse_run_status(out.stdout, run_id)[1:]
 
     def _resume_hint(self) -> str:
+        from pipeline.training.checkpoints import server_checkpoint_path
+
         start, command = self.start_round(), f"python -m pipeline.federation local --plan {self.cfg.plan}"
         if start == 1:
             return f"no round was checkpointed; rerun `{command}` to start over"
-        from pipeline.training.checkpoints import server_checkpoint_path
-
         return (f"the server checkpointed round {start - 1} of {self.plan.train.rounds} "
                 f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
 
     def check_outputs(self, since: float) -> dict:
-        """The run's train metrics (written by the deployed ServerApp), or an error naming what is missing; with
-        ``rouge``, the client-average ROUGE of the federated evaluation when this run wrote one."""
+        """The run's train metrics, or an error naming what is missing; with ``rouge``, the client-average ROUGE of
+        the federated evaluation when this run wrote one."""
         metrics = self.workdir / self.plan.paths["reports_dir"] / "metrics.json"
         if not metrics.exists() or metrics.stat().st_mtime < since:
             raise FederationError(f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; "
@@ -279,11 +233,26 @@ RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 
 def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
-    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise (``flwr run``
-    failed, or the SuperLink reports the ServerApp's run as failed: ``flwr run`` exits 0 for that too)."""
+    """Start, run, stop: returns the run and its train metrics; raises FederationError otherwise (also when the
+    ServerApp failed: ``flwr run`` exits 0 for that too)."""
     fed = LocalhostFederation(cfg)
     try:
-        return _run(fed)
+        with fed:
+            started = time.time()  # the ServerApp prints the round it starts at, in the run's stream
+            fed.start()
+            run = fed.stream(fed.submit())
+            if run.returncode != 0:
+                raise FederationError(f"`flwr run` exited with status {run.returncode}; logs in "
+                                      f"{fed.procs.log_dir}; {fed._resume_hint()}")
+            found = RUN_ID.search(run.output)
+            if found is None:
+                raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
+            status, details = fed.run_status(int(found.group(1)))
+            if status != "finished:completed":
+                cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
+                raise FederationError(f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; "
+                                      f"{fed._resume_hint()}")
+            return run, fed.check_outputs(started)
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:
             # the ServerApp was killed before it could end its MLflow run: marked KILLED (a rerun resumes it)
@@ -294,26 +263,6 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
         raise
 
 
-def _run(fed: LocalhostFederation) -> tuple[LocalhostRun, dict]:
-    with fed:
-        started = time.time()  # the ServerApp prints the round it starts at, in the run's stream
-        fed.start()
-        run = fed.stream(fed.submit())
-        if run.returncode != 0:
-            raise FederationError(f"`flwr run` exited with status {run.returncode}; logs in {fed.procs.log_dir}; "
-                                  f"{fed._resume_hint()}")
-        found = RUN_ID.search(run.output)
-        if found is None:
-            raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
-        status, details = fed.run_status(int(found.group(1)))
-        if status != "finished:completed":
-            cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
-            raise FederationError(f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; "
-                                  f"{fed._resume_hint()}")
-        return run, fed.check_outputs(started)
-
-
-# ================================================================================================ CLI
 def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
     """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
     import tomllib
@@ -384,21 +333,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
-        from pipeline.federation.sites import write_kit
-
-        
         from pipeline.experiments import read_plan
+        from pipeline.federation.sites import write_kit
 
         run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
         written = write_kit(args.plan, args.out, args.client, run_config)
         print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
         return 0
 
-    plan = args.plan or str(PLANS_DIR / f"{args.experiment}.json")
+    plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
     cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), params=args.params,
-                          tls=args.tls, auth=args.auth,
-                      startup_timeout_s=args.startup_timeout, run_timeout_s=args.run_timeout,
-                      stop_timeout_s=args.stop_timeout)
+                          tls=args.tls, auth=args.auth, startup_timeout_s=args.startup_timeout,
+                          run_timeout_s=args.run_timeout, stop_timeout_s=args.stop_timeout)
     # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
     signal.signal(signal.SIGTERM, _interrupt)
     try:

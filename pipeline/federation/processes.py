@@ -1,9 +1,11 @@
-"""The processes of a local deployment (pipeline.federation.localhost): each in its own process group, logging to a
-file, stopped by its id with the descendants it spawned (Flower's SuperExec starts its own session); groups left
-running are stopped at interpreter exit. Plus waits for a process to come up and free ports on 127.0.0.1."""
+"""The processes of a local deployment: each in its own process group, logging to a file, stopped with the
+descendants it spawned; groups left running are stopped at interpreter exit. Plus its TLS and authentication
+material (docs/federation.md's recipe): a throwaway CA with a SuperLink certificate for 127.0.0.1, and the
+SuperNodes' key pairs."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import IO
 
 import psutil
+
+from pipeline.common import atomic
 
 HOST = "127.0.0.1"
 
@@ -36,19 +40,6 @@ class Process:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
-
-    def remember_descendants(self) -> None:
-        # Flower's SuperExec runs in its own session: a group kill would miss it and its ServerApp.
-        try:
-            self.descendants |= {p.pid for p in psutil.Process(self.pid).children(recursive=True)}
-        except psutil.Error:
-            pass
-
-    def tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
 
 
 class ProcessGroup:
@@ -74,24 +65,21 @@ class ProcessGroup:
     def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
         """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
         ``stop_timeout_s``; then reap it."""
-        proc.remember_descendants()
+        with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
+            proc.descendants |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
         pids = [proc.pid, *sorted(proc.descendants)]
         for s in dict.fromkeys((sig, signal.SIGKILL)):
             for pid in pids:
                 for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
-                    try:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
                         kill(pid, s)
-                    except (ProcessLookupError, PermissionError):
-                        pass
             deadline = time.monotonic() + self.stop_timeout_s
             while time.monotonic() < deadline and any(_running(p) for p in pids):
                 time.sleep(0.1)
             if not any(_running(p) for p in pids):
                 break
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.popen.wait(timeout=self.stop_timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
 
     def stop_all(self) -> None:
         # A second Ctrl-C must not cut the cleanup short and leave servers running.
@@ -132,8 +120,12 @@ def wait_for(predicate, timeout_s: float, what: str, proc: Process | None = None
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if proc is not None and not proc.alive():
+            try:
+                tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:])
+            except OSError:
+                tail = ""
             raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
-                                  f"log {proc.log}: {proc.tail(3)!r}")
+                                  f"log {proc.log}: {tail!r}")
         if time.monotonic() > deadline:
             raise FederationError(f"{what} did not happen within {timeout_s:.0f}s" +
                                   (f"; log {proc.log}" if proc else ""))
@@ -144,3 +136,42 @@ def port_open(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.settimeout(0.5)
         return s.connect_ex((HOST, port)) == 0
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """TLS files of a SuperLink and the CA that signed it (the SuperNodes' and the CLI's ``root-certificates``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _run(*argv) -> None:
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {' '.join(out.stderr.split())[-300:]}")
+
+
+def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
+    """A throwaway CA and a certificate for the SuperLink on 127.0.0.1 signed by it."""
+    out.mkdir(parents=True, exist_ok=True)
+    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
+    _run("openssl", "req", "-x509", *new_key, "-days", days, "-subj", "/CN=fedmeet local CA",
+         "-keyout", out / "ca.key", "-out", certs.ca)
+    _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
+    atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
+    _run("openssl", "x509", "-req", "-in", out / "server.csr", "-CA", certs.ca, "-CAkey", out / "ca.key",
+         "-CAcreateserial", "-days", days, "-extfile", out / "san.cnf", "-out", certs.cert)
+    return certs
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair: (private key the SuperNode keeps, public key the server registers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    private, public = out / name, out / f"{name}.pub"
+    private.unlink(missing_ok=True)  # ssh-keygen would ask before overwriting
+    public.unlink(missing_ok=True)
+    _run("ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", private)
+    return private, public

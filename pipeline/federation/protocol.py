@@ -1,11 +1,7 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
-metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire.
-
-The server encodes the global once per round (pipeline.federation.compression, ``train.transfer_dtype``) and
-decodes every reply to float32 before the strategy aggregates, so Flower's strategies and the server state stay
-full precision; bytes up/down are counted encoded. With ``train.transfer_delta`` (lossy encodings only) a reply is
-the difference to the global the client received (both sides hold it bit for bit) and the downlink the difference
-to the round-0 adapter (every node derives it from the seed; a client that skipped rounds holds no earlier global).
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (encoded by
+pipeline.federation.compression; with ``train.transfer_delta`` a reply is the difference to the global the client
+received, the downlink the difference to the round-0 adapter every node derives from the seed).
 """
 from __future__ import annotations
 
@@ -30,37 +26,29 @@ CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 IDENTIFY = "query.identify"
 
-# What a train reply's MetricRecord holds: counts and aggregate losses only. NUM_EXAMPLES_KEY is the client's
-# FedAvg weight (train.weight_by: its full train size |D_i|, or the examples trained this round); "num-trained"
-# is the number of examples it trained on this round (fewer than |D_i| under max_train_examples_per_client).
+# What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight).
 TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
                      "kd-fraction", "proximal")
-# Added under privacy.mode example (pipeline.privacy): the accountant's epsilon after all the client's steps so far
-# (-1 = unbounded), its delta, sigma, C (-1 = no clipping), q, the cumulative steps, and this round's per-example
-# gradients and how many of them were clipped.
+# Added under privacy.mode example: the accountant's (epsilon, delta) so far (-1 = unbounded), sigma, C, q, the
+# cumulative steps, and this round's per-example gradients and how many of them were clipped.
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
                        "dp-steps", "dp-examples", "dp-clipped")
-# Added under privacy.mode client with client-side clipping (pipeline.privacy.client_dp): whether the update
-# exceeded C before the mod clipped it (0/1).
+# Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 
 
-# ------------------------------------------------------------------------------------ the client's settings
-# A client's run-time settings (RunSettings.cache; none changes a result): from a SuperNode's node config, else the
-# run config (pyproject.toml [tool.flwr.app.config]), else the message config (the engines' server sends the train
-# stage's: :func:`client_settings_config`). A client never reads a params file.
+# A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.
 CLIENT_SETTING_KEYS = {"cache-dir": "cache_dir", "cache-max-gb": "cache_max_gb", "teacher-cache-gb": "teacher_cache_gb"}
 
 
 def client_settings_config(cache: CacheConfig) -> dict[str, str | float]:
-    """The message config keys that carry ``cache`` to the clients (:func:`client_cache_config` reads them)."""
     values = dataclasses.asdict(cache)
     return {key: values[name] for key, name in CLIENT_SETTING_KEYS.items()}
 
 
 def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
-    """The client's cache settings: each key from the node config, else the run config, else the message config;
-    a key none of them sets is an error naming it (a client never runs on defaults it was not given)."""
+    """Each key from the node config, else the run config, else the message config; a key none of them sets is an
+    error (a client never runs on defaults it was not given)."""
     message_config = msg.content[CONFIG_KEY] if msg is not None and CONFIG_KEY in msg.content else {}
     values, missing = {}, []
     for key, name in CLIENT_SETTING_KEYS.items():
@@ -77,37 +65,24 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
                      "client settings")
 
 
+def _forward(name: str):
+    return lambda self, *args, **kwargs: getattr(self._grid, name)(*args, **kwargs)
+
+
 class GridView(Grid):
-    """A Grid that passes every call on to ``grid``; a subclass changes what it needs (the nodes it shows, what it
-    notes of the messages)."""
+    """A Grid that passes every call on to ``grid``; a subclass changes what it needs."""
 
     def __init__(self, grid: Grid):
         self._grid = grid
 
-    def set_run(self, run) -> None:
-        self._grid.set_run(run)
-
-    @property
-    def run(self):
-        return self._grid.run
+    run = property(lambda self: self._grid.run)
+    set_run, get_node_ids, push_messages, pull_messages, send_and_receive = map(_forward, (
+        "set_run", "get_node_ids", "push_messages", "pull_messages", "send_and_receive"))
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
         return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
 
-    def get_node_ids(self):
-        return self._grid.get_node_ids()
 
-    def push_messages(self, messages):
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids):
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages, *, timeout=None):
-        return self._grid.send_and_receive(messages, timeout=timeout)
-
-
-# ----------------------------------------------------------------------------------------------- the plan
 @lru_cache(maxsize=8)
 def _plan_cached(path: str, mtime: float) -> Plan:
     return read_plan(path)
@@ -131,7 +106,6 @@ def load_plan(path: str) -> Plan:
     return _plan_cached(str(p.resolve()), p.stat().st_mtime)
 
 
-# ----------------------------------------------------------------------------------------------- adapters
 def _delta(plan: Plan) -> bool:
     """Delta encoding applies: train.transfer_delta with a lossy encoding (fp32 is exact)."""
     return plan.train.transfer_delta and plan.train.transfer_dtype != "fp32"
@@ -144,8 +118,7 @@ def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
 
 def encode_global(state: dict[str, torch.Tensor], plan: Plan,
                   reference: dict[str, torch.Tensor] | None = None) -> ArrayRecord:
-    """Server -> client: the global adapter as it travels (train.transfer_dtype; with train.transfer_delta, as
-    the difference to ``reference`` = :func:`downlink_reference`)."""
+    """Server -> client: the global adapter as it travels (a delta against ``reference``: downlink_reference)."""
     return ArrayRecord.from_torch_state_dict(encode_state(state, plan.train.transfer_dtype, reference=reference))
 
 
@@ -161,8 +134,8 @@ def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str,
 
 
 def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Server side: the float32 local adapter of a reply; ``sent`` = the decoded global of this round (what the
-    client decoded too, bit for bit: the same bytes through the same function)."""
+    """Server side: the float32 local adapter of a reply; ``sent`` = this round's decoded global (as the client
+    decoded it, bit for bit)."""
     return decode_state(record.to_torch_state_dict(), reference=sent if _delta(plan) else None)
 
 
@@ -171,7 +144,6 @@ def payload_bytes(content: RecordDict) -> int:
     return sum(rec.count_bytes() for rec in content.array_records.values())
 
 
-# ----------------------------------------------------------------------------------------------- metrics
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
     def bounded(key: str) -> float | None:

@@ -1,9 +1,6 @@
-"""Checks around a deployed run: its run config before it starts, its status and MLflow run after it ends.
-
-Flower refuses an unknown ``--run-config`` key only inside the SuperLink ("Invalid run configuration"), and takes
-any TOML value for a known one: the local command checks keys and types before it starts a process, and the
-ServerApp again (``flwr run`` of the manual recipe goes straight to the SuperLink). ``flwr run`` exits 0 whether
-the ServerApp returned or raised; ``flwr ls --format json`` says which (``finished:completed`` / ``finished:failed``).
+"""Checks around a deployed run: its run config before it starts (Flower refuses an unknown key only inside the
+SuperLink and takes any TOML value for a known one), its status and MLflow run after it ends (``flwr run`` exits 0
+whether the ServerApp returned or raised).
 """
 from __future__ import annotations
 
@@ -34,10 +31,8 @@ SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, 
 
 
 def app_keys(app: Path) -> dict[str, type]:
-    """``[tool.flwr.app.config]`` of the Flower app at ``app`` (a directory holding pyproject.toml): key -> the
-    type of its default."""
-    pyproject = Path(app) / "pyproject.toml"
-    with open(pyproject, "rb") as fh:
+    """``[tool.flwr.app.config]`` of the Flower app at ``app``: key -> the type of its default."""
+    with open(Path(app) / "pyproject.toml", "rb") as fh:
         config = tomllib.load(fh).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
     return {k: type(v) for k, v in config.items()}
 
@@ -46,19 +41,14 @@ _TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a numb
 
 
 def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str = "--run-config") -> None:
-    """Every key of ``values`` is one of ``keys`` (the app's config), of its type (an integer is a number too),
-    and the counts and durations are not negative. Raises :class:`RunConfigError` naming the first bad key."""
+    """Every key of ``values`` is one of ``keys``, of its type (an integer is a number too), and the counts and
+    durations are not negative; else :class:`RunConfigError` naming the first bad key."""
     for key, value in values.items():
         if key not in keys:
             raise RunConfigError(f"{source}: unknown key {key!r}; allowed: {sorted(keys)}")
         kind = keys[key]
-        if kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
+        if not isinstance(value, (int, float) if kind is float else kind) or (
+                kind in (int, float) and isinstance(value, bool)):  # a boolean is no number
             raise RunConfigError(f"{source}: {key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
         if key in NON_NEGATIVE and value < 0:
             raise RunConfigError(f"{source}: {key}={value!r} must be >= 0")
@@ -101,24 +91,20 @@ def close_left_running(workdir: Path, plan, reason: str) -> str | None:
     return run_id
 
 
-def submitted_run(path: Path) -> int | None:
-    """The run id in what ``flwr run --format json`` printed (``path``); None when it started no run (a refused
-    run config, say), after printing flwr's reason."""
-    try:
-        submitted = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        raise FederationError(f"{path}: not the JSON `flwr run --format json` prints ({err})") from None
-    if submitted.get("success") and submitted.get("run-id"):
-        return int(submitted["run-id"])
-    print("no run started: " + " ".join(str(submitted.get("error-message") or "flwr run gave no run id").split()))
-    return None
-
-
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
-    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` names (else
-    ``run_id``, else the run submitted last); 0 only if it completed."""
-    if submitted is not None and (run_id := submitted_run(submitted)) is None:
-        return 1
+    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` (what
+    ``flwr run --format json`` printed) started, else ``run_id``, else the run submitted last; 0 only if it
+    completed."""
+    if submitted is not None:
+        try:
+            started = json.loads(submitted.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise FederationError(f"{submitted}: not the JSON `flwr run --format json` prints ({err})") from None
+        if not (started.get("success") and started.get("run-id")):  # a refused run config, say
+            print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id")
+                                                .split()))
+            return 1
+        run_id = int(started["run-id"])
     flwr = Path(sys.executable).parent / "flwr"  # the CLI beside this interpreter, whatever PATH says
     argv = [str(flwr) if flwr.exists() else "flwr", "ls", *([superlink] if superlink else []), "--format", "json",
             *(["--run-id", str(run_id)] if run_id is not None else [])]

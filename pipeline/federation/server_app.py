@@ -1,14 +1,7 @@
-"""The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment.
-
-Per round Flower's strategy samples clients (``configure_train``), the Grid delivers the messages, the strategy
-aggregates (``aggregate_train``), all admitted clients evaluate, and the server checkpoints (global adapter, round,
-RNG state, strategy state; pipeline.training.checkpoints), so a rerun resumes after the last checkpointed round. A
-client that raises becomes an error reply, left out of the aggregate; the run goes on. Nodes are identified by the
-client name they answer (``query.identify``); a restarted SuperNode takes its client's place; a new client
-(``train.new_client``) is admitted once the others converged (``train.join``). Client-level DP wraps the strategy
-(pipeline.privacy.client_dp); under ``privacy.secure_aggregation`` the train step runs through SecAgg+
-(pipeline.privacy.secure_aggregation) and the server receives the sampled clients' mean instead of their replies.
-Why this loop and not Flower's ``Strategy.start``: docs/ARCHITECTURE.md.
+"""The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment. Per round the
+strategy samples and aggregates, every admitted client evaluates, and the server checkpoints, so a rerun resumes
+after the last checkpointed round; a client that fails is left out of that round's aggregate. Nodes are known by
+the client name they answer (``query.identify``). Why this loop and not ``Strategy.start``: docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -33,8 +26,7 @@ from pipeline.privacy import seam as privacy
 from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
-from pipeline.training.history import RoundLog
-from pipeline.training.history import Recorder
+from pipeline.training.history import Recorder, RoundLog
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop
@@ -72,12 +64,9 @@ class AdmissionError(RuntimeError):
 
 def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
               sizes: dict[str, dict[str, int]] | None = None) -> dict[int, str]:
-    """Admission: ask every node that connects for its client name until each client of ``expected`` (the plan's)
-    has its node; SuperNodes and simulated nodes register asynchronously. A node naming a client outside the plan
-    is refused (one error line naming it and the plan) and never counts; a declared client without a node after
-    ``timeout`` seconds fails the run (:class:`AdmissionError`). ``sizes`` receives what each client reports of
-    its splits (``num-train``, ``num-valid``); a client reporting an empty valid split is refused: it has no best
-    round and could not be scored."""
+    """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
+    (nodes register asynchronously); a node naming another client is refused. ``sizes`` receives each client's
+    ``num-train`` / ``num-valid``; an empty valid split is refused (no best round, no score)."""
     deadline = time.monotonic() + timeout
     names: dict[int, str] = {}
     refused: dict[int, str] = {}
@@ -104,10 +93,9 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
 def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: list[int], allowed: list[str],
                 timeout: float, sizes: dict[str, dict[str, int]] | None = None,
                 admission: bool = False) -> dict[int, str]:
-    """Ask the ``new`` nodes their client names; a node naming a client of ``allowed`` takes its place in
-    ``node_names`` (a restarted SuperNode replaces its old node id). Returns the nodes naming another client,
-    left out. At ``admission`` a node that fails to identify, or two connected nodes claiming one client, fail the
-    run; later such a node is left out with a warning until it answers."""
+    """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
+    returns the nodes naming a client outside ``allowed``. A failure to identify or a duplicate name fails the run
+    at ``admission``; later such a node is left out with a warning until it answers."""
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
                     message_type=IDENTIFY) for n in new]
     named: dict[int, str] = {}
@@ -143,9 +131,8 @@ def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: lis
 
 
 def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
-    """The known clients connected now. A node id not seen before is identified: a restarted SuperNode (a new
-    id, unless SuperNode authentication keeps its key's id) takes its client's place from this round on;
-    ``node_names`` is updated in place."""
+    """The known clients connected now; a new node id (a restarted SuperNode) is identified and takes its
+    client's place in ``node_names``."""
     current = set(grid.get_node_ids())
     new = sorted(current - set(node_names))
     if new:
@@ -154,8 +141,7 @@ def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], tim
 
 
 def _senders(sent: list[Message], node_names: dict[int, str]):
-    """reply -> client name. A SuperLink answers for an offline node itself (ErrorCode.NODE_UNAVAILABLE, sent from
-    the SuperLink's id): such a reply is matched to the message it answers."""
+    """reply -> client name; a SuperLink's own answer for an offline node is matched to the message it answers."""
     by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
     return lambda reply: node_names.get(reply.metadata.src_node_id) or by_message[reply.metadata.reply_to_message_id]
 
@@ -168,11 +154,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                round_timeout_s: float = RunSettings.round_timeout_s,
                admission_timeout_s: float | None = None,
                client_settings: dict[str, Any] | None = None) -> tuple[ArrayRecord, list]:
-    """The federated training loop of one experiment (the ServerApp's main). ``round_timeout_s``: how long it waits
-    for a round's replies; late clients count as failed. ``admission_timeout_s``: how long it waits for every client
-    the plan declares to join (default: the round timeout); one missing then fails the run. ``client_settings``:
-    run-time settings sent with every train and evaluate message, for clients that take them from the server (the
-    engines' own: pipeline.federation.protocol.client_settings_config)."""
+    """The federated training loop of one experiment (the ServerApp's main). ``admission_timeout_s`` defaults to the
+    round timeout; ``client_settings`` go with every message (the engines': protocol.client_settings_config)."""
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
     if not spec.federated:
@@ -206,8 +189,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         arrays = ArrayRecord.from_torch_state_dict(initial_adapter_state(plan))
     recorder.started(plan, clients, start)
     initial = downlink_reference(plan)
-    # Flower's strategies write into the config they get (server-round, proximal-mu, the DP clipping norm): each
-    # message set gets its own
+    # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
     config = {"plan": plan_path, **(client_settings or {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
@@ -228,9 +210,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
-        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries
-        # it encoded once (train.transfer_dtype), and `sent` is what every client decodes from it - the
-        # reference of the clients' delta-encoded replies.
+        # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
+        # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
         downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
         sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
         for m in messages:
@@ -262,8 +243,8 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 
-        # Every admitted client evaluates (its best round is chosen on its own valid set). Only AdaFedAvg-style
-        # methods evaluate the global adapter itself; the others evaluate their local adapter: nothing to send.
+        # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
+        # evaluate the global adapter, the others their local one: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, arrays if spec.local_from_global else ArrayRecord(),
                                                          ConfigRecord(config), view))
         if spec.local_from_global and eval_messages:
@@ -309,9 +290,8 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
                         node_names: dict[int, str], plan: Plan, sent: dict[str, torch.Tensor], rnd: int,
                         timeout: float, client_level, global_arrays: ArrayRecord, clipping_norm: float | None,
                         clipped: dict[str, tuple[int, float]]) -> ArrayRecord | None:
-    """The train step of a plain round: every sampled client replies with its adapter, the strategy aggregates.
-    Under client-level DP (``client_level``) each decoded reply's update is checked against this round's C and
-    ``clipped`` gets (clipped or not, its norm) per aggregated client."""
+    """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
+    and ``clipped`` gets (clipped or not, its norm) per aggregated client."""
     replies = list(grid.send_and_receive(messages, timeout=timeout))
     sender = _senders(messages, node_names)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
@@ -353,11 +333,9 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
 def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],
                   node_names: dict[int, str], rnd: int, strategy, clipped: dict[str, tuple[float, None]]
                   ) -> ArrayRecord | None:
-    """The train step of a SecAgg+ round: the same sampled messages, trained and summed under masks; the server
-    records each client's metrics (sent in the clear, as in a plain round) and only the weighted mean. Under
-    client-level DP (``strategy``: the client-side DP wrapper) the mean is uniform, its noise is added as the
-    wrapper's aggregate_train would (bypassed by the secure step), and ``clipped`` gets each summed client's
-    share: the fraction of the round's updates that were clipped (whose, the server does not learn)."""
+    """The train step of a SecAgg+ round: the server records each client's metrics (sent in the clear) and only the
+    weighted mean. Under client-level DP the wrapper's noise is added to the (uniform) mean here, and ``clipped``
+    gets each summed client's share of the clipped fraction (whose updates, the server does not learn)."""
     result = secure.train_round(grid, messages, rnd)
     for node, outcome in result.nodes.items():
         row = rows[node_names[node]]
@@ -383,9 +361,8 @@ def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message],
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:
-    """Whether the late client is admitted in round ``rnd``, from the rounds before it (train.join): at
-    ``join.max_round`` at the latest, earlier once the other clients' mean validation loss improved by less than
-    ``join.min_rel_improvement`` of the best earlier round in each of the last ``join.patience`` rounds."""
+    """Whether the late client is admitted in round ``rnd`` (train.join): at ``join.max_round``, or earlier once
+    the other clients' mean validation loss has plateaued."""
     if rnd >= join.max_round:
         return True
     return plateaued([m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)],

@@ -1,17 +1,6 @@
-"""What each role of a real federation holds, copied out of a checkout that ran the data stages:
-
-- the server (SuperLink + ServerApp): the plan (it declares the clients to admit), the backbone (the round-0
-  adapter is drawn on it from the plan's seed) and ``run_config.toml`` (the plan, the round and admission
-  timeouts and the federated evaluation's decoding: ``flwr run <app> --run-config run_config.toml``) - no
-  partition, no example;
-- a site (one SuperNode): the plan, the backbone, its own partition slice (only its client's example ids) and
-  its own examples (and, for hard-KD plans, its examples' POS tags).
-
-Each goes to a directory laid out as the project root (``models/plans/``, ``models/backbone/``,
-``data/partitions/``, ``data/processed/``), where that role's processes run:
-
-    python -m pipeline.federation kit --plan models/plans/fedavg-domain.json --out ../server
-    python -m pipeline.federation kit --plan models/plans/fedavg-domain.json --client Product --out ../product
+"""What each role of a real federation holds, copied out of a checkout that ran the data stages into a directory
+laid out as the project root: the server (plan, backbone, ``run_config.toml``; no example) or one site (plan,
+backbone, its own partition slice, examples and POS tags); docs/federation.md.
 """
 from __future__ import annotations
 
@@ -24,6 +13,7 @@ from pipeline.common.schema import DataError
 from pipeline.experiments import read_plan
 
 RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
+
 
 def write_kit(plan_path: str, out: Path, client: str | None = None,
               run_config: dict[str, str | float] | None = None) -> list[Path]:
@@ -39,14 +29,13 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
     if client is not None and client not in plan.clients:
         raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
     out = Path(out)
-    written = [Path(plan_path)]
     (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(plan_path, out / plan_path)
     backbone = Path(plan.paths["backbone"])
     if not backbone.is_dir():
         raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
-    written.append(backbone)
+    written = [Path(plan_path), backbone]
     if client is None:
         if run_config is not None:
             # JSON's strings, numbers and booleans are TOML's too
@@ -55,26 +44,22 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
             written.append(Path(RUN_CONFIG))
         return written
 
-    partition = read_partition(plan.paths["partition"])
-    splits = partition["clients"][client]
     part_path = Path(plan.paths["partition"])
-    (out / part_path).parent.mkdir(parents=True, exist_ok=True)
-    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
-    atomic.write_text(out / part_path, json.dumps({k: partition[k] for k in ("scheme", "seed", "params")
-                                                   if k in partition} | {"clients": {client: splits}}, indent=1))
-    written.append(part_path)
+    partition = read_partition(part_path)
+    splits = partition["clients"][client]
     ids = {str(i) for split in splits.values() for i in split}
-    examples = read_examples(plan.paths["examples"])
-    own = [(examples_path := Path(plan.paths["examples"])), *([Path(plan.paths["postags"])]
-                                                              if "postags" in plan.paths else [])]
-    (out / examples_path).parent.mkdir(parents=True, exist_ok=True)
-    atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True),
-                      out / examples_path, index=False)
-    written.append(examples_path)
+    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
+    part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
+    own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
+    for path in [part_path, *own]:
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / part_path, json.dumps(part, indent=1))
+    examples = read_examples(own[0])
+    atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0],
+                      index=False)
     if len(own) > 1:
         import pandas as pd
 
         tags = pd.read_parquet(own[1])
         atomic.to_parquet(tags[tags["example_id"].astype(str).isin(ids)], out / own[1], index=False)
-        written.append(own[1])
-    return written
+    return [*written, part_path, *own]

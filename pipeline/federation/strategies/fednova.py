@@ -12,9 +12,7 @@ def _fednova_class():
     from flwr.serverapp.strategy import FedAvg
 
     class FedNova(FedAvg):
-        """FedNova (Wang et al., NeurIPS 2020): normalised averaging by the number of local steps.
-
-        With client updates ``Delta_i = W - W_i`` after ``tau_i`` local steps and weights ``p_i = |D_i| / |D|``:
+        """With client updates ``Delta_i = W - W_i`` after ``tau_i`` local steps and weights ``p_i = |D_i| / |D|``:
         ``d = sum_i p_i Delta_i / tau_i`` (each update normalised per step), ``tau_eff = sum_i p_i tau_i``,
         ``W_new = W - tau_eff * d``. Equal step counts give FedAvg exactly. Clients report ``num-steps``.
         """

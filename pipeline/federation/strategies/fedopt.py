@@ -7,14 +7,11 @@ from typing import Literal
 from pipeline.common.config import config
 from pipeline.federation.strategies.registry import register_strategy
 
-SERVER_OPTIMIZERS = ("sgdm", "adam", "yogi", "adagrad")
-
-
 @config
 class FedOptConfig:
     # Server optimiser for `fedopt`: "sgdm" = FedAvgM (FedNLP's default: server SGD, lr 1.0, momentum 0.9),
     # or "adam" | "yogi" | "adagrad" (Reddi et al. 2021, Flower's FedAdam/FedYogi/FedAdagrad).
-    server_optimizer: Literal[SERVER_OPTIMIZERS] = "sgdm"  # type: ignore[valid-type]
+    server_optimizer: Literal["sgdm", "adam", "yogi", "adagrad"] = "sgdm"
     server_lr: float = 1.0
     server_momentum: float = 0.9
     beta_1: float = 0.9

@@ -1,26 +1,20 @@
 """The strategy registry: a strategy module (strategies/<name>.py) registers its builder and settings dataclass
-with :func:`register_strategy`; ``catalog`` imports every module. Settings are read from params ``train.<name>``
-(or, for keys that predate the registry, flat ``train`` keys: FedProx's ``proximal_mu``); only the chosen
-strategy's settings enter a plan. METHOD.md section 5."""
+with :func:`register_strategy`; only the chosen strategy's settings enter a plan. METHOD.md section 5."""
 from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import asdict as to_dict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeline.common.config import config, from_dict
 
-# Every reply's MetricRecord carries these two counts. "num-examples" is Flower's default weighting key: the
-# client's FedAvg weight (the examples it trained this round, or its full train size with train.weight_by: full).
+# Every reply's MetricRecord carries these two counts; "num-examples" (the FedAvg weight) is Flower's default key.
 NUM_EXAMPLES_KEY = "num-examples"
 NUM_STEPS_KEY = "num-steps"
 
-# Attributes through which Flower's message strategies carry state from one round to the next
-# (FedOpt family: current_arrays, m_t, v_t; FedAvgM: current_arrays, momentum_vector). A resumed run must
-# restore them or the server optimiser would restart from zero moments. clipping_norm: Flower's DP wrappers
-# (privacy.mode client); adaptive clipping moves it every round.
+# Attributes through which Flower's strategies carry state from round to round (server optimiser moments; the DP
+# wrappers' adaptive clipping_norm): a resumed run restores them, or the server optimiser would restart from zero.
 _STATEFUL_ATTRIBUTES = ("current_arrays", "m_t", "v_t", "momentum_vector", "clipping_norm")
 
 
@@ -32,14 +26,12 @@ class NoSettings:
 @dataclass(frozen=True)
 class StrategySpec:
     name: str
-    # build(settings, common, client_lr) -> a Flower Message-API strategy; ``common`` holds the keyword arguments
-    # every strategy takes (sampling fraction, minimum node counts, weighting key).
+    # build(settings, common, client_lr) -> a Flower strategy; ``common``: :func:`common_arguments`
     build: Callable[[Any, dict[str, Any], float], Any]
     settings_cls: type = NoSettings
     # params train key holding the settings mapping; None: the settings' fields are flat train keys.
     group: str | None = None
-    # The new global is the (weighted) mean of the replies and nothing more: client-level DP calibrates its noise
-    # to that mean, SecAgg+ gives the server only that mean (pipeline.privacy.settings).
+    # The new global is the (weighted) mean of the replies and nothing more (what client-level DP and SecAgg+ need).
     averaging: bool = False
     # Clients add mu/2 ||W - W_global||^2 (the mu arrives in the train message's config, as Flower's FedProx sends it).
     proximal: bool = False
@@ -63,7 +55,7 @@ class StrategySpec:
         """The settings, defaults filled in, as the plan's `train` mapping carries them (the params file's keys)."""
         if self.settings_cls is NoSettings:
             return {}
-        values = to_dict(self.settings(train_params))
+        values = dataclasses.asdict(self.settings(train_params))
         return {self.group: values} if self.group is not None else values
 
 
@@ -84,17 +76,13 @@ def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str 
 
 
 def common_arguments(fraction_train: float) -> dict[str, Any]:
-    """Keyword arguments of every Flower strategy here.
-
-    Flower samples ``max(int(n * fraction_train), min_train_nodes)`` nodes per round (0.67 of 3 -> 2); all
-    clients are evaluated every round (``fraction_evaluate`` 1) so each keeps its best adapter.
-    """
+    """Keyword arguments of every Flower strategy here; all clients evaluate every round (each keeps its best
+    adapter)."""
     return dict(fraction_train=fraction_train, fraction_evaluate=1.0, min_train_nodes=1, min_evaluate_nodes=1,
                 min_available_nodes=1, weighted_by_key=NUM_EXAMPLES_KEY)
 
 
 def strategy_state(strategy: Any) -> dict[str, Any]:
-    """The round-to-round state of a Flower strategy (server optimiser moments), for checkpoints."""
     return {k: copy.deepcopy(getattr(strategy, k)) for k in _STATEFUL_ATTRIBUTES if hasattr(strategy, k)}
 
 
