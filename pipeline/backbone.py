@@ -254,7 +254,6 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     (out_dir / RECORD_NAME).write_text(json.dumps(without_wall_times(record), indent=2) + "\n")
     atomic.replace_dir(out_dir, final_dir)
     if report_path is not None:
-        report_path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_json(report_path, record)
     return record
 

@@ -69,7 +69,6 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     scorer = Scorer(use_stemmer=True)
 
     out_dir = eval_dir / name
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     per_client: dict[str, dict[str, Any]] = {}

@@ -133,7 +133,6 @@ def run(cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, 
                         tokenizer, nlp, max_target_length, backbone_decoder_start(backbone), cfg.noun_verb_tags,
                         cfg.batch_size)
     seconds = time.perf_counter() - t0
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.to_parquet(table, out_path, index=False)
     nv = table["is_noun_or_verb"]
     words = table[["example_id", "word_index"]].dropna().drop_duplicates()
@@ -150,7 +149,6 @@ def run(cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, 
         "pos_counts_tokens": {str(k): int(v) for k, v in table["pos"].value_counts().sort_index().items()},
         "seconds": round(seconds, 1),
     }
-    report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(report_path, report)
     print(f"postag: {len(examples)} summaries, {len(table)} tokens, {len(words)} words in {seconds:.0f} s -> {out_path}")
     return table

@@ -15,7 +15,6 @@ recipes.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 import subprocess
@@ -162,25 +161,22 @@ def flatten_leaves(preset: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-_BARE = re.compile(r"^[A-Za-z_][\w-]*$")
-
-
 def hydra_value(value: Any) -> str:
-    """A value in Hydra's override grammar (what ``dvc exp run -S`` parses). Strings are always quoted."""
-    if isinstance(value, str):
-        # Hydra: inside quotes only backslashes right before a quote or the closing quote need doubling
-        escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value).replace("'", "\\'")
-        return f"'{escaped}'"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        if bad := [k for k in value if not _BARE.match(str(k))]:
-            raise PresetError(f"key {bad[0]!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
-        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
-    if value is None or isinstance(value, (bool, int, float)):  # JSON's spelling but for nan and inf
-        text = json.dumps(value)
-        return {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(text, text)
-    raise PresetError(f"value {value!r}: unsupported type {type(value).__name__}")
+    """A value in Hydra's override grammar (what ``dvc exp run -S`` parses), by Hydra's own writer; strings quoted."""
+    from hydra.core.override_parser.types import Override, Quote, QuotedString
+
+    def quoted(v: Any) -> Any:
+        if isinstance(v, str):
+            return QuotedString(text=v, quote=Quote.single)
+        if isinstance(v, (list, tuple)):
+            return [quoted(x) for x in v]
+        if isinstance(v, dict):
+            return {k: quoted(x) for k, x in v.items()}
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        raise PresetError(f"value {v!r}: unsupported type {type(v).__name__}")
+
+    return Override._get_value_element_as_str(quoted(value), space_after_sep=True)
 
 
 def overrides(preset: dict[str, Any]) -> list[str]:
