@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, Positive, config, from_dict, group, load_params
+from pipeline.common.integrity import file_hash
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
@@ -251,11 +252,6 @@ def declared(params: dict[str, Any]) -> list[Experiment]:
     return [parse_entry(name, raw, params) for name, raw in entries.items()]
 
 
-def _file_md5(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "md5").hexdigest()
-
-
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
     """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
     used = []
@@ -263,7 +259,7 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
         used.append(get_strategy(method.strategy).build)
     if method.kd_mode != "ce":
         used.append(GATES[MODE_GATES.get(method.kd_mode, kd_gate)])
-    return {f.__module__: _file_md5(Path(sys.modules[f.__module__].__file__)) for f in used}
+    return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
 
 
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
@@ -303,7 +299,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
-        plan["postags_md5"] = _file_md5(PATHS.postags)
+        plan["postags_md5"] = file_hash(PATHS.postags, "md5")
     if extensions := extension_md5(method, train.kd_gate):
         plan["extension_md5"] = extensions
     return plan
