@@ -64,7 +64,7 @@ def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True)
     mirror = data_root(cfg) / dataset
     if mirror.is_dir():
         missing = [rel for rel in missing_files(mirror, dataset)
-                   if not absent_allowed(dataset_spec(dataset).split_key(rel), cfg.allow_absent_splits)]
+                   if not absent_allowed(dataset_spec(dataset).files()[rel], cfg.allow_absent_splits)]
         if missing:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"

@@ -70,9 +70,7 @@ for _dataset, _corpus in HMNET_CORPUS.items():
     register_reader(DatasetSpec(
         _dataset,
         read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
-        files=lambda dataset=_dataset: [path for _, path in hmnet_chunks(dataset)],
-        # .../<CORPUS>_proprec/<split>/split_<k>.jsonl.gz
-        split_key=lambda rel, dataset=_dataset, corpus=_corpus: (
-            f"{dataset}/{corpus}/{normalise_split(rel.split('/')[-2])}"),
+        files=lambda dataset=_dataset, corpus=_corpus: {
+            path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)},
         upstream_path=lambda rel: rel[len(HMNET_PREFIX):],  # the download address is the HMNet repository itself
     ))

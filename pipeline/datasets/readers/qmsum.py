@@ -83,13 +83,9 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     )
 
 
-def qmsum_files() -> list[str]:
-    return [f"data/{d}/jsonl/{s}.jsonl" for d in QMSUM_DOMAINS for s in ("train", "val", "test")]
+def qmsum_files() -> dict[str, str]:
+    return {f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}" for d in QMSUM_DOMAINS
+            for s in ("train", "val", "test")}
 
 
-def _split_key(rel: str) -> str:  # data/<Domain>/jsonl/<split>.jsonl
-    parts = rel.split("/")
-    return f"qmsum/{parts[1]}/{normalise_split(parts[3].removesuffix('.jsonl'))}"
-
-
-register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files, _split_key))
+register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files))

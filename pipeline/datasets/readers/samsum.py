@@ -74,5 +74,5 @@ def _download(base: str, target: Path, fetch, write) -> None:
             write(target / name, zf.read(member))
 
 
-register_reader(DatasetSpec("samsum", read_samsum, lambda: list(SAMSUM_FILES),
-                            lambda rel: f"samsum/SAMSum/{normalise_split(rel.removesuffix('.json'))}", _download))
+register_reader(DatasetSpec("samsum", read_samsum, lambda: {
+    name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES}, _download))
