@@ -66,8 +66,8 @@ _FIELD_KINDS = {str: "a string", list: "a list", dict: "an object"}  # what an u
 
 
 def _field(obj: Any, name: str, where: str, kind: type) -> Any:
-    """``obj[name]``, which must be of ``kind`` (str, list or dict): JSON's true and false are not strings,
-    lists or objects, so no separate check for them is needed."""
+    """``obj[name]``, which must be of ``kind`` (str, list or dict): null or a number where text belongs is an error,
+    not the text "None"; JSON's true and false are not strings, lists or objects, so no separate check is needed."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
     if name not in obj:
@@ -84,11 +84,6 @@ def _strings(values: list, where: str) -> list:
     if bad is not None:
         raise DataError(f"{where}[{bad}] is {_json_type(values[bad])}, expected a string")
     return values
-
-
-def _text(obj: Any, name: str, where: str) -> str:
-    """A text field: a string (null or a number where text belongs is an error, not the text "None")."""
-    return _field(obj, name, where, str)
 
 
 def absent_allowed(split_key: str, allow_absent: list[str]) -> bool:
