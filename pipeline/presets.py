@@ -80,18 +80,6 @@ def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, An
     return _set_params(params, overrides(preset))
 
 
-def _hydra_problem(override: str, exc: BaseException) -> str:
-    """Hydra's refusal of one override as one line naming the key."""
-    key = override.lstrip("~+").partition("=")[0]
-    causes = []
-    while exc is not None:
-        causes.append(" ".join(str(exc).split()))
-        exc = exc.__cause__
-    if any("not in struct" in c for c in causes):
-        return f"{key}: unknown key (params.yaml has no {key})"
-    return f"{key}: {causes[-1]}"
-
-
 def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (one by one, so
     every unknown key is named), else each experiment entry the plan stage refuses or whose partition the partition
@@ -107,8 +95,13 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
         for override in overrides(preset):
             try:
                 _set_params(params, [override])
-            except InvalidArgumentError as exc:
-                found.append(_hydra_problem(override, exc))
+            except InvalidArgumentError as exc:  # Hydra's refusal, as one line naming the key
+                key, causes = override.lstrip("~+").partition("=")[0], []
+                while exc is not None:
+                    causes.append(" ".join(str(exc).split()))
+                    exc = exc.__cause__
+                unknown = any("not in struct" in c for c in causes)
+                found.append(f"{key}: unknown key (params.yaml has no {key})" if unknown else f"{key}: {causes[-1]}")
         return found
     found = []
     partition = applied.get("partition") or {}
