@@ -150,12 +150,6 @@ class Experiment:
         return from_dict(PrivacyConfig, merged,
                          f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
 
-    def train_config(self, params: dict[str, Any]) -> TrainConfig:
-        """params `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
-        merged = {**group(params, "train"), **self.train}
-        return train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
-                            f"experiments.{self.name} train")
-
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
@@ -265,7 +259,8 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = exp.spec, f"params.yaml experiments.{exp.name}"
-    train = exp.train_config(params)
+    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
+    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}

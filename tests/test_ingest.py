@@ -277,8 +277,9 @@ def test_real_qmsum_counts(shared_data):
 
 # ---------------------------------------------------------------------------------------------- sources (units)
 def test_the_expected_files_are_the_upstream_layout():
-    assert list(dataset_spec("qmsum").files()) == [f"data/{d}/jsonl/{s}.jsonl" for d in ("Academic", "Committee", "Product")
-                                             for s in ("train", "val", "test")]
+    assert list(dataset_spec("qmsum").files()) == [f"data/{d}/jsonl/{s}.jsonl"
+                                                   for d in ("Academic", "Committee", "Product")
+                                                   for s in ("train", "val", "test")]
     assert list(dataset_spec("samsum").files()) == ["train.json", "validation.json", "test.json"]
     for dataset, corpus, chunks in (("ami", "AMI", {"train": 32, "dev": 20, "test": 20}),
                                     ("icsi", "ICSI", {"train": 32, "dev": 10, "test": 6})):
