@@ -50,11 +50,6 @@ class IngestConfig:
     allow_absent_splits: list[str] = field(default_factory=list)
 
 
-def missing_files(directory: Path, dataset: str) -> list[str]:
-    """The files (relative to ``<root>/<dataset>/``, in the upstream layout) of ``dataset`` not in ``directory``."""
-    return [rel for rel in dataset_spec(dataset).files() if not (directory / rel).is_file()]
-
-
 def data_root(cfg: IngestConfig) -> Path:
     return Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root)
 
@@ -62,16 +57,17 @@ def data_root(cfg: IngestConfig) -> Path:
 def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True) -> Path:
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
     mirror = data_root(cfg) / dataset
+    files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
     if mirror.is_dir():
-        missing = [rel for rel in missing_files(mirror, dataset)
-                   if not absent_allowed(dataset_spec(dataset).files()[rel], cfg.allow_absent_splits)]
+        missing = [rel for rel, split_key in files.items()
+                   if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)]
         if missing:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} files)")
         return mirror
     raw = Path(cfg.raw_dir) / dataset
-    if raw.is_dir() and not missing_files(raw, dataset):
+    if raw.is_dir() and all((raw / rel).is_file() for rel in files):
         return raw
     if not allow_download:
         raise DataError(_how_to_fix(dataset, cfg, f"{mirror} does not exist and downloading is disabled"))
