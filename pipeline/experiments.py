@@ -240,10 +240,7 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
 
 def declared(params: dict[str, Any]) -> list[Experiment]:
     """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
-    entries = params.get("experiments") or {}
-    if not isinstance(entries, dict):
-        raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
-    return [parse_entry(name, raw, params) for name, raw in entries.items()]
+    return [parse_entry(name, raw, params) for name, raw in group(params, "experiments").items()]
 
 
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
