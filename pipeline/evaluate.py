@@ -69,7 +69,6 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     scorer = Scorer(use_stemmer=True)
 
     out_dir = eval_dir / name
-    out_dir.mkdir(parents=True, exist_ok=True)
     rows: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     per_client: dict[str, dict[str, Any]] = {}
@@ -110,31 +109,27 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
         raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
     # Mean over clients (unweighted, as the paper averages its per-client columns).
     mean = {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in (*ROUGE_TYPES, "avg_rouge")}
-    mean_ci, ci = client_average_intervals(per_example, bootstrap or BootstrapConfig())
+    # the bootstrap interval of each ROUGE's client average (test examples resampled within clients)
+    bootstrap = bootstrap or BootstrapConfig()
+    groups = [g for _, g in per_example.groupby("client", sort=True)]
+    mean_ci = {key: mean_interval([g[key].to_numpy()[None, :] for g in groups], bootstrap)
+               for key in (*ROUGE_TYPES, "avg_rouge")}
     metrics = {
         "experiment": name, "method": plan.method, "partition": plan.partition, "seed": plan.seed, "study": plan.study,
         "backbone": backbone, "adapter": cfg.adapter,
         "decoding": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": max_src},
         "rouge_l_in_tables": TABLE_ROUGE_L, "clients": per_client, "skipped_clients": skipped_clients,
-        "mean": mean, "mean_ci": mean_ci, "ci": ci,
+        "mean": mean, "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
+        "ci": {"level": bootstrap.level, "n_resamples": bootstrap.n_resamples, "seed": bootstrap.seed,
+               "method": "percentile bootstrap of the client average, test examples resampled within clients (one "
+                         "seed: the choice of test examples only)"},
     }
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
         run_id = log_to_mlflow(name, experiment, metrics, out_dir, cfg, run_converged(models_dir, name), test_sets)
         print(f"[evaluate] logged to MLflow run {run_id}", file=sys.stderr)
     return metrics
-
-
-def client_average_intervals(per_example: pd.DataFrame, cfg: BootstrapConfig) -> tuple[dict, dict]:
-    """The bootstrap interval of each ROUGE's client average (test examples resampled within clients)."""
-    groups = [g for _, g in per_example.groupby("client", sort=True)]
-    intervals = {key: mean_interval([g[key].to_numpy()[None, :] for g in groups], cfg)
-                 for key in (*ROUGE_TYPES, "avg_rouge")}
-    return {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}, {
-        "level": cfg.level, "n_resamples": cfg.n_resamples, "seed": cfg.seed,
-        "method": "percentile bootstrap of the client average, test examples resampled within clients (one seed: the "
-                  "choice of test examples only)"}
 
 
 def main(argv: list[str] | None = None) -> int:

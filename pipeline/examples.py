@@ -193,9 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                    for ds in datasets}
         stats = table_ii(examples)
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         atomic.to_parquet(examples, out, index=False)
-        report_dir.mkdir(parents=True, exist_ok=True)
         atomic.write_json(report_dir / "stats.json", {**stats, "skipped": skipped, "meeting_links": link_report})
         atomic.write_text(report_dir / "stats.md", stats_markdown(stats, skipped, link_report))
         print(f"{len(examples)} examples -> {out}")

@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, Positive, config, from_dict, group, load_params
+from pipeline.common.integrity import file_hash
 from pipeline.federation.strategies.catalog import get_strategy
 from pipeline.modeling.cache import DTYPES, CacheConfig
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES
@@ -149,12 +150,6 @@ class Experiment:
         return from_dict(PrivacyConfig, merged,
                          f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
 
-    def train_config(self, params: dict[str, Any]) -> TrainConfig:
-        """params `train` with this entry's overrides (run-time keys left out: :func:`run_settings`)."""
-        merged = {**group(params, "train"), **self.train}
-        return train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS},
-                            f"experiments.{self.name} train")
-
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
@@ -245,15 +240,7 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
 
 def declared(params: dict[str, Any]) -> list[Experiment]:
     """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
-    entries = params.get("experiments") or {}
-    if not isinstance(entries, dict):
-        raise ConfigError("params.yaml experiments: expected a mapping of experiment name -> entry")
-    return [parse_entry(name, raw, params) for name, raw in entries.items()]
-
-
-def _file_md5(path: Path) -> str:
-    with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "md5").hexdigest()
+    return [parse_entry(name, raw, params) for name, raw in group(params, "experiments").items()]
 
 
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
@@ -263,13 +250,14 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
         used.append(get_strategy(method.strategy).build)
     if method.kd_mode != "ce":
         used.append(GATES[MODE_GATES.get(method.kd_mode, kd_gate)])
-    return {f.__module__: _file_md5(Path(sys.modules[f.__module__].__file__)) for f in used}
+    return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
 
 
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = exp.spec, f"params.yaml experiments.{exp.name}"
-    train = exp.train_config(params)
+    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
+    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}
@@ -303,7 +291,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
-        plan["postags_md5"] = _file_md5(PATHS.postags)
+        plan["postags_md5"] = file_hash(PATHS.postags, "md5")
     if extensions := extension_md5(method, train.kd_gate):
         plan["extension_md5"] = extensions
     return plan

@@ -141,7 +141,6 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
     fig.colorbar(im, ax=ax_js)
     fig.suptitle(f"partition {stats['scheme']}, seed {stats['seed']}")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic.savefig(fig, path, dpi=110, metadata={"Software": None})
     plt.close(fig)
 
@@ -160,11 +159,9 @@ def main(argv: list[str] | None = None) -> None:
         examples = pd.read_parquet(args.examples, columns=EXAMPLE_COLUMNS_USED)
         part = make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_json(out, partition_json(part, args.scheme, args.seed, cfg), indent=1)
         stats = partition_stats(part, examples, args.scheme, args.seed)
         report_dir = Path(args.report_dir)
-        report_dir.mkdir(parents=True, exist_ok=True)
         atomic.write_json(report_dir / f"{args.scheme}-seed{args.seed}.json", stats)
         plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
         sizes = {n: c["sizes"] for n, c in stats["clients"].items()}

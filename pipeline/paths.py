@@ -5,12 +5,18 @@ tests/test_dvc_layout.py checks the two agree). Tests point a :class:`ProjectPat
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 def _at(relative: str) -> property:
     return property(lambda self: self.root / relative)
+
+
+def _per(template: str) -> Callable[[Any, str], Path]:
+    return lambda self, name: self.root / template.format(name)
 
 
 @dataclass(frozen=True)
@@ -41,28 +47,14 @@ class ProjectPaths:
     plots = _at("reports/plots")
     human_eval = _at("reports/human_eval")
 
-    def partition(self, partition: str) -> Path:
-        """``partition`` as experiments name it, ``<scheme>/seed<k>``."""
-        return self.partitions / f"{partition}.json"
-
-    def model_dir(self, experiment: str) -> Path:
-        """An experiment's adapters, rounds, gate log, the plan it trained (experiment.json) and checkpoints."""
-        return self.models / experiment
-
-    def gate_log(self, experiment: str) -> Path:
-        return self.model_dir(experiment) / "gate_log.parquet"
-
-    def train_report(self, experiment: str) -> Path:
-        return self.train_reports / experiment
-
-    def train_metrics(self, experiment: str) -> Path:
-        return self.train_report(experiment) / "metrics.json"
-
-    def eval_dir(self, experiment: str) -> Path:
-        return self.eval_reports / experiment
-
-    def eval_metrics(self, experiment: str) -> Path:
-        return self.eval_dir(experiment) / "metrics.json"
+    # per experiment (a partition: as experiments name it, "<scheme>/seed<k>")
+    partition = _per("data/partitions/{}.json")
+    model_dir = _per("models/{}")  # adapters, rounds, gate log, the plan it trained (experiment.json), checkpoints
+    gate_log = _per("models/{}/gate_log.parquet")
+    train_report = _per("reports/train/{}")
+    train_metrics = _per("reports/train/{}/metrics.json")
+    eval_dir = _per("reports/eval/{}")
+    eval_metrics = _per("reports/eval/{}/metrics.json")
 
 
 PATHS = ProjectPaths()

@@ -64,15 +64,6 @@ def load_spacy(name: str):
     return nlp
 
 
-def word_tags(doc, spans: Sequence[tuple[int, int]]) -> list[str]:
-    """The POS of the spaCy token covering the first character of each word span."""
-    owner = char_to_word(doc.text, [(tok.idx, tok.idx + len(tok.text)) for tok in doc])
-    if any(owner[start] < 0 for start, _ in spans):  # only a tokenizer that drops characters leaves one uncovered
-        start = next(start for start, _ in spans if owner[start] < 0)
-        raise DataError(f"word at character {start} of {doc.text!r} is not covered by any spaCy token")
-    return [doc[int(owner[start])].pos_ for start, _ in spans]
-
-
 def tag_targets(example_ids: Sequence[str], targets: Sequence[str], tokenizer, nlp, max_target_length: int,
                 decoder_start_token_id: int | None, noun_verb_tags: Sequence[str] = ("NOUN", "PROPN", "VERB"),
                 batch_size: int = 32, progress: bool = True) -> pd.DataFrame:
@@ -90,7 +81,11 @@ def tag_targets(example_ids: Sequence[str], targets: Sequence[str], tokenizer, n
         drop = len(enc["input_ids"][k]) - len(label_ids)  # 1 when a leading decoder-start token was dropped
         words = word_index_from_offsets(targets[k], enc["offset_mapping"][k][drop:],
                                         [bool(s) for s in enc["special_tokens_mask"][k][drop:]])
-        tags = word_tags(doc, words.word_spans)
+        # each word: the POS of the spaCy token covering its first character
+        owner = char_to_word(doc.text, [(tok.idx, tok.idx + len(tok.text)) for tok in doc])
+        if uncovered := [start for start, _ in words.word_spans if owner[start] < 0]:  # a tokenizer dropped characters
+            raise DataError(f"word at character {uncovered[0]} of {doc.text!r} is not covered by any spaCy token")
+        tags = [doc[int(owner[start])].pos_ for start, _ in words.word_spans]
         for pos_i, (tok_id, w) in enumerate(zip(label_ids, words.word_index)):
             tag = None if w is None else tags[w]
             for col, value in zip(POSTAG_COLUMNS, (example_ids[k], pos_i, int(tok_id), w,
@@ -133,7 +128,6 @@ def run(cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, 
                         tokenizer, nlp, max_target_length, backbone_decoder_start(backbone), cfg.noun_verb_tags,
                         cfg.batch_size)
     seconds = time.perf_counter() - t0
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.to_parquet(table, out_path, index=False)
     nv = table["is_noun_or_verb"]
     words = table[["example_id", "word_index"]].dropna().drop_duplicates()
@@ -150,7 +144,6 @@ def run(cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, 
         "pos_counts_tokens": {str(k): int(v) for k, v in table["pos"].value_counts().sort_index().items()},
         "seconds": round(seconds, 1),
     }
-    report_path.parent.mkdir(parents=True, exist_ok=True)
     atomic.write_json(report_path, report)
     print(f"postag: {len(examples)} summaries, {len(table)} tokens, {len(words)} words in {seconds:.0f} s -> {out_path}")
     return table

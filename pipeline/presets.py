@@ -15,7 +15,6 @@ recipes.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shlex
 import subprocess
@@ -81,18 +80,6 @@ def apply_preset(params: dict[str, Any], preset: dict[str, Any]) -> dict[str, An
     return _set_params(params, overrides(preset))
 
 
-def _hydra_problem(override: str, exc: BaseException) -> str:
-    """Hydra's refusal of one override as one line naming the key."""
-    key = override.lstrip("~+").partition("=")[0]
-    causes = []
-    while exc is not None:
-        causes.append(" ".join(str(exc).split()))
-        exc = exc.__cause__
-    if any("not in struct" in c for c in causes):
-        return f"{key}: unknown key (params.yaml has no {key})"
-    return f"{key}: {causes[-1]}"
-
-
 def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     """Every problem of ``preset`` against ``params`` (empty = valid): each override Hydra refuses (one by one, so
     every unknown key is named), else each experiment entry the plan stage refuses or whose partition the partition
@@ -108,8 +95,13 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
         for override in overrides(preset):
             try:
                 _set_params(params, [override])
-            except InvalidArgumentError as exc:
-                found.append(_hydra_problem(override, exc))
+            except InvalidArgumentError as exc:  # Hydra's refusal, as one line naming the key
+                key, causes = override.lstrip("~+").partition("=")[0], []
+                while exc is not None:
+                    causes.append(" ".join(str(exc).split()))
+                    exc = exc.__cause__
+                unknown = any("not in struct" in c for c in causes)
+                found.append(f"{key}: unknown key (params.yaml has no {key})" if unknown else f"{key}: {causes[-1]}")
         return found
     found = []
     partition = applied.get("partition") or {}
@@ -162,25 +154,22 @@ def flatten_leaves(preset: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-_BARE = re.compile(r"^[A-Za-z_][\w-]*$")
-
-
 def hydra_value(value: Any) -> str:
-    """A value in Hydra's override grammar (what ``dvc exp run -S`` parses). Strings are always quoted."""
-    if isinstance(value, str):
-        # Hydra: inside quotes only backslashes right before a quote or the closing quote need doubling
-        escaped = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value).replace("'", "\\'")
-        return f"'{escaped}'"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(hydra_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        if bad := [k for k in value if not _BARE.match(str(k))]:
-            raise PresetError(f"key {bad[0]!r}: use letters, digits, '_' and '-' only (Hydra dictionary key)")
-        return "{" + ", ".join(f"{k}: {hydra_value(v)}" for k, v in value.items()) + "}"
-    if value is None or isinstance(value, (bool, int, float)):  # JSON's spelling but for nan and inf
-        text = json.dumps(value)
-        return {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}.get(text, text)
-    raise PresetError(f"value {value!r}: unsupported type {type(value).__name__}")
+    """A value in Hydra's override grammar (what ``dvc exp run -S`` parses), by Hydra's own writer; strings quoted."""
+    from hydra.core.override_parser.types import Override, Quote, QuotedString
+
+    def quoted(v: Any) -> Any:
+        if isinstance(v, str):
+            return QuotedString(text=v, quote=Quote.single)
+        if isinstance(v, (list, tuple)):
+            return [quoted(x) for x in v]
+        if isinstance(v, dict):
+            return {k: quoted(x) for k, x in v.items()}
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        raise PresetError(f"value {v!r}: unsupported type {type(v).__name__}")
+
+    return Override._get_value_element_as_str(quoted(value), space_after_sep=True)
 
 
 def overrides(preset: dict[str, Any]) -> list[str]:

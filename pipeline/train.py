@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -131,10 +132,6 @@ def run_packed(plan_paths: list[Path], track: bool = True,
     return out
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--experiment", required=True, action="append",
@@ -147,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C, so the MLflow run is closed as KILLED at once
     # (SIGKILL cannot be caught: the next start of the experiment closes that run).
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         paths = [Path(args.plans) / f"{e}.json" for e in args.experiment]
         for path in paths:

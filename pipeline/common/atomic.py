@@ -40,26 +40,18 @@ def _fault_point(path: Path, tmp: Path) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        pass
-    return True
-
-
 def _remove_stale(target: Path, pattern: str) -> None:
     """Remove temporaries of ``target`` left by processes that died before renaming them (a SIGKILL skips every
     cleanup): inside a DVC output directory they would otherwise be hashed as part of the output. Temporaries of
     live processes (a concurrent writer) are left alone."""
     import shutil
 
+    from psutil import pid_exists  # someone else's live process (EPERM) counts as alive
+
     rx = re.compile(pattern)
     for p in target.parent.iterdir():
         m = rx.fullmatch(p.name)
-        if m and int(m["pid"]) != os.getpid() and not _alive(int(m["pid"])):
+        if m and int(m["pid"]) != os.getpid() and not pid_exists(int(m["pid"])):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:

@@ -18,16 +18,6 @@ EXIT_USAGE = 2
 STAGE_ERRORS = ("BackboneError", "PresetError", "FederationError")
 
 
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    if isinstance(exc, FileNotFoundError):
-        if exc.filename is not None:  # OSError form "[Errno 2] No such file or directory: 'x'"
-            return f"{exc.filename}: not found"
-        if ":" not in text:  # pyarrow and friends give the bare path
-            return f"{text}: not found"
-    return text
-
-
 def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
     """Run a stage's ``main(argv)`` and return the process exit status."""
     from pipeline.common.config import ConfigError
@@ -44,6 +34,11 @@ def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
                 or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__))
         if debug or not user:
             raise
-        print(f"error: {one_line(exc)}", file=sys.stderr)
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        if isinstance(exc, FileNotFoundError) and exc.filename is not None:  # "[Errno 2] No such file ...: 'x'"
+            text = f"{exc.filename}: not found"
+        elif isinstance(exc, FileNotFoundError) and ":" not in text:  # pyarrow and friends give the bare path
+            text = f"{text}: not found"
+        print(f"error: {text}", file=sys.stderr)
         return EXIT_USAGE
     return int(status or 0)

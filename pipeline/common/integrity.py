@@ -40,9 +40,9 @@ def _safetensors_problem(path: Path) -> str | None:
     return None
 
 
-def sha256_file(path: Path) -> str:
+def file_hash(path: Path, algorithm: str = "sha256") -> str:
     with path.open("rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        return hashlib.file_digest(fh, algorithm).hexdigest()
 
 
 def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
@@ -52,7 +52,7 @@ def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
         rel = f.relative_to(path).as_posix()
         if rel in exclude or rel.startswith(".") or "/." in rel:
             continue
-        h.update(rel.encode() + b"\0" + sha256_file(f).encode() + b"\n")
+        h.update(rel.encode() + b"\0" + file_hash(f).encode() + b"\n")
     return h.hexdigest()
 
 

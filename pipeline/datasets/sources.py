@@ -25,25 +25,19 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.config import config
 from pipeline.common.schema import DataError
-from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
+from pipeline.datasets.readers.catalog import dataset_spec
 from pipeline.datasets.readers.upstream import absent_allowed
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
 DOWNLOAD_TIMEOUT_S = 120
 
 
-def _registered(name: str) -> str:
-    """A dataset with a reader (checked when the config is built: readers register when their module loads)."""
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset {name!r}; allowed: {sorted(DATASETS)}")
-    return name
-
-
 @config
 class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
-    datasets: list[Annotated[str, AfterValidator(_registered)]] = field(default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
+    datasets: list[Annotated[str, AfterValidator(lambda name: dataset_spec(name).name)]] = field(  # a reader's
+        default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
     # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
     urls: dict[str, str] = field(default_factory=lambda: {
         "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
@@ -56,11 +50,6 @@ class IngestConfig:
     allow_absent_splits: list[str] = field(default_factory=list)
 
 
-def missing_files(directory: Path, dataset: str) -> list[str]:
-    """The files (relative to ``<root>/<dataset>/``, in the upstream layout) of ``dataset`` not in ``directory``."""
-    return [rel for rel in dataset_spec(dataset).files() if not (directory / rel).is_file()]
-
-
 def data_root(cfg: IngestConfig) -> Path:
     return Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root)
 
@@ -68,16 +57,17 @@ def data_root(cfg: IngestConfig) -> Path:
 def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True) -> Path:
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
     mirror = data_root(cfg) / dataset
+    files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
     if mirror.is_dir():
-        missing = [rel for rel in missing_files(mirror, dataset)
-                   if not absent_allowed(dataset_spec(dataset).split_key(rel), cfg.allow_absent_splits)]
+        missing = [rel for rel, split_key in files.items()
+                   if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)]
         if missing:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
                             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} files)")
         return mirror
     raw = Path(cfg.raw_dir) / dataset
-    if raw.is_dir() and not missing_files(raw, dataset):
+    if raw.is_dir() and all((raw / rel).is_file() for rel in files):
         return raw
     if not allow_download:
         raise DataError(_how_to_fix(dataset, cfg, f"{mirror} does not exist and downloading is disabled"))

@@ -11,6 +11,5 @@ from pipeline.datasets.readers.registry import DATASETS, DatasetSpec
 
 def dataset_spec(dataset: str) -> DatasetSpec:
     if dataset not in DATASETS:
-        names = list(DATASETS)
-        raise DataError(f"unknown dataset {dataset!r}; expected {', '.join(names[:-1])} or {names[-1]}")
+        raise DataError(f"unknown dataset {dataset!r}; allowed: {sorted(DATASETS)}")
     return DATASETS[dataset]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _json_type, _object, _strings, _text, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _json_type, _object, _strings, _Unique, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -20,7 +20,7 @@ def hmnet_speaker(turn: dict, where: str) -> str:
     """``"<role> <letter>"``, e.g. ``"PM B"`` or ``"Grad F"``. This is the form QMSum's Academic transcripts use for the
     same ICSI meetings ("Grad F", "PhD C"): the role carries meaning a summarizer can use ("the project manager said
     ..."), and the letter keeps two participants with the same role (common in ICSI) apart."""
-    letter = _text(turn, "speaker", where)
+    letter = _field(turn, "speaker", where, str)
     role = turn.get("role")
     if role is not None and not isinstance(role, str):
         raise DataError(f"{where}: field 'role' is {_json_type(role)}, expected a string")
@@ -42,7 +42,7 @@ def read_hmnet(directory: Path, dataset: str, report: IngestReport,
     for _, split, display, line_no, meeting in split_json_lines(directory, hmnet_chunks(dataset), f"{dataset}/{corpus}",
                                                               allow_absent, report):
         where = f"{display}:{line_no}"
-        meeting_id = _text(meeting, "id", where)
+        meeting_id = _field(meeting, "id", where, str)
         mwhere = f"{where}: meeting {meeting_id}"
         _object(meeting, mwhere, ("id", "meeting", "summary"))
         meetings.check(meeting_id, where)
@@ -70,9 +70,7 @@ for _dataset, _corpus in HMNET_CORPUS.items():
     register_reader(DatasetSpec(
         _dataset,
         read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
-        files=lambda dataset=_dataset: [path for _, path in hmnet_chunks(dataset)],
-        # .../<CORPUS>_proprec/<split>/split_<k>.jsonl.gz
-        split_key=lambda rel, dataset=_dataset, corpus=_corpus: (
-            f"{dataset}/{corpus}/{normalise_split(rel.split('/')[-2])}"),
+        files=lambda dataset=_dataset, corpus=_corpus: {
+            path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)},
         upstream_path=lambda rel: rel[len(HMNET_PREFIX):],  # the download address is the HMNet repository itself
     ))

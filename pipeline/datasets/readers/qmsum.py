@@ -10,7 +10,7 @@ from typing import Any
 
 from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _object, _text, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _object, _Unique, split_json_lines
 
 
 def qmsum_meeting_id(transcript: list[dict]) -> str:
@@ -54,7 +54,7 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
             for i, t in enumerate(transcript):
                 twhere = f"{where}: meeting_transcripts[{i}]"
                 _object(t, twhere, ("speaker", "content"))
-                turns.append(Turn(_text(t, "speaker", twhere), _text(t, "content", twhere)))
+                turns.append(Turn(_field(t, "speaker", twhere, str), _field(t, "content", twhere, str)))
             meeting_id = qmsum_meeting_id(transcript)
             meetings.setdefault(display, _Unique("meeting (identical transcript)")).check(meeting_id, where)
             for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
@@ -62,8 +62,8 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
                     _object(q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific"
                                                                  else ()))
-                    query = _text(q, "query", qwhere)
-                    answer = _text(q, "answer", qwhere)
+                    query = _field(q, "query", qwhere, str)
+                    answer = _field(q, "answer", qwhere, str)
                     if query_type == "specific":
                         spans = [_parse_span(s, len(turns), qwhere)
                                  for s in _field(q, "relevant_text_span", qwhere, list)]
@@ -83,13 +83,9 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     )
 
 
-def qmsum_files() -> list[str]:
-    return [f"data/{d}/jsonl/{s}.jsonl" for d in QMSUM_DOMAINS for s in ("train", "val", "test")]
+def qmsum_files() -> dict[str, str]:
+    return {f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}" for d in QMSUM_DOMAINS
+            for s in ("train", "val", "test")}
 
 
-def _split_key(rel: str) -> str:  # data/<Domain>/jsonl/<split>.jsonl
-    parts = rel.split("/")
-    return f"qmsum/{parts[1]}/{normalise_split(parts[3].removesuffix('.jsonl'))}"
-
-
-register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files, _split_key))
+register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files))

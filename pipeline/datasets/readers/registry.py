@@ -2,7 +2,7 @@
 
 A reader module (pipeline/datasets/readers/<layout>.py) registers, per dataset it reads, a :class:`DatasetSpec`:
 the reader (directory, report, allow_absent) -> canonical records, the files it needs relative to
-``<root>/<dataset>/`` (how pipeline.datasets.sources checks a mirror and downloads), the split key of each file
+``<root>/<dataset>/`` (how pipeline.datasets.sources checks a mirror and downloads), each with its split key
 (``<dataset>/<domain>/<split>``, matched by ``ingest.allow_absent_splits``) and, where the upstream copy is not
 those files one by one, how to download it. A new dataset is its module, its import in ``catalog``, its name in
 params ``ingest.datasets`` (+ ``ingest.urls``), and a DVC import of its files (data/raw/<dataset>.dvc).
@@ -25,8 +25,8 @@ Download = Callable[[str, Path, Callable[[str], bytes], Callable[[Path, bytes], 
 class DatasetSpec:
     name: str
     read: Reader
-    files: Callable[[], list[str]]  # the expected files, relative to <root>/<dataset>/, in the upstream layout
-    split_key: Callable[[str], str]  # expected file -> "<dataset>/<domain>/<split>"
+    # the expected files, relative to <root>/<dataset>/, in the upstream layout -> "<dataset>/<domain>/<split>"
+    files: Callable[[], dict[str, str]]
     download: Download | None = None
     upstream_path: Callable[[str], str] = lambda rel: rel  # expected file -> its path under the download address
 

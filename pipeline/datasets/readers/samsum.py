@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _object, _text, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _object, _Unique, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
@@ -48,12 +48,12 @@ def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] =
     files = [(name.removesuffix(".json"), name) for name in SAMSUM_FILES]
     for _, split, display, line_no, rec in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
         where = f"{display}:{line_no}"
-        rid = _text(rec, "id", where)
+        rid = _field(rec, "id", where, str)
         rwhere = f"{where}: dialogue {rid}"
         _object(rec, rwhere, ("id", "dialogue", "summary"))
         dialogues.check(rid, where)
-        dialogue = _text(rec, "dialogue", rwhere)
-        summary = _text(rec, "summary", rwhere)
+        dialogue = _field(rec, "dialogue", rwhere, str)
+        summary = _field(rec, "summary", rwhere, str)
         if not dialogue.strip():
             report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
             continue
@@ -74,5 +74,5 @@ def _download(base: str, target: Path, fetch, write) -> None:
             write(target / name, zf.read(member))
 
 
-register_reader(DatasetSpec("samsum", read_samsum, lambda: list(SAMSUM_FILES),
-                            lambda rel: f"samsum/SAMSum/{normalise_split(rel.removesuffix('.json'))}", _download))
+register_reader(DatasetSpec("samsum", read_samsum, lambda: {
+    name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES}, _download))

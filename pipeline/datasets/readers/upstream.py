@@ -42,16 +42,15 @@ def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
 
 
-def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] | None = ()) -> dict:
     """``obj`` as a JSON object with exactly the upstream fields: a list, a number or an unknown field (a file of
-    another format or version) is named instead of being read wrongly."""
+    another format or version) is named instead of being read wrongly (``optional`` None: other fields not checked)."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
     for name in required:
         if name not in obj:
             raise DataError(f"{where}: missing field {name!r}")
-    extra = sorted(set(obj) - set(required) - set(optional))
-    if extra:
+    if optional is not None and (extra := sorted(set(obj) - set(required) - set(optional))):
         raise DataError(f"{where}: unexpected field(s) {extra}; expected {sorted(required + optional)}")
     return obj
 
@@ -66,13 +65,9 @@ _FIELD_KINDS = {str: "a string", list: "a list", dict: "an object"}  # what an u
 
 
 def _field(obj: Any, name: str, where: str, kind: type) -> Any:
-    """``obj[name]``, which must be of ``kind`` (str, list or dict): JSON's true and false are not strings,
-    lists or objects, so no separate check for them is needed."""
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
-    if name not in obj:
-        raise DataError(f"{where}: missing field {name!r}")
-    value = obj[name]
+    """``obj[name]``, which must be of ``kind`` (str, list or dict): null or a number where text belongs is an error,
+    not the text "None"; JSON's true and false are not strings, lists or objects, so no separate check is needed."""
+    value = _object(obj, where, (name,), None)[name]
     if not isinstance(value, kind):
         raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {_FIELD_KINDS[kind]}")
     return value
@@ -84,11 +79,6 @@ def _strings(values: list, where: str) -> list:
     if bad is not None:
         raise DataError(f"{where}[{bad}] is {_json_type(values[bad])}, expected a string")
     return values
-
-
-def _text(obj: Any, name: str, where: str) -> str:
-    """A text field: a string (null or a number where text belongs is an error, not the text "None")."""
-    return _field(obj, name, where, str)
 
 
 def absent_allowed(split_key: str, allow_absent: list[str]) -> bool:
