@@ -130,18 +130,6 @@ def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "pres
         raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
 
 
-def preset_name(params: dict[str, Any], configs_dir: Path = Path("configs")) -> str:
-    """The run profile (configs/*.yaml) whose settings ``params`` hold, i.e. the preset applied with
-    `make preset` / `dvc exp run -S` (DVC keeps no record of it: it only sees the overrides); "none" otherwise."""
-    for path in sorted(configs_dir.glob("*.yaml")):
-        try:
-            if apply_preset(params, load_preset(path)) == params:
-                return path.stem
-        except (PresetError, OSError, ValueError, TypeError, KeyError):
-            continue
-    return "none"
-
-
 def flatten_leaves(preset: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """{'a': {'b': 1}, 'experiments': {...}} -> {'a.b': 1, 'experiments': {...}} (replaced groups stay whole)."""
     out: dict[str, Any] = {}

@@ -126,23 +126,7 @@ def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
     assert tags["git.dirty"] == "true" and tags["git.changed"] == "params.yaml"
     assert tags["dvc.exp_name"] == "tau-three" and tags["dvc.baseline_rev"] == base_rev
     assert tags["plan_hash"] == plan_hash(plan) and len(tags["plan_hash"]) == 64
-    assert "preset" not in tags  # the run profile is no part of training (pipeline.presets.preset_name)
-
-
-def test_preset_is_recognised_from_the_params_it_sets(tmp_path):
-    from pipeline.presets import apply_preset, preset_name
-
-    configs = tmp_path / "configs"
-    configs.mkdir()
-    preset = {"tau": 2.0, "train": {"rounds": 10}}
-    (configs / "paper.yaml").write_text(yaml.safe_dump(preset))
-    (configs / "other.yaml").write_text(yaml.safe_dump({"train": {"rounds": 7}}))
-    params = _params()
-    assert preset_name(params, configs) == "none"
-    assert preset_name(apply_preset(params, preset), configs) == "paper"
-    off = apply_preset(params, preset)
-    off["tau"] = 3.0  # the preset with one setting changed is not that preset any more
-    assert preset_name(off, configs) == "none"
+    assert "preset" not in tags  # the run profile is no part of training
 
 
 # ------------------------------------------------------------------------------------------ dead runs
