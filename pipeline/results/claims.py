@@ -75,9 +75,6 @@ def with_published(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-# Sentences
-
-
 def _num(x: float) -> str:
     return f"{x:+.2f}".replace("-", "−")
 

@@ -81,9 +81,6 @@ def backbone_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
 
 
-# The main table (Table III)
-
-
 def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
                expected_seeds: Iterable[int] = ()) -> pd.DataFrame:
     """Table III long form: method x client x metric, ours beside the paper's and the difference; a planned
@@ -200,9 +197,6 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame |
     if compared is not None:
         lines.append(comparisons.markdown_section(compared, study, bootstrap or BootstrapConfig()))
     return "\n".join(lines) + "\n"
-
-
-# Stage times
 
 
 EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")
