@@ -60,8 +60,8 @@ class ReportConfig:
 def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
     """reports/summary.json (a plain output; the DVC metric is reports/metrics.json): average ROUGE per study,
     configuration and client, mean over clients."""
-    out: dict[str, Any] = {"experiments_planned": len(planned), "experiments_evaluated": len(planned) - len(missing_eval),
-                           "experiments_missing": len(missing_eval)}
+    out: dict[str, Any] = {"experiments_planned": len(planned), "experiments_missing": len(missing_eval),
+                           "experiments_evaluated": len(planned) - len(missing_eval)}
     for (study, label), grp in agg.groupby(["study", "label"], sort=True):
         entry = {client: round(float(v), 4) for client, v in zip(grp["client"], grp["avg_rouge_mean"])}
         entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
@@ -280,7 +280,8 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     planned_names = {p.name for p in planned}
     timing, stale_timing = timing_table(paths.timing, planned_names)
     if stale_timing:
-        not_made["stage times of unplanned experiments"] = f"left out of the stage-time table: {', '.join(stale_timing)}"
+        not_made["stage times of unplanned experiments"] = ("left out of the stage-time table: "
+                                                            + ", ".join(stale_timing))
     if timing is None:
         not_made["stage times"] = "no reports/timing/*.json"
     else:

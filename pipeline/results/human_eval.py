@@ -23,9 +23,7 @@ JUDGEMENTS = {"a": "A", "b": "B", "tie": "tie", "t": "tie", "=": "tie", "same": 
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """One generated summary of one test example (a line of reports/eval/<exp>/predictions.jsonl)."""
-
+class Prediction:  # one generated summary of one test example (a line of reports/eval/<exp>/predictions.jsonl)
     experiment: str
     example_id: str
     domain: str
@@ -80,11 +78,9 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
     if not common:
         raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
                         "(were they evaluated on the same partition?)")
-    queries = queries or {}
-    meetings = meetings or {}
-    rng = random.Random(f"human_eval:{seed}")
+    queries, rng = queries or {}, random.Random(f"human_eval:{seed}")
     domain_of = {ex: predictions[target][ex].domain for ex in common}
-    chosen = choose_examples(sorted(common), meetings, domain_of, per_domain, rng)
+    chosen = choose_examples(sorted(common), meetings or {}, domain_of, per_domain, rng)
 
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block
@@ -106,10 +102,10 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
         writer.writeheader()
         writer.writerows(rows)
     atomic.write_text(out / "sheet.html", _html_page(rows))
-    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}})
-    per_domain_counts = Counter(domain_of[ex] for ex in chosen)
+    atomic.write_json(out / "key.json", {"target": target, "seed": seed,
+                                         "items": {k: asdict(v) for k, v in key.items()}})
     summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
-               "examples_per_domain": dict(sorted(per_domain_counts.items())),
+               "examples_per_domain": dict(sorted(Counter(domain_of[ex] for ex in chosen).items())),
                "requested_per_domain": per_domain, "seed": seed}
     atomic.write_json(out / "summary.json", summary)
     return summary
@@ -121,18 +117,15 @@ def _html_page(rows: list[dict[str, str]]) -> str:
     items = []
     for r in rows:
         iid = esc(r["item_id"])
-        radios = " ".join(
-            f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
-            for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better"))
-        )
+        radios = " ".join(f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
+                          for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better")))
         items.append(
             f'<section class="item" id="{iid}"><h2>{iid} <small>({esc(r["domain"])})</small></h2>'
             f'<p><b>Query:</b> {esc(r["query"]) or "<i>(whole meeting)</i>"}</p>'
             f'<p><b>Gold summary:</b> {esc(r["reference"])}</p>'
             f'<div class="pair"><div><h3>Summary A</h3><p>{esc(r["summary_A"])}</p></div>'
             f'<div><h3>Summary B</h3><p>{esc(r["summary_B"])}</p></div></div>'
-            f"<p>{radios}</p></section>"
-        )
+            f"<p>{radios}</p></section>")
     script = """
 function download() {
   const name = (document.getElementById('annotator').value || 'anonymous').replace(/[^A-Za-z0-9_-]/g, '_');
@@ -146,19 +139,16 @@ function download() {
   a.download = 'sheet_' + name + '.csv';
   a.click();
 }"""
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
-        "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
-        ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
-        "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
-        "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
-        "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
-        "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
-        "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
-        "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
-        + "".join(items)
-        + f"<script>{script}</script></body></html>"
-    )
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
+            "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
+            ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
+            "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
+            "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
+            "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
+            "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
+            "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
+            "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
+            + "".join(items) + f"<script>{script}</script></body></html>")
 
 
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:

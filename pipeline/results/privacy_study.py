@@ -49,15 +49,14 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
         if not per_seed:
             continue
         eps, targets, sigmas, deltas = zip(*spent)
-        series = pd.Series(per_seed)
+        series, names = pd.Series(per_seed), [p.name for p in runs]
         rows.append({"method": runs[0].method, "label": label, "dp": runs[0].dp,
                      "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
                      "delta": max((d for d in deltas if d is not None), default=None),
                      "target_epsilon": targets[0], "noise_multiplier": sigmas[0],
-                     "avg_rouge_mean": float(series.mean()),
+                     "avg_rouge_mean": float(series.mean()), "n_seeds": len(series),
                      "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
-                     "n_seeds": len(series),
-                     "backbone": str(scores.loc[scores["experiment"].isin([p.name for p in runs]), "backbone"].iloc[0])})
+                     "backbone": str(scores.loc[scores["experiment"].isin(names), "backbone"].iloc[0])})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

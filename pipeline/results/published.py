@@ -11,25 +11,14 @@ from dataclasses import dataclass
 # Method keys as pipeline.training.methods names them, in the paper's column order, with the paper's names.
 METHOD_ORDER: tuple[str, ...] = ("single", "centralized", "fedavg", "fedkd", "fedselectkd")
 PAPER_METHOD_NAMES: dict[str, str] = {
-    "single": "AdaSingle",
-    "centralized": "AdaCentralized",
-    "fedavg": "AdaFedAvg",
-    "fedkd": "AdaFedKD",
-    "fedselectkd": "AdaFedSelectKD",
-    "hardkd": "Noun-verb hard KD",
-    "fedprox": "FedProx",
-    "fedopt": "FedOPT",
-    "fednova": "FedNova",
-    "post_addition": "post-addition",
-    "pre_addition": "pre-addition",
-}
+    "single": "AdaSingle", "centralized": "AdaCentralized", "fedavg": "AdaFedAvg", "fedkd": "AdaFedKD",
+    "fedselectkd": "AdaFedSelectKD", "hardkd": "Noun-verb hard KD", "fedprox": "FedProx", "fedopt": "FedOPT",
+    "fednova": "FedNova", "post_addition": "post-addition", "pre_addition": "pre-addition"}
 QMSUM_CLIENTS: tuple[str, ...] = ("Academic", "Committee", "Product")
 
 
 @dataclass(frozen=True)
-class Rouge3:
-    """ROUGE-1 / ROUGE-2 / ROUGE-L F1 x 100 as printed in the paper."""
-
+class Rouge3:  # ROUGE-1 / ROUGE-2 / ROUGE-L F1 x 100 as printed in the paper
     rouge1: float
     rouge2: float
     rougeL: float
@@ -41,14 +30,8 @@ class Rouge3:
 
 def _table(rows: dict[str, str]) -> dict[str, dict[str, Rouge3]]:
     """Parse 'r1/r2/rl' cells laid out as {client: 'cell cell cell cell cell'} in METHOD_ORDER."""
-    out: dict[str, dict[str, Rouge3]] = {}
-    for client, line in rows.items():
-        cells = line.split()
-        assert len(cells) == len(METHOD_ORDER), (client, cells)
-        out[client] = {
-            method: Rouge3(*(float(x) for x in cell.split("/"))) for method, cell in zip(METHOD_ORDER, cells)
-        }
-    return out
+    return {client: {method: Rouge3(*(float(x) for x in cell.split("/")))
+                     for method, cell in zip(METHOD_ORDER, line.split(), strict=True)} for client, line in rows.items()}
 
 
 # Table III: {backbone: {client: {method: Rouge3}}}.

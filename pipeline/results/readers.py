@@ -86,8 +86,8 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
         for client, scores in metrics["clients"].items():
             three = {m: float(scores[m]) for m in METRICS}
             rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
-                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""), "seed": p.seed,
-                         "backbone": metrics.get("backbone") or "unknown", "client": client,
+                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""),
+                         "seed": p.seed, "backbone": metrics.get("backbone") or "unknown", "client": client,
                          **three, "avg_rouge": average_rouge(three), "n_examples": int(scores.get("n", 0))})
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
