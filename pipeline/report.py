@@ -1,13 +1,7 @@
 """Stage `report`: tables, figures and the index of everything the pipeline produced (METHOD.md section 7).
 
-    python -m pipeline.report                            # the DVC stage (blind human-evaluation sheets included)
-    python -m pipeline.report human --sheets DIR         # filled sheets -> win/tie/loss + bar chart
-    python -m pipeline.report rebuild|claims ...         # a study folder's tables / README results block
-
-Averages every planned experiment's evaluation over its seeds (missing seeds beside the numbers) and writes
-``reports/tables/``, ``reports/figures/`` (data in ``reports/plots/``), ``reports/summary.json``,
-``reports/metrics.json`` (the only DVC metrics file), human-evaluation sheets and the index ``reports/README.md``
-(docs/ARCHITECTURE.md lists them). The library is pipeline/results/; this module runs it in order.
+Averages every planned experiment's evaluation over its seeds (missing seeds beside the numbers) into the outputs
+docs/ARCHITECTURE.md lists; subcommands score filled human-evaluation sheets and rebuild a study folder.
 """
 from __future__ import annotations
 
@@ -345,17 +339,6 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     return {"made": dict(made), "not_made": not_made}
 
 
-def score_human_eval(sheets: Path, out: Path) -> int:
-    """Win/tie/loss counts of the filled sheets in ``sheets`` (key.json beside them) and their chart, beside the
-    paper's, into ``out``."""
-    results = {**score_sheets(sheets), "published": published.HUMAN_EVAL}
-    atomic.write_json(out / "results.json", results)
-    plot_results(results, published.HUMAN_EVAL, out / "human_eval.png")
-    print(json.dumps(results["opponents"], indent=2))
-    print(f"wrote {out / 'results.json'} and {out / 'human_eval.png'}", file=sys.stderr)
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.report", description=__doc__.split("\n")[0])
     parser.add_argument("--params", default="params.yaml")
@@ -384,8 +367,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{f}: results block {'differs from' if args.check else 'rewritten from'} {args.folder}",
                       file=sys.stderr)
             return 1 if (args.check and changed) else 0
-        if args.command == "human":
-            return score_human_eval(args.sheets, args.out)
+        if args.command == "human":  # the paper's counts beside ours
+            results = {**score_sheets(args.sheets), "published": published.HUMAN_EVAL}
+            atomic.write_json(args.out / "results.json", results)
+            plot_results(results, published.HUMAN_EVAL, args.out / "human_eval.png")
+            print(json.dumps(results["opponents"], indent=2))
+            print(f"wrote {args.out / 'results.json'} and {args.out / 'human_eval.png'}", file=sys.stderr)
+            return 0
         params = load_params(args.params)
         cfg = from_dict(ReportConfig, params.get("report"), "report")
         from pipeline.common.timing import stage_timer
