@@ -52,8 +52,7 @@ class ReportConfig:
 
 
 def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
-    """reports/summary.json (a plain output; the DVC metric is reports/metrics.json): average ROUGE per study,
-    configuration and client, mean over clients."""
+    """reports/summary.json: average ROUGE per study, configuration and client, and the mean over clients."""
     out: dict[str, Any] = {"experiments_planned": len(planned), "experiments_missing": len(missing_eval),
                            "experiments_evaluated": len(planned) - len(missing_eval)}
     for (study, label), grp in agg.groupby(["study", "label"], sort=True):
@@ -72,8 +71,7 @@ HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_
 
 
 def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
-    """Interval of a configuration's client-average avg ROUGE over its seeds (pipeline.results.stats.mean_interval) on
-    the test examples every seed has. None without any per-example scores."""
+    """Interval of a configuration's client-average avg ROUGE on the test examples all its seeds have (or None)."""
     frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
     shared = comparisons.shared_ids(frames)
     if not shared:

@@ -141,8 +141,7 @@ def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
 
 
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
-    """'<subject> helps' when a difference excludes 0 upwards, '<subject> hurts' when one excludes 0 downwards
-    (a significant loss is named as one), else '<subject> does not measurably help'."""
+    """'<subject> helps' or 'hurts' by the sign of a difference excluding 0, else 'does not measurably help'."""
     if any(r.significant and r.mean_diff > 0 for r in rows):
         return f"{subject} {gain}"
     if any(r.significant and r.mean_diff < 0 for r in rows):

@@ -54,8 +54,7 @@ def _closest(configs: list[Config], keep) -> Config | None:
 
 
 def non_private_for(config: Config, configs: list[Config]) -> Config | None:
-    """The same method on the same partition in the same study, trained without privacy (None if ``config`` is
-    itself non-private or its study has no such run)."""
+    """The same method, partition and study without privacy (None if ``config`` is non-private or has none)."""
     return _closest(configs, lambda c: not c.dp and (c.study, c.method, c.scheme) == (
         config.study, config.method, config.scheme)) if config.dp else None
 
@@ -80,8 +79,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
 
 
 def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
-    """Per client, the test examples every frame (one seed's per-example scores) has: the same test subsample for
-    a partition and seed."""
+    """Per client, the test examples every frame (one seed's per-example scores) has."""
     frames = list(frames)
     shared = {}
     for client in sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []:

@@ -46,8 +46,7 @@ HEADLINE_KEYS = {"ROUGE-1": "rouge1", "ROUGE-2": "rouge2", "ROUGE-L": TABLE_ROUG
 
 
 def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>`` (ROUGE-L as the tables use it) with ``_ci_low`` and
-    ``_ci_high``: the bootstrap interval of the client average the evaluation computed (``mean_ci``)."""
+    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>``, with the ``mean_ci`` interval as ``_ci_low/_high``."""
     out = {}
     for label, key in HEADLINE_KEYS.items():
         out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])

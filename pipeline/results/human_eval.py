@@ -66,8 +66,7 @@ def choose_examples(example_ids: list[str], meeting_of: Mapping[str, str], domai
 def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: str | Path, *, target: str,
                 queries: Mapping[str, str] | None = None, meetings: Mapping[str, str] | None = None,
                 per_domain: int = 20, seed: int = 0) -> dict[str, Any]:
-    """Blind pairwise sheets of ``target`` against every other method of ``predictions`` (method -> example_id ->
-    Prediction) on the examples all predicted; returns the summary also written to ``summary.json``."""
+    """Blind pairwise sheets of ``target`` against every other method on the examples all predicted; their summary."""
     if target not in predictions:
         raise DataError(f"human evaluation: no predictions of the target method {target!r} "
                         f"(methods with predictions: {sorted(predictions)})")
@@ -152,8 +151,7 @@ function download() {
 
 
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
-    """Win/tie/loss counts of the key's target method against each opponent over every filled ``sheet*.csv``
-    (columns ``item_id`` and ``judgement``: A, B or tie; blank = not judged)."""
+    """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
     sheet_dir = Path(sheet_dir)
     key_path = sheet_dir / "key.json"
     if not key_path.is_file():

@@ -31,8 +31,7 @@ class WordUpdates:
 
 def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
                  source: str = "gate log", tags_source: str = "the POS tags") -> WordUpdates:
-    """Collapse token gate decisions to word updates (defined in the docstring of pipeline/analyze.py).
-    ``source`` and ``tags_source`` name the gate log and the POS-tag file in errors."""
+    """Token gate decisions as word updates (pipeline/analyze.py); ``source``, ``tags_source``: the files, in errors."""
     if word_rule not in WORD_RULES:
         raise ValueError(f"word_rule {word_rule!r} is not one of {WORD_RULES}")
     keys = ["client", "round", "example_id", "position"]

@@ -78,8 +78,7 @@ HUMAN_EVAL_MEETINGS_PER_DOMAIN = 20
 
 
 def backbone_key(name: str | None) -> str | None:
-    """Map a backbone name or HF id ("facebook/bart-large", "BART-base", "allenai/led-large-16384") to a key of
-    :data:`MAIN_TABLE`, or None when the paper has no numbers for it (e.g. a tiny test model)."""
+    """The :data:`MAIN_TABLE` key of a backbone name or HF id ("facebook/bart-large"), None if the paper has none."""
     if not name:
         return None
     n = name.lower().rsplit("/", 1)[-1]

@@ -74,8 +74,7 @@ def eval_scores(path: Path) -> dict[str, dict[str, float]]:
 
 def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
                    eval_dir: Path) -> tuple[pd.DataFrame, list[str]]:
-    """One row per (evaluated experiment, client); and the names of planned experiments without an evaluation.
-    ``labels``: the display label of each experiment."""
+    """One row per (evaluated experiment, client), and the planned experiments without an evaluation."""
     rows, missing = [], []
     for p in planned:
         path = eval_dir / p.name / "metrics.json"

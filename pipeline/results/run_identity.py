@@ -10,8 +10,7 @@ TAG_HOST, TAG_PID, TAG_PID_START = "fedmeet.host", "fedmeet.pid", "fedmeet.pid_s
 
 
 def git_state() -> dict[str, str]:
-    """Commit of the workspace and whether tracked files differ from it; not dvc.lock, which `dvc repro` rewrites
-    after each stage."""
+    """Commit of the workspace, and whether tracked files but dvc.lock (`dvc repro` rewrites it) differ from it."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30).stdout.strip()
         status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",

@@ -68,8 +68,7 @@ def incomplete(agg: pd.DataFrame) -> list[str]:
 
 
 def fmt(mean: float, std: float, n: int | None = None) -> str:
-    """'27.09 ± 0.31' (sample std over n >= 2 seeds), '27.09 (n=1)': one seed has no spread, so none is shown
-    (never '± 0.00')."""
+    """'27.09 ± 0.31', or '27.09 (n=1)': one seed has no spread, so none is shown (never '± 0.00')."""
     if pd.isna(mean):
         return "missing"
     if n is not None and int(n) == 1:

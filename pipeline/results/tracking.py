@@ -91,8 +91,7 @@ def _client():
 
 
 def experiment_id(study: str, description: str | None = None) -> str:
-    """The MLflow experiment of a study, created on first use; an existing one gets the tags it lacks and, when the
-    checkout moved, its artifact locations rebased."""
+    """The MLflow experiment of a study, created on first use (an existing one: missing tags set, artifacts rebased)."""
     client = _client()
     # mlflow.experimentKind picks the UI's landing view (runs table, not GenAI traces); the note is its description
     tags = {"mlflow.experimentKind": "custom_model_development"} | (
@@ -216,8 +215,7 @@ class RunLogger:
         self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
 
     def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
-        """Log ``metrics`` at ``step`` (NaN and None left out); a client's go to its run. ``model_id`` and
-        ``dataset`` (an MLflow dataset): the model and the data the values belong to."""
+        """Log ``metrics`` at ``step`` (NaN, None left out; a client's to its run) for ``model_id`` on ``dataset``."""
         from mlflow.entities import Metric
 
         now, rows = int(time.time() * 1000), {}
