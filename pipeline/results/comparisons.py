@@ -122,16 +122,13 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         for metric in METRICS:
             r = paired_difference(*([stacked((frames[s] for s in seeds), c, shared[c], f"{metric}_{side}")
                                      for c in clients] for side in "ab"), cfg)
-            out.append({
-                "study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
-                "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
-                "mean_diff": r.estimate, "ci_low": r.low, "ci_high": r.high, "p_value": r.p_value,
-                "n_examples": r.n_examples, "n_seeds": r.n_seeds, "identical_fraction": identical,
-                "significant": r.significant,
-                "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
-                "experiments_a": ",".join(seeds_a[s] for s in seeds),
-                "experiments_b": ",".join(seeds_b[s] for s in seeds),
-            })
+            out.append({"study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
+                        "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
+                        "mean_diff": r.estimate, "ci_low": r.low, "ci_high": r.high, "p_value": r.p_value,
+                        "n_examples": r.n_examples, "n_seeds": r.n_seeds, "identical_fraction": identical,
+                        "significant": r.significant, "experiments_a": ",".join(seeds_a[s] for s in seeds),
+                        "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
+                        "experiments_b": ",".join(seeds_b[s] for s in seeds)})
     return out
 
 

@@ -1,7 +1,5 @@
-"""Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"): a client-run whose
-best validation round is its last was still improving when training stopped. Read from ``reports/train/<exp>/``: a
-``converged`` stated in ``metrics.json`` as it says; else ``rounds.json`` (each client's lowest ``val_loss`` against
-its last round); else ``metrics.json``'s ``best_round`` against ``rounds_trained``."""
+"""Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from
+``reports/train/<exp>/``: a ``converged`` stated in ``metrics.json``; else ``rounds.json``; else ``best_round``."""
 from __future__ import annotations
 
 from pathlib import Path

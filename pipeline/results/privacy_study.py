@@ -1,7 +1,5 @@
-"""The privacy-utility study (study `privacy`: the same methods without privacy and with DP at several budgets):
-per configuration, the client average of average ROUGE over seeds against the epsilon the runs spent (the largest
-over clients, mean over seeds; delta: the largest over clients and seeds), no privacy drawn at epsilon = inf. What
-each budget costs, with its paired interval, is in the study's table (pipeline.results.comparisons)."""
+"""The privacy-utility study (study `privacy`): per configuration, the client average of average ROUGE over seeds
+against the epsilon the runs spent (largest over clients, mean over seeds), no privacy drawn at epsilon = inf."""
 from __future__ import annotations
 
 import math

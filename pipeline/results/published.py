@@ -1,9 +1,5 @@
-"""The published AdaFedSelecKD numbers (METHOD.md sections 7 and 9) as data, printed beside ours by `report`.
-
-Sources: Feng et al., TASLP 2024 (arXiv 2308.03275) Table III (main results per backbone), Table V (server
-algorithms, average ROUGE = mean of R-1/R-2/R-L), the new-client table, the KD usage ratios and the human
-evaluation. Values are transcribed from METHOD.md; the tests check them against its text.
-"""
+"""The published AdaFedSelecKD numbers (Feng et al., TASLP 2024, arXiv 2308.03275) as data, printed beside ours by
+`report`; transcribed from METHOD.md sections 7 and 9, and the tests check them against its text."""
 from __future__ import annotations
 
 from dataclasses import dataclass
