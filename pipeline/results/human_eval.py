@@ -42,27 +42,6 @@ class KeyEntry:
     opponent_experiment: str
 
 
-def choose_examples(example_ids: list[str], meeting_of: Mapping[str, str], domain_of: Mapping[str, str],
-                    per_domain: int, rng: random.Random) -> list[str]:
-    """Up to ``per_domain`` examples per domain, one query per meeting first (round-robin over shuffled meetings),
-    so the sample covers as many meetings as the test subsample has."""
-    by_domain: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for ex in sorted(example_ids):
-        by_domain[domain_of[ex]][meeting_of.get(ex, ex)].append(ex)
-    chosen: list[str] = []
-    for domain in sorted(by_domain):
-        meetings = sorted(by_domain[domain])
-        rng.shuffle(meetings)
-        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in meetings}
-        picked: list[str] = []
-        while len(picked) < per_domain and any(queues.values()):
-            for m in meetings:
-                if queues[m] and len(picked) < per_domain:
-                    picked.append(queues[m].pop())
-        chosen.extend(picked)
-    return chosen
-
-
 def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: str | Path, *, target: str,
                 queries: Mapping[str, str] | None = None, meetings: Mapping[str, str] | None = None,
                 per_domain: int = 20, seed: int = 0) -> dict[str, Any]:
@@ -77,9 +56,23 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
     if not common:
         raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
                         "(were they evaluated on the same partition?)")
-    queries, rng = queries or {}, random.Random(f"human_eval:{seed}")
+    queries, meetings, rng = queries or {}, meetings or {}, random.Random(f"human_eval:{seed}")
     domain_of = {ex: predictions[target][ex].domain for ex in common}
-    chosen = choose_examples(sorted(common), meetings or {}, domain_of, per_domain, rng)
+    # up to per_domain examples a domain, round-robin over its shuffled meetings: as many meetings as there are
+    by_domain: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for ex in sorted(common):
+        by_domain[domain_of[ex]][meetings.get(ex, ex)].append(ex)
+    chosen: list[str] = []
+    for domain in sorted(by_domain):
+        order = sorted(by_domain[domain])
+        rng.shuffle(order)
+        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in order}
+        picked: list[str] = []
+        while len(picked) < per_domain and any(queues.values()):
+            for m in order:
+                if queues[m] and len(picked) < per_domain:
+                    picked.append(queues[m].pop())
+        chosen.extend(picked)
 
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block

@@ -12,9 +12,8 @@ from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L, average_rouge
 
-# The scores every evaluation carries per client, in the paper's order: R-1, R-2, R-L (plain rougeL, see
-# pipeline.results.scoring) and average ROUGE (recomputed from the three, so records written under an earlier R-L
-# choice read the same way). The comparisons table adds rougeLsum as its own metric.
+# The scores every evaluation carries per client, in the paper's order; average ROUGE is recomputed from the three,
+# so records written under an earlier R-L choice read the same way.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
@@ -93,10 +92,8 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
 
 
 def read_rounds(path: Path) -> pd.DataFrame:
-    """Training rounds as long rows (round, client, train_loss, val_loss, ...).
-
-    Reads the train stage's ``reports/train/<exp>/rounds.json`` (one row per round, ``<client>/<quantity>``
-    columns) or ``models/<exp>/rounds.json`` (one row per round and client)."""
+    """Training rounds as long rows (round, client, train_loss, val_loss, ...) from ``reports/train/<exp>/rounds.json``
+    (``<client>/<quantity>`` columns) or ``models/<exp>/rounds.json`` (already one row per round and client)."""
     rows = load_json(path, "training rounds")
     if not isinstance(rows, list) or any(not isinstance(r, dict) or "round" not in r for r in rows):
         raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")
