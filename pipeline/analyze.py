@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        result = Analysis(cfg, declared(params), params.get("tau"), PATHS, args.out).run()
+        analysis = Analysis(cfg, declared(params), params.get("tau"), PATHS, args.out)
+        result = analysis.run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]
             print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"

@@ -72,7 +72,8 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     if not path.is_file():
         return None
     frame = pd.read_parquet(path)
-    if missing := [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]:
+    missing = [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]
+    if missing:
         raise DataError(f"{path}: missing column(s) {missing}")
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 

@@ -48,8 +48,11 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
 
 def convergence_table(planned: Iterable[Any], labels: dict[str, str], train_dir: Path) -> pd.DataFrame:
     """Every planned experiment's client-runs (objects with name, study, seed), with study and label."""
-    frames = [f.assign(study=p.study, label=labels[p.name], seed=int(p.seed)) for p in planned
-              if not (f := run_convergence(train_dir, p.name)).empty]
+    frames = []
+    for p in planned:
+        f = run_convergence(train_dir, p.name)
+        if not f.empty:
+            frames.append(f.assign(study=p.study, label=labels[p.name], seed=int(p.seed)))
     if not frames:
         return pd.DataFrame(columns=[*COLUMNS, "study", "label", "seed"])
     return pd.concat(frames, ignore_index=True)

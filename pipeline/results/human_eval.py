@@ -179,10 +179,15 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     opponents = sorted({o for o, _, _ in judged})
     totals = {o: {r: sum(n for (oo, _, rr), n in counts.items() if (oo, rr) == (o, r)) for r in OUTCOMES}
               for o in opponents}
-    by_domain = {o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged if oo == o})}
-                 for o in opponents}
-    return {"target": data["target"], "opponents": {o: {**c, "n": sum(c.values())} for o, c in totals.items()},
-            "by_domain": by_domain, "unjudged": unjudged, "judged_per_file": per_file}
+    return {
+        "target": data["target"],
+        "opponents": {o: {**c, "n": sum(c.values())} for o, c in totals.items()},
+        "by_domain": {o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged
+                                                                                       if oo == o})}
+                      for o in opponents},
+        "unjudged": unjudged,
+        "judged_per_file": per_file,
+    }
 
 
 def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, int]], path: str | Path) -> Path:

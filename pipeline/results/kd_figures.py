@@ -84,8 +84,9 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
             rec = comparison[method].get(client)
             if not rec:
                 continue
-            ax.bar(x + (j - 0.5) * 0.4, [rec["mean"][m] for m in METRICS], 0.4,
-                   yerr=[rec["std"][m] for m in METRICS] if rec["n_seeds"] > 1 else None,
+            means = [rec["mean"][m] for m in METRICS]
+            stds = [rec["std"][m] for m in METRICS]
+            ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=stds if rec["n_seeds"] > 1 else None,
                    label=f"{'SelectKD' if method == SELECTKD else 'noun-verb hard KD'} (n={rec['n_seeds']})")
         ax.set_xticks(x, labels)
         ax.set_title(client)

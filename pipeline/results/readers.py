@@ -45,7 +45,8 @@ def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]
 
 def read_json(path: Path, what: str = "JSON file") -> dict[str, Any]:
     """A JSON object written by an earlier stage (``what`` names it in the error)."""
-    if not isinstance(data := load_json(path, what), dict):
+    data = load_json(path, what)
+    if not isinstance(data, dict):
         raise DataError(f"{path}: expected a JSON object ({what})")
     return data
 
@@ -56,7 +57,8 @@ def read_eval_metrics(path: Path) -> dict[str, Any]:
     if not isinstance(data.get("clients"), dict):
         raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
     for client, scores in data["clients"].items():
-        if missing := [m for m in METRICS if m not in scores]:
+        missing = [m for m in METRICS if m not in scores]
+        if missing:
             raise DataError(f"{path}: client {client!r} lacks {missing}")
     return data
 
@@ -111,14 +113,16 @@ def best_rounds(path: Path) -> dict[str, int]:
     clients = read_json(path, "train metrics").get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{path}: no 'clients' mapping with per-client best rounds")
-    if bad := [c for c, rec in clients.items() if not isinstance(rec, dict) or rec.get("best_round") is None]:
+    bad = [c for c, rec in clients.items() if not isinstance(rec, dict) or rec.get("best_round") is None]
+    if bad:
         raise DataError(f"{path}: client {bad[0]!r} has no 'best_round'")
     return {str(c): int(rec["best_round"]) for c, rec in clients.items()}
 
 
 def read_gate_log(path: Path) -> pd.DataFrame:
     gate = pd.read_parquet(path)
-    if missing := sorted(set(GATE_COLUMNS) - set(gate.columns)):
+    missing = sorted(set(GATE_COLUMNS) - set(gate.columns))
+    if missing:
         raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
     return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
 

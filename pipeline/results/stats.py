@@ -42,7 +42,8 @@ class Interval:
     n_seeds: int
 
     @property
-    def significant(self) -> bool:  # the interval excludes zero
+    def significant(self) -> bool:
+        """The interval excludes zero."""
         return bool(self.low > 0.0 or self.high < 0.0)
 
 

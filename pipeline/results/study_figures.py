@@ -1,5 +1,6 @@
-"""The registry of the study figures the report draws: adding a study's figure is one :class:`StudyFigure` entry in
-:data:`STUDY_FIGURES` (every study gets its table without one)."""
+"""The registry of the study figures the report draws: one :class:`StudyFigure` entry per study (its title, the
+rows its bars show, its panels, the paper's values beside ours, rows another study's runs stand in for). Every study
+gets its table without an entry here; adding a study's figure is one entry in :data:`STUDY_FIGURES`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
