@@ -73,8 +73,8 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
                                                    f"tags.plan_hash = '{record_hash(experiment)}'")
         run_id = runs[0].info.run_id if runs else None
     # a record without a training run (imported) gets a run of its own, tagged with what the record says
-    tags = {k: str(experiment[k]) for k in ("method", "partition", "seed", "study", "tau")
-            if experiment.get(k) is not None}
+    keys = ("method", "partition", "seed", "study", "tau")
+    tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
     logger = RunLogger(run_id) if run_id else RunLogger.start(study, name, {}, {"experiment": name, **tags},
                                                               clients=tuple(metrics["clients"]))
     logger.log_metrics(headline_metrics(metrics), step=0)

@@ -45,15 +45,17 @@ def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[
     frame["tau"] = frame["tau"].astype(object).where(frame["tau"].notna(), None)
     for key, grp in frame.groupby(keys, dropna=False, sort=False):
         rec = dict(zip(keys, key))
-        config = tuple(None if (isinstance(v, float) and math.isnan(v)) else v for v in (rec[c] for c in GROUP_COLS))
+        config = tuple(rec[c] for c in GROUP_COLS)
+        config = tuple(None if (isinstance(v, float) and math.isnan(v)) else v for v in config)
         rec["tau"] = config[4]
         seeds = sorted(int(s) for s in grp["seed"])
         want = expected | planned_seeds.get(config, set())
         for m in METRICS:
             rec[f"{m}_mean"] = float(grp[m].mean())
             rec[f"{m}_std"] = float(grp[m].std(ddof=1)) if len(grp) > 1 else math.nan
-        rec |= {"n_seeds": len(seeds), "seeds": ",".join(map(str, seeds)),
-                "missing_seeds": ",".join(map(str, sorted(want - set(seeds))))}
+        rec["n_seeds"] = len(seeds)
+        rec["seeds"] = ",".join(map(str, seeds))
+        rec["missing_seeds"] = ",".join(map(str, sorted(want - set(seeds))))
         out_rows.append(rec)
     return pd.DataFrame(out_rows)
 
@@ -61,7 +63,8 @@ def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[
 def incomplete(agg: pd.DataFrame) -> list[str]:
     """The configurations averaged over fewer seeds than expected, one line each."""
     rows = agg[agg["missing_seeds"] != ""] if not agg.empty else agg
-    return list(dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in rows.itertuples()))
+    seen = dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in rows.itertuples())
+    return list(seen)
 
 
 def fmt(mean: float, std: float, n: int | None = None) -> str:

@@ -59,7 +59,8 @@ def _sqlite_path(uri: str) -> Path | None:
 def _store_lock(uri: str):
     """Two processes on one SQLite store collide creating its tables ("duplicate column") and inserting the same
     dataset ("UNIQUE constraint failed"), which MLflow's own lock does not cover: a flock on the store's directory."""
-    if (path := _sqlite_path(uri)) is None:
+    path = _sqlite_path(uri)
+    if path is None:
         yield
         return
     path.parent.mkdir(parents=True, exist_ok=True)
