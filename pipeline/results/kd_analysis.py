@@ -105,11 +105,13 @@ def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
     entropy quantiles, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
     rows = []
     for rnd, g in gate.groupby("round"):
-        h, kd = g["entropy"].to_numpy(dtype=float), g["kd_applied"]
-        rows.append({"round": int(rnd), "tokens": len(g), "pass_fraction": float(kd.mean()),
-                     **{f"entropy_q{q}": float(np.quantile(h, q / 100)) for q in (5, 25, 50, 75, 95)},
-                     "entropy_mean": float(h.mean()),
-                     "gate_inconsistent": int(((h < tau) != kd.to_numpy()).sum()) if tau is not None else 0})
+        h = g["entropy"].to_numpy(dtype=float)
+        rows.append({
+            "round": int(rnd), "tokens": len(g), "pass_fraction": float(g["kd_applied"].mean()),
+            **{f"entropy_q{q}": float(np.quantile(h, q / 100)) for q in (5, 25, 50, 75, 95)},
+            "entropy_mean": float(h.mean()),
+            "gate_inconsistent": int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0,
+        })
     return pd.DataFrame(rows, columns=["round", "tokens", "pass_fraction", "entropy_q5", "entropy_q25",
                                        "entropy_q50", "entropy_q75", "entropy_q95", "entropy_mean",
                                        "gate_inconsistent"])
@@ -143,7 +145,8 @@ class ClientSummary:
 def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]],
                    tau: float | None) -> ClientSummary:
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
-    (experiment -> the client's :func:`usage_per_client` entry)."""
+    (experiment -> the client's :func:`usage_per_client` entry); ``words`` and ``gate`` carry an ``experiment``
+    column."""
     window = pd.concat([to_best(w, per_seed[n]["best_round"])
                         for n, w in words[words["client"] == client].groupby("experiment")])
     ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
@@ -152,9 +155,14 @@ def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_see
     gate_c = gate[gate["client"] == client].drop_duplicates(["experiment", "round", "example_id", "position"])
     stats = gate_per_round(gate_c, tau)
     record = {
-        "experiments": sorted(per_seed), "kd_usage_ratio": ratio, "kd_usage_ratio_std": ratio_std,
-        "paper_kd_usage_ratio": KD_USAGE_RATIO.get(client), "per_experiment": per_seed, **pos_summary(window),
-        "paper_det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD, "pos": pos_distribution(window),
+        "experiments": sorted(per_seed),
+        "kd_usage_ratio": ratio,
+        "kd_usage_ratio_std": ratio_std,
+        "paper_kd_usage_ratio": KD_USAGE_RATIO.get(client),
+        "per_experiment": per_seed,
+        **pos_summary(window),
+        "paper_det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
+        "pos": pos_distribution(window),
         "gate_pass_fraction_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["pass_fraction"])},
         "entropy_median_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["entropy_q50"])},
         "gate_inconsistent_tokens": int(stats["gate_inconsistent"].sum()),
