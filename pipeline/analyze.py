@@ -1,28 +1,24 @@
 """Stage ``analyze``: why selective KD works (METHOD.md section 7 items 6, 9, 10).
 
-From the gate logs of the selective-KD experiments of the main study (``method: fedselectkd, study: main``):
+From the gate logs of the main study's selective-KD experiments (``method: fedselectkd, study: main``):
 
-- **KD usage ratio** per client = KD word updates / (rounds x target words), rounds 1 .. the client's best round
-  (paper: 86 % Academic, 88 % Committee, 89 % Product). Sub-word tokens are first mapped to whitespace words
-  (:mod:`pipeline.datasets.words`, via ``data/processed/postags.parquet``). One *word update* = one target word trained
-  in one round; it is a **KD word update** when KD was applied to the word's tokens under ``analyze.word_rule``
-  (default ``first``: KD on the word's first sub-word token - the step where the model chooses the word; the
-  continuation pieces are nearly determined by it). Within a round the teacher (global adapter) is fixed, so
-  local epochs repeat the same gate decision; a token trained in several epochs of a round counts once (KD if
-  applied in any of them; disagreements are counted in the JSON). The paper's worked example: "project manager
-  decides to use lcd" trained 2 rounds with 3 KD word updates -> 3 / (6 x 2) = 25 %. The denominator is the
-  number of (word, round) pairs actually trained, which is rounds x words when every client trains every round.
-- **POS distribution** (universal tags) of KD and non-KD word updates, per client (paper: nouns and verbs are
-  nearly all KD words; determiners and pronouns are 74 % of non-KD words).
-- **Gate statistics**: the distribution of H(q_g) per round with tau marked, and the fraction of tokens passing
-  the gate (KD applied) per round.
-- **Noun-verb hard KD** (``method: hardkd``) against SelectKD, ROUGE per client from the evaluation metrics.
-- **tau sweep**: average ROUGE (mean of R-1, R-2, R-L) and KD usage ratio against tau per client, from the
-  ``study: tau_sweep`` experiments plus the main SelectKD at the top-level tau.
+- **KD usage ratio** per client = KD word updates / word updates (the (word, round) pairs trained: rounds x target
+  words when the client trains every round) over rounds 1 .. its best round (paper: 86 % Academic, 88 % Committee,
+  89 % Product). Sub-word tokens are mapped to whitespace words (:mod:`pipeline.datasets.words`, via
+  ``data/processed/postags.parquet``). A *word update* is one target word trained in one round, a **KD word update**
+  when KD was applied to its tokens under ``analyze.word_rule`` (default ``first``: the word's first sub-word token,
+  where the model chooses the word). The teacher is fixed within a round, so a token trained in several local epochs
+  counts once (KD if applied in any; disagreements counted in the JSON). The paper's example: "project manager
+  decides to use lcd", 2 rounds, 3 KD word updates -> 3 / (6 x 2) = 25 %.
+- **POS distribution** (universal tags) of KD and non-KD word updates per client (paper: nouns and verbs are nearly
+  all KD words; determiners and pronouns are 74 % of non-KD words).
+- **Gate statistics**: H(q_g) per round with tau marked, and the fraction of tokens passing the gate per round.
+- **Noun-verb hard KD** (``method: hardkd``) against SelectKD, ROUGE per client.
+- **tau sweep**: average ROUGE and KD usage ratio against tau per client (``study: tau_sweep`` plus the main SelectKD).
 
-Experiments listed in params.yaml whose files are missing are reported in the JSON (``missing``) and left out;
-no number is invented. Every number is a mean over the seeds available (per-seed values are kept). Outputs:
-``reports/analysis/`` (kd_analysis.json, tau_sweep.csv, figures/). The computation is pipeline.results.kd_analysis.
+Missing input files of listed experiments are reported in the JSON (``missing``), never replaced by numbers; every
+number is a mean over the seeds available. Outputs: ``reports/analysis/`` (kd_analysis.json, tau_sweep.csv,
+figures/), computed by pipeline.results.kd_analysis.
 """
 from __future__ import annotations
 

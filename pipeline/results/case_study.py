@@ -1,6 +1,5 @@
 """Generated summaries side by side: the evaluate stage's predictions per method, the examples' queries and
-meetings, and the case study (one test example per domain, FedAvg's and SelectKD's summary beside the gold one).
-The human-evaluation sheets (pipeline.results.human_eval) are made from the same predictions."""
+meetings, and the case study (one test example per domain, FedAvg's and SelectKD's summary beside the gold one)."""
 from __future__ import annotations
 
 import random

@@ -75,9 +75,6 @@ def with_published(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-# Sentences
-
-
 def _num(x: float) -> str:
     return f"{x:+.2f}".replace("-", "−")
 
@@ -144,8 +141,7 @@ def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
 
 
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
-    """'<subject> helps' when a difference excludes 0 upwards, '<subject> hurts' when one excludes 0 downwards
-    (a significant loss is named as one), else '<subject> does not measurably help'."""
+    """'<subject> helps' or 'hurts' by the sign of a difference excluding 0, else 'does not measurably help'."""
     if any(r.significant and r.mean_diff > 0 for r in rows):
         return f"{subject} {gain}"
     if any(r.significant and r.mean_diff < 0 for r in rows):
@@ -173,18 +169,6 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     return text
 
 
-def too_small(found: tuple[list[int], list[int]] | None, scale: ClaimScale) -> str:
-    """Why no comparative claim is drawn ('' when one is): a smoke run, or a main-study comparison with fewer seeds
-    or test examples (``found``: the sorted distinct counts) than the profile declares enough."""
-    if scale.smoke:
-        return "a smoke run (`report.smoke: true`)"
-    if found is None or (found[0][0] >= scale.min_seeds and found[1][0] >= scale.min_examples):
-        return ""
-    return (f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
-            f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
-            "`report.claim_min_examples`)")
-
-
 def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, scale: ClaimScale = ClaimScale(),
                  metric: str = "avg_rouge", source: str = "comparisons.csv", backbone: str = "") -> str:
     """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
@@ -203,7 +187,12 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, s
              f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, "
              "pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's differences are its "
              f"Table III's, BART-large, BART-base and LED-large){size}:"] + ([backbone] if backbone else [])
-    why = too_small(found, scale)
+    # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
+    why = "a smoke run (`report.smoke: true`)" if scale.smoke else ""
+    if not why and found is not None and (found[0][0] < scale.min_seeds or found[1][0] < scale.min_examples):
+        why = (f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
+               f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
+               "`report.claim_min_examples`)")
     if why:
         rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
         lines.append(f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the "

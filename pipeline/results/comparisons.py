@@ -54,8 +54,7 @@ def _closest(configs: list[Config], keep) -> Config | None:
 
 
 def non_private_for(config: Config, configs: list[Config]) -> Config | None:
-    """The same method on the same partition in the same study, trained without privacy (None if ``config`` is
-    itself non-private or its study has no such run)."""
+    """The same method, partition and study without privacy (None if ``config`` is non-private or has none)."""
     return _closest(configs, lambda c: not c.dp and (c.study, c.method, c.scheme) == (
         config.study, config.method, config.scheme)) if config.dp else None
 
@@ -80,8 +79,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
 
 
 def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
-    """Per client, the test examples every frame (one seed's per-example scores) has: the same test subsample for
-    a partition and seed."""
+    """Per client, the test examples every frame (one seed's per-example scores) has."""
     frames = list(frames)
     shared = {}
     for client in sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []:
@@ -124,16 +122,13 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         for metric in METRICS:
             r = paired_difference(*([stacked((frames[s] for s in seeds), c, shared[c], f"{metric}_{side}")
                                      for c in clients] for side in "ab"), cfg)
-            out.append({
-                "study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
-                "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
-                "mean_diff": r.estimate, "ci_low": r.low, "ci_high": r.high, "p_value": r.p_value,
-                "n_examples": r.n_examples, "n_seeds": r.n_seeds, "identical_fraction": identical,
-                "significant": r.significant,
-                "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
-                "experiments_a": ",".join(seeds_a[s] for s in seeds),
-                "experiments_b": ",".join(seeds_b[s] for s in seeds),
-            })
+            out.append({"study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
+                        "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
+                        "mean_diff": r.estimate, "ci_low": r.low, "ci_high": r.high, "p_value": r.p_value,
+                        "n_examples": r.n_examples, "n_seeds": r.n_seeds, "identical_fraction": identical,
+                        "significant": r.significant, "experiments_a": ",".join(seeds_a[s] for s in seeds),
+                        "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
+                        "experiments_b": ",".join(seeds_b[s] for s in seeds)})
     return out
 
 

@@ -1,7 +1,5 @@
-"""Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"): a client-run whose
-best validation round is its last was still improving when training stopped. Read from ``reports/train/<exp>/``: a
-``converged`` stated in ``metrics.json`` as it says; else ``rounds.json`` (each client's lowest ``val_loss`` against
-its last round); else ``metrics.json``'s ``best_round`` against ``rounds_trained``."""
+"""Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from
+``reports/train/<exp>/``: a ``converged`` stated in ``metrics.json``; else ``rounds.json``; else ``best_round``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,8 +15,7 @@ MARK = "↗"  # the tables' mark of a row with a client-run still improving at i
 
 
 def best_and_last_rounds(rounds: list[dict[str, Any]], source: str = "rounds.json") -> dict[str, tuple[int, int]]:
-    """{client: (round of its lowest validation loss, its last round with a validation loss)} from rounds.json rows
-    (one per round, keys ``round`` and ``<client>/val_loss``); the earliest round wins a tie."""
+    """{client: (round of its lowest val_loss, the earliest on a tie; its last round with one)} from rounds.json."""
     seen: dict[str, list[tuple[float, int]]] = {}
     for i, row in enumerate(rounds):
         if not isinstance(row, dict) or "round" not in row:
@@ -31,8 +28,7 @@ def best_and_last_rounds(rounds: list[dict[str, Any]], source: str = "rounds.jso
 
 
 def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
-    """One row per client of ``experiment``: best and last round and whether the best is the last (None when the
-    record says ``converged`` without rounds); empty when the experiment has no train record."""
+    """Per client of ``experiment``: best and last round, whether they are the same (None: stated without rounds)."""
     run = train_dir / experiment
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
     metrics = load_json(metrics_path) if metrics_path.is_file() else {}
@@ -70,8 +66,7 @@ def run_converged(train_dir: Path, experiment: str) -> bool | None:
 
 
 def row_mark(table: pd.DataFrame | None, study: str, label: str, client: str | None) -> str:
-    """'↗ 2/3': of the client-runs of (study, label) - for one client, or all clients with None - how many had
-    their best round last ('' if none)."""
+    """'↗ 2/3': how many client-runs of (study, label), or of one ``client``, had their best round last ('' if none)."""
     if table is None or table.empty:
         return ""
     sub = table[(table["study"] == study) & (table["label"] == label)]

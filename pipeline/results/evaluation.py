@@ -34,15 +34,9 @@ class EvaluateConfig:
         return self
 
     def generation_kwargs(self) -> dict[str, Any]:
-        return {
-            "num_beams": self.num_beams,
-            "max_new_tokens": self.max_target_length,
-            "min_new_tokens": self.min_target_length,
-            "no_repeat_ngram_size": self.no_repeat_ngram_size,
-            "length_penalty": self.length_penalty,
-            "early_stopping": True,
-            "do_sample": False,
-        }
+        return {"num_beams": self.num_beams, "max_new_tokens": self.max_target_length,
+                "min_new_tokens": self.min_target_length, "no_repeat_ngram_size": self.no_repeat_ngram_size,
+                "length_penalty": self.length_penalty, "early_stopping": True, "do_sample": False}
 
 
 # The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
@@ -52,8 +46,7 @@ HEADLINE_KEYS = {"ROUGE-1": "rouge1", "ROUGE-2": "rouge2", "ROUGE-L": TABLE_ROUG
 
 
 def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>`` (ROUGE-L as the tables use it) with ``_ci_low`` and
-    ``_ci_high``: the bootstrap interval of the client average the evaluation computed (``mean_ci``)."""
+    """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>``, with the ``mean_ci`` interval as ``_ci_low/_high``."""
     out = {}
     for label, key in HEADLINE_KEYS.items():
         out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
@@ -65,9 +58,8 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
                   cfg: EvaluateConfig, converged: bool | None = None, test_sets: dict[str, Any] | None = None) -> str:
     """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
-    each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset. Text only
-    with ``log_text_to_mlflow``. ``converged`` (convergence.run_converged) becomes the tag ``converged``: "false" when
-    some client's best validation round was its last (scores for that round budget only). Returns the run id."""
+    each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset; the tag
+    ``converged`` is convergence.run_converged. Returns the run id."""
     from pipeline.experiments import record_hash
     from pipeline.results.studies import study_description
     from pipeline.results.tracking import RunLogger, _client, experiment_id

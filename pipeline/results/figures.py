@@ -1,6 +1,5 @@
-"""The report's figures (matplotlib Agg): grouped bar charts of average ROUGE per client and configuration, and
-learning curves from the train stage's rounds. Each figure's data is also written to ``reports/plots/`` for
-`dvc plots show`."""
+"""The report's figures (matplotlib Agg): bar charts of average ROUGE per client and configuration, and learning
+curves; each figure's data also in ``reports/plots/`` for `dvc plots show`."""
 from __future__ import annotations
 
 import re

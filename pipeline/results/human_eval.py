@@ -23,9 +23,7 @@ JUDGEMENTS = {"a": "A", "b": "B", "tie": "tie", "t": "tie", "=": "tie", "same": 
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """One generated summary of one test example (a line of reports/eval/<exp>/predictions.jsonl)."""
-
+class Prediction:  # one generated summary of one test example (a line of reports/eval/<exp>/predictions.jsonl)
     experiment: str
     example_id: str
     domain: str
@@ -44,32 +42,10 @@ class KeyEntry:
     opponent_experiment: str
 
 
-def choose_examples(example_ids: list[str], meeting_of: Mapping[str, str], domain_of: Mapping[str, str],
-                    per_domain: int, rng: random.Random) -> list[str]:
-    """Up to ``per_domain`` examples per domain, one query per meeting first (round-robin over shuffled meetings),
-    so the sample covers as many meetings as the test subsample has."""
-    by_domain: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for ex in sorted(example_ids):
-        by_domain[domain_of[ex]][meeting_of.get(ex, ex)].append(ex)
-    chosen: list[str] = []
-    for domain in sorted(by_domain):
-        meetings = sorted(by_domain[domain])
-        rng.shuffle(meetings)
-        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in meetings}
-        picked: list[str] = []
-        while len(picked) < per_domain and any(queues.values()):
-            for m in meetings:
-                if queues[m] and len(picked) < per_domain:
-                    picked.append(queues[m].pop())
-        chosen.extend(picked)
-    return chosen
-
-
 def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: str | Path, *, target: str,
                 queries: Mapping[str, str] | None = None, meetings: Mapping[str, str] | None = None,
                 per_domain: int = 20, seed: int = 0) -> dict[str, Any]:
-    """Blind pairwise sheets of ``target`` against every other method of ``predictions`` (method -> example_id ->
-    Prediction) on the examples all predicted; returns the summary also written to ``summary.json``."""
+    """Blind pairwise sheets of ``target`` against every other method on the examples all predicted; their summary."""
     if target not in predictions:
         raise DataError(f"human evaluation: no predictions of the target method {target!r} "
                         f"(methods with predictions: {sorted(predictions)})")
@@ -80,11 +56,23 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
     if not common:
         raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
                         "(were they evaluated on the same partition?)")
-    queries = queries or {}
-    meetings = meetings or {}
-    rng = random.Random(f"human_eval:{seed}")
+    queries, meetings, rng = queries or {}, meetings or {}, random.Random(f"human_eval:{seed}")
     domain_of = {ex: predictions[target][ex].domain for ex in common}
-    chosen = choose_examples(sorted(common), meetings, domain_of, per_domain, rng)
+    # up to per_domain examples a domain, round-robin over its shuffled meetings: as many meetings as there are
+    by_domain: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for ex in sorted(common):
+        by_domain[domain_of[ex]][meetings.get(ex, ex)].append(ex)
+    chosen: list[str] = []
+    for domain in sorted(by_domain):
+        order = sorted(by_domain[domain])
+        rng.shuffle(order)
+        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in order}
+        picked: list[str] = []
+        while len(picked) < per_domain and any(queues.values()):
+            for m in order:
+                if queues[m] and len(picked) < per_domain:
+                    picked.append(queues[m].pop())
+        chosen.extend(picked)
 
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block
@@ -106,10 +94,10 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
         writer.writeheader()
         writer.writerows(rows)
     atomic.write_text(out / "sheet.html", _html_page(rows))
-    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}})
-    per_domain_counts = Counter(domain_of[ex] for ex in chosen)
+    atomic.write_json(out / "key.json", {"target": target, "seed": seed,
+                                         "items": {k: asdict(v) for k, v in key.items()}})
     summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
-               "examples_per_domain": dict(sorted(per_domain_counts.items())),
+               "examples_per_domain": dict(sorted(Counter(domain_of[ex] for ex in chosen).items())),
                "requested_per_domain": per_domain, "seed": seed}
     atomic.write_json(out / "summary.json", summary)
     return summary
@@ -121,18 +109,15 @@ def _html_page(rows: list[dict[str, str]]) -> str:
     items = []
     for r in rows:
         iid = esc(r["item_id"])
-        radios = " ".join(
-            f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
-            for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better"))
-        )
+        radios = " ".join(f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
+                          for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better")))
         items.append(
             f'<section class="item" id="{iid}"><h2>{iid} <small>({esc(r["domain"])})</small></h2>'
             f'<p><b>Query:</b> {esc(r["query"]) or "<i>(whole meeting)</i>"}</p>'
             f'<p><b>Gold summary:</b> {esc(r["reference"])}</p>'
             f'<div class="pair"><div><h3>Summary A</h3><p>{esc(r["summary_A"])}</p></div>'
             f'<div><h3>Summary B</h3><p>{esc(r["summary_B"])}</p></div></div>'
-            f"<p>{radios}</p></section>"
-        )
+            f"<p>{radios}</p></section>")
     script = """
 function download() {
   const name = (document.getElementById('annotator').value || 'anonymous').replace(/[^A-Za-z0-9_-]/g, '_');
@@ -146,24 +131,20 @@ function download() {
   a.download = 'sheet_' + name + '.csv';
   a.click();
 }"""
-    return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
-        "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
-        ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
-        "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
-        "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
-        "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
-        "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
-        "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
-        "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
-        + "".join(items)
-        + f"<script>{script}</script></body></html>"
-    )
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
+            "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
+            ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
+            "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
+            "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
+            "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
+            "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
+            "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
+            "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
+            + "".join(items) + f"<script>{script}</script></body></html>")
 
 
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
-    """Win/tie/loss counts of the key's target method against each opponent over every filled ``sheet*.csv``
-    (columns ``item_id`` and ``judgement``: A, B or tie; blank = not judged)."""
+    """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
     sheet_dir = Path(sheet_dir)
     key_path = sheet_dir / "key.json"
     if not key_path.is_file():

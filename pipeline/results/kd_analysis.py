@@ -21,14 +21,9 @@ SELECTKD, HARDKD = "fedselectkd", "hardkd"
 PAPER_DET_PRON_SHARE_OF_NON_KD = 0.74
 
 
-# Word updates and the KD usage ratio
-
-
 @dataclass
 class WordUpdates:
-    """One row per (client, round, example_id, word_index): the word's POS and whether its update used KD."""
-
-    table: pd.DataFrame
+    table: pd.DataFrame  # one row per (client, round, example_id, word_index): its POS, whether its update used KD
     tokens: int  # distinct (client, round, example, position) token updates in the log
     tokens_without_word: int  # special / whitespace-only tokens, not words
     epoch_disagreements: int  # tokens whose KD decision differed between epochs of one round
@@ -36,8 +31,7 @@ class WordUpdates:
 
 def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
                  source: str = "gate log", tags_source: str = "the POS tags") -> WordUpdates:
-    """Collapse token gate decisions to word updates (defined in the docstring of pipeline/analyze.py).
-    ``source`` and ``tags_source`` name the gate log and the POS-tag file in errors."""
+    """Token gate decisions as word updates (pipeline/analyze.py); ``source``, ``tags_source``: the files, in errors."""
     if word_rule not in WORD_RULES:
         raise ValueError(f"word_rule {word_rule!r} is not one of {WORD_RULES}")
     keys = ["client", "round", "example_id", "position"]
@@ -51,9 +45,9 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
     untagged = merged["tagged_token_id"].isna()
     if untagged.any():
         row = merged[untagged].iloc[0]
-        raise DataError(
-            f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. example "
-            f"{row['example_id']} position {row['position']}); re-run the postag stage over these examples")
+        raise DataError(f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. "
+                        f"example {row['example_id']} position {row['position']}); re-run the postag stage over these "
+                        "examples")
     differ = merged["tagged_token_id"].astype(np.int64) != merged["token_id"].astype(np.int64)
     if differ.any():
         row = merged[differ].iloc[0]
@@ -66,12 +60,9 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
     grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
     kd = (grouped["kd_any"].mean() > 0.5 if word_rule == "majority" else
           grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule]))
-    table = pd.DataFrame({
-        "kd": kd.astype(bool),
-        "pos": grouped["pos"].first(),
-        "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
-        "n_tokens": grouped.size(),
-    }).reset_index()
+    table = pd.DataFrame({"kd": kd.astype(bool), "pos": grouped["pos"].first(),
+                          "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
+                          "n_tokens": grouped.size()}).reset_index()
     return WordUpdates(table, len(per_token), int(no_word.sum()), disagreements)
 
 
@@ -83,8 +74,7 @@ def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
 def kd_usage_ratio(updates: pd.DataFrame, best_round: int) -> tuple[float, int, int]:
     """(KD word updates / word updates, KD word updates, word updates) over rounds 1..best_round."""
     window = to_best(updates, best_round)
-    n = len(window)
-    k = int(window["kd"].sum())
+    n, k = len(window), int(window["kd"].sum())
     return (k / n if n else math.nan), k, n
 
 
@@ -139,9 +129,6 @@ def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any,
     return per_client
 
 
-# Per client of the main study, pooled over seeds
-
-
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample std; the std of one value is undefined (NaN, written as null), never 0."""
     arr = np.asarray(values, dtype=float)
@@ -183,9 +170,6 @@ def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_see
     return ClientSummary(record, gate_c, stats)
 
 
-# Hard KD against SelectKD
-
-
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
     """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
     per_client: dict[str, list[dict[str, float]]] = {}
@@ -205,9 +189,6 @@ def hardkd_minus_selectkd(comparison: dict[str, dict[str, dict[str, Any]]]) -> d
             for c in comparison[HARDKD] if c in comparison[SELECTKD]}
 
 
-# The tau sweep
-
-
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeL",
                  "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
 
@@ -222,10 +203,8 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
         rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
-                     "seed": run.seed,
-                     "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
-                     "rougeL": s["rougeL"],
-                     "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
+                     "seed": run.seed, "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
+                     "rougeL": s["rougeL"], "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
                      "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
                      "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan)})
     return rows

@@ -1,7 +1,5 @@
-"""The privacy-utility study (study `privacy`: the same methods without privacy and with DP at several budgets):
-per configuration, the client average of average ROUGE over seeds against the epsilon the runs spent (the largest
-over clients, mean over seeds; delta: the largest over clients and seeds), no privacy drawn at epsilon = inf. What
-each budget costs, with its paired interval, is in the study's table (pipeline.results.comparisons)."""
+"""The privacy-utility study (study `privacy`): per configuration, the client average of average ROUGE over seeds
+against the epsilon the runs spent (largest over clients, mean over seeds), no privacy drawn at epsilon = inf."""
 from __future__ import annotations
 
 import math
@@ -49,15 +47,14 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
         if not per_seed:
             continue
         eps, targets, sigmas, deltas = zip(*spent)
-        series = pd.Series(per_seed)
+        series, names = pd.Series(per_seed), [p.name for p in runs]
         rows.append({"method": runs[0].method, "label": label, "dp": runs[0].dp,
                      "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
                      "delta": max((d for d in deltas if d is not None), default=None),
                      "target_epsilon": targets[0], "noise_multiplier": sigmas[0],
-                     "avg_rouge_mean": float(series.mean()),
+                     "avg_rouge_mean": float(series.mean()), "n_seeds": len(series),
                      "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
-                     "n_seeds": len(series),
-                     "backbone": str(scores.loc[scores["experiment"].isin([p.name for p in runs]), "backbone"].iloc[0])})
+                     "backbone": str(scores.loc[scores["experiment"].isin(names), "backbone"].iloc[0])})
     return pd.DataFrame(rows, columns=COLUMNS)
 
 

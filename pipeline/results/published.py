@@ -1,9 +1,5 @@
-"""The published AdaFedSelecKD numbers (METHOD.md sections 7 and 9) as data, printed beside ours by `report`.
-
-Sources: Feng et al., TASLP 2024 (arXiv 2308.03275) Table III (main results per backbone), Table V (server
-algorithms, average ROUGE = mean of R-1/R-2/R-L), the new-client table, the KD usage ratios and the human
-evaluation. Values are transcribed from METHOD.md; the tests check them against its text.
-"""
+"""The published AdaFedSelecKD numbers (Feng et al., TASLP 2024, arXiv 2308.03275) as data, printed beside ours by
+`report`; transcribed from METHOD.md sections 7 and 9, and the tests check them against its text."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,25 +7,14 @@ from dataclasses import dataclass
 # Method keys as pipeline.training.methods names them, in the paper's column order, with the paper's names.
 METHOD_ORDER: tuple[str, ...] = ("single", "centralized", "fedavg", "fedkd", "fedselectkd")
 PAPER_METHOD_NAMES: dict[str, str] = {
-    "single": "AdaSingle",
-    "centralized": "AdaCentralized",
-    "fedavg": "AdaFedAvg",
-    "fedkd": "AdaFedKD",
-    "fedselectkd": "AdaFedSelectKD",
-    "hardkd": "Noun-verb hard KD",
-    "fedprox": "FedProx",
-    "fedopt": "FedOPT",
-    "fednova": "FedNova",
-    "post_addition": "post-addition",
-    "pre_addition": "pre-addition",
-}
+    "single": "AdaSingle", "centralized": "AdaCentralized", "fedavg": "AdaFedAvg", "fedkd": "AdaFedKD",
+    "fedselectkd": "AdaFedSelectKD", "hardkd": "Noun-verb hard KD", "fedprox": "FedProx", "fedopt": "FedOPT",
+    "fednova": "FedNova", "post_addition": "post-addition", "pre_addition": "pre-addition"}
 QMSUM_CLIENTS: tuple[str, ...] = ("Academic", "Committee", "Product")
 
 
 @dataclass(frozen=True)
-class Rouge3:
-    """ROUGE-1 / ROUGE-2 / ROUGE-L F1 x 100 as printed in the paper."""
-
+class Rouge3:  # ROUGE-1 / ROUGE-2 / ROUGE-L F1 x 100 as printed in the paper
     rouge1: float
     rouge2: float
     rougeL: float
@@ -41,14 +26,8 @@ class Rouge3:
 
 def _table(rows: dict[str, str]) -> dict[str, dict[str, Rouge3]]:
     """Parse 'r1/r2/rl' cells laid out as {client: 'cell cell cell cell cell'} in METHOD_ORDER."""
-    out: dict[str, dict[str, Rouge3]] = {}
-    for client, line in rows.items():
-        cells = line.split()
-        assert len(cells) == len(METHOD_ORDER), (client, cells)
-        out[client] = {
-            method: Rouge3(*(float(x) for x in cell.split("/"))) for method, cell in zip(METHOD_ORDER, cells)
-        }
-    return out
+    return {client: {method: Rouge3(*(float(x) for x in cell.split("/")))
+                     for method, cell in zip(METHOD_ORDER, line.split(), strict=True)} for client, line in rows.items()}
 
 
 # Table III: {backbone: {client: {method: Rouge3}}}.
@@ -95,8 +74,7 @@ HUMAN_EVAL_MEETINGS_PER_DOMAIN = 20
 
 
 def backbone_key(name: str | None) -> str | None:
-    """Map a backbone name or HF id ("facebook/bart-large", "BART-base", "allenai/led-large-16384") to a key of
-    :data:`MAIN_TABLE`, or None when the paper has no numbers for it (e.g. a tiny test model)."""
+    """The :data:`MAIN_TABLE` key of a backbone name or HF id ("facebook/bart-large"), None if the paper has none."""
     if not name:
         return None
     n = name.lower().rsplit("/", 1)[-1]

@@ -12,9 +12,8 @@ from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L, average_rouge
 
-# The scores every evaluation carries per client, in the paper's order: R-1, R-2, R-L (plain rougeL, see
-# pipeline.results.scoring) and average ROUGE (recomputed from the three, so records written under an earlier R-L
-# choice read the same way). The comparisons table adds rougeLsum as its own metric.
+# The scores every evaluation carries per client, in the paper's order; average ROUGE is recomputed from the three,
+# so records written under an earlier R-L choice read the same way.
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "avg_rouge")
 # What tells one configuration from another in the scores tables.
 GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
@@ -74,8 +73,7 @@ def eval_scores(path: Path) -> dict[str, dict[str, float]]:
 
 def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
                    eval_dir: Path) -> tuple[pd.DataFrame, list[str]]:
-    """One row per (evaluated experiment, client); and the names of planned experiments without an evaluation.
-    ``labels``: the display label of each experiment."""
+    """One row per (evaluated experiment, client), and the planned experiments without an evaluation."""
     rows, missing = [], []
     for p in planned:
         path = eval_dir / p.name / "metrics.json"
@@ -86,18 +84,16 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
         for client, scores in metrics["clients"].items():
             three = {m: float(scores[m]) for m in METRICS}
             rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
-                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""), "seed": p.seed,
-                         "backbone": metrics.get("backbone") or "unknown", "client": client,
+                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""),
+                         "seed": p.seed, "backbone": metrics.get("backbone") or "unknown", "client": client,
                          **three, "avg_rouge": average_rouge(three), "n_examples": int(scores.get("n", 0))})
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
 
 
 def read_rounds(path: Path) -> pd.DataFrame:
-    """Training rounds as long rows (round, client, train_loss, val_loss, ...).
-
-    Reads the train stage's ``reports/train/<exp>/rounds.json`` (one row per round, ``<client>/<quantity>``
-    columns) or ``models/<exp>/rounds.json`` (one row per round and client)."""
+    """Training rounds as long rows (round, client, train_loss, val_loss, ...) from ``reports/train/<exp>/rounds.json``
+    (``<client>/<quantity>`` columns) or ``models/<exp>/rounds.json`` (already one row per round and client)."""
     rows = load_json(path, "training rounds")
     if not isinstance(rows, list) or any(not isinstance(r, dict) or "round" not in r for r in rows):
         raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")

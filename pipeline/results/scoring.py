@@ -1,23 +1,15 @@
 """ROUGE scoring shared by the `evaluate` stage and the `python -m pipeline.evaluate score` CLI (METHOD.md section 8).
 
-The QMSum authors scored with ROUGE-1.5.5, Porter stemming and one sentence per line. The closest Python
-equivalent is Google's ``rouge-score`` with ``use_stemmer=True``; its ``rougeLsum`` is ROUGE-1.5.5's summary-level
-ROUGE-L (union LCS over newline-separated sentences), while its ``rougeL`` is the sentence-level LCS of the whole
-text as one sequence. The column our tables call **ROUGE-L is plain ``rougeL``** (:data:`TABLE_ROUGE_L`), and
-"average ROUGE" uses it: the paper's R-L / R-1 ratios are 0.65-0.78, which our ``rougeL`` matches (0.66-0.77 on the
-CPU study's client-runs) and ``rougeLsum`` does not (0.83-0.91); tests/test_scoring.py checks both. ``rougeLsum`` is kept in every record and table as its own
-column.
-
-Sentences are split with a regular expression (no tokenizer data to download), and per-example F1 scores are
-averaged by us: the library's ``BootstrapAggregator`` resamples at random, which would make the mean depend on a
-seed.
+Google's ``rouge-score`` with Porter stemming on one sentence per line, the closest Python equivalent of the QMSum
+authors' ROUGE-1.5.5. The tables' ROUGE-L (and "average ROUGE") is plain ``rougeL`` (:data:`TABLE_ROUGE_L`), whose
+R-L / R-1 ratios match the paper's (``rougeLsum``'s do not; tests/test_scoring.py checks both); ``rougeLsum`` is kept
+as its own column. Per-example F1 scores are averaged by us: the library's ``BootstrapAggregator`` resamples at random.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -35,20 +27,14 @@ TABLE_METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L)
 # line breaks are sentence breaks too (e.g. AMI/ICSI summaries stored one sentence per line).
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"')\]]*\s+|\s*\n+\s*")
 # Tokens like "Dr." or "e.g." end in a period without ending the sentence.
-_ABBREVIATIONS = frozenset(
-    "mr mrs ms dr prof st vs etc e.g i.e cf approx no fig inc ltd jr sr mt".split()
-)
+_ABBREVIATIONS = frozenset("mr mrs ms dr prof st vs etc e.g i.e cf approx no fig inc ltd jr sr mt".split())
 
 
 def split_sentences(text: str) -> list[str]:
-    """Split ``text`` into sentences with a regex: break after . ! ? + whitespace and at newlines.
-
-    A period after a known abbreviation ("Dr.", "e.g.") or a single capital initial ("J.") does not end a
-    sentence. Empty pieces are dropped.
-    """
+    """Sentences of ``text``: a break after . ! ? + whitespace and at newlines, but not after a known abbreviation
+    ("Dr.", "e.g.") or a single initial ("J."). Empty pieces are dropped."""
     sentences: list[str] = []
-    pending = ""
-    pos = 0
+    pending, pos = "", 0
     for match in _SENTENCE_END.finditer(text):
         piece = text[pos:match.start()]
         pos = match.end()
@@ -56,9 +42,7 @@ def split_sentences(text: str) -> list[str]:
         newline_break = "\n" in match.group(0)
         last_word = candidate.rsplit(None, 1)[-1] if candidate else ""
         stem = last_word.rstrip(".").lower()
-        is_abbreviation = last_word.endswith(".") and (
-            stem in _ABBREVIATIONS or (len(stem) == 1 and stem.isalpha())
-        )
+        is_abbreviation = last_word.endswith(".") and (stem in _ABBREVIATIONS or (len(stem) == 1 and stem.isalpha()))
         if is_abbreviation and not newline_break:
             pending = candidate
             continue
@@ -77,25 +61,15 @@ def sentences_per_line(text: str) -> str:
     return "\n".join(split_sentences(text))
 
 
-@dataclass(frozen=True)
-class RougeDetail:
-    """Precision, recall and F1 of one ROUGE variant for one pair, as fractions in [0, 1]."""
-
-    precision: float
-    recall: float
-    fmeasure: float
-
-
 class Scorer:
     """rouge-score with Porter stemming on sentence-split text; F1 x 100 per example."""
 
     def __init__(self, use_stemmer: bool = True) -> None:
         self._scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=use_stemmer)
 
-    def detail(self, prediction: str, reference: str) -> dict[str, RougeDetail]:
-        """P/R/F of every variant for one (prediction, reference) pair."""
-        scores = self._scorer.score(sentences_per_line(reference), sentences_per_line(prediction))
-        return {name: RougeDetail(s.precision, s.recall, s.fmeasure) for name, s in scores.items()}
+    def detail(self, prediction: str, reference: str) -> dict:
+        """rouge-score's ``Score`` (precision, recall, fmeasure in [0, 1]) of every variant for one pair."""
+        return self._scorer.score(sentences_per_line(reference), sentences_per_line(prediction))
 
     def score(self, prediction: str, reference: str) -> dict[str, float]:
         """F1 x 100 of every variant in :data:`ROUGE_TYPES` for one pair."""
@@ -104,9 +78,7 @@ class Scorer:
     def score_pairs(self, predictions: Sequence[str], references: Sequence[str]) -> list[dict[str, float]]:
         """Per-example F1 x 100; ``predictions[i]`` is scored against ``references[i]``."""
         if len(predictions) != len(references):
-            raise ValueError(
-                f"{len(predictions)} predictions but {len(references)} references: they must pair up one to one"
-            )
+            raise ValueError(f"{len(predictions)} predictions but {len(references)} references: they must pair up")
         return [self.score(p, r) for p, r in zip(predictions, references)]
 
 
@@ -121,9 +93,7 @@ def mean_scores(per_example: Iterable[dict[str, float]]) -> dict[str, float]:
     if not rows:
         return {**{name: math.nan for name in ROUGE_TYPES}, "avg_rouge": math.nan, "n": 0}
     means = {name: sum(r[name] for r in rows) / len(rows) for name in ROUGE_TYPES}
-    means["avg_rouge"] = average_rouge(means)
-    means["n"] = len(rows)
-    return means
+    return means | {"avg_rouge": average_rouge(means), "n": len(rows)}
 
 
 def rouge_summary(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
@@ -133,28 +103,20 @@ def rouge_summary(predictions: Sequence[str], references: Sequence[str]) -> dict
 
 def read_lines(path: str | Path) -> list[str]:
     """One summary per line (trailing newline optional; a final empty line is not a summary)."""
-    p = Path(path)
-    if not p.is_file():
-        raise DataError(f"{p}: file not found")
-    text = p.read_text(encoding="utf-8")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line.rstrip("\r") for line in lines]
+    if not Path(path).is_file():
+        raise DataError(f"{path}: file not found")
+    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    return [line.rstrip("\r") for line in (lines[:-1] if lines[-1] == "" else lines)]
 
 
 def score_files(pred_path: str | Path, ref_path: str | Path, use_stemmer: bool = True) -> dict[str, float]:
     """Mean ROUGE of two line-aligned files; the CLI behind ``python -m pipeline.evaluate score``."""
     predictions, references = read_lines(pred_path), read_lines(ref_path)
     if len(predictions) != len(references):
-        raise DataError(
-            f"line counts differ: {pred_path} has {len(predictions)} predictions, "
-            f"{ref_path} has {len(references)} references (one summary per line in both)"
-        )
-    per_example = Scorer(use_stemmer=use_stemmer).score_pairs(predictions, references)
-    result = mean_scores(per_example)
-    result["rouge_l_in_tables"] = TABLE_ROUGE_L
-    return result
+        raise DataError(f"line counts differ: {pred_path} has {len(predictions)} predictions, "
+                        f"{ref_path} has {len(references)} references (one summary per line in both)")
+    return mean_scores(Scorer(use_stemmer=use_stemmer).score_pairs(predictions, references)) | {
+        "rouge_l_in_tables": TABLE_ROUGE_L}
 
 
 def dumps_scores(scores: dict) -> str:

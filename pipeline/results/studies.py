@@ -1,9 +1,5 @@
 """The studies of METHOD.md section 7 that fedmeet reproduces: what each compares and where METHOD.md defines it.
-
-One entry per study (each entry of the `experiments` params names its study). The MLflow experiment of a study
-carries :func:`study_description` as its description (set by the evaluation's logging, pipeline.results.evaluation:
-training never imports this module, so rewording a study reruns no training); a study's figure, when it has one,
-is an entry of pipeline.results.study_figures. A study without an entry still works, described by its name.
+Only the evaluation's MLflow logging reads it (training never imports it: rewording a study reruns no training).
 """
 from __future__ import annotations
 

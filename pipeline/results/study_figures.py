@@ -22,8 +22,7 @@ def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
 
 
 def with_main_baselines(*methods: str) -> Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]:
-    """Bars: the study's rows plus the main study's runs of ``methods`` the study itself did not run (same
-    3-client setting)."""
+    """Bars: the study's rows plus the main study's runs of ``methods`` the study itself did not run."""
     def bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
         base = main_rows_of(agg, {m for m in methods if m not in set(rows["method"])})
         return pd.concat([rows, base], ignore_index=True)
@@ -75,8 +74,7 @@ def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
 
 @dataclass(frozen=True)
 class StudyFigure:
-    """One study's bar chart of average ROUGE per client (x) and configuration (bars):
-    ``reports/figures/<study>.png``, its data in ``reports/plots/<study>.csv``."""
+    """One study's bar chart: ``reports/figures/<study>.png``, its data in ``reports/plots/<study>.csv``."""
 
     study: str  # its METHOD.md section and description: pipeline.results.studies
     title: str

@@ -68,8 +68,7 @@ def incomplete(agg: pd.DataFrame) -> list[str]:
 
 
 def fmt(mean: float, std: float, n: int | None = None) -> str:
-    """'27.09 ± 0.31' (sample std over n >= 2 seeds), '27.09 (n=1)': one seed has no spread, so none is shown
-    (never '± 0.00')."""
+    """'27.09 ± 0.31', or '27.09 (n=1)': one seed has no spread, so none is shown (never '± 0.00')."""
     if pd.isna(mean):
         return "missing"
     if n is not None and int(n) == 1:
@@ -79,9 +78,6 @@ def fmt(mean: float, std: float, n: int | None = None) -> str:
 
 def backbone_slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
-
-
-# The main table (Table III)
 
 
 def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
@@ -200,9 +196,6 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame |
     if compared is not None:
         lines.append(comparisons.markdown_section(compared, study, bootstrap or BootstrapConfig()))
     return "\n".join(lines) + "\n"
-
-
-# Stage times
 
 
 EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")

@@ -1,11 +1,6 @@
-"""MLflow: one store per project, one MLflow experiment per study, one run per experiment with a child run per
-client, each client's best adapter a LoggedModel of its client's run.
-
-The store is ``sqlite:///<repo root>/mlflow.db`` (artifacts in ``mlartifacts/``), so `dvc repro` and `dvc exp run`
-log into one place; ``MLFLOW_TRACKING_URI`` overrides it (an ``mlflow server`` stores a second machine's adapters).
-A study's experiment opens in the UI's runs table (``mlflow.experimentKind``; else MLflow 3 opens its GenAI view),
-described by the evaluation's logging (studies.study_description), never by training: no part of its fingerprint.
-What leaves a client: adapter tensors, counts, metrics, its splits as metadata (name, digest of the example ids).
+"""MLflow (docs/mlflow.md): one store per project, one MLflow experiment per study, one run per experiment with a
+child run per client, each client's best adapter a LoggedModel of its client's run. What leaves a client: adapter
+tensors, counts, metrics, its splits as metadata (name, digest of the example ids).
 """
 from __future__ import annotations
 
@@ -25,11 +20,6 @@ from typing import Any
 from pipeline.common.config import flatten, repo_root
 from pipeline.results.run_identity import owner_alive, owner_tags
 
-# The experiment tag MLflow 3.17's UI reads to pick an experiment's landing view (found in the installed UI bundle,
-# mlflow/server/js/build: ExperimentKind "custom_model_development" = runs table, "genai_development" = traces).
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-MODEL_TRAINING_KIND = "custom_model_development"
-NOTE_TAG = "mlflow.note.content"  # the experiment's (and run's) description in the UI
 PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
 MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
 # The run tags a client's run repeats from its experiment's run. Not `experiment`: that tag finds experiment runs.
@@ -41,7 +31,6 @@ def tracking_uri() -> str:
 
 
 def artifact_dir(study: str) -> Path:
-    """``<repo root>/mlartifacts/<study>``, created."""
     (path := (repo_root() / "mlartifacts" / study).resolve()).mkdir(parents=True, exist_ok=True)
     return path
 
@@ -63,15 +52,13 @@ def _retrying(call, *args, **kwargs):
 
 
 def _sqlite_path(uri: str) -> Path | None:
-    """The database file of a ``sqlite:///`` store URI (query options dropped); None for any other store."""
     return Path(uri.removeprefix("sqlite:///").split("?", 1)[0]) if uri.startswith("sqlite:///") else None
 
 
 @contextlib.contextmanager
 def _store_lock(uri: str):
-    """Two processes on one SQLite store collide creating or migrating its tables ("duplicate column") and inserting
-    the same dataset (MLflow checks, then inserts: "UNIQUE constraint failed"); MLflow's own lock covers neither. An
-    exclusive flock on the store's directory (SQLite owns the file's) orders them."""
+    """Two processes on one SQLite store collide creating its tables ("duplicate column") and inserting the same
+    dataset ("UNIQUE constraint failed"), which MLflow's own lock does not cover: a flock on the store's directory."""
     path = _sqlite_path(uri)
     if path is None:
         yield
@@ -85,9 +72,7 @@ def _store_lock(uri: str):
         os.close(fd)  # releases the flock
 
 
-class _RetryingClient:
-    """An MlflowClient whose calls are retried while the store is locked."""
-
+class _RetryingClient:  # an MlflowClient whose calls are retried while the store is locked
     def __init__(self, client):
         self._client = client
 
@@ -106,11 +91,11 @@ def _client():
 
 
 def experiment_id(study: str, description: str | None = None) -> str:
-    """The MLflow experiment of a study: created on first use (runs-table view, ``description`` when given,
-    artifacts under mlartifacts/ or the server's store); an existing one gets the view and the description it
-    lacks and, when the checkout moved, its artifact locations rebased (:func:`rebase_artifacts`)."""
+    """The MLflow experiment of a study, created on first use (an existing one: missing tags set, artifacts rebased)."""
     client = _client()
-    tags = {EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND} | ({NOTE_TAG: description} if description else {})
+    # mlflow.experimentKind picks the UI's landing view (runs table, not GenAI traces); the note is its description
+    tags = {"mlflow.experimentKind": "custom_model_development"} | (
+        {"mlflow.note.content": description} if description else {})
     exp = client.get_experiment_by_name(study)
     if exp is None:
         location = None if tracking_uri().startswith(("http://", "https://")) else artifact_dir(study).as_uri()
@@ -128,10 +113,8 @@ def experiment_id(study: str, description: str | None = None) -> str:
 
 
 def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
-    """Point a study's artifact location (and its runs' and models') at this checkout's ``mlartifacts/<study>``:
-    MLflow stores absolute ``file://`` locations, so a moved or copied checkout, whose mlflow.db travels with it,
-    would log into the first folder. Only a store inside this checkout is rebased (a store shared by several
-    checkouts keeps its locations), only locations of our layout; MLflow has no API for it, hence the SQL."""
+    """Point a study's artifact locations (its runs' and models' too) at this checkout's ``mlartifacts/<study>``
+    when the store lives in the checkout; MLflow stores absolute locations and has no API to change them."""
     from mlflow.utils.file_utils import local_file_uri_to_path
 
     db = _sqlite_path(tracking_uri())
@@ -151,19 +134,6 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
                     con.execute(f"UPDATE {table} SET {column} = ? WHERE {key} = ?",
                                 (new_uri + uri[len(old_uri):], row_id))
     return True
-
-
-def close_dead_runs(exp_id: str, experiment: str, keep: str | None = None) -> list[str]:
-    """Mark KILLED every RUNNING run of ``experiment`` whose process is gone (SIGKILL, power loss), except ``keep``,
-    and its clients' runs. Returns their run ids."""
-    runs = _client().search_runs([exp_id], filter_string=f"tags.experiment = '{experiment}' and "
-                                                          "attributes.status = 'RUNNING'", max_results=1000)
-    closed = [r.info.run_id for r in runs if r.info.run_id != keep and not owner_alive(r.data.tags)]
-    for run_id in closed:
-        logger = RunLogger(run_id)
-        logger.set_tags({"fedmeet.end": "marked KILLED at the next start of the experiment: its process was gone"})
-        logger.finish("KILLED")
-    return closed
 
 
 def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
@@ -195,10 +165,10 @@ class RunLogger:
     def start(cls, study: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
               resume_run_id: str | None = None, partition: str | Path | None = None,
               clients: tuple[str, ...] = ()) -> "RunLogger":
-        """Start a run (or reopen ``resume_run_id`` after an interrupted training) and log every parameter, with a
-        child run per client of the ``partition`` file (its splits the child's datasets) or of ``clients``, and MLflow's
-        system metrics (``system/...``: CPU, memory, disk, network, a GPU where nvidia-ml-py finds one). Earlier runs
-        of the same experiment (tag ``experiment``) left RUNNING by a dead process are marked KILLED."""
+        """Start a run (or reopen ``resume_run_id``) with its parameters, a child run per client of the ``partition``
+        file or of ``clients``, and MLflow's system metrics. Runs of the same experiment left RUNNING by a dead
+        process (SIGKILL, power loss) are marked KILLED, with their clients' runs."""
+        from mlflow.entities import DatasetInput, InputTag
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         client, exp_id, resumed = _client(), experiment_id(study), False
@@ -212,31 +182,31 @@ class RunLogger:
         else:
             logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
             logger.log_params(params)
-        splits = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
-        logger._start_children(exp_id, run_name, tags, {c: {} for c in clients} | splits, partition)
+        listed = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
+        for name, splits in ({c: {} for c in clients} | listed).items():
+            logger.train_sizes[name] = len(splits.get("train", []))
+            logger.datasets[name] = {split: split_dataset(tags.get("partition", ""), name, split, splits[split],
+                                                          partition) for split in ("train", "valid") if split in splits}
+            if name in logger.children:
+                continue
+            child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: logger.run_id, "client": name}
+            logger.children[name] = client.create_run(exp_id, run_name=f"{run_name}/{name}",
+                                                      tags=child_tags).info.run_id
+            with _store_lock(tracking_uri()):  # two trainings of one partition log the same datasets at once
+                client.log_inputs(logger.children[name], datasets=[
+                    DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
+                    for split, ds in logger.datasets[name].items()])
         if tags.get("experiment"):
-            close_dead_runs(exp_id, tags["experiment"], keep=logger.run_id)
+            for run in client.search_runs([exp_id], filter_string=f"tags.experiment = '{tags['experiment']}' and "
+                                                                 "attributes.status = 'RUNNING'", max_results=1000):
+                if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
+                    dead = cls(run.info.run_id)
+                    dead.set_tags({"fedmeet.end": "marked KILLED at the next start of the experiment: its process "
+                                                  "was gone"})
+                    dead.finish("KILLED")
         logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
         logger._monitor.start()
         return logger
-
-    def _start_children(self, exp_id: str, run_name: str, tags: dict[str, str], clients: dict[str, dict],
-                        partition: str | Path | None) -> None:
-        from mlflow.entities import DatasetInput, InputTag
-
-        for name, splits in clients.items():
-            self.train_sizes[name] = len(splits.get("train", []))
-            self.datasets[name] = {split: split_dataset(tags.get("partition", ""), name, split, splits[split],
-                                                        partition) for split in ("train", "valid") if split in splits}
-            if name in self.children:
-                continue
-            child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: self.run_id, "client": name}
-            self.children[name] = self._client.create_run(exp_id, run_name=f"{run_name}/{name}",
-                                                          tags=child_tags).info.run_id
-            with _store_lock(tracking_uri()):  # two trainings of one partition log the same datasets at once
-                self._client.log_inputs(self.children[name], datasets=[
-                    DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
-                    for split, ds in self.datasets[name].items()])
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -245,8 +215,7 @@ class RunLogger:
         self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
 
     def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
-        """Log ``metrics`` at ``step`` (NaN and None left out); a client's go to its run. ``model_id`` and
-        ``dataset`` (an MLflow dataset): the model and the data the values belong to."""
+        """Log ``metrics`` at ``step`` (NaN, None left out; a client's to its run) for ``model_id`` on ``dataset``."""
         from mlflow.entities import Metric
 
         now, rows = int(time.time() * 1000), {}
@@ -272,9 +241,8 @@ class RunLogger:
         self._client.log_artifact(self.run_id, str(local_path), artifact_path)
 
     def log_adapter_models(self, model_dir: Path, global_adapter: Path | None = None) -> dict[str, str]:
-        """Each client's best adapter (``<model_dir>/clients/<client>/adapter_best.safetensors``) as a LoggedModel
-        ``<experiment>-<client>`` of the client's run (``global_adapter``, a deployed server's aggregate, of this
-        run), its files ``adapters/<client>/`` and the plan ``experiment.json``. Returns model ids by client."""
+        """Each client's best adapter as a LoggedModel ``<experiment>-<client>`` of its client's run
+        (``global_adapter``, a deployed server's aggregate, of this run), files ``adapters/<client>/`` and the plan."""
         plan = json.loads((model_dir / "experiment.json").read_text())
         tags = {k: str(plan[k]) for k in ("experiment", "method", "partition", "seed", "study")}
         adapters = {f.parent.name: f for f in sorted((model_dir / "clients").glob("*/adapter_best.safetensors"))}
