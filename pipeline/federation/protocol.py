@@ -70,14 +70,18 @@ def _forward(name: str):
 
 
 class GridView(Grid):
-    """A Grid that passes every call on to ``grid``; a subclass changes what it needs."""
+    """A Grid that passes every call on to ``grid``, showing only ``node_ids`` when given (a copy each call: a
+    strategy sees only the admitted nodes, or the round's sample); a subclass changes what else it needs."""
 
-    def __init__(self, grid: Grid):
-        self._grid = grid
+    def __init__(self, grid: Grid, node_ids: list[int] | None = None):
+        self._grid, self._node_ids = grid, None if node_ids is None else list(node_ids)
 
     run = property(lambda self: self._grid.run)
-    set_run, get_node_ids, push_messages, pull_messages, send_and_receive = map(_forward, (
-        "set_run", "get_node_ids", "push_messages", "pull_messages", "send_and_receive"))
+    set_run, push_messages, pull_messages, send_and_receive = map(_forward, (
+        "set_run", "push_messages", "pull_messages", "send_and_receive"))
+
+    def get_node_ids(self) -> list[int]:
+        return self._grid.get_node_ids() if self._node_ids is None else list(self._node_ids)
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
         return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)

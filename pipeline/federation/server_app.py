@@ -47,17 +47,6 @@ def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
     return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
 
 
-class _NodeSubsetGrid(GridView):
-    """The Grid as the strategy sees it: only the admitted nodes (a new client joins at its round)."""
-
-    def __init__(self, grid: Grid, node_ids: list[int]):
-        super().__init__(grid)
-        self._node_ids = list(node_ids)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self._node_ids)
-
-
 class AdmissionError(RuntimeError):
     """The federation the plan declares did not assemble: a declared client never joined, or one cannot train."""
 
@@ -205,7 +194,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                      rnd, late)
         connected = _connected_nodes(grid, plan_path, node_names, round_timeout_s)
         admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
-        view = _NodeSubsetGrid(grid, sorted(admitted))
+        view = GridView(grid, sorted(admitted))  # a new client joins at its round
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
