@@ -26,9 +26,12 @@ CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 IDENTIFY = "query.identify"
 
-# What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight).
-TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
-                     "kd-fraction", "proximal")
+# What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight),
+# each with its history row field (the LocalResult attribute it comes from, but for the weight) and type.
+TRAIN_METRICS = {NUM_EXAMPLES_KEY: ("weight", int), "num-trained": ("n_examples", int), NUM_STEPS_KEY: ("n_steps", int),
+                 "num-tokens": ("n_tokens", int), "train-loss": ("train_loss", float), "ce": ("ce", float),
+                 "kd": ("kd", float), "kd-fraction": ("kd_fraction", float), "proximal": ("proximal", float)}
+TRAIN_METRIC_KEYS = tuple(TRAIN_METRICS)
 # Added under privacy.mode example: the accountant's (epsilon, delta) so far (-1 = unbounded), sigma, C, q, the
 # cumulative steps, and this round's per-example gradients and how many of them were clipped.
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",

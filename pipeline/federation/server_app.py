@@ -17,11 +17,11 @@ from flwr.serverapp import Grid
 
 from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.compression import decode_state
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, GridView, decode_reply,
-                                          downlink_reference, encode_global, payload_bytes, privacy_row)
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, TRAIN_METRICS, GridView,
+                                          decode_reply, downlink_reference, encode_global, payload_bytes,
+                                          privacy_row)
 from pipeline.federation.strategies.catalog import build_strategy
-from pipeline.federation.strategies.registry import (NUM_EXAMPLES_KEY, NUM_STEPS_KEY, restore_strategy_state,
-                                                     strategy_state)
+from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.privacy import seam as privacy
 from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.training import checkpoints
@@ -266,11 +266,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
 def _record_train_metrics(row: dict[str, Any], m) -> None:
     """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) into its history row."""
-    row.update({
-        "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]), "n_steps": int(m[NUM_STEPS_KEY]),
-        "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
-        "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
-    })
+    row.update({field: kind(m[key]) for key, (field, kind) in TRAIN_METRICS.items()})
     if "dp-epsilon" in m:
         row.update(privacy_row(m))
 
