@@ -234,13 +234,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
         # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
         # evaluate the global adapter, the others their local one: nothing to send.
-        eval_messages = list(strategy.configure_evaluate(rnd, arrays if spec.local_from_global else ArrayRecord(),
-                                                         ConfigRecord(config), view))
-        if spec.local_from_global and eval_messages:
-            eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
-            for m in eval_messages:
-                m.content[ARRAYS_KEY] = eval_downlink
+        eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
+        eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial) if (
+            spec.local_from_global and eval_messages) else ArrayRecord()
         for m in eval_messages:
+            m.content[ARRAYS_KEY] = eval_downlink
             rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
         eval_replies = list(grid.send_and_receive(eval_messages, timeout=round_timeout_s))
         eval_sender = _senders(eval_messages, node_names)
