@@ -894,8 +894,8 @@ def test_an_improvement_of_exactly_the_threshold_is_still_learning():
 
 
 def test_the_strategy_sees_the_grid_restricted_to_the_admitted_nodes(ws):
-    """_NodeSubsetGrid: the node list is the admitted subset (a copy), everything else is the grid's own."""
-    from pipeline.federation.server_app import _NodeSubsetGrid
+    """GridView with node ids: the node list is the admitted subset (a copy), everything else is the grid's own."""
+    from pipeline.federation.protocol import GridView
 
     class Recording:
         def __init__(self):
@@ -926,7 +926,7 @@ def test_the_strategy_sees_the_grid_restricted_to_the_admitted_nodes(ws):
 
     inner = Recording()
     nodes = [3, 1]
-    view = _NodeSubsetGrid(inner, nodes)
+    view = GridView(inner, nodes)
     nodes.append(2)  # the view keeps its own list
     assert list(view.get_node_ids()) == [3, 1] and view.get_node_ids() is not view.get_node_ids()
     assert view.run == "the run"

@@ -13,9 +13,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, client_cache_config, decode_global,
-                                          encode_reply, load_plan, plan_path_of)
-from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, TRAIN_METRICS, client_cache_config,
+                                          decode_global, encode_reply, load_plan, plan_path_of)
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.modeling.adapter_io import load_adapter
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
@@ -135,11 +135,8 @@ def train_round(msg: Message, context: Context) -> Message:
     # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
-    metrics = MetricRecord({
-        NUM_EXAMPLES_KEY: int(weight), "num-trained": int(result.n_examples), NUM_STEPS_KEY: int(result.n_steps),
-        "num-tokens": int(result.n_tokens), "train-loss": float(result.train_loss), "ce": float(result.ce),
-        "kd": float(result.kd), "kd-fraction": float(result.kd_fraction), "proximal": float(result.proximal),
-    })
+    metrics = MetricRecord({key: kind(weight if field == "weight" else getattr(result, field))
+                            for key, (field, kind) in TRAIN_METRICS.items()})
     metrics.update(privacy.ClientLedger(context).account(result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)

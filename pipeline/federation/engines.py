@@ -27,17 +27,11 @@ from pipeline.training.history import Recorder
 log = logging.getLogger("fedmeet.federated")
 
 
-def make_server_app(plan_path: str, settings: RunSettings, recorder: Recorder | None, result: dict) -> ServerApp:
-    """A ServerApp bound to one plan; ``result`` receives the final arrays and history."""
-    app = ServerApp()
-
-    @app.main()
-    def main(grid: Grid, context: Context) -> None:
-        arrays, history = run_server(grid, load_plan(plan_path), plan_path, recorder, settings.round_timeout_s,
-                                     settings.admission_timeout_s, client_settings_config(settings.cache))
-        result.update(arrays=arrays, history=history)
-
-    return app
+def _serve(grid: Grid, plan_path: str, settings: RunSettings, recorder: Recorder | None) -> dict:
+    """The ServerApp's main on ``grid``: {arrays, history}."""
+    arrays, history = run_server(grid, load_plan(plan_path), plan_path, recorder, settings.round_timeout_s,
+                                 settings.admission_timeout_s, client_settings_config(settings.cache))
+    return {"arrays": arrays, "history": history}
 
 
 class InProcessGrid(Grid):
@@ -108,12 +102,7 @@ def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | No
     names = client_names(load_plan(plan_path))
     grid = InProcessGrid(client_app_ or client_app, [{"client-name": n, "plan": plan_path} for n in names])
     _set_server_identity(grid.run.run_id)
-    result: dict = {}
-    make_server_app(plan_path, settings, recorder, result)(
-        grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-                                   state=RecordDict(), run_config={"plan": plan_path}))
-    result["contexts"] = grid.contexts
-    return result
+    return _serve(grid, plan_path, settings, recorder) | {"contexts": grid.contexts}
 
 
 def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
@@ -123,8 +112,10 @@ def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | No
     from flwr.simulation import run_simulation
 
     result: dict = {}
+    app = ServerApp()
+    app.main()(lambda grid, context: result.update(_serve(grid, plan_path, settings, recorder)))
     _set_server_identity(1)
-    run_simulation(server_app=make_server_app(plan_path, settings, recorder, result), client_app=client_app,
+    run_simulation(server_app=app, client_app=client_app,
                    num_supernodes=len(client_names(load_plan(plan_path))),
                    backend_config={"client_resources": {"num_cpus": settings.ray_cpus_per_client,
                                                         "num_gpus": settings.ray_gpus_per_client}})

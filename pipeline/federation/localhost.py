@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -22,8 +21,8 @@ from pipeline.common import atomic
 from pipeline.common.config import from_dict
 from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
                                           make_node_key, make_self_signed_ca, port_open, wait_for)
-from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, parse_run_status,
-                                            status_command)
+from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, flwr,
+                                            parse_run_status, status_command)
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
@@ -112,11 +111,6 @@ class LocalhostFederation:
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
 
-    def flwr(self, *args: str) -> subprocess.CompletedProcess:
-        """A ``flwr`` CLI command against this deployment's connection."""
-        return subprocess.run(["flwr", *args], cwd=self.workdir, env=self.procs.env, capture_output=True,
-                              text=True, timeout=self.cfg.startup_timeout_s)
-
     def start_supernode(self, name: str, key: Path | None = None) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
         argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST, "--port",
@@ -149,7 +143,8 @@ class LocalhostFederation:
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)
-            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
+            out = flwr("supernode", "register", str(self.keys[name][1]), CONNECTION, cwd=self.workdir,
+                       env=self.procs.env, timeout=self.cfg.startup_timeout_s)
             if out.returncode != 0:
                 raise FederationError(f"registering the key of SuperNode {name} failed: "
                                       f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
@@ -205,7 +200,8 @@ class LocalhostFederation:
 
     def run_status(self, run_id: int) -> tuple[str, str]:
         """(status, details) of run ``run_id`` as the SuperLink reports it (``finished:completed`` / ``:failed``)."""
-        out = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        out = flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", cwd=self.workdir,
+                   env=self.procs.env, timeout=self.cfg.startup_timeout_s)
         return parse_run_status(out.stdout, run_id)[1:]
 
     def _resume_hint(self) -> str:

@@ -26,9 +26,12 @@ CONFIG_KEY = "config"
 METRICS_KEY = "metrics"
 IDENTIFY = "query.identify"
 
-# What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight).
-TRAIN_METRIC_KEYS = (NUM_EXAMPLES_KEY, "num-trained", NUM_STEPS_KEY, "num-tokens", "train-loss", "ce", "kd",
-                     "kd-fraction", "proximal")
+# What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight),
+# each with its history row field (the LocalResult attribute it comes from, but for the weight) and type.
+TRAIN_METRICS = {NUM_EXAMPLES_KEY: ("weight", int), "num-trained": ("n_examples", int), NUM_STEPS_KEY: ("n_steps", int),
+                 "num-tokens": ("n_tokens", int), "train-loss": ("train_loss", float), "ce": ("ce", float),
+                 "kd": ("kd", float), "kd-fraction": ("kd_fraction", float), "proximal": ("proximal", float)}
+TRAIN_METRIC_KEYS = tuple(TRAIN_METRICS)
 # Added under privacy.mode example: the accountant's (epsilon, delta) so far (-1 = unbounded), sigma, C, q, the
 # cumulative steps, and this round's per-example gradients and how many of them were clipped.
 PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
@@ -70,14 +73,18 @@ def _forward(name: str):
 
 
 class GridView(Grid):
-    """A Grid that passes every call on to ``grid``; a subclass changes what it needs."""
+    """A Grid that passes every call on to ``grid``, showing only ``node_ids`` when given (a copy each call: a
+    strategy sees only the admitted nodes, or the round's sample); a subclass changes what else it needs."""
 
-    def __init__(self, grid: Grid):
-        self._grid = grid
+    def __init__(self, grid: Grid, node_ids: list[int] | None = None):
+        self._grid, self._node_ids = grid, None if node_ids is None else list(node_ids)
 
     run = property(lambda self: self._grid.run)
-    set_run, get_node_ids, push_messages, pull_messages, send_and_receive = map(_forward, (
-        "set_run", "get_node_ids", "push_messages", "pull_messages", "send_and_receive"))
+    set_run, push_messages, pull_messages, send_and_receive = map(_forward, (
+        "set_run", "push_messages", "pull_messages", "send_and_receive"))
+
+    def get_node_ids(self) -> list[int]:
+        return self._grid.get_node_ids() if self._node_ids is None else list(self._node_ids)
 
     def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
         return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)

@@ -73,6 +73,12 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
     return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
 
 
+def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """A ``flwr`` CLI command (the CLI beside this interpreter, whatever PATH says), its output captured."""
+    cli = Path(sys.executable).parent / "flwr"
+    return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
+
+
 def close_left_running(workdir: Path, plan, reason: str) -> str | None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
     from pipeline.training.checkpoints import mlflow_run_id_path
@@ -105,10 +111,8 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
                                                 .split()))
             return 1
         run_id = int(started["run-id"])
-    flwr = Path(sys.executable).parent / "flwr"  # the CLI beside this interpreter, whatever PATH says
-    argv = [str(flwr) if flwr.exists() else "flwr", "ls", *([superlink] if superlink else []), "--format", "json",
-            *(["--run-id", str(run_id)] if run_id is not None else [])]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    out = flwr("ls", *([superlink] if superlink else []), "--format", "json",
+               *(["--run-id", str(run_id)] if run_id is not None else []), timeout=120)
     rid, status, details = parse_run_status(out.stdout, run_id)
     print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
     return 0 if status == "finished:completed" else 1

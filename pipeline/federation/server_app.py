@@ -17,11 +17,11 @@ from flwr.serverapp import Grid
 
 from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.compression import decode_state
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, GridView, decode_reply,
-                                          downlink_reference, encode_global, payload_bytes, privacy_row)
+from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, TRAIN_METRICS, GridView,
+                                          decode_reply, downlink_reference, encode_global, payload_bytes,
+                                          privacy_row)
 from pipeline.federation.strategies.catalog import build_strategy
-from pipeline.federation.strategies.registry import (NUM_EXAMPLES_KEY, NUM_STEPS_KEY, restore_strategy_state,
-                                                     strategy_state)
+from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.privacy import seam as privacy
 from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.training import checkpoints
@@ -45,17 +45,6 @@ def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, 
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
     return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
-
-
-class _NodeSubsetGrid(GridView):
-    """The Grid as the strategy sees it: only the admitted nodes (a new client joins at its round)."""
-
-    def __init__(self, grid: Grid, node_ids: list[int]):
-        super().__init__(grid)
-        self._node_ids = list(node_ids)
-
-    def get_node_ids(self) -> list[int]:
-        return list(self._node_ids)
 
 
 class AdmissionError(RuntimeError):
@@ -205,7 +194,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                      rnd, late)
         connected = _connected_nodes(grid, plan_path, node_names, round_timeout_s)
         admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
-        view = _NodeSubsetGrid(grid, sorted(admitted))
+        view = GridView(grid, sorted(admitted))  # a new client joins at its round
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
@@ -245,13 +234,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
         # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
         # evaluate the global adapter, the others their local one: nothing to send.
-        eval_messages = list(strategy.configure_evaluate(rnd, arrays if spec.local_from_global else ArrayRecord(),
-                                                         ConfigRecord(config), view))
-        if spec.local_from_global and eval_messages:
-            eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
-            for m in eval_messages:
-                m.content[ARRAYS_KEY] = eval_downlink
+        eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
+        eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial) if (
+            spec.local_from_global and eval_messages) else ArrayRecord()
         for m in eval_messages:
+            m.content[ARRAYS_KEY] = eval_downlink
             rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
         eval_replies = list(grid.send_and_receive(eval_messages, timeout=round_timeout_s))
         eval_sender = _senders(eval_messages, node_names)
@@ -277,11 +264,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
 
 def _record_train_metrics(row: dict[str, Any], m) -> None:
     """A train reply's metrics (a MetricRecord, or the dict SecAgg+'s FitRes carried) into its history row."""
-    row.update({
-        "weight": int(m[NUM_EXAMPLES_KEY]), "n_examples": int(m["num-trained"]), "n_steps": int(m[NUM_STEPS_KEY]),
-        "n_tokens": int(m["num-tokens"]), "train_loss": float(m["train-loss"]), "ce": float(m["ce"]),
-        "kd": float(m["kd"]), "kd_fraction": float(m["kd-fraction"]), "proximal": float(m["proximal"]),
-    })
+    row.update({field: kind(m[key]) for key, (field, kind) in TRAIN_METRICS.items()})
     if "dp-epsilon" in m:
         row.update(privacy_row(m))
 

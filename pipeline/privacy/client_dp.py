@@ -13,7 +13,7 @@ from flwr.serverapp.strategy import Strategy
 from flwr.supercore.differential_privacy import (KEY_CLIPPING_NORM, KEY_NORM_BIT, adaptive_clip_inputs_inplace,
                                                  compute_stdv, get_norm)
 
-from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, load_plan,
+from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView, load_plan,
                                           plan_path_of)
 from pipeline.privacy.accounting import FederationPrivacy
 from pipeline.privacy.secure_aggregation import is_legacy_fit
@@ -28,16 +28,6 @@ SAMPLING_STREAM = 1  # the Poisson sample's generator: [seed, round, 1] (the noi
 def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -> list[int]:
     """Each node independently with probability ``rate`` (one uniform draw per node, in the given order)."""
     return [n for n, u in zip(node_ids, rng.random(len(node_ids))) if u < rate]
-
-
-class _ChosenNodes:
-    """Shows the inner strategy only the round's Poisson sample (it configures every node it sees)."""
-
-    def __init__(self, grid, nodes: list[int]):
-        self._grid, self.get_node_ids = grid, lambda: list(nodes)
-
-    def __getattr__(self, name):
-        return getattr(self._grid, name)
 
 
 class ClientLevelDP(Strategy):
@@ -66,7 +56,8 @@ class ClientLevelDP(Strategy):
             return []
         if self.client_side:
             config[KEY_CLIPPING_NORM] = self.clipping_norm  # what the clients' mods clip to
-        return self.strategy.configure_train(server_round, arrays, config, _ChosenNodes(grid, chosen))
+        # the inner strategy configures every node it sees: it sees only the sample
+        return self.strategy.configure_train(server_round, arrays, config, GridView(grid, chosen))
 
     def aggregate_train(self, server_round, replies):
         replies = list(replies)

@@ -25,7 +25,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView
+from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView, payload_bytes
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
@@ -142,8 +142,7 @@ class SecureRound:
 def _wire_bytes(content: RecordDict) -> int:
     values = [b for rec in content.config_records.values() for v in rec.values()
               for b in (v if isinstance(v, list) else [v])]
-    return sum(rec.count_bytes() for rec in content.array_records.values()) + sum(
-        len(b) for b in values if isinstance(b, bytes))
+    return payload_bytes(content) + sum(len(b) for b in values if isinstance(b, bytes))
 
 
 class _ObservedGrid(GridView):

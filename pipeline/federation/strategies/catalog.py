@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.federation.strategies import fedavg, fednova, fedopt, fedprox, fedtrimmedavg  # noqa: F401 (register)
-from pipeline.federation.strategies.registry import STRATEGIES, StrategySpec, common_arguments
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, STRATEGIES, StrategySpec
 
 
 def get_strategy(name: str) -> StrategySpec:
@@ -21,4 +21,7 @@ def strategy_params_keys() -> set[str]:
 def build_strategy(name: str, strategy_params: dict[str, Any], *, fraction_train: float, client_lr: float):
     """The Flower strategy ``name`` with its settings read from ``strategy_params`` (the plan's strategy keys)."""
     spec = get_strategy(name)
-    return spec.build(spec.settings(strategy_params), common_arguments(fraction_train), client_lr)
+    # every Flower strategy's keywords; all clients evaluate every round (each keeps its best adapter)
+    common = dict(fraction_train=fraction_train, fraction_evaluate=1.0, min_train_nodes=1, min_evaluate_nodes=1,
+                  min_available_nodes=1, weighted_by_key=NUM_EXAMPLES_KEY)
+    return spec.build(spec.settings(strategy_params), common, client_lr)

@@ -27,15 +27,13 @@ def _fednova_class():
             if not valid:
                 return None, None
             contents = [m.content for m in valid]
-            for content in contents:
-                metrics = next(iter(content.metric_records.values()))
+            replied = [next(iter(c.metric_records.values())) for c in contents]
+            for metrics in replied:
                 if NUM_STEPS_KEY not in metrics or metrics[NUM_STEPS_KEY] <= 0:
                     raise ValueError(f"FedNova: reply without a positive '{NUM_STEPS_KEY}' metric: {dict(metrics)}")
-            weights = np.array(
-                [float(next(iter(c.metric_records.values()))[self.weighted_by_key]) for c in contents]
-            )
+            weights = np.array([float(m[self.weighted_by_key]) for m in replied])
             p = weights / weights.sum()
-            steps = np.array([float(next(iter(c.metric_records.values()))[NUM_STEPS_KEY]) for c in contents])
+            steps = np.array([float(m[NUM_STEPS_KEY]) for m in replied])
             tau_eff = float((p * steps).sum())
             new = {}
             for key, w_global in self.current_arrays.items():

@@ -26,7 +26,7 @@ class NoSettings:
 @dataclass(frozen=True)
 class StrategySpec:
     name: str
-    # build(settings, common, client_lr) -> a Flower strategy; ``common``: :func:`common_arguments`
+    # build(settings, common, client_lr) -> a Flower strategy; ``common``: catalog.build_strategy's
     build: Callable[[Any, dict[str, Any], float], Any]
     settings_cls: type = NoSettings
     # params train key holding the settings mapping; None: the settings' fields are flat train keys.
@@ -73,13 +73,6 @@ def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str 
                                         proximal)
         return build
     return register
-
-
-def common_arguments(fraction_train: float) -> dict[str, Any]:
-    """Keyword arguments of every Flower strategy here; all clients evaluate every round (each keeps its best
-    adapter)."""
-    return dict(fraction_train=fraction_train, fraction_evaluate=1.0, min_train_nodes=1, min_evaluate_nodes=1,
-                min_available_nodes=1, weighted_by_key=NUM_EXAMPLES_KEY)
 
 
 def strategy_state(strategy: Any) -> dict[str, Any]:
