@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import time
 import shutil
 from pathlib import Path
 
@@ -219,11 +220,17 @@ def test_params_yaml_backbone_group_is_complete():
 
 # ------------------------------------------------------------------------------------------ timing
 def test_stage_timer_writes_record_only_on_success(tmp_path):
+    import psutil
+
+    before = time.time() - psutil.Process().create_time()  # this process's age when the stage starts
     with stage_timer("demo", tmp_path):
         _ = [0] * 1000
+    after = time.time() - psutil.Process().create_time()
     rec = json.loads((tmp_path / "demo.json").read_text())
-    assert set(rec) == {"stage", "seconds", "peak_rss_mb", "finished_at"}
+    assert set(rec) == {"stage", "seconds", "startup_seconds", "peak_rss_mb", "finished_at"}
     assert rec["stage"] == "demo" and rec["seconds"] >= 0 and rec["peak_rss_mb"] > 0
+    # start-up: the process's age at the stage's start (create_time has 10 ms resolution)
+    assert before - 0.02 <= rec["startup_seconds"] <= after + 0.02
 
     @stage_timer("decorated", tmp_path)
     def stage():

@@ -210,6 +210,7 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
         try:
             rec = json.loads(f.read_text())
             row = {"stage": str(rec["stage"]), "seconds": float(rec["seconds"]),
+                   "startup_seconds": float(rec.get("startup_seconds", "nan")),
                    "peak_rss_mb": float(rec["peak_rss_mb"]), "finished_at": str(rec.get("finished_at", ""))}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise DataError(f"{f}: not a stage timing record ({err!r}); expected stage, seconds, peak_rss_mb") from err
@@ -224,9 +225,12 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
 
 
 def timing_markdown(timing: pd.DataFrame) -> str:
-    lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`); the sum leaves out "
-             "process start-up (imports) and DVC's own work between stages.", "",
-             "| stage | seconds | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|"]
-    lines += [f"| {r.stage} | {r.seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |" for r in timing.itertuples()]
-    lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) | |")
+    lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`): its work, and its "
+             "process's start-up before it (interpreter, imports, arguments); DVC's own work between stages is in "
+             "neither.", "",
+             "| stage | seconds | start-up (s) | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|---|"]
+    lines += [f"| {r.stage} | {r.seconds:.1f} | {r.startup_seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
+              for r in timing.itertuples()]
+    lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['startup_seconds'].sum():.1f} | "
+                 f"{timing['peak_rss_mb'].max():.0f} (max) | |")
     return "\n".join(lines) + "\n"
