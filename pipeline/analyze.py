@@ -35,9 +35,9 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.kd_analysis import (HARDKD, PAPER_DET_PRON_SHARE_OF_NON_KD, SELECTKD, SWEEP_COLUMNS, WORD_RULES,
-                                          client_summary, hardkd_minus_selectkd, json_safe, seed_means, tau_sweep_rows,
+                                          client_summary, hardkd_minus_selectkd, json_safe, plot_entropy, plot_hardkd,
+                                          plot_pos, plot_tau_sweep, safe_name, seed_means, tau_sweep_rows,
                                           tau_sweep_summary, usage_per_client, word_updates)
-from pipeline.results.kd_figures import plot_entropy, plot_hardkd, plot_pos, plot_tau_sweep, safe_name
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 

@@ -56,7 +56,7 @@ def test_every_profile_names_only_params_yaml_keys(path):
 def test_every_profile_uses_the_study_names_the_default_profile_uses(path):
     # The report and analyze stages find a study by name (tau_sweep, new_client, ...): a renamed study would
     # silently lose its figure and its analysis.
-    from pipeline.results.studies import STUDIES
+    from pipeline.results.evaluation import STUDIES
 
     known = {e.get("study", "main") for e in PARAMS["experiments"].values()} | set(STUDIES)
     used = {e.get("study", "main") for e in (pr.load_preset(path).get("experiments") or {}).values()}

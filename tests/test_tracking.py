@@ -55,7 +55,7 @@ def _use_checkout(root: Path, monkeypatch) -> None:
 # ------------------------------------------------------------------------------------------ experiment view
 @pytest.mark.slow
 def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(store):
-    from pipeline.results.studies import study_description
+    from pipeline.results.evaluation import study_description
     from pipeline.results.tracking import experiment_id
 
     client = _client()

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 
+from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.comparisons import AVERAGE, format_p
 from pipeline.results.convergence import note as convergence_note
@@ -40,10 +41,6 @@ class ClaimScale:
     min_seeds: int = 2
     min_examples: int = 100
     centralized_steps: str = "largest_client"
-
-
-def published_columns() -> list[str]:
-    return [c for b in BACKBONES for c in (f"published_{b}", f"vs_published_{b}")]
 
 
 def classify(low: float, high: float, value: float | None) -> str:
@@ -288,19 +285,9 @@ def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFram
     return "\n".join(lines) + "\n"
 
 
-def _markers(text: str, where: str) -> tuple[int, int]:
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"{where}: no {BEGIN} ... {END} block")
-    return start + len(BEGIN), end
-
-
 def replace_block(text: str, block: str, where: str = "markdown file") -> str:
     """``text`` with the part between the results markers replaced by ``block``."""
-    start, end = _markers(text, where)
-    return text[:start] + "\n" + block + text[end:]
-
-
-def current_block(text: str, where: str = "markdown file") -> str:
-    start, end = _markers(text, where)
-    return text[start + 1: end]
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise DataError(f"{where}: no {BEGIN} ... {END} block")
+    return text[:start + len(BEGIN)] + "\n" + block + text[end:]

@@ -1,16 +1,22 @@
 """The registry of the study figures the report draws: one :class:`StudyFigure` entry per study (its title, the
 rows its bars show, its panels, the paper's values beside ours, rows another study's runs stand in for). Every study
-gets its table without an entry here; adding a study's figure is one entry in :data:`STUDY_FIGURES`."""
+gets its table without an entry here; adding a study's figure is one entry in :data:`STUDY_FIGURES`. The privacy
+study (`privacy`) has a figure of its own: per configuration, the client average of average ROUGE over seeds against
+the epsilon the runs spent (largest over clients, mean over seeds), no privacy drawn at epsilon = inf."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import pandas as pd
 
+from pipeline.common import atomic
+from pipeline.experiments import Experiment
 from pipeline.results import published
-from pipeline.results.figures import bar_figure
+from pipeline.results.figures import bar_figure, plt, save
+from pipeline.results.readers import read_json
 
 # (client, configuration label) -> the paper's average ROUGE
 PaperValues = dict[tuple[str, str], float]
@@ -76,7 +82,7 @@ def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
 class StudyFigure:
     """One study's bar chart: ``reports/figures/<study>.png``, its data in ``reports/plots/<study>.csv``."""
 
-    study: str  # its METHOD.md section and description: pipeline.results.studies
+    study: str  # its METHOD.md section and description: pipeline.results.evaluation.STUDIES
     title: str
     # (study rows, all rows) -> the bars drawn (None: the study's own rows)
     bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] | None = None
@@ -123,3 +129,78 @@ def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[s
                                facet_col=entry.facet_col,
                                paper=entry.paper(bars) if entry.paper is not None else None)["figure"])
     return made, not_made
+
+
+PRIVACY_STUDY = "privacy"
+PRIVACY_COLUMNS = ["method", "label", "dp", "epsilon", "delta", "target_epsilon", "noise_multiplier",
+                   "avg_rouge_mean", "avg_rouge_std", "n_seeds", "backbone"]
+
+
+def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None, float | None]:
+    """(epsilon, target, noise multiplier, delta) of one run: the largest epsilon over its clients (inf without
+    DP) and the largest delta (None without DP)."""
+    privacy = train_metrics.get("privacy") or {}
+    clients = [c["privacy"] for c in (train_metrics.get("clients") or {}).values() if "privacy" in c]
+    if not privacy or not clients:
+        return math.inf, None, None, None
+    eps = [c["epsilon"] for c in clients]
+    return ((math.inf if None in eps else max(eps)), privacy.get("target_epsilon"),
+            max(c["noise_multiplier"] for c in clients),
+            max((c["delta"] for c in clients if c.get("delta") is not None), default=None))
+
+
+def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame,
+                   train_reports: Path) -> pd.DataFrame:
+    """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent."""
+    members = [p for p in planned if p.study == PRIVACY_STUDY]
+    rows = []
+    for label in dict.fromkeys(labels[p.name] for p in members):
+        runs = [p for p in members if labels[p.name] == label]
+        per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
+        for p in runs:
+            mine = scores[scores["experiment"] == p.name]
+            metrics_path = train_reports / p.name / "metrics.json"
+            if not mine.empty and metrics_path.is_file():
+                per_seed.append(float(mine["avg_rouge"].mean()))
+                spent.append(spent_epsilon(read_json(metrics_path, "train metrics")))
+        if not per_seed:
+            continue
+        eps, targets, sigmas, deltas = zip(*spent)
+        series, names = pd.Series(per_seed), [p.name for p in runs]
+        rows.append({"method": runs[0].method, "label": label, "dp": runs[0].dp,
+                     "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
+                     "delta": max((d for d in deltas if d is not None), default=None),
+                     "target_epsilon": targets[0], "noise_multiplier": sigmas[0],
+                     "avg_rouge_mean": float(series.mean()), "n_seeds": len(series),
+                     "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
+                     "backbone": str(scores.loc[scores["experiment"].isin(names), "backbone"].iloc[0])})
+    return pd.DataFrame(rows, columns=PRIVACY_COLUMNS)
+
+
+def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
+    """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf)."""
+    atomic.to_csv(points, data, index=False)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    finite = points.loc[points["epsilon"].apply(math.isfinite), "epsilon"]
+    right = (finite.max() * 4) if not finite.empty else 10.0  # where "no privacy" (epsilon = inf) is drawn
+    for method, grp in points.groupby("method", sort=False):
+        grp = grp.assign(x=[e if math.isfinite(e) else right for e in grp["epsilon"]]).sort_values("x")
+        err = grp["avg_rouge_std"].fillna(0.0)
+        ax.errorbar(grp["x"], grp["avg_rouge_mean"], yerr=err, marker="o", capsize=3, label=method)
+        for r in grp.itertuples():
+            ax.annotate(f"n={r.n_seeds}", (r.x, r.avg_rouge_mean), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+    ax.set_xscale("log")
+    ticks = [t for t in (0.1, 0.3, 1, 3, 10, 30, 100) if finite.empty or finite.min() / 1.5 <= t <= finite.max() * 1.5]
+    ax.set_xticks(ticks + [right])
+    ax.set_xticklabels([f"{t:g}" for t in ticks] + ["∞ (none)"])
+    ax.minorticks_off()
+    backbones = ", ".join(sorted(set(points["backbone"])))
+    seeds = "/".join(str(n) for n in sorted(set(points["n_seeds"])))
+    deltas = points["delta"].dropna()
+    held = f"delta <= {deltas.max():.3g}" if not deltas.empty else "no DP run"
+    ax.set_xlabel(f"epsilon spent (largest over clients; {held})")
+    ax.set_ylabel("average ROUGE, client average")
+    ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
+    ax.legend(fontsize=8)
+    return save(fig, figure)
