@@ -36,8 +36,9 @@ from pipeline.experiments import Experiment, declared
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.kd_analysis import (HARDKD, PAPER_DET_PRON_SHARE_OF_NON_KD, SELECTKD, SWEEP_COLUMNS, WORD_RULES,
                                           client_summary, hardkd_minus_selectkd, json_safe, plot_entropy, plot_hardkd,
-                                          plot_pos, plot_tau_sweep, safe_name, seed_means, tau_sweep_rows,
+                                          plot_pos, plot_tau_sweep, seed_means, tau_sweep_rows,
                                           tau_sweep_summary, usage_per_client, word_updates)
+from pipeline.results.figures import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
@@ -103,9 +104,9 @@ class Analysis:
             summary = client_summary(client, all_words, all_gate, per_seed, tau)
             rec = clients[client] = summary.record
             plot_pos(client, rec["pos"], rec["kd_usage_ratio"], rec["paper_kd_usage_ratio"],
-                     figures / f"pos_{safe_name(client)}.png")
+                     figures / f"pos_{slug(client)}.png")
             plot_entropy(client, summary.gate, summary.stats, tau, [r["best_round"] for r in per_seed.values()],
-                         figures / f"entropy_{safe_name(client)}.png")
+                         figures / f"entropy_{slug(client)}.png")
         return clients, usages
 
     def hardkd(self, figures: Path) -> dict[str, Any]:

@@ -1,13 +1,7 @@
 """Stage `evaluate`: each client's chosen local adapter summarises the client's own test set; ROUGE per example.
 
-    python -m pipeline.evaluate run --experiment NAME      # the DVC stage (foreach over `experiments`)
-    python -m pipeline.evaluate score --pred PRED.txt --ref REF.txt   # score any line-aligned files
-    python -m pipeline.evaluate model models:/m-...   # a client's adapter logged in MLflow, on its client's test set
-
-Per experiment it writes ``reports/eval/<exp>/predictions.jsonl`` (one generated summary per test example),
-``per_example.parquet`` (ROUGE F1 x 100 per example) and ``metrics.json`` (per client and mean over clients, a DVC
-metric), and logs the scores into the experiment's MLflow runs (pipeline.results.evaluation.log_to_mlflow).
-Generated text stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
+Outputs ``reports/eval/<exp>/`` (docs/ARCHITECTURE.md) and the scores in the experiment's MLflow runs; generated text
+stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
 """
 from __future__ import annotations
 

@@ -240,7 +240,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     points = privacy_points(planned, labels, t.scores, paths.train_reports)
     if not points.empty:
         made["figures"].append(str(privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv")))
-    curves = learning_curves(planned, labels, paths.train_reports, paths.models, paths.figures, paths.plots)
+    curves = learning_curves(planned, labels, paths.train_reports, paths.figures, paths.plots)
     made["figures"] += [c["figure"] for c in curves]
     if not curves:
         not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"

@@ -275,3 +275,20 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
     assert math.isnan(dp.avg_rouge_std)  # one seed: no spread
     fig = privacy_figure(points.reset_index(), tmp_path / "privacy.png", tmp_path / "privacy.csv")
     assert fig.stat().st_size > 0 and len(pd.read_csv(tmp_path / "privacy.csv")) == 2
+
+
+def test_timing_table_leaves_the_start_up_of_an_old_record_blank(tmp_path):
+    """A timing record written before stage start-up was timed has no `startup_seconds`: its cell is blank (never
+    'nan'), and the start-up total sums the records that have one."""
+    from pipeline.results.tables import timing_markdown, timing_table
+
+    (tmp_path / "old.json").write_text(json.dumps({"stage": "postag", "seconds": 30.0, "peak_rss_mb": 500.0}))
+    (tmp_path / "new.json").write_text(json.dumps({"stage": "report", "seconds": 10.0, "startup_seconds": 2.5,
+                                                    "peak_rss_mb": 400.0, "finished_at": "2026-01-01T00:00:00"}))
+    timing, left_out = timing_table(tmp_path, set())
+    md = timing_markdown(timing)
+    assert left_out == [] and "nan" not in md
+    assert "| postag | 30.0 |  | 500 |  |" in md and "| report | 10.0 | 2.5 | 400 | 2026-01-01T00:00:00 |" in md
+    assert "| **total** | 40.0 | 2.5 | 500 (max) | |" in md
+    only_old = timing[timing["stage"] == "postag"]
+    assert "| **total** | 30.0 |  | 500 (max) | |" in timing_markdown(only_old)

@@ -48,15 +48,10 @@ def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Confi
             for (study, label, method, scheme, dp), runs in groups.items()]
 
 
-def _closest(configs: list[Config], keep) -> Config | None:
-    """The configuration with the lowest label among those ``keep`` accepts (None if none)."""
-    return min((c for c in configs if keep(c)), key=lambda c: c.label, default=None)
-
-
-def non_private_for(config: Config, configs: list[Config]) -> Config | None:
-    """The same method, partition and study without privacy (None if ``config`` is non-private or has none)."""
-    return _closest(configs, lambda c: not c.dp and (c.study, c.method, c.scheme) == (
-        config.study, config.method, config.scheme)) if config.dp else None
+def _plain(config: Config, configs: list[Config], study: str) -> Config | None:
+    """``config``'s method on its partition scheme in ``study`` without privacy (the lowest label; None if none)."""
+    same = (c for c in configs if not c.dp and (c.study, c.method, c.scheme) == (study, config.method, config.scheme))
+    return min(same, key=lambda c: c.label, default=None)
 
 
 def baseline_for(config: Config, method: str, configs: list[Config]) -> Config | None:
@@ -132,15 +127,6 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
     return out
 
 
-def variant_of(config: Config, configs: list[Config]) -> Config | None:
-    """The main study's configuration of the same method on the same partition that ``config`` varies (a gate or
-    tau of the tau sweep varies the main SelectKD); None for a main-study or private configuration."""
-    if config.dp or config.study == "main":
-        return None
-    return _closest(configs, lambda c: c.study == "main" and not c.dp and (c.method, c.scheme) == (config.method,
-                                                                                                  config.scheme))
-
-
 def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
                       cfg: BootstrapConfig) -> tuple[pd.DataFrame, list[str]]:
     """Every configuration against each baseline it has (``baselines`` then :data:`MAIN_ORDER`: every pair of main
@@ -159,7 +145,10 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))
     done: set[tuple[Config, Config]] = set()
     for config in configs:
-        varied = variant_of(config, configs) if config.method in baselines else None
+        # A non-private configuration outside the main study varies that study's configuration of its method on its
+        # partition (a gate or tau of the tau sweep varies the main SelectKD).
+        varied = (_plain(config, configs, "main") if config.method in baselines and not config.dp
+                  and config.study != "main" else None)
         # A baseline is compared only with the baselines listed before it (fedavg vs single, not also the reverse).
         against = baselines[:baselines.index(config.method)] if config.method in baselines and not varied else (
             baselines)
@@ -171,7 +160,7 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
             elif base != config and (config, base) not in done and (base, config) not in done:
                 done.add((config, base))
                 add(config, base)
-        plain = non_private_for(config, configs)
+        plain = _plain(config, configs, config.study) if config.dp else None  # the same without privacy
         if config.dp and plain is None:
             notes.append(f"{config.study}: {config.label} has no run of {config.method} without privacy on "
                          f"partition scheme {config.scheme!r} in its study to compare with")

@@ -91,14 +91,13 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")
 
 
-def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, models_dir: Path,
-                    figures: Path, plots: Path) -> list[dict[str, str]]:
+def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, figures: Path,
+                    plots: Path) -> list[dict[str, str]]:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
     (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in planned:
         path = train_reports / p.name / "rounds.json"
-        path = path if path.is_file() else models_dir / p.name / "rounds.json"
         if not path.is_file():
             continue
         current = by_study[p.study].get(labels[p.name])

@@ -20,6 +20,7 @@ from pipeline.common import atomic
 from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
 from pipeline.results import published
+from pipeline.results.figures import plt, save
 from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 
@@ -250,8 +251,6 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
 
 def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, int]], path: str | Path) -> Path:
     """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's."""
-    from pipeline.results.figures import plt, save
-
     labels, rows = [], []
     for opp, c in results["opponents"].items():
         labels.append(f"vs {opp} (ours, n={c['n']})")

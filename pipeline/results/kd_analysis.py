@@ -4,7 +4,6 @@ and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +35,6 @@ class WordUpdates:
 def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
                  source: str = "gate log", tags_source: str = "the POS tags") -> WordUpdates:
     """Token gate decisions as word updates (pipeline/analyze.py); ``source``, ``tags_source``: the files, in errors."""
-    if word_rule not in WORD_RULES:
-        raise ValueError(f"word_rule {word_rule!r} is not one of {WORD_RULES}")
     keys = ["client", "round", "example_id", "position"]
     per_token = gate.groupby(keys, sort=False).agg(
         token_id=("token_id", "first"), kd_any=("kd_applied", "max"), kd_all=("kd_applied", "min")
@@ -239,10 +236,6 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (float, np.floating)):
         return None if math.isnan(float(obj)) else round(float(obj), 6)
     return obj
-
-
-def safe_name(client: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", client)
 
 
 def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper_ratio: float | None,

@@ -93,12 +93,10 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
 
 def read_rounds(path: Path) -> pd.DataFrame:
     """Training rounds as long rows (round, client, train_loss, val_loss, ...) from ``reports/train/<exp>/rounds.json``
-    (``<client>/<quantity>`` columns) or ``models/<exp>/rounds.json`` (already one row per round and client)."""
+    (``<client>/<quantity>`` columns)."""
     rows = load_json(path, "training rounds")
     if not isinstance(rows, list) or any(not isinstance(r, dict) or "round" not in r for r in rows):
         raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")
-    if not rows or "client" in rows[0]:
-        return pd.DataFrame(rows)
     long: dict[tuple[int, str], dict[str, Any]] = {}
     for r in rows:
         for key, value in r.items():

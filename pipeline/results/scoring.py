@@ -1,10 +1,8 @@
 """ROUGE scoring shared by the `evaluate` stage and the `python -m pipeline.evaluate score` CLI (METHOD.md section 8).
 
 Google's ``rouge-score`` with Porter stemming on one sentence per line, the closest Python equivalent of the QMSum
-authors' ROUGE-1.5.5. The tables' ROUGE-L (and "average ROUGE") is plain ``rougeL`` (:data:`TABLE_ROUGE_L`), whose
-R-L / R-1 ratios match the paper's (``rougeLsum``'s do not; tests/test_scoring.py checks both); ``rougeLsum`` is kept
-as its own column. Per-example F1 scores are averaged by us: the library's ``BootstrapAggregator`` resamples at random.
-"""
+authors' ROUGE-1.5.5. Per-example F1 scores are averaged by us: the library's ``BootstrapAggregator`` resamples at
+random."""
 from __future__ import annotations
 
 import json
@@ -18,7 +16,8 @@ from rouge_score import rouge_scorer
 from pipeline.common.schema import DataError
 
 ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
-# Which rouge-score variant the tables, figures and "average ROUGE" call ROUGE-L (see the module docstring).
+# Which rouge-score variant the tables, figures and "average ROUGE" call ROUGE-L: plain rougeL, whose R-L / R-1 ratios
+# match the paper's, rougeLsum's do not (docs/statistics.md, R-L; tests/test_scoring.py checks both).
 TABLE_ROUGE_L = "rougeL"
 # The paper's three reported metrics, in table order; "average ROUGE" (journal version) is their mean.
 TABLE_METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L)

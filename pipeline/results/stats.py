@@ -1,13 +1,5 @@
 """Intervals for ROUGE's client average (mean over the fixed clients of each client's mean over its test examples):
-one method's, and paired differences (seed s of A against seed s of B, example by example). docs/statistics.md.
-
-- One seed: the percentile interval of an example-level bootstrap within clients; p is its dual (the smallest
-  1 - level at which it excludes 0).
-- Several seeds: a t-interval around the seed mean for a crossed seeds x examples design: between-seed variance of
-  the per-seed client averages / s, plus the example-level variance of the seed-averaged scores, minus the seed x
-  example residual both contain (residual mean square), floored at the larger of the first two; Welch-Satterthwaite
-  degrees of freedom. p is the two-sided t test's. Coverage by simulation: tests/test_interval_coverage.py.
-"""
+one method's, and paired differences (seed s of A against seed s of B, example by example): docs/statistics.md."""
 from __future__ import annotations
 
 import dataclasses
@@ -68,7 +60,9 @@ def _checked(per_client: list[np.ndarray]) -> int:
 
 
 def _seeds_t(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
-    """The several-seeds t-interval of the client average (module docstring), with its two-sided p."""
+    """The several-seeds t-interval of the client average and its two-sided p: variance = between-seed variance of
+    the per-seed client averages / s + example-level variance of the seed-averaged scores - the seed x example
+    residual both contain (residual mean square), floored at the larger of the first two; Welch-Satterthwaite df."""
     s, k = per_client[0].shape[0], len(per_client)
     by_seed = np.mean([a.mean(axis=1) for a in per_client], axis=0)  # [s]: each seed's client average
     n = np.array([a.shape[1] for a in per_client])
@@ -114,6 +108,7 @@ def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndar
     if _checked(diffs) > 1:
         return _seeds_t(diffs, cfg)
     observed, reps = _replicates(diffs, cfg)
+    # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
     p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
     return _interval(observed, reps, cfg, p, sum(d.shape[1] for d in diffs), 1)
 

@@ -120,8 +120,8 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
     return table.sort_values(["_order", "label"], kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
-def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFrame | None = None,
-                        bootstrap: BootstrapConfig | None = None, converged: pd.DataFrame | None = None) -> str:
+def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFrame, bootstrap: BootstrapConfig,
+                        converged: pd.DataFrame | None = None) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
     clients = _client_order(table["client"])
@@ -166,13 +166,12 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
     budget = convergence.note(converged, ["main"], set(table["label"]))
     if budget:
         lines += ["", budget + f" ({convergence.MARK} k/n after the seeds: client-runs of that method.)"]
-    if compared is not None:
-        lines.append(comparisons.markdown_section(compared, "main", bootstrap or BootstrapConfig()))
+    lines.append(comparisons.markdown_section(compared, "main", bootstrap))
     return "\n".join(lines) + "\n"
 
 
-def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame | None = None,
-                         bootstrap: BootstrapConfig | None = None, converged: pd.DataFrame | None = None) -> str:
+def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame, bootstrap: BootstrapConfig,
+                         converged: pd.DataFrame | None = None) -> str:
     sub = agg[agg["study"] == study]
     lines = [f"# Study `{study}`", "",
              f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
@@ -184,17 +183,16 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame |
              "| best round last |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
-        marks = "–" if compared is None else comparisons.significance_marks(compared, study, r["label"], r["client"])
         lines.append("| " + " | ".join([
             str(r["label"]), str(r["backbone"]), str(r["client"]),
-            *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS], marks, str(r["n_seeds"]),
+            *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS],
+            comparisons.significance_marks(compared, study, r["label"], r["client"]), str(r["n_seeds"]),
             r["missing_seeds"] or "–", convergence.row_mark(converged, study, r["label"], r["client"]) or "–",
         ]) + " |")
     budget = convergence.note(converged, [study])
     if budget:
         lines += ["", budget]
-    if compared is not None:
-        lines.append(comparisons.markdown_section(compared, study, bootstrap or BootstrapConfig()))
+    lines.append(comparisons.markdown_section(compared, study, bootstrap))
     return "\n".join(lines) + "\n"
 
 
@@ -225,12 +223,17 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
 
 
 def timing_markdown(timing: pd.DataFrame) -> str:
+    """The stage-time table. A record older than the start-up timing has no `startup_seconds`: its cell is blank, as
+    a missing finish time is (the total sums the records that have one)."""
+    def startup(seconds: float) -> str:
+        return "" if pd.isna(seconds) else f"{seconds:.1f}"
+
     lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`): its work, and its "
              "process's start-up before it (interpreter, imports, arguments); DVC's own work between stages is in "
              "neither.", "",
              "| stage | seconds | start-up (s) | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|---|"]
-    lines += [f"| {r.stage} | {r.seconds:.1f} | {r.startup_seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
+    lines += [f"| {r.stage} | {r.seconds:.1f} | {startup(r.startup_seconds)} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
               for r in timing.itertuples()]
-    lines.append(f"| **total** | {timing['seconds'].sum():.1f} | {timing['startup_seconds'].sum():.1f} | "
-                 f"{timing['peak_rss_mb'].max():.0f} (max) | |")
+    lines.append(f"| **total** | {timing['seconds'].sum():.1f} | "
+                 f"{startup(timing['startup_seconds'].sum(min_count=1))} | {timing['peak_rss_mb'].max():.0f} (max) | |")
     return "\n".join(lines) + "\n"

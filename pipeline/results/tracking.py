@@ -168,7 +168,7 @@ class RunLogger:
         """Start a run (or reopen ``resume_run_id``) with its parameters, a child run per client of the ``partition``
         file or of ``clients``, and MLflow's system metrics. Runs of the same experiment left RUNNING by a dead
         process (SIGKILL, power loss) are marked KILLED, with their clients' runs."""
-        from mlflow.entities import DatasetInput, InputTag
+        from mlflow.entities import DatasetInput, InputTag, Param
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         client, exp_id, resumed = _client(), experiment_id(study), False
@@ -181,7 +181,8 @@ class RunLogger:
             logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
         else:
             logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
-            logger.log_params(params)
+            # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
+            client.log_batch(logger.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
         listed = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
         for name, splits in ({c: {} for c in clients} | listed).items():
             logger.train_sizes[name] = len(splits.get("train", []))
@@ -207,12 +208,6 @@ class RunLogger:
         logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
         logger._monitor.start()
         return logger
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
-        self._client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in sorted(flatten(params).items())])
 
     def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
         """Log ``metrics`` at ``step`` (NaN, None left out; a client's to its run) for ``model_id`` on ``dataset``."""
