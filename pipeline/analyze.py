@@ -1,24 +1,15 @@
-"""Stage ``analyze``: why selective KD works (METHOD.md section 7 items 6, 9, 10).
+"""Stage ``analyze``: why selective KD works (METHOD.md section 7 items 6, 9, 10; what it computes:
+docs/experiments.md, where it writes: docs/ARCHITECTURE.md).
 
-From the gate logs of the main study's selective-KD experiments (``method: fedselectkd, study: main``):
-
-- **KD usage ratio** per client = KD word updates / word updates (the (word, round) pairs trained: rounds x target
-  words when the client trains every round) over rounds 1 .. its best round (paper: 86 % Academic, 88 % Committee,
-  89 % Product). Sub-word tokens are mapped to whitespace words (:mod:`pipeline.datasets.words`, via
-  ``data/processed/postags.parquet``). A *word update* is one target word trained in one round, a **KD word update**
-  when KD was applied to its tokens under ``analyze.word_rule`` (default ``first``: the word's first sub-word token,
-  where the model chooses the word). The teacher is fixed within a round, so a token trained in several local epochs
-  counts once (KD if applied in any; disagreements counted in the JSON). The paper's example: "project manager
-  decides to use lcd", 2 rounds, 3 KD word updates -> 3 / (6 x 2) = 25 %.
-- **POS distribution** (universal tags) of KD and non-KD word updates per client (paper: nouns and verbs are nearly
-  all KD words; determiners and pronouns are 74 % of non-KD words).
-- **Gate statistics**: H(q_g) per round with tau marked, and the fraction of tokens passing the gate per round.
-- **Noun-verb hard KD** (``method: hardkd``) against SelectKD, ROUGE per client.
-- **tau sweep**: average ROUGE and KD usage ratio against tau per client (``study: tau_sweep`` plus the main SelectKD).
+The **KD usage ratio** of a main-study SelectKD client = KD word updates / word updates over rounds 1 .. its best
+round. A *word update* is one target word (sub-word tokens mapped to whitespace words: pipeline.datasets.words, via
+``data/processed/postags.parquet``) trained in one round, a KD word update when KD was applied to its tokens under
+``analyze.word_rule`` (default ``first``: the word's first sub-word token, where the model chooses the word). The
+teacher is fixed within a round, so a token trained in several local epochs counts once (KD if applied in any). The
+paper's example: "project manager decides to use lcd", 2 rounds, 3 KD word updates -> 3 / (6 x 2) = 25 %.
 
 Missing input files of listed experiments are reported in the JSON (``missing``), never replaced by numbers; every
-number is a mean over the seeds available. Outputs: ``reports/analysis/`` (kd_analysis.json, tau_sweep.csv,
-figures/), computed by pipeline.results.kd_analysis.
+number is a mean over the seeds available.
 """
 from __future__ import annotations
 
@@ -52,9 +43,9 @@ class AnalyzeConfig:
 
 class Analysis:
     def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None,
-                 paths: ProjectPaths = PATHS, out: Path | None = None) -> None:
+                 paths: ProjectPaths = PATHS) -> None:
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
-        self.out = out if out is not None else paths.analysis
+        self.out = paths.analysis
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
         # kd_analysis.json, never replaced by numbers
         self.missing: dict[tuple[str, str], list[str]] = {}
@@ -81,7 +72,7 @@ class Analysis:
         gate = read_gate_log(gate_path)
         wu = word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
         return {"gate": gate, "words": wu,
-                "clients": usage_per_client(wu.table, best_rounds(train_path), train_path, gate_path)}
+                "clients": usage_per_client(wu, best_rounds(train_path), train_path, gate_path)}
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
         path = self.paths.eval_metrics(exp.name)
@@ -93,7 +84,7 @@ class Analysis:
         clients: dict[str, Any] = {}
         if not usages:
             return clients, usages
-        all_words = pd.concat([u["words"].table.assign(experiment=n) for n, u in usages.items()])
+        all_words = pd.concat([u["words"].assign(experiment=n) for n, u in usages.items()])
         all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
         taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
         if len(taus) > 1:
@@ -165,12 +156,11 @@ class Analysis:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=Path, default=Path("params.yaml"))
-    ap.add_argument("--out", type=Path, default=PATHS.analysis)
     args = ap.parse_args(argv)
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        analysis = Analysis(cfg, declared(params), params.get("tau"), PATHS, args.out)
+        analysis = Analysis(cfg, declared(params), params.get("tau"), PATHS)
         result = analysis.run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]

@@ -139,7 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     logged = sub.add_parser("model", help="score a client's adapter logged in MLflow on its client's test subsample")
     logged.add_argument("model", help="the LoggedModel's id (m-...) or models:/<id>")
     logged.add_argument("--params", default="params.yaml")
-    logged.add_argument("--out", type=Path, help="keep predictions and scores here (default: a temporary folder)")
     imp = sub.add_parser("import-eval", help="log evaluation records (metrics.json) into the MLflow store")
     imp.add_argument("records", nargs="+", type=Path, help="reports/.../eval/<exp>/metrics.json files")
     imp.add_argument("--study", help="MLflow experiment to log into (default: each record's study)")
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             tags = download_model(args.model, Path(tmp))
             out = evaluate_experiment(tags["experiment"], dataclasses.replace(cfg, adapter="best"),
-                                      models_dir=Path(tmp), eval_dir=args.out or Path(tmp) / "eval",
+                                      models_dir=Path(tmp), eval_dir=Path(tmp) / "eval",
                                       mlflow_logging=False, bootstrap=bootstrap, only=tags["client"])
         print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
         return 0

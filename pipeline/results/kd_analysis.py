@@ -24,22 +24,13 @@ SELECTKD, HARDKD = "fedselectkd", "hardkd"
 PAPER_DET_PRON_SHARE_OF_NON_KD = 0.74
 
 
-@dataclass
-class WordUpdates:
-    table: pd.DataFrame  # one row per (client, round, example_id, word_index): its POS, whether its update used KD
-    tokens: int  # distinct (client, round, example, position) token updates in the log
-    tokens_without_word: int  # special / whitespace-only tokens, not words
-    epoch_disagreements: int  # tokens whose KD decision differed between epochs of one round
-
-
 def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
-                 source: str = "gate log", tags_source: str = "the POS tags") -> WordUpdates:
-    """Token gate decisions as word updates (pipeline/analyze.py); ``source``, ``tags_source``: the files, in errors."""
+                 source: str = "gate log", tags_source: str = "the POS tags") -> pd.DataFrame:
+    """Token gate decisions as word updates (pipeline/analyze.py): one row per (client, round, example_id,
+    word_index), its POS and whether its update used KD; ``source``, ``tags_source``: the files, in errors."""
     keys = ["client", "round", "example_id", "position"]
-    per_token = gate.groupby(keys, sort=False).agg(
-        token_id=("token_id", "first"), kd_any=("kd_applied", "max"), kd_all=("kd_applied", "min")
-    ).reset_index()
-    disagreements = int((per_token["kd_any"] != per_token["kd_all"]).sum())
+    per_token = gate.groupby(keys, sort=False).agg(token_id=("token_id", "first"),
+                                                   kd_any=("kd_applied", "max")).reset_index()
     tags = postags[["example_id", "position", "token_id", "word_index", "pos", "is_noun_or_verb"]].rename(
         columns={"token_id": "tagged_token_id"})
     merged = per_token.merge(tags, on=["example_id", "position"], how="left", validate="many_to_one")
@@ -56,15 +47,13 @@ def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "fi
             f"{source}: {int(differ.sum())} tokens differ from {tags_source} (e.g. example {row['example_id']} "
             f"position {row['position']}: trained {row['token_id']}, tagged {row['tagged_token_id']}); the "
             f"POS tags were made with another tokenizer or max_target_length")
-    no_word = merged["word_index"].isna()
-    words = merged[~no_word].sort_values(keys, kind="stable")
+    words = merged[merged["word_index"].notna()].sort_values(keys, kind="stable")  # special tokens are no word
     grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
     kd = (grouped["kd_any"].mean() > 0.5 if word_rule == "majority" else
           grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule]))
-    table = pd.DataFrame({"kd": kd.astype(bool), "pos": grouped["pos"].first(),
-                          "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
-                          "n_tokens": grouped.size()}).reset_index()
-    return WordUpdates(table, len(per_token), int(no_word.sum()), disagreements)
+    return pd.DataFrame({"kd": kd.astype(bool), "pos": grouped["pos"].first(),
+                         "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
+                         "n_tokens": grouped.size()}).reset_index()
 
 
 def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
@@ -102,20 +91,15 @@ def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
 
 
 def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
-    """Per round (rows of one client, one per token update and round): tokens, fraction passing the gate (KD applied),
-    entropy quantiles, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
+    """Per round (rows of one client, one per token update and round): fraction passing the gate (KD applied),
+    median entropy, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
     rows = []
     for rnd, g in gate.groupby("round"):
         h = g["entropy"].to_numpy(dtype=float)
-        rows.append({
-            "round": int(rnd), "tokens": len(g), "pass_fraction": float(g["kd_applied"].mean()),
-            **{f"entropy_q{q}": float(np.quantile(h, q / 100)) for q in (5, 25, 50, 75, 95)},
-            "entropy_mean": float(h.mean()),
-            "gate_inconsistent": int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0,
-        })
-    return pd.DataFrame(rows, columns=["round", "tokens", "pass_fraction", "entropy_q5", "entropy_q25",
-                                       "entropy_q50", "entropy_q75", "entropy_q95", "entropy_mean",
-                                       "gate_inconsistent"])
+        inconsistent = int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0
+        rows.append({"round": int(rnd), "pass_fraction": float(g["kd_applied"].mean()),
+                     "entropy_q50": float(np.quantile(h, 0.5)), "gate_inconsistent": inconsistent})
+    return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
 
 
 def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any, gate_path: Any) -> dict[str, Any]:
@@ -197,7 +181,7 @@ SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge"
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     """One sweep point per client of one experiment: its ROUGE, KD usage ratio and POS pattern."""
     rows = []
-    words = usage["words"].table
+    words = usage["words"]
     for client, s in scores.items():
         u = usage["clients"].get(client)
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis

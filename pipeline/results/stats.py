@@ -39,14 +39,18 @@ class Interval:
         return bool(self.low > 0.0 or self.high < 0.0)
 
 
-def _replicates(per_client: list[np.ndarray], cfg: BootstrapConfig) -> tuple[float, np.ndarray]:
-    """(observed client average, B example-bootstrap replicates of it) for one seed's per-client arrays [1, n_c]."""
+def _one_seed(per_client: list[np.ndarray], cfg: BootstrapConfig) -> tuple[Interval, np.ndarray]:
+    """The percentile interval of one seed's client average (per-client arrays [1, n_c]; p NaN) and its B
+    example-bootstrap replicates."""
     rng = np.random.default_rng(cfg.seed)
     total = np.zeros(cfg.n_resamples)
     for a in per_client:
         idx = rng.integers(0, a.shape[1], size=(cfg.n_resamples, a.shape[1]))
         total += a[0, idx].mean(axis=1)
-    return float(np.mean([a.mean() for a in per_client])), total / len(per_client)
+    reps, alpha = total / len(per_client), 1.0 - cfg.level
+    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+    observed = float(np.mean([a.mean() for a in per_client]))
+    return Interval(observed, float(low), float(high), math.nan, sum(a.shape[1] for a in per_client), 1), reps
 
 
 def _checked(per_client: list[np.ndarray]) -> int:
@@ -80,19 +84,12 @@ def _seeds_t(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
     return Interval(estimate, estimate - half, estimate + half, p, int(n.sum()), s)
 
 
-def _interval(observed: float, reps: np.ndarray, cfg: BootstrapConfig, p_value: float, n: int, s: int) -> Interval:
-    alpha = 1.0 - cfg.level
-    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
-    return Interval(observed, float(low), float(high), p_value, n, s)
-
-
 def mean_interval(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
     """Interval of one method's client-average score; ``per_client``: one array [n_seeds, n_examples] a client."""
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
     if _checked(arrays) > 1:
         return dataclasses.replace(_seeds_t(arrays, cfg), p_value=math.nan)
-    observed, reps = _replicates(arrays, cfg)
-    return _interval(observed, reps, cfg, math.nan, sum(a.shape[1] for a in arrays), 1)
+    return _one_seed(arrays, cfg)[0]
 
 
 def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndarray],
@@ -107,10 +104,10 @@ def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndar
         diffs.append(a - b)
     if _checked(diffs) > 1:
         return _seeds_t(diffs, cfg)
-    observed, reps = _replicates(diffs, cfg)
+    interval, reps = _one_seed(diffs, cfg)
     # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
     p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
-    return _interval(observed, reps, cfg, p, sum(d.shape[1] for d in diffs), 1)
+    return dataclasses.replace(interval, p_value=p)
 
 
 def _level_excluding_zero(reps: np.ndarray) -> float:
