@@ -26,9 +26,9 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.kd_analysis import (HARDKD, PAPER_DET_PRON_SHARE_OF_NON_KD, SELECTKD, SWEEP_COLUMNS, WORD_RULES,
-                                          client_summary, hardkd_minus_selectkd, json_safe, plot_entropy, plot_hardkd,
-                                          plot_pos, plot_tau_sweep, seed_means, tau_sweep_rows,
-                                          tau_sweep_summary, usage_per_client, word_updates)
+                                          client_summary, json_safe, plot_entropy, plot_hardkd, plot_pos,
+                                          plot_tau_sweep, seed_means, tau_sweep_rows, tau_sweep_summary,
+                                          usage_per_client, word_updates)
 from pipeline.results.figures import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
@@ -108,7 +108,9 @@ class Analysis:
         comparison = {method: seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
                       for method, exps in groups.items()}
         plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
-        return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": hardkd_minus_selectkd(comparison)}
+        hard, select = comparison[HARDKD], comparison[SELECTKD]  # per client in both: hard KD's mean minus SelectKD's
+        diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
+        return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 
     def tau_sweep(self, usages: dict[str, dict[str, Any]], figures: Path, csv_path: Path) -> dict[str, Any]:
         sweep = [e for e in self.experiments if e.study == TAU_STUDY]

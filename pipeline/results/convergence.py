@@ -7,24 +7,19 @@ from typing import Any, Iterable
 
 import pandas as pd
 
-from pipeline.common.schema import DataError
-from pipeline.results.readers import load_json
+from pipeline.results.readers import load_json, read_rounds
 
 COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last"]
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 
 
-def best_and_last_rounds(rounds: list[dict[str, Any]], source: str = "rounds.json") -> dict[str, tuple[int, int]]:
+def best_and_last_rounds(path: Path) -> dict[str, tuple[int, int]]:
     """{client: (round of its lowest val_loss, the earliest on a tie; its last round with one)} from rounds.json."""
-    seen: dict[str, list[tuple[float, int]]] = {}
-    for i, row in enumerate(rounds):
-        if not isinstance(row, dict) or "round" not in row:
-            raise DataError(f"{source}: row {i} has no 'round'")
-        for key, value in row.items():
-            if key.endswith("/val_loss") and value is not None:
-                seen.setdefault(key[: -len("/val_loss")], []).append((float(value), int(row["round"])))
-    return {client: (min(vals, key=lambda v: (v[0], v[1]))[1], max(r for _, r in vals))
-            for client, vals in sorted(seen.items())}
+    rounds = read_rounds(path)
+    if "val_loss" not in rounds:
+        return {}
+    known = rounds.dropna(subset=["val_loss"]).sort_values(["val_loss", "round"])
+    return {str(c): (int(g["round"].iloc[0]), int(g["round"].max())) for c, g in known.groupby("client", sort=True)}
 
 
 def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
@@ -33,7 +28,7 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
     metrics = load_json(metrics_path) if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
-    found = best_and_last_rounds(load_json(rounds_path), str(rounds_path)) if rounds_path.is_file() else {
+    found = best_and_last_rounds(rounds_path) if rounds_path.is_file() else {
         c: (int(v["best_round"]), int(v.get("rounds_trained") or metrics.get("rounds") or v["best_round"]))
         for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
     rows = []

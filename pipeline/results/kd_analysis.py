@@ -168,12 +168,6 @@ def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -
             for client, v in per_client.items()}
 
 
-def hardkd_minus_selectkd(comparison: dict[str, dict[str, dict[str, Any]]]) -> dict[str, float]:
-    """Per client in both: hard KD's mean average ROUGE minus SelectKD's."""
-    return {c: comparison[HARDKD][c]["mean"]["avg_rouge"] - comparison[SELECTKD][c]["mean"]["avg_rouge"]
-            for c in comparison[HARDKD] if c in comparison[SELECTKD]}
-
-
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeL",
                  "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
 

@@ -19,13 +19,12 @@ from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
 
 METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
-QMSUM = published.QMSUM_CLIENTS
 
 
 def _client_order(clients: Iterable[str]) -> list[str]:
     """QMSum's clients in the paper's order, then any other client sorted."""
     present = set(clients)
-    return [c for c in QMSUM if c in present] + sorted(present - set(QMSUM))
+    return [c for c in published.QMSUM_CLIENTS if c in present] + sorted(present - set(published.QMSUM_CLIENTS))
 
 
 def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str],
@@ -105,7 +104,7 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
             absent.setdefault(labels[p.name], (p.method, set()))[1].add(p.seed)
     for label, (method, seeds) in absent.items():
         none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")}
-        for client in QMSUM:
+        for client in published.QMSUM_CLIENTS:
             add(method, label, client, {**none, "n_seeds": 0, "seeds": "",
                                         "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds))))})
     # the sort below puts the configurations in the paper's method order
