@@ -18,6 +18,7 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
+from pipeline.common.timing import stage_timer
 from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
@@ -160,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
         print(dumps_scores(score_files(args.pred, args.ref)))
         return 0
-
-    from pipeline.common.timing import stage_timer
 
     params = load_params(args.params)
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")

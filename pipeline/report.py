@@ -19,6 +19,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
+from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import claims, comparisons, published
@@ -30,8 +31,8 @@ from pipeline.results.readers import collect_scores
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.study_figures import privacy_figure, privacy_points, study_figures, with_stand_ins
-from pipeline.results.tables import (aggregate, backbone_slug, incomplete, main_table, main_table_markdown,
-                                     study_table_markdown, timing_markdown, timing_table)
+from pipeline.results.tables import (aggregate, backbone_slug, main_table, main_table_markdown, study_table_markdown,
+                                     timing_markdown, timing_table)
 from pipeline.training.config import TrainConfig
 
 
@@ -286,8 +287,11 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
     ignored = sorted(d.name for d in paths.eval_reports.iterdir()
                      if d.is_dir() and d.name not in planned_names) if paths.eval_reports.is_dir() else []
+    short = t.agg[t.agg["missing_seeds"] != ""]
+    incomplete = list(dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})"
+                                    for r in short.itertuples()))
     index = {"made": dict(made), "not_made": not_made, "missing_experiments": t.missing_eval,
-             "incomplete_seeds": incomplete(t.agg), "ignored_evaluations": ignored}
+             "incomplete_seeds": incomplete, "ignored_evaluations": ignored}
     atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports, paths.plots))
     return index
 
@@ -367,8 +371,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     params = load_params(args.params)
     cfg = from_dict(ReportConfig, params.get("report"), "report")
-    from pipeline.common.timing import stage_timer
-
     with stage_timer("report"):
         index = build_report(params, cfg, PATHS)
     print(json.dumps({"made": {k: len(v) for k, v in index["made"].items()}, "not_made": index["not_made"],

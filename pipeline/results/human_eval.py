@@ -5,7 +5,6 @@ and their win/tie/loss counts. The paper compares SelectKD pairwise against ever
 domain, the two summaries in random order without method names."""
 from __future__ import annotations
 
-import csv
 import html
 import json
 import random
@@ -148,10 +147,7 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
     out = Path(out_dir)  # the atomic writes create it
-    with atomic.replacing(out / "sheet.csv") as tmp, tmp.open("w", newline="", encoding="utf-8") as fh:
-        writer = csv.DictWriter(fh, fieldnames=SHEET_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
     atomic.write_text(out / "sheet.html", _html_page(rows))
     atomic.write_json(out / "key.json", {"target": target, "seed": seed,
                                          "items": {k: asdict(v) for k, v in key.items()}})

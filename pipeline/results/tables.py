@@ -59,13 +59,6 @@ def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[
     return pd.DataFrame(out_rows)
 
 
-def incomplete(agg: pd.DataFrame) -> list[str]:
-    """The configurations averaged over fewer seeds than expected, one line each."""
-    rows = agg[agg["missing_seeds"] != ""] if not agg.empty else agg
-    seen = dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in rows.itertuples())
-    return list(seen)
-
-
 def fmt(mean: float, std: float, n: int | None = None) -> str:
     """'27.09 ± 0.31', or '27.09 (n=1)': one seed has no spread, so none is shown (never '± 0.00')."""
     if pd.isna(mean):
