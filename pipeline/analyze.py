@@ -92,11 +92,11 @@ class Analysis:
         tau = taus[0] if taus else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
-            summary = client_summary(client, all_words, all_gate, per_seed, tau)
-            rec = clients[client] = summary.record
+            rec, gate, stats = client_summary(client, all_words, all_gate, per_seed, tau)
+            clients[client] = rec
             plot_pos(client, rec["pos"], rec["kd_usage_ratio"], rec["paper_kd_usage_ratio"],
                      figures / f"pos_{slug(client)}.png")
-            plot_entropy(client, summary.gate, summary.stats, tau, [r["best_round"] for r in per_seed.values()],
+            plot_entropy(client, gate, stats, tau, [r["best_round"] for r in per_seed.values()],
                          figures / f"entropy_{slug(client)}.png")
         return clients, usages
 

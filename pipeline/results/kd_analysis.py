@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,18 +119,12 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
 
 
-@dataclass
-class ClientSummary:
-    record: dict[str, Any]  # the client's entry of kd_analysis.json
-    gate: pd.DataFrame  # its token updates, once per round, pooled over the experiments (seeds)
-    stats: pd.DataFrame  # gate_per_round of them
-
-
 def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]],
-                   tau: float | None) -> ClientSummary:
+                   tau: float | None) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
-    (experiment -> the client's :func:`usage_per_client` entry); ``words`` and ``gate`` carry an ``experiment``
-    column."""
+    (experiment -> the client's :func:`usage_per_client` entry; ``words`` and ``gate`` carry an ``experiment``
+    column): its entry of kd_analysis.json, its token updates once per round pooled over the experiments (seeds),
+    and their :func:`gate_per_round`."""
     window = pd.concat([to_best(w, per_seed[n]["best_round"])
                         for n, w in words[words["client"] == client].groupby("experiment")])
     ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
@@ -152,7 +145,7 @@ def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_see
         "entropy_median_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["entropy_q50"])},
         "gate_inconsistent_tokens": int(stats["gate_inconsistent"].sum()),
     }
-    return ClientSummary(record, gate_c, stats)
+    return record, gate_c, stats
 
 
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:

@@ -55,11 +55,6 @@ def split_sentences(text: str) -> list[str]:
     return sentences
 
 
-def sentences_per_line(text: str) -> str:
-    """The text as ROUGE-1.5.5 saw it: one sentence per line (input of ``rougeLsum``)."""
-    return "\n".join(split_sentences(text))
-
-
 class Scorer:
     """rouge-score with Porter stemming on sentence-split text; F1 x 100 per example."""
 
@@ -67,8 +62,9 @@ class Scorer:
         self._scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=use_stemmer)
 
     def detail(self, prediction: str, reference: str) -> dict:
-        """rouge-score's ``Score`` (precision, recall, fmeasure in [0, 1]) of every variant for one pair."""
-        return self._scorer.score(sentences_per_line(reference), sentences_per_line(prediction))
+        """rouge-score's ``Score`` (precision, recall, fmeasure in [0, 1]) of every variant for one pair, each text as
+        ROUGE-1.5.5 saw it: one sentence per line (the input of ``rougeLsum``)."""
+        return self._scorer.score("\n".join(split_sentences(reference)), "\n".join(split_sentences(prediction)))
 
     def score(self, prediction: str, reference: str) -> dict[str, float]:
         """F1 x 100 of every variant in :data:`ROUGE_TYPES` for one pair."""

@@ -1,7 +1,5 @@
-"""MLflow (docs/mlflow.md): one store per project, one MLflow experiment per study, one run per experiment with a
-child run per client, each client's best adapter a LoggedModel of its client's run. What leaves a client: adapter
-tensors, counts, metrics, its splits as metadata (name, digest of the example ids).
-"""
+"""MLflow, laid out as docs/mlflow.md says. What leaves a client: adapter tensors, counts, metrics, its splits as
+metadata (name, digest of the example ids)."""
 from __future__ import annotations
 
 import contextlib
