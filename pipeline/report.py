@@ -83,9 +83,8 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
 
 def headline_metrics(agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None],
                      kd_analysis: dict[str, Any]) -> dict[str, Any]:
-    """Per method of the main study (per configuration where a method has several): client-average ROUGE-1/2/L
-    and average ROUGE with the average's interval (``intervals``, by label) and each client's average ROUGE; and
-    the KD usage ratio per client (``kd_analysis``: reports/analysis/kd_analysis.json)."""
+    """reports/metrics.json's content (docs/ARCHITECTURE.md): ``intervals`` by label; ``kd_analysis`` is
+    reports/analysis/kd_analysis.json."""
     out: dict[str, Any] = {}
     main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
     # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
@@ -317,9 +316,8 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
 
 
 def rebuild_study(folder: Path) -> dict[str, Any]:
-    """Recompute a study folder's comparisons and tables from its committed scores and train records (``eval/``,
-    ``train/``, ``params.yaml``) and rewrite its README's results block; identical-summary fractions come from its
-    previous comparisons.csv where predictions are absent."""
+    """`python -m pipeline.report rebuild` (docs/ARCHITECTURE.md), README block included; identical-summary fractions
+    come from the folder's previous comparisons.csv where predictions are absent."""
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), "report")
     made: dict[str, list[str]] = defaultdict(list)

@@ -129,9 +129,8 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
 
 def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
                       cfg: BootstrapConfig) -> tuple[pd.DataFrame, list[str]]:
-    """Every configuration against each baseline it has (``baselines`` then :data:`MAIN_ORDER`: every pair of main
-    methods once, B the earlier; a variant of a main method against all of them, its own method's main
-    configuration included), and a note per comparison that could not be made."""
+    """Every configuration against each baseline it has (``baselines`` then :data:`MAIN_ORDER`, as
+    docs/statistics.md lists them), and a note per comparison that could not be made."""
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
 
