@@ -1,8 +1,7 @@
 """The registry of the study figures the report draws: one :class:`StudyFigure` entry per study (its title, the
 rows its bars show, its panels, the paper's values beside ours, rows another study's runs stand in for). Every study
 gets its table without an entry here; adding a study's figure is one entry in :data:`STUDY_FIGURES`. The privacy
-study (`privacy`) has a figure of its own: per configuration, the client average of average ROUGE over seeds against
-the epsilon the runs spent (largest over clients, mean over seeds), no privacy drawn at epsilon = inf."""
+study has a figure of its own: ROUGE against the epsilon its runs spent (:func:`privacy_points`)."""
 from __future__ import annotations
 
 import math
@@ -151,7 +150,8 @@ def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | Non
 
 def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame,
                    train_reports: Path) -> pd.DataFrame:
-    """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent."""
+    """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
+    over seeds of spent_epsilon), no privacy at epsilon = inf."""
     members = [p for p in planned if p.study == PRIVACY_STUDY]
     rows = []
     for label in dict.fromkeys(labels[p.name] for p in members):
