@@ -34,7 +34,6 @@ ALLOWED = {
     ("modeling/cache.py", "save_file({\"encoder_hidden\": enc, \"decoder_hidden\": dec}, tmp,"),
     # write the temporary that atomic.replacing yields
     ("training/checkpoints.py", "torch.save({\"plan_hash\": plan_hash(plan)"),
-    ("results/human_eval.py", "with atomic.replacing(out / \"sheet.csv\") as tmp, tmp.open(\"w\", newline=\"\", encoding=\"utf-8\") as fh:"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
     ("federation/processes.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
     ("federation/localhost.py", "log = open(run.log, \"a\", encoding=\"utf-8\")"),
