@@ -372,7 +372,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
     from pipeline.federation.client_app import client_app
     from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRIC_KEYS
+    from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRICS
     from pipeline.training.shared_model import initial_adapter_state
 
     path = _with_privacy(write_plan("cdp-reply", "fedselectkd"), {
@@ -395,7 +395,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
     assert 1e-4 < norm_large < 100.0 and large["metrics"][CLIPPED_KEY] == 0  # the same training, left as it was
     # what leaves the client: the adapter's tensors, the counts, and the one 0/1 count of client-level DP
     assert set(small["arrays"].keys()) == set(received.keys())
-    assert set(small["metrics"].keys()) == set(TRAIN_METRIC_KEYS) | {CLIPPED_KEY}
+    assert set(small["metrics"].keys()) == set(TRAIN_METRICS) | {CLIPPED_KEY}
     assert not small.config_records
 
 

@@ -1,6 +1,7 @@
 """A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
 and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md. Flower's files go
-to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config.
+to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also
+what each role of a real federation holds (``kit``: :func:`write_kit`).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -19,6 +21,7 @@ from pathlib import Path
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict
+from pipeline.common.schema import DataError
 from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
                                           make_node_key, make_self_signed_ca, port_open, wait_for)
 from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, flwr,
@@ -259,6 +262,61 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
         raise
 
 
+RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
+
+
+def write_kit(plan_path: str, out: Path, client: str | None = None,
+              run_config: dict[str, str | float] | None = None) -> list[Path]:
+    """Copy what the server (``client`` None: plan, backbone and, with ``run_config``, its run_config.toml; no
+    example) or ``client``'s site (plan, backbone, its own partition slice, examples and POS tags) needs into ``out``,
+    laid out as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path,
+    so the same run config works on every role."""
+    from pipeline.experiments import read_plan
+    from pipeline.training.client_data import read_examples, read_partition
+
+    plan = read_plan(plan_path)
+    if not plan.clients:
+        raise DataError(f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
+                        f"declared them: rerun the plan stage)")
+    if client is not None and client not in plan.clients:
+        raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
+    out = Path(out)
+    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(plan_path, out / plan_path)
+    backbone = Path(plan.paths["backbone"])
+    if not backbone.is_dir():
+        raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+    shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
+    written = [Path(plan_path), backbone]
+    if client is None:
+        if run_config is not None:
+            # JSON's strings, numbers and booleans are TOML's too
+            atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n"
+                                                        for k, v in {"plan": plan_path, **run_config}.items()))
+            written.append(Path(RUN_CONFIG))
+        return written
+
+    part_path = Path(plan.paths["partition"])
+    partition = read_partition(part_path)
+    splits = partition["clients"][client]
+    ids = {str(i) for split in splits.values() for i in split}
+    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
+    part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
+    own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
+    for path in [part_path, *own]:
+        (out / path).parent.mkdir(parents=True, exist_ok=True)
+    atomic.write_text(out / part_path, json.dumps(part, indent=1))
+    examples = read_examples(own[0])
+    atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0],
+                      index=False)
+    if len(own) > 1:
+        import pandas as pd
+
+        tags = pd.read_parquet(own[1])
+        atomic.to_parquet(tags[tags["example_id"].astype(str).isin(ids)], out / own[1], index=False)
+    return [*written, part_path, *own]
+
+
 def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
     """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
     import tomllib
@@ -288,10 +346,6 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
             "decoding": json.dumps(dataclasses.asdict(decoding))}
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="A local deployment of one experiment (a SuperLink and one SuperNode "
                                              "per client on 127.0.0.1, then `flwr run`), a run's status, or what a "
@@ -318,8 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
     st.add_argument("--submitted", type=Path, help="what `flwr run --format json` printed: the status of the run it "
                                                    "started, or that it started none")
-    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out "
-                                     "(pipeline.federation.sites)")
+    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out")
     kit.add_argument("--plan", required=True)
     kit.add_argument("--client", help="the site's client (default: the server's kit)")
     kit.add_argument("--out", required=True, type=Path)
@@ -330,7 +383,6 @@ def main(argv: list[str] | None = None) -> int:
         return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
         from pipeline.experiments import read_plan
-        from pipeline.federation.sites import write_kit
 
         run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
         written = write_kit(args.plan, args.out, args.client, run_config)
@@ -342,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                           tls=args.tls, auth=args.auth, startup_timeout_s=args.startup_timeout,
                           run_timeout_s=args.run_timeout, stop_timeout_s=args.stop_timeout)
     # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
         run, metrics = run_localhost(cfg)
     except KeyboardInterrupt:
@@ -354,9 +406,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"experiment": metrics.get("experiment", Path(plan).stem), "clients": summary,
                       **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}), "logs": str(run.home / "logs")}))
     return 0
-
-
-if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
-    raise SystemExit(run_cli(main))
