@@ -460,7 +460,7 @@ def test_adaptive_clipping_moves_c_by_the_clipped_fraction_and_a_resumed_run_kee
                                 for r in r2)
 
 
-def test_a_reply_not_clipped_within_c_is_left_out(ws):
+def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     # Client-side clipping: the server checks every reply's update against C (it sees them, without secure
     # aggregation); a ClientApp without Flower's mod that claims "not clipped" sends its update as it is and is
     # not aggregated.
@@ -469,7 +469,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     from pipeline.experiments import read_plan
     from pipeline.federation import client_app as apps
     from pipeline.experiments import RunSettings
-    from pipeline.federation.engines import run_inprocess
+    from pipeline.federation import engines
     from pipeline.federation.protocol import CLIPPED_KEY
     from pipeline.training.summary import summarize
 
@@ -485,7 +485,8 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     unclipped.query("identify")(apps.client_identify)
     path = _with_privacy(write_plan("cdp-nomod", "fedavg"), {
         "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"})
-    history = run_inprocess(path, RunSettings(), client_app_=unclipped)["history"]
+    monkeypatch.setattr(engines, "client_app", unclipped)
+    history = engines.run_inprocess(path, RunSettings())["history"]
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]

@@ -24,19 +24,18 @@ from pipeline.common.config import from_dict
 from pipeline.common.schema import DataError
 from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
                                           make_node_key, make_self_signed_ca, port_open, wait_for)
-from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, flwr,
+from pipeline.federation.run_checks import (SERVER_KEYS, check_run_config, close_left_running, flwr,
                                             parse_run_status, status_command)
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
 
 
 @dataclass
 class LocalhostConfig:
     plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
     workdir: Path = Path(".")
-    app: Path = REPO_ROOT  # the Flower app (pyproject.toml with [tool.flwr.app])
     run_config: dict[str, str | int | float | bool] = field(default_factory=dict)  # the ServerApp's
     params: str | None = None  # params file of the run config's timeouts and decoding (unless set there)
     clients: list[str] | None = None  # default: the plan's partition
@@ -86,7 +85,7 @@ class LocalhostFederation:
         self.cfg = cfg
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
-        check_run_config(cfg.run_config, app_keys(cfg.app))  # before any process starts (Flower: ~40 s later)
+        check_run_config(cfg.run_config, SERVER_KEYS)  # before any process starts (Flower: ~40 s later)
         self.workdir = cfg.workdir.resolve()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():
@@ -158,7 +157,7 @@ class LocalhostFederation:
 
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
-        argv = ["flwr", "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
+        argv = ["flwr", "run", str(REPO_ROOT), CONNECTION, "--stream",
                 "--run-config", run_config_arg({"plan": self.cfg.plan, **self.run_config})]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 

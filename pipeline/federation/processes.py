@@ -116,10 +116,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(predicate, timeout_s: float, what: str, proc: Process | None = None) -> None:
+def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
-        if proc is not None and not proc.alive():
+        if not proc.alive():
             try:
                 tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:])
             except OSError:
@@ -127,8 +127,7 @@ def wait_for(predicate, timeout_s: float, what: str, proc: Process | None = None
             raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
                                   f"log {proc.log}: {tail!r}")
         if time.monotonic() > deadline:
-            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s" +
-                                  (f"; log {proc.log}" if proc else ""))
+            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s; log {proc.log}")
         time.sleep(0.2)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -23,18 +22,11 @@ class RunConfigError(ConfigError):
 
 
 # What the ServerApp reads (pipeline.federation.deployment), with the type of each value; pyproject.toml's
-# [tool.flwr.app.config] declares the same keys with defaults of these types (tests/test_run_config.py).
+# [tool.flwr.app.config] declares the same keys with defaults of these types (tests/test_run_checks.py).
 SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, "evaluate-every": int,
                                 "mlflow": bool, "round-timeout-s": float, "admission-timeout-s": float,
                                 # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
                                 "cache-dir": str, "cache-max-gb": float, "teacher-cache-gb": float}
-
-
-def app_keys(app: Path) -> dict[str, type]:
-    """``[tool.flwr.app.config]`` of the Flower app at ``app``: key -> the type of its default."""
-    with open(Path(app) / "pyproject.toml", "rb") as fh:
-        config = tomllib.load(fh).get("tool", {}).get("flwr", {}).get("app", {}).get("config", {})
-    return {k: type(v) for k, v in config.items()}
 
 
 _TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
