@@ -44,7 +44,7 @@ def _serve_inprocess(plan_path: str, **run_config):
     from flwr.app import Context, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from pipeline.federation.client_evaluation import client_app  # the deployed ClientApp (pyproject.toml)
+    from pipeline.federation.deployment import client_app  # the deployed ClientApp (pyproject.toml)
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.deployment import server_app

@@ -1,7 +1,7 @@
-"""Checks around a deployed run (pipeline.federation.run_checks, the `local` and `status` commands): run-config
-keys, types and signs named before any process starts, --auth without --tls refused, a run's status read from
-what `flwr ls --format json` prints, an MLflow run left RUNNING by a killed ServerApp marked KILLED. No
-processes: these run in the fast lane."""
+"""Checks around a deployed run (pipeline.federation.deployment's run config check, localhost's `local` and `status`
+commands): run-config keys, types and signs named before any process starts, --auth without --tls refused, a run's
+status read from what `flwr ls --format json` prints, an MLflow run left RUNNING by a killed ServerApp marked
+KILLED. No processes: these run in the fast lane."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ import pytest
 from pipeline.common.cli import run as run_cli
 from pipeline.federation import localhost
 from pipeline.federation.processes import FederationError
-from pipeline.federation.run_checks import (SERVER_KEYS, RunConfigError, check_run_config, close_left_running,
-                                            parse_run_status)
+from pipeline.federation.deployment import SERVER_KEYS, RunConfigError, check_run_config
+from pipeline.federation.localhost import close_left_running, parse_run_status
 
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
 

@@ -1,7 +1,7 @@
 """The ClientApp (Flower Message API, flwr 1.41): ``query.identify`` (name and split sizes), ``train`` (the local
 adapter trained on the client's data; the reply holds tensors and counts only, no text) and ``evaluate`` (validation
 loss; keeps the best and final adapter and checkpoints the client). ``query.summarize`` (federated evaluation) is
-registered by pipeline.federation.client_evaluation.
+registered by pipeline.federation.deployment.
 """
 from __future__ import annotations
 

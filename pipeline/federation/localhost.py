@@ -1,7 +1,8 @@
 """A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
 and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md. Flower's files go
 to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also
-what each role of a real federation holds (``kit``: :func:`write_kit`).
+a run's status (``flwr run`` exits 0 whether the ServerApp returned or raised) and what each role of a real
+federation holds (``kit``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -24,8 +26,6 @@ from pipeline.common.config import from_dict
 from pipeline.common.schema import DataError
 from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
                                           make_node_key, make_self_signed_ca, port_open, wait_for)
-from pipeline.federation.run_checks import (SERVER_KEYS, check_run_config, close_left_running, flwr,
-                                            parse_run_status, status_command)
 from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
@@ -46,6 +46,70 @@ class LocalhostConfig:
     run_timeout_s: float = 3600.0
     stop_timeout_s: float = 10.0
     quiet: bool = False  # do not echo flwr's stream (tests)
+
+
+def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, str]:
+    """(run id, status, details) of ``run_id`` - else of the run submitted last - in ``flwr ls --format json``
+    output; raises FederationError when the SuperLink did not list it."""
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        raise FederationError(f"`flwr ls` gave no run list: {' '.join(text.split())[-300:]}") from None
+    if not listed.get("success"):  # flwr's JSON error: the SuperLink could not be asked at all
+        raise FederationError("cannot reach the SuperLink: "
+                              + " ".join(str(listed.get("error-message") or text).split())[-300:])
+    runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
+    if not runs:
+        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: "
+                              f"{' '.join(text.split())[-300:]}")
+    run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
+    details = str(run.get("status-details") or "")
+    return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
+
+
+def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """A ``flwr`` CLI command (the CLI beside this interpreter, whatever PATH says), its output captured."""
+    cli = Path(sys.executable).parent / "flwr"
+    return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
+
+
+def close_left_running(workdir: Path, plan, reason: str) -> str | None:
+    """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
+    from pipeline.training.checkpoints import mlflow_run_id_path
+
+    path = workdir / mlflow_run_id_path(plan)
+    if not path.exists():
+        return None
+    from pipeline.results.tracking import _client
+
+    run_id = path.read_text().strip()
+    client = _client()
+    if client.get_run(run_id).info.status != "RUNNING":
+        return None
+    client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
+    client.set_terminated(run_id, status="KILLED")
+    return run_id
+
+
+def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
+    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` (what
+    ``flwr run --format json`` printed) started, else ``run_id``, else the run submitted last; 0 only if it
+    completed."""
+    if submitted is not None:
+        try:
+            started = json.loads(submitted.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise FederationError(f"{submitted}: not the JSON `flwr run --format json` prints ({err})") from None
+        if not (started.get("success") and started.get("run-id")):  # a refused run config, say
+            print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id")
+                                                .split()))
+            return 1
+        run_id = int(started["run-id"])
+    out = flwr("ls", *([superlink] if superlink else []), "--format", "json",
+               *(["--run-id", str(run_id)] if run_id is not None else []), timeout=120)
+    rid, status, details = parse_run_status(out.stdout, run_id)
+    print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
+    return 0 if status == "finished:completed" else 1
 
 
 @dataclass
@@ -79,6 +143,7 @@ class LocalhostFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
+        from pipeline.federation.deployment import SERVER_KEYS, check_run_config
         from pipeline.federation.protocol import load_plan
         from pipeline.training.client_data import client_names
 
