@@ -224,7 +224,7 @@ def _no_process_left(before: set[int], started: list) -> None:
     import psutil
 
     for proc in started:
-        for pid in {proc.pid, *proc.descendants}:
+        for pid in {proc.popen.pid, *proc.descendants}:
             try:
                 assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"{proc.name} ({pid}) still runs"
             except psutil.NoSuchProcess:
@@ -417,7 +417,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
         time.sleep(0.1)
     children = [int(x) for x in proc.log.read_text().split()]
     assert len(children) == 2 and all(psutil.pid_exists(c) for c in children)
-    assert os.getsid(children[0]) != os.getsid(proc.pid)
+    assert os.getsid(children[0]) != os.getsid(proc.popen.pid)
     group.stop_all()
     assert proc.popen.returncode is not None
     for c in children:

@@ -1,7 +1,5 @@
-"""The ClientApp (Flower Message API, flwr 1.41): ``query.identify`` (name and split sizes), ``train`` (the local
-adapter trained on the client's data; the reply holds tensors and counts only, no text) and ``evaluate`` (validation
-loss; keeps the best and final adapter and checkpoints the client). ``query.summarize`` (federated evaluation) is
-registered by pipeline.federation.deployment.
+"""The ClientApp (Flower Message API, flwr 1.41): ``query.identify``, ``train`` (a reply holds tensors and counts
+only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation).
 """
 from __future__ import annotations
 
@@ -123,7 +121,6 @@ def train_round(msg: Message, context: Context) -> Message:
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
     if spec.two_adapters:  # the gate log stays on the client's disk
         out = client_dir(plan, name, context) / "gate_log" / f"round{rnd:03d}.parquet"
-        out.parent.mkdir(parents=True, exist_ok=True)
         atomic.to_parquet(result.gate_log, out, index=False)
 
     # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,

@@ -205,7 +205,6 @@ class DeploymentRecorder(TrainRecorder):
         metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
         # on disk too, so the scores are kept without MLflow (run config mlflow=false)
         self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ("clients", "mean", "failed_clients")})
-        PATHS.eval_dir(plan.experiment).mkdir(parents=True, exist_ok=True)
         atomic.write_json(PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL,
                           {"experiment": plan.experiment, "rounds": self.per_round})
         if self.logger is not None:
@@ -248,7 +247,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(),
                                  run_identity_tags(plan, "deployment"), resume_run_id=resume_id)
-        run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
     cfg = decoding(rc) if rc.get("evaluate", True) else None

@@ -1,6 +1,5 @@
-"""The engines that run the ServerApp and the ClientApps inside the `train` stage: ``InProcessGrid`` (each
-Message to the ClientApp in this process, one client after the other) or ``engine: ray`` (Flower's simulation).
-"""
+"""The engines that run the ServerApp and the ClientApps inside the `train` stage: :class:`InProcessGrid` or
+``engine: ray`` (Flower's simulation)."""
 from __future__ import annotations
 
 import copy

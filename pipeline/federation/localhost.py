@@ -131,7 +131,6 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> Path:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
-    home.mkdir(parents=True, exist_ok=True)
     security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
     path = home / "config.toml"
     atomic.write_text(path, f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
@@ -367,8 +366,6 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
     # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
     part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
     own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
-    for path in [part_path, *own]:
-        (out / path).parent.mkdir(parents=True, exist_ok=True)
     atomic.write_text(out / part_path, json.dumps(part, indent=1))
     examples = read_examples(own[0])
     atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0],

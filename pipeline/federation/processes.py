@@ -34,10 +34,6 @@ class Process:
     log: Path
     descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
 
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -66,8 +62,8 @@ class ProcessGroup:
         """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
         ``stop_timeout_s``; then reap it."""
         with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
-            proc.descendants |= {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
-        pids = [proc.pid, *sorted(proc.descendants)]
+            proc.descendants |= {p.pid for p in psutil.Process(proc.popen.pid).children(recursive=True)}
+        pids = [proc.popen.pid, *sorted(proc.descendants)]
         for s in dict.fromkeys((sig, signal.SIGKILL)):
             for pid in pids:
                 for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself

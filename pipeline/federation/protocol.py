@@ -1,7 +1,5 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
-metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (encoded by
-pipeline.federation.compression; with ``train.transfer_delta`` a reply is the difference to the global the client
-received, the downlink the difference to the round-0 adapter every node derives from the seed).
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression).
 """
 from __future__ import annotations
 
