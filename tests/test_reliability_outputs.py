@@ -36,7 +36,7 @@ ALLOWED = {
     ("training/checkpoints.py", "torch.save({\"plan_hash\": plan_hash(plan)"),
     ("results/human_eval.py", "with atomic.replacing(out / \"sheet.csv\") as tmp, tmp.open(\"w\", newline=\"\", encoding=\"utf-8\") as fh:"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
-    ("federation/processes.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
+    ("federation/localhost.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
     ("federation/localhost.py", "log = open(run.log, \"a\", encoding=\"utf-8\")"),
 }
 

@@ -12,9 +12,8 @@ import pytest
 
 from pipeline.common.cli import run as run_cli
 from pipeline.federation import localhost
-from pipeline.federation.processes import FederationError
 from pipeline.federation.deployment import SERVER_KEYS, RunConfigError, check_run_config
-from pipeline.federation.localhost import close_left_running, parse_run_status
+from pipeline.federation.localhost import FederationError, close_left_running, parse_run_status
 
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
 

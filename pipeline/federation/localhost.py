@@ -1,12 +1,15 @@
 """A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
-and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md. Flower's files go
-to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also
-a run's status (``flwr run`` exits 0 whether the ServerApp returned or raised) and what each role of a real
+and every process it started stopped afterwards (success, failure, Ctrl-C; each process in its own group, stopped
+with the descendants it spawned; groups left running are stopped at interpreter exit), with TLS and SuperNode
+authentication material (a throwaway CA, the SuperNodes' key pairs); docs/federation.md. Flower's files go to
+``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also a
+run's status (``flwr run`` exits 0 whether the ServerApp returned or raised) and what each role of a real
 federation holds (``kit``).
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -14,22 +17,174 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+import psutil
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict
 from pipeline.common.schema import DataError
-from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
-                                          make_node_key, make_self_signed_ca, port_open, wait_for)
 from pipeline.paths import PATHS
 
+HOST = "127.0.0.1"
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
+
+
+class FederationError(RuntimeError):
+    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class ProcessGroup:
+    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
+        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
+        self.procs: list[Process] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
+
+    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
+        log = self.log_dir / f"{name}.log"
+        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
+        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        if not capture:
+            out.close()  # the child holds its own descriptor
+        proc = Process(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
+        ``stop_timeout_s``; then reap it."""
+        with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
+            proc.descendants |= {p.pid for p in psutil.Process(proc.popen.pid).children(recursive=True)}
+        pids = [proc.popen.pid, *sorted(proc.descendants)]
+        for s in dict.fromkeys((sig, signal.SIGKILL)):
+            for pid in pids:
+                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        kill(pid, s)
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
+                time.sleep(0.1)
+            if not any(_running(p) for p in pids):
+                break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=self.stop_timeout_s)
+
+    def stop_all(self) -> None:
+        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for proc in reversed(self.procs):
+                self.stop(proc)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            _LIVE.discard(self)
+
+
+_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for group in list(_LIVE):
+        group.stop_all()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if not proc.alive():
+            try:
+                tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:])
+            except OSError:
+                tail = ""
+            raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
+                                  f"log {proc.log}: {tail!r}")
+        if time.monotonic() > deadline:
+            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s; log {proc.log}")
+        time.sleep(0.2)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """TLS files of a SuperLink and the CA that signed it (the SuperNodes' and the CLI's ``root-certificates``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _run(*argv) -> None:
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {' '.join(out.stderr.split())[-300:]}")
+
+
+def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
+    """A throwaway CA and a certificate for the SuperLink on 127.0.0.1 signed by it."""
+    out.mkdir(parents=True, exist_ok=True)
+    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
+    _run("openssl", "req", "-x509", *new_key, "-days", days, "-subj", "/CN=fedmeet local CA",
+         "-keyout", out / "ca.key", "-out", certs.ca)
+    _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
+    atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
+    _run("openssl", "x509", "-req", "-in", out / "server.csr", "-CA", certs.ca, "-CAkey", out / "ca.key",
+         "-CAcreateserial", "-days", days, "-extfile", out / "san.cnf", "-out", certs.cert)
+    return certs
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair: (private key the SuperNode keeps, public key the server registers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    private, public = out / name, out / f"{name}.pub"
+    private.unlink(missing_ok=True)  # ssh-keygen would ask before overwriting
+    public.unlink(missing_ok=True)
+    _run("ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", private)
+    return private, public
 
 
 @dataclass
