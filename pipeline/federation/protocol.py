@@ -11,7 +11,6 @@ from typing import Any, Iterable
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 from pipeline.federation.compression import decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
@@ -63,34 +62,18 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
                      "client settings")
 
 
-class GridView(Grid):
-    """A Grid that passes every call on to ``grid``, showing only ``node_ids`` when given (a copy each call: a
-    strategy sees only the admitted nodes, or the round's sample); a subclass changes what else it needs."""
+class GridView:
+    """What a strategy (node ids) or SecAgg+'s workflow (send_and_receive) uses of ``grid``, showing only
+    ``node_ids`` when given (a copy each call: a strategy sees only the admitted nodes, or the round's sample)."""
 
     def __init__(self, grid: Grid, node_ids: list[int] | None = None):
         self._grid, self._node_ids = grid, None if node_ids is None else list(node_ids)
 
-    @property
-    def run(self) -> Run:
-        return self._grid.run
-
-    def set_run(self, run: Run) -> None:
-        self._grid.set_run(run)
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        return self._grid.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self._grid.pull_messages(message_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self._grid.send_and_receive(messages, timeout=timeout)
-
     def get_node_ids(self) -> list[int]:
         return self._grid.get_node_ids() if self._node_ids is None else list(self._node_ids)
 
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 @lru_cache(maxsize=8)
