@@ -134,8 +134,8 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
 
 @client_app.query("summarize")
 def client_summarize(msg: Message, context: Context) -> Message:
-    """Federated evaluation (pipeline.federation.deployment): ROUGE of the client's own adapter on its own test
-    set, as the evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
+    """Federated evaluation, the client's side: ROUGE of the client's own adapter on its own test set, as the
+    evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(plan, context)
     cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])),
