@@ -45,7 +45,7 @@ def restart_supernode(fed, name: str, timeout_s: float = 150.0):
     missed); without it the new process gets a new node id at once."""
     import time
 
-    from pipeline.federation.processes import FederationError
+    from pipeline.federation.localhost import FederationError
 
     deadline = time.monotonic() + timeout_s
     while True:

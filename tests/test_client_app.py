@@ -110,12 +110,13 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
 
 
 def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, STARTED_KEY, _restore_client_state
     from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-untrained")
     context = _context(**{"client-name": "Product"})
-    assert _restore_client_state(context, plan, "Product", 1) is None and len(context.state) == 0  # nothing yet
+    assert _restore_client_state(context, plan, "Product", 1) is None
+    assert list(context.state.keys()) == [STARTED_KEY]  # nothing restored yet, only the run's start marked
     _checkpoints(plan, "Product", context, {1: (5.0, False, None)})
     assert _restore_client_state(context, plan, "Product", 2) is None
     assert LOCAL_STATE_KEY not in context.state and PRIVACY_KEY not in context.state  # no DP steps recorded

@@ -372,7 +372,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
     from pipeline.federation.client_app import client_app
     from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRIC_KEYS
+    from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRICS
     from pipeline.training.shared_model import initial_adapter_state
 
     path = _with_privacy(write_plan("cdp-reply", "fedselectkd"), {
@@ -395,7 +395,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
     assert 1e-4 < norm_large < 100.0 and large["metrics"][CLIPPED_KEY] == 0  # the same training, left as it was
     # what leaves the client: the adapter's tensors, the counts, and the one 0/1 count of client-level DP
     assert set(small["arrays"].keys()) == set(received.keys())
-    assert set(small["metrics"].keys()) == set(TRAIN_METRIC_KEYS) | {CLIPPED_KEY}
+    assert set(small["metrics"].keys()) == set(TRAIN_METRICS) | {CLIPPED_KEY}
     assert not small.config_records
 
 
@@ -460,7 +460,7 @@ def test_adaptive_clipping_moves_c_by_the_clipped_fraction_and_a_resumed_run_kee
                                 for r in r2)
 
 
-def test_a_reply_not_clipped_within_c_is_left_out(ws):
+def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     # Client-side clipping: the server checks every reply's update against C (it sees them, without secure
     # aggregation); a ClientApp without Flower's mod that claims "not clipped" sends its update as it is and is
     # not aggregated.
@@ -469,7 +469,7 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     from pipeline.experiments import read_plan
     from pipeline.federation import client_app as apps
     from pipeline.experiments import RunSettings
-    from pipeline.federation.engines import run_inprocess
+    from pipeline.federation import engines
     from pipeline.federation.protocol import CLIPPED_KEY
     from pipeline.training.summary import summarize
 
@@ -485,7 +485,8 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws):
     unclipped.query("identify")(apps.client_identify)
     path = _with_privacy(write_plan("cdp-nomod", "fedavg"), {
         "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"})
-    history = run_inprocess(path, RunSettings(), client_app_=unclipped)["history"]
+    monkeypatch.setattr(engines, "client_app", unclipped)
+    history = engines.run_inprocess(path, RunSettings())["history"]
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
     assert not any("update_clipped" in r for r in history)
     privacy = summarize(read_plan(path), history, [])["privacy"]

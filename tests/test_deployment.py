@@ -44,7 +44,7 @@ def _serve_inprocess(plan_path: str, **run_config):
     from flwr.app import Context, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from pipeline.federation.client_evaluation import client_app  # the deployed ClientApp (pyproject.toml)
+    from pipeline.federation.deployment import client_app  # the deployed ClientApp (pyproject.toml)
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.deployment import server_app
@@ -224,7 +224,7 @@ def _no_process_left(before: set[int], started: list) -> None:
     import psutil
 
     for proc in started:
-        for pid in {proc.pid, *proc.descendants}:
+        for pid in {proc.popen.pid, *proc.descendants}:
             try:
                 assert psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, f"{proc.name} ({pid}) still runs"
             except psutil.NoSuchProcess:
@@ -291,8 +291,7 @@ def test_tls_and_supernode_authentication(ws, tmp_path):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.processes import make_node_key, make_self_signed_ca
-    from pipeline.federation.localhost import LocalhostFederation
+    from pipeline.federation.localhost import LocalhostFederation, make_node_key, make_self_signed_ca
 
     before = _flower_pids()
     certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
@@ -325,8 +324,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     after round 3: the command says which round to resume from, and its rerun runs round 4 only."""
     import threading
 
-    from pipeline.federation.localhost import LocalhostFederation, run_localhost
-    from pipeline.federation.processes import FederationError
+    from pipeline.federation.localhost import FederationError, LocalhostFederation, run_localhost
 
     before = _flower_pids()
     plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4)
@@ -403,7 +401,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
     import psutil
 
-    from pipeline.federation.processes import ProcessGroup
+    from pipeline.federation.localhost import ProcessGroup
 
     group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
     # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
@@ -417,7 +415,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
         time.sleep(0.1)
     children = [int(x) for x in proc.log.read_text().split()]
     assert len(children) == 2 and all(psutil.pid_exists(c) for c in children)
-    assert os.getsid(children[0]) != os.getsid(proc.pid)
+    assert os.getsid(children[0]) != os.getsid(proc.popen.pid)
     group.stop_all()
     assert proc.popen.returncode is not None
     for c in children:
@@ -425,8 +423,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
-    from pipeline.federation.processes import Certificates
-    from pipeline.federation.localhost import _parse_run_config, run_config_arg, write_connection
+    from pipeline.federation.localhost import Certificates, _parse_run_config, run_config_arg, write_connection
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
@@ -571,8 +568,7 @@ def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
     """Product's SuperNode is started as "Prodcut": the ServerApp refuses it, Product never joins within the
     admission timeout, the SuperLink reports the run failed (`flwr run` itself exits 0) and the command raises one
     line naming the missing client and the refused name."""
-    from pipeline.federation.localhost import run_localhost
-    from pipeline.federation.processes import FederationError
+    from pipeline.federation.localhost import FederationError, run_localhost
 
     cfg = _local(write_plan("misnamed", "fedavg", rounds=1), clients=["Academic", "Committee", "Prodcut"])
     cfg.run_config["admission-timeout-s"] = 90.0  # each identify reply is a fresh flwr-clientapp process

@@ -181,7 +181,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
 
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.experiments import read_plan
     from pipeline.training.client_training import GATE_LOG_COLUMNS
     from pipeline.training.shared_model import initial_adapter_state
@@ -206,7 +206,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     for k, a in arrays.items():
         assert tuple(a.shape) == tuple(initial[k].shape)
     metrics = content["metrics"]
-    assert set(metrics.keys()) == set(TRAIN_METRIC_KEYS)
+    assert set(metrics.keys()) == set(TRAIN_METRICS)
     assert all(isinstance(v, (int, float)) for v in metrics.values())
     assert metrics["num-examples"] == metrics["num-trained"] == N_TRAIN["Committee"]  # no cap here
     # it trained: the local adapter moved away from the initial weights

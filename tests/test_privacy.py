@@ -406,10 +406,14 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
 
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import PRIVACY_METRIC_KEYS, TRAIN_METRIC_KEYS
+    from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.experiments import read_plan
     from pipeline.training.shared_model import initial_adapter_state
 
+    # under privacy.mode example: the accountant's (epsilon, delta) so far (-1 = unbounded), sigma, C, q, the
+    # cumulative steps, and this round's per-example gradients and how many of them were clipped
+    privacy_keys = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
+                    "dp-steps", "dp-examples", "dp-clipped")
     path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0,
                                                    "max_grad_norm": 0.5})
     plan = read_plan(path)
@@ -426,7 +430,7 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
         replies.append(client_app(msg, context).content["metrics"])
     per_round = math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples, q = 4/6
     for rnd, m in enumerate(replies, start=1):
-        assert set(m.keys()) == set(TRAIN_METRIC_KEYS) | set(PRIVACY_METRIC_KEYS)
+        assert set(m.keys()) == set(TRAIN_METRICS) | set(privacy_keys)
         assert all(isinstance(v, (int, float)) for v in m.values())
         assert m["dp-steps"] == rnd * per_round and m["num-steps"] == per_round
         assert m["dp-epsilon"] == pytest.approx(epsilon(1.0, 4 / 6, rnd * per_round, 1e-5))

@@ -35,7 +35,7 @@ ALLOWED = {
     # write the temporary that atomic.replacing yields
     ("training/checkpoints.py", "torch.save({\"plan_hash\": plan_hash(plan)"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
-    ("federation/processes.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
+    ("federation/localhost.py", "out: IO | int = subprocess.PIPE if capture else open(log, \"ab\")"),
     ("federation/localhost.py", "log = open(run.log, \"a\", encoding=\"utf-8\")"),
 }
 

@@ -1,19 +1,19 @@
-"""Checks around a deployed run (pipeline.federation.run_checks, the `local` and `status` commands): run-config
-keys, types and signs named before any process starts, --auth without --tls refused, a run's status read from
-what `flwr ls --format json` prints, an MLflow run left RUNNING by a killed ServerApp marked KILLED. No
-processes: these run in the fast lane."""
+"""Checks around a deployed run (pipeline.federation.deployment's run config check, localhost's `local` and `status`
+commands): run-config keys, types and signs named before any process starts, --auth without --tls refused, a run's
+status read from what `flwr ls --format json` prints, an MLflow run left RUNNING by a killed ServerApp marked
+KILLED. No processes: these run in the fast lane."""
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from pipeline.common.cli import run as run_cli
 from pipeline.federation import localhost
-from pipeline.federation.processes import FederationError
-from pipeline.federation.run_checks import (SERVER_KEYS, RunConfigError, app_keys, check_run_config,
-                                            close_left_running, parse_run_status)
+from pipeline.federation.deployment import SERVER_KEYS, RunConfigError, check_run_config
+from pipeline.federation.localhost import FederationError, close_left_running, parse_run_status
 
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
 
@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_the_apps_run_config_is_what_the_server_app_reads():
-    assert app_keys(REPO) == SERVER_KEYS
+    # pyproject.toml's [tool.flwr.app.config]: key -> the type of its default
+    with open(REPO / "pyproject.toml", "rb") as fh:
+        config = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
+    assert {k: type(v) for k, v in config.items()} == SERVER_KEYS
 
 
 @pytest.mark.parametrize("item, key", [("evaluate_every=1", "evaluate_every"), ("round-timeout=5", "round-timeout"),

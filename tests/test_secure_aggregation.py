@@ -153,7 +153,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     import mlflow
 
     from pipeline.federation import engines
-    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.train import run_experiment
 
@@ -171,7 +171,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     assert len(collect) == 2 * len(N_TRAIN)
     for r in collect:
         assert all(len(rec) == 0 for rec in r.content.array_records.values())
-        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRIC_KEYS) | {"secagg-clipped"}
+        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRICS) | {"secagg-clipped"}
         assert all(isinstance(v, (int, float)) for v in r.content.config_records["fitres.metrics"].values())
         assert dict(r.content.config_records["fitres.status"]) == {"code": 0, "message": ""}
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
@@ -490,7 +490,7 @@ def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = Non
 @pytest.mark.timeout(240)
 def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_the_bound(ws, monkeypatch):
     from pipeline.federation import engines
-    from pipeline.federation.protocol import TRAIN_METRIC_KEYS
+    from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.privacy.secure_aggregation import aggregation_error_bound
     from pipeline.train import run_experiment
 
@@ -537,7 +537,7 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
     collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
     assert len(collect) == 2 * len(N_TRAIN)
     for r in collect:
-        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRIC_KEYS) | {"secagg-clipped"}
+        assert set(r.content.config_records["fitres.metrics"]) == set(TRAIN_METRICS) | {"secagg-clipped"}
         masked = r.content.config_records["secaggplus_configs"]["masked_params"]
         assert len(masked) == 1 + len(secure_r1) + 1  # the weight, the adapter's tensors, the clipped bit
 

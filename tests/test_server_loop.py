@@ -894,31 +894,15 @@ def test_an_improvement_of_exactly_the_threshold_is_still_learning():
 
 
 def test_the_strategy_sees_the_grid_restricted_to_the_admitted_nodes(ws):
-    """GridView with node ids: the node list is the admitted subset (a copy), everything else is the grid's own."""
+    """GridView with node ids: the node list is the admitted subset (a copy); send_and_receive is the grid's own."""
     from pipeline.federation.protocol import GridView
 
     class Recording:
         def __init__(self):
             self.calls = []
-            self.run = "the run"
-
-        def set_run(self, run):
-            self.calls.append(("set_run", run))
-
-        def create_message(self, *args):
-            self.calls.append(("create_message", args))
-            return "message"
 
         def get_node_ids(self):
             return [1, 2, 3]
-
-        def push_messages(self, messages):
-            self.calls.append(("push", messages))
-            return ["id"]
-
-        def pull_messages(self, ids):
-            self.calls.append(("pull", ids))
-            return ["reply"]
 
         def send_and_receive(self, messages, *, timeout=None):
             self.calls.append(("send", messages, timeout))
@@ -929,15 +913,9 @@ def test_the_strategy_sees_the_grid_restricted_to_the_admitted_nodes(ws):
     view = GridView(inner, nodes)
     nodes.append(2)  # the view keeps its own list
     assert list(view.get_node_ids()) == [3, 1] and view.get_node_ids() is not view.get_node_ids()
-    assert view.run == "the run"
-    view.set_run("another run")
-    assert view.create_message("content", "train", 3, "g", 60) == "message"
-    assert view.create_message("content", "train", 1, "g") == "message"
-    assert view.push_messages(["m"]) == ["id"] and view.pull_messages(["id"]) == ["reply"]
+    assert list(GridView(inner).get_node_ids()) == [1, 2, 3]
     assert view.send_and_receive(["m"], timeout=7.5) == ["replies"]
-    assert inner.calls == [("set_run", "another run"), ("create_message", ("content", "train", 3, "g", 60)),
-                           ("create_message", ("content", "train", 1, "g", None)), ("push", ["m"]),
-                           ("pull", ["id"]), ("send", ["m"], 7.5)]
+    assert inner.calls == [("send", ["m"], 7.5)]
 
 
 def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):

@@ -1,5 +1,5 @@
-"""What each role of a real federation holds (pipeline.federation.sites, `python -m pipeline.federation kit`): the
-server the plan and the backbone only; a site its own partition slice and examples, with which its ClientApp
+"""What each role of a real federation holds (pipeline.federation.localhost.write_kit, `python -m pipeline.federation
+kit`): the server the plan and the backbone only; a site its own partition slice and examples, with which its ClientApp
 identifies itself and reports its split sizes."""
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifi
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.server_app import _identify
-    from pipeline.federation.sites import write_kit
+    from pipeline.federation.localhost import write_kit
     from pipeline.paths import PATHS
 
     plan = write_plan("kit-site", "fedavg", rounds=1)
@@ -66,7 +66,7 @@ def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifi
 
 def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
     from pipeline.common.schema import DataError
-    from pipeline.federation.sites import write_kit
+    from pipeline.federation.localhost import write_kit
 
     with pytest.raises(DataError, match="'Prodcut'"):
         write_kit(write_plan("kit-typo", "fedavg", rounds=1), tmp_path / "x", "Prodcut")

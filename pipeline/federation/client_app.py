@@ -1,7 +1,5 @@
-"""The ClientApp (Flower Message API, flwr 1.41): ``query.identify`` (name and split sizes), ``train`` (the local
-adapter trained on the client's data; the reply holds tensors and counts only, no text) and ``evaluate`` (validation
-loss; keeps the best and final adapter and checkpoints the client). ``query.summarize`` (federated evaluation) is
-registered by pipeline.federation.client_evaluation.
+"""The ClientApp (Flower Message API, flwr 1.41): ``query.identify``, ``train`` (a reply holds tensors and counts
+only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation).
 """
 from __future__ import annotations
 
@@ -48,24 +46,19 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
     return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
 
 
-def _start_run_files(context: Context, plan: Plan, name: str, rnd: int) -> None:
-    """On the client's first message of a run that resumes nothing (no client checkpoint before ``rnd``): remove
-    the gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
-    if STARTED_KEY in context.state:
-        return
-    context.state[STARTED_KEY] = MetricRecord({"round": rnd})
-    if checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd) is not None:
-        return
-    for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
-        stale.unlink()
-
-
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
     """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
-    None while the client has not trained yet."""
+    None while the client has not trained yet. The client's first message of a run that resumes nothing removes
+    the gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
+    ckpt_dir = client_checkpoint_dir(plan, name, context)
+    if STARTED_KEY not in context.state:
+        context.state[STARTED_KEY] = MetricRecord({"round": rnd})
+        if checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd) is None:
+            for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
+                stale.unlink()
     if LOCAL_STATE_KEY in context.state:
         return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
-    ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
+    ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     if ckpt is None:
         return None
     privacy.ClientLedger(context).restore(ckpt.dp_steps)
@@ -108,7 +101,6 @@ def train_round(msg: Message, context: Context) -> Message:
     received = decode_global(msg.content[ARRAYS_KEY], plan)
     model = shared_model(plan)
 
-    _start_run_files(context, plan, name, rnd)
     local = _restore_client_state(context, plan, name, rnd)
     if spec.local_from_global or plan.train.local_adapter == "reset" or local is None:
         local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
@@ -129,7 +121,6 @@ def train_round(msg: Message, context: Context) -> Message:
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
     if spec.two_adapters:  # the gate log stays on the client's disk
         out = client_dir(plan, name, context) / "gate_log" / f"round{rnd:03d}.parquet"
-        out.parent.mkdir(parents=True, exist_ok=True)
         atomic.to_parquet(result.gate_log, out, index=False)
 
     # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
@@ -151,7 +142,6 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     model = shared_model(plan)
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
-    _start_run_files(context, plan, name, rnd)
     local = _restore_client_state(context, plan, name, rnd)
     if spec.local_from_global:
         if len(received) == 0:

@@ -1,41 +1,80 @@
-"""Real federation (SuperLink + SuperNodes): the deployed ServerApp (pyproject.toml
-``pipeline.federation.deployment:server_app``) records what the train stage records, from what the server receives,
-and runs the federated evaluation (each client scores its own test set; only ROUGE means reach the server). Run
-config keys: pyproject.toml ``[tool.flwr.app.config]``; nothing here reads a params file. docs/federation.md.
+"""Real federation (SuperLink + SuperNodes): the deployed apps (pyproject.toml ``[tool.flwr.app.components]``). The
+ServerApp records what the train stage records, from what the server receives, and runs the federated evaluation:
+each client scores its own test set (``query.summarize``, added to client_app's ClientApp here, out of the train
+stage's import closure); only ROUGE means reach the server. Nothing here reads a params file. docs/federation.md.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict
+from pipeline.common.config import ConfigError, from_dict
+from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.experiments import Plan, RunSettings
+from pipeline.federation.client_app import client_app, client_dir, client_name
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
-from pipeline.federation.run_checks import SERVER_KEYS, check_run_config
 from pipeline.federation.server_app import load_server_checkpoint, run_server
-from pipeline.modeling.adapter_io import save_adapter
+from pipeline.modeling.adapter_io import adapter_file, load_local_adapter, save_adapter
 from pipeline.modeling.backbone_record import backbone_name
+from pipeline.modeling.generation import generate_summaries
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
 from pipeline.training import checkpoints
+from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder, write_rounds
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
+
+__all__ = ["client_app", "server_app"]  # pyproject's components (Flower looks for an imported one in __all__)
 
 log = logging.getLogger("fedmeet.deployment")
 
 SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
+
+
+# Keys whose value is a count or a duration: a negative one has no meaning (0 = the default / "only at the end").
+NON_NEGATIVE = ("evaluate-every", "round-timeout-s", "admission-timeout-s")
+
+
+class RunConfigError(ConfigError):
+    """A run config key or value the app does not accept (one line: the key and the problem)."""
+
+
+# What the ServerApp reads, with the type of each value; pyproject.toml's [tool.flwr.app.config] declares the same
+# keys with defaults of these types (tests/test_run_checks.py).
+SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, "evaluate-every": int,
+                                "mlflow": bool, "round-timeout-s": float, "admission-timeout-s": float,
+                                # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
+                                "cache-dir": str, "cache-max-gb": float, "teacher-cache-gb": float}
+
+
+_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+
+
+def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str = "--run-config") -> None:
+    """Every key of ``values`` is one of ``keys``, of its type (an integer is a number too), and the counts and
+    durations are not negative; else :class:`RunConfigError` naming the first bad key."""
+    for key, value in values.items():
+        if key not in keys:
+            raise RunConfigError(f"{source}: unknown key {key!r}; allowed: {sorted(keys)}")
+        kind = keys[key]
+        if not isinstance(value, (int, float) if kind is float else kind) or (
+                kind in (int, float) and isinstance(value, bool)):  # a boolean is no number
+            raise RunConfigError(f"{source}: {key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
+        if key in NON_NEGATIVE and value < 0:
+            raise RunConfigError(f"{source}: {key}={value!r} must be >= 0")
 
 
 def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
@@ -93,6 +132,39 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     }
 
 
+@client_app.query("summarize")
+def client_summarize(msg: Message, context: Context) -> Message:
+    """Federated evaluation, the client's side: ROUGE of the client's own adapter on its own test set, as the
+    evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
+    plan = load_plan(plan_path_of(msg, context))
+    name = client_name(plan, context)
+    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])),
+                    "query.summarize: evaluate")
+    partition = read_partition(plan.paths["partition"])
+    if name not in partition["clients"]:
+        raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
+    test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
+    metrics: dict[str, float | int] = {"n_test": len(test_ids)}
+    if test_ids:
+        examples = read_examples(plan.paths["examples"])
+        missing = [i for i in test_ids if i not in examples.index]
+        if missing:
+            raise ValueError(f"{plan.paths['partition']}: client {name!r} test id {missing[0]!r} is not in "
+                             f"{plan.paths['examples']} ({len(missing)} missing)")
+        chosen = subsample_test_ids(test_ids, name, cfg.test_examples_per_client, cfg.subsample_seed)
+        model = shared_model(plan)
+        load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
+        sub = examples.loc[chosen]
+        max_src = cfg.max_source_length or model_config(plan).max_source_length
+        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{plan.experiment}/{name}")
+        metrics.update(mean_scores(Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())))
+        metrics["skipped_by_subsampling"] = len(test_ids) - len(chosen)
+    content = RecordDict({"identity": ConfigRecord({"client-name": name}),
+                          METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
+                                                         if not (isinstance(v, float) and math.isnan(v))})})
+    return Message(content, reply_to=msg)
+
+
 def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
     """Clients sampled at least once whose every sampled round failed (no reply within the round timeout, an
     error, an undecodable reply): client -> its last error. Such a run has trained nothing of theirs."""
@@ -133,7 +205,6 @@ class DeploymentRecorder(TrainRecorder):
         metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
         # on disk too, so the scores are kept without MLflow (run config mlflow=false)
         self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ("clients", "mean", "failed_clients")})
-        PATHS.eval_dir(plan.experiment).mkdir(parents=True, exist_ok=True)
         atomic.write_json(PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL,
                           {"experiment": plan.experiment, "rounds": self.per_round})
         if self.logger is not None:
@@ -176,7 +247,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
         logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(),
                                  run_identity_tags(plan, "deployment"), resume_run_id=resume_id)
-        run_id_file.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(run_id_file, logger.run_id)
 
     cfg = decoding(rc) if rc.get("evaluate", True) else None

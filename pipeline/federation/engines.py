@@ -1,6 +1,5 @@
-"""The engines that run the ServerApp and the ClientApps inside the `train` stage: ``InProcessGrid`` (each
-Message to the ClientApp in this process, one client after the other) or ``engine: ray`` (Flower's simulation).
-"""
+"""The engines that run the ServerApp and the ClientApps inside the `train` stage: :class:`InProcessGrid` or
+``engine: ray`` (Flower's simulation)."""
 from __future__ import annotations
 
 import copy
@@ -96,13 +95,12 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | None = None,
-                  client_app_: ClientApp | None = None) -> dict:
+def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
     """Run the experiment's ServerApp and ClientApps in this process; returns {arrays, history}."""
     names = client_names(load_plan(plan_path))
-    grid = InProcessGrid(client_app_ or client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
     _set_server_identity(grid.run.run_id)
-    return _serve(grid, plan_path, settings, recorder) | {"contexts": grid.contexts}
+    return _serve(grid, plan_path, settings, recorder)
 
 
 def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:

@@ -1,39 +1,196 @@
 """A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
-and every process it started stopped afterwards (success, failure, Ctrl-C); docs/federation.md. Flower's files go
-to ``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config.
+and every process it started stopped afterwards (success, failure, Ctrl-C; each process in its own group, stopped
+with the descendants it spawned; groups left running are stopped at interpreter exit), with TLS and SuperNode
+authentication material (a throwaway CA, the SuperNodes' key pairs); docs/federation.md. Flower's files go to
+``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also a
+run's status (``flwr run`` exits 0 whether the ServerApp returned or raised) and what each role of a real
+federation holds (``kit``).
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
+
+import psutil
 
 from pipeline.common import atomic
 from pipeline.common.config import from_dict
-from pipeline.federation.processes import (HOST, Certificates, FederationError, Process, ProcessGroup, free_port,
-                                          make_node_key, make_self_signed_ca, port_open, wait_for)
-from pipeline.federation.run_checks import (app_keys, check_run_config, close_left_running, flwr,
-                                            parse_run_status, status_command)
+from pipeline.common.schema import DataError
 from pipeline.paths import PATHS
 
+HOST = "127.0.0.1"
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
+
+
+class FederationError(RuntimeError):
+    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class ProcessGroup:
+    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
+        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
+        self.procs: list[Process] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        _LIVE.add(self)
+
+    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
+        log = self.log_dir / f"{name}.log"
+        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
+        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        if not capture:
+            out.close()  # the child holds its own descriptor
+        proc = Process(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
+        ``stop_timeout_s``; then reap it."""
+        with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
+            proc.descendants |= {p.pid for p in psutil.Process(proc.popen.pid).children(recursive=True)}
+        pids = [proc.popen.pid, *sorted(proc.descendants)]
+        for s in dict.fromkeys((sig, signal.SIGKILL)):
+            for pid in pids:
+                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        kill(pid, s)
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
+                time.sleep(0.1)
+            if not any(_running(p) for p in pids):
+                break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=self.stop_timeout_s)
+
+    def stop_all(self) -> None:
+        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for proc in reversed(self.procs):
+                self.stop(proc)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            _LIVE.discard(self)
+
+
+_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    for group in list(_LIVE):
+        group.stop_all()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if not proc.alive():
+            try:
+                tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:])
+            except OSError:
+                tail = ""
+            raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
+                                  f"log {proc.log}: {tail!r}")
+        if time.monotonic() > deadline:
+            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s; log {proc.log}")
+        time.sleep(0.2)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """TLS files of a SuperLink and the CA that signed it (the SuperNodes' and the CLI's ``root-certificates``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _run(*argv) -> None:
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {' '.join(out.stderr.split())[-300:]}")
+
+
+def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
+    """A throwaway CA and a certificate for the SuperLink on 127.0.0.1 signed by it."""
+    out.mkdir(parents=True, exist_ok=True)
+    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
+    _run("openssl", "req", "-x509", *new_key, "-days", days, "-subj", "/CN=fedmeet local CA",
+         "-keyout", out / "ca.key", "-out", certs.ca)
+    _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
+    atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
+    _run("openssl", "x509", "-req", "-in", out / "server.csr", "-CA", certs.ca, "-CAkey", out / "ca.key",
+         "-CAcreateserial", "-days", days, "-extfile", out / "san.cnf", "-out", certs.cert)
+    return certs
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair: (private key the SuperNode keeps, public key the server registers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    private, public = out / name, out / f"{name}.pub"
+    private.unlink(missing_ok=True)  # ssh-keygen would ask before overwriting
+    public.unlink(missing_ok=True)
+    _run("ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", private)
+    return private, public
 
 
 @dataclass
 class LocalhostConfig:
     plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
     workdir: Path = Path(".")
-    app: Path = REPO_ROOT  # the Flower app (pyproject.toml with [tool.flwr.app])
     run_config: dict[str, str | int | float | bool] = field(default_factory=dict)  # the ServerApp's
     params: str | None = None  # params file of the run config's timeouts and decoding (unless set there)
     clients: list[str] | None = None  # default: the plan's partition
@@ -44,6 +201,70 @@ class LocalhostConfig:
     run_timeout_s: float = 3600.0
     stop_timeout_s: float = 10.0
     quiet: bool = False  # do not echo flwr's stream (tests)
+
+
+def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, str]:
+    """(run id, status, details) of ``run_id`` - else of the run submitted last - in ``flwr ls --format json``
+    output; raises FederationError when the SuperLink did not list it."""
+    try:
+        listed = json.loads(text)
+    except json.JSONDecodeError:
+        raise FederationError(f"`flwr ls` gave no run list: {' '.join(text.split())[-300:]}") from None
+    if not listed.get("success"):  # flwr's JSON error: the SuperLink could not be asked at all
+        raise FederationError("cannot reach the SuperLink: "
+                              + " ".join(str(listed.get("error-message") or text).split())[-300:])
+    runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
+    if not runs:
+        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: "
+                              f"{' '.join(text.split())[-300:]}")
+    run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
+    details = str(run.get("status-details") or "")
+    return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
+
+
+def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    """A ``flwr`` CLI command (the CLI beside this interpreter, whatever PATH says), its output captured."""
+    cli = Path(sys.executable).parent / "flwr"
+    return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
+
+
+def close_left_running(workdir: Path, plan, reason: str) -> str | None:
+    """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
+    from pipeline.training.checkpoints import mlflow_run_id_path
+
+    path = workdir / mlflow_run_id_path(plan)
+    if not path.exists():
+        return None
+    from pipeline.results.tracking import _client
+
+    run_id = path.read_text().strip()
+    client = _client()
+    if client.get_run(run_id).info.status != "RUNNING":
+        return None
+    client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
+    client.set_terminated(run_id, status="KILLED")
+    return run_id
+
+
+def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
+    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` (what
+    ``flwr run --format json`` printed) started, else ``run_id``, else the run submitted last; 0 only if it
+    completed."""
+    if submitted is not None:
+        try:
+            started = json.loads(submitted.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise FederationError(f"{submitted}: not the JSON `flwr run --format json` prints ({err})") from None
+        if not (started.get("success") and started.get("run-id")):  # a refused run config, say
+            print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id")
+                                                .split()))
+            return 1
+        run_id = int(started["run-id"])
+    out = flwr("ls", *([superlink] if superlink else []), "--format", "json",
+               *(["--run-id", str(run_id)] if run_id is not None else []), timeout=120)
+    rid, status, details = parse_run_status(out.stdout, run_id)
+    print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
+    return 0 if status == "finished:completed" else 1
 
 
 @dataclass
@@ -65,7 +286,6 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> Path:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
-    home.mkdir(parents=True, exist_ok=True)
     security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
     path = home / "config.toml"
     atomic.write_text(path, f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
@@ -77,13 +297,14 @@ class LocalhostFederation:
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
+        from pipeline.federation.deployment import SERVER_KEYS, check_run_config
         from pipeline.federation.protocol import load_plan
         from pipeline.training.client_data import client_names
 
         self.cfg = cfg
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
-        check_run_config(cfg.run_config, app_keys(cfg.app))  # before any process starts (Flower: ~40 s later)
+        check_run_config(cfg.run_config, SERVER_KEYS)  # before any process starts (Flower: ~40 s later)
         self.workdir = cfg.workdir.resolve()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():
@@ -155,7 +376,7 @@ class LocalhostFederation:
 
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``; the output is captured line by line."""
-        argv = ["flwr", "run", str(self.cfg.app.resolve()), CONNECTION, "--stream",
+        argv = ["flwr", "run", str(REPO_ROOT), CONNECTION, "--stream",
                 "--run-config", run_config_arg({"plan": self.cfg.plan, **self.run_config})]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
@@ -259,6 +480,59 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
         raise
 
 
+RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
+
+
+def write_kit(plan_path: str, out: Path, client: str | None = None,
+              run_config: dict[str, str | float] | None = None) -> list[Path]:
+    """Copy what the server (``client`` None: plan, backbone and, with ``run_config``, its run_config.toml; no
+    example) or ``client``'s site (plan, backbone, its own partition slice, examples and POS tags) needs into ``out``,
+    laid out as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path,
+    so the same run config works on every role."""
+    from pipeline.experiments import read_plan
+    from pipeline.training.client_data import read_examples, read_partition
+
+    plan = read_plan(plan_path)
+    if not plan.clients:
+        raise DataError(f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
+                        f"declared them: rerun the plan stage)")
+    if client is not None and client not in plan.clients:
+        raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
+    out = Path(out)
+    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(plan_path, out / plan_path)
+    backbone = Path(plan.paths["backbone"])
+    if not backbone.is_dir():
+        raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+    shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
+    written = [Path(plan_path), backbone]
+    if client is None:
+        if run_config is not None:
+            # JSON's strings, numbers and booleans are TOML's too
+            atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n"
+                                                        for k, v in {"plan": plan_path, **run_config}.items()))
+            written.append(Path(RUN_CONFIG))
+        return written
+
+    part_path = Path(plan.paths["partition"])
+    partition = read_partition(part_path)
+    splits = partition["clients"][client]
+    ids = {str(i) for split in splits.values() for i in split}
+    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
+    part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
+    own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
+    atomic.write_text(out / part_path, json.dumps(part, indent=1))
+    examples = read_examples(own[0])
+    atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0],
+                      index=False)
+    if len(own) > 1:
+        import pandas as pd
+
+        tags = pd.read_parquet(own[1])
+        atomic.to_parquet(tags[tags["example_id"].astype(str).isin(ids)], out / own[1], index=False)
+    return [*written, part_path, *own]
+
+
 def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
     """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
     import tomllib
@@ -288,10 +562,6 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
             "decoding": json.dumps(dataclasses.asdict(decoding))}
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="A local deployment of one experiment (a SuperLink and one SuperNode "
                                              "per client on 127.0.0.1, then `flwr run`), a run's status, or what a "
@@ -318,8 +588,7 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
     st.add_argument("--submitted", type=Path, help="what `flwr run --format json` printed: the status of the run it "
                                                    "started, or that it started none")
-    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out "
-                                     "(pipeline.federation.sites)")
+    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out")
     kit.add_argument("--plan", required=True)
     kit.add_argument("--client", help="the site's client (default: the server's kit)")
     kit.add_argument("--out", required=True, type=Path)
@@ -330,7 +599,6 @@ def main(argv: list[str] | None = None) -> int:
         return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
         from pipeline.experiments import read_plan
-        from pipeline.federation.sites import write_kit
 
         run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
         written = write_kit(args.plan, args.out, args.client, run_config)
@@ -342,7 +610,7 @@ def main(argv: list[str] | None = None) -> int:
                           tls=args.tls, auth=args.auth, startup_timeout_s=args.startup_timeout,
                           run_timeout_s=args.run_timeout, stop_timeout_s=args.stop_timeout)
     # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
         run, metrics = run_localhost(cfg)
     except KeyboardInterrupt:
@@ -354,9 +622,3 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"experiment": metrics.get("experiment", Path(plan).stem), "clients": summary,
                       **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}), "logs": str(run.home / "logs")}))
     return 0
-
-
-if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
-    raise SystemExit(run_cli(main))

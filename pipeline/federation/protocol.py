@@ -1,14 +1,12 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
-metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (encoded by
-pipeline.federation.compression; with ``train.transfer_delta`` a reply is the difference to the global the client
-received, the downlink the difference to the round-0 adapter every node derives from the seed).
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression).
 """
 from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -31,11 +29,6 @@ IDENTIFY = "query.identify"
 TRAIN_METRICS = {NUM_EXAMPLES_KEY: ("weight", int), "num-trained": ("n_examples", int), NUM_STEPS_KEY: ("n_steps", int),
                  "num-tokens": ("n_tokens", int), "train-loss": ("train_loss", float), "ce": ("ce", float),
                  "kd": ("kd", float), "kd-fraction": ("kd_fraction", float), "proximal": ("proximal", float)}
-TRAIN_METRIC_KEYS = tuple(TRAIN_METRICS)
-# Added under privacy.mode example: the accountant's (epsilon, delta) so far (-1 = unbounded), sigma, C, q, the
-# cumulative steps, and this round's per-example gradients and how many of them were clipped.
-PRIVACY_METRIC_KEYS = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
-                       "dp-steps", "dp-examples", "dp-clipped")
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 
@@ -49,18 +42,19 @@ def client_settings_config(cache: CacheConfig) -> dict[str, str | float]:
     return {key: values[name] for key, name in CLIENT_SETTING_KEYS.items()}
 
 
-def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
-    """Each key from the node config, else the run config, else the message config; a key none of them sets is an
-    error (a client never runs on defaults it was not given)."""
+def _setting(key: str, msg: Message | None, context: Context) -> Any:
+    """``key`` from the node config, else the run config, else the message's config; None where none sets it."""
     message_config = msg.content[CONFIG_KEY] if msg is not None and CONFIG_KEY in msg.content else {}
-    values, missing = {}, []
-    for key, name in CLIENT_SETTING_KEYS.items():
-        for source in (context.node_config, context.run_config, message_config):
-            if key in source and source[key] not in (None, ""):
-                values[name] = source[key]
-                break
-        else:
-            missing.append(key)
+    for source in (context.node_config, context.run_config, message_config):
+        if source.get(key) not in (None, ""):
+            return source[key]
+    return None
+
+
+def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
+    """A key none of the configs sets is an error (a client never runs on defaults it was not given)."""
+    values = {name: _setting(key, msg, context) for key, name in CLIENT_SETTING_KEYS.items()}
+    missing = [key for key, name in CLIENT_SETTING_KEYS.items() if values[name] is None]
     if missing:
         raise ValueError(f"client settings: {missing} set neither in the node config (--node-config "
                          f"\"{missing[0]}=...\"), the run config nor the message")
@@ -68,26 +62,18 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
                      "client settings")
 
 
-def _forward(name: str):
-    return lambda self, *args, **kwargs: getattr(self._grid, name)(*args, **kwargs)
-
-
-class GridView(Grid):
-    """A Grid that passes every call on to ``grid``, showing only ``node_ids`` when given (a copy each call: a
-    strategy sees only the admitted nodes, or the round's sample); a subclass changes what else it needs."""
+class GridView:
+    """What a strategy (node ids) or SecAgg+'s workflow (send_and_receive) uses of ``grid``, showing only
+    ``node_ids`` when given (a copy each call: a strategy sees only the admitted nodes, or the round's sample)."""
 
     def __init__(self, grid: Grid, node_ids: list[int] | None = None):
         self._grid, self._node_ids = grid, None if node_ids is None else list(node_ids)
 
-    run = property(lambda self: self._grid.run)
-    set_run, push_messages, pull_messages, send_and_receive = map(_forward, (
-        "set_run", "push_messages", "pull_messages", "send_and_receive"))
-
     def get_node_ids(self) -> list[int]:
         return self._grid.get_node_ids() if self._node_ids is None else list(self._node_ids)
 
-    def create_message(self, content, message_type, dst_node_id, group_id, ttl=None):
-        return self._grid.create_message(content, message_type, dst_node_id, group_id, ttl)
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 @lru_cache(maxsize=8)
@@ -97,12 +83,10 @@ def _plan_cached(path: str, mtime: float) -> Plan:
 
 def plan_path_of(msg: Message | None, context: Context) -> str:
     """The plan file a node runs: node config ``plan``, run config ``plan``, or the message's config."""
-    for source in (context.node_config, context.run_config):
-        if source.get("plan"):
-            return str(source["plan"])
-    if msg is not None and CONFIG_KEY in msg.content and msg.content[CONFIG_KEY].get("plan"):
-        return str(msg.content[CONFIG_KEY]["plan"])
-    raise ValueError("no plan: set node_config 'plan', run_config 'plan', or send it in the message config")
+    plan = _setting("plan", msg, context)
+    if plan is None:
+        raise ValueError("no plan: set node_config 'plan', run_config 'plan', or send it in the message config")
+    return str(plan)
 
 
 def load_plan(path: str) -> Plan:

@@ -1,7 +1,5 @@
-"""The ServerApp (Flower Message API, flwr 1.41): the federated round loop of one experiment. Per round the
-strategy samples and aggregates, every admitted client evaluates, and the server checkpoints, so a rerun resumes
-after the last checkpointed round; a client that fails is left out of that round's aggregate. Nodes are known by
-the client name they answer (``query.identify``). Why this loop and not ``Strategy.start``: docs/ARCHITECTURE.md.
+"""The ServerApp's federated round loop of one experiment (Flower Message API, flwr 1.41); why this loop and not
+``Strategy.start``: docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ class AdmissionError(RuntimeError):
 def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
               sizes: dict[str, dict[str, int]] | None = None) -> dict[int, str]:
     """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
-    (nodes register asynchronously); a node naming another client is refused. ``sizes`` receives each client's
-    ``num-train`` / ``num-valid``; an empty valid split is refused (no best round, no score)."""
+    (nodes register asynchronously); ``sizes`` receives each client's ``num-train`` / ``num-valid``."""
     deadline = time.monotonic() + timeout
     names: dict[int, str] = {}
     refused: dict[int, str] = {}
@@ -83,8 +80,7 @@ def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: lis
                 timeout: float, sizes: dict[str, dict[str, int]] | None = None,
                 admission: bool = False) -> dict[int, str]:
     """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
-    returns the nodes naming a client outside ``allowed``. A failure to identify or a duplicate name fails the run
-    at ``admission``; later such a node is left out with a warning until it answers."""
+    returns the nodes naming a client outside ``allowed``."""
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
                     message_type=IDENTIFY) for n in new]
     named: dict[int, str] = {}
@@ -120,8 +116,7 @@ def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: lis
 
 
 def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
-    """The known clients connected now; a new node id (a restarted SuperNode) is identified and takes its
-    client's place in ``node_names``."""
+    """The known clients connected now (a new node id, a restarted SuperNode, takes its client's place)."""
     current = set(grid.get_node_ids())
     new = sorted(current - set(node_names))
     if new:
@@ -316,9 +311,8 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
 def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],
                   node_names: dict[int, str], rnd: int, strategy, clipped: dict[str, tuple[float, None]]
                   ) -> ArrayRecord | None:
-    """The train step of a SecAgg+ round: the server records each client's metrics (sent in the clear) and only the
-    weighted mean. Under client-level DP the wrapper's noise is added to the (uniform) mean here, and ``clipped``
-    gets each summed client's share of the clipped fraction (whose updates, the server does not learn)."""
+    """The train step of a SecAgg+ round; under client-level DP the noise is added to the unmasked mean here, and
+    ``clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
     result = secure.train_round(grid, messages, rnd)
     for node, outcome in result.nodes.items():
         row = rows[node_names[node]]
