@@ -1,13 +1,6 @@
-"""Experiments: the one reader of params `experiments:` and of plan files.
-
-An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``, with
-optional `seed`, `tau`, any `train` key and a `privacy` mapping): :func:`declared` reads and checks them all. Its
-*plan* (``models/plans/<experiment>.json``, written by the plan stage, read by the train stage with :func:`read_plan`)
-holds exactly what its result depends on, so a params change reruns only the experiments it affects (each setting
-enters only the plans of the methods that use it; the source hash of a strategy or KD gate module only the plans that
-run it: :func:`extension_md5`, those modules are no train stage's deps). Settings that cannot change a result
-(:class:`RunSettings`) and paths (:mod:`pipeline.paths`) stay out of plans: a stage entry point builds them once
-(:func:`load_run_settings`) and passes them down; nothing below the entry points reads a params file.
+"""Experiments: the one reader of params `experiments:` and of plan files (docs/ARCHITECTURE.md, "Experiments, plans
+and run-time settings"). A plan holds exactly what its experiment's result depends on, so a params change reruns only
+the experiments it affects; run-time settings (:class:`RunSettings`) and paths stay out of plans.
 """
 from __future__ import annotations
 
@@ -322,10 +315,8 @@ class Plan:
 
     @property
     def paths(self) -> dict[str, str]:
-        """Where this experiment reads and writes. ``out_dir``: where a run writes while it runs (checkpoints
-        included), one directory per configuration; ``model_dir`` (``models/<exp>/``) receives the finished outputs
-        (pipeline.training.checkpoints.publish_outputs), so that DVC output need not persist and DVC's run cache
-        keeps every training."""
+        """Where this experiment reads and writes; ``out_dir``: a run's own directory while it runs (one per
+        configuration), published to ``model_dir`` when it finishes (pipeline.training.checkpoints.publish_outputs)."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
                  "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
                  "model_dir": str(PATHS.model_dir(self.experiment)),

@@ -3,11 +3,7 @@
     python -m pipeline.train --experiment fedselectkd-domain
     python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
 
-Federated methods run Flower's ServerApp/ClientApp (pipeline.federation); `single` and `centralized` run the same
-local trainer without a server (pipeline.training.serverless). Outputs (``models/<exp>/``, ``reports/train/<exp>/``,
-one MLflow run per experiment with a child run per client) are listed in docs/ARCHITECTURE.md. A run writes into
-``data/cache/runs/<exp>-<plan key>/`` (checkpoints included: a killed run resumes after its last round, in the same
-MLflow run) and only the finished outputs are copied to ``models/<exp>/``, so DVC's run cache keeps every training.
+Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.md ("Training and federation").
 """
 from __future__ import annotations
 

@@ -320,7 +320,8 @@ def test_make_batches_bucketing_by_length(summarizer):
     assert padding(bucketed) < padding(plain) / 2
     # one chunk, no shuffle: batches follow ascending target length and never overlap in length
     ordered = batches(0, True, shuffle=False)
-    spans = [(int(b.target_lengths.min()), int(b.target_lengths.max())) for b in ordered]
+    lengths = [(b.labels != IGNORE_INDEX).sum(dim=1) for b in ordered]
+    spans = [(int(n.min()), int(n.max())) for n in lengths]
     assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))
     # chunks of 2 batches: sorting happens within each chunk of 8 consecutive (shuffled) examples only
     small = batches(5, True, bucket_batches=2)

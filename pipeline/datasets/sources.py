@@ -1,6 +1,4 @@
-"""Where each dataset's upstream files are, and how to fetch them when there is no local mirror (which files a
-dataset needs, how their splits are named and how its upstream copy downloads: its reader module's registration,
-pipeline.datasets.readers).
+"""Where each dataset's upstream files are (its reader module's registration says which), fetched when needed.
 
 Order of sources (first that works wins):
   (a) a copy laid out like ../shared/data: ``$FEDMEET_DATA_ROOT`` or ``ingest.data_root`` (data/raw, where each

@@ -32,10 +32,6 @@ class Batch:
     decoder_input_ids: torch.Tensor  # [B, T] labels shifted right, start token first
     labels: torch.Tensor  # [B, T] target ids, IGNORE_INDEX (-100) on padding
 
-    @property
-    def target_lengths(self) -> torch.Tensor:
-        return (self.labels != IGNORE_INDEX).sum(dim=1)
-
     def __len__(self) -> int:
         return len(self.example_ids)
 
