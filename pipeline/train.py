@@ -106,9 +106,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
 def run_packed(plan_paths: list[Path], track: bool = True,
                settings: dict[str, RunSettings] | None = None) -> dict[str, dict[str, Any]]:
     """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's initial
-    RNG state (Python, NumPy, torch), so that a run packed after another draws what it would draw alone in a fresh
-    process should an unseeded draw creep in (``settings``: each experiment's, default RunSettings()); returns
-    their metrics by experiment."""
+    RNG state (docs/ARCHITECTURE.md: each as alone in a fresh process); returns their metrics by experiment."""
     import random
 
     import numpy as np

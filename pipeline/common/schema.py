@@ -1,8 +1,4 @@
-"""Typed records shared by the data stages, and the error raised for bad input.
-
-A canonical record is one row of ``data/interim/<dataset>.parquet``; an example is one row of
-``data/processed/examples.parquet`` (see docs/ARCHITECTURE.md, "Records").
-"""
+"""Typed records shared by the data stages (docs/ARCHITECTURE.md, "Records"), and the error raised for bad input."""
 from __future__ import annotations
 
 import dataclasses

@@ -2,11 +2,9 @@
 
     Y_hat = LayerNorm(Y + ReLU(Y W_down) W_up),   W_down: n x m,  W_up: m x n
 
-Round 0 must be the backbone. Post-LN layers (BART, LED, BERT) end with ``out = LN_layer(Z)``, and a second
-LayerNorm on top cannot be made the identity (measured on MiniLM: 17-118 % relative change), so, as in Houlsby et
-al. (2019), the adapter reads Y = Z and its LayerNorm replaces the layer's, starting as a copy of it: with W_up = 0,
-Y_hat is the layer's output exactly. Pre-LN layers (mBART, Pegasus) get the adapter on their output with a unit
-LayerNorm (round 0 only approximately the backbone). W_down ~ N(0, init_std^2), so W_up gets a gradient at once.
+Where Y is read: docs/ARCHITECTURE.md, Model (on post-LN layers the adapter's LayerNorm replaces the layer's, as in
+Houlsby et al. 2019, because a second LayerNorm on top cannot be the identity: measured on MiniLM, 17-118 % relative
+change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once.
 """
 from __future__ import annotations
 
@@ -82,9 +80,6 @@ class AdapterSet(nn.Module):
 
     def __getitem__(self, i: int) -> HoulsbyAdapter:
         return self.adapters[i]
-
-    def __len__(self) -> int:
-        return len(self.adapters)
 
     def _named(self) -> dict[str, nn.Parameter]:
         return {f"layer{i}.{name}": p for i, adapter in enumerate(self.adapters)

@@ -1,8 +1,5 @@
-"""How examples are divided among federated clients (METHOD.md sections 7 and 10).
-
-Every scheme takes the example table (columns example_id, dataset, domain, split, meeting_id, target), its
-own config and a seeded numpy Generator, and returns a :class:`Partition`. Partitions are complete: every
-example of the pool is given to a client or listed in ``excluded`` with the reason.
+"""How examples are divided among federated clients (METHOD.md sections 7 and 10): every scheme maps (examples, its
+config, a seeded numpy Generator) to a complete :class:`Partition` (each example assigned or excluded with a reason).
 """
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What a finished training run reports: ``metrics.json`` (per client: best round and validation loss, rounds
-trained and failed, bytes, FedAvg weight, DP-SGD report; the run's means; SecAgg+ settings and dropouts), the
-merged gate log, and the final MLflow metrics. Written the same way by the train stage and by the deployed
-ServerApp."""
+"""What a finished training run reports: ``metrics.json``, the merged gate log and the final MLflow metrics, written
+the same way by the train stage and by the deployed ServerApp."""
 from __future__ import annotations
 
 import json
