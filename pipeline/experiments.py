@@ -122,10 +122,6 @@ class Experiment:
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
 
     @property
-    def spec(self) -> MethodSpec:
-        return get_method(self.method)
-
-    @property
     def scheme(self) -> str:
         return self.partition.partition("/seed")[0]
 
@@ -248,7 +244,7 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
-    method, where = exp.spec, f"params.yaml experiments.{exp.name}"
+    method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
     merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)

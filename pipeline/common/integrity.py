@@ -56,7 +56,7 @@ def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
     return h.hexdigest()
 
 
-def check_model_dir(path: str | Path, verify_hash: bool = True) -> None:
+def check_model_dir(path: str | Path) -> None:
     """Raise :class:`ModelDirError` naming the first damaged file of the model directory ``path``."""
     d = Path(path)
     if not (d / "config.json").is_file():
@@ -74,7 +74,7 @@ def check_model_dir(path: str | Path, verify_hash: bool = True) -> None:
     if not weights and not any(d.glob("*.bin")):
         raise ModelDirError(f"{d}: no weight file (*.safetensors or *.bin); {FIX}")
     record = d / RECORD_NAME
-    if verify_hash and record.is_file():
+    if record.is_file():
         recorded = json.loads(record.read_text(encoding="utf-8")).get("backbone_sha256")
         if recorded and sha256_dir(d) != recorded:
             raise ModelDirError(f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "

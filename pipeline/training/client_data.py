@@ -60,8 +60,8 @@ class ClientData:
     n_train_available: int  # before subsampling (train.weight_by: full)
 
 
-def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None) -> ClientData:
-    partition = partition if partition is not None else read_partition(plan.paths["partition"])
+def client_data(plan: Plan, client: str) -> ClientData:
+    partition = read_partition(plan.paths["partition"])
     if client not in partition["clients"]:
         raise DataError(f"{plan.paths['partition']}: no client {client!r} (clients: {sorted(partition['clients'])})")
     examples = read_examples(plan.paths["examples"])
