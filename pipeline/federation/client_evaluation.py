@@ -13,7 +13,7 @@ from pipeline.common.config import from_dict
 from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.federation.client_app import client_app, client_dir, client_name
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
-from pipeline.modeling.adapter_io import adapter_file, load_local_adapter
+from pipeline.modeling.adapters import adapter_file, load_local_adapter
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.evaluation import EvaluateConfig
 from pipeline.results.scoring import Scorer, mean_scores

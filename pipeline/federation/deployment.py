@@ -20,8 +20,8 @@ from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
 from pipeline.federation.run_checks import SERVER_KEYS, check_run_config
 from pipeline.federation.server_app import load_server_checkpoint, run_server
-from pipeline.modeling.adapter_io import save_adapter
-from pipeline.modeling.backbone_record import backbone_name
+from pipeline.modeling.adapters import save_adapter
+from pipeline.common.integrity import backbone_name
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.modeling.adapter_io import adapter_file, save_adapter
+from pipeline.modeling.adapters import adapter_file, save_adapter
 from pipeline.experiments import Plan, plan_hash
 
 log = logging.getLogger("fedmeet.train")

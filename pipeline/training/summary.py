@@ -10,7 +10,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.timing import peak_rss_mb
-from pipeline.modeling.backbone_record import backbone_name
+from pipeline.common.integrity import backbone_name
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training.client_training import empty_gate_log
