@@ -186,7 +186,9 @@ def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *,
     if proximal_mu > 0.0:
         if proximal_reference is None:
             raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
-        state_names = list(model.adapter_state("local"))  # matched to the parameters by order (AdapterSet._named)
+        state_names = list(model.adapter_state("local"))  # matched to the parameters by order
+        if len(params) != len(state_names):
+            raise RuntimeError("adapter parameters and adapter_state keys disagree")
         proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
 
     model.train(True)
