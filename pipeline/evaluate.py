@@ -26,8 +26,8 @@ from pipeline.results.convergence import run_converged
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
 from pipeline.results.readers import read_json
 from pipeline.datasets.subsampling import subsample_test_ids
-from pipeline.modeling.adapter_io import client_adapter_path, load_local_adapter
-from pipeline.modeling.backbone_record import backbone_name
+from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
+from pipeline.common.integrity import backbone_name
 from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval

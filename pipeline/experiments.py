@@ -1,13 +1,6 @@
-"""Experiments: the one reader of params `experiments:` and of plan files.
-
-An *experiment* is one entry of params `experiments` (``{method, partition: "<scheme>/seed<k>", study, ...}``, with
-optional `seed`, `tau`, any `train` key and a `privacy` mapping): :func:`declared` reads and checks them all. Its
-*plan* (``models/plans/<experiment>.json``, written by the plan stage, read by the train stage with :func:`read_plan`)
-holds exactly what its result depends on, so a params change reruns only the experiments it affects (each setting
-enters only the plans of the methods that use it; the source hash of a strategy or KD gate module only the plans that
-run it: :func:`extension_md5`, those modules are no train stage's deps). Settings that cannot change a result
-(:class:`RunSettings`) and paths (:mod:`pipeline.paths`) stay out of plans: a stage entry point builds them once
-(:func:`load_run_settings`) and passes them down; nothing below the entry points reads a params file.
+"""Experiments: the one reader of params `experiments:` and of plan files (docs/ARCHITECTURE.md, "Experiments, plans
+and run-time settings"). A plan holds exactly what its experiment's result depends on, so a params change reruns only
+the experiments it affects; run-time settings (:class:`RunSettings`) and paths stay out of plans.
 """
 from __future__ import annotations
 
@@ -127,10 +120,6 @@ class Experiment:
     tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
     privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
-
-    @property
-    def spec(self) -> MethodSpec:
-        return get_method(self.method)
 
     @property
     def scheme(self) -> str:
@@ -255,7 +244,7 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
-    method, where = exp.spec, f"params.yaml experiments.{exp.name}"
+    method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
     merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
@@ -322,10 +311,8 @@ class Plan:
 
     @property
     def paths(self) -> dict[str, str]:
-        """Where this experiment reads and writes. ``out_dir``: where a run writes while it runs (checkpoints
-        included), one directory per configuration; ``model_dir`` (``models/<exp>/``) receives the finished outputs
-        (pipeline.training.checkpoints.publish_outputs), so that DVC output need not persist and DVC's run cache
-        keeps every training."""
+        """Where this experiment reads and writes; ``out_dir``: a run's own directory while it runs (one per
+        configuration), published to ``model_dir`` when it finishes (pipeline.training.checkpoints.publish_outputs)."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
                  "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
                  "model_dir": str(PATHS.model_dir(self.experiment)),

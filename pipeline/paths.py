@@ -1,7 +1,5 @@
-"""Where every stage reads and writes: the path table of docs/ARCHITECTURE.md as code, under one root.
-
-Paths are relative to the project root, as DVC runs every stage from it (dvc.yaml repeats them as deps and outs;
-tests/test_dvc_layout.py checks the two agree). Tests point a :class:`ProjectPaths` at a temporary directory.
+"""Where every stage reads and writes: the path table of docs/ARCHITECTURE.md as code, relative to one root (the
+project root, from which DVC runs every stage; tests point a :class:`ProjectPaths` at a temporary directory).
 """
 from __future__ import annotations
 

@@ -3,11 +3,7 @@
     python -m pipeline.train --experiment fedselectkd-domain
     python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
 
-Federated methods run Flower's ServerApp/ClientApp (pipeline.federation); `single` and `centralized` run the same
-local trainer without a server (pipeline.training.serverless). Outputs (``models/<exp>/``, ``reports/train/<exp>/``,
-one MLflow run per experiment with a child run per client) are listed in docs/ARCHITECTURE.md. A run writes into
-``data/cache/runs/<exp>-<plan key>/`` (checkpoints included: a killed run resumes after its last round, in the same
-MLflow run) and only the finished outputs are copied to ``models/<exp>/``, so DVC's run cache keeps every training.
+Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.md ("Training and federation").
 """
 from __future__ import annotations
 
@@ -110,9 +106,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
 def run_packed(plan_paths: list[Path], track: bool = True,
                settings: dict[str, RunSettings] | None = None) -> dict[str, dict[str, Any]]:
     """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's initial
-    RNG state (Python, NumPy, torch), so that a run packed after another draws what it would draw alone in a fresh
-    process should an unseeded draw creep in (``settings``: each experiment's, default RunSettings()); returns
-    their metrics by experiment."""
+    RNG state (docs/ARCHITECTURE.md: each as alone in a fresh process); returns their metrics by experiment."""
     import random
 
     import numpy as np

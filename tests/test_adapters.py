@@ -51,7 +51,7 @@ def test_config_rejects_no_layer_and_an_empty_bottleneck(top_k, bottleneck, mess
 def test_one_layer_with_a_one_unit_bottleneck_is_allowed():
     cfg = AdapterConfig(top_k=1, bottleneck=1)
     adapters = AdapterSet(4, cfg, [None])
-    assert len(adapters) == 1 and adapters[0].down.weight.shape == (1, 4)
+    assert len(adapters.adapters) == 1 and adapters[0].down.weight.shape == (1, 4)
 
 
 # ----------------------------------------------------------------------------------------------- initialisation
@@ -265,7 +265,7 @@ def test_load_state_names_missing_unknown_and_misshapen_tensors():
 def test_adapter_files_get_the_mode_of_any_other_output(tmp_path):
     # safetensors' save_file creates 0600 whatever the umask; other sites and the DVC cache must read adapters too
     from pipeline.common import atomic
-    from pipeline.modeling.adapter_io import load_adapter, save_adapter
+    from pipeline.modeling.adapters import load_adapter, save_adapter
 
     save_adapter(tmp_path / "a.safetensors", {"w": torch.ones(2, 3)}, {"client": "A"})
     atomic.write_text(tmp_path / "b.json", "{}")

@@ -15,7 +15,6 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderMod
 
 import tiny_models
 from pipeline import backbone as bb
-from pipeline.modeling import bert2bert
 from pipeline.modeling import warmup as wu
 from pipeline.common.timing import stage_timer
 
@@ -95,7 +94,7 @@ def test_encoder_only_directory_is_rejected(tmp_path):
     model, tok = tiny_models.tiny_bert2bert()
     model.encoder.save_pretrained(tmp_path / "bert")
     tok.save_pretrained(tmp_path / "bert")
-    with pytest.raises(bert2bert.BackboneError, match="not an encoder-decoder"):
+    with pytest.raises(wu.BackboneError, match="not an encoder-decoder"):
         bb.resolve(local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, None)
     assert not (tmp_path / "out").exists()
 
@@ -106,7 +105,7 @@ def test_classify():
     assert bb.classify("facebook/bart-base") == "hub"
     assert bb.classify("t5-small") == "hub"
     assert bb.classify(".") == "local"
-    with pytest.raises(bert2bert.BackboneError, match="not an existing directory"):
+    with pytest.raises(wu.BackboneError, match="not an existing directory"):
         bb.classify("./no/such/dir")
 
 
@@ -115,7 +114,7 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
 
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    with pytest.raises(bert2bert.BackboneError) as err:
+    with pytest.raises(wu.BackboneError) as err:
         bb.resolve(local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, None)
     msg = str(err.value)
     assert "facebook/bart-base" in msg and "cannot be downloaded" in msg
@@ -150,7 +149,7 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     w = record["warmup"]
     assert (w["steps"], w["examples_seen"], w["train_examples"]) == (2, 4, 4)  # the empty dialogue is skipped
     assert [e["step"] for e in w["loss_log"]] == [1, 2]
-    minilm = load_file(str(bert2bert.minilm_dir() / "model.safetensors"))
+    minilm = load_file(str(wu.minilm_dir() / "model.safetensors"))
     key = "encoder.layer.5.attention.self.query.weight"
     pretrained = minilm[key] if key in minilm else minilm["bert." + key]
     assert not torch.equal(model.encoder.state_dict()[key], pretrained)
@@ -168,7 +167,7 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     # Nothing in the output names the place it was built from (the checkout's .venv), so a clone elsewhere
     # builds the same bytes: config.json names the backbone as params.yaml does.
     for f in out.iterdir():
-        assert str(bert2bert.minilm_dir().parent) not in f.read_text(errors="ignore"), f.name
+        assert str(wu.minilm_dir().parent) not in f.read_text(errors="ignore"), f.name
     saved = json.loads((out / "config.json").read_text())
     assert saved["encoder"]["_name_or_path"] == saved["decoder"]["_name_or_path"] == cfg.name
 
@@ -247,7 +246,7 @@ def test_cross_attention_can_start_from_the_layers_own_self_attention():
     model, _ = tiny_models.tiny_bert2bert()
     layer = model.decoder.bert.encoder.layer[0]
     assert not torch.equal(layer.crossattention.self.query.weight, layer.attention.self.query.weight)  # random
-    assert bert2bert.init_cross_attention_from_self(model) == len(model.decoder.bert.encoder.layer)
+    assert wu.init_cross_attention_from_self(model) == len(model.decoder.bert.encoder.layer)
     for layer in model.decoder.bert.encoder.layer:
         for name in ("query", "key", "value"):
             assert torch.equal(getattr(layer.crossattention.self, name).weight, getattr(layer.attention.self, name).weight)
@@ -263,7 +262,7 @@ def test_cross_attention_can_start_from_the_layers_own_self_attention():
 
 def test_minilm_weights_can_come_from_a_local_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("FEDMEET_MINILM_DIR", str(tmp_path))
-    with pytest.raises(bert2bert.BackboneError, match="FEDMEET_MINILM_DIR"):
-        bert2bert.minilm_dir()
+    with pytest.raises(wu.BackboneError, match="FEDMEET_MINILM_DIR"):
+        wu.minilm_dir()
     (tmp_path / "model.safetensors").write_bytes(b"")
-    assert bert2bert.minilm_dir() == tmp_path
+    assert wu.minilm_dir() == tmp_path

@@ -224,6 +224,7 @@ def test_make_grid_is_dvcs_own_sweep_of_tau_and_seed_over_every_experiment(tmp_p
     from dvc.utils.hydra import get_hydra_sweeps
 
     from pipeline.experiments import declared
+    from pipeline.training.methods import get_method
 
     makefile = (ROOT / "Makefile").read_text()
     taus, seeds = _make_variable(makefile, "GRID_TAUS"), _make_variable(makefile, "GRID_SEEDS")
@@ -240,7 +241,7 @@ def test_make_grid_is_dvcs_own_sweep_of_tau_and_seed_over_every_experiment(tmp_p
         planned = declared(params)
         assert len({e.seed for e in planned}) == 1  # every experiment at the point's seed
         own_tau = {n for n, e in params["experiments"].items() if "tau" in e}
-        assert {e.tau for e in planned if e.spec.uses_tau and e.name not in own_tau} == {params["tau"]}
+        assert {e.tau for e in planned if get_method(e.method).uses_tau and e.name not in own_tau} == {params["tau"]}
         seen.add((params["tau"], planned[0].seed))
     assert seen == {(t, s) for t in (2, 3, 4, 5) for s in (0, 1, 2)}
 

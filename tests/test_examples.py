@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.examples import PAPER_TABLE_II, ExamplesConfig, build_examples, stats_markdown, table_ii
 from pipeline.ingest import ingest_dataset
-from pipeline.datasets.meeting_links import link_meetings
+from pipeline.examples import link_meetings
 from pipeline.common.schema import DataError, Turn, spoken_word_count, summary_word_count
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
 

@@ -183,7 +183,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import TRAIN_METRICS
     from pipeline.experiments import read_plan
-    from pipeline.training.client_training import GATE_LOG_COLUMNS
+    from pipeline.training.client_training import GATE_LOG_DTYPES
     from pipeline.training.shared_model import initial_adapter_state
 
     path = write_plan("reply-check", "fedselectkd")
@@ -213,7 +213,7 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     assert any(not np.allclose(arrays[k].numpy(), initial[k].numpy()) for k in initial)
     # the gate log stayed on the client's disk
     gate = pd.read_parquet(Path(plan.paths["out_dir"]) / "clients" / "Committee" / "gate_log" / "round001.parquet")
-    assert list(gate.columns) == GATE_LOG_COLUMNS
+    assert list(gate.columns) == list(GATE_LOG_DTYPES)
     assert gate["client"].eq("Committee").all() and len(gate) == metrics["num-tokens"]
 
 

@@ -358,12 +358,9 @@ def test_without_a_mirror_or_a_download_the_error_says_what_to_set(tmp_path, mon
     monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
     cfg = IngestConfig(data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"), urls={})
     with pytest.raises(DataError) as err:
-        resolve_source("samsum", cfg, allow_download=False)
-    # the way out: the DVC import to update, the environment variable and the params keys to set
-    names(err.value, str(tmp_path / "none" / "samsum"), "dvc update data/raw/samsum.dvc", "FEDMEET_DATA_ROOT",
-          "ingest.data_root", "ingest.urls.samsum")
-    with pytest.raises(DataError) as err:
         resolve_source("samsum", cfg)
+    # the way out: the DVC import to update, the environment variable and the params keys to set
+    names(err.value, "dvc update data/raw/samsum.dvc", "FEDMEET_DATA_ROOT", "ingest.data_root", "ingest.urls.samsum")
     assert str(err.value).startswith("cannot read dataset 'samsum': no local mirror and no `ingest.urls.samsum`. "
                                      "Run `dvc update data/raw/samsum.dvc`")
 

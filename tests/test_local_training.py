@@ -28,6 +28,12 @@ import pipeline.training.shared_model  # noqa: F401
 CLIENT = "Committee"  # 6 training examples in tests/test_federated.py's workspace
 
 
+def _target_lengths(batch):
+    from pipeline.modeling.batching import IGNORE_INDEX
+
+    return (batch.labels != IGNORE_INDEX).sum(dim=1)
+
+
 def _setup(name: str, method: str = "fedavg", **train):
     from pipeline.federation.protocol import load_plan
     from pipeline.training.client_data import client_data
@@ -64,7 +70,7 @@ def _unchanged(model, w0) -> bool:
 
 # ----------------------------------------------------------------------------------------------- lr 0: the loss
 def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
-    from pipeline.training.client_training import GATE_LOG_COLUMNS, validation_loss
+    from pipeline.training.client_training import GATE_LOG_DTYPES, validation_loss
 
     plan, model, train, w0 = _setup("local-ce", lr=0.0, local_epochs=2, batch_size=4)
     result = _train(plan, model, train)
@@ -75,7 +81,7 @@ def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
     assert result.n_steps == 2 * math.ceil(6 / 4)  # two epochs of two batches
     assert result.train_loss == pytest.approx(val, rel=1e-5) and result.ce == pytest.approx(val, rel=1e-5)
     assert (result.kd, result.kd_fraction, result.proximal) == (0.0, 0.0, 0.0)
-    assert list(result.gate_log.columns) == GATE_LOG_COLUMNS and len(result.gate_log) == 0  # no teacher, no log
+    assert list(result.gate_log.columns) == list(GATE_LOG_DTYPES) and len(result.gate_log) == 0  # no teacher, no log
     assert result.privacy is None and (result.dp_examples, result.dp_clipped) == (0, 0)
     # training leaves the adapter frozen and the model in evaluation mode
     assert not any(p.requires_grad for p in model.local_parameters()) and not model.training
@@ -360,7 +366,7 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
             ids = [e for batch, _ in step for e in batch.example_ids]
             assert sorted(ids) == sorted(examples.iloc[idx]["example_id"].astype(str))
             assert all(len(batch.example_ids) <= 2 for batch, _ in step)
-            lengths = [int(n) for batch, _ in step for n in batch.target_lengths]
+            lengths = [int(n) for batch, _ in step for n in _target_lengths(batch)]
             assert lengths == sorted(lengths)  # one bucket: sorted by target length
             for batch, scale in step:
                 assert scale == per_example_loss_scale(batch, normalisation, mcfg.max_target_length)
@@ -438,10 +444,10 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     batches = [b for step in steps for b, _ in step]
     assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
     assert sorted(e for b in batches for e in b.example_ids) == sorted(examples["example_id"])
-    padding = sum(int(b.target_lengths.max()) * len(b.example_ids) - int(b.target_lengths.sum()) for b in batches)
+    padding = sum(int(_target_lengths(b).max()) * len(b.example_ids) - int(_target_lengths(b).sum()) for b in batches)
     assert padding == least_padding
     for step in steps:
-        n = [int(b.target_lengths.sum()) for b, _ in step]
+        n = [int(_target_lengths(b).sum()) for b, _ in step]
         assert [w for _, w in step] == pytest.approx([k / sum(n) for k in n])
 
 

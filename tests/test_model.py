@@ -16,6 +16,7 @@ SOURCES = [
     "short #SEP# A: hi",
 ]
 TARGETS = ["They chose a rubber case.", "The manager opened the budget discussion and talked about the price.", "ok"]
+IDS = ["0", "1", "2"]
 KINDS = ["bart", "bert2bert"]
 
 
@@ -134,7 +135,7 @@ def test_round0_equals_the_backbone(kind):
             if ("final_layer_norm" in name or "output.LayerNorm" in name) and "decoder" in name:
                 p.copy_(0.6 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("weight") else 0.3 * torch.randn(p.shape, generator=g))
     model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
-    ex = tokenize_pairs(tok, SOURCES, TARGETS, 64, 32, None, model.decoder_start_token_id)
+    ex = tokenize_pairs(tok, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id)
     b = collate(ex, model.pad_token_id, model.decoder_start_token_id)
     valid = b.labels != IGNORE_INDEX
     with torch.no_grad():
@@ -150,7 +151,7 @@ def test_generate_greedy_follows_the_local_path(summarizer, batch):
     assert out.shape[0] == 3 and out.shape[1] >= 2
     # greedy = step-by-step argmax of the full local forward (independent of HF's generation loop)
     ids = torch.full((3, 1), summarizer.decoder_start_token_id)
-    step = collate(tokenize_pairs(summarizer.tokenizer, SOURCES, TARGETS, 64, 32), summarizer.pad_token_id, 0)
+    step = collate(tokenize_pairs(summarizer.tokenizer, SOURCES, TARGETS, 64, 32, IDS), summarizer.pad_token_id, 0)
     for _ in range(out.shape[1] - 1):
         step.decoder_input_ids = ids
         with torch.no_grad():
@@ -218,13 +219,14 @@ def test_from_pretrained_directory(kind, tmp_path):
 def test_make_batches_shuffles_deterministically(summarizer):
     df = pd.DataFrame({"example_id": ["a", "b", "c"], "source": SOURCES, "target": TARGETS})
     cfg = ModelConfig(max_source_length=12, max_target_length=6)
-    b1 = make_batches(df, summarizer.tokenizer, cfg, 2, True, 7, summarizer.decoder_start_token_id)
-    b2 = make_batches(df, summarizer.tokenizer, cfg, 2, True, 7, summarizer.decoder_start_token_id)
+    ids = summarizer.decoder_start_token_id, summarizer.pad_token_id
+    b1 = make_batches(df, summarizer.tokenizer, cfg, 2, True, 7, *ids)
+    b2 = make_batches(df, summarizer.tokenizer, cfg, 2, True, 7, *ids)
     assert [b.example_ids for b in b1] == [b.example_ids for b in b2]
     assert [len(b) for b in b1] == [2, 1] and sorted(sum((b.example_ids for b in b1), [])) == ["a", "b", "c"]
     assert max(b.input_ids.shape[1] for b in b1) <= 12 and max(b.labels.shape[1] for b in b1) <= 6
-    with pytest.raises(ValueError, match="target"):
-        make_batches(df.drop(columns="target"), summarizer.tokenizer, cfg, 2, False, 0, 0)
+    with pytest.raises(KeyError, match="target"):  # the examples file's columns are checked when it is read
+        make_batches(df.drop(columns="target"), summarizer.tokenizer, cfg, 2, False, 0, *ids)
 
 
 @pytest.mark.parametrize("kind", ["led", "mbart"])
@@ -234,7 +236,7 @@ def test_other_architectures(kind, tmp_path):
     save_tiny(kind, tmp_path)
     model = AdapterSummarizer.from_pretrained(tmp_path, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     assert model.pre_layer_norm == (kind == "mbart")
-    b = collate(tokenize_pairs(model.tokenizer, SOURCES, TARGETS, 64, 32, None, model.decoder_start_token_id),
+    b = collate(tokenize_pairs(model.tokenizer, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id),
                 model.pad_token_id, model.decoder_start_token_id)
     valid = b.labels != IGNORE_INDEX
     with torch.no_grad():
@@ -306,8 +308,8 @@ def test_make_batches_bucketing_by_length(summarizer):
     start = summarizer.decoder_start_token_id
 
     def batches(seed, bucket, shuffle=True, bucket_batches=50):
-        return make_batches(df, summarizer.tokenizer, cfg, 4, shuffle, seed, start, bucket_by_length=bucket,
-                            bucket_batches=bucket_batches)
+        return make_batches(df, summarizer.tokenizer, cfg, 4, shuffle, seed, start, summarizer.pad_token_id,
+                            bucket_by_length=bucket, bucket_batches=bucket_batches)
 
     def padding(bs):
         return sum(int((b.labels == IGNORE_INDEX).sum()) for b in bs)
@@ -320,7 +322,8 @@ def test_make_batches_bucketing_by_length(summarizer):
     assert padding(bucketed) < padding(plain) / 2
     # one chunk, no shuffle: batches follow ascending target length and never overlap in length
     ordered = batches(0, True, shuffle=False)
-    spans = [(int(b.target_lengths.min()), int(b.target_lengths.max())) for b in ordered]
+    lengths = [(b.labels != IGNORE_INDEX).sum(dim=1) for b in ordered]
+    spans = [(int(n.min()), int(n.max())) for n in lengths]
     assert all(hi <= lo_next for (_, hi), (lo_next, _) in zip(spans, spans[1:]))
     # chunks of 2 batches: sorting happens within each chunk of 8 consecutive (shuffled) examples only
     small = batches(5, True, bucket_batches=2)

@@ -48,7 +48,7 @@ def test_initial_progress_has_no_best_round():
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(val=st.lists(st.sampled_from([3.0, 2.5, 2.0, 2.0, 4.0, 1.5, 1.5]), min_size=1, max_size=6))
 def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last(tmp_path_factory, val):
-    from pipeline.modeling.adapter_io import adapter_file, load_adapter
+    from pipeline.modeling.adapters import adapter_file, load_adapter
     from pipeline.training.checkpoints import initial_progress, keep_best_and_final
 
     plan = _plan_cached()
@@ -144,7 +144,7 @@ def test_run_directory_layout():
 
 # ----------------------------------------------------------------------------------------------- client checkpoints
 def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest_before_a_round(tmp_path):
-    from pipeline.modeling.adapter_io import load_adapter
+    from pipeline.modeling.adapters import load_adapter
     from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
     ckpt = tmp_path / "ckpt"
@@ -181,7 +181,7 @@ def test_an_untrained_client_checkpoint_says_so(tmp_path):
 def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
     """Whatever was there (a resumed client writes a round again): after round r is written the client holds
     exactly rounds r - 1 (if it had it) and r, and round r's content is the new one."""
-    from pipeline.modeling.adapter_io import load_adapter
+    from pipeline.modeling.adapters import load_adapter
     from pipeline.training.checkpoints import write_client_checkpoint
 
     for rnd in (1, 2, 3):
@@ -316,7 +316,7 @@ def test_the_recorders_log_and_write_each_round(caplog):
 def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_error(tmp_path):
     """A kill between writing a round's adapter and its progress leaves round<r>.safetensors alone; writing a
     later round removes it like any other old checkpoint."""
-    from pipeline.modeling.adapter_io import save_adapter
+    from pipeline.modeling.adapters import save_adapter
     from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
     save_adapter(tmp_path / "round001.safetensors", _state(1.0))  # no round001.json

@@ -1,7 +1,5 @@
-"""Outputs written whole: every file a stage writes goes to a temporary name in its directory and is renamed into
-place (``os.replace``, atomic on POSIX), so a stage killed at any moment leaves the old file or the new one, never
-half of one. A killed run's ``.<name>.<pid>.<hex>.tmp`` is never read; the next write of that output removes it.
-``with atomic.replacing(path) as tmp: writer(tmp)`` covers any writer that takes a file name.
+"""Outputs written whole (docs/data.md, Reliability): a temporary name beside the file, renamed into place; a killed
+run's ``.<name>.<pid>.<hex>.tmp`` is never read and the next write of that output removes it.
 
 Fault injection for the reliability tests (never set in normal runs): ``FEDMEET_FAULT_KILL_WRITE=<glob>[@<n>]``
 makes the process SIGKILL itself in the middle of its n-th (default first) atomic write whose file name matches

@@ -1,10 +1,5 @@
-"""One entry point for every stage CLI: bad input or bad parameters end in one line, not a traceback.
-
-Every ``python -m pipeline.<stage>`` runs its ``main`` through :func:`run`. Errors that are the user's to fix (a bad
-input file: DataError; a bad parameter: ConfigError; a missing input: FileNotFoundError; the backbone's, presets' and
-federation's errors) print ``error: <message>`` on stderr and exit with status 2, as argparse does for a bad command
-line. ``--debug`` (anywhere on the command line) or ``FEDMEET_DEBUG=1`` re-raises them so the traceback shows.
-Any other exception is a bug and keeps its traceback.
+"""One entry point for every stage CLI: an error that is the user's to fix ends in one line ``error: <message>``
+and exit status 2, as argparse does for a bad command line (docs/data.md, Reliability); any other keeps its traceback.
 """
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Parameters shared by every stage.
-
-Every stage reads the params file with :func:`load_params` and turns its own group into a config class with
-:func:`from_dict` before any work. A config class is a strict pydantic dataclass (:func:`config`): its annotations,
-``Literal`` choices and ``Field`` bounds are every check, a check across keys is a ``model_validator``, and
-:func:`from_dict` turns pydantic's errors into one :class:`ConfigError` line naming the key. A config default is the
-params file's value for that key, so code and tests that build a config without the file run what `make repro` runs
-(tests/test_params_defaults.py holds every group to it).
+"""Parameters shared by every stage: :func:`load_params`, and :func:`from_dict` into a :func:`config` class (a strict
+pydantic dataclass whose annotations, ``Literal`` choices and ``Field`` bounds are its checks; docs/backbone.md).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Checks that a model directory (``models/backbone``) is whole before it is loaded: transformers fails on a damaged
 one with messages that name no file ("MetadataIncompleteBuffer"); :func:`check_model_dir` names the file and the
 problem (JSON that does not parse, a safetensors size its header does not promise, and any byte changed since the
-backbone stage recorded the directory's sha256 in ``fedmeet_backbone.json``).
+backbone stage recorded the directory's sha256 in ``fedmeet_backbone.json``); and the backbone's name as that record
+has it (:func:`backbone_name`).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
     return h.hexdigest()
 
 
-def check_model_dir(path: str | Path, verify_hash: bool = True) -> None:
+def check_model_dir(path: str | Path) -> None:
     """Raise :class:`ModelDirError` naming the first damaged file of the model directory ``path``."""
     d = Path(path)
     if not (d / "config.json").is_file():
@@ -74,8 +75,20 @@ def check_model_dir(path: str | Path, verify_hash: bool = True) -> None:
     if not weights and not any(d.glob("*.bin")):
         raise ModelDirError(f"{d}: no weight file (*.safetensors or *.bin); {FIX}")
     record = d / RECORD_NAME
-    if verify_hash and record.is_file():
+    if record.is_file():
         recorded = json.loads(record.read_text(encoding="utf-8")).get("backbone_sha256")
         if recorded and sha256_dir(d) != recorded:
             raise ModelDirError(f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "
                                 f"changed or damaged after the backbone stage wrote it); {FIX}")
+
+
+def backbone_name(backbone_dir: str | Path, fallback: str) -> str:
+    """``name`` in the backbone directory's record (the tag and metric field that training, evaluation and the
+    deployed server report), else ``fallback`` (no record, an unreadable one, or no name in it): training falls back
+    to the backbone path, evaluation to the loaded model's type."""
+    record = Path(backbone_dir) / RECORD_NAME
+    try:
+        name = json.loads(record.read_text()).get("name") if record.is_file() else None
+    except json.JSONDecodeError:
+        return fallback
+    return str(name) if name else fallback

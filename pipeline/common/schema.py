@@ -1,8 +1,4 @@
-"""Typed records shared by the data stages, and the error raised for bad input.
-
-A canonical record is one row of ``data/interim/<dataset>.parquet``; an example is one row of
-``data/processed/examples.parquet`` (see docs/ARCHITECTURE.md, "Records").
-"""
+"""Typed records shared by the data stages (docs/ARCHITECTURE.md, "Records"), and the error raised for bad input."""
 from __future__ import annotations
 
 import dataclasses
@@ -36,14 +32,11 @@ class Turn:
     speaker: str
     content: str
 
-    def render(self) -> str:
-        """A turn as the model reads it: ``Speaker: content`` (names and roles stay ordinary words)."""
-        return f"{self.speaker}: {self.content}"
-
 
 def model_input(query: str, turns: list[Turn], sep_token: str) -> str:
-    """The model's source text (examples and the backbone warm-up): one turn a line, after ``query #SEP#``."""
-    transcript = "\n".join(t.render() for t in turns)
+    """The model's source text (examples and the backbone warm-up): one turn a line, after ``query #SEP#``, each
+    ``Speaker: content`` (names and roles stay ordinary words)."""
+    transcript = "\n".join(f"{t.speaker}: {t.content}" for t in turns)
     return f"{query} {sep_token} {transcript}" if query else transcript
 
 

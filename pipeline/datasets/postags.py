@@ -3,7 +3,6 @@ label positions are target nouns and verbs (the mask of the hard-KD method)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -31,11 +30,6 @@ class NounVerbMasks:
                 raise DataError(f"{source}: example {eid}: positions are not 0..{len(pos) - 1}")
             self._mask[str(eid)] = g["is_noun_or_verb"].to_numpy(dtype=bool)
             self._ids[str(eid)] = g["token_id"].to_numpy(dtype=np.int64)
-
-    @classmethod
-    def from_parquet(cls, path: str | Path) -> "NounVerbMasks":
-        """The file of stage `postag` (pipeline.training.client_training.noun_verb_masks checks it exists)."""
-        return cls(pd.read_parquet(path, columns=POSTAG_COLUMNS), str(path))
 
     def __getitem__(self, example_id: str) -> np.ndarray:
         if example_id not in self._mask:

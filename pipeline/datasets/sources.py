@@ -1,6 +1,4 @@
-"""Where each dataset's upstream files are, and how to fetch them when there is no local mirror (which files a
-dataset needs, how their splits are named and how its upstream copy downloads: its reader module's registration,
-pipeline.datasets.readers).
+"""Where each dataset's upstream files are (its reader module's registration says which), fetched when needed.
 
 Order of sources (first that works wins):
   (a) a copy laid out like ../shared/data: ``$FEDMEET_DATA_ROOT`` or ``ingest.data_root`` (data/raw, where each
@@ -54,7 +52,7 @@ def data_root(cfg: IngestConfig) -> Path:
     return Path(os.environ.get(ENV_DATA_ROOT) or cfg.data_root)
 
 
-def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True) -> Path:
+def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
     """The directory holding ``dataset`` in its upstream layout, downloading it if needed."""
     mirror = data_root(cfg) / dataset
     files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
@@ -69,8 +67,6 @@ def resolve_source(dataset: str, cfg: IngestConfig, allow_download: bool = True)
     raw = Path(cfg.raw_dir) / dataset
     if raw.is_dir() and all((raw / rel).is_file() for rel in files):
         return raw
-    if not allow_download:
-        raise DataError(_how_to_fix(dataset, cfg, f"{mirror} does not exist and downloading is disabled"))
     download(dataset, cfg, raw)
     return raw
 

@@ -14,7 +14,7 @@ from pipeline.common import atomic
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, TRAIN_METRICS, client_cache_config,
                                           decode_global, encode_reply, load_plan, plan_path_of)
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
-from pipeline.modeling.adapter_io import load_adapter
+from pipeline.modeling.adapters import load_adapter
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local

@@ -2,18 +2,22 @@
 
     Y_hat = LayerNorm(Y + ReLU(Y W_down) W_up),   W_down: n x m,  W_up: m x n
 
-Round 0 must be the backbone. Post-LN layers (BART, LED, BERT) end with ``out = LN_layer(Z)``, and a second
-LayerNorm on top cannot be made the identity (measured on MiniLM: 17-118 % relative change), so, as in Houlsby et
-al. (2019), the adapter reads Y = Z and its LayerNorm replaces the layer's, starting as a copy of it: with W_up = 0,
-Y_hat is the layer's output exactly. Pre-LN layers (mBART, Pegasus) get the adapter on their output with a unit
-LayerNorm (round 0 only approximately the backbone). W_down ~ N(0, init_std^2), so W_up gets a gradient at once.
+Where Y is read: docs/ARCHITECTURE.md, Model (on post-LN layers the adapter's LayerNorm replaces the layer's, as in
+Houlsby et al. 2019, because a second LayerNorm on top cannot be the identity: measured on MiniLM, 17-118 % relative
+change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once. Also the adapter files
+(safetensors) training writes (per client, round checkpoints, the deployed server's global adapter) and evaluation
+loads back.
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config
+from pipeline.common.schema import DataError
 
 
 @config
@@ -83,9 +87,6 @@ class AdapterSet(nn.Module):
     def __getitem__(self, i: int) -> HoulsbyAdapter:
         return self.adapters[i]
 
-    def __len__(self) -> int:
-        return len(self.adapters)
-
     def _named(self) -> dict[str, nn.Parameter]:
         return {f"layer{i}.{name}": p for i, adapter in enumerate(self.adapters)
                 for name, p in adapter.named_parameters()}
@@ -104,3 +105,30 @@ class AdapterSet(nn.Module):
                 if value.shape != p.shape:
                     raise ValueError(f"adapter state {key}: shape {tuple(value.shape)} != expected {tuple(p.shape)}")
                 p.copy_(value.to(p.device, p.dtype))
+
+
+def adapter_file(client_dir: Path, which: str) -> Path:
+    """A client's ``best`` (lowest validation loss so far) or ``final`` (last round) adapter in its output directory."""
+    return Path(client_dir) / f"adapter_{which}.safetensors"
+
+
+def client_adapter_path(model_dir: Path, client: str, which: str) -> Path:
+    """The same below an experiment's output directory (``models/<exp>/clients/<client>/``)."""
+    return adapter_file(model_dir / "clients" / client, which)
+
+
+def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    atomic.save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()}, path, metadata)
+
+
+def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def load_local_adapter(model, path: Path) -> None:
+    """Load a trained client adapter file into ``model``'s local adapter set (what generation uses)."""
+    if not path.is_file():
+        raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
+    model.load_adapter_state("local", load_adapter(path))

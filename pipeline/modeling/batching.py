@@ -32,20 +32,14 @@ class Batch:
     decoder_input_ids: torch.Tensor  # [B, T] labels shifted right, start token first
     labels: torch.Tensor  # [B, T] target ids, IGNORE_INDEX (-100) on padding
 
-    @property
-    def target_lengths(self) -> torch.Tensor:
-        return (self.labels != IGNORE_INDEX).sum(dim=1)
-
     def __len__(self) -> int:
         return len(self.example_ids)
 
 
 def tokenize_pairs(tokenizer, sources: Sequence[str], targets: Sequence[str], max_source_length: int,
-                   max_target_length: int, example_ids: Sequence[str] | None = None,
+                   max_target_length: int, example_ids: Sequence[str],
                    decoder_start_token_id: int | None = None) -> list[TokenizedExample]:
     """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding."""
-    if example_ids is None:
-        example_ids = [str(i) for i in range(len(sources))]
     src = tokenizer(list(sources), max_length=max_source_length, truncation=True)["input_ids"]
     tgt = tokenizer(text_target=list(targets), max_length=max_target_length, truncation=True)["input_ids"]
     out = []
@@ -82,20 +76,13 @@ def collate(examples: Sequence[TokenizedExample], pad_token_id: int, decoder_sta
 
 
 def make_batches(examples_df, tokenizer, cfg, batch_size: int, shuffle: bool, seed: int, decoder_start_token_id: int,
-                 pad_token_id: int | None = None, bucket_by_length: bool = False,
-                 bucket_batches: int = 50) -> list[Batch]:
+                 pad_token_id: int, bucket_by_length: bool = False, bucket_batches: int = 50) -> list[Batch]:
     """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches; ``cfg`` has the max lengths.
 
     With ``shuffle`` the order is a permutation from ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts
     padding: chunks of ``bucket_batches * batch_size`` examples of that order are sorted by (target, source)
     length, batched, and with ``shuffle`` the batches are permuted again with the same generator.
     """
-    for col in ("example_id", "source", "target"):
-        if col not in examples_df.columns:
-            raise ValueError(f"make_batches: examples table has no column {col!r} (columns: {list(examples_df.columns)})")
-    pad = tokenizer.pad_token_id if pad_token_id is None else pad_token_id
-    if pad is None:
-        raise ValueError("make_batches: the tokenizer has no pad token")
     examples = tokenize_pairs(tokenizer, examples_df["source"].tolist(), examples_df["target"].tolist(),
                               cfg.max_source_length, cfg.max_target_length,
                               examples_df["example_id"].astype(str).tolist(), decoder_start_token_id)
@@ -112,4 +99,4 @@ def make_batches(examples_df, tokenizer, cfg, batch_size: int, shuffle: bool, se
             groups += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
         if shuffle:
             groups = [groups[i] for i in rng.permutation(len(groups))]
-    return [collate([examples[j] for j in g], pad, decoder_start_token_id) for g in groups]
+    return [collate([examples[j] for j in g], pad_token_id, decoder_start_token_id) for g in groups]

@@ -1,8 +1,5 @@
-"""Where a training run keeps its state while it runs, and its checkpoints (both engines and `single` /
-`centralized`): the run directory ``data/cache/runs/<exp>-<key>/`` holds ``clients/<client>/`` (adapters, gate log)
-and ``checkpoint/``. Round checkpoints are tagged with the plan's hash (another configuration's is not resumed); a
-finished run's outputs are copied to ``models/<exp>/`` (:func:`publish_outputs`).
-"""
+"""Where a training run keeps its state while it runs (``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` and
+``checkpoint/``), its round checkpoints (tagged with the plan's hash) and the publishing of its outputs."""
 from __future__ import annotations
 
 import json
@@ -16,7 +13,7 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.modeling.adapter_io import adapter_file, save_adapter
+from pipeline.modeling.adapters import adapter_file, save_adapter
 from pipeline.experiments import Plan, plan_hash
 
 log = logging.getLogger("fedmeet.train")

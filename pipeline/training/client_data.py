@@ -57,12 +57,11 @@ class ClientData:
     client: str
     train: pd.DataFrame
     valid: pd.DataFrame
-    n_train_available: int  # before subsampling (reported, so the subsampling is visible)
-    n_valid_available: int
+    n_train_available: int  # before subsampling (train.weight_by: full)
 
 
-def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None) -> ClientData:
-    partition = partition if partition is not None else read_partition(plan.paths["partition"])
+def client_data(plan: Plan, client: str) -> ClientData:
+    partition = read_partition(plan.paths["partition"])
     if client not in partition["clients"]:
         raise DataError(f"{plan.paths['partition']}: no client {client!r} (clients: {sorted(partition['clients'])})")
     examples = read_examples(plan.paths["examples"])
@@ -77,7 +76,7 @@ def client_data(plan: Plan, client: str, partition: dict[str, Any] | None = None
                             f"{plan.paths['examples']} ({len(missing)} missing)")
         chosen = subsample_ids(ids, limit, derived_seed(plan.seed, client, split, "subsample"))
         frames[split] = examples.loc[chosen].reset_index(drop=True)
-    return ClientData(client, frames["train"], frames["valid"], len(splits["train"]), len(splits["valid"]))
+    return ClientData(client, frames["train"], frames["valid"], len(splits["train"]))
 
 
 def client_names(plan: Plan) -> list[str]:

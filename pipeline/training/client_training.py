@@ -1,9 +1,5 @@
 """The local trainer: what one client does with its own data in one round (METHOD.md section 4), for the Flower
-ClientApp and for `single` / `centralized`. It trains the *local* adapter set with AdamW on ``L = mean_t L_t``
-(CE, KD on every token, selective KD where the global adapter's entropy ``H(q_g) < tau``, or hard KD on target nouns
-and verbs) plus FedProx's ``mu/2 ||W - W_global||^2`` when asked, records the gate log rows of section 4, and
-measures the validation loss (CE of the local path). Under params `privacy` the steps are DP-SGD (pipeline.privacy).
-"""
+ClientApp and for `single` / `centralized` (docs/ARCHITECTURE.md, "Training and federation")."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +13,7 @@ import pandas as pd
 import torch
 import transformers
 
-from pipeline.datasets.postags import NounVerbMasks
+from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments import Plan
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig
@@ -29,7 +25,6 @@ from pipeline.training.shared_model import model_config
 
 GATE_LOG_DTYPES = {"client": "string", "round": "int32", "example_id": "string", "position": "int32",
                    "token_id": "int64", "entropy": "float32", "kd_applied": "bool"}
-GATE_LOG_COLUMNS = list(GATE_LOG_DTYPES)
 
 
 def kd_config(plan: Plan) -> KDConfig:
@@ -41,7 +36,7 @@ def kd_config(plan: Plan) -> KDConfig:
 
 @lru_cache(maxsize=2)
 def _noun_verb_masks(path: str, mtime: float) -> NounVerbMasks:
-    return NounVerbMasks.from_parquet(path)
+    return NounVerbMasks(pd.read_parquet(path, columns=POSTAG_COLUMNS), path)
 
 
 def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:

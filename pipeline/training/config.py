@@ -39,8 +39,6 @@ class StopConfig:
 
 @config
 class TrainConfig:
-    """The `train` params (each key's comment lives in params.yaml)."""
-
     rounds: PositiveInt = 3
     local_epochs: PositiveInt = 1
     batch_size: PositiveInt = 8

@@ -1,10 +1,4 @@
-"""The methods compared (METHOD.md sections 6 and 7), selectable by name.
-
-Table V (section 7.7) compares *server algorithms*, so every registered server strategy without a method below
-(`fedprox`, `fedopt`, `fednova`, ...: pipeline.federation.strategies) is a method of its own name that trains like
-AdaFedAvg (one adapter set, CE) with that server algorithm **(our default)**; `fedselectkd` is the row they are
-compared against.
-"""
+"""The methods compared (METHOD.md sections 6 and 7), selectable by name."""
 from __future__ import annotations
 
 from pipeline.common.config import ConfigError, config
@@ -55,7 +49,8 @@ METHODS: dict[str, MethodSpec] = {
                    new_client="pre"),
     ]
 }
-# Table V's server algorithms: CE with one adapter set, as AdaFedAvg, under each strategy without a method above.
+# Table V (section 7.7) compares server algorithms: every registered strategy without a method above is a method of
+# its own name, CE with one adapter set as AdaFedAvg **(our default)**, compared against `fedselectkd`.
 METHODS.update({name: MethodSpec(name, federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
                                  strategy=name) for name in STRATEGIES if name not in METHODS})
 

@@ -1,7 +1,5 @@
-"""What a finished training run reports: ``metrics.json`` (per client: best round and validation loss, rounds
-trained and failed, bytes, FedAvg weight, DP-SGD report; the run's means; SecAgg+ settings and dropouts), the
-merged gate log, and the final MLflow metrics. Written the same way by the train stage and by the deployed
-ServerApp."""
+"""What a finished training run reports: ``metrics.json``, the merged gate log and the final MLflow metrics, written
+the same way by the train stage and by the deployed ServerApp."""
 from __future__ import annotations
 
 import json
@@ -12,7 +10,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.timing import peak_rss_mb
-from pipeline.modeling.backbone_record import backbone_name
+from pipeline.common.integrity import backbone_name
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training.client_training import empty_gate_log

@@ -1,11 +1,5 @@
-"""The dataset registry: what a reader module declares about its upstream layout.
-
-A reader module (pipeline/datasets/readers/<layout>.py) registers, per dataset it reads, a :class:`DatasetSpec`:
-the reader (directory, report, allow_absent) -> canonical records, the files it needs relative to
-``<root>/<dataset>/`` (how pipeline.datasets.sources checks a mirror and downloads), each with its split key
-(``<dataset>/<domain>/<split>``, matched by ``ingest.allow_absent_splits``) and, where the upstream copy is not
-those files one by one, how to download it. A new dataset is its module, its import in ``catalog``, its name in
-params ``ingest.datasets`` (+ ``ingest.urls``), and a DVC import of its files (data/raw/<dataset>.dvc).
+"""The dataset registry: per dataset, what its reader module (pipeline/datasets/readers/<layout>.py) declares about
+its upstream layout (docs/ARCHITECTURE.md, "Where a common change goes": a dataset).
 """
 from __future__ import annotations
 
