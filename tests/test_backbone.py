@@ -266,3 +266,20 @@ def test_minilm_weights_can_come_from_a_local_directory(tmp_path, monkeypatch):
         wu.minilm_dir()
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert wu.minilm_dir() == tmp_path
+
+
+def test_activation_checkpointing_warms_up_to_the_same_weights(tmp_path):
+    """Recomputing activations in backward (with dropout's RNG state restored) changes memory, not a single weight."""
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    pairs = bb.load_pairs(interim, "train")
+    weights = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model, tok = tiny_models.tiny_bert2bert()
+        wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
+                             activation_checkpointing=checkpointing)
+        wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # off again after
+        weights.append(model.state_dict())
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

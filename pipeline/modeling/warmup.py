@@ -102,6 +102,7 @@ class WarmupConfig:
     cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
     length_grouping: NonNegativeInt = 32
     bf16: bool = False  # CUDA: only where bf16 is supported
+    activation_checkpointing: bool = True
     num_threads: NonNegativeInt = 0
     seed: int = 0
     log_every: PositiveInt = 25
@@ -177,6 +178,8 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     sched = get_linear_schedule_with_warmup(opt, math.ceil(wc.warmup_fraction * wc.steps), wc.steps)
     pad = tokenizer.pad_token_id
     model.to(device).train()
+    if wc.activation_checkpointing:  # the same numbers: each layer's forward is rerun in backward, RNG state restored
+        model.activation_checkpointing_enable()
     loss_log, window, seen = [], [], 0
     t0 = time.perf_counter()
     bar = tqdm(order, desc="backbone warm-up", unit="step", mininterval=5)
@@ -209,6 +212,9 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
             log.info("warm-up step %d/%d loss %.4f (%.1f examples/s)", step, wc.steps, mean, seen / elapsed)
             window = []
     seconds = time.perf_counter() - t0
+    if wc.activation_checkpointing:
+        model.activation_checkpointing_disable()
+        model.disable_input_require_grads()
     model.eval()
     return {"steps": wc.steps, "examples_seen": seen, "epochs": round(seen / len(pairs), 3),
             "seconds": round(seconds, 1), "examples_per_second": round(seen / seconds, 2),
