@@ -129,3 +129,21 @@ def test_scale_benchmark_core_at_two_sizes_in_process(tmp_path):
     assert isinstance(fit["median_round_seconds"]["exponent"], float)
     section = "\n".join(readme.scale_section(res))
     assert "| inprocess | 4 |" in section and "Fitted exponent" in section
+
+
+def test_repro_profile_copies_only_stage_written_inputs_and_reports_ratios():
+    from types import SimpleNamespace
+
+    from benchmarks import repro_profile as rp
+
+    dep = lambda p: SimpleNamespace(def_path=p)  # noqa: E731
+    stage = SimpleNamespace(deps=[dep("pipeline/train.py"), dep("models/plans/a.json"), dep("models/backbone"),
+                                  dep("data/processed/examples.parquet")])
+    outputs = {"models/plans", "models/backbone", "data/processed/examples.parquet"}
+    assert rp.tracked_inputs(stage, outputs) == ["models/plans/a.json", "models/backbone",
+                                                 "data/processed/examples.parquet"]
+    result = {"baseline": "b", "candidate": "c", "repeats": 1, "machine": "m", "measured_at": "t",
+              "stages": {"backbone": {"baseline": {"work_seconds": 200.0, "peak_rss_mb": 0.0},
+                                      "candidate": {"work_seconds": 250.0, "peak_rss_mb": 0.0}}}}
+    rows = [line for line in rp.markdown(result).splitlines() if line.startswith("| backbone")]
+    assert rows == ["| backbone | work_seconds | 200.00 | 250.00 | 1.25 |", "| backbone | peak_rss_mb | 0.00 | 0.00 | - |"]
