@@ -146,4 +146,5 @@ def test_repro_profile_copies_only_stage_written_inputs_and_reports_ratios():
               "stages": {"backbone": {"baseline": {"work_seconds": 200.0, "peak_rss_mb": 0.0},
                                       "candidate": {"work_seconds": 250.0, "peak_rss_mb": 0.0}}}}
     rows = [line for line in rp.markdown(result).splitlines() if line.startswith("| backbone")]
-    assert rows == ["| backbone | work_seconds | 200.00 | 250.00 | 1.25 |", "| backbone | peak_rss_mb | 0.00 | 0.00 | - |"]
+    assert rows == ["| backbone | work_seconds | 200.00 | 250.00 | 1.25 |",
+                    "| backbone | peak_rss_mb | 0.00 | 0.00 | - |"]
