@@ -12,6 +12,7 @@ import fnmatch
 import json
 import os
 import re
+import shutil
 import signal
 import uuid
 from collections.abc import Iterator
@@ -33,8 +34,7 @@ def _fault_point(path: Path, tmp: Path) -> None:
     _matching_writes += 1
     if _matching_writes == int(nth or 1):
         if tmp.exists():
-            with open(tmp, "r+b") as fh:
-                fh.truncate(tmp.stat().st_size // 2)
+            os.truncate(tmp, tmp.stat().st_size // 2)
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -42,8 +42,6 @@ def _remove_stale(target: Path, pattern: str) -> None:
     """Remove temporaries of ``target`` left by processes that died before renaming them (a SIGKILL skips every
     cleanup): inside a DVC output directory they would otherwise be hashed as part of the output. Temporaries of
     live processes (a concurrent writer) are left alone."""
-    import shutil
-
     from psutil import pid_exists  # someone else's live process (EPERM) counts as alive
 
     rx = re.compile(pattern)
@@ -121,8 +119,6 @@ def temp_dir_for(path: str | os.PathLike) -> Path:
 def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     """Put the finished directory ``tmp`` at ``path``. Two renames: a kill between them leaves the old directory
     under a ``.tmp`` name and none at ``path`` (the stage then simply reruns), never a mixture of old and new."""
-    import shutil
-
     target = Path(path)
     _fault_point(target, Path(tmp) / "__none__")
     old = None

@@ -1,9 +1,6 @@
 """Checks that a model directory (``models/backbone``) is whole before it is loaded: transformers fails on a damaged
-one with messages that name no file ("MetadataIncompleteBuffer"); :func:`check_model_dir` names the file and the
-problem (JSON that does not parse, a safetensors size its header does not promise, and any byte changed since the
-backbone stage recorded the directory's sha256 in ``fedmeet_backbone.json``); and the backbone's name as that record
-has it (:func:`backbone_name`).
-"""
+one with messages that name no file ("MetadataIncompleteBuffer"), :func:`check_model_dir` names the file and the
+problem; and the backbone's name as the backbone stage's record has it (:func:`backbone_name`)."""
 from __future__ import annotations
 
 import hashlib

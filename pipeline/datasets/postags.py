@@ -17,9 +17,6 @@ class NounVerbMasks:
     """Per example, which label positions are nouns or verbs: the mask of the noun-verb hard-KD method."""
 
     def __init__(self, table: pd.DataFrame, source: str = "data/processed/postags.parquet") -> None:
-        missing = sorted(set(POSTAG_COLUMNS) - set(table.columns))
-        if missing:
-            raise DataError(f"{source}: missing column(s) {missing}")
         self.source = source
         self._mask: dict[str, np.ndarray] = {}
         self._ids: dict[str, np.ndarray] = {}

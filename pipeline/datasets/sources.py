@@ -1,11 +1,6 @@
-"""Where each dataset's upstream files are (its reader module's registration says which), fetched when needed.
-
-Order of sources (first that works wins):
-  (a) a copy laid out like ../shared/data: ``$FEDMEET_DATA_ROOT`` or ``ingest.data_root`` (data/raw, where each
-      dataset is a DVC import of the mirror, data/raw/<dataset>.dvc);
-  (b) the files already downloaded into ``<raw_dir>/<dataset>/`` (same layout as the mirror);
-  (c) the upstream addresses ``ingest.urls.<dataset>``, downloaded into ``<raw_dir>/<dataset>/``;
-otherwise a DataError says what to set.
+"""Where each dataset's upstream files are (its reader module's registration says which), the first that works
+(docs/data.md): a copy laid out like ../shared/data (``$FEDMEET_DATA_ROOT`` or ``ingest.data_root``), the files
+already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``ingest.urls.<dataset>`` downloaded there.
 """
 from __future__ import annotations
 

@@ -41,8 +41,6 @@ def word_index_from_offsets(text: str, offsets: Sequence[tuple[int, int]], speci
     character spans of the tokens in ``text``; ``special[i]`` marks special tokens. A zero-width token (BPE ``Ġ`` whose
     space was trimmed from its span) belongs to the word starting right at its position, if any: it encodes the space in
     front of that word."""
-    if len(offsets) != len(special):
-        raise ValueError(f"{len(offsets)} offsets but {len(special)} special-token flags")
     words, spans = whitespace_words(text)
     owner = char_to_word(text, spans)
     index: list[int | None] = []

@@ -1,18 +1,14 @@
-"""Houlsby bottleneck adapters on the top decoder layers (METHOD.md section 3).
-
-    Y_hat = LayerNorm(Y + ReLU(Y W_down) W_up),   W_down: n x m,  W_up: m x n
-
-Where Y is read: docs/ARCHITECTURE.md, Model (on post-LN layers the adapter's LayerNorm replaces the layer's, as in
-Houlsby et al. 2019, because a second LayerNorm on top cannot be the identity: measured on MiniLM, 17-118 % relative
-change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once. Also the adapter files
-(safetensors) training writes (per client, round checkpoints, the deployed server's global adapter) and evaluation
-loads back.
+"""Houlsby bottleneck adapters on the top decoder layers (METHOD.md section 3; W_down: n x m, W_up: m x n), and
+their files. Where Y is read: docs/ARCHITECTURE.md, Model (on post-LN layers the adapter's LayerNorm replaces the
+layer's, as in Houlsby et al. 2019, because a second LayerNorm on top cannot be the identity: measured on MiniLM,
+17-118 % relative change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from pipeline.common import atomic
@@ -122,8 +118,6 @@ def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dic
 
 
 def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     return load_file(str(path))
 
 

@@ -88,11 +88,7 @@ class PrefixCache:
                                      "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
                                      "format_version": FORMAT_VERSION}, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
-        self._bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))
-
-    @property
-    def size_bytes(self) -> int:
-        return self._bytes
+        self.size_bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))  # of every key
 
     def prefix_for(self, model: AdapterSummarizer, batch: Batch) -> Prefix:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
@@ -153,7 +149,7 @@ class PrefixCache:
         with contextlib.suppress(OSError):
             size = path.stat().st_size
             path.unlink()
-            self._bytes -= size
+            self.size_bytes -= size
 
     def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
@@ -165,10 +161,10 @@ class PrefixCache:
             if size > self.max_bytes:
                 self.stats["refused"] += 1
                 return
-            if self._bytes + size > self.max_bytes:
-                self._evict(self._bytes + size - self.max_bytes)
+            if self.size_bytes + size > self.max_bytes:
+                self._evict(self.size_bytes + size - self.max_bytes)
             os.replace(tmp, path)
-            self._bytes += size
+            self.size_bytes += size
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -185,7 +181,7 @@ class PrefixCache:
             except OSError:
                 continue
             freed += size
-            self._bytes -= size
+            self.size_bytes -= size
             self.stats["evicted"] += 1
 
 
@@ -194,53 +190,44 @@ class TeacherCache:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
-        self._store: dict[str, torch.Tensor] = {}
-        self._crc: dict[str, int] = {}
+        self._store: dict[str, tuple[torch.Tensor, int]] = {}  # example id -> (its rows, their CRC-32)
         self._bytes = 0
         self._version: tuple[int, int] | None = None
         self.stats = {"hits": 0, "misses": 0, "refused": 0, "damaged": 0}
-
-    def clear(self) -> None:
-        self._store.clear()
-        self._crc.clear()
-        self._bytes = 0
 
     def _intact(self, eid: str) -> bool:
         """Whether ``eid`` is stored and unchanged (a changed entry is dropped)."""
         if eid not in self._store:
             return False
-        if zlib.crc32(_raw(self._store[eid])) == self._crc[eid]:
+        row, crc = self._store[eid]
+        if zlib.crc32(_raw(row)) == crc:
             return True
         log.warning("teacher cache: entry of example %s changed since it was stored; recomputing it", eid)
         self.stats["damaged"] += 1
-        self._bytes -= self._store.pop(eid).numel() * 4
-        del self._crc[eid]
+        self._bytes -= self._store.pop(eid)[0].numel() * 4
         return False
 
     @torch.no_grad()
     def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix) -> torch.Tensor:
         """Global-path logits of ``batch``: the [N, V] rows of its N real target tokens in row-major order."""
         version = (id(model), model.adapter_version["global"])
-        if self._version != version:
-            self.clear()  # a new global adapter (or another model): the stored teacher is stale
-            self._version = version
+        if self._version != version:  # a new global adapter (or another model): the stored teacher is stale
+            self._store, self._bytes, self._version = {}, 0, version
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
         if all([self._intact(eid) for eid in batch.example_ids]):  # a list: check (and drop) every entry
             self.stats["hits"] += len(batch)
-            return torch.cat([self._store[eid] for eid in batch.example_ids]).to(model.device)
+            return torch.cat([self._store[eid][0] for eid in batch.example_ids]).to(model.device)
         self.stats["misses"] += len(batch)
-        target_mask = (batch.labels != IGNORE_INDEX).to(model.device)
-        logits = model.path_logits(prefix.to(model.device), "global", target_mask=target_mask, packed=True)
+        logits = model.path_logits(prefix.to(model.device), "global", packed=True)
         starts = [0, *itertools.accumulate(tgt_len)]
         for i, eid in enumerate(batch.example_ids):
             row = logits[starts[i] : starts[i + 1]].to("cpu", torch.float32).clone()
             size = row.numel() * 4
             if eid in self._store:  # stored by an earlier, partly cached batch: replace, do not count twice
-                self._bytes -= self._store.pop(eid).numel() * 4
+                self._bytes -= self._store.pop(eid)[0].numel() * 4
             if self._bytes + size > self.max_bytes:
                 self.stats["refused"] += 1
                 continue
-            self._store[eid] = row
-            self._crc[eid] = zlib.crc32(_raw(row))
+            self._store[eid] = row, zlib.crc32(_raw(row))
             self._bytes += size
         return logits

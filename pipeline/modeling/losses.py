@@ -103,7 +103,7 @@ class _FusedDistillation(torch.autograd.Function):
         dCE/dz_l = q_l - onehot(y),   d(T^2 KL(p_g^T || q_l^T))/dz_l = T (q_l^T - p_g^T),
         d(T^2 KL(q_l^T || p_g^T))/dz_l = T q_l^T * (log q_l^T - log p_g^T - KL).
 
-    The gate (a_t, b_t) is given: ``gate`` [N] bool (None without a teacher), decided before the kernel."""
+    The gate (a_t, b_t) is given: ``gate`` [N] bool (all False without a teacher), decided before the kernel."""
 
     @staticmethod
     def forward(ctx, z_l, z_g, y, row_weight, gate, cfg, chunk_rows, want_grad):
@@ -119,8 +119,8 @@ class _FusedDistillation(torch.autograd.Function):
             y_c = y[s:e].unsqueeze(-1)
             q, lse_l = _softmax_lse(zl)
             ce[s:e] = lse_l - zl.gather(-1, y_c).squeeze(-1)
-            g_c = gate[s:e] if gate is not None else None
-            any_kd = g_c is not None and bool(g_c.any())
+            g_c = gate[s:e]
+            any_kd = bool(g_c.any())
             if any_kd:
                 zg = z_g[s:e].float()
                 if t == 1.0:
@@ -138,7 +138,7 @@ class _FusedDistillation(torch.autograd.Function):
                 kl[s:e] = (kl_c * t * t).masked_fill(~g_c, 0.0)
             if want_grad:
                 w = row_weight[s:e]
-                a = (torch.where(g_c, 1.0 - cfg.kd_lambda, 1.0) * w if g_c is not None else w).unsqueeze(-1)  # CE weight
+                a = (torch.where(g_c, 1.0 - cfg.kd_lambda, 1.0) * w).unsqueeze(-1)  # CE weight (1.0 * w is w exactly)
                 b = (torch.where(g_c, cfg.kd_lambda, 0.0) * w * t).unsqueeze(-1) if any_kd else None  # KL (x T: dz/T)
                 # written in place when the logits are float32; half-precision logits get a float32 chunk copied back
                 gr = grad[s:e] if grad.dtype == torch.float32 else torch.empty(e - s, v, device=dev)
@@ -155,9 +155,8 @@ class _FusedDistillation(torch.autograd.Function):
                 gr.scatter_add_(-1, y_c, -a)
                 if gr.data_ptr() != grad[s:e].data_ptr():
                     grad[s:e] = gr
-        gate_all = gate if gate is not None else torch.zeros(n, dtype=torch.bool, device=dev)
-        a_all = torch.where(gate_all, 1.0 - cfg.kd_lambda, 1.0)
-        b_all = torch.where(gate_all, cfg.kd_lambda, 0.0)
+        a_all = torch.where(gate, 1.0 - cfg.kd_lambda, 1.0)
+        b_all = torch.where(gate, cfg.kd_lambda, 0.0)
         loss = (row_weight * (a_all * ce + b_all * kl)).sum()
         ctx.save_for_backward(grad if want_grad else torch.empty(0))
         ctx.mark_non_differentiable(ce, kl)
@@ -199,7 +198,6 @@ def distillation_loss(logits_local: torch.Tensor, logits_global: torch.Tensor | 
         seq_of_row = valid.nonzero()[:, 0]
         row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device)
     want_grad = torch.is_grad_enabled() and z_l.requires_grad
-    chunk_rows = max(1, int(chunk_rows))
     threshold = float("nan")
     entropy_p = torch.zeros(n_tokens, device=z_l.device)
     gate_p = torch.zeros(n_tokens, dtype=torch.bool, device=z_l.device)
@@ -209,8 +207,7 @@ def distillation_loss(logits_local: torch.Tensor, logits_global: torch.Tensor | 
         if gate is not None:
             gate_p, threshold = gate(TeacherRows(z_g, entropy_p, hard_gate, chunk_rows), cfg)
             gate_p = gate_p.to(device=z_l.device, dtype=torch.bool)
-    loss, ce, kl = _FusedDistillation.apply(z_l, z_g, y, row_weight, gate_p if z_g is not None else None, cfg,
-                                            chunk_rows, want_grad)
+    loss, ce, kl = _FusedDistillation.apply(z_l, z_g, y, row_weight, gate_p, cfg, chunk_rows, want_grad)
 
     entropy = torch.zeros(labels.shape, device=z_l.device)
     gate = torch.zeros(labels.shape, dtype=torch.bool, device=z_l.device)

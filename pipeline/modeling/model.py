@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
-from pipeline.common.config import ConfigError, PositiveInt, TokenLength, config
+from pipeline.common.config import ConfigError, PositiveInt, TokenLength, config, from_dict
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.common.integrity import check_model_dir
 
@@ -42,8 +42,6 @@ class ModelConfig:
     @classmethod
     def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":
         """From the `model` params group, leaving out its cache keys (pipeline.experiments checks those)."""
-        from pipeline.common.config import from_dict
-
         names = {f.name for f in dataclasses.fields(cls)}
         return from_dict(cls, {k: v for k, v in (group or {}).items() if k in names}, where)
 
@@ -58,12 +56,10 @@ class Prefix:
     encoder_hidden: torch.Tensor  # [B, S, n] encoder output as the decoder's cross-attention sees it
     encoder_mask: torch.Tensor  # [B, S] 1 on source tokens
     decoder_hidden: torch.Tensor  # [B, T, n] hidden state entering decoder layer L-k (valid up to target length)
-    # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there (None = everywhere)
-    target_mask: torch.Tensor | None = None
+    target_mask: torch.Tensor  # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there
 
     def to(self, device) -> "Prefix":
-        mask = self.target_mask.to(device) if self.target_mask is not None else None
-        return Prefix(self.encoder_hidden.to(device), self.encoder_mask.to(device), self.decoder_hidden.to(device), mask)
+        return Prefix(**{name: tensor.to(device) for name, tensor in vars(self).items()})
 
 
 @dataclass
@@ -117,8 +113,7 @@ class AdapterSummarizer(nn.Module):
                               f"allowed: 1..{n_layers}")
         self.first_adapted = n_layers - adapter.top_k
         self._top_layers = list(layers[self.first_adapted :])
-        self.__dict__["_first_layer"] = layers[self.first_adapted]
-        self._layer_params = list(inspect.signature(self._first_layer.forward).parameters)
+        self._layer_params = list(inspect.signature(self._top_layers[0].forward).parameters)
         self.hidden_size = self._stack.config.hidden_size if self.is_bert2bert else backbone.config.d_model
         self.decoder_start_token_id = self._config_value("decoder_start_token_id")
         self.pad_token_id = self._config_value("pad_token_id")
@@ -130,7 +125,7 @@ class AdapterSummarizer(nn.Module):
         self.__dict__["_adapter_norms"] = norms
         self.adapter_sets = nn.ModuleDict({path: AdapterSet(self.hidden_size, adapter, norms) for path in PATHS})
         self.adapter_version = {path: 0 for path in PATHS}  # bumped on every load; lets caches notice changes
-        self.copy_adapter("local", "global")  # identical start: round 0 teacher = student
+        self.load_adapter_state("global", self.adapter_state("local"))  # identical start: round 0 teacher = student
         for p in self.adapter_sets["global"].parameters():
             p.requires_grad_(False)
 
@@ -151,9 +146,7 @@ class AdapterSummarizer(nn.Module):
 
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
-        config = AutoConfig.from_pretrained(str(path))
-        if not getattr(config, "is_encoder_decoder", False):
-            raise ValueError(f"{path}: model_type {config.model_type!r} is not an encoder-decoder")
+        config = AutoConfig.from_pretrained(str(path))  # an encoder-decoder: the backbone stage checks
         backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path), config=config)  # EncoderDecoderModel included
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls.from_backbone(backbone, tokenizer, adapter, device)
@@ -200,9 +193,7 @@ class AdapterSummarizer(nn.Module):
 
     @contextlib.contextmanager
     def use_path(self, path: str | None) -> Iterator[None]:
-        """Activate one adapter set (None = the bare backbone) for every forward inside the block."""
-        if path is not None and path not in PATHS:
-            raise ValueError(f"unknown adapter path {path!r}; expected one of {PATHS}")
+        """Activate adapter set ``path`` (one of PATHS; None = the bare backbone) for every forward inside the block."""
         previous, self._active = self._active, path
         try:
             yield
@@ -216,9 +207,6 @@ class AdapterSummarizer(nn.Module):
     def load_adapter_state(self, path: str, state: dict[str, torch.Tensor]) -> None:
         self.adapter_sets[path].load_state(state)
         self.adapter_version[path] += 1
-
-    def copy_adapter(self, src: str, dst: str) -> None:
-        self.load_adapter_state(dst, self.adapter_state(src))
 
     def fresh_adapter_state(self, seed: int) -> dict[str, torch.Tensor]:
         """A newly initialised adapter set (as ``adapter_state`` returns it) from ``seed``: the round-0 weights."""
@@ -247,13 +235,10 @@ class AdapterSummarizer(nn.Module):
 
     def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
-        with self.use_path(path):
-            return self._full_forward(batch).logits
-
-    def _full_forward(self, batch: Batch):
         device = self.device
-        return self.backbone(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                             decoder_input_ids=batch.decoder_input_ids.to(device), use_cache=False)
+        with self.use_path(path):
+            return self.backbone(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                                 decoder_input_ids=batch.decoder_input_ids.to(device), use_cache=False).logits
 
     @torch.no_grad()
     def compute_prefix(self, batch: Batch) -> Prefix:
@@ -267,10 +252,10 @@ class AdapterSummarizer(nn.Module):
             captured["encoder_hidden"] = bound["encoder_hidden_states"]
             raise _PrefixReady
 
-        handle = self._first_layer.register_forward_pre_hook(grab, with_kwargs=True)
+        handle = self._top_layers[0].register_forward_pre_hook(grab, with_kwargs=True)
         try:
-            with self.use_path(None), contextlib.suppress(_PrefixReady):
-                self._full_forward(batch)
+            with contextlib.suppress(_PrefixReady):
+                self.forward_path(batch, None)
         finally:
             handle.remove()
         if "decoder_hidden" not in captured:
@@ -302,10 +287,9 @@ class AdapterSummarizer(nn.Module):
         bias = getattr(owner, "final_logits_bias", None)
         return logits + bias.to(logits.device) if bias is not None else logits
 
-    def path_logits(self, prefix: Prefix, path: str, masks=None, target_mask: torch.Tensor | None = None,
-                    packed: bool = False) -> torch.Tensor:
+    def path_logits(self, prefix: Prefix, path: str, masks=None, packed: bool = False) -> torch.Tensor:
         """Top k layers with ``path``'s adapters + LM head on a prefix. The LM head (n x V, the dominant cost) runs
-        only where ``target_mask`` (default: the prefix's) is True: [B, T, V] with 0 elsewhere, or ``packed`` rows."""
+        only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows."""
         self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
         h = prefix.decoder_hidden
         with self.use_path(path):
@@ -313,11 +297,10 @@ class AdapterSummarizer(nn.Module):
                 h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
                 if isinstance(h, tuple):
                     h = h[0]
-        mask = target_mask if target_mask is not None else prefix.target_mask
-        if mask is None or bool(mask.all()):
+        mask = prefix.target_mask.to(h.device, torch.bool)
+        if bool(mask.all()):
             logits = self._head(h)
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
-        mask = mask.to(h.device, torch.bool)
         return _match_layout(self._head(h[mask]), mask, packed)  # unpacked: a differentiable scatter into zeros
 
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None,
@@ -327,14 +310,13 @@ class AdapterSummarizer(nn.Module):
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
-        target_mask = (batch.labels != IGNORE_INDEX).to(self.device)
         masks = self._top_masks(prefix)
-        logits_local = self.path_logits(prefix, "local", masks, target_mask, packed)
+        logits_local = self.path_logits(prefix, "local", masks, packed)
         if teacher_logits is None:
             with torch.no_grad():
-                teacher_logits = self.path_logits(prefix, "global", masks, target_mask, packed)
+                teacher_logits = self.path_logits(prefix, "global", masks, packed)
         else:
-            teacher_logits = _match_layout(teacher_logits.to(self.device), target_mask, packed)
+            teacher_logits = _match_layout(teacher_logits.to(self.device), prefix.target_mask, packed)
         return TwoPathOutput(logits_local, teacher_logits)
 
     @torch.no_grad()

@@ -7,7 +7,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -56,23 +56,6 @@ class DomainDirichletConfig:
     alpha: Positive = 1.0
 
 
-# The keys of SCHEMES (defined below, beside the functions)
-SchemeName = Literal["domain", "iid", "noniid_balanced", "extreme", "long_meeting", "quantity", "cluster",
-                     "domain_dirichlet"]
-
-
-@config
-class PartitionConfig:
-    seeds: list[int] = field(default_factory=lambda: [0])
-    schemes: list[SchemeName] = field(default_factory=lambda: list(get_args(SchemeName)))
-    iid: IidConfig = field(default_factory=IidConfig)
-    noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
-    long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
-    quantity: QuantityConfig = field(default_factory=QuantityConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
-
-
 @dataclass
 class Partition:
     clients: dict[str, dict[str, list[str]]]
@@ -99,12 +82,11 @@ def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     """The clients a scheme's partition holds, in its order, from the config alone (no data): the plan declares
     them, so a deployed server knows whom to admit without any client's data (tests check each scheme's
     partition has exactly these)."""
+    if scheme in ("iid", "quantity", "cluster", "domain_dirichlet"):  # each config group has its n_clients
+        return numbered_clients(getattr(cfg, scheme).n_clients)
     named = {"domain": list(QMSUM_DOMAINS), "noniid_balanced": list(QMSUM_DOMAINS),
              "extreme": [*QMSUM_DOMAINS, "SAMSum"],
-             "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else []),
-             "iid": numbered_clients(cfg.iid.n_clients), "quantity": numbered_clients(cfg.quantity.n_clients),
-             "cluster": numbered_clients(cfg.cluster.n_clients),
-             "domain_dirichlet": numbered_clients(cfg.domain_dirichlet.n_clients)}
+             "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else [])}
     return named[scheme]
 
 
@@ -275,6 +257,21 @@ SCHEMES: dict[str, Callable[..., Partition]] = {
     "cluster": scheme_cluster,
     "domain_dirichlet": scheme_domain_dirichlet,
 }
+
+
+SchemeName = Literal[tuple(SCHEMES)]  # type: ignore[valid-type]
+
+
+@config
+class PartitionConfig:
+    seeds: list[int] = field(default_factory=lambda: [0])
+    schemes: list[SchemeName] = field(default_factory=lambda: list(SCHEMES))
+    iid: IidConfig = field(default_factory=IidConfig)
+    noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
+    long_meeting: LongMeetingConfig = field(default_factory=LongMeetingConfig)
+    quantity: QuantityConfig = field(default_factory=QuantityConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    domain_dirichlet: DomainDirichletConfig = field(default_factory=DomainDirichletConfig)
 
 
 def guard_leakage(part: Partition, meeting_of: dict[str, str]) -> int:

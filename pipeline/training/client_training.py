@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 import torch
 import transformers
+from tqdm import tqdm
 
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments import Plan
@@ -84,11 +85,8 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
     """Per batch, its weight in the optimizer step it belongs to (consecutive windows of ``accum_steps`` batches,
     the last one possibly shorter): its target tokens (``tokens``) or sequences (``sequences``) over the window's,
     so accumulated micro-batch means add up to the mean over the effective batch."""
-    def units(batch: Batch) -> int:
-        valid = batch.labels != IGNORE_INDEX
-        return int(valid.sum()) if normalisation == "tokens" else int((valid.sum(dim=1) > 0).sum())
-
-    sizes = [units(b) for b in batches]
+    valid = [b.labels != IGNORE_INDEX for b in batches]
+    sizes = [int(v.sum()) if normalisation == "tokens" else int((v.sum(dim=1) > 0).sum()) for v in valid]
     weights: list[float] = []
     for start in range(0, len(batches), accum_steps):
         window = sizes[start:start + accum_steps]
@@ -211,13 +209,8 @@ def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *,
         or PlainSteps(model, examples, mcfg, cfg, kd.loss_normalisation, seed, proximal)
     try:
         for epoch in range(cfg.local_epochs):
-            steps = stepper.epoch(epoch)
-            iterator = steps
-            if progress:
-                from tqdm import tqdm
-
-                iterator = tqdm(steps, desc=f"{client} round {rnd} epoch {epoch + 1}", leave=False)
-            for step in iterator:
+            desc = f"{client} round {rnd} epoch {epoch + 1}"
+            for step in tqdm(stepper.epoch(epoch), desc=desc, leave=False, disable=not progress):
                 optimizer.zero_grad(set_to_none=True)
                 for batch, weight in step:
                     hard_mask = None
@@ -227,16 +220,13 @@ def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *,
                     labels = batch.labels.to(model.device)
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                     stepper.backward(out.loss, weight)
-                    n_tok = int(out.n_tokens)
-                    gate = out.gate.detach()  # False on padding, and everywhere without KD (mode ce)
-                    n_kd = int(gate.sum())
-                    sums["loss"] += float(out.loss.detach()) * n_tok
-                    sums["ce"] += float(out.ce_mean) * n_tok
-                    sums["kd"] += float(out.kd_mean) * n_kd
-                    sums["tokens"] += n_tok
-                    sums["kd_tokens"] += n_kd
-                    if two_paths:
-                        gate_parts.append(_gate_rows(batch, labels, out.entropy.detach(), gate, client, rnd))
+                    sums["loss"] += float(out.loss.detach()) * out.n_tokens
+                    sums["ce"] += out.ce_mean * out.n_tokens
+                    sums["kd"] += out.kd_mean * out.n_kd
+                    sums["tokens"] += out.n_tokens
+                    sums["kd_tokens"] += out.n_kd
+                    if two_paths:  # entropy and gate carry no gradient; the gate is False on padding
+                        gate_parts.append(_gate_rows(batch, labels, out.entropy, out.gate, client, rnd))
                 stepper.finish()
                 optimizer.step()
                 n_steps += 1

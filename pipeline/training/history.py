@@ -123,11 +123,9 @@ class TrainRecorder:
         write_rounds(plan, history)
         if self.logger is not None:
             self.logger.log_metrics({"round_seconds": entry.seconds} | round_metrics(entry.rows), step=entry.round)
-        if self._bar is not None:
-            summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows
-                               if r.get("val_loss") is not None)
-            self._bar.set_postfix_str(f"val {summary}")
-            self._bar.update(1)
+        summary = " ".join(f"{r['client']}={r['val_loss']:.3f}" for r in entry.rows if r.get("val_loss") is not None)
+        self._bar.set_postfix_str(f"val {summary}")  # started() made the bar
+        self._bar.update(1)
 
     def close(self) -> None:
         if self._bar is not None:

@@ -29,7 +29,7 @@ def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
     return order[((rnd - 1) * window + np.arange(min(window, n_rows))) % n_rows]
 
 
-def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: CacheConfig) -> dict[str, Any]:
+def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig) -> dict[str, Any]:
     """The federated methods' trainer and round structure without a server: every round each client's validation
     loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
     ``cache_settings``: RunSettings.cache, from the stage entry point."""
@@ -57,11 +57,9 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
         log.info("%s: resuming after round %d", plan.experiment, start - 1)
     else:
         start, history = 1, []
-        initial = initial_adapter_state(plan)
-        adapters = {u: {k: v.clone() for k, v in initial.items()} for u in units}
+        adapters = {u: initial_adapter_state(plan) for u in units}  # a copy each
         progress = {n: checkpoints.initial_progress() for n in names}
-    if recorder:
-        recorder.started(plan, names, start)
+    recorder.started(plan, names, start)
 
     for rnd in range(start, plan.train.rounds + 1):
         if should_stop(history, plan.train.stop):  # train.stop: converged (checked first: a resumed run too)
@@ -91,6 +89,5 @@ def run_serverless(plan: Plan, recorder: TrainRecorder | None, cache_settings: C
         history.extend(rows)
         checkpoints.save_round_checkpoint(ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress,
                                                             "history": history})
-        if recorder:
-            recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
     return {"history": history}

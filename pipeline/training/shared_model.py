@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from pipeline.common.config import from_dict
-from pipeline.modeling.cache import CacheConfig
+from pipeline.modeling.cache import CacheConfig, PrefixCache, resolve_root
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.experiments import Plan
 from pipeline.training.seeds import derived_seed
@@ -52,8 +52,6 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
     if not plan.train.prefix_cache:
         return None
-    from pipeline.modeling.cache import PrefixCache, resolve_root
-
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
     mcfg = model_config(plan)
     return PrefixCache(resolve_root(cache.cache_dir), model.backbone_fingerprint(), mcfg.max_source_length,

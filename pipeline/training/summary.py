@@ -18,8 +18,7 @@ from pipeline.training.stopping import convergence
 
 
 def prepare_outputs(plan: Plan) -> None:
-    """The experiment's output directories, and ``experiment.json`` (the plan) in ``models/<exp>/``."""
-    Path(plan.paths["reports_dir"]).mkdir(parents=True, exist_ok=True)
+    """``experiment.json`` (the plan) in ``models/<exp>/`` (every output is written whole: its folder is made then)."""
     atomic.write_json(Path(plan.paths["out_dir"]) / "experiment.json", plan.to_json_dict(), sort_keys=True)
 
 

@@ -38,9 +38,6 @@ def _parse_span(raw: Any, n_turns: int, where: str) -> tuple[int, int]:
     return start, end
 
 
-QMSUM_MEETING_FIELDS = ("topic_list", "general_query_list", "specific_query_list", "meeting_transcripts")
-
-
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     meetings: dict[str, _Unique] = {}  # per file
     for domain in QMSUM_DOMAINS:
@@ -48,7 +45,8 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
         for _, split, display, line_no, meeting in split_json_lines(directory, files, f"qmsum/{domain}", allow_absent,
                                                                   report):
             where = f"{display}:{line_no}"
-            _object(meeting, where, QMSUM_MEETING_FIELDS[1:], QMSUM_MEETING_FIELDS[:1])
+            _object(meeting, where, ("general_query_list", "specific_query_list", "meeting_transcripts"),
+                    ("topic_list",))
             transcript = _field(meeting, "meeting_transcripts", where, list)
             turns = []
             for i, t in enumerate(transcript):
@@ -83,9 +81,5 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     )
 
 
-def qmsum_files() -> dict[str, str]:
-    return {f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}" for d in QMSUM_DOMAINS
-            for s in ("train", "val", "test")}
-
-
-register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files))
+register_reader(DatasetSpec("qmsum", read_qmsum, lambda: {f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}"
+                                                           for d in QMSUM_DOMAINS for s in ("train", "val", "test")}))

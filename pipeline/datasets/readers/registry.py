@@ -28,9 +28,8 @@ class DatasetSpec:
 DATASETS: dict[str, DatasetSpec] = {}
 
 
-def register_reader(spec: DatasetSpec) -> DatasetSpec:
+def register_reader(spec: DatasetSpec) -> None:
     """Register dataset ``spec.name`` (the name params ingest.datasets uses)."""
     if spec.name in DATASETS:
         raise ValueError(f"dataset {spec.name!r} is registered twice")
     DATASETS[spec.name] = spec
-    return spec
