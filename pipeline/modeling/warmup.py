@@ -197,6 +197,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
         logits = out.logits.float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device),
                                                  ignore_index=-100)
+        del out, logits  # backward does not need the logits: batch x target x vocab floats freed before it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
