@@ -53,7 +53,9 @@ def _serve_inprocess(plan_path: str, **run_config):
     names = client_names(load_plan(plan_path))
     # the clients see the app's run config, as deployed SuperNodes do (their cache settings come from it)
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names], run_config=app_config)
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    for context in grid.contexts.values():  # what a deployed ClientApp sees as its run config (the FAB's)
+        context.run_config.update(app_config)
     _set_server_identity(grid.run.run_id)
     server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                           state=RecordDict(),
@@ -234,7 +236,7 @@ def _no_process_left(before: set[int], started: list) -> None:
 
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation.localhost import RUN_ID, LocalhostFederation
+    from pipeline.federation.localhost import CONNECTION, RUN_ID, LocalhostFederation, flwr, parse_run_status
     from pipeline.train import run_experiment
 
     before = _flower_pids()
@@ -243,7 +245,10 @@ def test_local_deployment_gives_the_in_process_result(ws):
     with fed:
         fed.start()
         run = fed.stream(fed.submit())
-        status = fed.run_status(int(RUN_ID.search(run.output).group(1)))  # what the SuperLink says of the run
+        run_id = RUN_ID.search(run.output).group(1)
+        out = flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", cwd=fed.workdir, env=fed.procs.env,
+                   timeout=60)
+        status = parse_run_status(out.stdout, int(run_id))[1:]  # what the SuperLink says of the run
         started = list(fed.procs.procs)
     assert run.returncode == 0 and status[0] == "finished:completed", run.output[-2000:]
     _no_process_left(before, started)

@@ -1353,23 +1353,24 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
     assert sorted(p.name for p in data.iterdir()) == ["cache"] and sorted(p.name for p in (data / "cache").iterdir()) == ["runs"]
 
 
-def test_federated_metrics_replace_an_earlier_evaluate_stages_files(tmp_path):
+def test_federated_metrics_replace_an_earlier_evaluate_stages_files(tmp_path, monkeypatch):
     """A federated evaluation's folder holds only its own files: no per_example.parquet/predictions.jsonl of an
     earlier evaluate stage beside the fresh metrics.json; the run's own rounds.json stays when asked to."""
     from types import SimpleNamespace
 
     from pipeline.federation.deployment import write_eval_metrics
 
-    out = tmp_path / "dep-stale"
-    out.mkdir()
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "reports" / "eval" / "dep-stale"
+    out.mkdir(parents=True)
     for name in ("per_example.parquet", "predictions.jsonl", "metrics.json", "rounds.json"):
         (out / name).write_text("old")
     plan = SimpleNamespace(experiment="dep-stale")
-    write_eval_metrics(plan, {"mean": {"avg_rouge": 1.0}}, tmp_path, keep=("rounds.json",))
+    write_eval_metrics(plan, {"mean": {"avg_rouge": 1.0}}, keep=("rounds.json",))
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "rounds.json"]
     assert (out / "rounds.json").read_text() == "old"
     assert json.loads((out / "metrics.json").read_text()) == {"mean": {"avg_rouge": 1.0}}
-    write_eval_metrics(plan, {"mean": {"avg_rouge": 2.0}}, tmp_path)
+    write_eval_metrics(plan, {"mean": {"avg_rouge": 2.0}})
     assert sorted(p.name for p in out.iterdir()) == ["metrics.json"]
 
 

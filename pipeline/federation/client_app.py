@@ -143,9 +143,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
     local = _restore_client_state(context, plan, name, rnd)
-    if spec.local_from_global:
-        if len(received) == 0:
-            raise ValueError(f"client {name}: method {spec.name} evaluates the global adapter but none was sent")
+    if spec.local_from_global:  # the server sends the global to these methods only
         local = decode_global(received, plan)
     # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
     # its state, so its first train round starts from the global of that round (as a joining client does).

@@ -1,10 +1,6 @@
-"""A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
-and every process it started stopped afterwards (success, failure, Ctrl-C; each process in its own group, stopped
-with the descendants it spawned; groups left running are stopped at interpreter exit), with TLS and SuperNode
-authentication material (a throwaway CA, the SuperNodes' key pairs); docs/federation.md. Flower's files go to
-``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also a
-run's status (``flwr run`` exits 0 whether the ServerApp returned or raised) and what each role of a real
-federation holds (``kit``).
+"""A local deployment of one experiment (a SuperLink and one SuperNode per client on 127.0.0.1, then ``flwr run``,
+with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
+stopped with the descendants it spawned, also at interpreter exit); also a run's status and a role's ``kit``.
 """
 from __future__ import annotations
 
@@ -419,12 +415,6 @@ class LocalhostFederation:
         ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
         return 1 if ckpt is None else int(ckpt["round"]) + 1
 
-    def run_status(self, run_id: int) -> tuple[str, str]:
-        """(status, details) of run ``run_id`` as the SuperLink reports it (``finished:completed`` / ``:failed``)."""
-        out = flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", cwd=self.workdir,
-                   env=self.procs.env, timeout=self.cfg.startup_timeout_s)
-        return parse_run_status(out.stdout, run_id)[1:]
-
     def _resume_hint(self) -> str:
         from pipeline.training.checkpoints import server_checkpoint_path
 
@@ -464,7 +454,9 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             found = RUN_ID.search(run.output)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
-            status, details = fed.run_status(int(found.group(1)))
+            out = flwr("ls", CONNECTION, "--run-id", found.group(1), "--format", "json", cwd=fed.workdir,
+                       env=fed.procs.env, timeout=cfg.startup_timeout_s)  # what the SuperLink says of the run
+            _, status, details = parse_run_status(out.stdout, int(found.group(1)))
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
                 raise FederationError(f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; "
@@ -498,7 +490,6 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
                         f"declared them: rerun the plan stage)")
     if client is not None and client not in plan.clients:
         raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
-    out = Path(out)
     (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(plan_path, out / plan_path)
     backbone = Path(plan.paths["backbone"])

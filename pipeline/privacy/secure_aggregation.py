@@ -203,8 +203,6 @@ class _Workflow(SecAggPlusWorkflow):
     holds (KeyError), and loses the round. Exact: a client masks only with the neighbours whose shares it received
     (``_collect_masked_vectors``), so no vector carries the lost client's masks."""
 
-    state = None
-
     def setup_stage(self, grid, context, state):
         self.state = state
         return super().setup_stage(grid, context, state)
@@ -251,9 +249,8 @@ class SecureAggregator:
         workflow(observed, context)
 
         in_sum = {n for n, o in observed.nodes.items() if o.metrics is not None}
-        out = SecureRound(arrays=None, nodes=observed.nodes, in_sum=in_sum)
-        if workflow.state is not None:
-            out.threshold, out.num_shares = workflow.state.threshold, workflow.state.num_shares
+        # the workflow always runs its setup stage, which keeps the round's state
+        out = SecureRound(None, observed.nodes, in_sum, workflow.state.threshold, workflow.state.num_shares)
         if strategy.mean is None:
             out.halted = (f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
                           f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares")
