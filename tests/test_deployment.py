@@ -203,8 +203,8 @@ def _local(plan: str, **kw):
 
     # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
     # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
-    return LocalhostConfig(plan=plan, workdir=Path.cwd(), run_config={"evaluate": False, "mlflow": False},
-                       quiet=True, startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
+    return LocalhostConfig(plan=plan, run_config={"evaluate": False, "mlflow": False},
+                           startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
 
 
 def _flower_pids() -> set[int]:
@@ -293,22 +293,24 @@ def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
 
 @pytest.mark.timeout(300)
 def test_tls_and_supernode_authentication(ws, tmp_path):
-    """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
+    """TLS with the throwaway CA made under FLWR_HOME; SuperNode keys registered with the SuperLink; an
+    unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.localhost import LocalhostFederation, make_node_key, make_self_signed_ca
+    from pipeline.federation.localhost import LocalhostFederation, make_node_key
 
     before = _flower_pids()
-    certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
+    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
+    fed = LocalhostFederation(_local(plan, tls=True, auth=True))
+    certs = fed.certificates
     ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
     server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
     assert server.issuer == ca.subject and server.issuer != server.subject  # signed by the CA, not self-signed
-    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
-    fed = LocalhostFederation(_local(plan, tls=True, certificates=certs, auth=True))
     with fed:
         fed.start()
         assert set(fed.keys) == {"Academic", "Committee"}
-        stranger = fed.start_supernode("Stranger", key=make_node_key(tmp_path / "keys", "stranger")[0])
+        fed.keys["Stranger"] = make_node_key(tmp_path / "keys", "stranger")  # a key the SuperLink never registered
+        stranger = fed.start_supernode("Stranger")
         stranger.popen.wait(timeout=90)
         assert stranger.popen.returncode != 0 and "SuperNode ID:" not in stranger.log.read_text()
         assert "Attempted to register SuperNode" in fed.superlink.log.read_text()  # refused by the SuperLink
@@ -435,11 +437,13 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     assert run_config_arg(values) == "mlflow=false evaluate-every=2 params='deploy.yaml' plan='m/p.json'"
     import tomllib
 
-    insecure = tomllib.loads(write_connection(tmp_path / "a", 8123, None).read_text())
+    write_connection(tmp_path / "a", 8123, None)
+    insecure = tomllib.loads((tmp_path / "a" / "config.toml").read_text())
     assert insecure["superlink"]["default"] == "fedmeet-local"
     assert insecure["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:8123", "insecure": True}
     ca = tmp_path / "ca.crt"
-    tls = tomllib.loads(write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca)).read_text())
+    write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca))
+    tls = tomllib.loads((tmp_path / "b" / "config.toml").read_text())
     assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
 
 

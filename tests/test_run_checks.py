@@ -141,7 +141,7 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     from pipeline.training.checkpoints import save_round_checkpoint, server_checkpoint_path
 
     path = write_plan("resume-round", "fedavg", rounds=4)
-    fed = LocalhostFederation(LocalhostConfig(plan=path, workdir=Path.cwd(), quiet=True))
+    fed = LocalhostFederation(LocalhostConfig(plan=path))
     assert fed.clients == ["Academic", "Committee", "Product"] and fed.start_round() == 1
     save_round_checkpoint(server_checkpoint_path(load_plan(path)), load_plan(path), 2, {})
     assert fed.start_round() == 3

@@ -56,7 +56,7 @@ class ProcessGroup:
         self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
         self.procs: list[Process] = []
         log_dir.mkdir(parents=True, exist_ok=True)
-        _LIVE.add(self)
+        atexit.register(self.stop_all)  # a group not stopped yet is stopped at interpreter exit, whatever happened
 
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
@@ -98,16 +98,7 @@ class ProcessGroup:
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
-            _LIVE.discard(self)
-
-
-_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
-
-
-@atexit.register
-def _stop_leftovers() -> None:
-    for group in list(_LIVE):
-        group.stop_all()
+            atexit.unregister(self.stop_all)
 
 
 def _running(pid: int) -> bool:
@@ -185,18 +176,15 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
 
 @dataclass
 class LocalhostConfig:
-    plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
-    workdir: Path = Path(".")
+    plan: str  # relative to the working directory, as the SuperLink and the SuperNodes read it
     run_config: dict[str, str | int | float | bool] = field(default_factory=dict)  # the ServerApp's
     params: str | None = None  # params file of the run config's timeouts and decoding (unless set there)
     clients: list[str] | None = None  # default: the plan's partition
     tls: bool = False
-    certificates: Certificates | None = None  # with tls: these files, else a CA made under FLWR_HOME
     auth: bool = False  # SuperNode authentication: a key per client, registered before the run
     startup_timeout_s: float = 60.0
     run_timeout_s: float = 3600.0
     stop_timeout_s: float = 10.0
-    quiet: bool = False  # do not echo flwr's stream (tests)
 
 
 def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, str]:
@@ -280,13 +268,11 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
     return " ".join(f"{k}={toml(v)}" for k, v in values.items())
 
 
-def write_connection(home: Path, port: int, certificates: Certificates | None) -> Path:
+def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
     security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
-    path = home / "config.toml"
-    atomic.write_text(path, f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                            f'address = "{HOST}:{port}"\n{security}\n')
-    return path
+    atomic.write_text(home / "config.toml", f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                            f'address = "{HOST}:{port}"\n{security}\n')
 
 
 class LocalhostFederation:
@@ -301,14 +287,13 @@ class LocalhostFederation:
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
         check_run_config(cfg.run_config, SERVER_KEYS)  # before any process starts (Flower: ~40 s later)
-        self.workdir = cfg.workdir.resolve()
+        self.workdir = Path.cwd()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():
             raise FederationError(f"{plan_file}: plan file not found (run the plan stage: dvc repro plan)")
         self.plan = load_plan(str(plan_file))
-        self.run_config = dict(cfg.run_config)
-        if cfg.params is not None:
-            self.run_config = server_run_config(str(self.workdir / cfg.params), self.plan.experiment) | self.run_config
+        params = {} if cfg.params is None else server_run_config(str(self.workdir / cfg.params), self.plan.experiment)
+        self.run_config = params | cfg.run_config  # a --run-config value wins
         with contextlib.chdir(self.workdir):  # the plan's paths are relative to the working directory
             self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
@@ -317,7 +302,7 @@ class LocalhostFederation:
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
-        self.certificates = (cfg.certificates or make_self_signed_ca(self.home / "certs")) if cfg.tls else None
+        self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
         self.keys: dict[str, tuple[Path, Path]] = {}
         self.superlink: Process | None = None
         self.supernodes: dict[str, Process] = {}
@@ -328,13 +313,12 @@ class LocalhostFederation:
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
 
-    def start_supernode(self, name: str, key: Path | None = None) -> Process:
+    def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
         argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST, "--port",
                 str(free_port()), "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
-        key = key or (self.keys[name][0] if name in self.keys else None)
-        if key is not None:
-            argv += ["--auth-supernode-private-key", str(key)]
+        if name in self.keys:  # SuperNode authentication: its private key
+            argv += ["--auth-supernode-private-key", str(self.keys[name][0])]
         restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
         proc = self.procs.start(f"supernode-{name}" + (f"-{restarts}" if restarts else ""), argv, self.workdir)
         self.supernodes[name] = proc
@@ -387,9 +371,8 @@ class LocalhostFederation:
                 lines.append(line)
                 log.write(line)
                 log.flush()
-                if not self.cfg.quiet:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
