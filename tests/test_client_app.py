@@ -135,7 +135,7 @@ def _setting(noise: float, clip: float):
     from pipeline.privacy.accounting import ClientPrivacy
 
     return ClientPrivacy(noise_multiplier=noise, max_grad_norm=clip, sample_rate=0.1, logical_batch=4,
-                         steps_per_epoch=10, planned_steps=60, delta=1e-5, accountant="rdp")
+                         steps_per_epoch=10, delta=1e-5, accountant="rdp")
 
 
 def test_the_reported_epsilon_composes_all_the_clients_steps(ws):

@@ -23,7 +23,7 @@ from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, ws  #
 
 def _setting(sigma: float = 0.0, c: float = 1.0, logical_batch: int = 2) -> ClientPrivacy:
     return ClientPrivacy(noise_multiplier=sigma, max_grad_norm=c, sample_rate=0.5, logical_batch=logical_batch,
-                         steps_per_epoch=1, planned_steps=1, delta=1e-5, accountant="rdp")
+                         steps_per_epoch=1, delta=1e-5, accountant="rdp")
 
 
 # ------------------------------------------------------------------------------------------ accountant
@@ -63,10 +63,11 @@ def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
     s = client_privacy(cfg, n_examples=16, logical_batch=8, rounds=3, local_epochs=1)
-    assert (s.sample_rate, s.steps_per_epoch, s.planned_steps, s.delta) == (0.5, 2, 6, 1e-5)
-    eps = s.epsilon(s.planned_steps)
+    assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.5, 2, 1e-5)
+    planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
+    eps = s.epsilon(planned)
     assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
-    assert s.epsilon(s.planned_steps - 2) < eps  # a client that trained fewer rounds stays below it
+    assert s.epsilon(planned - 2) < eps  # a client that trained fewer rounds stays below it
     assert epsilon(0.9 * s.noise_multiplier, 0.5, 6, 1e-5, accountant) > 3.0  # and the search is not loose
 
 

@@ -212,28 +212,25 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
 
 
-def close_left_running(workdir: Path, plan, reason: str) -> str | None:
+def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
     from pipeline.training.checkpoints import mlflow_run_id_path
 
     path = workdir / mlflow_run_id_path(plan)
     if not path.exists():
-        return None
+        return
     from pipeline.results.tracking import _client
 
     run_id = path.read_text().strip()
     client = _client()
-    if client.get_run(run_id).info.status != "RUNNING":
-        return None
-    client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
-    client.set_terminated(run_id, status="KILLED")
-    return run_id
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
+        client.set_terminated(run_id, status="KILLED")
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
-    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` (what
-    ``flwr run --format json`` printed) started, else ``run_id``, else the run submitted last; 0 only if it
-    completed."""
+    """The manual recipe's check after ``flwr run`` (docs/federation.md): one line with the run's status; 0 only if
+    it completed."""
     if submitted is not None:
         try:
             started = json.loads(submitted.read_text())
@@ -391,21 +388,17 @@ class LocalhostFederation:
             log.close()
         return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
 
-    def start_round(self) -> int:
-        """The round the run starts at: 1, or the one after the server's last checkpointed round (a resumed run)."""
+    def _resume_hint(self) -> str:
+        """Where a rerun starts: round 1, or the one after the server's last checkpointed round (a resumed run)."""
         from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path
 
         ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
-        return 1 if ckpt is None else int(ckpt["round"]) + 1
-
-    def _resume_hint(self) -> str:
-        from pipeline.training.checkpoints import server_checkpoint_path
-
-        start, command = self.start_round(), f"python -m pipeline.federation local --plan {self.cfg.plan}"
-        if start == 1:
+        command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
+        if ckpt is None:
             return f"no round was checkpointed; rerun `{command}` to start over"
-        return (f"the server checkpointed round {start - 1} of {self.plan.train.rounds} "
-                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
+        done = int(ckpt["round"])
+        return (f"the server checkpointed round {done} of {self.plan.train.rounds} "
+                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {done + 1}")
 
     def check_outputs(self, since: float) -> dict:
         """The run's train metrics, or an error naming what is missing; with ``rouge``, the client-average ROUGE of
@@ -460,10 +453,9 @@ RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
 
 def write_kit(plan_path: str, out: Path, client: str | None = None,
               run_config: dict[str, str | float] | None = None) -> list[Path]:
-    """Copy what the server (``client`` None: plan, backbone and, with ``run_config``, its run_config.toml; no
-    example) or ``client``'s site (plan, backbone, its own partition slice, examples and POS tags) needs into ``out``,
-    laid out as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path,
-    so the same run config works on every role."""
+    """Copy what the server (``client`` None) or ``client``'s site holds (docs/federation.md) into ``out``, laid out
+    as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
+    same run config works on every role."""
     from pipeline.experiments import read_plan
     from pipeline.training.client_data import read_examples, read_partition
 

@@ -199,9 +199,8 @@ class _Offer(FedAvg):
 
 class _Workflow(SecAggPlusWorkflow):
     """Flower's workflow, keeping the round's protocol state (threshold, shares), and forgetting a client lost
-    before its key shares went out: Flower 1.41 asks the survivors for its shares at the unmask stage, which none
-    holds (KeyError), and loses the round. Exact: a client masks only with the neighbours whose shares it received
-    (``_collect_masked_vectors``), so no vector carries the lost client's masks."""
+    before its key shares went out (docs/privacy.md, dropouts: Flower 1.41 asks the survivors for shares none holds,
+    a KeyError). Exact: a client masks only with the neighbours whose shares it received."""
 
     def setup_stage(self, grid, context, state):
         self.state = state
