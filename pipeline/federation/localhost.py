@@ -291,8 +291,7 @@ class LocalhostFederation:
         self.plan = load_plan(str(plan_file))
         params = {} if cfg.params is None else server_run_config(str(self.workdir / cfg.params), self.plan.experiment)
         self.run_config = params | cfg.run_config  # a --run-config value wins
-        with contextlib.chdir(self.workdir):  # the plan's paths are relative to the working directory
-            self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
+        self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1",
