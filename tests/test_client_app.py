@@ -135,17 +135,17 @@ def _setting(noise: float, clip: float):
     from pipeline.privacy.accounting import ClientPrivacy
 
     return ClientPrivacy(noise_multiplier=noise, max_grad_norm=clip, sample_rate=0.1, logical_batch=4,
-                         steps_per_epoch=10, planned_steps=60, delta=1e-5, accountant="rdp")
+                         steps_per_epoch=10, delta=1e-5, accountant="rdp")
 
 
 def test_the_reported_epsilon_composes_all_the_clients_steps(ws):
-    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, ClientLedger
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, account
     from pipeline.privacy.accounting import epsilon
 
     setting = _setting(1.1, 0.5)
     context = _context()
-    first = ClientLedger(context).account(_result(setting, 10, examples=20, clipped=5))
-    second = ClientLedger(context).account(_result(setting, 7))
+    first = account(context, _result(setting, 10, examples=20, clipped=5))
+    second = account(context, _result(setting, 7))
     assert first == {"dp-epsilon": pytest.approx(epsilon(1.1, 0.1, 10, 1e-5, "rdp")), "dp-delta": 1e-5,
                      "dp-noise-multiplier": 1.1, "dp-max-grad-norm": 0.5, "dp-sample-rate": 0.1, "dp-steps": 10,
                      "dp-examples": 20, "dp-clipped": 5}
@@ -158,26 +158,26 @@ def test_the_reported_epsilon_composes_all_the_clients_steps(ws):
 
 
 def test_no_noise_or_no_clipping_is_reported_as_unbounded(ws):
-    from pipeline.privacy.seam import ClientLedger
+    from pipeline.privacy.seam import account
 
-    m = ClientLedger(_context()).account(_result(_setting(0.0, math.inf), 3))
+    m = account(_context(), _result(_setting(0.0, math.inf), 3))
     assert m["dp-epsilon"] == -1.0 and m["dp-max-grad-norm"] == -1.0 and m["dp-noise-multiplier"] == 0.0
 
 
 def test_a_restarted_client_keeps_composing_from_its_checkpointed_steps(ws):
-    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, ClientLedger
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, account
 
     context = _context()
     context.state[PRIVACY_KEY] = MetricRecord({"steps": 30})
-    assert ClientLedger(context).account(_result(_setting(1.0, 1.0), 5))["dp-steps"] == 35
+    assert account(context, _result(_setting(1.0, 1.0), 5))["dp-steps"] == 35
 
 
 def test_a_round_without_example_level_dp_reports_and_records_no_privacy(ws):
-    from pipeline.privacy.seam import STEPS_KEY, ClientLedger
+    from pipeline.privacy.seam import STEPS_KEY, account, dp_steps
 
     context = _context()
-    assert ClientLedger(context).account(_result(None, 4)) == {}
-    assert STEPS_KEY not in context.state and ClientLedger(context).steps is None  # the checkpoint records none
+    assert account(context, _result(None, 4)) == {}
+    assert STEPS_KEY not in context.state and dp_steps(context) is None  # the checkpoint records none
 
 
 # ----------------------------------------------------------------------------------------------- one training round

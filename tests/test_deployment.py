@@ -53,7 +53,9 @@ def _serve_inprocess(plan_path: str, **run_config):
     names = client_names(load_plan(plan_path))
     # the clients see the app's run config, as deployed SuperNodes do (their cache settings come from it)
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names], run_config=app_config)
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    for context in grid.contexts.values():  # what a deployed ClientApp sees as its run config (the FAB's)
+        context.run_config.update(app_config)
     _set_server_identity(grid.run.run_id)
     server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
                                           state=RecordDict(),
@@ -201,8 +203,8 @@ def _local(plan: str, **kw):
 
     # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
     # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
-    return LocalhostConfig(plan=plan, workdir=Path.cwd(), run_config={"evaluate": False, "mlflow": False},
-                       quiet=True, startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
+    return LocalhostConfig(plan=plan, run_config={"evaluate": False, "mlflow": False},
+                           startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
 
 
 def _flower_pids() -> set[int]:
@@ -234,7 +236,7 @@ def _no_process_left(before: set[int], started: list) -> None:
 
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation.localhost import RUN_ID, LocalhostFederation
+    from pipeline.federation.localhost import CONNECTION, RUN_ID, LocalhostFederation, flwr, parse_run_status
     from pipeline.train import run_experiment
 
     before = _flower_pids()
@@ -243,7 +245,10 @@ def test_local_deployment_gives_the_in_process_result(ws):
     with fed:
         fed.start()
         run = fed.stream(fed.submit())
-        status = fed.run_status(int(RUN_ID.search(run.output).group(1)))  # what the SuperLink says of the run
+        run_id = RUN_ID.search(run.output).group(1)
+        out = flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", cwd=fed.workdir, env=fed.procs.env,
+                   timeout=60)
+        status = parse_run_status(out.stdout, int(run_id))[1:]  # what the SuperLink says of the run
         started = list(fed.procs.procs)
     assert run.returncode == 0 and status[0] == "finished:completed", run.output[-2000:]
     _no_process_left(before, started)
@@ -288,22 +293,24 @@ def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
 
 @pytest.mark.timeout(300)
 def test_tls_and_supernode_authentication(ws, tmp_path):
-    """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
+    """TLS with the throwaway CA made under FLWR_HOME; SuperNode keys registered with the SuperLink; an
+    unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.localhost import LocalhostFederation, make_node_key, make_self_signed_ca
+    from pipeline.federation.localhost import LocalhostFederation, make_node_key
 
     before = _flower_pids()
-    certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
+    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
+    fed = LocalhostFederation(_local(plan, tls=True, auth=True))
+    certs = fed.certificates
     ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
     server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
     assert server.issuer == ca.subject and server.issuer != server.subject  # signed by the CA, not self-signed
-    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
-    fed = LocalhostFederation(_local(plan, tls=True, certificates=certs, auth=True))
     with fed:
         fed.start()
         assert set(fed.keys) == {"Academic", "Committee"}
-        stranger = fed.start_supernode("Stranger", key=make_node_key(tmp_path / "keys", "stranger")[0])
+        fed.keys["Stranger"] = make_node_key(tmp_path / "keys", "stranger")  # a key the SuperLink never registered
+        stranger = fed.start_supernode("Stranger")
         stranger.popen.wait(timeout=90)
         assert stranger.popen.returncode != 0 and "SuperNode ID:" not in stranger.log.read_text()
         assert "Attempted to register SuperNode" in fed.superlink.log.read_text()  # refused by the SuperLink
@@ -430,11 +437,13 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     assert run_config_arg(values) == "mlflow=false evaluate-every=2 params='deploy.yaml' plan='m/p.json'"
     import tomllib
 
-    insecure = tomllib.loads(write_connection(tmp_path / "a", 8123, None).read_text())
+    write_connection(tmp_path / "a", 8123, None)
+    insecure = tomllib.loads((tmp_path / "a" / "config.toml").read_text())
     assert insecure["superlink"]["default"] == "fedmeet-local"
     assert insecure["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:8123", "insecure": True}
     ca = tmp_path / "ca.crt"
-    tls = tomllib.loads(write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca)).read_text())
+    write_connection(tmp_path / "b", 9, Certificates(ca, ca, ca))
+    tls = tomllib.loads((tmp_path / "b" / "config.toml").read_text())
     assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
 
 

@@ -14,7 +14,7 @@ import torch
 
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.privacy.accounting import ClientPrivacy, client_privacy, epsilon
-from pipeline.privacy.example_dp import DPSGDStep
+from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.settings import PrivacyConfig
 from tests.errors import names
 from tests.faults import killed_after_checkpoint
@@ -23,7 +23,7 @@ from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, ws  #
 
 def _setting(sigma: float = 0.0, c: float = 1.0, logical_batch: int = 2) -> ClientPrivacy:
     return ClientPrivacy(noise_multiplier=sigma, max_grad_norm=c, sample_rate=0.5, logical_batch=logical_batch,
-                         steps_per_epoch=1, planned_steps=1, delta=1e-5, accountant="rdp")
+                         steps_per_epoch=1, delta=1e-5, accountant="rdp")
 
 
 # ------------------------------------------------------------------------------------------ accountant
@@ -63,10 +63,11 @@ def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
     s = client_privacy(cfg, n_examples=16, logical_batch=8, rounds=3, local_epochs=1)
-    assert (s.sample_rate, s.steps_per_epoch, s.planned_steps, s.delta) == (0.5, 2, 6, 1e-5)
-    eps = s.epsilon(s.planned_steps)
+    assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.5, 2, 1e-5)
+    planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
+    eps = s.epsilon(planned)
     assert 2.98 <= eps <= 3.0  # opacus' search stops within 0.01 below the target
-    assert s.epsilon(s.planned_steps - 2) < eps  # a client that trained fewer rounds stays below it
+    assert s.epsilon(planned - 2) < eps  # a client that trained fewer rounds stays below it
     assert epsilon(0.9 * s.noise_multiplier, 0.5, 6, 1e-5, accountant) > 3.0  # and the search is not loose
 
 
@@ -84,7 +85,7 @@ class _Lin(torch.nn.Module):
 def test_clipping_bounds_each_example_hand_computed():
     # loss = sum_i w . x_i: the gradient of example i is x_i; ||x_1|| = 5 (clipped to C = 1), ||x_2|| = 0.5 (kept)
     m = _Lin(2, 1)
-    step = DPSGDStep(m, _setting(sigma=0.0, c=1.0, logical_batch=2), seed=0)
+    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None, "tokens", 1)
     try:
         x = torch.tensor([[[3.0, 4.0]], [[0.3, 0.4]]])  # [B=2, T=1, H=2], the adapters' layout
         m(x).sum().backward()
@@ -103,7 +104,7 @@ def test_clipping_bounds_each_example_hand_computed():
 def test_micro_batches_of_a_step_are_clipped_per_example_and_summed():
     # the same two examples as two micro-batches of one step: same result as one batch of two
     m = _Lin(2, 1)
-    step = DPSGDStep(m, _setting(sigma=0.0, c=1.0, logical_batch=2), seed=0)
+    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None, "tokens", 1)
     try:
         for x in (torch.tensor([[[3.0, 4.0]]]), torch.tensor([[[0.3, 0.4]]])):
             m(x).sum().backward()
@@ -120,7 +121,7 @@ def test_noise_has_the_configured_standard_deviation():
 
     sigma, c, batch = 1.5, 2.0, 4
     m = _Lin(100, 200)  # 20,000 coordinates
-    step = DPSGDStep(m, _setting(sigma=sigma, c=c, logical_batch=batch), seed=123)
+    step = DPSGDSteps(m, _setting(sigma=sigma, c=c, logical_batch=batch), 123, None, None, "tokens", 1)
     try:
         step.finish()  # an empty Poisson batch: the update is the noise alone
         a = m.lin.weight.grad.flatten().double().numpy().copy()
@@ -325,7 +326,8 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
         grads = torch.autograd.grad(out.loss * per_example_loss_scale(b, "tokens", 12), params)
         alone.append(torch.cat([g.flatten() for g in grads]))
     c = 0.5 * float(min(a.norm() for a in alone))  # both examples get clipped
-    step = DPSGDStep(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), seed=0)
+    step = DPSGDSteps(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None,
+                      "tokens", 1)
     try:
         b = batch_of(data)
         ll, lg = _forward_logits(model, b, True, None)
@@ -450,19 +452,19 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
     from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     samples, noise_seeds = [], []
-    real_steps, real_init = privacy.poisson_steps, privacy.DPSGDStep.__init__
+    real_steps, real_init = privacy.poisson_steps, privacy.DPSGDSteps.__init__
 
     def steps_spy(*args):
         out = real_steps(*args)
         samples[-1].append(out)
         return out
 
-    def init_spy(self, module, setting, seed):
-        noise_seeds.append(seed)
-        real_init(self, module, setting, seed)
+    def init_spy(self, module, setting, seed, *args):
+        noise_seeds.append(seed)  # the noise generator's seed is derived from it alone
+        real_init(self, module, setting, seed, *args)
 
     monkeypatch.setattr(privacy, "poisson_steps", steps_spy)
-    monkeypatch.setattr(privacy.DPSGDStep, "__init__", init_spy)
+    monkeypatch.setattr(privacy.DPSGDSteps, "__init__", init_spy)
     plan = load_plan(_write_plan("dp-streams", "fedavg", {"mode": "example", "noise_multiplier": 1.0,
                                                           "max_grad_norm": 1e-6},
                                  batch_size=2, grad_accum_steps=2, local_epochs=2, prefix_cache=False))

@@ -112,11 +112,12 @@ def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_al
     id_file.parent.mkdir(parents=True)
     running = client.create_run(exp).info.run_id
     id_file.write_text(running)
-    assert close_left_running(tmp_path, plan, "interrupted") == running
+    close_left_running(tmp_path, plan, "interrupted")
     assert client.get_run(running).info.status == "KILLED"
-    assert close_left_running(tmp_path, plan, "again") is None  # not RUNNING any more
+    close_left_running(tmp_path, plan, "again")  # not RUNNING any more: left alone
+    assert client.get_run(running).data.tags["fedmeet.end"] == "marked KILLED by the local command: interrupted"
     id_file.unlink()
-    assert close_left_running(tmp_path, plan, "no run") is None
+    close_left_running(tmp_path, plan, "no run")  # no run id: nothing to mark
 
 
 @pytest.mark.parametrize("rc, key", [({"evaluate-every": -1}, "evaluate-every"), ({"round-timeout-s": "60"}, "round-timeout-s")])
@@ -141,10 +142,13 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     from pipeline.training.checkpoints import save_round_checkpoint, server_checkpoint_path
 
     path = write_plan("resume-round", "fedavg", rounds=4)
-    fed = LocalhostFederation(LocalhostConfig(plan=path, workdir=Path.cwd(), quiet=True))
-    assert fed.clients == ["Academic", "Committee", "Product"] and fed.start_round() == 1
+    fed = LocalhostFederation(LocalhostConfig(plan=path))
+    assert fed.clients == ["Academic", "Committee", "Product"]
+    assert fed._resume_hint().startswith("no round was checkpointed;") and "to start over" in fed._resume_hint()
     save_round_checkpoint(server_checkpoint_path(load_plan(path)), load_plan(path), 2, {})
-    assert fed.start_round() == 3
+    assert fed._resume_hint().startswith("the server checkpointed round 2 of 4 (")
+    assert fed._resume_hint().endswith(f"rerun `python -m pipeline.federation local --plan {path}` to resume from "
+                                       f"round 3")
 
 
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):

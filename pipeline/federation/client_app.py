@@ -61,7 +61,7 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     if ckpt is None:
         return None
-    privacy.ClientLedger(context).restore(ckpt.dp_steps)
+    privacy.restore_dp_steps(context, ckpt.dp_steps)
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
     if not ckpt.trained:
         return None
@@ -128,7 +128,7 @@ def train_round(msg: Message, context: Context) -> Message:
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
     metrics = MetricRecord({key: kind(weight if field == "weight" else getattr(result, field))
                             for key, (field, kind) in TRAIN_METRICS.items()})
-    metrics.update(privacy.ClientLedger(context).account(result))  # example-level DP's (epsilon, delta) so far
+    metrics.update(privacy.account(context, result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
 
@@ -143,9 +143,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
     local = _restore_client_state(context, plan, name, rnd)
-    if spec.local_from_global:
-        if len(received) == 0:
-            raise ValueError(f"client {name}: method {spec.name} evaluates the global adapter but none was sent")
+    if spec.local_from_global:  # the server sends the global to these methods only
         local = decode_global(received, plan)
     # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
     # its state, so its first train round starts from the global of that round (as a joining client does).
@@ -168,7 +166,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     checkpoints.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
-                                        privacy.ClientLedger(context).steps)
+                                        privacy.dp_steps(context))
 
     metrics = MetricRecord({NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss),
                             "val-tokens": int(val_tokens), "best-round": int(progress["best-round"]),

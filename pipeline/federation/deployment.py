@@ -1,7 +1,5 @@
-"""Real federation (SuperLink + SuperNodes): the deployed apps (pyproject.toml ``[tool.flwr.app.components]``). The
-ServerApp records what the train stage records, from what the server receives, and runs the federated evaluation:
-each client scores its own test set (``query.summarize``, added to client_app's ClientApp here, out of the train
-stage's import closure); only ROUGE means reach the server. Nothing here reads a params file. docs/federation.md.
+"""Real federation (SuperLink + SuperNodes): the deployed apps (pyproject.toml ``[tool.flwr.app.components]``) and
+the federated evaluation (``query.summarize``, added here: out of the train stage's import closure); docs/federation.md.
 """
 from __future__ import annotations
 
@@ -176,11 +174,10 @@ def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
             if all(r.get("failed") for r in rows)}
 
 
-def write_eval_metrics(plan: Plan, metrics: dict[str, Any], eval_dir: Path = PATHS.eval_reports,
-                       keep: tuple[str, ...] = ()) -> Path:
+def write_eval_metrics(plan: Plan, metrics: dict[str, Any], keep: tuple[str, ...] = ()) -> Path:
     """metrics.json in a folder holding only this run's files (``keep``): an earlier evaluate stage's
     per-example files would otherwise sit beside scores they do not belong to."""
-    out = Path(eval_dir) / plan.experiment
+    out = PATHS.eval_dir(plan.experiment)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.iterdir():
         if stale.is_file() and stale.name not in keep:

@@ -38,13 +38,11 @@ class InProcessGrid(Grid):
     node keeps its own Context across rounds, as a SuperNode does; messages are deep-copied both ways (client and
     server share no objects); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
 
-    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]],
-                 run_config: dict[str, Any] | None = None):
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]]):
         self.client_app = client_app
         self._run = Run.create_empty(1)
-        # run_config: what a deployed ClientApp sees as its run config (the FAB's, e.g. pyproject.toml's)
         self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=dict(node_config),
-                                           state=RecordDict(), run_config=dict(run_config or {}))
+                                           state=RecordDict(), run_config={})
                          for i, node_config in enumerate(node_configs)}
         self._pending: dict[str, Message] = {}
 
@@ -64,8 +62,6 @@ class InProcessGrid(Grid):
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
         for msg in messages:
-            if msg.metadata.dst_node_id not in self.contexts:
-                raise ValueError(f"message to unknown node {msg.metadata.dst_node_id}")
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             self._pending[msg.metadata.message_id] = copy.deepcopy(msg)
             ids.append(msg.metadata.message_id)

@@ -1,10 +1,6 @@
-"""A local deployment of one experiment: a SuperLink and one SuperNode per client on 127.0.0.1, ``flwr run``,
-and every process it started stopped afterwards (success, failure, Ctrl-C; each process in its own group, stopped
-with the descendants it spawned; groups left running are stopped at interpreter exit), with TLS and SuperNode
-authentication material (a throwaway CA, the SuperNodes' key pairs); docs/federation.md. Flower's files go to
-``FLWR_HOME`` = ``.flwr-local/<exp>/``; the ServerApp gets the params file's settings in the run config. Also a
-run's status (``flwr run`` exits 0 whether the ServerApp returned or raised) and what each role of a real
-federation holds (``kit``).
+"""A local deployment of one experiment (a SuperLink and one SuperNode per client on 127.0.0.1, then ``flwr run``,
+with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
+stopped with the descendants it spawned, also at interpreter exit); also a run's status and a role's ``kit``.
 """
 from __future__ import annotations
 
@@ -60,7 +56,7 @@ class ProcessGroup:
         self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
         self.procs: list[Process] = []
         log_dir.mkdir(parents=True, exist_ok=True)
-        _LIVE.add(self)
+        atexit.register(self.stop_all)  # a group not stopped yet is stopped at interpreter exit, whatever happened
 
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
@@ -102,16 +98,7 @@ class ProcessGroup:
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
-            _LIVE.discard(self)
-
-
-_LIVE: set["ProcessGroup"] = set()  # groups not stopped yet: stopped at interpreter exit whatever happened
-
-
-@atexit.register
-def _stop_leftovers() -> None:
-    for group in list(_LIVE):
-        group.stop_all()
+            atexit.unregister(self.stop_all)
 
 
 def _running(pid: int) -> bool:
@@ -189,18 +176,15 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
 
 @dataclass
 class LocalhostConfig:
-    plan: str  # relative to workdir, as the SuperLink and the SuperNodes read it
-    workdir: Path = Path(".")
+    plan: str  # relative to the working directory, as the SuperLink and the SuperNodes read it
     run_config: dict[str, str | int | float | bool] = field(default_factory=dict)  # the ServerApp's
     params: str | None = None  # params file of the run config's timeouts and decoding (unless set there)
     clients: list[str] | None = None  # default: the plan's partition
     tls: bool = False
-    certificates: Certificates | None = None  # with tls: these files, else a CA made under FLWR_HOME
     auth: bool = False  # SuperNode authentication: a key per client, registered before the run
     startup_timeout_s: float = 60.0
     run_timeout_s: float = 3600.0
     stop_timeout_s: float = 10.0
-    quiet: bool = False  # do not echo flwr's stream (tests)
 
 
 def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, str]:
@@ -228,28 +212,25 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
 
 
-def close_left_running(workdir: Path, plan, reason: str) -> str | None:
+def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
     from pipeline.training.checkpoints import mlflow_run_id_path
 
     path = workdir / mlflow_run_id_path(plan)
     if not path.exists():
-        return None
+        return
     from pipeline.results.tracking import _client
 
     run_id = path.read_text().strip()
     client = _client()
-    if client.get_run(run_id).info.status != "RUNNING":
-        return None
-    client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
-    client.set_terminated(run_id, status="KILLED")
-    return run_id
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
+        client.set_terminated(run_id, status="KILLED")
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
-    """The manual recipe's check after ``flwr run``: one line with the status of the run ``submitted`` (what
-    ``flwr run --format json`` printed) started, else ``run_id``, else the run submitted last; 0 only if it
-    completed."""
+    """The manual recipe's check after ``flwr run`` (docs/federation.md): one line with the run's status; 0 only if
+    it completed."""
     if submitted is not None:
         try:
             started = json.loads(submitted.read_text())
@@ -284,13 +265,11 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
     return " ".join(f"{k}={toml(v)}" for k, v in values.items())
 
 
-def write_connection(home: Path, port: int, certificates: Certificates | None) -> Path:
+def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
     security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
-    path = home / "config.toml"
-    atomic.write_text(path, f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                            f'address = "{HOST}:{port}"\n{security}\n')
-    return path
+    atomic.write_text(home / "config.toml", f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                            f'address = "{HOST}:{port}"\n{security}\n')
 
 
 class LocalhostFederation:
@@ -305,23 +284,21 @@ class LocalhostFederation:
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
         check_run_config(cfg.run_config, SERVER_KEYS)  # before any process starts (Flower: ~40 s later)
-        self.workdir = cfg.workdir.resolve()
+        self.workdir = Path.cwd()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():
             raise FederationError(f"{plan_file}: plan file not found (run the plan stage: dvc repro plan)")
         self.plan = load_plan(str(plan_file))
-        self.run_config = dict(cfg.run_config)
-        if cfg.params is not None:
-            self.run_config = server_run_config(str(self.workdir / cfg.params), self.plan.experiment) | self.run_config
-        with contextlib.chdir(self.workdir):  # the plan's paths are relative to the working directory
-            self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
+        params = {} if cfg.params is None else server_run_config(str(self.workdir / cfg.params), self.plan.experiment)
+        self.run_config = params | cfg.run_config  # a --run-config value wins
+        self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1",
                    PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
-        self.certificates = (cfg.certificates or make_self_signed_ca(self.home / "certs")) if cfg.tls else None
+        self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
         self.keys: dict[str, tuple[Path, Path]] = {}
         self.superlink: Process | None = None
         self.supernodes: dict[str, Process] = {}
@@ -332,13 +309,12 @@ class LocalhostFederation:
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
 
-    def start_supernode(self, name: str, key: Path | None = None) -> Process:
+    def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
         argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST, "--port",
                 str(free_port()), "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
-        key = key or (self.keys[name][0] if name in self.keys else None)
-        if key is not None:
-            argv += ["--auth-supernode-private-key", str(key)]
+        if name in self.keys:  # SuperNode authentication: its private key
+            argv += ["--auth-supernode-private-key", str(self.keys[name][0])]
         restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
         proc = self.procs.start(f"supernode-{name}" + (f"-{restarts}" if restarts else ""), argv, self.workdir)
         self.supernodes[name] = proc
@@ -391,9 +367,8 @@ class LocalhostFederation:
                 lines.append(line)
                 log.write(line)
                 log.flush()
-                if not self.cfg.quiet:
-                    sys.stdout.write(line)
-                    sys.stdout.flush()
+                sys.stdout.write(line)
+                sys.stdout.flush()
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
@@ -412,27 +387,17 @@ class LocalhostFederation:
             log.close()
         return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
 
-    def start_round(self) -> int:
-        """The round the run starts at: 1, or the one after the server's last checkpointed round (a resumed run)."""
+    def _resume_hint(self) -> str:
+        """Where a rerun starts: round 1, or the one after the server's last checkpointed round (a resumed run)."""
         from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path
 
         ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
-        return 1 if ckpt is None else int(ckpt["round"]) + 1
-
-    def run_status(self, run_id: int) -> tuple[str, str]:
-        """(status, details) of run ``run_id`` as the SuperLink reports it (``finished:completed`` / ``:failed``)."""
-        out = flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json", cwd=self.workdir,
-                   env=self.procs.env, timeout=self.cfg.startup_timeout_s)
-        return parse_run_status(out.stdout, run_id)[1:]
-
-    def _resume_hint(self) -> str:
-        from pipeline.training.checkpoints import server_checkpoint_path
-
-        start, command = self.start_round(), f"python -m pipeline.federation local --plan {self.cfg.plan}"
-        if start == 1:
+        command = f"python -m pipeline.federation local --plan {self.cfg.plan}"
+        if ckpt is None:
             return f"no round was checkpointed; rerun `{command}` to start over"
-        return (f"the server checkpointed round {start - 1} of {self.plan.train.rounds} "
-                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {start}")
+        done = int(ckpt["round"])
+        return (f"the server checkpointed round {done} of {self.plan.train.rounds} "
+                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {done + 1}")
 
     def check_outputs(self, since: float) -> dict:
         """The run's train metrics, or an error naming what is missing; with ``rouge``, the client-average ROUGE of
@@ -464,7 +429,9 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             found = RUN_ID.search(run.output)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
-            status, details = fed.run_status(int(found.group(1)))
+            out = flwr("ls", CONNECTION, "--run-id", found.group(1), "--format", "json", cwd=fed.workdir,
+                       env=fed.procs.env, timeout=cfg.startup_timeout_s)  # what the SuperLink says of the run
+            _, status, details = parse_run_status(out.stdout, int(found.group(1)))
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
                 raise FederationError(f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; "
@@ -485,10 +452,9 @@ RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
 
 def write_kit(plan_path: str, out: Path, client: str | None = None,
               run_config: dict[str, str | float] | None = None) -> list[Path]:
-    """Copy what the server (``client`` None: plan, backbone and, with ``run_config``, its run_config.toml; no
-    example) or ``client``'s site (plan, backbone, its own partition slice, examples and POS tags) needs into ``out``,
-    laid out as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path,
-    so the same run config works on every role."""
+    """Copy what the server (``client`` None) or ``client``'s site holds (docs/federation.md) into ``out``, laid out
+    as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
+    same run config works on every role."""
     from pipeline.experiments import read_plan
     from pipeline.training.client_data import read_examples, read_partition
 
@@ -498,7 +464,6 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
                         f"declared them: rerun the plan stage)")
     if client is not None and client not in plan.clients:
         raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
-    out = Path(out)
     (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(plan_path, out / plan_path)
     backbone = Path(plan.paths["backbone"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
@@ -63,17 +63,14 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
 
 
 class GridView:
-    """What a strategy (node ids) or SecAgg+'s workflow (send_and_receive) uses of ``grid``, showing only
-    ``node_ids`` when given (a copy each call: a strategy sees only the admitted nodes, or the round's sample)."""
+    """What a strategy uses of ``grid`` (its node ids), showing only ``node_ids`` when given (a copy each call: a
+    strategy sees only the admitted nodes, or the round's sample); SecAgg+'s workflow's view adds send_and_receive."""
 
     def __init__(self, grid: Grid, node_ids: list[int] | None = None):
         self._grid, self._node_ids = grid, None if node_ids is None else list(node_ids)
 
     def get_node_ids(self) -> list[int]:
         return self._grid.get_node_ids() if self._node_ids is None else list(self._node_ids)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        return self._grid.send_and_receive(messages, timeout=timeout)
 
 
 @lru_cache(maxsize=8)

@@ -223,7 +223,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         if new_arrays is not None:
             arrays = new_arrays
             if client_level is not None:
-                client_level.record(rows, clipped, clipping_norm, history)
+                client_level.record(rows, clipped, clipping_norm)
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 

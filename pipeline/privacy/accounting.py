@@ -113,7 +113,6 @@ class ClientPrivacy:
     sample_rate: float  # Poisson: each example joins a step with this probability
     logical_batch: int  # expected examples per step (q n); the divisor of the noisy sum
     steps_per_epoch: int
-    planned_steps: int  # every round, every local epoch
     delta: float
     accountant: str
 
@@ -133,6 +132,6 @@ def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, roun
                          f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))")
     q = min(1.0, logical_batch / n_examples)
     per_epoch = math.ceil(n_examples / logical_batch)
-    planned = rounds * local_epochs * per_epoch
+    planned = rounds * local_epochs * per_epoch  # every round, every local epoch: what the noise is calibrated to
     return ClientPrivacy(_noise(cfg, delta, q, planned, where, "steps"), float(cfg.max_grad_norm), q,
-                         min(logical_batch, n_examples), per_epoch, planned, float(delta), cfg.accountant)
+                         min(logical_batch, n_examples), per_epoch, float(delta), cfg.accountant)

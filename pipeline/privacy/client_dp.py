@@ -136,7 +136,7 @@ class ClientLevelDP(Strategy):
         return int(metrics[CLIPPED_KEY]), norm
 
     def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
-               clipping_norm: float, history: list[dict[str, Any]]) -> float:
+               clipping_norm: float) -> None:
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():
@@ -145,7 +145,6 @@ class ClientLevelDP(Strategy):
                                "epsilon": None if eps == float("inf") else eps, "delta": self.setting.delta,
                                "noise_multiplier": self.setting.noise_multiplier,
                                "sample_rate": self.setting.sample_rate})
-        return eps
 
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:

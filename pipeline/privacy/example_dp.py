@@ -26,21 +26,34 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
                                                                generator=generator, steps=n_steps)]
 
 
-class DPSGDStep:
-    """Per-example clipping, summing across micro-batches and Gaussian noise for one adapter set: per micro-batch,
-    backward its per-example loss sum, :meth:`accumulate`; then :meth:`finish`; :meth:`close` removes the hooks."""
+class DPSGDSteps:
+    """The local trainer's step object under mode example (the interface of client_training.PlainSteps):
+    per-example clipping, summing across micro-batches and Gaussian noise for one adapter set. Per micro-batch,
+    :meth:`backward` its per-example loss sum (:meth:`accumulate`); then :meth:`finish`, which adds the proximal
+    gradient after the noise (it is data-independent: outside the clipping); :meth:`close` removes the hooks."""
 
-    def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int):
+    def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
+                 normalisation: str, max_target_length: int, proximal=None):
         from opacus.grad_sample import GradSampleHooks
 
+        self.seed, self.frame, self.micro_batches, self.proximal = seed, examples, micro_batches, proximal
+        self.normalisation, self.max_target_length = normalisation, max_target_length
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.setting = setting
         # sum reduction: grad_sample[i] is the gradient of example i's own loss l_i (no batch-size rescaling)
         self._hooks = GradSampleHooks(module, batch_first=True, loss_reduction="sum")
-        self._generator = torch.Generator(device=self.params[0].device).manual_seed(seed)
+        self._generator = torch.Generator(device=self.params[0].device).manual_seed(derived_seed(seed, "dp-noise"))
         self._summed: list[torch.Tensor] | None = None
         self.clipped = 0  # per-example gradients whose norm exceeded C (over every step)
         self.examples = 0  # per-example gradients clipped or not
+
+    def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
+        return poisson_epoch(self.frame, self.micro_batches, self.setting, self.normalisation,
+                             self.max_target_length, derived_seed(self.seed, epoch, "poisson"))
+
+    def backward(self, loss: torch.Tensor, weight: float) -> None:
+        (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
+        self.accumulate()
 
     def accumulate(self) -> torch.Tensor:
         """Clip this micro-batch's per-example gradients, add them to the step's sum; returns their norms."""
@@ -66,6 +79,8 @@ class DPSGDStep:
             noise = torch.normal(0.0, std, size=p.shape, generator=self._generator, device=p.device) if std else 0.0
             p.grad = ((total + noise) / s.logical_batch).to(p.dtype)
         self._summed = None
+        if self.proximal is not None:
+            self.proximal.add_gradient()
 
     def close(self) -> None:
         self._hooks.cleanup()  # opacus removes its hooks and the grad_sample attributes of the parameters
@@ -91,27 +106,3 @@ def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation
         batches = micro_batches(examples.iloc[idx]) if idx else []
         steps.append([(b, per_example_loss_scale(b, normalisation, max_target_length)) for b in batches])
     return steps
-
-
-class DPSGDSteps(DPSGDStep):
-    """The local trainer's step object under mode example (the interface of client_training.PlainSteps); the
-    proximal gradient is added after the noise (it is data-independent: outside the clipping)."""
-
-    def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
-                 normalisation: str, max_target_length: int, proximal=None):
-        super().__init__(module, setting, derived_seed(seed, "dp-noise"))
-        self.seed, self.frame, self.micro_batches, self.proximal = seed, examples, micro_batches, proximal
-        self.normalisation, self.max_target_length = normalisation, max_target_length
-
-    def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
-        return poisson_epoch(self.frame, self.micro_batches, self.setting, self.normalisation,
-                             self.max_target_length, derived_seed(self.seed, epoch, "poisson"))
-
-    def backward(self, loss: torch.Tensor, weight: float) -> None:
-        (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
-        self.accumulate()
-
-    def finish(self) -> None:
-        super().finish()
-        if self.proximal is not None:
-            self.proximal.add_gradient()

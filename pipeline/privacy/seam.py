@@ -109,36 +109,32 @@ def register_train(app, train_round):
 STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
 
 
-class ClientLedger:
-    """A client's DP-SGD steps across rounds, in its ``context.state`` and checkpoints: a restarted one composes on."""
+def dp_steps(context) -> int | None:
+    """A client's DP-SGD steps across rounds (in its ``context.state`` and checkpoints: a restarted one composes
+    on); None when it has taken no step under DP (its checkpoint then records none)."""
+    return int(context.state[STEPS_KEY]["steps"]) if STEPS_KEY in context.state else None
 
-    def __init__(self, context):
-        self.state = context.state
 
-    @property
-    def steps(self) -> int | None:
-        """None when the client has taken no step under DP (its checkpoint then records none)."""
-        return int(self.state[STEPS_KEY]["steps"]) if STEPS_KEY in self.state else None
+def restore_dp_steps(context, steps: int | None) -> None:
+    from flwr.app import MetricRecord
 
-    def restore(self, steps: int | None) -> None:
-        from flwr.app import MetricRecord
+    if steps is not None:
+        context.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
-        if steps is not None:
-            self.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
-    def account(self, result) -> dict[str, float | int]:
-        """The round's privacy reply metrics (-1: unbounded), epsilon over every DP-SGD step so far."""
-        setting = result.privacy
-        if setting is None:
-            return {}
-        total = (self.steps or 0) + int(result.n_steps)
-        self.restore(total)
-        eps, c = setting.epsilon(total), setting.max_grad_norm
-        return {"dp-epsilon": float(eps) if eps != float("inf") else -1.0, "dp-delta": float(setting.delta),
-                "dp-noise-multiplier": float(setting.noise_multiplier),
-                "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
-                "dp-sample-rate": float(setting.sample_rate), "dp-steps": int(total),
-                "dp-examples": int(result.dp_examples), "dp-clipped": int(result.dp_clipped)}
+def account(context, result) -> dict[str, float | int]:
+    """The round's privacy reply metrics (-1: unbounded), epsilon over every DP-SGD step so far."""
+    setting = result.privacy
+    if setting is None:
+        return {}
+    total = (dp_steps(context) or 0) + int(result.n_steps)
+    restore_dp_steps(context, total)
+    eps, c = setting.epsilon(total), setting.max_grad_norm
+    return {"dp-epsilon": float(eps) if eps != float("inf") else -1.0, "dp-delta": float(setting.delta),
+            "dp-noise-multiplier": float(setting.noise_multiplier),
+            "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
+            "dp-sample-rate": float(setting.sample_rate), "dp-steps": int(total),
+            "dp-examples": int(result.dp_examples), "dp-clipped": int(result.dp_clipped)}
 
 
 def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:

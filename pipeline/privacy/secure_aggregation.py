@@ -199,11 +199,8 @@ class _Offer(FedAvg):
 
 class _Workflow(SecAggPlusWorkflow):
     """Flower's workflow, keeping the round's protocol state (threshold, shares), and forgetting a client lost
-    before its key shares went out: Flower 1.41 asks the survivors for its shares at the unmask stage, which none
-    holds (KeyError), and loses the round. Exact: a client masks only with the neighbours whose shares it received
-    (``_collect_masked_vectors``), so no vector carries the lost client's masks."""
-
-    state = None
+    before its key shares went out (docs/privacy.md, dropouts: Flower 1.41 asks the survivors for shares none holds,
+    a KeyError). Exact: a client masks only with the neighbours whose shares it received."""
 
     def setup_stage(self, grid, context, state):
         self.state = state
@@ -251,9 +248,8 @@ class SecureAggregator:
         workflow(observed, context)
 
         in_sum = {n for n, o in observed.nodes.items() if o.metrics is not None}
-        out = SecureRound(arrays=None, nodes=observed.nodes, in_sum=in_sum)
-        if workflow.state is not None:
-            out.threshold, out.num_shares = workflow.state.threshold, workflow.state.num_shares
+        # the workflow always runs its setup stage, which keeps the round's state
+        out = SecureRound(None, observed.nodes, in_sum, workflow.state.threshold, workflow.state.num_shares)
         if strategy.mean is None:
             out.halted = (f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
                           f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares")
