@@ -22,9 +22,13 @@ from tests.test_federated import _final_adapters, workspace, write_plan  # noqa:
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One xdist worker runs them one after another (make test-all: --dist loadgroup): each starts a SuperLink and
-# SuperNodes, and two at once on 2 cores made rounds miss their timeouts.
-pytestmark = [pytest.mark.deployment, pytest.mark.xdist_group("deployment")]
+pytestmark = pytest.mark.deployment
+# The tests that start a SuperLink and SuperNodes run one after another in one xdist worker (make test-all: --dist
+# loadgroup): two federations at once on 2 cores made rounds miss their timeouts. The tests over the in-process Grid
+# start no Flower process: the other worker takes them beside its own; the two Ray runs share one group (one Ray
+# instance at a time).
+REAL_PROCESSES = pytest.mark.xdist_group("deployment")
+RAY = pytest.mark.xdist_group("ray")
 
 # Short greedy decoding: the federated and the central path must agree for any settings; these keep it fast.
 EVALUATE = {"num_beams": 2, "max_target_length": 8, "min_target_length": 2, "batch_size": 2}
@@ -62,10 +66,11 @@ def _serve_inprocess(plan_path: str, **run_config):
     return grid
 
 
-def _assert_same_final_adapters(name: str, reference: str) -> None:
+def _assert_same_final_adapters(name: str, reference: str,
+                                clients: tuple[str, ...] = ("Academic", "Committee", "Product")) -> None:
     """Every client's final adapter of run ``name`` equals ``reference``'s (float tolerance: same math elsewhere)."""
     a, b = _final_adapters(name), _final_adapters(reference)
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    assert a.keys() == b.keys() == set(clients)
     for client in a:
         for k in a[client]:
             torch.testing.assert_close(a[client][k], b[client][k])
@@ -232,23 +237,52 @@ def _no_process_left(before: set[int], started: list) -> None:
     assert _flower_pids() - before == set()
 
 
+@pytest.fixture(scope="module")
+def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
+    """One local deployment shared by the next two tests (a SuperLink, SuperNodes and a run are most of their time):
+    TLS with a CA made here and a registered key per SuperNode; a stranger's SuperNode is refused, then a two-round
+    fedselectkd run of the pair partition (each message is a fresh `flwr-clientapp` process per client: two clients
+    weigh their updates, 4 and 6 examples, as three do; the in-process Grid test above federates all three)."""
+    from types import SimpleNamespace
+
+    from pipeline.federation.localhost import RUN_ID, LocalhostFederation, make_node_key, make_self_signed_ca
+
+    with pytest.MonkeyPatch.context() as mp:  # what the ws fixture sets, for this module-scoped setup
+        mp.chdir(workspace)
+        mp.setenv("FEDMEET_ROOT", str(workspace))
+        mp.setenv("FEDMEET_TEST_OWNER", str(os.getpid()))
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+        before = _flower_pids()
+        certs = make_self_signed_ca(tmp_path_factory.mktemp("certs"))  # the tests' own throwaway CA
+        plan = write_plan("loc", "fedselectkd", partition=_pair_partition())
+        fed = LocalhostFederation(_local(plan, tls=True, certificates=certs, auth=True))
+        with fed:
+            fed.start()
+            keys = set(fed.keys)
+            stranger = fed.start_supernode("Stranger", key=make_node_key(tmp_path_factory.mktemp("keys"),
+                                                                         "stranger")[0])
+            stranger.popen.wait(timeout=90)
+            del fed.supernodes["Stranger"]
+            run = fed.stream(fed.submit())
+            found = RUN_ID.search(run.output)
+            status = fed.run_status(int(found.group(1))) if found else ("no run id", "")  # the SuperLink's word
+            metrics = fed.check_outputs(0) if run.returncode == 0 else {}
+            started = list(fed.procs.procs)
+    return SimpleNamespace(before=before, started=started, certs=certs, keys=keys, stranger=stranger,
+                           superlink_log=fed.superlink.log, home=fed.home, run=run, status=status, metrics=metrics)
+
+
+@REAL_PROCESSES
 @pytest.mark.timeout(480)
-def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation.localhost import RUN_ID, LocalhostFederation
+def test_local_deployment_gives_the_in_process_result(ws, secure_local_run):
     from pipeline.train import run_experiment
 
-    before = _flower_pids()
-    run_experiment(write_plan("loc-ref", "fedselectkd"), track=False)
-    fed = LocalhostFederation(_local(write_plan("loc", "fedselectkd")))
-    with fed:
-        fed.start()
-        run = fed.stream(fed.submit())
-        status = fed.run_status(int(RUN_ID.search(run.output).group(1)))  # what the SuperLink says of the run
-        started = list(fed.procs.procs)
-    assert run.returncode == 0 and status[0] == "finished:completed", run.output[-2000:]
-    _no_process_left(before, started)
+    run = secure_local_run.run
+    assert run.returncode == 0 and secure_local_run.status[0] == "finished:completed", run.output[-2000:]
+    _no_process_left(secure_local_run.before, secure_local_run.started)
 
-    _assert_same_final_adapters("loc", "loc-ref")  # two processes, same math
+    run_experiment(write_plan("loc-ref", "fedselectkd", partition=_pair_partition()), track=False)
+    _assert_same_final_adapters("loc", "loc-ref", ("Academic", "Committee"))  # two processes, same math
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("loc", "loc-ref"))
     assert [(r["round"], r["client"]) for r in rounds] == [(r["round"], r["client"]) for r in ref]
     for r, q in zip(rounds, ref):
@@ -286,38 +320,26 @@ def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(300)
-def test_tls_and_supernode_authentication(ws, tmp_path):
+@REAL_PROCESSES
+@pytest.mark.timeout(480)
+def test_tls_and_supernode_authentication(ws, secure_local_run):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.processes import make_node_key, make_self_signed_ca
-    from pipeline.federation.localhost import LocalhostFederation
-
-    before = _flower_pids()
-    certs = make_self_signed_ca(tmp_path / "certs")  # the test's own throwaway CA
-    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
-    server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
+    r = secure_local_run
+    ca = x509.load_pem_x509_certificate(r.certs.ca.read_bytes())
+    server = x509.load_pem_x509_certificate(r.certs.cert.read_bytes())
     assert server.issuer == ca.subject and server.issuer != server.subject  # signed by the CA, not self-signed
-    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
-    fed = LocalhostFederation(_local(plan, tls=True, certificates=certs, auth=True))
-    with fed:
-        fed.start()
-        assert set(fed.keys) == {"Academic", "Committee"}
-        stranger = fed.start_supernode("Stranger", key=make_node_key(tmp_path / "keys", "stranger")[0])
-        stranger.popen.wait(timeout=90)
-        assert stranger.popen.returncode != 0 and "SuperNode ID:" not in stranger.log.read_text()
-        assert "Attempted to register SuperNode" in fed.superlink.log.read_text()  # refused by the SuperLink
-        del fed.supernodes["Stranger"]
-        run = fed.stream(fed.submit())
-        assert run.returncode == 0, run.output[-2000:]
-        metrics = fed.check_outputs(0)
-        assert f'root-certificates = "{certs.ca.resolve()}"' in (fed.home / "config.toml").read_text()
-        started = list(fed.procs.procs)
-    _no_process_left(before, started)
-    assert {c: v["rounds_trained"] for c, v in metrics["clients"].items()} == {"Academic": 1, "Committee": 1}
+    assert r.keys == {"Academic", "Committee"}
+    assert r.stranger.popen.returncode != 0 and "SuperNode ID:" not in r.stranger.log.read_text()
+    assert "Attempted to register SuperNode" in r.superlink_log.read_text()  # refused by the SuperLink
+    assert r.run.returncode == 0, r.run.output[-2000:]
+    assert f'root-certificates = "{r.certs.ca.resolve()}"' in (r.home / "config.toml").read_text()
+    _no_process_left(r.before, r.started)
+    assert {c: v["rounds_trained"] for c, v in r.metrics["clients"].items()} == {"Academic": 2, "Committee": 2}
 
 
+@REAL_PROCESSES
 @pytest.mark.timeout(900)
 def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(ws):
     """Committee's SuperNode is killed once round 1 is checkpointed and restarted at once (a new node id);
@@ -379,6 +401,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     assert _flower_pids() - before == set()
 
 
+@RAY
 @pytest.mark.timeout(300)
 def test_ray_engine_gives_the_in_process_result(ws):
     from pipeline.experiments import RunSettings
@@ -466,7 +489,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
                                               state=RecordDict(), run_config={})  # fresh process, empty state
             return list(self.contexts)
 
-    plan = write_plan("flaky", "fedavg", rounds=3)
+    plan = write_plan("flaky-node", "fedavg", rounds=3)
     names = client_names(load_plan(plan))
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
@@ -485,6 +508,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
 
 
 # ------------------------------------------------------------------ SecAgg+ (privacy.secure_aggregation)
+@RAY
 @pytest.mark.timeout(300)
 def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
     from pipeline.experiments import RunSettings
@@ -503,6 +527,7 @@ def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
         (r["round"], r["client"], 0) for r in ref]
 
 
+@REAL_PROCESSES
 @pytest.mark.timeout(600)
 def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
         ws, monkeypatch):
@@ -566,19 +591,23 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated
 
 
+@REAL_PROCESSES
 @pytest.mark.timeout(400)
 def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
-    """Product's SuperNode is started as "Prodcut": the ServerApp refuses it, Product never joins within the
+    """Committee's SuperNode is started as "Comittee": the ServerApp refuses it, Committee never joins within the
     admission timeout, the SuperLink reports the run failed (`flwr run` itself exits 0) and the command raises one
     line naming the missing client and the refused name."""
-    from pipeline.federation.localhost import run_localhost
-    from pipeline.federation.processes import FederationError
+    from pipeline.federation.localhost import FederationError, run_localhost
 
-    cfg = _local(write_plan("misnamed", "fedavg", rounds=1), clients=["Academic", "Committee", "Prodcut"])
-    cfg.run_config["admission-timeout-s"] = 90.0  # each identify reply is a fresh flwr-clientapp process
+    cfg = _local(write_plan("misnamed", "fedavg", partition=_pair_partition(), rounds=1),
+                 clients=["Academic", "Comittee"])
+    # The run waits out the whole admission timeout (Committee never comes): it only has to outlast the identify
+    # replies, one fresh flwr-clientapp process per node, lighter than the train reply that the lost-SuperNode test
+    # gives its 40 s round timeout.
+    cfg.run_config["admission-timeout-s"] = 45.0
     with pytest.raises(FederationError) as err:
         run_localhost(cfg)
     message = str(err.value)
     assert "\n" not in message and "finished:failed" in message
-    assert "['Product']" in message and "'Prodcut'" in message
+    assert "['Committee']" in message and "'Comittee'" in message
     assert not Path("models/misnamed/metrics.json").exists()
