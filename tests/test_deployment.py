@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.deployment
 # The tests that start a SuperLink and SuperNodes wait most of their time (Flower polls every 3 s, round and admission
-# timeouts): make test-all (--dist loadgroup) runs them in two xdist groups of about equal length, one per worker,
-# two federations at once on their own ports. Each group is serial; its round timeouts outlast a healthy reply with
-# the other federation beside it. The tests over the in-process Grid start no Flower process: they go to whichever
-# worker is free; the two Ray runs share one group (one Ray instance at a time).
+# timeouts): make test-all (--dist loadgroup) runs them in two xdist groups of about equal length, so both workers
+# start one at once (at most one federation per worker, each on its own ports; their round timeouts outlast a healthy
+# reply with the other federation beside). The two tests of the shared TLS deployment share a group (one deployment
+# for both). The tests over the in-process Grid start no Flower process: they go to whichever worker is free; the two
+# Ray runs share one group (one Ray instance at a time).
 FEDERATION_FAULTS = pytest.mark.xdist_group("deployment-faults")
 FEDERATION_SECURE = pytest.mark.xdist_group("deployment-secure")
 RAY = pytest.mark.xdist_group("ray")
