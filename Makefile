@@ -38,7 +38,8 @@ repro: data-sources
 # Two lanes (pyproject.toml [tool.pytest.ini_options] markers), both on every core (pytest-xdist; PYTEST_JOBS=1 for
 # one process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
 # method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools.
-# --dist loadgroup: the deployment tests (xdist_group "deployment") run one after another in one worker.
+# --dist loadgroup: the tests that start SuperLink/SuperNode processes run in two xdist groups, one federation per
+# worker at a time (tests/test_deployment.py).
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
 test: setup

@@ -22,9 +22,16 @@ from tests.test_federated import _final_adapters, workspace, write_plan  # noqa:
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# One xdist worker runs them one after another (make test-all: --dist loadgroup): each starts a SuperLink and
-# SuperNodes, and two at once on 2 cores made rounds miss their timeouts.
-pytestmark = [pytest.mark.deployment, pytest.mark.xdist_group("deployment")]
+pytestmark = pytest.mark.deployment
+# The tests that start a SuperLink and SuperNodes wait most of their time (Flower polls every 3 s, round and admission
+# timeouts): make test-all (--dist loadgroup) runs them in two xdist groups of about equal length, so both workers
+# start one at once (at most one federation per worker, each on its own ports; their round timeouts outlast a healthy
+# reply with the other federation beside). The two tests of the shared TLS deployment share a group (one deployment
+# for both). The tests over the in-process Grid start no Flower process: they go to whichever worker is free; the two
+# Ray runs share one group (one Ray instance at a time).
+FEDERATION_FAULTS = pytest.mark.xdist_group("deployment-faults")
+FEDERATION_SECURE = pytest.mark.xdist_group("deployment-secure")
+RAY = pytest.mark.xdist_group("ray")
 
 # Short greedy decoding: the federated and the central path must agree for any settings; these keep it fast.
 EVALUATE = {"num_beams": 2, "max_target_length": 8, "min_target_length": 2, "batch_size": 2}
@@ -64,10 +71,11 @@ def _serve_inprocess(plan_path: str, **run_config):
     return grid
 
 
-def _assert_same_final_adapters(name: str, reference: str) -> None:
+def _assert_same_final_adapters(name: str, reference: str,
+                                clients: tuple[str, ...] = ("Academic", "Committee", "Product")) -> None:
     """Every client's final adapter of run ``name`` equals ``reference``'s (float tolerance: same math elsewhere)."""
     a, b = _final_adapters(name), _final_adapters(reference)
-    assert a.keys() == b.keys() == {"Academic", "Committee", "Product"}
+    assert a.keys() == b.keys() == set(clients)
     for client in a:
         for k in a[client]:
             torch.testing.assert_close(a[client][k], b[client][k])
@@ -234,26 +242,58 @@ def _no_process_left(before: set[int], started: list) -> None:
     assert _flower_pids() - before == set()
 
 
+@pytest.fixture(scope="module")
+def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
+    """One local deployment shared by the next two tests (a SuperLink, SuperNodes and a run are most of their time):
+    TLS with a CA made here and a registered key per SuperNode; a stranger's SuperNode is refused, then a two-round
+    fedselectkd run of the pair partition (each message is a fresh `flwr-clientapp` process per client: two clients
+    weigh their updates, 4 and 6 examples, as three do; the in-process Grid test above federates all three)."""
+    from types import SimpleNamespace
+
+    from pipeline.federation.localhost import (CONNECTION, RUN_ID, LocalhostFederation, flwr, make_node_key,
+                                               parse_run_status)
+
+    with pytest.MonkeyPatch.context() as mp:  # what the ws fixture sets, for this module-scoped setup
+        mp.chdir(workspace)
+        mp.setenv("FEDMEET_ROOT", str(workspace))
+        mp.setenv("FEDMEET_TEST_OWNER", str(os.getpid()))
+        mp.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{workspace / 'mlflow.db'}")
+        before = _flower_pids()
+        plan = write_plan("loc", "fedselectkd", partition=_pair_partition())
+        fed = LocalhostFederation(_local(plan, tls=True, auth=True))
+        certs = fed.certificates  # the throwaway CA made under FLWR_HOME
+        with fed:
+            fed.start()
+            keys = set(fed.keys)
+            # a key the SuperLink never registered
+            fed.keys["Stranger"] = make_node_key(tmp_path_factory.mktemp("keys"), "stranger")
+            stranger = fed.start_supernode("Stranger")
+            stranger.popen.wait(timeout=90)
+            del fed.supernodes["Stranger"]
+            run = fed.stream(fed.submit())
+            found = RUN_ID.search(run.output)
+            status = ("no run id", "")
+            if found:  # the SuperLink's word on the run
+                out = flwr("ls", CONNECTION, "--run-id", found.group(1), "--format", "json", env=fed.procs.env,
+                           timeout=60)
+                status = parse_run_status(out.stdout, int(found.group(1)))[1:]
+            metrics = fed.check_outputs(0) if run.returncode == 0 else {}
+            started = list(fed.procs.procs)
+    return SimpleNamespace(before=before, started=started, certs=certs, keys=keys, stranger=stranger,
+                           superlink_log=fed.superlink.log, home=fed.home, run=run, status=status, metrics=metrics)
+
+
+@FEDERATION_SECURE
 @pytest.mark.timeout(480)
-def test_local_deployment_gives_the_in_process_result(ws):
-    from pipeline.federation.localhost import CONNECTION, RUN_ID, LocalhostFederation, flwr, parse_run_status
+def test_local_deployment_gives_the_in_process_result(ws, secure_local_run):
     from pipeline.train import run_experiment
 
-    before = _flower_pids()
-    run_experiment(write_plan("loc-ref", "fedselectkd"), track=False)
-    fed = LocalhostFederation(_local(write_plan("loc", "fedselectkd")))
-    with fed:
-        fed.start()
-        run = fed.stream(fed.submit())
-        run_id = RUN_ID.search(run.output).group(1)
-        out = flwr("ls", CONNECTION, "--run-id", run_id, "--format", "json", cwd=fed.workdir, env=fed.procs.env,
-                   timeout=60)
-        status = parse_run_status(out.stdout, int(run_id))[1:]  # what the SuperLink says of the run
-        started = list(fed.procs.procs)
-    assert run.returncode == 0 and status[0] == "finished:completed", run.output[-2000:]
-    _no_process_left(before, started)
+    run = secure_local_run.run
+    assert run.returncode == 0 and secure_local_run.status[0] == "finished:completed", run.output[-2000:]
+    _no_process_left(secure_local_run.before, secure_local_run.started)
 
-    _assert_same_final_adapters("loc", "loc-ref")  # two processes, same math
+    run_experiment(write_plan("loc-ref", "fedselectkd", partition=_pair_partition()), track=False)
+    _assert_same_final_adapters("loc", "loc-ref", ("Academic", "Committee"))  # two processes, same math
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("loc", "loc-ref"))
     assert [(r["round"], r["client"]) for r in rounds] == [(r["round"], r["client"]) for r in ref]
     for r, q in zip(rounds, ref):
@@ -291,39 +331,26 @@ def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(300)
-def test_tls_and_supernode_authentication(ws, tmp_path):
-    """TLS with the throwaway CA made under FLWR_HOME; SuperNode keys registered with the SuperLink; an
-    unregistered key is refused."""
+@FEDERATION_SECURE
+@pytest.mark.timeout(480)
+def test_tls_and_supernode_authentication(ws, secure_local_run):
+    """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
     from cryptography import x509
 
-    from pipeline.federation.localhost import LocalhostFederation, make_node_key
-
-    before = _flower_pids()
-    plan = write_plan("secure", "fedavg", partition=_pair_partition(), rounds=1)
-    fed = LocalhostFederation(_local(plan, tls=True, auth=True))
-    certs = fed.certificates
-    ca = x509.load_pem_x509_certificate(certs.ca.read_bytes())
-    server = x509.load_pem_x509_certificate(certs.cert.read_bytes())
+    r = secure_local_run
+    ca = x509.load_pem_x509_certificate(r.certs.ca.read_bytes())
+    server = x509.load_pem_x509_certificate(r.certs.cert.read_bytes())
     assert server.issuer == ca.subject and server.issuer != server.subject  # signed by the CA, not self-signed
-    with fed:
-        fed.start()
-        assert set(fed.keys) == {"Academic", "Committee"}
-        fed.keys["Stranger"] = make_node_key(tmp_path / "keys", "stranger")  # a key the SuperLink never registered
-        stranger = fed.start_supernode("Stranger")
-        stranger.popen.wait(timeout=90)
-        assert stranger.popen.returncode != 0 and "SuperNode ID:" not in stranger.log.read_text()
-        assert "Attempted to register SuperNode" in fed.superlink.log.read_text()  # refused by the SuperLink
-        del fed.supernodes["Stranger"]
-        run = fed.stream(fed.submit())
-        assert run.returncode == 0, run.output[-2000:]
-        metrics = fed.check_outputs(0)
-        assert f'root-certificates = "{certs.ca.resolve()}"' in (fed.home / "config.toml").read_text()
-        started = list(fed.procs.procs)
-    _no_process_left(before, started)
-    assert {c: v["rounds_trained"] for c, v in metrics["clients"].items()} == {"Academic": 1, "Committee": 1}
+    assert r.keys == {"Academic", "Committee"}
+    assert r.stranger.popen.returncode != 0 and "SuperNode ID:" not in r.stranger.log.read_text()
+    assert "Attempted to register SuperNode" in r.superlink_log.read_text()  # refused by the SuperLink
+    assert r.run.returncode == 0, r.run.output[-2000:]
+    assert f'root-certificates = "{r.certs.ca.resolve()}"' in (r.home / "config.toml").read_text()
+    _no_process_left(r.before, r.started)
+    assert {c: v["rounds_trained"] for c, v in r.metrics["clients"].items()} == {"Academic": 2, "Committee": 2}
 
 
+@FEDERATION_FAULTS
 @pytest.mark.timeout(900)
 def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(ws):
     """Committee's SuperNode is killed once round 1 is checkpointed and restarted at once (a new node id);
@@ -336,7 +363,10 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     before = _flower_pids()
     plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4)
     cfg = _local(plan)
-    cfg.run_config["round-timeout-s"] = 40.0  # a run-time setting: the site's choice, not the plan's
+    # A run-time setting (the site's choice, not the plan's): round 2 waits it out for the killed node; the healthy
+    # replies of every round must come within it with another federation beside (40 s was missed once on a loaded
+    # machine).
+    cfg.run_config["round-timeout-s"] = 60.0
     events: list[str] = []
     fed = LocalhostFederation(cfg)
     with fed:
@@ -384,6 +414,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     assert _flower_pids() - before == set()
 
 
+@RAY
 @pytest.mark.timeout(300)
 def test_ray_engine_gives_the_in_process_result(ws):
     from pipeline.experiments import RunSettings
@@ -472,7 +503,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
                                               state=RecordDict(), run_config={})  # fresh process, empty state
             return list(self.contexts)
 
-    plan = write_plan("flaky", "fedavg", rounds=3)
+    plan = write_plan("flaky-node", "fedavg", rounds=3)
     names = client_names(load_plan(plan))
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
@@ -491,6 +522,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
 
 
 # ------------------------------------------------------------------ SecAgg+ (privacy.secure_aggregation)
+@RAY
 @pytest.mark.timeout(300)
 def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
     from pipeline.experiments import RunSettings
@@ -509,6 +541,7 @@ def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
         (r["round"], r["client"], 0) for r in ref]
 
 
+@FEDERATION_SECURE
 @pytest.mark.timeout(600)
 def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
         ws, monkeypatch):
@@ -536,7 +569,10 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     before = _flower_pids()
     plan = _write_plan("sa-loc", "fedavg", {"secure_aggregation": True}, rounds=2)
     cfg = _local(plan)
-    cfg.run_config["round-timeout-s"] = 40.0
+    # Healthy SecAgg+ stage replies (three flwr-clientapp processes each, another federation beside) come well
+    # within it; the killed SuperNode is reported unavailable by the SuperLink after two missed 30 s heartbeats
+    # anyway, so a longer timeout adds little to round 2.
+    cfg.run_config["round-timeout-s"] = 60.0
     events: list[str] = []
     fed = LocalhostFederation(cfg)
     with fed:
@@ -572,18 +608,23 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated
 
 
+@FEDERATION_FAULTS
 @pytest.mark.timeout(400)
 def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
-    """Product's SuperNode is started as "Prodcut": the ServerApp refuses it, Product never joins within the
+    """Committee's SuperNode is started as "Comittee": the ServerApp refuses it, Committee never joins within the
     admission timeout, the SuperLink reports the run failed (`flwr run` itself exits 0) and the command raises one
     line naming the missing client and the refused name."""
     from pipeline.federation.localhost import FederationError, run_localhost
 
-    cfg = _local(write_plan("misnamed", "fedavg", rounds=1), clients=["Academic", "Committee", "Prodcut"])
-    cfg.run_config["admission-timeout-s"] = 90.0  # each identify reply is a fresh flwr-clientapp process
+    cfg = _local(write_plan("misnamed", "fedavg", partition=_pair_partition(), rounds=1),
+                 clients=["Academic", "Comittee"])
+    # The run waits out the whole admission timeout (Committee never comes): it only has to outlast the identify
+    # replies, one fresh flwr-clientapp process per node, lighter than the train reply that the lost-SuperNode test
+    # gives its 40 s round timeout.
+    cfg.run_config["admission-timeout-s"] = 45.0
     with pytest.raises(FederationError) as err:
         run_localhost(cfg)
     message = str(err.value)
     assert "\n" not in message and "finished:failed" in message
-    assert "['Product']" in message and "'Prodcut'" in message
+    assert "['Committee']" in message and "'Comittee'" in message
     assert not Path("models/misnamed/metrics.json").exists()
