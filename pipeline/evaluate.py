@@ -22,9 +22,8 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
-from pipeline.results.convergence import run_converged
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
-from pipeline.results.readers import read_json
+from pipeline.results.readers import read_json, run_converged
 from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.common.integrity import backbone_name

@@ -23,14 +23,13 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import claims, comparisons, published
-from pipeline.results.convergence import convergence_table
-from pipeline.results.figures import learning_curves
+from pipeline.results.figures import (learning_curves, privacy_figure, privacy_points, study_figures,
+                                      with_stand_ins)
 from pipeline.results.human_eval import (case_study, example_info, make_sheets, plot_results, predictions_by_method,
                                          score_sheets)
-from pipeline.results.readers import collect_scores
+from pipeline.results.readers import collect_scores, convergence_table
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, mean_interval
-from pipeline.results.study_figures import privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.tables import (aggregate, backbone_slug, main_table, main_table_markdown, study_table_markdown,
                                      timing_markdown, timing_table)
 from pipeline.training.config import TrainConfig
@@ -162,7 +161,7 @@ class Tables:
     compared: pd.DataFrame  # the comparisons table with the published columns
     scores: pd.DataFrame
     agg: pd.DataFrame
-    converged: pd.DataFrame  # pipeline.results.convergence.convergence_table
+    converged: pd.DataFrame  # pipeline.results.readers.convergence_table
     missing_eval: list[str]
 
 
@@ -233,7 +232,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         params, cfg, t.compared, t.converged, paths.tables / "comparisons.csv", paths.reports))
     made["tables"].append(str(paths.tables / "results.md"))
 
-    # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
+    # Figures: the registered studies' (pipeline.results.figures.STUDY_FIGURES), then the learning curves.
     figures, figures_not_made = study_figures(t.agg, paths.figures, paths.plots)
     made["figures"] += figures
     not_made.update(figures_not_made)

@@ -31,7 +31,7 @@ from pipeline.training.summary import (convergence_tags, final_run_metrics, merg
 def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash), so a run can be matched to its `dvc exp show` row."""
-    from pipeline.results.run_identity import dvc_tags, git_state
+    from pipeline.results.tracking import dvc_tags, git_state
 
     tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
     return tags | git_state() | dvc_tags()
@@ -51,8 +51,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
 
     logger = None
     if track:
-        from pipeline.results.run_identity import run_name
-        from pipeline.results.tracking import RunLogger
+        from pipeline.results.tracking import RunLogger, run_name
 
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = checkpoints.mlflow_run_id_path(plan)

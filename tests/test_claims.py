@@ -1,5 +1,5 @@
 """Effects against the paper's (pipeline.results.claims), every main pair compared (pipeline.results.comparisons),
-the round-budget flags (pipeline.results.convergence) and the README's generated results block."""
+the round-budget flags (pipeline.results.readers) and the README's generated results block."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from pipeline.experiments import Experiment, with_labels
-from pipeline.results import claims, comparisons, convergence
+from pipeline.results import claims, comparisons, readers
 from pipeline.results.stats import BootstrapConfig
 from tests.test_comparisons import _write_eval
 
@@ -137,17 +137,17 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     _rounds(train / "c", {"X": [3.0, 2.0]}, {"clients": {"X": {"best_round": 2, "converged": True}}})
     planned = [Experiment("a", "fedavg", "domain/seed0", 0, "main"), Experiment("b", "fedavg", "domain/seed0", 1, "main"),
                Experiment("c", "single", "domain/seed0", 0, "other"), Experiment("gone", "single", "domain/seed0", 0, "main")]
-    table = convergence.convergence_table(planned, with_labels(planned), train)
+    table = readers.convergence_table(planned, with_labels(planned), train)
     flags = {(r.experiment, r.client): (r.best_round, r.last_round, r.best_is_last) for r in table.itertuples()}
     assert flags == {("a", "X"): (3, 3, True), ("a", "Y"): (2, 3, False), ("b", "X"): (3, 3, True),
                      ("b", "Y"): (1, 3, False), ("c", "X"): (2, 2, False)}
-    assert convergence.row_mark(table, "main", "fedavg", "X") == f"{convergence.MARK} 2/2"
-    assert convergence.row_mark(table, "main", "fedavg", "Y") == ""
-    assert convergence.note(table, ["main"]).startswith(f"{convergence.MARK} 2 of 4 client-runs")
-    assert "(3)" in convergence.note(table, ["main"])
-    assert convergence.note(table, ["other"]) == ""
-    assert convergence.run_converged(train, "a") is False and convergence.run_converged(train, "c") is True
-    assert convergence.run_converged(train, "gone") is None
+    assert readers.row_mark(table, "main", "fedavg", "X") == f"{readers.MARK} 2/2"
+    assert readers.row_mark(table, "main", "fedavg", "Y") == ""
+    assert readers.convergence_note(table, ["main"]).startswith(f"{readers.MARK} 2 of 4 client-runs")
+    assert "(3)" in readers.convergence_note(table, ["main"])
+    assert readers.convergence_note(table, ["other"]) == ""
+    assert readers.run_converged(train, "a") is False and readers.run_converged(train, "c") is True
+    assert readers.run_converged(train, "gone") is None
 
 
 def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
@@ -155,7 +155,7 @@ def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
     run.mkdir()
     (run / "metrics.json").write_text(json.dumps({"rounds": 8, "clients": {
         "X": {"best_round": 8, "rounds_trained": 8}, "Y": {"best_round": 5, "rounds_trained": 8}}}))
-    f = convergence.run_convergence(tmp_path, "r")
+    f = readers.run_convergence(tmp_path, "r")
     assert dict(zip(f["client"], f["best_is_last"])) == {"X": True, "Y": False}
 
 
@@ -265,9 +265,9 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
         claims.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge"))
     assert row["vs_published_bart-large"] == "excludes below"  # our [+4, +4] is above the paper's +2.09
     main_md = (tables / "study_main.md").read_text()
-    assert f"{convergence.MARK} 1 of 10 client-runs" in main_md
+    assert f"{readers.MARK} 1 of 10 client-runs" in main_md
     single = [line for line in main_md.splitlines() if line.startswith("| single | tiny | Academic")]
-    assert single and single[0].rstrip(" |").endswith(f"{convergence.MARK} 1/1")
+    assert single and single[0].rstrip(" |").endswith(f"{readers.MARK} 1/1")
     assert "1 of 10 client-runs" in (tables / "results.md").read_text()
 
 

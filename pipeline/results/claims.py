@@ -12,7 +12,7 @@ import pandas as pd
 from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.comparisons import AVERAGE, format_p
-from pipeline.results.convergence import note as convergence_note
+from pipeline.results.readers import convergence_note
 
 BACKBONES: tuple[str, ...] = tuple(published.MAIN_TABLE)
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
