@@ -28,7 +28,7 @@ from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.common.integrity import backbone_name
 from pipeline.modeling.generation import generate_summaries
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.tracking import download_model, split_dataset
 
@@ -158,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
-        print(dumps_scores(score_files(args.pred, args.ref)))
+        # keys sorted: the same scores print as the same bytes, whatever order they were computed in
+        print(json.dumps(score_files(args.pred, args.ref), indent=2, sort_keys=True))
         return 0
 
     params = load_params(args.params)

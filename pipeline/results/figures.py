@@ -137,9 +137,8 @@ def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train
     return made
 
 
-# The study figures' registry, STUDY_FIGURES: every study gets its table without an entry; adding a study's figure
-# is one StudyFigure. The privacy study's figure is its own: ROUGE against the epsilon spent (privacy_points).
-# (client, configuration label) -> the paper's average ROUGE
+# The study figures' registry, STUDY_FIGURES (a study's figure is one StudyFigure; every study gets its table without
+# one), and the privacy study's figure. PaperValues: (client, configuration label) -> the paper's average ROUGE.
 PaperValues = dict[tuple[str, str], float]
 
 

@@ -24,8 +24,7 @@ MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
 # The run tags a client's run repeats from its experiment's run. Not `experiment`: that tag finds experiment runs.
 CHILD_TAGS = ("method", "partition", "seed", "study", "backbone", "engine")
 
-# Who a tracked run is: git, the DVC experiment, its name, the process that owns it (owner tags, besides the
-# experiment's own: method, partition, seed, study, experiment, backbone, engine).
+# Who a tracked run is: git, the DVC experiment, its name, and the process that owns it (owner tags).
 TAG_HOST, TAG_PID, TAG_PID_START = "fedmeet.host", "fedmeet.pid", "fedmeet.pid_start"
 
 
