@@ -9,7 +9,7 @@ import yaml
 
 from pipeline import analyze
 from pipeline.common.schema import DataError
-from pipeline.analyze import kd_usage_ratio, word_updates
+from pipeline.results.kd_analysis import kd_usage_ratio, word_updates
 
 NA = None
 # Paper's worked example "project manager decides to use lcd" as BPE pieces; label positions 0..9.

@@ -11,7 +11,7 @@ import pytest
 from pipeline.results import comparisons
 from pipeline.experiments import Experiment, with_labels
 from pipeline.results.readers import collect_scores
-from pipeline.report import aggregate, study_table_markdown
+from pipeline.results.tables import aggregate, study_table_markdown
 from pipeline.results.stats import BootstrapConfig
 
 CFG = BootstrapConfig(n_resamples=1000, seed=0)

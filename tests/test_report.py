@@ -15,7 +15,7 @@ from pipeline.experiments import declared, with_labels
 from pipeline.paths import ProjectPaths
 from pipeline.results import published
 from pipeline.results.readers import collect_scores
-from pipeline.report import aggregate
+from pipeline.results.tables import aggregate
 
 CLIENTS = ("Academic", "Committee", "Product")
 
@@ -280,7 +280,7 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
 def test_timing_table_leaves_the_start_up_of_an_old_record_blank(tmp_path):
     """A timing record written before stage start-up was timed has no `startup_seconds`: its cell is blank (never
     'nan'), and the start-up total sums the records that have one."""
-    from pipeline.report import timing_markdown, timing_table
+    from pipeline.results.tables import timing_markdown, timing_table
 
     (tmp_path / "old.json").write_text(json.dumps({"stage": "postag", "seconds": 30.0, "peak_rss_mb": 500.0}))
     (tmp_path / "new.json").write_text(json.dumps({"stage": "report", "seconds": 10.0, "startup_seconds": 2.5,

@@ -1,0 +1,306 @@
+"""Why selective KD works, the computation (definitions in the docstring of pipeline/analyze.py): word updates, the
+KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points;
+and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.experiments import Experiment
+from pipeline.results.figures import plt, save
+from pipeline.results.published import KD_USAGE_RATIO
+from pipeline.results.readers import METRICS
+
+WORD_RULES = ("first", "any", "all", "majority")
+SELECTKD, HARDKD = "fedselectkd", "hardkd"
+# Section 7.9: determiners and pronouns are 74 % of the words trained without KD.
+PAPER_DET_PRON_SHARE_OF_NON_KD = 0.74
+
+
+def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
+                 source: str = "gate log", tags_source: str = "the POS tags") -> pd.DataFrame:
+    """Token gate decisions as word updates (pipeline/analyze.py): one row per (client, round, example_id,
+    word_index), its POS and whether its update used KD; ``source``, ``tags_source``: the files, in errors."""
+    keys = ["client", "round", "example_id", "position"]
+    per_token = gate.groupby(keys, sort=False).agg(token_id=("token_id", "first"),
+                                                   kd_any=("kd_applied", "max")).reset_index()
+    tags = postags[["example_id", "position", "token_id", "word_index", "pos", "is_noun_or_verb"]].rename(
+        columns={"token_id": "tagged_token_id"})
+    merged = per_token.merge(tags, on=["example_id", "position"], how="left", validate="many_to_one")
+    untagged = merged["tagged_token_id"].isna()
+    if untagged.any():
+        row = merged[untagged].iloc[0]
+        raise DataError(f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. "
+                        f"example {row['example_id']} position {row['position']}); re-run the postag stage over these "
+                        "examples")
+    differ = merged["tagged_token_id"].astype(np.int64) != merged["token_id"].astype(np.int64)
+    if differ.any():
+        row = merged[differ].iloc[0]
+        raise DataError(
+            f"{source}: {int(differ.sum())} tokens differ from {tags_source} (e.g. example {row['example_id']} "
+            f"position {row['position']}: trained {row['token_id']}, tagged {row['tagged_token_id']}); the "
+            f"POS tags were made with another tokenizer or max_target_length")
+    words = merged[merged["word_index"].notna()].sort_values(keys, kind="stable")  # special tokens are no word
+    grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
+    kd = (grouped["kd_any"].mean() > 0.5 if word_rule == "majority" else
+          grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule]))
+    return pd.DataFrame({"kd": kd.astype(bool), "pos": grouped["pos"].first(),
+                         "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
+                         "n_tokens": grouped.size()}).reset_index()
+
+
+def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
+    """The word updates of rounds 1 .. ``best_round``: the window the KD usage ratio and the POS pattern cover."""
+    return updates[(updates["round"] >= 1) & (updates["round"] <= best_round)]
+
+
+def kd_usage_ratio(updates: pd.DataFrame, best_round: int) -> tuple[float, int, int]:
+    """(KD word updates / word updates, KD word updates, word updates) over rounds 1..best_round."""
+    window = to_best(updates, best_round)
+    n, k = len(window), int(window["kd"].sum())
+    return (k / n if n else math.nan), k, n
+
+
+def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per POS: KD / non-KD word updates, the POS's KD rate and its share of all KD / non-KD updates."""
+    counts = updates.groupby(["pos", "kd"]).size().unstack(fill_value=0).reindex(columns=[True, False], fill_value=0)
+    n_kd, n_no = int(counts[True].sum()), int(counts[False].sum())
+    return {str(pos): {"kd": kd, "no_kd": no, "kd_rate": kd / (kd + no), "share_of_kd": kd / n_kd if n_kd else math.nan,
+                       "share_of_no_kd": no / n_no if n_no else math.nan}
+            for pos, kd, no in ((p, int(r[True]), int(r[False]))
+                                for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows())}
+
+
+def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
+    """The paper's two statements as numbers."""
+    nv = updates[updates["is_noun_or_verb"]]
+    no_kd = updates[~updates["kd"]]
+    return {
+        "noun_verb_kd_rate": float(nv["kd"].mean()) if len(nv) else math.nan,
+        "noun_verb_share_of_kd": float(updates.loc[updates["kd"], "is_noun_or_verb"].mean())
+        if updates["kd"].any() else math.nan,
+        "det_pron_share_of_no_kd": float(no_kd["pos"].isin(["DET", "PRON"]).mean()) if len(no_kd) else math.nan,
+    }
+
+
+def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
+    """Per round (rows of one client, one per token update and round): fraction passing the gate (KD applied),
+    median entropy, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
+    rows = []
+    for rnd, g in gate.groupby("round"):
+        h = g["entropy"].to_numpy(dtype=float)
+        inconsistent = int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0
+        rows.append({"round": int(rnd), "pass_fraction": float(g["kd_applied"].mean()),
+                     "entropy_q50": float(np.quantile(h, 0.5)), "gate_inconsistent": inconsistent})
+    return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
+
+
+def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any, gate_path: Any) -> dict[str, Any]:
+    """Per client of one experiment's word updates: its best round and KD usage ratio over rounds 1..best."""
+    per_client = {}
+    for client, upd in words.groupby("client"):
+        if client not in best:
+            raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
+        ratio, k, n = kd_usage_ratio(upd, best[client])
+        per_client[client] = {"best_round": best[client], "kd_usage_ratio": ratio, "kd_word_updates": k,
+                              "word_updates": n}
+    return per_client
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample std; the std of one value is undefined (NaN, written as null), never 0."""
+    arr = np.asarray(values, dtype=float)
+    return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
+
+
+def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]],
+                   tau: float | None) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+    """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
+    (experiment -> the client's :func:`usage_per_client` entry; ``words`` and ``gate`` carry an ``experiment``
+    column): its entry of kd_analysis.json, its token updates once per round pooled over the experiments (seeds),
+    and their :func:`gate_per_round`."""
+    window = pd.concat([to_best(w, per_seed[n]["best_round"])
+                        for n, w in words[words["client"] == client].groupby("experiment")])
+    ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
+    # entropy statistics over all logged rounds, pooled over seeds (one box per round); one row per token update
+    # and round: local epochs repeat the round's (fixed-teacher) gate decision
+    gate_c = gate[gate["client"] == client].drop_duplicates(["experiment", "round", "example_id", "position"])
+    stats = gate_per_round(gate_c, tau)
+    record = {
+        "experiments": sorted(per_seed),
+        "kd_usage_ratio": ratio,
+        "kd_usage_ratio_std": ratio_std,
+        "paper_kd_usage_ratio": KD_USAGE_RATIO.get(client),
+        "per_experiment": per_seed,
+        **pos_summary(window),
+        "paper_det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
+        "pos": pos_distribution(window),
+        "gate_pass_fraction_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["pass_fraction"])},
+        "entropy_median_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["entropy_q50"])},
+        "gate_inconsistent_tokens": int(stats["gate_inconsistent"].sum()),
+    }
+    return record, gate_c, stats
+
+
+def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
+    """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
+    per_client: dict[str, list[dict[str, float]]] = {}
+    names: dict[str, list[str]] = {}
+    for name, scores in runs:
+        for client, s in (scores or {}).items():
+            per_client.setdefault(client, []).append(s)
+            names.setdefault(client, []).append(name)
+    return {client: {"n_seeds": len(v), "experiments": names[client],
+                     **{k: {m: mean_std([s[m] for s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))}}
+            for client, v in per_client.items()}
+
+
+SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeL",
+                 "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
+
+
+def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+    """One sweep point per client of one experiment: its ROUGE, KD usage ratio and POS pattern."""
+    rows = []
+    words = usage["words"]
+    for client, s in scores.items():
+        u = usage["clients"].get(client)
+        # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
+        w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
+        pos = pos_summary(w) if len(w) else {}
+        rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
+                     "seed": run.seed, "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
+                     "rougeL": s["rougeL"], "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
+                     "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
+                     "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan)})
+    return rows
+
+
+def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Means over seeds per (client, tau): the points on the tau axis (thresholds in nats or bits, without the
+    tau_scale column) and the portable gates beside them."""
+    summary = (per_run.groupby(["tau_scale", "client", "tau"])
+               .agg(avg_rouge=("avg_rouge", "mean"), kd_usage_ratio=("kd_usage_ratio", "mean"),
+                    noun_verb_kd_rate=("noun_verb_kd_rate", "mean"),
+                    det_pron_share_of_no_kd=("det_pron_share_of_no_kd", "mean"), n_seeds=("seed", "nunique"))
+               .reset_index().sort_values(["tau_scale", "client", "tau"]))
+    # Only thresholds in nats (or bits) share an axis; the portable gates (a fraction of ln|V|, a quantile) are
+    # reported beside them, never drawn on the same tau axis.
+    table = summary[summary["tau_scale"] == "absolute"].drop(columns="tau_scale")
+    return table, summary[summary["tau_scale"] != "absolute"]
+
+
+def json_safe(obj: Any) -> Any:
+    """JSON-safe: NaN -> None, numpy scalars -> Python."""
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        return None if math.isnan(float(obj)) else round(float(obj), 6)
+    return obj
+
+
+def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper_ratio: float | None,
+             path: Path) -> None:
+    tags = list(dist)
+    x = np.arange(len(tags))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    ax1.bar(x - 0.2, [100 * dist[t]["share_of_kd"] for t in tags], 0.4, label="trained with KD")
+    ax1.bar(x + 0.2, [100 * dist[t]["share_of_no_kd"] for t in tags], 0.4, label="trained without KD")
+    ax1.set_xticks(x, tags, rotation=60)
+    ax1.set_ylabel("% of word updates")
+    ax1.set_title("POS distribution of words trained with / without KD")
+    ax1.legend()
+    ax2.bar(x, [100 * dist[t]["kd_rate"] for t in tags], 0.6, color="tab:green")
+    ax2.axhline(100 * ratio, color="k", ls="--", lw=1, label=f"all words: {100 * ratio:.1f} %")
+    if paper_ratio is not None:
+        ax2.axhline(100 * paper_ratio, color="tab:red", ls=":", lw=1, label=f"paper: {100 * paper_ratio:.0f} %")
+    ax2.set_xticks(x, tags, rotation=60)
+    ax2.set_ylim(0, 105)
+    ax2.set_ylabel("% of the POS's word updates with KD")
+    ax2.set_title("KD usage per POS")
+    ax2.legend(loc="lower right")
+    fig.suptitle(f"{client}: KD usage ratio {100 * ratio:.1f} % (rounds 1..best)")
+    save(fig, path)
+
+
+def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: float | None,
+                 best: list[int], path: Path) -> None:
+    rounds = sorted(gate["round"].unique())  # gate: one row per token update and round
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.6 * len(rounds) + 3), 6), sharex=True,
+                                   gridspec_kw={"height_ratios": [2, 1]})
+    data = [gate.loc[gate["round"] == r, "entropy"].to_numpy(dtype=float) for r in rounds]
+    ax1.boxplot(data, positions=rounds, whis=(5, 95), showfliers=False, widths=0.6)
+    if tau is not None:
+        ax1.axhline(tau, color="tab:red", ls="--", label=f"tau = {tau:g}")
+        ax1.legend()
+    ax1.set_ylabel("H(q_g)")
+    ax1.set_title(f"{client}: H(q_g) per round (box 25-75 %, whiskers 5-95 %)", fontsize=10)
+    ax2.bar(stats["round"], 100 * stats["pass_fraction"], color="tab:blue")
+    for b in sorted(set(best)):
+        ax2.axvline(b, color="k", ls=":", lw=1)
+    ax2.set_ylim(0, 100)
+    ax2.set_ylabel("% tokens with KD")
+    ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
+    ax2.set_xticks(rounds)
+    save(fig, path)
+
+
+def _finish_client_panels(fig, axes, clients: list[str], empty_message: str, title: str, path: Path) -> None:
+    """Title and save a one-row figure of per-client panels; with no client, say why the figure is empty."""
+    if not clients:
+        axes[0][0].text(0.5, 0.5, empty_message, ha="center", va="center")
+        axes[0][0].set_axis_off()
+    fig.suptitle(title)
+    save(fig, path)
+
+
+def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    clients = sorted({c for per in comparison.values() for c in per})
+    methods = [m for m in (SELECTKD, HARDKD) if m in comparison]
+    fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(4 * max(1, len(clients)), 3.8), squeeze=False)
+    labels = ["R-1", "R-2", "R-L", "avg"]
+    x = np.arange(len(labels))
+    for ax, client in zip(axes[0], clients):
+        for j, method in enumerate(methods):
+            rec = comparison[method].get(client)
+            if not rec:
+                continue
+            means = [rec["mean"][m] for m in METRICS]
+            stds = [rec["std"][m] for m in METRICS]
+            ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=stds if rec["n_seeds"] > 1 else None,
+                   label=f"{'SelectKD' if method == SELECTKD else 'noun-verb hard KD'} (n={rec['n_seeds']})")
+        ax.set_xticks(x, labels)
+        ax.set_title(client)
+        ax.set_ylabel("ROUGE F1 x 100")
+        ax.legend(fontsize=8)
+    _finish_client_panels(fig, axes, clients, "no evaluated SelectKD / hard-KD experiments",
+                          "Noun-verb hard KD vs selective KD", path)
+
+
+def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> None:
+    clients = sorted(sweep["client"].unique()) if len(sweep) else []
+    fig, axes = plt.subplots(1, max(1, len(clients)), figsize=(4.2 * max(1, len(clients)), 3.6), squeeze=False)
+    for ax, client in zip(axes[0], clients):
+        d = sweep[sweep["client"] == client].sort_values("tau")
+        ax.plot(d["tau"], d["avg_rouge"], "o-", color="tab:blue", label="avg ROUGE")
+        ax.set_xlabel("tau")
+        ax.set_ylabel("average ROUGE (R-1, R-2, R-L)", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot(d["tau"], 100 * d["kd_usage_ratio"], "s--", color="tab:orange", label="KD usage")
+        ax2.set_ylabel("KD usage ratio (%)", color="tab:orange")
+        ax2.set_ylim(0, 100)
+        if tau_main is not None:
+            ax.axvline(tau_main, color="grey", ls=":", lw=1)
+        ax.set_title(client)
+    _finish_client_panels(fig, axes, clients, "no tau-sweep experiments with results",
+                          "Entropy threshold tau (dotted: main study)", path)
