@@ -22,14 +22,13 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
-from pipeline.results.convergence import run_converged
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
-from pipeline.results.readers import read_json
+from pipeline.results.readers import read_json, run_converged
 from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.common.integrity import backbone_name
 from pipeline.modeling.generation import generate_summaries
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, dumps_scores, mean_scores, score_files
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.tracking import download_model, split_dataset
 
@@ -159,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "score":  # a bad file: DataError, one line and exit 2 (pipeline.common.cli.run)
-        print(dumps_scores(score_files(args.pred, args.ref)))
+        # keys sorted: the same scores print as the same bytes, whatever order they were computed in
+        print(json.dumps(score_files(args.pred, args.ref), indent=2, sort_keys=True))
         return 0
 
     params = load_params(args.params)

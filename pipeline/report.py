@@ -1,14 +1,11 @@
-"""Stage `report`: tables, figures and the index of everything the pipeline produced (METHOD.md section 7).
-
-Averages every planned experiment's evaluation over its seeds (missing seeds beside the numbers) into the outputs
-docs/ARCHITECTURE.md lists; subcommands score filled human-evaluation sheets and rebuild a study folder.
-"""
+"""Stage `report`: tables, figures and the index of everything the pipeline produced (METHOD.md section 7)."""
 from __future__ import annotations
 
 import argparse
 import functools
 import json
 import os
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -22,17 +19,16 @@ from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results import claims, comparisons, published
-from pipeline.results.convergence import convergence_table
+from pipeline.results import comparisons, published
 from pipeline.results.figures import learning_curves
+from pipeline.results.figures import privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (case_study, example_info, make_sheets, plot_results, predictions_by_method,
                                          score_sheets)
-from pipeline.results.readers import collect_scores
+from pipeline.results.readers import collect_scores, convergence_table
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, mean_interval
-from pipeline.results.study_figures import privacy_figure, privacy_points, study_figures, with_stand_ins
-from pipeline.results.tables import (aggregate, backbone_slug, main_table, main_table_markdown, study_table_markdown,
-                                     timing_markdown, timing_table)
+from pipeline.results.tables import (aggregate, main_table, main_table_markdown, study_table_markdown, timing_markdown,
+                                     timing_table)
 from pipeline.training.config import TrainConfig
 
 
@@ -162,7 +158,7 @@ class Tables:
     compared: pd.DataFrame  # the comparisons table with the published columns
     scores: pd.DataFrame
     agg: pd.DataFrame
-    converged: pd.DataFrame  # pipeline.results.convergence.convergence_table
+    converged: pd.DataFrame  # pipeline.results.readers.convergence_table
     missing_eval: list[str]
 
 
@@ -182,7 +178,7 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
         comparisons.configurations(planned, labels), cfg.baselines, eval_dir, bootstrap)
     if previous is not None and previous.is_file():
         compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
-    compared = claims.with_published(compared)
+    compared = comparisons.with_published(compared)
     if notes:
         not_made["comparisons"] = "; ".join(notes)
     for frame, name in ((compared, "comparisons"), (scores, "scores_per_experiment"), (agg, "scores_aggregated")):
@@ -195,7 +191,8 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
         not_made["main table"] = "no evaluated experiment of study `main`"
     for backbone in sorted(set(main["backbone"])):
         table = main_table(agg, backbone, planned, labels, cfg.expected_seeds)
-        stem = tables_dir / f"main_{backbone_slug(backbone)}"
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
+        stem = tables_dir / f"main_{slug}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
         atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap,
                                                                        converged))
@@ -211,14 +208,15 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
 
 def results_text(params: dict[str, Any], cfg: ReportConfig, compared: pd.DataFrame, converged: pd.DataFrame,
                  source: Path, root: Path) -> str:
-    """The results in words (pipeline.results.claims) under the profile's claim rules; ``root`` holds
+    """The results in words (pipeline.results.comparisons) under the profile's claim rules; ``root`` holds
     ``backbone.json`` and ``analysis/kd_analysis.json`` (reports/ or a study folder)."""
     records = [json.loads(f.read_text()) if f.is_file() else None
                for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")]
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
     steps = (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
-    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
-    return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
+    scale = comparisons.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
+    return comparisons.results_text(compared, converged, scale, source=str(source),
+                                    backbone=comparisons.backbone_note(*records))
 
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
@@ -233,7 +231,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         params, cfg, t.compared, t.converged, paths.tables / "comparisons.csv", paths.reports))
     made["tables"].append(str(paths.tables / "results.md"))
 
-    # Figures: the registered studies' (pipeline.results.study_figures), then the learning curves.
+    # Figures: the registered studies' (pipeline.results.figures.STUDY_FIGURES), then the learning curves.
     figures, figures_not_made = study_figures(t.agg, paths.figures, paths.plots)
     made["figures"] += figures
     not_made.update(figures_not_made)
@@ -307,7 +305,7 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     changed = []
     for f in files:
         text = f.read_text(encoding="utf-8")
-        new = claims.replace_block(text, block, str(f))
+        new = comparisons.replace_block(text, block, str(f))
         if new != text:
             changed.append(f)
             if not check:
@@ -327,7 +325,7 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
     made["tables"].append(str(folder / "comparisons.csv"))
     readme_path = folder / "README.md"
-    if readme_path.is_file() and claims.BEGIN in readme_path.read_text(encoding="utf-8"):
+    if readme_path.is_file() and comparisons.BEGIN in readme_path.read_text(encoding="utf-8"):
         write_claims(folder, [readme_path])
         made["text"].append(str(readme_path))
     return {"made": dict(made), "not_made": not_made}

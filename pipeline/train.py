@@ -20,6 +20,7 @@ from pipeline.common import atomic
 from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
+from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
 from pipeline.common.timing import stage_timer
 from pipeline.training import checkpoints
 from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
@@ -31,8 +32,6 @@ from pipeline.training.summary import (convergence_tags, final_run_metrics, merg
 def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash), so a run can be matched to its `dvc exp show` row."""
-    from pipeline.results.run_identity import dvc_tags, git_state
-
     tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
     return tags | git_state() | dvc_tags()
 
@@ -51,9 +50,6 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
 
     logger = None
     if track:
-        from pipeline.results.run_identity import run_name
-        from pipeline.results.tracking import RunLogger
-
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = checkpoints.mlflow_run_id_path(plan)
         logger = RunLogger.start(plan.study, run_name(plan.experiment), plan.to_json_dict(),

@@ -1,5 +1,5 @@
-"""Effects against the paper's (pipeline.results.claims), every main pair compared (pipeline.results.comparisons),
-the round-budget flags (pipeline.results.convergence) and the README's generated results block."""
+"""Effects against the paper's and every main pair compared (pipeline.results.comparisons),
+the round-budget flags (pipeline.results.readers) and the README's generated results block."""
 from __future__ import annotations
 
 import itertools
@@ -13,18 +13,18 @@ import pandas as pd
 import pytest
 
 from pipeline.experiments import Experiment, with_labels
-from pipeline.results import claims, comparisons, convergence
+from pipeline.results import comparisons, readers
 from pipeline.results.stats import BootstrapConfig
 from tests.test_comparisons import _write_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = BootstrapConfig(n_resamples=200, seed=0)
-PUBLISHED_COLUMNS = [c for b in claims.BACKBONES for c in (f"published_{b}", f"vs_published_{b}")]
+PUBLISHED_COLUMNS = [c for b in comparisons.BACKBONES for c in (f"published_{b}", f"vs_published_{b}")]
 
 
 def _block(text: str) -> str:
     """The text between a markdown file's results markers (after the newline that follows the first)."""
-    return text.split(claims.BEGIN, 1)[1].split(claims.END, 1)[0][1:]
+    return text.split(comparisons.BEGIN, 1)[1].split(comparisons.END, 1)[0][1:]
 
 
 # --- where the paper's difference sits against our interval ---------------------------------------------------
@@ -39,7 +39,7 @@ def _block(text: str) -> str:
     (-0.56, 0.62, None, ""),
 ])
 def test_classify_places_the_published_value_against_the_interval(low, high, value, expected):
-    assert claims.classify(low, high, value) == expected
+    assert comparisons.classify(low, high, value) == expected
 
 
 def test_published_difference_is_the_client_average_of_table_iii():
@@ -47,13 +47,13 @@ def test_published_difference_is_the_client_average_of_table_iii():
     sel = [(27.09 + 7.62 + 19.79) / 3, (34.70 + 15.19 + 25.37) / 3, (33.32 + 12.86 + 23.53) / 3]
     single = [(24.83 + 5.70 + 17.24) / 3, (32.38 + 13.08 + 23.24) / 3, (31.83 + 11.11 + 21.27) / 3]
     expected = sum(s - b for s, b in zip(sel, single)) / 3
-    got = claims.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge")
+    got = comparisons.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge")
     assert got == pytest.approx(expected) and round(got, 2) == 2.09
     # one client and one metric: the table's R-L is what our plain rougeL rows compare; rougeLsum has no paper value
-    assert claims.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeL") == \
+    assert comparisons.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeL") == \
         pytest.approx(18.88 - 18.20)
-    assert claims.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeLsum") is None
-    assert claims.published_difference("bart-large", "fedprox", "single", comparisons.AVERAGE, "avg_rouge") is None
+    assert comparisons.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeLsum") is None
+    assert comparisons.published_difference("bart-large", "fedprox", "single", comparisons.AVERAGE, "avg_rouge") is None
 
 
 def _row(**kw) -> dict:
@@ -71,7 +71,7 @@ def test_with_published_fills_only_the_papers_pairs_in_the_main_study():
         _row(method_a="fedselectkd", method_b="single", ci_low=-0.5, ci_high=0.5, study="tau_sweep",
              config_a="fedselectkd tau=0.87"),
     ])
-    out = claims.with_published(table)
+    out = comparisons.with_published(table)
     assert list(out.columns[-6:]) == PUBLISHED_COLUMNS
     assert list(out["vs_published_bart-large"]) == ["excludes above", "excludes below", "contains", ""]
     assert list(out["vs_published_bart-base"]) == ["excludes above", "excludes below", "excludes above", ""]
@@ -137,17 +137,17 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     _rounds(train / "c", {"X": [3.0, 2.0]}, {"clients": {"X": {"best_round": 2, "converged": True}}})
     planned = [Experiment("a", "fedavg", "domain/seed0", 0, "main"), Experiment("b", "fedavg", "domain/seed0", 1, "main"),
                Experiment("c", "single", "domain/seed0", 0, "other"), Experiment("gone", "single", "domain/seed0", 0, "main")]
-    table = convergence.convergence_table(planned, with_labels(planned), train)
+    table = readers.convergence_table(planned, with_labels(planned), train)
     flags = {(r.experiment, r.client): (r.best_round, r.last_round, r.best_is_last) for r in table.itertuples()}
     assert flags == {("a", "X"): (3, 3, True), ("a", "Y"): (2, 3, False), ("b", "X"): (3, 3, True),
                      ("b", "Y"): (1, 3, False), ("c", "X"): (2, 2, False)}
-    assert convergence.row_mark(table, "main", "fedavg", "X") == f"{convergence.MARK} 2/2"
-    assert convergence.row_mark(table, "main", "fedavg", "Y") == ""
-    assert convergence.note(table, ["main"]).startswith(f"{convergence.MARK} 2 of 4 client-runs")
-    assert "(3)" in convergence.note(table, ["main"])
-    assert convergence.note(table, ["other"]) == ""
-    assert convergence.run_converged(train, "a") is False and convergence.run_converged(train, "c") is True
-    assert convergence.run_converged(train, "gone") is None
+    assert readers.row_mark(table, "main", "fedavg", "X") == f"{readers.MARK} 2/2"
+    assert readers.row_mark(table, "main", "fedavg", "Y") == ""
+    assert readers.convergence_note(table, ["main"]).startswith(f"{readers.MARK} 2 of 4 client-runs")
+    assert "(3)" in readers.convergence_note(table, ["main"])
+    assert readers.convergence_note(table, ["other"]) == ""
+    assert readers.run_converged(train, "a") is False and readers.run_converged(train, "c") is True
+    assert readers.run_converged(train, "gone") is None
 
 
 def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
@@ -155,7 +155,7 @@ def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
     run.mkdir()
     (run / "metrics.json").write_text(json.dumps({"rounds": 8, "clients": {
         "X": {"best_round": 8, "rounds_trained": 8}, "Y": {"best_round": 5, "rounds_trained": 8}}}))
-    f = convergence.run_convergence(tmp_path, "r")
+    f = readers.run_convergence(tmp_path, "r")
     assert dict(zip(f["client"], f["best_is_last"])) == {"X": True, "Y": False}
 
 
@@ -167,12 +167,12 @@ def test_results_text_renders_the_numbers_of_the_table():
         _row(method_a="fedselectkd", method_b="single", mean_diff=0.02, ci_low=-0.56, ci_high=0.62,
              identical_fraction=0.23),
     ])
-    text = claims.results_text(table)
+    text = comparisons.results_text(table)
     assert "+0.02 [−0.56, +0.62]" in text and "−0.05 [−0.71, +0.57]" in text
     assert "+0.85 to +2.09" in text and "+0.57 and +0.62" in text  # the excluded published gains, our upper limits
     assert "18-23 %" in text
     moved = table.assign(ci_high=[0.90, 2.50])  # now the paper's SelectKD gain on BART-base (+1.40) is inside
-    assert "+0.85 to +2.09" not in claims.results_text(moved)
+    assert "+0.85 to +2.09" not in comparisons.results_text(moved)
 
 
 def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
@@ -187,7 +187,7 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
         _row(method_a="centralized", method_b="fedavg", mean_diff=2.17, ci_low=1.31, ci_high=3.05, p_value=0.001,
              significant=True),
     ])
-    lines = claims.results_text(table).splitlines()
+    lines = comparisons.results_text(table).splitlines()
     sampling = next(line for line in lines if "+0.75 [+0.23, +1.31]" in line)
     assert "gate" not in sampling and "sampling" in sampling
     tau = next(line for line in lines if "−0.21 [−0.54, +0.03]" in line)
@@ -195,17 +195,17 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
     pooling = next(line for line in lines if "+2.17 [+1.31, +3.05]" in line)
     assert "0.855" not in pooling  # the largest p of a line that is not supported is no evidence for it
     both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001])
-    pooled = next(line for line in claims.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
+    pooled = next(line for line in comparisons.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
     assert "p ≤ 0.004 each" in pooled
 
 
 def test_replace_block_rewrites_only_between_the_markers():
-    text = f"head\n{claims.BEGIN}\nold\n{claims.END}\ntail\n"
-    new = claims.replace_block(text, "new line\n")
-    assert new == f"head\n{claims.BEGIN}\nnew line\n{claims.END}\ntail\n"
+    text = f"head\n{comparisons.BEGIN}\nold\n{comparisons.END}\ntail\n"
+    new = comparisons.replace_block(text, "new line\n")
+    assert new == f"head\n{comparisons.BEGIN}\nnew line\n{comparisons.END}\ntail\n"
     assert _block(new) == "new line\n"
     with pytest.raises(ValueError):
-        claims.replace_block("no markers", "x")
+        comparisons.replace_block("no markers", "x")
 
 
 def test_committed_readme_blocks_equal_what_the_study_generates():
@@ -262,24 +262,24 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
     row = avg[(avg["method_a"] == "fedselectkd") & (avg["method_b"] == "single")].iloc[0]
     assert row["mean_diff"] == pytest.approx(4.0)  # shifts 4 and 0
     assert row["published_bart-large"] == pytest.approx(
-        claims.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge"))
+        comparisons.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge"))
     assert row["vs_published_bart-large"] == "excludes below"  # our [+4, +4] is above the paper's +2.09
     main_md = (tables / "study_main.md").read_text()
-    assert f"{convergence.MARK} 1 of 10 client-runs" in main_md
+    assert f"{readers.MARK} 1 of 10 client-runs" in main_md
     single = [line for line in main_md.splitlines() if line.startswith("| single | tiny | Academic")]
-    assert single and single[0].rstrip(" |").endswith(f"{convergence.MARK} 1/1")
+    assert single and single[0].rstrip(" |").endswith(f"{readers.MARK} 1/1")
     assert "1 of 10 client-runs" in (tables / "results.md").read_text()
 
 
 def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     _study_folder(tmp_path)
-    (tmp_path / "README.md").write_text(f"# study\n\n{claims.BEGIN}\nstale\n{claims.END}\nkept\n")
+    (tmp_path / "README.md").write_text(f"# study\n\n{comparisons.BEGIN}\nstale\n{comparisons.END}\nkept\n")
     run = subprocess.run([sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 5  # 10 pairs x (2 clients + average) x 5 metrics
     text = (tmp_path / "README.md").read_text()
-    assert "stale" not in text and text.endswith(f"{claims.END}\nkept\n") and "1 of 10 client-runs" in text
+    assert "stale" not in text and text.endswith(f"{comparisons.END}\nkept\n") and "1 of 10 client-runs" in text
     check = [sys.executable, "-m", "pipeline.report", "claims", str(tmp_path), str(tmp_path / "README.md"), "--check"]
     assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 0
     (tmp_path / "README.md").write_text(text.replace("1 of 10", "0 of 10"))  # a number edited by hand
@@ -326,7 +326,7 @@ VERDICT_ROWS = [
 
 
 def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
-    lines = claims.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
+    lines = comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
     assert any(line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line
                for line in lines)
     assert any(line.startswith("- **Selectivity helps**") for line in lines)
@@ -336,8 +336,8 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
 @pytest.mark.parametrize("smoke, seeds, examples, why", [
     (True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")])
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
-    text = claims.results_text(_scaled(VERDICT_ROWS, seeds, examples),
-                              scale=claims.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100))
+    text = comparisons.results_text(_scaled(VERDICT_ROWS, seeds, examples),
+                              scale=comparisons.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100))
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
     assert "excluded" not in text and "inside our interval" not in text  # nor a verdict against the paper
@@ -349,11 +349,11 @@ def test_the_backbone_caveat_comes_from_the_records():
     backbone = {"name": "tiny", "parameters": 12_345_678,
                 "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"}}
     kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
-    note = claims.backbone_note(backbone, kd)
+    note = comparisons.backbone_note(backbone, kd)
     assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note
     assert "42-54 % of target tokens at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
-    assert claims.backbone_note(None, kd) == ""
-    assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
+    assert comparisons.backbone_note(None, kd) == ""
+    assert comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
 
 
 def test_the_default_profile_states_numbers_and_draws_no_claim():

@@ -116,7 +116,7 @@ def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
 
 def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):
     from pipeline.experiments import Experiment, with_labels
-    from pipeline.results.study_figures import privacy_figure, privacy_points
+    from pipeline.results.figures import privacy_figure, privacy_points
 
     planned = [Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
                Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),

@@ -247,7 +247,7 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
     import math
 
     from pipeline.experiments import Experiment, with_labels
-    from pipeline.results.study_figures import privacy_figure, privacy_points
+    from pipeline.results.figures import privacy_figure, privacy_points
 
     planned = [Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
                Experiment("p1", "fedavg", "domain/seed0", 1, "privacy"),

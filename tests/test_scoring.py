@@ -201,14 +201,15 @@ def test_score_files_without_stemming_and_names_the_table_rouge_l(tmp_path):
     assert plain["rouge1"] == 0.0 and plain["rouge_l_in_tables"] == "rougeL" and plain["n"] == 1
 
 
-def test_scores_print_as_the_same_bytes_whatever_the_dict_order():
-    """The same scores make the same file (DVC hashes it), whatever order they were computed in."""
-    from pipeline.results.scoring import dumps_scores
-
-    scores = {"rouge2": 1.5, "n": 2, "avg_rouge": 3.25, "rouge1": 7.0}
-    text = dumps_scores(scores)
-    assert json.loads(text) == scores
-    assert text == dumps_scores(dict(reversed(list(scores.items()))))
+def test_scores_print_as_the_same_bytes_whatever_the_dict_order(tmp_path, capsys):
+    """The same scores make the same file (DVC hashes it), whatever order they were computed in: keys sorted."""
+    pred, ref = tmp_path / "pred.txt", tmp_path / "ref.txt"
+    pred.write_text("alpha beta\n")
+    ref.write_text("alpha beta\n")
+    assert evaluate_main(["score", "--pred", str(pred), "--ref", str(ref)]) == 0
+    text = capsys.readouterr().out
+    assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+    assert list(json.loads(text)) == sorted(json.loads(text))
 
 
 def test_read_lines_keeps_each_line_as_written_but_its_line_end(tmp_path):

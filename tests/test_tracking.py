@@ -79,7 +79,7 @@ def _params(tau: float = 5.0, **entry) -> dict:
 
 
 def test_run_name_is_the_experiment_with_its_dvc_experiment(monkeypatch):
-    from pipeline.results.run_identity import run_name
+    from pipeline.results.tracking import run_name
 
     monkeypatch.delenv("DVC_EXP_NAME", raising=False)
     assert run_name("fedselectkd-domain") == "fedselectkd-domain"
@@ -95,7 +95,7 @@ def _git(cwd: Path, *args: str) -> str:
 
 def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
     from pipeline.experiments import plan_hash, read_plan, write_plans
-    from pipeline.results.run_identity import dvc_tags, git_state
+    from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags
 
     monkeypatch.chdir(tmp_path)
@@ -141,7 +141,7 @@ def _dead_pid() -> tuple[int, float]:
 
 @pytest.mark.slow
 def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment(store):
-    from pipeline.results.run_identity import TAG_HOST, TAG_PID, TAG_PID_START, owner_tags
+    from pipeline.results.tracking import TAG_HOST, TAG_PID, TAG_PID_START, owner_tags
     from pipeline.results.tracking import RunLogger, experiment_id
 
     client = _client()

@@ -88,7 +88,7 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
                   cfg: EvaluateConfig, converged: bool | None = None, test_sets: dict[str, Any] | None = None) -> str:
     """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
     each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset; the tag
-    ``converged`` is convergence.run_converged. Returns the run id."""
+    ``converged`` is readers.run_converged. Returns the run id."""
     from pipeline.experiments import record_hash
     from pipeline.results.tracking import RunLogger, _client, experiment_id
 

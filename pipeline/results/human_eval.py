@@ -1,8 +1,6 @@
-"""Generated summaries side by side: the evaluate stage's predictions per method, the case study (one test example
-per domain, FedAvg's and SelectKD's summary beside the gold one) and the human-evaluation kit (METHOD.md section
-7.12): blind pairwise sheets (``sheet.csv``, ``sheet.html``; which side is the target method is only in ``key.json``)
-and their win/tie/loss counts. The paper compares SelectKD pairwise against every other method on 20 meetings per
-domain, the two summaries in random order without method names."""
+"""Generated summaries side by side: the evaluate stage's predictions per method, the case study and the
+human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets (which side is the target method is only in
+``key.json``), as the paper compares SelectKD with every other method, and their win/tie/loss counts."""
 from __future__ import annotations
 
 import html

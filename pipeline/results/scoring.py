@@ -5,7 +5,6 @@ authors' ROUGE-1.5.5. Per-example F1 scores are averaged by us: the library's ``
 random."""
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -112,7 +111,3 @@ def score_files(pred_path: str | Path, ref_path: str | Path, use_stemmer: bool =
                         f"{ref_path} has {len(references)} references (one summary per line in both)")
     return mean_scores(Scorer(use_stemmer=use_stemmer).score_pairs(predictions, references)) | {
         "rouge_l_in_tables": TABLE_ROUGE_L}
-
-
-def dumps_scores(scores: dict) -> str:
-    return json.dumps(scores, indent=2, sort_keys=True)

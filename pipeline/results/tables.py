@@ -12,9 +12,9 @@ from typing import Any, Iterable
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.results import comparisons, convergence, published
+from pipeline.results import comparisons, published
 from pipeline.experiments import Experiment
-from pipeline.results.readers import GROUP_COLS, METRICS
+from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
 
@@ -66,10 +66,6 @@ def fmt(mean: float, std: float, n: int | None = None) -> str:
     if n is not None and int(n) == 1:
         return f"{mean:.2f} (n=1)"
     return f"{mean:.2f}" + ("" if pd.isna(std) else f" ± {std:.2f}")
-
-
-def backbone_slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
 
 
 def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
@@ -146,16 +142,16 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
             f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else "")
         name = published.PAPER_METHOD_NAMES.get(method, method)
         name = name if label == method else f"{name} ({label})"
-        mark = convergence.row_mark(converged, "main", label, None)
+        mark = row_mark(converged, "main", label, None)
         seed_text += f" {mark}" if mark else ""
         rows = [(name, "ours", "ours", seed_text)] + ([("", "paper", "paper", ""), ("", "ours − paper", "diff", "")]
                                                       if key else [])
         for first, kind, what, last in rows:
             lines.append("| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics],
                                              last]) + " |")
-    budget = convergence.note(converged, ["main"], set(table["label"]))
+    budget = convergence_note(converged, ["main"], set(table["label"]))
     if budget:
-        lines += ["", budget + f" ({convergence.MARK} k/n after the seeds: client-runs of that method.)"]
+        lines += ["", budget + f" ({MARK} k/n after the seeds: client-runs of that method.)"]
     lines.append(comparisons.markdown_section(compared, "main", bootstrap))
     return "\n".join(lines) + "\n"
 
@@ -167,7 +163,7 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame, 
              f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
              f"`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). \"significantly vs\": the baselines whose avg this "
              "configuration is above (>) or below (<) with a paired interval excluding 0 (section below). "
-             f"\"best round last\": {convergence.MARK} k/n = k of the n seeds had their best validation round in "
+             f"\"best round last\": {MARK} k/n = k of the n seeds had their best validation round in "
              "their last round (still improving when training stopped).", "",
              "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds "
              "| best round last |",
@@ -177,9 +173,9 @@ def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame, 
             str(r["label"]), str(r["backbone"]), str(r["client"]),
             *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS],
             comparisons.significance_marks(compared, study, r["label"], r["client"]), str(r["n_seeds"]),
-            r["missing_seeds"] or "–", convergence.row_mark(converged, study, r["label"], r["client"]) or "–",
+            r["missing_seeds"] or "–", row_mark(converged, study, r["label"], r["client"]) or "–",
         ]) + " |")
-    budget = convergence.note(converged, [study])
+    budget = convergence_note(converged, [study])
     if budget:
         lines += ["", budget]
     lines.append(comparisons.markdown_section(compared, study, bootstrap))
