@@ -21,6 +21,7 @@ from typing import Any, Literal
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared
@@ -175,6 +176,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dict, load_params
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import Turn, model_input
@@ -302,6 +303,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

@@ -16,6 +16,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
@@ -179,6 +180,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     sys.exit(run_cli(main))

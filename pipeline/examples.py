@@ -22,6 +22,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import ConfigError, config, from_dict, load_params
 from pipeline.common.schema import (EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input,
                                    spoken_word_count, summary_word_count)
@@ -255,6 +256,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

@@ -14,6 +14,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError, IngestReport, canonical_arrow_schema
 from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
@@ -60,6 +61,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

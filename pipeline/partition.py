@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
 from pipeline.common.schema import SPLITS, DataError
@@ -167,6 +168,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

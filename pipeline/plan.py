@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import load_params
 from pipeline.experiments import write_plans
 from pipeline.paths import PATHS
@@ -23,6 +24,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

@@ -23,6 +23,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.modeling.batching import target_labels
 from pipeline.modeling.model import ModelConfig
@@ -165,6 +166,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))

@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
@@ -298,6 +299,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     sys.exit(run_cli(main))

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
@@ -375,6 +376,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     sys.exit(run_cli(main))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
+from pipeline.common.cli import run as run_cli
 from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
@@ -149,6 +150,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from pipeline.common.cli import run as run_cli
-
     raise SystemExit(run_cli(main))
