@@ -18,10 +18,15 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
 
 from benchmarks.common import Shape, build_summarizer
-from pipeline.federation.compression import TRANSFER_DTYPES, decode_state, encode_state, encoded_nbytes, transfer_error_bound
+from pipeline.federation.compression import TRANSFER_DTYPES, decode_state, encode_state, transfer_error_bound
 from pipeline.federation.engines import _set_server_identity
 from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, METRICS_KEY
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
+
+
+def encoded_nbytes(encoded: dict[str, torch.Tensor]) -> int:
+    """Raw tensor bytes of an encoded state (no container overhead)."""
+    return sum(t.numel() * t.element_size() for t in encoded.values())
 
 
 def wire_bytes(message: Message) -> int:

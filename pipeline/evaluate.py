@@ -23,12 +23,10 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+from pipeline.results.evaluation import EvaluateConfig, generate_summaries, log_to_mlflow, subsample_test_ids
 from pipeline.results.readers import read_json, run_converged
-from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.common.integrity import backbone_name
-from pipeline.modeling.generation import generate_summaries
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.tracking import download_model, split_dataset

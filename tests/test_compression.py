@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet
+from benchmarks.communication import encoded_nbytes
 from pipeline.federation.compression import (
     SCALE_SUFFIX,
     decode_state,
     encode_state,
-    encoded_nbytes,
     quantize_int8,
     transfer_error_bound,
 )

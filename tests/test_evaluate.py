@@ -6,7 +6,7 @@ import json
 import pandas as pd
 import pytest
 
-from pipeline.datasets.subsampling import subsample_test_ids
+from pipeline.results.evaluation import subsample_test_ids
 from pipeline.evaluate import evaluate_experiment
 from pipeline.results.evaluation import EvaluateConfig
 from pipeline.common.schema import DataError

@@ -13,7 +13,7 @@ from tests.test_dvc_layout import expand, extension_modules, import_closure
 ROOT = Path(__file__).resolve().parents[1]
 # Reporting, run-profile CLI, study descriptions (in evaluation.py) and evaluation (decoding, scoring, reading results).
 NOT_TRAINING = ("pipeline/presets.py", "pipeline/results/scoring.py",
-                "pipeline/results/evaluation.py", "pipeline/results/readers.py", "pipeline/modeling/generation.py",
+                "pipeline/results/evaluation.py", "pipeline/results/readers.py",
                 "pipeline/report.py", "pipeline/analyze.py")
 
 

@@ -95,11 +95,6 @@ def decode_state(encoded: dict[str, torch.Tensor],
     return out
 
 
-def encoded_nbytes(encoded: dict[str, torch.Tensor]) -> int:
-    """Raw tensor bytes of an encoded state (no container overhead)."""
-    return sum(t.numel() * t.element_size() for t in encoded.values())
-
-
 def transfer_error_bound(encoded: dict[str, torch.Tensor], key: str) -> float:
     """Guaranteed max |decoded - original| for ``key``: 0 for fp32, s/2 for int8; for fp16, half a unit in
     the last place at the tensor's largest magnitude (2^-11 relative, plus 2^-25 absolute for subnormals; the

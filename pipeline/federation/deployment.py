@@ -16,15 +16,13 @@ from flwr.serverapp import Grid, ServerApp
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.common.integrity import backbone_name
-from pipeline.datasets.subsampling import subsample_test_ids
 from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.client_app import client_app, client_dir, client_name
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_local_adapter, save_adapter
-from pipeline.modeling.generation import generate_summaries
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+from pipeline.results.evaluation import EvaluateConfig, generate_summaries, log_to_mlflow, subsample_test_ids
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition

@@ -1,9 +1,11 @@
 """An evaluation as the evaluate stage and the deployed clients' federated evaluation make it: the decoding
-settings (the `evaluate` params) and the evaluation's MLflow record (the client averages as headline metrics, each
-client's scores in its client's run, the training run it belongs to), with the catalog of studies that describes
-each study's MLflow experiment. Training never imports it: rewording a study reruns no training."""
+settings (the `evaluate` params), the summaries they generate, and the evaluation's MLflow record (the client
+averages as headline metrics, each client's scores in its client's run, the training run it belongs to), with the
+catalog of studies that describes each study's MLflow experiment. Training never imports it: rewording a study
+reruns no training."""
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any, Literal
 
@@ -38,6 +40,33 @@ class EvaluateConfig:
         return {"num_beams": self.num_beams, "max_new_tokens": self.max_target_length,
                 "min_new_tokens": self.min_target_length, "no_repeat_ngram_size": self.no_repeat_ngram_size,
                 "length_penalty": self.length_penalty, "early_stopping": True, "do_sample": False}
+
+
+def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
+    """At most ``k`` test ids of ``client``, drawn with a seed that depends only on (seed, client), in partition order:
+    every method evaluated on the same partition sees the same examples (paired comparisons, case study, human
+    evaluation). The draw must stay as it is: it fixes which examples a recorded score was computed on."""
+    if k is None or k >= len(test_ids):
+        return list(test_ids)
+    chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))
+    return [i for i in test_ids if i in chosen]
+
+
+def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
+    """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
+    import torch
+    from tqdm import tqdm
+
+    tokenizer = model.tokenizer
+    outputs: list[str] = []
+    kwargs = cfg.generation_kwargs()
+    with torch.no_grad():
+        for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
+            chunk = sources[start:start + cfg.batch_size]
+            enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
+            ids = model.generate(enc["input_ids"], enc["attention_mask"], path="local", **kwargs)
+            outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
+    return outputs
 
 
 # study -> (what it compares, METHOD.md section)

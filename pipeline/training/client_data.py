@@ -1,5 +1,5 @@
 """A client's examples: the partition file, the examples file, and the client's train/valid frames (seeded
-subsampling: pipeline.datasets.subsampling)."""
+subsampling)."""
 from __future__ import annotations
 
 import json
@@ -8,12 +8,21 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.datasets.subsampling import subsample_ids
 from pipeline.experiments import Plan
 from pipeline.training.seeds import derived_seed
+
+
+def subsample_ids(ids: list[str], limit: int | None, seed: int) -> list[str]:
+    """At most ``limit`` ids, drawn without replacement with a seeded generator, in partition order. The draw must
+    stay as it is (and unlike evaluation's test subsample): it fixes which examples a recorded result trained on."""
+    if limit is None or len(ids) <= limit:
+        return list(ids)
+    keep = np.sort(np.random.default_rng(seed).choice(len(ids), size=limit, replace=False))
+    return [ids[i] for i in keep]
 
 
 @lru_cache(maxsize=4)
