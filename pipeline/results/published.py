@@ -19,6 +19,10 @@ class Rouge3:  # ROUGE-1 / ROUGE-2 / ROUGE-L F1 x 100 as printed in the paper
     rouge2: float
     rougeL: float
 
+    @property
+    def average(self) -> float:
+        return (self.rouge1 + self.rouge2 + self.rougeL) / 3
+
 
 def _table(rows: dict[str, str]) -> dict[str, dict[str, Rouge3]]:
     """Parse 'r1/r2/rl' cells laid out as {client: 'cell cell cell cell cell'} in METHOD_ORDER."""
