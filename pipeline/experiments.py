@@ -312,9 +312,11 @@ class Plan:
     @property
     def paths(self) -> dict[str, str]:
         """Where this experiment reads and writes; ``out_dir``: a run's own directory while it runs (one per
-        configuration), published to ``model_dir`` when it finishes (pipeline.training.checkpoints.publish_outputs)."""
+        configuration: the plan hash's first 16 hex digits), published to ``model_dir`` when it finishes
+        (pipeline.training.checkpoints.publish_outputs)."""
         paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
-                 "backbone": str(PATHS.backbone), "out_dir": str(RUNS_DIR / f"{self.experiment}-{self.run_key}"),
+                 "backbone": str(PATHS.backbone),
+                 "out_dir": str(RUNS_DIR / f"{self.experiment}-{plan_hash(self)[:16]}"),
                  "model_dir": str(PATHS.model_dir(self.experiment)),
                  "reports_dir": str(PATHS.train_report(self.experiment))}
         if self.spec.uses_postags:
@@ -331,11 +333,6 @@ class Plan:
         if self.privacy is not None:
             d["privacy"] = self.privacy.plan_dict()  # its mode's keys only, as resolve_plan wrote them
         return d
-
-    @property
-    def run_key(self) -> str:
-        """The first 16 hex digits of :func:`plan_hash`: names the run directory of this configuration."""
-        return plan_hash(self)[:16]
 
 
 def plan_hash(plan: Plan) -> str:

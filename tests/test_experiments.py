@@ -245,7 +245,7 @@ def test_run_settings_come_from_params_with_the_experiments_own_override():
 
 
 def test_plan_paths_come_from_the_path_table(tmp_path):
-    from pipeline.experiments import declared, read_plan, write_plans
+    from pipeline.experiments import declared, plan_hash, read_plan, write_plans
 
     params = _params()
     out = tmp_path / "plans"
@@ -253,7 +253,7 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
     hard = read_plan(out / "hardkd-domain.json")
     assert hard.paths == {"examples": "data/processed/examples.parquet",
                           "partition": "data/partitions/domain/seed0.json", "backbone": "models/backbone",
-                          "out_dir": f"data/cache/runs/hardkd-domain-{hard.run_key}",
+                          "out_dir": f"data/cache/runs/hardkd-domain-{plan_hash(hard)[:16]}",
                           "model_dir": "models/hardkd-domain", "reports_dir": "reports/train/hardkd-domain",
                           "postags": "data/processed/postags.parquet"}
     assert "paths" not in json.loads((out / "hardkd-domain.json").read_text())  # not a result: not in the plan

@@ -213,9 +213,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
             log.info("warm-up step %d/%d loss %.4f (%.1f examples/s)", step, wc.steps, mean, seen / elapsed)
             window = []
     seconds = time.perf_counter() - t0
-    if wc.activation_checkpointing:
-        model.activation_checkpointing_disable()
-        model.disable_input_require_grads()
+    model.activation_checkpointing_disable()  # off for generation (a no-op when it was never on)
     model.eval()
     return {"steps": wc.steps, "examples_seen": seen, "epochs": round(seen / len(pairs), 3),
             "seconds": round(seconds, 1), "examples_per_second": round(seen / seconds, 2),
