@@ -102,7 +102,7 @@ class WarmupConfig:
     cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
     length_grouping: NonNegativeInt = 32
     bf16: bool = False  # CUDA: only where bf16 is supported
-    activation_checkpointing: bool = True
+    activation_checkpointing: bool = False
     num_threads: NonNegativeInt = 0
     seed: int = 0
     log_every: PositiveInt = 25
