@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import statistics
 import subprocess
@@ -140,8 +141,6 @@ def main(argv: list[str] | None = None) -> int:
                 for name in args.stages:
                     runs[name][side].append(run_stage(trees[side], name, stages[name].cmd))
                     bar.update()
-    import platform
-
     result = {"baseline": args.baseline, "candidate": args.candidate, "repeats": args.repeats,
               "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

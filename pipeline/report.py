@@ -21,8 +21,7 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import comparisons, published
-from pipeline.results.figures import learning_curves
-from pipeline.results.figures import privacy_figure, privacy_points, study_figures, with_stand_ins
+from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (case_study, example_info, make_sheets, plot_results, predictions_by_method,
                                          score_sheets)
 from pipeline.results.readers import collect_scores, convergence_table
