@@ -23,11 +23,11 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments import read_plan
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, generate_summaries, log_to_mlflow, subsample_test_ids
+from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, summarize_test_set
 from pipeline.results.readers import read_json, run_converged
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.common.integrity import backbone_name
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores, score_files
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.tracking import download_model, split_dataset
 
@@ -59,7 +59,6 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     model = AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
     max_src = cfg.max_source_length or model_cfg.max_source_length
     backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
-    scorer = Scorer(use_stemmer=True)
 
     out_dir = eval_dir / name
     rows: list[dict[str, Any]] = []
@@ -72,23 +71,17 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
         if not test_ids:
             skipped_clients[client] = f"no test examples in {part_path}"
             continue
-        missing = [i for i in test_ids if i not in examples.index]
-        if missing:
-            raise DataError(f"{part_path}: client {client!r} test ids not in {examples_path}: {missing[:5]}"
-                            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
-        chosen = subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)
-        test_sets[client] = split_dataset(plan.partition, client, "test", chosen, part_path)
         load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
-        sub = examples.loc[chosen]
-        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{name}/{client}")
-        scores = scorer.score_pairs(predictions, sub["target"].tolist())
+        sub, predictions, scores = summarize_test_set(model, examples, test_ids, client, cfg, max_src, str(part_path),
+                                                      desc=f"{name}/{client}")
+        test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
         for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
             rows.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
                          **sc, "pred_words": len(pred.split()), "ref_words": len(row["target"].split())})
             records.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
                             "prediction": pred, "reference": row["target"]})
         per_client[client] = summary = mean_scores(scores) | {"n_test": len(test_ids),
-                                                             "skipped_by_subsampling": len(test_ids) - len(chosen)}
+                                                             "skipped_by_subsampling": len(test_ids) - len(sub)}
         print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
               + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")), file=sys.stderr)
 

@@ -283,3 +283,26 @@ def test_activation_checkpointing_warms_up_to_the_same_weights(tmp_path):
         weights.append(model.state_dict())
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
+def test_warm_up_without_attention_dropout_trains_as_a_model_without_it_and_restores_it(tmp_path):
+    """attention_dropout=False trains exactly as a checkpoint whose attention dropout is 0 (so SDPA's fused kernel
+    can run), leaves the checkpoint's 0.5 in place afterwards, and differs from training with it on."""
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    pairs = bb.load_pairs(interim, "train")
+    weights = {}
+    for p, keep in ((0.5, False), (0.0, True), (0.5, True)):
+        torch.manual_seed(0)
+        model, tok = tiny_models.tiny_bert2bert()  # its attention dropout is 0
+        attention = [m for m in model.modules() if type(m).__name__ in ("BertSelfAttention", "BertCrossAttention")]
+        assert len(attention) == 2 + 3 * 2  # encoder self; decoder self and cross
+        for m in attention:
+            m.dropout.p = p
+        wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
+                             attention_dropout=keep)
+        wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
+        assert all(m.dropout.p == p for m in attention)
+        weights[p, keep] = model.state_dict()
+    off, never, on = weights[0.5, False], weights[0.0, True], weights[0.5, True]
+    assert all(torch.equal(off[k], never[k]) for k in off)
+    assert not all(torch.equal(off[k], on[k]) for k in off)

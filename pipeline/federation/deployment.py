@@ -22,8 +22,8 @@ from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, pla
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_local_adapter, save_adapter
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, generate_summaries, log_to_mlflow, subsample_test_ids
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
+from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, summarize_test_set
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder, write_rounds
@@ -142,19 +142,12 @@ def client_summarize(msg: Message, context: Context) -> Message:
     test_ids = [str(i) for i in partition["clients"][name].get("test", [])]
     metrics: dict[str, float | int] = {"n_test": len(test_ids)}
     if test_ids:
-        examples = read_examples(plan.paths["examples"])
-        missing = [i for i in test_ids if i not in examples.index]
-        if missing:
-            raise ValueError(f"{plan.paths['partition']}: client {name!r} test id {missing[0]!r} is not in "
-                             f"{plan.paths['examples']} ({len(missing)} missing)")
-        chosen = subsample_test_ids(test_ids, name, cfg.test_examples_per_client, cfg.subsample_seed)
         model = shared_model(plan)
         load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
-        sub = examples.loc[chosen]
-        max_src = cfg.max_source_length or model_config(plan).max_source_length
-        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, desc=f"{plan.experiment}/{name}")
-        metrics.update(mean_scores(Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())))
-        metrics["skipped_by_subsampling"] = len(test_ids) - len(chosen)
+        sub, _, scores = summarize_test_set(model, read_examples(plan.paths["examples"]), test_ids, name, cfg,
+                                            cfg.max_source_length or model_config(plan).max_source_length,
+                                            plan.paths["partition"], desc=f"{plan.experiment}/{name}")
+        metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
     content = RecordDict({"identity": ConfigRecord({"client-name": name}),
                           METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
                                                          if not (isinstance(v, float) and math.isnan(v))})})

@@ -73,14 +73,8 @@ def init_cross_attention_from_self(model) -> int:
     """Copy each decoder layer's self-attention (q, k, v, output dense and LayerNorm) into its cross-attention;
     returns the number of layers copied. Both blocks have the same shapes in BERT (hidden -> hidden)."""
     layers = model.decoder.bert.encoder.layer
-    with torch.no_grad():
-        for layer in layers:
-            src, dst = layer.attention, layer.crossattention
-            for name in ("query", "key", "value"):
-                getattr(dst.self, name).weight.copy_(getattr(src.self, name).weight)
-                getattr(dst.self, name).bias.copy_(getattr(src.self, name).bias)
-            dst.output.dense.load_state_dict(src.output.dense.state_dict())
-            dst.output.LayerNorm.load_state_dict(src.output.LayerNorm.state_dict())
+    for layer in layers:  # the same parameter names in both blocks; load_state_dict copies the values
+        layer.crossattention.load_state_dict(layer.attention.state_dict())
     return len(layers)
 
 
@@ -90,19 +84,19 @@ class WarmupConfig:
     """Central warm-up of the offline recipe (params.yaml `backbone.warmup` says what each key does)."""
 
     dataset: Literal[DATASETS] = "samsum"  # type: ignore[valid-type]
-    steps: NonNegativeInt = 120  # 0 = no warm-up
-    batch_size: PositiveInt = 16
+    steps: NonNegativeInt = 150  # 0 = no warm-up
+    batch_size: PositiveInt = 8
     max_source_length: TokenLength = 256
     max_target_length: TokenLength = 64
     lr: Positive = 2e-4
     cross_attention_lr: Positive = 6e-4
     weight_decay: NonNegative = 0.01
     warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
-    freeze_embeddings: bool = False
     cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
     length_grouping: NonNegativeInt = 32
     bf16: bool = False  # CUDA: only where bf16 is supported
     activation_checkpointing: bool = False
+    attention_dropout: bool = False
     num_threads: NonNegativeInt = 0
     seed: int = 0
     log_every: PositiveInt = 25
@@ -166,9 +160,6 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     if wc.steps <= 0:
         return {"steps": 0, "examples_seen": 0, "seconds": 0.0, "examples_per_second": None, "loss_log": []}
     torch.manual_seed(wc.seed)
-    if wc.freeze_embeddings:
-        for emb in {model.get_encoder().get_input_embeddings(), model.get_decoder().get_input_embeddings()}:
-            emb.weight.requires_grad_(False)
     enc = token_ids(tokenizer, [s for _, s, _ in pairs], wc.max_source_length)
     dec = token_ids(tokenizer, [t for _, _, t in pairs], wc.max_target_length)
     lengths = np.array([len(e) for e in enc])
@@ -178,6 +169,13 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     sched = get_linear_schedule_with_warmup(opt, math.ceil(wc.warmup_fraction * wc.steps), wc.steps)
     pad = tokenizer.pad_token_id
     model.to(device).train()
+    # Dropout on attention probabilities makes SDPA fall back to its unfused path, which keeps batch x heads x L x L
+    # matrices per layer for backward; without it the fused kernel keeps none. Only the warm-up's modules change:
+    # the saved config keeps the checkpoint's attention_probs_dropout_prob.
+    attention_dropouts = {m.dropout: m.dropout.p for m in model.modules()
+                          if type(m).__name__ in ("BertSelfAttention", "BertCrossAttention")}
+    for dropout in attention_dropouts:
+        dropout.p = dropout.p if wc.attention_dropout else 0.0
     if wc.activation_checkpointing:  # the same numbers: each layer's forward is rerun in backward, RNG state restored
         model.activation_checkpointing_enable()
     loss_log, window, seen = [], [], 0
@@ -214,6 +212,8 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
             window = []
     seconds = time.perf_counter() - t0
     model.activation_checkpointing_disable()  # off for generation (a no-op when it was never on)
+    for dropout, p in attention_dropouts.items():
+        dropout.p = p
     model.eval()
     return {"steps": wc.steps, "examples_seen": seen, "epochs": round(seen / len(pairs), 3),
             "seconds": round(seconds, 1), "examples_per_second": round(seen / seconds, 2),

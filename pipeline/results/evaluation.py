@@ -12,7 +12,8 @@ from typing import Any, Literal
 from pydantic import model_validator
 
 from pipeline.common.config import NonNegativeInt, PositiveInt, config
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
+from pipeline.common.schema import DataError
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer
 
 
 @config
@@ -50,6 +51,18 @@ def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: in
         return list(test_ids)
     chosen = set(random.Random(f"evaluate:{seed}:{client}").sample(sorted(test_ids), k))
     return [i for i in test_ids if i in chosen]
+
+
+def summarize_test_set(model, examples, test_ids: list[str], client: str, cfg: EvaluateConfig, max_source_length: int,
+                       where: str, desc: str):
+    """The client's test subsample (rows of ``examples``, indexed by example id), the summaries of the model's
+    loaded local adapter and their ROUGE per example; ``where`` (the partition file) names what lists a missing id."""
+    missing = [i for i in test_ids if i not in examples.index]
+    if missing:
+        raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
+    sub = examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
+    predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_source_length, desc)
+    return sub, predictions, Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
 
 
 def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:

@@ -10,8 +10,6 @@ import re
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from rouge_score import rouge_scorer
-
 from pipeline.common.schema import DataError
 
 ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
@@ -58,6 +56,8 @@ class Scorer:
     """rouge-score with Porter stemming on sentence-split text; F1 x 100 per example."""
 
     def __init__(self, use_stemmer: bool = True) -> None:
+        from rouge_score import rouge_scorer  # imports nltk (~1 s): only where scores are computed
+
         self._scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=use_stemmer)
 
     def detail(self, prediction: str, reference: str) -> dict:
