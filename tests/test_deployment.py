@@ -242,7 +242,9 @@ def _no_process_left(before: set[int], started: list) -> None:
     assert _flower_pids() - before == set()
 
 
-@pytest.fixture(scope="module")
+# Session scope, not module: xdist runs other modules' tests between the two on the same worker, and a module fixture
+# would be torn down and its deployment (~100 s under load) started again for the second (measured: twice).
+@pytest.fixture(scope="session")
 def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
     """One local deployment shared by the next two tests (a SuperLink, SuperNodes and a run are most of their time):
     TLS with a CA made here and a registered key per SuperNode; a stranger's SuperNode is refused, then a two-round
