@@ -200,3 +200,16 @@ def test_every_dvc_and_flwr_command_exists_in_the_pinned_version(tool):
             continue
         wrong += [f"{doc}: {command}: no flag {f}" for f in _flags(tokens) if not re.search(rf"{f}\b", result.stdout)]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_readmes_repro_time_and_memory_are_the_committed_timing_tables():
+    """The README's `make repro` minutes and peak memory are reports/tables/timing.md's span and largest peak."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    timing = (ROOT / "reports/tables/timing.md").read_text()
+    stated = re.search(r"`make repro` ran from first start to last finish in (\d+\.\d) min, each in at most "
+                       r"(\d+\.\d) GiB", readme)
+    span = re.search(r"last recorded finish: \d+ s \((\d+\.\d) min\)", timing)
+    peak = re.search(r"\| \*\*total\*\* \|[^\n]*\| (\d+) \(max\) \|", timing)
+    assert stated and span and peak, "README.md or reports/tables/timing.md lost the sentence or the total row"
+    assert stated[1] == span[1]
+    assert float(stated[2]) == round(int(peak[1]) / 1024, 1)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 
 import pandas as pd
@@ -292,3 +293,16 @@ def test_timing_table_leaves_the_start_up_of_an_old_record_blank(tmp_path):
     assert "| **total** | 40.0 | 2.5 | 500 (max) | |" in md
     only_old = timing[timing["stage"] == "postag"]
     assert "| **total** | 30.0 |  | 500 (max) | |" in timing_markdown(only_old)
+    assert "min)" not in timing_markdown(only_old)  # no finish time: no span
+
+
+def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tmp_path):
+    from pipeline.results.tables import timing_markdown, timing_table
+
+    # ingest started at 00:00:00 (2.5 s start-up, 10 s work); report finished a minute later (time zones as written)
+    (tmp_path / "a.json").write_text(json.dumps({"stage": "ingest", "seconds": 10.0, "startup_seconds": 2.5,
+                                                  "peak_rss_mb": 1.0, "finished_at": "2026-01-01T00:00:12.5+00:00"}))
+    (tmp_path / "b.json").write_text(json.dumps({"stage": "report", "seconds": 5.0, "startup_seconds": 1.0,
+                                                  "peak_rss_mb": 1.0, "finished_at": "2026-01-01T01:01:00+01:00"}))
+    timing, _ = timing_table(tmp_path, set())
+    assert re.search(r"\b60 s \(1\.0 min\)", timing_markdown(timing))

@@ -209,17 +209,20 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
 
 
 def timing_markdown(timing: pd.DataFrame) -> str:
-    """The stage-time table. A record older than the start-up timing has no `startup_seconds`: its cell is blank, as
-    a missing finish time is (the total sums the records that have one)."""
+    """The stage-time table; an old record's missing start-up or finish time is a blank cell, not summed."""
     def startup(seconds: float) -> str:
         return "" if pd.isna(seconds) else f"{seconds:.1f}"
 
-    lines = ["# Stage wall times", "", "Each stage's last run (its `reports/timing/<stage>.json`): its work, and its "
-             "process's start-up before it (interpreter, imports, arguments); DVC's own work between stages is in "
+    lines = ["# Stage wall times", "", "Each stage's last run (`reports/timing/<stage>.json`): its work, and the "
+             "start-up of its process before it (interpreter, imports, arguments); DVC's work between stages is in "
              "neither.", "",
              "| stage | seconds | start-up (s) | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|---|"]
     lines += [f"| {r.stage} | {r.seconds:.1f} | {startup(r.startup_seconds)} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
               for r in timing.itertuples()]
     lines.append(f"| **total** | {timing['seconds'].sum():.1f} | "
                  f"{startup(timing['startup_seconds'].sum(min_count=1))} | {timing['peak_rss_mb'].max():.0f} (max) | |")
+    finished = pd.to_datetime(timing["finished_at"], errors="coerce", utc=True, format="ISO8601")
+    work = pd.to_timedelta(timing["seconds"] + timing["startup_seconds"].fillna(0), unit="s")
+    if pd.notna(span := (finished.max() - (finished - work).min()).total_seconds()):  # one `dvc repro` of them all
+        lines += ["", f"First recorded start to last recorded finish: {span:.0f} s ({span / 60:.1f} min)."]
     return "\n".join(lines) + "\n"
