@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -242,8 +245,8 @@ def _no_process_left(before: set[int], started: list) -> None:
     assert _flower_pids() - before == set()
 
 
-# Session scope, not module: xdist runs other modules' tests between the two on the same worker, and a module fixture
-# would be torn down and its deployment (~100 s under load) started again for the second (measured: twice).
+# Session scope: the deployment (~100 s under load) outlives whatever other modules' tests the worker runs between the
+# two; the group mark keeps both on one worker.
 @pytest.fixture(scope="session")
 def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
     """One local deployment shared by the next two tests (a SuperLink, SuperNodes and a run are most of their time):
@@ -460,6 +463,18 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
     assert proc.popen.returncode is not None
     for c in children:
         assert not psutil.pid_exists(c) or psutil.Process(c).status() == psutil.STATUS_ZOMBIE
+
+
+def test_xdist_keeps_a_group_on_one_worker(tmp_path):
+    """The groups above only hold if `--dist loadgroup` honours xdist_group marks (pytest 9.2 with xdist 3.8 silently
+    did not: pytest-dev/pytest-xdist#1386); six grouped tests among six others all run on one worker."""
+    (tmp_path / "test_grouped.py").write_text("import pytest\n" + "".join(
+        f"@pytest.mark.xdist_group('g')\ndef test_g{i}(): pass\ndef test_free{i}(): pass\n" for i in range(6)))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
+                          "-v", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stdout[-2000:]
+    workers = {name: w for w, name in re.findall(r"\[(gw\d)\].*PASSED test_grouped.py::(test_g\d)", out.stdout)}
+    assert len(workers) == 6 and len(set(workers.values())) == 1, out.stdout[-2000:]
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
