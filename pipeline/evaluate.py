@@ -72,8 +72,8 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
             skipped_clients[client] = f"no test examples in {part_path}"
             continue
         load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
-        sub, predictions, scores = summarize_test_set(model, examples, test_ids, client, cfg, max_src, str(part_path),
-                                                      desc=f"{name}/{client}")
+        sub, predictions, scores = summarize_test_set(model, examples, test_ids, client, cfg, max_src,
+                                                      f"{part_path}, {examples_path}", desc=f"{name}/{client}")
         test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
         for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
             rows.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],

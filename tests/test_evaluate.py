@@ -135,3 +135,20 @@ def test_bad_config_rejected():
         EvaluateConfig(adapter="middle")
     with pytest.raises(ValueError, match="min_target_length"):
         EvaluateConfig(min_target_length=50, max_target_length=10)
+
+
+def test_a_test_id_missing_from_the_examples_is_one_error_naming_both_files_and_the_client(workspace):
+    cfg = EvaluateConfig(test_examples_per_client=1, num_beams=1, max_target_length=4, min_target_length=0)
+    path = workspace / "partitions" / "domain" / "seed0.json"
+    original = path.read_text()
+    partition = json.loads(original)
+    partition["clients"]["Committee"]["test"].append("qmsum/Committee/test/gone/q0")
+    path.write_text(json.dumps(partition))
+    try:
+        with pytest.raises(DataError) as err:
+            run(workspace, cfg)
+    finally:
+        path.write_text(original)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and str(workspace / "examples.parquet") in message
+    assert "'Committee'" in message and "qmsum/Committee/test/gone/q0" in message

@@ -134,8 +134,7 @@ def client_summarize(msg: Message, context: Context) -> Message:
     evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(plan, context)
-    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])),
-                    "query.summarize: evaluate")
+    cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])), "query.summarize: evaluate")
     partition = read_partition(plan.paths["partition"])
     if name not in partition["clients"]:
         raise ValueError(f"{plan.paths['partition']}: no client {name!r}")
@@ -144,9 +143,10 @@ def client_summarize(msg: Message, context: Context) -> Message:
     if test_ids:
         model = shared_model(plan)
         load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
+        where = f"{plan.paths['partition']}, {plan.paths['examples']}"
         sub, _, scores = summarize_test_set(model, read_examples(plan.paths["examples"]), test_ids, name, cfg,
-                                            cfg.max_source_length or model_config(plan).max_source_length,
-                                            plan.paths["partition"], desc=f"{plan.experiment}/{name}")
+                                            cfg.max_source_length or model_config(plan).max_source_length, where,
+                                            desc=f"{plan.experiment}/{name}")
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
     content = RecordDict({"identity": ConfigRecord({"client-name": name}),
                           METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()

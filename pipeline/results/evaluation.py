@@ -56,7 +56,7 @@ def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: in
 def summarize_test_set(model, examples, test_ids: list[str], client: str, cfg: EvaluateConfig, max_source_length: int,
                        where: str, desc: str):
     """The client's test subsample (rows of ``examples``, indexed by example id), the summaries of the model's
-    loaded local adapter and their ROUGE per example; ``where`` (the partition file) names what lists a missing id."""
+    loaded local adapter and their ROUGE per example; ``where`` names the partition and examples files."""
     missing = [i for i in test_ids if i not in examples.index]
     if missing:
         raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
