@@ -271,3 +271,20 @@ def test_adapter_files_get_the_mode_of_any_other_output(tmp_path):
     atomic.write_text(tmp_path / "b.json", "{}")
     assert (tmp_path / "a.safetensors").stat().st_mode == (tmp_path / "b.json").stat().st_mode
     assert torch.equal(load_adapter(tmp_path / "a.safetensors")["w"], torch.ones(2, 3))
+
+
+def test_equal_adapters_are_equal_files(tmp_path):
+    # safetensors orders metadata as a hash map does (a new order per map); DVC hashes bytes, so a rerun with equal
+    # weights must write the same bytes, and the file must still load as safetensors with its metadata
+    from safetensors import safe_open
+
+    from pipeline.modeling.adapters import save_adapter
+
+    meta = {f"key{i}": str(i) for i in range(8)}
+    tensors = {"b": torch.arange(6.0).reshape(2, 3), "a": torch.ones(5, dtype=torch.float16)}
+    for i in range(6):
+        save_adapter(tmp_path / f"{i}.safetensors", tensors, dict(reversed(meta.items())) if i % 2 else meta)
+    assert len({p.read_bytes() for p in tmp_path.iterdir()}) == 1
+    with safe_open(tmp_path / "5.safetensors", "pt") as f:
+        assert f.metadata() == meta and torch.equal(f.get_tensor("b"), tensors["b"])
+        assert torch.equal(f.get_tensor("a"), tensors["a"])

@@ -104,8 +104,14 @@ def savefig(fig, path: str | os.PathLike, **kwargs: Any) -> None:
 def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save
 
-    # serialized here and written as any file, not by save_file, which creates its file mode 0600 whatever the umask
-    write_bytes(path, save(tensors, metadata=metadata))
+    # serialized here and written as any file, not by save_file, which creates its file mode 0600 whatever the umask;
+    # the header re-written with sorted keys: safetensors orders metadata as a hash map does, so equal tensors would
+    # give files (and DVC hashes) whose bytes differ from run to run
+    data = save(tensors, metadata=metadata)
+    end = 8 + int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:end]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the tensor data stays 8-byte aligned
+    write_bytes(path, len(header).to_bytes(8, "little") + header + data[end:])
 
 
 def temp_dir_for(path: str | os.PathLike) -> Path:
