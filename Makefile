@@ -34,19 +34,21 @@ data-sources: setup
 
 # `dvc repro` runs one stage at a time; DVC releases its repository lock while a stage's command runs, so
 # independent stages run in parallel from separate `dvc repro` calls (DVC's parallel stage execution). make repro:
-# the data stages; the backbone beside the partitions; then each experiment's train and evaluate stages,
-# REPRO_JOBS calls at a time (-s: a call checks only its own stages, not those a running one reads;
-# --wait-for-lock: calls queue for the lock). Every training keeps torch's thread count, so the outputs are
-# those of one `dvc repro`, byte for byte; idle OpenMP threads sleep (PASSIVE) instead of spinning on cores
-# another stage needs. The last `dvc repro` runs analyze and report and checks that nothing is left.
+# the ingests; the backbone (the longest stage) beside the examples and partitions, which yield it the cores
+# (nice); then each experiment's train and evaluate stages, REPRO_JOBS calls at a time (-s: a call checks only its
+# own stages, not those a running one reads; --wait-for-lock: calls queue for the lock). Every stage keeps torch's
+# thread count, so the outputs are those of one `dvc repro`, byte for byte; idle OpenMP threads sleep (PASSIVE)
+# instead of spinning on cores another stage needs. The last `dvc repro` runs analyze and report and checks that
+# nothing is left. REPRO_JOBS=1: the experiments one after another.
 REPRO_JOBS ?= 2
-PARALLEL_REPRO := OMP_WAIT_POLICY=PASSIVE xargs -P $(REPRO_JOBS) -L
+DVC_LANE := $(BIN)/dvc --wait-for-lock repro -s
+repro: export OMP_WAIT_POLICY = PASSIVE
 repro: data-sources
-	$(BIN)/dvc repro examples
-	printf '%s\n' 'backbone postag' partition | $(PARALLEL_REPRO) 1 $(BIN)/dvc --wait-for-lock repro -s
+	$(BIN)/dvc repro ingest
+	nice $(DVC_LANE) examples partition & $(DVC_LANE) backbone; status=$$?; wait $$! && exit $$status
 	$(BIN)/dvc repro plan
 	$(BIN)/dvc stage list --name-only | sed -n 's/^train@\(.*\)/train@\1 evaluate@\1/p' \
-		| $(PARALLEL_REPRO) 3 $(BIN)/dvc --wait-for-lock repro -s
+		| xargs -P $(REPRO_JOBS) -L 2 $(DVC_LANE)
 	$(BIN)/dvc repro
 
 # Two lanes (pyproject.toml [tool.pytest.ini_options] markers), both on every core (pytest-xdist; PYTEST_JOBS=1 for

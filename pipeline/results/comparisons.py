@@ -116,11 +116,13 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
     out = []
+    rows = {c: [frames[s][frames[s]["client"] == c].set_index("example_id").loc[ids] for s in seeds]
+            for c, ids in shared.items()}  # each client's shared examples, one frame per seed, selected once
     for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         for metric in METRICS:
-            r = paired_difference(*([stacked((frames[s] for s in seeds), c, shared[c], f"{metric}_{side}")
+            r = paired_difference(*([np.stack([f[f"{metric}_{side}"].to_numpy(dtype=float) for f in rows[c]])
                                      for c in clients] for side in "ab"), cfg)
             out.append({"study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
                         "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
