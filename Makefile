@@ -35,19 +35,20 @@ data-sources: setup
 # `dvc repro` runs one stage at a time; DVC releases its repository lock while a stage's command runs, so
 # independent stages run in parallel from separate `dvc repro` calls (DVC's parallel stage execution). make repro:
 # the ingests; the backbone (the longest stage) beside the examples and partitions, which yield it the cores
-# (nice); then each experiment's train and evaluate stages, REPRO_JOBS calls at a time (-s: a call checks only its
-# own stages, not those a running one reads; --wait-for-lock: calls queue for the lock). Every stage keeps torch's
-# thread count, so the outputs are those of one `dvc repro`, byte for byte; idle OpenMP threads sleep (PASSIVE)
-# instead of spinning on cores another stage needs. The last `dvc repro` runs analyze and report and checks that
-# nothing is left. REPRO_JOBS=1: the experiments one after another.
+# (nice); then each experiment's train and evaluate stages, REPRO_JOBS calls at a time, the last experiments of
+# params.yaml (the longest: new client, strategies) first so that the calls end together (-s: a call checks only
+# its own stages, not those a running one reads; --wait-for-lock: calls queue for the lock). Every stage keeps
+# torch's thread count, so the outputs are those of one `dvc repro`, byte for byte; beside another stage, idle
+# OpenMP threads sleep (PASSIVE) instead of spinning on the cores it needs (alone they spin: 10 % faster).
+# The last `dvc repro` runs analyze and report and checks that nothing is left.
 REPRO_JOBS ?= 2
-DVC_LANE := $(BIN)/dvc --wait-for-lock repro -s
-repro: export OMP_WAIT_POLICY = PASSIVE
+DVC_LANE := env OMP_WAIT_POLICY=PASSIVE $(BIN)/dvc --wait-for-lock repro -s
 repro: data-sources
 	$(BIN)/dvc repro ingest
-	nice $(DVC_LANE) examples partition & $(DVC_LANE) backbone; status=$$?; wait $$! && exit $$status
+	nice $(DVC_LANE) examples partition & $(BIN)/dvc --wait-for-lock repro -s backbone; s=$$?; wait $$! && exit $$s
 	$(BIN)/dvc repro plan
 	$(BIN)/dvc stage list --name-only | sed -n 's/^train@\(.*\)/train@\1 evaluate@\1/p' \
+		| awk '{ line[NR] = $$0 } END { for (i = NR; i > 0; i--) print line[i] }' \
 		| xargs -P $(REPRO_JOBS) -L 2 $(DVC_LANE)
 	$(BIN)/dvc repro
 

@@ -97,6 +97,7 @@ class WarmupConfig:
     bf16: bool = False  # CUDA: only where bf16 is supported
     activation_checkpointing: bool = False
     attention_dropout: bool = False
+    fused_adamw: bool = True  # torch's fused AdamW kernel (CPU or CUDA); false: the per-tensor loop
     num_threads: NonNegativeInt = 0
     seed: int = 0
     log_every: PositiveInt = 25
@@ -165,7 +166,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     lengths = np.array([len(e) for e in enc])
     order = batch_order(lengths, wc.batch_size, wc.steps, wc.seed, wc.length_grouping)
 
-    opt = torch.optim.AdamW(param_groups(model, wc), betas=(0.9, 0.999), eps=1e-8)
+    opt = torch.optim.AdamW(param_groups(model, wc), betas=(0.9, 0.999), eps=1e-8, fused=wc.fused_adamw)
     sched = get_linear_schedule_with_warmup(opt, math.ceil(wc.warmup_fraction * wc.steps), wc.steps)
     pad = tokenizer.pad_token_id
     model.to(device).train()
