@@ -43,10 +43,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark)
+            if (key := self.construct_object(key_node, deep=deep)) in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep)
 
@@ -126,8 +124,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
 
 
 def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "preset") -> None:
-    bad = problems(preset, params)
-    if bad:
+    if bad := problems(preset, params):
         raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
 
 

@@ -272,7 +272,7 @@ def write_connection(home: Path, port: int, certificates: Certificates | None) -
                                             f'address = "{HOST}:{port}"\n{security}\n')
 
 
-class LocalhostFederation:
+class LocalhostFederation(contextlib.AbstractContextManager):
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
@@ -302,9 +302,6 @@ class LocalhostFederation:
         self.keys: dict[str, tuple[Path, Path]] = {}
         self.superlink: Process | None = None
         self.supernodes: dict[str, Process] = {}
-
-    def __enter__(self) -> "LocalhostFederation":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
@@ -362,13 +359,11 @@ class LocalhostFederation:
         log = open(run.log, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
 
         def pump() -> None:
-            for raw in run.popen.stdout:
-                line = raw.decode(errors="replace")
+            for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
                 lines.append(line)
-                log.write(line)
-                log.flush()
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                for out in (log, sys.stdout):
+                    out.write(line)
+                    out.flush()
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
@@ -548,8 +543,7 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a process gets to stop on SIGTERM")
     st = sub.add_parser("status", help="exit 0 if the SuperLink reports the run completed, else 1 with its status "
                                        "(`flwr run` exits 0 when the ServerApp failed)")
-    st.add_argument("superlink", nargs="?", help="the SuperLink connection of FLWR_HOME/config.toml (default: its "
-                                                 "default)")
+    st.add_argument("superlink", nargs="?", help="a SuperLink connection of FLWR_HOME/config.toml (default: its own)")
     st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
     st.add_argument("--submitted", type=Path, help="what `flwr run --format json` printed: the status of the run it "
                                                    "started, or that it started none")
