@@ -34,41 +34,34 @@ data-sources: setup
 
 # `dvc repro` runs one stage at a time; DVC releases its repository lock while a stage's command runs, so
 # independent stages run in parallel from separate `dvc repro` calls (DVC's parallel stage execution). make repro:
-# the ingests; the backbone (the longest stage) beside the examples and partitions; then each experiment's train and
-# evaluate stages, REPRO_JOBS calls at a time, the experiments with the most client-rounds (their plans) first so
-# that the calls end together (-s: a call checks only its own stages, not those a running one reads;
-# --wait-for-lock: calls queue for the lock). Every stage keeps torch's thread count, so the outputs are those of
-# one `dvc repro`, byte for byte; beside another stage, idle OpenMP threads sleep (PASSIVE) instead of spinning on
-# the cores it needs (the backbone keeps OpenMP's default wait: 10 % faster than PASSIVE once it runs alone). The
-# last `dvc repro` runs analyze and report and checks that nothing is left.
+# the ingests; the backbone (the longest stage) beside the examples and partitions, which yield it the cores (nice);
+# then each experiment's train and evaluate stages, REPRO_JOBS calls at a time (-s: a call checks only its own
+# stages, not those a running one reads; --wait-for-lock: calls queue for the lock). Every stage keeps torch's thread
+# count, so the outputs are those of one `dvc repro`, byte for byte; idle OpenMP threads sleep (PASSIVE) instead of
+# spinning on the cores another stage needs. The last `dvc repro` runs analyze and report and checks that nothing
+# is left.
 REPRO_JOBS ?= 2
 DVC_LANE := env OMP_WAIT_POLICY=PASSIVE $(BIN)/dvc --wait-for-lock repro -s
-LONGEST_FIRST := import json, sys; from pathlib import Path; \
-	plan = lambda name: json.loads(Path(f"models/plans/{name}.json").read_text()); \
-	cost = lambda p: p["train"]["rounds"] * max(1, len(p.get("clients") or [])); \
-	names = sorted(sys.stdin.read().split(), key=lambda n: cost(plan(n)), reverse=True); \
-	print(*(f"train@{n} evaluate@{n}" for n in names), sep="\n")
 repro: data-sources
 	$(BIN)/dvc repro ingest
-	$(DVC_LANE) examples partition & $(BIN)/dvc --wait-for-lock repro -s backbone; s=$$?; wait $$! && exit $$s
+	nice $(DVC_LANE) examples partition & $(DVC_LANE) backbone; s=$$?; wait $$! && exit $$s
 	$(BIN)/dvc repro plan
-	$(BIN)/dvc stage list --name-only | sed -n 's/^train@//p' | $(BIN)/python -c '$(LONGEST_FIRST)' \
+	$(BIN)/dvc stage list --name-only | sed -n 's/^train@\(.*\)/train@\1 evaluate@\1/p' \
 		| xargs -P $(REPRO_JOBS) -L 2 $(DVC_LANE)
 	$(BIN)/dvc repro
 
-# Two lanes (pyproject.toml [tool.pytest.ini_options] markers), on every core (pytest-xdist; PYTEST_JOBS=1 for one
-# process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
-# method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools; its
-# deployment tests wait most of their time (Flower's polling, round timeouts), so it runs twice as many workers as
-# the fast lane, the deployments side by side, one per worker (--dist loadgroup keeps the tests that share one
-# together: tests/test_deployment.py).
+# Two lanes (pyproject.toml [tool.pytest.ini_options] markers), both on every core (pytest-xdist; PYTEST_JOBS=1 for
+# one process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
+# method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools.
+# --dist loadgroup: the tests that start SuperLink/SuperNode processes run in two xdist groups, one federation per
+# worker at a time (tests/test_deployment.py).
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"
 
 test-all: setup
-	$(BIN)/python -m pytest -q -n $$(( 2 * $(PYTEST_JOBS) )) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup
 
 # Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,
 # damaged caches and backbone, a federated run killed at seven points; writes reports/reliability.md.

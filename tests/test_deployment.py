@@ -27,12 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.deployment
 # The tests that start a SuperLink and SuperNodes wait most of their time (Flower polls every 3 s, round and admission
-# timeouts), so make test-all runs more xdist workers than cores and these tests side by side, one federation per
-# worker, each on its own ports (their round timeouts outlast a healthy reply with other federations beside). Two
-# groups (--dist loadgroup) pin what must share a worker: the two tests of the shared TLS deployment (one session
-# fixture for both) and the two Ray runs (one Ray instance at a time). The tests over the in-process Grid start no
-# Flower process.
-SHARED_TLS = pytest.mark.xdist_group("deployment-tls")
+# timeouts): make test-all (--dist loadgroup) runs them in two xdist groups of about equal length, so both workers
+# start one at once (at most one federation per worker, each on its own ports; their round timeouts outlast a healthy
+# reply with the other federation beside). The two tests of the shared TLS deployment share a group (one deployment
+# for both). The tests over the in-process Grid start no Flower process: they go to whichever worker is free; the two
+# Ray runs share one group (one Ray instance at a time).
+FEDERATION_FAULTS = pytest.mark.xdist_group("deployment-faults")
+FEDERATION_SECURE = pytest.mark.xdist_group("deployment-secure")
 RAY = pytest.mark.xdist_group("ray")
 
 # Short greedy decoding: the federated and the central path must agree for any settings; these keep it fast.
@@ -287,7 +288,7 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
                            superlink_log=fed.superlink.log, home=fed.home, run=run, status=status, metrics=metrics)
 
 
-@SHARED_TLS
+@FEDERATION_SECURE
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws, secure_local_run):
     from pipeline.train import run_experiment
@@ -335,7 +336,7 @@ def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-@SHARED_TLS
+@FEDERATION_SECURE
 @pytest.mark.timeout(480)
 def test_tls_and_supernode_authentication(ws, secure_local_run):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
@@ -354,6 +355,7 @@ def test_tls_and_supernode_authentication(ws, secure_local_run):
     assert {c: v["rounds_trained"] for c, v in r.metrics["clients"].items()} == {"Academic": 2, "Committee": 2}
 
 
+@FEDERATION_FAULTS
 @pytest.mark.timeout(900)
 def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(ws):
     """Committee's SuperNode is killed once round 1 is checkpointed and restarted at once (a new node id);
@@ -367,7 +369,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     plan = write_plan("faults", "fedselectkd", partition=_pair_partition(), rounds=4)
     cfg = _local(plan)
     # A run-time setting (the site's choice, not the plan's): round 2 waits it out for the killed node; the healthy
-    # replies of every round must come within it with other federations beside (40 s was missed once on a loaded
+    # replies of every round must come within it with another federation beside (40 s was missed once on a loaded
     # machine).
     cfg.run_config["round-timeout-s"] = 60.0
     events: list[str] = []
@@ -556,6 +558,7 @@ def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
         (r["round"], r["client"], 0) for r in ref]
 
 
+@FEDERATION_SECURE
 @pytest.mark.timeout(600)
 def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
         ws, monkeypatch):
@@ -583,7 +586,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     before = _flower_pids()
     plan = _write_plan("sa-loc", "fedavg", {"secure_aggregation": True}, rounds=2)
     cfg = _local(plan)
-    # Healthy SecAgg+ stage replies (three flwr-clientapp processes each, other federations beside) come well
+    # Healthy SecAgg+ stage replies (three flwr-clientapp processes each, another federation beside) come well
     # within it; the killed SuperNode is reported unavailable by the SuperLink after two missed 30 s heartbeats
     # anyway, so a longer timeout adds little to round 2.
     cfg.run_config["round-timeout-s"] = 60.0
@@ -622,6 +625,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated
 
 
+@FEDERATION_FAULTS
 @pytest.mark.timeout(400)
 def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
     """Committee's SuperNode is started as "Comittee": the ServerApp refuses it, Committee never joins within the
