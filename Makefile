@@ -53,15 +53,17 @@ repro: data-sources
 # Two lanes (pyproject.toml [tool.pytest.ini_options] markers), both on every core (pytest-xdist; PYTEST_JOBS=1 for
 # one process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
 # method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools.
-# --dist loadgroup: the tests that start SuperLink/SuperNode processes run in two xdist groups, one federation per
-# worker at a time (tests/test_deployment.py).
+# --dist loadgroup: the tests that start SuperLink/SuperNode processes run in xdist groups, one federation per group,
+# dealt out first (tests/test_deployment.py, tests/conftest.py). They mostly wait on Flower's polls and timeouts, so
+# test-all runs TEST_ALL_JOBS workers: the groups wait side by side while the other workers use the cores.
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
+TEST_ALL_JOBS ?= 4
 test: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"
 
 test-all: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_ALL_JOBS) --dist loadgroup
 
 # Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,
 # damaged caches and backbone, a federated run killed at seven points; writes reports/reliability.md.

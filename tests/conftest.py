@@ -15,10 +15,19 @@ os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
 # Tiny models: one thread avoids oversubscribing a 2-core machine (2 threads made tiny ops 50x slower under load).
+# The processes tests start inherit it (Flower's SuperLink, SuperNodes and one flwr-clientapp per message, stage CLIs).
 torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDMEET_DATA_ROOT", REPO_ROOT.parent / "shared" / "data"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of an xdist group first (tests/test_deployment.py: chains that mostly wait on Flower). With
+    --dist loadgroup, xdist deals out work in collection order (groups of several tests before single ones): each group
+    then starts on a worker of its own at once, and the CPU-bound tests fill the other workers beside the waits."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session")

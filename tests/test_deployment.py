@@ -26,14 +26,16 @@ from tests.test_federated import _final_adapters, workspace, write_plan  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.deployment
-# The tests that start a SuperLink and SuperNodes wait most of their time (Flower polls every 3 s, round and admission
-# timeouts): make test-all (--dist loadgroup) runs them in two xdist groups of about equal length, so both workers
-# start one at once (at most one federation per worker, each on its own ports; their round timeouts outlast a healthy
-# reply with the other federation beside). The two tests of the shared TLS deployment share a group (one deployment
-# for both). The tests over the in-process Grid start no Flower process: they go to whichever worker is free; the two
-# Ray runs share one group (one Ray instance at a time).
-FEDERATION_FAULTS = pytest.mark.xdist_group("deployment-faults")
-FEDERATION_SECURE = pytest.mark.xdist_group("deployment-secure")
+# The tests that start a SuperLink and SuperNodes wait most of their time (Flower polls every 3 s, a lost node is
+# noticed after two missed 30 s heartbeats, round and admission timeouts), so make test-all (--dist loadgroup) gives
+# each chain of them its own xdist group: a group holds its worker until its tests end, and xdist deals the groups out
+# first, so the chains wait side by side while the other workers run the CPU-bound tests. One federation per group at
+# a time, each on its own ports; their round timeouts outlast a healthy reply with the other federations beside. The
+# two tests of the shared TLS deployment share a group (one deployment for both), and so do the two Ray runs (one Ray
+# instance at a time). The tests over the in-process Grid start no Flower process: they go to whichever worker is free.
+LOST_NODE = pytest.mark.xdist_group("deployment-lost-node")  # the longest chain, alone
+SECAGG_LOST_NODE = pytest.mark.xdist_group("deployment-secagg")
+FEDERATION_TLS = pytest.mark.xdist_group("deployment-tls")
 RAY = pytest.mark.xdist_group("ray")
 
 # Short greedy decoding: the federated and the central path must agree for any settings; these keep it fast.
@@ -288,7 +290,7 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
                            superlink_log=fed.superlink.log, home=fed.home, run=run, status=status, metrics=metrics)
 
 
-@FEDERATION_SECURE
+@FEDERATION_TLS
 @pytest.mark.timeout(480)
 def test_local_deployment_gives_the_in_process_result(ws, secure_local_run):
     from pipeline.train import run_experiment
@@ -336,7 +338,7 @@ def _await_round(plan_path: str, rnd: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-@FEDERATION_SECURE
+@FEDERATION_TLS
 @pytest.mark.timeout(480)
 def test_tls_and_supernode_authentication(ws, secure_local_run):
     """TLS with a CA made here; SuperNode keys registered with the SuperLink; an unregistered key is refused."""
@@ -355,7 +357,7 @@ def test_tls_and_supernode_authentication(ws, secure_local_run):
     assert {c: v["rounds_trained"] for c, v in r.metrics["clients"].items()} == {"Academic": 2, "Committee": 2}
 
 
-@FEDERATION_FAULTS
+@LOST_NODE
 @pytest.mark.timeout(900)
 def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(ws):
     """Committee's SuperNode is killed once round 1 is checkpointed and restarted at once (a new node id);
@@ -558,7 +560,7 @@ def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
         (r["round"], r["client"], 0) for r in ref]
 
 
-@FEDERATION_SECURE
+@SECAGG_LOST_NODE
 @pytest.mark.timeout(600)
 def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
         ws, monkeypatch):
@@ -625,7 +627,7 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     assert max_diff({k: v.numpy() for k, v in final.items()}, events[0][1]) > 0  # round 2 was aggregated
 
 
-@FEDERATION_FAULTS
+@FEDERATION_TLS
 @pytest.mark.timeout(400)
 def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
     """Committee's SuperNode is started as "Comittee": the ServerApp refuses it, Committee never joins within the
