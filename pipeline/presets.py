@@ -226,9 +226,7 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
     from dvc.api import DVCFileSystem
 
     commit, ref = experiment_commit(name, repo)
-    fs = DVCFileSystem(str(repo), rev=commit)
-    dest = Path(dest)
-    written: list[str] = []
+    fs, dest, written = DVCFileSystem(str(repo), rev=commit), Path(dest), []
     for spec in ["params.yaml", "dvc.lock", *paths]:
         src, _, target = spec.partition("=")
         matches = sorted(fs.glob(src)) if any(c in src for c in "*?[") else [src] if fs.exists(src) else []

@@ -221,8 +221,7 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
         return
     from pipeline.results.tracking import _client
 
-    run_id = path.read_text().strip()
-    client = _client()
+    run_id, client = path.read_text().strip(), _client()
     if client.get_run(run_id).info.status == "RUNNING":
         client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
         client.set_terminated(run_id, status="KILLED")
@@ -475,8 +474,7 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
         return written
 
     part_path = Path(plan.paths["partition"])
-    partition = read_partition(part_path)
-    splits = partition["clients"][client]
+    splits = (partition := read_partition(part_path))["clients"][client]
     ids = {str(i) for split in splits.values() for i in split}
     # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
     part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}

@@ -89,10 +89,14 @@ def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
     return shared
 
 
+def client_rows(frames: Iterable[pd.DataFrame], client: str, ids: list[str]) -> list[pd.DataFrame]:
+    """One client's examples ``ids``, in that order, one frame per seed."""
+    return [f[f["client"] == client].set_index("example_id").loc[ids] for f in frames]
+
+
 def stacked(frames: Iterable[pd.DataFrame], client: str, ids: list[str], column: str) -> np.ndarray:
     """``column`` of one client's examples ``ids``, one row per frame (seed): [n_seeds, n_examples]."""
-    return np.stack([f[f["client"] == client].set_index("example_id").loc[ids, column].to_numpy(dtype=float)
-                     for f in frames])
+    return np.stack([f[column].to_numpy(dtype=float) for f in client_rows(frames, client, ids)])
 
 
 def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[dict[str, Any]]:
@@ -116,8 +120,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
     out = []
-    rows = {c: [frames[s][frames[s]["client"] == c].set_index("example_id").loc[ids] for s in seeds]
-            for c, ids in shared.items()}  # each client's shared examples, one frame per seed, selected once
+    rows = {c: client_rows([frames[s] for s in seeds], c, ids) for c, ids in shared.items()}  # selected once
     for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
