@@ -151,6 +151,25 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
                                        f"round 3")
 
 
+def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path):
+    """The SuperLink is killed and `flwr run` exits at once (before the next poll): the run stops with the round a
+    rerun resumes at, whichever process is seen gone first."""
+    import subprocess
+    import sys
+
+    from tests.test_federated import write_plan
+
+    from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation, Process
+
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("superlink-gone", "fedavg", rounds=2)))
+    superlink, run = (subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE) for _ in range(2))
+    superlink.wait(), run.wait()  # both gone before stream() looks
+    fed.superlink = Process("superlink", superlink, tmp_path / "superlink.log")
+    with pytest.raises(FederationError, match=r"the SuperLink stopped during the run \(status 0\); no round was "
+                                              r"checkpointed"):
+        fed.stream(Process("flwr-run", run, tmp_path / "run.log"))
+
+
 def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, monkeypatch, capsys):
     """The closing line of `local` carries the client-average ROUGE of reports/eval/<exp>/metrics.json when the run
     wrote it (not recomputed), and none when the file is an earlier run's."""

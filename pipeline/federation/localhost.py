@@ -118,10 +118,7 @@ def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if not proc.alive():
-            try:
-                tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:])
-            except OSError:
-                tail = ""
+            tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:]) if proc.log.exists() else ""
             raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
                                   f"log {proc.log}: {tail!r}")
         if time.monotonic() > deadline:
@@ -364,14 +361,15 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                     out.write(line)
                     out.flush()
 
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
+        (reader := threading.Thread(target=pump, daemon=True)).start()
         deadline = time.monotonic() + self.cfg.run_timeout_s
         try:
-            while run.alive():
+            while True:  # the SuperLink first: a run that ends because the SuperLink died must not pass for finished
                 if self.superlink is not None and not self.superlink.alive():
                     raise FederationError(f"the SuperLink stopped during the run (status "
                                           f"{self.superlink.popen.returncode}); {self._resume_hint()}")
+                if not run.alive():
+                    break
                 if time.monotonic() > deadline:
                     raise FederationError(f"the run did not finish within {self.cfg.run_timeout_s:.0f}s "
                                           f"(--run-timeout); {self._resume_hint()}")
