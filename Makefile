@@ -58,7 +58,7 @@ repro: data-sources
 # test-all runs TEST_ALL_JOBS workers: the groups wait side by side while the other workers use the cores.
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
-TEST_ALL_JOBS ?= 4
+TEST_ALL_JOBS ?= 3
 test: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"
 
