@@ -54,8 +54,8 @@ repro: data-sources
 # one process). `test`: unit and small integration tests, every change. `test-all`: also the end-to-end runs per
 # method, SecAgg+, real deployments (SuperLink/SuperNode processes), the mlflow server, subprocess CLIs, tools.
 # --dist loadgroup: the tests that start SuperLink/SuperNode processes run in xdist groups, one federation per group,
-# dealt out first (tests/test_deployment.py, tests/conftest.py). They mostly wait on Flower's polls and timeouts, so
-# test-all runs TEST_ALL_JOBS workers: the groups wait side by side while the other workers use the cores.
+# dealt out first (tests/test_deployment.py, tests/conftest.py), so their waits on Flower's polls and timeouts overlap
+# the other tests. test-all is CPU-bound (docs/performance.md): TEST_ALL_JOBS workers, no more than that needs.
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
 TEST_ALL_JOBS ?= 3

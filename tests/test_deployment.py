@@ -26,13 +26,14 @@ from tests.test_federated import _final_adapters, workspace, write_plan  # noqa:
 ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.deployment
-# The tests that start a SuperLink and SuperNodes wait most of their time (Flower polls every 3 s, a lost node is
-# noticed after two missed 30 s heartbeats, round and admission timeouts), so make test-all (--dist loadgroup) gives
-# each chain of them its own xdist group: a group holds its worker until its tests end, and xdist deals the groups out
-# first, so the chains wait side by side while the other workers run the CPU-bound tests. One federation per group at
-# a time, each on its own ports; their round timeouts outlast a healthy reply with the other federations beside. The
-# two tests of the shared TLS deployment share a group (one deployment for both), and so do the two Ray runs (one Ray
-# instance at a time). The tests over the in-process Grid start no Flower process: they go to whichever worker is free.
+# The tests that start a SuperLink and SuperNodes are long chains (Flower polls every 3 s, a lost node is noticed
+# after two missed 30 s heartbeats, round and admission timeouts; each message a fresh flwr-clientapp process), so
+# make test-all (--dist loadgroup) gives each chain its own xdist group: a group holds its worker until its tests end,
+# and xdist deals the groups out first, so the chains run side by side from the start while the other workers take
+# the rest. One federation per group at a time, each on its own ports; their round timeouts outlast a healthy reply
+# with the other federations beside. The two tests of the shared TLS deployment share a group (one deployment for
+# both) with the misnamed-node run, and the two Ray runs share one (one Ray instance at a time). The tests over the
+# in-process Grid start no Flower process: they go to whichever worker is free.
 LOST_NODE = pytest.mark.xdist_group("deployment-lost-node")  # the longest chain, alone
 SECAGG_LOST_NODE = pytest.mark.xdist_group("deployment-secagg")
 FEDERATION_TLS = pytest.mark.xdist_group("deployment-tls")
