@@ -23,8 +23,7 @@ from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 
 
-def ingest_dataset(dataset: str, directory: Path,
-                   allow_absent: list[str] = ()) -> tuple[pd.DataFrame, IngestReport]:
+def ingest_dataset(dataset: str, directory: Path, allow_absent: list[str] = ()) -> tuple[pd.DataFrame, IngestReport]:
     """Read ``dataset`` from ``directory`` (its upstream layout) into the canonical table. ``allow_absent``: patterns of
     ``<dataset>/<domain>/<split>`` (``ingest.allow_absent_splits``) whose split file may be missing or empty; any other
     missing or empty split is an error."""

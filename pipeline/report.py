@@ -194,8 +194,7 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, eval_dir: Path, trai
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
-        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap,
-                                                                       converged))
+        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap, converged))
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
     # One table per study, with its paired comparisons and its runs' convergence.

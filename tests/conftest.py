@@ -24,7 +24,7 @@ SHARED_DATA = Path(os.environ.get("FEDMEET_DATA_ROOT", REPO_ROOT.parent / "share
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests of an xdist group first (tests/test_deployment.py: chains that mostly wait on Flower). With
+    """The tests of an xdist group first (tests/test_deployment.py: the long chains of Flower processes). With
     --dist loadgroup, xdist deals out work in collection order (groups of several tests before single ones): each group
     then starts on a worker of its own at once, and the CPU-bound tests fill the other workers beside the waits."""
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)  # stable: file order otherwise

@@ -6,6 +6,7 @@ each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -87,14 +88,21 @@ def _assert_same_final_adapters(name: str, reference: str,
             torch.testing.assert_close(a[client][k], b[client][k])
 
 
-def _ray_or_skip() -> None:
+@functools.cache  # once per worker: the two Ray tests share one (a Ray start is seconds of CPU)
+def _ray_problem() -> str | None:
     try:
         import ray
 
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         ray.shutdown()
     except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
-        pytest.skip(f"Ray cannot start on this machine: {type(exc).__name__}: {exc}")
+        return f"Ray cannot start on this machine: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _ray_or_skip() -> None:
+    if _ray_problem() is not None:
+        pytest.skip(_ray_problem())
 
 
 # Two full federated runs plus beam-search evaluation: ~18 s idle, several times that on a loaded 2-core machine.

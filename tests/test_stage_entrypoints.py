@@ -33,3 +33,32 @@ def test_main_block_does_not_shadow_module_functions(path):
 def test_the_check_sees_a_shadowing_block():
     tree = ast.parse("def run():\n    pass\nif __name__ == '__main__':\n    from pipeline.common.cli import run\n")
     assert _main_block_names(tree) == {"run"}
+
+
+def _python(code: str) -> list[str]:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=PIPELINE.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.split()
+
+
+def test_a_stage_process_freezes_its_imports_and_at_exit_what_it_made_and_keeps_collecting():
+    """``cli.run`` from a stage's command line (no argv): the imports' objects are frozen, so no full collection
+    scans them again; at exit what the work made is frozen too (no collection passes over it before the process
+    ends); the collector stays on. Called with an argv (in-process: tests) it freezes nothing."""
+    made = 200_000
+    counts = _python(
+        "import atexit, gc\n"
+        "atexit.register(lambda: print(gc.get_freeze_count()))  # registered first: runs after cli.run's handler\n"
+        "from pipeline.common.cli import run\n"
+        "run(lambda argv: print(gc.get_freeze_count(), int(gc.isenabled())), [])\n"
+        "kept = []\n"
+        "run(lambda argv: print(gc.get_freeze_count(), int(gc.isenabled()))\n"
+        f"    or kept.extend([] for _ in range({made})))\n")
+    in_process, enabled, frozen, enabled_after, at_exit = map(int, counts)
+    assert in_process == 0 and enabled == enabled_after == 1
+    assert frozen > 10_000  # the interpreter's and the imports' objects
+    assert at_exit - frozen > 0.99 * made  # the work's lists (containers the collector tracks); a few others ended

@@ -155,9 +155,8 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     data = client_data(plan, name)
     if len(data.valid) == 0:
         raise ValueError(f"{plan.paths['partition']}: client {name!r} has no valid examples: no best round")
-    val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid,
-                                                          cache=prefix_cache_for(plan, model,
-                                                                                 client_cache_config(msg, context)))
+    cache = prefix_cache_for(plan, model, client_cache_config(msg, context))
+    val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid, cache=cache)
 
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
     progress, is_best = checkpoints.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,

@@ -1,8 +1,11 @@
 """Real federation (SuperLink + SuperNodes): the deployed apps (pyproject.toml ``[tool.flwr.app.components]``) and
 the federated evaluation (``query.summarize``, added here: out of the train stage's import closure); docs/federation.md.
 """
+# ruff: noqa: E402 -- the imports come after gc.disable(), on purpose
 from __future__ import annotations
 
+import atexit
+import gc
 import json
 import logging
 import math
@@ -10,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+gc.disable()  # Flower loads this in a fresh process per message: no full collection while it imports ~500k objects,
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
@@ -30,6 +34,10 @@ from pipeline.training.history import TrainRecorder, write_rounds
 from pipeline.training.shared_model import model_config, shared_model
 from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
                                        summarize, write_metrics)
+
+gc.freeze()  # nor after (frozen), nor at exit: ~1.4 s CPU of each message's ~5 s (docs/performance.md)
+gc.enable()
+atexit.register(gc.freeze)
 
 __all__ = ["client_app", "server_app"]  # pyproject's components (Flower looks for an imported one in __all__)
 
@@ -84,8 +92,7 @@ def decoding(run_config: dict[str, Any]) -> EvaluateConfig:
     return from_dict(EvaluateConfig, json.loads(str(run_config.get("decoding") or "{}")), "run config 'decoding'")
 
 
-def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig,
-                       timeout: float) -> dict[str, Any]:
+def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
@@ -239,8 +246,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
 
     cfg = decoding(rc) if rc.get("evaluate", True) else None
     round_timeout, admission_timeout = timeouts(rc)
-    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0),
-                                  round_timeout)
+    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0), round_timeout)
     try:
         arrays, history = run_server(grid, plan, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:

@@ -16,8 +16,7 @@ from flwr.serverapp import Grid
 from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, TRAIN_METRICS, GridView,
-                                          decode_reply, downlink_reference, encode_global, payload_bytes,
-                                          privacy_row)
+                                          decode_reply, downlink_reference, encode_global, payload_bytes, privacy_row)
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.privacy import seam as privacy
@@ -252,8 +251,7 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
         save_server_checkpoint(plan, rnd, arrays, strategy, history)
-        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None),
-                            history)
+        recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
     return arrays, history
 
 

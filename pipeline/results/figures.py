@@ -79,8 +79,7 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
     fig.suptitle(f"{title}\nours: backbone {backbones}", fontsize=10)
     save(fig, fig_path)
     out = data.copy()
-    out["bar"] = out["client"] + " | " + out["label"] + (
-        (" | " + out[facet_col].astype(str)) if facet_col else "")
+    out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
     if paper:
         out["paper_avg_rouge"] = [paper.get((c, lab)) for c, lab in zip(out["client"], out["label"])]
     cols = ["bar", "client", "label", *([facet_col] if facet_col else []), "avg_rouge_mean", "avg_rouge_std",

@@ -92,8 +92,7 @@ def mean_interval(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interva
     return _one_seed(arrays, cfg)[0]
 
 
-def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndarray],
-                      cfg: BootstrapConfig) -> Interval:
+def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
     """Interval and p-value of mean(A) - mean(B) on the client average; arrays [n_seeds, n_examples] a client,
     aligned: row s of A and of B are the same seed, column i the same test example."""
     diffs = []

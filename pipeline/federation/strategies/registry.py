@@ -69,8 +69,7 @@ def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str 
     def register(build: Callable[[Any, dict[str, Any], float], Any]):
         if name in STRATEGIES:
             raise ValueError(f"strategy {name!r} is registered twice")
-        STRATEGIES[name] = StrategySpec(name, build, settings_cls, name if group == "" else group, averaging,
-                                        proximal)
+        STRATEGIES[name] = StrategySpec(name, build, settings_cls, name if group == "" else group, averaging, proximal)
         return build
     return register
 
