@@ -244,3 +244,29 @@ def test_the_deployed_app_module_freezes_its_imports_and_keeps_collecting():
                          cwd=Path(__file__).resolve().parents[1])
     enabled, frozen = map(int, out.stdout.split())
     assert enabled == 1 and frozen > 300_000, out.stderr[-2000:]
+
+
+@pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")  # Flower's own use of pathspec
+def test_flwr_run_is_given_a_folder_that_builds_the_checkouts_fab(ws, monkeypatch):
+    """`flwr run` walks every file under the app folder it is given before it filters them, so the local command hands
+    it a copy of the FAB's files only; Flower builds the same FAB (names and bytes) from it as from the checkout."""
+    import io
+    import zipfile
+
+    from flwr.cli.build import build_fab_from_disk
+
+    from tests.test_federated import write_plan
+
+    from pipeline.federation.localhost import REPO_ROOT, LocalhostConfig, LocalhostFederation
+
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("app-folder", "fedavg", rounds=1)))
+    started = []
+    monkeypatch.setattr(fed.procs, "start", lambda name, argv, cwd, capture=False: started.append(argv))
+    fed.submit()
+    app = Path(started[0][2])
+    assert app != REPO_ROOT and app.is_dir()
+    copy, checkout = (zipfile.ZipFile(io.BytesIO(build_fab_from_disk(p))) for p in (app, REPO_ROOT))
+    names = sorted(checkout.namelist())
+    assert sorted(copy.namelist()) == names and "pyproject.toml" in names
+    assert any(n.startswith("pipeline/federation/") for n in names)
+    assert all(copy.read(n) == checkout.read(n) for n in names)
