@@ -13,6 +13,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("MLFLOW_ENABLE_TELEMETRY", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # else each dvc command the tests run starts a daemon to report
 
 # Tiny models: one thread avoids oversubscribing a 2-core machine (2 threads made tiny ops 50x slower under load).
 # The processes tests start inherit it (Flower's SuperLink, SuperNodes and one flwr-clientapp per message, stage CLIs).
