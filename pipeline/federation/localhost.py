@@ -33,7 +33,6 @@ from pipeline.paths import PATHS
 HOST = "127.0.0.1"
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
-FAB_INCLUDE = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["fab-include"]
 
 
 class FederationError(RuntimeError):
@@ -347,9 +346,10 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     def submit(self) -> Process:
         """``flwr run <app> <connection> --stream --run-config ...``, output captured; <app> holds the FAB's files only:
         Flower walks every file under it before it filters them (a checkout's .venv: ~66k files, ~3.5 s CPU a run)."""
-        app = self.home / "app"
+        app, pyproject = self.home / "app", REPO_ROOT / "pyproject.toml"
         shutil.rmtree(app, ignore_errors=True)
-        for path in [REPO_ROOT / "pyproject.toml", *(p for pattern in FAB_INCLUDE for p in REPO_ROOT.glob(pattern))]:
+        include = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["fab-include"]
+        for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
             (app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, app / path.relative_to(REPO_ROOT))
         argv = ["flwr", "run", str(app), CONNECTION, "--stream",
