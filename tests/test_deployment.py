@@ -101,8 +101,8 @@ def _ray_problem() -> str | None:
 
 
 def _ray_or_skip() -> None:
-    if _ray_problem() is not None:
-        pytest.skip(_ray_problem())
+    if (problem := _ray_problem()) is not None:
+        pytest.skip(problem)
 
 
 # Two full federated runs plus beam-search evaluation: ~18 s idle, several times that on a loaded 2-core machine.

@@ -158,7 +158,7 @@ def test_dvc_never_records_a_half_written_output(samsum_stage):
     stage = {"cmd": f"{sys.executable} -m pipeline.ingest " + " ".join(args),
              "deps": ["data/samsum"], "outs": ["interim/samsum.parquet"]}
     (cwd / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"ingest": stage}}))
-    env = stage_env(DVC_NO_ANALYTICS="1")
+    env = stage_env()  # DVC_NO_ANALYTICS from tests/conftest.py
 
     def repro(**extra: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(dvc), "repro", "-q"], cwd=cwd, env={**env, **extra},

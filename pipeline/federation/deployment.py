@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-gc.disable()  # Flower loads this in a fresh process per message: no full collection while it imports ~500k objects,
+gc.disable()  # Flower loads this in a fresh process per message: no full collection over the ~500k objects it imports
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
