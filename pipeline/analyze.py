@@ -142,15 +142,11 @@ class Analysis:
         missing = [{"experiment": e, "file": f, "needed_for": ", ".join(u)}
                    for (e, f), u in sorted(self.missing.items())]
         result = json_safe({
-            "word_rule": self.cfg.word_rule,
-            "tau": self.tau,
+            "word_rule": self.cfg.word_rule, "tau": self.tau,
             "paper": {"kd_usage_ratio": KD_USAGE_RATIO, "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
                       "noun_verb": "nearly all noun and verb words are trained with KD"},
-            "clients": clients,
-            "hardkd_vs_selectkd": hardkd,
-            "tau_sweep": sweep,
-            "missing": missing,
-            "n_missing": len(missing),
+            "clients": clients, "hardkd_vs_selectkd": hardkd, "tau_sweep": sweep,
+            "missing": missing, "n_missing": len(missing),
         })
         atomic.write_json(self.out / "kd_analysis.json", result)
         return result

@@ -47,12 +47,17 @@ def seed_resampling_bootstrap(diffs: list[np.ndarray], b: int = 400, seed: int =
     within clients, percentile limits."""
     rng = np.random.default_rng(seed)
     s = diffs[0].shape[0]
-    weights = np.stack([np.bincount(r, minlength=s) for r in rng.integers(0, s, size=(b, s))]) / s
+    weights = _counts(rng.integers(0, s, size=(b, s)), s) / s
     total = np.zeros(b)
     for d in diffs:
-        idx = rng.integers(0, d.shape[1], size=(b, d.shape[1]))
-        total += (weights * d[:, idx].mean(axis=2).T).sum(axis=1)
+        n = d.shape[1]  # each replicate's example mean per seed, from how often it drew each example
+        total += (weights * (_counts(rng.integers(0, n, size=(b, n)), n) @ d.T / n)).sum(axis=1)
     return tuple(np.quantile(total / len(diffs), [0.025, 0.975]))
+
+
+def _counts(draws: np.ndarray, n: int) -> np.ndarray:
+    """Row i: how often each of 0..n-1 occurs in draws[i]."""
+    return np.bincount((draws + n * np.arange(len(draws))[:, None]).ravel(), minlength=draws.size).reshape(-1, n)
 
 
 @pytest.mark.slow

@@ -15,11 +15,18 @@ EXIT_USAGE = 2
 STAGE_ERRORS = ("BackboneError", "PresetError", "FederationError")
 
 
+def freeze_collected() -> None:
+    """No full collection scans this process's objects so far (its imports' ~500k) again, nor at exit what its work
+    made (~1 s CPU a stage or Flower message; docs/performance.md); the collector stays on for the work."""
+    gc.freeze()
+    gc.enable()
+    atexit.register(gc.freeze)
+
+
 def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
     """Run a stage's ``main(argv)`` and return the process exit status."""
-    if argv is None:  # this process is the stage: no full collection scans its imports' ~500k objects again, nor
-        gc.freeze()  # at exit what the work made (~1 s CPU a stage; docs/performance.md)
-        atexit.register(gc.freeze)
+    if argv is None:  # this process is the stage
+        freeze_collected()
     from pipeline.common.config import ConfigError
     from pipeline.common.schema import DataError
 
