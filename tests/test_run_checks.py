@@ -236,14 +236,11 @@ def test_the_deployed_app_module_freezes_its_imports_and_keeps_collecting():
     """Flower loads pipeline.federation.deployment in a fresh process per message: its ~500k imported objects are
     frozen (no full collection scans them: ~1.4 s CPU of each message, docs/performance.md), and the collector is
     on again afterwards (a message's work is collected as usual)."""
-    import subprocess
-    import sys
+    from tests.test_stage_entrypoints import _python
 
-    code = "import gc, pipeline.federation.deployment\nprint(int(gc.isenabled()), gc.get_freeze_count())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[1])
-    enabled, frozen = map(int, out.stdout.split())
-    assert enabled == 1 and frozen > 300_000, out.stderr[-2000:]
+    enabled, frozen = map(int, _python("import gc, pipeline.federation.deployment\n"
+                                       "print(int(gc.isenabled()), gc.get_freeze_count())"))
+    assert enabled == 1 and frozen > 300_000
 
 
 @pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning")  # Flower's own use of pathspec

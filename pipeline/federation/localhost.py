@@ -350,8 +350,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         shutil.rmtree(app, ignore_errors=True)
         include = tomllib.loads(pyproject.read_text())["tool"]["flwr"]["app"]["fab-include"]
         for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
-            (app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, app / path.relative_to(REPO_ROOT))
+            (copy := app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, copy)
         argv = ["flwr", "run", str(app), CONNECTION, "--stream",
                 "--run-config", run_config_arg({"plan": self.cfg.plan, **self.run_config})]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
