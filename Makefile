@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM := false
 export MLFLOW_ENABLE_TELEMETRY := false
 export DO_NOT_TRACK := 1
 
-.PHONY: setup data-sources repro test test-all reliability bench clean-cache preset grid exp-show mutants
+.PHONY: setup data-sources repro lint test test-all reliability bench clean-cache preset grid exp-show mutants
 
 setup: $(STAMP)
 
@@ -59,10 +59,17 @@ repro: data-sources
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
 TEST_ALL_JOBS ?= 3
-test: setup
+# `lint`, before every test lane: the tree as ruff formats it (sizes are counted in formatted lines) and its lint rules
+# (pyproject.toml [tool.ruff]).
+LINT_PATHS := pipeline tests benchmarks tools
+lint: setup
+	$(BIN)/ruff format --check -q $(LINT_PATHS)
+	$(BIN)/ruff check -q $(LINT_PATHS)
+
+test: setup lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"
 
-test-all: setup
+test-all: setup lint
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_ALL_JOBS) --dist loadgroup
 
 # Faults tried on purpose (issue 15): damaged inputs, bad parameters, killed writes, concurrent MLflow writers,

@@ -22,6 +22,7 @@ per round than the tiny one's (d = 1232). epsilon: the run's, delta 1e-5, RDP.
 The accountant table needs no training: the z that reaches epsilon in {1, 3, 8} over 100 rounds at (N, m), and
 the noise it puts on the mean update in units of C (z / m): the cost in utility follows that number.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,14 @@ class ClientDPConfig:
 
 
 def _scale_config(cfg: ClientDPConfig) -> ScaleConfig:
-    return ScaleConfig(sizes=cfg.sizes, engines=("inprocess",), rounds=cfg.rounds,
-                       train_per_client=cfg.train_per_client, eval_per_client=cfg.eval_per_client, seed=cfg.seed)
+    return ScaleConfig(
+        sizes=cfg.sizes,
+        engines=("inprocess",),
+        rounds=cfg.rounds,
+        train_per_client=cfg.train_per_client,
+        eval_per_client=cfg.eval_per_client,
+        seed=cfg.seed,
+    )
 
 
 def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dict[str, Any]:
@@ -80,16 +87,23 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
 
     from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
-    from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import client_settings_config
     from pipeline.modeling.cache import CacheConfig
+    from pipeline.privacy.client_dp import update_norm
     from pipeline.training.client_data import client_data, client_names
     from pipeline.training.client_training import validation_loss
     from pipeline.training.shared_model import initial_adapter_state, shared_model
 
-    path = make_workspace(root, n, "inprocess", _scale_config(cfg), backbone, name=f"norms-{n}",
-                          train={"lr": cfg.lr, "local_epochs": cfg.local_epochs})
+    path = make_workspace(
+        root,
+        n,
+        "inprocess",
+        _scale_config(cfg),
+        backbone,
+        name=f"norms-{n}",
+        train={"lr": cfg.lr, "local_epochs": cfg.local_epochs},
+    )
     with _in_workspace(root):
         plan = read_plan(path)
         _set_server_identity(1)
@@ -100,20 +114,31 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
         initial_loss = [validation_loss(model, plan, client_data(plan, c).valid)[0] for c in client_names(plan)]
         norms = []
         for i, name in enumerate(client_names(plan)[:10]):
-            context = Context(run_id=1, node_id=1000 + i, node_config={"client-name": name}, state=RecordDict(),
-                              run_config=client_settings_config(CacheConfig(cache_dir=str(root / "cache"))))
-            msg = Message(RecordDict({"arrays": received, "config": ConfigRecord({"server-round": 1,
-                                                                                  "plan": path})}),
-                          dst_node_id=1000 + i, message_type="train")
+            context = Context(
+                run_id=1,
+                node_id=1000 + i,
+                node_config={"client-name": name},
+                state=RecordDict(),
+                run_config=client_settings_config(CacheConfig(cache_dir=str(root / "cache"))),
+            )
+            msg = Message(
+                RecordDict({"arrays": received, "config": ConfigRecord({"server-round": 1, "plan": path})}),
+                dst_node_id=1000 + i,
+                message_type="train",
+            )
             msg.metadata.__dict__["_message_id"] = f"norm{i}"
             norms.append(update_norm(client_app(msg, context).content["arrays"], received))
-    return {"clipping_norm": round(float(np.median(norms)), 6), "round1_update_norms": [round(x, 6) for x in norms],
-            "adapter_parameters": int(sum(v.numel() for v in initial.values())),
-            "initial_val_loss_mean": float(np.mean(initial_loss))}
+    return {
+        "clipping_norm": round(float(np.median(norms)), 6),
+        "round1_update_norms": [round(x, 6) for x in norms],
+        "adapter_parameters": int(sum(v.numel() for v in initial.values())),
+        "initial_val_loss_mean": float(np.mean(initial_loss)),
+    }
 
 
-def run_point(root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str, sampled: int,
-              privacy: dict[str, Any] | None) -> dict[str, Any]:
+def run_point(
+    root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str, sampled: int, privacy: dict[str, Any] | None
+) -> dict[str, Any]:
     """One training run; its epsilon, clipped fraction and the clients' mean final validation loss."""
     from pipeline.experiments import RunSettings
     from pipeline.privacy.accounting import sampled_per_round
@@ -121,20 +146,35 @@ def run_point(root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str
 
     fraction = 1.0 if sampled == n else (sampled + 0.5) / n  # Flower samples int(n * fraction)
     assert sampled_per_round(n, fraction) == sampled
-    path = make_workspace(root, n, "inprocess", _scale_config(cfg), backbone, name=name,
-                          train={"fraction_train": fraction, "lr": cfg.lr, "local_epochs": cfg.local_epochs},
-                          privacy=privacy)
+    path = make_workspace(
+        root,
+        n,
+        "inprocess",
+        _scale_config(cfg),
+        backbone,
+        name=name,
+        train={"fraction_train": fraction, "lr": cfg.lr, "local_epochs": cfg.local_epochs},
+        privacy=privacy,
+    )
     t0 = time.perf_counter()
     with _in_workspace(root):
         metrics = run_experiment(path, track=False, settings=RunSettings(engine="inprocess"))
     final = [c["final_val_loss"] for c in metrics["clients"].values()]
     p = metrics.get("privacy") or {}
-    return {"name": name, "clients": n, "sampled": sampled, "sample_rate": sampled / n,
-            "noise_multiplier": p.get("noise_multiplier"), "clipping_norm": p.get("clipping_norm"),
-            "noise_std_on_mean": (p["noise_multiplier"] * p["clipping_norm"] / sampled) if p else 0.0,
-            "epsilon": p.get("epsilon") if p else None, "delta": p.get("delta"),
-            "clipped_fraction": p.get("clipped_fraction"), "final_val_loss_mean": float(np.mean(final)),
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "name": name,
+        "clients": n,
+        "sampled": sampled,
+        "sample_rate": sampled / n,
+        "noise_multiplier": p.get("noise_multiplier"),
+        "clipping_norm": p.get("clipping_norm"),
+        "noise_std_on_mean": (p["noise_multiplier"] * p["clipping_norm"] / sampled) if p else 0.0,
+        "epsilon": p.get("epsilon") if p else None,
+        "delta": p.get("delta"),
+        "clipped_fraction": p.get("clipped_fraction"),
+        "final_val_loss_mean": float(np.mean(final)),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def accountant_table() -> list[dict[str, Any]]:
@@ -147,10 +187,18 @@ def accountant_table() -> list[dict[str, Any]]:
         for eps in TABLE_EPSILONS:
             cfg = PrivacyConfig(mode="client", target_epsilon=eps, clipping_norm=1.0, delta=DELTA)
             s = federation_privacy(cfg, population=n, sampled=m, rounds=TABLE_ROUNDS)
-            rows.append({"clients": n, "sampled": m, "sample_rate": m / n, "rounds": TABLE_ROUNDS,
-                         "target_epsilon": eps, "noise_multiplier": round(s.noise_multiplier, 4),
-                         "noise_std_on_mean_per_c": round(s.noise_multiplier / m, 5),
-                         "epsilon": round(s.epsilon_after(TABLE_ROUNDS), 4)})
+            rows.append(
+                {
+                    "clients": n,
+                    "sampled": m,
+                    "sample_rate": m / n,
+                    "rounds": TABLE_ROUNDS,
+                    "target_epsilon": eps,
+                    "noise_multiplier": round(s.noise_multiplier, 4),
+                    "noise_std_on_mean_per_c": round(s.noise_multiplier / m, 5),
+                    "epsilon": round(s.epsilon_after(TABLE_ROUNDS), 4),
+                }
+            )
     return rows
 
 
@@ -180,20 +228,38 @@ def bench(cfg: ClientDPConfig, work: Path | None = None, progress=print) -> dict
                     point = run_point(root, n, cfg, backbone, f"dp-n{n}-m{m}-z{z}", m, privacy)
                     point["val_loss_increase"] = point["final_val_loss_mean"] - reference["final_val_loss_mean"]
                     # the share of the reference's progress from the round-0 adapter that the privacy cost
-                    point["progress_lost"] = point["val_loss_increase"] / (pool["initial_val_loss_mean"]
-                                                                           - reference["final_val_loss_mean"])
+                    point["progress_lost"] = point["val_loss_increase"] / (
+                        pool["initial_val_loss_mean"] - reference["final_val_loss_mean"]
+                    )
                     # the noise vector's norm over the bound on one update: z C sqrt(d) / m against C
                     point["noise_norm_over_c"] = z * math.sqrt(d) / m
                     runs.append(point)
-                    progress(f"N={n} m={m} z={z}: epsilon {point['epsilon']}, val loss "
-                             f"{point['final_val_loss_mean']:.4f} ({point['val_loss_increase']:+.4f})")
-    return {"meta": {"cpu_count": os.cpu_count(), "python": platform.python_version(),
-                     "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-                     "seconds": round(time.perf_counter() - t0, 1)},
-            "config": asdict(cfg), "backbone": BACKBONE, "method": "fedavg",
-            "privacy": {"mode": "client", "clipping_side": "server", "clipping": "fixed", "delta": DELTA,
-                        "accountant": "rdp", "sampling": "poisson"},
-            "pools": norms, "runs": runs, "accountant_table": accountant_table()}
+                    progress(
+                        f"N={n} m={m} z={z}: epsilon {point['epsilon']}, val loss "
+                        f"{point['final_val_loss_mean']:.4f} ({point['val_loss_increase']:+.4f})"
+                    )
+    return {
+        "meta": {
+            "cpu_count": os.cpu_count(),
+            "python": platform.python_version(),
+            "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+            "seconds": round(time.perf_counter() - t0, 1),
+        },
+        "config": asdict(cfg),
+        "backbone": BACKBONE,
+        "method": "fedavg",
+        "privacy": {
+            "mode": "client",
+            "clipping_side": "server",
+            "clipping": "fixed",
+            "delta": DELTA,
+            "accountant": "rdp",
+            "sampling": "poisson",
+        },
+        "pools": norms,
+        "runs": runs,
+        "accountant_table": accountant_table(),
+    }
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -213,25 +279,38 @@ def plot(res: dict[str, Any], path: Path) -> None:
         label = f"N={n}, m={m}"
         axes[0].plot(z, [r["val_loss_increase"] for r in rows], marker="o", label=label)
         bounded = [r for r in rows if r["epsilon"] is not None]
-        axes[1].plot([r["noise_multiplier"] for r in bounded], [r["epsilon"] for r in bounded], marker="o",
-                     label=label)
+        axes[1].plot([r["noise_multiplier"] for r in bounded], [r["epsilon"] for r in bounded], marker="o", label=label)
     axes[0].axhline(0.0, color="grey", lw=0.8)
-    axes[0].set(xlabel="noise multiplier z", ylabel="final validation loss - non-private",
-                title=f"utility cost ({res['config']['rounds']} rounds)")
-    axes[1].set(xlabel="noise multiplier z", ylabel=f"epsilon (delta {DELTA:g})", yscale="log",
-                title=f"epsilon after {res['config']['rounds']} rounds")
+    axes[0].set(
+        xlabel="noise multiplier z",
+        ylabel="final validation loss - non-private",
+        title=f"utility cost ({res['config']['rounds']} rounds)",
+    )
+    axes[1].set(
+        xlabel="noise multiplier z",
+        ylabel=f"epsilon (delta {DELTA:g})",
+        yscale="log",
+        title=f"epsilon after {res['config']['rounds']} rounds",
+    )
     for eps in TABLE_EPSILONS:
         rows = [r for r in res["accountant_table"] if r["target_epsilon"] == eps]
-        axes[2].plot(range(len(rows)), [r["noise_std_on_mean_per_c"] for r in rows], marker="o",
-                     label=f"epsilon {eps:g}")
+        axes[2].plot(
+            range(len(rows)), [r["noise_std_on_mean_per_c"] for r in rows], marker="o", label=f"epsilon {eps:g}"
+        )
         axes[2].set_xticks(range(len(rows)), [f"{r['clients']}/{r['sampled']}" for r in rows], fontsize=8)
-    axes[2].set(xlabel="clients N / sampled per round m", ylabel="noise std on the mean update / C",
-                yscale="log", title=f"noise for a target epsilon, {TABLE_ROUNDS} rounds")
+    axes[2].set(
+        xlabel="clients N / sampled per round m",
+        ylabel="noise std on the mean update / C",
+        yscale="log",
+        title=f"noise for a target epsilon, {TABLE_ROUNDS} rounds",
+    )
     for ax in axes:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Client-level DP (server-side fixed clipping, C = median round-1 update norm), FedAvg on "
-                 f"{res['backbone']}", fontsize=9)
+    fig.suptitle(
+        f"Client-level DP (server-side fixed clipping, C = median round-1 update norm), FedAvg on {res['backbone']}",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
@@ -240,23 +319,32 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 def markdown(res: dict[str, Any]) -> str:
     """The runs as a table (client_dp.md beside the JSON, so no document copies these numbers by hand)."""
-    lines = [f"# Client-level DP, FedAvg on {res['backbone']}", "",
-             f"Generated by `python -m benchmarks.client_dp` ({res['config']['rounds']} rounds, one seed; "
-             f"{res['privacy']['clipping_side']}-side {res['privacy']['clipping']} clipping at C = the median "
-             f"round-1 update norm; client sampling: {res['privacy']['sampling']}; RDP accountant, delta "
-             f"{res['privacy']['delta']:g}; finished {res['meta']['finished_at']}).", "",
-             "| clients N | per round m | z | epsilon | z sqrt(d) / m | val loss vs non-private (share of its "
-             "progress) |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"# Client-level DP, FedAvg on {res['backbone']}",
+        "",
+        f"Generated by `python -m benchmarks.client_dp` ({res['config']['rounds']} rounds, one seed; "
+        f"{res['privacy']['clipping_side']}-side {res['privacy']['clipping']} clipping at C = the median "
+        f"round-1 update norm; client sampling: {res['privacy']['sampling']}; RDP accountant, delta "
+        f"{res['privacy']['delta']:g}; finished {res['meta']['finished_at']}).",
+        "",
+        "| clients N | per round m | z | epsilon | z sqrt(d) / m | val loss vs non-private (share of its progress) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in res["runs"]:
         if r.get("reference"):
             continue
         eps = "-" if r["epsilon"] is None else f"{r['epsilon']:.3g}"
-        lines.append(f"| {r['clients']} | {r['sampled']} | {r['noise_multiplier']:g} | {eps} | "
-                     f"{r['noise_norm_over_c']:.3g} | {r['val_loss_increase']:+.3f} ({r['progress_lost']:.0%}) |")
+        lines.append(
+            f"| {r['clients']} | {r['sampled']} | {r['noise_multiplier']:g} | {eps} | "
+            f"{r['noise_norm_over_c']:.3g} | {r['val_loss_increase']:+.3f} ({r['progress_lost']:.0%}) |"
+        )
     initial = [p["initial_val_loss_mean"] for p in res["pools"].values()]
     refs = [r["final_val_loss_mean"] for r in res["runs"] if r.get("reference")]
-    lines += ["", f"Non-private runs: the clients' mean validation loss goes from {min(initial):.2f}-{max(initial):.2f} "
-              f"(round-0 adapter) to {min(refs):.2f}-{max(refs):.2f}."]
+    lines += [
+        "",
+        f"Non-private runs: the clients' mean validation loss goes from {min(initial):.2f}-{max(initial):.2f} "
+        f"(round-0 adapter) to {min(refs):.2f}-{max(refs):.2f}.",
+    ]
     return "\n".join(lines) + "\n"
 
 

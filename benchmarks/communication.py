@@ -11,6 +11,7 @@ down, a ``MetricRecord`` of counts up) and measured three ways:
 - ``tensor_bytes``: the raw tensor bytes.
 Full-model FedAvg moves every backbone parameter (tied weights once) both ways in fp32.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,12 +40,21 @@ def round_messages(down_state: dict[str, torch.Tensor], up_state: dict[str, torc
     down_arrays = ArrayRecord.from_torch_state_dict(down_state)
     config = ConfigRecord({"server-round": 1, "plan": "models/plans/experiment.json"})
     down = Message(RecordDict({ARRAYS_KEY: down_arrays, CONFIG_KEY: config}), dst_node_id=2, message_type="train")
-    metrics = MetricRecord({  # the keys pipeline.federation.client_app.client_train replies with (counts and losses only)
-        NUM_EXAMPLES_KEY: 200, NUM_STEPS_KEY: 50, "num-tokens": 12000, "train-loss": 3.1, "ce": 3.2, "kd": 0.4,
-        "kd-fraction": 0.3, "proximal": 0.0,
-    })
-    up = Message(RecordDict({ARRAYS_KEY: ArrayRecord.from_torch_state_dict(up_state), METRICS_KEY: metrics}),
-                 reply_to=down)
+    metrics = MetricRecord(
+        {  # the keys pipeline.federation.client_app.client_train replies with (counts and losses only)
+            NUM_EXAMPLES_KEY: 200,
+            NUM_STEPS_KEY: 50,
+            "num-tokens": 12000,
+            "train-loss": 3.1,
+            "ce": 3.2,
+            "kd": 0.4,
+            "kd-fraction": 0.3,
+            "proximal": 0.0,
+        }
+    )
+    up = Message(
+        RecordDict({ARRAYS_KEY: ArrayRecord.from_torch_state_dict(up_state), METRICS_KEY: metrics}), reply_to=down
+    )
     return down, up
 
 
@@ -52,7 +62,9 @@ def measure(down_state, up_state) -> dict:
     down, up = round_messages(down_state, up_state)
     d, u = wire_bytes(down), wire_bytes(up)
     return {
-        "down_wire_bytes": d, "up_wire_bytes": u, "round_wire_bytes": d + u,
+        "down_wire_bytes": d,
+        "up_wire_bytes": u,
+        "round_wire_bytes": d + u,
         "down_record_bytes": down.content[ARRAYS_KEY].count_bytes(),
         "up_record_bytes": up.content[ARRAYS_KEY].count_bytes(),
         "up_tensor_bytes": encoded_nbytes(up_state),
@@ -64,12 +76,16 @@ def codec_error(state: dict[str, torch.Tensor], dtype: str, reference: dict[str,
     enc = encode_state(state, dtype, reference)
     dec = decode_state(enc, reference)
     max_err = max(float((dec[k] - state[k]).abs().max()) for k in state)
-    worst_ratio = max(float((dec[k] - state[k]).abs().max()) / b if (b := transfer_error_bound(enc, k)) > 0 else 0.0
-                      for k in state)
+    worst_ratio = max(
+        float((dec[k] - state[k]).abs().max()) / b if (b := transfer_error_bound(enc, k)) > 0 else 0.0 for k in state
+    )
     num = sum(float(((dec[k] - state[k]) ** 2).sum()) for k in state)
     den = sum(float((state[k] ** 2).sum()) for k in state)
-    return {"max_abs_error": max_err, "max_error_over_bound": round(worst_ratio, 4),
-            "relative_l2_error": (num / den) ** 0.5}
+    return {
+        "max_abs_error": max_err,
+        "max_error_over_bound": round(worst_ratio, 4),
+        "relative_l2_error": (num / den) ** 0.5,
+    }
 
 
 def bench_communication(shape: Shape) -> dict:
@@ -88,9 +104,12 @@ def bench_communication(shape: Shape) -> dict:
         m["error_delta_to_global"] = codec_error(local, dtype, global_)
         adapters[dtype] = m
     return {
-        "shape": shape, "adapter_parameters": n_adapter, "backbone_parameters": n_full,
+        "shape": shape,
+        "adapter_parameters": n_adapter,
+        "backbone_parameters": n_full,
         "parameter_ratio": round(n_full / n_adapter, 2),
-        "full_model_fedavg_fp32": full_fp32, "adapters": adapters,
+        "full_model_fedavg_fp32": full_fp32,
+        "adapters": adapters,
         "serialisation": "Flower inflatable-object tree: sum of deflate() bytes of every nested object "
-                         "(flwr.supercore.inflatable.get_all_nested_objects), as pushed by SuperNode/SuperLink",
+        "(flwr.supercore.inflatable.get_all_nested_objects), as pushed by SuperNode/SuperLink",
     }

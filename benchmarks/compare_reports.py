@@ -7,6 +7,7 @@ Used to check that a refactor changed no result (docs/ARCHITECTURE.md, issue 14)
 CSV cell by cell (numbers within the tolerance), Markdown and other text line by line after masking the timing
 lines; PNG figures are compared through the data files drawn in them (reports/plots, tau_sweep.csv).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,16 +23,20 @@ from typing import Any
 import pandas as pd
 
 # Keys and files whose values are measurements of a run, not results.
-VOLATILE_KEY = re.compile(r"second|time|rss|peak|wall|written|commit|date|duration|per_second|_mb$|mib|elapsed"
-                          r"|speed|throughput|host|python|platform|cpu", re.I)
+VOLATILE_KEY = re.compile(
+    r"second|time|rss|peak|wall|written|commit|date|duration|per_second|_mb$|mib|elapsed"
+    r"|speed|throughput|host|python|platform|cpu",
+    re.I,
+)
 VOLATILE_FILE = re.compile(r"^reports/(timing/|tables/timing\.|bench/|mlflow/|mutation|reliability)|\.png$")
 TEXT_SUFFIXES = (".json", ".csv", ".md", ".txt", ".tsv", ".jsonl")  # figures are compared through their data
 TEXT_VOLATILE = re.compile(r"\d+(\.\d+)?\s*(s|min|MiB|MB|GB)\b|seconds|wall|peak RSS|timing", re.I)
 
 
 def git_files(rev: str, prefix: str) -> list[str]:
-    out = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, prefix], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["git", "ls-tree", "-r", "--name-only", rev, prefix], capture_output=True, text=True, check=True
+    ).stdout
     return [f for f in out.splitlines() if not VOLATILE_FILE.search(f) and f.endswith(TEXT_SUFFIXES)]
 
 
@@ -121,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{path}:")
         for line in found[:10]:
             print(f"  {line}")
-    print(f"compared {len(files)} files of {args.rev}:{args.paths} (timing, benchmark and figure files left out): "
-          f"{len(files) - len(problems)} equal, {len(problems)} differ")
+    print(
+        f"compared {len(files)} files of {args.rev}:{args.paths} (timing, benchmark and figure files left out): "
+        f"{len(files) - len(problems)} equal, {len(problems)} differ"
+    )
     return 1 if problems else 0
 
 

@@ -17,6 +17,7 @@ Determinism: every stage runs with ``torch.use_deterministic_algorithms(True, wa
 Finished experiments (reports/eval/<exp>/metrics.json present) are skipped, so a lost machine costs only the
 experiments in flight. Wall time of every part goes to reports/timing/device-study.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,14 +37,23 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMING = Path("reports/timing/device-study.json")
 # Runs a stage module with PyTorch's deterministic algorithms (embedding backward and scatter ops otherwise use
 # atomics on CUDA and differ from run to run).
-DETERMINISTIC = ("import runpy, sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
-                 "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
+DETERMINISTIC = (
+    "import runpy, sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
+    "sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)"
+)
 
 
 def _env(threads: int) -> dict[str, str]:
-    env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(
+        os.environ,
+        CUBLAS_WORKSPACE_CONFIG=":4096:8",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS=str(threads),
+        MKL_NUM_THREADS=str(threads),
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -53,8 +63,13 @@ def run_stage(module: str, args: list[str], log: Path, threads: int = 2) -> floa
     log.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with log.open("w") as fh:
-        code = subprocess.call([sys.executable, "-c", DETERMINISTIC, module, *args], cwd=ROOT, stdout=fh,
-                               stderr=subprocess.STDOUT, env=_env(threads))
+        code = subprocess.call(
+            [sys.executable, "-c", DETERMINISTIC, module, *args],
+            cwd=ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=_env(threads),
+        )
     if code != 0:
         raise RuntimeError(f"{module} {' '.join(args)} exited {code}; see {log}")
     return round(time.perf_counter() - t0, 1)
@@ -91,10 +106,20 @@ def backbone(variants: list[str], choose_from: list[str], parallel: int) -> dict
     results: dict[str, dict] = {}
     with cf.ThreadPoolExecutor(max_workers=parallel) as pool:
         futures = {
-            pool.submit(run_stage, "pipeline.backbone",
-                        ["--params", str(path), "--out", f"models/backbone-{name}",
-                         "--report", f"reports/backbones/{name}.json"],
-                        Path(f"logs/backbone-{name}.log"), threads=max(1, (os.cpu_count() or 2) // parallel)): name
+            pool.submit(
+                run_stage,
+                "pipeline.backbone",
+                [
+                    "--params",
+                    str(path),
+                    "--out",
+                    f"models/backbone-{name}",
+                    "--report",
+                    f"reports/backbones/{name}.json",
+                ],
+                Path(f"logs/backbone-{name}.log"),
+                threads=max(1, (os.cpu_count() or 2) // parallel),
+            ): name
             for name, path in jobs.items()
         }
         for fut in cf.as_completed(futures):
@@ -107,13 +132,24 @@ def backbone(variants: list[str], choose_from: list[str], parallel: int) -> dict
     shutil.rmtree(ROOT / "models/backbone", ignore_errors=True)
     shutil.copytree(ROOT / f"models/backbone-{best}", ROOT / "models/backbone")
     shutil.copy(ROOT / f"reports/backbones/{best}.json", ROOT / "reports/backbone.json")
-    summary = {"device": device_name(), "chosen": best, "chosen_among": choose_from or sorted(results),
-               "variants": {n: {"spec": next(v for v in variants if v.split(":")[0] == n),
-                                "rouge1": r["evaluation"]["rouge1"], "rouge2": r["evaluation"]["rouge2"],
-                                "rougeL": r["evaluation"]["rougeL"], "final_loss": r["warmup"]["final_loss"],
-                                "steps": r["warmup"]["steps"], "seconds": r["warmup"]["seconds"],
-                                "backbone_sha256": r["backbone_sha256"]}
-                            for n, r in sorted(results.items())}}
+    summary = {
+        "device": device_name(),
+        "chosen": best,
+        "chosen_among": choose_from or sorted(results),
+        "variants": {
+            n: {
+                "spec": next(v for v in variants if v.split(":")[0] == n),
+                "rouge1": r["evaluation"]["rouge1"],
+                "rouge2": r["evaluation"]["rouge2"],
+                "rougeL": r["evaluation"]["rougeL"],
+                "final_loss": r["warmup"]["final_loss"],
+                "steps": r["warmup"]["steps"],
+                "seconds": r["warmup"]["seconds"],
+                "backbone_sha256": r["backbone_sha256"],
+            }
+            for n, r in sorted(results.items())
+        },
+    }
     Path("reports/backbones/summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"chosen backbone: {best}", flush=True)
     return summary
@@ -123,10 +159,14 @@ def backbone(variants: list[str], choose_from: list[str], parallel: int) -> dict
 def experiment(name: str, threads: int) -> dict[str, float]:
     if (ROOT / f"reports/eval/{name}/metrics.json").is_file():
         return {}
-    times = {"train": run_stage("pipeline.train", ["--experiment", name, "--no-mlflow"],
-                                Path(f"logs/train-{name}.log"), threads)}
-    times["evaluate"] = run_stage("pipeline.evaluate", ["run", "--experiment", name, "--no-mlflow"],
-                                  Path(f"logs/evaluate-{name}.log"), threads)
+    times = {
+        "train": run_stage(
+            "pipeline.train", ["--experiment", name, "--no-mlflow"], Path(f"logs/train-{name}.log"), threads
+        )
+    }
+    times["evaluate"] = run_stage(
+        "pipeline.evaluate", ["run", "--experiment", name, "--no-mlflow"], Path(f"logs/evaluate-{name}.log"), threads
+    )
     return times
 
 
@@ -158,8 +198,12 @@ def pack(out: Path, first: int = 0, part_bytes: int = 15 * 2**20, max_parts: int
     most 8 files of 16 MiB); parts ``first`` .. ``first + max_parts - 1`` are written. Adapters stay on the machine
     (their hashes are in the train reports)."""
     files = sorted(
-        [p for d in ("reports/train", "reports/eval", "reports/backbones", "logs") for p in (ROOT / d).rglob("*")
-         if p.is_file()]
+        [
+            p
+            for d in ("reports/train", "reports/eval", "reports/backbones", "logs")
+            for p in (ROOT / d).rglob("*")
+            if p.is_file()
+        ]
         + [ROOT / "reports/backbone.json", ROOT / TIMING]
         + list((ROOT / "models").glob("*/gate_log.parquet"))
     )

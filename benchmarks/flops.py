@@ -22,6 +22,7 @@ Non-matmul work (softmax, LayerNorm, GELU, the loss over V) is not counted: it i
 measured time adds on top of the FLOP bound. ``attn=False`` leaves out the attention products (QK^T, AV) too, which
 is what ``torch.utils.flop_counter`` sees when attention runs in a fused SDPA kernel it does not count.
 """
+
 from __future__ import annotations
 
 from benchmarks.common import Shape

@@ -5,6 +5,7 @@ Every sequence is forced to the same length (``min_new_tokens = max_new_tokens``
 stop at a random EOS and the token count would measure luck. Tokens/s counts the tokens of the returned
 sequences (batch x new tokens); for beam search ``hypothesis_tokens_per_second`` also counts every beam.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,10 +26,18 @@ def bench_generation(shape: Shape, n_examples: int, new_tokens: int, repeats: in
 
     def run(mode: str):
         def fn() -> None:
-            out = model.generate(batch.input_ids, batch.attention_mask, path="local", do_sample=False,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, no_repeat_ngram_size=0,
-                                 **MODES[mode])
+            out = model.generate(
+                batch.input_ids,
+                batch.attention_mask,
+                path="local",
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                no_repeat_ngram_size=0,
+                **MODES[mode],
+            )
             lengths[mode] = int(out.shape[1])
+
         return fn
 
     try:
@@ -37,13 +46,21 @@ def bench_generation(shape: Shape, n_examples: int, new_tokens: int, repeats: in
     finally:
         handle.remove()
     calls_per_generate = calls["n"] / ((repeats + 1) * len(MODES))
-    out = {"shape": shape, "n_examples": n_examples, "source_length": shape.source_length,
-           "new_tokens": new_tokens, "encoder_calls_per_generate": calls_per_generate, "modes": {}}
+    out = {
+        "shape": shape,
+        "n_examples": n_examples,
+        "source_length": shape.source_length,
+        "new_tokens": new_tokens,
+        "encoder_calls_per_generate": calls_per_generate,
+        "modes": {},
+    }
     for mode, t in timings.items():
         tokens = n_examples * new_tokens
         beams = MODES[mode]["num_beams"]
         out["modes"][mode] = {
-            "num_beams": beams, "seconds": t.median_s, "timing": t,
+            "num_beams": beams,
+            "seconds": t.median_s,
+            "timing": t,
             "output_length": lengths[mode],
             "tokens_per_second": round(tokens / t.median_s, 2),
             "hypothesis_tokens_per_second": round(tokens * beams / t.median_s, 2),

@@ -1,5 +1,6 @@
 """Peak memory (RSS) and wall time of each pipeline stage, from the ``reports/timing/<stage>.json`` records that
 ``pipeline.common.timing.stage_timer`` writes when a stage of ``make repro`` finishes. Nothing is run here."""
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,15 @@ def collect(timing_dir: Path = TIMING_DIR) -> dict:
     for path in sorted(Path(timing_dir).glob("*.json")):
         try:
             record = json.loads(path.read_text())
-            stages.append({"stage": str(record["stage"]), "seconds": float(record["seconds"]),
-                           "peak_rss_mb": float(record["peak_rss_mb"]), "finished_at": record.get("finished_at"),
-                           "file": str(path)})
+            stages.append(
+                {
+                    "stage": str(record["stage"]),
+                    "seconds": float(record["seconds"]),
+                    "peak_rss_mb": float(record["peak_rss_mb"]),
+                    "finished_at": record.get("finished_at"),
+                    "file": str(path),
+                }
+            )
         except (OSError, ValueError, KeyError, TypeError) as e:
             problems.append({"file": str(path), "problem": f"{type(e).__name__}: {e}"})
     stages.sort(key=lambda r: r.get("finished_at") or "")

@@ -13,6 +13,7 @@ is timed on its own, in a fresh process per side (``models/backbone`` through tr
 ``reports/bench/repro.md`` and ``repro.json``: medians per side and candidate / baseline ratios, which hold across
 machines where absolute times do not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,17 +25,24 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_STAGES = ("partition@domain-0", "postag", "train@fedavg-domain", "train@fedselectkd-domain",
-                  "evaluate@fedavg-domain")
+DEFAULT_STAGES = (
+    "partition@domain-0",
+    "postag",
+    "train@fedavg-domain",
+    "train@fedselectkd-domain",
+    "evaluate@fedavg-domain",
+)
 PARTS = ("wall_seconds", "startup_seconds", "work_seconds", "exit_seconds", "peak_rss_mb")
-LOAD_PROBE = ("import time; t = time.perf_counter(); "
-              "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer; i = time.perf_counter(); "
-              "AutoModelForSeq2SeqLM.from_pretrained('models/backbone'); "
-              "AutoTokenizer.from_pretrained('models/backbone'); print(i - t, time.perf_counter() - i)")
+LOAD_PROBE = (
+    "import time; t = time.perf_counter(); "
+    "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer; i = time.perf_counter(); "
+    "AutoModelForSeq2SeqLM.from_pretrained('models/backbone'); "
+    "AutoTokenizer.from_pretrained('models/backbone'); print(i - t, time.perf_counter() - i)"
+)
 
 
 def stages_by_name(root: Path) -> dict:
@@ -45,8 +53,9 @@ def stages_by_name(root: Path) -> dict:
 
 def tracked_inputs(stage, outputs: set[str]) -> list[str]:
     """The stage's dependencies that another stage writes (code and params come with the git revision)."""
-    return [d.def_path for d in stage.deps if d.def_path in outputs or any(d.def_path.startswith(o + "/")
-                                                                              for o in outputs)]
+    return [
+        d.def_path for d in stage.deps if d.def_path in outputs or any(d.def_path.startswith(o + "/") for o in outputs)
+    ]
 
 
 def prepare(rev: str, tree: Path, inputs: list[str]) -> None:
@@ -63,9 +72,16 @@ def prepare(rev: str, tree: Path, inputs: list[str]) -> None:
 
 
 def environment(tree: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(tree), PATH=f"{Path(sys.executable).parent}{os.pathsep}"
-                f"{os.environ.get('PATH', '')}", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                TOKENIZERS_PARALLELISM="false", FLWR_TELEMETRY_ENABLED="0", MLFLOW_ENABLE_TELEMETRY="false")
+    return dict(
+        os.environ,
+        PYTHONPATH=str(tree),
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        FLWR_TELEMETRY_ENABLED="0",
+        MLFLOW_ENABLE_TELEMETRY="false",
+    )
 
 
 def run_stage(tree: Path, name: str, cmd: str) -> dict[str, float]:
@@ -81,14 +97,19 @@ def run_stage(tree: Path, name: str, cmd: str) -> dict[str, float]:
     if len(written) != 1:
         raise SystemExit(f"{tree}: `{cmd}` wrote {len(written)} timing records, expected 1")
     record = json.loads(written[0].read_text())
-    return {"wall_seconds": wall, "startup_seconds": record["startup_seconds"], "work_seconds": record["seconds"],
-            "exit_seconds": wall - record["startup_seconds"] - record["seconds"],
-            "peak_rss_mb": record["peak_rss_mb"]}
+    return {
+        "wall_seconds": wall,
+        "startup_seconds": record["startup_seconds"],
+        "work_seconds": record["seconds"],
+        "exit_seconds": wall - record["startup_seconds"] - record["seconds"],
+        "peak_rss_mb": record["peak_rss_mb"],
+    }
 
 
 def load_probe(tree: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", LOAD_PROBE], cwd=tree, env=environment(tree), capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", LOAD_PROBE], cwd=tree, env=environment(tree), capture_output=True, text=True, check=True
+    )
     imports, load = map(float, out.stdout.split()[-2:])
     return {"transformers_import_seconds": imports, "model_load_seconds": load}
 
@@ -98,16 +119,24 @@ def median_parts(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# `make repro` stage profile: {result['candidate']} against {result['baseline']}", "",
-             f"Measured {result['measured_at']} on {result['machine']}, by `python -m benchmarks.repro_profile` "
-             f"({result['repeats']} run(s) a side, A/B alternated, empty prefix cache). Medians; ratio = candidate / "
-             "baseline (below 1: faster or smaller).", "",
-             "| stage | part | baseline | candidate | ratio |", "|---|---|---|---|---|"]
+    lines = [
+        f"# `make repro` stage profile: {result['candidate']} against {result['baseline']}",
+        "",
+        f"Measured {result['measured_at']} on {result['machine']}, by `python -m benchmarks.repro_profile` "
+        f"({result['repeats']} run(s) a side, A/B alternated, empty prefix cache). Medians; ratio = candidate / "
+        "baseline (below 1: faster or smaller).",
+        "",
+        "| stage | part | baseline | candidate | ratio |",
+        "|---|---|---|---|---|",
+    ]
     for name, sides in result["stages"].items():
         for part in sides["baseline"]:
             a, b = sides["baseline"][part], sides["candidate"][part]
-            lines.append(f"| {name} | {part} | {a:.2f} | {b:.2f} | {b / a:.2f} |" if a else
-                         f"| {name} | {part} | {a:.2f} | {b:.2f} | - |")
+            lines.append(
+                f"| {name} | {part} | {a:.2f} | {b:.2f} | {b / a:.2f} |"
+                if a
+                else f"| {name} | {part} | {a:.2f} | {b:.2f} | - |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -135,17 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, dict[str, list]] = {s: {side: [] for side in sides} for s in ["model load", *args.stages]}
     with tqdm(total=args.repeats * len(sides) * (len(args.stages) + 1), desc="repro profile", unit="run") as bar:
         for r in range(args.repeats):
-            for side in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
+            for side in list(sides) if r % 2 == 0 else list(sides)[::-1]:
                 runs["model load"][side].append(load_probe(trees[side]))
                 bar.update()
                 for name in args.stages:
                     runs[name][side].append(run_stage(trees[side], name, stages[name].cmd))
                     bar.update()
-    result = {"baseline": args.baseline, "candidate": args.candidate, "repeats": args.repeats,
-              "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-              "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "stages": {name: {side: median_parts(v) for side, v in by_side.items()}
-                         for name, by_side in runs.items()}}
+    result = {
+        "baseline": args.baseline,
+        "candidate": args.candidate,
+        "repeats": args.repeats,
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
+        "measured_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "stages": {name: {side: median_parts(v) for side, v in by_side.items()} for name, by_side in runs.items()},
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "repro.json").write_text(json.dumps(result, indent=2) + "\n")
     (args.out / "repro.md").write_text(markdown(result))

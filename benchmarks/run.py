@@ -6,6 +6,7 @@
 Outputs: train_step.json, generation.json, communication.json, memory.json, scale.json + scale.png (federated
 engines at 3..100 clients, benchmarks/scale.py) and README.md (tables, targets).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,7 @@ import os
 import platform
 import time
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -45,12 +46,38 @@ class Profile:
     gen_repeats: int
 
 
-FULL = Profile("full", (2048, 3072, 4096), 5, 5, bart_batch=4, bart_source=1024, bart_target=100,
-               default_batch=None, default_source=None, default_target=None,
-               gen_examples_default=4, gen_examples_bart=2, gen_tokens=None, gen_repeats=3)
-QUICK = Profile("quick", (512, 1024), 3, 2, bart_batch=1, bart_source=256, bart_target=32,
-                default_batch=2, default_source=128, default_target=32,
-                gen_examples_default=1, gen_examples_bart=1, gen_tokens=8, gen_repeats=1)
+FULL = Profile(
+    "full",
+    (2048, 3072, 4096),
+    5,
+    5,
+    bart_batch=4,
+    bart_source=1024,
+    bart_target=100,
+    default_batch=None,
+    default_source=None,
+    default_target=None,
+    gen_examples_default=4,
+    gen_examples_bart=2,
+    gen_tokens=None,
+    gen_repeats=3,
+)
+QUICK = Profile(
+    "quick",
+    (512, 1024),
+    3,
+    2,
+    bart_batch=1,
+    bart_source=256,
+    bart_target=32,
+    default_batch=2,
+    default_source=128,
+    default_target=32,
+    gen_examples_default=1,
+    gen_examples_bart=1,
+    gen_tokens=8,
+    gen_repeats=1,
+)
 
 
 def study_uses(params_path: str) -> dict[str, int]:
@@ -71,12 +98,21 @@ def study_uses(params_path: str) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke profile (reduced shapes, 2-3 minutes)")
-    ap.add_argument("--out", type=Path, default=None, help="output dir (default reports/bench, quick: reports/bench/quick)")
+    ap.add_argument(
+        "--out", type=Path, default=None, help="output dir (default reports/bench, quick: reports/bench/quick)"
+    )
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--threads", type=int, default=2,
-                    help="torch threads (2 = the reference machine; 1 gives saner numbers on an oversubscribed one)")
-    ap.add_argument("--render-only", action="store_true",
-                    help="rewrite README.md from the JSON files already in the output dir (no measuring)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="torch threads (2 = the reference machine; 1 gives saner numbers on an oversubscribed one)",
+    )
+    ap.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rewrite README.md from the JSON files already in the output dir (no measuring)",
+    )
     args = ap.parse_args(argv)
     profile = QUICK if args.quick else FULL
     out = args.out or (Path("reports/bench/quick") if args.quick else Path("reports/bench"))
@@ -97,14 +133,27 @@ def main(argv: list[str] | None = None) -> None:
     model_cfg = load_model_config(args.params)
     train_cfg = from_dict(TrainConfig, load_params(args.params).get("train"), "train")
     default = default_shape(model_cfg, profile.default_batch or train_cfg.batch_size)
-    default = replace(default, source_length=profile.default_source or default.source_length,
-                      target_length=profile.default_target or default.target_length)
+    default = replace(
+        default,
+        source_length=profile.default_source or default.source_length,
+        target_length=profile.default_target or default.target_length,
+    )
     bart = bart_base_shape(profile.bart_batch, profile.bart_source, profile.bart_target)
     shapes = {"bart_base": bart, "default": default}
     uses = study_uses(args.params)
 
-    steps = ["matmul peak", "train bart_base", "train default", "matmul peak (again)", "generation default",
-             "generation bart_base", "communication default", "communication bart_base", "memory", "scale"]
+    steps = [
+        "matmul peak",
+        "train bart_base",
+        "train default",
+        "matmul peak (again)",
+        "generation default",
+        "generation bart_base",
+        "communication default",
+        "communication bart_base",
+        "memory",
+        "scale",
+    ]
     bar = tqdm(total=len(steps), desc=f"bench ({profile.name})", unit="part")
 
     def advance(label: str) -> None:
@@ -123,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     peak.update(before=before["peak_gflops"], after=after["peak_gflops"], sizes_after=after["sizes"])
     peak["peak_gflops"] = max(before["peak_gflops"], after["peak_gflops"])
     if peak["peak_gflops"] != before["peak_gflops"]:  # bounds use the best peak seen in this run
-        for key, tr in train.items():
+        for tr in train.values():
             for v in tr["variants"].values():
                 scale = before["peak_gflops"] / peak["peak_gflops"]
                 v["flop_bound_seconds_per_example"] = round(v["flop_bound_seconds_per_example"] * scale, 5)
@@ -143,15 +192,21 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.scale import QUICK_SIZES, ScaleConfig, bench_scale
     from benchmarks.scale import plot as plot_scale
 
-    scale = bench_scale(ScaleConfig(threads=args.threads) if profile.name == "full"
-                        else ScaleConfig(sizes=QUICK_SIZES, threads=args.threads))
+    scale = bench_scale(
+        ScaleConfig(threads=args.threads)
+        if profile.name == "full"
+        else ScaleConfig(sizes=QUICK_SIZES, threads=args.threads)
+    )
     advance("scale")
     bar.close()
 
     meta = {
-        "profile": profile.name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "cpu": _cpu_name(), "cpu_count": os.cpu_count(),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "profile": profile.name,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "seconds": round(time.perf_counter() - t_start, 1),
     }
     write_json(out / "train_step.json", {"meta": meta, "machine": peak, "shapes": train})
@@ -160,8 +215,15 @@ def main(argv: list[str] | None = None) -> None:
     write_json(out / "memory.json", {"meta": meta, **memory})
     write_json(out / "scale.json", {"meta": meta, **scale})
     plot_scale(scale, out / "scale.png")
-    results = {"meta": meta, "machine": peak, "train_step": _plain(train), "generation": _plain(generation),
-               "communication": _plain(communication), "memory": memory, "scale": scale}
+    results = {
+        "meta": meta,
+        "machine": peak,
+        "train_step": _plain(train),
+        "generation": _plain(generation),
+        "communication": _plain(communication),
+        "memory": memory,
+        "scale": scale,
+    }
     readme.write(results, out / "README.md")
     print(f"benchmarks written to {out}/ in {meta['seconds']:.0f} s")
 
@@ -178,8 +240,14 @@ def load_results(out: Path) -> dict:
 
     train, gen, comm, mem = (read(f"{n}.json") for n in ("train_step", "generation", "communication", "memory"))
     mem.pop("meta", None)
-    results = {"meta": train["meta"], "machine": train["machine"], "train_step": train["shapes"],
-               "generation": gen["shapes"], "communication": comm["shapes"], "memory": mem}
+    results = {
+        "meta": train["meta"],
+        "machine": train["machine"],
+        "train_step": train["shapes"],
+        "generation": gen["shapes"],
+        "communication": comm["shapes"],
+        "memory": mem,
+    }
     if (out / "scale.json").exists():  # written by benchmarks.scale on its own as well
         results["scale"] = read("scale.json")
     return results

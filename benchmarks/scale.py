@@ -21,6 +21,7 @@ Per round: the server's round time (``RoundLog.seconds``) and two peaks, both re
 Round 1 is reported apart (Ray starts its actors and each loads the model then); the per-round time is the
 median of rounds 2.. . The fitted exponent is the least-squares slope of log(median per-round value) on log(clients): 1 is linear.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,8 @@ RAY_PROFILE_NOTE = (
     "thread `add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node every 0.1 s (19,000 "
     "calls), and each call scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU): "
     "roughly clients^2 work per poll. fedmeet runs Flower's poller unpatched (no assignment into flwr modules): "
-    "the Ray engine is opt-in (`train.engine: ray`) and the default in-process engine never reaches it.")
+    "the Ray engine is opt-in (`train.engine: ray`) and the default in-process engine never reaches it."
+)
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 
 
@@ -83,21 +85,35 @@ def _examples(n_clients: int, cfg: ScaleConfig):
     for split, per in (("train", cfg.train_per_client), ("valid", cfg.eval_per_client), ("test", cfg.eval_per_client)):
         for i in range(per * n_clients):
             dom = DOMAINS[i % len(DOMAINS)]
-            rows.append({"example_id": f"{split}/m{i}", "dataset": "qmsum", "domain": dom, "split": split,
-                         "meeting_id": f"{split}-m{i}",
-                         "source": f"What was said? #SEP# A: {WORDS[i % 5]}. B: {WORDS[(i + 2) % 5]}.",
-                         "target": WORDS[i % 5] + "."})
+            rows.append(
+                {
+                    "example_id": f"{split}/m{i}",
+                    "dataset": "qmsum",
+                    "domain": dom,
+                    "split": split,
+                    "meeting_id": f"{split}-m{i}",
+                    "source": f"What was said? #SEP# A: {WORDS[i % 5]}. B: {WORDS[(i + 2) % 5]}.",
+                    "target": WORDS[i % 5] + ".",
+                }
+            )
     return pd.DataFrame(rows)
 
 
-def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, backbone: Path,
-                   name: str | None = None, train: dict[str, Any] | None = None,
-                   privacy: dict[str, Any] | None = None) -> str:
+def make_workspace(
+    root: Path,
+    n_clients: int,
+    engine: str,
+    cfg: ScaleConfig,
+    backbone: Path,
+    name: str | None = None,
+    train: dict[str, Any] | None = None,
+    privacy: dict[str, Any] | None = None,
+) -> str:
     """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path. ``name``,
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
+    from pipeline.experiments import parse_entry, resolve_plan
     from pipeline.partition import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
-    from pipeline.experiments import parse_entry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "models").mkdir(exist_ok=True)
@@ -114,11 +130,17 @@ def make_workspace(root: Path, n_clients: int, engine: str, cfg: ScaleConfig, ba
     ppath.write_text(json.dumps(partition_json(part, "quantity", cfg.seed, pcfg)))
     train = {"rounds": cfg.rounds, "batch_size": 4, "lr": 5.0e-3, **(train or {})}
     # the partition group too: the plan declares the scheme's clients (n_clients of them) from it
-    params = {"tau": 5.0, "model": MODEL, "train": train, "partition": asdict(pcfg),
-              **({"privacy": privacy} if privacy else {})}
+    params = {
+        "tau": 5.0,
+        "model": MODEL,
+        "train": train,
+        "partition": asdict(pcfg),
+        **({"privacy": privacy} if privacy else {}),
+    }
     name = name or f"scale-{engine}-{n_clients}"
-    entry = parse_entry(name, {"method": "fedavg", "partition": f"quantity/seed{cfg.seed}", "seed": cfg.seed,
-                               "study": "bench"}, params)
+    entry = parse_entry(
+        name, {"method": "fedavg", "partition": f"quantity/seed{cfg.seed}", "seed": cfg.seed, "study": "bench"}, params
+    )
     plan = resolve_plan(entry, params)
     path = root / "models" / "plans" / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,12 +252,18 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
         def round_done(self, plan, entry, history):
             now = time.perf_counter()
             tree_mb, n_procs = sampler.take()
-            rounds.append({"round": entry.round, "seconds": round(entry.seconds, 4),
-                           "wall_seconds": round(now - self.t, 4),
-                           "driver_peak_mb": round(_vm_hwm_mb() or float("nan"), 1),
-                           "tree_peak_mb": round(tree_mb, 1), "processes": n_procs,
-                           "driver_growth_mb": round((_vm_hwm_mb() or float("nan")) - baseline_mb, 1),
-                           "clients_replied": len(entry.rows)})
+            rounds.append(
+                {
+                    "round": entry.round,
+                    "seconds": round(entry.seconds, 4),
+                    "wall_seconds": round(now - self.t, 4),
+                    "driver_peak_mb": round(_vm_hwm_mb() or float("nan"), 1),
+                    "tree_peak_mb": round(tree_mb, 1),
+                    "processes": n_procs,
+                    "driver_growth_mb": round((_vm_hwm_mb() or float("nan")) - baseline_mb, 1),
+                    "clients_replied": len(entry.rows),
+                }
+            )
             _reset_hwm()
             self.t = time.perf_counter()
 
@@ -253,17 +281,24 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     train_sizes = [len(c["train"]) for c in partition["clients"].values()]
     if len(rounds) != cfg.rounds:
         raise RuntimeError(f"{engine} with {n_clients} clients finished {len(rounds)} of {cfg.rounds} rounds")
-    return {"engine": engine, "clients": n_clients, "status": "ok", "rounds": rounds,
-            "total_seconds": round(time.perf_counter() - t0, 2),
-            "train_examples": int(sum(train_sizes)), "train_per_client_min": int(min(train_sizes)),
-            "train_per_client_max": int(max(train_sizes)), "hwm_reset_per_round": hwm_resettable,
-            # round 1 also pays one-off costs (Ray actors start and load the model): steady state is rounds 2..
-            "first_round_seconds": rounds[0]["seconds"],
-            "median_round_seconds": float(np.median([r["seconds"] for r in rounds[1:] or rounds])),
-            "median_driver_peak_mb": float(np.median([r["driver_peak_mb"] for r in rounds])),
-            "median_tree_peak_mb": float(np.median([r["tree_peak_mb"] for r in rounds])),
-            "baseline_rss_mb": round(baseline_mb, 1),
-            "median_driver_growth_mb": float(np.median([r["driver_growth_mb"] for r in rounds]))}
+    return {
+        "engine": engine,
+        "clients": n_clients,
+        "status": "ok",
+        "rounds": rounds,
+        "total_seconds": round(time.perf_counter() - t0, 2),
+        "train_examples": int(sum(train_sizes)),
+        "train_per_client_min": int(min(train_sizes)),
+        "train_per_client_max": int(max(train_sizes)),
+        "hwm_reset_per_round": hwm_resettable,
+        # round 1 also pays one-off costs (Ray actors start and load the model): steady state is rounds 2..
+        "first_round_seconds": rounds[0]["seconds"],
+        "median_round_seconds": float(np.median([r["seconds"] for r in rounds[1:] or rounds])),
+        "median_driver_peak_mb": float(np.median([r["driver_peak_mb"] for r in rounds])),
+        "median_tree_peak_mb": float(np.median([r["tree_peak_mb"] for r in rounds])),
+        "baseline_rss_mb": round(baseline_mb, 1),
+        "median_driver_growth_mb": float(np.median([r["driver_growth_mb"] for r in rounds])),
+    }
 
 
 def _ray_unavailable() -> str | None:
@@ -277,8 +312,22 @@ def _ray_unavailable() -> str | None:
 def measure_subprocess(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone: Path) -> dict[str, Any]:
     """``measure`` in a fresh interpreter, killed (whole process group) after ``cfg.timeout_s``."""
     out = root / "point.json"
-    cmd = [sys.executable, "-m", "benchmarks.scale", "--point", engine, str(n_clients), "--workspace", str(root),
-           "--backbone", str(backbone), "--config", json.dumps(asdict(cfg)), "--point-out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.scale",
+        "--point",
+        engine,
+        str(n_clients),
+        "--workspace",
+        str(root),
+        "--backbone",
+        str(backbone),
+        "--config",
+        json.dumps(asdict(cfg)),
+        "--point-out",
+        str(out),
+    ]
     log = root / "point.log"
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -289,12 +338,20 @@ def measure_subprocess(engine: str, n_clients: int, root: Path, cfg: ScaleConfig
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return {"engine": engine, "clients": n_clients, "status": "skipped",
-                    "reason": f"exceeded the {cfg.timeout_s:.0f} s bound per point (killed)"}
+            return {
+                "engine": engine,
+                "clients": n_clients,
+                "status": "skipped",
+                "reason": f"exceeded the {cfg.timeout_s:.0f} s bound per point (killed)",
+            }
     if rc != 0 or not out.exists():
         tail = log.read_text().strip().splitlines()[-1:] or ["(no output)"]
-        return {"engine": engine, "clients": n_clients, "status": "skipped",
-                "reason": f"exit {rc} after {time.perf_counter() - t0:.0f} s: {tail[0][:300]}"}
+        return {
+            "engine": engine,
+            "clients": n_clients,
+            "status": "skipped",
+            "reason": f"exit {rc} after {time.perf_counter() - t0:.0f} s: {tail[0][:300]}",
+        }
     result = json.loads(out.read_text())
     result["process_seconds"] = round(time.perf_counter() - t0, 2)
     return result
@@ -309,10 +366,13 @@ def fit_exponent(sizes: list[int], values: list[float]) -> float | None:
     return round(float(np.polyfit(x, y, 1)[0]), 3)
 
 
-METRICS = {"median_round_seconds": "s per round (median of rounds 2..)", "first_round_seconds": "s of round 1",
-           "median_driver_peak_mb": "driver peak RSS (MiB)",
-           "median_tree_peak_mb": "process-tree peak RSS (MiB)",
-           "median_driver_growth_mb": "driver peak above its pre-run RSS (MiB)"}
+METRICS = {
+    "median_round_seconds": "s per round (median of rounds 2..)",
+    "first_round_seconds": "s of round 1",
+    "median_driver_peak_mb": "driver peak RSS (MiB)",
+    "median_tree_peak_mb": "process-tree peak RSS (MiB)",
+    "median_driver_growth_mb": "driver peak above its pre-run RSS (MiB)",
+}
 
 
 def summarise(points: list[dict[str, Any]], engines: tuple[str, ...]) -> dict[str, Any]:
@@ -326,13 +386,15 @@ def summarise(points: list[dict[str, Any]], engines: tuple[str, ...]) -> dict[st
             slope = fit_exponent(sizes, values)
             # the slope between the two largest sizes: fixed per-round costs flatten the overall fit at small
             # sizes, so a superlinear term would show here first
-            fits[engine][key] = {"exponent": slope, "tail_exponent": fit_exponent(sizes[-2:], values[-2:]),
-                                 "at_most_linear": None if slope is None else slope <= 1 + LINEAR_TOLERANCE}
+            fits[engine][key] = {
+                "exponent": slope,
+                "tail_exponent": fit_exponent(sizes[-2:], values[-2:]),
+                "at_most_linear": None if slope is None else slope <= 1 + LINEAR_TOLERANCE,
+            }
     return fits
 
 
-def bench_scale(cfg: ScaleConfig, work: Path | None = None, isolate: bool = True,
-                progress=None) -> dict[str, Any]:
+def bench_scale(cfg: ScaleConfig, work: Path | None = None, isolate: bool = True, progress=None) -> dict[str, Any]:
     """Every (engine, clients) point of ``cfg``; ``isolate`` runs each in a fresh process (the benchmark), else in
     this one (the test)."""
     from tests.tiny_models import save_tiny
@@ -355,9 +417,16 @@ def bench_scale(cfg: ScaleConfig, work: Path | None = None, isolate: bool = True
                 points.append(run(engine, n, root, cfg, backbone))
                 if progress:
                     progress(f"{engine} {n} clients: {points[-1]['status']}")
-    return {"config": asdict(cfg), "backbone": BACKBONE, "method": "fedavg", "partition": "quantity (Dirichlet)",
-            "points": points, "fits": summarise(points, cfg.engines), "linear_tolerance": LINEAR_TOLERANCE,
-            "seconds": round(time.perf_counter() - t0, 1)}
+    return {
+        "config": asdict(cfg),
+        "backbone": BACKBONE,
+        "method": "fedavg",
+        "partition": "quantity (Dirichlet)",
+        "points": points,
+        "fits": summarise(points, cfg.engines),
+        "linear_tolerance": LINEAR_TOLERANCE,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
@@ -368,28 +437,37 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
     cfg = res["config"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, keys, label in ((axes[0], ["median_round_seconds"], "seconds per round (median of rounds 2..)"),
-                            (axes[1], ["median_driver_peak_mb", "median_tree_peak_mb"], "peak RSS per round (MiB)")):
+    for ax, keys, label in (
+        (axes[0], ["median_round_seconds"], "seconds per round (median of rounds 2..)"),
+        (axes[1], ["median_driver_peak_mb", "median_tree_peak_mb"], "peak RSS per round (MiB)"),
+    ):
         for engine in cfg["engines"]:
-            ok = sorted((p for p in res["points"] if p["engine"] == engine and p["status"] == "ok"),
-                        key=lambda p: p["clients"])
+            ok = sorted(
+                (p for p in res["points"] if p["engine"] == engine and p["status"] == "ok"), key=lambda p: p["clients"]
+            )
             if not ok:
                 continue
             for key in keys:
                 slope = res["fits"][engine][key]["exponent"]
                 what = "" if len(keys) == 1 else (" driver" if "driver" in key else " process tree")
-                ax.plot([p["clients"] for p in ok], [p[key] for p in ok], marker="o",
-                        linestyle="-" if "tree" not in key else "--",
-                        label=f"{engine}{what} (slope {slope})")
+                ax.plot(
+                    [p["clients"] for p in ok],
+                    [p[key] for p in ok],
+                    marker="o",
+                    linestyle="-" if "tree" not in key else "--",
+                    label=f"{engine}{what} (slope {slope})",
+                )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("clients")
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"FedAvg scale: {res['backbone']}; quantity Dir({cfg['beta']}) partition, "
-                 f"n = {cfg['train_per_client']} train examples per client on average, {cfg['rounds']} rounds",
-                 fontsize=9)
+    fig.suptitle(
+        f"FedAvg scale: {res['backbone']}; quantity Dir({cfg['beta']}) partition, "
+        f"n = {cfg['train_per_client']} train examples per client on average, {cfg['rounds']} rounds",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -422,8 +500,7 @@ def main(argv: list[str] | None = None) -> None:
         result = measure(args.point[0], int(args.point[1]), args.workspace, cfg, args.backbone)
         args.point_out.write_text(json.dumps(result))
         return
-    cfg = ScaleConfig(sizes=tuple(args.sizes), engines=tuple(args.engines), rounds=args.rounds,
-                      timeout_s=args.timeout)
+    cfg = ScaleConfig(sizes=tuple(args.sizes), engines=tuple(args.engines), rounds=args.rounds, timeout_s=args.timeout)
     res = bench_scale(cfg, progress=print)
     write(res, args.out)
     print(f"scale benchmark written to {args.out}/scale.json and scale.png in {res['seconds']:.0f} s")
@@ -439,10 +516,18 @@ def write(res: dict[str, Any], out: Path) -> None:
 
         from benchmarks.run import _cpu_name
 
-        res = {"meta": {"profile": "scale", "threads": res["config"]["threads"], "cpu": _cpu_name(),
-                        "cpu_count": os.cpu_count(), "python": platform.python_version(),
-                        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
-                        "seconds": res["seconds"]}, **res}
+        res = {
+            "meta": {
+                "profile": "scale",
+                "threads": res["config"]["threads"],
+                "cpu": _cpu_name(),
+                "cpu_count": os.cpu_count(),
+                "python": platform.python_version(),
+                "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+                "seconds": res["seconds"],
+            },
+            **res,
+        }
     write_json(out / "scale.json", res)
     plot(res, out / "scale.png")
     if (out / "train_step.json").exists():

@@ -12,6 +12,7 @@ encryption, masking, unmasking) on one process, no training; the Grid's deep cop
     python -m benchmarks.secure_aggregation                 # default and bart-base adapters, 3 and 10 clients
     python -m benchmarks.secure_aggregation --clients 3     # -> reports/bench/secure_aggregation.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ from benchmarks.common import write_json  # noqa: E402
 from pipeline.privacy.settings import SecAggConfig  # noqa: E402
 
 
-def adapter_uploads(hidden: int, top_k: int, bottleneck: int, names: list[str], seed: int = 0,
-                    drift: float = 0.02) -> dict[str, dict[str, np.ndarray]]:
+def adapter_uploads(
+    hidden: int, top_k: int, bottleneck: int, names: list[str], seed: int = 0, drift: float = 0.02
+) -> dict[str, dict[str, np.ndarray]]:
     """One adapter set per client: the initial adapters plus Gaussian drift of std ``drift`` on every tensor
     (W_up leaves zero, LayerNorm weights leave 1), different per client."""
     from pipeline.modeling.adapters import AdapterConfig, AdapterSet
@@ -39,8 +41,9 @@ def adapter_uploads(hidden: int, top_k: int, bottleneck: int, names: list[str], 
     return {n: {k: (v + drift * torch.randn(v.shape, generator=g)).numpy() for k, v in base.items()} for n in names}
 
 
-def secure_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, int], cfg: SecAggConfig,
-                 crash: str | None = None):
+def secure_round(
+    uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, int], cfg: SecAggConfig, crash: str | None = None
+):
     """One SecAgg+ train step over the in-process Grid: each client's train handler replies ``uploads[name]``
     with weight ``weights[name]`` through the production mod and legacy-fit path; ``crash``: that client raises
     instead of replying (after the key exchange, as a client dying while it trains). Returns (the aggregator,
@@ -49,8 +52,8 @@ def secure_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
     from flwr.clientapp import ClientApp
 
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
     from pipeline.federation.strategies.catalog import build_strategy
+    from pipeline.privacy.secure_aggregation import SecureAggregator, legacy_fit, secure_aggregation_mod
 
     app = ClientApp()
 
@@ -61,8 +64,15 @@ def secure_round(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
         def trained(m, _context):
             if name == crash:
                 raise RuntimeError("simulated crash while training")
-            return Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in uploads[name].items()}),
-                                       "metrics": MetricRecord({"num-examples": weights[name]})}), reply_to=m)
+            return Message(
+                RecordDict(
+                    {
+                        "arrays": ArrayRecord({k: Array(v) for k, v in uploads[name].items()}),
+                        "metrics": MetricRecord({"num-examples": weights[name]}),
+                    }
+                ),
+                reply_to=m,
+            )
 
         return legacy_fit(msg, context, trained)
 
@@ -97,8 +107,17 @@ def plain_fedavg(uploads: dict[str, dict[str, np.ndarray]], weights: dict[str, i
     for i, (name, state) in enumerate(uploads.items()):
         ins = Message(RecordDict(), dst_node_id=1000 + i, message_type="train")
         ins.metadata.__dict__["_message_id"] = f"m{i}"
-        replies.append(Message(RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in state.items()}),
-                                           "metrics": MetricRecord({"num-examples": weights[name]})}), reply_to=ins))
+        replies.append(
+            Message(
+                RecordDict(
+                    {
+                        "arrays": ArrayRecord({k: Array(v) for k, v in state.items()}),
+                        "metrics": MetricRecord({"num-examples": weights[name]}),
+                    }
+                ),
+                reply_to=ins,
+            )
+        )
     strategy = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
     arrays, _ = strategy.aggregate_train(1, replies)
     return {k: a.numpy() for k, a in arrays.items()}
@@ -112,16 +131,16 @@ def weighted_mean(states: list[dict[str, np.ndarray]], weights: list[int]) -> di
 
 def max_diff(a: dict, b: dict) -> float:
     """max over every tensor and coordinate of |a - b|."""
-    return max(float(np.abs(np.asarray(a[k], dtype=np.float64) - np.asarray(b[k], dtype=np.float64)).max())
-               for k in b)
+    return max(float(np.abs(np.asarray(a[k], dtype=np.float64) - np.asarray(b[k], dtype=np.float64)).max()) for k in b)
 
 
 def max_abs(states: list[dict[str, np.ndarray]]) -> float:
     return max(float(np.abs(v).max()) for s in states for v in s.values())
 
 
-def measure(shape: str, hidden: int, top_k: int, bottleneck: int, n_clients: int, cfg: SecAggConfig,
-            drop: bool) -> dict:
+def measure(
+    shape: str, hidden: int, top_k: int, bottleneck: int, n_clients: int, cfg: SecAggConfig, drop: bool
+) -> dict:
     from pipeline.privacy.secure_aggregation import aggregation_error_bound
 
     names = [f"client{i}" for i in range(n_clients)]
@@ -145,11 +164,21 @@ def measure(shape: str, hidden: int, top_k: int, bottleneck: int, n_clients: int
     n_params = sum(v.size for v in uploads[names[0]].values())
     live = [o for n, o in result.nodes.items() if o.failed_stage is None]
     return {
-        "shape": shape, "adapter_params": int(n_params), "clients": n_clients, "dropped": crash,
-        "in_sum": len(result.in_sum), "threshold": result.threshold, "num_shares": result.num_shares,
-        "max_abs_error_vs_plain_fedavg": err_plain, "max_abs_error_vs_exact_mean": err_exact, "bound": bound,
-        "error_over_bound": err_plain / bound, "within_bound": err_plain <= bound and err_exact <= bound,
-        "max_abs_upload": largest, "secure_round_s": secure_s, "plain_fedavg_s": plain_s,
+        "shape": shape,
+        "adapter_params": int(n_params),
+        "clients": n_clients,
+        "dropped": crash,
+        "in_sum": len(result.in_sum),
+        "threshold": result.threshold,
+        "num_shares": result.num_shares,
+        "max_abs_error_vs_plain_fedavg": err_plain,
+        "max_abs_error_vs_exact_mean": err_exact,
+        "bound": bound,
+        "error_over_bound": err_plain / bound,
+        "within_bound": err_plain <= bound and err_exact <= bound,
+        "max_abs_upload": largest,
+        "secure_round_s": secure_s,
+        "plain_fedavg_s": plain_s,
         "bytes_up_per_client": int(np.mean([o.bytes_up for o in live])),
         "bytes_down_per_client": int(np.mean([o.bytes_down for o in live])),
         "fp32_adapter_bytes": int(4 * n_params),
@@ -171,8 +200,10 @@ def main(argv: list[str] | None = None) -> None:
     params = load_params(args.params)
     cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg
     model = check_model_group(params)
-    shapes = [("default (MiniLM-L6 BERT2BERT)", minilm_config()["hidden_size"], model.top_k, model.bottleneck),
-              ("bart-base", 768, 3, 1536)]
+    shapes = [
+        ("default (MiniLM-L6 BERT2BERT)", minilm_config()["hidden_size"], model.top_k, model.bottleneck),
+        ("bart-base", 768, 3, 1536),
+    ]
     warm = adapter_uploads(8, 1, 4, ["a", "b", "c"])  # imports and first-call costs stay out of the timings
     secure_round(warm, {"a": 1, "b": 2, "c": 3}, cfg)
     rows = []
@@ -181,11 +212,14 @@ def main(argv: list[str] | None = None) -> None:
             for drop in (False, True):
                 row = measure(shape, hidden, k, m, n, cfg, drop)
                 rows.append(row)
-                print(f"{shape:32s} {n:3d} clients{' (1 dropped)' if drop else '':12s} max |secagg - fedavg| "
-                      f"{row['max_abs_error_vs_plain_fedavg']:.3g} <= bound {row['bound']:.3g} "
-                      f"({row['error_over_bound']:.2f}); {row['secure_round_s']:.2f} s vs plain "
-                      f"{row['plain_fedavg_s']:.3f} s; up {row['bytes_up_per_client'] / 2**20:.1f} MiB/client "
-                      f"(fp32 adapter {row['fp32_adapter_bytes'] / 2**20:.1f} MiB)", flush=True)
+                print(
+                    f"{shape:32s} {n:3d} clients{' (1 dropped)' if drop else '':12s} max |secagg - fedavg| "
+                    f"{row['max_abs_error_vs_plain_fedavg']:.3g} <= bound {row['bound']:.3g} "
+                    f"({row['error_over_bound']:.2f}); {row['secure_round_s']:.2f} s vs plain "
+                    f"{row['plain_fedavg_s']:.3f} s; up {row['bytes_up_per_client'] / 2**20:.1f} MiB/client "
+                    f"(fp32 adapter {row['fp32_adapter_bytes'] / 2**20:.1f} MiB)",
+                    flush=True,
+                )
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "secure_aggregation.json", {"secagg": cfg.__dict__, "torch_threads": 1, "rows": rows})
 

@@ -9,19 +9,20 @@ Each step = forward(s) + ``distillation_loss`` + backward + AdamW step on the lo
 selective KD, chosen because a random-weight teacher is near-uniform (entropy ~ log V > tau), so the entropy gate
 would skip the KL term that real training pays for on confident tokens.
 """
+
 from __future__ import annotations
 
 import statistics
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from benchmarks import flops
 from benchmarks.common import Shape, build_summarizer, random_batch, time_interleaved
-from pipeline.modeling.cache import PrefixCache
 from pipeline.modeling.batching import Batch
+from pipeline.modeling.cache import PrefixCache
 from pipeline.modeling.losses import KDConfig, distillation_loss
 from pipeline.modeling.model import AdapterSummarizer
 
@@ -52,8 +53,12 @@ def make_steps(model: AdapterSummarizer, batch: Batch, cache: PrefixCache) -> di
 
     def decode(encoder_outputs, path: str) -> torch.Tensor:
         with model.use_path(path):
-            return model.backbone(encoder_outputs=encoder_outputs, attention_mask=attention_mask,
-                                  decoder_input_ids=decoder_input_ids, use_cache=False).logits
+            return model.backbone(
+                encoder_outputs=encoder_outputs,
+                attention_mask=attention_mask,
+                decoder_input_ids=decoder_input_ids,
+                use_cache=False,
+            ).logits
 
     def shared_encoder() -> None:
         with torch.no_grad():
@@ -77,15 +82,19 @@ def prefix_cost(model: AdapterSummarizer, batch: Batch, repeats: int) -> dict:
         model.compute_prefix(batch)
         compute.append(time.perf_counter() - t0)
         with tempfile.TemporaryDirectory(prefix="fedmeet-bench-cache-") as tmp:
-            cache = PrefixCache(tmp, "bench", batch.input_ids.shape[1], batch.labels.shape[1], model.adapter_config.top_k)
+            cache = PrefixCache(
+                tmp, "bench", batch.input_ids.shape[1], batch.labels.shape[1], model.adapter_config.top_k
+            )
             t0 = time.perf_counter()
             cache.prefix_for(model, batch)
             cold.append(time.perf_counter() - t0)
             entry_bytes = cache.size_bytes / len(batch)
     b = len(batch)
-    return {"compute_s_per_example": round(statistics.median(compute) / b, 5),
-            "compute_and_store_s_per_example": round(statistics.median(cold) / b, 5),
-            "cache_bytes_per_example": int(entry_bytes)}
+    return {
+        "compute_s_per_example": round(statistics.median(compute) / b, 5),
+        "compute_and_store_s_per_example": round(statistics.median(cold) / b, 5),
+        "cache_bytes_per_example": int(entry_bytes),
+    }
 
 
 def bench_shape(shape: Shape, repeats: int, peak_gflops: float, uses: dict[str, int]) -> dict:
@@ -109,8 +118,10 @@ def bench_shape(shape: Shape, repeats: int, peak_gflops: float, uses: dict[str, 
         per_example = t.median_s / b
         bound = fl[name]["total"] / (peak_gflops * 1e9)  # seconds per example at the matmul peak
         variants[name] = {
-            "seconds_per_step": t.median_s, "seconds_per_example": round(per_example, 5),
-            "timing": t, "gflop_per_example": round(fl[name]["total"] / 1e9, 3),
+            "seconds_per_step": t.median_s,
+            "seconds_per_example": round(per_example, 5),
+            "timing": t,
+            "gflop_per_example": round(fl[name]["total"] / 1e9, 3),
             "gflop_forward_per_example": round(fl[name]["forward"] / 1e9, 3),
             "gflop_backward_per_example": round(fl[name]["backward"] / 1e9, 3),
             "flop_bound_seconds_per_example": round(bound, 5),
@@ -121,19 +132,26 @@ def bench_shape(shape: Shape, repeats: int, peak_gflops: float, uses: dict[str, 
     speedup = {
         "naive_over_prefix_cached": round(variants["naive"]["seconds_per_example"] / cached, 3),
         "shared_encoder_over_prefix_cached": round(variants["shared_encoder"]["seconds_per_example"] / cached, 3),
-        "naive_over_shared_encoder": round(variants["naive"]["seconds_per_example"]
-                                           / variants["shared_encoder"]["seconds_per_example"], 3),
+        "naive_over_shared_encoder": round(
+            variants["naive"]["seconds_per_example"] / variants["shared_encoder"]["seconds_per_example"], 3
+        ),
         "flops_naive_over_prefix_cached": round(fl["naive"]["total"] / fl["prefix_cached"]["total"], 3),
     }
     amortised = {
-        label: {"uses": n, "seconds_per_example_step": round(cached + cost["compute_and_store_s_per_example"] / n, 5),
-                "speedup_over_naive": round(variants["naive"]["seconds_per_example"]
-                                            / (cached + cost["compute_and_store_s_per_example"] / n), 3)}
+        label: {
+            "uses": n,
+            "seconds_per_example_step": round(cached + cost["compute_and_store_s_per_example"] / n, 5),
+            "speedup_over_naive": round(
+                variants["naive"]["seconds_per_example"] / (cached + cost["compute_and_store_s_per_example"] / n), 3
+            ),
+        }
         for label, n in uses.items()
     }
     return {
-        "shape": shape, "batch_size": b, "variants": variants, "speedup": speedup,
+        "shape": shape,
+        "batch_size": b,
+        "variants": variants,
+        "speedup": speedup,
         "flops_breakdown_gflop_per_example": {k: round(v / 1e9, 4) for k, v in flops.breakdown(shape).items()},
-        "prefix": {**cost, "gflop_per_example": round(flops.prefix(shape) / 1e9, 3),
-                   "amortised": amortised},
+        "prefix": {**cost, "gflop_per_example": round(flops.prefix(shape) / 1e9, 3), "amortised": amortised},
     }

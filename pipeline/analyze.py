@@ -11,6 +11,7 @@ paper's example: "project manager decides to use lcd", 2 rounds, 3 KD word updat
 Missing input files of listed experiments are reported in the JSON (``missing``), never replaced by numbers; every
 number is a mean over the seeds available.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,11 +27,25 @@ from pipeline.common.config import config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results.kd_analysis import (HARDKD, PAPER_DET_PRON_SHARE_OF_NON_KD, SELECTKD, SWEEP_COLUMNS, WORD_RULES,
-                                          client_summary, json_safe, plot_entropy, plot_hardkd, plot_pos,
-                                          plot_tau_sweep, seed_means, tau_sweep_rows, tau_sweep_summary,
-                                          usage_per_client, word_updates)
 from pipeline.results.figures import slug
+from pipeline.results.kd_analysis import (
+    HARDKD,
+    PAPER_DET_PRON_SHARE_OF_NON_KD,
+    SELECTKD,
+    SWEEP_COLUMNS,
+    WORD_RULES,
+    client_summary,
+    json_safe,
+    plot_entropy,
+    plot_hardkd,
+    plot_pos,
+    plot_tau_sweep,
+    seed_means,
+    tau_sweep_rows,
+    tau_sweep_summary,
+    usage_per_client,
+    word_updates,
+)
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
@@ -43,8 +58,9 @@ class AnalyzeConfig:
 
 
 class Analysis:
-    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None,
-                 paths: ProjectPaths = PATHS) -> None:
+    def __init__(
+        self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths = PATHS
+    ) -> None:
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
         self.out = paths.analysis
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
@@ -72,8 +88,11 @@ class Analysis:
             return None
         gate = read_gate_log(gate_path)
         wu = word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
-        return {"gate": gate, "words": wu,
-                "clients": usage_per_client(wu, best_rounds(train_path), train_path, gate_path)}
+        return {
+            "gate": gate,
+            "words": wu,
+            "clients": usage_per_client(wu, best_rounds(train_path), train_path, gate_path),
+        }
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
         path = self.paths.eval_metrics(exp.name)
@@ -95,19 +114,36 @@ class Analysis:
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate, stats = client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
-            plot_pos(client, rec["pos"], rec["kd_usage_ratio"], rec["paper_kd_usage_ratio"],
-                     figures / f"pos_{slug(client)}.png")
-            plot_entropy(client, gate, stats, tau, [r["best_round"] for r in per_seed.values()],
-                         figures / f"entropy_{slug(client)}.png")
+            plot_pos(
+                client,
+                rec["pos"],
+                rec["kd_usage_ratio"],
+                rec["paper_kd_usage_ratio"],
+                figures / f"pos_{slug(client)}.png",
+            )
+            plot_entropy(
+                client,
+                gate,
+                stats,
+                tau,
+                [r["best_round"] for r in per_seed.values()],
+                figures / f"entropy_{slug(client)}.png",
+            )
         return clients, usages
 
     def hardkd(self, figures: Path) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
         main_parts = {e.partition for e in self.main}
-        groups = {SELECTKD: self.main, HARDKD: [e for e in self.experiments if e.method == HARDKD
-                                                 and (not main_parts or e.partition in main_parts)]}
-        comparison = {method: seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
-                      for method, exps in groups.items()}
+        groups = {
+            SELECTKD: self.main,
+            HARDKD: [
+                e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)
+            ],
+        }
+        comparison = {
+            method: seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
+            for method, exps in groups.items()
+        }
         plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
         hard, select = comparison[HARDKD], comparison[SELECTKD]  # per client in both: hard KD's mean minus SelectKD's
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
@@ -129,8 +165,11 @@ class Analysis:
         table, portable = tau_sweep_summary(per_run)
         atomic.to_csv(table.round(6), csv_path, index=False)
         plot_tau_sweep(table, self.tau, figures / "tau_sweep.png")
-        return {"points": table.to_dict(orient="records"), "portable_gates": portable.to_dict(orient="records"),
-                "experiments": sorted(per_run["experiment"].unique())}
+        return {
+            "points": table.to_dict(orient="records"),
+            "portable_gates": portable.to_dict(orient="records"),
+            "experiments": sorted(per_run["experiment"].unique()),
+        }
 
     def run(self) -> dict[str, Any]:
         figures = self.out / "figures"
@@ -139,15 +178,25 @@ class Analysis:
             old.unlink()
         clients, usages = self.main_study(figures)
         hardkd, sweep = self.hardkd(figures), self.tau_sweep(usages, figures, self.out / "tau_sweep.csv")
-        missing = [{"experiment": e, "file": f, "needed_for": ", ".join(u)}
-                   for (e, f), u in sorted(self.missing.items())]
-        result = json_safe({
-            "word_rule": self.cfg.word_rule, "tau": self.tau,
-            "paper": {"kd_usage_ratio": KD_USAGE_RATIO, "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
-                      "noun_verb": "nearly all noun and verb words are trained with KD"},
-            "clients": clients, "hardkd_vs_selectkd": hardkd, "tau_sweep": sweep,
-            "missing": missing, "n_missing": len(missing),
-        })
+        missing = [
+            {"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self.missing.items())
+        ]
+        result = json_safe(
+            {
+                "word_rule": self.cfg.word_rule,
+                "tau": self.tau,
+                "paper": {
+                    "kd_usage_ratio": KD_USAGE_RATIO,
+                    "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
+                    "noun_verb": "nearly all noun and verb words are trained with KD",
+                },
+                "clients": clients,
+                "hardkd_vs_selectkd": hardkd,
+                "tau_sweep": sweep,
+                "missing": missing,
+                "n_missing": len(missing),
+            }
+        )
         atomic.write_json(self.out / "kd_analysis.json", result)
         return result
 
@@ -163,8 +212,10 @@ def main(argv: list[str] | None = None) -> None:
         result = analysis.run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]
-            print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"
-                  + (f" (paper {100 * paper:.0f} %)" if paper is not None else ""))
+            print(
+                f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"
+                + (f" (paper {100 * paper:.0f} %)" if paper is not None else "")
+            )
         if result["missing"]:
             print(f"analyze: {result['n_missing']} input file(s) missing, left out (listed in kd_analysis.json):")
             for m in result["missing"]:

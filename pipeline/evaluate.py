@@ -3,6 +3,7 @@
 Outputs ``reports/eval/<exp>/`` (docs/ARCHITECTURE.md) and the scores in the experiment's MLflow runs; generated text
 stays on disk unless ``evaluate.log_text_to_mlflow`` is true (privacy: summaries are client data).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,24 +19,33 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
+from pipeline.common.integrity import backbone_name
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import read_plan
+from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, summarize_test_set
 from pipeline.results.readers import read_json, run_converged
-from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
-from pipeline.common.integrity import backbone_name
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, mean_interval
 from pipeline.results.tracking import download_model, split_dataset
 
-def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PATHS.models,
-                        eval_dir: Path = PATHS.eval_reports, examples_path: Path = PATHS.examples,
-                        partitions_dir: Path = PATHS.partitions, backbone_dir: Path = PATHS.backbone,
-                        mlflow_logging: bool = True, bootstrap: BootstrapConfig | None = None,
-                        only: str | None = None) -> dict[str, Any]:
+
+def evaluate_experiment(
+    name: str,
+    cfg: EvaluateConfig,
+    *,
+    models_dir: Path = PATHS.models,
+    eval_dir: Path = PATHS.eval_reports,
+    examples_path: Path = PATHS.examples,
+    partitions_dir: Path = PATHS.partitions,
+    backbone_dir: Path = PATHS.backbone,
+    mlflow_logging: bool = True,
+    bootstrap: BootstrapConfig | None = None,
+    only: str | None = None,
+) -> dict[str, Any]:
     """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
     metrics.json's content."""
     model_dir = models_dir / name
@@ -72,21 +82,45 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
             skipped_clients[client] = f"no test examples in {part_path}"
             continue
         load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
-        sub, predictions, scores = summarize_test_set(model, examples, test_ids, client, cfg, max_src,
-                                                      f"{part_path}, {examples_path}", desc=f"{name}/{client}")
+        sub, predictions, scores = summarize_test_set(
+            model, examples, test_ids, client, cfg, max_src, f"{part_path}, {examples_path}", desc=f"{name}/{client}"
+        )
         test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
         for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
-            rows.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
-                         **sc, "pred_words": len(pred.split()), "ref_words": len(row["target"].split())})
-            records.append({"experiment": name, "client": client, "example_id": ex_id, "domain": row["domain"],
-                            "prediction": pred, "reference": row["target"]})
-        per_client[client] = summary = mean_scores(scores) | {"n_test": len(test_ids),
-                                                             "skipped_by_subsampling": len(test_ids) - len(sub)}
-        print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
-              + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")), file=sys.stderr)
+            rows.append(
+                {
+                    "experiment": name,
+                    "client": client,
+                    "example_id": ex_id,
+                    "domain": row["domain"],
+                    **sc,
+                    "pred_words": len(pred.split()),
+                    "ref_words": len(row["target"].split()),
+                }
+            )
+            records.append(
+                {
+                    "experiment": name,
+                    "client": client,
+                    "example_id": ex_id,
+                    "domain": row["domain"],
+                    "prediction": pred,
+                    "reference": row["target"],
+                }
+            )
+        per_client[client] = summary = mean_scores(scores) | {
+            "n_test": len(test_ids),
+            "skipped_by_subsampling": len(test_ids) - len(sub),
+        }
+        print(
+            f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
+            + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")),
+            file=sys.stderr,
+        )
 
-    per_example = pd.DataFrame(rows, columns=["experiment", "client", "example_id", "domain", *ROUGE_TYPES,
-                                              "pred_words", "ref_words"])
+    per_example = pd.DataFrame(
+        rows, columns=["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words"]
+    )
     per_example["avg_rouge"] = per_example[list(("rouge1", "rouge2", TABLE_ROUGE_L))].mean(axis=1)
     atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
     atomic.write_text(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
@@ -98,18 +132,32 @@ def evaluate_experiment(name: str, cfg: EvaluateConfig, *, models_dir: Path = PA
     # the bootstrap interval of each ROUGE's client average (test examples resampled within clients)
     bootstrap = bootstrap or BootstrapConfig()
     groups = [g for _, g in per_example.groupby("client", sort=True)]
-    mean_ci = {key: mean_interval([g[key].to_numpy()[None, :] for g in groups], bootstrap)
-               for key in (*ROUGE_TYPES, "avg_rouge")}
+    mean_ci = {
+        key: mean_interval([g[key].to_numpy()[None, :] for g in groups], bootstrap)
+        for key in (*ROUGE_TYPES, "avg_rouge")
+    }
     metrics = {
-        "experiment": name, "method": plan.method, "partition": plan.partition, "seed": plan.seed, "study": plan.study,
-        "backbone": backbone, "adapter": cfg.adapter,
+        "experiment": name,
+        "method": plan.method,
+        "partition": plan.partition,
+        "seed": plan.seed,
+        "study": plan.study,
+        "backbone": backbone,
+        "adapter": cfg.adapter,
         "decoding": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": max_src},
-        "rouge_l_in_tables": TABLE_ROUGE_L, "clients": per_client, "skipped_clients": skipped_clients,
-        "mean": mean, "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
-        "ci": {"level": bootstrap.level, "n_resamples": bootstrap.n_resamples, "seed": bootstrap.seed,
-               "method": "percentile bootstrap of the client average, test examples resampled within clients (one "
-                         "seed: the choice of test examples only)"},
+        "rouge_l_in_tables": TABLE_ROUGE_L,
+        "clients": per_client,
+        "skipped_clients": skipped_clients,
+        "mean": mean,
+        "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
+        "ci": {
+            "level": bootstrap.level,
+            "n_resamples": bootstrap.n_resamples,
+            "seed": bootstrap.seed,
+            "method": "percentile bootstrap of the client average, test examples resampled within clients (one "
+            "seed: the choice of test examples only)",
+        },
     }
     atomic.write_json(out_dir / "metrics.json", metrics)
     if mlflow_logging:
@@ -143,9 +191,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise DataError(f"{path}: not an evaluation record (missing {missing})")
             record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
             # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`
-            log_to_mlflow(metrics["experiment"], record | {"study": args.study or metrics.get("study") or "main"},
-                          metrics, path.parent, EvaluateConfig(),
-                          run_converged(path.parent.parent.parent / "train", metrics["experiment"]))
+            log_to_mlflow(
+                metrics["experiment"],
+                record | {"study": args.study or metrics.get("study") or "main"},
+                metrics,
+                path.parent,
+                EvaluateConfig(),
+                run_converged(path.parent.parent.parent / "train", metrics["experiment"]),
+            )
         print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
         return 0
 
@@ -160,9 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "model":
         with tempfile.TemporaryDirectory() as tmp:
             tags = download_model(args.model, Path(tmp))
-            out = evaluate_experiment(tags["experiment"], dataclasses.replace(cfg, adapter="best"),
-                                      models_dir=Path(tmp), eval_dir=Path(tmp) / "eval",
-                                      mlflow_logging=False, bootstrap=bootstrap, only=tags["client"])
+            out = evaluate_experiment(
+                tags["experiment"],
+                dataclasses.replace(cfg, adapter="best"),
+                models_dir=Path(tmp),
+                eval_dir=Path(tmp) / "eval",
+                mlflow_logging=False,
+                bootstrap=bootstrap,
+                only=tags["client"],
+            )
         print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
         return 0
     with stage_timer(f"evaluate-{args.experiment}"):

@@ -7,6 +7,7 @@ Input text (METHOD.md section 2): ``query #SEP# transcript`` for QMSum, the dial
 ``Speaker: content`` and joined with "\\n": a newline keeps turn boundaries visible to the model (BART's
 byte-level BPE has a token for it) and costs one token per turn, like a space would.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,17 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import ConfigError, config, from_dict, load_params
-from pipeline.common.schema import (EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input,
-                                   spoken_word_count, summary_word_count)
+from pipeline.common.schema import (
+    EXAMPLE_COLUMNS,
+    QMSUM_DOMAINS,
+    SPLITS,
+    DataError,
+    Example,
+    Turn,
+    model_input,
+    spoken_word_count,
+    summary_word_count,
+)
 from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 
@@ -48,9 +58,11 @@ PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
     },
 }
 # Published sizes of the other corpora (METHOD.md section 2; SAMSum's count includes its one empty dialogue).
-PAPER_SIZES = {"SAMSum": {"train": 14732, "valid": 818, "test": 819},
-               "AMI": {"train": 97, "valid": 20, "test": 20},
-               "ICSI": {"train": 43, "valid": 10, "test": 6}}
+PAPER_SIZES = {
+    "SAMSum": {"train": 14732, "valid": 818, "test": 819},
+    "AMI": {"train": 97, "valid": 20, "test": 20},
+    "ICSI": {"train": 43, "valid": 10, "test": 6},
+}
 STAT_KEYS = ("avg_turns", "avg_speakers", "avg_words", "avg_summary_words")
 STAT_COLUMNS = ("n_turns", "n_speakers", "n_words", "n_summary_words")  # of examples.parquet, averaged as STAT_KEYS
 # QMSum domain whose meetings are those of another corpus (METHOD.md section 2).
@@ -67,7 +79,7 @@ _WORD = re.compile(r"[a-z0-9]+")
 def shingles(contents: Iterable[str], n: int = SHINGLE_WORDS) -> set[str]:
     """Lower-cased alphanumeric word n-grams of a transcript (speaker names left out: they differ)."""
     words = _WORD.findall(" ".join(contents).lower())
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)}
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
 @dataclass
@@ -102,8 +114,10 @@ def link_meetings(
             continue
         score, cid = ranked[0]
         if cid in owner:
-            raise DataError(f"meetings {owner[cid]} and {qid} both match {cid} (Jaccard {score:.3f}); "
-                            "the QMSum and HMNet transcripts do not correspond one-to-one")
+            raise DataError(
+                f"meetings {owner[cid]} and {qid} both match {cid} (Jaccard {score:.3f}); "
+                "the QMSum and HMNet transcripts do not correspond one-to-one"
+            )
         owner[cid] = qid
         result.links[qid] = cid
         result.scores[qid] = round(score, 4)
@@ -136,8 +150,11 @@ def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[d
         splits_q = dict(zip(full.meeting_id, full.split))
         splits_c = dict(zip(other.meeting_id, other.split))
         report[domain] = {
-            "linked_to": corpus, "meetings": len(queries), "linked": len(res.links),
-            "unmatched": res.unmatched, "min_score": min(res.scores.values(), default=None),
+            "linked_to": corpus,
+            "meetings": len(queries),
+            "linked": len(res.links),
+            "unmatched": res.unmatched,
+            "min_score": min(res.scores.values(), default=None),
             "max_runner_up_score": round(res.runner_up, 4),
             "same_split": sum(splits_q[q] == splits_c[c] for q, c in res.links.items()),
         }
@@ -164,12 +181,25 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
             else:
                 example_id = f"{dataset}/{r.split}/{meeting_id}"
                 query = cfg.samsum_query if dataset == "samsum" else ""
-            rows.append(vars(Example(
-                example_id=example_id, dataset=dataset, domain=r.domain, split=r.split, meeting_id=meeting_id,
-                query=query, query_type=r.query_type, source=model_input(query, turns, cfg.sep_token),
-                target=r.summary, n_turns=len(turns), n_speakers=len({t.speaker for t in turns}),
-                n_words=sum(spoken_word_count(t) for t in turns), n_summary_words=summary_word_count(r.summary),
-            )))
+            rows.append(
+                vars(
+                    Example(
+                        example_id=example_id,
+                        dataset=dataset,
+                        domain=r.domain,
+                        split=r.split,
+                        meeting_id=meeting_id,
+                        query=query,
+                        query_type=r.query_type,
+                        source=model_input(query, turns, cfg.sep_token),
+                        target=r.summary,
+                        n_turns=len(turns),
+                        n_speakers=len({t.speaker for t in turns}),
+                        n_words=sum(spoken_word_count(t) for t in turns),
+                        n_summary_words=summary_word_count(r.summary),
+                    )
+                )
+            )
     examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
     dup = examples.example_id[examples.example_id.duplicated()]
     if len(dup):
@@ -182,8 +212,10 @@ def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     stats: dict[str, Any] = {}
     grouped = examples.groupby(["dataset", "domain", "split"], sort=False)
     for (dataset, domain, split), g in grouped:
-        stats.setdefault(dataset, {}).setdefault(domain, {})[split] = {"n": int(len(g)), **{
-            key: round(float(g[column].mean()), 2) for key, column in zip(STAT_KEYS, STAT_COLUMNS)}}
+        stats.setdefault(dataset, {}).setdefault(domain, {})[split] = {
+            "n": int(len(g)),
+            **{key: round(float(g[column].mean()), 2) for key, column in zip(STAT_KEYS, STAT_COLUMNS)},
+        }
     for dataset in stats:  # fixed split order for readers
         for domain in stats[dataset]:
             stats[dataset][domain] = {s: stats[dataset][domain][s] for s in SPLITS if s in stats[dataset][domain]}
@@ -191,12 +223,16 @@ def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
 
 
 def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], links: dict[str, Any]) -> str:
-    out = ["# Data statistics (ours / paper)", "",
-           "QMSum, specific queries (the paper's Table II). Words: summary = `str.split(' ')` (the paper's counter,",
-           "reproduces Table II exactly); spoken = whitespace words of `speaker content` with `{...}` tags removed",
-           "(the paper's counter is unknown).", "",
-           "| domain | split | n | avg turns | avg speakers | avg words spoken | avg summary words |",
-           "|---|---|---|---|---|---|---|"]
+    out = [
+        "# Data statistics (ours / paper)",
+        "",
+        "QMSum, specific queries (the paper's Table II). Words: summary = `str.split(' ')` (the paper's counter,",
+        "reproduces Table II exactly); spoken = whitespace words of `speaker content` with `{...}` tags removed",
+        "(the paper's counter is unknown).",
+        "",
+        "| domain | split | n | avg turns | avg speakers | avg words spoken | avg summary words |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ours = stats.get("qmsum", {}).get(domain, {}).get(split)
@@ -205,17 +241,24 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
                 continue
             cells = [f"{ours['n']} / {paper['n']}"] + [f"{ours[k]:.2f} / {paper[k]:.2f}" for k in STAT_KEYS]
             out.append(f"| {domain} | {split} | " + " | ".join(cells) + " |")
-    out += ["", "Other corpora (ours; paper size where published):", "",
-            "| dataset | split | n | paper n | avg turns | avg speakers | avg words spoken | avg summary words |",
-            "|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "Other corpora (ours; paper size where published):",
+        "",
+        "| dataset | split | n | paper n | avg turns | avg speakers | avg words spoken | avg summary words |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for dataset, by_domain in stats.items():
         if dataset == "qmsum":
             continue
         for domain, by_split in by_domain.items():
             for split, s in by_split.items():
                 paper_n = PAPER_SIZES.get(domain, {}).get(split, "")
-                out.append(f"| {domain} | {split} | {s['n']} | {paper_n} | "
-                           + " | ".join(f"{s[k]:.2f}" for k in STAT_KEYS) + " |")
+                out.append(
+                    f"| {domain} | {split} | {s['n']} | {paper_n} | "
+                    + " | ".join(f"{s[k]:.2f}" for k in STAT_KEYS)
+                    + " |"
+                )
     out += ["", "Records skipped at ingest (by design, with reason):", ""]
     if any(skipped.values()):
         out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()]
@@ -245,8 +288,9 @@ def main(argv: list[str] | None = None) -> None:
         interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}
         examples, link_report = build_examples(interim, cfg)
         report_dir = Path(args.report_dir)
-        skipped = {ds: json.loads((report_dir / f"ingest_{ds}.json").read_text())["skipped_by_reason"]
-                   for ds in datasets}
+        skipped = {
+            ds: json.loads((report_dir / f"ingest_{ds}.json").read_text())["skipped_by_reason"] for ds in datasets
+        }
         stats = table_ii(examples)
         out = Path(args.out)
         atomic.to_parquet(examples, out, index=False)

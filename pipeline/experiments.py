@@ -2,6 +2,7 @@
 and run-time settings"). A plan holds exactly what its experiment's result depends on, so a params change reruns only
 the experiments it affects; run-time settings (:class:`RunSettings`) and paths stay out of plans.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,17 +52,24 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})
     model = group(params, "model")
-    return from_dict(RunSettings, {**{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
-                                   "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model},
-                                                      "params.yaml model")}, "params.yaml train")
+    return from_dict(
+        RunSettings,
+        {
+            **{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
+            "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, "params.yaml model"),
+        },
+        "params.yaml train",
+    )
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
     """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
     federation commands: their ``--params``). A missing file is an error, never the defaults."""
     if not Path(params_path).exists():
-        raise FileNotFoundError(f"{params_path}: params file not found (the run-time settings: engine, round "
-                                f"timeout, cache location and budgets)")
+        raise FileNotFoundError(
+            f"{params_path}: params file not found (the run-time settings: engine, round "
+            f"timeout, cache location and budgets)"
+        )
     return run_settings(load_params(params_path), experiment)
 
 
@@ -136,27 +144,34 @@ class Experiment:
         merged = {**base, **self.privacy}
         if isinstance(base.get("secagg"), dict) and isinstance(self.privacy.get("secagg"), dict):
             merged["secagg"] = {**base["secagg"], **self.privacy["secagg"]}
-        return from_dict(PrivacyConfig, merged,
-                         f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy")
+        return from_dict(
+            PrivacyConfig, merged, f"experiments.{self.name} privacy" if self.privacy else "params.yaml privacy"
+        )
 
 
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     where = f"params.yaml experiments.{name}"
     if not name or "/" in name or name in RESERVED_NAMES:
-        raise ConfigError(f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
-                          f"{sorted(RESERVED_NAMES)}: those are directories under models/)")
+        raise ConfigError(
+            f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+            f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
+        )
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
     train_fields = train_keys() | set(RUN_TRAIN_KEYS)
     overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
     if unknown := sorted(set(overrides) - train_fields):
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
-                          f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}")
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
+            f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
+        )
     privacy = raw.get(PRIVACY_KEY) or {}
     if not isinstance(privacy, dict):
-        raise ConfigError(f"{where}.{PRIVACY_KEY}: expected a mapping of privacy keys "
-                          f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}")
+        raise ConfigError(
+            f"{where}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+            f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}"
+        )
     if missing := [k for k in ("method", "partition") if k not in raw]:
         raise ConfigError(f"{where}: missing required key {missing[0]!r}")
     scheme, sep, seed = str(raw["partition"]).partition("/seed")
@@ -178,13 +193,22 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
     elif tau is not None:
         raise ConfigError(f"{where}: tau is set but method {method.name!r} does not use it")
     tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
-    exp = Experiment(name=str(name), method=method.name, partition=str(raw["partition"]),
-                     seed=int(raw.get("seed", params.get("seed", 0))), study=str(raw.get("study", "main")), tau=tau,
-                     train=overrides, tau_scale=tau_scale, privacy=dict(privacy))
+    exp = Experiment(
+        name=str(name),
+        method=method.name,
+        partition=str(raw["partition"]),
+        seed=int(raw.get("seed", params.get("seed", 0))),
+        study=str(raw.get("study", "main")),
+        tau=tau,
+        train=overrides,
+        tau_scale=tau_scale,
+        privacy=dict(privacy),
+    )
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
     if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
-        raise ConfigError(f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to "
-                          f"federated methods)")
+        raise ConfigError(
+            f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to federated methods)"
+        )
     return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
 
 
@@ -197,8 +221,11 @@ def privacy_label(privacy: PrivacyConfig) -> str:
     if privacy.enabled:
         name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
         if privacy.target_epsilon is not None:
-            delta = f"δ={privacy.delta:g}" if privacy.delta is not None else (
-                "δ≤1e-05" if privacy.mode == "example" else "δ=1e-05")  # the defaults (pipeline.privacy.accounting)
+            delta = (
+                f"δ={privacy.delta:g}"
+                if privacy.delta is not None
+                else ("δ≤1e-05" if privacy.mode == "example" else "δ=1e-05")
+            )  # the defaults (pipeline.privacy.accounting)
             parts.append(f"{name} ε≤{privacy.target_epsilon:g} {delta.replace('e-0', 'e-')}")
         else:
             parts.append(f"{name} σ={privacy.noise_multiplier:g}")
@@ -215,8 +242,7 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
         by_study.setdefault(e.study, []).append(e)
     labels = {}
     for members in by_study.values():
-        varying = [attr for attr in ("scheme", "tau", "variant", "dp")
-                   if len({getattr(e, attr) for e in members}) > 1]
+        varying = [attr for attr in ("scheme", "tau", "variant", "dp") if len({getattr(e, attr) for e in members}) > 1]
         for e in members:
             parts = [e.method]
             for attr in varying:
@@ -250,18 +276,27 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
         train = dataclasses.replace(train, rounds=train.stop.max_rounds)
     model = params.get("model") or {}
-    plan: dict[str, Any] = {"experiment": exp.name, "study": exp.study, "method": method.name,
-                            "partition": exp.partition, "seed": exp.seed, "train": _relevant_train(train, method),
-                            "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS}}
+    plan: dict[str, Any] = {
+        "experiment": exp.name,
+        "study": exp.study,
+        "method": method.name,
+        "partition": exp.partition,
+        "seed": exp.seed,
+        "train": _relevant_train(train, method),
+        "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
+    }
     if method.federated and exp.scheme in SCHEMES:
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
-        plan["clients"] = scheme_client_names(exp.scheme, from_dict(PartitionConfig, params.get("partition"),
-                                                                    "partition"))
+        plan["clients"] = scheme_client_names(
+            exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
+        )
     if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
         plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
-                         f"client might never join")
+        raise ValueError(
+            f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
+            f"client might never join"
+        )
     if method.uses_tau:
         plan["tau"] = exp.tau
         # the loss's own check of tau against train.tau_scale, at plan time rather than in training
@@ -274,9 +309,11 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if (privacy.enabled or privacy.secure_aggregation) and method.federated:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
-            raise ConfigError(f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
-                              f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
-                              f"max_entropy")
+            raise ConfigError(
+                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
+                f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
+                f"max_entropy"
+            )
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
@@ -314,11 +351,14 @@ class Plan:
         """Where this experiment reads and writes; ``out_dir``: a run's own directory while it runs (one per
         configuration: the plan hash's first 16 hex digits), published to ``model_dir`` when it finishes
         (pipeline.training.checkpoints.publish_outputs)."""
-        paths = {"examples": str(PATHS.examples), "partition": str(PATHS.partition(self.partition)),
-                 "backbone": str(PATHS.backbone),
-                 "out_dir": str(RUNS_DIR / f"{self.experiment}-{plan_hash(self)[:16]}"),
-                 "model_dir": str(PATHS.model_dir(self.experiment)),
-                 "reports_dir": str(PATHS.train_report(self.experiment))}
+        paths = {
+            "examples": str(PATHS.examples),
+            "partition": str(PATHS.partition(self.partition)),
+            "backbone": str(PATHS.backbone),
+            "out_dir": str(RUNS_DIR / f"{self.experiment}-{plan_hash(self)[:16]}"),
+            "model_dir": str(PATHS.model_dir(self.experiment)),
+            "reports_dir": str(PATHS.train_report(self.experiment)),
+        }
         if self.spec.uses_postags:
             paths["postags"] = str(PATHS.postags)
         return paths

@@ -5,6 +5,7 @@
 The readers (pipeline/datasets/readers/) raise DataError naming file, line and problem; records left out by design
 (empty SAMSum dialogue) are counted in the report with their reason.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,9 +18,9 @@ from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.schema import DataError, IngestReport, canonical_arrow_schema
+from pipeline.common.timing import stage_timer
 from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
 from pipeline.datasets.sources import IngestConfig, resolve_source
-from pipeline.common.timing import stage_timer
 from pipeline.paths import PATHS
 
 
@@ -55,8 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         directory = resolve_source(args.dataset, cfg)
         frame, report = ingest_dataset(args.dataset, directory, cfg.allow_absent_splits)
         write_outputs(frame, report, Path(args.interim_dir), Path(args.report_dir))
-        print(f"{args.dataset}: {report.n_records} records from {directory}; counts {report.counts}; "
-              f"skipped {len(report.skipped)}")
+        print(
+            f"{args.dataset}: {report.n_records} records from {directory}; counts {report.counts}; "
+            f"skipped {len(report.skipped)}"
+        )
 
 
 if __name__ == "__main__":

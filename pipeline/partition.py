@@ -6,6 +6,7 @@
 Schemes are in pipeline/partitioning/schemes.py. Every partition passes the leakage guard (no test meeting in
 any train/valid set) and is checked to be disjoint and complete before it is written.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,14 +21,16 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
-from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
 from pipeline.common.schema import SPLITS, DataError
 from pipeline.common.timing import stage_timer
+from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
 from pipeline.paths import PATHS
 
 EXAMPLE_COLUMNS_USED = ["example_id", "dataset", "domain", "split", "meeting_id", "target"]
-JS_DEFINITION = ("scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
-                 "the divergence), in [0, 1], between the clients' training label distributions")
+JS_DEFINITION = (
+    "scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
+    "the divergence), in [0, 1], between the clients' training label distributions"
+)
 
 
 def make_partition(examples: pd.DataFrame, scheme: str, seed: int, cfg: PartitionConfig) -> Partition:
@@ -61,26 +64,35 @@ def check_partition(part: Partition, examples: pd.DataFrame) -> None:
     touched = examples.domain.isin({domain_of[i] for i in accounted})
     missing = set(examples.example_id[touched]) - accounted
     if missing:
-        raise DataError(f"{len(missing)} example(s) of the partitioned domains are neither assigned nor excluded, "
-                        f"e.g. {sorted(missing)[0]}")
+        raise DataError(
+            f"{len(missing)} example(s) of the partitioned domains are neither assigned nor excluded, "
+            f"e.g. {sorted(missing)[0]}"
+        )
 
 
 def partition_json(part: Partition, scheme: str, seed: int, cfg: PartitionConfig) -> dict[str, Any]:
     params = asdict(getattr(cfg, scheme)) if hasattr(cfg, scheme) else {}
     by_reason = Counter(part.excluded.values())
     return {
-        "scheme": scheme, "seed": seed, "params": params,
+        "scheme": scheme,
+        "seed": seed,
+        "params": params,
         "clients": part.clients,
-        "excluded": {"count": len(part.excluded), "by_reason": dict(sorted(by_reason.items())),
-                     "example_ids": sorted(part.excluded)},
+        "excluded": {
+            "count": len(part.excluded),
+            "by_reason": dict(sorted(by_reason.items())),
+            "example_ids": sorted(part.excluded),
+        },
     }
 
 
 def js_matrix(dists: list[np.ndarray]) -> list[list[float | None]]:
     from scipy.spatial.distance import jensenshannon
 
-    return [[None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2)), 4) for q in dists]
-            for p in dists]
+    return [
+        [None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2)), 4) for q in dists]
+        for p in dists
+    ]
 
 
 def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: int) -> dict[str, Any]:
@@ -102,9 +114,17 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
     matrix = js_matrix(dists)
     off = [v for a, row in enumerate(matrix) for b, v in enumerate(row) if a < b and v is not None]
     return {
-        "scheme": scheme, "seed": seed, "label": label_kind, "labels": labels, "clients": clients,
-        "js_distance": {"definition": JS_DEFINITION, "clients": list(part.clients), "matrix": matrix,
-                        "mean_off_diagonal": round(float(np.mean(off)), 4) if off else None},
+        "scheme": scheme,
+        "seed": seed,
+        "label": label_kind,
+        "labels": labels,
+        "clients": clients,
+        "js_distance": {
+            "definition": JS_DEFINITION,
+            "clients": list(part.clients),
+            "matrix": matrix,
+            "mean_off_diagonal": round(float(np.mean(off)), 4) if off else None,
+        },
         "n_assigned": len(part.assigned()),
         "excluded": {"count": len(part.excluded), "by_reason": dict(sorted(Counter(part.excluded.values()).items()))},
     }

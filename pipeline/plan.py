@@ -3,6 +3,7 @@ its result depends on (pipeline.experiments), so a params change reruns only the
 
     python -m pipeline.plan [--params params.yaml] [--out models/plans]
 """
+
 from __future__ import annotations
 
 import argparse

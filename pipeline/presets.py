@@ -12,6 +12,7 @@ recipes.
     python -m pipeline.presets run configs/cpu-study.yaml [--name N] [--queue | --temp] [--parts KEY] [--dry-run]
     python -m pipeline.presets export NAME DEST [PATH | SRC=TARGET ...]  # a finished experiment's files, at its commit
 """
+
 from __future__ import annotations
 
 import argparse
@@ -113,8 +114,10 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
             continue
         scheme, _, seed = parsed.partition.partition("/seed")
         if scheme not in schemes or not seed.isdigit() or int(seed) not in seeds:
-            found.append(f"experiments.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
-                         f"{schemes} x partition.seeds {seeds} (after the preset)")
+            found.append(
+                f"experiments.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
+                f"{schemes} x partition.seeds {seeds} (after the preset)"
+            )
     if not found:
         try:
             check_params(applied)
@@ -169,20 +172,39 @@ def overrides(preset: dict[str, Any]) -> list[str]:
     return out
 
 
-def exp_run_command(preset_path: str | Path, name: str | None = None, queue: bool = False,
-                    params_path: str | Path = "params.yaml", preset: dict[str, Any] | None = None,
-                    temp: bool = False) -> list[str]:
+def exp_run_command(
+    preset_path: str | Path,
+    name: str | None = None,
+    queue: bool = False,
+    params_path: str | Path = "params.yaml",
+    preset: dict[str, Any] | None = None,
+    temp: bool = False,
+) -> list[str]:
     """Validate the preset against params.yaml and build the ``dvc exp run`` command that applies it
     (``preset``: the preset's content when already loaded, e.g. one part of it)."""
     preset = preset if preset is not None else load_preset(preset_path)
     validate(preset, load_params(params_path), str(preset_path))
-    cmd = [sys.executable, "-m", "dvc", "exp", "run", *(["--name", name] if name else []),
-           *(["--queue"] if queue else []), *(["--temp"] if temp else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dvc",
+        "exp",
+        "run",
+        *(["--name", name] if name else []),
+        *(["--queue"] if queue else []),
+        *(["--temp"] if temp else []),
+    ]
     return cmd + [arg for ov in overrides(preset) for arg in ("--set-param", ov)]
 
 
-def part_commands(preset_path: str | Path, name: str, by: str, queue: bool = False,
-                  params_path: str | Path = "params.yaml", temp: bool = False) -> list[list[str]]:
+def part_commands(
+    preset_path: str | Path,
+    name: str,
+    by: str,
+    queue: bool = False,
+    params_path: str | Path = "params.yaml",
+    temp: bool = False,
+) -> list[list[str]]:
     """A long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
     named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
     nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
@@ -203,19 +225,29 @@ def part_commands(preset_path: str | Path, name: str, by: str, queue: bool = Fal
         groups.setdefault(re.sub(r"[^\w-]", "-", str(value)), {})[exp] = entry
     if len(groups) < 2:
         raise PresetError(f"{preset_path}: every experiment has the same {by!r}; nothing to split")
-    cmds = [exp_run_command(preset_path, f"{name}-{by}{value}", queue, params_path,
-                            preset={**preset, "experiments": group}, temp=temp) for value, group in groups.items()]
+    cmds = [
+        exp_run_command(
+            preset_path, f"{name}-{by}{value}", queue, params_path, preset={**preset, "experiments": group}, temp=temp
+        )
+        for value, group in groups.items()
+    ]
     return cmds + [exp_run_command(preset_path, name, queue, params_path, preset=preset, temp=temp)]
 
 
 def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
     """(commit, ref) of the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)."""
-    listed = subprocess.run(["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)",
-                             "refs/exps/"], cwd=repo, capture_output=True, text=True, check=True).stdout.split("\n")
+    listed = subprocess.run(
+        ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
     found = [line.split(" ", 1) for line in listed if line.endswith("/" + name)]
     if not found:
-        raise PresetError(f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list "
-                          "--all-commits`)")
+        raise PresetError(
+            f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list --all-commits`)"
+        )
     return found[0][0], found[0][1]
 
 
@@ -242,9 +274,13 @@ def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str |
                 with atomic.replacing(to) as tmp:
                     fs.get_file(f, str(tmp))
                 written.append(str(to.relative_to(dest)))
-    record = {"experiment": name, "ref": ref, "commit": commit,
-              "exported_with": "python -m pipeline.presets export " + shlex.join([name, str(dest), *paths]),
-              "files": sorted(written)}
+    record = {
+        "experiment": name,
+        "ref": ref,
+        "commit": commit,
+        "exported_with": "python -m pipeline.presets export " + shlex.join([name, str(dest), *paths]),
+        "files": sorted(written),
+    }
     atomic.write_text(dest / "EXPERIMENT.yaml", yaml.safe_dump(record, sort_keys=False))
     return written
 
@@ -261,11 +297,17 @@ def main(argv: list[str] | None = None) -> int:
     where = run.add_mutually_exclusive_group()
     where.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
     where.add_argument("--temp", action="store_true", help="run in a temporary copy (dvc exp run --temp)")
-    run.add_argument("--parts", metavar="KEY", help="one DVC experiment per value of the experiments' KEY (e.g. "
-                                                    "seed), then the whole (needs --name)")
+    run.add_argument(
+        "--parts",
+        metavar="KEY",
+        help="one DVC experiment per value of the experiments' KEY (e.g. seed), then the whole (needs --name)",
+    )
     run.add_argument("--dry-run", action="store_true", help="print the dvc command only")
-    export = sub.add_parser("export", help="copy a finished experiment's params, dvc.lock and named outputs into "
-                                           "a folder (read at its commit; the workspace is left as it is)")
+    export = sub.add_parser(
+        "export",
+        help="copy a finished experiment's params, dvc.lock and named outputs into "
+        "a folder (read at its commit; the workspace is left as it is)",
+    )
     export.add_argument("experiment", help="the experiment's name (dvc exp list --all-commits)")
     export.add_argument("dest", help="folder to write into (e.g. reports/privacy/study)")
     export.add_argument("paths", nargs="*", help="its outputs or git files; globs allowed; SRC=TARGET renames")
@@ -279,13 +321,19 @@ def main(argv: list[str] | None = None) -> int:
         for path in [args.preset] if args.command == "show" else args.presets:
             preset = load_preset(path)
             validate(preset, params, path)
-            print("\n".join(overrides(preset)) if args.command == "show"
-                  else f"{path}: ok ({len(overrides(preset))} overrides)")
+            print(
+                "\n".join(overrides(preset))
+                if args.command == "show"
+                else f"{path}: ok ({len(overrides(preset))} overrides)"
+            )
         return 0
     if args.parts and not args.name:
         raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
-    cmds = (part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp) if args.parts
-            else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)])
+    cmds = (
+        part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp)
+        if args.parts
+        else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)]
+    )
     for cmd in cmds:
         print(shlex.join(cmd), flush=True)
         if not args.dry_run and (status := subprocess.call(cmd)) != 0:

@@ -5,6 +5,7 @@
 
 Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.md ("Training and federation").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,16 +19,23 @@ from typing import Any
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
+from pipeline.common.timing import stage_timer
 from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash, read_plan
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
-from pipeline.common.timing import stage_timer
 from pipeline.training import checkpoints
 from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
 from pipeline.training.serverless import run_serverless
-from pipeline.training.summary import (convergence_tags, final_run_metrics, merge_gate_logs, prepare_outputs,
-                                       run_identity_tags, summarize, write_metrics)
+from pipeline.training.summary import (
+    convergence_tags,
+    final_run_metrics,
+    merge_gate_logs,
+    prepare_outputs,
+    run_identity_tags,
+    summarize,
+    write_metrics,
+)
 
 
 def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
@@ -53,10 +61,14 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     if track:
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
         run_id_file = checkpoints.mlflow_run_id_path(plan)
-        logger = RunLogger.start(plan.study, run_name(plan.experiment), plan.to_json_dict(),
-                                 run_tags(plan, engine=settings.engine),
-                                 resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None,
-                                 partition=plan.paths["partition"])
+        logger = RunLogger.start(
+            plan.study,
+            run_name(plan.experiment),
+            plan.to_json_dict(),
+            run_tags(plan, engine=settings.engine),
+            resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None,
+            partition=plan.paths["partition"],
+        )
         atomic.write_text(run_id_file, logger.run_id)
 
     recorder = TrainRecorder(plan, logger)
@@ -100,8 +112,9 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     return metrics
 
 
-def run_packed(plan_paths: list[Path], track: bool = True,
-               settings: dict[str, RunSettings] | None = None) -> dict[str, dict[str, Any]]:
+def run_packed(
+    plan_paths: list[Path], track: bool = True, settings: dict[str, RunSettings] | None = None
+) -> dict[str, dict[str, Any]]:
     """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's initial
     RNG state (docs/ARCHITECTURE.md: each as alone in a fresh process); returns their metrics by experiment."""
     import random
@@ -125,12 +138,19 @@ def run_packed(plan_paths: list[Path], track: bool = True,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--experiment", required=True, action="append",
-                    help="a key of params.yaml `experiments`; repeated: several, one after the other")
+    ap.add_argument(
+        "--experiment",
+        required=True,
+        action="append",
+        help="a key of params.yaml `experiments`; repeated: several, one after the other",
+    )
     ap.add_argument("--plans", default=str(PATHS.plans), help="directory of the plan files (stage `plan`)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
-    ap.add_argument("--params", default="params.yaml",
-                    help="params file of the run-time settings (engine, round timeout, cache location and budgets)")
+    ap.add_argument(
+        "--params",
+        default="params.yaml",
+        help="params file of the run-time settings (engine, round timeout, cache location and budgets)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # SIGTERM (a scheduler's or `kill`'s stop) unwinds like Ctrl-C, so the MLflow run is closed as KILLED at once
@@ -140,8 +160,9 @@ def main(argv: list[str] | None = None) -> None:
         paths = [Path(args.plans) / f"{e}.json" for e in args.experiment]
         for path in paths:
             read_plan(path)  # a bad plan is reported before anything else is read
-        results = run_packed(paths, track=not args.no_mlflow,
-                             settings={e: load_run_settings(args.params, e) for e in args.experiment})
+        results = run_packed(
+            paths, track=not args.no_mlflow, settings={e: load_run_settings(args.params, e) for e in args.experiment}
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
     for metrics in results.values():

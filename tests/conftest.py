@@ -1,4 +1,5 @@
 """Shared test setup: offline, deterministic, small."""
+
 from __future__ import annotations
 
 import gc

@@ -2,6 +2,7 @@
 
 An input or parameter error is one line that names where the problem is (the file and line or record, the params
 key) and the offending value; its wording may change freely."""
+
 from __future__ import annotations
 
 

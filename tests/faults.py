@@ -1,4 +1,5 @@
 """Faults the tests inject on purpose."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """Shared helpers of the reliability tests (tests/test_reliability_*.py): a tiny complete mirror of the four
 datasets, and a stage CLI run that returns what a user would see (exit status and stderr)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -29,10 +30,14 @@ def hmnet_rel(dataset: str, split: str, k: int) -> str:
 
 
 def hmnet_meeting(meeting_id: str) -> dict:
-    return {"id": meeting_id,
-            "meeting": [{"speaker": "A", "role": "PM", "utt": {"word": ["Hello", "."]}},
-                        {"speaker": "B", "role": "", "utt": {"word": ["Hi"]}}],
-            "summary": ["They greeted .", "Then they left ."]}
+    return {
+        "id": meeting_id,
+        "meeting": [
+            {"speaker": "A", "role": "PM", "utt": {"word": ["Hello", "."]}},
+            {"speaker": "B", "role": "", "utt": {"word": ["Hi"]}},
+        ],
+        "summary": ["They greeted .", "Then they left ."],
+    }
 
 
 def build_mirror(root: Path) -> Path:
@@ -98,8 +103,14 @@ def stage_env(**extra: str) -> dict[str, str]:
 
 def run_subprocess(module: str, args: list[str], cwd: Path, timeout: float = 120, **env: str) -> Outcome:
     """``python -m <module> <args>`` as a user runs it."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=stage_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=cwd,
+        env=stage_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return Outcome(proc.returncode, proc.stderr)
 
 
@@ -130,8 +141,9 @@ def mlflow_worker(name: str, go: str, steps: int) -> None:
     Path(go).with_name(f"ready-{name}").touch()
     while not Path(go).exists():
         time.sleep(0.01)
-    run = tracking.RunLogger.start("concurrency", name, {"train": {"lr": 1e-3, "rounds": steps}, "who": name},
-                                   {"experiment": name})
+    run = tracking.RunLogger.start(
+        "concurrency", name, {"train": {"lr": 1e-3, "rounds": steps}, "who": name}, {"experiment": name}
+    )
     for step in range(steps):
         run.log_metrics({"loss": 1.0 / (step + 1), "step_of": float(step)}, step)
     run.set_tags({"completed": "yes"})
@@ -144,9 +156,8 @@ def stage_worker(name: str, go: str, argv: list[str]) -> None:
     train at the same moment."""
     import time
 
-    from pipeline.common import cli
-
     from pipeline import train
+    from pipeline.common import cli
 
     Path(go).with_name(f"ready-{name}").touch()
     while not Path(go).exists():
@@ -255,21 +266,32 @@ def _kill_in_artifact_upload() -> None:
 # name -> (where the run dies, installer); the round numbers fit a 3-round run of the Academic/Committee/Product
 # domain partition (tests/test_federated.py).
 KILL_POINTS = {
-    "first-round": ("inside Committee's round-1 local training, before any checkpoint",
-                    lambda: _kill_in_local_training("Committee", 1, batch=2)),
-    "local-training": ("inside Product's round-2 local training, after its first optimizer step",
-                       lambda: _kill_in_local_training("Product", 2, batch=2)),
+    "first-round": (
+        "inside Committee's round-1 local training, before any checkpoint",
+        lambda: _kill_in_local_training("Committee", 1, batch=2),
+    ),
+    "local-training": (
+        "inside Product's round-2 local training, after its first optimizer step",
+        lambda: _kill_in_local_training("Product", 2, batch=2),
+    ),
     "aggregated": ("right after the server aggregated round 2", lambda: _kill_after_aggregation(2)),
-    "checkpoint-write": ("inside the write of the server checkpoint (server.pt) of the round it trains",
-                         lambda: _kill_in_write("server.pt")),
-    "between-rounds": ("after round 2 was checkpointed and recorded, before round 3",
-                       lambda: _kill_after_recording(2)),
-    "before-recording": ("after round 3's checkpoint, before rounds.json and MLflow have round 3",
-                         lambda: _kill_after_checkpoint(3)),
-    "final-write": ("inside the write of metrics.json, after the gate logs were merged",
-                    lambda: _kill_in_write("metrics.json")),
-    "artifact-upload": ("inside the upload of the adapters to MLflow, after the final metrics were logged",
-                        _kill_in_artifact_upload),
+    "checkpoint-write": (
+        "inside the write of the server checkpoint (server.pt) of the round it trains",
+        lambda: _kill_in_write("server.pt"),
+    ),
+    "between-rounds": ("after round 2 was checkpointed and recorded, before round 3", lambda: _kill_after_recording(2)),
+    "before-recording": (
+        "after round 3's checkpoint, before rounds.json and MLflow have round 3",
+        lambda: _kill_after_checkpoint(3),
+    ),
+    "final-write": (
+        "inside the write of metrics.json, after the gate logs were merged",
+        lambda: _kill_in_write("metrics.json"),
+    ),
+    "artifact-upload": (
+        "inside the upload of the adapters to MLflow, after the final metrics were logged",
+        _kill_in_artifact_upload,
+    ),
 }
 
 
@@ -303,12 +325,10 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
     from mlflow.tracking import MlflowClient  # noqa: F401
     from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel  # noqa: F401
 
-    from pipeline.common import cli  # noqa: F401
-
-    from pipeline.federation import engines  # noqa: F401  (Flower and the apps, imported before the forks)
-
     from pipeline import train
+    from pipeline.common import cli  # noqa: F401
     from pipeline.experiments import read_plan
+    from pipeline.federation import engines  # noqa: F401  (Flower and the apps, imported before the forks)
 
     out = []
     for i, (experiment, point) in enumerate(legs):
@@ -332,14 +352,21 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
         status = _wait(pid, timeout)
         run_dir = Path(read_plan(Path(plans) / f"{experiment}.json").paths["out_dir"])
         ckpt = run_dir / "checkpoint" / "server.pt"
-        out.append({
-            "experiment": experiment, "point": point, "status": status, "log": str(log_path),
-            "checkpoint_round": torch.load(ckpt, weights_only=False)["round"] if ckpt.exists() else None,
-            "run_dir_left": run_dir.exists(),
-            "temporaries": sorted(str(p) for d in (run_dir, Path("models") / experiment,
-                                                   Path("reports/train") / experiment)
-                                  for p in d.rglob("*.tmp*")),
-        })
+        out.append(
+            {
+                "experiment": experiment,
+                "point": point,
+                "status": status,
+                "log": str(log_path),
+                "checkpoint_round": torch.load(ckpt, weights_only=False)["round"] if ckpt.exists() else None,
+                "run_dir_left": run_dir.exists(),
+                "temporaries": sorted(
+                    str(p)
+                    for d in (run_dir, Path("models") / experiment, Path("reports/train") / experiment)
+                    for p in d.rglob("*.tmp*")
+                ),
+            }
+        )
         if status not in (0, -signal.SIGKILL):
             break  # a leg that failed otherwise: the rest would only repeat its error
     Path(record).write_text(json.dumps(out, indent=1))

@@ -5,6 +5,7 @@ the layer's own LayerNorm taken over), W_down ~ N(0, init_std^2) drawn from the 
 every parameter of every adapted layer and loads back exactly, and a shape or key mismatch named instead of
 loaded. The equation itself and the model-level round-0 identity are in tests/test_model.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -37,11 +38,14 @@ def test_config_defaults_are_the_documented_ones():
     assert (cfg.bias, cfg.init_std, cfg.seed) == (True, 0.02, None)
 
 
-@pytest.mark.parametrize("top_k, bottleneck, message", [
-    (0, 8, ("top_k", "0")),
-    (-1, 8, ("top_k", "-1")),
-    (2, 0, ("bottleneck", "0")),
-])
+@pytest.mark.parametrize(
+    "top_k, bottleneck, message",
+    [
+        (0, 8, ("top_k", "0")),
+        (-1, 8, ("top_k", "-1")),
+        (2, 0, ("bottleneck", "0")),
+    ],
+)
 def test_config_rejects_no_layer_and_an_empty_bottleneck(top_k, bottleneck, message):
     with pytest.raises(ValueError) as err:
         AdapterConfig(top_k=top_k, bottleneck=bottleneck)
@@ -130,8 +134,9 @@ def test_w_down_is_normal_with_the_configured_std():
 
 def test_without_biases_there_are_no_bias_parameters():
     adapters = AdapterSet(4, AdapterConfig(top_k=2, bottleneck=3, bias=False), [None, None])
-    assert sorted(adapters.state()) == sorted(f"layer{i}.{p}" for i in range(2)
-                                              for p in ("down.weight", "up.weight", "norm.weight", "norm.bias"))
+    assert sorted(adapters.state()) == sorted(
+        f"layer{i}.{p}" for i in range(2) for p in ("down.weight", "up.weight", "norm.weight", "norm.bias")
+    )
     assert adapters[0].down.bias is None and adapters[0].up.bias is None
 
 
@@ -253,8 +258,11 @@ def test_load_state_names_missing_unknown_and_misshapen_tensors():
     with pytest.raises(ValueError) as err:
         adapters.load_state(many)
     # at most four names of each kind, sorted: one short line however many keys are wrong
-    names(err.value, "'layer0.down.bias', 'layer0.down.weight', 'layer0.norm.bias', 'layer0.norm.weight']",
-          "'layer0.x', 'layer1.x', 'layer2.x', 'layer3.x']")
+    names(
+        err.value,
+        "'layer0.down.bias', 'layer0.down.weight', 'layer0.norm.bias', 'layer0.norm.weight']",
+        "'layer0.x', 'layer1.x', 'layer2.x', 'layer3.x']",
+    )
     assert "layer4.x" not in str(err.value)
     bad = {**state, "layer0.up.weight": torch.zeros(2, 4)}
     with pytest.raises(ValueError) as err:

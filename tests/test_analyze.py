@@ -1,4 +1,5 @@
 """KD usage ratio and the analyze stage on hand-made gate logs, POS tags and metrics."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,17 @@ def postags_table() -> pd.DataFrame:
     rows = []
     for eid, toks in (("p1", PRODUCT_TOKENS), ("a1", ACADEMIC_TOKENS)):
         for pos_i, tid, w, word, pos in toks:
-            rows.append({"example_id": eid, "position": pos_i, "token_id": tid, "word_index": w, "word": word,
-                         "pos": pos, "is_noun_or_verb": pos in NOUN_VERB})
+            rows.append(
+                {
+                    "example_id": eid,
+                    "position": pos_i,
+                    "token_id": tid,
+                    "word_index": w,
+                    "word": word,
+                    "pos": pos,
+                    "is_noun_or_verb": pos in NOUN_VERB,
+                }
+            )
     t = pd.DataFrame(rows)
     t["word_index"] = t["word_index"].astype("Int32")
     return t
@@ -56,14 +66,25 @@ def postags_table() -> pd.DataFrame:
 
 def gate_log(epochs: int = 1) -> pd.DataFrame:
     rows = []
-    for client, eid, toks, kd in (("Product", "p1", PRODUCT_TOKENS, PRODUCT_KD),
-                                  ("Academic", "a1", ACADEMIC_TOKENS, ACADEMIC_KD)):
+    for client, eid, toks, kd in (
+        ("Product", "p1", PRODUCT_TOKENS, PRODUCT_KD),
+        ("Academic", "a1", ACADEMIC_TOKENS, ACADEMIC_KD),
+    ):
         for rnd, kd_positions in kd.items():
             for _ in range(epochs):
                 for pos_i, tid, *_ in toks:
                     on = pos_i in kd_positions
-                    rows.append({"client": client, "round": rnd, "example_id": eid, "position": pos_i,
-                                 "token_id": tid, "entropy": 1.0 if on else 7.0, "kd_applied": on})
+                    rows.append(
+                        {
+                            "client": client,
+                            "round": rnd,
+                            "example_id": eid,
+                            "position": pos_i,
+                            "token_id": tid,
+                            "entropy": 1.0 if on else 7.0,
+                            "kd_applied": on,
+                        }
+                    )
     return pd.DataFrame(rows)
 
 
@@ -108,11 +129,26 @@ def write_experiment(root, name, clients_best, scores, gate=True):
     if clients_best is not None:
         (root / "reports/train" / name).mkdir(parents=True)
         (root / "reports/train" / name / "metrics.json").write_text(
-            json.dumps({"clients": {c: {"best_round": b} for c, b in clients_best.items()}}))
+            json.dumps({"clients": {c: {"best_round": b} for c, b in clients_best.items()}})
+        )
     (root / "reports/eval" / name).mkdir(parents=True)
-    (root / "reports/eval" / name / "metrics.json").write_text(json.dumps({"clients": {
-        c: {"rouge1": r1, "rouge2": r2, "rougeL": rl, "rougeLsum": rl, "avg_rouge": (r1 + r2 + rl) / 3, "n": 5}
-        for c, (r1, r2, rl) in scores.items()}}))
+    (root / "reports/eval" / name / "metrics.json").write_text(
+        json.dumps(
+            {
+                "clients": {
+                    c: {
+                        "rouge1": r1,
+                        "rouge2": r2,
+                        "rougeL": rl,
+                        "rougeLsum": rl,
+                        "avg_rouge": (r1 + r2 + rl) / 3,
+                        "n": 5,
+                    }
+                    for c, (r1, r2, rl) in scores.items()
+                }
+            }
+        )
+    )
 
 
 def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
@@ -130,8 +166,13 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
             "sel_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"},
             "sel_s1": {"method": "fedselectkd", "partition": "domain/seed1", "seed": 1, "study": "main"},
             "hard_s0": {"method": "hardkd", "partition": "domain/seed0", "seed": 0, "study": "main"},
-            "tau3_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "tau_sweep",
-                        "tau": 3.0},
+            "tau3_s0": {
+                "method": "fedselectkd",
+                "partition": "domain/seed0",
+                "seed": 0,
+                "study": "tau_sweep",
+                "tau": 3.0,
+            },
             "avg_s0": {"method": "fedavg", "partition": "domain/seed0", "seed": 0, "study": "main"},
         },
     }
@@ -139,8 +180,14 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
     analyze.main([])
 
     out = tmp_path / "reports/analysis"
-    for fig in ("pos_Product", "pos_Academic", "entropy_Product", "entropy_Academic", "hardkd_vs_selectkd",
-                "tau_sweep"):
+    for fig in (
+        "pos_Product",
+        "pos_Academic",
+        "entropy_Product",
+        "entropy_Academic",
+        "hardkd_vs_selectkd",
+        "tau_sweep",
+    ):
         assert (out / "figures" / f"{fig}.png").stat().st_size > 1000
     res = json.loads((out / "kd_analysis.json").read_text())
     prod, acad = res["clients"]["Product"], res["clients"]["Academic"]
@@ -148,8 +195,13 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
     assert acad["kd_usage_ratio"] == pytest.approx(0.75)
     # Product, rounds 1-2: nouns/verbs 10 word updates, 3 with KD; no DET/PRON among the 9 non-KD updates.
     assert prod["noun_verb_kd_rate"] == pytest.approx(0.3) and prod["det_pron_share_of_no_kd"] == 0
-    assert prod["pos"]["NOUN"] == {"kd": 3, "no_kd": 3, "kd_rate": 0.5, "share_of_kd": 1.0,
-                                   "share_of_no_kd": pytest.approx(3 / 9)}
+    assert prod["pos"]["NOUN"] == {
+        "kd": 3,
+        "no_kd": 3,
+        "kd_rate": 0.5,
+        "share_of_kd": 1.0,
+        "share_of_no_kd": pytest.approx(3 / 9),
+    }
     # Academic, round 1 only: "the" is the one non-KD word.
     assert acad["det_pron_share_of_no_kd"] == 1.0 and acad["noun_verb_kd_rate"] == 1.0
     # gate: fraction of tokens with KD per round (all logged rounds), consistent with tau = 5
@@ -162,23 +214,34 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
     assert points[("Product", 3.0)]["avg_rouge"] == pytest.approx(14) and points[("Product", 5.0)]["avg_rouge"] == 20
     assert points[("Product", 3.0)]["kd_usage_ratio"] == pytest.approx(0.25)
     csv = pd.read_csv(out / "tau_sweep.csv")
-    assert list(csv.columns) == ["client", "tau", "avg_rouge", "kd_usage_ratio", "noun_verb_kd_rate",
-                                 "det_pron_share_of_no_kd", "n_seeds"] and len(csv) == 4
+    assert (
+        list(csv.columns)
+        == ["client", "tau", "avg_rouge", "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd", "n_seeds"]
+        and len(csv) == 4
+    )
     assert res["tau_sweep"]["portable_gates"] == []  # every gate here is in nats
     # sel_s1 has no files at all: reported, not invented; fedavg is not an input of the analysis
     missing = {(m["experiment"], m["file"]) for m in res["missing"]}
-    assert missing == {("sel_s1", "models/sel_s1/gate_log.parquet"), ("sel_s1", "reports/train/sel_s1/metrics.json"),
-                       ("sel_s1", "reports/eval/sel_s1/metrics.json")}
+    assert missing == {
+        ("sel_s1", "models/sel_s1/gate_log.parquet"),
+        ("sel_s1", "reports/train/sel_s1/metrics.json"),
+        ("sel_s1", "reports/eval/sel_s1/metrics.json"),
+    }
     assert prod["experiments"] == ["sel_s0"]
 
 
 def test_portable_gates_are_read_from_the_entry_or_the_train_group():
     from pipeline.experiments import declared
 
-    params = {"tau": 5.0, "train": {"tau_scale": "absolute"}, "experiments": {
-        "a": {"method": "fedselectkd", "partition": "domain/seed0"},
-        "b": {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.87, "tau_scale": "batch_quantile"},
-        "c": {"method": "fedavg", "partition": "domain/seed0"}}}
+    params = {
+        "tau": 5.0,
+        "train": {"tau_scale": "absolute"},
+        "experiments": {
+            "a": {"method": "fedselectkd", "partition": "domain/seed0"},
+            "b": {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.87, "tau_scale": "batch_quantile"},
+            "c": {"method": "fedavg", "partition": "domain/seed0"},
+        },
+    }
     got = {e.name: (e.tau, e.tau_scale) for e in declared(params)}
     assert got == {"a": (5.0, "absolute"), "b": (0.87, "batch_quantile"), "c": (None, "absolute")}
 

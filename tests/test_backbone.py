@@ -1,22 +1,23 @@
 """Stage backbone: local directories, hub ids offline, the offline MiniLM recipe; and pipeline.common.timing."""
+
 from __future__ import annotations
 
 import json
-import time
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import tiny_models
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
-import tiny_models
 from pipeline import backbone as bb
-from pipeline.modeling import warmup as wu
 from pipeline.common.timing import stage_timer
+from pipeline.modeling import warmup as wu
 
 DIALOGUES = [
     ([("Amanda", "I baked cookies. Do you want some?"), ("Jerry", "Sure!")], "Amanda baked cookies for Jerry."),
@@ -31,10 +32,22 @@ def write_interim(path, n_train=4, n_valid=2):
     for split, n in (("train", n_train), ("valid", n_valid)):
         for i in range(n):
             turns, summary = DIALOGUES[i % len(DIALOGUES)]
-            rows.append(dict(dataset="samsum", domain="SAMSum", split=split, meeting_id=f"{split}{i}",
-                             query_index=-1, query="", query_type="none",
-                             turns=[{"speaker": s, "content": c} for s, c in turns], spans=[],
-                             summary=summary, source_file="fixture", source_line=i + 1))
+            rows.append(
+                dict(
+                    dataset="samsum",
+                    domain="SAMSum",
+                    split=split,
+                    meeting_id=f"{split}{i}",
+                    query_index=-1,
+                    query="",
+                    query_type="none",
+                    turns=[{"speaker": s, "content": c} for s, c in turns],
+                    spans=[],
+                    summary=summary,
+                    source_file="fixture",
+                    source_line=i + 1,
+                )
+            )
     # one empty dialogue, as SAMSum train has: skipped, not trained on
     rows.append(dict(rows[0], meeting_id="empty", turns=[], summary="nothing"))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,8 +140,16 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
 def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     interim = write_interim(tmp_path / "interim" / "samsum.parquet")
     cfg = bb.BackboneConfig()
-    cfg.warmup = wu.WarmupConfig(steps=2, batch_size=2, max_source_length=32, max_target_length=12,
-                                log_every=1, eval_examples=2, eval_batch_size=2, length_grouping=0)
+    cfg.warmup = wu.WarmupConfig(
+        steps=2,
+        batch_size=2,
+        max_source_length=32,
+        max_target_length=12,
+        log_every=1,
+        eval_examples=2,
+        eval_batch_size=2,
+        length_grouping=0,
+    )
     cfg.generation = bb.GenerationDefaults(max_new_tokens=4)
     out = tmp_path / "out"
     record = bb.resolve(cfg, "#SEP#", out, interim.parent, tmp_path / "backbone.json")
@@ -249,7 +270,9 @@ def test_cross_attention_can_start_from_the_layers_own_self_attention():
     assert wu.init_cross_attention_from_self(model) == len(model.decoder.bert.encoder.layer)
     for layer in model.decoder.bert.encoder.layer:
         for name in ("query", "key", "value"):
-            assert torch.equal(getattr(layer.crossattention.self, name).weight, getattr(layer.attention.self, name).weight)
+            assert torch.equal(
+                getattr(layer.crossattention.self, name).weight, getattr(layer.attention.self, name).weight
+            )
             assert torch.equal(getattr(layer.crossattention.self, name).bias, getattr(layer.attention.self, name).bias)
         assert torch.equal(layer.crossattention.output.dense.weight, layer.attention.output.dense.weight)
         assert torch.equal(layer.crossattention.output.LayerNorm.weight, layer.attention.output.LayerNorm.weight)
@@ -272,8 +295,9 @@ def _tiny_warmed_up(pairs, **settings):
     """The seeded tiny BERT2BERT after 3 warm-up steps with ``settings``."""
     torch.manual_seed(0)
     model, tok = tiny_models.tiny_bert2bert()
-    wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
-                         **settings)
+    wc = wu.WarmupConfig(
+        steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0, **settings
+    )
     wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
     return model
 
@@ -304,8 +328,9 @@ def test_warm_up_without_attention_dropout_trains_as_a_model_without_it_and_rest
         assert len(attention) == 2 + 3 * 2  # encoder self; decoder self and cross
         for m in attention:
             m.dropout.p = p
-        wc = wu.WarmupConfig(steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0,
-                             attention_dropout=keep)
+        wc = wu.WarmupConfig(
+            steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0, attention_dropout=keep
+        )
         wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
         assert all(m.dropout.p == p for m in attention)
         weights[p, keep] = model.state_dict()

@@ -1,4 +1,5 @@
 """The analytic FLOP model of benchmarks/flops.py against torch's own FLOP counter on the benchmarked steps."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,21 @@ from pipeline.modeling.cache import PrefixCache
 
 def tiny(arch: str) -> Shape:
     # vocab >= the MiniLM tokenizer's 30522 words (the summarizer checks the tokenizer fits the embeddings)
-    return Shape("tiny", arch, hidden=64, ffn=128, heads=4, encoder_layers=2, decoder_layers=4, vocab=30600,
-                 top_k=2, bottleneck=96, source_length=40, target_length=12, batch_size=2)
+    return Shape(
+        "tiny",
+        arch,
+        hidden=64,
+        ffn=128,
+        heads=4,
+        encoder_layers=2,
+        decoder_layers=4,
+        vocab=30600,
+        top_k=2,
+        bottleneck=96,
+        source_length=40,
+        target_length=12,
+        batch_size=2,
+    )
 
 
 # BART with eager attention: torch counts the attention bmm's too, so the full model must match exactly.
@@ -42,8 +56,21 @@ def test_counted_flops_of_each_step_match_the_analytic_model(tmp_path, arch, att
 
 
 def test_flop_model_hand_checked_pieces():
-    s = Shape("h", "bart", hidden=2, ffn=3, heads=1, encoder_layers=1, decoder_layers=2, vocab=5, top_k=1,
-              bottleneck=4, source_length=3, target_length=2, batch_size=1)
+    s = Shape(
+        "h",
+        "bart",
+        hidden=2,
+        ffn=3,
+        heads=1,
+        encoder_layers=1,
+        decoder_layers=2,
+        vocab=5,
+        top_k=1,
+        bottleneck=4,
+        source_length=3,
+        target_length=2,
+        batch_size=1,
+    )
     # encoder layer: S(8n^2 + 4nf) + 4S^2n = 3(32 + 24) + 72 = 240
     assert flops.encoder_layer(s) == 240
     # decoder layer: T(12n^2 + 4nf) + 4T^2n + 4TSn + 4Sn^2 = 2(48 + 24) + 32 + 48 + 48 = 272
@@ -77,10 +104,16 @@ def test_memory_table_reads_stage_records_and_counts_bad_ones(tmp_path):
 
     from benchmarks.memory import collect
 
-    (tmp_path / "train.json").write_text(json.dumps(
-        {"stage": "train", "seconds": 12.5, "peak_rss_mb": 900.0, "finished_at": "2026-01-01T00:00:02+00:00"}))
-    (tmp_path / "ingest.json").write_text(json.dumps(
-        {"stage": "ingest", "seconds": 3.0, "peak_rss_mb": 150.5, "finished_at": "2026-01-01T00:00:01+00:00"}))
+    (tmp_path / "train.json").write_text(
+        json.dumps(
+            {"stage": "train", "seconds": 12.5, "peak_rss_mb": 900.0, "finished_at": "2026-01-01T00:00:02+00:00"}
+        )
+    )
+    (tmp_path / "ingest.json").write_text(
+        json.dumps(
+            {"stage": "ingest", "seconds": 3.0, "peak_rss_mb": 150.5, "finished_at": "2026-01-01T00:00:01+00:00"}
+        )
+    )
     (tmp_path / "broken.json").write_text("{not json")
     out = collect(tmp_path)
     assert [r["stage"] for r in out["stages"]] == ["ingest", "train"]  # in the order they finished
@@ -107,8 +140,10 @@ def test_scale_benchmark_core_at_two_sizes_in_process(tmp_path):
     torch.set_num_threads(1)
     cfg = ScaleConfig(sizes=(2, 4), engines=("inprocess",), rounds=2)
     res = bench_scale(cfg, work=tmp_path, isolate=False)
-    assert [(p["engine"], p["clients"], p["status"]) for p in res["points"]] == [("inprocess", 2, "ok"),
-                                                                                 ("inprocess", 4, "ok")]
+    assert [(p["engine"], p["clients"], p["status"]) for p in res["points"]] == [
+        ("inprocess", 2, "ok"),
+        ("inprocess", 4, "ok"),
+    ]
     for p in res["points"]:
         n = p["clients"]
         assert p["train_examples"] == cfg.train_per_client * n  # the whole pool is partitioned
@@ -137,14 +172,35 @@ def test_repro_profile_copies_only_stage_written_inputs_and_reports_ratios():
     from benchmarks import repro_profile as rp
 
     dep = lambda p: SimpleNamespace(def_path=p)  # noqa: E731
-    stage = SimpleNamespace(deps=[dep("pipeline/train.py"), dep("models/plans/a.json"), dep("models/backbone"),
-                                  dep("data/processed/examples.parquet")])
+    stage = SimpleNamespace(
+        deps=[
+            dep("pipeline/train.py"),
+            dep("models/plans/a.json"),
+            dep("models/backbone"),
+            dep("data/processed/examples.parquet"),
+        ]
+    )
     outputs = {"models/plans", "models/backbone", "data/processed/examples.parquet"}
-    assert rp.tracked_inputs(stage, outputs) == ["models/plans/a.json", "models/backbone",
-                                                 "data/processed/examples.parquet"]
-    result = {"baseline": "b", "candidate": "c", "repeats": 1, "machine": "m", "measured_at": "t",
-              "stages": {"backbone": {"baseline": {"work_seconds": 200.0, "peak_rss_mb": 0.0},
-                                      "candidate": {"work_seconds": 250.0, "peak_rss_mb": 0.0}}}}
+    assert rp.tracked_inputs(stage, outputs) == [
+        "models/plans/a.json",
+        "models/backbone",
+        "data/processed/examples.parquet",
+    ]
+    result = {
+        "baseline": "b",
+        "candidate": "c",
+        "repeats": 1,
+        "machine": "m",
+        "measured_at": "t",
+        "stages": {
+            "backbone": {
+                "baseline": {"work_seconds": 200.0, "peak_rss_mb": 0.0},
+                "candidate": {"work_seconds": 250.0, "peak_rss_mb": 0.0},
+            }
+        },
+    }
     rows = [line for line in rp.markdown(result).splitlines() if line.startswith("| backbone")]
-    assert rows == ["| backbone | work_seconds | 200.00 | 250.00 | 1.25 |",
-                    "| backbone | peak_rss_mb | 0.00 | 0.00 | - |"]
+    assert rows == [
+        "| backbone | work_seconds | 200.00 | 250.00 | 1.25 |",
+        "| backbone | peak_rss_mb | 0.00 | 0.00 | - |",
+    ]

@@ -1,15 +1,16 @@
 """Frozen-prefix cache and teacher cache: exactness against the uncached path, keys, eviction."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny
 
 from pipeline.modeling.adapters import AdapterConfig
-from pipeline.modeling.cache import PrefixCache, TeacherCache
 from pipeline.modeling.batching import IGNORE_INDEX, collate, tokenize_pairs
+from pipeline.modeling.cache import PrefixCache, TeacherCache
 from pipeline.modeling.losses import KDConfig, distillation_loss
 from pipeline.modeling.model import AdapterSummarizer
-from tiny_models import tiny
 
 SOURCES = [
     "What was decided? #SEP# Industrial Designer: The case could be made of rubber or plastic, said the designer.",
@@ -34,14 +35,27 @@ def model(request):
 
 
 def _batch(model, idx):
-    ex = tokenize_pairs(model.tokenizer, [SOURCES[i] for i in idx], [TARGETS[i] for i in idx], 64, 32,
-                        [IDS[i] for i in idx], model.decoder_start_token_id)
+    ex = tokenize_pairs(
+        model.tokenizer,
+        [SOURCES[i] for i in idx],
+        [TARGETS[i] for i in idx],
+        64,
+        32,
+        [IDS[i] for i in idx],
+        model.decoder_start_token_id,
+    )
     return collate(ex, model.pad_token_id, model.decoder_start_token_id)
 
 
 def _cache(model, root, **kw):
-    args = dict(fingerprint=model.backbone_fingerprint(), max_source_length=64, max_target_length=32, top_k=2,
-                dtype="float32", max_bytes=10**8)
+    args = dict(
+        fingerprint=model.backbone_fingerprint(),
+        max_source_length=64,
+        max_target_length=32,
+        top_k=2,
+        dtype="float32",
+        max_bytes=10**8,
+    )
     args.update(kw)
     return PrefixCache(root, **args)
 
@@ -104,8 +118,9 @@ def test_key_changes_with_every_component(model, tmp_path):
 def test_changed_tokens_never_hit_a_stale_entry(model, tmp_path):
     cache = _cache(model, tmp_path)
     cache.prefix_for(model, _batch(model, [0]))
-    ex = tokenize_pairs(model.tokenizer, ["A different text #SEP# B: yes"], [TARGETS[0]], 64, 32, ["e0"],
-                        model.decoder_start_token_id)
+    ex = tokenize_pairs(
+        model.tokenizer, ["A different text #SEP# B: yes"], [TARGETS[0]], 64, 32, ["e0"], model.decoder_start_token_id
+    )
     changed = collate(ex, model.pad_token_id, model.decoder_start_token_id)
     prefix = cache.prefix_for(model, changed)
     assert cache.stats["misses"] == 2

@@ -1,5 +1,6 @@
 """Effects against the paper's and every main pair compared (pipeline.results.comparisons),
 the round-budget flags (pipeline.results.readers) and the README's generated results block."""
+
 from __future__ import annotations
 
 import itertools
@@ -29,15 +30,19 @@ def _block(text: str) -> str:
 
 # --- where the paper's difference sits against our interval ---------------------------------------------------
 
-@pytest.mark.parametrize("low, high, value, expected", [
-    (-0.56, 0.62, 0.30, "contains"),
-    (-0.56, 0.62, 0.62, "contains"),        # on the limit: not excluded
-    (-0.56, 0.62, -0.56, "contains"),
-    (-0.56, 0.62, 0.85, "excludes above"),
-    (1.03, 3.10, 0.30, "excludes below"),
-    (-0.56, 0.62, math.nan, ""),
-    (-0.56, 0.62, None, ""),
-])
+
+@pytest.mark.parametrize(
+    "low, high, value, expected",
+    [
+        (-0.56, 0.62, 0.30, "contains"),
+        (-0.56, 0.62, 0.62, "contains"),  # on the limit: not excluded
+        (-0.56, 0.62, -0.56, "contains"),
+        (-0.56, 0.62, 0.85, "excludes above"),
+        (1.03, 3.10, 0.30, "excludes below"),
+        (-0.56, 0.62, math.nan, ""),
+        (-0.56, 0.62, None, ""),
+    ],
+)
 def test_classify_places_the_published_value_against_the_interval(low, high, value, expected):
     assert comparisons.classify(low, high, value) == expected
 
@@ -50,27 +55,45 @@ def test_published_difference_is_the_client_average_of_table_iii():
     got = comparisons.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge")
     assert got == pytest.approx(expected) and round(got, 2) == 2.09
     # one client and one metric: the table's R-L is what our plain rougeL rows compare; rougeLsum has no paper value
-    assert comparisons.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeL") == \
-        pytest.approx(18.88 - 18.20)
+    assert comparisons.published_difference(
+        "bart-base", "centralized", "fedavg", "Academic", "rougeL"
+    ) == pytest.approx(18.88 - 18.20)
     assert comparisons.published_difference("bart-base", "centralized", "fedavg", "Academic", "rougeLsum") is None
     assert comparisons.published_difference("bart-large", "fedprox", "single", comparisons.AVERAGE, "avg_rouge") is None
 
 
 def _row(**kw) -> dict:
-    base = {"study": "main", "study_b": "main", "client": comparisons.AVERAGE, "metric": "avg_rouge",
-            "config_a": kw.get("method_a"), "config_b": kw.get("method_b"), "p_value": 0.5, "significant": False,
-            "identical_fraction": math.nan, "mean_diff": 0.0}
+    base = {
+        "study": "main",
+        "study_b": "main",
+        "client": comparisons.AVERAGE,
+        "metric": "avg_rouge",
+        "config_a": kw.get("method_a"),
+        "config_b": kw.get("method_b"),
+        "p_value": 0.5,
+        "significant": False,
+        "identical_fraction": math.nan,
+        "mean_diff": 0.0,
+    }
     return base | kw
 
 
 def test_with_published_fills_only_the_papers_pairs_in_the_main_study():
-    table = pd.DataFrame([
-        _row(method_a="fedselectkd", method_b="single", ci_low=-0.56, ci_high=0.62),
-        _row(method_a="centralized", method_b="fedselectkd", ci_low=1.03, ci_high=3.10),
-        _row(method_a="fedselectkd", method_b="fedkd", ci_low=-0.36, ci_high=0.48),
-        _row(method_a="fedselectkd", method_b="single", ci_low=-0.5, ci_high=0.5, study="tau_sweep",
-             config_a="fedselectkd tau=0.87"),
-    ])
+    table = pd.DataFrame(
+        [
+            _row(method_a="fedselectkd", method_b="single", ci_low=-0.56, ci_high=0.62),
+            _row(method_a="centralized", method_b="fedselectkd", ci_low=1.03, ci_high=3.10),
+            _row(method_a="fedselectkd", method_b="fedkd", ci_low=-0.36, ci_high=0.48),
+            _row(
+                method_a="fedselectkd",
+                method_b="single",
+                ci_low=-0.5,
+                ci_high=0.5,
+                study="tau_sweep",
+                config_a="fedselectkd tau=0.87",
+            ),
+        ]
+    )
     out = comparisons.with_published(table)
     assert list(out.columns[-6:]) == PUBLISHED_COLUMNS
     assert list(out["vs_published_bart-large"]) == ["excludes above", "excludes below", "contains", ""]
@@ -89,8 +112,11 @@ def five_methods(tmp_path):
     planned = []
     for i, method in enumerate(MAIN):
         _write_eval(eval_dir, f"{method}-domain", float(i), f"{method} words")
-        planned.append(Experiment(f"{method}-domain", method, "domain/seed0", 0, "main",
-                                  tau=5.0 if method == "fedselectkd" else None))
+        planned.append(
+            Experiment(
+                f"{method}-domain", method, "domain/seed0", 0, "main", tau=5.0 if method == "fedselectkd" else None
+            )
+        )
     _write_eval(eval_dir, "quantile", 4.5, "quantile words")
     planned.append(Experiment("quantile", "fedselectkd", "domain/seed0", 0, "tau_sweep", tau=0.87))
     return eval_dir, planned
@@ -120,6 +146,7 @@ def test_every_pair_of_the_main_methods_and_the_gate_variant_is_compared_once(fi
 
 # --- convergence from rounds files ----------------------------------------------------------------------------
 
+
 def _rounds(path: Path, losses: dict[str, list[float]], metrics: dict | None = None) -> None:
     path.mkdir(parents=True)
     n = max(len(v) for v in losses.values())
@@ -135,12 +162,21 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     _rounds(train / "b", {"X": [5.0, 4.0, 3.9], "Y": [4.0, 4.0, 4.5]})  # X last; Y tie 1/2 -> earliest (1)
     # a record that states `converged` is taken as it says, whatever the rounds show
     _rounds(train / "c", {"X": [3.0, 2.0]}, {"clients": {"X": {"best_round": 2, "converged": True}}})
-    planned = [Experiment("a", "fedavg", "domain/seed0", 0, "main"), Experiment("b", "fedavg", "domain/seed0", 1, "main"),
-               Experiment("c", "single", "domain/seed0", 0, "other"), Experiment("gone", "single", "domain/seed0", 0, "main")]
+    planned = [
+        Experiment("a", "fedavg", "domain/seed0", 0, "main"),
+        Experiment("b", "fedavg", "domain/seed0", 1, "main"),
+        Experiment("c", "single", "domain/seed0", 0, "other"),
+        Experiment("gone", "single", "domain/seed0", 0, "main"),
+    ]
     table = readers.convergence_table(planned, with_labels(planned), train)
     flags = {(r.experiment, r.client): (r.best_round, r.last_round, r.best_is_last) for r in table.itertuples()}
-    assert flags == {("a", "X"): (3, 3, True), ("a", "Y"): (2, 3, False), ("b", "X"): (3, 3, True),
-                     ("b", "Y"): (1, 3, False), ("c", "X"): (2, 2, False)}
+    assert flags == {
+        ("a", "X"): (3, 3, True),
+        ("a", "Y"): (2, 3, False),
+        ("b", "X"): (3, 3, True),
+        ("b", "Y"): (1, 3, False),
+        ("c", "X"): (2, 2, False),
+    }
     assert readers.row_mark(table, "main", "fedavg", "X") == f"{readers.MARK} 2/2"
     assert readers.row_mark(table, "main", "fedavg", "Y") == ""
     assert readers.convergence_note(table, ["main"]).startswith(f"{readers.MARK} 2 of 4 client-runs")
@@ -153,20 +189,42 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
 def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
-    (run / "metrics.json").write_text(json.dumps({"rounds": 8, "clients": {
-        "X": {"best_round": 8, "rounds_trained": 8}, "Y": {"best_round": 5, "rounds_trained": 8}}}))
+    (run / "metrics.json").write_text(
+        json.dumps(
+            {
+                "rounds": 8,
+                "clients": {"X": {"best_round": 8, "rounds_trained": 8}, "Y": {"best_round": 5, "rounds_trained": 8}},
+            }
+        )
+    )
     f = readers.run_convergence(tmp_path, "r")
     assert dict(zip(f["client"], f["best_is_last"])) == {"X": True, "Y": False}
 
 
 # --- the generated text ---------------------------------------------------------------------------------------
 
+
 def test_results_text_renders_the_numbers_of_the_table():
-    table = pd.DataFrame([
-        _row(method_a="fedkd", method_b="single", mean_diff=-0.05, ci_low=-0.71, ci_high=0.57, identical_fraction=0.18),
-        _row(method_a="fedselectkd", method_b="single", mean_diff=0.02, ci_low=-0.56, ci_high=0.62,
-             identical_fraction=0.23),
-    ])
+    table = pd.DataFrame(
+        [
+            _row(
+                method_a="fedkd",
+                method_b="single",
+                mean_diff=-0.05,
+                ci_low=-0.71,
+                ci_high=0.57,
+                identical_fraction=0.18,
+            ),
+            _row(
+                method_a="fedselectkd",
+                method_b="single",
+                mean_diff=0.02,
+                ci_low=-0.56,
+                ci_high=0.62,
+                identical_fraction=0.23,
+            ),
+        ]
+    )
     text = comparisons.results_text(table)
     assert "+0.02 [−0.56, +0.62]" in text and "−0.05 [−0.71, +0.57]" in text
     assert "+0.85 to +2.09" in text and "+0.57 and +0.62" in text  # the excluded published gains, our upper limits
@@ -176,17 +234,43 @@ def test_results_text_renders_the_numbers_of_the_table():
 
 
 def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
-    table = pd.DataFrame([
-        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=5",
-             config_b="fedselectkd tau=5", study="sampling", mean_diff=0.75, ci_low=0.23, ci_high=1.31, p_value=0.01,
-             significant=True),
-        _row(method_a="fedselectkd", method_b="fedselectkd", config_a="fedselectkd tau=3",
-             config_b="fedselectkd tau=5", study="tau_sweep", mean_diff=-0.21, ci_low=-0.54, ci_high=0.03,
-             p_value=0.2),
-        _row(method_a="centralized", method_b="single", mean_diff=0.30, ci_low=-0.58, ci_high=1.19, p_value=0.855),
-        _row(method_a="centralized", method_b="fedavg", mean_diff=2.17, ci_low=1.31, ci_high=3.05, p_value=0.001,
-             significant=True),
-    ])
+    table = pd.DataFrame(
+        [
+            _row(
+                method_a="fedselectkd",
+                method_b="fedselectkd",
+                config_a="fedselectkd tau=5",
+                config_b="fedselectkd tau=5",
+                study="sampling",
+                mean_diff=0.75,
+                ci_low=0.23,
+                ci_high=1.31,
+                p_value=0.01,
+                significant=True,
+            ),
+            _row(
+                method_a="fedselectkd",
+                method_b="fedselectkd",
+                config_a="fedselectkd tau=3",
+                config_b="fedselectkd tau=5",
+                study="tau_sweep",
+                mean_diff=-0.21,
+                ci_low=-0.54,
+                ci_high=0.03,
+                p_value=0.2,
+            ),
+            _row(method_a="centralized", method_b="single", mean_diff=0.30, ci_low=-0.58, ci_high=1.19, p_value=0.855),
+            _row(
+                method_a="centralized",
+                method_b="fedavg",
+                mean_diff=2.17,
+                ci_low=1.31,
+                ci_high=3.05,
+                p_value=0.001,
+                significant=True,
+            ),
+        ]
+    )
     lines = comparisons.results_text(table).splitlines()
     sampling = next(line for line in lines if "+0.75 [+0.23, +1.31]" in line)
     assert "gate" not in sampling and "sampling" in sampling
@@ -212,19 +296,34 @@ def test_committed_readme_blocks_equal_what_the_study_generates():
     """Both READMEs' results blocks are what `python -m pipeline.report claims` renders from the committed
     reports/cpu-study/comparisons.csv and train/ rounds files: a number edited by hand, or a table that moved
     without the text, fails here."""
-    result = subprocess.run([sys.executable, "-m", "pipeline.report", "claims", "reports/cpu-study", "README.md",
-                             "reports/cpu-study/README.md", "--check"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline.report",
+            "claims",
+            "reports/cpu-study",
+            "README.md",
+            "reports/cpu-study/README.md",
+            "--check",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     block = _block((ROOT / "README.md").read_text(encoding="utf-8"))
     assert "59 of 63 client-runs" in block  # counted from the study's rounds files
     comp = pd.read_csv(ROOT / "reports/cpu-study/comparisons.csv")
     main = comp[(comp["study"] == "main") & (comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")]
     assert {frozenset(p) for p in zip(main["method_a"], main["method_b"])} == {
-        frozenset(p) for p in itertools.combinations(MAIN, 2)}
+        frozenset(p) for p in itertools.combinations(MAIN, 2)
+    }
     assert set(PUBLISHED_COLUMNS) <= set(comp.columns)
 
 
 # --- the report stage and the study rebuild -------------------------------------------------------------------
+
 
 def _study_folder(root: Path) -> dict:
     """A study laid out as reports/cpu-study is: params.yaml, eval/<exp>/per_example.parquet, train/<exp>/rounds.json."""
@@ -234,8 +333,10 @@ def _study_folder(root: Path) -> dict:
         params["experiments"][name] = {"method": method, "partition": "domain/seed0", "seed": 0, "study": "main"}
         _write_eval(root / "eval", name, float(i), f"{method} words")
         # AdaSingle still improving at its last round on Academic; every other client-run best at round 2 of 3
-        _rounds(root / "train" / name, {"Academic": [5.0, 4.0, 3.0 if method == "single" else 4.5],
-                                        "Product": [5.0, 4.0, 4.2]})
+        _rounds(
+            root / "train" / name,
+            {"Academic": [5.0, 4.0, 3.0 if method == "single" else 4.5], "Product": [5.0, 4.0, 4.2]},
+        )
     import yaml
 
     (root / "params.yaml").write_text(yaml.safe_dump(params))
@@ -258,11 +359,13 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
     comp = pd.read_csv(tables / "comparisons.csv")
     avg = comp[(comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")]
     assert {frozenset(p) for p in zip(avg["method_a"], avg["method_b"])} == {
-        frozenset(p) for p in itertools.combinations(MAIN, 2)}
+        frozenset(p) for p in itertools.combinations(MAIN, 2)
+    }
     row = avg[(avg["method_a"] == "fedselectkd") & (avg["method_b"] == "single")].iloc[0]
     assert row["mean_diff"] == pytest.approx(4.0)  # shifts 4 and 0
     assert row["published_bart-large"] == pytest.approx(
-        comparisons.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge"))
+        comparisons.published_difference("bart-large", "fedselectkd", "single", comparisons.AVERAGE, "avg_rouge")
+    )
     assert row["vs_published_bart-large"] == "excludes below"  # our [+4, +4] is above the paper's +2.09
     main_md = (tables / "study_main.md").read_text()
     assert f"{readers.MARK} 1 of 10 client-runs" in main_md
@@ -274,8 +377,9 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
 def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     _study_folder(tmp_path)
     (tmp_path / "README.md").write_text(f"# study\n\n{comparisons.BEGIN}\nstale\n{comparisons.END}\nkept\n")
-    run = subprocess.run([sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT,
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
     assert run.returncode == 0, run.stderr
     assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 5  # 10 pairs x (2 clients + average) x 5 metrics
     text = (tmp_path / "README.md").read_text()
@@ -289,6 +393,7 @@ def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
 
 
 # --- the MLflow tag -------------------------------------------------------------------------------------------
+
 
 def test_imported_evaluation_tags_its_run_converged_from_the_train_record_beside_it(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
@@ -318,26 +423,44 @@ def _scaled(rows: list[dict], seeds: int, examples: int) -> pd.DataFrame:
 
 
 VERDICT_ROWS = [
-    _row(method_a="fedavg", method_b="single", mean_diff=-1.87, ci_low=-2.55, ci_high=-1.15, p_value=0.001,
-         significant=True),
-    _row(method_a="fedselectkd", method_b="fedkd", mean_diff=0.58, ci_low=0.23, ci_high=0.85, p_value=0.002,
-         significant=True),
+    _row(
+        method_a="fedavg",
+        method_b="single",
+        mean_diff=-1.87,
+        ci_low=-2.55,
+        ci_high=-1.15,
+        p_value=0.001,
+        significant=True,
+    ),
+    _row(
+        method_a="fedselectkd",
+        method_b="fedkd",
+        mean_diff=0.58,
+        ci_low=0.23,
+        ci_high=0.85,
+        p_value=0.002,
+        significant=True,
+    ),
 ]
 
 
 def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
     lines = comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
-    assert any(line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line
-               for line in lines)
+    assert any(
+        line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line for line in lines
+    )
     assert any(line.startswith("- **Selectivity helps**") for line in lines)
     assert "3 seed(s) and 244 test examples a comparison" in lines[0]
 
 
-@pytest.mark.parametrize("smoke, seeds, examples, why", [
-    (True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")])
+@pytest.mark.parametrize(
+    "smoke, seeds, examples, why",
+    [(True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")],
+)
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
-    text = comparisons.results_text(_scaled(VERDICT_ROWS, seeds, examples),
-                              scale=comparisons.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100))
+    text = comparisons.results_text(
+        _scaled(VERDICT_ROWS, seeds, examples), scale=comparisons.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100)
+    )
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
     assert "excluded" not in text and "inside our interval" not in text  # nor a verdict against the paper
@@ -346,8 +469,11 @@ def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, see
 
 
 def test_the_backbone_caveat_comes_from_the_records():
-    backbone = {"name": "tiny", "parameters": 12_345_678,
-                "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"}}
+    backbone = {
+        "name": "tiny",
+        "parameters": 12_345_678,
+        "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"},
+    }
     kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
     note = comparisons.backbone_note(backbone, kd)
     assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note

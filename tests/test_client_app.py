@@ -7,6 +7,7 @@ a restarted client resumes its local adapter only from a checkpoint of a round i
 one before the round asked, and gets back its progress and DP-SGD step count; the reported epsilon is the
 accountant's epsilon after all the client's steps so far, -1 meaning unbounded.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,12 +18,11 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, MetricRecord, RecordDict
 
-from tests.errors import logs, names
-from tests.test_federated import CLIENT_SETTINGS, workspace, write_plan, ws  # noqa: F401  (fixtures)
-
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.client_app  # noqa: F401
 import pipeline.privacy.example_dp  # noqa: F401
+from tests.errors import logs, names
+from tests.test_federated import CLIENT_SETTINGS, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
 def _context(**node) -> Context:
@@ -47,7 +47,10 @@ def test_a_node_is_the_client_it_names_else_the_partitions_client_at_its_id(ws):
     assert client_name(plan, _context(**{"client-name": "Product", "partition-id": 0})) == "Product"
     # the simulation's partition ids follow the partition file's client order
     assert [client_name(plan, _context(**{"partition-id": i})) for i in range(3)] == [
-        "Academic", "Committee", "Product"]
+        "Academic",
+        "Committee",
+        "Product",
+    ]
     assert client_name(plan, _context(**{"client-name": "", "partition-id": "2"})) == "Product"
     with pytest.raises(ValueError) as err:
         client_name(plan, _context(plan="x.json"))
@@ -72,8 +75,14 @@ def _checkpoints(plan, name: str, context: Context, rounds: dict[int, tuple[floa
     from pipeline.training.checkpoints import write_client_checkpoint
 
     for rnd, (value, trained, dp_steps) in sorted(rounds.items()):
-        write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, _state(value),
-                                {"best-val-loss": value, "best-round": rnd}, trained, dp_steps)
+        write_client_checkpoint(
+            client_checkpoint_dir(plan, name, context),
+            rnd,
+            _state(value),
+            {"best-val-loss": value, "best-round": rnd},
+            trained,
+            dp_steps,
+        )
 
 
 def test_a_running_client_keeps_its_adapter_from_its_state(ws):
@@ -127,28 +136,54 @@ def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
 def _result(setting, steps: int, examples: int = 10, clipped: int = 3):
     from pipeline.training.client_training import LocalTrainResult
 
-    return LocalTrainResult(n_examples=examples, n_steps=steps, n_tokens=0, train_loss=0.0, ce=0.0, kd=0.0,
-                            kd_fraction=0.0, proximal=0.0, privacy=setting, dp_examples=examples, dp_clipped=clipped)
+    return LocalTrainResult(
+        n_examples=examples,
+        n_steps=steps,
+        n_tokens=0,
+        train_loss=0.0,
+        ce=0.0,
+        kd=0.0,
+        kd_fraction=0.0,
+        proximal=0.0,
+        privacy=setting,
+        dp_examples=examples,
+        dp_clipped=clipped,
+    )
 
 
 def _setting(noise: float, clip: float):
     from pipeline.privacy.accounting import ClientPrivacy
 
-    return ClientPrivacy(noise_multiplier=noise, max_grad_norm=clip, sample_rate=0.1, logical_batch=4,
-                         steps_per_epoch=10, delta=1e-5, accountant="rdp")
+    return ClientPrivacy(
+        noise_multiplier=noise,
+        max_grad_norm=clip,
+        sample_rate=0.1,
+        logical_batch=4,
+        steps_per_epoch=10,
+        delta=1e-5,
+        accountant="rdp",
+    )
 
 
 def test_the_reported_epsilon_composes_all_the_clients_steps(ws):
-    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, account
     from pipeline.privacy.accounting import epsilon
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
+    from pipeline.privacy.seam import account
 
     setting = _setting(1.1, 0.5)
     context = _context()
     first = account(context, _result(setting, 10, examples=20, clipped=5))
     second = account(context, _result(setting, 7))
-    assert first == {"dp-epsilon": pytest.approx(epsilon(1.1, 0.1, 10, 1e-5, "rdp")), "dp-delta": 1e-5,
-                     "dp-noise-multiplier": 1.1, "dp-max-grad-norm": 0.5, "dp-sample-rate": 0.1, "dp-steps": 10,
-                     "dp-examples": 20, "dp-clipped": 5}
+    assert first == {
+        "dp-epsilon": pytest.approx(epsilon(1.1, 0.1, 10, 1e-5, "rdp")),
+        "dp-delta": 1e-5,
+        "dp-noise-multiplier": 1.1,
+        "dp-max-grad-norm": 0.5,
+        "dp-sample-rate": 0.1,
+        "dp-steps": 10,
+        "dp-examples": 20,
+        "dp-clipped": 5,
+    }
     assert second["dp-steps"] == 17 and int(context.state[PRIVACY_KEY]["steps"]) == 17
     assert second["dp-epsilon"] == pytest.approx(epsilon(1.1, 0.1, 17, 1e-5, "rdp"))
     assert second["dp-epsilon"] > first["dp-epsilon"]  # composition: more steps, more privacy spent
@@ -165,7 +200,8 @@ def test_no_noise_or_no_clipping_is_reported_as_unbounded(ws):
 
 
 def test_a_restarted_client_keeps_composing_from_its_checkpointed_steps(ws):
-    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY, account
+    from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
+    from pipeline.privacy.seam import account
 
     context = _context()
     context.state[PRIVACY_KEY] = MetricRecord({"steps": 30})
@@ -181,9 +217,19 @@ def test_a_round_without_example_level_dp_reports_and_records_no_privacy(ws):
 
 
 # ----------------------------------------------------------------------------------------------- one training round
-def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float | None = None,
-                 local: dict[str, torch.Tensor] | None = None, handler: bool = False, n_trained: int = 2,
-                 edit_plan=None, **train):
+def _train_round(
+    monkeypatch,
+    name: str,
+    method: str,
+    *,
+    node: dict,
+    mu: float | None = None,
+    local: dict[str, torch.Tensor] | None = None,
+    handler: bool = False,
+    n_trained: int = 2,
+    edit_plan=None,
+    **train,
+):
     """One train_round with train_local replaced by a recorder of what it is given: the global the server sent
     is the round-0 adapter + 0.5, so every adapter state can be told apart. ``handler``: the message goes
     through the ClientApp's train handler (its privacy checks, then train_round), else to train_round itself (as
@@ -207,19 +253,40 @@ def _train_round(monkeypatch, name: str, method: str, *, node: dict, mu: float |
     seen = {}
 
     def train_local(model, plan_, examples, **kwargs):
-        seen.update(kwargs, examples=examples, local=model.adapter_state("local"),
-                    teacher=model.adapter_state("global") if plan_.spec.two_adapters else None)
+        seen.update(
+            kwargs,
+            examples=examples,
+            local=model.adapter_state("local"),
+            teacher=model.adapter_state("global") if plan_.spec.two_adapters else None,
+        )
         gate = empty_gate_log()
-        return LocalTrainResult(n_examples=n_trained, n_steps=1, n_tokens=5, train_loss=1.0, ce=1.0, kd=0.0,
-                                kd_fraction=0.0, proximal=0.0, gate_log=gate)
+        return LocalTrainResult(
+            n_examples=n_trained,
+            n_steps=1,
+            n_tokens=5,
+            train_loss=1.0,
+            ce=1.0,
+            kd=0.0,
+            kd_fraction=0.0,
+            proximal=0.0,
+            gate_log=gate,
+        )
 
     monkeypatch.setattr(client_app.local_training, "train_local", train_local)
     context = _context(**node)
     if local is not None:
         context.state[client_app.LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     config = {"server-round": 2, "plan": path, **CLIENT_SETTINGS} | ({"proximal-mu": mu} if mu is not None else {})
-    msg = Message(RecordDict({ARRAYS_KEY: encode_global(received, plan, reference=downlink_reference(plan)),
-                              CONFIG_KEY: ConfigRecord(config)}), dst_node_id=7, message_type="train")
+    msg = Message(
+        RecordDict(
+            {
+                ARRAYS_KEY: encode_global(received, plan, reference=downlink_reference(plan)),
+                CONFIG_KEY: ConfigRecord(config),
+            }
+        ),
+        dst_node_id=7,
+        message_type="train",
+    )
     reply = client_app.client_train(msg, context) if handler else client_app.train_round(msg, context)
     return plan, received, seen, reply, context
 
@@ -229,8 +296,9 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_fedprox_pulls_towards_the_global_it_received_with_the_servers_mu_and_no_other_method_does(ws, monkeypatch):
-    _, received, seen, _, _ = _train_round(monkeypatch, "round-prox", "fedprox", node={"client-name": "Product"},
-                                           mu=0.3)
+    _, received, seen, _, _ = _train_round(
+        monkeypatch, "round-prox", "fedprox", node={"client-name": "Product"}, mu=0.3
+    )
     assert seen["proximal_mu"] == pytest.approx(0.3) and _same(seen["proximal_reference"], received)
     _, _, seen, _, _ = _train_round(monkeypatch, "round-prox-none", "fedprox", node={"client-name": "Product"})
     assert seen["proximal_mu"] == 0.0 and seen["proximal_reference"] is None  # no mu sent: plain local training
@@ -244,14 +312,15 @@ def test_the_local_adapter_persists_for_kd_methods_and_is_replaced_by_the_global
     from pipeline.training.shared_model import initial_adapter_state
 
     own = {k: v - 1.0 for k, v in initial_adapter_state(_plan("round-own-ref")).items()}  # this client's own
-    _, received, seen, _, _ = _train_round(monkeypatch, "round-keep", "fedselectkd",
-                                           node={"partition-id": 2}, local=own)
+    _, received, seen, _, _ = _train_round(
+        monkeypatch, "round-keep", "fedselectkd", node={"partition-id": 2}, local=own
+    )
     assert _same(seen["local"], own) and _same(seen["teacher"], received) and seen["client"] == "Product"
-    _, received, seen, _, _ = _train_round(monkeypatch, "round-reset", "fedselectkd", node={"partition-id": 2},
-                                           local=own, local_adapter="reset")
+    _, received, seen, _, _ = _train_round(
+        monkeypatch, "round-reset", "fedselectkd", node={"partition-id": 2}, local=own, local_adapter="reset"
+    )
     assert _same(seen["local"], received) and _same(seen["teacher"], received)
-    _, received, seen, _, _ = _train_round(monkeypatch, "round-fedavg", "fedavg", node={"partition-id": 0},
-                                           local=own)
+    _, received, seen, _, _ = _train_round(monkeypatch, "round-fedavg", "fedavg", node={"partition-id": 0}, local=own)
     assert _same(seen["local"], received) and seen["teacher"] is None and seen["client"] == "Academic"
 
 
@@ -260,14 +329,25 @@ def test_the_reply_weight_is_what_trained_unless_weighted_by_the_clients_data_si
     full makes it the client's full |D_i| (the paper's weight)."""
     from pipeline.training.client_data import client_data
 
-    plan, _, seen, reply, _ = _train_round(monkeypatch, "round-weight-trained", "fedavg",
-                                           node={"client-name": "Committee"}, n_trained=1,
-                                           max_train_examples_per_client=1)
+    plan, _, seen, reply, _ = _train_round(
+        monkeypatch,
+        "round-weight-trained",
+        "fedavg",
+        node={"client-name": "Committee"},
+        n_trained=1,
+        max_train_examples_per_client=1,
+    )
     assert plan.train.weight_by == "trained"  # the default
     assert reply.content["metrics"]["num-examples"] == 1 and reply.content["metrics"]["num-trained"] == 1
-    plan, _, _, reply, _ = _train_round(monkeypatch, "round-weight-full", "fedavg",
-                                        node={"client-name": "Committee"}, n_trained=1,
-                                        max_train_examples_per_client=1, weight_by="full")
+    plan, _, _, reply, _ = _train_round(
+        monkeypatch,
+        "round-weight-full",
+        "fedavg",
+        node={"client-name": "Committee"},
+        n_trained=1,
+        max_train_examples_per_client=1,
+        weight_by="full",
+    )
     available = client_data(plan, "Committee").n_train_available
     assert available > 1 and reply.content["metrics"]["num-examples"] == available
 
@@ -278,8 +358,9 @@ def test_a_kd_clients_gate_log_stays_on_its_disk_as_a_plain_table_and_it_trains_
     from pipeline.federation.client_app import client_dir
     from pipeline.training.client_training import empty_gate_log
 
-    plan, _, seen, reply, context = _train_round(monkeypatch, "round-gate", "fedselectkd",
-                                                 node={"client-name": "Academic"})
+    plan, _, seen, reply, context = _train_round(
+        monkeypatch, "round-gate", "fedselectkd", node={"client-name": "Academic"}
+    )
     out = client_dir(plan, "Academic", context) / "gate_log" / "round002.parquet"
     assert pq.read_schema(out).names == list(empty_gate_log().columns)  # no index column beside the gate rows
     assert set(reply.content["arrays"].keys()) == set(seen["local"].keys())  # only the adapter leaves
@@ -292,15 +373,18 @@ def test_a_client_refuses_to_send_its_adapter_in_the_clear_when_the_plan_asks_fo
         return plan
 
     with pytest.raises(ValueError) as err:
-        _train_round(monkeypatch, "round-secagg", "fedavg", node={"client-name": "Product"}, edit_plan=secagg,
-                     handler=True)
+        _train_round(
+            monkeypatch, "round-secagg", "fedavg", node={"client-name": "Product"}, edit_plan=secagg, handler=True
+        )
     names(err.value, "round-secagg", "privacy.secure_aggregation")
-    _, _, seen, reply, _ = _train_round(monkeypatch, "round-secagg-masked", "fedavg",
-                                        node={"client-name": "Product"}, edit_plan=secagg)
+    _, _, seen, reply, _ = _train_round(
+        monkeypatch, "round-secagg-masked", "fedavg", node={"client-name": "Product"}, edit_plan=secagg
+    )
     assert seen["client"] == "Product" and "arrays" in reply.content  # the masked path trains as usual
     # without secure aggregation the handler trains the same round in the clear
-    _, _, seen, reply, _ = _train_round(monkeypatch, "round-plain", "fedavg", node={"client-name": "Product"},
-                                        handler=True)
+    _, _, seen, reply, _ = _train_round(
+        monkeypatch, "round-plain", "fedavg", node={"client-name": "Product"}, handler=True
+    )
     assert seen["client"] == "Product" and "arrays" in reply.content
 
 
@@ -311,9 +395,15 @@ def test_a_delta_encoded_reply_is_the_local_adapter_minus_the_global_it_received
     from pipeline.training.shared_model import initial_adapter_state
 
     own = {k: v - 1.0 for k, v in initial_adapter_state(_plan("round-delta-ref")).items()}
-    plan, received, seen, reply, _ = _train_round(monkeypatch, "round-delta", "fedselectkd",
-                                                  node={"client-name": "Product"}, local=own,
-                                                  transfer_dtype="int8", transfer_delta=True)
+    plan, received, seen, reply, _ = _train_round(
+        monkeypatch,
+        "round-delta",
+        "fedselectkd",
+        node={"client-name": "Product"},
+        local=own,
+        transfer_dtype="int8",
+        transfer_delta=True,
+    )
     decoded = decode_state(reply.content["arrays"].to_torch_state_dict(), reference=received)
     for k, v in seen["local"].items():
         step = float((v - received[k]).abs().max()) / 127

@@ -3,6 +3,7 @@ accountant in pipeline/privacy/): the accountant against a published DP-FedAvg c
 client's update (hand-computed, server and client side, and on the real adapters), the noise's standard deviation,
 the adaptive split, the noise-free unclipped control against the non-private run, refusals, plans, and tiny
 federated runs with a target epsilon and with adaptive clipping (resumed)."""
+
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ import math
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -18,6 +20,10 @@ import torch
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy
 from pipeline.privacy.settings import PrivacyConfig
+
+if TYPE_CHECKING:
+    from flwr.app import ArrayRecord
+
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
@@ -31,9 +37,15 @@ def _rdp_poisson_gaussian(q: float, sigma: float, alpha: int) -> float:
     """RDP of order alpha (integer) of the Poisson-subsampled Gaussian mechanism, from the binomial expansion of
     Mironov, Talwar and Zhang (2019, section 3.3): log(sum_k C(a,k) (1-q)^(a-k) q^k exp((k^2-k) / (2 s^2))) /
     (a-1), summed in log space. Written here from the formula, independently of opacus."""
-    logs = [math.lgamma(alpha + 1) - math.lgamma(k + 1) - math.lgamma(alpha - k + 1)
-            + (alpha - k) * math.log1p(-q) + k * math.log(q) + (k * k - k) / (2 * sigma ** 2)
-            for k in range(alpha + 1)]
+    logs = [
+        math.lgamma(alpha + 1)
+        - math.lgamma(k + 1)
+        - math.lgamma(alpha - k + 1)
+        + (alpha - k) * math.log1p(-q)
+        + k * math.log(q)
+        + (k * k - k) / (2 * sigma**2)
+        for k in range(alpha + 1)
+    ]
     top = max(logs)
     return (top + math.log(sum(math.exp(x - top) for x in logs))) / (alpha - 1)
 
@@ -42,8 +54,10 @@ def _independent_epsilon(q: float, sigma: float, rounds: int, delta: float) -> f
     # RDP -> (eps, delta) with the conversion of Canonne, Kamath and Steinke / Balle et al. (2020) that
     # TF Privacy's get_privacy_spent uses: eps = rdp + log((a-1)/a) - (log delta + log a) / (a-1)
     orders = list(range(2, 64)) + [128, 256, 512]
-    return min(rounds * _rdp_poisson_gaussian(q, sigma, a) + math.log((a - 1) / a)
-               - (math.log(delta) + math.log(a)) / (a - 1) for a in orders)
+    return min(
+        rounds * _rdp_poisson_gaussian(q, sigma, a) + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1)
+        for a in orders
+    )
 
 
 # TensorFlow Federated's tutorial "Differential Privacy in TFF" (federated_learning_with_differential_privacy,
@@ -88,21 +102,22 @@ def test_every_round_is_accounted_at_the_same_multiplier_whatever_it_aggregated(
 def test_adaptive_split_gives_the_configured_multiplier_for_updates_and_count_together():
     z, sigma_b = 0.4, 1.0
     z_u = adaptive_update_multiplier(z, sigma_b)
-    assert z_u == pytest.approx((0.4 ** -2 - 1.0) ** -0.5)  # hand: (6.25 - 1)^-1/2 = 0.43644
+    assert z_u == pytest.approx((0.4**-2 - 1.0) ** -0.5)  # hand: (6.25 - 1)^-1/2 = 0.43644
     cfg = _client_cfg(noise_multiplier=z, clipping="adaptive", clipping_norm=None, clipped_count_stddev=sigma_b)
     s = federation_privacy(cfg, population=30, sampled=10, rounds=3)
     # the count of clipped updates is a sum of 0/1 bits: sensitivity 1, so the round's multiplier is
     # (z_u^-2 + sigma_b^-2)^-1/2 = z
     assert s.update_noise_multiplier == pytest.approx(z_u) and s.clipping_norm == 0.1
-    assert s.epsilon_after(3) == pytest.approx(federation_privacy(_client_cfg(noise_multiplier=z), population=30,
-                                                                  sampled=10, rounds=3).epsilon_after(3), rel=1e-9)
+    assert s.epsilon_after(3) == pytest.approx(
+        federation_privacy(_client_cfg(noise_multiplier=z), population=30, sampled=10, rounds=3).epsilon_after(3),
+        rel=1e-9,
+    )
     with pytest.raises(ValueError, match="clipped_count_stddev > it"):  # default sigma_b = 10 / 20 = 0.5
-        federation_privacy(_client_cfg(noise_multiplier=0.6, clipping="adaptive"), population=30, sampled=10,
-                           rounds=3)
+        federation_privacy(_client_cfg(noise_multiplier=0.6, clipping="adaptive"), population=30, sampled=10, rounds=3)
 
 
 # ------------------------------------------------------------------------------------------ the strategy
-def _global(values) -> "ArrayRecord":
+def _global(values) -> ArrayRecord:
     from flwr.app import Array, ArrayRecord
 
     return ArrayRecord({"w": Array(np.asarray(values, dtype=np.float32))})
@@ -116,8 +131,12 @@ def _reply(values, num_examples: int, extra: dict | None = None):
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
     ins.metadata.__dict__["_message_id"] = "m"
-    content = RecordDict({"arrays": _global(values),
-                          "metrics": MetricRecord({"num-examples": num_examples, "num-steps": 1, **(extra or {})})})
+    content = RecordDict(
+        {
+            "arrays": _global(values),
+            "metrics": MetricRecord({"num-examples": num_examples, "num-steps": 1, **(extra or {})}),
+        }
+    )
     return Message(content, reply_to=ins)
 
 
@@ -126,15 +145,16 @@ def _wrapped(n_nodes: int, global_arrays, **privacy):
     from flwr.app import ConfigRecord
 
     from pipeline.federation.client_app import client_app
-    from pipeline.privacy.client_dp import ClientLevelDP
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
+    from pipeline.privacy.client_dp import ClientLevelDP
 
     _set_server_identity(1)
     cfg = _client_cfg(**privacy)
     setting = federation_privacy(cfg, population=n_nodes, sampled=n_nodes, rounds=1)
-    strategy = ClientLevelDP(build_strategy("fedavg", {}, fraction_train=1.0,
-                                            client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0), setting)
+    strategy = ClientLevelDP(
+        build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0), setting
+    )
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(n_nodes)])
     messages = list(strategy.configure_train(1, global_arrays, ConfigRecord(), grid))
     assert len(messages) == n_nodes
@@ -166,9 +186,11 @@ def test_client_side_mod_clips_the_reply_and_marks_it(ws):
     context = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
 
     def send(update):
-        msg = Message(RecordDict({"arrays": _global(g), "config": ConfigRecord({KEY_CLIPPING_NORM: 1.0,
-                                                                                "plan": path})}),
-                      dst_node_id=1, message_type="train")
+        msg = Message(
+            RecordDict({"arrays": _global(g), "config": ConfigRecord({KEY_CLIPPING_NORM: 1.0, "plan": path})}),
+            dst_node_id=1,
+            message_type="train",
+        )
         msg.metadata.__dict__["_message_id"] = "x"
         return client_dp_mod(msg, context, lambda m, c: _reply(g + update, 5))
 
@@ -192,16 +214,25 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
     from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
     from pipeline.federation.client_app import client_app
-    from pipeline.privacy.client_dp import ClientLevelDP
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.strategies.catalog import build_strategy
+    from pipeline.privacy.client_dp import ClientLevelDP
 
     _set_server_identity(1)
-    cfg = _client_cfg(noise_multiplier=0.0, clipping="adaptive", clipping_norm=0.1, clipped_count_stddev=0.0,
-                      clip_norm_lr=0.2, target_clipped_quantile=0.5, clipping_side=side)
-    strategy = ClientLevelDP(build_strategy("fedavg", {}, fraction_train=1.0,
-                                            client_lr=1e-3), SimpleNamespace(privacy=cfg, seed=0),
-                             federation_privacy(cfg, population=4, sampled=4, rounds=1))
+    cfg = _client_cfg(
+        noise_multiplier=0.0,
+        clipping="adaptive",
+        clipping_norm=0.1,
+        clipped_count_stddev=0.0,
+        clip_norm_lr=0.2,
+        target_clipped_quantile=0.5,
+        clipping_side=side,
+    )
+    strategy = ClientLevelDP(
+        build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3),
+        SimpleNamespace(privacy=cfg, seed=0),
+        federation_privacy(cfg, population=4, sampled=4, rounds=1),
+    )
     grid = InProcessGrid(client_app, [{"client-name": f"c{i}"} for i in range(4)])
     g = np.zeros(2)
     norms = [0.5, 5.0, 6.0, 7.0]
@@ -211,19 +242,25 @@ def test_adaptive_clipping_settles_where_the_target_fraction_is_clipped(side):
         c = strategy.clipping_norm
         seen.append(c)
         # client side: what adaptiveclipping_mod would have sent back (clipped to C, with its norm bit)
-        replies = [_reply([n, 0.0], 1) if side == "server" else
-                   _reply([min(n, c), 0.0], 1, {KEY_NORM_BIT: int(n > c)}) for n in norms]
+        replies = [
+            _reply([n, 0.0], 1) if side == "server" else _reply([min(n, c), 0.0], 1, {KEY_NORM_BIT: int(n > c)})
+            for n in norms
+        ]
         strategy.aggregate_train(rnd, replies)
     assert seen[1] == pytest.approx(0.1 * math.exp(0.2 * (1.0 - 0.5)))  # round 1 clipped all four
     assert 5.0 <= strategy.clipping_norm < 6.0 and all(5.0 <= c < 6.0 for c in seen[-10:])
 
 
-@pytest.mark.parametrize("clipping,sigma,c,expected_std", [
-    # Flower's compute_stdv: the noise on the mean is z C / m (DP-FedAvg: N(0, (z C)^2) on the sum of m clipped
-    # updates, then divided by m): 1.5 x 2 / 4
-    ("fixed", 1.5, 2.0, 0.75),
-    # adaptive: the update part z_u C / m with z_u = (0.4^-2 - 1^-2)^-1/2 (clipped_count_stddev 1): 0.43644 x 2 / 4
-    ("adaptive", 0.4, 2.0, (0.4 ** -2 - 1.0) ** -0.5 * 2.0 / 4)])
+@pytest.mark.parametrize(
+    "clipping,sigma,c,expected_std",
+    [
+        # Flower's compute_stdv: the noise on the mean is z C / m (DP-FedAvg: N(0, (z C)^2) on the sum of m clipped
+        # updates, then divided by m): 1.5 x 2 / 4
+        ("fixed", 1.5, 2.0, 0.75),
+        # adaptive: the update part z_u C / m with z_u = (0.4^-2 - 1^-2)^-1/2 (clipped_count_stddev 1): 0.43644 x 2 / 4
+        ("adaptive", 0.4, 2.0, (0.4**-2 - 1.0) ** -0.5 * 2.0 / 4),
+    ],
+)
 def test_noise_has_the_configured_standard_deviation(clipping, sigma, c, expected_std):
     from scipy import stats
 
@@ -249,24 +286,43 @@ def test_noise_has_the_configured_standard_deviation(clipping, sigma, c, expecte
 def test_privacy_group_validation_for_mode_client():
     ok = from_dict(PrivacyConfig, {"mode": "client", "target_epsilon": 3, "clipping_norm": 0.5}, "privacy")
     assert ok.enabled and ok.clipping_side == "server" and ok.clipping == "fixed"
-    assert from_dict(PrivacyConfig, {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive"},
-                     "privacy").clipping_norm is None  # adaptive starts at 0.1 (federation_privacy)
+    assert (
+        from_dict(
+            PrivacyConfig, {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive"}, "privacy"
+        ).clipping_norm
+        is None
+    )  # adaptive starts at 0.1 (federation_privacy)
     bad = [
         ({"mode": "client", "noise_multiplier": 1.0}, "clipping_norm must be set"),
         ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": math.inf}, "needs clipping fixed and noise"),
-        ({"mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping": "adaptive"},
-         "needs clipping fixed"),
-        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "both"},
-         "privacy.clipping_side='both' is out of range; allowed: one of 'server' or 'client'"),
-        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping": "quantile"},
-         "privacy.clipping='quantile' is out of range; allowed: one of 'fixed' or 'adaptive'"),
-        ({"mode": "client", "noise_multiplier": 1.0, "clipping_norm": -1.0}, "privacy.clipping_norm=-1.0 is out of range; allowed: > 0"),
-        ({"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "target_clipped_quantile": 1.5},
-         "privacy.target_clipped_quantile=1.5 is out of range; allowed: >= 0 and <= 1"),
-        ({"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clip_norm_lr": 0.0},
-         "privacy.clip_norm_lr=0.0 is out of range; allowed: > 0"),
-        ({"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clipped_count_stddev": -1.0},
-         "privacy.clipped_count_stddev=-1.0 is out of range; allowed: >= 0"),
+        (
+            {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping": "adaptive"},
+            "needs clipping fixed",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "both"},
+            "privacy.clipping_side='both' is out of range; allowed: one of 'server' or 'client'",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping": "quantile"},
+            "privacy.clipping='quantile' is out of range; allowed: one of 'fixed' or 'adaptive'",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": -1.0},
+            "privacy.clipping_norm=-1.0 is out of range; allowed: > 0",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "target_clipped_quantile": 1.5},
+            "privacy.target_clipped_quantile=1.5 is out of range; allowed: >= 0 and <= 1",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clip_norm_lr": 0.0},
+            "privacy.clip_norm_lr=0.0 is out of range; allowed: > 0",
+        ),
+        (
+            {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive", "clipped_count_stddev": -1.0},
+            "privacy.clipped_count_stddev=-1.0 is out of range; allowed: >= 0",
+        ),
         ({"mode": "client", "clipping_norm": 1.0}, "exactly one of noise_multiplier and target_epsilon"),
     ]
     for raw, message in bad:
@@ -289,26 +345,45 @@ def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_p
         params = _params(privacy, **train)
         return resolve_plan(parse_entry("x", {"method": method, "partition": "domain/seed0"}, params), params)
 
-    fixed = {"mode": "client", "target_epsilon": 3.0, "clipping_norm": 0.5, "max_grad_norm": 7.0,
-             "target_clipped_quantile": 0.9}
+    fixed = {
+        "mode": "client",
+        "target_epsilon": 3.0,
+        "clipping_norm": 0.5,
+        "max_grad_norm": 7.0,
+        "target_clipped_quantile": 0.9,
+    }
     for method in ("fedavg", "fedprox", "fedkd", "fedselectkd", "hardkd", "pre_addition"):
         p = plan(method, fixed)
-        assert p["privacy"] == {"mode": "client", "noise_multiplier": None, "target_epsilon": 3.0, "delta": None,
-                                "accountant": "rdp", "clipping_side": "server", "clipping": "fixed",
-                                "clipping_norm": 0.5}  # no DP-SGD key, no adaptive key
+        assert p["privacy"] == {
+            "mode": "client",
+            "noise_multiplier": None,
+            "target_epsilon": 3.0,
+            "delta": None,
+            "accountant": "rdp",
+            "clipping_side": "server",
+            "clipping": "fixed",
+            "clipping_norm": 0.5,
+        }  # no DP-SGD key, no adaptive key
         assert {k: v for k, v in p.items() if k != "privacy"} == plan(method, None)
     adaptive = plan("fedavg", {**fixed, "clipping": "adaptive"})["privacy"]
     assert (adaptive["target_clipped_quantile"], adaptive["clip_norm_lr"], adaptive["clipped_count_stddev"]) == (
-        0.9, 0.2, None)
+        0.9,
+        0.2,
+        None,
+    )
     # the client-mode keys change neither mode none's nor mode example's plans
     example = {"mode": "example", "noise_multiplier": 1.0}
     assert plan("fedavg", {**example, "clipping_norm": 9.0, "clipping": "adaptive"}) == plan("fedavg", example)
     assert plan("fedavg", {"mode": "none", "clipping_norm": 9.0}) == plan("fedavg", None)
 
-    refused = [("single", {}, "trains each client alone"), ("centralized", {}, "pools every client's data"),
-               ("fedopt", {}, "applies an optimiser"), ("fednova", {}, "rescales each update"),
-               ("post_addition", {}, "population grows"),
-               ("fedavg", {"transfer_dtype": "int8"}, "clipping_side client needs train.transfer_dtype fp32")]
+    refused = [
+        ("single", {}, "trains each client alone"),
+        ("centralized", {}, "pools every client's data"),
+        ("fedopt", {}, "applies an optimiser"),
+        ("fednova", {}, "rescales each update"),
+        ("post_addition", {}, "population grows"),
+        ("fedavg", {"transfer_dtype": "int8"}, "clipping_side client needs train.transfer_dtype fp32"),
+    ]
     for method, train, message in refused:
         with pytest.raises(ConfigError) as exc:
             plan(method, {**fixed, "clipping_side": "client"}, **train)
@@ -339,7 +414,9 @@ def _with_privacy(path: str, privacy: dict) -> str:
 def _final_adapters(name: str) -> dict[str, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    return {d.name: load_file(d / "adapter_final.safetensors") for d in sorted(Path(f"models/{name}/clients").iterdir())}
+    return {
+        d.name: load_file(d / "adapter_final.safetensors") for d in sorted(Path(f"models/{name}/clients").iterdir())
+    }
 
 
 @pytest.mark.parametrize("side", ["server", "client"])
@@ -348,8 +425,13 @@ def test_no_noise_and_no_clipping_is_the_non_private_run(ws, side):
 
     _write_equal_partition(ws)
     plain = run_experiment(write_plan(f"cdp-plain-{side}", "fedavg", "equal/seed0"), track=False)
-    control = run_experiment(_with_privacy(write_plan(f"cdp-control-{side}", "fedavg", "equal/seed0"), {
-        "mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping_side": side}), track=False)
+    control = run_experiment(
+        _with_privacy(
+            write_plan(f"cdp-control-{side}", "fedavg", "equal/seed0"),
+            {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": math.inf, "clipping_side": side},
+        ),
+        track=False,
+    )
     # the control went through the DP strategy: every update aggregated, none clipped, no bound
     assert control["privacy"]["updates_aggregated"] == 3 * TRAIN["rounds"]
     assert control["privacy"]["clipped_fraction"] == 0.0 and control["privacy"]["epsilon"] is None
@@ -370,23 +452,32 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
 
     from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
-    from pipeline.privacy.client_dp import update_norm
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRICS
+    from pipeline.privacy.client_dp import update_norm
     from pipeline.training.shared_model import initial_adapter_state
 
-    path = _with_privacy(write_plan("cdp-reply", "fedselectkd"), {
-        "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"})
+    path = _with_privacy(
+        write_plan("cdp-reply", "fedselectkd"),
+        {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"},
+    )
     _set_server_identity(1)
     received = ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path)))
     replies = {}
     for c in (1e-4, 100.0):  # far below and far above a tiny model's round update
-        context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
-                          run_config={})
-        msg = Message(RecordDict({"arrays": received, "config": ConfigRecord({"server-round": 1, "plan": path,
-                                                                              KEY_CLIPPING_NORM: c,
-                                                                              **CLIENT_SETTINGS})}),
-                      dst_node_id=1000, message_type="train")
+        context = Context(
+            run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(), run_config={}
+        )
+        msg = Message(
+            RecordDict(
+                {
+                    "arrays": received,
+                    "config": ConfigRecord({"server-round": 1, "plan": path, KEY_CLIPPING_NORM: c, **CLIENT_SETTINGS}),
+                }
+            ),
+            dst_node_id=1000,
+            message_type="train",
+        )
         msg.metadata.__dict__["_message_id"] = f"x{c}"
         replies[c] = client_app(msg, context).content
     small, large = replies[1e-4], replies[100.0]
@@ -407,17 +498,27 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
     from pipeline.train import run_experiment
 
     name = "cdp-target"
-    path = _with_privacy(write_plan(name, "fedavg", fraction_train=0.67), {
-        "mode": "client", "target_epsilon": 8.0, "clipping_norm": 0.05})
+    path = _with_privacy(
+        write_plan(name, "fedavg", fraction_train=0.67),
+        {"mode": "client", "target_epsilon": 8.0, "clipping_norm": 0.05},
+    )
     metrics = run_experiment(path)
     p = metrics["privacy"]
     # 2 of 3 clients per round (q = 2/3), 2 rounds, both released: close to the target, never above
     assert 7.9 < p["epsilon"] <= 8.0 and p["epsilon_max"] == p["epsilon"]
     assert (p["mode"], p["delta"], p["sample_rate"], p["rounds_released"], p["updates_aggregated"]) == (
-        "client", 1e-5, pytest.approx(2 / 3), 2, 4)
+        "client",
+        1e-5,
+        pytest.approx(2 / 3),
+        2,
+        4,
+    )
     assert p["clipping_norm"] == 0.05 and p["noise_multiplier"] > 0 and 0.0 <= p["clipped_fraction"] <= 1.0
-    assert p["epsilon"] == pytest.approx(federation_privacy(
-        _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2).epsilon_after(2))
+    assert p["epsilon"] == pytest.approx(
+        federation_privacy(
+            _client_cfg(noise_multiplier=p["noise_multiplier"], clipping_norm=0.05), 3, 2, 2
+        ).epsilon_after(2)
+    )
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     per_round = {r["round"]: r["epsilon"] for r in history if "update_clipped" in r}
     # server side: every aggregated update's norm before clipping, clipped exactly when above C
@@ -435,16 +536,25 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
     client = mlflow.tracking.MlflowClient()
     # per round, and the run's closing value at the last round's step (the same)
     assert {(m.step, round(m.value, 9)) for m in client.get_metric_history(run["run_id"], "epsilon")} == {
-        (1, round(per_round[1], 9)), (2, round(per_round[2], 9))}
+        (1, round(per_round[1], 9)),
+        (2, round(per_round[2], 9)),
+    }
 
 
 def test_adaptive_clipping_moves_c_by_the_clipped_fraction_and_a_resumed_run_keeps_it(ws, monkeypatch):
     from pipeline.train import run_experiment
 
     # No noise (count noise 0 too): C moves deterministically, C_2 = C_1 exp(lr (clipped fraction - target))
-    privacy = {"mode": "client", "noise_multiplier": 0.0, "clipping": "adaptive", "clipping_norm": 1e-3,
-               "clipped_count_stddev": 0.0, "target_clipped_quantile": 0.5, "clip_norm_lr": 0.2,
-               "clipping_side": "client"}
+    privacy = {
+        "mode": "client",
+        "noise_multiplier": 0.0,
+        "clipping": "adaptive",
+        "clipping_norm": 1e-3,
+        "clipped_count_stddev": 0.0,
+        "target_clipped_quantile": 0.5,
+        "clip_norm_lr": 0.2,
+        "clipping_side": "client",
+    }
     path = _with_privacy(write_plan("cdp-adaptive", "fedavg"), privacy)
     with killed_after_checkpoint(monkeypatch, rnd=1):
         run_experiment(path, track=False)
@@ -456,8 +566,9 @@ def test_adaptive_clipping_moves_c_by_the_clipped_fraction_and_a_resumed_run_kee
     assert fraction == 1.0  # C = 0.001 clips every round-1 update of the tiny model
     assert {r["clipping_norm"] for r in r1} == {1e-3}
     # every update clipped, more than the target half: C grows (restored from the round-1 checkpoint)
-    assert len(r2) == 3 and all(r["clipping_norm"] == pytest.approx(1e-3 * math.exp(0.2 * (fraction - 0.5)))
-                                for r in r2)
+    assert len(r2) == 3 and all(
+        r["clipping_norm"] == pytest.approx(1e-3 * math.exp(0.2 * (fraction - 0.5))) for r in r2
+    )
 
 
 def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
@@ -466,9 +577,8 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     # not aggregated.
     from flwr.clientapp import ClientApp
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments import RunSettings, read_plan
     from pipeline.federation import client_app as apps
-    from pipeline.experiments import RunSettings
     from pipeline.federation import engines
     from pipeline.federation.protocol import CLIPPED_KEY
     from pipeline.training.summary import summarize
@@ -483,8 +593,10 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
 
     unclipped.evaluate()(apps.client_evaluate)
     unclipped.query("identify")(apps.client_identify)
-    path = _with_privacy(write_plan("cdp-nomod", "fedavg"), {
-        "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"})
+    path = _with_privacy(
+        write_plan("cdp-nomod", "fedavg"),
+        {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1e-3, "clipping_side": "client"},
+    )
     monkeypatch.setattr(engines, "client_app", unclipped)
     history = engines.run_inprocess(path, RunSettings())["history"]
     assert len(history) == 3 * TRAIN["rounds"] and all(r["failed"] == 1 and r["sampled"] == 1 for r in history)
@@ -492,6 +604,11 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     privacy = summarize(read_plan(path), history, [])["privacy"]
     # nothing released, yet every round ran its (Poisson) sampling and counts: the accountant over all rounds
     assert privacy["rounds_released"] == 0 and privacy["rounds_accounted"] == TRAIN["rounds"]
-    assert privacy["epsilon"] == pytest.approx(federation_privacy(
-        _client_cfg(noise_multiplier=1.0, clipping_norm=1e-3, clipping_side="client"), population=3, sampled=3,
-        rounds=TRAIN["rounds"]).epsilon_after(TRAIN["rounds"]))
+    assert privacy["epsilon"] == pytest.approx(
+        federation_privacy(
+            _client_cfg(noise_multiplier=1.0, clipping_norm=1e-3, clipping_side="client"),
+            population=3,
+            sampled=3,
+            rounds=TRAIN["rounds"],
+        ).epsilon_after(TRAIN["rounds"])
+    )

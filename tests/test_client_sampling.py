@@ -2,6 +2,7 @@
 with probability q (Poisson), the clipped updates are summed over the expected count m = q N (a public
 denominator), an empty sample aggregates nothing but is counted, and the epsilon recorded equals opacus' RDP
 accountant of the Poisson-subsampled Gaussian computed here directly."""
+
 from __future__ import annotations
 
 import math
@@ -83,8 +84,7 @@ def test_the_aggregate_is_the_sum_of_clipped_updates_over_the_expected_count():
     strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(4))
     replies = [_reply(g + [3.0, 4.0], 1), _reply(g + [0.3, 0.4], 1), _reply(g + [0.0, 0.5], 1)]
     arrays, _ = strategy.aggregate_train(1, replies)
-    np.testing.assert_allclose(arrays["w"].numpy(), g + (np.array([0.6, 0.8]) + [0.3, 0.4] + [0.0, 0.5]) / 2,
-                               rtol=1e-6)
+    np.testing.assert_allclose(arrays["w"].numpy(), g + (np.array([0.6, 0.8]) + [0.3, 0.4] + [0.0, 0.5]) / 2, rtol=1e-6)
     # as many as expected: the plain uniform mean, as before
     strategy.configure_train(2, _global(g), ConfigRecord(), _Nodes(4))
     two, _ = strategy.aggregate_train(2, replies[1:])
@@ -100,8 +100,11 @@ def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round
     from pipeline.privacy.client_dp import ClientLevelDP
 
     cfg = _client_cfg(noise_multiplier=z, clipping_norm=1.0, delta=1e-5)
-    server = ClientLevelDP(SimpleNamespace(), SimpleNamespace(privacy=cfg, seed=0),
-                           federation_privacy(cfg, population=population, sampled=sampled, rounds=rounds))
+    server = ClientLevelDP(
+        SimpleNamespace(),
+        SimpleNamespace(privacy=cfg, seed=0),
+        federation_privacy(cfg, population=population, sampled=sampled, rounds=rounds),
+    )
     q = sampled / population
     rows = {"a": {"round": rounds, "client": "a"}}
     server.record(rows, {"a": (1, 2.0)}, 1.0)
@@ -115,13 +118,15 @@ def test_the_recorded_epsilon_is_opacus_rdp_of_poisson_sampling_over_every_round
 
 
 def test_the_run_record_names_the_sampling_and_the_accountant_and_counts_empty_rounds(ws):
+    from pipeline.federation.protocol import load_plan
     from pipeline.privacy.seam import client_level_summary
     from tests.test_client_dp import _with_privacy
     from tests.test_federated import write_plan
-    from pipeline.federation.protocol import load_plan
 
-    path = _with_privacy(write_plan("cdp-record", "fedavg", rounds=4, fraction_train=0.34),
-                         {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0})
+    path = _with_privacy(
+        write_plan("cdp-record", "fedavg", rounds=4, fraction_train=0.34),
+        {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0},
+    )
     plan = load_plan(path)
     clients = ["Academic", "Committee", "Product"]
     history = []

@@ -1,4 +1,5 @@
 """Paired comparisons between methods (pipeline.results.comparisons) and their place in the study tables."""
+
 from __future__ import annotations
 
 import json
@@ -8,11 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.results import comparisons
 from pipeline.experiments import Experiment, with_labels
+from pipeline.results import comparisons
 from pipeline.results.readers import collect_scores
-from pipeline.results.tables import aggregate, study_table_markdown
 from pipeline.results.stats import BootstrapConfig
+from pipeline.results.tables import aggregate, study_table_markdown
 
 CFG = BootstrapConfig(n_resamples=1000, seed=0)
 CLIENTS = {"Academic": 6, "Product": 10}
@@ -29,14 +30,27 @@ def _write_eval(eval_dir: Path, name: str, shift: float, texts: str, scale: floa
                 row[m] = base * scale + shift
             row["avg_rouge"] = base * scale + shift
             rows.append(row)
-            preds.append({"experiment": name, "client": client, "example_id": f"{client}/{i}",
-                          "prediction": f"{texts} {i}", "reference": "ref"})
+            preds.append(
+                {
+                    "experiment": name,
+                    "client": client,
+                    "example_id": f"{client}/{i}",
+                    "prediction": f"{texts} {i}",
+                    "reference": "ref",
+                }
+            )
     d = eval_dir / name
     d.mkdir(parents=True)
     pd.DataFrame(rows).to_parquet(d / "per_example.parquet", index=False)
     (d / "predictions.jsonl").write_text("".join(json.dumps(p) + "\n" for p in preds))
-    per_client = {c: {m: float(np.mean([r[m] for r in rows if r["client"] == c]))
-                      for m in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge")} | {"n": CLIENTS[c]} for c in CLIENTS}
+    per_client = {
+        c: {
+            m: float(np.mean([r[m] for r in rows if r["client"] == c]))
+            for m in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge")
+        }
+        | {"n": CLIENTS[c]}
+        for c in CLIENTS
+    }
     (d / "metrics.json").write_text(json.dumps({"backbone": "tiny", "clients": per_client}))
 
 
@@ -47,10 +61,12 @@ def evaluated(tmp_path):
     _write_eval(eval_dir, "fedavg-domain", 0.0, "same words")  # identical summaries and scores to single
     _write_eval(eval_dir, "fedselectkd-domain", 2.0, "other words")  # +2 on every example
     _write_eval(eval_dir, "fedavg-iid", 0.0, "iid words")
-    planned = [Experiment("single-domain", "single", "domain/seed0", 0, "main"),
-               Experiment("fedavg-domain", "fedavg", "domain/seed0", 0, "main"),
-               Experiment("fedselectkd-domain", "fedselectkd", "domain/seed0", 0, "main", tau=5.0),
-               Experiment("fedavg-iid", "fedavg", "iid/seed0", 0, "iid")]
+    planned = [
+        Experiment("single-domain", "single", "domain/seed0", 0, "main"),
+        Experiment("fedavg-domain", "fedavg", "domain/seed0", 0, "main"),
+        Experiment("fedselectkd-domain", "fedselectkd", "domain/seed0", 0, "main", tau=5.0),
+        Experiment("fedavg-iid", "fedavg", "iid/seed0", 0, "iid"),
+    ]
     return eval_dir, planned
 
 
@@ -58,8 +74,20 @@ def test_every_configuration_is_compared_with_its_baselines(evaluated):
     eval_dir, planned = evaluated
     configs = comparisons.configurations(planned, with_labels(planned))
     table, notes = comparisons.comparisons_table(configs, ["single", "fedavg", "fedkd"], eval_dir, CFG)
-    assert list(table.columns[:12]) == ["study", "client", "method_a", "method_b", "config_a", "config_b", "study_b",
-                                        "metric", "mean_diff", "ci_low", "ci_high", "p_value"]
+    assert list(table.columns[:12]) == [
+        "study",
+        "client",
+        "method_a",
+        "method_b",
+        "config_a",
+        "config_b",
+        "study_b",
+        "metric",
+        "mean_diff",
+        "ci_low",
+        "ci_high",
+        "p_value",
+    ]
     avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")]
     pairs = {(r.config_a, r.config_b) for r in avg.itertuples()}
     sel_label = "fedselectkd tau=5"  # tau tells it apart within the study
@@ -71,8 +99,12 @@ def test_every_configuration_is_compared_with_its_baselines(evaluated):
     assert same["mean_diff"] == 0.0 and same["p_value"] == 1.0 and not same["significant"]
     assert same["identical_fraction"] == 1.0 and same["mostly_identical"]
     # per client rows too, each with its own examples
-    per_client = table[(table["config_a"] == sel_label) & (table["config_b"] == "fedavg")
-                       & (table["metric"] == "rouge1") & (table["client"] == "Academic")].iloc[0]
+    per_client = table[
+        (table["config_a"] == sel_label)
+        & (table["config_b"] == "fedavg")
+        & (table["metric"] == "rouge1")
+        & (table["client"] == "Academic")
+    ].iloc[0]
     assert per_client["n_examples"] == 6 and per_client["mean_diff"] == pytest.approx(2.0)
     # no FedKD anywhere and no AdaSingle on the iid partition: said, not invented
     assert any("no fedkd run" in n for n in notes) and any("iid" in n and "no single run" in n for n in notes)
@@ -99,27 +131,35 @@ def test_private_configurations_are_compared_with_the_same_method_without_privac
     _write_eval(eval_dir, "fa-dp", -1.5, "noisy words")  # DP costs 1.5 on every example
     _write_eval(eval_dir, "sel", 2.0, "sel words")
     _write_eval(eval_dir, "sel-dp", 1.0, "sel noisy")  # 1.0 below SelectKD without DP
-    planned = [Experiment("fa", "fedavg", "domain/seed0", 0, "privacy"),
-               Experiment("fa-dp", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
-               Experiment("sel", "fedselectkd", "domain/seed0", 0, "privacy", tau=5.0),
-               Experiment("sel-dp", "fedselectkd", "domain/seed0", 0, "privacy", tau=5.0, dp="DP-SGD ε≤3")]
+    planned = [
+        Experiment("fa", "fedavg", "domain/seed0", 0, "privacy"),
+        Experiment("fa-dp", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
+        Experiment("sel", "fedselectkd", "domain/seed0", 0, "privacy", tau=5.0),
+        Experiment("sel-dp", "fedselectkd", "domain/seed0", 0, "privacy", tau=5.0, dp="DP-SGD ε≤3"),
+    ]
     labels = with_labels(planned)
     configs = comparisons.configurations(planned, labels)
     table, notes = comparisons.comparisons_table(configs, ["single", "fedavg", "fedkd"], eval_dir, CFG)
     avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")]
     diffs = {(r.config_a, r.config_b): r.mean_diff for r in avg.itertuples()}
     # each private configuration against its own method without privacy; the FedAvg baseline is the plain one
-    assert diffs == pytest.approx({("fedavg DP-SGD ε≤3", "fedavg"): -1.5,
-                                   ("fedselectkd tau=5", "fedavg"): 2.0,
-                                   ("fedselectkd tau=5 DP-SGD ε≤3", "fedavg"): 1.0,
-                                   ("fedselectkd tau=5 DP-SGD ε≤3", "fedselectkd tau=5"): -1.0})
+    assert diffs == pytest.approx(
+        {
+            ("fedavg DP-SGD ε≤3", "fedavg"): -1.5,
+            ("fedselectkd tau=5", "fedavg"): 2.0,
+            ("fedselectkd tau=5 DP-SGD ε≤3", "fedavg"): 1.0,
+            ("fedselectkd tau=5 DP-SGD ε≤3", "fedselectkd tau=5"): -1.0,
+        }
+    )
     assert avg["significant"].all()
     # a private run without a plain counterpart in its study is said, not compared with something else
     lone = comparisons.Config("other", "fedkd DP-SGD ε≤1", "fedkd", "domain", ((0, "x"),), dp="DP-SGD ε≤1")
     table, notes = comparisons.comparisons_table([lone], [], eval_dir, CFG)
     assert table.empty
-    assert ("other: fedkd DP-SGD ε≤1 has no run of fedkd without privacy on partition scheme 'domain' "
-            "in its study to compare with") in notes
+    assert (
+        "other: fedkd DP-SGD ε≤1 has no run of fedkd without privacy on partition scheme 'domain' "
+        "in its study to compare with"
+    ) in notes
 
 
 def test_baseline_prefers_the_same_study_then_main():
@@ -137,6 +177,7 @@ def test_baseline_prefers_the_same_study_then_main():
 
 def test_p_values_print_rounded_down_so_a_significant_p_never_reads_0_050():
     from pipeline.results.comparisons import format_p
+
     assert format_p(0.0496) == "0.049"
     assert format_p(0.05) == "0.050"
     assert format_p(0.047) == "0.047"  # 0.047 * 1000 is 46.99999... in binary: still 0.047

@@ -1,10 +1,10 @@
 """Adapter transfer codec (pipeline/federation/compression.py): hand-computed cases, error bounds, Flower round trip."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pipeline.modeling.adapters import AdapterConfig, AdapterSet
 from benchmarks.communication import encoded_nbytes
 from pipeline.federation.compression import (
     SCALE_SUFFIX,
@@ -13,6 +13,7 @@ from pipeline.federation.compression import (
     quantize_int8,
     transfer_error_bound,
 )
+from pipeline.modeling.adapters import AdapterConfig, AdapterSet
 
 
 def test_int8_hand_computed():
@@ -119,7 +120,8 @@ def test_adapter_state_through_flower_arrayrecord():
         adapters.load_state(received)
         for key in state:
             assert float((received[key] - state[key]).abs().max()) <= transfer_error_bound(
-                encode_state({key: state[key]}, dtype), key)
+                encode_state({key: state[key]}, dtype), key
+            )
     n_values = sum(t.numel() for t in state.values())
     # payload shrinks with the bytes per value (container overhead per array is the same for all three)
     assert sizes["fp32"] - sizes["fp16"] == 2 * n_values

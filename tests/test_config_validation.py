@@ -1,4 +1,5 @@
 """pipeline.common.config.from_dict: pydantic validation of any config class, one line naming the key."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,17 +51,20 @@ def test_values_are_built_with_defaults_for_missing_keys():
     assert from_dict(Outer, {"inner": Inner(rate=0.25)}).inner.rate == 0.25  # an instance passes for its mapping
 
 
-@pytest.mark.parametrize("data, key", [
-    ({"steps": "96"}, "params.yaml grp.steps"),  # no string-to-number coercion
-    ({"steps": 8.0}, "params.yaml grp.steps"),
-    ({"steps": True}, "params.yaml grp.steps"),
-    ({"on": "yes"}, "params.yaml grp.on"),
-    ({"cap": "x"}, "params.yaml grp.cap"),
-    ({"share": True}, "params.yaml grp.share"),
-    ({"sizes": {"train": "2"}}, "params.yaml grp.sizes.train"),
-    ({"inner": {"names": ["a", 3]}}, "params.yaml grp.inner.names[1]"),
-    ({"inner": 3}, "params.yaml grp.inner"),
-])
+@pytest.mark.parametrize(
+    "data, key",
+    [
+        ({"steps": "96"}, "params.yaml grp.steps"),  # no string-to-number coercion
+        ({"steps": 8.0}, "params.yaml grp.steps"),
+        ({"steps": True}, "params.yaml grp.steps"),
+        ({"on": "yes"}, "params.yaml grp.on"),
+        ({"cap": "x"}, "params.yaml grp.cap"),
+        ({"share": True}, "params.yaml grp.share"),
+        ({"sizes": {"train": "2"}}, "params.yaml grp.sizes.train"),
+        ({"inner": {"names": ["a", 3]}}, "params.yaml grp.inner.names[1]"),
+        ({"inner": 3}, "params.yaml grp.inner"),
+    ],
+)
 def test_a_wrong_type_names_the_key_path_and_the_value(data, key):
     message = _error(data)
     assert message.startswith(key + ": expected ")
@@ -68,17 +72,20 @@ def test_a_wrong_type_names_the_key_path_and_the_value(data, key):
 
 
 def test_unknown_keys_are_refused_at_every_level_with_the_allowed_ones():
-    assert _error({"stpes": 1, "zz": 2}) == ("params.yaml grp: unknown key(s) ['stpes', 'zz']; allowed: "
-                                             "['cap', 'inner', 'on', 'share', 'sizes', 'steps']")
-    assert _error({"inner": {"rat": 1}}) == ("params.yaml grp.inner: unknown key(s) ['rat']; allowed: "
-                                             "['kind', 'limit', 'names', 'rate']")
+    assert _error({"stpes": 1, "zz": 2}) == (
+        "params.yaml grp: unknown key(s) ['stpes', 'zz']; allowed: ['cap', 'inner', 'on', 'share', 'sizes', 'steps']"
+    )
+    assert _error({"inner": {"rat": 1}}) == (
+        "params.yaml grp.inner: unknown key(s) ['rat']; allowed: ['kind', 'limit', 'names', 'rate']"
+    )
 
 
 def test_a_range_or_choice_check_names_the_key_and_what_is_allowed():
     assert _error({"inner": {"rate": 2}}) == "params.yaml grp.inner.rate=2 is out of range; allowed: > 0 and <= 1"
     assert _error({"inner": {"rate": 0}}) == "params.yaml grp.inner.rate=0 is out of range; allowed: > 0 and <= 1"
-    assert _error({"inner": {"kind": "z"}}) == ("params.yaml grp.inner.kind='z' is out of range; allowed: one of 'x' "
-                                                "or 'y'")
+    assert _error({"inner": {"kind": "z"}}) == (
+        "params.yaml grp.inner.kind='z' is out of range; allowed: one of 'x' or 'y'"
+    )
     assert _error({"sizes": {"train": 2}, "steps": 0}) == ("params.yaml grp.steps=0 is out of range; allowed: >= 1")
     with pytest.raises(ConfigError, match="expected a mapping"):
         from_dict(Outer, [1], "grp")  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ The first tests drive ``pipeline.federation.deployment:server_app`` (what a Supe
 later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.localhost),
 each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -58,10 +59,12 @@ def _serve_inprocess(plan_path: str, **run_config):
     from flwr.app import Context, RecordDict
     from flwr.common.constant import SUPERLINK_NODE_ID
 
-    from pipeline.federation.deployment import client_app  # the deployed ClientApp (pyproject.toml)
+    from pipeline.federation.deployment import (
+        client_app,  # the deployed ClientApp (pyproject.toml)
+        server_app,
+    )
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.deployment import server_app
     from pipeline.training.client_data import client_names
 
     names = client_names(load_plan(plan_path))
@@ -71,15 +74,22 @@ def _serve_inprocess(plan_path: str, **run_config):
     for context in grid.contexts.values():  # what a deployed ClientApp sees as its run config (the FAB's)
         context.run_config.update(app_config)
     _set_server_identity(grid.run.run_id)
-    server_app(grid=grid, context=Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-                                          state=RecordDict(),
-                                          run_config={"plan": plan_path, "decoding": json.dumps(EVALUATE),
-                                                      **run_config}))
+    server_app(
+        grid=grid,
+        context=Context(
+            run_id=grid.run.run_id,
+            node_id=SUPERLINK_NODE_ID,
+            node_config={},
+            state=RecordDict(),
+            run_config={"plan": plan_path, "decoding": json.dumps(EVALUATE), **run_config},
+        ),
+    )
     return grid
 
 
-def _assert_same_final_adapters(name: str, reference: str,
-                                clients: tuple[str, ...] = ("Academic", "Committee", "Product")) -> None:
+def _assert_same_final_adapters(
+    name: str, reference: str, clients: tuple[str, ...] = ("Academic", "Committee", "Product")
+) -> None:
     """Every client's final adapter of run ``name`` equals ``reference``'s (float tolerance: same math elsewhere)."""
     a, b = _final_adapters(name), _final_adapters(reference)
     assert a.keys() == b.keys() == set(clients)
@@ -145,7 +155,9 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     for c in a:
         assert Path(f"models/dep/clients/{c}/adapter_best.safetensors").exists()
         assert sorted(p.name for p in (run_dir / f"clients/{c}/gate_log").iterdir()) == [
-            "round001.parquet", "round002.parquet"]
+            "round001.parquet",
+            "round002.parquet",
+        ]
         assert (run_dir / f"checkpoint/clients/{c}/round002.safetensors").exists()
 
     # Federated evaluation = the evaluate stage's central path on the same adapters and test sets.
@@ -171,8 +183,10 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     arts = {f.path for f in mlflow.MlflowClient().list_artifacts(run["run_id"])}
     assert "global_adapter.safetensors" in arts and "rounds.json" in arts
     [aggregate] = mlflow.search_logged_models(  # and the final aggregate as a LoggedModel of the run
-        experiment_ids=[run["experiment_id"]], filter_string="tags.experiment = 'dep' AND tags.client = 'global'",
-        output_format="list")
+        experiment_ids=[run["experiment_id"]],
+        filter_string="tags.experiment = 'dep' AND tags.client = 'global'",
+        output_format="list",
+    )
     assert aggregate.source_run_id == run["run_id"] and aggregate.name == "dep-global"
 
 
@@ -225,8 +239,14 @@ def _local(plan: str, **kw):
 
     # No MLflow and no test-set evaluation: those are checked above over the in-process Grid; here what
     # matters is the transport (each ClientApp message is a fresh `flwr-clientapp` process, seconds each).
-    return LocalhostConfig(plan=plan, run_config={"evaluate": False, "mlflow": False},
-                           startup_timeout_s=90, run_timeout_s=400, stop_timeout_s=10, **kw)
+    return LocalhostConfig(
+        plan=plan,
+        run_config={"evaluate": False, "mlflow": False},
+        startup_timeout_s=90,
+        run_timeout_s=400,
+        stop_timeout_s=10,
+        **kw,
+    )
 
 
 def _flower_pids() -> set[int]:
@@ -266,8 +286,14 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
     weigh their updates, 4 and 6 examples, as three do; the in-process Grid test above federates all three)."""
     from types import SimpleNamespace
 
-    from pipeline.federation.localhost import (CONNECTION, RUN_ID, LocalhostFederation, flwr, make_node_key,
-                                               parse_run_status)
+    from pipeline.federation.localhost import (
+        CONNECTION,
+        RUN_ID,
+        LocalhostFederation,
+        flwr,
+        make_node_key,
+        parse_run_status,
+    )
 
     with pytest.MonkeyPatch.context() as mp:  # what the ws fixture sets, for this module-scoped setup
         mp.chdir(workspace)
@@ -290,13 +316,24 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
             found = RUN_ID.search(run.output)
             status = ("no run id", "")
             if found:  # the SuperLink's word on the run
-                out = flwr("ls", CONNECTION, "--run-id", found.group(1), "--format", "json", env=fed.procs.env,
-                           timeout=60)
+                out = flwr(
+                    "ls", CONNECTION, "--run-id", found.group(1), "--format", "json", env=fed.procs.env, timeout=60
+                )
                 status = parse_run_status(out.stdout, int(found.group(1)))[1:]
             metrics = fed.check_outputs(0) if run.returncode == 0 else {}
             started = list(fed.procs.procs)
-    return SimpleNamespace(before=before, started=started, certs=certs, keys=keys, stranger=stranger,
-                           superlink_log=fed.superlink.log, home=fed.home, run=run, status=status, metrics=metrics)
+    return SimpleNamespace(
+        before=before,
+        started=started,
+        certs=certs,
+        keys=keys,
+        stranger=stranger,
+        superlink_log=fed.superlink.log,
+        home=fed.home,
+        run=run,
+        status=status,
+        metrics=metrics,
+    )
 
 
 @FEDERATION_TLS
@@ -412,8 +449,9 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     from pipeline.federation.protocol import load_plan
     from pipeline.training.checkpoints import server_checkpoint_path
 
-    checkpointed = torch.load(server_checkpoint_path(load_plan("models/plans/faults.json")),
-                              weights_only=False)["history"]
+    checkpointed = torch.load(server_checkpoint_path(load_plan("models/plans/faults.json")), weights_only=False)[
+        "history"
+    ]
     run, metrics = run_localhost(cfg)
     history = json.loads(Path("models/faults/rounds.json").read_text())
     assert history[:6] == checkpointed  # rounds 1-3 restored, not run again
@@ -438,7 +476,9 @@ def test_ray_engine_gives_the_in_process_result(ws):
 
     _ray_or_skip()
     run_experiment(write_plan("ray-ref", "fedavg"), track=False)
-    run_experiment(write_plan("ray", "fedavg"), track=False, settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
+    run_experiment(
+        write_plan("ray", "fedavg"), track=False, settings=RunSettings(engine="ray", ray_cpus_per_client=1.0)
+    )
     _assert_same_final_adapters("ray", "ray-ref")
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("ray", "ray-ref"))
     assert len(rounds) == len(ref) == 6
@@ -459,10 +499,12 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
     group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
     # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
-    script = ("import subprocess, sys, time; "
-              "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
-              "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
-              "print(a.pid, b.pid, flush=True); time.sleep(300)")
+    script = (
+        "import subprocess, sys, time; "
+        "a = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'], start_new_session=True); "
+        "b = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); "
+        "print(a.pid, b.pid, flush=True); time.sleep(300)"
+    )
     proc = group.start("parent", [sys.executable, "-c", script], tmp_path)
     deadline = time.monotonic() + 30
     while not proc.log.read_text().strip() and time.monotonic() < deadline:
@@ -479,10 +521,29 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 def test_xdist_keeps_a_group_on_one_worker(tmp_path):
     """The groups above only hold if `--dist loadgroup` honours xdist_group marks (pytest 9.2 with xdist 3.8 silently
     did not: pytest-dev/pytest-xdist#1386); six grouped tests among six others all run on one worker."""
-    (tmp_path / "test_grouped.py").write_text("import pytest\n" + "".join(
-        f"@pytest.mark.xdist_group('g')\ndef test_g{i}(): pass\ndef test_free{i}(): pass\n" for i in range(6)))
-    out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadgroup",
-                          "-v", "test_grouped.py"], cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    (tmp_path / "test_grouped.py").write_text(
+        "import pytest\n"
+        + "".join(f"@pytest.mark.xdist_group('g')\ndef test_g{i}(): pass\ndef test_free{i}(): pass\n" for i in range(6))
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            "--dist",
+            "loadgroup",
+            "-v",
+            "test_grouped.py",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert out.returncode == 0, out.stdout[-2000:]
     workers = {name: w for w, name in re.findall(r"\[(gw\d)\].*PASSED test_grouped.py::(test_g\d)", out.stdout)}
     assert len(workers) == 6 and len(set(workers.values())) == 1, out.stdout[-2000:]
@@ -527,8 +588,13 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
                 ctx = self.contexts.pop(old)
                 from flwr.app import Context, RecordDict
 
-                self.contexts[2001] = Context(run_id=ctx.run_id, node_id=2001, node_config=dict(ctx.node_config),
-                                              state=RecordDict(), run_config={})  # fresh process, empty state
+                self.contexts[2001] = Context(
+                    run_id=ctx.run_id,
+                    node_id=2001,
+                    node_config=dict(ctx.node_config),
+                    state=RecordDict(),
+                    run_config={},
+                )  # fresh process, empty state
             return list(self.contexts)
 
     plan = write_plan("flaky-node", "fedavg", rounds=3)
@@ -559,20 +625,23 @@ def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
 
     _ray_or_skip()
     run_experiment(_write_plan("sa-ray-ref", "fedavg", {"secure_aggregation": True}), track=False)
-    run_experiment(_write_plan("sa-ray", "fedavg", {"secure_aggregation": True}), track=False,
-                   settings=RunSettings(engine="ray", ray_cpus_per_client=1.0))
+    run_experiment(
+        _write_plan("sa-ray", "fedavg", {"secure_aggregation": True}),
+        track=False,
+        settings=RunSettings(engine="ray", ray_cpus_per_client=1.0),
+    )
     # The masks cancel exactly and the stochastic rounding draws from the generator each client's training seeded:
     # Ray's actors compute what the in-process engine does.
     _assert_same_final_adapters("sa-ray", "sa-ray-ref")
     rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("sa-ray", "sa-ray-ref"))
-    assert [(r["round"], r["client"], r["failed"]) for r in rounds] == [
-        (r["round"], r["client"], 0) for r in ref]
+    assert [(r["round"], r["client"], r["failed"]) for r in rounds] == [(r["round"], r["client"], 0) for r in ref]
 
 
 @SECAGG_LOST_NODE
 @pytest.mark.timeout(600)
 def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(
-        ws, monkeypatch):
+    ws, monkeypatch
+):
     """Real SuperLink and SuperNodes: round 1's unmasked global is the plain run's FedAvg of the same uploads within
     SecAgg+'s bound; Committee's SuperNode is killed once round 1 is checkpointed, and round 2 is unmasked from the
     other two (reconstruction threshold 2 of 3)."""
@@ -580,14 +649,14 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
 
     from safetensors.torch import load_file
 
+    from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
     from pipeline.federation.localhost import LocalhostFederation
     from pipeline.federation.protocol import load_plan
-    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.federation.server_app import load_server_checkpoint
-    from pipeline.train import run_experiment
+    from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
     from pipeline.privacy.settings import SecAggConfig
+    from pipeline.train import run_experiment
     from tests.test_privacy import _write_plan
-    from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
     from tests.test_secure_aggregation import N_TRAIN, _spy_uploads
 
     uploads = _spy_uploads(monkeypatch)  # the in-process plain run's (this process only)
@@ -644,8 +713,9 @@ def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
     line naming the missing client and the refused name."""
     from pipeline.federation.localhost import FederationError, run_localhost
 
-    cfg = _local(write_plan("misnamed", "fedavg", partition=_pair_partition(), rounds=1),
-                 clients=["Academic", "Comittee"])
+    cfg = _local(
+        write_plan("misnamed", "fedavg", partition=_pair_partition(), rounds=1), clients=["Academic", "Comittee"]
+    )
     # The run waits out the whole admission timeout (Committee never comes): it only has to outlast the identify
     # replies, one fresh flwr-clientapp process per node, lighter than the train reply that the lost-SuperNode test
     # gives its 40 s round timeout.

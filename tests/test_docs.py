@@ -97,7 +97,9 @@ def test_every_module_in_the_map_exists():
         # the listed names are the bare identifiers between separators once explanations in parentheses are gone;
         # a subpackage's parentheses list its modules, so they are read the same way
         text = " ".join(text.replace(f"{package}/", "", 1).split())
-        bodies = [_strip_parentheses(text)] + [_strip_parentheses(_parenthesised(text, m.end())) for m in re.finditer(r"\w+/ \(", text)]
+        bodies = [_strip_parentheses(text)] + [
+            _strip_parentheses(_parenthesised(text, m.end())) for m in re.finditer(r"\w+/ \(", text)
+        ]
         for chunk in re.split(r"[,;:]|\band\b", " , ".join(bodies)):
             chunk = chunk.strip().rstrip("/").removeprefix("+ ").strip()
             if re.fullmatch(r"[a-z][a-z0-9_]*", chunk) and chunk not in modules[package]:
@@ -206,8 +208,11 @@ def test_the_readmes_repro_time_and_memory_are_the_committed_timing_tables():
     """The README's `make repro` minutes and peak memory are reports/tables/timing.md's span and largest peak."""
     readme = " ".join((ROOT / "README.md").read_text().split())
     timing = (ROOT / "reports/tables/timing.md").read_text()
-    stated = re.search(r"`make repro` ran from first start to last finish in (\d+\.\d) min, each in at most "
-                       r"(\d+\.\d) GiB", readme)
+    stated = re.search(
+        r"`make repro` ran from first start to last finish in (\d+\.\d) min, each in at most "
+        r"(\d+\.\d) GiB",
+        readme,
+    )
     span = re.search(r"last recorded finish: \d+ s \((\d+\.\d) min\)", timing)
     peak = re.search(r"\| \*\*total\*\* \|[^\n]*\| (\d+) \(max\) \|", timing)
     assert stated and span and peak, "README.md or reports/tables/timing.md lost the sentence or the total row"

@@ -1,20 +1,21 @@
 """How the project sits in DVC: which files are metrics, the headline metrics file, params.yaml under `-S`, the
 datasets as DVC imports, and the grid commands."""
+
 from __future__ import annotations
 
 import difflib
 import re
 from pathlib import Path
 
-import scipy.stats
 import pandas as pd
 import pytest
+import scipy.stats
 import yaml
 from dvc.utils.hydra import apply_overrides
 
-from pipeline.results import comparisons
 from pipeline.presets import flatten_leaves, hydra_value
 from pipeline.report import HEADLINE_STUDY, average_interval, headline_metrics
+from pipeline.results import comparisons
 from pipeline.results.stats import BootstrapConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +31,7 @@ def _entries(section) -> list[tuple[str, dict]]:
         if isinstance(item, str):
             out.append((item, {}))
         else:
-            (path, opts), = item.items()
+            ((path, opts),) = item.items()
             out.append((path, opts or {}))
     return out
 
@@ -64,7 +65,6 @@ def test_every_experiment_of_the_default_profile_is_a_dvc_model_artifact():
 
 
 def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs():
-    outs = {path: opts for _, path, opts in _stage_sections("outs")}
     metric_paths = [path for _, path, _ in _stage_sections("metrics")]
     assert not [p for p in metric_paths if re.search(r"timing|time|memory|rss|bench", p)]
     # Every stage still declares its wall-time record and its report as plain outputs: kept in git (uncached)
@@ -73,9 +73,13 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
     assert timed == set(DVC_YAML["stages"]) - {"plan"}  # every stage but plan (it writes no time record)
     for stage, path, opts in _stage_sections("outs"):
         if path.startswith("reports/timing/") or path in (
-                "reports/summary.json", "reports/analysis/kd_analysis.json", "reports/backbone.json",
-                "reports/train/${key}/metrics.json",
-                "reports/partitions/${item.scheme}-seed${item.seed}.json", "reports/data/stats.json"):
+            "reports/summary.json",
+            "reports/analysis/kd_analysis.json",
+            "reports/backbone.json",
+            "reports/train/${key}/metrics.json",
+            "reports/partitions/${item.scheme}-seed${item.seed}.json",
+            "reports/data/stats.json",
+        ):
             assert (opts.get("cache") is False) == (stage not in RUN_CACHED), path
 
 
@@ -97,16 +101,28 @@ def test_expensive_stages_can_be_restored_from_dvc_run_cache(stage):
 
 
 def _agg_row(label, client, r1, r2, rl, study="main"):
-    return {"study": study, "label": label, "method": label.split()[0], "client": client, "rouge1_mean": r1, "rouge2_mean": r2,
-            "rougeL_mean": rl, "avg_rouge_mean": (r1 + r2 + rl) / 3}
+    return {
+        "study": study,
+        "label": label,
+        "method": label.split()[0],
+        "client": client,
+        "rouge1_mean": r1,
+        "rouge2_mean": r2,
+        "rougeL_mean": rl,
+        "avg_rouge_mean": (r1 + r2 + rl) / 3,
+    }
 
 
 def test_headline_metrics_from_hand_made_results():
-    agg = pd.DataFrame([
-        _agg_row("fedavg", "A", 30.0, 6.0, 24.0), _agg_row("fedavg", "B", 20.0, 4.0, 18.0),
-        _agg_row("fedselectkd tau=5", "A", 33.0, 9.0, 27.0), _agg_row("fedselectkd tau=5", "B", 21.0, 3.0, 18.0),
-        _agg_row("fedavg", "A", 99.0, 99.0, 99.0, study="iid"),  # another study: never a headline number
-    ])
+    agg = pd.DataFrame(
+        [
+            _agg_row("fedavg", "A", 30.0, 6.0, 24.0),
+            _agg_row("fedavg", "B", 20.0, 4.0, 18.0),
+            _agg_row("fedselectkd tau=5", "A", 33.0, 9.0, 27.0),
+            _agg_row("fedselectkd tau=5", "B", 21.0, 3.0, 18.0),
+            _agg_row("fedavg", "A", 99.0, 99.0, 99.0, study="iid"),  # another study: never a headline number
+        ]
+    )
     kd = {"clients": {"B": {"kd_usage_ratio": 0.4}, "A": {"kd_usage_ratio": 0.2}, "C": {"kd_usage_ratio": None}}}
     out = headline_metrics(agg, {"fedselectkd tau=5": (15.0, 20.5), "fedavg": None}, kd)
     assert set(out) == {HEADLINE_STUDY, "kd_usage"}
@@ -127,8 +143,11 @@ def test_headline_metrics_from_hand_made_results():
 
 
 def _per_example(eval_dir: Path, name: str, scores: dict[str, list[float]]) -> None:
-    rows = [{"client": c, "example_id": f"{c}{i}", "rouge1": v, "rouge2": v, "rougeL": v, "rougeLsum": v, "avg_rouge": v}
-            for c, vals in scores.items() for i, v in enumerate(vals)]
+    rows = [
+        {"client": c, "example_id": f"{c}{i}", "rouge1": v, "rouge2": v, "rougeL": v, "rougeLsum": v, "avg_rouge": v}
+        for c, vals in scores.items()
+        for i, v in enumerate(vals)
+    ]
     (eval_dir / name).mkdir(parents=True)
     pd.DataFrame(rows).to_parquet(eval_dir / name / "per_example.parquet")
 
@@ -146,7 +165,7 @@ def test_average_interval_of_a_configuration(tmp_path):
     two = comparisons.Config("main", "y", "fedavg", "domain", ((0, "s0"), (1, "s1")))
     low, high = average_interval(two, tmp_path, cfg)
     var = 1.0 + 25.0 / 3.0
-    half = scipy.stats.t.ppf(0.975, var ** 2 / (1.0 + (25.0 / 3.0) ** 2 / 3)) * var ** 0.5
+    half = scipy.stats.t.ppf(0.975, var**2 / (1.0 + (25.0 / 3.0) ** 2 / 3)) * var**0.5
     assert (low, high) == pytest.approx((8.5 - half, 8.5 + half))
     assert average_interval(two, tmp_path, cfg) == (low, high)  # the bootstrap seed fixes it
     missing = comparisons.Config("main", "z", "fedavg", "domain", ((0, "never-evaluated"),))
@@ -155,16 +174,22 @@ def test_average_interval_of_a_configuration(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ params.yaml
 def _changed_lines(before: str, after: str) -> list[str]:
-    return [line for line in difflib.unified_diff(before.splitlines(), after.splitlines(), n=0, lineterm="")
-            if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return [
+        line
+        for line in difflib.unified_diff(before.splitlines(), after.splitlines(), n=0, lineterm="")
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    ]
 
 
-@pytest.mark.parametrize("override, line", [
-    ("tau=4", "tau: 4"),
-    ("train.rounds=5", "  rounds: 5"),
-    ("experiments.tau-3.tau=2.0", "    tau: 2.0"),
-    ("evaluate.num_beams=4", "  num_beams: 4"),
-])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        ("tau=4", "tau: 4"),
+        ("train.rounds=5", "  rounds: 5"),
+        ("experiments.tau-3.tau=2.0", "    tau: 2.0"),
+        ("evaluate.num_beams=4", "  num_beams: 4"),
+    ],
+)
 def test_dvc_set_param_changes_exactly_one_line(tmp_path, override, line):
     """`dvc exp run -S key=value` rewrites params.yaml with DVC's own writer (dvc.utils.hydra.apply_overrides):
     params.yaml is laid out as that writer keeps it, so the only change is the overridden key's line."""
@@ -290,8 +315,12 @@ PLAN_READERS = ("pipeline.train", "pipeline.evaluate")
 
 
 def extension_modules() -> set[str]:
-    return {str(p.relative_to(ROOT)) for d in EXTENSION_DIRS for p in (ROOT / d).glob("*.py")
-            if p.stem not in ("__init__", "catalog", "registry")}
+    return {
+        str(p.relative_to(ROOT))
+        for d in EXTENSION_DIRS
+        for p in (ROOT / d).glob("*.py")
+        if p.stem not in ("__init__", "catalog", "registry")
+    }
 
 
 def expand(dep: str) -> set[str]:
@@ -306,8 +335,11 @@ def expected_module_deps(module: str) -> list[str]:
     """The pipeline/ deps of the stage running ``module``: its import closure (less the extension modules when it
     reads a plan), each package whose modules it all reads named as one folder; its own module first."""
     needed = import_closure(module) - (extension_modules() if module in PLAN_READERS else set())
-    folders = {str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*") if p.is_dir()
-               and p.name != "__pycache__" and set() < expand(str(p.relative_to(ROOT))) <= needed}
+    folders = {
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "pipeline").rglob("*")
+        if p.is_dir() and p.name != "__pycache__" and set() < expand(str(p.relative_to(ROOT))) <= needed
+    }
     folders = {f for f in folders if not any(f.startswith(g + "/") for g in folders)}
     files = {m for m in needed if not any(m.startswith(f + "/") for f in folders)}
     own = module.replace(".", "/") + ".py"

@@ -1,4 +1,5 @@
 """The evaluate stage end to end on a tiny BART saved with save_tiny and a synthetic experiment directory."""
+
 from __future__ import annotations
 
 import json
@@ -6,10 +7,9 @@ import json
 import pandas as pd
 import pytest
 
-from pipeline.results.evaluation import subsample_test_ids
-from pipeline.evaluate import evaluate_experiment
-from pipeline.results.evaluation import EvaluateConfig
 from pipeline.common.schema import DataError
+from pipeline.evaluate import evaluate_experiment
+from pipeline.results.evaluation import EvaluateConfig, subsample_test_ids
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
 
@@ -41,14 +41,25 @@ def workspace(tmp_path_factory):
     rows = []
     for client in CLIENTS:
         for i in range(5):
-            rows.append({"example_id": f"qmsum/{client}/test/m{i}/q0", "domain": client,
-                         "source": f"What did they decide? #SEP# Project Manager: the team met about the budget {i}.",
-                         "target": f"The team agreed on the budget {i}. They will meet again."})
+            rows.append(
+                {
+                    "example_id": f"qmsum/{client}/test/m{i}/q0",
+                    "domain": client,
+                    "source": f"What did they decide? #SEP# Project Manager: the team met about the budget {i}.",
+                    "target": f"The team agreed on the budget {i}. They will meet again.",
+                }
+            )
     examples = root / "examples.parquet"
     pd.DataFrame(rows).to_parquet(examples)
-    partition = {"scheme": "domain", "seed": 0, "params": {}, "excluded": {"count": 0, "by_reason": {}, "example_ids": []},
-                 "clients": {c: {"train": [], "valid": [], "test": [r["example_id"] for r in rows if r["domain"] == c]}
-                             for c in CLIENTS}}
+    partition = {
+        "scheme": "domain",
+        "seed": 0,
+        "params": {},
+        "excluded": {"count": 0, "by_reason": {}, "example_ids": []},
+        "clients": {
+            c: {"train": [], "valid": [], "test": [r["example_id"] for r in rows if r["domain"] == c]} for c in CLIENTS
+        },
+    }
     (root / "partitions" / "domain").mkdir(parents=True)
     (root / "partitions" / "domain" / "seed0.json").write_text(json.dumps(partition))
 
@@ -60,23 +71,43 @@ def workspace(tmp_path_factory):
         state = {k: v.contiguous() for k, v in model.adapter_state("local").items()}
         save_file(state, str(d / "adapter_best.safetensors"))
         save_file(state, str(d / "adapter_final.safetensors"))
-    (exp_dir / "experiment.json").write_text(json.dumps(
-        {"experiment": "exp1", "study": "main", "method": "fedselectkd", "partition": "domain/seed0", "seed": 0,
-         "model": MODEL}))
+    (exp_dir / "experiment.json").write_text(
+        json.dumps(
+            {
+                "experiment": "exp1",
+                "study": "main",
+                "method": "fedselectkd",
+                "partition": "domain/seed0",
+                "seed": 0,
+                "model": MODEL,
+            }
+        )
+    )
     return root
 
 
 def run(workspace, cfg: EvaluateConfig, name: str = "exp1"):
     return evaluate_experiment(
-        name, cfg, models_dir=workspace / "models", eval_dir=workspace / "eval",
-        examples_path=workspace / "examples.parquet", partitions_dir=workspace / "partitions",
-        backbone_dir=workspace / "models" / "backbone", mlflow_logging=False,
+        name,
+        cfg,
+        models_dir=workspace / "models",
+        eval_dir=workspace / "eval",
+        examples_path=workspace / "examples.parquet",
+        partitions_dir=workspace / "partitions",
+        backbone_dir=workspace / "models" / "backbone",
+        mlflow_logging=False,
     )
 
 
 def test_evaluate_stage_end_to_end(workspace):
-    cfg = EvaluateConfig(batch_size=2, num_beams=2, max_target_length=8, min_target_length=2,
-                         test_examples_per_client=3, subsample_seed=0)
+    cfg = EvaluateConfig(
+        batch_size=2,
+        num_beams=2,
+        max_target_length=8,
+        min_target_length=2,
+        test_examples_per_client=3,
+        subsample_seed=0,
+    )
     metrics = run(workspace, cfg)
     out = workspace / "eval" / "exp1"
     on_disk = json.loads((out / "metrics.json").read_text())
@@ -101,7 +132,8 @@ def test_evaluate_stage_end_to_end(workspace):
         sub = per_example[per_example["client"] == client]
         assert on_disk["clients"][client]["rouge1"] == pytest.approx(sub["rouge1"].mean())
     assert on_disk["mean"]["rouge2"] == pytest.approx(
-        sum(on_disk["clients"][c]["rouge2"] for c in CLIENTS) / len(CLIENTS))
+        sum(on_disk["clients"][c]["rouge2"] for c in CLIENTS) / len(CLIENTS)
+    )
 
     # Identical configuration -> identical predictions (beam search, seeded subsample).
     again = run(workspace, cfg)
@@ -119,19 +151,25 @@ def test_subsample_is_seeded_per_client_and_keeps_order():
 
 
 def test_missing_adapter_is_a_clear_error(workspace):
-    cfg = EvaluateConfig(adapter="final", test_examples_per_client=1, num_beams=1, max_target_length=4, min_target_length=0)
+    cfg = EvaluateConfig(
+        adapter="final", test_examples_per_client=1, num_beams=1, max_target_length=4, min_target_length=0
+    )
     (workspace / "models" / "exp1" / "clients" / "Committee" / "adapter_final.safetensors").rename(
-        workspace / "models" / "exp1" / "clients" / "Committee" / "moved.safetensors")
+        workspace / "models" / "exp1" / "clients" / "Committee" / "moved.safetensors"
+    )
     try:
         with pytest.raises(DataError, match="Committee.*adapter_final.safetensors"):
             run(workspace, cfg)
     finally:
         (workspace / "models" / "exp1" / "clients" / "Committee" / "moved.safetensors").rename(
-            workspace / "models" / "exp1" / "clients" / "Committee" / "adapter_final.safetensors")
+            workspace / "models" / "exp1" / "clients" / "Committee" / "adapter_final.safetensors"
+        )
 
 
 def test_bad_config_rejected():
-    with pytest.raises(ValueError, match="EvaluateConfig.adapter='middle' is out of range; allowed: one of 'best' or 'final'"):
+    with pytest.raises(
+        ValueError, match="EvaluateConfig.adapter='middle' is out of range; allowed: one of 'best' or 'final'"
+    ):
         EvaluateConfig(adapter="middle")
     with pytest.raises(ValueError, match="min_target_length"):
         EvaluateConfig(min_target_length=50, max_target_length=10)

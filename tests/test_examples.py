@@ -1,4 +1,5 @@
 """Stage `examples`: model inputs, word counters, QMSum<->AMI/ICSI meeting names, Table II."""
+
 from __future__ import annotations
 
 import gzip
@@ -8,11 +9,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.examples import PAPER_TABLE_II, ExamplesConfig, build_examples, stats_markdown, table_ii
-from pipeline.ingest import ingest_dataset
-from pipeline.examples import link_meetings
 from pipeline.common.schema import DataError, Turn, spoken_word_count, summary_word_count
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
+from pipeline.examples import PAPER_TABLE_II, ExamplesConfig, build_examples, link_meetings, stats_markdown, table_ii
+from pipeline.ingest import ingest_dataset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
 
@@ -43,20 +43,25 @@ def test_qmsum_input_is_query_sep_rendered_turns(interim):
     assert len(acad) == 2 and set(acad.query_type) == {"specific"}  # general queries left out by default
     q0 = acad.iloc[0]
     assert q0.example_id.startswith("qmsum/Academic/train/m") and q0.example_id.endswith("/q0")
-    assert q0.source == ("What did they say about the data? #SEP# PhD C: we need the {vocalsound} data .\n"
-                         "Professor B: the data is ready .\nPhD C: next topic .")
+    assert q0.source == (
+        "What did they say about the data? #SEP# PhD C: we need the {vocalsound} data .\n"
+        "Professor B: the data is ready .\nPhD C: next topic ."
+    )
     assert q0.target == "The data  is ready."
     assert (q0.n_turns, q0.n_speakers, q0.n_words, q0.n_summary_words) == (3, 2, 7 + 7 + 5, 5)
 
 
 def test_other_datasets_and_options(interim):
-    cfg = ExamplesConfig(qmsum_query_types=["general", "specific"], samsum_query="Summarize the dialogue",
-                         sep_token="<sep>")
+    cfg = ExamplesConfig(
+        qmsum_query_types=["general", "specific"], samsum_query="Summarize the dialogue", sep_token="<sep>"
+    )
     examples, _ = build_examples(interim, cfg)
     qm = examples[examples.dataset == "qmsum"]
     assert len(qm) == 19 and qm.example_id.str.contains("/g0$").sum() == 9
     sam = examples.set_index("example_id").loc["samsum/train/13818513"]
-    assert sam.source == "Summarize the dialogue <sep> Amanda: I baked  cookies. Do you want some?\nJerry: Sure: thanks!"
+    assert (
+        sam.source == "Summarize the dialogue <sep> Amanda: I baked  cookies. Do you want some?\nJerry: Sure: thanks!"
+    )
     assert "samsum/train/13828807" not in set(examples.example_id)  # the empty dialogue was skipped at ingest
     ami = examples.set_index("example_id").loc["ami/train/ES2002a"]
     assert ami.source == "PM B: Hello everyone .\nME A: Hi .\nPM B: Let us start"  # no query for whole meetings
@@ -76,10 +81,14 @@ def test_qmsum_product_meeting_takes_its_ami_name(interim):
 
 
 def test_link_meetings_matches_by_shared_word_ngrams():
-    corpus = {"ES2002a": ["hello everyone , let us start the meeting about the remote control design today"],
-              "ES2002b": ["we discussed the battery and the case material of the new remote in detail"]}
-    queries = {"m1": ["We discussed the battery , and the case", "material of the new remote in detail ."],
-               "m2": ["something else entirely that nobody said in any of those meetings at all"]}
+    corpus = {
+        "ES2002a": ["hello everyone , let us start the meeting about the remote control design today"],
+        "ES2002b": ["we discussed the battery and the case material of the new remote in detail"],
+    }
+    queries = {
+        "m1": ["We discussed the battery , and the case", "material of the new remote in detail ."],
+        "m2": ["something else entirely that nobody said in any of those meetings at all"],
+    }
     res = link_meetings(queries, corpus, min_jaccard=0.05)
     assert res.links == {"m1": "ES2002b"} and res.unmatched == ["m2"] and res.scores["m1"] == 1.0
     with pytest.raises(DataError, match="both match ES2002b"):
@@ -87,8 +96,19 @@ def test_link_meetings_matches_by_shared_word_ngrams():
 
 
 def test_stats_markdown_shows_paper_values_and_skips():
-    stats = {"qmsum": {"Academic": {"train": {"n": 218, "avg_turns": 54.64, "avg_speakers": 4.35,
-                                              "avg_words": 1041.26, "avg_summary_words": 46.22}}}}
+    stats = {
+        "qmsum": {
+            "Academic": {
+                "train": {
+                    "n": 218,
+                    "avg_turns": 54.64,
+                    "avg_speakers": 4.35,
+                    "avg_words": 1041.26,
+                    "avg_summary_words": 46.22,
+                }
+            }
+        }
+    }
     md = stats_markdown(stats, {"samsum": {"empty dialogue": 1}}, {})
     assert "| Academic | train | 218 / 218 | 54.64 / 54.64 | 4.35 / 4.35 | 1041.26 / 1049.80 | 46.22 / 46.22 |" in md
     assert "- samsum: 1 x empty dialogue" in md

@@ -1,4 +1,5 @@
 """pipeline.experiments (the one reader of `experiments:` and of plans) and the package's import structure."""
+
 from __future__ import annotations
 
 import ast
@@ -56,7 +57,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt]
+                return path[path.index(nxt) :] + [nxt] if nxt in path else [node, nxt]
             if nxt not in state:
                 found = visit(nxt, path + [nxt])
                 if found:
@@ -116,11 +117,18 @@ def _plans(params: dict, out: Path) -> dict[str, str]:
     return {p.name: p.read_text() for p in write_plans(params, out)}
 
 
-@pytest.mark.parametrize("key, value", [
-    ("model.cache_max_gb", 0.5), ("model.cache_dir", "/elsewhere/prefix"), ("model.teacher_cache_gb", 0.0),
-    ("train.engine", "ray"), ("train.ray_cpus_per_client", 2.0), ("train.ray_gpus_per_client", 0.5),
-    ("train.round_timeout_s", 60),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("model.cache_max_gb", 0.5),
+        ("model.cache_dir", "/elsewhere/prefix"),
+        ("model.teacher_cache_gb", 0.0),
+        ("train.engine", "ray"),
+        ("train.ray_cpus_per_client", 2.0),
+        ("train.ray_gpus_per_client", 0.5),
+        ("train.round_timeout_s", 60),
+    ],
+)
 def test_settings_that_cannot_change_a_result_leave_every_plan_unchanged(tmp_path, key, value):
     before = _plans(_params(), tmp_path / "a")
     after = _plans(_params(**{key: value}), tmp_path / "b")
@@ -139,8 +147,14 @@ def test_settings_that_change_results_change_the_plans_they_affect(tmp_path):
     # tau: the selective-KD experiments without their own tau, nothing else
     tau4 = _plans(_params(tau=4.0), tmp_path / "c")
     changed = {n for n in before if before[n] != tau4[n]}
-    assert changed == {"fedselectkd-domain.json", "fedselectkd-iid.json", "fedselectkd-noniid.json",
-                       "fedselectkd-extreme.json", "fedselectkd-sampling.json", "post_addition.json"}
+    assert changed == {
+        "fedselectkd-domain.json",
+        "fedselectkd-iid.json",
+        "fedselectkd-noniid.json",
+        "fedselectkd-extreme.json",
+        "fedselectkd-sampling.json",
+        "post_addition.json",
+    }
 
 
 def test_declared_resolves_tau_and_seed_as_the_plan_does():
@@ -159,18 +173,23 @@ def test_declared_resolves_tau_and_seed_as_the_plan_does():
     assert (c.tau, c.seed, c.study) == (2.0, 3, "tau_sweep")
 
 
-@pytest.mark.parametrize("entry, message", [
-    ({"method": "fedavg", "partition": "domain/seed0", "tau": 3}, "does not use it"),
-    ({"method": "fedavg", "partition": "domain"}, "'<scheme>/seed<k>'"),
-    ({"method": "nope", "partition": "domain/seed0"}, "experiments.x.method"),
-    ({"partition": "domain/seed0"}, "missing required key 'method'"),
-    ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
-    ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"mode": "example"}}, "exactly one of"),
-    ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"epsilon": 3}}, "unknown key"),
-    ({"method": "fedavg", "partition": "domain/seed0", "privacy": 3}, "expected a mapping"),
-    ({"method": "single", "partition": "domain/seed0", "privacy": {"mode": "example", "target_epsilon": 3}},
-     "sends nothing"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"method": "fedavg", "partition": "domain/seed0", "tau": 3}, "does not use it"),
+        ({"method": "fedavg", "partition": "domain"}, "'<scheme>/seed<k>'"),
+        ({"method": "nope", "partition": "domain/seed0"}, "experiments.x.method"),
+        ({"partition": "domain/seed0"}, "missing required key 'method'"),
+        ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
+        ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"mode": "example"}}, "exactly one of"),
+        ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"epsilon": 3}}, "unknown key"),
+        ({"method": "fedavg", "partition": "domain/seed0", "privacy": 3}, "expected a mapping"),
+        (
+            {"method": "single", "partition": "domain/seed0", "privacy": {"mode": "example", "target_epsilon": 3}},
+            "sends nothing",
+        ),
+    ],
+)
 def test_a_bad_entry_is_one_line_naming_it(entry, message):
     from pipeline.experiments import declared
 
@@ -190,19 +209,36 @@ def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     before = {e.name: resolve_plan(e, params) for e in declared(params)}
     params["experiments"] = {
         "plain": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy"},
-        "eps3": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy",
-                 "privacy": {"mode": "example", "target_epsilon": 3, "max_grad_norm": 0.5}},
-        "sigma": {"method": "fedavg", "partition": "domain/seed0", "study": "privacy",
-                  "privacy": {"mode": "example", "noise_multiplier": 1.1}},
+        "eps3": {
+            "method": "fedavg",
+            "partition": "domain/seed0",
+            "study": "privacy",
+            "privacy": {"mode": "example", "target_epsilon": 3, "max_grad_norm": 0.5},
+        },
+        "sigma": {
+            "method": "fedavg",
+            "partition": "domain/seed0",
+            "study": "privacy",
+            "privacy": {"mode": "example", "noise_multiplier": 1.1},
+        },
     }
     plain, eps3, sigma = declared(params)
     assert resolve_plan(plain, params) == before["fedavg-domain"] | {"experiment": "plain", "study": "privacy"}
     plan = resolve_plan(eps3, params)
-    assert plan["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3,
-                               "max_grad_norm": 0.5, "delta": None, "accountant": "rdp"}
+    assert plan["privacy"] == {
+        "mode": "example",
+        "noise_multiplier": None,
+        "target_epsilon": 3,
+        "max_grad_norm": 0.5,
+        "delta": None,
+        "accountant": "rdp",
+    }
     assert (plain.dp, eps3.dp, sigma.dp) == ("", "DP-SGD ε≤3 δ≤1e-5", "DP-SGD σ=1.1")
-    assert with_labels([plain, eps3, sigma]) == {"plain": "fedavg", "eps3": "fedavg DP-SGD ε≤3 δ≤1e-5",
-                                                 "sigma": "fedavg DP-SGD σ=1.1"}
+    assert with_labels([plain, eps3, sigma]) == {
+        "plain": "fedavg",
+        "eps3": "fedavg DP-SGD ε≤3 δ≤1e-5",
+        "sigma": "fedavg DP-SGD σ=1.1",
+    }
 
 
 def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_secagg_keys():
@@ -214,19 +250,25 @@ def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_se
     fedavg = {"method": "fedavg", "partition": "domain/seed0", "study": "secure"}
     params["experiments"] = {
         "plain": fedavg,
-        "secure": {**fedavg, "privacy": {"secure_aggregation": True,
-                                         "secagg": {"num_shares": 3, "reconstruction_threshold": 2}}},
+        "secure": {
+            **fedavg,
+            "privacy": {"secure_aggregation": True, "secagg": {"num_shares": 3, "reconstruction_threshold": 2}},
+        },
         "both": {**fedavg, "privacy": {"mode": "example", "target_epsilon": 3, "secure_aggregation": True}},
     }
     plain, secure, both = declared(params)
     assert "privacy" not in resolve_plan(plain, params)
-    assert resolve_plan(secure, params)["privacy"] == {"mode": "none", "secure_aggregation": True, "secagg": {
-        "num_shares": 3, "reconstruction_threshold": 2, "clipping_range": 2.0, "quantization_range": 2**22}}
+    assert resolve_plan(secure, params)["privacy"] == {
+        "mode": "none",
+        "secure_aggregation": True,
+        "secagg": {"num_shares": 3, "reconstruction_threshold": 2, "clipping_range": 2.0, "quantization_range": 2**22},
+    }
     assert resolve_plan(both, params)["privacy"]["secagg"]["num_shares"] == 1.0  # params.yaml's
     assert (plain.dp, secure.dp, both.dp) == ("", "SecAgg+", "DP-SGD ε≤3 δ≤1e-5 + SecAgg+")
     assert with_labels([plain, secure, both])["secure"] == "fedavg SecAgg+"
-    params["experiments"] = {"x": {"method": "single", "partition": "domain/seed0",
-                                   "privacy": {"secure_aggregation": True}}}
+    params["experiments"] = {
+        "x": {"method": "single", "partition": "domain/seed0", "privacy": {"secure_aggregation": True}}
+    }
     with pytest.raises(ConfigError, match=r"^params.yaml experiments.x.privacy: method 'single' sends nothing"):
         declared(params)
 
@@ -251,10 +293,14 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
     out = tmp_path / "plans"
     write_plans(params, out)
     hard = read_plan(out / "hardkd-domain.json")
-    assert hard.paths == {"examples": "data/processed/examples.parquet",
-                          "partition": "data/partitions/domain/seed0.json", "backbone": "models/backbone",
-                          "out_dir": f"data/cache/runs/hardkd-domain-{plan_hash(hard)[:16]}",
-                          "model_dir": "models/hardkd-domain", "reports_dir": "reports/train/hardkd-domain",
-                          "postags": "data/processed/postags.parquet"}
+    assert hard.paths == {
+        "examples": "data/processed/examples.parquet",
+        "partition": "data/partitions/domain/seed0.json",
+        "backbone": "models/backbone",
+        "out_dir": f"data/cache/runs/hardkd-domain-{plan_hash(hard)[:16]}",
+        "model_dir": "models/hardkd-domain",
+        "reports_dir": "reports/train/hardkd-domain",
+        "postags": "data/processed/postags.parquet",
+    }
     assert "paths" not in json.loads((out / "hardkd-domain.json").read_text())  # not a result: not in the plan
     assert len(declared(params)) == len(list(out.glob("*.json")))

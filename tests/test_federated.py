@@ -3,11 +3,13 @@
 Everything runs on a tiny BART (tests/tiny_models.py) in a temporary workspace laid out like the repo
 (data/processed/examples.parquet, data/partitions/<scheme>/seed0.json, models/backbone, models/plans).
 """
+
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -20,13 +22,22 @@ from pipeline.federation.protocol import client_settings_config
 from tests.faults import killed_after_checkpoint
 from tests.tiny_models import DOMAINS, MODEL, WORDS, save_tiny
 
+if TYPE_CHECKING:
+    from flwr.app import Message
+
 N_TRAIN = {"Academic": 4, "Committee": 6, "Product": 5, "SAMSum": 4}  # unequal, so weighting matters
 
-TRAIN = {"rounds": 2, "batch_size": 4, "lr": 5.0e-3, "new_client": "SAMSum",
-         "join": {"min_rel_improvement": 0.01, "patience": 1, "max_round": 2},
-         "fedopt": {"server_optimizer": "adam", "server_lr": 0.01},
-         # every example (params.yaml's CPU-profile caps are the dataclass defaults)
-         "max_train_examples_per_client": None, "max_valid_examples_per_client": None}
+TRAIN = {
+    "rounds": 2,
+    "batch_size": 4,
+    "lr": 5.0e-3,
+    "new_client": "SAMSum",
+    "join": {"min_rel_improvement": 0.01, "patience": 1, "max_round": 2},
+    "fedopt": {"server_optimizer": "adam", "server_lr": 0.01},
+    # every example (params.yaml's CPU-profile caps are the dataclass defaults)
+    "max_train_examples_per_client": None,
+    "max_valid_examples_per_client": None,
+}
 # What the engines send a client as its run-time settings (pipeline.federation.protocol.client_cache_config) when
 # a test calls a ClientApp handler itself: RunSettings' defaults, as a train stage without its own would send.
 CLIENT_SETTINGS = client_settings_config(RunSettings().cache)
@@ -40,8 +51,16 @@ def _examples() -> tuple[pd.DataFrame, dict, dict]:
             for i in range(n):
                 eid = f"{dom.lower()}/{split}/m{i}"
                 src = f"What was said? #SEP# A: {WORDS[(i + ci) % 5]}. B: {WORDS[(i + 2 * ci + 1) % 5]}."
-                rows.append({"example_id": eid, "dataset": "qmsum" if dom != "SAMSum" else "samsum",
-                             "domain": dom, "split": split, "source": src, "target": WORDS[(i + ci) % 5] + "."})
+                rows.append(
+                    {
+                        "example_id": eid,
+                        "dataset": "qmsum" if dom != "SAMSum" else "samsum",
+                        "domain": dom,
+                        "split": split,
+                        "source": src,
+                        "target": WORDS[(i + ci) % 5] + ".",
+                    }
+                )
                 splits[split].append(eid)
         extreme_clients[dom] = splits
         if dom != "SAMSum":
@@ -52,8 +71,17 @@ def _examples() -> tuple[pd.DataFrame, dict, dict]:
 def _write_partition(root: Path, scheme: str, clients: dict) -> None:
     p = root / "data" / "partitions" / scheme / "seed0.json"
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps({"scheme": scheme, "seed": 0, "params": {}, "clients": clients,
-                             "excluded": {"count": 0, "by_reason": {}, "example_ids": []}}))
+    p.write_text(
+        json.dumps(
+            {
+                "scheme": scheme,
+                "seed": 0,
+                "params": {},
+                "clients": clients,
+                "excluded": {"count": 0, "by_reason": {}, "example_ids": []},
+            }
+        )
+    )
 
 
 def _write_postags(root: Path, examples: pd.DataFrame) -> None:
@@ -65,15 +93,31 @@ def _write_postags(root: Path, examples: pd.DataFrame) -> None:
 
     tok = AutoTokenizer.from_pretrained(root / "models" / "backbone")
     start = AutoConfig.from_pretrained(root / "models" / "backbone").decoder_start_token_id
-    batches = make_batches(examples, tok, ModelConfig(**{k: MODEL[k] for k in ("top_k", "bottleneck",
-                           "max_source_length", "max_target_length")}), 1, False, 0, start, tok.pad_token_id)
+    batches = make_batches(
+        examples,
+        tok,
+        ModelConfig(**{k: MODEL[k] for k in ("top_k", "bottleneck", "max_source_length", "max_target_length")}),
+        1,
+        False,
+        0,
+        start,
+        tok.pad_token_id,
+    )
     rows = []
     for b in batches:
         labels = [int(t) for t in b.labels[0] if int(t) != IGNORE_INDEX]
         for pos, tid in enumerate(labels):
-            rows.append({"example_id": b.example_ids[0], "position": pos, "token_id": tid, "word_index": pos,
-                         "word": f"w{pos}", "pos": "NOUN" if pos % 2 == 0 else "DET",
-                         "is_noun_or_verb": pos % 2 == 0})
+            rows.append(
+                {
+                    "example_id": b.example_ids[0],
+                    "position": pos,
+                    "token_id": tid,
+                    "word_index": pos,
+                    "word": f"w{pos}",
+                    "pos": "NOUN" if pos % 2 == 0 else "DET",
+                    "is_noun_or_verb": pos % 2 == 0,
+                }
+            )
     pd.DataFrame(rows).to_parquet(root / "data" / "processed" / "postags.parquet", index=False)
 
 
@@ -105,15 +149,27 @@ def ws(workspace, monkeypatch):
     return workspace
 
 
-def write_plan(name: str, method: str, partition: str = "domain/seed0", tau: float | None = None,
-               model: dict | None = None, **train) -> str:
+def write_plan(
+    name: str,
+    method: str,
+    partition: str = "domain/seed0",
+    tau: float | None = None,
+    model: dict | None = None,
+    **train,
+) -> str:
     from pipeline.experiments import Experiment, resolve_plan
     from pipeline.training.methods import get_method
 
     params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
     # built directly, not through params' entry checks: tests also train on partitions of their own (e.g. "pair")
-    entry = Experiment(name=name, method=method, partition=partition, seed=0, study="tests",
-                       tau=(tau or params["tau"]) if get_method(method).uses_tau else None)
+    entry = Experiment(
+        name=name,
+        method=method,
+        partition=partition,
+        seed=0,
+        study="tests",
+        tau=(tau or params["tau"]) if get_method(method).uses_tau else None,
+    )
     plan = resolve_plan(entry, params)
     path = Path("models/plans") / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,11 +180,13 @@ def write_plan(name: str, method: str, partition: str = "domain/seed0", tau: flo
 def _final_adapters(name: str) -> dict[str, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    return {d.name: load_file(d / "adapter_final.safetensors") for d in sorted(Path(f"models/{name}/clients").iterdir())}
+    return {
+        d.name: load_file(d / "adapter_final.safetensors") for d in sorted(Path(f"models/{name}/clients").iterdir())
+    }
 
 
 # ------------------------------------------------------------------------------------------ strategies
-def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
+def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> Message:
     from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
 
     from pipeline.federation.engines import _set_server_identity
@@ -136,16 +194,16 @@ def _reply(arrays: dict[str, np.ndarray], metrics: dict) -> "Message":
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
     ins.metadata.__dict__["_message_id"] = "m"
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-                          "metrics": MetricRecord(metrics)})
+    content = RecordDict(
+        {"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}), "metrics": MetricRecord(metrics)}
+    )
     return Message(content, reply_to=ins)
 
 
 def test_fedavg_aggregate_is_the_example_weighted_mean():
     from pipeline.federation.strategies.catalog import build_strategy
 
-    strategy = build_strategy("fedavg", {}, fraction_train=1.0,
-                              client_lr=1e-3)
+    strategy = build_strategy("fedavg", {}, fraction_train=1.0, client_lr=1e-3)
     a = _reply({"w": np.array([1.0, 2.0], dtype=np.float32)}, {"num-examples": 1, "num-steps": 1})
     b = _reply({"w": np.array([4.0, 8.0], dtype=np.float32)}, {"num-examples": 3, "num-steps": 1})
     arrays, _ = strategy.aggregate_train(1, [a, b])
@@ -161,11 +219,11 @@ def test_fednova_normalises_updates_by_local_steps():
     from pipeline.federation.strategies.catalog import build_strategy
 
     _set_server_identity(1)  # configure_train creates Messages (run alone, no earlier test has set it)
-    strategy = build_strategy("fednova", {}, fraction_train=1.0,
-                              client_lr=1e-3)
+    strategy = build_strategy("fednova", {}, fraction_train=1.0, client_lr=1e-3)
     grid = InProcessGrid(client_app, [{"client-name": "x"}, {"client-name": "y"}])
-    list(strategy.configure_train(1, ArrayRecord({"w": Array(np.array([0.0], dtype=np.float32))}), ConfigRecord(),
-                                  grid))
+    list(
+        strategy.configure_train(1, ArrayRecord({"w": Array(np.array([0.0], dtype=np.float32))}), ConfigRecord(), grid)
+    )
     a = _reply({"w": np.array([1.0], dtype=np.float32)}, {"num-examples": 1, "num-steps": 1})
     b = _reply({"w": np.array([8.0], dtype=np.float32)}, {"num-examples": 3, "num-steps": 4})
     arrays, _ = strategy.aggregate_train(1, [a, b])
@@ -179,10 +237,10 @@ def test_fednova_normalises_updates_by_local_steps():
 def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+    from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import TRAIN_METRICS
-    from pipeline.experiments import read_plan
     from pipeline.training.client_training import GATE_LOG_DTYPES
     from pipeline.training.shared_model import initial_adapter_state
 
@@ -190,12 +248,20 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     plan = read_plan(path)
     _set_server_identity(1)
     initial = initial_adapter_state(plan)
-    msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
-                              "config": ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS})}),
-                  dst_node_id=1000, message_type="train")
+    msg = Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord.from_torch_state_dict(initial),
+                "config": ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS}),
+            }
+        ),
+        dst_node_id=1000,
+        message_type="train",
+    )
     msg.metadata.__dict__["_message_id"] = "x"
-    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
-                      run_config={})
+    context = Context(
+        run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(), run_config={}
+    )
     reply = client_app(msg, context)
     content = reply.content
     assert set(content.keys()) == {"arrays", "metrics"}
@@ -219,10 +285,17 @@ def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
 
 # ------------------------------------------------------------------------------------------ every method
 METHOD_CASES = [
-    ("single", "domain/seed0"), ("centralized", "domain/seed0"), ("fedavg", "domain/seed0"),
-    ("fedkd", "domain/seed0"), ("fedselectkd", "domain/seed0"), ("fedprox", "domain/seed0"),
-    ("fedopt", "domain/seed0"), ("fednova", "domain/seed0"), ("hardkd", "domain/seed0"),
-    ("post_addition", "extreme/seed0"), ("pre_addition", "extreme/seed0"),
+    ("single", "domain/seed0"),
+    ("centralized", "domain/seed0"),
+    ("fedavg", "domain/seed0"),
+    ("fedkd", "domain/seed0"),
+    ("fedselectkd", "domain/seed0"),
+    ("fedprox", "domain/seed0"),
+    ("fedopt", "domain/seed0"),
+    ("fednova", "domain/seed0"),
+    ("hardkd", "domain/seed0"),
+    ("post_addition", "extreme/seed0"),
+    ("pre_addition", "extreme/seed0"),
 ]
 
 
@@ -239,8 +312,7 @@ def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
     metrics = run_experiment(write_plan(name, method, partition))
     clients = sorted(json.loads(Path(f"data/partitions/{partition}.json").read_text())["clients"])
     assert sorted(metrics["clients"]) == clients
-    assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text()) == json.loads(
-        json.dumps(metrics))
+    assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text()) == json.loads(json.dumps(metrics))
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     for c in clients:
         assert Path(f"models/{name}/clients/{c}/adapter_best.safetensors").exists()
@@ -260,7 +332,9 @@ def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
     else:
         assert len(gate) == 0
     # published without the run's checkpoints and per-round gate logs, and the run directory is gone
-    assert not Path(f"models/{name}/checkpoint").exists() and not list(Path(f"models/{name}").glob("clients/*/gate_log"))
+    assert not Path(f"models/{name}/checkpoint").exists() and not list(
+        Path(f"models/{name}").glob("clients/*/gate_log")
+    )
     assert not any(Path("data/cache/runs").glob(f"{name}-*"))
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
@@ -271,10 +345,12 @@ def test_each_method_runs_and_writes_its_mlflow_run(ws, method, partition):
     assert run["tags.method"] == method and run["tags.partition"] == partition and run["tags.seed"] == "0"
     assert run["params.train.rounds"] == "2"
     assert ("params.tau" in runs.columns and run["params.tau"] == "5.0") == (
-        method in ("fedselectkd", "post_addition", "pre_addition"))
+        method in ("fedselectkd", "post_addition", "pre_addition")
+    )
     # each client's metrics are in its own run under the experiment's
-    children = mlflow.search_runs(experiment_names=["tests"],
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'")
+    children = mlflow.search_runs(
+        experiment_names=["tests"], filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'"
+    )
     assert sorted(children["tags.client"]) == sorted(clients) and not children["metrics.val_loss"].isna().any()
     if federated:
         assert run["metrics.bytes_received"] > 0
@@ -349,7 +425,11 @@ KILL_LEGS = [
     ("first-round", None, []),  # nothing to resume: the rerun starts over (its MLflow run is a new one)
     ("local-training", 1, []),
     ("aggregated", 1, []),
-    ("checkpoint-write", 1, ["data/cache/runs/{exp}-*/checkpoint/.server.*.tmp.pt"]),  # torn, beside the whole round-1 file
+    (
+        "checkpoint-write",
+        1,
+        ["data/cache/runs/{exp}-*/checkpoint/.server.*.tmp.pt"],
+    ),  # torn, beside the whole round-1 file
     ("between-rounds", 2, []),  # the next write of server.pt removed the torn one
     ("before-recording", 3, []),
     ("final-write", 3, ["reports/train/{exp}/.metrics.*.tmp.json"]),
@@ -361,19 +441,25 @@ TIMING_METRICS = {"round_seconds", "peak_rss_mb"}  # measured by whichever proce
 def _run_metrics(client, experiment: str, killed: int):
     """The experiment's FINISHED MLflow run and its metric histories; besides it, ``killed`` runs marked KILLED
     with no metric (runs killed before their first checkpoint)."""
-    runs = client.search_runs(client.get_experiment_by_name("tests").experiment_id,
-                              filter_string=f"tags.experiment = '{experiment}'")
+    runs = client.search_runs(
+        client.get_experiment_by_name("tests").experiment_id, filter_string=f"tags.experiment = '{experiment}'"
+    )
     assert sorted(r.info.status for r in runs) == ["FINISHED"] + ["KILLED"] * killed
     assert all(r.data.metrics == {} for r in runs if r.info.status == "KILLED")
     run = next(r for r in runs if r.info.status == "FINISHED")
-    history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
-               for k in run.data.metrics}
+    history = {
+        k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics
+    }
     # each client's child run holds its own metrics (pipeline.results.tracking): read back as <client>.<key>
-    for child in client.search_runs([run.info.experiment_id],
-                                    filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"):
-        history |= {f"{child.data.tags['client']}.{k}": sorted((m.step, m.value) for m in
-                                                               client.get_metric_history(child.info.run_id, k))
-                    for k in child.data.metrics}
+    for child in client.search_runs(
+        [run.info.experiment_id], filter_string=f"tags.`mlflow.parentRunId` = '{run.info.run_id}'"
+    ):
+        history |= {
+            f"{child.data.tags['client']}.{k}": sorted(
+                (m.step, m.value) for m in client.get_metric_history(child.info.run_id, k)
+            )
+            for k in child.data.metrics
+        }
     return run, history
 
 
@@ -389,29 +475,32 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
     import sys
 
     from mlflow.tracking import MlflowClient
+    from reliability import KILL_POINTS, stage_env
+    from reliability import REPO_ROOT as ROOT
     from safetensors import safe_open
-
-    from reliability import KILL_POINTS, REPO_ROOT as ROOT, stage_env
 
     ref, exp = "kill-ref", "kill-resume"
     for name in (ref, exp):
         write_plan(name, "fedselectkd", rounds=3)
     legs = [[ref, ""]] + [[exp, point] for point, _, _ in KILL_LEGS] + [[exp, ""]]
     record = tmp_path / "legs.json"
-    code = (f"from reliability import train_legs; "
-            f"train_legs({legs!r}, 'models/plans', {str(record)!r}, timeout=60)")
-    env = stage_env(FEDMEET_ROOT=str(ws), MLFLOW_TRACKING_URI=os.environ["MLFLOW_TRACKING_URI"],
-                    PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ws, env=env, capture_output=True, text=True,
-                          timeout=220)
+    code = f"from reliability import train_legs; train_legs({legs!r}, 'models/plans', {str(record)!r}, timeout=60)"
+    env = stage_env(
+        FEDMEET_ROOT=str(ws),
+        MLFLOW_TRACKING_URI=os.environ["MLFLOW_TRACKING_URI"],
+        PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ws, env=env, capture_output=True, text=True, timeout=220)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outcomes = json.loads(record.read_text())
 
     def log_of(i: int) -> str:
         return Path(outcomes[i]["log"]).read_text()
 
-    assert [o["status"] for o in outcomes] == [0] + [-9] * len(KILL_LEGS) + [0], \
-        [(o["point"], o["status"], log_of(i)[-2000:]) for i, o in enumerate(outcomes) if o["status"] not in (0, -9)]
+    assert [o["status"] for o in outcomes] == [0] + [-9] * len(KILL_LEGS) + [0], [
+        (o["point"], o["status"], log_of(i)[-2000:]) for i, o in enumerate(outcomes) if o["status"] not in (0, -9)
+    ]
     previous = None
     for i, ((point, ckpt_round, temporaries), o) in enumerate(zip(KILL_LEGS, outcomes[1:]), start=1):
         assert point in KILL_POINTS
@@ -449,7 +538,7 @@ def test_killed_run_resumes_from_every_kill_point_to_the_uninterrupted_result(ws
     pd.testing.assert_frame_equal(ga, gb)
     # one MLflow run, resumed and finished, with each metric once per step and the uninterrupted run's values
     client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
-    (run_a, hist_a), (run_b, hist_b) = _run_metrics(client, ref, 0), _run_metrics(client, exp, 1)
+    (_, hist_a), (run_b, hist_b) = _run_metrics(client, ref, 0), _run_metrics(client, exp, 1)
     assert run_b.info.status == "FINISHED" and run_b.data.tags["fedmeet.resumed"] == "true"
     assert set(hist_a) == set(hist_b)
     for key in set(hist_a) - TIMING_METRICS:
@@ -484,8 +573,9 @@ def test_failing_client_is_dropped_from_that_rounds_aggregate(ws, monkeypatch):
 
         def aggregate(rnd, replies):
             replies = list(replies)
-            aggregated_weights.append(sorted(int(r.content["metrics"]["num-examples"])
-                                             for r in replies if not r.has_error()))
+            aggregated_weights.append(
+                sorted(int(r.content["metrics"]["num-examples"]) for r in replies if not r.has_error())
+            )
             return inner(rnd, replies)
 
         strategy.aggregate_train = aggregate
@@ -513,9 +603,13 @@ def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
 
     def encode_spy(local, plan, received):
         record = real_encode(local, plan, received)
-        uplinks.append({"state": {k: v.clone() for k, v in local.items()},
-                        "received": {k: v.clone() for k, v in received.items()},
-                        "encoded": record.to_torch_state_dict()})
+        uplinks.append(
+            {
+                "state": {k: v.clone() for k, v in local.items()},
+                "received": {k: v.clone() for k, v in received.items()},
+                "encoded": record.to_torch_state_dict(),
+            }
+        )
         return record
 
     def build_spy(*args, **kwargs):
@@ -525,10 +619,14 @@ def _spy_run(plan_path: str) -> tuple[list[dict], list[dict], list[dict]]:
         def aggregate(rnd, replies):
             replies = [r for r in replies if not r.has_error()]
             result = inner(rnd, replies)
-            aggregates.append({"round": rnd,
-                               "weights": [float(r.content["metrics"]["num-examples"]) for r in replies],
-                               "decoded": [r.content["arrays"].to_torch_state_dict() for r in replies],
-                               "result": result[0].to_torch_state_dict()})
+            aggregates.append(
+                {
+                    "round": rnd,
+                    "weights": [float(r.content["metrics"]["num-examples"]) for r in replies],
+                    "decoded": [r.content["arrays"].to_torch_state_dict() for r in replies],
+                    "result": result[0].to_torch_state_dict(),
+                }
+            )
             return result
 
         strategy.aggregate_train = aggregate
@@ -548,10 +646,13 @@ def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
 
     wide = {"bottleneck": 256}  # big enough that the per-array .npy headers do not hide the 2x / 4x
     runs = {}
-    for label, train in [("fp32", {}), ("fp16", {"transfer_dtype": "fp16"}), ("int8", {"transfer_dtype": "int8"}),
-                         ("int8-delta", {"transfer_dtype": "int8", "transfer_delta": True, "rounds": 2})]:
-        runs[label] = _spy_run(write_plan(f"transfer-{label}", "fedavg", model=wide,
-                                                       **{"rounds": 1, **train}))
+    for label, train in [
+        ("fp32", {}),
+        ("fp16", {"transfer_dtype": "fp16"}),
+        ("int8", {"transfer_dtype": "int8"}),
+        ("int8-delta", {"transfer_dtype": "int8", "transfer_delta": True, "rounds": 2}),
+    ]:
+        runs[label] = _spy_run(write_plan(f"transfer-{label}", "fedavg", model=wide, **{"rounds": 1, **train}))
 
     n_values = sum(t.numel() for t in runs["fp32"][0][0]["state"].values())
     bytes_up = {label: {r["client"]: r["bytes_up"] for r in hist} for label, (_, _, hist) in runs.items()}
@@ -568,7 +669,7 @@ def test_transfer_encodings_shrink_bytes_and_stay_within_the_codec_bound(ws):
     for label, (uplinks, aggregates, _) in runs.items():
         for agg in aggregates:  # every round (the delta run has two: round 2's downlink delta is not zero)
             assert len(agg["decoded"]) == n
-            sent = uplinks[(agg["round"] - 1) * n: agg["round"] * n]  # the in-process grid: message order
+            sent = uplinks[(agg["round"] - 1) * n : agg["round"] * n]  # the in-process grid: message order
             p = np.array(agg["weights"]) / sum(agg["weights"])
             for key, value in agg["result"].items():
                 raw_mean = sum(p_i * up["state"][key].double() for p_i, up in zip(p, sent))
@@ -620,9 +721,16 @@ def test_fp32_transfer_is_what_the_client_holds(ws):
 @pytest.mark.parametrize("weight_by", ["full", "trained", None])  # None: the default, which is trained
 def test_fedavg_weights_follow_the_full_train_size_under_the_cap(ws, weight_by):
     cap = 3  # below every client's train size (4, 6, 5, 4): each trains on 3 examples
-    uplinks, aggregates, history = _spy_run(write_plan(
-        f"weights-{weight_by}", "fedavg", "extreme/seed0", rounds=1, max_train_examples_per_client=cap,
-        **({} if weight_by is None else {"weight_by": weight_by})))
+    uplinks, aggregates, history = _spy_run(
+        write_plan(
+            f"weights-{weight_by}",
+            "fedavg",
+            "extreme/seed0",
+            rounds=1,
+            max_train_examples_per_client=cap,
+            **({} if weight_by is None else {"weight_by": weight_by}),
+        )
+    )
     clients = sorted(N_TRAIN)
     rows = {r["client"]: r for r in history}
     assert {c: rows[c]["n_examples"] for c in clients} == {c: cap for c in clients}
@@ -657,10 +765,13 @@ def test_client_first_sampled_after_round_1_starts_from_the_current_global(ws):
     path = write_plan("first-late", "fedselectkd", lr=0.0)
     plan = load_plan(path)
     _set_server_identity(1)
-    context = Context(run_id=1, node_id=7, node_config={"client-name": "Academic", "plan": path},
-                      state=RecordDict(), run_config={})
-    config = lambda rnd: RecordDict({"config": ConfigRecord({"server-round": rnd, "plan": path,  # noqa: E731
-                                                             **CLIENT_SETTINGS})})
+    context = Context(
+        run_id=1, node_id=7, node_config={"client-name": "Academic", "plan": path}, state=RecordDict(), run_config={}
+    )
+
+    def config(rnd):
+        return RecordDict({"config": ConfigRecord({"server-round": rnd, "plan": path, **CLIENT_SETTINGS})})
+
     evaluate = Message(config(1), dst_node_id=7, message_type="evaluate")
     evaluate.metadata.__dict__["_message_id"] = "e1"
     client_app.client_evaluate(evaluate, context)  # round 1: evaluated, never trained
@@ -689,8 +800,11 @@ def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
     _set_server_identity(1)
     node_config = {"client-name": "Committee", "plan": path}
     first = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
-    msg = Message(RecordDict({"config": ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS})}),
-                  dst_node_id=7, message_type="evaluate")
+    msg = Message(
+        RecordDict({"config": ConfigRecord({"server-round": 1, "plan": path, **CLIENT_SETTINGS})}),
+        dst_node_id=7,
+        message_type="evaluate",
+    )
     msg.metadata.__dict__["_message_id"] = "e1"
     client_app.client_evaluate(msg, first)
     restarted = Context(run_id=1, node_id=7, node_config=node_config, state=RecordDict(), run_config={})
@@ -700,19 +814,25 @@ def test_sampled_late_client_is_not_resumed_as_trained_from_its_checkpoint(ws):
 
 def _join_history(means: list[float], late: str = "New") -> list[dict]:
     # two existing clients whose mean validation loss per round is `means`
-    return [{"round": r, "client": c, "val_loss": m + d} for r, m in enumerate(means, start=1)
-            for c, d in (("A", -0.5), ("B", 0.5))]
+    return [
+        {"round": r, "client": c, "val_loss": m + d}
+        for r, m in enumerate(means, start=1)
+        for c, d in (("A", -0.5), ("B", 0.5))
+    ]
 
 
-@pytest.mark.parametrize("means, rnd, expected", [
-    ([10.0], 2, False),                 # one round: no improvement measurable yet
-    ([10.0, 9.0], 3, False),            # 10 % better: still learning
-    ([10.0, 9.95], 3, True),            # 0.5 % better < 1 %: converged, joins in round 3
-    ([10.0, 10.5], 3, True),            # worse: converged
-    ([10.0, 9.0, 8.95], 4, True),       # (9.0 - 8.95) / 9.0 = 0.56 %
-    ([10.0, 9.0, 8.0], 4, False),
-    ([10.0, 9.0, 8.0], 5, True),        # max_round reached regardless
-])
+@pytest.mark.parametrize(
+    "means, rnd, expected",
+    [
+        ([10.0], 2, False),  # one round: no improvement measurable yet
+        ([10.0, 9.0], 3, False),  # 10 % better: still learning
+        ([10.0, 9.95], 3, True),  # 0.5 % better < 1 %: converged, joins in round 3
+        ([10.0, 10.5], 3, True),  # worse: converged
+        ([10.0, 9.0, 8.95], 4, True),  # (9.0 - 8.95) / 9.0 = 0.56 %
+        ([10.0, 9.0, 8.0], 4, False),
+        ([10.0, 9.0, 8.0], 5, True),  # max_round reached regardless
+    ],
+)
 def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
     from pipeline.federation.server_app import new_client_joins
     from pipeline.training.config import JoinConfig
@@ -739,9 +859,17 @@ def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_a
 
     # lr 0: nobody improves, so the others have converged after round 2 and SAMSum joins in round 3 (max_round 4)
     name = "post-converged"
-    metrics = run_experiment(write_plan(name, "post_addition", "extreme/seed0", rounds=4, lr=0.0,
-                                        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 4}),
-                             track=False)
+    metrics = run_experiment(
+        write_plan(
+            name,
+            "post_addition",
+            "extreme/seed0",
+            rounds=4,
+            lr=0.0,
+            join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 4},
+        ),
+        track=False,
+    )
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     assert min(r["round"] for r in history if r["client"] == "SAMSum") == 3
     assert metrics["clients"]["SAMSum"]["best_round"] >= 3
@@ -761,8 +889,10 @@ def test_server_stops_waiting_for_clients_that_never_connect():
             return [1001]
 
         def send_and_receive(self, messages, *, timeout=None):
-            return [Message(RecordDict({"identity": ConfigRecord({"client-name": "Academic"})}), reply_to=m)
-                    for m in messages]
+            return [
+                Message(RecordDict({"identity": ConfigRecord({"client-name": "Academic"})}), reply_to=m)
+                for m in messages
+            ]
 
     _set_server_identity(1)
     with pytest.raises(AdmissionError) as err:

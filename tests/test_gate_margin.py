@@ -1,5 +1,6 @@
 """The one-file KD gate extension, shown on the probability-margin gate (pipeline/modeling/gates/margin.py): which
 tokens it distils and the loss they get, against hand-computed values; its plan key."""
+
 from __future__ import annotations
 
 import copy
@@ -22,7 +23,9 @@ def _loss(tau: float, lam: float = 0.2):
     teacher = torch.tensor(TEACHER).log().unsqueeze(0)  # logits whose softmax is TEACHER
     student = torch.zeros(1, 3, 3, requires_grad=True)  # uniform q_l
     labels = torch.tensor([[0, 1, 2]])
-    return distillation_loss(student, teacher, labels, KDConfig(mode="selective", kd_gate="margin", tau=tau, kd_lambda=lam))
+    return distillation_loss(
+        student, teacher, labels, KDConfig(mode="selective", kd_gate="margin", tau=tau, kd_lambda=lam)
+    )
 
 
 def test_the_margin_gate_distils_where_the_teacher_clearly_prefers_one_word():
@@ -50,8 +53,14 @@ def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(
 
     params = copy.deepcopy(load_params(ROOT / "params.yaml"))
     before = {p.name: p.read_text() for p in write_plans(params, tmp_path / "a")}
-    params["experiments"]["margin-domain"] = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0,
-                                              "study": "gates", "tau": 0.5, "kd_gate": "margin"}
+    params["experiments"]["margin-domain"] = {
+        "method": "fedselectkd",
+        "partition": "domain/seed0",
+        "seed": 0,
+        "study": "gates",
+        "tau": 0.5,
+        "kd_gate": "margin",
+    }
     after = {p.name: p.read_text() for p in write_plans(params, tmp_path / "b")}
     assert {n: t for n, t in after.items() if n != "margin-domain.json"} == before
     assert json.loads(after["margin-domain.json"])["train"]["kd_gate"] == "margin"

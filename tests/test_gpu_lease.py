@@ -1,4 +1,5 @@
 """tools/gpu_lease/lease.py: the profile merge, per-stage wall times, and collect -> import of a finished lease."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -17,8 +18,9 @@ _spec.loader.exec_module(lease)
 
 def test_merge_replaces_experiments_whole_and_merges_other_groups(tmp_path):
     params = tmp_path / "params.yaml"
-    params.write_text("train:\n  rounds: 3  # kept comment\n  lr: 0.1\nexperiments:\n  a: {method: single}\n"
-                      "  b: {method: fedavg}\n")
+    params.write_text(
+        "train:\n  rounds: 3  # kept comment\n  lr: 0.1\nexperiments:\n  a: {method: single}\n  b: {method: fedavg}\n"
+    )
     profile = tmp_path / "p.yaml"
     profile.write_text("train:\n  rounds: 40\nexperiments:\n  c: {method: fedkd}\n")
     lease.cmd_merge(profile, params)
@@ -31,8 +33,10 @@ def test_merge_replaces_experiments_whole_and_merges_other_groups(tmp_path):
 
 def test_stage_times_run_until_the_next_stage_starts(tmp_path):
     log = tmp_path / "repro.log"
-    log.write_text("100 Verifying outputs\n105 Running stage 'ingest@qmsum':\n109 > python -m x\n"
-                   "112 Running stage 'train@a':\n150 done\n")
+    log.write_text(
+        "100 Verifying outputs\n105 Running stage 'ingest@qmsum':\n109 > python -m x\n"
+        "112 Running stage 'train@a':\n150 done\n"
+    )
     assert lease.stage_times(log, ended=160) == [("ingest@qmsum", 7), ("train@a", 48)]
     assert lease.stage_times(log, ended=None) == [("ingest@qmsum", 7)]
 
@@ -49,11 +53,17 @@ def _finished_lease(tmp_path: Path) -> Path:
     (d / "repro.rc").write_text("0\n")
     (d / "repro.log").write_text("2000 Running stage 'backbone':\n2100 Running stage 'train@a':\n")
     (d / "gpu.csv").write_text("timestamp, utilization.gpu [%], memory.used [MiB]\nt, 87 %, 1000 MiB\n")
-    for rel, text in {"dvc.lock": "schema: '2.0'\n", "params.yaml": "experiments: {a: {}}\n",
-                      "reports/eval/a/metrics.json": "{}\n", "models/a/gate_log.parquet": "g",
-                      "models/a/clients/c1/adapter_best.safetensors": "w", "models/backbone/model.safetensors": "w",
-                      "data/processed/postags.parquet": "p", "mlartifacts/main/r1/artifacts/metrics.json": "{}",
-                      "mlartifacts/main/r1/artifacts/adapters/c1/adapter_best.safetensors": "w"}.items():
+    for rel, text in {
+        "dvc.lock": "schema: '2.0'\n",
+        "params.yaml": "experiments: {a: {}}\n",
+        "reports/eval/a/metrics.json": "{}\n",
+        "models/a/gate_log.parquet": "g",
+        "models/a/clients/c1/adapter_best.safetensors": "w",
+        "models/backbone/model.safetensors": "w",
+        "data/processed/postags.parquet": "p",
+        "mlartifacts/main/r1/artifacts/metrics.json": "{}",
+        "mlartifacts/main/r1/artifacts/adapters/c1/adapter_best.safetensors": "w",
+    }.items():
         (study / rel).parent.mkdir(parents=True, exist_ok=True)
         (study / rel).write_text(text)
     uri = (study / "mlartifacts/main").as_uri()
@@ -85,8 +95,10 @@ def test_collect_then_import_brings_the_run_outputs_without_weights(tmp_path, mo
     assert (root / "reports/gpu-lease/stage_times.tsv").read_text() == "stage\tseconds\nbackbone\t100\ntrain@a\t200\n"
     assert json.loads((root / "reports/gpu-lease/lease.json").read_text())["dvc_repro_exit"] == 0
     with sqlite3.connect(root / "mlflow.db") as con:
-        (loc,), (art,) = con.execute("SELECT artifact_location FROM experiments"), con.execute(
-            "SELECT artifact_uri FROM runs")
+        (loc,), (art,) = (
+            con.execute("SELECT artifact_location FROM experiments"),
+            con.execute("SELECT artifact_uri FROM runs"),
+        )
     assert loc[0] == (root / "mlartifacts/main").as_uri()
     assert art[0] == (root / "mlartifacts/main/r1/artifacts").as_uri()
 

@@ -1,4 +1,5 @@
 """Human-evaluation kit: blind sheets -> programmatic judgements -> win/tie/loss counts and the bar chart."""
+
 from __future__ import annotations
 
 import csv
@@ -7,9 +8,9 @@ import json
 import pytest
 import yaml
 
-from pipeline.results.human_eval import Prediction, make_sheets, score_sheets
-from pipeline.report import main as report_main
 from pipeline.common.schema import DataError
+from pipeline.report import main as report_main
+from pipeline.results.human_eval import Prediction, make_sheets, score_sheets
 
 DOMAINS = ("Academic", "Committee", "Product")
 METHODS = ("fedselectkd", "fedavg", "fedkd")
@@ -85,8 +86,7 @@ def test_round_trip_counts(tmp_path):
         r["judgement"] = judgement.get(r["item_id"], "")
     write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
     # A second annotator, in the HTML page's download format (item_id, judgement): SelectKD always wins.
-    write_sheet(tmp_path / "sheet_bob.csv",
-                [{"item_id": i, "judgement": key[i]["target_side"]} for i in fedavg_items])
+    write_sheet(tmp_path / "sheet_bob.csv", [{"item_id": i, "judgement": key[i]["target_side"]} for i in fedavg_items])
 
     results = score_sheets(tmp_path)
     assert results["target"] == "fedselectkd"

@@ -1,4 +1,5 @@
 """Stage `ingest`: upstream formats -> canonical records, bad input, and where the files come from."""
+
 from __future__ import annotations
 
 import functools
@@ -15,15 +16,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.datasets import sources
-from pipeline.datasets.readers.qmsum import qmsum_meeting_id
-from pipeline.ingest import ingest_dataset, write_outputs
 from pipeline.common.schema import DataError
+from pipeline.datasets import sources
 from pipeline.datasets.readers.catalog import dataset_spec
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
-from pipeline.datasets.readers.upstream import absent_allowed
+from pipeline.datasets.readers.qmsum import qmsum_meeting_id
 from pipeline.datasets.readers.samsum import SAMSUM_FILES
+from pipeline.datasets.readers.upstream import absent_allowed
 from pipeline.datasets.sources import IngestConfig, resolve_source
+from pipeline.ingest import ingest_dataset, write_outputs
 from tests.errors import names
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
@@ -96,12 +97,19 @@ def test_samsum_turns_and_empty_dialogue(mirror):
     amanda = rows(frame, meeting_id="13818513")[0]
     # \r\n separates turns; only the first ": " separates speaker and content
     assert [(t["speaker"], t["content"]) for t in amanda["turns"]] == [
-        ("Amanda", "I baked  cookies. Do you want some?"), ("Jerry", "Sure: thanks!")]
+        ("Amanda", "I baked  cookies. Do you want some?"),
+        ("Jerry", "Sure: thanks!"),
+    ]
     tom = rows(frame, meeting_id="13612302")[0]
     # "\n" separator, "Ann:<file_photo>" without space, a line without speaker continues the previous turn
-    assert [(t["speaker"], t["content"]) for t in tom["turns"]] == [("Tom", "hi"), ("Ann", "<file_photo> see you there")]
-    assert report.notes == {"turns split at ':' without a following space": 1,
-                            "lines without a speaker appended to the previous turn": 1}
+    assert [(t["speaker"], t["content"]) for t in tom["turns"]] == [
+        ("Tom", "hi"),
+        ("Ann", "<file_photo> see you there"),
+    ]
+    assert report.notes == {
+        "turns split at ':' without a following space": 1,
+        "lines without a speaker appended to the previous turn": 1,
+    }
     assert rows(frame, meeting_id="13820882")[0]["split"] == "valid"
 
 
@@ -111,7 +119,10 @@ def test_hmnet_speaker_content_summary(mirror):
     assert report.counts == {"AMI": {"train": 1, "valid": 1, "test": 1}}
     es = rows(frame, meeting_id="ES2002a")[0]
     assert [(t["speaker"], t["content"]) for t in es["turns"]] == [
-        ("PM B", "Hello everyone ."), ("ME A", "Hi ."), ("PM B", "Let us start")]
+        ("PM B", "Hello everyone ."),
+        ("ME A", "Hi ."),
+        ("PM B", "Let us start"),
+    ]
     assert es["summary"] == "The team met .\nThey said hello ."
     assert (es["query_index"], es["query_type"], es["domain"]) == (-1, "none", "AMI")
     test = rows(frame, meeting_id="ES2004a")[0]
@@ -167,12 +178,13 @@ def test_missing_summary_in_hmnet(mirror):
         ingest_dataset("ami", mirror / "ami")
 
 
-@pytest.mark.parametrize("span, problem", [(["1", "3"], r"\[1, 3\].*2 turns"),
-                                           (["2", "1"], r"\[2, 1\]"),
-                                           (["a", "1"], r"\['a', '1'\]")])
+@pytest.mark.parametrize(
+    "span, problem", [(["1", "3"], r"\[1, 3\].*2 turns"), (["2", "1"], r"\[2, 1\]"), (["a", "1"], r"\['a', '1'\]")]
+)
 def test_bad_span_names_meeting_and_query(mirror, span, problem):
     def edit(m):
         m["specific_query_list"][0]["relevant_text_span"] = [["0", "1"], span]
+
     _edit_qmsum(mirror, edit)
     with pytest.raises(DataError, match=r"val\.jsonl:1: .*m\w+.*specific_query_list\[0\].*" + problem):
         ingest_dataset("qmsum", mirror / "qmsum")
@@ -223,9 +235,11 @@ def http_site(mirror, tmp_path):
 
 
 def test_download_over_http_keeps_upstream_layout(http_site, tmp_path):
-    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
-                       urls={"qmsum": f"{http_site}/qmsum", "ami": f"{http_site}/hmnet",
-                             "samsum": f"{http_site}/samsum.zip"})
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "no-mirror"),
+        raw_dir=str(tmp_path / "raw"),
+        urls={"qmsum": f"{http_site}/qmsum", "ami": f"{http_site}/hmnet", "samsum": f"{http_site}/samsum.zip"},
+    )
     for dataset, n in (("qmsum", 19), ("ami", 3), ("samsum", 4)):
         where = resolve_source(dataset, cfg)
         assert where == tmp_path / "raw" / dataset
@@ -237,8 +251,9 @@ def test_download_over_http_keeps_upstream_layout(http_site, tmp_path):
 
 def test_download_from_file_url_then_reuse(mirror, tmp_path):
     site = _upstream_layout(mirror, tmp_path)
-    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
-                       urls={"qmsum": (site / "qmsum").as_uri()})
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"), urls={"qmsum": (site / "qmsum").as_uri()}
+    )
     assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
     shutil.rmtree(site)  # second time: the finished download is reused, nothing fetched
     assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
@@ -247,15 +262,21 @@ def test_download_from_file_url_then_reuse(mirror, tmp_path):
 def test_a_download_url_may_end_in_a_slash_whatever_its_last_letter(mirror, tmp_path):
     site = _upstream_layout(mirror, tmp_path)
     shutil.move(site / "qmsum", site / "qmsumX")  # a copy whose directory name ends in "X"
-    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
-                       urls={"qmsum": (site / "qmsumX").as_uri() + "/"})
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "no-mirror"),
+        raw_dir=str(tmp_path / "raw"),
+        urls={"qmsum": (site / "qmsumX").as_uri() + "/"},
+    )
     assert resolve_source("qmsum", cfg) == tmp_path / "raw/qmsum"
 
 
 def test_no_mirror_and_failed_download_says_what_to_set(tmp_path, monkeypatch):
     monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
-    cfg = IngestConfig(data_root=str(tmp_path / "no-mirror"), raw_dir=str(tmp_path / "raw"),
-                       urls={"qmsum": (tmp_path / "nothing-here").as_uri()})
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "no-mirror"),
+        raw_dir=str(tmp_path / "raw"),
+        urls={"qmsum": (tmp_path / "nothing-here").as_uri()},
+    )
     with pytest.raises(DataError, match="FEDMEET_DATA_ROOT.*ingest.data_root.*ingest.urls.qmsum"):
         resolve_source("qmsum", cfg)
 
@@ -267,9 +288,17 @@ def test_real_qmsum_counts(shared_data):
     frame, report = ingest_dataset("qmsum", shared_data / "qmsum")
     specific = frame[frame.query_type == "specific"]
     counts = specific.groupby(["domain", "split"]).size().to_dict()
-    assert counts == {("Academic", "train"): 218, ("Academic", "valid"): 45, ("Academic", "test"): 49,
-                      ("Committee", "train"): 284, ("Committee", "valid"): 67, ("Committee", "test"): 66,
-                      ("Product", "train"): 593, ("Product", "valid"): 125, ("Product", "test"): 129}
+    assert counts == {
+        ("Academic", "train"): 218,
+        ("Academic", "valid"): 45,
+        ("Academic", "test"): 49,
+        ("Committee", "train"): 284,
+        ("Committee", "valid"): 67,
+        ("Committee", "test"): 66,
+        ("Product", "train"): 593,
+        ("Product", "valid"): 125,
+        ("Product", "test"): 129,
+    }
     # SOURCE.md: 232 meetings, 234 general queries
     assert frame.meeting_id.nunique() == 232
     assert report.query_types == {"general": 234, "specific": 1576}
@@ -277,17 +306,20 @@ def test_real_qmsum_counts(shared_data):
 
 # ---------------------------------------------------------------------------------------------- sources (units)
 def test_the_expected_files_are_the_upstream_layout():
-    assert list(dataset_spec("qmsum").files()) == [f"data/{d}/jsonl/{s}.jsonl"
-                                                   for d in ("Academic", "Committee", "Product")
-                                                   for s in ("train", "val", "test")]
+    assert list(dataset_spec("qmsum").files()) == [
+        f"data/{d}/jsonl/{s}.jsonl" for d in ("Academic", "Committee", "Product") for s in ("train", "val", "test")
+    ]
     assert list(dataset_spec("samsum").files()) == ["train.json", "validation.json", "test.json"]
-    for dataset, corpus, chunks in (("ami", "AMI", {"train": 32, "dev": 20, "test": 20}),
-                                    ("icsi", "ICSI", {"train": 32, "dev": 10, "test": 6})):
+    for dataset, corpus, chunks in (
+        ("ami", "AMI", {"train": 32, "dev": 20, "test": 20}),
+        ("icsi", "ICSI", {"train": 32, "dev": 10, "test": 6}),
+    ):
         files = list(dataset_spec(dataset).files())
         assert len(files) == sum(chunks.values())
         assert files[0] == f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/train/split_0.jsonl.gz"
-        assert files[-1] == (f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/test/"
-                             f"split_{chunks['test'] - 1}.jsonl.gz")
+        assert files[-1] == (
+            f"hmnet/ExampleRawData/meeting_summarization/{corpus}_proprec/test/split_{chunks['test'] - 1}.jsonl.gz"
+        )
     with pytest.raises(DataError) as err:
         dataset_spec("cnn")
     names(err.value, "'cnn'", "qmsum", "samsum", "ami", "icsi")
@@ -300,13 +332,16 @@ def test_ingest_config_names_an_unknown_dataset():
     names(err.value, "IngestConfig.datasets", "'cnn'", "'xsum'")
 
 
-@pytest.mark.parametrize("dataset, rel, key", [
-    ("qmsum", "data/Academic/jsonl/val.jsonl", "qmsum/Academic/valid"),
-    ("qmsum", "data/Product/jsonl/test.jsonl", "qmsum/Product/test"),
-    ("samsum", "validation.json", "samsum/SAMSum/valid"),
-    ("ami", "hmnet/ExampleRawData/meeting_summarization/AMI_proprec/dev/split_3.jsonl.gz", "ami/AMI/valid"),
-    ("icsi", "hmnet/ExampleRawData/meeting_summarization/ICSI_proprec/train/split_0.jsonl.gz", "icsi/ICSI/train"),
-])
+@pytest.mark.parametrize(
+    "dataset, rel, key",
+    [
+        ("qmsum", "data/Academic/jsonl/val.jsonl", "qmsum/Academic/valid"),
+        ("qmsum", "data/Product/jsonl/test.jsonl", "qmsum/Product/test"),
+        ("samsum", "validation.json", "samsum/SAMSum/valid"),
+        ("ami", "hmnet/ExampleRawData/meeting_summarization/AMI_proprec/dev/split_3.jsonl.gz", "ami/AMI/valid"),
+        ("icsi", "hmnet/ExampleRawData/meeting_summarization/ICSI_proprec/train/split_0.jsonl.gz", "icsi/ICSI/train"),
+    ],
+)
 def test_a_missing_file_may_be_absent_exactly_when_its_split_key_is_allowed(dataset, rel, key):
     def allowed(*patterns):
         return absent_allowed(dataset_spec(dataset).files()[rel], list(patterns))
@@ -336,14 +371,23 @@ def test_an_incomplete_mirror_lists_five_missing_files_and_counts_them(mirror, t
     names(err.value, str(mirror / "qmsum"), str(missing[:5]), "6")
     assert missing[5] not in str(err.value)  # five named, the rest counted
     # the same files allowed absent: the mirror is used as it is
-    cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={},
-                       allow_absent_splits=["qmsum/Academic/*", "qmsum/Committee/*"])
+    cfg = IngestConfig(
+        data_root=str(mirror),
+        raw_dir=str(tmp_path / "raw"),
+        urls={},
+        allow_absent_splits=["qmsum/Academic/*", "qmsum/Committee/*"],
+    )
     assert resolve_source("qmsum", cfg) == mirror / "qmsum"
 
 
 def test_five_missing_files_are_all_listed_without_an_ellipsis(mirror, tmp_path):
-    gone = [("Academic", "train"), ("Academic", "val"), ("Academic", "test"), ("Committee", "train"),
-            ("Committee", "val")]
+    gone = [
+        ("Academic", "train"),
+        ("Academic", "val"),
+        ("Academic", "test"),
+        ("Committee", "train"),
+        ("Committee", "val"),
+    ]
     for domain, split in gone:
         (mirror / f"qmsum/data/{domain}/jsonl/{split}.jsonl").unlink()
     cfg = IngestConfig(data_root=str(mirror), raw_dir=str(tmp_path / "raw"), urls={})
@@ -361,8 +405,10 @@ def test_without_a_mirror_or_a_download_the_error_says_what_to_set(tmp_path, mon
         resolve_source("samsum", cfg)
     # the way out: the DVC import to update, the environment variable and the params keys to set
     names(err.value, "dvc update data/raw/samsum.dvc", "FEDMEET_DATA_ROOT", "ingest.data_root", "ingest.urls.samsum")
-    assert str(err.value).startswith("cannot read dataset 'samsum': no local mirror and no `ingest.urls.samsum`. "
-                                     "Run `dvc update data/raw/samsum.dvc`")
+    assert str(err.value).startswith(
+        "cannot read dataset 'samsum': no local mirror and no `ingest.urls.samsum`. "
+        "Run `dvc update data/raw/samsum.dvc`"
+    )
 
 
 def test_a_partial_download_is_resumed_not_refetched(mirror, tmp_path, monkeypatch):
@@ -373,8 +419,9 @@ def test_a_partial_download_is_resumed_not_refetched(mirror, tmp_path, monkeypat
     raw = tmp_path / "raw" / "qmsum"
     (raw / "data/Academic/jsonl").mkdir(parents=True)
     (raw / "data/Academic/jsonl/train.jsonl").write_text((site / "qmsum/data/Academic/jsonl/train.jsonl").read_text())
-    cfg = IngestConfig(data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"),
-                       urls={"qmsum": (site / "qmsum").as_uri() + "/"})  # a trailing slash is not doubled
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"), urls={"qmsum": (site / "qmsum").as_uri() + "/"}
+    )  # a trailing slash is not doubled
     assert resolve_source("qmsum", cfg) == raw
     assert len(fetched) == 8 and not any("Academic/jsonl/train" in u for u in fetched)
     assert all("//data" not in u for u in fetched)
@@ -384,7 +431,10 @@ def test_hmnet_files_are_fetched_from_the_repository_root(mirror, tmp_path, monk
     fetched = []
     monkeypatch.setattr(sources, "_fetch", lambda url: fetched.append(url) or b"")
     sources.download("ami", IngestConfig(urls={"ami": "https://example.org/hmnet"}), tmp_path / "ami")
-    assert fetched[0] == "https://example.org/hmnet/ExampleRawData/meeting_summarization/AMI_proprec/train/split_0.jsonl.gz"
+    assert (
+        fetched[0]
+        == "https://example.org/hmnet/ExampleRawData/meeting_summarization/AMI_proprec/train/split_0.jsonl.gz"
+    )
     assert (tmp_path / "ami/hmnet/ExampleRawData/meeting_summarization/AMI_proprec/train/split_0.jsonl.gz").is_file()
 
 
@@ -429,10 +479,12 @@ def test_a_download_that_hangs_is_given_up_after_the_timeout(monkeypatch):
 # ---------------------------------------------------------------------------------------------- spans (properties)
 def _one_meeting(tmp_path: Path, spans: list, n_turns: int = 6, domain: str = "Committee") -> Path:
     """A QMSum copy holding one meeting in <domain>/train (every other split allowed absent)."""
-    meeting = {"topic_list": [], "meeting_transcripts": [{"speaker": f"S{i}", "content": f"turn {i}"}
-                                                           for i in range(n_turns)],
-               "general_query_list": [{"query": "Summarize.", "answer": "All."}],
-               "specific_query_list": [{"query": "What?", "answer": "That.", "relevant_text_span": spans}]}
+    meeting = {
+        "topic_list": [],
+        "meeting_transcripts": [{"speaker": f"S{i}", "content": f"turn {i}"} for i in range(n_turns)],
+        "general_query_list": [{"query": "Summarize.", "answer": "All."}],
+        "specific_query_list": [{"query": "What?", "answer": "That.", "relevant_text_span": spans}],
+    }
     path = tmp_path / "qmsum" / "data" / domain / "jsonl" / "train.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meeting) + "\n")
@@ -453,8 +505,7 @@ span_bounds = st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)).map(sorte
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(spans=span_bounds, as_text=st.booleans())
 def test_a_specific_query_gets_the_end_exclusive_slices_of_its_spans_in_order(tmp_path_factory, spans, as_text):
-    directory = _one_meeting(tmp_path_factory.mktemp("q"), [[str(a), str(b)] if as_text else [a, b]
-                                                             for a, b in spans])
+    directory = _one_meeting(tmp_path_factory.mktemp("q"), [[str(a), str(b)] if as_text else [a, b] for a, b in spans])
     records, report = _read(directory)
     general, specific = records
     assert general.query_type == "general" and [t.content for t in general.turns] == [f"turn {i}" for i in range(6)]
@@ -465,7 +516,8 @@ def test_a_specific_query_gets_the_end_exclusive_slices_of_its_spans_in_order(tm
     empty = sum(a == b for a, b in spans)
     assert report.notes.get("specific spans with start == end (empty slice, kept)", 0) == empty
     assert report.notes.get("specific queries whose spans select no turn (kept, query only)", 0) == (
-        1 if all(a == b for a, b in spans) else 0)
+        1 if all(a == b for a, b in spans) else 0
+    )
     assert (specific.domain, specific.split, specific.query_index) == ("Committee", "train", 0)
     assert specific.source_file == "qmsum/data/Committee/jsonl/train.jsonl" and specific.source_line == 1
 
@@ -487,12 +539,21 @@ def test_a_span_is_accepted_exactly_when_it_lies_within_the_meeting(start, end, 
         names(err.value, "w:", f"[{start}, {end}]", f"{n} turns")
 
 
-@pytest.mark.parametrize("raw, problem", [
-    (["1"], "is not a [start, end] pair"), (["1", "2", "3"], "is not a [start, end] pair"),
-    ("12", "is not a [start, end] pair"), ({"a": 1, "b": 2}, "is not a [start, end] pair"),
-    ([1.0, 2], "has a non-integer index"), ([True, 2], "has a non-integer index"), ([1, False], "has a non-integer index"),
-    (["1.5", "2"], "has a non-integer index"), ([None, 2], "has a non-integer index"), ([1, "x"], "has a non-integer index"),
-])
+@pytest.mark.parametrize(
+    "raw, problem",
+    [
+        (["1"], "is not a [start, end] pair"),
+        (["1", "2", "3"], "is not a [start, end] pair"),
+        ("12", "is not a [start, end] pair"),
+        ({"a": 1, "b": 2}, "is not a [start, end] pair"),
+        ([1.0, 2], "has a non-integer index"),
+        ([True, 2], "has a non-integer index"),
+        ([1, False], "has a non-integer index"),
+        (["1.5", "2"], "has a non-integer index"),
+        ([None, 2], "has a non-integer index"),
+        ([1, "x"], "has a non-integer index"),
+    ],
+)
 def test_a_malformed_span_is_named_not_read(raw, problem):
     from pipeline.datasets.readers.qmsum import _parse_span
 
@@ -508,8 +569,14 @@ def test_a_bad_span_is_reported_with_its_meeting_and_query(tmp_path):
     transcript = json.loads((directory / "data/Committee/jsonl/train.jsonl").read_text())["meeting_transcripts"]
     with pytest.raises(DataError) as err:
         _read(directory)
-    names(err.value, "qmsum/data/Committee/jsonl/train.jsonl:1:", qmsum_meeting_id(transcript),
-          "specific_query_list[0]", "[3, 9]", "6 turns")
+    names(
+        err.value,
+        "qmsum/data/Committee/jsonl/train.jsonl:1:",
+        qmsum_meeting_id(transcript),
+        "specific_query_list[0]",
+        "[3, 9]",
+        "6 turns",
+    )
 
 
 def test_the_meeting_id_hashes_speakers_and_contents_in_order():
@@ -524,14 +591,27 @@ def test_the_meeting_id_hashes_speakers_and_contents_in_order():
     assert qmsum_meeting_id(a) == "m" + hashlib.sha1(text.encode("utf-8")).hexdigest()[:10]
     assert qmsum_meeting_id(a[::-1]) != qmsum_meeting_id(a)
     assert qmsum_meeting_id([{"speaker": "A", "content": "hello", "extra": 1}, a[1]]) == qmsum_meeting_id(a)
-    assert qmsum_meeting_id([{"speaker": "é", "content": "x"}]) == "m" + hashlib.sha1(
-        json.dumps([["é", "x"]], ensure_ascii=True).encode()).hexdigest()[:10]
+    assert (
+        qmsum_meeting_id([{"speaker": "é", "content": "x"}])
+        == "m" + hashlib.sha1(json.dumps([["é", "x"]], ensure_ascii=True).encode()).hexdigest()[:10]
+    )
 
 
 # ---------------------------------------------------------------------------------------------- reader units
-@pytest.mark.parametrize("value, name", [("x", "a string"), (True, "a boolean"), (False, "a boolean"),
-                                         (1.5, "a number"), (2, "a number"), (None, "null"), ([1], "a list"),
-                                         ({"a": 1}, "an object"), ((1, 2), "tuple")])
+@pytest.mark.parametrize(
+    "value, name",
+    [
+        ("x", "a string"),
+        (True, "a boolean"),
+        (False, "a boolean"),
+        (1.5, "a number"),
+        (2, "a number"),
+        (None, "null"),
+        ([1], "a list"),
+        ({"a": 1}, "an object"),
+        ((1, 2), "tuple"),
+    ],
+)
 def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
     """Every JSON type has its English name in the one-line error; a value no JSON parser makes (a tuple) is named
     by its Python type rather than crashing the message."""
@@ -541,7 +621,7 @@ def test_a_field_of_the_wrong_json_type_is_named_in_words(value, name):
     expected = "a list" if kind is list else "an object"
     with pytest.raises(DataError) as err:
         readers._field({"f": value}, "f", "x.json:3", kind)
-    names(err.value, "x.json:3:", "'f'")
+    names(err.value, "x.json:3:", "'f'", expected)
 
 
 def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
@@ -569,8 +649,11 @@ def test_an_empty_dialogue_is_skipped_and_the_rest_of_the_file_still_read(tmp_pa
     from pipeline.common.schema import IngestReport
     from pipeline.datasets.readers.samsum import read_samsum
 
-    train = [{"id": "1", "dialogue": "A: hi", "summary": "s1"}, {"id": "2", "dialogue": " ", "summary": "s2"},
-             {"id": "3", "dialogue": "B: bye", "summary": "s3"}]
+    train = [
+        {"id": "1", "dialogue": "A: hi", "summary": "s1"},
+        {"id": "2", "dialogue": " ", "summary": "s2"},
+        {"id": "3", "dialogue": "B: bye", "summary": "s3"},
+    ]
     report = IngestReport("samsum", "test")
     records = list(read_samsum(_samsum_dir(tmp_path, train=train), report))
     assert [r.meeting_id for r in records if r.split == "train"] == ["1", "3"]
@@ -594,13 +677,21 @@ def test_dialogue_lines_become_turns_with_every_repair_counted():
     from pipeline.datasets.readers.samsum import split_dialogue
 
     report = IngestReport("samsum", "test")
-    dialogue = "\r\n".join(["A: one", "", "B: two", "C:three 3:00", "and more", "   ", "D: four", "E: five",
-                            "still five"])
+    dialogue = "\r\n".join(
+        ["A: one", "", "B: two", "C:three 3:00", "and more", "   ", "D: four", "E: five", "still five"]
+    )
     assert split_dialogue(dialogue, "w", report) == [
-        Turn("A", "one"), Turn("B", "two"), Turn("C", "three 3:00 and more"), Turn("D", "four"),
-        Turn("E", "five still five")]
-    assert report.notes == {"blank dialogue lines (dropped)": 2, "turns split at ':' without a following space": 1,
-                            "lines without a speaker appended to the previous turn": 2}
+        Turn("A", "one"),
+        Turn("B", "two"),
+        Turn("C", "three 3:00 and more"),
+        Turn("D", "four"),
+        Turn("E", "five still five"),
+    ]
+    assert report.notes == {
+        "blank dialogue lines (dropped)": 2,
+        "turns split at ':' without a following space": 1,
+        "lines without a speaker appended to the previous turn": 2,
+    }
 
 
 def test_a_dialogue_that_does_not_start_with_a_speaker_is_named_with_its_first_60_characters():
@@ -618,12 +709,25 @@ def test_a_samsum_record_is_the_whole_dialogue_with_no_query_and_its_file_and_li
     from pipeline.datasets.readers.samsum import read_samsum
 
     train = [{"id": "7", "dialogue": "A: hi\nB: yes", "summary": "They greet."}]
-    records = [r for r in read_samsum(_samsum_dir(tmp_path, train=train), IngestReport("samsum", "test"))
-               if r.split == "train"]
-    assert records == [CanonicalRecord(
-        dataset="samsum", domain="SAMSum", split="train", meeting_id="7", query_index=-1, query="",
-        query_type="none", turns=[Turn("A", "hi"), Turn("B", "yes")], spans=[], summary="They greet.",
-        source_file="samsum/train.json", source_line=1)]
+    records = [
+        r for r in read_samsum(_samsum_dir(tmp_path, train=train), IngestReport("samsum", "test")) if r.split == "train"
+    ]
+    assert records == [
+        CanonicalRecord(
+            dataset="samsum",
+            domain="SAMSum",
+            split="train",
+            meeting_id="7",
+            query_index=-1,
+            query="",
+            query_type="none",
+            turns=[Turn("A", "hi"), Turn("B", "yes")],
+            spans=[],
+            summary="They greet.",
+            source_file="samsum/train.json",
+            source_line=1,
+        )
+    ]
 
 
 def test_samsum_errors_and_skips_name_the_file_line_and_dialogue(tmp_path):
@@ -640,8 +744,12 @@ def test_samsum_errors_and_skips_name_the_file_line_and_dialogue(tmp_path):
 
 
 def _qmsum_meeting(*turns: tuple[str, str]) -> dict:
-    return {"topic_list": [], "general_query_list": [{"query": "Summarize", "answer": "A."}],
-            "specific_query_list": [], "meeting_transcripts": [{"speaker": s, "content": c} for s, c in turns]}
+    return {
+        "topic_list": [],
+        "general_query_list": [{"query": "Summarize", "answer": "A."}],
+        "specific_query_list": [],
+        "meeting_transcripts": [{"speaker": s, "content": c} for s, c in turns],
+    }
 
 
 def test_two_meetings_of_one_split_are_both_read_and_an_identical_transcript_is_named(mirror):
@@ -650,8 +758,11 @@ def test_two_meetings_of_one_split_are_both_read_and_an_identical_transcript_is_
 
     path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "val.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in (_qmsum_meeting(("A", "x")), _qmsum_meeting(("B", "y")))))
-    records = [r for r in read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test"))
-               if r.domain == "Committee" and r.split == "valid"]
+    records = [
+        r
+        for r in read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test"))
+        if r.domain == "Committee" and r.split == "valid"
+    ]
     assert [(r.source_line, [t.speaker for t in r.turns]) for r in records] == [(1, ["A"]), (2, ["B"])]
     path.write_text("".join(json.dumps(m) + "\n" for m in (_qmsum_meeting(("A", "x")), _qmsum_meeting(("A", "x")))))
     with pytest.raises(DataError) as err:
@@ -671,10 +782,13 @@ def test_an_allowed_absent_qmsum_split_leaves_the_domains_other_splits_read(mirr
     assert report.notes["absent split files allowed by ingest.allow_absent_splits (qmsum/Academic/train)"] == 1
 
 
-@pytest.mark.parametrize("meeting, problem", [
-    ({"meeting_transcripts": {"speaker": "A"}}, ["'meeting_transcripts'"]),
-    ({"meeting_transcripts": [{"speaker": 3, "content": "x"}]}, ["meeting_transcripts[0]", "'speaker'"]),
-])
+@pytest.mark.parametrize(
+    "meeting, problem",
+    [
+        ({"meeting_transcripts": {"speaker": "A"}}, ["'meeting_transcripts'"]),
+        ({"meeting_transcripts": [{"speaker": 3, "content": "x"}]}, ["meeting_transcripts[0]", "'speaker'"]),
+    ],
+)
 def test_a_malformed_qmsum_transcript_is_named_with_its_file_and_line(mirror, meeting, problem):
     from pipeline.common.schema import IngestReport
     from pipeline.datasets.readers.qmsum import read_qmsum
@@ -692,21 +806,26 @@ def _hmnet_chunk(mirror, split: str, meetings: list[dict], k: int = 0) -> None:
 
 
 def _hmnet_meeting(mid: str = "ES9", **edit) -> dict:
-    meeting = {"id": mid, "meeting": [{"speaker": "A", "role": "PM", "utt": {"word": ["Hi", "."]}}],
-               "summary": ["They met ."]}
+    meeting = {
+        "id": mid,
+        "meeting": [{"speaker": "A", "role": "PM", "utt": {"word": ["Hi", "."]}}],
+        "summary": ["They met ."],
+    }
     return meeting | edit
 
 
-@pytest.mark.parametrize("meeting, problem", [
-    (_hmnet_meeting(meeting=[{"speaker": "A", "role": 3, "utt": {"word": ["x"]}}]),
-     ["meeting[0]", "'role'"]),
-    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": ["x"]}, "start": 0}]), ["meeting[0]", "'start'"]),
-    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": ["x"]}]), ["meeting[0]", "'utt'"]),
-    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": {"0": "x"}}}]), ["meeting[0].utt", "'word'"]),
-    (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": ["x", 7, "y"]}}]), ["meeting[0].utt.word[1]"]),
-    (_hmnet_meeting(meeting=[]), ["transcript"]),
-    (_hmnet_meeting(summary=[]), ["summary"]),
-])
+@pytest.mark.parametrize(
+    "meeting, problem",
+    [
+        (_hmnet_meeting(meeting=[{"speaker": "A", "role": 3, "utt": {"word": ["x"]}}]), ["meeting[0]", "'role'"]),
+        (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": ["x"]}, "start": 0}]), ["meeting[0]", "'start'"]),
+        (_hmnet_meeting(meeting=[{"speaker": "A", "utt": ["x"]}]), ["meeting[0]", "'utt'"]),
+        (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": {"0": "x"}}}]), ["meeting[0].utt", "'word'"]),
+        (_hmnet_meeting(meeting=[{"speaker": "A", "utt": {"word": ["x", 7, "y"]}}]), ["meeting[0].utt.word[1]"]),
+        (_hmnet_meeting(meeting=[]), ["transcript"]),
+        (_hmnet_meeting(summary=[]), ["summary"]),
+    ],
+)
 def test_a_malformed_hmnet_meeting_is_named_down_to_the_turn_and_word(mirror, meeting, problem):
     _hmnet_chunk(mirror, "test", [meeting])
     with pytest.raises(DataError) as err:
@@ -724,7 +843,8 @@ def test_a_meeting_id_in_two_hmnet_splits_names_both_places(mirror):
 def test_an_allowed_absent_hmnet_chunk_leaves_the_splits_other_chunks_read(mirror, monkeypatch):
     monkeypatch.setitem(HMNET_CHUNKS, "ami", {"train": 2, "dev": 1, "test": 1})
     (mirror / "ami" / AMI_DIR / "train" / "split_0.jsonl.gz").rename(
-        mirror / "ami" / AMI_DIR / "train" / "split_1.jsonl.gz")
+        mirror / "ami" / AMI_DIR / "train" / "split_1.jsonl.gz"
+    )
     frame, report = ingest_dataset("ami", mirror / "ami", allow_absent=["ami/AMI/train"])
     assert report.counts == {"AMI": {"train": 1, "valid": 1, "test": 1}}
     assert rows(frame, meeting_id="ES2002a")[0]["source_file"] == f"ami/{AMI_DIR}/train/split_1.jsonl.gz"
@@ -742,11 +862,14 @@ def test_json_lines_are_numbered_as_in_the_file_past_blank_lines(tmp_path):
     assert _lines(path) == [(1, {"a": 1}), (4, {"b": 2})]
 
 
-@pytest.mark.parametrize("content, problem", [
-    (b'{"a": 1}\n{"b": "\xff"}\n', ["x.jsonl:2:", "UTF-8", "column 8"]),
-    (b'{"a": 1}\n' + b"[" * 100000 + b"\n", ["x.jsonl:2:"]),
-    (b'{"a": 1}\n{"b": }\n', ["x.jsonl:2:", "column 7"]),
-])
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b'{"a": 1}\n{"b": "\xff"}\n', ["x.jsonl:2:", "UTF-8", "column 8"]),
+        (b'{"a": 1}\n' + b"[" * 100000 + b"\n", ["x.jsonl:2:"]),
+        (b'{"a": 1}\n{"b": }\n', ["x.jsonl:2:", "column 7"]),
+    ],
+)
 def test_an_unreadable_json_line_is_named_with_its_line_and_column(tmp_path, content, problem):
     path = tmp_path / "x.jsonl"
     path.write_bytes(content)
@@ -762,7 +885,7 @@ def test_a_missing_or_damaged_gzip_chunk_names_the_line_it_stopped_at(tmp_path):
     names(err.value, "missing.jsonl.gz")
     plain = tmp_path / "plain.jsonl.gz"  # not gzip at all: fails before its first line
     plain.write_bytes(b'{"a": 1}\n')
-    with pytest.raises(OSError) as gz:
+    with pytest.raises(OSError):
         gzip.open(plain).read()
     with pytest.raises(DataError) as err:
         _lines(plain)
@@ -786,10 +909,22 @@ def test_an_hmnet_record_is_the_whole_meeting_with_no_query_and_its_chunk_and_li
     records = [r for r in read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test")) if r.split == "test"]
     chunk = f"ami/{AMI_DIR}/test/split_0.jsonl.gz"
     assert records == [
-        CanonicalRecord(dataset="ami", domain="AMI", split="test", meeting_id=mid, query_index=-1, query="",
-                        query_type="none", turns=[Turn("PM A", "Hi .")], spans=[], summary=summary,
-                        source_file=chunk, source_line=line)
-        for mid, summary, line in (("ES1", "They met .", 1), ("ES2", "A.\nB.", 2))]
+        CanonicalRecord(
+            dataset="ami",
+            domain="AMI",
+            split="test",
+            meeting_id=mid,
+            query_index=-1,
+            query="",
+            query_type="none",
+            turns=[Turn("PM A", "Hi .")],
+            spans=[],
+            summary=summary,
+            source_file=chunk,
+            source_line=line,
+        )
+        for mid, summary, line in (("ES1", "They met .", 1), ("ES2", "A.\nB.", 2))
+    ]
 
 
 def test_an_empty_hmnet_chunk_is_an_allowed_absence_only_when_it_is_its_splits_one_chunk(mirror, monkeypatch):
@@ -821,22 +956,52 @@ def test_a_qmsum_query_record_is_its_query_answer_and_selected_turns_and_its_err
     from pipeline.datasets.readers.qmsum import qmsum_meeting_id, read_qmsum
 
     path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "test.jsonl"
-    meeting = _qmsum_meeting(("A", "x"), ("B", "y")) | {"specific_query_list": [
-        {"query": "Q?", "answer": "Ans.", "relevant_text_span": [["1", "2"]]}]}
+    meeting = _qmsum_meeting(("A", "x"), ("B", "y")) | {
+        "specific_query_list": [{"query": "Q?", "answer": "Ans.", "relevant_text_span": [["1", "2"]]}]
+    }
     path.write_text(json.dumps(meeting) + "\n")
     mid = qmsum_meeting_id(meeting["meeting_transcripts"])
     where = "qmsum/data/Committee/jsonl/test.jsonl"
-    records = [r for r in read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test"))
-               if r.domain == "Committee" and r.split == "test"]
+    records = [
+        r
+        for r in read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test"))
+        if r.domain == "Committee" and r.split == "test"
+    ]
     assert records == [
-        CanonicalRecord(dataset="qmsum", domain="Committee", split="test", meeting_id=mid, query_index=0,
-                        query="Summarize", query_type="general", turns=[Turn("A", "x"), Turn("B", "y")], spans=[],
-                        summary="A.", source_file=where, source_line=1),
-        CanonicalRecord(dataset="qmsum", domain="Committee", split="test", meeting_id=mid, query_index=0,
-                        query="Q?", query_type="specific", turns=[Turn("B", "y")], spans=[(1, 2)],
-                        summary="Ans.", source_file=where, source_line=1)]
-    for edit, problem in (({"query": 1}, "'query'"), ({"answer": None}, "'answer'"),
-                          ({"relevant_text_span": "1-2"}, "'relevant_text_span'")):
+        CanonicalRecord(
+            dataset="qmsum",
+            domain="Committee",
+            split="test",
+            meeting_id=mid,
+            query_index=0,
+            query="Summarize",
+            query_type="general",
+            turns=[Turn("A", "x"), Turn("B", "y")],
+            spans=[],
+            summary="A.",
+            source_file=where,
+            source_line=1,
+        ),
+        CanonicalRecord(
+            dataset="qmsum",
+            domain="Committee",
+            split="test",
+            meeting_id=mid,
+            query_index=0,
+            query="Q?",
+            query_type="specific",
+            turns=[Turn("B", "y")],
+            spans=[(1, 2)],
+            summary="Ans.",
+            source_file=where,
+            source_line=1,
+        ),
+    ]
+    for edit, problem in (
+        ({"query": 1}, "'query'"),
+        ({"answer": None}, "'answer'"),
+        ({"relevant_text_span": "1-2"}, "'relevant_text_span'"),
+    ):
         bad = dict(meeting, specific_query_list=[meeting["specific_query_list"][0] | edit])
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(DataError) as err:

@@ -10,6 +10,7 @@ The coverages the module docstring of pipeline/results/stats.py states (this int
 bootstrap's used before, at the default seed effect and at one much larger than the example-level error, sd 1.5 =
 2.7 x) are measured by test_the_coverages_the_stats_module_states.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -78,11 +79,17 @@ def test_the_old_seed_resampling_bootstrap_undercovers_where_seeds_vary_more():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("interval, seeds, seed_sd, stated", [
-    (None, 2, 1.5, 0.91), (None, 3, 1.5, 0.93), (None, 5, 1.5, 0.94),
-    (seed_resampling_bootstrap, 2, 0.6, 0.94), (seed_resampling_bootstrap, 2, 1.5, 0.85),
-    (seed_resampling_bootstrap, 3, 1.5, 0.90),
-])
+@pytest.mark.parametrize(
+    "interval, seeds, seed_sd, stated",
+    [
+        (None, 2, 1.5, 0.91),
+        (None, 3, 1.5, 0.93),
+        (None, 5, 1.5, 0.94),
+        (seed_resampling_bootstrap, 2, 0.6, 0.94),
+        (seed_resampling_bootstrap, 2, 1.5, 0.85),
+        (seed_resampling_bootstrap, 3, 1.5, 0.90),
+    ],
+)
 def test_the_coverages_the_stats_module_states(interval, seeds, seed_sd, stated):
     """The numbers of pipeline/results/stats.py's docstring, as measured (2,000 replicates, seeded): one that
     drifts from its simulation fails here."""

@@ -9,6 +9,7 @@ step moves every parameter with a gradient by lr and shrinks the decayed ones by
 micro-batches give the step of the whole effective batch; the FedProx term is mu/2 ||W - W_global||^2; training
 is a function of (seed, client, round).
 """
+
 from __future__ import annotations
 
 import math
@@ -18,12 +19,11 @@ import pandas as pd
 import pytest
 import torch
 
-from tests.errors import names
-from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
-
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.training.client_training  # noqa: F401
 import pipeline.training.shared_model  # noqa: F401
+from tests.errors import names
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 CLIENT = "Committee"  # 6 training examples in tests/test_federated.py's workspace
 
@@ -58,8 +58,16 @@ def _target_tokens(model, plan, examples) -> list[int]:
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
     from pipeline.training.shared_model import model_config
 
-    batches = make_batches(examples, model.tokenizer, model_config(plan), 1, shuffle=False, seed=0,
-                           decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id)
+    batches = make_batches(
+        examples,
+        model.tokenizer,
+        model_config(plan),
+        1,
+        shuffle=False,
+        seed=0,
+        decoder_start_token_id=model.decoder_start_token_id,
+        pad_token_id=model.pad_token_id,
+    )
     return [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
 
 
@@ -76,8 +84,7 @@ def test_ce_training_reports_the_cross_entropy_of_its_examples(ws):
     result = _train(plan, model, train)
     assert _unchanged(model, w0)  # lr 0 (and AdamW's decay is lr x wd): nothing moves
     val, tokens = validation_loss(model, plan, train)
-    assert (result.n_examples, result.n_tokens) == (6, 2 * tokens) and tokens == sum(_target_tokens(model, plan,
-                                                                                                   train))
+    assert (result.n_examples, result.n_tokens) == (6, 2 * tokens) and tokens == sum(_target_tokens(model, plan, train))
     assert result.n_steps == 2 * math.ceil(6 / 4)  # two epochs of two batches
     assert result.train_loss == pytest.approx(val, rel=1e-5) and result.ce == pytest.approx(val, rel=1e-5)
     assert (result.kd, result.kd_fraction, result.proximal) == (0.0, 0.0, 0.0)
@@ -106,8 +113,16 @@ def _teacher_entropies(model, plan, examples) -> list[np.ndarray]:
     from pipeline.training.shared_model import model_config
 
     out = []
-    for b in make_batches(examples, model.tokenizer, model_config(plan), 1, shuffle=False, seed=0,
-                          decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id):
+    for b in make_batches(
+        examples,
+        model.tokenizer,
+        model_config(plan),
+        1,
+        shuffle=False,
+        seed=0,
+        decoder_start_token_id=model.decoder_start_token_id,
+        pad_token_id=model.pad_token_id,
+    ):
         with torch.no_grad():
             logits = model.forward_path(b, "global")[0][b.labels[0] != IGNORE_INDEX].double()
         logp = torch.log_softmax(logits, -1)
@@ -146,8 +161,16 @@ def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
     from pipeline.training.shared_model import model_config
 
-    for b in make_batches(train, model.tokenizer, model_config(plan), 1, shuffle=False, seed=0,
-                          decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id):
+    for b in make_batches(
+        train,
+        model.tokenizer,
+        model_config(plan),
+        1,
+        shuffle=False,
+        seed=0,
+        decoder_start_token_id=model.decoder_start_token_id,
+        pad_token_id=model.pad_token_id,
+    ):
         labels = b.labels[0][b.labels[0] != IGNORE_INDEX].tolist()
         assert log[log.example_id == b.example_ids[0]].sort_values("position")["token_id"].tolist() == labels
 
@@ -164,11 +187,17 @@ def test_the_gate_log_of_no_token_has_the_columns_and_types_of_one_with_tokens(w
 
 
 # ----------------------------------------------------------------------------------------------- steps and updates
-@pytest.mark.parametrize("batch_size, accum, epochs, steps", [(4, 1, 1, 2), (2, 2, 1, 2), (2, 3, 2, 2), (1, 4, 1, 2),
-                                                             (6, 1, 3, 3)])
+@pytest.mark.parametrize(
+    "batch_size, accum, epochs, steps", [(4, 1, 1, 2), (2, 2, 1, 2), (2, 3, 2, 2), (1, 4, 1, 2), (6, 1, 3, 3)]
+)
 def test_optimizer_steps_follow_batches_accumulation_and_epochs(ws, batch_size, accum, epochs, steps):
-    plan, model, train, _ = _setup(f"local-steps-{batch_size}-{accum}-{epochs}", lr=0.0, batch_size=batch_size,
-                                   grad_accum_steps=accum, local_epochs=epochs)
+    plan, model, train, _ = _setup(
+        f"local-steps-{batch_size}-{accum}-{epochs}",
+        lr=0.0,
+        batch_size=batch_size,
+        grad_accum_steps=accum,
+        local_epochs=epochs,
+    )
     result = _train(plan, model, train)
     assert result.n_steps == steps == epochs * math.ceil(math.ceil(6 / batch_size) / accum)
     assert result.n_tokens == epochs * sum(_target_tokens(model, plan, train))
@@ -203,8 +232,7 @@ def _assert_sign_step(step: torch.Tensor, lr: float, name: str) -> None:
 
 def test_norms_and_biases_decay_too_when_asked(ws):
     lr, wd = 1e-3, 0.5
-    plan, model, train, w0 = _setup("local-decay-all", lr=lr, weight_decay=wd, batch_size=6,
-                                    decay_norm_and_bias=True)
+    plan, model, train, w0 = _setup("local-decay-all", lr=lr, weight_decay=wd, batch_size=6, decay_norm_and_bias=True)
     _train(plan, model, train)
     new = model.adapter_state("local")
     # the LayerNorm gain: 1 before, decayed to 1 - lr wd, then moved by lr
@@ -246,8 +274,11 @@ def test_another_client_or_experiment_seed_trains_on_another_batch_order(ws):
 
     plan, model, train, w0 = _setup("local-det-who", lr=5e-3, batch_size=2)
     runs = {}
-    for key, p, client in (("base", plan, CLIENT), ("client", plan, "Product"),
-                           ("seed", dataclasses.replace(plan, seed=plan.seed + 1), CLIENT)):
+    for key, p, client in (
+        ("base", plan, CLIENT),
+        ("client", plan, "Product"),
+        ("seed", dataclasses.replace(plan, seed=plan.seed + 1), CLIENT),
+    ):
         model.load_adapter_state("local", w0)
         train_local(model, p, train, client=client, rnd=1)
         runs[key] = model.adapter_state("local")
@@ -327,9 +358,13 @@ def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_po
 def _varied_targets() -> pd.DataFrame:
     """Ten examples whose targets are 1 to 7 words: token counts differ, none reaches max_target_length 48."""
     lengths = [5, 1, 7, 3, 6, 2, 4, 1, 6, 3]
-    return pd.DataFrame({"example_id": [f"e{i}" for i in range(10)],
-                         "source": [f"A: word {i} here." for i in range(10)],
-                         "target": [" ".join(["talk"] * n) + "." for n in lengths]})
+    return pd.DataFrame(
+        {
+            "example_id": [f"e{i}" for i in range(10)],
+            "source": [f"A: word {i} here." for i in range(10)],
+            "target": [" ".join(["talk"] * n) + "." for n in lengths],
+        }
+    )
 
 
 def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_batches_with_the_dp_scale(ws):
@@ -338,16 +373,14 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     (train.bucket_by_length), and each carries per_example_loss_scale's factor for the plan's normalisation."""
     from types import SimpleNamespace
 
-    from pipeline.modeling.batching import IGNORE_INDEX
-    from pipeline.modeling.batching import make_batches
-    from pipeline.privacy.example_dp import per_example_loss_scale, poisson_epoch, poisson_steps
-    from pipeline.training.shared_model import model_config
-
     from pipeline.federation.protocol import load_plan
-    from pipeline.training.shared_model import shared_model
+    from pipeline.modeling.batching import IGNORE_INDEX, make_batches
+    from pipeline.privacy.example_dp import per_example_loss_scale, poisson_epoch, poisson_steps
+    from pipeline.training.shared_model import model_config, shared_model
 
-    plan = load_plan(write_plan("dp-epoch", "fedavg", model={"max_target_length": 48}, prefix_cache=False,
-                                batch_size=2))
+    plan = load_plan(
+        write_plan("dp-epoch", "fedavg", model={"max_target_length": 48}, prefix_cache=False, batch_size=2)
+    )
     model = shared_model(plan)
     examples = _varied_targets()
     mcfg, setting = model_config(plan), SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
@@ -355,10 +388,19 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     sampled = poisson_steps(len(examples), 0.3, 8, 1)
     assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
     for normalisation in ("tokens", "sequences"):
+
         def micro_batches(frame):  # as train_local cuts a step's sample
-            return make_batches(frame, model.tokenizer, mcfg, plan.train.batch_size, shuffle=False, seed=0,
-                                decoder_start_token_id=model.decoder_start_token_id,
-                                pad_token_id=model.pad_token_id, bucket_by_length=plan.train.bucket_by_length)
+            return make_batches(
+                frame,
+                model.tokenizer,
+                mcfg,
+                plan.train.batch_size,
+                shuffle=False,
+                seed=0,
+                decoder_start_token_id=model.decoder_start_token_id,
+                pad_token_id=model.pad_token_id,
+                bucket_by_length=plan.train.bucket_by_length,
+            )
 
         steps = poisson_epoch(examples, micro_batches, setting, normalisation, mcfg.max_target_length, seed=1)
         assert len(steps) == len(sampled)
@@ -400,8 +442,9 @@ def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws
     monkeypatch.setattr(cache_module, "TeacherCache", Spy)
 
     def run(method: str, epochs: int, budget_gb: float):
-        plan, model, train, w0 = _setup(f"local-tc-{method}-{epochs}", method, lr=5e-3, batch_size=2,
-                                        local_epochs=epochs)
+        plan, model, train, w0 = _setup(
+            f"local-tc-{method}-{epochs}", method, lr=5e-3, batch_size=2, local_epochs=epochs
+        )
         model.load_adapter_state("global", {k: v + 0.1 for k, v in w0.items()})
         result = _train(plan, model, train, teacher_cache_gb=budget_gb)
         return model.adapter_state("local"), result
@@ -411,7 +454,10 @@ def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws
     plain, without = run("fedselectkd", 2, 0.0)
     assert len(built) == 1 and all(torch.equal(cached[k], plain[k]) for k in cached)
     assert (with_cache.train_loss, with_cache.kd, with_cache.kd_fraction) == (
-        without.train_loss, without.kd, without.kd_fraction)
+        without.train_loss,
+        without.kd,
+        without.kd_fraction,
+    )
     run("fedselectkd", 1, 1.0)  # one epoch: every teacher logit is needed once
     run("fedavg", 2, 1.0)  # one path: no teacher
     assert len(built) == 1
@@ -435,11 +481,19 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     from pipeline.training.client_training import _accumulation_steps
     from pipeline.training.shared_model import model_config, shared_model
 
-    plan = load_plan(write_plan("epoch-buckets", "fedavg", model={"max_target_length": 48}, prefix_cache=False,
-                                batch_size=2, grad_accum_steps=2))
+    plan = load_plan(
+        write_plan(
+            "epoch-buckets",
+            "fedavg",
+            model={"max_target_length": 48},
+            prefix_cache=False,
+            batch_size=2,
+            grad_accum_steps=2,
+        )
+    )
     model, examples = shared_model(plan), _varied_targets()
     tokens = sorted(_target_tokens(model, plan, examples))
-    least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i:i + 2] for i in range(0, 10, 2)))
+    least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i : i + 2] for i in range(0, 10, 2)))
     steps = _accumulation_steps(model, examples, model_config(plan), plan.train, "tokens", seed=3)
     batches = [b for step in steps for b, _ in step]
     assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
@@ -460,8 +514,11 @@ def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
     from pipeline.training.shared_model import prefix_cache_for
 
     exact, model, train, w0 = _setup(f"local-f32-{method}", method, lr=5e-3, batch_size=2)
-    half = load_plan(write_plan(f"local-f16-{method}", method, model={"cache_dtype": "float16"}, lr=5e-3,
-                                batch_size=2, prefix_cache=True))
+    half = load_plan(
+        write_plan(
+            f"local-f16-{method}", method, model={"cache_dtype": "float16"}, lr=5e-3, batch_size=2, prefix_cache=True
+        )
+    )
     assert half.cache_dtype == "float16"
     losses = []
     for plan, cache in ((exact, None), (half, prefix_cache_for(half, model, RunSettings().cache))):
@@ -471,7 +528,6 @@ def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
         losses.append((result.train_loss, result.ce))
     assert losses[0] != losses[1]
     assert losses[1] == pytest.approx(losses[0], rel=1e-2)
-
 
 
 def test_training_leaves_the_model_in_evaluation_mode_for_the_validation_that_follows(ws):
@@ -505,8 +561,7 @@ def test_the_rounds_kd_is_the_token_weighted_mean_of_its_examples_kd(ws):
     whole = _train(plan, model, train)
     alone = [_train(plan, model, train.iloc[[i]]) for i in range(len(train))]
     assert len({round(r.kd, 6) for r in alone}) > 1  # the examples differ
-    assert whole.kd == pytest.approx(sum(r.kd * r.n_tokens for r in alone) / sum(r.n_tokens for r in alone),
-                                     rel=1e-5)
+    assert whole.kd == pytest.approx(sum(r.kd * r.n_tokens for r in alone) / sum(r.n_tokens for r in alone), rel=1e-5)
 
 
 def test_step_matched_centralized_windows_use_every_pooled_example_equally():

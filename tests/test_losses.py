@@ -12,6 +12,7 @@ Teacher q_g and student q_l are given as probabilities; logits = log p (softmax(
       CE = -ln 0.6,  KL = 1/3 (2 ln(5/3) + ln(5/9))
   seq 1, pos 1: padding (label -100) with arbitrary logits.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,7 +63,11 @@ def test_token_entropy_nats_and_bits(example):
     [
         (0.5, [[False, False], [False, False]], (CE1 + CE2 + CE3) / 3),  # below every H: plain CE
         (0.8, [[False, True], [False, False]], (CE1 + (1 - LAM) * CE2 + LAM * KL2 + CE3) / 3),  # H2 < tau < H1
-        (1.07, [[True, True], [False, False]], ((1 - LAM) * (CE1 + CE2) + LAM * (KL1 + KL2) + CE3) / 3),  # H1 < tau < H3
+        (
+            1.07,
+            [[True, True], [False, False]],
+            ((1 - LAM) * (CE1 + CE2) + LAM * (KL1 + KL2) + CE3) / 3,
+        ),  # H1 < tau < H3
         (2.0, [[True, True], [True, False]], ((1 - LAM) * (CE1 + CE2 + CE3) + LAM * (KL1 + KL2 + KL3)) / 3),
     ],
 )
@@ -127,8 +132,12 @@ def test_temperature_scales_kl_by_t_squared():
 
 def test_kl_direction_student_to_teacher(example):
     student, teacher, labels = example
-    out = distillation_loss(student[:1, :1], teacher[:1, :1], labels[:1, :1],
-                            KDConfig(mode="kd", kd_lambda=1.0, kd_direction="student_to_teacher"))
+    out = distillation_loss(
+        student[:1, :1],
+        teacher[:1, :1],
+        labels[:1, :1],
+        KDConfig(mode="kd", kd_lambda=1.0, kd_direction="student_to_teacher"),
+    )
     # KL(q_l || q_g) for token 1: 1/4 ln(1/2) + 1/2 ln 2 + 1/4 ln 1 = 1/4 ln 2
     assert out.loss.item() == pytest.approx(0.25 * L(2), abs=1e-6)
 
@@ -163,8 +172,12 @@ def _reference_loss(student, teacher, labels, cfg, hard_mask=None):
         kl = (gt.exp() * (gt - lt)).sum(-1) * t * t
     else:
         kl = (lt.exp() * (lt - gt)).sum(-1) * t * t
-    gate = {"ce": torch.zeros_like(valid), "kd": valid, "selective": (entropy < cfg.tau) & valid,
-            "hard": (hard_mask if hard_mask is not None else valid) & valid}[cfg.mode]
+    gate = {
+        "ce": torch.zeros_like(valid),
+        "kd": valid,
+        "selective": (entropy < cfg.tau) & valid,
+        "hard": (hard_mask if hard_mask is not None else valid) & valid,
+    }[cfg.mode]
     per_token = torch.where(gate, (1 - cfg.kd_lambda) * ce + cfg.kd_lambda * kl, ce) * valid
     if cfg.loss_normalisation == "tokens":
         loss = per_token.sum() / valid.sum()
@@ -174,10 +187,15 @@ def _reference_loss(student, teacher, labels, cfg, hard_mask=None):
 
 
 @pytest.mark.parametrize("mode", ["ce", "kd", "selective", "hard"])
-@pytest.mark.parametrize("temperature, direction, normalisation", [
-    (1.0, "teacher_to_student", "tokens"), (2.0, "teacher_to_student", "sequences"),
-    (1.0, "student_to_teacher", "sequences"), (0.5, "student_to_teacher", "tokens"),
-])
+@pytest.mark.parametrize(
+    "temperature, direction, normalisation",
+    [
+        (1.0, "teacher_to_student", "tokens"),
+        (2.0, "teacher_to_student", "sequences"),
+        (1.0, "student_to_teacher", "sequences"),
+        (0.5, "student_to_teacher", "tokens"),
+    ],
+)
 def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalisation):
     """Loss, gradient w.r.t. the student logits, entropy and gate of the chunked, hand-differentiated loss equal
     plain autograd on random logits with padding, for [B, T, V] and packed [N, V] inputs and any chunk size."""
@@ -190,8 +208,14 @@ def test_fused_loss_equals_plain_autograd(mode, temperature, direction, normalis
     labels[1, 4:] = -100
     labels[2, 2:] = -100
     hard = torch.rand(b, t, generator=g) < 0.5
-    cfg = KDConfig(mode=mode, kd_lambda=0.3, tau=3.0, kd_temperature=temperature, kd_direction=direction,
-                   loss_normalisation=normalisation)
+    cfg = KDConfig(
+        mode=mode,
+        kd_lambda=0.3,
+        tau=3.0,
+        kd_temperature=temperature,
+        kd_direction=direction,
+        loss_normalisation=normalisation,
+    )
     ref_in = student.clone().requires_grad_(True)
     ref_loss, ref_entropy, ref_gate = _reference_loss(ref_in, teacher, labels, cfg, hard)
     ref_loss.backward()
@@ -245,7 +269,9 @@ def test_half_precision_logits_are_handled_in_float32(example):
 )
 def test_portable_gates_match_hand_computation(example, scale, tau, expected_gate, expected_threshold):
     student, teacher, labels = example
-    out = distillation_loss(student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau, tau_scale=scale))
+    out = distillation_loss(
+        student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau, tau_scale=scale)
+    )
     assert out.gate.tolist() == expected_gate
     assert out.threshold == pytest.approx(expected_threshold, abs=1e-5)
 
@@ -284,8 +310,9 @@ def test_the_default_config_is_the_papers_lambda_and_tau(example):
     hard = distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=mask)
     assert hard.gate.tolist() == [[False, True], [True, False]]  # the mask, never on padding
     assert hard.loss.item() == pytest.approx((CE1 + 0.8 * CE2 + 0.2 * KL2 + 0.8 * CE3 + 0.2 * KL3) / 3, abs=1e-5)
-    seq = distillation_loss(student, teacher, labels, KDConfig(mode="hard", kd_lambda=1.0, loss_normalisation="sequences"),
-                            hard_mask=mask)
+    seq = distillation_loss(
+        student, teacher, labels, KDConfig(mode="hard", kd_lambda=1.0, loss_normalisation="sequences"), hard_mask=mask
+    )
     assert seq.loss.item() == pytest.approx(((CE1 + KL2) / 2 + KL3) / 2, abs=1e-5)
 
 
@@ -303,7 +330,9 @@ def test_max_entropy_threshold_depends_on_the_vocabulary_not_the_batch(n_tokens)
 def test_batch_quantile_gate_in_bits_is_the_same_gate(example):
     student, teacher, labels = example
     nats = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile"))
-    bits = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", entropy_log_base="2"))
+    bits = distillation_loss(
+        student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", entropy_log_base="2")
+    )
     assert nats.gate.tolist() == bits.gate.tolist() == [[True, True], [False, False]]
     assert bits.threshold == pytest.approx((H1 + H3) / 2 / L(2), abs=1e-5)  # the same quantile, in bits
 
@@ -386,9 +415,12 @@ def test_bad_batches_are_named(example):
 
 def test_hard_mask_may_be_given_as_zeros_and_ones(example):
     student, teacher, labels = example
-    as_bool = distillation_loss(student, teacher, labels, KDConfig(mode="hard"),
-                                hard_mask=torch.tensor([[True, False], [True, True]]))
-    as_int = distillation_loss(student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.tensor([[1, 0], [1, 1]]))
+    as_bool = distillation_loss(
+        student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.tensor([[True, False], [True, True]])
+    )
+    as_int = distillation_loss(
+        student, teacher, labels, KDConfig(mode="hard"), hard_mask=torch.tensor([[1, 0], [1, 1]])
+    )
     assert as_int.gate.tolist() == as_bool.gate.tolist() == [[True, False], [True, False]]
     assert as_int.loss.item() == as_bool.loss.item()
 
@@ -405,8 +437,9 @@ def test_unpadded_batches_and_empty_sequences_give_the_same_loss():
         assert full.loss.item() == pytest.approx(packed.loss.item(), abs=1e-6)
         assert full.entropy.shape == (2, 3) and full.n_tokens == 6
         padded_labels = torch.cat([labels, torch.full((1, 3), -100)])
-        padded = distillation_loss(torch.cat([student, student[:1]]), torch.cat([teacher, teacher[:1]]),
-                                   padded_labels, cfg)
+        padded = distillation_loss(
+            torch.cat([student, student[:1]]), torch.cat([teacher, teacher[:1]]), padded_labels, cfg
+        )
         assert padded.loss.item() == pytest.approx(full.loss.item(), abs=1e-6)
 
 
@@ -421,8 +454,9 @@ def test_batch_quantile_threshold_is_the_quantile_of_all_token_entropies(chunk_r
     g = torch.Generator().manual_seed(5)
     teacher = torch.randn(1, 9, 3, generator=g) * torch.linspace(0.1, 4.0, 9).view(1, 9, 1)
     labels = torch.zeros(1, 9, dtype=torch.long)
-    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"),
-                            chunk_rows=chunk_rows)
+    out = distillation_loss(
+        teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"), chunk_rows=chunk_rows
+    )
     expected = torch.quantile(token_entropy(teacher)[0].double(), 0.3).item()
     assert out.threshold == pytest.approx(expected, abs=1e-6)
     assert out.n_kd == int((token_entropy(teacher) < expected).sum()) == 3  # 30 % of 9 tokens lie below

@@ -7,6 +7,7 @@ tags, per-round and evaluation metrics (with intervals) and their adapters, stor
 destination; and, with ``mlflow.search_logged_models``, a client's adapter by its test score. Marked
 ``integration`` (``.ci/run`` runs it with the rest of ``make test``).
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,6 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-
-from pathlib import Path
 
 import pytest
 
@@ -44,8 +43,9 @@ def get(url: str, timeout: float = 5.0) -> dict:
 
 
 def post(url: str, body: dict, timeout: float = 5.0) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
-                                 method="POST")
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read() or b"{}")
 
@@ -55,9 +55,22 @@ def mlflow_server(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "--artifacts-destination", str(tmp_path / "served-artifacts"), "--host", "127.0.0.1",
-           "--port", str(port), "--workers", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "--artifacts-destination",
+        str(tmp_path / "served-artifacts"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     # No background job runner: it is not needed here and would be one more process to start and stop.
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     with log_path.open("w") as log:
@@ -66,8 +79,7 @@ def mlflow_server(tmp_path):
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with code {proc.returncode}: "
-                            f"{log_path.read_text()[-500:]}")
+                pytest.fail(f"mlflow server exited with code {proc.returncode}: {log_path.read_text()[-500:]}")
             try:
                 with urllib.request.urlopen(f"{url}/health", timeout=1) as resp:
                     if resp.status == 200:
@@ -75,8 +87,10 @@ def mlflow_server(tmp_path):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not answer {url}/health within {STARTUP_TIMEOUT_S:.0f} s "
-                            f"(FEDMEET_MLFLOW_SERVER_TIMEOUT raises the wait): {log_path.read_text()[-500:]}")
+                pytest.fail(
+                    f"mlflow server did not answer {url}/health within {STARTUP_TIMEOUT_S:.0f} s "
+                    f"(FEDMEET_MLFLOW_SERVER_TIMEOUT raises the wait): {log_path.read_text()[-500:]}"
+                )
             time.sleep(0.3)
         yield url
     finally:
@@ -114,9 +128,18 @@ def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_pa
     runs = {"srv-fedavg": "fedavg", "srv-selectkd": "fedselectkd"}
     for name, method in runs.items():
         run_experiment(write_plan(name, method))
-        evaluate_experiment(name, EvaluateConfig(num_beams=1, max_target_length=8, min_target_length=2,
-                                                 batch_size=2, log_text_to_mlflow=(method == "fedselectkd")),
-                            eval_dir=tmp_path / "eval", bootstrap=BootstrapConfig(n_resamples=200))
+        evaluate_experiment(
+            name,
+            EvaluateConfig(
+                num_beams=1,
+                max_target_length=8,
+                min_target_length=2,
+                batch_size=2,
+                log_text_to_mlflow=(method == "fedselectkd"),
+            ),
+            eval_dir=tmp_path / "eval",
+            bootstrap=BootstrapConfig(n_resamples=200),
+        )
 
     api = f"{mlflow_server}/api/2.0/mlflow"
     exp = get(f"{api}/experiments/get-by-name?experiment_name=tests")["experiment"]
@@ -124,9 +147,14 @@ def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_pa
     assert exp_tags["mlflow.experimentKind"] == "custom_model_development"  # opens in the runs table
     # The server chose the location: artifacts go through its proxy, not to this machine's mlartifacts/.
     assert exp["artifact_location"].startswith("mlflow-artifacts:")
-    found = post(f"{api}/runs/search", {"experiment_ids": [exp["experiment_id"]],
-                                        "filter": "tags.experiment LIKE 'srv-%'",
-                                        "order_by": ["attributes.run_name ASC"]})["runs"]
+    found = post(
+        f"{api}/runs/search",
+        {
+            "experiment_ids": [exp["experiment_id"]],
+            "filter": "tags.experiment LIKE 'srv-%'",
+            "order_by": ["attributes.run_name ASC"],
+        },
+    )["runs"]
     assert [r["info"]["run_name"] for r in found] == ["srv-fedavg", "srv-selectkd"]
     served = tmp_path / "served-artifacts"  # the server fixture's --artifacts-destination (same tmp_path)
     for run, (name, method) in zip(found, runs.items()):
@@ -135,15 +163,24 @@ def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_pa
         assert tags["method"] == method and tags["experiment"] == name and len(tags["plan_hash"]) == 64
         metrics = {m["key"]: m["value"] for m in run["data"]["metrics"]}
         local = json.loads((tmp_path / "eval" / name / "metrics.json").read_text())
-        for label, key in (("ROUGE-1", "rouge1"), ("ROUGE-2", "rouge2"), ("ROUGE-L", "rougeL"),
-                           ("avg_ROUGE", "avg_rouge")):
+        for label, key in (
+            ("ROUGE-1", "rouge1"),
+            ("ROUGE-2", "rouge2"),
+            ("ROUGE-L", "rougeL"),
+            ("avg_ROUGE", "avg_rouge"),
+        ):
             value = metrics[f"client_avg/{label}"]
             assert value == pytest.approx(local["mean"][key])
             low, high = metrics[f"client_avg/{label}_ci_low"], metrics[f"client_avg/{label}_ci_high"]
             assert (low, high) == pytest.approx((local["mean_ci"][key]["low"], local["mean_ci"][key]["high"]))
             assert low <= value <= high
-        children = post(f"{api}/runs/search", {"experiment_ids": [exp["experiment_id"]], "filter":
-                                                f"tags.`mlflow.parentRunId` = '{run['info']['run_id']}'"})["runs"]
+        children = post(
+            f"{api}/runs/search",
+            {
+                "experiment_ids": [exp["experiment_id"]],
+                "filter": f"tags.`mlflow.parentRunId` = '{run['info']['run_id']}'",
+            },
+        )["runs"]
         academic = [c for c in children if {"key": "client", "value": "Academic"} in c["data"]["tags"]]
         query = urllib.parse.urlencode({"run_id": academic[0]["info"]["run_id"], "metric_key": "val_loss"})
         history = get(f"{api}/metrics/get-history?{query}")["metrics"]
@@ -174,8 +211,9 @@ def test_an_adapter_is_found_by_its_score_on_the_server(ws, mlflow_server, tmp_p
     run_experiment(write_plan("srv-scored", "fedavg"))
     # Tiny untrained models score 0 everywhere: the evaluation record gives each client a score of its own.
     avg = {"Academic": 12.0, "Committee": 31.0, "Product": 20.0}
-    clients = {c: {k: v for k in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge")} | {"n": 2}
-               for c, v in avg.items()}
+    clients = {
+        c: {k: v for k in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge")} | {"n": 2} for c, v in avg.items()
+    }
     record = {"experiment": "srv-scored", "clients": clients, "mean": {k: 21.0 for k in clients["Academic"]}}
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "metrics.json").write_text(json.dumps(record))
@@ -184,12 +222,18 @@ def test_an_adapter_is_found_by_its_score_on_the_server(ws, mlflow_server, tmp_p
 
     mlflow.set_tracking_uri(mlflow_server)
     exp = mlflow.get_experiment_by_name("tests").experiment_id
-    [best] = mlflow.search_logged_models(experiment_ids=[exp], output_format="list",
-                                         filter_string="tags.experiment = 'srv-scored' AND metrics.avg_rouge > 25")
+    [best] = mlflow.search_logged_models(
+        experiment_ids=[exp],
+        output_format="list",
+        filter_string="tags.experiment = 'srv-scored' AND metrics.avg_rouge > 25",
+    )
     assert best.tags["client"] == "Committee" and best.name == "srv-scored-Committee"
-    ranked = mlflow.search_logged_models(experiment_ids=[exp], filter_string="tags.experiment = 'srv-scored'",
-                                         order_by=[{"field_name": "metrics.avg_rouge", "ascending": False}],
-                                         output_format="list")
+    ranked = mlflow.search_logged_models(
+        experiment_ids=[exp],
+        filter_string="tags.experiment = 'srv-scored'",
+        order_by=[{"field_name": "metrics.avg_rouge", "ascending": False}],
+        output_format="list",
+    )
     assert [m.tags["client"] for m in ranked] == ["Committee", "Product", "Academic"]
     folder = mlflow.artifacts.download_artifacts(f"models:/{best.model_id}", dst_path=str(tmp_path / "best"))
     got = load_file(f"{folder}/adapters/Committee/adapter_best.safetensors")

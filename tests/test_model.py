@@ -1,14 +1,15 @@
 """AdapterSummarizer on tiny BART and tiny BERT2BERT: freezing, two-path equivalence, generation, adapter I/O."""
+
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 import torch
+from tiny_models import save_tiny, tiny
 
 from pipeline.modeling.adapters import AdapterConfig, HoulsbyAdapter
 from pipeline.modeling.batching import IGNORE_INDEX, collate, make_batches, tokenize_pairs
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
-from tiny_models import save_tiny, tiny
 
 SOURCES = [
     "What did the group decide about the case? #SEP# Industrial Designer: The case could be made of rubber.",
@@ -39,7 +40,9 @@ def summarizer(request):
 
 @pytest.fixture(scope="module")
 def batch(summarizer):
-    ex = tokenize_pairs(summarizer.tokenizer, SOURCES, TARGETS, 64, 32, ["a", "b", "c"], summarizer.decoder_start_token_id)
+    ex = tokenize_pairs(
+        summarizer.tokenizer, SOURCES, TARGETS, 64, 32, ["a", "b", "c"], summarizer.decoder_start_token_id
+    )
     return collate(ex, summarizer.pad_token_id, summarizer.decoder_start_token_id)
 
 
@@ -50,7 +53,9 @@ def test_batch_layout(summarizer, batch):
     for i, n in enumerate(lengths):
         assert batch.decoder_input_ids[i, 0] == summarizer.decoder_start_token_id
         assert torch.equal(batch.decoder_input_ids[i, 1:n], batch.labels[i, : n - 1])  # shifted right
-        assert (batch.labels[i, n:] == IGNORE_INDEX).all() and (batch.decoder_input_ids[i, n:] == summarizer.pad_token_id).all()
+        assert (batch.labels[i, n:] == IGNORE_INDEX).all() and (
+            batch.decoder_input_ids[i, n:] == summarizer.pad_token_id
+        ).all()
     if summarizer.is_bert2bert:  # decoding starts from [CLS]; it is never a label
         assert (batch.labels[valid] != summarizer.decoder_start_token_id).all()
 
@@ -133,7 +138,11 @@ def test_round0_equals_the_backbone(kind):
     with torch.no_grad():
         for name, p in backbone.named_parameters():
             if ("final_layer_norm" in name or "output.LayerNorm" in name) and "decoder" in name:
-                p.copy_(0.6 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("weight") else 0.3 * torch.randn(p.shape, generator=g))
+                p.copy_(
+                    0.6 + 0.1 * torch.randn(p.shape, generator=g)
+                    if name.endswith("weight")
+                    else 0.3 * torch.randn(p.shape, generator=g)
+                )
     model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     ex = tokenize_pairs(tok, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id)
     b = collate(ex, model.pad_token_id, model.decoder_start_token_id)
@@ -147,7 +156,9 @@ def test_round0_equals_the_backbone(kind):
 
 
 def test_generate_greedy_follows_the_local_path(summarizer, batch):
-    out = summarizer.generate(batch.input_ids, batch.attention_mask, "local", max_new_tokens=3, num_beams=1, do_sample=False)
+    out = summarizer.generate(
+        batch.input_ids, batch.attention_mask, "local", max_new_tokens=3, num_beams=1, do_sample=False
+    )
     assert out.shape[0] == 3 and out.shape[1] >= 2
     # greedy = step-by-step argmax of the full local forward (independent of HF's generation loop)
     ids = torch.full((3, 1), summarizer.decoder_start_token_id)
@@ -168,8 +179,9 @@ def test_generate_beam_and_paths_differ(summarizer, batch):
     beam = summarizer.generate(batch.input_ids, batch.attention_mask, "local", max_new_tokens=5, num_beams=3)
     assert beam.shape[0] == 3
     plain = summarizer.generate(batch.input_ids, batch.attention_mask, None, max_new_tokens=5, num_beams=1)
-    direct = summarizer.backbone.generate(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                          max_new_tokens=5, num_beams=1)
+    direct = summarizer.backbone.generate(
+        input_ids=batch.input_ids, attention_mask=batch.attention_mask, max_new_tokens=5, num_beams=1
+    )
     assert torch.equal(plain, direct)  # no path = the untouched backbone
 
 
@@ -191,7 +203,9 @@ def test_adapter_init_is_seeded():
 
     def state(seed):
         torch.rand(7)  # consuming the global RNG must not matter
-        m = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=1, bottleneck=4, seed=seed), device="cpu")
+        m = AdapterSummarizer.from_backbone(
+            backbone, tok, AdapterConfig(top_k=1, bottleneck=4, seed=seed), device="cpu"
+        )
         return m.adapter_state("local")
 
     a, b, c = state(0), state(0), state(1)
@@ -236,8 +250,11 @@ def test_other_architectures(kind, tmp_path):
     save_tiny(kind, tmp_path)
     model = AdapterSummarizer.from_pretrained(tmp_path, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     assert model.pre_layer_norm == (kind == "mbart")
-    b = collate(tokenize_pairs(model.tokenizer, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id),
-                model.pad_token_id, model.decoder_start_token_id)
+    b = collate(
+        tokenize_pairs(model.tokenizer, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id),
+        model.pad_token_id,
+        model.decoder_start_token_id,
+    )
     valid = b.labels != IGNORE_INDEX
     with torch.no_grad():
         base = model.forward_path(b, None)[valid]
@@ -274,7 +291,10 @@ def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
         ref_loss, ref_grads = loss_and_grads(summarizer.forward_path(batch, "local"), ref_global)
         full = summarizer.forward_two_paths(batch)
         packed = summarizer.forward_two_paths(batch, packed=True)
-        assert full.logits_local.shape == ref_global.shape and packed.logits_local.shape == (int(valid.sum()), ref_global.shape[-1])
+        assert full.logits_local.shape == ref_global.shape and packed.logits_local.shape == (
+            int(valid.sum()),
+            ref_global.shape[-1],
+        )
         assert (full.logits_local[~valid] == 0).all() and (full.logits_global[~valid] == 0).all()
         torch.testing.assert_close(packed.logits_global, full.logits_global[valid], atol=1e-6, rtol=0)
         for out in (full, packed):
@@ -301,15 +321,29 @@ def test_make_batches_bucketing_by_length(summarizer):
     n = 40
     lengths = torch.randint(1, 25, (n,), generator=rng).tolist()
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho".split()
-    df = pd.DataFrame({"example_id": [f"x{i}" for i in range(n)],
-                       "source": [f"query #SEP# A: {words[i % len(words)]}" for i in range(n)],
-                       "target": [" ".join(words[(i + j) % len(words)] for j in range(k)) for i, k in enumerate(lengths)]})
+    df = pd.DataFrame(
+        {
+            "example_id": [f"x{i}" for i in range(n)],
+            "source": [f"query #SEP# A: {words[i % len(words)]}" for i in range(n)],
+            "target": [" ".join(words[(i + j) % len(words)] for j in range(k)) for i, k in enumerate(lengths)],
+        }
+    )
     cfg = ModelConfig(max_source_length=16, max_target_length=32)
     start = summarizer.decoder_start_token_id
 
     def batches(seed, bucket, shuffle=True, bucket_batches=50):
-        return make_batches(df, summarizer.tokenizer, cfg, 4, shuffle, seed, start, summarizer.pad_token_id,
-                            bucket_by_length=bucket, bucket_batches=bucket_batches)
+        return make_batches(
+            df,
+            summarizer.tokenizer,
+            cfg,
+            4,
+            shuffle,
+            seed,
+            start,
+            summarizer.pad_token_id,
+            bucket_by_length=bucket,
+            bucket_batches=bucket_batches,
+        )
 
     def padding(bs):
         return sum(int((b.labels == IGNORE_INDEX).sum()) for b in bs)

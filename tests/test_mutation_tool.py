@@ -1,5 +1,6 @@
 """tools/mutation/report.py: verdict counts and scores from mutmut's meta files (a synthetic mutants/ dir).
 A developer tool, so full lane only (marker `tools`)."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,9 @@ pytestmark = pytest.mark.tools
 def _meta(root, module: str, codes: dict[int, int | None]) -> None:
     meta = root / "pipeline" / f"{module.replace('.', '/')}.py.meta"
     meta.parent.mkdir(parents=True, exist_ok=True)
-    meta.write_text(json.dumps({"exit_code_by_key": {f"pipeline.{module}.x_f__mutmut_{i}": c
-                                                     for i, c in codes.items()}}))
+    meta.write_text(
+        json.dumps({"exit_code_by_key": {f"pipeline.{module}.x_f__mutmut_{i}": c for i, c in codes.items()}})
+    )
 
 
 def test_counts_score_and_survivors_in_mutmut_order(tmp_path):

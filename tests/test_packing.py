@@ -7,6 +7,7 @@ so each engine runs after another training in the same process (inheriting its s
 cache, prefix cache and RNG state): Flower's in-process server loop for selective KD, the serverless loop for
 single.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ TIMING = {"seconds_per_round", "peak_rss_mb"}  # wall time and memory: the only 
 def _train(*experiments: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO))
     args = [a for e in experiments for a in ("--experiment", e)]
-    subprocess.run([sys.executable, "-m", "pipeline.train", *args, "--no-mlflow"], check=True, env=env,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "pipeline.train", *args, "--no-mlflow"], check=True, env=env, stdout=subprocess.DEVNULL
+    )
 
 
 def _outputs(name: str) -> dict:
@@ -40,9 +42,12 @@ def _outputs(name: str) -> dict:
     model = Path("models") / name
     adapters = {str(f.relative_to(model)): load_file(f) for f in sorted(model.glob("clients/*/adapter_*.safetensors"))}
     metrics = json.loads((model / "metrics.json").read_text())
-    return {"adapters": adapters, "metrics": {k: v for k, v in metrics.items() if k not in TIMING},
-            "rounds": json.loads((model / "rounds.json").read_text()),
-            "gate_log": pd.read_parquet(model / "gate_log.parquet")}
+    return {
+        "adapters": adapters,
+        "metrics": {k: v for k, v in metrics.items() if k not in TIMING},
+        "rounds": json.loads((model / "rounds.json").read_text()),
+        "gate_log": pd.read_parquet(model / "gate_log.parquet"),
+    }
 
 
 def _assert_same(packed: dict, alone: dict, name: str) -> None:

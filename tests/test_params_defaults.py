@@ -1,6 +1,7 @@
 """Defaults live in one place: params.yaml. Every default of a config dataclass equals params.yaml's value for
 that key (nested groups included), so code or a test that builds a config without params.yaml runs what
 `make repro` runs, and a value changed in params.yaml alone cannot silently disagree with the code's."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,17 +27,27 @@ def _groups() -> dict[str, list[type]]:
     from pipeline.modeling.model import ModelConfig
     from pipeline.partitioning.schemes import PartitionConfig
     from pipeline.postag import PostagConfig
+    from pipeline.privacy.settings import PrivacyConfig
     from pipeline.report import ReportConfig
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.results.stats import BootstrapConfig
     from pipeline.training.config import TrainConfig
-    from pipeline.privacy.settings import PrivacyConfig
 
     assert set(RUN_TRAIN_KEYS) <= {f.name for f in dataclasses.fields(RunSettings)}
-    return {"ingest": [IngestConfig], "examples": [ExamplesConfig], "partition": [PartitionConfig],
-            "backbone": [BackboneConfig], "model": [ModelConfig, CacheConfig], "train": [TrainConfig, RunSettings],
-            "privacy": [PrivacyConfig], "evaluate": [EvaluateConfig], "bootstrap": [BootstrapConfig],
-            "postag": [PostagConfig], "analyze": [AnalyzeConfig], "report": [ReportConfig]}
+    return {
+        "ingest": [IngestConfig],
+        "examples": [ExamplesConfig],
+        "partition": [PartitionConfig],
+        "backbone": [BackboneConfig],
+        "model": [ModelConfig, CacheConfig],
+        "train": [TrainConfig, RunSettings],
+        "privacy": [PrivacyConfig],
+        "evaluate": [EvaluateConfig],
+        "bootstrap": [BootstrapConfig],
+        "postag": [PostagConfig],
+        "analyze": [AnalyzeConfig],
+        "report": [ReportConfig],
+    }
 
 
 def _default(f: dataclasses.Field):
@@ -51,8 +62,11 @@ def _disagreements(cls: type, group: dict, where: str) -> list[str]:
     found = []
     for f in dataclasses.fields(cls):
         default = _default(f)
-        if default is dataclasses.MISSING or (cls.__name__ == "RunSettings" and f.name == "cache") or (
-                cls.__name__ == "TrainConfig" and f.name == "strategy_params"):
+        if (
+            default is dataclasses.MISSING
+            or (cls.__name__ == "RunSettings" and f.name == "cache")
+            or (cls.__name__ == "TrainConfig" and f.name == "strategy_params")
+        ):
             # required (params.yaml must carry it); RunSettings.cache is model's CacheConfig; strategy_params holds
             # the strategies' own keys, checked against their settings classes below
             continue

@@ -1,4 +1,5 @@
 """Stage `partition`: invariants of every scheme, reproducible draws, the leakage guard, stats and outputs."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.partitioning import schemes as partition_schemes
-from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
-from pipeline.partitioning.schemes import Partition, PartitionConfig, largest_remainder
 from pipeline.common.schema import SPLITS, DataError
+from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
+from pipeline.partitioning import schemes as partition_schemes
+from pipeline.partitioning.schemes import Partition, PartitionConfig, largest_remainder
 from tests.errors import names
 
 QMSUM_SIZES = {"Academic": (12, 6, 6), "Committee": (15, 6, 9), "Product": (30, 9, 9)}
@@ -33,8 +34,16 @@ def make_examples() -> pd.DataFrame:
                     meeting = meetings[k % len(meetings)]
                 else:
                     meeting = f"{domain[:3]}-{split}-{k // 3}"
-                rows.append(("qmsum", domain, split, meeting, f"qmsum/{domain}/{split}/{meeting}/q{k}",
-                             f"{'alpha' if k % 2 else 'beta'} summary {k}"))
+                rows.append(
+                    (
+                        "qmsum",
+                        domain,
+                        split,
+                        meeting,
+                        f"qmsum/{domain}/{split}/{meeting}/q{k}",
+                        f"{'alpha' if k % 2 else 'beta'} summary {k}",
+                    )
+                )
     for split, n in zip(SPLITS, (20, 4, 4)):
         rows += [("samsum", "SAMSum", split, f"s{split}{k}", f"samsum/{split}/s{split}{k}", "chat") for k in range(n)]
     for split, meetings in AMI_MEETINGS.items():
@@ -96,13 +105,17 @@ def test_iid_thirds_of_every_domain():
 
 
 def test_noniid_balanced_sizes_and_excluded_rest():
-    part = make_partition(EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 10, "valid": 4, "test": 5}}))
+    part = make_partition(
+        EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 10, "valid": 4, "test": 5}})
+    )
     for client in part.clients.values():
         assert [len(client[s]) for s in SPLITS] == [10, 4, 5]
     assert len(part.excluded) == len(QMSUM_IDS) - 3 * 19
     assert set(part.excluded.values()) == {"not sampled (noniid_balanced sizes)"}
     with pytest.raises(DataError, match="sizes.train=13 but Academic has only 12 train examples"):
-        make_partition(EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 13, "valid": 4, "test": 4}}))
+        make_partition(
+            EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 13, "valid": 4, "test": 4}})
+        )
 
 
 def test_largest_remainder_by_hand():
@@ -130,9 +143,15 @@ def test_quantity_one_dirichlet_draw_shared_by_splits():
 
 def test_domain_dirichlet_skew_follows_alpha():
     # a larger pool than EXAMPLES, so sampling noise does not blur the effect of alpha
-    big = pd.DataFrame([("qmsum", d, s, f"{d}-{s}-{k}", f"qmsum/{d}/{s}/{d}-{s}-{k}/q0", "x")
-                        for d in QMSUM_SIZES for s, n in zip(SPLITS, (300, 60, 60)) for k in range(n)],
-                       columns=EXAMPLES.columns)
+    big = pd.DataFrame(
+        [
+            ("qmsum", d, s, f"{d}-{s}-{k}", f"qmsum/{d}/{s}/{d}-{s}-{k}/q0", "x")
+            for d in QMSUM_SIZES
+            for s, n in zip(SPLITS, (300, 60, 60))
+            for k in range(n)
+        ],
+        columns=EXAMPLES.columns,
+    )
 
     def mean_js(alpha: float) -> float:
         part = make_partition(big, "domain_dirichlet", 0, cfg(domain_dirichlet={"alpha": alpha}))
@@ -190,7 +209,9 @@ def test_leakage_guard_when_long_meeting_includes_qmsum():
 
 def test_check_partition_rejects_duplicates_and_gaps():
     ids = sorted(i for i in QMSUM_IDS if "/Academic/" in i)
-    dup = Partition(clients={"a": {"train": ids, "valid": [], "test": []}, "b": {"train": ids[:1], "valid": [], "test": []}})
+    dup = Partition(
+        clients={"a": {"train": ids, "valid": [], "test": []}, "b": {"train": ids[:1], "valid": [], "test": []}}
+    )
     with pytest.raises(DataError, match="more than one client"):
         check_partition(dup, EXAMPLES)
     gap = Partition(clients={"a": {"train": [i for i in ids if "/train/" in i][1:], "valid": [], "test": []}})
@@ -215,8 +236,22 @@ def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
     EXAMPLES.to_parquet(tmp_path / "examples.parquet", index=False)
     params = tmp_path / "params.yaml"
     params.write_text(yaml.safe_dump({"partition": {"seeds": [0], "schemes": ["iid"], "iid": {"n_clients": 2}}}))
-    main(["--scheme", "iid", "--seed", "2", "--params", str(params), "--examples", str(tmp_path / "examples.parquet"),
-          "--out-dir", str(tmp_path / "parts"), "--report-dir", str(tmp_path / "rep")])
+    main(
+        [
+            "--scheme",
+            "iid",
+            "--seed",
+            "2",
+            "--params",
+            str(params),
+            "--examples",
+            str(tmp_path / "examples.parquet"),
+            "--out-dir",
+            str(tmp_path / "parts"),
+            "--report-dir",
+            str(tmp_path / "rep"),
+        ]
+    )
     doc = json.loads((tmp_path / "parts/iid/seed2.json").read_text())
     assert set(doc) == {"scheme", "seed", "params", "clients", "excluded"}
     assert doc["params"] == {"n_clients": 2} and list(doc["clients"]) == ["client0", "client1"]
@@ -228,28 +263,28 @@ def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------- properties
-@pytest.mark.parametrize("make, message", [
-    (lambda: partition_schemes.IidConfig(n_clients=0), ("n_clients=0",)),
-    (lambda: partition_schemes.NoniidBalancedConfig(sizes={"dev": 3}),
-     ("sizes={'dev': 3}",)),
-    (lambda: partition_schemes.NoniidBalancedConfig(sizes={"train": 0}),
-     ("sizes.train=0",)),
-    (lambda: partition_schemes.QuantityConfig(n_clients=0), ("n_clients=0",)),
-    (lambda: partition_schemes.QuantityConfig(beta=0.0), ("beta=0.0",)),
-    (lambda: partition_schemes.QuantityConfig(min_per_split=-1),
-     ("min_per_split=-1",)),
-    (lambda: partition_schemes.ClusterConfig(n_clients=0), ("n_clients=0",)),
-    (lambda: partition_schemes.ClusterConfig(alpha=0.0), ("alpha=0.0",)),
-    (lambda: partition_schemes.ClusterConfig(n_clusters=0), ("n_clusters=0",)),
-    (lambda: partition_schemes.ClusterConfig(batch_size=0), ("batch_size=0",)),
-    (lambda: partition_schemes.DomainDirichletConfig(n_clients=0), ("n_clients=0",)),
-    (lambda: partition_schemes.DomainDirichletConfig(alpha=-1.0),
-     ("alpha=-1.0",)),
-    (lambda: partition_schemes.DomainDirichletConfig(alpha=0.0),
-     ("alpha=0.0",)),
-    (lambda: PartitionConfig(schemes=["domain", "random", "iid2"]),
-     ("PartitionConfig.schemes", "'iid2'", "'random'")),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: partition_schemes.IidConfig(n_clients=0), ("n_clients=0",)),
+        (lambda: partition_schemes.NoniidBalancedConfig(sizes={"dev": 3}), ("sizes={'dev': 3}",)),
+        (lambda: partition_schemes.NoniidBalancedConfig(sizes={"train": 0}), ("sizes.train=0",)),
+        (lambda: partition_schemes.QuantityConfig(n_clients=0), ("n_clients=0",)),
+        (lambda: partition_schemes.QuantityConfig(beta=0.0), ("beta=0.0",)),
+        (lambda: partition_schemes.QuantityConfig(min_per_split=-1), ("min_per_split=-1",)),
+        (lambda: partition_schemes.ClusterConfig(n_clients=0), ("n_clients=0",)),
+        (lambda: partition_schemes.ClusterConfig(alpha=0.0), ("alpha=0.0",)),
+        (lambda: partition_schemes.ClusterConfig(n_clusters=0), ("n_clusters=0",)),
+        (lambda: partition_schemes.ClusterConfig(batch_size=0), ("batch_size=0",)),
+        (lambda: partition_schemes.DomainDirichletConfig(n_clients=0), ("n_clients=0",)),
+        (lambda: partition_schemes.DomainDirichletConfig(alpha=-1.0), ("alpha=-1.0",)),
+        (lambda: partition_schemes.DomainDirichletConfig(alpha=0.0), ("alpha=0.0",)),
+        (
+            lambda: PartitionConfig(schemes=["domain", "random", "iid2"]),
+            ("PartitionConfig.schemes", "'iid2'", "'random'"),
+        ),
+    ],
+)
 def test_partition_settings_out_of_range_are_named(make, message):
     """The error names the setting and its value (the params key the user sets)."""
     with pytest.raises(ValueError) as err:
@@ -274,8 +309,9 @@ def test_a_pool_without_qmsum_or_a_domain_without_examples_is_named():
     names(err.value, "examples", "'SAMSum'")
 
 
-@pytest.mark.parametrize("scheme", ["domain", "extreme", "long_meeting", "iid", "noniid_balanced", "quantity",
-                                    "domain_dirichlet"])
+@pytest.mark.parametrize(
+    "scheme", ["domain", "extreme", "long_meeting", "iid", "noniid_balanced", "quantity", "domain_dirichlet"]
+)
 def test_every_example_is_labelled_with_the_domain_the_scheme_skews_on(scheme):
     c = cfg(noniid_balanced={"sizes": {"train": 10, "valid": 4, "test": 4}})
     part = make_partition(EXAMPLES, scheme, 0, c)
@@ -285,15 +321,18 @@ def test_every_example_is_labelled_with_the_domain_the_scheme_skews_on(scheme):
 
 
 def test_noniid_balanced_may_take_a_whole_split():
-    part = make_partition(EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 12, "valid": 6,
-                                                                                          "test": 6}}))
+    part = make_partition(
+        EXAMPLES, "noniid_balanced", 0, cfg(noniid_balanced={"sizes": {"train": 12, "valid": 6, "test": 6}})
+    )
     assert sorted(part.clients["Academic"]["train"]) == sorted(i for i in QMSUM_IDS if "/Academic/train/" in i)
 
 
 @settings(max_examples=200, deadline=None)
-@given(shares=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8).filter(lambda s: sum(s) > 0)
-       | st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=1, max_size=40),  # equal shares: tied remainders
-       total=st.integers(0, 500))
+@given(
+    shares=st.lists(st.floats(0.0, 10.0), min_size=1, max_size=8).filter(lambda s: sum(s) > 0)
+    | st.lists(st.sampled_from([1.0, 2.0, 3.0, 5.0]), min_size=1, max_size=40),  # equal shares: tied remainders
+    total=st.integers(0, 500),
+)
 def test_largest_remainder_is_hamiltons_method(shares, total):
     """Counts sum to the total, each is the floor or the ceiling of its exact quota, and the extra units go to the
     largest remainders (ties to the earlier entry)."""
@@ -328,9 +367,15 @@ def test_quantity_uses_the_first_draw_that_meets_the_minimum_even_with_empty_cli
 
 def _skewed_pool(sizes=(600, 200, 200)) -> pd.DataFrame:
     """QMSum-like examples with unequal domains (60 / 20 / 20 %), every split."""
-    return pd.DataFrame([("qmsum", d, s, f"{d}-{s}-{k}", f"qmsum/{d}/{s}/{d}-{s}-{k}/q0", "x")
-                         for d, n in zip(QMSUM_SIZES, sizes) for s, m in zip(SPLITS, (n, n // 5, n // 5))
-                         for k in range(m)], columns=EXAMPLES.columns)
+    return pd.DataFrame(
+        [
+            ("qmsum", d, s, f"{d}-{s}-{k}", f"qmsum/{d}/{s}/{d}-{s}-{k}/q0", "x")
+            for d, n in zip(QMSUM_SIZES, sizes)
+            for s, m in zip(SPLITS, (n, n // 5, n // 5))
+            for k in range(m)
+        ],
+        columns=EXAMPLES.columns,
+    )
 
 
 def test_with_a_large_alpha_every_client_gets_the_global_label_mix():
@@ -370,8 +415,11 @@ def test_the_sentence_model_is_found_in_its_package_or_next_to_it(tmp_path, monk
 
 
 def test_target_embeddings_are_unit_vectors_that_put_paraphrases_together():
-    texts = ["The committee approved the school budget.", "The school budget was approved by the committee.",
-             "The remote control should be yellow and spongy."]
+    texts = [
+        "The committee approved the school budget.",
+        "The school budget was approved by the committee.",
+        "The remote control should be yellow and spongy.",
+    ]
     vectors = partition_schemes.embed_targets(texts, partition_schemes.ClusterConfig(batch_size=2))
     assert isinstance(vectors, np.ndarray) and vectors.shape == (3, 384)
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, rtol=1e-5)
@@ -423,15 +471,21 @@ def test_cluster_labels_recover_planted_clusters_whatever_the_seed(monkeypatch):
 
 def test_the_leakage_guard_returns_how_many_it_moved_and_keeps_the_rest_in_order():
     """Meetings M1 and M3 are in a test set: every train/valid example of them is excluded (and counted), by split."""
-    part = Partition(clients={"a": {"train": ["x1", "x2", "x5"], "valid": ["x3"], "test": ["y1"]},
-                              "b": {"train": ["y2"], "valid": [], "test": ["x4"]}})
+    part = Partition(
+        clients={
+            "a": {"train": ["x1", "x2", "x5"], "valid": ["x3"], "test": ["y1"]},
+            "b": {"train": ["y2"], "valid": [], "test": ["x4"]},
+        }
+    )
     meeting_of = {"x1": "M1", "x2": "M2", "x3": "M1", "x4": "M1", "x5": "M4", "y1": "M3", "y2": "M3"}
     assert partition_schemes.guard_leakage(part, meeting_of) == 3
     assert part.clients["a"] == {"train": ["x2", "x5"], "valid": [], "test": ["y1"]}
     assert part.clients["b"] == {"train": [], "valid": [], "test": ["x4"]}
-    assert part.excluded == {"x1": "leakage guard: meeting in a test set (train example)",
-                             "x3": "leakage guard: meeting in a test set (valid example)",
-                             "y2": "leakage guard: meeting in a test set (train example)"}
+    assert part.excluded == {
+        "x1": "leakage guard: meeting in a test set (train example)",
+        "x3": "leakage guard: meeting in a test set (valid example)",
+        "y2": "leakage guard: meeting in a test set (train example)",
+    }
     assert partition_schemes.guard_leakage(part, meeting_of) == 0  # nothing left to move
 
 
@@ -440,17 +494,28 @@ def test_assigned_lists_every_clients_splits_in_split_order_a_missing_split_hold
     assert part.assigned() == ["r1", "r2", "t1", "v1"]
 
 
-@pytest.mark.parametrize("scheme, groups", [
-    ("domain", {}), ("extreme", {}), ("noniid_balanced", {"noniid_balanced": {"sizes": {"train": 10, "valid": 4,
-                                                                                        "test": 5}}}),
-    ("long_meeting", {}), ("long_meeting", {"long_meeting": {"include_qmsum": True}}), ("iid", {"iid": {"n_clients": 4}}),
-    ("quantity", {"quantity": {"n_clients": 2}}), ("domain_dirichlet", {"domain_dirichlet": {"n_clients": 5}}),
-    ("cluster", {"cluster": {"n_clusters": 2, "n_clients": 2}})])
+@pytest.mark.parametrize(
+    "scheme, groups",
+    [
+        ("domain", {}),
+        ("extreme", {}),
+        ("noniid_balanced", {"noniid_balanced": {"sizes": {"train": 10, "valid": 4, "test": 5}}}),
+        ("long_meeting", {}),
+        ("long_meeting", {"long_meeting": {"include_qmsum": True}}),
+        ("iid", {"iid": {"n_clients": 4}}),
+        ("quantity", {"quantity": {"n_clients": 2}}),
+        ("domain_dirichlet", {"domain_dirichlet": {"n_clients": 5}}),
+        ("cluster", {"cluster": {"n_clusters": 2, "n_clients": 2}}),
+    ],
+)
 def test_the_clients_a_plan_declares_are_exactly_those_of_the_schemes_partition(monkeypatch, scheme, groups):
     """Plans declare the clients the server admits from the partition config alone
     (partitioning.schemes.scheme_client_names); every scheme's partition has exactly these, in that order."""
-    monkeypatch.setattr(partition_schemes, "embed_targets",
-                        lambda texts, c: np.array([[1.0, 0.0] if t.startswith("alpha") else [0.0, 1.0] for t in texts]))
+    monkeypatch.setattr(
+        partition_schemes,
+        "embed_targets",
+        lambda texts, c: np.array([[1.0, 0.0] if t.startswith("alpha") else [0.0, 1.0] for t in texts]),
+    )
     c = cfg(**groups)
     part = make_partition(EXAMPLES, scheme, 0, c)
     assert list(part.clients) == partition_schemes.scheme_client_names(scheme, c)

@@ -1,4 +1,5 @@
 """POS tagging of target tokens with the real spaCy model, and the noun-verb hard-KD mask."""
+
 from __future__ import annotations
 
 import json
@@ -7,18 +8,28 @@ import numpy as np
 import pandas as pd
 import pytest
 import yaml
+from tiny_models import _bert_tokenizer, save_tiny
 
 from pipeline import postag
-from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
-from pipeline.datasets.postags import NounVerbMasks
-from pipeline.postag import load_spacy, tag_targets
 from pipeline.common.schema import DataError
-from tiny_models import _bert_tokenizer, save_tiny
+from pipeline.datasets.postags import NounVerbMasks
+from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
+from pipeline.postag import load_spacy, tag_targets
 
 SENTENCE = "The professor will present the new results to the group."
 # Tags written by hand (universal POS), one per whitespace word.
-EXPECTED = [("The", "DET"), ("professor", "NOUN"), ("will", "AUX"), ("present", "VERB"), ("the", "DET"),
-            ("new", "ADJ"), ("results", "NOUN"), ("to", "ADP"), ("the", "DET"), ("group.", "NOUN")]
+EXPECTED = [
+    ("The", "DET"),
+    ("professor", "NOUN"),
+    ("will", "AUX"),
+    ("present", "VERB"),
+    ("the", "DET"),
+    ("new", "ADJ"),
+    ("results", "NOUN"),
+    ("to", "ADP"),
+    ("the", "DET"),
+    ("group.", "NOUN"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +86,9 @@ def test_hard_kd_mask_marks_exactly_nouns_and_verbs(nlp, bert_tok):
 
 
 def test_propn_counts_as_noun_aux_does_not(nlp, bert_tok):
-    tagged = tag_targets(["p"], ["Project manager decides to use LCD."], bert_tok, nlp, 64,
-                         bert_tok.cls_token_id, progress=False)
+    tagged = tag_targets(
+        ["p"], ["Project manager decides to use LCD."], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False
+    )
     nv_words = tagged.loc[tagged["is_noun_or_verb"], "word"].unique().tolist()
     assert nv_words == ["Project", "manager", "decides", "use", "LCD."]
     aux = tag_targets(["q"], [SENTENCE], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False)
@@ -96,17 +108,32 @@ def test_bad_params_rejected():
 def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the stage's timing record goes to ./reports/timing
     backbone = save_tiny("bert2bert", tmp_path / "backbone")
-    examples = pd.DataFrame({
-        "example_id": ["qmsum/Product/train/ES2002a/q0", "samsum/train/1", "qmsum/Product/test/ES2004a/q1"],
-        "dataset": ["qmsum", "samsum", "qmsum"],
-        "target": ["The team decided to use a rubber case.", "Amanda will bring cookies.", SENTENCE],
-    })
+    examples = pd.DataFrame(
+        {
+            "example_id": ["qmsum/Product/train/ES2002a/q0", "samsum/train/1", "qmsum/Product/test/ES2004a/q1"],
+            "dataset": ["qmsum", "samsum", "qmsum"],
+            "target": ["The team decided to use a rubber case.", "Amanda will bring cookies.", SENTENCE],
+        }
+    )
     examples.to_parquet(tmp_path / "examples.parquet")
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(
-        {"postag": {"datasets": ["qmsum"]}, "model": {"max_target_length": 6}}))
+    (tmp_path / "params.yaml").write_text(
+        yaml.safe_dump({"postag": {"datasets": ["qmsum"]}, "model": {"max_target_length": 6}})
+    )
     out, report = tmp_path / "postags.parquet", tmp_path / "postag.json"
-    postag.main(["--examples", str(tmp_path / "examples.parquet"), "--backbone", str(backbone), "--out", str(out),
-                 "--report", str(report), "--params", str(tmp_path / "params.yaml")])
+    postag.main(
+        [
+            "--examples",
+            str(tmp_path / "examples.parquet"),
+            "--backbone",
+            str(backbone),
+            "--out",
+            str(out),
+            "--report",
+            str(report),
+            "--params",
+            str(tmp_path / "params.yaml"),
+        ]
+    )
     table = pd.read_parquet(out)
     assert sorted(table["example_id"].unique()) == ["qmsum/Product/test/ES2004a/q1", "qmsum/Product/train/ES2002a/q0"]
     # truncated to max_target_length = 6 ([CLS] 4 pieces [SEP]), then [CLS], the decoder start token, dropped

@@ -1,4 +1,5 @@
 """Run profiles (configs/*.yaml): validation against params.yaml and application through DVC's --set-param."""
+
 from __future__ import annotations
 
 import copy
@@ -30,15 +31,22 @@ def test_privacy_study_pairs_every_budget_with_the_plain_run_seed_by_seed():
     for e in planned:
         assert e.study == "privacy" and e.partition == "domain/seed0"
         by_config.setdefault((e.method, e.dp), set()).add(e.seed)
-    assert set(by_config) == {(m, dp) for m in ("fedavg", "fedselectkd")
-                              for dp in ("", "DP-SGD ε≤8 δ≤1e-5", "DP-SGD ε≤3 δ≤1e-5", "DP-SGD ε≤1 δ≤1e-5")}
+    assert set(by_config) == {
+        (m, dp)
+        for m in ("fedavg", "fedselectkd")
+        for dp in ("", "DP-SGD ε≤8 δ≤1e-5", "DP-SGD ε≤3 δ≤1e-5", "DP-SGD ε≤1 δ≤1e-5")
+    }
     assert all(seeds == {0, 1, 2} for seeds in by_config.values())
     assert len(set(labels.values())) == 8
 
 
 def test_the_four_profiles_exist():
-    assert {p.name for p in PRESETS} >= {"paper-bart-large.yaml", "paper-bart-base.yaml", "paper-led-large.yaml",
-                                         "cpu-study.yaml"}
+    assert {p.name for p in PRESETS} >= {
+        "paper-bart-large.yaml",
+        "paper-bart-base.yaml",
+        "paper-led-large.yaml",
+        "cpu-study.yaml",
+    }
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
@@ -78,7 +86,12 @@ def test_paper_profiles_carry_the_papers_settings(name):
     assert merged["backbone"]["name"] == backbone
     assert (merged["model"]["top_k"], merged["model"]["bottleneck"]) == (k, m)
     t = merged["train"]
-    assert (t["lr"], t["batch_size"] * t["grad_accum_steps"], t["weight_decay"], t["kd_lambda"]) == (2e-4, 16, 0.01, 0.2)
+    assert (t["lr"], t["batch_size"] * t["grad_accum_steps"], t["weight_decay"], t["kd_lambda"]) == (
+        2e-4,
+        16,
+        0.01,
+        0.2,
+    )
     assert t["fraction_train"] == 1.0 and t["max_train_examples_per_client"] is None
     assert merged["tau"] == 5.0 and merged["evaluate"]["num_beams"] > 1
     assert merged["evaluate"]["test_examples_per_client"] is None
@@ -99,7 +112,12 @@ def test_cpu_study_uses_the_offline_backbone_and_full_qmsum():
     assert merged["train"]["max_train_examples_per_client"] is None
     assert merged["train"]["rounds"] > PARAMS["train"]["rounds"]
     assert {e["method"] for e in merged["experiments"].values()} == {
-        "single", "centralized", "fedavg", "fedkd", "fedselectkd"}
+        "single",
+        "centralized",
+        "fedavg",
+        "fedkd",
+        "fedselectkd",
+    }
 
 
 # ---------------------------------------------------------------------------------------------- validation
@@ -131,18 +149,28 @@ def test_experiment_entries_are_checked_by_the_plan_rules():
     ok = {"method": "fedavg", "partition": "domain/seed0", "seed": 0, "study": "main"}
     assert pr.problems({"experiments": {"x": ok}}, PARAMS) == []
     assert pr.problems({"experiments": {"x": {**ok, "rounds": 9}}}, PARAMS) == []  # a train override
-    bad = pr.problems({"experiments": {
-        "typo": {**ok, "lamda": 0.1},
-        "nomethod": {**ok, "method": "fedmagic"},
-        "seed7": {**ok, "partition": "domain/seed7", "seed": 7},
-    }}, PARAMS)
+    bad = pr.problems(
+        {
+            "experiments": {
+                "typo": {**ok, "lamda": 0.1},
+                "nomethod": {**ok, "method": "fedmagic"},
+                "seed7": {**ok, "partition": "domain/seed7", "seed": 7},
+            }
+        },
+        PARAMS,
+    )
     assert len(bad) == 3
     assert "experiments.typo" in bad[0] and "lamda" in bad[0]
     assert "experiments.nomethod" in bad[1] and "fedmagic" in bad[1]
     assert "experiments.seed7" in bad[2] and "partition.seeds" in bad[2]
     # ...unless the same preset also produces that partition
-    assert pr.problems({"partition": {"seeds": [0, 7]},
-                        "experiments": {"seed7": {**ok, "partition": "domain/seed7", "seed": 7}}}, PARAMS) == []
+    assert (
+        pr.problems(
+            {"partition": {"seeds": [0, 7]}, "experiments": {"seed7": {**ok, "partition": "domain/seed7", "seed": 7}}},
+            PARAMS,
+        )
+        == []
+    )
 
 
 # ---------------------------------------------------------------------------------------------- applying
@@ -176,8 +204,11 @@ def test_dvc_set_param_overrides_reproduce_the_overlay(tmp_path, path):
 def test_strings_survive_the_override_grammar(tmp_path):
     params = {"backbone": {"name": "x", "revision": "main"}, "ids": [1], "z": None}
     target = write(tmp_path, yaml.safe_dump(params), "params.yaml")
-    tricky = {"backbone": {"name": "/models/it's a \\dir\\", "revision": "a=b: c, [d] {e} 'f' # g"},
-              "ids": ["1", 2.5, True, None], "z": "null"}
+    tricky = {
+        "backbone": {"name": "/models/it's a \\dir\\", "revision": "a=b: c, [d] {e} 'f' # g"},
+        "ids": ["1", 2.5, True, None],
+        "z": "null",
+    }
     apply_overrides(str(target), pr.overrides(tricky))
     assert load_params(target) == tricky
 
@@ -186,8 +217,10 @@ def test_show_and_dry_run_print_the_overrides(tmp_path, capsys):
     preset = write(tmp_path, "tau: 4.0\ntrain:\n  rounds: 2\n")
     assert pr.main(["--params", str(ROOT / "params.yaml"), "show", str(preset)]) == 0
     assert capsys.readouterr().out.splitlines() == ["tau=4.0", "train.rounds=2"]
-    assert pr.main(["--params", str(ROOT / "params.yaml"), "run", str(preset), "--name", "t4", "--queue",
-                    "--dry-run"]) == 0
+    assert (
+        pr.main(["--params", str(ROOT / "params.yaml"), "run", str(preset), "--name", "t4", "--queue", "--dry-run"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "dvc exp run --name t4 --queue --set-param tau=4.0 --set-param train.rounds=2" in out
     bad = write(tmp_path, "tua: 4.0\n", "bad.yaml")
@@ -201,33 +234,41 @@ def test_run_makes_a_dvc_experiment(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     repo.mkdir()
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
-    (repo / "params.yaml").write_text("train:\n  rounds: 3\n  lr: 0.1\npartition: {schemes: [domain], seeds: [0]}\n"
-                                      "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n")
+    (repo / "params.yaml").write_text(
+        "train:\n  rounds: 3\n  lr: 0.1\npartition: {schemes: [domain], seeds: [0]}\n"
+        "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"
+    )
     (repo / "dvc.yaml").write_text(
         "stages:\n  echo:\n    cmd: python -c \"import yaml; d=yaml.safe_load(open('params.yaml')); "
         "open('out.txt','w').write(str(d['train']['rounds']) + str(sorted(d['experiments'])))\"\n"
-        "    params: [train, experiments]\n    outs: [out.txt]\n")
+        "    params: [train, experiments]\n    outs: [out.txt]\n"
+    )
     (repo / ".gitignore").write_text("/out.txt\n")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
-    preset = write(tmp_path, "train:\n  rounds: 7\nexperiments:\n  b: {method: fedkd, partition: domain/seed0}\n",
-                   "preset.yaml")
+    preset = write(
+        tmp_path, "train:\n  rounds: 7\nexperiments:\n  b: {method: fedkd, partition: domain/seed0}\n", "preset.yaml"
+    )
     monkeypatch.chdir(repo)
     monkeypatch.delenv("DVC_ROOT", raising=False)
     assert pr.main(["run", str(preset), "--name", "seven"]) == 0
     assert (repo / "out.txt").read_text() == "7['b']"  # experiments replaced, not merged
-    shown = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True,
-                           capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout
     assert '"seven"' in shown
 
 
 def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
-    preset = write(tmp_path, "tau: 4.0\nexperiments:\n"
-                   "  a-s0: {method: fedavg, partition: domain/seed0, seed: 0}\n"
-                   "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
-                   "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n")
+    preset = write(
+        tmp_path,
+        "tau: 4.0\nexperiments:\n"
+        "  a-s0: {method: fedavg, partition: domain/seed0, seed: 0}\n"
+        "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
+        "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n",
+    )
     cmds = pr.part_commands(preset, "study", "seed", queue=True, params_path=ROOT / "params.yaml")
     names = [c[c.index("--name") + 1] for c in cmds]
     assert names == ["study-seed0", "study-seed1", "study"]  # the whole comes last
@@ -238,12 +279,18 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
         apply_overrides(str(target), [v for v in cmd if v.startswith(("~experiments", "+experiments"))])
         return load_params(target)["experiments"]
 
-    assert experiments_of(cmds[0]) == {"a-s0": {"method": "fedavg", "partition": "domain/seed0", "seed": 0},
-                                       "b-s0": {"method": "fedkd", "partition": "domain/seed0", "seed": 0}}
+    assert experiments_of(cmds[0]) == {
+        "a-s0": {"method": "fedavg", "partition": "domain/seed0", "seed": 0},
+        "b-s0": {"method": "fedkd", "partition": "domain/seed0", "seed": 0},
+    }
     assert list(experiments_of(cmds[1])) == ["a-s1"] and list(experiments_of(cmds[2])) == ["a-s0", "b-s0", "a-s1"]
     with pytest.raises(pr.PresetError, match="same 'method'"):
-        pr.part_commands(write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"),
-                         "x", "method", params_path=ROOT / "params.yaml")
+        pr.part_commands(
+            write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"),
+            "x",
+            "method",
+            params_path=ROOT / "params.yaml",
+        )
     with pytest.raises(pr.PresetError, match="one of the experiments' keys"):
         pr.part_commands(preset, "x", "lr", params_path=ROOT / "params.yaml")
 
@@ -258,41 +305,77 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
     repo = tmp_path / "repo"
     repo.mkdir()
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
-    (repo / "params.yaml").write_text(yaml.safe_dump(
-        {"tau": 5.0, "partition": {"schemes": ["domain"], "seeds": [0]},
-         "experiments": {"x": {"method": "fedavg", "partition": "domain/seed0"}}}, sort_keys=False))
+    (repo / "params.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "tau": 5.0,
+                "partition": {"schemes": ["domain"], "seeds": [0]},
+                "experiments": {"x": {"method": "fedavg", "partition": "domain/seed0"}},
+            },
+            sort_keys=False,
+        )
+    )
     outs = [next(iter(o)) if isinstance(o, dict) else o for o in real["outs"] + real["plots"]]
-    train = ("import sys, os, pathlib, yaml; k = sys.argv[1]; "
-             "open(os.environ['RUNS_LOG'], 'a').write(k + '\\n'); "
-             "e = yaml.safe_load(open('params.yaml'))['experiments'][k]; "
-             f"outs = [o.replace('${{key}}', k) for o in {outs!r}]; d = pathlib.Path(outs[0]); "
-             "d.mkdir(parents=True, exist_ok=True); (d / 'adapter.txt').write_text(str(e)); "
-             "[pathlib.Path(o).parent.mkdir(parents=True, exist_ok=True) for o in outs[1:]]; "
-             "[pathlib.Path(o).write_text('[{\"round\": 1, \"val_loss_mean\": 2.0}]') for o in outs[1:]]")
+    train = (
+        "import sys, os, pathlib, yaml; k = sys.argv[1]; "
+        "open(os.environ['RUNS_LOG'], 'a').write(k + '\\n'); "
+        "e = yaml.safe_load(open('params.yaml'))['experiments'][k]; "
+        f"outs = [o.replace('${{key}}', k) for o in {outs!r}]; d = pathlib.Path(outs[0]); "
+        "d.mkdir(parents=True, exist_ok=True); (d / 'adapter.txt').write_text(str(e)); "
+        "[pathlib.Path(o).parent.mkdir(parents=True, exist_ok=True) for o in outs[1:]]; "
+        '[pathlib.Path(o).write_text(\'[{"round": 1, "val_loss_mean": 2.0}]\') for o in outs[1:]]'
+    )
     (repo / "train.py").write_text(train.replace("; ", "\n"))
     assert outs[0] == "models/${key}"
-    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {
-        "train": {"foreach": "${experiments}", "do": {
-            "cmd": "python train.py ${key}", "deps": ["train.py"],
-            "params": ["experiments.${key}"], "outs": real["outs"], "plots": real["plots"]}},
-        "report": {"cmd": "python -c \"import os; open('report.txt','w').write(' '.join(sorted(os.listdir('models'))))\"",
-                   "deps": ["models"], "params": ["experiments"], "outs": ["report.txt"]}}}, sort_keys=False))
+    (repo / "dvc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "stages": {
+                    "train": {
+                        "foreach": "${experiments}",
+                        "do": {
+                            "cmd": "python train.py ${key}",
+                            "deps": ["train.py"],
+                            "params": ["experiments.${key}"],
+                            "outs": real["outs"],
+                            "plots": real["plots"],
+                        },
+                    },
+                    "report": {
+                        "cmd": "python -c \"import os; open('report.txt','w').write(' '.join(sorted(os.listdir('models'))))\"",
+                        "deps": ["models"],
+                        "params": ["experiments"],
+                        "outs": ["report.txt"],
+                    },
+                }
+            },
+            sort_keys=False,
+        )
+    )
     (repo / ".gitignore").write_text("/models\n/report.txt\n")
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     subprocess.run([sys.executable, "-m", "dvc", "init", "-q"], cwd=repo, check=True)
     subprocess.run([*git, "add", "-A"], cwd=repo, check=True)
     subprocess.run([*git, "commit", "-qm", "init"], cwd=repo, check=True)
-    preset = write(tmp_path, "tau: 4.0\nexperiments:\n"
-                   "  a-s0: {method: fedavg, partition: domain/seed0, seed: 0}\n"
-                   "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
-                   "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n", "preset.yaml")
+    preset = write(
+        tmp_path,
+        "tau: 4.0\nexperiments:\n"
+        "  a-s0: {method: fedavg, partition: domain/seed0, seed: 0}\n"
+        "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
+        "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n",
+        "preset.yaml",
+    )
     runs_log = tmp_path / "runs.log"
     monkeypatch.setenv("RUNS_LOG", str(runs_log))
     monkeypatch.chdir(repo)
     monkeypatch.delenv("DVC_ROOT", raising=False)
     # --temp: each experiment in a fresh copy of the commit, as a queued one runs (no lock entries carried over)
-    assert pr.main(["--params", str(repo / "params.yaml"), "run", str(preset), "--name", "st", "--temp",
-                    "--parts", "seed"]) == 0
+    assert (
+        pr.main(
+            ["--params", str(repo / "params.yaml"), "run", str(preset), "--name", "st", "--temp", "--parts", "seed"]
+        )
+        == 0
+    )
     # each experiment trained exactly once, in its part; the whole restored all three and reported over them
     assert sorted(runs_log.read_text().split()) == ["a-s0", "a-s1", "b-s0"]
     # export reads the experiment at its commit (the workspace never had these outputs: --temp), cached
@@ -309,8 +392,9 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
     subprocess.run([sys.executable, "-m", "dvc", "exp", "apply", "st"], cwd=repo, check=True)
     assert (repo / "report.txt").read_text() == "a-s0 a-s1 b-s0"
     assert "fedkd" in (repo / "models/b-s0/adapter.txt").read_text()
-    shown = subprocess.run([sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True,
-                           capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        [sys.executable, "-m", "dvc", "exp", "show", "--json"], cwd=repo, check=True, capture_output=True, text=True
+    ).stdout
     assert all(f'"{n}"' in shown for n in ("st-seed0", "st-seed1", "st"))
 
 
@@ -318,8 +402,13 @@ def test_a_profiles_experiments_without_a_seed_take_its_top_level_seed():
     """A profile sets the seed once for the experiments it does not seed themselves (the entry's own seed wins)."""
     from pipeline.experiments import declared
 
-    preset = {"seed": 3, "experiments": {"a": {"method": "fedavg", "partition": "domain/seed0"},
-                                         "b": {"method": "fedkd", "partition": "domain/seed0", "seed": 1}}}
+    preset = {
+        "seed": 3,
+        "experiments": {
+            "a": {"method": "fedavg", "partition": "domain/seed0"},
+            "b": {"method": "fedkd", "partition": "domain/seed0", "seed": 1},
+        },
+    }
     assert pr.problems(preset, PARAMS) == []
     assert [e.seed for e in declared(pr.apply_preset(PARAMS, preset))] == [3, 1]
     assert pr.overrides(preset)[0] == "seed=3"

@@ -1,6 +1,7 @@
 """Example-level DP-SGD (pipeline/privacy/): the accountant against published numbers, per-example clipping
 (hand-computed and on the real adapters), the noise's standard deviation, the noise-free unclipped control
 against the non-private trainer, target_epsilon, the `privacy` params group, and a tiny federated run."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,15 @@ from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, ws  #
 
 
 def _setting(sigma: float = 0.0, c: float = 1.0, logical_batch: int = 2) -> ClientPrivacy:
-    return ClientPrivacy(noise_multiplier=sigma, max_grad_norm=c, sample_rate=0.5, logical_batch=logical_batch,
-                         steps_per_epoch=1, delta=1e-5, accountant="rdp")
+    return ClientPrivacy(
+        noise_multiplier=sigma,
+        max_grad_norm=c,
+        sample_rate=0.5,
+        logical_batch=logical_batch,
+        steps_per_epoch=1,
+        delta=1e-5,
+        accountant="rdp",
+    )
 
 
 # ------------------------------------------------------------------------------------------ accountant
@@ -149,8 +157,14 @@ def test_privacy_group_validation():
         ({"mode": "none", "target_epsilon": 3}, "mode is 'none'"),
         ({"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": math.inf}, "needs noise_multiplier 0"),
         ({"mode": "example", "noise_multiplier": -1.0}, "privacy.noise_multiplier=-1.0 is out of range; allowed: >= 0"),
-        ({"mode": "example", "noise_multiplier": 1.0, "delta": 1.5}, "privacy.delta=1.5 is out of range; allowed: > 0 and < 1"),
-        ({"mode": "example", "noise_multiplier": 1.0, "accountant": "gdp"}, "privacy.accountant='gdp' is out of range; allowed: one of 'rdp' or 'prv'"),
+        (
+            {"mode": "example", "noise_multiplier": 1.0, "delta": 1.5},
+            "privacy.delta=1.5 is out of range; allowed: > 0 and < 1",
+        ),
+        (
+            {"mode": "example", "noise_multiplier": 1.0, "accountant": "gdp"},
+            "privacy.accountant='gdp' is out of range; allowed: one of 'rdp' or 'prv'",
+        ),
         ({"mode": "example", "noise_multiplier": 1.0, "secure_aggregaton": True}, "unknown key"),
     ]
     for raw, message in bad:
@@ -167,8 +181,9 @@ def test_delta_defaults_to_at_most_1e_5_and_a_tenth_of_one_over_n_and_refuses_on
     assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6), 40, 8, 3, 1).delta == 1e-6
     for n, delta in ((40, 1 / 40), (40, 0.5), (4, 0.3)):  # 1/n itself and above: refused, naming key and client
         with pytest.raises(ValueError) as err:
-            client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta), n, 8, 3, 1,
-                           where="client x")
+            client_privacy(
+                PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta), n, 8, 3, 1, where="client x"
+            )
         assert str(err.value).startswith("client x: privacy.delta ")
     assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=0.024), 40, 8, 3, 1).delta == 0.024
 
@@ -190,12 +205,19 @@ def test_privacy_enters_federated_plans_only_and_only_when_on():
         if method in ("single", "centralized"):
             assert private == plain
         else:
-            assert private["privacy"] == {"mode": "example", "noise_multiplier": None, "target_epsilon": 3.0,
-                                          "max_grad_norm": 1.0, "delta": None, "accountant": "rdp"}
+            assert private["privacy"] == {
+                "mode": "example",
+                "noise_multiplier": None,
+                "target_epsilon": 3.0,
+                "max_grad_norm": 1.0,
+                "delta": None,
+                "accountant": "rdp",
+            }
     with pytest.raises(ConfigError, match="batch_quantile"):
         params = _params(on, tau_scale="batch_quantile")
-        resolve_plan(parse_entry("x", {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.5}, params),
-                     params)
+        resolve_plan(
+            parse_entry("x", {"method": "fedselectkd", "partition": "domain/seed0", "tau": 0.5}, params), params
+        )
 
 
 def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
@@ -206,8 +228,9 @@ def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
     cfg = from_dict(PrivacyConfig, params["privacy"], "params.yaml privacy")
     assert cfg.mode == "none"
     stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
-    readers = sorted(name for name, st in stages.items()
-                     if "privacy" in (st.get("params") or st.get("do", {}).get("params") or []))
+    readers = sorted(
+        name for name, st in stages.items() if "privacy" in (st.get("params") or st.get("do", {}).get("params") or [])
+    )
     assert readers == ["plan"]  # the train stages read their plan file, which carries the group
 
 
@@ -217,8 +240,9 @@ def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None
 
     params = _params(privacy, **train)
     params["model"].update(model or {})
-    entry = parse_entry(name, {"method": method, "partition": "domain/seed0", "seed": 0, "study": "tests-privacy"},
-                        params)
+    entry = parse_entry(
+        name, {"method": method, "partition": "domain/seed0", "seed": 0, "study": "tests-privacy"}, params
+    )
     path = Path("models/plans") / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(resolve_plan(entry, params), indent=2, sort_keys=True))
@@ -253,25 +277,32 @@ def _train_once(plan_path: str, client: str = "Committee"):
     model.load_adapter_state("global", initial)
     data = client_data(plan, client)
     mu = plan.train.strategy_params["proximal_mu"] if plan.spec.proximal else 0.0
-    result = train_local(model, plan, data.train, client=client, rnd=1,
-                         proximal_reference=initial if mu else None, proximal_mu=mu)
+    result = train_local(
+        model, plan, data.train, client=client, rnd=1, proximal_reference=initial if mu else None, proximal_mu=mu
+    )
     return result, model.adapter_state("local")
 
 
-@pytest.mark.parametrize("method,normalisation,max_target,epochs", [
-    ("fedselectkd", "sequences", 12, 1), ("fedselectkd", "tokens", 4, 1), ("fedprox", "sequences", 12, 2)])
-def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, method, normalisation, max_target,
-                                                          epochs):
+@pytest.mark.parametrize(
+    "method,normalisation,max_target,epochs",
+    [("fedselectkd", "sequences", 12, 1), ("fedselectkd", "tokens", 4, 1), ("fedprox", "sequences", 12, 2)],
+)
+def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, method, normalisation, max_target, epochs):
     # q = 1 (batch >= the client's 6 examples): the Poisson batch is every example, as the one non-private batch.
     # With tokens the per-example loss divides by max_target_length: equal when every target fills it (4 tokens).
     # fedprox over 2 epochs: the second step's proximal gradient (large mu) enters after the noise, as in the loss.
     seen = _spy_grads(monkeypatch)
-    common = dict(batch_size=8, loss_normalisation=normalisation, prefix_cache=False, local_epochs=epochs,
-                  proximal_mu=20.0)
+    common = dict(
+        batch_size=8, loss_normalisation=normalisation, prefix_cache=False, local_epochs=epochs, proximal_mu=20.0
+    )
     plain = _write_plan("dp-off", method, None, {"max_target_length": max_target}, **common)
-    control = _write_plan("dp-control", method, {"mode": "example", "noise_multiplier": 0.0,
-                                                 "max_grad_norm": math.inf},
-                          {"max_target_length": max_target}, **common)
+    control = _write_plan(
+        "dp-control",
+        method,
+        {"mode": "example", "noise_multiplier": 0.0, "max_grad_norm": math.inf},
+        {"max_target_length": max_target},
+        **common,
+    )
     res_plain, state_plain = _train_once(plain)
     res_dp, state_dp = _train_once(control)
     assert len(seen) == 2 * epochs and res_plain.n_steps == res_dp.n_steps == epochs
@@ -291,17 +322,17 @@ def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, metho
 def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(ws, monkeypatch):
     # Per-example gradients from opacus' hooks on the real adapter set equal each example trained alone (no
     # coupling through the batch: padding, packing, the KD gate), and after clipping none exceeds C.
+    from pipeline.experiments import read_plan
     from pipeline.modeling.batching import make_batches
     from pipeline.modeling.losses import distillation_loss
-    from pipeline.experiments import read_plan
-    from pipeline.training.client_data import client_data
-    from pipeline.training.client_training import kd_config
     from pipeline.privacy.example_dp import per_example_loss_scale
-    from pipeline.training.client_training import _forward_logits
+    from pipeline.training.client_data import client_data
+    from pipeline.training.client_training import _forward_logits, kd_config
     from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
 
-    plan = read_plan(_write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0},
-                                 prefix_cache=False))
+    plan = read_plan(
+        _write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0}, prefix_cache=False)
+    )
     model = shared_model(plan)
     initial = initial_adapter_state(plan)
     up = {k: (torch.randn_like(v) * 0.05 if ".up." in k else v) for k, v in initial.items()}  # nonzero W_up
@@ -311,8 +342,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     mcfg, kd = model_config(plan), kd_config(plan)
 
     def batch_of(df):
-        return make_batches(df, model.tokenizer, mcfg, 2, False, 0, model.decoder_start_token_id,
-                            model.pad_token_id)[0]
+        return make_batches(df, model.tokenizer, mcfg, 2, False, 0, model.decoder_start_token_id, model.pad_token_id)[0]
 
     params = model.local_parameters()
     for p in params:
@@ -320,14 +350,15 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     model.train(True)  # opacus captures activations in training mode only (train_local trains in it)
     alone = []
     for i in range(2):
-        b = batch_of(data.iloc[i:i + 1])
+        b = batch_of(data.iloc[i : i + 1])
         ll, lg = _forward_logits(model, b, True, None)
         out = distillation_loss(ll, lg, b.labels, kd)
         grads = torch.autograd.grad(out.loss * per_example_loss_scale(b, "tokens", 12), params)
         alone.append(torch.cat([g.flatten() for g in grads]))
     c = 0.5 * float(min(a.norm() for a in alone))  # both examples get clipped
-    step = DPSGDSteps(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None,
-                      "tokens", 1)
+    step = DPSGDSteps(
+        model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None, "tokens", 1
+    )
     try:
         b = batch_of(data)
         ll, lg = _forward_logits(model, b, True, None)
@@ -372,13 +403,14 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     eps_by_round = {(r["client"], r["round"]): r["epsilon"] for r in history}
     for client in n_train:  # the accountant composes across rounds
-        assert eps_by_round[(client, 1)] < eps_by_round[(client, 2)] == metrics["clients"][client]["privacy"][
-            "epsilon"]
+        assert eps_by_round[(client, 1)] < eps_by_round[(client, 2)] == metrics["clients"][client]["privacy"]["epsilon"]
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     run = mlflow.search_runs(experiment_names=["tests-privacy"], filter_string=f"tags.experiment = '{name}'").iloc[0]
-    children = mlflow.search_runs(experiment_names=["tests-privacy"],  # each client's run under the experiment's
-                                  filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'").set_index("tags.client")
+    children = mlflow.search_runs(
+        experiment_names=["tests-privacy"],  # each client's run under the experiment's
+        filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'",
+    ).set_index("tags.client")
     for client in n_train:
         assert children.loc[client, "metrics.epsilon"] <= 3.0
         for key in ("delta", "noise_multiplier", "max_grad_norm", "clipped_fraction"):
@@ -406,28 +438,43 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
 def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+    from pipeline.experiments import read_plan
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import TRAIN_METRICS
-    from pipeline.experiments import read_plan
     from pipeline.training.shared_model import initial_adapter_state
 
     # under privacy.mode example: the accountant's (epsilon, delta) so far (-1 = unbounded), sigma, C, q, the
     # cumulative steps, and this round's per-example gradients and how many of them were clipped
-    privacy_keys = ("dp-epsilon", "dp-delta", "dp-noise-multiplier", "dp-max-grad-norm", "dp-sample-rate",
-                    "dp-steps", "dp-examples", "dp-clipped")
-    path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0,
-                                                   "max_grad_norm": 0.5})
+    privacy_keys = (
+        "dp-epsilon",
+        "dp-delta",
+        "dp-noise-multiplier",
+        "dp-max-grad-norm",
+        "dp-sample-rate",
+        "dp-steps",
+        "dp-examples",
+        "dp-clipped",
+    )
+    path = _write_plan("dp-reply", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": 0.5})
     plan = read_plan(path)
     _set_server_identity(1)
     initial = initial_adapter_state(plan)
-    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
-                      run_config={})
+    context = Context(
+        run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(), run_config={}
+    )
     replies = []
     for rnd in (1, 2):
-        msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial),
-                                  "config": ConfigRecord({"server-round": rnd, "plan": path, **CLIENT_SETTINGS})}),
-                      dst_node_id=1000, message_type="train")
+        msg = Message(
+            RecordDict(
+                {
+                    "arrays": ArrayRecord.from_torch_state_dict(initial),
+                    "config": ConfigRecord({"server-round": rnd, "plan": path, **CLIENT_SETTINGS}),
+                }
+            ),
+            dst_node_id=1000,
+            message_type="train",
+        )
         msg.metadata.__dict__["_message_id"] = f"x{rnd}"
         replies.append(client_app(msg, context).content["metrics"])
     per_round = math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples, q = 4/6
@@ -465,9 +512,17 @@ def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_count
 
     monkeypatch.setattr(privacy, "poisson_steps", steps_spy)
     monkeypatch.setattr(privacy.DPSGDSteps, "__init__", init_spy)
-    plan = load_plan(_write_plan("dp-streams", "fedavg", {"mode": "example", "noise_multiplier": 1.0,
-                                                          "max_grad_norm": 1e-6},
-                                 batch_size=2, grad_accum_steps=2, local_epochs=2, prefix_cache=False))
+    plan = load_plan(
+        _write_plan(
+            "dp-streams",
+            "fedavg",
+            {"mode": "example", "noise_multiplier": 1.0, "max_grad_norm": 1e-6},
+            batch_size=2,
+            grad_accum_steps=2,
+            local_epochs=2,
+            prefix_cache=False,
+        )
+    )
     model, examples = shared_model(plan), client_data(plan, "Committee").train
     results = []
     for client, rnd in (("Committee", 1), ("Committee", 1), ("Product", 1), ("Committee", 2)):
@@ -493,8 +548,11 @@ def test_a_delta_of_one_over_n_or_more_is_refused_naming_the_key_the_plan_and_th
     from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import shared_model
 
-    plan = load_plan(_write_plan("dp-big-delta", "fedavg", {"mode": "example", "noise_multiplier": 1.0,
-                                                            "delta": 0.2}, prefix_cache=False))
+    plan = load_plan(
+        _write_plan(
+            "dp-big-delta", "fedavg", {"mode": "example", "noise_multiplier": 1.0, "delta": 0.2}, prefix_cache=False
+        )
+    )
     six = client_data(plan, "Committee").train  # 6 examples: 0.2 >= 1/6
     assert len(six) == 6
     with pytest.raises(ValueError) as err:

@@ -1,6 +1,7 @@
 """Example-level DP with a meaningful delta (issue 29 item 4): delta defaults to min(1e-5, 1/(10 n)), a delta of
 1/n or more is refused before anything trains (exit 2, naming the key and the client), and every epsilon is
 reported with its delta. The accountant is checked against an independent conversion and against PRV."""
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,9 @@ def test_the_committed_privacy_study_spent_each_target_at_delta_1e_5():
             dp = client["privacy"]
             assert dp["delta"] <= 1e-5 and (dp["sample_rate"], dp["steps"]) == (STUDY_Q, STUDY_STEPS)
             assert dp["epsilon"] <= target
-            assert dp["epsilon"] <= _classical_rdp_epsilon(dp["noise_multiplier"], dp["sample_rate"], dp["steps"],
-                                                           dp["delta"])
+            assert dp["epsilon"] <= _classical_rdp_epsilon(
+                dp["noise_multiplier"], dp["sample_rate"], dp["steps"], dp["delta"]
+            )
             assert dp["epsilon"] > 0.95 * target  # the noise was calibrated to the target, not far above it
 
 
@@ -87,8 +89,9 @@ def test_the_train_stage_refuses_a_delta_of_one_over_n_before_training_with_exit
     from pipeline.common.cli import run as run_cli
     from pipeline.train import main
 
-    path = _write_plan("dp-delta-too-big", "fedavg", {"mode": "example", "noise_multiplier": 1.0, "delta": 0.2},
-                       prefix_cache=False)
+    path = _write_plan(
+        "dp-delta-too-big", "fedavg", {"mode": "example", "noise_multiplier": 1.0, "delta": 0.2}, prefix_cache=False
+    )
     status = run_cli(main, ["--experiment", "dp-delta-too-big", "--plans", str(Path(path).parent), "--no-mlflow"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1
@@ -103,10 +106,11 @@ def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
     from pipeline.privacy.settings import PrivacyConfig
 
     plan = SimpleNamespace(privacy=PrivacyConfig(mode="example", target_epsilon=3.0))
-    row = dict(epsilon=2.5, noise_multiplier=1.2, max_grad_norm=1.0, dp_examples=10, dp_clipped=5,
-               sample_rate=0.5)
-    history = [{"client": "A", "round": 1, "dp_steps": 2, "delta": 1e-5, **row},
-               {"client": "B", "round": 1, "dp_steps": 2, "delta": 5e-6, **row, "epsilon": 2.9}]
+    row = dict(epsilon=2.5, noise_multiplier=1.2, max_grad_norm=1.0, dp_examples=10, dp_clipped=5, sample_rate=0.5)
+    history = [
+        {"client": "A", "round": 1, "dp_steps": 2, "delta": 1e-5, **row},
+        {"client": "B", "round": 1, "dp_steps": 2, "delta": 5e-6, **row, "epsilon": 2.9},
+    ]
     clients = {"A": {}, "B": {}}
     record = run_record(plan, history, clients)
     assert (record["privacy"]["epsilon_max"], record["privacy"]["delta_max"]) == (2.9, 1e-5)
@@ -120,19 +124,25 @@ def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):
     from pipeline.experiments import Experiment, with_labels
     from pipeline.results.figures import privacy_figure, privacy_points
 
-    planned = [Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
-               Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
-               Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3")]
+    planned = [
+        Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
+        Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
+        Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3"),
+    ]
     labels = with_labels(planned)
-    scores = pd.DataFrame([{"experiment": e, "client": c, "avg_rouge": 5.0, "backbone": "tiny"}
-                           for e in ("p0", "d0", "d1") for c in "AB"])
+    scores = pd.DataFrame(
+        [{"experiment": e, "client": c, "avg_rouge": 5.0, "backbone": "tiny"} for e in ("p0", "d0", "d1") for c in "AB"]
+    )
     for name, deltas in (("p0", None), ("d0", (1e-5, 4e-6)), ("d1", (2e-6, 3e-6))):
         d = tmp_path / "train" / name
         d.mkdir(parents=True)
-        clients = {c: {} if deltas is None else {"privacy": {"epsilon": 2.0, "delta": x, "noise_multiplier": 1.0}}
-                   for c, x in zip("AB", deltas or (0, 0))}
-        d.joinpath("metrics.json").write_text(json.dumps(
-            {"clients": clients, "privacy": None if deltas is None else {"target_epsilon": 3}}))
+        clients = {
+            c: {} if deltas is None else {"privacy": {"epsilon": 2.0, "delta": x, "noise_multiplier": 1.0}}
+            for c, x in zip("AB", deltas or (0, 0))
+        }
+        d.joinpath("metrics.json").write_text(
+            json.dumps({"clients": clients, "privacy": None if deltas is None else {"target_epsilon": 3}})
+        )
     points = privacy_points(planned, labels, scores, tmp_path / "train").set_index("label")
     assert points.loc["fedavg DP-SGD ε≤3", "delta"] == 1e-5  # the largest over clients and seeds
     assert pd.isna(points.loc["fedavg", "delta"])

@@ -7,23 +7,22 @@ the server decodes is the client's adapter within the bound of the encoded diffe
 only where it helps (a lossy encoding with train.transfer_delta), against the round-0 adapter downstream and the
 received global upstream; a privacy report's -1 means unbounded.
 """
+
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from tests.errors import names
-from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
-
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.engines  # noqa: F401,E402
 import pipeline.federation.protocol  # noqa: F401,E402
 import pipeline.training.shared_model  # noqa: F401,E402
+from tests.errors import names
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
 def _context(node: dict | None = None, run: dict | None = None) -> Context:
@@ -73,8 +72,7 @@ def test_a_plan_is_read_once_per_file_version(ws):
 def _plan(dtype: str, delta: bool):
     from pipeline.federation.protocol import load_plan
 
-    return load_plan(write_plan(f"protocol-{dtype}-{int(delta)}", "fedavg", transfer_dtype=dtype,
-                                transfer_delta=delta))
+    return load_plan(write_plan(f"protocol-{dtype}-{int(delta)}", "fedavg", transfer_dtype=dtype, transfer_delta=delta))
 
 
 def _bound(encoded: dict[str, torch.Tensor], key: str) -> float:
@@ -143,8 +141,7 @@ def test_the_server_decodes_the_clients_adapter_within_the_bound_of_what_was_enc
             if dtype == "int8":
                 assert float(encoded[k + ".int8_scale"]) == pytest.approx(amax / 127, rel=1e-6)
             else:
-                torch.testing.assert_close(encoded[k].float(), diff[k] if delta else local[k], rtol=2**-11,
-                                           atol=2**-25)
+                torch.testing.assert_close(encoded[k].float(), diff[k] if delta else local[k], rtol=2**-11, atol=2**-25)
 
 
 def test_payload_bytes_count_every_array_record_and_nothing_else(ws):
@@ -157,13 +154,22 @@ def test_payload_bytes_count_every_array_record_and_nothing_else(ws):
     two = ArrayRecord({"v": Array(torch.zeros(30).numpy())})
     assert payload_bytes(RecordDict({"a": one})) == one.count_bytes() >= 40
     assert payload_bytes(RecordDict({"a": one, "b": two, "m": MetricRecord({"x": 1.0})})) == (
-        one.count_bytes() + two.count_bytes())
+        one.count_bytes() + two.count_bytes()
+    )
 
 
 # ----------------------------------------------------------------------------------------------- privacy
 def _privacy(**kw) -> MetricRecord:
-    m = {"dp-epsilon": 2.5, "dp-delta": 1e-5, "dp-noise-multiplier": 1.1, "dp-max-grad-norm": 0.5,
-         "dp-sample-rate": 0.25, "dp-steps": 12, "dp-examples": 8, "dp-clipped": 2}
+    m = {
+        "dp-epsilon": 2.5,
+        "dp-delta": 1e-5,
+        "dp-noise-multiplier": 1.1,
+        "dp-max-grad-norm": 0.5,
+        "dp-sample-rate": 0.25,
+        "dp-steps": 12,
+        "dp-examples": 8,
+        "dp-clipped": 2,
+    }
     m.update(kw)
     return MetricRecord(m)
 
@@ -171,9 +177,17 @@ def _privacy(**kw) -> MetricRecord:
 def test_a_privacy_report_becomes_a_history_row():
     from pipeline.federation.protocol import privacy_row
 
-    assert privacy_row(_privacy()) == {"epsilon": 2.5, "delta": 1e-5, "noise_multiplier": 1.1, "max_grad_norm": 0.5,
-                                       "sample_rate": 0.25, "dp_steps": 12, "dp_examples": 8, "dp_clipped": 2,
-                                       "clipped_fraction": 0.25}
+    assert privacy_row(_privacy()) == {
+        "epsilon": 2.5,
+        "delta": 1e-5,
+        "noise_multiplier": 1.1,
+        "max_grad_norm": 0.5,
+        "sample_rate": 0.25,
+        "dp_steps": 12,
+        "dp_examples": 8,
+        "dp_clipped": 2,
+        "clipped_fraction": 0.25,
+    }
     unbounded = privacy_row(_privacy(**{"dp-epsilon": -1.0, "dp-max-grad-norm": -1.0}))
     assert unbounded["epsilon"] is None and unbounded["max_grad_norm"] is None
     zero = privacy_row(_privacy(**{"dp-epsilon": 0.0, "dp-examples": 0, "dp-clipped": 0}))
@@ -199,4 +213,3 @@ def test_fp32_never_sends_a_delta_even_when_a_plan_asks_for_one(ws):
     glob = {k: v + 0.1 for k, v in initial_adapter_state(plan).items()}
     decoded = decode_global(encode_global(glob, plan, reference=downlink_reference(plan)), plan)
     assert all(torch.equal(decoded[k], v) for k, v in glob.items())
-

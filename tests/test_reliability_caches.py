@@ -1,6 +1,7 @@
 """A damaged backbone directory is named, not loaded (issue 15, item 4; the prefix-cache entries' checksums are
 tested in test_cache.py). Each case damages a copy of a tiny saved model and loads it the way every model stage
 does (AdapterSummarizer.from_pretrained)."""
+
 from __future__ import annotations
 
 import json
@@ -9,11 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-from pipeline.modeling.adapters import AdapterConfig
-from pipeline.common.integrity import RECORD_NAME, ModelDirError, sha256_dir
-from pipeline.modeling.model import AdapterSummarizer
 from tiny_models import save_tiny
+
+from pipeline.common.integrity import RECORD_NAME, ModelDirError, sha256_dir
+from pipeline.modeling.adapters import AdapterConfig
+from pipeline.modeling.model import AdapterSummarizer
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +36,18 @@ def flip_last_byte(path: Path) -> None:
 
 
 DAMAGE = {  # what is done -> what the message must say, after the damaged file's path
-    "weights_cut_short": (lambda d: cut(d / "model.safetensors"),
-                          r"model.safetensors: damaged weights: .*(cut short|does not fit)"),
-    "weights_changed": (lambda d: flip_last_byte(d / "model.safetensors"),
-                        r"backbone: file contents differ from backbone_sha256 recorded in .*fedmeet_backbone.json"),
-    "config_garbled": (lambda d: (d / "config.json").write_text('{"model_type": "bart", '),
-                       r"config.json: damaged JSON"),
+    "weights_cut_short": (
+        lambda d: cut(d / "model.safetensors"),
+        r"model.safetensors: damaged weights: .*(cut short|does not fit)",
+    ),
+    "weights_changed": (
+        lambda d: flip_last_byte(d / "model.safetensors"),
+        r"backbone: file contents differ from backbone_sha256 recorded in .*fedmeet_backbone.json",
+    ),
+    "config_garbled": (
+        lambda d: (d / "config.json").write_text('{"model_type": "bart", '),
+        r"config.json: damaged JSON",
+    ),
     "config_missing": (lambda d: (d / "config.json").unlink(), r"config.json: missing"),
     "weights_missing": (lambda d: (d / "model.safetensors").unlink(), r"backbone: no weight file"),
 }

@@ -1,5 +1,6 @@
 """Fault injection on the inputs of stage `ingest`: every damaged file of the four datasets ends in one stderr line
 naming the file, the line or record and the problem, exit status 2, no traceback (issue 15, item 1)."""
+
 from __future__ import annotations
 
 import functools
@@ -10,10 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tqdm import tqdm
-
-from pipeline import ingest
-from pipeline.common.cli import EXIT_USAGE
 from reliability import (
     build_mirror,
     hmnet_rel,
@@ -23,18 +20,38 @@ from reliability import (
     write_lines,
     write_params,
 )
+from tqdm import tqdm
+
+from pipeline import ingest
+from pipeline.common.cli import EXIT_USAGE
 
 # One file of each kind per dataset, its name as errors show it (relative to the data root), and where in its
 # first record a text field, a list field and the record id live.
 FILES = {
-    "qmsum": dict(rel="qmsum/data/Academic/jsonl/test.jsonl", text=("meeting_transcripts", 0, "content"),
-                  list_field="general_query_list", key_field="specific_query_list", split="qmsum/Academic/test"),
-    "samsum": dict(rel="samsum/validation.json", text=("summary",), list_field=None, key_field="id",
-                   split="samsum/SAMSum/valid"),
-    "ami": dict(rel="ami/" + hmnet_rel("ami", "test", 3), text=("meeting", 0, "speaker"), list_field="summary",
-                key_field="id", split="ami/AMI/test"),
-    "icsi": dict(rel="icsi/" + hmnet_rel("icsi", "dev", 0), text=("summary", 0), list_field="meeting",
-                 key_field="id", split="icsi/ICSI/valid"),
+    "qmsum": dict(
+        rel="qmsum/data/Academic/jsonl/test.jsonl",
+        text=("meeting_transcripts", 0, "content"),
+        list_field="general_query_list",
+        key_field="specific_query_list",
+        split="qmsum/Academic/test",
+    ),
+    "samsum": dict(
+        rel="samsum/validation.json", text=("summary",), list_field=None, key_field="id", split="samsum/SAMSum/valid"
+    ),
+    "ami": dict(
+        rel="ami/" + hmnet_rel("ami", "test", 3),
+        text=("meeting", 0, "speaker"),
+        list_field="summary",
+        key_field="id",
+        split="ami/AMI/test",
+    ),
+    "icsi": dict(
+        rel="icsi/" + hmnet_rel("icsi", "dev", 0),
+        text=("summary", 0),
+        list_field="meeting",
+        key_field="id",
+        split="icsi/ICSI/valid",
+    ),
 }
 
 
@@ -72,6 +89,7 @@ def mutate_first_record(edit: Callable[[dict], object]) -> Callable[[Path], None
         out = edit(rec)
         lines[0] = (json.dumps(rec if out is None else out) + "\n").encode()
         write_lines(path, lines)
+
     return apply
 
 
@@ -118,8 +136,16 @@ CASES = [(ds, kind) for ds in FILES for kind in EXPECTED]
 
 def ingest_args(root: Path, dataset: str, **ingest_params) -> list[str]:
     params = write_params(root.parent / "params.yaml", root, **ingest_params)
-    return ["--dataset", dataset, "--params", str(params), "--interim-dir", str(root.parent / "interim"),
-            "--report-dir", str(root.parent / "reports")]
+    return [
+        "--dataset",
+        dataset,
+        "--params",
+        str(params),
+        "--interim-dir",
+        str(root.parent / "interim"),
+        "--report-dir",
+        str(root.parent / "reports"),
+    ]
 
 
 def assert_one_error_line(outcome, pattern: str) -> None:
@@ -154,7 +180,9 @@ def test_truncated_or_missing_split_file(root, dataset):
     else:
         path.unlink()
         rel_in_dataset = spec["rel"].split("/", 1)[1]
-        pattern = rf"error: .*{dataset}: local mirror of {dataset} is incomplete; missing \['{re.escape(rel_in_dataset)}'\]"
+        pattern = (
+            rf"error: .*{dataset}: local mirror of {dataset} is incomplete; missing \['{re.escape(rel_in_dataset)}'\]"
+        )
     assert_one_error_line(run_inprocess(ingest.main, ingest_args(root, dataset)), pattern)
 
 
@@ -182,8 +210,9 @@ def test_records_skipped_by_design_are_counted_per_reason(root):
     path = root / "samsum" / "train.json"
     lines = read_lines(path)
     n = len(lines)
-    extra = [json.dumps({"id": f"blank{i}", "dialogue": " \n", "summary": "nothing"}).encode() + b"\n"
-             for i in range(3)]
+    extra = [
+        json.dumps({"id": f"blank{i}", "dialogue": " \n", "summary": "nothing"}).encode() + b"\n" for i in range(3)
+    ]
     write_lines(path, lines + extra)
     outcome = run_inprocess(ingest.main, ingest_args(root, "samsum"))
     assert outcome.status == 0, outcome.stderr
@@ -229,5 +258,8 @@ def test_real_qmsum_copy_with_null_content(shared_data, tmp_path):
     lines[4] = (json.dumps(rec) + "\n").encode()
     write_lines(path, lines)
     outcome = run_subprocess("pipeline.ingest", ingest_args(tmp_path / "data", "qmsum"), cwd=tmp_path)
-    assert_one_error_line(outcome, r"error: qmsum/data/Committee/jsonl/val.jsonl:5: meeting_transcripts\[3\]: "
-                                   r"field 'content' is null, expected a string")
+    assert_one_error_line(
+        outcome,
+        r"error: qmsum/data/Committee/jsonl/val.jsonl:5: meeting_transcripts\[3\]: "
+        r"field 'content' is null, expected a string",
+    )

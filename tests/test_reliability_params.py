@@ -3,37 +3,103 @@ type or value is one line naming the key and what is allowed (issue 15, item 2).
 
 Each case runs the stage in an empty directory holding only the edited params.yaml: a stage that read an input
 before checking its parameters would fail on the missing input (a traceback) instead of the expected line."""
+
 from __future__ import annotations
 
 import copy
 import importlib
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
+from reliability import REPO_ROOT, run_inprocess
 
 from pipeline.common.cli import EXIT_USAGE
-from reliability import REPO_ROOT, run_inprocess
 
 BASE = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
 
 # (stage, arguments, key path in params.yaml, bad value, what the line must say: the key ... the allowed values)
 CASES = [
-    ("ingest", ["--dataset", "qmsum"], "ingest.bogus", 1, r"ingest: unknown key\(s\) \['bogus'\]; allowed: \[.*'datasets'"),
-    ("ingest", ["--dataset", "qmsum"], "ingest.datasets", ["qmsum", "x"], r"ingest.datasets\[1\]: unknown dataset 'x'; allowed: \['ami'"),
-    ("ingest", ["--dataset", "qmsum"], "ingest.allow_absent_splits", "qmsum/*", r"ingest.allow_absent_splits: expected a list"),
+    (
+        "ingest",
+        ["--dataset", "qmsum"],
+        "ingest.bogus",
+        1,
+        r"ingest: unknown key\(s\) \['bogus'\]; allowed: \[.*'datasets'",
+    ),
+    (
+        "ingest",
+        ["--dataset", "qmsum"],
+        "ingest.datasets",
+        ["qmsum", "x"],
+        r"ingest.datasets\[1\]: unknown dataset 'x'; allowed: \['ami'",
+    ),
+    (
+        "ingest",
+        ["--dataset", "qmsum"],
+        "ingest.allow_absent_splits",
+        "qmsum/*",
+        r"ingest.allow_absent_splits: expected a list",
+    ),
     ("examples", [], "examples.bogus", 1, r"examples: unknown key\(s\) \['bogus'\]; allowed: \["),
-    ("partition", ["--scheme", "domain", "--seed", "0"], "partition.schemes", ["domain", "x"], r"partition.schemes: unknown value\(s\) \['x'\]; allowed: 'domain'"),
-    ("partition", ["--scheme", "iid", "--seed", "0"], "partition.iid.n_clients", 0, r"partition.iid.n_clients=0 is out of range; allowed: >= 1"),
-    ("partition", ["--scheme", "quantity", "--seed", "0"], "partition.quantity.beta", 0, r"partition.quantity.beta=0(\.0)? is out of range; allowed: > 0"),
-    ("partition", ["--scheme", "cluster", "--seed", "0"], "partition.cluster.batch_size", 0, r"partition.cluster.batch_size=0 is out of range; allowed: >= 1"),
-    ("partition", ["--scheme", "iid", "--seed", "0"], "partition.iid.n_clients", 2.5, r"partition.iid.n_clients: expected an integer, got float 2.5"),
-    ("backbone", [], "backbone.name", "no/such-model", r"backbone.name='no/such-model' is a Hugging Face hub id but it cannot be downloaded.*offline recipe"),
+    (
+        "partition",
+        ["--scheme", "domain", "--seed", "0"],
+        "partition.schemes",
+        ["domain", "x"],
+        r"partition.schemes: unknown value\(s\) \['x'\]; allowed: 'domain'",
+    ),
+    (
+        "partition",
+        ["--scheme", "iid", "--seed", "0"],
+        "partition.iid.n_clients",
+        0,
+        r"partition.iid.n_clients=0 is out of range; allowed: >= 1",
+    ),
+    (
+        "partition",
+        ["--scheme", "quantity", "--seed", "0"],
+        "partition.quantity.beta",
+        0,
+        r"partition.quantity.beta=0(\.0)? is out of range; allowed: > 0",
+    ),
+    (
+        "partition",
+        ["--scheme", "cluster", "--seed", "0"],
+        "partition.cluster.batch_size",
+        0,
+        r"partition.cluster.batch_size=0 is out of range; allowed: >= 1",
+    ),
+    (
+        "partition",
+        ["--scheme", "iid", "--seed", "0"],
+        "partition.iid.n_clients",
+        2.5,
+        r"partition.iid.n_clients: expected an integer, got float 2.5",
+    ),
+    (
+        "backbone",
+        [],
+        "backbone.name",
+        "no/such-model",
+        r"backbone.name='no/such-model' is a Hugging Face hub id but it cannot be downloaded.*offline recipe",
+    ),
     ("backbone", [], "backbone.warmup.batch_size", 0, r"backbone.warmup.batch_size=0 is out of range; allowed: >= 1"),
-    ("backbone", [], "backbone.warmup.dataset", "x", r"backbone.warmup.dataset='x' is out of range; allowed: one of 'qmsum'"),
-    ("backbone", [], "backbone.generation.num_beams", 0, r"backbone.generation.num_beams=0 is out of range; allowed: >= 1"),
+    (
+        "backbone",
+        [],
+        "backbone.warmup.dataset",
+        "x",
+        r"backbone.warmup.dataset='x' is out of range; allowed: one of 'qmsum'",
+    ),
+    (
+        "backbone",
+        [],
+        "backbone.generation.num_beams",
+        0,
+        r"backbone.generation.num_beams=0 is out of range; allowed: >= 1",
+    ),
     ("postag", [], "postag.batch_size", 0, r"postag.batch_size=0 is out of range; allowed: >= 1"),
     ("postag", [], "model.max_target_length", "96", r"model.max_target_length: expected an integer, got str"),
     ("plan", [], "tau", 0, r"experiments.fedselectkd-domain: tau=0.0 must be > 0"),
@@ -44,11 +110,41 @@ CASES = [
     ("plan", [], "train.batch_size", 0, r"train.batch_size=0 is out of range; allowed: >= 1"),
     ("plan", [], "train.lr", "fast", r"train.lr: expected a number, got str 'fast'"),
     ("plan", [], "train.bogus", 1, r"train: unknown key\(s\) \['bogus'\]; allowed: \["),
-    ("plan", [], "experiments.fedavg-domain.method", "fedx", r"experiments.fedavg-domain.method: unknown method 'fedx'; expected one of \['centralized'"),
-    ("plan", [], "experiments.fedavg-domain.partition", "x/seed0", r"experiments.fedavg-domain.partition: unknown partition scheme 'x'; allowed: \['cluster'"),
-    ("evaluate", ["run", "--experiment", "fedavg-domain", "--no-mlflow"], "evaluate.batch_size", 0, r"evaluate.batch_size=0 is out of range; allowed: >= 1"),
-    ("evaluate", ["run", "--experiment", "fedavg-domain", "--no-mlflow"], "bootstrap.level", 2, r"bootstrap.level=2(\.0)? is out of range; allowed: > 0.5 and < 1"),
-    ("analyze", [], "analyze.word_rule", "x", r"analyze.word_rule='x' is out of range; allowed: one of 'first', 'any', 'all' or 'majority'"),
+    (
+        "plan",
+        [],
+        "experiments.fedavg-domain.method",
+        "fedx",
+        r"experiments.fedavg-domain.method: unknown method 'fedx'; expected one of \['centralized'",
+    ),
+    (
+        "plan",
+        [],
+        "experiments.fedavg-domain.partition",
+        "x/seed0",
+        r"experiments.fedavg-domain.partition: unknown partition scheme 'x'; allowed: \['cluster'",
+    ),
+    (
+        "evaluate",
+        ["run", "--experiment", "fedavg-domain", "--no-mlflow"],
+        "evaluate.batch_size",
+        0,
+        r"evaluate.batch_size=0 is out of range; allowed: >= 1",
+    ),
+    (
+        "evaluate",
+        ["run", "--experiment", "fedavg-domain", "--no-mlflow"],
+        "bootstrap.level",
+        2,
+        r"bootstrap.level=2(\.0)? is out of range; allowed: > 0.5 and < 1",
+    ),
+    (
+        "analyze",
+        [],
+        "analyze.word_rule",
+        "x",
+        r"analyze.word_rule='x' is out of range; allowed: one of 'first', 'any', 'all' or 'majority'",
+    ),
     ("report", [], "report.bogus", 1, r"report: unknown key\(s\) \['bogus'\]; allowed: \["),
     ("report", [], "bootstrap.n_resamples", 0, r"bootstrap.n_resamples=0 is out of range; allowed: >= 100"),
 ]
@@ -66,10 +162,10 @@ def edited_params(key: str, value) -> dict:
     return params
 
 
-@pytest.mark.parametrize("stage, args, key, value, expected", CASES,
-                         ids=[f"{c[0]}-{c[2]}={c[3]!r}" for c in CASES])
-def test_bad_parameter_is_one_line_naming_key_and_allowed_values(tmp_path, monkeypatch, stage, args, key, value,
-                                                                expected):
+@pytest.mark.parametrize("stage, args, key, value, expected", CASES, ids=[f"{c[0]}-{c[2]}={c[3]!r}" for c in CASES])
+def test_bad_parameter_is_one_line_naming_key_and_allowed_values(
+    tmp_path, monkeypatch, stage, args, key, value, expected
+):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(edited_params(key, value)))
@@ -106,31 +202,39 @@ def test_train_stage_checks_its_plan_before_touching_outputs(tmp_path, monkeypat
     path.write_text(json.dumps(plan))
     outcome = run_inprocess(train.main, ["--experiment", "fedavg-domain", "--plans", str(plans)])
     assert outcome.status == EXIT_USAGE, outcome.stderr
-    assert re.search(r"fedavg-domain.json: model.bottleneck=0 is out of range; allowed: >= 1",
-                     outcome.lines[-1]), outcome.stderr
+    assert re.search(r"fedavg-domain.json: model.bottleneck=0 is out of range; allowed: >= 1", outcome.lines[-1]), (
+        outcome.stderr
+    )
     assert not (tmp_path / "models").exists() and not (tmp_path / "mlflow.db").exists()
 
 
 def test_top_k_beyond_the_decoder_layers_names_the_allowed_range():
     """top_k's upper bound is the backbone's: checked when the model is built, before any training."""
-    from pipeline.modeling.adapters import AdapterConfig
-    from pipeline.common.config import ConfigError
-    from pipeline.modeling.model import AdapterSummarizer
     from tiny_models import tiny
+
+    from pipeline.common.config import ConfigError
+    from pipeline.modeling.adapters import AdapterConfig
+    from pipeline.modeling.model import AdapterSummarizer
 
     backbone, tok = tiny("bart")
     n_layers = len(backbone.get_decoder().layers)
-    with pytest.raises(ConfigError, match=rf"model.top_k={n_layers + 1} > {n_layers} decoder layers .*; "
-                                          rf"allowed: 1..{n_layers}"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"model.top_k={n_layers + 1} > {n_layers} decoder layers .*; "
+        rf"allowed: 1..{n_layers}",
+    ):
         AdapterSummarizer(backbone, tok, AdapterConfig(top_k=n_layers + 1, bottleneck=4))
     AdapterSummarizer(backbone, tok, AdapterConfig(top_k=n_layers, bottleneck=4))  # the bound itself is fine
 
 
-@pytest.mark.parametrize("stage, args, missing", [
-    ("partition", ["--scheme", "domain", "--seed", "0"], "data/processed/examples.parquet"),
-    ("examples", [], "data/interim/qmsum.parquet"),
-    ("train", ["--experiment", "fedavg-domain"], "models/plans/fedavg-domain.json"),
-])
+@pytest.mark.parametrize(
+    "stage, args, missing",
+    [
+        ("partition", ["--scheme", "domain", "--seed", "0"], "data/processed/examples.parquet"),
+        ("examples", [], "data/interim/qmsum.parquet"),
+        ("train", ["--experiment", "fedavg-domain"], "models/plans/fedavg-domain.json"),
+    ],
+)
 def test_missing_upstream_output_is_one_line_naming_it(tmp_path, monkeypatch, stage, args, missing):
     """A stage run before the stage that makes its input (or with a wrong path) names the missing file."""
     monkeypatch.chdir(tmp_path)

@@ -1,5 +1,6 @@
 """Property: every reader of stage `ingest`, fed mutated records, either parses them or raises DataError naming
 the file and the line; never another exception (issue 15, item 1)."""
+
 from __future__ import annotations
 
 import json
@@ -11,11 +12,11 @@ from unittest import mock
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reliability import FIXTURES, hmnet_meeting, hmnet_rel, read_lines, write_lines
 
-from pipeline.ingest import ingest_dataset
 from pipeline.common.schema import DataError
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
-from reliability import FIXTURES, hmnet_meeting, hmnet_rel, read_lines, write_lines
+from pipeline.ingest import ingest_dataset
 
 # JSON values of every type, nested a little: what a damaged or foreign file may hold where a field belongs.
 JSON = st.recursive(
@@ -121,7 +122,10 @@ def test_mutated_records_parse_or_raise_a_data_error_naming_file_and_line(mirror
             else:
                 assert report.n_records == len(frame) > 0
                 assert frame["summary"].map(lambda s: isinstance(s, str)).all()
-                assert all(isinstance(t["content"], str) and isinstance(t["speaker"], str)
-                           for turns in frame["turns"] for t in turns)
+                assert all(
+                    isinstance(t["content"], str) and isinstance(t["speaker"], str)
+                    for turns in frame["turns"]
+                    for t in turns
+                )
     finally:
         path.write_bytes(original)

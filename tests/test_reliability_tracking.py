@@ -1,6 +1,7 @@
 """Two writers, one MLflow store (issue 15, item 5): two processes logging to the same SQLite store at once both
 complete, and lose no run, parameter or metric (plain MLflow writers, and two train stages); a store that stays
 locked is waited for."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from reliability import REPO_ROOT, stage_env
+
 from tests.test_federated import DOMAINS, workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 # Real processes racing one store: full lane only (make test-all).
@@ -23,9 +24,14 @@ STEPS = 20
 
 def start_worker(name: str, go: Path, env: dict) -> subprocess.Popen:
     code = f"from reliability import mlflow_worker; mlflow_worker({name!r}, {str(go)!r}, {STEPS})"
-    return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=go.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env,
+        cwd=go.parent,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def release_together(workers, ready_files, go, timeout: float) -> list[str]:
@@ -33,8 +39,9 @@ def release_together(workers, ready_files, go, timeout: float) -> list[str]:
     and check that each exits 0 without ever meeting a locked store; returns their outputs."""
     deadline = time.monotonic() + 120
     while not all(f.exists() for f in ready_files):
-        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), \
-            [w.communicate()[0][-2000:] for w in workers if w.poll() is not None]
+        assert time.monotonic() < deadline and all(w.poll() is None for w in workers), [
+            w.communicate()[0][-2000:] for w in workers if w.poll() is not None
+        ]
         time.sleep(0.02)
     go.touch()
     outputs = [w.communicate(timeout=timeout)[0] for w in workers]
@@ -42,14 +49,16 @@ def release_together(workers, ready_files, go, timeout: float) -> list[str]:
     assert not any("database is locked" in o for o in outputs)
     return outputs
 
+
 def test_two_processes_log_to_one_fresh_store_at_once(tmp_path):
     """A fresh store is the hard case (an existing one is a subset): both processes create its tables at the same
     moment; before the fix one of them failed with "table ... already exists" or "duplicate column name"."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = stage_env(MLFLOW_TRACKING_URI=uri, FEDMEET_ROOT=str(tmp_path),
-                    PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
+    env = stage_env(
+        MLFLOW_TRACKING_URI=uri, FEDMEET_ROOT=str(tmp_path), PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}"
+    )
     go = tmp_path / "go"
     workers = [start_worker(name, go, env) for name in ("a", "b")]
     release_together(workers, [tmp_path / f"ready-{n}" for n in ("a", "b")], go, timeout=180)
@@ -117,15 +126,27 @@ def test_two_train_stages_log_to_one_fresh_store_at_once(ws, tmp_path):
     names = {"conc-fed": "fedavg", "conc-local": "single"}
     for name, method in names.items():
         write_plan(name, method)
-    env = stage_env(MLFLOW_TRACKING_URI=uri, FEDMEET_ROOT=str(ws), OMP_NUM_THREADS="1",
-                    PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}")
+    env = stage_env(
+        MLFLOW_TRACKING_URI=uri,
+        FEDMEET_ROOT=str(ws),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{REPO_ROOT / 'tests'}",
+    )
     go = tmp_path / "go"
     workers = []
     for name in names:
         argv = ["--experiment", name, "--plans", str(ws / "models" / "plans")]
         code = f"from reliability import stage_worker; stage_worker({name!r}, {str(go)!r}, {argv!r})"
-        workers.append(subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ws, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True))
+        workers.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                cwd=ws,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     release_together(workers, [tmp_path / f"ready-{n}" for n in names], go, timeout=200)
 
     client = MlflowClient(tracking_uri=uri)
@@ -135,8 +156,11 @@ def test_two_train_stages_log_to_one_fresh_store_at_once(ws, tmp_path):
         assert [r.info.status for r in runs] == ["FINISHED"], name
         run = runs[0]
         assert run.data.params["method"] == method and run.data.params["train.rounds"] == "2"
-        history = {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
-                   for k in run.data.metrics if not k.startswith("system/")}  # (MLflow's own system metrics)
+        history = {
+            k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k))
+            for k in run.data.metrics
+            if not k.startswith("system/")
+        }  # (MLflow's own system metrics)
         children = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
         clients = {c.data.tags["client"]: c for c in children}
         assert sorted(clients) == sorted(DOMAINS) and all(c.info.status == "FINISHED" for c in children)

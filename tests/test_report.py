@@ -1,19 +1,20 @@
 """Stage `report` on synthetic evaluation results: seed aggregation, missing seeds, tables, figures, index."""
+
 from __future__ import annotations
 
 import json
-import re
 import math
+import re
 
 import pandas as pd
 import pytest
 
+from pipeline.experiments import declared, with_labels
+from pipeline.paths import ProjectPaths
 from pipeline.report import (
     ReportConfig,
     build_report,
 )
-from pipeline.experiments import declared, with_labels
-from pipeline.paths import ProjectPaths
 from pipeline.results import published
 from pipeline.results.readers import collect_scores
 from pipeline.results.tables import aggregate
@@ -27,35 +28,111 @@ def client_scores(r1: float, r2: float, rl: float) -> dict[str, float]:
 
 # experiment -> (study, method, partition, seed, extra entry keys, {client: (r1, r2, rl)} or None = not evaluated)
 EXPERIMENTS = {
-    "fedavg-s0": ("main", "fedavg", "domain/seed0", 0, {}, {"Academic": (20, 4, 15), "Committee": (30, 10, 20),
-                                                           "Product": (28, 9, 19)}),
-    "fedavg-s1": ("main", "fedavg", "domain/seed1", 1, {}, {"Academic": (24, 6, 17), "Committee": (32, 12, 22),
-                                                           "Product": (30, 11, 21)}),
-    "fsk-s0": ("main", "fedselectkd", "domain/seed0", 0, {}, {"Academic": (25, 6, 18), "Committee": (34, 14, 24),
-                                                             "Product": (32, 12, 22)}),
-    "fsk-s1": ("main", "fedselectkd", "domain/seed1", 1, {}, {"Academic": (26, 7, 19), "Committee": (35, 15, 25),
-                                                             "Product": (33, 13, 23)}),
-    "fsk-s2": ("main", "fedselectkd", "domain/seed2", 2, {}, {"Academic": (27, 8, 20), "Committee": (36, 16, 26),
-                                                             "Product": (34, 14, 24)}),
+    "fedavg-s0": (
+        "main",
+        "fedavg",
+        "domain/seed0",
+        0,
+        {},
+        {"Academic": (20, 4, 15), "Committee": (30, 10, 20), "Product": (28, 9, 19)},
+    ),
+    "fedavg-s1": (
+        "main",
+        "fedavg",
+        "domain/seed1",
+        1,
+        {},
+        {"Academic": (24, 6, 17), "Committee": (32, 12, 22), "Product": (30, 11, 21)},
+    ),
+    "fsk-s0": (
+        "main",
+        "fedselectkd",
+        "domain/seed0",
+        0,
+        {},
+        {"Academic": (25, 6, 18), "Committee": (34, 14, 24), "Product": (32, 12, 22)},
+    ),
+    "fsk-s1": (
+        "main",
+        "fedselectkd",
+        "domain/seed1",
+        1,
+        {},
+        {"Academic": (26, 7, 19), "Committee": (35, 15, 25), "Product": (33, 13, 23)},
+    ),
+    "fsk-s2": (
+        "main",
+        "fedselectkd",
+        "domain/seed2",
+        2,
+        {},
+        {"Academic": (27, 8, 20), "Committee": (36, 16, 26), "Product": (34, 14, 24)},
+    ),
     "single-s0": ("main", "single", "domain/seed0", 0, {}, None),  # planned, never evaluated
-    "tau3": ("tau_sweep", "fedselectkd", "domain/seed0", 0, {"tau": 3.0}, {"Academic": (21, 5, 16),
-                                                                          "Committee": (31, 11, 21),
-                                                                          "Product": (29, 10, 20)}),
-    "tau5": ("tau_sweep", "fedselectkd", "domain/seed0", 0, {"tau": 5.0}, {"Academic": (22, 5, 16),
-                                                                          "Committee": (33, 12, 22),
-                                                                          "Product": (30, 11, 21)}),
-    "iid-fedavg": ("iid", "fedavg", "iid/seed0", 0, {}, {"client0": (20, 5, 15), "client1": (21, 5, 15),
-                                                        "client2": (22, 5, 15)}),
-    "iid-fsk": ("iid", "fedselectkd", "iid/seed0", 0, {}, {"client0": (22, 6, 16), "client1": (23, 6, 16),
-                                                          "client2": (24, 6, 16)}),
-    "prox": ("server", "fedprox", "domain/seed0", 0, {}, {"Academic": (23, 5, 17), "Committee": (33, 12, 22),
-                                                        "Product": (31, 11, 21)}),
-    "post": ("new_client", "post_addition", "extreme/seed0", 0, {}, {"Academic": (24, 6, 18), "Committee": (34, 13, 23),
-                                                                    "Product": (31, 12, 22), "SAMSum": (40, 15, 30)}),
-    "ext": ("extreme", "fedselectkd", "extreme/seed0", 0, {}, {"Academic": (22, 5, 17), "Committee": (33, 12, 22),
-                                                              "Product": (30, 11, 21), "SAMSum": (41, 16, 31)}),
-    "samp": ("sampling", "fedselectkd", "domain/seed0", 0, {"fraction_train": 0.67},
-             {"Academic": (24, 6, 18), "Committee": (33, 13, 23), "Product": (31, 12, 22)}),
+    "tau3": (
+        "tau_sweep",
+        "fedselectkd",
+        "domain/seed0",
+        0,
+        {"tau": 3.0},
+        {"Academic": (21, 5, 16), "Committee": (31, 11, 21), "Product": (29, 10, 20)},
+    ),
+    "tau5": (
+        "tau_sweep",
+        "fedselectkd",
+        "domain/seed0",
+        0,
+        {"tau": 5.0},
+        {"Academic": (22, 5, 16), "Committee": (33, 12, 22), "Product": (30, 11, 21)},
+    ),
+    "iid-fedavg": (
+        "iid",
+        "fedavg",
+        "iid/seed0",
+        0,
+        {},
+        {"client0": (20, 5, 15), "client1": (21, 5, 15), "client2": (22, 5, 15)},
+    ),
+    "iid-fsk": (
+        "iid",
+        "fedselectkd",
+        "iid/seed0",
+        0,
+        {},
+        {"client0": (22, 6, 16), "client1": (23, 6, 16), "client2": (24, 6, 16)},
+    ),
+    "prox": (
+        "server",
+        "fedprox",
+        "domain/seed0",
+        0,
+        {},
+        {"Academic": (23, 5, 17), "Committee": (33, 12, 22), "Product": (31, 11, 21)},
+    ),
+    "post": (
+        "new_client",
+        "post_addition",
+        "extreme/seed0",
+        0,
+        {},
+        {"Academic": (24, 6, 18), "Committee": (34, 13, 23), "Product": (31, 12, 22), "SAMSum": (40, 15, 30)},
+    ),
+    "ext": (
+        "extreme",
+        "fedselectkd",
+        "extreme/seed0",
+        0,
+        {},
+        {"Academic": (22, 5, 17), "Committee": (33, 12, 22), "Product": (30, 11, 21), "SAMSum": (41, 16, 31)},
+    ),
+    "samp": (
+        "sampling",
+        "fedselectkd",
+        "domain/seed0",
+        0,
+        {"fraction_train": 0.67},
+        {"Academic": (24, 6, 18), "Committee": (33, 13, 23), "Product": (31, 12, 22)},
+    ),
 }
 
 
@@ -68,28 +145,53 @@ def project(tmp_path):
             continue
         d = tmp_path / "reports/eval" / name
         d.mkdir(parents=True)
-        metrics = {"experiment": name, "method": method, "backbone": "facebook/bart-large",
-                   "clients": {c: client_scores(*v) for c, v in clients.items()}}
+        metrics = {
+            "experiment": name,
+            "method": method,
+            "backbone": "facebook/bart-large",
+            "clients": {c: client_scores(*v) for c, v in clients.items()},
+        }
         (d / "metrics.json").write_text(json.dumps(metrics))
     # Predictions of the main study, seed 0 (case study, human evaluation).
     for name, method in (("fedavg-s0", "fedavg"), ("fsk-s0", "fedselectkd")):
         with (tmp_path / "reports/eval" / name / "predictions.jsonl").open("w") as fh:
             for c in CLIENTS:
                 for i in range(3):
-                    fh.write(json.dumps({"experiment": name, "client": c, "example_id": f"qmsum/{c}/test/m{i}/q0",
-                                         "domain": c, "prediction": f"{method} says {c} {i}.",
-                                         "reference": f"gold {c} {i}."}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "experiment": name,
+                                "client": c,
+                                "example_id": f"qmsum/{c}/test/m{i}/q0",
+                                "domain": c,
+                                "prediction": f"{method} says {c} {i}.",
+                                "reference": f"gold {c} {i}.",
+                            }
+                        )
+                        + "\n"
+                    )
     # Training rounds of one experiment (learning curves), in the train stage's wide reports/train layout.
-    rows = [{"round": r, **{f"{c}/{q}": v for k, c in enumerate(CLIENTS)
-                            for q, v in (("train_loss", 5.0 - r), ("val_loss", 5.5 - r * 0.5 - k))},
-             "val_loss_mean": 0.0} for r in (1, 2, 3)]
+    rows = [
+        {
+            "round": r,
+            **{
+                f"{c}/{q}": v
+                for k, c in enumerate(CLIENTS)
+                for q, v in (("train_loss", 5.0 - r), ("val_loss", 5.5 - r * 0.5 - k))
+            },
+            "val_loss_mean": 0.0,
+        }
+        for r in (1, 2, 3)
+    ]
     (tmp_path / "reports/train/fsk-s0").mkdir(parents=True)
     (tmp_path / "reports/train/fsk-s0/rounds.json").write_text(json.dumps(rows))
     (tmp_path / "reports/timing").mkdir(parents=True)
-    (tmp_path / "reports/timing/train-fsk-s0.json").write_text(json.dumps(
-        {"stage": "train-fsk-s0", "seconds": 12.5, "peak_rss_mb": 800.0}))
-    (tmp_path / "reports/timing/train-dropped-exp.json").write_text(json.dumps(
-        {"stage": "train-dropped-exp", "seconds": 99.0, "peak_rss_mb": 900.0}))
+    (tmp_path / "reports/timing/train-fsk-s0.json").write_text(
+        json.dumps({"stage": "train-fsk-s0", "seconds": 12.5, "peak_rss_mb": 800.0})
+    )
+    (tmp_path / "reports/timing/train-dropped-exp.json").write_text(
+        json.dumps({"stage": "train-dropped-exp", "seconds": 99.0, "peak_rss_mb": 900.0})
+    )
     return tmp_path, params
 
 
@@ -226,16 +328,21 @@ def test_published_numbers_match_method_md():
                 assert (ours.rouge1, ours.rouge2, ours.rougeL) == (r1, r2, rl), (backbone, cells[0], method)
                 checked += 1
     assert checked == 3 * 3 * 5
-    server = re.search(r"FedAvg\s+([\d./]+), FedOPT ([\d./]+), FedProx ([\d./]+), FedNova ([\d./]+),\s+SelectKD ([\d./]+)",
-                       text)
+    server = re.search(
+        r"FedAvg\s+([\d./]+), FedOPT ([\d./]+), FedProx ([\d./]+), FedNova ([\d./]+),\s+SelectKD ([\d./]+)", text
+    )
     for method, cell in zip(("fedavg", "fedopt", "fedprox", "fednova", "fedselectkd"), server.groups()):
-        assert [published.SERVER_AVG_ROUGE[method][c] for c in CLIENTS] == [float(x) for x in cell.rstrip(".").split("/")]
+        assert [published.SERVER_AVG_ROUGE[method][c] for c in CLIENTS] == [
+            float(x) for x in cell.rstrip(".").split("/")
+        ]
     post = re.search(r"post-addition ([\d./]+)", text).group(1)
     assert [published.NEW_CLIENT_AVG_ROUGE["post_addition"][c] for c in (*CLIENTS, "SAMSum")] == [
-        float(x) for x in post.split("/")]
+        float(x) for x in post.split("/")
+    ]
     pre = re.search(r"pre-addition ([\d./]+)", text).group(1).rstrip(".")
     assert [published.NEW_CLIENT_AVG_ROUGE["pre_addition"][c] for c in (*CLIENTS, "SAMSum")] == [
-        float(x) for x in pre.split("/")]
+        float(x) for x in pre.split("/")
+    ]
     assert published.HUMAN_EVAL["fedavg"] == {"win": 52, "tie": 4, "loss": 4}
     assert published.backbone_key("facebook/bart-large") == "bart-large"
     assert published.backbone_key("allenai/led-large-16384") == "led-large"
@@ -250,23 +357,37 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
     from pipeline.experiments import Experiment, with_labels
     from pipeline.results.figures import privacy_figure, privacy_points
 
-    planned = [Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
-               Experiment("p1", "fedavg", "domain/seed0", 1, "privacy"),
-               Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
-               Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3"),
-               Experiment("m0", "fedavg", "domain/seed0", 0, "main")]
+    planned = [
+        Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
+        Experiment("p1", "fedavg", "domain/seed0", 1, "privacy"),
+        Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
+        Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3"),
+        Experiment("m0", "fedavg", "domain/seed0", 0, "main"),
+    ]
     labels = with_labels(planned)
-    avg = {("p0", "A"): 10.0, ("p0", "B"): 12.0, ("p1", "A"): 14.0, ("p1", "B"): 16.0,
-           ("d0", "A"): 8.0, ("d0", "B"): 8.0, ("m0", "A"): 1.0, ("m0", "B"): 1.0}  # d1 not evaluated
-    scores = pd.DataFrame([{"experiment": e, "client": c, "avg_rouge": v, "backbone": "tiny"}
-                           for (e, c), v in avg.items()])
+    avg = {
+        ("p0", "A"): 10.0,
+        ("p0", "B"): 12.0,
+        ("p1", "A"): 14.0,
+        ("p1", "B"): 16.0,
+        ("d0", "A"): 8.0,
+        ("d0", "B"): 8.0,
+        ("m0", "A"): 1.0,
+        ("m0", "B"): 1.0,
+    }  # d1 not evaluated
+    scores = pd.DataFrame(
+        [{"experiment": e, "client": c, "avg_rouge": v, "backbone": "tiny"} for (e, c), v in avg.items()]
+    )
     for name, eps in (("p0", None), ("p1", None), ("d0", (2.5, 2.9)), ("d1", (2.0, 2.0))):
         d = tmp_path / "train" / name
         d.mkdir(parents=True)
-        clients = {c: {} if eps is None else {"privacy": {"epsilon": e, "noise_multiplier": 1.2}}
-                   for c, e in zip("AB", eps or (0, 0))}
-        d.joinpath("metrics.json").write_text(json.dumps(
-            {"clients": clients, "privacy": None if eps is None else {"target_epsilon": 3}}))
+        clients = {
+            c: {} if eps is None else {"privacy": {"epsilon": e, "noise_multiplier": 1.2}}
+            for c, e in zip("AB", eps or (0, 0))
+        }
+        d.joinpath("metrics.json").write_text(
+            json.dumps({"clients": clients, "privacy": None if eps is None else {"target_epsilon": 3}})
+        )
     points = privacy_points(planned, labels, scores, tmp_path / "train").set_index("label")
     assert list(points.index) == ["fedavg", "fedavg DP-SGD ε≤3"]  # the main study's run is not part of it
     plain, dp = points.loc["fedavg"], points.loc["fedavg DP-SGD ε≤3"]
@@ -284,8 +405,17 @@ def test_timing_table_leaves_the_start_up_of_an_old_record_blank(tmp_path):
     from pipeline.results.tables import timing_markdown, timing_table
 
     (tmp_path / "old.json").write_text(json.dumps({"stage": "postag", "seconds": 30.0, "peak_rss_mb": 500.0}))
-    (tmp_path / "new.json").write_text(json.dumps({"stage": "report", "seconds": 10.0, "startup_seconds": 2.5,
-                                                    "peak_rss_mb": 400.0, "finished_at": "2026-01-01T00:00:00"}))
+    (tmp_path / "new.json").write_text(
+        json.dumps(
+            {
+                "stage": "report",
+                "seconds": 10.0,
+                "startup_seconds": 2.5,
+                "peak_rss_mb": 400.0,
+                "finished_at": "2026-01-01T00:00:00",
+            }
+        )
+    )
     timing, left_out = timing_table(tmp_path, set())
     md = timing_markdown(timing)
     assert left_out == [] and "nan" not in md
@@ -300,9 +430,27 @@ def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tm
     from pipeline.results.tables import timing_markdown, timing_table
 
     # ingest started at 00:00:00 (2.5 s start-up, 10 s work); report finished a minute later (time zones as written)
-    (tmp_path / "a.json").write_text(json.dumps({"stage": "ingest", "seconds": 10.0, "startup_seconds": 2.5,
-                                                  "peak_rss_mb": 1.0, "finished_at": "2026-01-01T00:00:12.5+00:00"}))
-    (tmp_path / "b.json").write_text(json.dumps({"stage": "report", "seconds": 5.0, "startup_seconds": 1.0,
-                                                  "peak_rss_mb": 1.0, "finished_at": "2026-01-01T01:01:00+01:00"}))
+    (tmp_path / "a.json").write_text(
+        json.dumps(
+            {
+                "stage": "ingest",
+                "seconds": 10.0,
+                "startup_seconds": 2.5,
+                "peak_rss_mb": 1.0,
+                "finished_at": "2026-01-01T00:00:12.5+00:00",
+            }
+        )
+    )
+    (tmp_path / "b.json").write_text(
+        json.dumps(
+            {
+                "stage": "report",
+                "seconds": 5.0,
+                "startup_seconds": 1.0,
+                "peak_rss_mb": 1.0,
+                "finished_at": "2026-01-01T01:01:00+01:00",
+            }
+        )
+    )
     timing, _ = timing_table(tmp_path, set())
     assert re.search(r"\b60 s \(1\.0 min\)", timing_markdown(timing))

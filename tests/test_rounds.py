@@ -7,6 +7,7 @@ client keeps exactly its last two round checkpoints and reads back the latest be
 trained flag and DP steps; the round metrics and the DVC plot rows are the rows' values, their sums and means;
 publishing copies a finished run without its checkpoints and per-round gate logs.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,13 +20,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.errors import logs
-from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
-
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.protocol  # noqa: F401,E402
 import pipeline.training.checkpoints  # noqa: F401,E402
 import pipeline.training.history  # noqa: F401,E402
+from tests.errors import logs
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 
 def _plan(name: str, **train):
@@ -66,12 +66,20 @@ def test_best_adapter_is_the_first_round_with_the_lowest_loss_and_final_the_last
 
     with safe_open(str(adapter_file(out, "best")), "pt") as f:
         meta = f.metadata()
-    assert meta == {"experiment": plan.experiment, "client": "Academic", "round": str(best_round),
-                    "val_loss": f"{min(val):.6f}"}
+    assert meta == {
+        "experiment": plan.experiment,
+        "client": "Academic",
+        "round": str(best_round),
+        "val_loss": f"{min(val):.6f}",
+    }
     with safe_open(str(adapter_file(out, "final")), "pt") as f:
         final_meta = f.metadata()
-    assert final_meta == {"experiment": plan.experiment, "client": "Academic", "round": str(len(val)),
-                          "val_loss": f"{val[-1]:.6f}"}
+    assert final_meta == {
+        "experiment": plan.experiment,
+        "client": "Academic",
+        "round": str(len(val)),
+        "val_loss": f"{val[-1]:.6f}",
+    }
 
 
 _PLAN = {}
@@ -151,14 +159,19 @@ def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest
     assert latest_client_checkpoint(ckpt, before=5) is None
     for rnd in range(1, 6):
         progress = {"best-val-loss": 10.0 - rnd, "best-round": rnd}
-        write_client_checkpoint(ckpt, rnd, _state(float(rnd)), progress, trained=rnd > 1,
-                                dp_steps=3 * rnd if rnd % 2 else None)
+        write_client_checkpoint(
+            ckpt, rnd, _state(float(rnd)), progress, trained=rnd > 1, dp_steps=3 * rnd if rnd % 2 else None
+        )
         kept = sorted(p.name for p in ckpt.iterdir())
         expected = [f"round{r:03d}.{ext}" for r in (rnd - 1, rnd) if r >= 1 for ext in ("json", "safetensors")]
         assert kept == expected
     latest = latest_client_checkpoint(ckpt, before=6)
     assert (latest.round, latest.progress, latest.trained, latest.dp_steps) == (
-        5, {"best-val-loss": 5.0, "best-round": 5}, True, 15)
+        5,
+        {"best-val-loss": 5.0, "best-round": 5},
+        True,
+        15,
+    )
     assert all(torch.equal(load_adapter(latest.adapter)[k], v) for k, v in _state(5.0).items())
     earlier = latest_client_checkpoint(ckpt, before=5)  # a server resumed after round 4 asks for round 5
     assert (earlier.round, earlier.trained, earlier.dp_steps) == (4, True, None)
@@ -169,8 +182,9 @@ def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest
 def test_an_untrained_client_checkpoint_says_so(tmp_path):
     from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
-    write_client_checkpoint(tmp_path, 1, _state(0.0), {"best-val-loss": 2.0, "best-round": 1}, trained=False,
-                            dp_steps=0)
+    write_client_checkpoint(
+        tmp_path, 1, _state(0.0), {"best-val-loss": 2.0, "best-round": 1}, trained=False, dp_steps=0
+    )
     ck = latest_client_checkpoint(tmp_path, before=2)
     assert ck.trained is False and ck.dp_steps == 0 and ck.progress == {"best-val-loss": 2.0, "best-round": 1}
     # a checkpoint written before the flag existed counts as trained
@@ -195,10 +209,32 @@ def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- history
 ROWS = [
-    {"round": 1, "client": "A", "train_loss": 2.0, "ce": 1.0, "kd": 0.5, "kd_fraction": 0.25, "val_loss": 3.0,
-     "bytes_up": 100, "bytes_down": 200, "weight_share": 0.25, "failed": 0, "sampled": 1, "weight": 4},
-    {"round": 1, "client": "B", "val_loss": 5.0, "bytes_up": 0, "bytes_down": 50, "failed": 1, "epsilon": 2.0,
-     "clipped_fraction": 0.5, "sampled": 1},
+    {
+        "round": 1,
+        "client": "A",
+        "train_loss": 2.0,
+        "ce": 1.0,
+        "kd": 0.5,
+        "kd_fraction": 0.25,
+        "val_loss": 3.0,
+        "bytes_up": 100,
+        "bytes_down": 200,
+        "weight_share": 0.25,
+        "failed": 0,
+        "sampled": 1,
+        "weight": 4,
+    },
+    {
+        "round": 1,
+        "client": "B",
+        "val_loss": 5.0,
+        "bytes_up": 0,
+        "bytes_down": 50,
+        "failed": 1,
+        "epsilon": 2.0,
+        "clipped_fraction": 0.5,
+        "sampled": 1,
+    },
     {"round": 1, "client": "C", "bytes_down": 7, "failed": 0, "absent": 1, "kd": None},
 ]
 
@@ -207,11 +243,28 @@ def test_round_metrics_are_the_rows_values_their_byte_sums_and_mean_validation_l
     from pipeline.training.history import round_metrics
 
     m = round_metrics(ROWS)
-    assert m == {"A.train_loss": 2.0, "A.ce": 1.0, "A.kd": 0.5, "A.kd_fraction": 0.25, "A.val_loss": 3.0,
-                 "A.bytes_up": 100.0, "A.bytes_down": 200.0, "A.weight_share": 0.25, "A.failed": 0.0,
-                 "B.val_loss": 5.0, "B.bytes_up": 0.0, "B.bytes_down": 50.0, "B.failed": 1.0, "B.epsilon": 2.0,
-                 "B.clipped_fraction": 0.5, "C.bytes_down": 7.0, "C.failed": 0.0,
-                 "bytes_sent": 257.0, "bytes_received": 100.0, "val_loss_mean": 4.0}
+    assert m == {
+        "A.train_loss": 2.0,
+        "A.ce": 1.0,
+        "A.kd": 0.5,
+        "A.kd_fraction": 0.25,
+        "A.val_loss": 3.0,
+        "A.bytes_up": 100.0,
+        "A.bytes_down": 200.0,
+        "A.weight_share": 0.25,
+        "A.failed": 0.0,
+        "B.val_loss": 5.0,
+        "B.bytes_up": 0.0,
+        "B.bytes_down": 50.0,
+        "B.failed": 1.0,
+        "B.epsilon": 2.0,
+        "B.clipped_fraction": 0.5,
+        "C.bytes_down": 7.0,
+        "C.failed": 0.0,
+        "bytes_sent": 257.0,
+        "bytes_received": 100.0,
+        "val_loss_mean": 4.0,
+    }
     assert all(type(v) is float for v in m.values())
     assert "val_loss_mean" not in round_metrics([{"client": "A", "bytes_up": 1}])
 
@@ -220,21 +273,44 @@ def test_rounds_files_hold_the_history_and_one_wide_row_per_round():
     from pipeline.training.history import write_rounds
 
     plan = _plan("rounds-files")
-    history = ROWS + [{"round": 2, "client": "A", "val_loss": 1.0, "bytes_up": 1, "bytes_down": 2},
-                      {"round": 2, "client": "B", "bytes_up": 0}]
+    history = ROWS + [
+        {"round": 2, "client": "A", "val_loss": 1.0, "bytes_up": 1, "bytes_down": 2},
+        {"round": 2, "client": "B", "bytes_up": 0},
+    ]
     write_rounds(plan, history[::-1])  # any order of rows
     assert json.loads((Path(plan.paths["out_dir"]) / "rounds.json").read_text()) == history[::-1]
     wide = json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text())
     assert [w["round"] for w in wide] == [1, 2]
-    assert wide[0] == {"round": 1, "A/train_loss": 2.0, "A/ce": 1.0, "A/kd": 0.5, "A/kd_fraction": 0.25,
-                       "A/val_loss": 3.0, "A/bytes_up": 100, "A/bytes_down": 200, "A/weight_share": 0.25,
-                       "B/val_loss": 5.0, "B/bytes_up": 0, "B/bytes_down": 50, "B/epsilon": 2.0,
-                       "B/clipped_fraction": 0.5, "C/bytes_down": 7, "val_loss_mean": 4.0}
-    assert wide[1] == {"round": 2, "A/val_loss": 1.0, "A/bytes_up": 1, "A/bytes_down": 2, "B/bytes_up": 0,
-                       "val_loss_mean": 1.0}
+    assert wide[0] == {
+        "round": 1,
+        "A/train_loss": 2.0,
+        "A/ce": 1.0,
+        "A/kd": 0.5,
+        "A/kd_fraction": 0.25,
+        "A/val_loss": 3.0,
+        "A/bytes_up": 100,
+        "A/bytes_down": 200,
+        "A/weight_share": 0.25,
+        "B/val_loss": 5.0,
+        "B/bytes_up": 0,
+        "B/bytes_down": 50,
+        "B/epsilon": 2.0,
+        "B/clipped_fraction": 0.5,
+        "C/bytes_down": 7,
+        "val_loss_mean": 4.0,
+    }
+    assert wide[1] == {
+        "round": 2,
+        "A/val_loss": 1.0,
+        "A/bytes_up": 1,
+        "A/bytes_down": 2,
+        "B/bytes_up": 0,
+        "val_loss_mean": 1.0,
+    }
     write_rounds(plan, [{"round": 1, "client": "A", "bytes_up": 3}])
     assert json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text()) == [
-        {"round": 1, "A/bytes_up": 3, "val_loss_mean": None}]
+        {"round": 1, "A/bytes_up": 3, "val_loss_mean": None}
+    ]
 
 
 class _Logger:
@@ -278,16 +354,23 @@ def test_publishing_copies_a_finished_run_without_checkpoints_or_gate_log_parts(
     (target / "stale.txt").write_text("from an earlier run")
     assert checkpoints.publish_outputs(plan) == target
     files = sorted(str(p.relative_to(target)) for p in target.rglob("*"))
-    assert files == ["clients", "clients/A", "clients/A/adapter_best.safetensors", "clients/A/sub",
-                     "clients/A/sub/gate_log", "clients/B", "clients/B/adapter_best.safetensors", "gate_log.parquet",
-                     "rounds.json"]
+    assert files == [
+        "clients",
+        "clients/A",
+        "clients/A/adapter_best.safetensors",
+        "clients/A/sub",
+        "clients/A/sub/gate_log",
+        "clients/B",
+        "clients/B/adapter_best.safetensors",
+        "gate_log.parquet",
+        "rounds.json",
+    ]
     assert (target / "clients" / "B" / "adapter_best.safetensors").read_text() == "B"
     assert (out / "checkpoint" / "server.pt").exists()  # the run directory is left for the caller
 
 
 def test_the_recorders_log_and_write_each_round(caplog):
-    from pipeline.training.history import RoundLog, round_metrics
-    from pipeline.training.history import Recorder, TrainRecorder
+    from pipeline.training.history import Recorder, RoundLog, TrainRecorder, round_metrics
 
     plan = _plan("rounds-recorder", rounds=3)
     entry = RoundLog(2, 1.5, ROWS[:2], True)
@@ -334,9 +417,12 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
     def row(client, **kw):
         return {"round": 1, "client": client, "sampled": 1, "failed": 0, "bytes_down": 10, "bytes_up": 4, **kw}
 
-    rows = [row("C", failed=1, bytes_up=0), row("A", update_clipped=1, clipping_norm=2.0, epsilon=3.5, val_loss=1.0),
-            row("B", update_clipped=0, clipping_norm=2.0, epsilon=3.5, val_loss=2.0),
-            {"round": 1, "client": "D", "sampled": 0, "failed": 0, "absent": 1}]
+    rows = [
+        row("C", failed=1, bytes_up=0),
+        row("A", update_clipped=1, clipping_norm=2.0, epsilon=3.5, val_loss=1.0),
+        row("B", update_clipped=0, clipping_norm=2.0, epsilon=3.5, val_loss=2.0),
+        {"round": 1, "client": "D", "sampled": 0, "failed": 0, "absent": 1},
+    ]
     assert client_level_round(rows) == {"clipping_norm": 2.0, "clipped_fraction": 0.5, "epsilon": 3.5}
     m = round_metrics(rows)
     assert (m["clipping_norm"], m["clipped_fraction"], m["epsilon"]) == (2.0, 0.5, 3.5)
@@ -354,8 +440,7 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
 
 def test_a_round_without_a_validation_loss_logs_nan_for_that_client(caplog):
     """A client that sent no validation loss (it failed) is shown as nan, not as an error that stops the run."""
-    from pipeline.training.history import RoundLog
-    from pipeline.training.history import Recorder
+    from pipeline.training.history import Recorder, RoundLog
 
     plan = _plan("rounds-nan", rounds=2)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
@@ -368,15 +453,19 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
     losses of the clients that have one; the log names the experiment, its method, the clients and the round."""
     import tqdm as tqdm_module
 
-    from pipeline.training.history import RoundLog
-    from pipeline.training.history import TrainRecorder
+    from pipeline.training.history import RoundLog, TrainRecorder
 
     plan = _plan("rounds-progress", rounds=3)
     recorder = TrainRecorder(plan)
     with caplog.at_level(logging.INFO, logger="fedmeet.train"):
         recorder.started(plan, ["A", "B", "C"], 2)
-    logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.train"], "rounds-progress", "fedavg",
-         "['A', 'B', 'C']", "2 of 3")
+    logs(
+        [r.getMessage() for r in caplog.records if r.name == "fedmeet.train"],
+        "rounds-progress",
+        "fedavg",
+        "['A', 'B', 'C']",
+        "2 of 3",
+    )
     bar = recorder._bar
     assert (bar.n, bar.total, bar.desc, bar.unit) == (1, 3, "rounds-progress rounds", "round")
     recorder.round_done(plan, RoundLog(2, 1.5, ROWS, True), ROWS)
@@ -401,8 +490,12 @@ def test_a_checkpoint_with_numpy_arrays_and_rng_states_as_the_server_writes_it_i
     from pipeline.training import checkpoints
 
     plan = _plan("rounds-numpy-ckpt", rounds=3)
-    checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, 1, {
-        "arrays": {"w": np.ones((2, 2), dtype=np.float32)}, "rng": {"numpy": np.random.get_state()}})
+    checkpoints.save_round_checkpoint(
+        checkpoints.server_checkpoint_path(plan),
+        plan,
+        1,
+        {"arrays": {"w": np.ones((2, 2), dtype=np.float32)}, "rng": {"numpy": np.random.get_state()}},
+    )
     assert checkpoints.has_valid_checkpoint(plan)
 
 
@@ -425,11 +518,27 @@ def test_client_level_dp_rows_put_one_epsilon_per_round_in_the_rounds_file_not_o
     from pipeline.training.history import client_level_round, write_rounds
 
     plan = _plan("rounds-client-dp")
-    rows = [{"round": 1, "client": "A", "val_loss": 2.0, "bytes_up": 10, "epsilon": 1.5, "update_clipped": 1,
-             "clipping_norm": 0.5},
-            {"round": 1, "client": "B", "val_loss": 4.0, "bytes_up": 20, "epsilon": 1.5, "update_clipped": 0,
-             "clipping_norm": 0.5},
-            {"round": 1, "client": "C", "val_loss": 6.0, "epsilon": 3.0}]  # example-level: its own epsilon
+    rows = [
+        {
+            "round": 1,
+            "client": "A",
+            "val_loss": 2.0,
+            "bytes_up": 10,
+            "epsilon": 1.5,
+            "update_clipped": 1,
+            "clipping_norm": 0.5,
+        },
+        {
+            "round": 1,
+            "client": "B",
+            "val_loss": 4.0,
+            "bytes_up": 20,
+            "epsilon": 1.5,
+            "update_clipped": 0,
+            "clipping_norm": 0.5,
+        },
+        {"round": 1, "client": "C", "val_loss": 6.0, "epsilon": 3.0},
+    ]  # example-level: its own epsilon
     write_rounds(plan, rows)
     [wide] = json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text())
     assert not any(k in wide for k in ("A/epsilon", "B/epsilon"))

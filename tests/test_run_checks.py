@@ -2,6 +2,7 @@
 commands): run-config keys, types and signs named before any process starts, --auth without --tls refused, a run's
 status read from what `flwr ls --format json` prints, an MLflow run left RUNNING by a killed ServerApp marked
 KILLED. No processes: these run in the fast lane."""
+
 from __future__ import annotations
 
 import json
@@ -14,7 +15,6 @@ from pipeline.common.cli import run as run_cli
 from pipeline.federation import localhost
 from pipeline.federation.deployment import SERVER_KEYS, RunConfigError, check_run_config
 from pipeline.federation.localhost import FederationError, close_left_running, parse_run_status
-
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -27,11 +27,19 @@ def test_the_apps_run_config_is_what_the_server_app_reads():
     assert {k: type(v) for k, v in config.items()} == SERVER_KEYS
 
 
-@pytest.mark.parametrize("item, key", [("evaluate_every=1", "evaluate_every"), ("round-timeout=5", "round-timeout"),
-                                       ("evaluate-every='two'", "evaluate-every"), ("mlflow=3", "mlflow"),
-                                       ("evaluate-every=-1", "evaluate-every"),
-                                       ("round-timeout-s=-0.5", "round-timeout-s"),
-                                       ("admission-timeout-s=-2", "admission-timeout-s"), ("plan=3", "plan")])
+@pytest.mark.parametrize(
+    "item, key",
+    [
+        ("evaluate_every=1", "evaluate_every"),
+        ("round-timeout=5", "round-timeout"),
+        ("evaluate-every='two'", "evaluate-every"),
+        ("mlflow=3", "mlflow"),
+        ("evaluate-every=-1", "evaluate-every"),
+        ("round-timeout-s=-0.5", "round-timeout-s"),
+        ("admission-timeout-s=-2", "admission-timeout-s"),
+        ("plan=3", "plan"),
+    ],
+)
 def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monkeypatch, capsys, item, key):
     monkeypatch.chdir(tmp_path)  # no plan, no FLWR_HOME here: the check must come before both
     monkeypatch.setattr(localhost.ProcessGroup, "start", lambda *a, **k: pytest.fail("a process was started"))
@@ -42,8 +50,16 @@ def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monk
 
 
 def test_good_run_config_values_pass_and_an_integer_is_a_number():
-    check_run_config({"evaluate-every": 2, "round-timeout-s": 30, "admission-timeout-s": 0.0, "mlflow": False,
-                      "plan": "models/plans/x.json"}, SERVER_KEYS)
+    check_run_config(
+        {
+            "evaluate-every": 2,
+            "round-timeout-s": 30,
+            "admission-timeout-s": 0.0,
+            "mlflow": False,
+            "plan": "models/plans/x.json",
+        },
+        SERVER_KEYS,
+    )
     with pytest.raises(RunConfigError):
         check_run_config({"evaluate-every": 1.5}, SERVER_KEYS)
     with pytest.raises(RunConfigError):
@@ -62,17 +78,43 @@ def _flwr_ls_json(rows: list[tuple[int, str, str, str]]) -> str:
     from flwr.cli.ls import _to_json
     from flwr.cli.run_utils import RunRow
 
-    return _to_json([RunRow(run_id=rid, federation_id="", fab_id="fedmeet/fedmeet", fab_version="1.0",
-                            fab_hash="h", status_text=status, details=details, elapsed="00:00:01",
-                            pending_at=pending, starting_at=pending, running_at=pending, finished_at=pending,
-                            network_traffic_inbound=0, network_traffic_outbound=0, compute_time_serverapp=0.0,
-                            compute_time_clientapp=0.0) for rid, status, details, pending in rows])
+    return _to_json(
+        [
+            RunRow(
+                run_id=rid,
+                federation_id="",
+                fab_id="fedmeet/fedmeet",
+                fab_version="1.0",
+                fab_hash="h",
+                status_text=status,
+                details=details,
+                elapsed="00:00:01",
+                pending_at=pending,
+                starting_at=pending,
+                running_at=pending,
+                finished_at=pending,
+                network_traffic_inbound=0,
+                network_traffic_outbound=0,
+                compute_time_serverapp=0.0,
+                compute_time_clientapp=0.0,
+            )
+            for rid, status, details, pending in rows
+        ]
+    )
 
 
 def test_a_runs_status_and_its_cause_come_from_the_superlinks_run_list():
-    text = _flwr_ls_json([(93, "finished:failed", "ServerApp failed with exception: plan.json: client(s) "
-                                                  "['Product'] never joined within 600s", "2026-01-02 10:00:00Z"),
-                          (7, "finished:completed", "N/A", "2026-01-01 10:00:00Z")])  # flwr 1.41's "no details"
+    text = _flwr_ls_json(
+        [
+            (
+                93,
+                "finished:failed",
+                "ServerApp failed with exception: plan.json: client(s) ['Product'] never joined within 600s",
+                "2026-01-02 10:00:00Z",
+            ),
+            (7, "finished:completed", "N/A", "2026-01-01 10:00:00Z"),
+        ]
+    )  # flwr 1.41's "no details"
     assert parse_run_status(text, 7) == ("7", "finished:completed", "")
     rid, status, details = parse_run_status(text)  # the run submitted last, whatever its (random) id
     assert (rid, status) == ("93", "finished:failed") and "['Product']" in details
@@ -87,8 +129,11 @@ def test_the_status_command_exits_non_zero_for_a_failed_run(monkeypatch, capsys)
 
     text = _flwr_ls_json([(93, "finished:failed", "ServerApp failed with exception: boom", "2026-01-02 10:00:00Z")])
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: calls.append(argv) or
-                        subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""))
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""),
+    )
     assert run_cli(localhost.main, ["status", "fedmeet"]) == 1
     assert capsys.readouterr().out.strip() == "run 93: finished:failed (ServerApp failed with exception: boom)"
     assert calls[0][1:] == ["ls", "fedmeet", "--format", "json"]
@@ -98,16 +143,23 @@ def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_al
     from mlflow.tracking import MlflowClient
 
     from pipeline.experiments import Plan
-    from pipeline.training.config import TrainConfig
     from pipeline.training.checkpoints import mlflow_run_id_path
+    from pipeline.training.config import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     client = MlflowClient(tracking_uri=uri)
     exp = client.create_experiment("t")
-    plan = Plan(experiment="fedavg-x", study="t", method="fedavg", partition="domain/seed0", seed=0,
-                train=TrainConfig(), model={})
+    plan = Plan(
+        experiment="fedavg-x",
+        study="t",
+        method="fedavg",
+        partition="domain/seed0",
+        seed=0,
+        train=TrainConfig(),
+        model={},
+    )
     id_file = mlflow_run_id_path(plan)
     id_file.parent.mkdir(parents=True)
     running = client.create_run(exp).info.run_id
@@ -120,7 +172,9 @@ def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_al
     close_left_running(tmp_path, plan, "no run")  # no run id: nothing to mark
 
 
-@pytest.mark.parametrize("rc, key", [({"evaluate-every": -1}, "evaluate-every"), ({"round-timeout-s": "60"}, "round-timeout-s")])
+@pytest.mark.parametrize(
+    "rc, key", [({"evaluate-every": -1}, "evaluate-every"), ({"round-timeout-s": "60"}, "round-timeout-s")]
+)
 def test_the_server_app_refuses_a_bad_run_config_before_anything_else(tmp_path, monkeypatch, rc, key):
     """The manual recipe's `flwr run` reaches the ServerApp without the local command's check: it names the key."""
     from flwr.app import Context, RecordDict
@@ -129,17 +183,24 @@ def test_the_server_app_refuses_a_bad_run_config_before_anything_else(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RunConfigError, match=key):
-        serve(None, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                            run_config={"plan": "models/plans/none.json", **rc}))
+        serve(
+            None,
+            Context(
+                run_id=1,
+                node_id=0,
+                node_config={},
+                state=RecordDict(),
+                run_config={"plan": "models/plans/none.json", **rc},
+            ),
+        )
 
 
 def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     """No server checkpoint: round 1; one after round 2 of this plan: round 3 (what the command prints)."""
-    from tests.test_federated import write_plan
-
     from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation
     from pipeline.federation.protocol import load_plan
     from pipeline.training.checkpoints import save_round_checkpoint, server_checkpoint_path
+    from tests.test_federated import write_plan
 
     path = write_plan("resume-round", "fedavg", rounds=4)
     fed = LocalhostFederation(LocalhostConfig(plan=path))
@@ -147,8 +208,9 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     assert fed._resume_hint().startswith("no round was checkpointed;") and "to start over" in fed._resume_hint()
     save_round_checkpoint(server_checkpoint_path(load_plan(path)), load_plan(path), 2, {})
     assert fed._resume_hint().startswith("the server checkpointed round 2 of 4 (")
-    assert fed._resume_hint().endswith(f"rerun `python -m pipeline.federation local --plan {path}` to resume from "
-                                       f"round 3")
+    assert fed._resume_hint().endswith(
+        f"rerun `python -m pipeline.federation local --plan {path}` to resume from round 3"
+    )
 
 
 def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path):
@@ -157,16 +219,18 @@ def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, t
     import subprocess
     import sys
 
-    from tests.test_federated import write_plan
-
     from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation, Process
+    from tests.test_federated import write_plan
 
     fed = LocalhostFederation(LocalhostConfig(plan=write_plan("superlink-gone", "fedavg", rounds=2)))
     superlink, run = (subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE) for _ in range(2))
     superlink.wait(), run.wait()  # both gone before stream() looks
     fed.superlink = Process("superlink", superlink, tmp_path / "superlink.log")
-    with pytest.raises(FederationError, match=r"the SuperLink stopped during the run \(status 0\); no round was "
-                                              r"checkpointed"):
+    with pytest.raises(
+        FederationError,
+        match=r"the SuperLink stopped during the run \(status 0\); no round was "
+        r"checkpointed",
+    ):
         fed.stream(Process("flwr-run", run, tmp_path / "run.log"))
 
 
@@ -176,11 +240,10 @@ def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, 
     import os
     import time
 
-    from tests.test_federated import write_plan
-
     from pipeline.federation.localhost import LocalhostFederation, LocalhostRun
     from pipeline.federation.protocol import load_plan
     from pipeline.paths import PATHS
+    from tests.test_federated import write_plan
 
     path = write_plan("local-rouge", "fedavg", rounds=1)
     plan = load_plan(path)
@@ -193,8 +256,14 @@ def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, 
         since = time.time()
         train = Path(plan.paths["reports_dir"]) / "metrics.json"
         train.parent.mkdir(parents=True, exist_ok=True)
-        train.write_text(json.dumps({"experiment": plan.experiment, "clients": {
-            "Academic": {"best_round": 1, "best_val_loss": 0.5, "rounds_failed": 0}}}))
+        train.write_text(
+            json.dumps(
+                {
+                    "experiment": plan.experiment,
+                    "clients": {"Academic": {"best_round": 1, "best_val_loss": 0.5, "rounds_failed": 0}},
+                }
+            )
+        )
         evaluated.write_text(json.dumps({"mean": mean}))
         os.utime(evaluated, (since - age, since - age))
         return LocalhostRun(0, fed.home, ""), fed.check_outputs(since)
@@ -210,11 +279,18 @@ def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, 
 def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeypatch, capsys, tmp_path):
     import subprocess
 
-    text = _flwr_ls_json([(93, "finished:failed", "boom", "2026-01-02 10:00:00Z"),
-                          (7, "finished:completed", "N/A", "2026-01-01 10:00:00Z")])
+    text = _flwr_ls_json(
+        [
+            (93, "finished:failed", "boom", "2026-01-02 10:00:00Z"),
+            (7, "finished:completed", "N/A", "2026-01-01 10:00:00Z"),
+        ]
+    )
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: calls.append(argv) or
-                        subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""))
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""),
+    )
     started = tmp_path / "run.json"
     started.write_text('{"success": true, "run-id": "7"}')  # what `flwr run --format json` prints
     assert run_cli(localhost.main, ["status", "fedmeet", "--submitted", str(started)]) == 0
@@ -238,8 +314,9 @@ def test_the_deployed_app_module_freezes_its_imports_and_keeps_collecting():
     on again afterwards (a message's work is collected as usual)."""
     from tests.test_stage_entrypoints import _python
 
-    enabled, frozen = map(int, _python("import gc, pipeline.federation.deployment\n"
-                                       "print(int(gc.isenabled()), gc.get_freeze_count())"))
+    enabled, frozen = map(
+        int, _python("import gc, pipeline.federation.deployment\nprint(int(gc.isenabled()), gc.get_freeze_count())")
+    )
     assert enabled == 1 and frozen > 300_000
 
 
@@ -252,9 +329,8 @@ def test_flwr_run_is_given_a_folder_that_builds_the_checkouts_fab(ws, monkeypatc
 
     from flwr.cli.build import build_fab_from_disk
 
-    from tests.test_federated import write_plan
-
     from pipeline.federation.localhost import REPO_ROOT, LocalhostConfig, LocalhostFederation
+    from tests.test_federated import write_plan
 
     fed = LocalhostFederation(LocalhostConfig(plan=write_plan("app-folder", "fedavg", rounds=1)))
     started = []

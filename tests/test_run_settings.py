@@ -1,6 +1,7 @@
 """Run-time settings travel from the stage entry points (issue 30, item 1): the train stage and a deployed ServerApp
 read them from a params file they name, a ClientApp from its node config, run config or the server's message;
 nothing below the entry points reads a params file, and a client never falls back to defaults it was not given."""
+
 from __future__ import annotations
 
 import ast
@@ -19,8 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _context(node_config=None, run_config=None) -> Context:
-    return Context(run_id=1, node_id=5, node_config=dict(node_config or {}), state=RecordDict(),
-                   run_config=dict(run_config or {}))
+    return Context(
+        run_id=1, node_id=5, node_config=dict(node_config or {}), state=RecordDict(), run_config=dict(run_config or {})
+    )
 
 
 def _message(config: dict) -> Message:
@@ -38,8 +40,9 @@ def test_the_engines_settings_reach_a_client_through_the_message():
 
 def test_a_node_config_wins_over_the_run_config_which_wins_over_the_message():
     message = _message({"cache-dir": "m", "cache-max-gb": 1.0, "teacher-cache-gb": 1.0})
-    got = client_cache_config(message, _context(node_config={"cache-dir": "node"},
-                                                run_config={"cache-dir": "run", "cache-max-gb": 2.0}))
+    got = client_cache_config(
+        message, _context(node_config={"cache-dir": "node"}, run_config={"cache-dir": "run", "cache-max-gb": 2.0})
+    )
     assert (got.cache_dir, got.cache_max_gb, got.teacher_cache_gb) == ("node", 2.0, 1.0)
 
 
@@ -55,14 +58,21 @@ def test_the_deployed_clients_default_to_the_projects_cache_settings():
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     model = yaml.safe_load((ROOT / "params.yaml").read_text())["model"]
     assert client_cache_config(None, _context(run_config=app_config)) == CacheConfig(
-        cache_dir=model["cache_dir"], cache_max_gb=model["cache_max_gb"], teacher_cache_gb=model["teacher_cache_gb"])
+        cache_dir=model["cache_dir"], cache_max_gb=model["cache_max_gb"], teacher_cache_gb=model["teacher_cache_gb"]
+    )
 
 
 def test_run_settings_come_from_the_named_file_and_a_missing_file_is_an_error(tmp_path):
     params = tmp_path / "site.yaml"
-    params.write_text(yaml.safe_dump({"train": {"round_timeout_s": 60, "engine": "ray"},
-                                      "model": {"cache_dir": "/c", "teacher_cache_gb": 0.5},
-                                      "experiments": {"e": {"engine": "inprocess"}}}))
+    params.write_text(
+        yaml.safe_dump(
+            {
+                "train": {"round_timeout_s": 60, "engine": "ray"},
+                "model": {"cache_dir": "/c", "teacher_cache_gb": 0.5},
+                "experiments": {"e": {"engine": "inprocess"}},
+            }
+        )
+    )
     got = load_run_settings(params)
     assert (got.round_timeout_s, got.engine, got.cache.cache_dir, got.cache.teacher_cache_gb) == (60, "ray", "/c", 0.5)
     assert load_run_settings(params, "e").engine == "inprocess"  # the experiment's own override
@@ -73,17 +83,23 @@ def test_run_settings_come_from_the_named_file_and_a_missing_file_is_an_error(tm
 
 def _calls(path: Path, name: str) -> bool:
     tree = ast.parse(path.read_text())
-    return any(isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == name
-               for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Call) and getattr(n.func, "id", getattr(n.func, "attr", None)) == name for n in ast.walk(tree)
+    )
 
 
 def test_only_entry_points_read_run_settings_from_a_file():
-    readers = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py")
-                     if _calls(p, "load_run_settings"))
+    readers = sorted(
+        str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py") if _calls(p, "load_run_settings")
+    )
     # the train stage's CLI and the federation's (`local --params`, `kit --params`); nothing in training/,
     # modeling/, or the engines and apps: the deployed ServerApp takes them from its run config
     assert readers == ["pipeline/federation/localhost.py", "pipeline/train.py"]
-    assert not any(_calls(p, n) for p in (ROOT / "pipeline" / "federation").rglob("*.py") if p.name != "localhost.py"
-                   for n in ("load_params", "load_run_settings"))
+    assert not any(
+        _calls(p, n)
+        for p in (ROOT / "pipeline" / "federation").rglob("*.py")
+        if p.name != "localhost.py"
+        for n in ("load_params", "load_run_settings")
+    )
     assert not any(_calls(p, "load_params") for p in (ROOT / "pipeline" / "training").rglob("*.py"))
     assert not any(_calls(p, "load_params") for p in (ROOT / "pipeline" / "modeling").rglob("*.py"))

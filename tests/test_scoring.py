@@ -1,12 +1,13 @@
 """ROUGE scoring (pipeline.results.scoring) and the `python -m pipeline.evaluate score` CLI, against hand-computed values."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from pipeline.evaluate import main as evaluate_main
 from pipeline.common.schema import DataError
+from pipeline.evaluate import main as evaluate_main
 from pipeline.results.scoring import (
     ROUGE_TYPES,
     TABLE_ROUGE_L,
@@ -130,14 +131,35 @@ def test_score_cli_line_count_mismatch_names_both_files(tmp_path, capsys):
     assert "line counts differ" in capsys.readouterr().err
 
 
-ABBREVIATIONS = ["Mr.", "Mrs.", "Ms.", "Dr.", "Prof.", "St.", "vs.", "etc.", "e.g.", "i.e.", "cf.", "approx.", "No.",
-                 "Fig.", "Inc.", "Ltd.", "Jr.", "Sr.", "Mt."]
+ABBREVIATIONS = [
+    "Mr.",
+    "Mrs.",
+    "Ms.",
+    "Dr.",
+    "Prof.",
+    "St.",
+    "vs.",
+    "etc.",
+    "e.g.",
+    "i.e.",
+    "cf.",
+    "approx.",
+    "No.",
+    "Fig.",
+    "Inc.",
+    "Ltd.",
+    "Jr.",
+    "Sr.",
+    "Mt.",
+]
 
 
 @pytest.mark.parametrize("abbreviation", ABBREVIATIONS)
 def test_an_abbreviation_does_not_end_the_sentence_but_a_line_break_does(abbreviation):
     assert split_sentences(f"They met {abbreviation} Jones there. Then left.") == [
-        f"They met {abbreviation} Jones there.", "Then left."]
+        f"They met {abbreviation} Jones there.",
+        "Then left.",
+    ]
     assert split_sentences(f"They met {abbreviation}\nJones left.") == [f"They met {abbreviation}", "Jones left."]
 
 
@@ -145,7 +167,11 @@ def test_sentence_ends_keep_closing_quotes_and_brackets_and_drop_blank_lines():
     # the break comes after the closing quote or bracket (which ROUGE's tokenizer ignores either way)
     text = 'He said "we agree." (The vote was close.) Next item?\n\n  \nDone.  '
     assert [s.strip('"()') for s in split_sentences(text)] == [
-        'He said "we agree.', "The vote was close.", "Next item?", "Done."]
+        'He said "we agree.',
+        "The vote was close.",
+        "Next item?",
+        "Done.",
+    ]
     # an ordinary word ending in a period ends the sentence; a trailing abbreviation joins the rest of the text
     assert split_sentences("We need more. Fig. 3 shows it") == ["We need more.", "Fig. 3 shows it"]
     assert split_sentences("Ask A. Smith. Done") == ["Ask A. Smith.", "Done"]
@@ -216,7 +242,7 @@ def test_read_lines_keeps_each_line_as_written_but_its_line_end(tmp_path):
     from pipeline.results.scoring import read_lines
 
     path = tmp_path / "p.txt"
-    path.write_bytes("café au lait \t\r\n  indented\nthe vote on item X\n".encode("utf-8"))
+    path.write_bytes("café au lait \t\r\n  indented\nthe vote on item X\n".encode())
     assert read_lines(path) == ["café au lait \t", "  indented", "the vote on item X"]
 
 
@@ -225,8 +251,10 @@ def test_sentence_splitting_of_leading_breaks_and_single_letter_initials():
     assert split_sentences("\nFirst one. Second") == ["First one.", "Second"]
     assert split_sentences("  \n\nFirst one.") == ["First one."]
     # any single capital initial, X included, continues the sentence
-    assert split_sentences("Agent X. Smith left. Then Y. Jones came.") == ["Agent X. Smith left.",
-                                                                           "Then Y. Jones came."]
+    assert split_sentences("Agent X. Smith left. Then Y. Jones came.") == [
+        "Agent X. Smith left.",
+        "Then Y. Jones came.",
+    ]
 
 
 def test_plain_rouge_l_is_the_papers_r_l_by_its_ratio_to_r1():
@@ -238,8 +266,11 @@ def test_plain_rouge_l_is_the_papers_r_l_by_its_ratio_to_r1():
 
     paper = [x.rougeL / x.rouge1 for t in published.MAIN_TABLE.values() for c in t.values() for x in c.values()]
     assert 0.65 <= min(paper) and max(paper) <= 0.78
-    runs = [v for f in sorted((Path(__file__).resolve().parents[1] / "reports/cpu-study/eval").glob("*/metrics.json"))
-            for v in json.loads(f.read_text())["clients"].values()]
+    runs = [
+        v
+        for f in sorted((Path(__file__).resolve().parents[1] / "reports/cpu-study/eval").glob("*/metrics.json"))
+        for v in json.loads(f.read_text())["clients"].values()
+    ]
     assert len(runs) >= 3 * 20
     plain = [v["rougeL"] / v["rouge1"] for v in runs]
     summary = [v["rougeLsum"] / v["rouge1"] for v in runs]

@@ -6,6 +6,7 @@ The bound (pipeline.privacy.secure_aggregation.aggregation_error_bound, derived 
 clipping range c, quantisation range Q, k clients in the sum, Flower's integer weights q_i = n_i * (Q // max n) and
 m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 10uc) + (k + 3) u m, u = 2**-24.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,13 @@ def test_secagg_sum_equals_the_plain_sum_within_the_quantisation_bound(clipping_
     c = clipping_range
     weights = {"a": 3, "b": 7, "c": 10}
     # uniform over the whole clipping range (no coordinate clipped: |x| n / max n <= c), a LayerNorm-like block
-    uploads = {n: {"w": (rng.uniform(-c, c, size=(40, 25)) * 0.999).astype(np.float32),
-                   "ln": (1.0 + 0.1 * rng.standard_normal(30)).clip(-c, c).astype(np.float32)} for n in weights}
+    uploads = {
+        n: {
+            "w": (rng.uniform(-c, c, size=(40, 25)) * 0.999).astype(np.float32),
+            "ln": (1.0 + 0.1 * rng.standard_normal(30)).clip(-c, c).astype(np.float32),
+        }
+        for n in weights
+    }
     cfg = SecAggConfig(clipping_range=c, quantization_range=quantization_range)
     secure, result, replies = secure_round(uploads, weights, cfg)
 
@@ -105,9 +111,12 @@ def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarra
         masked = _inside(legacy_fit)  # called by SecAgg+'s masked-vector stage: the reply leaves only masked
         rnd = int(msg.content["config"]["server-round"])
         name = client_app.client_name(client_app.load_plan(client_app.plan_path_of(msg, context)), context)
-        seen[(rnd, name)] = ({k: a.numpy().copy() for k, a in reply.content["arrays"].items()},
-                             int(reply.content["metrics"]["num-examples"]), masked,
-                             {k: a.numpy().copy() for k, a in msg.content["arrays"].items()})
+        seen[(rnd, name)] = (
+            {k: a.numpy().copy() for k, a in reply.content["arrays"].items()},
+            int(reply.content["metrics"]["num-examples"]),
+            masked,
+            {k: a.numpy().copy() for k, a in msg.content["arrays"].items()},
+        )
         return reply
 
     monkeypatch.setattr(client_app, "train_round", spy)
@@ -160,8 +169,9 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
     replies = []
     real_pull = engines.InProcessGrid.pull_messages
-    monkeypatch.setattr(engines.InProcessGrid, "pull_messages",
-                        lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r)
+    monkeypatch.setattr(
+        engines.InProcessGrid, "pull_messages", lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r
+    )
     name = f"sa-{method}"
     metrics = run_experiment(_write_plan(name, method, SECURE))
     _check_rounds_against_uploads(uploads, globals_, (1, 2), lambda rnd: list(N_TRAIN))
@@ -177,9 +187,15 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
     history = json.loads(Path(f"models/{name}/rounds.json").read_text())
     assert all(r["sampled"] == 1 and r["failed"] == 0 and r["secagg_clipped"] == 0 for r in history)
     assert metrics["secure_aggregation"] == {
-        "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", "num_shares": 1.0, "reconstruction_threshold": 0.67,
-        "clipping_range": 8.0, "quantization_range": 2**22, "rounds_aggregated": 2, "dropped": {},
-        "clipped_coordinates": 0}
+        "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)",
+        "num_shares": 1.0,
+        "reconstruction_threshold": 0.67,
+        "clipping_range": 8.0,
+        "quantization_range": 2**22,
+        "rounds_aggregated": 2,
+        "dropped": {},
+        "clipped_coordinates": 0,
+    }
     assert json.loads(Path(f"reports/train/{name}/metrics.json").read_text())["secure_aggregation"]["dropped"] == {}
     mlflow.set_tracking_uri(__import__("os").environ["MLFLOW_TRACKING_URI"])
     run = mlflow.search_runs(experiment_names=["tests-privacy"], filter_string=f"tags.experiment = '{name}'").iloc[0]
@@ -196,8 +212,9 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
         for k, v in uploads[(1, c)][0].items():
             np.testing.assert_array_equal(v, secure_uploads[(1, c)][0][k])
     states = [uploads[(1, c)][0] for c in N_TRAIN]
-    bound = aggregation_error_bound(list(N_TRAIN.values()), weight_scale(SecAggConfig(), 6), SecAggConfig(),
-                                    max_abs(states))
+    bound = aggregation_error_bound(
+        list(N_TRAIN.values()), weight_scale(SecAggConfig(), 6), SecAggConfig(), max_abs(states)
+    )
     assert max_diff(secure_round1, globals_[1]) <= bound
     assert "secure_aggregation" not in plain
     # masked int64 vectors, keys and shares: more bytes up than the fp32 adapter
@@ -216,8 +233,7 @@ def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatc
 
     uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
     params = _params(SECURE)
-    entry = parse_entry(f"sa-{method}", {"method": method, "partition": partition, "study": "tests-privacy"},
-                        params)
+    entry = parse_entry(f"sa-{method}", {"method": method, "partition": partition, "study": "tests-privacy"}, params)
     path = Path(f"models/plans/sa-{method}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(resolve_plan(entry, params)))
@@ -232,8 +248,11 @@ def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatc
 def test_fewer_than_two_clients_per_round_is_refused(ws):
     from pipeline.train import run_experiment
 
-    with pytest.raises(ValueError, match=r"needs at least 2 clients in every round's sum; 3 clients x "
-                                         r"train.fraction_train 0.34 samples 1$"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs at least 2 clients in every round's sum; 3 clients x "
+        r"train.fraction_train 0.34 samples 1$",
+    ):
         run_experiment(_write_plan("sa-one", "fedavg", SECURE, fraction_train=0.34), track=False)
 
 
@@ -306,8 +325,8 @@ def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monkeypatch):
-    from pipeline.train import run_experiment
     from pipeline.experiments import read_plan
+    from pipeline.train import run_experiment
     from pipeline.training.shared_model import initial_adapter_state
 
     globals_ = _spy_globals(monkeypatch)
@@ -320,8 +339,9 @@ def test_below_the_reconstruction_threshold_the_round_is_not_aggregated(ws, monk
     assert max_diff(globals_[2], globals_[1]) > 0  # round 2, all three back, is aggregated
     rows = {(r["round"], r["client"]): r for r in json.loads(Path(f"models/{name}/rounds.json").read_text())}
     assert all(rows[(1, c)]["failed"] == 1 for c in N_TRAIN)
-    assert rows[(1, "Academic")]["error"] == ("SecAgg+ could not unmask the sum: 2 of 3 sampled clients uploaded, "
-                                              "reconstruction threshold 3 of 3 shares")
+    assert rows[(1, "Academic")]["error"] == (
+        "SecAgg+ could not unmask the sum: 2 of 3 sampled clients uploaded, reconstruction threshold 3 of 3 shares"
+    )
     assert rows[(1, "Committee")]["error"].startswith("SecAgg+ collect_masked_vectors")
     assert metrics["secure_aggregation"]["dropped"] == {c: 1 for c in N_TRAIN}
     assert metrics["secure_aggregation"]["rounds_aggregated"] == 1
@@ -348,9 +368,15 @@ def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch
 
 
 # ------------------------------------------------------------------------------------------ refusals
-@pytest.mark.parametrize("method,why", [
-    ("fedopt", "server (fedopt) does more than average"), ("fednova", "server (fednova) does more than average"),
-    ("single", "trains without a server"), ("centralized", "trains without a server")])
+@pytest.mark.parametrize(
+    "method,why",
+    [
+        ("fedopt", "server (fedopt) does more than average"),
+        ("fednova", "server (fednova) does more than average"),
+        ("single", "trains without a server"),
+        ("centralized", "trains without a server"),
+    ],
+)
 def test_refused_for_servers_that_do_more_than_average_and_for_local_methods(method, why):
     from pipeline.experiments import parse_entry, resolve_plan
 
@@ -370,8 +396,11 @@ def test_accepted_for_servers_that_only_average_and_refused_with_a_lossy_transfe
         entry = parse_entry("x", {"method": method, "partition": "domain/seed0"}, params)
         assert resolve_plan(entry, params)["privacy"]["secure_aggregation"] is True
     params = _params(SECURE, transfer_dtype="int8")
-    with pytest.raises(ConfigError, match=r"^params.yaml experiments.x: privacy.secure_aggregation: "
-                                          r"train.transfer_dtype is int8: .* must be fp32$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^params.yaml experiments.x: privacy.secure_aggregation: "
+        r"train.transfer_dtype is int8: .* must be fp32$",
+    ):
         resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
 
 
@@ -392,28 +421,45 @@ def test_a_hand_written_plan_is_refused_by_the_server_and_plain_messages_by_the_
 
     path.write_text(json.dumps(plan))
     _set_server_identity(1)
-    msg = Message(RecordDict({"arrays": ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path))),
-                              "config": ConfigRecord({"server-round": 1, "plan": str(path)})}),
-                  dst_node_id=1000, message_type="train")
+    msg = Message(
+        RecordDict(
+            {
+                "arrays": ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path))),
+                "config": ConfigRecord({"server-round": 1, "plan": str(path)}),
+            }
+        ),
+        dst_node_id=1000,
+        message_type="train",
+    )
     msg.metadata.__dict__["_message_id"] = "plain"
-    context = Context(run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(),
-                      run_config={})
+    context = Context(
+        run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(), run_config={}
+    )
     with pytest.raises(ValueError, match="uploads its adapter only through SecAgg\\+"):
         client_app(msg, context)
 
 
 # ------------------------------------------------------------------------------------------ params and plans
 def test_secagg_group_validation():
-    cfg = from_dict(PrivacyConfig, {"secure_aggregation": True, "secagg": {"num_shares": 5,
-                                                                          "reconstruction_threshold": 3}}, "privacy")
+    cfg = from_dict(
+        PrivacyConfig,
+        {"secure_aggregation": True, "secagg": {"num_shares": 5, "reconstruction_threshold": 3}},
+        "privacy",
+    )
     assert cfg.secure_aggregation and not cfg.enabled and cfg.secagg.num_shares == 5
     bad = [
         ({"num_shares": 2}, "privacy.secagg.num_shares as a count must be > 2"),
         ({"num_shares": 1.5}, "privacy.secagg.num_shares=1.5 is out of range; allowed: > 0 and <= 1"),
-        ({"reconstruction_threshold": 1.2}, "privacy.secagg.reconstruction_threshold=1.2 is out of range; allowed: > 0 and <= 1"),
+        (
+            {"reconstruction_threshold": 1.2},
+            "privacy.secagg.reconstruction_threshold=1.2 is out of range; allowed: > 0 and <= 1",
+        ),
         ({"num_shares": 4, "reconstruction_threshold": 4}, "must be >= 2 and < num_shares"),
         ({"clipping_range": 0.0}, "privacy.secagg.clipping_range=0.0 is out of range; allowed: > 0"),
-        ({"quantization_range": 2**32}, "privacy.secagg.quantization_range=4294967296 is out of range; allowed: > 1 and < 4294967296"),
+        (
+            {"quantization_range": 2**32},
+            "privacy.secagg.quantization_range=4294967296 is out of range; allowed: > 1 and < 4294967296",
+        ),
         ({"num_shares": True}, "privacy.secagg.num_shares: expected an integer or a number"),
         ({"quantisation_range": 4096}, "privacy.secagg: unknown key(s) ['quantisation_range']"),
     ]
@@ -436,8 +482,18 @@ def test_secure_aggregation_enters_plans_only_when_on(ws):
     dp = resolve_plan(entry, _params(example))
     assert resolve_plan(entry, _params(example | {"secagg": other_settings})) == dp  # off: DP plans unchanged
     on = resolve_plan(entry, _params(SECURE))
-    assert on == plain | {"privacy": {"mode": "none", "secure_aggregation": True, "secagg": {
-        "num_shares": 1.0, "reconstruction_threshold": 0.67, "clipping_range": 8.0, "quantization_range": 2**22}}}
+    assert on == plain | {
+        "privacy": {
+            "mode": "none",
+            "secure_aggregation": True,
+            "secagg": {
+                "num_shares": 1.0,
+                "reconstruction_threshold": 0.67,
+                "clipping_range": 8.0,
+                "quantization_range": 2**22,
+            },
+        }
+    }
     both = resolve_plan(entry, _params(example | SECURE))
     assert both["privacy"] == dp["privacy"] | on["privacy"] | {"mode": "example"}
     # what a run hashes (Plan.to_json_dict) is what the plan file holds, with and without secure aggregation
@@ -447,8 +503,9 @@ def test_secure_aggregation_enters_plans_only_when_on(ws):
         p.write_text(json.dumps(resolved))
         assert read_plan(p).to_json_dict()["privacy"] == resolved["privacy"]
     assert plan_hash(read_plan("models/plans/h-on.json")) != plan_hash(read_plan("models/plans/h-dp.json"))
-    assert record_hash(read_plan("models/plans/h-dp.json").to_json_dict()) == plan_hash(read_plan(
-        "models/plans/h-dp.json"))
+    assert record_hash(read_plan("models/plans/h-dp.json").to_json_dict()) == plan_hash(
+        read_plan("models/plans/h-dp.json")
+    )
 
 
 def test_params_yaml_secagg_group_is_off_and_valid():
@@ -466,8 +523,9 @@ def _client_dp(**kw) -> dict:
     return {"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e-3, "clipping_side": "client", **kw}
 
 
-def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = None
-                  ) -> tuple[dict[str, np.ndarray], list[float]]:
+def _clipped_mean(
+    seen, rnd: int, c: float, weights: dict[str, int] | None = None
+) -> tuple[dict[str, np.ndarray], list[float]]:
     """The mean (uniform, or with ``weights``) of the clients' received global plus their update scaled to L2
     norm <= c (float64), and each update's norm before clipping: the expected aggregate, computed independently of
     Flower's clipping mod from what :func:`_spy_uploads` saw."""
@@ -476,10 +534,10 @@ def _clipped_mean(seen, rnd: int, c: float, weights: dict[str, int] | None = Non
         if r != rnd:
             continue
         update = {k: trained[k].astype(np.float64) - received[k].astype(np.float64) for k in received}
-        norm = math.sqrt(sum(float((u ** 2).sum()) for u in update.values()))
+        norm = math.sqrt(sum(float((u**2).sum()) for u in update.values()))
         scale = min(1.0, c / norm)
         clipped = {k: u * scale for k, u in update.items()}
-        assert math.sqrt(sum(float((u ** 2).sum()) for u in clipped.values())) <= c * (1 + 1e-9)
+        assert math.sqrt(sum(float((u**2).sum()) for u in clipped.values())) <= c * (1 + 1e-9)
         contributions.append({k: received[k].astype(np.float64) + clipped[k] for k in received})
         norms.append(norm)
         w.append(1 if weights is None else weights[client])
@@ -497,11 +555,11 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
     seen, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
     replies = []
     real_pull = engines.InProcessGrid.pull_messages
-    monkeypatch.setattr(engines.InProcessGrid, "pull_messages",
-                        lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r)
+    monkeypatch.setattr(
+        engines.InProcessGrid, "pull_messages", lambda self, ids: replies.extend(r := list(real_pull(self, ids))) or r
+    )
     c = 0.18  # between the tiny model's round-1 update norms (0.13, 0.23, 0.24): one left as it is, two clipped
-    secure = run_experiment(_write_plan("sa-cdp", "fedavg", {**SECURE, **_client_dp(clipping_norm=c)}),
-                            track=False)
+    secure = run_experiment(_write_plan("sa-cdp", "fedavg", {**SECURE, **_client_dp(clipping_norm=c)}), track=False)
     secure_seen, secure_r1 = dict(seen), globals_[1]
     expected, norms = _clipped_mean(secure_seen, 1, c)
     assert min(norms) < c < max(norms)  # the clipping matters, and not for every client
@@ -525,15 +583,27 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
     assert max_diff(secure_r1, globals_[1]) <= bound + 2 * slack
 
     # what the server recorded: the same accounting and clipped fraction, no norm, and no clipped bit in the clear
-    for key in ("rounds_released", "updates_aggregated", "clipped_fraction", "epsilon", "noise_multiplier",
-                "clipping_norm", "sample_rate", "delta"):
+    for key in (
+        "rounds_released",
+        "updates_aggregated",
+        "clipped_fraction",
+        "epsilon",
+        "noise_multiplier",
+        "clipping_norm",
+        "sample_rate",
+        "delta",
+    ):
         assert secure["privacy"][key] == plain["privacy"][key], key
     assert secure["privacy"]["clipping_side"] == "client"
     assert secure["clients"]["Academic"]["privacy"] == {"updates_aggregated": 2}  # its own share is not known
     rows = [r for r in json.loads(Path("models/sa-cdp/rounds.json").read_text()) if r["round"] == 1]
     clipped_share = sum(n > c for n in norms) / len(norms)  # 2 of 3, from the bits summed under the masks
-    assert all(r["update_clipped"] == pytest.approx(clipped_share) and r["update_norm"] is None
-               and r["weight_share"] == pytest.approx(1 / 3) for r in rows)
+    assert all(
+        r["update_clipped"] == pytest.approx(clipped_share)
+        and r["update_norm"] is None
+        and r["weight_share"] == pytest.approx(1 / 3)
+        for r in rows
+    )
     collect = [r for r in replies if r.has_content() and "fitres.metrics" in r.content.config_records]
     assert len(collect) == 2 * len(N_TRAIN)
     for r in collect:
@@ -554,8 +624,9 @@ def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monke
     std = z * c / m  # Flower's compute_stdv for the client-side wrapper: z C / (clients sampled per round)
     run_experiment(_write_plan("sa-cdp-quiet", "fedavg", {**SECURE, **_client_dp()}), track=False)
     quiet = globals_[1]
-    noisy = run_experiment(_write_plan("sa-cdp-noisy", "fedavg", {**SECURE, **_client_dp(noise_multiplier=z)}),
-                           track=False)
+    noisy = run_experiment(
+        _write_plan("sa-cdp-noisy", "fedavg", {**SECURE, **_client_dp(noise_multiplier=z)}), track=False
+    )
     noise = np.concatenate([(globals_[1][k] - quiet[k]).astype(np.float64).ravel() for k in quiet])
     n = noise.size
     assert n > 1000
@@ -579,8 +650,12 @@ def test_adaptive_clipping_under_secagg_moves_c_as_in_the_clear(ws):
     privacy = _client_dp(noise_multiplier=0.5, clipping="adaptive", clipped_count_stddev=1.0)
     secure = run_experiment(_write_plan("sa-cdp-adaptive", "fedavg", {**SECURE, **privacy}), track=False)
     clear = run_experiment(_write_plan("cdp-clear-adaptive", "fedavg", privacy), track=False)
-    c2 = {name: {r["clipping_norm"] for r in json.loads(Path(f"models/{name}/rounds.json").read_text())
-                 if r["round"] == 2} for name in ("sa-cdp-adaptive", "cdp-clear-adaptive")}
+    c2 = {
+        name: {
+            r["clipping_norm"] for r in json.loads(Path(f"models/{name}/rounds.json").read_text()) if r["round"] == 2
+        }
+        for name in ("sa-cdp-adaptive", "cdp-clear-adaptive")
+    }
     assert len(c2["sa-cdp-adaptive"]) == 1 and c2["sa-cdp-adaptive"] == c2["cdp-clear-adaptive"]
     assert c2["sa-cdp-adaptive"] != {1e-3}  # it moved
     assert secure["privacy"]["epsilon"] == clear["privacy"]["epsilon"]
@@ -598,6 +673,9 @@ def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_se
     plan = json.loads(path.read_text())
     plan["privacy"]["clipping_side"] = "server"
     path.write_text(json.dumps(plan))
-    with pytest.raises(ValueError, match=r"sa-cdp-hand.json: privacy.secure_aggregation: privacy.mode client needs "
-                                         r"clipping_side client under SecAgg\+: [^\n]*$"):
+    with pytest.raises(
+        ValueError,
+        match=r"sa-cdp-hand.json: privacy.secure_aggregation: privacy.mode client needs "
+        r"clipping_side client under SecAgg\+: [^\n]*$",
+    ):
         run_experiment(str(path), track=False)

@@ -10,14 +10,15 @@ of the post-addition study gets no message before it is admitted and is admitted
 improving (or at max_round); a gone node is recorded as absent and a restarted one takes its client's place; a
 run killed after any round resumes to the uninterrupted result; every row's bytes are the encoded messages'.
 """
+
 from __future__ import annotations
 
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -25,15 +26,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.errors import logs, names
-from tests.faults import killed_after_checkpoint
-from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
-
 # imported here, not only in the tests: mutmut's fork server imports the test modules once, so each mutant's run
 # does not pay for importing Flower, transformers and the federation modules again
 import pipeline.federation.engines  # noqa: F401,E402
 import pipeline.federation.server_app  # noqa: F401,E402
 import pipeline.training.shared_model  # noqa: F401,E402
+from tests.errors import logs, names
+from tests.faults import killed_after_checkpoint
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 
 N = "num-examples"
 WEIGHTS = {"Academic": 1, "Committee": 2, "Product": 5, "SAMSum": 3}
@@ -48,8 +48,7 @@ class Script:
 
     delta: dict[str, float] = field(default_factory=lambda: dict(DELTAS))
     weight: dict[str, int] = field(default_factory=lambda: dict(WEIGHTS))
-    steps: dict[str, int] = field(default_factory=lambda: {"Academic": 1, "Committee": 2, "Product": 4,
-                                                           "SAMSum": 1})
+    steps: dict[str, int] = field(default_factory=lambda: {"Academic": 1, "Committee": 2, "Product": 4, "SAMSum": 1})
     val: Callable[[str, int], float] = lambda c, rnd: 1.0 + 0.5 * rnd  # noqa: E731  (no client improves)
     fail: set = field(default_factory=set)
     fail_eval: set = field(default_factory=set)
@@ -83,8 +82,9 @@ def scripted_app(script: Script):
     def identify(msg, context):
         if context.node_config["client-name"] is None:
             raise RuntimeError("no client name configured\n(a second line)")
-        return Message(RecordDict({"identity": ConfigRecord({"client-name": context.node_config["client-name"]})}),
-                       reply_to=msg)
+        return Message(
+            RecordDict({"identity": ConfigRecord({"client-name": context.node_config["client-name"]})}), reply_to=msg
+        )
 
     @app.train()
     def train(msg, context):
@@ -99,15 +99,33 @@ def scripted_app(script: Script):
         local = {k: v + script.delta[name] for k, v in received.items()}
         arrays = encode_reply(local, plan, received)
         if (name, rnd) in script.bad_reply:  # an int8 tensor without its scale
-            arrays = ArrayRecord.from_torch_state_dict({k: torch.zeros(v.shape, dtype=torch.int8)
-                                                        for k, v in local.items()})
-        metrics = {N: script.weight[name], "num-trained": script.weight[name] - 1, "num-steps": script.steps[name],
-                   "num-tokens": 10 * script.weight[name], "train-loss": 2.0 + rnd, "ce": 1.5 + rnd,
-                   "kd": 0.25, "kd-fraction": 0.5, "proximal": 0.125}
+            arrays = ArrayRecord.from_torch_state_dict(
+                {k: torch.zeros(v.shape, dtype=torch.int8) for k, v in local.items()}
+            )
+        metrics = {
+            N: script.weight[name],
+            "num-trained": script.weight[name] - 1,
+            "num-steps": script.steps[name],
+            "num-tokens": 10 * script.weight[name],
+            "train-loss": 2.0 + rnd,
+            "ce": 1.5 + rnd,
+            "kd": 0.25,
+            "kd-fraction": 0.5,
+            "proximal": 0.125,
+        }
         if script.privacy:
-            metrics.update({"dp-epsilon": 3.0 * rnd, "dp-delta": 1e-5, "dp-noise-multiplier": 1.1,
-                            "dp-max-grad-norm": -1.0, "dp-sample-rate": 0.25, "dp-steps": 4 * rnd,
-                            "dp-examples": 8, "dp-clipped": 2})
+            metrics.update(
+                {
+                    "dp-epsilon": 3.0 * rnd,
+                    "dp-delta": 1e-5,
+                    "dp-noise-multiplier": 1.1,
+                    "dp-max-grad-norm": -1.0,
+                    "dp-sample-rate": 0.25,
+                    "dp-steps": 4 * rnd,
+                    "dp-examples": 8,
+                    "dp-clipped": 2,
+                }
+            )
         if name in script.dp_clipped:
             metrics["dp-update-clipped"] = script.dp_clipped[name]
         content = RecordDict({"arrays": arrays, "metrics": MetricRecord(metrics)})
@@ -123,8 +141,16 @@ def scripted_app(script: Script):
         count(name, rnd, received=_nbytes(msg.content))
         if (name, rnd) in script.fail_eval:
             raise RuntimeError(f"{name} cannot evaluate")
-        return Message(RecordDict({"metrics": MetricRecord({N: 2, "val-loss": float(script.val(name, rnd)),
-                                                            "val-tokens": 7, "best-round": rnd})}), reply_to=msg)
+        return Message(
+            RecordDict(
+                {
+                    "metrics": MetricRecord(
+                        {N: 2, "val-loss": float(script.val(name, rnd)), "val-tokens": 7, "best-round": rnd}
+                    )
+                }
+            ),
+            reply_to=msg,
+        )
 
     return app
 
@@ -134,17 +160,30 @@ class Grid:
     are gone in some rounds (``gone``: round -> client names), nodes that come back under a new id
     (``restart``: round -> client names) and replies lost on the way (``lost``: (client, round) pairs)."""
 
-    def __init__(self, plan_path: str, script: Script, clients: list[str], extra: dict[int, str] | None = None,
-                 plan_in_node_config: bool = True):
+    def __init__(
+        self,
+        plan_path: str,
+        script: Script,
+        clients: list[str],
+        extra: dict[int, str] | None = None,
+        plan_in_node_config: bool = True,
+    ):
         from pipeline.federation.engines import InProcessGrid, _set_server_identity
 
-        self.inner = InProcessGrid(scripted_app(script), [{"client-name": c, "plan": plan_path if plan_in_node_config
-                                                           else ""} for c in clients])
+        self.inner = InProcessGrid(
+            scripted_app(script),
+            [{"client-name": c, "plan": plan_path if plan_in_node_config else ""} for c in clients],
+        )
         for node, name in (extra or {}).items():  # nodes beyond the plan's clients
             from flwr.app import Context, RecordDict
 
-            self.inner.contexts[node] = Context(run_id=1, node_id=node, node_config={"client-name": name,
-                                                "plan": plan_path}, state=RecordDict(), run_config={})
+            self.inner.contexts[node] = Context(
+                run_id=1,
+                node_id=node,
+                node_config={"client-name": name, "plan": plan_path},
+                state=RecordDict(),
+                run_config={},
+            )
         _set_server_identity(self.inner.run.run_id)
         self.gone: dict[int, set[str]] = {}
         self.restart: dict[int, set[str]] = {}
@@ -187,9 +226,13 @@ class Grid:
             from flwr.app import Error, Message
 
             by_id = {m.metadata.message_id: m for m in messages}
-            replies = [Message(error=Error(code=7, reason=""), reply_to=by_id[r.metadata.reply_to_message_id])
-                       if (self.name(r.metadata.src_node_id), self.round) in self.silent_error
-                       and r.metadata.message_type == "train" else r for r in replies]
+            replies = [
+                Message(error=Error(code=7, reason=""), reply_to=by_id[r.metadata.reply_to_message_id])
+                if (self.name(r.metadata.src_node_id), self.round) in self.silent_error
+                and r.metadata.message_type == "train"
+                else r
+                for r in replies
+            ]
         return [r for r in replies if (self.name(r.metadata.src_node_id), self.round) not in self.lost]
 
     def next_round(self, rnd: int) -> None:
@@ -224,8 +267,9 @@ class Recorder:
             self.grid.next_round(entry.round + 1)
 
 
-def run(plan_path: str, script: Script, clients: list[str] | None = None, grid: Grid | None = None,
-        timeout: float = 5.0):
+def run(
+    plan_path: str, script: Script, clients: list[str] | None = None, grid: Grid | None = None, timeout: float = 5.0
+):
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
@@ -296,10 +340,18 @@ def test_fedavg_moves_the_global_by_the_weighted_mean_update_every_round(ws):
     for c, row in rows.items():
         assert (row["sampled"], row["failed"], row["weight"]) == (1, 0, WEIGHTS[c])
         assert row["weight_share"] == pytest.approx(WEIGHTS[c] / total)
-        assert (row["n_examples"], row["n_steps"], row["n_tokens"]) == (WEIGHTS[c] - 1, script.steps[c],
-                                                                         10 * WEIGHTS[c])
+        assert (row["n_examples"], row["n_steps"], row["n_tokens"]) == (
+            WEIGHTS[c] - 1,
+            script.steps[c],
+            10 * WEIGHTS[c],
+        )
         assert (row["train_loss"], row["ce"], row["kd"], row["kd_fraction"], row["proximal"]) == (
-            4.0, 3.5, 0.25, 0.5, 0.125)
+            4.0,
+            3.5,
+            0.25,
+            0.5,
+            0.125,
+        )
         assert (row["val_loss"], row["val_tokens"], row["best_round"]) == (2.0, 7, 2)
         assert "epsilon" not in row and "absent" not in row and "error" not in row
     assert recorder.started_with == (["Academic", "Committee", "Product"], 1)
@@ -336,8 +388,11 @@ def test_clients_configured_without_a_plan_follow_the_plan_each_message_names(ws
     grid = Grid(path, script, ["Academic", "Committee", "Product"], plan_in_node_config=False)
     final, history, _ = run(path, script, grid=grid)
     assert all(r["failed"] == 0 and "eval_failed" not in r and "val_loss" in r for r in history)
-    assert_state(final, {k: v + 2 * weighted_update(["Academic", "Committee", "Product"], script)
-                         for k, v in initial(path).items()}, exact=False)
+    assert_state(
+        final,
+        {k: v + 2 * weighted_update(["Academic", "Committee", "Product"], script) for k, v in initial(path).items()},
+        exact=False,
+    )
 
 
 def test_eval_messages_carry_the_global_only_for_methods_that_evaluate_it(ws):
@@ -351,13 +406,15 @@ def test_eval_messages_carry_the_global_only_for_methods_that_evaluate_it(ws):
     evals_kd = [s for kind, _, _, s in kd.calls if kind == "evaluate"]
     assert len(evals_avg) == len(evals_kd) == 3
     assert all(s is None for s in evals_kd)
-    w1 = {k: v + weighted_update(["Academic", "Committee", "Product"], avg) for k, v in
-          initial("models/plans/loop-evalsend.json").items()}
+    w1 = {
+        k: v + weighted_update(["Academic", "Committee", "Product"], avg)
+        for k, v in initial("models/plans/loop-evalsend.json").items()
+    }
     for s in evals_avg:
         assert_state(s, w1, exact=False)  # the aggregate of this round
-    for c, row in rows_of(h_avg, 1).items():
+    for row in rows_of(h_avg, 1).values():
         assert row["bytes_up"] > 0 and row["bytes_down"] == 2 * row["bytes_up"]  # fp32: train + eval copy
-    for c, row in rows_of(h_kd, 1).items():
+    for row in rows_of(h_kd, 1).values():
         assert row["bytes_down"] == row["bytes_up"] > 0
 
 
@@ -366,8 +423,9 @@ def test_bytes_are_those_the_clients_received_and_sent(ws, dtype):
     """bytes_down / bytes_up of a row = the adapter bytes the client got (train and evaluation messages) and sent
     that round, counted on the client's side; int8 sends a quarter of the tensor bytes of fp32."""
     script = Script()
-    _, history, _ = run(write_plan(f"loop-bytes-{dtype}", "fedavg", rounds=2, fraction_train=0.67,
-                                   transfer_dtype=dtype), script)
+    _, history, _ = run(
+        write_plan(f"loop-bytes-{dtype}", "fedavg", rounds=2, fraction_train=0.67, transfer_dtype=dtype), script
+    )
     for row in history:
         assert [row["bytes_down"], row["bytes_up"]] == script.wire[(row["client"], row["round"])]
     n = sum(v.numel() for v in initial(f"models/plans/loop-bytes-{dtype}.json").values())
@@ -380,8 +438,7 @@ def test_bytes_are_those_the_clients_received_and_sent(ws, dtype):
 def test_a_delta_encoded_reply_is_added_back_to_the_global_the_client_received(ws):
     """int8 with train.transfer_delta: clients send W_c - W_received, the server adds it back to what it sent, so
     FedAvg still moves the global by the weighted mean update (a constant delta quantises exactly)."""
-    path = write_plan("loop-delta", "fedavg", rounds=2, fraction_train=1.0, transfer_dtype="int8",
-                      transfer_delta=True)
+    path = write_plan("loop-delta", "fedavg", rounds=2, fraction_train=1.0, transfer_dtype="int8", transfer_delta=True)
     script = Script()
     final, history, _ = run(path, script)
     step = weighted_update(["Academic", "Committee", "Product"], script)
@@ -435,8 +492,9 @@ def _client_dp(path: str, **privacy) -> str:
     from pipeline.privacy.settings import PrivacyConfig
 
     plan = json.loads(Path(path).read_text())
-    plan["privacy"] = from_dict(PrivacyConfig, {"mode": "client", "noise_multiplier": 0.0, **privacy},
-                                "privacy").plan_dict()
+    plan["privacy"] = from_dict(
+        PrivacyConfig, {"mode": "client", "noise_multiplier": 0.0, **privacy}, "privacy"
+    ).plan_dict()
     Path(path).write_text(json.dumps(plan, indent=2, sort_keys=True))
     return path
 
@@ -445,8 +503,9 @@ def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_avera
     """Client-level DP, client-side clipping, noise 0: a reply without the clipping mod's bit is not aggregated
     (failed, logged); the others enter a uniform mean (not |D_i|-weighted) and their rows get their bit, the norm
     of their update (|delta_c| sqrt(n)) and C."""
-    path = _client_dp(write_plan("loop-cdp-client", "fedavg", rounds=1, fraction_train=1.0),
-                      clipping_norm=1e6, clipping_side="client")
+    path = _client_dp(
+        write_plan("loop-cdp-client", "fedavg", rounds=1, fraction_train=1.0), clipping_norm=1e6, clipping_side="client"
+    )
     script = Script(dp_clipped={"Academic": 1, "Committee": 0})  # Product: a client without the mod
     with caplog.at_level(logging.WARNING, logger="fedmeet.federated"):
         final, history, _ = run(path, script)
@@ -456,7 +515,7 @@ def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_avera
     logs(logged(caplog), "round 1", "Product", "C=1e+06")
     for c, bit in (("Academic", 1), ("Committee", 0)):
         assert rows[c]["failed"] == 0 and rows[c]["update_clipped"] == bit and rows[c]["clipping_norm"] == 1e6
-        assert rows[c]["update_norm"] == pytest.approx(abs(DELTAS[c]) * n ** 0.5, rel=1e-5)
+        assert rows[c]["update_norm"] == pytest.approx(abs(DELTAS[c]) * n**0.5, rel=1e-5)
         assert rows[c]["weight_share"] == pytest.approx(1 / 3)  # 1 / the expected count, whoever replied
     uniform = (DELTAS["Academic"] + DELTAS["Committee"]) / 3  # the sum over the expected count (3 of 3)
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
@@ -467,14 +526,14 @@ def test_server_side_clipping_marks_the_updates_above_c_and_aggregates_every_rep
     every reply is aggregated (the wrapper clips), uniformly."""
     path = write_plan("loop-cdp-server", "fedavg", rounds=1, fraction_train=1.0)
     n = sum(v.numel() for v in initial(path).values())
-    c = 0.3 * n ** 0.5  # Academic's update (0.5 sqrt(n)) is above C, Committee's (0.25) and Product's (0.125) below
+    c = 0.3 * n**0.5  # Academic's update (0.5 sqrt(n)) is above C, Committee's (0.25) and Product's (0.125) below
     _client_dp(path, clipping_norm=c, clipping_side="server")
     script = Script()
     _, history, _ = run(path, script)
     rows = rows_of(history, 1)
     assert {k: r["update_clipped"] for k, r in rows.items()} == {"Academic": 1, "Committee": 0, "Product": 0}
     assert all(r["failed"] == 0 and r["weight_share"] == pytest.approx(1 / 3) for r in rows.values())
-    assert rows["Academic"]["update_norm"] == pytest.approx(0.5 * n ** 0.5, rel=1e-5)
+    assert rows["Academic"]["update_norm"] == pytest.approx(0.5 * n**0.5, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------- sampling
@@ -541,7 +600,8 @@ def test_a_run_killed_after_any_round_resumes_to_the_uninterrupted_result(ws, mo
         assert_state(resumed, full)
         assert history == full_history
         assert [(c, r) for k, c, r, _ in script.calls if k == "train"] == [
-            (c, r) for k, c, r, _ in full_script.calls if k == "train"]
+            (c, r) for k, c, r, _ in full_script.calls if k == "train"
+        ]
 
 
 def test_a_checkpoint_of_another_configuration_is_not_resumed(ws, monkeypatch):
@@ -565,7 +625,8 @@ def test_a_failed_client_is_left_out_of_that_rounds_aggregate_only(ws, caplog):
     assert r1["Committee"]["bytes_up"] == 0 and r1["Committee"]["sampled"] == 1  # sampled, sent nothing back
     assert "weight" not in r1["Committee"] and "weight_share" not in r1["Committee"]
     assert r1["Academic"]["weight_share"] == pytest.approx(1 / 6) and r1["Product"]["weight_share"] == pytest.approx(
-        5 / 6)
+        5 / 6
+    )
     assert rows_of(history, 2)["Committee"]["failed"] == 0
     step1 = weighted_update(["Academic", "Product"], script)
     step2 = weighted_update(["Academic", "Committee", "Product"], script)
@@ -583,8 +644,11 @@ def test_a_round_without_any_update_keeps_the_global(ws, caplog):
     assert [agg for _, agg, _, _ in recorder.rounds] == [False, True]
     assert all(r["failed"] == 1 for r in rows_of(history, 1).values())
     # round 2 started from the round-0 adapter
-    assert_state(final, {k: v + weighted_update(["Academic", "Committee", "Product"], script)
-                         for k, v in initial(path).items()}, exact=False)
+    assert_state(
+        final,
+        {k: v + weighted_update(["Academic", "Committee", "Product"], script) for k, v in initial(path).items()},
+        exact=False,
+    )
 
 
 def test_a_reply_lost_on_the_way_counts_as_failed_with_the_timeout(ws, caplog):
@@ -598,8 +662,11 @@ def test_a_reply_lost_on_the_way_counts_as_failed_with_the_timeout(ws, caplog):
     row = rows_of(history, 1)["Product"]
     assert row["failed"] == 1 and row["error"] == "no reply within 7s (train.round_timeout_s)"
     assert "val_loss" not in row  # its evaluation reply was lost too
-    assert_state(final, {k: v + weighted_update(["Academic", "Committee"], script)
-                         for k, v in initial(path).items()}, exact=False)
+    assert_state(
+        final,
+        {k: v + weighted_update(["Academic", "Committee"], script) for k, v in initial(path).items()},
+        exact=False,
+    )
 
 
 def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
@@ -612,8 +679,9 @@ def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
     assert rows["Academic"]["failed"] == 1 and "weight_share" not in rows["Academic"]
     assert rows["Academic"]["bytes_up"] > 0  # it did arrive
     assert rows["Committee"]["weight_share"] == pytest.approx(2 / 7)
-    assert_state(final, {k: v + weighted_update(["Committee", "Product"], script)
-                         for k, v in initial(path).items()}, exact=False)
+    assert_state(
+        final, {k: v + weighted_update(["Committee", "Product"], script) for k, v in initial(path).items()}, exact=False
+    )
 
 
 def test_every_other_reply_of_a_round_with_an_undecodable_one_is_aggregated(ws):
@@ -661,14 +729,24 @@ def test_a_gone_node_is_recorded_absent_and_a_restarted_one_takes_its_clients_pl
         final, history, _ = run(path, script, grid=grid)
     logs(logged(caplog), "Product", "1102")
     r2 = rows_of(history, 2)["Committee"]
-    assert r2 == {"round": 2, "client": "Committee", "sampled": 0, "failed": 0, "absent": 1, "bytes_down": 0,
-                  "bytes_up": 0}
+    assert r2 == {
+        "round": 2,
+        "client": "Committee",
+        "sampled": 0,
+        "failed": 0,
+        "absent": 1,
+        "bytes_down": 0,
+        "bytes_up": 0,
+    }
     assert trained(script, 2) == ["Academic", "Product"]
     assert trained(script, 3) == ["Academic", "Committee", "Product"]  # Product under its new node id
     assert rows_of(history, 3)["Product"]["failed"] == 0 and "absent" not in rows_of(history, 3)["Committee"]
     all3 = weighted_update(["Academic", "Committee", "Product"], script)
-    assert_state(final, {k: v + 2 * all3 + weighted_update(["Academic", "Product"], script)
-                         for k, v in initial(path).items()}, exact=False)
+    assert_state(
+        final,
+        {k: v + 2 * all3 + weighted_update(["Academic", "Product"], script) for k, v in initial(path).items()},
+        exact=False,
+    )
 
 
 def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
@@ -694,7 +772,11 @@ def test_a_stranger_among_new_nodes_does_not_keep_a_restarted_client_out(ws, cap
     node_names = {1000: "Academic", 1001: "Committee", 9: "Product"}
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         connected = _connected_nodes(grid, path, node_names, timeout=5)
-    assert len(logged(caplog)) == 2 and logs(logged(caplog), "500", "'Mallory'") and logs(logged(caplog), "Product", "1002")
+    assert (
+        len(logged(caplog)) == 2
+        and logs(logged(caplog), "500", "'Mallory'")
+        and logs(logged(caplog), "Product", "1002")
+    )
     assert connected == node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
 
 
@@ -703,7 +785,11 @@ def test_identify_names_every_node_and_rejects_two_claiming_one_client(ws):
 
     path = write_plan("loop-identify", "fedavg", rounds=1)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
-    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
+        1000: "Academic",
+        1001: "Committee",
+        1002: "Product",
+    }
     twice = Grid(path, Script(), ["Academic", "Academic"])
     with pytest.raises(RuntimeError, match="two nodes claim the same client name"):
         _identify(twice, path, expected=["Academic", "Committee"], timeout=5)
@@ -731,8 +817,14 @@ def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_
 
 # ----------------------------------------------------------------------------------------------- admission
 def _post_addition(name: str, val, max_round: int, rounds: int = 5):
-    path = write_plan(name, "post_addition", "extreme/seed0", rounds=rounds, fraction_train=1.0,
-                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": max_round})
+    path = write_plan(
+        name,
+        "post_addition",
+        "extreme/seed0",
+        rounds=rounds,
+        fraction_train=1.0,
+        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": max_round},
+    )
     script = Script(val=val)
     _, history, _ = run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
     return script, history
@@ -754,9 +846,15 @@ def test_the_late_client_hears_nothing_before_it_joins_once_the_others_stop_impr
 def test_the_late_client_is_recorded_absent_only_once_it_has_joined(ws):
     """Its SuperNode is gone in rounds 1, 2 and 4; it joins at max_round 3: no row at all before joining (not
     admitted, so not missed), a normal one in round 3, an absent one in round 4."""
-    path = write_plan("loop-join-gone", "post_addition", "extreme/seed0", rounds=4, fraction_train=1.0,
-                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3})
-    script = Script(val=lambda c, r: 10.0 * 0.8 ** r)  # the others keep improving: it joins at max_round
+    path = write_plan(
+        "loop-join-gone",
+        "post_addition",
+        "extreme/seed0",
+        rounds=4,
+        fraction_train=1.0,
+        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3},
+    )
+    script = Script(val=lambda c, r: 10.0 * 0.8**r)  # the others keep improving: it joins at max_round
     clients = ["Academic", "Committee", "Product", "SAMSum"]
     grid = Grid(path, script, clients)
     grid.gone = {1: {"SAMSum"}, 2: {"SAMSum"}, 4: {"SAMSum"}}
@@ -768,7 +866,7 @@ def test_the_late_client_is_recorded_absent_only_once_it_has_joined(ws):
 
 
 def test_the_late_client_joins_at_max_round_while_the_others_still_improve(ws):
-    script, history = _post_addition("loop-join-max", lambda c, r: 10.0 * 0.8 ** r, max_round=3)
+    script, history = _post_addition("loop-join-max", lambda c, r: 10.0 * 0.8**r, max_round=3)
     assert min(r["round"] for r in history if r["client"] == "SAMSum") == 3
     assert min(r for k, c, r, _ in script.calls if c == "SAMSum") == 3
 
@@ -776,16 +874,28 @@ def test_the_late_client_joins_at_max_round_while_the_others_still_improve(ws):
 def test_a_resumed_run_keeps_the_late_clients_admission(ws, monkeypatch):
     # converged after round 2 (joins in 3), improving again after: only the restored admission lets it train in 4
     losses = {1: 10.0, 2: 10.0, 3: 5.0, 4: 4.0, 5: 3.0}
-    path = write_plan("loop-join-resume", "post_addition", "extreme/seed0", rounds=5, fraction_train=1.0,
-                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 5})
+    path = write_plan(
+        "loop-join-resume",
+        "post_addition",
+        "extreme/seed0",
+        rounds=5,
+        fraction_train=1.0,
+        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 5},
+    )
     with killed_after_checkpoint(monkeypatch, 3):
         run(path, Script(val=lambda c, r: losses[r]), clients=["Academic", "Committee", "Product", "SAMSum"])
     script = Script(val=lambda c, r: losses[r])
     _, history, _ = run(path, script, clients=["Academic", "Committee", "Product", "SAMSum"])
     assert trained(script, 4) == ["Academic", "Committee", "Product", "SAMSum"]
     # killed before it joined (after round 1): the resumed run still keeps it out until round 3
-    path = write_plan("loop-join-resume-early", "post_addition", "extreme/seed0", rounds=3, fraction_train=1.0,
-                      join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3})
+    path = write_plan(
+        "loop-join-resume-early",
+        "post_addition",
+        "extreme/seed0",
+        rounds=3,
+        fraction_train=1.0,
+        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 3},
+    )
     with killed_after_checkpoint(monkeypatch, 1):
         run(path, Script(val=lambda c, r: losses[r]), clients=["Academic", "Committee", "Product", "SAMSum"])
     script = Script(val=lambda c, r: losses[r])
@@ -798,8 +908,10 @@ def test_a_late_client_outside_the_partition_is_an_error(ws):
     path = write_plan("loop-late-missing", "post_addition", "domain/seed0", rounds=2)
     with pytest.raises(ValueError) as err:
         run(path, Script())
-    assert "new client 'SAMSum' (train.new_client) is not among the clients ['Academic', 'Committee', 'Product']" \
+    assert (
+        "new client 'SAMSum' (train.new_client) is not among the clients ['Academic', 'Committee', 'Product']"
         in str(err.value)
+    )
 
 
 def test_a_serverless_method_has_no_server_loop(ws):
@@ -811,16 +923,24 @@ def test_a_serverless_method_has_no_server_loop(ws):
 # ----------------------------------------------------------------------------------------------- the join rule
 def _history(means: list[float], spread: float = 0.5) -> list[dict]:
     """Two existing clients whose mean validation loss in round r is means[r - 1]."""
-    return [{"round": r, "client": c, "val_loss": m + d} for r, m in enumerate(means, start=1)
-            for c, d in (("A", -spread), ("B", spread))]
+    return [
+        {"round": r, "client": c, "val_loss": m + d}
+        for r, m in enumerate(means, start=1)
+        for c, d in (("A", -spread), ("B", spread))
+    ]
 
 
 losses = st.lists(st.floats(0.5, 20.0), min_size=0, max_size=6)
 
 
 @settings(max_examples=60, deadline=None)
-@given(means=losses, patience=st.integers(1, 3), threshold=st.floats(0.0, 0.5), max_round=st.integers(2, 8),
-       noise=st.lists(st.floats(0.0, 50.0), min_size=0, max_size=4))
+@given(
+    means=losses,
+    patience=st.integers(1, 3),
+    threshold=st.floats(0.0, 0.5),
+    max_round=st.integers(2, 8),
+    noise=st.lists(st.floats(0.0, 50.0), min_size=0, max_size=4),
+)
 def test_join_reads_only_the_other_clients_earlier_rounds(means, patience, threshold, max_round, noise):
     """The decision for round r is a function of the existing clients' rows of rounds < r: rows of the late
     client, of round r and later, and evaluation rows without a validation loss change nothing; from max_round on
@@ -832,9 +952,11 @@ def test_join_reads_only_the_other_clients_earlier_rounds(means, patience, thres
     rnd = len(means) + 1
     history = _history(means)
     decided = new_client_joins(rnd, history, "New", join)
-    extra = ([{"round": r, "client": "New", "val_loss": v} for r, v in enumerate(noise, start=1)]
-             + [{"round": rnd + i, "client": c, "val_loss": v} for i, v in enumerate(noise) for c in "AB"]
-             + [{"round": 1, "client": "A", "eval_failed": 1}])
+    extra = (
+        [{"round": r, "client": "New", "val_loss": v} for r, v in enumerate(noise, start=1)]
+        + [{"round": rnd + i, "client": c, "val_loss": v} for i, v in enumerate(noise) for c in "AB"]
+        + [{"round": 1, "client": "A", "eval_failed": 1}]
+    )
     assert new_client_joins(rnd, history + extra, "New", join) is decided
     if rnd >= max_round:
         assert decided
@@ -843,8 +965,13 @@ def test_join_reads_only_the_other_clients_earlier_rounds(means, patience, thres
 
 
 @settings(max_examples=60, deadline=None)
-@given(start=st.floats(1.0, 20.0), n=st.integers(2, 6), patience=st.integers(1, 3), threshold=st.floats(0.005, 0.3),
-       margin=st.floats(1.05, 3.0))
+@given(
+    start=st.floats(1.0, 20.0),
+    n=st.integers(2, 6),
+    patience=st.integers(1, 3),
+    threshold=st.floats(0.005, 0.3),
+    margin=st.floats(1.05, 3.0),
+)
 def test_join_waits_while_the_others_improve_and_admits_once_they_stall(start, n, patience, threshold, margin):
     """Means that drop by more than the threshold every round (relative to the best so far) keep the late client
     out until max_round; flat means admit it as soon as `patience` flat rounds follow a first one."""
@@ -875,8 +1002,12 @@ def test_improvement_is_measured_against_the_best_earlier_round_not_the_last():
     # 10 -> 12 -> 9.0: 10 % better than the best: still learning
     assert not new_client_joins(4, _history([10.0, 12.0, 9.0]), "New", join)
     # the mean over the clients, not one client: A improves 50 %, B worsens, the mean is flat
-    history = [{"round": 1, "client": "A", "val_loss": 4.0}, {"round": 1, "client": "B", "val_loss": 6.0},
-               {"round": 2, "client": "A", "val_loss": 2.0}, {"round": 2, "client": "B", "val_loss": 8.0}]
+    history = [
+        {"round": 1, "client": "A", "val_loss": 4.0},
+        {"round": 1, "client": "B", "val_loss": 6.0},
+        {"round": 2, "client": "A", "val_loss": 2.0},
+        {"round": 2, "client": "B", "val_loss": 8.0},
+    ]
     assert new_client_joins(3, history, "New", join)
     # a best of exactly 0 gives no relative improvement (converged), not a division by zero
     assert new_client_joins(3, _history([0.0, 0.0], spread=0.0), "New", join)
@@ -927,8 +1058,7 @@ def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
     logs(logged(caplog), "1099", "RuntimeError: no client name configured")
     assert node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     grid.inner.contexts[1099].node_config["client-name"] = "Committee"  # asked again, it answers
-    assert _connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product",
-                                                                    1099: "Committee"}
+    assert _connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product", 1099: "Committee"}
     assert node_names == {1000: "Academic", 1002: "Product", 1099: "Committee"}  # the old node is forgotten
 
 
@@ -954,9 +1084,18 @@ def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
 # The train step of a SecAgg+ round (_train_secure) on a scripted SecureAggregator: the protocol itself is tested end
 # to end in tests/test_secure_aggregation.py; here, what the server records from its outcome for every client.
 def _secure_metrics(weight: int, clipped: int = 0) -> dict:
-    return {N: weight, "num-trained": weight, "num-steps": 2 * weight, "num-tokens": 10 * weight,
-            "train-loss": 0.5 * weight, "ce": 0.25 * weight, "kd": 0.125, "kd-fraction": 0.5, "proximal": 0.0,
-            "secagg-clipped": clipped}
+    return {
+        N: weight,
+        "num-trained": weight,
+        "num-steps": 2 * weight,
+        "num-tokens": 10 * weight,
+        "train-loss": 0.5 * weight,
+        "ce": 0.25 * weight,
+        "kd": 0.125,
+        "kd-fraction": 0.5,
+        "proximal": 0.0,
+        "secagg-clipped": clipped,
+    }
 
 
 class _ScriptedSecure:
@@ -973,16 +1112,24 @@ def _secure_rows(names):
 
 
 def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
-    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
     mean = object()
-    result = SecureRound(arrays=mean, threshold=2, num_shares=3, in_sum={11, 12, 13}, nodes={
-        11: NodeOutcome(metrics=_secure_metrics(1), bytes_down=100, bytes_up=40),
-        12: NodeOutcome(metrics=_secure_metrics(2), bytes_down=101, bytes_up=41),
-        13: NodeOutcome(metrics=_secure_metrics(5), failed_stage="unmask", error="no answer", bytes_down=102,
-                        bytes_up=42)})
+    result = SecureRound(
+        arrays=mean,
+        threshold=2,
+        num_shares=3,
+        in_sum={11, 12, 13},
+        nodes={
+            11: NodeOutcome(metrics=_secure_metrics(1), bytes_down=100, bytes_up=40),
+            12: NodeOutcome(metrics=_secure_metrics(2), bytes_down=101, bytes_up=41),
+            13: NodeOutcome(
+                metrics=_secure_metrics(5), failed_stage="unmask", error="no answer", bytes_down=102, bytes_up=42
+            ),
+        },
+    )
     secure, rows, clipped = _ScriptedSecure(result), _secure_rows(names.values()), {}
     grid = object()
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
@@ -1001,14 +1148,22 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
 
 
 def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of_the_others_is_logged(caplog):
-    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
     mean = object()
-    result = SecureRound(arrays=mean, threshold=2, num_shares=3, in_sum={11, 13}, nodes={
-        11: NodeOutcome(metrics=_secure_metrics(1)), 13: NodeOutcome(metrics=_secure_metrics(5)),
-        12: NodeOutcome(failed_stage="share_keys", error="timeout", bytes_down=7)})
+    result = SecureRound(
+        arrays=mean,
+        threshold=2,
+        num_shares=3,
+        in_sum={11, 13},
+        nodes={
+            11: NodeOutcome(metrics=_secure_metrics(1)),
+            13: NodeOutcome(metrics=_secure_metrics(5)),
+            12: NodeOutcome(failed_stage="share_keys", error="timeout", bytes_down=7),
+        },
+    )
     rows = _secure_rows(names.values())
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         assert _train_secure(_ScriptedSecure(result), None, ["m"] * 3, rows, names, 4, None, {}) is mean
@@ -1020,13 +1175,19 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
 
 
 def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog):
-    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     names = {11: "Academic", 12: "Committee"}
-    result = SecureRound(arrays=None, threshold=2, num_shares=2, in_sum=set(), halted="too few shares",
-                         clipped_count=1, nodes={11: NodeOutcome(metrics=_secure_metrics(1)),
-                                                 12: NodeOutcome(failed_stage="setup", error="gone")})
+    result = SecureRound(
+        arrays=None,
+        threshold=2,
+        num_shares=2,
+        in_sum=set(),
+        halted="too few shares",
+        clipped_count=1,
+        nodes={11: NodeOutcome(metrics=_secure_metrics(1)), 12: NodeOutcome(failed_stage="setup", error="gone")},
+    )
     rows, clipped = _secure_rows(names.values()), {}
     assert _train_secure(_ScriptedSecure(result), None, ["m"] * 2, rows, names, 2, None, clipped) is None
     assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
@@ -1035,8 +1196,8 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
 
 
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
-    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
     from pipeline.federation.server_app import _train_secure
+    from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     class Wrapper:
         def __init__(self):
@@ -1048,9 +1209,19 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
 
     names = {11: "Academic", 12: "Committee", 13: "Product", 14: "SAMSum"}
     mean = object()
-    result = SecureRound(arrays=mean, threshold=3, num_shares=4, in_sum={11, 12, 14}, clipped_count=1, nodes={
-        11: NodeOutcome(metrics=_secure_metrics(1, clipped=1)), 12: NodeOutcome(metrics=_secure_metrics(1)),
-        13: NodeOutcome(failed_stage="training", error="crashed"), 14: NodeOutcome(metrics=_secure_metrics(1))})
+    result = SecureRound(
+        arrays=mean,
+        threshold=3,
+        num_shares=4,
+        in_sum={11, 12, 14},
+        clipped_count=1,
+        nodes={
+            11: NodeOutcome(metrics=_secure_metrics(1, clipped=1)),
+            12: NodeOutcome(metrics=_secure_metrics(1)),
+            13: NodeOutcome(failed_stage="training", error="crashed"),
+            14: NodeOutcome(metrics=_secure_metrics(1)),
+        },
+    )
     wrapper, clipped = Wrapper(), {}
     rows = _secure_rows(names.values())
     assert _train_secure(_ScriptedSecure(result), None, ["m"] * 4, rows, names, 6, wrapper, clipped) == "noised"
@@ -1090,17 +1261,22 @@ class _InTheClearSecure:
             total += w
             in_sum.add(node)
         arrays = ArrayRecord.from_torch_state_dict({k: v / total for k, v in mean.items()})
-        return SecureRound(arrays=arrays, nodes=nodes, in_sum=in_sum, threshold=2, num_shares=3,
-                           clipped_count=0 if self.clipped_bits else None)
+        return SecureRound(
+            arrays=arrays,
+            nodes=nodes,
+            in_sum=in_sum,
+            threshold=2,
+            num_shares=3,
+            clipped_count=0 if self.clipped_bits else None,
+        )
 
 
 def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_it(ws, monkeypatch):
     """privacy.secure_aggregation: the server builds its SecAgg+ runner from the plan (secagg settings, the largest
     train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
     client lost at unmask is failed and gets no weight share even though its metrics arrived."""
-    from pipeline.federation import server_app
-    from pipeline.privacy import secure_aggregation
     from pipeline.federation.protocol import load_plan
+    from pipeline.privacy import secure_aggregation
 
     path = _secure_plan("loop-secure", fraction_train=1.0)
     monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
@@ -1115,12 +1291,16 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
     assert rows["Product"]["failed"] == 1 and rows["Product"]["error"] == "SecAgg+ unmask: gone"
     assert "weight_share" not in rows["Product"] and rows["Product"]["bytes_up"] == 11
     assert rows["Academic"]["weight_share"] == pytest.approx(1 / 3) and rows["Committee"]["bytes_up"] == 13
-    assert_state(final, {k: v + weighted_update(["Academic", "Committee"], script)
-                         for k, v in initial(path).items()}, exact=False)
+    assert_state(
+        final,
+        {k: v + weighted_update(["Academic", "Committee"], script) for k, v in initial(path).items()},
+        exact=False,
+    )
 
 
-def _secure_plan(name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None,
-                 **train) -> str:
+def _secure_plan(
+    name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None, **train
+) -> str:
     from pipeline.common.config import from_dict
     from pipeline.privacy.settings import PrivacyConfig
 
@@ -1134,12 +1314,14 @@ def _secure_plan(name: str, method: str = "fedavg", partition: str = "domain/see
 def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_released_by_the_dp_wrapper(ws, monkeypatch):
     """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
     clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
-    from pipeline.federation import server_app
-    from pipeline.privacy import secure_aggregation
     from pipeline.federation.protocol import load_plan
+    from pipeline.privacy import secure_aggregation
 
-    path = _secure_plan("loop-secure-cdp", fraction_train=1.0, privacy={
-        "mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"})
+    path = _secure_plan(
+        "loop-secure-cdp",
+        fraction_train=1.0,
+        privacy={"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"},
+    )
     monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
@@ -1155,14 +1337,19 @@ def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
-    path = _secure_plan("loop-secure-few", "post_addition", "extreme/seed0", fraction_train=0.5, rounds=2,
-                        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 2})
+    path = _secure_plan(
+        "loop-secure-few",
+        "post_addition",
+        "extreme/seed0",
+        fraction_train=0.5,
+        rounds=2,
+        join={"min_rel_improvement": 0.01, "patience": 1, "max_round": 2},
+    )
     clients = ["Academic", "Committee", "Product", "SAMSum"]
     grid = Grid(path, Script(), clients)
     with pytest.raises(ValueError) as err:
         run_server(grid, load_plan(path), path, Recorder(grid), round_timeout_s=4.5)
     names(err.value, "loop-secure-few", "privacy.secure_aggregation", "train.fraction_train 0.5")
-
 
 
 def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan_the_server_names(ws):
@@ -1175,7 +1362,11 @@ def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan
     path = write_plan("loop-identify-ids", "fedavg", rounds=1)
     grid = InProcessGrid(client_app, [{"partition-id": i} for i in (2, 0, 1)])
     _set_server_identity(grid.run.run_id)
-    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {1000: "Product", 1001: "Academic", 1002: "Committee"}
+    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
+        1000: "Product",
+        1001: "Academic",
+        1002: "Committee",
+    }
     broken = InProcessGrid(client_app, [{"partition-id": 0}, {"plan": path}])
     _set_server_identity(broken.run.run_id)
     with pytest.raises(RuntimeError) as err:
@@ -1195,8 +1386,10 @@ def test_a_secure_round_needs_two_existing_clients_in_every_sum_and_two_are_enou
     if ok:
         assert _secure_aggregator(plan, clients, None, 5.0) is not None
     else:
-        with pytest.raises(ValueError, match="needs at least 2 clients in every round's sum; 3 clients x "
-                                             "train.fraction_train 0.5 samples 1"):
+        with pytest.raises(
+            ValueError,
+            match="needs at least 2 clients in every round's sum; 3 clients x train.fraction_train 0.5 samples 1",
+        ):
             _secure_aggregator(plan, clients, None, 5.0)
 
 
@@ -1226,13 +1419,20 @@ def test_a_hand_written_plan_of_client_level_dp_clipped_by_the_server_under_secu
     from pipeline.federation.protocol import load_plan
     from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
 
-    plan = load_plan(_secure_plan("loop-secure-server-clip", "fedavg", rounds=1, privacy={
-        "mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"}))
+    plan = load_plan(
+        _secure_plan(
+            "loop-secure-server-clip",
+            "fedavg",
+            rounds=1,
+            privacy={"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "clipping_side": "client"},
+        )
+    )
     server_side = dataclasses.replace(plan, privacy=dataclasses.replace(plan.privacy, clipping_side="server"))
     with pytest.raises(ValueError) as err:
         _secure_aggregator(server_side, ["Academic", "Committee", "Product"], None, 5.0)
-    assert str(err.value).startswith(f"{plan.source}: privacy.secure_aggregation: privacy.mode client needs "
-                                     "clipping_side client under SecAgg+")
+    assert str(err.value).startswith(
+        f"{plan.source}: privacy.secure_aggregation: privacy.mode client needs clipping_side client under SecAgg+"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- admission
@@ -1243,7 +1443,11 @@ def test_the_plan_declares_the_clients_of_its_partition_scheme(ws):
 
     assert load_plan(write_plan("adm-plan", "fedavg")).clients == ["Academic", "Committee", "Product"]
     assert load_plan(write_plan("adm-plan-x", "fedavg", "extreme/seed0")).clients == [
-        "Academic", "Committee", "Product", "SAMSum"]
+        "Academic",
+        "Committee",
+        "Product",
+        "SAMSum",
+    ]
     assert load_plan(write_plan("adm-plan-single", "single")).clients is None
 
 
@@ -1332,16 +1536,25 @@ def test_the_deployed_server_runs_without_any_partition_or_client_data(ws, tmp_p
     monkeypatch.chdir(server)
     monkeypatch.setenv("FEDMEET_ROOT", str(server))
     grid = Grid(plan_src, script, clients)
-    result = serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-                                 state=RecordDict(), run_config={"plan": plan_src, "mlflow": False,
-                                                                 "evaluate": False}))
+    result = serve(
+        grid,
+        Context(
+            run_id=grid.run.run_id,
+            node_id=SUPERLINK_NODE_ID,
+            node_config={},
+            state=RecordDict(),
+            run_config={"plan": plan_src, "mlflow": False, "evaluate": False},
+        ),
+    )
     assert trained(script, 1) == trained(script, 2) == clients
     assert "srv-nodata: starting at round 1 of 2" in capsys.readouterr().out  # what `flwr run --stream` shows
     rows = json.loads((server / "models/srv-nodata/rounds.json").read_text())
     rows = rows["rounds"] if isinstance(rows, dict) else rows
     assert {r["client"] for r in rows} == set(clients) and result["eval"] is None
     data = server / "data"
-    assert sorted(p.name for p in data.iterdir()) == ["cache"] and sorted(p.name for p in (data / "cache").iterdir()) == ["runs"]
+    assert sorted(p.name for p in data.iterdir()) == ["cache"] and sorted(
+        p.name for p in (data / "cache").iterdir()
+    ) == ["runs"]
 
 
 def test_federated_metrics_replace_an_earlier_evaluate_stages_files(tmp_path, monkeypatch):
@@ -1379,8 +1592,11 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
 
     def evaluate(grid, plan_, plan_path, cfg, timeout):
         asked.append(len(asked) + 1)
-        return {"clients": {"Academic": {"avg_rouge": float(len(asked))}}, "mean": {"avg_rouge": float(len(asked))},
-                "failed_clients": {}}
+        return {
+            "clients": {"Academic": {"avg_rouge": float(len(asked))}},
+            "mean": {"avg_rouge": float(len(asked))},
+            "failed_clients": {},
+        }
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
     monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
@@ -1405,11 +1621,22 @@ def test_a_client_that_fails_every_round_fails_the_deployed_run_naming_it(ws, tm
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
     grid.lost = {("Product", 1), ("Product", 2)}
     with pytest.raises(RuntimeError) as err:
-        serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(),
-                            run_config={"plan": path, "mlflow": False, "evaluate": False, "round-timeout-s": 2.0}))
+        serve(
+            grid,
+            Context(
+                run_id=grid.run.run_id,
+                node_id=SUPERLINK_NODE_ID,
+                node_config={},
+                state=RecordDict(),
+                run_config={"plan": path, "mlflow": False, "evaluate": False, "round-timeout-s": 2.0},
+            ),
+        )
     assert "['Product']" in str(err.value) and "no reply within 2s" in str(err.value)
-    rows = [{"round": 1, "client": "A", "sampled": 1, "failed": 1, "error": "x"},
-            {"round": 2, "client": "A", "sampled": 1, "failed": 0}, {"round": 1, "client": "B", "sampled": 0}]
+    rows = [
+        {"round": 1, "client": "A", "sampled": 1, "failed": 1, "error": "x"},
+        {"round": 2, "client": "A", "sampled": 1, "failed": 0},
+        {"round": 1, "client": "B", "sampled": 0},
+    ]
     assert never_contributed(rows) == {}
 
 
@@ -1432,8 +1659,16 @@ def test_a_retry_after_a_failed_admission_deletes_the_dead_mlflow_run_and_keeps_
 
     def attempt(clients):
         grid = Grid(path, Script(), clients)
-        return serve(grid, Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-                                   state=RecordDict(), run_config=run_config))
+        return serve(
+            grid,
+            Context(
+                run_id=grid.run.run_id,
+                node_id=SUPERLINK_NODE_ID,
+                node_config={},
+                state=RecordDict(),
+                run_config=run_config,
+            ),
+        )
 
     with pytest.raises(AdmissionError):
         attempt(["Academic", "Committee"])  # Product never joins

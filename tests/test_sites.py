@@ -1,6 +1,7 @@
 """What each role of a real federation holds (pipeline.federation.localhost.write_kit, `python -m pipeline.federation
 kit`): the server the plan and the backbone only; a site its own partition slice and examples, with which its ClientApp
 identifies itself and reports its split sizes."""
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,15 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
     from pipeline.federation.localhost import main
 
     plan = write_plan("kit-server", "fedavg", rounds=1)
-    Path("kit-params.yaml").write_text(yaml.safe_dump({
-        "train": {"round_timeout_s": 120, "admission_timeout_s": 45},
-        "experiments": {"kit-server": {"round_timeout_s": 77}}, "evaluate": {"num_beams": 3, "adapter": "final"}}))
+    Path("kit-params.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "train": {"round_timeout_s": 120, "admission_timeout_s": 45},
+                "experiments": {"kit-server": {"round_timeout_s": 77}},
+                "evaluate": {"num_beams": 3, "adapter": "final"},
+            }
+        )
+    )
     assert run_cli(main, ["kit", "--plan", plan, "--out", str(tmp_path / "server"), "--params", "kit-params.yaml"]) == 0
     assert sorted(p.name for p in (tmp_path / "server").iterdir()) == ["models", "run_config.toml"]
     assert sorted(p.name for p in (tmp_path / "server/models").iterdir()) == ["backbone", "plans"]
@@ -38,12 +45,11 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
     assert timeouts({}) == (1800.0, 600.0) and decoding({"decoding": ""}).num_beams == 1
 
 
-def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path,
-                                                                                          monkeypatch):
+def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.server_app import _identify
     from pipeline.federation.localhost import write_kit
+    from pipeline.federation.server_app import _identify
     from pipeline.paths import PATHS
 
     plan = write_plan("kit-site", "fedavg", rounds=1)
@@ -60,8 +66,12 @@ def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifi
     _set_server_identity(grid.run.run_id)
     sizes = {}
     assert list(_identify(grid, plan, ["Product"], 5, sizes).values()) == ["Product"]
-    assert sizes == {"Product": {"num-train": len(full["clients"]["Product"]["train"]),
-                                 "num-valid": len(full["clients"]["Product"]["valid"])}}
+    assert sizes == {
+        "Product": {
+            "num-train": len(full["clients"]["Product"]["train"]),
+            "num-valid": len(full["clients"]["Product"]["valid"]),
+        }
+    }
 
 
 def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):

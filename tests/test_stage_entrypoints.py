@@ -1,5 +1,6 @@
 """Every stage module can run as ``python -m pipeline.<stage>``: the ``__main__`` block must not rebind a
 module-level function (``from pipeline.common.cli import run`` once shadowed postag's ``run()``, and the stage crashed)."""
+
 from __future__ import annotations
 
 import ast
@@ -39,8 +40,7 @@ def _python(code: str) -> list[str]:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=PIPELINE.parent)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=PIPELINE.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout.split()
 
@@ -57,7 +57,8 @@ def test_a_stage_process_freezes_its_imports_and_at_exit_what_it_made_and_keeps_
         "run(lambda argv: print(gc.get_freeze_count(), int(gc.isenabled())), [])\n"
         "kept = []\n"
         "run(lambda argv: print(gc.get_freeze_count(), int(gc.isenabled()))\n"
-        f"    or kept.extend([] for _ in range({made})))\n")
+        f"    or kept.extend([] for _ in range({made})))\n"
+    )
     in_process, enabled, frozen, enabled_after, at_exit = map(int, counts)
     assert in_process == 0 and enabled == enabled_after == 1
     assert frozen > 10_000  # the interpreter's and the imports' objects

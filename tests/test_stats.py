@@ -1,4 +1,5 @@
 """Bootstrap intervals against hand-computed cases (pipeline.results.stats)."""
+
 from __future__ import annotations
 
 import numpy as np

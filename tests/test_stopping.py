@@ -6,6 +6,7 @@ losses improved on the best before it by less than `min_rel_improvement`, or at 
 it stopped at, its best round (lowest client average, first of equals) and converged = the rule held and its best
 round is not its last. Disabled, plans are those of a fixed `train.rounds` and no run stops early.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,10 @@ def _stop(**kw):
 
 def _rows(rnd: int, mean: float) -> list[dict]:
     # two clients whose average is `mean` (the rule reads the client average, not one client)
-    return [{"round": rnd, "client": "A", "val_loss": mean - 0.5},
-            {"round": rnd, "client": "B", "val_loss": mean + 0.5}]
+    return [
+        {"round": rnd, "client": "A", "val_loss": mean - 0.5},
+        {"round": rnd, "client": "B", "val_loss": mean + 0.5},
+    ]
 
 
 def _run(means: list[float], stop) -> tuple[int, dict]:
@@ -88,9 +91,13 @@ def test_disabled_never_stops_early_but_still_records_the_outcome():
 def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
     from pipeline.training.stopping import mean_val_loss_by_round, plateaued, relative_improvements
 
-    history = [{"round": 1, "client": "A", "val_loss": 2.0}, {"round": 1, "client": "B", "val_loss": 4.0},
-               {"round": 2, "client": "A", "val_loss": 1.0}, {"round": 2, "client": "B"},  # B failed to evaluate
-               {"round": 2, "client": "C", "val_loss": 5.0}]
+    history = [
+        {"round": 1, "client": "A", "val_loss": 2.0},
+        {"round": 1, "client": "B", "val_loss": 4.0},
+        {"round": 2, "client": "A", "val_loss": 1.0},
+        {"round": 2, "client": "B"},  # B failed to evaluate
+        {"round": 2, "client": "C", "val_loss": 5.0},
+    ]
     assert mean_val_loss_by_round(history) == [(1, 3.0), (2, 3.0)]
     assert mean_val_loss_by_round(history, exclude="C") == [(1, 3.0), (2, 1.0)]
     assert mean_val_loss_by_round(history, before=2) == [(1, 3.0)]
@@ -137,12 +144,16 @@ def test_stop_settings_are_checked():
 def test_plan_holds_stop_only_when_enabled_and_its_ceiling_as_rounds(ws):
     off = json.loads(Path(write_plan("stop-off", "fedavg", rounds=2)).read_text())
     assert "stop" not in off["train"] and off["train"]["rounds"] == 2
-    on = json.loads(Path(write_plan("stop-on", "fedavg", rounds=2,
-                                    stop={"enabled": True, "patience": 2, "max_rounds": 6})).read_text())
+    on = json.loads(
+        Path(
+            write_plan("stop-on", "fedavg", rounds=2, stop={"enabled": True, "patience": 2, "max_rounds": 6})
+        ).read_text()
+    )
     assert on["train"]["rounds"] == 6
     assert on["train"]["stop"] == {"enabled": True, "min_rel_improvement": 0.005, "patience": 2, "max_rounds": 6}
-    assert {k: v for k, v in on["train"].items() if k not in ("stop", "rounds")} == \
-        {k: v for k, v in off["train"].items() if k != "rounds"}
+    assert {k: v for k, v in on["train"].items() if k not in ("stop", "rounds")} == {
+        k: v for k, v in off["train"].items() if k != "rounds"
+    }
 
 
 @pytest.mark.parametrize("method", ["fedavg", "single"])
@@ -155,8 +166,7 @@ def test_a_tiny_run_with_the_rule_stops_early_and_records_it(ws, method):
     from pipeline.train import run_experiment
 
     name = f"stop-{method}"
-    plan = write_plan(name, method, stop={"enabled": True, "min_rel_improvement": 0.9, "patience": 1,
-                                          "max_rounds": 5})
+    plan = write_plan(name, method, stop={"enabled": True, "min_rel_improvement": 0.9, "patience": 1, "max_rounds": 5})
     metrics = run_experiment(plan, settings=RunSettings())
     wide = json.loads(Path(f"reports/train/{name}/rounds.json").read_text())
     assert [r["round"] for r in wide] == [1, 2]
@@ -164,14 +174,18 @@ def test_a_tiny_run_with_the_rule_stops_early_and_records_it(ws, method):
     best = 1 if means[0] <= means[1] else 2
     recorded = json.loads(Path(f"reports/train/{name}/metrics.json").read_text())
     assert {k: recorded[k] for k in ("stopped_round", "best_round", "converged")} == {
-        "stopped_round": 2, "best_round": best, "converged": best == 1}
+        "stopped_round": 2,
+        "best_round": best,
+        "converged": best == 1,
+    }
     assert recorded == json.loads(Path(f"models/{name}/metrics.json").read_text()) and metrics["stopped_round"] == 2
     for c in recorded["clients"].values():  # each client keeps its own best round
         assert c["best_round"] in (1, 2)
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
-    run = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'",
-                             output_format="list")[0]
+    run = mlflow.search_runs(
+        experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'", output_format="list"
+    )[0]
     assert run.data.tags["stopped_round"] == "2" and run.data.tags["best_round"] == str(best)
     assert run.data.tags["converged"] == str(best == 1).lower()
     assert run.data.params["train.stop.patience"] == "1" and run.data.params["train.rounds"] == "5"

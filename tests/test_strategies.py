@@ -4,6 +4,7 @@ FedNova's update is checked against the formula worked out by hand and against i
 counts give FedAvg exactly, for any weights and updates); each server algorithm is checked to be the Flower strategy
 with the paper's settings (every client evaluated, one node enough, weights = |D_i|).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -36,8 +37,7 @@ def _fednova_after_sending(global_w: dict[str, np.ndarray]):
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
     strategy = _strategy("fednova")
-    list(strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in global_w.items()}), ConfigRecord(),
-                                  _grid(2)))
+    list(strategy.configure_train(1, ArrayRecord({k: Array(v) for k, v in global_w.items()}), ConfigRecord(), _grid(2)))
     return strategy
 
 
@@ -97,8 +97,9 @@ def test_fednova_update_is_relative_to_what_was_sent_this_round():
     results = []
     for start in (0.0, 2.0):
         nova = _fednova_after_sending({"w": np.array([start], dtype=np.float32)})
-        arrays, _ = nova.aggregate_train(1, [_reply(client, {N: 1, S: 2}),
-                                             _reply({"w": np.array([start], dtype=np.float32)}, {N: 1, S: 2})])
+        arrays, _ = nova.aggregate_train(
+            1, [_reply(client, {N: 1, S: 2}), _reply({"w": np.array([start], dtype=np.float32)}, {N: 1, S: 2})]
+        )
         results.append(float(arrays["w"].numpy()[0]))
     # equal steps: the mean of the client states, (4 + start) / 2
     assert results == pytest.approx([2.0, 3.0])
@@ -113,24 +114,37 @@ def test_fednova_rejects_a_reply_without_a_positive_step_count(metrics):
 
 def test_fednova_one_step_is_accepted_and_failed_replies_are_left_out():
     nova = _fednova_after_sending({"w": np.array([0.0], dtype=np.float32)})
-    arrays, metrics = nova.aggregate_train(1, [_reply({"w": np.array([3.0], dtype=np.float32)}, {N: 2, S: 1}),
-                                               _error_reply()])
+    arrays, metrics = nova.aggregate_train(
+        1, [_reply({"w": np.array([3.0], dtype=np.float32)}, {N: 2, S: 1}), _error_reply()]
+    )
     np.testing.assert_allclose(arrays["w"].numpy(), [3.0])  # one good client: its state
     assert nova.aggregate_train(2, [_error_reply()]) == (None, None)  # nobody to aggregate
 
 
 def test_fednova_reports_the_example_weighted_train_metrics():
     nova = _fednova_after_sending({"w": np.array([0.0], dtype=np.float32)})
-    _, metrics = nova.aggregate_train(1, [
-        _reply({"w": np.array([1.0], dtype=np.float32)}, {N: 1, S: 1, "train-loss": 2.0}),
-        _reply({"w": np.array([1.0], dtype=np.float32)}, {N: 3, S: 5, "train-loss": 6.0}),
-    ])
+    _, metrics = nova.aggregate_train(
+        1,
+        [
+            _reply({"w": np.array([1.0], dtype=np.float32)}, {N: 1, S: 1, "train-loss": 2.0}),
+            _reply({"w": np.array([1.0], dtype=np.float32)}, {N: 3, S: 5, "train-loss": 6.0}),
+        ],
+    )
     assert metrics["train-loss"] == pytest.approx((1 * 2.0 + 3 * 6.0) / 4)
 
 
-@pytest.mark.parametrize("name, optimizer", [("fedavg", "sgdm"), ("fedprox", "sgdm"), ("fedopt", "sgdm"),
-                                             ("fedopt", "adam"), ("fedopt", "yogi"), ("fedopt", "adagrad"),
-                                             ("fednova", "sgdm")])
+@pytest.mark.parametrize(
+    "name, optimizer",
+    [
+        ("fedavg", "sgdm"),
+        ("fedprox", "sgdm"),
+        ("fedopt", "sgdm"),
+        ("fedopt", "adam"),
+        ("fedopt", "yogi"),
+        ("fedopt", "adagrad"),
+        ("fednova", "sgdm"),
+    ],
+)
 def test_every_client_evaluates_one_node_suffices_and_weights_are_train_sizes(name, optimizer):
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
@@ -165,7 +179,10 @@ def test_server_algorithms_get_their_settings():
 
 
 def test_unknown_server_algorithms_are_rejected_by_name():
-    with pytest.raises(ValueError, match="fedopt.server_optimizer='sgd' is out of range; allowed: one of 'sgdm', 'adam', 'yogi' or 'adagrad'"):
+    with pytest.raises(
+        ValueError,
+        match="fedopt.server_optimizer='sgd' is out of range; allowed: one of 'sgdm', 'adam', 'yogi' or 'adagrad'",
+    ):
         _strategy("fedopt", fedopt={"server_optimizer": "sgd"})
     with pytest.raises(ValueError, match="unknown server strategy 'fedsgd'"):
         _strategy("fedsgd")

@@ -1,5 +1,6 @@
 """The one-file strategy extension, shown on Flower's FedTrimmedAvg (pipeline/federation/strategies/fedtrimmedavg.py):
 its aggregate against hand-computed values, its settings in its own plan only, its refusals."""
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,12 @@ def _reply(arrays: dict[str, np.ndarray], examples: int):
     _set_server_identity(1)
     ins = Message(RecordDict(), dst_node_id=7, message_type="train")
     ins.metadata.__dict__["_message_id"] = "m"
-    content = RecordDict({"arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-                          "metrics": MetricRecord({"num-examples": examples, "num-steps": 1})})
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+            "metrics": MetricRecord({"num-examples": examples, "num-steps": 1}),
+        }
+    )
     return Message(content, reply_to=ins)
 
 
@@ -89,8 +94,8 @@ def test_a_bad_beta_is_refused_naming_the_key():
 
 
 def test_secure_aggregation_and_client_level_dp_refuse_it():
-    from pipeline.training.methods import get_method
     from pipeline.privacy.settings import AVERAGING_STRATEGIES, PrivacyConfig, secure_aggregation_refusal
+    from pipeline.training.methods import get_method
 
     assert "fedtrimmedavg" not in AVERAGING_STRATEGIES and {"fedavg", "fedprox"} <= set(AVERAGING_STRATEGIES)
     assert "fedtrimmedavg" in secure_aggregation_refusal(get_method("fedtrimmedavg"), "fp32", PrivacyConfig())

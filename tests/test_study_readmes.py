@@ -1,5 +1,6 @@
 """The numbers the study READMEs quote by hand, against the committed files that back them: a number that drifts
 from its file fails here. (The Results block of reports/cpu-study/README.md is generated: tests/test_claims.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -59,12 +60,21 @@ def test_the_backbone_recipes_table_is_backbones_json():
     for cells in rows:
         lr, new_lr = (float(x) for x in cells[1].split(" / "))
         specs = {n: dict(kv.split("=") for kv in v["spec"].split(":", 1)[1].split(",")) for n, v in variants.items()}
-        match = [variants[n] for n, spec in specs.items() if spec["cross_attention_init"] == init[cells[0]]
-                 and float(spec["lr"]) == lr and float(spec["cross_attention_lr"]) == new_lr]
+        match = [
+            variants[n]
+            for n, spec in specs.items()
+            if spec["cross_attention_init"] == init[cells[0]]
+            and float(spec["lr"]) == lr
+            and float(spec["cross_attention_lr"]) == new_lr
+        ]
         assert len(match) == 1, cells
         v = match[0]
-        assert [c.strip("*") for c in cells[2:]] == [f"{v['rouge1']:.2f}", f"{v['rouge2']:.2f}", f"{v['rougeL']:.2f}",
-                                                     f"{v['final_loss']:.2f}"]
+        assert [c.strip("*") for c in cells[2:]] == [
+            f"{v['rouge1']:.2f}",
+            f"{v['rouge2']:.2f}",
+            f"{v['rougeL']:.2f}",
+            f"{v['final_loss']:.2f}",
+        ]
     chosen = variants[load("backbones.json")["chosen"]]
     assert f"**{chosen['rouge1']:.2f}**" in TEXT and rows[0][2] == f"**{chosen['rouge1']:.2f}**"  # "the first"
 
@@ -72,14 +82,19 @@ def test_the_backbone_recipes_table_is_backbones_json():
 def test_the_backbone_cost_and_warmup_are_its_records():
     backbone, times = load("backbone.json"), load("timing/device-study.json")
     warm, ev = backbone["warmup"], backbone["evaluation"]
-    assert (f"Four warm-up recipes, {warm['steps']:,} steps of {warm['config']['batch_size']} SAMSum dialogues each "
-            f"({warm['epochs']:.1f} epochs)") in TEXT
+    assert (
+        f"Four warm-up recipes, {warm['steps']:,} steps of {warm['config']['batch_size']} SAMSum dialogues each "
+        f"({warm['epochs']:.1f} epochs)"
+    ) in TEXT
     assert f"validation split ({ev['examples']} dialogues)" in TEXT
     builds = [v for k, v in times.items() if k.startswith("backbone-")]
-    assert f"{warm['seconds']:.0f} s of warm-up on the H100 ({len(builds)} recipes side by side, {span(builds)} s" \
-        in TEXT
-    assert (f"{len(builds)} recipes side by side, {span(builds)} s each ({warm['seconds']:.0f} s warm-up + "
-            f"{ev['seconds']:.0f} s scoring") in TEXT
+    assert (
+        f"{warm['seconds']:.0f} s of warm-up on the H100 ({len(builds)} recipes side by side, {span(builds)} s" in TEXT
+    )
+    assert (
+        f"{len(builds)} recipes side by side, {span(builds)} s each ({warm['seconds']:.0f} s warm-up + "
+        f"{ev['seconds']:.0f} s scoring"
+    ) in TEXT
 
 
 def test_the_wall_times_are_the_timing_file():
@@ -88,8 +103,10 @@ def test_the_wall_times_are_the_timing_file():
     def of(*prefixes: str) -> list[float]:
         return [v for k, v in times.items() if k.startswith(prefixes)]
 
-    assert f"AdaSingle, AdaCentralized and FedAvg {span(of('train-single', 'train-centralized', 'train-fedavg'))} s" \
+    assert (
+        f"AdaSingle, AdaCentralized and FedAvg {span(of('train-single', 'train-centralized', 'train-fedavg'))} s"
         in TEXT
+    )
     assert f"FedKD and SelectKD (two model paths a round) {span(of('train-fedkd', 'train-fedselectkd'))} s" in TEXT
     trained, evaluated = of("train-"), of("evaluate-")
     assert f"evaluate stage (beam 4, 244 examples) {span(evaluated)} s" in TEXT
@@ -111,17 +128,20 @@ def test_the_kd_usage_table_is_the_kd_analysis():
     }
     rows = {cells[0]: cells[1:] for cells in table_rows("## Why KD usage differs from the paper")}
     for gate, recs in gates.items():
-        assert rows[gate] == [*(f"{100 * r['kd_usage_ratio']:.1f} %" for r in recs),
-                              span([100 * r["noun_verb_kd_rate"] for r in recs], unit=" %"),
-                              span([100 * r["det_pron_share_of_no_kd"] for r in recs], unit=" %")], gate
+        assert rows[gate] == [
+            *(f"{100 * r['kd_usage_ratio']:.1f} %" for r in recs),
+            span([100 * r["noun_verb_kd_rate"] for r in recs], unit=" %"),
+            span([100 * r["det_pron_share_of_no_kd"] for r in recs], unit=" %"),
+        ], gate
     paper = rows["paper (BART-large)"]
     assert paper[:3] == [f"{100 * kd['paper']['kd_usage_ratio'][c]:.0f} %" for c in clients]
     assert paper[4] == f"{100 * kd['paper']['det_pron_share_of_no_kd']:.0f} %"
     # tau = 5 nats is 46 % of ln|V| on BART's vocabulary; the same share of MiniLM's is 4.75 nats
     assert round(kd["tau"] / math.log(50265), 2) == 0.46 and f"{0.46 * math.log(backbone['vocab_size']):.2f}" == "4.75"
     assert f"MiniLM's {backbone['vocab_size']:,} tokens" in TEXT
-    drops = [100 * (kd["clients"][c]["kd_usage_ratio"] - portable[("max_entropy", c)]["kd_usage_ratio"])
-             for c in clients]
+    drops = [
+        100 * (kd["clients"][c]["kd_usage_ratio"] - portable[("max_entropy", c)]["kd_usage_ratio"]) for c in clients
+    ]
     assert all(abs(d - 5) < 1 for d in drops)  # "usage drops by ~5 points"
     quantile = [100 * portable[("batch_quantile", c)]["kd_usage_ratio"] for c in clients]
     assert f"reproduces the paper's usage ({span(quantile)} %)" in TEXT

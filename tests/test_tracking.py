@@ -4,6 +4,7 @@ whose process died is closed, artifact locations follow a copied checkout, evalu
 
 Everything on tmp SQLite stores; trainings on the tiny BART workspace of tests/test_federated.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -73,9 +74,15 @@ def test_new_and_existing_experiments_open_in_the_runs_table_with_a_description(
 
 # ------------------------------------------------------------------------------------------ run names
 def _params(tau: float = 5.0, **entry) -> dict:
-    return {"tau": tau, "model": dict(MODEL), "train": dict(TRAIN),
-            "experiments": {"fedselectkd-domain": {"method": "fedselectkd", "partition": "domain/seed0", **entry},
-                            "fedavg-domain": {"method": "fedavg", "partition": "domain/seed0"}}}
+    return {
+        "tau": tau,
+        "model": dict(MODEL),
+        "train": dict(TRAIN),
+        "experiments": {
+            "fedselectkd-domain": {"method": "fedselectkd", "partition": "domain/seed0", **entry},
+            "fedavg-domain": {"method": "fedavg", "partition": "domain/seed0"},
+        },
+    }
 
 
 def test_run_name_is_the_experiment_with_its_dvc_experiment(monkeypatch):
@@ -88,8 +95,13 @@ def test_run_name_is_the_experiment_with_its_dvc_experiment(monkeypatch):
 
 
 def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout
 
 
@@ -141,8 +153,7 @@ def _dead_pid() -> tuple[int, float]:
 
 @pytest.mark.slow
 def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment(store):
-    from pipeline.results.tracking import TAG_HOST, TAG_PID, TAG_PID_START, owner_tags
-    from pipeline.results.tracking import RunLogger, experiment_id
+    from pipeline.results.tracking import TAG_HOST, TAG_PID, TAG_PID_START, RunLogger, experiment_id, owner_tags
 
     client = _client()
     exp = experiment_id("s")
@@ -161,10 +172,19 @@ def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment
     other_experiment = running("b", {TAG_HOST: host, TAG_PID: str(pid), TAG_PID_START: f"{started:.3f}"})
 
     new = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"})
-    status = {r: client.get_run(r).info.status for r in (dead, untagged, reused, alive, elsewhere,
-                                                          other_experiment, new.run_id)}
-    assert status == {dead: "KILLED", untagged: "KILLED", reused: "KILLED", alive: "RUNNING",
-                      elsewhere: "RUNNING", other_experiment: "RUNNING", new.run_id: "RUNNING"}
+    status = {
+        r: client.get_run(r).info.status
+        for r in (dead, untagged, reused, alive, elsewhere, other_experiment, new.run_id)
+    }
+    assert status == {
+        dead: "KILLED",
+        untagged: "KILLED",
+        reused: "KILLED",
+        alive: "RUNNING",
+        elsewhere: "RUNNING",
+        other_experiment: "RUNNING",
+        new.run_id: "RUNNING",
+    }
     assert client.get_run(new.run_id).data.tags[TAG_PID] == str(os.getpid())
 
 
@@ -238,8 +258,12 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     from pipeline import train as train_stage
     from pipeline.training.history import TrainRecorder
 
-    params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN),
-              "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}}}
+    params = {
+        "tau": 5.0,
+        "model": dict(MODEL),
+        "train": dict(TRAIN),
+        "experiments": {"sigterm": {"method": "single", "partition": "domain/seed0", "study": "tests"}},
+    }
     Path("params.yaml").write_text(yaml.safe_dump(params))
     plan_stage.main(["--params", "params.yaml"])
     real_done = TrainRecorder.round_done
@@ -293,7 +317,9 @@ def test_artifacts_follow_a_copied_checkout(ws, tmp_path, monkeypatch):
     old = client.get_run(old_run.info.run_id)
     assert Path(local_file_uri_to_path(old.info.artifact_uri)).is_relative_to(copy)
     assert {a.path for a in client.list_artifacts(old.info.run_id, "adapters/Academic")} == {
-        "adapters/Academic/adapter_best.safetensors", "adapters/Academic/adapter_final.safetensors"}
+        "adapters/Academic/adapter_best.safetensors",
+        "adapters/Academic/adapter_final.safetensors",
+    }
     # The original checkout's store still points at its own folder.
     _use_checkout(first, monkeypatch)
     exp_first = _client().get_experiment_by_name("tests")
@@ -320,8 +346,10 @@ def test_a_store_outside_the_checkout_keeps_its_locations(store, tmp_path, monke
 def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
     d = tmp_path / "eval" / name
     d.mkdir(parents=True)
-    clients = {c: {"rouge1": 20.0 + i, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0, "n": 4}
-               for i, c in enumerate(("Academic", "Committee"))}
+    clients = {
+        c: {"rouge1": 20.0 + i, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0, "n": 4}
+        for i, c in enumerate(("Academic", "Committee"))
+    }
     mean = {"rouge1": 20.5, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0}
     ci = {k: {"low": v - 1.5, "high": v + 2.0} for k, v in mean.items()}
     metrics = {"experiment": name, "backbone": "tiny-bart", "clients": clients, "mean": mean, "mean_ci": ci}
@@ -332,18 +360,21 @@ def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
 
 @pytest.mark.slow
 def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
-    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.experiments import record_hash
+    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.results.tracking import RunLogger
 
-    record_tau3 = {"experiment": "sel", "study": "s", "method": "fedselectkd", "partition": "domain/seed0",
-                   "tau": 3.0}
+    record_tau3 = {"experiment": "sel", "study": "s", "method": "fedselectkd", "partition": "domain/seed0", "tau": 3.0}
     record_tau4 = {**record_tau3, "tau": 4.0}
     runs = {}
     for record in (record_tau3, record_tau4):  # tau=4 trained last: the newest run of experiment "sel"
-        logger = RunLogger.start("s", f"sel tau={record['tau']:g}", {}, {"experiment": "sel",
-                                                                         "plan_hash": record_hash(record)},
-                                 clients=("Academic", "Committee"))
+        logger = RunLogger.start(
+            "s",
+            f"sel tau={record['tau']:g}",
+            {},
+            {"experiment": "sel", "plan_hash": record_hash(record)},
+            clients=("Academic", "Committee"),
+        )
         logger.finish()
         runs[record["tau"]] = logger
     metrics, d = _eval_dir(store, "sel")
@@ -351,10 +382,20 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
     logged = _client().get_run(runs[3.0].run_id).data.metrics
     # Headline: client averages with the evaluation's intervals; ROUGE-L is the tables' (plain rougeL, 15.0).
     headline = {k.removeprefix("client_avg/"): v for k, v in logged.items() if k.startswith("client_avg/")}
-    assert headline == {"ROUGE-1": 20.5, "ROUGE-1_ci_low": 19.0, "ROUGE-1_ci_high": 22.5,
-                        "ROUGE-2": 5.0, "ROUGE-2_ci_low": 3.5, "ROUGE-2_ci_high": 7.0,
-                        "ROUGE-L": 15.0, "ROUGE-L_ci_low": 13.5, "ROUGE-L_ci_high": 17.0,
-                        "avg_ROUGE": 14.0, "avg_ROUGE_ci_low": 12.5, "avg_ROUGE_ci_high": 16.0}
+    assert headline == {
+        "ROUGE-1": 20.5,
+        "ROUGE-1_ci_low": 19.0,
+        "ROUGE-1_ci_high": 22.5,
+        "ROUGE-2": 5.0,
+        "ROUGE-2_ci_low": 3.5,
+        "ROUGE-2_ci_high": 7.0,
+        "ROUGE-L": 15.0,
+        "ROUGE-L_ci_low": 13.5,
+        "ROUGE-L_ci_high": 17.0,
+        "avg_ROUGE": 14.0,
+        "avg_ROUGE_ci_low": 12.5,
+        "avg_ROUGE_ci_high": 16.0,
+    }
     assert set(logged) == {f"client_avg/{k}" for k in headline}  # each client's scores are in its own run
     committee = _client().get_run(runs[3.0].children["Committee"]).data.metrics
     assert committee == {"rouge1": 21.0, "rouge2": 5.0, "rougeL": 15.0, "rougeLsum": 16.0, "avg_rouge": 14.0}
@@ -378,8 +419,7 @@ def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     assert run.info.run_name == "offline"
     assert run.data.metrics["client_avg/ROUGE-1_ci_high"] == 22.5
     children = client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
-    assert {c.data.tags["client"]: c.data.metrics["rouge1"] for c in children} == {"Academic": 20.0,
-                                                                                  "Committee": 21.0}
+    assert {c.data.tags["client"]: c.data.metrics["rouge1"] for c in children} == {"Academic": 20.0, "Committee": 21.0}
     assert run.data.tags["evaluate.num_beams"] == "4"  # the record's own decoding settings, not the defaults
     assert [a.path for a in client.list_artifacts(run.info.run_id, "eval")] == ["eval/metrics.json"]
     (d / "broken.json").write_text(json.dumps({"experiment": "x"}))
@@ -390,8 +430,9 @@ def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
 
 # ------------------------------------------------------------------------------------------ clients and models
 @pytest.mark.slow
-def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_the_evaluation(ws, monkeypatch,
-                                                                                                tmp_path, capsys):
+def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_the_evaluation(
+    ws, monkeypatch, tmp_path, capsys
+):
     import mlflow
     from safetensors.torch import load_file
 
@@ -403,19 +444,23 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's own setting (default 10 s)
     run_experiment(write_plan("models-fedavg", "fedavg"))
     cfg = EvaluateConfig(num_beams=1, max_target_length=8, min_target_length=2, batch_size=2)
-    scores = evaluate_experiment("models-fedavg", cfg, eval_dir=tmp_path / "eval",
-                                 bootstrap=BootstrapConfig(n_resamples=100))["clients"]
+    scores = evaluate_experiment(
+        "models-fedavg", cfg, eval_dir=tmp_path / "eval", bootstrap=BootstrapConfig(n_resamples=100)
+    )["clients"]
     client = _client()
     exp = client.get_experiment_by_name("tests").experiment_id
     [parent] = client.search_runs([exp], "tags.experiment = 'models-fedavg'")
     assert any(k.startswith("system/") for k in parent.data.metrics)  # CPU, memory, disk of the training
-    children = {r.data.tags["client"]: r for r in
-                client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")}
+    children = {
+        r.data.tags["client"]: r
+        for r in client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    }
     rounds = json.loads(Path("models/models-fedavg/rounds.json").read_text())
     partition = json.loads(Path("data/partitions/domain/seed0.json").read_text())["clients"]
     assert sorted(children) == sorted(partition) == sorted(scores)
-    models = mlflow.search_logged_models(experiment_ids=[exp], filter_string="tags.experiment = 'models-fedavg'",
-                                         output_format="list")
+    models = mlflow.search_logged_models(
+        experiment_ids=[exp], filter_string="tags.experiment = 'models-fedavg'", output_format="list"
+    )
     assert sorted(m.tags["client"] for m in models) == sorted(partition)
     for m in models:
         name, run = m.tags["client"], children[m.tags["client"]]
@@ -423,7 +468,8 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
         # per-round values without the client prefix, as rounds.json has them
         history = client.get_metric_history(run.info.run_id, "val_loss")
         assert {h.step: h.value for h in history} == pytest.approx(
-            {r["round"]: r["val_loss"] for r in rounds if r["client"] == name})
+            {r["round"]: r["val_loss"] for r in rounds if r["client"] == name}
+        )
         # the model's metrics: its test ROUGE (the evaluation's) and its train split, each on its dataset
         by_key = {x.key: x for x in m.metrics}
         assert by_key["avg_rouge"].value == pytest.approx(scores[name]["avg_rouge"])
@@ -441,8 +487,14 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
 
     # `python -m pipeline.evaluate model models:/<id>` scores that adapter as the evaluation did
     params = tmp_path / "params.yaml"
-    params.write_text(yaml.safe_dump({"evaluate": {"num_beams": 1, "max_target_length": 8, "min_target_length": 2,
-                                                   "batch_size": 2}, "bootstrap": {"n_resamples": 100}}))
+    params.write_text(
+        yaml.safe_dump(
+            {
+                "evaluate": {"num_beams": 1, "max_target_length": 8, "min_target_length": 2, "batch_size": 2},
+                "bootstrap": {"n_resamples": 100},
+            }
+        )
+    )
     m = models[0]
     capsys.readouterr()
     assert main(["model", f"models:/{m.model_id}", "--params", str(params)]) == 0

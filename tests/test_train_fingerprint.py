@@ -1,5 +1,6 @@
 """Training's fingerprint is training: what DVC hashes for a train stage holds no reporting, CLI, study description
 or evaluation code, so editing one of those files reruns no training (issue 30, item 2)."""
+
 from __future__ import annotations
 
 import tomllib
@@ -12,9 +13,14 @@ from tests.test_dvc_layout import expand, extension_modules, import_closure
 
 ROOT = Path(__file__).resolve().parents[1]
 # Reporting, run-profile CLI, study descriptions (in evaluation.py) and evaluation (decoding, scoring, reading results).
-NOT_TRAINING = ("pipeline/presets.py", "pipeline/results/scoring.py",
-                "pipeline/results/evaluation.py", "pipeline/results/readers.py",
-                "pipeline/report.py", "pipeline/analyze.py")
+NOT_TRAINING = (
+    "pipeline/presets.py",
+    "pipeline/results/scoring.py",
+    "pipeline/results/evaluation.py",
+    "pipeline/results/readers.py",
+    "pipeline/report.py",
+    "pipeline/analyze.py",
+)
 
 
 def _train_stages() -> dict[str, list[str]]:
@@ -65,14 +71,18 @@ def _plans(params) -> dict:
     return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
 
 
-@pytest.mark.parametrize("module, runs", [
-    ("pipeline.federation.strategies.fedtrimmedavg", lambda plan: False),  # no experiment runs it
-    ("pipeline.modeling.gates.margin", lambda plan: False),
-    ("pipeline.federation.strategies.fedprox", lambda plan: plan["method"] == "fedprox"),
-    ("pipeline.modeling.gates.entropy", lambda plan: plan.get("tau") is not None),  # selective KD's gate
-])
+@pytest.mark.parametrize(
+    "module, runs",
+    [
+        ("pipeline.federation.strategies.fedtrimmedavg", lambda plan: False),  # no experiment runs it
+        ("pipeline.modeling.gates.margin", lambda plan: False),
+        ("pipeline.federation.strategies.fedprox", lambda plan: plan["method"] == "fedprox"),
+        ("pipeline.modeling.gates.entropy", lambda plan: plan.get("tau") is not None),  # selective KD's gate
+    ],
+)
 def test_editing_a_strategy_or_gate_changes_exactly_the_plans_of_the_experiments_that_run_it(
-        tmp_path, monkeypatch, module, runs):
+    tmp_path, monkeypatch, module, runs
+):
     import importlib
     import sys
 

@@ -1,5 +1,6 @@
 """Stages `plan` and `train`: what enters each plan file (so DVC reruns only what a change affects), and the
 train CLI end to end (outputs, DVC metrics/plots files, MLflow run with adapters as artifacts)."""
+
 from __future__ import annotations
 
 import json
@@ -14,15 +15,25 @@ from tests.test_federated import MODEL, TRAIN, workspace, ws  # noqa: F401  (fix
 
 REPO = Path(__file__).resolve().parents[1]
 
-ALL_METHODS = ["single", "centralized", "fedavg", "fedkd", "fedselectkd", "fedprox", "fedopt", "fednova", "hardkd",
-               "post_addition", "pre_addition"]
+ALL_METHODS = [
+    "single",
+    "centralized",
+    "fedavg",
+    "fedkd",
+    "fedselectkd",
+    "fedprox",
+    "fedopt",
+    "fednova",
+    "hardkd",
+    "post_addition",
+    "pre_addition",
+]
 TAU_METHODS = {"fedselectkd", "post_addition", "pre_addition"}
 
 
 def _params(**top) -> dict:
     experiments = {m: {"method": m, "partition": "domain/seed0", "seed": 0, "study": "s"} for m in ALL_METHODS}
-    experiments["tau-2"] = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "tau",
-                            "tau": 2.0}
+    experiments["tau-2"] = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "tau", "tau": 2.0}
     params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN), "experiments": experiments}
     params.update(top)
     return params
@@ -54,8 +65,14 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
     prox = _plans(tmp_path, _params(train={**TRAIN, "proximal_mu": 0.5}), "b")
     assert {n for n in base if base[n] != prox[n]} == {"fedprox"}
     kd = _plans(tmp_path, _params(train={**TRAIN, "kd_lambda": 0.5}), "c")
-    assert {n for n in base if base[n] != kd[n]} == {"fedkd", "fedselectkd", "hardkd", "post_addition",
-                                                      "pre_addition", "tau-2"}
+    assert {n for n in base if base[n] != kd[n]} == {
+        "fedkd",
+        "fedselectkd",
+        "hardkd",
+        "post_addition",
+        "pre_addition",
+        "tau-2",
+    }
     rounds = _plans(tmp_path, _params(train={**TRAIN, "rounds": 7}), "d")
     assert {n for n in base if base[n] != rounds[n]} == set(base)  # every method trains for `rounds`
     # the gate's scale is read by selective KD only; a portable scale needs every selective tau in (0, 1]
@@ -76,16 +93,20 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
     full = _plans(tmp_path, _params(train={**TRAIN, "weight_by": "full"}), "h")
     assert full == base
     capped = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8}), "i")
-    capped_full = _plans(tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8,
-                                                  "weight_by": "full"}), "j")
+    capped_full = _plans(
+        tmp_path, _params(train={**TRAIN, "max_train_examples_per_client": 8, "weight_by": "full"}), "j"
+    )
     assert {n for n in capped if capped[n] != capped_full[n]} == federated
 
 
 def test_train_config_rejects_bad_transfer_and_weighting():
     from pipeline.training.config import TrainConfig
 
-    for bad, message in [({"transfer_dtype": "bf16"}, "transfer_dtype"), ({"weight_by": "tokens"}, "weight_by"),
-                         ({"transfer_delta": "yes"}, "transfer_delta")]:
+    for bad, message in [
+        ({"transfer_dtype": "bf16"}, "transfer_dtype"),
+        ({"weight_by": "tokens"}, "weight_by"),
+        ({"transfer_delta": "yes"}, "transfer_delta"),
+    ]:
         with pytest.raises(ValueError, match=message):
             TrainConfig(**bad)
 
@@ -104,9 +125,10 @@ def test_plan_rejects_bad_entries(tmp_path):
         with pytest.raises(ValueError, match=message):
             write_plans({"tau": 5.0, "model": MODEL, "train": TRAIN, "experiments": {"x": entry}}, tmp_path / "p")
     with pytest.raises(ValueError, match="invalid experiment name"):
-        write_plans({"tau": 5.0, "train": TRAIN, "experiments": {"plans": {"method": "fedavg",
-                                                                            "partition": "domain/seed0"}}},
-                    tmp_path / "p")
+        write_plans(
+            {"tau": 5.0, "train": TRAIN, "experiments": {"plans": {"method": "fedavg", "partition": "domain/seed0"}}},
+            tmp_path / "p",
+        )
 
 
 def test_default_experiments_resolve(tmp_path):
@@ -128,8 +150,9 @@ def test_train_cli_end_to_end(ws):
     from pipeline import train as train_stage
 
     params = _params()
-    params["experiments"] = {"cli-selectkd": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0,
-                                              "study": "cli"}}
+    params["experiments"] = {
+        "cli-selectkd": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "cli"}
+    }
     Path("params.yaml").write_text(yaml.safe_dump(params))
     plan_stage.main(["--params", "params.yaml"])
     train_stage.main(["--experiment", "cli-selectkd"])
@@ -147,7 +170,9 @@ def test_train_cli_end_to_end(ws):
     assert (gate["kd_applied"] == (gate["entropy"] < 5.0)).all()
     assert json.loads(Path("models/cli-selectkd/experiment.json").read_text())["tau"] == 5.0
     assert Path("reports/timing/train-cli-selectkd.json").exists()
-    assert not Path("models/cli-selectkd/checkpoint").exists() and not any(Path("data/cache/runs").glob("cli-selectkd-*"))
+    assert not Path("models/cli-selectkd/checkpoint").exists() and not any(
+        Path("data/cache/runs").glob("cli-selectkd-*")
+    )
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     runs = mlflow.search_runs(experiment_names=["cli"], output_format="list")
@@ -175,8 +200,13 @@ def _batch(lengths: list[int]):
     labels = torch.full((len(lengths), width), IGNORE_INDEX)
     for i, n in enumerate(lengths):
         labels[i, :n] = 1
-    return Batch(input_ids=None, attention_mask=None, decoder_input_ids=None, labels=labels,
-                 example_ids=[str(i) for i in range(len(lengths))])
+    return Batch(
+        input_ids=None,
+        attention_mask=None,
+        decoder_input_ids=None,
+        labels=labels,
+        example_ids=[str(i) for i in range(len(lengths))],
+    )
 
 
 def test_accumulated_micro_batches_weigh_as_one_token_mean():
@@ -199,8 +229,8 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
     torch.manual_seed(0)
     theta = torch.randn(3, requires_grad=True)
     lengths = [[5, 1], [2]]
-    xs = [torch.randn(sum(l), 3) for l in lengths]
-    weights = accumulation_weights([_batch(l) for l in lengths], 2, "tokens")
+    xs = [torch.randn(sum(n), 3) for n in lengths]
+    weights = accumulation_weights([_batch(n) for n in lengths], 2, "tokens")
     sum(w * (x @ theta).pow(2).mean() for w, x in zip(weights, xs)).backward()
     accumulated = theta.grad.clone()
     theta.grad = None

@@ -1,8 +1,10 @@
 """Sub-word -> word mapping on byte-level BPE and WordPiece tokenizations (expected indices written by hand)."""
+
 from __future__ import annotations
 
-from pipeline.datasets.words import word_index_from_offsets, whitespace_words
 from tiny_models import _bart_tokenizer, _bert_tokenizer
+
+from pipeline.datasets.words import whitespace_words, word_index_from_offsets
 
 TEXT = "The project manager decides to use LCD.\nHe isn't  sure, ok?"
 # Whitespace words of TEXT, by hand.
@@ -23,8 +25,26 @@ def _encode(tok, text):
 
 def test_wordpiece_offsets_real_tokenizer():
     tokens, offsets, special = _encode(_bert_tokenizer(), TEXT)
-    assert tokens == ["[CLS]", "the", "project", "manager", "decides", "to", "use", "lcd", ".", "he", "isn", "'",
-                      "t", "sure", ",", "ok", "?", "[SEP]"]
+    assert tokens == [
+        "[CLS]",
+        "the",
+        "project",
+        "manager",
+        "decides",
+        "to",
+        "use",
+        "lcd",
+        ".",
+        "he",
+        "isn",
+        "'",
+        "t",
+        "sure",
+        ",",
+        "ok",
+        "?",
+        "[SEP]",
+    ]
     mapped = word_index_from_offsets(TEXT, offsets, special)
     assert mapped.words == WORDS
     assert mapped.word_index == [None, 0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 8, 9, 9, 10, 10, None]

@@ -11,6 +11,7 @@
 Both tokenizers get ``#SEP#`` as an additional special token (METHOD.md section 2) and the embeddings are resized.
 ``save_tiny(kind, path)`` writes model + tokenizer with ``save_pretrained`` so ``from_pretrained(path)`` loads them.
 """
+
 from __future__ import annotations
 
 import os
@@ -47,8 +48,15 @@ WORDS = [
     "the meeting ended with a plan for the next steps",
 ]
 DOMAINS = ["Academic", "Committee", "Product"]
-MODEL = {"top_k": 2, "bottleneck": 8, "max_source_length": 32, "max_target_length": 12,
-         "cache_dir": "data/cache/prefix", "cache_max_gb": 0.05, "teacher_cache_gb": 0.01}
+MODEL = {
+    "top_k": 2,
+    "bottleneck": 8,
+    "max_source_length": 32,
+    "max_target_length": 12,
+    "cache_dir": "data/cache/prefix",
+    "cache_max_gb": 0.05,
+    "teacher_cache_gb": 0.01,
+}
 
 # Training text for the tiny BPE: meeting-style sentences so test inputs tokenise into reasonable pieces.
 _CORPUS = [
@@ -158,18 +166,32 @@ def tiny_bart() -> tuple[BartForConditionalGeneration, BartTokenizer]:
 
 def _bart_family_config(tok) -> dict:
     return dict(
-        vocab_size=len(tok), d_model=32, encoder_layers=2, decoder_layers=4, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.eos_token_id,
-        dropout=0.1, attention_dropout=0.0,
+        vocab_size=len(tok),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=4,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        decoder_start_token_id=tok.eos_token_id,
+        dropout=0.1,
+        attention_dropout=0.0,
     )
 
 
 def tiny_led() -> tuple[LEDForConditionalGeneration, BartTokenizer]:
     tok = _bart_tokenizer()
     _seed()
-    config = LEDConfig(attention_window=8, max_encoder_position_embeddings=512, max_decoder_position_embeddings=128,
-                       **_bart_family_config(tok))
+    config = LEDConfig(
+        attention_window=8,
+        max_encoder_position_embeddings=512,
+        max_decoder_position_embeddings=128,
+        **_bart_family_config(tok),
+    )
     return LEDForConditionalGeneration(config).eval(), tok
 
 

@@ -5,6 +5,7 @@ Fault injection for the reliability tests (never set in normal runs): ``FEDMEET_
 makes the process SIGKILL itself in the middle of its n-th (default first) atomic write whose file name matches
 ``<glob>``: the temporary file is cut to half its size first, as a kill during ``write()`` would leave it.
 """
+
 from __future__ import annotations
 
 import contextlib

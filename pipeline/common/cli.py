@@ -1,6 +1,7 @@
 """One entry point for every stage CLI: an error that is the user's to fix ends in one line ``error: <message>``
 and exit status 2, as argparse does for a bad command line (docs/data.md, Reliability); any other keeps its traceback.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -37,8 +38,9 @@ def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 -- narrowed just below, the rest is re-raised
         # A missing input (an upstream stage not run yet, a wrong path) is the user's to fix too; its message names
         # the file.
-        user = (isinstance(exc, (DataError, ConfigError, FileNotFoundError))
-                or any(c.__name__ in STAGE_ERRORS for c in type(exc).__mro__))
+        user = isinstance(exc, (DataError, ConfigError, FileNotFoundError)) or any(
+            c.__name__ in STAGE_ERRORS for c in type(exc).__mro__
+        )
         if debug or not user:
             raise
         text = " ".join(str(exc).split()) or type(exc).__name__

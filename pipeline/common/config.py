@@ -1,6 +1,7 @@
 """Parameters shared by every stage: :func:`load_params`, and :func:`from_dict` into a :func:`config` class (a strict
 pydantic dataclass whose annotations, ``Literal`` choices and ``Field`` bounds are its checks; docs/backbone.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,6 +42,7 @@ def config(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
     """``@config`` / ``@config(frozen=True)``: a pydantic dataclass, strict. Still a dataclass (dataclasses.asdict,
     replace and fields work); built in code (``Cls(...)``, ``dataclasses.replace``) a bad value is a one-line
     :class:`ConfigError` naming ``Cls.key``, built by :func:`from_dict` one naming the params key."""
+
     def wrap(c: type[T]) -> type[T]:
         c = pydantic.dataclasses.dataclass(c, config=_STRICT, **kwargs)
         init = c.__init__
@@ -67,14 +69,15 @@ def repo_root() -> Path:
         root = Path(env).resolve()
     else:
         try:
-            out = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                                 check=True).stdout.strip()
+            out = subprocess.run(
+                ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
+            ).stdout.strip()
         except (OSError, subprocess.CalledProcessError):
             out = ""
         root = Path(out) if out else Path.cwd().resolve()
     parts = root.parts
     for i in range(1, len(parts) - 3):
-        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
+        if parts[i : i + 3] == (".dvc", "tmp", "exps"):
             return Path(*parts[:i])
     return root
 
@@ -109,8 +112,7 @@ def _key_path(data: Any, loc: tuple) -> tuple[str, Any]:
 
 
 _BOUNDS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
-_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error",
-                 "finite_number"}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "literal_error", "finite_number"}
 
 
 def _number(v: Any) -> str:
@@ -124,10 +126,15 @@ def _allowed(cls: type, err: dict[str, Any], path: str) -> str:
     if err["type"] == "finite_number":
         return "a finite number"
     info = getattr(cls, "__pydantic_fields__", {}).get(path)  # None for an item of a list or a mapping
-    bounds = [f"{op} {_number(getattr(m, name))}" for m in _metadata(info) for name, op in _BOUNDS.items()
-              if getattr(m, name, None) is not None]
-    return " and ".join(bounds) or " and ".join(f"{op} {_number(err['ctx'][name])}"
-                                                 for name, op in _BOUNDS.items() if name in err["ctx"])
+    bounds = [
+        f"{op} {_number(getattr(m, name))}"
+        for m in _metadata(info)
+        for name, op in _BOUNDS.items()
+        if getattr(m, name, None) is not None
+    ]
+    return " and ".join(bounds) or " and ".join(
+        f"{op} {_number(err['ctx'][name])}" for name, op in _BOUNDS.items() if name in err["ctx"]
+    )
 
 
 def _metadata(info: FieldInfo | None) -> list[Any]:
@@ -169,14 +176,16 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     choices: dict[str, tuple[list[Any], str]] = {}  # list items outside a Literal, one entry per list
     for err in errors:
         is_key = "[key]" in err["loc"]  # a mapping's key (not its value) is out of range
-        loc = err["loc"][:err["loc"].index("[key]") - 1] if is_key else err["loc"]
+        loc = err["loc"][: err["loc"].index("[key]") - 1] if is_key else err["loc"]
         path, value = _key_path(data, loc)
         if err["type"] == "literal_error" and re.search(r"\[\d+\]$", path):
             choices.setdefault(re.sub(r"\[\d+\]$", "", path), ([], err["ctx"]["expected"]))[0].append(value)
             continue
         by_path.setdefault(path, (value, []))[1].append(err | {"is_key": is_key})
-    lines = [f"{where}.{path}: unknown value(s) {values}; allowed: {expected}"
-             for path, (values, expected) in choices.items()]
+    lines = [
+        f"{where}.{path}: unknown value(s) {values}; allowed: {expected}"
+        for path, (values, expected) in choices.items()
+    ]
     for path, (value, errs) in by_path.items():
         at = f"{where}.{path}" if path else where
         ranges = [e for e in errs if e["type"] in _RANGE_ERRORS]

@@ -1,6 +1,7 @@
 """Checks that a model directory (``models/backbone``) is whole before it is loaded: transformers fails on a damaged
 one with messages that name no file ("MetadataIncompleteBuffer"), :func:`check_model_dir` names the file and the
 problem; and the backbone's name as the backbone stage's record has it (:func:`backbone_name`)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -75,8 +76,10 @@ def check_model_dir(path: str | Path) -> None:
     if record.is_file():
         recorded = json.loads(record.read_text(encoding="utf-8")).get("backbone_sha256")
         if recorded and sha256_dir(d) != recorded:
-            raise ModelDirError(f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "
-                                f"changed or damaged after the backbone stage wrote it); {FIX}")
+            raise ModelDirError(
+                f"{d}: file contents differ from backbone_sha256 recorded in {record} (a file was "
+                f"changed or damaged after the backbone stage wrote it); {FIX}"
+            )
 
 
 def backbone_name(backbone_dir: str | Path, fallback: str) -> str:

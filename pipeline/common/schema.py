@@ -1,4 +1,5 @@
 """Typed records shared by the data stages (docs/ARCHITECTURE.md, "Records"), and the error raised for bad input."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,8 +13,14 @@ SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
 
 # Upstream split names -> ours (QMSum `val`, SAMSum `validation`, HMNet `dev`).
-_SPLIT_ALIASES = {"train": "train", "val": "valid", "valid": "valid", "validation": "valid", "dev": "valid",
-                  "test": "test"}
+_SPLIT_ALIASES = {
+    "train": "train",
+    "val": "valid",
+    "valid": "valid",
+    "validation": "valid",
+    "dev": "valid",
+    "test": "test",
+}
 
 
 class DataError(ValueError):
@@ -111,8 +118,10 @@ class IngestReport:
         self.notes[what] = self.notes.get(what, 0) + n
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"n_skipped": len(self.skipped),
-                                           "skipped_by_reason": dict(Counter(s.reason for s in self.skipped))}
+        return dataclasses.asdict(self) | {
+            "n_skipped": len(self.skipped),
+            "skipped_by_reason": dict(Counter(s.reason for s in self.skipped)),
+        }
 
 
 # Word counters of the statistics (METHOD.md section 2, Table II).
@@ -136,10 +145,19 @@ def canonical_arrow_schema():
     """Explicit Arrow types, so a dataset whose spans are all empty (AMI, ICSI, SAMSum) still reads back the same."""
     import pyarrow as pa
 
-    return pa.schema([
-        ("dataset", pa.string()), ("domain", pa.string()), ("split", pa.string()), ("meeting_id", pa.string()),
-        ("query_index", pa.int64()), ("query", pa.string()), ("query_type", pa.string()),
-        ("turns", pa.list_(pa.struct([("speaker", pa.string()), ("content", pa.string())]))),
-        ("spans", pa.list_(pa.list_(pa.int64()))),
-        ("summary", pa.string()), ("source_file", pa.string()), ("source_line", pa.int64()),
-    ])
+    return pa.schema(
+        [
+            ("dataset", pa.string()),
+            ("domain", pa.string()),
+            ("split", pa.string()),
+            ("meeting_id", pa.string()),
+            ("query_index", pa.int64()),
+            ("query", pa.string()),
+            ("query_type", pa.string()),
+            ("turns", pa.list_(pa.struct([("speaker", pa.string()), ("content", pa.string())]))),
+            ("spans", pa.list_(pa.list_(pa.int64()))),
+            ("summary", pa.string()),
+            ("source_file", pa.string()),
+            ("source_line", pa.int64()),
+        ]
+    )

@@ -1,6 +1,7 @@
 """Wall time and peak memory of a stage, written to ``reports/timing/<stage>.json`` when its block (``with
 stage_timer("train"):``, or ``@stage_timer("train")``) finishes without an exception: a failed stage leaves no timing
 behind, as DVC leaves no outputs behind. dvc.yaml declares the file as an uncached output of the stage."""
+
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ import resource
 import sys
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -36,7 +37,13 @@ def stage_timer(stage: str, out_dir: str | Path = TIMING_DIR) -> Iterator[None]:
     startup = time.time() - psutil.Process().create_time()
     start = time.perf_counter()
     yield  # the stage's exception propagates from here: no record
-    atomic.write_json(Path(out_dir) / f"{stage}.json", {
-        "stage": stage, "seconds": round(time.perf_counter() - start, 3), "startup_seconds": round(startup, 2),
-        "peak_rss_mb": peak_rss_mb(),
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    atomic.write_json(
+        Path(out_dir) / f"{stage}.json",
+        {
+            "stage": stage,
+            "seconds": round(time.perf_counter() - start, 3),
+            "startup_seconds": round(startup, 2),
+            "peak_rss_mb": peak_rss_mb(),
+            "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        },
+    )

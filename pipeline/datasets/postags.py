@@ -1,5 +1,6 @@
 """The POS-tag file of stage `postag` (``data/processed/postags.parquet``) as training reads it: per example, which
 label positions are target nouns and verbs (the mask of the hard-KD method)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -2,6 +2,7 @@
 (docs/data.md): a copy laid out like ../shared/data (``$FEDMEET_DATA_ROOT`` or ``ingest.data_root``), the files
 already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``ingest.urls.<dataset>`` downloaded there.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,14 +31,18 @@ class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
     datasets: list[Annotated[str, AfterValidator(lambda name: dataset_spec(name).name)]] = field(  # a reader's
-        default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"])
+        default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"]
+    )
     # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
-    urls: dict[str, str] = field(default_factory=lambda: {
-        "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
-        "ami": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
-        "icsi": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
-        "samsum": "https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/"
-                  "c956de19db32c7cf9e60259d88cbab0d27e82ee6/samsum.zip"})
+    urls: dict[str, str] = field(
+        default_factory=lambda: {
+            "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
+            "ami": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
+            "icsi": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
+            "samsum": "https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/"
+            "c956de19db32c7cf9e60259d88cbab0d27e82ee6/samsum.zip",
+        }
+    )
     # Splits whose file may be missing or empty, as fnmatch patterns of "<dataset>/<domain>/<split>" (e.g.
     # "qmsum/Academic/test", "samsum/*/valid"); any other missing or empty split is an error.
     allow_absent_splits: list[str] = field(default_factory=list)
@@ -52,12 +57,17 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
     mirror = data_root(cfg) / dataset
     files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
     if mirror.is_dir():
-        missing = [rel for rel, split_key in files.items()
-                   if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)]
+        missing = [
+            rel
+            for rel, split_key in files.items()
+            if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)
+        ]
         if missing:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
-            raise DataError(f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
-                            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} files)")
+            raise DataError(
+                f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''} ({len(missing)} files)"
+            )
         return mirror
     raw = Path(cfg.raw_dir) / dataset
     if raw.is_dir() and all((raw / rel).is_file() for rel in files):
@@ -67,11 +77,13 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
 
 
 def _how_to_fix(dataset: str, cfg: IngestConfig, problem: str) -> str:
-    return (f"cannot read dataset {dataset!r}: {problem}. Run `dvc update data/raw/{dataset}.dvc` (a DVC import "
-            f"of ../shared/data/{dataset}) or `dvc pull data/raw/{dataset}.dvc`; or set the environment variable "
-            f"{ENV_DATA_ROOT} (or the params key `ingest.data_root`, now {cfg.data_root!r}) to a directory laid out "
-            f"like ../shared/data (<root>/{dataset}/...), or set `ingest.urls.{dataset}` to a reachable copy of the "
-            f"upstream files.")
+    return (
+        f"cannot read dataset {dataset!r}: {problem}. Run `dvc update data/raw/{dataset}.dvc` (a DVC import "
+        f"of ../shared/data/{dataset}) or `dvc pull data/raw/{dataset}.dvc`; or set the environment variable "
+        f"{ENV_DATA_ROOT} (or the params key `ingest.data_root`, now {cfg.data_root!r}) to a directory laid out "
+        f"like ../shared/data (<root>/{dataset}/...), or set `ingest.urls.{dataset}` to a reachable copy of the "
+        f"upstream files."
+    )
 
 
 def _fetch(url: str) -> bytes:

@@ -2,6 +2,7 @@
 A word is a maximal whitespace-delimited run of the target text, whatever the tokenizer ("lcd." and "isn't" are one
 word each); special tokens and tokens that encode only whitespace (BPE ``Ċ``) belong to no word (``None``).
 """
+
 from __future__ import annotations
 
 import re

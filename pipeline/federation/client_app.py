@@ -1,6 +1,7 @@
 """The ClientApp (Flower Message API, flwr 1.41): ``query.identify``, ``train`` (a reply holds tensors and counts
 only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation).
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,14 +12,23 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, METRICS_KEY, TRAIN_METRICS, client_cache_config,
-                                          decode_global, encode_reply, load_plan, plan_path_of)
+from pipeline.experiments import Plan
+from pipeline.federation.protocol import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    TRAIN_METRICS,
+    client_cache_config,
+    decode_global,
+    encode_reply,
+    load_plan,
+    plan_path_of,
+)
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.modeling.adapters import load_adapter
-from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
-from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import checkpoints
+from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names, read_partition
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
@@ -112,9 +122,15 @@ def train_round(msg: Message, context: Context) -> Message:
     mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
     cache_settings = client_cache_config(msg, context)
     result = local_training.train_local(
-        model, plan, data.train, client=name, rnd=rnd,
-        proximal_reference=received if mu > 0 else None, proximal_mu=mu,
-        cache=prefix_cache_for(plan, model, cache_settings), teacher_cache_gb=cache_settings.teacher_cache_gb,
+        model,
+        plan,
+        data.train,
+        client=name,
+        rnd=rnd,
+        proximal_reference=received if mu > 0 else None,
+        proximal_mu=mu,
+        cache=prefix_cache_for(plan, model, cache_settings),
+        teacher_cache_gb=cache_settings.teacher_cache_gb,
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
     )
     new_local = model.adapter_state("local")
@@ -126,8 +142,12 @@ def train_round(msg: Message, context: Context) -> Message:
     # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
     weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
-    metrics = MetricRecord({key: kind(weight if field == "weight" else getattr(result, field))
-                            for key, (field, kind) in TRAIN_METRICS.items()})
+    metrics = MetricRecord(
+        {
+            key: kind(weight if field == "weight" else getattr(result, field))
+            for key, (field, kind) in TRAIN_METRICS.items()
+        }
+    )
     metrics.update(privacy.account(context, result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
@@ -159,15 +179,23 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid, cache=cache)
 
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
-    progress, is_best = checkpoints.keep_best_and_final(client_dir(plan, name, context), plan, name, rnd, val_loss,
-                                                        local, progress)
+    progress, is_best = checkpoints.keep_best_and_final(
+        client_dir(plan, name, context), plan, name, rnd, val_loss, local, progress
+    )
     if trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
-    checkpoints.write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, local, progress, trained,
-                                        privacy.dp_steps(context))
+    checkpoints.write_client_checkpoint(
+        client_checkpoint_dir(plan, name, context), rnd, local, progress, trained, privacy.dp_steps(context)
+    )
 
-    metrics = MetricRecord({NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss),
-                            "val-tokens": int(val_tokens), "best-round": int(progress["best-round"]),
-                            "is-best": int(is_best)})
+    metrics = MetricRecord(
+        {
+            NUM_EXAMPLES_KEY: len(data.valid),
+            "val-loss": float(val_loss),
+            "val-tokens": int(val_tokens),
+            "best-round": int(progress["best-round"]),
+            "is-best": int(is_best),
+        }
+    )
     return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)

@@ -2,6 +2,7 @@
 int8 with one symmetric scale per tensor sent under ``<key>.int8_scale``. With ``reference`` (a state both sides
 hold) the difference to it is encoded, so the int8 step follows the update rather than the weights (~1).
 """
+
 from __future__ import annotations
 
 from typing import Literal, get_args
@@ -26,15 +27,17 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.reshape(())
 
 
-def encode_state(state: dict[str, torch.Tensor], dtype: str = "fp32",
-                 reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def encode_state(
+    state: dict[str, torch.Tensor], dtype: str = "fp32", reference: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Encode a float state dict for transfer (``dtype`` in fp32|fp16|int8), optionally as a delta to ``reference``."""
     for key, value in state.items():
         if key.endswith(SCALE_SUFFIX):
             raise ValueError(f"state key {key!r} ends with the reserved suffix {SCALE_SUFFIX!r}")
         if not torch.is_tensor(value) or not value.is_floating_point():
-            raise ValueError(f"state key {key!r}: expected a floating-point tensor, got "
-                             f"{getattr(value, 'dtype', type(value))}")
+            raise ValueError(
+                f"state key {key!r}: expected a floating-point tensor, got {getattr(value, 'dtype', type(value))}"
+            )
         if not torch.isfinite(value).all():
             raise ValueError(f"state key {key!r}: contains NaN or inf; refusing to send it")
     if reference is not None:
@@ -43,8 +46,10 @@ def encode_state(state: dict[str, torch.Tensor], dtype: str = "fp32",
             raise ValueError(f"delta encoding: reference lacks key(s) {missing[:4]}")
         for key, value in state.items():
             if tuple(reference[key].shape) != tuple(value.shape):
-                raise ValueError(f"delta encoding: {key} has shape {tuple(value.shape)} but the reference "
-                                 f"{tuple(reference[key].shape)}")
+                raise ValueError(
+                    f"delta encoding: {key} has shape {tuple(value.shape)} but the reference "
+                    f"{tuple(reference[key].shape)}"
+                )
     out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         x = value.detach().to("cpu", torch.float32)
@@ -55,8 +60,9 @@ def encode_state(state: dict[str, torch.Tensor], dtype: str = "fp32",
         elif dtype == "fp16":
             amax = float(x.abs().max()) if x.numel() else 0.0
             if amax > FP16_MAX:
-                raise ValueError(f"state key {key!r}: |x| = {amax:.4g} exceeds the fp16 range ({FP16_MAX}); use "
-                                 f"fp32 or int8")
+                raise ValueError(
+                    f"state key {key!r}: |x| = {amax:.4g} exceeds the fp16 range ({FP16_MAX}); use fp32 or int8"
+                )
             out[key] = x.to(torch.float16).contiguous()
         else:
             q, scale = quantize_int8(x)
@@ -65,8 +71,9 @@ def encode_state(state: dict[str, torch.Tensor], dtype: str = "fp32",
     return out
 
 
-def decode_state(encoded: dict[str, torch.Tensor],
-                 reference: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def decode_state(
+    encoded: dict[str, torch.Tensor], reference: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Float32 state dict from :func:`encode_state`'s output (whatever its dtype); adds ``reference`` back when the
     sender encoded a delta against it."""
     scales = {k[: -len(SCALE_SUFFIX)]: v for k, v in encoded.items() if k.endswith(SCALE_SUFFIX)}

@@ -1,6 +1,7 @@
 """Real federation (SuperLink + SuperNodes): the deployed apps (pyproject.toml ``[tool.flwr.app.components]``) and
 the federated evaluation (``query.summarize``, added here: out of the train stage's import closure); docs/federation.md.
 """
+
 # ruff: noqa: E402 -- the imports come after gc.disable(), on purpose
 from __future__ import annotations
 
@@ -32,8 +33,14 @@ from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder, write_rounds
 from pipeline.training.shared_model import model_config, shared_model
-from pipeline.training.summary import (convergence_tags, final_run_metrics, prepare_outputs, run_identity_tags,
-                                       summarize, write_metrics)
+from pipeline.training.summary import (
+    convergence_tags,
+    final_run_metrics,
+    prepare_outputs,
+    run_identity_tags,
+    summarize,
+    write_metrics,
+)
 
 freeze_collected()  # ~1.4 s CPU of each message's ~5 s (docs/performance.md)
 
@@ -56,10 +63,19 @@ class RunConfigError(ConfigError):
 
 # What the ServerApp reads, with the type of each value; pyproject.toml's [tool.flwr.app.config] declares the same
 # keys with defaults of these types (tests/test_run_checks.py).
-SERVER_KEYS: dict[str, type] = {"plan": str, "decoding": str, "evaluate": bool, "evaluate-every": int,
-                                "mlflow": bool, "round-timeout-s": float, "admission-timeout-s": float,
-                                # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
-                                "cache-dir": str, "cache-max-gb": float, "teacher-cache-gb": float}
+SERVER_KEYS: dict[str, type] = {
+    "plan": str,
+    "decoding": str,
+    "evaluate": bool,
+    "evaluate-every": int,
+    "mlflow": bool,
+    "round-timeout-s": float,
+    "admission-timeout-s": float,
+    # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
+    "cache-dir": str,
+    "cache-max-gb": float,
+    "teacher-cache-gb": float,
+}
 
 
 _TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
@@ -73,7 +89,8 @@ def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str 
             raise RunConfigError(f"{source}: unknown key {key!r}; allowed: {sorted(keys)}")
         kind = keys[key]
         if not isinstance(value, (int, float) if kind is float else kind) or (
-                kind in (int, float) and isinstance(value, bool)):  # a boolean is no number
+            kind in (int, float) and isinstance(value, bool)
+        ):  # a boolean is no number
             raise RunConfigError(f"{source}: {key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
         if key in NON_NEGATIVE and value < 0:
             raise RunConfigError(f"{source}: {key}={value!r} must be >= 0")
@@ -81,8 +98,10 @@ def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str 
 
 def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
     """(round, admission) timeouts from the run config; 0 or unset: the run-time settings' defaults."""
-    return (float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
-            float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s)
+    return (
+        float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
+        float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s,
+    )
 
 
 def decoding(run_config: dict[str, Any]) -> EvaluateConfig:
@@ -94,8 +113,15 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
-    replies = list(grid.send_and_receive([Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n,
-                                                  message_type="query.summarize") for n in node_ids], timeout=timeout))
+    replies = list(
+        grid.send_and_receive(
+            [
+                Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize")
+                for n in node_ids
+            ],
+            timeout=timeout,
+        )
+    )
     received: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     for reply in replies:
@@ -104,7 +130,8 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
             continue
         received[str(reply.content["identity"]["client-name"])] = {
             k: (int(v) if k in ("n", "n_test", "skipped_by_subsampling") else float(v))
-            for k, v in reply.content[METRICS_KEY].items()}
+            for k, v in reply.content[METRICS_KEY].items()
+        }
     answered = {r.metadata.src_node_id for r in replies}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}
     # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
@@ -117,17 +144,26 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
             skipped[name] = "no test examples on the client"
             continue
         per_client[name] = {k: received[name][k] for k in (*SCORE_KEYS, "n", "n_test", "skipped_by_subsampling")}
-    mean = ({k: sum(c[k] for c in per_client.values()) / len(per_client) for k in SCORE_KEYS}
-            if per_client else {k: None for k in SCORE_KEYS})
+    mean = (
+        {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in SCORE_KEYS}
+        if per_client
+        else {k: None for k in SCORE_KEYS}
+    )
     return {
-        "experiment": plan.experiment, "method": plan.method, "partition": plan.partition, "seed": plan.seed,
+        "experiment": plan.experiment,
+        "method": plan.method,
+        "partition": plan.partition,
+        "seed": plan.seed,
         "study": plan.study,
         # as the evaluate stage reports it: the recorded name, else the model type
         "backbone": backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type)),
         "adapter": cfg.adapter,
         "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
         | {"max_source_length": cfg.max_source_length or model_config(plan).max_source_length},
-        "rouge_l_in_tables": TABLE_ROUGE_L, "clients": per_client, "skipped_clients": skipped, "mean": mean,
+        "rouge_l_in_tables": TABLE_ROUGE_L,
+        "clients": per_client,
+        "skipped_clients": skipped,
+        "mean": mean,
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
     }
@@ -149,13 +185,25 @@ def client_summarize(msg: Message, context: Context) -> Message:
         model = shared_model(plan)
         load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
         where = f"{plan.paths['partition']}, {plan.paths['examples']}"
-        sub, _, scores = summarize_test_set(model, read_examples(plan.paths["examples"]), test_ids, name, cfg,
-                                            cfg.max_source_length or model_config(plan).max_source_length, where,
-                                            desc=f"{plan.experiment}/{name}")
+        sub, _, scores = summarize_test_set(
+            model,
+            read_examples(plan.paths["examples"]),
+            test_ids,
+            name,
+            cfg,
+            cfg.max_source_length or model_config(plan).max_source_length,
+            where,
+            desc=f"{plan.experiment}/{name}",
+        )
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
-    content = RecordDict({"identity": ConfigRecord({"client-name": name}),
-                          METRICS_KEY: MetricRecord({k: v for k, v in metrics.items()
-                                                         if not (isinstance(v, float) and math.isnan(v))})})
+    content = RecordDict(
+        {
+            "identity": ConfigRecord({"client-name": name}),
+            METRICS_KEY: MetricRecord(
+                {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
+            ),
+        }
+    )
     return Message(content, reply_to=msg)
 
 
@@ -166,8 +214,9 @@ def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
     for row in history:
         if row.get("sampled"):
             sampled.setdefault(row["client"], []).append(row)
-    return {c: str(rows[-1].get("error") or "failed") for c, rows in sampled.items()
-            if all(r.get("failed") for r in rows)}
+    return {
+        c: str(rows[-1].get("error") or "failed") for c, rows in sampled.items() if all(r.get("failed") for r in rows)
+    }
 
 
 def write_eval_metrics(plan: Plan, metrics: dict[str, Any], keep: tuple[str, ...] = ()) -> Path:
@@ -185,8 +234,9 @@ def write_eval_metrics(plan: Plan, metrics: dict[str, Any], keep: tuple[str, ...
 class DeploymentRecorder(TrainRecorder):
     """The train stage's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
 
-    def __init__(self, plan: Plan, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int,
-                 timeout: float):
+    def __init__(
+        self, plan: Plan, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int, timeout: float
+    ):
         super().__init__(plan, logger)
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
@@ -198,11 +248,13 @@ class DeploymentRecorder(TrainRecorder):
         metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
         # on disk too, so the scores are kept without MLflow (run config mlflow=false)
         self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ("clients", "mean", "failed_clients")})
-        atomic.write_json(PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL,
-                          {"experiment": plan.experiment, "rounds": self.per_round})
+        atomic.write_json(
+            PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL, {"experiment": plan.experiment, "rounds": self.per_round}
+        )
         if self.logger is not None:
-            self.logger.log_metrics({f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items()
-                                           for k in SCORE_KEYS}, step=entry.round)
+            self.logger.log_metrics(
+                {f"eval.{c}.{k}": v[k] for c, v in metrics["clients"].items() for k in SCORE_KEYS}, step=entry.round
+            )
 
 
 # The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
@@ -221,9 +273,15 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     out_dir = Path(plan.paths["out_dir"])
     checkpoint = load_server_checkpoint(plan)
     # `flwr run --stream` shows the ServerApp's output: the operator sees where the run starts
-    print(f"{plan.experiment}: " + (f"resuming from round {int(checkpoint['round']) + 1} of {plan.train.rounds} "
-                                    f"(server checkpoint)" if checkpoint else f"starting at round 1 of "
-                                                                              f"{plan.train.rounds}"), flush=True)
+    print(
+        f"{plan.experiment}: "
+        + (
+            f"resuming from round {int(checkpoint['round']) + 1} of {plan.train.rounds} (server checkpoint)"
+            if checkpoint
+            else f"starting at round 1 of {plan.train.rounds}"
+        ),
+        flush=True,
+    )
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = None
     if rc.get("mlflow", True):
@@ -238,8 +296,13 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
                 log.info("earlier MLflow run not deleted: %s", exc)
             run_id_file.unlink()
         resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
-        logger = RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(),
-                                 run_identity_tags(plan, "deployment"), resume_run_id=resume_id)
+        logger = RunLogger.start(
+            plan.study,
+            plan.experiment,
+            plan.to_json_dict(),
+            run_identity_tags(plan, "deployment"),
+            resume_run_id=resume_id,
+        )
         atomic.write_text(run_id_file, logger.run_id)
 
     cfg = decoding(rc) if rc.get("evaluate", True) else None
@@ -264,18 +327,27 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)  # a rerun starts over
         run_id_file.unlink(missing_ok=True)
         name, error = next(iter(silent.items()))
-        raise RuntimeError(f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
-                           f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error")
-    save_adapter(out_dir / GLOBAL_ADAPTER, arrays.to_torch_state_dict(),
-                 {"experiment": plan.experiment, "round": str(metrics["stopped_round"])})
+        raise RuntimeError(
+            f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
+            f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error"
+        )
+    save_adapter(
+        out_dir / GLOBAL_ADAPTER,
+        arrays.to_torch_state_dict(),
+        {"experiment": plan.experiment, "round": str(metrics["stopped_round"])},
+    )
 
     eval_metrics = None
     if cfg is not None:
         eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout)
         kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
         eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
-        log.info("%s: federated evaluation %s -> %s", plan.experiment,
-                 {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}, eval_path)
+        log.info(
+            "%s: federated evaluation %s -> %s",
+            plan.experiment,
+            {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()},
+            eval_path,
+        )
     if logger is not None:
         logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
         logger.set_tags(convergence_tags(metrics))
@@ -283,8 +355,13 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             logger.log_artifact(out_dir / f)
         logger.log_adapter_models(out_dir, global_adapter=out_dir / GLOBAL_ADAPTER)  # the aggregate as a LoggedModel
         if eval_metrics is not None:
-            log_to_mlflow(plan.experiment, plan.to_json_dict() | {"mlflow_run_id": logger.run_id}, eval_metrics,
-                          PATHS.eval_dir(plan.experiment), cfg)
+            log_to_mlflow(
+                plan.experiment,
+                plan.to_json_dict() | {"mlflow_run_id": logger.run_id},
+                eval_metrics,
+                PATHS.eval_dir(plan.experiment),
+                cfg,
+            )
         logger.finish("FINISHED")
     # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
     # next run of this plan starts over (client checkpoints stay on the clients' disks).

@@ -1,12 +1,14 @@
 """The engines that run the ServerApp and the ClientApps inside the `train` stage: :class:`InProcessGrid` or
 ``engine: ray`` (Flower's simulation)."""
+
 from __future__ import annotations
 
 import copy
 import logging
 import traceback
 import uuid
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from flwr.app import Context, Message, RecordDict
 from flwr.app.error import Error
@@ -28,8 +30,15 @@ log = logging.getLogger("fedmeet.federated")
 
 def _serve(grid: Grid, plan_path: str, settings: RunSettings, recorder: Recorder | None) -> dict:
     """The ServerApp's main on ``grid``: {arrays, history}."""
-    arrays, history = run_server(grid, load_plan(plan_path), plan_path, recorder, settings.round_timeout_s,
-                                 settings.admission_timeout_s, client_settings_config(settings.cache))
+    arrays, history = run_server(
+        grid,
+        load_plan(plan_path),
+        plan_path,
+        recorder,
+        settings.round_timeout_s,
+        settings.admission_timeout_s,
+        client_settings_config(settings.cache),
+    )
     return {"arrays": arrays, "history": history}
 
 
@@ -41,9 +50,12 @@ class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]]):
         self.client_app = client_app
         self._run = Run.create_empty(1)
-        self.contexts = {1000 + i: Context(run_id=1, node_id=1000 + i, node_config=dict(node_config),
-                                           state=RecordDict(), run_config={})
-                         for i, node_config in enumerate(node_configs)}
+        self.contexts = {
+            1000 + i: Context(
+                run_id=1, node_id=1000 + i, node_config=dict(node_config), state=RecordDict(), run_config={}
+            )
+            for i, node_config in enumerate(node_configs)
+        }
         self._pending: dict[str, Message] = {}
 
     def set_run(self, run: Run) -> None:
@@ -109,10 +121,14 @@ def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | No
     app = ServerApp()
     app.main()(lambda grid, context: result.update(_serve(grid, plan_path, settings, recorder)))
     _set_server_identity(1)
-    run_simulation(server_app=app, client_app=client_app,
-                   num_supernodes=len(client_names(load_plan(plan_path))),
-                   backend_config={"client_resources": {"num_cpus": settings.ray_cpus_per_client,
-                                                        "num_gpus": settings.ray_gpus_per_client}})
+    run_simulation(
+        server_app=app,
+        client_app=client_app,
+        num_supernodes=len(client_names(load_plan(plan_path))),
+        backend_config={
+            "client_resources": {"num_cpus": settings.ray_cpus_per_client, "num_gpus": settings.ray_gpus_per_client}
+        },
+    )
     if "history" not in result:
         raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
     return result

@@ -2,6 +2,7 @@
 with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
 stopped with the descendants it spawned, also at interpreter exit); also a run's status and a role's ``kit``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,15 @@ class ProcessGroup:
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
         out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
-        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        popen = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         if not capture:
             out.close()  # the child holds its own descriptor
         self.procs.append(proc := Process(name, popen, log))
@@ -119,8 +127,9 @@ def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
     while not predicate():
         if not proc.alive():
             tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:]) if proc.log.exists() else ""
-            raise FederationError(f"{proc.name} exited (status {proc.popen.returncode}) before {what}; "
-                                  f"log {proc.log}: {tail!r}")
+            raise FederationError(
+                f"{proc.name} exited (status {proc.popen.returncode}) before {what}; log {proc.log}: {tail!r}"
+            )
         if time.monotonic() > deadline:
             raise FederationError(f"{what} did not happen within {timeout_s:.0f}s; log {proc.log}")
         time.sleep(0.2)
@@ -152,12 +161,40 @@ def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
     out.mkdir(parents=True, exist_ok=True)
     certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
     new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
-    _run("openssl", "req", "-x509", *new_key, "-days", days, "-subj", "/CN=fedmeet local CA",
-         "-keyout", out / "ca.key", "-out", certs.ca)
+    _run(
+        "openssl",
+        "req",
+        "-x509",
+        *new_key,
+        "-days",
+        days,
+        "-subj",
+        "/CN=fedmeet local CA",
+        "-keyout",
+        out / "ca.key",
+        "-out",
+        certs.ca,
+    )
     _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
     atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
-    _run("openssl", "x509", "-req", "-in", out / "server.csr", "-CA", certs.ca, "-CAkey", out / "ca.key",
-         "-CAcreateserial", "-days", days, "-extfile", out / "san.cnf", "-out", certs.cert)
+    _run(
+        "openssl",
+        "x509",
+        "-req",
+        "-in",
+        out / "server.csr",
+        "-CA",
+        certs.ca,
+        "-CAkey",
+        out / "ca.key",
+        "-CAcreateserial",
+        "-days",
+        days,
+        "-extfile",
+        out / "san.cnf",
+        "-out",
+        certs.cert,
+    )
     return certs
 
 
@@ -192,12 +229,14 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
     except json.JSONDecodeError:
         raise FederationError(f"`flwr ls` gave no run list: {' '.join(text.split())[-300:]}") from None
     if not listed.get("success"):  # flwr's JSON error: the SuperLink could not be asked at all
-        raise FederationError("cannot reach the SuperLink: "
-                              + " ".join(str(listed.get("error-message") or text).split())[-300:])
+        raise FederationError(
+            "cannot reach the SuperLink: " + " ".join(str(listed.get("error-message") or text).split())[-300:]
+        )
     runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
     if not runs:
-        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: "
-                              f"{' '.join(text.split())[-300:]}")
+        raise FederationError(
+            f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: {' '.join(text.split())[-300:]}"
+        )
     run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
     details = str(run.get("status-details") or "")
     return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
@@ -233,12 +272,17 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
         except (OSError, json.JSONDecodeError) as err:
             raise FederationError(f"{submitted}: not the JSON `flwr run --format json` prints ({err})") from None
         if not (started.get("success") and started.get("run-id")):  # a refused run config, say
-            print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id")
-                                                .split()))
+            print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id").split()))
             return 1
         run_id = int(started["run-id"])
-    out = flwr("ls", *([superlink] if superlink else []), "--format", "json",
-               *(["--run-id", str(run_id)] if run_id is not None else []), timeout=120)
+    out = flwr(
+        "ls",
+        *([superlink] if superlink else []),
+        "--format",
+        "json",
+        *(["--run-id", str(run_id)] if run_id is not None else []),
+        timeout=120,
+    )
     rid, status, details = parse_run_status(out.stdout, run_id)
     print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
     return 0 if status == "finished:completed" else 1
@@ -253,6 +297,7 @@ class LocalhostRun:
 
 def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
     """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs."""
+
     def toml(v: str | int | float | bool) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -264,8 +309,10 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
     security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
-    atomic.write_text(home / "config.toml", f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
-                                            f'address = "{HOST}:{port}"\n{security}\n')
+    atomic.write_text(
+        home / "config.toml",
+        f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{HOST}:{port}"\n{security}\n',
+    )
 
 
 class LocalhostFederation(contextlib.AbstractContextManager):
@@ -290,8 +337,13 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
-        env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1",
-                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+        env = dict(
+            os.environ,
+            FLWR_HOME=str(self.home),
+            FLWR_TELEMETRY_ENABLED="0",
+            PYTHONUNBUFFERED="1",
+            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+        )
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
         self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
@@ -304,8 +356,18 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
-        argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST, "--port",
-                str(free_port()), "--node-config", run_config_arg({"client-name": name, "plan": self.cfg.plan})]
+        argv = [
+            "flower-supernode",
+            *security,
+            "--superlink",
+            f"{HOST}:{self.port}",
+            "--host",
+            HOST,
+            "--port",
+            str(free_port()),
+            "--node-config",
+            run_config_arg({"client-name": name, "plan": self.cfg.plan}),
+        ]
         if name in self.keys:  # SuperNode authentication: its private key
             argv += ["--auth-supernode-private-key", str(self.keys[name][0])]
         restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
@@ -315,29 +377,56 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def wait_registered(self, proc: Process) -> None:
         """Until the SuperNode logs the id the SuperLink gave it."""
-        wait_for(lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s,
-                  f"{proc.name} connecting to the SuperLink", proc)
+        wait_for(
+            lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"),
+            self.cfg.startup_timeout_s,
+            f"{proc.name} connecting to the SuperLink",
+            proc,
+        )
 
     def start(self) -> None:
         c = self.certificates
-        security = (["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
-                    if c else ["--insecure"])
-        argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port),
-                # the app's dependencies are this environment's: no `uv sync` per run
-                "--disable-runtime-dependency-installation"]
+        security = (
+            ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
+            if c
+            else ["--insecure"]
+        )
+        argv = [
+            "flower-superlink",
+            *security,
+            "--host",
+            HOST,
+            "--port",
+            str(self.port),
+            # the app's dependencies are this environment's: no `uv sync` per run
+            "--disable-runtime-dependency-installation",
+        ]
         if self.cfg.auth:
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
-        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s,
-                  f"the SuperLink listening on {HOST}:{self.port}", self.superlink)
+        wait_for(
+            lambda: port_open(self.port),
+            self.cfg.startup_timeout_s,
+            f"the SuperLink listening on {HOST}:{self.port}",
+            self.superlink,
+        )
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)
-            out = flwr("supernode", "register", str(self.keys[name][1]), CONNECTION, cwd=self.workdir,
-                       env=self.procs.env, timeout=self.cfg.startup_timeout_s)
+            out = flwr(
+                "supernode",
+                "register",
+                str(self.keys[name][1]),
+                CONNECTION,
+                cwd=self.workdir,
+                env=self.procs.env,
+                timeout=self.cfg.startup_timeout_s,
+            )
             if out.returncode != 0:
-                raise FederationError(f"registering the key of SuperNode {name} failed: "
-                                      f"{' '.join((out.stdout + out.stderr).split())[-300:]}")
+                raise FederationError(
+                    f"registering the key of SuperNode {name} failed: "
+                    f"{' '.join((out.stdout + out.stderr).split())[-300:]}"
+                )
         for name in self.clients:
             self.start_supernode(name)
         for proc in self.supernodes.values():
@@ -352,8 +441,15 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
             (copy := app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, copy)
-        argv = ["flwr", "run", str(app), CONNECTION, "--stream",
-                "--run-config", run_config_arg({"plan": self.cfg.plan, **self.run_config})]
+        argv = [
+            "flwr",
+            "run",
+            str(app),
+            CONNECTION,
+            "--stream",
+            "--run-config",
+            run_config_arg({"plan": self.cfg.plan, **self.run_config}),
+        ]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
     def stream(self, run: Process) -> LocalhostRun:
@@ -373,13 +469,17 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         try:
             while True:  # the SuperLink first: a run that ends because the SuperLink died must not pass for finished
                 if self.superlink is not None and not self.superlink.alive():
-                    raise FederationError(f"the SuperLink stopped during the run (status "
-                                          f"{self.superlink.popen.returncode}); {self._resume_hint()}")
+                    raise FederationError(
+                        f"the SuperLink stopped during the run (status "
+                        f"{self.superlink.popen.returncode}); {self._resume_hint()}"
+                    )
                 if not run.alive():
                     break
                 if time.monotonic() > deadline:
-                    raise FederationError(f"the run did not finish within {self.cfg.run_timeout_s:.0f}s "
-                                          f"(--run-timeout); {self._resume_hint()}")
+                    raise FederationError(
+                        f"the run did not finish within {self.cfg.run_timeout_s:.0f}s "
+                        f"(--run-timeout); {self._resume_hint()}"
+                    )
                 time.sleep(0.2)
             reader.join(timeout=5)
         finally:
@@ -395,16 +495,19 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         if ckpt is None:
             return f"no round was checkpointed; rerun `{command}` to start over"
         done = int(ckpt["round"])
-        return (f"the server checkpointed round {done} of {self.plan.train.rounds} "
-                f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {done + 1}")
+        return (
+            f"the server checkpointed round {done} of {self.plan.train.rounds} "
+            f"({server_checkpoint_path(self.plan)}); rerun `{command}` to resume from round {done + 1}"
+        )
 
     def check_outputs(self, since: float) -> dict:
         """The run's train metrics, or an error naming what is missing; with ``rouge``, the client-average ROUGE of
         the federated evaluation when this run wrote one."""
         metrics = self.workdir / self.plan.paths["reports_dir"] / "metrics.json"
         if not metrics.exists() or metrics.stat().st_mtime < since:
-            raise FederationError(f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; "
-                                  f"{self._resume_hint()}")
+            raise FederationError(
+                f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; {self._resume_hint()}"
+            )
         evaluated = self.workdir / PATHS.eval_dir(self.plan.experiment) / "metrics.json"
         fresh = evaluated.exists() and evaluated.stat().st_mtime >= since
         return json.loads(metrics.read_text()) | ({"rouge": json.loads(evaluated.read_text())["mean"]} if fresh else {})
@@ -423,24 +526,38 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             fed.start()
             run = fed.stream(fed.submit())
             if run.returncode != 0:
-                raise FederationError(f"`flwr run` exited with status {run.returncode}; logs in "
-                                      f"{fed.procs.log_dir}; {fed._resume_hint()}")
+                raise FederationError(
+                    f"`flwr run` exited with status {run.returncode}; logs in {fed.procs.log_dir}; {fed._resume_hint()}"
+                )
             found = RUN_ID.search(run.output)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
-            out = flwr("ls", CONNECTION, "--run-id", found.group(1), "--format", "json", cwd=fed.workdir,
-                       env=fed.procs.env, timeout=cfg.startup_timeout_s)  # what the SuperLink says of the run
+            out = flwr(
+                "ls",
+                CONNECTION,
+                "--run-id",
+                found.group(1),
+                "--format",
+                "json",
+                cwd=fed.workdir,
+                env=fed.procs.env,
+                timeout=cfg.startup_timeout_s,
+            )  # what the SuperLink says of the run
             _, status, details = parse_run_status(out.stdout, int(found.group(1)))
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
-                raise FederationError(f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; "
-                                      f"{fed._resume_hint()}")
+                raise FederationError(
+                    f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; {fed._resume_hint()}"
+                )
             return run, fed.check_outputs(started)
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:
             # the ServerApp was killed before it could end its MLflow run: marked KILLED (a rerun resumes it)
-            close_left_running(fed.workdir, fed.plan, "interrupted" if isinstance(exc, KeyboardInterrupt)
-                               else " ".join(str(exc).split()))
+            close_left_running(
+                fed.workdir,
+                fed.plan,
+                "interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split()),
+            )
         except Exception as closing:  # noqa: BLE001 -- the run's own error is the one to report
             print(f"warning: the MLflow run could not be marked KILLED: {closing}", file=sys.stderr)
         raise
@@ -449,8 +566,9 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
 RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
 
 
-def write_kit(plan_path: str, out: Path, client: str | None = None,
-              run_config: dict[str, str | float] | None = None) -> list[Path]:
+def write_kit(
+    plan_path: str, out: Path, client: str | None = None, run_config: dict[str, str | float] | None = None
+) -> list[Path]:
     """Copy what the server (``client`` None) or ``client``'s site holds (docs/federation.md) into ``out``, laid out
     as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
     same run config works on every role."""
@@ -459,8 +577,10 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
 
     plan = read_plan(plan_path)
     if not plan.clients:
-        raise DataError(f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
-                        f"declared them: rerun the plan stage)")
+        raise DataError(
+            f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
+            f"declared them: rerun the plan stage)"
+        )
     if client is not None and client not in plan.clients:
         raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
     (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
@@ -473,8 +593,10 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
     if client is None:
         if run_config is not None:
             # JSON's strings, numbers and booleans are TOML's too
-            atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n"
-                                                        for k, v in {"plan": plan_path, **run_config}.items()))
+            atomic.write_text(
+                out / RUN_CONFIG,
+                "".join(f"{k} = {json.dumps(v)}\n" for k, v in {"plan": plan_path, **run_config}.items()),
+            )
             written.append(Path(RUN_CONFIG))
         return written
 
@@ -486,8 +608,9 @@ def write_kit(plan_path: str, out: Path, client: str | None = None,
     own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
     atomic.write_text(out / part_path, json.dumps(part, indent=1))
     examples = read_examples(own[0])
-    atomic.to_parquet(examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0],
-                      index=False)
+    atomic.to_parquet(
+        examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0], index=False
+    )
     if len(own) > 1:
         import pandas as pd
 
@@ -519,21 +642,31 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
 
     settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
     decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
-    return {"round-timeout-s": settings.round_timeout_s, "admission-timeout-s": settings.admission_timeout_s,
-            "decoding": json.dumps(dataclasses.asdict(decoding))}
+    return {
+        "round-timeout-s": settings.round_timeout_s,
+        "admission-timeout-s": settings.admission_timeout_s,
+        "decoding": json.dumps(dataclasses.asdict(decoding)),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="A local deployment of one experiment (SuperLink and SuperNodes on "
-                                             "127.0.0.1, then `flwr run`), a run's status, or what a site holds.")
+    ap = argparse.ArgumentParser(
+        description="A local deployment of one experiment (SuperLink and SuperNodes on "
+        "127.0.0.1, then `flwr run`), a run's status, or what a site holds."
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     lo = sub.add_parser("local", help="SuperLink + one SuperNode per client on 127.0.0.1, then `flwr run`")
     which = lo.add_mutually_exclusive_group(required=True)
     which.add_argument("--experiment", help="a key of params.yaml `experiments` (plan models/plans/<exp>.json)")
     which.add_argument("--plan", help="a plan file (relative to the working directory)")
-    lo.add_argument("--run-config", action="append", default=[], metavar="KEY=VALUE",
-                    help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, decoding, "
-                         "round-timeout-s, admission-timeout-s; the last three default to --params')")
+    lo.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, decoding, "
+        "round-timeout-s, admission-timeout-s; the last three default to --params')",
+    )
     lo.add_argument("--params", default="params.yaml", help="params file of the server's timeouts and decoding")
     lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
@@ -561,9 +694,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
-    cfg = LocalhostConfig(plan=plan, run_config=_parse_run_config(args.run_config), params=args.params,
-                          tls=args.tls, auth=args.auth, startup_timeout_s=args.startup_timeout,
-                          run_timeout_s=args.run_timeout, stop_timeout_s=args.stop_timeout)
+    cfg = LocalhostConfig(
+        plan=plan,
+        run_config=_parse_run_config(args.run_config),
+        params=args.params,
+        tls=args.tls,
+        auth=args.auth,
+        startup_timeout_s=args.startup_timeout,
+        run_timeout_s=args.run_timeout,
+        stop_timeout_s=args.stop_timeout,
+    )
     # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
@@ -571,9 +711,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: every process this command started was stopped", file=sys.stderr)
         return 130
-    summary = {c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")}
-               for c, v in metrics["clients"].items()}
+    summary = {
+        c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")} for c, v in metrics["clients"].items()
+    }
     # the client-average ROUGE of the federated evaluation, as the ServerApp wrote it (reports/eval/<exp>/)
-    print(json.dumps({"experiment": metrics.get("experiment", Path(plan).stem), "clients": summary,
-                      **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}), "logs": str(run.home / "logs")}))
+    print(
+        json.dumps(
+            {
+                "experiment": metrics.get("experiment", Path(plan).stem),
+                "clients": summary,
+                **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}),
+                "logs": str(run.home / "logs"),
+            }
+        )
+    )
     return 0

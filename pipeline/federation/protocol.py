@@ -1,6 +1,7 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
 metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,10 @@ import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
-from pipeline.federation.compression import decode_state, encode_state
-from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.common.config import from_dict
 from pipeline.experiments import Plan, read_plan
+from pipeline.federation.compression import decode_state, encode_state
+from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.cache import CacheConfig
 from pipeline.training.shared_model import initial_adapter_state
 
@@ -26,9 +27,17 @@ IDENTIFY = "query.identify"
 
 # What a train reply's MetricRecord holds: counts and aggregate losses only (NUM_EXAMPLES_KEY: the FedAvg weight),
 # each with its history row field (the LocalResult attribute it comes from, but for the weight) and type.
-TRAIN_METRICS = {NUM_EXAMPLES_KEY: ("weight", int), "num-trained": ("n_examples", int), NUM_STEPS_KEY: ("n_steps", int),
-                 "num-tokens": ("n_tokens", int), "train-loss": ("train_loss", float), "ce": ("ce", float),
-                 "kd": ("kd", float), "kd-fraction": ("kd_fraction", float), "proximal": ("proximal", float)}
+TRAIN_METRICS = {
+    NUM_EXAMPLES_KEY: ("weight", int),
+    "num-trained": ("n_examples", int),
+    NUM_STEPS_KEY: ("n_steps", int),
+    "num-tokens": ("n_tokens", int),
+    "train-loss": ("train_loss", float),
+    "ce": ("ce", float),
+    "kd": ("kd", float),
+    "kd-fraction": ("kd_fraction", float),
+    "proximal": ("proximal", float),
+}
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
 
@@ -56,10 +65,13 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
     values = {name: _setting(key, msg, context) for key, name in CLIENT_SETTING_KEYS.items()}
     missing = [key for key, name in CLIENT_SETTING_KEYS.items() if values[name] is None]
     if missing:
-        raise ValueError(f"client settings: {missing} set neither in the node config (--node-config "
-                         f"\"{missing[0]}=...\"), the run config nor the message")
-    return from_dict(CacheConfig, {k: (str if k == "cache_dir" else float)(v) for k, v in values.items()},
-                     "client settings")
+        raise ValueError(
+            f"client settings: {missing} set neither in the node config (--node-config "
+            f'"{missing[0]}=..."), the run config nor the message'
+        )
+    return from_dict(
+        CacheConfig, {k: (str if k == "cache_dir" else float)(v) for k, v in values.items()}, "client settings"
+    )
 
 
 class GridView:
@@ -104,8 +116,9 @@ def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
     return initial_adapter_state(plan) if _delta(plan) else None
 
 
-def encode_global(state: dict[str, torch.Tensor], plan: Plan,
-                  reference: dict[str, torch.Tensor] | None = None) -> ArrayRecord:
+def encode_global(
+    state: dict[str, torch.Tensor], plan: Plan, reference: dict[str, torch.Tensor] | None = None
+) -> ArrayRecord:
     """Server -> client: the global adapter as it travels (a delta against ``reference``: downlink_reference)."""
     return ArrayRecord.from_torch_state_dict(encode_state(state, plan.train.transfer_dtype, reference=reference))
 
@@ -117,8 +130,9 @@ def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:
 
 def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor]) -> ArrayRecord:
     """Client -> server: the local adapter as it travels (delta encoding: against the global received)."""
-    return ArrayRecord.from_torch_state_dict(encode_state(local, plan.train.transfer_dtype,
-                                                          reference=received if _delta(plan) else None))
+    return ArrayRecord.from_torch_state_dict(
+        encode_state(local, plan.train.transfer_dtype, reference=received if _delta(plan) else None)
+    )
 
 
 def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -134,11 +148,19 @@ def payload_bytes(content: RecordDict) -> int:
 
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
+
     def bounded(key: str) -> float | None:
         return None if float(m[key]) < 0 else float(m[key])
 
     examples, clipped = int(m["dp-examples"]), int(m["dp-clipped"])
-    return {"epsilon": bounded("dp-epsilon"), "delta": float(m["dp-delta"]),
-            "noise_multiplier": float(m["dp-noise-multiplier"]), "max_grad_norm": bounded("dp-max-grad-norm"),
-            "sample_rate": float(m["dp-sample-rate"]), "dp_steps": int(m["dp-steps"]), "dp_examples": examples,
-            "dp_clipped": clipped, "clipped_fraction": clipped / examples if examples else 0.0}
+    return {
+        "epsilon": bounded("dp-epsilon"),
+        "delta": float(m["dp-delta"]),
+        "noise_multiplier": float(m["dp-noise-multiplier"]),
+        "max_grad_norm": bounded("dp-max-grad-norm"),
+        "sample_rate": float(m["dp-sample-rate"]),
+        "dp_steps": int(m["dp-steps"]),
+        "dp_examples": examples,
+        "dp_clipped": clipped,
+        "clipped_fraction": clipped / examples if examples else 0.0,
+    }

@@ -1,6 +1,7 @@
 """The ServerApp's federated round loop of one experiment (Flower Message API, flwr 1.41); why this loop and not
 ``Strategy.start``: docs/ARCHITECTURE.md.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,19 @@ from flwr.serverapp import Grid
 
 from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.compression import decode_state
-from pipeline.federation.protocol import (ARRAYS_KEY, CONFIG_KEY, IDENTIFY, METRICS_KEY, TRAIN_METRICS, GridView,
-                                          decode_reply, downlink_reference, encode_global, payload_bytes, privacy_row)
+from pipeline.federation.protocol import (
+    ARRAYS_KEY,
+    CONFIG_KEY,
+    IDENTIFY,
+    METRICS_KEY,
+    TRAIN_METRICS,
+    GridView,
+    decode_reply,
+    downlink_reference,
+    encode_global,
+    payload_bytes,
+    privacy_row,
+)
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.privacy import seam as privacy
@@ -32,12 +44,17 @@ log = logging.getLogger("fedmeet.federated")
 
 
 def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, history: list[dict]) -> None:
-    checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, rnd, {
-        "arrays": {k: a.numpy() for k, a in arrays.items()},
-        "strategy_state": strategy_state(strategy),
-        "history": history,
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-    })
+    checkpoints.save_round_checkpoint(
+        checkpoints.server_checkpoint_path(plan),
+        plan,
+        rnd,
+        {
+            "arrays": {k: a.numpy() for k, a in arrays.items()},
+            "strategy_state": strategy_state(strategy),
+            "history": history,
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        },
+    )
 
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
@@ -48,8 +65,9 @@ class AdmissionError(RuntimeError):
     """The federation the plan declares did not assemble: a declared client never joined, or one cannot train."""
 
 
-def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
-              sizes: dict[str, dict[str, int]] | None = None) -> dict[int, str]:
+def _identify(
+    grid: Grid, plan_path: str, expected: list[str], timeout: float, sizes: dict[str, dict[str, int]] | None = None
+) -> dict[int, str]:
     """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
     (nodes register asynchronously); ``sizes`` receives each client's ``num-train`` / ``num-valid``."""
     deadline = time.monotonic() + timeout
@@ -64,32 +82,44 @@ def _identify(grid: Grid, plan_path: str, expected: list[str], timeout: float,
         if not missing:
             empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
             if empty:
-                raise AdmissionError(f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no "
-                                     f"score); refused")
+                raise AdmissionError(
+                    f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no score); refused"
+                )
             return names
         if time.monotonic() > deadline:
             strangers = f"; refused nodes naming {sorted(set(refused.values()))}" if refused else ""
-            raise AdmissionError(f"{plan_path}: client(s) {missing} never joined within {timeout:.0f}s "
-                                 f"(admission timeout){strangers}")
+            raise AdmissionError(
+                f"{plan_path}: client(s) {missing} never joined within {timeout:.0f}s (admission timeout){strangers}"
+            )
         log.info("waiting for clients: %d of %d connected", len(names), len(expected))
         time.sleep(1.0)
 
 
-def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: list[int], allowed: list[str],
-                timeout: float, sizes: dict[str, dict[str, int]] | None = None,
-                admission: bool = False) -> dict[int, str]:
+def _name_nodes(
+    grid: Grid,
+    plan_path: str,
+    node_names: dict[int, str],
+    new: list[int],
+    allowed: list[str],
+    timeout: float,
+    sizes: dict[str, dict[str, int]] | None = None,
+    admission: bool = False,
+) -> dict[int, str]:
     """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
     returns the nodes naming a client outside ``allowed``."""
-    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n,
-                    message_type=IDENTIFY) for n in new]
+    msgs = [
+        Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n, message_type=IDENTIFY)
+        for n in new
+    ]
     named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):
         node = reply.metadata.src_node_id
         if reply.has_error():
             if admission:
                 raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
-            log.warning("node %d connected but failed to identify; left out: %s", node,
-                        reply.error.reason.splitlines()[0])
+            log.warning(
+                "node %d connected but failed to identify; left out: %s", node, reply.error.reason.splitlines()[0]
+            )
             continue
         identity = reply.content["identity"]
         name = named[node] = str(identity["client-name"])
@@ -99,9 +129,15 @@ def _name_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], new: lis
     for node, name in sorted(named.items()):
         if name not in allowed:
             refused[node] = name
-            log.log(logging.ERROR if admission else logging.WARNING, "node %d names client %r, which is not among "
-                    "the clients %s of plan %s; %s", node, name, allowed, plan_path, "refused" if admission
-                    else "left out")
+            log.log(
+                logging.ERROR if admission else logging.WARNING,
+                "node %d names client %r, which is not among the clients %s of plan %s; %s",
+                node,
+                name,
+                allowed,
+                plan_path,
+                "refused" if admission else "left out",
+            )
             continue
         holder = [o for o, c in node_names.items() if c == name]
         if admission and holder and holder[0] in grid.get_node_ids():
@@ -133,10 +169,15 @@ def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
     return {"round": rnd, "client": client, "sampled": sampled, "failed": 0, **extra, "bytes_down": 0, "bytes_up": 0}
 
 
-def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None = None,
-               round_timeout_s: float = RunSettings.round_timeout_s,
-               admission_timeout_s: float | None = None,
-               client_settings: dict[str, Any] | None = None) -> tuple[ArrayRecord, list]:
+def run_server(
+    grid: Grid,
+    plan: Plan,
+    plan_path: str,
+    recorder: Recorder | None = None,
+    round_timeout_s: float = RunSettings.round_timeout_s,
+    admission_timeout_s: float | None = None,
+    client_settings: dict[str, Any] | None = None,
+) -> tuple[ArrayRecord, list]:
     """The federated training loop of one experiment (the ServerApp's main). ``admission_timeout_s`` defaults to the
     round timeout; ``client_settings`` go with every message (the engines': protocol.client_settings_config)."""
     recorder = recorder or Recorder()
@@ -150,8 +191,10 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:
-        raise ValueError(f"{plan.source or plan.experiment}: new client {late!r} (train.new_client) is not among "
-                         f"the clients {clients}")
+        raise ValueError(
+            f"{plan.source or plan.experiment}: new client {late!r} (train.new_client) is not among "
+            f"the clients {clients}"
+        )
 
     strategy = build_strategy(spec.strategy, t.strategy_params, fraction_train=t.fraction_train, client_lr=t.lr)
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
@@ -184,8 +227,9 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         t0 = time.perf_counter()
         if late is not None and joined_at is None and new_client_joins(rnd, history, late, t.join):
             joined_at = rnd
-            log.info("%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment,
-                     rnd, late)
+            log.info(
+                "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
+            )
         connected = _connected_nodes(grid, plan_path, node_names, round_timeout_s)
         admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
         view = GridView(grid, sorted(admitted))  # a new client joins at its round
@@ -199,8 +243,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
-        rows = {node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
-                | {"bytes_down": payload_bytes(m.content)} for m in messages}
+        rows = {
+            node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
+            | {"bytes_down": payload_bytes(m.content)}
+            for m in messages
+        }
         for n in admitted:
             rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
         for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
@@ -208,8 +255,21 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
             rows[name] = _row(rnd, name, 0, absent=1)
         clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
         if secure is None:
-            new_arrays = _train_in_the_clear(grid, strategy, messages, rows, node_names, plan, sent, rnd,
-                                             round_timeout_s, client_level, arrays, clipping_norm, clipped)
+            new_arrays = _train_in_the_clear(
+                grid,
+                strategy,
+                messages,
+                rows,
+                node_names,
+                plan,
+                sent,
+                rnd,
+                round_timeout_s,
+                client_level,
+                arrays,
+                clipping_norm,
+                clipped,
+            )
         else:
             new_arrays = _train_secure(secure, grid, messages, rows, node_names, rnd, strategy, clipped)
 
@@ -217,8 +277,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # client-level DP each update weighs 1 / the expected count, whoever replied).
         good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
         for r in good:
-            r["weight_share"] = (1 / client_level.setting.sampled if client_level is not None
-                                 else r["weight"] / sum(g["weight"] for g in good))
+            r["weight_share"] = (
+                1 / client_level.setting.sampled
+                if client_level is not None
+                else r["weight"] / sum(g["weight"] for g in good)
+            )
         if new_arrays is not None:
             arrays = new_arrays
             if client_level is not None:
@@ -229,8 +292,11 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
         # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
         # evaluate the global adapter, the others their local one: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
-        eval_downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial) if (
-            spec.local_from_global and eval_messages) else ArrayRecord()
+        eval_downlink = (
+            encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+            if (spec.local_from_global and eval_messages)
+            else ArrayRecord()
+        )
         for m in eval_messages:
             m.content[ARRAYS_KEY] = eval_downlink
             rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
@@ -243,8 +309,13 @@ def run_server(grid: Grid, plan: Plan, plan_path: str, recorder: Recorder | None
                 log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)
                 continue
             m = reply.content[METRICS_KEY]
-            row.update({"val_loss": float(m["val-loss"]), "val_tokens": int(m["val-tokens"]),
-                        "best_round": int(m["best-round"])})
+            row.update(
+                {
+                    "val_loss": float(m["val-loss"]),
+                    "val_tokens": int(m["val-tokens"]),
+                    "best_round": int(m["best-round"]),
+                }
+            )
         if any(not r.has_error() for r in eval_replies):
             strategy.aggregate_evaluate(rnd, eval_replies)
 
@@ -262,10 +333,21 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
         row.update(privacy_row(m))
 
 
-def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dict[str, dict],
-                        node_names: dict[int, str], plan: Plan, sent: dict[str, torch.Tensor], rnd: int,
-                        timeout: float, client_level, global_arrays: ArrayRecord, clipping_norm: float | None,
-                        clipped: dict[str, tuple[int, float]]) -> ArrayRecord | None:
+def _train_in_the_clear(
+    grid: Grid,
+    strategy,
+    messages: list[Message],
+    rows: dict[str, dict],
+    node_names: dict[int, str],
+    plan: Plan,
+    sent: dict[str, torch.Tensor],
+    rnd: int,
+    timeout: float,
+    client_level,
+    global_arrays: ArrayRecord,
+    clipping_norm: float | None,
+    clipped: dict[str, tuple[int, float]],
+) -> ArrayRecord | None:
     """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
     and ``clipped`` gets (clipped or not, its norm) per aggregated client."""
     replies = list(grid.send_and_receive(messages, timeout=timeout))
@@ -276,14 +358,19 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
         if reply.has_error():
             row["failed"] = 1
             row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
-            log.warning("round %d: client %s failed and is left out of the aggregate: %s", rnd, row["client"],
-                        reply.error.reason)
+            log.warning(
+                "round %d: client %s failed and is left out of the aggregate: %s",
+                rnd,
+                row["client"],
+                reply.error.reason,
+            )
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
             reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
-                decode_reply(reply.content[ARRAYS_KEY], plan, sent))
+                decode_reply(reply.content[ARRAYS_KEY], plan, sent)
+            )
             update = client_level.clipped(reply, global_arrays, clipping_norm) if client_level else (0, 0.0)
             why = None if update is not None else f"its update is not clipped within C={clipping_norm:g}"
         except (KeyError, ValueError) as exc:
@@ -306,9 +393,16 @@ def _train_in_the_clear(grid: Grid, strategy, messages: list[Message], rows: dic
     return new_arrays
 
 
-def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message], rows: dict[str, dict],
-                  node_names: dict[int, str], rnd: int, strategy, clipped: dict[str, tuple[float, None]]
-                  ) -> ArrayRecord | None:
+def _train_secure(
+    secure: SecureAggregator,
+    grid: Grid,
+    messages: list[Message],
+    rows: dict[str, dict],
+    node_names: dict[int, str],
+    rnd: int,
+    strategy,
+    clipped: dict[str, tuple[float, None]],
+) -> ArrayRecord | None:
     """The train step of a SecAgg+ round; under client-level DP the noise is added to the unmasked mean here, and
     ``clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
     result = secure.train_round(grid, messages, rnd)
@@ -326,8 +420,14 @@ def _train_secure(secure: SecureAggregator, grid: Grid, messages: list[Message],
         elif stage_error:  # its masked vector is in the sum; the others' shares unmasked it
             row["secagg_error"] = stage_error
     if result.arrays is not None and len(result.in_sum) < len(messages):
-        log.info("round %d: SecAgg+ unmasked the sum of %d of %d sampled clients (threshold %d of %d shares)", rnd,
-                 len(result.in_sum), len(messages), result.threshold, result.num_shares)
+        log.info(
+            "round %d: SecAgg+ unmasked the sum of %d of %d sampled clients (threshold %d of %d shares)",
+            rnd,
+            len(result.in_sum),
+            len(messages),
+            result.threshold,
+            result.num_shares,
+        )
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
     for node in result.in_sum:
@@ -340,5 +440,8 @@ def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -
     the other clients' mean validation loss has plateaued."""
     if rnd >= join.max_round:
         return True
-    return plateaued([m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)],
-                     join.min_rel_improvement, join.patience)
+    return plateaued(
+        [m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)],
+        join.min_rel_improvement,
+        join.patience,
+    )

@@ -3,6 +3,7 @@ their files. Where Y is read: docs/ARCHITECTURE.md, Model (on post-LN layers the
 layer's, as in Houlsby et al. 2019, because a second LayerNorm on top cannot be the identity: measured on MiniLM,
 17-118 % relative change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,8 +37,9 @@ class HoulsbyAdapter(nn.Module):
         self.up = nn.Linear(bottleneck, hidden, bias=bias)  # W_up
         self.norm = nn.LayerNorm(hidden, eps=eps)
 
-    def reset_parameters(self, init_std: float, layer_norm: nn.LayerNorm | None = None,
-                         generator: torch.Generator | None = None) -> None:
+    def reset_parameters(
+        self, init_std: float, layer_norm: nn.LayerNorm | None = None, generator: torch.Generator | None = None
+    ) -> None:
         with torch.no_grad():
             nn.init.normal_(self.down.weight, std=init_std, generator=generator)
             nn.init.zeros_(self.up.weight)
@@ -74,8 +76,9 @@ class AdapterSet(nn.Module):
 
     def __init__(self, hidden: int, config: AdapterConfig, layer_norms: list[nn.LayerNorm | None]):
         super().__init__()
-        self.adapters = nn.ModuleList(HoulsbyAdapter(hidden, config.bottleneck, config.bias)
-                                      for _ in range(config.top_k))
+        self.adapters = nn.ModuleList(
+            HoulsbyAdapter(hidden, config.bottleneck, config.bias) for _ in range(config.top_k)
+        )
         generator = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
         for adapter, ln in zip(self.adapters, layer_norms):
             adapter.reset_parameters(config.init_std, ln, generator)
@@ -84,8 +87,9 @@ class AdapterSet(nn.Module):
         return self.adapters[i]
 
     def _named(self) -> dict[str, nn.Parameter]:
-        return {f"layer{i}.{name}": p for i, adapter in enumerate(self.adapters)
-                for name, p in adapter.named_parameters()}
+        return {
+            f"layer{i}.{name}": p for i, adapter in enumerate(self.adapters) for name, p in adapter.named_parameters()
+        }
 
     def state(self) -> dict[str, torch.Tensor]:
         return {key: p.detach().to("cpu", torch.float32).clone() for key, p in self._named().items()}

@@ -6,10 +6,11 @@ Targets: ``labels`` are the target's token ids with the tokenizer's special toke
 with the model's ``decoder_start_token_id``. Labels are padded on the right with -100 (ignored by every loss);
 padded decoder inputs hold the pad id. Padding is per batch (to the longest member).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -36,9 +37,15 @@ class Batch:
         return len(self.example_ids)
 
 
-def tokenize_pairs(tokenizer, sources: Sequence[str], targets: Sequence[str], max_source_length: int,
-                   max_target_length: int, example_ids: Sequence[str],
-                   decoder_start_token_id: int | None = None) -> list[TokenizedExample]:
+def tokenize_pairs(
+    tokenizer,
+    sources: Sequence[str],
+    targets: Sequence[str],
+    max_source_length: int,
+    max_target_length: int,
+    example_ids: Sequence[str],
+    decoder_start_token_id: int | None = None,
+) -> list[TokenizedExample]:
     """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding."""
     src = tokenizer(list(sources), max_length=max_source_length, truncation=True)["input_ids"]
     tgt = tokenizer(text_target=list(targets), max_length=max_target_length, truncation=True)["input_ids"]
@@ -75,17 +82,33 @@ def collate(examples: Sequence[TokenizedExample], pad_token_id: int, decoder_sta
     return Batch([e.example_id for e in examples], input_ids, attention_mask, decoder_input_ids, labels)
 
 
-def make_batches(examples_df, tokenizer, cfg, batch_size: int, shuffle: bool, seed: int, decoder_start_token_id: int,
-                 pad_token_id: int, bucket_by_length: bool = False, bucket_batches: int = 50) -> list[Batch]:
+def make_batches(
+    examples_df,
+    tokenizer,
+    cfg,
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    decoder_start_token_id: int,
+    pad_token_id: int,
+    bucket_by_length: bool = False,
+    bucket_batches: int = 50,
+) -> list[Batch]:
     """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches; ``cfg`` has the max lengths.
 
     With ``shuffle`` the order is a permutation from ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts
     padding: chunks of ``bucket_batches * batch_size`` examples of that order are sorted by (target, source)
     length, batched, and with ``shuffle`` the batches are permuted again with the same generator.
     """
-    examples = tokenize_pairs(tokenizer, examples_df["source"].tolist(), examples_df["target"].tolist(),
-                              cfg.max_source_length, cfg.max_target_length,
-                              examples_df["example_id"].astype(str).tolist(), decoder_start_token_id)
+    examples = tokenize_pairs(
+        tokenizer,
+        examples_df["source"].tolist(),
+        examples_df["target"].tolist(),
+        cfg.max_source_length,
+        cfg.max_target_length,
+        examples_df["example_id"].astype(str).tolist(),
+        decoder_start_token_id,
+    )
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

@@ -13,6 +13,7 @@ not exact.
 ``TeacherCache`` (RAM, one round): each example's exact global-path logits, for rounds with more than one local
 epoch; cleared when the global adapter changes; each entry's CRC-32 is checked on every hit.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,8 +75,16 @@ def _sha(*parts) -> str:
 
 
 class PrefixCache:
-    def __init__(self, root: str | os.PathLike, fingerprint: str, max_source_length: int, max_target_length: int,
-                 top_k: int, dtype: str = "float32", max_bytes: int = 4 * 2**30):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        fingerprint: str,
+        max_source_length: int,
+        max_target_length: int,
+        top_k: int,
+        dtype: str = "float32",
+        max_bytes: int = 4 * 2**30,
+    ):
         self.root = Path(root)
         self.dtype = DTYPES[dtype]
         self.max_bytes = int(max_bytes)
@@ -84,9 +93,18 @@ class PrefixCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "key.json"
         if not meta.exists():  # atomic: another worker may create the same key at once
-            atomic.write_json(meta, {"fingerprint": fingerprint, "max_source_length": max_source_length,
-                                     "max_target_length": max_target_length, "top_k": top_k, "dtype": dtype,
-                                     "format_version": FORMAT_VERSION}, indent=1)
+            atomic.write_json(
+                meta,
+                {
+                    "fingerprint": fingerprint,
+                    "max_source_length": max_source_length,
+                    "max_target_length": max_target_length,
+                    "top_k": top_k,
+                    "dtype": dtype,
+                    "format_version": FORMAT_VERSION,
+                },
+                indent=1,
+            )
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self.size_bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))  # of every key
 
@@ -94,9 +112,16 @@ class PrefixCache:
         """The batch's prefix, padded like the batch; missing entries are computed (one backbone pass) and stored."""
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
-        paths = [self.dir / (_sha(eid, batch.input_ids[i, : src_len[i]].tolist(),
-                                  batch.decoder_input_ids[i, : tgt_len[i]].tolist())[:32] + ".safetensors")
-                 for i, eid in enumerate(batch.example_ids)]
+        paths = [
+            self.dir
+            / (
+                _sha(eid, batch.input_ids[i, : src_len[i]].tolist(), batch.decoder_input_ids[i, : tgt_len[i]].tolist())[
+                    :32
+                ]
+                + ".safetensors"
+            )
+            for i, eid in enumerate(batch.example_ids)
+        ]
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, path in enumerate(paths):
             loaded = self._load(path)
@@ -106,8 +131,13 @@ class PrefixCache:
         missing = [i for i in range(len(paths)) if i not in entries]
         if missing:
             self.stats["misses"] += len(missing)
-            sub = Batch([batch.example_ids[i] for i in missing], batch.input_ids[missing],
-                        batch.attention_mask[missing], batch.decoder_input_ids[missing], batch.labels[missing])
+            sub = Batch(
+                [batch.example_ids[i] for i in missing],
+                batch.input_ids[missing],
+                batch.attention_mask[missing],
+                batch.decoder_input_ids[missing],
+                batch.labels[missing],
+            )
             computed = model.compute_prefix(sub)
             for j, i in enumerate(missing):
                 enc = computed.encoder_hidden[j, : src_len[i]].to("cpu", self.dtype).contiguous()
@@ -155,8 +185,9 @@ class PrefixCache:
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
         os.close(fd)
         try:
-            save_file({"encoder_hidden": enc, "decoder_hidden": dec}, tmp,
-                      metadata={CHECKSUM_KEY: tensors_sha256(enc, dec)})
+            save_file(
+                {"encoder_hidden": enc, "decoder_hidden": dec}, tmp, metadata={CHECKSUM_KEY: tensors_sha256(enc, dec)}
+            )
             size = os.path.getsize(tmp)
             if size > self.max_bytes:
                 self.stats["refused"] += 1

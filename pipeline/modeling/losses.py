@@ -18,6 +18,7 @@ Cost: the vocabulary dominates, so the loss runs on packed [N, V] rows of real t
 per distribution and chunk, with the student gradient in closed form in the same pass (``_FusedDistillation``;
 checked against autograd in tests/test_losses.py). The gate is decided before the kernel, which takes it as a mask.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,13 +81,16 @@ def _pack(logits: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor:
     n = int(valid.sum())
     if logits.dim() == valid.dim() + 1:
         if logits.shape[:-1] != valid.shape:
-            raise ValueError(f"distillation_loss: {name} shape {tuple(logits.shape)} does not match labels "
-                             f"{tuple(valid.shape)}")
+            raise ValueError(
+                f"distillation_loss: {name} shape {tuple(logits.shape)} does not match labels {tuple(valid.shape)}"
+            )
         return logits.reshape(-1, logits.shape[-1]) if n == valid.numel() else logits[valid]  # no copy if unpadded
     if logits.dim() == 2 and logits.shape[0] == n:
         return logits
-    raise ValueError(f"distillation_loss: {name} must be [B, T, V] like the labels {tuple(valid.shape)} or packed "
-                     f"[N, V] with N = {n} non-padding tokens; got {tuple(logits.shape)}")
+    raise ValueError(
+        f"distillation_loss: {name} must be [B, T, V] like the labels {tuple(valid.shape)} or packed "
+        f"[N, V] with N = {n} non-padding tokens; got {tuple(logits.shape)}"
+    )
 
 
 def _softmax_lse(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,8 +174,14 @@ class _FusedDistillation(torch.autograd.Function):
         return grad, None, None, None, None, None, None, None
 
 
-def distillation_loss(logits_local: torch.Tensor, logits_global: torch.Tensor | None, labels: torch.Tensor,
-                      cfg: KDConfig, hard_mask: torch.Tensor | None = None, chunk_rows: int = 128) -> LossOutput:
+def distillation_loss(
+    logits_local: torch.Tensor,
+    logits_global: torch.Tensor | None,
+    labels: torch.Tensor,
+    cfg: KDConfig,
+    hard_mask: torch.Tensor | None = None,
+    chunk_rows: int = 128,
+) -> LossOutput:
     """The batch loss of the module docstring and per-token (entropy, gate) [B, T]. The logits are [B, T, V]
     (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, ``chunk_rows`` at a time."""
     valid = labels != IGNORE_INDEX
@@ -215,8 +225,9 @@ def distillation_loss(logits_local: torch.Tensor, logits_global: torch.Tensor | 
     entropy[valid_d] = entropy_p
     gate[valid_d] = gate_p
     n_kd = int(gate_p.sum())
-    return LossOutput(loss, float(ce.mean()), float(kl[gate_p].mean()) if n_kd else 0.0, entropy, gate, n_tokens, n_kd,
-                      threshold)
+    return LossOutput(
+        loss, float(ce.mean()), float(kl[gate_p].mean()) if n_kd else 0.0, entropy, gate, n_tokens, n_kd, threshold
+    )
 
 
 def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> torch.Tensor:
@@ -225,7 +236,7 @@ def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> 
     out = torch.empty(z_g.shape[0], device=z_g.device)
     with torch.no_grad():
         for s in range(0, z_g.shape[0], chunk_rows):
-            zg = z_g[s:s + chunk_rows].float()
+            zg = z_g[s : s + chunk_rows].float()
             p, lse_g = _softmax_lse(zg)
-            out[s:s + chunk_rows] = (lse_g - torch.linalg.vecdot(p, zg)) * inv_log2
+            out[s : s + chunk_rows] = (lse_g - torch.linalg.vecdot(p, zg)) * inv_log2
     return out

@@ -5,6 +5,7 @@ so :meth:`forward_two_paths` computes that :class:`Prefix` once (cacheable: pipe
 top k layers and the LM head per path. Adapters are forward hooks, so every HF code path (``generate`` included) sees
 the active path's. The backbone always runs in eval mode: a deterministic prefix is what makes the cache exact.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -12,17 +13,17 @@ import dataclasses
 import hashlib
 import inspect
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from torch import nn
 
-from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
 from pipeline.common.config import ConfigError, PositiveInt, TokenLength, config, from_dict
-from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.common.integrity import check_model_dir
+from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
+from pipeline.modeling.batching import IGNORE_INDEX, Batch
 
 PATHS = ("global", "local")
 
@@ -40,7 +41,7 @@ class ModelConfig:
     max_target_length: TokenLength = 96
 
     @classmethod
-    def from_group(cls, group: dict | None, where: str = "model") -> "ModelConfig":
+    def from_group(cls, group: dict | None, where: str = "model") -> ModelConfig:
         """From the `model` params group, leaving out its cache keys (pipeline.experiments checks those)."""
         names = {f.name for f in dataclasses.fields(cls)}
         return from_dict(cls, {k: v for k, v in (group or {}).items() if k in names}, where)
@@ -58,7 +59,7 @@ class Prefix:
     decoder_hidden: torch.Tensor  # [B, T, n] hidden state entering decoder layer L-k (valid up to target length)
     target_mask: torch.Tensor  # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there
 
-    def to(self, device) -> "Prefix":
+    def to(self, device) -> Prefix:
         return Prefix(**{name: tensor.to(device) for name, tensor in vars(self).items()})
 
 
@@ -86,7 +87,9 @@ def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool)
 
 
 class AdapterSummarizer(nn.Module):
-    def __init__(self, backbone: nn.Module, tokenizer, adapter: AdapterConfig, device: torch.device | str | None = None):
+    def __init__(
+        self, backbone: nn.Module, tokenizer, adapter: AdapterConfig, device: torch.device | str | None = None
+    ):
         super().__init__()
         self.backbone = backbone
         self.tokenizer = tokenizer
@@ -109,8 +112,10 @@ class AdapterSummarizer(nn.Module):
             raise ValueError(f"{type(backbone).__name__}: cannot find the decoder layers (unsupported architecture)")
         n_layers = len(layers)
         if adapter.top_k > n_layers:
-            raise ConfigError(f"model.top_k={adapter.top_k} > {n_layers} decoder layers of {type(backbone).__name__}; "
-                              f"allowed: 1..{n_layers}")
+            raise ConfigError(
+                f"model.top_k={adapter.top_k} > {n_layers} decoder layers of {type(backbone).__name__}; "
+                f"allowed: 1..{n_layers}"
+            )
         self.first_adapted = n_layers - adapter.top_k
         self._top_layers = list(layers[self.first_adapted :])
         self._layer_params = list(inspect.signature(self._top_layers[0].forward).parameters)
@@ -139,7 +144,7 @@ class AdapterSummarizer(nn.Module):
         self.train(False)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
+    def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
         """An HF encoder-decoder (BART/LED/mBART/Pegasus, or an EncoderDecoderModel such as BERT2BERT) and its
         tokenizer from ``path`` (a local dir or a hub id)."""
         from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
@@ -152,10 +157,12 @@ class AdapterSummarizer(nn.Module):
         return cls.from_backbone(backbone, tokenizer, adapter, device)
 
     @classmethod
-    def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> "AdapterSummarizer":
+    def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
-                             f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first")
+            raise ValueError(
+                f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
+                f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
+            )
         gen = model.generation_config
         for key in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
             if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
@@ -173,7 +180,7 @@ class AdapterSummarizer(nn.Module):
     def device(self) -> torch.device:
         return next(self.adapter_sets.parameters()).device
 
-    def train(self, mode: bool = True) -> "AdapterSummarizer":
+    def train(self, mode: bool = True) -> AdapterSummarizer:
         super().train(mode)
         self.backbone.eval()  # frozen: no dropout, so the shared prefix is deterministic (and cacheable)
         return self
@@ -237,8 +244,12 @@ class AdapterSummarizer(nn.Module):
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
         device = self.device
         with self.use_path(path):
-            return self.backbone(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
-                                 decoder_input_ids=batch.decoder_input_ids.to(device), use_cache=False).logits
+            return self.backbone(
+                input_ids=batch.input_ids.to(device),
+                attention_mask=batch.attention_mask.to(device),
+                decoder_input_ids=batch.decoder_input_ids.to(device),
+                use_cache=False,
+            ).logits
 
     @torch.no_grad()
     def compute_prefix(self, batch: Batch) -> Prefix:
@@ -260,8 +271,12 @@ class AdapterSummarizer(nn.Module):
             handle.remove()
         if "decoder_hidden" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
-        return Prefix(captured["encoder_hidden"], batch.attention_mask.to(self.device), captured["decoder_hidden"],
-                      (batch.labels != IGNORE_INDEX).to(self.device))
+        return Prefix(
+            captured["encoder_hidden"],
+            batch.attention_mask.to(self.device),
+            captured["decoder_hidden"],
+            (batch.labels != IGNORE_INDEX).to(self.device),
+        )
 
     def _top_masks(self, prefix: Prefix):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -270,11 +285,18 @@ class AdapterSummarizer(nn.Module):
         b, t = h.shape[:2]
         # Causal self-attention over right-padded targets (padding never reaches valid tokens); cross-attention:
         # source padding masked. The same builders the HF decoders call.
-        self_mask = create_causal_mask(config=self._stack.config, inputs_embeds=h, past_key_values=None,
-                                       attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device))
-        cross_mask = create_bidirectional_mask(config=self._stack.config, inputs_embeds=h,
-                                               attention_mask=prefix.encoder_mask.to(h.device),
-                                               encoder_hidden_states=prefix.encoder_hidden)
+        self_mask = create_causal_mask(
+            config=self._stack.config,
+            inputs_embeds=h,
+            past_key_values=None,
+            attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device),
+        )
+        cross_mask = create_bidirectional_mask(
+            config=self._stack.config,
+            inputs_embeds=h,
+            attention_mask=prefix.encoder_mask.to(h.device),
+            encoder_hidden_states=prefix.encoder_hidden,
+        )
         return self_mask, cross_mask
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
@@ -303,8 +325,9 @@ class AdapterSummarizer(nn.Module):
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
         return _match_layout(self._head(h[mask]), mask, packed)  # unpacked: a differentiable scatter into zeros
 
-    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None,
-                          packed: bool = False) -> TwoPathOutput:
+    def forward_two_paths(
+        self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None, packed: bool = False
+    ) -> TwoPathOutput:
         """Both paths from one prefix: local with gradients, global (the teacher) under no_grad, unless
         ``teacher_logits`` (e.g. from ``pipeline.modeling.cache.TeacherCache``) are given."""
         if prefix is None:
@@ -323,5 +346,6 @@ class AdapterSummarizer(nn.Module):
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
         """HF ``generate`` with ``path``'s adapters active."""
         with self.use_path(path):
-            return self.backbone.generate(input_ids=input_ids.to(self.device),
-                                          attention_mask=attention_mask.to(self.device), **generation_kwargs)
+            return self.backbone.generate(
+                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generation_kwargs
+            )

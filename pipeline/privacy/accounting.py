@@ -1,5 +1,6 @@
 """The accountant of both DP modes (opacus' RDP or PRV) and their resolved settings (mode example: a client's,
 :class:`ClientPrivacy`; mode client: a federation's, :class:`FederationPrivacy`)."""
+
 from __future__ import annotations
 
 import math
@@ -28,8 +29,16 @@ def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, 
     """The smallest z whose epsilon after ``steps`` is at most the target (opacus' search, to 0.01)."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=q,
-                                      steps=steps, accountant=accountant, epsilon_tolerance=0.01))
+    return float(
+        get_noise_multiplier(
+            target_epsilon=target_epsilon,
+            target_delta=delta,
+            sample_rate=q,
+            steps=steps,
+            accountant=accountant,
+            epsilon_tolerance=0.01,
+        )
+    )
 
 
 def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, what: str) -> float:
@@ -38,8 +47,10 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
     try:
         return noise_for_target(float(cfg.target_epsilon), delta, q, steps, cfg.accountant)
     except ValueError as exc:  # opacus: "The privacy budget is too low."
-        raise ValueError(f"{where}: privacy.target_epsilon {cfg.target_epsilon} cannot be met with q={q:.4g} "
-                         f"over {steps} {what} ({exc})") from None
+        raise ValueError(
+            f"{where}: privacy.target_epsilon {cfg.target_epsilon} cannot be met with q={q:.4g} "
+            f"over {steps} {what} ({exc})"
+        ) from None
 
 
 def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> float:
@@ -47,12 +58,13 @@ def adaptive_update_multiplier(noise_multiplier: float, count_stddev: float) -> 
     mechanism of (z_u^-2 + sigma_b^-2)^-1/2 = z: Flower's 0/1 norm bits have sensitivity 1, not Andrew et al.'s 1/2."""
     if noise_multiplier == 0:
         return 0.0
-    return (noise_multiplier ** -2 - count_stddev ** -2) ** -0.5
+    return (noise_multiplier**-2 - count_stddev**-2) ** -0.5
 
 
 @dataclass(frozen=True)
 class FederationPrivacy:
     """Client-level DP of a federated run: DP-FedAvg (McMahan et al. 2018), composed once per round."""
+
     noise_multiplier: float  # z: what the accountant composes per round (adaptive: updates and count together)
     update_noise_multiplier: float  # z_u: the noise on the mean update is z_u C / sampled (fixed: = z)
     count_stddev: float | None  # adaptive: sigma_b of the clipped count; None with fixed clipping
@@ -70,25 +82,30 @@ class FederationPrivacy:
         """epsilon after ``rounds`` rounds, empty samples too (adaptive: the updates' and count's z combined)."""
         z = self.update_noise_multiplier
         if self.count_stddev is not None and z != 0:
-            z = (z ** -2 + self.count_stddev ** -2) ** -0.5
+            z = (z**-2 + self.count_stddev**-2) ** -0.5
         return epsilon(z, self.sample_rate, rounds, self.delta, self.accountant)
 
 
-def federation_privacy(cfg: PrivacyConfig, population: int, sampled: int, rounds: int,
-                       where: str = "privacy") -> FederationPrivacy:
+def federation_privacy(
+    cfg: PrivacyConfig, population: int, sampled: int, rounds: int, where: str = "privacy"
+) -> FederationPrivacy:
     delta = cfg.delta if cfg.delta is not None else DEFAULT_DELTA
     if delta >= 1 / population:
         # a mechanism that publishes one random client's data in the clear meets (0, 1/N)
-        raise ValueError(f"{where}: privacy.delta {delta:g} >= 1/{population} (1 / the number of clients) "
-                         f"promises nothing; set it well below")
+        raise ValueError(
+            f"{where}: privacy.delta {delta:g} >= 1/{population} (1 / the number of clients) "
+            f"promises nothing; set it well below"
+        )
     z = _noise(cfg, delta, sampled / population, rounds, where, "rounds")
     count_stddev, z_u = None, z
     if cfg.clipping == "adaptive":
         count_stddev = cfg.clipped_count_stddev if cfg.clipped_count_stddev is not None else sampled / 20
         if z > 0 and not z < count_stddev:
-            raise ValueError(f"{where}: privacy.noise_multiplier {z:.4g} (adaptive clipping) needs "
-                             f"privacy.clipped_count_stddev > it (now {count_stddev:.4g}; null = sampled clients "
-                             f"/ 20): the count's noise alone must not exceed the budget")
+            raise ValueError(
+                f"{where}: privacy.noise_multiplier {z:.4g} (adaptive clipping) needs "
+                f"privacy.clipped_count_stddev > it (now {count_stddev:.4g}; null = sampled clients "
+                f"/ 20): the count's noise alone must not exceed the budget"
+            )
         z_u = adaptive_update_multiplier(z, count_stddev)
     norm = cfg.clipping_norm if cfg.clipping_norm is not None else 0.1  # adaptive: Andrew et al.'s initial C
     return FederationPrivacy(z, z_u, count_stddev, float(norm), population, sampled, delta, cfg.accountant)
@@ -101,13 +118,19 @@ def sampled_per_round(population: int, fraction_train: float) -> int:
 
 def server_setting(plan, population: int) -> FederationPrivacy:
     t = plan.train
-    return federation_privacy(plan.privacy, population, sampled_per_round(population, t.fraction_train), t.rounds,
-                              where=plan.source or plan.experiment)
+    return federation_privacy(
+        plan.privacy,
+        population,
+        sampled_per_round(population, t.fraction_train),
+        t.rounds,
+        where=plan.source or plan.experiment,
+    )
 
 
 @dataclass(frozen=True)
 class ClientPrivacy:
     """A client's DP-SGD setting: fixed for all its rounds (its data size and the plan decide it)."""
+
     noise_multiplier: float
     max_grad_norm: float
     sample_rate: float  # Poisson: each example joins a step with this probability
@@ -120,18 +143,28 @@ class ClientPrivacy:
         return epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
 
 
-def client_privacy(cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int,
-                   where: str = "") -> ClientPrivacy:
+def client_privacy(
+    cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int, where: str = ""
+) -> ClientPrivacy:
     """Resolve sigma, q and delta for a client of n training examples; a delta of 1/n or more is refused:
     publishing one random example in the clear meets (0, 1/n)."""
     if n_examples < 1:
         raise ValueError(f"{where}: no training example")
     delta = cfg.delta if cfg.delta is not None else min(DEFAULT_DELTA, 1.0 / (10 * n_examples))
     if delta >= 1.0 / n_examples:
-        raise ValueError(f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
-                         f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))")
+        raise ValueError(
+            f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
+            f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))"
+        )
     q = min(1.0, logical_batch / n_examples)
     per_epoch = math.ceil(n_examples / logical_batch)
     planned = rounds * local_epochs * per_epoch  # every round, every local epoch: what the noise is calibrated to
-    return ClientPrivacy(_noise(cfg, delta, q, planned, where, "steps"), float(cfg.max_grad_norm), q,
-                         min(logical_batch, n_examples), per_epoch, float(delta), cfg.accountant)
+    return ClientPrivacy(
+        _noise(cfg, delta, q, planned, where, "steps"),
+        float(cfg.max_grad_norm),
+        q,
+        min(logical_batch, n_examples),
+        per_epoch,
+        float(delta),
+        cfg.accountant,
+    )

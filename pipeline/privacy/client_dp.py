@@ -1,5 +1,6 @@
 """Client-level DP (``privacy.mode: client``): :class:`ClientLevelDP`, a Flower ``Strategy`` around FedAvg/FedProx
 with Flower's DP primitives, not its DP wrappers (docs/privacy.md says why), and the client's clipping mod."""
+
 from __future__ import annotations
 
 import logging
@@ -10,11 +11,23 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, Context, Message
 from flwr.clientapp.mod import adaptiveclipping_mod, fixedclipping_mod
 from flwr.serverapp.strategy import Strategy
-from flwr.supercore.differential_privacy import (KEY_CLIPPING_NORM, KEY_NORM_BIT, adaptive_clip_inputs_inplace,
-                                                 compute_stdv, get_norm)
+from flwr.supercore.differential_privacy import (
+    KEY_CLIPPING_NORM,
+    KEY_NORM_BIT,
+    adaptive_clip_inputs_inplace,
+    compute_stdv,
+    get_norm,
+)
 
-from pipeline.federation.protocol import (ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView, load_plan,
-                                          plan_path_of)
+from pipeline.federation.protocol import (
+    ARRAYS_KEY,
+    CLIPPED_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    GridView,
+    load_plan,
+    plan_path_of,
+)
 from pipeline.privacy.accounting import FederationPrivacy
 from pipeline.privacy.secure_aggregation import is_legacy_fit
 from pipeline.training.seeds import derived_seed
@@ -43,8 +56,14 @@ class ClientLevelDP(Strategy):
         self.clipping_norm = np.float64(setting.clipping_norm)
         self._arrays: ArrayRecord | None = None  # the global the round's updates are taken against
         strategy.fraction_train = 1.0
-        log.info("client-level DP, z=%.4g, C=%s, %d of %d clients per round, delta=%g", setting.noise_multiplier,
-                 setting.clipping_norm, setting.sampled, setting.population, setting.delta)
+        log.info(
+            "client-level DP, z=%.4g, C=%s, %d of %d clients per round, delta=%g",
+            setting.noise_multiplier,
+            setting.clipping_norm,
+            setting.sampled,
+            setting.population,
+            setting.delta,
+        )
 
     def configure_train(self, server_round, arrays, config, grid):
         """Poisson sampling (seeded per round, apart from the noise): an empty sample is still accounted."""
@@ -82,8 +101,9 @@ class ClientLevelDP(Strategy):
             inner.weighted_by_key = key  # evaluate replies carry num-examples only
         return self.release_secure_mean(server_round, mean, clipped, len(replies)), metrics
 
-    def release_secure_mean(self, server_round: int, mean: ArrayRecord | None, clipped_count: int,
-                            aggregated: int) -> ArrayRecord | None:
+    def release_secure_mean(
+        self, server_round: int, mean: ArrayRecord | None, clipped_count: int, aggregated: int
+    ) -> ArrayRecord | None:
         """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+ calls it directly): move C
         (adaptive), take the sum over the expected count m, ``W + (k / m)(mean - W)``, add N(0, (z_u C / m)^2)."""
         rng, norm, m = np.random.default_rng([self.seed, server_round]), self.clipping_norm, self.setting.sampled
@@ -95,21 +115,30 @@ class ClientLevelDP(Strategy):
             return mean
         if aggregated not in (m, 0) and self._arrays is not None:
             k, ref = aggregated, self._arrays.to_numpy_ndarrays()
-            mean = ArrayRecord({name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
-                                for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)})
+            mean = ArrayRecord(
+                {
+                    name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
+                    for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)
+                }
+            )
         z = self.setting.update_noise_multiplier
         if z == 0:
             return mean
         std = compute_stdv(z, norm, m)
-        return ArrayRecord({k: Array(np.asarray(a + rng.normal(0.0, std, a.shape).astype(a.dtype)))
-                            for k, a in zip(mean.keys(), mean.to_numpy_ndarrays())})
+        return ArrayRecord(
+            {
+                k: Array(np.asarray(a + rng.normal(0.0, std, a.shape).astype(a.dtype)))
+                for k, a in zip(mean.keys(), mean.to_numpy_ndarrays())
+            }
+        )
 
     def _clip(self, reply: Message) -> int:
         received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
         update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
         bit = adaptive_clip_inputs_inplace(update, self.clipping_norm)
-        reply.content[ARRAYS_KEY] = ArrayRecord({k: Array(np.asarray(w + u))
-                                                 for k, w, u in zip(received.keys(), reference, update, strict=True)})
+        reply.content[ARRAYS_KEY] = ArrayRecord(
+            {k: Array(np.asarray(w + u)) for k, w, u in zip(received.keys(), reference, update, strict=True)}
+        )
         return int(bit)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
@@ -129,22 +158,35 @@ class ClientLevelDP(Strategy):
         metrics = reply.content[METRICS_KEY]
         # Float32 rounding can move the norm of W + clip(W_i - W) - W off C by one ulp per coordinate of the reply
         # (the clipped update is added to weights near 1, whose ulp dwarfs a small update's coordinates).
-        slack = float(np.sqrt(sum(float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
-                                  for a in reply.content[ARRAYS_KEY].to_numpy_ndarrays())))
+        slack = float(
+            np.sqrt(
+                sum(
+                    float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
+                    for a in reply.content[ARRAYS_KEY].to_numpy_ndarrays()
+                )
+            )
+        )
         if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + slack:
             return None
         return int(metrics[CLIPPED_KEY]), norm
 
-    def record(self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]],
-               clipping_norm: float) -> None:
+    def record(
+        self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]], clipping_norm: float
+    ) -> None:
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
         for name, (bit, norm) in clipped.items():
-            rows[name].update({"update_clipped": bit, "update_norm": None if norm is None else float(norm),
-                               "clipping_norm": float(clipping_norm),
-                               "epsilon": None if eps == float("inf") else eps, "delta": self.setting.delta,
-                               "noise_multiplier": self.setting.noise_multiplier,
-                               "sample_rate": self.setting.sample_rate})
+            rows[name].update(
+                {
+                    "update_clipped": bit,
+                    "update_norm": None if norm is None else float(norm),
+                    "clipping_norm": float(clipping_norm),
+                    "epsilon": None if eps == float("inf") else eps,
+                    "delta": self.setting.delta,
+                    "noise_multiplier": self.setting.noise_multiplier,
+                    "sample_rate": self.setting.sample_rate,
+                }
+            )
 
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:

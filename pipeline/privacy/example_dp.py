@@ -1,6 +1,7 @@
 """Example-level DP-SGD inside each organisation (``privacy.mode: example``, Abadi et al. 2016; docs/privacy.md),
 the local trainer's step object :class:`DPSGDSteps`. The noise comes from torch's seeded generator (reproducible
 runs), not a cryptographic source (opacus' secure_mode needs torchcsprng, which is not installed)."""
+
 from __future__ import annotations
 
 import warnings
@@ -13,8 +14,11 @@ from pipeline.training.seeds import derived_seed
 
 # The first adapter's input is the frozen prefix (no gradient): torch warns on every backward that opacus' full
 # backward hook then sees only output gradients, which is all it needs.
-warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed with respect "
-                                          "to module outputs since no inputs require gradients")
+warnings.filterwarnings(
+    "ignore",
+    message="Full backward hook is firing when gradients are computed with respect "
+    "to module outputs since no inputs require gradients",
+)
 
 
 def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[list[int]]:
@@ -22,8 +26,12 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     generator = torch.Generator().manual_seed(seed)
-    return [list(idx) for idx in UniformWithReplacementSampler(num_samples=n_examples, sample_rate=q,
-                                                               generator=generator, steps=n_steps)]
+    return [
+        list(idx)
+        for idx in UniformWithReplacementSampler(
+            num_samples=n_examples, sample_rate=q, generator=generator, steps=n_steps
+        )
+    ]
 
 
 class DPSGDSteps:
@@ -32,8 +40,17 @@ class DPSGDSteps:
     :meth:`backward` its per-example loss sum (:meth:`accumulate`); then :meth:`finish`, which adds the proximal
     gradient after the noise (it is data-independent: outside the clipping); :meth:`close` removes the hooks."""
 
-    def __init__(self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches,
-                 normalisation: str, max_target_length: int, proximal=None):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        setting: ClientPrivacy,
+        seed: int,
+        examples,
+        micro_batches,
+        normalisation: str,
+        max_target_length: int,
+        proximal=None,
+    ):
         from opacus.grad_sample import GradSampleHooks
 
         self.seed, self.frame, self.micro_batches, self.proximal = seed, examples, micro_batches, proximal
@@ -48,8 +65,14 @@ class DPSGDSteps:
         self.examples = 0  # per-example gradients clipped or not
 
     def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
-        return poisson_epoch(self.frame, self.micro_batches, self.setting, self.normalisation,
-                             self.max_target_length, derived_seed(self.seed, epoch, "poisson"))
+        return poisson_epoch(
+            self.frame,
+            self.micro_batches,
+            self.setting,
+            self.normalisation,
+            self.max_target_length,
+            derived_seed(self.seed, epoch, "poisson"),
+        )
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
         (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
@@ -98,8 +121,9 @@ def per_example_loss_scale(batch, normalisation: str, max_target_length: int) ->
     return float(int((valid.sum(dim=1) > 0).sum()))
 
 
-def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, normalisation: str, max_target_length: int,
-                  seed: int) -> list[list[tuple[Any, float]]]:
+def poisson_epoch(
+    examples, micro_batches, setting: ClientPrivacy, normalisation: str, max_target_length: int, seed: int
+) -> list[list[tuple[Any, float]]]:
     """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty) cut by ``micro_batches``."""
     steps = []
     for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):

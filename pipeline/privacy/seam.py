@@ -1,5 +1,6 @@
 """The privacy package's door: the calls other modules make, so that what a privacy mode changes stays in
 pipeline/privacy/ (a run without privacy gets ``None`` back), and the run's privacy records (metrics.json, MLflow)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -11,13 +12,23 @@ from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.settings import client_level_problem, secure_aggregation_refusal
 
 
-def local_steps(plan, module, examples, seed: int, where: str, micro_batches, normalisation: str,
-                max_target_length: int, proximal=None) -> DPSGDSteps | None:
+def local_steps(
+    plan,
+    module,
+    examples,
+    seed: int,
+    where: str,
+    micro_batches,
+    normalisation: str,
+    max_target_length: int,
+    proximal=None,
+) -> DPSGDSteps | None:
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
     cfg = plan.train
-    setting = client_privacy(plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds,
-                             cfg.local_epochs, where=where)
+    setting = client_privacy(
+        plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds, cfg.local_epochs, where=where
+    )
     return DPSGDSteps(module, setting, seed, examples, micro_batches, normalisation, max_target_length, proximal)
 
 
@@ -38,8 +49,9 @@ def check_run(plan) -> None:
         for name, splits in clients.items():
             n = len(splits["train"])
             n = n if t.max_train_examples_per_client is None else min(n, t.max_train_examples_per_client)
-            client_privacy(cfg, n, t.batch_size * t.grad_accum_steps, t.rounds, t.local_epochs,
-                           where=f"{where}: client {name!r}")
+            client_privacy(
+                cfg, n, t.batch_size * t.grad_accum_steps, t.rounds, t.local_epochs, where=f"{where}: client {name!r}"
+            )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -57,8 +69,9 @@ def client_level(plan, strategy, population: int):
     return dp, dp
 
 
-def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float,
-                      sizes: dict[str, dict[str, int]] | None = None):
+def secure_aggregator(
+    plan, clients: list[str], late: str | None, timeout: float, sizes: dict[str, dict[str, int]] | None = None
+):
     """The plan's SecAgg+ round runner (``late``: the client that joins later; ``sizes``: the train sizes the
     clients reported at admission, else the partition file's)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
@@ -72,9 +85,11 @@ def secure_aggregator(plan, clients: list[str], late: str | None, timeout: float
     first = len([c for c in clients if c != late])
     per_round = sampled_per_round(first, plan.train.fraction_train)  # Flower's sample size
     if per_round < 2:
-        raise ValueError(f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
-                         f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
-                         f"{per_round}")
+        raise ValueError(
+            f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
+            f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
+            f"{per_round}"
+        )
     if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
         return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
     # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
@@ -99,8 +114,10 @@ def register_train(app, train_round):
             return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
         plan = load_plan(plan_path_of(msg, context))
         if plan.privacy is not None and plan.privacy.secure_aggregation:
-            raise ValueError(f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
-                             f"its adapter only through SecAgg+")
+            raise ValueError(
+                f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
+                f"its adapter only through SecAgg+"
+            )
         return train_round(msg, context)
 
     return client_train
@@ -130,11 +147,16 @@ def account(context, result) -> dict[str, float | int]:
     total = (dp_steps(context) or 0) + int(result.n_steps)
     restore_dp_steps(context, total)
     eps, c = setting.epsilon(total), setting.max_grad_norm
-    return {"dp-epsilon": float(eps) if eps != float("inf") else -1.0, "dp-delta": float(setting.delta),
-            "dp-noise-multiplier": float(setting.noise_multiplier),
-            "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
-            "dp-sample-rate": float(setting.sample_rate), "dp-steps": int(total),
-            "dp-examples": int(result.dp_examples), "dp-clipped": int(result.dp_clipped)}
+    return {
+        "dp-epsilon": float(eps) if eps != float("inf") else -1.0,
+        "dp-delta": float(setting.delta),
+        "dp-noise-multiplier": float(setting.noise_multiplier),
+        "dp-max-grad-norm": float(c) if c != float("inf") else -1.0,
+        "dp-sample-rate": float(setting.sample_rate),
+        "dp-steps": int(total),
+        "dp-examples": int(result.dp_examples),
+        "dp-clipped": int(result.dp_clipped),
+    }
 
 
 def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -146,7 +168,9 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
             examples = sum(r["dp_examples"] for r in dp_rows)
             c["privacy"] = {k: last[k] for k in ("epsilon", "delta", "noise_multiplier", "max_grad_norm")} | {
                 "clipped_fraction": sum(r["dp_clipped"] for r in dp_rows) / examples if examples else 0.0,
-                "steps": last["dp_steps"], "sample_rate": last["sample_rate"]}
+                "steps": last["dp_steps"],
+                "sample_rate": last["sample_rate"],
+            }
     cfg, privacy = plan.privacy, None
     if cfg is not None and cfg.mode == "client":
         privacy = client_level_summary(plan, history, clients)
@@ -154,21 +178,30 @@ def run_record(plan, history: list[dict[str, Any]], clients: dict[str, dict[str,
         reports = [c["privacy"] for c in clients.values() if "privacy" in c]
         eps = [r["epsilon"] for r in reports]
         # epsilon_max holds at delta_max: each client's (epsilon, delta) holds, so does the pair of the largest
-        privacy = {"mode": cfg.mode, "accountant": cfg.accountant, "sampling": "poisson",
-                   "target_epsilon": cfg.target_epsilon, "epsilon_max": None if (not eps or None in eps) else max(eps),
-                   "delta_max": max((r["delta"] for r in reports), default=None)}
+        privacy = {
+            "mode": cfg.mode,
+            "accountant": cfg.accountant,
+            "sampling": "poisson",
+            "target_epsilon": cfg.target_epsilon,
+            "epsilon_max": None if (not eps or None in eps) else max(eps),
+            "delta_max": max((r["delta"] for r in reports), default=None),
+        }
     if cfg is None or not cfg.secure_aggregation:
         return {"privacy": privacy}
     sampled = [r for r in history if r.get("sampled")]
-    return {"privacy": privacy, "secure_aggregation": {
-        "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)", **asdict(cfg.secagg),
-        "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
-        "dropped": dict(Counter(r["client"] for r in sampled if r.get("failed"))),
-        "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled)}}
+    return {
+        "privacy": privacy,
+        "secure_aggregation": {
+            "protocol": "SecAgg+ (flwr SecAggPlusWorkflow)",
+            **asdict(cfg.secagg),
+            "rounds_aggregated": len({r["round"] for r in sampled if not r.get("failed")}),
+            "dropped": dict(Counter(r["client"] for r in sampled if r.get("failed"))),
+            "clipped_coordinates": sum(int(r.get("secagg_clipped", 0)) for r in sampled),
+        },
+    }
 
 
-def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]
-                         ) -> dict[str, Any]:
+def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """privacy.mode client: the run's guarantee (the same for every client) and each client's share of clipped
     updates in ``clients.<c>.privacy`` (not under SecAgg+: the server knows only each round's count)."""
     cfg, released = plan.privacy, [r for r in history if "update_clipped" in r]
@@ -176,7 +209,8 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
         own = [r["update_clipped"] for r in released if r["client"] == name]
         if own:
             c["privacy"] = {"updates_aggregated": len(own)} | (
-                {} if cfg.secure_aggregation else {"clipped_fraction": sum(own) / len(own)})
+                {} if cfg.secure_aggregation else {"clipped_fraction": sum(own) / len(own)}
+            )
     last = max(released, key=lambda r: r["round"]) if released else None
     rounds_run = max((int(r["round"]) for r in history), default=0)
     sampled_rounds = {int(r["round"]) for r in history if r.get("sampled")}
@@ -184,16 +218,25 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
     setting = server_setting(plan, len({r["client"] for r in history})) if history else None
     epsilon = setting.epsilon_after(rounds_run) if setting is not None else 0.0
     epsilon = None if epsilon == float("inf") else epsilon  # noise multiplier 0: no bound
-    return {"mode": "client", "accountant": cfg.accountant,
-            "sampling": "poisson",  # each client joins a round independently with probability sample_rate
-            "clipping": cfg.clipping, "clipping_side": cfg.clipping_side, "target_epsilon": cfg.target_epsilon,
-            "epsilon": epsilon, "epsilon_max": epsilon, "delta": setting.delta if setting else None,
-            "noise_multiplier": setting.noise_multiplier if setting else None,
-            "clipping_norm": last["clipping_norm"] if last else None,
-            "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released) if released else 0.0,
-            "sample_rate": setting.sample_rate if setting else None, "rounds_accounted": rounds_run,
-            "rounds_empty": len(set(range(1, rounds_run + 1)) - sampled_rounds),
-            "rounds_released": len({r["round"] for r in released}), "updates_aggregated": len(released)}
+    return {
+        "mode": "client",
+        "accountant": cfg.accountant,
+        "sampling": "poisson",  # each client joins a round independently with probability sample_rate
+        "clipping": cfg.clipping,
+        "clipping_side": cfg.clipping_side,
+        "target_epsilon": cfg.target_epsilon,
+        "epsilon": epsilon,
+        "epsilon_max": epsilon,
+        "delta": setting.delta if setting else None,
+        "noise_multiplier": setting.noise_multiplier if setting else None,
+        "clipping_norm": last["clipping_norm"] if last else None,
+        "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released) if released else 0.0,
+        "sample_rate": setting.sample_rate if setting else None,
+        "rounds_accounted": rounds_run,
+        "rounds_empty": len(set(range(1, rounds_run + 1)) - sampled_rounds),
+        "rounds_released": len({r["round"] for r in released}),
+        "updates_aggregated": len(released),
+    }
 
 
 def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
@@ -205,11 +248,19 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         out = {k: float(run[k]) for k in fields if run.get(k) is not None}
     else:
         fields = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
-        out = {f"{c}.{k}": v["privacy"][k] for c, v in metrics["clients"].items() if "privacy" in v
-               for k in fields if v["privacy"][k] is not None}
+        out = {
+            f"{c}.{k}": v["privacy"][k]
+            for c, v in metrics["clients"].items()
+            if "privacy" in v
+            for k in fields
+            if v["privacy"][k] is not None
+        }
         out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
     if metrics.get("secure_aggregation"):
         sa = metrics["secure_aggregation"]
-        out |= {"secagg.rounds_aggregated": sa["rounds_aggregated"], "secagg.dropped": sum(sa["dropped"].values()),
-                "secagg.clipped_coordinates": sa["clipped_coordinates"]}
+        out |= {
+            "secagg.rounds_aggregated": sa["rounds_aggregated"],
+            "secagg.dropped": sum(sa["dropped"].values()),
+            "secagg.clipped_coordinates": sa["clipped_coordinates"],
+        }
     return out

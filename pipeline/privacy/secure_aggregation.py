@@ -1,6 +1,7 @@
 """SecAgg+ (Bell et al., CCS 2020) through Flower 1.41's ``SecAggPlusWorkflow`` and ``secaggplus_mod``, which
 exist only for Flower's legacy strategy API: the server runs a legacy strategy (:class:`SecureAggregator`), the client
 turns its ``FitIns`` into the Message-API train call of every other round (:func:`legacy_fit`). docs/privacy.md."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,10 @@ def weight_scale(cfg: SecAggConfig, max_weight: int) -> int:
     if max_weight < 1:
         raise ValueError("secure aggregation: no client has a training example")
     if cfg.quantization_range < max_weight:
-        raise ValueError(f"privacy.secagg.quantization_range {cfg.quantization_range} is below the largest client "
-                         f"weight {max_weight}: Flower's integer weights would round; raise it")
+        raise ValueError(
+            f"privacy.secagg.quantization_range {cfg.quantization_range} is below the largest client "
+            f"weight {max_weight}: Flower's integer weights would round; raise it"
+        )
     return cfg.quantization_range // max_weight
 
 
@@ -82,8 +85,9 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     """The ``FitIns`` becomes the Message-API train message of ``train`` and its reply the ``FitRes`` that
     ``secaggplus_mod`` quantises and masks."""
     if RECORD_KEY_CONFIGS not in msg.content.config_records:
-        raise ValueError("a legacy FitIns outside SecAgg+: this client uploads its adapter only masked or as a "
-                         "Message-API reply")
+        raise ValueError(
+            "a legacy FitIns outside SecAgg+: this client uploads its adapter only masked or as a Message-API reply"
+        )
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
     config = dict(fitins.config)
     keys = json.loads(str(config.pop(ARRAY_KEYS)))
@@ -91,8 +95,9 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     if len(keys) != len(received):
         raise ValueError(f"FitIns: {len(received)} arrays for {len(keys)} names")
     original = msg.content
-    msg.content = RecordDict({ARRAYS_KEY: ArrayRecord({k: Array(a) for k, a in zip(keys, received)}),
-                              CONFIG_KEY: ConfigRecord(config)})
+    msg.content = RecordDict(
+        {ARRAYS_KEY: ArrayRecord({k: Array(a) for k, a in zip(keys, received)}), CONFIG_KEY: ConfigRecord(config)}
+    )
     try:
         reply = train(msg, context)
     finally:
@@ -140,8 +145,9 @@ class SecureRound:
 
 
 def _wire_bytes(content: RecordDict) -> int:
-    values = [b for rec in content.config_records.values() for v in rec.values()
-              for b in (v if isinstance(v, list) else [v])]
+    values = [
+        b for rec in content.config_records.values() for v in rec.values() for b in (v if isinstance(v, list) else [v])
+    ]
     return payload_bytes(content) + sum(len(b) for b in values if isinstance(b, bytes))
 
 
@@ -220,8 +226,10 @@ class SecureAggregator:
         self.clipped_bits = clipped_bits
         self.scale = weight_scale(cfg, max_weight)
         if clients * cfg.quantization_range >= SECAGG_MODULUS:
-            raise ValueError(f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
-                             f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}")
+            raise ValueError(
+                f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
+                f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}"
+            )
         self.timeout = timeout
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
@@ -231,36 +239,53 @@ class SecureAggregator:
             arrays = m.content[ARRAYS_KEY]
             keys = list(arrays.keys())
             config = {**dict(m.content[CONFIG_KEY]), ARRAY_KEYS: json.dumps(keys)}
-            offers.append((GridClientProxy(m.metadata.dst_node_id, grid, grid.run.run_id),
-                           FitIns(compat.arrayrecord_to_parameters(arrays, keep_input=True), config)))
+            offers.append(
+                (
+                    GridClientProxy(m.metadata.dst_node_id, grid, grid.run.run_id),
+                    FitIns(compat.arrayrecord_to_parameters(arrays, keep_input=True), config),
+                )
+            )
         strategy = _Offer(offers)
         observed = _ObservedGrid(grid)
-        context = LegacyContext(Context(run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={},
-                                        state=RecordDict(), run_config={}),
-                                strategy=strategy, client_manager=SimpleClientManager())
+        context = LegacyContext(
+            Context(
+                run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={}
+            ),
+            strategy=strategy,
+            client_manager=SimpleClientManager(),
+        )
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # the offers carry the global
-        workflow = _Workflow(self.cfg.num_shares, self.cfg.reconstruction_threshold,
-                             max_weight=self.cfg.quantization_range / self.scale,
-                             clipping_range=float(self.cfg.clipping_range),
-                             quantization_range=self.cfg.quantization_range, modulus_range=SECAGG_MODULUS,
-                             timeout=self.timeout)
+        workflow = _Workflow(
+            self.cfg.num_shares,
+            self.cfg.reconstruction_threshold,
+            max_weight=self.cfg.quantization_range / self.scale,
+            clipping_range=float(self.cfg.clipping_range),
+            quantization_range=self.cfg.quantization_range,
+            modulus_range=SECAGG_MODULUS,
+            timeout=self.timeout,
+        )
         workflow(observed, context)
 
         in_sum = {n for n, o in observed.nodes.items() if o.metrics is not None}
         # the workflow always runs its setup stage, which keeps the round's state
         out = SecureRound(None, observed.nodes, in_sum, workflow.state.threshold, workflow.state.num_shares)
         if strategy.mean is None:
-            out.halted = (f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
-                          f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares")
+            out.halted = (
+                f"SecAgg+ could not unmask the sum: {len(in_sum)} of {len(messages)} sampled clients "
+                f"uploaded, reconstruction threshold {out.threshold} of {out.num_shares} shares"
+            )
             return out
         mean = list(strategy.mean)
         if len(mean) != len(keys) + self.clipped_bits:
-            raise ValueError(f"SecAgg+ unmasked {len(mean)} arrays for {len(keys)} adapter tensors"
-                             f"{' and the clipped bit' if self.clipped_bits else ''}")
+            raise ValueError(
+                f"SecAgg+ unmasked {len(mean)} arrays for {len(keys)} adapter tensors"
+                f"{' and the clipped bit' if self.clipped_bits else ''}"
+            )
         if self.clipped_bits:
             out.clipped_count = clipped_count(mean.pop(), len(in_sum), self.cfg)
         dtype = messages[0].content[ARRAYS_KEY][keys[0]].numpy().dtype
         out.arrays = ArrayRecord.from_torch_state_dict(
-            {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, mean)})
+            {k: torch.from_numpy(np.asarray(a, dtype=dtype)) for k, a in zip(keys, mean)}
+        )
         return out

@@ -1,4 +1,5 @@
 """The params `privacy` group as a plan carries it and the refusals of what a privacy setting cannot protect."""
+
 from __future__ import annotations
 
 import math
@@ -73,22 +74,33 @@ class PrivacyConfig:
     def _mode_needs(self) -> PrivacyConfig:
         if self.mode == "none":
             if self.noise_multiplier is not None or self.target_epsilon is not None:
-                raise ValueError("noise_multiplier / target_epsilon are set but mode is 'none': set mode 'example' "
-                                 "or 'client', or leave them null")
+                raise ValueError(
+                    "noise_multiplier / target_epsilon are set but mode is 'none': set mode 'example' "
+                    "or 'client', or leave them null"
+                )
             return self
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
-            raise ValueError(f"mode {self.mode!r} needs exactly one of noise_multiplier and target_epsilon "
-                             f"(got {self.noise_multiplier} and {self.target_epsilon})")
+            raise ValueError(
+                f"mode {self.mode!r} needs exactly one of noise_multiplier and target_epsilon "
+                f"(got {self.noise_multiplier} and {self.target_epsilon})"
+            )
         if self.mode == "example" and math.isinf(self.max_grad_norm) and self.noise_multiplier != 0:
             raise ValueError("max_grad_norm .inf (no clipping) needs noise_multiplier 0 (noise std = sigma * C)")
         if self.mode == "client":
             if self.clipping == "fixed" and self.clipping_norm is None:
-                raise ValueError("clipping_norm must be set with mode client and clipping fixed: the bound C on "
-                                 "the L2 norm of a client's round update (no default fits every backbone)")
-            if self.clipping_norm is not None and math.isinf(self.clipping_norm) and (
-                    self.noise_multiplier != 0 or self.clipping == "adaptive"):
-                raise ValueError("clipping_norm .inf (no clipping) needs clipping fixed and noise_multiplier 0 "
-                                 "(noise std = noise_multiplier x C / sampled clients)")
+                raise ValueError(
+                    "clipping_norm must be set with mode client and clipping fixed: the bound C on "
+                    "the L2 norm of a client's round update (no default fits every backbone)"
+                )
+            if (
+                self.clipping_norm is not None
+                and math.isinf(self.clipping_norm)
+                and (self.noise_multiplier != 0 or self.clipping == "adaptive")
+            ):
+                raise ValueError(
+                    "clipping_norm .inf (no clipping) needs clipping fixed and noise_multiplier 0 "
+                    "(noise std = noise_multiplier x C / sampled clients)"
+                )
         return self
 
     @property
@@ -111,16 +123,22 @@ def secure_aggregation_refusal(method, transfer_dtype: str, cfg: PrivacyConfig |
     """Why ``method`` (a MethodSpec) cannot run under SecAgg+, or None: the server then sees only the weighted sum
     of the uploads, so it must need nothing else and cannot clip one."""
     if cfg is not None and cfg.mode == "client" and cfg.clipping_side != "client":
-        return ("privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
-                "of the updates and cannot clip each one (the client clips its update before it is masked)")
+        return (
+            "privacy.mode client needs clipping_side client under SecAgg+: the server receives only the sum "
+            "of the updates and cannot clip each one (the client clips its update before it is masked)"
+        )
     if not method.federated:
         return f"method {method.name!r} trains without a server: there is no aggregate to protect"
     if method.strategy not in AVERAGING_STRATEGIES:
-        return (f"method {method.name!r}'s server ({method.strategy}) does more than average the uploads, and "
-                f"SecAgg+ gives it only their weighted sum (servers that average: {', '.join(AVERAGING_STRATEGIES)})")
+        return (
+            f"method {method.name!r}'s server ({method.strategy}) does more than average the uploads, and "
+            f"SecAgg+ gives it only their weighted sum (servers that average: {', '.join(AVERAGING_STRATEGIES)})"
+        )
     if transfer_dtype != "fp32":
-        return (f"train.transfer_dtype is {transfer_dtype}: SecAgg+ quantises the fp32 upload itself "
-                f"(privacy.secagg), so the transfer must be fp32")
+        return (
+            f"train.transfer_dtype is {transfer_dtype}: SecAgg+ quantises the fp32 upload itself "
+            f"(privacy.secagg), so the transfer must be fp32"
+        )
     return None
 
 
@@ -128,19 +146,29 @@ def client_level_problem(method, transfer_dtype: str, cfg: PrivacyConfig) -> str
     """Why mode client makes no sense for ``method`` (a MethodSpec), or None."""
     if not method.federated:
         what = "pools every client's data in one place" if method.pooled else "trains each client alone"
-        return (f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
-                f"client-level guarantee to give (mode example protects its examples in federated methods)")
+        return (
+            f"method {method.name} {what}: no client update reaches a server aggregate, so there is no "
+            f"client-level guarantee to give (mode example protects its examples in federated methods)"
+        )
     if method.strategy == "fednova":
-        return ("method fednova: its server rescales each update by the client's own step count, so one client's "
-                "influence on the aggregate is not bounded by C / sampled clients; use fedavg or fedprox")
+        return (
+            "method fednova: its server rescales each update by the client's own step count, so one client's "
+            "influence on the aggregate is not bounded by C / sampled clients; use fedavg or fedprox"
+        )
     if method.strategy not in AVERAGING_STRATEGIES:
-        return (f"method {method.name}: its server applies an optimiser to the mean and keeps its un-noised state "
-                f"(momentum, moments) across rounds: neither the sensitivity C / sampled clients nor the "
-                f"composition holds; use fedavg or fedprox")
+        return (
+            f"method {method.name}: its server applies an optimiser to the mean and keeps its un-noised state "
+            f"(momentum, moments) across rounds: neither the sensitivity C / sampled clients nor the "
+            f"composition holds; use fedavg or fedprox"
+        )
     if method.new_client == "post":
-        return (f"method {method.name}: the population grows when the new client joins mid-run, so the sampling "
-                f"rate changes while the noise is calibrated to one sample size")
+        return (
+            f"method {method.name}: the population grows when the new client joins mid-run, so the sampling "
+            f"rate changes while the noise is calibrated to one sample size"
+        )
     if cfg.clipping_side == "client" and transfer_dtype != "fp32":
-        return (f"privacy.clipping_side client needs train.transfer_dtype fp32 (got {transfer_dtype}): Flower's "
-                f"clipping mod clips the reply against the received arrays as they travel, encoded")
+        return (
+            f"privacy.clipping_side client needs train.transfer_dtype fp32 (got {transfer_dtype}): Flower's "
+            f"clipping mod clips the reply against the received arrays as they travel, encoded"
+        )
     return None

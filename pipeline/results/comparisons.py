@@ -3,15 +3,17 @@ with its baselines on the same partition and test examples, and of every private
 without privacy, from each experiment's ``reports/eval/<exp>/per_example.parquet`` and ``predictions.jsonl``. Then
 our effects against the paper's, and the sentences that state them, both computed from the comparisons table, so no
 number in the README's results text is typed by hand."""
+
 from __future__ import annotations
 
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -27,9 +29,27 @@ AVERAGE = "client average"
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
 # federation against local training, selectivity against plain KD, and AdaCentralized against every other method.
 MAIN_ORDER: tuple[str, ...] = ("single", "fedavg", "fedkd", "fedselectkd", "centralized")
-COLUMNS = ["study", "client", "method_a", "method_b", "config_a", "config_b", "study_b", "metric", "mean_diff",
-           "ci_low", "ci_high", "p_value", "n_examples", "n_seeds", "identical_fraction", "significant",
-           "mostly_identical", "experiments_a", "experiments_b"]
+COLUMNS = [
+    "study",
+    "client",
+    "method_a",
+    "method_b",
+    "config_a",
+    "config_b",
+    "study_b",
+    "metric",
+    "mean_diff",
+    "ci_low",
+    "ci_high",
+    "p_value",
+    "n_examples",
+    "n_seeds",
+    "identical_fraction",
+    "significant",
+    "mostly_identical",
+    "experiments_a",
+    "experiments_b",
+]
 
 
 @dataclass(frozen=True)
@@ -49,8 +69,10 @@ def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Confi
     groups: dict[tuple[str, str, str, str, str], list[tuple[int, str]]] = defaultdict(list)
     for p in planned:
         groups[(p.study, labels[p.name], p.method, p.scheme, getattr(p, "dp", ""))].append((int(p.seed), p.name))
-    return [Config(study, label, method, scheme, tuple(sorted(runs)), dp)
-            for (study, label, method, scheme, dp), runs in groups.items()]
+    return [
+        Config(study, label, method, scheme, tuple(sorted(runs)), dp)
+        for (study, label, method, scheme, dp), runs in groups.items()
+    ]
 
 
 def _plain(config: Config, configs: list[Config], study: str) -> Config | None:
@@ -114,8 +136,15 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
         paths = [eval_dir / seeds[s] / "predictions.jsonl" for seeds in (seeds_a, seeds_b)]
-        pa, pb = ({(str(c), str(e)): str(p) for c, e, p in (read_predictions(path, ("client", "example_id",
-                  "prediction")) if path.is_file() else [])} for path in paths)
+        pa, pb = (
+            {
+                (str(c), str(e)): str(p)
+                for c, e, p in (
+                    read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
+                )
+            }
+            for path in paths
+        )
         for client, ids in shared.items():
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
@@ -125,20 +154,42 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         for metric in METRICS:
-            r = paired_difference(*([np.stack([f[f"{metric}_{side}"].to_numpy(dtype=float) for f in rows[c]])
-                                     for c in clients] for side in "ab"), cfg)
-            out.append({"study": a.study, "client": scope, "method_a": a.method, "method_b": b.method,
-                        "config_a": a.label, "config_b": b.label, "study_b": b.study, "metric": metric,
-                        "mean_diff": r.estimate, "ci_low": r.low, "ci_high": r.high, "p_value": r.p_value,
-                        "n_examples": r.n_examples, "n_seeds": r.n_seeds, "identical_fraction": identical,
-                        "significant": r.significant, "experiments_a": ",".join(seeds_a[s] for s in seeds),
-                        "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
-                        "experiments_b": ",".join(seeds_b[s] for s in seeds)})
+            r = paired_difference(
+                *(
+                    [np.stack([f[f"{metric}_{side}"].to_numpy(dtype=float) for f in rows[c]]) for c in clients]
+                    for side in "ab"
+                ),
+                cfg,
+            )
+            out.append(
+                {
+                    "study": a.study,
+                    "client": scope,
+                    "method_a": a.method,
+                    "method_b": b.method,
+                    "config_a": a.label,
+                    "config_b": b.label,
+                    "study_b": b.study,
+                    "metric": metric,
+                    "mean_diff": r.estimate,
+                    "ci_low": r.low,
+                    "ci_high": r.high,
+                    "p_value": r.p_value,
+                    "n_examples": r.n_examples,
+                    "n_seeds": r.n_seeds,
+                    "identical_fraction": identical,
+                    "significant": r.significant,
+                    "experiments_a": ",".join(seeds_a[s] for s in seeds),
+                    "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
+                    "experiments_b": ",".join(seeds_b[s] for s in seeds),
+                }
+            )
     return out
 
 
-def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Path,
-                      cfg: BootstrapConfig) -> tuple[pd.DataFrame, list[str]]:
+def comparisons_table(
+    configs: list[Config], baselines: list[str], eval_dir: Path, cfg: BootstrapConfig
+) -> tuple[pd.DataFrame, list[str]]:
     """Every configuration against each baseline it has (``baselines`` then :data:`MAIN_ORDER`, as
     docs/statistics.md lists them), and a note per comparison that could not be made."""
     rows: list[dict[str, Any]] = []
@@ -147,8 +198,9 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     def add(config: Config, base: Config) -> None:
         found = compare(config, base, eval_dir, cfg)
         if not found:
-            notes.append(f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example "
-                         "in common")
+            notes.append(
+                f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common"
+            )
         rows.extend(found)
 
     baselines = list(dict.fromkeys([*baselines, *MAIN_ORDER]))
@@ -156,23 +208,31 @@ def comparisons_table(configs: list[Config], baselines: list[str], eval_dir: Pat
     for config in configs:
         # A non-private configuration outside the main study varies that study's configuration of its method on its
         # partition (a gate or tau of the tau sweep varies the main SelectKD).
-        varied = (_plain(config, configs, "main") if config.method in baselines and not config.dp
-                  and config.study != "main" else None)
+        varied = (
+            _plain(config, configs, "main")
+            if config.method in baselines and not config.dp and config.study != "main"
+            else None
+        )
         # A baseline is compared only with the baselines listed before it (fedavg vs single, not also the reverse).
-        against = baselines[:baselines.index(config.method)] if config.method in baselines and not varied else (
-            baselines)
+        against = (
+            baselines[: baselines.index(config.method)] if config.method in baselines and not varied else (baselines)
+        )
         for method in against:
             base = varied if method == config.method else baseline_for(config, method, configs)
             if base is None:
-                notes.append(f"{config.study}: {config.label} has no {method} run on partition scheme "
-                             f"{config.scheme!r} to compare with")
+                notes.append(
+                    f"{config.study}: {config.label} has no {method} run on partition scheme "
+                    f"{config.scheme!r} to compare with"
+                )
             elif base != config and (config, base) not in done and (base, config) not in done:
                 done.add((config, base))
                 add(config, base)
         plain = _plain(config, configs, config.study) if config.dp else None  # the same without privacy
         if config.dp and plain is None:
-            notes.append(f"{config.study}: {config.label} has no run of {config.method} without privacy on "
-                         f"partition scheme {config.scheme!r} in its study to compare with")
+            notes.append(
+                f"{config.study}: {config.label} has no run of {config.method} without privacy on "
+                f"partition scheme {config.scheme!r} in its study to compare with"
+            )
         elif plain is not None:
             add(config, plain)
     return pd.DataFrame(rows, columns=COLUMNS), notes
@@ -196,15 +256,20 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
     backbones = [c.removeprefix("vs_published_") for c in sub.columns if c.startswith("vs_published_")]
     backbones = [b for b in backbones if (sub[f"vs_published_{b}"].fillna("") != "").any()]
     paper_head = f" paper's Δ ({' / '.join(backbones)}): where it sits against our interval |" if backbones else ""
-    lines = ["", f"## Paired comparisons (client average of `{metric}`, A − B)", "",
-             "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
-             f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
-             "that adds the test examples' spread. **Bold** = the "
-             f"{level} interval excludes 0. ⚠ = more than {cfg.identical_warning:.0%} of the paired summaries are "
-             "the same text: the runs did not separate, so neither a difference nor its absence says much about "
-             "the methods.", "",
-             f"| A | B | Δ | {level} interval | p | seeds | examples | identical summaries |{paper_head}",
-             "|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head)]
+    lines = [
+        "",
+        f"## Paired comparisons (client average of `{metric}`, A − B)",
+        "",
+        "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
+        f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
+        "that adds the test examples' spread. **Bold** = the "
+        f"{level} interval excludes 0. ⚠ = more than {cfg.identical_warning:.0%} of the paired summaries are "
+        "the same text: the runs did not separate, so neither a difference nor its absence says much about "
+        "the methods.",
+        "",
+        f"| A | B | Δ | {level} interval | p | seeds | examples | identical summaries |{paper_head}",
+        "|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head),
+    ]
     for rec, r in zip(sub.to_dict("records"), sub.itertuples()):
         b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
         delta = f"{r.mean_diff:+.2f}"
@@ -214,10 +279,15 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
         if r.mostly_identical:
             identical = f"⚠ {identical}"
-        paper = [f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}" for bb in backbones
-                 if isinstance(rec[f"vs_published_{bb}"], str) and rec[f"vs_published_{bb}"]]
-        lines.append(f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {r.n_seeds} | "
-                     f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else ""))
+        paper = [
+            f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}"
+            for bb in backbones
+            if isinstance(rec[f"vs_published_{bb}"], str) and rec[f"vs_published_{bb}"]
+        ]
+        lines.append(
+            f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {r.n_seeds} | "
+            f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else "")
+        )
     n_identical = int(sub["mostly_identical"].sum())
     if n_identical:
         lines += ["", f"⚠ {n_identical} of {len(sub)} comparisons above are between mostly identical summaries."]
@@ -226,8 +296,13 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
 
 def significance_marks(table: pd.DataFrame, study: str, label: str, client: str) -> str:
     """'> single, < fedavg': the baselines this configuration is significantly above or below for one client."""
-    sub = table[(table["study"] == study) & (table["config_a"] == label) & (table["client"] == client)
-                & (table["metric"] == "avg_rouge") & table["significant"]]
+    sub = table[
+        (table["study"] == study)
+        & (table["config_a"] == label)
+        & (table["client"] == client)
+        & (table["metric"] == "avg_rouge")
+        & table["significant"]
+    ]
     return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"
 
 
@@ -248,18 +323,26 @@ BACKBONES: tuple[str, ...] = tuple(published.MAIN_TABLE)
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
 CONTAINS, ABOVE, BELOW = "contains", "excludes above", "excludes below"
 # How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
-PLACED = {ABOVE: "excluded: above our upper limit", CONTAINS: "inside our interval",
-          BELOW: "excluded: below our lower limit"}
+PLACED = {
+    ABOVE: "excluded: above our upper limit",
+    CONTAINS: "inside our interval",
+    BELOW: "excluded: below our lower limit",
+}
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-SHORT = {"single": "AdaSingle", "centralized": "AdaCentralized", "fedavg": "FedAvg", "fedkd": "FedKD",
-         "fedselectkd": "SelectKD"}
+SHORT = {
+    "single": "AdaSingle",
+    "centralized": "AdaCentralized",
+    "fedavg": "FedAvg",
+    "fedkd": "FedKD",
+    "fedselectkd": "SelectKD",
+}
 FEDERATED = ("fedavg", "fedkd", "fedselectkd")
 # What AdaCentralized's lead can mean under each `train.centralized_steps` rule (pipeline.training.serverless).
 STEP_RULE = {
     "largest_client": "AdaCentralized trained with the largest client's optimizer steps a round "
-                      "(`train.centralized_steps: largest_client`), so its lead is not one of more steps.",
+    "(`train.centralized_steps: largest_client`), so its lead is not one of more steps.",
     "epoch": "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`), several "
-             "times the optimizer steps of any client: its lead cannot be told apart from more steps.",
+    "times the optimizer steps of any client: its lead cannot be told apart from more steps.",
 }
 
 
@@ -295,8 +378,12 @@ def with_published(table: pd.DataFrame) -> pd.DataFrame:
     between two of the paper's methods as run in the main study get them (a gate variant is ours, not the paper's)."""
     out = table.copy()
     for b in BACKBONES:
-        paper = [published_difference(b, r.method_a, r.method_b, r.client, r.metric)
-                 if r.study == "main" and r.study_b == "main" else None for r in out.itertuples()]
+        paper = [
+            published_difference(b, r.method_a, r.method_b, r.client, r.metric)
+            if r.study == "main" and r.study_b == "main"
+            else None
+            for r in out.itertuples()
+        ]
         out[f"published_{b}"] = [math.nan if p is None else p for p in paper]
         out[f"vs_published_{b}"] = [classify(lo, hi, p) for lo, hi, p in zip(out["ci_low"], out["ci_high"], paper)]
     return out
@@ -334,7 +421,7 @@ def _papers(rows: list) -> str:
 
 
 def _name(r, side: str) -> str:
-    method, label, study = ((r.method_a, r.config_a, r.study) if side == "a" else (r.method_b, r.config_b, r.study_b))
+    method, label, study = (r.method_a, r.config_a, r.study) if side == "a" else (r.method_b, r.config_b, r.study_b)
     base = SHORT.get(method, label)
     return base if study == "main" else f"{base} ({label})"
 
@@ -349,8 +436,11 @@ def _pair(r) -> str:
     parts = []
     for where in (w for w in PLACED if w in groups):
         bbs = groups[where]
-        who = ("all three backbones" if len(bbs) == len(BACKBONES) == 3 else
-               ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs))
+        who = (
+            "all three backbones"
+            if len(bbs) == len(BACKBONES) == 3
+            else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
+        )
         parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
     text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}"
     return f"{text} (paper {'; '.join(parts)})" if parts else text
@@ -382,48 +472,76 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     if not backbone:
         return ""
     ev = backbone.get("evaluation") or {}
-    warm = (f", ROUGE-1 {ev['rouge1']:.2f} on {ev['examples']} {ev.get('dataset', '')} validation examples after its "
-            "warm-up" if "rouge1" in ev else "")
-    text = (f"- **Backbone**: `{backbone.get('name')}` ({backbone.get('parameters', 0) / 1e6:.1f}M parameters{warm}), "
-            "not the paper's BART-large, BART-base or LED-large: every comparison with the paper's differences is "
-            "across backbones.")
-    usage = [v["kd_usage_ratio"] for v in ((kd or {}).get("clients") or {}).values()
-             if v.get("kd_usage_ratio") is not None]
+    warm = (
+        f", ROUGE-1 {ev['rouge1']:.2f} on {ev['examples']} {ev.get('dataset', '')} validation examples after its "
+        "warm-up"
+        if "rouge1" in ev
+        else ""
+    )
+    text = (
+        f"- **Backbone**: `{backbone.get('name')}` ({backbone.get('parameters', 0) / 1e6:.1f}M parameters{warm}), "
+        "not the paper's BART-large, BART-base or LED-large: every comparison with the paper's differences is "
+        "across backbones."
+    )
+    usage = [
+        v["kd_usage_ratio"] for v in ((kd or {}).get("clients") or {}).values() if v.get("kd_usage_ratio") is not None
+    ]
     if usage:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
-        text += (f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
-                 f"the paper's on {min(paper)}-{max(paper)} %.")
+        text += (
+            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
+            f"the paper's on {min(paper)}-{max(paper)} %."
+        )
     return text
 
 
-def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, scale: ClaimScale = ClaimScale(),
-                 metric: str = "avg_rouge", source: str = "comparisons.csv", backbone: str = "") -> str:
+def results_text(
+    table: pd.DataFrame,
+    convergence: pd.DataFrame | None = None,
+    scale: ClaimScale = ClaimScale(),
+    metric: str = "avg_rouge",
+    source: str = "comparisons.csv",
+    backbone: str = "",
+) -> str:
     """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
     table with the published columns, and the convergence records of the studies the table covers. A smoke run,
     or one smaller than ``scale`` asks for, states numbers, no claim; ``backbone``: :func:`backbone_note`."""
     if "vs_published_" + BACKBONES[0] not in table.columns:
         table = with_published(table)
     avg = table[(table["client"] == AVERAGE) & (table["metric"] == metric)]
-    per_client = table[(table["client"] != AVERAGE) & (table["metric"] == metric) & (table["study"] == "main")
-                       & (table["study_b"] == "main")]
+    per_client = table[
+        (table["client"] != AVERAGE)
+        & (table["metric"] == metric)
+        & (table["study"] == "main")
+        & (table["study_b"] == "main")
+    ]
     main = table[(table["study"] == "main") & (table["study_b"] == "main") & (table["client"] == AVERAGE)]
-    found = None if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns) else (
-        sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int))))
+    found = (
+        None
+        if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns)
+        else (sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int))))
+    )
     size = f"; {_span(found[0])} seed(s) and {_span(found[1])} test examples a comparison" if found else ""
-    lines = [f"Generated by `python -m pipeline.report claims` from `{source}` (paired difference of the client "
-             f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, "
-             "pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's differences are its "
-             f"Table III's, BART-large, BART-base and LED-large){size}:"] + ([backbone] if backbone else [])
+    lines = [
+        f"Generated by `python -m pipeline.report claims` from `{source}` (paired difference of the client "
+        f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, "
+        "pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's differences are its "
+        f"Table III's, BART-large, BART-base and LED-large){size}:"
+    ] + ([backbone] if backbone else [])
     # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
     why = "a smoke run (`report.smoke: true`)" if scale.smoke else ""
     if not why and found is not None and (found[0][0] < scale.min_seeds or found[1][0] < scale.min_examples):
-        why = (f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
-               f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
-               "`report.claim_min_examples`)")
+        why = (
+            f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
+            f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
+            "`report.claim_min_examples`)"
+        )
     if why:
         rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
-        lines.append(f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the "
-                     "paper's): " + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + ".")
+        lines.append(
+            f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the "
+            "paper's): " + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + "."
+        )
         return _with_budget(lines, table, convergence)
 
     central = _rows(avg, ("centralized",), ("single", *FEDERATED))
@@ -440,30 +558,41 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, s
             sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
             yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
             no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
-            by_b.append(f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
-                        + (f" (not {', '.join(no)})" if no and yes else ""))
+            by_b.append(
+                f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
+                + (f" (not {', '.join(no)})" if no and yes else "")
+            )
         lines.append("  Per client its lead excludes 0 " + "; ".join(by_b) + ".")
         gaps = [r for r in central if r.method_b in FEDERATED]
         if gaps and all(_all(r, BELOW) for r in gaps):
             lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
-            lines.append(f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
-                         f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
-                         f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)}).")
+            lines.append(
+                f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
+                f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
+                f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)})."
+            )
 
     fed = _rows(avg, FEDERATED, ("single",))
     if fed:
         lines.append(f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + ".")
         excluded = [r for r in fed if _all(r, ABOVE)]
         if excluded:
-            lines.append(f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
-                         f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
-                         f"{' and '.join(_num(r.ci_high) for r in excluded)}.")
-        same = [round(r.identical_fraction * 100) for r in fed
-                if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)]
+            lines.append(
+                f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
+                f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
+                f"{' and '.join(_num(r.ci_high) for r in excluded)}."
+            )
+        same = [
+            round(r.identical_fraction * 100)
+            for r in fed
+            if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)
+        ]
         if same:
-            lines.append(f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
-                         "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local "
-                         "training.")
+            lines.append(
+                f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
+                "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local "
+                "training."
+            )
 
     select = _rows(avg, ("fedselectkd",), ("fedkd",))
     if select:
@@ -471,8 +600,10 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, s
 
     distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
     if distil:
-        lines.append("- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
-                     "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + ".")
+        lines.append(
+            "- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
+            "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + "."
+        )
 
     mains = ("single", *FEDERATED)
     fed_clients = per_client[per_client["method_a"].isin(mains) & per_client["method_b"].isin(mains)]
@@ -480,16 +611,26 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, s
         sig = fed_clients[fed_clients["significant"]]
         if sig.empty:
             c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
-            lines.append(f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD excludes 0 "
-                         f"(closest: {SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
-                         f"{_p(c)}); no ordering among them is supported.")
+            lines.append(
+                f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD excludes 0 "
+                f"(closest: {SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
+                f"{_p(c)}); no ordering among them is supported."
+            )
         else:
-            lines.append("- Per-client federated comparisons that exclude 0: " + "; ".join(
-                f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}" for c in _records(sig))
-                + ".")
+            lines.append(
+                "- Per-client federated comparisons that exclude 0: "
+                + "; ".join(
+                    f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}" for c in _records(sig)
+                )
+                + "."
+            )
 
-    variants = avg[(avg["study"] != "main") & (avg["method_a"] == "fedselectkd") & (avg["method_b"] == "fedselectkd")
-                   & (avg["study_b"] == "main")]
+    variants = avg[
+        (avg["study"] != "main")
+        & (avg["method_a"] == "fedselectkd")
+        & (avg["method_b"] == "fedselectkd")
+        & (avg["study_b"] == "main")
+    ]
     for r in _records(variants):
         gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
         base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
@@ -498,9 +639,12 @@ def results_text(table: pd.DataFrame, convergence: pd.DataFrame | None = None, s
             what, changed = f"**A different KD gate** ({gate})", "the gate changes"
         else:
             what, changed = f"**SelectKD in study {r.study}** ({gate})", f"study {r.study}'s settings change"
-        finding = (f"{changed} ROUGE ({_p(r)})" if r.significant else
-                   f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
-                   f"{_num(r.ci_low)}, not a smaller difference either way")
+        finding = (
+            f"{changed} ROUGE ({_p(r)})"
+            if r.significant
+            else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
+            f"{_num(r.ci_low)}, not a smaller difference either way"
+        )
         lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {finding}.")
 
     return _with_budget(lines, table, convergence)
@@ -520,4 +664,4 @@ def replace_block(text: str, block: str, where: str = "markdown file") -> str:
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise DataError(f"{where}: no {BEGIN} ... {END} block")
-    return text[:start + len(BEGIN)] + "\n" + block + text[end:]
+    return text[: start + len(BEGIN)] + "\n" + block + text[end:]

@@ -3,6 +3,7 @@ settings (the `evaluate` params), the summaries they generate, and the evaluatio
 averages as headline metrics, each client's scores in its client's run, the training run it belongs to), with the
 catalog of studies that describes each study's MLflow experiment. Training never imports it: rewording a study
 reruns no training."""
+
 from __future__ import annotations
 
 import random
@@ -33,14 +34,21 @@ class EvaluateConfig:
     @model_validator(mode="after")
     def _min_below_max(self) -> EvaluateConfig:
         if self.min_target_length > self.max_target_length:
-            raise ValueError(f"min_target_length={self.min_target_length} must be <= max_target_length="
-                             f"{self.max_target_length}")
+            raise ValueError(
+                f"min_target_length={self.min_target_length} must be <= max_target_length={self.max_target_length}"
+            )
         return self
 
     def generation_kwargs(self) -> dict[str, Any]:
-        return {"num_beams": self.num_beams, "max_new_tokens": self.max_target_length,
-                "min_new_tokens": self.min_target_length, "no_repeat_ngram_size": self.no_repeat_ngram_size,
-                "length_penalty": self.length_penalty, "early_stopping": True, "do_sample": False}
+        return {
+            "num_beams": self.num_beams,
+            "max_new_tokens": self.max_target_length,
+            "min_new_tokens": self.min_target_length,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size,
+            "length_penalty": self.length_penalty,
+            "early_stopping": True,
+            "do_sample": False,
+        }
 
 
 def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
@@ -53,8 +61,16 @@ def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: in
     return [i for i in test_ids if i in chosen]
 
 
-def summarize_test_set(model, examples, test_ids: list[str], client: str, cfg: EvaluateConfig, max_source_length: int,
-                       where: str, desc: str):
+def summarize_test_set(
+    model,
+    examples,
+    test_ids: list[str],
+    client: str,
+    cfg: EvaluateConfig,
+    max_source_length: int,
+    where: str,
+    desc: str,
+):
     """The client's test subsample (rows of ``examples``, indexed by example id), the summaries of the model's
     loaded local adapter and their ROUGE per example; ``where`` names the partition and examples files."""
     missing = [i for i in test_ids if i not in examples.index]
@@ -75,7 +91,7 @@ def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_sourc
     kwargs = cfg.generation_kwargs()
     with torch.no_grad():
         for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
-            chunk = sources[start:start + cfg.batch_size]
+            chunk = sources[start : start + cfg.batch_size]
             enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
             ids = model.generate(enc["input_ids"], enc["attention_mask"], path="local", **kwargs)
             outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
@@ -84,30 +100,37 @@ def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_sourc
 
 # study -> (what it compares, METHOD.md section)
 STUDIES: dict[str, tuple[str, str]] = {
-    "main": ("Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
-             "AdaFedSelectKD)", "7.1 (methods: section 6)"),
+    "main": (
+        "Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
+        "AdaFedSelectKD)",
+        "7.1 (methods: section 6)",
+    ),
     "iid": ("IID and balanced: each client gets a third of every domain; FedAvg vs FedKD vs SelectKD", "7.2"),
     "noniid": ("Non-IID and balanced: per domain 200 train / 40 valid / 40 test per seed", "7.3"),
     "extreme": ("Extreme non-IID and unbalanced: SAMSum as a 4th client, with and without it", "7.4"),
     "sampling": ("Client sampling: 2 of 3 clients chosen at random each round", "7.5"),
     "tau_sweep": ("Entropy threshold sweep over tau (selective KD gate, section 4)", "7.6"),
     "server": ("Server algorithms: FedAvg, FedProx, FedOPT, FedNova vs SelectKD", "7.7 (server: section 5)"),
-    "new_client": ("New client: SAMSum joins after the QMSum clients converged (post) vs from the start (pre)",
-                   "7.8"),
+    "new_client": ("New client: SAMSum joins after the QMSum clients converged (post) vs from the start (pre)", "7.8"),
     "hardkd": ("Noun-verb hard KD vs SelectKD", "7.10 (POS analysis: 7.9)"),
-    "privacy": ("Privacy vs utility: the same methods without and with differential privacy at several epsilon "
-                "(the paper names DP as its next step)", "(none: beyond the paper; README 'Privacy')"),
+    "privacy": (
+        "Privacy vs utility: the same methods without and with differential privacy at several epsilon "
+        "(the paper names DP as its next step)",
+        "(none: beyond the paper; README 'Privacy')",
+    ),
 }
 
 
 def study_description(study: str) -> str:
     """The description of a study's MLflow experiment (an unlisted study by its name, section 7)."""
     what, section = STUDIES.get(study, (f"Study {study!r} (experiments with study: {study})", "7"))
-    return (f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
-            "`experiments` params (with the DVC experiment's name under `dvc exp run`). Compare methods "
-            "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (plain rougeL, as in the tables) and avg_ROUGE, each with its "
-            "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: its child run and its "
-            "adapter's LoggedModel (Models tab).")
+    return (
+        f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
+        "`experiments` params (with the DVC experiment's name under `dvc exp run`). Compare methods "
+        "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (plain rougeL, as in the tables) and avg_ROUGE, each with its "
+        "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: its child run and its "
+        "adapter's LoggedModel (Models tab)."
+    )
 
 
 # The tables' headline numbers under one "<prefix>/" name: MLflow's chart view groups such metrics into a section
@@ -126,8 +149,15 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any], eval_dir: Path,
-                  cfg: EvaluateConfig, converged: bool | None = None, test_sets: dict[str, Any] | None = None) -> str:
+def log_to_mlflow(
+    name: str,
+    experiment: dict[str, Any],
+    metrics: dict[str, Any],
+    eval_dir: Path,
+    cfg: EvaluateConfig,
+    converged: bool | None = None,
+    test_sets: dict[str, Any] | None = None,
+) -> str:
     """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
     each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset; the tag
     ``converged`` is readers.run_converged. Returns the run id."""
@@ -138,26 +168,39 @@ def log_to_mlflow(name: str, experiment: dict[str, Any], metrics: dict[str, Any]
     experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id")
     if not run_id:  # the train stage's latest run of exactly this plan (two ablation points share a name)
-        runs = _client().search_runs([experiment_id(study)], order_by=["attributes.start_time DESC"], max_results=1,
-                                     filter_string=f"tags.experiment = '{name}' and "
-                                                   f"tags.plan_hash = '{record_hash(experiment)}'")
+        runs = _client().search_runs(
+            [experiment_id(study)],
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+            filter_string=f"tags.experiment = '{name}' and tags.plan_hash = '{record_hash(experiment)}'",
+        )
         run_id = runs[0].info.run_id if runs else None
     # a record without a training run (imported) gets a run of its own, tagged with what the record says
     keys = ("method", "partition", "seed", "study", "tau")
     tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
-    logger = RunLogger(run_id) if run_id else RunLogger.start(study, name, {}, {"experiment": name, **tags},
-                                                              clients=tuple(metrics["clients"]))
+    logger = (
+        RunLogger(run_id)
+        if run_id
+        else RunLogger.start(study, name, {}, {"experiment": name, **tags}, clients=tuple(metrics["clients"]))
+    )
     logger.log_metrics(headline_metrics(metrics), step=0)
     # The record's evaluation settings as tags, not params: MLflow forbids changing a param, and re-evaluating a
     # trained run with other decoding settings (`dvc exp run -S evaluate.num_beams=2`) logs into the same run.
     settings = {"adapter": metrics.get("adapter", cfg.adapter)} | (metrics.get("decoding") or {})
-    logger.set_tags({f"evaluate.{k}": v for k, v in settings.items()} | {"rouge_l_in_tables": TABLE_ROUGE_L}
-                    | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {})
-                    | ({} if converged is None else {"converged": str(bool(converged)).lower()}))
+    logger.set_tags(
+        {f"evaluate.{k}": v for k, v in settings.items()}
+        | {"rouge_l_in_tables": TABLE_ROUGE_L}
+        | ({"backbone": metrics["backbone"]} if metrics.get("backbone") else {})
+        | ({} if converged is None else {"converged": str(bool(converged)).lower()})
+    )
     models = logger.models if settings["adapter"] == "best" else {}  # the logged models are the best adapters
     for client, scores in metrics["clients"].items():
-        logger.log_metrics({f"{client}.{k}": scores[k] for k in (*ROUGE_TYPES, "avg_rouge")}, 0, models.get(client),
-                           (test_sets or {}).get(client))
+        logger.log_metrics(
+            {f"{client}.{k}": scores[k] for k in (*ROUGE_TYPES, "avg_rouge")},
+            0,
+            models.get(client),
+            (test_sets or {}).get(client),
+        )
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
     if cfg.log_text_to_mlflow:
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")

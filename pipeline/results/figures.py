@@ -1,13 +1,14 @@
 """The report's figures (matplotlib Agg): bar charts of average ROUGE per client and configuration, the study
 figures' registry, and learning curves; each figure's data also in ``reports/plots/`` for `dvc plots show`."""
+
 from __future__ import annotations
 
 import math
 import re
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import matplotlib
 import pandas as pd
@@ -31,8 +32,15 @@ def save(fig, path: Path) -> Path:
     return path
 
 
-def grouped_bars(ax, data: pd.DataFrame, group_col: str, bar_col: str, value: str, err: str | None = None,
-                 paper: dict[tuple[str, str], float] | None = None) -> None:
+def grouped_bars(
+    ax,
+    data: pd.DataFrame,
+    group_col: str,
+    bar_col: str,
+    value: str,
+    err: str | None = None,
+    paper: dict[tuple[str, str], float] | None = None,
+) -> None:
     """Bars of ``value`` grouped by ``group_col`` (x) with one bar per ``bar_col``; paper values as black ticks."""
     groups = list(dict.fromkeys(data[group_col]))
     bars = list(dict.fromkeys(data[bar_col]))
@@ -60,15 +68,28 @@ def grouped_bars(ax, data: pd.DataFrame, group_col: str, bar_col: str, value: st
     ax.legend(fontsize=7)
 
 
-def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, facet_col: str | None = None,
-               paper: dict[tuple[str, str], float] | None = None) -> dict[str, str]:
+def bar_figure(
+    data: pd.DataFrame,
+    title: str,
+    fig_path: Path,
+    plot_path: Path,
+    facet_col: str | None = None,
+    paper: dict[tuple[str, str], float] | None = None,
+) -> dict[str, str]:
     """Average ROUGE per client (x) and configuration (bars), one panel per ``facet_col`` value."""
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
-    paper_shown = {(c, f"{lab} (n={int(n)})"): paper[(c, lab)] for c, lab, n in
-                   zip(data["client"], data["label"], data["n_seeds"]) if (c, lab) in paper} if paper else None
+    paper_shown = (
+        {
+            (c, f"{lab} (n={int(n)})"): paper[(c, lab)]
+            for c, lab, n in zip(data["client"], data["label"], data["n_seeds"])
+            if (c, lab) in paper
+        }
+        if paper
+        else None
+    )
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
         grouped_bars(ax, d, "client", "label", "avg_rouge_mean", "avg_rouge_std", paper_shown)
@@ -82,9 +103,20 @@ def bar_figure(data: pd.DataFrame, title: str, fig_path: Path, plot_path: Path, 
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
     if paper:
         out["paper_avg_rouge"] = [paper.get((c, lab)) for c, lab in zip(out["client"], out["label"])]
-    cols = ["bar", "client", "label", *([facet_col] if facet_col else []), "avg_rouge_mean", "avg_rouge_std",
-            "rouge1_mean", "rouge2_mean", f"{TABLE_ROUGE_L}_mean", "n_seeds", "missing_seeds",
-            *(["paper_avg_rouge"] if paper else [])]
+    cols = [
+        "bar",
+        "client",
+        "label",
+        *([facet_col] if facet_col else []),
+        "avg_rouge_mean",
+        "avg_rouge_std",
+        "rouge1_mean",
+        "rouge2_mean",
+        f"{TABLE_ROUGE_L}_mean",
+        "n_seeds",
+        "missing_seeds",
+        *(["paper_avg_rouge"] if paper else []),
+    ]
     atomic.to_csv(out[cols], plot_path, index=False)
     return {"figure": str(fig_path), "data": str(plot_path)}
 
@@ -93,8 +125,9 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")
 
 
-def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, figures: Path,
-                    plots: Path) -> list[dict[str, str]]:
+def learning_curves(
+    planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, figures: Path, plots: Path
+) -> list[dict[str, str]]:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
     (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
@@ -119,8 +152,9 @@ def learning_curves(planned: Iterable[Experiment], labels: dict[str, str], train
                 cdf = cdf.sort_values("round")
                 line = ax.plot(cdf["round"], cdf["val_loss"], marker="o", label=f"{client} val")[0]
                 if "train_loss" in cdf and cdf["train_loss"].notna().any():
-                    ax.plot(cdf["round"], cdf["train_loss"], linestyle=":", color=line.get_color(),
-                            label=f"{client} train")
+                    ax.plot(
+                        cdf["round"], cdf["train_loss"], linestyle=":", color=line.get_color(), label=f"{client} train"
+                    )
             ax.set_title(f"{study}: {label} (seed {runs[label][0]})", fontsize=9)
             ax.set_xlabel("round")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -148,6 +182,7 @@ def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
 
 def with_main_baselines(*methods: str) -> Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]:
     """Bars: the study's rows plus the main study's runs of ``methods`` the study itself did not run."""
+
     def bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
         base = main_rows_of(agg, {m for m in methods if m not in set(rows["method"])})
         return pd.concat([rows, base], ignore_index=True)
@@ -174,14 +209,22 @@ def sampling_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
 
 def server_paper(bars: pd.DataFrame) -> PaperValues:
     paper = {(c, m): v for m, by_c in published.SERVER_AVG_ROUGE.items() for c, v in by_c.items()}
-    return {(c, lab): paper[(c, m)] for lab, m in zip(bars["label"], bars["method"])
-            for c in published.QMSUM_CLIENTS if (c, m) in paper}
+    return {
+        (c, lab): paper[(c, m)]
+        for lab, m in zip(bars["label"], bars["method"])
+        for c in published.QMSUM_CLIENTS
+        if (c, m) in paper
+    }
 
 
 def new_client_paper(bars: pd.DataFrame) -> PaperValues:
     key_of = {"post_addition": "post_addition", "pre_addition": "pre_addition", "fedselectkd": "three_clients"}
-    return {(c, lab): published.NEW_CLIENT_AVG_ROUGE[key_of[m]][c] for lab, m in zip(bars["label"], bars["method"])
-            if m in key_of for c in published.NEW_CLIENT_AVG_ROUGE[key_of[m]]}
+    return {
+        (c, lab): published.NEW_CLIENT_AVG_ROUGE[key_of[m]][c]
+        for lab, m in zip(bars["label"], bars["method"])
+        if m in key_of
+        for c in published.NEW_CLIENT_AVG_ROUGE[key_of[m]]
+    }
 
 
 def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
@@ -192,8 +235,11 @@ def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
     if new_client.empty or "pre_addition" in set(new_client["method"]):
         return agg
     pre = agg[(agg["study"] == "extreme") & (agg["method"] == "fedselectkd")]
-    pre = pre.assign(study="new_client", method="pre_addition",
-                     label="pre_addition (= " + pre["label"].astype(str) + " of study extreme)")
+    pre = pre.assign(
+        study="new_client",
+        method="pre_addition",
+        label="pre_addition (= " + pre["label"].astype(str) + " of study extreme)",
+    )
     return pd.concat([agg, pre], ignore_index=True)
 
 
@@ -216,13 +262,23 @@ class StudyFigure:
 STUDY_FIGURES: tuple[StudyFigure, ...] = (
     StudyFigure("iid", "IID and balanced (each client a third of every domain)"),
     StudyFigure("noniid", "Non-IID and balanced (200/40/40 per domain)"),
-    StudyFigure("extreme", "Extreme non-IID and unbalanced (SAMSum as a 4th client)", extreme_bars,
-                facet_col="setting"),
+    StudyFigure(
+        "extreme", "Extreme non-IID and unbalanced (SAMSum as a 4th client)", extreme_bars, facet_col="setting"
+    ),
     StudyFigure("sampling", "Client sampling (2 of 3 clients per round)", sampling_bars, facet_col="setting"),
-    StudyFigure("server", "Server algorithms (paper: BART-large)", with_main_baselines("fedavg", "fedselectkd"),
-                paper=server_paper),
-    StudyFigure("new_client", "New client (SAMSum joins) (paper: BART-large)", with_main_baselines("fedselectkd"),
-                paper=new_client_paper, stand_in=pre_addition_stand_in),
+    StudyFigure(
+        "server",
+        "Server algorithms (paper: BART-large)",
+        with_main_baselines("fedavg", "fedselectkd"),
+        paper=server_paper,
+    ),
+    StudyFigure(
+        "new_client",
+        "New client (SAMSum joins) (paper: BART-large)",
+        with_main_baselines("fedselectkd"),
+        paper=new_client_paper,
+        stand_in=pre_addition_stand_in,
+    ),
 )
 
 
@@ -244,15 +300,33 @@ def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[s
             not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
             continue
         bars = entry.bars(rows, agg) if entry.bars is not None else rows
-        made.append(bar_figure(bars, entry.title, figures / f"{entry.study}.png", plots / f"{entry.study}.csv",
-                               facet_col=entry.facet_col,
-                               paper=entry.paper(bars) if entry.paper is not None else None)["figure"])
+        made.append(
+            bar_figure(
+                bars,
+                entry.title,
+                figures / f"{entry.study}.png",
+                plots / f"{entry.study}.csv",
+                facet_col=entry.facet_col,
+                paper=entry.paper(bars) if entry.paper is not None else None,
+            )["figure"]
+        )
     return made, not_made
 
 
 PRIVACY_STUDY = "privacy"
-PRIVACY_COLUMNS = ["method", "label", "dp", "epsilon", "delta", "target_epsilon", "noise_multiplier",
-                   "avg_rouge_mean", "avg_rouge_std", "n_seeds", "backbone"]
+PRIVACY_COLUMNS = [
+    "method",
+    "label",
+    "dp",
+    "epsilon",
+    "delta",
+    "target_epsilon",
+    "noise_multiplier",
+    "avg_rouge_mean",
+    "avg_rouge_std",
+    "n_seeds",
+    "backbone",
+]
 
 
 def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None, float | None]:
@@ -263,13 +337,17 @@ def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | Non
     if not privacy or not clients:
         return math.inf, None, None, None
     eps = [c["epsilon"] for c in clients]
-    return ((math.inf if None in eps else max(eps)), privacy.get("target_epsilon"),
-            max(c["noise_multiplier"] for c in clients),
-            max((c["delta"] for c in clients if c.get("delta") is not None), default=None))
+    return (
+        (math.inf if None in eps else max(eps)),
+        privacy.get("target_epsilon"),
+        max(c["noise_multiplier"] for c in clients),
+        max((c["delta"] for c in clients if c.get("delta") is not None), default=None),
+    )
 
 
-def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame,
-                   train_reports: Path) -> pd.DataFrame:
+def privacy_points(
+    planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame, train_reports: Path
+) -> pd.DataFrame:
     """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
     members = [p for p in planned if p.study == PRIVACY_STUDY]
@@ -287,13 +365,21 @@ def privacy_points(planned: Iterable[Experiment], labels: dict[str, str], scores
             continue
         eps, targets, sigmas, deltas = zip(*spent)
         series, names = pd.Series(per_seed), [p.name for p in runs]
-        rows.append({"method": runs[0].method, "label": label, "dp": runs[0].dp,
-                     "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
-                     "delta": max((d for d in deltas if d is not None), default=None),
-                     "target_epsilon": targets[0], "noise_multiplier": sigmas[0],
-                     "avg_rouge_mean": float(series.mean()), "n_seeds": len(series),
-                     "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
-                     "backbone": str(scores.loc[scores["experiment"].isin(names), "backbone"].iloc[0])})
+        rows.append(
+            {
+                "method": runs[0].method,
+                "label": label,
+                "dp": runs[0].dp,
+                "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
+                "delta": max((d for d in deltas if d is not None), default=None),
+                "target_epsilon": targets[0],
+                "noise_multiplier": sigmas[0],
+                "avg_rouge_mean": float(series.mean()),
+                "n_seeds": len(series),
+                "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
+                "backbone": str(scores.loc[scores["experiment"].isin(names), "backbone"].iloc[0]),
+            }
+        )
     return pd.DataFrame(rows, columns=PRIVACY_COLUMNS)
 
 
@@ -308,8 +394,9 @@ def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
         err = grp["avg_rouge_std"].fillna(0.0)
         ax.errorbar(grp["x"], grp["avg_rouge_mean"], yerr=err, marker="o", capsize=3, label=method)
         for r in grp.itertuples():
-            ax.annotate(f"n={r.n_seeds}", (r.x, r.avg_rouge_mean), textcoords="offset points", xytext=(4, 4),
-                        fontsize=7)
+            ax.annotate(
+                f"n={r.n_seeds}", (r.x, r.avg_rouge_mean), textcoords="offset points", xytext=(4, 4), fontsize=7
+            )
     ax.set_xscale("log")
     ticks = [t for t in (0.1, 0.3, 1, 3, 10, 30, 100) if finite.empty or finite.min() / 1.5 <= t <= finite.max() * 1.5]
     ax.set_xticks(ticks + [right])

@@ -1,15 +1,17 @@
 """Generated summaries side by side: the evaluate stage's predictions per method, the case study and the
 human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets (which side is the target method is only in
 ``key.json``), as the paper compares SelectKD with every other method, and their win/tie/loss counts."""
+
 from __future__ import annotations
 
 import html
 import json
 import random
 from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import pandas as pd
 
@@ -46,8 +48,9 @@ class KeyEntry:
     opponent_experiment: str
 
 
-def predictions_by_method(planned: Iterable[Experiment], eval_dir: Path, study: str = "main",
-                          seed: int | None = None) -> tuple[dict[str, dict[str, Prediction]], int | None]:
+def predictions_by_method(
+    planned: Iterable[Experiment], eval_dir: Path, study: str = "main", seed: int | None = None
+) -> tuple[dict[str, dict[str, Prediction]], int | None]:
     """method -> example_id -> Prediction for one study and seed (default: the lowest seed with predictions)."""
     avail = [p for p in planned if p.study == study and (eval_dir / p.name / "predictions.jsonl").is_file()]
     if not avail:
@@ -69,8 +72,12 @@ def example_info(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(zip(df["example_id"], df["query"].fillna(""))), dict(zip(df["example_id"], df["meeting_id"]))
 
 
-def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str], seed: int,
-               methods: tuple[str, str] = ("fedavg", "fedselectkd")) -> str | None:
+def case_study(
+    preds: dict[str, dict[str, Prediction]],
+    queries: dict[str, str],
+    seed: int,
+    methods: tuple[str, str] = ("fedavg", "fedselectkd"),
+) -> str | None:
     """One test example per domain: FedAvg's and SelectKD's summary and the gold one (seeded choice)."""
     if not all(m in preds for m in methods):
         return None
@@ -80,9 +87,13 @@ def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str],
     for ex in common:
         by_domain[preds[methods[0]][ex].domain].append(ex)
     rng = random.Random(f"case_study:{seed}")
-    lines = ["# Case study", "",
-             "One test example per domain, chosen at random (seeded, `report.case_study_seed`), summarised by each "
-             "client's own model; ROUGE F1 x 100 of each summary against the gold one.", ""]
+    lines = [
+        "# Case study",
+        "",
+        "One test example per domain, chosen at random (seeded, `report.case_study_seed`), summarised by each "
+        "client's own model; ROUGE F1 x 100 of each summary against the gold one.",
+        "",
+    ]
     for domain in sorted(by_domain):
         ex = rng.choice(by_domain[domain])
         gold = preds[methods[0]][ex].reference
@@ -92,22 +103,34 @@ def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str],
         for m in methods:
             p = preds[m][ex]
             s = scorer.score(p.prediction, gold)
-            lines += [f"**{published.PAPER_METHOD_NAMES.get(m, m)}** (R-1 {s['rouge1']:.1f}, R-2 {s['rouge2']:.1f}, "
-                      f"R-L {s[TABLE_ROUGE_L]:.1f}; `{p.experiment}`): {p.prediction}", ""]
+            lines += [
+                f"**{published.PAPER_METHOD_NAMES.get(m, m)}** (R-1 {s['rouge1']:.1f}, R-2 {s['rouge2']:.1f}, "
+                f"R-L {s[TABLE_ROUGE_L]:.1f}; `{p.experiment}`): {p.prediction}",
+                "",
+            ]
         lines += [f"**Gold:** {gold}", ""]
     return "\n".join(lines)
 
 
-def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: str | Path, *, target: str,
-                queries: Mapping[str, str] | None = None, meetings: Mapping[str, str] | None = None,
-                per_domain: int = 20, seed: int = 0) -> dict[str, Any]:
+def make_sheets(
+    predictions: Mapping[str, Mapping[str, Prediction]],
+    out_dir: str | Path,
+    *,
+    target: str,
+    queries: Mapping[str, str] | None = None,
+    meetings: Mapping[str, str] | None = None,
+    per_domain: int = 20,
+    seed: int = 0,
+) -> dict[str, Any]:
     """Blind pairwise sheets of ``target`` against every other method on the examples all predicted; their summary.
     The report calls it only when ``target`` and another method have predictions."""
     opponents = sorted(m for m in predictions if m != target)
     common = set(predictions[target]).intersection(*(predictions[m] for m in opponents))
     if not common:
-        raise DataError(f"human evaluation: {target!r} and {opponents} share no test example "
-                        "(were they evaluated on the same partition?)")
+        raise DataError(
+            f"human evaluation: {target!r} and {opponents} share no test example "
+            "(were they evaluated on the same partition?)"
+        )
     queries, meetings, rng = queries or {}, meetings or {}, random.Random(f"human_eval:{seed}")
     domain_of = {ex: predictions[target][ex].domain for ex in common}
     # up to per_domain examples a domain, round-robin over its shuffled meetings: as many meetings as there are
@@ -135,19 +158,35 @@ def make_sheets(predictions: Mapping[str, Mapping[str, Prediction]], out_dir: st
         target_side = rng.choice(("A", "B"))
         a, b = (t, o) if target_side == "A" else (o, t)
         item_id = f"item{idx + 1:04d}"
-        rows.append({"item_id": item_id, "domain": t.domain, "query": queries.get(ex, ""),
-                     "reference": t.reference, "summary_A": a.prediction, "summary_B": b.prediction,
-                     "judgement": "", "comment": ""})
+        rows.append(
+            {
+                "item_id": item_id,
+                "domain": t.domain,
+                "query": queries.get(ex, ""),
+                "reference": t.reference,
+                "summary_A": a.prediction,
+                "summary_B": b.prediction,
+                "judgement": "",
+                "comment": "",
+            }
+        )
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
     out = Path(out_dir)  # the atomic writes create it
     atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
     atomic.write_text(out / "sheet.html", _html_page(rows))
-    atomic.write_json(out / "key.json", {"target": target, "seed": seed,
-                                         "items": {k: asdict(v) for k, v in key.items()}})
-    summary = {"target": target, "opponents": opponents, "items": len(rows), "examples": len(chosen),
-               "examples_per_domain": dict(sorted(Counter(domain_of[ex] for ex in chosen).items())),
-               "requested_per_domain": per_domain, "seed": seed}
+    atomic.write_json(
+        out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}}
+    )
+    summary = {
+        "target": target,
+        "opponents": opponents,
+        "items": len(rows),
+        "examples": len(chosen),
+        "examples_per_domain": dict(sorted(Counter(domain_of[ex] for ex in chosen).items())),
+        "requested_per_domain": per_domain,
+        "seed": seed,
+    }
     atomic.write_json(out / "summary.json", summary)
     return summary
 
@@ -158,15 +197,18 @@ def _html_page(rows: list[dict[str, str]]) -> str:
     items = []
     for r in rows:
         iid = esc(r["item_id"])
-        radios = " ".join(f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
-                          for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better")))
+        radios = " ".join(
+            f'<label><input type="radio" name="{iid}" value="{v}"> {label}</label>'
+            for v, label in (("A", "A is better"), ("tie", "tie"), ("B", "B is better"))
+        )
         items.append(
             f'<section class="item" id="{iid}"><h2>{iid} <small>({esc(r["domain"])})</small></h2>'
-            f'<p><b>Query:</b> {esc(r["query"]) or "<i>(whole meeting)</i>"}</p>'
-            f'<p><b>Gold summary:</b> {esc(r["reference"])}</p>'
+            f"<p><b>Query:</b> {esc(r['query']) or '<i>(whole meeting)</i>'}</p>"
+            f"<p><b>Gold summary:</b> {esc(r['reference'])}</p>"
             f'<div class="pair"><div><h3>Summary A</h3><p>{esc(r["summary_A"])}</p></div>'
-            f'<div><h3>Summary B</h3><p>{esc(r["summary_B"])}</p></div></div>'
-            f"<p>{radios}</p></section>")
+            f"<div><h3>Summary B</h3><p>{esc(r['summary_B'])}</p></div></div>"
+            f"<p>{radios}</p></section>"
+        )
     script = """
 function download() {
   const name = (document.getElementById('annotator').value || 'anonymous').replace(/[^A-Za-z0-9_-]/g, '_');
@@ -180,16 +222,19 @@ function download() {
   a.download = 'sheet_' + name + '.csv';
   a.click();
 }"""
-    return ("<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
-            "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
-            ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
-            "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
-            "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
-            "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
-            "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
-            "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
-            "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
-            + "".join(items) + f"<script>{script}</script></body></html>")
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>fedmeet human evaluation</title>"
+        "<style>body{font-family:sans-serif;max-width:70em;margin:auto}"
+        ".pair{display:flex;gap:2em}.pair>div{flex:1;background:#f4f4f4;padding:0 1em}"
+        "section{border-bottom:1px solid #ccc;padding-bottom:1em}</style></head><body>"
+        "<h1>Which summary is better?</h1><p>For each item, read the query and the gold summary, then judge "
+        "which of the two system summaries answers the query better (informativeness, faithfulness, fluency). "
+        "The order of the systems is random. Use <i>tie</i> when neither is better.</p>"
+        "<p>Annotator: <input id='annotator'> <button onclick='download()'>Download my judgements</button> "
+        "(or fill the <code>judgement</code> column of sheet.csv with A, B or tie)</p>"
+        + "".join(items)
+        + f"<script>{script}</script></body></html>"
+    )
 
 
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
@@ -208,11 +253,14 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     for f in files:
         sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
         if {"item_id", "judgement"} - set(sheet.columns):
-            raise DataError(f"{f}: missing column(s) {sorted({'item_id', 'judgement'} - set(sheet.columns))} "
-                            f"(columns: {list(sheet.columns)})")
+            raise DataError(
+                f"{f}: missing column(s) {sorted({'item_id', 'judgement'} - set(sheet.columns))} "
+                f"(columns: {list(sheet.columns)})"
+            )
         per_file[f.name] = 0
-        for line_no, item, raw in zip(range(2, len(sheet) + 2), sheet["item_id"].str.strip(),
-                                      sheet["judgement"].str.strip()):
+        for line_no, item, raw in zip(
+            range(2, len(sheet) + 2), sheet["item_id"].str.strip(), sheet["judgement"].str.strip()
+        ):
             if item not in key:
                 raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
             if not raw:
@@ -221,19 +269,26 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             if raw.lower() not in JUDGEMENTS:
                 raise DataError(f"{f}:{line_no}: judgement {raw!r} for {item}; expected A, B or tie")
             choice, entry = JUDGEMENTS[raw.lower()], key[item]
-            judged.append((entry.opponent, entry.domain,
-                           "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")))
+            judged.append(
+                (
+                    entry.opponent,
+                    entry.domain,
+                    "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss"),
+                )
+            )
             per_file[f.name] += 1
     counts = Counter(judged)
     opponents = sorted({o for o, _, _ in judged})
-    totals = {o: {r: sum(n for (oo, _, rr), n in counts.items() if (oo, rr) == (o, r)) for r in OUTCOMES}
-              for o in opponents}
+    totals = {
+        o: {r: sum(n for (oo, _, rr), n in counts.items() if (oo, rr) == (o, r)) for r in OUTCOMES} for o in opponents
+    }
     return {
         "target": data["target"],
         "opponents": {o: {**c, "n": sum(c.values())} for o, c in totals.items()},
-        "by_domain": {o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged
-                                                                                       if oo == o})}
-                      for o in opponents},
+        "by_domain": {
+            o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged if oo == o})}
+            for o in opponents
+        },
         "unjudged": unjudged,
         "judged_per_file": per_file,
     }

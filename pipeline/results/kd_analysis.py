@@ -1,6 +1,7 @@
 """Why selective KD works, the computation (definitions in the docstring of pipeline/analyze.py): word updates, the
 KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points;
 and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
+
 from __future__ import annotations
 
 import math
@@ -23,36 +24,54 @@ SELECTKD, HARDKD = "fedselectkd", "hardkd"
 PAPER_DET_PRON_SHARE_OF_NON_KD = 0.74
 
 
-def word_updates(gate: pd.DataFrame, postags: pd.DataFrame, word_rule: str = "first",
-                 source: str = "gate log", tags_source: str = "the POS tags") -> pd.DataFrame:
+def word_updates(
+    gate: pd.DataFrame,
+    postags: pd.DataFrame,
+    word_rule: str = "first",
+    source: str = "gate log",
+    tags_source: str = "the POS tags",
+) -> pd.DataFrame:
     """Token gate decisions as word updates (pipeline/analyze.py): one row per (client, round, example_id,
     word_index), its POS and whether its update used KD; ``source``, ``tags_source``: the files, in errors."""
     keys = ["client", "round", "example_id", "position"]
-    per_token = gate.groupby(keys, sort=False).agg(token_id=("token_id", "first"),
-                                                   kd_any=("kd_applied", "max")).reset_index()
+    per_token = (
+        gate.groupby(keys, sort=False).agg(token_id=("token_id", "first"), kd_any=("kd_applied", "max")).reset_index()
+    )
     tags = postags[["example_id", "position", "token_id", "word_index", "pos", "is_noun_or_verb"]].rename(
-        columns={"token_id": "tagged_token_id"})
+        columns={"token_id": "tagged_token_id"}
+    )
     merged = per_token.merge(tags, on=["example_id", "position"], how="left", validate="many_to_one")
     untagged = merged["tagged_token_id"].isna()
     if untagged.any():
         row = merged[untagged].iloc[0]
-        raise DataError(f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. "
-                        f"example {row['example_id']} position {row['position']}); re-run the postag stage over these "
-                        "examples")
+        raise DataError(
+            f"{source}: {int(untagged.sum())} trained tokens have no POS tag in {tags_source} (e.g. "
+            f"example {row['example_id']} position {row['position']}); re-run the postag stage over these "
+            "examples"
+        )
     differ = merged["tagged_token_id"].astype(np.int64) != merged["token_id"].astype(np.int64)
     if differ.any():
         row = merged[differ].iloc[0]
         raise DataError(
             f"{source}: {int(differ.sum())} tokens differ from {tags_source} (e.g. example {row['example_id']} "
             f"position {row['position']}: trained {row['token_id']}, tagged {row['tagged_token_id']}); the "
-            f"POS tags were made with another tokenizer or max_target_length")
+            f"POS tags were made with another tokenizer or max_target_length"
+        )
     words = merged[merged["word_index"].notna()].sort_values(keys, kind="stable")  # special tokens are no word
     grouped = words.groupby(["client", "round", "example_id", "word_index"], sort=True)
-    kd = (grouped["kd_any"].mean() > 0.5 if word_rule == "majority" else
-          grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule]))
-    return pd.DataFrame({"kd": kd.astype(bool), "pos": grouped["pos"].first(),
-                         "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
-                         "n_tokens": grouped.size()}).reset_index()
+    kd = (
+        grouped["kd_any"].mean() > 0.5
+        if word_rule == "majority"
+        else grouped["kd_any"].agg({"first": "first", "any": "max", "all": "min"}[word_rule])
+    )
+    return pd.DataFrame(
+        {
+            "kd": kd.astype(bool),
+            "pos": grouped["pos"].first(),
+            "is_noun_or_verb": grouped["is_noun_or_verb"].first().astype(bool),
+            "n_tokens": grouped.size(),
+        }
+    ).reset_index()
 
 
 def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
@@ -71,10 +90,19 @@ def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
     """Per POS: KD / non-KD word updates, the POS's KD rate and its share of all KD / non-KD updates."""
     counts = updates.groupby(["pos", "kd"]).size().unstack(fill_value=0).reindex(columns=[True, False], fill_value=0)
     n_kd, n_no = int(counts[True].sum()), int(counts[False].sum())
-    return {str(pos): {"kd": kd, "no_kd": no, "kd_rate": kd / (kd + no), "share_of_kd": kd / n_kd if n_kd else math.nan,
-                       "share_of_no_kd": no / n_no if n_no else math.nan}
-            for pos, kd, no in ((p, int(r[True]), int(r[False]))
-                                for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows())}
+    return {
+        str(pos): {
+            "kd": kd,
+            "no_kd": no,
+            "kd_rate": kd / (kd + no),
+            "share_of_kd": kd / n_kd if n_kd else math.nan,
+            "share_of_no_kd": no / n_no if n_no else math.nan,
+        }
+        for pos, kd, no in (
+            (p, int(r[True]), int(r[False]))
+            for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows()
+        )
+    }
 
 
 def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
@@ -84,7 +112,8 @@ def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
     return {
         "noun_verb_kd_rate": float(nv["kd"].mean()) if len(nv) else math.nan,
         "noun_verb_share_of_kd": float(updates.loc[updates["kd"], "is_noun_or_verb"].mean())
-        if updates["kd"].any() else math.nan,
+        if updates["kd"].any()
+        else math.nan,
         "det_pron_share_of_no_kd": float(no_kd["pos"].isin(["DET", "PRON"]).mean()) if len(no_kd) else math.nan,
     }
 
@@ -96,8 +125,14 @@ def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
     for rnd, g in gate.groupby("round"):
         h = g["entropy"].to_numpy(dtype=float)
         inconsistent = int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0
-        rows.append({"round": int(rnd), "pass_fraction": float(g["kd_applied"].mean()),
-                     "entropy_q50": float(np.quantile(h, 0.5)), "gate_inconsistent": inconsistent})
+        rows.append(
+            {
+                "round": int(rnd),
+                "pass_fraction": float(g["kd_applied"].mean()),
+                "entropy_q50": float(np.quantile(h, 0.5)),
+                "gate_inconsistent": inconsistent,
+            }
+        )
     return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
 
 
@@ -108,8 +143,12 @@ def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any,
         if client not in best:
             raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
         ratio, k, n = kd_usage_ratio(upd, best[client])
-        per_client[client] = {"best_round": best[client], "kd_usage_ratio": ratio, "kd_word_updates": k,
-                              "word_updates": n}
+        per_client[client] = {
+            "best_round": best[client],
+            "kd_usage_ratio": ratio,
+            "kd_word_updates": k,
+            "word_updates": n,
+        }
     return per_client
 
 
@@ -119,14 +158,16 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return float(arr.mean()), float(arr.std(ddof=1)) if len(arr) > 1 else math.nan
 
 
-def client_summary(client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]],
-                   tau: float | None) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+def client_summary(
+    client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]], tau: float | None
+) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
     (experiment -> the client's :func:`usage_per_client` entry; ``words`` and ``gate`` carry an ``experiment``
     column): its entry of kd_analysis.json, its token updates once per round pooled over the experiments (seeds),
     and their :func:`gate_per_round`."""
-    window = pd.concat([to_best(w, per_seed[n]["best_round"])
-                        for n, w in words[words["client"] == client].groupby("experiment")])
+    window = pd.concat(
+        [to_best(w, per_seed[n]["best_round"]) for n, w in words[words["client"] == client].groupby("experiment")]
+    )
     ratio, ratio_std = mean_std([r["kd_usage_ratio"] for r in per_seed.values()])
     # entropy statistics over all logged rounds, pooled over seeds (one box per round); one row per token update
     # and round: local epochs repeat the round's (fixed-teacher) gate decision
@@ -156,13 +197,30 @@ def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -
         for client, s in (scores or {}).items():
             per_client.setdefault(client, []).append(s)
             names.setdefault(client, []).append(name)
-    return {client: {"n_seeds": len(v), "experiments": names[client],
-                     **{k: {m: mean_std([s[m] for s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))}}
-            for client, v in per_client.items()}
+    return {
+        client: {
+            "n_seeds": len(v),
+            "experiments": names[client],
+            **{k: {m: mean_std([s[m] for s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
+        }
+        for client, v in per_client.items()
+    }
 
 
-SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "rouge1", "rouge2", "rougeL",
-                 "kd_usage_ratio", "noun_verb_kd_rate", "det_pron_share_of_no_kd"]
+SWEEP_COLUMNS = [
+    "experiment",
+    "client",
+    "tau",
+    "tau_scale",
+    "seed",
+    "avg_rouge",
+    "rouge1",
+    "rouge2",
+    "rougeL",
+    "kd_usage_ratio",
+    "noun_verb_kd_rate",
+    "det_pron_share_of_no_kd",
+]
 
 
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -174,22 +232,40 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
-        rows.append({"experiment": run.name, "client": client, "tau": run.tau, "tau_scale": run.tau_scale,
-                     "seed": run.seed, "avg_rouge": s["avg_rouge"], "rouge1": s["rouge1"], "rouge2": s["rouge2"],
-                     "rougeL": s["rougeL"], "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
-                     "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
-                     "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan)})
+        rows.append(
+            {
+                "experiment": run.name,
+                "client": client,
+                "tau": run.tau,
+                "tau_scale": run.tau_scale,
+                "seed": run.seed,
+                "avg_rouge": s["avg_rouge"],
+                "rouge1": s["rouge1"],
+                "rouge2": s["rouge2"],
+                "rougeL": s["rougeL"],
+                "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
+                "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
+                "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan),
+            }
+        )
     return rows
 
 
 def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Means over seeds per (client, tau): the points on the tau axis (thresholds in nats or bits, without the
     tau_scale column) and the portable gates beside them."""
-    summary = (per_run.groupby(["tau_scale", "client", "tau"])
-               .agg(avg_rouge=("avg_rouge", "mean"), kd_usage_ratio=("kd_usage_ratio", "mean"),
-                    noun_verb_kd_rate=("noun_verb_kd_rate", "mean"),
-                    det_pron_share_of_no_kd=("det_pron_share_of_no_kd", "mean"), n_seeds=("seed", "nunique"))
-               .reset_index().sort_values(["tau_scale", "client", "tau"]))
+    summary = (
+        per_run.groupby(["tau_scale", "client", "tau"])
+        .agg(
+            avg_rouge=("avg_rouge", "mean"),
+            kd_usage_ratio=("kd_usage_ratio", "mean"),
+            noun_verb_kd_rate=("noun_verb_kd_rate", "mean"),
+            det_pron_share_of_no_kd=("det_pron_share_of_no_kd", "mean"),
+            n_seeds=("seed", "nunique"),
+        )
+        .reset_index()
+        .sort_values(["tau_scale", "client", "tau"])
+    )
     # Only thresholds in nats (or bits) share an axis; the portable gates (a fraction of ln|V|, a quantile) are
     # reported beside them, never drawn on the same tau axis.
     table = summary[summary["tau_scale"] == "absolute"].drop(columns="tau_scale")
@@ -209,8 +285,9 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper_ratio: float | None,
-             path: Path) -> None:
+def plot_pos(
+    client: str, dist: dict[str, dict[str, float]], ratio: float, paper_ratio: float | None, path: Path
+) -> None:
     tags = list(dist)
     x = np.arange(len(tags))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
@@ -233,11 +310,13 @@ def plot_pos(client: str, dist: dict[str, dict[str, float]], ratio: float, paper
     save(fig, path)
 
 
-def plot_entropy(client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: float | None,
-                 best: list[int], path: Path) -> None:
+def plot_entropy(
+    client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: float | None, best: list[int], path: Path
+) -> None:
     rounds = sorted(gate["round"].unique())  # gate: one row per token update and round
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(max(6, 0.6 * len(rounds) + 3), 6), sharex=True,
-                                   gridspec_kw={"height_ratios": [2, 1]})
+    fig, (ax1, ax2) = plt.subplots(
+        2, 1, figsize=(max(6, 0.6 * len(rounds) + 3), 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
+    )
     data = [gate.loc[gate["round"] == r, "entropy"].to_numpy(dtype=float) for r in rounds]
     ax1.boxplot(data, positions=rounds, whis=(5, 95), showfliers=False, widths=0.6)
     if tau is not None:
@@ -277,14 +356,20 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
                 continue
             means = [rec["mean"][m] for m in METRICS]
             stds = [rec["std"][m] for m in METRICS]
-            ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=stds if rec["n_seeds"] > 1 else None,
-                   label=f"{'SelectKD' if method == SELECTKD else 'noun-verb hard KD'} (n={rec['n_seeds']})")
+            ax.bar(
+                x + (j - 0.5) * 0.4,
+                means,
+                0.4,
+                yerr=stds if rec["n_seeds"] > 1 else None,
+                label=f"{'SelectKD' if method == SELECTKD else 'noun-verb hard KD'} (n={rec['n_seeds']})",
+            )
         ax.set_xticks(x, labels)
         ax.set_title(client)
         ax.set_ylabel("ROUGE F1 x 100")
         ax.legend(fontsize=8)
-    _finish_client_panels(fig, axes, clients, "no evaluated SelectKD / hard-KD experiments",
-                          "Noun-verb hard KD vs selective KD", path)
+    _finish_client_panels(
+        fig, axes, clients, "no evaluated SelectKD / hard-KD experiments", "Noun-verb hard KD vs selective KD", path
+    )
 
 
 def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> None:
@@ -302,5 +387,6 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
         if tau_main is not None:
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
         ax.set_title(client)
-    _finish_client_panels(fig, axes, clients, "no tau-sweep experiments with results",
-                          "Entropy threshold tau (dotted: main study)", path)
+    _finish_client_panels(
+        fig, axes, clients, "no tau-sweep experiments with results", "Entropy threshold tau (dotted: main study)", path
+    )

@@ -1,10 +1,12 @@
 """Reading what earlier stages wrote, for the analyze and report stages. Every bad or missing input is a
 :class:`DataError` whose message names the file and the problem in one line."""
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -71,8 +73,9 @@ def eval_scores(path: Path) -> dict[str, dict[str, float]]:
     return {str(c): {m: float(s[m]) for m in METRICS} for c, s in clients.items()}
 
 
-def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
-                   eval_dir: Path) -> tuple[pd.DataFrame, list[str]]:
+def collect_scores(
+    planned: Iterable[Experiment], labels: dict[str, str], eval_dir: Path
+) -> tuple[pd.DataFrame, list[str]]:
     """One row per (evaluated experiment, client), and the planned experiments without an evaluation."""
     rows, missing = [], []
     for p in planned:
@@ -83,10 +86,24 @@ def collect_scores(planned: Iterable[Experiment], labels: dict[str, str],
         metrics = read_eval_metrics(path)
         for client, scores in metrics["clients"].items():
             three = {m: float(scores[m]) for m in METRICS}
-            rows.append({"experiment": p.name, "study": p.study, "label": labels[p.name], "method": p.method,
-                         "scheme": p.scheme, "tau": p.tau, "variant": p.variant, "dp": getattr(p, "dp", ""),
-                         "seed": p.seed, "backbone": metrics.get("backbone") or "unknown", "client": client,
-                         **three, "avg_rouge": average_rouge(three), "n_examples": int(scores.get("n", 0))})
+            rows.append(
+                {
+                    "experiment": p.name,
+                    "study": p.study,
+                    "label": labels[p.name],
+                    "method": p.method,
+                    "scheme": p.scheme,
+                    "tau": p.tau,
+                    "variant": p.variant,
+                    "dp": getattr(p, "dp", ""),
+                    "seed": p.seed,
+                    "backbone": metrics.get("backbone") or "unknown",
+                    "client": client,
+                    **three,
+                    "avg_rouge": average_rouge(three),
+                    "n_examples": int(scores.get("n", 0)),
+                }
+            )
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
 
@@ -146,16 +163,29 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
     metrics = load_json(metrics_path) if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
-    found = best_and_last_rounds(rounds_path) if rounds_path.is_file() else {
-        c: (int(v["best_round"]), int(v.get("rounds_trained") or metrics.get("rounds") or v["best_round"]))
-        for c, v in clients.items() if isinstance(v, dict) and v.get("best_round")}
+    found = (
+        best_and_last_rounds(rounds_path)
+        if rounds_path.is_file()
+        else {
+            c: (int(v["best_round"]), int(v.get("rounds_trained") or metrics.get("rounds") or v["best_round"]))
+            for c, v in clients.items()
+            if isinstance(v, dict) and v.get("best_round")
+        }
+    )
     rows = []
     for client in sorted(set(found) | {c for c, v in clients.items() if isinstance(v, dict) and "converged" in v}):
         best, last = found.get(client, (None, None))
         stated = (clients.get(client) or {}).get("converged", metrics.get("converged"))
         flagged = (not bool(stated)) if stated is not None else (None if best is None else best == last)
-        rows.append({"experiment": experiment, "client": client, "best_round": best, "last_round": last,
-                     "best_is_last": flagged})
+        rows.append(
+            {
+                "experiment": experiment,
+                "client": client,
+                "best_round": best,
+                "last_round": last,
+                "best_is_last": flagged,
+            }
+        )
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 
 
@@ -201,6 +231,8 @@ def convergence_note(table: pd.DataFrame | None, studies: Iterable[str], labels:
         return ""
     lasts = sorted({int(r) for r in flagged["last_round"].dropna()})
     at = f" ({', '.join(map(str, lasts))})" if lasts else ""
-    return (f"{MARK} {len(flagged)} of {len(known)} client-runs had their best validation round in their last "
-            f"round{at}: they were still improving when training stopped, so these numbers hold for this round "
-            "budget only.")
+    return (
+        f"{MARK} {len(flagged)} of {len(known)} client-runs had their best validation round in their last "
+        f"round{at}: they were still improving when training stopped, so these numbers hold for this round "
+        "budget only."
+    )

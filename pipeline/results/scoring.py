@@ -3,12 +3,13 @@
 Google's ``rouge-score`` with Porter stemming on one sentence per line, the closest Python equivalent of the QMSum
 authors' ROUGE-1.5.5. Per-example F1 scores are averaged by us: the library's ``BootstrapAggregator`` resamples at
 random."""
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from pipeline.common.schema import DataError
 
@@ -32,7 +33,7 @@ def split_sentences(text: str) -> list[str]:
     sentences: list[str] = []
     pending, pos = "", 0
     for match in _SENTENCE_END.finditer(text):
-        piece = text[pos:match.start()]
+        piece = text[pos : match.start()]
         pos = match.end()
         candidate = (pending + " " + piece).strip() if pending else piece.strip()
         newline_break = "\n" in match.group(0)
@@ -107,7 +108,10 @@ def score_files(pred_path: str | Path, ref_path: str | Path, use_stemmer: bool =
     """Mean ROUGE of two line-aligned files; the CLI behind ``python -m pipeline.evaluate score``."""
     predictions, references = read_lines(pred_path), read_lines(ref_path)
     if len(predictions) != len(references):
-        raise DataError(f"line counts differ: {pred_path} has {len(predictions)} predictions, "
-                        f"{ref_path} has {len(references)} references (one summary per line in both)")
+        raise DataError(
+            f"line counts differ: {pred_path} has {len(predictions)} predictions, "
+            f"{ref_path} has {len(references)} references (one summary per line in both)"
+        )
     return mean_scores(Scorer(use_stemmer=use_stemmer).score_pairs(predictions, references)) | {
-        "rouge_l_in_tables": TABLE_ROUGE_L}
+        "rouge_l_in_tables": TABLE_ROUGE_L
+    }

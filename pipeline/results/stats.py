@@ -1,5 +1,6 @@
 """Intervals for ROUGE's client average (mean over the fixed clients of each client's mean over its test examples):
 one method's, and paired differences (seed s of A against seed s of B, example by example): docs/statistics.md."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,8 +9,8 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import numpy as np
-from scipy import stats as sps
 from pydantic import Field
+from scipy import stats as sps
 
 from pipeline.common.config import Fraction, config
 
@@ -71,13 +72,13 @@ def _seeds_t(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
     by_seed = np.mean([a.mean(axis=1) for a in per_client], axis=0)  # [s]: each seed's client average
     n = np.array([a.shape[1] for a in per_client])
     # per client: the example-level variance of the seed-averaged mean, and the seed x example residual's share
-    v_ex = sum(a.mean(axis=0).var(ddof=1) / a.shape[1] if a.shape[1] > 1 else 0.0 for a in per_client) / k ** 2
+    v_ex = sum(a.mean(axis=0).var(ddof=1) / a.shape[1] if a.shape[1] > 1 else 0.0 for a in per_client) / k**2
     resid = [a - a.mean(axis=0) - a.mean(axis=1, keepdims=True) + a.mean() for a in per_client]
-    v_res = sum((r ** 2).sum() / ((s - 1) * max(r.shape[1] - 1, 1)) / (s * r.shape[1]) for r in resid) / k ** 2
+    v_res = sum((r**2).sum() / ((s - 1) * max(r.shape[1] - 1, 1)) / (s * r.shape[1]) for r in resid) / k**2
     v_seed = by_seed.var(ddof=1) / s
     var = max(v_seed + v_ex - v_res, v_seed, v_ex)
     df_ex = max(int(n.sum()) - k, 1)
-    df = var ** 2 / (v_seed ** 2 / (s - 1) + v_ex ** 2 / df_ex) if var > 0 else math.inf
+    df = var**2 / (v_seed**2 / (s - 1) + v_ex**2 / df_ex) if var > 0 else math.inf
     estimate, se = float(by_seed.mean()), math.sqrt(var)
     half = float(sps.t.ppf(0.5 + cfg.level / 2, df)) * se
     p = 1.0 if estimate == 0.0 else (0.0 if se == 0 else float(2 * sps.t.sf(abs(estimate) / se, df)))

@@ -1,19 +1,21 @@
 """The report's tables: scores averaged over seeds, the main table beside the published numbers (Table III
 layout), one table per study with its paired comparisons, and the stage times."""
+
 from __future__ import annotations
 
 import json
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.results import comparisons, published
 from pipeline.experiments import Experiment
+from pipeline.results import comparisons, published
 from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
@@ -27,8 +29,9 @@ def _client_order(clients: Iterable[str]) -> list[str]:
     return [c for c in published.QMSUM_CLIENTS if c in present] + sorted(present - set(published.QMSUM_CLIENTS))
 
 
-def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str],
-              expected_seeds: Iterable[int]) -> pd.DataFrame:
+def aggregate(
+    scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str], expected_seeds: Iterable[int]
+) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
     (expected: ``expected_seeds`` plus any seed the `experiments` params plan for the configuration)."""
     expected = set(int(s) for s in expected_seeds)
@@ -38,8 +41,16 @@ def aggregate(scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[
     keys = [*GROUP_COLS, "backbone", "client"]
     out_rows = []
     if scores.empty:
-        return pd.DataFrame(columns=[*keys, *[f"{m}_mean" for m in METRICS], *[f"{m}_std" for m in METRICS],
-                                     "n_seeds", "seeds", "missing_seeds"])
+        return pd.DataFrame(
+            columns=[
+                *keys,
+                *[f"{m}_mean" for m in METRICS],
+                *[f"{m}_std" for m in METRICS],
+                "n_seeds",
+                "seeds",
+                "missing_seeds",
+            ]
+        )
     frame = scores.copy()
     frame["tau"] = frame["tau"].astype(object).where(frame["tau"].notna(), None)
     for key, grp in frame.groupby(keys, dropna=False, sort=False):
@@ -68,8 +79,13 @@ def fmt(mean: float, std: float, n: int | None = None) -> str:
     return f"{mean:.2f}" + ("" if pd.isna(std) else f" ± {std:.2f}")
 
 
-def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], labels: dict[str, str],
-               expected_seeds: Iterable[int] = ()) -> pd.DataFrame:
+def main_table(
+    agg: pd.DataFrame,
+    backbone: str,
+    planned: Iterable[Experiment],
+    labels: dict[str, str],
+    expected_seeds: Iterable[int] = (),
+) -> pd.DataFrame:
     """Table III long form: method x client x metric, ours beside the paper's and the difference; a planned
     configuration without any evaluation gets its rows too (every seed missing), so no method hides silently."""
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
@@ -80,12 +96,23 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
         pub = paper.get(client, {}).get(method)
         for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
             p = getattr(pub, metric) if pub else None
-            rows.append({"backbone": backbone, "method": method, "label": label,
-                         "paper_name": published.PAPER_METHOD_NAMES.get(method, method), "client": client,
-                         "metric": METRIC_LABELS[metric], "ours_mean": ours[f"{metric}_mean"],
-                         "ours_std": ours[f"{metric}_std"], "n_seeds": ours["n_seeds"], "seeds": ours["seeds"],
-                         "missing_seeds": ours["missing_seeds"], "paper": p,
-                         "diff": None if p is None else ours[f"{metric}_mean"] - p})
+            rows.append(
+                {
+                    "backbone": backbone,
+                    "method": method,
+                    "label": label,
+                    "paper_name": published.PAPER_METHOD_NAMES.get(method, method),
+                    "client": client,
+                    "metric": METRIC_LABELS[metric],
+                    "ours_mean": ours[f"{metric}_mean"],
+                    "ours_std": ours[f"{metric}_std"],
+                    "n_seeds": ours["n_seeds"],
+                    "seeds": ours["seeds"],
+                    "missing_seeds": ours["missing_seeds"],
+                    "paper": p,
+                    "diff": None if p is None else ours[f"{metric}_mean"] - p,
+                }
+            )
 
     absent: dict[str, tuple[str, set[int]]] = {}
     for p in planned:
@@ -94,8 +121,17 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
     for label, (method, seeds) in absent.items():
         none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")}
         for client in published.QMSUM_CLIENTS:
-            add(method, label, client, {**none, "n_seeds": 0, "seeds": "",
-                                        "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds))))})
+            add(
+                method,
+                label,
+                client,
+                {
+                    **none,
+                    "n_seeds": 0,
+                    "seeds": "",
+                    "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds)))),
+                },
+            )
     # the sort below puts the configurations in the paper's method order
     for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
         for client in _client_order(lsub["client"]):
@@ -106,27 +142,40 @@ def main_table(agg: pd.DataFrame, backbone: str, planned: Iterable[Experiment], 
     return table.sort_values(["_order", "label"], kind="stable").drop(columns="_order").reset_index(drop=True)
 
 
-def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFrame, bootstrap: BootstrapConfig,
-                        converged: pd.DataFrame | None = None) -> str:
+def main_table_markdown(
+    table: pd.DataFrame,
+    backbone: str,
+    compared: pd.DataFrame,
+    bootstrap: BootstrapConfig,
+    converged: pd.DataFrame | None = None,
+) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
     clients = _client_order(table["client"])
     metrics = ["R-1", "R-2", "R-L"]
     header = ["Method", "", *[f"{c} {m}" for c in clients for m in metrics], "seeds"]
-    lines = [f"# Main results, backbone `{backbone}`", "",
-             f"ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
-             f"`{TABLE_ROUGE_L}` "
-             "(LCS of the whole summary, Porter stemming; its R-L / R-1 ratios match the paper's, `rougeLsum`'s "
-             "do not: pipeline/results/scoring.py). "
-             + (f"Paper: Feng et al. Table III, {key}." if key else
-                "The paper reports no numbers for this backbone (BART-large, BART-base and LED-large only), "
-                "so only ours are shown."), "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines = [
+        f"# Main results, backbone `{backbone}`",
+        "",
+        f"ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
+        f"`{TABLE_ROUGE_L}` "
+        "(LCS of the whole summary, Porter stemming; its R-L / R-1 ratios match the paper's, `rougeLsum`'s "
+        "do not: pipeline/results/scoring.py). "
+        + (
+            f"Paper: Feng et al. Table III, {key}."
+            if key
+            else "The paper reports no numbers for this backbone (BART-large, BART-base and LED-large only), "
+            "so only ours are shown."
+        ),
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
     for label in dict.fromkeys(table["label"]):
         t = table[table["label"] == label]
         method = t["method"].iloc[0]
 
-        def cell(client: str, metric: str, what: str) -> str:
+        def cell(client: str, metric: str, what: str, t=t) -> str:
             r = t[(t["client"] == client) & (t["metric"] == metric)]
             if r.empty:
                 return "missing"
@@ -138,17 +187,22 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
             return f"{r['paper']:.2f}" if what == "paper" else "–" if pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
 
         seeds = t.iloc[0]
-        seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "") + (
-            f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else "")
+        seed_text = (
+            f"{seeds['n_seeds']}"
+            + (f" ({seeds['seeds']})" if seeds["seeds"] else "")
+            + (f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else "")
+        )
         name = published.PAPER_METHOD_NAMES.get(method, method)
         name = name if label == method else f"{name} ({label})"
         mark = row_mark(converged, "main", label, None)
         seed_text += f" {mark}" if mark else ""
-        rows = [(name, "ours", "ours", seed_text)] + ([("", "paper", "paper", ""), ("", "ours − paper", "diff", "")]
-                                                      if key else [])
+        rows = [(name, "ours", "ours", seed_text)] + (
+            [("", "paper", "paper", ""), ("", "ours − paper", "diff", "")] if key else []
+        )
         for first, kind, what, last in rows:
-            lines.append("| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics],
-                                             last]) + " |")
+            lines.append(
+                "| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics], last]) + " |"
+            )
     budget = convergence_note(converged, ["main"], set(table["label"]))
     if budget:
         lines += ["", budget + f" ({MARK} k/n after the seeds: client-runs of that method.)"]
@@ -156,25 +210,44 @@ def main_table_markdown(table: pd.DataFrame, backbone: str, compared: pd.DataFra
     return "\n".join(lines) + "\n"
 
 
-def study_table_markdown(agg: pd.DataFrame, study: str, compared: pd.DataFrame, bootstrap: BootstrapConfig,
-                         converged: pd.DataFrame | None = None) -> str:
+def study_table_markdown(
+    agg: pd.DataFrame,
+    study: str,
+    compared: pd.DataFrame,
+    bootstrap: BootstrapConfig,
+    converged: pd.DataFrame | None = None,
+) -> str:
     sub = agg[agg["study"] == study]
-    lines = [f"# Study `{study}`", "",
-             f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
-             f"`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). \"significantly vs\": the baselines whose avg this "
-             "configuration is above (>) or below (<) with a paired interval excluding 0 (section below). "
-             f"\"best round last\": {MARK} k/n = k of the n seeds had their best validation round in "
-             "their last round (still improving when training stopped).", "",
-             "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds "
-             "| best round last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Study `{study}`",
+        "",
+        f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
+        f'`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). "significantly vs": the baselines whose avg this '
+        "configuration is above (>) or below (<) with a paired interval excluding 0 (section below). "
+        f'"best round last": {MARK} k/n = k of the n seeds had their best validation round in '
+        "their last round (still improving when training stopped).",
+        "",
+        "| configuration | backbone | client | R-1 | R-2 | R-L | avg | significantly vs | seeds | missing seeds "
+        "| best round last |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
-        lines.append("| " + " | ".join([
-            str(r["label"]), str(r["backbone"]), str(r["client"]),
-            *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS],
-            comparisons.significance_marks(compared, study, r["label"], r["client"]), str(r["n_seeds"]),
-            r["missing_seeds"] or "–", row_mark(converged, study, r["label"], r["client"]) or "–",
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(r["label"]),
+                    str(r["backbone"]),
+                    str(r["client"]),
+                    *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS],
+                    comparisons.significance_marks(compared, study, r["label"], r["client"]),
+                    str(r["n_seeds"]),
+                    r["missing_seeds"] or "–",
+                    row_mark(converged, study, r["label"], r["client"]) or "–",
+                ]
+            )
+            + " |"
+        )
     budget = convergence_note(converged, [study])
     if budget:
         lines += ["", budget]
@@ -193,9 +266,13 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
     for f in files:
         try:
             rec = json.loads(f.read_text())
-            row = {"stage": str(rec["stage"]), "seconds": float(rec["seconds"]),
-                   "startup_seconds": float(rec.get("startup_seconds", "nan")),
-                   "peak_rss_mb": float(rec["peak_rss_mb"]), "finished_at": str(rec.get("finished_at", ""))}
+            row = {
+                "stage": str(rec["stage"]),
+                "seconds": float(rec["seconds"]),
+                "startup_seconds": float(rec.get("startup_seconds", "nan")),
+                "peak_rss_mb": float(rec["peak_rss_mb"]),
+                "finished_at": str(rec.get("finished_at", "")),
+            }
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise DataError(f"{f}: not a stage timing record ({err!r}); expected stage, seconds, peak_rss_mb") from err
         m = EXPERIMENT_STAGE.match(row["stage"])
@@ -210,17 +287,28 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
 
 def timing_markdown(timing: pd.DataFrame) -> str:
     """The stage-time table; an old record's missing start-up or finish time is a blank cell, not summed."""
+
     def startup(seconds: float) -> str:
         return "" if pd.isna(seconds) else f"{seconds:.1f}"
 
-    lines = ["# Stage wall times", "", "Each stage's last run (`reports/timing/<stage>.json`): its work, and the "
-             "start-up of its process before it (interpreter, imports, arguments); DVC's work between stages is in "
-             "neither.", "",
-             "| stage | seconds | start-up (s) | peak RSS (MB) | finished (UTC) |", "|---|---|---|---|---|"]
-    lines += [f"| {r.stage} | {r.seconds:.1f} | {startup(r.startup_seconds)} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
-              for r in timing.itertuples()]
-    lines.append(f"| **total** | {timing['seconds'].sum():.1f} | "
-                 f"{startup(timing['startup_seconds'].sum(min_count=1))} | {timing['peak_rss_mb'].max():.0f} (max) | |")
+    lines = [
+        "# Stage wall times",
+        "",
+        "Each stage's last run (`reports/timing/<stage>.json`): its work, and the "
+        "start-up of its process before it (interpreter, imports, arguments); DVC's work between stages is in "
+        "neither.",
+        "",
+        "| stage | seconds | start-up (s) | peak RSS (MB) | finished (UTC) |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r.stage} | {r.seconds:.1f} | {startup(r.startup_seconds)} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
+        for r in timing.itertuples()
+    ]
+    lines.append(
+        f"| **total** | {timing['seconds'].sum():.1f} | "
+        f"{startup(timing['startup_seconds'].sum(min_count=1))} | {timing['peak_rss_mb'].max():.0f} (max) | |"
+    )
     finished = pd.to_datetime(timing["finished_at"], errors="coerce", utc=True, format="ISO8601")
     work = pd.to_timedelta(timing["seconds"] + timing["startup_seconds"].fillna(0), unit="s")
     if pd.notna(span := (finished.max() - (finished - work).min()).total_seconds()):  # one `dvc repro` of them all

@@ -1,5 +1,6 @@
 """MLflow, laid out as docs/mlflow.md says. What leaves a client: adapter tensors, counts, metrics, its splits as
 metadata (name, digest of the example ids)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,12 @@ def git_state() -> dict[str, str]:
     """Commit of the workspace, and whether tracked files but dvc.lock (`dvc repro` rewrites it) differ from it."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                 ":(exclude)dvc.lock"], capture_output=True, text=True, timeout=30).stdout
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     if not commit:
@@ -147,7 +152,8 @@ def experiment_id(study: str, description: str | None = None) -> str:
     client = _client()
     # mlflow.experimentKind picks the UI's landing view (runs table, not GenAI traces); the note is its description
     tags = {"mlflow.experimentKind": "custom_model_development"} | (
-        {"mlflow.note.content": description} if description else {})
+        {"mlflow.note.content": description} if description else {}
+    )
     exp = client.get_experiment_by_name(study)
     if exp is None:
         location = None if tracking_uri().startswith(("http://", "https://")) else artifact_dir(study).as_uri()
@@ -178,13 +184,16 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
     old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
-        for table, key, column in (("runs", "run_uuid", "artifact_uri"), ("logged_models", "model_id",
-                                                                          "artifact_location")):
+        for table, key, column in (
+            ("runs", "run_uuid", "artifact_uri"),
+            ("logged_models", "model_id", "artifact_location"),
+        ):
             rows = con.execute(f"SELECT {key}, {column} FROM {table} WHERE experiment_id = ?", (int(exp_id),))
             for row_id, uri in rows.fetchall():
                 if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
-                    con.execute(f"UPDATE {table} SET {column} = ? WHERE {key} = ?",
-                                (new_uri + uri[len(old_uri):], row_id))
+                    con.execute(
+                        f"UPDATE {table} SET {column} = ? WHERE {key} = ?", (new_uri + uri[len(old_uri) :], row_id)
+                    )
     return True
 
 
@@ -207,16 +216,26 @@ class RunLogger:
         self._monitor = None
         self.datasets: dict[str, dict[str, Any]] = {}  # the clients' splits as MLflow datasets, by client and split
         self.train_sizes: dict[str, int] = {}
-        children = self._client.search_runs([self._client.get_run(run_id).info.experiment_id],
-                                            filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'", max_results=1000)
+        children = self._client.search_runs(
+            [self._client.get_run(run_id).info.experiment_id],
+            filter_string=f"tags.`{PARENT_TAG}` = '{run_id}'",
+            max_results=1000,
+        )
         self.children = {r.data.tags["client"]: r.info.run_id for r in children if "client" in r.data.tags}
         # each client's LoggedModel (its best adapter; the newest when a resumed run logged it again)
         self.models = {r.data.tags["client"]: r.data.tags[MODEL_TAG] for r in children if MODEL_TAG in r.data.tags}
 
     @classmethod
-    def start(cls, study: str, run_name: str, params: dict[str, Any], tags: dict[str, str],
-              resume_run_id: str | None = None, partition: str | Path | None = None,
-              clients: tuple[str, ...] = ()) -> "RunLogger":
+    def start(
+        cls,
+        study: str,
+        run_name: str,
+        params: dict[str, Any],
+        tags: dict[str, str],
+        resume_run_id: str | None = None,
+        partition: str | Path | None = None,
+        clients: tuple[str, ...] = (),
+    ) -> RunLogger:
         """Start a run (or reopen ``resume_run_id``) with its parameters, a child run per client of the ``partition``
         file or of ``clients``, and MLflow's system metrics. Runs of the same experiment left RUNNING by a dead
         process (SIGKILL, power loss) are marked KILLED, with their clients' runs."""
@@ -238,24 +257,36 @@ class RunLogger:
         listed = json.loads(Path(partition).read_text())["clients"] if partition is not None else {}
         for name, splits in ({c: {} for c in clients} | listed).items():
             logger.train_sizes[name] = len(splits.get("train", []))
-            logger.datasets[name] = {split: split_dataset(tags.get("partition", ""), name, split, splits[split],
-                                                          partition) for split in ("train", "valid") if split in splits}
+            logger.datasets[name] = {
+                split: split_dataset(tags.get("partition", ""), name, split, splits[split], partition)
+                for split in ("train", "valid")
+                if split in splits
+            }
             if name in logger.children:
                 continue
             child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: logger.run_id, "client": name}
-            logger.children[name] = client.create_run(exp_id, run_name=f"{run_name}/{name}",
-                                                      tags=child_tags).info.run_id
+            logger.children[name] = client.create_run(
+                exp_id, run_name=f"{run_name}/{name}", tags=child_tags
+            ).info.run_id
             with _store_lock(tracking_uri()):  # two trainings of one partition log the same datasets at once
-                client.log_inputs(logger.children[name], datasets=[
-                    DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
-                    for split, ds in logger.datasets[name].items()])
+                client.log_inputs(
+                    logger.children[name],
+                    datasets=[
+                        DatasetInput(ds._to_mlflow_entity(), [InputTag("mlflow.data.context", split)])
+                        for split, ds in logger.datasets[name].items()
+                    ],
+                )
         if tags.get("experiment"):
-            for run in client.search_runs([exp_id], filter_string=f"tags.experiment = '{tags['experiment']}' and "
-                                                                 "attributes.status = 'RUNNING'", max_results=1000):
+            for run in client.search_runs(
+                [exp_id],
+                filter_string=f"tags.experiment = '{tags['experiment']}' and attributes.status = 'RUNNING'",
+                max_results=1000,
+            ):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
                     dead = cls(run.info.run_id)
-                    dead.set_tags({"fedmeet.end": "marked KILLED at the next start of the experiment: its process "
-                                                  "was gone"})
+                    dead.set_tags(
+                        {"fedmeet.end": "marked KILLED at the next start of the experiment: its process was gone"}
+                    )
                     dead.finish("KILLED")
         logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
         logger._monitor.start()
@@ -272,7 +303,8 @@ class RunLogger:
                 client, _, rest = key.partition(".")
                 run_id = self.children.get(client) if rest else None
                 rows.setdefault(run_id or self.run_id, []).append(
-                    Metric(rest if run_id else key, float(v), now, step, model_id=model_id, **data))
+                    Metric(rest if run_id else key, float(v), now, step, model_id=model_id, **data)
+                )
         for run_id, batch in rows.items():
             self._client.log_batch(run_id, metrics=batch)
 
@@ -296,9 +328,12 @@ class RunLogger:
         adapters |= {"global": global_adapter} if global_adapter is not None else {}
         exp_id = self._client.get_run(self.run_id).info.experiment_id
         for client, adapter in adapters.items():
-            model = self._client.create_logged_model(exp_id, name=f"{plan['experiment']}-{client}",
-                                                     source_run_id=self.children.get(client, self.run_id),
-                                                     tags=tags | {"client": client})
+            model = self._client.create_logged_model(
+                exp_id,
+                name=f"{plan['experiment']}-{client}",
+                source_run_id=self.children.get(client, self.run_id),
+                tags=tags | {"client": client},
+            )
             self._client.log_model_artifact(model.model_id, str(adapter), f"adapters/{client}")
             self._client.log_model_artifact(model.model_id, str(model_dir / "experiment.json"))
             self._client.finalize_logged_model(model.model_id, "READY")

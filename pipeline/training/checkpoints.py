@@ -1,5 +1,6 @@
 """Where a training run keeps its state while it runs (``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` and
 ``checkpoint/``), its round checkpoints (tagged with the plan's hash) and the publishing of its outputs."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.modeling.adapters import adapter_file, save_adapter
 from pipeline.experiments import Plan, plan_hash
+from pipeline.modeling.adapters import adapter_file, save_adapter
 
 log = logging.getLogger("fedmeet.train")
 
@@ -84,7 +85,7 @@ class ClientCheckpoint:
 
 
 def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
-    return sorted(int(p.stem[len("round"):]) for p in ckpt.glob("round*.safetensors"))
+    return sorted(int(p.stem[len("round") :]) for p in ckpt.glob("round*.safetensors"))
 
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
@@ -99,8 +100,14 @@ def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None
     return ClientCheckpoint(last, progress, trained, dp_steps, ckpt / f"round{last:03d}.safetensors")
 
 
-def write_client_checkpoint(ckpt: Path, rnd: int, state: dict[str, torch.Tensor], progress: dict[str, float],
-                            trained: bool, dp_steps: int | None) -> None:
+def write_client_checkpoint(
+    ckpt: Path,
+    rnd: int,
+    state: dict[str, torch.Tensor],
+    progress: dict[str, float],
+    trained: bool,
+    dp_steps: int | None,
+) -> None:
     """Client-side checkpoint of round ``rnd`` (its adapter and progress); the previous round's stays until the
     server's checkpoint of this round exists, so a kill in between still finds a consistent state."""
     save_adapter(ckpt / f"round{rnd:03d}.safetensors", state)
@@ -116,8 +123,15 @@ def initial_progress() -> dict[str, float]:
     return {"best-val-loss": math.inf, "best-round": 0}
 
 
-def keep_best_and_final(out: Path, plan: Plan, client: str, rnd: int, val_loss: float,
-                        state: dict[str, torch.Tensor], progress: dict[str, float]) -> tuple[dict[str, float], bool]:
+def keep_best_and_final(
+    out: Path,
+    plan: Plan,
+    client: str,
+    rnd: int,
+    val_loss: float,
+    state: dict[str, torch.Tensor],
+    progress: dict[str, float],
+) -> tuple[dict[str, float], bool]:
     """Save the round's adapter as ``adapter_final`` and, when its validation loss beats the client's best so
     far, as ``adapter_best``; returns the client's progress after this round and whether the round is its best."""
     meta = {"experiment": plan.experiment, "client": client, "round": str(rnd), "val_loss": f"{val_loss:.6f}"}

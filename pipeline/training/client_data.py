@@ -1,5 +1,6 @@
 """A client's examples: the partition file, the examples file, and the client's train/valid frames (seeded
 subsampling)."""
+
 from __future__ import annotations
 
 import json
@@ -67,13 +68,17 @@ def client_data(plan: Plan, client: str) -> ClientData:
     examples = read_examples(plan.paths["examples"])
     splits = partition["clients"][client]
     frames = {}
-    for split, limit in (("train", plan.train.max_train_examples_per_client),
-                         ("valid", plan.train.max_valid_examples_per_client)):
+    for split, limit in (
+        ("train", plan.train.max_train_examples_per_client),
+        ("valid", plan.train.max_valid_examples_per_client),
+    ):
         ids = [str(i) for i in splits[split]]
         missing = [i for i in ids if i not in examples.index]
         if missing:
-            raise DataError(f"{plan.paths['partition']}: client {client!r} {split} id {missing[0]!r} is not in "
-                            f"{plan.paths['examples']} ({len(missing)} missing)")
+            raise DataError(
+                f"{plan.paths['partition']}: client {client!r} {split} id {missing[0]!r} is not in "
+                f"{plan.paths['examples']} ({len(missing)} missing)"
+            )
         chosen = subsample_ids(ids, limit, derived_seed(plan.seed, client, split, "subsample"))
         frames[split] = examples.loc[chosen].reset_index(drop=True)
     return ClientData(client, frames["train"], frames["valid"], len(splits["train"]))

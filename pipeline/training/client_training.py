@@ -1,5 +1,6 @@
 """The local trainer: what one client does with its own data in one round (METHOD.md section 4), for the Flower
 ClientApp and for `single` / `centralized` (docs/ARCHITECTURE.md, "Training and federation")."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,14 +25,22 @@ from pipeline.training.config import TrainConfig
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import model_config
 
-GATE_LOG_DTYPES = {"client": "string", "round": "int32", "example_id": "string", "position": "int32",
-                   "token_id": "int64", "entropy": "float32", "kd_applied": "bool"}
+GATE_LOG_DTYPES = {
+    "client": "string",
+    "round": "int32",
+    "example_id": "string",
+    "position": "int32",
+    "token_id": "int64",
+    "entropy": "float32",
+    "kd_applied": "bool",
+}
 
 
 def kd_config(plan: Plan) -> KDConfig:
     """The plan's loss: its method's KD mode, its tau (inf when none) and the `train` keys of the same names."""
-    same_names = {f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig)
-                  if f.name not in ("mode", "tau")}
+    same_names = {
+        f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig) if f.name not in ("mode", "tau")
+    }
     return KDConfig(mode=plan.spec.kd_mode, tau=plan.tau if plan.tau is not None else float("inf"), **same_names)
 
 
@@ -48,11 +57,26 @@ def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:
     return _noun_verb_masks(str(p), p.stat().st_mtime)
 
 
-def _batches(model: AdapterSummarizer, frame: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig, shuffle: bool,
-             seed: int, bucket_by_length: bool) -> list[Batch]:
-    return make_batches(frame, model.tokenizer, mcfg, cfg.batch_size, shuffle, seed,
-                        decoder_start_token_id=model.decoder_start_token_id, pad_token_id=model.pad_token_id,
-                        bucket_by_length=bucket_by_length)
+def _batches(
+    model: AdapterSummarizer,
+    frame: pd.DataFrame,
+    mcfg: ModelConfig,
+    cfg: TrainConfig,
+    shuffle: bool,
+    seed: int,
+    bucket_by_length: bool,
+) -> list[Batch]:
+    return make_batches(
+        frame,
+        model.tokenizer,
+        mcfg,
+        cfg.batch_size,
+        shuffle,
+        seed,
+        decoder_start_token_id=model.decoder_start_token_id,
+        pad_token_id=model.pad_token_id,
+        bucket_by_length=bucket_by_length,
+    )
 
 
 @dataclass
@@ -89,19 +113,20 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
     sizes = [int(v.sum()) if normalisation == "tokens" else int((v.sum(dim=1) > 0).sum()) for v in valid]
     weights: list[float] = []
     for start in range(0, len(batches), accum_steps):
-        window = sizes[start:start + accum_steps]
+        window = sizes[start : start + accum_steps]
         total = sum(window)
         weights.extend(n / total for n in window)
     return weights
 
 
-def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
-                        normalisation: str, seed: int) -> list[list[tuple[Batch, float]]]:
+def _accumulation_steps(
+    model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig, normalisation: str, seed: int
+) -> list[list[tuple[Batch, float]]]:
     """One epoch's steps: shuffled batches in windows of ``grad_accum_steps``, each with its share of the step."""
     batches = _batches(model, examples, mcfg, cfg, True, seed, cfg.bucket_by_length)
     weights = accumulation_weights(batches, cfg.grad_accum_steps, normalisation)
     pairs = list(zip(batches, weights))
-    return [pairs[i:i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
+    return [pairs[i : i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
 
 
 class Proximal:
@@ -130,14 +155,23 @@ class PlainSteps:
     setting = None  # no DP-SGD setting
     examples = clipped = 0
 
-    def __init__(self, model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig,
-                 normalisation: str, seed: int, proximal: Proximal | None):
+    def __init__(
+        self,
+        model: AdapterSummarizer,
+        examples: pd.DataFrame,
+        mcfg: ModelConfig,
+        cfg: TrainConfig,
+        normalisation: str,
+        seed: int,
+        proximal: Proximal | None,
+    ):
         self.model, self.frame, self.mcfg, self.cfg = model, examples, mcfg, cfg
         self.normalisation, self.seed, self.proximal = normalisation, seed, proximal
 
     def epoch(self, epoch: int) -> list[list[tuple[Batch, float]]]:
-        return _accumulation_steps(self.model, self.frame, self.mcfg, self.cfg, self.normalisation,
-                                   derived_seed(self.seed, epoch))
+        return _accumulation_steps(
+            self.model, self.frame, self.mcfg, self.cfg, self.normalisation, derived_seed(self.seed, epoch)
+        )
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
         if self.proximal is not None:
@@ -161,9 +195,19 @@ def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cac
     return out.logits_local, out.logits_global
 
 
-def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *, client: str, rnd: int,
-                proximal_reference: dict[str, torch.Tensor] | None = None, proximal_mu: float = 0.0, cache=None,
-                teacher_cache_gb: float = 0.0, progress: bool = False) -> LocalTrainResult:
+def train_local(
+    model: AdapterSummarizer,
+    plan: Plan,
+    examples: pd.DataFrame,
+    *,
+    client: str,
+    rnd: int,
+    proximal_reference: dict[str, torch.Tensor] | None = None,
+    proximal_mu: float = 0.0,
+    cache=None,
+    teacher_cache_gb: float = 0.0,
+    progress: bool = False,
+) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
     (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Under the
     plan's ``privacy`` every step is a DP-SGD step (the caller composes them across rounds). ``cache`` and
@@ -203,10 +247,17 @@ def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *,
     def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
         return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length)
 
-    stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed,
-                                  f"{plan.source}: client {client!r}", micro_batches, kd.loss_normalisation,
-                                  mcfg.max_target_length, proximal) \
-        or PlainSteps(model, examples, mcfg, cfg, kd.loss_normalisation, seed, proximal)
+    stepper = privacy.local_steps(
+        plan,
+        model.adapter_sets["local"],
+        examples,
+        seed,
+        f"{plan.source}: client {client!r}",
+        micro_batches,
+        kd.loss_normalisation,
+        mcfg.max_target_length,
+        proximal,
+    ) or PlainSteps(model, examples, mcfg, cfg, kd.loss_normalisation, seed, proximal)
     try:
         for epoch in range(cfg.local_epochs):
             desc = f"{client} round {rnd} epoch {epoch + 1}"
@@ -238,25 +289,42 @@ def train_local(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, *,
     tokens = max(sums["tokens"], 1)
     gate_log = pd.concat(gate_parts, ignore_index=True) if gate_parts else empty_gate_log()
     return LocalTrainResult(
-        n_examples=len(examples), n_steps=n_steps, n_tokens=sums["tokens"], train_loss=sums["loss"] / tokens,
-        ce=sums["ce"] / tokens, kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
-        kd_fraction=sums["kd_tokens"] / tokens, proximal=proximal.value if proximal is not None else 0.0,
-        gate_log=gate_log, privacy=stepper.setting, dp_examples=stepper.examples, dp_clipped=stepper.clipped)
+        n_examples=len(examples),
+        n_steps=n_steps,
+        n_tokens=sums["tokens"],
+        train_loss=sums["loss"] / tokens,
+        ce=sums["ce"] / tokens,
+        kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
+        kd_fraction=sums["kd_tokens"] / tokens,
+        proximal=proximal.value if proximal is not None else 0.0,
+        gate_log=gate_log,
+        privacy=stepper.setting,
+        dp_examples=stepper.examples,
+        dp_clipped=stepper.clipped,
+    )
 
 
 def empty_gate_log() -> pd.DataFrame:
     return pd.DataFrame({column: pd.Series(dtype=dtype) for column, dtype in GATE_LOG_DTYPES.items()})
 
 
-def _gate_rows(batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: torch.Tensor, client: str,
-               rnd: int) -> pd.DataFrame:
+def _gate_rows(
+    batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: torch.Tensor, client: str, rnd: int
+) -> pd.DataFrame:
     valid = (labels != IGNORE_INDEX).cpu().numpy()
     b_idx, t_idx = np.nonzero(valid)
     ids = np.asarray(batch.example_ids, dtype=object)
-    return pd.DataFrame({"client": [client] * len(b_idx), "round": rnd, "example_id": ids[b_idx], "position": t_idx,
-                         "token_id": labels.cpu().numpy()[b_idx, t_idx],
-                         "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
-                         "kd_applied": gate.cpu().numpy()[b_idx, t_idx]}).astype(GATE_LOG_DTYPES)
+    return pd.DataFrame(
+        {
+            "client": [client] * len(b_idx),
+            "round": rnd,
+            "example_id": ids[b_idx],
+            "position": t_idx,
+            "token_id": labels.cpu().numpy()[b_idx, t_idx],
+            "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
+            "kd_applied": gate.cpu().numpy()[b_idx, t_idx],
+        }
+    ).astype(GATE_LOG_DTYPES)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
 """The `train` params group (each key's comment lives in the params file): what a training run does."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,5 +1,6 @@
 """The rounds history of a training run: ``rounds.json`` and the DVC plot file, the per-round MLflow metrics (and
 their back-fill after a kill), and the recorders of each finished round (:class:`Recorder` only logs)."""
+
 from __future__ import annotations
 
 import logging
@@ -13,8 +14,18 @@ from pipeline.experiments import Plan
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 
-ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share",
-                "epsilon", "clipped_fraction")  # the last two under privacy.mode example only
+ROUND_FIELDS = (
+    "train_loss",
+    "ce",
+    "kd",
+    "kd_fraction",
+    "val_loss",
+    "bytes_up",
+    "bytes_down",
+    "weight_share",
+    "epsilon",
+    "clipped_fraction",
+)  # the last two under privacy.mode example only
 
 
 @dataclass
@@ -38,8 +49,10 @@ def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
     released = [r for r in rows if "update_clipped" in r]
     if not released:
         return {}
-    out = {"clipping_norm": released[0]["clipping_norm"],
-           "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released)}
+    out = {
+        "clipping_norm": released[0]["clipping_norm"],
+        "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released),
+    }
     if released[0]["epsilon"] is not None:  # None: no noise, no bound
         out["epsilon"] = released[0]["epsilon"]
     return out
@@ -47,8 +60,11 @@ def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One round's MLflow metrics from its rows (one per client)."""
-    metrics = {f"{row['client']}.{k}": float(v) for row in rows
-               for k, v in _client_fields(row, ROUND_FIELDS + ("failed",)).items()}
+    metrics = {
+        f"{row['client']}.{k}": float(v)
+        for row in rows
+        for k, v in _client_fields(row, ROUND_FIELDS + ("failed",)).items()
+    }
     metrics.update({k: float(v) for k, v in client_level_round(rows).items()})
     metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
     metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
@@ -96,8 +112,9 @@ class Recorder:
     """Receives each finished round (rounds.json, MLflow...). The base class only logs."""
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
-        _federated_log.info("%s: %d clients %s, rounds %d..%d", plan.experiment, len(clients), clients, start_round,
-                            plan.train.rounds)
+        _federated_log.info(
+            "%s: %d clients %s, rounds %d..%d", plan.experiment, len(clients), clients, start_round, plan.train.rounds
+        )
 
     def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
         losses = ", ".join(f"{r['client']} {r.get('val_loss', float('nan')):.4f}" for r in entry.rows)
@@ -113,10 +130,17 @@ class TrainRecorder:
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(total=plan.train.rounds, initial=start_round - 1, desc=f"{plan.experiment} rounds",
-                         unit="round")
-        log.info("%s (%s): clients %s, starting at round %d of %d", plan.experiment, plan.method, clients,
-                 start_round, plan.train.rounds)
+        self._bar = tqdm(
+            total=plan.train.rounds, initial=start_round - 1, desc=f"{plan.experiment} rounds", unit="round"
+        )
+        log.info(
+            "%s (%s): clients %s, starting at round %d of %d",
+            plan.experiment,
+            plan.method,
+            clients,
+            start_round,
+            plan.train.rounds,
+        )
 
     def round_done(self, plan: Plan, entry: RoundLog, history: list[dict[str, Any]]) -> None:
         self.round_seconds.append(entry.seconds)

@@ -1,4 +1,5 @@
 """The methods compared (METHOD.md sections 6 and 7), selectable by name."""
+
 from __future__ import annotations
 
 from pipeline.common.config import ConfigError, config
@@ -38,21 +39,34 @@ METHODS: dict[str, MethodSpec] = {
     for m in [
         MethodSpec("single", federated=False, kd_mode="ce", two_adapters=False),
         MethodSpec("centralized", federated=False, kd_mode="ce", two_adapters=False, pooled=True),
-        MethodSpec("fedavg", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
-                   strategy="fedavg"),
+        MethodSpec(
+            "fedavg", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True, strategy="fedavg"
+        ),
         MethodSpec("fedkd", federated=True, kd_mode="kd", two_adapters=True, strategy="fedavg"),
         MethodSpec("fedselectkd", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg"),
         MethodSpec("hardkd", federated=True, kd_mode="hard", two_adapters=True, strategy="fedavg"),
-        MethodSpec("post_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg",
-                   new_client="post"),
-        MethodSpec("pre_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg",
-                   new_client="pre"),
+        MethodSpec(
+            "post_addition",
+            federated=True,
+            kd_mode="selective",
+            two_adapters=True,
+            strategy="fedavg",
+            new_client="post",
+        ),
+        MethodSpec(
+            "pre_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg", new_client="pre"
+        ),
     ]
 }
 # Table V (section 7.7) compares server algorithms: every registered strategy without a method above is a method of
 # its own name, CE with one adapter set as AdaFedAvg **(our default)**, compared against `fedselectkd`.
-METHODS.update({name: MethodSpec(name, federated=True, kd_mode="ce", two_adapters=False, local_from_global=True,
-                                 strategy=name) for name in STRATEGIES if name not in METHODS})
+METHODS.update(
+    {
+        name: MethodSpec(name, federated=True, kd_mode="ce", two_adapters=False, local_from_global=True, strategy=name)
+        for name in STRATEGIES
+        if name not in METHODS
+    }
+)
 
 
 def get_method(name: str) -> MethodSpec:

@@ -1,5 +1,6 @@
 """`single` (one adapter per client, own data) and `centralized` (one adapter on the pooled data, tested on every
 client): the local trainer and the round rules of pipeline.training, without a server."""
+
 from __future__ import annotations
 
 import logging
@@ -11,10 +12,10 @@ import pandas as pd
 
 from pipeline.experiments import Plan
 from pipeline.modeling.cache import CacheConfig
-from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training import checkpoints
-from pipeline.training.history import RoundLog, TrainRecorder
+from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names
+from pipeline.training.history import RoundLog, TrainRecorder
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 from pipeline.training.stopping import should_stop
 
@@ -71,23 +72,45 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
             if window is not None:
                 train_df = train_df.iloc[round_window(len(train_df), window, rnd, plan.seed)]
             model.load_adapter_state("local", adapters[unit])
-            res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache,
-                                             teacher_cache_gb=cache_settings.teacher_cache_gb)
+            res = local_training.train_local(
+                model,
+                plan,
+                train_df,
+                client=unit,
+                rnd=rnd,
+                cache=cache,
+                teacher_cache_gb=cache_settings.teacher_cache_gb,
+            )
             adapters[unit] = model.adapter_state("local")
-            trained[unit] = {k: getattr(res, k) for k in ("n_examples", "n_steps", "n_tokens", "train_loss", "ce",
-                                                          "kd", "kd_fraction")}
+            trained[unit] = {
+                k: getattr(res, k)
+                for k in ("n_examples", "n_steps", "n_tokens", "train_loss", "ce", "kd", "kd_fraction")
+            }
         rows = []
         for n in names:
             unit = unit_of[n]
             model.load_adapter_state("local", adapters[unit])
             val, val_tokens = local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
-            progress[n], _ = checkpoints.keep_best_and_final(checkpoints.client_output_dir(plan, n), plan, n, rnd,
-                                                             val, adapters[unit], progress[n])
-            rows.append({"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0,
-                         **trained[unit], "val_loss": val, "val_tokens": val_tokens,
-                         "best_round": progress[n]["best-round"]})
+            progress[n], _ = checkpoints.keep_best_and_final(
+                checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
+            )
+            rows.append(
+                {
+                    "round": rnd,
+                    "client": n,
+                    "sampled": 1,
+                    "failed": 0,
+                    "bytes_down": 0,
+                    "bytes_up": 0,
+                    **trained[unit],
+                    "val_loss": val,
+                    "val_tokens": val_tokens,
+                    "best_round": progress[n]["best-round"],
+                }
+            )
         history.extend(rows)
-        checkpoints.save_round_checkpoint(ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress,
-                                                            "history": history})
+        checkpoints.save_round_checkpoint(
+            ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}
+        )
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, rows, True), history)
     return {"history": history}

@@ -1,5 +1,6 @@
 """The process-wide model: one frozen backbone per process, shared by the clients that run in it (each swaps its
 adapter states in and out), the round-0 adapter weights, and the disk cache of the frozen prefix."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -8,9 +9,9 @@ from pathlib import Path
 import torch
 
 from pipeline.common.config import from_dict
+from pipeline.experiments import Plan
 from pipeline.modeling.cache import CacheConfig, PrefixCache, resolve_root
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
-from pipeline.experiments import Plan
 from pipeline.training.seeds import derived_seed
 
 _MODELS: dict[tuple, AdapterSummarizer] = {}
@@ -54,6 +55,12 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
         return None
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
     mcfg = model_config(plan)
-    return PrefixCache(resolve_root(cache.cache_dir), model.backbone_fingerprint(), mcfg.max_source_length,
-                       mcfg.max_target_length, model.adapter_config.top_k, plan.cache_dtype or "float32",
-                       int(cache.cache_max_gb * 2**30))
+    return PrefixCache(
+        resolve_root(cache.cache_dir),
+        model.backbone_fingerprint(),
+        mcfg.max_source_length,
+        mcfg.max_target_length,
+        model.adapter_config.top_k,
+        plan.cache_dtype or "float32",
+        int(cache.cache_max_gb * 2**30),
+    )

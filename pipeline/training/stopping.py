@@ -1,9 +1,11 @@
 """When a run's clients have converged, the one test of ``train.stop`` and ``train.join`` (docs/ARCHITECTURE.md):
 in each of the last ``patience`` rounds the client-average validation loss improved on the best mean before it by
 less than ``min_rel_improvement`` of that best."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,15 +24,20 @@ def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int)
     return all(imp < min_rel_improvement for imp in relative_improvements(means)[-patience:])
 
 
-def mean_val_loss_by_round(history: list[dict[str, Any]], since: int = 1, before: int | None = None,
-                           exclude: str | None = None) -> list[tuple[int, float]]:
+def mean_val_loss_by_round(
+    history: list[dict[str, Any]], since: int = 1, before: int | None = None, exclude: str | None = None
+) -> list[tuple[int, float]]:
     """(round, client-average validation loss) for the rounds ``since`` <= round < ``before`` that have one, in
     round order; the rows of client ``exclude`` are left out."""
     by_round: dict[int, list[float]] = {}
     for row in history:
         rnd = int(row["round"])
-        if rnd >= since and (before is None or rnd < before) and row["client"] != exclude \
-                and row.get("val_loss") is not None:
+        if (
+            rnd >= since
+            and (before is None or rnd < before)
+            and row["client"] != exclude
+            and row.get("val_loss") is not None
+        ):
             by_round.setdefault(rnd, []).append(float(row["val_loss"]))
     return [(r, float(np.mean(v))) for r, v in sorted(by_round.items())]  # numpy's sum order, as join had
 
@@ -41,7 +48,7 @@ def series_start(history: list[dict[str, Any]], late: str | None) -> int:
     if late is None:
         return 1
     joined = [int(r["round"]) for r in history if r["client"] == late]
-    return min(joined) if joined else 10 ** 9
+    return min(joined) if joined else 10**9
 
 
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:

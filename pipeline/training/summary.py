@@ -1,5 +1,6 @@
 """What a finished training run reports: ``metrics.json``, the merged gate log and the final MLflow metrics, written
 the same way by the train stage and by the deployed ServerApp."""
+
 from __future__ import annotations
 
 import json
@@ -9,8 +10,8 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.timing import peak_rss_mb
 from pipeline.common.integrity import backbone_name
+from pipeline.common.timing import peak_rss_mb
 from pipeline.experiments import Plan
 from pipeline.privacy import seam as privacy
 from pipeline.training.client_training import empty_gate_log
@@ -24,27 +25,46 @@ def prepare_outputs(plan: Plan) -> None:
 
 def run_identity_tags(plan: Plan, engine: str) -> dict[str, str]:
     """The tags that say what an experiment's MLflow run is (the train stage adds where it came from)."""
-    return {"method": plan.method, "partition": plan.partition, "seed": str(plan.seed),
-            "backbone": backbone_name(plan.paths["backbone"], str(plan.paths["backbone"])), "study": plan.study,
-            "experiment": plan.experiment, "engine": engine}
+    return {
+        "method": plan.method,
+        "partition": plan.partition,
+        "seed": str(plan.seed),
+        "backbone": backbone_name(plan.paths["backbone"], str(plan.paths["backbone"])),
+        "study": plan.study,
+        "experiment": plan.experiment,
+        "engine": engine,
+    }
 
 
 def merge_gate_logs(plan: Plan) -> Path:
     """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet (the parts
     stay until the run's checkpoint is gone: pipeline.train.run_experiment)."""
     out_dir = Path(plan.paths["out_dir"])
-    parts = [pd.read_parquet(f) for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet"))
-             if int(f.stem[len("round"):]) <= plan.train.rounds]
-    atomic.to_parquet(pd.concat(parts, ignore_index=True) if parts else empty_gate_log(),
-                      out_dir / "gate_log.parquet", index=False)
+    parts = [
+        pd.read_parquet(f)
+        for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet"))
+        if int(f.stem[len("round") :]) <= plan.train.rounds
+    ]
+    atomic.to_parquet(
+        pd.concat(parts, ignore_index=True) if parts else empty_gate_log(), out_dir / "gate_log.parquet", index=False
+    )
     return out_dir / "gate_log.parquet"
 
 
 def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[float]) -> dict[str, Any]:
     clients: dict[str, dict[str, Any]] = {}
     for row in history:
-        c = clients.setdefault(row["client"], {"best_round": 0, "best_val_loss": None, "rounds_trained": 0,
-                                               "rounds_failed": 0, "bytes_sent": 0, "bytes_received": 0})
+        c = clients.setdefault(
+            row["client"],
+            {
+                "best_round": 0,
+                "best_val_loss": None,
+                "rounds_trained": 0,
+                "rounds_failed": 0,
+                "bytes_sent": 0,
+                "bytes_received": 0,
+            },
+        )
         if row.get("val_loss") is not None and (c["best_val_loss"] is None or row["val_loss"] < c["best_val_loss"]):
             c["best_val_loss"], c["best_round"] = row["val_loss"], row["round"]
         if row.get("val_loss") is not None:
@@ -65,11 +85,16 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
     vals = [c["best_val_loss"] for c in clients.values() if c["best_val_loss"] is not None]
     record = privacy.run_record(plan, history, clients)  # clients.<c>.privacy, the run's privacy and SecAgg+
     return {
-        "experiment": plan.experiment, "method": plan.method, "study": plan.study, "partition": plan.partition,
-        "seed": plan.seed, "rounds": plan.train.rounds,
+        "experiment": plan.experiment,
+        "method": plan.method,
+        "study": plan.study,
+        "partition": plan.partition,
+        "seed": plan.seed,
+        "rounds": plan.train.rounds,
         # train.stop: the round it stopped at, its best round by client-average validation loss, converged or not
         **convergence(history, plan.train.stop, plan.train.new_client if plan.spec.new_client == "post" else None),
-        "clients": clients, "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
+        "clients": clients,
+        "mean_best_val_loss": sum(vals) / len(vals) if vals else None,
         "bytes_sent": sum(c["bytes_sent"] for c in clients.values()),
         "bytes_received": sum(c["bytes_received"] for c in clients.values()),
         "seconds_per_round": sum(round_seconds) / len(round_seconds) if round_seconds else None,
@@ -87,14 +112,26 @@ def write_metrics(plan: Plan, metrics: dict[str, Any]) -> None:
 
 def convergence_tags(metrics: dict[str, Any]) -> dict[str, str]:
     """The run's stop outcome as MLflow tags (``converged`` true|false, ``stopped_round``, ``best_round``)."""
-    return {"converged": str(metrics["converged"]).lower(), "stopped_round": str(metrics["stopped_round"]),
-            "best_round": str(metrics["best_round"])}
+    return {
+        "converged": str(metrics["converged"]).lower(),
+        "stopped_round": str(metrics["stopped_round"]),
+        "best_round": str(metrics["best_round"]),
+    }
 
 
 def final_run_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The run's closing MLflow metrics (logged at its last round): each client's best validation loss,
     the bytes in total, the peak memory, the DP-SGD reports."""
-    return {f"{c}.best_val_loss": v["best_val_loss"] for c, v in metrics["clients"].items()
-            if v["best_val_loss"] is not None} | {
-        "bytes_sent_total": metrics["bytes_sent"], "bytes_received_total": metrics["bytes_received"],
-        "peak_rss_mb": metrics["peak_rss_mb"]} | privacy.mlflow_metrics(metrics)
+    return (
+        {
+            f"{c}.best_val_loss": v["best_val_loss"]
+            for c, v in metrics["clients"].items()
+            if v["best_val_loss"] is not None
+        }
+        | {
+            "bytes_sent_total": metrics["bytes_sent"],
+            "bytes_received_total": metrics["bytes_received"],
+            "peak_rss_mb": metrics["peak_rss_mb"],
+        }
+        | privacy.mlflow_metrics(metrics)
+    )

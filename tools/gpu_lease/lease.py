@@ -13,6 +13,7 @@ store (mlflow.db, and mlartifacts/ without adapters), and the lease's own logs (
 unpacks them into the checkout, points the MLflow store's artifact locations at it, and puts the logs into
 reports/gpu-lease/.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,6 @@ import json
 import re
 import shutil
 import sqlite3
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
@@ -97,7 +97,7 @@ def _pack(name: str, out: Path, fill) -> list[Path]:
     files = []
     for i in range(0, len(data), PIECE):
         f = out / f"{name}.part{i // PIECE + 1}"
-        f.write_bytes(data[i:i + PIECE])
+        f.write_bytes(data[i : i + PIECE])
         files.append(f)
     return files
 
@@ -107,10 +107,13 @@ def cmd_collect(lease: Path, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     ended = int((lease / "ended").read_text()) if (lease / "ended").is_file() else None
     times = stage_times(lease / "repro.log", ended) if (lease / "repro.log").is_file() else []
-    info = {"study_root": str(study.resolve()), "profile": "profile.yaml",
-            "started": int((lease / "started").read_text()) if (lease / "started").is_file() else None,
-            "ended": ended,
-            "dvc_repro_exit": int((lease / "repro.rc").read_text()) if (lease / "repro.rc").is_file() else None}
+    info = {
+        "study_root": str(study.resolve()),
+        "profile": "profile.yaml",
+        "started": int((lease / "started").read_text()) if (lease / "started").is_file() else None,
+        "ended": ended,
+        "dvc_repro_exit": int((lease / "repro.rc").read_text()) if (lease / "repro.rc").is_file() else None,
+    }
 
     since = (info["started"] or 0) - 1
 
@@ -134,22 +137,30 @@ def cmd_collect(lease: Path, out: Path) -> None:
         for f in ("repro.log", "gpu.csv", "profile.yaml"):
             if (lease / f).is_file():
                 tar.add(lease / f, arcname=f"gpu-lease/{f}")
-        for name, blob in (("stage_times.tsv", "stage\tseconds\n" + "".join(f"{s}\t{t}\n" for s, t in times)),
-                           ("lease.json", json.dumps(info, indent=2) + "\n")):
+        for name, blob in (
+            ("stage_times.tsv", "stage\tseconds\n" + "".join(f"{s}\t{t}\n" for s, t in times)),
+            ("lease.json", json.dumps(info, indent=2) + "\n"),
+        ):
             ti = tarfile.TarInfo(f"gpu-lease/{name}")
             ti.size = len(blob.encode())
             tar.addfile(ti, io.BytesIO(blob.encode()))
 
     files = []
-    for name, fill in (("lease.tar.gz", logs), ("reports.tar.gz", reports), ("models-data.tar.gz", models),
-                       ("mlflow.tar.gz", mlflow)):
+    for name, fill in (
+        ("lease.tar.gz", logs),
+        ("reports.tar.gz", reports),
+        ("models-data.tar.gz", models),
+        ("mlflow.tar.gz", mlflow),
+    ):
         files += _pack(name, out, fill)
     total = sum(f.stat().st_size for f in files)
     for f in files:
         print(f"{f.name}: {f.stat().st_size / 2**20:.2f} MiB")
     if len(files) > MAX_FILES or total > 64 * 2**20:
-        raise SystemExit(f"collect: {len(files)} files, {total / 2**20:.1f} MiB: more than the device returns "
-                         f"({MAX_FILES} files, 64 MiB)")
+        raise SystemExit(
+            f"collect: {len(files)} files, {total / 2**20:.1f} MiB: more than the device returns "
+            f"({MAX_FILES} files, 64 MiB)"
+        )
     print(f"collected {len(files)} files, {total / 2**20:.1f} MiB, into {out}")
 
 
@@ -192,13 +203,20 @@ def cmd_import(folder: Path, root: Path, mlflow_db: Path | None) -> None:
         study_root = Path(info["study_root"])
         with sqlite3.connect(db) as con:
             for old, new in ((study_root.as_uri(), root.resolve().as_uri()), (f"{study_root}/", f"{root.resolve()}/")):
-                con.execute("UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?) "
-                            "WHERE artifact_location LIKE ?", (old, new, old + "%"))
-                con.execute("UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?) WHERE artifact_uri LIKE ?",
-                            (old, new, old + "%"))
+                con.execute(
+                    "UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?) "
+                    "WHERE artifact_location LIKE ?",
+                    (old, new, old + "%"),
+                )
+                con.execute(
+                    "UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?) WHERE artifact_uri LIKE ?",
+                    (old, new, old + "%"),
+                )
         print(f"MLflow store: {db} (mlflow ui --backend-store-uri sqlite:///{db})")
-    print(f"imported {folder} into {root}: dvc repro exit status {info.get('dvc_repro_exit')}, "
-          f"{(info.get('ended') or 0) - (info.get('started') or 0)} s; logs in {root / 'reports/gpu-lease'}")
+    print(
+        f"imported {folder} into {root}: dvc repro exit status {info.get('dvc_repro_exit')}, "
+        f"{(info.get('ended') or 0) - (info.get('started') or 0)} s; logs in {root / 'reports/gpu-lease'}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,13 +17,13 @@ Output (git-ignored): ``.lease/call1``, ``.lease/call2``, ... Each folder is car
 (``carry: [".lease/callN"]``) and staged there by ``tools/gpu_lease/run.sh stage .lease/callN``; the sizes are
 printed and written to ``.lease/manifest.json``. Downloads are cached in ``.lease/cache`` between runs.
 """
+
 from __future__ import annotations
 
 import argparse
 import hashlib
 import io
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -36,8 +36,10 @@ HERE = Path(__file__).resolve().parent
 MiB = 1024 * 1024
 DEVICE_LIMIT = 64 * MiB  # what one device call may send: working tree + carried paths
 MARGIN = 4 * MiB  # files a session adds to its checkout between prepare and the call
-PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64",
-                                                                                "manylinux1_x86_64"]
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 # What the lease installs: DVC and MLflow (pinned as in pyproject.toml) and what the stages import that the device
 # image lacks (Flower without its Ray extra: the study runs the in-process engine; spaCy and its model for the
 # postag stage; rouge-score for scoring). opacus is imported only by DP runs and stays out.
@@ -83,8 +85,20 @@ def resolve(requirements: list[str], built: Path, cache: Path) -> list[tuple[str
     """(name, version) of every distribution pip installs for ``requirements`` on the target platform."""
     report = cache / "resolve.json"
     with tempfile.TemporaryDirectory() as target:
-        pip("install", "-q", "--dry-run", "--ignore-installed", "--report", str(report), "--find-links", str(built),
-            "--target", target, *target_args(), *requirements)
+        pip(
+            "install",
+            "-q",
+            "--dry-run",
+            "--ignore-installed",
+            "--report",
+            str(report),
+            "--find-links",
+            str(built),
+            "--target",
+            target,
+            *target_args(),
+            *requirements,
+        )
     items = json.loads(report.read_text())["install"]
     return sorted((norm(i["metadata"]["name"]), i["metadata"]["version"]) for i in items)
 
@@ -125,16 +139,25 @@ def data_archive(data_root: Path) -> bytes:
 
 def working_tree_bytes(root: Path) -> int:
     """Size of what the device tool sends besides the carry: tracked and untracked-not-ignored files."""
-    out = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, check=True,
-                         capture_output=True).stdout.decode().split("\0")
+    out = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, check=True, capture_output=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     return sum((root / f).stat().st_size for f in out if f and (root / f).is_file())
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=Path.cwd(), help="repo root (default: the current directory)")
-    ap.add_argument("--data-root", type=Path, default=Path("../shared/data"),
-                    help="where data/raw/*.dvc import from (default ../shared/data, relative to --root)")
+    ap.add_argument(
+        "--data-root",
+        type=Path,
+        default=Path("../shared/data"),
+        help="where data/raw/*.dvc import from (default ../shared/data, relative to --root)",
+    )
     ap.add_argument("--no-wheels", action="store_true", help="MiniLM and data only (a machine that has the packages)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
@@ -147,8 +170,11 @@ def main(argv: list[str] | None = None) -> None:
         if not any(built.glob("*.whl")):
             pip("wheel", "-q", "--no-deps", "-w", str(built), *BUILD_HERE)
         requirements = pinned(root / "pyproject.toml", REQUIREMENTS)
-        present = {norm(line) for line in (HERE / "device_packages.txt").read_text().split("\n")
-                   if line.strip() and not line.startswith("#")}
+        present = {
+            norm(line)
+            for line in (HERE / "device_packages.txt").read_text().split("\n")
+            if line.strip() and not line.startswith("#")
+        }
         pins = [(n, v) for n, v in resolve(requirements, built, cache) if n not in present and n not in SKIP]
         wheels = fetch_wheels(pins, built, wheel_dir)
 
@@ -169,8 +195,10 @@ def main(argv: list[str] | None = None) -> None:
     tree = working_tree_bytes(root)
     piece = DEVICE_LIMIT - tree - MARGIN
     if piece < 8 * MiB:
-        raise SystemExit(f"{root}: the working tree is {tree / MiB:.1f} MiB; too little of the 64 MiB a call "
-                         f"sends is left for the carry")
+        raise SystemExit(
+            f"{root}: the working tree is {tree / MiB:.1f} MiB; too little of the 64 MiB a call "
+            f"sends is left for the carry"
+        )
     data = archive.read_bytes()
     digest = hashlib.sha256(data).hexdigest()
     n = -(-len(data) // piece)
@@ -180,24 +208,34 @@ def main(argv: list[str] | None = None) -> None:
     for i in range(n):
         folder = lease / f"call{i + 1}"
         folder.mkdir(parents=True)
-        part = data[i * piece:(i + 1) * piece]
+        part = data[i * piece : (i + 1) * piece]
         (folder / f"lease.tar.part{i + 1}").write_bytes(part)
         manifest = {"parts": n, "sha256": digest, "bytes": len(data)}
         (folder / "manifest.json").write_text(json.dumps(manifest) + "\n")
         calls.append({"folder": folder.relative_to(root).as_posix(), "bytes": len(part)})
     summary = {
-        "working_tree_bytes": tree, "piece_limit_bytes": piece, "archive_bytes": len(data), "sha256": digest,
-        "wheels": len(wheels), "wheel_bytes": sum(w.stat().st_size for w in wheels),
+        "working_tree_bytes": tree,
+        "piece_limit_bytes": piece,
+        "archive_bytes": len(data),
+        "sha256": digest,
+        "wheels": len(wheels),
+        "wheel_bytes": sum(w.stat().st_size for w in wheels),
         "minilm_bytes": sum(f.stat().st_size for f in weights.iterdir() if f.is_file()),
-        "data_bytes": len(blob), "calls": calls, "wheel_files": [w.name for w in wheels],
+        "data_bytes": len(blob),
+        "calls": calls,
+        "wheel_files": [w.name for w in wheels],
     }
     (lease / "manifest.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"carry: {len(data) / MiB:.1f} MiB = wheels {summary['wheel_bytes'] / MiB:.1f} MiB ({len(wheels)}) + "
-          f"MiniLM {summary['minilm_bytes'] / MiB:.1f} MiB + data {len(blob) / MiB:.1f} MiB; working tree "
-          f"{tree / MiB:.1f} MiB, so {n} calls:")
+    print(
+        f"carry: {len(data) / MiB:.1f} MiB = wheels {summary['wheel_bytes'] / MiB:.1f} MiB ({len(wheels)}) + "
+        f"MiniLM {summary['minilm_bytes'] / MiB:.1f} MiB + data {len(blob) / MiB:.1f} MiB; working tree "
+        f"{tree / MiB:.1f} MiB, so {n} calls:"
+    )
     for c in calls:
-        print(f"  {c['folder']}: {c['bytes'] / MiB:.1f} MiB  (carry [\"{c['folder']}\"], command "
-              f"`bash tools/gpu_lease/run.sh stage {c['folder']}`)")
+        print(
+            f'  {c["folder"]}: {c["bytes"] / MiB:.1f} MiB  (carry ["{c["folder"]}"], command '
+            f"`bash tools/gpu_lease/run.sh stage {c['folder']}`)"
+        )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ mutants by position and the numbers shift with every edit.
 Score = (killed + timed out) / (made - not run); "no tests" (no selected test reaches the mutated function) and
 "other" (suspicious, interrupted, ...) count as undetected.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # The numerical core, as pyproject.toml [tool.mutmut] only_mutate lists it (dotted below pipeline/).
-CORE = ("modeling.losses", "federation.strategies", "federation.compression", "results.stats",
-        "partitioning.schemes")
+CORE = ("modeling.losses", "federation.strategies", "federation.compression", "results.stats", "partitioning.schemes")
 
 # mutmut 3's exit codes (mutmut.stats.status_by_exit_code), grouped as the report counts them.
-_STATUS = {1: "killed", 3: "killed", 0: "survived", 33: "no tests", 5: "no tests",
-           36: "timeout", 24: "timeout", -24: "timeout", 152: "timeout", 255: "timeout"}
+_STATUS = {
+    1: "killed",
+    3: "killed",
+    0: "survived",
+    33: "no tests",
+    5: "no tests",
+    36: "timeout",
+    24: "timeout",
+    -24: "timeout",
+    152: "timeout",
+    255: "timeout",
+}
 
 
 def status(code: int | None) -> str:
@@ -67,8 +77,10 @@ def collect(mutants_dir: Path, modules: tuple[str, ...] = CORE) -> dict[str, Mod
         if not meta.exists():
             continue
         r = ModuleResult(module)
-        for name, code in sorted(json.loads(meta.read_text())["exit_code_by_key"].items(),
-                                 key=lambda kv: (kv[0].rpartition("__mutmut_")[0], _number(kv[0]))):
+        for name, code in sorted(
+            json.loads(meta.read_text())["exit_code_by_key"].items(),
+            key=lambda kv: (kv[0].rpartition("__mutmut_")[0], _number(kv[0])),
+        ):
             s = status(code)
             r.counts[s] = r.counts.get(s, 0) + 1
             if s in ("survived", "no tests", "other"):
@@ -85,8 +97,11 @@ def table(results: dict[str, ModuleResult]) -> str:
     cols = ("killed", "timeout", "survived", "no tests", "other", "not run")
     lines = ["| module | made | " + " | ".join(cols) + " | score |", "|---|" + "---:|" * (len(cols) + 2)]
     for m, r in results.items():
-        lines.append(f"| pipeline/{m.replace('.', '/')}.py | {r.made} | "
-                     + " | ".join(str(r.counts.get(c, 0)) for c in cols) + f" | {_pct(r.score)} |")
+        lines.append(
+            f"| pipeline/{m.replace('.', '/')}.py | {r.made} | "
+            + " | ".join(str(r.counts.get(c, 0)) for c in cols)
+            + f" | {_pct(r.score)} |"
+        )
     return "\n".join(lines)
 
 
@@ -115,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n## {name} (review: add a test, or convince yourself it cannot change behaviour)\n")
             print(diff(name).rstrip())
     if args.summary:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        args.summary.write_text(f"# Mutation testing of the numerical core\n\nMeasured {stamp} by `make mutants` "
-                                "(mutmut; `python -m tools.mutation.report` lists the survivors' diffs).\n\n"
-                                + summary + "\n")
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+        args.summary.write_text(
+            f"# Mutation testing of the numerical core\n\nMeasured {stamp} by `make mutants` "
+            "(mutmut; `python -m tools.mutation.report` lists the survivors' diffs).\n\n" + summary + "\n"
+        )
     return 0
 
 

@@ -1,8 +1,9 @@
 """Every dataset reader, by name: importing this module registers each reader module below."""
+
 from __future__ import annotations
 
 from pipeline.common.schema import DataError
-from pipeline.datasets.readers import qmsum, samsum, hmnet  # noqa: F401 (they register; this order is the datasets')
+from pipeline.datasets.readers import hmnet, qmsum, samsum  # noqa: F401 (they register; this order is the datasets')
 from pipeline.datasets.readers.registry import DATASETS, DatasetSpec
 
 # A reader module imported later (a dataset tried out before it joins the imports above) registers into DATASETS

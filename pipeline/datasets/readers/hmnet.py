@@ -1,5 +1,6 @@
 """AMI and ICSI as HMNet (Zhu et al. 2020) ships them: each corpus split as numbered gzip jsonl chunks under
 ``hmnet/ExampleRawData/meeting_summarization/<CORPUS>_proprec/<split>/split_<k>.jsonl.gz``."""
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -31,16 +32,21 @@ def hmnet_speaker(turn: dict, where: str) -> str:
 def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
     """(upstream split, path) of each chunk file of ``dataset``."""
     corpus = HMNET_CORPUS[dataset]
-    return [(split, f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz")
-            for split, n in HMNET_CHUNKS[dataset].items() for k in range(n)]
+    return [
+        (split, f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz")
+        for split, n in HMNET_CHUNKS[dataset].items()
+        for k in range(n)
+    ]
 
 
-def read_hmnet(directory: Path, dataset: str, report: IngestReport,
-               allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
+def read_hmnet(
+    directory: Path, dataset: str, report: IngestReport, allow_absent: list[str] = ()
+) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
     meetings = _Unique("meeting id")
-    for _, split, display, line_no, meeting in split_json_lines(directory, hmnet_chunks(dataset), f"{dataset}/{corpus}",
-                                                              allow_absent, report):
+    for _, split, display, line_no, meeting in split_json_lines(
+        directory, hmnet_chunks(dataset), f"{dataset}/{corpus}", allow_absent, report
+    ):
         where = f"{display}:{line_no}"
         meeting_id = _field(meeting, "id", where, str)
         mwhere = f"{where}: meeting {meeting_id}"
@@ -59,18 +65,29 @@ def read_hmnet(directory: Path, dataset: str, report: IngestReport,
         if not turns or not sentences:
             raise DataError(f"{mwhere}: empty {'transcript' if not turns else 'summary'}")
         yield CanonicalRecord(
-            dataset=dataset, domain=corpus, split=split, meeting_id=meeting_id, query_index=-1,
-            query="", query_type="none", turns=turns, spans=[],
+            dataset=dataset,
+            domain=corpus,
+            split=split,
+            meeting_id=meeting_id,
+            query_index=-1,
+            query="",
+            query_type="none",
+            turns=turns,
+            spans=[],
             summary="\n".join(s.strip() for s in sentences),
-            source_file=display, source_line=line_no,
+            source_file=display,
+            source_line=line_no,
         )
 
 
 for _dataset, _corpus in HMNET_CORPUS.items():
-    register_reader(DatasetSpec(
-        _dataset,
-        read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
-        files=lambda dataset=_dataset, corpus=_corpus: {
-            path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)},
-        upstream_path=lambda rel: rel[len(HMNET_PREFIX):],  # the download address is the HMNet repository itself
-    ))
+    register_reader(
+        DatasetSpec(
+            _dataset,
+            read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
+            files=lambda dataset=_dataset, corpus=_corpus: {
+                path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)
+            },
+            upstream_path=lambda rel: rel[len(HMNET_PREFIX) :],  # the download address is the HMNet repository itself
+        )
+    )

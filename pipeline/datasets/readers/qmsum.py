@@ -1,5 +1,6 @@
 """QMSum (Zhong et al. 2021): query-based meeting summarization, three domains, jsonl per domain and split
 (``data/<Domain>/jsonl/{train,val,test}.jsonl``)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -42,11 +43,13 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
     meetings: dict[str, _Unique] = {}  # per file
     for domain in QMSUM_DOMAINS:
         files = [(s, f"data/{domain}/jsonl/{s}.jsonl") for s in ("train", "val", "test")]
-        for _, split, display, line_no, meeting in split_json_lines(directory, files, f"qmsum/{domain}", allow_absent,
-                                                                  report):
+        for _, split, display, line_no, meeting in split_json_lines(
+            directory, files, f"qmsum/{domain}", allow_absent, report
+        ):
             where = f"{display}:{line_no}"
-            _object(meeting, where, ("general_query_list", "specific_query_list", "meeting_transcripts"),
-                    ("topic_list",))
+            _object(
+                meeting, where, ("general_query_list", "specific_query_list", "meeting_transcripts"), ("topic_list",)
+            )
             transcript = _field(meeting, "meeting_transcripts", where, list)
             turns = []
             for i, t in enumerate(transcript):
@@ -58,13 +61,15 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
             for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
                 for qi, q in enumerate(_field(meeting, key, where, list)):
                     qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
-                    _object(q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific"
-                                                                 else ()))
+                    _object(
+                        q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific" else ())
+                    )
                     query = _field(q, "query", qwhere, str)
                     answer = _field(q, "answer", qwhere, str)
                     if query_type == "specific":
-                        spans = [_parse_span(s, len(turns), qwhere)
-                                 for s in _field(q, "relevant_text_span", qwhere, list)]
+                        spans = [
+                            _parse_span(s, len(turns), qwhere) for s in _field(q, "relevant_text_span", qwhere, list)
+                        ]
                         # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
                         selected = [t for start, end in spans for t in turns[start:end]]
                         empty = sum(1 for start, end in spans if start == end)
@@ -75,11 +80,29 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     else:
                         spans, selected = [], list(turns)
                     yield CanonicalRecord(
-                        dataset="qmsum", domain=domain, split=split, meeting_id=meeting_id,
-                        query_index=qi, query=query, query_type=query_type, turns=selected, spans=spans,
-                        summary=answer, source_file=display, source_line=line_no,
+                        dataset="qmsum",
+                        domain=domain,
+                        split=split,
+                        meeting_id=meeting_id,
+                        query_index=qi,
+                        query=query,
+                        query_type=query_type,
+                        turns=selected,
+                        spans=spans,
+                        summary=answer,
+                        source_file=display,
+                        source_line=line_no,
                     )
 
 
-register_reader(DatasetSpec("qmsum", read_qmsum, lambda: {f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}"
-                                                           for d in QMSUM_DOMAINS for s in ("train", "val", "test")}))
+register_reader(
+    DatasetSpec(
+        "qmsum",
+        read_qmsum,
+        lambda: {
+            f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}"
+            for d in QMSUM_DOMAINS
+            for s in ("train", "val", "test")
+        },
+    )
+)

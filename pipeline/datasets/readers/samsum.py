@@ -1,5 +1,6 @@
 """SAMSum (Gliwa et al. 2019): chat dialogues with summaries, one JSON-lines file per split (the mirror's
 ``{train,validation,test}.json``); upstream one zip whose members are ``samsum/<split>.json``."""
+
 from __future__ import annotations
 
 import io
@@ -58,9 +59,18 @@ def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] =
             report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
             continue
         yield CanonicalRecord(
-            dataset="samsum", domain="SAMSum", split=split, meeting_id=rid, query_index=-1, query="",
-            query_type="none", turns=split_dialogue(dialogue, rwhere, report), spans=[], summary=summary,
-            source_file=display, source_line=line_no,
+            dataset="samsum",
+            domain="SAMSum",
+            split=split,
+            meeting_id=rid,
+            query_index=-1,
+            query="",
+            query_type="none",
+            turns=split_dialogue(dialogue, rwhere, report),
+            spans=[],
+            summary=summary,
+            source_file=display,
+            source_line=line_no,
         )
 
 
@@ -74,5 +84,11 @@ def _download(base: str, target: Path, fetch, write) -> None:
             write(target / name, zf.read(member))
 
 
-register_reader(DatasetSpec("samsum", read_samsum, lambda: {
-    name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES}, _download))
+register_reader(
+    DatasetSpec(
+        "samsum",
+        read_samsum,
+        lambda: {name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES},
+        _download,
+    )
+)

@@ -1,5 +1,6 @@
 """What every reader of an upstream layout shares: JSON lines read with one-line errors naming file and line, fields
 checked against the upstream schema, duplicate keys, and splits that may be absent (ingest.allow_absent_splits)."""
+
 from __future__ import annotations
 
 import fnmatch
@@ -28,8 +29,9 @@ def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as exc:
-                    raise DataError(f"{display}:{line_no}: not UTF-8 (byte {raw[exc.start]:#04x} at column "
-                                    f"{exc.start + 1})") from None
+                    raise DataError(
+                        f"{display}:{line_no}: not UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -56,8 +58,15 @@ def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str
 
 
 def _json_type(value: Any) -> str:
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null",
-             int: "a number", float: "a number"}
+    names = {
+        dict: "an object",
+        list: "a list",
+        str: "a string",
+        bool: "a boolean",
+        type(None): "null",
+        int: "a number",
+        float: "a number",
+    }
     return names.get(type(value), type(value).__name__)
 
 
@@ -99,8 +108,9 @@ class _Unique:
         self.seen[key] = where
 
 
-def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_prefix: str, allow_absent: list[str],
-                     report: IngestReport) -> Iterator[tuple[str, str, str, int, Any]]:
+def split_json_lines(
+    directory: Path, files: list[tuple[str, str]], split_key_prefix: str, allow_absent: list[str], report: IngestReport
+) -> Iterator[tuple[str, str, str, int, Any]]:
     """The JSON lines of a dataset's split files, ``files`` as (upstream split, file name) pairs: yields
     (upstream split, split, display name, line number, record). An absent split file is skipped (counted) only
     where ``allow_absent`` names ``<split_key_prefix>/<split>``; a file without a line is an error unless allowed
@@ -118,5 +128,7 @@ def split_json_lines(directory: Path, files: list[tuple[str, str]], split_key_pr
             n_lines += 1
             yield upstream_split, split, display, line_no, rec
         if n_lines == 0 and not (files_of[upstream_split] == 1 and absent_allowed(split_key, allow_absent)):
-            raise DataError(f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
-                            f"be absent, add {split_key!r} to ingest.allow_absent_splits")
+            raise DataError(
+                f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
+                f"be absent, add {split_key!r} to ingest.allow_absent_splits"
+            )

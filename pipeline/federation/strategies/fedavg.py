@@ -1,5 +1,6 @@
 """FedAvg (McMahan et al. 2017; METHOD.md section 5): the new global is the mean of the replies weighted by
 ``num-examples``. Flower's ``FedAvg``."""
+
 from __future__ import annotations
 
 from pipeline.federation.strategies.registry import register_strategy

@@ -1,5 +1,6 @@
 """FedNova (Wang et al., NeurIPS 2020): normalised averaging by the number of local steps. Flower has none: a
 subclass of Flower's ``FedAvg`` whose ``aggregate_train`` normalises each update by its client's steps."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -1,11 +1,13 @@
 """FedOPT (Reddi et al. 2021): a server optimiser on the pseudo-gradient. Flower's ``FedAvgM`` (FedNLP's default:
 server SGD with momentum) or ``FedAdam`` / ``FedYogi`` / ``FedAdagrad``; settings params ``train.fedopt``."""
+
 from __future__ import annotations
 
 from typing import Literal
 
 from pipeline.common.config import config
 from pipeline.federation.strategies.registry import register_strategy
+
 
 @config
 class FedOptConfig:

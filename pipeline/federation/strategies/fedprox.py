@@ -1,5 +1,6 @@
 """FedProx (Li et al. 2020): FedAvg's server; each client adds mu/2 ||W - W_global||^2 to its local loss. Flower's
 ``FedProx`` only ships ``proximal-mu`` in the train config (pipeline.federation.client_app reads it)."""
+
 from __future__ import annotations
 
 from pipeline.common.config import config

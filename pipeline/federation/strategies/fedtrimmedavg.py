@@ -2,6 +2,7 @@
 ``int(beta * n)`` largest and smallest values - robust to a client whose update is far off. Flower's
 ``FedTrimmedAvg``; unweighted (``num-examples`` is ignored), so neither SecAgg+ nor client-level DP applies.
 Settings: params ``train.fedtrimmedavg``; method ``fedtrimmedavg`` (CE, one adapter set, as Table V's rows)."""
+
 from __future__ import annotations
 
 from typing import Annotated

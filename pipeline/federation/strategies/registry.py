@@ -1,11 +1,13 @@
 """The strategy registry: a strategy module (strategies/<name>.py) registers its builder and settings dataclass
 with :func:`register_strategy`; only the chosen strategy's settings enter a plan. METHOD.md section 5."""
+
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pipeline.common.config import config, from_dict
 
@@ -62,15 +64,23 @@ class StrategySpec:
 STRATEGIES: dict[str, StrategySpec] = {}
 
 
-def register_strategy(name: str, settings_cls: type = NoSettings, *, group: str | None = "", averaging: bool = False,
-                      proximal: bool = False):
+def register_strategy(
+    name: str,
+    settings_cls: type = NoSettings,
+    *,
+    group: str | None = "",
+    averaging: bool = False,
+    proximal: bool = False,
+):
     """Decorator on a strategy module's builder: registers strategy ``name`` with its settings dataclass, read from
     params ``train.<group>`` (``group`` defaults to ``name``; None = flat train keys)."""
+
     def register(build: Callable[[Any, dict[str, Any], float], Any]):
         if name in STRATEGIES:
             raise ValueError(f"strategy {name!r} is registered twice")
         STRATEGIES[name] = StrategySpec(name, build, settings_cls, name if group == "" else group, averaging, proximal)
         return build
+
     return register
 
 

@@ -1,4 +1,5 @@
 """Every KD gate, by name: importing this module registers each gate module below."""
+
 from __future__ import annotations
 
 from pipeline.modeling.gates import entropy, every_token, margin, token_mask  # noqa: F401 (they register)

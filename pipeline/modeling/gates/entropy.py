@@ -2,6 +2,7 @@
 The threshold comes from ``tau`` as ``tau_scale`` reads it (pipeline.modeling.losses.TauScale): an entropy
 ("absolute", the paper's 5 nats), a fraction of ln|V| ("max_entropy") or the tau-quantile of the batch's H(q_g)
 ("batch_quantile")."""
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,9 @@ def gate_threshold(z_g: torch.Tensor, cfg, chunk_rows: int = 128) -> float:
     if cfg.tau_scale == "max_entropy":
         return float(cfg.tau * math.log(z_g.shape[-1]) * to_unit)
     with torch.no_grad():  # batch_quantile: one extra pass over the teacher rows for their entropies
-        h = torch.cat([token_entropy(z_g[s:s + chunk_rows], cfg.entropy_log_base) for s in range(0, z_g.shape[0], chunk_rows)])
+        h = torch.cat(
+            [token_entropy(z_g[s : s + chunk_rows], cfg.entropy_log_base) for s in range(0, z_g.shape[0], chunk_rows)]
+        )
         return float(torch.quantile(h.double(), cfg.tau))
 
 

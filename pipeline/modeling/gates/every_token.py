@@ -1,4 +1,5 @@
 """FedKD's gate: distil every target token (KD mode ``kd``)."""
+
 from __future__ import annotations
 
 import torch

@@ -2,11 +2,13 @@
 kernel (pipeline.modeling.losses). A gate module (gates/<name>.py) registers ``gate(rows, cfg) -> (mask [N] bool,
 threshold)`` with :func:`register_gate` (``cfg``: KDConfig; threshold NaN when it has none); ``catalog`` imports it.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +28,13 @@ GATES: dict[str, Gate] = {}
 
 def register_gate(name: str):
     """Decorator on a gate module's function: registers KD gate ``name``."""
+
     def register(gate: Gate) -> Gate:
         if name in GATES:
             raise ValueError(f"KD gate {name!r} is registered twice")
         GATES[name] = gate
         return gate
+
     return register
 
 

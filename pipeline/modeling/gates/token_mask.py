@@ -1,4 +1,5 @@
 """Hard KD's gate (METHOD.md experiment 10): distil exactly the given tokens (the target nouns and verbs)."""
+
 from __future__ import annotations
 
 import torch
