@@ -285,13 +285,13 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = None
     if rc.get("mlflow", True):
-        from pipeline.results.tracking import RunLogger, _client
+        from pipeline.results.tracking import RunLogger, delete_run
 
         if checkpoint is None and run_id_file.exists():
             # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
             # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
             try:
-                _client().delete_run(run_id_file.read_text().strip())
+                delete_run(run_id_file.read_text().strip())
             except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
                 log.info("earlier MLflow run not deleted: %s", exc)
             run_id_file.unlink()
