@@ -495,7 +495,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
     import psutil
 
-    from pipeline.federation.localhost import ProcessGroup
+    from pipeline.federation.processes import ProcessGroup
 
     group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
     # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
@@ -550,7 +550,9 @@ def test_xdist_keeps_a_group_on_one_worker(tmp_path):
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
-    from pipeline.federation.localhost import Certificates, _parse_run_config, run_config_arg, write_connection
+    from pipeline.federation.cli import _parse_run_config
+    from pipeline.federation.localhost import run_config_arg, write_connection
+    from pipeline.federation.tls import Certificates
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}
