@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
+from pipeline.common.config import ConfigError, from_dict, group, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.modeling.backbone import BackboneConfig, resolve
 from pipeline.paths import PATHS
@@ -28,6 +28,11 @@ from pipeline.results.scoring import rouge_summary
 
 def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
     cfg = from_dict(BackboneConfig, params.get("backbone"), "backbone")
+    ingested = group(params, "ingest").get("datasets") or []
+    if cfg.warmup.dataset not in ingested:  # its records: data/interim/<dataset>.parquet, written by stage ingest
+        raise ConfigError(
+            f"backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
+        )
     sep_token = (params.get("examples") or {}).get("sep_token", "#SEP#")
     return cfg, sep_token
 

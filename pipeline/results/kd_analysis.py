@@ -14,7 +14,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
-from pipeline.results.figures import plt, save
+from pipeline.results.plotting import plt, save
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import METRICS
 
