@@ -19,8 +19,8 @@ def _groups() -> dict[str, list[type]]:
     """params.yaml group -> the dataclasses that read it (a group may be split between a result-changing and a
     run-time class)."""
     from pipeline.analyze import AnalyzeConfig
+    from pipeline.datasets.examples import ExamplesConfig
     from pipeline.datasets.sources import IngestConfig
-    from pipeline.examples import ExamplesConfig
     from pipeline.experiments import RUN_TRAIN_KEYS, RunSettings
     from pipeline.modeling.backbone import BackboneConfig
     from pipeline.modeling.cache import CacheConfig
