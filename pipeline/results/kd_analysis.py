@@ -1,4 +1,4 @@
-"""Why selective KD works, the computation (definitions in the docstring of pipeline/analyze.py): word updates, the
+"""Why selective KD works, the computation (definitions in the docstring of pipeline/results/analysis.py): word updates, the
 KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points;
 and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
 
@@ -31,7 +31,7 @@ def word_updates(
     source: str = "gate log",
     tags_source: str = "the POS tags",
 ) -> pd.DataFrame:
-    """Token gate decisions as word updates (pipeline/analyze.py): one row per (client, round, example_id,
+    """Token gate decisions as word updates (pipeline/results/analysis.py): one row per (client, round, example_id,
     word_index), its POS and whether its update used KD; ``source``, ``tags_source``: the files, in errors."""
     keys = ["client", "round", "example_id", "position"]
     per_token = (
