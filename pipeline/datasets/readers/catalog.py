@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+# isort: off
+# They register, in this order: the datasets' (params ingest.datasets, the default of IngestConfig.datasets).
+from pipeline.datasets.readers import qmsum, samsum, hmnet  # noqa: F401
+
+# isort: on
 from pipeline.common.schema import DataError
-from pipeline.datasets.readers import hmnet, qmsum, samsum  # noqa: F401 (they register; this order is the datasets')
 from pipeline.datasets.readers.registry import DATASETS, DatasetSpec
 
 # A reader module imported later (a dataset tried out before it joins the imports above) registers into DATASETS
