@@ -70,6 +70,14 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
 
 
+def run_status(superlink: str | None, run_id: int | None, **kwargs) -> tuple[str, str, str]:
+    """(run id, status, details) of ``run_id`` (else the run submitted last) as ``flwr ls`` on ``superlink`` (a
+    connection of FLWR_HOME/config.toml; None: its default) reports it."""
+    run = ["--run-id", str(run_id)] if run_id is not None else []
+    out = flwr("ls", *([superlink] if superlink else []), *run, "--format", "json", **kwargs)
+    return parse_run_status(out.stdout, run_id)
+
+
 def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
     from pipeline.training.checkpoints import mlflow_run_id_path
@@ -94,15 +102,7 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
             print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id").split()))
             return 1
         run_id = int(started["run-id"])
-    out = flwr(
-        "ls",
-        *([superlink] if superlink else []),
-        "--format",
-        "json",
-        *(["--run-id", str(run_id)] if run_id is not None else []),
-        timeout=120,
-    )
-    rid, status, details = parse_run_status(out.stdout, run_id)
+    rid, status, details = run_status(superlink, run_id, timeout=120)
     print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
     return 0 if status == "finished:completed" else 1
 
@@ -351,18 +351,10 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             found = RUN_ID.search(run.output)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
-            out = flwr(
-                "ls",
-                CONNECTION,
-                "--run-id",
-                found.group(1),
-                "--format",
-                "json",
-                cwd=fed.workdir,
-                env=fed.procs.env,
-                timeout=cfg.startup_timeout_s,
-            )  # what the SuperLink says of the run
-            _, status, details = parse_run_status(out.stdout, int(found.group(1)))
+            # what the SuperLink says of the run
+            _, status, details = run_status(
+                CONNECTION, int(found.group(1)), cwd=fed.workdir, env=fed.procs.env, timeout=cfg.startup_timeout_s
+            )
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
                 raise FederationError(
