@@ -286,14 +286,8 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
     weigh their updates, 4 and 6 examples, as three do; the in-process Grid test above federates all three)."""
     from types import SimpleNamespace
 
-    from pipeline.federation.localhost import (
-        CONNECTION,
-        RUN_ID,
-        LocalhostFederation,
-        flwr,
-        make_node_key,
-        parse_run_status,
-    )
+    from pipeline.federation.localhost import CONNECTION, RUN_ID, LocalhostFederation, flwr, parse_run_status
+    from pipeline.federation.tls import make_node_key
 
     with pytest.MonkeyPatch.context() as mp:  # what the ws fixture sets, for this module-scoped setup
         mp.chdir(workspace)
