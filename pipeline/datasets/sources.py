@@ -19,7 +19,7 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.config import config
 from pipeline.common.schema import DataError
-from pipeline.datasets.readers.catalog import DATASETS, dataset_spec
+from pipeline.datasets.readers.catalog import DATASETS, dataset_names, dataset_spec
 from pipeline.datasets.readers.upstream import absent_allowed
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
@@ -33,7 +33,7 @@ class IngestConfig:
     # every registered reader's dataset, and its pinned upstream address (the commits named in
     # ../shared/data/*/SOURCE.md)
     datasets: list[Annotated[str, AfterValidator(lambda name: dataset_spec(name).name)]] = field(
-        default_factory=lambda: list(DATASETS)
+        default_factory=dataset_names
     )
     urls: dict[str, str] = field(default_factory=lambda: {name: spec.url for name, spec in DATASETS.items()})
     # Splits whose file may be missing or empty, as fnmatch patterns of "<dataset>/<domain>/<split>" (e.g.
