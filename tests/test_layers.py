@@ -30,8 +30,10 @@ def graph() -> grimp.ImportGraph:
     return grimp.build_graph("pipeline", include_external_packages=True, cache_dir=None)
 
 
-def _kept(graph: grimp.ImportGraph, contract_id: str, *added: tuple[str, str]) -> bool:
+def _kept(graph: grimp.ImportGraph, contract_id: str, *added: tuple[str, str], module: str | None = None) -> bool:
     graph = copy.deepcopy(graph)
+    if module is not None:
+        graph.add_module(module)
     for importer, imported in added:
         graph.add_import(importer=importer, imported=imported)
     kind = LayersContract if CONTRACTS[contract_id]["type"] == "layers" else ForbiddenContract
@@ -62,6 +64,10 @@ def test_a_library_module_importing_a_stage_breaks_the_layers(graph):
 def test_modules_of_one_layer_stay_independent(graph):
     assert not _kept(graph, "layers", ("pipeline.datasets.sources", "pipeline.partitioning.schemes"))
     assert not _kept(graph, "layers", ("pipeline.train", "pipeline.evaluate"))
+
+
+def test_a_new_top_level_module_must_be_placed_in_a_layer(graph):
+    assert not _kept(graph, "layers", module="pipeline.unplaced")
 
 
 def test_flower_outside_federation_and_privacy_breaks_its_contract(graph):
