@@ -221,9 +221,19 @@ def pack(out: Path, name: str, members: list[tuple[Path, str]]) -> list[Path]:
     return files
 
 
+def weights_md5(work: Path) -> Path:
+    """``weights.md5.json``: the md5 of every weights file the run wrote (they stay on the machine)."""
+    models = work / "models"
+    found = sorted(p for p in models.rglob("*") if p.name.endswith(WEIGHTS)) if models.is_dir() else []
+    path = work / "weights.md5.json"
+    digests = {p.relative_to(work).as_posix(): hashlib.md5(p.read_bytes()).hexdigest() for p in found}
+    path.write_text(json.dumps(digests, indent=1) + "\n")
+    return path
+
+
 def results_members(work: Path) -> list[tuple[Path, str]]:
     """What the run wrote that the import reads: params.yaml, plans and run records without weights, every report."""
-    members = [(work / "params.yaml", "params.yaml")]
+    members = [(work / "params.yaml", "params.yaml"), (weights_md5(work), "weights.md5.json")]
     for top in ("models", "reports", "data/partitions"):
         base = work / top
         if base.is_dir():
