@@ -124,6 +124,13 @@ def test_a_spent_budget_skips_the_rest_and_still_returns_the_record(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # ~3 min on 2 loaded cores: every stage in its own process, then the import
 def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
+    # the stages run as on the lent machine, where neither MLflow nor DVC is installed: importing either fails there
+    for absent in ("mlflow", "dvc"):
+        (tmp_path / "absent" / absent).mkdir(parents=True)
+        (tmp_path / "absent" / absent / "__init__.py").write_text(
+            f"raise ImportError('{absent}: not on the machine')\n"
+        )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "absent"))
     minilm = _tiny_minilm(tmp_path / "minilm")
     prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], minilm, room=2 * 2**20)
     staged, out = tmp_path / "staged", tmp_path / "out"

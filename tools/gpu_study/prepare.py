@@ -69,9 +69,9 @@ def pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
 
-def target_args() -> list[str]:
+def target_args(python: str) -> list[str]:
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
-    return ["--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp", *plat]
+    return ["--only-binary=:all:", "--python-version", python, "--implementation", "cp", *plat]
 
 
 def device_packages() -> set[str]:
@@ -79,17 +79,18 @@ def device_packages() -> set[str]:
     return {norm(line) for line in lines if line.strip() and not line.startswith("#")}
 
 
-def wheels(requirements: list[str], cache: Path) -> list[Path]:
-    """The wheels of ``requirements`` and their dependencies for the lent machine, less what its image has."""
-    built, dest = cache / "built", cache / "wheels"
+def wheels(requirements: list[str], cache: Path, python: str = "3.12") -> list[Path]:
+    """The wheels of ``requirements`` and their dependencies for the lent machine (CPython ``python``), less what
+    its image has."""
+    built, dest = cache / "built", cache / f"wheels-cp{python.replace('.', '')}"
     if not any(built.glob("*.whl")):
         pip("wheel", "-q", "--no-deps", "-w", str(built), *BUILD_HERE)
-    report = cache / "resolve.json"
+    report = cache / f"resolve-cp{python.replace('.', '')}.json"
     with tempfile.TemporaryDirectory() as target:
         pip(
             "install",
             *("-q", "--dry-run", "--ignore-installed", "--report", str(report), "--target", target),
-            *("--find-links", str(built), *target_args(), *requirements),
+            *("--find-links", str(built), *target_args(python), *requirements),
         )
     present = device_packages()
     pins = {
@@ -101,7 +102,7 @@ def wheels(requirements: list[str], cache: Path) -> list[Path]:
     have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
     missing = [f"{n}=={v}" for n, v in pins.items() if (n, v) not in have]
     if missing:
-        pip("download", "-q", "--no-deps", "--find-links", str(built), "-d", str(dest), *target_args(), *missing)
+        pip("download", "-q", "--no-deps", "--find-links", str(built), "-d", str(dest), *target_args(python), *missing)
         have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
     return sorted(have[(n, v)] for n, v in pins.items())
 
@@ -185,10 +186,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data-root", type=Path, default=REPO.parent / "shared/data", help="the raw datasets' mirror")
     ap.add_argument("--profile", type=Path, default=PROFILE)
     ap.add_argument("--margin", type=float, default=2.0, help="MiB kept free in each call for files added later")
+    ap.add_argument("--python", default="3.12", help="the lent machine's CPython version (another: a check here)")
     args = ap.parse_args(argv)
     root = args.root.resolve()
     params = merge_profile(yaml.safe_load((root / "params.yaml").read_text()), yaml.safe_load(args.profile.read_text()))
-    wheel_files = wheels(pinned(root / "pyproject.toml", REQUIREMENTS), root / ".gpu-study/cache")
+    wheel_files = wheels(pinned(root / "pyproject.toml", REQUIREMENTS), root / ".gpu-study/cache", args.python)
     tree = working_tree_bytes(root)
     room = LIMIT - tree - int(args.margin * MiB)
     m = build_carry(
