@@ -85,7 +85,8 @@ def evaluate_experiment(
         sub, predictions, scores = summarize_test_set(
             model, examples, test_ids, client, cfg, max_src, f"{part_path}, {examples_path}", desc=f"{name}/{client}"
         )
-        test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
+        if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
+            test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
         for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
             rows.append(
                 {
