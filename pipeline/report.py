@@ -22,7 +22,7 @@ from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results import comparisons, published
+from pipeline.results import claims, comparisons, published
 from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (
     case_study,
@@ -266,9 +266,9 @@ def results_text(
     ]
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
     steps = (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
-    scale = comparisons.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
-    return comparisons.results_text(
-        compared, converged, scale, source=str(source), backbone=comparisons.backbone_note(*records)
+    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
+    return claims.results_text(
+        compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records)
     )
 
 
@@ -384,7 +384,7 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     changed = []
     for f in files:
         text = f.read_text(encoding="utf-8")
-        new = comparisons.replace_block(text, block, str(f))
+        new = claims.replace_block(text, block, str(f))
         if new != text:
             changed.append(f)
             if not check:
@@ -412,7 +412,7 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
     made["tables"].append(str(folder / "comparisons.csv"))
     readme_path = folder / "README.md"
-    if readme_path.is_file() and comparisons.BEGIN in readme_path.read_text(encoding="utf-8"):
+    if readme_path.is_file() and claims.BEGIN in readme_path.read_text(encoding="utf-8"):
         write_claims(folder, [readme_path])
         made["text"].append(str(readme_path))
     return {"made": dict(made), "not_made": not_made}

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from pipeline.experiments import Experiment, with_labels
-from pipeline.results import comparisons, readers
+from pipeline.results import claims, comparisons, readers
 from pipeline.results.stats import BootstrapConfig
 from tests.test_comparisons import _write_eval
 
@@ -25,7 +25,7 @@ PUBLISHED_COLUMNS = [c for b in comparisons.BACKBONES for c in (f"published_{b}"
 
 def _block(text: str) -> str:
     """The text between a markdown file's results markers (after the newline that follows the first)."""
-    return text.split(comparisons.BEGIN, 1)[1].split(comparisons.END, 1)[0][1:]
+    return text.split(claims.BEGIN, 1)[1].split(claims.END, 1)[0][1:]
 
 
 # --- where the paper's difference sits against our interval ---------------------------------------------------
@@ -225,12 +225,12 @@ def test_results_text_renders_the_numbers_of_the_table():
             ),
         ]
     )
-    text = comparisons.results_text(table)
+    text = claims.results_text(table)
     assert "+0.02 [−0.56, +0.62]" in text and "−0.05 [−0.71, +0.57]" in text
     assert "+0.85 to +2.09" in text and "+0.57 and +0.62" in text  # the excluded published gains, our upper limits
     assert "18-23 %" in text
     moved = table.assign(ci_high=[0.90, 2.50])  # now the paper's SelectKD gain on BART-base (+1.40) is inside
-    assert "+0.85 to +2.09" not in comparisons.results_text(moved)
+    assert "+0.85 to +2.09" not in claims.results_text(moved)
 
 
 def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
@@ -271,7 +271,7 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
             ),
         ]
     )
-    lines = comparisons.results_text(table).splitlines()
+    lines = claims.results_text(table).splitlines()
     sampling = next(line for line in lines if "+0.75 [+0.23, +1.31]" in line)
     assert "gate" not in sampling and "sampling" in sampling
     tau = next(line for line in lines if "−0.21 [−0.54, +0.03]" in line)
@@ -279,17 +279,17 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
     pooling = next(line for line in lines if "+2.17 [+1.31, +3.05]" in line)
     assert "0.855" not in pooling  # the largest p of a line that is not supported is no evidence for it
     both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001])
-    pooled = next(line for line in comparisons.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
+    pooled = next(line for line in claims.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
     assert "p ≤ 0.004 each" in pooled
 
 
 def test_replace_block_rewrites_only_between_the_markers():
-    text = f"head\n{comparisons.BEGIN}\nold\n{comparisons.END}\ntail\n"
-    new = comparisons.replace_block(text, "new line\n")
-    assert new == f"head\n{comparisons.BEGIN}\nnew line\n{comparisons.END}\ntail\n"
+    text = f"head\n{claims.BEGIN}\nold\n{claims.END}\ntail\n"
+    new = claims.replace_block(text, "new line\n")
+    assert new == f"head\n{claims.BEGIN}\nnew line\n{claims.END}\ntail\n"
     assert _block(new) == "new line\n"
     with pytest.raises(ValueError):
-        comparisons.replace_block("no markers", "x")
+        claims.replace_block("no markers", "x")
 
 
 def test_committed_readme_blocks_equal_what_the_study_generates():
@@ -376,14 +376,14 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
 
 def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     _study_folder(tmp_path)
-    (tmp_path / "README.md").write_text(f"# study\n\n{comparisons.BEGIN}\nstale\n{comparisons.END}\nkept\n")
+    (tmp_path / "README.md").write_text(f"# study\n\n{claims.BEGIN}\nstale\n{claims.END}\nkept\n")
     run = subprocess.run(
         [sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
     assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 5  # 10 pairs x (2 clients + average) x 5 metrics
     text = (tmp_path / "README.md").read_text()
-    assert "stale" not in text and text.endswith(f"{comparisons.END}\nkept\n") and "1 of 10 client-runs" in text
+    assert "stale" not in text and text.endswith(f"{claims.END}\nkept\n") and "1 of 10 client-runs" in text
     check = [sys.executable, "-m", "pipeline.report", "claims", str(tmp_path), str(tmp_path / "README.md"), "--check"]
     assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 0
     (tmp_path / "README.md").write_text(text.replace("1 of 10", "0 of 10"))  # a number edited by hand
@@ -445,7 +445,7 @@ VERDICT_ROWS = [
 
 
 def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
-    lines = comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
+    lines = claims.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
     assert any(
         line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line for line in lines
     )
@@ -458,8 +458,8 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
     [(True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")],
 )
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
-    text = comparisons.results_text(
-        _scaled(VERDICT_ROWS, seeds, examples), scale=comparisons.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100)
+    text = claims.results_text(
+        _scaled(VERDICT_ROWS, seeds, examples), scale=claims.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100)
     )
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
@@ -475,11 +475,11 @@ def test_the_backbone_caveat_comes_from_the_records():
         "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"},
     }
     kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
-    note = comparisons.backbone_note(backbone, kd)
+    note = claims.backbone_note(backbone, kd)
     assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note
     assert "42-54 % of target tokens at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
-    assert comparisons.backbone_note(None, kd) == ""
-    assert comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
+    assert claims.backbone_note(None, kd) == ""
+    assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
 
 
 def test_the_default_profile_states_numbers_and_draws_no_claim():
