@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +29,10 @@ from pipeline.results.human_eval import (
     predictions_by_method,
     score_sheets,
 )
-from pipeline.results.readers import collect_scores, convergence_table
-from pipeline.results.scoring import TABLE_ROUGE_L
-from pipeline.results.stats import BootstrapConfig, mean_interval
+from pipeline.results.outputs import HEADLINE_STUDY, average_interval, headline_metrics, readme, summary_metrics
+from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
+from pipeline.results.scoring import TABLE_METRICS, average_rouge
+from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
 from pipeline.results.tables import (
     aggregate,
     main_table,
@@ -57,138 +55,8 @@ class ReportConfig:
     # A smoke run (the default CPU profile) states its differences as numbers and draws no claim from them; a
     # study draws claims only from main-study comparisons with at least these seeds and test examples.
     smoke: bool = True
-    claim_min_seeds: PositiveInt = 2
+    claim_min_seeds: PositiveInt = 3
     claim_min_examples: PositiveInt = 100
-
-
-def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
-    """reports/summary.json: average ROUGE per study, configuration and client, and the mean over clients."""
-    out: dict[str, Any] = {
-        "experiments_planned": len(planned),
-        "experiments_missing": len(missing_eval),
-        "experiments_evaluated": len(planned) - len(missing_eval),
-    }
-    for (study, label), grp in agg.groupby(["study", "label"], sort=True):
-        entry = {client: round(float(v), 4) for client, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
-        entry["n_seeds"] = int(grp["n_seeds"].min())
-        out.setdefault(study, {})[label.replace(" ", "_")] = entry
-    return out
-
-
-# reports/metrics.json, the one DVC metrics file: what `dvc exp show` / `dvc metrics diff` put side by side across
-# DVC experiments. Only the main study's results (the study `-S tau=...` ablates): every other report file is a
-# plain output, and no time or memory figure is a metric (they differ between runs of the same experiment).
-HEADLINE_STUDY = "main"
-HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_L, "avg_rouge": "avg_rouge"}
-
-
-def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
-    """Interval of a configuration's client-average avg ROUGE on the test examples all its seeds have (or None)."""
-    frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
-    shared = comparisons.shared_ids(frames)
-    if not shared:
-        return None
-    per_client = [comparisons.stacked(frames, client, ids, "avg_rouge") for client, ids in shared.items()]
-    r = mean_interval(per_client, cfg)
-    return r.low, r.high
-
-
-def headline_metrics(
-    agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None], kd_analysis: dict[str, Any]
-) -> dict[str, Any]:
-    """reports/metrics.json's content (docs/ARCHITECTURE.md): ``intervals`` by label; ``kd_analysis`` is
-    reports/analysis/kd_analysis.json."""
-    out: dict[str, Any] = {}
-    main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
-    # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
-    # by label only where the study holds several configurations of one method.
-    methods = main.groupby("label")["method"].first() if "method" in main else pd.Series(dtype=object)
-    repeated = set(methods[methods.duplicated(keep=False)])
-    for label, grp in main.groupby("label", sort=True):
-        method = methods.get(label)
-        key = str(method) if method is not None and method not in repeated else str(label).replace(" ", "_")
-        entry: dict[str, Any] = {key: round(float(grp[f"{col}_mean"].mean()), 4) for key, col in HEADLINE_ROUGE.items()}
-        interval = intervals.get(label)
-        if interval is not None:
-            entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
-        entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        out.setdefault(HEADLINE_STUDY, {})[key] = entry
-    usage = {
-        str(c): round(float(v["kd_usage_ratio"]), 4)
-        for c, v in sorted(kd_analysis.get("clients", {}).items())
-        if isinstance(v, dict) and v.get("kd_usage_ratio") is not None
-    }
-    if usage:
-        out["kd_usage"] = {**usage, "mean": round(sum(usage.values()) / len(usage), 4)}
-    return out
-
-
-def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
-    """The index of ``out`` (the reports directory) from ``index``: what was made, what not and why."""
-    rel = functools.partial(os.path.relpath, start=out)
-    lines = [
-        "# fedmeet reports",
-        "",
-        "Generated by `dvc repro report` (`python -m pipeline.report`). ROUGE is F1 x 100 from `rouge-score` with "
-        f"Porter stemming; the tables' R-L is `{TABLE_ROUGE_L}` (as the paper's R-L, by its R-L / R-1 ratios; "
-        "`rougeLsum` is its own column). Every number is a mean over the seeds present; missing seeds are "
-        "printed beside it.",
-        "",
-        f"Experiments planned: {n_planned}; evaluated: {n_planned - len(index['missing_experiments'])}.",
-        "",
-    ]
-    for section in ("tables", "figures", "human evaluation"):
-        items = index["made"].get(section, [])
-        if items:
-            lines += [f"## {section.capitalize()}", ""]
-            lines += [f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items]
-            lines.append("")
-    plot_files = sorted(plots.rglob("*.csv")) if plots.is_dir() else []
-    if plot_files:
-        lines += ["## Plot data (`dvc plots show`)", ""] + [f"- [{rel(p)}]({rel(p)})" for p in plot_files] + [""]
-    others = [
-        p
-        for pattern in (
-            "data/*.md",
-            "data/*.json",
-            "partitions/*.png",
-            "analysis/*.json",
-            "analysis/*.csv",
-            "analysis/figures/*.png",
-            "backbone.json",
-            "eval/*/metrics.json",
-        )
-        for p in sorted(out.glob(pattern))
-    ]
-    if others:
-        lines += ["## Other stage outputs", ""] + [f"- [{rel(p)}]({rel(p)})" for p in others] + [""]
-    lines += ["## Not produced", ""]
-    if not index["not_made"] and not index["missing_experiments"] and not index["incomplete_seeds"]:
-        lines.append("Nothing: every planned experiment is evaluated with every expected seed.")
-    for what, why in sorted(index["not_made"].items()):
-        lines.append(f"- {what}: {why}")
-    if index["missing_experiments"]:
-        lines += ["", "Planned experiments without an evaluation (`reports/eval/<exp>/metrics.json`):", ""]
-        lines += [f"- `{name}`" for name in index["missing_experiments"]]
-    if index["ignored_evaluations"]:
-        lines += ["", "Evaluations left out because their experiment is not in the `experiments` params:", ""]
-        lines += [f"- `reports/eval/{name}`" for name in index["ignored_evaluations"]]
-    if index["incomplete_seeds"]:
-        lines += ["", "Configurations averaged over fewer seeds than expected (`report.expected_seeds`):", ""]
-        lines += [f"- {x}" for x in index["incomplete_seeds"]]
-    lines += [
-        "",
-        "## Human evaluation",
-        "",
-        "Blind sheets: `reports/human_eval/sheets/` (give annotators `sheet.html` or `sheet.csv`, never "
-        "`key.json`). Copy the sheets elsewhere, fill the `judgement` column (A, B or tie) or download it from "
-        "the HTML page as `sheet_<name>.csv`, then run "
-        "`python -m pipeline.report human --sheets DIR` -> `reports/human_eval/results.json` and "
-        "`reports/human_eval/human_eval.png` (paper: SelectKD vs FedAvg 52 wins, 4 ties, 4 losses of 60).",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 @dataclass
@@ -265,11 +133,16 @@ def results_text(
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
-    steps = (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
-    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
-    return claims.results_text(
-        compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records)
+    train = params.get("train") or {}
+    steps = train.get("centralized_steps", TrainConfig.centralized_steps)
+    ratios = centralized_step_ratios(
+        declared(params),
+        root / "train",
+        int(train.get("batch_size", TrainConfig.batch_size)),
+        int(train.get("grad_accum_steps", TrainConfig.grad_accum_steps)),
     )
+    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps, ratios)
+    return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
@@ -392,6 +265,38 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     return changed
 
 
+def rescore_evaluations(eval_dir: Path, cfg: BootstrapConfig) -> list[Path]:
+    """Rewrite each committed evaluation's average ROUGE under the tables' definition (the mean of R-1, R-2 and
+    plain R-L: pipeline.results.scoring.average_rouge) in per_example.parquet and metrics.json, with metrics.json's
+    client-average intervals recomputed (QMSum: meetings resampled); returns the files changed."""
+    changed = []
+    for run in (
+        sorted(d for d in eval_dir.iterdir() if (d / "per_example.parquet").is_file()) if eval_dir.is_dir() else []
+    ):
+        frame = pd.read_parquet(run / "per_example.parquet")
+        frame["avg_rouge"] = frame[list(TABLE_METRICS)].mean(axis=1)
+        atomic.to_parquet(frame, run / "per_example.parquet", index=False)
+        metrics = json.loads((run / "metrics.json").read_text())
+        clients = [c for c in (metrics.get("clients") or {}).values() if isinstance(c, dict)]
+        for scores in clients:
+            scores["avg_rouge"] = average_rouge(scores)
+        if clients and "mean" in metrics:
+            metrics["mean"]["avg_rouge"] = sum(c["avg_rouge"] for c in clients) / len(clients)
+        if "mean_ci" in metrics:
+            groups = [g for _, g in frame.groupby("client", sort=True)]
+            intervals = client_average_intervals(groups, list(metrics["mean_ci"]), cfg)
+            metrics["mean_ci"] = {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}
+            metrics["ci"] = (metrics.get("ci") or {}) | {
+                "level": cfg.level,
+                "n_resamples": cfg.n_resamples,
+                "seed": cfg.seed,
+                "method": bootstrap_method(meetings(g["example_id"] for g in groups)),
+            }
+        atomic.write_json(run / "metrics.json", metrics)
+        changed += [run / "per_example.parquet", run / "metrics.json"]
+    return changed
+
+
 def rebuild_study(folder: Path) -> dict[str, Any]:
     """`python -m pipeline.report rebuild` (docs/ARCHITECTURE.md), README block included; identical-summary fractions
     come from the folder's previous comparisons.csv where predictions are absent."""
@@ -399,6 +304,8 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     cfg = from_dict(ReportConfig, params.get("report"), "report")
     made: dict[str, list[str]] = defaultdict(list)
     not_made: dict[str, str] = {}
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    made["evaluations"] = [str(f) for f in rescore_evaluations(folder / "eval", bootstrap)]
     written = write_tables(
         params,
         cfg,

@@ -74,8 +74,11 @@ def _row(**kw) -> dict:
         "significant": False,
         "identical_fraction": math.nan,
         "mean_diff": 0.0,
+        "n_seeds": 3,
+        "n_examples": 244,
     }
-    return base | kw
+    # the family adjustment is tested on its own (tests/test_stats.py); here a row's adjusted p is its own
+    return base | {"p_holm": kw.get("p_value", base["p_value"])} | kw
 
 
 def test_with_published_fills_only_the_papers_pairs_in_the_main_study():
@@ -278,9 +281,32 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
     assert "gate** (tau=3)" in tau and "no difference detected" in tau
     pooling = next(line for line in lines if "+2.17 [+1.31, +3.05]" in line)
     assert "0.855" not in pooling  # the largest p of a line that is not supported is no evidence for it
-    both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001])
+    both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001], p_holm=[0.01, 0.2, 0.008, 0.002])
     pooled = next(line for line in claims.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
-    assert "p ≤ 0.004 each" in pooled
+    assert "Holm p ≤ 0.008 each" in pooled  # the claims' p is the family-adjusted one
+
+
+def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only():
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+        _row(method_a="centralized", method_b="fedavg", mean_diff=2.3, ci_low=0.2, ci_high=4.4, p_value=0.01),
+    ]
+    table = pd.DataFrame(rows).assign(significant=True, n_seeds=[3, 2])
+    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=3))
+    line = next(x for x in text.splitlines() if "Pooling the data" in x)
+    assert line.startswith("- **Pooling the data helps against some methods**")  # not "helps": FedAvg has 2 seeds
+    assert "AdaCentralized − FedAvg +2.30 [+0.20, +4.40], 2 seeds: numbers only (paper" in line
+    assert "The lead holds against AdaSingle (Holm p = 0.001) only." in text
+    # at 2 seeds a claim is allowed: both leads hold
+    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
+    assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text
+
+
+def test_the_step_ratio_of_adacentralized_is_stated_per_client():
+    table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
+    scale = claims.ClaimScale(centralized_steps="epoch", step_ratios=(("Academic", 69 / 14), ("Product", 69 / 38)))
+    assert "4.9x Academic's, 1.8x Product's optimizer steps a round" in claims.results_text(table, scale=scale)
+    assert claims.LARGEST_CLIENT_STEPS in claims.results_text(table)
 
 
 def test_replace_block_rewrites_only_between_the_markers():

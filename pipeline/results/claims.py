@@ -13,8 +13,18 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.results import published
-from pipeline.results.comparisons import ABOVE, AVERAGE, BACKBONES, BELOW, CONTAINS, format_p, with_published
+from pipeline.results.comparisons import (
+    ABOVE,
+    AVERAGE,
+    BACKBONES,
+    BELOW,
+    CONTAINS,
+    format_p,
+    with_holm,
+    with_published,
+)
 from pipeline.results.readers import convergence_note
+from pipeline.results.stats import BootstrapConfig
 
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
 # How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
@@ -32,23 +42,33 @@ SHORT = {
     "fedselectkd": "SelectKD",
 }
 FEDERATED = ("fedavg", "fedkd", "fedselectkd")
-# What AdaCentralized's lead can mean under each `train.centralized_steps` rule (pipeline.training.serverless).
-STEP_RULE = {
-    "largest_client": "AdaCentralized trained with the largest client's optimizer steps a round "
-    "(`train.centralized_steps: largest_client`), so its lead is not one of more steps.",
-    "epoch": "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`), several "
-    "times the optimizer steps of any client: its lead cannot be told apart from more steps.",
-}
+LARGEST_CLIENT_STEPS = (
+    "AdaCentralized trained with the largest client's optimizer steps a round (`train.centralized_steps: "
+    "largest_client`), so its lead is not one of more steps."
+)
 
 
 @dataclass(frozen=True)
 class ClaimScale:
-    """`report.smoke`, `report.claim_min_seeds`, `report.claim_min_examples` and `train.centralized_steps`."""
+    """`report.smoke`, `report.claim_min_seeds`, `report.claim_min_examples`, `train.centralized_steps` and, under
+    `epoch`, AdaCentralized's optimizer steps a round over each client's (client, ratio), from the run records."""
 
     smoke: bool = False
-    min_seeds: int = 2
+    min_seeds: int = 3
     min_examples: int = 100
     centralized_steps: str = "largest_client"
+    step_ratios: tuple[tuple[str, float], ...] = ()
+
+
+def step_rule(scale: ClaimScale) -> str:
+    """What AdaCentralized's lead can mean under its `train.centralized_steps` rule (pipeline.training.serverless)."""
+    if scale.centralized_steps == "largest_client":
+        return LARGEST_CLIENT_STEPS
+    ratios = ", ".join(f"{r:.1f}x {c}'s" for c, r in scale.step_ratios) or "more than"
+    return (
+        "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`): "
+        f"{ratios} optimizer steps a round: its lead cannot be told apart from more steps."
+    )
 
 
 def _num(x: float) -> str:
@@ -61,8 +81,9 @@ def effect(r) -> str:
 
 
 def _p(r) -> str:
-    shown = format_p(r.p_value)
-    return f"p {shown}" if shown.startswith("<") else f"p = {shown}"
+    """'Holm p = 0.012': the family-adjusted p the claims test."""
+    shown = format_p(r.p_holm)
+    return f"Holm p {shown}" if shown.startswith("<") else f"Holm p = {shown}"
 
 
 def _range(values: list[float]) -> str:
@@ -104,7 +125,9 @@ def _pair(r) -> str:
             else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
         )
         parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
-    text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}"
+    text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" + (
+        f", {r.n_seeds} seeds: numbers only" if r.few_seeds else ""
+    )
     return f"{text} (paper {'; '.join(parts)})" if parts else text
 
 
@@ -157,6 +180,13 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     return text
 
 
+def claimable(table: pd.DataFrame, scale: ClaimScale) -> pd.DataFrame:
+    """``table`` with ``few_seeds`` (fewer seeds than `report.claim_min_seeds`: its numbers are stated, no claim is
+    drawn from it) and ``significant`` cleared on those rows."""
+    few = table["n_seeds"].astype(int) < scale.min_seeds
+    return table.assign(few_seeds=few, significant=table["significant"].astype(bool) & ~few)
+
+
 def results_text(
     table: pd.DataFrame,
     convergence: pd.DataFrame | None = None,
@@ -167,34 +197,31 @@ def results_text(
 ) -> str:
     """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
     table with the published columns, and the convergence records of the studies the table covers. A smoke run,
-    or one smaller than ``scale`` asks for, states numbers, no claim; ``backbone``: :func:`backbone_note`."""
+    or one smaller than ``scale`` asks for, states numbers, no claim; so does each comparison with fewer seeds;
+    ``backbone``: :func:`backbone_note`."""
     if "vs_published_" + BACKBONES[0] not in table.columns:
         table = with_published(table)
-    avg = table[(table["client"] == AVERAGE) & (table["metric"] == metric)]
-    per_client = table[
-        (table["client"] != AVERAGE)
-        & (table["metric"] == metric)
-        & (table["study"] == "main")
-        & (table["study_b"] == "main")
-    ]
-    main = table[(table["study"] == "main") & (table["study_b"] == "main") & (table["client"] == AVERAGE)]
-    found = (
-        None
-        if main.empty or not {"n_seeds", "n_examples"} <= set(main.columns)
-        else (sorted(set(main["n_seeds"].astype(int))), sorted(set(main["n_examples"].astype(int))))
-    )
-    size = f"; {_span(found[0])} seed(s) and {_span(found[1])} test examples a comparison" if found else ""
+    if "p_holm" not in table.columns:  # a comparisons.csv written before the adjustment
+        table = with_holm(table, BootstrapConfig())
+    table = claimable(table[table["metric"] == metric], scale)
+    main = table[(table["study"] == "main") & (table["study_b"] == "main")]
+    avg, per_client = table[table["client"] == AVERAGE], main[main["client"] != AVERAGE]
+    main_avg = main[main["client"] == AVERAGE]
+    seeds, examples = sorted(set(main_avg["n_seeds"].astype(int))), sorted(set(main_avg["n_examples"].astype(int)))
+    size = f"; {_span(seeds)} seed(s) and {_span(examples)} test examples a comparison" if seeds else ""
     lines = [
         f"Generated by `python -m pipeline.report claims` from `{source}` (paired difference of the client "
-        f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, "
-        "pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's differences are its "
-        f"Table III's, BART-large, BART-base and LED-large){size}:"
+        f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, QMSum's queries on one "
+        "meeting one cluster, pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's "
+        f"differences are its Table III's, BART-large, BART-base and LED-large){size}. A claim needs Holm-adjusted "
+        f"p < 0.05 over the study's {len(main_avg)} client-average comparisons (per client: over that client's), "
+        f"and at least {scale.min_seeds} seeds (`report.claim_min_seeds`); the intervals are unadjusted:"
     ] + ([backbone] if backbone else [])
     # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
     why = "a smoke run (`report.smoke: true`)" if scale.smoke else ""
-    if not why and found is not None and (found[0][0] < scale.min_seeds or found[1][0] < scale.min_examples):
+    if not why and seeds and (seeds[-1] < scale.min_seeds or examples[0] < scale.min_examples):
         why = (
-            f"{found[0][0]} seed(s) and {found[1][0]} test examples, below the {scale.min_seeds} seeds and "
+            f"{seeds[-1]} seed(s) and {examples[0]} test examples, below the {scale.min_seeds} seeds and "
             f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
             "`report.claim_min_examples`)"
         )
@@ -205,94 +232,112 @@ def results_text(
             "paper's): " + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + "."
         )
         return _with_budget(lines, table, convergence)
-
-    central = _rows(avg, ("centralized",), ("single", *FEDERATED))
-    if central:
-        ahead = all(r.significant and r.mean_diff > 0 for r in central)
-        head = "Pooling the data helps" if ahead else verdict(central, "Pooling the data", "helps against some methods")
-        worst_p = max(r.p_value for r in central)
-        # one p for the whole line only when it supports the line (every lead excludes 0); else each interval speaks
-        p_text = (" (p < 0.001 each)" if worst_p < 0.001 else f" (p ≤ {worst_p:.3f} each)") if ahead else ""
-        lines.append(f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + ".")
-        lines.append("  " + STEP_RULE[scale.centralized_steps])
-        by_b = []
-        for r in central:
-            sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
-            yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
-            no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
-            by_b.append(
-                f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
-                + (f" (not {', '.join(no)})" if no and yes else "")
-            )
-        lines.append("  Per client its lead excludes 0 " + "; ".join(by_b) + ".")
-        gaps = [r for r in central if r.method_b in FEDERATED]
-        if gaps and all(_all(r, BELOW) for r in gaps):
-            lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
-            lines.append(
-                f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
-                f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
-                f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)})."
-            )
-
-    fed = _rows(avg, FEDERATED, ("single",))
-    if fed:
-        lines.append(f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + ".")
-        excluded = [r for r in fed if _all(r, ABOVE)]
-        if excluded:
-            lines.append(
-                f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
-                f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
-                f"{' and '.join(_num(r.ci_high) for r in excluded)}."
-            )
-        same = [
-            round(r.identical_fraction * 100)
-            for r in fed
-            if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)
-        ]
-        if same:
-            lines.append(
-                f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
-                "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local "
-                "training."
-            )
-
+    lines += _pooling(avg, per_client, scale) + _federation(avg)
     select = _rows(avg, ("fedselectkd",), ("fedkd",))
     if select:
         lines.append(f"- **{verdict(select, 'Selectivity')}**: {_pair(select[0])}.")
-
     distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
     if distil:
         lines.append(
             "- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
             "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + "."
         )
+    return _with_budget(lines + _per_client(per_client) + _variants(avg), table, convergence)
 
+
+def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> list[str]:
+    """AdaCentralized against every other method: the lead, its step budget, per client, against the paper."""
+    central = _rows(avg, ("centralized",), ("single", *FEDERATED))
+    if not central:
+        return []
+    ahead = all(r.significant and r.mean_diff > 0 for r in central)
+    head = "Pooling the data helps" if ahead else verdict(central, "Pooling the data", "helps against some methods")
+    worst_p = max(r.p_holm for r in central)
+    # one p for the whole line only when it supports the line (every lead holds); else each comparison speaks
+    p_text = (" (Holm p < 0.001 each)" if worst_p < 0.001 else f" (Holm p ≤ {worst_p:.3f} each)") if ahead else ""
+    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant]
+    lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
+    if held and not ahead:
+        lines.append(f"  The lead holds against {', '.join(held)} only.")
+    lines.append("  " + step_rule(scale))
+    by_b = []
+    for r in central:
+        sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
+        yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
+        no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
+        by_b.append(
+            f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
+            + (f" (not {', '.join(no)})" if no and yes else "")
+        )
+    lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
+    gaps = [r for r in central if r.method_b in FEDERATED]
+    if gaps and all(_all(r, BELOW) for r in gaps):
+        lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
+        lines.append(
+            f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
+            f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
+            f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)})."
+        )
+    return lines
+
+
+def _federation(avg: pd.DataFrame) -> list[str]:
+    """Each federated method against AdaSingle, the paper's gains it excludes, and the summaries that did not
+    separate."""
+    fed = _rows(avg, FEDERATED, ("single",))
+    if not fed:
+        return []
+    lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
+    excluded = [r for r in fed if _all(r, ABOVE)]
+    if excluded:
+        lines.append(
+            f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
+            f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
+            f"{' and '.join(_num(r.ci_high) for r in excluded)}."
+        )
+    same = [
+        round(r.identical_fraction * 100)
+        for r in fed
+        if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)
+    ]
+    if same:
+        lines.append(
+            f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
+            "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local training."
+        )
+    return lines
+
+
+def _per_client(per_client: pd.DataFrame) -> list[str]:
+    """Per-client comparisons among AdaSingle and the federated methods that hold, or the closest one."""
     mains = ("single", *FEDERATED)
     fed_clients = per_client[per_client["method_a"].isin(mains) & per_client["method_b"].isin(mains)]
-    if not fed_clients.empty:
-        sig = fed_clients[fed_clients["significant"]]
-        if sig.empty:
-            c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
-            lines.append(
-                f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD excludes 0 "
-                f"(closest: {SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
-                f"{_p(c)}); no ordering among them is supported."
-            )
-        else:
-            lines.append(
-                "- Per-client federated comparisons that exclude 0: "
-                + "; ".join(
-                    f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}" for c in _records(sig)
-                )
-                + "."
-            )
+    if fed_clients.empty:
+        return []
+    sig = fed_clients[fed_clients["significant"]]
+    if sig.empty:
+        c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
+        return [
+            f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD holds (closest: "
+            f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, p = {format_p(c.p_value)} "
+            f"unadjusted, {_p(c)}); no ordering among them is supported."
+        ]
+    return [
+        "- Per-client federated comparisons that hold: "
+        + "; ".join(f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}" for c in _records(sig))
+        + "."
+    ]
 
+
+def _variants(avg: pd.DataFrame) -> list[str]:
+    """Each SelectKD variant of another study (a KD gate, a study's settings) against the main SelectKD."""
     variants = avg[
         (avg["study"] != "main")
         & (avg["method_a"] == "fedselectkd")
         & (avg["method_b"] == "fedselectkd")
         & (avg["study_b"] == "main")
     ]
+    lines = []
     for r in _records(variants):
         gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
         base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
@@ -308,16 +353,22 @@ def results_text(
             f"{_num(r.ci_low)}, not a smaller difference either way"
         )
         lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {finding}.")
-
-    return _with_budget(lines, table, convergence)
+    return lines
 
 
 def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
     """``lines`` and the round-budget note of the studies the table covers, as markdown."""
     if convergence is not None and not convergence.empty:
-        text = convergence_note(convergence, sorted(set(table["study"]) | set(table["study_b"])))
+        studies = sorted(set(table["study"]) | set(table["study_b"]))
+        text = convergence_note(convergence, studies)
         if text:
-            lines.append(f"- **Round budget**: {text.removeprefix('↗ ')} The whole comparison is conditional on it.")
+            runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
+            flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
+            lines.append(
+                f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
+                "(a client still improving at the last round, or the stop rule never held before the round "
+                "ceiling). The whole comparison is conditional on it."
+            )
     return "\n".join(lines) + "\n"
 
 

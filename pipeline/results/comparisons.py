@@ -20,7 +20,7 @@ from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
-from pipeline.results.stats import BootstrapConfig, paired_difference
+from pipeline.results.stats import BootstrapConfig, holm, meetings, paired_difference
 
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "rougeLsum", "avg_rouge")
 AVERAGE = "client average"
@@ -40,6 +40,7 @@ COLUMNS = [
     "ci_low",
     "ci_high",
     "p_value",
+    "p_holm",
     "n_examples",
     "n_seeds",
     "identical_fraction",
@@ -151,6 +152,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
     for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
+        clusters = meetings(shared[c] for c in clients)  # QMSum: a meeting's queries are one cluster
         for metric in METRICS:
             r = paired_difference(
                 *(
@@ -158,6 +160,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
                     for side in "ab"
                 ),
                 cfg,
+                clusters,
             )
             out.append(
                 {
@@ -233,7 +236,23 @@ def comparisons_table(
             )
         elif plain is not None:
             add(config, plain)
-    return pd.DataFrame(rows, columns=COLUMNS), notes
+    return with_holm(pd.DataFrame(rows, columns=COLUMNS), cfg), notes
+
+
+# The comparisons one claim is drawn from together: a study's, on one scope (the client average, or one client) and
+# metric. Holm's adjustment over each keeps the chance of any false claim in it at most 1 - level.
+FAMILY = ["study", "client", "metric"]
+
+
+def with_holm(table: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
+    """``table`` with ``p_holm`` (Holm-adjusted ``p_value`` within each :data:`FAMILY`) and ``significant`` =
+    ``p_holm`` < 1 - level: the claims' test (the intervals stay the unadjusted ones)."""
+    out = table.copy()
+    out["p_holm"] = np.nan
+    for _, idx in out.groupby(FAMILY, sort=False).groups.items():
+        out.loc[idx, "p_holm"] = holm(out.loc[idx, "p_value"].to_numpy(dtype=float))
+    out["significant"] = out["p_holm"].lt(1.0 - cfg.level)
+    return out
 
 
 def format_p(p: float) -> str:
