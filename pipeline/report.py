@@ -71,6 +71,12 @@ class Tables:
     missing_eval: list[str]
 
 
+def shared_seeds(scores: pd.DataFrame) -> list[int]:
+    """The seeds every configuration (label) of ``scores`` has evaluated."""
+    by_label = [set(g["seed"].astype(int)) for _, g in scores.groupby("label")]
+    return sorted(set.intersection(*by_label)) if by_label else []
+
+
 def write_tables(
     params: dict[str, Any],
     cfg: ReportConfig,
@@ -108,11 +114,21 @@ def write_tables(
     if main.empty:
         not_made["main table"] = "no evaluated experiment of study `main`"
     for backbone in sorted(set(main["backbone"])):
-        table = main_table(agg, backbone, planned, labels, cfg.expected_seeds)
+        # the seeds every main method has, so no method's mean is over seeds another lacks
+        seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
+        paired = with_stand_ins(
+            aggregate(scores[(scores["study"] != "main") | scores["seed"].isin(seeds)], planned, labels, seeds)
+        )
+        table = main_table(paired, backbone, planned, labels, seeds)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
-        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap, converged))
+        note = (
+            f"\nEvery method's numbers are over the seeds all of them have ({', '.join(map(str, seeds))}; "
+            "`scores_aggregated.csv` and the study table have each method's own seeds).\n"
+        )
+        text = main_table_markdown(table, backbone, compared, bootstrap, converged)
+        atomic.write_text(stem.with_suffix(".md"), text + note)
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
     # One table per study, with its paired comparisons and its runs' convergence.

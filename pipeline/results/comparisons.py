@@ -279,13 +279,15 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         "",
         "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
         f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
-        "that adds the test examples' spread. **Bold** = the "
-        f"{level} interval excludes 0. ⚠ = more than {cfg.identical_warning:.0%} of the paired summaries are "
+        "that adds the test examples' spread; QMSum's queries on one meeting count as one cluster. Holm p = p "
+        f"adjusted over the {len(sub)} comparisons below (Holm's step-down). **Bold** = Holm p < "
+        f"{1 - cfg.level:.2g} (the {level} interval, unadjusted, may exclude 0 without it). ⚠ = more than "
+        f"{cfg.identical_warning:.0%} of the paired summaries are "
         "the same text: the runs did not separate, so neither a difference nor its absence says much about "
         "the methods.",
         "",
-        f"| A | B | Δ | {level} interval | p | seeds | examples | identical summaries |{paper_head}",
-        "|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head),
+        f"| A | B | Δ | {level} interval | p | Holm p | seeds | examples | identical summaries |{paper_head}",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head),
     ]
     for rec, r in zip(sub.to_dict("records"), sub.itertuples()):
         b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
@@ -302,7 +304,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
             if isinstance(rec[f"vs_published_{bb}"], str) and rec[f"vs_published_{bb}"]
         ]
         lines.append(
-            f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {r.n_seeds} | "
+            f"| {r.config_a} | {b} | {delta} | {interval} | {format_p(r.p_value)} | {format_p(r.p_holm)} | {r.n_seeds} | "
             f"{r.n_examples} | {identical} |" + (f" {' / '.join(paper) or '–'} |" if backbones else "")
         )
     n_identical = int(sub["mostly_identical"].sum())
