@@ -105,9 +105,22 @@ def table(seed_counts: tuple[int, ...] = (2, 3, 5, 10), replicates: int = 1000) 
         "|---|" + "---|" * len(seed_counts),
     ]
     for regime in REGIMES:
-        cells = [coverage(regime, s, replicates) for s in seed_counts]
-        lines.append(f"| {regime.name} | " + " | ".join(f"{c:.3f} ({w:.2f})" for c, w in cells) + " |")
+        lines.append(f"| {regime.name} | " + " | ".join(cell(regime, s, replicates) for s in seed_counts) + " |")
     return "\n".join(lines)
+
+
+def cell(regime: Regime, seeds: int, replicates: int = 1000) -> str:
+    """One cell of :func:`table`: 'coverage (mean width)'."""
+    covered, width = coverage(regime, seeds, replicates)
+    return f"{covered:.3f} ({width:.2f})"
+
+
+def documented_cells(markdown: str) -> dict[tuple[str, int], str]:
+    """The cells of the table between the coverage markers of ``markdown``, by (regime name, seeds)."""
+    rows = [line.strip("|").split(" | ") for line in markdown.split(BEGIN, 1)[1].split(END, 1)[0].split("\n")]
+    rows = [[c.strip() for c in r] for r in rows if len(r) > 1]
+    seeds = [int(h.split()[0]) for h in rows[0][1:]]
+    return {(r[0], s): c for r in rows[1:] for s, c in zip(seeds, r[1:])}
 
 
 def with_table(text: str, block: str) -> str:

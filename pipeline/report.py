@@ -29,10 +29,16 @@ from pipeline.results.human_eval import (
     predictions_by_method,
     score_sheets,
 )
-from pipeline.results.outputs import HEADLINE_STUDY, average_interval, headline_metrics, readme, summary_metrics
+from pipeline.results.outputs import (
+    HEADLINE_STUDY,
+    average_interval,
+    headline_metrics,
+    readme,
+    rescore_evaluations,
+    summary_metrics,
+)
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
-from pipeline.results.scoring import TABLE_METRICS, average_rouge
-from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
+from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tables import (
     aggregate,
     main_table,
@@ -278,38 +284,6 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
             changed.append(f)
             if not check:
                 atomic.write_text(f, new)
-    return changed
-
-
-def rescore_evaluations(eval_dir: Path, cfg: BootstrapConfig) -> list[Path]:
-    """Rewrite each committed evaluation's average ROUGE under the tables' definition (the mean of R-1, R-2 and
-    plain R-L: pipeline.results.scoring.average_rouge) in per_example.parquet and metrics.json, with metrics.json's
-    client-average intervals recomputed (QMSum: meetings resampled); returns the files changed."""
-    changed = []
-    for run in (
-        sorted(d for d in eval_dir.iterdir() if (d / "per_example.parquet").is_file()) if eval_dir.is_dir() else []
-    ):
-        frame = pd.read_parquet(run / "per_example.parquet")
-        frame["avg_rouge"] = frame[list(TABLE_METRICS)].mean(axis=1)
-        atomic.to_parquet(frame, run / "per_example.parquet", index=False)
-        metrics = json.loads((run / "metrics.json").read_text())
-        clients = [c for c in (metrics.get("clients") or {}).values() if isinstance(c, dict)]
-        for scores in clients:
-            scores["avg_rouge"] = average_rouge(scores)
-        if clients and "mean" in metrics:
-            metrics["mean"]["avg_rouge"] = sum(c["avg_rouge"] for c in clients) / len(clients)
-        if "mean_ci" in metrics:
-            groups = [g for _, g in frame.groupby("client", sort=True)]
-            intervals = client_average_intervals(groups, list(metrics["mean_ci"]), cfg)
-            metrics["mean_ci"] = {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}
-            metrics["ci"] = (metrics.get("ci") or {}) | {
-                "level": cfg.level,
-                "n_resamples": cfg.n_resamples,
-                "seed": cfg.seed,
-                "method": bootstrap_method(meetings(g["example_id"] for g in groups)),
-            }
-        atomic.write_json(run / "metrics.json", metrics)
-        changed += [run / "per_example.parquet", run / "metrics.json"]
     return changed
 
 

@@ -2,8 +2,8 @@
 has: Gaussian scores, scores bounded at 0 with t3 tails, and queries clustered by meeting, with seed effects 0-3
 times the one-seed example-level error (benchmarks/interval_coverage.py describes the model). The slow lane runs
 1,000 replicates a cell at 3, 5 and 10 seeds (binomial SE about 0.007) and asserts 95 % coverage within
-[0.93, 0.985]; the fast lane runs a few cells with 200 replicates and a wider band. docs/statistics.md's table is
-this simulation's output (checked in the slow lane)."""
+[0.93, 0.985]; the fast lane runs a few cells with 200 replicates and a wider band. Each slow cell also checks
+that docs/statistics.md prints it, so that table is this simulation's output."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.interval_coverage import BEGIN, END, REGIMES, coverage, table
+from benchmarks.interval_coverage import REGIMES, coverage, documented_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 BY_NAME = {r.name: r for r in REGIMES}
@@ -19,11 +19,16 @@ BY_NAME = {r.name: r for r in REGIMES}
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("seeds", [3, 5, 10])
+@pytest.mark.parametrize("seeds", [2, 3, 5, 10])
 @pytest.mark.parametrize("regime", list(BY_NAME))
 def test_the_95_interval_covers_93_to_98_5_percent_in_every_regime(regime, seeds):
-    covered, _ = coverage(BY_NAME[regime], seeds, 1000)
-    assert 0.93 <= covered <= 0.985
+    """From 3 seeds on, in every regime; at 2 seeds it does not (docs/statistics.md: no claim below 3 seeds). Each
+    cell is also the one docs/statistics.md prints."""
+    covered, width = coverage(BY_NAME[regime], seeds, 1000)
+    documented = documented_cells((ROOT / "docs/statistics.md").read_text(encoding="utf-8"))
+    assert documented[(regime, seeds)] == f"{covered:.3f} ({width:.2f})"
+    if seeds >= 3:
+        assert 0.93 <= covered <= 0.985
 
 
 @pytest.mark.parametrize(
@@ -42,11 +47,3 @@ def test_ignoring_the_meetings_undercovers_where_queries_share_one():
     clustered, width = coverage(regime, 5, 300)
     naive, naive_width = coverage(regime, 5, 300, clustered=False)
     assert naive_width < 0.85 * width and naive < clustered - 0.03
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_documented_table_is_the_simulations_output():
-    text = (ROOT / "docs/statistics.md").read_text(encoding="utf-8")
-    documented = text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
-    assert documented == table()
