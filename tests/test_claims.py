@@ -297,6 +297,7 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only
     assert line.startswith("- **Pooling the data helps against some methods**")  # not "helps": FedAvg has 2 seeds
     assert "AdaCentralized − FedAvg +2.30 [+0.20, +4.40], 2 seeds: numbers only (paper" in line
     assert "The lead holds against AdaSingle (Holm p = 0.001) only." in text
+    assert "Per client its lead holds vs AdaSingle on no client; vs FedAvg not tested (2 seeds)." in text
     # at 2 seeds a claim is allowed: both leads hold
     text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
     assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text

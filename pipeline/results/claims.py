@@ -262,6 +262,9 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
     lines.append("  " + step_rule(scale))
     by_b = []
     for r in central:
+        if r.few_seeds:
+            by_b.append(f"vs {SHORT[r.method_b]} not tested ({r.n_seeds} seeds)")
+            continue
         sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
         yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
         no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
