@@ -122,16 +122,17 @@ def write_tables(
     for backbone in sorted(set(main["backbone"])):
         # the seeds every main method has, so no method's mean is over seeds another lacks
         seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
-        paired = with_stand_ins(
-            aggregate(scores[(scores["study"] != "main") | scores["seed"].isin(seeds)], planned, labels, seeds)
-        )
-        table = main_table(paired, backbone, planned, labels, seeds)
+        kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
+        paired = with_stand_ins(aggregate(kept, planned, labels, cfg.expected_seeds))
+        table = main_table(paired, backbone, planned, labels, cfg.expected_seeds)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
         note = (
             f"\nEvery method's numbers are over the seeds all of them have ({', '.join(map(str, seeds))}; "
             "`scores_aggregated.csv` and the study table have each method's own seeds).\n"
+            if seeds
+            else "\nNo seed is shared by every method: each row is over its own seeds (column `seeds`).\n"
         )
         text = main_table_markdown(table, backbone, compared, bootstrap, converged)
         atomic.write_text(stem.with_suffix(".md"), text + note)
