@@ -520,3 +520,24 @@ def test_the_default_profile_states_numbers_and_draws_no_claim():
     assert "**No comparative claim**: a smoke run (`report.smoke: true`)" in text
     for verdict in ("helps", "hurts", "does not measurably help", "excluded", "inside our interval"):
         assert verdict not in text
+
+
+def test_the_claims_say_how_many_runs_are_not_converged():
+    """A run is not converged when any of its clients is (its best round was its last, or its record says the stop
+    rule never held before the ceiling); the results text counts runs besides client-runs."""
+    table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
+    convergence = pd.DataFrame(
+        {
+            "experiment": ["a-s0", "a-s0", "b-s0", "b-s0", "c-s0"],
+            "client": ["A", "B", "A", "B", "A"],
+            "best_round": [8, 5, 8, 8, 3],
+            "last_round": [8, 8, 8, 8, 8],
+            "best_is_last": [True, False, True, True, False],
+            "study": "main",
+            "label": ["a", "a", "b", "b", "c"],
+            "seed": 0,
+        }
+    )
+    text = claims.results_text(table, convergence)
+    assert "3 of 5 client-runs had their best validation round in their last round (8)" in text
+    assert "2 of 3 runs are not converged" in text
