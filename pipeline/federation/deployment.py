@@ -16,10 +16,11 @@ from typing import Any
 gc.disable()  # Flower loads this in a fresh process per message: no full collection over the ~500k objects it imports
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid, ServerApp
+from pydantic import Field
 
 from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
-from pipeline.common.config import ConfigError, from_dict
+from pipeline.common.config import NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
 from pipeline.experiments import Plan, RunSettings
 from pipeline.federation.client_app import client_app, client_dir, client_name
@@ -53,47 +54,32 @@ GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 
 
-# Keys whose value is a count or a duration: a negative one has no meaning (0 = the default / "only at the end").
-NON_NEGATIVE = ("evaluate-every", "round-timeout-s", "admission-timeout-s")
+@config
+class ServerRunConfig:
+    """What the ServerApp reads from its run config, under the keys pyproject.toml's [tool.flwr.app.config] declares
+    with defaults of these types (tests/test_run_checks.py); a count or a duration is never negative (0 = the default /
+    "only at the end"). An integer passes for a number; a boolean is no number."""
 
-
-class RunConfigError(ConfigError):
-    """A run config key or value the app does not accept (one line: the key and the problem)."""
-
-
-# What the ServerApp reads, with the type of each value; pyproject.toml's [tool.flwr.app.config] declares the same
-# keys with defaults of these types (tests/test_run_checks.py).
-SERVER_KEYS: dict[str, type] = {
-    "plan": str,
-    "decoding": str,
-    "evaluate": bool,
-    "evaluate-every": int,
-    "mlflow": bool,
-    "round-timeout-s": float,
-    "admission-timeout-s": float,
+    plan: str = ""
+    decoding: str = ""
+    evaluate: bool = True
+    evaluate_every: NonNegativeInt = Field(0, alias="evaluate-every")
+    mlflow: bool = True
+    round_timeout_s: NonNegative = Field(0.0, alias="round-timeout-s")
+    admission_timeout_s: NonNegative = Field(0.0, alias="admission-timeout-s")
     # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
-    "cache-dir": str,
-    "cache-max-gb": float,
-    "teacher-cache-gb": float,
-}
+    cache_dir: str = Field("", alias="cache-dir")
+    cache_max_gb: float = Field(0.0, alias="cache-max-gb")
+    teacher_cache_gb: float = Field(0.0, alias="teacher-cache-gb")
 
 
-_TYPE_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+SERVER_KEYS = {info.alias or name: info.annotation for name, info in ServerRunConfig.__pydantic_fields__.items()}
 
 
-def check_run_config(values: dict[str, Any], keys: dict[str, type], source: str = "--run-config") -> None:
-    """Every key of ``values`` is one of ``keys``, of its type (an integer is a number too), and the counts and
-    durations are not negative; else :class:`RunConfigError` naming the first bad key."""
-    for key, value in values.items():
-        if key not in keys:
-            raise RunConfigError(f"{source}: unknown key {key!r}; allowed: {sorted(keys)}")
-        kind = keys[key]
-        if not isinstance(value, (int, float) if kind is float else kind) or (
-            kind in (int, float) and isinstance(value, bool)
-        ):  # a boolean is no number
-            raise RunConfigError(f"{source}: {key}={value!r} must be {_TYPE_NAMES.get(kind, kind.__name__)}")
-        if key in NON_NEGATIVE and value < 0:
-            raise RunConfigError(f"{source}: {key}={value!r} must be >= 0")
+def check_run_config(values: dict[str, Any], source: str = "--run-config") -> None:
+    """Every key of ``values`` is a :class:`ServerRunConfig` key with a value it accepts; else a one-line
+    ConfigError naming the bad keys."""
+    from_dict(ServerRunConfig, values, source)
 
 
 def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
@@ -291,7 +277,7 @@ server_app = ServerApp()
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """Train (resuming after the last checkpointed round), record, evaluate on the clients: {"train", "eval"}."""
     rc = dict(context.run_config)
-    check_run_config(rc, SERVER_KEYS, "run config")  # `flwr run` lets any value of a known key through
+    check_run_config(rc, "run config")  # `flwr run` lets any value of a known key through
     plan_path = plan_path_of(None, context)
     plan = load_plan(plan_path)
     prepare_outputs(plan)
