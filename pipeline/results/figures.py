@@ -267,19 +267,6 @@ def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[s
 
 
 PRIVACY_STUDY = "privacy"
-PRIVACY_COLUMNS = [
-    "method",
-    "label",
-    "dp",
-    "epsilon",
-    "delta",
-    "target_epsilon",
-    "noise_multiplier",
-    "avg_rouge_mean",
-    "avg_rouge_std",
-    "n_seeds",
-    "backbone",
-]
 
 
 def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None, float | None]:
@@ -328,12 +315,12 @@ def privacy_points(
                 "target_epsilon": targets[0],
                 "noise_multiplier": sigmas[0],
                 "avg_rouge_mean": float(series.mean()),
+                "avg_rouge_std": float(series.std(ddof=1)),  # NaN for one seed: its spread is unknown
                 "n_seeds": len(series),
-                "avg_rouge_std": float(series.std(ddof=1)) if len(series) > 1 else math.nan,
                 "backbone": str(scores.loc[scores["experiment"].isin(names), "backbone"].iloc[0]),
             }
         )
-    return pd.DataFrame(rows, columns=PRIVACY_COLUMNS)
+    return pd.DataFrame(rows)  # no row: an empty frame, no figure
 
 
 def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
