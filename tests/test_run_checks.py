@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import ConfigError
+from pipeline.common.config import ConfigError, from_dict
 from pipeline.federation import cli, localhost
-from pipeline.federation.deployment import SERVER_KEYS, check_run_config
+from pipeline.federation.deployment import SERVER_KEYS, ServerRunConfig
 from pipeline.federation.localhost import FederationError, close_left_running, parse_run_status
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
 
@@ -51,19 +51,20 @@ def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monk
 
 
 def test_good_run_config_values_pass_and_an_integer_is_a_number():
-    check_run_config(
+    from_dict(
+        ServerRunConfig,
         {
             "evaluate-every": 2,
             "round-timeout-s": 30,
             "admission-timeout-s": 0.0,
             "mlflow": False,
             "plan": "models/plans/x.json",
-        }
+        },
     )
     with pytest.raises(ConfigError, match="evaluate-every: expected an integer"):
-        check_run_config({"evaluate-every": 1.5})
+        from_dict(ServerRunConfig, {"evaluate-every": 1.5})
     with pytest.raises(ConfigError, match="evaluate: expected true or false"):
-        check_run_config({"evaluate": "yes"})
+        from_dict(ServerRunConfig, {"evaluate": "yes"})
 
 
 def test_auth_without_tls_is_refused_in_one_line(tmp_path, monkeypatch, capsys):

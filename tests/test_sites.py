@@ -21,8 +21,9 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
     import yaml
 
     from pipeline.common.cli import run as run_cli
+    from pipeline.common.config import from_dict
     from pipeline.federation.cli import main
-    from pipeline.federation.deployment import decoding, timeouts
+    from pipeline.federation.deployment import ServerRunConfig
 
     plan = write_plan("kit-server", "fedavg", rounds=1)
     Path("kit-params.yaml").write_text(
@@ -39,10 +40,11 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
     assert sorted(p.name for p in (tmp_path / "server/models").iterdir()) == ["backbone", "plans"]
     assert (tmp_path / "server" / plan).read_text() == Path(plan).read_text()
     run_config = tomllib.loads((tmp_path / "server" / "run_config.toml").read_text())
-    assert run_config["plan"] == plan and timeouts(run_config) == (77.0, 45.0)
-    cfg = decoding(run_config)
+    server = from_dict(ServerRunConfig, run_config)
+    assert run_config["plan"] == plan and server.timeouts() == (77.0, 45.0)
+    cfg = server.evaluate_config()
     assert (cfg.num_beams, cfg.adapter, cfg.max_target_length) == (3, "final", 96)  # 96: the group's default
-    assert timeouts({}) == (1800.0, 600.0) and decoding({"decoding": ""}).num_beams == 1
+    assert ServerRunConfig().timeouts() == (1800.0, 600.0) and ServerRunConfig().evaluate_config().num_beams == 1
 
 
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):

@@ -28,8 +28,8 @@ from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, pla
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_local_adapter, save_adapter
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, summarize_test_set
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores
+from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig, log_to_mlflow, metrics_record, summarize_test_set
+from pipeline.results.scoring import mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder, write_rounds
@@ -49,7 +49,6 @@ __all__ = ["client_app", "server_app"]  # pyproject's components (Flower looks f
 
 log = logging.getLogger("fedmeet.deployment")
 
-SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 
@@ -72,27 +71,19 @@ class ServerRunConfig:
     cache_max_gb: float = Field(0.0, alias="cache-max-gb")
     teacher_cache_gb: float = Field(0.0, alias="teacher-cache-gb")
 
+    def timeouts(self) -> tuple[float, float]:
+        """(round, admission) timeouts; 0: the run-time settings' defaults."""
+        return (
+            self.round_timeout_s or RunSettings.round_timeout_s,
+            self.admission_timeout_s or RunSettings.admission_timeout_s,
+        )
+
+    def evaluate_config(self) -> EvaluateConfig:
+        """The federated evaluation's decoding: ``decoding``, the evaluate group as JSON ("": defaults)."""
+        return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
+
 
 SERVER_KEYS = {info.alias or name: info.annotation for name, info in ServerRunConfig.__pydantic_fields__.items()}
-
-
-def check_run_config(values: dict[str, Any], source: str = "--run-config") -> None:
-    """Every key of ``values`` is a :class:`ServerRunConfig` key with a value it accepts; else a one-line
-    ConfigError naming the bad keys."""
-    from_dict(ServerRunConfig, values, source)
-
-
-def timeouts(run_config: dict[str, Any]) -> tuple[float, float]:
-    """(round, admission) timeouts from the run config; 0 or unset: the run-time settings' defaults."""
-    return (
-        float(run_config.get("round-timeout-s") or 0) or RunSettings.round_timeout_s,
-        float(run_config.get("admission-timeout-s") or 0) or RunSettings.admission_timeout_s,
-    )
-
-
-def decoding(run_config: dict[str, Any]) -> EvaluateConfig:
-    """The federated evaluation's decoding: run config ``decoding``, the evaluate group as JSON ("": defaults)."""
-    return from_dict(EvaluateConfig, json.loads(str(run_config.get("decoding") or "{}")), "run config 'decoding'")
 
 
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
@@ -130,26 +121,10 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
             skipped[name] = "no test examples on the client"
             continue
         per_client[name] = {k: received[name][k] for k in (*SCORE_KEYS, "n", "n_test", "skipped_by_subsampling")}
-    mean = (
-        {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in SCORE_KEYS}
-        if per_client
-        else {k: None for k in SCORE_KEYS}
-    )
-    return {
-        "experiment": plan.experiment,
-        "method": plan.method,
-        "partition": plan.partition,
-        "seed": plan.seed,
-        "study": plan.study,
-        # as the evaluate stage reports it: the recorded name, else the model type
-        "backbone": backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type)),
-        "adapter": cfg.adapter,
-        "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
-        | {"max_source_length": cfg.max_source_length or model_config(plan).max_source_length},
-        "rouge_l_in_tables": TABLE_ROUGE_L,
-        "clients": per_client,
-        "skipped_clients": skipped,
-        "mean": mean,
+    # as the evaluate stage reports the backbone: the recorded name, else the model type
+    backbone = backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
+    max_source_length = cfg.max_source_length or model_config(plan).max_source_length
+    return metrics_record(plan, backbone, cfg, max_source_length, per_client, skipped) | {
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
     }
@@ -276,8 +251,8 @@ server_app = ServerApp()
 @server_app.main()
 def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """Train (resuming after the last checkpointed round), record, evaluate on the clients: {"train", "eval"}."""
-    rc = dict(context.run_config)
-    check_run_config(rc, "run config")  # `flwr run` lets any value of a known key through
+    # `flwr run` lets any value of a known key through
+    run = from_dict(ServerRunConfig, dict(context.run_config), "run config")
     plan_path = plan_path_of(None, context)
     plan = load_plan(plan_path)
     prepare_outputs(plan)
@@ -294,11 +269,11 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         flush=True,
     )
     run_id_file = checkpoints.mlflow_run_id_path(plan)
-    logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if rc.get("mlflow", True) else None
+    logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if run.mlflow else None
 
-    cfg = decoding(rc) if rc.get("evaluate", True) else None
-    round_timeout, admission_timeout = timeouts(rc)
-    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, int(rc.get("evaluate-every") or 0), round_timeout)
+    cfg = run.evaluate_config() if run.evaluate else None
+    round_timeout, admission_timeout = run.timeouts()
+    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     try:
         arrays, history = run_server(grid, plan, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:

@@ -138,14 +138,15 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
-        from pipeline.federation.deployment import check_run_config
+        from pipeline.common.config import from_dict
+        from pipeline.federation.deployment import ServerRunConfig
         from pipeline.federation.protocol import load_plan
         from pipeline.training.client_data import client_names
 
         self.cfg = cfg
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
-        check_run_config(cfg.run_config)  # before any process starts (Flower: ~40 s later)
+        from_dict(ServerRunConfig, cfg.run_config, "--run-config")  # before any process starts (Flower: ~40 s later)
         self.workdir = Path.cwd()
         plan_file = self.workdir / cfg.plan
         if not plan_file.exists():

@@ -7,6 +7,7 @@ reruns no training."""
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -49,6 +50,35 @@ class EvaluateConfig:
             "early_stopping": True,
             "do_sample": False,
         }
+
+
+SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
+
+
+def metrics_record(
+    plan: Any,
+    backbone: str,
+    cfg: EvaluateConfig,
+    max_source_length: int,
+    per_client: dict[str, dict[str, Any]],
+    skipped_clients: dict[str, str],
+) -> dict[str, Any]:
+    """What metrics.json holds of an evaluation of ``plan`` (a Plan), made by the evaluate stage or by the deployed
+    clients: the plan's identity, the decoding, each client's scores and their mean over clients (unweighted, as the
+    paper averages its per-client columns; None without a client)."""
+    return {
+        **{key: getattr(plan, key) for key in ("experiment", "method", "partition", "seed", "study")},
+        "backbone": backbone,
+        "adapter": cfg.adapter,
+        "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
+        | {"max_source_length": max_source_length},
+        "rouge_l_in_tables": TABLE_ROUGE_L,
+        "clients": per_client,
+        "skipped_clients": skipped_clients,
+        "mean": {
+            k: sum(c[k] for c in per_client.values()) / len(per_client) if per_client else None for k in SCORE_KEYS
+        },
+    }
 
 
 def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: int) -> list[str]:
@@ -197,7 +227,7 @@ def log_to_mlflow(
     models = logger.models if settings["adapter"] == "best" else {}  # the logged models are the best adapters
     for client, scores in metrics["clients"].items():
         logger.log_metrics(
-            {f"{client}.{k}": scores[k] for k in (*ROUGE_TYPES, "avg_rouge")},
+            {f"{client}.{k}": scores[k] for k in SCORE_KEYS},
             0,
             models.get(client),
             (test_sets or {}).get(client),
