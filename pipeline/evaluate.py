@@ -26,7 +26,7 @@ from pipeline.experiments import read_plan
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, summarize_test_set
+from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, metrics_record, summarize_test_set
 from pipeline.results.readers import read_json, run_converged
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
@@ -128,27 +128,12 @@ def evaluate_experiment(
 
     if not per_client:
         raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
-    # Mean over clients (unweighted, as the paper averages its per-client columns).
-    mean = {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in (*ROUGE_TYPES, "avg_rouge")}
     # the bootstrap interval of each ROUGE's client average (test examples, or QMSum's meetings, resampled within
     # clients)
     bootstrap = bootstrap or BootstrapConfig()
     groups = [g for _, g in per_example.groupby("client", sort=True)]
     mean_ci = client_average_intervals(groups, (*ROUGE_TYPES, "avg_rouge"), bootstrap)
-    metrics = {
-        "experiment": name,
-        "method": plan.method,
-        "partition": plan.partition,
-        "seed": plan.seed,
-        "study": plan.study,
-        "backbone": backbone,
-        "adapter": cfg.adapter,
-        "decoding": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
-        | {"max_source_length": max_src},
-        "rouge_l_in_tables": TABLE_ROUGE_L,
-        "clients": per_client,
-        "skipped_clients": skipped_clients,
-        "mean": mean,
+    metrics = metrics_record(plan, backbone, cfg, max_src, per_client, skipped_clients) | {
         "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
         "ci": {
             "level": bootstrap.level,
