@@ -62,7 +62,7 @@ def aggregate(
         want = expected | planned_seeds.get(config, set())
         for m in METRICS:
             rec[f"{m}_mean"] = float(grp[m].mean())
-            rec[f"{m}_std"] = float(grp[m].std(ddof=1)) if len(grp) > 1 else math.nan
+            rec[f"{m}_std"] = float(grp[m].std(ddof=1))  # NaN for one seed: its spread is unknown, not 0
         rec["n_seeds"] = len(seeds)
         rec["seeds"] = ",".join(map(str, seeds))
         rec["missing_seeds"] = ",".join(map(str, sorted(want - set(seeds))))
