@@ -28,7 +28,7 @@ import yaml
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import load_params
+from pipeline.common.config import flatten, load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
 REPLACED_WHOLE = ("experiments",)
@@ -131,18 +131,6 @@ def validate(preset: dict[str, Any], params: dict[str, Any], source: str = "pres
         raise PresetError(f"{source}: {len(bad)} problem(s): " + "; ".join(bad))
 
 
-def flatten_leaves(preset: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}, 'experiments': {...}} -> {'a.b': 1, 'experiments': {...}} (replaced groups stay whole)."""
-    out: dict[str, Any] = {}
-    for key, value in preset.items():
-        path = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, dict) and value and not (not prefix and key in REPLACED_WHOLE):
-            out.update(flatten_leaves(value, path))
-        else:
-            out[path] = value
-    return out
-
-
 def hydra_value(value: Any) -> str:
     """A value in Hydra's override grammar (what ``dvc exp run -S`` parses), by Hydra's own writer; strings quoted."""
     from hydra.core.override_parser.types import Override, Quote, QuotedString
@@ -164,7 +152,7 @@ def hydra_value(value: Any) -> str:
 def overrides(preset: dict[str, Any]) -> list[str]:
     """The ``--set-param`` overrides for ``dvc exp run``, one per leaf key, in file order."""
     out: list[str] = []
-    for key, value in flatten_leaves(preset).items():
+    for key, value in flatten(preset, whole=REPLACED_WHOLE).items():
         if key in REPLACED_WHOLE:
             out += [f"~{key}", f"+{key}={hydra_value(value)}"]
         else:

@@ -13,7 +13,8 @@ import scipy.stats
 import yaml
 from dvc.utils.hydra import apply_overrides
 
-from pipeline.presets import flatten_leaves, hydra_value
+from pipeline.common.config import flatten
+from pipeline.presets import REPLACED_WHOLE, hydra_value
 from pipeline.results import comparisons
 from pipeline.results.outputs import HEADLINE_STUDY, average_interval, headline_metrics
 from pipeline.results.stats import BootstrapConfig
@@ -206,7 +207,7 @@ def test_params_yaml_is_a_fixed_point_of_dvcs_writer(tmp_path):
     included. DVC's writer replaces every list it is given, and with it any comment right after the list: each
     list is set here, so such a comment fails the test."""
     before = (ROOT / "params.yaml").read_text()
-    lists = {k: v for k, v in flatten_leaves(yaml.safe_load(before)).items() if isinstance(v, list)}
+    lists = {k: v for k, v in flatten(yaml.safe_load(before), whole=REPLACED_WHOLE).items() if isinstance(v, list)}
     assert {"ingest.datasets", "partition.schemes", "report.baselines"} <= set(lists)
     target = tmp_path / "params.yaml"
     target.write_text(before)

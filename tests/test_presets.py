@@ -14,7 +14,7 @@ from dvc.utils.hydra import apply_overrides
 
 from pipeline import presets as pr
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import load_params
+from pipeline.common.config import flatten, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -53,7 +53,9 @@ def test_the_four_profiles_exist():
 def test_every_profile_names_only_params_yaml_keys(path):
     preset = pr.load_preset(path)
     assert pr.problems(preset, PARAMS) == []
-    for key in pr.flatten_leaves(preset):  # each leaf is a params.yaml key (experiments replaced as a whole)
+    for key in flatten(
+        preset, whole=pr.REPLACED_WHOLE
+    ):  # each leaf is a params.yaml key (experiments replaced as a whole)
         node = PARAMS
         for part in key.split("."):
             assert part in node, f"{path.name}: {key}"

@@ -231,13 +231,14 @@ def group(params: dict[str, Any], name: str) -> dict[str, Any]:
     return value
 
 
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': 1}} -> {'a.b': 1}; used to log every parameter to MLflow."""
+def flatten(d: dict[str, Any], prefix: str = "", whole: tuple[str, ...] = ()) -> dict[str, Any]:
+    """{'a': {'b': 1}} -> {'a.b': 1}, a mapping named in ``whole`` (by its dotted key) kept as one value: every
+    parameter as MLflow logs it, a preset's leaves as its overrides name them."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict):
-            out.update(flatten(v, key))
+        if isinstance(v, dict) and key not in whole:
+            out.update(flatten(v, key, whole))
         else:
             out[key] = v
     return out
