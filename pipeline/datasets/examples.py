@@ -160,7 +160,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
     link_report: dict[str, Any] = {}
     if "qmsum" in interim:
         links, link_report = qmsum_links(interim, cfg.link_min_jaccard)
-    rows: list[dict[str, Any]] = []
+    rows: list[Example] = []  # pandas reads dataclasses as rows
     for dataset, frame in interim.items():
         if dataset == "qmsum":
             frame = frame[frame.query_type.isin(cfg.qmsum_query_types)]
@@ -175,22 +175,20 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                 example_id = f"{dataset}/{r.split}/{meeting_id}"
                 query = cfg.samsum_query if dataset == "samsum" else ""
             rows.append(
-                vars(
-                    Example(
-                        example_id=example_id,
-                        dataset=dataset,
-                        domain=r.domain,
-                        split=r.split,
-                        meeting_id=meeting_id,
-                        query=query,
-                        query_type=r.query_type,
-                        source=model_input(query, turns, cfg.sep_token),
-                        target=r.summary,
-                        n_turns=len(turns),
-                        n_speakers=len({t.speaker for t in turns}),
-                        n_words=sum(spoken_word_count(t) for t in turns),
-                        n_summary_words=summary_word_count(r.summary),
-                    )
+                Example(
+                    example_id=example_id,
+                    dataset=dataset,
+                    domain=r.domain,
+                    split=r.split,
+                    meeting_id=meeting_id,
+                    query=query,
+                    query_type=r.query_type,
+                    source=model_input(query, turns, cfg.sep_token),
+                    target=r.summary,
+                    n_turns=len(turns),
+                    n_speakers=len({t.speaker for t in turns}),
+                    n_words=sum(spoken_word_count(t) for t in turns),
+                    n_summary_words=summary_word_count(r.summary),
                 )
             )
     examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
