@@ -20,11 +20,9 @@ import cProfile
 import io
 import json
 import os
-import platform
 import pstats
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +31,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from benchmarks.common import matmul_peak, write_json  # noqa: E402
 
 QMSUM = Path("/work/shared/data/qmsum")
 CLIENTS = {"Academic": "academic", "Committee": "committee", "Product": "product"}
