@@ -20,9 +20,11 @@ import cProfile
 import io
 import json
 import os
+import platform
 import pstats
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+from benchmarks import flops  # noqa: E402
+from benchmarks.common import Shape, default_shape, matmul_peak, write_json  # noqa: E402
 
 QMSUM = Path("/work/shared/data/qmsum")
 CLIENTS = {"Academic": "academic", "Committee": "committee", "Product": "product"}
@@ -99,7 +105,9 @@ def build_workspace(root: Path, params_path: str = "params.yaml", tiny: bool = F
     return params
 
 
-def write_plans(root: Path, params: dict[str, Any], methods: tuple[str, ...], rounds: int) -> list[Path]:
+def write_plans(
+    root: Path, params: dict[str, Any], methods: tuple[str, ...], rounds: int, prefix: str = "bench"
+) -> list[Path]:
     from pipeline.experiments import Experiment, resolve_plan
     from pipeline.training.methods import get_method
 
@@ -110,7 +118,7 @@ def write_plans(root: Path, params: dict[str, Any], methods: tuple[str, ...], ro
         entry = Experiment(
             name=f"bench-{method}", method=method, partition="domain/seed0", seed=0, study="bench", tau=tau
         )
-        path = root / "models" / "plans" / f"bench-{method}.json"
+        path = root / "models" / "plans" / f"{prefix}-{method}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(resolve_plan(entry, run_params), indent=2, sort_keys=True))
         paths.append(path)
@@ -119,7 +127,7 @@ def write_plans(root: Path, params: dict[str, Any], methods: tuple[str, ...], ro
 
 def profile_round(root: Path, params: dict[str, Any], top: int = 30, dump: str | None = None) -> str:
     """cProfile of one round of the two-path arm (prefix cache already filled by a first run)."""
-    from pipeline.train import run_packed as run_set
+    from pipeline.train import run_set
 
     (plan,) = write_plans(root, params, ("fedselectkd",), rounds=1)
     run_set([plan], track=False)  # fills the prefix cache, as every round after the first finds it
@@ -135,11 +143,146 @@ def profile_round(root: Path, params: dict[str, Any], top: int = 30, dump: str |
     return out.getvalue()
 
 
+def round_flops(plan_path: Path, shape: Shape) -> float:
+    """Matmul FLOPs of one round of the plan at its real lengths: every client's train examples once (prefix cached:
+    forward of the top k layers and head, twice with a teacher, and the backward), its valid examples forward once."""
+    from dataclasses import replace
+
+    from pipeline.experiments import read_plan
+    from pipeline.modeling.batching import tokenize_pairs
+    from pipeline.training.client_data import client_data, client_names
+    from pipeline.training.client_training import kd_config
+    from pipeline.training.shared_model import model_config, shared_model
+
+    plan = read_plan(plan_path)
+    model, mcfg = shared_model(plan), model_config(plan)
+    paths = 1 if kd_config(plan).mode == "ce" else 2
+    total = 0.0
+    for client in client_names(plan):
+        data = client_data(plan, client)
+        for frame, train in ((data.train, True), (data.valid, False)):
+            pairs = tokenize_pairs(
+                model.tokenizer,
+                frame["source"].tolist(),
+                frame["target"].tolist(),
+                mcfg.max_source_length,
+                mcfg.max_target_length,
+                frame["example_id"].tolist(),
+                model.decoder_start_token_id,
+            )
+            for ex in pairs:
+                s = replace(shape, source_length=len(ex.input_ids), target_length=len(ex.labels), batch_size=1)
+                total += paths * flops.top_path(s) + flops.backward(s) if train else flops.top_path(s)
+    return total
+
+
+def _published(names: list[str]) -> dict[str, dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in names:
+        metrics = json.loads(Path(f"reports/train/{name}/metrics.json").read_text())
+        adapters = {
+            f"{d.name}/{k}": v
+            for d in sorted(Path(f"models/{name}/clients").iterdir())
+            for k, v in load_file(d / "adapter_final.safetensors").items()
+        }
+        rounds = {c: (m["best_round"], metrics["stopped_round"]) for c, m in metrics["clients"].items()}
+        out[name] = {"adapters": adapters, "rounds": rounds}
+        shutil.rmtree(Path("models") / name)
+        shutil.rmtree(Path("reports/train") / name)
+    return out
+
+
+def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) -> dict[str, Any]:
+    """The set trained one run at a time and together, alternating; the floor from the FLOPs and the matmul peak."""
+    from pipeline.experiments import read_plan
+    from pipeline.train import run_set
+    from pipeline.training.shared_model import model_config
+
+    plans = write_plans(root, params, SET, rounds)
+    names = [p.stem for p in plans]
+    warm = write_plans(root, params, ("fedavg",), rounds=1, prefix="warmup")
+    run_set(warm, track=False)  # fills the prefix cache on disk: every run after reads it, as rounds 2.. do
+    peak = matmul_peak((1024, 2048), 3)
+    shape = default_shape(model_config(read_plan(plans[0])), 1)
+    run_flops = {p.stem: round_flops(p, shape) * rounds for p in plans}
+    timings: dict[str, list[float]] = {"alone": [], "together": []}
+    outcome = {}
+    for r in range(repeats):
+        for mode in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
+            start = time.perf_counter()
+            for group in [[p] for p in plans] if mode == "alone" else [plans]:
+                run_set(group, track=False)
+            timings[mode].append(time.perf_counter() - start)
+            outcome[mode] = _published(names)
+    diff = max(
+        float((outcome["alone"][n]["adapters"][k] - outcome["together"][n]["adapters"][k]).abs().max())
+        for n in names
+        for k in outcome["alone"][n]["adapters"]
+    )
+    run_rounds = len(plans) * rounds
+    floor = sum(run_flops.values()) / (peak["peak_gflops"] * 1e9)
+    return {
+        "device": f"cpu: {platform.machine()}, {os.cpu_count()} cores (shared), {torch.get_num_threads()} torch threads",
+        "runs": names,
+        "rounds_per_run": rounds,
+        "repeats": repeats,
+        "seconds_alone": round(min(timings["alone"]), 2),
+        "seconds_together": round(min(timings["together"]), 2),
+        "seconds_alone_all": [round(t, 2) for t in timings["alone"]],
+        "seconds_together_all": [round(t, 2) for t in timings["together"]],
+        "floor_seconds": round(floor, 2),
+        "seconds_per_run_round": {
+            "alone": round(min(timings["alone"]) / run_rounds, 2),
+            "together": round(min(timings["together"]) / run_rounds, 2),
+            "floor": round(floor / run_rounds, 3),
+        },
+        "flops_per_run": {n: f for n, f in run_flops.items()},
+        "matmul_peak_gflops": peak["peak_gflops"],
+        "max_abs_adapter_diff": diff,
+        "same_rounds": all(outcome["alone"][n]["rounds"] == outcome["together"][n]["rounds"] for n in names),
+    }
+
+
+def markdown(res: dict[str, Any]) -> str:
+    per = res["seconds_per_run_round"]
+    return "\n".join(
+        [
+            "## 2. The same set one at a time and together (`python -m benchmarks.engine`)",
+            "",
+            f"Device: {res['device']}. Runs: {', '.join(res['runs'])} (one seed: they share micro-batches), "
+            f"{res['rounds_per_run']} rounds each, 3 QMSum domain clients of 16 train and 6 valid examples, the real "
+            f"MiniLM-L6 BERT2BERT backbone, float32; the prefix cache filled by a warm-up run first. Alone and "
+            f"together alternate {res['repeats']} time(s) in one process; the best of each is reported (the "
+            "machine was shared with other jobs during the run, so both saw the same kind of load).",
+            "",
+            "| | seconds (set) | seconds per run-round | x floor |",
+            "|---|---|---|---|",
+            f"| one at a time | {res['seconds_alone']} | {per['alone']} | {per['alone'] / per['floor']:.0f} |",
+            f"| together (one set) | {res['seconds_together']} | {per['together']} | "
+            f"{per['together'] / per['floor']:.0f} |",
+            f"| FLOP floor | {res['floor_seconds']} | {per['floor']} | 1 |",
+            "",
+            f"All timings: alone {res['seconds_alone_all']}, together {res['seconds_together_all']}. The floor: "
+            "benchmarks/flops.py's matmul FLOPs of each round at the examples' real lengths "
+            f"({', '.join(f'{n} {f / 1e12:.2f} TFLOP' for n, f in res['flops_per_run'].items())} over all rounds) at "
+            f"this machine's measured fp32 matmul rate ({res['matmul_peak_gflops']} GFLOP/s, `torch.mm`). "
+            f"Together vs alone: largest adapter difference {res['max_abs_adapter_diff']:.1e}, best and stop rounds "
+            f"{'identical' if res['same_rounds'] else 'DIFFERENT'}.",
+            "",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one two-path round and exit")
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny BART instead of MiniLM (with --profile)")
     ap.add_argument("--dump", default=None, help="with --profile: write the cProfile stats file here")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=1, help="alone/together pairs, alternating which goes first")
+    ap.add_argument("--out", default="reports/bench", help="where engine.json goes and engine.md gets its section 2")
     ap.add_argument("--work", default=None, help="workspace directory (default: a temporary one)")
     args = ap.parse_args(argv)
     project = Path.cwd()
@@ -151,10 +294,17 @@ def main(argv: list[str] | None = None) -> None:
         if args.profile:
             print(profile_round(work, params, dump=args.dump))
             return
+        res = side_by_side(work, params, args.rounds, args.repeats)
     finally:
         os.chdir(project)
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+    out = Path(args.out)
+    write_json(out / "engine.json", res)
+    md = out / "engine.md"
+    kept = md.read_text().split("## 2.")[0].rstrip() + "\n\n" if md.exists() else "# The set engine (issue 53)\n\n"
+    md.write_text(kept + markdown(res))
+    print(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
