@@ -116,7 +116,7 @@ def write_plans(
     for method in methods:
         tau = params.get("tau", 5.0) if get_method(method).uses_tau else None
         entry = Experiment(
-            name=f"bench-{method}", method=method, partition="domain/seed0", seed=0, study="bench", tau=tau
+            name=f"{prefix}-{method}", method=method, partition="domain/seed0", seed=0, study="bench", tau=tau
         )
         path = root / "models" / "plans" / f"{prefix}-{method}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

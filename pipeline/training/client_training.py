@@ -280,13 +280,7 @@ def train_local(
     model.train(False)
     for p in params:
         p.requires_grad_(False)
-    sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
-    for _, out in outputs:  # in step order: the float sums of a per-step reading, to the bit
-        sums["loss"] += float(out.loss) * out.n_tokens
-        sums["ce"] += out.ce_mean * out.n_tokens
-        sums["kd"] += out.kd_mean * out.n_kd
-        sums["tokens"] += out.n_tokens
-        sums["kd_tokens"] += out.n_kd
+    sums = _round_sums([out for _, out in outputs])
     tokens = max(sums["tokens"], 1)
     # entropy and gate carry no gradient; the gate is False on padding
     gate_log = gate_rows([(b, out.entropy, out.gate) for b, out in outputs], client, rnd) if two_paths else None
@@ -304,6 +298,19 @@ def train_local(
         dp_examples=stepper.examples,
         dp_clipped=stepper.clipped,
     )
+
+
+def _round_sums(outputs: list[LossOutput]) -> dict[str, float]:
+    """The round's token-weighted loss, CE and KD sums and token counts, read from the device once the steps are
+    done, summed in step order (the float sums of a per-step reading, to the bit)."""
+    sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
+    for out in outputs:
+        sums["loss"] += float(out.loss) * out.n_tokens
+        sums["ce"] += out.ce_mean * out.n_tokens
+        sums["kd"] += out.kd_mean * out.n_kd
+        sums["tokens"] += out.n_tokens
+        sums["kd_tokens"] += out.n_kd
+    return sums
 
 
 def empty_gate_log() -> pd.DataFrame:
