@@ -282,7 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dump", default=None, help="with --profile: write the cProfile stats file here")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="alone/together pairs, alternating which goes first")
-    ap.add_argument("--out", default="reports/bench", help="where engine.json goes and engine.md gets its section 2")
+    ap.add_argument(
+        "--out", default="reports/bench", help="where engine.json goes and engine.md's section 2 is written"
+    )
     ap.add_argument("--work", default=None, help="workspace directory (default: a temporary one)")
     args = ap.parse_args(argv)
     project = Path.cwd()
@@ -302,8 +304,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     write_json(out / "engine.json", res)
     md = out / "engine.md"
-    kept = md.read_text().split("## 2.")[0].rstrip() + "\n\n" if md.exists() else "# The set engine (issue 53)\n\n"
-    md.write_text(kept + markdown(res))
+    text = md.read_text() if md.exists() else "# The set engine (issue 53)\n"
+    before, _, after = text.partition("## 2.")
+    rest = after.partition("\n## 3.")[2]  # the sections after this one stay as they are
+    md.write_text(before.rstrip() + "\n\n" + markdown(res) + ("\n## 3." + rest if rest else ""))
     print(json.dumps(res, indent=1))
 
 
