@@ -204,17 +204,20 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
     names = [p.stem for p in plans]
     warm = write_plans(root, params, ("fedavg",), rounds=1, prefix="warmup")
     run_set(warm, track=False)  # fills the prefix cache on disk: every run after reads it, as rounds 2.. do
-    peak = matmul_peak((1024, 2048), 3)
     shape = default_shape(model_config(read_plan(plans[0])), 1)
     run_flops = {p.stem: round_flops(p, shape) * rounds for p in plans}
     timings: dict[str, list[float]] = {"alone": [], "together": []}
+    cpu: dict[str, list[float]] = {"alone": [], "together": []}  # this process's CPU time: less of others' load
+    peaks = []
     outcome = {}
     for r in range(repeats):
+        peaks.append(matmul_peak((1024, 2048), 3)["peak_gflops"])  # the load changes: the best rate seen counts
         for mode in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             for group in [[p] for p in plans] if mode == "alone" else [plans]:
                 run_set(group, track=False)
             timings[mode].append(time.perf_counter() - start)
+            cpu[mode].append(time.process_time() - start_cpu)
             outcome[mode] = _published(names)
     diff = max(
         float((outcome["alone"][n]["adapters"][k] - outcome["together"][n]["adapters"][k]).abs().max())
@@ -222,7 +225,7 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
         for k in outcome["alone"][n]["adapters"]
     )
     run_rounds = len(plans) * rounds
-    floor = sum(run_flops.values()) / (peak["peak_gflops"] * 1e9)
+    floor = sum(run_flops.values()) / (max(peaks) * 1e9)
     return {
         "device": f"cpu: {platform.machine()}, {os.cpu_count()} cores (shared), {torch.get_num_threads()} torch threads",
         "runs": names,
@@ -232,6 +235,8 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
         "seconds_together": round(min(timings["together"]), 2),
         "seconds_alone_all": [round(t, 2) for t in timings["alone"]],
         "seconds_together_all": [round(t, 2) for t in timings["together"]],
+        "cpu_seconds_alone_all": [round(t, 2) for t in cpu["alone"]],
+        "cpu_seconds_together_all": [round(t, 2) for t in cpu["together"]],
         "floor_seconds": round(floor, 2),
         "seconds_per_run_round": {
             "alone": round(min(timings["alone"]) / run_rounds, 2),
@@ -239,7 +244,8 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
             "floor": round(floor / run_rounds, 3),
         },
         "flops_per_run": {n: f for n, f in run_flops.items()},
-        "matmul_peak_gflops": peak["peak_gflops"],
+        "matmul_peak_gflops": max(peaks),
+        "matmul_gflops_all": peaks,
         "max_abs_adapter_diff": diff,
         "same_rounds": all(outcome["alone"][n]["rounds"] == outcome["together"][n]["rounds"] for n in names),
     }
@@ -264,10 +270,13 @@ def markdown(res: dict[str, Any]) -> str:
             f"{per['together'] / per['floor']:.0f} |",
             f"| FLOP floor | {res['floor_seconds']} | {per['floor']} | 1 |",
             "",
-            f"All timings: alone {res['seconds_alone_all']}, together {res['seconds_together_all']}. The floor: "
+            f"All wall times: alone {res['seconds_alone_all']}, together {res['seconds_together_all']}; this "
+            f"process's CPU seconds (its threads' user + system time, less sensitive to the other jobs): alone "
+            f"{res['cpu_seconds_alone_all']}, together {res['cpu_seconds_together_all']}. The floor: "
             "benchmarks/flops.py's matmul FLOPs of each round at the examples' real lengths "
             f"({', '.join(f'{n} {f / 1e12:.2f} TFLOP' for n, f in res['flops_per_run'].items())} over all rounds) at "
-            f"this machine's measured fp32 matmul rate ({res['matmul_peak_gflops']} GFLOP/s, `torch.mm`). "
+            f"the best fp32 matmul rate measured before each repeat ({res['matmul_peak_gflops']} GFLOP/s, `torch.mm`, "
+            f"of {res['matmul_gflops_all']}; under load, so the floor is an upper bound of the idle machine's). "
             f"Together vs alone: largest adapter difference {res['max_abs_adapter_diff']:.1e}, best and stop rounds "
             f"{'identical' if res['same_rounds'] else 'DIFFERENT'}.",
             "",
