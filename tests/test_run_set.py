@@ -138,3 +138,33 @@ def test_a_failing_run_stops_its_set_and_closes_the_others(ws, monkeypatch):
     runs = mlflow.search_runs(experiment_names=["tests"], filter_string="tags.experiment = 'fail-a'")
     assert runs["status"].tolist() == ["KILLED"]
     assert not [t for t in threading.enumerate() if t.name.startswith("run-fail-")]  # every run's thread ended
+
+
+def test_sigterm_stops_the_whole_set_and_closes_every_run_as_killed(ws, monkeypatch):
+    """`kill PID` while one run of a set works and another waits at the barrier: both MLflow runs close as KILLED,
+    the stage exits 143, and a rerun resumes them (their run ids stay beside the checkpoints)."""
+    import signal
+
+    import mlflow
+
+    from pipeline import train as train_stage
+    from pipeline.training.history import TrainRecorder
+
+    write_plan("term-a", "fedavg")
+    write_plan("term-b", "fedselectkd")
+    real_done = TrainRecorder.round_done
+
+    def done_then_terminated(self, plan, entry, history):
+        real_done(self, plan, entry, history)
+        if plan.experiment == "term-b":  # term-a has finished its round 1 and waits at the barrier
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(TrainRecorder, "round_done", done_then_terminated)
+    with pytest.raises(SystemExit) as stopped:
+        train_stage.main(["--experiment", "term-a", "--experiment", "term-b"])
+    assert stopped.value.code == 128 + signal.SIGTERM
+    mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
+    for name in ("term-a", "term-b"):
+        runs = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'")
+        assert runs["status"].tolist() == ["KILLED"], name
+    assert not [t for t in threading.enumerate() if t.name.startswith("run-term-")]

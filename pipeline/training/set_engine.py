@@ -9,12 +9,14 @@ round again; a run that has ended (its stop rule, its last round) leaves the bar
 generators (Python's, NumPy's, torch's), swapped in whenever its code or its clients' work runs, from the process's
 state when the set starts: every run computes what it would alone in a fresh process, whatever else is in the set.
 A run that raises stops the set (as a killed process would): the others unwind from their barrier with
-:class:`SetAborted`, and the first error is raised.
+:class:`SetAborted`, and the first error is raised; a stop the process is told (SIGTERM, Ctrl-C) reaches the run
+working at that moment too.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 import threading
 from collections.abc import Callable, Iterator
@@ -135,7 +137,7 @@ class RoundBarrier:
         try:
             while active := [m for m in self.members if not m.done]:
                 for member in active:
-                    member.step()
+                    self._step(member)
                 failed = [m for m in self.members if m.error is not None and not isinstance(m.error, SetAborted)]
                 if failed:
                     raise failed[0].error
@@ -143,6 +145,18 @@ class RoundBarrier:
         finally:
             self._abort()
         return {m.name: m.result for m in self.members}
+
+    @staticmethod
+    def _step(member: _Member) -> None:
+        """The member's turn. The process told to stop meanwhile (SIGTERM's SystemExit, Ctrl-C: raised in this, the
+        main thread) stops the member too: the same exception is raised in its thread, where the run unwinds as
+        killed (its MLflow run closed), before it goes on here."""
+        try:
+            member.step()
+        except BaseException as exc:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(member.thread.ident), ctypes.py_object(type(exc)))
+            member.paused.wait()
+            raise
 
     def _abort(self) -> None:
         """Unwind every run still parked (its thread raises SetAborted at its barrier and closes what it opened)."""
