@@ -265,9 +265,9 @@ def markdown(res: dict[str, Any]) -> str:
             "",
             "| | seconds (set) | seconds per run-round | x floor |",
             "|---|---|---|---|",
-            f"| one at a time | {res['seconds_alone']} | {per['alone']} | {per['alone'] / per['floor']:.0f} |",
+            f"| one at a time | {res['seconds_alone']} | {per['alone']} | {per['alone'] / per['floor']:.1f} |",
             f"| together (one set) | {res['seconds_together']} | {per['together']} | "
-            f"{per['together'] / per['floor']:.0f} |",
+            f"{per['together'] / per['floor']:.1f} |",
             f"| FLOP floor | {res['floor_seconds']} | {per['floor']} | 1 |",
             "",
             f"All wall times: alone {res['seconds_alone_all']}, together {res['seconds_together_all']}; this "
@@ -295,7 +295,11 @@ def main(argv: list[str] | None = None) -> None:
         "--out", default="reports/bench", help="where engine.json goes and engine.md's section 2 is written"
     )
     ap.add_argument("--work", default=None, help="workspace directory (default: a temporary one)")
+    ap.add_argument("--render", action="store_true", help="only rewrite engine.md's section 2 from engine.json")
     args = ap.parse_args(argv)
+    if args.render:
+        write_report(json.loads((Path(args.out) / "engine.json").read_text()), Path(args.out))
+        return
     project = Path.cwd()
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="engine-bench-"))
     params = build_workspace(work, str(project / "params.yaml"), tiny=args.tiny)
@@ -310,14 +314,17 @@ def main(argv: list[str] | None = None) -> None:
         os.chdir(project)
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    out = Path(args.out)
+    write_report(res, Path(args.out))
+    print(json.dumps(res, indent=1))
+
+
+def write_report(res: dict[str, Any], out: Path) -> None:
     write_json(out / "engine.json", res)
     md = out / "engine.md"
     text = md.read_text() if md.exists() else "# The set engine (issue 53)\n"
     before, _, after = text.partition("## 2.")
     rest = after.partition("\n## 3.")[2]  # the sections after this one stay as they are
     md.write_text(before.rstrip() + "\n\n" + markdown(res) + ("\n## 3." + rest if rest else ""))
-    print(json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":
