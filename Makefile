@@ -59,12 +59,13 @@ repro: data-sources
 FAST_LANE   := not slow and not deployment and not integration and not tools
 PYTEST_JOBS ?= 2
 TEST_ALL_JOBS ?= 3
-# `lint`, before every test lane: the tree as ruff formats it (sizes are counted in formatted lines) and its lint rules
-# (pyproject.toml [tool.ruff]).
+# `lint`, before every test lane: the tree as ruff formats it (sizes are counted in formatted lines), its lint rules
+# (pyproject.toml [tool.ruff]) and the package's layers (pyproject.toml [tool.importlinter], docs/ARCHITECTURE.md).
 LINT_PATHS := pipeline tests benchmarks tools
 lint: setup
 	$(BIN)/ruff format --check -q $(LINT_PATHS)
 	$(BIN)/ruff check -q $(LINT_PATHS)
+	$(BIN)/lint-imports --no-cache
 
 test: setup lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadgroup -m "$(FAST_LANE)"

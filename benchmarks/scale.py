@@ -5,7 +5,7 @@ Ray engines as the number of clients grows.
     python -m benchmarks.scale --sizes 3 10 --engines inprocess --out /tmp/scale
 
 Each (engine, clients) point trains FedAvg for a few rounds on the tiny BART of tests/tiny_models.py, over a
-``quantity`` (Dirichlet) partition made by ``pipeline.partition.make_partition`` of a synthetic QMSum-like pool of
+``quantity`` (Dirichlet) partition made by ``pipeline.partitioning.partitions.make_partition`` of a synthetic QMSum-like pool of
 a few examples per client. Every point runs in its own fresh Python process, so one point's allocations do not
 raise the next one's high-water mark, and a point that hangs (Ray) is killed after ``--timeout`` seconds and
 recorded as skipped with the reason.
@@ -112,7 +112,7 @@ def make_workspace(
     """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path. ``name``,
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
     from pipeline.experiments import parse_entry, resolve_plan
-    from pipeline.partition import make_partition, partition_json
+    from pipeline.partitioning.partitions import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
 
     root.mkdir(parents=True, exist_ok=True)

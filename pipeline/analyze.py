@@ -1,204 +1,20 @@
 """Stage ``analyze``: why selective KD works (METHOD.md section 7 items 6, 9, 10; what it computes:
 docs/experiments.md, where it writes: docs/ARCHITECTURE.md).
 
-The **KD usage ratio** of a main-study SelectKD client = KD word updates / word updates over rounds 1 .. its best
-round. A *word update* is one target word (sub-word tokens mapped to whitespace words: pipeline.datasets.words, via
-``data/processed/postags.parquet``) trained in one round, a KD word update when KD was applied to its tokens under
-``analyze.word_rule`` (default ``first``: the word's first sub-word token, where the model chooses the word). The
-teacher is fixed within a round, so a token trained in several local epochs counts once (KD if applied in any). The
-paper's example: "project manager decides to use lcd", 2 rounds, 3 KD word updates -> 3 / (6 x 2) = 25 %.
-
-Missing input files of listed experiments are reported in the JSON (``missing``), never replaced by numbers; every
-number is a mean over the seeds available.
+What it computes and how: pipeline.results.analysis.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 from pathlib import Path
-from typing import Any, Literal
 
-import pandas as pd
-
-from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import config, from_dict, load_params
+from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments import Experiment, declared
-from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results.figures import slug
-from pipeline.results.kd_analysis import (
-    HARDKD,
-    PAPER_DET_PRON_SHARE_OF_NON_KD,
-    SELECTKD,
-    SWEEP_COLUMNS,
-    WORD_RULES,
-    client_summary,
-    json_safe,
-    plot_entropy,
-    plot_hardkd,
-    plot_pos,
-    plot_tau_sweep,
-    seed_means,
-    tau_sweep_rows,
-    tau_sweep_summary,
-    usage_per_client,
-    word_updates,
-)
-from pipeline.results.published import KD_USAGE_RATIO
-from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
-
-MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
-
-
-@config
-class AnalyzeConfig:
-    word_rule: Literal[WORD_RULES] = "first"  # type: ignore[valid-type]
-
-
-class Analysis:
-    def __init__(
-        self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths = PATHS
-    ) -> None:
-        self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
-        self.out = paths.analysis
-        # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
-        # kd_analysis.json, never replaced by numbers
-        self.missing: dict[tuple[str, str], list[str]] = {}
-        self.main = [e for e in experiments if e.method == SELECTKD and e.study == MAIN_STUDY]
-
-    @functools.cached_property
-    def postags(self) -> pd.DataFrame:
-        if not self.paths.postags.exists():
-            raise FileNotFoundError(f"{self.paths.postags}: POS tags not found (run `dvc repro postag`)")
-        return pd.read_parquet(self.paths.postags).astype({"example_id": str})
-
-    def _present(self, exp: Experiment, needed_for: str, *paths: Path) -> bool:
-        """Whether every input file is there; each absent one is reported as missing."""
-        for p in paths:
-            if not p.exists() and needed_for not in (uses := self.missing.setdefault((exp.name, str(p)), [])):
-                uses.append(needed_for)
-        return all(p.exists() for p in paths)
-
-    def usage(self, exp: Experiment, needed_for: str) -> dict[str, Any] | None:
-        """Word updates + per client best round and KD usage ratio of one experiment, or None if files are missing."""
-        gate_path, train_path = self.paths.gate_log(exp.name), self.paths.train_metrics(exp.name)
-        if not self._present(exp, needed_for, gate_path, train_path):
-            return None
-        gate = read_gate_log(gate_path)
-        wu = word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
-        return {
-            "gate": gate,
-            "words": wu,
-            "clients": usage_per_client(wu, best_rounds(train_path), train_path, gate_path),
-        }
-
-    def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
-        path = self.paths.eval_metrics(exp.name)
-        return eval_scores(path) if self._present(exp, needed_for, path) else None
-
-    def main_study(self, figures: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage."""
-        usages = {e.name: u for e in self.main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
-        clients: dict[str, Any] = {}
-        if not usages:
-            return clients, usages
-        all_words = pd.concat([u["words"].assign(experiment=n) for n, u in usages.items()])
-        all_gate = pd.concat([u["gate"].assign(experiment=n) for n, u in usages.items()])
-        taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
-        if len(taus) > 1:
-            raise ValueError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
-        tau = taus[0] if taus else None
-        for client in sorted(all_words["client"].unique()):
-            per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
-            rec, gate, stats = client_summary(client, all_words, all_gate, per_seed, tau)
-            clients[client] = rec
-            plot_pos(
-                client,
-                rec["pos"],
-                rec["kd_usage_ratio"],
-                rec["paper_kd_usage_ratio"],
-                figures / f"pos_{slug(client)}.png",
-            )
-            plot_entropy(
-                client,
-                gate,
-                stats,
-                tau,
-                [r["best_round"] for r in per_seed.values()],
-                figures / f"entropy_{slug(client)}.png",
-            )
-        return clients, usages
-
-    def hardkd(self, figures: Path) -> dict[str, Any]:
-        """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
-        main_parts = {e.partition for e in self.main}
-        groups = {
-            SELECTKD: self.main,
-            HARDKD: [
-                e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)
-            ],
-        }
-        comparison = {
-            method: seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
-            for method, exps in groups.items()
-        }
-        plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
-        hard, select = comparison[HARDKD], comparison[SELECTKD]  # per client in both: hard KD's mean minus SelectKD's
-        diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
-        return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
-
-    def tau_sweep(self, usages: dict[str, dict[str, Any]], figures: Path, csv_path: Path) -> dict[str, Any]:
-        sweep = [e for e in self.experiments if e.study == TAU_STUDY]
-        sweep_parts = {e.partition.split("/seed")[0] for e in sweep}
-        # The main SelectKD is the sweep's point at the top-level tau - only when there is a sweep to join.
-        rows = []
-        for e in sweep + [e for e in self.main if e.partition.split("/seed")[0] in sweep_parts]:
-            if e.tau is None:
-                raise ValueError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
-            usage = usages.get(e.name) or self.usage(e, "tau sweep")
-            scores = self.scores(e, "tau sweep")
-            if usage is not None and scores is not None:
-                rows += tau_sweep_rows(e, usage, scores)
-        per_run = pd.DataFrame(rows, columns=SWEEP_COLUMNS)
-        table, portable = tau_sweep_summary(per_run)
-        atomic.to_csv(table.round(6), csv_path, index=False)
-        plot_tau_sweep(table, self.tau, figures / "tau_sweep.png")
-        return {
-            "points": table.to_dict(orient="records"),
-            "portable_gates": portable.to_dict(orient="records"),
-            "experiments": sorted(per_run["experiment"].unique()),
-        }
-
-    def run(self) -> dict[str, Any]:
-        figures = self.out / "figures"
-        figures.mkdir(parents=True, exist_ok=True)
-        for old in figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
-            old.unlink()
-        clients, usages = self.main_study(figures)
-        hardkd, sweep = self.hardkd(figures), self.tau_sweep(usages, figures, self.out / "tau_sweep.csv")
-        missing = [
-            {"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self.missing.items())
-        ]
-        result = json_safe(
-            {
-                "word_rule": self.cfg.word_rule,
-                "tau": self.tau,
-                "paper": {
-                    "kd_usage_ratio": KD_USAGE_RATIO,
-                    "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
-                    "noun_verb": "nearly all noun and verb words are trained with KD",
-                },
-                "clients": clients,
-                "hardkd_vs_selectkd": hardkd,
-                "tau_sweep": sweep,
-                "missing": missing,
-                "n_missing": len(missing),
-            }
-        )
-        atomic.write_json(self.out / "kd_analysis.json", result)
-        return result
+from pipeline.experiments import declared
+from pipeline.paths import PATHS
+from pipeline.results.analysis import Analysis, AnalyzeConfig
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -29,7 +29,7 @@ from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, summarize_test_set
 from pipeline.results.readers import read_json, run_converged
 from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores, score_files
-from pipeline.results.stats import BootstrapConfig, mean_interval
+from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
 from pipeline.results.tracking import download_model, split_dataset
 
 
@@ -85,7 +85,8 @@ def evaluate_experiment(
         sub, predictions, scores = summarize_test_set(
             model, examples, test_ids, client, cfg, max_src, f"{part_path}, {examples_path}", desc=f"{name}/{client}"
         )
-        test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
+        if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
+            test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
         for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
             rows.append(
                 {
@@ -129,13 +130,11 @@ def evaluate_experiment(
         raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
     # Mean over clients (unweighted, as the paper averages its per-client columns).
     mean = {k: sum(c[k] for c in per_client.values()) / len(per_client) for k in (*ROUGE_TYPES, "avg_rouge")}
-    # the bootstrap interval of each ROUGE's client average (test examples resampled within clients)
+    # the bootstrap interval of each ROUGE's client average (test examples, or QMSum's meetings, resampled within
+    # clients)
     bootstrap = bootstrap or BootstrapConfig()
     groups = [g for _, g in per_example.groupby("client", sort=True)]
-    mean_ci = {
-        key: mean_interval([g[key].to_numpy()[None, :] for g in groups], bootstrap)
-        for key in (*ROUGE_TYPES, "avg_rouge")
-    }
+    mean_ci = client_average_intervals(groups, (*ROUGE_TYPES, "avg_rouge"), bootstrap)
     metrics = {
         "experiment": name,
         "method": plan.method,
@@ -155,8 +154,7 @@ def evaluate_experiment(
             "level": bootstrap.level,
             "n_resamples": bootstrap.n_resamples,
             "seed": bootstrap.seed,
-            "method": "percentile bootstrap of the client average, test examples resampled within clients (one "
-            "seed: the choice of test examples only)",
+            "method": bootstrap_method(meetings(g["example_id"] for g in groups)),
         },
     }
     atomic.write_json(out_dir / "metrics.json", metrics)

@@ -300,7 +300,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if method.uses_tau:
         plan["tau"] = exp.tau
         # the loss's own check of tau against train.tau_scale, at plan time rather than in training
-        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale}, where)
+        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale, "kd_gate": train.kd_gate}, where)
     privacy = exp.privacy_config(params)
     if privacy.mode == "client" and (problem := client_level_problem(method, train.transfer_dtype, privacy)):
         raise ConfigError(f"{where}: privacy.mode client: {problem}")

@@ -10,158 +10,23 @@ any train/valid set) and is checked to be disjoint and complete before it is wri
 from __future__ import annotations
 
 import argparse
-from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
-from pipeline.common.schema import SPLITS, DataError
 from pipeline.common.timing import stage_timer
-from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, guard_leakage
-from pipeline.paths import PATHS
-
-EXAMPLE_COLUMNS_USED = ["example_id", "dataset", "domain", "split", "meeting_id", "target"]
-JS_DEFINITION = (
-    "scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
-    "the divergence), in [0, 1], between the clients' training label distributions"
+from pipeline.partitioning.partitions import (
+    EXAMPLE_COLUMNS_USED,
+    make_partition,
+    partition_json,
+    partition_stats,
+    plot_stats,
 )
-
-
-def make_partition(examples: pd.DataFrame, scheme: str, seed: int, cfg: PartitionConfig) -> Partition:
-    """Run ``scheme`` with ``seed``, apply the leakage guard and check the result is disjoint and complete."""
-    rng = np.random.default_rng(seed)
-    part = SCHEMES[scheme](examples, cfg, rng)
-    guard_leakage(part, dict(zip(examples.example_id, examples.meeting_id)))
-    check_partition(part, examples)
-    return part
-
-
-def check_partition(part: Partition, examples: pd.DataFrame) -> None:
-    """Each example at most once among the clients, never both assigned and excluded, split kept, and every
-    example of the domains the partition touches accounted for."""
-    assigned = part.assigned()
-    counts = Counter(assigned)
-    dup = [i for i, n in counts.items() if n > 1]
-    if dup:
-        raise DataError(f"partition gives {len(dup)} example(s) to more than one client/split, e.g. {dup[0]}")
-    both = set(assigned) & set(part.excluded)
-    if both:
-        raise DataError(f"{len(both)} example(s) are both assigned and excluded, e.g. {sorted(both)[0]}")
-    split_of = dict(zip(examples.example_id, examples.split))
-    for name, client in part.clients.items():
-        for split in SPLITS:
-            wrong = [i for i in client[split] if split_of[i] != split]
-            if wrong:
-                raise DataError(f"client {name}: {wrong[0]} is a {split_of[wrong[0]]} example in its {split} set")
-    accounted = set(assigned) | set(part.excluded)
-    domain_of = dict(zip(examples.example_id, examples.domain))
-    touched = examples.domain.isin({domain_of[i] for i in accounted})
-    missing = set(examples.example_id[touched]) - accounted
-    if missing:
-        raise DataError(
-            f"{len(missing)} example(s) of the partitioned domains are neither assigned nor excluded, "
-            f"e.g. {sorted(missing)[0]}"
-        )
-
-
-def partition_json(part: Partition, scheme: str, seed: int, cfg: PartitionConfig) -> dict[str, Any]:
-    params = asdict(getattr(cfg, scheme)) if hasattr(cfg, scheme) else {}
-    by_reason = Counter(part.excluded.values())
-    return {
-        "scheme": scheme,
-        "seed": seed,
-        "params": params,
-        "clients": part.clients,
-        "excluded": {
-            "count": len(part.excluded),
-            "by_reason": dict(sorted(by_reason.items())),
-            "example_ids": sorted(part.excluded),
-        },
-    }
-
-
-def js_matrix(dists: list[np.ndarray]) -> list[list[float | None]]:
-    from scipy.spatial.distance import jensenshannon
-
-    return [
-        [None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2)), 4) for q in dists]
-        for p in dists
-    ]
-
-
-def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: int) -> dict[str, Any]:
-    domain_of = dict(zip(examples.example_id, examples.domain))
-    label_kind = "cluster" if scheme == "cluster" else "domain"
-    label_of = part.labels if label_kind == "cluster" else domain_of
-    labels = sorted({label_of[i] for i in part.assigned()})
-    clients: dict[str, Any] = {}
-    dists = []
-    for name, c in part.clients.items():
-        train_labels = Counter(label_of[i] for i in c["train"])
-        clients[name] = {
-            "sizes": {s: len(c[s]) for s in SPLITS},
-            "train_label_counts": {lab: train_labels.get(lab, 0) for lab in labels},
-            "label_counts": {s: dict(sorted(Counter(label_of[i] for i in c[s]).items())) for s in SPLITS},
-            "domain_counts": {s: dict(sorted(Counter(domain_of[i] for i in c[s]).items())) for s in SPLITS},
-        }
-        dists.append(np.array([train_labels.get(lab, 0) for lab in labels], dtype=float))
-    matrix = js_matrix(dists)
-    off = [v for a, row in enumerate(matrix) for b, v in enumerate(row) if a < b and v is not None]
-    return {
-        "scheme": scheme,
-        "seed": seed,
-        "label": label_kind,
-        "labels": labels,
-        "clients": clients,
-        "js_distance": {
-            "definition": JS_DEFINITION,
-            "clients": list(part.clients),
-            "matrix": matrix,
-            "mean_off_diagonal": round(float(np.mean(off)), 4) if off else None,
-        },
-        "n_assigned": len(part.assigned()),
-        "excluded": {"count": len(part.excluded), "by_reason": dict(sorted(Counter(part.excluded.values()).items()))},
-    }
-
-
-def plot_stats(stats: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(stats["clients"])
-    labels = stats["labels"]
-    fig, (ax_bar, ax_js) = plt.subplots(1, 2, figsize=(11, 4.2))
-    bottom = np.zeros(len(names))
-    for lab in labels:
-        counts = np.array([stats["clients"][n]["train_label_counts"][lab] for n in names], dtype=float)
-        ax_bar.bar(names, counts, bottom=bottom, label=lab)
-        bottom += counts
-    ax_bar.set_title(f"training examples per client by {stats['label']}")
-    ax_bar.set_ylabel("examples")
-    ax_bar.legend(fontsize=7)
-    ax_bar.tick_params(axis="x", rotation=30)
-    m = np.array([[np.nan if v is None else v for v in row] for row in stats["js_distance"]["matrix"]], dtype=float)
-    im = ax_js.imshow(m, vmin=0, vmax=1, cmap="viridis")
-    ax_js.set_xticks(range(len(names)), names, rotation=30)
-    ax_js.set_yticks(range(len(names)), names)
-    for a in range(len(names)):
-        for b in range(len(names)):
-            if not np.isnan(m[a, b]):
-                ax_js.text(b, a, f"{m[a, b]:.2f}", ha="center", va="center", color="w" if m[a, b] < 0.5 else "k")
-    ax_js.set_title(f"Jensen-Shannon distance ({stats['label']}, base 2)")
-    fig.colorbar(im, ax=ax_js)
-    fig.suptitle(f"partition {stats['scheme']}, seed {stats['seed']}")
-    fig.tight_layout()
-    atomic.savefig(fig, path, dpi=110, metadata={"Software": None})
-    plt.close(fig)
+from pipeline.partitioning.schemes import SCHEMES, PartitionConfig
+from pipeline.paths import PATHS
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -86,7 +86,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     stage does not produce, else what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
-    from pipeline.experiments import check_params, parse_entry
+    from pipeline.experiments import check_params, parse_entry  # lazy: the other commands start without torch
 
     try:
         applied = apply_preset(params, preset)
@@ -213,7 +213,7 @@ def part_commands(
     entries = preset.get("experiments")
     if not entries:
         raise PresetError(f"{preset_path}: --parts needs the preset's own `experiments`")
-    from pipeline.experiments import ENTRY_KEYS
+    from pipeline.experiments import ENTRY_KEYS  # lazy: the other commands start without torch
 
     if by not in ENTRY_KEYS:
         raise PresetError(f"--parts {by!r}: split by one of the experiments' keys {list(ENTRY_KEYS)}")

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import os
 import re
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,7 @@ from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.results import comparisons, published
+from pipeline.results import claims, comparisons, published
 from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (
     case_study,
@@ -32,9 +29,16 @@ from pipeline.results.human_eval import (
     predictions_by_method,
     score_sheets,
 )
-from pipeline.results.readers import collect_scores, convergence_table
-from pipeline.results.scoring import TABLE_ROUGE_L
-from pipeline.results.stats import BootstrapConfig, mean_interval
+from pipeline.results.outputs import (
+    HEADLINE_STUDY,
+    average_interval,
+    headline_metrics,
+    readme,
+    rescore_evaluations,
+    summary_metrics,
+)
+from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
+from pipeline.results.stats import BootstrapConfig
 from pipeline.results.tables import (
     aggregate,
     main_table,
@@ -57,138 +61,8 @@ class ReportConfig:
     # A smoke run (the default CPU profile) states its differences as numbers and draws no claim from them; a
     # study draws claims only from main-study comparisons with at least these seeds and test examples.
     smoke: bool = True
-    claim_min_seeds: PositiveInt = 2
+    claim_min_seeds: PositiveInt = 3
     claim_min_examples: PositiveInt = 100
-
-
-def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
-    """reports/summary.json: average ROUGE per study, configuration and client, and the mean over clients."""
-    out: dict[str, Any] = {
-        "experiments_planned": len(planned),
-        "experiments_missing": len(missing_eval),
-        "experiments_evaluated": len(planned) - len(missing_eval),
-    }
-    for (study, label), grp in agg.groupby(["study", "label"], sort=True):
-        entry = {client: round(float(v), 4) for client, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        entry["mean_over_clients"] = round(float(grp["avg_rouge_mean"].mean()), 4)
-        entry["n_seeds"] = int(grp["n_seeds"].min())
-        out.setdefault(study, {})[label.replace(" ", "_")] = entry
-    return out
-
-
-# reports/metrics.json, the one DVC metrics file: what `dvc exp show` / `dvc metrics diff` put side by side across
-# DVC experiments. Only the main study's results (the study `-S tau=...` ablates): every other report file is a
-# plain output, and no time or memory figure is a metric (they differ between runs of the same experiment).
-HEADLINE_STUDY = "main"
-HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_L, "avg_rouge": "avg_rouge"}
-
-
-def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
-    """Interval of a configuration's client-average avg ROUGE on the test examples all its seeds have (or None)."""
-    frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
-    shared = comparisons.shared_ids(frames)
-    if not shared:
-        return None
-    per_client = [comparisons.stacked(frames, client, ids, "avg_rouge") for client, ids in shared.items()]
-    r = mean_interval(per_client, cfg)
-    return r.low, r.high
-
-
-def headline_metrics(
-    agg: pd.DataFrame, intervals: dict[str, tuple[float, float] | None], kd_analysis: dict[str, Any]
-) -> dict[str, Any]:
-    """reports/metrics.json's content (docs/ARCHITECTURE.md): ``intervals`` by label; ``kd_analysis`` is
-    reports/analysis/kd_analysis.json."""
-    out: dict[str, Any] = {}
-    main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
-    # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
-    # by label only where the study holds several configurations of one method.
-    methods = main.groupby("label")["method"].first() if "method" in main else pd.Series(dtype=object)
-    repeated = set(methods[methods.duplicated(keep=False)])
-    for label, grp in main.groupby("label", sort=True):
-        method = methods.get(label)
-        key = str(method) if method is not None and method not in repeated else str(label).replace(" ", "_")
-        entry: dict[str, Any] = {key: round(float(grp[f"{col}_mean"].mean()), 4) for key, col in HEADLINE_ROUGE.items()}
-        interval = intervals.get(label)
-        if interval is not None:
-            entry["avg_rouge_low"], entry["avg_rouge_high"] = (round(float(v), 4) for v in interval)
-        entry["clients"] = {str(c): round(float(v), 4) for c, v in zip(grp["client"], grp["avg_rouge_mean"])}
-        out.setdefault(HEADLINE_STUDY, {})[key] = entry
-    usage = {
-        str(c): round(float(v["kd_usage_ratio"]), 4)
-        for c, v in sorted(kd_analysis.get("clients", {}).items())
-        if isinstance(v, dict) and v.get("kd_usage_ratio") is not None
-    }
-    if usage:
-        out["kd_usage"] = {**usage, "mean": round(sum(usage.values()) / len(usage), 4)}
-    return out
-
-
-def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
-    """The index of ``out`` (the reports directory) from ``index``: what was made, what not and why."""
-    rel = functools.partial(os.path.relpath, start=out)
-    lines = [
-        "# fedmeet reports",
-        "",
-        "Generated by `dvc repro report` (`python -m pipeline.report`). ROUGE is F1 x 100 from `rouge-score` with "
-        f"Porter stemming; the tables' R-L is `{TABLE_ROUGE_L}` (as the paper's R-L, by its R-L / R-1 ratios; "
-        "`rougeLsum` is its own column). Every number is a mean over the seeds present; missing seeds are "
-        "printed beside it.",
-        "",
-        f"Experiments planned: {n_planned}; evaluated: {n_planned - len(index['missing_experiments'])}.",
-        "",
-    ]
-    for section in ("tables", "figures", "human evaluation"):
-        items = index["made"].get(section, [])
-        if items:
-            lines += [f"## {section.capitalize()}", ""]
-            lines += [f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items]
-            lines.append("")
-    plot_files = sorted(plots.rglob("*.csv")) if plots.is_dir() else []
-    if plot_files:
-        lines += ["## Plot data (`dvc plots show`)", ""] + [f"- [{rel(p)}]({rel(p)})" for p in plot_files] + [""]
-    others = [
-        p
-        for pattern in (
-            "data/*.md",
-            "data/*.json",
-            "partitions/*.png",
-            "analysis/*.json",
-            "analysis/*.csv",
-            "analysis/figures/*.png",
-            "backbone.json",
-            "eval/*/metrics.json",
-        )
-        for p in sorted(out.glob(pattern))
-    ]
-    if others:
-        lines += ["## Other stage outputs", ""] + [f"- [{rel(p)}]({rel(p)})" for p in others] + [""]
-    lines += ["## Not produced", ""]
-    if not index["not_made"] and not index["missing_experiments"] and not index["incomplete_seeds"]:
-        lines.append("Nothing: every planned experiment is evaluated with every expected seed.")
-    for what, why in sorted(index["not_made"].items()):
-        lines.append(f"- {what}: {why}")
-    if index["missing_experiments"]:
-        lines += ["", "Planned experiments without an evaluation (`reports/eval/<exp>/metrics.json`):", ""]
-        lines += [f"- `{name}`" for name in index["missing_experiments"]]
-    if index["ignored_evaluations"]:
-        lines += ["", "Evaluations left out because their experiment is not in the `experiments` params:", ""]
-        lines += [f"- `reports/eval/{name}`" for name in index["ignored_evaluations"]]
-    if index["incomplete_seeds"]:
-        lines += ["", "Configurations averaged over fewer seeds than expected (`report.expected_seeds`):", ""]
-        lines += [f"- {x}" for x in index["incomplete_seeds"]]
-    lines += [
-        "",
-        "## Human evaluation",
-        "",
-        "Blind sheets: `reports/human_eval/sheets/` (give annotators `sheet.html` or `sheet.csv`, never "
-        "`key.json`). Copy the sheets elsewhere, fill the `judgement` column (A, B or tie) or download it from "
-        "the HTML page as `sheet_<name>.csv`, then run "
-        "`python -m pipeline.report human --sheets DIR` -> `reports/human_eval/results.json` and "
-        "`reports/human_eval/human_eval.png` (paper: SelectKD vs FedAvg 52 wins, 4 ties, 4 losses of 60).",
-        "",
-    ]
-    return "\n".join(lines)
 
 
 @dataclass
@@ -201,6 +75,12 @@ class Tables:
     agg: pd.DataFrame
     converged: pd.DataFrame  # pipeline.results.readers.convergence_table
     missing_eval: list[str]
+
+
+def shared_seeds(scores: pd.DataFrame) -> list[int]:
+    """The seeds every configuration (label) of ``scores`` has evaluated."""
+    by_label = [set(g["seed"].astype(int)) for _, g in scores.groupby("label")]
+    return sorted(set.intersection(*by_label)) if by_label else []
 
 
 def write_tables(
@@ -240,11 +120,22 @@ def write_tables(
     if main.empty:
         not_made["main table"] = "no evaluated experiment of study `main`"
     for backbone in sorted(set(main["backbone"])):
-        table = main_table(agg, backbone, planned, labels, cfg.expected_seeds)
+        # the seeds every main method has, so no method's mean is over seeds another lacks
+        seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
+        kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
+        paired = with_stand_ins(aggregate(kept, planned, labels, cfg.expected_seeds))
+        table = main_table(paired, backbone, planned, labels, cfg.expected_seeds)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
-        atomic.write_text(stem.with_suffix(".md"), main_table_markdown(table, backbone, compared, bootstrap, converged))
+        note = (
+            f"\nEvery method's numbers are over the seeds all of them have ({', '.join(map(str, seeds))}; "
+            "`scores_aggregated.csv` and the study table have each method's own seeds).\n"
+            if seeds
+            else "\nNo seed is shared by every method: each row is over its own seeds (column `seeds`).\n"
+        )
+        text = main_table_markdown(table, backbone, compared, bootstrap, converged)
+        atomic.write_text(stem.with_suffix(".md"), text + note)
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
     # One table per study, with its paired comparisons and its runs' convergence.
@@ -265,11 +156,16 @@ def results_text(
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
-    steps = (params.get("train") or {}).get("centralized_steps", TrainConfig.centralized_steps)
-    scale = comparisons.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps)
-    return comparisons.results_text(
-        compared, converged, scale, source=str(source), backbone=comparisons.backbone_note(*records)
+    train = params.get("train") or {}
+    steps = train.get("centralized_steps", TrainConfig.centralized_steps)
+    ratios = centralized_step_ratios(
+        declared(params),
+        root / "train",
+        int(train.get("batch_size", TrainConfig.batch_size)),
+        int(train.get("grad_accum_steps", TrainConfig.grad_accum_steps)),
     )
+    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps, ratios)
+    return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
@@ -384,7 +280,7 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     changed = []
     for f in files:
         text = f.read_text(encoding="utf-8")
-        new = comparisons.replace_block(text, block, str(f))
+        new = claims.replace_block(text, block, str(f))
         if new != text:
             changed.append(f)
             if not check:
@@ -399,6 +295,8 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     cfg = from_dict(ReportConfig, params.get("report"), "report")
     made: dict[str, list[str]] = defaultdict(list)
     not_made: dict[str, str] = {}
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    made["evaluations"] = [str(f) for f in rescore_evaluations(folder / "eval", bootstrap)]
     written = write_tables(
         params,
         cfg,
@@ -412,7 +310,7 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
     made["tables"].append(str(folder / "comparisons.csv"))
     readme_path = folder / "README.md"
-    if readme_path.is_file() and comparisons.BEGIN in readme_path.read_text(encoding="utf-8"):
+    if readme_path.is_file() and claims.BEGIN in readme_path.read_text(encoding="utf-8"):
         write_claims(folder, [readme_path])
         made["text"].append(str(readme_path))
     return {"made": dict(made), "not_made": not_made}

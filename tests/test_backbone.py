@@ -15,9 +15,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
-from pipeline import backbone as bb
+from pipeline import backbone as stage
 from pipeline.common.timing import stage_timer
+from pipeline.modeling import backbone as bb
 from pipeline.modeling import warmup as wu
+from pipeline.results.scoring import rouge_summary
 
 DIALOGUES = [
     ([("Amanda", "I baked cookies. Do you want some?"), ("Jerry", "Sure!")], "Amanda baked cookies for Jerry."),
@@ -71,7 +73,7 @@ def test_local_directory_is_resolved_recorded_and_gets_one_sep_token(tmp_path):
     assert sep not in orig_tok.get_vocab()
     out, report = tmp_path / "out", tmp_path / "reports" / "backbone.json"
 
-    record = bb.resolve(local_cfg(src), sep, out, tmp_path / "interim", report)
+    record = bb.resolve(local_cfg(src), sep, out, tmp_path / "interim", report, rouge_summary)
 
     assert record["source"]["kind"] == "local"
     assert record["source"]["path"] == str(src.resolve())
@@ -108,7 +110,7 @@ def test_encoder_only_directory_is_rejected(tmp_path):
     model.encoder.save_pretrained(tmp_path / "bert")
     tok.save_pretrained(tmp_path / "bert")
     with pytest.raises(wu.BackboneError, match="not an encoder-decoder"):
-        bb.resolve(local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, None)
+        bb.resolve(local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, None, rouge_summary)
     assert not (tmp_path / "out").exists()
 
 
@@ -128,7 +130,7 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(wu.BackboneError) as err:
-        bb.resolve(local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, None)
+        bb.resolve(local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, None, rouge_summary)
     msg = str(err.value)
     assert "facebook/bart-base" in msg and "cannot be downloaded" in msg
     assert "local directory" in msg and bb.OFFLINE_RECIPE in msg and "HF_HUB_OFFLINE" in msg
@@ -152,7 +154,7 @@ def test_offline_recipe_builds_warms_up_and_records(tmp_path):
     )
     cfg.generation = bb.GenerationDefaults(max_new_tokens=4)
     out = tmp_path / "out"
-    record = bb.resolve(cfg, "#SEP#", out, interim.parent, tmp_path / "backbone.json")
+    record = bb.resolve(cfg, "#SEP#", out, interim.parent, tmp_path / "backbone.json", rouge_summary)
 
     # build: encoder and decoder both start from MiniLM; the decoder is causal with cross-attention
     model = EncoderDecoderModel.from_pretrained(out)
@@ -233,7 +235,7 @@ def test_new_cross_attention_gets_the_higher_learning_rate():
 def test_params_yaml_backbone_group_is_complete():
     from pipeline.common.config import load_params
 
-    cfg, sep = bb.load_config(load_params(Path(__file__).resolve().parents[1] / "params.yaml"))
+    cfg, sep = stage.load_config(load_params(Path(__file__).resolve().parents[1] / "params.yaml"))
     assert cfg.name == bb.OFFLINE_RECIPE and sep == "#SEP#"
     assert cfg.warmup.steps > 0 and cfg.warmup.dataset == "samsum"
 

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from pipeline.experiments import Experiment, with_labels
-from pipeline.results import comparisons, readers
+from pipeline.results import claims, comparisons, readers
 from pipeline.results.stats import BootstrapConfig
 from tests.test_comparisons import _write_eval
 
@@ -25,7 +25,7 @@ PUBLISHED_COLUMNS = [c for b in comparisons.BACKBONES for c in (f"published_{b}"
 
 def _block(text: str) -> str:
     """The text between a markdown file's results markers (after the newline that follows the first)."""
-    return text.split(comparisons.BEGIN, 1)[1].split(comparisons.END, 1)[0][1:]
+    return text.split(claims.BEGIN, 1)[1].split(claims.END, 1)[0][1:]
 
 
 # --- where the paper's difference sits against our interval ---------------------------------------------------
@@ -74,8 +74,11 @@ def _row(**kw) -> dict:
         "significant": False,
         "identical_fraction": math.nan,
         "mean_diff": 0.0,
+        "n_seeds": 3,
+        "n_examples": 244,
     }
-    return base | kw
+    # the family adjustment is tested on its own (tests/test_stats.py); here a row's adjusted p is its own
+    return base | {"p_holm": kw.get("p_value", base["p_value"])} | kw
 
 
 def test_with_published_fills_only_the_papers_pairs_in_the_main_study():
@@ -225,12 +228,12 @@ def test_results_text_renders_the_numbers_of_the_table():
             ),
         ]
     )
-    text = comparisons.results_text(table)
+    text = claims.results_text(table)
     assert "+0.02 [−0.56, +0.62]" in text and "−0.05 [−0.71, +0.57]" in text
     assert "+0.85 to +2.09" in text and "+0.57 and +0.62" in text  # the excluded published gains, our upper limits
     assert "18-23 %" in text
     moved = table.assign(ci_high=[0.90, 2.50])  # now the paper's SelectKD gain on BART-base (+1.40) is inside
-    assert "+0.85 to +2.09" not in comparisons.results_text(moved)
+    assert "+0.85 to +2.09" not in claims.results_text(moved)
 
 
 def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
@@ -271,25 +274,49 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
             ),
         ]
     )
-    lines = comparisons.results_text(table).splitlines()
+    lines = claims.results_text(table).splitlines()
     sampling = next(line for line in lines if "+0.75 [+0.23, +1.31]" in line)
     assert "gate" not in sampling and "sampling" in sampling
     tau = next(line for line in lines if "−0.21 [−0.54, +0.03]" in line)
     assert "gate** (tau=3)" in tau and "no difference detected" in tau
     pooling = next(line for line in lines if "+2.17 [+1.31, +3.05]" in line)
     assert "0.855" not in pooling  # the largest p of a line that is not supported is no evidence for it
-    both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001])
-    pooled = next(line for line in comparisons.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
-    assert "p ≤ 0.004 each" in pooled
+    both = table.assign(significant=True, p_value=[0.01, 0.2, 0.004, 0.001], p_holm=[0.01, 0.2, 0.008, 0.002])
+    pooled = next(line for line in claims.results_text(both).splitlines() if "+2.17 [+1.31, +3.05]" in line)
+    assert "Holm p ≤ 0.008 each" in pooled  # the claims' p is the family-adjusted one
+
+
+def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only():
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+        _row(method_a="centralized", method_b="fedavg", mean_diff=2.3, ci_low=0.2, ci_high=4.4, p_value=0.01),
+    ]
+    table = pd.DataFrame(rows).assign(significant=True, n_seeds=[3, 2])
+    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=3))
+    line = next(x for x in text.splitlines() if "Pooling the data" in x)
+    assert line.startswith("- **Pooling the data helps against some methods**")  # not "helps": FedAvg has 2 seeds
+    assert "AdaCentralized − FedAvg +2.30 [+0.20, +4.40], 2 seeds: numbers only (paper" in line
+    assert "The lead holds against AdaSingle (Holm p = 0.001) only." in text
+    assert "Per client its lead holds vs AdaSingle on no client; vs FedAvg not tested (2 seeds)." in text
+    # at 2 seeds a claim is allowed: both leads hold
+    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
+    assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text
+
+
+def test_the_step_ratio_of_adacentralized_is_stated_per_client():
+    table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
+    scale = claims.ClaimScale(centralized_steps="epoch", step_ratios=(("Academic", 69 / 14), ("Product", 69 / 38)))
+    assert "4.9x Academic's, 1.8x Product's optimizer steps a round" in claims.results_text(table, scale=scale)
+    assert claims.LARGEST_CLIENT_STEPS in claims.results_text(table)
 
 
 def test_replace_block_rewrites_only_between_the_markers():
-    text = f"head\n{comparisons.BEGIN}\nold\n{comparisons.END}\ntail\n"
-    new = comparisons.replace_block(text, "new line\n")
-    assert new == f"head\n{comparisons.BEGIN}\nnew line\n{comparisons.END}\ntail\n"
+    text = f"head\n{claims.BEGIN}\nold\n{claims.END}\ntail\n"
+    new = claims.replace_block(text, "new line\n")
+    assert new == f"head\n{claims.BEGIN}\nnew line\n{claims.END}\ntail\n"
     assert _block(new) == "new line\n"
     with pytest.raises(ValueError):
-        comparisons.replace_block("no markers", "x")
+        claims.replace_block("no markers", "x")
 
 
 def test_committed_readme_blocks_equal_what_the_study_generates():
@@ -376,14 +403,14 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
 
 def test_rebuild_rewrites_a_study_folder_and_its_readme_block(tmp_path):
     _study_folder(tmp_path)
-    (tmp_path / "README.md").write_text(f"# study\n\n{comparisons.BEGIN}\nstale\n{comparisons.END}\nkept\n")
+    (tmp_path / "README.md").write_text(f"# study\n\n{claims.BEGIN}\nstale\n{claims.END}\nkept\n")
     run = subprocess.run(
         [sys.executable, "-m", "pipeline.report", "rebuild", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
     assert len(pd.read_csv(tmp_path / "comparisons.csv")) == 10 * 3 * 5  # 10 pairs x (2 clients + average) x 5 metrics
     text = (tmp_path / "README.md").read_text()
-    assert "stale" not in text and text.endswith(f"{comparisons.END}\nkept\n") and "1 of 10 client-runs" in text
+    assert "stale" not in text and text.endswith(f"{claims.END}\nkept\n") and "1 of 10 client-runs" in text
     check = [sys.executable, "-m", "pipeline.report", "claims", str(tmp_path), str(tmp_path / "README.md"), "--check"]
     assert subprocess.run(check, cwd=ROOT, capture_output=True).returncode == 0
     (tmp_path / "README.md").write_text(text.replace("1 of 10", "0 of 10"))  # a number edited by hand
@@ -445,7 +472,7 @@ VERDICT_ROWS = [
 
 
 def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
-    lines = comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
+    lines = claims.results_text(_scaled(VERDICT_ROWS, 3, 244)).splitlines()
     assert any(
         line.startswith("- **Federation, as run here, hurts**") and "−1.87 [−2.55, −1.15]" in line for line in lines
     )
@@ -458,8 +485,8 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
     [(True, 3, 244, "smoke run"), (False, 1, 244, "1 seed(s)"), (False, 3, 24, "24 test examples")],
 )
 def test_a_smoke_run_or_too_small_a_study_states_numbers_but_no_claim(smoke, seeds, examples, why):
-    text = comparisons.results_text(
-        _scaled(VERDICT_ROWS, seeds, examples), scale=comparisons.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100)
+    text = claims.results_text(
+        _scaled(VERDICT_ROWS, seeds, examples), scale=claims.ClaimScale(smoke=smoke, min_seeds=2, min_examples=100)
     )
     assert "No comparative claim" in text and why in text
     assert "−1.87 [−2.55, −1.15]" in text and "+0.58 [+0.23, +0.85]" in text  # the numbers stay
@@ -475,11 +502,11 @@ def test_the_backbone_caveat_comes_from_the_records():
         "evaluation": {"rouge1": 38.1, "examples": 818, "dataset": "samsum"},
     }
     kd = {"tau": 5.0, "clients": {"A": {"kd_usage_ratio": 0.421}, "B": {"kd_usage_ratio": 0.5438}}}
-    note = comparisons.backbone_note(backbone, kd)
+    note = claims.backbone_note(backbone, kd)
     assert "`tiny` (12.3M parameters, ROUGE-1 38.10 on 818 samsum" in note
     assert "42-54 % of target tokens at tau = 5.0, the paper's on 86-89 %" in note  # METHOD.md: 0.86-0.89
-    assert comparisons.backbone_note(None, kd) == ""
-    assert comparisons.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
+    assert claims.backbone_note(None, kd) == ""
+    assert claims.results_text(_scaled(VERDICT_ROWS, 3, 244), backbone=note).splitlines()[1] == note
 
 
 def test_the_default_profile_states_numbers_and_draws_no_claim():
@@ -493,3 +520,24 @@ def test_the_default_profile_states_numbers_and_draws_no_claim():
     assert "**No comparative claim**: a smoke run (`report.smoke: true`)" in text
     for verdict in ("helps", "hurts", "does not measurably help", "excluded", "inside our interval"):
         assert verdict not in text
+
+
+def test_the_claims_say_how_many_runs_are_not_converged():
+    """A run is not converged when any of its clients is (its best round was its last, or its record says the stop
+    rule never held before the ceiling); the results text counts runs besides client-runs."""
+    table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
+    convergence = pd.DataFrame(
+        {
+            "experiment": ["a-s0", "a-s0", "b-s0", "b-s0", "c-s0"],
+            "client": ["A", "B", "A", "B", "A"],
+            "best_round": [8, 5, 8, 8, 3],
+            "last_round": [8, 8, 8, 8, 8],
+            "best_is_last": [True, False, True, True, False],
+            "study": "main",
+            "label": ["a", "a", "b", "b", "c"],
+            "seed": 0,
+        }
+    )
+    text = claims.results_text(table, convergence)
+    assert "3 of 5 client-runs had their best validation round in their last round (8)" in text
+    assert "2 of 3 runs are not converged" in text

@@ -184,3 +184,31 @@ def test_p_values_print_rounded_down_so_a_significant_p_never_reads_0_050():
     assert format_p(0.0009) == "< 0.001"
     assert format_p(1.0) == "1.000"
     assert format_p(float("nan")) == "–"
+
+
+def test_holm_adjusts_within_each_study_scope_and_metric_and_decides_significance():
+    rows = [
+        {"study": "main", "client": comparisons.AVERAGE, "metric": "avg_rouge", "p_value": p}
+        for p in (0.01, 0.02, 0.04)
+    ] + [
+        {"study": "tau_sweep", "client": comparisons.AVERAGE, "metric": "avg_rouge", "p_value": 0.03},
+        {"study": "main", "client": "Product", "metric": "avg_rouge", "p_value": 0.03},
+    ]
+    out = comparisons.with_holm(pd.DataFrame(rows).assign(significant=True), BootstrapConfig())
+    # main's client average: 0.01 x 3, 0.02 x 2, 0.04 x 1 -> 0.03, 0.04, 0.04; the other families have one member
+    np.testing.assert_allclose(out["p_holm"], [0.03, 0.04, 0.04, 0.03, 0.03])
+    assert out["significant"].tolist() == [True, True, True, True, True]
+    worse = comparisons.with_holm(pd.DataFrame(rows[:3]).assign(p_value=[0.01, 0.03, 0.04]), BootstrapConfig())
+    assert worse["significant"].tolist() == [True, False, False]  # 0.03 x 2 = 0.06: the interval alone no longer
+
+
+def test_the_committed_per_example_files_average_r1_r2_and_plain_rouge_l():
+    """A user reading a committed per_example.parquet gets the average ROUGE the tables show."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(root.glob("reports/**/eval/*/per_example.parquet"))
+    assert files
+    for path in files:
+        frame = pd.read_parquet(path)
+        np.testing.assert_allclose(
+            frame["avg_rouge"], frame[["rouge1", "rouge2", "rougeL"]].mean(axis=1), err_msg=str(path)
+        )

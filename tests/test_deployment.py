@@ -286,14 +286,8 @@ def secure_local_run(workspace, tmp_path_factory):  # noqa: F811
     weigh their updates, 4 and 6 examples, as three do; the in-process Grid test above federates all three)."""
     from types import SimpleNamespace
 
-    from pipeline.federation.localhost import (
-        CONNECTION,
-        RUN_ID,
-        LocalhostFederation,
-        flwr,
-        make_node_key,
-        parse_run_status,
-    )
+    from pipeline.federation.localhost import CONNECTION, RUN_ID, LocalhostFederation, flwr, parse_run_status
+    from pipeline.federation.tls import make_node_key
 
     with pytest.MonkeyPatch.context() as mp:  # what the ws fixture sets, for this module-scoped setup
         mp.chdir(workspace)
@@ -495,7 +489,7 @@ def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
 
     import psutil
 
-    from pipeline.federation.localhost import ProcessGroup
+    from pipeline.federation.processes import ProcessGroup
 
     group = ProcessGroup(tmp_path / "logs", dict(os.environ), stop_timeout_s=5)
     # a child in a new session (as SuperExec) and one in the leader's group (as a ClientApp)
@@ -550,7 +544,9 @@ def test_xdist_keeps_a_group_on_one_worker(tmp_path):
 
 
 def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
-    from pipeline.federation.localhost import Certificates, _parse_run_config, run_config_arg, write_connection
+    from pipeline.federation.cli import _parse_run_config
+    from pipeline.federation.localhost import run_config_arg, write_connection
+    from pipeline.federation.tls import Certificates
 
     values = _parse_run_config(["mlflow=false", "evaluate-every=2", "params=deploy.yaml", "plan='m/p.json'"])
     assert values == {"mlflow": False, "evaluate-every": 2, "params": "deploy.yaml", "plan": "m/p.json"}

@@ -14,8 +14,8 @@ import yaml
 from dvc.utils.hydra import apply_overrides
 
 from pipeline.presets import flatten_leaves, hydra_value
-from pipeline.report import HEADLINE_STUDY, average_interval, headline_metrics
 from pipeline.results import comparisons
+from pipeline.results.outputs import HEADLINE_STUDY, average_interval, headline_metrics
 from pipeline.results.stats import BootstrapConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,15 @@ import pandas as pd
 import pytest
 
 from pipeline.common.schema import DataError, Turn, spoken_word_count, summary_word_count
+from pipeline.datasets.examples import (
+    PAPER_TABLE_II,
+    ExamplesConfig,
+    build_examples,
+    link_meetings,
+    stats_markdown,
+    table_ii,
+)
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
-from pipeline.examples import PAPER_TABLE_II, ExamplesConfig, build_examples, link_meetings, stats_markdown, table_ii
 from pipeline.ingest import ingest_dataset
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"

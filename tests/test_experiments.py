@@ -40,16 +40,6 @@ def import_graph() -> dict[str, set[str]]:
     return {m: {n for n in _imports(p) if n in modules and n != m} for m, p in modules.items()}
 
 
-def stage_modules() -> set[str]:
-    """The modules dvc.yaml runs as stages (`python -m pipeline.<stage>`)."""
-    out = set()
-    for body in DVC_YAML["stages"].values():
-        cmd = body.get("do", body)["cmd"]
-        if "python -m pipeline." in cmd:
-            out.add(cmd.split("python -m ")[1].split()[0])
-    return out
-
-
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
 
@@ -81,14 +71,6 @@ def test_cycle_finder_finds_a_planted_cycle_and_accepts_a_tree():
 def test_no_import_cycle_in_pipeline():
     # function-level imports count: a local import that works around a cycle is still a cycle in the design
     assert find_cycle(import_graph()) is None
-
-
-def test_library_modules_never_import_a_stage_module():
-    stages, graph = stage_modules(), import_graph()
-    assert {"pipeline.train", "pipeline.evaluate", "pipeline.report", "pipeline.plan"} <= stages
-    library = [m for m in graph if m.count(".") >= 2 or m in ("pipeline.experiments", "pipeline.paths")]
-    offenders = {m: sorted(graph[m] & stages) for m in library if graph[m] & stages}
-    assert offenders == {}
 
 
 def test_package_init_files_hold_no_code():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.common.config import load_params
+from pipeline.common.config import ConfigError, load_params
 from pipeline.modeling.losses import KDConfig, distillation_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +42,26 @@ def test_the_margin_gate_distils_where_the_teacher_clearly_prefers_one_word():
 
 
 def test_the_margin_gate_reads_a_probability_margin():
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:
         _loss(5.0)
-    assert "tau=5.0" in str(err.value)
+    assert str(err.value) == "KDConfig: MarginSettings.tau=5.0 is out of range; allowed: > 0 and <= 1"
+
+
+@pytest.mark.parametrize("tau", [1.5, 5.0])
+def test_a_margin_outside_0_1_fails_at_planning_naming_the_experiment(tmp_path, tau):
+    from pipeline.experiments import write_plans
+
+    params = copy.deepcopy(load_params(ROOT / "params.yaml"))
+    params["experiments"] = {
+        "margin-domain": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "tau": tau},
+    }
+    params["train"]["kd_gate"] = "margin"
+    with pytest.raises(ConfigError) as err:
+        write_plans(params, tmp_path)
+    assert "experiments.margin-domain" in str(err.value) and f"tau={tau}" in str(err.value)
+    assert not list(tmp_path.glob("*.json"))  # no plan written
+    params["experiments"]["margin-domain"]["tau"] = 1.0  # the bound itself is a margin
+    assert [p.name for p in write_plans(params, tmp_path)] == ["margin-domain.json"]
 
 
 def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(tmp_path):

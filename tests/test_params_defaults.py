@@ -18,17 +18,17 @@ PARAMS = load_params(ROOT / "params.yaml")
 def _groups() -> dict[str, list[type]]:
     """params.yaml group -> the dataclasses that read it (a group may be split between a result-changing and a
     run-time class)."""
-    from pipeline.analyze import AnalyzeConfig
-    from pipeline.backbone import BackboneConfig
+    from pipeline.datasets.examples import ExamplesConfig
     from pipeline.datasets.sources import IngestConfig
-    from pipeline.examples import ExamplesConfig
     from pipeline.experiments import RUN_TRAIN_KEYS, RunSettings
+    from pipeline.modeling.backbone import BackboneConfig
     from pipeline.modeling.cache import CacheConfig
     from pipeline.modeling.model import ModelConfig
+    from pipeline.modeling.target_tags import PostagConfig
     from pipeline.partitioning.schemes import PartitionConfig
-    from pipeline.postag import PostagConfig
     from pipeline.privacy.settings import PrivacyConfig
     from pipeline.report import ReportConfig
+    from pipeline.results.analysis import AnalyzeConfig
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.results.stats import BootstrapConfig
     from pipeline.training.config import TrainConfig

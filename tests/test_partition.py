@@ -12,8 +12,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.common.schema import SPLITS, DataError
-from pipeline.partition import check_partition, js_matrix, main, make_partition, partition_json, partition_stats
+from pipeline.partition import main
 from pipeline.partitioning import schemes as partition_schemes
+from pipeline.partitioning.partitions import (
+    check_partition,
+    js_matrix,
+    make_partition,
+    partition_json,
+    partition_stats,
+)
 from pipeline.partitioning.schemes import Partition, PartitionConfig, largest_remainder
 from tests.errors import names
 

@@ -14,7 +14,7 @@ from pipeline import postag
 from pipeline.common.schema import DataError
 from pipeline.datasets.postags import NounVerbMasks
 from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
-from pipeline.postag import load_spacy, tag_targets
+from pipeline.modeling.target_tags import PostagConfig, load_spacy, tag_targets
 
 SENTENCE = "The professor will present the new results to the group."
 # Tags written by hand (universal POS), one per whitespace word.
@@ -102,7 +102,7 @@ def test_missing_spacy_model_names_the_package():
 
 def test_bad_params_rejected():
     with pytest.raises(ValueError, match=r"PostagConfig.noun_verb_tags: unknown value\(s\) \['NN'\]; allowed: 'ADJ'"):
-        postag.PostagConfig(noun_verb_tags=["NN"])
+        PostagConfig(noun_verb_tags=["NN"])
 
 
 def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):

@@ -30,15 +30,15 @@ DIRECT_WRITE = re.compile(
 )
 ALLOWED = {
     # built in atomic.temp_dir_for(...) and moved into place whole by atomic.replace_dir
-    ("backbone.py", "model.save_pretrained(out_dir)"),
-    ("backbone.py", "tokenizer.save_pretrained(out_dir)"),
-    ("backbone.py", "(out_dir / RECORD_NAME).write_text("),
+    ("modeling/backbone.py", "model.save_pretrained(out_dir)"),
+    ("modeling/backbone.py", "tokenizer.save_pretrained(out_dir)"),
+    ("modeling/backbone.py", "(out_dir / RECORD_NAME).write_text("),
     # its own temporary + os.replace (it decides after writing whether the entry fits the size budget)
     ("modeling/cache.py", "save_file("),
     # write the temporary that atomic.replacing yields
     ("training/checkpoints.py", 'torch.save({"plan_hash": plan_hash(plan)'),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
-    ("federation/localhost.py", 'out: IO | int = subprocess.PIPE if capture else open(log, "ab")'),
+    ("federation/processes.py", 'out: IO | int = subprocess.PIPE if capture else open(log, "ab")'),
     ("federation/localhost.py", 'log = open(run.log, "a", encoding="utf-8")'),
 }
 

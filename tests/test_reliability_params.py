@@ -91,7 +91,7 @@ CASES = [
         [],
         "backbone.warmup.dataset",
         "x",
-        r"backbone.warmup.dataset='x' is out of range; allowed: one of 'qmsum'",
+        r"backbone.warmup.dataset='x' is not ingested; allowed: one of ingest.datasets \['qmsum'",
     ),
     (
         "backbone",

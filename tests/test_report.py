@@ -454,3 +454,25 @@ def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tm
     )
     timing, _ = timing_table(tmp_path, set())
     assert re.search(r"\b60 s \(1\.0 min\)", timing_markdown(timing))
+
+
+def test_the_main_table_uses_the_seeds_every_method_has():
+    from pipeline.report import shared_seeds
+
+    scores = pd.DataFrame({"label": ["a"] * 3 + ["b"] * 2, "seed": [0, 1, 2, 0, 2]})
+    assert shared_seeds(scores) == [0, 2]
+    assert shared_seeds(scores.iloc[:0]) == []
+
+
+def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
+    """One pooled pass a round (1,095 examples, batch 8, 2 accumulation steps: 69 optimizer steps) against each
+    client's own pass: Academic 218 examples (14 steps), Committee 284 (18), Product 593 (38)."""
+    from pathlib import Path
+
+    from pipeline.common.config import load_params
+    from pipeline.experiments import declared
+    from pipeline.results.readers import centralized_step_ratios
+
+    study = Path(__file__).resolve().parents[1] / "reports/cpu-study"
+    got = dict(centralized_step_ratios(declared(load_params(study / "params.yaml")), study / "train", 8, 2))
+    assert got == pytest.approx({"Academic": 69 / 14, "Committee": 69 / 18, "Product": 69 / 38})

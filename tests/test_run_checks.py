@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.common.cli import run as run_cli
-from pipeline.federation import localhost
+from pipeline.federation import cli, localhost
 from pipeline.federation.deployment import SERVER_KEYS, RunConfigError, check_run_config
 from pipeline.federation.localhost import FederationError, close_left_running, parse_run_status
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
@@ -43,7 +43,7 @@ def test_the_apps_run_config_is_what_the_server_app_reads():
 def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monkeypatch, capsys, item, key):
     monkeypatch.chdir(tmp_path)  # no plan, no FLWR_HOME here: the check must come before both
     monkeypatch.setattr(localhost.ProcessGroup, "start", lambda *a, **k: pytest.fail("a process was started"))
-    status = run_cli(localhost.main, ["local", "--experiment", "fedavg-domain", "--run-config", item])
+    status = run_cli(cli.main, ["local", "--experiment", "fedavg-domain", "--run-config", item])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and (f"{key}=" in err[0] or f"'{key}'" in err[0]), err
     assert not (tmp_path / ".flwr-local").exists()
@@ -68,7 +68,7 @@ def test_good_run_config_values_pass_and_an_integer_is_a_number():
 
 def test_auth_without_tls_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    status = run_cli(localhost.main, ["local", "--experiment", "fedavg-domain", "--auth"])
+    status = run_cli(cli.main, ["local", "--experiment", "fedavg-domain", "--auth"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and "--auth" in err[0] and "TLS" in err[0]
 
@@ -134,7 +134,7 @@ def test_the_status_command_exits_non_zero_for_a_failed_run(monkeypatch, capsys)
         "run",
         lambda argv, **kw: calls.append(argv) or subprocess.CompletedProcess(argv, 0, stdout=text, stderr=""),
     )
-    assert run_cli(localhost.main, ["status", "fedmeet"]) == 1
+    assert run_cli(cli.main, ["status", "fedmeet"]) == 1
     assert capsys.readouterr().out.strip() == "run 93: finished:failed (ServerApp failed with exception: boom)"
     assert calls[0][1:] == ["ls", "fedmeet", "--format", "json"]
 
@@ -268,11 +268,11 @@ def test_the_local_command_prints_the_rouge_of_the_evaluation_its_run_wrote(ws, 
         os.utime(evaluated, (since - age, since - age))
         return LocalhostRun(0, fed.home, ""), fed.check_outputs(since)
 
-    monkeypatch.setattr(localhost, "run_localhost", lambda cfg: run(cfg, age=-1.0))
-    assert run_cli(localhost.main, ["local", "--plan", path]) == 0
+    monkeypatch.setattr(cli, "run_localhost", lambda cfg: run(cfg, age=-1.0))
+    assert run_cli(cli.main, ["local", "--plan", path]) == 0
     assert json.loads(capsys.readouterr().out)["rouge"] == mean
-    monkeypatch.setattr(localhost, "run_localhost", lambda cfg: run(cfg, age=60.0))  # an earlier run's file
-    assert run_cli(localhost.main, ["local", "--plan", path]) == 0
+    monkeypatch.setattr(cli, "run_localhost", lambda cfg: run(cfg, age=60.0))  # an earlier run's file
+    assert run_cli(cli.main, ["local", "--plan", path]) == 0
     assert "rouge" not in json.loads(capsys.readouterr().out)
 
 
@@ -293,11 +293,11 @@ def test_status_reports_the_run_flwr_run_started_or_that_it_started_none(monkeyp
     )
     started = tmp_path / "run.json"
     started.write_text('{"success": true, "run-id": "7"}')  # what `flwr run --format json` prints
-    assert run_cli(localhost.main, ["status", "fedmeet", "--submitted", str(started)]) == 0
+    assert run_cli(cli.main, ["status", "fedmeet", "--submitted", str(started)]) == 0
     assert capsys.readouterr().out.strip() == "run 7: finished:completed"  # not run 93, submitted later
     refused = tmp_path / "refused.json"
     refused.write_text('{"success": false, "error-message": "Invalid run configuration: admision-timeout-s"}')
-    assert run_cli(localhost.main, ["status", "fedmeet", "--submitted", str(refused)]) == 1
+    assert run_cli(cli.main, ["status", "fedmeet", "--submitted", str(refused)]) == 1
     assert capsys.readouterr().out.strip() == "no run started: Invalid run configuration: admision-timeout-s"
     assert len(calls) == 1  # the SuperLink is not asked about a run that never started
 

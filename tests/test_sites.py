@@ -1,4 +1,4 @@
-"""What each role of a real federation holds (pipeline.federation.localhost.write_kit, `python -m pipeline.federation
+"""What each role of a real federation holds (pipeline.federation.kits.write_kit, `python -m pipeline.federation
 kit`): the server the plan and the backbone only; a site its own partition slice and examples, with which its ClientApp
 identifies itself and reports its split sizes."""
 
@@ -21,8 +21,8 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
     import yaml
 
     from pipeline.common.cli import run as run_cli
+    from pipeline.federation.cli import main
     from pipeline.federation.deployment import decoding, timeouts
-    from pipeline.federation.localhost import main
 
     plan = write_plan("kit-server", "fedavg", rounds=1)
     Path("kit-params.yaml").write_text(
@@ -48,7 +48,7 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.localhost import write_kit
+    from pipeline.federation.kits import write_kit
     from pipeline.federation.server_app import _identify
     from pipeline.paths import PATHS
 
@@ -76,7 +76,7 @@ def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifi
 
 def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
     from pipeline.common.schema import DataError
-    from pipeline.federation.localhost import write_kit
+    from pipeline.federation.kits import write_kit
 
     with pytest.raises(DataError, match="'Prodcut'"):
         write_kit(write_plan("kit-typo", "fedavg", rounds=1), tmp_path / "x", "Prodcut")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.results.stats import BootstrapConfig, mean_interval, paired_difference
+from pipeline.results.stats import BootstrapConfig, holm, mean_interval, meetings, paired_difference
 
 CFG = BootstrapConfig(n_resamples=2000, seed=0)
 
@@ -111,3 +111,50 @@ def test_p_is_twice_the_smaller_tail_of_the_replicates():
     r = paired_difference([np.array([[1.0, 1.0, -1.0]])], [np.zeros((1, 3))], BootstrapConfig(n_resamples=20000))
     assert r.p_value == pytest.approx(14 / 27, abs=0.02)
     assert not r.significant
+
+
+def test_holm_adjusts_a_family_as_computed_by_hand():
+    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 = 0.04 -> monotone: 0.06
+    got = holm(np.array([0.01, 0.04, 0.03, 0.005]))
+    np.testing.assert_allclose(got, [0.03, 0.06, 0.06, 0.02])
+    # NaN is not counted (a family of 2 here) and stays NaN; adjusted p is capped at 1
+    got = holm(np.array([0.02, np.nan, 0.7]))
+    np.testing.assert_allclose(got, [0.04, np.nan, 0.7])
+    assert holm(np.array([0.6, 0.9]))[0] == 1.0
+
+
+def _duplicated(per_client, k):
+    """Each example repeated k times, and the cluster ids that tie the copies together."""
+    return [np.repeat(a, k, axis=1) for a in per_client], [np.repeat(np.arange(a.shape[1]), k) for a in per_client]
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_copies_of_one_example_in_one_cluster_count_as_that_example_once(seeds):
+    """The cluster-robust variance sums within clusters: k copies of each example, clustered, give exactly the
+    interval of the examples without copies (treated as independent, the copies would narrow it by about sqrt k)."""
+    rng = np.random.default_rng(7)
+    # an example effect every seed shares, so the example-level part dominates the variance
+    a = [rng.normal(1.0, 5.0, n) + rng.normal(0.0, 0.5, (seeds, n)) for n in (20, 35)]
+    b = [rng.normal(0.0, 0.5, (seeds, n)) for n in (20, 35)]
+    plain = paired_difference(a, b, CFG)
+    (a3, ids), (b3, _) = _duplicated(a, 3), _duplicated(b, 3)
+    clustered = paired_difference(a3, b3, CFG, clusters=ids)
+    assert (clustered.low, clustered.high, clustered.p_value) == pytest.approx((plain.low, plain.high, plain.p_value))
+    naive = paired_difference(a3, b3, CFG)
+    assert naive.high - naive.low < 0.7 * (plain.high - plain.low)
+    # one example a cluster is the independent interval
+    singletons = paired_difference(a, b, CFG, clusters=[np.arange(x.shape[1]) for x in a])
+    assert (singletons.low, singletons.high) == pytest.approx((plain.low, plain.high))
+
+
+def test_cluster_ids_must_align_with_the_examples():
+    a = [np.zeros((2, 4))]
+    with pytest.raises(ValueError, match="3 cluster ids for 4 examples"):
+        paired_difference(a, a, CFG, clusters=[np.array([0, 0, 1])])
+
+
+def test_qmsum_queries_cluster_by_meeting_and_other_datasets_do_not():
+    ids = [["qmsum/Academic/test/Bed003/q0", "qmsum/Academic/test/Bed003/q1", "qmsum/Academic/test/Bed008/q0"]]
+    (got,) = meetings(ids)
+    assert got.tolist() == ["qmsum/Academic/test/Bed003"] * 2 + ["qmsum/Academic/test/Bed008"]
+    assert meetings([["samsum/test/13862856", "samsum/test/13729565"]]) is None

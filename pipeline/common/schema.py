@@ -8,7 +8,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-DATASETS = ("qmsum", "samsum", "ami", "icsi")
 SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
 

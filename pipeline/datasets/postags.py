@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.modeling.batching import IGNORE_INDEX
 
 POSTAG_COLUMNS = ["example_id", "position", "token_id", "word_index", "word", "pos", "is_noun_or_verb"]
 
@@ -35,13 +34,14 @@ class NounVerbMasks:
         return self._mask[example_id]
 
     def batch(self, example_ids: Sequence[str], labels) -> np.ndarray:
-        """[B, T] bool mask for a batch's ``labels`` ([B, T] ids, IGNORE_INDEX on padding). Checks that the tagged token
-        ids equal the batch's labels, so a mask can never be applied to a differently tokenised target."""
+        """[B, T] bool mask for a batch's ``labels`` ([B, T] token ids, padded with the negative ignore index of
+        ``pipeline.modeling.batching``). Checks that the tagged token ids equal the batch's labels, so a mask can never
+        be applied to a differently tokenised target."""
         labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
         out = np.zeros(labels.shape, dtype=bool)
         for b, eid in enumerate(example_ids):
             row = labels[b]
-            n = int((row != IGNORE_INDEX).sum())
+            n = int((row >= 0).sum())  # token ids are never negative; the padding is
             if n != len(self._ids.get(eid, ())) or not np.array_equal(row[:n], self._ids[eid]):
                 self[eid]  # raises for an unknown example
                 raise DataError(

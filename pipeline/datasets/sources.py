@@ -19,7 +19,7 @@ from tqdm import tqdm
 from pipeline.common import atomic
 from pipeline.common.config import config
 from pipeline.common.schema import DataError
-from pipeline.datasets.readers.catalog import dataset_spec
+from pipeline.datasets.readers.catalog import DATASETS, dataset_names, dataset_spec
 from pipeline.datasets.readers.upstream import absent_allowed
 
 ENV_DATA_ROOT = "FEDMEET_DATA_ROOT"
@@ -30,19 +30,12 @@ DOWNLOAD_TIMEOUT_S = 120
 class IngestConfig:
     data_root: str = "data/raw"
     raw_dir: str = "data/raw"
-    datasets: list[Annotated[str, AfterValidator(lambda name: dataset_spec(name).name)]] = field(  # a reader's
-        default_factory=lambda: ["qmsum", "samsum", "ami", "icsi"]
+    # every registered reader's dataset, and its pinned upstream address (the commits named in
+    # ../shared/data/*/SOURCE.md)
+    datasets: list[Annotated[str, AfterValidator(lambda name: dataset_spec(name).name)]] = field(
+        default_factory=dataset_names
     )
-    # the params file's pinned upstream addresses (the commits named in ../shared/data/*/SOURCE.md)
-    urls: dict[str, str] = field(
-        default_factory=lambda: {
-            "qmsum": "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
-            "ami": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
-            "icsi": "https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
-            "samsum": "https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/"
-            "c956de19db32c7cf9e60259d88cbab0d27e82ee6/samsum.zip",
-        }
-    )
+    urls: dict[str, str] = field(default_factory=lambda: {name: spec.url for name, spec in DATASETS.items()})
     # Splits whose file may be missing or empty, as fnmatch patterns of "<dataset>/<domain>/<split>" (e.g.
     # "qmsum/Academic/test", "samsum/*/valid"); any other missing or empty split is an error.
     allow_absent_splits: list[str] = field(default_factory=list)

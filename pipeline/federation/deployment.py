@@ -257,6 +257,31 @@ class DeploymentRecorder(TrainRecorder):
             )
 
 
+def start_mlflow_run(plan: Plan, fresh: bool, run_id_file: Path):
+    """The server's MLflow run: the one ``run_id_file`` names when resuming, else a new one (its id written there)."""
+    # lazy: a ClientApp, one process per message, never loads MLflow
+    from pipeline.results.tracking import RunLogger, delete_run
+
+    if fresh and run_id_file.exists():
+        # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
+        # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
+        try:
+            delete_run(run_id_file.read_text().strip())
+        except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
+            log.info("earlier MLflow run not deleted: %s", exc)
+        run_id_file.unlink()
+    resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
+    logger = RunLogger.start(
+        plan.study,
+        plan.experiment,
+        plan.to_json_dict(),
+        run_identity_tags(plan, "deployment"),
+        resume_run_id=resume_id,
+    )
+    atomic.write_text(run_id_file, logger.run_id)
+    return logger
+
+
 # The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
 # run config. Flower ignores what serve returns.
 server_app = ServerApp()
@@ -283,27 +308,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         flush=True,
     )
     run_id_file = checkpoints.mlflow_run_id_path(plan)
-    logger = None
-    if rc.get("mlflow", True):
-        from pipeline.results.tracking import RunLogger, _client
-
-        if checkpoint is None and run_id_file.exists():
-            # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
-            # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
-            try:
-                _client().delete_run(run_id_file.read_text().strip())
-            except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
-                log.info("earlier MLflow run not deleted: %s", exc)
-            run_id_file.unlink()
-        resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
-        logger = RunLogger.start(
-            plan.study,
-            plan.experiment,
-            plan.to_json_dict(),
-            run_identity_tags(plan, "deployment"),
-            resume_run_id=resume_id,
-        )
-        atomic.write_text(run_id_file, logger.run_id)
+    logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if rc.get("mlflow", True) else None
 
     cfg = decoding(rc) if rc.get("evaluate", True) else None
     round_timeout, admission_timeout = timeouts(rc)

@@ -1,20 +1,17 @@
 """A local deployment of one experiment (a SuperLink and one SuperNode per client on 127.0.0.1, then ``flwr run``,
 with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
-stopped with the descendants it spawned, also at interpreter exit); also a run's status and a role's ``kit``.
+stopped with the descendants it spawned, also at interpreter exit); also a run's status. Its processes are pipeline.federation.processes, its TLS files pipeline.federation.tls. The
+training side is imported inside the functions that need it: `python -m pipeline.federation status` starts without
+torch.
 """
 
 from __future__ import annotations
 
-import argparse
-import atexit
 import contextlib
-import dataclasses
 import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,190 +19,15 @@ import time
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
-
-import psutil
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict
-from pipeline.common.schema import DataError
+from pipeline.federation.kits import server_run_config
+from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
+from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca
 from pipeline.paths import PATHS
 
-HOST = "127.0.0.1"
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
-
-
-class FederationError(RuntimeError):
-    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
-
-
-@dataclass
-class Process:
-    name: str
-    popen: subprocess.Popen
-    log: Path
-    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-
-class ProcessGroup:
-    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
-
-    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
-        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
-        self.procs: list[Process] = []
-        log_dir.mkdir(parents=True, exist_ok=True)
-        atexit.register(self.stop_all)  # a group not stopped yet is stopped at interpreter exit, whatever happened
-
-    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
-        log = self.log_dir / f"{name}.log"
-        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
-        popen = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        if not capture:
-            out.close()  # the child holds its own descriptor
-        self.procs.append(proc := Process(name, popen, log))
-        return proc
-
-    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
-        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
-        ``stop_timeout_s``; then reap it."""
-        with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
-            proc.descendants |= {p.pid for p in psutil.Process(proc.popen.pid).children(recursive=True)}
-        pids = [proc.popen.pid, *sorted(proc.descendants)]
-        for s in dict.fromkeys((sig, signal.SIGKILL)):
-            for pid in pids:
-                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        kill(pid, s)
-            deadline = time.monotonic() + self.stop_timeout_s
-            while time.monotonic() < deadline and any(_running(p) for p in pids):
-                time.sleep(0.1)
-            if not any(_running(p) for p in pids):
-                break
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.popen.wait(timeout=self.stop_timeout_s)
-
-    def stop_all(self) -> None:
-        # A second Ctrl-C must not cut the cleanup short and leave servers running.
-        main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            for proc in reversed(self.procs):
-                self.stop(proc)
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
-            atexit.unregister(self.stop_all)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if not proc.alive():
-            tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:]) if proc.log.exists() else ""
-            raise FederationError(
-                f"{proc.name} exited (status {proc.popen.returncode}) before {what}; log {proc.log}: {tail!r}"
-            )
-        if time.monotonic() > deadline:
-            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s; log {proc.log}")
-        time.sleep(0.2)
-
-
-def port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((HOST, port)) == 0
-
-
-@dataclass(frozen=True)
-class Certificates:
-    """TLS files of a SuperLink and the CA that signed it (the SuperNodes' and the CLI's ``root-certificates``)."""
-
-    ca: Path
-    cert: Path
-    key: Path
-
-
-def _run(*argv) -> None:
-    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if out.returncode != 0:
-        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {' '.join(out.stderr.split())[-300:]}")
-
-
-def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
-    """A throwaway CA and a certificate for the SuperLink on 127.0.0.1 signed by it."""
-    out.mkdir(parents=True, exist_ok=True)
-    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
-    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
-    _run(
-        "openssl",
-        "req",
-        "-x509",
-        *new_key,
-        "-days",
-        days,
-        "-subj",
-        "/CN=fedmeet local CA",
-        "-keyout",
-        out / "ca.key",
-        "-out",
-        certs.ca,
-    )
-    _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
-    atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
-    _run(
-        "openssl",
-        "x509",
-        "-req",
-        "-in",
-        out / "server.csr",
-        "-CA",
-        certs.ca,
-        "-CAkey",
-        out / "ca.key",
-        "-CAcreateserial",
-        "-days",
-        days,
-        "-extfile",
-        out / "san.cnf",
-        "-out",
-        certs.cert,
-    )
-    return certs
-
-
-def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
-    """A SuperNode's authentication key pair: (private key the SuperNode keeps, public key the server registers)."""
-    out.mkdir(parents=True, exist_ok=True)
-    private, public = out / name, out / f"{name}.pub"
-    for key in (private, public):
-        key.unlink(missing_ok=True)  # ssh-keygen would ask before overwriting
-    _run("ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", private)
-    return private, public
 
 
 @dataclass
@@ -248,6 +70,14 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
 
 
+def run_status(superlink: str | None, run_id: int | None, **kwargs) -> tuple[str, str, str]:
+    """(run id, status, details) of ``run_id`` (else the run submitted last) as ``flwr ls`` on ``superlink`` (a
+    connection of FLWR_HOME/config.toml; None: its default) reports it."""
+    run = ["--run-id", str(run_id)] if run_id is not None else []
+    out = flwr("ls", *([superlink] if superlink else []), *run, "--format", "json", **kwargs)
+    return parse_run_status(out.stdout, run_id)
+
+
 def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
     from pipeline.training.checkpoints import mlflow_run_id_path
@@ -255,12 +85,9 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
     path = workdir / mlflow_run_id_path(plan)
     if not path.exists():
         return
-    from pipeline.results.tracking import _client
+    from pipeline.results.tracking import end_if_running
 
-    run_id, client = path.read_text().strip(), _client()
-    if client.get_run(run_id).info.status == "RUNNING":
-        client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
-        client.set_terminated(run_id, status="KILLED")
+    end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
@@ -275,15 +102,7 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
             print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id").split()))
             return 1
         run_id = int(started["run-id"])
-    out = flwr(
-        "ls",
-        *([superlink] if superlink else []),
-        "--format",
-        "json",
-        *(["--run-id", str(run_id)] if run_id is not None else []),
-        timeout=120,
-    )
-    rid, status, details = parse_run_status(out.stdout, run_id)
+    rid, status, details = run_status(superlink, run_id, timeout=120)
     print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
     return 0 if status == "finished:completed" else 1
 
@@ -532,18 +351,10 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             found = RUN_ID.search(run.output)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
-            out = flwr(
-                "ls",
-                CONNECTION,
-                "--run-id",
-                found.group(1),
-                "--format",
-                "json",
-                cwd=fed.workdir,
-                env=fed.procs.env,
-                timeout=cfg.startup_timeout_s,
-            )  # what the SuperLink says of the run
-            _, status, details = parse_run_status(out.stdout, int(found.group(1)))
+            # what the SuperLink says of the run
+            _, status, details = run_status(
+                CONNECTION, int(found.group(1)), cwd=fed.workdir, env=fed.procs.env, timeout=cfg.startup_timeout_s
+            )
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
                 raise FederationError(
@@ -561,168 +372,3 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
         except Exception as closing:  # noqa: BLE001 -- the run's own error is the one to report
             print(f"warning: the MLflow run could not be marked KILLED: {closing}", file=sys.stderr)
         raise
-
-
-RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
-
-
-def write_kit(
-    plan_path: str, out: Path, client: str | None = None, run_config: dict[str, str | float] | None = None
-) -> list[Path]:
-    """Copy what the server (``client`` None) or ``client``'s site holds (docs/federation.md) into ``out``, laid out
-    as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
-    same run config works on every role."""
-    from pipeline.experiments import read_plan
-    from pipeline.training.client_data import read_examples, read_partition
-
-    plan = read_plan(plan_path)
-    if not plan.clients:
-        raise DataError(
-            f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
-            f"declared them: rerun the plan stage)"
-        )
-    if client is not None and client not in plan.clients:
-        raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
-    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(plan_path, out / plan_path)
-    backbone = Path(plan.paths["backbone"])
-    if not backbone.is_dir():
-        raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
-    shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
-    written = [Path(plan_path), backbone]
-    if client is None:
-        if run_config is not None:
-            # JSON's strings, numbers and booleans are TOML's too
-            atomic.write_text(
-                out / RUN_CONFIG,
-                "".join(f"{k} = {json.dumps(v)}\n" for k, v in {"plan": plan_path, **run_config}.items()),
-            )
-            written.append(Path(RUN_CONFIG))
-        return written
-
-    part_path = Path(plan.paths["partition"])
-    splits = (partition := read_partition(part_path))["clients"][client]
-    ids = {str(i) for split in splits.values() for i in split}
-    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
-    part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
-    own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
-    atomic.write_text(out / part_path, json.dumps(part, indent=1))
-    examples = read_examples(own[0])
-    atomic.to_parquet(
-        examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0], index=False
-    )
-    if len(own) > 1:
-        import pandas as pd
-
-        tags = pd.read_parquet(own[1])
-        atomic.to_parquet(tags[tags["example_id"].astype(str).isin(ids)], out / own[1], index=False)
-    return [*written, part_path, *own]
-
-
-def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
-    """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
-    out: dict[str, str | int | float | bool] = {}
-    for item in items:
-        if "=" not in item:
-            raise FederationError(f"--run-config {item!r}: expected key=value")
-        k, v = (x.strip() for x in item.split("=", 1))
-        try:
-            out[k] = tomllib.loads(f"x = {v}")["x"]
-        except tomllib.TOMLDecodeError:
-            out[k] = v.strip("'\"")
-    return out
-
-
-def server_run_config(params_file: str, experiment: str) -> dict[str, str | float]:
-    """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
-    overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
-    from pipeline.common.config import load_params
-    from pipeline.experiments import load_run_settings
-    from pipeline.results.evaluation import EvaluateConfig
-
-    settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
-    decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
-    return {
-        "round-timeout-s": settings.round_timeout_s,
-        "admission-timeout-s": settings.admission_timeout_s,
-        "decoding": json.dumps(dataclasses.asdict(decoding)),
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description="A local deployment of one experiment (SuperLink and SuperNodes on "
-        "127.0.0.1, then `flwr run`), a run's status, or what a site holds."
-    )
-    sub = ap.add_subparsers(dest="command", required=True)
-    lo = sub.add_parser("local", help="SuperLink + one SuperNode per client on 127.0.0.1, then `flwr run`")
-    which = lo.add_mutually_exclusive_group(required=True)
-    which.add_argument("--experiment", help="a key of params.yaml `experiments` (plan models/plans/<exp>.json)")
-    which.add_argument("--plan", help="a plan file (relative to the working directory)")
-    lo.add_argument(
-        "--run-config",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, decoding, "
-        "round-timeout-s, admission-timeout-s; the last three default to --params')",
-    )
-    lo.add_argument("--params", default="params.yaml", help="params file of the server's timeouts and decoding")
-    lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
-    lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
-    lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
-    lo.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for the whole run")
-    lo.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a process gets to stop on SIGTERM")
-    st = sub.add_parser("status", help="exit 0 if the SuperLink reports the run completed (else 1, with its status)")
-    st.add_argument("superlink", nargs="?", help="a SuperLink connection of FLWR_HOME/config.toml (default: its own)")
-    st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
-    st.add_argument("--submitted", type=Path, help="what `flwr run --format json` printed (its run, or none)")
-    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out")
-    kit.add_argument("--plan", required=True)
-    kit.add_argument("--client", help="the site's client (default: the server's kit)")
-    kit.add_argument("--out", required=True, type=Path)
-    kit.add_argument("--params", default="params.yaml", help="the server's kit: run_config.toml's timeouts, decoding")
-    args = ap.parse_args(argv)
-    if args.command == "status":
-        return status_command(args.superlink, args.run_id, args.submitted)
-    if args.command == "kit":
-        from pipeline.experiments import read_plan
-
-        run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
-        written = write_kit(args.plan, args.out, args.client, run_config)
-        print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
-        return 0
-
-    plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
-    cfg = LocalhostConfig(
-        plan=plan,
-        run_config=_parse_run_config(args.run_config),
-        params=args.params,
-        tls=args.tls,
-        auth=args.auth,
-        startup_timeout_s=args.startup_timeout,
-        run_timeout_s=args.run_timeout,
-        stop_timeout_s=args.stop_timeout,
-    )
-    # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
-    try:
-        run, metrics = run_localhost(cfg)
-    except KeyboardInterrupt:
-        print("interrupted: every process this command started was stopped", file=sys.stderr)
-        return 130
-    summary = {
-        c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")} for c, v in metrics["clients"].items()
-    }
-    # the client-average ROUGE of the federated evaluation, as the ServerApp wrote it (reports/eval/<exp>/)
-    print(
-        json.dumps(
-            {
-                "experiment": metrics.get("experiment", Path(plan).stem),
-                "clients": summary,
-                **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}),
-                "logs": str(run.home / "logs"),
-            }
-        )
-    )
-    return 0

@@ -31,7 +31,7 @@ from pydantic import BeforeValidator, model_validator
 from pipeline.common.config import Fraction, Positive, config
 from pipeline.modeling.batching import IGNORE_INDEX
 from pipeline.modeling.gates.catalog import GATES, gate_of
-from pipeline.modeling.gates.registry import TeacherRows
+from pipeline.modeling.gates.registry import GATE_SETTINGS, TeacherRows
 
 KdMode = Literal["ce", "kd", "selective", "hard"]
 KdDirection = Literal["teacher_to_student", "student_to_teacher"]
@@ -61,6 +61,8 @@ class KDConfig:
     def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:
         if self.tau_scale != "absolute" and not 0.0 < self.tau <= 1.0:
             raise ValueError(f"tau={self.tau} must be in (0, 1] with tau_scale {self.tau_scale!r}")
+        if self.mode == "selective" and (settings := GATE_SETTINGS.get(self.kd_gate)):
+            settings(tau=self.tau)  # the gate's own bounds on its threshold
         return self
 
 

@@ -161,6 +161,7 @@ def log_to_mlflow(
     """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
     each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset; the tag
     ``converged`` is readers.run_converged. Returns the run id."""
+    # lazy: a deployed ClientApp (one process per message) imports this module and never logs to MLflow
     from pipeline.experiments import record_hash
     from pipeline.results.tracking import RunLogger, _client, experiment_id
 

@@ -19,7 +19,7 @@ from pipeline.common import atomic
 from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
 from pipeline.results import published
-from pipeline.results.figures import plt, save
+from pipeline.results.plotting import plt, save
 from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 

@@ -1,4 +1,4 @@
-"""Why selective KD works, the computation (definitions in the docstring of pipeline/analyze.py): word updates, the
+"""Why selective KD works, the computation (definitions in the docstring of pipeline/results/analysis.py): word updates, the
 KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points;
 and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
 
@@ -14,7 +14,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.experiments import Experiment
-from pipeline.results.figures import plt, save
+from pipeline.results.plotting import plt, save
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import METRICS
 
@@ -31,7 +31,7 @@ def word_updates(
     source: str = "gate log",
     tags_source: str = "the POS tags",
 ) -> pd.DataFrame:
-    """Token gate decisions as word updates (pipeline/analyze.py): one row per (client, round, example_id,
+    """Token gate decisions as word updates (pipeline/results/analysis.py): one row per (client, round, example_id,
     word_index), its POS and whether its update used KD; ``source``, ``tags_source``: the files, in errors."""
     keys = ["client", "round", "example_id", "position"]
     per_token = (

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -235,4 +236,31 @@ def convergence_note(table: pd.DataFrame | None, studies: Iterable[str], labels:
         f"{MARK} {len(flagged)} of {len(known)} client-runs had their best validation round in their last "
         f"round{at}: they were still improving when training stopped, so these numbers hold for this round "
         "budget only."
+    )
+
+
+def centralized_step_ratios(
+    planned: Iterable[Any], train_dir: Path, batch_size: int, accum_steps: int
+) -> tuple[tuple[str, float], ...]:
+    """Per client, AdaCentralized's optimizer steps a round over the client's own, when AdaCentralized makes one
+    pass over the pooled data a round (train.centralized_steps: epoch): ceil(ceil(n / batch) / accumulation) steps
+    for n training examples, from the train records of the main study's lowest seed that has both an AdaCentralized
+    and an AdaSingle record (() when none has)."""
+    runs: dict[tuple[int, str], dict[str, Any]] = {}
+    for p in planned:
+        path = train_dir / p.name / "metrics.json"
+        if p.study == "main" and p.method in ("centralized", "single") and path.is_file():
+            runs[(int(p.seed), p.method)] = load_json(path).get("clients") or {}
+    seeds = sorted(s for s, m in runs if m == "centralized" and (s, "single") in runs)
+    if not seeds:
+        return ()
+
+    def steps(n: int) -> int:
+        return math.ceil(math.ceil(n / batch_size) / accum_steps)
+
+    central, local = runs[(seeds[0], "centralized")], runs[(seeds[0], "single")]
+    return tuple(
+        (client, steps(int(central[client]["n_train_examples"])) / steps(int(local[client]["n_train_examples"])))
+        for client in sorted(set(central) & set(local))
+        if central[client].get("n_train_examples") and local[client].get("n_train_examples")
     )

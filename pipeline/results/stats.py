@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Annotated
 
 import numpy as np
+import pandas as pd
 from pydantic import Field
 from scipy import stats as sps
 
@@ -40,14 +42,33 @@ class Interval:
         return bool(self.low > 0.0 or self.high < 0.0)
 
 
-def _one_seed(per_client: list[np.ndarray], cfg: BootstrapConfig) -> tuple[Interval, np.ndarray]:
+def _groups(per_client: list[np.ndarray], clusters: list[np.ndarray] | None) -> list[np.ndarray]:
+    """Per client, each example's group as 0..G-1 (every example its own group without ``clusters``)."""
+    if clusters is None:
+        return [np.arange(a.shape[1]) for a in per_client]
+    if len(clusters) != len(per_client):
+        raise ValueError(f"bootstrap: {len(clusters)} cluster arrays for {len(per_client)} clients")
+    out = []
+    for a, c in zip(per_client, clusters, strict=True):
+        c = np.asarray(c)
+        if c.shape != (a.shape[1],):
+            raise ValueError(f"bootstrap: {c.shape[0] if c.ndim else 0} cluster ids for {a.shape[1]} examples")
+        out.append(np.unique(c, return_inverse=True)[1].ravel())
+    return out
+
+
+def _one_seed(
+    per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig
+) -> tuple[Interval, np.ndarray]:
     """The percentile interval of one seed's client average (per-client arrays [1, n_c]; p NaN) and its B
-    example-bootstrap replicates."""
+    bootstrap replicates: each client's groups (its examples, or its meetings) drawn with replacement, the
+    replicate's client mean = the drawn groups' score sum over their example count."""
     rng = np.random.default_rng(cfg.seed)
     total = np.zeros(cfg.n_resamples)
-    for a in per_client:
-        idx = rng.integers(0, a.shape[1], size=(cfg.n_resamples, a.shape[1]))
-        total += a[0, idx].mean(axis=1)
+    for a, g in zip(per_client, groups, strict=True):
+        sums, sizes = np.bincount(g, weights=a[0]), np.bincount(g).astype(float)
+        idx = rng.integers(0, len(sums), size=(cfg.n_resamples, len(sums)))
+        total += sums[idx].sum(axis=1) / sizes[idx].sum(axis=1)
     reps, alpha = total / len(per_client), 1.0 - cfg.level
     low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
     observed = float(np.mean([a.mean() for a in per_client]))
@@ -64,20 +85,32 @@ def _checked(per_client: list[np.ndarray]) -> int:
     return n_seeds.pop()
 
 
-def _seeds_t(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
+def _cluster_variance(x: np.ndarray, g: np.ndarray) -> float:
+    """Cluster-robust variance of the mean of ``x`` [..., n] (rows: independent replications summed): the squared
+    group sums of the centred values, G / (G - 1) small-sample factor; with one example a group, var(ddof=1) / n."""
+    n, n_groups = x.shape[-1], int(g.max()) + 1
+    if n_groups < 2:
+        return 0.0
+    centred = np.atleast_2d(x - x.mean(axis=-1, keepdims=True))
+    sums = np.stack([np.bincount(g, weights=row, minlength=n_groups) for row in centred])
+    return float((sums**2).sum() / n**2 * n_groups / (n_groups - 1))
+
+
+def _seeds_t(per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
     """The several-seeds t-interval of the client average and its two-sided p: variance = between-seed variance of
     the per-seed client averages / s + example-level variance of the seed-averaged scores - the seed x example
-    residual both contain (residual mean square), floored at the larger of the first two; Welch-Satterthwaite df."""
+    residual both contain, floored at the larger of the first two; Welch-Satterthwaite df. The example-level parts
+    are cluster-robust over ``groups`` (examples of one meeting are not independent), with df = groups - clients."""
     s, k = per_client[0].shape[0], len(per_client)
     by_seed = np.mean([a.mean(axis=1) for a in per_client], axis=0)  # [s]: each seed's client average
     n = np.array([a.shape[1] for a in per_client])
     # per client: the example-level variance of the seed-averaged mean, and the seed x example residual's share
-    v_ex = sum(a.mean(axis=0).var(ddof=1) / a.shape[1] if a.shape[1] > 1 else 0.0 for a in per_client) / k**2
+    v_ex = sum(_cluster_variance(a.mean(axis=0), g) for a, g in zip(per_client, groups, strict=True)) / k**2
     resid = [a - a.mean(axis=0) - a.mean(axis=1, keepdims=True) + a.mean() for a in per_client]
-    v_res = sum((r**2).sum() / ((s - 1) * max(r.shape[1] - 1, 1)) / (s * r.shape[1]) for r in resid) / k**2
+    v_res = sum(_cluster_variance(r, g) / ((s - 1) * s) for r, g in zip(resid, groups, strict=True)) / k**2
     v_seed = by_seed.var(ddof=1) / s
     var = max(v_seed + v_ex - v_res, v_seed, v_ex)
-    df_ex = max(int(n.sum()) - k, 1)
+    df_ex = max(sum(int(g.max()) + 1 for g in groups) - k, 1)
     df = var**2 / (v_seed**2 / (s - 1) + v_ex**2 / df_ex) if var > 0 else math.inf
     estimate, se = float(by_seed.mean()), math.sqrt(var)
     half = float(sps.t.ppf(0.5 + cfg.level / 2, df)) * se
@@ -85,29 +118,54 @@ def _seeds_t(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
     return Interval(estimate, estimate - half, estimate + half, p, int(n.sum()), s)
 
 
-def mean_interval(per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
-    """Interval of one method's client-average score; ``per_client``: one array [n_seeds, n_examples] a client."""
+def mean_interval(
+    per_client: list[np.ndarray], cfg: BootstrapConfig, clusters: list[np.ndarray] | None = None
+) -> Interval:
+    """Interval of one method's client-average score; ``per_client``: one array [n_seeds, n_examples] a client;
+    ``clusters``: as for :func:`paired_difference`."""
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
-    if _checked(arrays) > 1:
-        return dataclasses.replace(_seeds_t(arrays, cfg), p_value=math.nan)
-    return _one_seed(arrays, cfg)[0]
+    seeds, groups = _checked(arrays), _groups(arrays, clusters)
+    if seeds > 1:
+        return dataclasses.replace(_seeds_t(arrays, groups, cfg), p_value=math.nan)
+    return _one_seed(arrays, groups, cfg)[0]
 
 
-def paired_difference(a_per_client: list[np.ndarray], b_per_client: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
+def paired_difference(
+    a_per_client: list[np.ndarray],
+    b_per_client: list[np.ndarray],
+    cfg: BootstrapConfig,
+    clusters: list[np.ndarray] | None = None,
+) -> Interval:
     """Interval and p-value of mean(A) - mean(B) on the client average; arrays [n_seeds, n_examples] a client,
-    aligned: row s of A and of B are the same seed, column i the same test example."""
+    aligned: row s of A and of B are the same seed, column i the same test example. ``clusters``: one array of
+    group ids a client, aligned with its examples (QMSum: the meeting), making the example part of the variance
+    cluster-robust (one seed: groups resampled); None treats every example as independent."""
     diffs = []
     for a, b in zip(a_per_client, b_per_client, strict=True):
         a, b = np.atleast_2d(np.asarray(a, dtype=float)), np.atleast_2d(np.asarray(b, dtype=float))
         if a.shape != b.shape:
             raise ValueError(f"paired bootstrap: shapes differ {a.shape} vs {b.shape} (pair seeds and examples first)")
         diffs.append(a - b)
-    if _checked(diffs) > 1:
-        return _seeds_t(diffs, cfg)
-    interval, reps = _one_seed(diffs, cfg)
+    seeds, groups = _checked(diffs), _groups(diffs, clusters)
+    if seeds > 1:
+        return _seeds_t(diffs, groups, cfg)
+    interval, reps = _one_seed(diffs, groups, cfg)
     # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
     p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
     return dataclasses.replace(interval, p_value=p)
+
+
+def holm(p_values: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjustment of a family of p-values (NaN stays NaN and is not counted): the i-th smallest
+    p times (m - i + 1), made non-decreasing, capped at 1. Reject where the adjusted p < alpha: the family-wise
+    error rate is at most alpha."""
+    p = np.asarray(p_values, dtype=float)
+    out = np.full(p.shape, math.nan)
+    ok = np.flatnonzero(~np.isnan(p))
+    order = ok[np.argsort(p[ok], kind="stable")]
+    m = len(order)
+    out[order] = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+    return out
 
 
 def _level_excluding_zero(reps: np.ndarray) -> float:
@@ -121,3 +179,33 @@ def _level_excluding_zero(reps: np.ndarray) -> float:
         return 2.0
     rank = k - 1 + (0.0 - x[k - 1]) / (x[k] - x[k - 1])
     return 2.0 * rank / (len(x) - 1)
+
+
+def meetings(ids_per_client: Iterable[Iterable[str]]) -> list[np.ndarray] | None:
+    """Per client, the meeting of each test example, the cluster of the paired intervals (pipeline.results.stats):
+    a QMSum query's id is ``qmsum/<domain>/<split>/<meeting>/<query>``, so queries on one meeting share everything
+    before the last slash; any other example (one summary a dialogue or meeting) is its own cluster. None when no
+    example is a QMSum query: the examples are independent."""
+    ids = [[str(i) for i in client] for client in ids_per_client]
+    if not any(i.startswith("qmsum/") for client in ids for i in client):
+        return None
+    return [np.array([i.rsplit("/", 1)[0] if i.startswith("qmsum/") else i for i in client]) for client in ids]
+
+
+def client_average_intervals(
+    per_client: list[pd.DataFrame], columns: Iterable[str], cfg: BootstrapConfig
+) -> dict[str, Interval]:
+    """One seed's interval of the client average of each score column, from per-client frames with
+    ``example_id`` (QMSum: its meetings resampled, :func:`meetings`)."""
+    clusters = meetings(f["example_id"] for f in per_client)
+    return {c: mean_interval([f[c].to_numpy()[None, :] for f in per_client], cfg, clusters) for c in columns}
+
+
+def bootstrap_method(clusters: list[np.ndarray] | None) -> str:
+    """How :func:`client_average_intervals` resampled, in words (metrics.json ``ci.method``)."""
+    unit = "test examples" if clusters is None else "meetings (with all their queries)"
+    what = "test examples" if clusters is None else "test meetings"
+    return (
+        f"percentile bootstrap of the client average, {unit} resampled within clients (one seed: the choice of "
+        f"{what} only)"
+    )

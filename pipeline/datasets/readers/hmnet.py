@@ -89,5 +89,6 @@ for _dataset, _corpus in HMNET_CORPUS.items():
                 path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)
             },
             upstream_path=lambda rel: rel[len(HMNET_PREFIX) :],  # the download address is the HMNet repository itself
+            url="https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
         )
     )

@@ -104,5 +104,6 @@ register_reader(
             for d in QMSUM_DOMAINS
             for s in ("train", "val", "test")
         },
+        url="https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
     )
 )

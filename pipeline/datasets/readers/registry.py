@@ -24,6 +24,8 @@ class DatasetSpec:
     files: Callable[[], dict[str, str]]
     download: Download | None = None
     upstream_path: Callable[[str], str] = lambda rel: rel  # expected file -> its path under the download address
+    # the pinned upstream address (params ingest.urls.<name> defaults to it): the base URL of the files, or the archive
+    url: str = ""
 
 
 DATASETS: dict[str, DatasetSpec] = {}

@@ -90,5 +90,7 @@ register_reader(
         read_samsum,
         lambda: {name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES},
         _download,
+        url="https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/"
+        "c956de19db32c7cf9e60259d88cbab0d27e82ee6/samsum.zip",
     )
 )

@@ -4,15 +4,22 @@ how the rest of the probability mass is spread. Selected per experiment with ``k
 
 from __future__ import annotations
 
-import torch
+from typing import Annotated
 
+import torch
+from pydantic import Field
+
+from pipeline.common.config import config
 from pipeline.modeling.gates.registry import TeacherRows, register_gate
 
 
-@register_gate("margin")
+@config(frozen=True)
+class MarginSettings:
+    tau: Annotated[float, Field(gt=0.0, le=1.0)]  # a probability margin
+
+
+@register_gate("margin", MarginSettings)
 def gate(rows: TeacherRows, cfg) -> tuple[torch.Tensor, float]:
-    if not 0.0 < cfg.tau <= 1.0:
-        raise ValueError(f"kd_gate margin: tau={cfg.tau} must be a probability margin in (0, 1]")
     margins = []
     with torch.no_grad():
         for s in range(0, rows.logits.shape[0], rows.chunk_rows):

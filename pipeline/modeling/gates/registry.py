@@ -1,6 +1,8 @@
 """The KD gate registry: which target tokens the local loss distils, decided from the teacher before the fused loss
 kernel (pipeline.modeling.losses). A gate module (gates/<name>.py) registers ``gate(rows, cfg) -> (mask [N] bool,
-threshold)`` with :func:`register_gate` (``cfg``: KDConfig; threshold NaN when it has none); ``catalog`` imports it.
+threshold)`` with :func:`register_gate` (``cfg``: KDConfig; threshold NaN when it has none), and the settings class
+of its threshold when tau means something else than the entropy gate's (a ``@config`` class with field ``tau``: its
+bounds are checked wherever a KDConfig is built, so at planning time); ``catalog`` imports it.
 """
 
 from __future__ import annotations
@@ -24,15 +26,18 @@ class TeacherRows:
 
 Gate = Callable[[TeacherRows, Any], tuple[torch.Tensor, float]]
 GATES: dict[str, Gate] = {}
+GATE_SETTINGS: dict[str, type] = {}  # gate name -> the @config class that checks its tau
 
 
-def register_gate(name: str):
-    """Decorator on a gate module's function: registers KD gate ``name``."""
+def register_gate(name: str, settings: type | None = None):
+    """Decorator on a gate module's function: registers KD gate ``name`` (and the class checking its tau)."""
 
     def register(gate: Gate) -> Gate:
         if name in GATES:
             raise ValueError(f"KD gate {name!r} is registered twice")
         GATES[name] = gate
+        if settings is not None:
+            GATE_SETTINGS[name] = settings
         return gate
 
     return register

@@ -1,0 +1,108 @@
+"""`python -m pipeline.federation`: a local deployment of one experiment (``local``: pipeline.federation.localhost),
+a run's status (``status``) and what a role holds (``kit``: pipeline.federation.kits)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tomllib
+from pathlib import Path
+
+from pipeline.federation.kits import server_run_config, write_kit
+from pipeline.federation.localhost import FederationError, LocalhostConfig, run_localhost, status_command
+from pipeline.paths import PATHS
+
+
+def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
+    """``key=value`` items; the value is read as TOML (``mlflow=false``, ``evaluate-every=2``), else as text."""
+    out: dict[str, str | int | float | bool] = {}
+    for item in items:
+        if "=" not in item:
+            raise FederationError(f"--run-config {item!r}: expected key=value")
+        k, v = (x.strip() for x in item.split("=", 1))
+        try:
+            out[k] = tomllib.loads(f"x = {v}")["x"]
+        except tomllib.TOMLDecodeError:
+            out[k] = v.strip("'\"")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="A local deployment of one experiment (SuperLink and SuperNodes on "
+        "127.0.0.1, then `flwr run`), a run's status, or what a site holds."
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    lo = sub.add_parser("local", help="SuperLink + one SuperNode per client on 127.0.0.1, then `flwr run`")
+    which = lo.add_mutually_exclusive_group(required=True)
+    which.add_argument("--experiment", help="a key of params.yaml `experiments` (plan models/plans/<exp>.json)")
+    which.add_argument("--plan", help="a plan file (relative to the working directory)")
+    lo.add_argument(
+        "--run-config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="run config of the deployed ServerApp (evaluate, evaluate-every, mlflow, decoding, "
+        "round-timeout-s, admission-timeout-s; the last three default to --params')",
+    )
+    lo.add_argument("--params", default="params.yaml", help="params file of the server's timeouts and decoding")
+    lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
+    lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
+    lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
+    lo.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for the whole run")
+    lo.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a process gets to stop on SIGTERM")
+    st = sub.add_parser("status", help="exit 0 if the SuperLink reports the run completed (else 1, with its status)")
+    st.add_argument("superlink", nargs="?", help="a SuperLink connection of FLWR_HOME/config.toml (default: its own)")
+    st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
+    st.add_argument("--submitted", type=Path, help="what `flwr run --format json` printed (its run, or none)")
+    kit = sub.add_parser("kit", help="copy what the server (no --client) or one site holds into --out")
+    kit.add_argument("--plan", required=True)
+    kit.add_argument("--client", help="the site's client (default: the server's kit)")
+    kit.add_argument("--out", required=True, type=Path)
+    kit.add_argument("--params", default="params.yaml", help="the server's kit: run_config.toml's timeouts, decoding")
+    args = ap.parse_args(argv)
+    if args.command == "status":
+        return status_command(args.superlink, args.run_id, args.submitted)
+    if args.command == "kit":
+        from pipeline.experiments import read_plan  # lazy: `status` starts without torch
+
+        run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
+        written = write_kit(args.plan, args.out, args.client, run_config)
+        print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
+        return 0
+
+    plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
+    cfg = LocalhostConfig(
+        plan=plan,
+        run_config=_parse_run_config(args.run_config),
+        params=args.params,
+        tls=args.tls,
+        auth=args.auth,
+        startup_timeout_s=args.startup_timeout,
+        run_timeout_s=args.run_timeout,
+        stop_timeout_s=args.stop_timeout,
+    )
+    # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
+    try:
+        run, metrics = run_localhost(cfg)
+    except KeyboardInterrupt:
+        print("interrupted: every process this command started was stopped", file=sys.stderr)
+        return 130
+    summary = {
+        c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")} for c, v in metrics["clients"].items()
+    }
+    # the client-average ROUGE of the federated evaluation, as the ServerApp wrote it (reports/eval/<exp>/)
+    print(
+        json.dumps(
+            {
+                "experiment": metrics.get("experiment", Path(plan).stem),
+                "clients": summary,
+                **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}),
+                "logs": str(run.home / "logs"),
+            }
+        )
+    )
+    return 0

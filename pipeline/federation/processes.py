@@ -1,0 +1,125 @@
+"""The processes of a local deployment (pipeline.federation.localhost): each started in its own group and stopped
+with the descendants it spawned, within bounded waits, also at interpreter exit; ports and waits on them."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+HOST = "127.0.0.1"
+
+
+class FederationError(RuntimeError):
+    """A local deployment that could not start or did not finish (one line; pipeline.common.cli prints it)."""
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+    descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+class ProcessGroup:
+    """The processes one deployment started; :meth:`stop_all` ends each one by its id, within bounded waits."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str], stop_timeout_s: float = 10.0):
+        self.log_dir, self.env, self.stop_timeout_s = log_dir, env, stop_timeout_s
+        self.procs: list[Process] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop_all)  # a group not stopped yet is stopped at interpreter exit, whatever happened
+
+    def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
+        log = self.log_dir / f"{name}.log"
+        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
+        popen = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        if not capture:
+            out.close()  # the child holds its own descriptor
+        self.procs.append(proc := Process(name, popen, log))
+        return proc
+
+    def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:
+        """``sig`` to the process, its group and its descendants; SIGKILL to whatever is left after
+        ``stop_timeout_s``; then reap it."""
+        with contextlib.suppress(psutil.Error):  # Flower's SuperExec runs in its own session: a group kill misses it
+            proc.descendants |= {p.pid for p in psutil.Process(proc.popen.pid).children(recursive=True)}
+        pids = [proc.popen.pid, *sorted(proc.descendants)]
+        for s in dict.fromkeys((sig, signal.SIGKILL)):
+            for pid in pids:
+                for kill in (os.killpg, os.kill):  # its group (children that kept it), then the pid itself
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        kill(pid, s)
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and any(_running(p) for p in pids):
+                time.sleep(0.1)
+            if not any(_running(p) for p in pids):
+                break
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.popen.wait(timeout=self.stop_timeout_s)
+
+    def stop_all(self) -> None:
+        # A second Ctrl-C must not cut the cleanup short and leave servers running.
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for proc in reversed(self.procs):
+                self.stop(proc)
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+            atexit.unregister(self.stop_all)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if not proc.alive():
+            tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:]) if proc.log.exists() else ""
+            raise FederationError(
+                f"{proc.name} exited (status {proc.popen.returncode}) before {what}; log {proc.log}: {tail!r}"
+            )
+        if time.monotonic() > deadline:
+            raise FederationError(f"{what} did not happen within {timeout_s:.0f}s; log {proc.log}")
+        time.sleep(0.2)
+
+
+def port_open(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        return s.connect_ex((HOST, port)) == 0

@@ -1,0 +1,78 @@
+"""TLS and SuperNode authentication of a local deployment (pipeline.federation.localhost): a throwaway CA with the
+SuperLink's certificate, and a SuperNode's key pair."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.common import atomic
+from pipeline.federation.processes import HOST, FederationError
+
+
+@dataclass(frozen=True)
+class Certificates:
+    """TLS files of a SuperLink and the CA that signed it (the SuperNodes' and the CLI's ``root-certificates``)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def _run(*argv) -> None:
+    out = subprocess.run([str(a) for a in argv], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if out.returncode != 0:
+        raise FederationError(f"`{' '.join(map(str, argv[:2]))}` failed: {' '.join(out.stderr.split())[-300:]}")
+
+
+def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
+    """A throwaway CA and a certificate for the SuperLink on 127.0.0.1 signed by it."""
+    out.mkdir(parents=True, exist_ok=True)
+    certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
+    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
+    _run(
+        "openssl",
+        "req",
+        "-x509",
+        *new_key,
+        "-days",
+        days,
+        "-subj",
+        "/CN=fedmeet local CA",
+        "-keyout",
+        out / "ca.key",
+        "-out",
+        certs.ca,
+    )
+    _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
+    atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
+    _run(
+        "openssl",
+        "x509",
+        "-req",
+        "-in",
+        out / "server.csr",
+        "-CA",
+        certs.ca,
+        "-CAkey",
+        out / "ca.key",
+        "-CAcreateserial",
+        "-days",
+        days,
+        "-extfile",
+        out / "san.cnf",
+        "-out",
+        certs.cert,
+    )
+    return certs
+
+
+def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
+    """A SuperNode's authentication key pair: (private key the SuperNode keeps, public key the server registers)."""
+    out.mkdir(parents=True, exist_ok=True)
+    private, public = out / name, out / f"{name}.pub"
+    for key in (private, public):
+        key.unlink(missing_ok=True)  # ssh-keygen would ask before overwriting
+    _run("ssh-keygen", "-q", "-t", "ecdsa", "-b", "384", "-N", "", "-f", private)
+    return private, public

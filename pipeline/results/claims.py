@@ -1,0 +1,383 @@
+"""The results in words (docs/statistics.md): the sentences of reports/tables/results.md and of the README's
+Results block, rendered from the comparisons table (pipeline.results.comparisons), so no number in them is typed by
+hand."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pandas as pd
+
+from pipeline.common.schema import DataError
+from pipeline.results import published
+from pipeline.results.comparisons import (
+    ABOVE,
+    AVERAGE,
+    BACKBONES,
+    BELOW,
+    CONTAINS,
+    format_p,
+    with_holm,
+    with_published,
+)
+from pipeline.results.readers import convergence_note
+from pipeline.results.stats import BootstrapConfig
+
+PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
+# How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
+PLACED = {
+    ABOVE: "excluded: above our upper limit",
+    CONTAINS: "inside our interval",
+    BELOW: "excluded: below our lower limit",
+}
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+SHORT = {
+    "single": "AdaSingle",
+    "centralized": "AdaCentralized",
+    "fedavg": "FedAvg",
+    "fedkd": "FedKD",
+    "fedselectkd": "SelectKD",
+}
+FEDERATED = ("fedavg", "fedkd", "fedselectkd")
+LARGEST_CLIENT_STEPS = (
+    "AdaCentralized trained with the largest client's optimizer steps a round (`train.centralized_steps: "
+    "largest_client`), so its lead is not one of more steps."
+)
+
+
+@dataclass(frozen=True)
+class ClaimScale:
+    """`report.smoke`, `report.claim_min_seeds`, `report.claim_min_examples`, `train.centralized_steps` and, under
+    `epoch`, AdaCentralized's optimizer steps a round over each client's (client, ratio), from the run records."""
+
+    smoke: bool = False
+    min_seeds: int = 3
+    min_examples: int = 100
+    centralized_steps: str = "largest_client"
+    step_ratios: tuple[tuple[str, float], ...] = ()
+
+
+def step_rule(scale: ClaimScale) -> str:
+    """What AdaCentralized's lead can mean under its `train.centralized_steps` rule (pipeline.training.serverless)."""
+    if scale.centralized_steps == "largest_client":
+        return LARGEST_CLIENT_STEPS
+    ratios = ", ".join(f"{r:.1f}x {c}'s" for c, r in scale.step_ratios) or "more than"
+    return (
+        "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`): "
+        f"{ratios} optimizer steps a round: its lead cannot be told apart from more steps."
+    )
+
+
+def _num(x: float) -> str:
+    return f"{x:+.2f}".replace("-", "−")
+
+
+def effect(r) -> str:
+    """'+0.02 [−0.56, +0.62]'."""
+    return f"{_num(r.mean_diff)} [{_num(r.ci_low)}, {_num(r.ci_high)}]"
+
+
+def _p(r) -> str:
+    """'Holm p = 0.012': the family-adjusted p the claims test."""
+    shown = format_p(r.p_holm)
+    return f"Holm p {shown}" if shown.startswith("<") else f"Holm p = {shown}"
+
+
+def _range(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return _num(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{_num(lo)} to {_num(hi)}"
+
+
+def _span(values: list[int]) -> str:
+    return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def _all(r, where: str) -> bool:
+    return all(getattr(r, f"vs_published_{b}", "") == where for b in BACKBONES)
+
+
+def _papers(rows: list) -> str:
+    return _range([getattr(r, f"published_{b}") for r in rows for b in BACKBONES])
+
+
+def _name(r, side: str) -> str:
+    method, label, study = (r.method_a, r.config_a, r.study) if side == "a" else (r.method_b, r.config_b, r.study_b)
+    base = SHORT.get(method, label)
+    return base if study == "main" else f"{base} ({label})"
+
+
+def _pair(r) -> str:
+    """'A − B effect', with where the paper's difference for this pair sits against our interval, per backbone."""
+    groups: dict[str, list[str]] = {}
+    for b in BACKBONES:
+        where = getattr(r, f"vs_published_{b}", "")
+        if isinstance(where, str) and where:
+            groups.setdefault(where, []).append(b)
+    parts = []
+    for where in (w for w in PLACED if w in groups):
+        bbs = groups[where]
+        who = (
+            "all three backbones"
+            if len(bbs) == len(BACKBONES) == 3
+            else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
+        )
+        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
+    text = f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" + (
+        f", {r.n_seeds} seeds: numbers only" if r.few_seeds else ""
+    )
+    return f"{text} (paper {'; '.join(parts)})" if parts else text
+
+
+def _records(frame: pd.DataFrame) -> list[SimpleNamespace]:
+    """Rows as objects whose attributes are the column names as they are (``published_bart-large``)."""
+    return [SimpleNamespace(**rec) for rec in frame.to_dict("records")]
+
+
+def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
+    sub = avg[(avg["study"] == "main") & (avg["study_b"] == "main") & avg["method_a"].isin(a) & avg["method_b"].isin(b)]
+    order = {m: i for i, m in enumerate(published.METHOD_ORDER)}
+    return sorted(_records(sub), key=lambda r: (order.get(r.method_a, 99), order.get(r.method_b, 99)))
+
+
+def verdict(rows: list, subject: str, gain: str = "helps") -> str:
+    """'<subject> helps' or 'hurts' by the sign of a difference excluding 0, else 'does not measurably help'."""
+    if any(r.significant and r.mean_diff > 0 for r in rows):
+        return f"{subject} {gain}"
+    if any(r.significant and r.mean_diff < 0 for r in rows):
+        return f"{subject} hurts"
+    return f"{subject} does not measurably help"
+
+
+def backbone_note(backbone: dict | None, kd: dict | None) -> str:
+    """The backbone caveat, from the backbone record (reports/backbone.json) and the KD analysis: what the runs
+    used instead of the paper's backbones, and its KD usage against the paper's ('' without a record)."""
+    if not backbone:
+        return ""
+    ev = backbone.get("evaluation") or {}
+    warm = (
+        f", ROUGE-1 {ev['rouge1']:.2f} on {ev['examples']} {ev.get('dataset', '')} validation examples after its "
+        "warm-up"
+        if "rouge1" in ev
+        else ""
+    )
+    text = (
+        f"- **Backbone**: `{backbone.get('name')}` ({backbone.get('parameters', 0) / 1e6:.1f}M parameters{warm}), "
+        "not the paper's BART-large, BART-base or LED-large: every comparison with the paper's differences is "
+        "across backbones."
+    )
+    usage = [
+        v["kd_usage_ratio"] for v in ((kd or {}).get("clients") or {}).values() if v.get("kd_usage_ratio") is not None
+    ]
+    if usage:
+        ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
+        text += (
+            f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
+            f"the paper's on {min(paper)}-{max(paper)} %."
+        )
+    return text
+
+
+def claimable(table: pd.DataFrame, scale: ClaimScale) -> pd.DataFrame:
+    """``table`` with ``few_seeds`` (fewer seeds than `report.claim_min_seeds`: its numbers are stated, no claim is
+    drawn from it) and ``significant`` cleared on those rows."""
+    few = table["n_seeds"].astype(int) < scale.min_seeds
+    return table.assign(few_seeds=few, significant=table["significant"].astype(bool) & ~few)
+
+
+def results_text(
+    table: pd.DataFrame,
+    convergence: pd.DataFrame | None = None,
+    scale: ClaimScale = ClaimScale(),
+    metric: str = "avg_rouge",
+    source: str = "comparisons.csv",
+    backbone: str = "",
+) -> str:
+    """The results bullets (markdown) for the main study's client average of ``metric``, from the comparisons
+    table with the published columns, and the convergence records of the studies the table covers. A smoke run,
+    or one smaller than ``scale`` asks for, states numbers, no claim; so does each comparison with fewer seeds;
+    ``backbone``: :func:`backbone_note`."""
+    if "vs_published_" + BACKBONES[0] not in table.columns:
+        table = with_published(table)
+    if "p_holm" not in table.columns:  # a comparisons.csv written before the adjustment
+        table = with_holm(table, BootstrapConfig())
+    table = claimable(table[table["metric"] == metric], scale)
+    main = table[(table["study"] == "main") & (table["study_b"] == "main")]
+    avg, per_client = table[table["client"] == AVERAGE], main[main["client"] != AVERAGE]
+    main_avg = main[main["client"] == AVERAGE]
+    seeds, examples = sorted(set(main_avg["n_seeds"].astype(int))), sorted(set(main_avg["n_examples"].astype(int)))
+    size = f"; {_span(seeds)} seed(s) and {_span(examples)} test examples a comparison" if seeds else ""
+    lines = [
+        f"Generated by `python -m pipeline.report claims` from `{source}` (paired difference of the client "
+        f"average of `{metric}`, A − B with its 95 % interval over seeds and test examples, QMSum's queries on one "
+        "meeting one cluster, pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's "
+        f"differences are its Table III's, BART-large, BART-base and LED-large){size}. A claim needs Holm-adjusted "
+        f"p < 0.05 over the study's {len(main_avg)} client-average comparisons (per client: over that client's), "
+        f"and at least {scale.min_seeds} seeds (`report.claim_min_seeds`); the intervals are unadjusted:"
+    ] + ([backbone] if backbone else [])
+    # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
+    why = "a smoke run (`report.smoke: true`)" if scale.smoke else ""
+    if not why and seeds and (seeds[-1] < scale.min_seeds or examples[0] < scale.min_examples):
+        why = (
+            f"{seeds[-1]} seed(s) and {examples[0]} test examples, below the {scale.min_seeds} seeds and "
+            f"{scale.min_examples} examples this profile needs for a claim (`report.claim_min_seeds`, "
+            "`report.claim_min_examples`)"
+        )
+    if why:
+        rows = _rows(avg, published.METHOD_ORDER, published.METHOD_ORDER)
+        lines.append(
+            f"- **No comparative claim**: {why}. The differences, as numbers only (nor set against the "
+            "paper's): " + "; ".join(f"{_name(r, 'a')} − {_name(r, 'b')} {effect(r)}" for r in rows) + "."
+        )
+        return _with_budget(lines, table, convergence)
+    lines += _pooling(avg, per_client, scale) + _federation(avg)
+    select = _rows(avg, ("fedselectkd",), ("fedkd",))
+    if select:
+        lines.append(f"- **{verdict(select, 'Selectivity')}**: {_pair(select[0])}.")
+    distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
+    if distil:
+        lines.append(
+            "- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
+            "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + "."
+        )
+    return _with_budget(lines + _per_client(per_client) + _variants(avg), table, convergence)
+
+
+def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> list[str]:
+    """AdaCentralized against every other method: the lead, its step budget, per client, against the paper."""
+    central = _rows(avg, ("centralized",), ("single", *FEDERATED))
+    if not central:
+        return []
+    ahead = all(r.significant and r.mean_diff > 0 for r in central)
+    head = "Pooling the data helps" if ahead else verdict(central, "Pooling the data", "helps against some methods")
+    worst_p = max(r.p_holm for r in central)
+    # one p for the whole line only when it supports the line (every lead holds); else each comparison speaks
+    p_text = (" (Holm p < 0.001 each)" if worst_p < 0.001 else f" (Holm p ≤ {worst_p:.3f} each)") if ahead else ""
+    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant]
+    lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
+    if held and not ahead:
+        lines.append(f"  The lead holds against {', '.join(held)} only.")
+    lines.append("  " + step_rule(scale))
+    by_b = []
+    for r in central:
+        if r.few_seeds:
+            by_b.append(f"vs {SHORT[r.method_b]} not tested ({r.n_seeds} seeds)")
+            continue
+        sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
+        yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
+        no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
+        by_b.append(
+            f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
+            + (f" (not {', '.join(no)})" if no and yes else "")
+        )
+    lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
+    gaps = [r for r in central if r.method_b in FEDERATED]
+    if gaps and all(_all(r, BELOW) for r in gaps):
+        lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
+        lines.append(
+            f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
+            f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
+            f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)})."
+        )
+    return lines
+
+
+def _federation(avg: pd.DataFrame) -> list[str]:
+    """Each federated method against AdaSingle, the paper's gains it excludes, and the summaries that did not
+    separate."""
+    fed = _rows(avg, FEDERATED, ("single",))
+    if not fed:
+        return []
+    lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
+    excluded = [r for r in fed if _all(r, ABOVE)]
+    if excluded:
+        lines.append(
+            f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
+            f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
+            f"{' and '.join(_num(r.ci_high) for r in excluded)}."
+        )
+    same = [
+        round(r.identical_fraction * 100)
+        for r in fed
+        if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)
+    ]
+    if same:
+        lines.append(
+            f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
+            "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local training."
+        )
+    return lines
+
+
+def _per_client(per_client: pd.DataFrame) -> list[str]:
+    """Per-client comparisons among AdaSingle and the federated methods that hold, or the closest one."""
+    mains = ("single", *FEDERATED)
+    fed_clients = per_client[per_client["method_a"].isin(mains) & per_client["method_b"].isin(mains)]
+    if fed_clients.empty:
+        return []
+    sig = fed_clients[fed_clients["significant"]]
+    if sig.empty:
+        c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
+        return [
+            f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD holds (closest: "
+            f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, p = {format_p(c.p_value)} "
+            f"unadjusted, {_p(c)}); no ordering among them is supported."
+        ]
+    return [
+        "- Per-client federated comparisons that hold: "
+        + "; ".join(f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}" for c in _records(sig))
+        + "."
+    ]
+
+
+def _variants(avg: pd.DataFrame) -> list[str]:
+    """Each SelectKD variant of another study (a KD gate, a study's settings) against the main SelectKD."""
+    variants = avg[
+        (avg["study"] != "main")
+        & (avg["method_a"] == "fedselectkd")
+        & (avg["method_b"] == "fedselectkd")
+        & (avg["study_b"] == "main")
+    ]
+    lines = []
+    for r in _records(variants):
+        gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
+        base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
+        # the same gate in another study (e.g. client sampling) differs in that study's settings, not in its gate
+        if r.config_a != r.config_b:
+            what, changed = f"**A different KD gate** ({gate})", "the gate changes"
+        else:
+            what, changed = f"**SelectKD in study {r.study}** ({gate})", f"study {r.study}'s settings change"
+        finding = (
+            f"{changed} ROUGE ({_p(r)})"
+            if r.significant
+            else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
+            f"{_num(r.ci_low)}, not a smaller difference either way"
+        )
+        lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {finding}.")
+    return lines
+
+
+def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
+    """``lines`` and the round-budget note of the studies the table covers, as markdown."""
+    if convergence is not None and not convergence.empty:
+        studies = sorted(set(table["study"]) | set(table["study_b"]))
+        text = convergence_note(convergence, studies)
+        if text:
+            runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
+            flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
+            lines.append(
+                f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
+                "(a client still improving at the last round, or the stop rule never held before the round "
+                "ceiling). The whole comparison is conditional on it."
+            )
+    return "\n".join(lines) + "\n"
+
+
+def replace_block(text: str, block: str, where: str = "markdown file") -> str:
+    """``text`` with the part between the results markers replaced by ``block``."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise DataError(f"{where}: no {BEGIN} ... {END} block")
+    return text[: start + len(BEGIN)] + "\n" + block + text[end:]

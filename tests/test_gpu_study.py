@@ -1,0 +1,179 @@
+"""tools/gpu_study: the study in one device call (device.py), its carry (prepare.py) and the import (importer.py).
+
+The end-to-end test runs the device script on this CPU with the tiny profile, in two calls as on the lent machine (a
+staging call of the first weight parts, then the study), then imports what it returned into a scratch study folder
+and MLflow store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import tarfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+import yaml
+
+from pipeline.presets import apply_preset
+from tools.gpu_study import device, importer, prepare
+
+pytestmark = pytest.mark.tools
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests/fixtures/mirror"
+TINY = ROOT / "tools/gpu_study/tiny-profile.yaml"
+
+
+def _yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+@pytest.mark.parametrize("profile", [ROOT / "configs/gpu-study.yaml", TINY], ids=["gpu-study", "tiny"])
+def test_profile_merge_is_what_dvc_exp_run_set_param_makes(profile):
+    params = _yaml(ROOT / "params.yaml")
+    expected = apply_preset(params, _yaml(profile))  # DVC's own override parser (pipeline.presets)
+    assert device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(profile)) == expected
+
+
+def test_steps_are_dvc_yaml_commands_in_dependency_order():
+    params = device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(ROOT / "configs/gpu-study.yaml"))
+    stages = _yaml(ROOT / "dvc.yaml")["stages"]
+    steps = dict(device.stage_commands(params))
+    assert list(steps) == [
+        *(f"ingest@{d}" for d in ("qmsum", "samsum", "ami", "icsi")),
+        "examples",
+        "partition@domain-0",
+        "backbone",
+        "plan",
+        "train",
+        "evaluate",
+    ]
+    commands = {name: "python " + " ".join(argv) for name, argv in steps.items()}
+    assert commands["ingest@ami"] == stages["ingest"]["do"]["cmd"].replace("${item}", "ami")
+    assert commands["partition@domain-0"] == stages["partition"]["cmd"].replace("${item.scheme}", "domain").replace(
+        "${item.seed}", "0"
+    )
+    for name in ("examples", "backbone", "plan"):
+        assert commands[name] == stages[name]["cmd"]
+    # train: dvc.yaml's one-experiment command with every experiment of the profile (6 arms x 5 seeds), and no MLflow
+    # there (the import logs the runs)
+    assert stages["train"]["do"]["cmd"] == "python -m pipeline.train --experiment ${key}"
+    assert len(params["experiments"]) == 30
+    assert commands["train"] == (
+        "python -m pipeline.train " + " ".join(f"--experiment {e}" for e in params["experiments"]) + " --no-mlflow"
+    )
+
+
+def _tiny_minilm(path: Path) -> Path:
+    """A MiniLM-shaped folder at a test's size: a tiny BERT built from a config, the real MiniLM tokenizer files."""
+    from transformers import BertConfig, BertModel
+
+    from tests.tiny_models import _minilm_dir
+
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    BertModel(cfg).save_pretrained(path)
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(_minilm_dir() / f, path / f)
+    return path
+
+
+def test_weights_pack_losslessly_and_a_changed_byte_is_refused(tmp_path):
+    blob = (_tiny_minilm(tmp_path / "m") / "model.safetensors").read_bytes()
+    packed, info = device.pack_weights(blob)
+    assert len(packed) < len(blob)  # the exponent plane compresses
+    assert device.unpack_weights(packed, info) == blob
+    bad = bytearray(packed)
+    bad[info["head_bytes"] + 5] ^= 1  # a mantissa byte
+    with pytest.raises(SystemExit, match="sha256"):
+        device.unpack_weights(bytes(bad), info)
+
+
+def test_carry_split_over_staging_calls_reassembles_the_weights(tmp_path):
+    minilm = _tiny_minilm(tmp_path / "minilm")
+    size = (minilm / "model.safetensors").stat().st_size
+    carry_small = 2**20  # raw data and small files ~0.8 MiB: the packed weights need earlier calls
+    m = prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], minilm, room=carry_small)
+    stages = [c for c in m["calls"] if c != "carry"]
+    assert len(stages) >= 2 and stages == [f"stage{i}" for i in range(1, len(stages) + 1)]
+    assert all(v <= carry_small for v in m["calls"].values())
+    assert m["weights"]["parts"] == [f"weights.part{i}" for i in range(1, len(stages) + 2)]
+    staged = tmp_path / "staged"
+    with pytest.raises(SystemExit, match="staging call"):
+        device.assemble_minilm(tmp_path / "lease/carry", staged, tmp_path / "out")
+    for folder in stages:
+        device.stage(tmp_path / "lease" / folder, stage_dir=staged)
+    out = device.assemble_minilm(tmp_path / "lease/carry", staged, tmp_path / "out")
+    assert (out / "model.safetensors").read_bytes() == (minilm / "model.safetensors").read_bytes()
+    assert (out / "model.safetensors").stat().st_size == size
+    assert (out / "vocab.txt").read_bytes() == (minilm / "vocab.txt").read_bytes()
+
+
+def test_a_spent_budget_skips_the_rest_and_still_returns_the_record(tmp_path):
+    m = prepare.build_carry(
+        tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), room=64 * 2**20
+    )
+    assert set(m["calls"]) == {"carry"}
+    rec = device.run_study(tmp_path / "lease/carry", tmp_path / "out", TINY, tmp_path / "work", budget_s=0)
+    assert not rec["complete"] and [s["status"] for s in rec["steps"]] == ["skipped"]
+    assert json.loads((tmp_path / "out/study.json").read_text())["complete"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # ~3 min on 2 loaded cores: every stage in its own process, then the import
+def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
+    # the stages run as on the lent machine, where neither MLflow nor DVC is installed: importing either fails there
+    for absent in ("mlflow", "dvc"):
+        (tmp_path / "absent" / absent).mkdir(parents=True)
+        (tmp_path / "absent" / absent / "__init__.py").write_text(
+            f"raise ImportError('{absent}: not on the machine')\n"
+        )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "absent"))
+    minilm = _tiny_minilm(tmp_path / "minilm")
+    prepare.build_carry(tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], minilm, room=2 * 2**20)
+    staged, out = tmp_path / "staged", tmp_path / "out"
+    for folder in sorted((tmp_path / "lease").glob("stage*")):  # the staging calls
+        device.stage(folder, stage_dir=staged)
+    rec = device.run_study(tmp_path / "lease/carry", out, TINY, tmp_path / "work", budget_s=900, stage_dir=staged)
+    assert rec["complete"], rec["steps"]
+    assert len(list(out.iterdir())) <= device.MAX_FILES
+    with tarfile.open(out / "results.tar.gz") as tar:
+        names = tar.getnames()
+    assert not [n for n in names if n.endswith(device.WEIGHTS)]  # the weights stay there; their md5 travel
+    md5 = json.loads(tar_member(out / "results.tar.gz", "weights.md5.json"))
+    assert "models/backbone/model.safetensors" in md5 and any("/clients/" in k for k in md5)
+
+    # here: the import, into a scratch study folder and MLflow store
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
+    monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))  # MLflow artifacts under tmp_path/mlartifacts
+    dest = tmp_path / "gpu-study"
+    done = importer.import_study(out, dest)
+    experiments = _yaml(TINY)["experiments"]
+    partition = json.loads((dest / "partitions/domain/seed0.json").read_text())["clients"]
+    n_test = sum(len(c["test"]) for c in partition.values())
+    for name in experiments:  # every test example of every client, beam 4
+        per_example = pd.read_parquet(dest / "eval" / name / "per_example.parquet")
+        assert len(per_example) == n_test > 0
+        assert json.loads((dest / "eval" / name / "metrics.json").read_text())["decoding"]["num_beams"] == 4
+        train = json.loads((dest / "train" / name / "metrics.json").read_text())
+        assert train["stopped_round"] <= 2
+    assert len(done["mlflow_runs"]) == len(experiments)
+    with sqlite3.connect(tmp_path / "mlflow.db") as con:
+        runs = con.execute(
+            "SELECT t.value, group_concat(DISTINCT m.key) FROM tags t JOIN metrics m ON m.run_uuid = t.run_uuid "
+            "WHERE t.key = 'experiment' AND m.key IN ('val_loss_mean', 'client_avg/avg_ROUGE') GROUP BY t.run_uuid"
+        ).fetchall()
+    # one run per experiment, holding its rounds and its evaluation (not an evaluation run of its own)
+    assert sorted(name for name, _ in runs) == sorted(experiments)
+    assert {frozenset(keys.split(",")) for _, keys in runs} == {frozenset({"val_loss_mean", "client_avg/avg_ROUGE"})}
+    assert (dest / "comparisons.csv").is_file() and (dest / "tables").is_dir()
+    assert not list(dest.rglob("gate_log.parquet"))  # client token ids stay out
+    readme = (dest / "README.md").read_text()
+    assert "completed every step" in readme and "| train | ok |" in readme
+
+
+def tar_member(path: Path, name: str) -> str:
+    with tarfile.open(path) as tar:
+        return tar.extractfile(name).read().decode()

