@@ -73,8 +73,8 @@ def _examples(n_train: int, n_valid: int, sep_token: str) -> tuple[pd.DataFrame,
 def build_workspace(root: Path, params_path: str = "params.yaml", tiny: bool = False) -> dict[str, Any]:
     """A repo-like workspace under ``root`` (backbone, examples, partition, params); returns the params read.
     ``tiny``: the tests' tiny BART (tests/tiny_models.py) instead of MiniLM, with its own model shape."""
-    from pipeline.backbone import add_sep_token
     from pipeline.common.config import load_params
+    from pipeline.modeling.backbone import add_sep_token
     from pipeline.modeling.warmup import build_bert2bert, minilm_dir
 
     params = load_params(params_path)
