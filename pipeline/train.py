@@ -1,7 +1,7 @@
 """Stage `train`: one experiment (a DVC `foreach` over params.yaml `experiments`) from its plan file.
 
     python -m pipeline.train --experiment fedselectkd-domain
-    python -m pipeline.train --experiment A --experiment B   # several, one after the other in one process
+    python -m pipeline.train --experiment A --experiment B   # several, as one set trained together in one process
 
 Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.md ("Training and federation").
 """
@@ -14,6 +14,7 @@ import logging
 import shutil
 import signal
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
 from pipeline.training import checkpoints
 from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
 from pipeline.training.serverless import run_serverless
+from pipeline.training.set_engine import RoundBarrier, rng_state, set_rng_state
 from pipeline.training.summary import (
     convergence_tags,
     final_run_metrics,
@@ -45,9 +47,16 @@ def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
     return tags | git_state() | dvc_tags()
 
 
-def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSettings | None = None) -> dict[str, Any]:
+def run_experiment(
+    plan_path: str | Path,
+    *,
+    track: bool = True,
+    settings: RunSettings | None = None,
+    barrier: RoundBarrier | None = None,
+) -> dict[str, Any]:
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
-    ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults)."""
+    ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults); ``barrier``:
+    the round barrier of the set it trains in (:func:`run_set`), where its clients' work executes."""
     plan_path = str(plan_path)
     plan = read_plan(plan_path)
     privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains
@@ -76,7 +85,7 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
         if plan.spec.federated:
             from pipeline.federation.engines import run_federated
 
-            result = run_federated(plan_path, settings, recorder)
+            result = run_federated(plan_path, settings, recorder, barrier)
         else:
             result = run_serverless(plan, recorder, settings.cache)
     except BaseException:
@@ -112,28 +121,33 @@ def run_experiment(plan_path: str | Path, *, track: bool = True, settings: RunSe
     return metrics
 
 
-def run_packed(
+def run_set(
     plan_paths: list[Path], track: bool = True, settings: dict[str, RunSettings] | None = None
 ) -> dict[str, dict[str, Any]]:
-    """Train the experiments of ``plan_paths`` one after the other in this process, each from the process's initial
-    RNG state (docs/ARCHITECTURE.md: each as alone in a fresh process); returns their metrics by experiment."""
-    import random
+    """Train the experiments of ``plan_paths`` as one set in this process (pipeline.training.set_engine): each in its
+    own thread and round loop, their clients' work at one round barrier, each computing what it would alone in a
+    fresh process; returns their metrics by experiment. Experiments on the Ray engine train after the set, one at a
+    time (Flower's simulation runs its own processes)."""
+    settings = {Path(p).stem: (settings or {}).get(Path(p).stem) or RunSettings() for p in plan_paths}
+    names = [Path(p).stem for p in plan_paths]
+    ray = [n for n in names if settings[n].engine == "ray"]
+    together = {Path(p).stem: p for p in plan_paths if Path(p).stem not in ray}
+    barrier = RoundBarrier()
+    start = rng_state()
+    with stage_timer(f"train-{'+'.join(names)}"):
+        out = barrier.run(
+            {
+                n: partial(run_experiment, p, track=track, settings=settings[n], barrier=barrier)
+                for n, p in together.items()
+            }
+        )
+        for name in ray:
+            set_rng_state(start)  # each as alone in a fresh process
+            out[name] = run_experiment(plan_paths[names.index(name)], track=track, settings=settings[name])
+    return {n: out[n] for n in names}
 
-    import numpy as np
-    import torch
 
-    initial = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    out = {}
-    for path in plan_paths:
-        random.setstate(initial[0])
-        np.random.set_state(initial[1])
-        torch.set_rng_state(initial[2])
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(torch.initial_seed())  # a fresh process's CUDA generators: the default seed
-        experiment = Path(path).stem
-        with stage_timer(f"train-{experiment}"):
-            out[experiment] = run_experiment(path, track=track, settings=(settings or {}).get(experiment))
-    return out
+run_packed = run_set  # the earlier name of run_set, kept for callers of this release
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         "--experiment",
         required=True,
         action="append",
-        help="a key of params.yaml `experiments`; repeated: several, one after the other",
+        help="a key of params.yaml `experiments`; repeated: several, trained together as one set",
     )
     ap.add_argument("--plans", default=str(PATHS.plans), help="directory of the plan files (stage `plan`)")
     ap.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
@@ -160,7 +174,7 @@ def main(argv: list[str] | None = None) -> None:
         paths = [Path(args.plans) / f"{e}.json" for e in args.experiment]
         for path in paths:
             read_plan(path)  # a bad plan is reported before anything else is read
-        results = run_packed(
+        results = run_set(
             paths, track=not args.no_mlflow, settings={e: load_run_settings(args.params, e) for e in args.experiment}
         )
     finally:

@@ -246,3 +246,51 @@ def test_relative_cache_dir_is_shared_by_dvc_temporary_workspaces(tmp_path, monk
     monkeypatch.setenv("DVC_ROOT", str(temp))
     assert resolve_root("data/cache/prefix") == repo.resolve() / "data/cache/prefix"
     assert resolve_root(tmp_path / "elsewhere") == tmp_path / "elsewhere"
+
+
+def test_an_entry_read_once_stays_resident_and_leaves_memory_with_its_disk_file(model, tmp_path):
+    batch = _batch(model, [0])
+    cache = _cache(model, tmp_path)
+    first = cache.prefix_for(model, batch)  # computed, stored, kept
+    (path,) = list(tmp_path.glob("*/*.safetensors"))
+    path.write_bytes(b"damaged after it was read")
+    again = cache.prefix_for(model, batch)  # the resident copy: the disk is not read (nor hashed) again
+    assert cache.stats["hits"] == 1 and cache.stats["damaged"] == 0
+    assert torch.equal(again.encoder_hidden, first.encoder_hidden)
+    assert torch.equal(again.decoder_hidden, first.decoder_hidden)
+    fresh = _cache(model, tmp_path)  # another process reads the disk and finds the damage
+    fresh.prefix_for(model, batch)
+    assert fresh.stats["damaged"] == 1 and fresh.stats["misses"] == 1
+    # evicted from disk (another entry needs the room): out of memory too, so the next read computes it again
+    size = fresh.size_bytes
+    small = _cache(model, tmp_path / "small", max_bytes=size + 10)
+    small.prefix_for(model, batch)
+    small.prefix_for(model, _batch(model, [2]))
+    assert small.stats["evicted"] >= 1 and len(small.resident) == 1
+    small.prefix_for(model, batch)
+    assert small.stats["misses"] == 3 and small.stats["hits"] == 0
+
+
+def test_each_pair_is_tokenised_once_per_process(model):
+    class Counting:  # the model's tokenizer, counting the texts it is given
+        def __init__(self, tokenizer):
+            self.tokenizer, self.texts = tokenizer, 0
+
+        def __call__(self, texts=None, **kwargs):
+            self.texts += len(texts if texts is not None else kwargs["text_target"])
+            return self.tokenizer(texts, **kwargs)
+
+    counting = Counting(model.tokenizer)
+    args = (64, 32)
+    first = tokenize_pairs(counting, SOURCES[:2], TARGETS[:2], *args, IDS[:2], model.decoder_start_token_id)
+    assert counting.texts == 4  # two sources, two targets
+    again = tokenize_pairs(counting, SOURCES[:3], TARGETS[:3], *args, IDS[:3], model.decoder_start_token_id)
+    assert counting.texts == 6  # only the new pair
+    direct = tokenize_pairs(model.tokenizer, SOURCES[:3], TARGETS[:3], *args, IDS[:3], model.decoder_start_token_id)
+    assert [(e.example_id, e.input_ids, e.labels) for e in again] == [
+        (e.example_id, e.input_ids, e.labels) for e in direct
+    ]
+    assert again[:2] == first
+    # an edited text is another pair: tokenised anew, never the stale ids
+    edited = tokenize_pairs(counting, ["changed"], TARGETS[:1], *args, IDS[:1], model.decoder_start_token_id)
+    assert counting.texts == 8 and edited[0].input_ids != first[0].input_ids

@@ -340,18 +340,21 @@ def test_accumulation_weights_count_only_sequences_with_a_target_token():
 
 
 def test_gate_rows_are_one_per_target_token_with_its_client_round_example_and_position():
-    from pipeline.training.client_training import _gate_rows
+    from pipeline.training.client_training import gate_rows
 
     batch = _labelled([3, -100], [4, 5])
-    labels = batch.labels
     entropy = torch.tensor([[0.5, 9.0], [1.5, 2.5]])
     gate = torch.tensor([[True, True], [False, True]])
-    rows = _gate_rows(batch, labels, entropy, gate, "Academic", 7)
-    assert rows["client"].tolist() == ["Academic"] * 3 and str(rows["client"].dtype) == "string"
-    assert rows["round"].tolist() == [7, 7, 7]
-    assert rows["example_id"].tolist() == ["e0", "e1", "e1"] and rows["position"].tolist() == [0, 0, 1]
-    assert rows["token_id"].tolist() == [3, 4, 5] and rows["entropy"].tolist() == [0.5, 1.5, 2.5]
-    assert rows["kd_applied"].tolist() == [True, False, True]
+    later = _labelled([6, 7, -100])  # a second micro-batch of another shape: its rows follow the first's
+    parts = [(batch, entropy, gate), (later, torch.tensor([[3.0, 4.0, 5.0]]), torch.tensor([[False, True, True]]))]
+    rows = gate_rows(parts, "Academic", 7)
+    assert rows["client"].tolist() == ["Academic"] * 5 and str(rows["client"].dtype) == "string"
+    assert rows["round"].tolist() == [7] * 5
+    assert rows["example_id"].tolist() == ["e0", "e1", "e1", "e0", "e0"]
+    assert rows["position"].tolist() == [0, 0, 1, 0, 1]
+    assert rows["token_id"].tolist() == [3, 4, 5, 6, 7] and rows["entropy"].tolist() == [0.5, 1.5, 2.5, 3.0, 4.0]
+    assert rows["kd_applied"].tolist() == [True, False, True, False, True]
+    assert gate_rows([], "Academic", 7).empty
 
 
 # ----------------------------------------------------------------------------------------------- DP-SGD epochs

@@ -24,6 +24,7 @@ from pipeline.federation.protocol import client_settings_config, load_plan
 from pipeline.federation.server_app import run_server
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder
+from pipeline.training.set_engine import RoundBarrier
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -43,12 +44,14 @@ def _serve(grid: Grid, plan_path: str, settings: RunSettings, recorder: Recorder
 
 
 class InProcessGrid(Grid):
-    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other. Each
-    node keeps its own Context across rounds, as a SuperNode does; messages are deep-copied both ways (client and
-    server share no objects); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
+    """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other (in a set:
+    at the set's round barrier, with the other runs' clients). Each node keeps its own Context across rounds, as a
+    SuperNode does; messages are deep-copied both ways (client and server share no objects); a ClientApp exception
+    becomes an error reply, as Flower's runtimes report it."""
 
-    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]]):
+    def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], barrier: RoundBarrier | None = None):
         self.client_app = client_app
+        self.barrier = barrier
         self._run = Run.create_empty(1)
         self.contexts = {
             1000 + i: Context(
@@ -79,18 +82,21 @@ class InProcessGrid(Grid):
             ids.append(msg.metadata.message_id)
         return ids
 
+    def deliver(self, msg: Message) -> Message:
+        """The reply of ``msg``'s node (a copy)."""
+        try:
+            reply = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
+        except Exception as exc:  # the client failed: Flower reports this as an error reply
+            reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
+            log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
+            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
+        return copy.deepcopy(reply)
+
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        replies = []
-        for mid in message_ids:
-            msg = self._pending.pop(mid)
-            try:
-                reply = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
-            except Exception as exc:  # the client failed: Flower reports this as an error reply
-                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
-                log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
-                reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
-            replies.append(copy.deepcopy(reply))
-        return replies
+        messages = [self._pending.pop(mid) for mid in message_ids]
+        if self.barrier is None:
+            return [self.deliver(m) for m in messages]
+        return self.barrier.park(self.deliver, messages)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(list(self.push_messages(messages)))
@@ -103,18 +109,24 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_inprocess(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """Run the experiment's ServerApp and ClientApps in this process; returns {arrays, history}."""
+def run_inprocess(
+    plan_path: str, settings: RunSettings, recorder: Recorder | None = None, barrier: RoundBarrier | None = None
+) -> dict:
+    """Run the experiment's ServerApp and ClientApps in this process (its clients at ``barrier``, the round barrier
+    of its set, if given); returns {arrays, history}."""
     names = client_names(load_plan(plan_path))
-    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names])
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names], barrier)
     _set_server_identity(grid.run.run_id)
     return _serve(grid, plan_path, settings, recorder)
 
 
-def run_federated(plan_path: str, settings: RunSettings, recorder: Recorder | None = None) -> dict:
-    """The plan's run on the engine ``settings`` names (ray: Flower's simulation, a virtual SuperNode per client)."""
+def run_federated(
+    plan_path: str, settings: RunSettings, recorder: Recorder | None = None, barrier: RoundBarrier | None = None
+) -> dict:
+    """The plan's run on the engine ``settings`` names (ray: Flower's simulation, a virtual SuperNode per client,
+    outside the set's barrier)."""
     if settings.engine != "ray":
-        return run_inprocess(plan_path, settings, recorder)
+        return run_inprocess(plan_path, settings, recorder, barrier)
     from flwr.simulation import run_simulation
 
     result: dict = {}

@@ -9,6 +9,7 @@ padded decoder inputs hold the pad id. Padding is per batch (to the longest memb
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,11 @@ class Batch:
         return len(self.example_ids)
 
 
+# Per tokenizer and lengths, each (example id, source, target) tokenised so far in this process: every round
+# and validation of a run, and every run of a set, reuses them instead of tokenising the same texts again.
+_TOKENIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def tokenize_pairs(
     tokenizer,
     sources: Sequence[str],
@@ -46,16 +52,22 @@ def tokenize_pairs(
     example_ids: Sequence[str],
     decoder_start_token_id: int | None = None,
 ) -> list[TokenizedExample]:
-    """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding."""
-    src = tokenizer(list(sources), max_length=max_source_length, truncation=True)["input_ids"]
-    tgt = tokenizer(text_target=list(targets), max_length=max_target_length, truncation=True)["input_ids"]
-    out = []
-    for eid, s, t in zip(example_ids, src, tgt):
-        t = target_labels(t, decoder_start_token_id)
-        if not t:
-            raise ValueError(f"example {eid}: empty target after tokenisation")
-        out.append(TokenizedExample(str(eid), list(s), t))
-    return out
+    """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding; each pair once per
+    process (the examples returned are shared: read them, do not change them)."""
+    done = _TOKENIZED.setdefault(tokenizer, {}).setdefault(
+        (max_source_length, max_target_length, decoder_start_token_id), {}
+    )
+    keys = [(str(eid), s, t) for eid, s, t in zip(example_ids, sources, targets)]
+    new = [k for k in dict.fromkeys(keys) if k not in done]
+    if new:
+        src = tokenizer([k[1] for k in new], max_length=max_source_length, truncation=True)["input_ids"]
+        tgt = tokenizer(text_target=[k[2] for k in new], max_length=max_target_length, truncation=True)["input_ids"]
+        for key, s, t in zip(new, src, tgt):
+            t = target_labels(t, decoder_start_token_id)
+            if not t:
+                raise ValueError(f"example {key[0]}: empty target after tokenisation")
+            done[key] = TokenizedExample(key[0], list(s), t)
+    return [done[k] for k in keys]
 
 
 def target_labels(ids: Sequence[int], decoder_start_token_id: int | None) -> list[int]:

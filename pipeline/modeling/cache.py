@@ -8,7 +8,9 @@ never hits a stale entry). Entries are trimmed to the example's lengths, evicted
 ``max_bytes``, written to a temp file and renamed (concurrent workers see a whole file or none), and carry the
 sha256 of their tensors: a damaged entry is logged, deleted and recomputed. A relative ``root`` is under the project
 root (:func:`resolve_root`), so DVC's temporary experiment copies share one cache. float16/bfloat16 entries are
-not exact.
+not exact. Once read (or computed), an entry stays resident on the model's device for the cache object's life
+(pipeline.training.shared_model keeps one per process), so later rounds neither read nor hash it again; an entry
+evicted from disk leaves memory too, so the resident entries never exceed the disk budget.
 
 ``TeacherCache`` (RAM, one round): each example's exact global-path logits, for rounds with more than one local
 epoch; cleared when the global adapter changes; each entry's CRC-32 is checked on every hit.
@@ -106,6 +108,7 @@ class PrefixCache:
                 indent=1,
             )
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
+        self.resident: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # entry file -> its tensors, on device
         self.size_bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))  # of every key
 
     def prefix_for(self, model: AdapterSummarizer, batch: Batch) -> Prefix:
@@ -124,9 +127,9 @@ class PrefixCache:
         ]
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for i, path in enumerate(paths):
-            loaded = self._load(path)
+            loaded = self._resident(path) or self._load(path)
             if loaded is not None:
-                entries[i] = loaded
+                entries[i] = self.resident.setdefault(path, tuple(t.to(model.device) for t in loaded))
                 self.stats["hits"] += 1
         missing = [i for i in range(len(paths)) if i not in entries]
         if missing:
@@ -142,16 +145,24 @@ class PrefixCache:
             for j, i in enumerate(missing):
                 enc = computed.encoder_hidden[j, : src_len[i]].to("cpu", self.dtype).contiguous()
                 dec = computed.decoder_hidden[j, : tgt_len[i]].to("cpu", self.dtype).contiguous()
-                self._store(paths[i], enc, dec)
                 entries[i] = (enc, dec)
+                if self._store(paths[i], enc, dec):
+                    self.resident[paths[i]] = entries[i] = (enc.to(model.device), dec.to(model.device))
 
         n = entries[0][0].shape[-1]
-        enc_h = torch.zeros(*batch.input_ids.shape, n)
-        dec_h = torch.zeros(*batch.labels.shape, n)
+        enc_h = torch.zeros(*batch.input_ids.shape, n, device=model.device)
+        dec_h = torch.zeros(*batch.labels.shape, n, device=model.device)
         for i, (enc, dec) in entries.items():
-            enc_h[i, : enc.shape[0]] = enc.float()
-            dec_h[i, : dec.shape[0]] = dec.float()
+            enc_h[i, : enc.shape[0]] = enc
+            dec_h[i, : dec.shape[0]] = dec
         return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
+
+    def _resident(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
+        entry = self.resident.get(path)
+        if entry is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path)  # LRU on disk, as a read would
+        return entry
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
         try:
@@ -176,12 +187,14 @@ class PrefixCache:
     def _damaged(self, path: Path, why: str) -> None:
         log.warning("prefix cache: damaged entry %s: %s; recomputing it", path, why)
         self.stats["damaged"] += 1
+        self.resident.pop(path, None)
         with contextlib.suppress(OSError):
             size = path.stat().st_size
             path.unlink()
             self.size_bytes -= size
 
-    def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> None:
+    def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> bool:
+        """Write the entry (False: refused, larger than the whole budget)."""
         fd, tmp = tempfile.mkstemp(dir=self.dir, suffix=".tmp")
         os.close(fd)
         try:
@@ -191,11 +204,12 @@ class PrefixCache:
             size = os.path.getsize(tmp)
             if size > self.max_bytes:
                 self.stats["refused"] += 1
-                return
+                return False
             if self.size_bytes + size > self.max_bytes:
                 self._evict(self.size_bytes + size - self.max_bytes)
             os.replace(tmp, path)
             self.size_bytes += size
+            return True
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
@@ -214,6 +228,7 @@ class PrefixCache:
             freed += size
             self.size_bytes -= size
             self.stats["evicted"] += 1
+            self.resident.pop(p, None)
 
 
 class TeacherCache:

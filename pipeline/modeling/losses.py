@@ -68,14 +68,32 @@ class KDConfig:
 
 @dataclass
 class LossOutput:
+    """The tensors stay where they were computed: the float and int views read them (a host sync each), so a
+    trainer reads them once per round, not per micro-batch."""
+
     loss: torch.Tensor  # scalar, differentiable
-    ce_mean: float  # mean CE over non-padding tokens
-    kd_mean: float  # mean KL over gated tokens (0.0 when none)
+    ce_rows: torch.Tensor  # [N] CE per non-padding token
+    kl_rows: torch.Tensor  # [N] KL per non-padding token (0 where not gated)
+    gate_rows: torch.Tensor  # [N] bool, KD applied
     entropy: torch.Tensor  # [B, T] H(q_g) (0 where padding or no teacher)
     gate: torch.Tensor  # [B, T] bool, KD applied (False on padding)
     n_tokens: int  # non-padding target tokens
-    n_kd: int  # gated tokens
     threshold: float = float("nan")  # the threshold the gate compared with (entropy gate: log_base units); NaN: none
+
+    @property
+    def ce_mean(self) -> float:
+        """Mean CE over non-padding tokens."""
+        return float(self.ce_rows.mean())
+
+    @property
+    def n_kd(self) -> int:
+        """Gated tokens."""
+        return int(self.gate_rows.sum())
+
+    @property
+    def kd_mean(self) -> float:
+        """Mean KL over gated tokens (0.0 when none)."""
+        return float(self.kl_rows[self.gate_rows].mean()) if self.n_kd else 0.0
 
 
 def _pack(logits: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor:
@@ -226,10 +244,7 @@ def distillation_loss(
     valid_d = valid.to(z_l.device)
     entropy[valid_d] = entropy_p
     gate[valid_d] = gate_p
-    n_kd = int(gate_p.sum())
-    return LossOutput(
-        loss, float(ce.mean()), float(kl[gate_p].mean()) if n_kd else 0.0, entropy, gate, n_tokens, n_kd, threshold
-    )
+    return LossOutput(loss, ce, kl, gate_p, entropy, gate, n_tokens, threshold)
 
 
 def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> torch.Tensor:

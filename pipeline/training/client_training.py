@@ -18,7 +18,7 @@ from tqdm import tqdm
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments import Plan
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
-from pipeline.modeling.losses import KDConfig
+from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.privacy import seam as privacy
 from pipeline.training.config import TrainConfig
@@ -234,8 +234,7 @@ def train_local(
         proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
 
     model.train(True)
-    sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
-    gate_parts: list[pd.DataFrame] = []
+    outputs: list[tuple[Batch, LossOutput]] = []  # read once the round's steps are done (no host sync per step)
     n_steps = 0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
     teacher_cache = None
@@ -271,13 +270,8 @@ def train_local(
                     labels = batch.labels.to(model.device)
                     out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                     stepper.backward(out.loss, weight)
-                    sums["loss"] += float(out.loss.detach()) * out.n_tokens
-                    sums["ce"] += out.ce_mean * out.n_tokens
-                    sums["kd"] += out.kd_mean * out.n_kd
-                    sums["tokens"] += out.n_tokens
-                    sums["kd_tokens"] += out.n_kd
-                    if two_paths:  # entropy and gate carry no gradient; the gate is False on padding
-                        gate_parts.append(_gate_rows(batch, labels, out.entropy, out.gate, client, rnd))
+                    out.loss = out.loss.detach()
+                    outputs.append((batch, out))
                 stepper.finish()
                 optimizer.step()
                 n_steps += 1
@@ -286,8 +280,10 @@ def train_local(
     model.train(False)
     for p in params:
         p.requires_grad_(False)
+    sums = _round_sums([out for _, out in outputs])
     tokens = max(sums["tokens"], 1)
-    gate_log = pd.concat(gate_parts, ignore_index=True) if gate_parts else empty_gate_log()
+    # entropy and gate carry no gradient; the gate is False on padding
+    gate_log = gate_rows([(b, out.entropy, out.gate) for b, out in outputs], client, rnd) if two_paths else None
     return LocalTrainResult(
         n_examples=len(examples),
         n_steps=n_steps,
@@ -297,32 +293,50 @@ def train_local(
         kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
         kd_fraction=sums["kd_tokens"] / tokens,
         proximal=proximal.value if proximal is not None else 0.0,
-        gate_log=gate_log,
+        gate_log=gate_log if gate_log is not None else empty_gate_log(),
         privacy=stepper.setting,
         dp_examples=stepper.examples,
         dp_clipped=stepper.clipped,
     )
 
 
+def _round_sums(outputs: list[LossOutput]) -> dict[str, float]:
+    """The round's token-weighted loss, CE and KD sums and token counts, read from the device once the steps are
+    done, summed in step order (the float sums of a per-step reading, to the bit)."""
+    sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
+    for out in outputs:
+        sums["loss"] += float(out.loss) * out.n_tokens
+        sums["ce"] += out.ce_mean * out.n_tokens
+        sums["kd"] += out.kd_mean * out.n_kd
+        sums["tokens"] += out.n_tokens
+        sums["kd_tokens"] += out.n_kd
+    return sums
+
+
 def empty_gate_log() -> pd.DataFrame:
     return pd.DataFrame({column: pd.Series(dtype=dtype) for column, dtype in GATE_LOG_DTYPES.items()})
 
 
-def _gate_rows(
-    batch: Batch, labels: torch.Tensor, entropy: torch.Tensor, gate: torch.Tensor, client: str, rnd: int
-) -> pd.DataFrame:
-    valid = (labels != IGNORE_INDEX).cpu().numpy()
-    b_idx, t_idx = np.nonzero(valid)
-    ids = np.asarray(batch.example_ids, dtype=object)
+def gate_rows(parts: list[tuple[Batch, torch.Tensor, torch.Tensor]], client: str, rnd: int) -> pd.DataFrame:
+    """The gate log of a round, one row per trained target token: ``parts`` holds each micro-batch's (batch, entropy
+    [B, T], gate [B, T]) in step order; read from the device once (one frame for the round)."""
+    if not parts:
+        return empty_gate_log()
+    valid = [(b.labels != IGNORE_INDEX).numpy() for b, _, _ in parts]
+    where = [np.nonzero(v) for v in valid]
+    entropy = torch.cat([e.float()[torch.from_numpy(v).to(e.device)] for (_, e, _), v in zip(parts, valid)])
+    gate = torch.cat([g[torch.from_numpy(v).to(g.device)] for (_, _, g), v in zip(parts, valid)])
     return pd.DataFrame(
         {
-            "client": [client] * len(b_idx),
+            "client": [client] * len(entropy),
             "round": rnd,
-            "example_id": ids[b_idx],
-            "position": t_idx,
-            "token_id": labels.cpu().numpy()[b_idx, t_idx],
-            "entropy": entropy.float().cpu().numpy()[b_idx, t_idx],
-            "kd_applied": gate.cpu().numpy()[b_idx, t_idx],
+            "example_id": np.concatenate(
+                [np.asarray(b.example_ids, dtype=object)[i] for (b, _, _), (i, _) in zip(parts, where)]
+            ),
+            "position": np.concatenate([t for _, t in where]),
+            "token_id": np.concatenate([b.labels.numpy()[i, t] for (b, _, _), (i, t) in zip(parts, where)]),
+            "entropy": entropy.cpu().numpy(),
+            "kd_applied": gate.cpu().numpy(),
         }
     ).astype(GATE_LOG_DTYPES)
 

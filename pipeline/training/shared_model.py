@@ -16,6 +16,7 @@ from pipeline.training.seeds import derived_seed
 
 _MODELS: dict[tuple, AdapterSummarizer] = {}
 _INITIAL_STATES: dict[tuple, dict[str, torch.Tensor]] = {}
+_PREFIX_CACHES: dict[tuple, PrefixCache] = {}
 
 
 def model_config(plan: Plan) -> ModelConfig:
@@ -50,12 +51,13 @@ def initial_adapter_state(plan: Plan) -> dict[str, torch.Tensor]:
 
 
 def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
-    """The disk cache of the frozen prefix (encoder + lower decoder layers), or None when disabled."""
+    """The disk cache of the frozen prefix (encoder + lower decoder layers), one per process and configuration (its
+    entries stay resident on the model's device once read), or None when disabled."""
     if not plan.train.prefix_cache:
         return None
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
     mcfg = model_config(plan)
-    return PrefixCache(
+    args = (
         resolve_root(cache.cache_dir),
         model.backbone_fingerprint(),
         mcfg.max_source_length,
@@ -64,3 +66,7 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
         plan.cache_dtype or "float32",
         int(cache.cache_max_gb * 2**30),
     )
+    if (id(model), *args) not in _PREFIX_CACHES:
+        _PREFIX_CACHES.clear()  # one model per process (shared_model): the previous one's entries go
+        _PREFIX_CACHES[(id(model), *args)] = PrefixCache(*args)
+    return _PREFIX_CACHES[(id(model), *args)]
