@@ -128,7 +128,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
 
 def readme(dest: Path, study: dict[str, Any]) -> str:
     """The study's README: where and how it ran (from study.json), and the claims block the rebuild fills."""
-    from pipeline.results import comparisons
+    from pipeline.results import claims
 
     gpu = study["device"].get("gpu") or "no GPU (CPU)"
     rows = "".join(f"| {s['step']} | {s['status']} | {s.get('seconds', '')} |\n" for s in study["steps"] if "step" in s)
@@ -141,7 +141,7 @@ def readme(dest: Path, study: dict[str, Any]) -> str:
         f"in `device/weights.md5.json`). Imported here by `python -m tools.gpu_study.importer`, which logged every "
         f"run into the MLflow store and wrote the tables with `python -m pipeline.report rebuild`.\n\n"
         f"| step | status | seconds |\n|---|---|---|\n{rows}\n"
-        f"{comparisons.BEGIN}\n{comparisons.END}\n"
+        f"{claims.BEGIN}\n{claims.END}\n"
     )
 
 
