@@ -126,21 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.communication import bench_communication
     from benchmarks.generation import bench_generation
     from benchmarks.memory import collect
-    from benchmarks.train_step import bench_shape
-    from pipeline.common.config import from_dict, load_params
-    from pipeline.training.config import TrainConfig
 
-    model_cfg = load_model_config(args.params)
-    train_cfg = from_dict(TrainConfig, load_params(args.params).get("train"), "train")
-    default = default_shape(model_cfg, profile.default_batch or train_cfg.batch_size)
-    default = replace(
-        default,
-        source_length=profile.default_source or default.source_length,
-        target_length=profile.default_target or default.target_length,
-    )
-    bart = bart_base_shape(profile.bart_batch, profile.bart_source, profile.bart_target)
-    shapes = {"bart_base": bart, "default": default}
-    uses = study_uses(args.params)
+    shapes = _shapes(args.params, profile)
 
     steps = [
         "matmul peak",
@@ -160,23 +147,7 @@ def main(argv: list[str] | None = None) -> None:
         bar.set_postfix_str(label)
         bar.update(1)
 
-    before = matmul_peak(profile.matmul_sizes, profile.matmul_repeats)
-    advance("matmul peak")
-    train = {}
-    for key, shape in shapes.items():
-        train[key] = bench_shape(shape, profile.train_repeats, before["peak_gflops"], uses)
-        advance(f"train {key}")
-    after = matmul_peak(profile.matmul_sizes, profile.matmul_repeats)
-    advance("matmul peak (again)")
-    peak = dict(before)
-    peak.update(before=before["peak_gflops"], after=after["peak_gflops"], sizes_after=after["sizes"])
-    peak["peak_gflops"] = max(before["peak_gflops"], after["peak_gflops"])
-    if peak["peak_gflops"] != before["peak_gflops"]:  # bounds use the best peak seen in this run
-        for tr in train.values():
-            for v in tr["variants"].values():
-                scale = before["peak_gflops"] / peak["peak_gflops"]
-                v["flop_bound_seconds_per_example"] = round(v["flop_bound_seconds_per_example"] * scale, 5)
-                v["measured_over_bound"] = round(v["seconds_per_example"] / v["flop_bound_seconds_per_example"], 3)
+    peak, train = _train_steps(profile, shapes, study_uses(args.params), advance)
 
     generation = {}
     for key, n in (("default", profile.gen_examples_default), ("bart_base", profile.gen_examples_bart)):
@@ -226,6 +197,48 @@ def main(argv: list[str] | None = None) -> None:
     }
     readme.write(results, out / "README.md")
     print(f"benchmarks written to {out}/ in {meta['seconds']:.0f} s")
+
+
+def _shapes(params_path: str, profile: Profile) -> dict:
+    """The two measured shapes: BART-base's and the study's default (params.yaml, reduced by the quick profile)."""
+    from pipeline.common.config import from_dict, load_params
+    from pipeline.training.config import TrainConfig
+
+    model_cfg = load_model_config(params_path)
+    train_cfg = from_dict(TrainConfig, load_params(params_path).get("train"), "train")
+    default = default_shape(model_cfg, profile.default_batch or train_cfg.batch_size)
+    default = replace(
+        default,
+        source_length=profile.default_source or default.source_length,
+        target_length=profile.default_target or default.target_length,
+    )
+    bart = bart_base_shape(profile.bart_batch, profile.bart_source, profile.bart_target)
+    return {"bart_base": bart, "default": default}
+
+
+def _train_steps(profile: Profile, shapes: dict, uses: dict[str, int], advance) -> tuple[dict, dict]:
+    """The machine's matmul peak before and after the train steps, and each shape's train step against its FLOP
+    bound (at the best peak seen in this run)."""
+    from benchmarks.train_step import bench_shape
+
+    before = matmul_peak(profile.matmul_sizes, profile.matmul_repeats)
+    advance("matmul peak")
+    train = {}
+    for key, shape in shapes.items():
+        train[key] = bench_shape(shape, profile.train_repeats, before["peak_gflops"], uses)
+        advance(f"train {key}")
+    after = matmul_peak(profile.matmul_sizes, profile.matmul_repeats)
+    advance("matmul peak (again)")
+    peak = dict(before)
+    peak.update(before=before["peak_gflops"], after=after["peak_gflops"], sizes_after=after["sizes"])
+    peak["peak_gflops"] = max(before["peak_gflops"], after["peak_gflops"])
+    if peak["peak_gflops"] != before["peak_gflops"]:  # bounds use the best peak seen in this run
+        for tr in train.values():
+            for v in tr["variants"].values():
+                scale = before["peak_gflops"] / peak["peak_gflops"]
+                v["flop_bound_seconds_per_example"] = round(v["flop_bound_seconds_per_example"] * scale, 5)
+                v["measured_over_bound"] = round(v["seconds_per_example"] / v["flop_bound_seconds_per_example"], 3)
+    return peak, train
 
 
 def load_results(out: Path) -> dict:

@@ -881,8 +881,8 @@ def test_server_stops_waiting_for_clients_that_never_connect():
     # a clear error after the admission timeout, naming the clients missing, not keep the server (and CI) waiting.
     from flwr.app import ConfigRecord, Message, RecordDict
 
+    from pipeline.federation.admission import AdmissionError, identify_clients
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.server_app import AdmissionError, _identify
 
     class OneNodeGrid:  # only one of the three planned clients ever connects
         def get_node_ids(self):
@@ -896,5 +896,5 @@ def test_server_stops_waiting_for_clients_that_never_connect():
 
     _set_server_identity(1)
     with pytest.raises(AdmissionError) as err:
-        _identify(OneNodeGrid(), "plan.json", expected=["Academic", "Committee", "Product"], timeout=0.2)
+        identify_clients(OneNodeGrid(), "plan.json", expected=["Academic", "Committee", "Product"], timeout=0.2)
     assert "['Committee', 'Product']" in str(err.value) and str(err.value).startswith("plan.json:")

@@ -750,13 +750,13 @@ def test_a_gone_node_is_recorded_absent_and_a_restarted_one_takes_its_clients_pl
 
 
 def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
-    from pipeline.federation.server_app import _connected_nodes
+    from pipeline.federation.admission import connected_nodes
 
     path = write_plan("loop-stranger", "fedavg", rounds=1, fraction_train=1.0)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"], extra={5000: "Mallory"})
     node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        connected = _connected_nodes(grid, path, node_names, timeout=5)
+        connected = connected_nodes(grid, path, node_names, timeout=5)
     assert len(logged(caplog)) == 1 and logs(logged(caplog), "5000", "'Mallory'")
     assert connected == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     assert node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
@@ -765,13 +765,13 @@ def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
 def test_a_stranger_among_new_nodes_does_not_keep_a_restarted_client_out(ws, caplog):
     """Two new node ids in one round: a stranger (id 500, asked first) and Product's restarted SuperNode (1002,
     Product's old node 9 is gone): the stranger is left out, Product takes its new node."""
-    from pipeline.federation.server_app import _connected_nodes
+    from pipeline.federation.admission import connected_nodes
 
     path = write_plan("loop-stranger2", "fedavg", rounds=1, fraction_train=1.0)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"], extra={500: "Mallory"})
     node_names = {1000: "Academic", 1001: "Committee", 9: "Product"}
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        connected = _connected_nodes(grid, path, node_names, timeout=5)
+        connected = connected_nodes(grid, path, node_names, timeout=5)
     assert (
         len(logged(caplog)) == 2
         and logs(logged(caplog), "500", "'Mallory'")
@@ -781,18 +781,18 @@ def test_a_stranger_among_new_nodes_does_not_keep_a_restarted_client_out(ws, cap
 
 
 def test_identify_names_every_node_and_rejects_two_claiming_one_client(ws):
-    from pipeline.federation.server_app import _identify
+    from pipeline.federation.admission import identify_clients
 
     path = write_plan("loop-identify", "fedavg", rounds=1)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
-    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
+    assert identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
         1000: "Academic",
         1001: "Committee",
         1002: "Product",
     }
     twice = Grid(path, Script(), ["Academic", "Academic"])
     with pytest.raises(RuntimeError, match="two nodes claim the same client name"):
-        _identify(twice, path, expected=["Academic", "Committee"], timeout=5)
+        identify_clients(twice, path, expected=["Academic", "Committee"], timeout=5)
 
 
 def test_replies_sent_by_the_superlink_for_an_offline_node_are_matched_to_their_message():
@@ -1041,29 +1041,29 @@ def test_the_strategy_sees_the_grid_restricted_to_the_admitted_nodes(ws):
 
 
 def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
-    from pipeline.federation.server_app import _connected_nodes, _identify
+    from pipeline.federation.admission import connected_nodes, identify_clients
 
     path = write_plan("loop-badnode", "fedavg", rounds=1)
     script = Script()
     grid = Grid(path, script, ["Academic", "Committee", "Product"])
     grid.inner.contexts[1001].node_config["client-name"] = None  # cannot say who it is
     with pytest.raises(RuntimeError, match="node 1001 failed to identify: RuntimeError: no client name configured"):
-        _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5)
+        identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5)
     grid.inner.contexts[1001].node_config["client-name"] = "Committee"
     node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
     grid.inner.contexts[1099] = grid.inner.contexts.pop(1001)  # Committee's node restarts as a new node
     grid.inner.contexts[1099].node_config["client-name"] = None
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product"}
+        assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product"}
     logs(logged(caplog), "1099", "RuntimeError: no client name configured")
     assert node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     grid.inner.contexts[1099].node_config["client-name"] = "Committee"  # asked again, it answers
-    assert _connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product", 1099: "Committee"}
+    assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product", 1099: "Committee"}
     assert node_names == {1000: "Academic", 1002: "Product", 1099: "Committee"}  # the old node is forgotten
 
 
 def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
-    from pipeline.federation.server_app import _identify
+    from pipeline.federation.admission import identify_clients
 
     path = write_plan("loop-wait", "fedavg", rounds=1)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
@@ -1075,7 +1075,7 @@ def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
 
     grid.get_node_ids = late_node
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        names = _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=30)
+        names = identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=30)
     assert names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     assert len(logged(caplog)) == 1 and logs(logged(caplog), "2 of 3") and len(polls) == 2
 
@@ -1355,14 +1355,14 @@ def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
 def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan_the_server_names(ws):
     """A simulated node's config holds its partition id and no plan: the identify message names the plan, from
     which the client app resolves the name; a node that cannot name itself fails identification with its reason."""
+    from pipeline.federation.admission import identify_clients
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.server_app import _identify
 
     path = write_plan("loop-identify-ids", "fedavg", rounds=1)
     grid = InProcessGrid(client_app, [{"partition-id": i} for i in (2, 0, 1)])
     _set_server_identity(grid.run.run_id)
-    assert _identify(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
+    assert identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
         1000: "Product",
         1001: "Academic",
         1002: "Committee",
@@ -1370,7 +1370,7 @@ def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan
     broken = InProcessGrid(client_app, [{"partition-id": 0}, {"plan": path}])
     _set_server_identity(broken.run.run_id)
     with pytest.raises(RuntimeError) as err:
-        _identify(broken, path, expected=["Academic", "Committee"], timeout=5)
+        identify_clients(broken, path, expected=["Academic", "Committee"], timeout=5)
     assert str(err.value).startswith("node 1001 failed to identify:")
     assert "node_config has neither 'client-name' nor 'partition-id'" in str(err.value)
 
@@ -1455,8 +1455,9 @@ def test_a_node_naming_an_unknown_client_is_refused_and_the_missing_client_fails
     """A SuperNode configured with a misspelt client name ("Prodcut"): it is refused with one line naming the name
     and the plan; Product never joins, so the run fails after the admission timeout naming Product, before any
     round (no client trained)."""
+    from pipeline.federation.admission import AdmissionError
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import AdmissionError, run_server
+    from pipeline.federation.server_app import run_server
 
     path = write_plan("adm-typo", "fedavg", rounds=1, fraction_train=1.0)
     script = Script()
@@ -1493,10 +1494,11 @@ def test_a_client_that_joins_within_the_admission_timeout_is_admitted_and_a_stra
 def test_a_client_without_valid_examples_is_refused_at_admission(ws):
     """The real ClientApp reports its split sizes from its own partition slice when it identifies; a client with an
     empty valid split (no best round, no score) fails admission naming it, before round 1."""
+    from pipeline.federation.admission import AdmissionError
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import AdmissionError, run_server
+    from pipeline.federation.server_app import run_server
     from pipeline.paths import PATHS
 
     partition = json.loads(PATHS.partition("domain/seed0").read_text())
@@ -1648,9 +1650,9 @@ def test_a_retry_after_a_failed_admission_deletes_the_dead_mlflow_run_and_keeps_
     from flwr.common.constant import SUPERLINK_NODE_ID
     from mlflow.tracking import MlflowClient
 
+    from pipeline.federation.admission import AdmissionError
     from pipeline.federation.deployment import serve
     from pipeline.federation.protocol import load_plan
-    from pipeline.federation.server_app import AdmissionError
     from pipeline.training import checkpoints
 
     path = write_plan("srv-retry", "fedavg", rounds=1, fraction_train=1.0)

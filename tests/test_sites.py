@@ -48,10 +48,10 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
 
 
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):
+    from pipeline.federation.admission import identify_clients
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
     from pipeline.federation.kits import write_kit
-    from pipeline.federation.server_app import _identify
     from pipeline.paths import PATHS
 
     plan = write_plan("kit-site", "fedavg", rounds=1)
@@ -67,7 +67,7 @@ def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifi
     grid = InProcessGrid(client_app, [{"client-name": "Product", "plan": plan}])
     _set_server_identity(grid.run.run_id)
     sizes = {}
-    assert list(_identify(grid, plan, ["Product"], 5, sizes).values()) == ["Product"]
+    assert list(identify_clients(grid, plan, ["Product"], 5, sizes).values()) == ["Product"]
     assert sizes == {
         "Product": {
             "num-train": len(full["clients"]["Product"]["train"]),
@@ -85,15 +85,15 @@ def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
 
 
 def test_a_client_named_outside_its_partition_still_says_its_name_so_the_server_can_refuse_it(ws):
+    from pipeline.federation.admission import name_nodes
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.server_app import _name_nodes
 
     plan = write_plan("kit-typo-node", "fedavg", rounds=1)
     grid = InProcessGrid(client_app, [{"client-name": "Prodcut", "plan": plan}])
     _set_server_identity(grid.run.run_id)
     sizes, names = {}, {}
-    assert _name_nodes(grid, plan, names, [1000], ["Product"], 5, sizes, admission=True) == {1000: "Prodcut"}
+    assert name_nodes(grid, plan, names, [1000], ["Product"], 5, sizes, admission=True) == {1000: "Prodcut"}
     assert sizes == {"Prodcut": {}} and names == {}
 
 

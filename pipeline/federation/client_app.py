@@ -86,7 +86,7 @@ client_app = ClientApp()
 
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
-    """Admission (server_app._identify): the client's name and the sizes of its train and valid splits."""
+    """Admission (admission.identify_clients): the client's name and the sizes of its train and valid splits."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(plan, context)
     identity = ConfigRecord({"client-name": name})

@@ -11,15 +11,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from pipeline.experiments import Plan, RunSettings
+from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
-    CONFIG_KEY,
-    IDENTIFY,
     METRICS_KEY,
     TRAIN_METRICS,
     GridView,
@@ -61,104 +60,6 @@ def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
     return checkpoints.load_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan)
 
 
-class AdmissionError(RuntimeError):
-    """The federation the plan declares did not assemble: a declared client never joined, or one cannot train."""
-
-
-def _identify(
-    grid: Grid, plan_path: str, expected: list[str], timeout: float, sizes: dict[str, dict[str, int]] | None = None
-) -> dict[int, str]:
-    """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
-    (nodes register asynchronously); ``sizes`` receives each client's ``num-train`` / ``num-valid``."""
-    deadline = time.monotonic() + timeout
-    names: dict[int, str] = {}
-    refused: dict[int, str] = {}
-    while True:
-        node_ids = list(grid.get_node_ids())
-        new = [n for n in node_ids if n not in names and n not in refused]
-        if new:
-            refused |= _name_nodes(grid, plan_path, names, new, expected, timeout, sizes, admission=True)
-        missing = [c for c in expected if c not in names.values()]
-        if not missing:
-            empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
-            if empty:
-                raise AdmissionError(
-                    f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no score); refused"
-                )
-            return names
-        if time.monotonic() > deadline:
-            strangers = f"; refused nodes naming {sorted(set(refused.values()))}" if refused else ""
-            raise AdmissionError(
-                f"{plan_path}: client(s) {missing} never joined within {timeout:.0f}s (admission timeout){strangers}"
-            )
-        log.info("waiting for clients: %d of %d connected", len(names), len(expected))
-        time.sleep(1.0)
-
-
-def _name_nodes(
-    grid: Grid,
-    plan_path: str,
-    node_names: dict[int, str],
-    new: list[int],
-    allowed: list[str],
-    timeout: float,
-    sizes: dict[str, dict[str, int]] | None = None,
-    admission: bool = False,
-) -> dict[int, str]:
-    """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
-    returns the nodes naming a client outside ``allowed``."""
-    msgs = [
-        Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n, message_type=IDENTIFY)
-        for n in new
-    ]
-    named: dict[int, str] = {}
-    for reply in grid.send_and_receive(msgs, timeout=timeout):
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            if admission:
-                raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
-            log.warning(
-                "node %d connected but failed to identify; left out: %s", node, reply.error.reason.splitlines()[0]
-            )
-            continue
-        identity = reply.content["identity"]
-        name = named[node] = str(identity["client-name"])
-        if sizes is not None:
-            sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
-    refused: dict[int, str] = {}
-    for node, name in sorted(named.items()):
-        if name not in allowed:
-            refused[node] = name
-            log.log(
-                logging.ERROR if admission else logging.WARNING,
-                "node %d names client %r, which is not among the clients %s of plan %s; %s",
-                node,
-                name,
-                allowed,
-                plan_path,
-                "refused" if admission else "left out",
-            )
-            continue
-        holder = [o for o, c in node_names.items() if c == name]
-        if admission and holder and holder[0] in grid.get_node_ids():
-            raise RuntimeError(f"two nodes claim the same client name: {node_names | {node: name}}")
-        for old in holder:  # its SuperNode restarted
-            del node_names[old]
-        node_names[node] = name
-        if not admission:
-            log.info("client %s (re)joined as node %d", name, node)
-    return refused
-
-
-def _connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
-    """The known clients connected now (a new node id, a restarted SuperNode, takes its client's place)."""
-    current = set(grid.get_node_ids())
-    new = sorted(current - set(node_names))
-    if new:
-        _name_nodes(grid, plan_path, node_names, new, sorted(set(node_names.values())), timeout)
-    return {n: c for n, c in node_names.items() if n in current}
-
-
 def _senders(sent: list[Message], node_names: dict[int, str]):
     """reply -> client name; a SuperLink's own answer for an offline node is matched to the message it answers."""
     by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
@@ -187,7 +88,7 @@ def run_server(
     # the clients the plan declares (a deployed server holds no partition file), else (an older plan) the partition's
     declared = list(plan.clients) if plan.clients else client_names(plan)
     sizes: dict[str, dict[str, int]] = {}
-    node_names = _identify(grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes)
+    node_names = identify_clients(grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes)
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:
@@ -200,19 +101,7 @@ def run_server(
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
     strategy, client_level = privacy.client_level(plan, strategy, len(declared))
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
-    ckpt = load_server_checkpoint(plan)
-    if ckpt is not None:
-        start = int(ckpt["round"]) + 1
-        arrays = ArrayRecord({k: Array(np.asarray(v)) for k, v in ckpt["arrays"].items()})
-        restore_strategy_state(strategy, ckpt["strategy_state"])
-        history = list(ckpt["history"])
-        random.setstate(ckpt["rng"]["python"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        log.info("%s: resuming after round %d", plan.experiment, start - 1)
-    else:
-        start, history = 1, []
-        arrays = ArrayRecord.from_torch_state_dict(initial_adapter_state(plan))
+    start, arrays, history = _resume(plan, strategy)
     recorder.started(plan, clients, start)
     initial = downlink_reference(plan)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
@@ -230,7 +119,7 @@ def run_server(
             log.info(
                 "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
             )
-        connected = _connected_nodes(grid, plan_path, node_names, round_timeout_s)
+        connected = connected_nodes(grid, plan_path, node_names, round_timeout_s)
         admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
         view = GridView(grid, sorted(admitted))  # a new client joins at its round
         # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
@@ -243,16 +132,8 @@ def run_server(
         sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
-        rows = {
-            node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
-            | {"bytes_down": payload_bytes(m.content)}
-            for m in messages
-        }
-        for n in admitted:
-            rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
-        for name in sorted(set(clients) - set(connected.values()) - ({late} if joined_at is None else set())):
-            # a client whose SuperNode is gone (Flower marked it offline): recorded, not waited for
-            rows[name] = _row(rnd, name, 0, absent=1)
+        waiting = {late} if joined_at is None else set()  # the late client before its round
+        rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
         clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
         if secure is None:
             new_arrays = _train_in_the_clear(
@@ -275,13 +156,7 @@ def run_server(
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
         # client-level DP each update weighs 1 / the expected count, whoever replied).
-        good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
-        for r in good:
-            r["weight_share"] = (
-                1 / client_level.setting.sampled
-                if client_level is not None
-                else r["weight"] / sum(g["weight"] for g in good)
-            )
+        _record_weight_shares(rows, client_level)
         if new_arrays is not None:
             arrays = new_arrays
             if client_level is not None:
@@ -297,33 +172,89 @@ def run_server(
             if (spec.local_from_global and eval_messages)
             else ArrayRecord()
         )
-        for m in eval_messages:
-            m.content[ARRAYS_KEY] = eval_downlink
-            rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
-        eval_replies = list(grid.send_and_receive(eval_messages, timeout=round_timeout_s))
-        eval_sender = _senders(eval_messages, node_names)
-        for reply in eval_replies:
-            row = rows[eval_sender(reply)]
-            if reply.has_error():
-                row["eval_failed"] = 1
-                log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)
-                continue
-            m = reply.content[METRICS_KEY]
-            row.update(
-                {
-                    "val_loss": float(m["val-loss"]),
-                    "val_tokens": int(m["val-tokens"]),
-                    "best_round": int(m["best-round"]),
-                }
-            )
-        if any(not r.has_error() for r in eval_replies):
-            strategy.aggregate_evaluate(rnd, eval_replies)
+        _evaluate(grid, strategy, eval_messages, eval_downlink, rows, node_names, rnd, round_timeout_s)
 
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
         save_server_checkpoint(plan, rnd, arrays, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
     return arrays, history
+
+
+def _resume(plan: Plan, strategy) -> tuple[int, ArrayRecord, list[dict]]:
+    """The first round, the global adapter and the history: from the server checkpoint (its strategy state and
+    random generators restored) if there is one, else round 1 from the initial adapter."""
+    ckpt = load_server_checkpoint(plan)
+    if ckpt is None:
+        return 1, ArrayRecord.from_torch_state_dict(initial_adapter_state(plan)), []
+    start = int(ckpt["round"]) + 1
+    restore_strategy_state(strategy, ckpt["strategy_state"])
+    random.setstate(ckpt["rng"]["python"])
+    np.random.set_state(ckpt["rng"]["numpy"])
+    torch.set_rng_state(ckpt["rng"]["torch"])
+    log.info("%s: resuming after round %d", plan.experiment, start - 1)
+    return start, ArrayRecord({k: Array(np.asarray(v)) for k, v in ckpt["arrays"].items()}), list(ckpt["history"])
+
+
+def _round_rows(
+    rnd: int, messages: list[Message], admitted: list[int], absent: set[str], node_names: dict[int, str]
+) -> dict[str, dict[str, Any]]:
+    """This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
+    (its SuperNode is gone, Flower marked it offline: recorded, not waited for)."""
+    rows = {
+        node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
+        | {"bytes_down": payload_bytes(m.content)}
+        for m in messages
+    }
+    for n in admitted:
+        rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
+    for name in sorted(absent):
+        rows[name] = _row(rnd, name, 0, absent=1)
+    return rows
+
+
+def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None:
+    good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
+    for r in good:
+        r["weight_share"] = (
+            1 / client_level.setting.sampled
+            if client_level is not None
+            else r["weight"] / sum(g["weight"] for g in good)
+        )
+
+
+def _evaluate(
+    grid: Grid,
+    strategy,
+    messages: list[Message],
+    downlink: ArrayRecord,
+    rows: dict[str, dict[str, Any]],
+    node_names: dict[int, str],
+    rnd: int,
+    timeout: float,
+) -> None:
+    """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row."""
+    for m in messages:
+        m.content[ARRAYS_KEY] = downlink
+        rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
+    replies = list(grid.send_and_receive(messages, timeout=timeout))
+    sender = _senders(messages, node_names)
+    for reply in replies:
+        row = rows[sender(reply)]
+        if reply.has_error():
+            row["eval_failed"] = 1
+            log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)
+            continue
+        m = reply.content[METRICS_KEY]
+        row.update(
+            {
+                "val_loss": float(m["val-loss"]),
+                "val_tokens": int(m["val-tokens"]),
+                "best_round": int(m["best-round"]),
+            }
+        )
+    if any(not r.has_error() for r in replies):
+        strategy.aggregate_evaluate(rnd, replies)
 
 
 def _record_train_metrics(row: dict[str, Any], m) -> None:

@@ -1,0 +1,114 @@
+"""Admission: the server asks every node that connects for its client name; a node naming a client outside the plan
+is refused, a declared client missing after the admission timeout fails the run, and a restarted SuperNode takes its
+client's place (the ServerApp's round loop, server_app.py, calls these before and during its rounds).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY
+
+log = logging.getLogger("fedmeet.federated")
+
+
+class AdmissionError(RuntimeError):
+    """The federation the plan declares did not assemble: a declared client never joined, or one cannot train."""
+
+
+def identify_clients(
+    grid: Grid, plan_path: str, expected: list[str], timeout: float, sizes: dict[str, dict[str, int]] | None = None
+) -> dict[int, str]:
+    """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
+    (nodes register asynchronously); ``sizes`` receives each client's ``num-train`` / ``num-valid``."""
+    deadline = time.monotonic() + timeout
+    names: dict[int, str] = {}
+    refused: dict[int, str] = {}
+    while True:
+        node_ids = list(grid.get_node_ids())
+        new = [n for n in node_ids if n not in names and n not in refused]
+        if new:
+            refused |= name_nodes(grid, plan_path, names, new, expected, timeout, sizes, admission=True)
+        missing = [c for c in expected if c not in names.values()]
+        if not missing:
+            empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
+            if empty:
+                raise AdmissionError(
+                    f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no score); refused"
+                )
+            return names
+        if time.monotonic() > deadline:
+            strangers = f"; refused nodes naming {sorted(set(refused.values()))}" if refused else ""
+            raise AdmissionError(
+                f"{plan_path}: client(s) {missing} never joined within {timeout:.0f}s (admission timeout){strangers}"
+            )
+        log.info("waiting for clients: %d of %d connected", len(names), len(expected))
+        time.sleep(1.0)
+
+
+def name_nodes(
+    grid: Grid,
+    plan_path: str,
+    node_names: dict[int, str],
+    new: list[int],
+    allowed: list[str],
+    timeout: float,
+    sizes: dict[str, dict[str, int]] | None = None,
+    admission: bool = False,
+) -> dict[int, str]:
+    """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
+    returns the nodes naming a client outside ``allowed``."""
+    msgs = [
+        Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n, message_type=IDENTIFY)
+        for n in new
+    ]
+    named: dict[int, str] = {}
+    for reply in grid.send_and_receive(msgs, timeout=timeout):
+        node = reply.metadata.src_node_id
+        if reply.has_error():
+            if admission:
+                raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
+            log.warning(
+                "node %d connected but failed to identify; left out: %s", node, reply.error.reason.splitlines()[0]
+            )
+            continue
+        identity = reply.content["identity"]
+        name = named[node] = str(identity["client-name"])
+        if sizes is not None:
+            sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
+    refused: dict[int, str] = {}
+    for node, name in sorted(named.items()):
+        if name not in allowed:
+            refused[node] = name
+            log.log(
+                logging.ERROR if admission else logging.WARNING,
+                "node %d names client %r, which is not among the clients %s of plan %s; %s",
+                node,
+                name,
+                allowed,
+                plan_path,
+                "refused" if admission else "left out",
+            )
+            continue
+        holder = [o for o, c in node_names.items() if c == name]
+        if admission and holder and holder[0] in grid.get_node_ids():
+            raise RuntimeError(f"two nodes claim the same client name: {node_names | {node: name}}")
+        for old in holder:  # its SuperNode restarted
+            del node_names[old]
+        node_names[node] = name
+        if not admission:
+            log.info("client %s (re)joined as node %d", name, node)
+    return refused
+
+
+def connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
+    """The known clients connected now (a new node id, a restarted SuperNode, takes its client's place)."""
+    current = set(grid.get_node_ids())
+    new = sorted(current - set(node_names))
+    if new:
+        name_nodes(grid, plan_path, node_names, new, sorted(set(node_names.values())), timeout)
+    return {n: c for n, c in node_names.items() if n in current}
