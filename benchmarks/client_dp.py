@@ -85,7 +85,7 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
     round-0 adapter; C), the round-0 adapter's size d and the clients' mean validation loss under it."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import client_settings_config
@@ -140,7 +140,7 @@ def run_point(
     root: Path, n: int, cfg: ClientDPConfig, backbone: Path, name: str, sampled: int, privacy: dict[str, Any] | None
 ) -> dict[str, Any]:
     """One training run; its epsilon, clipped fraction and the clients' mean final validation loss."""
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.privacy.accounting import sampled_per_round
     from pipeline.train import run_experiment
 

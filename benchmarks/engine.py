@@ -108,7 +108,8 @@ def build_workspace(root: Path, params_path: str = "params.yaml", tiny: bool = F
 def write_plans(
     root: Path, params: dict[str, Any], methods: tuple[str, ...], rounds: int, prefix: str = "bench"
 ) -> list[Path]:
-    from pipeline.experiments import Experiment, resolve_plan
+    from pipeline.experiments.entries import Experiment
+    from pipeline.experiments.plans import resolve_plan
     from pipeline.training.methods import get_method
 
     run_params = {**params, "train": {**params["train"], "rounds": rounds, "stop": {"enabled": False}}}
@@ -148,7 +149,7 @@ def round_flops(plan_path: Path, shape: Shape) -> float:
     forward of the top k layers and head, twice with a teacher, and the backward), its valid examples forward once."""
     from dataclasses import replace
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.modeling.batching import tokenize_pairs
     from pipeline.training.client_data import client_data, client_names
     from pipeline.training.client_training import kd_config
@@ -196,7 +197,7 @@ def _published(names: list[str]) -> dict[str, dict[str, Any]]:
 
 def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) -> dict[str, Any]:
     """The set trained one run at a time and together, alternating; the floor from the FLOPs and the matmul peak."""
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.train import run_set
     from pipeline.training.shared_model import model_config
 

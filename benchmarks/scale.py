@@ -111,7 +111,8 @@ def make_workspace(
 ) -> str:
     """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path. ``name``,
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
-    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.experiments.entries import parse_entry
+    from pipeline.experiments.plans import resolve_plan
     from pipeline.partitioning.partitions import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
 
@@ -231,7 +232,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     """Run one (engine, clients) point in this process; returns its per-round rows."""
     import torch
 
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.federation.engines import run_federated
     from pipeline.training.history import Recorder
 

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from benchmarks.common import minilm_config
     from pipeline.common.config import from_dict, load_params
-    from pipeline.experiments import check_model_group
+    from pipeline.experiments.plans import check_model_group
     from pipeline.privacy.settings import PrivacyConfig
 
     params = load_params(args.params)

@@ -22,7 +22,7 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.common.integrity import backbone_name
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
-from pipeline.experiments import read_plan
+from pipeline.experiments.plans import read_plan
 from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.paths import PATHS

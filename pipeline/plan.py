@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import load_params
-from pipeline.experiments import write_plans
+from pipeline.experiments.plans import write_plans
 from pipeline.paths import PATHS
 
 

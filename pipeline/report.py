@@ -17,7 +17,7 @@ from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments import Experiment, declared, with_labels
+from pipeline.experiments.entries import Experiment, declared, with_labels
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import claims, comparisons, published
 from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins

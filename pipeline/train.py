@@ -21,7 +21,8 @@ from typing import Any
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.timing import stage_timer
-from pipeline.experiments import Plan, RunSettings, load_run_settings, plan_hash, read_plan
+from pipeline.experiments.plans import Plan, plan_hash, read_plan
+from pipeline.experiments.settings import RunSettings, load_run_settings
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name

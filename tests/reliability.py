@@ -327,7 +327,7 @@ def train_legs(legs: list[list[str]], plans: str, record: str, timeout: float) -
 
     from pipeline import train
     from pipeline.common import cli  # noqa: F401
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.federation import engines  # noqa: F401  (Flower and the apps, imported before the forks)
 
     out = []

@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from pipeline.experiments import Experiment, with_labels
+from pipeline.experiments.entries import Experiment, with_labels
 from pipeline.results import claims, comparisons, readers
 from pipeline.results.stats import BootstrapConfig
 from tests.test_comparisons import _write_eval

@@ -339,7 +339,8 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_protect():
-    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.experiments.entries import parse_entry
+    from pipeline.experiments.plans import resolve_plan
 
     def plan(method: str, privacy: dict | None, **train) -> dict:
         params = _params(privacy, **train)
@@ -450,7 +451,7 @@ def test_client_side_clipping_on_the_adapters_bounds_the_reply(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
     from flwr.supercore.differential_privacy import KEY_CLIPPING_NORM
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import CLIPPED_KEY, TRAIN_METRICS
@@ -577,7 +578,8 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
     # not aggregated.
     from flwr.clientapp import ClientApp
 
-    from pipeline.experiments import RunSettings, read_plan
+    from pipeline.experiments.plans import read_plan
+    from pipeline.experiments.settings import RunSettings
     from pipeline.federation import client_app as apps
     from pipeline.federation import engines
     from pipeline.federation.protocol import CLIPPED_KEY

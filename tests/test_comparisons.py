@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pipeline.experiments import Experiment, with_labels
+from pipeline.experiments.entries import Experiment, with_labels
 from pipeline.results import comparisons
 from pipeline.results.readers import collect_scores
 from pipeline.results.stats import BootstrapConfig

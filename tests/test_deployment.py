@@ -465,7 +465,7 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
 @RAY
 @pytest.mark.timeout(300)
 def test_ray_engine_gives_the_in_process_result(ws):
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.train import run_experiment
 
     _ray_or_skip()
@@ -597,7 +597,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
     names = client_names(load_plan(plan))
     grid = Flaky(client_app, [{"client-name": n, "plan": plan} for n in names])
     _set_server_identity(grid.run.run_id)
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.federation.protocol import client_settings_config
 
     _, history = run_server(grid, load_plan(plan), plan, client_settings=client_settings_config(RunSettings().cache))
@@ -615,7 +615,7 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
 @RAY
 @pytest.mark.timeout(300)
 def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.train import run_experiment
     from tests.test_privacy import _write_plan
 

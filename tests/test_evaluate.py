@@ -33,7 +33,7 @@ def workspace(tmp_path_factory):
     """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
     from safetensors.torch import save_file
 
-    from pipeline.experiments import check_model_group
+    from pipeline.experiments.plans import check_model_group
     from pipeline.modeling.model import AdapterSummarizer
 
     root = tmp_path_factory.mktemp("evalws")

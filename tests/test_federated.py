@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from pipeline.experiments import RunSettings
+from pipeline.experiments.settings import RunSettings
 from pipeline.federation.protocol import client_settings_config
 from tests.faults import killed_after_checkpoint
 from tests.tiny_models import DOMAINS, MODEL, WORDS, save_tiny
@@ -157,7 +157,8 @@ def write_plan(
     model: dict | None = None,
     **train,
 ) -> str:
-    from pipeline.experiments import Experiment, resolve_plan
+    from pipeline.experiments.entries import Experiment
+    from pipeline.experiments.plans import resolve_plan
     from pipeline.training.methods import get_method
 
     params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
@@ -237,7 +238,7 @@ def test_fednova_normalises_updates_by_local_steps():
 def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import TRAIN_METRICS
@@ -392,7 +393,7 @@ def test_killed_run_resumes_at_the_next_round(ws, monkeypatch):
     path = write_plan("resume", "fedselectkd")
     with killed_after_checkpoint(monkeypatch, rnd=1):
         run_experiment(path, track=False)
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.training.checkpoints import server_checkpoint_path
 
     assert torch.load(server_checkpoint_path(read_plan(path)), weights_only=False)["round"] == 1

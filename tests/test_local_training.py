@@ -512,7 +512,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
 def test_a_float16_prefix_cache_is_what_the_round_trains_on(ws, method):
     """model.cache_dtype float16 stores the frozen prefix rounded (half the disk): the round must train on those
     entries, so its losses differ from the exact float32 round by the rounding and no more."""
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.federation.protocol import load_plan
     from pipeline.training.shared_model import prefix_cache_for
 

@@ -204,7 +204,7 @@ def test_an_adapter_is_found_by_its_score_on_the_server(ws, mlflow_server, tmp_p
     import mlflow
     from safetensors.torch import load_file
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.train import run_experiment
 

@@ -20,7 +20,7 @@ def _groups() -> dict[str, list[type]]:
     run-time class)."""
     from pipeline.datasets.examples import ExamplesConfig
     from pipeline.datasets.sources import IngestConfig
-    from pipeline.experiments import RUN_TRAIN_KEYS, RunSettings
+    from pipeline.experiments.settings import RUN_TRAIN_KEYS, RunSettings
     from pipeline.modeling.backbone import BackboneConfig
     from pipeline.modeling.cache import CacheConfig
     from pipeline.modeling.model import ModelConfig
@@ -97,7 +97,7 @@ def test_every_params_group_is_checked():
 
 
 def test_an_experiment_without_its_own_seed_trains_with_the_top_level_seed():
-    from pipeline.experiments import Experiment, declared
+    from pipeline.experiments.entries import Experiment, declared
 
     seed = next(f for f in dataclasses.fields(Experiment) if f.name == "seed").default
     assert seed == PARAMS["seed"]

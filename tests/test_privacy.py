@@ -193,7 +193,8 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_privacy_enters_federated_plans_only_and_only_when_on():
-    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.experiments.entries import parse_entry
+    from pipeline.experiments.plans import resolve_plan
 
     on = {"mode": "example", "target_epsilon": 3.0}
     off = {"mode": "none", "max_grad_norm": 2.0}
@@ -236,7 +237,8 @@ def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
 
 # ------------------------------------------------------------------------------------------ on the model
 def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None = None, **train) -> str:
-    from pipeline.experiments import parse_entry, resolve_plan
+    from pipeline.experiments.entries import parse_entry
+    from pipeline.experiments.plans import resolve_plan
 
     params = _params(privacy, **train)
     params["model"].update(model or {})
@@ -265,7 +267,7 @@ def _spy_grads(monkeypatch) -> list[list[torch.Tensor]]:
 
 
 def _train_once(plan_path: str, client: str = "Committee"):
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.training.client_data import client_data
     from pipeline.training.client_training import train_local
     from pipeline.training.shared_model import initial_adapter_state, shared_model
@@ -322,7 +324,7 @@ def test_no_noise_and_no_clipping_is_the_non_private_step(ws, monkeypatch, metho
 def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(ws, monkeypatch):
     # Per-example gradients from opacus' hooks on the real adapter set equal each example trained alone (no
     # coupling through the batch: padding, packing, the KD gate), and after clipping none exceeds C.
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.modeling.batching import make_batches
     from pipeline.modeling.losses import distillation_loss
     from pipeline.privacy.example_dp import per_example_loss_scale
@@ -438,7 +440,7 @@ def test_a_resumed_client_keeps_composing_its_steps(ws, monkeypatch):
 def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import TRAIN_METRICS

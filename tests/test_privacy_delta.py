@@ -121,7 +121,7 @@ def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
 
 
 def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):
-    from pipeline.experiments import Experiment, with_labels
+    from pipeline.experiments.entries import Experiment, with_labels
     from pipeline.results.figures import privacy_figure, privacy_points
 
     planned = [

@@ -9,7 +9,7 @@ import re
 import pandas as pd
 import pytest
 
-from pipeline.experiments import declared, with_labels
+from pipeline.experiments.entries import declared, with_labels
 from pipeline.paths import ProjectPaths
 from pipeline.report import (
     ReportConfig,
@@ -354,7 +354,7 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
     client spent (inf without DP), from the train stage's metrics; the figure is drawn with its data beside it."""
     import math
 
-    from pipeline.experiments import Experiment, with_labels
+    from pipeline.experiments.entries import Experiment, with_labels
     from pipeline.results.figures import privacy_figure, privacy_points
 
     planned = [
@@ -470,7 +470,7 @@ def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
     from pathlib import Path
 
     from pipeline.common.config import load_params
-    from pipeline.experiments import declared
+    from pipeline.experiments.entries import declared
     from pipeline.results.readers import centralized_step_ratios
 
     study = Path(__file__).resolve().parents[1] / "reports/cpu-study"

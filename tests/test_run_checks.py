@@ -143,7 +143,7 @@ def test_the_status_command_exits_non_zero_for_a_failed_run(monkeypatch, capsys)
 def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_alone(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    from pipeline.experiments import Plan
+    from pipeline.experiments.plans import Plan
     from pipeline.training.checkpoints import mlflow_run_id_path
     from pipeline.training.config import TrainConfig
 

@@ -30,7 +30,7 @@ def _plans() -> list[Path]:
 
 def _outcome(name: str) -> dict:
     """What a finished run published: its adapters, rounds file, per-client best and stop rounds, test summaries."""
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.modeling.adapters import load_adapter
     from pipeline.results.evaluation import EvaluateConfig, generate_summaries
     from pipeline.training.client_data import read_examples, read_partition

@@ -464,7 +464,7 @@ def test_every_wait_on_the_clients_is_bounded_by_the_round_timeout(ws):
     assert kinds.count("train") == 2 and kinds.count("evaluate") == 2 and kinds.count("query.identify") == 2
     assert all(t == 3.5 for _, t in grid.timeouts), grid.timeouts
     # without a round timeout the server waits the run-time setting's default: a hung node costs minutes, not a day
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 

@@ -201,7 +201,7 @@ def test_a_tiny_run_with_the_rule_stops_early_and_records_it(ws, method):
     ends after round 2 of at most 5, in both engines (Flower's server loop and the serverless one)."""
     import mlflow
 
-    from pipeline.experiments import RunSettings
+    from pipeline.experiments.settings import RunSettings
     from pipeline.train import run_experiment
 
     name = f"stop-{method}"

@@ -67,7 +67,7 @@ def _with_trimmed_experiment(**trimmed) -> dict:
 
 
 def test_its_settings_enter_its_own_plan_only(tmp_path):
-    from pipeline.experiments import read_plan, write_plans
+    from pipeline.experiments.plans import read_plan, write_plans
 
     params = _with_trimmed_experiment()
     plans = {p.stem: json.loads(p.read_text()) for p in write_plans(params, tmp_path / "a")}
@@ -85,7 +85,8 @@ def test_its_settings_enter_its_own_plan_only(tmp_path):
 
 
 def test_a_bad_beta_is_refused_naming_the_key():
-    from pipeline.experiments import declared, resolve_plan
+    from pipeline.experiments.entries import declared
+    from pipeline.experiments.plans import resolve_plan
 
     params = _with_trimmed_experiment(beta=0.5)
     with pytest.raises(ConfigError) as err:

@@ -106,7 +106,7 @@ def _git(cwd: Path, *args: str) -> str:
 
 
 def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
-    from pipeline.experiments import plan_hash, read_plan, write_plans
+    from pipeline.experiments.plans import plan_hash, read_plan, write_plans
     from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags
 
@@ -281,7 +281,7 @@ def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     client = _client()
     [run] = client.search_runs([client.get_experiment_by_name("tests").experiment_id], "tags.experiment = 'sigterm'")
     assert run.info.status == "KILLED"
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.training.checkpoints import mlflow_run_id_path
 
     run_id_file = mlflow_run_id_path(read_plan("models/plans/sigterm.json"))
@@ -360,7 +360,7 @@ def _eval_dir(tmp_path: Path, name: str) -> tuple[dict, Path]:
 
 @pytest.mark.slow
 def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
-    from pipeline.experiments import record_hash
+    from pipeline.experiments.plans import record_hash
     from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.results.tracking import RunLogger
 

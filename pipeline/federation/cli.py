@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
-        from pipeline.experiments import read_plan  # lazy: `status` starts without torch
+        from pipeline.experiments.plans import read_plan  # lazy: `status` starts without torch
 
         run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
         written = write_kit(args.plan, args.out, args.client, run_config)

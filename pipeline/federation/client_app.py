@@ -12,7 +12,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
-from pipeline.experiments import Plan
+from pipeline.experiments.plans import Plan
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,

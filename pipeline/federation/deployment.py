@@ -22,7 +22,8 @@ from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
 from pipeline.common.config import NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
-from pipeline.experiments import Plan, RunSettings
+from pipeline.experiments.plans import Plan
+from pipeline.experiments.settings import RunSettings
 from pipeline.federation.client_app import client_app, client_dir, client_name
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server

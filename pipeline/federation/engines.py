@@ -18,7 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
-from pipeline.experiments import RunSettings
+from pipeline.experiments.settings import RunSettings
 from pipeline.federation.client_app import client_app
 from pipeline.federation.protocol import client_settings_config, load_plan
 from pipeline.federation.server_app import run_server

@@ -23,7 +23,7 @@ def write_kit(
     """Copy what the server (``client`` None) or ``client``'s site holds (docs/federation.md) into ``out``, laid out
     as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
     same run config works on every role."""
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.training.client_data import read_examples, read_partition
 
     plan = read_plan(plan_path)
@@ -74,7 +74,7 @@ def server_run_config(params_file: str, experiment: str) -> dict[str, str | floa
     """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
     overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
     from pipeline.common.config import load_params
-    from pipeline.experiments import load_run_settings
+    from pipeline.experiments.settings import load_run_settings
     from pipeline.results.evaluation import EvaluateConfig
 
     settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults

@@ -14,7 +14,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 
 from pipeline.common.config import from_dict
-from pipeline.experiments import Plan, read_plan
+from pipeline.experiments.plans import Plan, read_plan
 from pipeline.federation.compression import decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.modeling.cache import CacheConfig

@@ -14,7 +14,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from pipeline.experiments import Plan, RunSettings
+from pipeline.experiments.plans import Plan
+from pipeline.experiments.settings import RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 @config
 class CacheConfig:
     """Where the prefix cache lives and what the caches may hold; no result depends on it, so plans leave it out
-    (pipeline.experiments.RunSettings; the entries' dtype, which does, travels in the plan)."""
+    (pipeline.experiments.settings.RunSettings; the entries' dtype, which does, travels in the plan)."""
 
     cache_dir: str = "data/cache/prefix"
     cache_max_gb: NonNegative = 4.0

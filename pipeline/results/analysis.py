@@ -23,7 +23,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.config import config
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.figures import slug
 from pipeline.results.kd_analysis import (

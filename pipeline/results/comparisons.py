@@ -60,7 +60,7 @@ class Config:
     method: str
     scheme: str
     runs: tuple[tuple[int, str], ...]  # (seed, experiment name)
-    dp: str = ""  # its privacy in words ("" = none: pipeline.experiments.privacy_label)
+    dp: str = ""  # its privacy in words ("" = none: pipeline.experiments.entries.privacy_label)
 
 
 def configurations(planned: Iterable[Any], labels: dict[str, str]) -> list[Config]:

@@ -192,7 +192,7 @@ def log_to_mlflow(
     each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset; the tag
     ``converged`` is readers.run_converged. Returns the run id."""
     # lazy: a deployed ClientApp (one process per message) imports this module and never logs to MLflow
-    from pipeline.experiments import record_hash
+    from pipeline.experiments.plans import record_hash
     from pipeline.results.tracking import RunLogger, _client, experiment_id
 
     study = str(experiment.get("study") or "main")

@@ -14,7 +14,7 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.common import atomic
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.results import published
 from pipeline.results.plotting import grouped_bars, plt, save
 from pipeline.results.readers import read_json, read_rounds

@@ -17,7 +17,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.schema import DataError
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.results import published
 from pipeline.results.plotting import plt, save
 from pipeline.results.readers import read_predictions

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.results.plotting import plt, save
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import METRICS

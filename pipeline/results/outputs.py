@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.results import comparisons
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L, average_rouge
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, mean_interval, meetings

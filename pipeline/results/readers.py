@@ -12,7 +12,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.results.scoring import TABLE_ROUGE_L, average_rouge
 
 # The scores every evaluation carries per client, in the paper's order; average ROUGE is recomputed from the three,

@@ -14,7 +14,7 @@ from typing import Any
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.experiments import Experiment
+from pipeline.experiments.entries import Experiment
 from pipeline.results import comparisons, published
 from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
 from pipeline.results.scoring import TABLE_ROUGE_L

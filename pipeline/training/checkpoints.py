@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
-from pipeline.experiments import Plan, plan_hash
+from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
 log = logging.getLogger("fedmeet.train")

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.experiments import Plan
+from pipeline.experiments.plans import Plan
 from pipeline.training.seeds import derived_seed
 
 

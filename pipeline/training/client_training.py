@@ -16,7 +16,7 @@ import transformers
 from tqdm import tqdm
 
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
-from pipeline.experiments import Plan
+from pipeline.experiments.plans import Plan
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
-from pipeline.experiments import Plan
+from pipeline.experiments.plans import Plan
 
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)

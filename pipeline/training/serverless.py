@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from pipeline.experiments import Plan
+from pipeline.experiments.plans import Plan
 from pipeline.modeling.cache import CacheConfig
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local

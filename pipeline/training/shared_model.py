@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from pipeline.common.config import from_dict
-from pipeline.experiments import Plan
+from pipeline.experiments.plans import Plan
 from pipeline.modeling.cache import CacheConfig, PrefixCache, resolve_root
 from pipeline.modeling.model import AdapterSummarizer, ModelConfig
 from pipeline.training.seeds import derived_seed

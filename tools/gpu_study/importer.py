@@ -88,7 +88,7 @@ def unpack(returned: Path, dest: Path) -> dict[str, Any]:
 def log_runs(dest: Path, device: str) -> list[str]:
     """Each experiment's training and evaluation into the MLflow store; returns the run ids."""
     from pipeline.common.config import from_dict, load_params
-    from pipeline.experiments import read_plan
+    from pipeline.experiments.plans import read_plan
     from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
     from pipeline.results.readers import run_converged
     from pipeline.results.tracking import RunLogger, run_name

@@ -1,0 +1,58 @@
+"""Run-time settings (:class:`RunSettings`): how a run executes, never what it computes, so they stay out of plans
+(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from pipeline.common.config import Positive, config, from_dict, group, load_params
+from pipeline.modeling.cache import CacheConfig
+
+
+@config
+class RunSettings:
+    """params `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of
+    `model`: how a run executes, never what it computes; no DVC stage declares them (tests/test_experiments.py)."""
+
+    engine: Literal["inprocess", "ray"] = "inprocess"
+    ray_cpus_per_client: float = 1.0
+    ray_gpus_per_client: float = 0.0
+    round_timeout_s: Positive = 1800.0
+    admission_timeout_s: Positive = 600.0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+
+# The `train` and `model` keys of RunSettings. cache_dtype is not among them: a float16 prefix changes the logits.
+RUN_TRAIN_KEYS = tuple(f.name for f in dataclasses.fields(RunSettings) if f.name != "cache")
+RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
+
+
+def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
+    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
+    train = dict(group(params, "train"))
+    if experiment is not None:
+        train.update((params.get("experiments") or {}).get(experiment) or {})
+    model = group(params, "model")
+    return from_dict(
+        RunSettings,
+        {
+            **{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
+            "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, "params.yaml model"),
+        },
+        "params.yaml train",
+    )
+
+
+def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
+    """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
+    federation commands: their ``--params``). A missing file is an error, never the defaults."""
+    if not Path(params_path).exists():
+        raise FileNotFoundError(
+            f"{params_path}: params file not found (the run-time settings: engine, round "
+            f"timeout, cache location and budgets)"
+        )
+    return run_settings(load_params(params_path), experiment)
