@@ -5,11 +5,12 @@ hold) the difference to it is encoded, so the int8 step follows the update rathe
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 
-TransferDtype = Literal["fp32", "fp16", "int8"]
+from pipeline.training.config import TransferDtype
+
 TRANSFER_DTYPES = get_args(TransferDtype)
 SCALE_SUFFIX = ".int8_scale"
 INT8_LEVELS = 127  # symmetric grid -127..127

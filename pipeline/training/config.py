@@ -9,12 +9,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from pipeline.common.config import Fraction, Positive, PositiveInt, config, from_dict
-from pipeline.federation.compression import TransferDtype
 from pipeline.federation.strategies.catalog import STRATEGIES, strategy_params_keys
 from pipeline.modeling.losses import GateName, KdDirection, LogBase, Normalisation, TauScale
 
 # The plateau test train.join and train.stop share (pipeline.training.stopping).
 RelativeImprovement = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+# How the adapters travel (pipeline.federation.compression encodes them): a setting of the plan, it changes results.
+TransferDtype = Literal["fp32", "fp16", "int8"]
 
 
 @config
