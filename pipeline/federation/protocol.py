@@ -40,6 +40,8 @@ TRAIN_METRICS = {
 }
 # Added under privacy.mode client with client-side clipping: whether the update exceeded C before the mod clipped it.
 CLIPPED_KEY = "dp-update-clipped"
+# Added under SecAgg+: the upload coordinates its quantiser clipped to +-clipping_range.
+SECAGG_CLIPPED_KEY = "secagg-clipped"
 
 
 # A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.

@@ -21,6 +21,7 @@ from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     METRICS_KEY,
+    SECAGG_CLIPPED_KEY,
     TRAIN_METRICS,
     GridView,
     decode_reply,
@@ -32,7 +33,6 @@ from pipeline.federation.protocol import (
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
 from pipeline.privacy import seam as privacy
-from pipeline.privacy.secure_aggregation import SECAGG_CLIPPED_KEY, SecureAggregator
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder, RoundLog
@@ -326,7 +326,7 @@ def _train_in_the_clear(
 
 
 def _train_secure(
-    secure: SecureAggregator,
+    secure,
     grid: Grid,
     messages: list[Message],
     rows: dict[str, dict],
@@ -335,7 +335,7 @@ def _train_secure(
     strategy,
     clipped: dict[str, tuple[float, None]],
 ) -> ArrayRecord | None:
-    """The train step of a SecAgg+ round; under client-level DP the noise is added to the unmasked mean here, and
+    """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level DP the noise is added to the unmasked mean here, and
     ``clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
     result = secure.train_round(grid, messages, rnd)
     for node, outcome in result.nodes.items():

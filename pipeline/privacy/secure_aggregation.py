@@ -26,13 +26,19 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
-from pipeline.federation.protocol import ARRAYS_KEY, CLIPPED_KEY, CONFIG_KEY, METRICS_KEY, GridView, payload_bytes
+from pipeline.federation.protocol import (
+    ARRAYS_KEY,
+    CLIPPED_KEY,
+    CONFIG_KEY,
+    METRICS_KEY,
+    SECAGG_CLIPPED_KEY,
+    GridView,
+    payload_bytes,
+)
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
 ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy Parameters carry none), as JSON
-# reply metric: upload coordinates SecAgg+'s quantiser clipped to +-clipping_range
-SECAGG_CLIPPED_KEY = "secagg-clipped"
 FLOAT32_EPS = 2.0**-24  # unit roundoff of float32
 
 
