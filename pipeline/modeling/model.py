@@ -22,6 +22,7 @@ from torch import nn
 
 from pipeline.common.config import ConfigError, PositiveInt, TokenLength, config, from_dict
 from pipeline.common.integrity import check_model_dir
+from pipeline.modeling.adapter_stack import AdapterStack
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 
@@ -62,6 +63,12 @@ class Prefix:
     def to(self, device) -> Prefix:
         return Prefix(**{name: tensor.to(device) for name, tensor in vars(self).items()})
 
+    def repeat(self, runs: int) -> Prefix:
+        """``runs`` copies, run-major (the rows an AdapterStack of ``runs`` runs reads)."""
+        if runs == 1:
+            return self
+        return Prefix(**{name: torch.cat([tensor] * runs) for name, tensor in vars(self).items()})
+
 
 @dataclass
 class TwoPathOutput:
@@ -72,18 +79,6 @@ class TwoPathOutput:
 
 class _PrefixReady(Exception):
     """Raised from a pre-hook to stop the backbone forward once the prefix has been captured."""
-
-
-def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool) -> torch.Tensor:
-    """Full [B, T, V] <-> packed [N, V] (rows of ``target_mask``), whichever ``packed`` asks for."""
-    is_packed = logits.dim() == 2
-    if is_packed == packed:
-        return logits
-    if packed:
-        return logits[target_mask]
-    full = logits.new_zeros(*target_mask.shape, logits.shape[-1])
-    full[target_mask] = logits
-    return full
 
 
 class AdapterSummarizer(nn.Module):
@@ -189,7 +184,8 @@ class AdapterSummarizer(nn.Module):
         def hook(module, args, output):
             if self._active is None:
                 return output
-            adapter = self.adapter_sets[self._active][i]
+            active = self.adapter_sets[self._active] if isinstance(self._active, str) else self._active
+            adapter = active[i]
             if on_input:  # Y = Z, the input of the layer's output LayerNorm
                 return adapter(args[0])
             if isinstance(output, tuple):
@@ -199,13 +195,15 @@ class AdapterSummarizer(nn.Module):
         return hook
 
     @contextlib.contextmanager
-    def use_path(self, path: str | None) -> Iterator[None]:
-        """Activate adapter set ``path`` (one of PATHS; None = the bare backbone) for every forward inside the block."""
-        previous, self._active = self._active, path
+    def use_path(self, path: str | AdapterStack | None) -> Iterator[None]:
+        """Activate adapter set ``path`` (one of PATHS; an AdapterStack: its runs' adapters on run-major rows; None =
+        the bare backbone) for every forward inside the block."""
+        previous = self._active
+        object.__setattr__(self, "_active", path)  # a stack is a module: not registered as this one's child
         try:
             yield
         finally:
-            self._active = previous
+            object.__setattr__(self, "_active", previous)
 
     def adapter_state(self, path: str) -> dict[str, torch.Tensor]:
         """CPU float32 copies; keys (``layer{i}.down.weight`` ...) are the same for both paths."""
@@ -323,24 +321,22 @@ class AdapterSummarizer(nn.Module):
         if bool(mask.all()):
             logits = self._head(h)
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
-        return _match_layout(self._head(h[mask]), mask, packed)  # unpacked: a differentiable scatter into zeros
+        rows = self._head(h[mask])
+        if packed:
+            return rows
+        full = rows.new_zeros(*mask.shape, rows.shape[-1])
+        full[mask] = rows  # a differentiable scatter into zeros
+        return full
 
-    def forward_two_paths(
-        self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None, packed: bool = False
-    ) -> TwoPathOutput:
-        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad, unless
-        ``teacher_logits`` (e.g. from ``pipeline.modeling.cache.TeacherCache``) are given."""
+    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, packed: bool = False) -> TwoPathOutput:
+        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad."""
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
         masks = self._top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, packed)
-        if teacher_logits is None:
-            with torch.no_grad():
-                teacher_logits = self.path_logits(prefix, "global", masks, packed)
-        else:
-            teacher_logits = _match_layout(teacher_logits.to(self.device), prefix.target_mask, packed)
-        return TwoPathOutput(logits_local, teacher_logits)
+        with torch.no_grad():
+            return TwoPathOutput(logits_local, self.path_logits(prefix, "global", masks, packed))
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:

@@ -1,0 +1,166 @@
+"""Local training of many clients' rounds at once (docs/ARCHITECTURE.md, "Training and federation"): every round of
+a set's runs reaches :func:`train_jobs` together (pipeline.training.set_engine's barrier), and the jobs whose
+micro-batches coincide (the same client, examples and seed: batch order depends only on seed, client and round) train
+as one: their frozen prefix is computed (or read from the cache) once per micro-batch, the top layers and the LM
+head run over R run-major copies of it with the R runs' adapters stacked (pipeline.modeling.adapter_stack), and
+each run's loss, KD gate and proximal term are its own. Jobs with other micro-batches form groups of their own,
+trained one after the other. The optimizer is one AdamW over the stacked leaves, each run's own AdamW elementwise
+(jobs of a group share its settings: they are part of the group's key). On CUDA the forward runs under bf16
+autocast; the loss computes entropy, softmax and KL in float32 (pipeline.modeling.losses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from pipeline.datasets.postags import NounVerbMasks
+from pipeline.experiments.plans import Plan
+from pipeline.modeling import losses
+from pipeline.modeling.adapter_stack import AdapterStack
+from pipeline.modeling.batching import Batch
+from pipeline.modeling.losses import KDConfig, LossOutput
+from pipeline.modeling.model import AdapterSummarizer
+
+STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0}  # what this process trained batched (tests, benchmarks)
+
+
+@dataclass
+class LocalJob:
+    """One client's local round, ready to train: its starting adapters, its teacher (two-path modes) and every
+    epoch's optimizer steps, each a list of (micro-batch, its weight in the step)."""
+
+    model: AdapterSummarizer
+    plan: Plan
+    client: str
+    rnd: int
+    kd: KDConfig
+    local: dict[str, torch.Tensor]
+    teacher: dict[str, torch.Tensor] | None
+    steps: list[list[tuple[Batch, float]]]
+    masks: NounVerbMasks | None = None
+    proximal_reference: dict[str, torch.Tensor] | None = None
+    proximal_mu: float = 0.0
+    cache: Any = None  # the prefix cache (pipeline.modeling.cache.PrefixCache) or None
+    progress: bool = False  # show a progress bar over the steps
+
+    def group_key(self) -> tuple:
+        """Jobs with equal keys share every micro-batch and the optimizer's settings: they train stacked."""
+        cfg = self.plan.train
+        batches = tuple(tuple(tuple(b.example_ids) for b, _ in step) for step in self.steps)
+        lengths = (self.plan.model.get("max_source_length"), self.plan.model.get("max_target_length"))
+        return (id(self.model), id(self.cache), cfg.lr, cfg.weight_decay, cfg.decay_norm_and_bias, lengths, batches)
+
+
+@dataclass
+class JobOutput:
+    state: dict[str, torch.Tensor]  # the trained local adapter (AdapterSet.state())
+    outputs: list[tuple[Batch, LossOutput]] = field(repr=False)  # every micro-batch's loss, in step order
+    n_steps: int
+    proximal: float  # the last value of the proximal term (0 without)
+
+
+def stacked_adamw_groups(stack: AdapterStack, decay_norm_and_bias: bool, weight_decay: float) -> list[dict]:
+    """client_training.adamw_groups for stacked leaves: decay where a run's own tensor is a matrix."""
+    decay, no_decay = [], []
+    for key in stack.keys:
+        p = stack.parameter_of(key)
+        (decay if p.ndim >= 3 or decay_norm_and_bias else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _proximal_term(stack: AdapterStack, r: int, reference: list[torch.Tensor], mu: float) -> torch.Tensor:
+    return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(stack.run_parameters(r), reference))
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA; elsewhere (CPU) float32, unchanged."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
+    """Train ``jobs`` (one group: equal :meth:`LocalJob.group_key`) together. The loss is looked up per call
+    (tests/reliability.py wraps it)."""
+    model, cfg = jobs[0].model, jobs[0].plan.train
+    device, template = model.device, model.adapter_sets["local"]
+    runs = len(jobs)
+    local = AdapterStack([j.local for j in jobs], template, device)
+    taught = [r for r, j in enumerate(jobs) if j.teacher is not None]
+    teacher = (
+        AdapterStack([jobs[r].teacher for r in taught], template, device).requires_grad_(False) if taught else None
+    )
+    optimizer = torch.optim.AdamW(stacked_adamw_groups(local, cfg.decay_norm_and_bias, cfg.weight_decay), lr=cfg.lr)
+    references = [[j.proximal_reference[k].to(device) for k in local.keys] if j.proximal_mu > 0 else None for j in jobs]
+    proximal = [torch.zeros(())] * runs
+    outputs: list[list[tuple[Batch, LossOutput]]] = [[] for _ in jobs]
+    cache = jobs[0].cache
+    STATS["groups"] += 1
+    STATS["runs_stacked"] += runs
+    show = any(j.progress for j in jobs)
+    model.train(True)
+    try:
+        for s, step in enumerate(
+            tqdm(
+                jobs[0].steps, desc=f"{jobs[0].client} round {jobs[0].rnd} ({runs} runs)", leave=False, disable=not show
+            )
+        ):
+            optimizer.zero_grad(set_to_none=True)
+            for m, (batch, _) in enumerate(step):
+                prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
+                labels = batch.labels  # on the host: the loss counts tokens there, with no device sync
+                with autocast(device):
+                    logits = model.path_logits(prefix.repeat(runs), local, packed=True)  # [R * N, V]
+                    teacher_logits = None
+                    if teacher is not None:
+                        with torch.no_grad():
+                            teacher_logits = model.path_logits(prefix.repeat(len(taught)), teacher, packed=True)
+                n = logits.shape[0] // runs
+                total = logits.new_zeros((), dtype=torch.float32)
+                for r, job in enumerate(jobs):
+                    z_g = None
+                    if job.teacher is not None:
+                        k = taught.index(r)
+                        z_g = teacher_logits[k * n : (k + 1) * n]
+                    hard = None
+                    if job.masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
+                        hard = torch.from_numpy(job.masks.batch(batch.example_ids, labels))
+                    out = losses.distillation_loss(logits[r * n : (r + 1) * n], z_g, labels, job.kd, hard_mask=hard)
+                    loss = out.loss
+                    if references[r] is not None:
+                        proximal[r] = _proximal_term(local, r, references[r], job.proximal_mu)
+                        loss = loss + proximal[r]
+                    total = total + loss * job.steps[s][m][1]
+                    out.loss = out.loss.detach()
+                    outputs[r].append((batch, out))
+                total.backward()
+                STATS["stacked_steps"] += 1
+            optimizer.step()
+    finally:
+        model.train(False)
+    return [
+        JobOutput(state, outputs[r], len(jobs[0].steps), float(proximal[r].detach()))
+        for r, state in enumerate(local.states())
+    ]
+
+
+def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
+    """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, job in enumerate(jobs):
+        groups[job.group_key()].append(i)
+    results: list[JobOutput | Exception] = [None] * len(jobs)  # type: ignore[list-item]
+    for members in groups.values():
+        try:
+            outs: list = train_group([jobs[i] for i in members])
+        except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
+            outs = [exc] * len(members)
+        for i, out in zip(members, outs):
+            results[i] = out
+    return results
