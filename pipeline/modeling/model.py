@@ -61,7 +61,8 @@ class Prefix:
     target_mask: torch.Tensor  # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there
 
     def to(self, device) -> Prefix:
-        return Prefix(**{name: tensor.to(device) for name, tensor in vars(self).items()})
+        to_gpu = torch.device(device).type == "cuda"  # host to GPU: an asynchronous copy (no sync)
+        return Prefix(**{name: tensor.to(device, non_blocking=to_gpu) for name, tensor in vars(self).items()})
 
     def repeat(self, runs: int) -> Prefix:
         """``runs`` copies, run-major (the rows an AdapterStack of ``runs`` runs reads)."""
@@ -307,9 +308,17 @@ class AdapterSummarizer(nn.Module):
         bias = getattr(owner, "final_logits_bias", None)
         return logits + bias.to(logits.device) if bias is not None else logits
 
-    def path_logits(self, prefix: Prefix, path: str, masks=None, packed: bool = False) -> torch.Tensor:
+    def path_logits(
+        self,
+        prefix: Prefix,
+        path: str | AdapterStack,
+        masks=None,
+        packed: bool = False,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Top k layers with ``path``'s adapters + LM head on a prefix. The LM head (n x V, the dominant cost) runs
-        only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows."""
+        only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows; ``rows`` (the target
+        tokens' indices in the flattened [B * T], on the device): those packed rows, with no host sync."""
         self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
         h = prefix.decoder_hidden
         with self.use_path(path):
@@ -317,6 +326,8 @@ class AdapterSummarizer(nn.Module):
                 h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
                 if isinstance(h, tuple):
                     h = h[0]
+        if rows is not None:
+            return self._head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
         mask = prefix.target_mask.to(h.device, torch.bool)
         if bool(mask.all()):
             logits = self._head(h)

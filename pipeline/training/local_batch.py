@@ -5,13 +5,14 @@ as one: their frozen prefix is computed (or read from the cache) once per micro-
 head run over R run-major copies of it with the R runs' adapters stacked (pipeline.modeling.adapter_stack), and
 each run's loss, KD gate and proximal term are its own. Jobs with other micro-batches form groups of their own,
 trained one after the other. The optimizer is one AdamW over the stacked leaves, each run's own AdamW elementwise
-(jobs of a group share its settings: they are part of the group's key). On CUDA the forward runs under bf16
-autocast; the loss computes entropy, softmax and KL in float32 (pipeline.modeling.losses).
+(jobs of a group share its settings: they are part of the group's key). On CUDA the student's forward runs under
+bf16 autocast, the teacher's in float32 (:func:`stacked_logits`); the loss computes entropy, softmax and KL in
+float32 (pipeline.modeling.losses). Token ids and labels stay on the host, where counts and row indices are read,
+and reach the device by asynchronous copies: a micro-batch makes no host sync.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +24,9 @@ from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments.plans import Plan
 from pipeline.modeling import losses
 from pipeline.modeling.adapter_stack import AdapterStack
-from pipeline.modeling.batching import Batch
+from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.modeling.losses import KDConfig, LossOutput
-from pipeline.modeling.model import AdapterSummarizer
+from pipeline.modeling.model import AdapterSummarizer, Prefix
 
 STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0}  # what this process trained batched (tests, benchmarks)
 
@@ -78,11 +79,32 @@ def _proximal_term(stack: AdapterStack, r: int, reference: list[torch.Tensor], m
     return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(stack.run_parameters(r), reference))
 
 
-def autocast(device: torch.device):
-    """bf16 autocast on CUDA; elsewhere (CPU) float32, unchanged."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def stacked_logits(
+    model: AdapterSummarizer,
+    prefix: Prefix,
+    labels: torch.Tensor,
+    local: AdapterStack,
+    teacher: AdapterStack | None,
+    bf16: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The packed logits of one micro-batch for every run of a group: the student's [R * N, V] (with gradients;
+    under bf16 autocast if ``bf16``: the trainer's choice on CUDA), the teacher's [R' * N, V] (under no_grad, float32: a bf16 teacher moves the gate,
+    measured on the MiniLM backbone and 64 QMSum examples at tau 5: 99.5 % of the gate decisions kept, 99.9 % with
+    only its LM head in float32). ``labels`` stay on the host: the target rows are indexed from there (no sync)."""
+    valid = (labels != IGNORE_INDEX).flatten()
+    rows = valid.nonzero().squeeze(1)
+    device = prefix.decoder_hidden.device
+
+    def packed(stack: AdapterStack) -> torch.Tensor:
+        index = torch.cat([rows + r * valid.numel() for r in range(stack.runs)]).to(device, non_blocking=True)
+        return model.path_logits(prefix.repeat(stack.runs), stack, rows=index)
+
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+        student = packed(local)
+    if teacher is None:
+        return student, None
+    with torch.no_grad():
+        return student, packed(teacher)
 
 
 def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
@@ -103,26 +125,18 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     cache = jobs[0].cache
     STATS["groups"] += 1
     STATS["runs_stacked"] += runs
-    show = any(j.progress for j in jobs)
+    bar = f"{jobs[0].client} round {jobs[0].rnd} ({runs} runs)"
     model.train(True)
     try:
-        for s, step in enumerate(
-            tqdm(
-                jobs[0].steps, desc=f"{jobs[0].client} round {jobs[0].rnd} ({runs} runs)", leave=False, disable=not show
-            )
-        ):
+        for s, step in enumerate(tqdm(jobs[0].steps, desc=bar, leave=False, disable=not any(j.progress for j in jobs))):
             optimizer.zero_grad(set_to_none=True)
             for m, (batch, _) in enumerate(step):
                 prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
-                labels = batch.labels  # on the host: the loss counts tokens there, with no device sync
-                with autocast(device):
-                    logits = model.path_logits(prefix.repeat(runs), local, packed=True)  # [R * N, V]
-                    teacher_logits = None
-                    if teacher is not None:
-                        with torch.no_grad():
-                            teacher_logits = model.path_logits(prefix.repeat(len(taught)), teacher, packed=True)
+                logits, teacher_logits = stacked_logits(
+                    model, prefix, batch.labels, local, teacher, device.type == "cuda"
+                )
                 n = logits.shape[0] // runs
-                total = logits.new_zeros((), dtype=torch.float32)
+                total = torch.zeros((), device=device)
                 for r, job in enumerate(jobs):
                     z_g = None
                     if job.teacher is not None:
@@ -130,8 +144,10 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                         z_g = teacher_logits[k * n : (k + 1) * n]
                     hard = None
                     if job.masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
-                        hard = torch.from_numpy(job.masks.batch(batch.example_ids, labels))
-                    out = losses.distillation_loss(logits[r * n : (r + 1) * n], z_g, labels, job.kd, hard_mask=hard)
+                        hard = torch.from_numpy(job.masks.batch(batch.example_ids, batch.labels))
+                    out = losses.distillation_loss(
+                        logits[r * n : (r + 1) * n], z_g, batch.labels, job.kd, hard_mask=hard
+                    )
                     loss = out.loss
                     if references[r] is not None:
                         proximal[r] = _proximal_term(local, r, references[r], job.proximal_mu)
