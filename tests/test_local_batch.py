@@ -1,0 +1,79 @@
+"""Client rounds trained together (pipeline/training/local_batch.py): runs of different methods whose rounds share
+their micro-batches (same client, examples and seed) train as one stacked group, and each ends where it ends trained
+alone: its adapter, losses, KD share and gate log (tiny BART, CPU, float32); rounds with other micro-batches train
+in groups of their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+from tests.test_local_training import CLIENT, _setup, _train
+
+# one local method per loss: CE, selective KD, KD on every token, hard KD, CE with FedProx's proximal term
+METHODS = ["fedavg", "fedselectkd", "fedkd", "hardkd", "fedprox"]
+
+
+def _jobs(monkeypatch, batch_size: int = 2):
+    """Each method's round trained alone (its result and adapter), and the job it made."""
+    from pipeline.training import local_batch, set_engine
+
+    made, alone = [], {}
+    real = set_engine.batched
+
+    def keep(job, run):
+        made.append(job)
+        return real(job, run)
+
+    monkeypatch.setattr(set_engine, "batched", keep)
+    for method in METHODS:
+        plan, model, train, w0 = _setup(f"group-{method}-{batch_size}", method, lr=5e-3, batch_size=batch_size)
+        generator = torch.Generator().manual_seed(len(alone))  # each run its own teacher
+        model.load_adapter_state(
+            "global", {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in w0.items()}
+        )
+        mu = plan.train.strategy_params["proximal_mu"] if plan.spec.proximal else 0.0
+        result = _train(plan, model, train, proximal_reference=w0 if mu else None, proximal_mu=mu)
+        alone[method] = (result, model.adapter_state("local"))
+    monkeypatch.setattr(set_engine, "batched", real)
+    return made, alone, local_batch
+
+
+def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypatch):
+    from pipeline.training.client_training import gate_rows
+
+    jobs, alone, local_batch = _jobs(monkeypatch)
+    assert len({job.group_key() for job in jobs}) == 1
+    before = dict(local_batch.STATS)
+    outputs = local_batch.train_jobs(jobs)
+    assert (
+        local_batch.STATS["groups"] - before["groups"],
+        local_batch.STATS["runs_stacked"] - before["runs_stacked"],
+    ) == (
+        1,
+        len(METHODS),
+    )
+    for method, job, out in zip(METHODS, jobs, outputs):
+        result, state = alone[method]
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method
+        assert out.n_steps == result.n_steps
+        losses = sum(float(o.loss) * o.n_tokens for _, o in out.outputs) / sum(o.n_tokens for _, o in out.outputs)
+        assert losses == pytest.approx(result.train_loss, rel=1e-6), method
+        if job.teacher is not None:
+            log = gate_rows([(b, o.entropy, o.gate) for b, o in out.outputs], CLIENT, 1)
+            assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist(), method
+            assert log["entropy"].to_numpy() == pytest.approx(result.gate_log["entropy"].to_numpy(), abs=1e-5)
+        if method == "fedprox":
+            assert out.proximal > 0 and out.proximal == pytest.approx(result.proximal, rel=1e-5)
+    assert any(job.teacher is None for job in jobs) and any(job.masks is not None for job in jobs)
+
+
+def test_rounds_with_other_micro_batches_form_their_own_group(ws, monkeypatch):
+    jobs, _, local_batch = _jobs(monkeypatch)
+    other, _, _ = _jobs(monkeypatch, batch_size=3)  # other micro-batches
+    keys = {job.group_key() for job in jobs + other}
+    assert len(keys) == 2
+    before = local_batch.STATS["groups"]
+    local_batch.train_jobs([jobs[0], other[0], jobs[1]])
+    assert local_batch.STATS["groups"] - before == 2
