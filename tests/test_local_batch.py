@@ -1,13 +1,14 @@
 """Client rounds trained together (pipeline/training/local_batch.py): runs of different methods whose rounds share
 their micro-batches (same client, examples and seed) train as one stacked group, and each ends where it ends trained
-alone: its adapter, losses, KD share and gate log (tiny BART, CPU, float32); rounds with other micro-batches train
-in groups of their own."""
+alone: its adapter, losses, KD share and gate log (tiny BART, CPU, float32); so do rounds whose micro-batches
+differ but have the same sizes (padded to one shape); micro-batches of other sizes train in groups of their own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pipeline.training.client_training import gate_rows
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
 from tests.test_local_training import CLIENT, _setup, _train
 
@@ -41,8 +42,6 @@ def _jobs(monkeypatch, batch_size: int = 2):
 
 
 def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypatch):
-    from pipeline.training.client_training import gate_rows
-
     jobs, alone, local_batch = _jobs(monkeypatch)
     assert len({job.group_key() for job in jobs}) == 1
     before = dict(local_batch.STATS)
@@ -69,9 +68,42 @@ def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypa
     assert any(job.teacher is None for job in jobs) and any(job.masks is not None for job in jobs)
 
 
-def test_rounds_with_other_micro_batches_form_their_own_group(ws, monkeypatch):
+def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_and_each_as_alone(ws, monkeypatch):
+    """Rounds 1 and 2 of a client shuffle its examples differently: their micro-batches, padded to one size, train
+    as one group, each run within float32 rounding of its round trained alone."""
+    from pipeline.training import local_batch, set_engine
+
+    made, alone = [], []
+    real = set_engine.batched
+
+    def keep(job, run):
+        made.append(job)
+        return real(job, run)
+
+    monkeypatch.setattr(set_engine, "batched", keep)
+    for rnd, method in ((1, "fedselectkd"), (2, "fedselectkd"), (3, "fedavg")):
+        plan, model, train, w0 = _setup(f"padded-{method}", method, lr=5e-3, batch_size=2)
+        model.load_adapter_state("global", {k: v + 0.05 * rnd for k, v in w0.items()})
+        result = _train(plan, model, train, rnd=rnd)
+        alone.append((result, model.adapter_state("local")))
+    monkeypatch.setattr(set_engine, "batched", real)
+    ids = [[b.example_ids for step in job.steps for b, _ in step] for job in made]
+    assert ids[0] != ids[1] != ids[2] and len({job.group_key() for job in made}) == 1
+    before = local_batch.STATS["groups"]
+    outputs = local_batch.train_jobs(made)
+    assert local_batch.STATS["groups"] - before == 1
+    for job, out, (result, state) in zip(made, outputs, alone):
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, job.rnd
+        mean = sum(float(o.loss) * o.n_tokens for _, o in out.outputs) / sum(o.n_tokens for _, o in out.outputs)
+        assert mean == pytest.approx(result.train_loss, rel=1e-5)
+        if job.teacher is not None:
+            log = gate_rows([(b, o.entropy, o.gate) for b, o in out.outputs], CLIENT, job.rnd)
+            assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist()
+
+
+def test_rounds_with_other_micro_batch_sizes_form_their_own_group(ws, monkeypatch):
     jobs, _, local_batch = _jobs(monkeypatch)
-    other, _, _ = _jobs(monkeypatch, batch_size=3)  # other micro-batches
+    other, _, _ = _jobs(monkeypatch, batch_size=3)  # micro-batches of other sizes
     keys = {job.group_key() for job in jobs + other}
     assert len(keys) == 2
     before = local_batch.STATS["groups"]

@@ -1,9 +1,11 @@
 """Local training of many clients' rounds at once (docs/ARCHITECTURE.md, "Training and federation"): every round of
 a set's runs reaches :func:`train_jobs` together (pipeline.training.set_engine's barrier), and the jobs whose
-micro-batches coincide (the same client, examples and seed: batch order depends only on seed, client and round) train
-as one: their frozen prefix is computed (or read from the cache) once per micro-batch, the top layers and the LM
-head run over R run-major copies of it with the R runs' adapters stacked (pipeline.modeling.adapter_stack), and
-each run's loss, KD gate and proximal term are its own. Jobs with other micro-batches form groups of their own,
+micro-batches have the same sizes in the same steps train as one group: the top layers and the LM head run over R
+run-major blocks with the R runs' adapters stacked (pipeline.modeling.adapter_stack), each run's loss, KD gate and
+proximal term its own. Where the runs' micro-batches coincide (the same client, examples and seed: batch order
+depends only on seed, client and round) the frozen prefix is computed (or read from the cache) once and repeated;
+where they differ (another seed or round) the blocks are the runs' own micro-batches padded to one shape, which
+changes a run's result by float32 rounding only. Jobs with micro-batches of other sizes form groups of their own,
 trained one after the other. The optimizer is one AdamW over the stacked leaves, each run's own AdamW elementwise
 (jobs of a group share its settings: they are part of the group's key). On CUDA the student's forward runs under
 bf16 autocast, the teacher's in float32 (:func:`stacked_logits`); the loss computes entropy, softmax and KL in
@@ -24,7 +26,7 @@ from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments.plans import Plan
 from pipeline.modeling import losses
 from pipeline.modeling.adapter_stack import AdapterStack
-from pipeline.modeling.batching import IGNORE_INDEX, Batch
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, stack_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
@@ -51,9 +53,10 @@ class LocalJob:
     progress: bool = False  # show a progress bar over the steps
 
     def group_key(self) -> tuple:
-        """Jobs with equal keys share every micro-batch and the optimizer's settings: they train stacked."""
+        """Jobs with equal keys have micro-batches of the same sizes in the same steps and the optimizer's settings:
+        they train stacked."""
         cfg = self.plan.train
-        batches = tuple(tuple(tuple(b.example_ids) for b, _ in step) for step in self.steps)
+        batches = tuple(tuple(len(b) for b, _ in step) for step in self.steps)
         lengths = (self.plan.model.get("max_source_length"), self.plan.model.get("max_target_length"))
         return (id(self.model), id(self.cache), cfg.lr, cfg.weight_decay, cfg.decay_norm_and_bias, lengths, batches)
 
@@ -79,32 +82,55 @@ def _proximal_term(stack: AdapterStack, r: int, reference: list[torch.Tensor], m
     return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(stack.run_parameters(r), reference))
 
 
+def _blocks(prefix: Prefix, labels: torch.Tensor, runs: int, keep: list[int]) -> tuple[Prefix, torch.Tensor]:
+    """The run-major blocks ``keep`` of ``runs`` (all of them: as they are)."""
+    if len(keep) == runs:
+        return prefix, labels
+    size = labels.shape[0] // runs
+    rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in keep])
+    device_rows = rows.to(prefix.decoder_hidden.device, non_blocking=True)
+    return Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values())), labels[rows]
+
+
 def stacked_logits(
     model: AdapterSummarizer,
     prefix: Prefix,
     labels: torch.Tensor,
     local: AdapterStack,
     teacher: AdapterStack | None,
+    taught: list[int],
     bf16: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The packed logits of one micro-batch for every run of a group: the student's [R * N, V] (with gradients;
-    under bf16 autocast if ``bf16``: the trainer's choice on CUDA), the teacher's [R' * N, V] (under no_grad, float32: a bf16 teacher moves the gate,
-    measured on the MiniLM backbone and 64 QMSum examples at tau 5: 99.5 % of the gate decisions kept, 99.9 % with
-    only its LM head in float32). ``labels`` stay on the host: the target rows are indexed from there (no sync)."""
-    valid = (labels != IGNORE_INDEX).flatten()
-    rows = valid.nonzero().squeeze(1)
+    """The packed logits of one micro-batch of every run of a group, ``prefix`` and ``labels`` (on the host) in R
+    run-major blocks: the student's [sum of the runs' target tokens, V] (with gradients; under bf16 autocast if
+    ``bf16``: the trainer's choice on CUDA), the teacher's for the runs ``taught`` (under no_grad, float32: a bf16
+    teacher moves the gate, measured on the MiniLM backbone and 64 QMSum examples at tau 5: 99.5 % of the gate
+    decisions kept, 99.9 % with only its LM head in float32). The target rows are indexed on the host (no sync)."""
     device = prefix.decoder_hidden.device
 
-    def packed(stack: AdapterStack) -> torch.Tensor:
-        index = torch.cat([rows + r * valid.numel() for r in range(stack.runs)]).to(device, non_blocking=True)
-        return model.path_logits(prefix.repeat(stack.runs), stack, rows=index)
+    def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor) -> torch.Tensor:
+        rows = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(device, non_blocking=True)
+        return model.path_logits(prefix, stack, rows=rows)
 
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        student = packed(local)
+        student = packed(local, prefix, labels)
     if teacher is None:
         return student, None
     with torch.no_grad():
-        return student, packed(teacher)
+        return student, packed(teacher, *_blocks(prefix, labels, local.runs, taught))
+
+
+def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, list[Batch]]:
+    """Step ``s``'s micro-batch ``m`` of every job as R run-major blocks: the prefix (computed or read from the cache
+    once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (host)."""
+    model, cache = jobs[0].model, jobs[0].cache
+    batches = [job.steps[s][m][0] for job in jobs]
+    shared = all(b.example_ids == batches[0].example_ids for b in batches)
+    batch = batches[0] if shared else stack_batches(batches, model.pad_token_id)
+    prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
+    if shared:
+        return prefix.repeat(len(jobs)), batch.labels.repeat(len(jobs), 1), batches
+    return prefix, batch.labels, batches
 
 
 def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
@@ -122,7 +148,6 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     references = [[j.proximal_reference[k].to(device) for k in local.keys] if j.proximal_mu > 0 else None for j in jobs]
     proximal = [torch.zeros(())] * runs
     outputs: list[list[tuple[Batch, LossOutput]]] = [[] for _ in jobs]
-    cache = jobs[0].cache
     STATS["groups"] += 1
     STATS["runs_stacked"] += runs
     bar = f"{jobs[0].client} round {jobs[0].rnd} ({runs} runs)"
@@ -130,31 +155,35 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     try:
         for s, step in enumerate(tqdm(jobs[0].steps, desc=bar, leave=False, disable=not any(j.progress for j in jobs))):
             optimizer.zero_grad(set_to_none=True)
-            for m, (batch, _) in enumerate(step):
-                prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
+            for m in range(len(step)):
+                prefix, labels, batches = _micro_batch(jobs, s, m)
                 logits, teacher_logits = stacked_logits(
-                    model, prefix, batch.labels, local, teacher, device.type == "cuda"
+                    model, prefix, labels, local, teacher, taught, device.type == "cuda"
                 )
-                n = logits.shape[0] // runs
+                blocks = labels.view(runs, -1, labels.shape[1])
+                tokens = (blocks != IGNORE_INDEX).flatten(1).sum(1).tolist()  # each run's target tokens (host)
+                starts = [sum(tokens[:r]) for r in range(runs + 1)]
+                teacher_starts = [0]
+                for r in taught:
+                    teacher_starts.append(teacher_starts[-1] + tokens[r])
                 total = torch.zeros((), device=device)
                 for r, job in enumerate(jobs):
                     z_g = None
                     if job.teacher is not None:
                         k = taught.index(r)
-                        z_g = teacher_logits[k * n : (k + 1) * n]
+                        z_g = teacher_logits[teacher_starts[k] : teacher_starts[k + 1]]
                     hard = None
                     if job.masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
-                        hard = torch.from_numpy(job.masks.batch(batch.example_ids, batch.labels))
-                    out = losses.distillation_loss(
-                        logits[r * n : (r + 1) * n], z_g, batch.labels, job.kd, hard_mask=hard
-                    )
+                        hard = torch.from_numpy(job.masks.batch(batches[r].example_ids, blocks[r]))
+                    student = logits[starts[r] : starts[r + 1]]
+                    out = losses.distillation_loss(student, z_g, blocks[r], job.kd, hard_mask=hard)
                     loss = out.loss
                     if references[r] is not None:
                         proximal[r] = _proximal_term(local, r, references[r], job.proximal_mu)
                         loss = loss + proximal[r]
                     total = total + loss * job.steps[s][m][1]
                     out.loss = out.loss.detach()
-                    outputs[r].append((batch, out))
+                    outputs[r].append((batches[r], out))
                 total.backward()
                 STATS["stacked_steps"] += 1
             optimizer.step()
