@@ -109,3 +109,16 @@ def test_rounds_with_other_micro_batch_sizes_form_their_own_group(ws, monkeypatc
     before = local_batch.STATS["groups"]
     local_batch.train_jobs([jobs[0], other[0], jobs[1]])
     assert local_batch.STATS["groups"] - before == 2
+
+
+def test_a_group_beyond_the_logits_budget_is_cut_into_groups_that_fit(ws, monkeypatch):
+    jobs, alone, local_batch = _jobs(monkeypatch)
+    vocabulary = jobs[0].model.backbone.get_output_embeddings().weight.shape[0]
+    peak = max(int((b.labels != -100).sum()) for step in jobs[0].steps for b, _ in step)
+    monkeypatch.setattr(local_batch, "LOGITS_BUDGET_BYTES", 2 * 4 * vocabulary * peak)  # two runs' logits
+    before = dict(local_batch.STATS)
+    outputs = local_batch.train_jobs(jobs)
+    assert local_batch.STATS["groups"] - before["groups"] == 3  # 5 runs: 2 + 2 + 1
+    for method, out in zip(METHODS, outputs):
+        state = alone[method][1]
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method

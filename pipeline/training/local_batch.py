@@ -31,6 +31,9 @@ from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
 STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0}  # what this process trained batched (tests, benchmarks)
+# A group's micro-batch holds every run's student logits ([target tokens, V]; the teacher's and the gradient about
+# as much again each): groups are cut where this budget of float32 student logits would be exceeded.
+LOGITS_BUDGET_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -195,13 +198,30 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     ]
 
 
+def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
+    """``members`` (jobs of one key) in consecutive groups whose largest micro-batch's student logits (float32, every
+    run's target tokens) stay within LOGITS_BUDGET_BYTES (a job alone may exceed it)."""
+    groups: list[list[int]] = []
+    used = LOGITS_BUDGET_BYTES
+    for i in members:
+        job = jobs[i]
+        vocabulary = job.model.backbone.get_output_embeddings().weight.shape[0]
+        need = 4 * vocabulary * max(int((b.labels != IGNORE_INDEX).sum()) for step in job.steps for b, _ in step)
+        if used + need > LOGITS_BUDGET_BYTES:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += need
+    return groups
+
+
 def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
     """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
+    keys: dict[tuple, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
-        groups[job.group_key()].append(i)
+        keys[job.group_key()].append(i)
     results: list[JobOutput | Exception] = [None] * len(jobs)  # type: ignore[list-item]
-    for members in groups.values():
+    for members in (group for same in keys.values() for group in _within_budget(jobs, same)):
         try:
             outs: list = train_group([jobs[i] for i in members])
         except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
