@@ -107,8 +107,7 @@ def stacked_logits(
     """The packed logits of one micro-batch of every run of a group, ``prefix`` and ``labels`` (on the host) in R
     run-major blocks: the student's [sum of the runs' target tokens, V] (with gradients; under bf16 autocast if
     ``bf16``: the trainer's choice on CUDA), the teacher's for the runs ``taught`` (under no_grad, float32: a bf16
-    teacher moves the gate, measured on the MiniLM backbone and 64 QMSum examples at tau 5: 99.5 % of the gate
-    decisions kept, 99.9 % with only its LM head in float32). The target rows are indexed on the host (no sync)."""
+    teacher moves the gate: reports/bench/engine.md, section 3). The target rows are indexed on the host (no sync)."""
     device = prefix.decoder_hidden.device
 
     def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor) -> torch.Tensor:
