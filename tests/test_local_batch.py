@@ -122,3 +122,41 @@ def test_a_group_beyond_the_logits_budget_is_cut_into_groups_that_fit(ws, monkey
     for method, out in zip(METHODS, outputs):
         state = alone[method][1]
         assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method
+
+
+def test_validations_of_several_adapters_run_stacked_each_its_adapters_cross_entropy(ws, monkeypatch):
+    from pipeline.modeling.batching import IGNORE_INDEX, make_batches
+    from pipeline.training import local_batch, set_engine
+    from pipeline.training.client_training import validation_loss
+    from pipeline.training.shared_model import model_config
+
+    plan, model, examples, w0 = _setup("valid-stacked", batch_size=2)
+    states = []
+    for r in range(3):
+        generator = torch.Generator().manual_seed(r)
+        states.append({k: v + 0.3 * torch.randn(v.shape, generator=generator) for k, v in w0.items()})
+    made, alone = [], []
+    real = set_engine.batched
+    monkeypatch.setattr(set_engine, "batched", lambda job, run: made.append(job) or real(job, run))
+    for state in states:
+        model.load_adapter_state("local", state)
+        alone.append(validation_loss(model, plan, examples))
+    monkeypatch.setattr(set_engine, "batched", real)
+    before = local_batch.STATS["validation_groups"]
+    together = local_batch.validate_jobs(made)
+    assert local_batch.STATS["validation_groups"] - before == 1
+    for (loss, tokens), (loss_alone, tokens_alone) in zip(together, alone):
+        assert tokens == tokens_alone and loss == pytest.approx(loss_alone, rel=1e-6)
+    # the last adapter's CE from the plain HF forward with the model's own adapter set, batch by batch
+    model.load_adapter_state("local", states[-1])
+    total, n = 0.0, 0
+    for batch in make_batches(
+        examples, model.tokenizer, model_config(plan), 2, False, 0, model.decoder_start_token_id, model.pad_token_id
+    ):
+        with torch.no_grad():
+            logits = model.forward_path(batch, "local")
+        valid = batch.labels != IGNORE_INDEX
+        total += float(torch.nn.functional.cross_entropy(logits[valid], batch.labels[valid], reduction="sum"))
+        n += int(valid.sum())
+    assert together[-1] == (pytest.approx(total / n, rel=1e-5), n)
+    assert len({loss for loss, _ in together}) == 3

@@ -339,18 +339,14 @@ def gate_rows(parts: list[tuple[Batch, torch.Tensor, torch.Tensor]], client: str
     ).astype(GATE_LOG_DTYPES)
 
 
-@torch.no_grad()
 def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame, cache=None) -> tuple[float, int]:
-    """Mean token CE of the local path on ``examples`` (teacher forcing) and the number of tokens."""
+    """Mean token CE of the local path on ``examples`` (teacher forcing, float32) and the number of tokens; at the
+    set's barrier with every other validation of the round, adapters stacked (pipeline.training.local_batch)."""
     if len(examples) == 0:
         return float("nan"), 0
-    mcfg = model_config(plan)
-    model.train(False)
-    total, tokens = 0.0, 0
-    for batch in _batches(model, examples, mcfg, plan.train, False, 0, False):
-        logits, _ = _forward_logits(model, batch, False, cache)  # packed: [real target tokens, V]
-        labels = batch.labels.to(model.device)
-        ce = torch.nn.functional.cross_entropy(logits.float(), labels[labels != IGNORE_INDEX], reduction="sum")
-        total += float(ce)
-        tokens += int((labels != IGNORE_INDEX).sum())
-    return total / max(tokens, 1), tokens
+    batches = _batches(model, examples, model_config(plan), plan.train, False, 0, False)
+    steps = [[(b, 1.0)] for b in batches]  # one micro-batch a step
+    job = LocalJob(
+        model, plan, "validation", 0, kd_config(plan), model.adapter_state("local"), None, steps, cache=cache
+    )
+    return set_engine.batched(job, local_batch.validate_jobs)

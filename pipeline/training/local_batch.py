@@ -30,7 +30,8 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch, stack_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
-STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0}  # what this process trained batched (tests, benchmarks)
+# what this process trained (and validated) batched: tests, benchmarks
+STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0, "validation_groups": 0}
 # A group's micro-batch holds every run's student logits ([target tokens, V]; the teacher's and the gradient about
 # as much again each): groups are cut where this budget of float32 student logits would be exceeded.
 LOGITS_BUDGET_BYTES = 2 * 2**30
@@ -162,9 +163,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                 logits, teacher_logits = stacked_logits(
                     model, prefix, labels, local, teacher, taught, device.type == "cuda"
                 )
-                blocks = labels.view(runs, -1, labels.shape[1])
-                tokens = (blocks != IGNORE_INDEX).flatten(1).sum(1).tolist()  # each run's target tokens (host)
-                starts = [sum(tokens[:r]) for r in range(runs + 1)]
+                blocks, tokens, starts = _run_rows(labels, runs)
                 teacher_starts = [0]
                 for r in taught:
                     teacher_starts.append(teacher_starts[-1] + tokens[r])
@@ -197,6 +196,36 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     ]
 
 
+def _run_rows(labels: torch.Tensor, runs: int) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Each run's block of the (host) labels, its target tokens, and where its rows start in the packed logits."""
+    blocks = labels.view(runs, -1, labels.shape[1])
+    tokens = (blocks != IGNORE_INDEX).flatten(1).sum(1).tolist()
+    return blocks, tokens, [sum(tokens[:r]) for r in range(runs + 1)]
+
+
+@torch.no_grad()
+def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
+    """Each job's mean token CE of its local adapter on its micro-batches (teacher forcing, float32) and its number
+    of tokens, the jobs' adapters stacked (one group)."""
+    model, runs = jobs[0].model, len(jobs)
+    local = AdapterStack([j.local for j in jobs], model.adapter_sets["local"], model.device).requires_grad_(False)
+    sums: list[list[torch.Tensor]] = [[] for _ in jobs]
+    counts = [0] * runs
+    STATS["validation_groups"] += 1
+    model.train(False)
+    for s in range(len(jobs[0].steps)):
+        prefix, labels, _ = _micro_batch(jobs, s, 0)
+        logits, _ = stacked_logits(model, prefix, labels, local, None, [], False)
+        blocks, tokens, starts = _run_rows(labels, runs)
+        for r in range(runs):
+            y = blocks[r][blocks[r] != IGNORE_INDEX].to(model.device, non_blocking=True)
+            student = logits[starts[r] : starts[r + 1]].float()
+            sums[r].append(torch.nn.functional.cross_entropy(student, y, reduction="sum"))
+            counts[r] += tokens[r]
+    # read once; summed on the host in micro-batch order
+    return [(sum(float(x) for x in sums[r]) / max(counts[r], 1), counts[r]) for r in range(runs)]
+
+
 def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
     """``members`` (jobs of one key) in consecutive groups whose largest micro-batch's student logits (float32, every
     run's target tokens) stay within LOGITS_BUDGET_BYTES (a job alone may exceed it)."""
@@ -216,13 +245,22 @@ def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
 
 def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
     """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups."""
+    return _in_groups(jobs, train_group)
+
+
+def validate_jobs(jobs: list[LocalJob]) -> list[tuple[float, int] | Exception]:
+    """Every job's validation loss and tokens in order (:func:`validate_group`), the jobs in groups."""
+    return _in_groups(jobs, validate_group)
+
+
+def _in_groups(jobs: list[LocalJob], group_call) -> list:
     keys: dict[tuple, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
         keys[job.group_key()].append(i)
     results: list[JobOutput | Exception] = [None] * len(jobs)  # type: ignore[list-item]
     for members in (group for same in keys.values() for group in _within_budget(jobs, same)):
         try:
-            outs: list = train_group([jobs[i] for i in members])
+            outs: list = group_call([jobs[i] for i in members])
         except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
             outs = [exc] * len(members)
         for i, out in zip(members, outs):

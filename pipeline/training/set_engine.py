@@ -159,8 +159,10 @@ class RoundBarrier:
                 self._step(d)
                 member.rng = d.rng
         while waiting := [d for d in self.deliveries if not d.done]:
-            for d, result in zip(waiting, waiting[0].work.run([d.work.job for d in waiting])):
-                d.work.result = result
+            for run in dict.fromkeys(d.work.run for d in waiting):  # e.g. training, validation
+                same = [d for d in waiting if d.work.run is run]
+                for d, result in zip(same, run([d.work.job for d in same])):
+                    d.work.result = result
             for d in waiting:
                 self._step(d)
         for member, ds in deliveries.items():
