@@ -69,3 +69,30 @@ def test_measure_runs_end_to_end_on_cpu(tmp_path):
     assert data["round_tflop"] > 0
     assert json.loads((tmp_path / "out" / "profile.json").read_text())["steps"].keys() == steps.keys()
     assert "## 1. Today's path" in gpu_profile.markdown(data, [])
+
+
+def test_committed_presets_table_is_the_one_generated_from_the_returned_file():
+    from benchmarks import gpu_presets
+
+    text = (ROOT / "reports" / "bench" / "gpu.md").read_text()
+    section = "## 2." + text.partition("## 2.")[2].partition("\n## 3.")[0]
+    record = json.loads((ROOT / "reports" / "bench" / "gpu-presets" / "presets.json").read_text())
+    assert section.strip() == gpu_presets.markdown(record).strip()
+    assert record["device"].startswith("NVIDIA")
+    for entry in record["presets"].values():  # both precisions of every preset measured, none out of memory
+        assert [r["precision"] for r in entry["runs"]] == ["float32", "bfloat16"]
+        assert all("error" not in r and r["decode_batch"] == entry["shape"]["batch"] for r in entry["runs"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_presets_run_end_to_end_on_cpu_at_toy_sizes(tmp_path):
+    from benchmarks import gpu_presets
+
+    record = gpu_presets.run(tmp_path, tiny=True, tokenizer_dir=None)
+    assert list(record["presets"]) == ["paper-bart-base", "paper-bart-large", "paper-led-large"]
+    for entry in record["presets"].values():
+        for r in entry["runs"]:
+            assert r["step_s"] > 0 and r["decode_batch"] == 2
+            assert r["train_examples_per_s_prefix_held"] == pytest.approx(2 / r["step_s"], rel=0.01, abs=0.1)
+    assert json.loads((tmp_path / "presets.json").read_text()) == record
