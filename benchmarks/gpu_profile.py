@@ -52,7 +52,7 @@ PROFILED = (48, 16)  # train and valid examples a client in the profiled rounds
 # --------------------------------------------------------------------------------------------- on the lent machine
 def device(carry: Path, out: Path, work: Path, budget_s: float, tiny: bool = False) -> int:
     """Install, assemble, sample ``nvidia-smi`` and run ``measure`` in a child (stdlib only in this process)."""
-    from tools.gpu_study.device import STAGE_DIR, assemble_minilm, device_info, install_wheels
+    from tools.gpu_study.device import STAGE_DIR, assemble_minilm, child_env, device_info, install_wheels
 
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
@@ -71,16 +71,8 @@ def device(carry: Path, out: Path, work: Path, budget_s: float, tiny: bool = Fal
             stdout=(out / "smi.csv").open("w"),
             stderr=subprocess.DEVNULL,
         )
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(work / "site"), str(REPO), env.get("PYTHONPATH", "")]),
-        FEDMEET_MINILM_DIR=str(minilm),
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        FLWR_TELEMETRY_ENABLED="0",
-        TOKENIZERS_PARALLELISM="false",
-        PYTHONUNBUFFERED="1",
-    )
+    env = child_env(REPO, work / "site", minilm)
+    env.pop("FEDMEET_ROOT")  # measure makes its own workspace
     argv = [sys.executable, "-m", "benchmarks.gpu_profile", "measure", "--qmsum", str(work / "raw" / "qmsum")]
     argv += ["--out", str(out), "--work", str(work / "repo")] + (["--tiny"] if tiny else [])
     try:
