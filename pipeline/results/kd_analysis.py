@@ -207,20 +207,9 @@ def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -
     }
 
 
-SWEEP_COLUMNS = [
-    "experiment",
-    "client",
-    "tau",
-    "tau_scale",
-    "seed",
-    "avg_rouge",
-    "rouge1",
-    "rouge2",
-    "rougeL",
-    "kd_usage_ratio",
-    "noun_verb_kd_rate",
-    "det_pron_share_of_no_kd",
-]
+# A sweep point: which run and client, its ROUGE, its KD usage ratio and its POS pattern.
+SWEEP_SCORES, SWEEP_POS = ("avg_rouge", "rouge1", "rouge2", "rougeL"), ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
+SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", *SWEEP_SCORES, "kd_usage_ratio", *SWEEP_POS]
 
 
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -239,13 +228,9 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
                 "tau": run.tau,
                 "tau_scale": run.tau_scale,
                 "seed": run.seed,
-                "avg_rouge": s["avg_rouge"],
-                "rouge1": s["rouge1"],
-                "rouge2": s["rouge2"],
-                "rougeL": s["rougeL"],
+                **{m: s[m] for m in SWEEP_SCORES},
                 "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
-                "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
-                "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan),
+                **{k: pos.get(k, math.nan) for k in SWEEP_POS},
             }
         )
     return rows

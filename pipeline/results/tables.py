@@ -39,18 +39,8 @@ def aggregate(
     for p in planned:
         planned_seeds[tuple(labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS)].add(p.seed)
     keys = [*GROUP_COLS, "backbone", "client"]
+    columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
     out_rows = []
-    if scores.empty:
-        return pd.DataFrame(
-            columns=[
-                *keys,
-                *[f"{m}_mean" for m in METRICS],
-                *[f"{m}_std" for m in METRICS],
-                "n_seeds",
-                "seeds",
-                "missing_seeds",
-            ]
-        )
     frame = scores.copy()
     frame["tau"] = frame["tau"].astype(object).where(frame["tau"].notna(), None)
     for key, grp in frame.groupby(keys, dropna=False, sort=False):
@@ -67,7 +57,7 @@ def aggregate(
         rec["seeds"] = ",".join(map(str, seeds))
         rec["missing_seeds"] = ",".join(map(str, sorted(want - set(seeds))))
         out_rows.append(rec)
-    return pd.DataFrame(out_rows)
+    return pd.DataFrame(out_rows, columns=columns)
 
 
 def fmt(mean: float, std: float, n: int | None = None) -> str:
