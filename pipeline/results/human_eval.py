@@ -265,13 +265,8 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             if raw.lower() not in JUDGEMENTS:
                 raise DataError(f"{f}:{line_no}: judgement {raw!r} for {item}; expected A, B or tie")
             choice, entry = JUDGEMENTS[raw.lower()], key[item]
-            judged.append(
-                (
-                    entry.opponent,
-                    entry.domain,
-                    "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss"),
-                )
-            )
+            outcome = "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")
+            judged.append((entry.opponent, entry.domain, outcome))
             per_file[f.name] += 1
     counts = Counter(judged)
     opponents = sorted({o for o, _, _ in judged})

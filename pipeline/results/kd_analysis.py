@@ -270,9 +270,9 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def plot_pos(
-    client: str, dist: dict[str, dict[str, float]], ratio: float, paper_ratio: float | None, path: Path
-) -> None:
+def plot_pos(client: str, record: dict[str, Any], path: Path) -> None:
+    """The POS distribution of a client's :func:`client_summary` record and its KD usage, ours and the paper's."""
+    dist, ratio, paper_ratio = record["pos"], record["kd_usage_ratio"], record["paper_kd_usage_ratio"]
     tags = list(dist)
     x = np.arange(len(tags))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
