@@ -84,9 +84,6 @@ class ServerRunConfig:
         return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
 
 
-SERVER_KEYS = {info.alias or name: info.annotation for name, info in ServerRunConfig.__pydantic_fields__.items()}
-
-
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
     node_ids = sorted(grid.get_node_ids())

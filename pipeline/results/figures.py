@@ -34,15 +34,8 @@ def bar_figure(
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
-    paper_shown = (
-        {
-            (c, f"{lab} (n={int(n)})"): paper[(c, lab)]
-            for c, lab, n in zip(data["client"], data["label"], data["n_seeds"])
-            if (c, lab) in paper
-        }
-        if paper
-        else None
-    )
+    pairs = zip(data["client"], data["label"], shown["label"])
+    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper} if paper else None
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
         grouped_bars(ax, d, "client", "label", "avg_rouge_mean", "avg_rouge_std", paper_shown)
