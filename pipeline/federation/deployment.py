@@ -257,15 +257,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     out_dir = Path(plan.paths["out_dir"])
     checkpoint = load_server_checkpoint(plan)
     # `flwr run --stream` shows the ServerApp's output: the operator sees where the run starts
-    print(
-        f"{plan.experiment}: "
-        + (
-            f"resuming from round {int(checkpoint['round']) + 1} of {plan.train.rounds} (server checkpoint)"
-            if checkpoint
-            else f"starting at round 1 of {plan.train.rounds}"
-        ),
-        flush=True,
-    )
+    where = f"resuming from round {int(checkpoint['round']) + 1}" if checkpoint else "starting at round 1"
+    source = " (server checkpoint)" if checkpoint else ""
+    print(f"{plan.experiment}: {where} of {plan.train.rounds}{source}", flush=True)
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if run.mlflow else None
 
