@@ -125,14 +125,7 @@ def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
     for rnd, g in gate.groupby("round"):
         h = g["entropy"].to_numpy(dtype=float)
         inconsistent = int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0
-        rows.append(
-            {
-                "round": int(rnd),
-                "pass_fraction": float(g["kd_applied"].mean()),
-                "entropy_q50": float(np.quantile(h, 0.5)),
-                "gate_inconsistent": inconsistent,
-            }
-        )
+        rows.append((int(rnd), float(g["kd_applied"].mean()), float(np.quantile(h, 0.5)), inconsistent))
     return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
 
 
