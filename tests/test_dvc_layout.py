@@ -85,7 +85,7 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
 
 
 # The expensive stages, whose finished runs DVC's run cache must be able to restore (a rerun, a queued or --temp
-# experiment, a preset run in parts: pipeline.presets.part_commands).
+# experiment, a preset run in parts: pipeline.presets.run_commands).
 RUN_CACHED = ("backbone", "train", "evaluate")
 
 
