@@ -249,8 +249,8 @@ def test_make_grid_is_dvcs_own_sweep_of_tau_and_seed_over_every_experiment(tmp_p
     selective-KD experiment without its own tau that tau."""
     from dvc.utils.hydra import get_hydra_sweeps
 
-    from pipeline.experiments.entries import declared
-    from pipeline.training.methods import get_method
+    from pipeline.experiments.methods import get_method
+    from pipeline.planning.entries import declared
 
     makefile = (ROOT / "Makefile").read_text()
     taus, seeds = _make_variable(makefile, "GRID_TAUS"), _make_variable(makefile, "GRID_SEEDS")

@@ -7,9 +7,9 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
 from pipeline.privacy.example_dp import DPSGDSteps
-from pipeline.privacy.settings import client_level_problem, secure_aggregation_refusal
 
 
 def local_steps(

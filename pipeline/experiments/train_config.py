@@ -6,11 +6,18 @@ import dataclasses
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from pipeline.common.config import Fraction, Positive, PositiveInt, config, from_dict
-from pipeline.federation.strategies.catalog import STRATEGIES, strategy_params_keys
-from pipeline.modeling.losses import GateName, KdDirection, LogBase, Normalisation, TauScale
+from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
+
+# The loss's settings (pipeline.modeling.losses.KDConfig reads the same keys)
+KdDirection = Literal["teacher_to_student", "student_to_teacher"]
+# The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
+LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
+Normalisation = Literal["tokens", "sequences"]
+# How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
+TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 
 # The plateau test train.join and train.stop share (pipeline.training.stopping).
 RelativeImprovement = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -55,7 +62,7 @@ class TrainConfig:
     kd_direction: KdDirection = "teacher_to_student"
     entropy_log_base: LogBase = "e"
     tau_scale: TauScale = "absolute"
-    kd_gate: GateName = "entropy"
+    kd_gate: str = "entropy"  # a registered gate (pipeline.modeling.gates), checked at planning time
     loss_normalisation: Normalisation = "tokens"
     local_adapter: Literal["keep", "reset"] = "keep"
     centralized_steps: Literal["largest_client", "epoch"] = "largest_client"
