@@ -42,6 +42,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 
+import pipeline.privacy.seam  # noqa: E402, F401 (registers privacy's mechanisms, as the train stage does)
 from benchmarks.scale import BACKBONE, ScaleConfig, _in_workspace, make_workspace  # noqa: E402
 
 SIZES = (3, 30, 100)

@@ -1276,10 +1276,10 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
     train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
     client lost at unmask is failed and gets no weight share even though its metrics arrived."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.privacy import secure_aggregation
+    from pipeline.privacy import seam
 
     path = _secure_plan("loop-secure", fraction_train=1.0)
-    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(seam, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script()
     final, history, _ = run(path, script, timeout=4.5)
@@ -1315,14 +1315,14 @@ def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_release
     """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
     clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.privacy import secure_aggregation
+    from pipeline.privacy import seam
 
     path = _secure_plan(
         "loop-secure-cdp",
         fraction_train=1.0,
         privacy={"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"},
     )
-    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(seam, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
     final, history, _ = run(path, script, timeout=4.5)
