@@ -110,7 +110,7 @@ def write_plans(
 ) -> list[Path]:
     from pipeline.experiments.entries import Experiment
     from pipeline.experiments.methods import get_method
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import resolve_plan
 
     run_params = {**params, "train": {**params["train"], "rounds": rounds, "stop": {"enabled": False}}}
     paths = []

@@ -113,8 +113,7 @@ def make_workspace(
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
     from pipeline.partitioning.partitions import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
-    from pipeline.planning.entries import parse_entry
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "models").mkdir(exist_ok=True)

@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.common import minilm_config
     from pipeline.common.config import from_dict, load_params
     from pipeline.experiments.privacy import PrivacyConfig
-    from pipeline.planning.plans import check_model_group
+    from pipeline.planning import check_model_group
 
     params = load_params(args.params)
     cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg

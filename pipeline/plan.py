@@ -12,7 +12,7 @@ from pathlib import Path
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import load_params
 from pipeline.paths import PATHS
-from pipeline.planning.plans import write_plans
+from pipeline.planning import write_plans
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,7 +20,7 @@ from pipeline.common.timing import stage_timer
 from pipeline.experiments.entries import Experiment, with_labels
 from pipeline.experiments.train_config import TrainConfig
 from pipeline.paths import PATHS, ProjectPaths
-from pipeline.planning.entries import declared
+from pipeline.planning import declared
 from pipeline.results import claims, comparisons, published
 from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (

@@ -339,8 +339,7 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_protect():
-    from pipeline.planning.entries import parse_entry
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     def plan(method: str, privacy: dict | None, **train) -> dict:
         params = _params(privacy, **train)

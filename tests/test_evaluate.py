@@ -34,7 +34,7 @@ def workspace(tmp_path_factory):
     from safetensors.torch import save_file
 
     from pipeline.modeling.model import AdapterSummarizer, adapter_config
-    from pipeline.planning.plans import check_model_group
+    from pipeline.planning import check_model_group
 
     root = tmp_path_factory.mktemp("evalws")
     backbone = save_tiny("bart", root / "models" / "backbone")

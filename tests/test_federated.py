@@ -159,7 +159,7 @@ def write_plan(
 ) -> str:
     from pipeline.experiments.entries import Experiment
     from pipeline.experiments.methods import get_method
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import resolve_plan
 
     params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
     # built directly, not through params' entry checks: tests also train on partitions of their own (e.g. "pair")

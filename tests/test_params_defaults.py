@@ -97,7 +97,7 @@ def test_every_params_group_is_checked():
 
 def test_an_experiment_without_its_own_seed_trains_with_the_top_level_seed():
     from pipeline.experiments.entries import Experiment
-    from pipeline.planning.entries import declared
+    from pipeline.planning import declared
 
     seed = next(f for f in dataclasses.fields(Experiment) if f.name == "seed").default
     assert seed == PARAMS["seed"]

@@ -193,8 +193,7 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_privacy_enters_federated_plans_only_and_only_when_on():
-    from pipeline.planning.entries import parse_entry
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     on = {"mode": "example", "target_epsilon": 3.0}
     off = {"mode": "none", "max_grad_norm": 2.0}
@@ -237,8 +236,7 @@ def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
 
 # ------------------------------------------------------------------------------------------ on the model
 def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None = None, **train) -> str:
-    from pipeline.planning.entries import parse_entry
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     params = _params(privacy, **train)
     params["model"].update(model or {})

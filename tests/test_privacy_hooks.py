@@ -9,8 +9,7 @@ import pytest
 
 from pipeline.experiments.privacy import PrivacyConfig
 from pipeline.privacy import seam
-from pipeline.training import privacy_hooks
-from pipeline.training.privacy_hooks import NO_PRIVACY, PRIVACY, register_privacy
+from pipeline.training.privacy_hooks import NO_PRIVACY, PRIVACY
 
 PLAIN = SimpleNamespace(privacy=None, source="models/plans/plain.json", experiment="plain")
 PRIVATE = SimpleNamespace(
@@ -52,9 +51,3 @@ def test_a_checkpoint_with_dp_steps_is_refused_without_privacy():
 def test_importing_privacy_registers_each_hook():
     for name in vars(NO_PRIVACY):
         assert getattr(PRIVACY, name) is getattr(seam, name), name
-
-
-def test_an_unknown_hook_is_refused(monkeypatch):
-    monkeypatch.setattr(privacy_hooks, "PRIVACY", SimpleNamespace(**vars(PRIVACY)))
-    with pytest.raises(ValueError, match=r"unknown privacy hook\(s\) \['local_step'\]"):
-        register_privacy(local_step=seam.local_steps)

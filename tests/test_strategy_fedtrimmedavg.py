@@ -68,7 +68,7 @@ def _with_trimmed_experiment(**trimmed) -> dict:
 
 def test_its_settings_enter_its_own_plan_only(tmp_path):
     from pipeline.experiments.plans import read_plan
-    from pipeline.planning.plans import write_plans
+    from pipeline.planning import write_plans
 
     params = _with_trimmed_experiment()
     plans = {p.stem: json.loads(p.read_text()) for p in write_plans(params, tmp_path / "a")}
@@ -86,8 +86,7 @@ def test_its_settings_enter_its_own_plan_only(tmp_path):
 
 
 def test_a_bad_beta_is_refused_naming_the_key():
-    from pipeline.planning.entries import declared
-    from pipeline.planning.plans import resolve_plan
+    from pipeline.planning import declared, resolve_plan
 
     params = _with_trimmed_experiment(beta=0.5)
     with pytest.raises(ConfigError) as err:

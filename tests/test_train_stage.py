@@ -40,7 +40,7 @@ def _params(**top) -> dict:
 
 
 def _plans(tmp_path: Path, params: dict, sub: str) -> dict[str, str]:
-    from pipeline.planning.plans import write_plans
+    from pipeline.planning import write_plans
 
     out = tmp_path / sub
     write_plans(params, out)
@@ -112,7 +112,7 @@ def test_train_config_rejects_bad_transfer_and_weighting():
 
 
 def test_plan_rejects_bad_entries(tmp_path):
-    from pipeline.planning.plans import write_plans
+    from pipeline.planning import write_plans
 
     bad = [
         ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
@@ -134,7 +134,7 @@ def test_plan_rejects_bad_entries(tmp_path):
 def test_default_experiments_resolve(tmp_path):
     """Every experiment of the repo's params.yaml makes a valid plan (method, partition, overrides)."""
     from pipeline.experiments.plans import read_plan
-    from pipeline.planning.plans import write_plans
+    from pipeline.planning import write_plans
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     written = write_plans(params, tmp_path / "plans")

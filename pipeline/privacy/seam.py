@@ -5,6 +5,7 @@ federation call them (they do not import privacy); the entry points that build r
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
@@ -264,15 +265,4 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-register_privacy(
-    local_steps=local_steps,
-    client_level=client_level,
-    secure_aggregator=secure_aggregator,
-    client_train=client_train,
-    train_mods=train_mods,
-    dp_steps=dp_steps,
-    restore_dp_steps=restore_dp_steps,
-    account=account,
-    run_record=run_record,
-    mlflow_metrics=mlflow_metrics,
-)
+register_privacy(sys.modules[__name__])  # each of its calls privacy_hooks names

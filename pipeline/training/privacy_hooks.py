@@ -9,25 +9,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 
-def _unprotected(plan) -> None:
+def _unprotected(plan, result=None):
+    """``result`` for a plan without privacy; a plan that sets privacy is refused."""
     if plan.privacy is not None:
         raise RuntimeError(
             f"{plan.source or plan.experiment}: the plan sets privacy, but pipeline.privacy is not loaded in this "
             f"process (its entry point imports it, which registers its mechanisms)"
         )
-
-
-def _local_steps(plan, *args, **kwargs) -> None:
-    _unprotected(plan)
-
-
-def _client_level(plan, strategy, population: int):
-    _unprotected(plan)
-    return strategy, None
-
-
-def _secure_aggregator(plan, *args, **kwargs) -> None:
-    _unprotected(plan)
+    return result
 
 
 def _restore_dp_steps(context, steps: int | None) -> None:
@@ -35,29 +24,23 @@ def _restore_dp_steps(context, steps: int | None) -> None:
         raise RuntimeError("a checkpoint records DP-SGD steps, but pipeline.privacy is not loaded in this process")
 
 
-def _run_record(plan, history, clients) -> dict:
-    _unprotected(plan)
-    return {"privacy": None}
-
-
 # The calls a run makes where privacy changes something (pipeline.privacy.seam documents each), as a run without it.
 NO_PRIVACY = SimpleNamespace(
-    local_steps=_local_steps,  # a client's DP-SGD steps (else None: the trainer's plain steps)
-    client_level=_client_level,  # (the server's strategy, its client-level DP round record)
-    secure_aggregator=_secure_aggregator,  # the SecAgg+ round runner, or None
+    local_steps=lambda plan, *args, **kwargs: _unprotected(plan),  # a client's DP-SGD steps (None: the plain ones)
+    # (the server's strategy, its client-level DP round record)
+    client_level=lambda plan, strategy, population: _unprotected(plan, (strategy, None)),
+    secure_aggregator=lambda plan, *args, **kwargs: _unprotected(plan),  # the SecAgg+ round runner, or None
     client_train=lambda msg, context, train_round: train_round(msg, context),  # the ClientApp's train handler
     train_mods=lambda: [],  # Flower mods around it
     dp_steps=lambda context: None,  # a client's DP-SGD steps so far
     restore_dp_steps=_restore_dp_steps,
     account=lambda context, result: {},  # a train reply's privacy metrics
-    run_record=_run_record,  # metrics.json's privacy records
+    run_record=lambda plan, history, clients: _unprotected(plan, {"privacy": None}),  # metrics.json's records
     mlflow_metrics=lambda metrics: {},
 )
 PRIVACY = SimpleNamespace(**vars(NO_PRIVACY))
 
 
-def register_privacy(**mechanisms) -> None:
-    """pipeline.privacy's registration: each call of :data:`PRIVACY` it implements, by name."""
-    if unknown := sorted(set(mechanisms) - set(vars(NO_PRIVACY))):
-        raise ValueError(f"unknown privacy hook(s) {unknown}; known: {sorted(vars(NO_PRIVACY))}")
-    vars(PRIVACY).update(mechanisms)
+def register_privacy(mechanisms) -> None:
+    """pipeline.privacy's registration: ``mechanisms`` (its seam module) implements every call of :data:`PRIVACY`."""
+    vars(PRIVACY).update({name: getattr(mechanisms, name) for name in vars(NO_PRIVACY)})

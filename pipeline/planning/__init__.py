@@ -1,1 +1,0 @@
-"""Planning: the params file's experiments checked and resolved into plan files (the plan stage, presets, report)."""
