@@ -86,10 +86,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     stage does not produce, else what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
-    from pipeline.planning import (
-        check_params,  # lazy: the other commands start without torch
-        parse_entry,
-    )
+    from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
 
     try:
         applied = apply_preset(params, preset)
