@@ -4,6 +4,7 @@ only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.sum
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -103,10 +104,14 @@ def client_train(msg: Message, context: Context) -> Message:
     return privacy.client_train(msg, context, lambda m, c: train_round(m, c))
 
 
-@client_app.train()
-def client_train_with_mods(msg: Message, context: Context) -> Message:
+def client_train_with_mods(hooks, msg: Message, context: Context) -> Message:
     """The train handler: :func:`client_train` inside privacy's Flower mods (SecAgg+, client-level DP's clipping)."""
-    return make_ffn(client_train, privacy.train_mods())(msg, context)
+    return make_ffn(client_train, hooks.train_mods())(msg, context)
+
+
+# The handler holds the hooks object itself: a process that unpickles this app (a Ray worker) imports the privacy
+# mechanisms registered in the process that built it, which registers them there too.
+client_app.train()(functools.partial(client_train_with_mods, privacy))
 
 
 def train_round(msg: Message, context: Context) -> Message:
