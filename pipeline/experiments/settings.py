@@ -15,7 +15,7 @@ from pipeline.common.config import NonNegative, Positive, config, from_dict, gro
 @config
 class CacheConfig:
     """Where the prefix cache lives and what the caches may hold; no result depends on it, so plans leave it out
-    (pipeline.experiments.settings.RunSettings; the entries' dtype, which does, travels in the plan)."""
+    (RunSettings below; the entries' dtype, which does, travels in the plan)."""
 
     cache_dir: str = "data/cache/prefix"
     cache_max_gb: NonNegative = 4.0

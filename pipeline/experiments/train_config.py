@@ -77,17 +77,17 @@ class TrainConfig:
     transfer_delta: bool = False
     prefix_cache: bool = True
     # The server strategies' own `train` keys as the params file has them (proximal_mu, fedopt, ...: each strategy
-    # module of pipeline.federation.strategies reads its settings from them); built by :func:`train_config`.
+    # declared in pipeline.experiments.methods reads its settings from them); built by :func:`train_config`.
     strategy_params: dict[str, Any] = field(default_factory=dict)
 
 
 def train_keys() -> set[str]:
-    """Every key params `train` may hold for a plan: TrainConfig's and the registered strategies'."""
+    """Every key params `train` may hold for a plan: TrainConfig's and the declared strategies'."""
     return ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | strategy_params_keys()
 
 
 def train_config(data: dict[str, Any] | None, where: str = "train") -> TrainConfig:
-    """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each registered
+    """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each declared
     strategy's settings checked there (a bad value raises ConfigError naming ``where.<key>``)."""
     data = dict(data or {})
     owned = strategy_params_keys()
