@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.batching import Batch
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.modeling.model import AdapterSummarizer
 
 
 @dataclass

@@ -114,8 +114,8 @@ def write_plans(
     root: Path, params: dict[str, Any], methods: tuple[str, ...], rounds: int, prefix: str = "bench"
 ) -> list[Path]:
     from pipeline.experiments.entries import Experiment
-    from pipeline.experiments.plans import resolve_plan
-    from pipeline.training.methods import get_method
+    from pipeline.experiments.methods import get_method
+    from pipeline.planning import resolve_plan
 
     run_params = {**params, "train": {**params["train"], "rounds": rounds, "stop": {"enabled": False}}}
     paths = []

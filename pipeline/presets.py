@@ -86,8 +86,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     stage does not produce, else what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import check_params  # lazy: the other commands start without torch
+    from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
 
     try:
         applied = apply_preset(params, preset)
@@ -181,7 +180,7 @@ def run_commands(
         entries = preset.get("experiments")
         if not entries:
             raise PresetError(f"{preset_path}: --parts needs the preset's own `experiments`")
-        from pipeline.experiments.entries import ENTRY_KEYS  # lazy: the other commands start without torch
+        from pipeline.planning import ENTRY_KEYS  # lazy: the other commands start without torch
 
         if by not in ENTRY_KEYS:
             raise PresetError(f"--parts {by!r}: split by one of the experiments' keys {list(ENTRY_KEYS)}")

@@ -17,8 +17,10 @@ from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.entries import Experiment, declared, with_labels
+from pipeline.experiments.entries import Experiment, with_labels
+from pipeline.experiments.train_config import TrainConfig
 from pipeline.paths import PATHS, ProjectPaths
+from pipeline.planning import declared
 from pipeline.results import claims, comparisons, published
 from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (
@@ -47,7 +49,6 @@ from pipeline.results.tables import (
     timing_markdown,
     timing_table,
 )
-from pipeline.training.config import TrainConfig
 
 
 @config

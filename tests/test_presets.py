@@ -22,7 +22,8 @@ PARAMS = load_params(ROOT / "params.yaml")
 
 
 def test_privacy_study_pairs_every_budget_with_the_plain_run_seed_by_seed():
-    from pipeline.experiments.entries import declared, with_labels
+    from pipeline.experiments.entries import with_labels
+    from pipeline.planning import declared
 
     merged = pr.apply_preset(PARAMS, pr.load_preset(ROOT / "configs" / "privacy-study.yaml"))
     planned = declared(merged)
@@ -402,7 +403,7 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
 
 def test_a_profiles_experiments_without_a_seed_take_its_top_level_seed():
     """A profile sets the seed once for the experiments it does not seed themselves (the entry's own seed wins)."""
-    from pipeline.experiments.entries import declared
+    from pipeline.planning import declared
 
     preset = {
         "seed": 3,

@@ -145,8 +145,8 @@ def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_al
     from mlflow.tracking import MlflowClient
 
     from pipeline.experiments.plans import Plan
+    from pipeline.experiments.train_config import TrainConfig
     from pipeline.training.checkpoints import mlflow_run_id_path
-    from pipeline.training.config import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

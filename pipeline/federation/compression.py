@@ -9,7 +9,7 @@ from typing import get_args
 
 import torch
 
-from pipeline.training.config import TransferDtype
+from pipeline.experiments.train_config import TransferDtype
 
 TRANSFER_DTYPES = get_args(TransferDtype)
 SCALE_SUFFIX = ".int8_scale"
