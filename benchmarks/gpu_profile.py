@@ -50,8 +50,11 @@ PROFILED = (48, 16)  # train and valid examples a client in the profiled rounds
 
 
 # --------------------------------------------------------------------------------------------- on the lent machine
-def device(carry: Path, out: Path, work: Path, budget_s: float, tiny: bool = False) -> int:
-    """Install, assemble, sample ``nvidia-smi`` and run ``measure`` in a child (stdlib only in this process)."""
+def device(
+    carry: Path, out: Path, work: Path, budget_s: float, tiny: bool = False, module: str = "benchmarks.gpu_profile"
+) -> int:
+    """Install, assemble, sample ``nvidia-smi`` and run ``module``'s ``measure`` in a child (stdlib only in this
+    process)."""
     from tools.gpu_study.device import STAGE_DIR, assemble_minilm, child_env, device_info, install_wheels
 
     t0 = time.monotonic()
@@ -73,7 +76,7 @@ def device(carry: Path, out: Path, work: Path, budget_s: float, tiny: bool = Fal
         )
     env = child_env(REPO, work / "site", minilm)
     env.pop("FEDMEET_ROOT")  # measure makes its own workspace
-    argv = [sys.executable, "-m", "benchmarks.gpu_profile", "measure", "--qmsum", str(work / "raw" / "qmsum")]
+    argv = [sys.executable, "-m", module, "measure", "--qmsum", str(work / "raw" / "qmsum")]
     argv += ["--out", str(out), "--work", str(work / "repo")] + (["--tiny"] if tiny else [])
     try:
         rc = subprocess.run(
