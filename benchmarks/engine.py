@@ -204,6 +204,7 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
     """The set trained one run at a time and together, alternating; the floor from the FLOPs and the matmul peak."""
     from pipeline.experiments.plans import read_plan
     from pipeline.train import run_set
+    from pipeline.training import local_batch
     from pipeline.training.shared_model import model_config
 
     plans = write_plans(root, params, SET, rounds)
@@ -216,13 +217,16 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
     cpu: dict[str, list[float]] = {"alone": [], "together": []}  # this process's CPU time: less of others' load
     peaks = []
     outcome = {}
+    stacked = {mode: {"groups": 0, "runs_stacked": 0} for mode in timings}  # client rounds trained per group
     for r in range(repeats):
         peaks.append(matmul_peak((1024, 2048), 3)["peak_gflops"])  # the load changes: the best rate seen counts
         for mode in ("alone", "together") if r % 2 == 0 else ("together", "alone"):
-            start, start_cpu = time.perf_counter(), time.process_time()
+            start, start_cpu, before = time.perf_counter(), time.process_time(), dict(local_batch.STATS)
             for group in [[p] for p in plans] if mode == "alone" else [plans]:
                 run_set(group, track=False)
             timings[mode].append(time.perf_counter() - start)
+            for key in stacked[mode]:
+                stacked[mode][key] += local_batch.STATS[key] - before[key]
             cpu[mode].append(time.process_time() - start_cpu)
             outcome[mode] = _published(names)
     diff = max(
@@ -252,6 +256,7 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
         "flops_per_run": {n: f for n, f in run_flops.items()},
         "matmul_peak_gflops": max(peaks),
         "matmul_gflops_all": peaks,
+        "runs_per_group": {m: round(c["runs_stacked"] / max(c["groups"], 1), 2) for m, c in stacked.items()},
         "max_abs_adapter_diff": diff,
         "same_rounds": all(outcome["alone"][n]["rounds"] == outcome["together"][n]["rounds"] for n in names),
     }
@@ -259,13 +264,16 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
 
 def markdown(res: dict[str, Any]) -> str:
     per = res["seconds_per_run_round"]
+    groups = res.get("runs_per_group", {})  # absent from the records of the serial engine
     return "\n".join(
         [
             "## 2. The same set one at a time and together (`python -m benchmarks.engine`)",
             "",
             f"Device: {res['device']}. Runs: {', '.join(res['runs'])} (one seed: they share micro-batches), "
             f"{res['rounds_per_run']} rounds each, 3 QMSum domain clients of 16 train and 6 valid examples, the real "
-            f"MiniLM-L6 BERT2BERT backbone, float32; the prefix cache filled by a warm-up run first. Alone and "
+            f"MiniLM-L6 BERT2BERT backbone, float32; the prefix cache filled by a warm-up run first. Client rounds "
+            f"trained per stacked group (pipeline.training.local_batch): alone {groups.get('alone')}, together "
+            f"{groups.get('together')}. Alone and "
             f"together alternate {res['repeats']} time(s) in one process; the best of each is reported (the "
             "machine was shared with other jobs during the run, so both saw the same kind of load).",
             "",

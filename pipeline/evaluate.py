@@ -24,12 +24,12 @@ from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import read_plan
-from pipeline.modeling.adapters import client_adapter_path, load_local_adapter
+from pipeline.modeling.adapters import client_adapter_path, read_client_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, metrics_record, summarize_test_set
+from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, mean_scores, score_files
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores, score_files
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
 from pipeline.results.tracking import download_model, split_dataset
 
@@ -77,15 +77,23 @@ def evaluate_experiment(
     per_client: dict[str, dict[str, Any]] = {}
     skipped_clients: dict[str, str] = {}
     test_sets = {}
+    chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}  # client -> its test ids and subsample
     for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
         test_ids = list(clients.get(client, {}).get("test", []))
         if not test_ids:
             skipped_clients[client] = f"no test examples in {part_path}"
             continue
-        load_local_adapter(model, client_adapter_path(model_dir, client, cfg.adapter))
-        sub, predictions, scores = summarize_test_set(
-            model, examples, test_ids, client, cfg, max_src, f"{part_path}, {examples_path}", desc=f"{name}/{client}"
-        )
+        chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
+    if not chosen:
+        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
+    # every client's adapter in the same generate calls (stacked), each summarising its own test subsample
+    adapters = [read_client_adapter(client_adapter_path(model_dir, client, cfg.adapter)) for client in chosen]
+    summaries = generate_per_run(
+        model, adapters, [sub["source"].tolist() for _, sub in chosen.values()], cfg, max_src, name
+    )
+    scorer = Scorer(use_stemmer=True)
+    for (client, (test_ids, sub)), predictions in zip(chosen.items(), summaries):
+        scores = scorer.score_pairs(predictions, sub["target"].tolist())
         if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
             test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
         for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
@@ -127,8 +135,6 @@ def evaluate_experiment(
     atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
     atomic.write_text(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
-    if not per_client:
-        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
     # the bootstrap interval of each ROUGE's client average (test examples, or QMSum's meetings, resampled within
     # clients)
     bootstrap = bootstrap or BootstrapConfig()

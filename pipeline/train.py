@@ -148,9 +148,6 @@ def run_set(
     return {n: out[n] for n in names}
 
 
-run_packed = run_set  # the earlier name of run_set, kept for callers of this release
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(

@@ -174,17 +174,18 @@ def _die() -> None:
 
 def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
     """Inside ``client``'s round-``rnd`` training, at the loss of its ``batch``-th batch (after the optimizer steps
-    of the batches before it; the clients trained before it this round have written their gate logs)."""
+    of the batches before it; the round's clients train at the barrier, in groups, and write their gate logs once
+    all have trained)."""
     from pipeline.modeling import losses
-    from pipeline.training import client_training as local_training
+    from pipeline.training import local_batch
 
-    real_train, real_loss = local_training.train_local, losses.distillation_loss
+    real_group, real_loss = local_batch.train_group, losses.distillation_loss
     state = {"armed": False, "batches": 0}
 
-    def train_local(*args, **kwargs):
-        state["armed"] = (kwargs["client"], kwargs["rnd"]) == (client, rnd)
+    def train_group(jobs):
+        state["armed"] = any((job.client, job.rnd) == (client, rnd) for job in jobs)
         try:
-            return real_train(*args, **kwargs)
+            return real_group(jobs)
         finally:
             state["armed"] = False
 
@@ -195,8 +196,8 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
                 _die()
         return real_loss(*args, **kwargs)
 
-    local_training.train_local = train_local
-    losses.distillation_loss = distillation_loss  # train_local imports it at each call
+    local_batch.train_group = train_group
+    losses.distillation_loss = distillation_loss  # the group trainer looks it up at each call
 
 
 def _kill_after_aggregation(rnd: int) -> None:

@@ -1,4 +1,4 @@
-"""Frozen-prefix cache and teacher cache: exactness against the uncached path, keys, eviction."""
+"""Frozen-prefix cache: exactness against the uncached path, keys, eviction."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from tiny_models import tiny
 
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.batching import IGNORE_INDEX, collate, tokenize_pairs
-from pipeline.modeling.cache import PrefixCache, TeacherCache
+from pipeline.modeling.cache import PrefixCache
 from pipeline.modeling.losses import KDConfig, distillation_loss
 from pipeline.modeling.model import AdapterSummarizer
 
@@ -163,49 +163,6 @@ def test_size_limit_evicts_least_recently_used(model, tmp_path):
     prefix = tiny_budget.prefix_for(model, _batch(model, [0]))  # still returns the prefix, stores nothing
     assert tiny_budget.stats["refused"] == 1 and not list((tmp_path / "none").glob("*/*.safetensors"))
     assert prefix.decoder_hidden.shape[0] == 1
-
-
-def test_teacher_cache_is_exact_and_follows_the_global_adapter(model, tmp_path):
-    cache = _cache(model, tmp_path)
-    teacher = TeacherCache(max_bytes=10**8)
-    batch = _batch(model, [0, 2])
-    valid = batch.labels != IGNORE_INDEX
-    prefix = cache.prefix_for(model, batch)
-    ref = model.forward_two_paths(batch, prefix).logits_global
-    first = teacher.logits_for(model, batch, prefix)
-    second = teacher.logits_for(model, batch, prefix)  # next local epoch
-    assert teacher.stats["hits"] == 2 and teacher.stats["misses"] == 2
-    torch.testing.assert_close(second, ref[valid], atol=0, rtol=0)  # the rows of the real target tokens
-    out = model.forward_two_paths(batch, prefix, teacher_logits=second)
-    torch.testing.assert_close(out.logits_global[valid], first, atol=0, rtol=0)
-    # a new round: the server's aggregate is loaded into the global adapter -> recomputed
-    state = model.adapter_state("global")
-    model.load_adapter_state("global", {k: v * 0.5 for k, v in state.items()})
-    try:
-        third = teacher.logits_for(model, batch, prefix)
-        assert teacher.stats["misses"] == 4
-        assert (third - ref[valid]).abs().max() > 1e-3
-        small = TeacherCache(max_bytes=1)
-        small.logits_for(model, batch, prefix)
-        assert small.stats["refused"] == 2
-    finally:
-        model.load_adapter_state("global", state)
-
-
-def test_teacher_cache_packed_rows(model, tmp_path):
-    """The [N, V] rows of the real target tokens, on a miss and on a hit alike."""
-    teacher = TeacherCache(max_bytes=10**8)
-    batch = _batch(model, [1, 3, 2])
-    valid = batch.labels != IGNORE_INDEX
-    prefix = model.compute_prefix(batch)
-    with torch.no_grad():
-        ref = model.forward_two_paths(batch, prefix).logits_global
-    miss = teacher.logits_for(model, batch, prefix)
-    hit = teacher.logits_for(model, batch, prefix)
-    assert teacher.stats["misses"] == 3 and teacher.stats["hits"] == 3
-    assert miss.shape == (int(valid.sum()), ref.shape[-1])
-    torch.testing.assert_close(miss, ref[valid], atol=1e-6, rtol=0)
-    torch.testing.assert_close(hit, miss, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip_tensor_byte", "strip_checksum"])

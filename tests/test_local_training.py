@@ -429,43 +429,6 @@ def test_hard_kd_distils_exactly_on_the_target_nouns_and_verbs_of_the_pos_tags(w
     assert len(log) > 0 and log["kd_applied"].tolist() == (log["position"] % 2 == 0).tolist()
 
 
-def test_the_teacher_cache_serves_multi_epoch_kd_rounds_and_changes_no_result(ws, monkeypatch):
-    """With more than one local epoch a KD round keeps the teacher's logits in RAM (model.teacher_cache_gb); the
-    cache is exact, so the round trains to the same adapter as without it. It is built only where it can help:
-    two paths, several epochs, a budget above 0."""
-    from pipeline.modeling import cache as cache_module
-
-    built = []
-
-    class Spy(cache_module.TeacherCache):
-        def __init__(self, max_bytes):
-            super().__init__(max_bytes)
-            built.append(self)
-
-    monkeypatch.setattr(cache_module, "TeacherCache", Spy)
-
-    def run(method: str, epochs: int, budget_gb: float):
-        plan, model, train, w0 = _setup(
-            f"local-tc-{method}-{epochs}", method, lr=5e-3, batch_size=2, local_epochs=epochs
-        )
-        model.load_adapter_state("global", {k: v + 0.1 for k, v in w0.items()})
-        result = _train(plan, model, train, teacher_cache_gb=budget_gb)
-        return model.adapter_state("local"), result
-
-    cached, with_cache = run("fedselectkd", 2, 1.0)
-    assert len(built) == 1 and built[0].stats["hits"] > 0 and built[0].max_bytes == 2**30  # 1.0 GiB
-    plain, without = run("fedselectkd", 2, 0.0)
-    assert len(built) == 1 and all(torch.equal(cached[k], plain[k]) for k in cached)
-    assert (with_cache.train_loss, with_cache.kd, with_cache.kd_fraction) == (
-        without.train_loss,
-        without.kd,
-        without.kd_fraction,
-    )
-    run("fedselectkd", 1, 1.0)  # one epoch: every teacher logit is needed once
-    run("fedavg", 2, 1.0)  # one path: no teacher
-    assert len(built) == 1
-
-
 def test_fedprox_refuses_a_model_whose_adapter_parameters_and_state_disagree(ws, monkeypatch):
     """The proximal reference is matched to the parameters by the order of adapter_state's keys: a model where the
     two lists differ would pull each parameter towards another's global value, so it is refused."""

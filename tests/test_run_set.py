@@ -83,6 +83,7 @@ def _assert_same(alone: dict, together: dict) -> None:
 
 def test_a_run_trained_in_a_set_equals_the_run_trained_alone(ws):
     from pipeline.train import run_set
+    from pipeline.training import local_batch
 
     plans = _plans()
     names = [p.stem for p in plans]
@@ -93,8 +94,12 @@ def test_a_run_trained_in_a_set_equals_the_run_trained_alone(ws):
     assert alone["set-kd"]["stopped"] < 4, "the stop rule must end selective KD before its last round"
     assert alone["set-avg"]["stopped"] == 3
     _clear(names)
+    before = dict(local_batch.STATS)
     metrics = run_set(plans, track=False)
     assert sorted(metrics) == sorted(names)
+    # the two federated runs share seed, clients and batches: their rounds trained as one group, stacked
+    groups, runs = (local_batch.STATS[k] - before[k] for k in ("groups", "runs_stacked"))
+    assert runs > groups > 0
     _assert_same(alone, {n: _outcome(n) for n in names})
 
 

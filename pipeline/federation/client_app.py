@@ -143,7 +143,6 @@ def train_round(msg: Message, context: Context) -> Message:
         proximal_reference=received if mu > 0 else None,
         proximal_mu=mu,
         cache=prefix_cache_for(plan, model, cache_settings),
-        teacher_cache_gb=cache_settings.teacher_cache_gb,
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
     )
     new_local = model.adapter_state("local")

@@ -125,8 +125,13 @@ def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def load_local_adapter(model, path: Path) -> None:
-    """Load a trained client adapter file into ``model``'s local adapter set (what generation uses)."""
+def read_client_adapter(path: Path) -> dict[str, torch.Tensor]:
+    """A trained client adapter file's weights; a missing file is one clear error."""
     if not path.is_file():
         raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
-    model.load_adapter_state("local", load_adapter(path))
+    return load_adapter(path)
+
+
+def load_local_adapter(model, path: Path) -> None:
+    """Load a trained client adapter file into ``model``'s local adapter set (what generation uses)."""
+    model.load_adapter_state("local", read_client_adapter(path))

@@ -94,6 +94,24 @@ def collate(examples: Sequence[TokenizedExample], pad_token_id: int, decoder_sta
     return Batch([e.example_id for e in examples], input_ids, attention_mask, decoder_input_ids, labels)
 
 
+def stack_batches(batches: Sequence[Batch], pad_token_id: int) -> Batch:
+    """Batches one after the other as one, each padded to the longest source and target of all (right padding)."""
+    s = max(b.input_ids.shape[1] for b in batches)
+    t = max(b.labels.shape[1] for b in batches)
+
+    def padded(name: str, width: int, value: int) -> torch.Tensor:
+        parts = [getattr(b, name) for b in batches]
+        return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value) for x in parts])
+
+    return Batch(
+        [eid for b in batches for eid in b.example_ids],
+        padded("input_ids", s, pad_token_id),
+        padded("attention_mask", s, 0),
+        padded("decoder_input_ids", t, pad_token_id),
+        padded("labels", t, IGNORE_INDEX),
+    )
+
+
 def make_batches(
     examples_df,
     tokenizer,

@@ -11,21 +11,16 @@ root (:func:`resolve_root`), so DVC's temporary experiment copies share one cach
 not exact. Once read (or computed), an entry stays resident on the model's device for the cache object's life
 (pipeline.training.shared_model keeps one per process), so later rounds neither read nor hash it again; an entry
 evicted from disk leaves memory too, so the resident entries never exceed the disk budget.
-
-``TeacherCache`` (RAM, one round): each example's exact global-path logits, for rounds with more than one local
-epoch; cleared when the global adapter changes; each entry's CRC-32 is checked on every hit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import json
 import logging
 import os
 import tempfile
-import zlib
 from pathlib import Path
 
 import torch
@@ -219,51 +214,3 @@ class PrefixCache:
             self.size_bytes -= size
             self.stats["evicted"] += 1
             self.resident.pop(p, None)
-
-
-class TeacherCache:
-    """Exact global-path logits per example for one round (RAM, at most ``max_bytes``)."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = int(max_bytes)
-        self._store: dict[str, tuple[torch.Tensor, int]] = {}  # example id -> (its rows, their CRC-32)
-        self._bytes = 0
-        self._version: tuple[int, int] | None = None
-        self.stats = {"hits": 0, "misses": 0, "refused": 0, "damaged": 0}
-
-    def _intact(self, eid: str) -> bool:
-        """Whether ``eid`` is stored and unchanged (a changed entry is dropped)."""
-        if eid not in self._store:
-            return False
-        row, crc = self._store[eid]
-        if zlib.crc32(_raw(row)) == crc:
-            return True
-        log.warning("teacher cache: entry of example %s changed since it was stored; recomputing it", eid)
-        self.stats["damaged"] += 1
-        self._bytes -= self._store.pop(eid)[0].numel() * 4
-        return False
-
-    @torch.no_grad()
-    def logits_for(self, model: AdapterSummarizer, batch: Batch, prefix: Prefix) -> torch.Tensor:
-        """Global-path logits of ``batch``: the [N, V] rows of its N real target tokens in row-major order."""
-        version = (id(model), model.adapter_version["global"])
-        if self._version != version:  # a new global adapter (or another model): the stored teacher is stale
-            self._store, self._bytes, self._version = {}, 0, version
-        tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
-        if all([self._intact(eid) for eid in batch.example_ids]):  # a list: check (and drop) every entry
-            self.stats["hits"] += len(batch)
-            return torch.cat([self._store[eid][0] for eid in batch.example_ids]).to(model.device)
-        self.stats["misses"] += len(batch)
-        logits = model.path_logits(prefix.to(model.device), "global", packed=True)
-        starts = [0, *itertools.accumulate(tgt_len)]
-        for i, eid in enumerate(batch.example_ids):
-            row = logits[starts[i] : starts[i + 1]].to("cpu", torch.float32).clone()
-            size = row.numel() * 4
-            if eid in self._store:  # stored by an earlier, partly cached batch: replace, do not count twice
-                self._bytes -= self._store.pop(eid)[0].numel() * 4
-            if self._bytes + size > self.max_bytes:
-                self.stats["refused"] += 1
-                continue
-            self._store[eid] = row, zlib.crc32(_raw(row))
-            self._bytes += size
-        return logits

@@ -139,7 +139,7 @@ class _FusedDistillation(torch.autograd.Function):
             q, lse_l = _softmax_lse(zl)
             ce[s:e] = lse_l - zl.gather(-1, y_c).squeeze(-1)
             g_c = gate[s:e]
-            any_kd = bool(g_c.any())
+            any_kd = z_g is not None and (z_l.is_cuda or bool(g_c.any()))  # skipped on the host only: no sync
             if any_kd:
                 zg = z_g[s:e].float()
                 if t == 1.0:
@@ -184,9 +184,7 @@ class _FusedDistillation(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, *_):
         (grad,) = ctx.saved_tensors
-        if float(grad_loss) != 1.0:  # e.g. loss / grad_accum_steps
-            grad = grad * grad_loss.to(grad.dtype)
-        return grad, None, None, None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None  # e.g. a step's weight
 
 
 def distillation_loss(
@@ -212,7 +210,7 @@ def distillation_loss(
         hard_gate = hard_mask.to(torch.bool).to(valid.device)[valid]
     z_l = _pack(logits_local, valid, "logits_local")
     z_g = _pack(logits_global.detach(), valid, "logits_global").to(z_l.device) if logits_global is not None else None
-    y = labels[valid].to(z_l.device)
+    y = labels[valid].to(z_l.device, non_blocking=True)  # host labels: counted and indexed there, copied async
 
     # w_t: the token's weight in the batch mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b))
     if cfg.loss_normalisation == "tokens":
@@ -221,7 +219,7 @@ def distillation_loss(
         per_seq_tokens = valid.sum(dim=1)
         n_seq = int((per_seq_tokens > 0).sum())
         seq_of_row = valid.nonzero()[:, 0]
-        row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device)
+        row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device, non_blocking=True)
     want_grad = torch.is_grad_enabled() and z_l.requires_grad
     threshold = float("nan")
     entropy_p = torch.zeros(n_tokens, device=z_l.device)
@@ -234,11 +232,10 @@ def distillation_loss(
             gate_p = gate_p.to(device=z_l.device, dtype=torch.bool)
     loss, ce, kl = _FusedDistillation.apply(z_l, z_g, y, row_weight, gate_p, cfg, chunk_rows, want_grad)
 
-    entropy = torch.zeros(labels.shape, device=z_l.device)
-    gate = torch.zeros(labels.shape, dtype=torch.bool, device=z_l.device)
-    valid_d = valid.to(z_l.device)
-    entropy[valid_d] = entropy_p
-    gate[valid_d] = gate_p
+    rows = valid.flatten().nonzero().squeeze(1).to(z_l.device, non_blocking=True)  # indices: no sync on a device
+    entropy = torch.zeros(labels.numel(), device=z_l.device).index_copy_(0, rows, entropy_p).view(labels.shape)
+    gate = torch.zeros(labels.numel(), dtype=torch.bool, device=z_l.device).index_copy_(0, rows, gate_p)
+    gate = gate.view(labels.shape)
     return LossOutput(loss, ce, kl, gate_p, entropy, gate, n_tokens, threshold)
 
 

@@ -23,6 +23,7 @@ from torch import nn
 from pipeline.common.config import ConfigError
 from pipeline.common.integrity import check_model_dir
 from pipeline.experiments.model import ModelConfig
+from pipeline.modeling.adapter_stack import AdapterStack
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 
@@ -44,7 +45,14 @@ class Prefix:
     target_mask: torch.Tensor  # [B, T] bool, True on real target tokens (labels != -100): the LM head runs only there
 
     def to(self, device) -> Prefix:
-        return Prefix(**{name: tensor.to(device) for name, tensor in vars(self).items()})
+        to_gpu = torch.device(device).type == "cuda"  # host to GPU: an asynchronous copy (no sync)
+        return Prefix(**{name: tensor.to(device, non_blocking=to_gpu) for name, tensor in vars(self).items()})
+
+    def repeat(self, runs: int) -> Prefix:
+        """``runs`` copies, run-major (the rows an AdapterStack of ``runs`` runs reads)."""
+        if runs == 1:
+            return self
+        return Prefix(**{name: torch.cat([tensor] * runs) for name, tensor in vars(self).items()})
 
 
 @dataclass
@@ -56,18 +64,6 @@ class TwoPathOutput:
 
 class _PrefixReady(Exception):
     """Raised from a pre-hook to stop the backbone forward once the prefix has been captured."""
-
-
-def _match_layout(logits: torch.Tensor, target_mask: torch.Tensor, packed: bool) -> torch.Tensor:
-    """Full [B, T, V] <-> packed [N, V] (rows of ``target_mask``), whichever ``packed`` asks for."""
-    is_packed = logits.dim() == 2
-    if is_packed == packed:
-        return logits
-    if packed:
-        return logits[target_mask]
-    full = logits.new_zeros(*target_mask.shape, logits.shape[-1])
-    full[target_mask] = logits
-    return full
 
 
 class AdapterSummarizer(nn.Module):
@@ -173,7 +169,8 @@ class AdapterSummarizer(nn.Module):
         def hook(module, args, output):
             if self._active is None:
                 return output
-            adapter = self.adapter_sets[self._active][i]
+            active = self.adapter_sets[self._active] if isinstance(self._active, str) else self._active
+            adapter = active[i]
             if on_input:  # Y = Z, the input of the layer's output LayerNorm
                 return adapter(args[0])
             if isinstance(output, tuple):
@@ -183,13 +180,15 @@ class AdapterSummarizer(nn.Module):
         return hook
 
     @contextlib.contextmanager
-    def use_path(self, path: str | None) -> Iterator[None]:
-        """Activate adapter set ``path`` (one of PATHS; None = the bare backbone) for every forward inside the block."""
-        previous, self._active = self._active, path
+    def use_path(self, path: str | AdapterStack | None) -> Iterator[None]:
+        """Activate adapter set ``path`` (one of PATHS; an AdapterStack: its runs' adapters on run-major rows; None =
+        the bare backbone) for every forward inside the block."""
+        previous = self._active
+        object.__setattr__(self, "_active", path)  # a stack is a module: not registered as this one's child
         try:
             yield
         finally:
-            self._active = previous
+            object.__setattr__(self, "_active", previous)
 
     def adapter_state(self, path: str) -> dict[str, torch.Tensor]:
         """CPU float32 copies; keys (``layer{i}.down.weight`` ...) are the same for both paths."""
@@ -293,9 +292,17 @@ class AdapterSummarizer(nn.Module):
         bias = getattr(owner, "final_logits_bias", None)
         return logits + bias.to(logits.device) if bias is not None else logits
 
-    def path_logits(self, prefix: Prefix, path: str, masks=None, packed: bool = False) -> torch.Tensor:
+    def path_logits(
+        self,
+        prefix: Prefix,
+        path: str | AdapterStack,
+        masks=None,
+        packed: bool = False,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Top k layers with ``path``'s adapters + LM head on a prefix. The LM head (n x V, the dominant cost) runs
-        only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows."""
+        only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows; ``rows`` (the target
+        tokens' indices in the flattened [B * T], on the device): those packed rows, with no host sync."""
         self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
         h = prefix.decoder_hidden
         with self.use_path(path):
@@ -303,28 +310,28 @@ class AdapterSummarizer(nn.Module):
                 h = layer(h, self_mask, prefix.encoder_hidden, encoder_attention_mask=cross_mask)
                 if isinstance(h, tuple):
                     h = h[0]
+        if rows is not None:
+            return self._head(h.reshape(-1, h.shape[-1]).index_select(0, rows))
         mask = prefix.target_mask.to(h.device, torch.bool)
         if bool(mask.all()):
             logits = self._head(h)
             return logits.reshape(-1, logits.shape[-1]) if packed else logits
-        return _match_layout(self._head(h[mask]), mask, packed)  # unpacked: a differentiable scatter into zeros
+        rows = self._head(h[mask])
+        if packed:
+            return rows
+        full = rows.new_zeros(*mask.shape, rows.shape[-1])
+        full[mask] = rows  # a differentiable scatter into zeros
+        return full
 
-    def forward_two_paths(
-        self, batch: Batch, prefix: Prefix | None = None, teacher_logits=None, packed: bool = False
-    ) -> TwoPathOutput:
-        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad, unless
-        ``teacher_logits`` (e.g. from ``pipeline.modeling.cache.TeacherCache``) are given."""
+    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, packed: bool = False) -> TwoPathOutput:
+        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad."""
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
         masks = self._top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, packed)
-        if teacher_logits is None:
-            with torch.no_grad():
-                teacher_logits = self.path_logits(prefix, "global", masks, packed)
-        else:
-            teacher_logits = _match_layout(teacher_logits.to(self.device), prefix.target_mask, packed)
-        return TwoPathOutput(logits_local, teacher_logits)
+        with torch.no_grad():
+            return TwoPathOutput(logits_local, self.path_logits(prefix, "global", masks, packed))
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:

@@ -91,6 +91,15 @@ def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: in
     return [i for i in test_ids if i in chosen]
 
 
+def test_subsample(examples, test_ids: list[str], client: str, cfg: EvaluateConfig, where: str):
+    """The client's test subsample (rows of ``examples``, indexed by example id); ``where`` names the partition and
+    examples files."""
+    missing = [i for i in test_ids if i not in examples.index]
+    if missing:
+        raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
+    return examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
+
+
 def summarize_test_set(
     model,
     examples,
@@ -101,30 +110,49 @@ def summarize_test_set(
     where: str,
     desc: str,
 ):
-    """The client's test subsample (rows of ``examples``, indexed by example id), the summaries of the model's
-    loaded local adapter and their ROUGE per example; ``where`` names the partition and examples files."""
-    missing = [i for i in test_ids if i not in examples.index]
-    if missing:
-        raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
-    sub = examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
+    """The client's test subsample (:func:`test_subsample`), the summaries of the model's loaded local adapter and
+    their ROUGE per example."""
+    sub = test_subsample(examples, test_ids, client, cfg, where)
     predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_source_length, desc)
     return sub, predictions, Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
 
 
 def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
     """Beam-search summaries of ``sources`` with the model's local adapter, in batches of ``cfg.batch_size``."""
+    return generate_per_run(model, [model.adapter_state("local")], [sources], cfg, max_source_length, desc)[0]
+
+
+def generate_per_run(
+    model, adapters: list[dict], sources: list[list[str]], cfg: EvaluateConfig, max_source_length: int, desc: str
+) -> list[list[str]]:
+    """Each run's beam-search summaries of its own sources (run r: adapter state ``adapters[r]``, as
+    ``AdapterSet.state()`` gives it, on ``sources[r]``), per run what its adapter alone gives. The i-th batch of
+    ``cfg.batch_size`` sources of every run that has one is one ``generate`` call: the runs' adapters stacked on
+    run-major blocks of equal size (pipeline.modeling.adapter_stack); a run's shorter last batch is filled with
+    copies of its last source, whose summaries are dropped."""
     import torch
     from tqdm import tqdm
 
-    tokenizer = model.tokenizer
-    outputs: list[str] = []
+    from pipeline.modeling.adapter_stack import AdapterStack
+
+    tokenizer, size = model.tokenizer, cfg.batch_size
+    stacks: dict[tuple[int, ...], AdapterStack] = {}  # by the runs a call holds
+    outputs: list[list[str]] = [[] for _ in adapters]
     kwargs = cfg.generation_kwargs()
     with torch.no_grad():
-        for start in tqdm(range(0, len(sources), cfg.batch_size), desc=desc, unit="batch", leave=False):
-            chunk = sources[start : start + cfg.batch_size]
-            enc = tokenizer(chunk, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
-            ids = model.generate(enc["input_ids"], enc["attention_mask"], path="local", **kwargs)
-            outputs.extend(t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True))
+        for start in tqdm(range(0, max(map(len, sources)), size), desc=desc, unit="batch", leave=False):
+            runs = tuple(r for r, s in enumerate(sources) if start < len(s))
+            chunks = [sources[r][start : start + size] for r in runs]
+            width = max(map(len, chunks))
+            rows = [text for chunk in chunks for text in chunk + [chunk[-1]] * (width - len(chunk))]
+            if runs not in stacks:
+                stacks[runs] = AdapterStack([adapters[r] for r in runs], model.adapter_sets["local"], model.device)
+                stacks[runs].requires_grad_(False)
+            enc = tokenizer(rows, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
+            ids = model.generate(enc["input_ids"], enc["attention_mask"], stacks[runs], **kwargs)
+            texts = [t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+            for j, (r, chunk) in enumerate(zip(runs, chunks)):
+                outputs[r].extend(texts[j * width : j * width + len(chunk)])
     return outputs
 
 

@@ -13,7 +13,6 @@ import numpy as np
 import pandas as pd
 import torch
 import transformers
-from tqdm import tqdm
 
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments.model import ModelConfig
@@ -22,6 +21,8 @@ from pipeline.experiments.train_config import TrainConfig
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
+from pipeline.training import local_batch, set_engine
+from pipeline.training.local_batch import JobOutput, LocalJob
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import model_config
@@ -150,49 +151,13 @@ class Proximal:
                 p.grad.add_(self.mu * (p - r))
 
 
-class PlainSteps:
-    """The local trainer's steps without privacy (with it: pipeline.privacy.example_dp.DPSGDSteps)."""
-
-    setting = None  # no DP-SGD setting
-    examples = clipped = 0
-
-    def __init__(
-        self,
-        model: AdapterSummarizer,
-        examples: pd.DataFrame,
-        mcfg: ModelConfig,
-        cfg: TrainConfig,
-        normalisation: str,
-        seed: int,
-        proximal: Proximal | None,
-    ):
-        self.model, self.frame, self.mcfg, self.cfg = model, examples, mcfg, cfg
-        self.normalisation, self.seed, self.proximal = normalisation, seed, proximal
-
-    def epoch(self, epoch: int) -> list[list[tuple[Batch, float]]]:
-        return _accumulation_steps(
-            self.model, self.frame, self.mcfg, self.cfg, self.normalisation, derived_seed(self.seed, epoch)
-        )
-
-    def backward(self, loss: torch.Tensor, weight: float) -> None:
-        if self.proximal is not None:
-            loss = loss + self.proximal.term()
-        (loss * weight).backward()
-
-    def finish(self) -> None:
-        pass
-
-    close = finish
-
-
-def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache, teacher_cache=None):
-    """(local logits with gradients, global logits or None), the prefix and the teacher from their caches if any."""
+def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache):
+    """(local logits with gradients, global logits or None), the prefix from its cache if any."""
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     # packed: the LM head and the loss run only on the real (non-padding) target tokens
     if not two_paths:
         return model.path_logits(prefix.to(model.device), "local", packed=True), None
-    teacher = teacher_cache.logits_for(model, batch, prefix) if teacher_cache is not None else None
-    out = model.forward_two_paths(batch, prefix, teacher_logits=teacher, packed=True)
+    out = model.forward_two_paths(batch, prefix, packed=True)
     return out.logits_local, out.logits_global
 
 
@@ -206,25 +171,21 @@ def train_local(
     proximal_reference: dict[str, torch.Tensor] | None = None,
     proximal_mu: float = 0.0,
     cache=None,
-    teacher_cache_gb: float = 0.0,
     progress: bool = False,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Under the
-    plan's ``privacy`` every step is a DP-SGD step (the caller composes them across rounds). ``cache`` and
-    ``teacher_cache_gb`` (RunSettings.cache) change no result."""
-    from pipeline.modeling.losses import distillation_loss  # looked up per call: tests/reliability.py wraps it
-
+    (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Without
+    privacy the round trains with every other client round of the set's barrier (pipeline.training.local_batch);
+    under the plan's ``privacy`` every step is a DP-SGD step, here (the caller composes them across rounds).
+    ``cache`` (RunSettings.cache) changes no result."""
     cfg: TrainConfig = plan.train
     mcfg = model_config(plan)
     kd = kd_config(plan)
-    two_paths = kd.mode != "ce"
     seed = derived_seed(plan.seed, client, rnd, "train")
     transformers.set_seed(seed)  # Python's, NumPy's and torch's generators
     params = model.local_parameters()
     for p in params:
         p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"], cfg), lr=cfg.lr)
     proximal = None
     if proximal_mu > 0.0:
         if proximal_reference is None:
@@ -233,16 +194,7 @@ def train_local(
         if len(params) != len(state_names):
             raise RuntimeError("adapter parameters and adapter_state keys disagree")
         proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
-
-    model.train(True)
-    outputs: list[tuple[Batch, LossOutput]] = []  # read once the round's steps are done (no host sync per step)
-    n_steps = 0
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
-    teacher_cache = None
-    if two_paths and cfg.local_epochs > 1 and teacher_cache_gb > 0:
-        from pipeline.modeling.cache import TeacherCache
-
-        teacher_cache = TeacherCache(int(teacher_cache_gb * 2**30))
 
     def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
         return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length)
@@ -257,48 +209,94 @@ def train_local(
         kd.loss_normalisation,
         mcfg.max_target_length,
         proximal,
-    ) or PlainSteps(model, examples, mcfg, cfg, kd.loss_normalisation, seed, proximal)
+    )
     try:
-        for epoch in range(cfg.local_epochs):
-            desc = f"{client} round {rnd} epoch {epoch + 1}"
-            for step in tqdm(stepper.epoch(epoch), desc=desc, leave=False, disable=not progress):
-                optimizer.zero_grad(set_to_none=True)
-                for batch, weight in step:
-                    hard_mask = None
-                    if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
-                        hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
-                    logits_local, logits_global = _forward_logits(model, batch, two_paths, cache, teacher_cache)
-                    labels = batch.labels.to(model.device)
-                    out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
-                    stepper.backward(out.loss, weight)
-                    out.loss = out.loss.detach()
-                    outputs.append((batch, out))
-                stepper.finish()
-                optimizer.step()
-                n_steps += 1
+        if stepper is None:
+            for p in params:
+                p.requires_grad_(False)
+            steps = [
+                step
+                for epoch in range(cfg.local_epochs)
+                for step in _accumulation_steps(
+                    model, examples, mcfg, cfg, kd.loss_normalisation, derived_seed(seed, epoch)
+                )
+            ]
+            job = LocalJob(
+                model,
+                plan,
+                client,
+                rnd,
+                kd,
+                model.adapter_state("local"),
+                model.adapter_state("global") if kd.mode != "ce" else None,
+                steps,
+                masks,
+                proximal_reference,
+                proximal_mu,
+                cache,
+                progress,
+            )
+            done = set_engine.batched(job, local_batch.train_jobs)
+            model.load_adapter_state("local", done.state)
+            if job.teacher is not None:
+                model.load_adapter_state("global", job.teacher)  # as the caller left it
+        else:
+            done = _private_round(model, plan, stepper, kd, masks, cache, proximal)
     finally:
-        stepper.close()
-    model.train(False)
-    for p in params:
-        p.requires_grad_(False)
-    sums = _round_sums([out for _, out in outputs])
+        if stepper is not None:
+            stepper.close()
+        model.train(False)
+        for p in params:
+            p.requires_grad_(False)
+    sums = _round_sums([out for _, out in done.outputs])
     tokens = max(sums["tokens"], 1)
     # entropy and gate carry no gradient; the gate is False on padding
-    gate_log = gate_rows([(b, out.entropy, out.gate) for b, out in outputs], client, rnd) if two_paths else None
+    gate_log = (
+        gate_rows([(b, out.entropy, out.gate) for b, out in done.outputs], client, rnd) if kd.mode != "ce" else None
+    )
     return LocalTrainResult(
         n_examples=len(examples),
-        n_steps=n_steps,
+        n_steps=done.n_steps,
         n_tokens=sums["tokens"],
         train_loss=sums["loss"] / tokens,
         ce=sums["ce"] / tokens,
         kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
         kd_fraction=sums["kd_tokens"] / tokens,
-        proximal=proximal.value if proximal is not None else 0.0,
+        proximal=done.proximal,
         gate_log=gate_log if gate_log is not None else empty_gate_log(),
-        privacy=stepper.setting,
-        dp_examples=stepper.examples,
-        dp_clipped=stepper.clipped,
+        privacy=stepper.setting if stepper is not None else None,
+        dp_examples=stepper.examples if stepper is not None else 0,
+        dp_clipped=stepper.clipped if stepper is not None else 0,
     )
+
+
+def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutput:
+    """A DP-SGD round (privacy mode example: per-example gradients through the model's own local adapter), alone."""
+    from pipeline.modeling.losses import distillation_loss  # looked up per call: tests/reliability.py wraps it
+
+    cfg = plan.train
+    two_paths = kd.mode != "ce"
+    optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"], cfg), lr=cfg.lr)
+    model.train(True)
+    outputs: list[tuple[Batch, LossOutput]] = []  # read once the round's steps are done (no host sync per step)
+    n_steps = 0
+    for epoch in range(cfg.local_epochs):
+        for step in stepper.epoch(epoch):
+            optimizer.zero_grad(set_to_none=True)
+            for batch, weight in step:
+                hard_mask = None
+                if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
+                    hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
+                logits_local, logits_global = _forward_logits(model, batch, two_paths, cache)
+                labels = batch.labels.to(model.device)
+                out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
+                stepper.backward(out.loss, weight)
+                out.loss = out.loss.detach()
+                outputs.append((batch, out))
+            stepper.finish()
+            optimizer.step()
+            n_steps += 1
+    return JobOutput(model.adapter_state("local"), outputs, n_steps, proximal.value if proximal is not None else 0.0)
 
 
 def _round_sums(outputs: list[LossOutput]) -> dict[str, float]:

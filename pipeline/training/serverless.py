@@ -79,7 +79,6 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
                 client=unit,
                 rnd=rnd,
                 cache=cache,
-                teacher_cache_gb=cache_settings.teacher_cache_gb,
             )
             adapters[unit] = model.adapter_state("local")
             trained[unit] = {

@@ -4,8 +4,10 @@ and a round barrier where their clients' work executes (docs/ARCHITECTURE.md, "T
 One thread runs at a time, handed a baton in the set's order, so no two runs ever touch process-wide state (the
 model's adapters, Flower's task identity) at once. A run's thread runs its server code until it needs its clients
 (its grid's :meth:`RoundBarrier.park`), or until it ends; when every run still training has parked, the barrier
-executes all their client work in one call (:meth:`RoundBarrier.execute`), hands each run its replies and goes
-round again; a run that has ended (its stop rule, its last round) leaves the barrier. Each run keeps its own random
+executes all their client work (:meth:`RoundBarrier.execute`), hands each run its replies and goes round again; a
+run that has ended (its stop rule, its last round) leaves the barrier. Each client message is delivered in a thread
+of its own (the same baton): its local training waits in :func:`batched` until every delivery of the round has
+reached its own or ended, and then all of them train in one call (pipeline.training.local_batch). Each run keeps its own random
 generators (Python's, NumPy's, torch's), swapped in whenever its code or its clients' work runs, from the process's
 state when the set starts: every run computes what it would alone in a fresh process, whatever else is in the set.
 A run that raises stops the set (as a killed process would): the others unwind from their barrier with
@@ -21,6 +23,7 @@ import random
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -57,9 +60,20 @@ class Work:
     replies: list = field(default_factory=list)
 
 
+@dataclass
+class Deferred:
+    """A delivery's local training at the barrier: ``run(jobs) -> results`` trains every delivery's at once."""
+
+    job: Any
+    run: Callable[[list], list]
+    result: Any = None
+
+
 class _Member:
-    def __init__(self, name: str, target: Callable[[], Any], rng: tuple):
-        self.name, self.target, self.rng = name, target, rng
+    """A thread handed the baton: a run of the set, or (``delivery``) one client message of a round."""
+
+    def __init__(self, name: str, target: Callable[[], Any], rng: tuple | None, delivery: bool = False):
+        self.name, self.target, self.rng, self.delivery = name, target, rng, delivery
         self.resume = threading.Event()  # the baton, handed to this run's thread
         self.paused = threading.Event()  # ... and handed back (parked at the barrier, or ended)
         self.work: Work | None = None
@@ -96,6 +110,19 @@ class _Member:
         self.resume.set()
         self.paused.wait()
 
+    def pause(self, work: Any) -> Any:
+        """Called in this member's thread: hand the baton back with ``work`` and wait for it, done."""
+        self.rng = rng_state()
+        self.work = work
+        self.paused.set()
+        self.resume.wait()
+        self.resume.clear()
+        if self.aborted:
+            raise SetAborted(f"run {self.name}: another run of its set failed; the set stops")
+        set_rng_state(self.rng)
+        work, self.work = self.work, None
+        return work
+
 
 _LOCAL = threading.local()  # the member whose thread this is
 
@@ -105,27 +132,45 @@ class RoundBarrier:
 
     def __init__(self):
         self.members: list[_Member] = []
+        self.deliveries: list[_Member] = []  # this round's client messages, while they are delivered
 
     def park(self, deliver: Callable[[Any], Any], messages: list) -> list:
         """Called by a run's grid in its thread: wait at the barrier until ``messages`` have been delivered; their
         replies in order."""
-        member: _Member = _LOCAL.member
-        member.rng = rng_state()
-        member.work = Work(deliver, list(messages))
-        member.paused.set()
-        member.resume.wait()
-        member.resume.clear()
-        if member.aborted:
-            raise SetAborted(f"run {member.name}: another run of its set failed; the set stops")
-        set_rng_state(member.rng)
-        work, member.work = member.work, None
-        return work.replies
+        return _LOCAL.member.pause(Work(deliver, list(messages))).replies
 
     def execute(self, parked: list[_Member]) -> None:
-        """Every parked run's client work, in the set's order, each with its own generators."""
-        for member in parked:
-            with member.own_rng():
-                member.work.replies = [member.work.deliver(m) for m in member.work.messages]
+        """Every parked run's client messages, each in its own thread, in the set's order and each run's with its
+        generators: a message's local training waits (:func:`batched`) until all have reached theirs or ended; they
+        train in one call, and the deliveries end in the same order (those of one run see its generators as one
+        after the other would: a delivery starts from where the one before it paused)."""
+        deliveries = {
+            member: [
+                _Member(f"{member.name}-client", partial(member.work.deliver, m), None, delivery=True)
+                for m in member.work.messages
+            ]
+            for member in parked
+        }
+        self.deliveries = [d for ds in deliveries.values() for d in ds]
+        for member, ds in deliveries.items():
+            for d in ds:
+                d.rng = member.rng
+                d.thread.start()
+                self._step(d)
+                member.rng = d.rng
+        while waiting := [d for d in self.deliveries if not d.done]:
+            for d, result in zip(waiting, waiting[0].work.run([d.work.job for d in waiting])):
+                d.work.result = result
+            for d in waiting:
+                self._step(d)
+        for member, ds in deliveries.items():
+            for d in ds:
+                d.thread.join()
+                if d.error is not None:
+                    raise d.error
+            member.work.replies = [d.result for d in ds]
+            member.rng = ds[-1].rng if ds else member.rng
+        self.deliveries = []
 
     def run(self, targets: dict[str, Callable[[], Any]]) -> dict[str, Any]:
         """Run ``targets`` (name -> a callable training one run) as a set, each from this process's generators as they
@@ -160,10 +205,20 @@ class RoundBarrier:
 
     def _abort(self) -> None:
         """Unwind every run still parked (its thread raises SetAborted at its barrier and closes what it opened)."""
-        for member in self.members:
+        for member in self.deliveries + self.members:
             if not member.done and member.paused.is_set():
                 member.aborted = True
                 member.step()
-        for member in self.members:
+        for member in self.deliveries + self.members:
             if member.done:
                 member.thread.join()
+
+
+def batched(job: Any, run: Callable[[list], list]) -> Any:
+    """``run([job])[0]``, or in a delivery at the barrier: ``job`` trained with every other delivery's of the round
+    (``run`` gets them all, in the set's order, and returns each one's result or exception)."""
+    member = getattr(_LOCAL, "member", None)
+    result = member.pause(Deferred(job, run)).result if member is not None and member.delivery else run([job])[0]
+    if isinstance(result, BaseException):
+        raise result
+    return result

@@ -4,9 +4,10 @@
 
 Measured (reports/cpu-study/timing/device-study.json, one H100, 7-8 runs sharing it, today's path: a process per run,
 8 rounds each): the backbone's warm-up with scoring, each run's training and its evaluation (beam 4, all 244 test
-examples, decoding batch 8). Today's path trains the study's runs one after another in one process (pipeline.train
-run_packed), so its time is the sum over runs, taken here at the per-round rate each arm was measured at; that rate
-is an upper bound alone on the GPU (issue 53: halving the sharing saved only 20 %, a round being serial host work).
+examples, decoding batch 8). The estimate takes the study's runs as trained one after another (the sum over runs, at
+the per-round rate each arm was measured at): an upper bound, since pipeline.train.run_set now trains the rounds of
+runs that share micro-batches together, stacked (pipeline.training.local_batch), and that rate is an upper bound
+alone on the GPU (issue 53: halving the sharing saved only 20 %, a round being serial host work).
 The floor: benchmarks/flops.py's matmul FLOPs of a round (the prefix-cached path, forward and backward, on every
 training example; forward on every validation example) at the study's maximum lengths (an upper bound of the real
 token counts), divided by the H100's dense peak (vendor figures below): the time no engine can beat.

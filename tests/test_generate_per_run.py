@@ -1,0 +1,43 @@
+"""Beam search for several runs in one ``generate`` call (pipeline.results.evaluation.generate_per_run): each run's
+adapters stacked on run-major copies of the batch give, run by run, the summaries its adapter gives alone (tiny
+BART and tiny BERT2BERT, beam 3, a short last batch), and as the model's own adapter set gives them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.modeling.adapters import AdapterConfig
+from pipeline.modeling.model import AdapterSummarizer
+from pipeline.results.evaluation import EvaluateConfig, generate_per_run, generate_summaries
+from tests.tiny_models import WORDS, tiny
+
+
+@pytest.mark.parametrize("kind", ["bart", "bert2bert"])
+def test_runs_generated_together_are_each_as_generated_alone(kind):
+    backbone, tokenizer = tiny(kind)
+    model = AdapterSummarizer.from_backbone(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    start = model.adapter_state("local")
+    states = []
+    for r in range(3):  # W_up away from zero, a different adapter per run
+        generator = torch.Generator().manual_seed(r)
+        states.append({k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in start.items()})
+    cfg = EvaluateConfig(batch_size=2, num_beams=3, max_target_length=8, min_target_length=2)
+    sources = WORDS  # 5 sources: batches of 2, 2 and 1
+    together = generate_per_run(model, states, [sources] * 3, cfg, 32, "together")
+    alone = []
+    for state in states:
+        model.load_adapter_state("local", state)
+        alone.append(generate_summaries(model, sources, cfg, 32, "alone"))
+    assert together == alone
+    # runs with sources of their own and of other counts (a short last batch filled, a run ending early)
+    own = [WORDS[:3], WORDS[1:], WORDS[4:]]
+    mixed = generate_per_run(model, states, own, cfg, 32, "mixed")
+    for r, state in enumerate(states):
+        model.load_adapter_state("local", state)
+        assert mixed[r] == generate_summaries(model, own[r], cfg, 32, "alone"), r
+    # and as the model's own adapter set generates (HF generate with path "local", not a stack)
+    enc = tokenizer(sources, max_length=32, truncation=True, padding=True, return_tensors="pt")
+    own = model.generate(enc["input_ids"], enc["attention_mask"], "local", **cfg.generation_kwargs())
+    assert [t.strip() for t in tokenizer.batch_decode(own, skip_special_tokens=True)] == together[-1]
+    assert len({tuple(summaries) for summaries in alone}) == 3  # the runs' adapters do summarise differently

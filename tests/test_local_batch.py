@@ -1,0 +1,124 @@
+"""Client rounds trained together (pipeline/training/local_batch.py): runs of different methods whose rounds share
+their micro-batches (same client, examples and seed) train as one stacked group, and each ends where it ends trained
+alone: its adapter, losses, KD share and gate log (tiny BART, CPU, float32); so do rounds whose micro-batches
+differ but have the same sizes (padded to one shape); micro-batches of other sizes train in groups of their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.training.client_training import gate_rows
+from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
+from tests.test_local_training import CLIENT, _setup, _train
+
+# one local method per loss: CE, selective KD, KD on every token, hard KD, CE with FedProx's proximal term
+METHODS = ["fedavg", "fedselectkd", "fedkd", "hardkd", "fedprox"]
+
+
+def _jobs(monkeypatch, batch_size: int = 2):
+    """Each method's round trained alone (its result and adapter), and the job it made."""
+    from pipeline.training import local_batch, set_engine
+
+    made, alone = [], {}
+    real = set_engine.batched
+
+    def keep(job, run):
+        made.append(job)
+        return real(job, run)
+
+    monkeypatch.setattr(set_engine, "batched", keep)
+    for method in METHODS:
+        plan, model, train, w0 = _setup(f"group-{method}-{batch_size}", method, lr=5e-3, batch_size=batch_size)
+        generator = torch.Generator().manual_seed(len(alone))  # each run its own teacher
+        model.load_adapter_state(
+            "global", {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in w0.items()}
+        )
+        mu = plan.train.strategy_params["proximal_mu"] if plan.spec.proximal else 0.0
+        result = _train(plan, model, train, proximal_reference=w0 if mu else None, proximal_mu=mu)
+        alone[method] = (result, model.adapter_state("local"))
+    monkeypatch.setattr(set_engine, "batched", real)
+    return made, alone, local_batch
+
+
+def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypatch):
+    jobs, alone, local_batch = _jobs(monkeypatch)
+    assert len({job.group_key() for job in jobs}) == 1
+    before = dict(local_batch.STATS)
+    outputs = local_batch.train_jobs(jobs)
+    assert (
+        local_batch.STATS["groups"] - before["groups"],
+        local_batch.STATS["runs_stacked"] - before["runs_stacked"],
+    ) == (
+        1,
+        len(METHODS),
+    )
+    for method, job, out in zip(METHODS, jobs, outputs):
+        result, state = alone[method]
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method
+        assert out.n_steps == result.n_steps
+        losses = sum(float(o.loss) * o.n_tokens for _, o in out.outputs) / sum(o.n_tokens for _, o in out.outputs)
+        assert losses == pytest.approx(result.train_loss, rel=1e-6), method
+        if job.teacher is not None:
+            log = gate_rows([(b, o.entropy, o.gate) for b, o in out.outputs], CLIENT, 1)
+            assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist(), method
+            assert log["entropy"].to_numpy() == pytest.approx(result.gate_log["entropy"].to_numpy(), abs=1e-5)
+        if method == "fedprox":
+            assert out.proximal > 0 and out.proximal == pytest.approx(result.proximal, rel=1e-5)
+    assert any(job.teacher is None for job in jobs) and any(job.masks is not None for job in jobs)
+
+
+def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_and_each_as_alone(ws, monkeypatch):
+    """Rounds 1 and 2 of a client shuffle its examples differently: their micro-batches, padded to one size, train
+    as one group, each run within float32 rounding of its round trained alone."""
+    from pipeline.training import local_batch, set_engine
+
+    made, alone = [], []
+    real = set_engine.batched
+
+    def keep(job, run):
+        made.append(job)
+        return real(job, run)
+
+    monkeypatch.setattr(set_engine, "batched", keep)
+    for rnd, method in ((1, "fedselectkd"), (2, "fedselectkd"), (3, "fedavg")):
+        plan, model, train, w0 = _setup(f"padded-{method}", method, lr=5e-3, batch_size=2)
+        model.load_adapter_state("global", {k: v + 0.05 * rnd for k, v in w0.items()})
+        result = _train(plan, model, train, rnd=rnd)
+        alone.append((result, model.adapter_state("local")))
+    monkeypatch.setattr(set_engine, "batched", real)
+    ids = [[b.example_ids for step in job.steps for b, _ in step] for job in made]
+    assert ids[0] != ids[1] != ids[2] and len({job.group_key() for job in made}) == 1
+    before = local_batch.STATS["groups"]
+    outputs = local_batch.train_jobs(made)
+    assert local_batch.STATS["groups"] - before == 1
+    for job, out, (result, state) in zip(made, outputs, alone):
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, job.rnd
+        mean = sum(float(o.loss) * o.n_tokens for _, o in out.outputs) / sum(o.n_tokens for _, o in out.outputs)
+        assert mean == pytest.approx(result.train_loss, rel=1e-5)
+        if job.teacher is not None:
+            log = gate_rows([(b, o.entropy, o.gate) for b, o in out.outputs], CLIENT, job.rnd)
+            assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist()
+
+
+def test_rounds_with_other_micro_batch_sizes_form_their_own_group(ws, monkeypatch):
+    jobs, _, local_batch = _jobs(monkeypatch)
+    other, _, _ = _jobs(monkeypatch, batch_size=3)  # micro-batches of other sizes
+    keys = {job.group_key() for job in jobs + other}
+    assert len(keys) == 2
+    before = local_batch.STATS["groups"]
+    local_batch.train_jobs([jobs[0], other[0], jobs[1]])
+    assert local_batch.STATS["groups"] - before == 2
+
+
+def test_a_group_beyond_the_logits_budget_is_cut_into_groups_that_fit(ws, monkeypatch):
+    jobs, alone, local_batch = _jobs(monkeypatch)
+    vocabulary = jobs[0].model.backbone.get_output_embeddings().weight.shape[0]
+    peak = max(int((b.labels != -100).sum()) for step in jobs[0].steps for b, _ in step)
+    monkeypatch.setattr(local_batch, "LOGITS_BUDGET_BYTES", 2 * 4 * vocabulary * peak)  # two runs' logits
+    before = dict(local_batch.STATS)
+    outputs = local_batch.train_jobs(jobs)
+    assert local_batch.STATS["groups"] - before["groups"] == 3  # 5 runs: 2 + 2 + 1
+    for method, out in zip(METHODS, outputs):
+        state = alone[method][1]
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method
