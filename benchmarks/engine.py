@@ -43,15 +43,17 @@ CLIENTS = {"Academic": "academic", "Committee": "committee", "Product": "product
 SET = ("fedavg", "fedkd", "fedselectkd")  # one-path and two-path arms, the same seed: they share micro-batches
 
 
-def _examples(n_train: int, n_valid: int, sep_token: str) -> tuple[pd.DataFrame, dict[str, dict[str, list[str]]]]:
+def _examples(
+    n_train: int | None, n_valid: int | None, sep_token: str, qmsum: Path = QMSUM, n_test: int | None = 0
+) -> tuple[pd.DataFrame, dict[str, dict[str, list[str]]]]:
     from pipeline.common.schema import IngestReport, model_input
     from pipeline.datasets.readers.qmsum import read_qmsum
 
     rows, clients = [], {}
-    records = list(read_qmsum(QMSUM, IngestReport("qmsum", str(QMSUM))))
+    records = list(read_qmsum(qmsum, IngestReport("qmsum", str(qmsum))))
     for client, domain in CLIENTS.items():
         splits: dict[str, list[str]] = {"train": [], "valid": [], "test": []}
-        for split, n in (("train", n_train), ("valid", n_valid)):
+        for split, n in (("train", n_train), ("valid", n_valid), ("test", n_test)):
             mine = [r for r in records if r.domain == client and r.split == split][:n]
             for r in mine:
                 eid = f"qmsum/{domain}/{split}/{r.meeting_id}/{r.query_type[0]}{r.query_index}"
@@ -70,9 +72,12 @@ def _examples(n_train: int, n_valid: int, sep_token: str) -> tuple[pd.DataFrame,
     return pd.DataFrame(rows), clients
 
 
-def build_workspace(root: Path, params_path: str = "params.yaml", tiny: bool = False) -> dict[str, Any]:
+def build_workspace(
+    root: Path, params_path: str = "params.yaml", tiny: bool = False, qmsum: Path = QMSUM, n_test: int | None = 0
+) -> dict[str, Any]:
     """A repo-like workspace under ``root`` (backbone, examples, partition, params); returns the params read.
-    ``tiny``: the tests' tiny BART (tests/tiny_models.py) instead of MiniLM, with its own model shape."""
+    ``tiny``: the tests' tiny BART (tests/tiny_models.py) instead of MiniLM, with its own model shape. ``n_test``
+    test examples a client (None: all) go into the partition too."""
     from pipeline.common.config import load_params
     from pipeline.modeling.backbone import add_sep_token
     from pipeline.modeling.warmup import build_bert2bert, minilm_dir
@@ -91,7 +96,7 @@ def build_workspace(root: Path, params_path: str = "params.yaml", tiny: bool = F
         tokenizer.save_pretrained(root / "models" / "backbone")
     train = params["train"]
     examples, clients = _examples(
-        train["max_train_examples_per_client"], train["max_valid_examples_per_client"], sep_token
+        train["max_train_examples_per_client"], train["max_valid_examples_per_client"], sep_token, qmsum, n_test
     )
     (root / "data" / "processed").mkdir(parents=True, exist_ok=True)
     examples.to_parquet(root / "data" / "processed" / "examples.parquet", index=False)
@@ -109,8 +114,8 @@ def write_plans(
     root: Path, params: dict[str, Any], methods: tuple[str, ...], rounds: int, prefix: str = "bench"
 ) -> list[Path]:
     from pipeline.experiments.entries import Experiment
-    from pipeline.experiments.plans import resolve_plan
-    from pipeline.training.methods import get_method
+    from pipeline.experiments.methods import get_method
+    from pipeline.planning import resolve_plan
 
     run_params = {**params, "train": {**params["train"], "rounds": rounds, "stop": {"enabled": False}}}
     paths = []

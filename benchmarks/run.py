@@ -83,7 +83,7 @@ QUICK = Profile(
 def study_uses(params_path: str) -> dict[str, int]:
     """How often one prefix is reused: every local epoch of every round of every experiment trains on it."""
     from pipeline.common.config import from_dict, load_params
-    from pipeline.training.config import TrainConfig
+    from pipeline.experiments.train_config import TrainConfig
 
     params = load_params(params_path)
     train = from_dict(TrainConfig, params.get("train"), "train")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
 def _shapes(params_path: str, profile: Profile) -> dict:
     """The two measured shapes: BART-base's and the study's default (params.yaml, reduced by the quick profile)."""
     from pipeline.common.config import from_dict, load_params
-    from pipeline.training.config import TrainConfig
+    from pipeline.experiments.train_config import TrainConfig
 
     model_cfg = load_model_config(params_path)
     train_cfg = from_dict(TrainConfig, load_params(params_path).get("train"), "train")

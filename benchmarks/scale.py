@@ -111,10 +111,9 @@ def make_workspace(
 ) -> str:
     """A repo-like directory for one point (examples, quantity partition, plan); returns the plan path. ``name``,
     ``train`` (overrides) and ``privacy`` (the params group): another plan on the same pool (benchmarks.client_dp)."""
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
     from pipeline.partitioning.partitions import make_partition, partition_json
     from pipeline.partitioning.schemes import PartitionConfig, QuantityConfig
+    from pipeline.planning import parse_entry, resolve_plan
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "models").mkdir(exist_ok=True)

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import write_json  # noqa: E402
-from pipeline.privacy.settings import SecAggConfig  # noqa: E402
+from pipeline.experiments.privacy import SecAggConfig  # noqa: E402
 
 
 def adapter_uploads(
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     from benchmarks.common import minilm_config
     from pipeline.common.config import from_dict, load_params
-    from pipeline.experiments.plans import check_model_group
-    from pipeline.privacy.settings import PrivacyConfig
+    from pipeline.experiments.privacy import PrivacyConfig
+    from pipeline.planning import check_model_group
 
     params = load_params(args.params)
     cfg = from_dict(PrivacyConfig, params.get("privacy"), "params.yaml privacy").secagg

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from pipeline.experiments.train_config import StopConfig
 from pipeline.results.readers import read_rounds
-from pipeline.training.config import StopConfig
 from pipeline.training.stopping import mean_val_loss_by_round, projected_stop
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from pathlib import Path
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.entries import declared
 from pipeline.paths import PATHS
+from pipeline.planning import declared
 from pipeline.results.analysis import Analysis, AnalyzeConfig
 
 

@@ -22,9 +22,10 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.common.integrity import backbone_name
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
+from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import read_plan
 from pipeline.modeling.adapters import client_adapter_path, read_client_adapter
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
@@ -66,7 +67,7 @@ def evaluate_experiment(
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
     # the frozen backbone with the experiment's adapter shape (each client's adapter is loaded below)
-    model = AdapterSummarizer.from_pretrained(str(backbone_dir), model_cfg.adapter_config())
+    model = AdapterSummarizer.from_pretrained(str(backbone_dir), adapter_config(model_cfg))
     max_src = cfg.max_source_length or model_cfg.max_source_length
     backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
 

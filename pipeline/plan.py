@@ -11,8 +11,8 @@ from pathlib import Path
 
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import load_params
-from pipeline.experiments.plans import write_plans
 from pipeline.paths import PATHS
+from pipeline.planning import write_plans
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.modeling.model import ModelConfig
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.target_tags import PostagConfig, write_target_tags
 from pipeline.paths import PATHS
 

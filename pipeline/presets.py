@@ -86,8 +86,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     stage does not produce, else what the plan stage refuses in the result."""
     from dvc.exceptions import InvalidArgumentError
 
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import check_params  # lazy: the other commands start without torch
+    from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
 
     try:
         applied = apply_preset(params, preset)
@@ -161,66 +160,48 @@ def overrides(preset: dict[str, Any]) -> list[str]:
     return out
 
 
-def exp_run_command(
+def run_commands(
     preset_path: str | Path,
-    name: str | None = None,
+    name: str | None,
+    by: str | None = None,
     queue: bool = False,
-    params_path: str | Path = "params.yaml",
-    preset: dict[str, Any] | None = None,
     temp: bool = False,
-) -> list[str]:
-    """Validate the preset against params.yaml and build the ``dvc exp run`` command that applies it
-    (``preset``: the preset's content when already loaded, e.g. one part of it)."""
-    preset = preset if preset is not None else load_preset(preset_path)
-    validate(preset, load_params(params_path), str(preset_path))
-    cmd = [
-        sys.executable,
-        "-m",
-        "dvc",
-        "exp",
-        "run",
-        *(["--name", name] if name else []),
-        *(["--queue"] if queue else []),
-        *(["--temp"] if temp else []),
-    ]
-    return cmd + [arg for ov in overrides(preset) for arg in ("--set-param", ov)]
-
-
-def part_commands(
-    preset_path: str | Path,
-    name: str,
-    by: str,
-    queue: bool = False,
+    *,
     params_path: str | Path = "params.yaml",
-    temp: bool = False,
 ) -> list[list[str]]:
-    """A long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
+    """The ``dvc exp run`` commands that apply the preset, each part validated against params.yaml first. With
+    ``by``, a long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
     named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
     nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
-    preset = load_preset(preset_path)
-    validate(preset, load_params(params_path), str(preset_path))
-    entries = preset.get("experiments")
-    if not entries:
-        raise PresetError(f"{preset_path}: --parts needs the preset's own `experiments`")
-    from pipeline.experiments.entries import ENTRY_KEYS  # lazy: the other commands start without torch
+    preset, params = load_preset(preset_path), load_params(params_path)
+    validate(preset, params, str(preset_path))
+    parts = {}
+    if by is not None:
+        entries = preset.get("experiments")
+        if not entries:
+            raise PresetError(f"{preset_path}: --parts needs the preset's own `experiments`")
+        from pipeline.planning import ENTRY_KEYS  # lazy: the other commands start without torch
 
-    if by not in ENTRY_KEYS:
-        raise PresetError(f"--parts {by!r}: split by one of the experiments' keys {list(ENTRY_KEYS)}")
-    groups: dict[str, dict[str, Any]] = {}
-    for exp, entry in entries.items():
-        value = (entry or {}).get(by)
-        if value is None:
-            raise PresetError(f"{preset_path}: experiments.{exp} sets no {by!r}; every entry needs it for --parts")
-        groups.setdefault(re.sub(r"[^\w-]", "-", str(value)), {})[exp] = entry
-    if len(groups) < 2:
-        raise PresetError(f"{preset_path}: every experiment has the same {by!r}; nothing to split")
-    cmds = [
-        exp_run_command(
-            preset_path, f"{name}-{by}{value}", queue, params_path, preset={**preset, "experiments": group}, temp=temp
-        )
-        for value, group in groups.items()
-    ]
-    return cmds + [exp_run_command(preset_path, name, queue, params_path, preset=preset, temp=temp)]
+        if by not in ENTRY_KEYS:
+            raise PresetError(f"--parts {by!r}: split by one of the experiments' keys {list(ENTRY_KEYS)}")
+        groups: dict[str, dict[str, Any]] = {}
+        for exp, entry in entries.items():
+            value = (entry or {}).get(by)
+            if value is None:
+                raise PresetError(f"{preset_path}: experiments.{exp} sets no {by!r}; every entry needs it for --parts")
+            groups.setdefault(re.sub(r"[^\w-]", "-", str(value)), {})[exp] = entry
+        if len(groups) < 2:
+            raise PresetError(f"{preset_path}: every experiment has the same {by!r}; nothing to split")
+        parts = {f"{name}-{by}{value}": {**preset, "experiments": group} for value, group in groups.items()}
+        for part in parts.values():
+            validate(part, params, str(preset_path))
+    flags = [*(["--queue"] if queue else []), *(["--temp"] if temp else [])]
+    commands = []
+    for part_name, part in (parts | {name: preset}).items():
+        named = ["--name", part_name] if part_name else []
+        overridden = [arg for ov in overrides(part) for arg in ("--set-param", ov)]
+        commands.append([sys.executable, "-m", "dvc", "exp", "run", *named, *flags, *overridden])
+    return commands
 
 
 def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
@@ -318,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.parts and not args.name:
         raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
-    cmds = (
-        part_commands(args.preset, args.name, args.parts, args.queue, args.params, args.temp)
-        if args.parts
-        else [exp_run_command(args.preset, args.name, args.queue, args.params, temp=args.temp)]
-    )
-    for cmd in cmds:
+    for cmd in run_commands(args.preset, args.name, args.parts, args.queue, args.temp, params_path=args.params):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run and (status := subprocess.call(cmd)) != 0:
             return status

@@ -17,8 +17,10 @@ from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import PositiveInt, config, from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.entries import Experiment, declared, with_labels
+from pipeline.experiments.entries import Experiment, with_labels
+from pipeline.experiments.train_config import TrainConfig
 from pipeline.paths import PATHS, ProjectPaths
+from pipeline.planning import declared
 from pipeline.results import claims, comparisons, published
 from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
 from pipeline.results.human_eval import (
@@ -47,7 +49,6 @@ from pipeline.results.tables import (
     timing_markdown,
     timing_table,
 )
-from pipeline.training.config import TrainConfig
 
 
 @config
@@ -73,8 +74,9 @@ class Tables:
     compared: pd.DataFrame  # the comparisons table with the published columns
     scores: pd.DataFrame
     agg: pd.DataFrame
-    converged: pd.DataFrame  # pipeline.results.readers.convergence_table
     missing_eval: list[str]
+    made: dict[str, list[str]]  # what was written, by kind, and what was not, with why
+    not_made: dict[str, str]
 
 
 def shared_seeds(scores: pd.DataFrame) -> list[int]:
@@ -83,28 +85,23 @@ def shared_seeds(scores: pd.DataFrame) -> list[int]:
     return sorted(set.intersection(*by_label)) if by_label else []
 
 
-def write_tables(
-    params: dict[str, Any],
-    cfg: ReportConfig,
-    eval_dir: Path,
-    train_dir: Path,
-    tables_dir: Path,
-    made: dict[str, list[str]],
-    not_made: dict[str, str],
-    previous: Path | None = None,
-) -> Tables:
-    """The comparisons, the scores, the main table per backbone and one table per study. ``previous``: a
-    comparisons.csv whose identical-summary fractions fill those the missing predictions leave out."""
+def write_tables(params: dict[str, Any], cfg: ReportConfig, reports: Path, previous: Path | None = None) -> Tables:
+    """The comparisons, the scores, the main table per backbone and one table per study into ``reports/tables``, from
+    ``reports/eval`` and ``reports/train`` (reports/ or a study folder). ``previous``: a comparisons.csv whose
+    identical-summary fractions fill those the missing predictions leave out."""
+    made: dict[str, list[str]] = defaultdict(list)
+    not_made: dict[str, str] = {}
+    tables_dir = reports / "tables"
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")  # before anything is written
     planned = declared(params)
     labels = with_labels(planned)
-    scores, missing_eval = collect_scores(planned, labels, eval_dir)
+    scores, missing_eval = collect_scores(planned, labels, reports / "eval")
     agg = with_stand_ins(aggregate(scores, planned, labels, cfg.expected_seeds))
-    converged = convergence_table(planned, labels, train_dir)
+    converged = convergence_table(planned, labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
     compared, notes = comparisons.comparisons_table(
-        comparisons.configurations(planned, labels), cfg.baselines, eval_dir, bootstrap
+        comparisons.configurations(planned, labels), cfg.baselines, reports / "eval", bootstrap
     )
     if previous is not None and previous.is_file():
         compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
@@ -143,23 +140,23 @@ def write_tables(
         path = tables_dir / f"study_{study}.md"
         atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap, converged))
         made["tables"].append(str(path))
-    return Tables(planned, labels, bootstrap, compared, scores, agg, converged, missing_eval)
+    return Tables(planned, labels, bootstrap, compared, scores, agg, missing_eval, made, not_made)
 
 
-def results_text(
-    params: dict[str, Any], cfg: ReportConfig, compared: pd.DataFrame, converged: pd.DataFrame, source: Path, root: Path
-) -> str:
+def results_text(params: dict[str, Any], cfg: ReportConfig, compared: pd.DataFrame, source: Path, root: Path) -> str:
     """The results in words (pipeline.results.comparisons) under the profile's claim rules; ``root`` holds
-    ``backbone.json`` and ``analysis/kd_analysis.json`` (reports/ or a study folder)."""
+    ``backbone.json``, ``analysis/kd_analysis.json`` and the train records ``train/`` (reports/ or a study folder)."""
     records = [
         json.loads(f.read_text()) if f.is_file() else None
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
+    planned = declared(params)
+    converged = convergence_table(planned, with_labels(planned), root / "train")
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
     train = params.get("train") or {}
     steps = train.get("centralized_steps", TrainConfig.centralized_steps)
     ratios = centralized_step_ratios(
-        declared(params),
+        planned,
         root / "train",
         int(train.get("batch_size", TrainConfig.batch_size)),
         int(train.get("grad_accum_steps", TrainConfig.grad_accum_steps)),
@@ -170,16 +167,13 @@ def results_text(
 
 def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths = PATHS) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
-    made: dict[str, list[str]] = defaultdict(list)
-    not_made: dict[str, str] = {}
-    t = write_tables(params, cfg, paths.eval_reports, paths.train_reports, paths.tables, made, not_made)
-    planned, labels = t.planned, t.labels
+    t = write_tables(params, cfg, paths.reports)
+    planned, labels, made, not_made = t.planned, t.labels, t.made, t.not_made
     for d in (paths.figures, paths.plots):
         d.mkdir(parents=True, exist_ok=True)
     atomic.write_text(
         paths.tables / "results.md",
-        "# Results\n\n"
-        + results_text(params, cfg, t.compared, t.converged, paths.tables / "comparisons.csv", paths.reports),
+        "# Results\n\n" + results_text(params, cfg, t.compared, paths.tables / "comparisons.csv", paths.reports),
     )
     made["tables"].append(str(paths.tables / "results.md"))
 
@@ -273,10 +267,8 @@ def write_claims(folder: Path, files: list[Path], check: bool = False) -> list[P
     ``params.yaml``: reports/cpu-study), or with ``check`` only list the files whose block differs."""
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), f"{folder / 'params.yaml'} report")
-    planned = declared(params)
-    converged = convergence_table(planned, with_labels(planned), folder / "train")
     source = folder / "comparisons.csv"
-    block = results_text(params, cfg, pd.read_csv(source), converged, source, folder)
+    block = results_text(params, cfg, pd.read_csv(source), source, folder)
     changed = []
     for f in files:
         text = f.read_text(encoding="utf-8")
@@ -293,27 +285,17 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     come from the folder's previous comparisons.csv where predictions are absent."""
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), "report")
-    made: dict[str, list[str]] = defaultdict(list)
-    not_made: dict[str, str] = {}
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
-    made["evaluations"] = [str(f) for f in rescore_evaluations(folder / "eval", bootstrap)]
-    written = write_tables(
-        params,
-        cfg,
-        folder / "eval",
-        folder / "train",
-        folder / "tables",
-        made,
-        not_made,
-        previous=folder / "comparisons.csv",
-    )
+    evaluations = [str(f) for f in rescore_evaluations(folder / "eval", bootstrap)]
+    written = write_tables(params, cfg, folder, previous=folder / "comparisons.csv")
+    made = {"evaluations": evaluations, **written.made}
     atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
     made["tables"].append(str(folder / "comparisons.csv"))
     readme_path = folder / "README.md"
     if readme_path.is_file() and claims.BEGIN in readme_path.read_text(encoding="utf-8"):
         write_claims(folder, [readme_path])
-        made["text"].append(str(readme_path))
-    return {"made": dict(made), "not_made": not_made}
+        made["text"] = [str(readme_path)]
+    return {"made": made, "not_made": written.not_made}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,11 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")  # else each dvc command the test
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# After the settings above: the tests run federations in-process as the train stage does, so privacy's mechanisms are
+# registered as its entry point registers them (pipeline.training.privacy_hooks; tests/test_privacy_hooks.py checks the
+# defaults of a process without them).
+import pipeline.privacy.seam  # noqa: E402, F401
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("FEDMEET_DATA_ROOT", REPO_ROOT.parent / "shared" / "data"))
 

@@ -231,7 +231,7 @@ def test_stage_on_synthetic_mini_experiment(tmp_path, monkeypatch):
 
 
 def test_portable_gates_are_read_from_the_entry_or_the_train_group():
-    from pipeline.experiments.entries import declared
+    from pipeline.planning import declared
 
     params = {
         "tau": 5.0,

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
+from pipeline.experiments.privacy import PrivacyConfig
 from pipeline.privacy.accounting import FederationPrivacy, adaptive_update_multiplier, federation_privacy
-from pipeline.privacy.settings import PrivacyConfig
 
 if TYPE_CHECKING:
     from flwr.app import ArrayRecord
@@ -339,8 +339,7 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_mode_client_enters_plans_with_its_own_keys_and_refuses_what_it_cannot_protect():
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     def plan(method: str, privacy: dict | None, **train) -> dict:
         params = _params(privacy, **train)

@@ -646,11 +646,11 @@ def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_b
     from safetensors.torch import load_file
 
     from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
+    from pipeline.experiments.privacy import SecAggConfig
     from pipeline.federation.localhost import LocalhostFederation
     from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import load_server_checkpoint
     from pipeline.privacy.secure_aggregation import aggregation_error_bound, weight_scale
-    from pipeline.privacy.settings import SecAggConfig
     from pipeline.train import run_experiment
     from tests.test_privacy import _write_plan
     from tests.test_secure_aggregation import N_TRAIN, _spy_uploads

@@ -85,7 +85,7 @@ def test_no_time_or_memory_file_is_a_metric_and_the_former_metrics_stay_outputs(
 
 
 # The expensive stages, whose finished runs DVC's run cache must be able to restore (a rerun, a queued or --temp
-# experiment, a preset run in parts: pipeline.presets.part_commands).
+# experiment, a preset run in parts: pipeline.presets.run_commands).
 RUN_CACHED = ("backbone", "train", "evaluate")
 
 
@@ -249,8 +249,8 @@ def test_make_grid_is_dvcs_own_sweep_of_tau_and_seed_over_every_experiment(tmp_p
     selective-KD experiment without its own tau that tau."""
     from dvc.utils.hydra import get_hydra_sweeps
 
-    from pipeline.experiments.entries import declared
-    from pipeline.training.methods import get_method
+    from pipeline.experiments.methods import get_method
+    from pipeline.planning import declared
 
     makefile = (ROOT / "Makefile").read_text()
     taus, seeds = _make_variable(makefile, "GRID_TAUS"), _make_variable(makefile, "GRID_SEEDS")
@@ -309,7 +309,7 @@ def import_closure(module: str) -> set[str]:
 
 
 # Strategy and KD gate modules: the plan of an experiment carries the source hash of the ones it runs
-# (pipeline.experiments.plans.extension_md5), so the stages that read a plan do not depend on them and an edit of a module
+# (pipeline.planning.extension_md5), so the stages that read a plan do not depend on them and an edit of a module
 # no experiment runs reruns nothing.
 EXTENSION_DIRS = ("pipeline/federation/strategies", "pipeline/modeling/gates")
 PLAN_READERS = ("pipeline.train", "pipeline.evaluate")

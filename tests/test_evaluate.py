@@ -33,8 +33,8 @@ def workspace(tmp_path_factory):
     """backbone + examples + partition + a trained-looking experiment (adapters saved from the model itself)."""
     from safetensors.torch import save_file
 
-    from pipeline.experiments.plans import check_model_group
-    from pipeline.modeling.model import AdapterSummarizer
+    from pipeline.modeling.model import AdapterSummarizer, adapter_config
+    from pipeline.planning import check_model_group
 
     root = tmp_path_factory.mktemp("evalws")
     backbone = save_tiny("bart", root / "models" / "backbone")
@@ -63,7 +63,7 @@ def workspace(tmp_path_factory):
     (root / "partitions" / "domain").mkdir(parents=True)
     (root / "partitions" / "domain" / "seed0.json").write_text(json.dumps(partition))
 
-    model = AdapterSummarizer.from_pretrained(backbone, check_model_group({"model": MODEL}).adapter_config())
+    model = AdapterSummarizer.from_pretrained(backbone, adapter_config(check_model_group({"model": MODEL})))
     exp_dir = root / "models" / "exp1"
     for client in CLIENTS:
         d = exp_dir / "clients" / client

@@ -94,7 +94,7 @@ def _params(**changes) -> dict:
 
 
 def _plans(params: dict, out: Path) -> dict[str, str]:
-    from pipeline.experiments.plans import write_plans
+    from pipeline.planning import write_plans
 
     return {p.name: p.read_text() for p in write_plans(params, out)}
 
@@ -140,7 +140,7 @@ def test_settings_that_change_results_change_the_plans_they_affect(tmp_path):
 
 
 def test_declared_resolves_tau_and_seed_as_the_plan_does():
-    from pipeline.experiments.entries import declared
+    from pipeline.planning import declared
 
     params = _params(tau=4.5)
     params["experiments"] = {
@@ -173,7 +173,7 @@ def test_declared_resolves_tau_and_seed_as_the_plan_does():
     ],
 )
 def test_a_bad_entry_is_one_line_naming_it(entry, message):
-    from pipeline.experiments.entries import declared
+    from pipeline.planning import declared
 
     params = _params()
     params["experiments"] = {"x": entry}
@@ -185,8 +185,8 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
 def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
     privacy for that entry; entries without one keep the plan (and hash) they had."""
-    from pipeline.experiments.entries import declared, with_labels
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.experiments.entries import with_labels
+    from pipeline.planning import declared, resolve_plan
 
     params = _params()
     before = {e.name: resolve_plan(e, params) for e in declared(params)}
@@ -227,8 +227,8 @@ def test_an_entrys_privacy_overrides_reach_its_plan_alone():
 def test_an_entrys_privacy_override_reaches_secure_aggregation_and_merges_its_secagg_keys():
     """An entry may turn SecAgg+ on for itself; its `secagg` mapping is merged key by key over params.yaml's (a
     key it does not name keeps params.yaml's value, not the default)."""
-    from pipeline.experiments.entries import declared, with_labels
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.experiments.entries import with_labels
+    from pipeline.planning import declared, resolve_plan
 
     params = _params(**{"privacy.secagg.clipping_range": 2.0})
     fedavg = {"method": "fedavg", "partition": "domain/seed0", "study": "secure"}
@@ -271,8 +271,8 @@ def test_run_settings_come_from_params_with_the_experiments_own_override():
 
 
 def test_plan_paths_come_from_the_path_table(tmp_path):
-    from pipeline.experiments.entries import declared
-    from pipeline.experiments.plans import plan_hash, read_plan, write_plans
+    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.planning import declared, write_plans
 
     params = _params()
     out = tmp_path / "plans"

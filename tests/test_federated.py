@@ -88,8 +88,8 @@ def _write_postags(root: Path, examples: pd.DataFrame) -> None:
     """Synthetic POS tags aligned with the tokenised targets: every other target token is a 'noun or verb'."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from pipeline.experiments.model import ModelConfig
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.modeling.model import ModelConfig
 
     tok = AutoTokenizer.from_pretrained(root / "models" / "backbone")
     start = AutoConfig.from_pretrained(root / "models" / "backbone").decoder_start_token_id
@@ -158,8 +158,8 @@ def write_plan(
     **train,
 ) -> str:
     from pipeline.experiments.entries import Experiment
-    from pipeline.experiments.plans import resolve_plan
-    from pipeline.training.methods import get_method
+    from pipeline.experiments.methods import get_method
+    from pipeline.planning import resolve_plan
 
     params = {"tau": 5.0, "model": {**MODEL, **(model or {})}, "train": {**TRAIN, **train}}
     # built directly, not through params' entry checks: tests also train on partitions of their own (e.g. "pair")
@@ -835,16 +835,16 @@ def _join_history(means: list[float], late: str = "New") -> list[dict]:
     ],
 )
 def test_new_client_joins_when_the_others_stop_improving(means, rnd, expected):
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=5)
     assert new_client_joins(rnd, _join_history(means), "New", join) is expected
 
 
 def test_join_patience_needs_that_many_flat_rounds():
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=9)
     assert not new_client_joins(4, _join_history([10.0, 9.0, 8.99]), "New", join)  # only one flat round

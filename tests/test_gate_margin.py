@@ -49,7 +49,7 @@ def test_the_margin_gate_reads_a_probability_margin():
 
 @pytest.mark.parametrize("tau", [1.5, 5.0])
 def test_a_margin_outside_0_1_fails_at_planning_naming_the_experiment(tmp_path, tau):
-    from pipeline.experiments.plans import write_plans
+    from pipeline.planning import write_plans
 
     params = copy.deepcopy(load_params(ROOT / "params.yaml"))
     params["experiments"] = {
@@ -65,7 +65,8 @@ def test_a_margin_outside_0_1_fails_at_planning_naming_the_experiment(tmp_path, 
 
 
 def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(tmp_path):
-    from pipeline.experiments.plans import read_plan, write_plans
+    from pipeline.experiments.plans import read_plan
+    from pipeline.planning import write_plans
     from pipeline.training.client_training import kd_config
 
     params = copy.deepcopy(load_params(ROOT / "params.yaml"))

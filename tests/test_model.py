@@ -7,9 +7,10 @@ import pytest
 import torch
 from tiny_models import save_tiny, tiny
 
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.adapters import AdapterConfig, HoulsbyAdapter
 from pipeline.modeling.batching import IGNORE_INDEX, collate, make_batches, tokenize_pairs
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.modeling.model import AdapterSummarizer
 
 SOURCES = [
     "What did the group decide about the case? #SEP# Industrial Designer: The case could be made of rubber.",

@@ -20,18 +20,17 @@ def _groups() -> dict[str, list[type]]:
     run-time class)."""
     from pipeline.datasets.examples import ExamplesConfig
     from pipeline.datasets.sources import IngestConfig
-    from pipeline.experiments.settings import RUN_TRAIN_KEYS, RunSettings
+    from pipeline.experiments.model import ModelConfig
+    from pipeline.experiments.privacy import PrivacyConfig
+    from pipeline.experiments.settings import RUN_TRAIN_KEYS, CacheConfig, RunSettings
+    from pipeline.experiments.train_config import TrainConfig
     from pipeline.modeling.backbone import BackboneConfig
-    from pipeline.modeling.cache import CacheConfig
-    from pipeline.modeling.model import ModelConfig
     from pipeline.modeling.target_tags import PostagConfig
     from pipeline.partitioning.schemes import PartitionConfig
-    from pipeline.privacy.settings import PrivacyConfig
     from pipeline.report import ReportConfig
     from pipeline.results.analysis import AnalyzeConfig
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.results.stats import BootstrapConfig
-    from pipeline.training.config import TrainConfig
 
     assert set(RUN_TRAIN_KEYS) <= {f.name for f in dataclasses.fields(RunSettings)}
     return {
@@ -97,7 +96,8 @@ def test_every_params_group_is_checked():
 
 
 def test_an_experiment_without_its_own_seed_trains_with_the_top_level_seed():
-    from pipeline.experiments.entries import Experiment, declared
+    from pipeline.experiments.entries import Experiment
+    from pipeline.planning import declared
 
     seed = next(f for f in dataclasses.fields(Experiment) if f.name == "seed").default
     assert seed == PARAMS["seed"]
@@ -108,7 +108,7 @@ def test_an_experiment_without_its_own_seed_trains_with_the_top_level_seed():
 
 
 def test_every_strategy_settings_default_is_params_yaml_value():
-    from pipeline.federation.strategies.catalog import STRATEGIES
+    from pipeline.experiments.methods import STRATEGIES
 
     found = []
     for spec in STRATEGIES.values():

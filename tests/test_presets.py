@@ -22,7 +22,8 @@ PARAMS = load_params(ROOT / "params.yaml")
 
 
 def test_privacy_study_pairs_every_budget_with_the_plain_run_seed_by_seed():
-    from pipeline.experiments.entries import declared, with_labels
+    from pipeline.experiments.entries import with_labels
+    from pipeline.planning import declared
 
     merged = pr.apply_preset(PARAMS, pr.load_preset(ROOT / "configs" / "privacy-study.yaml"))
     planned = declared(merged)
@@ -271,7 +272,7 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
         "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
         "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n",
     )
-    cmds = pr.part_commands(preset, "study", "seed", queue=True, params_path=ROOT / "params.yaml")
+    cmds = pr.run_commands(preset, "study", "seed", queue=True, params_path=ROOT / "params.yaml")
     names = [c[c.index("--name") + 1] for c in cmds]
     assert names == ["study-seed0", "study-seed1", "study"]  # the whole comes last
     assert all("--queue" in c and "--set-param" in c and "tau=4.0" in c for c in cmds)
@@ -287,14 +288,14 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
     }
     assert list(experiments_of(cmds[1])) == ["a-s1"] and list(experiments_of(cmds[2])) == ["a-s0", "b-s0", "a-s1"]
     with pytest.raises(pr.PresetError, match="same 'method'"):
-        pr.part_commands(
+        pr.run_commands(
             write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"),
             "x",
             "method",
             params_path=ROOT / "params.yaml",
         )
     with pytest.raises(pr.PresetError, match="one of the experiments' keys"):
-        pr.part_commands(preset, "x", "lr", params_path=ROOT / "params.yaml")
+        pr.run_commands(preset, "x", "lr", params_path=ROOT / "params.yaml")
 
 
 @pytest.mark.slow
@@ -402,7 +403,7 @@ def test_the_whole_restores_the_parts_trainings_from_dvc_run_cache(tmp_path, mon
 
 def test_a_profiles_experiments_without_a_seed_take_its_top_level_seed():
     """A profile sets the seed once for the experiments it does not seed themselves (the entry's own seed wins)."""
-    from pipeline.experiments.entries import declared
+    from pipeline.planning import declared
 
     preset = {
         "seed": 3,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from pipeline.common.config import ConfigError, from_dict
+from pipeline.experiments.privacy import PrivacyConfig
 from pipeline.privacy.accounting import ClientPrivacy, client_privacy, epsilon
 from pipeline.privacy.example_dp import DPSGDSteps
-from pipeline.privacy.settings import PrivacyConfig
 from tests.errors import names
 from tests.faults import killed_after_checkpoint
 from tests.test_federated import CLIENT_SETTINGS, MODEL, TRAIN, workspace, ws  # noqa: F401  (fixtures)
@@ -193,8 +193,7 @@ def _params(privacy: dict | None, **train) -> dict:
 
 
 def test_privacy_enters_federated_plans_only_and_only_when_on():
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     on = {"mode": "example", "target_epsilon": 3.0}
     off = {"mode": "none", "max_grad_norm": 2.0}
@@ -237,8 +236,7 @@ def test_params_yaml_privacy_group_is_declared_by_the_plan_stage_only():
 
 # ------------------------------------------------------------------------------------------ on the model
 def _write_plan(name: str, method: str, privacy: dict | None, model: dict | None = None, **train) -> str:
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     params = _params(privacy, **train)
     params["model"].update(model or {})

@@ -72,8 +72,8 @@ def test_the_committed_privacy_study_spent_each_target_at_delta_1e_5():
 
 
 def test_a_target_epsilon_at_the_default_delta_is_met_at_that_delta():
+    from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.privacy.accounting import client_privacy, epsilon
-    from pipeline.privacy.settings import PrivacyConfig
 
     s = client_privacy(PrivacyConfig(mode="example", target_epsilon=3.0), 16, 8, 3, 1)
     assert s.delta == 1e-5 and s.delta <= 1 / (10 * 16)
@@ -102,8 +102,8 @@ def test_the_train_stage_refuses_a_delta_of_one_over_n_before_training_with_exit
 def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
     from types import SimpleNamespace
 
+    from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.privacy.seam import mlflow_metrics, run_record
-    from pipeline.privacy.settings import PrivacyConfig
 
     plan = SimpleNamespace(privacy=PrivacyConfig(mode="example", target_epsilon=3.0))
     row = dict(epsilon=2.5, noise_multiplier=1.2, max_grad_norm=1.0, dp_examples=10, dp_clipped=5, sample_rate=0.5)

@@ -181,7 +181,7 @@ def test_bad_parameter_is_one_line_naming_key_and_allowed_values(
 
 def test_the_unedited_params_pass_every_check(tmp_path):
     """The cases above fail because of the one edit: the plan stage accepts the shipped params.yaml."""
-    from pipeline.experiments.plans import write_plans
+    from pipeline.planning import write_plans
 
     written = write_plans(copy.deepcopy(BASE), tmp_path / "plans")
     assert {p.stem for p in written} == set(BASE["experiments"])
@@ -191,7 +191,7 @@ def test_train_stage_checks_its_plan_before_touching_outputs(tmp_path, monkeypat
     """The train stage's parameters come from its plan file: a bad model group there is one line, and neither the
     experiment's output directory nor an MLflow run is created."""
     from pipeline import train
-    from pipeline.experiments.plans import write_plans
+    from pipeline.planning import write_plans
 
     monkeypatch.chdir(tmp_path)
     plans = tmp_path / "plans"

@@ -9,8 +9,9 @@ import re
 import pandas as pd
 import pytest
 
-from pipeline.experiments.entries import declared, with_labels
+from pipeline.experiments.entries import with_labels
 from pipeline.paths import ProjectPaths
+from pipeline.planning import declared
 from pipeline.report import (
     ReportConfig,
     build_report,
@@ -470,7 +471,7 @@ def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
     from pathlib import Path
 
     from pipeline.common.config import load_params
-    from pipeline.experiments.entries import declared
+    from pipeline.planning import declared
     from pipeline.results.readers import centralized_step_ratios
 
     study = Path(__file__).resolve().parents[1] / "reports/cpu-study"

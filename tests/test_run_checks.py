@@ -14,7 +14,7 @@ import pytest
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import ConfigError, from_dict
 from pipeline.federation import cli, localhost
-from pipeline.federation.deployment import SERVER_KEYS, ServerRunConfig
+from pipeline.federation.deployment import ServerRunConfig
 from pipeline.federation.localhost import FederationError, close_left_running, parse_run_status
 from tests.test_federated import workspace, ws  # noqa: F401,E402  (fixtures)
 
@@ -25,7 +25,8 @@ def test_the_apps_run_config_is_what_the_server_app_reads():
     # pyproject.toml's [tool.flwr.app.config]: key -> the type of its default
     with open(REPO / "pyproject.toml", "rb") as fh:
         config = tomllib.load(fh)["tool"]["flwr"]["app"]["config"]
-    assert {k: type(v) for k, v in config.items()} == SERVER_KEYS
+    read = {info.alias or name: info.annotation for name, info in ServerRunConfig.__pydantic_fields__.items()}
+    assert {k: type(v) for k, v in config.items()} == read
 
 
 @pytest.mark.parametrize(
@@ -144,8 +145,8 @@ def test_a_killed_servers_mlflow_run_is_marked_killed_and_a_finished_one_left_al
     from mlflow.tracking import MlflowClient
 
     from pipeline.experiments.plans import Plan
+    from pipeline.experiments.train_config import TrainConfig
     from pipeline.training.checkpoints import mlflow_run_id_path
-    from pipeline.training.config import TrainConfig
 
     monkeypatch.chdir(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -12,9 +12,8 @@ import pytest
 import yaml
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
-from pipeline.experiments.settings import RunSettings, load_run_settings
+from pipeline.experiments.settings import CacheConfig, RunSettings, load_run_settings
 from pipeline.federation.protocol import CONFIG_KEY, client_cache_config, client_settings_config
-from pipeline.modeling.cache import CacheConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

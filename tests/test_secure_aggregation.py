@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.secure_aggregation import max_abs, max_diff, weighted_mean
 from pipeline.common.config import ConfigError, from_dict
-from pipeline.privacy.settings import PrivacyConfig, SecAggConfig
+from pipeline.experiments.privacy import PrivacyConfig, SecAggConfig
 from tests.errors import names
 from tests.test_federated import workspace, ws  # noqa: F401  (fixtures)
 from tests.test_privacy import _params, _write_plan
@@ -228,8 +228,7 @@ def test_secure_run_unmasks_the_weighted_mean_of_the_uploads_and_matches_the_pla
 def test_the_other_averaging_methods_run_under_secure_aggregation(ws, monkeypatch, method, partition):
     # fedprox: the proximal term is the client's; post_addition: SAMSum joins in round 2 (train.join.max_round),
     # so round 2's sum has one more client
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
     from pipeline.train import run_experiment
 
     uploads, globals_ = _spy_uploads(monkeypatch), _spy_globals(monkeypatch)
@@ -379,8 +378,7 @@ def test_a_killed_secure_run_resumes_to_the_uninterrupted_result(ws, monkeypatch
     ],
 )
 def test_refused_for_servers_that_do_more_than_average_and_for_local_methods(method, why):
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     params = _params(SECURE)
     with pytest.raises(ConfigError) as exc:
@@ -391,8 +389,7 @@ def test_refused_for_servers_that_do_more_than_average_and_for_local_methods(met
 
 
 def test_accepted_for_servers_that_only_average_and_refused_with_a_lossy_transfer():
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
 
     params = _params(SECURE)
     for method in ("fedavg", "fedkd", "fedselectkd", "fedprox", "hardkd", "post_addition", "pre_addition"):
@@ -475,8 +472,8 @@ def test_secagg_group_validation():
 
 
 def test_secure_aggregation_enters_plans_only_when_on(ws):
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import plan_hash, read_plan, record_hash, resolve_plan
+    from pipeline.experiments.plans import plan_hash, read_plan, record_hash
+    from pipeline.planning import parse_entry, resolve_plan
 
     entry = parse_entry("x", {"method": "fedselectkd", "partition": "domain/seed0", "tau": 5.0}, _params(None))
     other_settings = {"clipping_range": 2.0, "num_shares": 4, "reconstruction_threshold": 3}
@@ -666,8 +663,7 @@ def test_adaptive_clipping_under_secagg_moves_c_as_in_the_clear(ws):
 
 
 def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_server(ws):
-    from pipeline.experiments.entries import parse_entry
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import parse_entry, resolve_plan
     from pipeline.train import run_experiment
 
     params = _params({**SECURE, **_client_dp(clipping_side="server")})

@@ -489,7 +489,7 @@ def test_a_failure_without_a_reason_is_recorded_by_its_error_code(ws, caplog):
 
 def _client_dp(path: str, **privacy) -> str:
     from pipeline.common.config import from_dict
-    from pipeline.privacy.settings import PrivacyConfig
+    from pipeline.experiments.privacy import PrivacyConfig
 
     plan = json.loads(Path(path).read_text())
     plan["privacy"] = from_dict(
@@ -945,8 +945,8 @@ def test_join_reads_only_the_other_clients_earlier_rounds(means, patience, thres
     """The decision for round r is a function of the existing clients' rows of rounds < r: rows of the late
     client, of round r and later, and evaluation rows without a validation loss change nothing; from max_round on
     the answer is yes."""
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=threshold, patience=patience, max_round=max_round)
     rnd = len(means) + 1
@@ -975,8 +975,8 @@ def test_join_reads_only_the_other_clients_earlier_rounds(means, patience, thres
 def test_join_waits_while_the_others_improve_and_admits_once_they_stall(start, n, patience, threshold, margin):
     """Means that drop by more than the threshold every round (relative to the best so far) keep the late client
     out until max_round; flat means admit it as soon as `patience` flat rounds follow a first one."""
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=threshold, patience=patience, max_round=99)
     factor = 1.0 - min(threshold * margin, 0.9)
@@ -993,8 +993,8 @@ def test_join_waits_while_the_others_improve_and_admits_once_they_stall(start, n
 
 
 def test_improvement_is_measured_against_the_best_earlier_round_not_the_last():
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=1, max_round=9)
     # 10 -> 12 (worse) -> 9.95: 17 % better than round 2 but only 0.5 % better than the best (10): converged
@@ -1016,8 +1016,8 @@ def test_improvement_is_measured_against_the_best_earlier_round_not_the_last():
 def test_an_improvement_of_exactly_the_threshold_is_still_learning():
     """'Improved by less than min_rel_improvement' is strict: 1.0 -> 0.5 is exactly 50 %, so with a 50 % threshold
     the others are still learning; 1.0 -> 0.75 (25 %) is below it: the late client joins."""
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.5, patience=1, max_round=9)
     assert not new_client_joins(3, _history([1.0, 0.5], spread=0.0), "New", join)
@@ -1276,10 +1276,10 @@ def test_under_secure_aggregation_the_round_is_the_secure_sum_of_the_clients_in_
     train split as the largest weight, every client, the round timeout) and takes the round's global from it; a
     client lost at unmask is failed and gets no weight share even though its metrics arrived."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.privacy import secure_aggregation
+    from pipeline.privacy import seam
 
     path = _secure_plan("loop-secure", fraction_train=1.0)
-    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(seam, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script()
     final, history, _ = run(path, script, timeout=4.5)
@@ -1302,7 +1302,7 @@ def _secure_plan(
     name: str, method: str = "fedavg", partition: str = "domain/seed0", privacy: dict | None = None, **train
 ) -> str:
     from pipeline.common.config import from_dict
-    from pipeline.privacy.settings import PrivacyConfig
+    from pipeline.experiments.privacy import PrivacyConfig
 
     path = write_plan(name, method, partition, **{"rounds": 1, **train})
     raw = json.loads(Path(path).read_text())
@@ -1315,14 +1315,14 @@ def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_release
     """Client-level DP under SecAgg+ (noise 0, C large): the runner sums 0/1 weights (max weight 1) with the
     clipped bits, the wrapper releases the uniform mean of the clients in the sum."""
     from pipeline.federation.protocol import load_plan
-    from pipeline.privacy import secure_aggregation
+    from pipeline.privacy import seam
 
     path = _secure_plan(
         "loop-secure-cdp",
         fraction_train=1.0,
         privacy={"mode": "client", "noise_multiplier": 0.0, "clipping_norm": 1e6, "clipping_side": "client"},
     )
-    monkeypatch.setattr(secure_aggregation, "SecureAggregator", _InTheClearSecure)
+    monkeypatch.setattr(seam, "SecureAggregator", _InTheClearSecure)
     _InTheClearSecure.made = []
     script = Script(weight={c: 1 for c in WEIGHTS})  # clients under client-level DP report weight 1
     final, history, _ = run(path, script, timeout=4.5)
@@ -1398,9 +1398,9 @@ def test_a_hand_written_plan_asking_secure_aggregation_of_a_server_that_does_mor
     file and the reason."""
     import dataclasses
 
+    from pipeline.experiments.privacy import secure_aggregation_refusal
     from pipeline.federation.protocol import load_plan
     from pipeline.privacy.seam import secure_aggregator as _secure_aggregator
-    from pipeline.privacy.settings import secure_aggregation_refusal
 
     plan = load_plan(_secure_plan("loop-secure-fedopt", "fedavg", rounds=1))
     fedopt = dataclasses.replace(plan, method="fedopt")

@@ -20,7 +20,7 @@ from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtu
 
 
 def _stop(**kw):
-    from pipeline.training.config import StopConfig
+    from pipeline.experiments.train_config import StopConfig
 
     return StopConfig(**{"enabled": True, "min_rel_improvement": 0.005, "patience": 3, "max_rounds": 40, **kw})
 
@@ -160,8 +160,8 @@ def test_a_late_client_s_run_counts_from_its_join():
 
 
 def test_join_admission_still_uses_the_same_test():
+    from pipeline.experiments.train_config import JoinConfig
     from pipeline.federation.server_app import new_client_joins
-    from pipeline.training.config import JoinConfig
 
     join = JoinConfig(min_rel_improvement=0.01, patience=2, max_round=10)
     history = [row for rnd, m in enumerate([10.0, 8.0, 7.95, 7.93], 1) for row in _rows(rnd, m)]
@@ -173,7 +173,7 @@ def test_join_admission_still_uses_the_same_test():
 
 def test_stop_settings_are_checked():
     from pipeline.common.config import ConfigError, from_dict
-    from pipeline.training.config import TrainConfig
+    from pipeline.experiments.train_config import TrainConfig
 
     for bad in ({"patience": 0}, {"min_rel_improvement": 1.0}, {"max_rounds": 0}, {"rounds_max": 3}):
         with pytest.raises(ConfigError, match=r"train\.stop"):

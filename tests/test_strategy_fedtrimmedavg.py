@@ -67,7 +67,8 @@ def _with_trimmed_experiment(**trimmed) -> dict:
 
 
 def test_its_settings_enter_its_own_plan_only(tmp_path):
-    from pipeline.experiments.plans import read_plan, write_plans
+    from pipeline.experiments.plans import read_plan
+    from pipeline.planning import write_plans
 
     params = _with_trimmed_experiment()
     plans = {p.stem: json.loads(p.read_text()) for p in write_plans(params, tmp_path / "a")}
@@ -85,8 +86,7 @@ def test_its_settings_enter_its_own_plan_only(tmp_path):
 
 
 def test_a_bad_beta_is_refused_naming_the_key():
-    from pipeline.experiments.entries import declared
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import declared, resolve_plan
 
     params = _with_trimmed_experiment(beta=0.5)
     with pytest.raises(ConfigError) as err:
@@ -95,8 +95,8 @@ def test_a_bad_beta_is_refused_naming_the_key():
 
 
 def test_secure_aggregation_and_client_level_dp_refuse_it():
-    from pipeline.privacy.settings import AVERAGING_STRATEGIES, PrivacyConfig, secure_aggregation_refusal
-    from pipeline.training.methods import get_method
+    from pipeline.experiments.methods import get_method
+    from pipeline.experiments.privacy import AVERAGING_STRATEGIES, PrivacyConfig, secure_aggregation_refusal
 
     assert "fedtrimmedavg" not in AVERAGING_STRATEGIES and {"fedavg", "fedprox"} <= set(AVERAGING_STRATEGIES)
     assert "fedtrimmedavg" in secure_aggregation_refusal(get_method("fedtrimmedavg"), "fp32", PrivacyConfig())

@@ -106,7 +106,8 @@ def _git(cwd: Path, *args: str) -> str:
 
 
 def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
-    from pipeline.experiments.plans import plan_hash, read_plan, write_plans
+    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.planning import write_plans
     from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags
 

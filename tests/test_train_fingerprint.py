@@ -66,8 +66,7 @@ def test_train_stage_deps_are_its_import_closure_less_the_extension_modules(trai
 
 
 def _plans(params) -> dict:
-    from pipeline.experiments.entries import declared
-    from pipeline.experiments.plans import resolve_plan
+    from pipeline.planning import declared, resolve_plan
 
     return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
 

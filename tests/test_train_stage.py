@@ -40,7 +40,7 @@ def _params(**top) -> dict:
 
 
 def _plans(tmp_path: Path, params: dict, sub: str) -> dict[str, str]:
-    from pipeline.experiments.plans import write_plans
+    from pipeline.planning import write_plans
 
     out = tmp_path / sub
     write_plans(params, out)
@@ -100,7 +100,7 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
 
 
 def test_train_config_rejects_bad_transfer_and_weighting():
-    from pipeline.training.config import TrainConfig
+    from pipeline.experiments.train_config import TrainConfig
 
     for bad, message in [
         ({"transfer_dtype": "bf16"}, "transfer_dtype"),
@@ -112,7 +112,7 @@ def test_train_config_rejects_bad_transfer_and_weighting():
 
 
 def test_plan_rejects_bad_entries(tmp_path):
-    from pipeline.experiments.plans import write_plans
+    from pipeline.planning import write_plans
 
     bad = [
         ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
@@ -133,7 +133,8 @@ def test_plan_rejects_bad_entries(tmp_path):
 
 def test_default_experiments_resolve(tmp_path):
     """Every experiment of the repo's params.yaml makes a valid plan (method, partition, overrides)."""
-    from pipeline.experiments.plans import read_plan, write_plans
+    from pipeline.experiments.plans import read_plan
+    from pipeline.planning import write_plans
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     written = write_plans(params, tmp_path / "plans")
@@ -239,9 +240,9 @@ def test_accumulation_gradient_equals_the_gradient_of_the_full_batch():
 
 
 def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
+    from pipeline.experiments.train_config import TrainConfig
     from pipeline.modeling.adapters import HoulsbyAdapter
     from pipeline.training.client_training import adamw_groups
-    from pipeline.training.config import TrainConfig
 
     adapter = HoulsbyAdapter(8, 4, bias=True)
     groups = adamw_groups(adapter, TrainConfig(weight_decay=0.01))

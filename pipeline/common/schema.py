@@ -52,14 +52,15 @@ class CanonicalRecord:
     domain: str
     split: str
     meeting_id: str
-    query_index: int
-    query: str
-    query_type: str
     turns: list[Turn]
-    spans: list[tuple[int, int]]
     summary: str
     source_file: str
     source_line: int
+    # a query's (QMSum); a dialogue or meeting corpus has one summary a record and no query
+    query_index: int = -1
+    query: str = ""
+    query_type: str = "none"
+    spans: list[tuple[int, int]] = field(default_factory=list)
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)

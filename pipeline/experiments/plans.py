@@ -1,4 +1,4 @@
-"""Plan files: the one writer and reader of ``models/plans/<exp>.json``. A plan holds exactly what its experiment's
+"""Plan files as the stages read them (``models/plans/<exp>.json``; pipeline.planning writes them). A plan holds exactly what its experiment's
 result depends on, so a params change reruns only the experiments it affects; run-time settings and paths stay out
 of plans (docs/ARCHITECTURE.md, "Experiments, plans and run-time settings").
 """
@@ -8,128 +8,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.common import atomic
-from pipeline.common.config import ConfigError, from_dict, group
-from pipeline.common.integrity import file_hash
-from pipeline.experiments.entries import Experiment, declared
-from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, run_settings
-from pipeline.federation.strategies.catalog import get_strategy
-from pipeline.modeling.cache import DTYPES
-from pipeline.modeling.gates.catalog import GATES, MODE_GATES
-from pipeline.modeling.losses import KDConfig
-from pipeline.modeling.model import ModelConfig
-from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
+from pipeline.common.config import ConfigError, from_dict
+from pipeline.experiments.methods import MethodSpec, get_method
+from pipeline.experiments.model import ModelConfig
+from pipeline.experiments.privacy import PrivacyConfig
+from pipeline.experiments.train_config import TrainConfig, train_config
 from pipeline.paths import PATHS
-from pipeline.privacy.settings import PrivacyConfig, client_level_problem, secure_aggregation_refusal
-from pipeline.training.config import TrainConfig, train_config
-from pipeline.training.methods import MethodSpec, get_method
 
 # Runs in progress (Plan.paths out_dir): git- and DVC-ignored, beside the prefix cache.
 RUNS_DIR = PATHS.root / "data/cache/runs"
-MODEL_RESULT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))
-
-
-# Train keys that only matter for some methods: left out of other methods' plans so changing them does not
-# rerun experiments whose result cannot change.
-_KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
-_FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")
-
-
-def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
-    out = dataclasses.asdict(train)
-    strategy_params = out.pop("strategy_params")
-    drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
-    if method.kd_mode == "ce":
-        drop.update(_KD_KEYS)
-    if method.kd_mode != "selective":
-        drop.update(("entropy_log_base", "tau_scale", "kd_gate"))
-    if method.new_client is None:
-        drop.add("new_client")
-    if method.new_client != "post":
-        drop.add("join")
-    if not train.stop.enabled:
-        drop.add("stop")  # a fixed number of rounds: plans as before train.stop existed
-    if not method.federated:
-        drop.update(_FEDERATED_KEYS)
-    if method.local_from_global:
-        drop.add("local_adapter")  # the server average overwrites the adapter whatever this says
-    if train.transfer_dtype == "fp32":
-        drop.add("transfer_delta")  # fp32 sends the weights themselves, exactly
-    if train.max_train_examples_per_client is None:
-        drop.add("weight_by")  # no cap: the trained count is the full train size
-    if method.strategy is not None:  # the settings of this method's strategy only (its own params keys)
-        out.update(get_strategy(method.strategy).plan_entries(strategy_params))
-    return {k: v for k, v in out.items() if k not in drop}
-
-
-def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
-    """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
-    used = []
-    if method.strategy is not None:
-        used.append(get_strategy(method.strategy).build)
-    if method.kd_mode != "ce":
-        used.append(GATES[MODE_GATES.get(method.kd_mode, kd_gate)])
-    return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
-
-
-def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
-    """The resolved configuration of one experiment (what its train stage reads)."""
-    method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
-    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
-    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
-    if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
-        train = dataclasses.replace(train, rounds=train.stop.max_rounds)
-    model = params.get("model") or {}
-    plan: dict[str, Any] = {
-        "experiment": exp.name,
-        "study": exp.study,
-        "method": method.name,
-        "partition": exp.partition,
-        "seed": exp.seed,
-        "train": _relevant_train(train, method),
-        "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
-    }
-    if method.federated and exp.scheme in SCHEMES:
-        # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
-        plan["clients"] = scheme_client_names(
-            exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
-        )
-    if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
-        plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
-    if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(
-            f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
-            f"client might never join"
-        )
-    if method.uses_tau:
-        plan["tau"] = exp.tau
-        # the loss's own check of tau against train.tau_scale, at plan time rather than in training
-        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale, "kd_gate": train.kd_gate}, where)
-    privacy = exp.privacy_config(params)
-    if privacy.mode == "client" and (problem := client_level_problem(method, train.transfer_dtype, privacy)):
-        raise ConfigError(f"{where}: privacy.mode client: {problem}")
-    if privacy.secure_aggregation and (refusal := secure_aggregation_refusal(method, train.transfer_dtype, privacy)):
-        raise ConfigError(f"{where}: privacy.secure_aggregation: {refusal}")
-    if (privacy.enabled or privacy.secure_aggregation) and method.federated:
-        if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
-            # the gate of every token would depend on the other examples of its batch: no per-example bound
-            raise ConfigError(
-                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
-                f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
-                f"max_entropy"
-            )
-        plan["privacy"] = privacy.plan_dict()
-    if method.uses_postags and PATHS.postags.exists():
-        # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
-        plan["postags_md5"] = file_hash(PATHS.postags, "md5")
-    if extensions := extension_md5(method, train.kd_gate):
-        plan["extension_md5"] = extensions
-    return plan
 
 
 @dataclass
@@ -212,41 +103,3 @@ def read_plan(path: str | Path) -> Plan:
         raise ConfigError(f"{p}: not a plan file ({exc})") from None
     from_dict(ModelConfig, plan.model, f"{p}: model")  # before the stage touches its outputs or MLflow
     return plan
-
-
-def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
-    # Checked here, before any plan is written, although only the train stage builds the model from it.
-    check_model_group(params)
-    run_settings(params)
-    return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
-
-
-def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
-    plans = check_params(params)
-    # Every experiment is checked before the first plan is written: a bad entry leaves the old plans as they were.
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, plan in plans.items():
-        path = out_dir / f"{name}.json"
-        text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
-        # Rewrite only on change: the file is what downstream stages hash.
-        if not path.exists() or path.read_text() != text:
-            atomic.write_text(path, text)
-        written.append(path)
-    # A plan whose experiment left the params file is stale: remove it so nothing trains from it.
-    for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
-        stale.unlink()
-    return written
-
-
-def check_model_group(params: dict[str, Any]) -> ModelConfig:
-    """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
-    model = group(params, "model")
-    known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
-    unknown = sorted(set(model) - known)
-    if unknown:
-        raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    if model.get("cache_dtype", "float32") not in DTYPES:
-        raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
-    return ModelConfig.from_group(model)

@@ -9,8 +9,17 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from pipeline.common.config import Positive, config, from_dict, group, load_params
-from pipeline.modeling.cache import CacheConfig
+from pipeline.common.config import NonNegative, Positive, config, from_dict, group, load_params
+
+
+@config
+class CacheConfig:
+    """Where the prefix cache lives and what the caches may hold; no result depends on it, so plans leave it out
+    (RunSettings below; the entries' dtype, which does, travels in the plan)."""
+
+    cache_dir: str = "data/cache/prefix"
+    cache_max_gb: NonNegative = 4.0
+    teacher_cache_gb: NonNegative = 1.0  # read by nothing since local training recomputes the teacher, stacked
 
 
 @config

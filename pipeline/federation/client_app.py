@@ -4,11 +4,13 @@ only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.sum
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import make_ffn
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
@@ -26,10 +28,10 @@ from pipeline.federation.protocol import (
 )
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.modeling.adapters import load_adapter
-from pipeline.privacy import seam as privacy
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names, read_partition
+from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
 log = logging.getLogger("fedmeet.federated")
@@ -96,9 +98,20 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
-# The train handler with its privacy mods (pipeline.privacy.seam.register_train). train_round is looked up when a
-# message comes, so a wrapper set on this module (tests, instrumentation) is the one that runs.
-client_train = privacy.register_train(client_app, lambda msg, context: train_round(msg, context))
+def client_train(msg: Message, context: Context) -> Message:
+    """train_round behind privacy's checks (pipeline.privacy.seam.client_train, when registered). train_round is looked
+    up when a message comes, so a wrapper set on this module (tests, instrumentation) is the one that runs."""
+    return privacy.client_train(msg, context, lambda m, c: train_round(m, c))
+
+
+def client_train_with_mods(hooks, msg: Message, context: Context) -> Message:
+    """The train handler: :func:`client_train` inside privacy's Flower mods (SecAgg+, client-level DP's clipping)."""
+    return make_ffn(client_train, hooks.train_mods())(msg, context)
+
+
+# The handler holds the hooks object itself: a process that unpickles this app (a Ray worker) imports the privacy
+# mechanisms registered in the process that built it, which registers them there too.
+client_app.train()(functools.partial(client_train_with_mods, privacy))
 
 
 def train_round(msg: Message, context: Context) -> Message:

@@ -9,7 +9,7 @@ from typing import get_args
 
 import torch
 
-from pipeline.training.config import TransferDtype
+from pipeline.experiments.train_config import TransferDtype
 
 TRANSFER_DTYPES = get_args(TransferDtype)
 SCALE_SUFFIX = ".int8_scale"
@@ -32,6 +32,9 @@ def encode_state(
     state: dict[str, torch.Tensor], dtype: str = "fp32", reference: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
     """Encode a float state dict for transfer (``dtype`` in fp32|fp16|int8), optionally as a delta to ``reference``."""
+    if reference is not None and (missing := sorted(set(state) - set(reference))):
+        raise ValueError(f"delta encoding: reference lacks key(s) {missing[:4]}")
+    out: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if key.endswith(SCALE_SUFFIX):
             raise ValueError(f"state key {key!r} ends with the reserved suffix {SCALE_SUFFIX!r}")
@@ -41,20 +44,13 @@ def encode_state(
             )
         if not torch.isfinite(value).all():
             raise ValueError(f"state key {key!r}: contains NaN or inf; refusing to send it")
-    if reference is not None:
-        missing = sorted(set(state) - set(reference))
-        if missing:
-            raise ValueError(f"delta encoding: reference lacks key(s) {missing[:4]}")
-        for key, value in state.items():
+        x = value.detach().to("cpu", torch.float32)
+        if reference is not None:
             if tuple(reference[key].shape) != tuple(value.shape):
                 raise ValueError(
                     f"delta encoding: {key} has shape {tuple(value.shape)} but the reference "
                     f"{tuple(reference[key].shape)}"
                 )
-    out: dict[str, torch.Tensor] = {}
-    for key, value in state.items():
-        x = value.detach().to("cpu", torch.float32)
-        if reference is not None:
             x = x - reference[key].detach().to("cpu", torch.float32)
         if dtype == "fp32":
             out[key] = x.contiguous().clone()

@@ -84,9 +84,6 @@ class ServerRunConfig:
         return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
 
 
-SERVER_KEYS = {info.alias or name: info.annotation for name, info in ServerRunConfig.__pydantic_fields__.items()}
-
-
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
     node_ids = sorted(grid.get_node_ids())
@@ -260,15 +257,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     out_dir = Path(plan.paths["out_dir"])
     checkpoint = load_server_checkpoint(plan)
     # `flwr run --stream` shows the ServerApp's output: the operator sees where the run starts
-    print(
-        f"{plan.experiment}: "
-        + (
-            f"resuming from round {int(checkpoint['round']) + 1} of {plan.train.rounds} (server checkpoint)"
-            if checkpoint
-            else f"starting at round 1 of {plan.train.rounds}"
-        ),
-        flush=True,
-    )
+    where = f"resuming from round {int(checkpoint['round']) + 1}" if checkpoint else "starting at round 1"
+    source = " (server checkpoint)" if checkpoint else ""
+    print(f"{plan.experiment}: {where} of {plan.train.rounds}{source}", flush=True)
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if run.mlflow else None
 

@@ -306,6 +306,10 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             log.close()
         return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
 
+    def failed(self, what: str) -> FederationError:
+        """The error of a run that ended with ``what``: where its logs are and where a rerun starts."""
+        return FederationError(f"{what}; logs in {self.procs.log_dir}; {self._resume_hint()}")
+
     def _resume_hint(self) -> str:
         """Where a rerun starts: round 1, or the one after the server's last checkpointed round (a resumed run)."""
         from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path
@@ -325,9 +329,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         the federated evaluation when this run wrote one."""
         metrics = self.workdir / self.plan.paths["reports_dir"] / "metrics.json"
         if not metrics.exists() or metrics.stat().st_mtime < since:
-            raise FederationError(
-                f"the run ended without writing {metrics}; logs in {self.procs.log_dir}; {self._resume_hint()}"
-            )
+            raise self.failed(f"the run ended without writing {metrics}")
         evaluated = self.workdir / PATHS.eval_dir(self.plan.experiment) / "metrics.json"
         fresh = evaluated.exists() and evaluated.stat().st_mtime >= since
         return json.loads(metrics.read_text()) | ({"rouge": json.loads(evaluated.read_text())["mean"]} if fresh else {})
@@ -346,9 +348,7 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             fed.start()
             run = fed.stream(fed.submit())
             if run.returncode != 0:
-                raise FederationError(
-                    f"`flwr run` exited with status {run.returncode}; logs in {fed.procs.log_dir}; {fed._resume_hint()}"
-                )
+                raise fed.failed(f"`flwr run` exited with status {run.returncode}")
             found = RUN_ID.search(run.output)
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
@@ -358,9 +358,7 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             )
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
-                raise FederationError(
-                    f"run {found.group(1)} {status}: {cause}; logs in {fed.procs.log_dir}; {fed._resume_hint()}"
-                )
+                raise fed.failed(f"run {found.group(1)} {status}: {cause}")
             return run, fed.check_outputs(started)
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:

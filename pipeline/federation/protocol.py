@@ -15,9 +15,9 @@ from flwr.serverapp import Grid
 
 from pipeline.common.config import from_dict
 from pipeline.experiments.plans import Plan, read_plan
+from pipeline.experiments.settings import CacheConfig
 from pipeline.federation.compression import decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
-from pipeline.modeling.cache import CacheConfig
 from pipeline.training.shared_model import initial_adapter_state
 
 ARRAYS_KEY = "arrays"  # Flower strategies' default ArrayRecord key

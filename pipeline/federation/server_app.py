@@ -32,10 +32,10 @@ from pipeline.federation.protocol import (
 )
 from pipeline.federation.strategies.catalog import build_strategy
 from pipeline.federation.strategies.registry import restore_strategy_state, strategy_state
-from pipeline.privacy import seam as privacy
 from pipeline.training import checkpoints
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder, RoundLog
+from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import initial_adapter_state
 from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should_stop

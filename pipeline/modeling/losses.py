@@ -23,23 +23,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import torch
-from pydantic import BeforeValidator, model_validator
+from pydantic import model_validator
 
 from pipeline.common.config import Fraction, Positive, config
+from pipeline.experiments.methods import KdMode
+from pipeline.experiments.train_config import KdDirection, LogBase, Normalisation, TauScale
 from pipeline.modeling.batching import IGNORE_INDEX
 from pipeline.modeling.gates.catalog import GATES, gate_of
 from pipeline.modeling.gates.registry import GATE_SETTINGS, TeacherRows
 
-KdMode = Literal["ce", "kd", "selective", "hard"]
-KdDirection = Literal["teacher_to_student", "student_to_teacher"]
-# The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
-LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
-Normalisation = Literal["tokens", "sequences"]
-# How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
-TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered gate (pipeline.modeling.gates)
 
 

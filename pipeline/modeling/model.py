@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pipeline.common.config import ConfigError, PositiveInt, TokenLength, config, from_dict
+from pipeline.common.config import ConfigError
 from pipeline.common.integrity import check_model_dir
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.adapter_stack import AdapterStack
 from pipeline.modeling.adapters import AdapterConfig, AdapterSet, output_layer_norm
 from pipeline.modeling.batching import IGNORE_INDEX, Batch
@@ -29,26 +30,9 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch
 PATHS = ("global", "local")
 
 
-@config
-class ModelConfig:
-    """The ``model`` params group's keys that shape the model (the cache's: pipeline.modeling.cache.CacheConfig)."""
-
-    # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
-    top_k: PositiveInt = 2
-    bottleneck: PositiveInt = 768
-    adapter_bias: bool = True
-    adapter_init_std: float = 0.02
-    max_source_length: TokenLength = 512
-    max_target_length: TokenLength = 96
-
-    @classmethod
-    def from_group(cls, group: dict | None, where: str = "model") -> ModelConfig:
-        """From the `model` params group, leaving out its cache keys (pipeline.experiments checks those)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return from_dict(cls, {k: v for k, v in (group or {}).items() if k in names}, where)
-
-    def adapter_config(self, seed: int | None = None) -> AdapterConfig:
-        return AdapterConfig(self.top_k, self.bottleneck, self.adapter_bias, self.adapter_init_std, seed)
+def adapter_config(model: ModelConfig, seed: int | None = None) -> AdapterConfig:
+    """The adapter sets of the ``model`` params group (its shape keys: pipeline.experiments.plans.ModelConfig)."""
+    return AdapterConfig(model.top_k, model.bottleneck, model.adapter_bias, model.adapter_init_std, seed)
 
 
 @dataclass

@@ -60,19 +60,19 @@ def check_partition(part: Partition, examples: pd.DataFrame) -> None:
         )
 
 
+def excluded_counts(part: Partition) -> dict[str, Any]:
+    return {"count": len(part.excluded), "by_reason": dict(sorted(Counter(part.excluded.values()).items()))}
+
+
 def partition_json(part: Partition, scheme: str, seed: int, cfg: PartitionConfig) -> dict[str, Any]:
     params = asdict(getattr(cfg, scheme)) if hasattr(cfg, scheme) else {}
-    by_reason = Counter(part.excluded.values())
+    excluded = excluded_counts(part) | {"example_ids": sorted(part.excluded)}
     return {
         "scheme": scheme,
         "seed": seed,
         "params": params,
         "clients": part.clients,
-        "excluded": {
-            "count": len(part.excluded),
-            "by_reason": dict(sorted(by_reason.items())),
-            "example_ids": sorted(part.excluded),
-        },
+        "excluded": excluded,
     }
 
 
@@ -116,7 +116,7 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
             "mean_off_diagonal": round(float(np.mean(off)), 4) if off else None,
         },
         "n_assigned": len(part.assigned()),
-        "excluded": {"count": len(part.excluded), "by_reason": dict(sorted(Counter(part.excluded.values()).items()))},
+        "excluded": excluded_counts(part),
     }
 
 

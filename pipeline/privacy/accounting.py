@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.privacy.settings import DEFAULT_DELTA, PrivacyConfig
+from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig
 
 
 @lru_cache(maxsize=256)

@@ -1,15 +1,26 @@
-"""The privacy package's door: the calls other modules make, so that what a privacy mode changes stays in
-pipeline/privacy/ (a run without privacy gets ``None`` back), and the run's privacy records (metrics.json, MLflow)."""
+"""The privacy package's door: the calls a run makes where a privacy mode changes something, so that what it changes
+stays in pipeline/privacy/ (a run without privacy gets ``None`` back), and the run's privacy records (metrics.json,
+MLflow). Importing this module registers them into pipeline.training.privacy_hooks, through which training and
+federation call them (they do not import privacy); the entry points that build runs import it."""
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
+from flwr.app import MetricRecord
+
+from pipeline.common.config import ConfigError
+from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
+from pipeline.federation.protocol import load_plan, plan_path_of
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
+from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
-from pipeline.privacy.settings import client_level_problem, secure_aggregation_refusal
+from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
+from pipeline.training.client_data import read_partition
+from pipeline.training.privacy_hooks import register_privacy
 
 
 def local_steps(
@@ -34,9 +45,6 @@ def local_steps(
 
 def check_run(plan) -> None:
     """Refuse, before anything trains, a delta of 1/n or more or an unreachable target epsilon."""
-    from pipeline.common.config import ConfigError
-    from pipeline.training.client_data import read_partition
-
     cfg = plan.privacy
     if cfg is None or not cfg.enabled or not plan.spec.federated:
         return
@@ -60,8 +68,6 @@ def client_level(plan, strategy, population: int):
     """(strategy, round record): under privacy.mode client both the DP strategy around ``strategy``."""
     if plan.privacy is None or plan.privacy.mode != "client":
         return strategy, None
-    from pipeline.privacy.client_dp import ClientLevelDP
-
     problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if problem:  # the plan stage refuses it; a plan file written by hand is refused here
         raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
@@ -76,9 +82,6 @@ def secure_aggregator(
     clients reported at admission, else the partition file's)."""
     if plan.privacy is None or not plan.privacy.secure_aggregation:
         return None
-    from pipeline.privacy.secure_aggregation import SecureAggregator
-    from pipeline.training.client_data import read_partition
-
     refusal = secure_aggregation_refusal(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if refusal is not None:  # a plan file written by hand: the plan stage refuses it already
         raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
@@ -100,27 +103,25 @@ def secure_aggregator(
     return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)
 
 
-def register_train(app, train_round):
-    """The ClientApp's train handler behind SecAgg+'s mod and client-level DP's clipping mod (also on SecAgg+'s
-    legacy FitIns, before the masking). The client, not the server, decides whether its adapter may leave in the
-    clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
-    from pipeline.federation.protocol import load_plan, plan_path_of
-    from pipeline.privacy.client_dp import client_dp_mod
-    from pipeline.privacy.secure_aggregation import is_legacy_fit, legacy_fit, secure_aggregation_mod
+def client_train(msg, context, train_round):
+    """The ClientApp's train handler inside privacy's mods (:func:`train_mods`): SecAgg+'s legacy FitIns go through
+    client-level DP's clipping mod before the masking. The client, not the server, decides whether its adapter may
+    leave in the clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
+    if is_legacy_fit(msg):
+        return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
+    plan = load_plan(plan_path_of(msg, context))
+    if plan.privacy is not None and plan.privacy.secure_aggregation:
+        raise ValueError(
+            f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
+            f"its adapter only through SecAgg+"
+        )
+    return train_round(msg, context)
 
-    @app.train(mods=[secure_aggregation_mod, client_dp_mod])
-    def client_train(msg, context):
-        if is_legacy_fit(msg):
-            return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
-        plan = load_plan(plan_path_of(msg, context))
-        if plan.privacy is not None and plan.privacy.secure_aggregation:
-            raise ValueError(
-                f"{plan.experiment}: the plan sets privacy.secure_aggregation; this client uploads "
-                f"its adapter only through SecAgg+"
-            )
-        return train_round(msg, context)
 
-    return client_train
+def train_mods() -> list:
+    """Flower mods around the train handler: SecAgg+'s and client-level DP's clipping (each passes a message through
+    unless its plan asks for it)."""
+    return [secure_aggregation_mod, client_dp_mod]
 
 
 STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
@@ -133,8 +134,6 @@ def dp_steps(context) -> int | None:
 
 
 def restore_dp_steps(context, steps: int | None) -> None:
-    from flwr.app import MetricRecord
-
     if steps is not None:
         context.state[STEPS_KEY] = MetricRecord({"steps": int(steps)})
 
@@ -264,3 +263,6 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             "secagg.clipped_coordinates": sa["clipped_coordinates"],
         }
     return out
+
+
+register_privacy(sys.modules[__name__])  # each of its calls privacy_hooks names

@@ -26,6 +26,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 from flwr.supercore.differential_privacy import KEY_NORM_BIT
 
+from pipeline.experiments.privacy import SECAGG_MODULUS, SecAggConfig
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CLIPPED_KEY,
@@ -36,7 +37,6 @@ from pipeline.federation.protocol import (
     payload_bytes,
 )
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
-from pipeline.privacy.settings import SECAGG_MODULUS, SecAggConfig
 
 ARRAY_KEYS = "array-keys"  # FitIns config: the adapter's tensor names (legacy Parameters carry none), as JSON
 FLOAT32_EPS = 2.0**-24  # unit roundoff of float32

@@ -112,21 +112,9 @@ class Analysis:
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate, stats = client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
-            plot_pos(
-                client,
-                rec["pos"],
-                rec["kd_usage_ratio"],
-                rec["paper_kd_usage_ratio"],
-                figures / f"pos_{slug(client)}.png",
-            )
-            plot_entropy(
-                client,
-                gate,
-                stats,
-                tau,
-                [r["best_round"] for r in per_seed.values()],
-                figures / f"entropy_{slug(client)}.png",
-            )
+            plot_pos(client, rec, figures / f"pos_{slug(client)}.png")
+            best = [r["best_round"] for r in per_seed.values()]
+            plot_entropy(client, gate, stats, tau, best, figures / f"entropy_{slug(client)}.png")
         return clients, usages
 
     def hardkd(self, figures: Path) -> dict[str, Any]:

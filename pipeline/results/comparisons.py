@@ -120,6 +120,12 @@ def stacked(frames: Iterable[pd.DataFrame], client: str, ids: list[str], column:
     return np.stack([f[column].to_numpy(dtype=float) for f in client_rows(frames, client, ids)])
 
 
+def _predictions(path: Path) -> dict[tuple[str, str], str]:
+    """(client, example id) -> the summary generated, from an evaluation's predictions.jsonl ({} without one)."""
+    rows = read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
+    return {(str(c), str(e)): str(p) for c, e, p in rows}
+
+
 def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[dict[str, Any]]:
     """Rows for A - B: per client and on the client average, per metric; [] when they share no seed or example."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
@@ -134,16 +140,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         return []
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
-        paths = [eval_dir / seeds[s] / "predictions.jsonl" for seeds in (seeds_a, seeds_b)]
-        pa, pb = (
-            {
-                (str(c), str(e)): str(p)
-                for c, e, p in (
-                    read_predictions(path, ("client", "example_id", "prediction")) if path.is_file() else []
-                )
-            }
-            for path in paths
-        )
+        pa, pb = (_predictions(eval_dir / runs[s] / "predictions.jsonl") for runs in (seeds_a, seeds_b))
         for client, ids in shared.items():
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 

@@ -49,13 +49,13 @@ class KeyEntry:
 
 
 def predictions_by_method(
-    planned: Iterable[Experiment], eval_dir: Path, study: str = "main", seed: int | None = None
+    planned: Iterable[Experiment], eval_dir: Path, study: str = "main"
 ) -> tuple[dict[str, dict[str, Prediction]], int | None]:
-    """method -> example_id -> Prediction for one study and seed (default: the lowest seed with predictions)."""
+    """method -> example_id -> Prediction for one study's lowest seed with predictions, and that seed."""
     avail = [p for p in planned if p.study == study and (eval_dir / p.name / "predictions.jsonl").is_file()]
     if not avail:
         return {}, None
-    chosen_seed = min(p.seed for p in avail) if seed is None else seed
+    chosen_seed = min(p.seed for p in avail)
     out: dict[str, dict[str, Prediction]] = {}
     for p in sorted(avail, key=lambda p: p.name):
         if p.seed == chosen_seed and p.method not in out:
@@ -72,13 +72,9 @@ def example_info(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(zip(df["example_id"], df["query"].fillna(""))), dict(zip(df["example_id"], df["meeting_id"]))
 
 
-def case_study(
-    preds: dict[str, dict[str, Prediction]],
-    queries: dict[str, str],
-    seed: int,
-    methods: tuple[str, str] = ("fedavg", "fedselectkd"),
-) -> str | None:
+def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str], seed: int) -> str | None:
     """One test example per domain: FedAvg's and SelectKD's summary and the gold one (seeded choice)."""
+    methods = ("fedavg", "fedselectkd")
     if not all(m in preds for m in methods):
         return None
     scorer = Scorer()
@@ -269,13 +265,8 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             if raw.lower() not in JUDGEMENTS:
                 raise DataError(f"{f}:{line_no}: judgement {raw!r} for {item}; expected A, B or tie")
             choice, entry = JUDGEMENTS[raw.lower()], key[item]
-            judged.append(
-                (
-                    entry.opponent,
-                    entry.domain,
-                    "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss"),
-                )
-            )
+            outcome = "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")
+            judged.append((entry.opponent, entry.domain, outcome))
             per_file[f.name] += 1
     counts = Counter(judged)
     opponents = sorted({o for o, _, _ in judged})

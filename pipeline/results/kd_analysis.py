@@ -125,14 +125,7 @@ def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
     for rnd, g in gate.groupby("round"):
         h = g["entropy"].to_numpy(dtype=float)
         inconsistent = int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0
-        rows.append(
-            {
-                "round": int(rnd),
-                "pass_fraction": float(g["kd_applied"].mean()),
-                "entropy_q50": float(np.quantile(h, 0.5)),
-                "gate_inconsistent": inconsistent,
-            }
-        )
+        rows.append((int(rnd), float(g["kd_applied"].mean()), float(np.quantile(h, 0.5)), inconsistent))
     return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
 
 
@@ -207,20 +200,9 @@ def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -
     }
 
 
-SWEEP_COLUMNS = [
-    "experiment",
-    "client",
-    "tau",
-    "tau_scale",
-    "seed",
-    "avg_rouge",
-    "rouge1",
-    "rouge2",
-    "rougeL",
-    "kd_usage_ratio",
-    "noun_verb_kd_rate",
-    "det_pron_share_of_no_kd",
-]
+# A sweep point: which run and client, its ROUGE, its KD usage ratio and its POS pattern.
+SWEEP_SCORES, SWEEP_POS = ("avg_rouge", "rouge1", "rouge2", "rougeL"), ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
+SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", *SWEEP_SCORES, "kd_usage_ratio", *SWEEP_POS]
 
 
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
@@ -239,13 +221,9 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
                 "tau": run.tau,
                 "tau_scale": run.tau_scale,
                 "seed": run.seed,
-                "avg_rouge": s["avg_rouge"],
-                "rouge1": s["rouge1"],
-                "rouge2": s["rouge2"],
-                "rougeL": s["rougeL"],
+                **{m: s[m] for m in SWEEP_SCORES},
                 "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
-                "noun_verb_kd_rate": pos.get("noun_verb_kd_rate", math.nan),
-                "det_pron_share_of_no_kd": pos.get("det_pron_share_of_no_kd", math.nan),
+                **{k: pos.get(k, math.nan) for k in SWEEP_POS},
             }
         )
     return rows
@@ -285,9 +263,9 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-def plot_pos(
-    client: str, dist: dict[str, dict[str, float]], ratio: float, paper_ratio: float | None, path: Path
-) -> None:
+def plot_pos(client: str, record: dict[str, Any], path: Path) -> None:
+    """The POS distribution of a client's :func:`client_summary` record and its KD usage, ours and the paper's."""
+    dist, ratio, paper_ratio = record["pos"], record["kd_usage_ratio"], record["paper_kd_usage_ratio"]
     tags = list(dist)
     x = np.arange(len(tags))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Method keys as pipeline.training.methods names them, in the paper's column order, with the paper's names.
+# Method keys as pipeline.experiments.methods names them, in the paper's column order, with the paper's names.
 METHOD_ORDER: tuple[str, ...] = ("single", "centralized", "fedavg", "fedkd", "fedselectkd")
 PAPER_METHOD_NAMES: dict[str, str] = {
     "single": "AdaSingle",

@@ -90,13 +90,7 @@ def collect_scores(
             rows.append(
                 {
                     "experiment": p.name,
-                    "study": p.study,
-                    "label": labels[p.name],
-                    "method": p.method,
-                    "scheme": p.scheme,
-                    "tau": p.tau,
-                    "variant": p.variant,
-                    "dp": getattr(p, "dp", ""),
+                    **{c: labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS},
                     "seed": p.seed,
                     "backbone": metrics.get("backbone") or "unknown",
                     "client": client,
@@ -178,15 +172,7 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
         best, last = found.get(client, (None, None))
         stated = (clients.get(client) or {}).get("converged", metrics.get("converged"))
         flagged = (not bool(stated)) if stated is not None else (None if best is None else best == last)
-        rows.append(
-            {
-                "experiment": experiment,
-                "client": client,
-                "best_round": best,
-                "last_round": last,
-                "best_is_last": flagged,
-            }
-        )
+        rows.append(dict(zip(CONVERGENCE_COLUMNS, (experiment, client, best, last, flagged), strict=True)))
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 
 

@@ -39,18 +39,8 @@ def aggregate(
     for p in planned:
         planned_seeds[tuple(labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS)].add(p.seed)
     keys = [*GROUP_COLS, "backbone", "client"]
+    columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
     out_rows = []
-    if scores.empty:
-        return pd.DataFrame(
-            columns=[
-                *keys,
-                *[f"{m}_mean" for m in METRICS],
-                *[f"{m}_std" for m in METRICS],
-                "n_seeds",
-                "seeds",
-                "missing_seeds",
-            ]
-        )
     frame = scores.copy()
     frame["tau"] = frame["tau"].astype(object).where(frame["tau"].notna(), None)
     for key, grp in frame.groupby(keys, dropna=False, sort=False):
@@ -67,7 +57,7 @@ def aggregate(
         rec["seeds"] = ",".join(map(str, seeds))
         rec["missing_seeds"] = ",".join(map(str, sorted(want - set(seeds))))
         out_rows.append(rec)
-    return pd.DataFrame(out_rows)
+    return pd.DataFrame(out_rows, columns=columns)
 
 
 def fmt(mean: float, std: float, n: int | None = None) -> str:
@@ -119,19 +109,10 @@ def main_table(
         if p.study == "main" and labels[p.name] not in set(sub["label"]):
             absent.setdefault(labels[p.name], (p.method, set()))[1].add(p.seed)
     for label, (method, seeds) in absent.items():
-        none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")}
+        none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
+        none["missing_seeds"] = ",".join(map(str, sorted(seeds | set(expected_seeds))))
         for client in published.QMSUM_CLIENTS:
-            add(
-                method,
-                label,
-                client,
-                {
-                    **none,
-                    "n_seeds": 0,
-                    "seeds": "",
-                    "missing_seeds": ",".join(map(str, sorted(seeds | set(expected_seeds)))),
-                },
-            )
+            add(method, label, client, none)
     # the sort below puts the configurations in the paper's method order
     for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
         for client in _client_order(lsub["client"]):
@@ -232,22 +213,18 @@ def study_table_markdown(
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    str(r["label"]),
-                    str(r["backbone"]),
-                    str(r["client"]),
-                    *[fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS],
-                    comparisons.significance_marks(compared, study, r["label"], r["client"]),
-                    str(r["n_seeds"]),
-                    r["missing_seeds"] or "–",
-                    row_mark(converged, study, r["label"], r["client"]) or "–",
-                ]
-            )
-            + " |"
-        )
+        scores = [fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS]
+        significant = comparisons.significance_marks(compared, study, r["label"], r["client"])
+        mark = row_mark(converged, study, r["label"], r["client"]) or "–"
+        cells = [
+            *r[["label", "backbone", "client"]],
+            *scores,
+            significant,
+            r["n_seeds"],
+            r["missing_seeds"] or "–",
+            mark,
+        ]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     budget = convergence_note(converged, [study])
     if budget:
         lines += ["", budget]

@@ -15,14 +15,15 @@ import torch
 import transformers
 
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
+from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan
+from pipeline.experiments.train_config import TrainConfig
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
-from pipeline.privacy import seam as privacy
+from pipeline.modeling.model import AdapterSummarizer
 from pipeline.training import local_batch, set_engine
-from pipeline.training.config import TrainConfig
 from pipeline.training.local_batch import JobOutput, LocalJob
+from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import model_config
 

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from pipeline.experiments.plans import Plan
-from pipeline.modeling.cache import CacheConfig
+from pipeline.experiments.settings import CacheConfig
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names

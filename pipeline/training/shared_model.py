@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 from pipeline.common.config import from_dict
+from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan
-from pipeline.modeling.cache import CacheConfig, PrefixCache, resolve_root
-from pipeline.modeling.model import AdapterSummarizer, ModelConfig
+from pipeline.experiments.settings import CacheConfig
+from pipeline.modeling.cache import PrefixCache, resolve_root
+from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.training.seeds import derived_seed
 
 _MODELS: dict[tuple, AdapterSummarizer] = {}
@@ -25,7 +27,7 @@ def model_config(plan: Plan) -> ModelConfig:
 
 def _model_key(plan: Plan) -> tuple:
     """What the shared model depends on: the backbone and the whole adapter configuration (init std included)."""
-    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(model_config(plan).adapter_config()))
+    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(adapter_config(model_config(plan))))
 
 
 def shared_model(plan: Plan) -> AdapterSummarizer:
@@ -37,7 +39,7 @@ def shared_model(plan: Plan) -> AdapterSummarizer:
         if not backbone.exists():
             raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
         _MODELS.clear()  # a process trains one backbone at a time; free the previous one
-        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, mcfg.adapter_config())
+        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, adapter_config(mcfg))
     return _MODELS[key]
 
 

@@ -13,8 +13,8 @@ from pipeline.common import atomic
 from pipeline.common.integrity import backbone_name
 from pipeline.common.timing import peak_rss_mb
 from pipeline.experiments.plans import Plan
-from pipeline.privacy import seam as privacy
 from pipeline.training.client_training import empty_gate_log
+from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.stopping import convergence
 
 

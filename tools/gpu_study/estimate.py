@@ -47,7 +47,7 @@ def floor_flops_per_round(n_train: int, n_valid: int, two_paths: bool) -> float:
     from benchmarks.common import default_shape
     from benchmarks.flops import step_flops, top_path
     from pipeline.common.config import from_dict
-    from pipeline.modeling.model import ModelConfig
+    from pipeline.experiments.model import ModelConfig
 
     params = merge_profile(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(PROFILE.read_text()))
     shape_keys = {f.name for f in dataclasses.fields(ModelConfig)}  # the model's shape, not the cache settings

@@ -57,20 +57,19 @@ def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str
     return obj
 
 
+_JSON_TYPES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    bool: "a boolean",
+    type(None): "null",
+    int: "a number",
+    float: "a number",
+}
+
+
 def _json_type(value: Any) -> str:
-    names = {
-        dict: "an object",
-        list: "a list",
-        str: "a string",
-        bool: "a boolean",
-        type(None): "null",
-        int: "a number",
-        float: "a number",
-    }
-    return names.get(type(value), type(value).__name__)
-
-
-_FIELD_KINDS = {str: "a string", list: "a list", dict: "an object"}  # what an upstream field can be expected to be
+    return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
 def _field(obj: Any, name: str, where: str, kind: type) -> Any:
@@ -78,7 +77,7 @@ def _field(obj: Any, name: str, where: str, kind: type) -> Any:
     not the text "None"; JSON's true and false are not strings, lists or objects, so no separate check is needed."""
     value = _object(obj, where, (name,), None)[name]
     if not isinstance(value, kind):
-        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {_FIELD_KINDS[kind]}")
+        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {_JSON_TYPES[kind]}")
     return value
 
 

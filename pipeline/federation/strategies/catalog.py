@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.experiments.methods import STRATEGIES, get_strategy
 from pipeline.federation.strategies import fedavg, fednova, fedopt, fedprox, fedtrimmedavg  # noqa: F401 (register)
-from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, STRATEGIES, StrategySpec
+from pipeline.federation.strategies.registry import BUILDERS, NUM_EXAMPLES_KEY
 
-
-def get_strategy(name: str) -> StrategySpec:
-    if name not in STRATEGIES:
-        raise ValueError(f"unknown server strategy {name!r}; expected one of {', '.join(sorted(STRATEGIES))}")
-    return STRATEGIES[name]
-
-
-def strategy_params_keys() -> set[str]:
-    """Every params `train` key a strategy owns (they are the strategies', not TrainConfig's)."""
-    return {key for spec in STRATEGIES.values() for key in spec.params_keys}
+if missing := sorted(set(STRATEGIES) - set(BUILDERS)):
+    raise ValueError(f"declared strategies without a builder in pipeline/federation/strategies/: {missing}")
 
 
 def build_strategy(name: str, strategy_params: dict[str, Any], *, fraction_train: float, client_lr: float):
@@ -31,4 +24,4 @@ def build_strategy(name: str, strategy_params: dict[str, Any], *, fraction_train
         min_available_nodes=1,
         weighted_by_key=NUM_EXAMPLES_KEY,
     )
-    return spec.build(spec.settings(strategy_params), common, client_lr)
+    return BUILDERS[name](spec.settings(strategy_params), common, client_lr)

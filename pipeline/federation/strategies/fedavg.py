@@ -6,7 +6,7 @@ from __future__ import annotations
 from pipeline.federation.strategies.registry import register_strategy
 
 
-@register_strategy("fedavg", averaging=True)
+@register_strategy("fedavg")
 def build(settings, common, client_lr):
     from flwr.serverapp.strategy import FedAvg
 

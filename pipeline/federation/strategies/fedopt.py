@@ -3,26 +3,11 @@ server SGD with momentum) or ``FedAdam`` / ``FedYogi`` / ``FedAdagrad``; setting
 
 from __future__ import annotations
 
-from typing import Literal
-
-from pipeline.common.config import config
+from pipeline.experiments.methods import FedOptConfig
 from pipeline.federation.strategies.registry import register_strategy
 
 
-@config
-class FedOptConfig:
-    # Server optimiser for `fedopt`: "sgdm" = FedAvgM (FedNLP's default: server SGD, lr 1.0, momentum 0.9),
-    # or "adam" | "yogi" | "adagrad" (Reddi et al. 2021, Flower's FedAdam/FedYogi/FedAdagrad).
-    server_optimizer: Literal["sgdm", "adam", "yogi", "adagrad"] = "sgdm"
-    server_lr: float = 1.0
-    server_momentum: float = 0.9
-    beta_1: float = 0.9
-    beta_2: float = 0.99
-    # Adaptivity constant tau of Reddi et al. (named eps here: `tau` is the entropy threshold in this project).
-    eps: float = 1.0e-3
-
-
-@register_strategy("fedopt", FedOptConfig)
+@register_strategy("fedopt")
 def build(fedopt: FedOptConfig, common, client_lr):
     from flwr.serverapp import strategy as fs
 

@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-from pipeline.common.config import config
+from pipeline.experiments.methods import FedProxSettings
 from pipeline.federation.strategies.registry import register_strategy
 
 
-@config
-class FedProxSettings:
-    # params train.proximal_mu (a flat key, older than the registry; FedNLP tunes mu in {0.001, 0.01, 0.1, 1}).
-    proximal_mu: float = 0.01
-
-
-@register_strategy("fedprox", FedProxSettings, group=None, averaging=True, proximal=True)
+@register_strategy("fedprox")
 def build(settings: FedProxSettings, common, client_lr):
     from flwr.serverapp.strategy import FedProx
 

@@ -5,22 +5,11 @@ Settings: params ``train.fedtrimmedavg``; method ``fedtrimmedavg`` (CE, one adap
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from pydantic import Field
-
-from pipeline.common.config import config
+from pipeline.experiments.methods import FedTrimmedAvgSettings
 from pipeline.federation.strategies.registry import register_strategy
 
 
-@config
-class FedTrimmedAvgSettings:
-    # Fraction cut from each end per coordinate (the params file's value; Flower's default 0.2 cuts nothing from 3
-    # clients, 0.34 cuts one from each end, i.e. the coordinate-wise median of 3).
-    beta: Annotated[float, Field(ge=0.0, lt=0.5)] = 0.34
-
-
-@register_strategy("fedtrimmedavg", FedTrimmedAvgSettings)
+@register_strategy("fedtrimmedavg")
 def build(settings: FedTrimmedAvgSettings, common, client_lr):
     from flwr.serverapp.strategy import FedTrimmedAvg
 

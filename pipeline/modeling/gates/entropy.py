@@ -1,5 +1,5 @@
 """Selective KD's gate (METHOD.md section 4): distil a token when the teacher is confident, H(q_g) < threshold.
-The threshold comes from ``tau`` as ``tau_scale`` reads it (pipeline.modeling.losses.TauScale): an entropy
+The threshold comes from ``tau`` as ``tau_scale`` reads it (pipeline.experiments.train_config.TauScale): an entropy
 ("absolute", the paper's 5 nats), a fraction of ln|V| ("max_entropy") or the tau-quantile of the batch's H(q_g)
 ("batch_quantile")."""
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from pipeline.common.config import Fraction, config
-from pipeline.federation.strategies.catalog import STRATEGIES
+from pipeline.experiments.methods import STRATEGIES
 
 # Keys one mode reads and the other ignores (PrivacyConfig.plan_dict leaves them out)
 EXAMPLE_KEYS = ("max_grad_norm",)

@@ -6,11 +6,18 @@ import dataclasses
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BeforeValidator, Field
 
 from pipeline.common.config import Fraction, Positive, PositiveInt, config, from_dict
-from pipeline.federation.strategies.catalog import STRATEGIES, strategy_params_keys
-from pipeline.modeling.losses import GateName, KdDirection, LogBase, Normalisation, TauScale
+from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
+
+# The loss's settings (pipeline.modeling.losses.KDConfig reads the same keys)
+KdDirection = Literal["teacher_to_student", "student_to_teacher"]
+# The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
+LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
+Normalisation = Literal["tokens", "sequences"]
+# How selective KD reads tau (params.yaml train.tau_scale; the entropy gate applies it)
+TauScale = Literal["absolute", "max_entropy", "batch_quantile"]
 
 # The plateau test train.join and train.stop share (pipeline.training.stopping).
 RelativeImprovement = Annotated[float, Field(ge=0.0, lt=1.0)]
@@ -55,7 +62,7 @@ class TrainConfig:
     kd_direction: KdDirection = "teacher_to_student"
     entropy_log_base: LogBase = "e"
     tau_scale: TauScale = "absolute"
-    kd_gate: GateName = "entropy"
+    kd_gate: str = "entropy"  # a registered gate (pipeline.modeling.gates), checked at planning time
     loss_normalisation: Normalisation = "tokens"
     local_adapter: Literal["keep", "reset"] = "keep"
     centralized_steps: Literal["largest_client", "epoch"] = "largest_client"
@@ -70,17 +77,17 @@ class TrainConfig:
     transfer_delta: bool = False
     prefix_cache: bool = True
     # The server strategies' own `train` keys as the params file has them (proximal_mu, fedopt, ...: each strategy
-    # module of pipeline.federation.strategies reads its settings from them); built by :func:`train_config`.
+    # declared in pipeline.experiments.methods reads its settings from them); built by :func:`train_config`.
     strategy_params: dict[str, Any] = field(default_factory=dict)
 
 
 def train_keys() -> set[str]:
-    """Every key params `train` may hold for a plan: TrainConfig's and the registered strategies'."""
+    """Every key params `train` may hold for a plan: TrainConfig's and the declared strategies'."""
     return ({f.name for f in dataclasses.fields(TrainConfig)} - {"strategy_params"}) | strategy_params_keys()
 
 
 def train_config(data: dict[str, Any] | None, where: str = "train") -> TrainConfig:
-    """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each registered
+    """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each declared
     strategy's settings checked there (a bad value raises ConfigError naming ``where.<key>``)."""
     data = dict(data or {})
     owned = strategy_params_keys()

@@ -1,0 +1,29 @@
+"""The ``model`` params group's keys that shape the model: a plan carries them (the cache's: settings.CacheConfig)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.common.config import PositiveInt, TokenLength, config, from_dict
+
+
+@config
+class ModelConfig:
+    """The ``model`` params group's keys that shape the model (the cache's: pipeline.experiments.settings.CacheConfig)."""
+
+    # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
+    top_k: PositiveInt = 2
+    bottleneck: PositiveInt = 768
+    adapter_bias: bool = True
+    adapter_init_std: float = 0.02
+    max_source_length: TokenLength = 512
+    max_target_length: TokenLength = 96
+
+    @classmethod
+    def from_group(cls, group: dict | None, where: str = "model") -> ModelConfig:
+        """From the `model` params group, leaving out its cache keys (pipeline.experiments checks those)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return from_dict(cls, {k: v for k, v in (group or {}).items() if k in names}, where)
+
+
+MODEL_RESULT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))

@@ -1,0 +1,240 @@
+"""Planning: the experiments of the params file (params `experiments`, its one reader), each checked against the
+methods, partition schemes and train keys, and resolved into its plan, checked against the registries (strategies,
+KD gates, privacy's refusals) before the first plan file is written. A plan holds exactly what its experiment's result
+depends on (pipeline.experiments.plans reads it back; docs/ARCHITECTURE.md, "Experiments, plans and run-time
+settings").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.common import atomic
+from pipeline.common.config import ConfigError, from_dict, group
+from pipeline.common.integrity import file_hash
+from pipeline.experiments.entries import Experiment, privacy_label
+from pipeline.experiments.methods import MethodSpec, get_method, get_strategy
+from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
+from pipeline.experiments.privacy import PrivacyConfig, client_level_problem, secure_aggregation_refusal
+from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, run_settings
+from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
+from pipeline.federation.strategies.catalog import BUILDERS
+from pipeline.modeling.cache import DTYPES
+from pipeline.modeling.gates.catalog import GATES, MODE_GATES
+from pipeline.modeling.losses import KDConfig
+from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
+from pipeline.paths import PATHS
+
+RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
+ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
+PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-utility study in one experiment)
+
+
+def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
+    """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
+    where = f"params.yaml experiments.{name}"
+    if not name or "/" in name or name in RESERVED_NAMES:
+        raise ConfigError(
+            f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+            f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
+        )
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(raw).__name__}")
+    train_fields = train_keys() | set(RUN_TRAIN_KEYS)
+    overrides = {k: v for k, v in raw.items() if k not in ENTRY_KEYS and k != PRIVACY_KEY}
+    if unknown := sorted(set(overrides) - train_fields):
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
+            f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
+        )
+    privacy = raw.get(PRIVACY_KEY) or {}
+    if not isinstance(privacy, dict):
+        raise ConfigError(
+            f"{where}.{PRIVACY_KEY}: expected a mapping of privacy keys "
+            f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}"
+        )
+    if missing := [k for k in ("method", "partition") if k not in raw]:
+        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
+    scheme, sep, seed = str(raw["partition"]).partition("/seed")
+    if not sep or not seed.isdigit():
+        raise ConfigError(f"{where}: partition must look like '<scheme>/seed<k>', got {raw['partition']!r}")
+    if scheme not in SCHEMES:
+        raise ConfigError(f"{where}.partition: unknown partition scheme {scheme!r}; allowed: {sorted(SCHEMES)}")
+    try:
+        method = get_method(str(raw["method"]))
+    except ConfigError as exc:
+        raise ConfigError(f"{where}.method: {exc}") from None
+    tau = raw.get("tau")
+    if method.uses_tau:
+        if tau is None and params.get("tau") is None:
+            raise ConfigError(f"{where}: method {method.name!r} needs tau (the entry's, or the top-level tau)")
+        tau = float(tau if tau is not None else params["tau"])
+        if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
+            raise ConfigError(f"{where}: tau={tau} must be > 0 (entropy threshold)")
+    elif tau is not None:
+        raise ConfigError(f"{where}: tau is set but method {method.name!r} does not use it")
+    tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
+    exp = Experiment(
+        name=str(name),
+        method=method.name,
+        partition=str(raw["partition"]),
+        seed=int(raw.get("seed", params.get("seed", 0))),
+        study=str(raw.get("study", "main")),
+        tau=tau,
+        train=overrides,
+        tau_scale=tau_scale,
+        privacy=dict(privacy),
+    )
+    resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
+    if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
+        raise ConfigError(
+            f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to federated methods)"
+        )
+    return dataclasses.replace(exp, dp=privacy_label(resolved) if method.federated else "")
+
+
+def declared(params: dict[str, Any]) -> list[Experiment]:
+    """Every experiment of the params file, in its order, each checked (the first bad entry raises, naming it)."""
+    return [parse_entry(name, raw, params) for name, raw in group(params, "experiments").items()]
+
+
+# Train keys that only matter for some methods: left out of other methods' plans so changing them does not
+# rerun experiments whose result cannot change.
+_KD_KEYS = ("kd_lambda", "kd_temperature", "kd_direction", "entropy_log_base")
+_FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dtype", "transfer_delta")
+
+
+def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
+    out = dataclasses.asdict(train)
+    strategy_params = out.pop("strategy_params")
+    drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
+    if method.kd_mode == "ce":
+        drop.update(_KD_KEYS)
+    if method.kd_mode != "selective":
+        drop.update(("entropy_log_base", "tau_scale", "kd_gate"))
+    if method.new_client is None:
+        drop.add("new_client")
+    if method.new_client != "post":
+        drop.add("join")
+    if not train.stop.enabled:
+        drop.add("stop")  # a fixed number of rounds: plans as before train.stop existed
+    if not method.federated:
+        drop.update(_FEDERATED_KEYS)
+    if method.local_from_global:
+        drop.add("local_adapter")  # the server average overwrites the adapter whatever this says
+    if train.transfer_dtype == "fp32":
+        drop.add("transfer_delta")  # fp32 sends the weights themselves, exactly
+    if train.max_train_examples_per_client is None:
+        drop.add("weight_by")  # no cap: the trained count is the full train size
+    if method.strategy is not None:  # the settings of this method's strategy only (its own params keys)
+        out.update(get_strategy(method.strategy).plan_entries(strategy_params))
+    return {k: v for k, v in out.items() if k not in drop}
+
+
+def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
+    """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
+    used = []
+    if method.strategy is not None:
+        used.append(BUILDERS[method.strategy])
+    if method.kd_mode != "ce":
+        used.append(GATES[MODE_GATES.get(method.kd_mode, kd_gate)])
+    return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
+
+
+def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
+    """The resolved configuration of one experiment (what its train stage reads)."""
+    method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
+    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
+    train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
+    if train.kd_gate not in GATES:
+        raise ConfigError(f"{where}: train.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
+    if train.stop.enabled:  # the run's round budget is the rule's ceiling (train.rounds is the fixed count)
+        train = dataclasses.replace(train, rounds=train.stop.max_rounds)
+    model = params.get("model") or {}
+    plan: dict[str, Any] = {
+        "experiment": exp.name,
+        "study": exp.study,
+        "method": method.name,
+        "partition": exp.partition,
+        "seed": exp.seed,
+        "train": _relevant_train(train, method),
+        "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
+    }
+    if method.federated and exp.scheme in SCHEMES:
+        # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
+        plan["clients"] = scheme_client_names(
+            exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
+        )
+    if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
+        plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
+    if method.new_client == "post" and train.join.max_round > train.rounds:
+        raise ValueError(
+            f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
+            f"client might never join"
+        )
+    if method.uses_tau:
+        plan["tau"] = exp.tau
+        # the loss's own check of tau against train.tau_scale, at plan time rather than in training
+        from_dict(KDConfig, {"tau": exp.tau, "tau_scale": train.tau_scale, "kd_gate": train.kd_gate}, where)
+    privacy = exp.privacy_config(params)
+    if privacy.mode == "client" and (problem := client_level_problem(method, train.transfer_dtype, privacy)):
+        raise ConfigError(f"{where}: privacy.mode client: {problem}")
+    if privacy.secure_aggregation and (refusal := secure_aggregation_refusal(method, train.transfer_dtype, privacy)):
+        raise ConfigError(f"{where}: privacy.secure_aggregation: {refusal}")
+    if (privacy.enabled or privacy.secure_aggregation) and method.federated:
+        if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
+            # the gate of every token would depend on the other examples of its batch: no per-example bound
+            raise ConfigError(
+                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
+                f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
+                f"max_entropy"
+            )
+        plan["privacy"] = privacy.plan_dict()
+    if method.uses_postags and PATHS.postags.exists():
+        # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
+        plan["postags_md5"] = file_hash(PATHS.postags, "md5")
+    if extensions := extension_md5(method, train.kd_gate):
+        plan["extension_md5"] = extensions
+    return plan
+
+
+def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every experiment's plan, each group it reads checked (the first problem raises ConfigError naming it)."""
+    # Checked here, before any plan is written, although only the train stage builds the model from it.
+    check_model_group(params)
+    run_settings(params)
+    return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
+
+
+def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
+    plans = check_params(params)
+    # Every experiment is checked before the first plan is written: a bad entry leaves the old plans as they were.
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, plan in plans.items():
+        path = out_dir / f"{name}.json"
+        text = json.dumps(plan, indent=2, sort_keys=True) + "\n"
+        # Rewrite only on change: the file is what downstream stages hash.
+        if not path.exists() or path.read_text() != text:
+            atomic.write_text(path, text)
+        written.append(path)
+    # A plan whose experiment left the params file is stale: remove it so nothing trains from it.
+    for stale in sorted(set(out_dir.glob("*.json")) - set(written)):
+        stale.unlink()
+    return written
+
+
+def check_model_group(params: dict[str, Any]) -> ModelConfig:
+    """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
+    model = group(params, "model")
+    known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
+    unknown = sorted(set(model) - known)
+    if unknown:
+        raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
+    if model.get("cache_dtype", "float32") not in DTYPES:
+        raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
+    return ModelConfig.from_group(model)

@@ -1,0 +1,98 @@
+"""benchmarks/gpu_profile.py: the GPU profile's report is generated from what the lease returned, and the
+measurement runs end to end on this CPU (tiny model)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+RETURNED = ROOT / "reports" / "bench" / "gpu-profile"
+
+
+def _stamp(text: str) -> float:
+    return datetime.strptime(text, "%Y/%m/%d %H:%M:%S.%f").timestamp()
+
+
+def test_read_smi_parses_samples_and_skips_cut_lines(tmp_path):
+    csv = tmp_path / "smi.csv"
+    csv.write_text(
+        "2026/11/26 08:45:00.000, 10, 100\n"
+        "2026/11/26 08:45:00.250, 30, 300\n"
+        "2026/11/26 08:45:00.500, 50, 200\n"
+        "2026/11/26 08:45:00.7"  # the sampler stopped mid-line
+    )
+    samples = gpu_profile.read_smi(csv)
+    assert [(u, m) for _, u, m in samples] == [(10, 100), (30, 300), (50, 200)]
+    window = gpu_profile.smi_during(samples, _stamp("2026/11/26 08:45:00.100"), _stamp("2026/11/26 08:45:00.600"))
+    assert window == {"samples": 2, "util_mean": 40.0, "util_max": 50, "memory_max_mib": 300}
+    assert gpu_profile.smi_during(samples, 0.0, 1.0) == {"samples": 0}
+
+
+def test_committed_report_is_the_one_generated_from_the_returned_files():
+    text = (ROOT / "reports" / "bench" / "gpu.md").read_text()
+    section = "## 1." + text.partition("## 1.")[2].partition("\n## 2.")[0]
+    data = json.loads((RETURNED / "profile.json").read_text())
+    expected = gpu_profile.markdown(data, gpu_profile.read_smi(RETURNED / "smi.csv"))
+    assert section.strip() == expected.strip()
+    assert data["device"].startswith("NVIDIA")  # measured on the lent GPU, not on this CPU
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+@pytest.mark.timeout(600)
+def test_measure_runs_end_to_end_on_cpu(tmp_path):
+    qmsum = ROOT.parent / "shared" / "data" / "qmsum"
+    if not qmsum.is_dir():
+        pytest.skip(f"{qmsum}: the shared QMSum data is absent")
+    data = gpu_profile.measure(qmsum, tmp_path / "out", tmp_path / "work", tiny=True)
+    steps = data["steps"]
+    assert list(steps) == [
+        "workspace",
+        "round_fill_cache",
+        "round",
+        "evaluate_batch8",
+        "evaluate_batch64",
+        "round_subset",
+        "round_torch_profiler",
+        "round_cprofile",
+        "evaluate_torch_profiler",
+    ]
+    assert steps["evaluate_batch8"]["examples"] == steps["evaluate_batch64"]["examples"] == 3
+    assert steps["round_torch_profiler"]["top_by_host"], "the profiler recorded no operation"
+    assert any(r["function"] for r in steps["round_cprofile"]["top_by_self"])
+    assert data["round_tflop"] > 0
+    assert json.loads((tmp_path / "out" / "profile.json").read_text())["steps"].keys() == steps.keys()
+    assert "## 1. Today's path" in gpu_profile.markdown(data, [])
+
+
+def test_committed_presets_table_is_the_one_generated_from_the_returned_file():
+    from benchmarks import gpu_presets
+
+    text = (ROOT / "reports" / "bench" / "gpu.md").read_text()
+    section = "## 2." + text.partition("## 2.")[2].partition("\n## 3.")[0]
+    record = json.loads((ROOT / "reports" / "bench" / "gpu-presets" / "presets.json").read_text())
+    assert section.strip() == gpu_presets.markdown(record).strip()
+    assert record["device"].startswith("NVIDIA")
+    for entry in record["presets"].values():  # both precisions of every preset measured, none out of memory
+        assert [r["precision"] for r in entry["runs"]] == ["float32", "bfloat16"]
+        assert all("error" not in r and r["decode_batch"] == entry["shape"]["batch"] for r in entry["runs"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_presets_run_end_to_end_on_cpu_at_toy_sizes(tmp_path):
+    from benchmarks import gpu_presets
+
+    record = gpu_presets.run(tmp_path, tiny=True, tokenizer_dir=None)
+    assert list(record["presets"]) == ["paper-bart-base", "paper-bart-large", "paper-led-large"]
+    for entry in record["presets"].values():
+        for r in entry["runs"]:
+            assert r["step_s"] > 0 and r["decode_batch"] == 2
+            assert r["train_examples_per_s_prefix_held"] == pytest.approx(2 / r["step_s"], rel=0.01, abs=0.1)
+    assert json.loads((tmp_path / "presets.json").read_text()) == record

@@ -1,0 +1,81 @@
+"""pipeline.training.privacy_hooks: a process that has not loaded pipeline.privacy runs a plan without privacy as
+before, and refuses one that sets privacy instead of running it in the clear; importing privacy registers every hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.experiments.privacy import PrivacyConfig
+from pipeline.privacy import seam
+from pipeline.training.privacy_hooks import NO_PRIVACY, PRIVACY
+
+PLAIN = SimpleNamespace(privacy=None, source="models/plans/plain.json", experiment="plain")
+PRIVATE = SimpleNamespace(
+    privacy=PrivacyConfig(mode="example", noise_multiplier=1.0), source="models/plans/dp.json", experiment="dp"
+)
+
+
+def test_without_privacy_loaded_a_plain_plan_runs_as_before():
+    strategy = object()
+    assert NO_PRIVACY.local_steps(PLAIN, None, [], 0, "w", None, "tokens", 8) is None
+    assert NO_PRIVACY.client_level(PLAIN, strategy, 3) == (strategy, None)
+    assert NO_PRIVACY.secure_aggregator(PLAIN, ["a", "b"], None, 1.0) is None
+    assert NO_PRIVACY.client_train("msg", "ctx", lambda m, c: (m, c)) == ("msg", "ctx")
+    assert NO_PRIVACY.train_mods() == [] and NO_PRIVACY.dp_steps("ctx") is None
+    assert NO_PRIVACY.account("ctx", SimpleNamespace(privacy=None)) == {}
+    assert NO_PRIVACY.run_record(PLAIN, [], {}) == {"privacy": None}
+    NO_PRIVACY.restore_dp_steps("ctx", None)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda plan: NO_PRIVACY.local_steps(plan, None, [], 0, "w", None, "tokens", 8),
+        lambda plan: NO_PRIVACY.client_level(plan, object(), 3),
+        lambda plan: NO_PRIVACY.secure_aggregator(plan, ["a", "b"], None, 1.0),
+        lambda plan: NO_PRIVACY.run_record(plan, [], {}),
+    ],
+)
+def test_without_privacy_loaded_a_private_plan_is_refused(call):
+    with pytest.raises(RuntimeError, match=r"models/plans/dp.json: the plan sets privacy, but pipeline.privacy is not"):
+        call(PRIVATE)
+
+
+def test_a_checkpoint_with_dp_steps_is_refused_without_privacy():
+    with pytest.raises(RuntimeError, match="DP-SGD steps"):
+        NO_PRIVACY.restore_dp_steps("ctx", 12)
+
+
+def test_importing_privacy_registers_each_hook():
+    for name in vars(NO_PRIVACY):
+        assert getattr(PRIVACY, name) is getattr(seam, name), name
+
+
+@pytest.mark.slow
+def test_a_process_that_unpickles_the_client_app_registers_privacy_as_its_builder_did(tmp_path):
+    # Ray's engine hands the ClientApp to its workers pickled (Ray's cloudpickle); a worker imports what the app
+    # references, and so privacy, whose import registers it there before any message comes
+    from ray import cloudpickle
+
+    from pipeline.federation.client_app import client_app
+
+    (tmp_path / "app.pkl").write_bytes(cloudpickle.dumps(client_app))
+    check = (
+        "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read()); "
+        "from pipeline.training.privacy_hooks import NO_PRIVACY, PRIVACY; "
+        "print('pipeline.privacy.seam' in sys.modules, PRIVACY.local_steps is not NO_PRIVACY.local_steps)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path / "app.pkl")],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True"]
