@@ -16,8 +16,8 @@ EXAMPLES = 64
 
 
 def _real_batch(model, shared_data):
-    from pipeline.modeling.batching import make_batches
     from pipeline.experiments.model import ModelConfig
+    from pipeline.modeling.batching import make_batches
 
     records = pd.read_json(shared_data / "samsum" / "test.json", lines=True).head(EXAMPLES)
     frame = pd.DataFrame(
