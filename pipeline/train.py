@@ -88,7 +88,7 @@ def run_experiment(
 
             result = run_federated(plan_path, settings, recorder, barrier)
         else:
-            result = run_serverless(plan, recorder, settings.cache)
+            result = run_serverless(plan, recorder, settings.cache, barrier)
     except BaseException:
         if logger is not None:
             logger.finish("KILLED")  # resumable: the rerun reopens this run

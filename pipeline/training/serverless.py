@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import torch
 
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig
@@ -16,6 +17,7 @@ from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, client_names
 from pipeline.training.history import RoundLog, TrainRecorder
+from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 from pipeline.training.stopping import should_stop
 
@@ -30,10 +32,13 @@ def round_window(n_rows: int, window: int, rnd: int, seed: int) -> np.ndarray:
     return order[((rnd - 1) * window + np.arange(min(window, n_rows))) % n_rows]
 
 
-def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig) -> dict[str, Any]:
+def run_serverless(
+    plan: Plan, recorder: TrainRecorder, cache_settings: CacheConfig, barrier: RoundBarrier | None = None
+) -> dict[str, Any]:
     """The federated methods' trainer and round structure without a server: every round each client's validation
     loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
-    ``cache_settings``: RunSettings.cache, from the stage entry point."""
+    ``cache_settings``: RunSettings.cache, from the stage entry point; ``barrier``: the round barrier of the set the
+    run trains in, where its units' training and its clients' validations execute with the other runs' clients."""
     spec = plan.spec
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
@@ -61,35 +66,34 @@ def run_serverless(plan: Plan, recorder: TrainRecorder, cache_settings: CacheCon
         adapters = {u: initial_adapter_state(plan) for u in units}  # a copy each
         progress = {n: checkpoints.initial_progress() for n in names}
     recorder.started(plan, names, start)
+    # each unit's training and each client's validation: at the set's barrier (stacked with the other runs'), or here
+    at_barrier = barrier.park if barrier is not None else lambda work, items: [work(item) for item in items]
 
     for rnd in range(start, plan.train.rounds + 1):
         if should_stop(history, plan.train.stop):  # train.stop: converged (checked first: a resumed run too)
             log.info("%s: the clients have converged after round %d: the run ends", plan.experiment, rnd - 1)
             break
         t0 = time.perf_counter()
-        trained: dict[str, dict[str, Any]] = {}
-        for unit, train_df in units.items():
+
+        def train(unit: str, rnd: int = rnd) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+            train_df = units[unit]
             if window is not None:
                 train_df = train_df.iloc[round_window(len(train_df), window, rnd, plan.seed)]
             model.load_adapter_state("local", adapters[unit])
-            res = local_training.train_local(
-                model,
-                plan,
-                train_df,
-                client=unit,
-                rnd=rnd,
-                cache=cache,
-            )
-            adapters[unit] = model.adapter_state("local")
-            trained[unit] = {
-                k: getattr(res, k)
-                for k in ("n_examples", "n_steps", "n_tokens", "train_loss", "ce", "kd", "kd_fraction")
-            }
+            res = local_training.train_local(model, plan, train_df, client=unit, rnd=rnd, cache=cache)
+            metrics = ("n_examples", "n_steps", "n_tokens", "train_loss", "ce", "kd", "kd_fraction")
+            return model.adapter_state("local"), {k: getattr(res, k) for k in metrics}
+
+        def validate(n: str) -> tuple[float, int]:
+            model.load_adapter_state("local", adapters[unit_of[n]])
+            return local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
+
+        trained: dict[str, dict[str, Any]] = {}
+        for unit, (state, metrics) in zip(units, at_barrier(train, list(units))):
+            adapters[unit], trained[unit] = state, metrics
         rows = []
-        for n in names:
+        for n, (val, val_tokens) in zip(names, at_barrier(validate, names)):
             unit = unit_of[n]
-            model.load_adapter_state("local", adapters[unit])
-            val, val_tokens = local_training.validation_loss(model, plan, datas[n].valid, cache=cache)
             progress[n], _ = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
             )
