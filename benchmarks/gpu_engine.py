@@ -18,7 +18,7 @@ study's experiments planned as the plan stage plans them but for ``--rounds`` fi
    ``torch.mm`` rates.
 
 ``engine.json`` (written after each step) and ``smi.csv`` go to ``--out``; here ``python -m benchmarks.gpu_engine
-report [DIR]`` rewrites reports/bench/engine.md's section 3 from them (the lease's files: reports/bench/gpu-engine/).
+report [DIR]`` rewrites reports/bench/engine.md's section 4 from them (the lease's files: reports/bench/gpu-engine/).
 ``measure --tiny`` runs the same code on this CPU with the tests' tiny BART and the six seed-0 runs.
 """
 
@@ -136,7 +136,7 @@ def finished_runs(log: str) -> dict[str, tuple[int, int]]:
 def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]], log: str = "") -> str:
     steps, rates = data["steps"], data.get("mm_tflops") or {}
     lines = [
-        "## 3. The GPU study's set on a lent GPU (`python -m benchmarks.gpu_engine`)",
+        "## 4. The GPU study's set on a lent GPU (`python -m benchmarks.gpu_engine`)",
         "",
         f"Device: {data['device']} (torch {data['torch']}). The {data['runs']} runs of configs/gpu-study.yaml "
         f"(6 arms x 5 seeds, the three full QMSum domain clients, the real MiniLM-L6 BERT2BERT with random "
@@ -197,10 +197,10 @@ def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]], log: s
 
 
 def report(src: Path, md: Path) -> None:
-    """Rewrite ``md``'s section 3 from a returned folder (engine.json, smi.csv); the other sections stay."""
+    """Rewrite ``md``'s section 4 from a returned folder (engine.json, smi.csv); the other sections stay."""
     data = json.loads((src / "engine.json").read_text())
     log = (src / "log.txt").read_text(errors="replace").replace("\r", "\n") if (src / "log.txt").is_file() else ""
-    replace_section(md, 3, markdown(data, read_smi(src / "smi.csv"), log), "The set engine (issue 53)")
+    replace_section(md, 4, markdown(data, read_smi(src / "smi.csv"), log), "The set engine (issue 53)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     me.add_argument("--work", type=Path, default=None)
     me.add_argument("--tiny", action="store_true")
     me.add_argument("--rounds", type=int, default=2)
-    rep = sub.add_parser("report", help="reports/bench/engine.md section 3 from a returned folder")
+    rep = sub.add_parser("report", help="reports/bench/engine.md section 4 from a returned folder")
     rep.add_argument("src", type=Path, nargs="?", default=REPO / "reports" / "bench" / "gpu-engine")
     rep.add_argument("--md", type=Path, default=REPO / "reports" / "bench" / "engine.md")
     args = ap.parse_args(argv)

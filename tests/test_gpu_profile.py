@@ -57,7 +57,7 @@ def test_committed_engine_section_is_the_one_generated_from_the_returned_files()
     expected = gpu_engine.markdown(
         json.loads((src / "engine.json").read_text()), gpu_profile.read_smi(src / "smi.csv"), log
     )
-    assert _section(ROOT / "reports" / "bench" / "engine.md", 3).strip() == expected.strip()
+    assert _section(ROOT / "reports" / "bench" / "engine.md", 4).strip() == expected.strip()
 
 
 def test_finished_runs_reads_the_last_complete_bar_of_each_run():
