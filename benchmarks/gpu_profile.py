@@ -485,21 +485,27 @@ def report(src: Path, md: Path, section: int = 1) -> None:
     replace_section(md, section, text, "fedmeet on a lent GPU (issue 54)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+def device_and_measure_parsers(sub, work: Path, budget_s: float) -> tuple[argparse.ArgumentParser, ...]:
+    """The ``device`` and ``measure`` subcommands every GPU benchmark of this folder has."""
     dev = sub.add_parser("device", help="the lent machine's one command")
     dev.add_argument("--carry", type=Path, default=Path(".gpu-study/carry"))
     dev.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    dev.add_argument("--work", type=Path, default=Path("/tmp/gpu-profile"))
-    dev.add_argument("--budget", type=float, default=200, help="seconds for the whole command")
-    dev.add_argument("--tiny", action="store_true", help="measure --tiny (a check of this command on a CPU)")
-    dev.add_argument("--train-only", action="store_true", help="measure --train-only")
+    dev.add_argument("--work", type=Path, default=work)
+    dev.add_argument("--budget", type=float, default=budget_s, help="seconds for the whole command")
     me = sub.add_parser("measure", help="the measurement itself (a child of `device`; --tiny on this CPU)")
     me.add_argument("--qmsum", type=Path, required=True)
     me.add_argument("--out", type=Path, required=True)
     me.add_argument("--work", type=Path, default=None)
     me.add_argument("--tiny", action="store_true")
+    return dev, me
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    dev, me = device_and_measure_parsers(sub, Path("/tmp/gpu-profile"), 200)
+    dev.add_argument("--tiny", action="store_true", help="measure --tiny (a check of this command on a CPU)")
+    dev.add_argument("--train-only", action="store_true", help="measure --train-only")
     me.add_argument("--train-only", action="store_true", help="the two full rounds only (the first fills the cache)")
     rep = sub.add_parser("report", help="reports/bench/gpu.md section 1 from a returned folder")
     rep.add_argument("src", type=Path, nargs="?", default=REPO / "reports" / "bench" / "gpu-profile")

@@ -91,13 +91,18 @@ def test_replace_section_keeps_the_other_sections(tmp_path):
     assert md.read_text().endswith("## 3. c\nthree\n\n## 4. d\nfour\n")
 
 
+@pytest.fixture
+def qmsum() -> Path:
+    path = ROOT.parent / "shared" / "data" / "qmsum"
+    if not path.is_dir():
+        pytest.skip(f"{path}: the shared QMSum data is absent")
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.shared_data
 @pytest.mark.timeout(600)
-def test_measure_runs_end_to_end_on_cpu(tmp_path):
-    qmsum = ROOT.parent / "shared" / "data" / "qmsum"
-    if not qmsum.is_dir():
-        pytest.skip(f"{qmsum}: the shared QMSum data is absent")
+def test_measure_runs_end_to_end_on_cpu(tmp_path, qmsum):
     data = gpu_profile.measure(qmsum, tmp_path / "out", tmp_path / "work", tiny=True)
     steps = data["steps"]
     assert list(steps) == [
@@ -149,12 +154,9 @@ def test_presets_run_end_to_end_on_cpu_at_toy_sizes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.shared_data
 @pytest.mark.timeout(600)
-def test_engine_measure_runs_end_to_end_on_cpu(tmp_path):
+def test_engine_measure_runs_end_to_end_on_cpu(tmp_path, qmsum):
     from benchmarks import gpu_engine
 
-    qmsum = ROOT.parent / "shared" / "data" / "qmsum"
-    if not qmsum.is_dir():
-        pytest.skip(f"{qmsum}: the shared QMSum data is absent")
     data = gpu_engine.measure(qmsum, tmp_path / "out", tmp_path / "work", tiny=True)
     assert list(data["steps"]) == ["workspace", "warmup_fill_cache", "together", "alone"]
     assert data["runs"] == 6 and len(data["alone_runs"]) == 6  # tiny: the six arms' seed-0 runs
