@@ -18,7 +18,7 @@ study's experiments planned as the plan stage plans them but for ``--rounds`` fi
    ``torch.mm`` rates.
 
 ``engine.json`` (written after each step) and ``smi.csv`` go to ``--out``; here ``python -m benchmarks.gpu_engine
-report [DIR]`` rewrites reports/bench/engine.md's section 3 from them (the lease's files: reports/bench/gpu-engine/).
+report [DIR]`` rewrites reports/bench/engine.md's section 4 from them (the lease's files: reports/bench/gpu-engine/).
 ``measure --tiny`` runs the same code on this CPU with the tests' tiny BART and the six seed-0 runs.
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_profile import REPO, Record, _sync, mm_rates, read_smi, smi_during
+from benchmarks.gpu_profile import REPO, Record, _sync, mm_rates, read_smi, replace_section, smi_during
 
 SEED0_ARMS = 6  # the study's arms: one run each at seed 0
 
@@ -123,15 +124,26 @@ def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, rounds: int 
     return rec.data
 
 
-def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]]) -> str:
+def finished_runs(log: str) -> dict[str, tuple[int, int]]:
+    """(rounds, elapsed seconds) of each run whose round bar reached 100 % in a measure log (tqdm's last line)."""
+    done = {}
+    for m in re.finditer(r"([\w.-]+) rounds: 100%\|[^|]*\| (\d+)/\d+ \[(?:(\d+):)?(\d+):(\d+)<", log):
+        hours = int(m.group(3) or 0)
+        done[m.group(1)] = (int(m.group(2)), 3600 * hours + 60 * int(m.group(4)) + int(m.group(5)))
+    return done
+
+
+def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]], log: str = "") -> str:
     steps, rates = data["steps"], data.get("mm_tflops") or {}
     lines = [
-        "## 3. The GPU study's set on a lent GPU (`python -m benchmarks.gpu_engine`)",
+        "## 4. The GPU study's set on a lent GPU (`python -m benchmarks.gpu_engine`)",
         "",
         f"Device: {data['device']} (torch {data['torch']}). The {data['runs']} runs of configs/gpu-study.yaml "
         f"(6 arms x 5 seeds, the three full QMSum domain clients, the real MiniLM-L6 BERT2BERT with random "
         f"cross-attention), {data['rounds_per_run']} fixed rounds each; alone: the seed-0 run of each arm, each as a "
         "set of one. The prefix cache was filled by a warm-up run first.",
+    ]
+    table = [
         "",
         "| | runs | run-rounds | wall s | s per run-round | client rounds per stacked group | GPU util mean % "
         "| peak GiB | x floor fp32 | x floor bf16 |",
@@ -148,11 +160,28 @@ def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]]) -> str
         floors = [
             f"{s['seconds'] / (tflop / rates[p]):.0f}" if tflop and rates else "-" for p in ("float32", "bfloat16")
         ]
-        lines.append(
+        table.append(
             f"| {mode} | {runs} | {s['run_rounds']} | {s['seconds']:.1f} | {s['seconds'] / s['run_rounds']:.3f} | "
             f"{s['client_rounds_per_group']} | {u.get('util_mean', '-')} | {s['peak_memory_gib']} | "
             f"{floors[0]} | {floors[1]} |"
         )
+    lines += table if len(table) > 3 else []
+    if "together" not in steps:
+        done = {n: v for n, v in finished_runs(log).items() if not n.startswith("warmup")}
+        serverless = [n for n in done if n.startswith(("single", "centralized"))]
+        cut = max(s["end"] for s in steps.values())
+        ended = re.search(r"measure: (\S+); ([\d.]+) s in all", log)
+        lines += [
+            "",
+            f"**The set did not finish within the command's budget** (the measurement's end: "
+            f"{ended.group(1) if ended else '?'} after {ended.group(2) if ended else '?'} s in all): the steps "
+            f"recorded are {', '.join(steps)}; after them "
+            f"{len(done)} of the set's {data['runs']} runs finished their {data['rounds_per_run']} rounds, one after "
+            f"the other, all of them without a server ({', '.join(serverless)}), each "
+            f"{min(t for _, t in done.values()) if done else '-'}-{max(t for _, t in done.values()) if done else '-'} "
+            "s (the bars of the log); the federated runs had started their first round. GPU utilisation after the "
+            f"warm-up: {smi_during(smi, cut, float('inf')).get('util_mean', '-')} % on average.",
+        ]
     if "together" in steps and "alone" in steps:
         per = {m: steps[m]["seconds"] / steps[m]["run_rounds"] for m in ("together", "alone")}
         lines += [
@@ -168,14 +197,10 @@ def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]]) -> str
 
 
 def report(src: Path, md: Path) -> None:
-    """Rewrite ``md``'s section 3 from a returned folder (engine.json, smi.csv); the other sections stay."""
+    """Rewrite ``md``'s section 4 from a returned folder (engine.json, smi.csv); the other sections stay."""
     data = json.loads((src / "engine.json").read_text())
-    text = md.read_text() if md.exists() else "# The set engine (issue 53)\n"
-    before, _, after = text.partition("## 3.")
-    rest = after.partition("\n## 4.")[2]
-    md.write_text(
-        before.rstrip() + "\n\n" + markdown(data, read_smi(src / "smi.csv")) + ("\n## 4." + rest if rest else "")
-    )
+    log = (src / "log.txt").read_text(errors="replace").replace("\r", "\n") if (src / "log.txt").is_file() else ""
+    replace_section(md, 4, markdown(data, read_smi(src / "smi.csv"), log), "The set engine (issue 53)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,18 +208,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
-    dev = sub.add_parser("device", help="the lent machine's one command")
-    dev.add_argument("--carry", type=Path, default=Path(".gpu-study/carry"))
-    dev.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    dev.add_argument("--work", type=Path, default=Path("/tmp/gpu-engine"))
-    dev.add_argument("--budget", type=float, default=240, help="seconds for the whole command")
-    me = sub.add_parser("measure", help="the measurement itself (a child of `device`; --tiny on this CPU)")
-    me.add_argument("--qmsum", type=Path, required=True)
-    me.add_argument("--out", type=Path, required=True)
-    me.add_argument("--work", type=Path, default=None)
-    me.add_argument("--tiny", action="store_true")
+    _, me = gpu_profile.device_and_measure_parsers(sub, Path("/tmp/gpu-engine"), 240)
     me.add_argument("--rounds", type=int, default=2)
-    rep = sub.add_parser("report", help="reports/bench/engine.md section 3 from a returned folder")
+    rep = sub.add_parser("report", help="reports/bench/engine.md section 4 from a returned folder")
     rep.add_argument("src", type=Path, nargs="?", default=REPO / "reports" / "bench" / "gpu-engine")
     rep.add_argument("--md", type=Path, default=REPO / "reports" / "bench" / "engine.md")
     args = ap.parse_args(argv)

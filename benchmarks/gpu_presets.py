@@ -279,11 +279,10 @@ def markdown(record: dict[str, Any]) -> str:
 
 def report(src: Path, md: Path) -> None:
     """Rewrite ``md``'s section 2 from a returned presets.json; the other sections stay."""
-    text = md.read_text() if md.exists() else "# fedmeet on a lent GPU (issue 54)\n"
-    before, _, after = text.partition("## 2.")
-    rest = after.partition("\n## 3.")[2]
+    from benchmarks.gpu_profile import replace_section
+
     section = markdown(json.loads((src / "presets.json").read_text()))
-    md.write_text(before.rstrip() + "\n\n" + section + ("\n## 3." + rest if rest else ""))
+    replace_section(md, 2, section, "fedmeet on a lent GPU (issue 54)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,17 +28,20 @@ the tests' tiny BART (tests/test_gpu_profile.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
 import os
 import pstats
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+from collections import Counter
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -51,7 +54,13 @@ PROFILED = (48, 16)  # train and valid examples a client in the profiled rounds
 
 # --------------------------------------------------------------------------------------------- on the lent machine
 def device(
-    carry: Path, out: Path, work: Path, budget_s: float, tiny: bool = False, module: str = "benchmarks.gpu_profile"
+    carry: Path,
+    out: Path,
+    work: Path,
+    budget_s: float,
+    tiny: bool = False,
+    module: str = "benchmarks.gpu_profile",
+    extra: tuple[str, ...] = (),
 ) -> int:
     """Install, assemble, sample ``nvidia-smi`` and run ``module``'s ``measure`` in a child (stdlib only in this
     process)."""
@@ -77,7 +86,11 @@ def device(
     env = child_env(REPO, work / "site", minilm)
     env.pop("FEDMEET_ROOT")  # measure makes its own workspace
     argv = [sys.executable, "-m", module, "measure", "--qmsum", str(work / "raw" / "qmsum")]
-    argv += ["--out", str(out), "--work", str(work / "repo")] + (["--tiny"] if tiny else [])
+    argv += ["--out", str(out), "--work", str(work / "repo"), *extra] + (["--tiny"] if tiny else [])
+    if (carry / "py-spy").is_file():  # a carried py-spy samples the measured round's threads
+        shutil.copy(carry / "py-spy", work / "py-spy")
+        (work / "py-spy").chmod(0o755)
+        env["FEDMEET_PYSPY"] = str(work / "py-spy")
     try:
         rc = subprocess.run(
             argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=budget_s - (time.monotonic() - t0)
@@ -208,7 +221,47 @@ def _evaluator(work: Path, plan, mcfg):
     return evaluate
 
 
-def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, eval_batches: tuple[int, ...] = (8, 64)) -> dict:
+@contextlib.contextmanager
+def _pyspy(path: Path):
+    """py-spy sampling every thread of this process while the block runs (its raw stacks to ``path``), when a py-spy
+    executable is at $FEDMEET_PYSPY or on PATH; else nothing."""
+    exe = os.environ.get("FEDMEET_PYSPY") or shutil.which("py-spy")
+    if not exe:
+        yield
+        return
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--nonblocking", "-r", "100", "-f", "raw", "-o", str(path)]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        spy.wait(timeout=60)
+
+
+def pyspy_top(path: Path, n: int = TOP) -> dict[str, list[tuple[str, int]]]:
+    """The functions of a py-spy raw file by samples: on top of a stack (own) and anywhere in it (within)."""
+    own, within, total = Counter(), Counter(), 0
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        stack, _, count = line.rpartition(" ")
+        frames = [f for f in stack.split(";") if f]
+        if not frames or not count.isdigit():
+            continue
+        total += int(count)
+        own[frames[-1]] += int(count)
+        for frame in set(frames):
+            within[frame] += int(count)
+    return {"samples": total, "own": own.most_common(n), "within": within.most_common(4 * n)}
+
+
+def measure(
+    qmsum: Path,
+    out: Path,
+    work: Path,
+    tiny: bool = False,
+    eval_batches: tuple[int, ...] = (8, 64),
+    train_only: bool = False,
+) -> dict:
     import torch
     import yaml
 
@@ -246,9 +299,12 @@ def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, eval_batches
     # the most telling steps first: a run cut by its budget keeps them
     for name in ("round_fill_cache", "round"):
         t = time.time()
-        run_set([plan], track=False)
-        _sync()
+        with _pyspy(out / "pyspy-round.txt") if name == "round" else contextlib.nullcontext():
+            run_set([plan], track=False)
+            _sync()
         rec.step(name, t, peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None)
+    if train_only:
+        return rec.data
 
     evaluate = _evaluator(work, the_plan, mcfg)
     for batch in eval_batches:
@@ -309,12 +365,21 @@ def _ops_table(rows: list[dict[str, Any]], n: int = 10) -> list[str]:
     ]
 
 
-def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]]) -> str:
+HEADINGS = {
+    1: "## 1. Today's path on the GPU (`python -m benchmarks.gpu_profile`)",
+    3: "## 3. The batched engine's path on the GPU, one run (`python -m benchmarks.gpu_profile --train-only`, "
+    "after issue 53's engine was merged)",
+}
+
+
+def markdown(
+    data: dict[str, Any], smi: list[tuple[float, float, float]], section: int = 1, spy: dict[str, Any] | None = None
+) -> str:
     steps = data["steps"]
     rates = data.get("mm_tflops", {})
     tflop = data.get("round_tflop")
     lines = [
-        "## 1. Today's path on the GPU (`python -m benchmarks.gpu_profile`)",
+        HEADINGS[section],
         "",
         f"Device: {data['device']} (torch {data['torch']}). One round of fedselectkd (two paths: local and global "
         "adapter) on the GPU study's parameters (configs/gpu-study.yaml: the three full QMSum domain clients, batch "
@@ -366,6 +431,16 @@ def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]]) -> str
         lines += [
             f"| `{r['function']}` | {r['calls']} | {r['self_s']} | {r['cum_s']} |" for r in cp["top_by_self"][:10]
         ]
+    if spy and spy["samples"]:
+        lines += [
+            "",
+            f"Where the timed round's host time went (py-spy, every thread, 100 samples/s: {spy['samples']} samples; "
+            "a frame on top of the stack is where the thread was, inside torch's C++ included):",
+            "",
+            "| function (own) | samples | % |",
+            "|---|---|---|",
+            *(f"| `{f[:90]}` | {c} | {100 * c / spy['samples']:.0f} |" for f, c in spy["own"][:12]),
+        ]
     evals = {k: v for k, v in steps.items() if k.startswith("evaluate_batch")}
     if evals:
         lines += [
@@ -392,42 +467,60 @@ def markdown(data: dict[str, Any], smi: list[tuple[float, float, float]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def report(src: Path, md: Path) -> None:
-    """Rewrite ``md``'s section 1 from a returned folder (profile.json, smi.csv); other sections stay."""
+def replace_section(md: Path, number: int, section: str, title: str) -> None:
+    """Put ``section`` (its heading ``## <number>. ...`` first) in place of ``md``'s section ``number``, or after the
+    last; the other sections stay."""
+    text = md.read_text() if md.exists() else f"# {title}\n"
+    before, found, after = text.partition(f"## {number}.")
+    rest = after.partition(f"\n## {number + 1}.")[2] if found else ""
+    md.write_text(before.rstrip() + "\n\n" + section + (f"\n## {number + 1}." + rest if rest else ""))
+
+
+def report(src: Path, md: Path, section: int = 1) -> None:
+    """Rewrite ``md``'s section ``section`` (1: today's path, 3: the batched engine's) from a returned folder
+    (profile.json, smi.csv, pyspy-round.txt when there)."""
     data = json.loads((src / "profile.json").read_text())
-    text = md.read_text() if md.exists() else "# fedmeet on a lent GPU (issue 54)\n"
-    before, _, after = text.partition("## 1.")
-    rest = after.partition("\n## 2.")[2]
-    md.write_text(
-        before.rstrip() + "\n\n" + markdown(data, read_smi(src / "smi.csv")) + ("\n## 2." + rest if rest else "")
-    )
+    spy = pyspy_top(src / "pyspy-round.txt")
+    text = markdown(data, read_smi(src / "smi.csv"), section, spy)
+    replace_section(md, section, text, "fedmeet on a lent GPU (issue 54)")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+def device_and_measure_parsers(sub, work: Path, budget_s: float) -> tuple[argparse.ArgumentParser, ...]:
+    """The ``device`` and ``measure`` subcommands every GPU benchmark of this folder has."""
     dev = sub.add_parser("device", help="the lent machine's one command")
     dev.add_argument("--carry", type=Path, default=Path(".gpu-study/carry"))
     dev.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
-    dev.add_argument("--work", type=Path, default=Path("/tmp/gpu-profile"))
-    dev.add_argument("--budget", type=float, default=200, help="seconds for the whole command")
-    dev.add_argument("--tiny", action="store_true", help="measure --tiny (a check of this command on a CPU)")
+    dev.add_argument("--work", type=Path, default=work)
+    dev.add_argument("--budget", type=float, default=budget_s, help="seconds for the whole command")
     me = sub.add_parser("measure", help="the measurement itself (a child of `device`; --tiny on this CPU)")
     me.add_argument("--qmsum", type=Path, required=True)
     me.add_argument("--out", type=Path, required=True)
     me.add_argument("--work", type=Path, default=None)
     me.add_argument("--tiny", action="store_true")
+    return dev, me
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    dev, me = device_and_measure_parsers(sub, Path("/tmp/gpu-profile"), 200)
+    dev.add_argument("--tiny", action="store_true", help="measure --tiny (a check of this command on a CPU)")
+    dev.add_argument("--train-only", action="store_true", help="measure --train-only")
+    me.add_argument("--train-only", action="store_true", help="the two full rounds only (the first fills the cache)")
     rep = sub.add_parser("report", help="reports/bench/gpu.md section 1 from a returned folder")
     rep.add_argument("src", type=Path, nargs="?", default=REPO / "reports" / "bench" / "gpu-profile")
     rep.add_argument("--md", type=Path, default=REPO / "reports" / "bench" / "gpu.md")
+    rep.add_argument("--section", type=int, default=1, choices=sorted(HEADINGS))
     args = ap.parse_args(argv)
     if args.command == "device":
-        return device(args.carry.resolve(), args.out.resolve(), args.work, args.budget, args.tiny)
+        extra = ("--train-only",) if args.train_only else ()
+        return device(args.carry.resolve(), args.out.resolve(), args.work, args.budget, args.tiny, extra=extra)
     if args.command == "report":
-        report(args.src, args.md)
+        report(args.src, args.md, args.section)
         return 0
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-profile-"))
-    print(json.dumps(measure(args.qmsum, args.out.resolve(), work.resolve(), args.tiny), indent=1, default=str))
+    data = measure(args.qmsum, args.out.resolve(), work.resolve(), args.tiny, train_only=args.train_only)
+    print(json.dumps(data, indent=1, default=str))
     return 0
 
 

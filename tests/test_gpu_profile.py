@@ -34,22 +34,75 @@ def test_read_smi_parses_samples_and_skips_cut_lines(tmp_path):
     assert gpu_profile.smi_during(samples, 0.0, 1.0) == {"samples": 0}
 
 
-def test_committed_report_is_the_one_generated_from_the_returned_files():
-    text = (ROOT / "reports" / "bench" / "gpu.md").read_text()
-    section = "## 1." + text.partition("## 1.")[2].partition("\n## 2.")[0]
-    data = json.loads((RETURNED / "profile.json").read_text())
-    expected = gpu_profile.markdown(data, gpu_profile.read_smi(RETURNED / "smi.csv"))
-    assert section.strip() == expected.strip()
+def _section(md: Path, number: int) -> str:
+    text = md.read_text()
+    return f"## {number}." + text.partition(f"## {number}.")[2].partition(f"\n## {number + 1}.")[0]
+
+
+@pytest.mark.parametrize("number, returned", [(1, "gpu-profile"), (3, "gpu-profile-batched")])
+def test_committed_report_is_the_one_generated_from_the_returned_files(number, returned):
+    src = ROOT / "reports" / "bench" / returned
+    data = json.loads((src / "profile.json").read_text())
+    spy = gpu_profile.pyspy_top(src / "pyspy-round.txt")
+    expected = gpu_profile.markdown(data, gpu_profile.read_smi(src / "smi.csv"), number, spy)
+    assert _section(ROOT / "reports" / "bench" / "gpu.md", number).strip() == expected.strip()
     assert data["device"].startswith("NVIDIA")  # measured on the lent GPU, not on this CPU
+
+
+def test_committed_engine_section_is_the_one_generated_from_the_returned_files():
+    from benchmarks import gpu_engine
+
+    src = ROOT / "reports" / "bench" / "gpu-engine"
+    log = (src / "log.txt").read_text(errors="replace").replace("\r", "\n")
+    expected = gpu_engine.markdown(
+        json.loads((src / "engine.json").read_text()), gpu_profile.read_smi(src / "smi.csv"), log
+    )
+    assert _section(ROOT / "reports" / "bench" / "engine.md", 4).strip() == expected.strip()
+
+
+def test_finished_runs_reads_the_last_complete_bar_of_each_run():
+    from benchmarks.gpu_engine import finished_runs
+
+    log = (
+        "a-s0 rounds:  50%|#    | 1/2 [00:07<00:07,  7.0s/round]\n"
+        "a-s0 rounds: 100%|#####| 2/2 [00:15<00:00,  7.5s/round]\n"
+        "b-s1 rounds: 100%|#####| 3/3 [01:02:05<00:00, 9.0s/round]\n"
+        "c-s2 rounds:   0%|     | 0/2 [00:00<?, ?round/s]\n"
+    )
+    assert finished_runs(log) == {"a-s0": (2, 15), "b-s1": (3, 3725)}
+
+
+def test_pyspy_top_counts_own_and_enclosing_frames(tmp_path):
+    raw = tmp_path / "raw.txt"
+    raw.write_text("main;train;matmul 3\nmain;train;loss 2\nmain;io 1\nbroken line\n")
+    top = gpu_profile.pyspy_top(raw)
+    assert top["samples"] == 6
+    assert top["own"][:1] == [("matmul", 3)]
+    assert dict(top["within"])["train"] == 5 and dict(top["within"])["main"] == 6
+    assert gpu_profile.pyspy_top(tmp_path / "absent.txt")["samples"] == 0
+
+
+def test_replace_section_keeps_the_other_sections(tmp_path):
+    md = tmp_path / "r.md"
+    md.write_text("# T\n\n## 1. a\nold one\n\n## 2. b\nold two\n\n## 3. c\nthree\n")
+    gpu_profile.replace_section(md, 2, "## 2. b\nnew two\n", "T")
+    assert md.read_text() == "# T\n\n## 1. a\nold one\n\n## 2. b\nnew two\n\n## 3. c\nthree\n"
+    gpu_profile.replace_section(md, 4, "## 4. d\nfour\n", "T")  # a new last section
+    assert md.read_text().endswith("## 3. c\nthree\n\n## 4. d\nfour\n")
+
+
+@pytest.fixture
+def qmsum() -> Path:
+    path = ROOT.parent / "shared" / "data" / "qmsum"
+    if not path.is_dir():
+        pytest.skip(f"{path}: the shared QMSum data is absent")
+    return path
 
 
 @pytest.mark.slow
 @pytest.mark.shared_data
 @pytest.mark.timeout(600)
-def test_measure_runs_end_to_end_on_cpu(tmp_path):
-    qmsum = ROOT.parent / "shared" / "data" / "qmsum"
-    if not qmsum.is_dir():
-        pytest.skip(f"{qmsum}: the shared QMSum data is absent")
+def test_measure_runs_end_to_end_on_cpu(tmp_path, qmsum):
     data = gpu_profile.measure(qmsum, tmp_path / "out", tmp_path / "work", tiny=True)
     steps = data["steps"]
     assert list(steps) == [
@@ -96,3 +149,18 @@ def test_presets_run_end_to_end_on_cpu_at_toy_sizes(tmp_path):
             assert r["step_s"] > 0 and r["decode_batch"] == 2
             assert r["train_examples_per_s_prefix_held"] == pytest.approx(2 / r["step_s"], rel=0.01, abs=0.1)
     assert json.loads((tmp_path / "presets.json").read_text()) == record
+
+
+@pytest.mark.slow
+@pytest.mark.shared_data
+@pytest.mark.timeout(600)
+def test_engine_measure_runs_end_to_end_on_cpu(tmp_path, qmsum):
+    from benchmarks import gpu_engine
+
+    data = gpu_engine.measure(qmsum, tmp_path / "out", tmp_path / "work", tiny=True)
+    assert list(data["steps"]) == ["workspace", "warmup_fill_cache", "together", "alone"]
+    assert data["runs"] == 6 and len(data["alone_runs"]) == 6  # tiny: the six arms' seed-0 runs
+    assert data["steps"]["together"]["run_rounds"] == data["steps"]["alone"]["run_rounds"] == 12
+    # on this CPU (float32) a run trains in the set exactly as alone
+    assert data["max_abs_adapter_diff"] < 1e-5 and data["same_rounds"]
+    assert data["steps"]["together"]["client_rounds_per_group"] > data["steps"]["alone"]["client_rounds_per_group"]
