@@ -104,7 +104,6 @@ def _plans(params: dict, out: Path) -> dict[str, str]:
     [
         ("model.cache_max_gb", 0.5),
         ("model.cache_dir", "/elsewhere/prefix"),
-        ("model.teacher_cache_gb", 0.0),
         ("train.engine", "ray"),
         ("train.ray_cpus_per_client", 2.0),
         ("train.ray_gpus_per_client", 0.5),

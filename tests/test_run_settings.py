@@ -32,22 +32,22 @@ def _message(config: dict) -> Message:
 
 
 def test_the_engines_settings_reach_a_client_through_the_message():
-    sent = CacheConfig(cache_dir="/somewhere/prefix", cache_max_gb=0.25, teacher_cache_gb=0.0)
+    sent = CacheConfig(cache_dir="/somewhere/prefix", cache_max_gb=0.25)
     config = {"plan": "models/plans/x.json", **client_settings_config(sent)}
     assert client_cache_config(_message(config), _context()) == sent
 
 
 def test_a_node_config_wins_over_the_run_config_which_wins_over_the_message():
-    message = _message({"cache-dir": "m", "cache-max-gb": 1.0, "teacher-cache-gb": 1.0})
-    got = client_cache_config(
-        message, _context(node_config={"cache-dir": "node"}, run_config={"cache-dir": "run", "cache-max-gb": 2.0})
-    )
-    assert (got.cache_dir, got.cache_max_gb, got.teacher_cache_gb) == ("node", 2.0, 1.0)
+    message = _message({"cache-dir": "m", "cache-max-gb": 1.0})
+    got = client_cache_config(message, _context(node_config={"cache-dir": "node"}, run_config={"cache-max-gb": 2.0}))
+    assert (got.cache_dir, got.cache_max_gb) == ("node", 2.0)
+    got = client_cache_config(message, _context(run_config={"cache-dir": "run"}))
+    assert (got.cache_dir, got.cache_max_gb) == ("run", 1.0)
 
 
 def test_a_client_without_its_settings_fails_naming_the_missing_key():
-    with pytest.raises(ValueError, match="teacher-cache-gb") as err:
-        client_cache_config(_message({"plan": "p"}), _context(node_config={"cache-dir": "d", "cache-max-gb": 1}))
+    with pytest.raises(ValueError, match="cache-max-gb") as err:
+        client_cache_config(_message({"plan": "p"}), _context(node_config={"cache-dir": "d"}))
     assert "cache-dir" not in str(err.value).split("]")[0]  # only what is missing is named
     with pytest.raises(ValueError, match="cache-dir"):
         client_cache_config(None, _context())
@@ -57,7 +57,7 @@ def test_the_deployed_clients_default_to_the_projects_cache_settings():
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     model = yaml.safe_load((ROOT / "params.yaml").read_text())["model"]
     assert client_cache_config(None, _context(run_config=app_config)) == CacheConfig(
-        cache_dir=model["cache_dir"], cache_max_gb=model["cache_max_gb"], teacher_cache_gb=model["teacher_cache_gb"]
+        cache_dir=model["cache_dir"], cache_max_gb=model["cache_max_gb"]
     )
 
 
@@ -67,13 +67,13 @@ def test_run_settings_come_from_the_named_file_and_a_missing_file_is_an_error(tm
         yaml.safe_dump(
             {
                 "train": {"round_timeout_s": 60, "engine": "ray"},
-                "model": {"cache_dir": "/c", "teacher_cache_gb": 0.5},
+                "model": {"cache_dir": "/c", "cache_max_gb": 0.5},
                 "experiments": {"e": {"engine": "inprocess"}},
             }
         )
     )
     got = load_run_settings(params)
-    assert (got.round_timeout_s, got.engine, got.cache.cache_dir, got.cache.teacher_cache_gb) == (60, "ray", "/c", 0.5)
+    assert (got.round_timeout_s, got.engine, got.cache.cache_dir, got.cache.cache_max_gb) == (60, "ray", "/c", 0.5)
     assert load_run_settings(params, "e").engine == "inprocess"  # the experiment's own override
     with pytest.raises(FileNotFoundError, match="absent.yaml"):
         load_run_settings(tmp_path / "absent.yaml")

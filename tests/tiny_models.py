@@ -55,7 +55,6 @@ MODEL = {
     "max_target_length": 12,
     "cache_dir": "data/cache/prefix",
     "cache_max_gb": 0.05,
-    "teacher_cache_gb": 0.01,
 }
 
 # Training text for the tiny BPE: meeting-style sentences so test inputs tokenise into reasonable pieces.

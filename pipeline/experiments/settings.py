@@ -19,7 +19,6 @@ class CacheConfig:
 
     cache_dir: str = "data/cache/prefix"
     cache_max_gb: NonNegative = 4.0
-    teacher_cache_gb: NonNegative = 1.0  # read by nothing since local training recomputes the teacher, stacked
 
 
 @config

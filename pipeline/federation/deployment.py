@@ -70,7 +70,6 @@ class ServerRunConfig:
     # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
     cache_dir: str = Field("", alias="cache-dir")
     cache_max_gb: float = Field(0.0, alias="cache-max-gb")
-    teacher_cache_gb: float = Field(0.0, alias="teacher-cache-gb")
 
     def timeouts(self) -> tuple[float, float]:
         """(round, admission) timeouts; 0: the run-time settings' defaults."""

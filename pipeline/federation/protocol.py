@@ -45,7 +45,7 @@ SECAGG_CLIPPED_KEY = "secagg-clipped"
 
 
 # A client's run-time settings (RunSettings.cache; none changes a result); a client never reads a params file.
-CLIENT_SETTING_KEYS = {"cache-dir": "cache_dir", "cache-max-gb": "cache_max_gb", "teacher-cache-gb": "teacher_cache_gb"}
+CLIENT_SETTING_KEYS = {"cache-dir": "cache_dir", "cache-max-gb": "cache_max_gb"}
 
 
 def client_settings_config(cache: CacheConfig) -> dict[str, str | float]:

@@ -35,7 +35,7 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
 
 
 class DPSGDSteps:
-    """The local trainer's step object under mode example (the interface of client_training.PlainSteps):
+    """The DP-SGD round's step object under mode example (client_training._private_round drives it):
     per-example clipping, summing across micro-batches and Gaussian noise for one adapter set. Per micro-batch,
     :meth:`backward` its per-example loss sum (:meth:`accumulate`); then :meth:`finish`, which adds the proximal
     gradient after the noise (it is data-independent: outside the clipping); :meth:`close` removes the hooks."""
