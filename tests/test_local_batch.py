@@ -83,12 +83,16 @@ def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_
     monkeypatch.setattr(set_engine, "batched", keep)
     for rnd, method in ((1, "fedselectkd"), (2, "fedselectkd"), (3, "fedavg")):
         plan, model, train, w0 = _setup(f"padded-{method}", method, lr=5e-3, batch_size=2)
+        # short and long targets (max_target_length 12): a micro-batch of one round is narrower than another's
+        train = train.assign(target=[" ".join(t.split()[: 1 + 9 * (i % 2)]) for i, t in enumerate(train["target"])])
         model.load_adapter_state("global", {k: v + 0.05 * rnd for k, v in w0.items()})
         result = _train(plan, model, train, rnd=rnd)
         alone.append((result, model.adapter_state("local")))
     monkeypatch.setattr(set_engine, "batched", real)
     ids = [[b.example_ids for step in job.steps for b, _ in step] for job in made]
     assert ids[0] != ids[1] != ids[2] and len({job.group_key() for job in made}) == 1
+    widths = [[b.labels.shape[1] for step in job.steps for b, _ in step] for job in made]
+    assert any(len(set(w)) > 1 for w in zip(*widths)), "no micro-batch needed padding: nothing here tests it"
     before = local_batch.STATS["groups"]
     outputs = local_batch.train_jobs(made)
     assert local_batch.STATS["groups"] - before == 1

@@ -123,6 +123,9 @@ def stacked_logits(
         return student, packed(teacher, *_blocks(prefix, labels, local.runs, taught))
 
 
+BATCH_TENSORS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
+
+
 def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, list[Batch]]:
     """Step ``s``'s micro-batch ``m`` of every job as R run-major blocks: the prefix (computed or read from the cache
     once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (host)."""
@@ -133,7 +136,13 @@ def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Te
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     if shared:
         return prefix.repeat(len(jobs)), batch.labels.repeat(len(jobs), 1), batches
-    return prefix, batch.labels, batches
+    # each run's own rows of the padded batch: what its loss outputs (entropy, gate: [B, T]) line up with
+    rows = len(batches[0])
+    blocks = [
+        Batch(b.example_ids, *(getattr(batch, f)[r * rows : (r + 1) * rows] for f in BATCH_TENSORS))
+        for r, b in enumerate(batches)
+    ]
+    return prefix, batch.labels, blocks
 
 
 def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
