@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.gpu_profile import REPO, Record, _sync, mm_rates, read_smi, replace_section, smi_during
+from benchmarks.gpu_profile import REPO, Record, cuda_sync, mm_rates, read_smi, replace_section, smi_during
 
 SEED0_ARMS = 6  # the study's arms: one run each at seed 0
 
@@ -70,8 +70,7 @@ def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, rounds: int 
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    rec = Record(out)
-    rec.path = out / "engine.json"
+    rec = Record(out / "engine.json")
     gpu = torch.cuda.is_available()
     rec.data |= {"device": torch.cuda.get_device_name() if gpu else "cpu", "torch": torch.__version__}
     params = merge_profile(yaml.safe_load((REPO / "params.yaml").read_text()), yaml.safe_load(PROFILE.read_text()))
@@ -100,7 +99,7 @@ def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, rounds: int 
             torch.cuda.reset_peak_memory_stats()
         for group in sets:
             run_set(group, track=False)
-        _sync()
+        cuda_sync()
         stacked = {k: local_batch.STATS[k] - before[k] for k in ("groups", "runs_stacked")}
         outcome[mode] = engine._published([p.stem for p in alone])  # reads and clears the seed-0 runs' outputs
         rec.step(

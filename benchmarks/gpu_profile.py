@@ -107,10 +107,11 @@ def device(
 
 # ------------------------------------------------------------------------------------------------- the measurement
 class Record:
-    """``profile.json``, rewritten after each step; each step's wall-clock start and end for the smi samples."""
+    """A measurement's JSON file, rewritten after each step; each step's wall-clock start and end for the smi
+    samples."""
 
-    def __init__(self, out: Path):
-        self.path, self.data = out / "profile.json", {"steps": {}}
+    def __init__(self, path: Path):
+        self.path, self.data = path, {"steps": {}}
 
     def step(self, name: str, t_start: float, **values: Any) -> None:
         self.data["steps"][name] = {"start": t_start, "end": time.time(), "seconds": time.time() - t_start, **values}
@@ -120,7 +121,7 @@ class Record:
         self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
 
 
-def _sync() -> None:
+def cuda_sync() -> None:
     import torch
 
     if torch.cuda.is_available():
@@ -148,7 +149,7 @@ def _torch_profiled(fn, device_ok: bool) -> dict[str, Any]:
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         fn()
-        _sync()
+        cuda_sync()
         wall = time.perf_counter() - t
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / 1e6
@@ -165,7 +166,7 @@ def _cprofiled(fn) -> dict[str, Any]:
     profiler = cProfile.Profile()
     t = time.perf_counter()
     profiler.runcall(fn)
-    _sync()
+    cuda_sync()
     wall = time.perf_counter() - t
     stats = pstats.Stats(profiler, stream=io.StringIO())
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:TOP]  # (cc, nc, tottime, cumtime, _)
@@ -188,11 +189,11 @@ def mm_rates(n: int = 8192, repeats: int = 10) -> dict[str, float]:
     for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
         a, b = (torch.randn(n, n, device="cuda", dtype=dtype) for _ in range(2))
         torch.mm(a, b)
-        _sync()
+        cuda_sync()
         t = time.perf_counter()
         for _ in range(repeats):
             torch.mm(a, b)
-        _sync()
+        cuda_sync()
         rates[name] = round(2 * n**3 * repeats / (time.perf_counter() - t) / 1e12, 1)
     return rates
 
@@ -275,7 +276,7 @@ def measure(
     out.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    rec = Record(out)
+    rec = Record(out / "profile.json")
     gpu = torch.cuda.is_available()
     rec.data["device"] = torch.cuda.get_device_name() if gpu else "cpu"
     rec.data["torch"] = torch.__version__
@@ -301,7 +302,7 @@ def measure(
         t = time.time()
         with _pyspy(out / "pyspy-round.txt") if name == "round" else contextlib.nullcontext():
             run_set([plan], track=False)
-            _sync()
+            cuda_sync()
         rec.step(name, t, peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if gpu else None)
     if train_only:
         return rec.data
@@ -310,14 +311,14 @@ def measure(
     for batch in eval_batches:
         t = time.time()
         n = evaluate(batch, None)
-        _sync()
+        cuda_sync()
         rec.step(f"evaluate_batch{batch}", t, examples=n, beams=4)
     # the profilers' own cost grows with the events they record: they see a round of the first examples only
     caps = {"max_train_examples_per_client": PROFILED[0], "max_valid_examples_per_client": PROFILED[1]}
     (small,) = engine.write_plans(work, params | {"train": params["train"] | caps}, ("fedselectkd",), 1, "profiled")
     t = time.time()
     run_set([small], track=False)  # the prefix cache already has these examples
-    _sync()
+    cuda_sync()
     rec.step("round_subset", t, train_valid_examples_a_client=PROFILED)
     t = time.time()
     rec.step("round_torch_profiler", t, **_torch_profiled(lambda: run_set([small], track=False), gpu))
