@@ -9,6 +9,7 @@ Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import shutil
@@ -135,7 +136,10 @@ def run_set(
     together = {Path(p).stem: p for p in plan_paths if Path(p).stem not in ray}
     barrier = RoundBarrier()
     start = rng_state()
-    with stage_timer(f"train-{'+'.join(names)}"):
+    # a set's record is named by its size and a digest of its names (30 names exceed a file name's 255 bytes)
+    digest = hashlib.sha256("+".join(names).encode()).hexdigest()[:8]
+    timer = f"train-{names[0]}" if len(names) == 1 else f"train-set-of-{len(names)}-{digest}"
+    with stage_timer(timer, experiments=names):
         out = barrier.run(
             {
                 n: partial(run_experiment, p, track=track, settings=settings[n], barrier=barrier)

@@ -1,7 +1,8 @@
 """Client rounds trained together (pipeline/training/local_batch.py): runs of different methods whose rounds share
 their micro-batches (same client, examples and seed) train as one stacked group, and each ends where it ends trained
 alone: its adapter, losses, KD share and gate log (tiny BART, CPU, float32); so do rounds whose micro-batches
-differ but have the same sizes (padded to one shape); micro-batches of other sizes train in groups of their own."""
+differ, in length or in size (padded to one shape); steps of other numbers of micro-batches train in groups of their
+own."""
 
 from __future__ import annotations
 
@@ -68,9 +69,10 @@ def test_runs_sharing_micro_batches_train_stacked_and_each_as_alone(ws, monkeypa
     assert any(job.teacher is None for job in jobs) and any(job.masks is not None for job in jobs)
 
 
-def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_and_each_as_alone(ws, monkeypatch):
-    """Rounds 1 and 2 of a client shuffle its examples differently: their micro-batches, padded to one size, train
-    as one group, each run within float32 rounding of its round trained alone."""
+def test_rounds_with_other_micro_batches_train_stacked_padded_and_each_as_alone(ws, monkeypatch):
+    """Rounds 1 and 2 of a client shuffle its examples differently: their micro-batches, of other lengths and (length
+    buckets permuted: the odd example's batch elsewhere) other sizes, padded to one shape, train as one group, each
+    run within float32 rounding of its round trained alone."""
     from pipeline.training import local_batch, set_engine
 
     made, alone = [], []
@@ -82,9 +84,10 @@ def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_
 
     monkeypatch.setattr(set_engine, "batched", keep)
     for rnd, method in ((1, "fedselectkd"), (2, "fedselectkd"), (3, "fedavg")):
-        plan, model, train, w0 = _setup(f"padded-{method}", method, lr=5e-3, batch_size=2)
+        plan, model, train, w0 = _setup(f"padded-{method}", method, lr=5e-3, batch_size=2, bucket_by_length=True)
         # short and long targets (max_target_length 12): a micro-batch of one round is narrower than another's
         train = train.assign(target=[" ".join(t.split()[: 1 + 9 * (i % 2)]) for i, t in enumerate(train["target"])])
+        train = train.iloc[: len(train) - 1 + len(train) % 2]  # an odd number: one micro-batch holds one example
         model.load_adapter_state("global", {k: v + 0.05 * rnd for k, v in w0.items()})
         result = _train(plan, model, train, rnd=rnd)
         alone.append((result, model.adapter_state("local")))
@@ -93,6 +96,8 @@ def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_
     assert ids[0] != ids[1] != ids[2] and len({job.group_key() for job in made}) == 1
     widths = [[b.labels.shape[1] for step in job.steps for b, _ in step] for job in made]
     assert any(len(set(w)) > 1 for w in zip(*widths)), "no micro-batch needed padding: nothing here tests it"
+    sizes = [[len(b) for step in job.steps for b, _ in step] for job in made]
+    assert any(len(set(n)) > 1 for n in zip(*sizes)), "no micro-batch needed filling: nothing here tests it"
     before = local_batch.STATS["groups"]
     outputs = local_batch.train_jobs(made)
     assert local_batch.STATS["groups"] - before == 1
@@ -105,9 +110,9 @@ def test_rounds_with_other_micro_batches_of_the_same_sizes_train_stacked_padded_
             assert log["kd_applied"].tolist() == result.gate_log["kd_applied"].tolist()
 
 
-def test_rounds_with_other_micro_batch_sizes_form_their_own_group(ws, monkeypatch):
+def test_rounds_with_other_numbers_of_steps_form_their_own_group(ws, monkeypatch):
     jobs, _, local_batch = _jobs(monkeypatch)
-    other, _, _ = _jobs(monkeypatch, batch_size=3)  # micro-batches of other sizes
+    other, _, _ = _jobs(monkeypatch, batch_size=3)  # fewer steps
     keys = {job.group_key() for job in jobs + other}
     assert len(keys) == 2
     before = local_batch.STATS["groups"]

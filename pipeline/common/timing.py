@@ -30,8 +30,9 @@ def peak_rss_mb() -> float:
 
 
 @contextlib.contextmanager
-def stage_timer(stage: str, out_dir: str | Path = TIMING_DIR) -> Iterator[None]:
-    """Records a stage's wall time and peak RSS in ``out_dir`` (relative to the project root DVC runs stages from)."""
+def stage_timer(stage: str, out_dir: str | Path = TIMING_DIR, **extra: object) -> Iterator[None]:
+    """Records a stage's wall time and peak RSS in ``out_dir`` (relative to the project root DVC runs stages from),
+    with ``extra``'s items."""
     # What the process spent before the stage's work (interpreter, imports, argument parsing): the start-up a first
     # `make repro` pays once per stage process.
     startup = time.time() - psutil.Process().create_time()
@@ -45,5 +46,6 @@ def stage_timer(stage: str, out_dir: str | Path = TIMING_DIR) -> Iterator[None]:
             "startup_seconds": round(startup, 2),
             "peak_rss_mb": peak_rss_mb(),
             "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+            **extra,
         },
     )

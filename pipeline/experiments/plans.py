@@ -42,6 +42,10 @@ class Plan:
     clients: list[str] | None = None  # federated: the clients the server admits, in the partition's order
     source: str = ""  # the plan file it was read from
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        self.__dict__.pop("_hash", None)  # plan_hash's kept value
+        super().__setattr__(name, value)
+
     @property
     def spec(self) -> MethodSpec:
         return get_method(self.method)
@@ -76,8 +80,11 @@ class Plan:
 
 
 def plan_hash(plan: Plan) -> str:
-    """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it."""
-    return record_hash(plan.to_json_dict())
+    """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it. Kept on the plan (every
+    path of a run names it) until one of its fields is set again."""
+    if (kept := plan.__dict__.get("_hash")) is None:
+        kept = plan.__dict__["_hash"] = record_hash(plan.to_json_dict())
+    return kept
 
 
 def record_hash(record: dict[str, Any]) -> str:

@@ -124,13 +124,17 @@ def make_batches(
     bucket_by_length: bool = False,
     bucket_batches: int = 50,
 ) -> list[Batch]:
-    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches; ``cfg`` has the max lengths.
+    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches; ``cfg`` has the max lengths
+    (:func:`tokenize_frame`, then :func:`batch_examples`)."""
+    examples = tokenize_frame(examples_df, tokenizer, cfg, decoder_start_token_id)
+    return batch_examples(
+        examples, batch_size, shuffle, seed, decoder_start_token_id, pad_token_id, bucket_by_length, bucket_batches
+    )
 
-    With ``shuffle`` the order is a permutation from ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts
-    padding: chunks of ``bucket_batches * batch_size`` examples of that order are sorted by (target, source)
-    length, batched, and with ``shuffle`` the batches are permuted again with the same generator.
-    """
-    examples = tokenize_pairs(
+
+def tokenize_frame(examples_df, tokenizer, cfg, decoder_start_token_id: int) -> list[TokenizedExample]:
+    """The rows of ``examples_df`` tokenised (:func:`tokenize_pairs`), in order."""
+    return tokenize_pairs(
         tokenizer,
         examples_df["source"].tolist(),
         examples_df["target"].tolist(),
@@ -139,6 +143,22 @@ def make_batches(
         examples_df["example_id"].astype(str).tolist(),
         decoder_start_token_id,
     )
+
+
+def batch_examples(
+    examples: list[TokenizedExample],
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+    decoder_start_token_id: int,
+    pad_token_id: int,
+    bucket_by_length: bool = False,
+    bucket_batches: int = 50,
+) -> list[Batch]:
+    """Tokenised examples -> Batches. With ``shuffle`` the order is a permutation from
+    ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts padding: chunks of ``bucket_batches * batch_size``
+    examples of that order are sorted by (target, source) length, batched, and with ``shuffle`` the batches are
+    permuted again with the same generator."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

@@ -9,8 +9,8 @@ never hits a stale entry). Entries are trimmed to the example's lengths, evicted
 sha256 of their tensors: a damaged entry is logged, deleted and recomputed. A relative ``root`` is under the project
 root (:func:`resolve_root`), so DVC's temporary experiment copies share one cache. float16/bfloat16 entries are
 not exact. Once read (or computed), an entry stays resident on the model's device for the cache object's life
-(pipeline.training.shared_model keeps one per process), so later rounds neither read nor hash it again; an entry
-evicted from disk leaves memory too, so the resident entries never exceed the disk budget.
+(pipeline.training.shared_model keeps one per process), so later rounds neither read, hash nor touch it again (its
+recency is kept in memory: eviction by this process weighs it); an entry evicted from disk leaves memory too, so the resident entries never exceed the disk budget.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -94,6 +95,8 @@ class PrefixCache:
             )
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self.resident: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # entry file -> its tensors, on device
+        self._paths: dict[tuple[str, bytes, bytes], Path] = {}  # (example id, its token ids' bytes) -> entry file
+        self._used: dict[Path, float] = {}  # a resident entry's last use (its file is not touched on every use)
         self.size_bytes = sum(p.stat().st_size for p in self.root.glob("*/*.safetensors"))  # of every key
 
     def prefix_for(self, model: AdapterSummarizer, batch: Batch) -> Prefix:
@@ -101,21 +104,18 @@ class PrefixCache:
         src_len = batch.attention_mask.sum(dim=1).tolist()
         tgt_len = (batch.labels != IGNORE_INDEX).sum(dim=1).tolist()
         paths = [
-            self.dir
-            / (
-                _sha(eid, batch.input_ids[i, : src_len[i]].tolist(), batch.decoder_input_ids[i, : tgt_len[i]].tolist())[
-                    :32
-                ]
-                + ".safetensors"
-            )
+            self._entry_path(eid, batch.input_ids[i, : src_len[i]], batch.decoder_input_ids[i, : tgt_len[i]])
             for i, eid in enumerate(batch.example_ids)
         ]
         entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        now = time.time()
         for i, path in enumerate(paths):
-            loaded = self._resident(path) or self._load(path)
-            if loaded is not None:
-                entries[i] = self.resident.setdefault(path, tuple(t.to(model.device) for t in loaded))
+            if (entry := self.resident.get(path)) is None and (loaded := self._load(path)) is not None:
+                entry = self.resident[path] = tuple(t.to(model.device) for t in loaded)
+            if entry is not None:
+                entries[i] = entry
                 self.stats["hits"] += 1
+                self._used[path] = now
         missing = [i for i in range(len(paths)) if i not in entries]
         if missing:
             self.stats["misses"] += len(missing)
@@ -142,12 +142,14 @@ class PrefixCache:
             dec_h[i, : dec.shape[0]] = dec
         return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
 
-    def _resident(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
-        entry = self.resident.get(path)
-        if entry is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path)  # LRU on disk, as a read would
-        return entry
+    def _entry_path(self, example_id: str, source_ids: torch.Tensor, decoder_ids: torch.Tensor) -> Path:
+        """The entry of an example's token ids: hashed once per process (every later micro-batch finds it by the ids'
+        bytes)."""
+        ids = (example_id, source_ids.numpy().tobytes(), decoder_ids.numpy().tobytes())
+        if (path := self._paths.get(ids)) is None:
+            name = _sha(example_id, source_ids.tolist(), decoder_ids.tolist())[:32]
+            path = self._paths[ids] = self.dir / f"{name}.safetensors"
+        return path
 
     def _load(self, path: Path) -> tuple[torch.Tensor, torch.Tensor] | None:
         try:
@@ -200,7 +202,12 @@ class PrefixCache:
                 os.unlink(tmp)
 
     def _evict(self, need: int) -> None:
-        files = sorted(self.root.glob("*/*.safetensors"), key=lambda p: p.stat().st_mtime)
+        """Least recently used first: by the files' mtime, or this process's last use of a resident entry."""
+
+        def last_used(p: Path) -> float:
+            return max(p.stat().st_mtime, self._used.get(p, 0.0))
+
+        files = sorted(self.root.glob("*/*.safetensors"), key=last_used)
         freed = 0
         for p in files:
             if freed >= need:

@@ -158,11 +158,24 @@ class AdapterSummarizer(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return next(self.adapter_sets.parameters()).device
+        """Where the adapters are (read per micro-batch: kept by :meth:`_apply`, not found by a parameter walk)."""
+        if "_device" not in self.__dict__:
+            self.__dict__["_device"] = next(self.adapter_sets.parameters()).device
+        return self.__dict__["_device"]
+
+    def _apply(self, fn, recurse: bool = True):
+        self.__dict__.pop("_device", None)  # .to(), .cuda(), ...: found again
+        return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> AdapterSummarizer:
-        super().train(mode)
-        self.backbone.eval()  # frozen: no dropout, so the shared prefix is deterministic (and cacheable)
+        """The adapters' mode; the backbone stays in eval mode (frozen: no dropout, so the shared prefix is
+        deterministic and cacheable), set once rather than walked on every call."""
+        self.training = mode
+        for child in self.children():
+            if child is not self.backbone:
+                child.train(mode)
+        if self.backbone.training:
+            self.backbone.eval()
         return self
 
     def _make_adapter_hook(self, i: int, on_input: bool):
@@ -261,7 +274,7 @@ class AdapterSummarizer(nn.Module):
             (batch.labels != IGNORE_INDEX).to(self.device),
         )
 
-    def _top_masks(self, prefix: Prefix):
+    def top_masks(self, prefix: Prefix):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         h = prefix.decoder_hidden
@@ -303,7 +316,7 @@ class AdapterSummarizer(nn.Module):
         """Top k layers with ``path``'s adapters + LM head on a prefix. The LM head (n x V, the dominant cost) runs
         only on the prefix's target tokens: [B, T, V] with 0 elsewhere, or ``packed`` rows; ``rows`` (the target
         tokens' indices in the flattened [B * T], on the device): those packed rows, with no host sync."""
-        self_mask, cross_mask = masks if masks is not None else self._top_masks(prefix)
+        self_mask, cross_mask = masks if masks is not None else self.top_masks(prefix)
         h = prefix.decoder_hidden
         with self.use_path(path):
             for layer in self._top_layers:
@@ -328,7 +341,7 @@ class AdapterSummarizer(nn.Module):
         if prefix is None:
             prefix = self.compute_prefix(batch)
         prefix = prefix.to(self.device)
-        masks = self._top_masks(prefix)
+        masks = self.top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():
             return TwoPathOutput(logits_local, self.path_logits(prefix, "global", masks, packed))

@@ -62,24 +62,42 @@ class ClientData:
 
 
 def client_data(plan: Plan, client: str) -> ClientData:
-    partition = read_partition(plan.paths["partition"])
+    """The client's frames of ``plan``'s partition and examples, made once per process and file versions: every
+    round of a run and every run of a set reads the same frames (read them, do not change them)."""
+    paths = plan.paths
+    train = plan.train
+    versions = tuple(Path(paths[k]).stat().st_mtime_ns if Path(paths[k]).exists() else None for k in FILES)
+    limits = (train.max_train_examples_per_client, train.max_valid_examples_per_client)
+    return _client_data(paths["partition"], paths["examples"], versions, client, limits, plan.seed)
+
+
+FILES = ("partition", "examples")  # what a client's frames are read from
+
+
+@lru_cache(maxsize=64)
+def _client_data(
+    partition_path: str,
+    examples_path: str,
+    versions: tuple,
+    client: str,
+    limits: tuple[int | None, int | None],
+    seed: int,
+) -> ClientData:
+    partition = read_partition(partition_path)
     if client not in partition["clients"]:
-        raise DataError(f"{plan.paths['partition']}: no client {client!r} (clients: {sorted(partition['clients'])})")
-    examples = read_examples(plan.paths["examples"])
+        raise DataError(f"{partition_path}: no client {client!r} (clients: {sorted(partition['clients'])})")
+    examples = read_examples(examples_path)
     splits = partition["clients"][client]
     frames = {}
-    for split, limit in (
-        ("train", plan.train.max_train_examples_per_client),
-        ("valid", plan.train.max_valid_examples_per_client),
-    ):
+    for split, limit in zip(("train", "valid"), limits):
         ids = [str(i) for i in splits[split]]
         missing = [i for i in ids if i not in examples.index]
         if missing:
             raise DataError(
-                f"{plan.paths['partition']}: client {client!r} {split} id {missing[0]!r} is not in "
-                f"{plan.paths['examples']} ({len(missing)} missing)"
+                f"{partition_path}: client {client!r} {split} id {missing[0]!r} is not in "
+                f"{examples_path} ({len(missing)} missing)"
             )
-        chosen = subsample_ids(ids, limit, derived_seed(plan.seed, client, split, "subsample"))
+        chosen = subsample_ids(ids, limit, derived_seed(seed, client, split, "subsample"))
         frames[split] = examples.loc[chosen].reset_index(drop=True)
     return ClientData(client, frames["train"], frames["valid"], len(splits["train"]))
 

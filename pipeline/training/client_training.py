@@ -4,6 +4,8 @@ ClientApp and for `single` / `centralized` (docs/ARCHITECTURE.md, "Training and 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -18,7 +20,7 @@ from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.train_config import TrainConfig
-from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, batch_examples, make_batches, tokenize_frame
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
 from pipeline.training import local_batch, set_engine
@@ -59,6 +61,25 @@ def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:
     return _noun_verb_masks(str(p), p.stat().st_mtime)
 
 
+# Made in this process, by frame (kept with them, as is the tokenizer, so their ids are not reused): a frame's
+# tokenised examples, and its batches by what shapes them. The runs of a set share a client's frames
+# (pipeline.training.client_data): a client's examples are tokenised once, batched once a round for the runs of one
+# seed, and once for every validation.
+_KEPT: OrderedDict[tuple, tuple[pd.DataFrame, Any, Any]] = OrderedDict()
+KEPT_ENTRIES = 64
+
+
+def _kept(key: tuple, frame: pd.DataFrame, tokenizer: Any, make: Callable[[], Any]) -> Any:
+    if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
+        _KEPT.move_to_end(key)
+        return kept[2]
+    value = make()
+    _KEPT[key] = (frame, tokenizer, value)
+    while len(_KEPT) > KEPT_ENTRIES:
+        _KEPT.popitem(last=False)
+    return value
+
+
 def _batches(
     model: AdapterSummarizer,
     frame: pd.DataFrame,
@@ -67,17 +88,19 @@ def _batches(
     shuffle: bool,
     seed: int,
     bucket_by_length: bool,
+    keep: bool = True,
 ) -> list[Batch]:
-    return make_batches(
+    """The frame's batches (kept when ``keep``, and then shared: read them, do not change them)."""
+    tokenizer, start, pad = model.tokenizer, model.decoder_start_token_id, model.pad_token_id
+    if not keep:
+        return make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
+    shape = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start)
+    examples = _kept(shape, frame, tokenizer, lambda: tokenize_frame(frame, tokenizer, mcfg, start))
+    return _kept(
+        (*shape, pad, cfg.batch_size, shuffle, seed, bucket_by_length),
         frame,
-        model.tokenizer,
-        mcfg,
-        cfg.batch_size,
-        shuffle,
-        seed,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
-        bucket_by_length=bucket_by_length,
+        tokenizer,
+        lambda: batch_examples(examples, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length),
     )
 
 
@@ -197,7 +220,7 @@ def train_local(
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
 
     def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
-        return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length)
+        return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length, keep=False)
 
     stepper = privacy.local_steps(
         plan,

@@ -4,9 +4,10 @@ micro-batches have the same sizes in the same steps train as one group: the top 
 run-major blocks with the R runs' adapters stacked (pipeline.modeling.adapter_stack), each run's loss, KD gate and
 proximal term its own. Where the runs' micro-batches coincide (the same client, examples and seed: batch order
 depends only on seed, client and round) the frozen prefix is computed (or read from the cache) once and repeated;
-where they differ (another seed or round) the blocks are the runs' own micro-batches padded to one shape, which
-changes a run's result by float32 rounding only. Jobs with micro-batches of other sizes form groups of their own,
-trained one after the other. The optimizer is one AdamW over the stacked leaves, each run's own AdamW elementwise
+where they differ (another seed or round) the blocks are the runs' own micro-batches padded to one shape (a
+shorter one filled with copies of its first example whose labels are ignored), which changes a run's result by
+float32 rounding only. Jobs with another number of steps or micro-batches form groups of their own, trained one
+after the other. The optimizer is one AdamW over the stacked leaves, each run's own AdamW elementwise
 (jobs of a group share its settings: they are part of the group's key). On CUDA the student's forward runs under
 bf16 autocast, the teacher's in float32 (:func:`stacked_logits`); the loss computes entropy, softmax and KL in
 float32 (pipeline.modeling.losses). Token ids and labels stay on the host, where counts and row indices are read,
@@ -57,12 +58,20 @@ class LocalJob:
     progress: bool = False  # show a progress bar over the steps
 
     def group_key(self) -> tuple:
-        """Jobs with equal keys have micro-batches of the same sizes in the same steps and the optimizer's settings:
-        they train stacked."""
+        """Jobs with equal keys have as many micro-batches in each step and the optimizer's settings: they train
+        stacked (micro-batches of other sizes padded to one: another seed's order puts a short batch elsewhere)."""
         cfg = self.plan.train
-        batches = tuple(tuple(len(b) for b, _ in step) for step in self.steps)
+        micro_batches = tuple(len(step) for step in self.steps)
         lengths = (self.plan.model.get("max_source_length"), self.plan.model.get("max_target_length"))
-        return (id(self.model), id(self.cache), cfg.lr, cfg.weight_decay, cfg.decay_norm_and_bias, lengths, batches)
+        return (
+            id(self.model),
+            id(self.cache),
+            cfg.lr,
+            cfg.weight_decay,
+            cfg.decay_norm_and_bias,
+            lengths,
+            micro_batches,
+        )
 
 
 @dataclass
@@ -111,38 +120,57 @@ def stacked_logits(
     teacher moves the gate: reports/bench/engine.md, section 3). The target rows are indexed on the host (no sync)."""
     device = prefix.decoder_hidden.device
 
-    def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor) -> torch.Tensor:
+    def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor, masks=None) -> torch.Tensor:
         rows = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(device, non_blocking=True)
-        return model.path_logits(prefix, stack, rows=rows)
+        return model.path_logits(prefix, stack, masks, rows=rows)
 
+    masks = model.top_masks(prefix)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        student = packed(local, prefix, labels)
+        student = packed(local, prefix, labels, masks)
     if teacher is None:
         return student, None
     with torch.no_grad():
+        if len(taught) == local.runs:  # every run's block: the same prefix, labels and attention masks
+            return student, packed(teacher, prefix, labels, masks)
         return student, packed(teacher, *_blocks(prefix, labels, local.runs, taught))
 
 
 BATCH_TENSORS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
 
 
+def _filled(batch: Batch, rows: int) -> Batch:
+    """``batch`` with copies of its first example appended up to ``rows`` examples (a padded group's blocks are of
+    one size); :func:`_micro_batch` ignores their labels, so they add no token and no gradient."""
+    extra = rows - len(batch)
+    if extra == 0:
+        return batch
+    tensors = (torch.cat([t, t[:1].expand(extra, -1)]) for t in (getattr(batch, f) for f in BATCH_TENSORS))
+    return Batch(batch.example_ids + batch.example_ids[:1] * extra, *tensors)
+
+
 def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, list[Batch]]:
     """Step ``s``'s micro-batch ``m`` of every job as R run-major blocks: the prefix (computed or read from the cache
-    once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (host)."""
+    once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (host;
+    the rows that only fill a block ignored) and each job's own rows of them (what its loss outputs line up with)."""
     model, cache = jobs[0].model, jobs[0].cache
     batches = [job.steps[s][m][0] for job in jobs]
     shared = all(b.example_ids == batches[0].example_ids for b in batches)
-    batch = batches[0] if shared else stack_batches(batches, model.pad_token_id)
+    if shared:
+        batch = batches[0]
+    else:
+        rows = max(len(b) for b in batches)
+        batch = stack_batches([_filled(b, rows) for b in batches], model.pad_token_id)
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     if shared:
         return prefix.repeat(len(jobs)), batch.labels.repeat(len(jobs), 1), batches
-    # each run's own rows of the padded batch: what its loss outputs (entropy, gate: [B, T]) line up with
-    rows = len(batches[0])
+    labels = batch.labels.clone()
+    for r, b in enumerate(batches):
+        labels[r * rows + len(b) : (r + 1) * rows] = IGNORE_INDEX
     blocks = [
-        Batch(b.example_ids, *(getattr(batch, f)[r * rows : (r + 1) * rows] for f in BATCH_TENSORS))
+        Batch(b.example_ids, *(getattr(batch, f)[r * rows : r * rows + len(b)] for f in BATCH_TENSORS))
         for r, b in enumerate(batches)
     ]
-    return prefix, batch.labels, blocks
+    return prefix, labels, blocks
 
 
 def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
@@ -172,7 +200,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                 logits, teacher_logits = stacked_logits(
                     model, prefix, labels, local, teacher, taught, device.type == "cuda"
                 )
-                blocks, tokens, starts = _run_rows(labels, runs)
+                _, tokens, starts = _run_rows(labels, runs)
                 teacher_starts = [0]
                 for r in taught:
                     teacher_starts.append(teacher_starts[-1] + tokens[r])
@@ -184,9 +212,9 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                         z_g = teacher_logits[teacher_starts[k] : teacher_starts[k + 1]]
                     hard = None
                     if job.masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
-                        hard = torch.from_numpy(job.masks.batch(batches[r].example_ids, blocks[r]))
+                        hard = torch.from_numpy(job.masks.batch(batches[r].example_ids, batches[r].labels))
                     student = logits[starts[r] : starts[r + 1]]
-                    out = losses.distillation_loss(student, z_g, blocks[r], job.kd, hard_mask=hard)
+                    out = losses.distillation_loss(student, z_g, batches[r].labels, job.kd, hard_mask=hard)
                     loss = out.loss
                     if references[r] is not None:
                         proximal[r] = _proximal_term(local, r, references[r], job.proximal_mu)
