@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,16 @@ class Plan:
     source: str = ""  # the plan file it was read from
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__.pop("_hash", None)  # plan_hash's kept value
+        self.__dict__.pop("_kept", None)  # what was derived from the fields before
         super().__setattr__(name, value)
+
+    def kept(self, name: str, make: Callable[[], Any]) -> Any:
+        """``make()``, the value ``name`` derived from this plan, made once until one of its fields is set again
+        (e.g. its hash: every path of a run names it; its model configuration: every micro-batch's shapes)."""
+        kept = self.__dict__.setdefault("_kept", {})
+        if name not in kept:
+            kept[name] = make()
+        return kept[name]
 
     @property
     def spec(self) -> MethodSpec:
@@ -81,10 +90,8 @@ class Plan:
 
 def plan_hash(plan: Plan) -> str:
     """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it. Kept on the plan (every
-    path of a run names it) until one of its fields is set again."""
-    if (kept := plan.__dict__.get("_hash")) is None:
-        kept = plan.__dict__["_hash"] = record_hash(plan.to_json_dict())
-    return kept
+    path of a run names it: :meth:`Plan.kept`)."""
+    return plan.kept("hash", lambda: record_hash(plan.to_json_dict()))
 
 
 def record_hash(record: dict[str, Any]) -> str:

@@ -87,7 +87,7 @@ class GridView:
         return self._grid.get_node_ids() if self._node_ids is None else list(self._node_ids)
 
 
-@lru_cache(maxsize=8)
+@lru_cache(maxsize=256)  # every plan of a set (the GPU study's 30), whose clients read theirs every round
 def _plan_cached(path: str, mtime: float) -> Plan:
     return read_plan(path)
 

@@ -98,8 +98,14 @@ def _client_data(
                 f"{examples_path} ({len(missing)} missing)"
             )
         chosen = subsample_ids(ids, limit, derived_seed(seed, client, split, "subsample"))
-        frames[split] = examples.loc[chosen].reset_index(drop=True)
+        frames[split] = _frame(examples_path, versions, tuple(chosen))
     return ClientData(client, frames["train"], frames["valid"], len(splits["train"]))
+
+
+@lru_cache(maxsize=64)
+def _frame(examples_path: str, versions: tuple, example_ids: tuple[str, ...]) -> pd.DataFrame:
+    """The examples ``example_ids``, one frame for every seed that draws them (all, without a limit)."""
+    return read_examples(examples_path).loc[list(example_ids)].reset_index(drop=True)
 
 
 def client_names(plan: Plan) -> list[str]:

@@ -22,7 +22,7 @@ _PREFIX_CACHES: dict[tuple, PrefixCache] = {}
 
 
 def model_config(plan: Plan) -> ModelConfig:
-    return from_dict(ModelConfig, plan.model, f"{plan.source}: model")
+    return plan.kept("model_config", lambda: from_dict(ModelConfig, plan.model, f"{plan.source}: model"))
 
 
 def _model_key(plan: Plan) -> tuple:
