@@ -169,3 +169,29 @@ def test_validations_of_several_adapters_run_stacked_each_its_adapters_cross_ent
         n += int(valid.sum())
     assert together[-1] == (pytest.approx(total / n, rel=1e-5), n)
     assert len({loss for loss, _ in together}) == 3
+
+
+def test_a_job_that_fails_in_a_group_fails_alone_and_the_others_train_as_alone(ws, monkeypatch):
+    """One client's bad micro-batch (no target token) fails its own job only: the group is retrained job by job."""
+    from pipeline.modeling.batching import IGNORE_INDEX, Batch
+
+    jobs, alone, local_batch = _jobs(monkeypatch)
+    bad = jobs[2]
+    first, weight = bad.steps[0][0]
+    empty = Batch(
+        first.example_ids,
+        first.input_ids,
+        first.attention_mask,
+        first.decoder_input_ids,
+        torch.full_like(first.labels, IGNORE_INDEX),
+    )
+    bad.steps = [[(empty, weight), *bad.steps[0][1:]], *bad.steps[1:]]
+    before = local_batch.STATS["groups"]
+    outputs = local_batch.train_jobs(jobs)
+    assert local_batch.STATS["groups"] - before == 1 + len(jobs)  # the failed group, then each job alone
+    assert isinstance(outputs[2], ValueError) and "no non-padding target token" in str(outputs[2])
+    for method, out in zip(METHODS, outputs):
+        if out is outputs[2]:
+            continue
+        state = alone[method][1]
+        assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method

@@ -36,7 +36,7 @@ ALLOWED = {
     # its own temporary + os.replace (it decides after writing whether the entry fits the size budget)
     ("modeling/cache.py", "save_file("),
     # write the temporary that atomic.replacing yields
-    ("training/checkpoints.py", 'torch.save({"plan_hash": plan_hash(plan)'),
+    ("training/checkpoints.py", "torch.save({**checkpoint_identity(plan)"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
     ("federation/processes.py", 'out: IO | int = subprocess.PIPE if capture else open(log, "ab")'),
     ("federation/localhost.py", 'log = open(run.log, "a", encoding="utf-8")'),

@@ -127,6 +127,21 @@ def test_a_round_checkpoint_comes_back_only_to_its_plan(caplog):
     assert not checkpoints.has_valid_checkpoint(other)
 
 
+def test_a_round_checkpoint_of_other_training_code_is_not_resumed(caplog, monkeypatch):
+    """A run killed under older code restarts under newer code rather than mixing two versions' rounds."""
+    from pipeline.training import checkpoints
+
+    plan = _plan("rounds-code", rounds=3)
+    path = checkpoints.server_checkpoint_path(plan)
+    checkpoints.save_round_checkpoint(path, plan, 2, {"history": [{"round": 1}]})
+    assert checkpoints.has_valid_checkpoint(plan) and len(checkpoints.code_hash()) == 64
+    monkeypatch.setattr(checkpoints, "code_hash", lambda: "0" * 64)  # the sources edited since
+    with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
+        assert checkpoints.load_round_checkpoint(path, plan) is None
+    assert any("other training code" in r.getMessage() for r in caplog.records)
+    assert not checkpoints.has_valid_checkpoint(plan)
+
+
 def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
     from pipeline.training import checkpoints
 

@@ -1,13 +1,15 @@
 """Where a training run keeps its state while it runs (``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` and
-``checkpoint/``), its round checkpoints (tagged with the plan's hash) and the publishing of its outputs."""
+``checkpoint/``), its round checkpoints (tagged with the plan's hash and the training code's) and the publishing of its outputs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import shutil
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -50,27 +52,51 @@ def client_checkpoint_dir(plan: Plan, client: str) -> Path:
     return checkpoint_dir(plan) / "clients" / client
 
 
+@lru_cache(maxsize=1)
+def code_hash() -> str:
+    """The code a run's rounds are computed by: every source file of the package below its results (a checkpoint
+    written by other training code is not resumed: it would mix two versions' rounds in one run)."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*.py") if p.relative_to(package).parts[0] != "results"):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def checkpoint_identity(plan: Plan) -> dict[str, str]:
+    """What a round checkpoint must match to be resumed: the plan's configuration and the training code."""
+    return {"plan_hash": plan_hash(plan), "code_hash": code_hash()}
+
+
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
     with atomic.replacing(path) as tmp:
-        torch.save({"plan_hash": plan_hash(plan), "round": rnd, **state}, tmp)
+        torch.save({**checkpoint_identity(plan), "round": rnd, **state}, tmp)
+
+
+def _mismatch(state: dict[str, Any], plan: Plan) -> str | None:
+    for key, value in checkpoint_identity(plan).items():
+        if state.get(key) != value:
+            return "another configuration" if key == "plan_hash" else "other training code"
+    return None
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
-    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another configuration."""
+    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another configuration or
+    training code."""
     if not path.exists():
         return None
     state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
-    if state.get("plan_hash") != plan_hash(plan):
-        log.warning("%s: checkpoint belongs to another configuration; starting over", path)
+    if (why := _mismatch(state, plan)) is not None:
+        log.warning("%s: checkpoint belongs to %s; starting over", path, why)
         return None
     return state
 
 
 def has_valid_checkpoint(plan: Plan) -> bool:
-    """Whether the experiment's outputs belong to an unfinished run of this plan (then they are resumed)."""
+    """Whether the experiment's outputs belong to an unfinished run of this plan and code (then they are resumed)."""
     path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
     try:
-        return path is not None and torch.load(path, weights_only=False).get("plan_hash") == plan_hash(plan)
+        return path is not None and _mismatch(torch.load(path, weights_only=False), plan) is None
     except Exception:  # unreadable
         return False
 

@@ -16,6 +16,7 @@ and reach the device by asynchronous copies: a micro-batch makes no host sync.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch, stack_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
+log = logging.getLogger(__name__)
 # what this process trained (and validated) batched: tests, benchmarks
 STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0, "validation_groups": 0}
 # A group's micro-batch holds every run's student logits ([target tokens, V]; the teacher's and the gradient about
@@ -296,10 +298,17 @@ def _in_groups(jobs: list[LocalJob], group_call) -> list:
         keys[job.group_key()].append(i)
     results: list[JobOutput | Exception] = [None] * len(jobs)  # type: ignore[list-item]
     for members in (group for same in keys.values() for group in _within_budget(jobs, same)):
-        try:
-            outs: list = group_call([jobs[i] for i in members])
-        except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
-            outs = [exc] * len(members)
+        outs = _outputs_or_error(group_call, [jobs[i] for i in members])
+        if len(members) > 1 and isinstance(outs[0], Exception):  # one job's error fails no other: each alone
+            log.warning("a group of %d jobs failed (%s); each is trained alone", len(members), outs[0])
+            outs = [_outputs_or_error(group_call, [jobs[i]])[0] for i in members]
         for i, out in zip(members, outs):
             results[i] = out
     return results
+
+
+def _outputs_or_error(group_call, group: list[LocalJob]) -> list:
+    try:
+        return group_call(group)
+    except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
+        return [exc] * len(group)
