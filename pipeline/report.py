@@ -36,7 +36,6 @@ from pipeline.results.outputs import (
     average_interval,
     headline_metrics,
     readme,
-    rescore_evaluations,
     summary_metrics,
 )
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
@@ -285,10 +284,8 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     come from the folder's previous comparisons.csv where predictions are absent."""
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), "report")
-    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
-    evaluations = [str(f) for f in rescore_evaluations(folder / "eval", bootstrap)]
     written = write_tables(params, cfg, folder, previous=folder / "comparisons.csv")
-    made = {"evaluations": evaluations, **written.made}
+    made = written.made
     atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
     made["tables"].append(str(folder / "comparisons.csv"))
     readme_path = folder / "README.md"
