@@ -246,12 +246,12 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
             row = {
                 "stage": str(rec["stage"]),
                 "seconds": float(rec["seconds"]),
-                "startup_seconds": float(rec.get("startup_seconds", "nan")),
+                "startup_seconds": float(rec["startup_seconds"]),
                 "peak_rss_mb": float(rec["peak_rss_mb"]),
-                "finished_at": str(rec.get("finished_at", "")),
+                "finished_at": str(rec["finished_at"]),
             }
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise DataError(f"{f}: not a stage timing record ({err!r}); expected stage, seconds, peak_rss_mb") from err
+            raise DataError(f"{f}: not a stage timing record of pipeline.common.timing ({err!r})") from err
         m = EXPERIMENT_STAGE.match(row["stage"])
         if m and m["experiment"] not in planned_names:
             left_out.append(row["stage"])
@@ -263,11 +263,7 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
 
 
 def timing_markdown(timing: pd.DataFrame) -> str:
-    """The stage-time table; an old record's missing start-up or finish time is a blank cell, not summed."""
-
-    def startup(seconds: float) -> str:
-        return "" if pd.isna(seconds) else f"{seconds:.1f}"
-
+    """The stage-time table, its totals and the span from the first start to the last finish."""
     lines = [
         "# Stage wall times",
         "",
@@ -279,15 +275,15 @@ def timing_markdown(timing: pd.DataFrame) -> str:
         "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r.stage} | {r.seconds:.1f} | {startup(r.startup_seconds)} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
+        f"| {r.stage} | {r.seconds:.1f} | {r.startup_seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
         for r in timing.itertuples()
     ]
     lines.append(
         f"| **total** | {timing['seconds'].sum():.1f} | "
-        f"{startup(timing['startup_seconds'].sum(min_count=1))} | {timing['peak_rss_mb'].max():.0f} (max) | |"
+        f"{timing['startup_seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) | |"
     )
-    finished = pd.to_datetime(timing["finished_at"], errors="coerce", utc=True, format="ISO8601")
-    work = pd.to_timedelta(timing["seconds"] + timing["startup_seconds"].fillna(0), unit="s")
-    if pd.notna(span := (finished.max() - (finished - work).min()).total_seconds()):  # one `dvc repro` of them all
-        lines += ["", f"First recorded start to last recorded finish: {span:.0f} s ({span / 60:.1f} min)."]
+    finished = pd.to_datetime(timing["finished_at"], utc=True, format="ISO8601")
+    started = finished - pd.to_timedelta(timing["seconds"] + timing["startup_seconds"], unit="s")
+    span = (finished.max() - started.min()).total_seconds()  # one `dvc repro` of them all
+    lines += ["", f"First recorded start to last recorded finish: {span:.0f} s ({span / 60:.1f} min)."]
     return "\n".join(lines) + "\n"
