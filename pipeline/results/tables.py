@@ -13,11 +13,11 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.common.schema import DataError
+from pipeline.common.schema import QMSUM_DOMAINS, DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.results import comparisons, published
 from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
-from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
 
 METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
@@ -26,7 +26,7 @@ METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_ro
 def _client_order(clients: Iterable[str]) -> list[str]:
     """QMSum's clients in the paper's order, then any other client sorted."""
     present = set(clients)
-    return [c for c in published.QMSUM_CLIENTS if c in present] + sorted(present - set(published.QMSUM_CLIENTS))
+    return [c for c in QMSUM_DOMAINS if c in present] + sorted(present - set(QMSUM_DOMAINS))
 
 
 def aggregate(
@@ -84,7 +84,7 @@ def main_table(
 
     def add(method: str, label: str, client: str, ours: Any) -> None:
         pub = paper.get(client, {}).get(method)
-        for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
+        for metric in TABLE_METRICS:
             p = getattr(pub, metric) if pub else None
             rows.append(
                 {
@@ -111,7 +111,7 @@ def main_table(
     for label, (method, seeds) in absent.items():
         none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
         none["missing_seeds"] = ",".join(map(str, sorted(seeds | set(expected_seeds))))
-        for client in published.QMSUM_CLIENTS:
+        for client in QMSUM_DOMAINS:
             add(method, label, client, none)
     # the sort below puts the configurations in the paper's method order
     for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
