@@ -15,10 +15,11 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import PositiveInt, config, from_dict, load_params
+from pipeline.common.config import PositiveInt, config, from_dict, group, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.entries import Experiment, with_labels
-from pipeline.experiments.train_config import TrainConfig
+from pipeline.experiments.settings import RUN_TRAIN_KEYS
+from pipeline.experiments.train_config import train_config
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.planning import declared
 from pipeline.results import claims, comparisons, published
@@ -36,7 +37,6 @@ from pipeline.results.outputs import (
     average_interval,
     headline_metrics,
     readme,
-    rescore_evaluations,
     summary_metrics,
 )
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
@@ -152,16 +152,10 @@ def results_text(params: dict[str, Any], cfg: ReportConfig, compared: pd.DataFra
     ]
     planned = declared(params)
     converged = convergence_table(planned, with_labels(planned), root / "train")
-    # How AdaCentralized's steps were budgeted (`train.centralized_steps`; the config default when absent).
-    train = params.get("train") or {}
-    steps = train.get("centralized_steps", TrainConfig.centralized_steps)
-    ratios = centralized_step_ratios(
-        planned,
-        root / "train",
-        int(train.get("batch_size", TrainConfig.batch_size)),
-        int(train.get("grad_accum_steps", TrainConfig.grad_accum_steps)),
-    )
-    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps, ratios)
+    # How AdaCentralized's steps were budgeted (`train.centralized_steps`)
+    train = train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS})
+    ratios = centralized_step_ratios(planned, root / "train", train.batch_size, train.grad_accum_steps)
+    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, train.centralized_steps, ratios)
     return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 
 
@@ -285,10 +279,8 @@ def rebuild_study(folder: Path) -> dict[str, Any]:
     come from the folder's previous comparisons.csv where predictions are absent."""
     params = load_params(folder / "params.yaml")
     cfg = from_dict(ReportConfig, params.get("report"), "report")
-    bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
-    evaluations = [str(f) for f in rescore_evaluations(folder / "eval", bootstrap)]
     written = write_tables(params, cfg, folder, previous=folder / "comparisons.csv")
-    made = {"evaluations": evaluations, **written.made}
+    made = written.made
     atomic.to_csv(written.compared, folder / "comparisons.csv", index=False)
     made["tables"].append(str(folder / "comparisons.csv"))
     readme_path = folder / "README.md"

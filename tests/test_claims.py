@@ -164,7 +164,7 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     _rounds(train / "a", {"X": [5.0, 4.0, 3.0], "Y": [5.0, 3.0, 4.0]})  # X best at 3 = last; Y at 2
     _rounds(train / "b", {"X": [5.0, 4.0, 3.9], "Y": [4.0, 4.0, 4.5]})  # X last; Y tie 1/2 -> earliest (1)
     # a record that states `converged` is taken as it says, whatever the rounds show
-    _rounds(train / "c", {"X": [3.0, 2.0]}, {"clients": {"X": {"best_round": 2, "converged": True}}})
+    _rounds(train / "c", {"X": [3.0, 2.0]}, {"converged": True, "clients": {"X": {"best_round": 2}}})
     planned = [
         Experiment("a", "fedavg", "domain/seed0", 0, "main"),
         Experiment("b", "fedavg", "domain/seed0", 1, "main"),

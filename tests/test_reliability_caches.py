@@ -38,7 +38,7 @@ def flip_last_byte(path: Path) -> None:
 DAMAGE = {  # what is done -> what the message must say, after the damaged file's path
     "weights_cut_short": (
         lambda d: cut(d / "model.safetensors"),
-        r"model.safetensors: damaged weights: .*(cut short|does not fit)",
+        r"model.safetensors: damaged weights: .*incomplete metadata, file not fully covered",
     ),
     "weights_changed": (
         lambda d: flip_last_byte(d / "model.safetensors"),

@@ -187,12 +187,10 @@ def project(tmp_path):
     (tmp_path / "reports/train/fsk-s0").mkdir(parents=True)
     (tmp_path / "reports/train/fsk-s0/rounds.json").write_text(json.dumps(rows))
     (tmp_path / "reports/timing").mkdir(parents=True)
-    (tmp_path / "reports/timing/train-fsk-s0.json").write_text(
-        json.dumps({"stage": "train-fsk-s0", "seconds": 12.5, "peak_rss_mb": 800.0})
-    )
-    (tmp_path / "reports/timing/train-dropped-exp.json").write_text(
-        json.dumps({"stage": "train-dropped-exp", "seconds": 99.0, "peak_rss_mb": 900.0})
-    )
+    for stage, seconds in (("train-fsk-s0", 12.5), ("train-dropped-exp", 99.0)):  # as pipeline.common.timing writes
+        record = {"stage": stage, "seconds": seconds, "startup_seconds": 2.0, "peak_rss_mb": 800.0}
+        record["finished_at"] = "2026-01-01T00:00:00+00:00"
+        (tmp_path / f"reports/timing/{stage}.json").write_text(json.dumps(record))
     return tmp_path, params
 
 
@@ -400,31 +398,13 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
     assert fig.stat().st_size > 0 and len(pd.read_csv(tmp_path / "privacy.csv")) == 2
 
 
-def test_timing_table_leaves_the_start_up_of_an_old_record_blank(tmp_path):
-    """A timing record written before stage start-up was timed has no `startup_seconds`: its cell is blank (never
-    'nan'), and the start-up total sums the records that have one."""
-    from pipeline.results.tables import timing_markdown, timing_table
+def test_a_timing_record_without_a_field_the_stage_timer_writes_is_refused_naming_file_and_field(tmp_path):
+    from pipeline.common.schema import DataError
+    from pipeline.results.tables import timing_table
 
     (tmp_path / "old.json").write_text(json.dumps({"stage": "postag", "seconds": 30.0, "peak_rss_mb": 500.0}))
-    (tmp_path / "new.json").write_text(
-        json.dumps(
-            {
-                "stage": "report",
-                "seconds": 10.0,
-                "startup_seconds": 2.5,
-                "peak_rss_mb": 400.0,
-                "finished_at": "2026-01-01T00:00:00",
-            }
-        )
-    )
-    timing, left_out = timing_table(tmp_path, set())
-    md = timing_markdown(timing)
-    assert left_out == [] and "nan" not in md
-    assert "| postag | 30.0 |  | 500 |  |" in md and "| report | 10.0 | 2.5 | 400 | 2026-01-01T00:00:00 |" in md
-    assert "| **total** | 40.0 | 2.5 | 500 (max) | |" in md
-    only_old = timing[timing["stage"] == "postag"]
-    assert "| **total** | 30.0 |  | 500 (max) | |" in timing_markdown(only_old)
-    assert "min)" not in timing_markdown(only_old)  # no finish time: no span
+    with pytest.raises(DataError, match=r"old\.json: not a stage timing record .*startup_seconds"):
+        timing_table(tmp_path, set())
 
 
 def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 import yaml
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 
+from pipeline.common.config import ConfigError
 from pipeline.experiments.settings import CacheConfig, RunSettings, load_run_settings
 from pipeline.federation.protocol import CONFIG_KEY, client_cache_config, client_settings_config
 
@@ -75,7 +76,7 @@ def test_run_settings_come_from_the_named_file_and_a_missing_file_is_an_error(tm
     got = load_run_settings(params)
     assert (got.round_timeout_s, got.engine, got.cache.cache_dir, got.cache.cache_max_gb) == (60, "ray", "/c", 0.5)
     assert load_run_settings(params, "e").engine == "inprocess"  # the experiment's own override
-    with pytest.raises(FileNotFoundError, match="absent.yaml"):
+    with pytest.raises(ConfigError, match="absent.yaml: parameter file not found"):
         load_run_settings(tmp_path / "absent.yaml")
     assert RunSettings().cache == CacheConfig()
 

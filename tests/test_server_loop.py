@@ -1112,7 +1112,7 @@ def _secure_rows(names):
 
 
 def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_unmasked_mean(caplog):
-    from pipeline.federation.server_app import _train_secure
+    from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
@@ -1133,7 +1133,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
     secure, rows, clipped = _ScriptedSecure(result), _secure_rows(names.values()), {}
     grid = object()
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, grid, ["m"] * 3, rows, names, 3, None, clipped) is mean
+        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), ["m"] * 3, clipped) is mean
     assert secure.calls == [(grid, 3, 3)]
     for node, name in names.items():
         w = {11: 1, 12: 2, 13: 5}[node]
@@ -1148,7 +1148,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
 
 
 def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of_the_others_is_logged(caplog):
-    from pipeline.federation.server_app import _train_secure
+    from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     names = {11: "Academic", 12: "Committee", 13: "Product"}
@@ -1166,7 +1166,7 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
     )
     rows = _secure_rows(names.values())
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(_ScriptedSecure(result), None, ["m"] * 3, rows, names, 4, None, {}) is mean
+        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3, {}) is mean
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ share_keys: timeout"
     assert rows["Committee"]["bytes_down"] == 7 and "weight" not in rows["Committee"]
     assert rows["Academic"]["failed"] == 0 and rows["Product"]["failed"] == 0
@@ -1175,7 +1175,7 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
 
 
 def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog):
-    from pipeline.federation.server_app import _train_secure
+    from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     names = {11: "Academic", 12: "Committee"}
@@ -1189,14 +1189,14 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
         nodes={11: NodeOutcome(metrics=_secure_metrics(1)), 12: NodeOutcome(failed_stage="setup", error="gone")},
     )
     rows, clipped = _secure_rows(names.values()), {}
-    assert _train_secure(_ScriptedSecure(result), None, ["m"] * 2, rows, names, 2, None, clipped) is None
+    assert _train_secure(_ScriptedSecure(result), _Round(None, None, 2, rows, names, 5.0), ["m"] * 2, clipped) is None
     assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ setup: gone"
     assert clipped == {}
 
 
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
-    from pipeline.federation.server_app import _train_secure
+    from pipeline.federation.server_app import _Round, _train_secure
     from pipeline.privacy.secure_aggregation import NodeOutcome, SecureRound
 
     class Wrapper:
@@ -1224,7 +1224,10 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
     )
     wrapper, clipped = Wrapper(), {}
     rows = _secure_rows(names.values())
-    assert _train_secure(_ScriptedSecure(result), None, ["m"] * 4, rows, names, 6, wrapper, clipped) == "noised"
+    assert (
+        _train_secure(_ScriptedSecure(result), _Round(None, wrapper, 6, rows, names, 5.0), ["m"] * 4, clipped)
+        == "noised"
+    )
     assert wrapper.calls == [(6, mean, 1, 3)]
     assert clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
     assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0

@@ -110,12 +110,16 @@ class MethodSpec:
     name: str
     federated: bool  # False: `single` (each client alone) and `centralized` (data pooled): no server
     kd_mode: KdMode
-    two_adapters: bool  # the client keeps a global (teacher) adapter next to its local one
     local_from_global: bool = False  # AdaFedAvg: the server average overwrites the client adapter every round
     strategy: str | None = None  # the server algorithm (STRATEGIES) of federated methods
     pooled: bool = False  # centralized: every client's train data in one training set
     # New-client study: "post" = the new client joins once the others converged (train.join), "pre" = from round 1.
     new_client: str | None = None
+
+    @property
+    def two_adapters(self) -> bool:
+        """The client keeps a global (teacher) adapter next to its local one: every KD method distils from it."""
+        return self.kd_mode != "ce"
 
     @property
     def uses_tau(self) -> bool:
@@ -135,32 +139,21 @@ class MethodSpec:
 METHODS: dict[str, MethodSpec] = {
     m.name: m
     for m in [
-        MethodSpec("single", federated=False, kd_mode="ce", two_adapters=False),
-        MethodSpec("centralized", federated=False, kd_mode="ce", two_adapters=False, pooled=True),
-        MethodSpec(
-            "fedavg", federated=True, kd_mode="ce", two_adapters=False, local_from_global=True, strategy="fedavg"
-        ),
-        MethodSpec("fedkd", federated=True, kd_mode="kd", two_adapters=True, strategy="fedavg"),
-        MethodSpec("fedselectkd", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg"),
-        MethodSpec("hardkd", federated=True, kd_mode="hard", two_adapters=True, strategy="fedavg"),
-        MethodSpec(
-            "post_addition",
-            federated=True,
-            kd_mode="selective",
-            two_adapters=True,
-            strategy="fedavg",
-            new_client="post",
-        ),
-        MethodSpec(
-            "pre_addition", federated=True, kd_mode="selective", two_adapters=True, strategy="fedavg", new_client="pre"
-        ),
+        MethodSpec("single", federated=False, kd_mode="ce"),
+        MethodSpec("centralized", federated=False, kd_mode="ce", pooled=True),
+        MethodSpec("fedavg", federated=True, kd_mode="ce", local_from_global=True, strategy="fedavg"),
+        MethodSpec("fedkd", federated=True, kd_mode="kd", strategy="fedavg"),
+        MethodSpec("fedselectkd", federated=True, kd_mode="selective", strategy="fedavg"),
+        MethodSpec("hardkd", federated=True, kd_mode="hard", strategy="fedavg"),
+        MethodSpec("post_addition", federated=True, kd_mode="selective", strategy="fedavg", new_client="post"),
+        MethodSpec("pre_addition", federated=True, kd_mode="selective", strategy="fedavg", new_client="pre"),
     ]
 }
 # Table V (section 7.7) compares server algorithms: every registered strategy without a method above is a method of
 # its own name, CE with one adapter set as AdaFedAvg **(our default)**, compared against `fedselectkd`.
 METHODS.update(
     {
-        name: MethodSpec(name, federated=True, kd_mode="ce", two_adapters=False, local_from_global=True, strategy=name)
+        name: MethodSpec(name, federated=True, kd_mode="ce", local_from_global=True, strategy=name)
         for name in STRATEGIES
         if name not in METHODS
     }

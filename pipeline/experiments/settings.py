@@ -57,10 +57,5 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:
     """:func:`run_settings` of the params file a stage entry point names (the train stage: the project's; the
-    federation commands: their ``--params``). A missing file is an error, never the defaults."""
-    if not Path(params_path).exists():
-        raise FileNotFoundError(
-            f"{params_path}: params file not found (the run-time settings: engine, round "
-            f"timeout, cache location and budgets)"
-        )
+    federation commands: their ``--params``). A missing file is an error (load_params'), never the defaults."""
     return run_settings(load_params(params_path), experiment)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,18 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
     """reply -> client name; a SuperLink's own answer for an offline node is matched to the message it answers."""
     by_message = {m.metadata.message_id: node_names[m.metadata.dst_node_id] for m in sent}
     return lambda reply: node_names.get(reply.metadata.src_node_id) or by_message[reply.metadata.reply_to_message_id]
+
+
+@dataclass
+class _Round:
+    """One round's exchange: where messages go, who they go to, and each client's history row."""
+
+    grid: Grid
+    strategy: Any
+    rnd: int
+    rows: dict[str, dict[str, Any]]
+    node_names: dict[int, str]
+    timeout: float
 
 
 def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
@@ -136,24 +149,13 @@ def run_server(
         waiting = {late} if joined_at is None else set()  # the late client before its round
         rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
         clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
+        exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s)
         if secure is None:
             new_arrays = _train_in_the_clear(
-                grid,
-                strategy,
-                messages,
-                rows,
-                node_names,
-                plan,
-                sent,
-                rnd,
-                round_timeout_s,
-                client_level,
-                arrays,
-                clipping_norm,
-                clipped,
+                exchange, messages, plan, sent, client_level, arrays, clipping_norm, clipped
             )
         else:
-            new_arrays = _train_secure(secure, grid, messages, rows, node_names, rnd, strategy, clipped)
+            new_arrays = _train_secure(secure, exchange, messages, clipped)
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
         # client-level DP each update weighs 1 / the expected count, whoever replied).
@@ -173,7 +175,7 @@ def run_server(
             if (spec.local_from_global and eval_messages)
             else ArrayRecord()
         )
-        _evaluate(grid, strategy, eval_messages, eval_downlink, rows, node_names, rnd, round_timeout_s)
+        _evaluate(exchange, eval_messages, eval_downlink)
 
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
@@ -224,27 +226,18 @@ def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None
         )
 
 
-def _evaluate(
-    grid: Grid,
-    strategy,
-    messages: list[Message],
-    downlink: ArrayRecord,
-    rows: dict[str, dict[str, Any]],
-    node_names: dict[int, str],
-    rnd: int,
-    timeout: float,
-) -> None:
+def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
     """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row."""
     for m in messages:
         m.content[ARRAYS_KEY] = downlink
-        rows[node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
-    sender = _senders(messages, node_names)
+        r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
+    replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
+    sender = _senders(messages, r.node_names)
     for reply in replies:
-        row = rows[sender(reply)]
+        row = r.rows[sender(reply)]
         if reply.has_error():
             row["eval_failed"] = 1
-            log.warning("round %d: client %s failed to evaluate: %s", rnd, row["client"], reply.error.reason)
+            log.warning("round %d: client %s failed to evaluate: %s", r.rnd, row["client"], reply.error.reason)
             continue
         m = reply.content[METRICS_KEY]
         row.update(
@@ -254,8 +247,8 @@ def _evaluate(
                 "best_round": int(m["best-round"]),
             }
         )
-    if any(not r.has_error() for r in replies):
-        strategy.aggregate_evaluate(rnd, replies)
+    if any(not reply.has_error() for reply in replies):
+        r.strategy.aggregate_evaluate(r.rnd, replies)
 
 
 def _record_train_metrics(row: dict[str, Any], m) -> None:
@@ -266,15 +259,10 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
 
 
 def _train_in_the_clear(
-    grid: Grid,
-    strategy,
+    r: _Round,
     messages: list[Message],
-    rows: dict[str, dict],
-    node_names: dict[int, str],
     plan: Plan,
     sent: dict[str, torch.Tensor],
-    rnd: int,
-    timeout: float,
     client_level,
     global_arrays: ArrayRecord,
     clipping_norm: float | None,
@@ -282,17 +270,17 @@ def _train_in_the_clear(
 ) -> ArrayRecord | None:
     """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
     and ``clipped`` gets (clipped or not, its norm) per aggregated client."""
-    replies = list(grid.send_and_receive(messages, timeout=timeout))
-    sender = _senders(messages, node_names)
+    replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
+    sender = _senders(messages, r.node_names)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
     for reply in replies:
-        row = rows[sender(reply)]
+        row = r.rows[sender(reply)]
         if reply.has_error():
             row["failed"] = 1
             row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
             log.warning(
                 "round %d: client %s failed and is left out of the aggregate: %s",
-                rnd,
+                r.rnd,
                 row["client"],
                 reply.error.reason,
             )
@@ -310,36 +298,29 @@ def _train_in_the_clear(
         if why is not None:
             row["failed"] = 1
             left_out.add(id(reply))
-            log.warning("round %d: reply of client %s is left out of the aggregate: %s", rnd, row["client"], why)
+            log.warning("round %d: reply of client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
             continue
         if client_level is not None:
             clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
-    answered = {sender(r) for r in replies}
-    for name, row in rows.items():
+    answered = {sender(reply) for reply in replies}
+    for name, row in r.rows.items():
         if row["sampled"] and name not in answered:
             row["failed"] = 1
-            row["error"] = f"no reply within {timeout:.0f}s (train.round_timeout_s)"
-            log.warning("round %d: no reply from client %s within the timeout", rnd, name)
-    new_arrays, _ = strategy.aggregate_train(rnd, [r for r in replies if id(r) not in left_out])
+            row["error"] = f"no reply within {r.timeout:.0f}s (train.round_timeout_s)"
+            log.warning("round %d: no reply from client %s within the timeout", r.rnd, name)
+    new_arrays, _ = r.strategy.aggregate_train(r.rnd, [reply for reply in replies if id(reply) not in left_out])
     return new_arrays
 
 
 def _train_secure(
-    secure,
-    grid: Grid,
-    messages: list[Message],
-    rows: dict[str, dict],
-    node_names: dict[int, str],
-    rnd: int,
-    strategy,
-    clipped: dict[str, tuple[float, None]],
+    secure, r: _Round, messages: list[Message], clipped: dict[str, tuple[float, None]]
 ) -> ArrayRecord | None:
     """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level DP the noise is added to the unmasked mean here, and
     ``clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
-    result = secure.train_round(grid, messages, rnd)
+    result = secure.train_round(r.grid, messages, r.rnd)
     for node, outcome in result.nodes.items():
-        row = rows[node_names[node]]
+        row = r.rows[r.node_names[node]]
         row["bytes_down"], row["bytes_up"] = outcome.bytes_down, outcome.bytes_up
         if outcome.metrics is not None:
             _record_train_metrics(row, outcome.metrics)
@@ -348,13 +329,13 @@ def _train_secure(
         if result.arrays is None or node not in result.in_sum:
             row["failed"] = 1
             row["error"] = stage_error or result.halted
-            log.warning("round %d: client %s is not in the SecAgg+ sum: %s", rnd, row["client"], row["error"])
+            log.warning("round %d: client %s is not in the SecAgg+ sum: %s", r.rnd, row["client"], row["error"])
         elif stage_error:  # its masked vector is in the sum; the others' shares unmasked it
             row["secagg_error"] = stage_error
     if result.arrays is not None and len(result.in_sum) < len(messages):
         log.info(
             "round %d: SecAgg+ unmasked the sum of %d of %d sampled clients (threshold %d of %d shares)",
-            rnd,
+            r.rnd,
             len(result.in_sum),
             len(messages),
             result.threshold,
@@ -363,8 +344,8 @@ def _train_secure(
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
     for node in result.in_sum:
-        clipped[node_names[node]] = (result.clipped_count / len(result.in_sum), None)
-    return strategy.release_secure_mean(rnd, result.arrays, result.clipped_count, len(result.in_sum))
+        clipped[r.node_names[node]] = (result.clipped_count / len(result.in_sum), None)
+    return r.strategy.release_secure_mean(r.rnd, result.arrays, result.clipped_count, len(result.in_sum))
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:

@@ -20,11 +20,9 @@ from pipeline.results.comparisons import (
     BELOW,
     CONTAINS,
     format_p,
-    with_holm,
     with_published,
 )
 from pipeline.results.readers import convergence_note
-from pipeline.results.stats import BootstrapConfig
 
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
 # How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
@@ -201,8 +199,6 @@ def results_text(
     ``backbone``: :func:`backbone_note`."""
     if "vs_published_" + BACKBONES[0] not in table.columns:
         table = with_published(table)
-    if "p_holm" not in table.columns:  # a comparisons.csv written before the adjustment
-        table = with_holm(table, BootstrapConfig())
     table = claimable(table[table["metric"] == metric], scale)
     main = table[(table["study"] == "main") & (table["study_b"] == "main")]
     avg, per_client = table[table["client"] == AVERAGE], main[main["client"] != AVERAGE]

@@ -1,11 +1,9 @@
 """What the report stage writes besides its tables and figures: reports/summary.json, reports/metrics.json (the
-DVC metrics file) and reports/README.md (the index of everything made and not made); and, for `rebuild`, a study
-folder's committed evaluations rescored under the current definitions."""
+DVC metrics file) and reports/README.md (the index of everything made and not made)."""
 
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,11 +11,10 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.common import atomic
 from pipeline.experiments.entries import Experiment
 from pipeline.results import comparisons
-from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L, average_rouge
-from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, mean_interval, meetings
+from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.stats import BootstrapConfig, mean_interval, meetings
 
 
 def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:
@@ -148,35 +145,3 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
         "",
     ]
     return "\n".join(lines)
-
-
-def rescore_evaluations(eval_dir: Path, cfg: BootstrapConfig) -> list[Path]:
-    """Rewrite each committed evaluation's average ROUGE under the tables' definition (the mean of R-1, R-2 and
-    plain R-L: pipeline.results.scoring.average_rouge) in per_example.parquet and metrics.json, with metrics.json's
-    client-average intervals recomputed (QMSum: meetings resampled); returns the files changed."""
-    changed = []
-    for run in (
-        sorted(d for d in eval_dir.iterdir() if (d / "per_example.parquet").is_file()) if eval_dir.is_dir() else []
-    ):
-        frame = pd.read_parquet(run / "per_example.parquet")
-        frame["avg_rouge"] = frame[list(TABLE_METRICS)].mean(axis=1)
-        atomic.to_parquet(frame, run / "per_example.parquet", index=False)
-        metrics = json.loads((run / "metrics.json").read_text())
-        clients = [c for c in (metrics.get("clients") or {}).values() if isinstance(c, dict)]
-        for scores in clients:
-            scores["avg_rouge"] = average_rouge(scores)
-        if clients and "mean" in metrics:
-            metrics["mean"]["avg_rouge"] = sum(c["avg_rouge"] for c in clients) / len(clients)
-        if "mean_ci" in metrics:
-            groups = [g for _, g in frame.groupby("client", sort=True)]
-            intervals = client_average_intervals(groups, list(metrics["mean_ci"]), cfg)
-            metrics["mean_ci"] = {key: {"low": r.low, "high": r.high} for key, r in intervals.items()}
-            metrics["ci"] = (metrics.get("ci") or {}) | {
-                "level": cfg.level,
-                "n_resamples": cfg.n_resamples,
-                "seed": cfg.seed,
-                "method": bootstrap_method(meetings(g["example_id"] for g in groups)),
-            }
-        atomic.write_json(run / "metrics.json", metrics)
-        changed += [run / "per_example.parquet", run / "metrics.json"]
-    return changed

@@ -20,7 +20,6 @@ PAPER_METHOD_NAMES: dict[str, str] = {
     "post_addition": "post-addition",
     "pre_addition": "pre-addition",
 }
-QMSUM_CLIENTS: tuple[str, ...] = ("Academic", "Committee", "Product")
 
 
 @dataclass(frozen=True)

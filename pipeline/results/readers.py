@@ -168,10 +168,9 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
         }
     )
     rows = []
-    for client in sorted(set(found) | {c for c, v in clients.items() if isinstance(v, dict) and "converged" in v}):
-        best, last = found.get(client, (None, None))
-        stated = (clients.get(client) or {}).get("converged", metrics.get("converged"))
-        flagged = (not bool(stated)) if stated is not None else (None if best is None else best == last)
+    for client, (best, last) in sorted(found.items()):
+        stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
+        flagged = (not bool(stated)) if stated is not None else best == last
         rows.append(dict(zip(CONVERGENCE_COLUMNS, (experiment, client, best, last, flagged), strict=True)))
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 

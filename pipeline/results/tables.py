@@ -13,11 +13,11 @@ from typing import Any
 
 import pandas as pd
 
-from pipeline.common.schema import DataError
+from pipeline.common.schema import QMSUM_DOMAINS, DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.results import comparisons, published
 from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
-from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig
 
 METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
@@ -26,7 +26,7 @@ METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_ro
 def _client_order(clients: Iterable[str]) -> list[str]:
     """QMSum's clients in the paper's order, then any other client sorted."""
     present = set(clients)
-    return [c for c in published.QMSUM_CLIENTS if c in present] + sorted(present - set(published.QMSUM_CLIENTS))
+    return [c for c in QMSUM_DOMAINS if c in present] + sorted(present - set(QMSUM_DOMAINS))
 
 
 def aggregate(
@@ -84,7 +84,7 @@ def main_table(
 
     def add(method: str, label: str, client: str, ours: Any) -> None:
         pub = paper.get(client, {}).get(method)
-        for metric in ("rouge1", "rouge2", TABLE_ROUGE_L):
+        for metric in TABLE_METRICS:
             p = getattr(pub, metric) if pub else None
             rows.append(
                 {
@@ -111,7 +111,7 @@ def main_table(
     for label, (method, seeds) in absent.items():
         none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
         none["missing_seeds"] = ",".join(map(str, sorted(seeds | set(expected_seeds))))
-        for client in published.QMSUM_CLIENTS:
+        for client in QMSUM_DOMAINS:
             add(method, label, client, none)
     # the sort below puts the configurations in the paper's method order
     for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
@@ -246,12 +246,12 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
             row = {
                 "stage": str(rec["stage"]),
                 "seconds": float(rec["seconds"]),
-                "startup_seconds": float(rec.get("startup_seconds", "nan")),
+                "startup_seconds": float(rec["startup_seconds"]),
                 "peak_rss_mb": float(rec["peak_rss_mb"]),
-                "finished_at": str(rec.get("finished_at", "")),
+                "finished_at": str(rec["finished_at"]),
             }
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
-            raise DataError(f"{f}: not a stage timing record ({err!r}); expected stage, seconds, peak_rss_mb") from err
+            raise DataError(f"{f}: not a stage timing record of pipeline.common.timing ({err!r})") from err
         m = EXPERIMENT_STAGE.match(row["stage"])
         if m and m["experiment"] not in planned_names:
             left_out.append(row["stage"])
@@ -263,11 +263,7 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
 
 
 def timing_markdown(timing: pd.DataFrame) -> str:
-    """The stage-time table; an old record's missing start-up or finish time is a blank cell, not summed."""
-
-    def startup(seconds: float) -> str:
-        return "" if pd.isna(seconds) else f"{seconds:.1f}"
-
+    """The stage-time table, its totals and the span from the first start to the last finish."""
     lines = [
         "# Stage wall times",
         "",
@@ -279,15 +275,15 @@ def timing_markdown(timing: pd.DataFrame) -> str:
         "|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r.stage} | {r.seconds:.1f} | {startup(r.startup_seconds)} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
+        f"| {r.stage} | {r.seconds:.1f} | {r.startup_seconds:.1f} | {r.peak_rss_mb:.0f} | {r.finished_at} |"
         for r in timing.itertuples()
     ]
     lines.append(
         f"| **total** | {timing['seconds'].sum():.1f} | "
-        f"{startup(timing['startup_seconds'].sum(min_count=1))} | {timing['peak_rss_mb'].max():.0f} (max) | |"
+        f"{timing['startup_seconds'].sum():.1f} | {timing['peak_rss_mb'].max():.0f} (max) | |"
     )
-    finished = pd.to_datetime(timing["finished_at"], errors="coerce", utc=True, format="ISO8601")
-    work = pd.to_timedelta(timing["seconds"] + timing["startup_seconds"].fillna(0), unit="s")
-    if pd.notna(span := (finished.max() - (finished - work).min()).total_seconds()):  # one `dvc repro` of them all
-        lines += ["", f"First recorded start to last recorded finish: {span:.0f} s ({span / 60:.1f} min)."]
+    finished = pd.to_datetime(timing["finished_at"], utc=True, format="ISO8601")
+    started = finished - pd.to_timedelta(timing["seconds"] + timing["startup_seconds"], unit="s")
+    span = (finished.max() - started.min()).total_seconds()  # one `dvc repro` of them all
+    lines += ["", f"First recorded start to last recorded finish: {span:.0f} s ({span / 60:.1f} min)."]
     return "\n".join(lines) + "\n"
