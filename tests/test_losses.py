@@ -467,3 +467,12 @@ def test_only_the_loss_carries_a_gradient(example):
     out = distillation_loss(student.clone().requires_grad_(True), teacher, labels, KDConfig(mode="kd"))
     assert out.loss.requires_grad
     assert not out.entropy.requires_grad and not out.gate.requires_grad  # diagnostics, not part of the graph
+
+
+def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere_within_their_memory_budget():
+    from pipeline.modeling.losses import CHUNK_BYTES_DEVICE, chunk_rows_for
+
+    assert chunk_rows_for(torch.zeros(3, 30522)) == 128
+    rows = chunk_rows_for(torch.empty(3, 30522, device="meta"))  # any device but the CPU: a GPU's launches
+    assert rows > 4000 and rows * 30522 * 4 <= CHUNK_BYTES_DEVICE
+    assert chunk_rows_for(torch.empty(3, 10**9, device="meta")) == 128  # a huge vocabulary: never below 128

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.nn.utils.rnn import pad_sequence
 
 from pipeline.common import atomic
 from pipeline.common.config import repo_root
@@ -134,12 +135,13 @@ class PrefixCache:
                 if self._store(paths[i], enc, dec):
                     self.resident[paths[i]] = entries[i] = (enc.to(model.device), dec.to(model.device))
 
-        n = entries[0][0].shape[-1]
-        enc_h = torch.zeros(*batch.input_ids.shape, n, device=model.device)
-        dec_h = torch.zeros(*batch.labels.shape, n, device=model.device)
-        for i, (enc, dec) in entries.items():
-            enc_h[i, : enc.shape[0]] = enc
-            dec_h[i, : dec.shape[0]] = dec
+        # right-padded with zeros to the batch's widths (one call per tensor: no Python loop of copies)
+        enc_h, dec_h = (
+            pad_sequence([entries[i][k].to(model.device, torch.float32) for i in range(len(paths))], batch_first=True)
+            for k in (0, 1)
+        )
+        enc_h = torch.nn.functional.pad(enc_h, (0, 0, 0, batch.input_ids.shape[1] - enc_h.shape[1]))
+        dec_h = torch.nn.functional.pad(dec_h, (0, 0, 0, batch.labels.shape[1] - dec_h.shape[1]))
         return Prefix(enc_h, batch.attention_mask, dec_h, batch.labels != IGNORE_INDEX).to(model.device)
 
     def _entry_path(self, example_id: str, source_ids: torch.Tensor, decoder_ids: torch.Tensor) -> Path:

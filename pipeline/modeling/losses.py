@@ -193,10 +193,11 @@ def distillation_loss(
     labels: torch.Tensor,
     cfg: KDConfig,
     hard_mask: torch.Tensor | None = None,
-    chunk_rows: int = 128,
+    chunk_rows: int | None = None,
 ) -> LossOutput:
     """The batch loss of the module docstring and per-token (entropy, gate) [B, T]. The logits are [B, T, V]
-    (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, ``chunk_rows`` at a time."""
+    (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, ``chunk_rows`` at a time
+    (default :func:`chunk_rows_for`; rows are independent: the chunking changes no result)."""
     valid = labels != IGNORE_INDEX
     n_tokens = int(valid.sum())
     if n_tokens == 0:
@@ -209,6 +210,7 @@ def distillation_loss(
             raise ValueError(f"hard_mask shape {tuple(hard_mask.shape)} != labels shape {tuple(labels.shape)}")
         hard_gate = hard_mask.to(torch.bool).to(valid.device)[valid]
     z_l = _pack(logits_local, valid, "logits_local")
+    chunk_rows = chunk_rows or chunk_rows_for(z_l)
     z_g = _pack(logits_global.detach(), valid, "logits_global").to(z_l.device) if logits_global is not None else None
     y = labels[valid].to(z_l.device, non_blocking=True)  # host labels: counted and indexed there, copied async
 
@@ -237,6 +239,18 @@ def distillation_loss(
     gate = torch.zeros(labels.numel(), dtype=torch.bool, device=z_l.device).index_copy_(0, rows, gate_p)
     gate = gate.view(labels.shape)
     return LossOutput(loss, ce, kl, gate_p, entropy, gate, n_tokens, threshold)
+
+
+CHUNK_ROWS_HOST = 128  # a chunk's [rows, V] intermediates stay in a CPU's cache
+CHUNK_BYTES_DEVICE = 2**29  # on a GPU a chunk is one launch per operation: as large as 512 MiB of float32 rows
+
+
+def chunk_rows_for(logits: torch.Tensor) -> int:
+    """Rows of [N, V] logits the loss takes at a time: few on a CPU, many on a GPU (each chunk launches its kernels
+    again: 128-row chunks made a GPU round host-bound)."""
+    if logits.device.type == "cpu":
+        return CHUNK_ROWS_HOST
+    return max(CHUNK_ROWS_HOST, CHUNK_BYTES_DEVICE // (4 * logits.shape[-1]))
 
 
 def teacher_entropy(z_g: torch.Tensor, log_base: str, chunk_rows: int = 128) -> torch.Tensor:
