@@ -111,6 +111,23 @@ def test_carry_split_over_staging_calls_reassembles_the_weights(tmp_path):
     assert (out / "vocab.txt").read_bytes() == (minilm / "vocab.txt").read_bytes()
 
 
+def test_the_backbone_warms_up_beside_the_data_stages_once_its_one_input_is_ingested():
+    params = device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(ROOT / "configs/gpu-study.yaml"))
+    commands = device.stage_commands(params)
+    before, lanes, after = device.stage_lanes(commands)
+    names = lambda steps: [name for name, _ in steps]  # noqa: E731
+    assert names(before) == ["ingest@samsum"] and names(after) == ["plan", "train", "evaluate"]
+    assert [names(lane) for lane in lanes] == [
+        ["backbone"],
+        ["ingest@qmsum", "ingest@ami", "ingest@icsi", "examples", "partition@domain-0"],
+    ]
+    assert sorted(names(before + [s for lane in lanes for s in lane] + after)) == sorted(names(commands))
+    stages = _yaml(ROOT / "dvc.yaml")["stages"]
+    outs = [o if isinstance(o, str) else next(iter(o)) for o in stages["ingest"]["do"]["outs"]]
+    data = {d for d in stages["backbone"]["deps"] if not d.startswith("pipeline/")}  # the rest: its code
+    assert data and data <= {o.replace("${item}", "samsum") for o in outs}
+
+
 def test_a_spent_budget_skips_the_rest_and_still_returns_the_record(tmp_path):
     m = prepare.build_carry(
         tmp_path / "lease", FIXTURES, ["qmsum", "samsum"], [], _tiny_minilm(tmp_path / "m"), room=64 * 2**20

@@ -12,7 +12,9 @@ child ``python`` as dvc.yaml's command for it (``python -m pipeline.<stage> ...`
    its params.yaml (:func:`merge_profile`: what ``dvc exp run -S`` makes of it), the carried raw datasets under
    ``data/raw/``;
 3. ``ingest`` (each dataset of ``ingest.datasets``), ``examples``, ``partition`` (each scheme x seed), ``backbone``
-   (the offline recipe from the carried MiniLM files: FEDMEET_MINILM_DIR), ``plan``;
+   (the offline recipe from the carried MiniLM files: FEDMEET_MINILM_DIR), ``plan``; once SAMSum is ingested (the
+   backbone's one input) the backbone's warm-up on the GPU runs beside the other data stages on the CPU
+   (:func:`stage_lanes`), as ``make repro`` runs them;
 4. ``train`` with every experiment of the profile in one call (``--experiment A --experiment B ...``, ``--no-mlflow``:
    the MLflow runs are made at the import);
 5. ``evaluate`` of every experiment in one process (the stage's library function under the stage's timer: one
@@ -38,6 +40,8 @@ import sys
 import tarfile
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +140,23 @@ def stage_commands(params: dict[str, Any]) -> list[tuple[str, list[str]]]:
     steps.append(("train", ["-m", "pipeline.train", *experiments, "--no-mlflow"]))
     steps.append(("evaluate", ["-m", "tools.gpu_study.device", "evaluate", *experiments]))
     return steps
+
+
+BACKBONE_INPUT = "ingest@samsum"  # the backbone stage's one dependency (dvc.yaml)
+
+
+def stage_lanes(
+    steps: list[tuple[str, list[str]]],
+) -> tuple[list[tuple[str, list[str]]], list[list[tuple[str, list[str]]]], list[tuple[str, list[str]]]]:
+    """:func:`stage_commands` as: what comes first (the backbone's input), two lanes that run side by side (the
+    backbone; the other data stages) and what comes after both (plan, train, evaluate), each in its order."""
+    names = [name for name, _ in steps]
+    if "backbone" not in names:
+        return steps, [], []
+    cut = names.index("backbone")
+    before = [s for s in steps if s[0] == BACKBONE_INPUT]
+    data = [s for s in steps[:cut] if s[0] != BACKBONE_INPUT]
+    return before, [[steps[cut]], data], steps[cut + 1 :]
 
 
 def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> None:
@@ -245,6 +266,61 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
     return members
 
 
+class Steps:
+    """The call's steps within its budget (seconds from ``t0``), each recorded in ``record["steps"]``."""
+
+    def __init__(self, record: dict[str, Any], log, budget_s: float, t0: float):
+        self.record, self.log, self.budget_s, self.t0 = record, log, budget_s, t0
+
+    def step(self, name: str, call) -> bool:
+        """``call(seconds left)``; True if it returned 0 (a failure, timeout or spent budget is recorded)."""
+        left = self.budget_s - (time.monotonic() - self.t0)
+        entry: dict[str, Any] = {"step": name}
+        self.record["steps"].append(entry)
+        if left <= 0:
+            entry.update(status="skipped", reason="budget spent")
+            return False
+        start = time.monotonic()
+        print(f"=== {name} ({left:.0f} s left)", file=self.log, flush=True)
+        try:
+            rc = call(left)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        except (Exception, SystemExit) as e:  # recorded; the results so far are still packed
+            traceback.print_exc(file=self.log)
+            rc = f"{type(e).__name__}: {e}"
+        entry.update(seconds=round(time.monotonic() - start, 2), status="ok" if rc == 0 else f"failed ({rc})")
+        print(f"=== {name}: {entry['status']} in {entry['seconds']} s", file=self.log, flush=True)
+        return rc == 0
+
+    def skip(self, steps: list[tuple[str, list[str]]]) -> None:
+        self.record["steps"] += [{"step": n, "status": "skipped", "reason": "an earlier step failed"} for n, _ in steps]
+
+    def lane(self, steps: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str]) -> bool:
+        """Stage commands one after the other, each a child ``python``; after a failure the rest are skipped."""
+        for i, (name, argv) in enumerate(steps):
+            run = partial(subprocess.run, [sys.executable, *argv], cwd=cwd, env=env, stdout=self.log)
+            if not self.step(name, lambda left, run=run: run(stderr=subprocess.STDOUT, timeout=left).returncode):
+                self.skip(steps[i + 1 :])
+                return False
+        return True
+
+    def stages(self, commands: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str]) -> bool:
+        """:func:`stage_commands` in :func:`stage_lanes`' order: the backbone's warm-up (GPU) beside the other data
+        stages (CPU)."""
+        before, lanes, after = stage_lanes(commands)
+        ok = self.lane(before, cwd, env)
+        if ok and lanes:
+            with ThreadPoolExecutor(len(lanes)) as pool:
+                ok = all(list(pool.map(lambda lane: self.lane(lane, cwd, env), lanes)))
+        elif not ok:
+            self.skip([s for lane in lanes for s in lane])
+        if not ok:
+            self.skip(after)
+            return False
+        return self.lane(after, cwd, env)
+
+
 def run_study(
     carry: Path, out: Path, profile: Path, work: Path, budget_s: float, stage_dir: Path = STAGE_DIR, repo: Path = REPO
 ) -> dict:
@@ -264,26 +340,7 @@ def run_study(
                 stderr=subprocess.STDOUT,
             )
 
-        def step(name: str, call) -> bool:
-            left = budget_s - RESERVE_S - (time.monotonic() - t0)
-            entry: dict[str, Any] = {"step": name}
-            record["steps"].append(entry)
-            if left <= 0:
-                entry.update(status="skipped", reason="budget spent")
-                return False
-            start = time.monotonic()
-            print(f"=== {name} ({left:.0f} s left)", file=log, flush=True)
-            try:
-                rc = call(left)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            except (Exception, SystemExit) as e:  # recorded; the results so far are still packed
-                traceback.print_exc(file=log)
-                rc = f"{type(e).__name__}: {e}"
-            entry.update(seconds=round(time.monotonic() - start, 2), status="ok" if rc == 0 else f"failed ({rc})")
-            print(f"=== {name}: {entry['status']} in {entry['seconds']} s", file=log, flush=True)
-            return rc == 0
-
+        steps = Steps(record, log, budget_s - RESERVE_S, t0)
         params: dict[str, Any] = {}
 
         def workspace(left: float) -> int:
@@ -291,25 +348,9 @@ def run_study(
             params.update(make_workspace(repo, repo_dir, carry, profile))
             return 0
 
-        ok = step("install", lambda left: install_wheels(carry / "wheels", site, log)) and step("workspace", workspace)
-        env = child_env(repo_dir, site, minilm)
-        for name, argv in stage_commands(params) if ok else []:
-            if not ok:
-                record["steps"].append({"step": name, "status": "skipped", "reason": "an earlier step failed"})
-                continue
-            ok = step(
-                name,
-                lambda left, argv=argv: (
-                    subprocess.run(
-                        [sys.executable, *argv],
-                        cwd=repo_dir,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        timeout=left,
-                    ).returncode
-                ),
-            )
+        ok = steps.step("install", lambda left: install_wheels(carry / "wheels", site, log))
+        ok = ok and steps.step("workspace", workspace)
+        ok = ok and steps.stages(stage_commands(params), repo_dir, child_env(repo_dir, site, minilm))
         if smi is not None:
             smi.terminate()
             smi.wait()
