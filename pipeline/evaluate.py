@@ -11,6 +11,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,60 @@ from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_ave
 from pipeline.results.tracking import download_model, split_dataset
 
 
-def evaluate_experiment(
+def evaluate_experiment(name: str, cfg: EvaluateConfig, **kwargs: Any) -> dict[str, Any]:
+    """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
+    metrics.json's content (:func:`evaluate_experiments` of one)."""
+    return evaluate_experiments([name], cfg, **kwargs)[name]
+
+
+@dataclass
+class _Experiment:
+    """An experiment ready to generate: its plan, its clients' test subsamples and adapters."""
+
+    name: str
+    plan: Any
+    part_path: Path
+    chosen: dict[str, tuple[list[str], pd.DataFrame]]  # client -> its test ids and subsample
+    adapters: list[dict]
+    skipped_clients: dict[str, str]
+    model_cfg: ModelConfig
+
+
+def _prepare(
     name: str,
+    cfg: EvaluateConfig,
+    models_dir: Path,
+    examples: pd.DataFrame,
+    examples_path: Path,
+    partitions_dir: Path,
+    only: str | None,
+) -> _Experiment:
+    exp_path = models_dir / name / "experiment.json"
+    if not exp_path.is_file():
+        raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
+    plan = read_plan(exp_path)  # the plan the adapters were trained with
+    part_path = partitions_dir / f"{plan.partition}.json"
+    partition = read_json(part_path, "partition")
+    clients = partition.get("clients")
+    if not isinstance(clients, dict) or not clients:
+        raise DataError(f"{part_path}: no 'clients' mapping")
+    skipped_clients: dict[str, str] = {}
+    chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
+    for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
+        test_ids = list(clients.get(client, {}).get("test", []))
+        if not test_ids:
+            skipped_clients[client] = f"no test examples in {part_path}"
+            continue
+        chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
+    if not chosen:
+        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
+    adapters = [read_client_adapter(client_adapter_path(models_dir / name, client, cfg.adapter)) for client in chosen]
+    model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
+    return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
+
+
+def evaluate_experiments(
+    names: list[str],
     cfg: EvaluateConfig,
     *,
     models_dir: Path = PATHS.models,
@@ -46,51 +99,56 @@ def evaluate_experiment(
     mlflow_logging: bool = True,
     bootstrap: BootstrapConfig | None = None,
     only: str | None = None,
-) -> dict[str, Any]:
-    """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
-    metrics.json's content."""
-    model_dir = models_dir / name
-    exp_path = model_dir / "experiment.json"
-    if not exp_path.is_file():
-        raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
-    plan = read_plan(exp_path)  # the plan the adapters were trained with
-    experiment = plan.to_json_dict()
-    part_path = partitions_dir / f"{plan.partition}.json"
-    partition = read_json(part_path, "partition")
-    clients = partition.get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{part_path}: no 'clients' mapping")
+) -> dict[str, dict[str, Any]]:
+    """:func:`evaluate_experiment` of each of ``names``, with one backbone load per adapter shape and every client
+    adapter of those experiments in the same generate calls (pipeline.results.evaluation.generate_per_run: each
+    summary is what its adapter alone gives); metrics.json's content by experiment."""
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
-
-    model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
+    pending = [_prepare(n, cfg, models_dir, examples, examples_path, partitions_dir, only) for n in names]
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
-    # the frozen backbone with the experiment's adapter shape (each client's adapter is loaded below)
-    model = AdapterSummarizer.from_pretrained(str(backbone_dir), adapter_config(model_cfg))
-    max_src = cfg.max_source_length or model_cfg.max_source_length
-    backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
+    shapes: dict[tuple, list[_Experiment]] = {}
+    for exp in pending:
+        max_src = cfg.max_source_length or exp.model_cfg.max_source_length
+        shapes.setdefault((dataclasses.astuple(adapter_config(exp.model_cfg)), max_src), []).append(exp)
+    out: dict[str, dict[str, Any]] = {}
+    for (_, max_src), same in shapes.items():
+        # the frozen backbone with these experiments' adapter shape (each client's adapter is stacked in)
+        model = AdapterSummarizer.from_pretrained(str(backbone_dir), adapter_config(same[0].model_cfg))
+        backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
+        sources = [sub["source"].tolist() for exp in same for _, sub in exp.chosen.values()]
+        desc = same[0].name if len(same) == 1 else f"{len(same)} experiments"
+        summaries = iter(
+            generate_per_run(model, [a for exp in same for a in exp.adapters], sources, cfg, max_src, desc)
+        )
+        for exp in same:
+            predictions = [next(summaries) for _ in exp.chosen]
+            out[exp.name] = _score_and_write(
+                exp, predictions, cfg, max_src, backbone, eval_dir, models_dir, mlflow_logging, bootstrap
+            )
+    return {n: out[n] for n in names}
 
+
+def _score_and_write(
+    exp: _Experiment,
+    summaries: list[list[str]],
+    cfg: EvaluateConfig,
+    max_src: int,
+    backbone: str,
+    eval_dir: Path,
+    models_dir: Path,
+    mlflow_logging: bool,
+    bootstrap: BootstrapConfig | None,
+) -> dict[str, Any]:
+    """The experiment's scores, per example and per client, its bootstrap intervals and its outputs."""
+    name, plan, part_path, chosen, skipped_clients = exp.name, exp.plan, exp.part_path, exp.chosen, exp.skipped_clients
+    experiment = plan.to_json_dict()
     out_dir = eval_dir / name
     rows: list[dict[str, Any]] = []
     records: list[dict[str, Any]] = []
     per_client: dict[str, dict[str, Any]] = {}
-    skipped_clients: dict[str, str] = {}
     test_sets = {}
-    chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}  # client -> its test ids and subsample
-    for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
-        test_ids = list(clients.get(client, {}).get("test", []))
-        if not test_ids:
-            skipped_clients[client] = f"no test examples in {part_path}"
-            continue
-        chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
-    if not chosen:
-        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
-    # every client's adapter in the same generate calls (stacked), each summarising its own test subsample
-    adapters = [read_client_adapter(client_adapter_path(model_dir, client, cfg.adapter)) for client in chosen]
-    summaries = generate_per_run(
-        model, adapters, [sub["source"].tolist() for _, sub in chosen.values()], cfg, max_src, name
-    )
     scorer = Scorer(use_stemmer=True)
     for (client, (test_ids, sub)), predictions in zip(chosen.items(), summaries):
         scores = scorer.score_pairs(predictions, sub["target"].tolist())

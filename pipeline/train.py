@@ -9,7 +9,6 @@ Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import shutil
@@ -21,7 +20,7 @@ from typing import Any
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.timing import stage_timer
+from pipeline.common.timing import stage_name, stage_timer
 from pipeline.experiments.plans import Plan, plan_hash, read_plan
 from pipeline.experiments.settings import RunSettings, load_run_settings
 from pipeline.paths import PATHS
@@ -136,10 +135,7 @@ def run_set(
     together = {Path(p).stem: p for p in plan_paths if Path(p).stem not in ray}
     barrier = RoundBarrier()
     start = rng_state()
-    # a set's record is named by its size and a digest of its names (30 names exceed a file name's 255 bytes)
-    digest = hashlib.sha256("+".join(names).encode()).hexdigest()[:8]
-    timer = f"train-{names[0]}" if len(names) == 1 else f"train-set-of-{len(names)}-{digest}"
-    with stage_timer(timer, experiments=names):
+    with stage_timer(stage_name("train", names), experiments=names):
         out = barrier.run(
             {
                 n: partial(run_experiment, p, track=track, settings=settings[n], barrier=barrier)

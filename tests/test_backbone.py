@@ -265,6 +265,18 @@ def test_stage_timer_writes_record_only_on_success(tmp_path):
     assert not (tmp_path / "failed.json").exists()
 
 
+def test_a_set_of_experiments_gets_a_short_timing_record_naming_them(tmp_path):
+    from pipeline.common.timing import stage_name
+
+    names = [f"fedselectkd-quantile-s{i}-with-a-long-name" for i in range(30)]
+    assert stage_name("train", names[:1]) == "train-fedselectkd-quantile-s0-with-a-long-name"
+    name = stage_name("train", names)
+    assert name.startswith("train-set-of-30-") and len(name) < 40 and name != stage_name("train", names[::-1])
+    with stage_timer(name, tmp_path, experiments=names):  # len("+".join(names)) > 255: no such file could be made
+        pass
+    assert json.loads((tmp_path / f"{name}.json").read_text())["experiments"] == names
+
+
 def test_cross_attention_can_start_from_the_layers_own_self_attention():
     model, _ = tiny_models.tiny_bert2bert()
     layer = model.decoder.bert.encoder.layer[0]

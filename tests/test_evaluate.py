@@ -190,3 +190,44 @@ def test_a_test_id_missing_from_the_examples_is_one_error_naming_both_files_and_
     message = str(err.value)
     assert "\n" not in message and str(path) in message and str(workspace / "examples.parquet") in message
     assert "'Committee'" in message and "qmsum/Committee/test/gone/q0" in message
+
+
+@pytest.mark.parametrize("rows_a_call", [2, 1024], ids=["one-adapter-a-call", "all-adapters-a-call"])
+def test_experiments_evaluated_together_give_each_what_it_gives_alone(workspace, tmp_path, monkeypatch, rows_a_call):
+    """Two experiments (other adapters) in one call: one backbone load, their four client adapters stacked in the
+    generate calls (or one a call), and each experiment's predictions and scores are those it gets alone."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pipeline.evaluate import evaluate_experiments
+    from pipeline.results import evaluation
+
+    models = tmp_path / "models"
+    shutil.copytree(workspace / "models", models)
+    shutil.copytree(models / "exp1", models / "exp2")
+    record = json.loads((models / "exp2" / "experiment.json").read_text()) | {"experiment": "exp2", "seed": 1}
+    (models / "exp2" / "experiment.json").write_text(json.dumps(record))
+    generator = torch.Generator().manual_seed(0)
+    for f in (models / "exp2" / "clients").glob("*/adapter_*.safetensors"):
+        state = load_file(str(f))
+        save_file({k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}, str(f))
+    cfg = EvaluateConfig(batch_size=2, num_beams=2, max_target_length=8, min_target_length=2)
+    paths = {
+        "models_dir": models,
+        "examples_path": workspace / "examples.parquet",
+        "partitions_dir": workspace / "partitions",
+        "backbone_dir": workspace / "models" / "backbone",
+        "mlflow_logging": False,
+    }
+    alone = {n: evaluate_experiments([n], cfg, eval_dir=tmp_path / "alone", **paths)[n] for n in ("exp1", "exp2")}
+    monkeypatch.setattr(evaluation, "GENERATE_ROWS", rows_a_call)
+    together = evaluate_experiments(["exp1", "exp2"], cfg, eval_dir=tmp_path / "together", **paths)
+    assert list(together) == ["exp1", "exp2"]
+    for name in ("exp1", "exp2"):
+        assert together[name]["clients"] == alone[name]["clients"]
+        same = (tmp_path / "together" / name / "predictions.jsonl").read_text()
+        assert same == (tmp_path / "alone" / name / "predictions.jsonl").read_text()
+    exp1 = (tmp_path / "alone" / "exp1" / "predictions.jsonl").read_text()
+    assert exp1 != (tmp_path / "alone" / "exp2" / "predictions.jsonl").read_text().replace("exp2", "exp1")

@@ -5,6 +5,7 @@ behind, as DVC leaves no outputs behind. dvc.yaml declares the file as an uncach
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import resource
 import sys
 import time
@@ -27,6 +28,14 @@ def peak_rss_mb() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return round(max(own, children) * scale / 2**20, 1)
+
+
+def stage_name(stage: str, names: list[str]) -> str:
+    """The timing record's name of ``stage`` run for ``names`` (experiments): ``<stage>-<name>`` for one, else
+    ``<stage>-set-of-<n>-<digest of the names>`` (30 names joined exceed a file name's 255 bytes)."""
+    if len(names) == 1:
+        return f"{stage}-{names[0]}"
+    return f"{stage}-set-of-{len(names)}-{hashlib.sha256('+'.join(names).encode()).hexdigest()[:8]}"
 
 
 @contextlib.contextmanager

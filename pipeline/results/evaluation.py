@@ -122,14 +122,18 @@ def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_sourc
     return generate_per_run(model, [model.adapter_state("local")], [sources], cfg, max_source_length, desc)[0]
 
 
+GENERATE_ROWS = 1024  # sources a generate call holds at most (x beams): several experiments' adapters stacked
+
+
 def generate_per_run(
     model, adapters: list[dict], sources: list[list[str]], cfg: EvaluateConfig, max_source_length: int, desc: str
 ) -> list[list[str]]:
     """Each run's beam-search summaries of its own sources (run r: adapter state ``adapters[r]``, as
     ``AdapterSet.state()`` gives it, on ``sources[r]``), per run what its adapter alone gives. The i-th batch of
     ``cfg.batch_size`` sources of every run that has one is one ``generate`` call: the runs' adapters stacked on
-    run-major blocks of equal size (pipeline.modeling.adapter_stack); a run's shorter last batch is filled with
-    copies of its last source, whose summaries are dropped."""
+    run-major blocks of equal size (pipeline.modeling.adapter_stack), at most ``GENERATE_ROWS`` rows a call (the runs
+    beyond them in the next call); a run's shorter last batch is filled with copies of its last source, whose
+    summaries are dropped."""
     import torch
     from tqdm import tqdm
 
@@ -140,8 +144,12 @@ def generate_per_run(
     outputs: list[list[str]] = [[] for _ in adapters]
     kwargs = cfg.generation_kwargs()
     with torch.no_grad():
-        for start in tqdm(range(0, max(map(len, sources)), size), desc=desc, unit="batch", leave=False):
-            runs = tuple(r for r, s in enumerate(sources) if start < len(s))
+        per_call = max(1, GENERATE_ROWS // size)  # runs a call holds
+        calls: list[tuple[int, tuple[int, ...]]] = []  # (first source, the runs)
+        for start in range(0, max(map(len, sources)), size):
+            present = [r for r, s in enumerate(sources) if start < len(s)]
+            calls += [(start, tuple(present[i : i + per_call])) for i in range(0, len(present), per_call)]
+        for start, runs in tqdm(calls, desc=desc, unit="call", leave=False):
             chunks = [sources[r][start : start + size] for r in runs]
             width = max(map(len, chunks))
             rows = [text for chunk in chunks for text in chunk + [chunk[-1]] * (width - len(chunk))]

@@ -160,19 +160,20 @@ def stage_lanes(
 
 
 def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> None:
-    """The evaluate stage's body (pipeline.evaluate main, ``run --no-mlflow``) for each experiment in one process."""
+    """The evaluate stage's body (pipeline.evaluate main, ``run --no-mlflow``) for every experiment in one process:
+    one backbone load and CUDA start, every experiment's client adapters stacked in the same generate calls
+    (pipeline.evaluate.evaluate_experiments), under one timing record named like the train call's."""
     from pipeline.common.config import from_dict, load_params
-    from pipeline.common.timing import stage_timer
-    from pipeline.evaluate import evaluate_experiment
+    from pipeline.common.timing import stage_name, stage_timer
+    from pipeline.evaluate import evaluate_experiments
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.results.stats import BootstrapConfig
 
     params = load_params(params_path)
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
     bootstrap = from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap")
-    for name in experiments:
-        with stage_timer(f"evaluate-{name}"):
-            evaluate_experiment(name, cfg, mlflow_logging=False, bootstrap=bootstrap)
+    with stage_timer(stage_name("evaluate", experiments), experiments=experiments):
+        evaluate_experiments(experiments, cfg, mlflow_logging=False, bootstrap=bootstrap)
 
 
 def install_wheels(wheels: Path, site: Path, log) -> int:
