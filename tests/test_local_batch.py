@@ -195,3 +195,14 @@ def test_a_job_that_fails_in_a_group_fails_alone_and_the_others_train_as_alone(w
             continue
         state = alone[method][1]
         assert max(float((out.state[k] - state[k]).abs().max()) for k in state) <= 1e-6, method
+
+
+def test_the_logits_budget_is_an_eighth_of_a_large_gpu_and_two_gib_elsewhere(monkeypatch):
+    from types import SimpleNamespace
+
+    from pipeline.training import local_batch
+
+    assert local_batch.logits_budget_bytes(torch.device("cpu")) == 2 * 2**30
+    for total, budget in ((80 * 10**9, 10**10), (8 * 10**9, 2 * 2**30)):
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+        assert local_batch.logits_budget_bytes(torch.device("cuda", 0)) == budget

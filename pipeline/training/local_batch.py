@@ -36,8 +36,15 @@ log = logging.getLogger(__name__)
 # what this process trained (and validated) batched: tests, benchmarks
 STATS = {"groups": 0, "stacked_steps": 0, "runs_stacked": 0, "validation_groups": 0}
 # A group's micro-batch holds every run's student logits ([target tokens, V]; the teacher's and the gradient about
-# as much again each): groups are cut where this budget of float32 student logits would be exceeded.
+# as much again each): groups are cut where this budget of float32 student logits would be exceeded (on a GPU, an
+# eighth of its memory if that is more: an H100's 80 GB hold ~40 of the GPU study's jobs a group instead of ~8).
 LOGITS_BUDGET_BYTES = 2 * 2**30
+
+
+def logits_budget_bytes(device: torch.device) -> int:
+    if device.type != "cuda":
+        return LOGITS_BUDGET_BYTES
+    return max(LOGITS_BUDGET_BYTES, torch.cuda.get_device_properties(device).total_memory // 8)
 
 
 @dataclass
@@ -267,14 +274,14 @@ def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
 
 def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
     """``members`` (jobs of one key) in consecutive groups whose largest micro-batch's student logits (float32, every
-    run's target tokens) stay within LOGITS_BUDGET_BYTES (a job alone may exceed it)."""
+    run's target tokens) stay within :func:`logits_budget_bytes` (a job alone may exceed it)."""
     groups: list[list[int]] = []
-    used = LOGITS_BUDGET_BYTES
+    budget = used = logits_budget_bytes(jobs[members[0]].model.device)
     for i in members:
         job = jobs[i]
         vocabulary = job.model.backbone.get_output_embeddings().weight.shape[0]
         need = 4 * vocabulary * max(int((b.labels != IGNORE_INDEX).sum()) for step in job.steps for b, _ in step)
-        if used + need > LOGITS_BUDGET_BYTES:
+        if used + need > budget:
             groups.append([])
             used = 0
         groups[-1].append(i)
