@@ -204,5 +204,6 @@ def test_the_logits_budget_is_an_eighth_of_a_large_gpu_and_two_gib_elsewhere(mon
 
     assert local_batch.logits_budget_bytes(torch.device("cpu")) == 2 * 2**30
     for total, budget in ((80 * 10**9, 10**10), (8 * 10**9, 2 * 2**30)):
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=total))
+        properties = SimpleNamespace(total_memory=total)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=properties: p)
         assert local_batch.logits_budget_bytes(torch.device("cuda", 0)) == budget

@@ -81,17 +81,19 @@ def collate(examples: Sequence[TokenizedExample], pad_token_id: int, decoder_sta
     b = len(examples)
     s = max(len(e.input_ids) for e in examples)
     t = max(len(e.labels) for e in examples)
-    input_ids = torch.full((b, s), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, s), dtype=torch.long)
-    labels = torch.full((b, t), IGNORE_INDEX, dtype=torch.long)
-    decoder_input_ids = torch.full((b, t), pad_token_id, dtype=torch.long)
+    # filled in NumPy (a list assigned to a slice is one C loop; a torch.tensor per row costs ~20 us a call)
+    input_ids = np.full((b, s), pad_token_id, dtype=np.int64)
+    attention_mask = np.zeros((b, s), dtype=np.int64)
+    labels = np.full((b, t), IGNORE_INDEX, dtype=np.int64)
+    decoder_input_ids = np.full((b, t), pad_token_id, dtype=np.int64)
     for i, e in enumerate(examples):
-        input_ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+        input_ids[i, : len(e.input_ids)] = e.input_ids
         attention_mask[i, : len(e.input_ids)] = 1
-        labels[i, : len(e.labels)] = torch.tensor(e.labels)
+        labels[i, : len(e.labels)] = e.labels
         decoder_input_ids[i, 0] = decoder_start_token_id
-        decoder_input_ids[i, 1 : len(e.labels)] = torch.tensor(e.labels[:-1])
-    return Batch([e.example_id for e in examples], input_ids, attention_mask, decoder_input_ids, labels)
+        decoder_input_ids[i, 1 : len(e.labels)] = e.labels[:-1]
+    tensors = (torch.from_numpy(a) for a in (input_ids, attention_mask, decoder_input_ids, labels))
+    return Batch([e.example_id for e in examples], *tensors)
 
 
 def stack_batches(batches: Sequence[Batch], pad_token_id: int) -> Batch:
