@@ -29,6 +29,7 @@ def _real_batch(model, shared_data):
     )[0]
 
 
+@pytest.mark.timeout(400)  # ~60 s alone: the real MiniLM in bf16 on a CPU; slower beside the full lane's workers
 def test_bf16_autocast_keeps_the_gate_decisions_of_float32(shared_data):
     from pipeline.modeling.adapter_stack import AdapterStack
     from pipeline.modeling.adapters import AdapterConfig
