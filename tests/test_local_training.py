@@ -317,9 +317,11 @@ def test_the_proximal_gradient_pulls_towards_the_global(ws):
 
 # ----------------------------------------------------------------------------------------------- small rules, by hand
 def _labelled(*rows):
-    from types import SimpleNamespace
+    from pipeline.modeling.batching import Batch
 
-    return SimpleNamespace(labels=torch.tensor(rows), example_ids=[f"e{i}" for i in range(len(rows))])
+    labels = torch.tensor(rows)
+    ids = [f"e{i}" for i in range(len(rows))]
+    return Batch(ids, labels.clamp(min=0), torch.ones_like(labels), labels.clamp(min=0), labels)
 
 
 def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequences():

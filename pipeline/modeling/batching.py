@@ -12,6 +12,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -36,6 +37,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.example_ids)
+
+    @cached_property
+    def target_tokens(self) -> int:
+        """The batch's target tokens (labels that are not IGNORE_INDEX), counted once."""
+        return int((self.labels != IGNORE_INDEX).sum())
 
 
 # Per tokenizer and lengths, each (example id, source, target) tokenised so far in this process: every round
@@ -126,17 +132,12 @@ def make_batches(
     bucket_by_length: bool = False,
     bucket_batches: int = 50,
 ) -> list[Batch]:
-    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches; ``cfg`` has the max lengths
-    (:func:`tokenize_frame`, then :func:`batch_examples`)."""
-    examples = tokenize_frame(examples_df, tokenizer, cfg, decoder_start_token_id)
-    return batch_examples(
-        examples, batch_size, shuffle, seed, decoder_start_token_id, pad_token_id, bucket_by_length, bucket_batches
-    )
-
-
-def tokenize_frame(examples_df, tokenizer, cfg, decoder_start_token_id: int) -> list[TokenizedExample]:
-    """The rows of ``examples_df`` tokenised (:func:`tokenize_pairs`), in order."""
-    return tokenize_pairs(
+    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches, tokenised by
+    :func:`tokenize_pairs` (each pair once per process) with ``cfg``'s max lengths. With ``shuffle`` the order is a
+    permutation from ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts padding: chunks of
+    ``bucket_batches * batch_size`` examples of that order are sorted by (target, source) length, batched, and with
+    ``shuffle`` the batches are permuted again with the same generator."""
+    examples = tokenize_pairs(
         tokenizer,
         examples_df["source"].tolist(),
         examples_df["target"].tolist(),
@@ -145,22 +146,6 @@ def tokenize_frame(examples_df, tokenizer, cfg, decoder_start_token_id: int) -> 
         examples_df["example_id"].astype(str).tolist(),
         decoder_start_token_id,
     )
-
-
-def batch_examples(
-    examples: list[TokenizedExample],
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-    decoder_start_token_id: int,
-    pad_token_id: int,
-    bucket_by_length: bool = False,
-    bucket_batches: int = 50,
-) -> list[Batch]:
-    """Tokenised examples -> Batches. With ``shuffle`` the order is a permutation from
-    ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts padding: chunks of ``bucket_batches * batch_size``
-    examples of that order are sorted by (target, source) length, batched, and with ``shuffle`` the batches are
-    permuted again with the same generator."""
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]

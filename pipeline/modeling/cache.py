@@ -10,7 +10,8 @@ sha256 of their tensors: a damaged entry is logged, deleted and recomputed. A re
 root (:func:`resolve_root`), so DVC's temporary experiment copies share one cache. float16/bfloat16 entries are
 not exact. Once read (or computed), an entry stays resident on the model's device for the cache object's life
 (pipeline.training.shared_model keeps one per process), so later rounds neither read, hash nor touch it again (its
-recency is kept in memory: eviction by this process weighs it); an entry evicted from disk leaves memory too, so the resident entries never exceed the disk budget.
+recency is kept in memory: eviction by this process weighs it); an entry evicted from disk leaves memory too, so
+the resident entries never exceed the disk budget.
 """
 
 from __future__ import annotations

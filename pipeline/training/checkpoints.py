@@ -1,5 +1,6 @@
 """Where a training run keeps its state while it runs (``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` and
-``checkpoint/``), its round checkpoints (tagged with the plan's hash and the training code's) and the publishing of its outputs."""
+``checkpoint/``), its round checkpoints (tagged with the plan's hash and the training code's) and the publishing of
+its outputs."""
 
 from __future__ import annotations
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -20,7 +19,7 @@ from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.train_config import TrainConfig
-from pipeline.modeling.batching import IGNORE_INDEX, Batch, batch_examples, make_batches, tokenize_frame
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
 from pipeline.training import local_batch, set_engine
@@ -61,23 +60,12 @@ def noun_verb_masks(postags_path: str | Path) -> NounVerbMasks:
     return _noun_verb_masks(str(p), p.stat().st_mtime)
 
 
-# Made in this process, by frame (kept with them, as is the tokenizer, so their ids are not reused): a frame's
-# tokenised examples, and its batches by what shapes them. The runs of a set share a client's frames
-# (pipeline.training.client_data): a client's examples are tokenised once, batched once a round for the runs of one
-# seed, and once for every validation.
-_KEPT: OrderedDict[tuple, tuple[pd.DataFrame, Any, Any]] = OrderedDict()
+# A frame's batches made in this process, by what shapes them (kept with the frame and the tokenizer, so their ids
+# are not reused). The runs of a set share a client's frames (pipeline.training.client_data): a client's examples
+# are batched once a round for the runs of one seed, and once for every validation (and tokenised once a process:
+# pipeline.modeling.batching.tokenize_pairs).
+_KEPT: OrderedDict[tuple, tuple[pd.DataFrame, Any, list[Batch]]] = OrderedDict()
 KEPT_ENTRIES = 64
-
-
-def _kept(key: tuple, frame: pd.DataFrame, tokenizer: Any, make: Callable[[], Any]) -> Any:
-    if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
-        _KEPT.move_to_end(key)
-        return kept[2]
-    value = make()
-    _KEPT[key] = (frame, tokenizer, value)
-    while len(_KEPT) > KEPT_ENTRIES:
-        _KEPT.popitem(last=False)
-    return value
 
 
 def _batches(
@@ -94,14 +82,16 @@ def _batches(
     tokenizer, start, pad = model.tokenizer, model.decoder_start_token_id, model.pad_token_id
     if not keep:
         return make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
-    shape = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start)
-    examples = _kept(shape, frame, tokenizer, lambda: tokenize_frame(frame, tokenizer, mcfg, start))
-    return _kept(
-        (*shape, pad, cfg.batch_size, shuffle, seed, bucket_by_length),
-        frame,
-        tokenizer,
-        lambda: batch_examples(examples, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length),
-    )
+    key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start, pad)
+    key += (cfg.batch_size, shuffle, seed, bucket_by_length)
+    if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
+        _KEPT.move_to_end(key)
+        return kept[2]
+    batches = make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
+    _KEPT[key] = (frame, tokenizer, batches)
+    while len(_KEPT) > KEPT_ENTRIES:
+        _KEPT.popitem(last=False)
+    return batches
 
 
 @dataclass
@@ -134,8 +124,10 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
     """Per batch, its weight in the optimizer step it belongs to (consecutive windows of ``accum_steps`` batches,
     the last one possibly shorter): its target tokens (``tokens``) or sequences (``sequences``) over the window's,
     so accumulated micro-batch means add up to the mean over the effective batch."""
-    valid = [b.labels != IGNORE_INDEX for b in batches]
-    sizes = [int(v.sum()) if normalisation == "tokens" else int((v.sum(dim=1) > 0).sum()) for v in valid]
+    sizes = [
+        b.target_tokens if normalisation == "tokens" else int(((b.labels != IGNORE_INDEX).sum(dim=1) > 0).sum())
+        for b in batches
+    ]
     weights: list[float] = []
     for start in range(0, len(batches), accum_steps):
         window = sizes[start : start + accum_steps]

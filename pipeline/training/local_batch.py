@@ -280,7 +280,7 @@ def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
     for i in members:
         job = jobs[i]
         vocabulary = job.model.backbone.get_output_embeddings().weight.shape[0]
-        need = 4 * vocabulary * max(int((b.labels != IGNORE_INDEX).sum()) for step in job.steps for b, _ in step)
+        need = 4 * vocabulary * max(b.target_tokens for step in job.steps for b, _ in step)
         if used + need > budget:
             groups.append([])
             used = 0
