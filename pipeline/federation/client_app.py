@@ -4,6 +4,7 @@ only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.sum
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -95,16 +96,13 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
-def client_train(msg: Message, context: Context) -> Message:
-    """train_round behind privacy's checks (pipeline.privacy.seam.client_train, when registered). train_round is looked
-    up when a message comes, so a wrapper set on this module (tests, instrumentation) is the one that runs."""
-    return privacy.client_train(msg, context, lambda m, c: train_round(m, c))
-
-
 @client_app.train()
-def client_train_with_mods(msg: Message, context: Context) -> Message:
-    """The train handler: :func:`client_train` inside privacy's Flower mods (SecAgg+, client-level DP's clipping)."""
-    return make_ffn(client_train, privacy.train_mods())(msg, context)
+def client_train(msg: Message, context: Context) -> Message:
+    """The train handler: train_round behind privacy's checks (pipeline.privacy.seam.client_train, when registered),
+    inside its Flower mods (SecAgg+, client-level DP's clipping). train_round is looked up when a message comes, so a
+    wrapper set on this module (tests, instrumentation) is the one that runs."""
+    checked = functools.partial(privacy.client_train, train_round=lambda m, c: train_round(m, c))
+    return make_ffn(checked, privacy.train_mods())(msg, context)
 
 
 def train_round(msg: Message, context: Context) -> Message:
