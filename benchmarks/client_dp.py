@@ -159,7 +159,7 @@ def run_point(
     )
     t0 = time.perf_counter()
     with _in_workspace(root):
-        metrics = run_experiment(path, track=False, settings=RunSettings(engine="inprocess"))
+        metrics = run_experiment(path, track=False, settings=RunSettings())
     final = [c["final_val_loss"] for c in metrics["clients"].values()]
     p = metrics.get("privacy") or {}
     return {

@@ -1,8 +1,9 @@
-"""Scale of the federated engines (issue 13 item 6): wall time and peak memory per round of the in-process and
-Ray engines as the number of clients grows.
+"""Scale of the federated engine (issue 13 item 6): wall time and peak memory per round of the in-process engine
+as the number of clients grows (the committed scale.json also holds the Ray engine's points, measured before that
+engine was removed).
 
-    python -m benchmarks.scale              # 3, 10, 30, 100 clients, both engines -> reports/bench/scale.{json,png}
-    python -m benchmarks.scale --sizes 3 10 --engines inprocess --out /tmp/scale
+    python -m benchmarks.scale              # 3, 10, 30, 100 clients -> reports/bench/scale.{json,png}
+    python -m benchmarks.scale --sizes 3 10 --out /tmp/scale
 
 Each (engine, clients) point trains FedAvg for a few rounds on the tiny BART of tests/tiny_models.py, over a
 ``quantity`` (Dirichlet) partition made by ``pipeline.partitioning.partitions.make_partition`` of a synthetic QMSum-like pool of
@@ -48,7 +49,7 @@ from tests.tiny_models import DOMAINS, MODEL, WORDS  # noqa: E402  (the tests' t
 
 SIZES = (3, 10, 30, 100)
 QUICK_SIZES = (3, 10)
-ENGINES = ("inprocess", "ray")
+ENGINES = ("inprocess",)
 LINEAR_TOLERANCE = 0.1  # fitted slopes up to 1.1 count as linear: two rounds on a shared machine are noisy
 # What a profile showed (2026-11-23, cProfile of every thread, Ray engine, 100 clients, 3 rounds, flwr 1.41.0) and
 # what fedmeet does about it; rendered in the README when Ray's per-round time still grows superlinearly between
@@ -57,8 +58,8 @@ RAY_PROFILE_NOTE = (
     "Profiled before the fix (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation "
     "thread `add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node every 0.1 s (19,000 "
     "calls), and each call scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU): "
-    "roughly clients^2 work per poll. fedmeet runs Flower's poller unpatched (no assignment into flwr modules): "
-    "the Ray engine is opt-in (`train.engine: ray`) and the default in-process engine never reaches it."
+    "roughly clients^2 work per poll. fedmeet ran Flower's poller unpatched (no assignment into flwr modules): "
+    "the Ray engine was opt-in, the in-process engine never reaches it, and the Ray engine has since been removed."
 )
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 
@@ -274,7 +275,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
     sampler.start()
     try:
         with _in_workspace(root):
-            run_federated(plan_path, RunSettings(engine=engine, ray_cpus_per_client=1.0), timer)
+            run_federated(plan_path, RunSettings(), timer)
     finally:
         sampler.stop()
     partition = json.loads((root / "data" / "partitions" / "quantity" / f"seed{cfg.seed}.json").read_text())
@@ -299,14 +300,6 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
         "baseline_rss_mb": round(baseline_mb, 1),
         "median_driver_growth_mb": float(np.median([r["driver_growth_mb"] for r in rounds])),
     }
-
-
-def _ray_unavailable() -> str | None:
-    try:
-        import ray  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 -- any import failure is a reason to skip
-        return f"ray cannot be imported: {type(exc).__name__}: {exc}"
-    return None
 
 
 def measure_subprocess(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone: Path) -> dict[str, Any]:
@@ -407,11 +400,7 @@ def bench_scale(cfg: ScaleConfig, work: Path | None = None, isolate: bool = True
             save_tiny("bart", backbone)
         points = []
         for engine in cfg.engines:
-            reason = _ray_unavailable() if engine == "ray" else None
             for n in cfg.sizes:
-                if reason:
-                    points.append({"engine": engine, "clients": n, "status": "skipped", "reason": reason})
-                    continue
                 root = base / f"{engine}-{n}"
                 run = measure_subprocess if isolate else measure
                 points.append(run(engine, n, root, cfg, backbone))

@@ -29,7 +29,7 @@ from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
 from pipeline.training import checkpoints
 from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
 from pipeline.training.serverless import run_serverless
-from pipeline.training.set_engine import RoundBarrier, rng_state, set_rng_state
+from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.summary import (
     convergence_tags,
     final_run_metrics,
@@ -75,7 +75,7 @@ def run_experiment(
             plan.study,
             run_name(plan.experiment),
             plan.to_json_dict(),
-            run_tags(plan, engine=settings.engine),
+            run_tags(plan),
             resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None,
             partition=plan.paths["partition"],
         )
@@ -127,24 +127,17 @@ def run_set(
 ) -> dict[str, dict[str, Any]]:
     """Train the experiments of ``plan_paths`` as one set in this process (pipeline.training.set_engine): each in its
     own thread and round loop, their clients' work at one round barrier, each computing what it would alone in a
-    fresh process; returns their metrics by experiment. Experiments on the Ray engine train after the set, one at a
-    time (Flower's simulation runs its own processes)."""
+    fresh process; returns their metrics by experiment."""
     settings = {Path(p).stem: (settings or {}).get(Path(p).stem) or RunSettings() for p in plan_paths}
     names = [Path(p).stem for p in plan_paths]
-    ray = [n for n in names if settings[n].engine == "ray"]
-    together = {Path(p).stem: p for p in plan_paths if Path(p).stem not in ray}
     barrier = RoundBarrier()
-    start = rng_state()
     with stage_timer(stage_name("train", names), experiments=names):
         out = barrier.run(
             {
-                n: partial(run_experiment, p, track=track, settings=settings[n], barrier=barrier)
-                for n, p in together.items()
+                Path(p).stem: partial(run_experiment, p, track=track, settings=settings[Path(p).stem], barrier=barrier)
+                for p in plan_paths
             }
         )
-        for name in ray:
-            set_rng_state(start)  # each as alone in a fresh process
-            out[name] = run_experiment(plan_paths[names.index(name)], track=track, settings=settings[name])
     return {n: out[n] for n in names}
 
 
@@ -161,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--params",
         default="params.yaml",
-        help="params file of the run-time settings (engine, round timeout, cache location and budgets)",
+        help="params file of the run-time settings (round timeout, cache location and budgets)",
     )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

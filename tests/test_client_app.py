@@ -40,21 +40,14 @@ def _state(value: float) -> dict[str, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------- identity, files
-def test_a_node_is_the_client_it_names_else_the_partitions_client_at_its_id(ws):
+def test_a_node_is_the_client_it_names(ws):
     from pipeline.federation.client_app import client_name
 
-    plan = _plan()
-    assert client_name(plan, _context(**{"client-name": "Product", "partition-id": 0})) == "Product"
-    # the simulation's partition ids follow the partition file's client order
-    assert [client_name(plan, _context(**{"partition-id": i})) for i in range(3)] == [
-        "Academic",
-        "Committee",
-        "Product",
-    ]
-    assert client_name(plan, _context(**{"client-name": "", "partition-id": "2"})) == "Product"
-    with pytest.raises(ValueError) as err:
-        client_name(plan, _context(plan="x.json"))
-    names(err.value, "node_config", "'client-name'", "'partition-id'")
+    assert client_name(_context(**{"client-name": "Product"})) == "Product"
+    for context in (_context(plan="x.json"), _context(**{"client-name": ""})):
+        with pytest.raises(ValueError) as err:
+            client_name(context)
+        names(err.value, "node_config", "'client-name'")
 
 
 def test_a_deployed_client_may_keep_its_files_elsewhere(ws, tmp_path):
@@ -313,14 +306,16 @@ def test_the_local_adapter_persists_for_kd_methods_and_is_replaced_by_the_global
 
     own = {k: v - 1.0 for k, v in initial_adapter_state(_plan("round-own-ref")).items()}  # this client's own
     _, received, seen, _, _ = _train_round(
-        monkeypatch, "round-keep", "fedselectkd", node={"partition-id": 2}, local=own
+        monkeypatch, "round-keep", "fedselectkd", node={"client-name": "Product"}, local=own
     )
     assert _same(seen["local"], own) and _same(seen["teacher"], received) and seen["client"] == "Product"
     _, received, seen, _, _ = _train_round(
-        monkeypatch, "round-reset", "fedselectkd", node={"partition-id": 2}, local=own, local_adapter="reset"
+        monkeypatch, "round-reset", "fedselectkd", node={"client-name": "Product"}, local=own, local_adapter="reset"
     )
     assert _same(seen["local"], received) and _same(seen["teacher"], received)
-    _, received, seen, _, _ = _train_round(monkeypatch, "round-fedavg", "fedavg", node={"partition-id": 0}, local=own)
+    _, received, seen, _, _ = _train_round(
+        monkeypatch, "round-fedavg", "fedavg", node={"client-name": "Academic"}, local=own
+    )
     assert _same(seen["local"], received) and seen["teacher"] is None and seen["client"] == "Academic"
 
 

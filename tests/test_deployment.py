@@ -7,7 +7,6 @@ each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -34,12 +33,10 @@ pytestmark = pytest.mark.deployment
 # and xdist deals the groups out first, so the chains run side by side from the start while the other workers take
 # the rest. One federation per group at a time, each on its own ports; their round timeouts outlast a healthy reply
 # with the other federations beside. The two tests of the shared TLS deployment share a group (one deployment for
-# both) with the misnamed-node run, and the two Ray runs share one (one Ray instance at a time). The tests over the
-# in-process Grid start no Flower process: they go to whichever worker is free.
+# both) with the misnamed-node run. The tests over the in-process Grid start no Flower process: they go to whichever worker is free.
 LOST_NODE = pytest.mark.xdist_group("deployment-lost-node")  # the longest chain, alone
 SECAGG_LOST_NODE = pytest.mark.xdist_group("deployment-secagg")
 FEDERATION_TLS = pytest.mark.xdist_group("deployment-tls")
-RAY = pytest.mark.xdist_group("ray")
 
 # Short greedy decoding: the federated and the central path must agree for any settings; these keep it fast.
 EVALUATE = {"num_beams": 2, "max_target_length": 8, "min_target_length": 2, "batch_size": 2}
@@ -96,23 +93,6 @@ def _assert_same_final_adapters(
     for client in a:
         for k in a[client]:
             torch.testing.assert_close(a[client][k], b[client][k])
-
-
-@functools.cache  # once per worker: the two Ray tests share one (a Ray start is seconds of CPU)
-def _ray_problem() -> str | None:
-    try:
-        import ray
-
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        ray.shutdown()
-    except Exception as exc:  # noqa: BLE001 -- any reason Ray cannot start here is a reason to skip
-        return f"Ray cannot start on this machine: {type(exc).__name__}: {exc}"
-    return None
-
-
-def _ray_or_skip() -> None:
-    if (problem := _ray_problem()) is not None:
-        pytest.skip(problem)
 
 
 # Two full federated runs plus beam-search evaluation: ~18 s idle, several times that on a loaded 2-core machine.
@@ -462,25 +442,6 @@ def test_lost_supernode_is_recorded_and_rejoins_and_a_superlink_restart_resumes(
     assert _flower_pids() - before == set()
 
 
-@RAY
-@pytest.mark.timeout(300)
-def test_ray_engine_gives_the_in_process_result(ws):
-    from pipeline.experiments.settings import RunSettings
-    from pipeline.train import run_experiment
-
-    _ray_or_skip()
-    run_experiment(write_plan("ray-ref", "fedavg"), track=False)
-    run_experiment(
-        write_plan("ray", "fedavg"), track=False, settings=RunSettings(engine="ray", ray_cpus_per_client=1.0)
-    )
-    _assert_same_final_adapters("ray", "ray-ref")
-    rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("ray", "ray-ref"))
-    assert len(rounds) == len(ref) == 6
-    for r, q in zip(rounds, ref):
-        assert (r["round"], r["client"]) == (q["round"], q["client"])
-        assert r["val_loss"] == pytest.approx(q["val_loss"], rel=1e-5)
-
-
 @pytest.mark.timeout(60)
 def test_stopping_a_process_ends_the_descendants_that_left_its_group(tmp_path):
     """Flower's SuperExec starts its own session; stopping the SuperLink must still end it (by its pid)."""
@@ -612,27 +573,6 @@ def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws
 
 
 # ------------------------------------------------------------------ SecAgg+ (privacy.secure_aggregation)
-@RAY
-@pytest.mark.timeout(300)
-def test_ray_engine_secure_run_gives_the_in_process_secure_result(ws):
-    from pipeline.experiments.settings import RunSettings
-    from pipeline.train import run_experiment
-    from tests.test_privacy import _write_plan
-
-    _ray_or_skip()
-    run_experiment(_write_plan("sa-ray-ref", "fedavg", {"secure_aggregation": True}), track=False)
-    run_experiment(
-        _write_plan("sa-ray", "fedavg", {"secure_aggregation": True}),
-        track=False,
-        settings=RunSettings(engine="ray", ray_cpus_per_client=1.0),
-    )
-    # The masks cancel exactly and the stochastic rounding draws from the generator each client's training seeded:
-    # Ray's actors compute what the in-process engine does.
-    _assert_same_final_adapters("sa-ray", "sa-ray-ref")
-    rounds, ref = (json.loads(Path(f"models/{n}/rounds.json").read_text()) for n in ("sa-ray", "sa-ray-ref"))
-    assert [(r["round"], r["client"], r["failed"]) for r in rounds] == [(r["round"], r["client"], 0) for r in ref]
-
-
 @SECAGG_LOST_NODE
 @pytest.mark.timeout(600)
 def test_local_deployment_with_secure_aggregation_is_the_plain_mean_within_the_bound_and_survives_a_lost_node(

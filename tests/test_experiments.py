@@ -104,9 +104,7 @@ def _plans(params: dict, out: Path) -> dict[str, str]:
     [
         ("model.cache_max_gb", 0.5),
         ("model.cache_dir", "/elsewhere/prefix"),
-        ("train.engine", "ray"),
-        ("train.ray_cpus_per_client", 2.0),
-        ("train.ray_gpus_per_client", 0.5),
+        ("train.admission_timeout_s", 30),
         ("train.round_timeout_s", 60),
     ],
 )
@@ -260,13 +258,13 @@ def test_run_settings_come_from_params_with_the_experiments_own_override():
     from pipeline.experiments.settings import run_settings
 
     params = _params(**{"train.round_timeout_s": 30, "model.cache_max_gb": 1.5})
-    params["experiments"]["fedavg-domain"]["engine"] = "ray"
-    assert run_settings(params, "fedavg-domain").engine == "ray"
-    assert run_settings(params, "fedkd-domain").engine == "inprocess"
+    params["experiments"]["fedavg-domain"]["round_timeout_s"] = 90
+    assert run_settings(params, "fedavg-domain").round_timeout_s == 90
+    assert run_settings(params, "fedkd-domain").round_timeout_s == 30
     s = run_settings(params)
     assert (s.round_timeout_s, s.cache.cache_max_gb) == (30, 1.5)
-    with pytest.raises(ConfigError, match="engine"):
-        run_settings(_params(**{"train.engine": "threads"}))
+    with pytest.raises(ConfigError, match="round_timeout_s"):
+        run_settings(_params(**{"train.round_timeout_s": 0}))
 
 
 def test_plan_paths_come_from_the_path_table(tmp_path):

@@ -137,7 +137,7 @@ def workspace(tmp_path_factory):
     _write_postags(root, examples)
     # A project root's params file, with the run-time settings only (RunSettings' defaults): what the train stage
     # (`--params`, default params.yaml) and a deployed ServerApp (run config `params`) read them from.
-    (root / "params.yaml").write_text(yaml.safe_dump({"train": {"engine": "inprocess", "round_timeout_s": 86400}}))
+    (root / "params.yaml").write_text(yaml.safe_dump({"train": {"round_timeout_s": 86400}}))
     return root
 
 

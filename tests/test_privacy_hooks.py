@@ -3,9 +3,6 @@ before, and refuses one that sets privacy instead of running it in the clear; im
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -54,28 +51,3 @@ def test_a_checkpoint_with_dp_steps_is_refused_without_privacy():
 def test_importing_privacy_registers_each_hook():
     for name in vars(NO_PRIVACY):
         assert getattr(PRIVACY, name) is getattr(seam, name), name
-
-
-@pytest.mark.slow
-def test_a_process_that_unpickles_the_client_app_registers_privacy_as_its_builder_did(tmp_path):
-    # Ray's engine hands the ClientApp to its workers pickled (Ray's cloudpickle); a worker imports what the app
-    # references, and so privacy, whose import registers it there before any message comes
-    from ray import cloudpickle
-
-    from pipeline.federation.client_app import client_app
-
-    (tmp_path / "app.pkl").write_bytes(cloudpickle.dumps(client_app))
-    check = (
-        "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read()); "
-        "from pipeline.training.privacy_hooks import NO_PRIVACY, PRIVACY; "
-        "print('pipeline.privacy.seam' in sys.modules, PRIVACY.local_steps is not NO_PRIVACY.local_steps)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", check, str(tmp_path / "app.pkl")],
-        capture_output=True,
-        text=True,
-        cwd=Path(__file__).resolve().parents[1],
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["True", "True"]

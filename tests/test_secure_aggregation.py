@@ -110,7 +110,7 @@ def _spy_uploads(monkeypatch) -> dict[tuple[int, str], tuple[dict[str, np.ndarra
         reply = real(msg, context)
         masked = _inside(legacy_fit)  # called by SecAgg+'s masked-vector stage: the reply leaves only masked
         rnd = int(msg.content["config"]["server-round"])
-        name = client_app.client_name(client_app.load_plan(client_app.plan_path_of(msg, context)), context)
+        name = client_app.client_name(context)
         seen[(rnd, name)] = (
             {k: a.numpy().copy() for k, a in reply.content["arrays"].items()},
             int(reply.content["metrics"]["num-examples"]),

@@ -1355,27 +1355,27 @@ def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
     names(err.value, "loop-secure-few", "privacy.secure_aggregation", "train.fraction_train 0.5")
 
 
-def test_nodes_that_know_only_their_partition_id_are_identified_through_the_plan_the_server_names(ws):
-    """A simulated node's config holds its partition id and no plan: the identify message names the plan, from
-    which the client app resolves the name; a node that cannot name itself fails identification with its reason."""
+def test_nodes_that_know_no_plan_are_identified_through_the_plan_the_server_names(ws):
+    """A node's config may hold its name and no plan: the identify message names the plan; a node that cannot name
+    itself fails identification with its reason."""
     from pipeline.federation.admission import identify_clients
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
 
     path = write_plan("loop-identify-ids", "fedavg", rounds=1)
-    grid = InProcessGrid(client_app, [{"partition-id": i} for i in (2, 0, 1)])
+    grid = InProcessGrid(client_app, [{"client-name": n} for n in ("Product", "Academic", "Committee")])
     _set_server_identity(grid.run.run_id)
     assert identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5) == {
         1000: "Product",
         1001: "Academic",
         1002: "Committee",
     }
-    broken = InProcessGrid(client_app, [{"partition-id": 0}, {"plan": path}])
+    broken = InProcessGrid(client_app, [{"client-name": "Academic"}, {"plan": path}])
     _set_server_identity(broken.run.run_id)
     with pytest.raises(RuntimeError) as err:
         identify_clients(broken, path, expected=["Academic", "Committee"], timeout=5)
     assert str(err.value).startswith("node 1001 failed to identify:")
-    assert "node_config has neither 'client-name' nor 'partition-id'" in str(err.value)
+    assert "node_config has no 'client-name'" in str(err.value)
 
 
 @pytest.mark.parametrize("fraction, ok", [(0.67, True), (0.5, False)])

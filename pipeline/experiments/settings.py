@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from pipeline.common.config import NonNegative, Positive, config, from_dict, group, load_params
 
@@ -23,12 +23,9 @@ class CacheConfig:
 
 @config
 class RunSettings:
-    """params `train.engine`, `train.ray_*`, `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of
-    `model`: how a run executes, never what it computes; no DVC stage declares them (tests/test_experiments.py)."""
+    """params `train.round_timeout_s`/`admission_timeout_s` and the cache budgets of `model`: how a run executes,
+    never what it computes; no DVC stage declares them (tests/test_experiments.py)."""
 
-    engine: Literal["inprocess", "ray"] = "inprocess"
-    ray_cpus_per_client: float = 1.0
-    ray_gpus_per_client: float = 0.0
     round_timeout_s: Positive = 1800.0
     admission_timeout_s: Positive = 600.0
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -40,7 +37,7 @@ RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
-    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``engine: ray``)."""
+    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``round_timeout_s``)."""
     train = dict(group(params, "train"))
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})

@@ -10,7 +10,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from pipeline.federation.kits import server_run_config, write_kit
+from pipeline.federation.kits import write_kit
 from pipeline.federation.localhost import FederationError, LocalhostConfig, run_localhost, status_command
 from pipeline.paths import PATHS
 
@@ -66,10 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return status_command(args.superlink, args.run_id, args.submitted)
     if args.command == "kit":
-        from pipeline.experiments.plans import read_plan  # lazy: `status` starts without torch
-
-        run_config = None if args.client else server_run_config(args.params, read_plan(args.plan).experiment)
-        written = write_kit(args.plan, args.out, args.client, run_config)
+        written = write_kit(args.plan, args.out, args.client, args.params)
         print(f"{args.client or 'server'}: wrote {', '.join(map(str, written))} under {args.out}")
         return 0
 

@@ -30,7 +30,7 @@ from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
 from pipeline.modeling.adapters import load_adapter
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
-from pipeline.training.client_data import client_data, client_names, read_partition
+from pipeline.training.client_data import client_data, read_partition
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
@@ -41,13 +41,11 @@ PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
 STARTED_KEY = "run-started"  # context.state: the round of the client's first message in this run
 
 
-def client_name(plan: Plan, context: Context) -> str:
-    """``node_config['client-name']`` (real federation, in-process engine) or the simulation's partition id."""
+def client_name(context: Context) -> str:
+    """``node_config['client-name']`` (a SuperNode's --node-config, the in-process engine's node)."""
     if context.node_config.get("client-name"):
         return str(context.node_config["client-name"])
-    if "partition-id" in context.node_config:
-        return client_names(plan)[int(context.node_config["partition-id"])]
-    raise ValueError("node_config has neither 'client-name' nor 'partition-id'")
+    raise ValueError("node_config has no 'client-name'")
 
 
 def client_dir(plan: Plan, name: str, context: Context) -> Path:
@@ -90,7 +88,7 @@ client_app = ClientApp()
 def client_identify(msg: Message, context: Context) -> Message:
     """Admission (admission.identify_clients): the client's name and the sizes of its train and valid splits."""
     plan = load_plan(plan_path_of(msg, context))
-    name = client_name(plan, context)
+    name = client_name(context)
     identity = ConfigRecord({"client-name": name})
     splits = read_partition(plan.paths["partition"])["clients"].get(name)
     if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it
@@ -98,27 +96,20 @@ def client_identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"identity": identity}), reply_to=msg)
 
 
+@client_app.train()
 def client_train(msg: Message, context: Context) -> Message:
-    """train_round behind privacy's checks (pipeline.privacy.seam.client_train, when registered). train_round is looked
-    up when a message comes, so a wrapper set on this module (tests, instrumentation) is the one that runs."""
-    return privacy.client_train(msg, context, lambda m, c: train_round(m, c))
-
-
-def client_train_with_mods(hooks, msg: Message, context: Context) -> Message:
-    """The train handler: :func:`client_train` inside privacy's Flower mods (SecAgg+, client-level DP's clipping)."""
-    return make_ffn(client_train, hooks.train_mods())(msg, context)
-
-
-# The handler holds the hooks object itself: a process that unpickles this app (a Ray worker) imports the privacy
-# mechanisms registered in the process that built it, which registers them there too.
-client_app.train()(functools.partial(client_train_with_mods, privacy))
+    """The train handler: train_round behind privacy's checks (pipeline.privacy.seam.client_train, when registered),
+    inside its Flower mods (SecAgg+, client-level DP's clipping). train_round is looked up when a message comes, so a
+    wrapper set on this module (tests, instrumentation) is the one that runs."""
+    checked = functools.partial(privacy.client_train, train_round=lambda m, c: train_round(m, c))
+    return make_ffn(checked, privacy.train_mods())(msg, context)
 
 
 def train_round(msg: Message, context: Context) -> Message:
     """One training round of this client: the reply (adapter arrays, metrics; under SecAgg+ sent only masked)."""
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
-    name = client_name(plan, context)
+    name = client_name(context)
     config = msg.content[CONFIG_KEY]
     rnd = int(config["server-round"])
     received = decode_global(msg.content[ARRAYS_KEY], plan)
@@ -169,7 +160,7 @@ def train_round(msg: Message, context: Context) -> Message:
 def client_evaluate(msg: Message, context: Context) -> Message:
     plan = load_plan(plan_path_of(msg, context))
     spec = plan.spec
-    name = client_name(plan, context)
+    name = client_name(context)
     rnd = int(msg.content[CONFIG_KEY]["server-round"])
     model = shared_model(plan)
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()

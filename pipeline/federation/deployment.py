@@ -132,7 +132,7 @@ def client_summarize(msg: Message, context: Context) -> Message:
     """Federated evaluation, the client's side: ROUGE of the client's own adapter on its own test set, as the
     evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
     plan = load_plan(plan_path_of(msg, context))
-    name = client_name(plan, context)
+    name = client_name(context)
     cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])), "query.summarize: evaluate")
     partition = read_partition(plan.paths["partition"])
     if name not in partition["clients"]:

@@ -1,5 +1,4 @@
-"""The engines that run the ServerApp and the ClientApps inside the `train` stage: :class:`InProcessGrid` or
-``engine: ray`` (Flower's simulation)."""
+"""The engine that runs the ServerApp and the ClientApps inside the `train` stage: :class:`InProcessGrid`."""
 
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from flwr.app import Context, Message, RecordDict
 from flwr.app.error import Error
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -27,20 +26,6 @@ from pipeline.training.history import Recorder
 from pipeline.training.set_engine import RoundBarrier
 
 log = logging.getLogger("fedmeet.federated")
-
-
-def _serve(grid: Grid, plan_path: str, settings: RunSettings, recorder: Recorder | None) -> dict:
-    """The ServerApp's main on ``grid``: {arrays, history}."""
-    arrays, history = run_server(
-        grid,
-        load_plan(plan_path),
-        plan_path,
-        recorder,
-        settings.round_timeout_s,
-        settings.admission_timeout_s,
-        client_settings_config(settings.cache),
-    )
-    return {"arrays": arrays, "history": history}
 
 
 class InProcessGrid(Grid):
@@ -109,38 +94,21 @@ def _set_server_identity(run_id: int) -> None:
     TaskIdentity.node_id = SUPERLINK_NODE_ID
 
 
-def run_inprocess(
+def run_federated(
     plan_path: str, settings: RunSettings, recorder: Recorder | None = None, barrier: RoundBarrier | None = None
 ) -> dict:
     """Run the experiment's ServerApp and ClientApps in this process (its clients at ``barrier``, the round barrier
     of its set, if given); returns {arrays, history}."""
-    names = client_names(load_plan(plan_path))
-    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in names], barrier)
+    plan = load_plan(plan_path)
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in client_names(plan)], barrier)
     _set_server_identity(grid.run.run_id)
-    return _serve(grid, plan_path, settings, recorder)
-
-
-def run_federated(
-    plan_path: str, settings: RunSettings, recorder: Recorder | None = None, barrier: RoundBarrier | None = None
-) -> dict:
-    """The plan's run on the engine ``settings`` names (ray: Flower's simulation, a virtual SuperNode per client,
-    outside the set's barrier)."""
-    if settings.engine != "ray":
-        return run_inprocess(plan_path, settings, recorder, barrier)
-    from flwr.simulation import run_simulation
-
-    result: dict = {}
-    app = ServerApp()
-    app.main()(lambda grid, context: result.update(_serve(grid, plan_path, settings, recorder)))
-    _set_server_identity(1)
-    run_simulation(
-        server_app=app,
-        client_app=client_app,
-        num_supernodes=len(client_names(load_plan(plan_path))),
-        backend_config={
-            "client_resources": {"num_cpus": settings.ray_cpus_per_client, "num_gpus": settings.ray_gpus_per_client}
-        },
+    arrays, history = run_server(
+        grid,
+        plan,
+        plan_path,
+        recorder,
+        settings.round_timeout_s,
+        settings.admission_timeout_s,
+        client_settings_config(settings.cache),
     )
-    if "history" not in result:
-        raise RuntimeError("the Ray simulation ended without a result (see the Flower log above)")
-    return result
+    return {"arrays": arrays, "history": history}

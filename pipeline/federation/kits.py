@@ -17,12 +17,10 @@ from pipeline.common.schema import DataError
 RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
 
 
-def write_kit(
-    plan_path: str, out: Path, client: str | None = None, run_config: dict[str, str | float] | None = None
-) -> list[Path]:
-    """Copy what the server (``client`` None) or ``client``'s site holds (docs/federation.md) into ``out``, laid out
-    as the project root; returns the paths written (relative to ``out``). The plan keeps its relative path, so the
-    same run config works on every role."""
+def write_kit(plan_path: str, out: Path, client: str | None = None, params: str = "params.yaml") -> list[Path]:
+    """Copy what the server (``client`` None; its run config from the ``params`` file) or ``client``'s site holds
+    (docs/federation.md) into ``out``, laid out as the project root; returns the paths written (relative to ``out``).
+    The plan keeps its relative path, so the same run config works on every role."""
     from pipeline.experiments.plans import read_plan
     from pipeline.training.client_data import read_examples, read_partition
 
@@ -34,6 +32,7 @@ def write_kit(
         )
     if client is not None and client not in plan.clients:
         raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
+    run_config = {"plan": plan_path, **server_run_config(params, plan.experiment)} if client is None else None
     (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(plan_path, out / plan_path)
     backbone = Path(plan.paths["backbone"])
@@ -41,15 +40,10 @@ def write_kit(
         raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
     shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
     written = [Path(plan_path), backbone]
-    if client is None:
-        if run_config is not None:
-            # JSON's strings, numbers and booleans are TOML's too
-            atomic.write_text(
-                out / RUN_CONFIG,
-                "".join(f"{k} = {json.dumps(v)}\n" for k, v in {"plan": plan_path, **run_config}.items()),
-            )
-            written.append(Path(RUN_CONFIG))
-        return written
+    if run_config is not None:
+        # JSON's strings, numbers and booleans are TOML's too
+        atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n" for k, v in run_config.items()))
+        return [*written, Path(RUN_CONFIG)]
 
     part_path = Path(plan.paths["partition"])
     splits = (partition := read_partition(part_path))["clients"][client]

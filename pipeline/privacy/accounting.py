@@ -168,3 +168,9 @@ def client_privacy(
         float(delta),
         cfg.accountant,
     )
+
+
+def client_setting(plan, n_examples: int, where: str) -> ClientPrivacy:
+    """Mode example: the DP-SGD setting of a client of ``n_examples`` training examples under ``plan``."""
+    t = plan.train
+    return client_privacy(plan.privacy, n_examples, t.batch_size * t.grad_accum_steps, t.rounds, t.local_epochs, where)

@@ -15,7 +15,7 @@ from flwr.app import MetricRecord
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import load_plan, plan_path_of
-from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
+from pipeline.privacy.accounting import client_setting, sampled_per_round, server_setting
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -36,10 +36,7 @@ def local_steps(
 ) -> DPSGDSteps | None:
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
-    cfg = plan.train
-    setting = client_privacy(
-        plan.privacy, len(examples), cfg.batch_size * cfg.grad_accum_steps, cfg.rounds, cfg.local_epochs, where=where
-    )
+    setting = client_setting(plan, len(examples), where)
     return DPSGDSteps(module, setting, seed, examples, micro_batches, normalisation, max_target_length, proximal)
 
 
@@ -49,17 +46,14 @@ def check_run(plan) -> None:
     if cfg is None or not cfg.enabled or not plan.spec.federated:
         return
     clients = read_partition(plan.paths["partition"])["clients"]
-    where, t = plan.source or plan.experiment, plan.train
+    where, cap = plan.source or plan.experiment, plan.train.max_train_examples_per_client
     try:
         if cfg.mode == "client":
             server_setting(plan, len(clients))
             return
         for name, splits in clients.items():
             n = len(splits["train"])
-            n = n if t.max_train_examples_per_client is None else min(n, t.max_train_examples_per_client)
-            client_privacy(
-                cfg, n, t.batch_size * t.grad_accum_steps, t.rounds, t.local_epochs, where=f"{where}: client {name!r}"
-            )
+            client_setting(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
