@@ -146,13 +146,8 @@ def set_generation_defaults(model, tokenizer, gen: GenerationDefaults) -> None:
         gc.bos_token_id = tokenizer.cls_token_id
         gc.eos_token_id = tokenizer.sep_token_id
         gc.pad_token_id = tokenizer.pad_token_id
-    gc.max_new_tokens = gen.max_new_tokens
+    gc.update(**asdict(gen), max_length=None, early_stopping=gen.num_beams > 1)
     gc.min_new_tokens = gen.min_new_tokens or None
-    gc.max_length = None
-    gc.num_beams = gen.num_beams
-    gc.no_repeat_ngram_size = gen.no_repeat_ngram_size
-    gc.length_penalty = gen.length_penalty
-    gc.early_stopping = gen.num_beams > 1
     # BART checkpoints ship forced_bos/min_length for CNN summaries; keep what they ship otherwise.
 
 
@@ -183,7 +178,7 @@ def resolve(
     sep_token: str,
     out_dir: Path,
     interim_dir: Path,
-    report_path: Path | None,
+    report_path: Path,
     score: Score,
 ) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record; ``score`` (predictions, references
@@ -270,8 +265,7 @@ def resolve(
     # stage with the same seed leaves its hash, and so everything downstream, unchanged.
     (out_dir / RECORD_NAME).write_text(json.dumps(without_wall_times(record), indent=2) + "\n")
     atomic.replace_dir(out_dir, final_dir)
-    if report_path is not None:
-        atomic.write_json(report_path, record)
+    atomic.write_json(report_path, record)
     return record
 
 

@@ -109,7 +109,6 @@ class AdapterSummarizer(nn.Module):
         norms = [None if self.pre_layer_norm else output_layer_norm(layer) for layer in self._top_layers]
         self.__dict__["_adapter_norms"] = norms
         self.adapter_sets = nn.ModuleDict({path: AdapterSet(self.hidden_size, adapter, norms) for path in PATHS})
-        self.adapter_version = {path: 0 for path in PATHS}  # bumped on every load; lets caches notice changes
         self.load_adapter_state("global", self.adapter_state("local"))  # identical start: round 0 teacher = student
         for p in self.adapter_sets["global"].parameters():
             p.requires_grad_(False)
@@ -127,12 +126,11 @@ class AdapterSummarizer(nn.Module):
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
         """An HF encoder-decoder (BART/LED/mBART/Pegasus, or an EncoderDecoderModel such as BERT2BERT) and its
         tokenizer from ``path`` (a local dir or a hub id)."""
-        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
-        config = AutoConfig.from_pretrained(str(path))  # an encoder-decoder: the backbone stage checks
-        backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path), config=config)  # EncoderDecoderModel included
+        backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))  # EncoderDecoderModel too; stage backbone checks
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls.from_backbone(backbone, tokenizer, adapter, device)
 
@@ -209,7 +207,6 @@ class AdapterSummarizer(nn.Module):
 
     def load_adapter_state(self, path: str, state: dict[str, torch.Tensor]) -> None:
         self.adapter_sets[path].load_state(state)
-        self.adapter_version[path] += 1
 
     def fresh_adapter_state(self, seed: int) -> dict[str, torch.Tensor]:
         """A newly initialised adapter set (as ``adapter_state`` returns it) from ``seed``: the round-0 weights."""
