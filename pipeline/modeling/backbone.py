@@ -68,20 +68,9 @@ def classify(name: str) -> str:
     return "hub"
 
 
-def _offline_message(name: str, why: str) -> str:
-    return (
-        f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
-        f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
-        f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
-        f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
-        f"network needed once; the files are then cached)."
-    )
-
-
 def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
     """snapshot_download the model (weights, config, tokenizer); the resolved commit hash is recorded."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
     # config, tokenizer and generation files plus safetensors weights; PyTorch .bin weights only for repositories
     # that have no safetensors (one download either way, cached by huggingface_hub)
@@ -90,10 +79,14 @@ def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
         path = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=small + ["*.safetensors"]))
         if not any(path.glob("*.safetensors")):
             path = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=small + ["*.bin"]))
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
-        raise BackboneError(_offline_message(name, type(e).__name__)) from e
-    except OSError as e:  # requests' ConnectionError is an OSError
-        raise BackboneError(_offline_message(name, f"{type(e).__name__}: {e}")) from e
+    except OSError as e:  # offline: LocalEntryNotFoundError, OfflineModeIsEnabled; no network: a ConnectionError
+        raise BackboneError(
+            f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({type(e).__name__}: "
+            f"{e}). Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
+            f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
+            f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
+            f"network needed once; the files are then cached)."
+        ) from e
     # snapshot folders are named by the commit hash they hold
     return path, {"hub_id": name, "revision_requested": revision, "revision_resolved": path.name}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -154,15 +155,13 @@ class AdapterSummarizer(nn.Module):
             raise ValueError(f"{type(self.backbone).__name__}: config has no {key}")
         return int(value)
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
-        """Where the adapters are (read per micro-batch: kept by :meth:`_apply`, not found by a parameter walk)."""
-        if "_device" not in self.__dict__:
-            self.__dict__["_device"] = next(self.adapter_sets.parameters()).device
-        return self.__dict__["_device"]
+        """Where the adapters are (read per micro-batch: kept until :meth:`_apply`, not found by a parameter walk)."""
+        return next(self.adapter_sets.parameters()).device
 
     def _apply(self, fn, recurse: bool = True):
-        self.__dict__.pop("_device", None)  # .to(), .cuda(), ...: found again
+        self.__dict__.pop("device", None)  # .to(), .cuda(), ...: found again
         return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> AdapterSummarizer:

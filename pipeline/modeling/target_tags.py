@@ -116,8 +116,7 @@ def write_target_tags(
     examples = pd.read_parquet(examples_path, columns=["example_id", "dataset", "target"])
     n_all = len(examples)
     if cfg.datasets:
-        unknown = sorted(set(cfg.datasets) - set(examples["dataset"].unique()))
-        if unknown:
+        if unknown := sorted(set(cfg.datasets) - set(examples["dataset"].unique())):
             raise ValueError(
                 f"postag.datasets: {unknown} not in {examples_path} (has {sorted(examples['dataset'].unique())})"
             )

