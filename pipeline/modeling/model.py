@@ -31,9 +31,9 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch
 PATHS = ("global", "local")
 
 
-def adapter_config(model: ModelConfig, seed: int | None = None) -> AdapterConfig:
+def adapter_config(model: ModelConfig) -> AdapterConfig:
     """The adapter sets of the ``model`` params group (its shape keys: pipeline.experiments.plans.ModelConfig)."""
-    return AdapterConfig(model.top_k, model.bottleneck, model.adapter_bias, model.adapter_init_std, seed)
+    return AdapterConfig(model.top_k, model.bottleneck, model.adapter_bias, model.adapter_init_std)
 
 
 @dataclass
@@ -99,7 +99,6 @@ class AdapterSummarizer(nn.Module):
             )
         self.first_adapted = n_layers - adapter.top_k
         self._top_layers = list(layers[self.first_adapted :])
-        self._layer_params = list(inspect.signature(self._top_layers[0].forward).parameters)
         self.hidden_size = self._stack.config.hidden_size if self.is_bert2bert else backbone.config.d_model
         self.decoder_start_token_id = self._config_value("decoder_start_token_id")
         self.pad_token_id = self._config_value("pad_token_id")
@@ -248,25 +247,18 @@ class AdapterSummarizer(nn.Module):
         """Run the encoder and decoder layers 0..L-k-1 once; capture what enters layer L-k, then stop."""
         captured: dict = {}
 
-        def grab(module, args, kwargs):
-            bound = dict(zip(self._layer_params, args))
-            bound.update(kwargs)
-            captured["decoder_hidden"] = bound["hidden_states"]
-            captured["encoder_hidden"] = bound["encoder_hidden_states"]
+        def grab(module, args, kwargs):  # the layer's inputs by parameter name
+            captured.update(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
             raise _PrefixReady
 
-        handle = self._top_layers[0].register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            with contextlib.suppress(_PrefixReady):
-                self.forward_path(batch, None)
-        finally:
-            handle.remove()
-        if "decoder_hidden" not in captured:
+        with self._top_layers[0].register_forward_pre_hook(grab, with_kwargs=True), contextlib.suppress(_PrefixReady):
+            self.forward_path(batch, None)
+        if "hidden_states" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
         return Prefix(
-            captured["encoder_hidden"],
+            captured["encoder_hidden_states"],
             batch.attention_mask.to(self.device),
-            captured["decoder_hidden"],
+            captured["hidden_states"],
             (batch.labels != IGNORE_INDEX).to(self.device),
         )
 
