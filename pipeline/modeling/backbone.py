@@ -244,11 +244,9 @@ def resolve(
         "sep_token": sep_token,
         "sep_token_id": int(sep_id),
         "decoder_layers": _decoder_value(
-            model,
-            ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"),
-            "number of decoder layers",
+            model, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"
         ),
-        "hidden_size": _decoder_value(model, ("d_model", "hidden_size"), "hidden size"),
+        "hidden_size": _decoder_value(model, "d_model", "hidden_size"),
         "generation": asdict(cfg.generation),
         "warmup": warmup,
         "evaluation": evaluation,
@@ -274,10 +272,10 @@ def without_wall_times(record: Any) -> Any:
     return record
 
 
-def _decoder_value(model, keys: tuple[str, ...], what: str) -> int:
+def _decoder_value(model, *keys: str) -> int:
     """The first of ``keys`` set in the decoder's config (an EncoderDecoderModel's decoder, else the model's)."""
     c = model.config.decoder if model.config.model_type == "encoder-decoder" else model.config
     for key in keys:
         if getattr(c, key, None):
             return int(getattr(c, key))
-    raise BackboneError(f"{c.model_type}: cannot tell the {what} from its config")
+    raise BackboneError(f"{c.model_type}: its config sets none of {', '.join(keys)}")
