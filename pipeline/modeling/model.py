@@ -76,8 +76,7 @@ class AdapterSummarizer(nn.Module):
         self.tokenizer = tokenizer
         self.adapter_config = adapter
         self.is_bert2bert = getattr(backbone.config, "model_type", "") == "encoder-decoder"
-        for p in self.backbone.parameters():
-            p.requires_grad_(False)
+        self.backbone.requires_grad_(False)
 
         # Views into the backbone, kept out of nn.Module registration (via __dict__) so that the backbone's
         # modules are not registered twice under other names.
@@ -110,8 +109,7 @@ class AdapterSummarizer(nn.Module):
         self.__dict__["_adapter_norms"] = norms
         self.adapter_sets = nn.ModuleDict({path: AdapterSet(self.hidden_size, adapter, norms) for path in PATHS})
         self.load_adapter_state("global", self.adapter_state("local"))  # identical start: round 0 teacher = student
-        for p in self.adapter_sets["global"].parameters():
-            p.requires_grad_(False)
+        self.adapter_sets["global"].requires_grad_(False)
 
         self._active: str | None = None
         # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
