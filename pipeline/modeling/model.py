@@ -139,10 +139,8 @@ class AdapterSummarizer(nn.Module):
                 f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
                 f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
             )
-        gen = model.generation_config
-        for key in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
-            if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
-                setattr(gen, key, getattr(model.config, key))
+        keys = ("decoder_start_token_id", "pad_token_id", "eos_token_id")  # where generation_config leaves them unset
+        model.generation_config.update(defaults_only=True, **{key: getattr(model.config, key, None) for key in keys})
         return cls(model, tokenizer, adapter, device)
 
     def _config_value(self, key: str) -> int:
