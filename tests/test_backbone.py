@@ -110,7 +110,9 @@ def test_encoder_only_directory_is_rejected(tmp_path):
     model.encoder.save_pretrained(tmp_path / "bert")
     tok.save_pretrained(tmp_path / "bert")
     with pytest.raises(wu.BackboneError, match="not an encoder-decoder"):
-        bb.resolve(local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, None, rouge_summary)
+        bb.resolve(
+            local_cfg(tmp_path / "bert"), "#SEP#", tmp_path / "out", tmp_path, tmp_path / "r.json", rouge_summary
+        )
     assert not (tmp_path / "out").exists()
 
 
@@ -130,7 +132,9 @@ def test_hub_id_offline_gives_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(wu.BackboneError) as err:
-        bb.resolve(local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, None, rouge_summary)
+        bb.resolve(
+            local_cfg("facebook/bart-base"), "#SEP#", tmp_path / "out", tmp_path, tmp_path / "r.json", rouge_summary
+        )
     msg = str(err.value)
     assert "facebook/bart-base" in msg and "cannot be downloaded" in msg
     assert "local directory" in msg and bb.OFFLINE_RECIPE in msg and "HF_HUB_OFFLINE" in msg

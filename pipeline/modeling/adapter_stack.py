@@ -7,31 +7,14 @@ applied elementwise (AdamW has no cross-element term), when the runs share its s
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
 from pipeline.modeling.adapters import AdapterSet
 
 _PARTS = ("down.weight", "down.bias", "up.weight", "up.bias", "norm.weight", "norm.bias")
-
-
-class StackedAdapter:
-    """Layer ``i`` of an :class:`AdapterStack`: ``Y_hat = LayerNorm(Y + ReLU(Y W_down) W_up)`` per run block."""
-
-    def __init__(self, stack: AdapterStack, i: int):
-        self.stack, self.i = stack, i
-
-    def __call__(self, y: torch.Tensor) -> torch.Tensor:
-        p = {part: self.stack.params.get(f"layer{self.i}.{part}".replace(".", "_")) for part in _PARTS}
-        r = self.stack.runs
-        if y.shape[0] % r:
-            raise ValueError(f"adapter stack of {r} runs: {y.shape[0]} rows are not {r} equal run blocks")
-        blocks = y.reshape(r, -1, y.shape[-1])  # [R, rows * positions, n]
-        h = _linear(blocks, p["down.weight"], p["down.bias"]).relu()
-        z = blocks + _linear(h, p["up.weight"], p["up.bias"])
-        out = nn.functional.layer_norm(z, z.shape[-1:], eps=self.stack.eps[self.i])
-        out = torch.addcmul(p["norm.bias"].unsqueeze(1).to(out.dtype), out, p["norm.weight"].unsqueeze(1).to(out.dtype))
-        return out.reshape(y.shape)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,8 +48,21 @@ class AdapterStack(nn.Module):
         )
         self.eps = [adapter.norm.eps for adapter in template.adapters]
 
-    def __getitem__(self, i: int) -> StackedAdapter:
-        return StackedAdapter(self, i)
+    def __getitem__(self, i: int) -> partial[torch.Tensor]:
+        return partial(self.layer, i)
+
+    def layer(self, i: int, y: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``: ``Y_hat = LayerNorm(Y + ReLU(Y W_down) W_up)`` per run block of ``y``."""
+        p = {part: self.params.get(f"layer{i}.{part}".replace(".", "_")) for part in _PARTS}
+        r = self.runs
+        if y.shape[0] % r:
+            raise ValueError(f"adapter stack of {r} runs: {y.shape[0]} rows are not {r} equal run blocks")
+        blocks = y.reshape(r, -1, y.shape[-1])  # [R, rows * positions, n]
+        h = _linear(blocks, p["down.weight"], p["down.bias"]).relu()
+        z = blocks + _linear(h, p["up.weight"], p["up.bias"])
+        out = nn.functional.layer_norm(z, z.shape[-1:], eps=self.eps[i])
+        out = torch.addcmul(p["norm.bias"].unsqueeze(1).to(out.dtype), out, p["norm.weight"].unsqueeze(1).to(out.dtype))
+        return out.reshape(y.shape)
 
     def parameter_of(self, key: str) -> nn.Parameter:
         """The stacked leaf of ``AdapterSet.state()`` key ``key`` ([R, ...])."""

@@ -60,13 +60,10 @@ class HoulsbyAdapter(nn.Module):
 
 def output_layer_norm(layer: nn.Module) -> nn.LayerNorm | None:
     """The LayerNorm that produces a post-LN decoder layer's output (None for pre-LN or unknown layers)."""
+    modules = dict(layer.named_modules())
     for name in ("final_layer_norm", "output.LayerNorm"):  # BART/mBART/Pegasus/LED, BERT/RoBERTa
-        try:
-            mod = layer.get_submodule(name)
-        except AttributeError:
-            continue
-        if isinstance(mod, nn.LayerNorm):
-            return mod
+        if isinstance(modules.get(name), nn.LayerNorm):
+            return modules[name]
     return None
 
 
@@ -87,9 +84,7 @@ class AdapterSet(nn.Module):
         return self.adapters[i]
 
     def _named(self) -> dict[str, nn.Parameter]:
-        return {
-            f"layer{i}.{name}": p for i, adapter in enumerate(self.adapters) for name, p in adapter.named_parameters()
-        }
+        return {"layer" + name.removeprefix("adapters."): p for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, torch.Tensor]:
         return {key: p.detach().to("cpu", torch.float32).clone() for key, p in self._named().items()}

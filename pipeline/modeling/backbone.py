@@ -68,20 +68,9 @@ def classify(name: str) -> str:
     return "hub"
 
 
-def _offline_message(name: str, why: str) -> str:
-    return (
-        f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({why}). "
-        f"Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
-        f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
-        f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
-        f"network needed once; the files are then cached)."
-    )
-
-
 def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
     """snapshot_download the model (weights, config, tokenizer); the resolved commit hash is recorded."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, OfflineModeIsEnabled
 
     # config, tokenizer and generation files plus safetensors weights; PyTorch .bin weights only for repositories
     # that have no safetensors (one download either way, cached by huggingface_hub)
@@ -90,10 +79,14 @@ def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
         path = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=small + ["*.safetensors"]))
         if not any(path.glob("*.safetensors")):
             path = Path(snapshot_download(repo_id=name, revision=revision, allow_patterns=small + ["*.bin"]))
-    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as e:
-        raise BackboneError(_offline_message(name, type(e).__name__)) from e
-    except OSError as e:  # requests' ConnectionError is an OSError
-        raise BackboneError(_offline_message(name, f"{type(e).__name__}: {e}")) from e
+    except OSError as e:  # offline: LocalEntryNotFoundError, OfflineModeIsEnabled; no network: a ConnectionError
+        raise BackboneError(
+            f"backbone.name={name!r} is a Hugging Face hub id but it cannot be downloaded here ({type(e).__name__}: "
+            f"{e}). Either set backbone.name to a local directory holding the model (save_pretrained layout, e.g. "
+            f"`dvc exp run -S backbone.name=/path/to/bart-base`), or use the offline recipe "
+            f"(`-S backbone.name={OFFLINE_RECIPE}`), or allow downloads (unset HF_HUB_OFFLINE/TRANSFORMERS_OFFLINE, "
+            f"network needed once; the files are then cached)."
+        ) from e
     # snapshot folders are named by the commit hash they hold
     return path, {"hub_id": name, "revision_requested": revision, "revision_resolved": path.name}
 
@@ -146,13 +139,8 @@ def set_generation_defaults(model, tokenizer, gen: GenerationDefaults) -> None:
         gc.bos_token_id = tokenizer.cls_token_id
         gc.eos_token_id = tokenizer.sep_token_id
         gc.pad_token_id = tokenizer.pad_token_id
-    gc.max_new_tokens = gen.max_new_tokens
+    gc.update(**asdict(gen), max_length=None, early_stopping=gen.num_beams > 1)
     gc.min_new_tokens = gen.min_new_tokens or None
-    gc.max_length = None
-    gc.num_beams = gen.num_beams
-    gc.no_repeat_ngram_size = gen.no_repeat_ngram_size
-    gc.length_penalty = gen.length_penalty
-    gc.early_stopping = gen.num_beams > 1
     # BART checkpoints ship forced_bos/min_length for CNN summaries; keep what they ship otherwise.
 
 
@@ -183,7 +171,7 @@ def resolve(
     sep_token: str,
     out_dir: Path,
     interim_dir: Path,
-    report_path: Path | None,
+    report_path: Path,
     score: Score,
 ) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record; ``score`` (predictions, references
@@ -256,11 +244,9 @@ def resolve(
         "sep_token": sep_token,
         "sep_token_id": int(sep_id),
         "decoder_layers": _decoder_value(
-            model,
-            ("decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"),
-            "number of decoder layers",
+            model, "decoder_layers", "num_decoder_layers", "num_layers", "num_hidden_layers"
         ),
-        "hidden_size": _decoder_value(model, ("d_model", "hidden_size"), "hidden size"),
+        "hidden_size": _decoder_value(model, "d_model", "hidden_size"),
         "generation": asdict(cfg.generation),
         "warmup": warmup,
         "evaluation": evaluation,
@@ -270,8 +256,7 @@ def resolve(
     # stage with the same seed leaves its hash, and so everything downstream, unchanged.
     (out_dir / RECORD_NAME).write_text(json.dumps(without_wall_times(record), indent=2) + "\n")
     atomic.replace_dir(out_dir, final_dir)
-    if report_path is not None:
-        atomic.write_json(report_path, record)
+    atomic.write_json(report_path, record)
     return record
 
 
@@ -287,10 +272,10 @@ def without_wall_times(record: Any) -> Any:
     return record
 
 
-def _decoder_value(model, keys: tuple[str, ...], what: str) -> int:
+def _decoder_value(model, *keys: str) -> int:
     """The first of ``keys`` set in the decoder's config (an EncoderDecoderModel's decoder, else the model's)."""
     c = model.config.decoder if model.config.model_type == "encoder-decoder" else model.config
     for key in keys:
         if getattr(c, key, None):
             return int(getattr(c, key))
-    raise BackboneError(f"{c.model_type}: cannot tell the {what} from its config")
+    raise BackboneError(f"{c.model_type}: its config sets none of {', '.join(keys)}")

