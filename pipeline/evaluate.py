@@ -145,8 +145,7 @@ def _score_and_write(
     name, plan, part_path, chosen, skipped_clients = exp.name, exp.plan, exp.part_path, exp.chosen, exp.skipped_clients
     experiment = plan.to_json_dict()
     out_dir = eval_dir / name
-    rows: list[dict[str, Any]] = []
-    records: list[dict[str, Any]] = []
+    frames: list[pd.DataFrame] = []  # per test example: its client, prediction, reference and scores
     per_client: dict[str, dict[str, Any]] = {}
     test_sets = {}
     scorer = Scorer(use_stemmer=True)
@@ -154,28 +153,12 @@ def _score_and_write(
         scores = scorer.score_pairs(predictions, sub["target"].tolist())
         if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
             test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
-        for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
-            rows.append(
-                {
-                    "experiment": name,
-                    "client": client,
-                    "example_id": ex_id,
-                    "domain": row["domain"],
-                    **sc,
-                    "pred_words": len(pred.split()),
-                    "ref_words": len(row["target"].split()),
-                }
-            )
-            records.append(
-                {
-                    "experiment": name,
-                    "client": client,
-                    "example_id": ex_id,
-                    "domain": row["domain"],
-                    "prediction": pred,
-                    "reference": row["target"],
-                }
-            )
+        frame = pd.DataFrame(
+            {"experiment": name, "client": client, "example_id": sub.index, "domain": sub["domain"].to_numpy()}
+        )
+        frames.append(
+            frame.assign(prediction=predictions, reference=sub["target"].to_numpy()).join(pd.DataFrame(scores))
+        )
         per_client[client] = summary = mean_scores(scores) | {
             "n_test": len(test_ids),
             "skipped_by_subsampling": len(test_ids) - len(sub),
@@ -186,11 +169,14 @@ def _score_and_write(
             file=sys.stderr,
         )
 
-    per_example = pd.DataFrame(
-        rows, columns=["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words"]
-    )
-    per_example["avg_rouge"] = per_example[list(("rouge1", "rouge2", TABLE_ROUGE_L))].mean(axis=1)
+    done = pd.concat(frames, ignore_index=True)
+    per_example = done.assign(
+        pred_words=done["prediction"].str.split().str.len(),
+        ref_words=done["reference"].str.split().str.len(),
+        avg_rouge=done[["rouge1", "rouge2", TABLE_ROUGE_L]].mean(axis=1),
+    )[["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words", "avg_rouge"]]
     atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
+    records = done[["experiment", "client", "example_id", "domain", "prediction", "reference"]].to_dict("records")
     atomic.write_text(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
     # the bootstrap interval of each ROUGE's client average (test examples, or QMSum's meetings, resampled within
