@@ -154,7 +154,7 @@ def _expected(err: dict[str, Any]) -> str:
     """The type pydantic wanted, in fedmeet's words ("an integer", "a number", "true or false")."""
     if err["type"] == "bool_type":
         return "true or false"  # as YAML writes a boolean
-    msg = err["msg"].replace("Input should be ", "").replace("valid ", "")
+    msg = err["msg"].replace("Input should be ", "").replace("valid ", "").replace("dictionary", "mapping")
     return msg.replace("a integer", "an integer").replace("a instance", "an instance")
 
 
@@ -169,6 +169,8 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument")
     if unknown:
         return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
+    if missing := sorted(str(e["loc"][-1]) for e in errors if e["type"] == "missing"):
+        return f"{where}: missing required key(s) {missing}"
     for err in errors:
         if err["type"] == "value_error" and not err["loc"]:  # a model_validator's: its message starts with the key
             text = " ".join(err["msg"].removeprefix("Value error, ").split())
