@@ -35,12 +35,6 @@ from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_ave
 from pipeline.results.tracking import download_model, split_dataset
 
 
-def evaluate_experiment(name: str, cfg: EvaluateConfig, **kwargs: Any) -> dict[str, Any]:
-    """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
-    metrics.json's content (:func:`evaluate_experiments` of one)."""
-    return evaluate_experiments([name], cfg, **kwargs)[name]
-
-
 @dataclass
 class _Experiment:
     """An experiment ready to generate: its plan, its clients' test subsamples and adapters."""
@@ -100,7 +94,7 @@ def evaluate_experiments(
     bootstrap: BootstrapConfig | None = None,
     only: str | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """:func:`evaluate_experiment` of each of ``names``, with one backbone load per adapter shape and every client
+    """Generate and score every client's (or client ``only``'s) test subsample of each of ``names``, with one backbone load per adapter shape and every client
     adapter of those experiments in the same generate calls (pipeline.results.evaluation.generate_per_run: each
     summary is what its adapter alone gives); metrics.json's content by experiment."""
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
@@ -247,19 +241,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "model":
         with tempfile.TemporaryDirectory() as tmp:
             tags = download_model(args.model, Path(tmp))
-            out = evaluate_experiment(
-                tags["experiment"],
+            out = evaluate_experiments(
+                [tags["experiment"]],
                 dataclasses.replace(cfg, adapter="best"),
                 models_dir=Path(tmp),
                 eval_dir=Path(tmp) / "eval",
                 mlflow_logging=False,
                 bootstrap=bootstrap,
                 only=tags["client"],
-            )
+            )[tags["experiment"]]
         print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
         return 0
     with stage_timer(f"evaluate-{args.experiment}"):
-        evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
+        evaluate_experiments([args.experiment], cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
     return 0
 
 
