@@ -48,39 +48,6 @@ class _Experiment:
     model_cfg: ModelConfig
 
 
-def _prepare(
-    name: str,
-    cfg: EvaluateConfig,
-    models_dir: Path,
-    examples: pd.DataFrame,
-    examples_path: Path,
-    partitions_dir: Path,
-    only: str | None,
-) -> _Experiment:
-    exp_path = models_dir / name / "experiment.json"
-    if not exp_path.is_file():
-        raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
-    plan = read_plan(exp_path)  # the plan the adapters were trained with
-    part_path = partitions_dir / f"{plan.partition}.json"
-    partition = read_json(part_path, "partition")
-    clients = partition.get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{part_path}: no 'clients' mapping")
-    skipped_clients: dict[str, str] = {}
-    chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
-    for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
-        test_ids = list(clients.get(client, {}).get("test", []))
-        if not test_ids:
-            skipped_clients[client] = f"no test examples in {part_path}"
-            continue
-        chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
-    if not chosen:
-        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
-    adapters = [read_client_adapter(client_adapter_path(models_dir / name, client, cfg.adapter)) for client in chosen]
-    model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
-    return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
-
-
 def evaluate_experiments(
     names: list[str],
     cfg: EvaluateConfig,
@@ -94,12 +61,40 @@ def evaluate_experiments(
     bootstrap: BootstrapConfig | None = None,
     only: str | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Generate and score every client's (or client ``only``'s) test subsample of each of ``names``, with one backbone load per adapter shape and every client
-    adapter of those experiments in the same generate calls (pipeline.results.evaluation.generate_per_run: each
-    summary is what its adapter alone gives); metrics.json's content by experiment."""
+    """Generate and score every client's (or client ``only``'s) test subsample of each of ``names``, with one
+    backbone load per adapter shape and every client adapter of those experiments in the same generate calls
+    (pipeline.results.evaluation.generate_per_run: each summary is what its adapter alone gives); metrics.json's
+    content by experiment."""
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
-    pending = [_prepare(n, cfg, models_dir, examples, examples_path, partitions_dir, only) for n in names]
+
+    def prepare(name: str) -> _Experiment:
+        exp_path = models_dir / name / "experiment.json"
+        if not exp_path.is_file():
+            raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
+        plan = read_plan(exp_path)  # the plan the adapters were trained with
+        part_path = partitions_dir / f"{plan.partition}.json"
+        partition = read_json(part_path, "partition")
+        clients = partition.get("clients")
+        if not isinstance(clients, dict) or not clients:
+            raise DataError(f"{part_path}: no 'clients' mapping")
+        skipped_clients: dict[str, str] = {}
+        chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
+        for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
+            test_ids = list(clients.get(client, {}).get("test", []))
+            if not test_ids:
+                skipped_clients[client] = f"no test examples in {part_path}"
+                continue
+            chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
+        if not chosen:
+            raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
+        adapters = [
+            read_client_adapter(client_adapter_path(models_dir / name, client, cfg.adapter)) for client in chosen
+        ]
+        model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
+        return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
+
+    pending = [prepare(n) for n in names]
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
     shapes: dict[tuple, list[_Experiment]] = {}
