@@ -212,8 +212,7 @@ def check_model_group(params: dict[str, Any]) -> ModelConfig:
     """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
     model = group(params, "model")
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
-    unknown = sorted(set(model) - known)
-    if unknown:
+    if unknown := sorted(set(model) - known):
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
     if model.get("cache_dtype", "float32") not in DTYPES:
         raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
