@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _json_type, _object, _strings, _unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _object, _strings, _unique, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -22,10 +22,7 @@ def hmnet_speaker(turn: dict, where: str) -> str:
     same ICSI meetings ("Grad F", "PhD C"): the role carries meaning a summarizer can use ("the project manager said
     ..."), and the letter keeps two participants with the same role (common in ICSI) apart."""
     letter = _field(turn, "speaker", where, str)
-    role = turn.get("role")
-    if role is not None and not isinstance(role, str):
-        raise DataError(f"{where}: field 'role' is {_json_type(role)}, expected a string")
-    role = (role or "").strip()
+    role = _field(turn, "role", where, str).strip() if turn.get("role") is not None else ""
     return f"{role} {letter}" if role else letter
 
 
