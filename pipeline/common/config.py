@@ -163,9 +163,8 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     keys (a ``model_validator``'s message), else every bad value: ``where.key=<value> is out of range; allowed: ...``
     for a bound or a choice, ``where.key: expected <type>, got <type> <value>`` for a wrong type."""
     errors = exc.errors()
-    fields = sorted(
-        info.alias or name for name, info in cls.__pydantic_fields__.items()
-    )  # the keys as params write them
+    # the keys as params write them
+    fields = sorted(info.alias or name for name, info in cls.__pydantic_fields__.items())
     unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument")
     if unknown:
         return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
