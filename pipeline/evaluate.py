@@ -35,12 +35,6 @@ from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_ave
 from pipeline.results.tracking import download_model, split_dataset
 
 
-def evaluate_experiment(name: str, cfg: EvaluateConfig, **kwargs: Any) -> dict[str, Any]:
-    """Generate and score every client's (or client ``only``'s) test subsample for experiment ``name``; returns
-    metrics.json's content (:func:`evaluate_experiments` of one)."""
-    return evaluate_experiments([name], cfg, **kwargs)[name]
-
-
 @dataclass
 class _Experiment:
     """An experiment ready to generate: its plan, its clients' test subsamples and adapters."""
@@ -52,39 +46,6 @@ class _Experiment:
     adapters: list[dict]
     skipped_clients: dict[str, str]
     model_cfg: ModelConfig
-
-
-def _prepare(
-    name: str,
-    cfg: EvaluateConfig,
-    models_dir: Path,
-    examples: pd.DataFrame,
-    examples_path: Path,
-    partitions_dir: Path,
-    only: str | None,
-) -> _Experiment:
-    exp_path = models_dir / name / "experiment.json"
-    if not exp_path.is_file():
-        raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
-    plan = read_plan(exp_path)  # the plan the adapters were trained with
-    part_path = partitions_dir / f"{plan.partition}.json"
-    partition = read_json(part_path, "partition")
-    clients = partition.get("clients")
-    if not isinstance(clients, dict) or not clients:
-        raise DataError(f"{part_path}: no 'clients' mapping")
-    skipped_clients: dict[str, str] = {}
-    chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
-    for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
-        test_ids = list(clients.get(client, {}).get("test", []))
-        if not test_ids:
-            skipped_clients[client] = f"no test examples in {part_path}"
-            continue
-        chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
-    if not chosen:
-        raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
-    adapters = [read_client_adapter(client_adapter_path(models_dir / name, client, cfg.adapter)) for client in chosen]
-    model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
-    return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
 
 
 def evaluate_experiments(
@@ -100,12 +61,40 @@ def evaluate_experiments(
     bootstrap: BootstrapConfig | None = None,
     only: str | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """:func:`evaluate_experiment` of each of ``names``, with one backbone load per adapter shape and every client
-    adapter of those experiments in the same generate calls (pipeline.results.evaluation.generate_per_run: each
-    summary is what its adapter alone gives); metrics.json's content by experiment."""
+    """Generate and score every client's (or client ``only``'s) test subsample of each of ``names``, with one
+    backbone load per adapter shape and every client adapter of those experiments in the same generate calls
+    (pipeline.results.evaluation.generate_per_run: each summary is what its adapter alone gives); metrics.json's
+    content by experiment."""
     examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
-    pending = [_prepare(n, cfg, models_dir, examples, examples_path, partitions_dir, only) for n in names]
+
+    def prepare(name: str) -> _Experiment:
+        exp_path = models_dir / name / "experiment.json"
+        if not exp_path.is_file():
+            raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
+        plan = read_plan(exp_path)  # the plan the adapters were trained with
+        part_path = partitions_dir / f"{plan.partition}.json"
+        partition = read_json(part_path, "partition")
+        clients = partition.get("clients")
+        if not isinstance(clients, dict) or not clients:
+            raise DataError(f"{part_path}: no 'clients' mapping")
+        skipped_clients: dict[str, str] = {}
+        chosen: dict[str, tuple[list[str], pd.DataFrame]] = {}
+        for client in [only] if only else clients:  # every client of the partition, each with its own adapter, in order
+            test_ids = list(clients.get(client, {}).get("test", []))
+            if not test_ids:
+                skipped_clients[client] = f"no test examples in {part_path}"
+                continue
+            chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
+        if not chosen:
+            raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
+        adapters = [
+            read_client_adapter(client_adapter_path(models_dir / name, client, cfg.adapter)) for client in chosen
+        ]
+        model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
+        return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
+
+    pending = [prepare(n) for n in names]
     if not backbone_dir.is_dir():
         raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
     shapes: dict[tuple, list[_Experiment]] = {}
@@ -145,8 +134,7 @@ def _score_and_write(
     name, plan, part_path, chosen, skipped_clients = exp.name, exp.plan, exp.part_path, exp.chosen, exp.skipped_clients
     experiment = plan.to_json_dict()
     out_dir = eval_dir / name
-    rows: list[dict[str, Any]] = []
-    records: list[dict[str, Any]] = []
+    frames: list[pd.DataFrame] = []  # per test example: its client, prediction, reference and scores
     per_client: dict[str, dict[str, Any]] = {}
     test_sets = {}
     scorer = Scorer(use_stemmer=True)
@@ -154,28 +142,12 @@ def _score_and_write(
         scores = scorer.score_pairs(predictions, sub["target"].tolist())
         if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
             test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), part_path)
-        for (ex_id, row), pred, sc in zip(sub.iterrows(), predictions, scores):
-            rows.append(
-                {
-                    "experiment": name,
-                    "client": client,
-                    "example_id": ex_id,
-                    "domain": row["domain"],
-                    **sc,
-                    "pred_words": len(pred.split()),
-                    "ref_words": len(row["target"].split()),
-                }
-            )
-            records.append(
-                {
-                    "experiment": name,
-                    "client": client,
-                    "example_id": ex_id,
-                    "domain": row["domain"],
-                    "prediction": pred,
-                    "reference": row["target"],
-                }
-            )
+        frame = pd.DataFrame(
+            {"experiment": name, "client": client, "example_id": sub.index, "domain": sub["domain"].to_numpy()}
+        )
+        frames.append(
+            frame.assign(prediction=predictions, reference=sub["target"].to_numpy()).join(pd.DataFrame(scores))
+        )
         per_client[client] = summary = mean_scores(scores) | {
             "n_test": len(test_ids),
             "skipped_by_subsampling": len(test_ids) - len(sub),
@@ -186,11 +158,14 @@ def _score_and_write(
             file=sys.stderr,
         )
 
-    per_example = pd.DataFrame(
-        rows, columns=["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words"]
-    )
-    per_example["avg_rouge"] = per_example[list(("rouge1", "rouge2", TABLE_ROUGE_L))].mean(axis=1)
+    done = pd.concat(frames, ignore_index=True)
+    per_example = done.assign(
+        pred_words=done["prediction"].str.split().str.len(),
+        ref_words=done["reference"].str.split().str.len(),
+        avg_rouge=done[["rouge1", "rouge2", TABLE_ROUGE_L]].mean(axis=1),
+    )[["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words", "avg_rouge"]]
     atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
+    records = done[["experiment", "client", "example_id", "domain", "prediction", "reference"]].to_dict("records")
     atomic.write_text(out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
     # the bootstrap interval of each ROUGE's client average (test examples, or QMSum's meetings, resampled within
@@ -261,19 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "model":
         with tempfile.TemporaryDirectory() as tmp:
             tags = download_model(args.model, Path(tmp))
-            out = evaluate_experiment(
-                tags["experiment"],
+            out = evaluate_experiments(
+                [tags["experiment"]],
                 dataclasses.replace(cfg, adapter="best"),
                 models_dir=Path(tmp),
                 eval_dir=Path(tmp) / "eval",
                 mlflow_logging=False,
                 bootstrap=bootstrap,
                 only=tags["client"],
-            )
+            )[tags["experiment"]]
         print(json.dumps({"model": args.model, **tags, **out["clients"][tags["client"]]}, indent=1))
         return 0
     with stage_timer(f"evaluate-{args.experiment}"):
-        evaluate_experiment(args.experiment, cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
+        evaluate_experiments([args.experiment], cfg, mlflow_logging=not args.no_mlflow, bootstrap=bootstrap)
     return 0
 
 

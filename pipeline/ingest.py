@@ -9,6 +9,7 @@ The readers (pipeline/datasets/readers/) raise DataError naming file, line and p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import pandas as pd
@@ -33,7 +34,7 @@ def ingest_dataset(dataset: str, directory: Path, allow_absent: list[str] = ()) 
     rows = []
     for rec in tqdm(records, desc=f"ingest {dataset}", unit="rec", mininterval=2):
         report.count(rec)
-        rows.append(rec.to_row())
+        rows.append(dataclasses.asdict(rec))
     return pd.DataFrame(rows, columns=canonical_arrow_schema().names), report
 
 

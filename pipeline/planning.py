@@ -17,9 +17,9 @@ from pipeline.common import atomic
 from pipeline.common.config import ConfigError, from_dict, group
 from pipeline.common.integrity import file_hash
 from pipeline.experiments.entries import Experiment, privacy_label
-from pipeline.experiments.methods import MethodSpec, get_method, get_strategy
+from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
-from pipeline.experiments.privacy import PrivacyConfig, client_level_problem, secure_aggregation_refusal
+from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, run_settings
 from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
 from pipeline.federation.strategies.catalog import BUILDERS
@@ -51,46 +51,26 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
             f"{where}: unknown key(s) {unknown}; allowed: {list(ENTRY_KEYS)}, {PRIVACY_KEY} (a "
             f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
-    privacy = raw.get(PRIVACY_KEY) or {}
-    if not isinstance(privacy, dict):
-        raise ConfigError(
-            f"{where}.{PRIVACY_KEY}: expected a mapping of privacy keys "
-            f"({sorted(f.name for f in dataclasses.fields(PrivacyConfig))}), got {privacy!r}"
-        )
-    if missing := [k for k in ("method", "partition") if k not in raw]:
-        raise ConfigError(f"{where}: missing required key {missing[0]!r}")
-    scheme, sep, seed = str(raw["partition"]).partition("/seed")
-    if not sep or not seed.isdigit():
-        raise ConfigError(f"{where}: partition must look like '<scheme>/seed<k>', got {raw['partition']!r}")
-    if scheme not in SCHEMES:
-        raise ConfigError(f"{where}.partition: unknown partition scheme {scheme!r}; allowed: {sorted(SCHEMES)}")
-    try:
-        method = get_method(str(raw["method"]))
-    except ConfigError as exc:
-        raise ConfigError(f"{where}.method: {exc}") from None
+    reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
     tau = raw.get("tau")
-    if method.uses_tau:
-        if tau is None and params.get("tau") is None:
-            raise ConfigError(f"{where}: method {method.name!r} needs tau (the entry's, or the top-level tau)")
-        tau = float(tau if tau is not None else params["tau"])
-        if not tau > 0:  # the gate is H(q_g) < tau with H >= 0: tau <= 0 would never distil
-            raise ConfigError(f"{where}: tau={tau} must be > 0 (entropy threshold)")
-    elif tau is not None:
-        raise ConfigError(f"{where}: tau is set but method {method.name!r} does not use it")
-    tau_scale = str(overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")))
-    exp = Experiment(
-        name=str(name),
-        method=method.name,
-        partition=str(raw["partition"]),
-        seed=int(raw.get("seed", params.get("seed", 0))),
-        study=str(raw.get("study", "main")),
-        tau=tau,
-        train=overrides,
-        tau_scale=tau_scale,
-        privacy=dict(privacy),
+    exp = from_dict(
+        Experiment,
+        {k: raw[k] for k in ("method", "partition", "study") if k in raw}
+        | {
+            "name": str(name),
+            "seed": raw.get("seed", params.get("seed", 0)),
+            "tau": params.get("tau") if tau is None and reads_tau else tau,
+            "train": overrides,
+            "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
+            "privacy": raw.get(PRIVACY_KEY) or {},
+        },
+        where,
     )
+    if exp.scheme not in SCHEMES:
+        raise ConfigError(f"{where}.partition: unknown partition scheme {exp.scheme!r}; allowed: {sorted(SCHEMES)}")
+    method = get_method(exp.method)
     resolved = exp.privacy_config(params)  # checks the entry's privacy keys and values
-    if privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
+    if exp.privacy and (resolved.enabled or resolved.secure_aggregation) and not method.federated:
         raise ConfigError(
             f"{where}.{PRIVACY_KEY}: method {method.name!r} sends nothing (privacy applies to federated methods)"
         )
@@ -232,8 +212,7 @@ def check_model_group(params: dict[str, Any]) -> ModelConfig:
     """params `model`, its result-changing keys (the cache's are :class:`CacheConfig`'s)."""
     model = group(params, "model")
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
-    unknown = sorted(set(model) - known)
-    if unknown:
+    if unknown := sorted(set(model) - known):
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
     if model.get("cache_dtype", "float32") not in DTYPES:
         raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")

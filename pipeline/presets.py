@@ -112,8 +112,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
         except ValueError as e:
             found.append(f"experiments.{name}: {e}")
             continue
-        scheme, _, seed = parsed.partition.partition("/seed")
-        if scheme not in schemes or not seed.isdigit() or int(seed) not in seeds:
+        if parsed.scheme not in schemes or int(parsed.partition.partition("/seed")[2]) not in seeds:
             found.append(
                 f"experiments.{name}: partition {parsed.partition!r} is not produced by partition.schemes "
                 f"{schemes} x partition.seeds {seeds} (after the preset)"

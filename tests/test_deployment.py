@@ -102,7 +102,7 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     from safetensors.torch import load_file
 
     from pipeline.common.config import from_dict
-    from pipeline.evaluate import evaluate_experiment
+    from pipeline.evaluate import evaluate_experiments
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.train import run_experiment
 
@@ -143,7 +143,7 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     # Federated evaluation = the evaluate stage's central path on the same adapters and test sets.
     fed = json.loads(Path("reports/eval/dep/metrics.json").read_text())
     assert fed["evaluated_on"] == "clients" and fed["failed_clients"] == {}
-    central = evaluate_experiment("dep", from_dict(EvaluateConfig, EVALUATE, "test"), mlflow_logging=False)
+    central = evaluate_experiments(["dep"], from_dict(EvaluateConfig, EVALUATE, "test"), mlflow_logging=False)["dep"]
     assert fed["clients"].keys() == central["clients"].keys() == a.keys()
     for c in central["clients"]:
         for k in ("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge", "n", "n_test"):
@@ -194,14 +194,14 @@ def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earl
     files); the deployed run of the same plan then replaces every file of its output folders: none is older than
     it (an earlier predictions.jsonl beside the federated metrics.json would be scores of another run)."""
     from pipeline.common.config import from_dict
-    from pipeline.evaluate import evaluate_experiment
+    from pipeline.evaluate import evaluate_experiments
     from pipeline.federation.protocol import load_plan
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.train import run_experiment
 
     path = write_plan("dep-rerun", "fedavg", rounds=1)
     run_experiment(path, track=False)
-    evaluate_experiment("dep-rerun", from_dict(EvaluateConfig, EVALUATE, "test"), mlflow_logging=False)
+    evaluate_experiments(["dep-rerun"], from_dict(EvaluateConfig, EVALUATE, "test"), mlflow_logging=False)
     plan = load_plan(path)
     folders = [Path(plan.paths[k]) for k in ("model_dir", "reports_dir")] + [Path("reports/eval/dep-rerun")]
     assert (folders[2] / "predictions.jsonl").exists() and (folders[2] / "per_example.parquet").exists()

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from pipeline.common.schema import DataError
-from pipeline.evaluate import evaluate_experiment
+from pipeline.evaluate import evaluate_experiments
 from pipeline.results.evaluation import EvaluateConfig, subsample_test_ids
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
@@ -87,8 +87,8 @@ def workspace(tmp_path_factory):
 
 
 def run(workspace, cfg: EvaluateConfig, name: str = "exp1"):
-    return evaluate_experiment(
-        name,
+    return evaluate_experiments(
+        [name],
         cfg,
         models_dir=workspace / "models",
         eval_dir=workspace / "eval",
@@ -96,7 +96,7 @@ def run(workspace, cfg: EvaluateConfig, name: str = "exp1"):
         partitions_dir=workspace / "partitions",
         backbone_dir=workspace / "models" / "backbone",
         mlflow_logging=False,
-    )
+    )[name]
 
 
 def test_evaluate_stage_end_to_end(workspace):

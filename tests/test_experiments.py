@@ -158,7 +158,7 @@ def test_declared_resolves_tau_and_seed_as_the_plan_does():
         ({"method": "fedavg", "partition": "domain/seed0", "tau": 3}, "does not use it"),
         ({"method": "fedavg", "partition": "domain"}, "'<scheme>/seed<k>'"),
         ({"method": "nope", "partition": "domain/seed0"}, "experiments.x.method"),
-        ({"partition": "domain/seed0"}, "missing required key 'method'"),
+        ({"partition": "domain/seed0"}, r"missing required key\(s\) \['method'\]"),
         ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
         ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"mode": "example"}}, "exactly one of"),
         ({"method": "fedavg", "partition": "domain/seed0", "privacy": {"epsilon": 3}}, "unknown key"),

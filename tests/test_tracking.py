@@ -437,7 +437,7 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     import mlflow
     from safetensors.torch import load_file
 
-    from pipeline.evaluate import evaluate_experiment, main
+    from pipeline.evaluate import evaluate_experiments, main
     from pipeline.results.evaluation import EvaluateConfig
     from pipeline.results.stats import BootstrapConfig
     from pipeline.train import run_experiment
@@ -445,9 +445,9 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's own setting (default 10 s)
     run_experiment(write_plan("models-fedavg", "fedavg"))
     cfg = EvaluateConfig(num_beams=1, max_target_length=8, min_target_length=2, batch_size=2)
-    scores = evaluate_experiment(
-        "models-fedavg", cfg, eval_dir=tmp_path / "eval", bootstrap=BootstrapConfig(n_resamples=100)
-    )["clients"]
+    scores = evaluate_experiments(
+        ["models-fedavg"], cfg, eval_dir=tmp_path / "eval", bootstrap=BootstrapConfig(n_resamples=100)
+    )["models-fedavg"]["clients"]
     client = _client()
     exp = client.get_experiment_by_name("tests").experiment_id
     [parent] = client.search_runs([exp], "tags.experiment = 'models-fedavg'")

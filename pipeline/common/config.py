@@ -154,7 +154,7 @@ def _expected(err: dict[str, Any]) -> str:
     """The type pydantic wanted, in fedmeet's words ("an integer", "a number", "true or false")."""
     if err["type"] == "bool_type":
         return "true or false"  # as YAML writes a boolean
-    msg = err["msg"].replace("Input should be ", "").replace("valid ", "")
+    msg = err["msg"].replace("Input should be ", "").replace("valid ", "").replace("dictionary", "mapping")
     return msg.replace("a integer", "an integer").replace("a instance", "an instance")
 
 
@@ -163,12 +163,13 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     keys (a ``model_validator``'s message), else every bad value: ``where.key=<value> is out of range; allowed: ...``
     for a bound or a choice, ``where.key: expected <type>, got <type> <value>`` for a wrong type."""
     errors = exc.errors()
-    fields = sorted(
-        info.alias or name for name, info in cls.__pydantic_fields__.items()
-    )  # the keys as params write them
+    # the keys as params write them
+    fields = sorted(info.alias or name for name, info in cls.__pydantic_fields__.items())
     unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument")
     if unknown:
         return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
+    if missing := sorted(str(e["loc"][-1]) for e in errors if e["type"] == "missing"):
+        return f"{where}: missing required key(s) {missing}"
     for err in errors:
         if err["type"] == "value_error" and not err["loc"]:  # a model_validator's: its message starts with the key
             text = " ".join(err["msg"].removeprefix("Value error, ").split())

@@ -62,11 +62,6 @@ class CanonicalRecord:
     query_type: str = "none"
     spans: list[tuple[int, int]] = field(default_factory=list)
 
-    def to_row(self) -> dict[str, Any]:
-        row = dataclasses.asdict(self)
-        row["spans"] = [list(s) for s in self.spans]
-        return row
-
 
 @dataclass
 class Example:

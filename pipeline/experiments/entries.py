@@ -4,27 +4,53 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
-from pipeline.common.config import from_dict, group
+from pydantic import field_validator, model_validator
+
+from pipeline.common.config import Positive, config, from_dict, group
+from pipeline.experiments.methods import get_method
 from pipeline.experiments.privacy import PrivacyConfig
 
 
-@dataclass(frozen=True)
+@config(frozen=True)
 class Experiment:
-    """One entry of params `experiments`, checked, with its tau resolved as its plan has it."""
+    """One entry of params `experiments`, checked (its keys' types, its method, the form of its partition and
+    whether its method reads tau), with its tau resolved as its plan has it."""
 
     name: str
     method: str
     partition: str  # "<scheme>/seed<k>"
     seed: int = 0
     study: str = "main"
-    tau: float | None = None  # the entry's tau, else the top-level tau for methods that read it, else None
+    # the entry's tau, else the top-level tau for methods that read it, else None; > 0: the entropy gate is
+    # H(q_g) < tau with H >= 0, so tau <= 0 would never distil
+    tau: Positive | None = None
     train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `train`
     tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
     privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        return get_method(method).name
+
+    @field_validator("partition")
+    @classmethod
+    def _scheme_and_seed(cls, partition: str) -> str:
+        if not partition.partition("/seed")[2].isdigit():
+            raise ValueError(f"must look like '<scheme>/seed<k>', got {partition!r}")
+        return partition
+
+    @model_validator(mode="after")
+    def _tau_if_read(self) -> Experiment:
+        if get_method(self.method).uses_tau and self.tau is None:
+            raise ValueError(f"method {self.method!r} needs tau (the entry's, or the top-level tau)")
+        if not get_method(self.method).uses_tau and self.tau is not None:
+            raise ValueError(f"tau is set but method {self.method!r} does not use it")
+        return self
 
     @property
     def scheme(self) -> str:

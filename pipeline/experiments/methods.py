@@ -61,8 +61,6 @@ class StrategySpec:
     @property
     def params_keys(self) -> tuple[str, ...]:
         """The params `train` keys this strategy owns."""
-        if self.settings_cls is NoSettings:
-            return ()
         if self.group is not None:
             return (self.group,)
         return tuple(f.name for f in dataclasses.fields(self.settings_cls))
@@ -75,8 +73,6 @@ class StrategySpec:
 
     def plan_entries(self, train_params: dict[str, Any]) -> dict[str, Any]:
         """The settings, defaults filled in, as the plan's `train` mapping carries them (the params file's keys)."""
-        if self.settings_cls is NoSettings:
-            return {}
         values = dataclasses.asdict(self.settings(train_params))
         return {self.group: values} if self.group is not None else values
 

@@ -9,8 +9,6 @@ from pipeline.common.config import PositiveInt, TokenLength, config, from_dict
 
 @config
 class ModelConfig:
-    """The ``model`` params group's keys that shape the model (the cache's: pipeline.experiments.settings.CacheConfig)."""
-
     # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
     top_k: PositiveInt = 2
     bottleneck: PositiveInt = 768

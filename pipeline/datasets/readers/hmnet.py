@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _json_type, _object, _strings, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _object, _strings, _unique, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -22,10 +22,7 @@ def hmnet_speaker(turn: dict, where: str) -> str:
     same ICSI meetings ("Grad F", "PhD C"): the role carries meaning a summarizer can use ("the project manager said
     ..."), and the letter keeps two participants with the same role (common in ICSI) apart."""
     letter = _field(turn, "speaker", where, str)
-    role = turn.get("role")
-    if role is not None and not isinstance(role, str):
-        raise DataError(f"{where}: field 'role' is {_json_type(role)}, expected a string")
-    role = (role or "").strip()
+    role = _field(turn, "role", where, str).strip() if turn.get("role") is not None else ""
     return f"{role} {letter}" if role else letter
 
 
@@ -43,7 +40,7 @@ def read_hmnet(
     directory: Path, dataset: str, report: IngestReport, allow_absent: list[str] = ()
 ) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
-    meetings = _Unique("meeting id")
+    meetings: dict[str, str] = {}
     for _, split, display, line_no, meeting in split_json_lines(
         directory, hmnet_chunks(dataset), f"{dataset}/{corpus}", allow_absent, report
     ):
@@ -51,7 +48,7 @@ def read_hmnet(
         meeting_id = _field(meeting, "id", where, str)
         mwhere = f"{where}: meeting {meeting_id}"
         _object(meeting, mwhere, ("id", "meeting", "summary"))
-        meetings.check(meeting_id, where)
+        _unique(meetings, meeting_id, where, "meeting id")
         turns = []
         for i, utt in enumerate(_field(meeting, "meeting", mwhere, list)):
             twhere = f"{mwhere} meeting[{i}]"

@@ -11,7 +11,7 @@ from typing import Any
 
 from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _object, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _object, _unique, split_json_lines
 
 
 def qmsum_meeting_id(transcript: list[dict]) -> str:
@@ -40,7 +40,7 @@ def _parse_span(raw: Any, n_turns: int, where: str) -> tuple[int, int]:
 
 
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
-    meetings: dict[str, _Unique] = {}  # per file
+    meetings: dict[str, dict[str, str]] = {}  # per file
     for domain in QMSUM_DOMAINS:
         files = [(s, f"data/{domain}/jsonl/{s}.jsonl") for s in ("train", "val", "test")]
         for _, split, display, line_no, meeting in split_json_lines(
@@ -57,7 +57,7 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                 _object(t, twhere, ("speaker", "content"))
                 turns.append(Turn(_field(t, "speaker", twhere, str), _field(t, "content", twhere, str)))
             meeting_id = qmsum_meeting_id(transcript)
-            meetings.setdefault(display, _Unique("meeting (identical transcript)")).check(meeting_id, where)
+            _unique(meetings.setdefault(display, {}), meeting_id, where, "meeting (identical transcript)")
             for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
                 for qi, q in enumerate(_field(meeting, key, where, list)):
                     qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"

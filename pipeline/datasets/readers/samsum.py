@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _object, _Unique, split_json_lines
+from pipeline.datasets.readers.upstream import _field, _object, _unique, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
@@ -45,14 +45,14 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 
 
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
-    dialogues = _Unique("dialogue id")
+    dialogues: dict[str, str] = {}
     files = [(name.removesuffix(".json"), name) for name in SAMSUM_FILES]
     for _, split, display, line_no, rec in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
         where = f"{display}:{line_no}"
         rid = _field(rec, "id", where, str)
         rwhere = f"{where}: dialogue {rid}"
         _object(rec, rwhere, ("id", "dialogue", "summary"))
-        dialogues.check(rid, where)
+        _unique(dialogues, rid, where, "dialogue id")
         dialogue = _field(rec, "dialogue", rwhere, str)
         summary = _field(rec, "summary", rwhere, str)
         if not dialogue.strip():

@@ -94,17 +94,10 @@ def absent_allowed(split_key: str, allow_absent: list[str]) -> bool:
     return any(fnmatch.fnmatchcase(split_key, pat) for pat in allow_absent)
 
 
-class _Unique:
-    """Record keys seen so far: a duplicate names both places."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.seen: dict[Any, str] = {}
-
-    def check(self, key: Any, where: str) -> None:
-        if key in self.seen:
-            raise DataError(f"{where}: duplicate {self.what} {key!r} (first at {self.seen[key]})")
-        self.seen[key] = where
+def _unique(seen: dict[Any, str], key: Any, where: str, what: str) -> None:
+    """``key`` not among the record keys ``seen`` so far (key -> where): a duplicate names both places."""
+    if (first := seen.setdefault(key, where)) != where:
+        raise DataError(f"{where}: duplicate {what} {key!r} (first at {first})")
 
 
 def split_json_lines(
