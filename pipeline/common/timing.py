@@ -21,8 +21,8 @@ TIMING_DIR = Path("reports/timing")
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size so far of this process and of its finished children (e.g. Ray workers, each by its own
-    peak), in MiB. ``ru_maxrss`` is the kernel's high-water mark, so short peaks between samples are not missed
+    """Peak resident set size so far of this process and of its finished children (e.g. SuperNode processes, each by
+    its own peak), in MiB. ``ru_maxrss`` is the kernel's high-water mark, so short peaks between samples are not missed
     (KiB on Linux, bytes on macOS)."""
     scale = 1024 * 1024 if sys.platform == "darwin" else 1024
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
