@@ -58,17 +58,6 @@ class ClaimScale:
     step_ratios: tuple[tuple[str, float], ...] = ()
 
 
-def step_rule(scale: ClaimScale) -> str:
-    """What AdaCentralized's lead can mean under its `train.centralized_steps` rule (pipeline.training.serverless)."""
-    if scale.centralized_steps == "largest_client":
-        return LARGEST_CLIENT_STEPS
-    ratios = ", ".join(f"{r:.1f}x {c}'s" for c, r in scale.step_ratios) or "more than"
-    return (
-        "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`): "
-        f"{ratios} optimizer steps a round: its lead cannot be told apart from more steps."
-    )
-
-
 def _num(x: float) -> str:
     return f"{x:+.2f}".replace("-", "−")
 
@@ -178,13 +167,6 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     return text
 
 
-def claimable(table: pd.DataFrame, scale: ClaimScale) -> pd.DataFrame:
-    """``table`` with ``few_seeds`` (fewer seeds than `report.claim_min_seeds`: its numbers are stated, no claim is
-    drawn from it) and ``significant`` cleared on those rows."""
-    few = table["n_seeds"].astype(int) < scale.min_seeds
-    return table.assign(few_seeds=few, significant=table["significant"].astype(bool) & ~few)
-
-
 def results_text(
     table: pd.DataFrame,
     convergence: pd.DataFrame | None = None,
@@ -199,7 +181,10 @@ def results_text(
     ``backbone``: :func:`backbone_note`."""
     if "vs_published_" + BACKBONES[0] not in table.columns:
         table = with_published(table)
-    table = claimable(table[table["metric"] == metric], scale)
+    table = table[table["metric"] == metric]
+    # a comparison with fewer seeds than `report.claim_min_seeds` states its numbers; no claim is drawn from it
+    few = table["n_seeds"].astype(int) < scale.min_seeds
+    table = table.assign(few_seeds=few, significant=table["significant"].astype(bool) & ~few)
     main = table[(table["study"] == "main") & (table["study_b"] == "main")]
     avg, per_client = table[table["client"] == AVERAGE], main[main["client"] != AVERAGE]
     main_avg = main[main["client"] == AVERAGE]
@@ -255,7 +240,14 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
     lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
     if held and not ahead:
         lines.append(f"  The lead holds against {', '.join(held)} only.")
-    lines.append("  " + step_rule(scale))
+    # what AdaCentralized's lead can mean under its `train.centralized_steps` rule (pipeline.training.serverless)
+    ratios = ", ".join(f"{r:.1f}x {c}'s" for c, r in scale.step_ratios) or "more than"
+    lines.append(
+        "  " + LARGEST_CLIENT_STEPS
+        if scale.centralized_steps == "largest_client"
+        else "  AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`): "
+        f"{ratios} optimizer steps a round: its lead cannot be told apart from more steps."
+    )
     by_b = []
     for r in central:
         if r.few_seeds:

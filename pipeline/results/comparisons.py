@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from pipeline.results.stats import BootstrapConfig, holm, meetings, paired_diffe
 
 METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "rougeLsum", "avg_rouge")
 AVERAGE = "client average"
+INTERVAL_COLUMNS = ("mean_diff", "ci_low", "ci_high", "p_value", "n_examples", "n_seeds")  # an Interval's fields
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
 # federation against local training, selectivity against plain KD, and AdaCentralized against every other method.
 MAIN_ORDER: tuple[str, ...] = ("single", "fedavg", "fedkd", "fedselectkd", "centralized")
@@ -169,12 +170,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
                     "config_b": b.label,
                     "study_b": b.study,
                     "metric": metric,
-                    "mean_diff": r.estimate,
-                    "ci_low": r.low,
-                    "ci_high": r.high,
-                    "p_value": r.p_value,
-                    "n_examples": r.n_examples,
-                    "n_seeds": r.n_seeds,
+                    **dict(zip(INTERVAL_COLUMNS, astuple(r), strict=True)),
                     "identical_fraction": identical,
                     "significant": r.significant,
                     "experiments_a": ",".join(seeds_a[s] for s in seeds),

@@ -16,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 from pipeline.common import atomic
 from pipeline.experiments.entries import Experiment
 from pipeline.results import published
-from pipeline.results.plotting import grouped_bars, plt, save
+from pipeline.results.plotting import plt, save
 from pipeline.results.readers import read_json, read_rounds
 from pipeline.results.scoring import TABLE_ROUGE_L
 
@@ -29,7 +29,8 @@ def bar_figure(
     facet_col: str | None = None,
     paper: dict[tuple[str, str], float] | None = None,
 ) -> dict[str, str]:
-    """Average ROUGE per client (x) and configuration (bars), one panel per ``facet_col`` value."""
+    """Average ROUGE per client (x) and configuration (bars), one panel per ``facet_col`` value; the paper's values
+    as black ticks."""
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
@@ -38,7 +39,31 @@ def bar_figure(
     paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper} if paper else None
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
-        grouped_bars(ax, d, "client", "label", "avg_rouge_mean", "avg_rouge_std", paper_shown)
+        clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
+        width = 0.8 / max(len(bars), 1)
+        paper_labelled = False
+        for j, bar in enumerate(bars):
+            xs, ys, es, px, py = [], [], [], [], []
+            for i, client in enumerate(clients):
+                r = d[(d["client"] == client) & (d["label"] == bar)]
+                if r.empty:
+                    continue
+                x = i - 0.4 + width * (j + 0.5)
+                xs.append(x)
+                ys.append(float(r["avg_rouge_mean"].iloc[0]))
+                es.append(0.0 if pd.isna(r["avg_rouge_std"].iloc[0]) else float(r["avg_rouge_std"].iloc[0]))
+                if paper_shown and (client, bar) in paper_shown:
+                    px.append(x)
+                    py.append(paper_shown[(client, bar)])
+            ax.bar(xs, ys, width, yerr=es, label=str(bar), capsize=2)
+            if px:
+                ax.scatter(
+                    px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
+                )
+                paper_labelled = True
+        ax.set_xticks(range(len(clients)))
+        ax.set_xticklabels(clients)
+        ax.legend(fontsize=7)
         if facet is not None:
             ax.set_title(str(facet), fontsize=9)
     axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over n seeds")
@@ -186,7 +211,6 @@ class StudyFigure:
     bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] | None = None
     facet_col: str | None = None  # one panel per value of this column of the bars
     paper: Callable[[pd.DataFrame], PaperValues] | None = None  # the bars -> the paper's values beside them
-    stand_in: Callable[[pd.DataFrame], pd.DataFrame] | None = None  # all rows -> with rows other runs stand in for
 
 
 # In the order the figures are listed in reports/README.md. The tau sweep's figure (ROUGE and KD usage against
@@ -213,17 +237,8 @@ STUDY_FIGURES: tuple[StudyFigure, ...] = (
         paper=paper_by_method(
             published.NEW_CLIENT_AVG_ROUGE | {"fedselectkd": published.NEW_CLIENT_AVG_ROUGE["three_clients"]}
         ),
-        stand_in=pre_addition_stand_in,
     ),
 )
-
-
-def with_stand_ins(agg: pd.DataFrame) -> pd.DataFrame:
-    """The aggregated rows with every registered study's stand-in rows added."""
-    for entry in STUDY_FIGURES:
-        if entry.stand_in is not None:
-            agg = entry.stand_in(agg)
-    return agg
 
 
 def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[str], dict[str, str]]:

@@ -154,18 +154,8 @@ def make_sheets(
         target_side = rng.choice(("A", "B"))
         a, b = (t, o) if target_side == "A" else (o, t)
         item_id = f"item{idx + 1:04d}"
-        rows.append(
-            {
-                "item_id": item_id,
-                "domain": t.domain,
-                "query": queries.get(ex, ""),
-                "reference": t.reference,
-                "summary_A": a.prediction,
-                "summary_B": b.prediction,
-                "judgement": "",
-                "comment": "",
-            }
-        )
+        sheet_row = (item_id, t.domain, queries.get(ex, ""), t.reference, a.prediction, b.prediction, "", "")
+        rows.append(dict(zip(SHEET_COLUMNS, sheet_row, strict=True)))
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
     out = Path(out_dir)  # the atomic writes create it
