@@ -321,16 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_dict(ReportConfig, params.get("report"), "report")
     with stage_timer("report"):
         index = build_report(params, cfg, PATHS)
-    print(
-        json.dumps(
-            {
-                "made": {k: len(v) for k, v in index["made"].items()},
-                "not_made": index["not_made"],
-                "missing_experiments": len(index["missing_experiments"]),
-            },
-            indent=2,
-        )
-    )
+    made = {k: len(v) for k, v in index["made"].items()}
+    counts = {"made": made, "not_made": index["not_made"], "missing_experiments": len(index["missing_experiments"])}
+    print(json.dumps(counts, indent=2))
     return 0
 
 

@@ -18,19 +18,14 @@ from pipeline.experiments.entries import Experiment
 from pipeline.results import published
 from pipeline.results.plotting import plt, save
 from pipeline.results.readers import read_json, read_rounds
-from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.scoring import TABLE_METRICS
 
 
-def bar_figure(
-    data: pd.DataFrame,
-    title: str,
-    fig_path: Path,
-    plot_path: Path,
-    facet_col: str | None = None,
-    paper: dict[tuple[str, str], float] | None = None,
-) -> dict[str, str]:
-    """Average ROUGE per client (x) and configuration (bars), one panel per ``facet_col`` value; the paper's values
-    as black ticks."""
+def bar_figure(data: pd.DataFrame, entry: StudyFigure, figures: Path, plots: Path) -> str:
+    """A study's figure from its bars ``data``: average ROUGE per client (x) and configuration (bars), one panel per
+    value of the entry's ``facet_col``, the paper's values as black ticks; its data beside it."""
+    facet_col, paper = entry.facet_col, entry.paper(data) if entry.paper is not None else None
+    fig_path, plot_path = figures / f"{entry.study}.png", plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
@@ -68,7 +63,7 @@ def bar_figure(
             ax.set_title(str(facet), fontsize=9)
     axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over n seeds")
     backbones = ", ".join(sorted(set(data["backbone"].astype(str))))
-    fig.suptitle(f"{title}\nours: backbone {backbones}", fontsize=10)
+    fig.suptitle(f"{entry.title}\nours: backbone {backbones}", fontsize=10)
     save(fig, fig_path)
     out = data.copy()
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
@@ -81,15 +76,13 @@ def bar_figure(
         *([facet_col] if facet_col else []),
         "avg_rouge_mean",
         "avg_rouge_std",
-        "rouge1_mean",
-        "rouge2_mean",
-        f"{TABLE_ROUGE_L}_mean",
+        *(f"{m}_mean" for m in TABLE_METRICS),
         "n_seeds",
         "missing_seeds",
         *(["paper_avg_rouge"] if paper else []),
     ]
     atomic.to_csv(out[cols], plot_path, index=False)
-    return {"figure": str(fig_path), "data": str(plot_path)}
+    return str(fig_path)
 
 
 def slug(text: str) -> str:
@@ -251,16 +244,7 @@ def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[s
             not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
             continue
         bars = entry.bars(rows, agg) if entry.bars is not None else rows
-        made.append(
-            bar_figure(
-                bars,
-                entry.title,
-                figures / f"{entry.study}.png",
-                plots / f"{entry.study}.csv",
-                facet_col=entry.facet_col,
-                paper=entry.paper(bars) if entry.paper is not None else None,
-            )["figure"]
-        )
+        made.append(bar_figure(bars, entry, figures, plots))
     return made, not_made
 
 

@@ -238,11 +238,8 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     unjudged, per_file = 0, {}
     for f in files:
         sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
-        if {"item_id", "judgement"} - set(sheet.columns):
-            raise DataError(
-                f"{f}: missing column(s) {sorted({'item_id', 'judgement'} - set(sheet.columns))} "
-                f"(columns: {list(sheet.columns)})"
-            )
+        if missing := sorted({"item_id", "judgement"} - set(sheet.columns)):
+            raise DataError(f"{f}: missing column(s) {missing} (columns: {list(sheet.columns)})")
         per_file[f.name] = 0
         for line_no, item, raw in zip(
             range(2, len(sheet) + 2), sheet["item_id"].str.strip(), sheet["judgement"].str.strip()
