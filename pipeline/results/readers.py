@@ -13,7 +13,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
-from pipeline.results.scoring import TABLE_ROUGE_L, average_rouge
+from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L, average_rouge
 
 # The scores every evaluation carries per client, in the paper's order; average ROUGE is recomputed from the three,
 # so records written under an earlier R-L choice read the same way.
@@ -81,20 +81,11 @@ def collect_scores(
             missing.append(p.name)
             continue
         metrics = read_eval_metrics(path)
+        config = [labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS]
         for client, scores in metrics["clients"].items():
-            three = {m: float(scores[m]) for m in METRICS}
-            rows.append(
-                {
-                    "experiment": p.name,
-                    **{c: labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS},
-                    "seed": p.seed,
-                    "backbone": metrics.get("backbone") or "unknown",
-                    "client": client,
-                    **three,
-                    "avg_rouge": average_rouge(three),
-                    "n_examples": int(scores.get("n", 0)),
-                }
-            )
+            three = {m: float(scores[m]) for m in TABLE_METRICS}
+            run = (p.name, *config, p.seed, metrics.get("backbone") or "unknown", client)
+            rows.append((*run, *three.values(), average_rouge(three), int(scores.get("n", 0))))
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
 
