@@ -179,17 +179,15 @@ def client_summary(
 
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
     """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
-    per_client: dict[str, list[dict[str, float]]] = {}
-    names: dict[str, list[str]] = {}
+    per_client: dict[str, list[tuple[str, dict[str, float]]]] = {}  # client -> (experiment, its scores) per seed
     for name, scores in runs:
         for client, s in (scores or {}).items():
-            per_client.setdefault(client, []).append(s)
-            names.setdefault(client, []).append(name)
+            per_client.setdefault(client, []).append((name, s))
     return {
         client: {
             "n_seeds": len(v),
-            "experiments": names[client],
-            **{k: {m: mean_std([s[m] for s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
+            "experiments": [name for name, _ in v],
+            **{k: {m: mean_std([s[m] for _, s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
         }
         for client, v in per_client.items()
     }
