@@ -157,7 +157,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
             str(figures.privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv"))
         )
     curves = figures.learning_curves(planned, labels, paths.train_reports, paths.figures, paths.plots)
-    made["figures"] += [c["figure"] for c in curves]
+    made["figures"] += curves
     if not curves:
         not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 

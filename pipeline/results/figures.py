@@ -91,9 +91,10 @@ def slug(text: str) -> str:
 
 def learning_curves(
     planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, figures: Path, plots: Path
-) -> list[dict[str, str]]:
+) -> list[str]:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
-    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``."""
+    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``. The figures
+    made."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in planned:
         path = train_reports / p.name / "rounds.json"
@@ -109,7 +110,6 @@ def learning_curves(
         if not frames:
             continue
         fig, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames), 3.4), squeeze=False, sharey=True)
-        data_paths = []
         for ax, (label, df) in zip(axes[0], frames.items()):
             df = df[df["val_loss"].notna()]
             for client, cdf in df.groupby("client", sort=True):
@@ -125,12 +125,9 @@ def learning_curves(
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
-            data_path = plots / "learning_curves" / f"{study}--{slug(label)}.csv"
-            atomic.to_csv(wide.reset_index(), data_path, index=False)
-            data_paths.append(str(data_path))
+            atomic.to_csv(wide.reset_index(), plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False)
         axes[0][0].set_ylabel("loss per target token")
-        fig_path = save(fig, figures / f"learning_curves_{study}.png")
-        made.append({"figure": str(fig_path), "data": data_paths, "study": study})
+        made.append(str(save(fig, figures / f"learning_curves_{study}.png")))
     return made
 
 

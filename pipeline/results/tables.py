@@ -96,9 +96,7 @@ def main_table(
                     "metric": METRIC_LABELS[metric],
                     "ours_mean": ours[f"{metric}_mean"],
                     "ours_std": ours[f"{metric}_std"],
-                    "n_seeds": ours["n_seeds"],
-                    "seeds": ours["seeds"],
-                    "missing_seeds": ours["missing_seeds"],
+                    **{k: ours[k] for k in ("n_seeds", "seeds", "missing_seeds")},
                     "paper": p,
                     "diff": None if p is None else ours[f"{metric}_mean"] - p,
                 }
