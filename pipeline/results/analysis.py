@@ -27,6 +27,7 @@ from pipeline.experiments.entries import Experiment
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results import kd_analysis
 from pipeline.results.figures import slug
+from pipeline.results.kd_analysis import HARDKD, SELECTKD
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
@@ -47,7 +48,7 @@ class Analysis:
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
         # kd_analysis.json, never replaced by numbers
         self.missing: dict[tuple[str, str], list[str]] = {}
-        self.main = [e for e in experiments if e.method == kd_analysis.SELECTKD and e.study == MAIN_STUDY]
+        self.main = [e for e in experiments if e.method == SELECTKD and e.study == MAIN_STUDY]
 
     @functools.cached_property
     def postags(self) -> pd.DataFrame:
@@ -104,11 +105,9 @@ class Analysis:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
         main_parts = {e.partition for e in self.main}
         groups = {
-            kd_analysis.SELECTKD: self.main,
-            kd_analysis.HARDKD: [
-                e
-                for e in self.experiments
-                if e.method == kd_analysis.HARDKD and (not main_parts or e.partition in main_parts)
+            SELECTKD: self.main,
+            HARDKD: [
+                e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)
             ],
         }
         comparison = {
@@ -117,7 +116,7 @@ class Analysis:
         }
         kd_analysis.plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
         # per client in both: hard KD's mean minus SelectKD's
-        hard, select = comparison[kd_analysis.HARDKD], comparison[kd_analysis.SELECTKD]
+        hard, select = comparison[HARDKD], comparison[SELECTKD]
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
         return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 

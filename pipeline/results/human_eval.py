@@ -241,9 +241,7 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
         if missing := sorted({"item_id", "judgement"} - set(sheet.columns)):
             raise DataError(f"{f}: missing column(s) {missing} (columns: {list(sheet.columns)})")
         per_file[f.name] = 0
-        for line_no, item, raw in zip(
-            range(2, len(sheet) + 2), sheet["item_id"].str.strip(), sheet["judgement"].str.strip()
-        ):
+        for line_no, (item, raw) in enumerate(zip(sheet["item_id"].str.strip(), sheet["judgement"].str.strip()), 2):
             if item not in key:
                 raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
             if not raw:
