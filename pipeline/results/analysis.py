@@ -104,15 +104,10 @@ class Analysis:
     def hardkd(self, figures: Path) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
         main_parts = {e.partition for e in self.main}
-        groups = {
-            SELECTKD: self.main,
-            HARDKD: [
-                e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)
-            ],
-        }
+        hard = [e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)]
         comparison = {
             method: kd_analysis.seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
-            for method, exps in groups.items()
+            for method, exps in ((SELECTKD, self.main), (HARDKD, hard))
         }
         kd_analysis.plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
         # per client in both: hard KD's mean minus SelectKD's
