@@ -22,33 +22,9 @@ from pipeline.experiments.settings import RUN_TRAIN_KEYS
 from pipeline.experiments.train_config import train_config
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.planning import declared
-from pipeline.results import claims, comparisons, published
-from pipeline.results.figures import learning_curves, privacy_figure, privacy_points, study_figures, with_stand_ins
-from pipeline.results.human_eval import (
-    case_study,
-    example_info,
-    make_sheets,
-    plot_results,
-    predictions_by_method,
-    score_sheets,
-)
-from pipeline.results.outputs import (
-    HEADLINE_STUDY,
-    average_interval,
-    headline_metrics,
-    readme,
-    summary_metrics,
-)
+from pipeline.results import claims, comparisons, figures, human_eval, outputs, published, tables
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
 from pipeline.results.stats import BootstrapConfig
-from pipeline.results.tables import (
-    aggregate,
-    main_table,
-    main_table_markdown,
-    study_table_markdown,
-    timing_markdown,
-    timing_table,
-)
 
 
 @config
@@ -96,7 +72,7 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, reports: Path, previ
     planned = declared(params)
     labels = with_labels(planned)
     scores, missing_eval = collect_scores(planned, labels, reports / "eval")
-    agg = with_stand_ins(aggregate(scores, planned, labels, cfg.expected_seeds))
+    agg = figures.pre_addition_stand_in(tables.aggregate(scores, planned, labels, cfg.expected_seeds))
     converged = convergence_table(planned, labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
@@ -120,8 +96,8 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, reports: Path, previ
         # the seeds every main method has, so no method's mean is over seeds another lacks
         seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
         kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
-        paired = with_stand_ins(aggregate(kept, planned, labels, cfg.expected_seeds))
-        table = main_table(paired, backbone, planned, labels, cfg.expected_seeds)
+        paired = figures.pre_addition_stand_in(tables.aggregate(kept, planned, labels, cfg.expected_seeds))
+        table = tables.main_table(paired, backbone, planned, labels, cfg.expected_seeds)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         atomic.to_csv(table, stem.with_suffix(".csv"), index=False)
@@ -131,14 +107,14 @@ def write_tables(params: dict[str, Any], cfg: ReportConfig, reports: Path, previ
             if seeds
             else "\nNo seed is shared by every method: each row is over its own seeds (column `seeds`).\n"
         )
-        text = main_table_markdown(table, backbone, compared, bootstrap, converged)
+        text = tables.main_table_markdown(table, backbone, compared, bootstrap, converged)
         atomic.write_text(stem.with_suffix(".md"), text + note)
         made["tables"] += [str(stem.with_suffix(".md")), str(stem.with_suffix(".csv"))]
 
     # One table per study, with its paired comparisons and its runs' convergence.
     for study in sorted(set(agg["study"])):
         path = tables_dir / f"study_{study}.md"
-        atomic.write_text(path, study_table_markdown(agg, study, compared, bootstrap, converged))
+        atomic.write_text(path, tables.study_table_markdown(agg, study, compared, bootstrap, converged))
         made["tables"].append(str(path))
     return Tables(planned, labels, bootstrap, compared, scores, agg, missing_eval, made, not_made)
 
@@ -172,21 +148,23 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
     made["tables"].append(str(paths.tables / "results.md"))
 
     # Figures: the registered studies' (pipeline.results.figures.STUDY_FIGURES), then the learning curves.
-    figures, figures_not_made = study_figures(t.agg, paths.figures, paths.plots)
-    made["figures"] += figures
+    drawn, figures_not_made = figures.study_figures(t.agg, paths.figures, paths.plots)
+    made["figures"] += drawn
     not_made.update(figures_not_made)
-    points = privacy_points(planned, labels, t.scores, paths.train_reports)
+    points = figures.privacy_points(planned, labels, t.scores, paths.train_reports)
     if not points.empty:
-        made["figures"].append(str(privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv")))
-    curves = learning_curves(planned, labels, paths.train_reports, paths.figures, paths.plots)
-    made["figures"] += [c["figure"] for c in curves]
+        made["figures"].append(
+            str(figures.privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv"))
+        )
+    curves = figures.learning_curves(planned, labels, paths.train_reports, paths.figures, paths.plots)
+    made["figures"] += curves
     if not curves:
         not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
     # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
-    preds, pred_seed = predictions_by_method(planned, paths.eval_reports, "main")
-    queries, meetings = example_info(paths.examples)
-    text = case_study(preds, queries, cfg.case_study_seed) if preds else None
+    preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports, "main")
+    queries, meetings = human_eval.example_info(paths.examples)
+    text = human_eval.case_study(preds, queries, cfg.case_study_seed) if preds else None
     if text is None:
         not_made["case study"] = "needs predictions of both fedavg and fedselectkd in study `main`"
     else:
@@ -194,7 +172,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         made["tables"].append(str(paths.tables / "case_study.md"))
     sheets_dir = paths.human_eval / "sheets"
     if cfg.human_eval_target in preds and len(preds) > 1:
-        summary = make_sheets(
+        summary = human_eval.make_sheets(
             preds,
             sheets_dir,
             target=cfg.human_eval_target,
@@ -215,7 +193,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         )
 
     planned_names = {p.name for p in planned}
-    timing, stale_timing = timing_table(paths.timing, planned_names)
+    timing, stale_timing = tables.timing_table(paths.timing, planned_names)
     if stale_timing:
         not_made["stage times of unplanned experiments"] = "left out of the stage-time table: " + ", ".join(
             stale_timing
@@ -224,17 +202,19 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         not_made["stage times"] = "no reports/timing/*.json"
     else:
         atomic.to_csv(timing, paths.tables / "timing.csv", index=False)
-        atomic.write_text(paths.tables / "timing.md", timing_markdown(timing))
+        atomic.write_text(paths.tables / "timing.md", tables.timing_markdown(timing))
         made["tables"] += [str(paths.tables / "timing.md"), str(paths.tables / "timing.csv")]
 
-    atomic.write_json(paths.reports / "summary.json", summary_metrics(t.agg, planned, t.missing_eval), sort_keys=True)
+    atomic.write_json(
+        paths.reports / "summary.json", outputs.summary_metrics(t.agg, planned, t.missing_eval), sort_keys=True
+    )
     intervals = {
-        c.label: average_interval(c, paths.eval_reports, t.bootstrap)
+        c.label: outputs.average_interval(c, paths.eval_reports, t.bootstrap)
         for c in comparisons.configurations(planned, labels)
-        if c.study == HEADLINE_STUDY
+        if c.study == outputs.HEADLINE_STUDY
     }
     kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
-    atomic.write_json(paths.reports / "metrics.json", headline_metrics(t.agg, intervals, kd), sort_keys=True)
+    atomic.write_json(paths.reports / "metrics.json", outputs.headline_metrics(t.agg, intervals, kd), sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
     ignored = (
         sorted(d.name for d in paths.eval_reports.iterdir() if d.is_dir() and d.name not in planned_names)
@@ -252,7 +232,7 @@ def build_report(params: dict[str, Any], cfg: ReportConfig, paths: ProjectPaths 
         "incomplete_seeds": incomplete,
         "ignored_evaluations": ignored,
     }
-    atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports, paths.plots))
+    atomic.write_text(paths.reports / "README.md", outputs.readme(index, len(planned), paths.reports, paths.plots))
     return index
 
 
@@ -331,9 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             )
         return 1 if (args.check and changed) else 0
     if args.command == "human":  # the paper's counts beside ours
-        results = {**score_sheets(args.sheets), "published": published.HUMAN_EVAL}
+        results = {**human_eval.score_sheets(args.sheets), "published": published.HUMAN_EVAL}
         atomic.write_json(args.out / "results.json", results)
-        plot_results(results, published.HUMAN_EVAL, args.out / "human_eval.png")
+        human_eval.plot_results(results, published.HUMAN_EVAL, args.out / "human_eval.png")
         print(json.dumps(results["opponents"], indent=2))
         print(f"wrote {args.out / 'results.json'} and {args.out / 'human_eval.png'}", file=sys.stderr)
         return 0
@@ -341,16 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = from_dict(ReportConfig, params.get("report"), "report")
     with stage_timer("report"):
         index = build_report(params, cfg, PATHS)
-    print(
-        json.dumps(
-            {
-                "made": {k: len(v) for k, v in index["made"].items()},
-                "not_made": index["not_made"],
-                "missing_experiments": len(index["missing_experiments"]),
-            },
-            indent=2,
-        )
-    )
+    made = {k: len(v) for k, v in index["made"].items()}
+    counts = {"made": made, "not_made": index["not_made"], "missing_experiments": len(index["missing_experiments"])}
+    print(json.dumps(counts, indent=2))
     return 0
 
 

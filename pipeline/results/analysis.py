@@ -25,25 +25,9 @@ from pipeline.common import atomic
 from pipeline.common.config import config
 from pipeline.experiments.entries import Experiment
 from pipeline.paths import PATHS, ProjectPaths
+from pipeline.results import kd_analysis
 from pipeline.results.figures import slug
-from pipeline.results.kd_analysis import (
-    HARDKD,
-    PAPER_DET_PRON_SHARE_OF_NON_KD,
-    SELECTKD,
-    SWEEP_COLUMNS,
-    WORD_RULES,
-    client_summary,
-    json_safe,
-    plot_entropy,
-    plot_hardkd,
-    plot_pos,
-    plot_tau_sweep,
-    seed_means,
-    tau_sweep_rows,
-    tau_sweep_summary,
-    usage_per_client,
-    word_updates,
-)
+from pipeline.results.kd_analysis import HARDKD, SELECTKD
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
@@ -52,7 +36,7 @@ MAIN_STUDY, TAU_STUDY = "main", "tau_sweep"
 
 @config
 class AnalyzeConfig:
-    word_rule: Literal[WORD_RULES] = "first"  # type: ignore[valid-type]
+    word_rule: Literal[kd_analysis.WORD_RULES] = "first"  # type: ignore[valid-type]
 
 
 class Analysis:
@@ -85,11 +69,11 @@ class Analysis:
         if not self._present(exp, needed_for, gate_path, train_path):
             return None
         gate = read_gate_log(gate_path)
-        wu = word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
+        wu = kd_analysis.word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
         return {
             "gate": gate,
             "words": wu,
-            "clients": usage_per_client(wu, best_rounds(train_path), train_path, gate_path),
+            "clients": kd_analysis.usage_per_client(wu, best_rounds(train_path), train_path, gate_path),
         }
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
@@ -110,28 +94,24 @@ class Analysis:
         tau = taus[0] if taus else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
-            rec, gate, stats = client_summary(client, all_words, all_gate, per_seed, tau)
+            rec, gate, stats = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
-            plot_pos(client, rec, figures / f"pos_{slug(client)}.png")
+            kd_analysis.plot_pos(client, rec, figures / f"pos_{slug(client)}.png")
             best = [r["best_round"] for r in per_seed.values()]
-            plot_entropy(client, gate, stats, tau, best, figures / f"entropy_{slug(client)}.png")
+            kd_analysis.plot_entropy(client, gate, stats, tau, best, figures / f"entropy_{slug(client)}.png")
         return clients, usages
 
     def hardkd(self, figures: Path) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
         main_parts = {e.partition for e in self.main}
-        groups = {
-            SELECTKD: self.main,
-            HARDKD: [
-                e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)
-            ],
-        }
+        hard = [e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)]
         comparison = {
-            method: seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
-            for method, exps in groups.items()
+            method: kd_analysis.seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
+            for method, exps in ((SELECTKD, self.main), (HARDKD, hard))
         }
-        plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
-        hard, select = comparison[HARDKD], comparison[SELECTKD]  # per client in both: hard KD's mean minus SelectKD's
+        kd_analysis.plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
+        # per client in both: hard KD's mean minus SelectKD's
+        hard, select = comparison[HARDKD], comparison[SELECTKD]
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
         return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 
@@ -146,11 +126,11 @@ class Analysis:
             usage = usages.get(e.name) or self.usage(e, "tau sweep")
             scores = self.scores(e, "tau sweep")
             if usage is not None and scores is not None:
-                rows += tau_sweep_rows(e, usage, scores)
-        per_run = pd.DataFrame(rows, columns=SWEEP_COLUMNS)
-        table, portable = tau_sweep_summary(per_run)
+                rows += kd_analysis.tau_sweep_rows(e, usage, scores)
+        per_run = pd.DataFrame(rows, columns=kd_analysis.SWEEP_COLUMNS)
+        table, portable = kd_analysis.tau_sweep_summary(per_run)
         atomic.to_csv(table.round(6), csv_path, index=False)
-        plot_tau_sweep(table, self.tau, figures / "tau_sweep.png")
+        kd_analysis.plot_tau_sweep(table, self.tau, figures / "tau_sweep.png")
         return {
             "points": table.to_dict(orient="records"),
             "portable_gates": portable.to_dict(orient="records"),
@@ -167,13 +147,13 @@ class Analysis:
         missing = [
             {"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self.missing.items())
         ]
-        result = json_safe(
+        result = kd_analysis.json_safe(
             {
                 "word_rule": self.cfg.word_rule,
                 "tau": self.tau,
                 "paper": {
                     "kd_usage_ratio": KD_USAGE_RATIO,
-                    "det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
+                    "det_pron_share_of_no_kd": kd_analysis.PAPER_DET_PRON_SHARE_OF_NON_KD,
                     "noun_verb": "nearly all noun and verb words are trained with KD",
                 },
                 "clients": clients,

@@ -12,24 +12,15 @@ from types import SimpleNamespace
 import pandas as pd
 
 from pipeline.common.schema import DataError
-from pipeline.results import published
-from pipeline.results.comparisons import (
-    ABOVE,
-    AVERAGE,
-    BACKBONES,
-    BELOW,
-    CONTAINS,
-    format_p,
-    with_published,
-)
+from pipeline.results import comparisons, published
 from pipeline.results.readers import convergence_note
 
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
 # How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
 PLACED = {
-    ABOVE: "excluded: above our upper limit",
-    CONTAINS: "inside our interval",
-    BELOW: "excluded: below our lower limit",
+    comparisons.ABOVE: "excluded: above our upper limit",
+    comparisons.CONTAINS: "inside our interval",
+    comparisons.BELOW: "excluded: below our lower limit",
 }
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 SHORT = {
@@ -58,17 +49,6 @@ class ClaimScale:
     step_ratios: tuple[tuple[str, float], ...] = ()
 
 
-def step_rule(scale: ClaimScale) -> str:
-    """What AdaCentralized's lead can mean under its `train.centralized_steps` rule (pipeline.training.serverless)."""
-    if scale.centralized_steps == "largest_client":
-        return LARGEST_CLIENT_STEPS
-    ratios = ", ".join(f"{r:.1f}x {c}'s" for c, r in scale.step_ratios) or "more than"
-    return (
-        "AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`): "
-        f"{ratios} optimizer steps a round: its lead cannot be told apart from more steps."
-    )
-
-
 def _num(x: float) -> str:
     return f"{x:+.2f}".replace("-", "−")
 
@@ -80,7 +60,7 @@ def effect(r) -> str:
 
 def _p(r) -> str:
     """'Holm p = 0.012': the family-adjusted p the claims test."""
-    shown = format_p(r.p_holm)
+    shown = comparisons.format_p(r.p_holm)
     return f"Holm p {shown}" if shown.startswith("<") else f"Holm p = {shown}"
 
 
@@ -94,11 +74,11 @@ def _span(values: list[int]) -> str:
 
 
 def _all(r, where: str) -> bool:
-    return all(getattr(r, f"vs_published_{b}", "") == where for b in BACKBONES)
+    return all(getattr(r, f"vs_published_{b}", "") == where for b in comparisons.BACKBONES)
 
 
 def _papers(rows: list) -> str:
-    return _range([getattr(r, f"published_{b}") for r in rows for b in BACKBONES])
+    return _range([getattr(r, f"published_{b}") for r in rows for b in comparisons.BACKBONES])
 
 
 def _name(r, side: str) -> str:
@@ -110,7 +90,7 @@ def _name(r, side: str) -> str:
 def _pair(r) -> str:
     """'A − B effect', with where the paper's difference for this pair sits against our interval, per backbone."""
     groups: dict[str, list[str]] = {}
-    for b in BACKBONES:
+    for b in comparisons.BACKBONES:
         where = getattr(r, f"vs_published_{b}", "")
         if isinstance(where, str) and where:
             groups.setdefault(where, []).append(b)
@@ -119,7 +99,7 @@ def _pair(r) -> str:
         bbs = groups[where]
         who = (
             "all three backbones"
-            if len(bbs) == len(BACKBONES) == 3
+            if len(bbs) == len(comparisons.BACKBONES) == 3
             else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
         )
         parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
@@ -178,13 +158,6 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
     return text
 
 
-def claimable(table: pd.DataFrame, scale: ClaimScale) -> pd.DataFrame:
-    """``table`` with ``few_seeds`` (fewer seeds than `report.claim_min_seeds`: its numbers are stated, no claim is
-    drawn from it) and ``significant`` cleared on those rows."""
-    few = table["n_seeds"].astype(int) < scale.min_seeds
-    return table.assign(few_seeds=few, significant=table["significant"].astype(bool) & ~few)
-
-
 def results_text(
     table: pd.DataFrame,
     convergence: pd.DataFrame | None = None,
@@ -197,12 +170,15 @@ def results_text(
     table with the published columns, and the convergence records of the studies the table covers. A smoke run,
     or one smaller than ``scale`` asks for, states numbers, no claim; so does each comparison with fewer seeds;
     ``backbone``: :func:`backbone_note`."""
-    if "vs_published_" + BACKBONES[0] not in table.columns:
-        table = with_published(table)
-    table = claimable(table[table["metric"] == metric], scale)
+    if "vs_published_" + comparisons.BACKBONES[0] not in table.columns:
+        table = comparisons.with_published(table)
+    table = table[table["metric"] == metric]
+    # a comparison with fewer seeds than `report.claim_min_seeds` states its numbers; no claim is drawn from it
+    few = table["n_seeds"].astype(int) < scale.min_seeds
+    table = table.assign(few_seeds=few, significant=table["significant"].astype(bool) & ~few)
     main = table[(table["study"] == "main") & (table["study_b"] == "main")]
-    avg, per_client = table[table["client"] == AVERAGE], main[main["client"] != AVERAGE]
-    main_avg = main[main["client"] == AVERAGE]
+    avg, per_client = table[table["client"] == comparisons.AVERAGE], main[main["client"] != comparisons.AVERAGE]
+    main_avg = main[main["client"] == comparisons.AVERAGE]
     seeds, examples = sorted(set(main_avg["n_seeds"].astype(int))), sorted(set(main_avg["n_examples"].astype(int)))
     size = f"; {_span(seeds)} seed(s) and {_span(examples)} test examples a comparison" if seeds else ""
     lines = [
@@ -255,7 +231,14 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
     lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
     if held and not ahead:
         lines.append(f"  The lead holds against {', '.join(held)} only.")
-    lines.append("  " + step_rule(scale))
+    # what AdaCentralized's lead can mean under its `train.centralized_steps` rule (pipeline.training.serverless)
+    ratios = ", ".join(f"{r:.1f}x {c}'s" for c, r in scale.step_ratios) or "more than"
+    lines.append(
+        "  " + LARGEST_CLIENT_STEPS
+        if scale.centralized_steps == "largest_client"
+        else "  AdaCentralized made one pass over the pooled data a round (`train.centralized_steps: epoch`): "
+        f"{ratios} optimizer steps a round: its lead cannot be told apart from more steps."
+    )
     by_b = []
     for r in central:
         if r.few_seeds:
@@ -270,7 +253,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
         )
     lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
     gaps = [r for r in central if r.method_b in FEDERATED]
-    if gaps and all(_all(r, BELOW) for r in gaps):
+    if gaps and all(_all(r, comparisons.BELOW) for r in gaps):
         lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
         lines.append(
             f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
@@ -287,7 +270,7 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if not fed:
         return []
     lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
-    excluded = [r for r in fed if _all(r, ABOVE)]
+    excluded = [r for r in fed if _all(r, comparisons.ABOVE)]
     if excluded:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
@@ -318,8 +301,8 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
         c = _records(fed_clients.loc[[fed_clients["p_value"].idxmin()]])[0]
         return [
             f"- No per-client comparison among AdaSingle, FedAvg, FedKD and SelectKD holds (closest: "
-            f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, p = {format_p(c.p_value)} "
-            f"unadjusted, {_p(c)}); no ordering among them is supported."
+            f"{SHORT[c.method_a]} − {SHORT[c.method_b]} on {c.client} {effect(c)}, "
+            f"p = {comparisons.format_p(c.p_value)} unadjusted, {_p(c)}); no ordering among them is supported."
         ]
     return [
         "- Per-client federated comparisons that hold: "

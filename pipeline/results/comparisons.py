@@ -126,8 +126,9 @@ def _predictions(path: Path) -> dict[tuple[str, str], str]:
     return {(str(c), str(e)): str(p) for c, e, p in rows}
 
 
-def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[dict[str, Any]]:
-    """Rows for A - B: per client and on the client average, per metric; [] when they share no seed or example."""
+def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[tuple]:
+    """Rows (:data:`COLUMNS`) for A - B: per client and on the client average, per metric; [] when they share no
+    seed or example."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
     frames = {}
     for s in sorted(set(seeds_a) & set(seeds_b)):
@@ -145,10 +146,12 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
             same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
 
     out = []
+    runs_a, runs_b = (",".join(runs[s] for s in seeds) for runs in (seeds_a, seeds_b))
     rows = {c: client_rows([frames[s] for s in seeds], c, ids) for c, ids in shared.items()}  # selected once
     for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
+        mostly_identical = bool(not math.isnan(identical) and identical > cfg.identical_warning)
         clusters = meetings(shared[c] for c in clients)  # QMSum: a meeting's queries are one cluster
         for metric in METRICS:
             r = paired_difference(
@@ -159,29 +162,10 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
                 cfg,
                 clusters,
             )
-            out.append(
-                {
-                    "study": a.study,
-                    "client": scope,
-                    "method_a": a.method,
-                    "method_b": b.method,
-                    "config_a": a.label,
-                    "config_b": b.label,
-                    "study_b": b.study,
-                    "metric": metric,
-                    "mean_diff": r.estimate,
-                    "ci_low": r.low,
-                    "ci_high": r.high,
-                    "p_value": r.p_value,
-                    "n_examples": r.n_examples,
-                    "n_seeds": r.n_seeds,
-                    "identical_fraction": identical,
-                    "significant": r.significant,
-                    "experiments_a": ",".join(seeds_a[s] for s in seeds),
-                    "mostly_identical": bool(not math.isnan(identical) and identical > cfg.identical_warning),
-                    "experiments_b": ",".join(seeds_b[s] for s in seeds),
-                }
-            )
+            # a row in COLUMNS order; p_holm is with_holm's, over the study's family
+            pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
+            interval = (r.estimate, r.low, r.high, r.p_value, math.nan, r.n_examples, r.n_seeds)
+            out.append((*pair, *interval, identical, r.significant, mostly_identical, runs_a, runs_b))
     return out
 
 
@@ -190,7 +174,7 @@ def comparisons_table(
 ) -> tuple[pd.DataFrame, list[str]]:
     """Every configuration against each baseline it has (``baselines`` then :data:`MAIN_ORDER`, as
     docs/statistics.md lists them), and a note per comparison that could not be made."""
-    rows: list[dict[str, Any]] = []
+    rows: list[tuple] = []
     notes: list[str] = []
 
     def add(config: Config, base: Config) -> None:

@@ -16,20 +16,16 @@ from matplotlib.ticker import MaxNLocator
 from pipeline.common import atomic
 from pipeline.experiments.entries import Experiment
 from pipeline.results import published
-from pipeline.results.plotting import grouped_bars, plt, save
+from pipeline.results.plotting import plt, save
 from pipeline.results.readers import read_json, read_rounds
-from pipeline.results.scoring import TABLE_ROUGE_L
+from pipeline.results.scoring import TABLE_METRICS
 
 
-def bar_figure(
-    data: pd.DataFrame,
-    title: str,
-    fig_path: Path,
-    plot_path: Path,
-    facet_col: str | None = None,
-    paper: dict[tuple[str, str], float] | None = None,
-) -> dict[str, str]:
-    """Average ROUGE per client (x) and configuration (bars), one panel per ``facet_col`` value."""
+def bar_figure(data: pd.DataFrame, entry: StudyFigure, figures: Path, plots: Path) -> str:
+    """A study's figure from its bars ``data``: average ROUGE per client (x) and configuration (bars), one panel per
+    value of the entry's ``facet_col``, the paper's values as black ticks; its data beside it."""
+    facet_col, paper = entry.facet_col, entry.paper(data) if entry.paper is not None else None
+    fig_path, plot_path = figures / f"{entry.study}.png", plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
@@ -38,12 +34,36 @@ def bar_figure(
     paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper} if paper else None
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
-        grouped_bars(ax, d, "client", "label", "avg_rouge_mean", "avg_rouge_std", paper_shown)
+        clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
+        width = 0.8 / max(len(bars), 1)
+        paper_labelled = False
+        for j, bar in enumerate(bars):
+            xs, ys, es, px, py = [], [], [], [], []
+            for i, client in enumerate(clients):
+                r = d[(d["client"] == client) & (d["label"] == bar)]
+                if r.empty:
+                    continue
+                x = i - 0.4 + width * (j + 0.5)
+                xs.append(x)
+                ys.append(float(r["avg_rouge_mean"].iloc[0]))
+                es.append(0.0 if pd.isna(r["avg_rouge_std"].iloc[0]) else float(r["avg_rouge_std"].iloc[0]))
+                if paper_shown and (client, bar) in paper_shown:
+                    px.append(x)
+                    py.append(paper_shown[(client, bar)])
+            ax.bar(xs, ys, width, yerr=es, label=str(bar), capsize=2)
+            if px:
+                ax.scatter(
+                    px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
+                )
+                paper_labelled = True
+        ax.set_xticks(range(len(clients)))
+        ax.set_xticklabels(clients)
+        ax.legend(fontsize=7)
         if facet is not None:
             ax.set_title(str(facet), fontsize=9)
     axes[0][0].set_ylabel("average ROUGE (R-1, R-2, R-L), ± std over n seeds")
     backbones = ", ".join(sorted(set(data["backbone"].astype(str))))
-    fig.suptitle(f"{title}\nours: backbone {backbones}", fontsize=10)
+    fig.suptitle(f"{entry.title}\nours: backbone {backbones}", fontsize=10)
     save(fig, fig_path)
     out = data.copy()
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
@@ -56,15 +76,13 @@ def bar_figure(
         *([facet_col] if facet_col else []),
         "avg_rouge_mean",
         "avg_rouge_std",
-        "rouge1_mean",
-        "rouge2_mean",
-        f"{TABLE_ROUGE_L}_mean",
+        *(f"{m}_mean" for m in TABLE_METRICS),
         "n_seeds",
         "missing_seeds",
         *(["paper_avg_rouge"] if paper else []),
     ]
     atomic.to_csv(out[cols], plot_path, index=False)
-    return {"figure": str(fig_path), "data": str(plot_path)}
+    return str(fig_path)
 
 
 def slug(text: str) -> str:
@@ -73,9 +91,10 @@ def slug(text: str) -> str:
 
 def learning_curves(
     planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, figures: Path, plots: Path
-) -> list[dict[str, str]]:
+) -> list[str]:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
-    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``."""
+    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``. The figures
+    made."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     for p in planned:
         path = train_reports / p.name / "rounds.json"
@@ -91,7 +110,6 @@ def learning_curves(
         if not frames:
             continue
         fig, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames), 3.4), squeeze=False, sharey=True)
-        data_paths = []
         for ax, (label, df) in zip(axes[0], frames.items()):
             df = df[df["val_loss"].notna()]
             for client, cdf in df.groupby("client", sort=True):
@@ -107,12 +125,9 @@ def learning_curves(
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
-            data_path = plots / "learning_curves" / f"{study}--{slug(label)}.csv"
-            atomic.to_csv(wide.reset_index(), data_path, index=False)
-            data_paths.append(str(data_path))
+            atomic.to_csv(wide.reset_index(), plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False)
         axes[0][0].set_ylabel("loss per target token")
-        fig_path = save(fig, figures / f"learning_curves_{study}.png")
-        made.append({"figure": str(fig_path), "data": data_paths, "study": study})
+        made.append(str(save(fig, figures / f"learning_curves_{study}.png")))
     return made
 
 
@@ -186,7 +201,6 @@ class StudyFigure:
     bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] | None = None
     facet_col: str | None = None  # one panel per value of this column of the bars
     paper: Callable[[pd.DataFrame], PaperValues] | None = None  # the bars -> the paper's values beside them
-    stand_in: Callable[[pd.DataFrame], pd.DataFrame] | None = None  # all rows -> with rows other runs stand in for
 
 
 # In the order the figures are listed in reports/README.md. The tau sweep's figure (ROUGE and KD usage against
@@ -213,17 +227,8 @@ STUDY_FIGURES: tuple[StudyFigure, ...] = (
         paper=paper_by_method(
             published.NEW_CLIENT_AVG_ROUGE | {"fedselectkd": published.NEW_CLIENT_AVG_ROUGE["three_clients"]}
         ),
-        stand_in=pre_addition_stand_in,
     ),
 )
-
-
-def with_stand_ins(agg: pd.DataFrame) -> pd.DataFrame:
-    """The aggregated rows with every registered study's stand-in rows added."""
-    for entry in STUDY_FIGURES:
-        if entry.stand_in is not None:
-            agg = entry.stand_in(agg)
-    return agg
 
 
 def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[str], dict[str, str]]:
@@ -236,16 +241,7 @@ def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[s
             not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
             continue
         bars = entry.bars(rows, agg) if entry.bars is not None else rows
-        made.append(
-            bar_figure(
-                bars,
-                entry.title,
-                figures / f"{entry.study}.png",
-                plots / f"{entry.study}.csv",
-                facet_col=entry.facet_col,
-                paper=entry.paper(bars) if entry.paper is not None else None,
-            )["figure"]
-        )
+        made.append(bar_figure(bars, entry, figures, plots))
     return made, not_made
 
 

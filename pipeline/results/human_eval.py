@@ -154,18 +154,8 @@ def make_sheets(
         target_side = rng.choice(("A", "B"))
         a, b = (t, o) if target_side == "A" else (o, t)
         item_id = f"item{idx + 1:04d}"
-        rows.append(
-            {
-                "item_id": item_id,
-                "domain": t.domain,
-                "query": queries.get(ex, ""),
-                "reference": t.reference,
-                "summary_A": a.prediction,
-                "summary_B": b.prediction,
-                "judgement": "",
-                "comment": "",
-            }
-        )
+        sheet_row = (item_id, t.domain, queries.get(ex, ""), t.reference, a.prediction, b.prediction, "", "")
+        rows.append(dict(zip(SHEET_COLUMNS, sheet_row, strict=True)))
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
     out = Path(out_dir)  # the atomic writes create it
@@ -248,15 +238,10 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     unjudged, per_file = 0, {}
     for f in files:
         sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
-        if {"item_id", "judgement"} - set(sheet.columns):
-            raise DataError(
-                f"{f}: missing column(s) {sorted({'item_id', 'judgement'} - set(sheet.columns))} "
-                f"(columns: {list(sheet.columns)})"
-            )
+        if missing := sorted({"item_id", "judgement"} - set(sheet.columns)):
+            raise DataError(f"{f}: missing column(s) {missing} (columns: {list(sheet.columns)})")
         per_file[f.name] = 0
-        for line_no, item, raw in zip(
-            range(2, len(sheet) + 2), sheet["item_id"].str.strip(), sheet["judgement"].str.strip()
-        ):
+        for line_no, (item, raw) in enumerate(zip(sheet["item_id"].str.strip(), sheet["judgement"].str.strip()), 2):
             if item not in key:
                 raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
             if not raw:

@@ -135,13 +135,8 @@ def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any,
     for client, upd in words.groupby("client"):
         if client not in best:
             raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
-        ratio, k, n = kd_usage_ratio(upd, best[client])
-        per_client[client] = {
-            "best_round": best[client],
-            "kd_usage_ratio": ratio,
-            "kd_word_updates": k,
-            "word_updates": n,
-        }
+        usage = zip(("kd_usage_ratio", "kd_word_updates", "word_updates"), kd_usage_ratio(upd, best[client]))
+        per_client[client] = {"best_round": best[client], **dict(usage)}
     return per_client
 
 
@@ -184,17 +179,15 @@ def client_summary(
 
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
     """Per client: mean and std over seeds of each metric, from (experiment, per-client scores or None) runs."""
-    per_client: dict[str, list[dict[str, float]]] = {}
-    names: dict[str, list[str]] = {}
+    per_client: dict[str, list[tuple[str, dict[str, float]]]] = {}  # client -> (experiment, its scores) per seed
     for name, scores in runs:
         for client, s in (scores or {}).items():
-            per_client.setdefault(client, []).append(s)
-            names.setdefault(client, []).append(name)
+            per_client.setdefault(client, []).append((name, s))
     return {
         client: {
             "n_seeds": len(v),
-            "experiments": names[client],
-            **{k: {m: mean_std([s[m] for s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
+            "experiments": [name for name, _ in v],
+            **{k: {m: mean_std([s[m] for _, s in v])[i] for m in METRICS} for i, k in enumerate(("mean", "std"))},
         }
         for client, v in per_client.items()
     }
@@ -205,8 +198,9 @@ SWEEP_SCORES, SWEEP_POS = ("avg_rouge", "rouge1", "rouge2", "rougeL"), ("noun_ve
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", *SWEEP_SCORES, "kd_usage_ratio", *SWEEP_POS]
 
 
-def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
-    """One sweep point per client of one experiment: its ROUGE, KD usage ratio and POS pattern."""
+def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[tuple]:
+    """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio and POS
+    pattern."""
     rows = []
     words = usage["words"]
     for client, s in scores.items():
@@ -214,18 +208,8 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
-        rows.append(
-            {
-                "experiment": run.name,
-                "client": client,
-                "tau": run.tau,
-                "tau_scale": run.tau_scale,
-                "seed": run.seed,
-                **{m: s[m] for m in SWEEP_SCORES},
-                "kd_usage_ratio": u["kd_usage_ratio"] if u else math.nan,
-                **{k: pos.get(k, math.nan) for k in SWEEP_POS},
-            }
-        )
+        point = (run.name, client, run.tau, run.tau_scale, run.seed, *(s[m] for m in SWEEP_SCORES))
+        rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos.get(k, math.nan) for k in SWEEP_POS)))
     return rows
 
 
@@ -234,13 +218,7 @@ def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame
     tau_scale column) and the portable gates beside them."""
     summary = (
         per_run.groupby(["tau_scale", "client", "tau"])
-        .agg(
-            avg_rouge=("avg_rouge", "mean"),
-            kd_usage_ratio=("kd_usage_ratio", "mean"),
-            noun_verb_kd_rate=("noun_verb_kd_rate", "mean"),
-            det_pron_share_of_no_kd=("det_pron_share_of_no_kd", "mean"),
-            n_seeds=("seed", "nunique"),
-        )
+        .agg(**{c: (c, "mean") for c in ("avg_rouge", "kd_usage_ratio", *SWEEP_POS)}, n_seeds=("seed", "nunique"))
         .reset_index()
         .sort_values(["tau_scale", "client", "tau"])
     )

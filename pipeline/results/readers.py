@@ -13,7 +13,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
-from pipeline.results.scoring import TABLE_ROUGE_L, average_rouge
+from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L, average_rouge
 
 # The scores every evaluation carries per client, in the paper's order; average ROUGE is recomputed from the three,
 # so records written under an earlier R-L choice read the same way.
@@ -23,14 +23,18 @@ GROUP_COLS = ("study", "label", "method", "scheme", "tau", "variant", "dp")
 GATE_COLUMNS = ["client", "round", "example_id", "position", "token_id", "entropy", "kd_applied"]
 
 
-def load_json(path: Path, what: str = "JSON file") -> Any:
-    """The parsed content of ``path``; a missing file or invalid JSON is a one-line DataError."""
+def read_json(path: Path, what: str = "JSON file", kind: type = dict) -> Any:
+    """What an earlier stage wrote to ``path``, a JSON object (``kind`` dict) or array (list); a missing file, invalid
+    JSON or another kind is a one-line DataError naming ``what``."""
     if not path.is_file():
         raise DataError(f"{path}: {what} not found")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise DataError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(data, kind):
+        raise DataError(f"{path}: expected a JSON {'object' if kind is dict else 'array'} ({what})")
+    return data
 
 
 def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]:
@@ -44,14 +48,6 @@ def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]
             except (json.JSONDecodeError, KeyError) as err:
                 raise DataError(f"{path}:{line_no}: not a prediction record ({err!r})") from err
     return rows
-
-
-def read_json(path: Path, what: str = "JSON file") -> dict[str, Any]:
-    """A JSON object written by an earlier stage (``what`` names it in the error)."""
-    data = load_json(path, what)
-    if not isinstance(data, dict):
-        raise DataError(f"{path}: expected a JSON object ({what})")
-    return data
 
 
 def read_eval_metrics(path: Path) -> dict[str, Any]:
@@ -85,20 +81,11 @@ def collect_scores(
             missing.append(p.name)
             continue
         metrics = read_eval_metrics(path)
+        config = [labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS]
         for client, scores in metrics["clients"].items():
-            three = {m: float(scores[m]) for m in METRICS}
-            rows.append(
-                {
-                    "experiment": p.name,
-                    **{c: labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS},
-                    "seed": p.seed,
-                    "backbone": metrics.get("backbone") or "unknown",
-                    "client": client,
-                    **three,
-                    "avg_rouge": average_rouge(three),
-                    "n_examples": int(scores.get("n", 0)),
-                }
-            )
+            three = {m: float(scores[m]) for m in TABLE_METRICS}
+            run = (p.name, *config, p.seed, metrics.get("backbone") or "unknown", client)
+            rows.append((*run, *three.values(), average_rouge(three), int(scores.get("n", 0))))
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
 
@@ -106,8 +93,8 @@ def collect_scores(
 def read_rounds(path: Path) -> pd.DataFrame:
     """Training rounds as long rows (round, client, train_loss, val_loss, ...) from ``reports/train/<exp>/rounds.json``
     (``<client>/<quantity>`` columns)."""
-    rows = load_json(path, "training rounds")
-    if not isinstance(rows, list) or any(not isinstance(r, dict) or "round" not in r for r in rows):
+    rows = read_json(path, "training rounds", list)
+    if any(not isinstance(r, dict) or "round" not in r for r in rows):
         raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")
     long: dict[tuple[int, str], dict[str, Any]] = {}
     for r in rows:
@@ -156,7 +143,7 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     """Per client of ``experiment``: best and last round, whether they are the same (None: stated without rounds)."""
     run = train_dir / experiment
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
-    metrics = load_json(metrics_path) if metrics_path.is_file() else {}
+    metrics = read_json(metrics_path, "train metrics") if metrics_path.is_file() else {}
     clients = metrics.get("clients") or {}
     found = (
         best_and_last_rounds(rounds_path)
@@ -235,7 +222,7 @@ def centralized_step_ratios(
     for p in planned:
         path = train_dir / p.name / "metrics.json"
         if p.study == "main" and p.method in ("centralized", "single") and path.is_file():
-            runs[(int(p.seed), p.method)] = load_json(path).get("clients") or {}
+            runs[(int(p.seed), p.method)] = read_json(path, "train metrics").get("clients") or {}
     seeds = sorted(s for s, m in runs if m == "centralized" and (s, "single") in runs)
     if not seeds:
         return ()

@@ -96,9 +96,7 @@ def main_table(
                     "metric": METRIC_LABELS[metric],
                     "ours_mean": ours[f"{metric}_mean"],
                     "ours_std": ours[f"{metric}_std"],
-                    "n_seeds": ours["n_seeds"],
-                    "seeds": ours["seeds"],
-                    "missing_seeds": ours["missing_seeds"],
+                    **{k: ours[k] for k in ("n_seeds", "seeds", "missing_seeds")},
                     "paper": p,
                     "diff": None if p is None else ours[f"{metric}_mean"] - p,
                 }
@@ -233,6 +231,8 @@ def study_table_markdown(
 
 
 EXPERIMENT_STAGE = re.compile(r"^(train|evaluate)-(?P<experiment>.+)$")
+# What pipeline.common.timing writes of a stage, with its type: the stage-time table's columns.
+TIMING_FIELDS = {"stage": str, "seconds": float, "startup_seconds": float, "peak_rss_mb": float, "finished_at": str}
 
 
 def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFrame | None, list[str]]:
@@ -243,13 +243,7 @@ def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFram
     for f in files:
         try:
             rec = json.loads(f.read_text())
-            row = {
-                "stage": str(rec["stage"]),
-                "seconds": float(rec["seconds"]),
-                "startup_seconds": float(rec["startup_seconds"]),
-                "peak_rss_mb": float(rec["peak_rss_mb"]),
-                "finished_at": str(rec["finished_at"]),
-            }
+            row = {key: kind(rec[key]) for key, kind in TIMING_FIELDS.items()}
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
             raise DataError(f"{f}: not a stage timing record of pipeline.common.timing ({err!r})") from err
         m = EXPERIMENT_STAGE.match(row["stage"])
