@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import ConfigDict
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UPSTREAM, _unique, parse_record, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -19,20 +19,18 @@ HMNET_CHUNKS = {"ami": {"train": 32, "dev": 20, "test": 20}, "icsi": {"train": 3
 HMNET_PREFIX = "hmnet/"  # the mirror keeps the HMNet repository under <dataset>/hmnet/
 
 
-class HMNetUtterance(BaseModel):
-    model_config = ConfigDict(strict=True)  # its other fields (POS, entity tags) are not read
+class HMNetUtterance(UpstreamRecord):
+    model_config = ConfigDict(extra="ignore")  # its other fields (POS, entity tags) are not read
     word: list[str]
 
 
-class HMNetTurn(BaseModel):
-    model_config = UPSTREAM
+class HMNetTurn(UpstreamRecord):
     speaker: str
     utt: HMNetUtterance
     role: str | None = None
 
 
-class HMNetMeeting(BaseModel):
-    model_config = UPSTREAM
+class HMNetMeeting(UpstreamRecord):
     id: str
     meeting: list[HMNetTurn]
     summary: list[str]

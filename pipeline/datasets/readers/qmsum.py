@@ -9,21 +9,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel
-
 from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UPSTREAM, _unique, parse_record, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 
-class QMSumTurn(BaseModel):
-    model_config = UPSTREAM
+class QMSumTurn(UpstreamRecord):
     speaker: str
     content: str
 
 
-class QMSumQuery(BaseModel):
-    model_config = UPSTREAM
+class QMSumQuery(UpstreamRecord):
     query: str
     answer: str
 
@@ -32,8 +28,7 @@ class QMSumSpecificQuery(QMSumQuery):
     relevant_text_span: list[Any]  # [start, end] pairs: _parse_span
 
 
-class QMSumMeeting(BaseModel):
-    model_config = UPSTREAM
+class QMSumMeeting(UpstreamRecord):
     general_query_list: list[QMSumQuery]
     specific_query_list: list[QMSumSpecificQuery]
     meeting_transcripts: list[QMSumTurn]

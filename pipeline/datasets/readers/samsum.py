@@ -9,11 +9,9 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pydantic import BaseModel
-
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import UPSTREAM, _unique, parse_record, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
@@ -22,8 +20,7 @@ SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 _TURN_SEP = re.compile(r"\r\n|\n")
 
 
-class SamsumDialogue(BaseModel):
-    model_config = UPSTREAM
+class SamsumDialogue(UpstreamRecord):
     id: str
     dialogue: str
     summary: str

@@ -46,10 +46,14 @@ def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
 
 
-# An upstream record's pydantic model: strict JSON types (null or a number where text belongs is an error, not the
-# text "None") and no unknown field (a file of another format or version is named instead of being read wrongly).
-UPSTREAM = ConfigDict(strict=True, extra="forbid")
-Record = TypeVar("Record", bound=BaseModel)
+class UpstreamRecord(BaseModel):
+    """An upstream record's pydantic model: strict JSON types (null or a number where text belongs is an error, not the
+    text "None") and no unknown field (a file of another format or version is named instead of being read wrongly)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+Record = TypeVar("Record", bound=UpstreamRecord)
 
 
 def parse_record(model: type[Record], obj: Any, where: str) -> Record:
