@@ -25,7 +25,7 @@ from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import read_plan
-from pipeline.modeling.adapters import client_adapter_path, read_client_adapter
+from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
@@ -89,7 +89,7 @@ def evaluate_experiments(
         if not chosen:
             raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
         adapters = [
-            read_client_adapter(client_adapter_path(models_dir / name, client, cfg.adapter)) for client in chosen
+            load_adapter(adapter_file(models_dir / name / "clients" / client, cfg.adapter)) for client in chosen
         ]
         model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
         return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)

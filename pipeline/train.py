@@ -27,18 +27,10 @@ from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
 from pipeline.training import checkpoints
-from pipeline.training.history import TrainRecorder, log_missing_rounds, write_rounds
+from pipeline.training.history import TrainRecorder, log_missing_rounds
 from pipeline.training.serverless import run_serverless
 from pipeline.training.set_engine import RoundBarrier
-from pipeline.training.summary import (
-    convergence_tags,
-    final_run_metrics,
-    merge_gate_logs,
-    prepare_outputs,
-    run_identity_tags,
-    summarize,
-    write_metrics,
-)
+from pipeline.training.summary import log_run_outputs, merge_gate_logs, prepare_outputs, record_run, run_identity_tags
 
 
 def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
@@ -97,23 +89,17 @@ def run_experiment(
         recorder.close()
 
     history = result["history"]
-    write_rounds(plan, history)
     merge_gate_logs(plan)
-    metrics = summarize(plan, history, recorder.round_seconds)
-    write_metrics(plan, metrics)
+    metrics = record_run(plan, history, recorder.round_seconds)
     if logger is not None:
         log_missing_rounds(logger, history)
-        # Once per run: a run killed after this point (uploading the artifacts) resumes here.
-        if not logger.metric_history("bytes_sent_total"):
-            logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
-        logger.set_tags(convergence_tags(metrics))
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
-        for client_dir in sorted((out_dir / "clients").iterdir()):
-            for f in sorted(client_dir.glob("adapter_*.safetensors")):
-                logger.log_artifact(f, f"adapters/{client_dir.name}")
-        logger.log_adapter_models(out_dir)  # and each client's best adapter as a LoggedModel of its client's run
-        for f in (out_dir / "metrics.json", out_dir / "rounds.json", out_dir / "experiment.json"):
-            logger.log_artifact(f)
+        adapters = [
+            (f, f"adapters/{client_dir.name}")
+            for client_dir in sorted((out_dir / "clients").iterdir())
+            for f in sorted(client_dir.glob("adapter_*.safetensors"))
+        ]
+        log_run_outputs(logger, plan, metrics, adapters, None)  # each client's best adapter as a LoggedModel
         logger.finish("FINISHED")
     checkpoints.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes

@@ -33,16 +33,9 @@ from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig, log_to_mlflo
 from pipeline.results.scoring import mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
-from pipeline.training.history import TrainRecorder, write_rounds
+from pipeline.training.history import TrainRecorder
 from pipeline.training.shared_model import model_config, shared_model
-from pipeline.training.summary import (
-    convergence_tags,
-    final_run_metrics,
-    prepare_outputs,
-    run_identity_tags,
-    summarize,
-    write_metrics,
-)
+from pipeline.training.summary import log_run_outputs, prepare_outputs, record_run, run_identity_tags
 
 freeze_collected()  # ~1.4 s CPU of each message's ~5 s (docs/performance.md)
 
@@ -274,9 +267,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         raise
     recorder.close()
 
-    write_rounds(plan, history)
-    metrics = summarize(plan, history, recorder.round_seconds)
-    write_metrics(plan, metrics)
+    metrics = record_run(plan, history, recorder.round_seconds)
     silent = never_contributed(history)
     if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client
         if logger is not None:
@@ -306,11 +297,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             eval_path,
         )
     if logger is not None:
-        logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
-        logger.set_tags(convergence_tags(metrics))
-        for f in (GLOBAL_ADAPTER, "metrics.json", "rounds.json", "experiment.json"):
-            logger.log_artifact(out_dir / f)
-        logger.log_adapter_models(out_dir, global_adapter=out_dir / GLOBAL_ADAPTER)  # the aggregate as a LoggedModel
+        # the aggregate as an artifact and as a LoggedModel
+        log_run_outputs(logger, plan, metrics, [(out_dir / GLOBAL_ADAPTER, None)], out_dir / GLOBAL_ADAPTER)
         if eval_metrics is not None:
             log_to_mlflow(
                 plan.experiment,

@@ -107,26 +107,17 @@ def adapter_file(client_dir: Path, which: str) -> Path:
     return Path(client_dir) / f"adapter_{which}.safetensors"
 
 
-def client_adapter_path(model_dir: Path, client: str, which: str) -> Path:
-    """The same below an experiment's output directory (``models/<exp>/clients/<client>/``)."""
-    return adapter_file(model_dir / "clients" / client, which)
-
-
 def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     atomic.save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()}, path, metadata)
 
 
 def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path))
-
-
-def read_client_adapter(path: Path) -> dict[str, torch.Tensor]:
-    """A trained client adapter file's weights; a missing file is one clear error."""
-    if not path.is_file():
+    """An adapter file's weights; a missing file is one clear error."""
+    if not Path(path).is_file():
         raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
-    return load_adapter(path)
+    return load_file(str(path))
 
 
 def load_local_adapter(model, path: Path) -> None:
     """Load a trained client adapter file into ``model``'s local adapter set (what generation uses)."""
-    model.load_adapter_state("local", read_client_adapter(path))
+    model.load_adapter_state("local", load_adapter(path))

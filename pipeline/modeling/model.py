@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -56,8 +57,7 @@ class Prefix:
         return Prefix(**{name: torch.cat([tensor] * runs) for name, tensor in vars(self).items()})
 
 
-@dataclass
-class TwoPathOutput:
+class TwoPathOutput(NamedTuple):
     # [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target tokens (row-major)
     logits_local: torch.Tensor  # differentiable w.r.t. the local adapters
     logits_global: torch.Tensor  # computed under no_grad

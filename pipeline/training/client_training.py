@@ -172,8 +172,7 @@ def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cac
     # packed: the LM head and the loss run only on the real (non-padding) target tokens
     if not two_paths:
         return model.path_logits(prefix.to(model.device), "local", packed=True), None
-    out = model.forward_two_paths(batch, prefix, packed=True)
-    return out.logits_local, out.logits_global
+    return model.forward_two_paths(batch, prefix, packed=True)
 
 
 def train_local(

@@ -14,6 +14,7 @@ from pipeline.common.integrity import backbone_name
 from pipeline.common.timing import peak_rss_mb
 from pipeline.experiments.plans import Plan
 from pipeline.training.client_training import empty_gate_log
+from pipeline.training.history import write_rounds
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.stopping import convergence
 
@@ -103,11 +104,32 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
     }
 
 
-def write_metrics(plan: Plan, metrics: dict[str, Any]) -> None:
-    """``metrics.json`` in ``reports/train/<exp>/`` (the DVC metric) and in ``models/<exp>/``."""
+def record_run(plan: Plan, history: list[dict[str, Any]], round_seconds: list[float]) -> dict[str, Any]:
+    """A finished run's ``rounds.json`` (pipeline.training.history.write_rounds) and its :func:`summarize` metrics as
+    ``metrics.json`` in ``reports/train/<exp>/`` (the DVC metric) and in ``models/<exp>/``; returns the metrics."""
+    write_rounds(plan, history)
+    metrics = summarize(plan, history, round_seconds)
     text = json.dumps(metrics, indent=2) + "\n"
     atomic.write_text(Path(plan.paths["reports_dir"]) / "metrics.json", text)
     atomic.write_text(Path(plan.paths["out_dir"]) / "metrics.json", text)
+    return metrics
+
+
+def log_run_outputs(
+    logger, plan: Plan, metrics: dict[str, Any], artifacts: list[tuple[Path, str | None]], global_adapter: Path | None
+) -> None:
+    """A finished run's closing MLflow record: :func:`final_run_metrics` (once per run: a run killed after this point,
+    uploading the artifacts, resumes here), :func:`convergence_tags`, ``artifacts`` ((file, artifact folder) pairs)
+    and the run's metrics.json, rounds.json and experiment.json, then the adapters as LoggedModels."""
+    out_dir = Path(plan.paths["out_dir"])
+    if not logger.metric_history("bytes_sent_total"):
+        logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
+    logger.set_tags(convergence_tags(metrics))
+    for f, artifact_path in artifacts + [
+        (out_dir / f, None) for f in ("metrics.json", "rounds.json", "experiment.json")
+    ]:
+        logger.log_artifact(f, artifact_path)
+    logger.log_adapter_models(out_dir, global_adapter=global_adapter)
 
 
 def convergence_tags(metrics: dict[str, Any]) -> dict[str, str]:

@@ -6,9 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+from pydantic import ConfigDict
+
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _object, _strings, _unique, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 # HMNet keeps each corpus split as numbered gzip chunks; the numbers of chunks are those of the pinned
 # upstream commit (AMI 32/20/20, ICSI 32/10/6; see ../shared/data/{ami,icsi}/SOURCE.md).
@@ -17,13 +19,29 @@ HMNET_CHUNKS = {"ami": {"train": 32, "dev": 20, "test": 20}, "icsi": {"train": 3
 HMNET_PREFIX = "hmnet/"  # the mirror keeps the HMNet repository under <dataset>/hmnet/
 
 
-def hmnet_speaker(turn: dict, where: str) -> str:
+class HMNetUtterance(UpstreamRecord):
+    model_config = ConfigDict(extra="ignore")  # its other fields (POS, entity tags) are not read
+    word: list[str]
+
+
+class HMNetTurn(UpstreamRecord):
+    speaker: str
+    utt: HMNetUtterance
+    role: str | None = None
+
+
+class HMNetMeeting(UpstreamRecord):
+    id: str
+    meeting: list[HMNetTurn]
+    summary: list[str]
+
+
+def hmnet_speaker(turn: HMNetTurn) -> str:
     """``"<role> <letter>"``, e.g. ``"PM B"`` or ``"Grad F"``. This is the form QMSum's Academic transcripts use for the
     same ICSI meetings ("Grad F", "PhD C"): the role carries meaning a summarizer can use ("the project manager said
     ..."), and the letter keeps two participants with the same role (common in ICSI) apart."""
-    letter = _field(turn, "speaker", where, str)
-    role = _field(turn, "role", where, str).strip() if turn.get("role") is not None else ""
-    return f"{role} {letter}" if role else letter
+    role = (turn.role or "").strip()
+    return f"{role} {turn.speaker}" if role else turn.speaker
 
 
 def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
@@ -41,33 +59,26 @@ def read_hmnet(
 ) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
     meetings: dict[str, str] = {}
-    for _, split, display, line_no, meeting in split_json_lines(
+    for _, split, display, line_no, raw in split_json_lines(
         directory, hmnet_chunks(dataset), f"{dataset}/{corpus}", allow_absent, report
     ):
         where = f"{display}:{line_no}"
-        meeting_id = _field(meeting, "id", where, str)
-        mwhere = f"{where}: meeting {meeting_id}"
-        _object(meeting, mwhere, ("id", "meeting", "summary"))
-        _unique(meetings, meeting_id, where, "meeting id")
+        meeting = parse_record(HMNetMeeting, raw, where)
+        _unique(meetings, meeting.id, where, "meeting id")
         turns = []
-        for i, utt in enumerate(_field(meeting, "meeting", mwhere, list)):
-            twhere = f"{mwhere} meeting[{i}]"
-            _object(utt, twhere, ("speaker", "utt"), ("role",))
-            if not str(utt.get("role") or "").strip():
+        for utt in meeting.meeting:
+            if not (utt.role or "").strip():
                 report.note("turns without a role (speaker letter only)")
-            utterance = _field(utt, "utt", twhere, dict)
-            words = _strings(_field(utterance, "word", f"{twhere}.utt", list), f"{twhere}.utt.word")
-            turns.append(Turn(hmnet_speaker(utt, twhere), " ".join(words)))
-        sentences = _strings(_field(meeting, "summary", mwhere, list), f"{mwhere}: summary")
-        if not turns or not sentences:
-            raise DataError(f"{mwhere}: empty {'transcript' if not turns else 'summary'}")
+            turns.append(Turn(hmnet_speaker(utt), " ".join(utt.utt.word)))
+        if not turns or not meeting.summary:
+            raise DataError(f"{where}: meeting {meeting.id}: empty {'transcript' if not turns else 'summary'}")
         yield CanonicalRecord(
             dataset=dataset,
             domain=corpus,
             split=split,
-            meeting_id=meeting_id,
+            meeting_id=meeting.id,
             turns=turns,
-            summary="\n".join(s.strip() for s in sentences),
+            summary="\n".join(s.strip() for s in meeting.summary),
             source_file=display,
             source_line=line_no,
         )

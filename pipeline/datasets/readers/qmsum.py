@@ -11,7 +11,28 @@ from typing import Any
 
 from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _object, _unique, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
+
+
+class QMSumTurn(UpstreamRecord):
+    speaker: str
+    content: str
+
+
+class QMSumQuery(UpstreamRecord):
+    query: str
+    answer: str
+
+
+class QMSumSpecificQuery(QMSumQuery):
+    relevant_text_span: list[Any]  # [start, end] pairs: _parse_span
+
+
+class QMSumMeeting(UpstreamRecord):
+    general_query_list: list[QMSumQuery]
+    specific_query_list: list[QMSumSpecificQuery]
+    meeting_transcripts: list[QMSumTurn]
+    topic_list: Any = None
 
 
 def qmsum_meeting_id(transcript: list[dict]) -> str:
@@ -43,33 +64,19 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
     meetings: dict[str, dict[str, str]] = {}  # per file
     for domain in QMSUM_DOMAINS:
         files = [(s, f"data/{domain}/jsonl/{s}.jsonl") for s in ("train", "val", "test")]
-        for _, split, display, line_no, meeting in split_json_lines(
+        for _, split, display, line_no, raw in split_json_lines(
             directory, files, f"qmsum/{domain}", allow_absent, report
         ):
             where = f"{display}:{line_no}"
-            _object(
-                meeting, where, ("general_query_list", "specific_query_list", "meeting_transcripts"), ("topic_list",)
-            )
-            transcript = _field(meeting, "meeting_transcripts", where, list)
-            turns = []
-            for i, t in enumerate(transcript):
-                twhere = f"{where}: meeting_transcripts[{i}]"
-                _object(t, twhere, ("speaker", "content"))
-                turns.append(Turn(_field(t, "speaker", twhere, str), _field(t, "content", twhere, str)))
-            meeting_id = qmsum_meeting_id(transcript)
+            meeting = parse_record(QMSumMeeting, raw, where)
+            turns = [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]
+            meeting_id = qmsum_meeting_id(raw["meeting_transcripts"])
             _unique(meetings.setdefault(display, {}), meeting_id, where, "meeting (identical transcript)")
             for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
-                for qi, q in enumerate(_field(meeting, key, where, list)):
+                for qi, q in enumerate(getattr(meeting, key)):
                     qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
-                    _object(
-                        q, qwhere, ("query", "answer") + (("relevant_text_span",) if query_type == "specific" else ())
-                    )
-                    query = _field(q, "query", qwhere, str)
-                    answer = _field(q, "answer", qwhere, str)
                     if query_type == "specific":
-                        spans = [
-                            _parse_span(s, len(turns), qwhere) for s in _field(q, "relevant_text_span", qwhere, list)
-                        ]
+                        spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]
                         # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
                         selected = [t for start, end in spans for t in turns[start:end]]
                         empty = sum(1 for start, end in spans if start == end)
@@ -85,11 +92,11 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                         split=split,
                         meeting_id=meeting_id,
                         query_index=qi,
-                        query=query,
+                        query=q.query,
                         query_type=query_type,
                         turns=selected,
                         spans=spans,
-                        summary=answer,
+                        summary=q.answer,
                         source_file=display,
                         source_line=line_no,
                     )

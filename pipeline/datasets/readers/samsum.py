@@ -11,13 +11,19 @@ from pathlib import Path
 
 from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
-from pipeline.datasets.readers.upstream import _field, _object, _unique, split_json_lines
+from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
 SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 
 
 _TURN_SEP = re.compile(r"\r\n|\n")
+
+
+class SamsumDialogue(UpstreamRecord):
+    id: str
+    dialogue: str
+    summary: str
 
 
 def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn]:
@@ -47,24 +53,20 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues: dict[str, str] = {}
     files = [(name.removesuffix(".json"), name) for name in SAMSUM_FILES]
-    for _, split, display, line_no, rec in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
+    for _, split, display, line_no, raw in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
         where = f"{display}:{line_no}"
-        rid = _field(rec, "id", where, str)
-        rwhere = f"{where}: dialogue {rid}"
-        _object(rec, rwhere, ("id", "dialogue", "summary"))
-        _unique(dialogues, rid, where, "dialogue id")
-        dialogue = _field(rec, "dialogue", rwhere, str)
-        summary = _field(rec, "summary", rwhere, str)
-        if not dialogue.strip():
-            report.skipped.append(Skipped(display, line_no, rid, "empty dialogue"))
+        rec = parse_record(SamsumDialogue, raw, where)
+        _unique(dialogues, rec.id, where, "dialogue id")
+        if not rec.dialogue.strip():
+            report.skipped.append(Skipped(display, line_no, rec.id, "empty dialogue"))
             continue
         yield CanonicalRecord(
             dataset="samsum",
             domain="SAMSum",
             split=split,
-            meeting_id=rid,
-            turns=split_dialogue(dialogue, rwhere, report),
-            summary=summary,
+            meeting_id=rec.id,
+            turns=split_dialogue(rec.dialogue, f"{where}: dialogue {rec.id}", report),
+            summary=rec.summary,
             source_file=display,
             source_line=line_no,
         )

@@ -1,5 +1,5 @@
 """What every reader of an upstream layout shares: JSON lines read with one-line errors naming file and line, fields
-checked against the upstream schema, duplicate keys, and splits that may be absent (ingest.allow_absent_splits)."""
+checked against the upstream schema (each reader's pydantic models), duplicate keys, and splits that may be absent (ingest.allow_absent_splits)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.common.schema import DataError, IngestReport, normalise_split
 
@@ -44,49 +46,26 @@ def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
         raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
 
 
-def _object(obj: Any, where: str, required: tuple[str, ...], optional: tuple[str, ...] | None = ()) -> dict:
-    """``obj`` as a JSON object with exactly the upstream fields: a list, a number or an unknown field (a file of
-    another format or version) is named instead of being read wrongly (``optional`` None: other fields not checked)."""
-    if not isinstance(obj, dict):
-        raise DataError(f"{where}: expected a JSON object, got {_json_type(obj)}")
-    for name in required:
-        if name not in obj:
-            raise DataError(f"{where}: missing field {name!r}")
-    if optional is not None and (extra := sorted(set(obj) - set(required) - set(optional))):
-        raise DataError(f"{where}: unexpected field(s) {extra}; expected {sorted(required + optional)}")
-    return obj
+class UpstreamRecord(BaseModel):
+    """An upstream record's pydantic model: strict JSON types (null or a number where text belongs is an error, not the
+    text "None") and no unknown field (a file of another format or version is named instead of being read wrongly)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-_JSON_TYPES = {
-    dict: "an object",
-    list: "a list",
-    str: "a string",
-    bool: "a boolean",
-    type(None): "null",
-    int: "a number",
-    float: "a number",
-}
+Record = TypeVar("Record", bound=UpstreamRecord)
 
 
-def _json_type(value: Any) -> str:
-    return _JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _field(obj: Any, name: str, where: str, kind: type) -> Any:
-    """``obj[name]``, which must be of ``kind`` (str, list or dict): null or a number where text belongs is an error,
-    not the text "None"; JSON's true and false are not strings, lists or objects, so no separate check is needed."""
-    value = _object(obj, where, (name,), None)[name]
-    if not isinstance(value, kind):
-        raise DataError(f"{where}: field {name!r} is {_json_type(value)}, expected {_JSON_TYPES[kind]}")
-    return value
-
-
-def _strings(values: list, where: str) -> list:
-    """A list field's items, which must all be strings (``where`` names the list)."""
-    bad = next((j for j, v in enumerate(values) if not isinstance(v, str)), None)
-    if bad is not None:
-        raise DataError(f"{where}[{bad}] is {_json_type(values[bad])}, expected a string")
-    return values
+def parse_record(model: type[Record], obj: Any, where: str) -> Record:
+    """``obj`` as ``model``; its first problem is one DataError line: ``where``, the field's path and the problem."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
+        problem = "expected a JSON object" if error["type"] == "model_type" else error["msg"]
+        got = "" if error["type"] in ("missing", "extra_forbidden") else f", got {json.dumps(error['input'])[:60]}"
+        raise DataError(f"{where}: {path + ': ' if path else ''}{problem}{got}") from None
 
 
 def absent_allowed(split_key: str, allow_absent: list[str]) -> bool:
