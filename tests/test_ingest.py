@@ -614,6 +614,19 @@ def test_a_field_of_the_wrong_json_type_names_the_value_as_json(value, got):
     assert str(err.value) == f"x.json:3: summary: Input should be a valid string, got {got}"
 
 
+def test_an_unknown_key_with_a_line_break_is_named_on_the_one_line_as_json():
+    """An upstream key may hold anything: one that is not a plain name is quoted as JSON, so the message stays one
+    line (found by the mutation property test: a key "\\r" broke the line)."""
+    from pipeline.datasets.readers.samsum import SamsumDialogue
+    from pipeline.datasets.readers.upstream import parse_record
+
+    record = {"id": "d1", "dialogue": "A: hi", "summary": "s", "\r": 1}
+    with pytest.raises(DataError) as err:
+        parse_record(SamsumDialogue, record, "x.json:3")
+    assert str(err.value) == 'x.json:3: ["\\r"]: Extra inputs are not permitted'
+    assert len(str(err.value).splitlines()) == 1
+
+
 def _samsum_dir(tmp_path, **files: list[dict] | str) -> Path:
     directory = tmp_path / "samsum"
     directory.mkdir(parents=True)

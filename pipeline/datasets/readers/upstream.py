@@ -62,7 +62,11 @@ def parse_record(model: type[Record], obj: Any, where: str) -> Record:
         return model.model_validate(obj)
     except ValidationError as exc:
         error = exc.errors()[0]
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
+        # a key that is not a plain name (an upstream key may hold anything, a line break too) is quoted as JSON
+        path = "".join(
+            f"[{p}]" if isinstance(p, int) else f".{p}" if p.isidentifier() else f"[{json.dumps(p)}]"
+            for p in error["loc"]
+        ).lstrip(".")
         problem = "expected a JSON object" if error["type"] == "model_type" else error["msg"]
         got = "" if error["type"] in ("missing", "extra_forbidden") else f", got {json.dumps(error['input'])[:60]}"
         raise DataError(f"{where}: {path + ': ' if path else ''}{problem}{got}") from None
