@@ -219,13 +219,11 @@ def scale_section(sc: dict) -> list[str]:
         f"FedAvg, {sc['backbone']}, {sc['partition']} partition (Dir({cfg['beta']}), on average "
         f"{cfg['train_per_client']} train and {cfg['eval_per_client']} valid/test example(s) per client), "
         f"{cfg['rounds']} rounds, {cfg['threads']} torch thread(s); each point in a fresh process "
-        f"(`python -m benchmarks.scale`, {sc['seconds']:.0f} s in all). The *ray* rows are Flower's simulation "
-        "engine, measured before fedmeet removed it (the set engine trains in process; SuperNodes reach real "
-        "sites). Round 1 (start-up: Ray actors load the model) is shown apart; *s/round* is the median of rounds 2.. . Driver peak = the server "
+        f"(`python -m benchmarks.scale`, {sc['seconds']:.0f} s in all). Round 1 (start-up: the model loads, the "
+        "caches fill) is shown apart; *s/round* is the median of rounds 2.. . Driver peak = the server "
         "process's RSS high-water mark, reset every round (with the in-process engine it holds every client); "
         "growth = that peak minus the process's RSS before the run; tree peak = largest sampled RSS sum over "
-        "the process and all its children (Ray's GCS, raylet, workers: shared pages counted per process, an "
-        "upper bound).",
+        "the process and all its children (shared pages counted per process, an upper bound).",
         "",
         "![scale](scale.png)",
         "",
@@ -291,10 +289,6 @@ def scale_section(sc: dict) -> list[str]:
                 else "."
             ),
         ]
-        if "ray" in over:
-            from benchmarks.scale import RAY_PROFILE_NOTE
-
-            lines += ["", RAY_PROFILE_NOTE]
     return lines
 
 

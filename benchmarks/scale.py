@@ -1,6 +1,5 @@
 """Scale of the federated engine (issue 13 item 6): wall time and peak memory per round of the in-process engine
-as the number of clients grows (the committed scale.json also holds the Ray engine's points, measured before that
-engine was removed).
+as the number of clients grows.
 
     python -m benchmarks.scale              # 3, 10, 30, 100 clients -> reports/bench/scale.{json,png}
     python -m benchmarks.scale --sizes 3 10 --out /tmp/scale
@@ -8,18 +7,18 @@ engine was removed).
 Each (engine, clients) point trains FedAvg for a few rounds on the tiny BART of tests/tiny_models.py, over a
 ``quantity`` (Dirichlet) partition made by ``pipeline.partitioning.partitions.make_partition`` of a synthetic QMSum-like pool of
 a few examples per client. Every point runs in its own fresh Python process, so one point's allocations do not
-raise the next one's high-water mark, and a point that hangs (Ray) is killed after ``--timeout`` seconds and
-recorded as skipped with the reason.
+raise the next one's high-water mark, and a point that hangs is killed after ``--timeout`` seconds and recorded
+as skipped with the reason.
 
 Per round: the server's round time (``RoundLog.seconds``) and two peaks, both reset at every round boundary:
 - ``driver_peak_mb``: the kernel's RSS high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs) of
   the process running the server; with the in-process engine that is every client too, and no peak is missed;
 - ``driver_growth_mb``: that peak minus the driver's RSS just before the run (imports and the process's fixed
   cost excluded), the part that could grow with the clients;
-- ``tree_peak_mb``: the largest sum of RSS over that process and all its descendants (Ray's GCS, raylet and
-  workers), sampled every 20 ms by psutil. RSS counts shared pages (torch's libraries, Ray's object store) once per
-  process, so for Ray this is an upper bound on the physical memory used.
-Round 1 is reported apart (Ray starts its actors and each loads the model then); the per-round time is the
+- ``tree_peak_mb``: the largest sum of RSS over that process and all its descendants, sampled every 20 ms by
+  psutil (the in-process engine starts none: a child process here would be a defect). RSS counts shared pages once
+  per process, so with children this would be an upper bound on the physical memory used.
+Round 1 is reported apart (it loads the model and builds the caches); the per-round time is the
 median of rounds 2.. . The fitted exponent is the least-squares slope of log(median per-round value) on log(clients): 1 is linear.
 """
 
@@ -51,16 +50,6 @@ SIZES = (3, 10, 30, 100)
 QUICK_SIZES = (3, 10)
 ENGINES = ("inprocess",)
 LINEAR_TOLERANCE = 0.1  # fitted slopes up to 1.1 count as linear: two rounds on a shared machine are noisy
-# What a profile showed (2026-11-23, cProfile of every thread, Ray engine, 100 clients, 3 rounds, flwr 1.41.0) and
-# what fedmeet does about it; rendered in the README when Ray's per-round time still grows superlinearly between
-# the two largest sizes.
-RAY_PROFILE_NOTE = (
-    "Profiled before the fix (cProfile of every thread, Ray, 100 clients, 3 rounds): Flower 1.41's simulation "
-    "thread `add_messages_to_queue` polls `InMemoryLinkState.get_message_ins` node by node every 0.1 s (19,000 "
-    "calls), and each call scans every stored message (`_check_stored_messages`: 1.18 M calls, 13 s of CPU): "
-    "roughly clients^2 work per poll. fedmeet ran Flower's poller unpatched (no assignment into flwr modules): "
-    "the Ray engine was opt-in, the in-process engine never reaches it, and the Ray engine has since been removed."
-)
 BACKBONE = "tiny BART (tests/tiny_models.py: d_model 32, 2 encoder / 4 decoder layers)"
 
 
@@ -292,7 +281,7 @@ def measure(engine: str, n_clients: int, root: Path, cfg: ScaleConfig, backbone:
         "train_per_client_min": int(min(train_sizes)),
         "train_per_client_max": int(max(train_sizes)),
         "hwm_reset_per_round": hwm_resettable,
-        # round 1 also pays one-off costs (Ray actors start and load the model): steady state is rounds 2..
+        # round 1 also pays one-off costs (the model loads, the caches fill): steady state is rounds 2..
         "first_round_seconds": rounds[0]["seconds"],
         "median_round_seconds": float(np.median([r["seconds"] for r in rounds[1:] or rounds])),
         "median_driver_peak_mb": float(np.median([r["driver_peak_mb"] for r in rounds])),
