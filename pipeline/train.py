@@ -33,10 +33,10 @@ from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.summary import log_run_outputs, merge_gate_logs, prepare_outputs, record_run, run_identity_tags
 
 
-def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
+def run_tags(plan: Plan) -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash), so a run can be matched to its `dvc exp show` row."""
-    tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
+    tags = run_identity_tags(plan, "inprocess" if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
     return tags | git_state() | dvc_tags()
 
 
