@@ -54,18 +54,15 @@ def evaluate_experiments(
     *,
     models_dir: Path = PATHS.models,
     eval_dir: Path = PATHS.eval_reports,
-    examples_path: Path = PATHS.examples,
-    partitions_dir: Path = PATHS.partitions,
-    backbone_dir: Path = PATHS.backbone,
     mlflow_logging: bool = True,
     bootstrap: BootstrapConfig | None = None,
     only: str | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """Generate and score every client's (or client ``only``'s) test subsample of each of ``names``, with one
-    backbone load per adapter shape and every client adapter of those experiments in the same generate calls
-    (pipeline.results.evaluation.generate_per_run: each summary is what its adapter alone gives); metrics.json's
-    content by experiment."""
-    examples = pd.read_parquet(examples_path, columns=["example_id", "source", "target", "domain"])
+    """Generate and score every client's (or client ``only``'s) test subsample of each of ``names`` (the project's
+    examples, partitions and backbone: PATHS), with one backbone load per adapter shape and every client adapter of
+    those experiments in the same generate calls (pipeline.results.evaluation.generate_per_run: each summary is what
+    its adapter alone gives); metrics.json's content by experiment."""
+    examples = pd.read_parquet(PATHS.examples, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
 
     def prepare(name: str) -> _Experiment:
@@ -73,7 +70,7 @@ def evaluate_experiments(
         if not exp_path.is_file():
             raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
         plan = read_plan(exp_path)  # the plan the adapters were trained with
-        part_path = partitions_dir / f"{plan.partition}.json"
+        part_path = PATHS.partition(plan.partition)
         partition = read_json(part_path, "partition")
         clients = partition.get("clients")
         if not isinstance(clients, dict) or not clients:
@@ -85,7 +82,7 @@ def evaluate_experiments(
             if not test_ids:
                 skipped_clients[client] = f"no test examples in {part_path}"
                 continue
-            chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {examples_path}")
+            chosen[client] = test_ids, test_subsample(examples, test_ids, client, cfg, f"{part_path}, {PATHS.examples}")
         if not chosen:
             raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
         adapters = [
@@ -95,8 +92,8 @@ def evaluate_experiments(
         return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
 
     pending = [prepare(n) for n in names]
-    if not backbone_dir.is_dir():
-        raise DataError(f"{backbone_dir}: backbone directory not found (run the backbone stage)")
+    if not PATHS.backbone.is_dir():
+        raise DataError(f"{PATHS.backbone}: backbone directory not found (run the backbone stage)")
     shapes: dict[tuple, list[_Experiment]] = {}
     for exp in pending:
         max_src = cfg.max_source_length or exp.model_cfg.max_source_length
@@ -104,8 +101,8 @@ def evaluate_experiments(
     out: dict[str, dict[str, Any]] = {}
     for (_, max_src), same in shapes.items():
         # the frozen backbone with these experiments' adapter shape (each client's adapter is stacked in)
-        model = AdapterSummarizer.from_pretrained(str(backbone_dir), adapter_config(same[0].model_cfg))
-        backbone = backbone_name(backbone_dir, str(model.backbone.config.model_type))
+        model = AdapterSummarizer.from_pretrained(str(PATHS.backbone), adapter_config(same[0].model_cfg))
+        backbone = backbone_name(PATHS.backbone, str(model.backbone.config.model_type))
         sources = [sub["source"].tolist() for exp in same for _, sub in exp.chosen.values()]
         desc = same[0].name if len(same) == 1 else f"{len(same)} experiments"
         summaries = iter(
