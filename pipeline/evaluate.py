@@ -24,7 +24,7 @@ from pipeline.common.integrity import backbone_name
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.model import ModelConfig
-from pipeline.experiments.plans import read_plan
+from pipeline.experiments.plans import Plan, read_plan
 from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
@@ -40,7 +40,7 @@ class _Experiment:
     """An experiment ready to generate: its plan, its clients' test subsamples and adapters."""
 
     name: str
-    plan: Any
+    plan: Plan
     part_path: Path
     chosen: dict[str, tuple[list[str], pd.DataFrame]]  # client -> its test ids and subsample
     adapters: list[dict]
