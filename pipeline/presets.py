@@ -160,19 +160,14 @@ def overrides(preset: dict[str, Any]) -> list[str]:
 
 
 def run_commands(
-    preset_path: str | Path,
-    name: str | None,
-    by: str | None = None,
-    queue: bool = False,
-    temp: bool = False,
-    *,
-    params_path: str | Path = "params.yaml",
+    preset_path: Path, params: dict[str, Any], name: str | None, by: str | None = None, flags: tuple[str, ...] = ()
 ) -> list[list[str]]:
-    """The ``dvc exp run`` commands that apply the preset, each part validated against params.yaml first. With
-    ``by``, a long preset as several DVC experiments: one per value of the experiments' ``by`` key (e.g. ``seed``),
-    named ``<name>-<by><value>``, each with only those experiments, then the whole preset as ``<name>``, which trains
-    nothing again: its train and evaluate stages are the parts', restored from DVC's run cache."""
-    preset, params = load_preset(preset_path), load_params(params_path)
+    """The ``dvc exp run`` commands (with ``flags``: ``--queue``, ``--temp``) that apply the preset, each part
+    validated against ``params`` (params.yaml's) first. With ``by``, a long preset as several DVC experiments: one per
+    value of the experiments' ``by`` key (e.g. ``seed``), named ``<name>-<by><value>``, each with only those
+    experiments, then the whole preset as ``<name>``, which trains nothing again: its train and evaluate stages are
+    the parts', restored from DVC's run cache."""
+    preset = load_preset(preset_path)
     validate(preset, params, str(preset_path))
     parts = {}
     if by is not None:
@@ -194,7 +189,6 @@ def run_commands(
         parts = {f"{name}-{by}{value}": {**preset, "experiments": group} for value, group in groups.items()}
         for part in parts.values():
             validate(part, params, str(preset_path))
-    flags = [*(["--queue"] if queue else []), *(["--temp"] if temp else [])]
     commands = []
     for part_name, part in (parts | {name: preset}).items():
         named = ["--name", part_name] if part_name else []
@@ -261,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("show", help="validate and print the flattened overrides").add_argument("preset")
     sub.add_parser("check", help="validate one or more presets").add_argument("presets", nargs="+")
     run = sub.add_parser("run", help="validate, then `dvc exp run --set-param ...` (a DVC experiment)")
-    run.add_argument("preset")
+    run.add_argument("preset", type=Path)
     run.add_argument("--name", help="experiment name (dvc exp run --name)")
     where = run.add_mutually_exclusive_group()
     where.add_argument("--queue", action="store_true", help="queue instead of running (dvc queue start runs it)")
@@ -298,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.parts and not args.name:
         raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")
-    for cmd in run_commands(args.preset, args.name, args.parts, args.queue, args.temp, params_path=args.params):
+    flags = tuple(flag for flag in ("--queue", "--temp") if getattr(args, flag[2:]))
+    for cmd in run_commands(args.preset, params, args.name, args.parts, flags):
         print(shlex.join(cmd), flush=True)
         if not args.dry_run and (status := subprocess.call(cmd)) != 0:
             return status

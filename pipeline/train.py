@@ -33,10 +33,10 @@ from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.summary import log_run_outputs, merge_gate_logs, prepare_outputs, record_run, run_identity_tags
 
 
-def run_tags(plan: Plan, engine: str = "inprocess") -> dict[str, str]:
+def run_tags(plan: Plan) -> dict[str, str]:
     """Tags of the experiment's MLflow run: what it is, and where it came from (commit, dirty tree, DVC experiment,
     plan hash), so a run can be matched to its `dvc exp show` row."""
-    tags = run_identity_tags(plan, engine if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
+    tags = run_identity_tags(plan, "inprocess" if plan.spec.federated else "none") | {"plan_hash": plan_hash(plan)}
     return tags | git_state() | dvc_tags()
 
 
@@ -114,14 +114,13 @@ def run_set(
     """Train the experiments of ``plan_paths`` as one set in this process (pipeline.training.set_engine): each in its
     own thread and round loop, their clients' work at one round barrier, each computing what it would alone in a
     fresh process; returns their metrics by experiment."""
-    settings = {Path(p).stem: (settings or {}).get(Path(p).stem) or RunSettings() for p in plan_paths}
     names = [Path(p).stem for p in plan_paths]
     barrier = RoundBarrier()
     with stage_timer(stage_name("train", names), experiments=names):
         out = barrier.run(
             {
-                Path(p).stem: partial(run_experiment, p, track=track, settings=settings[Path(p).stem], barrier=barrier)
-                for p in plan_paths
+                n: partial(run_experiment, p, track=track, settings=(settings or {}).get(n), barrier=barrier)
+                for n, p in zip(names, plan_paths)
             }
         )
     return {n: out[n] for n in names}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pandas as pd
@@ -9,6 +10,7 @@ import pytest
 
 from pipeline.common.schema import DataError
 from pipeline.evaluate import evaluate_experiments
+from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.evaluation import EvaluateConfig, subsample_test_ids
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
@@ -49,8 +51,9 @@ def workspace(tmp_path_factory):
                     "target": f"The team agreed on the budget {i}. They will meet again.",
                 }
             )
-    examples = root / "examples.parquet"
-    pd.DataFrame(rows).to_parquet(examples)
+    paths = ProjectPaths(root)  # the project's layout: evaluate reads its examples and partitions at PATHS
+    paths.examples.parent.mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(paths.examples)
     partition = {
         "scheme": "domain",
         "seed": 0,
@@ -60,8 +63,8 @@ def workspace(tmp_path_factory):
             c: {"train": [], "valid": [], "test": [r["example_id"] for r in rows if r["domain"] == c]} for c in CLIENTS
         },
     }
-    (root / "partitions" / "domain").mkdir(parents=True)
-    (root / "partitions" / "domain" / "seed0.json").write_text(json.dumps(partition))
+    paths.partition("domain/seed0").parent.mkdir(parents=True)
+    paths.partition("domain/seed0").write_text(json.dumps(partition))
 
     model = AdapterSummarizer.from_pretrained(backbone, adapter_config(check_model_group({"model": MODEL})))
     exp_dir = root / "models" / "exp1"
@@ -87,16 +90,10 @@ def workspace(tmp_path_factory):
 
 
 def run(workspace, cfg: EvaluateConfig, name: str = "exp1"):
-    return evaluate_experiments(
-        [name],
-        cfg,
-        models_dir=workspace / "models",
-        eval_dir=workspace / "eval",
-        examples_path=workspace / "examples.parquet",
-        partitions_dir=workspace / "partitions",
-        backbone_dir=workspace / "models" / "backbone",
-        mlflow_logging=False,
-    )[name]
+    with contextlib.chdir(workspace):  # PATHS, relative to the working directory
+        return evaluate_experiments(
+            [name], cfg, models_dir=workspace / "models", eval_dir=workspace / "eval", mlflow_logging=False
+        )[name]
 
 
 def test_evaluate_stage_end_to_end(workspace):
@@ -177,7 +174,7 @@ def test_bad_config_rejected():
 
 def test_a_test_id_missing_from_the_examples_is_one_error_naming_both_files_and_the_client(workspace):
     cfg = EvaluateConfig(test_examples_per_client=1, num_beams=1, max_target_length=4, min_target_length=0)
-    path = workspace / "partitions" / "domain" / "seed0.json"
+    path = ProjectPaths(workspace).partition("domain/seed0")
     original = path.read_text()
     partition = json.loads(original)
     partition["clients"]["Committee"]["test"].append("qmsum/Committee/test/gone/q0")
@@ -188,7 +185,7 @@ def test_a_test_id_missing_from_the_examples_is_one_error_naming_both_files_and_
     finally:
         path.write_text(original)
     message = str(err.value)
-    assert "\n" not in message and str(path) in message and str(workspace / "examples.parquet") in message
+    assert "\n" not in message and str(PATHS.partition("domain/seed0")) in message and str(PATHS.examples) in message
     assert "'Committee'" in message and "qmsum/Committee/test/gone/q0" in message
 
 
@@ -214,13 +211,8 @@ def test_experiments_evaluated_together_give_each_what_it_gives_alone(workspace,
         state = load_file(str(f))
         save_file({k: v + 0.5 * torch.randn(v.shape, generator=generator) for k, v in state.items()}, str(f))
     cfg = EvaluateConfig(batch_size=2, num_beams=2, max_target_length=8, min_target_length=2)
-    paths = {
-        "models_dir": models,
-        "examples_path": workspace / "examples.parquet",
-        "partitions_dir": workspace / "partitions",
-        "backbone_dir": workspace / "models" / "backbone",
-        "mlflow_logging": False,
-    }
+    monkeypatch.chdir(workspace)  # its examples, partitions and backbone at PATHS
+    paths = {"models_dir": models, "mlflow_logging": False}
     alone = {n: evaluate_experiments([n], cfg, eval_dir=tmp_path / "alone", **paths)[n] for n in ("exp1", "exp2")}
     monkeypatch.setattr(evaluation, "GENERATE_ROWS", rows_a_call)
     together = evaluate_experiments(["exp1", "exp2"], cfg, eval_dir=tmp_path / "together", **paths)

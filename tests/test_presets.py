@@ -272,7 +272,7 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
         "  b-s0: {method: fedkd, partition: domain/seed0, seed: 0}\n"
         "  a-s1: {method: fedavg, partition: domain/seed0, seed: 1}\n",
     )
-    cmds = pr.run_commands(preset, "study", "seed", queue=True, params_path=ROOT / "params.yaml")
+    cmds = pr.run_commands(preset, PARAMS, "study", "seed", ("--queue",))
     names = [c[c.index("--name") + 1] for c in cmds]
     assert names == ["study-seed0", "study-seed1", "study"]  # the whole comes last
     assert all("--queue" in c and "--set-param" in c and "tau=4.0" in c for c in cmds)
@@ -289,13 +289,10 @@ def test_parts_split_a_preset_by_seed_then_run_the_whole(tmp_path):
     assert list(experiments_of(cmds[1])) == ["a-s1"] and list(experiments_of(cmds[2])) == ["a-s0", "b-s0", "a-s1"]
     with pytest.raises(pr.PresetError, match="same 'method'"):
         pr.run_commands(
-            write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"),
-            "x",
-            "method",
-            params_path=ROOT / "params.yaml",
+            write(tmp_path, "experiments:\n  a: {method: fedavg, partition: domain/seed0}\n"), PARAMS, "x", "method"
         )
     with pytest.raises(pr.PresetError, match="one of the experiments' keys"):
-        pr.run_commands(preset, "x", "lr", params_path=ROOT / "params.yaml")
+        pr.run_commands(preset, PARAMS, "x", "lr")
 
 
 @pytest.mark.slow

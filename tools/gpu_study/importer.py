@@ -98,7 +98,6 @@ def log_runs(dest: Path, device: str) -> list[str]:
 
     params = load_params(dest / "params.yaml")
     cfg = from_dict(EvaluateConfig, params.get("evaluate"), "evaluate")
-    engine = (params.get("train") or {}).get("engine", "inprocess")
     ids = []
     for run_dir in sorted((dest / "runs").iterdir()):
         plan = read_plan(run_dir / "experiment.json")
@@ -106,7 +105,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
             plan.study,
             run_name(plan.experiment),
             plan.to_json_dict(),
-            run_tags(plan, engine=engine) | {"device": device, "imported_from": str(dest)},
+            run_tags(plan) | {"device": device, "imported_from": str(dest)},
             partition=dest / "partitions" / f"{plan.partition}.json",
             clients=(),
         )
