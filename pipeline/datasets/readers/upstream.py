@@ -1,5 +1,6 @@
 """What every reader of an upstream layout shares: JSON lines read with one-line errors naming file and line, fields
-checked against the upstream schema (each reader's pydantic models), duplicate keys, and splits that may be absent (ingest.allow_absent_splits)."""
+checked against the upstream schema (each reader's pydantic models), duplicate keys, and splits that may be absent
+(ingest.allow_absent_splits)."""
 
 from __future__ import annotations
 
