@@ -78,23 +78,19 @@ class PrefixCache:
         self.root = Path(root)
         self.dtype = DTYPES[dtype]
         self.max_bytes = int(max_bytes)
-        self.key = _sha(fingerprint, max_source_length, max_target_length, top_k, dtype, FORMAT_VERSION)[:20]
+        key = {
+            "fingerprint": fingerprint,
+            "max_source_length": max_source_length,
+            "max_target_length": max_target_length,
+            "top_k": top_k,
+            "dtype": dtype,
+            "format_version": FORMAT_VERSION,
+        }
+        self.key = _sha(*key.values())[:20]
         self.dir = self.root / self.key
         self.dir.mkdir(parents=True, exist_ok=True)
-        meta = self.dir / "key.json"
-        if not meta.exists():  # atomic: another worker may create the same key at once
-            atomic.write_json(
-                meta,
-                {
-                    "fingerprint": fingerprint,
-                    "max_source_length": max_source_length,
-                    "max_target_length": max_target_length,
-                    "top_k": top_k,
-                    "dtype": dtype,
-                    "format_version": FORMAT_VERSION,
-                },
-                indent=1,
-            )
+        if not (self.dir / "key.json").exists():  # atomic: another worker may create the same key at once
+            atomic.write_json(self.dir / "key.json", key, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self.resident: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # entry file -> its tensors, on device
         self._paths: dict[tuple[str, bytes, bytes], Path] = {}  # (example id, its token ids' bytes) -> entry file

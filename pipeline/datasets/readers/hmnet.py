@@ -59,7 +59,7 @@ def read_hmnet(
 ) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
     meetings: dict[str, str] = {}
-    for _, split, display, line_no, raw in split_json_lines(
+    for split, display, line_no, raw in split_json_lines(
         directory, hmnet_chunks(dataset), f"{dataset}/{corpus}", allow_absent, report
     ):
         where = f"{display}:{line_no}"
