@@ -47,16 +47,11 @@ def resolve_root(cache_dir: str | os.PathLike) -> Path:
     return root if root.is_absolute() else repo_root() / root
 
 
-def _raw(t: torch.Tensor):
-    """The tensor's bytes without a copy (viewed as uint8: works for bfloat16, which numpy lacks)."""
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
-
-
 def tensors_sha256(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        h.update(_raw(t))
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)  # no copy; uint8: numpy has no bf16
     return h.hexdigest()
 
 
