@@ -154,10 +154,7 @@ def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[d
 
 def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
     """All examples, plus a report of the QMSum meeting links."""
-    links: dict[str, str] = {}
-    link_report: dict[str, Any] = {}
-    if "qmsum" in interim:
-        links, link_report = qmsum_links(interim, cfg.link_min_jaccard)
+    links, link_report = qmsum_links(interim, cfg.link_min_jaccard) if "qmsum" in interim else ({}, {})
     rows: list[Example] = []  # pandas reads dataclasses as rows
     for dataset, frame in interim.items():
         if dataset == "qmsum":
@@ -243,11 +240,8 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
         for domain, by_split in by_domain.items():
             for split, s in by_split.items():
                 paper_n = PAPER_SIZES.get(domain, {}).get(split, "")
-                out.append(
-                    f"| {domain} | {split} | {s['n']} | {paper_n} | "
-                    + " | ".join(f"{s[k]:.2f}" for k in STAT_KEYS)
-                    + " |"
-                )
+                cells = [s["n"], paper_n] + [f"{s[k]:.2f}" for k in STAT_KEYS]
+                out.append(f"| {domain} | {split} | " + " | ".join(map(str, cells)) + " |")
     out += ["", "Records skipped at ingest (by design, with reason):", ""]
     if any(skipped.values()):
         out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()]

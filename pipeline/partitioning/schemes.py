@@ -184,24 +184,24 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
 
 
 def label_skew(
-    pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alpha: float, rng: np.random.Generator
+    pool: pd.DataFrame, label_of: dict[str, str], cfg: ClusterConfig | DomainDirichletConfig, rng: np.random.Generator
 ) -> Partition:
     """Dirichlet label skew (FedNLP), sampling without replacement. Each client draws one label mix ``q_c ~ Dir(alpha *
     p)`` with ``p`` the global label proportions. Per split, clients get equal shares of the examples; each slot picks a
     label from ``q_c`` (renormalised over labels still available) and takes a random remaining example with that label.
     Every example is assigned."""
-    names = numbered_clients(n_clients)
+    names = numbered_clients(cfg.n_clients)
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])
-    mixes = rng.dirichlet(alpha * p, size=n_clients)  # row c = q_c
+    mixes = rng.dirichlet(cfg.alpha * p, size=cfg.n_clients)  # row c = q_c
     part = Partition(clients={n: _empty_client() for n in names}, labels=dict(label_of))
     for split in SPLITS:
         ids = _ids(pool[pool.split == split])
         remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
         for lab in labels:
             rng.shuffle(remaining[lab])
-        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, n_clients)])):
+        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
             for _ in range(size):
                 avail = np.array([len(remaining[lab]) > 0 for lab in labels])
                 w = mixes[c] * avail
@@ -251,14 +251,12 @@ def scheme_cluster(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.
     """FedNLP feature-cluster skew: K-Means clusters of the summaries as labels, then the Dirichlet label mix."""
     pool = qmsum_pool(examples)
     label_of = cluster_labels(pool, cfg.cluster, random_state=int(rng.integers(2**31 - 1)))
-    return label_skew(pool, label_of, cfg.cluster.n_clients, cfg.cluster.alpha, rng)
+    return label_skew(pool, label_of, cfg.cluster, rng)
 
 
 def scheme_domain_dirichlet(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     pool = qmsum_pool(examples)
-    return label_skew(
-        pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet.n_clients, cfg.domain_dirichlet.alpha, rng
-    )
+    return label_skew(pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet, rng)
 
 
 # (examples, cfg, rng) -> Partition; the domain schemes draw nothing

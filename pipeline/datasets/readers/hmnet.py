@@ -47,7 +47,7 @@ def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
 
 
 def read_hmnet(
-    directory: Path, dataset: str, report: IngestReport, allow_absent: list[str] = ()
+    directory: Path, report: IngestReport, allow_absent: list[str], dataset: str
 ) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
     meetings: dict[str, str] = {}
@@ -84,7 +84,7 @@ for _dataset, _corpus in HMNET_CORPUS.items():
     register_reader(
         DatasetSpec(
             _dataset,
-            read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
+            read=lambda d, r, a, dataset=_dataset: read_hmnet(d, r, a, dataset),
             files=lambda dataset=_dataset, corpus=_corpus: {
                 path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)
             },
