@@ -197,11 +197,7 @@ class PrefixCache:
 
     def _evict(self, need: int) -> None:
         """Least recently used first: by the files' mtime, or this process's last use of a resident entry."""
-
-        def last_used(p: Path) -> float:
-            return max(p.stat().st_mtime, self._used.get(p, 0.0))
-
-        files = sorted(self.root.glob("*/*.safetensors"), key=last_used)
+        files = sorted(self.root.glob("*/*.safetensors"), key=lambda p: max(p.stat().st_mtime, self._used.get(p, 0.0)))
         freed = 0
         for p in files:
             if freed >= need:
