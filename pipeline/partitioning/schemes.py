@@ -66,8 +66,8 @@ class Partition:
         return [i for c in self.clients.values() for s in SPLITS for i in c.get(s, [])]
 
 
-def _empty_client() -> dict[str, list[str]]:
-    return {s: [] for s in SPLITS}
+def _empty(names: list[str], labels: dict[str, str]) -> Partition:
+    return Partition(clients={n: {s: [] for s in SPLITS} for n in names}, labels=labels)
 
 
 def _ids(frame: pd.DataFrame) -> list[str]:
@@ -116,7 +116,7 @@ def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Gene
     """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
     pool = qmsum_pool(examples)
     names = numbered_clients(cfg.iid.n_clients)
-    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
+    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = np.array(_ids(pool[(pool.domain == domain) & (pool.split == split)]))
@@ -128,9 +128,7 @@ def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Gene
 def scheme_noniid_balanced(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Per domain a random sample of fixed size per split (paper: 200/40/40); the rest is excluded."""
     pool = qmsum_pool(examples)
-    part = Partition(
-        clients={d: _empty_client() for d in QMSUM_DOMAINS}, labels=dict(zip(pool.example_id, pool.domain))
-    )
+    part = _empty(list(QMSUM_DOMAINS), dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = _ids(pool[(pool.domain == domain) & (pool.split == split)])
@@ -173,7 +171,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
             f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
             f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split"
         )
-    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
+    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
         cuts = np.cumsum(counts[split])[:-1]
         for name, chunk in zip(names, np.split(rng.permutation(ids), cuts)):
@@ -193,7 +191,7 @@ def label_skew(
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])
     mixes = rng.dirichlet(cfg.alpha * p, size=cfg.n_clients)  # row c = q_c
-    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(label_of))
+    part = _empty(names, dict(label_of))
     for split in SPLITS:
         ids = _ids(pool[pool.split == split])
         remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
