@@ -256,13 +256,10 @@ def resolve(
     return record
 
 
-WALL_TIME_KEYS = ("seconds", "examples_per_second")
-
-
 def without_wall_times(record: Any) -> Any:
     """``record`` without the measured wall times (they differ between identical runs)."""
     if isinstance(record, dict):
-        return {k: without_wall_times(v) for k, v in record.items() if k not in WALL_TIME_KEYS}
+        return {k: without_wall_times(v) for k, v in record.items() if k not in ("seconds", "examples_per_second")}
     if isinstance(record, list):
         return [without_wall_times(v) for v in record]
     return record
