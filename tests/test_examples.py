@@ -96,8 +96,8 @@ def test_link_meetings_matches_by_shared_word_ngrams():
         "m1": ["We discussed the battery , and the case", "material of the new remote in detail ."],
         "m2": ["something else entirely that nobody said in any of those meetings at all"],
     }
-    res = link_meetings(queries, corpus, min_jaccard=0.05)
-    assert res.links == {"m1": "ES2002b"} and res.unmatched == ["m2"] and res.scores["m1"] == 1.0
+    links, record = link_meetings(queries, corpus, min_jaccard=0.05)
+    assert links == {"m1": "ES2002b"} and record["unmatched"] == ["m2"] and record["min_score"] == 1.0
     with pytest.raises(DataError, match="both match ES2002b"):
         link_meetings({"m1": queries["m1"], "m3": list(queries["m1"])}, corpus, min_jaccard=0.05)
 

@@ -924,7 +924,7 @@ def test_an_hmnet_record_is_the_whole_meeting_with_no_query_and_its_chunk_and_li
     from pipeline.datasets.readers.hmnet import read_hmnet
 
     _hmnet_chunk(mirror, "test", [_hmnet_meeting("ES1"), _hmnet_meeting("ES2", summary=[" A. ", "B."])])
-    records = [r for r in read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test")) if r.split == "test"]
+    records = [r for r in read_hmnet(mirror / "ami", IngestReport("ami", "test"), [], "ami") if r.split == "test"]
     chunk = f"ami/{AMI_DIR}/test/split_0.jsonl.gz"
     assert records == [
         CanonicalRecord(
@@ -951,12 +951,12 @@ def test_an_empty_hmnet_chunk_is_an_allowed_absence_only_when_it_is_its_splits_o
     from pipeline.datasets.readers.hmnet import read_hmnet
 
     _hmnet_chunk(mirror, "test", [])
-    records = list(read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test"), allow_absent=["ami/AMI/test"]))
+    records = list(read_hmnet(mirror / "ami", IngestReport("ami", "test"), ["ami/AMI/test"], "ami"))
     assert {r.split for r in records} == {"train", "valid"}
     monkeypatch.setitem(HMNET_CHUNKS, "ami", {"train": 1, "dev": 1, "test": 2})
     _hmnet_chunk(mirror, "test", [_hmnet_meeting("ES7")], k=1)
     with pytest.raises(DataError, match=r"test/split_0\.jsonl\.gz: .*ami/AMI/test"):
-        list(read_hmnet(mirror / "ami", "ami", IngestReport("ami", "test"), allow_absent=["ami/AMI/test"]))
+        list(read_hmnet(mirror / "ami", IngestReport("ami", "test"), ["ami/AMI/test"], "ami"))
 
 
 def test_a_missing_samsum_split_allowed_by_a_pattern_leaves_the_others_read(tmp_path):

@@ -42,13 +42,18 @@ def bert_tok():
     return _bert_tokenizer()
 
 
+def _tag(nlp, tok, example_ids, targets, max_target_length):
+    examples = pd.DataFrame({"example_id": example_ids, "target": targets})
+    return tag_targets(examples, tok, nlp, max_target_length, tok.cls_token_id, PostagConfig())
+
+
 def test_only_pos_components_run(nlp):
     assert set(nlp.pipe_names) <= {"tok2vec", "tagger", "attribute_ruler", "morphologizer", "transformer"}
     assert "tagger" in nlp.pipe_names
 
 
 def test_tags_of_fixed_sentence(nlp, bert_tok):
-    tagged = tag_targets(["ex"], [SENTENCE], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False)
+    tagged = _tag(nlp, bert_tok, ["ex"], [SENTENCE], 64)
     words = tagged.dropna(subset=["word_index"]).drop_duplicates("word_index")
     assert list(zip(words["word"], words["pos"])) == EXPECTED
     # [CLS] is the decoder start token: dropped from the labels, so position 0 is "the"; [SEP] has no word.
@@ -59,7 +64,7 @@ def test_tags_of_fixed_sentence(nlp, bert_tok):
 
 def test_positions_match_training_labels(nlp, bert_tok):
     targets = ["Hannah asked Amanda for Betty's number.", SENTENCE]
-    tagged = tag_targets(["a", "b"], targets, bert_tok, nlp, 8, bert_tok.cls_token_id, progress=False)
+    tagged = _tag(nlp, bert_tok, ["a", "b"], targets, 8)
     labels = tokenize_pairs(bert_tok, ["", ""], targets, 1, 8, ["a", "b"], bert_tok.cls_token_id)
     for ex in labels:
         assert tagged.loc[tagged["example_id"] == ex.example_id, "token_id"].tolist() == ex.labels
@@ -67,7 +72,7 @@ def test_positions_match_training_labels(nlp, bert_tok):
 
 def test_hard_kd_mask_marks_exactly_nouns_and_verbs(nlp, bert_tok):
     target = "They agreed that he should buy a yellow remote."
-    tagged = tag_targets(["x"], [target], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False)
+    tagged = _tag(nlp, bert_tok, ["x"], [target], 64)
     tokens = bert_tok.convert_ids_to_tokens(tagged["token_id"].tolist())
     assert tokens == ["they", "agreed", "that", "he", "should", "buy", "a", "yellow", "remote", ".", "[SEP]"]
     masks = NounVerbMasks(tagged)
@@ -86,12 +91,10 @@ def test_hard_kd_mask_marks_exactly_nouns_and_verbs(nlp, bert_tok):
 
 
 def test_propn_counts_as_noun_aux_does_not(nlp, bert_tok):
-    tagged = tag_targets(
-        ["p"], ["Project manager decides to use LCD."], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False
-    )
+    tagged = _tag(nlp, bert_tok, ["p"], ["Project manager decides to use LCD."], 64)
     nv_words = tagged.loc[tagged["is_noun_or_verb"], "word"].unique().tolist()
     assert nv_words == ["Project", "manager", "decides", "use", "LCD."]
-    aux = tag_targets(["q"], [SENTENCE], bert_tok, nlp, 64, bert_tok.cls_token_id, progress=False)
+    aux = _tag(nlp, bert_tok, ["q"], [SENTENCE], 64)
     assert not aux.loc[aux["word"] == "will", "is_noun_or_verb"].any()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tiny_models import _bart_tokenizer, _bert_tokenizer
 
-from pipeline.datasets.words import whitespace_words, word_index_from_offsets
+from pipeline.modeling.target_tags import whitespace_words, word_index_from_offsets
 
 TEXT = "The project manager decides to use LCD.\nHe isn't  sure, ok?"
 # Whitespace words of TEXT, by hand.
@@ -45,17 +45,17 @@ def test_wordpiece_offsets_real_tokenizer():
         "?",
         "[SEP]",
     ]
-    mapped = word_index_from_offsets(TEXT, offsets, special)
-    assert mapped.words == WORDS
-    assert mapped.word_index == [None, 0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 8, 9, 9, 10, 10, None]
+    word_index, words, _ = word_index_from_offsets(TEXT, offsets, special)
+    assert words == WORDS
+    assert word_index == [None, 0, 1, 2, 3, 4, 5, 6, 6, 7, 8, 8, 8, 9, 9, 10, 10, None]
 
 
 def test_bpe_offsets_real_tokenizer():
     tokens, offsets, special = _encode(_bart_tokenizer(), TEXT)
-    mapped = word_index_from_offsets(TEXT, offsets, special)
+    word_index, _, _ = word_index_from_offsets(TEXT, offsets, special)
     # The pieces of each word spell the word (Ġ = the space in front of it); specials, Ċ and the lone Ġ of the
     # double space belong to no word.
     for w, word in enumerate(WORDS):
-        pieces = [t for t, i in zip(tokens, mapped.word_index) if i == w]
+        pieces = [t for t, i in zip(tokens, word_index) if i == w]
         assert "".join(pieces).replace("Ġ", "") == word
-    assert [t for t, i in zip(tokens, mapped.word_index) if i is None] == ["<s>", "Ċ", "Ġ", "</s>"]
+    assert [t for t, i in zip(tokens, word_index) if i is None] == ["<s>", "Ċ", "Ġ", "</s>"]

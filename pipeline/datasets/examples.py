@@ -13,7 +13,7 @@ import json
 import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from typing import Any
 
 import pandas as pd
@@ -75,25 +75,20 @@ def shingles(contents: Iterable[str], n: int = SHINGLE_WORDS) -> set[str]:
     return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-@dataclass
-class LinkResult:
-    links: dict[str, str] = field(default_factory=dict)  # qmsum meeting id -> corpus meeting id
-    scores: dict[str, float] = field(default_factory=dict)  # qmsum meeting id -> Jaccard of the match
-    runner_up: float = 0.0  # highest second-best score seen (how close a wrong match came)
-    unmatched: list[str] = field(default_factory=list)
-
-
 def link_meetings(
     queries: Mapping[str, Iterable[str]], corpus: Mapping[str, Iterable[str]], min_jaccard: float
-) -> LinkResult:
-    """Match each meeting in ``queries`` (id -> turn contents) to one in ``corpus`` (id -> turn contents)."""
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Match each meeting in ``queries`` (id -> turn contents) to one in ``corpus`` (id -> turn contents): the links
+    (query meeting id -> corpus meeting id) and their record: the unmatched, the lowest Jaccard of a match, and the
+    highest second-best score seen (how close a wrong match came)."""
     corpus_sets = {cid: shingles(c) for cid, c in corpus.items()}
     index: dict[str, list[str]] = defaultdict(list)  # shingle -> corpus meetings containing it
     for cid, sh in corpus_sets.items():
         for s in sh:
             index[s].append(cid)
-    result = LinkResult()
+    links: dict[str, str] = {}
     owner: dict[str, str] = {}
+    scores, unmatched, runner_up = [], [], 0.0
     for qid, contents in queries.items():
         q = shingles(contents)
         shared = Counter(cid for s in q for cid in index.get(s, ()))
@@ -101,9 +96,9 @@ def link_meetings(
             ((inter / (len(q) + len(corpus_sets[cid]) - inter), cid) for cid, inter in shared.items()), reverse=True
         )
         if len(ranked) > 1:
-            result.runner_up = max(result.runner_up, ranked[1][0])
+            runner_up = max(runner_up, ranked[1][0])
         if not ranked or ranked[0][0] < min_jaccard:
-            result.unmatched.append(qid)
+            unmatched.append(qid)
             continue
         score, cid = ranked[0]
         if cid in owner:
@@ -112,9 +107,14 @@ def link_meetings(
                 "the QMSum and HMNet transcripts do not correspond one-to-one"
             )
         owner[cid] = qid
-        result.links[qid] = cid
-        result.scores[qid] = round(score, 4)
-    return result
+        links[qid] = cid
+        scores.append(round(score, 4))
+    record = {
+        "unmatched": unmatched,
+        "min_score": min(scores, default=None),
+        "max_runner_up_score": round(runner_up, 4),
+    }
+    return links, record
 
 
 @config
@@ -138,28 +138,23 @@ def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[d
         queries = {r.meeting_id: [t["content"] for t in r.turns] for r in full.itertuples()}
         other = interim[corpus]
         corpus_meetings = {r.meeting_id: [t["content"] for t in r.turns] for r in other.itertuples()}
-        res = link_meetings(queries, corpus_meetings, min_jaccard)
-        links.update(res.links)
+        domain_links, record = link_meetings(queries, corpus_meetings, min_jaccard)
+        links.update(domain_links)
         splits_q = dict(zip(full.meeting_id, full.split))
         splits_c = dict(zip(other.meeting_id, other.split))
         report[domain] = {
             "linked_to": corpus,
             "meetings": len(queries),
-            "linked": len(res.links),
-            "unmatched": res.unmatched,
-            "min_score": min(res.scores.values(), default=None),
-            "max_runner_up_score": round(res.runner_up, 4),
-            "same_split": sum(splits_q[q] == splits_c[c] for q, c in res.links.items()),
+            "linked": len(domain_links),
+            **record,
+            "same_split": sum(splits_q[q] == splits_c[c] for q, c in domain_links.items()),
         }
     return links, report
 
 
 def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tuple[pd.DataFrame, dict[str, Any]]:
     """All examples, plus a report of the QMSum meeting links."""
-    links: dict[str, str] = {}
-    link_report: dict[str, Any] = {}
-    if "qmsum" in interim:
-        links, link_report = qmsum_links(interim, cfg.link_min_jaccard)
+    links, link_report = qmsum_links(interim, cfg.link_min_jaccard) if "qmsum" in interim else ({}, {})
     rows: list[Example] = []  # pandas reads dataclasses as rows
     for dataset, frame in interim.items():
         if dataset == "qmsum":
@@ -245,11 +240,8 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
         for domain, by_split in by_domain.items():
             for split, s in by_split.items():
                 paper_n = PAPER_SIZES.get(domain, {}).get(split, "")
-                out.append(
-                    f"| {domain} | {split} | {s['n']} | {paper_n} | "
-                    + " | ".join(f"{s[k]:.2f}" for k in STAT_KEYS)
-                    + " |"
-                )
+                cells = [s["n"], paper_n] + [f"{s[k]:.2f}" for k in STAT_KEYS]
+                out.append(f"| {domain} | {split} | " + " | ".join(map(str, cells)) + " |")
     out += ["", "Records skipped at ingest (by design, with reason):", ""]
     if any(skipped.values()):
         out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()]

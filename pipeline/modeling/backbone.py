@@ -132,18 +132,6 @@ def add_sep_token(model, tokenizer, sep_token: str) -> int:
     return sep_id
 
 
-def set_generation_defaults(model, tokenizer, gen: GenerationDefaults) -> None:
-    gc = model.generation_config
-    if model.config.model_type == "encoder-decoder":
-        gc.decoder_start_token_id = tokenizer.cls_token_id
-        gc.bos_token_id = tokenizer.cls_token_id
-        gc.eos_token_id = tokenizer.sep_token_id
-        gc.pad_token_id = tokenizer.pad_token_id
-    gc.update(**asdict(gen), max_length=None, early_stopping=gen.num_beams > 1)
-    gc.min_new_tokens = gen.min_new_tokens or None
-    # BART checkpoints ship forced_bos/min_length for CNN summaries; keep what they ship otherwise.
-
-
 def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tuple[str, str, str]]:
     """(meeting_id, source, summary) of one split of a canonical interim parquet, in file order; records with an
     empty dialogue or summary are skipped (SAMSum train has one empty dialogue)."""
@@ -208,7 +196,15 @@ def resolve(
             }
         )
     sep_id = add_sep_token(model, tokenizer, sep_token)
-    set_generation_defaults(model, tokenizer, cfg.generation)
+    gc = model.generation_config
+    if model.config.model_type == "encoder-decoder":
+        gc.decoder_start_token_id = tokenizer.cls_token_id
+        gc.bos_token_id = tokenizer.cls_token_id
+        gc.eos_token_id = tokenizer.sep_token_id
+        gc.pad_token_id = tokenizer.pad_token_id
+    gc.update(**asdict(cfg.generation), max_length=None, early_stopping=cfg.generation.num_beams > 1)
+    gc.min_new_tokens = cfg.generation.min_new_tokens or None
+    # BART checkpoints ship forced_bos/min_length for CNN summaries; keep what they ship otherwise.
 
     evaluation = None
     wc = cfg.warmup
@@ -260,13 +256,10 @@ def resolve(
     return record
 
 
-WALL_TIME_KEYS = ("seconds", "examples_per_second")
-
-
 def without_wall_times(record: Any) -> Any:
     """``record`` without the measured wall times (they differ between identical runs)."""
     if isinstance(record, dict):
-        return {k: without_wall_times(v) for k, v in record.items() if k not in WALL_TIME_KEYS}
+        return {k: without_wall_times(v) for k, v in record.items() if k not in ("seconds", "examples_per_second")}
     if isinstance(record, list):
         return [without_wall_times(v) for v in record]
     return record

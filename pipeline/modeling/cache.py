@@ -47,16 +47,11 @@ def resolve_root(cache_dir: str | os.PathLike) -> Path:
     return root if root.is_absolute() else repo_root() / root
 
 
-def _raw(t: torch.Tensor):
-    """The tensor's bytes without a copy (viewed as uint8: works for bfloat16, which numpy lacks)."""
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().data
-
-
 def tensors_sha256(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
         h.update(str((tuple(t.shape), str(t.dtype))).encode())
-        h.update(_raw(t))
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().data)  # no copy; uint8: numpy has no bf16
     return h.hexdigest()
 
 
@@ -78,23 +73,19 @@ class PrefixCache:
         self.root = Path(root)
         self.dtype = DTYPES[dtype]
         self.max_bytes = int(max_bytes)
-        self.key = _sha(fingerprint, max_source_length, max_target_length, top_k, dtype, FORMAT_VERSION)[:20]
+        key = {
+            "fingerprint": fingerprint,
+            "max_source_length": max_source_length,
+            "max_target_length": max_target_length,
+            "top_k": top_k,
+            "dtype": dtype,
+            "format_version": FORMAT_VERSION,
+        }
+        self.key = _sha(*key.values())[:20]
         self.dir = self.root / self.key
         self.dir.mkdir(parents=True, exist_ok=True)
-        meta = self.dir / "key.json"
-        if not meta.exists():  # atomic: another worker may create the same key at once
-            atomic.write_json(
-                meta,
-                {
-                    "fingerprint": fingerprint,
-                    "max_source_length": max_source_length,
-                    "max_target_length": max_target_length,
-                    "top_k": top_k,
-                    "dtype": dtype,
-                    "format_version": FORMAT_VERSION,
-                },
-                indent=1,
-            )
+        if not (self.dir / "key.json").exists():  # atomic: another worker may create the same key at once
+            atomic.write_json(self.dir / "key.json", key, indent=1)
         self.stats = {"hits": 0, "misses": 0, "evicted": 0, "refused": 0, "damaged": 0}
         self.resident: dict[Path, tuple[torch.Tensor, torch.Tensor]] = {}  # entry file -> its tensors, on device
         self._paths: dict[tuple[str, bytes, bytes], Path] = {}  # (example id, its token ids' bytes) -> entry file
@@ -206,11 +197,7 @@ class PrefixCache:
 
     def _evict(self, need: int) -> None:
         """Least recently used first: by the files' mtime, or this process's last use of a resident entry."""
-
-        def last_used(p: Path) -> float:
-            return max(p.stat().st_mtime, self._used.get(p, 0.0))
-
-        files = sorted(self.root.glob("*/*.safetensors"), key=last_used)
+        files = sorted(self.root.glob("*/*.safetensors"), key=lambda p: max(p.stat().st_mtime, self._used.get(p, 0.0)))
         freed = 0
         for p in files:
             if freed >= need:

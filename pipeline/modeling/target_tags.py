@@ -1,9 +1,11 @@
-"""The universal POS tag of every target token (stage ``postag``: pipeline/postag.py; METHOD.md section 7 items 9 and 10:
-noun-verb hard KD and the POS analysis).
+"""The universal POS tag of every target token (stage ``postag``: pipeline/postag.py; METHOD.md section 7 items 9
+and 10: noun-verb hard KD and the POS analysis).
 
 Each gold summary is tagged in context by spaCy; its sub-word tokens, tokenised exactly as training tokenises them
-(so positions index the label sequence), are mapped to whitespace words (:mod:`pipeline.datasets.words`) and each word
-gets the tag of the spaCy token at its first character. AUX is not a default noun-verb tag: universal AUX is a closed
+(so positions index the label sequence), are mapped to whitespace words and each word gets the tag of the spaCy token
+at its first character. The POS analysis counts words: a word is a maximal whitespace-delimited run of the target
+text, whatever the tokenizer ("lcd." and "isn't" are one word each); special tokens and tokens that encode only
+whitespace (BPE ``Ċ``) belong to no word (``None``). AUX is not a default noun-verb tag: universal AUX is a closed
 class of function words, like the determiners and pronouns the paper contrasts nouns and verbs with. Output:
 ``data/processed/postags.parquet``, one row per label position (``POSTAG_COLUMNS``; the word columns are null for
 special and whitespace-only tokens).
@@ -11,12 +13,14 @@ special and whitespace-only tokens).
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
@@ -24,7 +28,6 @@ from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config
 from pipeline.common.schema import DataError
 from pipeline.datasets.postags import POSTAG_COLUMNS
-from pipeline.datasets.words import char_to_word, word_index_from_offsets
 from pipeline.modeling.batching import target_labels
 
 UNIVERSAL_TAGS = tuple("ADJ ADP ADV AUX CCONJ DET INTJ NOUN NUM PART PRON PROPN PUNCT SCONJ SYM VERB X SPACE".split())
@@ -40,6 +43,47 @@ class PostagConfig:
     )
     datasets: list[str] = field(default_factory=lambda: ["qmsum"])  # [] = every dataset in examples.parquet
     batch_size: PositiveInt = 32
+
+
+_WORD = re.compile(r"\S+")
+
+
+def whitespace_words(text: str) -> tuple[list[str], list[tuple[int, int]]]:
+    """The whitespace-delimited words of ``text`` and their character spans."""
+    matches = list(_WORD.finditer(text))
+    return [m.group() for m in matches], [m.span() for m in matches]
+
+
+def char_to_word(text: str, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Array over characters: the index of the word containing each character, -1 for whitespace."""
+    owner = np.full(len(text), -1, dtype=np.int64)
+    for i, (start, end) in enumerate(spans):
+        owner[start:end] = i
+    return owner
+
+
+def word_index_from_offsets(
+    text: str, offsets: Sequence[tuple[int, int]], special: Sequence[bool]
+) -> tuple[list[int | None], list[str], list[tuple[int, int]]]:
+    """Per token, the whitespace word containing its first non-space character (None for special and whitespace-only
+    tokens), and the words of ``text`` with their character spans. ``offsets`` are the tokenizer's character spans of
+    the tokens in ``text``; ``special[i]`` marks special tokens. A zero-width token (BPE ``Ġ`` whose space was trimmed
+    from its span) belongs to the word starting right at its position, if any: it encodes the space in front of that
+    word."""
+    words, spans = whitespace_words(text)
+    owner = char_to_word(text, spans)
+    index: list[int | None] = []
+    for (start, end), is_special in zip(offsets, special):
+        if is_special:
+            index.append(None)
+            continue
+        if start == end:  # zero width
+            index.append(int(owner[start]) if start < len(text) and owner[start] >= 0 else None)
+            continue
+        inside = owner[start:end]
+        hit = inside[inside >= 0]
+        index.append(int(hit[0]) if hit.size else None)  # whitespace-only token (Ċ, ĠĠ): no word
+    return index, words, spans
 
 
 def load_spacy(name: str):
@@ -62,44 +106,36 @@ def load_spacy(name: str):
 
 
 def tag_targets(
-    example_ids: Sequence[str],
-    targets: Sequence[str],
-    tokenizer,
-    nlp,
-    max_target_length: int,
-    decoder_start_token_id: int | None,
-    noun_verb_tags: Sequence[str] = ("NOUN", "PROPN", "VERB"),
-    batch_size: int = 32,
-    progress: bool = True,
+    examples: pd.DataFrame, tokenizer, nlp, max_target_length: int, decoder_start: int | None, cfg: PostagConfig
 ) -> pd.DataFrame:
-    """POS rows (``POSTAG_COLUMNS``) for every label position of every target."""
-    if len(example_ids) != len(targets):
-        raise ValueError(f"{len(example_ids)} example ids but {len(targets)} targets")
+    """POS rows (``POSTAG_COLUMNS``) for every label position of every target (``examples``: example_id, target)."""
+    example_ids = examples["example_id"].astype(str).tolist()
+    targets = examples["target"].astype(str).tolist()
     # Tokenised as training tokenises targets (tokenize_pairs), with each token's characters
     enc = tokenizer(
-        text_target=list(targets),
+        text_target=targets,
         max_length=max_target_length,
         truncation=True,
         return_offsets_mapping=True,
         return_special_tokens_mask=True,
     )
-    nv = set(noun_verb_tags)
+    nv = set(cfg.noun_verb_tags)
     rows = []
-    docs = nlp.pipe(targets, batch_size=batch_size)
-    for k, doc in enumerate(tqdm(docs, total=len(targets), desc="postag", unit="summary", disable=not progress)):
-        label_ids = target_labels(enc["input_ids"][k], decoder_start_token_id)
+    docs = nlp.pipe(targets, batch_size=cfg.batch_size)
+    for k, doc in enumerate(tqdm(docs, total=len(targets), desc="postag", unit="summary")):
+        label_ids = target_labels(enc["input_ids"][k], decoder_start)
         drop = len(enc["input_ids"][k]) - len(label_ids)  # 1 when a leading decoder-start token was dropped
-        words = word_index_from_offsets(
+        word_index, words, word_spans = word_index_from_offsets(
             targets[k], enc["offset_mapping"][k][drop:], [bool(s) for s in enc["special_tokens_mask"][k][drop:]]
         )
         # each word: the POS of the spaCy token covering its first character
         owner = char_to_word(doc.text, [(tok.idx, tok.idx + len(tok.text)) for tok in doc])
-        if uncovered := [start for start, _ in words.word_spans if owner[start] < 0]:  # a tokenizer dropped characters
+        if uncovered := [start for start, _ in word_spans if owner[start] < 0]:  # a tokenizer dropped characters
             raise DataError(f"word at character {uncovered[0]} of {doc.text!r} is not covered by any spaCy token")
-        tags = [doc[int(owner[start])].pos_ for start, _ in words.word_spans]
-        for pos_i, (tok_id, w) in enumerate(zip(label_ids, words.word_index)):
+        tags = [doc[int(owner[start])].pos_ for start, _ in word_spans]
+        for pos_i, (tok_id, w) in enumerate(zip(label_ids, word_index)):
             tag = None if w is None else tags[w]
-            rows.append((example_ids[k], pos_i, int(tok_id), w, None if w is None else words.words[w], tag, tag in nv))
+            rows.append((example_ids[k], pos_i, int(tok_id), w, None if w is None else words[w], tag, tag in nv))
     return pd.DataFrame(rows, columns=POSTAG_COLUMNS).astype(
         {"position": "int32", "token_id": "int64", "word_index": "Int32", "is_noun_or_verb": bool}
     )
@@ -131,16 +167,7 @@ def write_target_tags(
     if decoder_start is None and (backbone / "generation_config.json").exists():
         decoder_start = GenerationConfig.from_pretrained(backbone).decoder_start_token_id
     t0 = time.perf_counter()
-    table = tag_targets(
-        examples["example_id"].astype(str).tolist(),
-        examples["target"].astype(str).tolist(),
-        tokenizer,
-        nlp,
-        max_target_length,
-        decoder_start,
-        cfg.noun_verb_tags,
-        cfg.batch_size,
-    )
+    table = tag_targets(examples, tokenizer, nlp, max_target_length, decoder_start, cfg)
     seconds = time.perf_counter() - t0
     atomic.to_parquet(table, out_path, index=False)
     nv = table["is_noun_or_verb"]

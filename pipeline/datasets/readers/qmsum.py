@@ -64,9 +64,7 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
     meetings: dict[str, dict[str, str]] = {}  # per file
     for domain in QMSUM_DOMAINS:
         files = [(s, f"data/{domain}/jsonl/{s}.jsonl") for s in ("train", "val", "test")]
-        for _, split, display, line_no, raw in split_json_lines(
-            directory, files, f"qmsum/{domain}", allow_absent, report
-        ):
+        for split, display, line_no, raw in split_json_lines(directory, files, f"qmsum/{domain}", allow_absent, report):
             where = f"{display}:{line_no}"
             meeting = parse_record(QMSumMeeting, raw, where)
             turns = [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]

@@ -53,7 +53,7 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues: dict[str, str] = {}
     files = [(name.removesuffix(".json"), name) for name in SAMSUM_FILES]
-    for _, split, display, line_no, raw in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
+    for split, display, line_no, raw in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
         where = f"{display}:{line_no}"
         rec = parse_record(SamsumDialogue, raw, where)
         _unique(dialogues, rec.id, where, "dialogue id")

@@ -1,5 +1,6 @@
 """What every reader of an upstream layout shares: JSON lines read with one-line errors naming file and line, fields
-checked against the upstream schema (each reader's pydantic models), duplicate keys, and splits that may be absent (ingest.allow_absent_splits)."""
+checked against the upstream schema (each reader's pydantic models), duplicate keys, and splits that may be absent
+(ingest.allow_absent_splits)."""
 
 from __future__ import annotations
 
@@ -85,9 +86,9 @@ def _unique(seen: dict[Any, str], key: Any, where: str, what: str) -> None:
 
 def split_json_lines(
     directory: Path, files: list[tuple[str, str]], split_key_prefix: str, allow_absent: list[str], report: IngestReport
-) -> Iterator[tuple[str, str, str, int, Any]]:
+) -> Iterator[tuple[str, str, int, Any]]:
     """The JSON lines of a dataset's split files, ``files`` as (upstream split, file name) pairs: yields
-    (upstream split, split, display name, line number, record). An absent split file is skipped (counted) only
+    (split, display name, line number, record). An absent split file is skipped (counted) only
     where ``allow_absent`` names ``<split_key_prefix>/<split>``; a file without a line is an error unless allowed
     and the split's only file (one empty chunk of a split that has others is a damaged copy)."""
     files_of = Counter(upstream_split for upstream_split, _ in files)
@@ -101,7 +102,7 @@ def split_json_lines(
         n_lines = 0
         for line_no, rec in _json_lines(directory / name, display):
             n_lines += 1
-            yield upstream_split, split, display, line_no, rec
+            yield split, display, line_no, rec
         if n_lines == 0 and not (files_of[upstream_split] == 1 and absent_allowed(split_key, allow_absent)):
             raise DataError(
                 f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
