@@ -92,13 +92,13 @@ def test_only_entry_points_read_run_settings_from_a_file():
     readers = sorted(
         str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py") if _calls(p, "load_run_settings")
     )
-    # the train stage's CLI and the federation's (`local --params`, `kit --params`: kits.server_run_config); nothing in training/,
+    # the train stage's CLI and the federation's (`local --params`, `kit --params`: localhost.server_run_config); nothing in training/,
     # modeling/, or the engines and apps: the deployed ServerApp takes them from its run config
-    assert readers == ["pipeline/federation/kits.py", "pipeline/train.py"]
+    assert readers == ["pipeline/federation/localhost.py", "pipeline/train.py"]
     assert not any(
         _calls(p, n)
         for p in (ROOT / "pipeline" / "federation").rglob("*.py")
-        if p.name != "kits.py"
+        if p.name != "localhost.py"
         for n in ("load_params", "load_run_settings")
     )
     assert not any(_calls(p, "load_params") for p in (ROOT / "pipeline" / "training").rglob("*.py"))

@@ -1130,10 +1130,11 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
             ),
         },
     )
-    secure, rows, clipped = _ScriptedSecure(result), _secure_rows(names.values()), {}
+    secure, rows = _ScriptedSecure(result), _secure_rows(names.values())
     grid = object()
+    exchange = _Round(grid, None, 3, rows, names, 5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), ["m"] * 3, clipped) is mean
+        assert _train_secure(secure, exchange, ["m"] * 3) is mean
     assert secure.calls == [(grid, 3, 3)]
     for node, name in names.items():
         w = {11: 1, 12: 2, 13: 5}[node]
@@ -1143,7 +1144,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
         assert rows[name]["train_loss"] == 0.5 * w and rows[name]["secagg_clipped"] == 0
     # the client lost at unmask is in the sum (the others' shares unmasked it): recorded, not failed
     assert rows["Product"]["secagg_error"] == "SecAgg+ unmask: no answer"
-    assert "secagg_error" not in rows["Academic"] and clipped == {}
+    assert "secagg_error" not in rows["Academic"] and exchange.clipped == {}
     assert logged(caplog) == []  # every sampled client is in the sum: nothing to report
 
 
@@ -1166,7 +1167,7 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
     )
     rows = _secure_rows(names.values())
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3, {}) is mean
+        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3) is mean
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ share_keys: timeout"
     assert rows["Committee"]["bytes_down"] == 7 and "weight" not in rows["Committee"]
     assert rows["Academic"]["failed"] == 0 and rows["Product"]["failed"] == 0
@@ -1188,11 +1189,12 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
         clipped_count=1,
         nodes={11: NodeOutcome(metrics=_secure_metrics(1)), 12: NodeOutcome(failed_stage="setup", error="gone")},
     )
-    rows, clipped = _secure_rows(names.values()), {}
-    assert _train_secure(_ScriptedSecure(result), _Round(None, None, 2, rows, names, 5.0), ["m"] * 2, clipped) is None
+    rows = _secure_rows(names.values())
+    exchange = _Round(None, None, 2, rows, names, 5.0)
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 2) is None
     assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ setup: gone"
-    assert clipped == {}
+    assert exchange.clipped == {}
 
 
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
@@ -1222,14 +1224,12 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
             14: NodeOutcome(metrics=_secure_metrics(1)),
         },
     )
-    wrapper, clipped = Wrapper(), {}
+    wrapper = Wrapper()
     rows = _secure_rows(names.values())
-    assert (
-        _train_secure(_ScriptedSecure(result), _Round(None, wrapper, 6, rows, names, 5.0), ["m"] * 4, clipped)
-        == "noised"
-    )
+    exchange = _Round(None, wrapper, 6, rows, names, 5.0)
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 4) == "noised"
     assert wrapper.calls == [(6, mean, 1, 3)]
-    assert clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
+    assert exchange.clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
     assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0
 
 

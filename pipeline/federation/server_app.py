@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,7 +70,8 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
 
 @dataclass
 class _Round:
-    """One round's exchange: where messages go, who they go to, and each client's history row."""
+    """One round's exchange: where messages go, who they go to, each client's history row, and under client-level DP
+    the round's C and what ``clipped`` records of each aggregated client."""
 
     grid: Grid
     strategy: Any
@@ -78,6 +79,9 @@ class _Round:
     rows: dict[str, dict[str, Any]]
     node_names: dict[int, str]
     timeout: float
+    client_level: Any = None
+    clipping_norm: float | None = None
+    clipped: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
@@ -148,14 +152,11 @@ def run_server(
             m.content[ARRAYS_KEY] = downlink
         waiting = {late} if joined_at is None else set()  # the late client before its round
         rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
-        clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
-        exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s)
+        exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
         if secure is None:
-            new_arrays = _train_in_the_clear(
-                exchange, messages, plan, sent, client_level, arrays, clipping_norm, clipped
-            )
+            new_arrays = _train_in_the_clear(exchange, messages, plan, sent, arrays)
         else:
-            new_arrays = _train_secure(secure, exchange, messages, clipped)
+            new_arrays = _train_secure(secure, exchange, messages)
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
         # client-level DP each update weighs 1 / the expected count, whoever replied).
@@ -163,7 +164,7 @@ def run_server(
         if new_arrays is not None:
             arrays = new_arrays
             if client_level is not None:
-                client_level.record(rows, clipped, clipping_norm)
+                client_level.record(rows, exchange.clipped, clipping_norm)
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 
@@ -259,17 +260,10 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
 
 
 def _train_in_the_clear(
-    r: _Round,
-    messages: list[Message],
-    plan: Plan,
-    sent: dict[str, torch.Tensor],
-    client_level,
-    global_arrays: ArrayRecord,
-    clipping_norm: float | None,
-    clipped: dict[str, tuple[int, float]],
+    r: _Round, messages: list[Message], plan: Plan, sent: dict[str, torch.Tensor], global_arrays: ArrayRecord
 ) -> ArrayRecord | None:
     """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
-    and ``clipped`` gets (clipped or not, its norm) per aggregated client."""
+    and ``r.clipped`` gets (clipped or not, its norm) per aggregated client."""
     replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
     sender = _senders(messages, r.node_names)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
@@ -291,8 +285,8 @@ def _train_in_the_clear(
             reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
                 decode_reply(reply.content[ARRAYS_KEY], plan, sent)
             )
-            update = client_level.clipped(reply, global_arrays, clipping_norm) if client_level else (0, 0.0)
-            why = None if update is not None else f"its update is not clipped within C={clipping_norm:g}"
+            update = r.client_level.clipped(reply, global_arrays, r.clipping_norm) if r.client_level else (0, 0.0)
+            why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
         except (KeyError, ValueError) as exc:
             why = f"it cannot be decoded: {exc}"
         if why is not None:
@@ -300,8 +294,8 @@ def _train_in_the_clear(
             left_out.add(id(reply))
             log.warning("round %d: reply of client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
             continue
-        if client_level is not None:
-            clipped[row["client"]] = update
+        if r.client_level is not None:
+            r.clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
     answered = {sender(reply) for reply in replies}
     for name, row in r.rows.items():
@@ -313,11 +307,9 @@ def _train_in_the_clear(
     return new_arrays
 
 
-def _train_secure(
-    secure, r: _Round, messages: list[Message], clipped: dict[str, tuple[float, None]]
-) -> ArrayRecord | None:
+def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:
     """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level DP the noise is added to the unmasked mean here, and
-    ``clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
+    ``r.clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
     result = secure.train_round(r.grid, messages, r.rnd)
     for node, outcome in result.nodes.items():
         row = r.rows[r.node_names[node]]
@@ -344,7 +336,7 @@ def _train_secure(
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
     for node in result.in_sum:
-        clipped[r.node_names[node]] = (result.clipped_count / len(result.in_sum), None)
+        r.clipped[r.node_names[node]] = (result.clipped_count / len(result.in_sum), None)
     return r.strategy.release_secure_mean(r.rnd, result.arrays, result.clipped_count, len(result.in_sum))
 
 
