@@ -104,7 +104,6 @@ def run_federated(
     _set_server_identity(grid.run.run_id)
     arrays, history = run_server(
         grid,
-        plan,
         plan_path,
         recorder,
         settings.round_timeout_s,

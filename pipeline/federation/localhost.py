@@ -190,6 +190,10 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
 
+    def flwr(self, *args: str) -> subprocess.CompletedProcess:
+        """A ``flwr`` CLI command on this deployment (its FLWR_HOME), within the startup timeout."""
+        return flwr(*args, cwd=self.workdir, env=self.procs.env, timeout=self.cfg.startup_timeout_s)
+
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
         argv = [
@@ -249,15 +253,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)
-            out = flwr(
-                "supernode",
-                "register",
-                str(self.keys[name][1]),
-                CONNECTION,
-                cwd=self.workdir,
-                env=self.procs.env,
-                timeout=self.cfg.startup_timeout_s,
-            )
+            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
             if out.returncode != 0:
                 raise FederationError(
                     f"registering the key of SuperNode {name} failed: "

@@ -28,6 +28,7 @@ from pipeline.federation.protocol import (
     decode_reply,
     downlink_reference,
     encode_global,
+    load_plan,
     payload_bytes,
     privacy_row,
 )
@@ -90,15 +91,16 @@ def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
 
 def run_server(
     grid: Grid,
-    plan: Plan,
     plan_path: str,
     recorder: Recorder | None = None,
     round_timeout_s: float = RunSettings.round_timeout_s,
     admission_timeout_s: float | None = None,
     client_settings: dict[str, Any] | None = None,
 ) -> tuple[ArrayRecord, list]:
-    """The federated training loop of one experiment (the ServerApp's main). ``admission_timeout_s`` defaults to the
-    round timeout; ``client_settings`` go with every message (the engines': protocol.client_settings_config)."""
+    """The federated training loop of the experiment ``plan_path`` plans (the ServerApp's main).
+    ``admission_timeout_s`` defaults to the round timeout; ``client_settings`` go with every message (the engines':
+    protocol.client_settings_config)."""
+    plan = load_plan(plan_path)
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
     if not spec.federated:
