@@ -40,6 +40,8 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     """Copy what the server (``client`` None; its run config from the ``params`` file) or ``client``'s site holds
     (docs/federation.md) into ``out``, laid out as the project root; returns the paths written (relative to ``out``).
     The plan keeps its relative path, so the same run config works on every role."""
+    import pandas as pd
+
     from pipeline.experiments.plans import read_plan
     from pipeline.training.client_data import read_examples, read_partition
 
@@ -69,17 +71,13 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     ids = {str(i) for split in splits.values() for i in split}
     # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
     part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
-    own = [Path(plan.paths["examples"]), *([Path(plan.paths["postags"])] if "postags" in plan.paths else [])]
     atomic.write_text(out / part_path, json.dumps(part, indent=1))
-    examples = read_examples(own[0])
-    atomic.to_parquet(
-        examples[examples["example_id"].astype(str).isin(ids)].reset_index(drop=True), out / own[0], index=False
+    own = {Path(plan.paths["examples"]): read_examples} | (
+        {Path(plan.paths["postags"]): pd.read_parquet} if "postags" in plan.paths else {}
     )
-    if len(own) > 1:
-        import pandas as pd
-
-        tags = pd.read_parquet(own[1])
-        atomic.to_parquet(tags[tags["example_id"].astype(str).isin(ids)], out / own[1], index=False)
+    for path, read in own.items():  # this client's rows of the examples and the POS tags
+        frame = read(path)
+        atomic.to_parquet(frame[frame["example_id"].astype(str).isin(ids)], out / path, index=False)
     return [*written, part_path, *own]
 
 
