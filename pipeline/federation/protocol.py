@@ -118,11 +118,11 @@ def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
     return initial_adapter_state(plan) if _delta(plan) else None
 
 
-def encode_global(
-    state: dict[str, torch.Tensor], plan: Plan, reference: dict[str, torch.Tensor] | None = None
-) -> ArrayRecord:
-    """Server -> client: the global adapter as it travels (a delta against ``reference``: downlink_reference)."""
-    return ArrayRecord.from_torch_state_dict(encode_state(state, plan.train.transfer_dtype, reference=reference))
+def encode_global(state: dict[str, torch.Tensor], plan: Plan) -> ArrayRecord:
+    """Server -> client: the global adapter as it travels (delta encoding: against downlink_reference)."""
+    return ArrayRecord.from_torch_state_dict(
+        encode_state(state, plan.train.transfer_dtype, reference=downlink_reference(plan))
+    )
 
 
 def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:

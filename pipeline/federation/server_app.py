@@ -18,15 +18,14 @@ from flwr.serverapp import Grid
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
-from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     METRICS_KEY,
     SECAGG_CLIPPED_KEY,
     TRAIN_METRICS,
     GridView,
+    decode_global,
     decode_reply,
-    downlink_reference,
     encode_global,
     load_plan,
     payload_bytes,
@@ -123,7 +122,6 @@ def run_server(
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
     start, arrays, history = _resume(plan, strategy)
     recorder.started(plan, clients, start)
-    initial = downlink_reference(plan)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
     config = {"plan": plan_path, **(client_settings or {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
@@ -148,8 +146,8 @@ def run_server(
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
         # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
-        downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
-        sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
+        downlink = encode_global(arrays.to_torch_state_dict(), plan)
+        sent = decode_global(downlink, plan)  # what every client decodes
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
         waiting = {late} if joined_at is None else set()  # the late client before its round
@@ -174,7 +172,7 @@ def run_server(
         # evaluate the global adapter, the others their local one: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
         eval_downlink = (
-            encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+            encode_global(arrays.to_torch_state_dict(), plan)
             if (spec.local_from_global and eval_messages)
             else ArrayRecord()
         )
