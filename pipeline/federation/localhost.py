@@ -375,11 +375,8 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:
             # the ServerApp was killed before it could end its MLflow run: marked KILLED (a rerun resumes it)
-            close_left_running(
-                fed.workdir,
-                fed.plan,
-                "interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split()),
-            )
+            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split())
+            close_left_running(fed.workdir, fed.plan, reason)
         except Exception as closing:  # noqa: BLE001 -- the run's own error is the one to report
             print(f"warning: the MLflow run could not be marked KILLED: {closing}", file=sys.stderr)
         raise
