@@ -16,7 +16,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from pipeline.experiments.plans import Plan
-from pipeline.experiments.settings import RunSettings
+from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
@@ -24,6 +24,7 @@ from pipeline.federation.protocol import (
     SECAGG_CLIPPED_KEY,
     TRAIN_METRICS,
     GridView,
+    client_settings_config,
     decode_global,
     decode_reply,
     encode_global,
@@ -94,11 +95,11 @@ def run_server(
     recorder: Recorder | None = None,
     round_timeout_s: float = RunSettings.round_timeout_s,
     admission_timeout_s: float | None = None,
-    client_settings: dict[str, Any] | None = None,
+    cache: CacheConfig | None = None,
 ) -> tuple[ArrayRecord, list]:
     """The federated training loop of the experiment ``plan_path`` plans (the ServerApp's main).
-    ``admission_timeout_s`` defaults to the round timeout; ``client_settings`` go with every message (the engines':
-    protocol.client_settings_config)."""
+    ``admission_timeout_s`` defaults to the round timeout; ``cache``, the clients' cache settings, goes with every
+    message (the engines'; a deployed client has its own: protocol.client_cache_config)."""
     plan = load_plan(plan_path)
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
@@ -123,7 +124,7 @@ def run_server(
     start, arrays, history = _resume(plan, strategy)
     recorder.started(plan, clients, start)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
-    config = {"plan": plan_path, **(client_settings or {})}
+    config = {"plan": plan_path, **(client_settings_config(cache) if cache is not None else {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
