@@ -278,12 +278,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout)
         kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
         eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
-        log.info(
-            "%s: federated evaluation %s -> %s",
-            plan.experiment,
-            {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()},
-            eval_path,
-        )
+        scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
+        log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
     if logger is not None:
         # the aggregate as an artifact and as a LoggedModel
         log_run_outputs(logger, plan, metrics, [(out_dir / GLOBAL_ADAPTER, None)], out_dir / GLOBAL_ADAPTER)
