@@ -54,6 +54,13 @@ def test_a_client_without_its_settings_fails_naming_the_missing_key():
         client_cache_config(None, _context())
 
 
+def test_a_node_configs_settings_are_typed_an_integer_passing_for_a_number():
+    # --node-config "cache-max-gb=2" reaches the client as the integer 2
+    assert client_cache_config(None, _context(node_config={"cache-dir": "d", "cache-max-gb": 2})).cache_max_gb == 2.0
+    with pytest.raises(ValueError, match=r"client settings\.cache_max_gb: expected a number, got str '2'"):
+        client_cache_config(None, _context(node_config={"cache-dir": "d", "cache-max-gb": "2"}))
+
+
 def test_the_deployed_clients_default_to_the_projects_cache_settings():
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     model = yaml.safe_load((ROOT / "params.yaml").read_text())["model"]

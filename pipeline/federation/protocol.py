@@ -71,9 +71,7 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
             f"client settings: {missing} set neither in the node config (--node-config "
             f'"{missing[0]}=..."), the run config nor the message'
         )
-    return from_dict(
-        CacheConfig, {k: (str if k == "cache_dir" else float)(v) for k, v in values.items()}, "client settings"
-    )
+    return from_dict(CacheConfig, values, "client settings")  # its types checked there (an integer passes for a number)
 
 
 class GridView:
