@@ -233,7 +233,7 @@ def _train_round(
 
     from pipeline.federation import client_app
     from pipeline.federation.engines import _set_server_identity
-    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, downlink_reference, encode_global, load_plan
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, encode_global, load_plan
     from pipeline.training.client_training import LocalTrainResult, empty_gate_log
     from pipeline.training.shared_model import initial_adapter_state
 
@@ -273,7 +273,7 @@ def _train_round(
     msg = Message(
         RecordDict(
             {
-                ARRAYS_KEY: encode_global(received, plan, reference=downlink_reference(plan)),
+                ARRAYS_KEY: encode_global(received, plan),
                 CONFIG_KEY: ConfigRecord(config),
             }
         ),

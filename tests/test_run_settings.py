@@ -54,6 +54,13 @@ def test_a_client_without_its_settings_fails_naming_the_missing_key():
         client_cache_config(None, _context())
 
 
+def test_a_node_configs_settings_are_typed_an_integer_passing_for_a_number():
+    # --node-config "cache-max-gb=2" reaches the client as the integer 2
+    assert client_cache_config(None, _context(node_config={"cache-dir": "d", "cache-max-gb": 2})).cache_max_gb == 2.0
+    with pytest.raises(ValueError, match=r"client settings\.cache_max_gb: expected a number, got str '2'"):
+        client_cache_config(None, _context(node_config={"cache-dir": "d", "cache-max-gb": "2"}))
+
+
 def test_the_deployed_clients_default_to_the_projects_cache_settings():
     app_config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     model = yaml.safe_load((ROOT / "params.yaml").read_text())["model"]
@@ -92,13 +99,13 @@ def test_only_entry_points_read_run_settings_from_a_file():
     readers = sorted(
         str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py") if _calls(p, "load_run_settings")
     )
-    # the train stage's CLI and the federation's (`local --params`, `kit --params`: kits.server_run_config); nothing in training/,
+    # the train stage's CLI and the federation's (`local --params`, `kit --params`: localhost.server_run_config); nothing in training/,
     # modeling/, or the engines and apps: the deployed ServerApp takes them from its run config
-    assert readers == ["pipeline/federation/kits.py", "pipeline/train.py"]
+    assert readers == ["pipeline/federation/localhost.py", "pipeline/train.py"]
     assert not any(
         _calls(p, n)
         for p in (ROOT / "pipeline" / "federation").rglob("*.py")
-        if p.name != "kits.py"
+        if p.name != "localhost.py"
         for n in ("load_params", "load_run_settings")
     )
     assert not any(_calls(p, "load_params") for p in (ROOT / "pipeline" / "training").rglob("*.py"))

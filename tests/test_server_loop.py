@@ -270,14 +270,12 @@ class Recorder:
 def run(
     plan_path: str, script: Script, clients: list[str] | None = None, grid: Grid | None = None, timeout: float = 5.0
 ):
-    from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
-    plan = load_plan(plan_path)
     clients = clients or ["Academic", "Committee", "Product"]
     grid = grid or Grid(plan_path, script, clients)
     recorder = Recorder(grid)
-    arrays, history = run_server(grid, plan, plan_path, recorder, round_timeout_s=timeout)
+    arrays, history = run_server(grid, plan_path, recorder, round_timeout_s=timeout)
     return {k: torch.as_tensor(a.numpy()) for k, a in arrays.items()}, history, recorder
 
 
@@ -465,12 +463,11 @@ def test_every_wait_on_the_clients_is_bounded_by_the_round_timeout(ws):
     assert all(t == 3.5 for _, t in grid.timeouts), grid.timeouts
     # without a round timeout the server waits the run-time setting's default: a hung node costs minutes, not a day
     from pipeline.experiments.settings import RunSettings
-    from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
     path = write_plan("loop-timeouts-default", "fedavg", rounds=1, fraction_train=1.0)
     grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
-    run_server(grid, load_plan(path), path, Recorder(grid))
+    run_server(grid, path, Recorder(grid))
     default = RunSettings().round_timeout_s
     assert default <= 3600 and grid.timeouts and all(t == default for _, t in grid.timeouts), grid.timeouts
 
@@ -1130,10 +1127,11 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
             ),
         },
     )
-    secure, rows, clipped = _ScriptedSecure(result), _secure_rows(names.values()), {}
+    secure, rows = _ScriptedSecure(result), _secure_rows(names.values())
     grid = object()
+    exchange = _Round(grid, None, 3, rows, names, 5.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(secure, _Round(grid, None, 3, rows, names, 5.0), ["m"] * 3, clipped) is mean
+        assert _train_secure(secure, exchange, ["m"] * 3) is mean
     assert secure.calls == [(grid, 3, 3)]
     for node, name in names.items():
         w = {11: 1, 12: 2, 13: 5}[node]
@@ -1143,7 +1141,7 @@ def test_a_secure_round_records_each_clients_bytes_and_metrics_and_returns_the_u
         assert rows[name]["train_loss"] == 0.5 * w and rows[name]["secagg_clipped"] == 0
     # the client lost at unmask is in the sum (the others' shares unmasked it): recorded, not failed
     assert rows["Product"]["secagg_error"] == "SecAgg+ unmask: no answer"
-    assert "secagg_error" not in rows["Academic"] and clipped == {}
+    assert "secagg_error" not in rows["Academic"] and exchange.clipped == {}
     assert logged(caplog) == []  # every sampled client is in the sum: nothing to report
 
 
@@ -1166,7 +1164,7 @@ def test_a_client_outside_the_secure_sum_is_failed_with_its_stage_and_the_sum_of
     )
     rows = _secure_rows(names.values())
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3, {}) is mean
+        assert _train_secure(_ScriptedSecure(result), _Round(None, None, 4, rows, names, 5.0), ["m"] * 3) is mean
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ share_keys: timeout"
     assert rows["Committee"]["bytes_down"] == 7 and "weight" not in rows["Committee"]
     assert rows["Academic"]["failed"] == 0 and rows["Product"]["failed"] == 0
@@ -1188,11 +1186,12 @@ def test_a_halted_secure_round_fails_every_client_and_aggregates_nothing(caplog)
         clipped_count=1,
         nodes={11: NodeOutcome(metrics=_secure_metrics(1)), 12: NodeOutcome(failed_stage="setup", error="gone")},
     )
-    rows, clipped = _secure_rows(names.values()), {}
-    assert _train_secure(_ScriptedSecure(result), _Round(None, None, 2, rows, names, 5.0), ["m"] * 2, clipped) is None
+    rows = _secure_rows(names.values())
+    exchange = _Round(None, None, 2, rows, names, 5.0)
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 2) is None
     assert rows["Academic"]["failed"] == 1 and rows["Academic"]["error"] == "too few shares"
     assert rows["Committee"]["failed"] == 1 and rows["Committee"]["error"] == "SecAgg+ setup: gone"
-    assert clipped == {}
+    assert exchange.clipped == {}
 
 
 def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed_client_the_clipped_share():
@@ -1222,14 +1221,12 @@ def test_under_client_dp_the_secure_mean_gets_the_wrappers_noise_and_each_summed
             14: NodeOutcome(metrics=_secure_metrics(1)),
         },
     )
-    wrapper, clipped = Wrapper(), {}
+    wrapper = Wrapper()
     rows = _secure_rows(names.values())
-    assert (
-        _train_secure(_ScriptedSecure(result), _Round(None, wrapper, 6, rows, names, 5.0), ["m"] * 4, clipped)
-        == "noised"
-    )
+    exchange = _Round(None, wrapper, 6, rows, names, 5.0)
+    assert _train_secure(_ScriptedSecure(result), exchange, ["m"] * 4) == "noised"
     assert wrapper.calls == [(6, mean, 1, 3)]
-    assert clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
+    assert exchange.clipped == {"Academic": (1 / 3, None), "Committee": (1 / 3, None), "SAMSum": (1 / 3, None)}
     assert rows["Academic"]["secagg_clipped"] == 1 and rows["Committee"]["secagg_clipped"] == 0
 
 
@@ -1337,7 +1334,6 @@ def test_under_secure_aggregation_with_client_dp_the_mean_is_uniform_and_release
 
 def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
     """post_addition: the late client is not in the first rounds' sums, so 3 existing clients x 0.5 sample one."""
-    from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
     path = _secure_plan(
@@ -1351,7 +1347,7 @@ def test_a_secure_round_of_fewer_than_two_existing_clients_is_refused(ws):
     clients = ["Academic", "Committee", "Product", "SAMSum"]
     grid = Grid(path, Script(), clients)
     with pytest.raises(ValueError) as err:
-        run_server(grid, load_plan(path), path, Recorder(grid), round_timeout_s=4.5)
+        run_server(grid, path, Recorder(grid), round_timeout_s=4.5)
     names(err.value, "loop-secure-few", "privacy.secure_aggregation", "train.fraction_train 0.5")
 
 
@@ -1459,7 +1455,6 @@ def test_a_node_naming_an_unknown_client_is_refused_and_the_missing_client_fails
     and the plan; Product never joins, so the run fails after the admission timeout naming Product, before any
     round (no client trained)."""
     from pipeline.federation.admission import AdmissionError
-    from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
 
     path = write_plan("adm-typo", "fedavg", rounds=1, fraction_train=1.0)
@@ -1467,7 +1462,7 @@ def test_a_node_naming_an_unknown_client_is_refused_and_the_missing_client_fails
     grid = Grid(path, script, ["Academic", "Committee", "Prodcut"])
     recorder = Recorder(grid)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"), pytest.raises(AdmissionError) as err:
-        run_server(grid, load_plan(path), path, recorder, round_timeout_s=60, admission_timeout_s=0.5)
+        run_server(grid, path, recorder, round_timeout_s=60, admission_timeout_s=0.5)
     assert "['Product']" in str(err.value) and str(err.value).startswith(path)
     refusals = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(refusals) == 1 and "'Prodcut'" in refusals[0].getMessage() and path in refusals[0].getMessage()
@@ -1500,7 +1495,6 @@ def test_a_client_without_valid_examples_is_refused_at_admission(ws):
     from pipeline.federation.admission import AdmissionError
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.protocol import load_plan
     from pipeline.federation.server_app import run_server
     from pipeline.paths import PATHS
 
@@ -1515,7 +1509,7 @@ def test_a_client_without_valid_examples_is_refused_at_admission(ws):
     grid = InProcessGrid(client_app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee", "Product")])
     _set_server_identity(grid.run.run_id)
     with pytest.raises(AdmissionError) as err:
-        run_server(grid, load_plan(path), path, Recorder(), round_timeout_s=30)
+        run_server(grid, path, Recorder(), round_timeout_s=30)
     assert "'Committee'" in str(err.value) and "valid" in str(err.value)
 
 

@@ -1,4 +1,4 @@
-"""What each role of a real federation holds (pipeline.federation.kits.write_kit, `python -m pipeline.federation
+"""What each role of a real federation holds (pipeline.federation.cli.write_kit, `python -m pipeline.federation
 kit`): the server the plan and the backbone only; a site its own partition slice and examples, with which its ClientApp
 identifies itself and reports its split sizes."""
 
@@ -49,9 +49,9 @@ def test_the_servers_kit_is_the_plan_the_backbone_and_its_run_config_from_the_pa
 
 def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifies_from_it(ws, tmp_path, monkeypatch):
     from pipeline.federation.admission import identify_clients
+    from pipeline.federation.cli import write_kit
     from pipeline.federation.client_app import client_app
     from pipeline.federation.engines import InProcessGrid, _set_server_identity
-    from pipeline.federation.kits import write_kit
     from pipeline.paths import PATHS
 
     plan = write_plan("kit-site", "fedavg", rounds=1)
@@ -78,7 +78,7 @@ def test_a_sites_kit_holds_only_its_own_ids_and_examples_and_its_client_identifi
 
 def test_a_kit_for_a_client_outside_the_plan_is_refused(ws, tmp_path):
     from pipeline.common.schema import DataError
-    from pipeline.federation.kits import write_kit
+    from pipeline.federation.cli import write_kit
 
     with pytest.raises(DataError, match="'Prodcut'"):
         write_kit(write_plan("kit-typo", "fedavg", rounds=1), tmp_path / "x", "Prodcut")

@@ -1,18 +1,25 @@
 """`python -m pipeline.federation`: a local deployment of one experiment (``local``: pipeline.federation.localhost),
-a run's status (``status``) and what a role holds (``kit``: pipeline.federation.kits)."""
+a run's status (``status``) and what each role of a real federation holds (``kit``, docs/federation.md): the server's
+kit (plan, backbone, its run config) and a site's (plus its own examples, partition and POS tags only), laid out as the
+project root. The plan and data readers are imported inside the functions: ``status`` starts without torch."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tomllib
 from pathlib import Path
 
-from pipeline.federation.kits import write_kit
-from pipeline.federation.localhost import FederationError, LocalhostConfig, run_localhost, status_command
+from pipeline.common import atomic
+from pipeline.common.config import ConfigError
+from pipeline.common.schema import DataError
+from pipeline.federation.localhost import LocalhostConfig, run_localhost, server_run_config, status_command
 from pipeline.paths import PATHS
+
+RUN_CONFIG = "run_config.toml"  # the server's kit: the ServerApp's run config
 
 
 def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
@@ -20,13 +27,58 @@ def _parse_run_config(items: list[str]) -> dict[str, str | int | float | bool]:
     out: dict[str, str | int | float | bool] = {}
     for item in items:
         if "=" not in item:
-            raise FederationError(f"--run-config {item!r}: expected key=value")
+            raise ConfigError(f"--run-config {item!r}: expected key=value")
         k, v = (x.strip() for x in item.split("=", 1))
         try:
             out[k] = tomllib.loads(f"x = {v}")["x"]
         except tomllib.TOMLDecodeError:
             out[k] = v.strip("'\"")
     return out
+
+
+def write_kit(plan_path: str, out: Path, client: str | None = None, params: str = "params.yaml") -> list[Path]:
+    """Copy what the server (``client`` None; its run config from the ``params`` file) or ``client``'s site holds
+    (docs/federation.md) into ``out``, laid out as the project root; returns the paths written (relative to ``out``).
+    The plan keeps its relative path, so the same run config works on every role."""
+    import pandas as pd
+
+    from pipeline.experiments.plans import read_plan
+    from pipeline.training.client_data import read_examples, read_partition
+
+    plan = read_plan(plan_path)
+    if not plan.clients:
+        raise DataError(
+            f"{plan_path}: the plan declares no clients (not a federated plan, or written before plans "
+            f"declared them: rerun the plan stage)"
+        )
+    if client is not None and client not in plan.clients:
+        raise DataError(f"{plan_path}: no client {client!r} (clients: {plan.clients})")
+    run_config = {"plan": plan_path, **server_run_config(params, plan.experiment)} if client is None else None
+    (out / plan_path).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(plan_path, out / plan_path)
+    backbone = Path(plan.paths["backbone"])
+    if not backbone.is_dir():
+        raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
+    shutil.copytree(backbone, out / backbone, dirs_exist_ok=True)
+    written = [Path(plan_path), backbone]
+    if run_config is not None:
+        # JSON's strings, numbers and booleans are TOML's too
+        atomic.write_text(out / RUN_CONFIG, "".join(f"{k} = {json.dumps(v)}\n" for k, v in run_config.items()))
+        return [*written, Path(RUN_CONFIG)]
+
+    part_path = Path(plan.paths["partition"])
+    splits = (partition := read_partition(part_path))["clients"][client]
+    ids = {str(i) for split in splits.values() for i in split}
+    # only this client's ids: the other sites' example ids and the excluded ids stay with the data owner
+    part = {k: partition[k] for k in ("scheme", "seed", "params") if k in partition} | {"clients": {client: splits}}
+    atomic.write_text(out / part_path, json.dumps(part, indent=1))
+    own = {Path(plan.paths["examples"]): read_examples} | (
+        {Path(plan.paths["postags"]): pd.read_parquet} if "postags" in plan.paths else {}
+    )
+    for path, read in own.items():  # this client's rows of the examples and the POS tags
+        frame = read(path)
+        atomic.to_parquet(frame[frame["example_id"].astype(str).isin(ids)], out / path, index=False)
+    return [*written, part_path, *own]
 
 
 def main(argv: list[str] | None = None) -> int:

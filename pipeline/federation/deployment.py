@@ -80,15 +80,10 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
     node_ids = sorted(grid.get_node_ids())
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
-    replies = list(
-        grid.send_and_receive(
-            [
-                Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize")
-                for n in node_ids
-            ],
-            timeout=timeout,
-        )
-    )
+    queries = [
+        Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
+    ]
+    replies = list(grid.send_and_receive(queries, timeout=timeout))
     received: dict[str, dict[str, Any]] = {}
     failed: dict[str, str] = {}
     for reply in replies:
@@ -147,15 +142,8 @@ def client_summarize(msg: Message, context: Context) -> Message:
             desc=f"{plan.experiment}/{name}",
         )
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
-    content = RecordDict(
-        {
-            "identity": ConfigRecord({"client-name": name}),
-            METRICS_KEY: MetricRecord(
-                {k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
-            ),
-        }
-    )
-    return Message(content, reply_to=msg)
+    finite = MetricRecord({k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))})
+    return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), METRICS_KEY: finite}), reply_to=msg)
 
 
 def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
@@ -259,7 +247,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     round_timeout, admission_timeout = run.timeouts()
     recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     try:
-        arrays, history = run_server(grid, plan, plan_path, recorder, round_timeout, admission_timeout)
+        arrays, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:
         recorder.close()
         if logger is not None:
@@ -290,12 +278,8 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout)
         kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
         eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
-        log.info(
-            "%s: federated evaluation %s -> %s",
-            plan.experiment,
-            {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()},
-            eval_path,
-        )
+        scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
+        log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
     if logger is not None:
         # the aggregate as an artifact and as a LoggedModel
         log_run_outputs(logger, plan, metrics, [(out_dir / GLOBAL_ADAPTER, None)], out_dir / GLOBAL_ADAPTER)

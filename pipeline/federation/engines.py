@@ -19,7 +19,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.client_app import client_app
-from pipeline.federation.protocol import client_settings_config, load_plan
+from pipeline.federation.protocol import load_plan
 from pipeline.federation.server_app import run_server
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder
@@ -103,12 +103,6 @@ def run_federated(
     grid = InProcessGrid(client_app, [{"client-name": n, "plan": plan_path} for n in client_names(plan)], barrier)
     _set_server_identity(grid.run.run_id)
     arrays, history = run_server(
-        grid,
-        plan,
-        plan_path,
-        recorder,
-        settings.round_timeout_s,
-        settings.admission_timeout_s,
-        client_settings_config(settings.cache),
+        grid, plan_path, recorder, settings.round_timeout_s, settings.admission_timeout_s, settings.cache
     )
     return {"arrays": arrays, "history": history}

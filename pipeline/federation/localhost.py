@@ -1,13 +1,14 @@
 """A local deployment of one experiment (a SuperLink and one SuperNode per client on 127.0.0.1, then ``flwr run``,
 with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
-stopped with the descendants it spawned, also at interpreter exit); also a run's status. Its processes are pipeline.federation.processes, its TLS files pipeline.federation.tls. The
-training side is imported inside the functions that need it: `python -m pipeline.federation status` starts without
-torch.
+stopped with the descendants it spawned, also at interpreter exit); also a run's status and the ServerApp's run config
+from a params file. Its processes are pipeline.federation.processes, its TLS files pipeline.federation.tls. The training
+side is imported inside the functions that need it: `python -m pipeline.federation status` starts without torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.common import atomic
-from pipeline.federation.kits import server_run_config
+from pipeline.common.config import from_dict
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca
 from pipeline.paths import PATHS
@@ -62,6 +63,22 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
     run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
     details = str(run.get("status-details") or "")
     return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
+
+
+def server_run_config(params_file: str, experiment: str) -> dict[str, str | float]:
+    """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
+    overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
+    from pipeline.common.config import load_params
+    from pipeline.experiments.settings import load_run_settings
+    from pipeline.results.evaluation import EvaluateConfig
+
+    settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
+    decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
+    return {
+        "round-timeout-s": settings.round_timeout_s,
+        "admission-timeout-s": settings.admission_timeout_s,
+        "decoding": json.dumps(dataclasses.asdict(decoding)),
+    }
 
 
 def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
@@ -138,7 +155,6 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
-        from pipeline.common.config import from_dict
         from pipeline.federation.deployment import ServerRunConfig
         from pipeline.federation.protocol import load_plan
         from pipeline.training.client_data import client_names
@@ -173,6 +189,10 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def __exit__(self, *exc) -> None:
         self.procs.stop_all()
+
+    def flwr(self, *args: str) -> subprocess.CompletedProcess:
+        """A ``flwr`` CLI command on this deployment (its FLWR_HOME), within the startup timeout."""
+        return flwr(*args, cwd=self.workdir, env=self.procs.env, timeout=self.cfg.startup_timeout_s)
 
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
@@ -233,15 +253,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)
-            out = flwr(
-                "supernode",
-                "register",
-                str(self.keys[name][1]),
-                CONNECTION,
-                cwd=self.workdir,
-                env=self.procs.env,
-                timeout=self.cfg.startup_timeout_s,
-            )
+            out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
             if out.returncode != 0:
                 raise FederationError(
                     f"registering the key of SuperNode {name} failed: "
@@ -363,11 +375,8 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
     except BaseException as exc:  # every process is stopped by now (LocalhostFederation.__exit__)
         try:
             # the ServerApp was killed before it could end its MLflow run: marked KILLED (a rerun resumes it)
-            close_left_running(
-                fed.workdir,
-                fed.plan,
-                "interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split()),
-            )
+            reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else " ".join(str(exc).split())
+            close_left_running(fed.workdir, fed.plan, reason)
         except Exception as closing:  # noqa: BLE001 -- the run's own error is the one to report
             print(f"warning: the MLflow run could not be marked KILLED: {closing}", file=sys.stderr)
         raise

@@ -71,9 +71,7 @@ def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
             f"client settings: {missing} set neither in the node config (--node-config "
             f'"{missing[0]}=..."), the run config nor the message'
         )
-    return from_dict(
-        CacheConfig, {k: (str if k == "cache_dir" else float)(v) for k, v in values.items()}, "client settings"
-    )
+    return from_dict(CacheConfig, values, "client settings")  # its types checked there (an integer passes for a number)
 
 
 class GridView:
@@ -118,11 +116,11 @@ def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
     return initial_adapter_state(plan) if _delta(plan) else None
 
 
-def encode_global(
-    state: dict[str, torch.Tensor], plan: Plan, reference: dict[str, torch.Tensor] | None = None
-) -> ArrayRecord:
-    """Server -> client: the global adapter as it travels (a delta against ``reference``: downlink_reference)."""
-    return ArrayRecord.from_torch_state_dict(encode_state(state, plan.train.transfer_dtype, reference=reference))
+def encode_global(state: dict[str, torch.Tensor], plan: Plan) -> ArrayRecord:
+    """Server -> client: the global adapter as it travels (delta encoding: against downlink_reference)."""
+    return ArrayRecord.from_torch_state_dict(
+        encode_state(state, plan.train.transfer_dtype, reference=downlink_reference(plan))
+    )
 
 
 def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:

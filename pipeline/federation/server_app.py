@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -16,18 +16,19 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
 from pipeline.experiments.plans import Plan
-from pipeline.experiments.settings import RunSettings
+from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
-from pipeline.federation.compression import decode_state
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     METRICS_KEY,
     SECAGG_CLIPPED_KEY,
     TRAIN_METRICS,
     GridView,
+    client_settings_config,
+    decode_global,
     decode_reply,
-    downlink_reference,
     encode_global,
+    load_plan,
     payload_bytes,
     privacy_row,
 )
@@ -70,7 +71,8 @@ def _senders(sent: list[Message], node_names: dict[int, str]):
 
 @dataclass
 class _Round:
-    """One round's exchange: where messages go, who they go to, and each client's history row."""
+    """One round's exchange: where messages go, who they go to, each client's history row, and under client-level DP
+    the round's C and what ``clipped`` records of each aggregated client."""
 
     grid: Grid
     strategy: Any
@@ -78,6 +80,9 @@ class _Round:
     rows: dict[str, dict[str, Any]]
     node_names: dict[int, str]
     timeout: float
+    client_level: Any = None
+    clipping_norm: float | None = None
+    clipped: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
 
 def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
@@ -86,15 +91,16 @@ def _row(rnd: int, client: str, sampled: int, **extra) -> dict[str, Any]:
 
 def run_server(
     grid: Grid,
-    plan: Plan,
     plan_path: str,
     recorder: Recorder | None = None,
     round_timeout_s: float = RunSettings.round_timeout_s,
     admission_timeout_s: float | None = None,
-    client_settings: dict[str, Any] | None = None,
+    cache: CacheConfig | None = None,
 ) -> tuple[ArrayRecord, list]:
-    """The federated training loop of one experiment (the ServerApp's main). ``admission_timeout_s`` defaults to the
-    round timeout; ``client_settings`` go with every message (the engines': protocol.client_settings_config)."""
+    """The federated training loop of the experiment ``plan_path`` plans (the ServerApp's main).
+    ``admission_timeout_s`` defaults to the round timeout; ``cache``, the clients' cache settings, goes with every
+    message (the engines'; a deployed client has its own: protocol.client_cache_config)."""
+    plan = load_plan(plan_path)
     recorder = recorder or Recorder()
     spec, t = plan.spec, plan.train
     if not spec.federated:
@@ -117,9 +123,8 @@ def run_server(
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
     start, arrays, history = _resume(plan, strategy)
     recorder.started(plan, clients, start)
-    initial = downlink_reference(plan)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
-    config = {"plan": plan_path, **(client_settings or {})}
+    config = {"plan": plan_path, **(client_settings_config(cache) if cache is not None else {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
@@ -142,20 +147,17 @@ def run_server(
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
         # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
-        downlink = encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
-        sent = decode_state(downlink.to_torch_state_dict(), reference=initial)  # = the clients' decode_global
+        downlink = encode_global(arrays.to_torch_state_dict(), plan)
+        sent = decode_global(downlink, plan)  # what every client decodes
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
         waiting = {late} if joined_at is None else set()  # the late client before its round
         rows = _round_rows(rnd, messages, admitted, set(clients) - set(connected.values()) - waiting, node_names)
-        clipped: dict[str, tuple[int, float]] = {}  # client-level DP: (clipped at C or not, the update's norm)
-        exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s)
+        exchange = _Round(grid, strategy, rnd, rows, node_names, round_timeout_s, client_level, clipping_norm)
         if secure is None:
-            new_arrays = _train_in_the_clear(
-                exchange, messages, plan, sent, client_level, arrays, clipping_norm, clipped
-            )
+            new_arrays = _train_in_the_clear(exchange, messages, plan, sent, arrays)
         else:
-            new_arrays = _train_secure(secure, exchange, messages, clipped)
+            new_arrays = _train_secure(secure, exchange, messages)
 
         # Each aggregated client's share of the FedAvg weight this round (|D_i| / |D| over the good replies; under
         # client-level DP each update weighs 1 / the expected count, whoever replied).
@@ -163,7 +165,7 @@ def run_server(
         if new_arrays is not None:
             arrays = new_arrays
             if client_level is not None:
-                client_level.record(rows, clipped, clipping_norm)
+                client_level.record(rows, exchange.clipped, clipping_norm)
         else:
             log.warning("round %d: no client update; the global adapter stays as it was", rnd)
 
@@ -171,7 +173,7 @@ def run_server(
         # evaluate the global adapter, the others their local one: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
         eval_downlink = (
-            encode_global(arrays.to_torch_state_dict(), plan, reference=initial)
+            encode_global(arrays.to_torch_state_dict(), plan)
             if (spec.local_from_global and eval_messages)
             else ArrayRecord()
         )
@@ -259,17 +261,10 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
 
 
 def _train_in_the_clear(
-    r: _Round,
-    messages: list[Message],
-    plan: Plan,
-    sent: dict[str, torch.Tensor],
-    client_level,
-    global_arrays: ArrayRecord,
-    clipping_norm: float | None,
-    clipped: dict[str, tuple[int, float]],
+    r: _Round, messages: list[Message], plan: Plan, sent: dict[str, torch.Tensor], global_arrays: ArrayRecord
 ) -> ArrayRecord | None:
     """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
-    and ``clipped`` gets (clipped or not, its norm) per aggregated client."""
+    and ``r.clipped`` gets (clipped or not, its norm) per aggregated client."""
     replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
     sender = _senders(messages, r.node_names)
     left_out: set[int] = set()  # decoded badly, or (client-level DP) not within C
@@ -291,8 +286,8 @@ def _train_in_the_clear(
             reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
                 decode_reply(reply.content[ARRAYS_KEY], plan, sent)
             )
-            update = client_level.clipped(reply, global_arrays, clipping_norm) if client_level else (0, 0.0)
-            why = None if update is not None else f"its update is not clipped within C={clipping_norm:g}"
+            update = r.client_level.clipped(reply, global_arrays, r.clipping_norm) if r.client_level else (0, 0.0)
+            why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
         except (KeyError, ValueError) as exc:
             why = f"it cannot be decoded: {exc}"
         if why is not None:
@@ -300,8 +295,8 @@ def _train_in_the_clear(
             left_out.add(id(reply))
             log.warning("round %d: reply of client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
             continue
-        if client_level is not None:
-            clipped[row["client"]] = update
+        if r.client_level is not None:
+            r.clipped[row["client"]] = update
         _record_train_metrics(row, reply.content[METRICS_KEY])
     answered = {sender(reply) for reply in replies}
     for name, row in r.rows.items():
@@ -313,11 +308,9 @@ def _train_in_the_clear(
     return new_arrays
 
 
-def _train_secure(
-    secure, r: _Round, messages: list[Message], clipped: dict[str, tuple[float, None]]
-) -> ArrayRecord | None:
+def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:
     """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level DP the noise is added to the unmasked mean here, and
-    ``clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
+    ``r.clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
     result = secure.train_round(r.grid, messages, r.rnd)
     for node, outcome in result.nodes.items():
         row = r.rows[r.node_names[node]]
@@ -344,7 +337,7 @@ def _train_secure(
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
     for node in result.in_sum:
-        clipped[r.node_names[node]] = (result.clipped_count / len(result.in_sum), None)
+        r.clipped[r.node_names[node]] = (result.clipped_count / len(result.in_sum), None)
     return r.strategy.release_secure_mean(r.rnd, result.arrays, result.clipped_count, len(result.in_sum))
 
 
