@@ -93,7 +93,7 @@ class _Lin(torch.nn.Module):
 def test_clipping_bounds_each_example_hand_computed():
     # loss = sum_i w . x_i: the gradient of example i is x_i; ||x_1|| = 5 (clipped to C = 1), ||x_2|| = 0.5 (kept)
     m = _Lin(2, 1)
-    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None, "tokens", 1)
+    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None)
     try:
         x = torch.tensor([[[3.0, 4.0]], [[0.3, 0.4]]])  # [B=2, T=1, H=2], the adapters' layout
         m(x).sum().backward()
@@ -112,7 +112,7 @@ def test_clipping_bounds_each_example_hand_computed():
 def test_micro_batches_of_a_step_are_clipped_per_example_and_summed():
     # the same two examples as two micro-batches of one step: same result as one batch of two
     m = _Lin(2, 1)
-    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None, "tokens", 1)
+    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None)
     try:
         for x in (torch.tensor([[[3.0, 4.0]]]), torch.tensor([[[0.3, 0.4]]])):
             m(x).sum().backward()
@@ -129,7 +129,7 @@ def test_noise_has_the_configured_standard_deviation():
 
     sigma, c, batch = 1.5, 2.0, 4
     m = _Lin(100, 200)  # 20,000 coordinates
-    step = DPSGDSteps(m, _setting(sigma=sigma, c=c, logical_batch=batch), 123, None, None, "tokens", 1)
+    step = DPSGDSteps(m, _setting(sigma=sigma, c=c, logical_batch=batch), 123, None, None)
     try:
         step.finish()  # an empty Poisson batch: the update is the noise alone
         a = m.lin.weight.grad.flatten().double().numpy().copy()
@@ -326,9 +326,8 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.experiments.plans import read_plan
     from pipeline.modeling.batching import make_batches
     from pipeline.modeling.losses import distillation_loss
-    from pipeline.privacy.example_dp import per_example_loss_scale
     from pipeline.training.client_data import client_data
-    from pipeline.training.client_training import _forward_logits, kd_config
+    from pipeline.training.client_training import _forward_logits, kd_config, per_example_loss_scale
     from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
 
     plan = read_plan(
@@ -357,9 +356,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
         grads = torch.autograd.grad(out.loss * per_example_loss_scale(b, "tokens", 12), params)
         alone.append(torch.cat([g.flatten() for g in grads]))
     c = 0.5 * float(min(a.norm() for a in alone))  # both examples get clipped
-    step = DPSGDSteps(
-        model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None, "tokens", 1
-    )
+    step = DPSGDSteps(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None)
     try:
         b = batch_of(data)
         ll, lg = _forward_logits(model, b, True, None)

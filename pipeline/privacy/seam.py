@@ -23,21 +23,13 @@ from pipeline.training.client_data import read_partition
 from pipeline.training.privacy_hooks import register_privacy
 
 
-def local_steps(
-    plan,
-    module,
-    examples,
-    seed: int,
-    where: str,
-    micro_batches,
-    normalisation: str,
-    max_target_length: int,
-    proximal=None,
-) -> DPSGDSteps | None:
+def local_steps(plan, module, examples, seed: int, client: str, micro_batches, proximal=None) -> DPSGDSteps | None:
+    """Mode example: the DP-SGD step object of ``client``'s round (``micro_batches(frame)``: a step's sample cut into
+    (micro-batch, per-example loss scale) pairs); else None."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
-    setting = client_setting(plan, len(examples), where)
-    return DPSGDSteps(module, setting, seed, examples, micro_batches, normalisation, max_target_length, proximal)
+    setting = client_setting(plan, len(examples), f"{plan.source}: client {client!r}")
+    return DPSGDSteps(module, setting, seed, examples, micro_batches, proximal)
 
 
 def check_run(plan) -> None:
