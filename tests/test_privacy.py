@@ -70,7 +70,7 @@ def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
 def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
-    s = client_privacy(cfg, n_examples=16, logical_batch=8, rounds=3, local_epochs=1)
+    s = client_privacy(in_plan(cfg), n_examples=16)
     assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.5, 2, 1e-5)
     planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
     eps = s.epsilon(planned)
@@ -173,19 +173,26 @@ def test_privacy_group_validation():
         assert message in str(exc.value), (raw, str(exc.value))
 
 
+def in_plan(cfg: PrivacyConfig):
+    """A plan of ``cfg`` whose clients take logical batches of 8 examples in 3 rounds of one local epoch."""
+    from types import SimpleNamespace
+
+    from pipeline.experiments.train_config import TrainConfig
+
+    return SimpleNamespace(privacy=cfg, train=TrainConfig(batch_size=8, grad_accum_steps=1, rounds=3, local_epochs=1))
+
+
 def test_delta_defaults_to_at_most_1e_5_and_a_tenth_of_one_over_n_and_refuses_one_over_n():
     cfg = PrivacyConfig(mode="example", noise_multiplier=1.0)
-    assert client_privacy(cfg, 40, 8, 3, 1).delta == 1e-5
-    assert client_privacy(cfg, 1, 8, 3, 1).delta == 1e-5
-    assert client_privacy(cfg, 200_000, 8, 3, 1).delta == pytest.approx(1 / 2_000_000)  # 1/(10 n) < 1e-5
-    assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6), 40, 8, 3, 1).delta == 1e-6
+    assert client_privacy(in_plan(cfg), 40).delta == 1e-5
+    assert client_privacy(in_plan(cfg), 1).delta == 1e-5
+    assert client_privacy(in_plan(cfg), 200_000).delta == pytest.approx(1 / 2_000_000)  # 1/(10 n) < 1e-5
+    assert client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6)), 40).delta == 1e-6
     for n, delta in ((40, 1 / 40), (40, 0.5), (4, 0.3)):  # 1/n itself and above: refused, naming key and client
         with pytest.raises(ValueError) as err:
-            client_privacy(
-                PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta), n, 8, 3, 1, where="client x"
-            )
+            client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta)), n, "client x")
         assert str(err.value).startswith("client x: privacy.delta ")
-    assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=0.024), 40, 8, 3, 1).delta == 0.024
+    assert client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=0.024)), 40).delta == 0.024
 
 
 def _params(privacy: dict | None, **train) -> dict:

@@ -15,7 +15,7 @@ from flwr.app import MetricRecord
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import load_plan, plan_path_of
-from pipeline.privacy.accounting import client_setting, sampled_per_round, server_setting
+from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -28,7 +28,7 @@ def local_steps(plan, module, examples, seed: int, client: str, micro_batches, p
     (micro-batch, per-example loss scale) pairs); else None."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
-    setting = client_setting(plan, len(examples), f"{plan.source}: client {client!r}")
+    setting = client_privacy(plan, len(examples), f"{plan.source}: client {client!r}")
     return DPSGDSteps(module, setting, seed, examples, micro_batches, proximal)
 
 
@@ -45,7 +45,7 @@ def check_run(plan) -> None:
             return
         for name, splits in clients.items():
             n = len(splits["train"])
-            client_setting(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
+            client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -243,10 +243,8 @@ def train_local(
             p.requires_grad_(False)
     sums = _round_sums([out for _, out in done.outputs])
     tokens = max(sums["tokens"], 1)
-    # entropy and gate carry no gradient; the gate is False on padding
-    gate_log = (
-        gate_rows([(b, out.entropy, out.gate) for b, out in done.outputs], client, rnd) if kd.mode != "ce" else None
-    )
+    # entropy and gate carry no gradient; the gate is False on padding (a CE round has none: an empty log)
+    gated = [(b, out.entropy, out.gate) for b, out in done.outputs] if kd.mode != "ce" else []
     return LocalTrainResult(
         n_examples=len(examples),
         n_steps=done.n_steps,
@@ -256,7 +254,7 @@ def train_local(
         kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
         kd_fraction=sums["kd_tokens"] / tokens,
         proximal=done.proximal,
-        gate_log=gate_log if gate_log is not None else empty_gate_log(),
+        gate_log=gate_rows(gated, client, rnd),
         privacy=stepper.setting if stepper is not None else None,
         dp_examples=stepper.examples if stepper is not None else 0,
         dp_clipped=stepper.clipped if stepper is not None else 0,

@@ -111,16 +111,6 @@ def _proximal_term(stack: AdapterStack, r: int, reference: list[torch.Tensor], m
     return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(stack.run_parameters(r), reference))
 
 
-def _blocks(prefix: Prefix, labels: torch.Tensor, runs: int, keep: list[int]) -> tuple[Prefix, torch.Tensor]:
-    """The run-major blocks ``keep`` of ``runs`` (all of them: as they are)."""
-    if len(keep) == runs:
-        return prefix, labels
-    size = labels.shape[0] // runs
-    rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in keep])
-    device_rows = rows.to(prefix.decoder_hidden.device, non_blocking=True)
-    return Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values())), labels[rows]
-
-
 def stacked_logits(
     model: AdapterSummarizer,
     prefix: Prefix,
@@ -148,7 +138,11 @@ def stacked_logits(
     with torch.no_grad():
         if len(taught) == local.runs:  # every run's block: the same prefix, labels and attention masks
             return student, packed(teacher, prefix, labels, masks)
-        return student, packed(teacher, *_blocks(prefix, labels, local.runs, taught))
+        size = labels.shape[0] // local.runs  # the taught runs' run-major blocks
+        rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in taught])
+        device_rows = rows.to(device, non_blocking=True)
+        taught_prefix = Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values()))
+        return student, packed(teacher, taught_prefix, labels[rows])
 
 
 BATCH_TENSORS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
@@ -216,9 +210,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                     model, prefix, labels, local, teacher, taught, device.type == "cuda"
                 )
                 _, tokens, starts = _run_rows(labels, runs)
-                teacher_starts = [0]
-                for r in taught:
-                    teacher_starts.append(teacher_starts[-1] + tokens[r])
+                teacher_starts = [sum(tokens[r] for r in taught[:k]) for k in range(len(taught) + 1)]
                 total = torch.zeros((), device=device)
                 for r, job in enumerate(jobs):
                     z_g = None
