@@ -325,7 +325,7 @@ def _labelled(*rows):
 
 
 def test_the_dp_loss_scale_counts_target_tokens_over_t_max_or_non_empty_sequences():
-    from pipeline.privacy.example_dp import per_example_loss_scale
+    from pipeline.training.client_training import per_example_loss_scale
 
     batch = _labelled([5, 6, -100], [-100, -100, -100], [7, -100, -100])  # 3 tokens, 2 non-empty sequences
     assert per_example_loss_scale(batch, "tokens", max_target_length=4) == 3 / 4
@@ -372,15 +372,15 @@ def _varied_targets() -> pd.DataFrame:
     )
 
 
-def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_batches_with_the_dp_scale(ws):
+def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_batches_with_their_scale(ws):
     """Every sampled example of a step is in exactly one of its micro-batches (an empty sample is an empty step),
     micro-batches hold at most batch_size examples padded with the model's pad id and bucketed by target length
-    (train.bucket_by_length), and each carries per_example_loss_scale's factor for the plan's normalisation."""
+    (train.bucket_by_length), each with the weight the trainer's cut gives it (its per-example loss scale)."""
     from types import SimpleNamespace
 
     from pipeline.federation.protocol import load_plan
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.privacy.example_dp import per_example_loss_scale, poisson_epoch, poisson_steps
+    from pipeline.privacy.example_dp import poisson_epoch, poisson_steps
     from pipeline.training.shared_model import model_config, shared_model
 
     plan = load_plan(
@@ -392,33 +392,33 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     assert max(_target_tokens(model, plan, examples)) < mcfg.max_target_length
     sampled = poisson_steps(len(examples), 0.3, 8, 1)
     assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
-    for normalisation in ("tokens", "sequences"):
 
-        def micro_batches(frame):  # as train_local cuts a step's sample
-            return make_batches(
-                frame,
-                model.tokenizer,
-                mcfg,
-                plan.train.batch_size,
-                shuffle=False,
-                seed=0,
-                decoder_start_token_id=model.decoder_start_token_id,
-                pad_token_id=model.pad_token_id,
-                bucket_by_length=plan.train.bucket_by_length,
-            )
+    def micro_batches(frame):  # as train_local cuts a step's sample
+        batches = make_batches(
+            frame,
+            model.tokenizer,
+            mcfg,
+            plan.train.batch_size,
+            shuffle=False,
+            seed=0,
+            decoder_start_token_id=model.decoder_start_token_id,
+            pad_token_id=model.pad_token_id,
+            bucket_by_length=plan.train.bucket_by_length,
+        )
+        return [(b, float(len(b))) for b in batches]
 
-        steps = poisson_epoch(examples, micro_batches, setting, normalisation, mcfg.max_target_length, seed=1)
-        assert len(steps) == len(sampled)
-        for idx, step in zip(sampled, steps):
-            ids = [e for batch, _ in step for e in batch.example_ids]
-            assert sorted(ids) == sorted(examples.iloc[idx]["example_id"].astype(str))
-            assert all(len(batch.example_ids) <= 2 for batch, _ in step)
-            lengths = [int(n) for batch, _ in step for n in _target_lengths(batch)]
-            assert lengths == sorted(lengths)  # one bucket: sorted by target length
-            for batch, scale in step:
-                assert scale == per_example_loss_scale(batch, normalisation, mcfg.max_target_length)
-                padded = batch.labels == IGNORE_INDEX
-                assert bool((batch.decoder_input_ids[:, 1:][padded[:, 1:]] == model.pad_token_id).all())
+    steps = poisson_epoch(examples, micro_batches, setting, seed=1)
+    assert len(steps) == len(sampled)
+    for idx, step in zip(sampled, steps):
+        ids = [e for batch, _ in step for e in batch.example_ids]
+        assert sorted(ids) == sorted(examples.iloc[idx]["example_id"].astype(str))
+        assert all(len(batch.example_ids) <= 2 for batch, _ in step)
+        lengths = [int(n) for batch, _ in step for n in _target_lengths(batch)]
+        assert lengths == sorted(lengths)  # one bucket: sorted by target length
+        for batch, scale in step:
+            assert scale == len(batch.example_ids)
+            padded = batch.labels == IGNORE_INDEX
+            assert bool((batch.decoder_input_ids[:, 1:][padded[:, 1:]] == model.pad_token_id).all())
 
 
 def test_hard_kd_distils_exactly_on_the_target_nouns_and_verbs_of_the_pos_tags(ws):

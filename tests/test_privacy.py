@@ -70,7 +70,7 @@ def test_epsilon_grows_with_steps_and_is_unbounded_without_noise():
 def test_target_epsilon_gives_a_noise_multiplier_within_the_target():
     accountant = "rdp"  # (the PRV search takes ~10 s here; PRV itself is checked above)
     cfg = PrivacyConfig(mode="example", target_epsilon=3.0, accountant=accountant)
-    s = client_privacy(cfg, n_examples=16, logical_batch=8, rounds=3, local_epochs=1)
+    s = client_privacy(in_plan(cfg), n_examples=16)
     assert (s.sample_rate, s.steps_per_epoch, s.delta) == (0.5, 2, 1e-5)
     planned = 3 * 1 * s.steps_per_epoch  # rounds x local epochs x steps per epoch
     eps = s.epsilon(planned)
@@ -93,7 +93,7 @@ class _Lin(torch.nn.Module):
 def test_clipping_bounds_each_example_hand_computed():
     # loss = sum_i w . x_i: the gradient of example i is x_i; ||x_1|| = 5 (clipped to C = 1), ||x_2|| = 0.5 (kept)
     m = _Lin(2, 1)
-    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None, "tokens", 1)
+    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None)
     try:
         x = torch.tensor([[[3.0, 4.0]], [[0.3, 0.4]]])  # [B=2, T=1, H=2], the adapters' layout
         m(x).sum().backward()
@@ -112,7 +112,7 @@ def test_clipping_bounds_each_example_hand_computed():
 def test_micro_batches_of_a_step_are_clipped_per_example_and_summed():
     # the same two examples as two micro-batches of one step: same result as one batch of two
     m = _Lin(2, 1)
-    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None, "tokens", 1)
+    step = DPSGDSteps(m, _setting(sigma=0.0, c=1.0, logical_batch=2), 0, None, None)
     try:
         for x in (torch.tensor([[[3.0, 4.0]]]), torch.tensor([[[0.3, 0.4]]])):
             m(x).sum().backward()
@@ -129,7 +129,7 @@ def test_noise_has_the_configured_standard_deviation():
 
     sigma, c, batch = 1.5, 2.0, 4
     m = _Lin(100, 200)  # 20,000 coordinates
-    step = DPSGDSteps(m, _setting(sigma=sigma, c=c, logical_batch=batch), 123, None, None, "tokens", 1)
+    step = DPSGDSteps(m, _setting(sigma=sigma, c=c, logical_batch=batch), 123, None, None)
     try:
         step.finish()  # an empty Poisson batch: the update is the noise alone
         a = m.lin.weight.grad.flatten().double().numpy().copy()
@@ -173,19 +173,26 @@ def test_privacy_group_validation():
         assert message in str(exc.value), (raw, str(exc.value))
 
 
+def in_plan(cfg: PrivacyConfig):
+    """A plan of ``cfg`` whose clients take logical batches of 8 examples in 3 rounds of one local epoch."""
+    from types import SimpleNamespace
+
+    from pipeline.experiments.train_config import TrainConfig
+
+    return SimpleNamespace(privacy=cfg, train=TrainConfig(batch_size=8, grad_accum_steps=1, rounds=3, local_epochs=1))
+
+
 def test_delta_defaults_to_at_most_1e_5_and_a_tenth_of_one_over_n_and_refuses_one_over_n():
     cfg = PrivacyConfig(mode="example", noise_multiplier=1.0)
-    assert client_privacy(cfg, 40, 8, 3, 1).delta == 1e-5
-    assert client_privacy(cfg, 1, 8, 3, 1).delta == 1e-5
-    assert client_privacy(cfg, 200_000, 8, 3, 1).delta == pytest.approx(1 / 2_000_000)  # 1/(10 n) < 1e-5
-    assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6), 40, 8, 3, 1).delta == 1e-6
+    assert client_privacy(in_plan(cfg), 40).delta == 1e-5
+    assert client_privacy(in_plan(cfg), 1).delta == 1e-5
+    assert client_privacy(in_plan(cfg), 200_000).delta == pytest.approx(1 / 2_000_000)  # 1/(10 n) < 1e-5
+    assert client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=1e-6)), 40).delta == 1e-6
     for n, delta in ((40, 1 / 40), (40, 0.5), (4, 0.3)):  # 1/n itself and above: refused, naming key and client
         with pytest.raises(ValueError) as err:
-            client_privacy(
-                PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta), n, 8, 3, 1, where="client x"
-            )
+            client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=delta)), n, "client x")
         assert str(err.value).startswith("client x: privacy.delta ")
-    assert client_privacy(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=0.024), 40, 8, 3, 1).delta == 0.024
+    assert client_privacy(in_plan(PrivacyConfig(mode="example", noise_multiplier=1.0, delta=0.024)), 40).delta == 0.024
 
 
 def _params(privacy: dict | None, **train) -> dict:
@@ -326,9 +333,8 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.experiments.plans import read_plan
     from pipeline.modeling.batching import make_batches
     from pipeline.modeling.losses import distillation_loss
-    from pipeline.privacy.example_dp import per_example_loss_scale
     from pipeline.training.client_data import client_data
-    from pipeline.training.client_training import _forward_logits, kd_config
+    from pipeline.training.client_training import _forward_logits, kd_config, per_example_loss_scale
     from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
 
     plan = read_plan(
@@ -357,9 +363,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
         grads = torch.autograd.grad(out.loss * per_example_loss_scale(b, "tokens", 12), params)
         alone.append(torch.cat([g.flatten() for g in grads]))
     c = 0.5 * float(min(a.norm() for a in alone))  # both examples get clipped
-    step = DPSGDSteps(
-        model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None, "tokens", 1
-    )
+    step = DPSGDSteps(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None)
     try:
         b = batch_of(data)
         ll, lg = _forward_logits(model, b, True, None)

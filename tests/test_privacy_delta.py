@@ -74,8 +74,9 @@ def test_the_committed_privacy_study_spent_each_target_at_delta_1e_5():
 def test_a_target_epsilon_at_the_default_delta_is_met_at_that_delta():
     from pipeline.experiments.privacy import PrivacyConfig
     from pipeline.privacy.accounting import client_privacy, epsilon
+    from tests.test_privacy import in_plan
 
-    s = client_privacy(PrivacyConfig(mode="example", target_epsilon=3.0), 16, 8, 3, 1)
+    s = client_privacy(in_plan(PrivacyConfig(mode="example", target_epsilon=3.0)), 16)
     assert s.delta == 1e-5 and s.delta <= 1 / (10 * 16)
     rdp = epsilon(s.noise_multiplier, 0.5, 6, 1e-5)
     assert 2.98 <= rdp <= 3.0 and epsilon(s.noise_multiplier, 0.5, 6, 1e-5, "prv") <= rdp  # PRV: tighter

@@ -19,7 +19,7 @@ PRIVATE = SimpleNamespace(
 
 def test_without_privacy_loaded_a_plain_plan_runs_as_before():
     strategy = object()
-    assert NO_PRIVACY.local_steps(PLAIN, None, [], 0, "w", None, "tokens", 8) is None
+    assert NO_PRIVACY.local_steps(PLAIN, None, [], 0, "Committee", None) is None
     assert NO_PRIVACY.client_level(PLAIN, strategy, 3) == (strategy, None)
     assert NO_PRIVACY.secure_aggregator(PLAIN, ["a", "b"], None, 1.0) is None
     assert NO_PRIVACY.client_train("msg", "ctx", lambda m, c: (m, c)) == ("msg", "ctx")
@@ -32,7 +32,7 @@ def test_without_privacy_loaded_a_plain_plan_runs_as_before():
 @pytest.mark.parametrize(
     "call",
     [
-        lambda plan: NO_PRIVACY.local_steps(plan, None, [], 0, "w", None, "tokens", 8),
+        lambda plan: NO_PRIVACY.local_steps(plan, None, [], 0, "Committee", None),
         lambda plan: NO_PRIVACY.client_level(plan, object(), 3),
         lambda plan: NO_PRIVACY.secure_aggregator(plan, ["a", "b"], None, 1.0),
         lambda plan: NO_PRIVACY.run_record(plan, [], {}),

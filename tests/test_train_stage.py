@@ -245,10 +245,10 @@ def test_adamw_decays_adapter_matrices_but_not_layernorm_or_bias():
     from pipeline.training.client_training import adamw_groups
 
     adapter = HoulsbyAdapter(8, 4, bias=True)
-    groups = adamw_groups(adapter, TrainConfig(weight_decay=0.01))
+    groups = adamw_groups(adapter.parameters(), TrainConfig(weight_decay=0.01))
     decayed = {id(p) for p in groups[0]["params"]}
     for name, p in adapter.named_parameters():
         assert (id(p) in decayed) == (p.ndim == 2), name
     assert groups[0]["weight_decay"] == 0.01 and groups[1]["weight_decay"] == 0.0
-    every = adamw_groups(adapter, TrainConfig(weight_decay=0.01, decay_norm_and_bias=True))
+    every = adamw_groups(adapter.parameters(), TrainConfig(weight_decay=0.01, decay_norm_and_bias=True))
     assert len(every[0]["params"]) == len(list(adapter.parameters())) and not every[1]["params"]

@@ -117,14 +117,9 @@ def sampled_per_round(population: int, fraction_train: float) -> int:
 
 
 def server_setting(plan, population: int) -> FederationPrivacy:
-    t = plan.train
-    return federation_privacy(
-        plan.privacy,
-        population,
-        sampled_per_round(population, t.fraction_train),
-        t.rounds,
-        where=plan.source or plan.experiment,
-    )
+    """Mode client: the federation's setting under ``plan`` (``population`` clients, Flower's sample of them)."""
+    sampled = sampled_per_round(population, plan.train.fraction_train)
+    return federation_privacy(plan.privacy, population, sampled, plan.train.rounds, plan.source or plan.experiment)
 
 
 @dataclass(frozen=True)
@@ -143,11 +138,12 @@ class ClientPrivacy:
         return epsilon(self.noise_multiplier, self.sample_rate, steps, self.delta, self.accountant)
 
 
-def client_privacy(
-    cfg: PrivacyConfig, n_examples: int, logical_batch: int, rounds: int, local_epochs: int, where: str = ""
-) -> ClientPrivacy:
-    """Resolve sigma, q and delta for a client of n training examples; a delta of 1/n or more is refused:
-    publishing one random example in the clear meets (0, 1/n)."""
+def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:
+    """Mode example: sigma, q and delta of a client of n training examples under ``plan`` (its logical batch is
+    batch_size x grad_accum_steps); a delta of 1/n or more is refused: publishing one random example in the clear
+    meets (0, 1/n)."""
+    cfg, t = plan.privacy, plan.train
+    logical_batch = t.batch_size * t.grad_accum_steps
     if n_examples < 1:
         raise ValueError(f"{where}: no training example")
     delta = cfg.delta if cfg.delta is not None else min(DEFAULT_DELTA, 1.0 / (10 * n_examples))
@@ -158,7 +154,7 @@ def client_privacy(
         )
     q = min(1.0, logical_batch / n_examples)
     per_epoch = math.ceil(n_examples / logical_batch)
-    planned = rounds * local_epochs * per_epoch  # every round, every local epoch: what the noise is calibrated to
+    planned = t.rounds * t.local_epochs * per_epoch  # every round, every local epoch: what the noise is calibrated to
     return ClientPrivacy(
         _noise(cfg, delta, q, planned, where, "steps"),
         float(cfg.max_grad_norm),
@@ -168,9 +164,3 @@ def client_privacy(
         float(delta),
         cfg.accountant,
     )
-
-
-def client_setting(plan, n_examples: int, where: str) -> ClientPrivacy:
-    """Mode example: the DP-SGD setting of a client of ``n_examples`` training examples under ``plan``."""
-    t = plan.train
-    return client_privacy(plan.privacy, n_examples, t.batch_size * t.grad_accum_steps, t.rounds, t.local_epochs, where)

@@ -158,14 +158,8 @@ class ClientLevelDP(Strategy):
         metrics = reply.content[METRICS_KEY]
         # Float32 rounding can move the norm of W + clip(W_i - W) - W off C by one ulp per coordinate of the reply
         # (the clipped update is added to weights near 1, whose ulp dwarfs a small update's coordinates).
-        slack = float(
-            np.sqrt(
-                sum(
-                    float(np.sum(np.spacing(np.abs(a)).astype(np.float64) ** 2))
-                    for a in reply.content[ARRAYS_KEY].to_numpy_ndarrays()
-                )
-            )
-        )
+        ulps = [np.spacing(np.abs(a)).astype(np.float64) for a in reply.content[ARRAYS_KEY].to_numpy_ndarrays()]
+        slack = float(np.sqrt(sum(float(np.sum(u**2)) for u in ulps)))
         if CLIPPED_KEY not in metrics or norm > clipping_norm * (1 + 1e-6) + slack:
             return None
         return int(metrics[CLIPPED_KEY]), norm

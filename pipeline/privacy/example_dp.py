@@ -41,20 +41,11 @@ class DPSGDSteps:
     gradient after the noise (it is data-independent: outside the clipping); :meth:`close` removes the hooks."""
 
     def __init__(
-        self,
-        module: torch.nn.Module,
-        setting: ClientPrivacy,
-        seed: int,
-        examples,
-        micro_batches,
-        normalisation: str,
-        max_target_length: int,
-        proximal=None,
+        self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches, proximal=None
     ):
         from opacus.grad_sample import GradSampleHooks
 
         self.seed, self.frame, self.micro_batches, self.proximal = seed, examples, micro_batches, proximal
-        self.normalisation, self.max_target_length = normalisation, max_target_length
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.setting = setting
         # sum reduction: grad_sample[i] is the gradient of example i's own loss l_i (no batch-size rescaling)
@@ -65,14 +56,7 @@ class DPSGDSteps:
         self.examples = 0  # per-example gradients clipped or not
 
     def epoch(self, epoch: int) -> list[list[tuple[Any, float]]]:
-        return poisson_epoch(
-            self.frame,
-            self.micro_batches,
-            self.setting,
-            self.normalisation,
-            self.max_target_length,
-            derived_seed(self.seed, epoch, "poisson"),
-        )
+        return poisson_epoch(self.frame, self.micro_batches, self.setting, derived_seed(self.seed, epoch, "poisson"))
 
     def backward(self, loss: torch.Tensor, weight: float) -> None:
         (loss * weight).backward()  # weight turns the batch mean into the sum of per-example losses
@@ -109,24 +93,8 @@ class DPSGDSteps:
         self._hooks.cleanup()  # opacus removes its hooks and the grad_sample attributes of the parameters
 
 
-def per_example_loss_scale(batch, normalisation: str, max_target_length: int) -> float:
-    """The factor turning ``distillation_loss``'s batch mean into the sum of per-example losses, each a function
-    of its example alone (so clipping bounds its contribution): ``tokens``, sum_t L_t / max_target_length (a public
-    denominator; the batch mean x N_tokens / T_max); ``sequences``, each example's token mean."""
-    from pipeline.modeling.batching import IGNORE_INDEX
-
-    valid = batch.labels != IGNORE_INDEX
-    if normalisation == "tokens":
-        return int(valid.sum()) / max_target_length
-    return float(int((valid.sum(dim=1) > 0).sum()))
-
-
-def poisson_epoch(
-    examples, micro_batches, setting: ClientPrivacy, normalisation: str, max_target_length: int, seed: int
-) -> list[list[tuple[Any, float]]]:
-    """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty) cut by ``micro_batches``."""
-    steps = []
-    for idx in poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed):
-        batches = micro_batches(examples.iloc[idx]) if idx else []
-        steps.append([(b, per_example_loss_scale(b, normalisation, max_target_length)) for b in batches])
-    return steps
+def poisson_epoch(examples, micro_batches, setting: ClientPrivacy, seed: int) -> list[list[tuple[Any, float]]]:
+    """One epoch of DP-SGD: Poisson-sampled logical batches (a step may be empty), each cut by ``micro_batches`` into
+    (micro-batch, per-example loss scale) pairs (pipeline.training.client_training.per_example_loss_scale)."""
+    sampled = poisson_steps(len(examples), setting.sample_rate, setting.steps_per_epoch, seed)
+    return [micro_batches(examples.iloc[idx]) if idx else [] for idx in sampled]

@@ -15,7 +15,7 @@ from flwr.app import MetricRecord
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import load_plan, plan_path_of
-from pipeline.privacy.accounting import client_setting, sampled_per_round, server_setting
+from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
@@ -23,21 +23,13 @@ from pipeline.training.client_data import read_partition
 from pipeline.training.privacy_hooks import register_privacy
 
 
-def local_steps(
-    plan,
-    module,
-    examples,
-    seed: int,
-    where: str,
-    micro_batches,
-    normalisation: str,
-    max_target_length: int,
-    proximal=None,
-) -> DPSGDSteps | None:
+def local_steps(plan, module, examples, seed: int, client: str, micro_batches, proximal=None) -> DPSGDSteps | None:
+    """Mode example: the DP-SGD step object of ``client``'s round (``micro_batches(frame)``: a step's sample cut into
+    (micro-batch, per-example loss scale) pairs); else None."""
     if plan.privacy is None or plan.privacy.mode != "example":
         return None
-    setting = client_setting(plan, len(examples), where)
-    return DPSGDSteps(module, setting, seed, examples, micro_batches, normalisation, max_target_length, proximal)
+    setting = client_privacy(plan, len(examples), f"{plan.source}: client {client!r}")
+    return DPSGDSteps(module, setting, seed, examples, micro_batches, proximal)
 
 
 def check_run(plan) -> None:
@@ -53,7 +45,7 @@ def check_run(plan) -> None:
             return
         for name, splits in clients.items():
             n = len(splits["train"])
-            client_setting(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
+            client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -74,22 +74,17 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
         torch.save({**checkpoint_identity(plan), "round": rnd, **state}, tmp)
 
 
-def _mismatch(state: dict[str, Any], plan: Plan) -> str | None:
-    for key, value in checkpoint_identity(plan).items():
-        if state.get(key) != value:
-            return "another configuration" if key == "plan_hash" else "other training code"
-    return None
-
-
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
     """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another configuration or
     training code."""
     if not path.exists():
         return None
     state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
-    if (why := _mismatch(state, plan)) is not None:
-        log.warning("%s: checkpoint belongs to %s; starting over", path, why)
-        return None
+    for key, value in checkpoint_identity(plan).items():
+        if state.get(key) != value:
+            why = "another configuration" if key == "plan_hash" else "other training code"
+            log.warning("%s: checkpoint belongs to %s; starting over", path, why)
+            return None
     return state
 
 
@@ -97,7 +92,7 @@ def has_valid_checkpoint(plan: Plan) -> bool:
     """Whether the experiment's outputs belong to an unfinished run of this plan and code (then they are resumed)."""
     path = next((p for p in (server_checkpoint_path(plan), local_checkpoint_path(plan)) if p.exists()), None)
     try:
-        return path is not None and _mismatch(torch.load(path, weights_only=False), plan) is None
+        return path is not None and load_round_checkpoint(path, plan) is not None
     except Exception:  # unreadable
         return False
 

@@ -23,7 +23,7 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
 from pipeline.training import local_batch, set_engine
-from pipeline.training.local_batch import JobOutput, LocalJob
+from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 from pipeline.training.shared_model import model_config
@@ -111,15 +111,6 @@ class LocalTrainResult:
     dp_clipped: int = 0
 
 
-def adamw_groups(module: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
-    """AdamW parameter groups: weight decay on the adapter matrices only; LayerNorm weights and biases (every
-    parameter with fewer than 2 dimensions) are not decayed unless ``train.decay_norm_and_bias``."""
-    decay, no_decay = [], []
-    for p in module.parameters():
-        (decay if p.ndim >= 2 or cfg.decay_norm_and_bias else no_decay).append(p)
-    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: str) -> list[float]:
     """Per batch, its weight in the optimizer step it belongs to (consecutive windows of ``accum_steps`` batches,
     the last one possibly shorter): its target tokens (``tokens``) or sequences (``sequences``) over the window's,
@@ -134,6 +125,17 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
         total = sum(window)
         weights.extend(n / total for n in window)
     return weights
+
+
+def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:
+    """A DP-SGD micro-batch's weight (pipeline.privacy.example_dp): the factor turning ``distillation_loss``'s batch
+    mean into the sum of per-example losses, each a function of its example alone (so clipping bounds its
+    contribution): ``tokens``, sum_t L_t / max_target_length (a public denominator; the batch mean x N_tokens /
+    T_max); ``sequences``, each example's token mean."""
+    valid = batch.labels != IGNORE_INDEX
+    if normalisation == "tokens":
+        return int(valid.sum()) / max_target_length
+    return float(int((valid.sum(dim=1) > 0).sum()))
 
 
 def _accumulation_steps(
@@ -210,20 +212,11 @@ def train_local(
         proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
 
-    def micro_batches(frame: pd.DataFrame) -> list[Batch]:  # a DP-SGD step's sample, in order
-        return _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length, keep=False)
+    def dp_step(frame: pd.DataFrame) -> list[tuple[Batch, float]]:  # a DP-SGD step's sample, in order
+        batches = _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length, keep=False)
+        return [(b, per_example_loss_scale(b, kd.loss_normalisation, mcfg.max_target_length)) for b in batches]
 
-    stepper = privacy.local_steps(
-        plan,
-        model.adapter_sets["local"],
-        examples,
-        seed,
-        f"{plan.source}: client {client!r}",
-        micro_batches,
-        kd.loss_normalisation,
-        mcfg.max_target_length,
-        proximal,
-    )
+    stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed, client, dp_step, proximal)
     try:
         if stepper is None:
             for p in params:
@@ -235,21 +228,7 @@ def train_local(
                     model, examples, mcfg, cfg, kd.loss_normalisation, derived_seed(seed, epoch)
                 )
             ]
-            job = LocalJob(
-                model,
-                plan,
-                client,
-                rnd,
-                kd,
-                model.adapter_state("local"),
-                model.adapter_state("global") if kd.mode != "ce" else None,
-                steps,
-                masks,
-                proximal_reference,
-                proximal_mu,
-                cache,
-                progress,
-            )
+            job = LocalJob(model, plan, client, rnd, kd, steps, masks, proximal, cache, progress)
             done = set_engine.batched(job, local_batch.train_jobs)
             model.load_adapter_state("local", done.state)
             if job.teacher is not None:
@@ -264,10 +243,8 @@ def train_local(
             p.requires_grad_(False)
     sums = _round_sums([out for _, out in done.outputs])
     tokens = max(sums["tokens"], 1)
-    # entropy and gate carry no gradient; the gate is False on padding
-    gate_log = (
-        gate_rows([(b, out.entropy, out.gate) for b, out in done.outputs], client, rnd) if kd.mode != "ce" else None
-    )
+    # entropy and gate carry no gradient; the gate is False on padding (a CE round has none: an empty log)
+    gated = [(b, out.entropy, out.gate) for b, out in done.outputs] if kd.mode != "ce" else []
     return LocalTrainResult(
         n_examples=len(examples),
         n_steps=done.n_steps,
@@ -277,7 +254,7 @@ def train_local(
         kd=sums["kd"] / sums["kd_tokens"] if sums["kd_tokens"] else 0.0,
         kd_fraction=sums["kd_tokens"] / tokens,
         proximal=done.proximal,
-        gate_log=gate_log if gate_log is not None else empty_gate_log(),
+        gate_log=gate_rows(gated, client, rnd),
         privacy=stepper.setting if stepper is not None else None,
         dp_examples=stepper.examples if stepper is not None else 0,
         dp_clipped=stepper.clipped if stepper is not None else 0,
@@ -290,7 +267,7 @@ def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutpu
 
     cfg = plan.train
     two_paths = kd.mode != "ce"
-    optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"], cfg), lr=cfg.lr)
+    optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"].parameters(), cfg), lr=cfg.lr)
     model.train(True)
     outputs: list[tuple[Batch, LossOutput]] = []  # read once the round's steps are done (no host sync per step)
     n_steps = 0
@@ -361,7 +338,5 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
         return float("nan"), 0
     batches = _batches(model, examples, model_config(plan), plan.train, False, 0, False)
     steps = [[(b, 1.0)] for b in batches]  # one micro-batch a step
-    job = LocalJob(
-        model, plan, "validation", 0, kd_config(plan), model.adapter_state("local"), None, steps, cache=cache
-    )
+    job = LocalJob(model, plan, "validation", 0, None, steps, cache=cache)
     return set_engine.batched(job, local_batch.validate_jobs)

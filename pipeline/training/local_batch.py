@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments.plans import Plan
+from pipeline.experiments.train_config import TrainConfig
 from pipeline.modeling import losses
 from pipeline.modeling.adapter_stack import AdapterStack
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, stack_batches
@@ -56,15 +57,20 @@ class LocalJob:
     plan: Plan
     client: str
     rnd: int
-    kd: KDConfig
-    local: dict[str, torch.Tensor]
-    teacher: dict[str, torch.Tensor] | None
+    kd: KDConfig | None  # None: a validation
     steps: list[list[tuple[Batch, float]]]
     masks: NounVerbMasks | None = None
-    proximal_reference: dict[str, torch.Tensor] | None = None
-    proximal_mu: float = 0.0
+    proximal: Any = None  # FedProx's term (pipeline.training.client_training.Proximal) or None
     cache: Any = None  # the prefix cache (pipeline.modeling.cache.PrefixCache) or None
     progress: bool = False  # show a progress bar over the steps
+    # the model's adapters when the job is made: the local one it starts from, the teacher of a two-path mode
+    local: dict[str, torch.Tensor] = field(init=False, repr=False)
+    teacher: dict[str, torch.Tensor] | None = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.local = self.model.adapter_state("local")
+        two_paths = self.kd is not None and self.kd.mode != "ce"
+        self.teacher = self.model.adapter_state("global") if two_paths else None
 
     def group_key(self) -> tuple:
         """Jobs with equal keys have as many micro-batches in each step and the optimizer's settings: they train
@@ -91,27 +97,18 @@ class JobOutput:
     proximal: float  # the last value of the proximal term (0 without)
 
 
-def stacked_adamw_groups(stack: AdapterStack, decay_norm_and_bias: bool, weight_decay: float) -> list[dict]:
-    """client_training.adamw_groups for stacked leaves: decay where a run's own tensor is a matrix."""
+def adamw_groups(params, cfg: TrainConfig, matrix_ndim: int = 2) -> list[dict[str, Any]]:
+    """AdamW parameter groups: weight decay on the adapter matrices only (``matrix_ndim`` dimensions: 3 for stacked
+    leaves, a run's own matrix); LayerNorm weights and biases (every parameter with fewer dimensions) are not decayed
+    unless ``train.decay_norm_and_bias``."""
     decay, no_decay = [], []
-    for key in stack.keys:
-        p = stack.parameter_of(key)
-        (decay if p.ndim >= 3 or decay_norm_and_bias else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    for p in params:
+        (decay if p.ndim >= matrix_ndim or cfg.decay_norm_and_bias else no_decay).append(p)
+    return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _proximal_term(stack: AdapterStack, r: int, reference: list[torch.Tensor], mu: float) -> torch.Tensor:
     return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(stack.run_parameters(r), reference))
-
-
-def _blocks(prefix: Prefix, labels: torch.Tensor, runs: int, keep: list[int]) -> tuple[Prefix, torch.Tensor]:
-    """The run-major blocks ``keep`` of ``runs`` (all of them: as they are)."""
-    if len(keep) == runs:
-        return prefix, labels
-    size = labels.shape[0] // runs
-    rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in keep])
-    device_rows = rows.to(prefix.decoder_hidden.device, non_blocking=True)
-    return Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values())), labels[rows]
 
 
 def stacked_logits(
@@ -141,7 +138,11 @@ def stacked_logits(
     with torch.no_grad():
         if len(taught) == local.runs:  # every run's block: the same prefix, labels and attention masks
             return student, packed(teacher, prefix, labels, masks)
-        return student, packed(teacher, *_blocks(prefix, labels, local.runs, taught))
+        size = labels.shape[0] // local.runs  # the taught runs' run-major blocks
+        rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in taught])
+        device_rows = rows.to(device, non_blocking=True)
+        taught_prefix = Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values()))
+        return student, packed(teacher, taught_prefix, labels[rows])
 
 
 BATCH_TENSORS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
@@ -193,8 +194,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     teacher = (
         AdapterStack([jobs[r].teacher for r in taught], template, device).requires_grad_(False) if taught else None
     )
-    optimizer = torch.optim.AdamW(stacked_adamw_groups(local, cfg.decay_norm_and_bias, cfg.weight_decay), lr=cfg.lr)
-    references = [[j.proximal_reference[k].to(device) for k in local.keys] if j.proximal_mu > 0 else None for j in jobs]
+    optimizer = torch.optim.AdamW(adamw_groups([local.parameter_of(k) for k in local.keys], cfg, 3), lr=cfg.lr)
     proximal = [torch.zeros(())] * runs
     outputs: list[list[tuple[Batch, LossOutput]]] = [[] for _ in jobs]
     STATS["groups"] += 1
@@ -210,9 +210,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                     model, prefix, labels, local, teacher, taught, device.type == "cuda"
                 )
                 _, tokens, starts = _run_rows(labels, runs)
-                teacher_starts = [0]
-                for r in taught:
-                    teacher_starts.append(teacher_starts[-1] + tokens[r])
+                teacher_starts = [sum(tokens[r] for r in taught[:k]) for k in range(len(taught) + 1)]
                 total = torch.zeros((), device=device)
                 for r, job in enumerate(jobs):
                     z_g = None
@@ -225,8 +223,8 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                     student = logits[starts[r] : starts[r + 1]]
                     out = losses.distillation_loss(student, z_g, batches[r].labels, job.kd, hard_mask=hard)
                     loss = out.loss
-                    if references[r] is not None:
-                        proximal[r] = _proximal_term(local, r, references[r], job.proximal_mu)
+                    if job.proximal is not None:
+                        proximal[r] = _proximal_term(local, r, job.proximal.reference, job.proximal.mu)
                         loss = loss + proximal[r]
                     total = total + loss * job.steps[s][m][1]
                     out.loss = out.loss.detach()

@@ -17,11 +17,10 @@ working at that moment too.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -83,21 +82,16 @@ class _Member:
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name=f"run-{name}", daemon=True)
 
-    @contextlib.contextmanager
-    def own_rng(self) -> Iterator[None]:
-        set_rng_state(self.rng)
-        try:
-            yield
-        finally:
-            self.rng = rng_state()
-
     def _main(self) -> None:
         _LOCAL.member = self
         self.resume.wait()
         self.resume.clear()
         try:
-            with self.own_rng():
+            set_rng_state(self.rng)  # the run's own generators, kept when it ends
+            try:
                 self.result = self.target()
+            finally:
+                self.rng = rng_state()
         except BaseException as exc:  # noqa: BLE001 -- handed to the coordinator, which raises it
             self.error = exc
         finally:

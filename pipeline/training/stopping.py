@@ -55,10 +55,7 @@ def series_start(history: list[dict[str, Any]], late: str | None) -> int:
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:
     """Whether a run with ``train.stop`` enabled ends after the rounds of ``history`` (checked before each round,
     so a resumed run reads the same answer from its restored history)."""
-    if not stop.enabled:
-        return False
-    means = [m for _, m in mean_val_loss_by_round(history, since=series_start(history, late))]
-    return plateaued(means, stop.min_rel_improvement, stop.patience)
+    return stop.enabled and convergence(history, stop, late)["converged"]
 
 
 def convergence(history: list[dict[str, Any]], stop, late: str | None = None) -> dict[str, Any]:
