@@ -12,10 +12,8 @@ import pytest
 from pipeline.experiments.entries import with_labels
 from pipeline.paths import ProjectPaths
 from pipeline.planning import declared
-from pipeline.report import (
-    ReportConfig,
-    build_report,
-)
+from pipeline.report import report_inputs
+from pipeline.results.outputs import build_report
 from pipeline.results import published
 from pipeline.results.readers import collect_scores
 from pipeline.results.tables import aggregate
@@ -220,7 +218,8 @@ def test_aggregate_mean_std_and_missing_seeds(project):
 @pytest.mark.slow
 def test_report_writes_tables_figures_and_index(project):
     root, params = project
-    index = build_report(params, ReportConfig(expected_seeds=[0, 1, 2], human_eval_per_domain=2), ProjectPaths(root))
+    params = params | {"report": {"expected_seeds": [0, 1, 2], "human_eval_per_domain": 2}}
+    index = build_report(report_inputs(params), ProjectPaths(root))
     reports = root / "reports"
 
     table = pd.read_csv(reports / "tables/main_bart-large.csv")
@@ -298,7 +297,7 @@ def test_report_writes_tables_figures_and_index(project):
 def test_report_with_nothing_evaluated(tmp_path):
     params = {"experiments": {"a": {"method": "fedavg", "partition": "domain/seed0", "study": "main"}}}
     (tmp_path / "reports/eval/old-experiment").mkdir(parents=True)
-    index = build_report(params, ReportConfig(), ProjectPaths(tmp_path))
+    index = build_report(report_inputs(params), ProjectPaths(tmp_path))
     assert index["missing_experiments"] == ["a"]
     assert index["ignored_evaluations"] == ["old-experiment"]
     assert "main table" in index["not_made"]
@@ -438,7 +437,7 @@ def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tm
 
 
 def test_the_main_table_uses_the_seeds_every_method_has():
-    from pipeline.report import shared_seeds
+    from pipeline.results.outputs import shared_seeds
 
     scores = pd.DataFrame({"label": ["a"] * 3 + ["b"] * 2, "seed": [0, 1, 2, 0, 2]})
     assert shared_seeds(scores) == [0, 2]
