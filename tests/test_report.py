@@ -13,8 +13,8 @@ from pipeline.experiments.entries import with_labels
 from pipeline.paths import ProjectPaths
 from pipeline.planning import declared
 from pipeline.report import report_inputs
-from pipeline.results.outputs import build_report
 from pipeline.results import published
+from pipeline.results.outputs import build_report
 from pipeline.results.readers import collect_scores
 from pipeline.results.tables import aggregate
 
