@@ -15,23 +15,21 @@ from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, group, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.entries import with_labels
 from pipeline.experiments.settings import RUN_TRAIN_KEYS
 from pipeline.experiments.train_config import train_config
 from pipeline.paths import PATHS
 from pipeline.planning import declared
 from pipeline.results import claims, human_eval, published
-from pipeline.results.outputs import Made, ReportConfig, ReportInputs, build_report, results_text, write_tables
+from pipeline.results.outputs import Made, build_report, results_text, write_tables
 from pipeline.results.stats import BootstrapConfig
+from pipeline.results.tables import ReportConfig, ReportInputs
 
 
 def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportInputs:
     """The planned experiments and the `report`, `bootstrap` and `train` groups of ``params`` (read from ``where``),
     checked before anything is written."""
-    planned = declared(params)
     return ReportInputs(
-        planned,
-        with_labels(planned),
+        declared(params),
         from_dict(ReportConfig, params.get("report"), f"{where} report"),
         from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap"),
         train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS}),

@@ -9,65 +9,20 @@ import functools
 import json
 import os
 import re
-from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from pipeline.common import atomic
-from pipeline.common.config import PositiveInt, config
 from pipeline.experiments.entries import Experiment
-from pipeline.experiments.train_config import TrainConfig
 from pipeline.paths import ProjectPaths
-from pipeline.results import claims, comparisons, figures, human_eval, published, tables
+from pipeline.results import claims, comparisons, figures, human_eval, tables
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, mean_interval, meetings
-
-
-@config
-class ReportConfig:
-    expected_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
-    case_study_seed: int = 0
-    human_eval_per_domain: int = published.HUMAN_EVAL_MEETINGS_PER_DOMAIN
-    human_eval_seed: int = 0
-    human_eval_target: str = "fedselectkd"
-    baselines: list[str] = field(default_factory=lambda: ["single", "fedavg", "fedkd"])
-    # A smoke run (the default CPU profile) states its differences as numbers and draws no claim from them; a
-    # study draws claims only from main-study comparisons with at least these seeds and test examples.
-    smoke: bool = True
-    claim_min_seeds: PositiveInt = 3
-    claim_min_examples: PositiveInt = 100
-
-
-@dataclass(frozen=True)
-class ReportInputs:
-    """What the report reads of a params file (the stage's, or a study folder's; pipeline/report.py reads it)."""
-
-    planned: list[Experiment]
-    labels: dict[str, str]  # pipeline.experiments.entries.with_labels
-    cfg: ReportConfig
-    bootstrap: BootstrapConfig
-    train: TrainConfig  # AdaCentralized's step budget (`train.centralized_steps`), for the claims
-
-
-@dataclass
-class Made:
-    """What was written, by kind, and what was not, with why: the index of reports/README.md."""
-
-    files: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    not_made: dict[str, str] = field(default_factory=dict)
-
-    def text(self, kind: str, path: Path, text: str) -> None:
-        atomic.write_text(path, text)
-        self.files[kind].append(str(path))
-
-    def csv(self, kind: str, path: Path, frame: pd.DataFrame) -> None:
-        atomic.to_csv(frame, path, index=False)
-        self.files[kind].append(str(path))
+from pipeline.results.tables import Made, ReportInputs
 
 
 def shared_seeds(scores: pd.DataFrame) -> list[int]:
@@ -83,14 +38,14 @@ def write_tables(
     ``reports/eval`` and ``reports/train`` (reports/ or a study folder); returns the comparisons, the scores, their
     aggregate and the planned experiments without an evaluation. ``previous``: a comparisons.csv whose
     identical-summary fractions fill those the missing predictions leave out."""
-    tables_dir, planned, labels, bootstrap, cfg = reports / "tables", inp.planned, inp.labels, inp.bootstrap, inp.cfg
+    tables_dir, planned, labels, bootstrap = reports / "tables", inp.planned, inp.labels, inp.bootstrap
     scores, missing_eval = collect_scores(planned, labels, reports / "eval")
-    agg = figures.pre_addition_stand_in(tables.aggregate(scores, planned, labels, cfg.expected_seeds))
+    agg = figures.pre_addition_stand_in(tables.aggregate(scores, inp))
     converged = convergence_table(planned, labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
     compared, notes = comparisons.comparisons_table(
-        comparisons.configurations(planned, labels), cfg.baselines, reports / "eval", bootstrap
+        comparisons.configurations(planned, labels), inp.cfg.baselines, reports / "eval", bootstrap
     )
     if previous is not None and previous.is_file():
         compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
@@ -108,8 +63,8 @@ def write_tables(
         # the seeds every main method has, so no method's mean is over seeds another lacks
         seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
         kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
-        paired = figures.pre_addition_stand_in(tables.aggregate(kept, planned, labels, cfg.expected_seeds))
-        table = tables.main_table(paired, backbone, planned, labels, cfg.expected_seeds)
+        paired = figures.pre_addition_stand_in(tables.aggregate(kept, inp))
+        table = tables.main_table(paired, backbone, inp)
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         note = (
@@ -154,21 +109,17 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     made.text("tables", paths.tables / "results.md", "# Results\n\n" + text)
 
     # Figures: the registered studies' (pipeline.results.figures.STUDY_FIGURES), then the learning curves.
-    drawn, figures_not_made = figures.study_figures(agg, paths.figures, paths.plots)
-    made.files["figures"] += drawn
-    made.not_made.update(figures_not_made)
-    points = figures.privacy_points(planned, labels, scores, paths.train_reports)
+    figures.study_figures(agg, paths, made)
+    points = figures.privacy_points(inp, scores, paths)
     if not points.empty:
-        made.files["figures"].append(
-            str(figures.privacy_figure(points, paths.figures / "privacy.png", paths.plots / "privacy.csv"))
-        )
-    curves = figures.learning_curves(planned, labels, paths.train_reports, paths.figures, paths.plots)
+        made.files["figures"].append(figures.privacy_figure(points, paths))
+    curves = figures.learning_curves(inp, paths)
     made.files["figures"] += curves
     if not curves:
         made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
     # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
-    preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports, "main")
+    preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports)
     queries, meeting_of = human_eval.example_info(paths.examples)
     text = human_eval.case_study(preds, queries, cfg.case_study_seed) if preds else None
     if text is None:
@@ -177,15 +128,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
         made.text("tables", paths.tables / "case_study.md", text)
     sheets_dir = paths.human_eval / "sheets"
     if cfg.human_eval_target in preds and len(preds) > 1:
-        summary = human_eval.make_sheets(
-            preds,
-            sheets_dir,
-            target=cfg.human_eval_target,
-            queries=queries,
-            meetings=meeting_of,
-            per_domain=cfg.human_eval_per_domain,
-            seed=cfg.human_eval_seed,
-        )
+        summary = human_eval.make_sheets(preds, sheets_dir, cfg, queries, meeting_of)
         made.files["human evaluation"] = [str(sheets_dir / f) for f in ("sheet.csv", "sheet.html", "key.json")]
         made.files["human evaluation"].append(
             f"{summary['items']} comparisons, {summary['examples_per_domain']} "
