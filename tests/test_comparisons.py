@@ -117,7 +117,7 @@ def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluat
     labels = with_labels(planned)
     scores, _ = collect_scores(planned, labels, eval_dir)
     md = study_table_markdown(
-        aggregate(scores, ReportInputs(planned, ReportConfig(expected_seeds=[0]))), "main", table, CFG
+        aggregate(scores, ReportInputs(planned, ReportConfig(expected_seeds=[0]))), "main", table, CFG, None
     )
     sel_rows = [line for line in md.splitlines() if line.startswith("| fedselectkd tau=5 | tiny | Academic")]
     assert sel_rows and "> single, > fedavg" in sel_rows[0]

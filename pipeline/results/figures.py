@@ -85,10 +85,10 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     return str(fig_path)
 
 
-def learning_curves(inp: ReportInputs, paths: ProjectPaths) -> list[str]:
+def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
-    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``. The figures
-    made."""
+    (its lowest seed trained), into ``made``; data in ``reports/plots/learning_curves/<study>--<configuration>.csv``.
+    How many figures were drawn."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
     labels = inp.labels
     for p in inp.planned:
@@ -98,7 +98,7 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths) -> list[str]:
         current = by_study[p.study].get(labels[p.name])
         if current is None or p.seed < current[0]:
             by_study[p.study][labels[p.name]] = (p.seed, path)
-    made = []
+    drawn = 0
     for study, runs in sorted(by_study.items()):
         frames = {label: read_rounds(path) for label, (_, path) in sorted(runs.items())}
         frames = {k: v for k, v in frames.items() if not v.empty and "val_loss" in v}
@@ -124,8 +124,9 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths) -> list[str]:
                 wide.reset_index(), paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False
             )
         axes[0][0].set_ylabel("loss per target token")
-        made.append(str(save(fig, paths.figures / f"learning_curves_{study}.png")))
-    return made
+        made.files["figures"].append(str(save(fig, paths.figures / f"learning_curves_{study}.png")))
+        drawn += 1
+    return drawn
 
 
 # The study figures' registry, STUDY_FIGURES (a study's figure is one StudyFigure; every study gets its table without

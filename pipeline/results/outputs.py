@@ -113,9 +113,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     points = figures.privacy_points(inp, scores, paths)
     if not points.empty:
         made.files["figures"].append(figures.privacy_figure(points, paths))
-    curves = figures.learning_curves(inp, paths)
-    made.files["figures"] += curves
-    if not curves:
+    if not figures.learning_curves(inp, paths, made):
         made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
     # Case study and human-evaluation sheets from the main study's lowest evaluated seed.

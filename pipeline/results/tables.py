@@ -164,11 +164,7 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
 
 
 def main_table_markdown(
-    table: pd.DataFrame,
-    backbone: str,
-    compared: pd.DataFrame,
-    bootstrap: BootstrapConfig,
-    converged: pd.DataFrame | None = None,
+    table: pd.DataFrame, backbone: str, compared: pd.DataFrame, bootstrap: BootstrapConfig, converged: pd.DataFrame
 ) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
@@ -232,11 +228,7 @@ def main_table_markdown(
 
 
 def study_table_markdown(
-    agg: pd.DataFrame,
-    study: str,
-    compared: pd.DataFrame,
-    bootstrap: BootstrapConfig,
-    converged: pd.DataFrame | None = None,
+    agg: pd.DataFrame, study: str, compared: pd.DataFrame, bootstrap: BootstrapConfig, converged: pd.DataFrame | None
 ) -> str:
     sub = agg[agg["study"] == study]
     lines = [
