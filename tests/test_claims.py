@@ -372,7 +372,8 @@ def _study_folder(root: Path) -> dict:
 
 def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_path):
     from pipeline.paths import ProjectPaths
-    from pipeline.report import ReportConfig, build_report
+    from pipeline.report import report_inputs
+    from pipeline.results.outputs import build_report
 
     study = tmp_path / "study"
     params = _study_folder(study)
@@ -381,7 +382,7 @@ def test_report_stage_writes_every_main_pair_with_the_papers_differences(tmp_pat
     (study / "train").rename(tmp_path / "reports/train")
     for f in (tmp_path / "reports/eval").glob("*/predictions.jsonl"):
         f.unlink()  # the fixture's records lack the case study's fields; comparisons do not need them
-    build_report(params, ReportConfig(expected_seeds=[0]), ProjectPaths(tmp_path))
+    build_report(report_inputs(params | {"report": {"expected_seeds": [0]}}), ProjectPaths(tmp_path))
     tables = tmp_path / "reports/tables"
     comp = pd.read_csv(tables / "comparisons.csv")
     avg = comp[(comp["client"] == comparisons.AVERAGE) & (comp["metric"] == "avg_rouge")]

@@ -13,7 +13,7 @@ from pipeline.experiments.entries import Experiment, with_labels
 from pipeline.results import comparisons
 from pipeline.results.readers import collect_scores
 from pipeline.results.stats import BootstrapConfig
-from pipeline.results.tables import aggregate, study_table_markdown
+from pipeline.results.tables import ReportConfig, ReportInputs, aggregate, study_table_markdown
 
 CFG = BootstrapConfig(n_resamples=1000, seed=0)
 CLIENTS = {"Academic": 6, "Product": 10}
@@ -116,7 +116,9 @@ def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluat
     table, _ = comparisons.comparisons_table(configs, ["single", "fedavg"], eval_dir, CFG)
     labels = with_labels(planned)
     scores, _ = collect_scores(planned, labels, eval_dir)
-    md = study_table_markdown(aggregate(scores, planned, labels, [0]), "main", table, CFG)
+    md = study_table_markdown(
+        aggregate(scores, ReportInputs(planned, ReportConfig(expected_seeds=[0]))), "main", table, CFG, None
+    )
     sel_rows = [line for line in md.splitlines() if line.startswith("| fedselectkd tau=5 | tiny | Academic")]
     assert sel_rows and "> single, > fedavg" in sel_rows[0]
     assert "(n=1)" in sel_rows[0] and "± 0.00" not in md

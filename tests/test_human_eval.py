@@ -11,6 +11,7 @@ import yaml
 from pipeline.common.schema import DataError
 from pipeline.report import main as report_main
 from pipeline.results.human_eval import Prediction, make_sheets, score_sheets
+from pipeline.results.tables import ReportConfig
 
 DOMAINS = ("Academic", "Committee", "Product")
 METHODS = ("fedselectkd", "fedavg", "fedkd")
@@ -42,7 +43,9 @@ def write_sheet(path, rows, fields=("item_id", "judgement")):
 
 def test_sheets_are_blind_and_balanced(tmp_path):
     meetings = {ex: ex.split("/")[3] for ex in predictions()["fedavg"]}
-    summary = make_sheets(predictions(), tmp_path, target="fedselectkd", meetings=meetings, per_domain=3, seed=1)
+    summary = make_sheets(
+        predictions(), tmp_path, ReportConfig(human_eval_per_domain=3, human_eval_seed=1), {}, meetings
+    )
     assert summary["examples_per_domain"] == {d: 3 for d in DOMAINS}
     assert summary["items"] == 3 * 3 * 2 and summary["opponents"] == ["fedavg", "fedkd"]
     rows = read_sheet(tmp_path / "sheet.csv")
@@ -63,12 +66,12 @@ def test_sheets_are_blind_and_balanced(tmp_path):
         assert r[f"summary_{k['target_side']}"] == f"summary by fedselectkd of {k['example_id']}"
     # Same seed -> same sheets.
     again = tmp_path / "again"
-    make_sheets(predictions(), again, target="fedselectkd", meetings=meetings, per_domain=3, seed=1)
+    make_sheets(predictions(), again, ReportConfig(human_eval_per_domain=3, human_eval_seed=1), {}, meetings)
     assert (again / "sheet.csv").read_text() == (tmp_path / "sheet.csv").read_text()
 
 
 def test_round_trip_counts(tmp_path):
-    make_sheets(predictions(), tmp_path, target="fedselectkd", per_domain=3, seed=0)
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=3), {}, {})
     rows = read_sheet(tmp_path / "sheet.csv")
     key = json.loads((tmp_path / "key.json").read_text())["items"]
     other = {"A": "B", "B": "A"}
@@ -108,7 +111,7 @@ def test_round_trip_counts(tmp_path):
 
 
 def test_bad_judgement_names_file_and_line(tmp_path):
-    make_sheets(predictions(), tmp_path, target="fedselectkd", per_domain=1, seed=0)
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
     rows = read_sheet(tmp_path / "sheet.csv")
     rows[1]["judgement"] = "maybe"
     write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))

@@ -122,20 +122,21 @@ def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
 
 
 def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):
-    from pipeline.experiments.entries import Experiment, with_labels
+    from pipeline.experiments.entries import Experiment
+    from pipeline.paths import ProjectPaths
     from pipeline.results.figures import privacy_figure, privacy_points
+    from pipeline.results.tables import ReportInputs
 
     planned = [
         Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
         Experiment("d0", "fedavg", "domain/seed0", 0, "privacy", dp="DP-SGD ε≤3"),
         Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3"),
     ]
-    labels = with_labels(planned)
     scores = pd.DataFrame(
         [{"experiment": e, "client": c, "avg_rouge": 5.0, "backbone": "tiny"} for e in ("p0", "d0", "d1") for c in "AB"]
     )
     for name, deltas in (("p0", None), ("d0", (1e-5, 4e-6)), ("d1", (2e-6, 3e-6))):
-        d = tmp_path / "train" / name
+        d = tmp_path / "reports/train" / name
         d.mkdir(parents=True)
         clients = {
             c: {} if deltas is None else {"privacy": {"epsilon": 2.0, "delta": x, "noise_multiplier": 1.0}}
@@ -144,11 +145,11 @@ def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):
         d.joinpath("metrics.json").write_text(
             json.dumps({"clients": clients, "privacy": None if deltas is None else {"target_epsilon": 3}})
         )
-    points = privacy_points(planned, labels, scores, tmp_path / "train").set_index("label")
+    points = privacy_points(ReportInputs(planned), scores, ProjectPaths(tmp_path)).set_index("label")
     assert points.loc["fedavg DP-SGD ε≤3", "delta"] == 1e-5  # the largest over clients and seeds
     assert pd.isna(points.loc["fedavg", "delta"])
-    privacy_figure(points.reset_index(), tmp_path / "privacy.png", tmp_path / "privacy.csv")
-    assert pd.read_csv(tmp_path / "privacy.csv")["delta"].max() == 1e-5
+    privacy_figure(points.reset_index(), ProjectPaths(tmp_path))
+    assert pd.read_csv(tmp_path / "reports/plots/privacy.csv")["delta"].max() == 1e-5
 
 
 def test_the_committed_client_dp_table_is_the_benchmarks_json_and_its_sampling_is_poisson():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pandas as pd
@@ -12,13 +13,11 @@ import pytest
 from pipeline.experiments.entries import with_labels
 from pipeline.paths import ProjectPaths
 from pipeline.planning import declared
-from pipeline.report import (
-    ReportConfig,
-    build_report,
-)
+from pipeline.report import report_inputs
 from pipeline.results import published
+from pipeline.results.outputs import build_report
 from pipeline.results.readers import collect_scores
-from pipeline.results.tables import aggregate
+from pipeline.results.tables import ReportConfig, ReportInputs, aggregate
 
 CLIENTS = ("Academic", "Committee", "Product")
 
@@ -200,7 +199,7 @@ def test_aggregate_mean_std_and_missing_seeds(project):
     labels = with_labels(planned)
     scores, missing = collect_scores(planned, labels, root / "reports/eval")
     assert missing == ["single-s0"]
-    agg = aggregate(scores, planned, labels, expected_seeds=[0, 1, 2])
+    agg = aggregate(scores, ReportInputs(planned, ReportConfig(expected_seeds=[0, 1, 2])))
     row = agg[(agg["study"] == "main") & (agg["method"] == "fedavg") & (agg["client"] == "Academic")].iloc[0]
     assert row["rouge1_mean"] == pytest.approx(22.0)
     assert row["rouge1_std"] == pytest.approx(math.sqrt(8.0))  # sample std of 20, 24
@@ -220,7 +219,8 @@ def test_aggregate_mean_std_and_missing_seeds(project):
 @pytest.mark.slow
 def test_report_writes_tables_figures_and_index(project):
     root, params = project
-    index = build_report(params, ReportConfig(expected_seeds=[0, 1, 2], human_eval_per_domain=2), ProjectPaths(root))
+    params = params | {"report": {"expected_seeds": [0, 1, 2], "human_eval_per_domain": 2}}
+    index = build_report(report_inputs(params), ProjectPaths(root))
     reports = root / "reports"
 
     table = pd.read_csv(reports / "tables/main_bart-large.csv")
@@ -298,7 +298,7 @@ def test_report_writes_tables_figures_and_index(project):
 def test_report_with_nothing_evaluated(tmp_path):
     params = {"experiments": {"a": {"method": "fedavg", "partition": "domain/seed0", "study": "main"}}}
     (tmp_path / "reports/eval/old-experiment").mkdir(parents=True)
-    index = build_report(params, ReportConfig(), ProjectPaths(tmp_path))
+    index = build_report(report_inputs(params), ProjectPaths(tmp_path))
     assert index["missing_experiments"] == ["a"]
     assert index["ignored_evaluations"] == ["old-experiment"]
     assert "main table" in index["not_made"]
@@ -353,8 +353,9 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
     client spent (inf without DP), from the train stage's metrics; the figure is drawn with its data beside it."""
     import math
 
-    from pipeline.experiments.entries import Experiment, with_labels
+    from pipeline.experiments.entries import Experiment
     from pipeline.results.figures import privacy_figure, privacy_points
+    from pipeline.results.tables import ReportInputs
 
     planned = [
         Experiment("p0", "fedavg", "domain/seed0", 0, "privacy"),
@@ -363,7 +364,6 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
         Experiment("d1", "fedavg", "domain/seed0", 1, "privacy", dp="DP-SGD ε≤3"),
         Experiment("m0", "fedavg", "domain/seed0", 0, "main"),
     ]
-    labels = with_labels(planned)
     avg = {
         ("p0", "A"): 10.0,
         ("p0", "B"): 12.0,
@@ -378,7 +378,7 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
         [{"experiment": e, "client": c, "avg_rouge": v, "backbone": "tiny"} for (e, c), v in avg.items()]
     )
     for name, eps in (("p0", None), ("p1", None), ("d0", (2.5, 2.9)), ("d1", (2.0, 2.0))):
-        d = tmp_path / "train" / name
+        d = tmp_path / "reports/train" / name
         d.mkdir(parents=True)
         clients = {
             c: {} if eps is None else {"privacy": {"epsilon": e, "noise_multiplier": 1.2}}
@@ -387,15 +387,15 @@ def test_privacy_points_pair_rouge_with_the_epsilon_each_run_spent(tmp_path):
         d.joinpath("metrics.json").write_text(
             json.dumps({"clients": clients, "privacy": None if eps is None else {"target_epsilon": 3}})
         )
-    points = privacy_points(planned, labels, scores, tmp_path / "train").set_index("label")
+    points = privacy_points(ReportInputs(planned), scores, ProjectPaths(tmp_path)).set_index("label")
     assert list(points.index) == ["fedavg", "fedavg DP-SGD ε≤3"]  # the main study's run is not part of it
     plain, dp = points.loc["fedavg"], points.loc["fedavg DP-SGD ε≤3"]
     assert (plain.avg_rouge_mean, plain.n_seeds, plain.epsilon) == (13.0, 2, math.inf)
     assert plain.avg_rouge_std == pytest.approx(math.sqrt(8.0))  # seeds at 11 and 15
     assert (dp.avg_rouge_mean, dp.n_seeds, dp.epsilon, dp.target_epsilon) == (8.0, 1, 2.9, 3)
     assert math.isnan(dp.avg_rouge_std)  # one seed: no spread
-    fig = privacy_figure(points.reset_index(), tmp_path / "privacy.png", tmp_path / "privacy.csv")
-    assert fig.stat().st_size > 0 and len(pd.read_csv(tmp_path / "privacy.csv")) == 2
+    fig = privacy_figure(points.reset_index(), ProjectPaths(tmp_path))
+    assert os.path.getsize(fig) > 0 and len(pd.read_csv(tmp_path / "reports/plots/privacy.csv")) == 2
 
 
 def test_a_timing_record_without_a_field_the_stage_timer_writes_is_refused_naming_file_and_field(tmp_path):
@@ -438,7 +438,7 @@ def test_timing_table_states_the_span_from_the_first_start_to_the_last_finish(tm
 
 
 def test_the_main_table_uses_the_seeds_every_method_has():
-    from pipeline.report import shared_seeds
+    from pipeline.results.outputs import shared_seeds
 
     scores = pd.DataFrame({"label": ["a"] * 3 + ["b"] * 2, "seed": [0, 1, 2, 0, 2]})
     assert shared_seeds(scores) == [0, 2]

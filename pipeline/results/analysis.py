@@ -24,10 +24,10 @@ import pandas as pd
 from pipeline.common import atomic
 from pipeline.common.config import config
 from pipeline.experiments.entries import Experiment
-from pipeline.paths import PATHS, ProjectPaths
+from pipeline.paths import ProjectPaths
 from pipeline.results import kd_analysis
-from pipeline.results.figures import slug
 from pipeline.results.kd_analysis import HARDKD, SELECTKD
+from pipeline.results.plotting import slug
 from pipeline.results.published import KD_USAGE_RATIO
 from pipeline.results.readers import best_rounds, eval_scores, read_gate_log
 
@@ -41,7 +41,7 @@ class AnalyzeConfig:
 
 class Analysis:
     def __init__(
-        self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths = PATHS
+        self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths
     ) -> None:
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
         self.out = paths.analysis

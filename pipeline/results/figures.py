@@ -4,9 +4,8 @@ figures' registry, and learning curves; each figure's data also in ``reports/plo
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,18 +13,19 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from pipeline.common import atomic
-from pipeline.experiments.entries import Experiment
+from pipeline.paths import ProjectPaths
 from pipeline.results import published
-from pipeline.results.plotting import plt, save
+from pipeline.results.plotting import plt, save, slug
 from pipeline.results.readers import read_json, read_rounds
 from pipeline.results.scoring import TABLE_METRICS
+from pipeline.results.tables import Made, ReportInputs
 
 
-def bar_figure(data: pd.DataFrame, entry: StudyFigure, figures: Path, plots: Path) -> str:
+def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> str:
     """A study's figure from its bars ``data``: average ROUGE per client (x) and configuration (bars), one panel per
     value of the entry's ``facet_col``, the paper's values as black ticks; its data beside it."""
     facet_col, paper = entry.facet_col, entry.paper(data) if entry.paper is not None else None
-    fig_path, plot_path = figures / f"{entry.study}.png", plots / f"{entry.study}.csv"
+    fig_path, plot_path = paths.figures / f"{entry.study}.png", paths.plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
@@ -85,25 +85,20 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, figures: Path, plots: Pat
     return str(fig_path)
 
 
-def slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")
-
-
-def learning_curves(
-    planned: Iterable[Experiment], labels: dict[str, str], train_reports: Path, figures: Path, plots: Path
-) -> list[str]:
+def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
     """Validation (dotted: training) loss per round per client: one figure per study, one panel per configuration
-    (its lowest seed trained); data in ``reports/plots/learning_curves/<study>--<configuration>.csv``. The figures
-    made."""
+    (its lowest seed trained), into ``made``; data in ``reports/plots/learning_curves/<study>--<configuration>.csv``.
+    How many figures were drawn."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
-    for p in planned:
-        path = train_reports / p.name / "rounds.json"
+    labels = inp.labels
+    for p in inp.planned:
+        path = paths.train_report(p.name) / "rounds.json"
         if not path.is_file():
             continue
         current = by_study[p.study].get(labels[p.name])
         if current is None or p.seed < current[0]:
             by_study[p.study][labels[p.name]] = (p.seed, path)
-    made = []
+    drawn = 0
     for study, runs in sorted(by_study.items()):
         frames = {label: read_rounds(path) for label, (_, path) in sorted(runs.items())}
         frames = {k: v for k, v in frames.items() if not v.empty and "val_loss" in v}
@@ -125,10 +120,13 @@ def learning_curves(
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
-            atomic.to_csv(wide.reset_index(), plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False)
+            atomic.to_csv(
+                wide.reset_index(), paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False
+            )
         axes[0][0].set_ylabel("loss per target token")
-        made.append(str(save(fig, figures / f"learning_curves_{study}.png")))
-    return made
+        made.files["figures"].append(str(save(fig, paths.figures / f"learning_curves_{study}.png")))
+        drawn += 1
+    return drawn
 
 
 # The study figures' registry, STUDY_FIGURES (a study's figure is one StudyFigure; every study gets its table without
@@ -231,18 +229,15 @@ STUDY_FIGURES: tuple[StudyFigure, ...] = (
 )
 
 
-def study_figures(agg: pd.DataFrame, figures: Path, plots: Path) -> tuple[list[str], dict[str, str]]:
-    """Draw every registered study's figure; returns the figures made and, per study without rows, why not."""
-    made: list[str] = []
-    not_made: dict[str, str] = {}
+def study_figures(agg: pd.DataFrame, paths: ProjectPaths, made: Made) -> None:
+    """Draw every registered study's figure into ``made``, and say why not for each study without rows."""
     for entry in STUDY_FIGURES:
         rows = agg[agg["study"] == entry.study].copy()
         if rows.empty:
-            not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
+            made.not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
             continue
         bars = entry.bars(rows, agg) if entry.bars is not None else rows
-        made.append(bar_figure(bars, entry, figures, plots))
-    return made, not_made
+        made.files["figures"].append(bar_figure(bars, entry, paths))
 
 
 PRIVACY_STUDY = "privacy"
@@ -264,19 +259,17 @@ def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | Non
     )
 
 
-def privacy_points(
-    planned: Iterable[Experiment], labels: dict[str, str], scores: pd.DataFrame, train_reports: Path
-) -> pd.DataFrame:
+def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths) -> pd.DataFrame:
     """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
-    members = [p for p in planned if p.study == PRIVACY_STUDY]
+    members, labels = [p for p in inp.planned if p.study == PRIVACY_STUDY], inp.labels
     rows = []
     for label in dict.fromkeys(labels[p.name] for p in members):
         runs = [p for p in members if labels[p.name] == label]
         per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
         for p in runs:
             mine = scores[scores["experiment"] == p.name]
-            metrics_path = train_reports / p.name / "metrics.json"
+            metrics_path = paths.train_metrics(p.name)
             if not mine.empty and metrics_path.is_file():
                 per_seed.append(float(mine["avg_rouge"].mean()))
                 spent.append(spent_epsilon(read_json(metrics_path, "train metrics")))
@@ -302,9 +295,10 @@ def privacy_points(
     return pd.DataFrame(rows)  # no row: an empty frame, no figure
 
 
-def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
-    """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf)."""
-    atomic.to_csv(points, data, index=False)
+def privacy_figure(points: pd.DataFrame, paths: ProjectPaths) -> str:
+    """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf), its data
+    beside it."""
+    atomic.to_csv(points, paths.plots / "privacy.csv", index=False)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     finite = points.loc[points["epsilon"].apply(math.isfinite), "epsilon"]
     right = (finite.max() * 4) if not finite.empty else 10.0  # where "no privacy" (epsilon = inf) is drawn
@@ -329,4 +323,4 @@ def privacy_figure(points: pd.DataFrame, figure: Path, data: Path) -> Path:
     ax.set_ylabel("average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
-    return save(fig, figure)
+    return str(save(fig, paths.figures / "privacy.png"))

@@ -8,7 +8,7 @@ import html
 import json
 import random
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from pipeline.results import published
 from pipeline.results.plotting import plt, save
 from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
+from pipeline.results.tables import ReportConfig
 
 SHEET_COLUMNS = ("item_id", "domain", "query", "reference", "summary_A", "summary_B", "judgement", "comment")
 OUTCOMES = ("win", "tie", "loss")
@@ -49,10 +50,10 @@ class KeyEntry:
 
 
 def predictions_by_method(
-    planned: Iterable[Experiment], eval_dir: Path, study: str = "main"
+    planned: list[Experiment], eval_dir: Path
 ) -> tuple[dict[str, dict[str, Prediction]], int | None]:
-    """method -> example_id -> Prediction for one study's lowest seed with predictions, and that seed."""
-    avail = [p for p in planned if p.study == study and (eval_dir / p.name / "predictions.jsonl").is_file()]
+    """method -> example_id -> Prediction for the main study's lowest seed with predictions, and that seed."""
+    avail = [p for p in planned if p.study == "main" and (eval_dir / p.name / "predictions.jsonl").is_file()]
     if not avail:
         return {}, None
     chosen_seed = min(p.seed for p in avail)
@@ -109,17 +110,13 @@ def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str],
 
 
 def make_sheets(
-    predictions: Mapping[str, Mapping[str, Prediction]],
-    out_dir: str | Path,
-    *,
-    target: str,
-    queries: Mapping[str, str] | None = None,
-    meetings: Mapping[str, str] | None = None,
-    per_domain: int = 20,
-    seed: int = 0,
+    predictions: dict[str, dict[str, Prediction]], out: Path, cfg: ReportConfig, queries: dict, meetings: dict
 ) -> dict[str, Any]:
-    """Blind pairwise sheets of ``target`` against every other method on the examples all predicted; their summary.
-    The report calls it only when ``target`` and another method have predictions."""
+    """Blind pairwise sheets (into ``out``, created) of `report.human_eval_target` against every other method on the
+    examples all predicted (up to `report.human_eval_per_domain` a domain, drawn with `report.human_eval_seed`;
+    ``queries``, ``meetings``: by example id, :func:`example_info`); their summary. The report calls it only when the
+    target and another method have predictions."""
+    target, per_domain, seed = cfg.human_eval_target, cfg.human_eval_per_domain, cfg.human_eval_seed
     opponents = sorted(m for m in predictions if m != target)
     common = set(predictions[target]).intersection(*(predictions[m] for m in opponents))
     if not common:
@@ -127,7 +124,7 @@ def make_sheets(
             f"human evaluation: {target!r} and {opponents} share no test example "
             "(were they evaluated on the same partition?)"
         )
-    queries, meetings, rng = queries or {}, meetings or {}, random.Random(f"human_eval:{seed}")
+    rng = random.Random(f"human_eval:{seed}")
     domain_of = {ex: predictions[target][ex].domain for ex in common}
     # up to per_domain examples a domain, round-robin over its shuffled meetings: as many meetings as there are
     by_domain: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -158,7 +155,6 @@ def make_sheets(
         rows.append(dict(zip(SHEET_COLUMNS, sheet_row, strict=True)))
         key[item_id] = KeyEntry(ex, t.domain, target, opp, target_side, t.experiment, o.experiment)
 
-    out = Path(out_dir)  # the atomic writes create it
     atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
     atomic.write_text(out / "sheet.html", _html_page(rows))
     atomic.write_json(

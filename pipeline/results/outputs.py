@@ -1,20 +1,182 @@
-"""What the report stage writes besides its tables and figures: reports/summary.json, reports/metrics.json (the
-DVC metrics file) and reports/README.md (the index of everything made and not made)."""
+"""What the report stage writes (pipeline/report.py reads the params and calls :func:`build_report`): its tables
+(pipeline.results.tables), the results in words (pipeline.results.claims), figures, case study and human-evaluation
+sheets, reports/summary.json, reports/metrics.json (the DVC metrics file) and reports/README.md (the index of
+everything made and not made)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from pipeline.common import atomic
 from pipeline.experiments.entries import Experiment
-from pipeline.results import comparisons
+from pipeline.paths import ProjectPaths
+from pipeline.results import claims, comparisons, figures, human_eval, tables
+from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
 from pipeline.results.scoring import TABLE_ROUGE_L
 from pipeline.results.stats import BootstrapConfig, mean_interval, meetings
+from pipeline.results.tables import Made, ReportInputs
+
+
+def shared_seeds(scores: pd.DataFrame) -> list[int]:
+    """The seeds every configuration (label) of ``scores`` has evaluated."""
+    by_label = [set(g["seed"].astype(int)) for _, g in scores.groupby("label")]
+    return sorted(set.intersection(*by_label)) if by_label else []
+
+
+def write_tables(
+    inp: ReportInputs, reports: Path, made: Made, previous: Path | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str]]:
+    """The comparisons, the scores, the main table per backbone and one table per study into ``reports/tables``, from
+    ``reports/eval`` and ``reports/train`` (reports/ or a study folder); returns the comparisons, the scores, their
+    aggregate and the planned experiments without an evaluation. ``previous``: a comparisons.csv whose
+    identical-summary fractions fill those the missing predictions leave out."""
+    tables_dir, planned, labels, bootstrap = reports / "tables", inp.planned, inp.labels, inp.bootstrap
+    scores, missing_eval = collect_scores(planned, labels, reports / "eval")
+    agg = figures.pre_addition_stand_in(tables.aggregate(scores, inp))
+    converged = convergence_table(planned, labels, reports / "train")
+
+    # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
+    compared, notes = comparisons.comparisons_table(
+        comparisons.configurations(planned, labels), inp.cfg.baselines, reports / "eval", bootstrap
+    )
+    if previous is not None and previous.is_file():
+        compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
+    compared = comparisons.with_published(compared)
+    if notes:
+        made.not_made["comparisons"] = "; ".join(notes)
+    for frame, name in ((compared, "comparisons"), (scores, "scores_per_experiment"), (agg, "scores_aggregated")):
+        made.csv("tables", tables_dir / f"{name}.csv", frame)
+
+    # Main table per backbone (Table III layout) beside the published numbers.
+    main = agg[agg["study"] == "main"]
+    if main.empty:
+        made.not_made["main table"] = "no evaluated experiment of study `main`"
+    for backbone in sorted(set(main["backbone"])):
+        # the seeds every main method has, so no method's mean is over seeds another lacks
+        seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
+        kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
+        paired = figures.pre_addition_stand_in(tables.aggregate(kept, inp))
+        table = tables.main_table(paired, backbone, inp)
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
+        stem = tables_dir / f"main_{slug}"
+        note = (
+            f"\nEvery method's numbers are over the seeds all of them have ({', '.join(map(str, seeds))}; "
+            "`scores_aggregated.csv` and the study table have each method's own seeds).\n"
+            if seeds
+            else "\nNo seed is shared by every method: each row is over its own seeds (column `seeds`).\n"
+        )
+        text = tables.main_table_markdown(table, backbone, compared, bootstrap, converged)
+        made.text("tables", stem.with_suffix(".md"), text + note)
+        made.csv("tables", stem.with_suffix(".csv"), table)
+
+    # One table per study, with its paired comparisons and its runs' convergence.
+    for study in sorted(set(agg["study"])):
+        text = tables.study_table_markdown(agg, study, compared, bootstrap, converged)
+        made.text("tables", tables_dir / f"study_{study}.md", text)
+    return compared, scores, agg, missing_eval
+
+
+def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: Path) -> str:
+    """The results in words (pipeline.results.claims) under the profile's claim rules; ``root`` holds
+    ``backbone.json``, ``analysis/kd_analysis.json`` and the train records ``train/`` (reports/ or a study folder)."""
+    records = [
+        json.loads(f.read_text()) if f.is_file() else None
+        for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
+    ]
+    converged = convergence_table(inp.planned, inp.labels, root / "train")
+    # How AdaCentralized's steps were budgeted (`train.centralized_steps`)
+    train, cfg = inp.train, inp.cfg
+    ratios = centralized_step_ratios(inp.planned, root / "train", train.batch_size, train.grad_accum_steps)
+    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, train.centralized_steps, ratios)
+    return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
+
+
+def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
+    """Everything the stage writes; returns the index (what was made and what is missing)."""
+    made, planned, labels, cfg = Made(), inp.planned, inp.labels, inp.cfg
+    compared, scores, agg, missing_eval = write_tables(inp, paths.reports, made)
+    for d in (paths.figures, paths.plots):
+        d.mkdir(parents=True, exist_ok=True)
+    text = results_text(inp, compared, paths.tables / "comparisons.csv", paths.reports)
+    made.text("tables", paths.tables / "results.md", "# Results\n\n" + text)
+
+    # Figures: the registered studies' (pipeline.results.figures.STUDY_FIGURES), then the learning curves.
+    figures.study_figures(agg, paths, made)
+    points = figures.privacy_points(inp, scores, paths)
+    if not points.empty:
+        made.files["figures"].append(figures.privacy_figure(points, paths))
+    if not figures.learning_curves(inp, paths, made):
+        made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
+
+    # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
+    preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports)
+    queries, meeting_of = human_eval.example_info(paths.examples)
+    text = human_eval.case_study(preds, queries, cfg.case_study_seed) if preds else None
+    if text is None:
+        made.not_made["case study"] = "needs predictions of both fedavg and fedselectkd in study `main`"
+    else:
+        made.text("tables", paths.tables / "case_study.md", text)
+    sheets_dir = paths.human_eval / "sheets"
+    if cfg.human_eval_target in preds and len(preds) > 1:
+        summary = human_eval.make_sheets(preds, sheets_dir, cfg, queries, meeting_of)
+        made.files["human evaluation"] = [str(sheets_dir / f) for f in ("sheet.csv", "sheet.html", "key.json")]
+        made.files["human evaluation"].append(
+            f"{summary['items']} comparisons, {summary['examples_per_domain']} "
+            f"examples per domain, seed {pred_seed} runs"
+        )
+    else:
+        sheets_dir.mkdir(parents=True, exist_ok=True)
+        made.not_made["human evaluation sheets"] = (
+            f"needs predictions of {cfg.human_eval_target} and at least one other method in study `main`"
+        )
+
+    planned_names = {p.name for p in planned}
+    timing, stale_timing = tables.timing_table(paths.timing, planned_names)
+    if stale_timing:
+        made.not_made["stage times of unplanned experiments"] = "left out of the stage-time table: " + ", ".join(
+            stale_timing
+        )
+    if timing is None:
+        made.not_made["stage times"] = "no reports/timing/*.json"
+    else:
+        made.text("tables", paths.tables / "timing.md", tables.timing_markdown(timing))
+        made.csv("tables", paths.tables / "timing.csv", timing)
+
+    atomic.write_json(paths.reports / "summary.json", summary_metrics(agg, planned, missing_eval), sort_keys=True)
+    intervals = {
+        c.label: average_interval(c, paths.eval_reports, inp.bootstrap)
+        for c in comparisons.configurations(planned, labels)
+        if c.study == HEADLINE_STUDY
+    }
+    kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
+    atomic.write_json(paths.reports / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
+    # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
+    ignored = (
+        sorted(d.name for d in paths.eval_reports.iterdir() if d.is_dir() and d.name not in planned_names)
+        if paths.eval_reports.is_dir()
+        else []
+    )
+    short = agg[agg["missing_seeds"] != ""]
+    incomplete = list(
+        dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in short.itertuples())
+    )
+    index = {
+        "made": dict(made.files),
+        "not_made": made.not_made,
+        "missing_experiments": missing_eval,
+        "incomplete_seeds": incomplete,
+        "ignored_evaluations": ignored,
+    }
+    atomic.write_text(paths.reports / "README.md", readme(index, len(planned), paths.reports, paths.plots))
+    return index
 
 
 def summary_metrics(agg: pd.DataFrame, planned: Sequence[Experiment], missing_eval: list[str]) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""What every figure of the results shares: matplotlib without a display (Agg) and :func:`save` (every figure
-module saves through it)."""
+"""What every figure of the results shares: matplotlib without a display (Agg), :func:`save` (every figure
+module saves through it) and :func:`slug` (a name in a figure's or its data's file name)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -19,3 +20,7 @@ def save(fig, path: Path) -> Path:
     atomic.savefig(fig, path, dpi=120)
     plt.close(fig)
     return path
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", text).strip("_")

@@ -1,20 +1,25 @@
-"""The report's tables: scores averaged over seeds, the main table beside the published numbers (Table III
-layout), one table per study with its paired comparisons, and the stage times."""
+"""The report's inputs (:class:`ReportInputs`), its record of what it wrote (:class:`Made`) and its tables: scores averaged over seeds, the main table beside the
+published numbers (Table III layout), one table per study with its paired comparisons, and the stage times."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from pipeline.common import atomic
+from pipeline.common.config import PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, DataError
-from pipeline.experiments.entries import Experiment
+from pipeline.experiments.entries import Experiment, with_labels
+from pipeline.experiments.train_config import TrainConfig
 from pipeline.results import comparisons, published
 from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
@@ -23,21 +28,64 @@ from pipeline.results.stats import BootstrapConfig
 METRIC_LABELS = {"rouge1": "R-1", "rouge2": "R-2", TABLE_ROUGE_L: "R-L", "avg_rouge": "avg"}
 
 
+@config
+class ReportConfig:
+    expected_seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    case_study_seed: int = 0
+    human_eval_per_domain: int = published.HUMAN_EVAL_MEETINGS_PER_DOMAIN
+    human_eval_seed: int = 0
+    human_eval_target: str = "fedselectkd"
+    baselines: list[str] = field(default_factory=lambda: ["single", "fedavg", "fedkd"])
+    # A smoke run (the default CPU profile) states its differences as numbers and draws no claim from them; a
+    # study draws claims only from main-study comparisons with at least these seeds and test examples.
+    smoke: bool = True
+    claim_min_seeds: PositiveInt = 3
+    claim_min_examples: PositiveInt = 100
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """What the report reads of a params file (the stage's, or a study folder's; pipeline/report.py reads it)."""
+
+    planned: list[Experiment]
+    cfg: ReportConfig = field(default_factory=ReportConfig)
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # AdaCentralized's step budget, for the claims
+
+    @functools.cached_property
+    def labels(self) -> dict[str, str]:
+        return with_labels(self.planned)
+
+
+@dataclass
+class Made:
+    """What was written, by kind, and what was not, with why: the index of reports/README.md."""
+
+    files: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    not_made: dict[str, str] = field(default_factory=dict)
+
+    def text(self, kind: str, path: Path, text: str) -> None:
+        atomic.write_text(path, text)
+        self.files[kind].append(str(path))
+
+    def csv(self, kind: str, path: Path, frame: pd.DataFrame) -> None:
+        atomic.to_csv(frame, path, index=False)
+        self.files[kind].append(str(path))
+
+
 def _client_order(clients: Iterable[str]) -> list[str]:
     """QMSum's clients in the paper's order, then any other client sorted."""
     present = set(clients)
     return [c for c in QMSUM_DOMAINS if c in present] + sorted(present - set(QMSUM_DOMAINS))
 
 
-def aggregate(
-    scores: pd.DataFrame, planned: Iterable[Experiment], labels: dict[str, str], expected_seeds: Iterable[int]
-) -> pd.DataFrame:
+def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
-    (expected: ``expected_seeds`` plus any seed the `experiments` params plan for the configuration)."""
-    expected = set(int(s) for s in expected_seeds)
+    (expected: `report.expected_seeds` plus any seed the `experiments` params plan for the configuration)."""
+    expected = set(int(s) for s in inp.cfg.expected_seeds)
     planned_seeds: dict[tuple, set[int]] = defaultdict(set)
-    for p in planned:
-        planned_seeds[tuple(labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS)].add(p.seed)
+    for p in inp.planned:
+        planned_seeds[tuple(inp.labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS)].add(p.seed)
     keys = [*GROUP_COLS, "backbone", "client"]
     columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
     out_rows = []
@@ -69,13 +117,7 @@ def fmt(mean: float, std: float, n: int | None = None) -> str:
     return f"{mean:.2f}" + ("" if pd.isna(std) else f" ± {std:.2f}")
 
 
-def main_table(
-    agg: pd.DataFrame,
-    backbone: str,
-    planned: Iterable[Experiment],
-    labels: dict[str, str],
-    expected_seeds: Iterable[int] = (),
-) -> pd.DataFrame:
+def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFrame:
     """Table III long form: method x client x metric, ours beside the paper's and the difference; a planned
     configuration without any evaluation gets its rows too (every seed missing), so no method hides silently."""
     paper = published.MAIN_TABLE.get(published.backbone_key(backbone) or "", {})
@@ -103,12 +145,12 @@ def main_table(
             )
 
     absent: dict[str, tuple[str, set[int]]] = {}
-    for p in planned:
-        if p.study == "main" and labels[p.name] not in set(sub["label"]):
-            absent.setdefault(labels[p.name], (p.method, set()))[1].add(p.seed)
+    for p in inp.planned:
+        if p.study == "main" and inp.labels[p.name] not in set(sub["label"]):
+            absent.setdefault(inp.labels[p.name], (p.method, set()))[1].add(p.seed)
     for label, (method, seeds) in absent.items():
         none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
-        none["missing_seeds"] = ",".join(map(str, sorted(seeds | set(expected_seeds))))
+        none["missing_seeds"] = ",".join(map(str, sorted(seeds | set(inp.cfg.expected_seeds))))
         for client in QMSUM_DOMAINS:
             add(method, label, client, none)
     # the sort below puts the configurations in the paper's method order
@@ -122,11 +164,7 @@ def main_table(
 
 
 def main_table_markdown(
-    table: pd.DataFrame,
-    backbone: str,
-    compared: pd.DataFrame,
-    bootstrap: BootstrapConfig,
-    converged: pd.DataFrame | None = None,
+    table: pd.DataFrame, backbone: str, compared: pd.DataFrame, bootstrap: BootstrapConfig, converged: pd.DataFrame
 ) -> str:
     """Rows: method (ours / paper / difference); columns: client x R-1, R-2, R-L (the paper's Table III)."""
     key = published.backbone_key(backbone)
@@ -190,11 +228,7 @@ def main_table_markdown(
 
 
 def study_table_markdown(
-    agg: pd.DataFrame,
-    study: str,
-    compared: pd.DataFrame,
-    bootstrap: BootstrapConfig,
-    converged: pd.DataFrame | None = None,
+    agg: pd.DataFrame, study: str, compared: pd.DataFrame, bootstrap: BootstrapConfig, converged: pd.DataFrame | None
 ) -> str:
     sub = agg[agg["study"] == study]
     lines = [
