@@ -167,15 +167,7 @@ def round_flops(plan_path: Path, shape: Shape) -> float:
     for client in client_names(plan):
         data = client_data(plan, client)
         for frame, train in ((data.train, True), (data.valid, False)):
-            pairs = tokenize_pairs(
-                model.tokenizer,
-                frame["source"].tolist(),
-                frame["target"].tolist(),
-                mcfg.max_source_length,
-                mcfg.max_target_length,
-                frame["example_id"].tolist(),
-                model.decoder_start_token_id,
-            )
+            pairs = tokenize_pairs(model.tokenizer, frame, mcfg, model.decoder_start_token_id)
             for ex in pairs:
                 s = replace(shape, source_length=len(ex.input_ids), target_length=len(ex.labels), batch_size=1)
                 total += paths * flops.top_path(s) + flops.backward(s) if train else flops.top_path(s)

@@ -159,9 +159,7 @@ def test_validations_of_several_adapters_run_stacked_each_its_adapters_cross_ent
     # the last adapter's CE from the plain HF forward with the model's own adapter set, batch by batch
     model.load_adapter_state("local", states[-1])
     total, n = 0.0, 0
-    for batch in make_batches(
-        examples, model.tokenizer, model_config(plan), 2, False, 0, model.decoder_start_token_id, model.pad_token_id
-    ):
+    for batch in make_batches(examples, model, model_config(plan), 2, False, 0):
         with torch.no_grad():
             logits = model.forward_path(batch, "local")
         valid = batch.labels != IGNORE_INDEX

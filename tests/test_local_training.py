@@ -60,13 +60,11 @@ def _target_tokens(model, plan, examples) -> list[int]:
 
     batches = make_batches(
         examples,
-        model.tokenizer,
+        model,
         model_config(plan),
         1,
         shuffle=False,
         seed=0,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
     )
     return [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
 
@@ -115,13 +113,11 @@ def _teacher_entropies(model, plan, examples) -> list[np.ndarray]:
     out = []
     for b in make_batches(
         examples,
-        model.tokenizer,
+        model,
         model_config(plan),
         1,
         shuffle=False,
         seed=0,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
     ):
         with torch.no_grad():
             logits = model.forward_path(b, "global")[0][b.labels[0] != IGNORE_INDEX].double()
@@ -163,13 +159,11 @@ def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
 
     for b in make_batches(
         train,
-        model.tokenizer,
+        model,
         model_config(plan),
         1,
         shuffle=False,
         seed=0,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
     ):
         labels = b.labels[0][b.labels[0] != IGNORE_INDEX].tolist()
         assert log[log.example_id == b.example_ids[0]].sort_values("position")["token_id"].tolist() == labels
@@ -396,13 +390,11 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     def micro_batches(frame):  # as train_local cuts a step's sample
         batches = make_batches(
             frame,
-            model.tokenizer,
+            model,
             mcfg,
             plan.train.batch_size,
             shuffle=False,
             seed=0,
-            decoder_start_token_id=model.decoder_start_token_id,
-            pad_token_id=model.pad_token_id,
             bucket_by_length=plan.train.bucket_by_length,
         )
         return [(b, float(len(b))) for b in batches]

@@ -349,7 +349,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     mcfg, kd = model_config(plan), kd_config(plan)
 
     def batch_of(df):
-        return make_batches(df, model.tokenizer, mcfg, 2, False, 0, model.decoder_start_token_id, model.pad_token_id)[0]
+        return make_batches(df, model, mcfg, 2, False, 0)[0]
 
     params = model.local_parameters()
     for p in params:

@@ -81,13 +81,13 @@ def _batches(
     """The frame's batches (kept when ``keep``, and then shared: read them, do not change them)."""
     tokenizer, start, pad = model.tokenizer, model.decoder_start_token_id, model.pad_token_id
     if not keep:
-        return make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
+        return make_batches(frame, model, mcfg, cfg.batch_size, shuffle, seed, bucket_by_length)
     key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start, pad)
     key += (cfg.batch_size, shuffle, seed, bucket_by_length)
     if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
         _KEPT.move_to_end(key)
         return kept[2]
-    batches = make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
+    batches = make_batches(frame, model, mcfg, cfg.batch_size, shuffle, seed, bucket_by_length)
     _KEPT[key] = (frame, tokenizer, batches)
     while len(_KEPT) > KEPT_ENTRIES:
         _KEPT.popitem(last=False)
