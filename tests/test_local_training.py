@@ -56,12 +56,11 @@ def _train(plan, model, examples, rnd: int = 1, **kw):
 def _target_tokens(model, plan, examples) -> list[int]:
     """Non-padding target tokens per example, from the tokenizer alone."""
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.training.shared_model import model_config
 
     batches = make_batches(
         examples,
         model,
-        model_config(plan),
+        plan.model_config,
         1,
         shuffle=False,
         seed=0,
@@ -108,13 +107,12 @@ def test_kd_on_every_token_with_the_teacher_equal_to_the_student_is_zero_kl(ws):
 def _teacher_entropies(model, plan, examples) -> list[np.ndarray]:
     """H(q_g) of every target token of each example, from the global path's logits (an independent forward)."""
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.training.shared_model import model_config
 
     out = []
     for b in make_batches(
         examples,
         model,
-        model_config(plan),
+        plan.model_config,
         1,
         shuffle=False,
         seed=0,
@@ -155,12 +153,11 @@ def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
     assert log.index.equals(pd.RangeIndex(len(log)))  # one table, rows numbered 0..n-1 across batches
     # the gate log's token ids are the example's target tokens
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.training.shared_model import model_config
 
     for b in make_batches(
         train,
         model,
-        model_config(plan),
+        plan.model_config,
         1,
         shuffle=False,
         seed=0,
@@ -375,14 +372,14 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     from pipeline.federation.protocol import load_plan
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
     from pipeline.privacy.example_dp import poisson_epoch, poisson_steps
-    from pipeline.training.shared_model import model_config, shared_model
+    from pipeline.training.shared_model import shared_model
 
     plan = load_plan(
         write_plan("dp-epoch", "fedavg", model={"max_target_length": 48}, prefix_cache=False, batch_size=2)
     )
     model = shared_model(plan)
     examples = _varied_targets()
-    mcfg, setting = model_config(plan), SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
+    mcfg, setting = plan.model_config, SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
     assert max(_target_tokens(model, plan, examples)) < mcfg.max_target_length
     sampled = poisson_steps(len(examples), 0.3, 8, 1)
     assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
@@ -439,7 +436,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     by its target tokens over its window's (train.loss_normalisation tokens)."""
     from pipeline.federation.protocol import load_plan
     from pipeline.training.client_training import _accumulation_steps
-    from pipeline.training.shared_model import model_config, shared_model
+    from pipeline.training.shared_model import shared_model
 
     plan = load_plan(
         write_plan(
@@ -454,7 +451,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     model, examples = shared_model(plan), _varied_targets()
     tokens = sorted(_target_tokens(model, plan, examples))
     least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i : i + 2] for i in range(0, 10, 2)))
-    steps = _accumulation_steps(model, examples, model_config(plan), plan.train, "tokens", seed=3)
+    steps = _accumulation_steps(model, examples, plan.model_config, plan.train, "tokens", seed=3)
     batches = [b for step in steps for b, _ in step]
     assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
     assert sorted(e for b in batches for e in b.example_ids) == sorted(examples["example_id"])

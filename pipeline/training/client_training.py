@@ -26,7 +26,6 @@ from pipeline.training import local_batch, set_engine
 from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
-from pipeline.training.shared_model import model_config
 
 GATE_LOG_DTYPES = {
     "client": "string",
@@ -195,7 +194,7 @@ def train_local(
     under the plan's ``privacy`` every step is a DP-SGD step, here (the caller composes them across rounds).
     ``cache`` (RunSettings.cache) changes no result."""
     cfg: TrainConfig = plan.train
-    mcfg = model_config(plan)
+    mcfg = plan.model_config
     kd = kd_config(plan)
     seed = derived_seed(plan.seed, client, rnd, "train")
     transformers.set_seed(seed)  # Python's, NumPy's and torch's generators
@@ -336,7 +335,7 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
     set's barrier with every other validation of the round, adapters stacked (pipeline.training.local_batch)."""
     if len(examples) == 0:
         return float("nan"), 0
-    batches = _batches(model, examples, model_config(plan), plan.train, False, 0, False)
+    batches = _batches(model, examples, plan.model_config, plan.train, False, 0, False)
     steps = [[(b, 1.0)] for b in batches]  # one micro-batch a step
     job = LocalJob(model, plan, "validation", 0, None, steps, cache=cache)
     return set_engine.batched(job, local_batch.validate_jobs)
