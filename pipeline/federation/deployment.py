@@ -173,10 +173,8 @@ def write_eval_metrics(plan: Plan, metrics: dict[str, Any], keep: tuple[str, ...
 class DeploymentRecorder(TrainRecorder):
     """The train stage's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
 
-    def __init__(
-        self, plan: Plan, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int, timeout: float
-    ):
-        super().__init__(plan, logger)
+    def __init__(self, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int, timeout: float):
+        super().__init__(logger)
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
 
@@ -245,7 +243,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
 
     cfg = run.evaluate_config() if run.evaluate else None
     round_timeout, admission_timeout = run.timeouts()
-    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
+    recorder = DeploymentRecorder(logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     try:
         arrays, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:
