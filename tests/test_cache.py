@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pandas as pd
 import pytest
 import torch
@@ -49,16 +51,11 @@ def _batch(model, idx):
 
 
 def _cache(model, root, **kw):
-    args = dict(
-        fingerprint=model.backbone_fingerprint(),
-        max_source_length=64,
-        max_target_length=32,
-        top_k=2,
-        dtype="float32",
-        max_bytes=10**8,
-    )
-    args.update(kw)
-    return PrefixCache(root, **args)
+    """A cache of ``model`` with LENGTHS and top_k 2; ``kw`` replaces its fingerprint, dtype, max_bytes or a model
+    setting."""
+    settings = {k: kw.pop(k) for k in ("max_source_length", "max_target_length", "top_k") if k in kw}
+    args = dict(fingerprint=model.backbone_fingerprint(), dtype="float32", max_bytes=10**8) | kw
+    return PrefixCache(root, cfg=dataclasses.replace(LENGTHS, **{"top_k": 2} | settings), **args)
 
 
 def test_cached_prefix_gives_the_uncached_logits_and_loss(model, tmp_path):

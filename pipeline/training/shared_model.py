@@ -52,13 +52,10 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     if not plan.train.prefix_cache:
         return None
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
-    mcfg = plan.model_config
     args = (
         resolve_root(cache.cache_dir),
         model.backbone_fingerprint(),
-        mcfg.max_source_length,
-        mcfg.max_target_length,
-        model.adapter_config.top_k,
+        plan.model_config,
         plan.cache_dtype or "float32",
         int(cache.cache_max_gb * 2**30),
     )
