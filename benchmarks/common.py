@@ -46,6 +46,16 @@ class Shape:
     batch_size: int
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The model settings of this shape (its adapters and lengths)."""
+        return ModelConfig(
+            top_k=self.top_k,
+            bottleneck=self.bottleneck,
+            max_source_length=self.source_length,
+            max_target_length=self.target_length,
+        )
+
+    @property
     def head_transform(self) -> bool:
         """BERT's LM head has a dense n x n + LayerNorm before the vocabulary projection; BART's does not."""
         return self.arch == "bert2bert"

@@ -158,24 +158,16 @@ def round_flops(plan_path: Path, shape: Shape) -> float:
     from pipeline.modeling.batching import tokenize_pairs
     from pipeline.training.client_data import client_data, client_names
     from pipeline.training.client_training import kd_config
-    from pipeline.training.shared_model import model_config, shared_model
+    from pipeline.training.shared_model import shared_model
 
     plan = read_plan(plan_path)
-    model, mcfg = shared_model(plan), model_config(plan)
+    model, mcfg = shared_model(plan), plan.model_config
     paths = 1 if kd_config(plan).mode == "ce" else 2
     total = 0.0
     for client in client_names(plan):
         data = client_data(plan, client)
         for frame, train in ((data.train, True), (data.valid, False)):
-            pairs = tokenize_pairs(
-                model.tokenizer,
-                frame["source"].tolist(),
-                frame["target"].tolist(),
-                mcfg.max_source_length,
-                mcfg.max_target_length,
-                frame["example_id"].tolist(),
-                model.decoder_start_token_id,
-            )
+            pairs = tokenize_pairs(model.tokenizer, frame, mcfg, model.decoder_start_token_id)
             for ex in pairs:
                 s = replace(shape, source_length=len(ex.input_ids), target_length=len(ex.labels), batch_size=1)
                 total += paths * flops.top_path(s) + flops.backward(s) if train else flops.top_path(s)
@@ -205,13 +197,12 @@ def side_by_side(root: Path, params: dict[str, Any], rounds: int, repeats: int) 
     from pipeline.experiments.plans import read_plan
     from pipeline.train import run_set
     from pipeline.training import local_batch
-    from pipeline.training.shared_model import model_config
 
     plans = write_plans(root, params, SET, rounds)
     names = [p.stem for p in plans]
     warm = write_plans(root, params, ("fedavg",), rounds=1, prefix="warmup")
     run_set(warm, track=False)  # fills the prefix cache on disk: every run after reads it, as rounds 2.. do
-    shape = default_shape(model_config(read_plan(plans[0])), 1)
+    shape = default_shape(read_plan(plans[0]).model_config, 1)
     run_flops = {p.stem: round_flops(p, shape) * rounds for p in plans}
     timings: dict[str, list[float]] = {"alone": [], "together": []}
     cpu: dict[str, list[float]] = {"alone": [], "together": []}  # this process's CPU time: less of others' load

@@ -64,7 +64,6 @@ def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, rounds: int 
     from pipeline.experiments.plans import read_plan
     from pipeline.train import run_set
     from pipeline.training import local_batch
-    from pipeline.training.shared_model import model_config
     from tools.gpu_study.device import PROFILE, merge_profile
 
     out.mkdir(parents=True, exist_ok=True)
@@ -116,7 +115,7 @@ def measure(qmsum: Path, out: Path, work: Path, tiny: bool = False, rounds: int 
         for k in outcome["alone"][n]["adapters"]
     )
     rec.data["same_rounds"] = all(outcome["alone"][n]["rounds"] == outcome["together"][n]["rounds"] for n in names)
-    shape = default_shape(model_config(read_plan(plans[0])), 1)
+    shape = default_shape(read_plan(plans[0]).model_config, 1)
     rec.data["tflop_together"] = round(sum(engine.round_flops(p, shape) for p in plans) * rounds / 1e12, 3)
     rec.data["tflop_alone"] = round(sum(engine.round_flops(p, shape) for p in alone) * rounds / 1e12, 3)
     rec.save()

@@ -270,7 +270,6 @@ def measure(
     from benchmarks.common import default_shape
     from pipeline.experiments.plans import read_plan
     from pipeline.train import run_set
-    from pipeline.training.shared_model import model_config
     from tools.gpu_study.device import PROFILE, merge_profile
 
     out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +291,7 @@ def measure(
     (plan,) = engine.write_plans(work, params, ("fedselectkd",), rounds=1)
     rec.step("workspace", t)
     the_plan = read_plan(plan)
-    mcfg = model_config(the_plan)
+    mcfg = the_plan.model_config
     flop = engine.round_flops(plan, default_shape(mcfg, 1))
     rec.data |= {"round_tflop": round(flop / 1e12, 3), "mm_tflops": mm_rates() if gpu else {}}
     rec.save()

@@ -21,6 +21,7 @@ import torch
 
 from benchmarks import flops
 from benchmarks.common import Shape, build_summarizer, random_batch, time_interleaved
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.batching import Batch
 from pipeline.modeling.cache import PrefixCache
 from pipeline.modeling.losses import KDConfig, distillation_loss
@@ -82,9 +83,8 @@ def prefix_cost(model: AdapterSummarizer, batch: Batch, repeats: int) -> dict:
         model.compute_prefix(batch)
         compute.append(time.perf_counter() - t0)
         with tempfile.TemporaryDirectory(prefix="fedmeet-bench-cache-") as tmp:
-            cache = PrefixCache(
-                tmp, "bench", batch.input_ids.shape[1], batch.labels.shape[1], model.adapter_config.top_k
-            )
+            shape = {"max_source_length": batch.input_ids.shape[1], "max_target_length": batch.labels.shape[1]}
+            cache = PrefixCache(tmp, "bench", ModelConfig(top_k=model.adapter_config.top_k, **shape))
             t0 = time.perf_counter()
             cache.prefix_for(model, batch)
             cold.append(time.perf_counter() - t0)
@@ -102,7 +102,7 @@ def bench_shape(shape: Shape, repeats: int, peak_gflops: float, uses: dict[str, 
     model = build_summarizer(shape)
     batch = random_batch(shape, model)
     with tempfile.TemporaryDirectory(prefix="fedmeet-bench-cache-") as tmp:
-        cache = PrefixCache(tmp, f"bench:{shape.name}", shape.source_length, shape.target_length, shape.top_k)
+        cache = PrefixCache(tmp, f"bench:{shape.name}", shape.model_config)
         cache.prefix_for(model, batch)  # fill: the timed steps read the prefix like any later epoch/round does
         steps = make_steps(model, batch, cache)
         timings = time_interleaved(steps, repeats, warmup=1)

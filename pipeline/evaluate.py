@@ -23,7 +23,6 @@ from pipeline.common.config import from_dict, load_params
 from pipeline.common.integrity import backbone_name
 from pipeline.common.schema import DataError
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan, read_plan
 from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.modeling.model import AdapterSummarizer, adapter_config
@@ -45,7 +44,6 @@ class _Experiment:
     chosen: dict[str, tuple[list[str], pd.DataFrame]]  # client -> its test ids and subsample
     adapters: list[dict]
     skipped_clients: dict[str, str]
-    model_cfg: ModelConfig
 
 
 def _prepare(name: str, examples: pd.DataFrame, cfg: EvaluateConfig, models_dir: Path, only: str | None) -> _Experiment:
@@ -70,8 +68,7 @@ def _prepare(name: str, examples: pd.DataFrame, cfg: EvaluateConfig, models_dir:
     if not chosen:
         raise DataError(f"{part_path}: no client has test examples; nothing to evaluate for {name}")
     adapters = [load_adapter(adapter_file(models_dir / name / "clients" / client, cfg.adapter)) for client in chosen]
-    model_cfg = from_dict(ModelConfig, plan.model, f"{exp_path}: model")
-    return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients, model_cfg)
+    return _Experiment(name, plan, part_path, chosen, adapters, skipped_clients)
 
 
 def evaluate_experiments(
@@ -157,12 +154,12 @@ def evaluate_experiments(
         raise DataError(f"{PATHS.backbone}: backbone directory not found (run the backbone stage)")
     shapes: dict[tuple, list[_Experiment]] = {}
     for exp in pending:
-        max_src = cfg.max_source_length or exp.model_cfg.max_source_length
-        shapes.setdefault((dataclasses.astuple(adapter_config(exp.model_cfg)), max_src), []).append(exp)
+        max_src = cfg.max_source_length or exp.plan.model_config.max_source_length
+        shapes.setdefault((dataclasses.astuple(adapter_config(exp.plan.model_config)), max_src), []).append(exp)
     out: dict[str, dict[str, Any]] = {}
     for (_, max_src), same in shapes.items():
         # the frozen backbone with these experiments' adapter shape (each client's adapter is stacked in)
-        model = AdapterSummarizer.from_pretrained(str(PATHS.backbone), adapter_config(same[0].model_cfg))
+        model = AdapterSummarizer.from_pretrained(str(PATHS.backbone), adapter_config(same[0].plan.model_config))
         backbone = backbone_name(PATHS.backbone, str(model.backbone.config.model_type))
         sources = [sub["source"].tolist() for exp in same for _, sub in exp.chosen.values()]
         desc = same[0].name if len(same) == 1 else f"{len(same)} experiments"

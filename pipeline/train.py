@@ -73,7 +73,7 @@ def run_experiment(
         )
         atomic.write_text(run_id_file, logger.run_id)
 
-    recorder = TrainRecorder(plan, logger)
+    recorder = TrainRecorder(logger)
     try:
         if plan.spec.federated:
             from pipeline.federation.engines import run_federated

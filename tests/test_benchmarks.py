@@ -39,7 +39,7 @@ def test_counted_flops_of_each_step_match_the_analytic_model(tmp_path, arch, att
     shape = tiny(arch)
     model = build_summarizer(shape, attn_implementation=attn_impl)
     batch = random_batch(shape, model)
-    cache = PrefixCache(tmp_path, "test", shape.source_length, shape.target_length, shape.top_k)
+    cache = PrefixCache(tmp_path, "test", shape.model_config)
 
     counter = FlopCounterMode(display=False)
     with counter:

@@ -24,9 +24,7 @@ def _real_batch(model, shared_data):
         {"example_id": records["id"].astype(str), "source": records["dialogue"], "target": records["summary"]}
     )
     cfg = ModelConfig(max_source_length=128, max_target_length=64)
-    return make_batches(
-        frame, model.tokenizer, cfg, EXAMPLES, False, 0, model.decoder_start_token_id, model.pad_token_id
-    )[0]
+    return make_batches(frame, model, cfg, EXAMPLES, False, 0)[0]
 
 
 @pytest.mark.timeout(400)  # ~60 s alone: the real MiniLM in bf16 on a CPU; slower beside the full lane's workers

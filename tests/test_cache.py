@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pandas as pd
 import pytest
 import torch
 from tiny_models import tiny
 
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.adapters import AdapterConfig
 from pipeline.modeling.batching import IGNORE_INDEX, collate, tokenize_pairs
 from pipeline.modeling.cache import PrefixCache
@@ -20,6 +24,8 @@ SOURCES = [
 ]
 TARGETS = ["They chose a rubber case.", "The manager opened the budget meeting.", "ok", "Young people like colour."]
 IDS = ["e0", "e1", "e2", "e3"]
+FRAME = pd.DataFrame({"example_id": IDS, "source": SOURCES, "target": TARGETS})
+LENGTHS = ModelConfig(max_source_length=64, max_target_length=32)
 
 
 @pytest.fixture(scope="module", params=["bart", "bert2bert"])
@@ -37,27 +43,19 @@ def model(request):
 def _batch(model, idx):
     ex = tokenize_pairs(
         model.tokenizer,
-        [SOURCES[i] for i in idx],
-        [TARGETS[i] for i in idx],
-        64,
-        32,
-        [IDS[i] for i in idx],
+        FRAME.iloc[idx],
+        LENGTHS,
         model.decoder_start_token_id,
     )
     return collate(ex, model.pad_token_id, model.decoder_start_token_id)
 
 
 def _cache(model, root, **kw):
-    args = dict(
-        fingerprint=model.backbone_fingerprint(),
-        max_source_length=64,
-        max_target_length=32,
-        top_k=2,
-        dtype="float32",
-        max_bytes=10**8,
-    )
-    args.update(kw)
-    return PrefixCache(root, **args)
+    """A cache of ``model`` with LENGTHS and top_k 2; ``kw`` replaces its fingerprint, dtype, max_bytes or a model
+    setting."""
+    settings = {k: kw.pop(k) for k in ("max_source_length", "max_target_length", "top_k") if k in kw}
+    args = dict(fingerprint=model.backbone_fingerprint(), dtype="float32", max_bytes=10**8) | kw
+    return PrefixCache(root, cfg=dataclasses.replace(LENGTHS, **{"top_k": 2} | settings), **args)
 
 
 def test_cached_prefix_gives_the_uncached_logits_and_loss(model, tmp_path):
@@ -119,7 +117,10 @@ def test_changed_tokens_never_hit_a_stale_entry(model, tmp_path):
     cache = _cache(model, tmp_path)
     cache.prefix_for(model, _batch(model, [0]))
     ex = tokenize_pairs(
-        model.tokenizer, ["A different text #SEP# B: yes"], [TARGETS[0]], 64, 32, ["e0"], model.decoder_start_token_id
+        model.tokenizer,
+        FRAME.iloc[:1].assign(source="A different text #SEP# B: yes"),
+        LENGTHS,
+        model.decoder_start_token_id,
     )
     changed = collate(ex, model.pad_token_id, model.decoder_start_token_id)
     prefix = cache.prefix_for(model, changed)
@@ -137,7 +138,7 @@ def test_half_precision_cache_is_close(model, tmp_path):
 
 
 def _same_size_batch(model, eid):
-    ex = tokenize_pairs(model.tokenizer, [SOURCES[0]], [TARGETS[0]], 64, 32, [eid], model.decoder_start_token_id)
+    ex = tokenize_pairs(model.tokenizer, FRAME.iloc[:1].assign(example_id=eid), LENGTHS, model.decoder_start_token_id)
     return collate(ex, model.pad_token_id, model.decoder_start_token_id)
 
 
@@ -238,16 +239,15 @@ def test_each_pair_is_tokenised_once_per_process(model):
             return self.tokenizer(texts, **kwargs)
 
     counting = Counting(model.tokenizer)
-    args = (64, 32)
-    first = tokenize_pairs(counting, SOURCES[:2], TARGETS[:2], *args, IDS[:2], model.decoder_start_token_id)
+    first = tokenize_pairs(counting, FRAME.iloc[:2], LENGTHS, model.decoder_start_token_id)
     assert counting.texts == 4  # two sources, two targets
-    again = tokenize_pairs(counting, SOURCES[:3], TARGETS[:3], *args, IDS[:3], model.decoder_start_token_id)
+    again = tokenize_pairs(counting, FRAME.iloc[:3], LENGTHS, model.decoder_start_token_id)
     assert counting.texts == 6  # only the new pair
-    direct = tokenize_pairs(model.tokenizer, SOURCES[:3], TARGETS[:3], *args, IDS[:3], model.decoder_start_token_id)
+    direct = tokenize_pairs(model.tokenizer, FRAME.iloc[:3], LENGTHS, model.decoder_start_token_id)
     assert [(e.example_id, e.input_ids, e.labels) for e in again] == [
         (e.example_id, e.input_ids, e.labels) for e in direct
     ]
     assert again[:2] == first
     # an edited text is another pair: tokenised anew, never the stale ids
-    edited = tokenize_pairs(counting, ["changed"], TARGETS[:1], *args, IDS[:1], model.decoder_start_token_id)
+    edited = tokenize_pairs(counting, FRAME.iloc[:1].assign(source="changed"), LENGTHS, model.decoder_start_token_id)
     assert counting.texts == 8 and edited[0].input_ids != first[0].input_ids

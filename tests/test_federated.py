@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -95,13 +96,11 @@ def _write_postags(root: Path, examples: pd.DataFrame) -> None:
     start = AutoConfig.from_pretrained(root / "models" / "backbone").decoder_start_token_id
     batches = make_batches(
         examples,
-        tok,
+        SimpleNamespace(tokenizer=tok, decoder_start_token_id=start, pad_token_id=tok.pad_token_id),
         ModelConfig(**{k: MODEL[k] for k in ("top_k", "bottleneck", "max_source_length", "max_target_length")}),
         1,
         False,
         0,
-        start,
-        tok.pad_token_id,
     )
     rows = []
     for b in batches:

@@ -137,7 +137,6 @@ def test_validations_of_several_adapters_run_stacked_each_its_adapters_cross_ent
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
     from pipeline.training import local_batch, set_engine
     from pipeline.training.client_training import validation_loss
-    from pipeline.training.shared_model import model_config
 
     plan, model, examples, w0 = _setup("valid-stacked", batch_size=2)
     states = []
@@ -159,9 +158,7 @@ def test_validations_of_several_adapters_run_stacked_each_its_adapters_cross_ent
     # the last adapter's CE from the plain HF forward with the model's own adapter set, batch by batch
     model.load_adapter_state("local", states[-1])
     total, n = 0.0, 0
-    for batch in make_batches(
-        examples, model.tokenizer, model_config(plan), 2, False, 0, model.decoder_start_token_id, model.pad_token_id
-    ):
+    for batch in make_batches(examples, model, plan.model_config, 2, False, 0):
         with torch.no_grad():
             logits = model.forward_path(batch, "local")
         valid = batch.labels != IGNORE_INDEX

@@ -56,17 +56,14 @@ def _train(plan, model, examples, rnd: int = 1, **kw):
 def _target_tokens(model, plan, examples) -> list[int]:
     """Non-padding target tokens per example, from the tokenizer alone."""
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.training.shared_model import model_config
 
     batches = make_batches(
         examples,
-        model.tokenizer,
-        model_config(plan),
+        model,
+        plan.model_config,
         1,
         shuffle=False,
         seed=0,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
     )
     return [int((b.labels != IGNORE_INDEX).sum()) for b in batches]
 
@@ -110,18 +107,15 @@ def test_kd_on_every_token_with_the_teacher_equal_to_the_student_is_zero_kl(ws):
 def _teacher_entropies(model, plan, examples) -> list[np.ndarray]:
     """H(q_g) of every target token of each example, from the global path's logits (an independent forward)."""
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.training.shared_model import model_config
 
     out = []
     for b in make_batches(
         examples,
-        model.tokenizer,
-        model_config(plan),
+        model,
+        plan.model_config,
         1,
         shuffle=False,
         seed=0,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
     ):
         with torch.no_grad():
             logits = model.forward_path(b, "global")[0][b.labels[0] != IGNORE_INDEX].double()
@@ -159,17 +153,14 @@ def test_selective_kd_gates_the_tokens_below_tau_and_logs_every_token(ws):
     assert log.index.equals(pd.RangeIndex(len(log)))  # one table, rows numbered 0..n-1 across batches
     # the gate log's token ids are the example's target tokens
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
-    from pipeline.training.shared_model import model_config
 
     for b in make_batches(
         train,
-        model.tokenizer,
-        model_config(plan),
+        model,
+        plan.model_config,
         1,
         shuffle=False,
         seed=0,
-        decoder_start_token_id=model.decoder_start_token_id,
-        pad_token_id=model.pad_token_id,
     ):
         labels = b.labels[0][b.labels[0] != IGNORE_INDEX].tolist()
         assert log[log.example_id == b.example_ids[0]].sort_values("position")["token_id"].tolist() == labels
@@ -381,14 +372,14 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     from pipeline.federation.protocol import load_plan
     from pipeline.modeling.batching import IGNORE_INDEX, make_batches
     from pipeline.privacy.example_dp import poisson_epoch, poisson_steps
-    from pipeline.training.shared_model import model_config, shared_model
+    from pipeline.training.shared_model import shared_model
 
     plan = load_plan(
         write_plan("dp-epoch", "fedavg", model={"max_target_length": 48}, prefix_cache=False, batch_size=2)
     )
     model = shared_model(plan)
     examples = _varied_targets()
-    mcfg, setting = model_config(plan), SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
+    mcfg, setting = plan.model_config, SimpleNamespace(sample_rate=0.3, steps_per_epoch=8)
     assert max(_target_tokens(model, plan, examples)) < mcfg.max_target_length
     sampled = poisson_steps(len(examples), 0.3, 8, 1)
     assert [] in sampled and any(len(idx) > 2 for idx in sampled)  # the seed gives an empty and a multi-batch step
@@ -396,13 +387,11 @@ def test_a_dp_epoch_is_the_poisson_samples_each_cut_into_length_bucketed_micro_b
     def micro_batches(frame):  # as train_local cuts a step's sample
         batches = make_batches(
             frame,
-            model.tokenizer,
+            model,
             mcfg,
             plan.train.batch_size,
             shuffle=False,
             seed=0,
-            decoder_start_token_id=model.decoder_start_token_id,
-            pad_token_id=model.pad_token_id,
             bucket_by_length=plan.train.bucket_by_length,
         )
         return [(b, float(len(b))) for b in batches]
@@ -447,7 +436,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     by its target tokens over its window's (train.loss_normalisation tokens)."""
     from pipeline.federation.protocol import load_plan
     from pipeline.training.client_training import _accumulation_steps
-    from pipeline.training.shared_model import model_config, shared_model
+    from pipeline.training.shared_model import shared_model
 
     plan = load_plan(
         write_plan(
@@ -462,7 +451,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     model, examples = shared_model(plan), _varied_targets()
     tokens = sorted(_target_tokens(model, plan, examples))
     least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i : i + 2] for i in range(0, 10, 2)))
-    steps = _accumulation_steps(model, examples, model_config(plan), plan.train, "tokens", seed=3)
+    steps = _accumulation_steps(model, examples, plan.model_config, plan.train, "tokens", seed=3)
     batches = [b for step in steps for b, _ in step]
     assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
     assert sorted(e for b in batches for e in b.example_ids) == sorted(examples["example_id"])

@@ -19,6 +19,8 @@ SOURCES = [
 ]
 TARGETS = ["They chose a rubber case.", "The manager opened the budget discussion and talked about the price.", "ok"]
 IDS = ["0", "1", "2"]
+FRAME = pd.DataFrame({"example_id": IDS, "source": SOURCES, "target": TARGETS})
+LENGTHS = ModelConfig(max_source_length=64, max_target_length=32)
 KINDS = ["bart", "bert2bert"]
 
 
@@ -41,7 +43,7 @@ def summarizer(request):
 @pytest.fixture(scope="module")
 def batch(summarizer):
     ex = tokenize_pairs(
-        summarizer.tokenizer, SOURCES, TARGETS, 64, 32, ["a", "b", "c"], summarizer.decoder_start_token_id
+        summarizer.tokenizer, FRAME.assign(example_id=["a", "b", "c"]), LENGTHS, summarizer.decoder_start_token_id
     )
     return collate(ex, summarizer.pad_token_id, summarizer.decoder_start_token_id)
 
@@ -144,7 +146,7 @@ def test_round0_equals_the_backbone(kind):
                     else 0.3 * torch.randn(p.shape, generator=g)
                 )
     model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
-    ex = tokenize_pairs(tok, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id)
+    ex = tokenize_pairs(tok, FRAME, LENGTHS, model.decoder_start_token_id)
     b = collate(ex, model.pad_token_id, model.decoder_start_token_id)
     valid = b.labels != IGNORE_INDEX
     with torch.no_grad():
@@ -162,7 +164,7 @@ def test_generate_greedy_follows_the_local_path(summarizer, batch):
     assert out.shape[0] == 3 and out.shape[1] >= 2
     # greedy = step-by-step argmax of the full local forward (independent of HF's generation loop)
     ids = torch.full((3, 1), summarizer.decoder_start_token_id)
-    step = collate(tokenize_pairs(summarizer.tokenizer, SOURCES, TARGETS, 64, 32, IDS), summarizer.pad_token_id, 0)
+    step = collate(tokenize_pairs(summarizer.tokenizer, FRAME, LENGTHS), summarizer.pad_token_id, 0)
     for _ in range(out.shape[1] - 1):
         step.decoder_input_ids = ids
         with torch.no_grad():
@@ -233,14 +235,13 @@ def test_from_pretrained_directory(kind, tmp_path):
 def test_make_batches_shuffles_deterministically(summarizer):
     df = pd.DataFrame({"example_id": ["a", "b", "c"], "source": SOURCES, "target": TARGETS})
     cfg = ModelConfig(max_source_length=12, max_target_length=6)
-    ids = summarizer.decoder_start_token_id, summarizer.pad_token_id
-    b1 = make_batches(df, summarizer.tokenizer, cfg, 2, True, 7, *ids)
-    b2 = make_batches(df, summarizer.tokenizer, cfg, 2, True, 7, *ids)
+    b1 = make_batches(df, summarizer, cfg, 2, True, 7)
+    b2 = make_batches(df, summarizer, cfg, 2, True, 7)
     assert [b.example_ids for b in b1] == [b.example_ids for b in b2]
     assert [len(b) for b in b1] == [2, 1] and sorted(sum((b.example_ids for b in b1), [])) == ["a", "b", "c"]
     assert max(b.input_ids.shape[1] for b in b1) <= 12 and max(b.labels.shape[1] for b in b1) <= 6
     with pytest.raises(KeyError, match="target"):  # the examples file's columns are checked when it is read
-        make_batches(df.drop(columns="target"), summarizer.tokenizer, cfg, 2, False, 0, *ids)
+        make_batches(df.drop(columns="target"), summarizer, cfg, 2, False, 0)
 
 
 @pytest.mark.parametrize("kind", ["led", "mbart"])
@@ -251,7 +252,7 @@ def test_other_architectures(kind, tmp_path):
     model = AdapterSummarizer.from_pretrained(tmp_path, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
     assert model.pre_layer_norm == (kind == "mbart")
     b = collate(
-        tokenize_pairs(model.tokenizer, SOURCES, TARGETS, 64, 32, IDS, model.decoder_start_token_id),
+        tokenize_pairs(model.tokenizer, FRAME, LENGTHS, model.decoder_start_token_id),
         model.pad_token_id,
         model.decoder_start_token_id,
     )
@@ -326,18 +327,15 @@ def test_make_batches_bucketing_by_length(summarizer):
         }
     )
     cfg = ModelConfig(max_source_length=16, max_target_length=32)
-    start = summarizer.decoder_start_token_id
 
     def batches(seed, bucket, shuffle=True, bucket_batches=50):
         return make_batches(
             df,
-            summarizer.tokenizer,
+            summarizer,
             cfg,
             4,
             shuffle,
             seed,
-            start,
-            summarizer.pad_token_id,
             bucket_by_length=bucket,
             bucket_batches=bucket_batches,
         )

@@ -13,6 +13,7 @@ from tiny_models import _bert_tokenizer, save_tiny
 from pipeline import postag
 from pipeline.common.schema import DataError
 from pipeline.datasets.postags import NounVerbMasks
+from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.batching import IGNORE_INDEX, tokenize_pairs
 from pipeline.modeling.target_tags import PostagConfig, load_spacy, tag_targets
 
@@ -65,7 +66,12 @@ def test_tags_of_fixed_sentence(nlp, bert_tok):
 def test_positions_match_training_labels(nlp, bert_tok):
     targets = ["Hannah asked Amanda for Betty's number.", SENTENCE]
     tagged = _tag(nlp, bert_tok, ["a", "b"], targets, 8)
-    labels = tokenize_pairs(bert_tok, ["", ""], targets, 1, 8, ["a", "b"], bert_tok.cls_token_id)
+    labels = tokenize_pairs(
+        bert_tok,
+        pd.DataFrame({"example_id": ["a", "b"], "source": "", "target": targets}),
+        ModelConfig(max_source_length=2, max_target_length=8),
+        bert_tok.cls_token_id,
+    )
     for ex in labels:
         assert tagged.loc[tagged["example_id"] == ex.example_id, "token_id"].tolist() == ex.labels
 

@@ -335,7 +335,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.modeling.losses import distillation_loss
     from pipeline.training.client_data import client_data
     from pipeline.training.client_training import _forward_logits, kd_config, per_example_loss_scale
-    from pipeline.training.shared_model import initial_adapter_state, model_config, shared_model
+    from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     plan = read_plan(
         _write_plan("dp-pe", "fedselectkd", {"mode": "example", "noise_multiplier": 0.0}, prefix_cache=False)
@@ -346,10 +346,10 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     model.load_adapter_state("local", up)
     model.load_adapter_state("global", initial)
     data = client_data(plan, "Committee").train.iloc[:2]
-    mcfg, kd = model_config(plan), kd_config(plan)
+    mcfg, kd = plan.model_config, kd_config(plan)
 
     def batch_of(df):
-        return make_batches(df, model.tokenizer, mcfg, 2, False, 0, model.decoder_start_token_id, model.pad_token_id)[0]
+        return make_batches(df, model, mcfg, 2, False, 0)[0]
 
     params = model.local_parameters()
     for p in params:

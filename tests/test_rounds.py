@@ -402,7 +402,7 @@ def test_the_recorders_log_and_write_each_round(caplog):
         def log_metrics(self, metrics, step):
             self.calls.append((metrics, step))
 
-    recorder = TrainRecorder(plan, Logger())
+    recorder = TrainRecorder(Logger())
     recorder.started(plan, ["A", "B"], 2)
     recorder.round_done(plan, entry, ROWS[:2])
     recorder.close()
@@ -471,7 +471,7 @@ def test_a_resumed_run_shows_its_progress_from_the_round_it_resumes_at(caplog):
     from pipeline.training.history import RoundLog, TrainRecorder
 
     plan = _plan("rounds-progress", rounds=3)
-    recorder = TrainRecorder(plan)
+    recorder = TrainRecorder()
     with caplog.at_level(logging.INFO, logger="fedmeet.train"):
         recorder.started(plan, ["A", "B", "C"], 2)
     logs(
@@ -494,7 +494,7 @@ def test_a_recorder_closed_before_its_run_started_does_nothing():
     a second error from there."""
     from pipeline.training.history import TrainRecorder
 
-    TrainRecorder(_plan("rounds-early-close")).close()
+    TrainRecorder().close()
 
 
 def test_a_checkpoint_with_numpy_arrays_and_rng_states_as_the_server_writes_it_is_resumed():

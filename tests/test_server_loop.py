@@ -1599,7 +1599,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
     monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
-    recorder = deployment.DeploymentRecorder(plan, None, None, "p.json", object(), 2, 5.0)
+    recorder = deployment.DeploymentRecorder(None, None, "p.json", object(), 2, 5.0)
     for rnd in range(1, 6):
         recorder.round_done(plan, SimpleNamespace(round=rnd), [])
     saved = json.loads((PATHS.eval_dir("dep-every-disk") / "rounds.json").read_text())

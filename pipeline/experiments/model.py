@@ -7,7 +7,7 @@ import dataclasses
 from pipeline.common.config import PositiveInt, TokenLength, config, from_dict
 
 
-@config
+@config(frozen=True)
 class ModelConfig:
     # top_k's upper bound (the backbone's decoder layers) is checked when the model is built.
     top_k: PositiveInt = 2

@@ -56,6 +56,11 @@ class Plan:
         return kept[name]
 
     @property
+    def model_config(self) -> ModelConfig:
+        """The checked model settings, kept (every micro-batch's shapes read them)."""
+        return self.kept("model_config", lambda: from_dict(ModelConfig, self.model, f"{self.source}: model"))
+
+    @property
     def spec(self) -> MethodSpec:
         return get_method(self.method)
 
@@ -115,5 +120,5 @@ def read_plan(path: str | Path) -> Plan:
         plan.spec  # noqa: B018 - an unknown method
     except (TypeError, ConfigError) as exc:
         raise ConfigError(f"{p}: not a plan file ({exc})") from None
-    from_dict(ModelConfig, plan.model, f"{p}: model")  # before the stage touches its outputs or MLflow
+    plan.model_config  # noqa: B018 - checked before the stage touches its outputs or MLflow
     return plan

@@ -34,7 +34,7 @@ from pipeline.results.scoring import mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder
-from pipeline.training.shared_model import model_config, shared_model
+from pipeline.training.shared_model import shared_model
 from pipeline.training.summary import log_run_outputs, prepare_outputs, record_run, run_identity_tags
 
 freeze_collected()  # ~1.4 s CPU of each message's ~5 s (docs/performance.md)
@@ -108,7 +108,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         per_client[name] = {k: received[name][k] for k in (*SCORE_KEYS, "n", "n_test", "skipped_by_subsampling")}
     # as the evaluate stage reports the backbone: the recorded name, else the model type
     backbone = backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
-    max_source_length = cfg.max_source_length or model_config(plan).max_source_length
+    max_source_length = cfg.max_source_length or plan.model_config.max_source_length
     return metrics_record(plan, backbone, cfg, max_source_length, per_client, skipped) | {
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
@@ -137,7 +137,7 @@ def client_summarize(msg: Message, context: Context) -> Message:
             test_ids,
             name,
             cfg,
-            cfg.max_source_length or model_config(plan).max_source_length,
+            cfg.max_source_length or plan.model_config.max_source_length,
             where,
             desc=f"{plan.experiment}/{name}",
         )
@@ -173,10 +173,8 @@ def write_eval_metrics(plan: Plan, metrics: dict[str, Any], keep: tuple[str, ...
 class DeploymentRecorder(TrainRecorder):
     """The train stage's recorder (rounds files, MLflow per round) plus the federated evaluation every N rounds."""
 
-    def __init__(
-        self, plan: Plan, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int, timeout: float
-    ):
-        super().__init__(plan, logger)
+    def __init__(self, logger, grid: Grid, plan_path: str, cfg: EvaluateConfig | None, every: int, timeout: float):
+        super().__init__(logger)
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
 
@@ -245,7 +243,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
 
     cfg = run.evaluate_config() if run.evaluate else None
     round_timeout, admission_timeout = run.timeouts()
-    recorder = DeploymentRecorder(plan, logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
+    recorder = DeploymentRecorder(logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     try:
         arrays, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:

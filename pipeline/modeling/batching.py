@@ -49,25 +49,18 @@ class Batch:
 _TOKENIZED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def tokenize_pairs(
-    tokenizer,
-    sources: Sequence[str],
-    targets: Sequence[str],
-    max_source_length: int,
-    max_target_length: int,
-    example_ids: Sequence[str],
-    decoder_start_token_id: int | None = None,
-) -> list[TokenizedExample]:
-    """Tokenise (source, target) pairs with truncation (special tokens kept) and no padding; each pair once per
-    process (the examples returned are shared: read them, do not change them)."""
-    done = _TOKENIZED.setdefault(tokenizer, {}).setdefault(
-        (max_source_length, max_target_length, decoder_start_token_id), {}
-    )
-    keys = [(str(eid), s, t) for eid, s, t in zip(example_ids, sources, targets)]
+def tokenize_pairs(tokenizer, examples_df, cfg, decoder_start_token_id: int | None = None) -> list[TokenizedExample]:
+    """Rows of ``examples_df`` (columns ``example_id, source, target``) tokenised with truncation to ``cfg``'s max
+    lengths (special tokens kept) and no padding; each pair once per process (the examples returned are shared: read
+    them, do not change them)."""
+    lengths = (cfg.max_source_length, cfg.max_target_length)
+    done = _TOKENIZED.setdefault(tokenizer, {}).setdefault((*lengths, decoder_start_token_id), {})
+    columns = (examples_df[c].tolist() for c in ("example_id", "source", "target"))
+    keys = [(str(eid), s, t) for eid, s, t in zip(*columns)]
     new = [k for k in dict.fromkeys(keys) if k not in done]
     if new:
-        src = tokenizer([k[1] for k in new], max_length=max_source_length, truncation=True)["input_ids"]
-        tgt = tokenizer(text_target=[k[2] for k in new], max_length=max_target_length, truncation=True)["input_ids"]
+        src = tokenizer([k[1] for k in new], max_length=lengths[0], truncation=True)["input_ids"]
+        tgt = tokenizer(text_target=[k[2] for k in new], max_length=lengths[1], truncation=True)["input_ids"]
         for key, s, t in zip(new, src, tgt):
             t = target_labels(t, decoder_start_token_id)
             if not t:
@@ -121,31 +114,14 @@ def stack_batches(batches: Sequence[Batch], pad_token_id: int) -> Batch:
 
 
 def make_batches(
-    examples_df,
-    tokenizer,
-    cfg,
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-    decoder_start_token_id: int,
-    pad_token_id: int,
-    bucket_by_length: bool = False,
-    bucket_batches: int = 50,
+    examples_df, model, cfg, batch_size: int, shuffle: bool, seed: int, bucket_by_length=False, bucket_batches=50
 ) -> list[Batch]:
-    """Rows of ``examples_df`` (columns ``example_id, source, target``) -> Batches, tokenised by
-    :func:`tokenize_pairs` (each pair once per process) with ``cfg``'s max lengths. With ``shuffle`` the order is a
-    permutation from ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts padding: chunks of
-    ``bucket_batches * batch_size`` examples of that order are sorted by (target, source) length, batched, and with
-    ``shuffle`` the batches are permuted again with the same generator."""
-    examples = tokenize_pairs(
-        tokenizer,
-        examples_df["source"].tolist(),
-        examples_df["target"].tolist(),
-        cfg.max_source_length,
-        cfg.max_target_length,
-        examples_df["example_id"].astype(str).tolist(),
-        decoder_start_token_id,
-    )
+    """Rows of ``examples_df`` -> Batches of ``model``'s tokenizer, tokenised by :func:`tokenize_pairs` (each pair
+    once per process) with ``cfg``'s max lengths. With ``shuffle`` the order is a permutation from
+    ``numpy.random.default_rng(seed)``. ``bucket_by_length`` cuts padding: chunks of ``bucket_batches * batch_size``
+    examples of that order are sorted by (target, source) length, batched, and with ``shuffle`` the batches are
+    permuted again with the same generator."""
+    examples = tokenize_pairs(model.tokenizer, examples_df, cfg, model.decoder_start_token_id)
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(examples)) if shuffle else np.arange(len(examples))
     groups = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
@@ -159,4 +135,4 @@ def make_batches(
             groups += [part[i : i + batch_size] for i in range(0, len(part), batch_size)]
         if shuffle:
             groups = [groups[i] for i in rng.permutation(len(groups))]
-    return [collate([examples[j] for j in g], pad_token_id, decoder_start_token_id) for g in groups]
+    return [collate([examples[j] for j in g], model.pad_token_id, model.decoder_start_token_id) for g in groups]

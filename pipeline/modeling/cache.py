@@ -60,24 +60,17 @@ def _sha(*parts) -> str:
 
 
 class PrefixCache:
-    def __init__(
-        self,
-        root: str | os.PathLike,
-        fingerprint: str,
-        max_source_length: int,
-        max_target_length: int,
-        top_k: int,
-        dtype: str = "float32",
-        max_bytes: int = 4 * 2**30,
-    ):
+    def __init__(self, root: str | os.PathLike, fingerprint: str, cfg, dtype: str = "float32", max_bytes=4 * 2**30):
+        """A cache under ``root`` for the backbone ``fingerprint`` names and the model settings ``cfg`` (its max
+        lengths and ``top_k``)."""
         self.root = Path(root)
         self.dtype = DTYPES[dtype]
         self.max_bytes = int(max_bytes)
         key = {
             "fingerprint": fingerprint,
-            "max_source_length": max_source_length,
-            "max_target_length": max_target_length,
-            "top_k": top_k,
+            "max_source_length": cfg.max_source_length,
+            "max_target_length": cfg.max_target_length,
+            "top_k": cfg.top_k,
             "dtype": dtype,
             "format_version": FORMAT_VERSION,
         }

@@ -26,7 +26,6 @@ from pipeline.training import local_batch, set_engine
 from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
-from pipeline.training.shared_model import model_config
 
 GATE_LOG_DTYPES = {
     "client": "string",
@@ -81,13 +80,13 @@ def _batches(
     """The frame's batches (kept when ``keep``, and then shared: read them, do not change them)."""
     tokenizer, start, pad = model.tokenizer, model.decoder_start_token_id, model.pad_token_id
     if not keep:
-        return make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
+        return make_batches(frame, model, mcfg, cfg.batch_size, shuffle, seed, bucket_by_length)
     key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start, pad)
     key += (cfg.batch_size, shuffle, seed, bucket_by_length)
     if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
         _KEPT.move_to_end(key)
         return kept[2]
-    batches = make_batches(frame, tokenizer, mcfg, cfg.batch_size, shuffle, seed, start, pad, bucket_by_length)
+    batches = make_batches(frame, model, mcfg, cfg.batch_size, shuffle, seed, bucket_by_length)
     _KEPT[key] = (frame, tokenizer, batches)
     while len(_KEPT) > KEPT_ENTRIES:
         _KEPT.popitem(last=False)
@@ -195,7 +194,7 @@ def train_local(
     under the plan's ``privacy`` every step is a DP-SGD step, here (the caller composes them across rounds).
     ``cache`` (RunSettings.cache) changes no result."""
     cfg: TrainConfig = plan.train
-    mcfg = model_config(plan)
+    mcfg = plan.model_config
     kd = kd_config(plan)
     seed = derived_seed(plan.seed, client, rnd, "train")
     transformers.set_seed(seed)  # Python's, NumPy's and torch's generators
@@ -336,7 +335,7 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
     set's barrier with every other validation of the round, adapters stacked (pipeline.training.local_batch)."""
     if len(examples) == 0:
         return float("nan"), 0
-    batches = _batches(model, examples, model_config(plan), plan.train, False, 0, False)
+    batches = _batches(model, examples, plan.model_config, plan.train, False, 0, False)
     steps = [[(b, 1.0)] for b in batches]  # one micro-batch a step
     job = LocalJob(model, plan, "validation", 0, None, steps, cache=cache)
     return set_engine.batched(job, local_batch.validate_jobs)

@@ -124,7 +124,7 @@ class Recorder:
 class TrainRecorder:
     """Per-round bookkeeping shared by both paths: rounds files, MLflow metrics, progress on the console."""
 
-    def __init__(self, plan: Plan, logger=None):
+    def __init__(self, logger=None):
         self.logger, self.round_seconds, self._bar = logger, [], None
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:

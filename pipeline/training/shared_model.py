@@ -8,8 +8,6 @@ from pathlib import Path
 
 import torch
 
-from pipeline.common.config import from_dict
-from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig
 from pipeline.modeling.cache import PrefixCache, resolve_root
@@ -21,18 +19,14 @@ _INITIAL_STATES: dict[tuple, dict[str, torch.Tensor]] = {}
 _PREFIX_CACHES: dict[tuple, PrefixCache] = {}
 
 
-def model_config(plan: Plan) -> ModelConfig:
-    return plan.kept("model_config", lambda: from_dict(ModelConfig, plan.model, f"{plan.source}: model"))
-
-
 def _model_key(plan: Plan) -> tuple:
     """What the shared model depends on: the backbone and the whole adapter configuration (init std included)."""
-    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(adapter_config(model_config(plan))))
+    return (str(Path(plan.paths["backbone"]).resolve()), dataclasses.astuple(adapter_config(plan.model_config)))
 
 
 def shared_model(plan: Plan) -> AdapterSummarizer:
     """One frozen backbone per process (clients take turns on it, each loading its adapter states first)."""
-    mcfg = model_config(plan)
+    mcfg = plan.model_config
     key = _model_key(plan)
     if key not in _MODELS:
         backbone = Path(plan.paths["backbone"])
@@ -58,13 +52,10 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     if not plan.train.prefix_cache:
         return None
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
-    mcfg = model_config(plan)
     args = (
         resolve_root(cache.cache_dir),
         model.backbone_fingerprint(),
-        mcfg.max_source_length,
-        mcfg.max_target_length,
-        model.adapter_config.top_k,
+        plan.model_config,
         plan.cache_dtype or "float32",
         int(cache.cache_max_gb * 2**30),
     )
