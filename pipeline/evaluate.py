@@ -89,7 +89,7 @@ def evaluate_experiments(
     examples = pd.read_parquet(PATHS.examples, columns=["example_id", "source", "target", "domain"])
     examples = examples.set_index("example_id", drop=False)
 
-    def score_and_write(exp: _Experiment, summaries: list[list[str]], max_src: int, backbone: str) -> dict[str, Any]:
+    def score_and_write(exp: _Experiment, summaries: list[list[str]], backbone: str) -> dict[str, Any]:
         """The experiment's scores, per example and per client, its bootstrap intervals and its outputs."""
         name, plan = exp.name, exp.plan
         experiment = plan.to_json_dict()
@@ -134,7 +134,7 @@ def evaluate_experiments(
         # clients)
         groups = [g for _, g in per_example.groupby("client", sort=True)]
         mean_ci = client_average_intervals(groups, (*ROUGE_TYPES, "avg_rouge"), bootstrap)
-        metrics = metrics_record(plan, backbone, cfg, max_src, per_client, exp.skipped_clients) | {
+        metrics = metrics_record(plan, backbone, cfg, per_client, exp.skipped_clients) | {
             "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
             "ci": {
                 "level": bootstrap.level,
@@ -145,7 +145,7 @@ def evaluate_experiments(
         }
         atomic.write_json(out_dir / "metrics.json", metrics)
         if mlflow_logging:
-            run_id = log_to_mlflow(name, experiment, metrics, out_dir, cfg, run_converged(models_dir, name), test_sets)
+            run_id = log_to_mlflow(experiment, metrics, out_dir, cfg, run_converged(models_dir, name), test_sets)
             print(f"[evaluate] logged to MLflow run {run_id}", file=sys.stderr)
         return metrics
 
@@ -168,7 +168,7 @@ def evaluate_experiments(
         )
         for exp in same:
             predictions = [next(summaries) for _ in exp.chosen]
-            out[exp.name] = score_and_write(exp, predictions, max_src, backbone)
+            out[exp.name] = score_and_write(exp, predictions, backbone)
     return {n: out[n] for n in names}
 
 
@@ -198,7 +198,6 @@ def main(argv: list[str] | None = None) -> int:
             record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
             # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`
             log_to_mlflow(
-                metrics["experiment"],
                 record | {"study": args.study or metrics.get("study") or "main"},
                 metrics,
                 path.parent,

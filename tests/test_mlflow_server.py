@@ -218,7 +218,7 @@ def test_an_adapter_is_found_by_its_score_on_the_server(ws, mlflow_server, tmp_p
     (tmp_path / "eval").mkdir()
     (tmp_path / "eval" / "metrics.json").write_text(json.dumps(record))
     plan = read_plan("models/plans/srv-scored.json").to_json_dict()
-    log_to_mlflow("srv-scored", plan, record, tmp_path / "eval", EvaluateConfig())
+    log_to_mlflow(plan, record, tmp_path / "eval", EvaluateConfig())
 
     mlflow.set_tracking_uri(mlflow_server)
     exp = mlflow.get_experiment_by_name("tests").experiment_id

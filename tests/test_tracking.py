@@ -379,7 +379,7 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
         logger.finish()
         runs[record["tau"]] = logger
     metrics, d = _eval_dir(store, "sel")
-    assert log_to_mlflow("sel", record_tau3, metrics, d, EvaluateConfig()) == runs[3.0].run_id
+    assert log_to_mlflow(record_tau3, metrics, d, EvaluateConfig()) == runs[3.0].run_id
     logged = _client().get_run(runs[3.0].run_id).data.metrics
     # Headline: client averages with the evaluation's intervals; ROUGE-L is the tables' (plain rougeL, 15.0).
     headline = {k.removeprefix("client_avg/"): v for k, v in logged.items() if k.startswith("client_avg/")}

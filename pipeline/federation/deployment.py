@@ -29,8 +29,15 @@ from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, pla
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_local_adapter, save_adapter
 from pipeline.paths import PATHS
-from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig, log_to_mlflow, metrics_record, summarize_test_set
-from pipeline.results.scoring import mean_scores
+from pipeline.results.evaluation import (
+    SCORE_KEYS,
+    EvaluateConfig,
+    generate_summaries,
+    log_to_mlflow,
+    metrics_record,
+    test_subsample,
+)
+from pipeline.results.scoring import Scorer, mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder
@@ -108,8 +115,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         per_client[name] = {k: received[name][k] for k in (*SCORE_KEYS, "n", "n_test", "skipped_by_subsampling")}
     # as the evaluate stage reports the backbone: the recorded name, else the model type
     backbone = backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
-    max_source_length = cfg.max_source_length or plan.model_config.max_source_length
-    return metrics_record(plan, backbone, cfg, max_source_length, per_client, skipped) | {
+    return metrics_record(plan, backbone, cfg, per_client, skipped) | {
         "evaluated_on": "clients",  # federated: each client scored its own test set; no text reached the server
         "failed_clients": failed,
     }
@@ -131,16 +137,10 @@ def client_summarize(msg: Message, context: Context) -> Message:
         model = shared_model(plan)
         load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
         where = f"{plan.paths['partition']}, {plan.paths['examples']}"
-        sub, _, scores = summarize_test_set(
-            model,
-            read_examples(plan.paths["examples"]),
-            test_ids,
-            name,
-            cfg,
-            cfg.max_source_length or plan.model_config.max_source_length,
-            where,
-            desc=f"{plan.experiment}/{name}",
-        )
+        sub = test_subsample(read_examples(plan.paths["examples"]), test_ids, name, cfg, where)
+        max_src = cfg.max_source_length or plan.model_config.max_source_length
+        predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_src, f"{plan.experiment}/{name}")
+        scores = Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
         metrics.update(mean_scores(scores), skipped_by_subsampling=len(test_ids) - len(sub))
     finite = MetricRecord({k: v for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))})
     return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), METRICS_KEY: finite}), reply_to=msg)
@@ -283,7 +283,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         log_run_outputs(logger, plan, metrics, [(out_dir / GLOBAL_ADAPTER, None)], out_dir / GLOBAL_ADAPTER)
         if eval_metrics is not None:
             log_to_mlflow(
-                plan.experiment,
                 plan.to_json_dict() | {"mlflow_run_id": logger.run_id},
                 eval_metrics,
                 PATHS.eval_dir(plan.experiment),

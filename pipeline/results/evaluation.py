@@ -15,7 +15,7 @@ from pydantic import model_validator
 
 from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.schema import DataError
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer
+from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
 
 
 @config
@@ -55,23 +55,16 @@ class EvaluateConfig:
 SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 
 
-def metrics_record(
-    plan: Any,
-    backbone: str,
-    cfg: EvaluateConfig,
-    max_source_length: int,
-    per_client: dict[str, dict[str, Any]],
-    skipped_clients: dict[str, str],
-) -> dict[str, Any]:
+def metrics_record(plan: Any, backbone: str, cfg: EvaluateConfig, per_client: dict, skipped_clients: dict) -> dict:
     """What metrics.json holds of an evaluation of ``plan`` (a Plan), made by the evaluate stage or by the deployed
-    clients: the plan's identity, the decoding, each client's scores and their mean over clients (unweighted, as the
-    paper averages its per-client columns; None without a client)."""
+    clients: the plan's identity, the decoding, each client's scores (by client) and their mean over clients
+    (unweighted, as the paper averages its per-client columns; None without a client), the skipped clients' reasons."""
     return {
         **{key: getattr(plan, key) for key in ("experiment", "method", "partition", "seed", "study")},
         "backbone": backbone,
         "adapter": cfg.adapter,
         "decoding": {k: v for k, v in asdict(cfg).items() if k not in ("adapter", "log_text_to_mlflow")}
-        | {"max_source_length": max_source_length},
+        | {"max_source_length": cfg.max_source_length or plan.model_config.max_source_length},
         "rouge_l_in_tables": TABLE_ROUGE_L,
         "clients": per_client,
         "skipped_clients": skipped_clients,
@@ -98,23 +91,6 @@ def test_subsample(examples, test_ids: list[str], client: str, cfg: EvaluateConf
     if missing:
         raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
     return examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
-
-
-def summarize_test_set(
-    model,
-    examples,
-    test_ids: list[str],
-    client: str,
-    cfg: EvaluateConfig,
-    max_source_length: int,
-    where: str,
-    desc: str,
-):
-    """The client's test subsample (:func:`test_subsample`), the summaries of the model's loaded local adapter and
-    their ROUGE per example."""
-    sub = test_subsample(examples, test_ids, client, cfg, where)
-    predictions = generate_summaries(model, sub["source"].tolist(), cfg, max_source_length, desc)
-    return sub, predictions, Scorer(use_stemmer=True).score_pairs(predictions, sub["target"].tolist())
 
 
 def generate_summaries(model, sources: list[str], cfg: EvaluateConfig, max_source_length: int, desc: str) -> list[str]:
@@ -218,7 +194,6 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def log_to_mlflow(
-    name: str,
     experiment: dict[str, Any],
     metrics: dict[str, Any],
     eval_dir: Path,
@@ -226,14 +201,14 @@ def log_to_mlflow(
     converged: bool | None = None,
     test_sets: dict[str, Any] | None = None,
 ) -> str:
-    """Log an evaluation into the experiment's MLflow run (training's; else a new one): :func:`headline_metrics`, and
-    each client's ROUGE into its client's run, on its adapter's LoggedModel and its ``test_sets`` dataset; the tag
-    ``converged`` is readers.run_converged. Returns the run id."""
+    """Log an evaluation into the MLflow run (training's; else a new one) of its plan record ``experiment``:
+    :func:`headline_metrics`, and each client's ROUGE into its client's run, on its adapter's LoggedModel and its
+    ``test_sets`` dataset; the tag ``converged`` is readers.run_converged. Returns the run id."""
     # lazy: a deployed ClientApp (one process per message) imports this module and never logs to MLflow
     from pipeline.experiments.plans import record_hash
     from pipeline.results.tracking import RunLogger, _client, experiment_id
 
-    study = str(experiment.get("study") or "main")
+    name, study = metrics["experiment"], str(experiment.get("study") or "main")
     experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id")
     if not run_id:  # the train stage's latest run of exactly this plan (two ablation points share a name)

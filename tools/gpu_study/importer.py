@@ -120,7 +120,7 @@ def log_runs(dest: Path, device: str) -> list[str]:
         if (eval_dir / "metrics.json").is_file():
             evaluation = json.loads((eval_dir / "metrics.json").read_text())
             converged = run_converged(dest / "train", plan.experiment)
-            log_to_mlflow(plan.experiment, plan.to_json_dict(), evaluation, eval_dir, cfg, converged)
+            log_to_mlflow(plan.to_json_dict(), evaluation, eval_dir, cfg, converged)
         ids.append(logger.run_id)
     return ids
 
