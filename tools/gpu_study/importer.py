@@ -107,7 +107,6 @@ def log_runs(dest: Path, device: str) -> list[str]:
             plan.to_json_dict(),
             run_tags(plan) | {"device": device, "imported_from": str(dest)},
             partition=dest / "partitions" / f"{plan.partition}.json",
-            clients=(),
         )
         metrics = json.loads((run_dir / "metrics.json").read_text())
         log_missing_rounds(logger, json.loads((run_dir / "rounds.json").read_text()))
