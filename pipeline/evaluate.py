@@ -196,14 +196,10 @@ def main(argv: list[str] | None = None) -> int:
             if missing := [k for k in ("experiment", "clients", "mean") if k not in metrics]:
                 raise DataError(f"{path}: not an evaluation record (missing {missing})")
             record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
+            record["study"] = args.study or metrics.get("study") or "main"
             # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`
-            log_to_mlflow(
-                record | {"study": args.study or metrics.get("study") or "main"},
-                metrics,
-                path.parent,
-                EvaluateConfig(),
-                run_converged(path.parent.parent.parent / "train", metrics["experiment"]),
-            )
+            converged = run_converged(path.parent.parent.parent / "train", metrics["experiment"])
+            log_to_mlflow(record, metrics, path.parent, EvaluateConfig(), converged)
         print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
         return 0
 

@@ -239,12 +239,8 @@ def log_to_mlflow(
     )
     models = logger.models if settings["adapter"] == "best" else {}  # the logged models are the best adapters
     for client, scores in metrics["clients"].items():
-        logger.log_metrics(
-            {f"{client}.{k}": scores[k] for k in SCORE_KEYS},
-            0,
-            models.get(client),
-            (test_sets or {}).get(client),
-        )
+        client_scores = {f"{client}.{k}": scores[k] for k in SCORE_KEYS}
+        logger.log_metrics(client_scores, 0, models.get(client), (test_sets or {}).get(client))
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
     if cfg.log_text_to_mlflow:
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
