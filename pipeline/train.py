@@ -18,7 +18,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.timing import stage_name, stage_timer
 from pipeline.experiments.plans import Plan, plan_hash, read_plan
@@ -62,16 +61,14 @@ def run_experiment(
     logger = None
     if track:
         # The run id lives beside the checkpoint: a resumed training continues its MLflow run.
-        run_id_file = checkpoints.mlflow_run_id_path(plan)
         logger = RunLogger.start(
             plan.study,
             run_name(plan.experiment),
             plan.to_json_dict(),
             run_tags(plan),
-            resume_run_id=run_id_file.read_text().strip() if run_id_file.exists() else None,
+            checkpoints.mlflow_run_id_path(plan),
             partition=plan.paths["partition"],
         )
-        atomic.write_text(run_id_file, logger.run_id)
 
     recorder = TrainRecorder(logger)
     try:

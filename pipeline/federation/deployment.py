@@ -207,16 +207,8 @@ def start_mlflow_run(plan: Plan, fresh: bool, run_id_file: Path):
         except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
             log.info("earlier MLflow run not deleted: %s", exc)
         run_id_file.unlink()
-    resume_id = run_id_file.read_text().strip() if run_id_file.exists() else None
-    logger = RunLogger.start(
-        plan.study,
-        plan.experiment,
-        plan.to_json_dict(),
-        run_identity_tags(plan, "deployment"),
-        resume_run_id=resume_id,
-    )
-    atomic.write_text(run_id_file, logger.run_id)
-    return logger
+    tags = run_identity_tags(plan, "deployment")
+    return RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags, run_id_file)
 
 
 # The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the

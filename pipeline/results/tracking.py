@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.common import atomic
 from pipeline.common.config import flatten, repo_root
 
 PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
@@ -232,17 +233,19 @@ class RunLogger:
         run_name: str,
         params: dict[str, Any],
         tags: dict[str, str],
-        resume_run_id: str | None = None,
+        run_id_file: Path | None = None,
         partition: str | Path | None = None,
         clients: tuple[str, ...] = (),
     ) -> RunLogger:
-        """Start a run (or reopen ``resume_run_id``) with its parameters, a child run per client of the ``partition``
-        file or of ``clients``, and MLflow's system metrics. Runs of the same experiment left RUNNING by a dead
-        process (SIGKILL, power loss) are marked KILLED, with their clients' runs."""
+        """Start a run (or reopen the one ``run_id_file`` names; the run's id is written there) with its params, a
+        child run per client of the ``partition`` file or of ``clients``, and MLflow's system metrics. Runs of the
+        same experiment left RUNNING by a dead process (SIGKILL, power loss) are marked KILLED, with their clients'
+        runs."""
         from mlflow.entities import DatasetInput, InputTag, Param
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         client, exp_id, resumed = _client(), experiment_id(study), False
+        resume_run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
         with contextlib.suppress(Exception):  # no run to resume, or it is gone (store deleted): start a new one
             resumed = client.get_run(resume_run_id).info.run_id == resume_run_id
         if resumed:
@@ -290,6 +293,8 @@ class RunLogger:
                     dead.finish("KILLED")
         logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
         logger._monitor.start()
+        if run_id_file is not None:
+            atomic.write_text(run_id_file, logger.run_id)
         return logger
 
     def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
