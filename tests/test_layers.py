@@ -78,3 +78,36 @@ def test_flower_outside_federation_and_privacy_breaks_its_contract(graph):
 def test_the_layers_hold_with_no_import_ignored():
     # a contract with ignore_imports would hide the cycles the named pairs above were written against
     assert not CONTRACTS["layers"].get("ignore_imports")
+
+
+def _private_imports_across_packages(root: Path) -> list[str]:
+    """``from pipeline.<pkg>... import _name`` (function-level imports included) in a module outside ``<pkg>``."""
+    import ast
+
+    found = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        own = path.relative_to(root).parts[1]  # the importer's package (or its stage module's file name)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline."):
+                if node.module.split(".")[1] == own:
+                    continue
+                found += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names if a.name[0] == "_"]
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another_package():
+    """A package's underscored names are its own (issue 55 named deployment reaching into tracking._client)."""
+    assert _private_imports_across_packages(ROOT) == []
+
+
+def test_a_private_import_across_packages_is_found(tmp_path):
+    for rel, text in {
+        "pipeline/results/tracking.py": "def _client(): ...\n",
+        "pipeline/results/evaluation.py": "from pipeline.results.tracking import _client\n",
+        "pipeline/federation/deployment.py": "def f():\n    from pipeline.results.tracking import RunLogger, _client\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert _private_imports_across_packages(tmp_path) == [
+        "pipeline/federation/deployment.py: pipeline.results.tracking._client"
+    ]
