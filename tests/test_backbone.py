@@ -333,6 +333,40 @@ def test_activation_checkpointing_warms_up_to_the_same_weights(tmp_path):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+def test_activation_checkpointing_runs_on_a_transformers_without_its_new_name(tmp_path):
+    """transformers 5.17 (the lent GPU's) has only ``gradient_checkpointing_*``: the warm-up turns checkpointing on
+    and off through them, to the same weights as without checkpointing (the backbone stage failed there once)."""
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    pairs = bb.load_pairs(interim, "train")
+    torch.manual_seed(0)
+    model, tok = tiny_models.tiny_bert2bert()
+    calls = []
+
+    def _absent(self):
+        raise AttributeError("not in transformers 5.17")
+
+    def _old(verb):  # 5.17's own implementation, which 5.23 keeps as _activation_checkpointing_*
+        return lambda self, *a, **k: calls.append(verb) or getattr(self, f"_activation_checkpointing_{verb}")()
+
+    names = {f"activation_checkpointing_{v}": property(_absent) for v in ("enable", "disable")}
+    names |= {f"gradient_checkpointing_{v}": _old(v) for v in ("enable", "disable")}
+    model.__class__ = type("EncoderDecoder517", (type(model),), names)
+    assert not hasattr(model, "activation_checkpointing_enable")
+    wc = wu.WarmupConfig(
+        steps=3,
+        batch_size=2,
+        max_source_length=32,
+        max_target_length=12,
+        length_grouping=0,
+        activation_checkpointing=True,
+    )
+    wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
+    assert calls == ["enable", "disable"]
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    reference = _tiny_warmed_up(pairs).state_dict()
+    assert all(torch.equal(reference[k], v) for k, v in model.state_dict().items())
+
+
 def test_warm_up_without_attention_dropout_trains_as_a_model_without_it_and_restores_it(tmp_path):
     """attention_dropout=False trains exactly as a checkpoint whose attention dropout is 0 (so SDPA's fused kernel
     can run), leaves the checkpoint's 0.5 in place afterwards, and differs from training with it on."""

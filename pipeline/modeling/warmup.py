@@ -161,6 +161,13 @@ def token_ids(tokenizer, texts: list[str], max_length: int, chunk: int = 1024) -
     ]
 
 
+def _checkpointing(model, on: bool) -> None:
+    """Activation checkpointing on or off: ``activation_checkpointing_*`` in the pinned transformers (5.23), where
+    ``gradient_checkpointing_*`` is a deprecated alias; older releases (5.17 on the lent GPU) have only the latter."""
+    name = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    getattr(model, f"{name}_checkpointing_{'enable' if on else 'disable'}")()
+
+
 def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
     """Full-parameter central training as a summarizer for ``wc.steps`` steps; returns its cost and losses."""
     from transformers import get_linear_schedule_with_warmup
@@ -188,7 +195,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     for dropout in attention_dropouts:
         dropout.p = dropout.p if wc.attention_dropout else 0.0
     if wc.activation_checkpointing:  # the same numbers: each layer's forward is rerun in backward, RNG state restored
-        model.activation_checkpointing_enable()
+        _checkpointing(model, True)
     loss_log, window, seen = [], [], 0
     t0 = time.perf_counter()
     bar = tqdm(order, desc="backbone warm-up", unit="step", mininterval=5)
@@ -227,7 +234,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
             log.info("warm-up step %d/%d loss %.4f (%.1f examples/s)", step, wc.steps, mean, seen / elapsed)
             window = []
     seconds = time.perf_counter() - t0
-    model.activation_checkpointing_disable()  # off for generation (a no-op when it was never on)
+    _checkpointing(model, False)  # off for generation (a no-op when it was never on)
     for dropout, p in attention_dropouts.items():
         dropout.p = p
     model.eval()
