@@ -346,13 +346,14 @@ def smi_during(samples: list[tuple[float, float, float]], start: float, end: flo
 
 
 def read_smi(path: Path) -> list[tuple[float, float, float]]:
-    """``nvidia-smi --format=csv,noheader,nounits`` lines: (unix time, utilisation %, memory MiB)."""
+    """``nvidia-smi --format=csv`` lines: (unix time, utilisation %, memory MiB); a header and units (``--format=csv``
+    without ``noheader,nounits``, as the GPU study's sampler writes) are skipped."""
     samples = []
     for line in path.read_text().splitlines() if path.is_file() else []:
         parts = [p.strip() for p in line.split(",")]
         try:
             stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            samples.append((stamp, float(parts[1]), float(parts[2])))
+            samples.append((stamp, float(parts[1].split()[0]), float(parts[2].split()[0])))
         except (ValueError, IndexError):
             continue  # a line cut by the sampler's end
     return samples

@@ -1,0 +1,41 @@
+"""tools/gpu_study/call_report.py: engine.md's section 5 is the one generated from the GPU study call's returned
+files, and the log's round bars and step lines are read as the call wrote them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tools.gpu_study import call_report
+
+pytestmark = pytest.mark.tools  # a developer tool under tools/
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_section_is_the_one_generated_from_the_returned_files():
+    text = (ROOT / "reports" / "bench" / "engine.md").read_text()
+    committed = "## 5." + text.partition("## 5.")[2].partition("\n## 6.")[0]
+    folder = ROOT / "reports" / "bench" / "gpu-study-call"
+    assert committed.strip() == call_report.section(folder).strip()
+    assert "NVIDIA" in re.search(r"Device: ([^;]+);", committed).group(1)  # measured on the lent GPU
+
+
+def test_round_ends_keeps_the_first_time_each_count_shows():
+    log = (
+        "a-s0 rounds:   0%|     | 0/60 [00:00<?, ?round/s]\n"
+        "a-s0 rounds:   2%|     | 1/60 [00:57<56:03, 57.0s/round, val A=5.1]\n"
+        "b-s1 rounds:   2%|     | 1/60 [01:02:05<1:00, 9.0s/round]\n"
+        "a-s0 rounds:   2%|     | 1/60 [00:59<56:03, 57.0s/round, val A=5.1]\n"  # a redraw of the same count
+        "a-s0 rounds:   3%|     | 2/60 [01:33<40:00, 46.0s/round]\n"
+    )
+    assert call_report.round_ends(log) == {"a-s0": {0: 0, 1: 57, 2: 93}, "b-s1": {1: 3725}}
+
+
+def test_step_windows_start_where_the_budget_left_says():
+    study = {"budget_s": 570, "steps": [{"step": "plan", "seconds": 6.0}, {"step": "train", "seconds": 387.0}]}
+    log = "=== plan (393 s left)\n=== plan: ok in 6.0 s\n=== train (387 s left)\n"
+    # the budget less the packing reserve (20 s) is 550: plan starts 157 s and train 163 s after the first sample
+    assert call_report.step_windows(study, log, 1000.0) == {"plan": (1157.0, 1163.0), "train": (1163.0, 1550.0)}
