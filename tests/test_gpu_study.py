@@ -162,6 +162,27 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     md5 = json.loads(tar_member(out / "results.tar.gz", "weights.md5.json"))
     assert "models/backbone/model.safetensors" in md5 and any("/clients/" in k for k in md5)
 
+    # a later call on the same machine goes on where a cut one stopped: its train step timed out with one run
+    # unfinished, evaluate never ran. It trains that run alone (to what it computed in the set) and evaluates all
+    work, cut = tmp_path / "work", next(iter(_yaml(TINY)["experiments"]))
+    record = json.loads((work / "study.json").read_text())
+    for step in record["steps"]:
+        step.update(status="failed (timeout)" if step["step"] in ("train", "evaluate") else step["status"])
+    (work / "study.json").write_text(json.dumps(record))
+    models = work / "repo" / "models"
+    trained = {e: json.loads((models / e / "metrics.json").read_text()) for e in _yaml(TINY)["experiments"]}
+    untouched = {e: (models / e / "metrics.json").stat().st_mtime_ns for e in trained if e != cut}
+    shutil.rmtree(models / cut)
+    out = tmp_path / "out-resumed"
+    rec = device.run_study(tmp_path / "no-carry", out, TINY, work, budget_s=900, resume=True)
+    assert rec["complete"] and [s["step"] for s in rec["steps"]] == ["train", "evaluate"], rec["steps"]
+    assert [len(c["steps"]) for c in rec["earlier_calls"]] == [len(record["steps"])]
+    again = json.loads((models / cut / "metrics.json").read_text())
+    assert {k: v for k, v in again.items() if k not in ("seconds_per_round", "peak_rss_mb")} == {
+        k: v for k, v in trained[cut].items() if k not in ("seconds_per_round", "peak_rss_mb")
+    }
+    assert {e: (models / e / "metrics.json").stat().st_mtime_ns for e in untouched} == untouched
+
     # here: the import, into a scratch study folder and MLflow store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
     monkeypatch.setenv("FEDMEET_ROOT", str(tmp_path))  # MLflow artifacts under tmp_path/mlartifacts
@@ -188,7 +209,8 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     assert (dest / "comparisons.csv").is_file() and (dest / "tables").is_dir()
     assert not list(dest.rglob("gate_log.parquet"))  # client token ids stay out
     readme = (dest / "README.md").read_text()
-    assert "completed every step" in readme and "| train | ok |" in readme
+    assert "completed every step" in readme and "2 call(s)" in readme
+    assert "| train | failed (timeout) | " in readme and "| train | ok | " in readme
 
 
 def tar_member(path: Path, name: str) -> str:

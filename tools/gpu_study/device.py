@@ -22,6 +22,11 @@ child ``python`` as dvc.yaml's command for it (``python -m pipeline.<stage> ...`
 6. the outputs (without weights) packed into at most 8 files under ``--out``, whatever happened before: a step that
    fails or outruns ``--budget`` is stopped, recorded in ``study.json`` and the steps after it are skipped.
 
+A later call on the same warm machine (``run --resume``, no carry) goes on where the last one stopped: the steps
+it finished stay done, ``train`` resumes every run from its last round checkpoint, then ``evaluate``; study.json
+keeps the earlier calls' records under ``earlier_calls``. One lease's 15 minutes hold the staging call, a 600 s
+call and a resumed call of the rest.
+
 The same function runs the tiny CPU profile (tests/test_gpu_study.py); only the carry and the profile differ.
 """
 
@@ -157,6 +162,20 @@ def stage_lanes(
     before = [s for s in steps if s[0] == BACKBONE_INPUT]
     data = [s for s in steps[:cut] if s[0] != BACKBONE_INPUT]
     return before, [[steps[cut]], data], steps[cut + 1 :]
+
+
+def left_to_do(step: tuple[str, list[str]], repo_dir: Path) -> tuple[str, list[str]] | None:
+    """``step`` as a resumed call runs it: ``train`` without the experiments an earlier call finished (their
+    outputs published in ``models/<exp>/``; None when that is all of them); the runs it cut resume from their
+    checkpoints."""
+    name, argv = step
+    if name != "train":
+        return step
+    pairs = {i: argv[i + 1] for i, a in enumerate(argv) if a == "--experiment"}
+    finished = {i for i, e in pairs.items() if (repo_dir / "models" / e / "metrics.json").is_file()}
+    if len(finished) == len(pairs):
+        return None
+    return name, [a for i, a in enumerate(argv) if i not in finished and i - 1 not in finished]
 
 
 def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> None:
@@ -323,21 +342,36 @@ class Steps:
 
 
 def run_study(
-    carry: Path, out: Path, profile: Path, work: Path, budget_s: float, stage_dir: Path = STAGE_DIR, repo: Path = REPO
+    carry: Path,
+    out: Path,
+    profile: Path,
+    work: Path,
+    budget_s: float,
+    stage_dir: Path = STAGE_DIR,
+    repo: Path = REPO,
+    resume: bool = False,
 ) -> dict:
-    """Everything of the module docstring; returns study.json's content (also written under ``out``)."""
+    """Everything of the module docstring; returns study.json's content (also written under ``out``). ``resume``:
+    a later call on the same machine goes on in ``work`` where the last one stopped: the steps it recorded ok are
+    kept (its record under ``earlier_calls``), the others run again (``train`` resumes its runs from their round
+    checkpoints), the log and GPU samples are appended to, and nothing is read from ``carry``."""
     t0 = time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     site, repo_dir, minilm = work / "site", work / "repo", work / "minilm"
     log_path = work / "log.txt"
+    earlier = json.loads((work / "study.json").read_text()) if resume else None
     work.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"profile": profile.name, "budget_s": budget_s, "device": device_info(), "steps": []}
+    done: set[str] = set()
+    if earlier:
+        record["earlier_calls"] = earlier.pop("earlier_calls", []) + [earlier]
+        done = {s["step"] for call in record["earlier_calls"] for s in call["steps"] if s["status"] == "ok"}
     smi = None
-    with log_path.open("w") as log:
+    with log_path.open("a" if earlier else "w") as log:
         if shutil.which("nvidia-smi"):
             smi = subprocess.Popen(
                 ["nvidia-smi", "--query-gpu=timestamp,utilization.gpu,memory.used", "--format=csv", "-l", "2"],
-                stdout=(work / "gpu.csv").open("w"),
+                stdout=(work / "gpu.csv").open("a" if earlier else "w"),
                 stderr=subprocess.STDOUT,
             )
 
@@ -349,9 +383,17 @@ def run_study(
             params.update(make_workspace(repo, repo_dir, carry, profile))
             return 0
 
-        ok = steps.step("install", lambda left: install_wheels(carry / "wheels", site, log))
-        ok = ok and steps.step("workspace", workspace)
-        ok = ok and steps.stages(stage_commands(params), repo_dir, child_env(repo_dir, site, minilm))
+        if {"install", "workspace"} <= done:
+            import yaml  # PyYAML: on the lent image (transformers needs it)
+
+            params.update(yaml.safe_load((repo_dir / "params.yaml").read_text()))
+            ok = True
+        else:
+            ok = steps.step("install", lambda left: install_wheels(carry / "wheels", site, log))
+            ok = ok and steps.step("workspace", workspace)
+        commands = [c for c in stage_commands(params) if c[0] not in done] if ok else []
+        commands = [c for c in (left_to_do(c, repo_dir) for c in commands) if c is not None]
+        ok = ok and steps.stages(commands, repo_dir, child_env(repo_dir, site, minilm))
         if smi is not None:
             smi.terminate()
             smi.wait()
@@ -378,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--profile", type=Path, default=PROFILE)
     run.add_argument("--work", type=Path, default=Path("/tmp/gpu-study"), help="scratch folder (replaced)")
     run.add_argument("--budget", type=float, default=540, help="seconds for everything, packing included")
+    run.add_argument("--resume", action="store_true", help="go on where the last call in --work stopped")
     st = sub.add_parser("stage", help="a staging call: keep a carried folder's weight parts for the study's call")
     st.add_argument("folder", type=Path)
     ev = sub.add_parser("evaluate", help="the evaluate stage of several experiments in one process (step 5)")
@@ -389,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "stage":
         stage(args.folder)
         return 0
-    record = run_study(args.carry.resolve(), args.out.resolve(), args.profile.resolve(), args.work, args.budget)
+    carry, out, profile = args.carry.resolve(), args.out.resolve(), args.profile.resolve()
+    record = run_study(carry, out, profile, args.work, args.budget, resume=args.resume)
     return 0 if record["complete"] else 1
 
 

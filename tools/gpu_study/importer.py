@@ -129,16 +129,22 @@ def readme(dest: Path, study: dict[str, Any]) -> str:
     from pipeline.results import claims
 
     gpu = study["device"].get("gpu") or "no GPU (CPU)"
-    rows = "".join(f"| {s['step']} | {s['status']} | {s.get('seconds', '')} |\n" for s in study["steps"] if "step" in s)
+    calls = [*study.get("earlier_calls", []), study]  # a resumed call keeps the earlier ones' records
+    rows = "".join(
+        f"| {s['step']} | {s['status']} | {s.get('seconds', '')} | {n} |\n"
+        for n, call in enumerate(calls, start=1)
+        for s in call["steps"]
+    )
     return (
-        f"# The gpu-study profile ({study['profile']}), run in one call of a lent machine\n\n"
-        f"Device: {gpu}; Python {study['device']['python']}. The call's script (`tools/gpu_study/device.py`) ran "
-        f"for {study['seconds']} s of its {study['budget_s']:.0f} s budget and "
+        f"# The gpu-study profile ({study['profile']}), run on a lent machine\n\n"
+        f"Device: {gpu}; Python {study['device']['python']}. The script (`tools/gpu_study/device.py`) ran "
+        f"{len(calls)} call(s) on one machine, {sum(c['seconds'] for c in calls):.0f} s of their "
+        f"{sum(c['budget_s'] for c in calls):.0f} s budgets in all, and "
         f"{'completed every step' if study['complete'] else 'did NOT complete (see the steps)'}. It ran the stages "
         f"of dvc.yaml in their order without DVC; the backbone and adapters stayed on the machine (their md5 are "
         f"in `device/weights.md5.json`). Imported here by `python -m tools.gpu_study.importer`, which logged every "
         f"run into the MLflow store and wrote the tables with `python -m pipeline.report rebuild`.\n\n"
-        f"| step | status | seconds |\n|---|---|---|\n{rows}\n"
+        f"| step | status | seconds | call |\n|---|---|---|---|\n{rows}\n"
         f"{claims.BEGIN}\n{claims.END}\n"
     )
 
