@@ -39,3 +39,20 @@ def test_step_windows_start_where_the_budget_left_says():
     log = "=== plan (393 s left)\n=== plan: ok in 6.0 s\n=== train (387 s left)\n"
     # the budget less the packing reserve (20 s) is 550: plan starts 157 s and train 163 s after the first sample
     assert call_report.step_windows(study, log, 1000.0) == {"plan": (1157.0, 1163.0), "train": (1163.0, 1550.0)}
+
+
+def test_the_train_steps_samples_become_two_tables(tmp_path):
+    from benchmarks.gpu_profile import pyspy_top
+
+    raw = tmp_path / "pyspy-train.txt"
+    raw.write_text(
+        "_bootstrap (threading.py:1);execute (pipeline/training/set_engine.py:150);mm (torch) 6\n"
+        "_bootstrap (threading.py:1);save (pipeline/training/checkpoints.py:74);write (torch) 3\n"
+        "_bootstrap (threading.py:1);wait (threading.py:300) 1\n"
+    )
+    tables = call_report._spy_tables(pyspy_top(raw, n=40))
+    assert "10 samples" in tables
+    assert "| `mm (torch)` | 6 | 60 |" in tables and "| `wait (threading.py:300)` | 1 | 10 |" in tables
+    ours = tables.partition("| function (within)")[2]
+    assert "| `execute (pipeline/training/set_engine.py:150)` | 6 | 60 |" in ours
+    assert "| `save (pipeline/training/checkpoints.py:74)` | 3 | 30 |" in ours and "threading.py" not in ours

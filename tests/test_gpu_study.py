@@ -7,9 +7,12 @@ and MLflow store."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
+import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -136,6 +139,39 @@ def test_a_spent_budget_skips_the_rest_and_still_returns_the_record(tmp_path):
     rec = device.run_study(tmp_path / "lease/carry", tmp_path / "out", TINY, tmp_path / "work", budget_s=0)
     assert not rec["complete"] and [s["status"] for s in rec["steps"]] == ["skipped"]
     assert json.loads((tmp_path / "out/study.json").read_text())["complete"] is False
+
+
+FAKE_PY_SPY = """import os, signal, sys, time
+args = sys.argv[1:]
+pid, out, why = int(args[args.index("--pid") + 1]), args[args.index("-o") + 1], []
+signal.signal(signal.SIGINT, lambda *_: why.append("SIGINT"))
+while not why:
+    time.sleep(0.02)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        why.append("exit")
+open(out, "w").write(f"<module> (sampled {pid} until {why[0]}) 1\\n")
+"""
+
+
+@pytest.mark.parametrize("seconds, limit", [(0.3, 30), (30, 1.0)], ids=["ends", "cut"])
+def test_the_train_step_is_sampled_until_it_ends_or_is_cut(tmp_path, seconds, limit):
+    """With a py-spy executable (here a stand-in that records how it was stopped), the train step's child is sampled
+    by its pid; its file is written when the step ends and when the budget kills it (py-spy writes on SIGINT)."""
+    spy = tmp_path / "py-spy"
+    spy.write_text(f"#!{sys.executable}\n{FAKE_PY_SPY}")
+    spy.chmod(0o755)
+    (tmp_path / "repo").mkdir()
+    with (tmp_path / "log.txt").open("w") as log:
+        steps = device.Steps({"steps": []}, log, budget_s=limit, t0=time.monotonic(), py_spy=spy)
+        ok = steps.lane([("train", ["-c", f"import time; time.sleep({seconds})"])], tmp_path / "repo", dict(os.environ))
+    assert ok is (seconds < limit)
+    assert steps.record["steps"][0]["status"] == ("ok" if ok else "failed (timeout)")
+    sampled = (tmp_path / "pyspy-train.txt").read_text()
+    assert sampled.startswith("<module> (sampled ")
+    stopped = sampled.split()[-2].rstrip(")")  # a cut step's child was still running: py-spy got SIGINT
+    assert stopped in (("SIGINT", "exit") if ok else ("SIGINT",))
 
 
 @pytest.mark.slow

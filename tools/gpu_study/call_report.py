@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.gpu_profile import read_smi, replace_section, smi_during
+from benchmarks.gpu_profile import pyspy_top, read_smi, replace_section, smi_during
 from tools.gpu_study.device import RESERVE_S
 from tools.gpu_study.importer import REPO, archives
 
@@ -94,7 +94,9 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
     return rows
 
 
-def markdown(study: dict[str, Any], log: str, smi: list, rounds: dict[str, list], params: dict[str, Any]) -> str:
+def markdown(
+    study: dict[str, Any], log: str, smi: list, rounds: dict[str, list], params: dict[str, Any], spy: dict | None = None
+) -> str:
     from pipeline.common.config import from_dict
     from pipeline.experiments.train_config import StopConfig
 
@@ -146,6 +148,19 @@ def markdown(study: dict[str, Any], log: str, smi: list, rounds: dict[str, list]
         f"At this pace the projected stop rounds ({sum(projected)} run-rounds in all) would take "
         f"{sum(projected) * set_round / len(rounds):.0f} s of training, plus the first round's cache fill and the "
         f"{before_train:.0f} s before it, against the call's {study['budget_s']:.0f} s.\n"
+    ) + (_spy_tables(spy) if spy and spy["samples"] else "")
+
+
+def _spy_tables(spy: dict[str, Any]) -> str:
+    """py-spy's view of the train step: where its busy threads were (own), and the project's functions they were in."""
+    ours = [(f, c) for f, c in spy["within"] if "pipeline/" in f][:15]
+    rows = lambda pairs: "".join(f"| `{f[:100]}` | {c} | {100 * c / spy['samples']:.0f} |\n" for f, c in pairs)  # noqa: E731
+    return (
+        f"\nWhere the train step's busy threads were (py-spy, 20 samples/s without pausing it, idle threads left "
+        f"out: {spy['samples']} samples; own: the frame on top, inside torch's C++ included; within: anywhere in "
+        "the stack, the project's functions):\n\n"
+        f"| function (own) | samples | % |\n|---|---|---|\n{rows(spy['own'][:15])}\n"
+        f"| function (within) | samples | % |\n|---|---|---|\n{rows(ours)}"
     )
 
 
@@ -161,14 +176,15 @@ def section(folder: Path) -> str:
     log = logs.get("log.txt", b"").decode(errors="replace").replace("\r", "\n")
     log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", log)  # tqdm's cursor moves between the bars of the runs
     with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "gpu.csv").write_bytes(logs.get("gpu.csv", b""))
-        smi = read_smi(Path(tmp) / "gpu.csv")
+        for name in ("gpu.csv", "pyspy-train.txt"):
+            (Path(tmp) / name).write_bytes(logs.get(name, b""))
+        smi, spy = read_smi(Path(tmp) / "gpu.csv"), pyspy_top(Path(tmp) / "pyspy-train.txt", n=40)
     rounds = {
         name.split("/")[-2]: json.loads(blob)
         for name, blob in results.items()
         if re.fullmatch(r"reports/train/[^/]+/rounds\.json", name)
     }
-    return markdown(study, log, smi, rounds, yaml.safe_load(results["params.yaml"]))
+    return markdown(study, log, smi, rounds, yaml.safe_load(results["params.yaml"]), spy)
 
 
 def report(returned: Path, keep: Path, md: Path) -> None:

@@ -40,6 +40,7 @@ import lzma
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -287,10 +288,29 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
 
 
 class Steps:
-    """The call's steps within its budget (seconds from ``t0``), each recorded in ``record["steps"]``."""
+    """The call's steps within its budget (seconds from ``t0``), each recorded in ``record["steps"]``; with a
+    ``py_spy`` executable, the train step's threads are sampled into ``<work>/pyspy-train.txt``."""
 
-    def __init__(self, record: dict[str, Any], log, budget_s: float, t0: float):
-        self.record, self.log, self.budget_s, self.t0 = record, log, budget_s, t0
+    def __init__(self, record: dict[str, Any], log, budget_s: float, t0: float, py_spy: Path | None = None):
+        self.record, self.log, self.budget_s, self.t0, self.py_spy = record, log, budget_s, t0, py_spy
+
+    def child(self, argv: list[str], cwd: Path, env: dict[str, str], left: float, sampled: Path | None) -> int:
+        """A stage command in a child ``python``, killed when ``left`` runs out (TimeoutExpired); ``sampled``: where
+        py-spy writes the child's stacks (20 samples/s, every busy thread, without pausing it)."""
+        proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        spy = None
+        if sampled is not None and self.py_spy is not None:
+            cmd = [str(self.py_spy), "record", "--pid", str(proc.pid), "--nonblocking", "-r", "20", "-f", "raw"]
+            spy = subprocess.Popen([*cmd, "-o", str(sampled)], stdout=self.log, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=left)
+        finally:
+            if spy is not None and spy.poll() is None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT (or when the child ends)
+                spy.wait(timeout=RESERVE_S / 2)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
     def step(self, name: str, call) -> bool:
         """``call(seconds left)``; True if it returned 0 (a failure, timeout or spent budget is recorded)."""
@@ -319,8 +339,8 @@ class Steps:
     def lane(self, steps: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str]) -> bool:
         """Stage commands one after the other, each a child ``python``; after a failure the rest are skipped."""
         for i, (name, argv) in enumerate(steps):
-            run = partial(subprocess.run, [sys.executable, *argv], cwd=cwd, env=env, stdout=self.log)
-            if not self.step(name, lambda left, run=run: run(stderr=subprocess.STDOUT, timeout=left).returncode):
+            sampled = cwd.parent / "pyspy-train.txt" if name == "train" else None
+            if not self.step(name, partial(self.child, argv, cwd, env, sampled=sampled)):
                 self.skip(steps[i + 1 :])
                 return False
         return True
@@ -350,6 +370,7 @@ def run_study(
     stage_dir: Path = STAGE_DIR,
     repo: Path = REPO,
     resume: bool = False,
+    py_spy: Path | None = None,
 ) -> dict:
     """Everything of the module docstring; returns study.json's content (also written under ``out``). ``resume``:
     a later call on the same machine goes on in ``work`` where the last one stopped: the steps it recorded ok are
@@ -375,7 +396,7 @@ def run_study(
                 stderr=subprocess.STDOUT,
             )
 
-        steps = Steps(record, log, budget_s - RESERVE_S, t0)
+        steps = Steps(record, log, budget_s - RESERVE_S, t0, py_spy)
         params: dict[str, Any] = {}
 
         def workspace(left: float) -> int:
@@ -401,7 +422,8 @@ def run_study(
     record["complete"] = ok
     (work / "study.json").write_text(json.dumps(record, indent=2) + "\n")
     files = [shutil.copy(work / "study.json", out / "study.json")]
-    files += pack(out, "log.tar.gz", [(p, p.name) for p in (log_path, work / "gpu.csv") if p.is_file()])
+    logs = (log_path, work / "gpu.csv", work / "pyspy-train.txt")
+    files += pack(out, "log.tar.gz", [(p, p.name) for p in logs if p.is_file()])
     files += pack(out, "results.tar.gz", results_members(repo_dir) if repo_dir.is_dir() else [])
     if len(files) > MAX_FILES:
         raise SystemExit(f"{out}: {len(files)} files, more than the {MAX_FILES} the machine returns")
@@ -421,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--work", type=Path, default=Path("/tmp/gpu-study"), help="scratch folder (replaced)")
     run.add_argument("--budget", type=float, default=540, help="seconds for everything, packing included")
     run.add_argument("--resume", action="store_true", help="go on where the last call in --work stopped")
+    run.add_argument("--py-spy", type=Path, help="a py-spy executable: the train step's threads are sampled")
     st = sub.add_parser("stage", help="a staging call: keep a carried folder's weight parts for the study's call")
     st.add_argument("folder", type=Path)
     ev = sub.add_parser("evaluate", help="the evaluate stage of several experiments in one process (step 5)")
@@ -433,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         stage(args.folder)
         return 0
     carry, out, profile = args.carry.resolve(), args.out.resolve(), args.profile.resolve()
-    record = run_study(carry, out, profile, args.work, args.budget, resume=args.resume)
+    spy = args.py_spy.resolve() if args.py_spy else None
+    record = run_study(carry, out, profile, args.work, args.budget, resume=args.resume, py_spy=spy)
     return 0 if record["complete"] else 1
 
 

@@ -13,6 +13,9 @@ The carry is one folder, sent with the call as ``carry: [".gpu-study/carry"]``:
 - ``raw.tar.gz``: the raw datasets the profile's ingest stages read (``ingest.datasets``), laid out as data/raw/.
 
 Downloads are kept in ``.gpu-study/cache`` between runs. The sizes go to ``.gpu-study/carry/manifest.json``.
+
+``.gpu-study/resume/py-spy`` is the carry of a resumed call (``device.py run --resume --py-spy``): the py-spy
+executable of its manylinux x86_64 wheel (version ``PY_SPY``), which samples the train step's threads there.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,7 @@ BUILD_HERE = ("rouge-score==0.1.2",)
 # the in-process engine the train stage runs imports none of it (checked by importing the stages' Flower modules
 # without it, docs/gpu-lease.md).
 SKIP = {"uv"}
+PY_SPY = "0.4.3"  # the sampler a resumed call carries (its wheel holds one static executable)
 
 
 def norm(name: str) -> str:
@@ -105,6 +110,19 @@ def wheels(requirements: list[str], cache: Path, python: str = "3.12") -> list[P
         pip("download", "-q", "--no-deps", "--find-links", str(built), "-d", str(dest), *target_args(python), *missing)
         have = {(norm(p.name.split("-")[0]), p.name.split("-")[1]): p for p in dest.glob("*.whl")}
     return sorted(have[(n, v)] for n, v in pins.items())
+
+
+def py_spy(cache: Path, dest: Path) -> Path:
+    """``dest/py-spy``: the executable of py-spy's manylinux x86_64 wheel (downloaded into ``cache`` once)."""
+    found = sorted(cache.glob(f"py_spy-{PY_SPY}-*.whl"))
+    if not found:
+        pip("download", "-q", "--no-deps", "-d", str(cache), *target_args("3.12"), f"py-spy=={PY_SPY}")
+        found = sorted(cache.glob(f"py_spy-{PY_SPY}-*.whl"))
+    dest.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(found[0]) as wheel:
+        (dest / "py-spy").write_bytes(wheel.read(next(n for n in wheel.namelist() if n.endswith("/scripts/py-spy"))))
+    (dest / "py-spy").chmod(0o755)
+    return dest / "py-spy"
 
 
 def minilm_files() -> Path:
@@ -204,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     for name, size in m["calls"].items():
         print(f"  .gpu-study/{name}: {size / MiB:.1f} MiB + tree = {(size + tree) / MiB:.1f} of {LIMIT / MiB:.0f} MiB")
+    spy = py_spy(root / ".gpu-study/cache", root / ".gpu-study/resume")
+    print(f"  .gpu-study/resume (a resumed call's): py-spy {spy.stat().st_size / MiB:.1f} MiB + tree")
 
 
 if __name__ == "__main__":
