@@ -34,11 +34,17 @@ def test_round_ends_keeps_the_first_time_each_count_shows():
     assert call_report.round_ends(log) == {"a-s0": {0: 0, 1: 57, 2: 93}, "b-s1": {1: 3725}}
 
 
-def test_step_windows_start_where_the_budget_left_says():
-    study = {"budget_s": 570, "steps": [{"step": "plan", "seconds": 6.0}, {"step": "train", "seconds": 387.0}]}
+def test_train_windows_from_the_recorded_start_or_else_the_budget_left():
+    plan, train = {"step": "plan", "seconds": 6.0}, {"step": "train", "seconds": 387.0}
     log = "=== plan (393 s left)\n=== plan: ok in 6.0 s\n=== train (387 s left)\n"
-    # the budget less the packing reserve (20 s) is 550: plan starts 157 s and train 163 s after the first sample
-    assert call_report.step_windows(study, log, 1000.0) == {"plan": (1157.0, 1163.0), "train": (1163.0, 1550.0)}
+    # one call without started_at (the first lease's): the budget less the packing reserve (20 s) is 550, so train
+    # starts 163 s after the first sample
+    call = {"budget_s": 570, "steps": [plan, train]}
+    assert call_report.train_windows([call], log, 1000.0) == [(1163.0, 1550.0)]
+    # a call and its resumed call, each step stamped: every train window, whatever the log says
+    first = {"budget_s": 570, "steps": [plan, train | {"started_at": 50.0}]}
+    resumed = {"budget_s": 200, "steps": [{"step": "train", "seconds": 100.0, "started_at": 900.0}]}
+    assert call_report.train_windows([first, resumed], log, 0.0) == [(50.0, 437.0), (900.0, 1000.0)]
 
 
 def test_the_train_steps_samples_become_two_tables(tmp_path):

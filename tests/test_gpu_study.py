@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import sys
@@ -21,7 +22,7 @@ import torch
 import yaml
 
 from pipeline.presets import apply_preset
-from tools.gpu_study import device, importer, prepare
+from tools.gpu_study import call_report, device, importer, prepare
 
 pytestmark = pytest.mark.tools
 ROOT = Path(__file__).resolve().parents[1]
@@ -218,6 +219,10 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
         k: v for k, v in trained[cut].items() if k not in ("seconds_per_round", "peak_rss_mb")
     }
     assert {e: (models / e / "metrics.json").stat().st_mtime_ns for e in untouched} == untouched
+    section = call_report.section(out)  # what the two calls measured (no GPU samples on this CPU)
+    assert "in 2 call(s) on one machine" in section and "every step completed" in section
+    assert re.search(r"\| train \| failed \(timeout\) \| [\d.]+ \| 1 \|", section)
+    assert re.search(r"\| train \| ok \| [\d.]+ \| 2 \|", section)
 
     # here: the import, into a scratch study folder and MLflow store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

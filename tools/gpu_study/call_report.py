@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.gpu_profile import pyspy_top, read_smi, replace_section, smi_during
+from benchmarks.gpu_profile import pyspy_top, read_smi, replace_section
 from tools.gpu_study.device import RESERVE_S
 from tools.gpu_study.importer import REPO, archives
 
@@ -49,15 +49,22 @@ def round_ends(log: str) -> dict[str, dict[int, int]]:
     return dict(ends)
 
 
-def step_windows(study: dict[str, Any], log: str, t0: float) -> dict[str, tuple[float, float]]:
-    """step -> (start, end) in unix seconds: each start from its ``=== step (N s left)`` line (the budget less the
-    packing reserve, less N, after ``t0``: the first nvidia-smi sample, taken as the call starts)."""
-    seconds = {s["step"]: s["seconds"] for s in study["steps"] if "seconds" in s}
-    windows = {}
-    for m in re.finditer(r"^=== (\S+) \((\d+) s left\)$", log, re.M):
-        start = t0 + study["budget_s"] - RESERVE_S - int(m.group(2))
-        windows[m.group(1)] = (start, start + seconds.get(m.group(1), 0.0))
-    return windows
+def train_windows(calls: list[dict[str, Any]], log: str, t0: float | None) -> list[tuple[float, float]]:
+    """(start, end) in unix seconds of each call's train step: from its recorded ``started_at``, or, for a single
+    call without it, from its ``=== train (N s left)`` line (the budget less the packing reserve, less N, after
+    ``t0``: the first nvidia-smi sample, taken as the call starts)."""
+    windows = [
+        (s["started_at"], s["started_at"] + s["seconds"])
+        for call in calls
+        for s in call["steps"]
+        if s["step"] == "train" and "started_at" in s
+    ]
+    m = re.search(r"^=== train \((\d+) s left\)$", log, re.M)
+    if windows or len(calls) > 1 or t0 is None or not m:
+        return windows
+    seconds = next(s["seconds"] for s in calls[0]["steps"] if s["step"] == "train")
+    start = t0 + calls[0]["budget_s"] - RESERVE_S - int(m.group(1))
+    return [(start, start + seconds)]
 
 
 def arm_of(experiment: str) -> str:
@@ -75,8 +82,10 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
     rows = []
     for arm, exps in by_arm.items():
         series = {e: [r["val_loss_mean"] for r in rounds[e]] for e in exps}
-        projections = [
-            projected_stop(list(range(1, len(s) + 1)), s, stop, fit_rounds=len(s) - HOLDOUT) for s in series.values()
+        projections = [  # a power law has 3 parameters: fitted on at least 3 rounds besides the held-out ones
+            projected_stop(list(range(1, len(s) + 1)), s, stop, fit_rounds=len(s) - HOLDOUT)
+            for s in series.values()
+            if len(s) >= HOLDOUT + 3
         ]
         rows.append(
             {
@@ -88,7 +97,7 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
                 "last_gain": statistics.mean(relative_improvements(s)[-1] for s in series.values()),
                 "converged": sum(plateaued(s, stop.min_rel_improvement, stop.patience) for s in series.values()),
                 "projected": [p["stop_round"] for p in projections],
-                "holdout": max(p["holdout_error"] for p in projections),
+                "holdout": max((p["holdout_error"] for p in projections), default=None),
             }
         )
     return rows
@@ -101,54 +110,72 @@ def markdown(
     from pipeline.experiments.train_config import StopConfig
 
     stop = from_dict(StopConfig, params["train"]["stop"], "train.stop")
-    windows = step_windows(study, log, smi[0][0]) if smi else {}
+    calls = [*study.get("earlier_calls", []), study]  # a resumed call keeps the earlier ones' records
+    t0 = smi[0][0] if smi else None
+    windows = train_windows(calls, log, t0)
     ends = round_ends(log)
-    steps = "".join(f"| {s['step']} | {s['status']} | {s.get('seconds', '')} |\n" for s in study["steps"])
-    durations = [b - a for e in ends.values() for n, (a, b) in enumerate(zip(e.values(), list(e.values())[1:])) if n]
+    steps = "".join(
+        f"| {s['step']} | {s['status']} | {s.get('seconds', '')} | {n} |\n"
+        for n, call in enumerate(calls, start=1)
+        for s in call["steps"]
+    )
+    # consecutive rounds of a run's bar; a resumed call's bar starts its clock again (a negative difference)
+    durations = [
+        b - a for e in ends.values() for n, (a, b) in enumerate(zip(e.values(), list(e.values())[1:])) if n and b >= a
+    ]
     first = [e[1] for e in ends.values() if 1 in e]
     run_rounds = sum(len(r) for r in rounds.values())
-    train = smi_during(smi, *windows["train"]) if "train" in windows else {}
-    in_train = [u for t, u, _ in smi if "train" in windows and windows["train"][0] <= t <= windows["train"][1]]
+    in_train = [(u, m) for t, u, m in smi if any(a <= t <= b for a, b in windows)]
     set_round = statistics.median(durations) if durations else float("nan")
     rows = convergence_rows(rounds, stop)
     table = "".join(
         f"| {r['arm']} | {r['runs']} | {'-'.join(map(str, r['rounds']))} | {r['first']:.3f} "
         f"| {r['last']:.3f} | {100 * r['last_gain']:.2f} | {r['converged']} of {r['runs']} | "
-        f"{', '.join(str(p) if p else f'>{stop.max_rounds}' for p in r['projected'])} | {r['holdout']:.3f} |\n"
+        f"{', '.join(str(p) if p else f'>{stop.max_rounds}' for p in r['projected']) or '-'} | "
+        f"{_mean([r['holdout']] if r['holdout'] is not None else [], '.3f')} |\n"
         for r in rows
     )
-    before_train = windows["train"][0] - smi[0][0] if "train" in windows else float("nan")
+    before_train = windows[0][0] - t0 if windows and t0 else float("nan")
     projected = [p or stop.max_rounds for r in rows for p in r["projected"]]
+    trained = any(s["step"] == "train" and s["status"] == "ok" for s in study["steps"])
+    util = [u for u, _ in in_train]
     return (
         "## 5. The GPU study's call on a lent GPU (`tools/gpu_study/device.py run`; "
         "`python -m tools.gpu_study.call_report`)\n\n"
         f"Device: {study['device'].get('gpu', 'none')}; Python {study['device']['python']}; "
-        f"{datetime.fromtimestamp(smi[0][0]):%Y-%m-%d} (the first nvidia-smi sample). configs/gpu-study.yaml's "
-        f"{len(rounds)} runs, the call's budget {study['budget_s']:.0f} s: it ran {study['seconds']} s and "
-        f"{'completed every step' if study['complete'] else 'did not complete'}. The returned files are in "
+        f"{f'{datetime.fromtimestamp(t0):%Y-%m-%d} (the first nvidia-smi sample)' if t0 else 'no nvidia-smi samples'}"
+        f". configs/gpu-study.yaml's {len(rounds)} runs in {len(calls)} call(s) on one machine: "
+        f"{sum(c['seconds'] for c in calls):.0f} s of their {sum(c['budget_s'] for c in calls):.0f} s budgets, "
+        f"{'every step completed' if study['complete'] else 'not complete'}. The returned files are in "
         "reports/bench/gpu-study-call/.\n\n"
-        f"| step | status | seconds |\n|---|---|---|\n{steps}\n"
+        f"| step | status | seconds | call |\n|---|---|---|---|\n{steps}\n"
         f"Training: the {len(rounds)} runs as one set (`pipeline.train` with every experiment), {run_rounds} run-rounds "
-        f"(their rounds.json) before the budget cut it. The round bars of {len(ends)} runs are in the log (tqdm hides "
-        f"the rest below its rows); each of those runs' first round took {min(first, default=0)}-{max(first, default=0)} s "
-        f"(the prefix cache filled); after it a round of the set (every run one round) took {set_round:.1f} s "
-        f"(median of {len(durations)} rounds of the runs' bars; {min(durations, default=0)}-"
-        f"{max(durations, default=0)} s), **{set_round / len(rounds):.2f} s per run-round** (the runs meet "
-        "at one barrier each round). GPU over the training "
-        f"step: utilisation {train.get('util_mean', '-')} % on average, {_share(in_train, lambda u: u <= 5)} % of the "
-        f"2-s samples at or under 5 % and {_share(in_train, lambda u: u >= 50)} % at or over 50 %; memory at most "
-        f"{train.get('memory_max_mib', 0):.0f} MiB. The steps before training took {before_train:.0f} s of the call.\n\n"
-        f"How far from converged at the cut (the stop rule: {stop.patience} rounds each improving the best "
-        f"client-average validation loss by under {100 * stop.min_rel_improvement:g} %, at most {stop.max_rounds} "
-        f"rounds; projected: the round where the rule holds on the power law fitted to each run's rounds but its "
-        f"last {HOLDOUT}, whose largest error on those {HOLDOUT} is the holdout column, in nats):\n\n"
+        f"(their rounds.json){' to their stop' if trained else ' before the budget cut it'}. The round bars of "
+        f"{len(ends)} runs are in the log (tqdm hides the rest below its rows); each of those runs' first round took "
+        f"{min(first, default=0)}-{max(first, default=0)} s (the prefix cache filled); after it a round of the set "
+        f"(every run one round) took {set_round:.1f} s (median of {len(durations)} rounds of the runs' bars; "
+        f"{min(durations, default=0)}-{max(durations, default=0)} s), **{set_round / max(len(rounds), 1):.2f} s per "
+        "run-round** (the runs meet at one barrier each round). GPU over the training step: utilisation "
+        f"{_mean(util)} % on average, {_share(util, lambda u: u <= 5)} % of the 2-s samples at or under 5 % and "
+        f"{_share(util, lambda u: u >= 50)} % at or over 50 %; memory at most "
+        f"{max((m for _, m in in_train), default=0):.0f} MiB. The steps before training took {before_train:.0f} s "
+        "of the first call.\n\n"
+        f"How far from converged {'at the end' if trained else 'at the cut'} (the stop rule: {stop.patience} rounds "
+        f"each improving the best client-average validation loss by under {100 * stop.min_rel_improvement:g} %, at "
+        f"most {stop.max_rounds} rounds; projected: the round where the rule holds on the power law fitted to each "
+        f"run's rounds but its last {HOLDOUT}, whose largest error on those {HOLDOUT} is the holdout column, in "
+        "nats):\n\n"
         "| arm | runs | rounds | val loss round 1 | val loss last | last round's gain % | converged | "
         "projected stop round per seed | holdout error |\n|---|---|---|---|---|---|---|---|---|\n"
         f"{table}\n"
         f"At this pace the projected stop rounds ({sum(projected)} run-rounds in all) would take "
-        f"{sum(projected) * set_round / len(rounds):.0f} s of training, plus the first round's cache fill and the "
-        f"{before_train:.0f} s before it, against the call's {study['budget_s']:.0f} s.\n"
+        f"{sum(projected) * set_round / max(len(rounds), 1):.0f} s of training, plus the first round's cache fill and "
+        f"the {before_train:.0f} s before it, against one call's {calls[0]['budget_s']:.0f} s.\n"
     ) + (_spy_tables(spy) if spy and spy["samples"] else "")
+
+
+def _mean(values: list[float], spec: str = ".1f") -> str:
+    return format(sum(values) / len(values), spec) if values else "-"
 
 
 def _spy_tables(spy: dict[str, Any]) -> str:

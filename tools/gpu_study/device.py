@@ -321,6 +321,7 @@ class Steps:
             entry.update(status="skipped", reason="budget spent")
             return False
         start = time.monotonic()
+        entry["started_at"] = round(time.time(), 2)  # unix seconds: the GPU samples of a step (call_report)
         print(f"=== {name} ({left:.0f} s left)", file=self.log, flush=True)
         try:
             rc = call(left)
