@@ -102,8 +102,8 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     from safetensors.torch import load_file
 
     from pipeline.common.config import from_dict
-    from pipeline.evaluate import evaluate_experiments
     from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.results.experiment_evaluation import evaluate_experiments
     from pipeline.train import run_experiment
 
     _serve_inprocess(write_plan("dep", "fedselectkd"))
@@ -194,9 +194,9 @@ def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earl
     files); the deployed run of the same plan then replaces every file of its output folders: none is older than
     it (an earlier predictions.jsonl beside the federated metrics.json would be scores of another run)."""
     from pipeline.common.config import from_dict
-    from pipeline.evaluate import evaluate_experiments
     from pipeline.federation.protocol import load_plan
     from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.results.experiment_evaluation import evaluate_experiments
     from pipeline.train import run_experiment
 
     path = write_plan("dep-rerun", "fedavg", rounds=1)

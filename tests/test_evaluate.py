@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 
 from pipeline.common.schema import DataError
-from pipeline.evaluate import evaluate_experiments
 from pipeline.paths import PATHS, ProjectPaths
 from pipeline.results.evaluation import EvaluateConfig, subsample_test_ids
+from pipeline.results.experiment_evaluation import evaluate_experiments
 from pipeline.results.scoring import ROUGE_TYPES, Scorer
 from tests.tiny_models import save_tiny
 
@@ -198,8 +198,8 @@ def test_experiments_evaluated_together_give_each_what_it_gives_alone(workspace,
     import torch
     from safetensors.torch import load_file, save_file
 
-    from pipeline.evaluate import evaluate_experiments
     from pipeline.results import evaluation
+    from pipeline.results.experiment_evaluation import evaluate_experiments
 
     models = tmp_path / "models"
     shutil.copytree(workspace / "models", models)

@@ -120,8 +120,8 @@ def ws(workspace, mlflow_server, monkeypatch):  # noqa: F811
 def test_tiny_training_and_evaluation_reach_the_server(ws, mlflow_server, tmp_path):
     """As a second machine does: train and evaluate with MLFLOW_TRACKING_URI=http://HOST:PORT, then find the runs,
     their per-round and evaluation metrics and their adapters through the server alone."""
-    from pipeline.evaluate import evaluate_experiments
     from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.results.experiment_evaluation import evaluate_experiments
     from pipeline.results.stats import BootstrapConfig
     from pipeline.train import run_experiment
 

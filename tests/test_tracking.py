@@ -437,8 +437,9 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     import mlflow
     from safetensors.torch import load_file
 
-    from pipeline.evaluate import evaluate_experiments, main
+    from pipeline.evaluate import main
     from pipeline.results.evaluation import EvaluateConfig
+    from pipeline.results.experiment_evaluation import evaluate_experiments
     from pipeline.results.stats import BootstrapConfig
     from pipeline.train import run_experiment
 
