@@ -115,6 +115,28 @@ def test_carry_split_over_staging_calls_reassembles_the_weights(tmp_path):
     assert (out / "vocab.txt").read_bytes() == (minilm / "vocab.txt").read_bytes()
 
 
+def test_train_processes_take_whole_arms_dealt_in_turn():
+    params = device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(ROOT / "configs/gpu-study.yaml"))
+    experiments = list(params["experiments"])
+    sets = device.train_sets(experiments, 3)
+    arms = [sorted({e.rsplit("-s", 1)[0] for e in s}) for s in sets]
+    assert arms == [
+        ["fedkd-domain", "single-domain"],
+        ["centralized-domain", "fedselectkd-domain"],
+        ["fedavg-domain", "fedselectkd-quantile"],
+    ]
+    assert sorted(e for s in sets for e in s) == sorted(experiments) and [len(s) for s in sets] == [10, 10, 10]
+    steps = dict(device.stage_commands(params, train_processes=3))
+    assert [n for n in steps if n.startswith("train")] == ["train@1", "train@2", "train@3"]
+    assert steps["train@2"] == [
+        "-m",
+        "pipeline.train",
+        *(a for e in sets[1] for a in ("--experiment", e)),
+        "--no-mlflow",
+    ]
+    assert device.train_sets(experiments[:5], 3) == [experiments[:5]]  # one arm: one process
+
+
 def test_the_backbone_warms_up_beside_the_data_stages_once_its_one_input_is_ingested():
     params = device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(ROOT / "configs/gpu-study.yaml"))
     commands = device.stage_commands(params)
@@ -190,8 +212,11 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     staged, out = tmp_path / "staged", tmp_path / "out"
     for folder in sorted((tmp_path / "lease").glob("stage*")):  # the staging calls
         device.stage(folder, stage_dir=staged)
-    rec = device.run_study(tmp_path / "lease/carry", out, TINY, tmp_path / "work", budget_s=900, stage_dir=staged)
+    rec = device.run_study(
+        tmp_path / "lease/carry", out, TINY, tmp_path / "work", budget_s=900, stage_dir=staged, train_processes=2
+    )
     assert rec["complete"], rec["steps"]
+    assert [s["step"] for s in rec["steps"] if s["step"].startswith("train")] == ["train@1", "train@2"]
     assert len(list(out.iterdir())) <= device.MAX_FILES
     with tarfile.open(out / "results.tar.gz") as tar:
         names = tar.getnames()
@@ -204,15 +229,16 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     work, cut = tmp_path / "work", next(iter(_yaml(TINY)["experiments"]))
     record = json.loads((work / "study.json").read_text())
     for step in record["steps"]:
-        step.update(status="failed (timeout)" if step["step"] in ("train", "evaluate") else step["status"])
+        step.update(status="failed (timeout)" if step["step"] in ("train@1", "train@2", "evaluate") else step["status"])
     (work / "study.json").write_text(json.dumps(record))
     models = work / "repo" / "models"
     trained = {e: json.loads((models / e / "metrics.json").read_text()) for e in _yaml(TINY)["experiments"]}
     untouched = {e: (models / e / "metrics.json").stat().st_mtime_ns for e in trained if e != cut}
     shutil.rmtree(models / cut)
     out = tmp_path / "out-resumed"
-    rec = device.run_study(tmp_path / "no-carry", out, TINY, work, budget_s=900, resume=True)
-    assert rec["complete"] and [s["step"] for s in rec["steps"]] == ["train", "evaluate"], rec["steps"]
+    rec = device.run_study(tmp_path / "no-carry", out, TINY, work, budget_s=900, resume=True, train_processes=2)
+    # the set holding the unfinished run trains again; the other set's runs all finished: not restarted
+    assert rec["complete"] and [s["step"] for s in rec["steps"]] == ["train@1", "evaluate"], rec["steps"]
     assert [len(c["steps"]) for c in rec["earlier_calls"]] == [len(record["steps"])]
     again = json.loads((models / cut / "metrics.json").read_text())
     assert {k: v for k, v in again.items() if k not in ("seconds_per_round", "peak_rss_mb")} == {
@@ -221,8 +247,8 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     assert {e: (models / e / "metrics.json").stat().st_mtime_ns for e in untouched} == untouched
     section = call_report.section(out)  # what the two calls measured (no GPU samples on this CPU)
     assert "in 2 call(s) on one machine" in section and "every step completed" in section
-    assert re.search(r"\| train \| failed \(timeout\) \| [\d.]+ \| 1 \|", section)
-    assert re.search(r"\| train \| ok \| [\d.]+ \| 2 \|", section)
+    assert re.search(r"\| train@2 \| failed \(timeout\) \| [\d.]+ \| 1 \|", section)
+    assert re.search(r"\| train@1 \| ok \| [\d.]+ \| 2 \|", section) and "2 sets in processes side by side" in section
 
     # here: the import, into a scratch study folder and MLflow store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
@@ -251,7 +277,7 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     assert not list(dest.rglob("gate_log.parquet"))  # client token ids stay out
     readme = (dest / "README.md").read_text()
     assert "completed every step" in readme and "2 call(s)" in readme
-    assert "| train | failed (timeout) | " in readme and "| train | ok | " in readme
+    assert "| train@2 | failed (timeout) | " in readme and "| train@1 | ok | " in readme
 
 
 def tar_member(path: Path, name: str) -> str:

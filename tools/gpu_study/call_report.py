@@ -57,7 +57,7 @@ def train_windows(calls: list[dict[str, Any]], log: str, t0: float | None) -> li
         (s["started_at"], s["started_at"] + s["seconds"])
         for call in calls
         for s in call["steps"]
-        if s["step"] == "train" and "started_at" in s
+        if s["step"].startswith("train") and "started_at" in s
     ]
     m = re.search(r"^=== train \((\d+) s left\)$", log, re.M)
     if windows or len(calls) > 1 or t0 is None or not m:
@@ -119,10 +119,17 @@ def markdown(
         for n, call in enumerate(calls, start=1)
         for s in call["steps"]
     )
-    # consecutive rounds of a run's bar; a resumed call's bar starts its clock again (a negative difference)
-    durations = [
-        b - a for e in ends.values() for n, (a, b) in enumerate(zip(e.values(), list(e.values())[1:])) if n and b >= a
-    ]
+    # each run's rounds after its first from its bar; a resumed call's bar starts its clock again (a negative step)
+    per_run = {
+        run: [b - a for n, (a, b) in enumerate(zip(e.values(), list(e.values())[1:])) if n and b >= a]
+        for run, e in ends.items()
+    }
+    durations = [d for ds in per_run.values() for d in ds]
+    # every run advances a round per its median round; runs whose bar tqdm hid at the median of those shown
+    medians = [statistics.median(ds) for ds in per_run.values() if ds]
+    paces = medians + [statistics.median(medians)] * (len(rounds) - len(medians)) if medians else []
+    # (a bar counts whole seconds: rounds under one second leave the pace unknown)
+    per_run_round = 1 / sum(1 / p for p in paces) if paces and min(paces) > 0 else float("nan")
     first = [e[1] for e in ends.values() if 1 in e]
     run_rounds = sum(len(r) for r in rounds.values())
     in_train = [(u, m) for t, u, m in smi if any(a <= t <= b for a, b in windows)]
@@ -137,7 +144,7 @@ def markdown(
     )
     before_train = windows[0][0] - t0 if windows and t0 else float("nan")
     projected = [p or stop.max_rounds for r in rows for p in r["projected"]]
-    trained = any(s["step"] == "train" and s["status"] == "ok" for s in study["steps"])
+    trained = all(s["status"] == "ok" for s in study["steps"] if s["step"].startswith("train"))
     util = [u for u, _ in in_train]
     return (
         "## 5. The GPU study's call on a lent GPU (`tools/gpu_study/device.py run`; "
@@ -149,13 +156,14 @@ def markdown(
         f"{'every step completed' if study['complete'] else 'not complete'}. The returned files are in "
         "reports/bench/gpu-study-call/.\n\n"
         f"| step | status | seconds | call |\n|---|---|---|---|\n{steps}\n"
-        f"Training: the {len(rounds)} runs as one set (`pipeline.train` with every experiment), {run_rounds} run-rounds "
+        f"Training: the {len(rounds)} runs as {_sets(calls)} (`pipeline.train` with every experiment of a set), "
+        f"{run_rounds} run-rounds "
         f"(their rounds.json){' to their stop' if trained else ' before the budget cut it'}. The round bars of "
         f"{len(ends)} runs are in the log (tqdm hides the rest below its rows); each of those runs' first round took "
         f"{min(first, default=0)}-{max(first, default=0)} s (the prefix cache filled); after it a round of the set "
         f"(every run one round) took {set_round:.1f} s (median of {len(durations)} rounds of the runs' bars; "
-        f"{min(durations, default=0)}-{max(durations, default=0)} s), **{set_round / max(len(rounds), 1):.2f} s per "
-        "run-round** (the runs meet at one barrier each round). GPU over the training step: utilisation "
+        f"{min(durations, default=0)}-{max(durations, default=0)} s), **{per_run_round:.2f} s per run-round** (the "
+        "runs of a set meet at one barrier each round; sets in processes side by side add up). GPU over the training step: utilisation "
         f"{_mean(util)} % on average, {_share(util, lambda u: u <= 5)} % of the 2-s samples at or under 5 % and "
         f"{_share(util, lambda u: u >= 50)} % at or over 50 %; memory at most "
         f"{max((m for _, m in in_train), default=0):.0f} MiB. The steps before training took {before_train:.0f} s "
@@ -169,9 +177,15 @@ def markdown(
         "projected stop round per seed | holdout error |\n|---|---|---|---|---|---|---|---|---|\n"
         f"{table}\n"
         f"At this pace the projected stop rounds ({sum(projected)} run-rounds in all) would take "
-        f"{sum(projected) * set_round / max(len(rounds), 1):.0f} s of training, plus the first round's cache fill and "
+        f"{sum(projected) * per_run_round:.0f} s of training, plus the first round's cache fill and "
         f"the {before_train:.0f} s before it, against one call's {calls[0]['budget_s']:.0f} s.\n"
     ) + (_spy_tables(spy) if spy and spy["samples"] else "")
+
+
+def _sets(calls: list[dict[str, Any]]) -> str:
+    """How the runs trained: one set, or sets in processes side by side (train@1, train@2, ...)."""
+    n = len({s["step"] for call in calls for s in call["steps"] if s["step"].startswith("train@")})
+    return f"{n} sets in processes side by side" if n else "one set"
 
 
 def _mean(values: list[float], spec: str = ".1f") -> str:
@@ -203,8 +217,9 @@ def section(folder: Path) -> str:
     log = logs.get("log.txt", b"").decode(errors="replace").replace("\r", "\n")
     log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", log)  # tqdm's cursor moves between the bars of the runs
     with tempfile.TemporaryDirectory() as tmp:
-        for name in ("gpu.csv", "pyspy-train.txt"):
-            (Path(tmp) / name).write_bytes(logs.get(name, b""))
+        (Path(tmp) / "gpu.csv").write_bytes(logs.get("gpu.csv", b""))
+        stacks = b"".join(blob for name, blob in sorted(logs.items()) if re.fullmatch(r"pyspy-train.*\.txt", name))
+        (Path(tmp) / "pyspy-train.txt").write_bytes(stacks)  # every train process's samples
         smi, spy = read_smi(Path(tmp) / "gpu.csv"), pyspy_top(Path(tmp) / "pyspy-train.txt", n=40)
     rounds = {
         name.split("/")[-2]: json.loads(blob)

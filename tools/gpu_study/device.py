@@ -39,6 +39,7 @@ import json
 import lzma
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -128,8 +129,22 @@ def merge_profile(params: dict[str, Any], profile: dict[str, Any], top: bool = T
     return params
 
 
-def stage_commands(params: dict[str, Any]) -> list[tuple[str, list[str]]]:
-    """(step, argv after ``python``) of dvc.yaml's stages the study needs, in dependency order."""
+def train_sets(experiments: list[str], processes: int) -> list[list[str]]:
+    """The experiments cut into ``processes`` sets, each a train process: whole arms (every seed of an arm in one
+    set, so a client's seeds still stack in one group), dealt round-robin in the profile's order."""
+    arms: dict[str, list[str]] = {}
+    for e in experiments:
+        arms.setdefault(re.sub(r"-s\d+$", "", e), []).append(e)
+    sets: list[list[str]] = [[] for _ in range(min(processes, len(arms)))]
+    for i, runs in enumerate(arms.values()):
+        sets[i % len(sets)] += runs
+    return sets
+
+
+def stage_commands(params: dict[str, Any], train_processes: int = 1) -> list[tuple[str, list[str]]]:
+    """(step, argv after ``python``) of dvc.yaml's stages the study needs, in dependency order; with
+    ``train_processes`` > 1 the experiments train in that many processes side by side (``train@1``, ...): the host
+    work each set does between its GPU calls runs on its own core while the others' kernels use the GPU."""
     steps: list[tuple[str, list[str]]] = [
         (f"ingest@{ds}", ["-m", "pipeline.ingest", "--dataset", ds]) for ds in params["ingest"]["datasets"]
     ]
@@ -142,8 +157,11 @@ def stage_commands(params: dict[str, Any]) -> list[tuple[str, list[str]]]:
     ]
     steps.append(("backbone", ["-m", "pipeline.backbone"]))
     steps.append(("plan", ["-m", "pipeline.plan"]))
+    sets = train_sets(list(params["experiments"]), train_processes)
+    for i, runs in enumerate(sets, start=1):
+        flags = [a for e in runs for a in ("--experiment", e)]
+        steps.append(("train" if len(sets) == 1 else f"train@{i}", ["-m", "pipeline.train", *flags, "--no-mlflow"]))
     experiments = [a for e in params["experiments"] for a in ("--experiment", e)]
-    steps.append(("train", ["-m", "pipeline.train", *experiments, "--no-mlflow"]))
     steps.append(("evaluate", ["-m", "tools.gpu_study.device", "evaluate", *experiments]))
     return steps
 
@@ -170,7 +188,7 @@ def left_to_do(step: tuple[str, list[str]], repo_dir: Path) -> tuple[str, list[s
     outputs published in ``models/<exp>/``; None when that is all of them); the runs it cut resume from their
     checkpoints."""
     name, argv = step
-    if name != "train":
+    if not name.startswith("train"):
         return step
     pairs = {i: argv[i + 1] for i, a in enumerate(argv) if a == "--experiment"}
     finished = {i for i, e in pairs.items() if (repo_dir / "models" / e / "metrics.json").is_file()}
@@ -289,7 +307,7 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
 
 class Steps:
     """The call's steps within its budget (seconds from ``t0``), each recorded in ``record["steps"]``; with a
-    ``py_spy`` executable, the train step's threads are sampled into ``<work>/pyspy-train.txt``."""
+    ``py_spy`` executable, each train step's threads are sampled into ``<work>/pyspy-<step>.txt``."""
 
     def __init__(self, record: dict[str, Any], log, budget_s: float, t0: float, py_spy: Path | None = None):
         self.record, self.log, self.budget_s, self.t0, self.py_spy = record, log, budget_s, t0, py_spy
@@ -340,7 +358,7 @@ class Steps:
     def lane(self, steps: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str]) -> bool:
         """Stage commands one after the other, each a child ``python``; after a failure the rest are skipped."""
         for i, (name, argv) in enumerate(steps):
-            sampled = cwd.parent / "pyspy-train.txt" if name == "train" else None
+            sampled = cwd.parent / f"pyspy-{name}.txt" if name.startswith("train") else None
             if not self.step(name, partial(self.child, argv, cwd, env, sampled=sampled)):
                 self.skip(steps[i + 1 :])
                 return False
@@ -348,18 +366,28 @@ class Steps:
 
     def stages(self, commands: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str]) -> bool:
         """:func:`stage_commands` in :func:`stage_lanes`' order: the backbone's warm-up (GPU) beside the other data
-        stages (CPU)."""
+        stages (CPU); the train processes (``train@i``) side by side; after a failure the rest are skipped."""
         before, lanes, after = stage_lanes(commands)
-        ok = self.lane(before, cwd, env)
-        if ok and lanes:
-            with ThreadPoolExecutor(len(lanes)) as pool:
-                ok = all(list(pool.map(lambda lane: self.lane(lane, cwd, env), lanes)))
-        elif not ok:
-            self.skip([s for lane in lanes for s in lane])
-        if not ok:
-            self.skip(after)
-            return False
-        return self.lane(after, cwd, env)
+        trains = [s for s in after if s[0].startswith("train@")]  # the experiments' sets train side by side too
+        cut = after.index(trains[0]) if trains else len(after)
+        ok = (
+            self.lane(before, cwd, env)
+            and self.side_by_side(lanes, cwd, env)
+            and self.lane(after[:cut], cwd, env)
+            and self.side_by_side([[t] for t in trains], cwd, env)
+            and self.lane(after[cut + len(trains) :], cwd, env)
+        )
+        if not ok:  # the steps never reached
+            reached = {e["step"] for e in self.record["steps"]}
+            self.skip([s for s in commands if s[0] not in reached])
+        return ok
+
+    def side_by_side(self, lanes: list[list[tuple[str, list[str]]]], cwd: Path, env: dict[str, str]) -> bool:
+        """Each lane in a thread of its own; True if every one passed."""
+        if not lanes:
+            return True
+        with ThreadPoolExecutor(len(lanes)) as pool:
+            return all(list(pool.map(lambda lane: self.lane(lane, cwd, env), lanes)))
 
 
 def run_study(
@@ -372,6 +400,7 @@ def run_study(
     repo: Path = REPO,
     resume: bool = False,
     py_spy: Path | None = None,
+    train_processes: int = 1,
 ) -> dict:
     """Everything of the module docstring; returns study.json's content (also written under ``out``). ``resume``:
     a later call on the same machine goes on in ``work`` where the last one stopped: the steps it recorded ok are
@@ -413,7 +442,7 @@ def run_study(
         else:
             ok = steps.step("install", lambda left: install_wheels(carry / "wheels", site, log))
             ok = ok and steps.step("workspace", workspace)
-        commands = [c for c in stage_commands(params) if c[0] not in done] if ok else []
+        commands = [c for c in stage_commands(params, train_processes) if c[0] not in done] if ok else []
         commands = [c for c in (left_to_do(c, repo_dir) for c in commands) if c is not None]
         ok = ok and steps.stages(commands, repo_dir, child_env(repo_dir, site, minilm))
         if smi is not None:
@@ -423,7 +452,7 @@ def run_study(
     record["complete"] = ok
     (work / "study.json").write_text(json.dumps(record, indent=2) + "\n")
     files = [shutil.copy(work / "study.json", out / "study.json")]
-    logs = (log_path, work / "gpu.csv", work / "pyspy-train.txt")
+    logs = (log_path, work / "gpu.csv", *sorted(work.glob("pyspy-train*.txt")))
     files += pack(out, "log.tar.gz", [(p, p.name) for p in logs if p.is_file()])
     files += pack(out, "results.tar.gz", results_members(repo_dir) if repo_dir.is_dir() else [])
     if len(files) > MAX_FILES:
@@ -445,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--budget", type=float, default=540, help="seconds for everything, packing included")
     run.add_argument("--resume", action="store_true", help="go on where the last call in --work stopped")
     run.add_argument("--py-spy", type=Path, help="a py-spy executable: the train step's threads are sampled")
+    run.add_argument("--train-processes", type=int, default=1, help="train the experiments in this many processes")
     st = sub.add_parser("stage", help="a staging call: keep a carried folder's weight parts for the study's call")
     st.add_argument("folder", type=Path)
     ev = sub.add_parser("evaluate", help="the evaluate stage of several experiments in one process (step 5)")
@@ -458,7 +488,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     carry, out, profile = args.carry.resolve(), args.out.resolve(), args.profile.resolve()
     spy = args.py_spy.resolve() if args.py_spy else None
-    record = run_study(carry, out, profile, args.work, args.budget, resume=args.resume, py_spy=spy)
+    record = run_study(
+        carry,
+        out,
+        profile,
+        args.work,
+        args.budget,
+        resume=args.resume,
+        py_spy=spy,
+        train_processes=args.train_processes,
+    )
     return 0 if record["complete"] else 1
 
 
