@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -309,10 +310,12 @@ def test_minilm_weights_can_come_from_a_local_directory(tmp_path, monkeypatch):
     assert wu.minilm_dir() == tmp_path
 
 
-def _tiny_warmed_up(pairs, **settings):
-    """The seeded tiny BERT2BERT after 3 warm-up steps with ``settings``."""
+def _tiny_warmed_up(pairs, patch=None, **settings):
+    """The seeded tiny BERT2BERT (``patch``: a change to it first) after 3 warm-up steps with ``settings``."""
     torch.manual_seed(0)
     model, tok = tiny_models.tiny_bert2bert()
+    if patch is not None:
+        patch(model)
     wc = wu.WarmupConfig(
         steps=3, batch_size=2, max_source_length=32, max_target_length=12, length_grouping=0, **settings
     )
@@ -320,51 +323,35 @@ def _tiny_warmed_up(pairs, **settings):
     return model
 
 
-def test_activation_checkpointing_warms_up_to_the_same_weights(tmp_path):
-    """Recomputing activations in backward (with dropout's RNG state restored) changes memory, not a single weight."""
-    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
-    pairs = bb.load_pairs(interim, "train")
-    weights = []
-    for checkpointing in (False, True):
-        model = _tiny_warmed_up(pairs, activation_checkpointing=checkpointing)
-        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # off again after
-        weights.append(model.state_dict())
-    assert weights[0].keys() == weights[1].keys()
-    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-
-
-def test_activation_checkpointing_runs_on_a_transformers_without_its_new_name(tmp_path):
-    """transformers 5.17 (the lent GPU's) has only ``gradient_checkpointing_*``: the warm-up turns checkpointing on
-    and off through them, to the same weights as without checkpointing (the backbone stage failed there once)."""
-    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
-    pairs = bb.load_pairs(interim, "train")
-    torch.manual_seed(0)
-    model, tok = tiny_models.tiny_bert2bert()
-    calls = []
+def _as_transformers_517(model, calls: list) -> None:
+    """The model as transformers 5.17 (the lent GPU's) has it: only ``gradient_checkpointing_*``, recorded in
+    ``calls``, whose implementation 5.23 keeps as ``_activation_checkpointing_*``."""
 
     def _absent(self):
         raise AttributeError("not in transformers 5.17")
 
-    def _old(verb):  # 5.17's own implementation, which 5.23 keeps as _activation_checkpointing_*
+    def _old(verb):
         return lambda self, *a, **k: calls.append(verb) or getattr(self, f"_activation_checkpointing_{verb}")()
 
     names = {f"activation_checkpointing_{v}": property(_absent) for v in ("enable", "disable")}
     names |= {f"gradient_checkpointing_{v}": _old(v) for v in ("enable", "disable")}
     model.__class__ = type("EncoderDecoder517", (type(model),), names)
     assert not hasattr(model, "activation_checkpointing_enable")
-    wc = wu.WarmupConfig(
-        steps=3,
-        batch_size=2,
-        max_source_length=32,
-        max_target_length=12,
-        length_grouping=0,
-        activation_checkpointing=True,
-    )
-    wu.warm_up(model, tok, pairs, wc, torch.device("cpu"))
+
+
+def test_activation_checkpointing_warms_up_to_the_same_weights(tmp_path):
+    """Recomputing activations in backward (with dropout's RNG state restored) changes memory, not a single weight;
+    on transformers 5.17 too, through its older name (the backbone stage failed on the lent GPU once)."""
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    pairs = bb.load_pairs(interim, "train")
+    weights, calls = [], []
+    for checkpointing, patch in ((False, None), (True, None), (True, partial(_as_transformers_517, calls=calls))):
+        model = _tiny_warmed_up(pairs, patch, activation_checkpointing=checkpointing)
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())  # off again after
+        weights.append(model.state_dict())
     assert calls == ["enable", "disable"]
-    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    reference = _tiny_warmed_up(pairs).state_dict()
-    assert all(torch.equal(reference[k], v) for k, v in model.state_dict().items())
+    assert all(w.keys() == weights[0].keys() for w in weights)
+    assert all(torch.equal(weights[0][k], w[k]) for w in weights[1:] for k in weights[0])
 
 
 def test_warm_up_without_attention_dropout_trains_as_a_model_without_it_and_restores_it(tmp_path):
