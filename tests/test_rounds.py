@@ -222,6 +222,30 @@ def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round002.json", "round002.safetensors"]
 
 
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_checkpoint_from_the_final_adapter_keeps_its_round_when_the_final_moves_on(tmp_path, monkeypatch, hard_links):
+    """The client's checkpoint of a round is its final adapter's file (linked, or copied where the file system has
+    no hard links): it reads back that round's state after later rounds replaced the final, and rounds it no
+    longer keeps go without touching the final."""
+    from pipeline.modeling.adapters import adapter_file, load_adapter
+    from pipeline.training.checkpoints import initial_progress, keep_best_and_final, write_client_checkpoint
+
+    if not hard_links:
+        monkeypatch.setattr("os.link", lambda *a: (_ for _ in ()).throw(OSError("no hard links here")))
+    plan = _plan_cached()
+    out, ckpt, progress = tmp_path / "client", tmp_path / "ckpt", initial_progress()
+    for rnd in (1, 2, 3):
+        progress, _ = keep_best_and_final(out, plan, "Academic", rnd, 5.0 - rnd, _state(float(rnd)), progress)
+        write_client_checkpoint(ckpt, rnd, _state(float(rnd)), progress, True, None, written=adapter_file(out, "final"))
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["round002.safetensors", "round003.safetensors"]
+    for rnd in (2, 3):
+        assert torch.equal(
+            load_adapter(ckpt / f"round{rnd:03d}.safetensors")["layer0.w"], _state(float(rnd))["layer0.w"]
+        )
+    for which in ("best", "final"):
+        assert torch.equal(load_adapter(adapter_file(out, which))["layer0.w"], _state(3.0)["layer0.w"])
+
+
 # ----------------------------------------------------------------------------------------------- history
 ROWS = [
     {

@@ -27,7 +27,7 @@ from pipeline.federation.protocol import (
     plan_path_of,
 )
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
-from pipeline.modeling.adapters import load_adapter
+from pipeline.modeling.adapters import adapter_file, load_adapter
 from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, read_partition
@@ -189,7 +189,13 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     checkpoints.write_client_checkpoint(
-        client_checkpoint_dir(plan, name, context), rnd, local, progress, trained, privacy.dp_steps(context)
+        client_checkpoint_dir(plan, name, context),
+        rnd,
+        local,
+        progress,
+        trained,
+        privacy.dp_steps(context),
+        written=adapter_file(client_dir(plan, name, context), "final"),
     )
 
     metrics = MetricRecord(

@@ -129,10 +129,15 @@ def write_client_checkpoint(
     progress: dict[str, float],
     trained: bool,
     dp_steps: int | None,
+    written: Path | None = None,
 ) -> None:
     """Client-side checkpoint of round ``rnd`` (its adapter and progress); the previous round's stays until the
-    server's checkpoint of this round exists, so a kill in between still finds a consistent state."""
-    save_adapter(ckpt / f"round{rnd:03d}.safetensors", state)
+    server's checkpoint of this round exists, so a kill in between still finds a consistent state. ``written``: a
+    file of this round holding ``state`` already (the client's final adapter), linked instead of written again."""
+    if written is None:
+        save_adapter(ckpt / f"round{rnd:03d}.safetensors", state)
+    else:
+        atomic.link(written, ckpt / f"round{rnd:03d}.safetensors")
     steps = {DP_STEPS: dp_steps} if dp_steps is not None else {}
     atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained), **steps}))
     for old in _client_checkpoint_rounds(ckpt):
@@ -155,13 +160,14 @@ def keep_best_and_final(
     progress: dict[str, float],
 ) -> tuple[dict[str, float], bool]:
     """Save the round's adapter as ``adapter_final`` and, when its validation loss beats the client's best so
-    far, as ``adapter_best``; returns the client's progress after this round and whether the round is its best."""
+    far, as ``adapter_best`` (the same file: linked); returns the client's progress after this round and whether the
+    round is its best."""
     meta = {"experiment": plan.experiment, "client": client, "round": str(rnd), "val_loss": f"{val_loss:.6f}"}
     is_best = val_loss < progress["best-val-loss"]
+    save_adapter(adapter_file(out, "final"), state, meta)
     if is_best:
         progress = {"best-val-loss": float(val_loss), "best-round": rnd}
-        save_adapter(adapter_file(out, "best"), state, meta)
-    save_adapter(adapter_file(out, "final"), state, meta)
+        atomic.link(adapter_file(out, "final"), adapter_file(out, "best"))
     return progress, is_best
 
 
