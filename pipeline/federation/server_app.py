@@ -51,7 +51,8 @@ def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, 
         plan,
         rnd,
         {
-            "arrays": {k: a.numpy() for k, a in arrays.items()},
+            # as tensors: torch.save writes their bytes as they are (NumPy arrays it pickles, ~7x slower a round)
+            "arrays": {k: torch.from_numpy(a.numpy()) for k, a in arrays.items()},
             "strategy_state": strategy_state(strategy),
             "history": history,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
