@@ -56,10 +56,13 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
     return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
 
 
-def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> dict[str, torch.Tensor] | None:
+def _restore_client_state(
+    context: Context, plan: Plan, name: str, rnd: int, read: bool = True
+) -> dict[str, torch.Tensor] | None:
     """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
-    None while the client has not trained yet. The client's first message of a run that resumes nothing removes
-    the gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
+    None while the client has not trained yet (and, without ``read``, when context.state holds it: the caller does
+    not use it). The client's first message of a run that resumes nothing removes the gate-log files an earlier run
+    of the same plan left, so the folder holds this run's rounds only."""
     ckpt_dir = client_checkpoint_dir(plan, name, context)
     if STARTED_KEY not in context.state:
         context.state[STARTED_KEY] = MetricRecord({"round": rnd})
@@ -67,7 +70,7 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
             for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
                 stale.unlink()
     if LOCAL_STATE_KEY in context.state:
-        return context.state[LOCAL_STATE_KEY].to_torch_state_dict()
+        return context.state[LOCAL_STATE_KEY].to_torch_state_dict() if read else None
     ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     if ckpt is None:
         return None
@@ -115,8 +118,9 @@ def train_round(msg: Message, context: Context) -> Message:
     received = decode_global(msg.content[ARRAYS_KEY], plan)
     model = shared_model(plan)
 
-    local = _restore_client_state(context, plan, name, rnd)
-    if spec.local_from_global or plan.train.local_adapter == "reset" or local is None:
+    from_global = spec.local_from_global or plan.train.local_adapter == "reset"
+    local = _restore_client_state(context, plan, name, rnd, read=not from_global)
+    if from_global or local is None:
         local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
     model.load_adapter_state("local", local)
     if spec.two_adapters:
@@ -165,7 +169,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     model = shared_model(plan)
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
-    local = _restore_client_state(context, plan, name, rnd)
+    local = _restore_client_state(context, plan, name, rnd, read=not spec.local_from_global)
     if spec.local_from_global:  # the server sends the global to these methods only
         local = decode_global(received, plan)
     # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
@@ -185,7 +189,7 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     progress, is_best = checkpoints.keep_best_and_final(
         client_dir(plan, name, context), plan, name, rnd, val_loss, local, progress
     )
-    if trained:
+    if trained and spec.local_from_global:  # the others' local adapter is in context.state already
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
     checkpoints.write_client_checkpoint(

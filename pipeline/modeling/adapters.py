@@ -87,7 +87,7 @@ class AdapterSet(nn.Module):
         return {"layer" + name.removeprefix("adapters."): p for name, p in self.named_parameters()}
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {key: p.detach().to("cpu", torch.float32).clone() for key, p in self._named().items()}
+        return {key: p.detach().to("cpu", torch.float32, copy=True) for key, p in self._named().items()}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         own = self._named()
