@@ -45,14 +45,22 @@ from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should
 log = logging.getLogger("fedmeet.federated")
 
 
-def save_server_checkpoint(plan: Plan, rnd: int, arrays: ArrayRecord, strategy, history: list[dict]) -> None:
+def save_server_checkpoint(
+    plan: Plan,
+    rnd: int,
+    arrays: ArrayRecord,
+    strategy,
+    history: list[dict],
+    state: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """The round's checkpoint; ``state``: ``arrays`` as tensors, where the caller holds them already."""
     checkpoints.save_round_checkpoint(
         checkpoints.server_checkpoint_path(plan),
         plan,
         rnd,
         {
             # as tensors: torch.save writes their bytes as they are (NumPy arrays it pickles, ~7x slower a round)
-            "arrays": {k: torch.from_numpy(a.numpy()) for k, a in arrays.items()},
+            "arrays": state if state is not None else arrays.to_torch_state_dict(),
             "strategy_state": strategy_state(strategy),
             "history": history,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
@@ -123,6 +131,7 @@ def run_server(
     strategy, client_level = privacy.client_level(plan, strategy, len(declared))
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
     start, arrays, history = _resume(plan, strategy)
+    state = arrays.to_torch_state_dict()  # the global as tensors, converted once each time it changes
     recorder.started(plan, clients, start)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
     config = {"plan": plan_path, **(client_settings_config(cache) if cache is not None else {})}
@@ -148,7 +157,7 @@ def run_server(
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
         # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
-        downlink = encode_global(arrays.to_torch_state_dict(), plan)
+        downlink = encode_global(state, plan)
         sent = decode_global(downlink, plan)  # what every client decodes
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
@@ -164,7 +173,7 @@ def run_server(
         # client-level DP each update weighs 1 / the expected count, whoever replied).
         _record_weight_shares(rows, client_level)
         if new_arrays is not None:
-            arrays = new_arrays
+            arrays, state = new_arrays, new_arrays.to_torch_state_dict()
             if client_level is not None:
                 client_level.record(rows, exchange.clipped, clipping_norm)
         else:
@@ -173,16 +182,12 @@ def run_server(
         # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
         # evaluate the global adapter, the others their local one: nothing to send.
         eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
-        eval_downlink = (
-            encode_global(arrays.to_torch_state_dict(), plan)
-            if (spec.local_from_global and eval_messages)
-            else ArrayRecord()
-        )
+        eval_downlink = encode_global(state, plan) if (spec.local_from_global and eval_messages) else ArrayRecord()
         _evaluate(exchange, eval_messages, eval_downlink)
 
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
-        save_server_checkpoint(plan, rnd, arrays, strategy, history)
+        save_server_checkpoint(plan, rnd, arrays, strategy, history, state=state)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
     return arrays, history
 
