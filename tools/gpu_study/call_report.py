@@ -139,7 +139,7 @@ def markdown(
         f"| {r['arm']} | {r['runs']} | {'-'.join(map(str, r['rounds']))} | {r['first']:.3f} "
         f"| {r['last']:.3f} | {100 * r['last_gain']:.2f} | {r['converged']} of {r['runs']} | "
         f"{', '.join(str(p) if p else f'>{stop.max_rounds}' for p in r['projected']) or '-'} | "
-        f"{_mean([r['holdout']] if r['holdout'] is not None else [], '.3f')} |\n"
+        f"{_number(r['holdout'], '.3f')} |\n"
         for r in rows
     )
     before_train = windows[0][0] - t0 if windows and t0 else float("nan")
@@ -164,7 +164,7 @@ def markdown(
         f"(every run one round) took {set_round:.1f} s (median of {len(durations)} rounds of the runs' bars; "
         f"{min(durations, default=0)}-{max(durations, default=0)} s), **{per_run_round:.2f} s per run-round** (the "
         "runs of a set meet at one barrier each round; sets in processes side by side add up). GPU over the training step: utilisation "
-        f"{_mean(util)} % on average, {_share(util, lambda u: u <= 5)} % of the 2-s samples at or under 5 % and "
+        f"{_number(sum(util) / len(util) if util else None, '.1f')} % on average, {_share(util, lambda u: u <= 5)} % of the 2-s samples at or under 5 % and "
         f"{_share(util, lambda u: u >= 50)} % at or over 50 %; memory at most "
         f"{max((m for _, m in in_train), default=0):.0f} MiB. The steps before training took {before_train:.0f} s "
         "of the first call.\n\n"
@@ -188,8 +188,8 @@ def _sets(calls: list[dict[str, Any]]) -> str:
     return f"{n} sets in processes side by side" if n else "one set"
 
 
-def _mean(values: list[float], spec: str = ".1f") -> str:
-    return format(sum(values) / len(values), spec) if values else "-"
+def _number(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 def _spy_tables(spy: dict[str, Any]) -> str:
