@@ -130,9 +130,9 @@ def _spy_globals(monkeypatch) -> dict[int, dict[str, np.ndarray]]:
     seen = {}
     real = server_app.save_server_checkpoint
 
-    def spy(plan, rnd, arrays, *args, **kwargs):
-        seen[rnd] = {k: a.numpy().copy() for k, a in arrays.items()}
-        return real(plan, rnd, arrays, *args, **kwargs)
+    def spy(plan, rnd, state, *args, **kwargs):
+        seen[rnd] = {k: t.numpy().copy() for k, t in state.items()}
+        return real(plan, rnd, state, *args, **kwargs)
 
     monkeypatch.setattr(server_app, "save_server_checkpoint", spy)
     return seen

@@ -45,22 +45,15 @@ from pipeline.training.stopping import mean_val_loss_by_round, plateaued, should
 log = logging.getLogger("fedmeet.federated")
 
 
-def save_server_checkpoint(
-    plan: Plan,
-    rnd: int,
-    arrays: ArrayRecord,
-    strategy,
-    history: list[dict],
-    state: dict[str, torch.Tensor] | None = None,
-) -> None:
-    """The round's checkpoint; ``state``: ``arrays`` as tensors, where the caller holds them already."""
+def save_server_checkpoint(plan: Plan, rnd: int, state: dict[str, torch.Tensor], strategy, history: list[dict]) -> None:
+    """The round's checkpoint; ``state``: the global adapter as tensors."""
     checkpoints.save_round_checkpoint(
         checkpoints.server_checkpoint_path(plan),
         plan,
         rnd,
         {
             # as tensors: torch.save writes their bytes as they are (NumPy arrays it pickles, ~7x slower a round)
-            "arrays": state if state is not None else arrays.to_torch_state_dict(),
+            "arrays": state,
             "strategy_state": strategy_state(strategy),
             "history": history,
             "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
@@ -187,7 +180,7 @@ def run_server(
 
         round_rows = [rows[c] for c in sorted(rows)]
         history.extend(round_rows)
-        save_server_checkpoint(plan, rnd, arrays, strategy, history, state=state)
+        save_server_checkpoint(plan, rnd, state, strategy, history)
         recorder.round_done(plan, RoundLog(rnd, time.perf_counter() - t0, round_rows, new_arrays is not None), history)
     return arrays, history
 
@@ -266,6 +259,14 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
         row.update(privacy_row(m))
 
 
+def _left_out(r: _Round, row: dict[str, Any], why: str, error: str | None = None) -> None:
+    """A sampled client's update is not in the round's aggregate: its row is marked failed (with ``error``)."""
+    row["failed"] = 1
+    if error is not None:
+        row["error"] = error
+    log.warning("round %d: client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
+
+
 def _train_in_the_clear(
     r: _Round, messages: list[Message], plan: Plan, sent: dict[str, torch.Tensor], global_arrays: ArrayRecord
 ) -> ArrayRecord | None:
@@ -277,14 +278,8 @@ def _train_in_the_clear(
     for reply in replies:
         row = r.rows[sender(reply)]
         if reply.has_error():
-            row["failed"] = 1
-            row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
-            log.warning(
-                "round %d: client %s failed and is left out of the aggregate: %s",
-                r.rnd,
-                row["client"],
-                reply.error.reason,
-            )
+            error = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
+            _left_out(r, row, f"it failed: {reply.error.reason}", error)
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
@@ -297,9 +292,8 @@ def _train_in_the_clear(
         except (KeyError, ValueError) as exc:
             why = f"it cannot be decoded: {exc}"
         if why is not None:
-            row["failed"] = 1
             left_out.add(id(reply))
-            log.warning("round %d: reply of client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
+            _left_out(r, row, why)
             continue
         if r.client_level is not None:
             r.clipped[row["client"]] = update
@@ -307,9 +301,8 @@ def _train_in_the_clear(
     answered = {sender(reply) for reply in replies}
     for name, row in r.rows.items():
         if row["sampled"] and name not in answered:
-            row["failed"] = 1
-            row["error"] = f"no reply within {r.timeout:.0f}s (train.round_timeout_s)"
-            log.warning("round %d: no reply from client %s within the timeout", r.rnd, name)
+            error = f"no reply within {r.timeout:.0f}s (train.round_timeout_s)"
+            _left_out(r, row, error, error)
     new_arrays, _ = r.strategy.aggregate_train(r.rnd, [reply for reply in replies if id(reply) not in left_out])
     return new_arrays
 
@@ -326,9 +319,8 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
             row["secagg_clipped"] = int(outcome.metrics[SECAGG_CLIPPED_KEY])
         stage_error = f"SecAgg+ {outcome.failed_stage}: {outcome.error}" if outcome.failed_stage else None
         if result.arrays is None or node not in result.in_sum:
-            row["failed"] = 1
             row["error"] = stage_error or result.halted
-            log.warning("round %d: client %s is not in the SecAgg+ sum: %s", r.rnd, row["client"], row["error"])
+            _left_out(r, row, f"not in the SecAgg+ sum: {row['error']}")
         elif stage_error:  # its masked vector is in the sum; the others' shares unmasked it
             row["secagg_error"] = stage_error
     if result.arrays is not None and len(result.in_sum) < len(messages):
