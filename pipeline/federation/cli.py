@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import tomllib
+from dataclasses import fields
 from pathlib import Path
 
 from pipeline.common import atomic
@@ -102,9 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--params", default="params.yaml", help="params file of the server's timeouts and decoding")
     lo.add_argument("--tls", action="store_true", help="TLS with a throwaway self-signed CA (under FLWR_HOME)")
     lo.add_argument("--auth", action="store_true", help="SuperNode authentication: a registered key per client")
-    lo.add_argument("--startup-timeout", type=float, default=60.0, help="seconds for each process to come up")
-    lo.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for the whole run")
-    lo.add_argument("--stop-timeout", type=float, default=10.0, help="seconds a process gets to stop on SIGTERM")
+    # LocalhostConfig's fields (its defaults where not given)
+    lo.add_argument("--startup-timeout", type=float, dest="startup_timeout_s", help="seconds for each process to start")
+    lo.add_argument("--run-timeout", type=float, dest="run_timeout_s", help="seconds for the whole run")
+    lo.add_argument("--stop-timeout", type=float, dest="stop_timeout_s", help="seconds a process gets on SIGTERM")
     st = sub.add_parser("status", help="exit 0 if the SuperLink reports the run completed (else 1, with its status)")
     st.add_argument("superlink", nargs="?", help="a SuperLink connection of FLWR_HOME/config.toml (default: its own)")
     st.add_argument("--run-id", type=int, help="the run (default: the run submitted last)")
@@ -123,16 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     plan = args.plan or str(PATHS.plans / f"{args.experiment}.json")
-    cfg = LocalhostConfig(
-        plan=plan,
-        run_config=_parse_run_config(args.run_config),
-        params=args.params,
-        tls=args.tls,
-        auth=args.auth,
-        startup_timeout_s=args.startup_timeout,
-        run_timeout_s=args.run_timeout,
-        stop_timeout_s=args.stop_timeout,
-    )
+    given = {f.name: getattr(args, f.name) for f in fields(LocalhostConfig) if getattr(args, f.name, None) is not None}
+    cfg = LocalhostConfig(**given | {"plan": plan, "run_config": _parse_run_config(args.run_config)})
     # Ctrl-C / SIGTERM unwind through LocalhostFederation.__exit__, which stops every process it started.
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # raises KeyboardInterrupt
     try:
