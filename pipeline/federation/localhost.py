@@ -87,14 +87,6 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(cli) if cli.exists() else "flwr", *args], capture_output=True, text=True, **kwargs)
 
 
-def run_status(superlink: str | None, run_id: int | None, **kwargs) -> tuple[str, str, str]:
-    """(run id, status, details) of ``run_id`` (else the run submitted last) as ``flwr ls`` on ``superlink`` (a
-    connection of FLWR_HOME/config.toml; None: its default) reports it."""
-    run = ["--run-id", str(run_id)] if run_id is not None else []
-    out = flwr("ls", *([superlink] if superlink else []), *run, "--format", "json", **kwargs)
-    return parse_run_status(out.stdout, run_id)
-
-
 def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
     from pipeline.training.checkpoints import mlflow_run_id_path
@@ -108,8 +100,9 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
-    """The manual recipe's check after ``flwr run`` (docs/federation.md): one line with the run's status; 0 only if
-    it completed."""
+    """The manual recipe's check after ``flwr run`` (docs/federation.md): one line with the status of ``run_id``
+    (else of the run submitted last) as ``flwr ls`` on ``superlink`` (a connection of FLWR_HOME/config.toml; None:
+    its default) reports it; 0 only if it completed."""
     if submitted is not None:
         try:
             started = json.loads(submitted.read_text())
@@ -119,7 +112,9 @@ def status_command(superlink: str | None, run_id: int | None, submitted: Path | 
             print("no run started: " + " ".join(str(started.get("error-message") or "flwr run gave no run id").split()))
             return 1
         run_id = int(started["run-id"])
-    rid, status, details = run_status(superlink, run_id, timeout=120)
+    run = ["--run-id", str(run_id)] if run_id is not None else []
+    out = flwr("ls", *([superlink] if superlink else []), *run, "--format", "json", timeout=120)
+    rid, status, details = parse_run_status(out.stdout, run_id)
     print(f"run {rid}: {status}" + (f" ({details})" if details else ""))
     return 0 if status == "finished:completed" else 1
 
@@ -365,9 +360,8 @@ def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:
             if found is None:
                 raise FederationError(f"`flwr run` printed no run id; logs in {fed.procs.log_dir}")
             # what the SuperLink says of the run
-            _, status, details = run_status(
-                CONNECTION, int(found.group(1)), cwd=fed.workdir, env=fed.procs.env, timeout=cfg.startup_timeout_s
-            )
+            listed = fed.flwr("ls", CONNECTION, "--run-id", found.group(1), "--format", "json")
+            _, status, details = parse_run_status(listed.stdout, int(found.group(1)))
             if status != "finished:completed":
                 cause = " ".join(details.split()) or "see superlink.log"  # "ServerApp failed with exception: ..."
                 raise fed.failed(f"run {found.group(1)} {status}: {cause}")
