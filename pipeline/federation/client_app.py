@@ -4,13 +4,11 @@ only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.sum
 
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.client.mod import make_ffn
 from flwr.clientapp import ClientApp
 
 from pipeline.common import atomic
@@ -104,8 +102,7 @@ def client_train(msg: Message, context: Context) -> Message:
     """The train handler: train_round behind privacy's checks (pipeline.privacy.seam.client_train, when registered),
     inside its Flower mods (SecAgg+, client-level DP's clipping). train_round is looked up when a message comes, so a
     wrapper set on this module (tests, instrumentation) is the one that runs."""
-    checked = functools.partial(privacy.client_train, train_round=lambda m, c: train_round(m, c))
-    return make_ffn(checked, privacy.train_mods())(msg, context)
+    return privacy.client_train(msg, context, lambda m, c: train_round(m, c))
 
 
 def train_round(msg: Message, context: Context) -> Message:

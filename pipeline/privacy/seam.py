@@ -5,12 +5,14 @@ federation call them (they do not import privacy); the entry points that build r
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
 from flwr.app import MetricRecord
+from flwr.client.mod import make_ffn
 
 from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
@@ -90,9 +92,16 @@ def secure_aggregator(
 
 
 def client_train(msg, context, train_round):
-    """The ClientApp's train handler inside privacy's mods (:func:`train_mods`): SecAgg+'s legacy FitIns go through
-    client-level DP's clipping mod before the masking. The client, not the server, decides whether its adapter may
-    leave in the clear: under ``privacy.secure_aggregation`` it refuses a plain train message."""
+    """The ClientApp's train handler inside privacy's Flower mods, SecAgg+'s and client-level DP's clipping (each
+    passes a message through unless its plan asks for it)."""
+    checked = functools.partial(_checked_train, train_round=train_round)
+    return make_ffn(checked, [secure_aggregation_mod, client_dp_mod])(msg, context)
+
+
+def _checked_train(msg, context, train_round):
+    """SecAgg+'s legacy FitIns go through client-level DP's clipping mod before the masking. The client, not the
+    server, decides whether its adapter may leave in the clear: under ``privacy.secure_aggregation`` it refuses a
+    plain train message."""
     if is_legacy_fit(msg):
         return legacy_fit(msg, context, lambda m, c: client_dp_mod(m, c, train_round))
     plan = load_plan(plan_path_of(msg, context))
@@ -102,12 +111,6 @@ def client_train(msg, context, train_round):
             f"its adapter only through SecAgg+"
         )
     return train_round(msg, context)
-
-
-def train_mods() -> list:
-    """Flower mods around the train handler: SecAgg+'s and client-level DP's clipping (each passes a message through
-    unless its plan asks for it)."""
-    return [secure_aggregation_mod, client_dp_mod]
 
 
 STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)

@@ -31,7 +31,6 @@ NO_PRIVACY = SimpleNamespace(
     client_level=lambda plan, strategy, population: _unprotected(plan, (strategy, None)),
     secure_aggregator=lambda plan, *args, **kwargs: _unprotected(plan),  # the SecAgg+ round runner, or None
     client_train=lambda msg, context, train_round: train_round(msg, context),  # the ClientApp's train handler
-    train_mods=lambda: [],  # Flower mods around it
     dp_steps=lambda context: None,  # a client's DP-SGD steps so far
     restore_dp_steps=_restore_dp_steps,
     account=lambda context, result: {},  # a train reply's privacy metrics
