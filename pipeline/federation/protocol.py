@@ -118,24 +118,22 @@ def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
 
 def encode_global(state: dict[str, torch.Tensor], plan: Plan) -> ArrayRecord:
     """Server -> client: the global adapter as it travels (delta encoding: against downlink_reference)."""
-    return ArrayRecord.from_torch_state_dict(
-        encode_state(state, plan.train.transfer_dtype, reference=downlink_reference(plan))
-    )
+    return encode_reply(state, plan, downlink_reference(plan))
 
 
 def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:
     """Client side: the float32 global from what the server sent."""
-    return decode_state(record.to_torch_state_dict(), reference=downlink_reference(plan))
+    return decode_reply(record, plan, downlink_reference(plan))
 
 
-def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor]) -> ArrayRecord:
+def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor] | None) -> ArrayRecord:
     """Client -> server: the local adapter as it travels (delta encoding: against the global received)."""
     return ArrayRecord.from_torch_state_dict(
         encode_state(local, plan.train.transfer_dtype, reference=received if _delta(plan) else None)
     )
 
 
-def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """Server side: the float32 local adapter of a reply; ``sent`` = this round's decoded global (as the client
     decoded it, bit for bit)."""
     return decode_state(record.to_torch_state_dict(), reference=sent if _delta(plan) else None)
