@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -287,17 +288,9 @@ def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
     return groups
 
 
-def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
-    """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups."""
-    return _in_groups(jobs, train_group)
-
-
-def validate_jobs(jobs: list[LocalJob]) -> list[tuple[float, int] | Exception]:
-    """Every job's validation loss and tokens in order (:func:`validate_group`), the jobs in groups."""
-    return _in_groups(jobs, validate_group)
-
-
 def _in_groups(jobs: list[LocalJob], group_call) -> list:
+    """Every job's ``group_call`` result in order (an exception for each job of a group that failed), the jobs in
+    groups."""
     keys: dict[tuple, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
         keys[job.group_key()].append(i)
@@ -317,3 +310,7 @@ def _outputs_or_error(group_call, group: list[LocalJob]) -> list:
         return group_call(group)
     except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
         return [exc] * len(group)
+
+
+train_jobs = partial(_in_groups, group_call=train_group)  # JobOutput per job
+validate_jobs = partial(_in_groups, group_call=validate_group)  # (validation loss, tokens) per job
