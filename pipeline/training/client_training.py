@@ -23,7 +23,7 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
 from pipeline.training import local_batch, set_engine
-from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups
+from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups, proximal_term
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 
@@ -153,7 +153,7 @@ class Proximal:
         self.value = 0.0  # last value of the term
 
     def term(self) -> torch.Tensor:
-        prox = 0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
+        prox = proximal_term(self.params, self.reference, self.mu)
         self.value = float(prox.detach())
         return prox
 
