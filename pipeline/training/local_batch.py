@@ -19,7 +19,6 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -289,9 +288,18 @@ def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
     return groups
 
 
+def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
+    """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups
+    (train_group looked up per call: tests/reliability.py wraps it)."""
+    return _in_groups(jobs, train_group)
+
+
+def validate_jobs(jobs: list[LocalJob]) -> list[tuple[float, int] | Exception]:
+    """Every job's validation loss and tokens in order (:func:`validate_group`), the jobs in groups."""
+    return _in_groups(jobs, validate_group)
+
+
 def _in_groups(jobs: list[LocalJob], group_call) -> list:
-    """Every job's ``group_call`` result in order (an exception for each job of a group that failed), the jobs in
-    groups."""
     keys: dict[tuple, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
         keys[job.group_key()].append(i)
@@ -311,7 +319,3 @@ def _outputs_or_error(group_call, group: list[LocalJob]) -> list:
         return group_call(group)
     except Exception as exc:  # noqa: BLE001 -- each job's caller raises it (its client's error reply)
         return [exc] * len(group)
-
-
-train_jobs = partial(_in_groups, group_call=train_group)  # JobOutput per job
-validate_jobs = partial(_in_groups, group_call=validate_group)  # (validation loss, tokens) per job
