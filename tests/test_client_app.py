@@ -64,18 +64,15 @@ def test_a_deployed_client_may_keep_its_files_elsewhere(ws, tmp_path):
 
 # ----------------------------------------------------------------------------------------------- resume
 def _checkpoints(plan, name: str, context: Context, rounds: dict[int, tuple[float, bool, int | None]]) -> None:
-    from pipeline.federation.client_app import client_checkpoint_dir
+    from pipeline.federation.client_app import client_checkpoint_dir, client_dir
+    from pipeline.modeling.adapters import adapter_file, save_adapter
     from pipeline.training.checkpoints import write_client_checkpoint
 
     for rnd, (value, trained, dp_steps) in sorted(rounds.items()):
-        write_client_checkpoint(
-            client_checkpoint_dir(plan, name, context),
-            rnd,
-            _state(value),
-            {"best-val-loss": value, "best-round": rnd},
-            trained,
-            dp_steps,
-        )
+        final = adapter_file(client_dir(plan, name, context), "final")  # what keep_best_and_final writes
+        save_adapter(final, _state(value))
+        progress = {"best-val-loss": value, "best-round": rnd}
+        write_client_checkpoint(client_checkpoint_dir(plan, name, context), rnd, final, progress, trained, dp_steps)
 
 
 def test_a_running_client_keeps_its_adapter_from_its_state(ws):

@@ -420,16 +420,6 @@ def test_hard_kd_distils_exactly_on_the_target_nouns_and_verbs_of_the_pos_tags(w
     assert len(log) > 0 and log["kd_applied"].tolist() == (log["position"] % 2 == 0).tolist()
 
 
-def test_fedprox_refuses_a_model_whose_adapter_parameters_and_state_disagree(ws, monkeypatch):
-    """The proximal reference is matched to the parameters by the order of adapter_state's keys: a model where the
-    two lists differ would pull each parameter towards another's global value, so it is refused."""
-    plan, model, train, w0 = _setup("local-prox-keys", "fedprox", lr=5e-3, batch_size=2)
-    monkeypatch.setattr(model, "adapter_state", lambda path: dict(list(w0.items())[:-1]))
-    with pytest.raises(RuntimeError) as err:
-        _train(plan, model, train, proximal_reference=w0, proximal_mu=0.1)
-    names(err.value, "adapter_state")
-
-
 def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_of_target_tokens(ws):
     """Without privacy: batches of similar target length (train.bucket_by_length: the least padding a cut of
     the examples into batches of batch_size can have), grad_accum_steps of them per optimizer step, each weighted

@@ -334,7 +334,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     from pipeline.modeling.batching import make_batches
     from pipeline.modeling.losses import distillation_loss
     from pipeline.training.client_data import client_data
-    from pipeline.training.client_training import _forward_logits, kd_config, per_example_loss_scale
+    from pipeline.training.client_training import kd_config, per_example_loss_scale
     from pipeline.training.shared_model import initial_adapter_state, shared_model
 
     plan = read_plan(
@@ -358,7 +358,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     alone = []
     for i in range(2):
         b = batch_of(data.iloc[i : i + 1])
-        ll, lg = _forward_logits(model, b, True, None)
+        ll, lg = model.forward_two_paths(b, packed=True)
         out = distillation_loss(ll, lg, b.labels, kd)
         grads = torch.autograd.grad(out.loss * per_example_loss_scale(b, "tokens", 12), params)
         alone.append(torch.cat([g.flatten() for g in grads]))
@@ -366,7 +366,7 @@ def test_each_examples_clipped_gradient_on_the_adapters_is_its_own_and_within_c(
     step = DPSGDSteps(model.adapter_sets["local"], _setting(sigma=0.0, c=c, logical_batch=1), 0, None, None)
     try:
         b = batch_of(data)
-        ll, lg = _forward_logits(model, b, True, None)
+        ll, lg = model.forward_two_paths(b, packed=True)
         out = distillation_loss(ll, lg, b.labels, kd)
         (out.loss * per_example_loss_scale(b, "tokens", 12)).backward()
         per_example = [torch.cat([p.grad_sample[i].flatten() for p in params]) for i in range(2)]

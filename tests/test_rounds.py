@@ -38,6 +38,15 @@ def _state(value: float) -> dict[str, torch.Tensor]:
     return {"layer0.w": torch.full((2, 3), value), "layer0.b": torch.tensor([value, -value])}
 
 
+def _final(client_dir: Path, value: float) -> Path:
+    """The client's final adapter holding ``_state(value)``, where keep_best_and_final writes it (a client's round
+    checkpoint links it)."""
+    from pipeline.modeling.adapters import adapter_file, save_adapter
+
+    save_adapter(adapter_file(client_dir, "final"), _state(value))
+    return adapter_file(client_dir, "final")
+
+
 # ----------------------------------------------------------------------------------------------- best adapter
 def test_initial_progress_has_no_best_round():
     from pipeline.training.checkpoints import initial_progress
@@ -175,7 +184,12 @@ def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest
     for rnd in range(1, 6):
         progress = {"best-val-loss": 10.0 - rnd, "best-round": rnd}
         write_client_checkpoint(
-            ckpt, rnd, _state(float(rnd)), progress, trained=rnd > 1, dp_steps=3 * rnd if rnd % 2 else None
+            ckpt,
+            rnd,
+            _final(tmp_path / "client", float(rnd)),
+            progress,
+            trained=rnd > 1,
+            dp_steps=3 * rnd if rnd % 2 else None,
         )
         kept = sorted(p.name for p in ckpt.iterdir())
         expected = [f"round{r:03d}.{ext}" for r in (rnd - 1, rnd) if r >= 1 for ext in ("json", "safetensors")]
@@ -197,14 +211,14 @@ def test_a_client_keeps_its_last_two_round_checkpoints_and_reads_back_the_latest
 def test_an_untrained_client_checkpoint_says_so(tmp_path):
     from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
-    write_client_checkpoint(
-        tmp_path, 1, _state(0.0), {"best-val-loss": 2.0, "best-round": 1}, trained=False, dp_steps=0
-    )
-    ck = latest_client_checkpoint(tmp_path, before=2)
+    ckpt = tmp_path / "ckpt"
+    progress = {"best-val-loss": 2.0, "best-round": 1}
+    write_client_checkpoint(ckpt, 1, _final(tmp_path / "client", 0.0), progress, trained=False, dp_steps=0)
+    ck = latest_client_checkpoint(ckpt, before=2)
     assert ck.trained is False and ck.dp_steps == 0 and ck.progress == {"best-val-loss": 2.0, "best-round": 1}
     # a checkpoint written before the flag existed counts as trained
-    (tmp_path / "round001.json").write_text(json.dumps({"best-val-loss": 2.0, "best-round": 1}))
-    assert latest_client_checkpoint(tmp_path, before=2).trained is True
+    (ckpt / "round001.json").write_text(json.dumps({"best-val-loss": 2.0, "best-round": 1}))
+    assert latest_client_checkpoint(ckpt, before=2).trained is True
 
 
 def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
@@ -213,13 +227,14 @@ def test_after_writing_a_round_only_it_and_the_one_before_remain(tmp_path):
     from pipeline.modeling.adapters import load_adapter
     from pipeline.training.checkpoints import write_client_checkpoint
 
+    ckpt, out = tmp_path / "ckpt", tmp_path / "client"
     for rnd in (1, 2, 3):
-        write_client_checkpoint(tmp_path, rnd, _state(1.0), {}, True, None)
-    write_client_checkpoint(tmp_path, 3, _state(3.0), {}, True, None)  # resumed after round 2
-    assert sorted(p.stem for p in tmp_path.glob("*.safetensors")) == ["round002", "round003"]
-    assert torch.equal(load_adapter(tmp_path / "round003.safetensors")["layer0.w"], _state(3.0)["layer0.w"])
-    write_client_checkpoint(tmp_path, 2, _state(2.0), {}, True, None)  # resumed after round 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["round002.json", "round002.safetensors"]
+        write_client_checkpoint(ckpt, rnd, _final(out, 1.0), {}, True, None)
+    write_client_checkpoint(ckpt, 3, _final(out, 3.0), {}, True, None)  # resumed after round 2
+    assert sorted(p.stem for p in ckpt.glob("*.safetensors")) == ["round002", "round003"]
+    assert torch.equal(load_adapter(ckpt / "round003.safetensors")["layer0.w"], _state(3.0)["layer0.w"])
+    write_client_checkpoint(ckpt, 2, _final(out, 2.0), {}, True, None)  # resumed after round 1
+    assert sorted(p.name for p in ckpt.iterdir()) == ["round002.json", "round002.safetensors"]
 
 
 @pytest.mark.parametrize("hard_links", [True, False])
@@ -236,7 +251,7 @@ def test_a_checkpoint_from_the_final_adapter_keeps_its_round_when_the_final_move
     out, ckpt, progress = tmp_path / "client", tmp_path / "ckpt", initial_progress()
     for rnd in (1, 2, 3):
         progress, _ = keep_best_and_final(out, plan, "Academic", rnd, 5.0 - rnd, _state(float(rnd)), progress)
-        write_client_checkpoint(ckpt, rnd, _state(float(rnd)), progress, True, None, written=adapter_file(out, "final"))
+        write_client_checkpoint(ckpt, rnd, adapter_file(out, "final"), progress, True, None)
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["round002.safetensors", "round003.safetensors"]
     for rnd in (2, 3):
         assert torch.equal(
@@ -441,10 +456,12 @@ def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_err
     from pipeline.modeling.adapters import save_adapter
     from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
 
-    save_adapter(tmp_path / "round001.safetensors", _state(1.0))  # no round001.json
-    write_client_checkpoint(tmp_path, 3, _state(3.0), {"best-val-loss": 1.0, "best-round": 3}, True, None)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["round003.json", "round003.safetensors"]
-    assert latest_client_checkpoint(tmp_path, before=4).round == 3
+    ckpt = tmp_path / "ckpt"
+    save_adapter(ckpt / "round001.safetensors", _state(1.0))  # no round001.json
+    progress = {"best-val-loss": 1.0, "best-round": 3}
+    write_client_checkpoint(ckpt, 3, _final(tmp_path / "client", 3.0), progress, True, None)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["round003.json", "round003.safetensors"]
+    assert latest_client_checkpoint(ckpt, before=4).round == 3
 
 
 def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_released_updates_clipped():

@@ -192,11 +192,10 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     checkpoints.write_client_checkpoint(
         client_checkpoint_dir(plan, name, context),
         rnd,
-        local,
+        adapter_file(client_dir(plan, name, context), "final"),
         progress,
         trained,
         privacy.dp_steps(context),
-        written=adapter_file(client_dir(plan, name, context), "final"),
     )
 
     metrics = MetricRecord(

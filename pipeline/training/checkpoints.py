@@ -123,21 +123,12 @@ def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None
 
 
 def write_client_checkpoint(
-    ckpt: Path,
-    rnd: int,
-    state: dict[str, torch.Tensor],
-    progress: dict[str, float],
-    trained: bool,
-    dp_steps: int | None,
-    written: Path | None = None,
+    ckpt: Path, rnd: int, adapter: Path, progress: dict[str, float], trained: bool, dp_steps: int | None
 ) -> None:
-    """Client-side checkpoint of round ``rnd`` (its adapter and progress); the previous round's stays until the
-    server's checkpoint of this round exists, so a kill in between still finds a consistent state. ``written``: a
-    file of this round holding ``state`` already (the client's final adapter), linked instead of written again."""
-    if written is None:
-        save_adapter(ckpt / f"round{rnd:03d}.safetensors", state)
-    else:
-        atomic.link(written, ckpt / f"round{rnd:03d}.safetensors")
+    """Client-side checkpoint of round ``rnd``: ``adapter`` (the client's final adapter of this round, linked, not
+    written again) and its progress; the previous round's stays until the server's checkpoint of this round exists,
+    so a kill in between still finds a consistent state."""
+    atomic.link(adapter, ckpt / f"round{rnd:03d}.safetensors")
     steps = {DP_STEPS: dp_steps} if dp_steps is not None else {}
     atomic.write_text(ckpt / f"round{rnd:03d}.json", json.dumps({**progress, TRAINED_FLAG: int(trained), **steps}))
     for old in _client_checkpoint_rounds(ckpt):

@@ -23,7 +23,7 @@ from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
 from pipeline.training import local_batch, set_engine
-from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups
+from pipeline.training.local_batch import JobOutput, LocalJob, adamw_groups, proximal_term
 from pipeline.training.privacy_hooks import PRIVACY as privacy
 from pipeline.training.seeds import derived_seed
 
@@ -75,12 +75,9 @@ def _batches(
     shuffle: bool,
     seed: int,
     bucket_by_length: bool,
-    keep: bool = True,
 ) -> list[Batch]:
-    """The frame's batches (kept when ``keep``, and then shared: read them, do not change them)."""
+    """The frame's batches, kept and shared: read them, do not change them."""
     tokenizer, start, pad = model.tokenizer, model.decoder_start_token_id, model.pad_token_id
-    if not keep:
-        return make_batches(frame, model, mcfg, cfg.batch_size, shuffle, seed, bucket_by_length)
     key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start, pad)
     key += (cfg.batch_size, shuffle, seed, bucket_by_length)
     if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
@@ -156,7 +153,7 @@ class Proximal:
         self.value = 0.0  # last value of the term
 
     def term(self) -> torch.Tensor:
-        prox = 0.5 * self.mu * sum(((p - r) ** 2).sum() for p, r in zip(self.params, self.reference))
+        prox = proximal_term(self.params, self.reference, self.mu)
         self.value = float(prox.detach())
         return prox
 
@@ -165,15 +162,6 @@ class Proximal:
             self.term()
             for p, r in zip(self.params, self.reference):
                 p.grad.add_(self.mu * (p - r))
-
-
-def _forward_logits(model: AdapterSummarizer, batch: Batch, two_paths: bool, cache):
-    """(local logits with gradients, global logits or None), the prefix from its cache if any."""
-    prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
-    # packed: the LM head and the loss run only on the real (non-padding) target tokens
-    if not two_paths:
-        return model.path_logits(prefix.to(model.device), "local", packed=True), None
-    return model.forward_two_paths(batch, prefix, packed=True)
 
 
 def train_local(
@@ -206,13 +194,11 @@ def train_local(
         if proximal_reference is None:
             raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
         state_names = list(model.adapter_state("local"))  # matched to the parameters by order
-        if len(params) != len(state_names):
-            raise RuntimeError("adapter parameters and adapter_state keys disagree")
         proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
 
     def dp_step(frame: pd.DataFrame) -> list[tuple[Batch, float]]:  # a DP-SGD step's sample, in order
-        batches = _batches(model, frame, mcfg, cfg, False, 0, cfg.bucket_by_length, keep=False)
+        batches = make_batches(frame, model, mcfg, cfg.batch_size, False, 0, cfg.bucket_by_length)
         return [(b, per_example_loss_scale(b, kd.loss_normalisation, mcfg.max_target_length)) for b in batches]
 
     stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed, client, dp_step, proximal)
@@ -277,7 +263,12 @@ def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutpu
                 hard_mask = None
                 if masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
                     hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
-                logits_local, logits_global = _forward_logits(model, batch, two_paths, cache)
+                prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
+                # packed: the LM head and the loss run only on the real (non-padding) target tokens
+                if two_paths:
+                    logits_local, logits_global = model.forward_two_paths(batch, prefix, packed=True)
+                else:
+                    logits_local, logits_global = model.path_logits(prefix.to(model.device), "local", packed=True), None
                 labels = batch.labels.to(model.device)
                 out = distillation_loss(logits_local, logits_global, labels, kd, hard_mask=hard_mask)
                 stepper.backward(out.loss, weight)

@@ -107,8 +107,9 @@ def adamw_groups(params, cfg: TrainConfig, matrix_ndim: int = 2) -> list[dict[st
     return [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _proximal_term(stack: AdapterStack, r: int, reference: list[torch.Tensor], mu: float) -> torch.Tensor:
-    return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(stack.run_parameters(r), reference))
+def proximal_term(params: list[torch.Tensor], reference: list[torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's ``mu/2 ||W - W_global||^2`` over ``params`` and their global values ``reference``."""
+    return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(params, reference))
 
 
 def stacked_logits(
@@ -224,7 +225,7 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
                     out = losses.distillation_loss(student, z_g, batches[r].labels, job.kd, hard_mask=hard)
                     loss = out.loss
                     if job.proximal is not None:
-                        proximal[r] = _proximal_term(local, r, job.proximal.reference, job.proximal.mu)
+                        proximal[r] = proximal_term(local.run_parameters(r), job.proximal.reference, job.proximal.mu)
                         loss = loss + proximal[r]
                     total = total + loss * job.steps[s][m][1]
                     out.loss = out.loss.detach()
@@ -288,7 +289,8 @@ def _within_budget(jobs: list[LocalJob], members: list[int]) -> list[list[int]]:
 
 
 def train_jobs(jobs: list[LocalJob]) -> list[JobOutput | Exception]:
-    """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups."""
+    """Every job's output in order (an exception for each job of a group that failed), the jobs trained in groups
+    (train_group looked up per call: tests/reliability.py wraps it)."""
     return _in_groups(jobs, train_group)
 
 

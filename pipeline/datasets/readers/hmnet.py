@@ -36,24 +36,23 @@ class HMNetMeeting(UpstreamRecord):
     summary: list[str]
 
 
-def hmnet_chunks(dataset: str) -> list[tuple[str, str]]:
-    """(upstream split, path) of each chunk file of ``dataset``."""
+def hmnet_files(dataset: str) -> dict[str, str]:
+    """Each chunk file of ``dataset`` and its split key."""
     corpus = HMNET_CORPUS[dataset]
-    return [
-        (split, f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz")
+    return {
+        f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz": (
+            f"{dataset}/{corpus}/{normalise_split(split)}"
+        )
         for split, n in HMNET_CHUNKS[dataset].items()
         for k in range(n)
-    ]
+    }
 
 
 def read_hmnet(
     directory: Path, report: IngestReport, allow_absent: list[str], dataset: str
 ) -> Iterator[CanonicalRecord]:
-    corpus = HMNET_CORPUS[dataset]
     meetings: dict[str, str] = {}
-    for split, display, line_no, raw in split_json_lines(
-        directory, hmnet_chunks(dataset), f"{dataset}/{corpus}", allow_absent, report
-    ):
+    for corpus, split, display, line_no, raw in split_json_lines(directory, hmnet_files(dataset), allow_absent, report):
         where = f"{display}:{line_no}"
         meeting = parse_record(HMNetMeeting, raw, where)
         _unique(meetings, meeting.id, where, "meeting id")
@@ -80,14 +79,12 @@ def read_hmnet(
         )
 
 
-for _dataset, _corpus in HMNET_CORPUS.items():
+for _dataset in HMNET_CORPUS:
     register_reader(
         DatasetSpec(
             _dataset,
             read=lambda d, r, a, dataset=_dataset: read_hmnet(d, r, a, dataset),
-            files=lambda dataset=_dataset, corpus=_corpus: {
-                path: f"{dataset}/{corpus}/{normalise_split(split)}" for split, path in hmnet_chunks(dataset)
-            },
+            files=lambda dataset=_dataset: hmnet_files(dataset),
             upstream_path=lambda rel: rel[len(HMNET_PREFIX) :],  # the download address is the HMNet repository itself
             url="https://raw.githubusercontent.com/microsoft/HMNet/416966c63e3cb7a57dc59b4ce8fa76f11fd048be",
         )

@@ -60,55 +60,57 @@ def _parse_span(raw: Any, n_turns: int, where: str) -> tuple[int, int]:
     return start, end
 
 
+def qmsum_files() -> dict[str, str]:
+    return {
+        f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}"
+        for d in QMSUM_DOMAINS
+        for s in ("train", "val", "test")
+    }
+
+
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     meetings: dict[str, dict[str, str]] = {}  # per file
-    for domain in QMSUM_DOMAINS:
-        files = [(s, f"data/{domain}/jsonl/{s}.jsonl") for s in ("train", "val", "test")]
-        for split, display, line_no, raw in split_json_lines(directory, files, f"qmsum/{domain}", allow_absent, report):
-            where = f"{display}:{line_no}"
-            meeting = parse_record(QMSumMeeting, raw, where)
-            turns = [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]
-            meeting_id = qmsum_meeting_id(raw["meeting_transcripts"])
-            _unique(meetings.setdefault(display, {}), meeting_id, where, "meeting (identical transcript)")
-            for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
-                for qi, q in enumerate(getattr(meeting, key)):
-                    qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
-                    if query_type == "specific":
-                        spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]
-                        # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
-                        selected = [t for start, end in spans for t in turns[start:end]]
-                        empty = sum(1 for start, end in spans if start == end)
-                        if empty:
-                            report.note("specific spans with start == end (empty slice, kept)", empty)
-                        if not selected:
-                            report.note("specific queries whose spans select no turn (kept, query only)")
-                    else:
-                        spans, selected = [], list(turns)
-                    yield CanonicalRecord(
-                        dataset="qmsum",
-                        domain=domain,
-                        split=split,
-                        meeting_id=meeting_id,
-                        query_index=qi,
-                        query=q.query,
-                        query_type=query_type,
-                        turns=selected,
-                        spans=spans,
-                        summary=q.answer,
-                        source_file=display,
-                        source_line=line_no,
-                    )
+    for domain, split, display, line_no, raw in split_json_lines(directory, qmsum_files(), allow_absent, report):
+        where = f"{display}:{line_no}"
+        meeting = parse_record(QMSumMeeting, raw, where)
+        turns = [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]
+        meeting_id = qmsum_meeting_id(raw["meeting_transcripts"])
+        _unique(meetings.setdefault(display, {}), meeting_id, where, "meeting (identical transcript)")
+        for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
+            for qi, q in enumerate(getattr(meeting, key)):
+                qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
+                if query_type == "specific":
+                    spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]
+                    # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
+                    selected = [t for start, end in spans for t in turns[start:end]]
+                    empty = sum(1 for start, end in spans if start == end)
+                    if empty:
+                        report.note("specific spans with start == end (empty slice, kept)", empty)
+                    if not selected:
+                        report.note("specific queries whose spans select no turn (kept, query only)")
+                else:
+                    spans, selected = [], list(turns)
+                yield CanonicalRecord(
+                    dataset="qmsum",
+                    domain=domain,
+                    split=split,
+                    meeting_id=meeting_id,
+                    query_index=qi,
+                    query=q.query,
+                    query_type=query_type,
+                    turns=selected,
+                    spans=spans,
+                    summary=q.answer,
+                    source_file=display,
+                    source_line=line_no,
+                )
 
 
 register_reader(
     DatasetSpec(
         "qmsum",
         read_qmsum,
-        lambda: {
-            f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}"
-            for d in QMSUM_DOMAINS
-            for s in ("train", "val", "test")
-        },
+        qmsum_files,
         url="https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
     )
 )

@@ -20,6 +20,10 @@ SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 _TURN_SEP = re.compile(r"\r\n|\n")
 
 
+def samsum_files() -> dict[str, str]:
+    return {name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES}
+
+
 class SamsumDialogue(UpstreamRecord):
     id: str
     dialogue: str
@@ -52,8 +56,7 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues: dict[str, str] = {}
-    files = [(name.removesuffix(".json"), name) for name in SAMSUM_FILES]
-    for split, display, line_no, raw in split_json_lines(directory, files, "samsum/SAMSum", allow_absent, report):
+    for _, split, display, line_no, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
         where = f"{display}:{line_no}"
         rec = parse_record(SamsumDialogue, raw, where)
         _unique(dialogues, rec.id, where, "dialogue id")
@@ -86,7 +89,7 @@ register_reader(
     DatasetSpec(
         "samsum",
         read_samsum,
-        lambda: {name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES},
+        samsum_files,
         _download,
         url="https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/"
         "c956de19db32c7cf9e60259d88cbab0d27e82ee6/samsum.zip",

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.common.schema import DataError, IngestReport, normalise_split
+from pipeline.common.schema import DataError, IngestReport
 
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
@@ -85,25 +85,24 @@ def _unique(seen: dict[Any, str], key: Any, where: str, what: str) -> None:
 
 
 def split_json_lines(
-    directory: Path, files: list[tuple[str, str]], split_key_prefix: str, allow_absent: list[str], report: IngestReport
-) -> Iterator[tuple[str, str, int, Any]]:
-    """The JSON lines of a dataset's split files, ``files`` as (upstream split, file name) pairs: yields
-    (split, display name, line number, record). An absent split file is skipped (counted) only
-    where ``allow_absent`` names ``<split_key_prefix>/<split>``; a file without a line is an error unless allowed
-    and the split's only file (one empty chunk of a split that has others is a damaged copy)."""
-    files_of = Counter(upstream_split for upstream_split, _ in files)
-    for upstream_split, name in files:
-        display = f"{split_key_prefix.split('/')[0]}/{name}"
-        split = normalise_split(upstream_split, display)
-        split_key = f"{split_key_prefix}/{split}"
+    directory: Path, files: dict[str, str], allow_absent: list[str], report: IngestReport
+) -> Iterator[tuple[str, str, str, int, Any]]:
+    """The JSON lines of a dataset's split files, ``files`` as its registration declares them (file -> split key
+    ``<dataset>/<domain>/<split>``): yields (domain, split, display name, line number, record). An absent split file
+    is skipped (counted) only where ``allow_absent`` names its split key; a file without a line is an error unless
+    allowed and the split's only file (one empty chunk of a split that has others is a damaged copy)."""
+    files_of = Counter(files.values())
+    for name, split_key in files.items():
+        dataset, domain, split = split_key.split("/")
+        display = f"{dataset}/{name}"
         if not (directory / name).is_file() and absent_allowed(split_key, allow_absent):
             report.note(f"absent split files allowed by ingest.allow_absent_splits ({split_key})")
             continue
         n_lines = 0
         for line_no, rec in _json_lines(directory / name, display):
             n_lines += 1
-            yield split, display, line_no, rec
-        if n_lines == 0 and not (files_of[upstream_split] == 1 and absent_allowed(split_key, allow_absent)):
+            yield domain, split, display, line_no, rec
+        if n_lines == 0 and not (files_of[split_key] == 1 and absent_allowed(split_key, allow_absent)):
             raise DataError(
                 f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
                 f"be absent, add {split_key!r} to ingest.allow_absent_splits"
