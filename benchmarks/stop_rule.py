@@ -9,20 +9,77 @@ projection on a known curve.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import yaml
+from scipy.optimize import curve_fit
 
 from pipeline.experiments.train_config import StopConfig
 from pipeline.results.readers import read_rounds
-from pipeline.training.stopping import mean_val_loss_by_round, projected_stop
+from pipeline.training.stopping import mean_val_loss_by_round, plateaued
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "reports/cpu-study/train"
 BEGIN, END = "<!-- stop-rule:begin -->", "<!-- stop-rule:end -->"
 REPLACED = StopConfig(enabled=True, min_rel_improvement=0.005, patience=3, max_rounds=40)  # issue 28's rule
 HOLDOUT_FIT = 6  # rounds the holdout fit sees; it predicts the rest
+
+
+# --- what the rule leaves on the table: a power law fitted to a run's curve (docs/statistics.md, "Stop rule") ---
+
+
+def power_law(rounds: np.ndarray, a: float, b: float, c: float) -> np.ndarray:
+    """Validation loss a + b * round^-c: a the floor it tends to, c how fast it gets there."""
+    return a + b * np.asarray(rounds, dtype=float) ** -c
+
+
+def fit_power_law(rounds: Sequence[int], losses: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares (a, b, c) of :func:`power_law` through a run's client-average validation losses (a >= 0,
+    b >= 0, 0.01 <= c <= 5)."""
+    t, y = np.asarray(rounds, dtype=float), np.asarray(losses, dtype=float)
+    start = (max(float(y[-1]) - 0.5, 0.0), float(y[0] - y[-1]) + 0.5, 0.5)
+    params, _ = curve_fit(power_law, t, y, p0=start, bounds=([0.0, 0.0, 0.01], [np.inf, np.inf, 5.0]), maxfev=20000)
+    return tuple(float(x) for x in params)
+
+
+def projected_stop(
+    rounds: Sequence[int], losses: Sequence[float], stop, fit_rounds: int | None = None
+) -> dict[str, float | int | None]:
+    """Where the rule of ``stop`` would end a run whose curve goes on as the power law fitted to its first
+    ``fit_rounds`` rounds (all by default), and what it would leave: the fit's error on the rounds it did not see
+    (``holdout_error``, max abs, nats; None when it saw all), the round the rule holds (None: not before
+    ``stop.max_rounds``, the ceiling), the projected fall from round 1 to there (``gain_before``), the per-round
+    gain there and the projected gain from there to the ceiling (``remaining_gain``; 0 when the ceiling comes
+    first), all in nats."""
+    seen = len(rounds) if fit_rounds is None else fit_rounds
+    a, b, c = fit_power_law(rounds[:seen], losses[:seen])
+    holdout = (
+        float(np.abs(power_law(np.asarray(rounds[seen:]), a, b, c) - np.asarray(losses[seen:])).max())
+        if seen < len(rounds)
+        else None
+    )
+    curve = power_law(np.arange(1, stop.max_rounds + 1), a, b, c)
+    at = next(
+        (
+            r
+            for r in range(1, stop.max_rounds + 1)
+            if plateaued(list(curve[:r]), stop.min_rel_improvement, stop.patience)
+        ),
+        None,
+    )
+    end = at or stop.max_rounds
+    return {
+        "a": a,
+        "b": b,
+        "c": c,
+        "holdout_error": holdout,
+        "stop_round": at,
+        "gain_before": float(curve[0] - curve[end - 1]),
+        "gain_per_round": float(curve[end - 2] - curve[end - 1]),
+        "remaining_gain": float(curve[end - 1] - curve[-1]),
+    }
 
 
 def curves(train_dir: Path = TRAIN) -> dict[str, tuple[list[int], list[float]]]:

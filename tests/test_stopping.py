@@ -81,7 +81,7 @@ def test_a_rule_that_held_is_converged_although_the_last_round_is_best_by_a_hair
 
 
 def test_the_projection_recovers_a_power_law_and_where_the_rule_ends_it():
-    from pipeline.training.stopping import power_law, projected_stop
+    from benchmarks.stop_rule import power_law, projected_stop
 
     a, b, c = 4.0, 1.5, 0.5
     rounds = list(range(1, 11))
@@ -108,8 +108,7 @@ def test_the_gpu_study_rule_ends_every_committed_cpu_curve_before_its_ceiling():
     """The rule configs/gpu-study.yaml sets, on the CPU study's curves continued by their fitted power laws
     (benchmarks/stop_rule.py, the numbers of docs/statistics.md): it ends every run before the ceiling, where the
     per-round gain is below 0.005 nats; the rule it replaced ended them where they still fell 0.015 nats a round."""
-    from benchmarks.stop_rule import REPLACED, curves, gpu_study_stop
-    from pipeline.training.stopping import projected_stop
+    from benchmarks.stop_rule import REPLACED, curves, gpu_study_stop, projected_stop
 
     runs = curves()
     new = [projected_stop(r, loss, gpu_study_stop()) for r, loss in runs.values()]

@@ -7,7 +7,7 @@ copied to ``--keep`` (the evidence, ~0.1 MiB; the log holds no client text) and 
 each step's seconds; the training step's pace from every run's round bar in the log (seconds per round of the set,
 each run advancing one round); GPU utilisation and memory over the training from the nvidia-smi samples; and, per
 arm, how far the runs were from the stop rule of ``train.stop`` when the call ended, with the round the rule would
-hold if each run's curve goes on as the power law fitted to it (``pipeline.training.stopping.projected_stop``; its
+hold if each run's curve goes on as the power law fitted to it (``benchmarks.stop_rule.projected_stop``; its
 error on the last rounds it did not see says how far to trust it).
 """
 
@@ -74,7 +74,8 @@ def arm_of(experiment: str) -> str:
 def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict[str, Any]]:
     """Per arm: rounds reached, validation loss at round 1 and at the last, the last round's relative improvement,
     runs the rule called converged, and the power law's projected stop round and holdout error (over seeds)."""
-    from pipeline.training.stopping import plateaued, projected_stop, relative_improvements
+    from benchmarks.stop_rule import projected_stop
+    from pipeline.training.stopping import plateaued, relative_improvements
 
     by_arm: dict[str, list[str]] = defaultdict(list)
     for exp in sorted(rounds):
