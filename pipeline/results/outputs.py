@@ -207,7 +207,9 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     shared = comparisons.shared_ids(frames)
     if not shared:
         return None
-    per_client = [comparisons.stacked(frames, client, ids, "avg_rouge") for client, ids in shared.items()]
+    per_client = [
+        comparisons.stacked(comparisons.client_rows(frames, c, ids), "avg_rouge") for c, ids in shared.items()
+    ]
     r = mean_interval(per_client, cfg, meetings(shared.values()))
     return r.low, r.high
 
