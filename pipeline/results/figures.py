@@ -90,14 +90,9 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
     (its lowest seed trained), into ``made``; data in ``reports/plots/learning_curves/<study>--<configuration>.csv``.
     How many figures were drawn."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
-    labels = inp.labels
-    for p in inp.planned:
-        path = paths.train_report(p.name) / "rounds.json"
-        if not path.is_file():
-            continue
-        current = by_study[p.study].get(labels[p.name])
-        if current is None or p.seed < current[0]:
-            by_study[p.study][labels[p.name]] = (p.seed, path)
+    for p in sorted(inp.planned, key=lambda p: p.seed):  # each configuration's lowest seed with rounds
+        if (path := paths.train_report(p.name) / "rounds.json").is_file():
+            by_study[p.study].setdefault(inp.labels[p.name], (p.seed, path))
     drawn = 0
     for study, runs in sorted(by_study.items()):
         frames = {label: read_rounds(path) for label, (_, path) in sorted(runs.items())}
