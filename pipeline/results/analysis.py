@@ -23,6 +23,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.config import config
+from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.paths import ProjectPaths
 from pipeline.results import kd_analysis
@@ -70,11 +71,15 @@ class Analysis:
             return None
         gate = read_gate_log(gate_path)
         wu = kd_analysis.word_updates(gate, self.postags, self.cfg.word_rule, str(gate_path), str(self.paths.postags))
-        return {
-            "gate": gate,
-            "words": wu,
-            "clients": kd_analysis.usage_per_client(wu, best_rounds(train_path), train_path, gate_path),
-        }
+        best, clients = best_rounds(train_path), {}  # per client: its best round and KD usage ratio over 1..best
+        for client, words in wu.groupby("client"):
+            if client not in best:
+                raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
+            usage = zip(
+                ("kd_usage_ratio", "kd_word_updates", "word_updates"), kd_analysis.kd_usage_ratio(words, best[client])
+            )
+            clients[client] = {"best_round": best[client], **dict(usage)}
+        return {"gate": gate, "words": wu, "clients": clients}
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
         path = self.paths.eval_metrics(exp.name)

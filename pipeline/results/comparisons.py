@@ -115,9 +115,9 @@ def client_rows(frames: Iterable[pd.DataFrame], client: str, ids: list[str]) -> 
     return [f[f["client"] == client].set_index("example_id").loc[ids] for f in frames]
 
 
-def stacked(frames: Iterable[pd.DataFrame], client: str, ids: list[str], column: str) -> np.ndarray:
-    """``column`` of one client's examples ``ids``, one row per frame (seed): [n_seeds, n_examples]."""
-    return np.stack([f[column].to_numpy(dtype=float) for f in client_rows(frames, client, ids)])
+def stacked(rows: list[pd.DataFrame], column: str) -> np.ndarray:
+    """``column`` of one client's :func:`client_rows`, one row per frame (seed): [n_seeds, n_examples]."""
+    return np.stack([f[column].to_numpy(dtype=float) for f in rows])
 
 
 def _predictions(path: Path) -> dict[tuple[str, str], str]:
@@ -154,14 +154,8 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         mostly_identical = bool(not math.isnan(identical) and identical > cfg.identical_warning)
         clusters = meetings(shared[c] for c in clients)  # QMSum: a meeting's queries are one cluster
         for metric in METRICS:
-            r = paired_difference(
-                *(
-                    [np.stack([f[f"{metric}_{side}"].to_numpy(dtype=float) for f in rows[c]]) for c in clients]
-                    for side in "ab"
-                ),
-                cfg,
-                clusters,
-            )
+            sides = ([stacked(rows[c], f"{metric}_{side}") for c in clients] for side in "ab")
+            r = paired_difference(*sides, cfg, clusters)
             # a row in COLUMNS order; p_holm is with_holm's, over the study's family
             pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
             interval = (r.estimate, r.low, r.high, r.p_value, math.nan, r.n_examples, r.n_seeds)

@@ -209,11 +209,11 @@ def log_to_mlflow(
     from pipeline.results.tracking import RunLogger, _client, experiment_id
 
     name, study = metrics["experiment"], str(experiment.get("study") or "main")
-    experiment_id(study, study_description(study))  # the study's description, which training does not set
+    exp_id = experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id")
     if not run_id:  # the train stage's latest run of exactly this plan (two ablation points share a name)
         runs = _client().search_runs(
-            [experiment_id(study)],
+            [exp_id],
             order_by=["attributes.start_time DESC"],
             max_results=1,
             filter_string=f"tags.experiment = '{name}' and tags.plan_hash = '{record_hash(experiment)}'",

@@ -24,7 +24,9 @@ from pipeline.results.tables import Made, ReportInputs
 def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> str:
     """A study's figure from its bars ``data``: average ROUGE per client (x) and configuration (bars), one panel per
     value of the entry's ``facet_col``, the paper's values as black ticks; its data beside it."""
-    facet_col, paper = entry.facet_col, entry.paper(data) if entry.paper is not None else None
+    facet_col, table = entry.facet_col, entry.paper or {}
+    # (client, configuration label) -> the paper's average ROUGE for the bar's method and client
+    paper = {(c, lab): v for lab, m in zip(data["label"], data["method"]) for c, v in table.get(m, {}).items()}
     fig_path, plot_path = paths.figures / f"{entry.study}.png", paths.plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
@@ -90,14 +92,9 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
     (its lowest seed trained), into ``made``; data in ``reports/plots/learning_curves/<study>--<configuration>.csv``.
     How many figures were drawn."""
     by_study: dict[str, dict[str, tuple[int, Path]]] = defaultdict(dict)
-    labels = inp.labels
-    for p in inp.planned:
-        path = paths.train_report(p.name) / "rounds.json"
-        if not path.is_file():
-            continue
-        current = by_study[p.study].get(labels[p.name])
-        if current is None or p.seed < current[0]:
-            by_study[p.study][labels[p.name]] = (p.seed, path)
+    for p in sorted(inp.planned, key=lambda p: p.seed):  # each configuration's lowest seed with rounds
+        if (path := paths.train_report(p.name) / "rounds.json").is_file():
+            by_study[p.study].setdefault(inp.labels[p.name], (p.seed, path))
     drawn = 0
     for study, runs in sorted(by_study.items()):
         frames = {label: read_rounds(path) for label, (_, path) in sorted(runs.items())}
@@ -130,23 +127,12 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
 
 
 # The study figures' registry, STUDY_FIGURES (a study's figure is one StudyFigure; every study gets its table without
-# one), and the privacy study's figure. PaperValues: (client, configuration label) -> the paper's average ROUGE.
-PaperValues = dict[tuple[str, str], float]
+# one), and the privacy study's figure.
 
 
 def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
     """The main study's (3-client, every round) rows of ``methods``."""
     return agg[(agg["study"] == "main") & agg["method"].isin(methods)].copy()
-
-
-def with_main_baselines(*methods: str) -> Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame]:
-    """Bars: the study's rows plus the main study's runs of ``methods`` the study itself did not run."""
-
-    def bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
-        base = main_rows_of(agg, {m for m in methods if m not in set(rows["method"])})
-        return pd.concat([rows, base], ignore_index=True)
-
-    return bars
 
 
 def extreme_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
@@ -164,13 +150,6 @@ def sampling_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
     """Panels: the main study's runs of the same methods (every client every round) beside the sampled ones."""
     base = main_rows_of(agg, set(rows["method"])).assign(setting="all clients every round (main study)")
     return pd.concat([base, rows.assign(setting="2 of 3 clients per round")], ignore_index=True)
-
-
-def paper_by_method(table: dict[str, dict[str, float]]) -> Callable[[pd.DataFrame], PaperValues]:
-    """The bars -> the paper's value for each bar's method and client, from ``table`` (method -> client -> value)."""
-    return lambda bars: {
-        (c, lab): v for lab, m in zip(bars["label"], bars["method"]) for c, v in table.get(m, {}).items()
-    }
 
 
 def pre_addition_stand_in(agg: pd.DataFrame) -> pd.DataFrame:
@@ -198,7 +177,8 @@ class StudyFigure:
     # (study rows, all rows) -> the bars drawn (None: the study's own rows)
     bars: Callable[[pd.DataFrame, pd.DataFrame], pd.DataFrame] | None = None
     facet_col: str | None = None  # one panel per value of this column of the bars
-    paper: Callable[[pd.DataFrame], PaperValues] | None = None  # the bars -> the paper's values beside them
+    main_baselines: tuple[str, ...] = ()  # bars too: the main study's runs of these methods the study did not run
+    paper: dict[str, dict[str, float]] | None = None  # the paper's values beside the bars: method -> client -> value
 
 
 # In the order the figures are listed in reports/README.md. The tau sweep's figure (ROUGE and KD usage against
@@ -214,17 +194,15 @@ STUDY_FIGURES: tuple[StudyFigure, ...] = (
     StudyFigure(
         "server",
         "Server algorithms (paper: BART-large)",
-        with_main_baselines("fedavg", "fedselectkd"),
-        paper=paper_by_method(published.SERVER_AVG_ROUGE),
+        main_baselines=("fedavg", "fedselectkd"),
+        paper=published.SERVER_AVG_ROUGE,
     ),
     StudyFigure(
         "new_client",
         "New client (SAMSum joins) (paper: BART-large)",
-        with_main_baselines("fedselectkd"),
+        main_baselines=("fedselectkd",),
         # SelectKD's run in this study is the paper's three-client setting, before SAMSum joins
-        paper=paper_by_method(
-            published.NEW_CLIENT_AVG_ROUGE | {"fedselectkd": published.NEW_CLIENT_AVG_ROUGE["three_clients"]}
-        ),
+        paper=published.NEW_CLIENT_AVG_ROUGE | {"fedselectkd": published.NEW_CLIENT_AVG_ROUGE["three_clients"]},
     ),
 )
 
@@ -236,6 +214,9 @@ def study_figures(agg: pd.DataFrame, paths: ProjectPaths, made: Made) -> None:
         if rows.empty:
             made.not_made[f"figure {entry.study}"] = f"no evaluated experiment of study `{entry.study}`"
             continue
+        if entry.main_baselines:
+            base = main_rows_of(agg, set(entry.main_baselines) - set(rows["method"]))
+            rows = pd.concat([rows, base], ignore_index=True)
         bars = entry.bars(rows, agg) if entry.bars is not None else rows
         made.files["figures"].append(bar_figure(bars, entry, paths))
 

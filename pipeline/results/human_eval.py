@@ -249,14 +249,14 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             outcome = "tie" if choice == "tie" else ("win" if choice == entry.target_side else "loss")
             judged.append((entry.opponent, entry.domain, outcome))
             per_file[f.name] += 1
-    counts = Counter(judged)
+    counts, outcomes = Counter(judged), Counter((o, r) for o, _, r in judged)
     opponents = sorted({o for o, _, _ in judged})
-    totals = {
-        o: {r: sum(n for (oo, _, rr), n in counts.items() if (oo, rr) == (o, r)) for r in OUTCOMES} for o in opponents
-    }
     return {
         "target": data["target"],
-        "opponents": {o: {**c, "n": sum(c.values())} for o, c in totals.items()},
+        "opponents": {
+            o: {r: outcomes[(o, r)] for r in OUTCOMES} | {"n": sum(outcomes[(o, r)] for r in OUTCOMES)}
+            for o in opponents
+        },
         "by_domain": {
             o: {d: {r: counts[(o, d, r)] for r in OUTCOMES} for d in sorted({d for oo, d, _ in judged if oo == o})}
             for o in opponents

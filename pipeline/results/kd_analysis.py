@@ -129,17 +129,6 @@ def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
 
 
-def usage_per_client(words: pd.DataFrame, best: dict[str, int], train_path: Any, gate_path: Any) -> dict[str, Any]:
-    """Per client of one experiment's word updates: its best round and KD usage ratio over rounds 1..best."""
-    per_client = {}
-    for client, upd in words.groupby("client"):
-        if client not in best:
-            raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
-        usage = zip(("kd_usage_ratio", "kd_word_updates", "word_updates"), kd_usage_ratio(upd, best[client]))
-        per_client[client] = {"best_round": best[client], **dict(usage)}
-    return per_client
-
-
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample std; the std of one value is undefined (NaN, written as null), never 0."""
     arr = np.asarray(values, dtype=float)
@@ -150,7 +139,7 @@ def client_summary(
     client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]], tau: float | None
 ) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
-    (experiment -> the client's :func:`usage_per_client` entry; ``words`` and ``gate`` carry an ``experiment``
+    (experiment -> the client's best round and KD usage ratio, Analysis.usage; ``words`` and ``gate`` carry an ``experiment``
     column): its entry of kd_analysis.json, its token updates once per round pooled over the experiments (seeds),
     and their :func:`gate_per_round`."""
     window = pd.concat(

@@ -63,8 +63,7 @@ def write_tables(
         # the seeds every main method has, so no method's mean is over seeds another lacks
         seeds = shared_seeds(scores[(scores["study"] == "main") & (scores["backbone"] == backbone)])
         kept = scores[(scores["study"] != "main") | scores["seed"].isin(seeds)] if seeds else scores
-        paired = figures.pre_addition_stand_in(tables.aggregate(kept, inp))
-        table = tables.main_table(paired, backbone, inp)
+        table = tables.main_table(tables.aggregate(kept, inp), backbone, inp)  # main_table reads main rows only
         slug = re.sub(r"[^A-Za-z0-9._-]+", "-", backbone.rsplit("/", 1)[-1]).strip("-").lower() or "unknown"
         stem = tables_dir / f"main_{slug}"
         note = (
@@ -207,7 +206,9 @@ def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapC
     shared = comparisons.shared_ids(frames)
     if not shared:
         return None
-    per_client = [comparisons.stacked(frames, client, ids, "avg_rouge") for client, ids in shared.items()]
+    per_client = [
+        comparisons.stacked(comparisons.client_rows(frames, c, ids), "avg_rouge") for c, ids in shared.items()
+    ]
     r = mean_interval(per_client, cfg, meetings(shared.values()))
     return r.low, r.high
 

@@ -42,10 +42,16 @@ class Interval:
         return bool(self.low > 0.0 or self.high < 0.0)
 
 
-def _groups(per_client: list[np.ndarray], clusters: list[np.ndarray] | None) -> list[np.ndarray]:
-    """Per client, each example's group as 0..G-1 (every example its own group without ``clusters``)."""
+def _checked(per_client: list[np.ndarray], clusters: list[np.ndarray] | None) -> tuple[int, list[np.ndarray]]:
+    """The number of seeds every client's [n_seeds, n_examples] array has, and per client each example's group as
+    0..G-1 (every example its own group without ``clusters``)."""
+    if not per_client:
+        raise ValueError("bootstrap: no client has scores")
+    n_seeds = {a.shape[0] for a in per_client}
+    if len(n_seeds) != 1 or 0 in n_seeds or any(a.shape[1] == 0 for a in per_client):
+        raise ValueError("bootstrap: every client needs the same seeds and at least one example")
     if clusters is None:
-        return [np.arange(a.shape[1]) for a in per_client]
+        return n_seeds.pop(), [np.arange(a.shape[1]) for a in per_client]
     if len(clusters) != len(per_client):
         raise ValueError(f"bootstrap: {len(clusters)} cluster arrays for {len(per_client)} clients")
     out = []
@@ -54,7 +60,7 @@ def _groups(per_client: list[np.ndarray], clusters: list[np.ndarray] | None) -> 
         if c.shape != (a.shape[1],):
             raise ValueError(f"bootstrap: {c.shape[0] if c.ndim else 0} cluster ids for {a.shape[1]} examples")
         out.append(np.unique(c, return_inverse=True)[1].ravel())
-    return out
+    return n_seeds.pop(), out
 
 
 def _one_seed(
@@ -73,16 +79,6 @@ def _one_seed(
     low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
     observed = float(np.mean([a.mean() for a in per_client]))
     return Interval(observed, float(low), float(high), math.nan, sum(a.shape[1] for a in per_client), 1), reps
-
-
-def _checked(per_client: list[np.ndarray]) -> int:
-    """The number of seeds every client's [n_seeds, n_examples] array has."""
-    if not per_client:
-        raise ValueError("bootstrap: no client has scores")
-    n_seeds = {a.shape[0] for a in per_client}
-    if len(n_seeds) != 1 or 0 in n_seeds or any(a.shape[1] == 0 for a in per_client):
-        raise ValueError("bootstrap: every client needs the same seeds and at least one example")
-    return n_seeds.pop()
 
 
 def _cluster_variance(x: np.ndarray, g: np.ndarray) -> float:
@@ -124,7 +120,7 @@ def mean_interval(
     """Interval of one method's client-average score; ``per_client``: one array [n_seeds, n_examples] a client;
     ``clusters``: as for :func:`paired_difference`."""
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
-    seeds, groups = _checked(arrays), _groups(arrays, clusters)
+    seeds, groups = _checked(arrays, clusters)
     if seeds > 1:
         return dataclasses.replace(_seeds_t(arrays, groups, cfg), p_value=math.nan)
     return _one_seed(arrays, groups, cfg)[0]
@@ -146,7 +142,7 @@ def paired_difference(
         if a.shape != b.shape:
             raise ValueError(f"paired bootstrap: shapes differ {a.shape} vs {b.shape} (pair seeds and examples first)")
         diffs.append(a - b)
-    seeds, groups = _checked(diffs), _groups(diffs, clusters)
+    seeds, groups = _checked(diffs, clusters)
     if seeds > 1:
         return _seeds_t(diffs, groups, cfg)
     interval, reps = _one_seed(diffs, groups, cfg)

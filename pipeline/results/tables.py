@@ -89,13 +89,9 @@ def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     keys = [*GROUP_COLS, "backbone", "client"]
     columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
     out_rows = []
-    frame = scores.copy()
-    frame["tau"] = frame["tau"].astype(object).where(frame["tau"].notna(), None)
-    for key, grp in frame.groupby(keys, dropna=False, sort=False):
-        rec = dict(zip(keys, key))
+    for key, grp in scores.groupby(keys, dropna=False, sort=False):
+        rec = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in zip(keys, key)}
         config = tuple(rec[c] for c in GROUP_COLS)
-        config = tuple(None if (isinstance(v, float) and math.isnan(v)) else v for v in config)
-        rec["tau"] = config[4]
         seeds = sorted(int(s) for s in grp["seed"])
         want = expected | planned_seeds.get(config, set())
         for m in METRICS:
