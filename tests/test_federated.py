@@ -233,6 +233,46 @@ def test_fednova_normalises_updates_by_local_steps():
     assert abs(float(arrays["w"].numpy()[0]) - 6.25) > 0.1
 
 
+def test_the_in_process_grid_keeps_a_receivers_changes_from_the_sender():
+    """Server and client share only the Arrays' immutable bytes: whatever either side changes in what it received
+    (a record's entries, a config's list, the metadata) stays on its side, both ways."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+
+    app, kept = ClientApp(), []
+
+    @app.train()
+    def train(msg, context):
+        msg.content["arrays"]["w"] = Array(np.zeros(2, dtype=np.float32))
+        del msg.content["arrays"]["v"]
+        msg.content["config"]["steps"].append(99)
+        msg.content["extra"] = ConfigRecord({"x": 1})
+        msg.metadata.__dict__["_group_id"] = "changed"
+        reply = Message(RecordDict({"arrays": ArrayRecord({"u": Array(np.ones(3, dtype=np.float32))})}), reply_to=msg)
+        kept.append(reply)
+        return reply
+
+    _set_server_identity(1)
+    grid = InProcessGrid(app, [{"client-name": "a"}, {"client-name": "b"}])
+    downlink = ArrayRecord({"w": Array(np.arange(2, dtype=np.float32)), "v": Array(np.ones(1, dtype=np.float32))})
+    sent = [
+        Message(RecordDict({"arrays": downlink, "config": ConfigRecord({"steps": [1, 2]})}), n, "train", group_id="1")
+        for n in grid.get_node_ids()
+    ]
+    replies = list(grid.send_and_receive(sent))
+    for m in sent:  # both clients changed their copy of the one downlink record
+        assert list(m.content["arrays"]) == ["w", "v"] and m.content["arrays"]["w"].numpy().tolist() == [0.0, 1.0]
+        assert m.content["config"]["steps"] == [1, 2] and list(m.content) == ["arrays", "config"]
+        assert m.metadata.group_id == "1"
+    for reply in replies:  # the server changes what it got back
+        reply.content["arrays"]["u"] = Array(np.zeros(1, dtype=np.float32))
+        reply.content["arrays"]["t"] = Array(np.zeros(1, dtype=np.float32))
+    assert [list(r.content["arrays"]) for r in kept] == [["u"], ["u"]]
+    assert all(r.content["arrays"]["u"].numpy().tolist() == [1.0, 1.0, 1.0] for r in kept)
+
+
 # ------------------------------------------------------------------------------------------ client reply
 def test_client_reply_holds_only_adapter_tensors_and_counts(ws):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict

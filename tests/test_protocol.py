@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 # imported here, not only in the tests: mutmut's fork server imports the test modules once
 import pipeline.federation.engines  # noqa: F401,E402
@@ -126,7 +126,12 @@ def test_the_server_decodes_the_clients_adapter_within_the_bound_of_what_was_enc
     diff = {k: local[k] - received[k] for k in local}  # the update as float32 arithmetic leaves it
     record = encode_reply(local, plan, received)
     encoded = record.to_torch_state_dict()
-    decoded = decode_reply(record, plan, received)
+    decoded_record = decode_reply(record, plan, received)
+    decoded = decoded_record.to_torch_state_dict()
+    # what the strategy aggregates: the decoded state's own record, byte for byte
+    assert [a.data for a in decoded_record.values()] == [
+        a.data for a in ArrayRecord.from_torch_state_dict(decoded).values()
+    ]
     for k in local:
         err = float((decoded[k] - local[k]).abs().max())
         if dtype == "fp32":
@@ -145,7 +150,7 @@ def test_the_server_decodes_the_clients_adapter_within_the_bound_of_what_was_enc
 
 
 def test_payload_bytes_count_every_array_record_and_nothing_else(ws):
-    from flwr.app import Array, ArrayRecord
+    from flwr.app import Array
 
     from pipeline.federation.protocol import payload_bytes
 

@@ -31,8 +31,8 @@ log = logging.getLogger("fedmeet.federated")
 class InProcessGrid(Grid):
     """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other (in a set:
     at the set's round barrier, with the other runs' clients). Each node keeps its own Context across rounds, as a
-    SuperNode does; messages are deep-copied both ways (client and server share no objects); a ClientApp exception
-    becomes an error reply, as Flower's runtimes report it."""
+    SuperNode does; messages are copied both ways (client and server share no object a change could reach, see
+    :func:`_copy`); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
 
     def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], barrier: RoundBarrier | None = None):
         self.client_app = client_app
@@ -63,7 +63,7 @@ class InProcessGrid(Grid):
         ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
-            self._pending[msg.metadata.message_id] = copy.deepcopy(msg)
+            self._pending[msg.metadata.message_id] = _copy(msg)
             ids.append(msg.metadata.message_id)
         return ids
 
@@ -75,7 +75,7 @@ class InProcessGrid(Grid):
             reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
             log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
             reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
-        return copy.deepcopy(reply)
+        return _copy(reply)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         messages = [self._pending.pop(mid) for mid in message_ids]
@@ -85,6 +85,13 @@ class InProcessGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(list(self.push_messages(messages)))
+
+
+def _copy(msg: Message) -> Message:
+    """A deep copy of ``msg`` but for its Arrays, which both sides share: an Array holds its values as bytes, which
+    never change, and no one here sets an Array's fields (records, metadata and configs are the receiver's own)."""
+    arrays = [a for record in msg.content.array_records.values() for a in record.values()] if msg.has_content() else []
+    return copy.deepcopy(msg, {id(a): a for a in arrays})
 
 
 def _set_server_identity(run_id: int) -> None:

@@ -16,7 +16,7 @@ from flwr.serverapp import Grid
 from pipeline.common.config import from_dict
 from pipeline.experiments.plans import Plan, read_plan
 from pipeline.experiments.settings import CacheConfig
-from pipeline.federation.compression import decode_state, encode_state
+from pipeline.federation.compression import SCALE_SUFFIX, decode_state, encode_state
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY, NUM_STEPS_KEY
 from pipeline.training.shared_model import initial_adapter_state
 
@@ -106,14 +106,14 @@ def load_plan(path: str) -> Plan:
     return _plan_cached(str(p.resolve()), p.stat().st_mtime)
 
 
-def _delta(plan: Plan) -> bool:
+def delta_encoded(plan: Plan) -> bool:
     """Delta encoding applies: train.transfer_delta with a lossy encoding (fp32 is exact)."""
     return plan.train.transfer_delta and plan.train.transfer_dtype != "fp32"
 
 
 def downlink_reference(plan: Plan) -> dict[str, torch.Tensor] | None:
     """The reference of a delta-encoded downlink: the round-0 adapter, which every node derives on its own."""
-    return initial_adapter_state(plan) if _delta(plan) else None
+    return initial_adapter_state(plan) if delta_encoded(plan) else None
 
 
 def encode_global(state: dict[str, torch.Tensor], plan: Plan) -> ArrayRecord:
@@ -123,20 +123,26 @@ def encode_global(state: dict[str, torch.Tensor], plan: Plan) -> ArrayRecord:
 
 def decode_global(record: ArrayRecord, plan: Plan) -> dict[str, torch.Tensor]:
     """Client side: the float32 global from what the server sent."""
-    return decode_reply(record, plan, downlink_reference(plan))
+    return decode_state(record.to_torch_state_dict(), reference=downlink_reference(plan))
 
 
 def encode_reply(local: dict[str, torch.Tensor], plan: Plan, received: dict[str, torch.Tensor] | None) -> ArrayRecord:
     """Client -> server: the local adapter as it travels (delta encoding: against the global received)."""
     return ArrayRecord.from_torch_state_dict(
-        encode_state(local, plan.train.transfer_dtype, reference=received if _delta(plan) else None)
+        encode_state(local, plan.train.transfer_dtype, reference=received if delta_encoded(plan) else None)
     )
 
 
-def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
-    """Server side: the float32 local adapter of a reply; ``sent`` = this round's decoded global (as the client
-    decoded it, bit for bit)."""
-    return decode_state(record.to_torch_state_dict(), reference=sent if _delta(plan) else None)
+def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] | None) -> ArrayRecord:
+    """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
+    global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
+    encoding again gives their bytes back): the record is not read."""
+    if not delta_encoded(plan) and all(
+        a.dtype == "float32" and not k.endswith(SCALE_SUFFIX) for k, a in record.items()
+    ):
+        return record
+    decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta_encoded(plan) else None)
+    return ArrayRecord.from_torch_state_dict(decoded)
 
 
 def payload_bytes(content: RecordDict) -> int:

@@ -27,6 +27,7 @@ from pipeline.federation.protocol import (
     client_settings_config,
     decode_global,
     decode_reply,
+    delta_encoded,
     encode_global,
     load_plan,
     payload_bytes,
@@ -151,7 +152,7 @@ def run_server(
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
         # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
         downlink = encode_global(state, plan)
-        sent = decode_global(downlink, plan)  # what every client decodes
+        sent = decode_global(downlink, plan) if delta_encoded(plan) else None  # what every client decodes
         for m in messages:
             m.content[ARRAYS_KEY] = downlink
         waiting = {late} if joined_at is None else set()  # the late client before its round
@@ -268,7 +269,7 @@ def _left_out(r: _Round, row: dict[str, Any], why: str, error: str | None = None
 
 
 def _train_in_the_clear(
-    r: _Round, messages: list[Message], plan: Plan, sent: dict[str, torch.Tensor], global_arrays: ArrayRecord
+    r: _Round, messages: list[Message], plan: Plan, sent: dict[str, torch.Tensor] | None, global_arrays: ArrayRecord
 ) -> ArrayRecord | None:
     """The train step of a plain round; under client-level DP each decoded update is checked against this round's C
     and ``r.clipped`` gets (clipped or not, its norm) per aggregated client."""
@@ -284,9 +285,7 @@ def _train_in_the_clear(
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
         try:
-            reply.content[ARRAYS_KEY] = ArrayRecord.from_torch_state_dict(
-                decode_reply(reply.content[ARRAYS_KEY], plan, sent)
-            )
+            reply.content[ARRAYS_KEY] = decode_reply(reply.content[ARRAYS_KEY], plan, sent)
             update = r.client_level.clipped(reply, global_arrays, r.clipping_norm) if r.client_level else (0, 0.0)
             why = None if update is not None else f"its update is not clipped within C={r.clipping_norm:g}"
         except (KeyError, ValueError) as exc:
