@@ -225,9 +225,9 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
         sched.step()
         opt.zero_grad(set_to_none=True)
         seen += len(idx)
-        window.append(loss.item())
+        window.append(loss.detach())  # read at the log step: no host sync per step, so the host runs ahead
         if step % wc.log_every == 0 or step == wc.steps:
-            mean = float(np.mean(window))
+            mean = float(np.mean(torch.stack(window).tolist()))
             elapsed = time.perf_counter() - t0
             loss_log.append({"step": step, "loss": round(mean, 4), "seconds": round(elapsed, 1)})
             bar.set_postfix(loss=f"{mean:.3f}", ex_s=f"{seen / elapsed:.1f}")
