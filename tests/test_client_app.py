@@ -76,18 +76,19 @@ def _checkpoints(plan, name: str, context: Context, rounds: dict[int, tuple[floa
 
 
 def test_a_running_client_keeps_its_adapter_from_its_state(ws):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, _local_adapter, _restore_client_state
 
     plan = _plan()
     context = _context(**{"client-name": "Academic"})
     _checkpoints(plan, "Academic", context, {1: (1.0, True, None)})  # an older checkpoint on disk
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(_state(7.0))
-    got = _restore_client_state(context, plan, "Academic", 2)
+    _restore_client_state(context, plan, "Academic", 2)
+    got = _local_adapter(context)
     assert all(torch.equal(got[k], v) for k, v in _state(7.0).items())
 
 
 def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(ws, caplog):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _restore_client_state
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _local_adapter, _restore_client_state
     from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-resume")
@@ -95,7 +96,8 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
     _checkpoints(plan, "Committee", first, {2: (2.0, True, 8), 3: (3.0, True, 12)})
     restarted = _context(**{"client-name": "Committee"})
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
-        got = _restore_client_state(restarted, plan, "Committee", 4)
+        _restore_client_state(restarted, plan, "Committee", 4)
+    got = _local_adapter(restarted)
     logs([r.getMessage() for r in caplog.records if r.name == "fedmeet.federated"], "Committee", "round-3")
     assert all(torch.equal(got[k], v) for k, v in _state(3.0).items())
     held = restarted.state[LOCAL_STATE_KEY].to_torch_state_dict()
@@ -104,20 +106,28 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
     assert int(restarted.state[PRIVACY_KEY]["steps"]) == 12
     # asked for round 3 (the server resumed after round 2): round 2's checkpoint, not round 3's
     again = _context(**{"client-name": "Committee"})
-    got = _restore_client_state(again, plan, "Committee", 3)
-    assert float(got["layer0.b"]) == 2.0 and int(again.state[PRIVACY_KEY]["steps"]) == 8
+    _restore_client_state(again, plan, "Committee", 3)
+    assert float(_local_adapter(again)["layer0.b"]) == 2.0 and int(again.state[PRIVACY_KEY]["steps"]) == 8
 
 
 def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
-    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, STARTED_KEY, _restore_client_state
+    from pipeline.federation.client_app import (
+        LOCAL_STATE_KEY,
+        PROGRESS_KEY,
+        STARTED_KEY,
+        _local_adapter,
+        _restore_client_state,
+    )
     from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-untrained")
     context = _context(**{"client-name": "Product"})
-    assert _restore_client_state(context, plan, "Product", 1) is None
+    _restore_client_state(context, plan, "Product", 1)
+    assert _local_adapter(context) is None
     assert list(context.state.keys()) == [STARTED_KEY]  # nothing restored yet, only the run's start marked
     _checkpoints(plan, "Product", context, {1: (5.0, False, None)})
-    assert _restore_client_state(context, plan, "Product", 2) is None
+    _restore_client_state(context, plan, "Product", 2)
+    assert _local_adapter(context) is None
     assert LOCAL_STATE_KEY not in context.state and PRIVACY_KEY not in context.state  # no DP steps recorded
     assert dict(context.state[PROGRESS_KEY]) == {"best-val-loss": 5.0, "best-round": 1}
 

@@ -674,6 +674,7 @@ def test_an_undecodable_reply_is_left_out_and_recorded(ws, caplog):
     logs(logged(caplog), "round 1", "Academic", "int8")
     rows = rows_of(history, 1)
     assert rows["Academic"]["failed"] == 1 and "weight_share" not in rows["Academic"]
+    assert rows["Academic"]["error"].startswith("it cannot be decoded: ") and "int8" in rows["Academic"]["error"]
     assert rows["Academic"]["bytes_up"] > 0  # it did arrive
     assert rows["Committee"]["weight_share"] == pytest.approx(2 / 7)
     assert_state(

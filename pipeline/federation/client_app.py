@@ -54,13 +54,10 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
     return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
 
 
-def _restore_client_state(
-    context: Context, plan: Plan, name: str, rnd: int, read: bool = True
-) -> dict[str, torch.Tensor] | None:
-    """The local adapter: from context.state, else (a resumed run) from the latest checkpoint before ``rnd``;
-    None while the client has not trained yet (and, without ``read``, when context.state holds it: the caller does
-    not use it). The client's first message of a run that resumes nothing removes the gate-log files an earlier run
-    of the same plan left, so the folder holds this run's rounds only."""
+def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> None:
+    """Puts the client's local adapter and progress into context.state when it lacks them and a round checkpoint
+    before ``rnd`` has them (a resumed run). The client's first message of a run that resumes nothing removes the
+    gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
     ckpt_dir = client_checkpoint_dir(plan, name, context)
     if STARTED_KEY not in context.state:
         context.state[STARTED_KEY] = MetricRecord({"round": rnd})
@@ -68,18 +65,20 @@ def _restore_client_state(
             for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
                 stale.unlink()
     if LOCAL_STATE_KEY in context.state:
-        return context.state[LOCAL_STATE_KEY].to_torch_state_dict() if read else None
+        return
     ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     if ckpt is None:
-        return None
+        return
     privacy.restore_dp_steps(context, ckpt.dp_steps)
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
-    if not ckpt.trained:
-        return None
-    state = load_adapter(ckpt.adapter)
-    context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(state)
-    log.info("client %s: resumed local adapter from its round-%d checkpoint", name, ckpt.round)
-    return state
+    if ckpt.trained:
+        context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(load_adapter(ckpt.adapter))
+        log.info("client %s: resumed local adapter from its round-%d checkpoint", name, ckpt.round)
+
+
+def _local_adapter(context: Context) -> dict[str, torch.Tensor] | None:
+    """The local adapter context.state holds; None while the client has not trained yet."""
+    return context.state[LOCAL_STATE_KEY].to_torch_state_dict() if LOCAL_STATE_KEY in context.state else None
 
 
 client_app = ClientApp()
@@ -115,9 +114,10 @@ def train_round(msg: Message, context: Context) -> Message:
     received = decode_global(msg.content[ARRAYS_KEY], plan)
     model = shared_model(plan)
 
+    _restore_client_state(context, plan, name, rnd)
     from_global = spec.local_from_global or plan.train.local_adapter == "reset"
-    local = _restore_client_state(context, plan, name, rnd, read=not from_global)
-    if from_global or local is None:
+    local = None if from_global else _local_adapter(context)
+    if local is None:
         local = received  # AdaFedAvg: the average overwrites the client adapter; first round: start from it
     model.load_adapter_state("local", local)
     if spec.two_adapters:
@@ -166,9 +166,9 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     model = shared_model(plan)
     received = msg.content[ARRAYS_KEY] if ARRAYS_KEY in msg.content else ArrayRecord()
 
-    local = _restore_client_state(context, plan, name, rnd, read=not spec.local_from_global)
-    if spec.local_from_global:  # the server sends the global to these methods only
-        local = decode_global(received, plan)
+    _restore_client_state(context, plan, name, rnd)
+    # the server sends the global to the local_from_global methods only
+    local = decode_global(received, plan) if spec.local_from_global else _local_adapter(context)
     # A client not sampled yet has no local adapter: it is scored with the round-0 adapter, which is NOT kept as
     # its state, so its first train round starts from the global of that round (as a joining client does).
     trained = local is not None

@@ -260,11 +260,11 @@ def _record_train_metrics(row: dict[str, Any], m) -> None:
         row.update(privacy_row(m))
 
 
-def _left_out(r: _Round, row: dict[str, Any], why: str, error: str | None = None) -> None:
-    """A sampled client's update is not in the round's aggregate: its row is marked failed (with ``error``)."""
+def _left_out(r: _Round, row: dict[str, Any], why: str) -> None:
+    """A sampled client's update is not in the round's aggregate: its row is marked failed, ``why`` its error unless
+    the caller recorded one already (a failure's first line, a SecAgg+ stage's)."""
     row["failed"] = 1
-    if error is not None:
-        row["error"] = error
+    row.setdefault("error", why)
     log.warning("round %d: client %s is left out of the aggregate: %s", r.rnd, row["client"], why)
 
 
@@ -279,8 +279,8 @@ def _train_in_the_clear(
     for reply in replies:
         row = r.rows[sender(reply)]
         if reply.has_error():
-            error = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
-            _left_out(r, row, f"it failed: {reply.error.reason}", error)
+            row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
+            _left_out(r, row, f"it failed: {reply.error.reason}")
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).
@@ -300,8 +300,7 @@ def _train_in_the_clear(
     answered = {sender(reply) for reply in replies}
     for name, row in r.rows.items():
         if row["sampled"] and name not in answered:
-            error = f"no reply within {r.timeout:.0f}s (train.round_timeout_s)"
-            _left_out(r, row, error, error)
+            _left_out(r, row, f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
     new_arrays, _ = r.strategy.aggregate_train(r.rnd, [reply for reply in replies if id(reply) not in left_out])
     return new_arrays
 
