@@ -191,18 +191,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
-        argv = [
-            "flower-supernode",
-            *security,
-            "--superlink",
-            f"{HOST}:{self.port}",
-            "--host",
-            HOST,
-            "--port",
-            str(free_port()),
-            "--node-config",
-            run_config_arg({"client-name": name, "plan": self.cfg.plan}),
-        ]
+        node_config = run_config_arg({"client-name": name, "plan": self.cfg.plan})
+        argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST]
+        argv += ["--port", str(free_port()), "--node-config", node_config]
         if name in self.keys:  # SuperNode authentication: its private key
             argv += ["--auth-supernode-private-key", str(self.keys[name][0])]
         restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
@@ -226,16 +217,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             if c
             else ["--insecure"]
         )
-        argv = [
-            "flower-superlink",
-            *security,
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            # the app's dependencies are this environment's: no `uv sync` per run
-            "--disable-runtime-dependency-installation",
-        ]
+        argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port)]
+        # the app's dependencies are this environment's: no `uv sync` per run
+        argv.append("--disable-runtime-dependency-installation")
         if self.cfg.auth:
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
@@ -268,15 +252,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
             (copy := app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, copy)
-        argv = [
-            "flwr",
-            "run",
-            str(app),
-            CONNECTION,
-            "--stream",
-            "--run-config",
-            run_config_arg({"plan": self.cfg.plan, **self.run_config}),
-        ]
+        run_config = run_config_arg({"plan": self.cfg.plan, **self.run_config})
+        argv = ["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
     def stream(self, run: Process) -> LocalhostRun:
