@@ -155,12 +155,7 @@ def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:
     q = min(1.0, logical_batch / n_examples)
     per_epoch = math.ceil(n_examples / logical_batch)
     planned = t.rounds * t.local_epochs * per_epoch  # every round, every local epoch: what the noise is calibrated to
+    z = _noise(cfg, delta, q, planned, where, "steps")
     return ClientPrivacy(
-        _noise(cfg, delta, q, planned, where, "steps"),
-        float(cfg.max_grad_norm),
-        q,
-        min(logical_batch, n_examples),
-        per_epoch,
-        float(delta),
-        cfg.accountant,
+        z, float(cfg.max_grad_norm), q, min(logical_batch, n_examples), per_epoch, float(delta), cfg.accountant
     )
