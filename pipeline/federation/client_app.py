@@ -1,6 +1,5 @@
 """The ClientApp (Flower Message API, flwr 1.41): ``query.identify``, ``train`` (a reply holds tensors and counts
-only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation).
-"""
+only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation)."""
 
 from __future__ import annotations
 

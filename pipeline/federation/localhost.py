@@ -2,8 +2,7 @@
 with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
 stopped with the descendants it spawned, also at interpreter exit); also a run's status and the ServerApp's run config
 from a params file. Its processes are pipeline.federation.processes, its TLS files pipeline.federation.tls. The training
-side is imported inside the functions that need it: `python -m pipeline.federation status` starts without torch.
-"""
+side is imported inside the functions that need it: `python -m pipeline.federation status` starts without torch."""
 
 from __future__ import annotations
 
@@ -92,11 +91,10 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
     from pipeline.training.checkpoints import mlflow_run_id_path
 
     path = workdir / mlflow_run_id_path(plan)
-    if not path.exists():
-        return
-    from pipeline.results.tracking import end_if_running
+    if path.exists():
+        from pipeline.results.tracking import end_if_running
 
-    end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
+        end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:

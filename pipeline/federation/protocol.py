@@ -1,6 +1,5 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
-metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression).
-"""
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression)."""
 
 from __future__ import annotations
 

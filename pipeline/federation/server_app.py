@@ -1,6 +1,5 @@
 """The ServerApp's federated round loop of one experiment (Flower Message API, flwr 1.41); why this loop and not
-``Strategy.start``: docs/ARCHITECTURE.md.
-"""
+``Strategy.start``: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 

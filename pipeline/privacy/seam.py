@@ -77,9 +77,8 @@ def secure_aggregator(
     per_round = sampled_per_round(first, plan.train.fraction_train)  # Flower's sample size
     if per_round < 2:
         raise ValueError(
-            f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
-            f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
-            f"{per_round}"
+            f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} "
+            f"clients x train.fraction_train {plan.train.fraction_train} samples {per_round}"
         )
     if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
         return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
