@@ -166,13 +166,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
-        env = dict(
-            os.environ,
-            FLWR_HOME=str(self.home),
-            FLWR_TELEMETRY_ENABLED="0",
-            PYTHONUNBUFFERED="1",
-            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        )
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1", PATH=path)
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
         self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
@@ -201,32 +196,23 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def wait_registered(self, proc: Process) -> None:
         """Until the SuperNode logs the id the SuperLink gave it."""
+        what = f"{proc.name} connecting to the SuperLink"
         wait_for(
-            lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"),
-            self.cfg.startup_timeout_s,
-            f"{proc.name} connecting to the SuperLink",
-            proc,
+            lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s, what, proc
         )
 
     def start(self) -> None:
-        c = self.certificates
-        security = (
-            ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
-            if c
-            else ["--insecure"]
-        )
+        security = ["--insecure"]
+        if c := self.certificates:
+            security = ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
         argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port)]
         # the app's dependencies are this environment's: no `uv sync` per run
         argv.append("--disable-runtime-dependency-installation")
         if self.cfg.auth:
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
-        wait_for(
-            lambda: port_open(self.port),
-            self.cfg.startup_timeout_s,
-            f"the SuperLink listening on {HOST}:{self.port}",
-            self.superlink,
-        )
+        listening = f"the SuperLink listening on {HOST}:{self.port}"
+        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s, listening, self.superlink)
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)

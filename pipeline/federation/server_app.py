@@ -197,11 +197,8 @@ def _round_rows(
 ) -> dict[str, dict[str, Any]]:
     """This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
     (its SuperNode is gone, Flower marked it offline: recorded, not waited for)."""
-    rows = {
-        node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
-        | {"bytes_down": payload_bytes(m.content)}
-        for m in messages
-    }
+    sampled = {node_names[m.metadata.dst_node_id]: payload_bytes(m.content) for m in messages}
+    rows = {name: _row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
     for n in admitted:
         rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
     for name in sorted(absent):
