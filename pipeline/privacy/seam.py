@@ -243,8 +243,7 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             if v["privacy"][k] is not None
         }
         out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
-    if metrics.get("secure_aggregation"):
-        sa = metrics["secure_aggregation"]
+    if sa := metrics.get("secure_aggregation"):
         out |= {
             "secagg.rounds_aggregated": sa["rounds_aggregated"],
             "secagg.dropped": sum(sa["dropped"].values()),
