@@ -28,6 +28,7 @@ from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
+RUN_ID = re.compile(r"Successfully started run (\d+)")  # in the output of `flwr run`
 
 
 @dataclass
@@ -301,9 +302,6 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         evaluated = self.workdir / PATHS.eval_dir(self.plan.experiment) / "metrics.json"
         fresh = evaluated.exists() and evaluated.stat().st_mtime >= since
         return json.loads(metrics.read_text()) | ({"rouge": json.loads(evaluated.read_text())["mean"]} if fresh else {})
-
-
-RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 
 def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:

@@ -24,6 +24,8 @@ from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit,
 from pipeline.training.client_data import read_partition
 from pipeline.training.privacy_hooks import register_privacy
 
+STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
+
 
 def local_steps(plan, module, examples, seed: int, client: str, micro_batches, proximal=None) -> DPSGDSteps | None:
     """Mode example: the DP-SGD step object of ``client``'s round (``micro_batches(frame)``: a step's sample cut into
@@ -110,9 +112,6 @@ def _checked_train(msg, context, train_round):
             f"its adapter only through SecAgg+"
         )
     return train_round(msg, context)
-
-
-STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
 
 
 def dp_steps(context) -> int | None:
