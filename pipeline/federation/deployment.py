@@ -248,10 +248,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
             f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error"
         )
+    adapter = out_dir / GLOBAL_ADAPTER
     save_adapter(
-        out_dir / GLOBAL_ADAPTER,
-        arrays.to_torch_state_dict(),
-        {"experiment": plan.experiment, "round": str(metrics["stopped_round"])},
+        adapter, arrays.to_torch_state_dict(), {"experiment": plan.experiment, "round": str(metrics["stopped_round"])}
     )
 
     eval_metrics = None
@@ -263,7 +262,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
     if logger is not None:
         # the aggregate as an artifact and as a LoggedModel
-        log_run_outputs(logger, plan, metrics, [(out_dir / GLOBAL_ADAPTER, None)], out_dir / GLOBAL_ADAPTER)
+        log_run_outputs(logger, plan, metrics, [(adapter, None)], adapter)
         if eval_metrics is not None:
             run_info = plan.to_json_dict() | {"mlflow_run_id": logger.run_id}
             log_to_mlflow(run_info, eval_metrics, PATHS.eval_dir(plan.experiment), cfg)

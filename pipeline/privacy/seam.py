@@ -5,7 +5,6 @@ federation call them (they do not import privacy); the entry points that build r
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections import Counter
 from dataclasses import asdict
@@ -95,8 +94,8 @@ def secure_aggregator(
 def client_train(msg, context, train_round):
     """The ClientApp's train handler inside privacy's Flower mods, SecAgg+'s and client-level DP's clipping (each
     passes a message through unless its plan asks for it)."""
-    checked = functools.partial(_checked_train, train_round=train_round)
-    return make_ffn(checked, [secure_aggregation_mod, client_dp_mod])(msg, context)
+    handler = make_ffn(lambda m, c: _checked_train(m, c, train_round), [secure_aggregation_mod, client_dp_mod])
+    return handler(msg, context)
 
 
 def _checked_train(msg, context, train_round):
