@@ -92,11 +92,7 @@ class PrivacyConfig:
                     "clipping_norm must be set with mode client and clipping fixed: the bound C on "
                     "the L2 norm of a client's round update (no default fits every backbone)"
                 )
-            if (
-                self.clipping_norm is not None
-                and math.isinf(self.clipping_norm)
-                and (self.noise_multiplier != 0 or self.clipping == "adaptive")
-            ):
+            if self.clipping_norm == math.inf and (self.noise_multiplier != 0 or self.clipping == "adaptive"):
                 raise ValueError(
                     "clipping_norm .inf (no clipping) needs clipping fixed and noise_multiplier 0 "
                     "(noise std = noise_multiplier x C / sampled clients)"

@@ -1,7 +1,6 @@
 """Admission: the server asks every node that connects for its client name; a node naming a client outside the plan
 is refused, a declared client missing after the admission timeout fails the run, and a restarted SuperNode takes its
-client's place (the ServerApp's round loop, server_app.py, calls these before and during its rounds).
-"""
+client's place (the ServerApp's round loop, server_app.py, calls these before and during its rounds)."""
 
 from __future__ import annotations
 

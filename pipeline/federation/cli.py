@@ -134,18 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted: every process this command started was stopped", file=sys.stderr)
         return 130
-    summary = {
+    clients = {
         c: {k: v[k] for k in ("best_round", "best_val_loss", "rounds_failed")} for c, v in metrics["clients"].items()
     }
+    summary = {"experiment": metrics.get("experiment", Path(plan).stem), "clients": clients}
     # the client-average ROUGE of the federated evaluation, as the ServerApp wrote it (reports/eval/<exp>/)
-    print(
-        json.dumps(
-            {
-                "experiment": metrics.get("experiment", Path(plan).stem),
-                "clients": summary,
-                **({"rouge": metrics["rouge"]} if "rouge" in metrics else {}),
-                "logs": str(run.home / "logs"),
-            }
-        )
-    )
+    rouge = {"rouge": metrics["rouge"]} if "rouge" in metrics else {}
+    print(json.dumps(summary | rouge | {"logs": str(run.home / "logs")}))
     return 0

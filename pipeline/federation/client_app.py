@@ -1,6 +1,5 @@
 """The ClientApp (Flower Message API, flwr 1.41): ``query.identify``, ``train`` (a reply holds tensors and counts
-only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation).
-"""
+only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.summarize`` (federated evaluation)."""
 
 from __future__ import annotations
 
@@ -145,13 +144,8 @@ def train_round(msg: Message, context: Context) -> Message:
 
     # The weight follows what trained (train.weight_by: trained); "full" asks for the client's whole train size,
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
-    weight = data.n_train_available if plan.train.weight_by == "full" else result.n_examples
-    metrics = MetricRecord(
-        {
-            key: kind(weight if field == "weight" else getattr(result, field))
-            for key, (field, kind) in TRAIN_METRICS.items()
-        }
-    )
+    values = vars(result) | {"weight": data.n_train_available if plan.train.weight_by == "full" else result.n_examples}
+    metrics = MetricRecord({key: kind(values[field]) for key, (field, kind) in TRAIN_METRICS.items()})
     metrics.update(privacy.account(context, result))  # example-level DP's (epsilon, delta) so far
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
@@ -183,28 +177,16 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     val_loss, val_tokens = local_training.validation_loss(model, plan, data.valid, cache=cache)
 
     progress = dict(context.state[PROGRESS_KEY]) if PROGRESS_KEY in context.state else checkpoints.initial_progress()
-    progress, is_best = checkpoints.keep_best_and_final(
-        client_dir(plan, name, context), plan, name, rnd, val_loss, local, progress
-    )
+    out = client_dir(plan, name, context)
+    progress, is_best = checkpoints.keep_best_and_final(out, plan, name, rnd, val_loss, local, progress)
     if trained and spec.local_from_global:  # the others' local adapter is in context.state already
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
+    ckpt_dir = client_checkpoint_dir(plan, name, context)
     checkpoints.write_client_checkpoint(
-        client_checkpoint_dir(plan, name, context),
-        rnd,
-        adapter_file(client_dir(plan, name, context), "final"),
-        progress,
-        trained,
-        privacy.dp_steps(context),
+        ckpt_dir, rnd, adapter_file(out, "final"), progress, trained, privacy.dp_steps(context)
     )
 
-    metrics = MetricRecord(
-        {
-            NUM_EXAMPLES_KEY: len(data.valid),
-            "val-loss": float(val_loss),
-            "val-tokens": int(val_tokens),
-            "best-round": int(progress["best-round"]),
-            "is-best": int(is_best),
-        }
-    )
-    return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
+    validation = {NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss), "val-tokens": int(val_tokens)}
+    best = {"best-round": int(progress["best-round"]), "is-best": int(is_best)}
+    return Message(RecordDict({METRICS_KEY: MetricRecord(validation | best)}), reply_to=msg)

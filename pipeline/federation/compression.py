@@ -1,7 +1,6 @@
 """Adapter transfer encodings (``train.transfer_dtype``), self-describing by tensor dtype: fp32 (exact), fp16,
 int8 with one symmetric scale per tensor sent under ``<key>.int8_scale``. With ``reference`` (a state both sides
-hold) the difference to it is encoded, so the int8 step follows the update rather than the weights (~1).
-"""
+hold) the difference to it is encoded, so the int8 step follows the update rather than the weights (~1)."""
 
 from __future__ import annotations
 

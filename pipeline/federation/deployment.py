@@ -52,6 +52,7 @@ log = logging.getLogger("fedmeet.deployment")
 
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
+COUNTS = ("n", "n_test", "skipped_by_subsampling")  # a client's evaluation counts (the rest of its reply: scores)
 
 
 @config
@@ -91,16 +92,8 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
     replies = list(grid.send_and_receive(queries, timeout=timeout))
-    received: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
-    for reply in replies:
-        if reply.has_error():
-            failed[f"node {reply.metadata.src_node_id}"] = reply.error.reason.splitlines()[0]
-            continue
-        received[str(reply.content["identity"]["client-name"])] = {
-            k: (int(v) if k in ("n", "n_test", "skipped_by_subsampling") else float(v))
-            for k, v in reply.content[METRICS_KEY].items()
-        }
+    failed = {f"node {r.metadata.src_node_id}": r.error.reason.splitlines()[0] for r in replies if r.has_error()}
+    received = {str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies if not r.has_error()}
     answered = {r.metadata.src_node_id for r in replies}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}
     # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
@@ -109,10 +102,11 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     per_client: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
     for name in [c for c in order + sorted(set(received) - set(order)) if c in received]:
-        if received[name].get("n", 0) == 0:
+        metrics = received[name]
+        if metrics.get("n", 0) == 0:
             skipped[name] = "no test examples on the client"
             continue
-        per_client[name] = {k: received[name][k] for k in (*SCORE_KEYS, "n", "n_test", "skipped_by_subsampling")}
+        per_client[name] = {k: float(metrics[k]) for k in SCORE_KEYS} | {k: int(metrics[k]) for k in COUNTS}
     # as the evaluate stage reports the backbone: the recorded name, else the model type
     backbone = backbone_name(plan.paths["backbone"], str(shared_model(plan).backbone.config.model_type))
     return metrics_record(plan, backbone, cfg, per_client, skipped) | {
@@ -149,13 +143,10 @@ def client_summarize(msg: Message, context: Context) -> Message:
 def never_contributed(history: list[dict[str, Any]]) -> dict[str, str]:
     """Clients sampled at least once whose every sampled round failed (no reply within the round timeout, an
     error, an undecodable reply): client -> its last error. Such a run has trained nothing of theirs."""
-    sampled: dict[str, list[dict[str, Any]]] = {}
-    for row in history:
-        if row.get("sampled"):
-            sampled.setdefault(row["client"], []).append(row)
-    return {
-        c: str(rows[-1].get("error") or "failed") for c, rows in sampled.items() if all(r.get("failed") for r in rows)
-    }
+    sampled = [row for row in history if row.get("sampled")]
+    last_error = {row["client"]: str(row.get("error") or "failed") for row in sampled}  # each client's last row
+    contributed = {row["client"] for row in sampled if not row.get("failed")}
+    return {c: error for c, error in last_error.items() if c not in contributed}
 
 
 def write_eval_metrics(plan: Plan, metrics: dict[str, Any], keep: tuple[str, ...] = ()) -> Path:
@@ -239,11 +230,11 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     try:
         arrays, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout)
     except BaseException:
-        recorder.close()
         if logger is not None:
             logger.finish("KILLED")  # a rerun resumes it from the server checkpoint, or deletes it if none
         raise
-    recorder.close()
+    finally:
+        recorder.close()
 
     metrics = record_run(plan, history, recorder.round_seconds)
     silent = never_contributed(history)
@@ -257,10 +248,9 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
             f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error"
         )
+    adapter = out_dir / GLOBAL_ADAPTER
     save_adapter(
-        out_dir / GLOBAL_ADAPTER,
-        arrays.to_torch_state_dict(),
-        {"experiment": plan.experiment, "round": str(metrics["stopped_round"])},
+        adapter, arrays.to_torch_state_dict(), {"experiment": plan.experiment, "round": str(metrics["stopped_round"])}
     )
 
     eval_metrics = None
@@ -272,14 +262,10 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
         log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
     if logger is not None:
         # the aggregate as an artifact and as a LoggedModel
-        log_run_outputs(logger, plan, metrics, [(out_dir / GLOBAL_ADAPTER, None)], out_dir / GLOBAL_ADAPTER)
+        log_run_outputs(logger, plan, metrics, [(adapter, None)], adapter)
         if eval_metrics is not None:
-            log_to_mlflow(
-                plan.to_json_dict() | {"mlflow_run_id": logger.run_id},
-                eval_metrics,
-                PATHS.eval_dir(plan.experiment),
-                cfg,
-            )
+            run_info = plan.to_json_dict() | {"mlflow_run_id": logger.run_id}
+            log_to_mlflow(run_info, eval_metrics, PATHS.eval_dir(plan.experiment), cfg)
         logger.finish("FINISHED")
     # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
     # next run of this plan starts over (client checkpoints stay on the clients' disks).

@@ -39,10 +39,8 @@ class InProcessGrid(Grid):
         self.barrier = barrier
         self._run = Run.create_empty(1)
         self.contexts = {
-            1000 + i: Context(
-                run_id=1, node_id=1000 + i, node_config=dict(node_config), state=RecordDict(), run_config={}
-            )
-            for i, node_config in enumerate(node_configs)
+            node: Context(run_id=1, node_id=node, node_config=dict(config), state=RecordDict(), run_config={})
+            for node, config in enumerate(node_configs, start=1000)
         }
         self._pending: dict[str, Message] = {}
 

@@ -2,8 +2,7 @@
 with TLS and SuperNode authentication if asked; docs/federation.md) and the processes it starts (each in its own group,
 stopped with the descendants it spawned, also at interpreter exit); also a run's status and the ServerApp's run config
 from a params file. Its processes are pipeline.federation.processes, its TLS files pipeline.federation.tls. The training
-side is imported inside the functions that need it: `python -m pipeline.federation status` starts without torch.
-"""
+side is imported inside the functions that need it: `python -m pipeline.federation status` starts without torch."""
 
 from __future__ import annotations
 
@@ -29,6 +28,7 @@ from pipeline.paths import PATHS
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
+RUN_ID = re.compile(r"Successfully started run (\d+)")  # in the output of `flwr run`
 
 
 @dataclass
@@ -92,11 +92,10 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
     from pipeline.training.checkpoints import mlflow_run_id_path
 
     path = workdir / mlflow_run_id_path(plan)
-    if not path.exists():
-        return
-    from pipeline.results.tracking import end_if_running
+    if path.exists():
+        from pipeline.results.tracking import end_if_running
 
-    end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
+        end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:
@@ -168,13 +167,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))
         self.home = (self.workdir / ".flwr-local" / self.plan.experiment).resolve()  # FLWR_HOME
         # Flower's entry points beside this interpreter (the project's venv) come first, whatever PATH says
-        env = dict(
-            os.environ,
-            FLWR_HOME=str(self.home),
-            FLWR_TELEMETRY_ENABLED="0",
-            PYTHONUNBUFFERED="1",
-            PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        )
+        path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1", PATH=path)
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
         self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
@@ -191,18 +185,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def start_supernode(self, name: str) -> Process:
         security = ["--root-certificates", str(self.certificates.ca)] if self.certificates else ["--insecure"]
-        argv = [
-            "flower-supernode",
-            *security,
-            "--superlink",
-            f"{HOST}:{self.port}",
-            "--host",
-            HOST,
-            "--port",
-            str(free_port()),
-            "--node-config",
-            run_config_arg({"client-name": name, "plan": self.cfg.plan}),
-        ]
+        node_config = run_config_arg({"client-name": name, "plan": self.cfg.plan})
+        argv = ["flower-supernode", *security, "--superlink", f"{HOST}:{self.port}", "--host", HOST]
+        argv += ["--port", str(free_port()), "--node-config", node_config]
         if name in self.keys:  # SuperNode authentication: its private key
             argv += ["--auth-supernode-private-key", str(self.keys[name][0])]
         restarts = sum(1 for p in self.procs.procs if p.name.startswith(f"supernode-{name}"))
@@ -212,39 +197,23 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def wait_registered(self, proc: Process) -> None:
         """Until the SuperNode logs the id the SuperLink gave it."""
+        what = f"{proc.name} connecting to the SuperLink"
         wait_for(
-            lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"),
-            self.cfg.startup_timeout_s,
-            f"{proc.name} connecting to the SuperLink",
-            proc,
+            lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s, what, proc
         )
 
     def start(self) -> None:
-        c = self.certificates
-        security = (
-            ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
-            if c
-            else ["--insecure"]
-        )
-        argv = [
-            "flower-superlink",
-            *security,
-            "--host",
-            HOST,
-            "--port",
-            str(self.port),
-            # the app's dependencies are this environment's: no `uv sync` per run
-            "--disable-runtime-dependency-installation",
-        ]
+        security = ["--insecure"]
+        if c := self.certificates:
+            security = ["--ssl-ca-certfile", str(c.ca), "--ssl-certfile", str(c.cert), "--ssl-keyfile", str(c.key)]
+        argv = ["flower-superlink", *security, "--host", HOST, "--port", str(self.port)]
+        # the app's dependencies are this environment's: no `uv sync` per run
+        argv.append("--disable-runtime-dependency-installation")
         if self.cfg.auth:
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
-        wait_for(
-            lambda: port_open(self.port),
-            self.cfg.startup_timeout_s,
-            f"the SuperLink listening on {HOST}:{self.port}",
-            self.superlink,
-        )
+        listening = f"the SuperLink listening on {HOST}:{self.port}"
+        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s, listening, self.superlink)
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)
@@ -268,15 +237,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         for path in [pyproject, *(p for pattern in include for p in REPO_ROOT.glob(pattern))]:
             (copy := app / path.relative_to(REPO_ROOT)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, copy)
-        argv = [
-            "flwr",
-            "run",
-            str(app),
-            CONNECTION,
-            "--stream",
-            "--run-config",
-            run_config_arg({"plan": self.cfg.plan, **self.run_config}),
-        ]
+        run_config = run_config_arg({"plan": self.cfg.plan, **self.run_config})
+        argv = ["flwr", "run", str(app), CONNECTION, "--stream", "--run-config", run_config]
         return self.procs.start("flwr-run", argv, self.workdir, capture=True)
 
     def stream(self, run: Process) -> LocalhostRun:
@@ -340,9 +302,6 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         evaluated = self.workdir / PATHS.eval_dir(self.plan.experiment) / "metrics.json"
         fresh = evaluated.exists() and evaluated.stat().st_mtime >= since
         return json.loads(metrics.read_text()) | ({"rouge": json.loads(evaluated.read_text())["mean"]} if fresh else {})
-
-
-RUN_ID = re.compile(r"Successfully started run (\d+)")
 
 
 def run_localhost(cfg: LocalhostConfig) -> tuple[LocalhostRun, dict]:

@@ -47,15 +47,8 @@ class ProcessGroup:
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
         out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
-        popen = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        stdio = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT}
+        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, start_new_session=True, **stdio)
         if not capture:
             out.close()  # the child holds its own descriptor
         self.procs.append(proc := Process(name, popen, log))

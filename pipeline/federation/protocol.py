@@ -1,10 +1,8 @@
 """What travels between the ServerApp and the ClientApps (Flower Message API, flwr 1.41): the record keys, the
-metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression).
-"""
+metrics a reply holds, the plan a message refers to, and the adapters as they go over the wire (compression)."""
 
 from __future__ import annotations
 
-import dataclasses
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -49,8 +47,7 @@ CLIENT_SETTING_KEYS = {"cache-dir": "cache_dir", "cache-max-gb": "cache_max_gb"}
 
 
 def client_settings_config(cache: CacheConfig) -> dict[str, str | float]:
-    values = dataclasses.asdict(cache)
-    return {key: values[name] for key, name in CLIENT_SETTING_KEYS.items()}
+    return {key: getattr(cache, name) for key, name in CLIENT_SETTING_KEYS.items()}
 
 
 def _setting(key: str, msg: Message | None, context: Context) -> Any:
@@ -137,11 +134,10 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] 
     """Server side: a reply's float32 local adapter as the strategy aggregates it; ``sent`` = this round's decoded
     global (as the client decoded it, bit for bit). Float32 arrays without a delta are that already (decoding and
     encoding again gives their bytes back): the record is not read."""
-    if not delta_encoded(plan) and all(
-        a.dtype == "float32" and not k.endswith(SCALE_SUFFIX) for k, a in record.items()
-    ):
+    delta = delta_encoded(plan)
+    if not delta and all(a.dtype == "float32" and not k.endswith(SCALE_SUFFIX) for k, a in record.items()):
         return record
-    decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta_encoded(plan) else None)
+    decoded = decode_state(record.to_torch_state_dict(), reference=sent if delta else None)
     return ArrayRecord.from_torch_state_dict(decoded)
 
 

@@ -1,6 +1,5 @@
 """The ServerApp's federated round loop of one experiment (Flower Message API, flwr 1.41); why this loop and not
-``Strategy.start``: docs/ARCHITECTURE.md.
-"""
+``Strategy.start``: docs/ARCHITECTURE.md."""
 
 from __future__ import annotations
 
@@ -47,19 +46,11 @@ log = logging.getLogger("fedmeet.federated")
 
 
 def save_server_checkpoint(plan: Plan, rnd: int, state: dict[str, torch.Tensor], strategy, history: list[dict]) -> None:
-    """The round's checkpoint; ``state``: the global adapter as tensors."""
-    checkpoints.save_round_checkpoint(
-        checkpoints.server_checkpoint_path(plan),
-        plan,
-        rnd,
-        {
-            # as tensors: torch.save writes their bytes as they are (NumPy arrays it pickles, ~7x slower a round)
-            "arrays": state,
-            "strategy_state": strategy_state(strategy),
-            "history": history,
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-        },
-    )
+    """The round's checkpoint; ``state``: the global adapter as tensors (torch.save writes their bytes as they are;
+    NumPy arrays it pickles, ~7x slower a round)."""
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    content = {"arrays": state, "strategy_state": strategy_state(strategy), "history": history, "rng": rng}
+    checkpoints.save_round_checkpoint(checkpoints.server_checkpoint_path(plan), plan, rnd, content)
 
 
 def load_server_checkpoint(plan: Plan) -> dict[str, Any] | None:
@@ -206,11 +197,8 @@ def _round_rows(
 ) -> dict[str, dict[str, Any]]:
     """This round's history row per client: sampled (with its downlink bytes), admitted but not sampled, or absent
     (its SuperNode is gone, Flower marked it offline: recorded, not waited for)."""
-    rows = {
-        node_names[m.metadata.dst_node_id]: _row(rnd, node_names[m.metadata.dst_node_id], 1)
-        | {"bytes_down": payload_bytes(m.content)}
-        for m in messages
-    }
+    sampled = {node_names[m.metadata.dst_node_id]: payload_bytes(m.content) for m in messages}
+    rows = {name: _row(rnd, name, 1) | {"bytes_down": down} for name, down in sampled.items()}
     for n in admitted:
         rows.setdefault(node_names[n], _row(rnd, node_names[n], 0))
     for name in sorted(absent):
@@ -220,12 +208,9 @@ def _round_rows(
 
 def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None:
     good = [r for r in rows.values() if r["sampled"] and not r["failed"] and "weight" in r]
+    total = sum(r["weight"] for r in good)
     for r in good:
-        r["weight_share"] = (
-            1 / client_level.setting.sampled
-            if client_level is not None
-            else r["weight"] / sum(g["weight"] for g in good)
-        )
+        r["weight_share"] = 1 / client_level.setting.sampled if client_level is not None else r["weight"] / total
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
@@ -242,13 +227,7 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
             log.warning("round %d: client %s failed to evaluate: %s", r.rnd, row["client"], reply.error.reason)
             continue
         m = reply.content[METRICS_KEY]
-        row.update(
-            {
-                "val_loss": float(m["val-loss"]),
-                "val_tokens": int(m["val-tokens"]),
-                "best_round": int(m["best-round"]),
-            }
-        )
+        row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
     if any(not reply.has_error() for reply in replies):
         r.strategy.aggregate_evaluate(r.rnd, replies)
 
@@ -342,8 +321,5 @@ def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -
     the other clients' mean validation loss has plateaued."""
     if rnd >= join.max_round:
         return True
-    return plateaued(
-        [m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)],
-        join.min_rel_improvement,
-        join.patience,
-    )
+    losses = [m for _, m in mean_val_loss_by_round(history, before=rnd, exclude=late)]
+    return plateaued(losses, join.min_rel_improvement, join.patience)

@@ -29,16 +29,8 @@ def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, 
     """The smallest z whose epsilon after ``steps`` is at most the target (opacus' search, to 0.01)."""
     from opacus.accountants.utils import get_noise_multiplier
 
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=delta,
-            sample_rate=q,
-            steps=steps,
-            accountant=accountant,
-            epsilon_tolerance=0.01,
-        )
-    )
+    search = {"target_epsilon": target_epsilon, "target_delta": delta, "sample_rate": q, "steps": steps}
+    return float(get_noise_multiplier(**search, accountant=accountant, epsilon_tolerance=0.01))
 
 
 def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, what: str) -> float:
@@ -155,12 +147,7 @@ def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:
     q = min(1.0, logical_batch / n_examples)
     per_epoch = math.ceil(n_examples / logical_batch)
     planned = t.rounds * t.local_epochs * per_epoch  # every round, every local epoch: what the noise is calibrated to
+    z = _noise(cfg, delta, q, planned, where, "steps")
     return ClientPrivacy(
-        _noise(cfg, delta, q, planned, where, "steps"),
-        float(cfg.max_grad_norm),
-        q,
-        min(logical_batch, n_examples),
-        per_epoch,
-        float(delta),
-        cfg.accountant,
+        z, float(cfg.max_grad_norm), q, min(logical_batch, n_examples), per_epoch, float(delta), cfg.accountant
     )

@@ -26,12 +26,8 @@ def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[li
     from opacus.utils.uniform_sampler import UniformWithReplacementSampler
 
     generator = torch.Generator().manual_seed(seed)
-    return [
-        list(idx)
-        for idx in UniformWithReplacementSampler(
-            num_samples=n_examples, sample_rate=q, generator=generator, steps=n_steps
-        )
-    ]
+    sampler = UniformWithReplacementSampler(num_samples=n_examples, sample_rate=q, generator=generator, steps=n_steps)
+    return [list(idx) for idx in sampler]
 
 
 class DPSGDSteps:

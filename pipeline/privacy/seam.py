@@ -5,7 +5,6 @@ federation call them (they do not import privacy); the entry points that build r
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections import Counter
 from dataclasses import asdict
@@ -23,6 +22,8 @@ from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
 from pipeline.training.client_data import read_partition
 from pipeline.training.privacy_hooks import register_privacy
+
+STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
 
 
 def local_steps(plan, module, examples, seed: int, client: str, micro_batches, proximal=None) -> DPSGDSteps | None:
@@ -77,9 +78,8 @@ def secure_aggregator(
     per_round = sampled_per_round(first, plan.train.fraction_train)  # Flower's sample size
     if per_round < 2:
         raise ValueError(
-            f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's "
-            f"sum; {first} clients x train.fraction_train {plan.train.fraction_train} samples "
-            f"{per_round}"
+            f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} "
+            f"clients x train.fraction_train {plan.train.fraction_train} samples {per_round}"
         )
     if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
         return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
@@ -94,8 +94,8 @@ def secure_aggregator(
 def client_train(msg, context, train_round):
     """The ClientApp's train handler inside privacy's Flower mods, SecAgg+'s and client-level DP's clipping (each
     passes a message through unless its plan asks for it)."""
-    checked = functools.partial(_checked_train, train_round=train_round)
-    return make_ffn(checked, [secure_aggregation_mod, client_dp_mod])(msg, context)
+    handler = make_ffn(lambda m, c: _checked_train(m, c, train_round), [secure_aggregation_mod, client_dp_mod])
+    return handler(msg, context)
 
 
 def _checked_train(msg, context, train_round):
@@ -111,9 +111,6 @@ def _checked_train(msg, context, train_round):
             f"its adapter only through SecAgg+"
         )
     return train_round(msg, context)
-
-
-STEPS_KEY = "privacy"  # a client's context.state: its DP-SGD steps over all rounds so far (the accountant's history)
 
 
 def dp_steps(context) -> int | None:
@@ -244,8 +241,7 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
             if v["privacy"][k] is not None
         }
         out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
-    if metrics.get("secure_aggregation"):
-        sa = metrics["secure_aggregation"]
+    if sa := metrics.get("secure_aggregation"):
         out |= {
             "secagg.rounds_aggregated": sa["rounds_aggregated"],
             "secagg.dropped": sum(sa["dropped"].values()),

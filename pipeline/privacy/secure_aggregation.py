@@ -239,27 +239,16 @@ class SecureAggregator:
         self.timeout = timeout
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
-        offers = []
-        keys: list[str] = []
+        run_id, offers = grid.run.run_id, []
+        keys = list(messages[0].content[ARRAYS_KEY].keys()) if messages else []  # every message carries the global
         for m in messages:
-            arrays = m.content[ARRAYS_KEY]
-            keys = list(arrays.keys())
             config = {**dict(m.content[CONFIG_KEY]), ARRAY_KEYS: json.dumps(keys)}
-            offers.append(
-                (
-                    GridClientProxy(m.metadata.dst_node_id, grid, grid.run.run_id),
-                    FitIns(compat.arrayrecord_to_parameters(arrays, keep_input=True), config),
-                )
-            )
+            fit_ins = FitIns(compat.arrayrecord_to_parameters(m.content[ARRAYS_KEY], keep_input=True), config)
+            offers.append((GridClientProxy(m.metadata.dst_node_id, grid, run_id), fit_ins))
         strategy = _Offer(offers)
         observed = _ObservedGrid(grid)
-        context = LegacyContext(
-            Context(
-                run_id=grid.run.run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={}
-            ),
-            strategy=strategy,
-            client_manager=SimpleClientManager(),
-        )
+        server = Context(run_id=run_id, node_id=SUPERLINK_NODE_ID, node_config={}, state=RecordDict(), run_config={})
+        context = LegacyContext(server, strategy=strategy, client_manager=SimpleClientManager())
         context.state.config_records[MAIN_CONFIGS_RECORD] = ConfigRecord({WorkflowKey.CURRENT_ROUND: rnd})
         context.state.array_records[MAIN_PARAMS_RECORD] = ArrayRecord()  # the offers carry the global
         workflow = _Workflow(
