@@ -187,6 +187,13 @@ def client_evaluate(msg: Message, context: Context) -> Message:
         ckpt_dir, rnd, adapter_file(out, "final"), progress, trained, privacy.dp_steps(context)
     )
 
-    validation = {NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss), "val-tokens": int(val_tokens)}
-    best = {"best-round": int(progress["best-round"]), "is-best": int(is_best)}
-    return Message(RecordDict({METRICS_KEY: MetricRecord(validation | best)}), reply_to=msg)
+    metrics = MetricRecord(
+        {
+            NUM_EXAMPLES_KEY: len(data.valid),
+            "val-loss": float(val_loss),
+            "val-tokens": int(val_tokens),
+            "best-round": int(progress["best-round"]),
+            "is-best": int(is_best),
+        }
+    )
+    return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
