@@ -47,8 +47,7 @@ def _remove_stale(target: Path, pattern: str) -> None:
 
     rx = re.compile(pattern)
     for p in target.parent.iterdir():
-        m = rx.fullmatch(p.name)
-        if m and int(m["pid"]) != os.getpid() and not pid_exists(int(m["pid"])):
+        if (m := rx.fullmatch(p.name)) and int(m["pid"]) != os.getpid() and not pid_exists(int(m["pid"])):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:

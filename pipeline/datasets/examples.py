@@ -109,12 +109,11 @@ def link_meetings(
         owner[cid] = qid
         links[qid] = cid
         scores.append(round(score, 4))
-    record = {
+    return links, {
         "unmatched": unmatched,
         "min_score": min(scores, default=None),
         "max_runner_up_score": round(runner_up, 4),
     }
-    return links, record
 
 
 @config

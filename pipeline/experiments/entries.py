@@ -81,11 +81,8 @@ def privacy_label(privacy: PrivacyConfig) -> str:
     if privacy.enabled:
         name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
         if privacy.target_epsilon is not None:
-            delta = (
-                f"δ={privacy.delta:g}"
-                if privacy.delta is not None
-                else ("δ≤1e-05" if privacy.mode == "example" else "δ=1e-05")
-            )  # the defaults (pipeline.privacy.accounting)
+            default = "δ≤1e-05" if privacy.mode == "example" else "δ=1e-05"  # pipeline.privacy.accounting's
+            delta = f"δ={privacy.delta:g}" if privacy.delta is not None else default
             parts.append(f"{name} ε≤{privacy.target_epsilon:g} {delta.replace('e-0', 'e-')}")
         else:
             parts.append(f"{name} σ={privacy.noise_multiplier:g}")

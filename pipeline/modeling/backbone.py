@@ -126,10 +126,9 @@ def add_sep_token(model, tokenizer, sep_token: str) -> int:
         model.config.vocab_size = n
     elif model.get_input_embeddings().num_embeddings < n:
         model.resize_token_embeddings(n)
-    sep_id = tokenizer.convert_tokens_to_ids(sep_token)
     if tokenizer.tokenize(f"query {sep_token} text").count(sep_token) != 1:
         raise BackboneError(f"tokenizer splits {sep_token!r}; it must be one special token")
-    return sep_id
+    return tokenizer.convert_tokens_to_ids(sep_token)
 
 
 def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tuple[str, str, str]]:
@@ -155,12 +154,7 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
 
 
 def resolve(
-    cfg: BackboneConfig,
-    sep_token: str,
-    out_dir: Path,
-    interim_dir: Path,
-    report_path: Path,
-    score: Score,
+    cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path, report_path: Path, score: Score
 ) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record; ``score`` (predictions, references
     -> ROUGE) scores the validation summaries."""

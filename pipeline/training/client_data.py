@@ -91,8 +91,7 @@ def _client_data(
     frames = {}
     for split, limit in zip(("train", "valid"), limits):
         ids = [str(i) for i in splits[split]]
-        missing = [i for i in ids if i not in examples.index]
-        if missing:
+        if missing := [i for i in ids if i not in examples.index]:
             raise DataError(
                 f"{partition_path}: client {client!r} {split} id {missing[0]!r} is not in "
                 f"{examples_path} ({len(missing)} missing)"

@@ -68,8 +68,7 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     metrics.update({k: float(v) for k, v in client_level_round(rows).items()})
     metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
     metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
-    vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
-    if vals:
+    if vals := [r["val_loss"] for r in rows if r.get("val_loss") is not None]:
         metrics["val_loss_mean"] = sum(vals) / len(vals)
     return metrics
 

@@ -83,8 +83,7 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]
                     # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
                     selected = [t for start, end in spans for t in turns[start:end]]
-                    empty = sum(1 for start, end in spans if start == end)
-                    if empty:
+                    if empty := sum(1 for start, end in spans if start == end):
                         report.note("specific spans with start == end (empty slice, kept)", empty)
                     if not selected:
                         report.note("specific queries whose spans select no turn (kept, query only)")
