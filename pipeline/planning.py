@@ -53,19 +53,15 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         )
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
     tau = raw.get("tau")
-    exp = from_dict(
-        Experiment,
-        {k: raw[k] for k in ("method", "partition", "study") if k in raw}
-        | {
-            "name": str(name),
-            "seed": raw.get("seed", params.get("seed", 0)),
-            "tau": params.get("tau") if tau is None and reads_tau else tau,
-            "train": overrides,
-            "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
-            "privacy": raw.get(PRIVACY_KEY) or {},
-        },
-        where,
-    )
+    entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
+        "name": str(name),
+        "seed": raw.get("seed", params.get("seed", 0)),
+        "tau": params.get("tau") if tau is None and reads_tau else tau,
+        "train": overrides,
+        "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
+        "privacy": raw.get(PRIVACY_KEY) or {},
+    }
+    exp = from_dict(Experiment, entry, where)
     if exp.scheme not in SCHEMES:
         raise ConfigError(f"{where}.partition: unknown partition scheme {exp.scheme!r}; allowed: {sorted(SCHEMES)}")
     method = get_method(exp.method)

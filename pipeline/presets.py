@@ -284,11 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in [args.preset] if args.command == "show" else args.presets:
             preset = load_preset(path)
             validate(preset, params, path)
-            print(
-                "\n".join(overrides(preset))
-                if args.command == "show"
-                else f"{path}: ok ({len(overrides(preset))} overrides)"
-            )
+            found = overrides(preset)
+            print("\n".join(found) if args.command == "show" else f"{path}: ok ({len(found)} overrides)")
         return 0
     if args.parts and not args.name:
         raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")

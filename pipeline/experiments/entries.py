@@ -101,10 +101,7 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
     for members in by_study.values():
         varying = [attr for attr in ("scheme", "tau", "variant", "dp") if len({getattr(e, attr) for e in members}) > 1]
         for e in members:
-            parts = [e.method]
-            for attr in varying:
-                value = getattr(e, attr)
-                if value not in (None, ""):
-                    parts.append(value if attr == "variant" else f"{attr}={value:g}" if attr == "tau" else value)
+            values = [(attr, getattr(e, attr)) for attr in varying]
+            parts = [e.method] + [f"tau={v:g}" if attr == "tau" else v for attr, v in values if v not in (None, "")]
             labels[e.name] = " ".join(str(x) for x in parts)
     return labels

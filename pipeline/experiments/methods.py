@@ -147,13 +147,11 @@ METHODS: dict[str, MethodSpec] = {
 }
 # Table V (section 7.7) compares server algorithms: every registered strategy without a method above is a method of
 # its own name, CE with one adapter set as AdaFedAvg **(our default)**, compared against `fedselectkd`.
-METHODS.update(
-    {
-        name: MethodSpec(name, federated=True, kd_mode="ce", local_from_global=True, strategy=name)
-        for name in STRATEGIES
-        if name not in METHODS
-    }
-)
+METHODS |= {
+    name: MethodSpec(name, federated=True, kd_mode="ce", local_from_global=True, strategy=name)
+    for name in STRATEGIES
+    if name not in METHODS
+}
 
 
 def get_method(name: str) -> MethodSpec:

@@ -57,8 +57,7 @@ def tokenize_pairs(tokenizer, examples_df, cfg, decoder_start_token_id: int | No
     done = _TOKENIZED.setdefault(tokenizer, {}).setdefault((*lengths, decoder_start_token_id), {})
     columns = (examples_df[c].tolist() for c in ("example_id", "source", "target"))
     keys = [(str(eid), s, t) for eid, s, t in zip(*columns)]
-    new = [k for k in dict.fromkeys(keys) if k not in done]
-    if new:
+    if new := [k for k in dict.fromkeys(keys) if k not in done]:
         src = tokenizer([k[1] for k in new], max_length=lengths[0], truncation=True)["input_ids"]
         tgt = tokenizer(text_target=[k[2] for k in new], max_length=lengths[1], truncation=True)["input_ids"]
         for key, s, t in zip(new, src, tgt):

@@ -102,8 +102,7 @@ class PrefixCache:
                 entries[i] = entry
                 self.stats["hits"] += 1
                 self._used[path] = now
-        missing = [i for i in range(len(paths)) if i not in entries]
-        if missing:
+        if missing := [i for i in range(len(paths)) if i not in entries]:
             self.stats["misses"] += len(missing)
             sub = Batch(
                 [batch.example_ids[i] for i in missing],

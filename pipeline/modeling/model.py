@@ -322,9 +322,7 @@ class AdapterSummarizer(nn.Module):
 
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, packed: bool = False) -> TwoPathOutput:
         """Both paths from one prefix: local with gradients, global (the teacher) under no_grad."""
-        if prefix is None:
-            prefix = self.compute_prefix(batch)
-        prefix = prefix.to(self.device)
+        prefix = (prefix if prefix is not None else self.compute_prefix(batch)).to(self.device)
         masks = self.top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():

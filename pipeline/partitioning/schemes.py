@@ -227,8 +227,7 @@ def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = SentenceTransformer(str(model_dir(cfg.model)), device=device)
-    return model.encode(
+    return SentenceTransformer(str(model_dir(cfg.model)), device=device).encode(
         texts, batch_size=cfg.batch_size, show_progress_bar=True, normalize_embeddings=True, convert_to_numpy=True
     )
 

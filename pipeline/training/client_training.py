@@ -106,12 +106,8 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
         b.target_tokens if normalisation == "tokens" else int(((b.labels != IGNORE_INDEX).sum(dim=1) > 0).sum())
         for b in batches
     ]
-    weights: list[float] = []
-    for start in range(0, len(batches), accum_steps):
-        window = sizes[start : start + accum_steps]
-        total = sum(window)
-        weights.extend(n / total for n in window)
-    return weights
+    windows = [sizes[start : start + accum_steps] for start in range(0, len(sizes), accum_steps)]
+    return [n / sum(window) for window in windows for n in window]
 
 
 def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:

@@ -14,18 +14,8 @@ from pipeline.experiments.plans import Plan
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 
-ROUND_FIELDS = (
-    "train_loss",
-    "ce",
-    "kd",
-    "kd_fraction",
-    "val_loss",
-    "bytes_up",
-    "bytes_down",
-    "weight_share",
-    "epsilon",
-    "clipped_fraction",
-)  # the last two under privacy.mode example only
+ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share")
+ROUND_FIELDS += ("epsilon", "clipped_fraction")  # under privacy.mode example only
 
 
 @dataclass
