@@ -199,13 +199,8 @@ def run_commands(
 
 def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
     """(commit, ref) of the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)."""
-    listed = subprocess.run(
-        ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
+    command = ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"]
+    listed = subprocess.run(command, cwd=repo, capture_output=True, text=True, check=True).stdout.split("\n")
     found = [line.split(" ", 1) for line in listed if line.endswith("/" + name)]
     if not found:
         raise PresetError(

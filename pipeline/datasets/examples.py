@@ -19,18 +19,9 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline.common import schema
 from pipeline.common.config import config
-from pipeline.common.schema import (
-    EXAMPLE_COLUMNS,
-    QMSUM_DOMAINS,
-    SPLITS,
-    DataError,
-    Example,
-    Turn,
-    model_input,
-    spoken_word_count,
-    summary_word_count,
-)
+from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -181,8 +172,8 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                     target=r.summary,
                     n_turns=len(turns),
                     n_speakers=len({t.speaker for t in turns}),
-                    n_words=sum(spoken_word_count(t) for t in turns),
-                    n_summary_words=summary_word_count(r.summary),
+                    n_words=sum(schema.spoken_word_count(t) for t in turns),
+                    n_summary_words=schema.summary_word_count(r.summary),
                 )
             )
     examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)

@@ -50,12 +50,11 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
     mirror = data_root(cfg) / dataset
     files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
     if mirror.is_dir():
-        missing = [
+        if missing := [
             rel
             for rel, split_key in files.items()
             if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)
-        ]
-        if missing:
+        ]:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(
                 f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"

@@ -61,9 +61,7 @@ class StrategySpec:
     @property
     def params_keys(self) -> tuple[str, ...]:
         """The params `train` keys this strategy owns."""
-        if self.group is not None:
-            return (self.group,)
-        return tuple(f.name for f in dataclasses.fields(self.settings_cls))
+        return (self.group,) if self.group is not None else tuple(f.name for f in dataclasses.fields(self.settings_cls))
 
     def settings(self, train_params: dict[str, Any], where: str = "train") -> Any:
         """The settings dataclass from the `train` params (defaults for keys left out); bad keys raise ConfigError."""

@@ -38,14 +38,10 @@ class AdapterStack(nn.Module):
                 raise ValueError(f"adapter stack: run {r}'s state keys do not match the adapter set's")
         self.runs = len(states)
         self.keys = keys
-        self.params = nn.ParameterDict(
-            {
-                key.replace(".", "_"): nn.Parameter(
-                    torch.stack([torch.as_tensor(s[key]) for s in states]).to(device, torch.float32)
-                )
-                for key in keys
-            }
-        )
+        stacked = {
+            key: torch.stack([torch.as_tensor(s[key]) for s in states]).to(device, torch.float32) for key in keys
+        }
+        self.params = nn.ParameterDict({key.replace(".", "_"): nn.Parameter(t) for key, t in stacked.items()})
         self.eps = [adapter.norm.eps for adapter in template.adapters]
 
     def __getitem__(self, i: int) -> partial[torch.Tensor]:

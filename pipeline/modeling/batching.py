@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+TENSOR_FIELDS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
 
 
 @dataclass
@@ -37,6 +38,11 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.example_ids)
+
+    def select(self, rows: slice | list[int]) -> Batch:
+        """The examples at ``rows`` (a slice: views of the tensors; a list of positions: copies, in that order)."""
+        ids = self.example_ids[rows] if isinstance(rows, slice) else [self.example_ids[i] for i in rows]
+        return Batch(ids, *(getattr(self, f)[rows] for f in TENSOR_FIELDS))
 
     @cached_property
     def target_tokens(self) -> int:

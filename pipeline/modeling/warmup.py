@@ -261,13 +261,9 @@ def evaluate_summarizer(
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(order), wc.eval_batch_size), desc="backbone eval", unit="batch", mininterval=5):
         idx = order[start : start + wc.eval_batch_size]
-        batch = tokenizer(
-            [sources[i] for i in idx],
-            truncation=True,
-            max_length=wc.max_source_length,
-            padding=True,
-            return_tensors="pt",
-        ).to(device)
+        texts = [sources[i] for i in idx]
+        batch = tokenizer(texts, truncation=True, max_length=wc.max_source_length, padding=True, return_tensors="pt")
+        batch = batch.to(device)
         with autocast_ctx(device, wc.bf16):
             out = model.generate(**batch)
         for i, text in zip(idx, tokenizer.batch_decode(out, skip_special_tokens=True)):

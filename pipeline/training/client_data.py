@@ -64,8 +64,7 @@ class ClientData:
 def client_data(plan: Plan, client: str) -> ClientData:
     """The client's frames of ``plan``'s partition and examples, made once per process and file versions: every
     round of a run and every run of a set reads the same frames (read them, do not change them)."""
-    paths = plan.paths
-    train = plan.train
+    paths, train = plan.paths, plan.train
     versions = tuple(Path(paths[k]).stat().st_mtime_ns if Path(paths[k]).exists() else None for k in FILES)
     limits = (train.max_train_examples_per_client, train.max_valid_examples_per_client)
     return _client_data(paths["partition"], paths["examples"], versions, client, limits, plan.seed)

@@ -87,10 +87,8 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
     wide = []
     for rnd, rows in sorted(_by_round(history).items()):
-        w: dict[str, Any] = {"round": rnd}
-        for row in rows:
-            w.update({f"{row['client']}/{k}": v for k, v in _client_fields(row).items()})
-        w.update(client_level_round(rows))
+        w = {"round": rnd} | {f"{row['client']}/{k}": v for row in rows for k, v in _client_fields(row).items()}
+        w |= client_level_round(rows)
         vals = [v for k, v in w.items() if k.endswith("/val_loss")]
         w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
         wide.append(w)

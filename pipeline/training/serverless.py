@@ -94,20 +94,9 @@ def run_serverless(
             progress[n], _ = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
             )
-            rows.append(
-                {
-                    "round": rnd,
-                    "client": n,
-                    "sampled": 1,
-                    "failed": 0,
-                    "bytes_down": 0,
-                    "bytes_up": 0,
-                    **trained[unit],
-                    "val_loss": val,
-                    "val_tokens": val_tokens,
-                    "best_round": progress[n]["best-round"],
-                }
-            )
+            row = {"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0}
+            validated = {"val_loss": val, "val_tokens": val_tokens, "best_round": progress[n]["best-round"]}
+            rows.append(row | trained[unit] | validated)
         history.extend(rows)
         checkpoints.save_round_checkpoint(
             ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}

@@ -44,8 +44,7 @@ def series_start(history: list[dict[str, Any]], late: str | None) -> int:
     the client average changes its meaning then (before it joins: no round, the run cannot stop yet)."""
     if late is None:
         return 1
-    joined = [int(r["round"]) for r in history if r["client"] == late]
-    return min(joined) if joined else 10**9
+    return min((int(r["round"]) for r in history if r["client"] == late), default=10**9)
 
 
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:

@@ -105,11 +105,5 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                 )
 
 
-register_reader(
-    DatasetSpec(
-        "qmsum",
-        read_qmsum,
-        qmsum_files,
-        url="https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
-    )
-)
+QMSUM_URL = "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e"
+register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files, url=QMSUM_URL))
