@@ -26,8 +26,7 @@ _matching_writes = 0  # atomic writes so far whose name matches the kill pattern
 
 def _fault_point(path: Path, tmp: Path) -> None:
     global _matching_writes
-    spec = os.environ.get(ENV_KILL)
-    if not spec:
+    if not (spec := os.environ.get(ENV_KILL)):
         return
     pattern, _, nth = spec.partition("@")
     if not fnmatch.fnmatchcase(path.name, pattern):

@@ -233,11 +233,7 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
                 cells = [s["n"], paper_n] + [f"{s[k]:.2f}" for k in STAT_KEYS]
                 out.append(f"| {domain} | {split} | " + " | ".join(map(str, cells)) + " |")
     out += ["", "Records skipped at ingest (by design, with reason):", ""]
-    if any(skipped.values()):
-        out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()]
-    else:
-        out.append("- none")
+    out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()] or ["- none"]
     out += ["", "QMSum meetings named after the AMI/ICSI meeting they are (5-gram Jaccard match):", ""]
-    for domain, rep in links.items():
-        out.append(f"- {domain}: {json.dumps(rep)}")
+    out += [f"- {domain}: {json.dumps(rep)}" for domain, rep in links.items()]
     return "\n".join(out) + "\n"

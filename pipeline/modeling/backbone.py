@@ -113,9 +113,8 @@ def add_sep_token(model, tokenizer, sep_token: str) -> int:
         for part in (model.encoder, model.decoder):
             if part.get_input_embeddings().num_embeddings != n:
                 part.resize_token_embeddings(n)
-        model.config.encoder.vocab_size = n
-        model.config.decoder.vocab_size = n
-        model.config.vocab_size = n
+        for config in (model.config.encoder, model.config.decoder, model.config):
+            config.vocab_size = n
     elif model.get_input_embeddings().num_embeddings < n:
         model.resize_token_embeddings(n)
     if tokenizer.tokenize(f"query {sep_token} text").count(sep_token) != 1:

@@ -29,9 +29,8 @@ def subsample_ids(ids: list[str], limit: int | None, seed: int) -> list[str]:
 @lru_cache(maxsize=4)
 def _read_examples(path: str, mtime: float) -> pd.DataFrame:
     df = pd.read_parquet(path)
-    for col in ("example_id", "source", "target"):
-        if col not in df.columns:
-            raise DataError(f"{path}: no column {col!r} (columns: {list(df.columns)})")
+    if missing := [col for col in ("example_id", "source", "target") if col not in df.columns]:
+        raise DataError(f"{path}: no column {missing[0]!r} (columns: {list(df.columns)})")
     return df.set_index("example_id", drop=False)  # unique: the examples stage checks
 
 
