@@ -165,9 +165,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
             raise ConfigError(
-                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
-                f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
-                f"max_entropy"
+                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale batch_quantile "
+                f"gates each token by a quantile over the whole batch; use absolute or max_entropy"
             )
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():

@@ -64,8 +64,7 @@ def config(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
 def repo_root() -> Path:
     """The project root, the same for `dvc repro` and `dvc exp run` (queued/temp runs execute in a copy under
     ``<root>/.dvc/tmp/exps/``, whose results must still land in the one MLflow store at ``<root>``)."""
-    env = os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT")
-    if env:
+    if env := os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT"):
         root = Path(env).resolve()
     else:
         try:

@@ -186,8 +186,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
 def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     """dataset -> domain -> split -> {n, avg_turns, avg_speakers, avg_words, avg_summary_words}."""
     stats: dict[str, Any] = {}
-    grouped = examples.groupby(["dataset", "domain", "split"], sort=False)
-    for (dataset, domain, split), g in grouped:
+    for (dataset, domain, split), g in examples.groupby(["dataset", "domain", "split"], sort=False):
         stats.setdefault(dataset, {}).setdefault(domain, {})[split] = {
             "n": int(len(g)),
             **{key: round(float(g[column].mean()), 2) for key, column in zip(STAT_KEYS, STAT_COLUMNS)},
@@ -229,8 +228,7 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
             continue
         for domain, by_split in by_domain.items():
             for split, s in by_split.items():
-                paper_n = PAPER_SIZES.get(domain, {}).get(split, "")
-                cells = [s["n"], paper_n] + [f"{s[k]:.2f}" for k in STAT_KEYS]
+                cells = [s["n"], PAPER_SIZES.get(domain, {}).get(split, "")] + [f"{s[k]:.2f}" for k in STAT_KEYS]
                 out.append(f"| {domain} | {split} | " + " | ".join(map(str, cells)) + " |")
     out += ["", "Records skipped at ingest (by design, with reason):", ""]
     out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()] or ["- none"]

@@ -85,8 +85,7 @@ def _fetch(url: str) -> bytes:
 
 def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
     """Download ``dataset`` from ``cfg.urls[dataset]`` into ``target`` keeping the upstream layout."""
-    base = cfg.urls.get(dataset)
-    if not base:
+    if not (base := cfg.urls.get(dataset)):
         raise DataError(_how_to_fix(dataset, cfg, f"no local mirror and no `ingest.urls.{dataset}`"))
     base = base.rstrip("/")
     spec = dataset_spec(dataset)

@@ -129,8 +129,7 @@ class AdapterSummarizer(nn.Module):
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))  # EncoderDecoderModel too; stage backbone checks
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cls.from_backbone(backbone, tokenizer, adapter, device)
+        return cls.from_backbone(backbone, AutoTokenizer.from_pretrained(str(path)), adapter, device)
 
     @classmethod
     def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> AdapterSummarizer:

@@ -25,8 +25,7 @@ JS_DEFINITION = (
 
 def make_partition(examples: pd.DataFrame, scheme: str, seed: int, cfg: PartitionConfig) -> Partition:
     """Run ``scheme`` with ``seed``, apply the leakage guard and check the result is disjoint and complete."""
-    rng = np.random.default_rng(seed)
-    part = SCHEMES[scheme](examples, cfg, rng)
+    part = SCHEMES[scheme](examples, cfg, np.random.default_rng(seed))
     guard_leakage(part, dict(zip(examples.example_id, examples.meeting_id)))
     check_partition(part, examples)
     return part

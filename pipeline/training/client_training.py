@@ -66,8 +66,10 @@ _KEPT: OrderedDict[tuple, tuple[pd.DataFrame, Any, list[Batch]]] = OrderedDict()
 KEPT_ENTRIES = 64
 
 
-def _batches(model: AdapterSummarizer, frame: pd.DataFrame, plan: Plan, shuffle: bool, seed: int, bucket: bool):
-    """The frame's batches (a list of Batch), kept and shared: read them, do not change them."""
+def _batches(
+    model: AdapterSummarizer, frame: pd.DataFrame, plan: Plan, shuffle: bool, seed: int, bucket: bool
+) -> list[Batch]:
+    """The frame's batches, kept and shared: read them, do not change them."""
     mcfg, tokenizer = plan.model_config, model.tokenizer
     key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, model.decoder_start_token_id)
     key += (model.pad_token_id, plan.train.batch_size, shuffle, seed, bucket)
@@ -121,7 +123,9 @@ def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: 
     return float(int((valid.sum(dim=1) > 0).sum()))
 
 
-def _accumulation_steps(model: AdapterSummarizer, examples: pd.DataFrame, plan: Plan, seed: int):
+def _accumulation_steps(
+    model: AdapterSummarizer, examples: pd.DataFrame, plan: Plan, seed: int
+) -> list[list[tuple[Batch, float]]]:
     """One epoch's steps: shuffled batches in windows of ``grad_accum_steps``, each with its share of the step."""
     cfg = plan.train
     batches = _batches(model, examples, plan, True, seed, cfg.bucket_by_length)
@@ -306,7 +310,6 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
     set's barrier with every other validation of the round, adapters stacked (pipeline.training.local_batch)."""
     if len(examples) == 0:
         return float("nan"), 0
-    batches = _batches(model, examples, plan, False, 0, False)
-    steps = [[(b, 1.0)] for b in batches]  # one micro-batch a step
+    steps = [[(b, 1.0)] for b in _batches(model, examples, plan, False, 0, False)]  # one micro-batch a step
     job = LocalJob(model, plan, "validation", 0, None, steps, cache=cache)
     return set_engine.batched(job, local_batch.validate_jobs)

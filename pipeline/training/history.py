@@ -36,8 +36,7 @@ def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) ->
 def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One round's run-level privacy fields under privacy.mode client (empty when it released nothing): the
     federation's epsilon and C, and the fraction of the aggregated updates C clipped."""
-    released = [r for r in rows if "update_clipped" in r]
-    if not released:
+    if not (released := [r for r in rows if "update_clipped" in r]):
         return {}
     out = {
         "clipping_norm": released[0]["clipping_norm"],
