@@ -261,14 +261,13 @@ class AdapterSummarizer(nn.Module):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         h = prefix.decoder_hidden
-        b, t = h.shape[:2]
         # Causal self-attention over right-padded targets (padding never reaches valid tokens); cross-attention:
         # source padding masked. The same builders the HF decoders call.
         self_mask = create_causal_mask(
             config=self._stack.config,
             inputs_embeds=h,
             past_key_values=None,
-            attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device),
+            attention_mask=torch.ones(h.shape[:2], dtype=torch.long, device=h.device),
         )
         cross_mask = create_bidirectional_mask(
             config=self._stack.config,
