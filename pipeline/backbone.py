@@ -33,8 +33,7 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
         raise ConfigError(
             f"backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
         )
-    sep_token = (params.get("examples") or {}).get("sep_token", "#SEP#")
-    return cfg, sep_token
+    return cfg, (params.get("examples") or {}).get("sep_token", "#SEP#")
 
 
 def main(argv: list[str] | None = None) -> None:

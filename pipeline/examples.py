@@ -43,11 +43,10 @@ def main(argv: list[str] | None = None) -> None:
             ds: json.loads((report_dir / f"ingest_{ds}.json").read_text())["skipped_by_reason"] for ds in datasets
         }
         stats = table_ii(examples)
-        out = Path(args.out)
-        atomic.to_parquet(examples, out, index=False)
+        atomic.to_parquet(examples, args.out, index=False)
         atomic.write_json(report_dir / "stats.json", {**stats, "skipped": skipped, "meeting_links": link_report})
         atomic.write_text(report_dir / "stats.md", stats_markdown(stats, skipped, link_report))
-        print(f"{len(examples)} examples -> {out}")
+        print(f"{len(examples)} examples -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -18,13 +18,7 @@ from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.partitioning.partitions import (
-    EXAMPLE_COLUMNS_USED,
-    make_partition,
-    partition_json,
-    partition_stats,
-    plot_stats,
-)
+from pipeline.partitioning import partitions
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig
 from pipeline.paths import PATHS
 
@@ -40,14 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     with stage_timer(f"partition-{args.scheme}-seed{args.seed}"):  # wall time, peak RSS -> reports/timing/
         cfg = from_dict(PartitionConfig, load_params(args.params).get("partition"), "partition")
-        examples = pd.read_parquet(args.examples, columns=EXAMPLE_COLUMNS_USED)
-        part = make_partition(examples, args.scheme, args.seed, cfg)
+        examples = pd.read_parquet(args.examples, columns=partitions.EXAMPLE_COLUMNS_USED)
+        part = partitions.make_partition(examples, args.scheme, args.seed, cfg)
         out = Path(args.out_dir) / args.scheme / f"seed{args.seed}.json"
-        atomic.write_json(out, partition_json(part, args.scheme, args.seed, cfg), indent=1)
-        stats = partition_stats(part, examples, args.scheme, args.seed)
+        atomic.write_json(out, partitions.partition_json(part, args.scheme, args.seed, cfg), indent=1)
+        stats = partitions.partition_stats(part, examples, args.scheme, args.seed)
         report_dir = Path(args.report_dir)
         atomic.write_json(report_dir / f"{args.scheme}-seed{args.seed}.json", stats)
-        plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
+        partitions.plot_stats(stats, report_dir / f"{args.scheme}-seed{args.seed}.png")
         sizes = {n: c["sizes"] for n, c in stats["clients"].items()}
         print(f"{args.scheme} seed {args.seed}: {sizes}; excluded {len(part.excluded)}")
 

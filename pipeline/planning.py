@@ -53,19 +53,15 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         )
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
     tau = raw.get("tau")
-    exp = from_dict(
-        Experiment,
-        {k: raw[k] for k in ("method", "partition", "study") if k in raw}
-        | {
-            "name": str(name),
-            "seed": raw.get("seed", params.get("seed", 0)),
-            "tau": params.get("tau") if tau is None and reads_tau else tau,
-            "train": overrides,
-            "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
-            "privacy": raw.get(PRIVACY_KEY) or {},
-        },
-        where,
-    )
+    entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
+        "name": str(name),
+        "seed": raw.get("seed", params.get("seed", 0)),
+        "tau": params.get("tau") if tau is None and reads_tau else tau,
+        "train": overrides,
+        "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
+        "privacy": raw.get(PRIVACY_KEY) or {},
+    }
+    exp = from_dict(Experiment, entry, where)
     if exp.scheme not in SCHEMES:
         raise ConfigError(f"{where}.partition: unknown partition scheme {exp.scheme!r}; allowed: {sorted(SCHEMES)}")
     method = get_method(exp.method)
@@ -169,9 +165,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         if privacy.mode == "example" and method.kd_mode == "selective" and train.tau_scale == "batch_quantile":
             # the gate of every token would depend on the other examples of its batch: no per-example bound
             raise ConfigError(
-                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale "
-                f"batch_quantile gates each token by a quantile over the whole batch; use absolute or "
-                f"max_entropy"
+                f"{where}: privacy.mode {privacy.mode} needs a per-example loss, but train.tau_scale batch_quantile "
+                f"gates each token by a quantile over the whole batch; use absolute or max_entropy"
             )
         plan["privacy"] = privacy.plan_dict()
     if method.uses_postags and PATHS.postags.exists():

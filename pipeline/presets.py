@@ -171,8 +171,7 @@ def run_commands(
     validate(preset, params, str(preset_path))
     parts = {}
     if by is not None:
-        entries = preset.get("experiments")
-        if not entries:
+        if not (entries := preset.get("experiments")):
             raise PresetError(f"{preset_path}: --parts needs the preset's own `experiments`")
         from pipeline.planning import ENTRY_KEYS  # lazy: the other commands start without torch
 
@@ -180,8 +179,7 @@ def run_commands(
             raise PresetError(f"--parts {by!r}: split by one of the experiments' keys {list(ENTRY_KEYS)}")
         groups: dict[str, dict[str, Any]] = {}
         for exp, entry in entries.items():
-            value = (entry or {}).get(by)
-            if value is None:
+            if (value := (entry or {}).get(by)) is None:
                 raise PresetError(f"{preset_path}: experiments.{exp} sets no {by!r}; every entry needs it for --parts")
             groups.setdefault(re.sub(r"[^\w-]", "-", str(value)), {})[exp] = entry
         if len(groups) < 2:
@@ -199,15 +197,9 @@ def run_commands(
 
 def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
     """(commit, ref) of the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)."""
-    listed = subprocess.run(
-        ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"],
-        cwd=repo,
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.split("\n")
-    found = [line.split(" ", 1) for line in listed if line.endswith("/" + name)]
-    if not found:
+    command = ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"]
+    listed = subprocess.run(command, cwd=repo, capture_output=True, text=True, check=True).stdout.split("\n")
+    if not (found := [line.split(" ", 1) for line in listed if line.endswith("/" + name)]):
         raise PresetError(
             f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list --all-commits`)"
         )
@@ -284,11 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in [args.preset] if args.command == "show" else args.presets:
             preset = load_preset(path)
             validate(preset, params, path)
-            print(
-                "\n".join(overrides(preset))
-                if args.command == "show"
-                else f"{path}: ok ({len(overrides(preset))} overrides)"
-            )
+            found = overrides(preset)
+            print("\n".join(found) if args.command == "show" else f"{path}: ok ({len(found)} overrides)")
         return 0
     if args.parts and not args.name:
         raise PresetError("--parts needs --name (the parts are named <name>-<key><value>)")

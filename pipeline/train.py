@@ -114,13 +114,12 @@ def run_set(
     names = [Path(p).stem for p in plan_paths]
     barrier = RoundBarrier()
     with stage_timer(stage_name("train", names), experiments=names):
-        out = barrier.run(
+        return barrier.run(
             {
                 n: partial(run_experiment, p, track=track, settings=(settings or {}).get(n), barrier=barrier)
                 for n, p in zip(names, plan_paths)
             }
         )
-    return {n: out[n] for n in names}
 
 
 def main(argv: list[str] | None = None) -> None:

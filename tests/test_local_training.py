@@ -441,7 +441,7 @@ def test_an_epoch_is_length_bucketed_batches_in_windows_weighted_by_their_share_
     model, examples = shared_model(plan), _varied_targets()
     tokens = sorted(_target_tokens(model, plan, examples))
     least_padding = sum(max(pair) * len(pair) - sum(pair) for pair in (tokens[i : i + 2] for i in range(0, 10, 2)))
-    steps = _accumulation_steps(model, examples, plan.model_config, plan.train, "tokens", seed=3)
+    steps = _accumulation_steps(model, examples, plan, seed=3)
     batches = [b for step in steps for b, _ in step]
     assert [len(step) for step in steps] == [2, 2, 1]  # 5 batches of 2: windows of 2
     assert sorted(e for b in batches for e in b.example_ids) == sorted(examples["example_id"])
@@ -489,9 +489,9 @@ def test_each_local_epoch_reshuffles_the_batches(ws, monkeypatch):
     seeds = []
     real = local._accumulation_steps
 
-    def spy(model, examples, mcfg, cfg, normalisation, seed):
-        seeds.append((normalisation, seed))
-        return real(model, examples, mcfg, cfg, normalisation, seed)
+    def spy(model, examples, plan, seed):
+        seeds.append((plan.train.loss_normalisation, seed))
+        return real(model, examples, plan, seed)
 
     monkeypatch.setattr(local, "_accumulation_steps", spy)
     plan, model, train, w0 = _setup("local-epochs-shuffle", lr=5e-3, batch_size=2, local_epochs=3)

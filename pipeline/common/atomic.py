@@ -26,8 +26,7 @@ _matching_writes = 0  # atomic writes so far whose name matches the kill pattern
 
 def _fault_point(path: Path, tmp: Path) -> None:
     global _matching_writes
-    spec = os.environ.get(ENV_KILL)
-    if not spec:
+    if not (spec := os.environ.get(ENV_KILL)):
         return
     pattern, _, nth = spec.partition("@")
     if not fnmatch.fnmatchcase(path.name, pattern):
@@ -47,8 +46,7 @@ def _remove_stale(target: Path, pattern: str) -> None:
 
     rx = re.compile(pattern)
     for p in target.parent.iterdir():
-        m = rx.fullmatch(p.name)
-        if m and int(m["pid"]) != os.getpid() and not pid_exists(int(m["pid"])):
+        if (m := rx.fullmatch(p.name)) and int(m["pid"]) != os.getpid() and not pid_exists(int(m["pid"])):
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
             else:

@@ -64,8 +64,7 @@ def config(cls: type[T] | None = None, /, **kwargs: Any) -> Any:
 def repo_root() -> Path:
     """The project root, the same for `dvc repro` and `dvc exp run` (queued/temp runs execute in a copy under
     ``<root>/.dvc/tmp/exps/``, whose results must still land in the one MLflow store at ``<root>``)."""
-    env = os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT")
-    if env:
+    if env := os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT"):
         root = Path(env).resolve()
     else:
         try:
@@ -165,8 +164,7 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     errors = exc.errors()
     # the keys as params write them
     fields = sorted(info.alias or name for name, info in cls.__pydantic_fields__.items())
-    unknown = sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument")
-    if unknown:
+    if unknown := sorted(str(e["loc"][-1]) for e in errors if e["type"] == "unexpected_keyword_argument"):
         return f"{where}: unknown key(s) {unknown}; allowed: {fields}"
     if missing := sorted(str(e["loc"][-1]) for e in errors if e["type"] == "missing"):
         return f"{where}: missing required key(s) {missing}"
@@ -192,8 +190,7 @@ def _one_line(cls: type, data: dict[str, Any], where: str, exc: ValidationError)
     for path, (value, errs) in by_path.items():
         at = f"{where}.{path}" if path else where
         ranges = [e for e in errs if e["type"] in _RANGE_ERRORS]
-        checked = [e for e in errs if e["type"] == "value_error"]  # a field validator's message
-        if checked:
+        if checked := [e for e in errs if e["type"] == "value_error"]:  # a field validator's message
             lines.append(f"{at}: {' '.join(checked[0]['msg'].removeprefix('Value error, ').split())}")
         elif ranges and ranges[0]["is_key"]:
             lines.append(f"{at}={value!r}: unknown key(s); allowed: {ranges[0]['ctx']['expected']}")

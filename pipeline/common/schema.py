@@ -12,14 +12,7 @@ SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
 
 # Upstream split names -> ours (QMSum `val`, SAMSum `validation`, HMNet `dev`).
-_SPLIT_ALIASES = {
-    "train": "train",
-    "val": "valid",
-    "valid": "valid",
-    "validation": "valid",
-    "dev": "valid",
-    "test": "test",
-}
+_SPLIT_ALIASES = {"train": "train", "test": "test"} | dict.fromkeys(("val", "valid", "validation", "dev"), "valid")
 
 
 class DataError(ValueError):

@@ -19,18 +19,9 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
+from pipeline.common import schema
 from pipeline.common.config import config
-from pipeline.common.schema import (
-    EXAMPLE_COLUMNS,
-    QMSUM_DOMAINS,
-    SPLITS,
-    DataError,
-    Example,
-    Turn,
-    model_input,
-    spoken_word_count,
-    summary_word_count,
-)
+from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -109,12 +100,11 @@ def link_meetings(
         owner[cid] = qid
         links[qid] = cid
         scores.append(round(score, 4))
-    record = {
+    return links, {
         "unmatched": unmatched,
         "min_score": min(scores, default=None),
         "max_runner_up_score": round(runner_up, 4),
     }
-    return links, record
 
 
 @config
@@ -182,8 +172,8 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                     target=r.summary,
                     n_turns=len(turns),
                     n_speakers=len({t.speaker for t in turns}),
-                    n_words=sum(spoken_word_count(t) for t in turns),
-                    n_summary_words=summary_word_count(r.summary),
+                    n_words=sum(schema.spoken_word_count(t) for t in turns),
+                    n_summary_words=schema.summary_word_count(r.summary),
                 )
             )
     examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
@@ -196,8 +186,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
 def table_ii(examples: pd.DataFrame) -> dict[str, Any]:
     """dataset -> domain -> split -> {n, avg_turns, avg_speakers, avg_words, avg_summary_words}."""
     stats: dict[str, Any] = {}
-    grouped = examples.groupby(["dataset", "domain", "split"], sort=False)
-    for (dataset, domain, split), g in grouped:
+    for (dataset, domain, split), g in examples.groupby(["dataset", "domain", "split"], sort=False):
         stats.setdefault(dataset, {}).setdefault(domain, {})[split] = {
             "n": int(len(g)),
             **{key: round(float(g[column].mean()), 2) for key, column in zip(STAT_KEYS, STAT_COLUMNS)},
@@ -239,15 +228,10 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
             continue
         for domain, by_split in by_domain.items():
             for split, s in by_split.items():
-                paper_n = PAPER_SIZES.get(domain, {}).get(split, "")
-                cells = [s["n"], paper_n] + [f"{s[k]:.2f}" for k in STAT_KEYS]
+                cells = [s["n"], PAPER_SIZES.get(domain, {}).get(split, "")] + [f"{s[k]:.2f}" for k in STAT_KEYS]
                 out.append(f"| {domain} | {split} | " + " | ".join(map(str, cells)) + " |")
     out += ["", "Records skipped at ingest (by design, with reason):", ""]
-    if any(skipped.values()):
-        out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()]
-    else:
-        out.append("- none")
+    out += [f"- {ds}: {n} x {reason}" for ds, by in skipped.items() for reason, n in by.items()] or ["- none"]
     out += ["", "QMSum meetings named after the AMI/ICSI meeting they are (5-gram Jaccard match):", ""]
-    for domain, rep in links.items():
-        out.append(f"- {domain}: {json.dumps(rep)}")
+    out += [f"- {domain}: {json.dumps(rep)}" for domain, rep in links.items()]
     return "\n".join(out) + "\n"

@@ -50,12 +50,11 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
     mirror = data_root(cfg) / dataset
     files = dataset_spec(dataset).files()  # relative to <root>/<dataset>/ -> split key
     if mirror.is_dir():
-        missing = [
+        if missing := [
             rel
             for rel, split_key in files.items()
             if not (mirror / rel).is_file() and not absent_allowed(split_key, cfg.allow_absent_splits)
-        ]
-        if missing:
+        ]:
             # A half-present mirror is a broken copy, not a reason to silently fetch something else.
             raise DataError(
                 f"{mirror}: local mirror of {dataset} is incomplete; missing {missing[:5]}"
@@ -86,8 +85,7 @@ def _fetch(url: str) -> bytes:
 
 def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
     """Download ``dataset`` from ``cfg.urls[dataset]`` into ``target`` keeping the upstream layout."""
-    base = cfg.urls.get(dataset)
-    if not base:
+    if not (base := cfg.urls.get(dataset)):
         raise DataError(_how_to_fix(dataset, cfg, f"no local mirror and no `ingest.urls.{dataset}`"))
     base = base.rstrip("/")
     spec = dataset_spec(dataset)

@@ -81,11 +81,8 @@ def privacy_label(privacy: PrivacyConfig) -> str:
     if privacy.enabled:
         name = {"example": "DP-SGD", "client": "client-level DP"}.get(privacy.mode, f"DP {privacy.mode}")
         if privacy.target_epsilon is not None:
-            delta = (
-                f"δ={privacy.delta:g}"
-                if privacy.delta is not None
-                else ("δ≤1e-05" if privacy.mode == "example" else "δ=1e-05")
-            )  # the defaults (pipeline.privacy.accounting)
+            default = "δ≤1e-05" if privacy.mode == "example" else "δ=1e-05"  # pipeline.privacy.accounting's
+            delta = f"δ={privacy.delta:g}" if privacy.delta is not None else default
             parts.append(f"{name} ε≤{privacy.target_epsilon:g} {delta.replace('e-0', 'e-')}")
         else:
             parts.append(f"{name} σ={privacy.noise_multiplier:g}")
@@ -104,10 +101,7 @@ def with_labels(experiments: list[Experiment]) -> dict[str, str]:
     for members in by_study.values():
         varying = [attr for attr in ("scheme", "tau", "variant", "dp") if len({getattr(e, attr) for e in members}) > 1]
         for e in members:
-            parts = [e.method]
-            for attr in varying:
-                value = getattr(e, attr)
-                if value not in (None, ""):
-                    parts.append(value if attr == "variant" else f"{attr}={value:g}" if attr == "tau" else value)
+            values = [(attr, getattr(e, attr)) for attr in varying]
+            parts = [e.method] + [f"tau={v:g}" if attr == "tau" else v for attr, v in values if v not in (None, "")]
             labels[e.name] = " ".join(str(x) for x in parts)
     return labels

@@ -61,9 +61,7 @@ class StrategySpec:
     @property
     def params_keys(self) -> tuple[str, ...]:
         """The params `train` keys this strategy owns."""
-        if self.group is not None:
-            return (self.group,)
-        return tuple(f.name for f in dataclasses.fields(self.settings_cls))
+        return (self.group,) if self.group is not None else tuple(f.name for f in dataclasses.fields(self.settings_cls))
 
     def settings(self, train_params: dict[str, Any], where: str = "train") -> Any:
         """The settings dataclass from the `train` params (defaults for keys left out); bad keys raise ConfigError."""
@@ -147,13 +145,11 @@ METHODS: dict[str, MethodSpec] = {
 }
 # Table V (section 7.7) compares server algorithms: every registered strategy without a method above is a method of
 # its own name, CE with one adapter set as AdaFedAvg **(our default)**, compared against `fedselectkd`.
-METHODS.update(
-    {
-        name: MethodSpec(name, federated=True, kd_mode="ce", local_from_global=True, strategy=name)
-        for name in STRATEGIES
-        if name not in METHODS
-    }
-)
+METHODS |= {
+    name: MethodSpec(name, federated=True, kd_mode="ce", local_from_global=True, strategy=name)
+    for name in STRATEGIES
+    if name not in METHODS
+}
 
 
 def get_method(name: str) -> MethodSpec:

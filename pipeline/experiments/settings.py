@@ -42,14 +42,9 @@ def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSe
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})
     model = group(params, "model")
-    return from_dict(
-        RunSettings,
-        {
-            **{k: train[k] for k in RUN_TRAIN_KEYS if k in train},
-            "cache": from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, "params.yaml model"),
-        },
-        "params.yaml train",
-    )
+    cache = from_dict(CacheConfig, {k: model[k] for k in RUN_MODEL_KEYS if k in model}, "params.yaml model")
+    settings = {k: train[k] for k in RUN_TRAIN_KEYS if k in train} | {"cache": cache}
+    return from_dict(RunSettings, settings, "params.yaml train")
 
 
 def load_run_settings(params_path: str | Path, experiment: str | None = None) -> RunSettings:

@@ -90,8 +90,7 @@ def train_config(data: dict[str, Any] | None, where: str = "train") -> TrainConf
     """TrainConfig from a `train` mapping: the strategies' keys go to ``strategy_params``, each declared
     strategy's settings checked there (a bad value raises ConfigError naming ``where.<key>``)."""
     data = dict(data or {})
-    owned = strategy_params_keys()
-    strategy_params = {k: data.pop(k) for k in sorted(owned & set(data))}
+    strategy_params = {k: data.pop(k) for k in sorted(strategy_params_keys() & set(data))}
     for spec in STRATEGIES.values():
         spec.settings(strategy_params, where)
     return dataclasses.replace(from_dict(TrainConfig, data, where), strategy_params=strategy_params)

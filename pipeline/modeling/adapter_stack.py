@@ -30,22 +30,13 @@ class AdapterStack(nn.Module):
 
     def __init__(self, states: list[dict[str, torch.Tensor]], template: AdapterSet, device: torch.device | str):
         super().__init__()
-        if not states:
-            raise ValueError("an adapter stack needs at least one run")
-        keys = list(template.state())
+        self.keys = list(template.state())
         for r, state in enumerate(states):
-            if sorted(state) != sorted(keys):
+            if sorted(state) != sorted(self.keys):
                 raise ValueError(f"adapter stack: run {r}'s state keys do not match the adapter set's")
         self.runs = len(states)
-        self.keys = keys
-        self.params = nn.ParameterDict(
-            {
-                key.replace(".", "_"): nn.Parameter(
-                    torch.stack([torch.as_tensor(s[key]) for s in states]).to(device, torch.float32)
-                )
-                for key in keys
-            }
-        )
+        stacked = {k: torch.stack([torch.as_tensor(s[k]) for s in states]).to(device, torch.float32) for k in self.keys}
+        self.params = nn.ParameterDict({key.replace(".", "_"): nn.Parameter(t) for key, t in stacked.items()})
         self.eps = [adapter.norm.eps for adapter in template.adapters]
 
     def __getitem__(self, i: int) -> partial[torch.Tensor]:

@@ -18,16 +18,8 @@ from pipeline.common import atomic
 from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import Turn, model_input
-from pipeline.modeling.warmup import (
-    BackboneError,
-    Score,
-    WarmupConfig,
-    build_bert2bert,
-    evaluate_summarizer,
-    init_cross_attention_from_self,
-    minilm_dir,
-    warm_up,
-)
+from pipeline.modeling import warmup as recipe
+from pipeline.modeling.warmup import BackboneError, Score, WarmupConfig
 
 OFFLINE_RECIPE = "minilm-bert2bert"
 
@@ -121,15 +113,13 @@ def add_sep_token(model, tokenizer, sep_token: str) -> int:
         for part in (model.encoder, model.decoder):
             if part.get_input_embeddings().num_embeddings != n:
                 part.resize_token_embeddings(n)
-        model.config.encoder.vocab_size = n
-        model.config.decoder.vocab_size = n
-        model.config.vocab_size = n
+        for config in (model.config.encoder, model.config.decoder, model.config):
+            config.vocab_size = n
     elif model.get_input_embeddings().num_embeddings < n:
         model.resize_token_embeddings(n)
-    sep_id = tokenizer.convert_tokens_to_ids(sep_token)
     if tokenizer.tokenize(f"query {sep_token} text").count(sep_token) != 1:
         raise BackboneError(f"tokenizer splits {sep_token!r}; it must be one special token")
-    return sep_id
+    return tokenizer.convert_tokens_to_ids(sep_token)
 
 
 def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tuple[str, str, str]]:
@@ -155,12 +145,7 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
 
 
 def resolve(
-    cfg: BackboneConfig,
-    sep_token: str,
-    out_dir: Path,
-    interim_dir: Path,
-    report_path: Path,
-    score: Score,
+    cfg: BackboneConfig, sep_token: str, out_dir: Path, interim_dir: Path, report_path: Path, score: Score
 ) -> dict[str, Any]:
     """Resolve the backbone into ``out_dir`` and return (and write) its record; ``score`` (predictions, references
     -> ROUGE) scores the validation summaries."""
@@ -181,12 +166,12 @@ def resolve(
         source.update({"path": str(path), "content_sha256": sha256_dir(path)})
         model, tokenizer = load_seq2seq(path, cfg.name)
     else:
-        enc_dir = minilm_dir()
+        enc_dir = recipe.minilm_dir()
         torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
-        model, tokenizer = build_bert2bert(enc_dir)
+        model, tokenizer = recipe.build_bert2bert(enc_dir)
         from_self = cfg.warmup.cross_attention_init == "self_attention"
         if from_self:
-            init_cross_attention_from_self(model)
+            recipe.init_cross_attention_from_self(model)
         cross = "initialised from each layer's self-attention" if from_self else "new"
         source.update(
             {
@@ -211,14 +196,14 @@ def resolve(
     interim = interim_dir / f"{wc.dataset}.parquet"
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
-        warmup = warm_up(model, tokenizer, train_pairs, wc, device)
+        warmup = recipe.warm_up(model, tokenizer, train_pairs, wc, device)
         warmup.update(
             {"dataset": wc.dataset, "train_examples": len(train_pairs), "config": asdict(wc), "device": device.type}
         )
     if wc.eval_examples > 0:
         # a fixed subsample: the first validation dialogues in file order (the same for every run)
         valid = load_pairs(interim, "valid", sep_token)[: wc.eval_examples]
-        evaluation = evaluate_summarizer(model, tokenizer, valid, wc, device, score)
+        evaluation = recipe.evaluate_summarizer(model, tokenizer, valid, wc, device, score)
         evaluation["dataset"] = wc.dataset
 
     final_dir, out_dir = out_dir, atomic.temp_dir_for(out_dir)  # written whole: built beside, renamed at the end

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
+TENSOR_FIELDS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
 
 
 @dataclass
@@ -38,6 +39,11 @@ class Batch:
     def __len__(self) -> int:
         return len(self.example_ids)
 
+    def select(self, rows: slice | list[int]) -> Batch:
+        """The examples at ``rows`` (a slice: views of the tensors; a list of positions: copies, in that order)."""
+        ids = self.example_ids[rows] if isinstance(rows, slice) else [self.example_ids[i] for i in rows]
+        return Batch(ids, *(getattr(self, f)[rows] for f in TENSOR_FIELDS))
+
     @cached_property
     def target_tokens(self) -> int:
         """The batch's target tokens (labels that are not IGNORE_INDEX), counted once."""
@@ -57,8 +63,7 @@ def tokenize_pairs(tokenizer, examples_df, cfg, decoder_start_token_id: int | No
     done = _TOKENIZED.setdefault(tokenizer, {}).setdefault((*lengths, decoder_start_token_id), {})
     columns = (examples_df[c].tolist() for c in ("example_id", "source", "target"))
     keys = [(str(eid), s, t) for eid, s, t in zip(*columns)]
-    new = [k for k in dict.fromkeys(keys) if k not in done]
-    if new:
+    if new := [k for k in dict.fromkeys(keys) if k not in done]:
         src = tokenizer([k[1] for k in new], max_length=lengths[0], truncation=True)["input_ids"]
         tgt = tokenizer(text_target=[k[2] for k in new], max_length=lengths[1], truncation=True)["input_ids"]
         for key, s, t in zip(new, src, tgt):

@@ -102,17 +102,9 @@ class PrefixCache:
                 entries[i] = entry
                 self.stats["hits"] += 1
                 self._used[path] = now
-        missing = [i for i in range(len(paths)) if i not in entries]
-        if missing:
+        if missing := [i for i in range(len(paths)) if i not in entries]:
             self.stats["misses"] += len(missing)
-            sub = Batch(
-                [batch.example_ids[i] for i in missing],
-                batch.input_ids[missing],
-                batch.attention_mask[missing],
-                batch.decoder_input_ids[missing],
-                batch.labels[missing],
-            )
-            computed = model.compute_prefix(sub)
+            computed = model.compute_prefix(batch.select(missing))
             for j, i in enumerate(missing):
                 enc = computed.encoder_hidden[j, : src_len[i]].to("cpu", self.dtype).contiguous()
                 dec = computed.decoder_hidden[j, : tgt_len[i]].to("cpu", self.dtype).contiguous()

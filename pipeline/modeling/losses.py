@@ -228,8 +228,7 @@ def distillation_loss(
     gate_p = torch.zeros(n_tokens, dtype=torch.bool, device=z_l.device)
     if z_g is not None:
         entropy_p = teacher_entropy(z_g, cfg.entropy_log_base, chunk_rows)
-        gate = gate_of(cfg)
-        if gate is not None:
+        if (gate := gate_of(cfg)) is not None:
             gate_p, threshold = gate(TeacherRows(z_g, entropy_p, hard_gate, chunk_rows), cfg)
             gate_p = gate_p.to(device=z_l.device, dtype=torch.bool)
     loss, ce, kl = _FusedDistillation.apply(z_l, z_g, y, row_weight, gate_p, cfg, chunk_rows, want_grad)

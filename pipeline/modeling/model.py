@@ -129,8 +129,7 @@ class AdapterSummarizer(nn.Module):
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
         backbone = AutoModelForSeq2SeqLM.from_pretrained(str(path))  # EncoderDecoderModel too; stage backbone checks
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cls.from_backbone(backbone, tokenizer, adapter, device)
+        return cls.from_backbone(backbone, AutoTokenizer.from_pretrained(str(path)), adapter, device)
 
     @classmethod
     def from_backbone(cls, model: nn.Module, tokenizer, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
@@ -262,14 +261,13 @@ class AdapterSummarizer(nn.Module):
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         h = prefix.decoder_hidden
-        b, t = h.shape[:2]
         # Causal self-attention over right-padded targets (padding never reaches valid tokens); cross-attention:
         # source padding masked. The same builders the HF decoders call.
         self_mask = create_causal_mask(
             config=self._stack.config,
             inputs_embeds=h,
             past_key_values=None,
-            attention_mask=torch.ones(b, t, dtype=torch.long, device=h.device),
+            attention_mask=torch.ones(h.shape[:2], dtype=torch.long, device=h.device),
         )
         cross_mask = create_bidirectional_mask(
             config=self._stack.config,
@@ -322,9 +320,7 @@ class AdapterSummarizer(nn.Module):
 
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, packed: bool = False) -> TwoPathOutput:
         """Both paths from one prefix: local with gradients, global (the teacher) under no_grad."""
-        if prefix is None:
-            prefix = self.compute_prefix(batch)
-        prefix = prefix.to(self.device)
+        prefix = (prefix if prefix is not None else self.compute_prefix(batch)).to(self.device)
         masks = self.top_masks(prefix)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():

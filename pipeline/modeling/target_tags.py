@@ -76,13 +76,12 @@ def word_index_from_offsets(
     for (start, end), is_special in zip(offsets, special):
         if is_special:
             index.append(None)
-            continue
-        if start == end:  # zero width
+        elif start == end:  # zero width
             index.append(int(owner[start]) if start < len(text) and owner[start] >= 0 else None)
-            continue
-        inside = owner[start:end]
-        hit = inside[inside >= 0]
-        index.append(int(hit[0]) if hit.size else None)  # whitespace-only token (Ċ, ĠĠ): no word
+        else:
+            inside = owner[start:end]
+            hit = inside[inside >= 0]
+            index.append(int(hit[0]) if hit.size else None)  # whitespace-only token (Ċ, ĠĠ): no word
     return index, words, spans
 
 

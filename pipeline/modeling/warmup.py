@@ -177,8 +177,7 @@ def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> 
     torch.manual_seed(wc.seed)
     enc = token_ids(tokenizer, [s for _, s, _ in pairs], wc.max_source_length)
     dec = token_ids(tokenizer, [t for _, _, t in pairs], wc.max_target_length)
-    lengths = np.array([len(e) for e in enc])
-    order = batch_order(lengths, wc.batch_size, wc.steps, wc.seed, wc.length_grouping)
+    order = batch_order(np.array([len(e) for e in enc]), wc.batch_size, wc.steps, wc.seed, wc.length_grouping)
 
     opt = torch.optim.AdamW(param_groups(model, wc), betas=(0.9, 0.999), eps=1e-8, fused=wc.fused_adamw)
     sched = get_linear_schedule_with_warmup(opt, math.ceil(wc.warmup_fraction * wc.steps), wc.steps)
@@ -261,13 +260,9 @@ def evaluate_summarizer(
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(order), wc.eval_batch_size), desc="backbone eval", unit="batch", mininterval=5):
         idx = order[start : start + wc.eval_batch_size]
-        batch = tokenizer(
-            [sources[i] for i in idx],
-            truncation=True,
-            max_length=wc.max_source_length,
-            padding=True,
-            return_tensors="pt",
-        ).to(device)
+        texts = [sources[i] for i in idx]
+        batch = tokenizer(texts, truncation=True, max_length=wc.max_source_length, padding=True, return_tensors="pt")
+        batch = batch.to(device)
         with autocast_ctx(device, wc.bf16):
             out = model.generate(**batch)
         for i, text in zip(idx, tokenizer.batch_decode(out, skip_special_tokens=True)):

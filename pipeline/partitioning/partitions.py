@@ -25,8 +25,7 @@ JS_DEFINITION = (
 
 def make_partition(examples: pd.DataFrame, scheme: str, seed: int, cfg: PartitionConfig) -> Partition:
     """Run ``scheme`` with ``seed``, apply the leakage guard and check the result is disjoint and complete."""
-    rng = np.random.default_rng(seed)
-    part = SCHEMES[scheme](examples, cfg, rng)
+    part = SCHEMES[scheme](examples, cfg, np.random.default_rng(seed))
     guard_leakage(part, dict(zip(examples.example_id, examples.meeting_id)))
     check_partition(part, examples)
     return part
@@ -36,24 +35,19 @@ def check_partition(part: Partition, examples: pd.DataFrame) -> None:
     """Each example at most once among the clients, never both assigned and excluded, split kept, and every
     example of the domains the partition touches accounted for."""
     assigned = part.assigned()
-    counts = Counter(assigned)
-    dup = [i for i, n in counts.items() if n > 1]
-    if dup:
+    if dup := [i for i, n in Counter(assigned).items() if n > 1]:
         raise DataError(f"partition gives {len(dup)} example(s) to more than one client/split, e.g. {dup[0]}")
-    both = set(assigned) & set(part.excluded)
-    if both:
+    if both := set(assigned) & set(part.excluded):
         raise DataError(f"{len(both)} example(s) are both assigned and excluded, e.g. {sorted(both)[0]}")
     split_of = dict(zip(examples.example_id, examples.split))
     for name, client in part.clients.items():
         for split in SPLITS:
-            wrong = [i for i in client[split] if split_of[i] != split]
-            if wrong:
+            if wrong := [i for i in client[split] if split_of[i] != split]:
                 raise DataError(f"client {name}: {wrong[0]} is a {split_of[wrong[0]]} example in its {split} set")
     accounted = set(assigned) | set(part.excluded)
     domain_of = dict(zip(examples.example_id, examples.domain))
     touched = examples.domain.isin({domain_of[i] for i in accounted})
-    missing = set(examples.example_id[touched]) - accounted
-    if missing:
+    if missing := set(examples.example_id[touched]) - accounted:
         raise DataError(
             f"{len(missing)} example(s) of the partitioned domains are neither assigned nor excluded, "
             f"e.g. {sorted(missing)[0]}"
@@ -67,13 +61,7 @@ def excluded_counts(part: Partition) -> dict[str, Any]:
 def partition_json(part: Partition, scheme: str, seed: int, cfg: PartitionConfig) -> dict[str, Any]:
     params = asdict(getattr(cfg, scheme)) if hasattr(cfg, scheme) else {}
     excluded = excluded_counts(part) | {"example_ids": sorted(part.excluded)}
-    return {
-        "scheme": scheme,
-        "seed": seed,
-        "params": params,
-        "clients": part.clients,
-        "excluded": excluded,
-    }
+    return {"scheme": scheme, "seed": seed, "params": params, "clients": part.clients, "excluded": excluded}
 
 
 def js_matrix(dists: list[np.ndarray]) -> list[list[float | None]]:

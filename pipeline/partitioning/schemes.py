@@ -84,13 +84,12 @@ def scheme_client_names(scheme: str, cfg: PartitionConfig) -> list[str]:
     partition has exactly these)."""
     if scheme in ("iid", "quantity", "cluster", "domain_dirichlet"):  # each config group has its n_clients
         return numbered_clients(getattr(cfg, scheme).n_clients)
-    named = {
+    return {
         "domain": list(QMSUM_DOMAINS),
         "noniid_balanced": list(QMSUM_DOMAINS),
         "extreme": [*QMSUM_DOMAINS, "SAMSum"],
         "long_meeting": ["AMI", "ICSI"] + (list(QMSUM_DOMAINS) if cfg.long_meeting.include_qmsum else []),
-    }
-    return named[scheme]
+    }[scheme]
 
 
 def qmsum_pool(examples: pd.DataFrame) -> pd.DataFrame:
@@ -227,8 +226,7 @@ def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
     from sentence_transformers import SentenceTransformer
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = SentenceTransformer(str(model_dir(cfg.model)), device=device)
-    return model.encode(
+    return SentenceTransformer(str(model_dir(cfg.model)), device=device).encode(
         texts, batch_size=cfg.batch_size, show_progress_bar=True, normalize_embeddings=True, convert_to_numpy=True
     )
 

@@ -112,8 +112,7 @@ def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
     """The client's latest checkpoint of a round before ``before``, or None."""
-    earlier = [r for r in _client_checkpoint_rounds(ckpt) if r < before]
-    if not earlier:
+    if not (earlier := [r for r in _client_checkpoint_rounds(ckpt) if r < before]):
         return None
     last = earlier[-1]
     progress = json.loads((ckpt / f"round{last:03d}.json").read_text())

@@ -29,9 +29,8 @@ def subsample_ids(ids: list[str], limit: int | None, seed: int) -> list[str]:
 @lru_cache(maxsize=4)
 def _read_examples(path: str, mtime: float) -> pd.DataFrame:
     df = pd.read_parquet(path)
-    for col in ("example_id", "source", "target"):
-        if col not in df.columns:
-            raise DataError(f"{path}: no column {col!r} (columns: {list(df.columns)})")
+    if missing := [col for col in ("example_id", "source", "target") if col not in df.columns]:
+        raise DataError(f"{path}: no column {missing[0]!r} (columns: {list(df.columns)})")
     return df.set_index("example_id", drop=False)  # unique: the examples stage checks
 
 
@@ -64,8 +63,7 @@ class ClientData:
 def client_data(plan: Plan, client: str) -> ClientData:
     """The client's frames of ``plan``'s partition and examples, made once per process and file versions: every
     round of a run and every run of a set reads the same frames (read them, do not change them)."""
-    paths = plan.paths
-    train = plan.train
+    paths, train = plan.paths, plan.train
     versions = tuple(Path(paths[k]).stat().st_mtime_ns if Path(paths[k]).exists() else None for k in FILES)
     limits = (train.max_train_examples_per_client, train.max_valid_examples_per_client)
     return _client_data(paths["partition"], paths["examples"], versions, client, limits, plan.seed)
@@ -91,8 +89,7 @@ def _client_data(
     frames = {}
     for split, limit in zip(("train", "valid"), limits):
         ids = [str(i) for i in splits[split]]
-        missing = [i for i in ids if i not in examples.index]
-        if missing:
+        if missing := [i for i in ids if i not in examples.index]:
             raise DataError(
                 f"{partition_path}: client {client!r} {split} id {missing[0]!r} is not in "
                 f"{examples_path} ({len(missing)} missing)"

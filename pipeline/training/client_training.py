@@ -16,7 +16,6 @@ import torch
 import transformers
 
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
-from pipeline.experiments.model import ModelConfig
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.train_config import TrainConfig
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
@@ -68,22 +67,16 @@ KEPT_ENTRIES = 64
 
 
 def _batches(
-    model: AdapterSummarizer,
-    frame: pd.DataFrame,
-    mcfg: ModelConfig,
-    cfg: TrainConfig,
-    shuffle: bool,
-    seed: int,
-    bucket_by_length: bool,
+    model: AdapterSummarizer, frame: pd.DataFrame, plan: Plan, shuffle: bool, seed: int, bucket: bool
 ) -> list[Batch]:
     """The frame's batches, kept and shared: read them, do not change them."""
-    tokenizer, start, pad = model.tokenizer, model.decoder_start_token_id, model.pad_token_id
-    key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, start, pad)
-    key += (cfg.batch_size, shuffle, seed, bucket_by_length)
+    mcfg, tokenizer = plan.model_config, model.tokenizer
+    key = (id(frame), id(tokenizer), mcfg.max_source_length, mcfg.max_target_length, model.decoder_start_token_id)
+    key += (model.pad_token_id, plan.train.batch_size, shuffle, seed, bucket)
     if (kept := _KEPT.get(key)) is not None and kept[0] is frame and kept[1] is tokenizer:
         _KEPT.move_to_end(key)
         return kept[2]
-    batches = make_batches(frame, model, mcfg, cfg.batch_size, shuffle, seed, bucket_by_length)
+    batches = make_batches(frame, model, mcfg, plan.train.batch_size, shuffle, seed, bucket)
     _KEPT[key] = (frame, tokenizer, batches)
     while len(_KEPT) > KEPT_ENTRIES:
         _KEPT.popitem(last=False)
@@ -115,12 +108,8 @@ def accumulation_weights(batches: list[Batch], accum_steps: int, normalisation: 
         b.target_tokens if normalisation == "tokens" else int(((b.labels != IGNORE_INDEX).sum(dim=1) > 0).sum())
         for b in batches
     ]
-    weights: list[float] = []
-    for start in range(0, len(batches), accum_steps):
-        window = sizes[start : start + accum_steps]
-        total = sum(window)
-        weights.extend(n / total for n in window)
-    return weights
+    windows = [sizes[start : start + accum_steps] for start in range(0, len(sizes), accum_steps)]
+    return [n / sum(window) for window in windows for n in window]
 
 
 def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: int) -> float:
@@ -135,12 +124,12 @@ def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: 
 
 
 def _accumulation_steps(
-    model: AdapterSummarizer, examples: pd.DataFrame, mcfg: ModelConfig, cfg: TrainConfig, normalisation: str, seed: int
+    model: AdapterSummarizer, examples: pd.DataFrame, plan: Plan, seed: int
 ) -> list[list[tuple[Batch, float]]]:
     """One epoch's steps: shuffled batches in windows of ``grad_accum_steps``, each with its share of the step."""
-    batches = _batches(model, examples, mcfg, cfg, True, seed, cfg.bucket_by_length)
-    weights = accumulation_weights(batches, cfg.grad_accum_steps, normalisation)
-    pairs = list(zip(batches, weights))
+    cfg = plan.train
+    batches = _batches(model, examples, plan, True, seed, cfg.bucket_by_length)
+    pairs = list(zip(batches, accumulation_weights(batches, cfg.grad_accum_steps, cfg.loss_normalisation)))
     return [pairs[i : i + cfg.grad_accum_steps] for i in range(0, len(pairs), cfg.grad_accum_steps)]
 
 
@@ -206,13 +195,8 @@ def train_local(
         if stepper is None:
             for p in params:
                 p.requires_grad_(False)
-            steps = [
-                step
-                for epoch in range(cfg.local_epochs)
-                for step in _accumulation_steps(
-                    model, examples, mcfg, cfg, kd.loss_normalisation, derived_seed(seed, epoch)
-                )
-            ]
+            epochs = range(cfg.local_epochs)
+            steps = [step for e in epochs for step in _accumulation_steps(model, examples, plan, derived_seed(seed, e))]
             job = LocalJob(model, plan, client, rnd, kd, steps, masks, proximal, cache, progress)
             done = set_engine.batched(job, local_batch.train_jobs)
             model.load_adapter_state("local", done.state)
@@ -326,7 +310,6 @@ def validation_loss(model: AdapterSummarizer, plan: Plan, examples: pd.DataFrame
     set's barrier with every other validation of the round, adapters stacked (pipeline.training.local_batch)."""
     if len(examples) == 0:
         return float("nan"), 0
-    batches = _batches(model, examples, plan.model_config, plan.train, False, 0, False)
-    steps = [[(b, 1.0)] for b in batches]  # one micro-batch a step
+    steps = [[(b, 1.0)] for b in _batches(model, examples, plan, False, 0, False)]  # one micro-batch a step
     job = LocalJob(model, plan, "validation", 0, None, steps, cache=cache)
     return set_engine.batched(job, local_batch.validate_jobs)

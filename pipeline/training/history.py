@@ -14,18 +14,8 @@ from pipeline.experiments.plans import Plan
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 
-ROUND_FIELDS = (
-    "train_loss",
-    "ce",
-    "kd",
-    "kd_fraction",
-    "val_loss",
-    "bytes_up",
-    "bytes_down",
-    "weight_share",
-    "epsilon",
-    "clipped_fraction",
-)  # the last two under privacy.mode example only
+ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share")
+ROUND_FIELDS += ("epsilon", "clipped_fraction")  # under privacy.mode example only
 
 
 @dataclass
@@ -46,8 +36,7 @@ def _client_fields(row: dict[str, Any], keys: tuple[str, ...] = ROUND_FIELDS) ->
 def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One round's run-level privacy fields under privacy.mode client (empty when it released nothing): the
     federation's epsilon and C, and the fraction of the aggregated updates C clipped."""
-    released = [r for r in rows if "update_clipped" in r]
-    if not released:
+    if not (released := [r for r in rows if "update_clipped" in r]):
         return {}
     out = {
         "clipping_norm": released[0]["clipping_norm"],
@@ -68,8 +57,7 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     metrics.update({k: float(v) for k, v in client_level_round(rows).items()})
     metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
     metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
-    vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
-    if vals:
+    if vals := [r["val_loss"] for r in rows if r.get("val_loss") is not None]:
         metrics["val_loss_mean"] = sum(vals) / len(vals)
     return metrics
 
@@ -98,10 +86,8 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
     wide = []
     for rnd, rows in sorted(_by_round(history).items()):
-        w: dict[str, Any] = {"round": rnd}
-        for row in rows:
-            w.update({f"{row['client']}/{k}": v for k, v in _client_fields(row).items()})
-        w.update(client_level_round(rows))
+        w = {"round": rnd} | {f"{row['client']}/{k}": v for row in rows for k, v in _client_fields(row).items()}
+        w |= client_level_round(rows)
         vals = [v for k, v in w.items() if k.endswith("/val_loss")]
         w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
         wide.append(w)

@@ -29,7 +29,7 @@ from pipeline.experiments.plans import Plan
 from pipeline.experiments.train_config import TrainConfig
 from pipeline.modeling import losses
 from pipeline.modeling.adapter_stack import AdapterStack
-from pipeline.modeling.batching import IGNORE_INDEX, Batch, stack_batches
+from pipeline.modeling.batching import IGNORE_INDEX, TENSOR_FIELDS, Batch, stack_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
@@ -78,15 +78,8 @@ class LocalJob:
         cfg = self.plan.train
         micro_batches = tuple(len(step) for step in self.steps)
         lengths = (self.plan.model.get("max_source_length"), self.plan.model.get("max_target_length"))
-        return (
-            id(self.model),
-            id(self.cache),
-            cfg.lr,
-            cfg.weight_decay,
-            cfg.decay_norm_and_bias,
-            lengths,
-            micro_batches,
-        )
+        optimizer = (cfg.lr, cfg.weight_decay, cfg.decay_norm_and_bias)
+        return (id(self.model), id(self.cache), *optimizer, lengths, micro_batches)
 
 
 @dataclass
@@ -146,16 +139,13 @@ def stacked_logits(
         return student, packed(teacher, taught_prefix, labels[rows])
 
 
-BATCH_TENSORS = ("input_ids", "attention_mask", "decoder_input_ids", "labels")  # Batch's fields after its ids
-
-
 def _filled(batch: Batch, rows: int) -> Batch:
     """``batch`` with copies of its first example appended up to ``rows`` examples (a padded group's blocks are of
     one size); :func:`_micro_batch` ignores their labels, so they add no token and no gradient."""
     extra = rows - len(batch)
     if extra == 0:
         return batch
-    tensors = (torch.cat([t, t[:1].expand(extra, -1)]) for t in (getattr(batch, f) for f in BATCH_TENSORS))
+    tensors = (torch.cat([t, t[:1].expand(extra, -1)]) for t in (getattr(batch, f) for f in TENSOR_FIELDS))
     return Batch(batch.example_ids + batch.example_ids[:1] * extra, *tensors)
 
 
@@ -177,10 +167,7 @@ def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Te
     labels = batch.labels.clone()
     for r, b in enumerate(batches):
         labels[r * rows + len(b) : (r + 1) * rows] = IGNORE_INDEX
-    blocks = [
-        Batch(b.example_ids, *(getattr(batch, f)[r * rows : r * rows + len(b)] for f in BATCH_TENSORS))
-        for r, b in enumerate(batches)
-    ]
+    blocks = [batch.select(slice(r * rows, r * rows + len(b))) for r, b in enumerate(batches)]
     return prefix, labels, blocks
 
 

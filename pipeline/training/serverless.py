@@ -39,26 +39,23 @@ def run_serverless(
     loss picks its best adapter, and the round is checkpointed (``checkpoint/local.pt``, resumed by a rerun).
     ``cache_settings``: RunSettings.cache, from the stage entry point; ``barrier``: the round barrier of the set the
     run trains in, where its units' training and its clients' validations execute with the other runs' clients."""
-    spec = plan.spec
     names = client_names(plan)
     datas = {n: client_data(plan, n) for n in names}
     model = shared_model(plan)
     cache = prefix_cache_for(plan, model, cache_settings)
     window = None
-    unit_of = {n: "pooled" if spec.pooled else n for n in names}  # the adapter each client is tested with
-    if spec.pooled:
+    unit_of = {n: "pooled" if plan.spec.pooled else n for n in names}  # the adapter each client is tested with
+    if plan.spec.pooled:
         units = {"pooled": pd.concat([datas[n].train for n in names], ignore_index=True)}
         if plan.train.centralized_steps == "largest_client":
             window = max(len(datas[n].train) for n in names)
     else:
         units = {n: datas[n].train for n in names}
-    for n in names:
-        if len(datas[n].valid) == 0:
-            raise ValueError(f"{plan.paths['partition']}: client {n!r} has no valid examples: no best round")
+    if unvalidated := [n for n in names if len(datas[n].valid) == 0]:
+        raise ValueError(f"{plan.paths['partition']}: client {unvalidated[0]!r} has no valid examples: no best round")
 
     ckpt_path = checkpoints.local_checkpoint_path(plan)
-    ckpt = checkpoints.load_round_checkpoint(ckpt_path, plan)
-    if ckpt is not None:
+    if (ckpt := checkpoints.load_round_checkpoint(ckpt_path, plan)) is not None:
         start, adapters, progress, history = ckpt["round"] + 1, ckpt["adapters"], ckpt["progress"], ckpt["history"]
         log.info("%s: resuming after round %d", plan.experiment, start - 1)
     else:
@@ -97,20 +94,9 @@ def run_serverless(
             progress[n], _ = checkpoints.keep_best_and_final(
                 checkpoints.client_output_dir(plan, n), plan, n, rnd, val, adapters[unit], progress[n]
             )
-            rows.append(
-                {
-                    "round": rnd,
-                    "client": n,
-                    "sampled": 1,
-                    "failed": 0,
-                    "bytes_down": 0,
-                    "bytes_up": 0,
-                    **trained[unit],
-                    "val_loss": val,
-                    "val_tokens": val_tokens,
-                    "best_round": progress[n]["best-round"],
-                }
-            )
+            row = {"round": rnd, "client": n, "sampled": 1, "failed": 0, "bytes_down": 0, "bytes_up": 0}
+            validated = {"val_loss": val, "val_tokens": val_tokens, "best_round": progress[n]["best-round"]}
+            rows.append(row | trained[unit] | validated)
         history.extend(rows)
         checkpoints.save_round_checkpoint(
             ckpt_path, plan, rnd, {"adapters": adapters, "progress": progress, "history": history}

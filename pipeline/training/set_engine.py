@@ -179,8 +179,7 @@ class RoundBarrier:
             while active := [m for m in self.members if not m.done]:
                 for member in active:
                     self._step(member)
-                failed = [m for m in self.members if m.error is not None and not isinstance(m.error, SetAborted)]
-                if failed:
+                if failed := [m for m in self.members if m.error is not None and not isinstance(m.error, SetAborted)]:
                     raise failed[0].error
                 self.execute([m for m in self.members if not m.done])
         finally:

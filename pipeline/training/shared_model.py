@@ -26,14 +26,13 @@ def _model_key(plan: Plan) -> tuple:
 
 def shared_model(plan: Plan) -> AdapterSummarizer:
     """One frozen backbone per process (clients take turns on it, each loading its adapter states first)."""
-    mcfg = plan.model_config
     key = _model_key(plan)
     if key not in _MODELS:
         backbone = Path(plan.paths["backbone"])
         if not backbone.exists():
             raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
         _MODELS.clear()  # a process trains one backbone at a time; free the previous one
-        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, adapter_config(mcfg))
+        _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, adapter_config(plan.model_config))
     return _MODELS[key]
 
 

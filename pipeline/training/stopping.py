@@ -33,12 +33,8 @@ def mean_val_loss_by_round(
     by_round: dict[int, list[float]] = {}
     for row in history:
         rnd = int(row["round"])
-        if (
-            rnd >= since
-            and (before is None or rnd < before)
-            and row["client"] != exclude
-            and row.get("val_loss") is not None
-        ):
+        in_range = since <= rnd and (before is None or rnd < before)
+        if in_range and row["client"] != exclude and row.get("val_loss") is not None:
             by_round.setdefault(rnd, []).append(float(row["val_loss"]))
     return [(r, float(np.mean(v))) for r, v in sorted(by_round.items())]  # numpy's sum order, as join had
 
@@ -48,8 +44,7 @@ def series_start(history: list[dict[str, Any]], late: str | None) -> int:
     the client average changes its meaning then (before it joins: no round, the run cannot stop yet)."""
     if late is None:
         return 1
-    joined = [int(r["round"]) for r in history if r["client"] == late]
-    return min(joined) if joined else 10**9
+    return min((int(r["round"]) for r in history if r["client"] == late), default=10**9)
 
 
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:

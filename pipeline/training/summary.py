@@ -46,26 +46,16 @@ def merge_gate_logs(plan: Plan) -> Path:
         for f in sorted(out_dir.glob("clients/*/gate_log/round*.parquet"))
         if int(f.stem[len("round") :]) <= plan.train.rounds
     ]
-    atomic.to_parquet(
-        pd.concat(parts, ignore_index=True) if parts else empty_gate_log(), out_dir / "gate_log.parquet", index=False
-    )
-    return out_dir / "gate_log.parquet"
+    path = out_dir / "gate_log.parquet"
+    atomic.to_parquet(pd.concat(parts, ignore_index=True) if parts else empty_gate_log(), path, index=False)
+    return path
 
 
 def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[float]) -> dict[str, Any]:
     clients: dict[str, dict[str, Any]] = {}
+    counters = ("rounds_trained", "rounds_failed", "bytes_sent", "bytes_received")
     for row in history:
-        c = clients.setdefault(
-            row["client"],
-            {
-                "best_round": 0,
-                "best_val_loss": None,
-                "rounds_trained": 0,
-                "rounds_failed": 0,
-                "bytes_sent": 0,
-                "bytes_received": 0,
-            },
-        )
+        c = clients.setdefault(row["client"], {"best_round": 0, "best_val_loss": None} | dict.fromkeys(counters, 0))
         if row.get("val_loss") is not None and (c["best_val_loss"] is None or row["val_loss"] < c["best_val_loss"]):
             c["best_val_loss"], c["best_round"] = row["val_loss"], row["round"]
         if row.get("val_loss") is not None:
@@ -125,9 +115,8 @@ def log_run_outputs(
     if not logger.metric_history("bytes_sent_total"):
         logger.log_metrics(final_run_metrics(metrics), step=metrics["stopped_round"])
     logger.set_tags(convergence_tags(metrics))
-    for f, artifact_path in artifacts + [
-        (out_dir / f, None) for f in ("metrics.json", "rounds.json", "experiment.json")
-    ]:
+    run_files = [(out_dir / f, None) for f in ("metrics.json", "rounds.json", "experiment.json")]
+    for f, artifact_path in artifacts + run_files:
         logger.log_artifact(f, artifact_path)
     logger.log_adapter_models(out_dir, global_adapter=global_adapter)
 
@@ -144,16 +133,7 @@ def convergence_tags(metrics: dict[str, Any]) -> dict[str, str]:
 def final_run_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """The run's closing MLflow metrics (logged at its last round): each client's best validation loss,
     the bytes in total, the peak memory, the DP-SGD reports."""
-    return (
-        {
-            f"{c}.best_val_loss": v["best_val_loss"]
-            for c, v in metrics["clients"].items()
-            if v["best_val_loss"] is not None
-        }
-        | {
-            "bytes_sent_total": metrics["bytes_sent"],
-            "bytes_received_total": metrics["bytes_received"],
-            "peak_rss_mb": metrics["peak_rss_mb"],
-        }
-        | privacy.mlflow_metrics(metrics)
-    )
+    clients = metrics["clients"]
+    best = {f"{c}.best_val_loss": v["best_val_loss"] for c, v in clients.items() if v["best_val_loss"] is not None}
+    totals = {f"{key}_total": metrics[key] for key in ("bytes_sent", "bytes_received")}
+    return best | totals | {"peak_rss_mb": metrics["peak_rss_mb"]} | privacy.mlflow_metrics(metrics)

@@ -61,8 +61,7 @@ def read_hmnet(
             # "<role> <letter>", e.g. "PM B" or "Grad F": the form QMSum's Academic transcripts use for the same ICSI
             # meetings ("Grad F", "PhD C"). The role carries meaning a summarizer can use ("the project manager said
             # ..."), and the letter keeps two participants with the same role (common in ICSI) apart.
-            role = (utt.role or "").strip()
-            if not role:
+            if not (role := (utt.role or "").strip()):
                 report.note("turns without a role (speaker letter only)")
             turns.append(Turn(f"{role} {utt.speaker}" if role else utt.speaker, " ".join(utt.utt.word)))
         if not turns or not meeting.summary:

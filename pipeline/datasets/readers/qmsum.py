@@ -83,8 +83,7 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]
                     # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
                     selected = [t for start, end in spans for t in turns[start:end]]
-                    empty = sum(1 for start, end in spans if start == end)
-                    if empty:
+                    if empty := sum(1 for start, end in spans if start == end):
                         report.note("specific spans with start == end (empty slice, kept)", empty)
                     if not selected:
                         report.note("specific queries whose spans select no turn (kept, query only)")
@@ -106,11 +105,5 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                 )
 
 
-register_reader(
-    DatasetSpec(
-        "qmsum",
-        read_qmsum,
-        qmsum_files,
-        url="https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e",
-    )
-)
+QMSUM_URL = "https://raw.githubusercontent.com/Yale-LILY/QMSum/83d7768c1f2b4dfeb091385d3dc7e239b8e5bb7e"
+register_reader(DatasetSpec("qmsum", read_qmsum, qmsum_files, url=QMSUM_URL))

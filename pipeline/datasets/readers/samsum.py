@@ -85,13 +85,5 @@ def _download(base: str, target: Path, fetch, write) -> None:
             write(target / name, zf.read(member))
 
 
-register_reader(
-    DatasetSpec(
-        "samsum",
-        read_samsum,
-        samsum_files,
-        _download,
-        url="https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/"
-        "c956de19db32c7cf9e60259d88cbab0d27e82ee6/samsum.zip",
-    )
-)
+SAMSUM_MIRROR = "https://raw.githubusercontent.com/Prathamesh1199/My_Dataset/c956de19db32c7cf9e60259d88cbab0d27e82ee6"
+register_reader(DatasetSpec("samsum", read_samsum, samsum_files, _download, url=f"{SAMSUM_MIRROR}/samsum.zip"))
