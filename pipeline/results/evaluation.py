@@ -87,8 +87,7 @@ def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: in
 def test_subsample(examples, test_ids: list[str], client: str, cfg: EvaluateConfig, where: str):
     """The client's test subsample (rows of ``examples``, indexed by example id); ``where`` names the partition and
     examples files."""
-    missing = [i for i in test_ids if i not in examples.index]
-    if missing:
+    if missing := [i for i in test_ids if i not in examples.index]:
         raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
     return examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
 
