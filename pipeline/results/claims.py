@@ -92,20 +92,15 @@ def _difference(r) -> str:
 
 def _pair(r) -> str:
     """'A − B effect', with where the paper's difference for this pair sits against our interval, per backbone."""
-    groups: dict[str, list[str]] = {}
-    for b in comparisons.BACKBONES:
-        where = getattr(r, f"vs_published_{b}", "")
-        if isinstance(where, str) and where:
-            groups.setdefault(where, []).append(b)
     parts = []
-    for where in (w for w in PLACED if w in groups):
-        bbs = groups[where]
-        who = (
-            "all three backbones"
-            if len(bbs) == len(comparisons.BACKBONES) == 3
-            else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
-        )
-        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
+    for where, placed in PLACED.items():
+        if bbs := [b for b in comparisons.BACKBONES if getattr(r, f"vs_published_{b}", "") == where]:
+            who = (
+                "all three backbones"
+                if len(bbs) == len(comparisons.BACKBONES) == 3
+                else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
+            )
+            parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {placed}")
     text = _difference(r) + (f", {r.n_seeds} seeds: numbers only" if r.few_seeds else "")
     return f"{text} (paper {'; '.join(parts)})" if parts else text
 
@@ -205,11 +200,9 @@ def results_text(
         )
         return _with_budget(lines, table, convergence)
     lines += _pooling(avg, per_client, scale) + _federation(avg)
-    select = _rows(avg, ("fedselectkd",), ("fedkd",))
-    if select:
+    if select := _rows(avg, ("fedselectkd",), ("fedkd",)):
         lines.append(f"- **{verdict(select, 'Selectivity')}**: {_pair(select[0])}.")
-    distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
-    if distil:
+    if distil := _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",)):
         lines.append(
             "- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
             "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + "."
@@ -270,8 +263,7 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if not fed:
         return []
     lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
-    excluded = [r for r in fed if _all(r, comparisons.ABOVE)]
-    if excluded:
+    if excluded := [r for r in fed if _all(r, comparisons.ABOVE)]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
             f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
@@ -340,17 +332,15 @@ def _variants(avg: pd.DataFrame) -> list[str]:
 
 def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
     """``lines`` and the round-budget note of the studies the table covers, as markdown."""
-    if convergence is not None and not convergence.empty:
-        studies = sorted(set(table["study"]) | set(table["study_b"]))
-        text = convergence_note(convergence, studies)
-        if text:
-            runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
-            flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
-            lines.append(
-                f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
-                "(a client still improving at the last round, or the stop rule never held before the round "
-                "ceiling). The whole comparison is conditional on it."
-            )
+    studies = sorted(set(table["study"]) | set(table["study_b"]))
+    if text := convergence_note(convergence, studies):
+        runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
+        flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
+        lines.append(
+            f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
+            "(a client still improving at the last round, or the stop rule never held before the round "
+            "ceiling). The whole comparison is conditional on it."
+        )
     return "\n".join(lines) + "\n"
 
 
