@@ -98,23 +98,17 @@ def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
             "share_of_kd": kd / n_kd if n_kd else math.nan,
             "share_of_no_kd": no / n_no if n_no else math.nan,
         }
-        for pos, kd, no in (
-            (p, int(r[True]), int(r[False]))
-            for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows()
-        )
+        for pos, kd, no in counts.sort_values(by=[True, False], ascending=False).itertuples()
     }
 
 
 def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
-    """The paper's two statements as numbers."""
-    nv = updates[updates["is_noun_or_verb"]]
-    no_kd = updates[~updates["kd"]]
+    """The paper's two statements as numbers (NaN, the mean of no update, where a share has no updates)."""
+    kd, noun_verb = updates["kd"], updates["is_noun_or_verb"]
     return {
-        "noun_verb_kd_rate": float(nv["kd"].mean()) if len(nv) else math.nan,
-        "noun_verb_share_of_kd": float(updates.loc[updates["kd"], "is_noun_or_verb"].mean())
-        if updates["kd"].any()
-        else math.nan,
-        "det_pron_share_of_no_kd": float(no_kd["pos"].isin(["DET", "PRON"]).mean()) if len(no_kd) else math.nan,
+        "noun_verb_kd_rate": float(kd[noun_verb].mean()),
+        "noun_verb_share_of_kd": float(noun_verb[kd].mean()),
+        "det_pron_share_of_no_kd": float(updates.loc[~kd, "pos"].isin(["DET", "PRON"]).mean()),
     }
 
 
@@ -299,15 +293,10 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
             rec = comparison[method].get(client)
             if not rec:
                 continue
+            yerr = [rec["std"][m] for m in METRICS] if rec["n_seeds"] > 1 else None
+            name = "SelectKD" if method == SELECTKD else "noun-verb hard KD"
             means = [rec["mean"][m] for m in METRICS]
-            stds = [rec["std"][m] for m in METRICS]
-            ax.bar(
-                x + (j - 0.5) * 0.4,
-                means,
-                0.4,
-                yerr=stds if rec["n_seeds"] > 1 else None,
-                label=f"{'SelectKD' if method == SELECTKD else 'noun-verb hard KD'} (n={rec['n_seeds']})",
-            )
+            ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=yerr, label=f"{name} (n={rec['n_seeds']})")
         ax.set_xticks(x, labels)
         ax.set_title(client)
         ax.set_ylabel("ROUGE F1 x 100")
