@@ -33,27 +33,19 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
     pairs = zip(data["client"], data["label"], shown["label"])
-    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper} if paper else None
+    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper}
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
         clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
         width = 0.8 / max(len(bars), 1)
         paper_labelled = False
         for j, bar in enumerate(bars):
-            xs, ys, es, px, py = [], [], [], [], []
-            for i, client in enumerate(clients):
-                r = d[(d["client"] == client) & (d["label"] == bar)]
-                if r.empty:
-                    continue
-                x = i - 0.4 + width * (j + 0.5)
-                xs.append(x)
-                ys.append(float(r["avg_rouge_mean"].iloc[0]))
-                es.append(0.0 if pd.isna(r["avg_rouge_std"].iloc[0]) else float(r["avg_rouge_std"].iloc[0]))
-                if paper_shown and (client, bar) in paper_shown:
-                    px.append(x)
-                    py.append(paper_shown[(client, bar)])
-            ax.bar(xs, ys, width, yerr=es, label=str(bar), capsize=2)
-            if px:
+            # the bar's first row per client, at the client's place on the x axis
+            r = d[d["label"] == bar].drop_duplicates("client")
+            xs = [clients.index(c) - 0.4 + width * (j + 0.5) for c in r["client"]]
+            ax.bar(xs, r["avg_rouge_mean"], width, yerr=r["avg_rouge_std"].fillna(0.0), label=str(bar), capsize=2)
+            if paper_xy := [(x, paper_shown[(c, bar)]) for x, c in zip(xs, r["client"]) if (c, bar) in paper_shown]:
+                px, py = zip(*paper_xy)
                 ax.scatter(
                     px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
                 )
@@ -71,19 +63,9 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
     if paper:
         out["paper_avg_rouge"] = [paper.get((c, lab)) for c, lab in zip(out["client"], out["label"])]
-    cols = [
-        "bar",
-        "client",
-        "label",
-        *([facet_col] if facet_col else []),
-        "avg_rouge_mean",
-        "avg_rouge_std",
-        *(f"{m}_mean" for m in TABLE_METRICS),
-        "n_seeds",
-        "missing_seeds",
-        *(["paper_avg_rouge"] if paper else []),
-    ]
-    atomic.to_csv(out[cols], plot_path, index=False)
+    by_facet, means = [facet_col] if facet_col else [], [f"{m}_mean" for m in TABLE_METRICS]
+    cols = ["bar", "client", "label", *by_facet, "avg_rouge_mean", "avg_rouge_std", *means, "n_seeds", "missing_seeds"]
+    atomic.to_csv(out[cols + (["paper_avg_rouge"] if paper else [])], plot_path, index=False)
     return str(fig_path)
 
 
