@@ -50,8 +50,7 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
                     px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
                 )
                 paper_labelled = True
-        ax.set_xticks(range(len(clients)))
-        ax.set_xticklabels(clients)
+        ax.set(xticks=range(len(clients)), xticklabels=clients)
         ax.legend(fontsize=7)
         if facet is not None:
             ax.set_title(str(facet), fontsize=9)
@@ -273,17 +272,14 @@ def privacy_figure(points: pd.DataFrame, paths: ProjectPaths) -> str:
             ax.annotate(
                 f"n={r.n_seeds}", (r.x, r.avg_rouge_mean), textcoords="offset points", xytext=(4, 4), fontsize=7
             )
-    ax.set_xscale("log")
     ticks = [t for t in (0.1, 0.3, 1, 3, 10, 30, 100) if finite.empty or finite.min() / 1.5 <= t <= finite.max() * 1.5]
-    ax.set_xticks(ticks + [right])
-    ax.set_xticklabels([f"{t:g}" for t in ticks] + ["∞ (none)"])
+    ax.set(xscale="log", xticks=ticks + [right], xticklabels=[f"{t:g}" for t in ticks] + ["∞ (none)"])
     ax.minorticks_off()
     backbones = ", ".join(sorted(set(points["backbone"])))
     seeds = "/".join(str(n) for n in sorted(set(points["n_seeds"])))
     deltas = points["delta"].dropna()
     held = f"delta <= {deltas.max():.3g}" if not deltas.empty else "no DP run"
-    ax.set_xlabel(f"epsilon spent (largest over clients; {held})")
-    ax.set_ylabel("average ROUGE, client average")
+    ax.set(xlabel=f"epsilon spent (largest over clients; {held})", ylabel="average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
     return str(save(fig, paths.figures / "privacy.png"))

@@ -285,8 +285,7 @@ def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, i
             if w > 4:
                 ax.text(lft + w / 2, y, str(r[j]), ha="center", va="center", fontsize=8)
         left = [lft + w for lft, w in zip(left, widths)]
-    ax.set_xlim(0, 100)
-    ax.set_xlabel(f"% of judged comparisons ({results['target']} wins / ties / losses)")
+    ax.set(xlim=(0, 100), xlabel=f"% of judged comparisons ({results['target']} wins / ties / losses)")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
     return save(fig, Path(path))

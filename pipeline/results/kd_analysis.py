@@ -233,17 +233,14 @@ def plot_pos(client: str, record: dict[str, Any], path: Path) -> None:
     ax1.bar(x - 0.2, [100 * dist[t]["share_of_kd"] for t in tags], 0.4, label="trained with KD")
     ax1.bar(x + 0.2, [100 * dist[t]["share_of_no_kd"] for t in tags], 0.4, label="trained without KD")
     ax1.set_xticks(x, tags, rotation=60)
-    ax1.set_ylabel("% of word updates")
-    ax1.set_title("POS distribution of words trained with / without KD")
+    ax1.set(ylabel="% of word updates", title="POS distribution of words trained with / without KD")
     ax1.legend()
     ax2.bar(x, [100 * dist[t]["kd_rate"] for t in tags], 0.6, color="tab:green")
     ax2.axhline(100 * ratio, color="k", ls="--", lw=1, label=f"all words: {100 * ratio:.1f} %")
     if paper_ratio is not None:
         ax2.axhline(100 * paper_ratio, color="tab:red", ls=":", lw=1, label=f"paper: {100 * paper_ratio:.0f} %")
     ax2.set_xticks(x, tags, rotation=60)
-    ax2.set_ylim(0, 105)
-    ax2.set_ylabel("% of the POS's word updates with KD")
-    ax2.set_title("KD usage per POS")
+    ax2.set(ylim=(0, 105), ylabel="% of the POS's word updates with KD", title="KD usage per POS")
     ax2.legend(loc="lower right")
     fig.suptitle(f"{client}: KD usage ratio {100 * ratio:.1f} % (rounds 1..best)")
     save(fig, path)
@@ -266,10 +263,8 @@ def plot_entropy(
     ax2.bar(stats["round"], 100 * stats["pass_fraction"], color="tab:blue")
     for b in sorted(set(best)):
         ax2.axvline(b, color="k", ls=":", lw=1)
-    ax2.set_ylim(0, 100)
-    ax2.set_ylabel("% tokens with KD")
+    ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds)
     ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
-    ax2.set_xticks(rounds)
     save(fig, path)
 
 
@@ -297,9 +292,7 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
             name = "SelectKD" if method == SELECTKD else "noun-verb hard KD"
             means = [rec["mean"][m] for m in METRICS]
             ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=yerr, label=f"{name} (n={rec['n_seeds']})")
-        ax.set_xticks(x, labels)
-        ax.set_title(client)
-        ax.set_ylabel("ROUGE F1 x 100")
+        ax.set(xticks=x, xticklabels=labels, title=client, ylabel="ROUGE F1 x 100")
         ax.legend(fontsize=8)
     _finish_client_panels(
         fig, axes, clients, "no evaluated SelectKD / hard-KD experiments", "Noun-verb hard KD vs selective KD", path
@@ -312,7 +305,6 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
     for ax, client in zip(axes[0], clients):
         d = sweep[sweep["client"] == client].sort_values("tau")
         ax.plot(d["tau"], d["avg_rouge"], "o-", color="tab:blue", label="avg ROUGE")
-        ax.set_xlabel("tau")
         ax.set_ylabel("average ROUGE (R-1, R-2, R-L)", color="tab:blue")
         ax2 = ax.twinx()
         ax2.plot(d["tau"], 100 * d["kd_usage_ratio"], "s--", color="tab:orange", label="KD usage")
@@ -320,7 +312,7 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
         ax2.set_ylim(0, 100)
         if tau_main is not None:
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
-        ax.set_title(client)
+        ax.set(xlabel="tau", title=client)
     _finish_client_panels(
         fig, axes, clients, "no tau-sweep experiments with results", "Entropy threshold tau (dotted: main study)", path
     )
