@@ -150,8 +150,7 @@ def comparisons_table(
     notes: list[str] = []
 
     def add(config: Config, base: Config) -> None:
-        found = compare(config, base, eval_dir, cfg)
-        if not found:
+        if not (found := compare(config, base, eval_dir, cfg)):
             notes.append(
                 f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common"
             )

@@ -144,8 +144,7 @@ def generate_per_run(
 # study -> (what it compares, METHOD.md section)
 STUDIES: dict[str, tuple[str, str]] = {
     "main": (
-        "Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
-        "AdaFedSelectKD)",
+        "Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, AdaFedSelectKD)",
         "7.1 (methods: section 6)",
     ),
     "iid": ("IID and balanced: each client gets a third of every domain; FedAvg vs FedKD vs SelectKD", "7.2"),

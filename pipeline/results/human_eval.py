@@ -157,9 +157,8 @@ def make_sheets(
 
     atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
     atomic.write_text(out / "sheet.html", _html_page(rows))
-    atomic.write_json(
-        out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}}
-    )
+    items = {k: asdict(v) for k, v in key.items()}
+    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": items})
     summary = {
         "target": target,
         "opponents": opponents,
