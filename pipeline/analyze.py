@@ -28,10 +28,8 @@ def main(argv: list[str] | None = None) -> None:
         result = analysis.run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]
-            print(
-                f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"
-                + (f" (paper {100 * paper:.0f} %)" if paper is not None else "")
-            )
+            paper_text = f" (paper {100 * paper:.0f} %)" if paper is not None else ""
+            print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %{paper_text}")
         if result["missing"]:
             print(f"analyze: {result['n_missing']} input file(s) missing, left out (listed in kd_analysis.json):")
             for m in result["missing"]:

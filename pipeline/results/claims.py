@@ -305,12 +305,8 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
 
 def _variants(avg: pd.DataFrame) -> list[str]:
     """Each SelectKD variant of another study (a KD gate, a study's settings) against the main SelectKD."""
-    variants = avg[
-        (avg["study"] != "main")
-        & (avg["method_a"] == "fedselectkd")
-        & (avg["method_b"] == "fedselectkd")
-        & (avg["study_b"] == "main")
-    ]
+    selectkd = avg[(avg["method_a"] == "fedselectkd") & (avg["method_b"] == "fedselectkd")]
+    variants = selectkd[(selectkd["study"] != "main") & (selectkd["study_b"] == "main")]
     lines = []
     for r in _records(variants):
         gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a

@@ -265,13 +265,8 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
 
 def significance_marks(table: pd.DataFrame, study: str, label: str, client: str) -> str:
     """'> single, < fedavg': the baselines this configuration is significantly above or below for one client."""
-    sub = table[
-        (table["study"] == study)
-        & (table["config_a"] == label)
-        & (table["client"] == client)
-        & (table["metric"] == "avg_rouge")
-        & table["significant"]
-    ]
+    held = table[(table["metric"] == "avg_rouge") & table["significant"]]
+    sub = held[(held["study"] == study) & (held["config_a"] == label) & (held["client"] == client)]
     return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"
 
 

@@ -119,7 +119,6 @@ def generate_per_run(
     tokenizer, size = model.tokenizer, cfg.batch_size
     stacks: dict[tuple[int, ...], AdapterStack] = {}  # by the runs a call holds
     outputs: list[list[str]] = [[] for _ in adapters]
-    kwargs = cfg.generation_kwargs()
     with torch.no_grad():
         per_call = max(1, GENERATE_ROWS // size)  # runs a call holds
         calls: list[tuple[int, tuple[int, ...]]] = []  # (first source, the runs)
@@ -134,7 +133,7 @@ def generate_per_run(
                 stacks[runs] = AdapterStack([adapters[r] for r in runs], model.adapter_sets["local"], model.device)
                 stacks[runs].requires_grad_(False)
             enc = tokenizer(rows, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
-            ids = model.generate(enc["input_ids"], enc["attention_mask"], stacks[runs], **kwargs)
+            ids = model.generate(enc["input_ids"], enc["attention_mask"], stacks[runs], **cfg.generation_kwargs())
             texts = [t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
             for j, (r, chunk) in enumerate(zip(runs, chunks)):
                 outputs[r].extend(texts[j * width : j * width + len(chunk)])

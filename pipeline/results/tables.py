@@ -233,16 +233,9 @@ def study_table_markdown(
     ]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
         scores = [fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS]
-        significant = comparisons.significance_marks(compared, study, r["label"], r["client"])
+        versus = comparisons.significance_marks(compared, study, r["label"], r["client"])  # "significantly vs"
         mark = row_mark(converged, study, r["label"], r["client"]) or "–"
-        cells = [
-            *r[["label", "backbone", "client"]],
-            *scores,
-            significant,
-            r["n_seeds"],
-            r["missing_seeds"] or "–",
-            mark,
-        ]
+        cells = [*r[["label", "backbone", "client"]], *scores, versus, r["n_seeds"], r["missing_seeds"] or "–", mark]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     if budget := convergence_note(converged, [study]):
         lines += ["", budget]
