@@ -234,9 +234,8 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         "that adds the test examples' spread; QMSum's queries on one meeting count as one cluster. Holm p = p "
         f"adjusted over the {len(sub)} comparisons below (Holm's step-down). **Bold** = Holm p < "
         f"{1 - cfg.level:.2g} (the {level} interval, unadjusted, may exclude 0 without it). ⚠ = more than "
-        f"{cfg.identical_warning:.0%} of the paired summaries are "
-        "the same text: the runs did not separate, so neither a difference nor its absence says much about "
-        "the methods.",
+        f"{cfg.identical_warning:.0%} of the paired summaries are the same text: the runs did not separate, so "
+        "neither a difference nor its absence says much about the methods.",
         "",
         f"| A | B | Δ | {level} interval | p | Holm p | seeds | examples | identical summaries |{paper_head}",
         "|---|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head),
