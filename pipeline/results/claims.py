@@ -257,8 +257,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
 
 
 def _federation(avg: pd.DataFrame) -> list[str]:
-    """Each federated method against AdaSingle, the paper's gains it excludes, and the summaries that did not
-    separate."""
+    """Each federated method against AdaSingle, the paper's gains it excludes, the summaries that did not separate."""
     fed = _rows(avg, FEDERATED, ("single",))
     if not fed:
         return []

@@ -154,9 +154,8 @@ def evaluate_experiments(
         backbone = backbone_name(PATHS.backbone, str(model.backbone.config.model_type))
         sources = [sub["source"].tolist() for exp in same for _, sub in exp.chosen.values()]
         desc = same[0].name if len(same) == 1 else f"{len(same)} experiments"
-        summaries = iter(
-            generate_per_run(model, [a for exp in same for a in exp.adapters], sources, cfg, max_src, desc)
-        )
+        adapters = [a for exp in same for a in exp.adapters]
+        summaries = iter(generate_per_run(model, adapters, sources, cfg, max_src, desc))
         for exp in same:
             predictions = [next(summaries) for _ in exp.chosen]
             out[exp.name] = score_and_write(exp, predictions, backbone)

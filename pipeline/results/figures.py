@@ -258,8 +258,7 @@ def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths)
 
 
 def privacy_figure(points: pd.DataFrame, paths: ProjectPaths) -> str:
-    """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf), its data
-    beside it."""
+    """ROUGE against the epsilon spent per method (log x; no privacy drawn at the right as inf), its data beside it."""
     atomic.to_csv(points, paths.plots / "privacy.csv", index=False)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     finite = points.loc[points["epsilon"].apply(math.isfinite), "epsilon"]

@@ -1,6 +1,6 @@
-"""Why selective KD works, the computation (definitions in the docstring of pipeline/results/analysis.py): word updates, the
-KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points;
-and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
+"""Why selective KD works, the computation (definitions in the docstring of pipeline/results/analysis.py): word
+updates, the KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's
+points; and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
 
 from __future__ import annotations
 
@@ -133,9 +133,9 @@ def client_summary(
     client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]], tau: float | None
 ) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
-    (experiment -> the client's best round and KD usage ratio, Analysis.usage; ``words`` and ``gate`` carry an ``experiment``
-    column): its entry of kd_analysis.json, its token updates once per round pooled over the experiments (seeds),
-    and their :func:`gate_per_round`."""
+    (experiment -> the client's best round and KD usage ratio, Analysis.usage; ``words`` and ``gate`` carry an
+    ``experiment`` column): its entry of kd_analysis.json, its token updates once per round pooled over the
+    experiments (seeds), and their :func:`gate_per_round`."""
     window = pd.concat(
         [to_best(w, per_seed[n]["best_round"]) for n, w in words[words["client"] == client].groupby("experiment")]
     )
@@ -182,8 +182,7 @@ SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", *SWEEP_SCOR
 
 
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[tuple]:
-    """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio and POS
-    pattern."""
+    """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio, POS pattern."""
     rows = []
     words = usage["words"]
     for client, s in scores.items():
