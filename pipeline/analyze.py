@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        analysis = Analysis(cfg, declared(params), params.get("tau"), PATHS)
-        result = analysis.run()
+        result = Analysis(cfg, declared(params), params.get("tau"), PATHS).run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]
             paper_text = f" (paper {100 * paper:.0f} %)" if paper is not None else ""
