@@ -5,6 +5,7 @@ human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets (which side
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import random
 from collections import Counter, defaultdict
@@ -134,13 +135,9 @@ def make_sheets(
     for domain in sorted(by_domain):
         order = sorted(by_domain[domain])
         rng.shuffle(order)
-        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in order}
-        picked: list[str] = []
-        while len(picked) < per_domain and any(queues.values()):
-            for m in order:
-                if queues[m] and len(picked) < per_domain:
-                    picked.append(queues[m].pop())
-        chosen.extend(picked)
+        queues = [rng.sample(by_domain[domain][m], len(by_domain[domain][m]))[::-1] for m in order]
+        # one example of each meeting in turn (its queue's next), until per_domain or every queue is empty
+        chosen += [ex for turn in itertools.zip_longest(*queues) for ex in turn if ex is not None][:per_domain]
 
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block
