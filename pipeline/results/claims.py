@@ -142,10 +142,8 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
         "not the paper's BART-large, BART-base or LED-large: every comparison with the paper's differences is "
         "across backbones."
     )
-    usage = [
-        v["kd_usage_ratio"] for v in ((kd or {}).get("clients") or {}).values() if v.get("kd_usage_ratio") is not None
-    ]
-    if usage:
+    clients = ((kd or {}).get("clients") or {}).values()
+    if usage := [v["kd_usage_ratio"] for v in clients if v.get("kd_usage_ratio") is not None]:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
         text += (
             f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
