@@ -103,11 +103,8 @@ def evaluate_experiments(
                 "n_test": len(test_ids),
                 "skipped_by_subsampling": len(test_ids) - len(sub),
             }
-            print(
-                f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
-                + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")),
-                file=sys.stderr,
-            )
+            means = " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge"))
+            print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
 
         done = pd.concat(frames, ignore_index=True)
         per_example = done.assign(

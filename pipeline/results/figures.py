@@ -98,9 +98,8 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
-            atomic.to_csv(
-                wide.reset_index(), paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False
-            )
+            csv_path = paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv"
+            atomic.to_csv(wide.reset_index(), csv_path, index=False)
         axes[0][0].set_ylabel("loss per target token")
         made.files["figures"].append(str(save(fig, paths.figures / f"learning_curves_{study}.png")))
         drawn += 1

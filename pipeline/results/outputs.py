@@ -138,9 +138,8 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     planned_names = {p.name for p in planned}
     timing, stale_timing = tables.timing_table(paths.timing, planned_names)
     if stale_timing:
-        made.not_made["stage times of unplanned experiments"] = "left out of the stage-time table: " + ", ".join(
-            stale_timing
-        )
+        left_out = ", ".join(stale_timing)
+        made.not_made["stage times of unplanned experiments"] = f"left out of the stage-time table: {left_out}"
     if timing is None:
         made.not_made["stage times"] = "no reports/timing/*.json"
     else:
