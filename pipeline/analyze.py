@@ -24,14 +24,11 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("analyze"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
-        analysis = Analysis(cfg, declared(params), params.get("tau"), PATHS)
-        result = analysis.run()
+        result = Analysis(cfg, declared(params), params.get("tau"), PATHS).run()
         for client, rec in result["clients"].items():
             paper = rec["paper_kd_usage_ratio"]
-            print(
-                f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %"
-                + (f" (paper {100 * paper:.0f} %)" if paper is not None else "")
-            )
+            paper_text = f" (paper {100 * paper:.0f} %)" if paper is not None else ""
+            print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %{paper_text}")
         if result["missing"]:
             print(f"analyze: {result['n_missing']} input file(s) missing, left out (listed in kd_analysis.json):")
             for m in result["missing"]:

@@ -101,11 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "claims":
         changed = write_claims(args.folder, args.files, check=args.check)
+        verb = "differs from" if args.check else "rewritten from"
         for f in changed:
-            print(
-                f"{f}: results block {'differs from' if args.check else 'rewritten from'} {args.folder}",
-                file=sys.stderr,
-            )
+            print(f"{f}: results block {verb} {args.folder}", file=sys.stderr)
         return 1 if (args.check and changed) else 0
     if args.command == "human":  # the paper's counts beside ours
         results = {**human_eval.score_sheets(args.sheets), "published": published.HUMAN_EVAL}

@@ -41,9 +41,7 @@ class AnalyzeConfig:
 
 
 class Analysis:
-    def __init__(
-        self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths
-    ) -> None:
+    def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths):
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
         self.out = paths.analysis
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in

@@ -92,20 +92,15 @@ def _difference(r) -> str:
 
 def _pair(r) -> str:
     """'A − B effect', with where the paper's difference for this pair sits against our interval, per backbone."""
-    groups: dict[str, list[str]] = {}
-    for b in comparisons.BACKBONES:
-        where = getattr(r, f"vs_published_{b}", "")
-        if isinstance(where, str) and where:
-            groups.setdefault(where, []).append(b)
     parts = []
-    for where in (w for w in PLACED if w in groups):
-        bbs = groups[where]
-        who = (
-            "all three backbones"
-            if len(bbs) == len(comparisons.BACKBONES) == 3
-            else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
-        )
-        parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {PLACED[where]}")
+    for where, placed in PLACED.items():
+        if bbs := [b for b in comparisons.BACKBONES if getattr(r, f"vs_published_{b}", "") == where]:
+            who = (
+                "all three backbones"
+                if len(bbs) == len(comparisons.BACKBONES) == 3
+                else ", ".join(PAPER_BACKBONE_NAMES.get(b, b) for b in bbs)
+            )
+            parts.append(f"{_range([getattr(r, f'published_{b}') for b in bbs])} on {who}, {placed}")
     text = _difference(r) + (f", {r.n_seeds} seeds: numbers only" if r.few_seeds else "")
     return f"{text} (paper {'; '.join(parts)})" if parts else text
 
@@ -147,10 +142,8 @@ def backbone_note(backbone: dict | None, kd: dict | None) -> str:
         "not the paper's BART-large, BART-base or LED-large: every comparison with the paper's differences is "
         "across backbones."
     )
-    usage = [
-        v["kd_usage_ratio"] for v in ((kd or {}).get("clients") or {}).values() if v.get("kd_usage_ratio") is not None
-    ]
-    if usage:
+    clients = ((kd or {}).get("clients") or {}).values()
+    if usage := [v["kd_usage_ratio"] for v in clients if v.get("kd_usage_ratio") is not None]:
         ours, paper = [round(100 * u) for u in usage], [round(100 * u) for u in published.KD_USAGE_RATIO.values()]
         text += (
             f" Its selective KD distils on {min(ours)}-{max(ours)} % of target tokens at tau = {kd.get('tau')}, "
@@ -205,11 +198,9 @@ def results_text(
         )
         return _with_budget(lines, table, convergence)
     lines += _pooling(avg, per_client, scale) + _federation(avg)
-    select = _rows(avg, ("fedselectkd",), ("fedkd",))
-    if select:
+    if select := _rows(avg, ("fedselectkd",), ("fedkd",)):
         lines.append(f"- **{verdict(select, 'Selectivity')}**: {_pair(select[0])}.")
-    distil = _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",))
-    if distil:
+    if distil := _rows(avg, ("fedkd", "fedselectkd"), ("fedavg",)):
         lines.append(
             "- **Distillation against averaging** (FedAvg has no teacher, so these compare KD with plain "
             "averaging, not selectivity): " + "; ".join(_pair(r) for r in distil) + "."
@@ -264,14 +255,12 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
 
 
 def _federation(avg: pd.DataFrame) -> list[str]:
-    """Each federated method against AdaSingle, the paper's gains it excludes, and the summaries that did not
-    separate."""
+    """Each federated method against AdaSingle, the paper's gains it excludes, the summaries that did not separate."""
     fed = _rows(avg, FEDERATED, ("single",))
     if not fed:
         return []
     lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
-    excluded = [r for r in fed if _all(r, comparisons.ABOVE)]
-    if excluded:
+    if excluded := [r for r in fed if _all(r, comparisons.ABOVE)]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
             f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
@@ -313,12 +302,8 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
 
 def _variants(avg: pd.DataFrame) -> list[str]:
     """Each SelectKD variant of another study (a KD gate, a study's settings) against the main SelectKD."""
-    variants = avg[
-        (avg["study"] != "main")
-        & (avg["method_a"] == "fedselectkd")
-        & (avg["method_b"] == "fedselectkd")
-        & (avg["study_b"] == "main")
-    ]
+    selectkd = avg[(avg["method_a"] == "fedselectkd") & (avg["method_b"] == "fedselectkd")]
+    variants = selectkd[(selectkd["study"] != "main") & (selectkd["study_b"] == "main")]
     lines = []
     for r in _records(variants):
         gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
@@ -340,17 +325,15 @@ def _variants(avg: pd.DataFrame) -> list[str]:
 
 def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFrame | None) -> str:
     """``lines`` and the round-budget note of the studies the table covers, as markdown."""
-    if convergence is not None and not convergence.empty:
-        studies = sorted(set(table["study"]) | set(table["study_b"]))
-        text = convergence_note(convergence, studies)
-        if text:
-            runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
-            flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
-            lines.append(
-                f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
-                "(a client still improving at the last round, or the stop rule never held before the round "
-                "ceiling). The whole comparison is conditional on it."
-            )
+    studies = sorted(set(table["study"]) | set(table["study_b"]))
+    if text := convergence_note(convergence, studies):
+        runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
+        flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
+        lines.append(
+            f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
+            "(a client still improving at the last round, or the stop rule never held before the round "
+            "ceiling). The whole comparison is conditional on it."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -27,28 +27,10 @@ AVERAGE = "client average"
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
 # federation against local training, selectivity against plain KD, and AdaCentralized against every other method.
 MAIN_ORDER: tuple[str, ...] = ("single", "fedavg", "fedkd", "fedselectkd", "centralized")
-COLUMNS = [
-    "study",
-    "client",
-    "method_a",
-    "method_b",
-    "config_a",
-    "config_b",
-    "study_b",
-    "metric",
-    "mean_diff",
-    "ci_low",
-    "ci_high",
-    "p_value",
-    "p_holm",
-    "n_examples",
-    "n_seeds",
-    "identical_fraction",
-    "significant",
-    "mostly_identical",
-    "experiments_a",
-    "experiments_b",
-]
+COLUMNS = (
+    "study client method_a method_b config_a config_b study_b metric mean_diff ci_low ci_high p_value p_holm "
+    "n_examples n_seeds identical_fraction significant mostly_identical experiments_a experiments_b"
+).split()
 
 
 @dataclass(frozen=True)
@@ -93,8 +75,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     if not path.is_file():
         return None
     frame = pd.read_parquet(path)
-    missing = [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]
-    if missing:
+    if missing := [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]:
         raise DataError(f"{path}: missing column(s) {missing}")
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 
@@ -102,12 +83,9 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
 def shared_ids(frames: Iterable[pd.DataFrame]) -> dict[str, list[str]]:
     """Per client, the test examples every frame (one seed's per-example scores) has."""
     frames = list(frames)
-    shared = {}
-    for client in sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []:
-        ids = set.intersection(*(set(f.loc[f["client"] == client, "example_id"]) for f in frames))
-        if ids:
-            shared[client] = sorted(ids)
-    return shared
+    clients = sorted(set.intersection(*(set(f["client"]) for f in frames))) if frames else []
+    ids = {c: set.intersection(*(set(f.loc[f["client"] == c, "example_id"]) for f in frames)) for c in clients}
+    return {c: sorted(shared) for c, shared in ids.items() if shared}
 
 
 def client_rows(frames: Iterable[pd.DataFrame], client: str, ids: list[str]) -> list[pd.DataFrame]:
@@ -172,8 +150,7 @@ def comparisons_table(
     notes: list[str] = []
 
     def add(config: Config, base: Config) -> None:
-        found = compare(config, base, eval_dir, cfg)
-        if not found:
+        if not (found := compare(config, base, eval_dir, cfg)):
             notes.append(
                 f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common"
             )
@@ -191,7 +168,7 @@ def comparisons_table(
         )
         # A baseline is compared only with the baselines listed before it (fedavg vs single, not also the reverse).
         against = (
-            baselines[: baselines.index(config.method)] if config.method in baselines and not varied else (baselines)
+            baselines[: baselines.index(config.method)] if config.method in baselines and not varied else baselines
         )
         for method in against:
             base = varied if method == config.method else baseline_for(config, method, configs)
@@ -257,22 +234,19 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         "that adds the test examples' spread; QMSum's queries on one meeting count as one cluster. Holm p = p "
         f"adjusted over the {len(sub)} comparisons below (Holm's step-down). **Bold** = Holm p < "
         f"{1 - cfg.level:.2g} (the {level} interval, unadjusted, may exclude 0 without it). ⚠ = more than "
-        f"{cfg.identical_warning:.0%} of the paired summaries are "
-        "the same text: the runs did not separate, so neither a difference nor its absence says much about "
-        "the methods.",
+        f"{cfg.identical_warning:.0%} of the paired summaries are the same text: the runs did not separate, so "
+        "neither a difference nor its absence says much about the methods.",
         "",
         f"| A | B | Δ | {level} interval | p | Holm p | seeds | examples | identical summaries |{paper_head}",
         "|---|---|---|---|---|---|---|---|---|" + "---|" * bool(paper_head),
     ]
     for rec, r in zip(sub.to_dict("records"), sub.itertuples()):
         b = r.config_b + ("" if r.study_b == study else f" ({r.study_b})")
-        delta = f"{r.mean_diff:+.2f}"
-        interval = f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
+        delta, interval = f"{r.mean_diff:+.2f}", f"[{r.ci_low:+.2f}, {r.ci_high:+.2f}]"
         if r.significant:
             delta, interval = f"**{delta}**", f"**{interval}**"
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
-        if r.mostly_identical:
-            identical = f"⚠ {identical}"
+        identical = f"⚠ {identical}" if r.mostly_identical else identical
         paper = [
             f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}"
             for bb in backbones
@@ -290,13 +264,8 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
 
 def significance_marks(table: pd.DataFrame, study: str, label: str, client: str) -> str:
     """'> single, < fedavg': the baselines this configuration is significantly above or below for one client."""
-    sub = table[
-        (table["study"] == study)
-        & (table["config_a"] == label)
-        & (table["client"] == client)
-        & (table["metric"] == "avg_rouge")
-        & table["significant"]
-    ]
+    held = table[(table["metric"] == "avg_rouge") & table["significant"]]
+    sub = held[(held["study"] == study) & (held["config_a"] == label) & (held["client"] == client)]
     return ", ".join(f"{'>' if r.mean_diff > 0 else '<'} {r.method_b}" for r in sub.itertuples()) or "–"
 
 

@@ -87,8 +87,7 @@ def subsample_test_ids(test_ids: list[str], client: str, k: int | None, seed: in
 def test_subsample(examples, test_ids: list[str], client: str, cfg: EvaluateConfig, where: str):
     """The client's test subsample (rows of ``examples``, indexed by example id); ``where`` names the partition and
     examples files."""
-    missing = [i for i in test_ids if i not in examples.index]
-    if missing:
+    if missing := [i for i in test_ids if i not in examples.index]:
         raise DataError(f"{where}: client {client!r}: {len(missing)} test ids not in the examples, e.g. {missing[:3]}")
     return examples.loc[subsample_test_ids(test_ids, client, cfg.test_examples_per_client, cfg.subsample_seed)]
 
@@ -120,7 +119,6 @@ def generate_per_run(
     tokenizer, size = model.tokenizer, cfg.batch_size
     stacks: dict[tuple[int, ...], AdapterStack] = {}  # by the runs a call holds
     outputs: list[list[str]] = [[] for _ in adapters]
-    kwargs = cfg.generation_kwargs()
     with torch.no_grad():
         per_call = max(1, GENERATE_ROWS // size)  # runs a call holds
         calls: list[tuple[int, tuple[int, ...]]] = []  # (first source, the runs)
@@ -135,7 +133,7 @@ def generate_per_run(
                 stacks[runs] = AdapterStack([adapters[r] for r in runs], model.adapter_sets["local"], model.device)
                 stacks[runs].requires_grad_(False)
             enc = tokenizer(rows, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
-            ids = model.generate(enc["input_ids"], enc["attention_mask"], stacks[runs], **kwargs)
+            ids = model.generate(enc["input_ids"], enc["attention_mask"], stacks[runs], **cfg.generation_kwargs())
             texts = [t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
             for j, (r, chunk) in enumerate(zip(runs, chunks)):
                 outputs[r].extend(texts[j * width : j * width + len(chunk)])
@@ -145,8 +143,7 @@ def generate_per_run(
 # study -> (what it compares, METHOD.md section)
 STUDIES: dict[str, tuple[str, str]] = {
     "main": (
-        "Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, "
-        "AdaFedSelectKD)",
+        "Main tables: 3 QMSum domain clients x 5 methods (AdaSingle, AdaCentralized, AdaFedAvg, AdaFedKD, AdaFedSelectKD)",
         "7.1 (methods: section 6)",
     ),
     "iid": ("IID and balanced: each client gets a third of every domain; FedAvg vs FedKD vs SelectKD", "7.2"),

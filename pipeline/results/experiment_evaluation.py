@@ -47,8 +47,7 @@ def _prepare(name: str, examples: pd.DataFrame, cfg: EvaluateConfig, models_dir:
         raise DataError(f"{exp_path}: experiment record (written by the train stage) not found")
     plan = read_plan(exp_path)  # the plan the adapters were trained with
     part_path = PATHS.partition(plan.partition)
-    partition = read_json(part_path, "partition")
-    clients = partition.get("clients")
+    clients = read_json(part_path, "partition").get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{part_path}: no 'clients' mapping")
     skipped_clients: dict[str, str] = {}
@@ -85,9 +84,7 @@ def evaluate_experiments(
 
     def score_and_write(exp: _Experiment, summaries: list[list[str]], backbone: str) -> dict[str, Any]:
         """The experiment's scores, per example and per client, its bootstrap intervals and its outputs."""
-        name, plan = exp.name, exp.plan
-        experiment = plan.to_json_dict()
-        out_dir = eval_dir / name
+        name, plan, out_dir = exp.name, exp.plan, eval_dir / exp.name
         frames: list[pd.DataFrame] = []  # per test example: its client, prediction, reference and scores
         per_client: dict[str, dict[str, Any]] = {}
         test_sets = {}
@@ -106,11 +103,8 @@ def evaluate_experiments(
                 "n_test": len(test_ids),
                 "skipped_by_subsampling": len(test_ids) - len(sub),
             }
-            print(
-                f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} "
-                + " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge")),
-                file=sys.stderr,
-            )
+            means = " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge"))
+            print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
 
         done = pd.concat(frames, ignore_index=True)
         per_example = done.assign(
@@ -124,8 +118,7 @@ def evaluate_experiments(
             out_dir / "predictions.jsonl", "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
         )
 
-        # the bootstrap interval of each ROUGE's client average (test examples, or QMSum's meetings, resampled within
-        # clients)
+        # each ROUGE's client average's bootstrap interval (test examples, or QMSum's meetings, resampled in clients)
         groups = [g for _, g in per_example.groupby("client", sort=True)]
         mean_ci = client_average_intervals(groups, (*ROUGE_TYPES, "avg_rouge"), bootstrap)
         metrics = metrics_record(plan, backbone, cfg, per_client, exp.skipped_clients) | {
@@ -139,7 +132,8 @@ def evaluate_experiments(
         }
         atomic.write_json(out_dir / "metrics.json", metrics)
         if mlflow_logging:
-            run_id = log_to_mlflow(experiment, metrics, out_dir, cfg, run_converged(models_dir, name), test_sets)
+            converged = run_converged(models_dir, name)
+            run_id = log_to_mlflow(plan.to_json_dict(), metrics, out_dir, cfg, converged, test_sets)
             print(f"[evaluate] logged to MLflow run {run_id}", file=sys.stderr)
         return metrics
 
@@ -157,9 +151,8 @@ def evaluate_experiments(
         backbone = backbone_name(PATHS.backbone, str(model.backbone.config.model_type))
         sources = [sub["source"].tolist() for exp in same for _, sub in exp.chosen.values()]
         desc = same[0].name if len(same) == 1 else f"{len(same)} experiments"
-        summaries = iter(
-            generate_per_run(model, [a for exp in same for a in exp.adapters], sources, cfg, max_src, desc)
-        )
+        adapters = [a for exp in same for a in exp.adapters]
+        summaries = iter(generate_per_run(model, adapters, sources, cfg, max_src, desc))
         for exp in same:
             predictions = [next(summaries) for _ in exp.chosen]
             out[exp.name] = score_and_write(exp, predictions, backbone)

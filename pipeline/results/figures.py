@@ -33,33 +33,24 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
     pairs = zip(data["client"], data["label"], shown["label"])
-    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper} if paper else None
+    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper}
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
         clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
         width = 0.8 / max(len(bars), 1)
         paper_labelled = False
         for j, bar in enumerate(bars):
-            xs, ys, es, px, py = [], [], [], [], []
-            for i, client in enumerate(clients):
-                r = d[(d["client"] == client) & (d["label"] == bar)]
-                if r.empty:
-                    continue
-                x = i - 0.4 + width * (j + 0.5)
-                xs.append(x)
-                ys.append(float(r["avg_rouge_mean"].iloc[0]))
-                es.append(0.0 if pd.isna(r["avg_rouge_std"].iloc[0]) else float(r["avg_rouge_std"].iloc[0]))
-                if paper_shown and (client, bar) in paper_shown:
-                    px.append(x)
-                    py.append(paper_shown[(client, bar)])
-            ax.bar(xs, ys, width, yerr=es, label=str(bar), capsize=2)
-            if px:
+            # the bar's first row per client, at the client's place on the x axis
+            r = d[d["label"] == bar].drop_duplicates("client")
+            xs = [clients.index(c) - 0.4 + width * (j + 0.5) for c in r["client"]]
+            ax.bar(xs, r["avg_rouge_mean"], width, yerr=r["avg_rouge_std"].fillna(0.0), label=str(bar), capsize=2)
+            if paper_xy := [(x, paper_shown[(c, bar)]) for x, c in zip(xs, r["client"]) if (c, bar) in paper_shown]:
+                px, py = zip(*paper_xy)
                 ax.scatter(
                     px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
                 )
                 paper_labelled = True
-        ax.set_xticks(range(len(clients)))
-        ax.set_xticklabels(clients)
+        ax.set(xticks=range(len(clients)), xticklabels=clients)
         ax.legend(fontsize=7)
         if facet is not None:
             ax.set_title(str(facet), fontsize=9)
@@ -71,19 +62,9 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
     if paper:
         out["paper_avg_rouge"] = [paper.get((c, lab)) for c, lab in zip(out["client"], out["label"])]
-    cols = [
-        "bar",
-        "client",
-        "label",
-        *([facet_col] if facet_col else []),
-        "avg_rouge_mean",
-        "avg_rouge_std",
-        *(f"{m}_mean" for m in TABLE_METRICS),
-        "n_seeds",
-        "missing_seeds",
-        *(["paper_avg_rouge"] if paper else []),
-    ]
-    atomic.to_csv(out[cols], plot_path, index=False)
+    by_facet, means = [facet_col] if facet_col else [], [f"{m}_mean" for m in TABLE_METRICS]
+    cols = ["bar", "client", "label", *by_facet, "avg_rouge_mean", "avg_rouge_std", *means, "n_seeds", "missing_seeds"]
+    atomic.to_csv(out[cols + (["paper_avg_rouge"] if paper else [])], plot_path, index=False)
     return str(fig_path)
 
 
@@ -117,9 +98,8 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
             wide.insert(0, "val_loss_mean", wide.mean(axis=1))
-            atomic.to_csv(
-                wide.reset_index(), paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv", index=False
-            )
+            csv_path = paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv"
+            atomic.to_csv(wide.reset_index(), csv_path, index=False)
         axes[0][0].set_ylabel("loss per target token")
         made.files["figures"].append(str(save(fig, paths.figures / f"learning_curves_{study}.png")))
         drawn += 1
@@ -277,8 +257,7 @@ def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths)
 
 
 def privacy_figure(points: pd.DataFrame, paths: ProjectPaths) -> str:
-    """ROUGE against the epsilon spent, one line per method (log x; no privacy drawn at the right as inf), its data
-    beside it."""
+    """ROUGE against the epsilon spent per method (log x; no privacy drawn at the right as inf), its data beside it."""
     atomic.to_csv(points, paths.plots / "privacy.csv", index=False)
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     finite = points.loc[points["epsilon"].apply(math.isfinite), "epsilon"]
@@ -291,17 +270,14 @@ def privacy_figure(points: pd.DataFrame, paths: ProjectPaths) -> str:
             ax.annotate(
                 f"n={r.n_seeds}", (r.x, r.avg_rouge_mean), textcoords="offset points", xytext=(4, 4), fontsize=7
             )
-    ax.set_xscale("log")
     ticks = [t for t in (0.1, 0.3, 1, 3, 10, 30, 100) if finite.empty or finite.min() / 1.5 <= t <= finite.max() * 1.5]
-    ax.set_xticks(ticks + [right])
-    ax.set_xticklabels([f"{t:g}" for t in ticks] + ["∞ (none)"])
+    ax.set(xscale="log", xticks=ticks + [right], xticklabels=[f"{t:g}" for t in ticks] + ["∞ (none)"])
     ax.minorticks_off()
     backbones = ", ".join(sorted(set(points["backbone"])))
     seeds = "/".join(str(n) for n in sorted(set(points["n_seeds"])))
     deltas = points["delta"].dropna()
     held = f"delta <= {deltas.max():.3g}" if not deltas.empty else "no DP run"
-    ax.set_xlabel(f"epsilon spent (largest over clients; {held})")
-    ax.set_ylabel("average ROUGE, client average")
+    ax.set(xlabel=f"epsilon spent (largest over clients; {held})", ylabel="average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
     return str(save(fig, paths.figures / "privacy.png"))

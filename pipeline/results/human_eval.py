@@ -5,6 +5,7 @@ human-evaluation kit (METHOD.md section 7.12): blind pairwise sheets (which side
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import random
 from collections import Counter, defaultdict
@@ -134,13 +135,9 @@ def make_sheets(
     for domain in sorted(by_domain):
         order = sorted(by_domain[domain])
         rng.shuffle(order)
-        queues = {m: rng.sample(by_domain[domain][m], len(by_domain[domain][m])) for m in order}
-        picked: list[str] = []
-        while len(picked) < per_domain and any(queues.values()):
-            for m in order:
-                if queues[m] and len(picked) < per_domain:
-                    picked.append(queues[m].pop())
-        chosen.extend(picked)
+        queues = [rng.sample(by_domain[domain][m], len(by_domain[domain][m]))[::-1] for m in order]
+        # one example of each meeting in turn (its queue's next), until per_domain or every queue is empty
+        chosen += [ex for turn in itertools.zip_longest(*queues) for ex in turn if ex is not None][:per_domain]
 
     pairs = [(ex, opp) for ex in chosen for opp in opponents]
     rng.shuffle(pairs)  # annotators must not see one method's items in a block
@@ -157,9 +154,8 @@ def make_sheets(
 
     atomic.to_csv(pd.DataFrame(rows, columns=SHEET_COLUMNS), out / "sheet.csv", index=False, lineterminator="\r\n")
     atomic.write_text(out / "sheet.html", _html_page(rows))
-    atomic.write_json(
-        out / "key.json", {"target": target, "seed": seed, "items": {k: asdict(v) for k, v in key.items()}}
-    )
+    items = {k: asdict(v) for k, v in key.items()}
+    atomic.write_json(out / "key.json", {"target": target, "seed": seed, "items": items})
     summary = {
         "target": target,
         "opponents": opponents,
@@ -285,8 +281,7 @@ def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, i
             if w > 4:
                 ax.text(lft + w / 2, y, str(r[j]), ha="center", va="center", fontsize=8)
         left = [lft + w for lft, w in zip(left, widths)]
-    ax.set_xlim(0, 100)
-    ax.set_xlabel(f"% of judged comparisons ({results['target']} wins / ties / losses)")
+    ax.set(xlim=(0, 100), xlabel=f"% of judged comparisons ({results['target']} wins / ties / losses)")
     ax.invert_yaxis()
     ax.legend(loc="lower right", fontsize=8)
     return save(fig, Path(path))

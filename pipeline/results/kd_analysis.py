@@ -1,6 +1,6 @@
-"""Why selective KD works, the computation (definitions in the docstring of pipeline/results/analysis.py): word updates, the
-KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's points;
-and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
+"""Why selective KD works, the computation (definitions in the docstring of pipeline/results/analysis.py): word
+updates, the KD usage ratio, POS distributions, gate statistics per round, hard KD against SelectKD and the tau sweep's
+points; and their figures (matplotlib Agg) in ``reports/analysis/figures/``."""
 
 from __future__ import annotations
 
@@ -98,23 +98,17 @@ def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
             "share_of_kd": kd / n_kd if n_kd else math.nan,
             "share_of_no_kd": no / n_no if n_no else math.nan,
         }
-        for pos, kd, no in (
-            (p, int(r[True]), int(r[False]))
-            for p, r in counts.sort_values(by=[True, False], ascending=False).iterrows()
-        )
+        for pos, kd, no in counts.sort_values(by=[True, False], ascending=False).itertuples()
     }
 
 
 def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
-    """The paper's two statements as numbers."""
-    nv = updates[updates["is_noun_or_verb"]]
-    no_kd = updates[~updates["kd"]]
+    """The paper's two statements as numbers (NaN, the mean of no update, where a share has no updates)."""
+    kd, noun_verb = updates["kd"], updates["is_noun_or_verb"]
     return {
-        "noun_verb_kd_rate": float(nv["kd"].mean()) if len(nv) else math.nan,
-        "noun_verb_share_of_kd": float(updates.loc[updates["kd"], "is_noun_or_verb"].mean())
-        if updates["kd"].any()
-        else math.nan,
-        "det_pron_share_of_no_kd": float(no_kd["pos"].isin(["DET", "PRON"]).mean()) if len(no_kd) else math.nan,
+        "noun_verb_kd_rate": float(kd[noun_verb].mean()),
+        "noun_verb_share_of_kd": float(noun_verb[kd].mean()),
+        "det_pron_share_of_no_kd": float(updates.loc[~kd, "pos"].isin(["DET", "PRON"]).mean()),
     }
 
 
@@ -139,9 +133,9 @@ def client_summary(
     client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]], tau: float | None
 ) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
-    (experiment -> the client's best round and KD usage ratio, Analysis.usage; ``words`` and ``gate`` carry an ``experiment``
-    column): its entry of kd_analysis.json, its token updates once per round pooled over the experiments (seeds),
-    and their :func:`gate_per_round`."""
+    (experiment -> the client's best round and KD usage ratio, Analysis.usage; ``words`` and ``gate`` carry an
+    ``experiment`` column): its entry of kd_analysis.json, its token updates once per round pooled over the
+    experiments (seeds), and their :func:`gate_per_round`."""
     window = pd.concat(
         [to_best(w, per_seed[n]["best_round"]) for n, w in words[words["client"] == client].groupby("experiment")]
     )
@@ -188,8 +182,7 @@ SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", *SWEEP_SCOR
 
 
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[tuple]:
-    """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio and POS
-    pattern."""
+    """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio, POS pattern."""
     rows = []
     words = usage["words"]
     for client, s in scores.items():
@@ -239,17 +232,14 @@ def plot_pos(client: str, record: dict[str, Any], path: Path) -> None:
     ax1.bar(x - 0.2, [100 * dist[t]["share_of_kd"] for t in tags], 0.4, label="trained with KD")
     ax1.bar(x + 0.2, [100 * dist[t]["share_of_no_kd"] for t in tags], 0.4, label="trained without KD")
     ax1.set_xticks(x, tags, rotation=60)
-    ax1.set_ylabel("% of word updates")
-    ax1.set_title("POS distribution of words trained with / without KD")
+    ax1.set(ylabel="% of word updates", title="POS distribution of words trained with / without KD")
     ax1.legend()
     ax2.bar(x, [100 * dist[t]["kd_rate"] for t in tags], 0.6, color="tab:green")
     ax2.axhline(100 * ratio, color="k", ls="--", lw=1, label=f"all words: {100 * ratio:.1f} %")
     if paper_ratio is not None:
         ax2.axhline(100 * paper_ratio, color="tab:red", ls=":", lw=1, label=f"paper: {100 * paper_ratio:.0f} %")
     ax2.set_xticks(x, tags, rotation=60)
-    ax2.set_ylim(0, 105)
-    ax2.set_ylabel("% of the POS's word updates with KD")
-    ax2.set_title("KD usage per POS")
+    ax2.set(ylim=(0, 105), ylabel="% of the POS's word updates with KD", title="KD usage per POS")
     ax2.legend(loc="lower right")
     fig.suptitle(f"{client}: KD usage ratio {100 * ratio:.1f} % (rounds 1..best)")
     save(fig, path)
@@ -272,10 +262,8 @@ def plot_entropy(
     ax2.bar(stats["round"], 100 * stats["pass_fraction"], color="tab:blue")
     for b in sorted(set(best)):
         ax2.axvline(b, color="k", ls=":", lw=1)
-    ax2.set_ylim(0, 100)
-    ax2.set_ylabel("% tokens with KD")
+    ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds)
     ax2.set_xlabel("round" + (" (dotted: best round)" if best else ""))
-    ax2.set_xticks(rounds)
     save(fig, path)
 
 
@@ -299,18 +287,11 @@ def plot_hardkd(comparison: dict[str, dict[str, dict[str, Any]]], path: Path) ->
             rec = comparison[method].get(client)
             if not rec:
                 continue
+            yerr = [rec["std"][m] for m in METRICS] if rec["n_seeds"] > 1 else None
+            name = "SelectKD" if method == SELECTKD else "noun-verb hard KD"
             means = [rec["mean"][m] for m in METRICS]
-            stds = [rec["std"][m] for m in METRICS]
-            ax.bar(
-                x + (j - 0.5) * 0.4,
-                means,
-                0.4,
-                yerr=stds if rec["n_seeds"] > 1 else None,
-                label=f"{'SelectKD' if method == SELECTKD else 'noun-verb hard KD'} (n={rec['n_seeds']})",
-            )
-        ax.set_xticks(x, labels)
-        ax.set_title(client)
-        ax.set_ylabel("ROUGE F1 x 100")
+            ax.bar(x + (j - 0.5) * 0.4, means, 0.4, yerr=yerr, label=f"{name} (n={rec['n_seeds']})")
+        ax.set(xticks=x, xticklabels=labels, title=client, ylabel="ROUGE F1 x 100")
         ax.legend(fontsize=8)
     _finish_client_panels(
         fig, axes, clients, "no evaluated SelectKD / hard-KD experiments", "Noun-verb hard KD vs selective KD", path
@@ -323,7 +304,6 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
     for ax, client in zip(axes[0], clients):
         d = sweep[sweep["client"] == client].sort_values("tau")
         ax.plot(d["tau"], d["avg_rouge"], "o-", color="tab:blue", label="avg ROUGE")
-        ax.set_xlabel("tau")
         ax.set_ylabel("average ROUGE (R-1, R-2, R-L)", color="tab:blue")
         ax2 = ax.twinx()
         ax2.plot(d["tau"], 100 * d["kd_usage_ratio"], "s--", color="tab:orange", label="KD usage")
@@ -331,7 +311,7 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
         ax2.set_ylim(0, 100)
         if tau_main is not None:
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
-        ax.set_title(client)
+        ax.set(xlabel="tau", title=client)
     _finish_client_panels(
         fig, axes, clients, "no tau-sweep experiments with results", "Entropy threshold tau (dotted: main study)", path
     )

@@ -126,11 +126,9 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     sheets_dir = paths.human_eval / "sheets"
     if cfg.human_eval_target in preds and len(preds) > 1:
         summary = human_eval.make_sheets(preds, sheets_dir, cfg, queries, meeting_of)
-        made.files["human evaluation"] = [str(sheets_dir / f) for f in ("sheet.csv", "sheet.html", "key.json")]
-        made.files["human evaluation"].append(
-            f"{summary['items']} comparisons, {summary['examples_per_domain']} "
-            f"examples per domain, seed {pred_seed} runs"
-        )
+        made.files["human evaluation"] = [str(sheets_dir / f) for f in ("sheet.csv", "sheet.html", "key.json")] + [
+            f"{summary['items']} comparisons, {summary['examples_per_domain']} examples per domain, seed {pred_seed} runs"
+        ]
     else:
         sheets_dir.mkdir(parents=True, exist_ok=True)
         made.not_made["human evaluation sheets"] = (
@@ -140,9 +138,8 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     planned_names = {p.name for p in planned}
     timing, stale_timing = tables.timing_table(paths.timing, planned_names)
     if stale_timing:
-        made.not_made["stage times of unplanned experiments"] = "left out of the stage-time table: " + ", ".join(
-            stale_timing
-        )
+        left_out = ", ".join(stale_timing)
+        made.not_made["stage times of unplanned experiments"] = f"left out of the stage-time table: {left_out}"
     if timing is None:
         made.not_made["stage times"] = "no reports/timing/*.json"
     else:
@@ -158,11 +155,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
     atomic.write_json(paths.reports / "metrics.json", headline_metrics(agg, intervals, kd), sort_keys=True)
     # Evaluations of experiments no longer in params.yaml are left out of every table; say which.
-    ignored = (
-        sorted(d.name for d in paths.eval_reports.iterdir() if d.is_dir() and d.name not in planned_names)
-        if paths.eval_reports.is_dir()
-        else []
-    )
+    ignored = sorted(d.name for d in paths.eval_reports.glob("*") if d.is_dir() and d.name not in planned_names)
     short = agg[agg["missing_seeds"] != ""]
     incomplete = list(
         dict.fromkeys(f"{r.study}: {r.label} (missing seed {r.missing_seeds})" for r in short.itertuples())
@@ -243,6 +236,13 @@ def headline_metrics(
     return out
 
 
+# What other stages wrote that the index lists too (globs under reports/).
+OTHER_OUTPUTS = (
+    "data/*.md data/*.json partitions/*.png analysis/*.json analysis/*.csv analysis/figures/*.png backbone.json "
+    "eval/*/metrics.json"
+).split()
+
+
 def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str:
     """The index of ``out`` (the reports directory) from ``index``: what was made, what not and why."""
     rel = functools.partial(os.path.relpath, start=out)
@@ -258,29 +258,13 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
         "",
     ]
     for section in ("tables", "figures", "human evaluation"):
-        items = index["made"].get(section, [])
-        if items:
+        if items := index["made"].get(section, []):
             lines += [f"## {section.capitalize()}", ""]
             lines += [f"- [{rel(i)}]({rel(i)})" if Path(i).exists() else f"- {i}" for i in items]
             lines.append("")
-    plot_files = sorted(plots.rglob("*.csv")) if plots.is_dir() else []
-    if plot_files:
+    if plot_files := sorted(plots.rglob("*.csv")):
         lines += ["## Plot data (`dvc plots show`)", ""] + [f"- [{rel(p)}]({rel(p)})" for p in plot_files] + [""]
-    others = [
-        p
-        for pattern in (
-            "data/*.md",
-            "data/*.json",
-            "partitions/*.png",
-            "analysis/*.json",
-            "analysis/*.csv",
-            "analysis/figures/*.png",
-            "backbone.json",
-            "eval/*/metrics.json",
-        )
-        for p in sorted(out.glob(pattern))
-    ]
-    if others:
+    if others := [p for pattern in OTHER_OUTPUTS for p in sorted(out.glob(pattern))]:
         lines += ["## Other stage outputs", ""] + [f"- [{rel(p)}]({rel(p)})" for p in others] + [""]
     lines += ["## Not produced", ""]
     if not index["not_made"] and not index["missing_experiments"] and not index["incomplete_seeds"]:

@@ -56,8 +56,7 @@ def read_eval_metrics(path: Path) -> dict[str, Any]:
     if not isinstance(data.get("clients"), dict):
         raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
     for client, scores in data["clients"].items():
-        missing = [m for m in METRICS if m not in scores]
-        if missing:
+        if missing := [m for m in METRICS if m not in scores]:
             raise DataError(f"{path}: client {client!r} lacks {missing}")
     return data
 
@@ -110,16 +109,14 @@ def best_rounds(path: Path) -> dict[str, int]:
     clients = read_json(path, "train metrics").get("clients")
     if not isinstance(clients, dict) or not clients:
         raise DataError(f"{path}: no 'clients' mapping with per-client best rounds")
-    bad = [c for c, rec in clients.items() if not isinstance(rec, dict) or rec.get("best_round") is None]
-    if bad:
+    if bad := [c for c, rec in clients.items() if not isinstance(rec, dict) or rec.get("best_round") is None]:
         raise DataError(f"{path}: client {bad[0]!r} has no 'best_round'")
     return {str(c): int(rec["best_round"]) for c, rec in clients.items()}
 
 
 def read_gate_log(path: Path) -> pd.DataFrame:
     gate = pd.read_parquet(path)
-    missing = sorted(set(GATE_COLUMNS) - set(gate.columns))
-    if missing:
+    if missing := sorted(set(GATE_COLUMNS) - set(gate.columns)):
         raise DataError(f"{path}: gate log lacks column(s) {missing} (has {list(gate.columns)})")
     return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
 
@@ -154,21 +151,21 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
             if isinstance(v, dict) and v.get("best_round")
         }
     )
-    rows = []
-    for client, (best, last) in sorted(found.items()):
-        stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
-        flagged = (not bool(stated)) if stated is not None else best == last
-        rows.append(dict(zip(CONVERGENCE_COLUMNS, (experiment, client, best, last, flagged), strict=True)))
+    stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
+    rows = [
+        (experiment, client, best, last, (not bool(stated)) if stated is not None else best == last)
+        for client, (best, last) in sorted(found.items())
+    ]
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 
 
 def convergence_table(planned: Iterable[Any], labels: dict[str, str], train_dir: Path) -> pd.DataFrame:
     """Every planned experiment's client-runs (objects with name, study, seed), with study and label."""
-    frames = []
-    for p in planned:
-        f = run_convergence(train_dir, p.name)
-        if not f.empty:
-            frames.append(f.assign(study=p.study, label=labels[p.name], seed=int(p.seed)))
+    frames = [
+        f.assign(study=p.study, label=labels[p.name], seed=int(p.seed))
+        for p in planned
+        if not (f := run_convergence(train_dir, p.name)).empty
+    ]
     if not frames:
         return pd.DataFrame(columns=[*CONVERGENCE_COLUMNS, "study", "label", "seed"])
     return pd.concat(frames, ignore_index=True)

@@ -112,6 +112,4 @@ def score_files(pred_path: str | Path, ref_path: str | Path, use_stemmer: bool =
             f"line counts differ: {pred_path} has {len(predictions)} predictions, "
             f"{ref_path} has {len(references)} references (one summary per line in both)"
         )
-    return mean_scores(Scorer(use_stemmer=use_stemmer).score_pairs(predictions, references)) | {
-        "rouge_l_in_tables": TABLE_ROUGE_L
-    }
+    return mean_scores(Scorer(use_stemmer).score_pairs(predictions, references)) | {"rouge_l_in_tables": TABLE_ROUGE_L}

@@ -91,16 +91,13 @@ def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     out_rows = []
     for key, grp in scores.groupby(keys, dropna=False, sort=False):
         rec = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in zip(keys, key)}
-        config = tuple(rec[c] for c in GROUP_COLS)
         seeds = sorted(int(s) for s in grp["seed"])
-        want = expected | planned_seeds.get(config, set())
-        for m in METRICS:
-            rec[f"{m}_mean"] = float(grp[m].mean())
-            rec[f"{m}_std"] = float(grp[m].std(ddof=1))  # NaN for one seed: its spread is unknown, not 0
-        rec["n_seeds"] = len(seeds)
-        rec["seeds"] = ",".join(map(str, seeds))
-        rec["missing_seeds"] = ",".join(map(str, sorted(want - set(seeds))))
-        out_rows.append(rec)
+        missing = (expected | planned_seeds.get(tuple(rec[c] for c in GROUP_COLS), set())) - set(seeds)
+        rec |= {f"{m}_mean": float(grp[m].mean()) for m in METRICS}
+        # the sample std: NaN for one seed (its spread is unknown, not 0)
+        rec |= {f"{m}_std": float(grp[m].std(ddof=1)) for m in METRICS}
+        rec |= {"n_seeds": len(seeds), "seeds": ",".join(map(str, seeds))}
+        out_rows.append(rec | {"missing_seeds": ",".join(map(str, sorted(missing)))})
     return pd.DataFrame(out_rows, columns=columns)
 
 
@@ -170,10 +167,9 @@ def main_table_markdown(
     lines = [
         f"# Main results, backbone `{backbone}`",
         "",
-        f"ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
-        f"`{TABLE_ROUGE_L}` "
-        "(LCS of the whole summary, Porter stemming; its R-L / R-1 ratios match the paper's, `rougeLsum`'s "
-        "do not: pipeline/results/scoring.py). "
+        "ROUGE F1 x 100, mean ± sample std over seeds ((n=1): one seed, no spread); R-L = rouge-score "
+        f"`{TABLE_ROUGE_L}` (LCS of the whole summary, Porter stemming; its R-L / R-1 ratios match the paper's, "
+        "`rougeLsum`'s do not: pipeline/results/scoring.py). "
         + (
             f"Paper: Feng et al. Table III, {key}."
             if key
@@ -199,16 +195,12 @@ def main_table_markdown(
                 return "–"
             return f"{r['paper']:.2f}" if what == "paper" else "–" if pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
 
-        seeds = t.iloc[0]
-        seed_text = (
-            f"{seeds['n_seeds']}"
-            + (f" ({seeds['seeds']})" if seeds["seeds"] else "")
-            + (f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else "")
-        )
+        seeds, mark = t.iloc[0], row_mark(converged, "main", label, None)
+        seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "")
+        seed_text += f", missing {seeds['missing_seeds']}" if seeds["missing_seeds"] else ""
+        seed_text += f" {mark}" if mark else ""
         name = published.PAPER_METHOD_NAMES.get(method, method)
         name = name if label == method else f"{name} ({label})"
-        mark = row_mark(converged, "main", label, None)
-        seed_text += f" {mark}" if mark else ""
         rows = [(name, "ours", "ours", seed_text)] + (
             [("", "paper", "paper", ""), ("", "ours − paper", "diff", "")] if key else []
         )
@@ -216,8 +208,7 @@ def main_table_markdown(
             lines.append(
                 "| " + " | ".join([first, kind, *[cell(c, m, what) for c in clients for m in metrics], last]) + " |"
             )
-    budget = convergence_note(converged, ["main"], set(table["label"]))
-    if budget:
+    if budget := convergence_note(converged, ["main"], set(table["label"])):
         lines += ["", budget + f" ({MARK} k/n after the seeds: client-runs of that method.)"]
     lines.append(comparisons.markdown_section(compared, "main", bootstrap))
     return "\n".join(lines) + "\n"
@@ -242,19 +233,11 @@ def study_table_markdown(
     ]
     for _, r in sub.sort_values(["label", "backbone", "client"]).iterrows():
         scores = [fmt(r[f"{m}_mean"], r[f"{m}_std"], r["n_seeds"]) for m in METRICS]
-        significant = comparisons.significance_marks(compared, study, r["label"], r["client"])
+        versus = comparisons.significance_marks(compared, study, r["label"], r["client"])  # "significantly vs"
         mark = row_mark(converged, study, r["label"], r["client"]) or "–"
-        cells = [
-            *r[["label", "backbone", "client"]],
-            *scores,
-            significant,
-            r["n_seeds"],
-            r["missing_seeds"] or "–",
-            mark,
-        ]
+        cells = [*r[["label", "backbone", "client"]], *scores, versus, r["n_seeds"], r["missing_seeds"] or "–", mark]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    budget = convergence_note(converged, [study])
-    if budget:
+    if budget := convergence_note(converged, [study]):
         lines += ["", budget]
     lines.append(comparisons.markdown_section(compared, study, bootstrap))
     return "\n".join(lines) + "\n"
@@ -268,9 +251,8 @@ TIMING_FIELDS = {"stage": str, "seconds": float, "startup_seconds": float, "peak
 def timing_table(timing_dir: Path, planned_names: set[str]) -> tuple[pd.DataFrame | None, list[str]]:
     """The stage timing records, longest first, and the stages left out: train-/evaluate- records of experiments
     the `experiments` params no longer plan (DVC leaves a removed stage's outputs in place)."""
-    files = sorted(timing_dir.glob("*.json")) if timing_dir.is_dir() else []
     rows, left_out = [], []
-    for f in files:
+    for f in sorted(timing_dir.glob("*.json")):
         try:
             rec = json.loads(f.read_text())
             row = {key: kind(rec[key]) for key, kind in TIMING_FIELDS.items()}
@@ -291,9 +273,8 @@ def timing_markdown(timing: pd.DataFrame) -> str:
     lines = [
         "# Stage wall times",
         "",
-        "Each stage's last run (`reports/timing/<stage>.json`): its work, and the "
-        "start-up of its process before it (interpreter, imports, arguments); DVC's work between stages is in "
-        "neither.",
+        "Each stage's last run (`reports/timing/<stage>.json`): its work, and the start-up of its process before it "
+        "(interpreter, imports, arguments); DVC's work between stages is in neither.",
         "",
         "| stage | seconds | start-up (s) | peak RSS (MB) | finished (UTC) |",
         "|---|---|---|---|---|",

@@ -32,14 +32,10 @@ TAG_HOST, TAG_PID, TAG_PID_START = "fedmeet.host", "fedmeet.pid", "fedmeet.pid_s
 
 def git_state() -> dict[str, str]:
     """Commit of the workspace, and whether tracked files but dvc.lock (`dvc repro` rewrites it) differ from it."""
+    git = functools.partial(subprocess.run, capture_output=True, text=True, timeout=30)
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
+        commit = git(["git", "rev-parse", "HEAD"]).stdout.strip()
+        status = git(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)dvc.lock"]).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     if not commit:
@@ -97,6 +93,8 @@ def artifact_dir(study: str) -> Path:
 # store locked beyond SQLite's own wait. Those calls are retried with backoff (~25 s in all) instead of failing.
 _BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
 _LOCKED = ("database is locked", "database table is locked")
+# Where a store keeps artifact locations besides its experiments: (table, id column, location column).
+_LOCATED = (("runs", "run_uuid", "artifact_uri"), ("logged_models", "model_id", "artifact_location"))
 
 
 def _retrying(call, *args, **kwargs):
@@ -185,10 +183,7 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
     old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
-        for table, key, column in (
-            ("runs", "run_uuid", "artifact_uri"),
-            ("logged_models", "model_id", "artifact_location"),
-        ):
+        for table, key, column in _LOCATED:
             rows = con.execute(f"SELECT {key}, {column} FROM {table} WHERE experiment_id = ?", (int(exp_id),))
             for row_id, uri in rows.fetchall():
                 if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
@@ -268,9 +263,8 @@ class RunLogger:
             if name in logger.children:
                 continue
             child_tags = {k: tags[k] for k in CHILD_TAGS if k in tags} | {PARENT_TAG: logger.run_id, "client": name}
-            logger.children[name] = client.create_run(
-                exp_id, run_name=f"{run_name}/{name}", tags=child_tags
-            ).info.run_id
+            child = client.create_run(exp_id, run_name=f"{run_name}/{name}", tags=child_tags)
+            logger.children[name] = child.info.run_id
             with _store_lock(tracking_uri()):  # two trainings of one partition log the same datasets at once
                 client.log_inputs(
                     logger.children[name],
@@ -362,8 +356,7 @@ def delete_run(run_id: str) -> None:
 
 
 def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
-    """Terminate run ``run_id`` with ``status`` and the tag ``fedmeet.end`` = ``reason`` if it is still RUNNING;
-    whether it was."""
+    """End run ``run_id`` with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is RUNNING; whether it was."""
     client = _client()
     if client.get_run(run_id).info.status != "RUNNING":
         return False
