@@ -58,12 +58,10 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for msg in messages:
+        for msg in (messages := list(messages)):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             self._pending[msg.metadata.message_id] = _copy(msg)
-            ids.append(msg.metadata.message_id)
-        return ids
+        return [msg.metadata.message_id for msg in messages]
 
     def deliver(self, msg: Message) -> Message:
         """The reply of ``msg``'s node (a copy)."""

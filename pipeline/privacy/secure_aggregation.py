@@ -228,15 +228,13 @@ class SecureAggregator:
     (1 under client-level DP, where every upload ends with its clipped bit: ``clipped_bits``)."""
 
     def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
-        self.cfg = cfg
-        self.clipped_bits = clipped_bits
+        self.cfg, self.clipped_bits, self.timeout = cfg, clipped_bits, timeout
         self.scale = weight_scale(cfg, max_weight)
         if clients * cfg.quantization_range >= SECAGG_MODULUS:
             raise ValueError(
                 f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
                 f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}"
             )
-        self.timeout = timeout
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
         run_id, offers = grid.run.run_id, []
