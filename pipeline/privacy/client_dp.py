@@ -121,8 +121,7 @@ class ClientLevelDP(Strategy):
                     for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)
                 }
             )
-        z = self.setting.update_noise_multiplier
-        if z == 0:
+        if (z := self.setting.update_noise_multiplier) == 0:
             return mean
         std = compute_stdv(z, norm, m)
         return ArrayRecord(

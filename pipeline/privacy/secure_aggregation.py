@@ -119,9 +119,8 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
         # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum as
         # bit x c / 2 instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
         weight = 1
-        bit = int(metrics.pop(CLIPPED_KEY))
         metrics.pop(KEY_NORM_BIT, None)
-        upload.append(np.array([bit * (float(sa["clipping_range"]) / 2)], dtype=np.float32))
+        upload.append(np.array([int(metrics.pop(CLIPPED_KEY)) * (float(sa["clipping_range"]) / 2)], dtype=np.float32))
     # What the quantiser will clip: a clipped coordinate breaks the error bound, so the server is told how many,
     # never which.
     ratio = weight / float(sa["max_weight"])
@@ -166,11 +165,9 @@ class _ObservedGrid(GridView):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        stage = {}
+        stage = {m.metadata.dst_node_id: str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]) for m in messages}
         for m in messages:
-            node = m.metadata.dst_node_id
-            stage[node] = str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE])
-            self.nodes.setdefault(node, NodeOutcome()).bytes_down += _wire_bytes(m.content)
+            self.nodes.setdefault(m.metadata.dst_node_id, NodeOutcome()).bytes_down += _wire_bytes(m.content)
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
         # A SuperLink answers for an offline node itself (from its own id): match replies to what they answer.
         by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
