@@ -121,7 +121,6 @@ def train_round(msg: Message, context: Context) -> Message:
 
     data = client_data(plan, name)
     mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
-    cache_settings = client_cache_config(msg, context)
     result = local_training.train_local(
         model,
         plan,
@@ -130,7 +129,7 @@ def train_round(msg: Message, context: Context) -> Message:
         rnd=rnd,
         proximal_reference=received if mu > 0 else None,
         proximal_mu=mu,
-        cache=prefix_cache_for(plan, model, cache_settings),
+        cache=prefix_cache_for(plan, model, client_cache_config(msg, context)),
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
     )
     new_local = model.adapter_state("local")
