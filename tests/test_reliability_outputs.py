@@ -39,7 +39,7 @@ ALLOWED = {
     ("training/checkpoints.py", "torch.save({**checkpoint_identity(plan)"),
     # process logs of a local deployment, appended to while the processes run (not a stage output)
     ("federation/processes.py", 'out: IO | int = subprocess.PIPE if capture else open(log, "ab")'),
-    ("federation/localhost.py", 'log = open(run.log, "a", encoding="utf-8")'),
+    ("federation/localhost.py", 'with open(run.log, "a", encoding="utf-8") as log:'),
 }
 
 

@@ -29,13 +29,11 @@ def identify_clients(
     refused: dict[int, str] = {}
     while True:
         node_ids = list(grid.get_node_ids())
-        new = [n for n in node_ids if n not in names and n not in refused]
-        if new:
+        if new := [n for n in node_ids if n not in names and n not in refused]:
             refused |= name_nodes(grid, plan_path, names, new, expected, timeout, sizes, admission=True)
         missing = [c for c in expected if c not in names.values()]
         if not missing:
-            empty = [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]
-            if empty:
+            if empty := [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]:
                 raise AdmissionError(
                     f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no score); refused"
                 )
@@ -107,7 +105,6 @@ def name_nodes(
 def connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:
     """The known clients connected now (a new node id, a restarted SuperNode, takes its client's place)."""
     current = set(grid.get_node_ids())
-    new = sorted(current - set(node_names))
-    if new:
+    if new := sorted(current - set(node_names)):
         name_nodes(grid, plan_path, node_names, new, sorted(set(node_names.values())), timeout)
     return {n: c for n, c in node_names.items() if n in current}

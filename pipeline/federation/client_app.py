@@ -57,16 +57,13 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     """Puts the client's local adapter and progress into context.state when it lacks them and a round checkpoint
     before ``rnd`` has them (a resumed run). The client's first message of a run that resumes nothing removes the
     gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
-    ckpt_dir = client_checkpoint_dir(plan, name, context)
+    ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
     if STARTED_KEY not in context.state:
         context.state[STARTED_KEY] = MetricRecord({"round": rnd})
-        if checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd) is None:
+        if ckpt is None:
             for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
                 stale.unlink()
-    if LOCAL_STATE_KEY in context.state:
-        return
-    ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
-    if ckpt is None:
+    if LOCAL_STATE_KEY in context.state or ckpt is None:
         return
     privacy.restore_dp_steps(context, ckpt.dp_steps)
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
@@ -124,7 +121,6 @@ def train_round(msg: Message, context: Context) -> Message:
 
     data = client_data(plan, name)
     mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
-    cache_settings = client_cache_config(msg, context)
     result = local_training.train_local(
         model,
         plan,
@@ -133,7 +129,7 @@ def train_round(msg: Message, context: Context) -> Message:
         rnd=rnd,
         proximal_reference=received if mu > 0 else None,
         proximal_mu=mu,
-        cache=prefix_cache_for(plan, model, cache_settings),
+        cache=prefix_cache_for(plan, model, client_cache_config(msg, context)),
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
     )
     new_local = model.adapter_state("local")

@@ -20,11 +20,10 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-tensor int8: (q int8, scale float32 scalar) with ``x ~= q * scale``; all zeros: scale 0."""
     x = x.detach().to(torch.float32)
     amax = x.abs().max() if x.numel() else torch.tensor(0.0)
-    scale = (amax / INT8_LEVELS).to(torch.float32)
+    scale = (amax / INT8_LEVELS).to(torch.float32).reshape(())
     if float(scale) == 0.0:
-        return torch.zeros_like(x, dtype=torch.int8), scale.reshape(())
-    q = torch.round(x / scale).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8)
-    return q, scale.reshape(())
+        return torch.zeros_like(x, dtype=torch.int8), scale
+    return torch.round(x / scale).clamp_(-INT8_LEVELS, INT8_LEVELS).to(torch.int8), scale
 
 
 def encode_state(

@@ -35,9 +35,7 @@ class InProcessGrid(Grid):
     :func:`_copy`); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
 
     def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], barrier: RoundBarrier | None = None):
-        self.client_app = client_app
-        self.barrier = barrier
-        self._run = Run.create_empty(1)
+        self.client_app, self.barrier, self._run = client_app, barrier, Run.create_empty(1)
         self.contexts = {
             node: Context(run_id=1, node_id=node, node_config=dict(config), state=RecordDict(), run_config={})
             for node, config in enumerate(node_configs, start=1000)
@@ -58,12 +56,10 @@ class InProcessGrid(Grid):
         return list(self.contexts)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids = []
-        for msg in messages:
+        for msg in (messages := list(messages)):
             msg.metadata.__dict__["_message_id"] = uuid.uuid4().hex
             self._pending[msg.metadata.message_id] = _copy(msg)
-            ids.append(msg.metadata.message_id)
-        return ids
+        return [msg.metadata.message_id for msg in messages]
 
     def deliver(self, msg: Message) -> Message:
         """The reply of ``msg``'s node (a copy)."""

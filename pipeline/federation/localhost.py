@@ -244,18 +244,17 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     def stream(self, run: Process) -> LocalhostRun:
         """Echo the run's output until it ends, the SuperLink dies or ``run_timeout_s`` passes."""
         lines: list[str] = []
-        log = open(run.log, "a", encoding="utf-8")  # noqa: SIM115 -- closed below
+        with open(run.log, "a", encoding="utf-8") as log:
 
-        def pump() -> None:
-            for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
-                lines.append(line)
-                for out in (log, sys.stdout):
-                    out.write(line)
-                    out.flush()
+            def pump() -> None:
+                for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
+                    lines.append(line)
+                    for out in (log, sys.stdout):
+                        out.write(line)
+                        out.flush()
 
-        (reader := threading.Thread(target=pump, daemon=True)).start()
-        deadline = time.monotonic() + self.cfg.run_timeout_s
-        try:
+            (reader := threading.Thread(target=pump, daemon=True)).start()
+            deadline = time.monotonic() + self.cfg.run_timeout_s
             while True:  # the SuperLink first: a run that ends because the SuperLink died must not pass for finished
                 if self.superlink is not None and not self.superlink.alive():
                     raise FederationError(
@@ -271,8 +270,6 @@ class LocalhostFederation(contextlib.AbstractContextManager):
                     )
                 time.sleep(0.2)
             reader.join(timeout=5)
-        finally:
-            log.close()
         return LocalhostRun(run.popen.returncode, self.home, "".join(lines))
 
     def failed(self, what: str) -> FederationError:

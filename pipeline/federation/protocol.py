@@ -62,8 +62,7 @@ def _setting(key: str, msg: Message | None, context: Context) -> Any:
 def client_cache_config(msg: Message | None, context: Context) -> CacheConfig:
     """A key none of the configs sets is an error (a client never runs on defaults it was not given)."""
     values = {name: _setting(key, msg, context) for key, name in CLIENT_SETTING_KEYS.items()}
-    missing = [key for key, name in CLIENT_SETTING_KEYS.items() if values[name] is None]
-    if missing:
+    if missing := [key for key, name in CLIENT_SETTING_KEYS.items() if values[name] is None]:
         raise ValueError(
             f"client settings: {missing} set neither in the node config (--node-config "
             f'"{missing[0]}=..."), the run config nor the message'
@@ -89,8 +88,7 @@ def _plan_cached(path: str, mtime: float) -> Plan:
 
 def plan_path_of(msg: Message | None, context: Context) -> str:
     """The plan file a node runs: node config ``plan``, run config ``plan``, or the message's config."""
-    plan = _setting("plan", msg, context)
-    if plan is None:
+    if (plan := _setting("plan", msg, context)) is None:
         raise ValueError("no plan: set node_config 'plan', run_config 'plan', or send it in the message config")
     return str(plan)
 

@@ -121,8 +121,7 @@ class ClientLevelDP(Strategy):
                     for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)
                 }
             )
-        z = self.setting.update_noise_multiplier
-        if z == 0:
+        if (z := self.setting.update_noise_multiplier) == 0:
             return mean
         std = compute_stdv(z, norm, m)
         return ArrayRecord(
@@ -169,18 +168,15 @@ class ClientLevelDP(Strategy):
     ) -> None:
         rnd = max(int(row["round"]) for row in rows.values())
         eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
+        this_round = {
+            "clipping_norm": float(clipping_norm),
+            "epsilon": None if eps == float("inf") else eps,
+            "delta": self.setting.delta,
+            "noise_multiplier": self.setting.noise_multiplier,
+            "sample_rate": self.setting.sample_rate,
+        }
         for name, (bit, norm) in clipped.items():
-            rows[name].update(
-                {
-                    "update_clipped": bit,
-                    "update_norm": None if norm is None else float(norm),
-                    "clipping_norm": float(clipping_norm),
-                    "epsilon": None if eps == float("inf") else eps,
-                    "delta": self.setting.delta,
-                    "noise_multiplier": self.setting.noise_multiplier,
-                    "sample_rate": self.setting.sample_rate,
-                }
-            )
+            rows[name].update(update_clipped=bit, update_norm=None if norm is None else float(norm), **this_round)
 
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:

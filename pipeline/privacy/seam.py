@@ -191,8 +191,7 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
     updates in ``clients.<c>.privacy`` (not under SecAgg+: the server knows only each round's count)."""
     cfg, released = plan.privacy, [r for r in history if "update_clipped" in r]
     for name, c in clients.items():
-        own = [r["update_clipped"] for r in released if r["client"] == name]
-        if own:
+        if own := [r["update_clipped"] for r in released if r["client"] == name]:
             c["privacy"] = {"updates_aggregated": len(own)} | (
                 {} if cfg.secure_aggregation else {"clipped_fraction": sum(own) / len(own)}
             )

@@ -119,9 +119,8 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
         # client-level DP (client_dp_mod clipped the update): weight 1, and the clipped bit goes into the sum as
         # bit x c / 2 instead of the clear metrics (Flower's adaptive mod's norm bit is the same bit)
         weight = 1
-        bit = int(metrics.pop(CLIPPED_KEY))
         metrics.pop(KEY_NORM_BIT, None)
-        upload.append(np.array([bit * (float(sa["clipping_range"]) / 2)], dtype=np.float32))
+        upload.append(np.array([int(metrics.pop(CLIPPED_KEY)) * (float(sa["clipping_range"]) / 2)], dtype=np.float32))
     # What the quantiser will clip: a clipped coordinate breaks the error bound, so the server is told how many,
     # never which.
     ratio = weight / float(sa["max_weight"])
@@ -166,11 +165,9 @@ class _ObservedGrid(GridView):
 
     def send_and_receive(self, messages, *, timeout=None):
         messages = list(messages)
-        stage = {}
+        stage = {m.metadata.dst_node_id: str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE]) for m in messages}
         for m in messages:
-            node = m.metadata.dst_node_id
-            stage[node] = str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE])
-            self.nodes.setdefault(node, NodeOutcome()).bytes_down += _wire_bytes(m.content)
+            self.nodes.setdefault(m.metadata.dst_node_id, NodeOutcome()).bytes_down += _wire_bytes(m.content)
         replies = list(self._grid.send_and_receive(messages, timeout=timeout))
         # A SuperLink answers for an offline node itself (from its own id): match replies to what they answer.
         by_id = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
@@ -228,15 +225,13 @@ class SecureAggregator:
     (1 under client-level DP, where every upload ends with its clipped bit: ``clipped_bits``)."""
 
     def __init__(self, cfg: SecAggConfig, max_weight: int, clients: int, timeout: float, clipped_bits: bool = False):
-        self.cfg = cfg
-        self.clipped_bits = clipped_bits
+        self.cfg, self.clipped_bits, self.timeout = cfg, clipped_bits, timeout
         self.scale = weight_scale(cfg, max_weight)
         if clients * cfg.quantization_range >= SECAGG_MODULUS:
             raise ValueError(
                 f"privacy.secagg.quantization_range {cfg.quantization_range} x {clients} clients "
                 f">= 2**32: the masked sum would wrap around; lower it below {SECAGG_MODULUS // clients}"
             )
-        self.timeout = timeout
 
     def train_round(self, grid: Grid, messages: list[Message], rnd: int) -> SecureRound:
         run_id, offers = grid.run.run_id, []
