@@ -57,13 +57,15 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     """Puts the client's local adapter and progress into context.state when it lacks them and a round checkpoint
     before ``rnd`` has them (a resumed run). The client's first message of a run that resumes nothing removes the
     gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
-    ckpt = checkpoints.latest_client_checkpoint(client_checkpoint_dir(plan, name, context), before=rnd)
+    ckpt_dir = client_checkpoint_dir(plan, name, context)
     if STARTED_KEY not in context.state:
         context.state[STARTED_KEY] = MetricRecord({"round": rnd})
-        if ckpt is None:
+        if checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd) is None:
             for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
                 stale.unlink()
-    if LOCAL_STATE_KEY in context.state or ckpt is None:
+    if LOCAL_STATE_KEY in context.state:  # every message after the first: no checkpoint folder read
+        return
+    if (ckpt := checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)) is None:
         return
     privacy.restore_dp_steps(context, ckpt.dp_steps)
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
