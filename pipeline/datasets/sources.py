@@ -94,8 +94,7 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
             spec.download(base, target, _fetch, atomic.write_bytes)
             return
         for rel in tqdm(spec.files(), desc=f"download {dataset}", unit="file"):
-            if (target / rel).is_file():
-                continue  # resume an interrupted download
-            atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
+            if not (target / rel).is_file():  # else: resume an interrupted download
+                atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc
