@@ -130,10 +130,9 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
     im = ax_js.imshow(m, vmin=0, vmax=1, cmap="viridis")
     ax_js.set_xticks(range(len(names)), names, rotation=30)
     ax_js.set_yticks(range(len(names)), names)
-    for a in range(len(names)):
-        for b in range(len(names)):
-            if not np.isnan(m[a, b]):
-                ax_js.text(b, a, f"{m[a, b]:.2f}", ha="center", va="center", color="w" if m[a, b] < 0.5 else "k")
+    for (a, b), v in np.ndenumerate(m):
+        if not np.isnan(v):
+            ax_js.text(b, a, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.5 else "k")
     ax_js.set_title(f"Jensen-Shannon distance ({stats['label']}, base 2)")
     fig.colorbar(im, ax=ax_js)
     fig.suptitle(f"partition {stats['scheme']}, seed {stats['seed']}")
