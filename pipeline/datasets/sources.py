@@ -62,9 +62,8 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
             )
         return mirror
     raw = Path(cfg.raw_dir) / dataset
-    if raw.is_dir() and all((raw / rel).is_file() for rel in files):
-        return raw
-    download(dataset, cfg, raw)
+    if not (raw.is_dir() and all((raw / rel).is_file() for rel in files)):
+        download(dataset, cfg, raw)
     return raw
 
 
