@@ -175,8 +175,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                 )
             )
     examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
-    dup = examples.example_id[examples.example_id.duplicated()]
-    if len(dup):
+    if len(dup := examples.example_id[examples.example_id.duplicated()]):
         raise DataError(f"duplicate example ids, e.g. {dup.iloc[0]!r} ({len(dup)} duplicates)")
     return examples, link_report
 
