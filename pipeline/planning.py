@@ -2,8 +2,7 @@
 methods, partition schemes and train keys, and resolved into its plan, checked against the registries (strategies,
 KD gates, privacy's refusals) before the first plan file is written. A plan holds exactly what its experiment's result
 depends on (pipeline.experiments.plans reads it back; docs/ARCHITECTURE.md, "Experiments, plans and run-time
-settings").
-"""
+settings")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Parameters shared by every stage: :func:`load_params`, and :func:`from_dict` into a :func:`config` class (a strict
-pydantic dataclass whose annotations, ``Literal`` choices and ``Field`` bounds are its checks; docs/backbone.md).
-"""
+pydantic dataclass whose annotations, ``Literal`` choices and ``Field`` bounds are its checks; docs/backbone.md)."""
 
 from __future__ import annotations
 

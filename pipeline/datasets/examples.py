@@ -4,8 +4,7 @@ paper's Table II.
 Input text (METHOD.md section 2): ``query #SEP# transcript`` for QMSum, the dialogue for SAMSum (optionally
 ``query #SEP# dialogue``), the whole meeting for AMI and ICSI. The transcript is the turns rendered
 ``Speaker: content`` and joined with "\\n": a newline keeps turn boundaries visible to the model (BART's
-byte-level BPE has a token for it) and costs one token per turn, like a space would.
-"""
+byte-level BPE has a token for it) and costs one token per turn, like a space would."""
 
 from __future__ import annotations
 

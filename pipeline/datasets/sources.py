@@ -1,7 +1,6 @@
 """Where each dataset's upstream files are (its reader module's registration says which), the first that works
 (docs/data.md): a copy laid out like ../shared/data (``$FEDMEET_DATA_ROOT`` or ``ingest.data_root``), the files
-already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``ingest.urls.<dataset>`` downloaded there.
-"""
+already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``ingest.urls.<dataset>`` downloaded there."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What the experiments are: the entries of params `experiments`, each checked, and their display labels
-(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings").
-"""
+(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings")."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ never trained) and ``local`` (the client's summarizer, the only trainable parame
 (METHOD.md s. 3; docs/ARCHITECTURE.md, Model). Everything below the first adapted layer does not depend on the path,
 so :meth:`forward_two_paths` computes that :class:`Prefix` once (cacheable: pipeline.modeling.cache) and runs only the
 top k layers and the LM head per path. Adapters are forward hooks, so every HF code path (``generate`` included) sees
-the active path's. The backbone always runs in eval mode: a deterministic prefix is what makes the cache exact.
-"""
+the active path's. The backbone always runs in eval mode: a deterministic prefix is what makes the cache exact."""
 
 from __future__ import annotations
 

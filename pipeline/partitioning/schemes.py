@@ -1,6 +1,5 @@
 """How examples are divided among federated clients (METHOD.md sections 7 and 10): every scheme maps (examples, its
-config, a seeded numpy Generator) to a complete :class:`Partition` (each example assigned or excluded with a reason).
-"""
+config, a seeded numpy Generator) to a complete :class:`Partition` (each example assigned or excluded with a reason)."""
 
 from __future__ import annotations
 
