@@ -79,7 +79,6 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
     label_of = part.labels if label_kind == "cluster" else domain_of
     labels = sorted({label_of[i] for i in part.assigned()})
     clients: dict[str, Any] = {}
-    dists = []
     for name, c in part.clients.items():
         train_labels = Counter(label_of[i] for i in c["train"])
         clients[name] = {
@@ -88,8 +87,7 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
             "label_counts": {s: dict(sorted(Counter(label_of[i] for i in c[s]).items())) for s in SPLITS},
             "domain_counts": {s: dict(sorted(Counter(domain_of[i] for i in c[s]).items())) for s in SPLITS},
         }
-        dists.append(np.array([train_labels.get(lab, 0) for lab in labels], dtype=float))
-    matrix = js_matrix(dists)
+    matrix = js_matrix([np.array(list(c["train_label_counts"].values()), dtype=float) for c in clients.values()])
     off = [v for a, row in enumerate(matrix) for b, v in enumerate(row) if a < b and v is not None]
     return {
         "scheme": scheme,
