@@ -171,8 +171,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
         )
     part = _empty(names, dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
-        cuts = np.cumsum(counts[split])[:-1]
-        for name, chunk in zip(names, np.split(rng.permutation(ids), cuts)):
+        for name, chunk in zip(names, np.split(rng.permutation(ids), np.cumsum(counts[split])[:-1])):
             part.clients[name][split] = chunk.tolist()
     return part
 
