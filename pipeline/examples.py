@@ -2,8 +2,7 @@
 
     python -m pipeline.examples      # -> data/processed/examples.parquet, reports/data/stats.{json,md}
 
-How the model inputs are made: pipeline.datasets.examples.
-"""
+How the model inputs are made: pipeline.datasets.examples."""
 
 from __future__ import annotations
 

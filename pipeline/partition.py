@@ -4,8 +4,7 @@
       -> data/partitions/iid/seed0.json, reports/partitions/iid-seed0.{json,png}
 
 Schemes are in pipeline/partitioning/schemes.py. Every partition passes the leakage guard (no test meeting in
-any train/valid set) and is checked to be disjoint and complete before it is written.
-"""
+any train/valid set) and is checked to be disjoint and complete before it is written."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Where every stage reads and writes: the path table of docs/ARCHITECTURE.md as code, relative to one root (the
-project root, from which DVC runs every stage; tests point a :class:`ProjectPaths` at a temporary directory).
-"""
+project root, from which DVC runs every stage; tests point a :class:`ProjectPaths` at a temporary directory)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 methods, partition schemes and train keys, and resolved into its plan, checked against the registries (strategies,
 KD gates, privacy's refusals) before the first plan file is written. A plan holds exactly what its experiment's result
 depends on (pipeline.experiments.plans reads it back; docs/ARCHITECTURE.md, "Experiments, plans and run-time
-settings").
-"""
+settings")."""
 
 from __future__ import annotations
 
@@ -87,25 +86,20 @@ _FEDERATED_KEYS = ("local_adapter", "fraction_train", "weight_by", "transfer_dty
 def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
     out = dataclasses.asdict(train)
     strategy_params = out.pop("strategy_params")
-    drop: set[str] = {"kd_gate"} if train.kd_gate == "entropy" else set()  # the paper's gate: plans as before
-    if method.kd_mode == "ce":
-        drop.update(_KD_KEYS)
-    if method.kd_mode != "selective":
-        drop.update(("entropy_log_base", "tau_scale", "kd_gate"))
-    if method.new_client is None:
-        drop.add("new_client")
-    if method.new_client != "post":
-        drop.add("join")
-    if not train.stop.enabled:
-        drop.add("stop")  # a fixed number of rounds: plans as before train.stop existed
-    if not method.federated:
-        drop.update(_FEDERATED_KEYS)
-    if method.local_from_global:
-        drop.add("local_adapter")  # the server average overwrites the adapter whatever this says
-    if train.transfer_dtype == "fp32":
-        drop.add("transfer_delta")  # fp32 sends the weights themselves, exactly
-    if train.max_train_examples_per_client is None:
-        drop.add("weight_by")  # no cap: the trained count is the full train size
+    rules = (  # (whether it applies, the keys it leaves out)
+        (train.kd_gate == "entropy", ("kd_gate",)),  # the paper's gate: plans as before
+        (method.kd_mode == "ce", _KD_KEYS),
+        (method.kd_mode != "selective", ("entropy_log_base", "tau_scale", "kd_gate")),
+        (method.new_client is None, ("new_client",)),
+        (method.new_client != "post", ("join",)),
+        (not train.stop.enabled, ("stop",)),  # a fixed number of rounds: plans as before train.stop existed
+        (not method.federated, _FEDERATED_KEYS),
+        (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
+        (train.transfer_dtype == "fp32", ("transfer_delta",)),  # fp32 sends the weights themselves, exactly
+        # no cap: the trained count is the full train size
+        (train.max_train_examples_per_client is None, ("weight_by",)),
+    )
+    drop = {key for applies, keys in rules if applies for key in keys}
     if method.strategy is not None:  # the settings of this method's strategy only (its own params keys)
         out.update(get_strategy(method.strategy).plan_entries(strategy_params))
     return {k: v for k, v in out.items() if k not in drop}

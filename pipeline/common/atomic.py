@@ -3,8 +3,7 @@ run's ``.<name>.<pid>.<hex>.tmp`` is never read and the next write of that outpu
 
 Fault injection for the reliability tests (never set in normal runs): ``FEDMEET_FAULT_KILL_WRITE=<glob>[@<n>]``
 makes the process SIGKILL itself in the middle of its n-th (default first) atomic write whose file name matches
-``<glob>``: the temporary file is cut to half its size first, as a kill during ``write()`` would leave it.
-"""
+``<glob>``: the temporary file is cut to half its size first, as a kill during ``write()`` would leave it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Parameters shared by every stage: :func:`load_params`, and :func:`from_dict` into a :func:`config` class (a strict
-pydantic dataclass whose annotations, ``Literal`` choices and ``Field`` bounds are its checks; docs/backbone.md).
-"""
+pydantic dataclass whose annotations, ``Literal`` choices and ``Field`` bounds are its checks; docs/backbone.md)."""
 
 from __future__ import annotations
 
@@ -67,11 +66,9 @@ def repo_root() -> Path:
     if env := os.environ.get("FEDMEET_ROOT") or os.environ.get("DVC_ROOT"):
         root = Path(env).resolve()
     else:
-        try:
-            out = subprocess.run(
-                ["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True
-            ).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
+        try:  # outside a git checkout git fails and prints nothing on stdout
+            out = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True).stdout.strip()
+        except OSError:  # no git
             out = ""
         root = Path(out) if out else Path.cwd().resolve()
     parts = root.parts
@@ -87,8 +84,7 @@ def load_params(path: str | os.PathLike) -> dict[str, Any]:
     if not p.exists():
         raise ConfigError(f"{p}: parameter file not found (run from the project root)")
     try:
-        with p.open(encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):

@@ -30,9 +30,8 @@ def sha256_dir(path: Path, exclude: tuple[str, ...] = (RECORD_NAME,)) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
         rel = f.relative_to(path).as_posix()
-        if rel in exclude or rel.startswith(".") or "/." in rel:
-            continue
-        h.update(rel.encode() + b"\0" + file_hash(f).encode() + b"\n")
+        if not (rel in exclude or rel.startswith(".") or "/." in rel):  # the record and hidden files left out
+            h.update(rel.encode() + b"\0" + file_hash(f).encode() + b"\n")
     return h.hexdigest()
 
 

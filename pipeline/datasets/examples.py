@@ -4,8 +4,7 @@ paper's Table II.
 Input text (METHOD.md section 2): ``query #SEP# transcript`` for QMSum, the dialogue for SAMSum (optionally
 ``query #SEP# dialogue``), the whole meeting for AMI and ICSI. The transcript is the turns rendered
 ``Speaker: content`` and joined with "\\n": a newline keeps turn boundaries visible to the model (BART's
-byte-level BPE has a token for it) and costs one token per turn, like a space would.
-"""
+byte-level BPE has a token for it) and costs one token per turn, like a space would."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def link_meetings(
     for cid, sh in corpus_sets.items():
         for s in sh:
             index[s].append(cid)
-    links: dict[str, str] = {}
-    owner: dict[str, str] = {}
+    owner: dict[str, str] = {}  # corpus meeting -> the query meeting linked to it
     scores, unmatched, runner_up = [], [], 0.0
     for qid, contents in queries.items():
         q = shingles(contents)
@@ -98,9 +96,8 @@ def link_meetings(
                 "the QMSum and HMNet transcripts do not correspond one-to-one"
             )
         owner[cid] = qid
-        links[qid] = cid
         scores.append(round(score, 4))
-    return links, {
+    return {qid: cid for cid, qid in owner.items()}, {
         "unmatched": unmatched,
         "min_score": min(scores, default=None),
         "max_runner_up_score": round(runner_up, 4),
@@ -177,8 +174,7 @@ def build_examples(interim: dict[str, pd.DataFrame], cfg: ExamplesConfig) -> tup
                 )
             )
     examples = pd.DataFrame(rows, columns=EXAMPLE_COLUMNS)
-    dup = examples.example_id[examples.example_id.duplicated()]
-    if len(dup):
+    if len(dup := examples.example_id[examples.example_id.duplicated()]):
         raise DataError(f"duplicate example ids, e.g. {dup.iloc[0]!r} ({len(dup)} duplicates)")
     return examples, link_report
 
@@ -210,12 +206,10 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
     ]
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
-            ours = stats.get("qmsum", {}).get(domain, {}).get(split)
-            paper = PAPER_TABLE_II[domain][split]
-            if ours is None:
-                continue
-            cells = [f"{ours['n']} / {paper['n']}"] + [f"{ours[k]:.2f} / {paper[k]:.2f}" for k in STAT_KEYS]
-            out.append(f"| {domain} | {split} | " + " | ".join(cells) + " |")
+            if ours := stats.get("qmsum", {}).get(domain, {}).get(split):
+                paper = PAPER_TABLE_II[domain][split]
+                cells = [f"{ours['n']} / {paper['n']}"] + [f"{ours[k]:.2f} / {paper[k]:.2f}" for k in STAT_KEYS]
+                out.append(f"| {domain} | {split} | " + " | ".join(cells) + " |")
     out += [
         "",
         "Other corpora (ours; paper size where published):",
@@ -223,9 +217,7 @@ def stats_markdown(stats: dict[str, Any], skipped: dict[str, dict[str, int]], li
         "| dataset | split | n | paper n | avg turns | avg speakers | avg words spoken | avg summary words |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for dataset, by_domain in stats.items():
-        if dataset == "qmsum":
-            continue
+    for by_domain in (stats[dataset] for dataset in stats if dataset != "qmsum"):
         for domain, by_split in by_domain.items():
             for split, s in by_split.items():
                 cells = [s["n"], PAPER_SIZES.get(domain, {}).get(split, "")] + [f"{s[k]:.2f}" for k in STAT_KEYS]

@@ -1,7 +1,6 @@
 """Where each dataset's upstream files are (its reader module's registration says which), the first that works
 (docs/data.md): a copy laid out like ../shared/data (``$FEDMEET_DATA_ROOT`` or ``ingest.data_root``), the files
-already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``ingest.urls.<dataset>`` downloaded there.
-"""
+already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``ingest.urls.<dataset>`` downloaded there."""
 
 from __future__ import annotations
 
@@ -62,9 +61,8 @@ def resolve_source(dataset: str, cfg: IngestConfig) -> Path:
             )
         return mirror
     raw = Path(cfg.raw_dir) / dataset
-    if raw.is_dir() and all((raw / rel).is_file() for rel in files):
-        return raw
-    download(dataset, cfg, raw)
+    if not (raw.is_dir() and all((raw / rel).is_file() for rel in files)):
+        download(dataset, cfg, raw)
     return raw
 
 
@@ -94,8 +92,7 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
             spec.download(base, target, _fetch, atomic.write_bytes)
             return
         for rel in tqdm(spec.files(), desc=f"download {dataset}", unit="file"):
-            if (target / rel).is_file():
-                continue  # resume an interrupted download
-            atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
+            if not (target / rel).is_file():  # else: resume an interrupted download
+                atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
     except (urllib.error.URLError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc

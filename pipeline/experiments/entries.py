@@ -1,6 +1,5 @@
 """What the experiments are: the entries of params `experiments`, each checked, and their display labels
-(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings").
-"""
+(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings")."""
 
 from __future__ import annotations
 
@@ -94,11 +93,9 @@ def privacy_label(privacy: PrivacyConfig) -> str:
 def with_labels(experiments: list[Experiment]) -> dict[str, str]:
     """A display label per experiment: the method, plus whatever else varies within its study (tau, overrides,
     partition scheme), so one study's configurations are told apart without hard-coding study layouts."""
-    by_study: dict[str, list[Experiment]] = {}
-    for e in experiments:
-        by_study.setdefault(e.study, []).append(e)
     labels = {}
-    for members in by_study.values():
+    for study in dict.fromkeys(e.study for e in experiments):
+        members = [e for e in experiments if e.study == study]
         varying = [attr for attr in ("scheme", "tau", "variant", "dp") if len({getattr(e, attr) for e in members}) > 1]
         for e in members:
             values = [(attr, getattr(e, attr)) for attr in varying]

@@ -20,8 +20,7 @@ class ModelConfig:
     @classmethod
     def from_group(cls, group: dict | None, where: str = "model") -> ModelConfig:
         """From the `model` params group, leaving out its cache keys (pipeline.experiments checks those)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return from_dict(cls, {k: v for k, v in (group or {}).items() if k in names}, where)
+        return from_dict(cls, {k: v for k, v in (group or {}).items() if k in MODEL_RESULT_KEYS}, where)
 
 
 MODEL_RESULT_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig))

@@ -1,6 +1,5 @@
 """Run-time settings (:class:`RunSettings`): how a run executes, never what it computes, so they stay out of plans
-(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings").
-"""
+(docs/ARCHITECTURE.md, "Experiments, plans and run-time settings")."""
 
 from __future__ import annotations
 

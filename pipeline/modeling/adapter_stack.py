@@ -2,8 +2,7 @@
 "Training and federation"): the rows are R contiguous blocks of equal size, block r seen by run r's adapters, so
 the backbone's frozen layers run once over all R runs' rows. HF ``generate`` keeps that layout (its beam expansion
 repeats each row in place). Each stacked tensor is a leaf: one optimizer over them is each run's own optimizer
-applied elementwise (AdamW has no cross-element term), when the runs share its settings.
-"""
+applied elementwise (AdamW has no cross-element term), when the runs share its settings."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Houlsby bottleneck adapters on the top decoder layers (METHOD.md section 3; W_down: n x m, W_up: m x n), and
 their files. Where Y is read: docs/ARCHITECTURE.md, Model (on post-LN layers the adapter's LayerNorm replaces the
 layer's, as in Houlsby et al. 2019, because a second LayerNorm on top cannot be the identity: measured on MiniLM,
-17-118 % relative change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once.
-"""
+17-118 % relative change). W_down ~ N(0, init_std^2), so W_up (zero at round 0) gets a gradient at once."""
 
 from __future__ import annotations
 

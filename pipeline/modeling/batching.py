@@ -4,8 +4,7 @@ Targets: ``labels`` are the target's token ids with the tokenizer's special toke
 ``... [SEP]``); a leading token equal to the decoder start token is dropped (BERT2BERT starts decoding from
 ``[CLS]``, so predicting ``[CLS]`` would be a wasted first step). ``decoder_input_ids`` = labels shifted right
 with the model's ``decoder_start_token_id``. Labels are padded on the right with -100 (ignored by every loss);
-padded decoder inputs hold the pad id. Padding is per batch (to the longest member).
-"""
+padded decoder inputs hold the pad id. Padding is per batch (to the longest member)."""
 
 from __future__ import annotations
 

@@ -11,8 +11,7 @@ root (:func:`resolve_root`), so DVC's temporary experiment copies share one cach
 not exact. Once read (or computed), an entry stays resident on the model's device for the cache object's life
 (pipeline.training.shared_model keeps one per process), so later rounds neither read, hash nor touch it again (its
 recency is kept in memory: eviction by this process weighs it); an entry evicted from disk leaves memory too, so
-the resident entries never exceed the disk budget.
-"""
+the resident entries never exceed the disk budget."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ asks how confident the teacher itself is). With the default T = 1 all three coin
 
 Cost: the vocabulary dominates, so the loss runs on packed [N, V] rows of real tokens, chunk by chunk, one exp pass
 per distribution and chunk, with the student gradient in closed form in the same pass (``_FusedDistillation``;
-checked against autograd in tests/test_losses.py). The gate is decided before the kernel, which takes it as a mask.
-"""
+checked against autograd in tests/test_losses.py). The gate is decided before the kernel, which takes it as a mask."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ never trained) and ``local`` (the client's summarizer, the only trainable parame
 (METHOD.md s. 3; docs/ARCHITECTURE.md, Model). Everything below the first adapted layer does not depend on the path,
 so :meth:`forward_two_paths` computes that :class:`Prefix` once (cacheable: pipeline.modeling.cache) and runs only the
 top k layers and the LM head per path. Adapters are forward hooks, so every HF code path (``generate`` included) sees
-the active path's. The backbone always runs in eval mode: a deterministic prefix is what makes the cache exact.
-"""
+the active path's. The backbone always runs in eval mode: a deterministic prefix is what makes the cache exact."""
 
 from __future__ import annotations
 
@@ -80,13 +79,11 @@ class AdapterSummarizer(nn.Module):
 
         # Views into the backbone, kept out of nn.Module registration (via __dict__) so that the backbone's
         # modules are not registered twice under other names.
-        if self.is_bert2bert:
-            self.__dict__["_head_owner"] = backbone.decoder  # e.g. BertLMHeadModel
-            self.__dict__["_stack"] = backbone.decoder.base_model  # e.g. BertModel (is_decoder=True)
+        if self.is_bert2bert:  # e.g. a BertLMHeadModel and its BertModel (is_decoder=True)
+            self.__dict__.update(_head_owner=backbone.decoder, _stack=backbone.decoder.base_model)
             layers = self._stack.encoder.layer
         else:
-            self.__dict__["_head_owner"] = backbone
-            self.__dict__["_stack"] = backbone.get_decoder()
+            self.__dict__.update(_head_owner=backbone, _stack=backbone.get_decoder())
             layers = getattr(self._stack, "layers", None)
         if not isinstance(layers, nn.ModuleList):
             raise ValueError(f"{type(backbone).__name__}: cannot find the decoder layers (unsupported architecture)")
@@ -177,9 +174,7 @@ class AdapterSummarizer(nn.Module):
             adapter = active[i]
             if on_input:  # Y = Z, the input of the layer's output LayerNorm
                 return adapter(args[0])
-            if isinstance(output, tuple):
-                return (adapter(output[0]),) + tuple(output[1:])
-            return adapter(output)
+            return (adapter(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else adapter(output)
 
         return hook
 

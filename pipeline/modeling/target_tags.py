@@ -8,8 +8,7 @@ text, whatever the tokenizer ("lcd." and "isn't" are one word each); special tok
 whitespace (BPE ``Ċ``) belong to no word (``None``). AUX is not a default noun-verb tag: universal AUX is a closed
 class of function words, like the determiners and pronouns the paper contrasts nouns and verbs with. Output:
 ``data/processed/postags.parquet``, one row per label position (``POSTAG_COLUMNS``; the word columns are null for
-special and whitespace-only tokens).
-"""
+special and whitespace-only tokens)."""
 
 from __future__ import annotations
 

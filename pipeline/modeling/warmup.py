@@ -131,10 +131,9 @@ def param_groups(model, wc: WarmupConfig) -> list[dict[str, Any]]:
     biases and LayerNorm weights."""
     groups: dict[tuple[bool, bool], list] = {}
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        new = "crossattention" in name or ".cls.predictions.transform" in name
-        groups.setdefault((new, p.ndim < 2), []).append(p)
+        if p.requires_grad:
+            new = "crossattention" in name or ".cls.predictions.transform" in name
+            groups.setdefault((new, p.ndim < 2), []).append(p)
     return [
         {
             "params": ps,

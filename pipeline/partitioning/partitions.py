@@ -79,7 +79,6 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
     label_of = part.labels if label_kind == "cluster" else domain_of
     labels = sorted({label_of[i] for i in part.assigned()})
     clients: dict[str, Any] = {}
-    dists = []
     for name, c in part.clients.items():
         train_labels = Counter(label_of[i] for i in c["train"])
         clients[name] = {
@@ -88,8 +87,7 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
             "label_counts": {s: dict(sorted(Counter(label_of[i] for i in c[s]).items())) for s in SPLITS},
             "domain_counts": {s: dict(sorted(Counter(domain_of[i] for i in c[s]).items())) for s in SPLITS},
         }
-        dists.append(np.array([train_labels.get(lab, 0) for lab in labels], dtype=float))
-    matrix = js_matrix(dists)
+    matrix = js_matrix([np.array(list(c["train_label_counts"].values()), dtype=float) for c in clients.values()])
     off = [v for a, row in enumerate(matrix) for b, v in enumerate(row) if a < b and v is not None]
     return {
         "scheme": scheme,
@@ -130,10 +128,9 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
     im = ax_js.imshow(m, vmin=0, vmax=1, cmap="viridis")
     ax_js.set_xticks(range(len(names)), names, rotation=30)
     ax_js.set_yticks(range(len(names)), names)
-    for a in range(len(names)):
-        for b in range(len(names)):
-            if not np.isnan(m[a, b]):
-                ax_js.text(b, a, f"{m[a, b]:.2f}", ha="center", va="center", color="w" if m[a, b] < 0.5 else "k")
+    for (a, b), v in np.ndenumerate(m):
+        if not np.isnan(v):
+            ax_js.text(b, a, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.5 else "k")
     ax_js.set_title(f"Jensen-Shannon distance ({stats['label']}, base 2)")
     fig.colorbar(im, ax=ax_js)
     fig.suptitle(f"partition {stats['scheme']}, seed {stats['seed']}")

@@ -1,6 +1,5 @@
 """How examples are divided among federated clients (METHOD.md sections 7 and 10): every scheme maps (examples, its
-config, a seeded numpy Generator) to a complete :class:`Partition` (each example assigned or excluded with a reason).
-"""
+config, a seeded numpy Generator) to a complete :class:`Partition` (each example assigned or excluded with a reason)."""
 
 from __future__ import annotations
 
@@ -172,8 +171,7 @@ def scheme_quantity(examples: pd.DataFrame, cfg: PartitionConfig, rng: np.random
         )
     part = _empty(names, dict(zip(pool.example_id, pool.domain)))
     for split, ids in split_ids.items():
-        cuts = np.cumsum(counts[split])[:-1]
-        for name, chunk in zip(names, np.split(rng.permutation(ids), cuts)):
+        for name, chunk in zip(names, np.split(rng.permutation(ids), np.cumsum(counts[split])[:-1])):
             part.clients[name][split] = chunk.tolist()
     return part
 

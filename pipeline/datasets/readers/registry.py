@@ -1,6 +1,5 @@
 """The dataset registry: per dataset, what its reader module (pipeline/datasets/readers/<layout>.py) declares about
-its upstream layout (docs/ARCHITECTURE.md, "Where a common change goes": a dataset).
-"""
+its upstream layout (docs/ARCHITECTURE.md, "Where a common change goes": a dataset)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,6 @@ MODE_GATES = {"kd": "every_token", "hard": "token_mask"}
 
 
 def gate_of(cfg) -> Gate | None:
-    """The gate of a loss configuration (KDConfig), or None for mode ce (no KD)."""
-    if cfg.mode == "ce":
-        return None
-    return GATES[MODE_GATES.get(cfg.mode, cfg.kd_gate)]  # kd_gate is one of GATES (KDConfig's GateName)
+    """The gate of a loss configuration (KDConfig), or None for mode ce (no KD); kd_gate is one of GATES (KDConfig's
+    GateName)."""
+    return None if cfg.mode == "ce" else GATES[MODE_GATES.get(cfg.mode, cfg.kd_gate)]

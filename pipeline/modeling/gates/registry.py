@@ -2,8 +2,7 @@
 kernel (pipeline.modeling.losses). A gate module (gates/<name>.py) registers ``gate(rows, cfg) -> (mask [N] bool,
 threshold)`` with :func:`register_gate` (``cfg``: KDConfig; threshold NaN when it has none), and the settings class
 of its threshold when tau means something else than the entropy gate's (a ``@config`` class with field ``tau``: its
-bounds are checked wherever a KDConfig is built, so at planning time); ``catalog`` imports it.
-"""
+bounds are checked wherever a KDConfig is built, so at planning time); ``catalog`` imports it."""
 
 from __future__ import annotations
 
