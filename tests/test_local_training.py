@@ -293,6 +293,16 @@ def test_the_proximal_term_is_half_mu_times_the_squared_distance_to_the_global(w
     names(err.value, "proximal_mu", "proximal_reference")
 
 
+def test_the_proximal_term_refuses_a_reference_that_does_not_match_the_parameters():
+    """The adapter's parameters and its state's tensors are paired by position: one left over is an error, not a
+    term silently computed over the shorter list."""
+    from pipeline.training.local_batch import proximal_term
+
+    with pytest.raises(ValueError):
+        proximal_term([torch.ones(2), torch.ones(3)], [torch.zeros(2)], 1.0)
+    assert float(proximal_term([torch.ones(2)], [torch.zeros(2)], 1.0)) == pytest.approx(1.0)
+
+
 def test_the_proximal_gradient_pulls_towards_the_global(ws):
     """With a reference far from the adapter the proximal gradient mu (W - W_g) dominates: the first (sign) step
     moves every LayerNorm gain towards the reference."""

@@ -149,7 +149,7 @@ class Proximal:
     def add_gradient(self) -> None:
         with torch.no_grad():
             self.term()
-            for p, r in zip(self.params, self.reference):
+            for p, r in zip(self.params, self.reference, strict=True):
                 p.grad.add_(self.mu * (p - r))
 
 

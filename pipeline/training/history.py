@@ -14,8 +14,18 @@ from pipeline.experiments.plans import Plan
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
 
-ROUND_FIELDS = ("train_loss", "ce", "kd", "kd_fraction", "val_loss", "bytes_up", "bytes_down", "weight_share")
-ROUND_FIELDS += ("epsilon", "clipped_fraction")  # under privacy.mode example only
+ROUND_FIELDS = (
+    "train_loss",
+    "ce",
+    "kd",
+    "kd_fraction",
+    "val_loss",
+    "bytes_up",
+    "bytes_down",
+    "weight_share",
+    "epsilon",  # this field and the next: under privacy.mode example only
+    "clipped_fraction",
+)
 
 
 @dataclass

@@ -78,8 +78,15 @@ class LocalJob:
         cfg = self.plan.train
         micro_batches = tuple(len(step) for step in self.steps)
         lengths = (self.plan.model.get("max_source_length"), self.plan.model.get("max_target_length"))
-        optimizer = (cfg.lr, cfg.weight_decay, cfg.decay_norm_and_bias)
-        return (id(self.model), id(self.cache), *optimizer, lengths, micro_batches)
+        return (
+            id(self.model),
+            id(self.cache),
+            cfg.lr,
+            cfg.weight_decay,
+            cfg.decay_norm_and_bias,
+            lengths,
+            micro_batches,
+        )
 
 
 @dataclass
@@ -102,7 +109,7 @@ def adamw_groups(params, cfg: TrainConfig, matrix_ndim: int = 2) -> list[dict[st
 
 def proximal_term(params: list[torch.Tensor], reference: list[torch.Tensor], mu: float) -> torch.Tensor:
     """FedProx's ``mu/2 ||W - W_global||^2`` over ``params`` and their global values ``reference``."""
-    return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(params, reference))
+    return 0.5 * mu * sum(((p - ref) ** 2).sum() for p, ref in zip(params, reference, strict=True))
 
 
 def stacked_logits(

@@ -135,5 +135,9 @@ def final_run_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     the bytes in total, the peak memory, the DP-SGD reports."""
     clients = metrics["clients"]
     best = {f"{c}.best_val_loss": v["best_val_loss"] for c, v in clients.items() if v["best_val_loss"] is not None}
-    totals = {f"{key}_total": metrics[key] for key in ("bytes_sent", "bytes_received")}
-    return best | totals | {"peak_rss_mb": metrics["peak_rss_mb"]} | privacy.mlflow_metrics(metrics)
+    totals = {
+        "bytes_sent_total": metrics["bytes_sent"],
+        "bytes_received_total": metrics["bytes_received"],
+        "peak_rss_mb": metrics["peak_rss_mb"],
+    }
+    return best | totals | privacy.mlflow_metrics(metrics)
