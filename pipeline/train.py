@@ -91,11 +91,7 @@ def run_experiment(
     if logger is not None:
         log_missing_rounds(logger, history)
         # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
-        adapters = [
-            (f, f"adapters/{client_dir.name}")
-            for client_dir in sorted((out_dir / "clients").iterdir())
-            for f in sorted(client_dir.glob("adapter_*.safetensors"))
-        ]
+        adapters = [(f, f"adapters/{f.parent.name}") for f in sorted(out_dir.glob("clients/*/adapter_*.safetensors"))]
         log_run_outputs(logger, plan, metrics, adapters, None)  # each client's best adapter as a LoggedModel
         logger.finish("FINISHED")
     checkpoints.publish_outputs(plan)

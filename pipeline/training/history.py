@@ -57,19 +57,22 @@ def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
+def round_values(rows: list[dict[str, Any]], sep: str, keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:
+    """One round's values from its rows (one per client): each client's set ``keys`` as ``<client><sep><key>``, the
+    run-level privacy fields, and the clients' mean validation loss (None without one)."""
+    values = {f"{row['client']}{sep}{k}": v for row in rows for k, v in _client_fields(row, keys).items()}
+    values |= client_level_round(rows)
+    vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
+    return values | {"val_loss_mean": sum(vals) / len(vals) if vals else None}
+
+
 def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """One round's MLflow metrics from its rows (one per client)."""
-    metrics = {
-        f"{row['client']}.{k}": float(v)
-        for row in rows
-        for k, v in _client_fields(row, ROUND_FIELDS + ("failed",)).items()
+    """One round's MLflow metrics: :func:`round_values` (failures too) and the round's bytes each way."""
+    values = round_values(rows, ".", ROUND_FIELDS + ("failed",))
+    return {k: float(v) for k, v in values.items() if v is not None} | {
+        "bytes_sent": float(sum(r.get("bytes_down", 0) for r in rows)),
+        "bytes_received": float(sum(r.get("bytes_up", 0) for r in rows)),
     }
-    metrics.update({k: float(v) for k, v in client_level_round(rows).items()})
-    metrics["bytes_sent"] = float(sum(r.get("bytes_down", 0) for r in rows))
-    metrics["bytes_received"] = float(sum(r.get("bytes_up", 0) for r in rows))
-    if vals := [r["val_loss"] for r in rows if r.get("val_loss") is not None]:
-        metrics["val_loss_mean"] = sum(vals) / len(vals)
-    return metrics
 
 
 def _by_round(history: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
@@ -94,13 +97,7 @@ def write_rounds(plan: Plan, history: list[dict[str, Any]]) -> None:
     """``models/<exp>/rounds.json`` (the history rows) and ``reports/train/<exp>/rounds.json`` (DVC plots: one row
     per round, a column per client and quantity)."""
     atomic.write_json(Path(plan.paths["out_dir"]) / "rounds.json", history, indent=1)
-    wide = []
-    for rnd, rows in sorted(_by_round(history).items()):
-        w = {"round": rnd} | {f"{row['client']}/{k}": v for row in rows for k, v in _client_fields(row).items()}
-        w |= client_level_round(rows)
-        vals = [v for k, v in w.items() if k.endswith("/val_loss")]
-        w["val_loss_mean"] = sum(vals) / len(vals) if vals else None
-        wide.append(w)
+    wide = [{"round": rnd} | round_values(rows, "/") for rnd, rows in sorted(_by_round(history).items())]
     atomic.write_json(Path(plan.paths["reports_dir"]) / "rounds.json", wide, indent=1)
 
 
