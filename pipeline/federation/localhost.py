@@ -158,10 +158,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
         from_dict(ServerRunConfig, cfg.run_config, "--run-config")  # before any process starts (Flower: ~40 s later)
         self.workdir = Path.cwd()
-        plan_file = self.workdir / cfg.plan
-        if not plan_file.exists():
-            raise FederationError(f"{plan_file}: plan file not found (run the plan stage: dvc repro plan)")
-        self.plan = load_plan(str(plan_file))
+        self.plan = load_plan(str(self.workdir / cfg.plan))  # a missing file: load_plan's error, naming it
         params = {} if cfg.params is None else server_run_config(str(self.workdir / cfg.params), self.plan.experiment)
         self.run_config = params | cfg.run_config  # a --run-config value wins
         self.clients = list(cfg.clients or self.plan.clients or client_names(self.plan))

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig
 
 
@@ -39,7 +40,7 @@ def _noise(cfg: PrivacyConfig, delta: float, q: float, steps: int, where: str, w
     try:
         return noise_for_target(float(cfg.target_epsilon), delta, q, steps, cfg.accountant)
     except ValueError as exc:  # opacus: "The privacy budget is too low."
-        raise ValueError(
+        raise ConfigError(
             f"{where}: privacy.target_epsilon {cfg.target_epsilon} cannot be met with q={q:.4g} "
             f"over {steps} {what} ({exc})"
         ) from None
@@ -84,7 +85,7 @@ def federation_privacy(
     delta = cfg.delta if cfg.delta is not None else DEFAULT_DELTA
     if delta >= 1 / population:
         # a mechanism that publishes one random client's data in the clear meets (0, 1/N)
-        raise ValueError(
+        raise ConfigError(
             f"{where}: privacy.delta {delta:g} >= 1/{population} (1 / the number of clients) "
             f"promises nothing; set it well below"
         )
@@ -93,7 +94,7 @@ def federation_privacy(
     if cfg.clipping == "adaptive":
         count_stddev = cfg.clipped_count_stddev if cfg.clipped_count_stddev is not None else sampled / 20
         if z > 0 and not z < count_stddev:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: privacy.noise_multiplier {z:.4g} (adaptive clipping) needs "
                 f"privacy.clipped_count_stddev > it (now {count_stddev:.4g}; null = sampled clients "
                 f"/ 20): the count's noise alone must not exceed the budget"
@@ -137,10 +138,10 @@ def client_privacy(plan, n_examples: int, where: str = "") -> ClientPrivacy:
     cfg, t = plan.privacy, plan.train
     logical_batch = t.batch_size * t.grad_accum_steps
     if n_examples < 1:
-        raise ValueError(f"{where}: no training example")
+        raise ConfigError(f"{where}: no training example")
     delta = cfg.delta if cfg.delta is not None else min(DEFAULT_DELTA, 1.0 / (10 * n_examples))
     if delta >= 1.0 / n_examples:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: privacy.delta {cfg.delta:g} >= 1/{n_examples} (1 / the client's training "
             f"examples) promises nothing; set it well below (null = min(1e-5, 1/(10 n)))"
         )

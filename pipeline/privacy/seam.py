@@ -13,7 +13,6 @@ from typing import Any
 from flwr.app import MetricRecord
 from flwr.client.mod import make_ffn
 
-from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import load_plan, plan_path_of
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
@@ -42,15 +41,12 @@ def check_run(plan) -> None:
         return
     clients = read_partition(plan.paths["partition"])["clients"]
     where, cap = plan.source or plan.experiment, plan.train.max_train_examples_per_client
-    try:
-        if cfg.mode == "client":
-            server_setting(plan, len(clients))
-            return
-        for name, splits in clients.items():
-            n = len(splits["train"])
-            client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    if cfg.mode == "client":
+        server_setting(plan, len(clients))
+        return
+    for name, splits in clients.items():
+        n = len(splits["train"])
+        client_privacy(plan, n if cap is None else min(n, cap), f"{where}: client {name!r}")
 
 
 def client_level(plan, strategy, population: int):
