@@ -97,7 +97,7 @@ def load_plan(path: str) -> Plan:
     """The plan at ``path``, read once per file version."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{p}: plan file not found")
+        raise FileNotFoundError(f"{p}: plan file not found (run the plan stage: dvc repro plan)")
     return _plan_cached(str(p.resolve()), p.stat().st_mtime)
 
 
