@@ -23,7 +23,7 @@ from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
+from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_ROUGE_L, Scorer, mean_scores
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
 from pipeline.results.tracking import split_dataset
 
@@ -103,7 +103,7 @@ def evaluate_experiments(
                 "n_test": len(test_ids),
                 "skipped_by_subsampling": len(test_ids) - len(sub),
             }
-            means = " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge"))
+            means = " ".join(f"{k}={summary[k]:.2f}" for k in SCORE_KEYS)
             print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
 
         done = pd.concat(frames, ignore_index=True)
@@ -120,7 +120,7 @@ def evaluate_experiments(
 
         # each ROUGE's client average's bootstrap interval (test examples, or QMSum's meetings, resampled in clients)
         groups = [g for _, g in per_example.groupby("client", sort=True)]
-        mean_ci = client_average_intervals(groups, (*ROUGE_TYPES, "avg_rouge"), bootstrap)
+        mean_ci = client_average_intervals(groups, SCORE_KEYS, bootstrap)
         metrics = metrics_record(plan, backbone, cfg, per_client, exp.skipped_clients) | {
             "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
             "ci": {
