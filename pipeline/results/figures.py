@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 
 from pipeline.common import atomic
 from pipeline.paths import ProjectPaths
-from pipeline.results import published
+from pipeline.results import comparisons, published
 from pipeline.results.plotting import plt, save, slug
 from pipeline.results.readers import read_json, read_rounds
 from pipeline.results.scoring import TABLE_METRICS
@@ -223,26 +223,24 @@ def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | Non
 def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths) -> pd.DataFrame:
     """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
-    members, labels = [p for p in inp.planned if p.study == PRIVACY_STUDY], inp.labels
     rows = []
-    for label in dict.fromkeys(labels[p.name] for p in members):
-        runs = [p for p in members if labels[p.name] == label]
+    for config in [c for c in comparisons.configurations(inp.planned, inp.labels) if c.study == PRIVACY_STUDY]:
         per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
-        for p in runs:
-            mine = scores[scores["experiment"] == p.name]
-            metrics_path = paths.train_metrics(p.name)
+        for _, name in config.runs:
+            mine = scores[scores["experiment"] == name]
+            metrics_path = paths.train_metrics(name)
             if not mine.empty and metrics_path.is_file():
                 per_seed.append(float(mine["avg_rouge"].mean()))
                 spent.append(spent_epsilon(read_json(metrics_path, "train metrics")))
         if not per_seed:
             continue
         eps, targets, sigmas, deltas = zip(*spent)
-        series, names = pd.Series(per_seed), [p.name for p in runs]
+        series, names = pd.Series(per_seed), [name for _, name in config.runs]
         rows.append(
             {
-                "method": runs[0].method,
-                "label": label,
-                "dp": runs[0].dp,
+                "method": config.method,
+                "label": config.label,
+                "dp": config.dp,
                 "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
                 "delta": max((d for d in deltas if d is not None), default=None),
                 "target_epsilon": targets[0],
