@@ -73,10 +73,7 @@ class Analysis:
         for client, words in wu.groupby("client"):
             if client not in best:
                 raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
-            usage = zip(
-                ("kd_usage_ratio", "kd_word_updates", "word_updates"), kd_analysis.kd_usage_ratio(words, best[client])
-            )
-            clients[client] = {"best_round": best[client], **dict(usage)}
+            clients[client] = kd_analysis.kd_usage(words, best[client])
         return {"gate": gate, "words": wu, "clients": clients}
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:

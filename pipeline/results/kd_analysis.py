@@ -79,11 +79,17 @@ def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
     return updates[(updates["round"] >= 1) & (updates["round"] <= best_round)]
 
 
-def kd_usage_ratio(updates: pd.DataFrame, best_round: int) -> tuple[float, int, int]:
-    """(KD word updates / word updates, KD word updates, word updates) over rounds 1..best_round."""
+def kd_usage(updates: pd.DataFrame, best_round: int) -> dict[str, Any]:
+    """A client's KD usage over rounds 1..best_round (its entry of kd_analysis.json's ``per_experiment``): the best
+    round, KD word updates / word updates, and the two counts."""
     window = to_best(updates, best_round)
     n, k = len(window), int(window["kd"].sum())
-    return (k / n if n else math.nan), k, n
+    return {
+        "best_round": best_round,
+        "kd_usage_ratio": k / n if n else math.nan,
+        "kd_word_updates": k,
+        "word_updates": n,
+    }
 
 
 def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
