@@ -25,15 +25,15 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     """A study's figure from its bars ``data``: average ROUGE per client (x) and configuration (bars), one panel per
     value of the entry's ``facet_col``, the paper's values as black ticks; its data beside it."""
     facet_col, table = entry.facet_col, entry.paper or {}
-    # (client, configuration label) -> the paper's average ROUGE for the bar's method and client
-    paper = {(c, lab): v for lab, m in zip(data["label"], data["method"]) for c, v in table.get(m, {}).items()}
+    # the paper's average ROUGE for each row's method and client (NaN where it has none)
+    data = data.assign(
+        paper_avg_rouge=[table.get(m, {}).get(c, math.nan) for m, c in zip(data["method"], data["client"])]
+    )
     fig_path, plot_path = paths.figures / f"{entry.study}.png", paths.plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
-    pairs = zip(data["client"], data["label"], shown["label"])
-    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper}
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
         clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
@@ -44,7 +44,7 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
             r = d[d["label"] == bar].drop_duplicates("client")
             xs = [clients.index(c) - 0.4 + width * (j + 0.5) for c in r["client"]]
             ax.bar(xs, r["avg_rouge_mean"], width, yerr=r["avg_rouge_std"].fillna(0.0), label=str(bar), capsize=2)
-            if paper_xy := [(x, paper_shown[(c, bar)]) for x, c in zip(xs, r["client"]) if (c, bar) in paper_shown]:
+            if paper_xy := [(x, p) for x, p in zip(xs, r["paper_avg_rouge"]) if not math.isnan(p)]:
                 px, py = zip(*paper_xy)
                 ax.scatter(
                     px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
@@ -60,11 +60,10 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     save(fig, fig_path)
     out = data.copy()
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
-    if paper:
-        out["paper_avg_rouge"] = [paper.get((c, lab)) for c, lab in zip(out["client"], out["label"])]
     by_facet, means = [facet_col] if facet_col else [], [f"{m}_mean" for m in TABLE_METRICS]
     cols = ["bar", "client", "label", *by_facet, "avg_rouge_mean", "avg_rouge_std", *means, "n_seeds", "missing_seeds"]
-    atomic.to_csv(out[cols + (["paper_avg_rouge"] if paper else [])], plot_path, index=False)
+    paper = ["paper_avg_rouge"] if any(table.get(m) for m in data["method"]) else []  # a column only where it has some
+    atomic.to_csv(out[cols + paper], plot_path, index=False)
     return str(fig_path)
 
 
