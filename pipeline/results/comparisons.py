@@ -199,9 +199,7 @@ def with_holm(table: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
     """``table`` with ``p_holm`` (Holm-adjusted ``p_value`` within each :data:`FAMILY`) and ``significant`` =
     ``p_holm`` < 1 - level: the claims' test (the intervals stay the unadjusted ones)."""
     out = table.copy()
-    out["p_holm"] = np.nan
-    for _, idx in out.groupby(FAMILY, sort=False).groups.items():
-        out.loc[idx, "p_holm"] = holm(out.loc[idx, "p_value"].to_numpy(dtype=float))
+    out["p_holm"] = out.groupby(FAMILY, sort=False)["p_value"].transform(lambda p: holm(p.to_numpy(dtype=float)))
     out["significant"] = out["p_holm"].lt(1.0 - cfg.level)
     return out
 
