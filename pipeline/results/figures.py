@@ -116,7 +116,7 @@ def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
 
 def extreme_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
     """Panels with and without SAMSum as a 4th client."""
-    has_samsum = {lab for lab in rows["label"] if "SAMSum" in set(rows[rows["label"] == lab]["client"])}
+    has_samsum = set(rows.loc[rows["client"] == "SAMSum", "label"])
     rows["setting"] = ["with SAMSum" if lab in has_samsum else "without SAMSum" for lab in rows["label"]]
     if (rows["setting"] == "without SAMSum").sum() == 0:
         # The 3-client runs of the same methods in the main study are the "without" setting.
