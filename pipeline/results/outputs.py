@@ -118,7 +118,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
     preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports)
     queries, meeting_of = human_eval.example_info(paths.examples)
-    text = human_eval.case_study(preds, queries, cfg.case_study_seed) if preds else None
+    text = human_eval.case_study(preds, queries, cfg.case_study_seed)
     if text is None:
         made.not_made["case study"] = "needs predictions of both fedavg and fedselectkd in study `main`"
     else:
@@ -212,10 +212,10 @@ def headline_metrics(
     """reports/metrics.json's content (docs/ARCHITECTURE.md): ``intervals`` by label; ``kd_analysis`` is
     reports/analysis/kd_analysis.json."""
     out: dict[str, Any] = {}
-    main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
+    main = agg[agg["study"] == HEADLINE_STUDY]
     # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
     # by label only where the study holds several configurations of one method.
-    methods = main.groupby("label")["method"].first() if "method" in main else pd.Series(dtype=object)
+    methods = main.groupby("label")["method"].first()
     repeated = set(methods[methods.duplicated(keep=False)])
     for label, grp in main.groupby("label", sort=True):
         method = methods.get(label)
