@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 
 from pipeline.common import atomic
 from pipeline.paths import ProjectPaths
-from pipeline.results import comparisons, published
+from pipeline.results import published
 from pipeline.results.plotting import plt, save, slug
 from pipeline.results.readers import read_json, read_rounds
 from pipeline.results.scoring import TABLE_METRICS
@@ -223,7 +223,7 @@ def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths)
     """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
     rows = []
-    for config in [c for c in comparisons.configurations(inp.planned, inp.labels) if c.study == PRIVACY_STUDY]:
+    for config in [c for c in inp.configurations if c.study == PRIVACY_STUDY]:
         per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
         for _, name in config.runs:
             mine = scores[scores["experiment"] == name]

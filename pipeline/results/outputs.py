@@ -44,9 +44,7 @@ def write_tables(
     converged = convergence_table(planned, labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
-    compared, notes = comparisons.comparisons_table(
-        comparisons.configurations(planned, labels), inp.cfg.baselines, reports / "eval", bootstrap
-    )
+    compared, notes = comparisons.comparisons_table(inp.configurations, inp.cfg.baselines, reports / "eval", bootstrap)
     if previous is not None and previous.is_file():
         compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
     compared = comparisons.with_published(compared)
@@ -100,7 +98,7 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
 
 def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
-    made, planned, labels, cfg = Made(), inp.planned, inp.labels, inp.cfg
+    made, planned, cfg = Made(), inp.planned, inp.cfg
     compared, scores, agg, missing_eval = write_tables(inp, paths.reports, made)
     for d in (paths.figures, paths.plots):
         d.mkdir(parents=True, exist_ok=True)
@@ -149,7 +147,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     atomic.write_json(paths.reports / "summary.json", summary_metrics(agg, planned, missing_eval), sort_keys=True)
     intervals = {
         c.label: average_interval(c, paths.eval_reports, inp.bootstrap)
-        for c in comparisons.configurations(planned, labels)
+        for c in inp.configurations
         if c.study == HEADLINE_STUDY
     }
     kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}

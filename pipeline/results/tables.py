@@ -56,6 +56,10 @@ class ReportInputs:
     def labels(self) -> dict[str, str]:
         return with_labels(self.planned)
 
+    @functools.cached_property
+    def configurations(self) -> list[comparisons.Config]:
+        return comparisons.configurations(self.planned, self.labels)
+
 
 @dataclass
 class Made:
@@ -83,9 +87,7 @@ def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
     (expected: `report.expected_seeds` plus any seed the `experiments` params plan for the configuration)."""
     expected = set(int(s) for s in inp.cfg.expected_seeds)
-    planned_seeds = {
-        (c.study, c.label): {s for s, _ in c.runs} for c in comparisons.configurations(inp.planned, inp.labels)
-    }
+    planned_seeds = {(c.study, c.label): {s for s, _ in c.runs} for c in inp.configurations}
     keys = [*GROUP_COLS, "backbone", "client"]
     columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
     out_rows = []
@@ -137,7 +139,7 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
                 }
             )
 
-    for c in comparisons.configurations(inp.planned, inp.labels):
+    for c in inp.configurations:
         if c.study == "main" and c.label not in set(sub["label"]):
             none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
             none["missing_seeds"] = ",".join(map(str, sorted({s for s, _ in c.runs} | set(inp.cfg.expected_seeds))))
