@@ -86,7 +86,7 @@ def _client_order(clients: Iterable[str]) -> list[str]:
 def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
     (expected: `report.expected_seeds` plus any seed the `experiments` params plan for the configuration)."""
-    expected = set(int(s) for s in inp.cfg.expected_seeds)
+    expected = set(inp.cfg.expected_seeds)
     planned_seeds = {(c.study, c.label): {s for s, _ in c.runs} for c in inp.configurations}
     keys = [*GROUP_COLS, "backbone", "client"]
     columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
