@@ -80,8 +80,7 @@ def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
 
 
 def kd_usage(updates: pd.DataFrame, best_round: int) -> dict[str, Any]:
-    """A client's KD usage over rounds 1..best_round (its entry of kd_analysis.json's ``per_experiment``): the best
-    round, KD word updates / word updates, and the two counts."""
+    """A client's KD usage over rounds 1..best_round, as kd_analysis.json's ``per_experiment`` records it."""
     window = to_best(updates, best_round)
     n, k = len(window), int(window["kd"].sum())
     return {
