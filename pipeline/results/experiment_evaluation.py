@@ -23,7 +23,7 @@ from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
-from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_ROUGE_L, Scorer, mean_scores
+from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, Scorer, mean_scores
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
 from pipeline.results.tracking import split_dataset
 
@@ -110,7 +110,7 @@ def evaluate_experiments(
         per_example = done.assign(
             pred_words=done["prediction"].str.split().str.len(),
             ref_words=done["reference"].str.split().str.len(),
-            avg_rouge=done[["rouge1", "rouge2", TABLE_ROUGE_L]].mean(axis=1),
+            avg_rouge=done[list(TABLE_METRICS)].mean(axis=1),
         )[["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words", "avg_rouge"]]
         atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
         records = done[["experiment", "client", "example_id", "domain", "prediction", "reference"]].to_dict("records")
