@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "human":  # the paper's counts beside ours
         results = {**human_eval.score_sheets(args.sheets), "published": published.HUMAN_EVAL}
         atomic.write_json(args.out / "results.json", results)
-        human_eval.plot_results(results, published.HUMAN_EVAL, args.out / "human_eval.png")
+        human_eval.plot_results(results, args.out / "human_eval.png")
         print(json.dumps(results["opponents"], indent=2))
         print(f"wrote {args.out / 'results.json'} and {args.out / 'human_eval.png'}", file=sys.stderr)
         return 0

@@ -10,7 +10,7 @@ import yaml
 
 from pipeline import analyze
 from pipeline.common.schema import DataError
-from pipeline.results.kd_analysis import kd_usage_ratio, word_updates
+from pipeline.results.kd_analysis import kd_usage, word_updates
 
 NA = None
 # Paper's worked example "project manager decides to use lcd" as BPE pieces; label positions 0..9.
@@ -94,20 +94,22 @@ def product_updates(rule: str, epochs: int = 1) -> pd.DataFrame:
 
 
 def test_paper_worked_example_25_percent():
-    ratio, kd, n = kd_usage_ratio(product_updates("first"), best_round=2)
-    assert (kd, n) == (3, 12)
-    assert ratio == pytest.approx(0.25)
+    usage = kd_usage(product_updates("first"), best_round=2)
+    assert (usage["kd_word_updates"], usage["word_updates"]) == (3, 12)
+    assert usage["kd_usage_ratio"] == pytest.approx(0.25)
 
 
 @pytest.mark.parametrize("rule,kd", [("first", 3), ("any", 4), ("all", 2), ("majority", 2)])
 def test_word_rules(rule, kd):
     # any: manager also KD in round 1 (its "ager" piece); all/majority: manager needs both pieces.
-    assert kd_usage_ratio(product_updates(rule), best_round=2)[1:] == (kd, 12)
+    usage = kd_usage(product_updates(rule), best_round=2)
+    assert (usage["kd_word_updates"], usage["word_updates"]) == (kd, 12)
 
 
 def test_local_epochs_count_once():
     wu = word_updates(gate_log(epochs=3), postags_table(), "first")
-    assert kd_usage_ratio(wu[wu["client"] == "Product"], 2)[1:] == (3, 12)
+    usage = kd_usage(wu[wu["client"] == "Product"], 2)
+    assert (usage["kd_word_updates"], usage["word_updates"]) == (3, 12)
     # tokens: Product 10 positions x 3 rounds + Academic 7 x 2; no-word tokens (2 per example per round) are no word
     # update: 34 word tokens, one row per word and round, its tokens counted once however many epochs logged them
     assert wu["n_tokens"].sum() == 44 - 10 and wu.equals(word_updates(gate_log(epochs=1), postags_table(), "first"))

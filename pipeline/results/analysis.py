@@ -43,7 +43,7 @@ class AnalyzeConfig:
 class Analysis:
     def __init__(self, cfg: AnalyzeConfig, experiments: list[Experiment], tau: float | None, paths: ProjectPaths):
         self.cfg, self.experiments, self.tau, self.paths = cfg, experiments, tau, paths
-        self.out = paths.analysis
+        self.figures = paths.analysis / "figures"
         # (experiment, file) -> what needs it: inputs of listed experiments that do not exist (yet), reported in
         # kd_analysis.json, never replaced by numbers
         self.missing: dict[tuple[str, str], list[str]] = {}
@@ -73,17 +73,14 @@ class Analysis:
         for client, words in wu.groupby("client"):
             if client not in best:
                 raise DataError(f"{train_path}: no best round for client {client!r} of {gate_path}")
-            usage = zip(
-                ("kd_usage_ratio", "kd_word_updates", "word_updates"), kd_analysis.kd_usage_ratio(words, best[client])
-            )
-            clients[client] = {"best_round": best[client], **dict(usage)}
+            clients[client] = kd_analysis.kd_usage(words, best[client])
         return {"gate": gate, "words": wu, "clients": clients}
 
     def scores(self, exp: Experiment, needed_for: str) -> dict[str, dict[str, float]] | None:
         path = self.paths.eval_metrics(exp.name)
         return eval_scores(path) if self._present(exp, needed_for, path) else None
 
-    def main_study(self, figures: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    def main_study(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
         """Usage ratio, POS distribution and gate statistics per client; also returns per-experiment usage."""
         usages = {e.name: u for e in self.main if (u := self.usage(e, "KD usage / POS analysis")) is not None}
         clients: dict[str, Any] = {}
@@ -99,12 +96,12 @@ class Analysis:
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate, stats = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
-            kd_analysis.plot_pos(client, rec, figures / f"pos_{slug(client)}.png")
+            kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
             best = [r["best_round"] for r in per_seed.values()]
-            kd_analysis.plot_entropy(client, gate, stats, tau, best, figures / f"entropy_{slug(client)}.png")
+            kd_analysis.plot_entropy(client, gate, stats, tau, best, self.figures / f"entropy_{slug(client)}.png")
         return clients, usages
 
-    def hardkd(self, figures: Path) -> dict[str, Any]:
+    def hardkd(self) -> dict[str, Any]:
         """ROUGE of noun-verb hard KD vs SelectKD (main study) per client, mean and std over seeds."""
         main_parts = {e.partition for e in self.main}
         hard = [e for e in self.experiments if e.method == HARDKD and (not main_parts or e.partition in main_parts)]
@@ -112,13 +109,13 @@ class Analysis:
             method: kd_analysis.seed_means([(e.name, self.scores(e, "hard KD vs SelectKD")) for e in exps])
             for method, exps in ((SELECTKD, self.main), (HARDKD, hard))
         }
-        kd_analysis.plot_hardkd(comparison, figures / "hardkd_vs_selectkd.png")
+        kd_analysis.plot_hardkd(comparison, self.figures / "hardkd_vs_selectkd.png")
         # per client in both: hard KD's mean minus SelectKD's
         hard, select = comparison[HARDKD], comparison[SELECTKD]
         diff = {c: hard[c]["mean"]["avg_rouge"] - select[c]["mean"]["avg_rouge"] for c in hard if c in select}
         return {"methods": comparison, "hardkd_minus_selectkd_avg_rouge": diff}
 
-    def tau_sweep(self, usages: dict[str, dict[str, Any]], figures: Path, csv_path: Path) -> dict[str, Any]:
+    def tau_sweep(self, usages: dict[str, dict[str, Any]]) -> dict[str, Any]:
         sweep = [e for e in self.experiments if e.study == TAU_STUDY]
         sweep_parts = {e.partition.split("/seed")[0] for e in sweep}
         # The main SelectKD is the sweep's point at the top-level tau - only when there is a sweep to join.
@@ -132,8 +129,8 @@ class Analysis:
                 rows += kd_analysis.tau_sweep_rows(e, usage, scores)
         per_run = pd.DataFrame(rows, columns=kd_analysis.SWEEP_COLUMNS)
         table, portable = kd_analysis.tau_sweep_summary(per_run)
-        atomic.to_csv(table.round(6), csv_path, index=False)
-        kd_analysis.plot_tau_sweep(table, self.tau, figures / "tau_sweep.png")
+        atomic.to_csv(table.round(6), self.paths.analysis / "tau_sweep.csv", index=False)
+        kd_analysis.plot_tau_sweep(table, self.tau, self.figures / "tau_sweep.png")
         return {
             "points": table.to_dict(orient="records"),
             "portable_gates": portable.to_dict(orient="records"),
@@ -141,12 +138,11 @@ class Analysis:
         }
 
     def run(self) -> dict[str, Any]:
-        figures = self.out / "figures"
-        figures.mkdir(parents=True, exist_ok=True)
-        for old in figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
+        self.figures.mkdir(parents=True, exist_ok=True)
+        for old in self.figures.glob("*.png"):  # the stage owns this directory: no stale figures of removed clients
             old.unlink()
-        clients, usages = self.main_study(figures)
-        hardkd, sweep = self.hardkd(figures), self.tau_sweep(usages, figures, self.out / "tau_sweep.csv")
+        clients, usages = self.main_study()
+        hardkd, sweep = self.hardkd(), self.tau_sweep(usages)
         missing = [
             {"experiment": e, "file": f, "needed_for": ", ".join(u)} for (e, f), u in sorted(self.missing.items())
         ]
@@ -166,5 +162,5 @@ class Analysis:
                 "n_missing": len(missing),
             }
         )
-        atomic.write_json(self.out / "kd_analysis.json", result)
+        atomic.write_json(self.paths.kd_analysis, result)
         return result

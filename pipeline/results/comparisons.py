@@ -19,10 +19,9 @@ import pandas as pd
 from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.readers import read_predictions
-from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
+from pipeline.results.scoring import SCORE_KEYS, TABLE_METRICS
 from pipeline.results.stats import BootstrapConfig, holm, meetings, paired_difference
 
-METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L, "rougeLsum", "avg_rouge")
 AVERAGE = "client average"
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
 # federation against local training, selectivity against plain KD, and AdaCentralized against every other method.
@@ -75,7 +74,7 @@ def per_example(eval_dir: Path, name: str) -> pd.DataFrame | None:
     if not path.is_file():
         return None
     frame = pd.read_parquet(path)
-    if missing := [c for c in ("client", "example_id", *METRICS) if c not in frame.columns]:
+    if missing := [c for c in ("client", "example_id", *SCORE_KEYS) if c not in frame.columns]:
         raise DataError(f"{path}: missing column(s) {missing}")
     return frame.assign(avg_rouge=frame[list(TABLE_METRICS)].mean(axis=1))
 
@@ -131,7 +130,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         identical = float(np.mean(flags)) if flags else math.nan
         mostly_identical = bool(not math.isnan(identical) and identical > cfg.identical_warning)
         clusters = meetings(shared[c] for c in clients)  # QMSum: a meeting's queries are one cluster
-        for metric in METRICS:
+        for metric in SCORE_KEYS:
             sides = ([stacked(rows[c], f"{metric}_{side}") for c in clients] for side in "ab")
             r = paired_difference(*sides, cfg, clusters)
             # a row in COLUMNS order; p_holm is with_holm's, over the study's family
@@ -200,9 +199,7 @@ def with_holm(table: pd.DataFrame, cfg: BootstrapConfig) -> pd.DataFrame:
     """``table`` with ``p_holm`` (Holm-adjusted ``p_value`` within each :data:`FAMILY`) and ``significant`` =
     ``p_holm`` < 1 - level: the claims' test (the intervals stay the unadjusted ones)."""
     out = table.copy()
-    out["p_holm"] = np.nan
-    for _, idx in out.groupby(FAMILY, sort=False).groups.items():
-        out.loc[idx, "p_holm"] = holm(out.loc[idx, "p_value"].to_numpy(dtype=float))
+    out["p_holm"] = out.groupby(FAMILY, sort=False)["p_value"].transform(lambda p: holm(p.to_numpy(dtype=float)))
     out["significant"] = out["p_holm"].lt(1.0 - cfg.level)
     return out
 

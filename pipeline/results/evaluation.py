@@ -15,7 +15,7 @@ from pydantic import model_validator
 
 from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.schema import DataError
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L
+from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
 
 
 @config
@@ -50,9 +50,6 @@ class EvaluateConfig:
             "early_stopping": True,
             "do_sample": False,
         }
-
-
-SCORE_KEYS = (*ROUGE_TYPES, "avg_rouge")
 
 
 def metrics_record(plan: Any, backbone: str, cfg: EvaluateConfig, per_client: dict, skipped_clients: dict) -> dict:

@@ -23,7 +23,7 @@ from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import EvaluateConfig, generate_per_run, log_to_mlflow, metrics_record, test_subsample
 from pipeline.results.readers import read_json, run_converged
-from pipeline.results.scoring import ROUGE_TYPES, TABLE_ROUGE_L, Scorer, mean_scores
+from pipeline.results.scoring import ROUGE_TYPES, SCORE_KEYS, TABLE_METRICS, Scorer, mean_scores
 from pipeline.results.stats import BootstrapConfig, bootstrap_method, client_average_intervals, meetings
 from pipeline.results.tracking import split_dataset
 
@@ -103,14 +103,14 @@ def evaluate_experiments(
                 "n_test": len(test_ids),
                 "skipped_by_subsampling": len(test_ids) - len(sub),
             }
-            means = " ".join(f"{k}={summary[k]:.2f}" for k in (*ROUGE_TYPES, "avg_rouge"))
+            means = " ".join(f"{k}={summary[k]:.2f}" for k in SCORE_KEYS)
             print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
 
         done = pd.concat(frames, ignore_index=True)
         per_example = done.assign(
             pred_words=done["prediction"].str.split().str.len(),
             ref_words=done["reference"].str.split().str.len(),
-            avg_rouge=done[["rouge1", "rouge2", TABLE_ROUGE_L]].mean(axis=1),
+            avg_rouge=done[list(TABLE_METRICS)].mean(axis=1),
         )[["experiment", "client", "example_id", "domain", *ROUGE_TYPES, "pred_words", "ref_words", "avg_rouge"]]
         atomic.to_parquet(per_example, out_dir / "per_example.parquet", index=False)
         records = done[["experiment", "client", "example_id", "domain", "prediction", "reference"]].to_dict("records")
@@ -120,7 +120,7 @@ def evaluate_experiments(
 
         # each ROUGE's client average's bootstrap interval (test examples, or QMSum's meetings, resampled in clients)
         groups = [g for _, g in per_example.groupby("client", sort=True)]
-        mean_ci = client_average_intervals(groups, (*ROUGE_TYPES, "avg_rouge"), bootstrap)
+        mean_ci = client_average_intervals(groups, SCORE_KEYS, bootstrap)
         metrics = metrics_record(plan, backbone, cfg, per_client, exp.skipped_clients) | {
             "mean_ci": {key: {"low": r.low, "high": r.high} for key, r in mean_ci.items()},
             "ci": {

@@ -25,15 +25,15 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     """A study's figure from its bars ``data``: average ROUGE per client (x) and configuration (bars), one panel per
     value of the entry's ``facet_col``, the paper's values as black ticks; its data beside it."""
     facet_col, table = entry.facet_col, entry.paper or {}
-    # (client, configuration label) -> the paper's average ROUGE for the bar's method and client
-    paper = {(c, lab): v for lab, m in zip(data["label"], data["method"]) for c, v in table.get(m, {}).items()}
+    # the paper's average ROUGE for each row's method and client (NaN where it has none)
+    data = data.assign(
+        paper_avg_rouge=[table.get(m, {}).get(c, math.nan) for m, c in zip(data["method"], data["client"])]
+    )
     fig_path, plot_path = paths.figures / f"{entry.study}.png", paths.plots / f"{entry.study}.csv"
     facets = list(dict.fromkeys(data[facet_col])) if facet_col else [None]
     fig, axes = plt.subplots(1, len(facets), figsize=(5.5 * len(facets), 4.0), squeeze=False, sharey=True)
     # Each bar says its number of seeds; one seed has no error bar (its spread is unknown, not zero).
     shown = data.assign(label=[f"{lab} (n={int(n)})" for lab, n in zip(data["label"], data["n_seeds"])])
-    pairs = zip(data["client"], data["label"], shown["label"])
-    paper_shown = {(c, bar): paper[(c, lab)] for c, lab, bar in pairs if (c, lab) in paper}
     for ax, facet in zip(axes[0], facets):
         d = shown if facet is None else shown[shown[facet_col] == facet]
         clients, bars = list(dict.fromkeys(d["client"])), list(dict.fromkeys(d["label"]))
@@ -44,7 +44,7 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
             r = d[d["label"] == bar].drop_duplicates("client")
             xs = [clients.index(c) - 0.4 + width * (j + 0.5) for c in r["client"]]
             ax.bar(xs, r["avg_rouge_mean"], width, yerr=r["avg_rouge_std"].fillna(0.0), label=str(bar), capsize=2)
-            if paper_xy := [(x, paper_shown[(c, bar)]) for x, c in zip(xs, r["client"]) if (c, bar) in paper_shown]:
+            if paper_xy := [(x, p) for x, p in zip(xs, r["paper_avg_rouge"]) if not math.isnan(p)]:
                 px, py = zip(*paper_xy)
                 ax.scatter(
                     px, py, marker="_", s=300, color="black", zorder=3, label=None if paper_labelled else "paper"
@@ -60,11 +60,10 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     save(fig, fig_path)
     out = data.copy()
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
-    if paper:
-        out["paper_avg_rouge"] = [paper.get((c, lab)) for c, lab in zip(out["client"], out["label"])]
     by_facet, means = [facet_col] if facet_col else [], [f"{m}_mean" for m in TABLE_METRICS]
     cols = ["bar", "client", "label", *by_facet, "avg_rouge_mean", "avg_rouge_std", *means, "n_seeds", "missing_seeds"]
-    atomic.to_csv(out[cols + (["paper_avg_rouge"] if paper else [])], plot_path, index=False)
+    paper = ["paper_avg_rouge"] if any(table.get(m) for m in data["method"]) else []  # a column only where it has some
+    atomic.to_csv(out[cols + paper], plot_path, index=False)
     return str(fig_path)
 
 
@@ -117,7 +116,7 @@ def main_rows_of(agg: pd.DataFrame, methods: set[str]) -> pd.DataFrame:
 
 def extreme_bars(rows: pd.DataFrame, agg: pd.DataFrame) -> pd.DataFrame:
     """Panels with and without SAMSum as a 4th client."""
-    has_samsum = {lab for lab in rows["label"] if "SAMSum" in set(rows[rows["label"] == lab]["client"])}
+    has_samsum = set(rows.loc[rows["client"] == "SAMSum", "label"])
     rows["setting"] = ["with SAMSum" if lab in has_samsum else "without SAMSum" for lab in rows["label"]]
     if (rows["setting"] == "without SAMSum").sum() == 0:
         # The 3-client runs of the same methods in the main study are the "without" setting.
@@ -223,26 +222,24 @@ def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | Non
 def privacy_points(inp: ReportInputs, scores: pd.DataFrame, paths: ProjectPaths) -> pd.DataFrame:
     """One row per configuration of the study: its client-average ROUGE over seeds and the epsilon it spent (mean
     over seeds of spent_epsilon), no privacy at epsilon = inf."""
-    members, labels = [p for p in inp.planned if p.study == PRIVACY_STUDY], inp.labels
     rows = []
-    for label in dict.fromkeys(labels[p.name] for p in members):
-        runs = [p for p in members if labels[p.name] == label]
+    for config in [c for c in inp.configurations if c.study == PRIVACY_STUDY]:
         per_seed, spent = [], []  # the client average of each seed; spent_epsilon of each seed
-        for p in runs:
-            mine = scores[scores["experiment"] == p.name]
-            metrics_path = paths.train_metrics(p.name)
+        for _, name in config.runs:
+            mine = scores[scores["experiment"] == name]
+            metrics_path = paths.train_metrics(name)
             if not mine.empty and metrics_path.is_file():
                 per_seed.append(float(mine["avg_rouge"].mean()))
                 spent.append(spent_epsilon(read_json(metrics_path, "train metrics")))
         if not per_seed:
             continue
         eps, targets, sigmas, deltas = zip(*spent)
-        series, names = pd.Series(per_seed), [p.name for p in runs]
+        series, names = pd.Series(per_seed), [name for _, name in config.runs]
         rows.append(
             {
-                "method": runs[0].method,
-                "label": label,
-                "dp": runs[0].dp,
+                "method": config.method,
+                "label": config.label,
+                "dp": config.dp,
                 "epsilon": float(pd.Series(eps).mean()) if all(math.isfinite(e) for e in eps) else math.inf,
                 "delta": max((d for d in deltas if d is not None), default=None),
                 "target_epsilon": targets[0],

@@ -9,7 +9,6 @@ import itertools
 import json
 import random
 from collections import Counter, defaultdict
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -262,14 +261,14 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     }
 
 
-def plot_results(results: dict[str, Any], published: Mapping[str, Mapping[str, int]], path: str | Path) -> Path:
-    """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's."""
+def plot_results(results: dict[str, Any], path: str | Path) -> Path:
+    """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's (``results["published"]``,
+    as the human command writes them)."""
     labels, rows = [], []
     for opp, c in results["opponents"].items():
         labels.append(f"vs {opp} (ours, n={c['n']})")
         rows.append((c["win"], c["tie"], c["loss"]))
-        if opp in published:
-            p = published[opp]
+        if p := results["published"].get(opp):
             labels.append(f"vs {opp} (paper, n={sum(p.values())})")
             rows.append((p["win"], p["tie"], p["loss"]))
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(rows), 2) + 1.2))

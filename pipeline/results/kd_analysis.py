@@ -79,11 +79,16 @@ def to_best(updates: pd.DataFrame, best_round: int) -> pd.DataFrame:
     return updates[(updates["round"] >= 1) & (updates["round"] <= best_round)]
 
 
-def kd_usage_ratio(updates: pd.DataFrame, best_round: int) -> tuple[float, int, int]:
-    """(KD word updates / word updates, KD word updates, word updates) over rounds 1..best_round."""
+def kd_usage(updates: pd.DataFrame, best_round: int) -> dict[str, Any]:
+    """A client's KD usage over rounds 1..best_round, as kd_analysis.json's ``per_experiment`` records it."""
     window = to_best(updates, best_round)
     n, k = len(window), int(window["kd"].sum())
-    return (k / n if n else math.nan), k, n
+    return {
+        "best_round": best_round,
+        "kd_usage_ratio": k / n if n else math.nan,
+        "kd_word_updates": k,
+        "word_updates": n,
+    }
 
 
 def pos_distribution(updates: pd.DataFrame) -> dict[str, dict[str, float]]:
@@ -176,9 +181,9 @@ def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -
     }
 
 
-# A sweep point: which run and client, its ROUGE, its KD usage ratio and its POS pattern.
-SWEEP_SCORES, SWEEP_POS = ("avg_rouge", "rouge1", "rouge2", "rougeL"), ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
-SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", *SWEEP_SCORES, "kd_usage_ratio", *SWEEP_POS]
+# A sweep point: which run and client, its average ROUGE, its KD usage ratio and its POS pattern.
+SWEEP_POS = ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
+SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "kd_usage_ratio", *SWEEP_POS]
 
 
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[tuple]:
@@ -190,7 +195,7 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
-        point = (run.name, client, run.tau, run.tau_scale, run.seed, *(s[m] for m in SWEEP_SCORES))
+        point = (run.name, client, run.tau, run.tau_scale, run.seed, s["avg_rouge"])
         rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos.get(k, math.nan) for k in SWEEP_POS)))
     return rows
 

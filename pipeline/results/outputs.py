@@ -44,9 +44,7 @@ def write_tables(
     converged = convergence_table(planned, labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
-    compared, notes = comparisons.comparisons_table(
-        comparisons.configurations(planned, labels), inp.cfg.baselines, reports / "eval", bootstrap
-    )
+    compared, notes = comparisons.comparisons_table(inp.configurations, inp.cfg.baselines, reports / "eval", bootstrap)
     if previous is not None and previous.is_file():
         compared = comparisons.carry_identical(compared, pd.read_csv(previous), bootstrap)
     compared = comparisons.with_published(compared)
@@ -100,7 +98,7 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
 
 def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     """Everything the stage writes; returns the index (what was made and what is missing)."""
-    made, planned, labels, cfg = Made(), inp.planned, inp.labels, inp.cfg
+    made, planned, cfg = Made(), inp.planned, inp.cfg
     compared, scores, agg, missing_eval = write_tables(inp, paths.reports, made)
     for d in (paths.figures, paths.plots):
         d.mkdir(parents=True, exist_ok=True)
@@ -118,7 +116,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
     preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports)
     queries, meeting_of = human_eval.example_info(paths.examples)
-    text = human_eval.case_study(preds, queries, cfg.case_study_seed) if preds else None
+    text = human_eval.case_study(preds, queries, cfg.case_study_seed)
     if text is None:
         made.not_made["case study"] = "needs predictions of both fedavg and fedselectkd in study `main`"
     else:
@@ -149,7 +147,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     atomic.write_json(paths.reports / "summary.json", summary_metrics(agg, planned, missing_eval), sort_keys=True)
     intervals = {
         c.label: average_interval(c, paths.eval_reports, inp.bootstrap)
-        for c in comparisons.configurations(planned, labels)
+        for c in inp.configurations
         if c.study == HEADLINE_STUDY
     }
     kd = json.loads(paths.kd_analysis.read_text()) if paths.kd_analysis.is_file() else {}
@@ -212,10 +210,10 @@ def headline_metrics(
     """reports/metrics.json's content (docs/ARCHITECTURE.md): ``intervals`` by label; ``kd_analysis`` is
     reports/analysis/kd_analysis.json."""
     out: dict[str, Any] = {}
-    main = agg[agg["study"] == HEADLINE_STUDY] if not agg.empty else agg
+    main = agg[agg["study"] == HEADLINE_STUDY]
     # Keyed by method, so an ablation (`-S tau=4` relabels "fedselectkd tau=5") stays in the same DVC metric column;
     # by label only where the study holds several configurations of one method.
-    methods = main.groupby("label")["method"].first() if "method" in main else pd.Series(dtype=object)
+    methods = main.groupby("label")["method"].first()
     repeated = set(methods[methods.duplicated(keep=False)])
     for label, grp in main.groupby("label", sort=True):
         method = methods.get(label)

@@ -19,6 +19,8 @@ ROUGE_TYPES: tuple[str, ...] = ("rouge1", "rouge2", "rougeL", "rougeLsum")
 TABLE_ROUGE_L = "rougeL"
 # The paper's three reported metrics, in table order; "average ROUGE" (journal version) is their mean.
 TABLE_METRICS: tuple[str, ...] = ("rouge1", "rouge2", TABLE_ROUGE_L)
+# Every score an evaluation records per example and per client (per_example.parquet, metrics.json, MLflow).
+SCORE_KEYS: tuple[str, ...] = (*ROUGE_TYPES, "avg_rouge")
 
 # A sentence ends at . ! or ? (optionally followed by closing quotes/brackets) before whitespace; existing
 # line breaks are sentence breaks too (e.g. AMI/ICSI summaries stored one sentence per line).
@@ -86,7 +88,7 @@ def mean_scores(per_example: Iterable[dict[str, float]]) -> dict[str, float]:
     """Mean over examples of each variant (+ ``avg_rouge`` and the count ``n``); the corpus score we report."""
     rows = list(per_example)
     if not rows:
-        return {**{name: math.nan for name in ROUGE_TYPES}, "avg_rouge": math.nan, "n": 0}
+        return {**dict.fromkeys(SCORE_KEYS, math.nan), "n": 0}
     means = {name: sum(r[name] for r in rows) / len(rows) for name in ROUGE_TYPES}
     return means | {"avg_rouge": average_rouge(means), "n": len(rows)}
 

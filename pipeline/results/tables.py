@@ -56,6 +56,10 @@ class ReportInputs:
     def labels(self) -> dict[str, str]:
         return with_labels(self.planned)
 
+    @functools.cached_property
+    def configurations(self) -> list[comparisons.Config]:
+        return comparisons.configurations(self.planned, self.labels)
+
 
 @dataclass
 class Made:
@@ -82,17 +86,15 @@ def _client_order(clients: Iterable[str]) -> list[str]:
 def aggregate(scores: pd.DataFrame, inp: ReportInputs) -> pd.DataFrame:
     """Mean and sample std over seeds per (configuration, backbone, client), with the seeds present and missing
     (expected: `report.expected_seeds` plus any seed the `experiments` params plan for the configuration)."""
-    expected = set(int(s) for s in inp.cfg.expected_seeds)
-    planned_seeds: dict[tuple, set[int]] = defaultdict(set)
-    for p in inp.planned:
-        planned_seeds[tuple(inp.labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS)].add(p.seed)
+    expected = set(inp.cfg.expected_seeds)
+    planned_seeds = {(c.study, c.label): {s for s, _ in c.runs} for c in inp.configurations}
     keys = [*GROUP_COLS, "backbone", "client"]
     columns = [*keys, *(f"{m}_{x}" for m in METRICS for x in ("mean", "std")), "n_seeds", "seeds", "missing_seeds"]
     out_rows = []
     for key, grp in scores.groupby(keys, dropna=False, sort=False):
         rec = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in zip(keys, key)}
         seeds = sorted(int(s) for s in grp["seed"])
-        missing = (expected | planned_seeds.get(tuple(rec[c] for c in GROUP_COLS), set())) - set(seeds)
+        missing = (expected | planned_seeds.get((rec["study"], rec["label"]), set())) - set(seeds)
         rec |= {f"{m}_mean": float(grp[m].mean()) for m in METRICS}
         # the sample std: NaN for one seed (its spread is unknown, not 0)
         rec |= {f"{m}_std": float(grp[m].std(ddof=1)) for m in METRICS}
@@ -137,15 +139,12 @@ def main_table(agg: pd.DataFrame, backbone: str, inp: ReportInputs) -> pd.DataFr
                 }
             )
 
-    absent: dict[str, tuple[str, set[int]]] = {}
-    for p in inp.planned:
-        if p.study == "main" and inp.labels[p.name] not in set(sub["label"]):
-            absent.setdefault(inp.labels[p.name], (p.method, set()))[1].add(p.seed)
-    for label, (method, seeds) in absent.items():
-        none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
-        none["missing_seeds"] = ",".join(map(str, sorted(seeds | set(inp.cfg.expected_seeds))))
-        for client in QMSUM_DOMAINS:
-            add(method, label, client, none)
+    for c in inp.configurations:
+        if c.study == "main" and c.label not in set(sub["label"]):
+            none = {f"{m}_{x}": math.nan for m in METRICS for x in ("mean", "std")} | {"n_seeds": 0, "seeds": ""}
+            none["missing_seeds"] = ",".join(map(str, sorted({s for s, _ in c.runs} | set(inp.cfg.expected_seeds))))
+            for client in QMSUM_DOMAINS:
+                add(c.method, c.label, client, none)
     # the sort below puts the configurations in the paper's method order
     for (method, label), lsub in sub.groupby(["method", "label"], sort=True):
         for client in _client_order(lsub["client"]):
