@@ -111,3 +111,25 @@ def test_a_private_import_across_packages_is_found(tmp_path):
     assert _private_imports_across_packages(tmp_path) == [
         "pipeline/federation/deployment.py: pipeline.results.tracking._client"
     ]
+
+
+# ----------------------------------------------------------------------------------------------- room sizes
+MAX_MODULE_LINES = 400  # issue 55: no module over 400 lines as ruff formats it (`make lint` checks the formatting)
+
+
+def _oversized(package: Path, limit: int = MAX_MODULE_LINES) -> dict[str, int]:
+    """The modules under ``package`` longer than ``limit`` lines, counted as `wc -l` counts them (newlines)."""
+    sizes = {str(p.relative_to(package.parent)): p.read_bytes().count(b"\n") for p in sorted(package.rglob("*.py"))}
+    return {name: n for name, n in sizes.items() if n > limit}
+
+
+def test_no_module_of_the_package_is_over_400_formatted_lines():
+    assert _oversized(ROOT / "pipeline") == {}
+
+
+def test_a_module_over_the_limit_is_named_with_its_size(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "small.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (package / "sub" / "large.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    assert _oversized(package) == {"pkg/sub/large.py": MAX_MODULE_LINES + 1}
