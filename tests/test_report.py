@@ -457,3 +457,23 @@ def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
     study = Path(__file__).resolve().parents[1] / "reports/cpu-study"
     got = dict(centralized_step_ratios(declared(load_params(study / "params.yaml")), study / "train", 8, 2))
     assert got == pytest.approx({"Academic": 69 / 14, "Committee": 69 / 18, "Product": 69 / 38})
+
+
+def test_a_bar_figure_has_a_paper_column_only_where_the_paper_has_a_value_for_its_bars(tmp_path):
+    from pipeline.results.figures import StudyFigure, bar_figure
+    from pipeline.results.scoring import TABLE_METRICS
+
+    def bars(client):
+        row = {"method": "fedprox", "client": client, "label": "fedprox", "backbone": "tiny", "n_seeds": 2}
+        row |= {"avg_rouge_mean": 20.0, "avg_rouge_std": 1.0, "missing_seeds": ""}
+        return pd.DataFrame([row | {f"{m}_mean": 20.0 for m in TABLE_METRICS}])
+
+    paths = ProjectPaths(tmp_path)
+    paths.figures.mkdir(parents=True)
+    paths.plots.mkdir(parents=True)
+    # The paper lists FedProx, but only for Academic: the study's SAMSum bar has no paper value beside it.
+    entry = StudyFigure(study="server", title="t", paper={"fedprox": {"Academic": 24.0}})
+    bar_figure(bars("SAMSum"), entry, paths)
+    assert "paper_avg_rouge" not in pd.read_csv(paths.plots / "server.csv").columns
+    bar_figure(bars("Academic"), entry, paths)
+    assert pd.read_csv(paths.plots / "server.csv")["paper_avg_rouge"].tolist() == [24.0]

@@ -62,7 +62,7 @@ def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> s
     out["bar"] = out["client"] + " | " + out["label"] + ((" | " + out[facet_col].astype(str)) if facet_col else "")
     by_facet, means = [facet_col] if facet_col else [], [f"{m}_mean" for m in TABLE_METRICS]
     cols = ["bar", "client", "label", *by_facet, "avg_rouge_mean", "avg_rouge_std", *means, "n_seeds", "missing_seeds"]
-    paper = ["paper_avg_rouge"] if any(table.get(m) for m in data["method"]) else []  # a column only where it has some
+    paper = ["paper_avg_rouge"] if data["paper_avg_rouge"].notna().any() else []  # a column only where it has some
     atomic.to_csv(out[cols + paper], plot_path, index=False)
     return str(fig_path)
 
