@@ -53,8 +53,11 @@ class _Clock:
 
         clock = self
         original_run, original_main = set_engine.Deferred.__init__, set_engine._Member._main
+        # One timed wrapper per stacked call: the barrier groups the deliveries' jobs by the identity of their call,
+        # and a wrapper per delivery would have each job train alone (the records before e66bf1a's did).
+        wrappers: dict[Any, Any] = {}
 
-        def deferred_init(self, job, run, result=None):
+        def timed_call(run):
             def timed(jobs):
                 t = time.perf_counter()
                 try:
@@ -62,7 +65,10 @@ class _Clock:
                 finally:
                     clock.stacked += time.perf_counter() - t
 
-            original_run(self, job, timed, result)
+            return timed
+
+        def deferred_init(self, job, run, result=None):
+            original_run(self, job, wrappers.setdefault(run, timed_call(run)), result)
 
         def profiled_main(self):
             if not clock.profiling:
@@ -126,6 +132,7 @@ def measure(work: Path, rounds: int, train: int, valid: int, repeats: int = 1) -
     from benchmarks import engine
     from benchmarks.gpu_engine import _study_plans
     from pipeline.train import run_set
+    from pipeline.training import local_batch
 
     params_path = work / "set-round-params.yaml"
     params_path.write_text(yaml.safe_dump(study_params(train, valid)))
@@ -147,7 +154,12 @@ def measure(work: Path, rounds: int, train: int, valid: int, repeats: int = 1) -
             walls.append((wr - w1) / later)
             hosts.append(((wr - ar) - (w1 - a1)) / later)
         clock.profiling = True
-        one, many = (_profiled_set(clock, sets[n])[2] for n in (1, rounds))
+        before = dict(local_batch.STATS)
+        one = _profiled_set(clock, sets[1])[2]
+        middle = dict(local_batch.STATS)
+        many = _profiled_set(clock, sets[rounds])[2]
+        # the stacked calls a later round made: train groups, the jobs they held, validation groups
+        grouping = {k: (local_batch.STATS[k] - 2 * middle[k] + before[k]) / later for k in local_batch.STATS}
     finally:
         undo()
     table = {
@@ -169,6 +181,7 @@ def measure(work: Path, rounds: int, train: int, valid: int, repeats: int = 1) -
         "host_seconds_per_round_all": [round(h, 2) for h in hosts],
         "host_cpu_seconds_per_round": round(cpu_all - cpu_stacked, 2),
         "stacked_cpu_seconds_per_round": round(cpu_stacked, 2),
+        "stacked_calls_per_round": {k: round(v, 1) for k, v in grouping.items()},
         "top_own": _top(table, 1),
         "top_cumulative": _top(table, 2),
     }
@@ -193,7 +206,8 @@ def _summary(res: dict[str, Any]) -> str:
     print(
         f"{res['runs']} runs, round {res['round_seconds']} s: stacked (a) {res['stacked_seconds_per_round']} s, "
         f"host (b) {res['host_seconds_per_round']} s (of {res['host_seconds_per_round_all']}); CPU seconds: host "
-        f"{res['host_cpu_seconds_per_round']}, stacked {res['stacked_cpu_seconds_per_round']}",
+        f"{res['host_cpu_seconds_per_round']}, stacked {res['stacked_cpu_seconds_per_round']}; stacked calls a round "
+        f"{res.get('stacked_calls_per_round', 'not recorded')}",
         file=out,
     )
     for key in ("top_own", "top_cumulative"):
