@@ -35,7 +35,6 @@ class ProjectPaths:
     # reports
     reports = _at("reports")
     backbone_report = _at("reports/backbone.json")
-    train_reports = _at("reports/train")
     eval_reports = _at("reports/eval")
     analysis = _at("reports/analysis")
     kd_analysis = _at("reports/analysis/kd_analysis.json")

@@ -195,25 +195,23 @@ def run_commands(
     return commands
 
 
-def experiment_commit(name: str, repo: str | Path = ".") -> tuple[str, str]:
+def experiment_commit(name: str) -> tuple[str, str]:
     """(commit, ref) of the newest DVC experiment called ``name`` (DVC keeps it as a git ref under refs/exps)."""
     command = ["git", "for-each-ref", "--sort=-committerdate", "--format=%(objectname) %(refname)", "refs/exps/"]
-    listed = subprocess.run(command, cwd=repo, capture_output=True, text=True, check=True).stdout.split("\n")
+    listed = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split("\n")
     if not (found := [line.split(" ", 1) for line in listed if line.endswith("/" + name)]):
-        raise PresetError(
-            f"no DVC experiment named {name!r} in {Path(repo).resolve()} (see `dvc exp list --all-commits`)"
-        )
+        raise PresetError(f"no DVC experiment named {name!r} in {Path.cwd()} (see `dvc exp list --all-commits`)")
     return found[0][0], found[0][1]
 
 
-def export_experiment(name: str, dest: str | Path, paths: list[str], repo: str | Path = ".") -> list[str]:
+def export_experiment(name: str, dest: str | Path, paths: list[str]) -> list[str]:
     """Copy the experiment's params.yaml, dvc.lock and ``paths`` (globs allowed; ``SRC=TARGET`` renames) into
     ``dest`` and write ``dest/EXPERIMENT.yaml`` naming the experiment, its commit and what was copied. Returns the
     files written, relative to ``dest``. A path the experiment does not have is an error naming it."""
     from dvc.api import DVCFileSystem
 
-    commit, ref = experiment_commit(name, repo)
-    fs, dest, written = DVCFileSystem(str(repo), rev=commit), Path(dest), []
+    commit, ref = experiment_commit(name)
+    fs, dest, written = DVCFileSystem(".", rev=commit), Path(dest), []
     for spec in ["params.yaml", "dvc.lock", *paths]:
         src, _, target = spec.partition("=")
         matches = sorted(fs.glob(src)) if any(c in src for c in "*?[") else [src] if fs.exists(src) else []

@@ -12,18 +12,11 @@ SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
 
 # Upstream split names -> ours (QMSum `val`, SAMSum `validation`, HMNet `dev`).
-_SPLIT_ALIASES = {"train": "train", "test": "test"} | dict.fromkeys(("val", "valid", "validation", "dev"), "valid")
+SPLIT_ALIASES = {"train": "train", "test": "test"} | dict.fromkeys(("val", "valid", "validation", "dev"), "valid")
 
 
 class DataError(ValueError):
     """Bad input data. The message names the file, the line or record, and the problem."""
-
-
-def normalise_split(name: str, where: str = "") -> str:
-    try:
-        return _SPLIT_ALIASES[name]
-    except KeyError:
-        raise DataError(f"{where}: unknown split name {name!r}; expected one of {sorted(_SPLIT_ALIASES)}") from None
 
 
 @dataclass(frozen=True)

@@ -141,7 +141,7 @@ def tag_targets(
 
 def write_target_tags(
     cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, report_path: Path, max_target_length: int
-) -> pd.DataFrame:
+) -> None:
     """Tag the targets of the examples of ``cfg.datasets`` into ``out_path`` and their counts into ``report_path``."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
@@ -187,4 +187,3 @@ def write_target_tags(
     print(
         f"postag: {len(examples)} summaries, {len(table)} tokens, {len(words)} words in {seconds:.0f} s -> {out_path}"
     )
-    return table

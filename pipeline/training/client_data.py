@@ -54,7 +54,6 @@ def read_partition(path: str | Path) -> dict[str, Any]:
 
 @dataclass
 class ClientData:
-    client: str
     train: pd.DataFrame
     valid: pd.DataFrame
     n_train_available: int  # before subsampling (train.weight_by: full)
@@ -96,7 +95,7 @@ def _client_data(
             )
         chosen = subsample_ids(ids, limit, derived_seed(seed, client, split, "subsample"))
         frames[split] = _frame(examples_path, versions, tuple(chosen))
-    return ClientData(client, frames["train"], frames["valid"], len(splits["train"]))
+    return ClientData(frames["train"], frames["valid"], len(splits["train"]))
 
 
 @lru_cache(maxsize=64)

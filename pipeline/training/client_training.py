@@ -141,14 +141,9 @@ class Proximal:
         self.params, self.reference, self.mu = params, reference, mu
         self.value = 0.0  # last value of the term
 
-    def term(self) -> torch.Tensor:
-        prox = proximal_term(self.params, self.reference, self.mu)
-        self.value = float(prox.detach())
-        return prox
-
     def add_gradient(self) -> None:
         with torch.no_grad():
-            self.term()
+            self.value = float(proximal_term(self.params, self.reference, self.mu))
             for p, r in zip(self.params, self.reference, strict=True):
                 p.grad.add_(self.mu * (p - r))
 

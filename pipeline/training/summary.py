@@ -37,7 +37,7 @@ def run_identity_tags(plan: Plan, engine: str) -> dict[str, str]:
     }
 
 
-def merge_gate_logs(plan: Plan) -> Path:
+def merge_gate_logs(plan: Plan) -> None:
     """Concatenate the clients' per-round gate logs (rounds 1..R) into models/<exp>/gate_log.parquet (the parts
     stay until the run's checkpoint is gone: pipeline.train.run_experiment)."""
     out_dir = Path(plan.paths["out_dir"])
@@ -48,7 +48,6 @@ def merge_gate_logs(plan: Plan) -> Path:
     ]
     path = out_dir / "gate_log.parquet"
     atomic.to_parquet(pd.concat(parts, ignore_index=True) if parts else empty_gate_log(), path, index=False)
-    return path
 
 
 def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[float]) -> dict[str, Any]:

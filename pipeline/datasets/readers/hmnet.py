@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import ConfigDict
 
-from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Turn, normalise_split
+from pipeline.common.schema import SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
 from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
@@ -41,7 +41,7 @@ def hmnet_files(dataset: str) -> dict[str, str]:
     corpus = HMNET_CORPUS[dataset]
     return {
         f"{HMNET_PREFIX}ExampleRawData/meeting_summarization/{corpus}_proprec/{split}/split_{k}.jsonl.gz": (
-            f"{dataset}/{corpus}/{normalise_split(split)}"
+            f"{dataset}/{corpus}/{SPLIT_ALIASES[split]}"
         )
         for split, n in HMNET_CHUNKS[dataset].items()
         for k in range(n)

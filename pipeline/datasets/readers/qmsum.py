@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pipeline.common.schema import QMSUM_DOMAINS, CanonicalRecord, DataError, IngestReport, Turn, normalise_split
+from pipeline.common.schema import QMSUM_DOMAINS, SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
 from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
@@ -62,7 +62,7 @@ def _parse_span(raw: Any, n_turns: int, where: str) -> tuple[int, int]:
 
 def qmsum_files() -> dict[str, str]:
     return {
-        f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{normalise_split(s)}"
+        f"data/{d}/jsonl/{s}.jsonl": f"qmsum/{d}/{SPLIT_ALIASES[s]}"
         for d in QMSUM_DOMAINS
         for s in ("train", "val", "test")
     }

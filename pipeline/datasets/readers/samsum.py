@@ -9,7 +9,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from pipeline.common.schema import CanonicalRecord, DataError, IngestReport, Skipped, Turn, normalise_split
+from pipeline.common.schema import SPLIT_ALIASES, CanonicalRecord, DataError, IngestReport, Skipped, Turn
 from pipeline.datasets.readers.registry import DatasetSpec, register_reader
 from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
@@ -21,7 +21,7 @@ _TURN_SEP = re.compile(r"\r\n|\n")
 
 
 def samsum_files() -> dict[str, str]:
-    return {name: f"samsum/SAMSum/{normalise_split(name.removesuffix('.json'))}" for name in SAMSUM_FILES}
+    return {name: f"samsum/SAMSum/{SPLIT_ALIASES[name.removesuffix('.json')]}" for name in SAMSUM_FILES}
 
 
 class SamsumDialogue(UpstreamRecord):
