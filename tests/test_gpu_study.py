@@ -134,6 +134,11 @@ def test_train_processes_take_whole_arms_dealt_in_turn():
         *(a for e in sets[1] for a in ("--experiment", e)),
         "--no-mlflow",
     ]
+    # each set is evaluated right after it trained, the same experiments
+    assert [n for n in steps if "@" in n and n.split("@")[0] in ("train", "evaluate")] == [
+        f"{stage}@{i}" for i in (1, 2, 3) for stage in ("train", "evaluate")
+    ]
+    assert steps["evaluate@2"] == ["-m", "tools.gpu_study.device", "evaluate", *steps["train@2"][2:-1]]
     assert device.train_sets(experiments[:5], 3) == [experiments[:5]]  # one arm: one process
 
 
@@ -197,6 +202,26 @@ def test_the_train_step_is_sampled_until_it_ends_or_is_cut(tmp_path, seconds, li
     assert stopped in (("SIGINT", "exit") if ok else ("SIGINT",))
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["first-call", "resumed-call"])
+def test_each_set_trains_then_evaluates_in_its_own_lane_beside_the_others(tmp_path, resumed):
+    def sleeping(seconds):
+        return ["-c", f"import time; time.sleep({seconds})"]
+
+    commands = [("plan", sleeping(0))]
+    commands += [
+        (f"{stage}@{i}", sleeping(1.0 if stage == "train" else 0)) for i in (1, 2) for stage in ("train", "evaluate")
+    ]
+    if not resumed:  # a first call's data stages and backbone come before (a resumed call has them done)
+        commands = [("ingest@samsum", sleeping(0)), ("backbone", sleeping(0))] + commands
+    record: dict = {"steps": []}
+    with (tmp_path / "log.txt").open("w") as log:
+        assert device.Steps(record, log, 60, time.monotonic()).stages(commands, tmp_path, dict(os.environ))
+    start = {s["step"]: s["started_at"] for s in record["steps"]}
+    assert sorted(start) == sorted(name for name, _ in commands)
+    assert abs(start["train@1"] - start["train@2"]) < 0.5  # the sets side by side
+    assert start["evaluate@1"] - start["train@1"] >= 1.0 and start["evaluate@2"] - start["train@2"] >= 1.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # ~3 min on 2 loaded cores: every stage in its own process, then the import
 def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
@@ -224,12 +249,13 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     md5 = json.loads(tar_member(out / "results.tar.gz", "weights.md5.json"))
     assert "models/backbone/model.safetensors" in md5 and any("/clients/" in k for k in md5)
 
-    # a later call on the same machine goes on where a cut one stopped: its train step timed out with one run
-    # unfinished, evaluate never ran. It trains that run alone (to what it computed in the set) and evaluates all
+    # a later call on the same machine goes on where a cut one stopped: its train steps timed out with one run
+    # unfinished, no evaluation ran. It trains that run alone (to what it computed in the set) and evaluates both sets
     work, cut = tmp_path / "work", next(iter(_yaml(TINY)["experiments"]))
     record = json.loads((work / "study.json").read_text())
     for step in record["steps"]:
-        step.update(status="failed (timeout)" if step["step"] in ("train@1", "train@2", "evaluate") else step["status"])
+        cut_steps = ("train@1", "train@2", "evaluate@1", "evaluate@2")
+        step.update(status="failed (timeout)" if step["step"] in cut_steps else step["status"])
     (work / "study.json").write_text(json.dumps(record))
     models = work / "repo" / "models"
     trained = {e: json.loads((models / e / "metrics.json").read_text()) for e in _yaml(TINY)["experiments"]}
@@ -238,7 +264,7 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     out = tmp_path / "out-resumed"
     rec = device.run_study(tmp_path / "no-carry", out, TINY, work, budget_s=900, resume=True, train_processes=2)
     # the set holding the unfinished run trains again; the other set's runs all finished: not restarted
-    assert rec["complete"] and [s["step"] for s in rec["steps"]] == ["train@1", "evaluate"], rec["steps"]
+    assert rec["complete"] and sorted(s["step"] for s in rec["steps"]) == ["evaluate@1", "evaluate@2", "train@1"]
     assert [len(c["steps"]) for c in rec["earlier_calls"]] == [len(record["steps"])]
     again = json.loads((models / cut / "metrics.json").read_text())
     assert {k: v for k, v in again.items() if k not in ("seconds_per_round", "peak_rss_mb")} == {

@@ -16,14 +16,17 @@ child ``python`` as dvc.yaml's command for it (``python -m pipeline.<stage> ...`
    backbone's one input) the backbone's warm-up on the GPU runs beside the other data stages on the CPU
    (:func:`stage_lanes`), as ``make repro`` runs them;
 4. ``train`` with every experiment of the profile in one call (``--experiment A --experiment B ...``, ``--no-mlflow``:
-   the MLflow runs are made at the import);
-5. ``evaluate`` of every experiment in one process (the stage's library function under the stage's timer: one
-   backbone load and CUDA start instead of one per experiment; decoding batch size is ``evaluate.batch_size``);
+   the MLflow runs are made at the import), or with ``--train-processes`` n, n such calls side by side, each with a
+   set of the arms (``train@1``, ...);
+5. ``evaluate`` of those experiments in one process (the stage's library function under the stage's timer: one
+   backbone load and CUDA start instead of one per experiment; decoding batch size is ``evaluate.batch_size``); with
+   n sets, each set's ``evaluate@i`` right after its ``train@i``, while the other sets still train;
 6. the outputs (without weights) packed into at most 8 files under ``--out``, whatever happened before: a step that
    fails or outruns ``--budget`` is stopped, recorded in ``study.json`` and the steps after it are skipped.
 
 A later call on the same warm machine (``run --resume``, no carry) goes on where the last one stopped: the steps
-it finished stay done, ``train`` resumes every run from its last round checkpoint, then ``evaluate``; study.json
+it finished stay done, ``train`` resumes every run from its last round checkpoint, then ``evaluate`` (the sets'
+lanes side by side again, each with what is left of it); study.json
 keeps the earlier calls' records under ``earlier_calls``. One lease's 15 minutes hold the staging call, a 600 s
 call and a resumed call of the rest.
 
@@ -144,7 +147,10 @@ def train_sets(experiments: list[str], processes: int) -> list[list[str]]:
 def stage_commands(params: dict[str, Any], train_processes: int = 1) -> list[tuple[str, list[str]]]:
     """(step, argv after ``python``) of dvc.yaml's stages the study needs, in dependency order; with
     ``train_processes`` > 1 the experiments train in that many processes side by side (``train@1``, ...): the host
-    work each set does between its GPU calls runs on its own core while the others' kernels use the GPU."""
+    work each set does between its GPU calls runs on its own core while the others' kernels use the GPU. Each set's
+    experiments are evaluated as soon as it has trained (``evaluate@1``, ...: the evaluate stage's work for them in
+    one process), while the other sets still train: the GPU they leave idle decodes, and a call the budget cuts
+    still returns the evaluations of the sets that finished."""
     steps: list[tuple[str, list[str]]] = [
         (f"ingest@{ds}", ["-m", "pipeline.ingest", "--dataset", ds]) for ds in params["ingest"]["datasets"]
     ]
@@ -160,9 +166,9 @@ def stage_commands(params: dict[str, Any], train_processes: int = 1) -> list[tup
     sets = train_sets(list(params["experiments"]), train_processes)
     for i, runs in enumerate(sets, start=1):
         flags = [a for e in runs for a in ("--experiment", e)]
-        steps.append(("train" if len(sets) == 1 else f"train@{i}", ["-m", "pipeline.train", *flags, "--no-mlflow"]))
-    experiments = [a for e in params["experiments"] for a in ("--experiment", e)]
-    steps.append(("evaluate", ["-m", "tools.gpu_study.device", "evaluate", *experiments]))
+        at = "" if len(sets) == 1 else f"@{i}"
+        steps.append((f"train{at}", ["-m", "pipeline.train", *flags, "--no-mlflow"]))
+        steps.append((f"evaluate{at}", ["-m", "tools.gpu_study.device", "evaluate", *flags]))
     return steps
 
 
@@ -175,8 +181,8 @@ def stage_lanes(
     """:func:`stage_commands` as: what comes first (the backbone's input), two lanes that run side by side (the
     backbone; the other data stages) and what comes after both (plan, train, evaluate), each in its order."""
     names = [name for name, _ in steps]
-    if "backbone" not in names:
-        return steps, [], []
+    if "backbone" not in names:  # a resumed call's: what is left, the sets still side by side
+        return [], [], steps
     cut = names.index("backbone")
     before = [s for s in steps if s[0] == BACKBONE_INPUT]
     data = [s for s in steps[:cut] if s[0] != BACKBONE_INPUT]
@@ -366,16 +372,20 @@ class Steps:
 
     def stages(self, commands: list[tuple[str, list[str]]], cwd: Path, env: dict[str, str]) -> bool:
         """:func:`stage_commands` in :func:`stage_lanes`' order: the backbone's warm-up (GPU) beside the other data
-        stages (CPU); the train processes (``train@i``) side by side; after a failure the rest are skipped."""
+        stages (CPU); each set's ``train@i`` then ``evaluate@i`` in a lane, the sets' lanes side by side (a resumed
+        call's lane may hold only what is left of it); after a failure the rest are skipped."""
         before, lanes, after = stage_lanes(commands)
-        trains = [s for s in after if s[0].startswith("train@")]  # the experiments' sets train side by side too
-        cut = after.index(trains[0]) if trains else len(after)
+        in_sets = [s for s in after if s[0].startswith(("train@", "evaluate@"))]  # the experiments' sets
+        sets: dict[str, list[tuple[str, list[str]]]] = {}
+        for step in in_sets:
+            sets.setdefault(step[0].split("@")[1], []).append(step)
+        cut = after.index(in_sets[0]) if in_sets else len(after)
         ok = (
             self.lane(before, cwd, env)
             and self.side_by_side(lanes, cwd, env)
             and self.lane(after[:cut], cwd, env)
-            and self.side_by_side([[t] for t in trains], cwd, env)
-            and self.lane(after[cut + len(trains) :], cwd, env)
+            and self.side_by_side(list(sets.values()), cwd, env)
+            and self.lane(after[cut + len(in_sets) :], cwd, env)
         )
         if not ok:  # the steps never reached
             reached = {e["step"] for e in self.record["steps"]}
