@@ -104,6 +104,12 @@ def test_carry_split_over_staging_calls_reassembles_the_weights(tmp_path):
     assert len(stages) >= 2 and stages == [f"stage{i}" for i in range(1, len(stages) + 1)]
     assert all(v <= carry_small for v in m["calls"].values())
     assert m["weights"]["parts"] == [f"weights.part{i}" for i in range(1, len(stages) + 2)]
+    # the lease's calls prepare prints: a staging call per folder, in order, then the study's and the resumed call
+    calls = prepare.lease_calls(m)
+    assert len(calls) == len(stages) + 2
+    assert [c.rsplit(" ", 1)[-1] for c in calls[: len(stages)]] == [f".gpu-study/{n}" for n in stages]
+    assert calls[-2].startswith('carry [".gpu-study/carry"], limit 600 s: ') and "--carry .gpu-study/carry" in calls[-2]
+    assert "--resume" in calls[-1] and "--train-processes 3" in calls[-1]
     staged = tmp_path / "staged"
     with pytest.raises(SystemExit, match="staging call"):
         device.assemble_minilm(tmp_path / "lease/carry", staged, tmp_path / "out")

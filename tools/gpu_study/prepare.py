@@ -198,6 +198,26 @@ def build_carry(
     return manifest
 
 
+STUDY_CALL = 'python3 -m tools.gpu_study.device run --carry .gpu-study/carry --out "$OUT" --budget 570'
+RESUMED_CALL = 'python3 -m tools.gpu_study.device run --resume --py-spy .gpu-study/resume/py-spy --out "$OUT"'
+
+
+def lease_calls(manifest: dict[str, Any], train_processes: int = 3) -> list[str]:
+    """The device calls of a lease, in order, as docs/gpu-lease.md step 2 makes them: one staging call per
+    ``stage<i>`` folder this carry has, the study's call, and the resumed call if the study did not finish."""
+    stages = sorted((n for n in manifest["calls"] if n != "carry"), key=lambda n: int(n[len("stage") :]))
+    calls = [
+        f'carry [".gpu-study/{n}"], limit 60 s: python3 -m tools.gpu_study.device stage .gpu-study/{n}' for n in stages
+    ]
+    processes = f"--train-processes {train_processes}"
+    calls.append(f'carry [".gpu-study/carry"], limit 600 s: {STUDY_CALL} {processes}')
+    calls.append(
+        'if the study did not finish: carry [".gpu-study/resume"], limit B + 20 s, B = budget_left_s - 30: '
+        f"{RESUMED_CALL} --budget B {processes}"
+    )
+    return calls
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", type=Path, default=REPO, help="the checkout the call sends (default: this one)")
@@ -224,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  .gpu-study/{name}: {size / MiB:.1f} MiB + tree = {(size + tree) / MiB:.1f} of {LIMIT / MiB:.0f} MiB")
     spy = py_spy(root / ".gpu-study/cache", root / ".gpu-study/resume")
     print(f"  .gpu-study/resume (a resumed call's): py-spy {spy.stat().st_size / MiB:.1f} MiB + tree")
+    print("the lease's calls, back to back (docs/gpu-lease.md step 2):")
+    for i, call in enumerate(lease_calls(m), start=1):
+        print(f"  {i}. {call}")
 
 
 if __name__ == "__main__":
