@@ -281,6 +281,7 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
     assert "in 2 call(s) on one machine" in section and "every step completed" in section
     assert re.search(r"\| train@2 \| failed \(timeout\) \| [\d.]+ \| 1 \|", section)
     assert re.search(r"\| train@1 \| ok \| [\d.]+ \| 2 \|", section) and "2 sets in processes side by side" in section
+    assert "GPU over the training step (with a finished set's evaluation beside the sets still training)" in section
 
     # here: the import, into a scratch study folder and MLflow store
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")

@@ -164,7 +164,8 @@ def markdown(
         f"{min(first, default=0)}-{max(first, default=0)} s (the prefix cache filled); after it a round of the set "
         f"(every run one round) took {set_round:.1f} s (median of {len(durations)} rounds of the runs' bars; "
         f"{min(durations, default=0)}-{max(durations, default=0)} s), **{per_run_round:.2f} s per run-round** (the "
-        "runs of a set meet at one barrier each round; sets in processes side by side add up). GPU over the training step: utilisation "
+        "runs of a set meet at one barrier each round; sets in processes side by side add up). GPU over the training "
+        f"step{_overlap(calls)}: utilisation "
         f"{_number(sum(util) / len(util) if util else None, '.1f')} % on average, {_share(util, lambda u: u <= 5)} % of the 2-s samples at or under 5 % and "
         f"{_share(util, lambda u: u >= 50)} % at or over 50 %; memory at most "
         f"{max((m for _, m in in_train), default=0):.0f} MiB. The steps before training took {before_train:.0f} s "
@@ -187,6 +188,12 @@ def _sets(calls: list[dict[str, Any]]) -> str:
     """How the runs trained: one set, or sets in processes side by side (train@1, train@2, ...)."""
     n = len({s["step"] for call in calls for s in call["steps"] if s["step"].startswith("train@")})
     return f"{n} sets in processes side by side" if n else "one set"
+
+
+def _overlap(calls: list[dict[str, Any]]) -> str:
+    """What else the GPU did during the training windows: a finished set's evaluation beside the sets still training."""
+    evaluated = any(s["step"].startswith("evaluate@") for call in calls for s in call["steps"])
+    return " (with a finished set's evaluation beside the sets still training)" if evaluated else ""
 
 
 def _number(value: float | None, spec: str) -> str:
