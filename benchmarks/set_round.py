@@ -68,7 +68,9 @@ class _Clock:
             return timed
 
         def deferred_init(self, job, run, result=None):
-            original_run(self, job, wrappers.setdefault(run, timed_call(run)), result)
+            if run not in wrappers:
+                wrappers[run] = timed_call(run)
+            original_run(self, job, wrappers[run], result)
 
         def profiled_main(self):
             if not clock.profiling:
