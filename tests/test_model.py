@@ -359,3 +359,47 @@ def test_make_batches_bucketing_by_length(summarizer):
     perm = [b.example_ids for b in batches(5, False)]
     chunks = [sorted(sum(perm[i : i + 2], [])) for i in range(0, len(perm), 2)]
     assert all(any(set(b.example_ids) <= set(c) for c in chunks) for b in small)
+
+
+def _builders_masks(model: AdapterSummarizer, prefix):
+    """The masks as the HF decoders make them: an all-ones target mask and the source mask, each tested for padding."""
+    from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+
+    h, config = prefix.decoder_hidden, model._stack.config
+    ones = torch.ones(h.shape[:2], dtype=torch.long)
+    causal = create_causal_mask(config=config, inputs_embeds=h, past_key_values=None, attention_mask=ones)
+    cross = create_bidirectional_mask(
+        config=config, inputs_embeds=h, attention_mask=prefix.encoder_mask, encoder_hidden_states=prefix.encoder_hidden
+    )
+    return causal, cross
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_top_masks_are_the_builders_masks_made_without_reading_the_device(summarizer, batch, attention):
+    """top_masks gives the masks the HF builders give (None where they skip one), for a padded and an unpadded
+    source, and reads nothing from the device: on the meta device (no values to read) it builds them from the
+    host's source mask, while a builder given the device's padding mask reads it (a host sync on a GPU)."""
+    config = summarizer._stack.config
+    before = config._attn_implementation
+    config._attn_implementation = attention
+    try:
+        full = summarizer.compute_prefix(batch)
+        assert not batch.attention_mask.all()  # the fixture's sources are padded
+        rows = torch.tensor([i for i in range(len(batch)) if batch.attention_mask[i].all()])  # the longest source
+        unpadded = type(full)(*(t[rows] for t in vars(full).values()))
+        assert _builders_masks(summarizer, unpadded)[1] is None  # no padding: the builder skips the cross mask
+        for prefix, host in ((full, batch.attention_mask), (unpadded, batch.attention_mask[rows])):
+            expected = _builders_masks(summarizer, prefix)
+            for source_mask in (host, None):
+                for mask, want in zip(summarizer.top_masks(prefix, source_mask), expected, strict=True):
+                    assert (mask is None) == (want is None)
+                    assert mask is None or torch.equal(mask, want)
+        meta = full.to("meta")
+        self_mask, cross_mask = summarizer.top_masks(meta, batch.attention_mask)
+        assert cross_mask is not None and cross_mask.device.type == "meta"
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            summarizer.top_masks(meta)  # the prefix's own mask: read from the device
+        with pytest.raises((NotImplementedError, RuntimeError)):
+            _builders_masks(summarizer, meta)
+    finally:
+        config._attn_implementation = before

@@ -252,23 +252,22 @@ class AdapterSummarizer(nn.Module):
             (batch.labels != IGNORE_INDEX).to(self.device),
         )
 
-    def top_masks(self, prefix: Prefix):
+    def top_masks(self, prefix: Prefix, source_mask: torch.Tensor | None = None):
+        """The top layers' masks, from the builders the HF decoders call. A builder given a padding mask tests it in a
+        Python ``if`` (on a GPU, a host sync), so the causal self-attention over right-padded targets gets none (their
+        padding never reaches a valid token) and the cross-attention's is passed only where ``source_mask`` (the
+        prefix's encoder mask on the host: the batch's; None: read from the prefix, a sync) has padding."""
         from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
-        h = prefix.decoder_hidden
-        # Causal self-attention over right-padded targets (padding never reaches valid tokens); cross-attention:
-        # source padding masked. The same builders the HF decoders call.
-        self_mask = create_causal_mask(
-            config=self._stack.config,
-            inputs_embeds=h,
-            past_key_values=None,
-            attention_mask=torch.ones(h.shape[:2], dtype=torch.long, device=h.device),
-        )
+        h, config = prefix.decoder_hidden, self._stack.config
+        self_mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None)
+        padded = not bool((source_mask if source_mask is not None else prefix.encoder_mask).all())
         cross_mask = create_bidirectional_mask(
-            config=self._stack.config,
+            config=config,
             inputs_embeds=h,
-            attention_mask=prefix.encoder_mask.to(h.device),
+            attention_mask=prefix.encoder_mask.to(h.device) if padded else None,
             encoder_hidden_states=prefix.encoder_hidden,
+            allow_is_bidirectional_skip=not padded,  # the builder's own test: no mask without padding
         )
         return self_mask, cross_mask
 
@@ -316,7 +315,7 @@ class AdapterSummarizer(nn.Module):
     def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, packed: bool = False) -> TwoPathOutput:
         """Both paths from one prefix: local with gradients, global (the teacher) under no_grad."""
         prefix = (prefix if prefix is not None else self.compute_prefix(batch)).to(self.device)
-        masks = self.top_masks(prefix)
+        masks = self.top_masks(prefix, batch.attention_mask)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():
             return TwoPathOutput(logits_local, self.path_logits(prefix, "global", masks, packed))

@@ -116,22 +116,23 @@ def stacked_logits(
     model: AdapterSummarizer,
     prefix: Prefix,
     labels: torch.Tensor,
+    source_mask: torch.Tensor,
     local: AdapterStack,
     teacher: AdapterStack | None,
     taught: list[int],
     bf16: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The packed logits of one micro-batch of every run of a group, ``prefix`` and ``labels`` (on the host) in R
-    run-major blocks: the student's [sum of the runs' target tokens, V] (with gradients; under bf16 autocast if
+    """The packed logits of one micro-batch of every run of a group, ``prefix``, ``labels`` and ``source_mask`` (host)
+    in R run-major blocks: the student's [sum of the runs' target tokens, V] (with gradients; under bf16 autocast if
     ``bf16``: the trainer's choice on CUDA), the teacher's for the runs ``taught`` (under no_grad, float32: a bf16
-    teacher moves the gate: reports/bench/engine.md, section 3). The target rows are indexed on the host (no sync)."""
+    teacher moves the gate: reports/bench/engine.md, section 3). Rows and masks are read on the host (no sync)."""
     device = prefix.decoder_hidden.device
 
     def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor, masks=None) -> torch.Tensor:
         rows = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(device, non_blocking=True)
         return model.path_logits(prefix, stack, masks, rows=rows)
 
-    masks = model.top_masks(prefix)
+    masks = model.top_masks(prefix, source_mask)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         student = packed(local, prefix, labels, masks)
     if teacher is None:
@@ -143,7 +144,7 @@ def stacked_logits(
         rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in taught])
         device_rows = rows.to(device, non_blocking=True)
         taught_prefix = Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values()))
-        return student, packed(teacher, taught_prefix, labels[rows])
+        return student, packed(teacher, taught_prefix, labels[rows], model.top_masks(taught_prefix, source_mask[rows]))
 
 
 def _filled(batch: Batch, rows: int) -> Batch:
@@ -156,11 +157,11 @@ def _filled(batch: Batch, rows: int) -> Batch:
     return Batch(batch.example_ids + batch.example_ids[:1] * extra, *tensors)
 
 
-def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, list[Batch]]:
+def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, torch.Tensor, list[Batch]]:
     """Step ``s``'s micro-batch ``m`` of every job as R run-major blocks: the prefix (computed or read from the cache
-    once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (host;
-    the rows that only fill a block ignored) and each job's own rows of them (what its loss outputs line up with)."""
-    model, cache = jobs[0].model, jobs[0].cache
+    once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (the rows
+    that only fill a block ignored) and source mask (host), and each job's own rows (what its losses line up with)."""
+    model, cache, runs = jobs[0].model, jobs[0].cache, len(jobs)
     batches = [job.steps[s][m][0] for job in jobs]
     shared = all(b.example_ids == batches[0].example_ids for b in batches)
     if shared:
@@ -170,12 +171,12 @@ def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Te
         batch = stack_batches([_filled(b, rows) for b in batches], model.pad_token_id)
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     if shared:
-        return prefix.repeat(len(jobs)), batch.labels.repeat(len(jobs), 1), batches
+        return prefix.repeat(runs), batch.labels.repeat(runs, 1), batch.attention_mask.repeat(runs, 1), batches
     labels = batch.labels.clone()
     for r, b in enumerate(batches):
         labels[r * rows + len(b) : (r + 1) * rows] = IGNORE_INDEX
     blocks = [batch.select(slice(r * rows, r * rows + len(b))) for r, b in enumerate(batches)]
-    return prefix, labels, blocks
+    return prefix, labels, batch.attention_mask, blocks
 
 
 def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
@@ -200,9 +201,9 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
         for s, step in enumerate(tqdm(jobs[0].steps, desc=bar, leave=False, disable=not any(j.progress for j in jobs))):
             optimizer.zero_grad(set_to_none=True)
             for m in range(len(step)):
-                prefix, labels, batches = _micro_batch(jobs, s, m)
+                prefix, labels, source_mask, batches = _micro_batch(jobs, s, m)
                 logits, teacher_logits = stacked_logits(
-                    model, prefix, labels, local, teacher, taught, device.type == "cuda"
+                    model, prefix, labels, source_mask, local, teacher, taught, device.type == "cuda"
                 )
                 _, tokens, starts = _run_rows(labels, runs)
                 teacher_starts = [sum(tokens[r] for r in taught[:k]) for k in range(len(taught) + 1)]
@@ -253,8 +254,8 @@ def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
     STATS["validation_groups"] += 1
     model.train(False)
     for s in range(len(jobs[0].steps)):
-        prefix, labels, _ = _micro_batch(jobs, s, 0)
-        logits, _ = stacked_logits(model, prefix, labels, local, None, [], False)
+        prefix, labels, source_mask, _ = _micro_batch(jobs, s, 0)
+        logits, _ = stacked_logits(model, prefix, labels, source_mask, local, None, [], False)
         blocks, tokens, starts = _run_rows(labels, runs)
         for r in range(runs):
             y = blocks[r][blocks[r] != IGNORE_INDEX].to(model.device, non_blocking=True)
