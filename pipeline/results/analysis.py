@@ -94,11 +94,10 @@ class Analysis:
         tau = taus[0] if taus else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
-            rec, gate, stats = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
+            rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)
             clients[client] = rec
             kd_analysis.plot_pos(client, rec, self.figures / f"pos_{slug(client)}.png")
-            best = [r["best_round"] for r in per_seed.values()]
-            kd_analysis.plot_entropy(client, gate, stats, tau, best, self.figures / f"entropy_{slug(client)}.png")
+            kd_analysis.plot_entropy(client, gate, rec, tau, self.figures / f"entropy_{slug(client)}.png")
         return clients, usages
 
     def hardkd(self) -> dict[str, Any]:

@@ -117,17 +117,6 @@ def pos_summary(updates: pd.DataFrame) -> dict[str, float]:
     }
 
 
-def gate_per_round(gate: pd.DataFrame, tau: float | None) -> pd.DataFrame:
-    """Per round (rows of one client, one per token update and round): fraction passing the gate (KD applied),
-    median entropy, and how often ``kd_applied`` disagrees with ``H(q_g) < tau`` (0 for a consistent log)."""
-    rows = []
-    for rnd, g in gate.groupby("round"):
-        h = g["entropy"].to_numpy(dtype=float)
-        inconsistent = int(((h < tau) != g["kd_applied"].to_numpy()).sum()) if tau is not None else 0
-        rows.append((int(rnd), float(g["kd_applied"].mean()), float(np.quantile(h, 0.5)), inconsistent))
-    return pd.DataFrame(rows, columns=["round", "pass_fraction", "entropy_q50", "gate_inconsistent"])
-
-
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     """Mean and sample std; the std of one value is undefined (NaN, written as null), never 0."""
     arr = np.asarray(values, dtype=float)
@@ -136,11 +125,11 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 
 def client_summary(
     client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]], tau: float | None
-) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
-    """Usage ratio, POS distribution and gate statistics of one client over the experiments of ``per_seed``
-    (experiment -> the client's best round and KD usage ratio, Analysis.usage; ``words`` and ``gate`` carry an
-    ``experiment`` column): its entry of kd_analysis.json, its token updates once per round pooled over the
-    experiments (seeds), and their :func:`gate_per_round`."""
+) -> tuple[dict[str, Any], pd.DataFrame]:
+    """Usage ratio, POS distribution and gate statistics per round (fraction passing the gate, i.e. KD applied;
+    median entropy) of one client over the experiments of ``per_seed`` (experiment -> the client's best round and KD
+    usage ratio, Analysis.usage; ``words`` and ``gate`` carry an ``experiment`` column): its entry of
+    kd_analysis.json, and its token updates once per round pooled over the experiments (seeds)."""
     window = pd.concat(
         [to_best(w, per_seed[n]["best_round"]) for n, w in words[words["client"] == client].groupby("experiment")]
     )
@@ -148,7 +137,9 @@ def client_summary(
     # entropy statistics over all logged rounds, pooled over seeds (one box per round); one row per token update
     # and round: local epochs repeat the round's (fixed-teacher) gate decision
     gate_c = gate[gate["client"] == client].drop_duplicates(["experiment", "round", "example_id", "position"])
-    stats = gate_per_round(gate_c, tau)
+    by_round = {int(r): (g["kd_applied"], g["entropy"].to_numpy(dtype=float)) for r, g in gate_c.groupby("round")}
+    # tokens whose kd_applied disagrees with H(q_g) < tau (0 for a consistent log)
+    kd, h = gate_c["kd_applied"].to_numpy(), gate_c["entropy"].to_numpy(dtype=float)
     record = {
         "experiments": sorted(per_seed),
         "kd_usage_ratio": ratio,
@@ -158,11 +149,11 @@ def client_summary(
         **pos_summary(window),
         "paper_det_pron_share_of_no_kd": PAPER_DET_PRON_SHARE_OF_NON_KD,
         "pos": pos_distribution(window),
-        "gate_pass_fraction_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["pass_fraction"])},
-        "entropy_median_per_round": {int(r): float(f) for r, f in zip(stats["round"], stats["entropy_q50"])},
-        "gate_inconsistent_tokens": int(stats["gate_inconsistent"].sum()),
+        "gate_pass_fraction_per_round": {r: float(applied.mean()) for r, (applied, _) in by_round.items()},
+        "entropy_median_per_round": {r: float(np.quantile(e, 0.5)) for r, (_, e) in by_round.items()},
+        "gate_inconsistent_tokens": int(((h < tau) != kd).sum()) if tau is not None else 0,
     }
-    return record, gate_c, stats
+    return record, gate_c
 
 
 def seed_means(runs: Sequence[tuple[str, dict[str, dict[str, float]] | None]]) -> dict[str, dict[str, Any]]:
@@ -250,9 +241,9 @@ def plot_pos(client: str, record: dict[str, Any], path: Path) -> None:
     save(fig, path)
 
 
-def plot_entropy(
-    client: str, gate: pd.DataFrame, stats: pd.DataFrame, tau: float | None, best: list[int], path: Path
-) -> None:
+def plot_entropy(client: str, gate: pd.DataFrame, record: dict[str, Any], tau: float | None, path: Path) -> None:
+    """H(q_g) per round of a client's pooled gate decisions, under the pass fractions and best rounds of its
+    :func:`client_summary` record."""
     rounds = sorted(gate["round"].unique())  # gate: one row per token update and round
     fig, (ax1, ax2) = plt.subplots(
         2, 1, figsize=(max(6, 0.6 * len(rounds) + 3), 6), sharex=True, gridspec_kw={"height_ratios": [2, 1]}
@@ -264,7 +255,9 @@ def plot_entropy(
         ax1.legend()
     ax1.set_ylabel("H(q_g)")
     ax1.set_title(f"{client}: H(q_g) per round (box 25-75 %, whiskers 5-95 %)", fontsize=10)
-    ax2.bar(stats["round"], 100 * stats["pass_fraction"], color="tab:blue")
+    passed = record["gate_pass_fraction_per_round"]
+    ax2.bar(list(passed), [100 * f for f in passed.values()], color="tab:blue")
+    best = [r["best_round"] for r in record["per_experiment"].values()]
     for b in sorted(set(best)):
         ax2.axvline(b, color="k", ls=":", lw=1)
     ax2.set(ylim=(0, 100), ylabel="% tokens with KD", xticks=rounds)
