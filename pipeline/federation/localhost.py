@@ -93,12 +93,9 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
 
     path = workdir / mlflow_run_id_path(plan)
     if path.exists():
-        from pipeline.results.tracking import _client
+        from pipeline.results.tracking import end_if_running
 
-        run_id, client = path.read_text().strip(), _client()
-        if client.get_run(run_id).info.status == "RUNNING":
-            client.set_tag(run_id, "fedmeet.end", f"marked KILLED by the local command: {reason}")
-            client.set_terminated(run_id, status="KILLED")
+        end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
 
 
 def status_command(superlink: str | None, run_id: int | None, submitted: Path | None = None) -> int:

@@ -350,6 +350,16 @@ class RunLogger:
             self._client.set_terminated(run_id, status=status)
 
 
+def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
+    """End run ``run_id`` with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is RUNNING; whether it was."""
+    client = _client()
+    if client.get_run(run_id).info.status != "RUNNING":
+        return False
+    client.set_tag(run_id, "fedmeet.end", reason)
+    client.set_terminated(run_id, status=status)
+    return True
+
+
 def download_model(model: str, models_dir: Path) -> dict[str, str]:
     """A LoggedModel (its id ``m-...`` or ``models:/<id>``) downloaded into ``models_dir/<experiment>/`` as the train
     stage lays out its output (``clients/<client>/adapter_best.safetensors``, ``experiment.json``); its tags."""
