@@ -188,13 +188,13 @@ class DeploymentRecorder(TrainRecorder):
 def start_mlflow_run(plan: Plan, fresh: bool, run_id_file: Path):
     """The server's MLflow run: the one ``run_id_file`` names when resuming, else a new one (its id written there)."""
     # lazy: a ClientApp, one process per message, never loads MLflow
-    from pipeline.results.tracking import RunLogger, _client
+    from pipeline.results.tracking import RunLogger, delete_run
 
     if fresh and run_id_file.exists():
         # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
         # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
         try:
-            _client().delete_run(run_id_file.read_text().strip())
+            delete_run(run_id_file.read_text().strip())
         except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
             log.info("earlier MLflow run not deleted: %s", exc)
         run_id_file.unlink()

@@ -350,6 +350,11 @@ class RunLogger:
             self._client.set_terminated(run_id, status=status)
 
 
+def delete_run(run_id: str) -> None:
+    """Delete an MLflow run (an attempt that holds nothing worth keeping)."""
+    _client().delete_run(run_id)
+
+
 def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
     """End run ``run_id`` with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is RUNNING; whether it was."""
     client = _client()
