@@ -99,19 +99,6 @@ def savefig(fig, path: str | os.PathLike, **kwargs: Any) -> None:
         fig.savefig(tmp, **kwargs)
 
 
-def save_safetensors(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save
-
-    # serialized here and written as any file, not by save_file, which creates its file mode 0600 whatever the umask;
-    # the header re-written with sorted keys: safetensors orders metadata as a hash map does, so equal tensors would
-    # give files (and DVC hashes) whose bytes differ from run to run
-    data = save(tensors, metadata=metadata)
-    end = 8 + int.from_bytes(data[:8], "little")
-    header = json.dumps(json.loads(data[8:end]), sort_keys=True, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # the tensor data stays 8-byte aligned
-    write_bytes(path, len(header).to_bytes(8, "little") + header + data[end:])
-
-
 def link(source: str | os.PathLike, path: str | os.PathLike) -> None:
     """``path`` as a second name of the finished file ``source`` (a hard link, put in place like any write here): the
     same bytes without writing them again. A later write of either name replaces that name only."""

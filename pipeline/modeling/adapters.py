@@ -5,10 +5,11 @@ layer's, as in Houlsby et al. 2019, because a second LayerNorm on top cannot be 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save
 from torch import nn
 
 from pipeline.common import atomic
@@ -107,7 +108,14 @@ def adapter_file(client_dir: Path, which: str) -> Path:
 
 
 def save_adapter(path: str | Path, state: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    atomic.save_safetensors({k: v.detach().cpu().contiguous() for k, v in state.items()}, path, metadata)
+    # serialized here and written as any file, not by save_file, which creates its file mode 0600 whatever the umask;
+    # the header re-written with sorted keys: safetensors orders metadata as a hash map does, so equal tensors would
+    # give files (and DVC hashes) whose bytes differ from run to run
+    data = save({k: v.detach().cpu().contiguous() for k, v in state.items()}, metadata=metadata)
+    end = 8 + int.from_bytes(data[:8], "little")
+    header = json.dumps(json.loads(data[8:end]), sort_keys=True, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the tensor data stays 8-byte aligned
+    atomic.write_bytes(path, len(header).to_bytes(8, "little") + header + data[end:])
 
 
 def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:

@@ -17,15 +17,6 @@ from pipeline.experiments.plans import Plan
 from pipeline.training.seeds import derived_seed
 
 
-def subsample_ids(ids: list[str], limit: int | None, seed: int) -> list[str]:
-    """At most ``limit`` ids, drawn without replacement with a seeded generator, in partition order. The draw must
-    stay as it is (and unlike evaluation's test subsample): it fixes which examples a recorded result trained on."""
-    if limit is None or len(ids) <= limit:
-        return list(ids)
-    keep = np.sort(np.random.default_rng(seed).choice(len(ids), size=limit, replace=False))
-    return [ids[i] for i in keep]
-
-
 @lru_cache(maxsize=4)
 def _read_examples(path: str, mtime: float) -> pd.DataFrame:
     df = pd.read_parquet(path)
@@ -93,8 +84,12 @@ def _client_data(
                 f"{partition_path}: client {client!r} {split} id {missing[0]!r} is not in "
                 f"{examples_path} ({len(missing)} missing)"
             )
-        chosen = subsample_ids(ids, limit, derived_seed(seed, client, split, "subsample"))
-        frames[split] = _frame(examples_path, versions, tuple(chosen))
+        # At most ``limit`` ids, drawn without replacement by a seeded generator, in partition order; the draw must
+        # stay as it is (unlike evaluation's test subsample): it fixes which examples a recorded result trained on.
+        if limit is not None and len(ids) > limit:
+            rng = np.random.default_rng(derived_seed(seed, client, split, "subsample"))
+            ids = [ids[i] for i in np.sort(rng.choice(len(ids), size=limit, replace=False))]
+        frames[split] = _frame(examples_path, versions, tuple(ids))
     return ClientData(frames["train"], frames["valid"], len(splits["train"]))
 
 

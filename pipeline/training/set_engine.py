@@ -182,8 +182,14 @@ class RoundBarrier:
                 if failed := [m for m in self.members if m.error is not None and not isinstance(m.error, SetAborted)]:
                     raise failed[0].error
                 self.execute([m for m in self.members if not m.done])
-        finally:
-            self._abort()
+        finally:  # unwind every run still parked (its thread raises SetAborted at its barrier and closes what it opened)
+            for member in self.deliveries + self.members:
+                if not member.done and member.paused.is_set():
+                    member.aborted = True
+                    member.step()
+            for member in self.deliveries + self.members:
+                if member.done:
+                    member.thread.join()
         return {m.name: m.result for m in self.members}
 
     @staticmethod
@@ -197,16 +203,6 @@ class RoundBarrier:
             ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(member.thread.ident), ctypes.py_object(type(exc)))
             member.paused.wait()
             raise
-
-    def _abort(self) -> None:
-        """Unwind every run still parked (its thread raises SetAborted at its barrier and closes what it opened)."""
-        for member in self.deliveries + self.members:
-            if not member.done and member.paused.is_set():
-                member.aborted = True
-                member.step()
-        for member in self.deliveries + self.members:
-            if member.done:
-                member.thread.join()
 
 
 def batched(job: Any, run: Callable[[list], list]) -> Any:

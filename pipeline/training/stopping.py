@@ -39,14 +39,6 @@ def mean_val_loss_by_round(
     return [(r, float(np.mean(v))) for r, v in sorted(by_round.items())]  # numpy's sum order, as join had
 
 
-def series_start(history: list[dict[str, Any]], late: str | None) -> int:
-    """The first round of the run's stop series: with a late client (post-addition), the round it joined, since
-    the client average changes its meaning then (before it joins: no round, the run cannot stop yet)."""
-    if late is None:
-        return 1
-    return min((int(r["round"]) for r in history if r["client"] == late), default=10**9)
-
-
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:
     """Whether a run with ``train.stop`` enabled ends after the rounds of ``history`` (checked before each round,
     so a resumed run reads the same answer from its restored history)."""
@@ -59,7 +51,10 @@ def convergence(history: list[dict[str, Any]], stop, late: str | None = None) ->
     its round ceiling before the rule held is not converged. Under a small tolerance the last round is often the best
     by a hair; that is still converged (the rule bounds what each further round gains, docs/statistics.md)."""
     stopped = max((int(r["round"]) for r in history), default=0)
-    series = mean_val_loss_by_round(history, since=series_start(history, late))
+    # The stop series starts at round 1, or with a late client (post-addition) at the round it joined, since the
+    # client average changes its meaning then (before it joins: no round, the run cannot stop yet).
+    start = 1 if late is None else min((int(r["round"]) for r in history if r["client"] == late), default=10**9)
+    series = mean_val_loss_by_round(history, since=start)
     best = min(series, key=lambda rm: rm[1])[0] if series else None
     converged = plateaued([m for _, m in series], stop.min_rel_improvement, stop.patience)
     return {"stopped_round": stopped, "best_round": best, "converged": bool(converged)}
