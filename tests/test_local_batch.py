@@ -6,8 +6,13 @@ own."""
 
 from __future__ import annotations
 
+import traceback
+import weakref
+
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from pipeline.training.client_training import gate_rows
 from tests.test_federated import workspace, write_plan, ws  # noqa: F401  (fixtures)
@@ -204,3 +209,79 @@ def test_the_logits_budget_is_an_eighth_of_a_large_gpu_and_two_gib_elsewhere(mon
         properties = SimpleNamespace(total_memory=total)
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device, p=properties: p)
         assert local_batch.logits_budget_bytes(torch.device("cuda", 0)) == budget
+
+
+class _DeviceValues(TorchFunctionMode):
+    """Stands in for a GPU on the host: the tensors of :meth:`mark` and every tensor computed from them (an op's
+    outputs, or the tensor an in-place op or an indexed assignment writes into) hold "device" values and say they
+    are on CUDA (``is_cuda``); while ``recording``, each read of such values on the host (what makes the host wait
+    for a GPU) is recorded with the line that made it. Tensors made from constants alone are not marked."""
+
+    READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}
+    READS |= {torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.marked: dict[int, weakref.ref] = {}  # id -> the tensor (a WeakSet would compare tensors with ==)
+        self.reads: list[str] = []
+        self.recording = True
+
+    def mark(self, *tensors: torch.Tensor) -> None:
+        self.marked.update((id(t), weakref.ref(t)) for t in tensors)
+
+    def holds(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and (ref := self.marked.get(id(t))) is not None and ref() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if self.holds(t)]
+        if func == torch.Tensor.is_cuda.__get__ and inputs:  # a method-wrapper: made anew at each lookup
+            return True
+        if func in self.READS and inputs and self.recording:
+            caller = next(f for f in reversed(traceback.extract_stack()[:-1]) if "/torch/" not in f.filename)
+            self.reads.append(f"{func.__name__} at {caller.filename.split('/')[-1]}:{caller.lineno}")
+        out = func(*args, **kwargs)
+        if inputs:
+            written = [args[0]] if func.__name__.endswith("_") or func is torch.Tensor.__setitem__ else []
+            self.mark(*(t for t in pytree.tree_leaves(out) + written if isinstance(t, torch.Tensor)))
+        return out
+
+
+def test_a_round_of_the_batched_trainer_reads_nothing_back_from_the_device(ws, monkeypatch):
+    """The batched trainer makes no host sync in a round's steps (module docstring): with the prefixes the frozen
+    backbone computes and the stacked adapters marked as on a GPU (_DeviceValues: what is computed from them is too:
+    attention masks, logits, losses, gates, the updated adapters), a stacked round of every method (KD gates, hard
+    KD, FedProx) reads none of their values on the host until its last optimizer step is taken. The same mark
+    catches a read: attention masks made from the prefix's own padding mask (HF's builders test it in an ``if``)."""
+    from pipeline.modeling.model import AdapterSummarizer, Prefix
+
+    jobs, _, local_batch = _jobs(monkeypatch)
+    device, compute_prefix, stack = _DeviceValues(), AdapterSummarizer.compute_prefix, local_batch.AdapterStack
+
+    def on_device(model, batch):  # copies, as a GPU's: on the host, .to() returns the batch's own attention mask
+        prefix = Prefix(*(t.clone() for t in vars(compute_prefix(model, batch)).values()))
+        device.mark(*vars(prefix).values())
+        return prefix
+
+    def on_device_stack(*args, **kwargs):
+        adapters = stack(*args, **kwargs)
+        device.mark(*adapters.parameters())
+        return adapters
+
+    taken, adamw_step = [], torch.optim.AdamW.step
+
+    def step(optimizer, *args, **kwargs):
+        taken.append(adamw_step(optimizer, *args, **kwargs))
+        device.recording = len(taken) < len(jobs[0].steps)  # the round's reads come after its last step
+
+    monkeypatch.setattr(AdapterSummarizer, "compute_prefix", on_device)
+    monkeypatch.setattr(local_batch, "AdapterStack", on_device_stack)
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    with device:
+        outputs = local_batch.train_group(jobs)
+        assert len(taken) == len(jobs[0].steps) > 1
+        assert device.reads == []  # each: the read and its line
+        assert all(device.holds(out.outputs[-1][1].loss) for out in outputs)  # the mark reached every run's loss
+        device.recording = True
+        jobs[0].model.top_masks(on_device(jobs[0].model, jobs[0].steps[0][0][0]))  # no host mask: the prefix's read
+    assert device.reads and all(read.startswith("__bool__") for read in device.reads)
