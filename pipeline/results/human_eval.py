@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import html
 import itertools
-import json
 import random
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, fields
@@ -20,7 +19,7 @@ from pipeline.common.schema import DataError
 from pipeline.experiments.entries import Experiment
 from pipeline.results import published
 from pipeline.results.plotting import plt, save
-from pipeline.results.readers import read_predictions
+from pipeline.results.readers import read_json, read_predictions
 from pipeline.results.scoring import TABLE_ROUGE_L, Scorer
 from pipeline.results.tables import ReportConfig
 
@@ -217,10 +216,7 @@ function download() {
 def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     """Win/tie/loss of the key's target against each opponent over every filled ``sheet*.csv`` (blank: not judged)."""
     sheet_dir = Path(sheet_dir)
-    key_path = sheet_dir / "key.json"
-    if not key_path.is_file():
-        raise DataError(f"{key_path}: answer key not found (the report stage writes it next to the blank sheets)")
-    data = json.loads(key_path.read_text())
+    data = read_json(sheet_dir / "key.json", "answer key (the report stage writes it next to the blank sheets)")
     key = {k: KeyEntry(**v) for k, v in data["items"].items()}
     files = sorted(sheet_dir.glob("sheet*.csv"))
     if not files:
