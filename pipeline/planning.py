@@ -28,7 +28,7 @@ from pipeline.modeling.losses import KDConfig
 from pipeline.partitioning.schemes import SCHEMES, PartitionConfig, scheme_client_names
 from pipeline.paths import PATHS
 
-RESERVED_NAMES = {"plans", "backbone"}  # directories under models/ that are not experiments
+RESERVED_NAMES = {PATHS.plans.name, PATHS.backbone.name}  # directories under models/ that are not experiments
 ENTRY_KEYS = ("method", "partition", "seed", "study", "tau")
 PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-utility study in one experiment)
 
@@ -134,7 +134,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         "train": _relevant_train(train, method),
         "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
     }
-    if method.federated and exp.scheme in SCHEMES:
+    if method.federated:  # a known scheme: parse_entry checked it
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
         plan["clients"] = scheme_client_names(
             exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
