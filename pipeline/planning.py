@@ -134,7 +134,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
         "train": _relevant_train(train, method),
         "model": {k: v for k, v in model.items() if k in MODEL_RESULT_KEYS},
     }
-    if method.federated:  # a known scheme: parse_entry checked it
+    if method.federated and exp.scheme in SCHEMES:
         # The clients the server admits (a deployed server reads no partition file): the scheme's, from params
         plan["clients"] = scheme_client_names(
             exp.scheme, from_dict(PartitionConfig, params.get("partition"), "partition")
