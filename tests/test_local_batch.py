@@ -247,18 +247,15 @@ class _DeviceValues(TorchFunctionMode):
         return out
 
 
-def test_a_round_of_the_batched_trainer_reads_nothing_back_from_the_device(ws, monkeypatch):
-    """The batched trainer makes no host sync in a round's steps (module docstring): with the prefixes the frozen
-    backbone computes and the stacked adapters marked as on a GPU (_DeviceValues: what is computed from them is too:
-    attention masks, logits, losses, gates, the updated adapters), a stacked round of every method (KD gates, hard
-    KD, FedProx) reads none of their values on the host until its last optimizer step is taken. The same mark
-    catches a read: attention masks made from the prefix's own padding mask (HF's builders test it in an ``if``)."""
+def _device_values(monkeypatch) -> _DeviceValues:
+    """A :class:`_DeviceValues` holding every prefix the frozen backbone computes (copies, as a GPU's: on the host
+    ``.to()`` returns the batch's own attention mask) and every stack of adapters the batched trainer makes."""
     from pipeline.modeling.model import AdapterSummarizer, Prefix
+    from pipeline.training import local_batch
 
-    jobs, _, local_batch = _jobs(monkeypatch)
     device, compute_prefix, stack = _DeviceValues(), AdapterSummarizer.compute_prefix, local_batch.AdapterStack
 
-    def on_device(model, batch):  # copies, as a GPU's: on the host, .to() returns the batch's own attention mask
+    def on_device(model, batch):
         prefix = Prefix(*(t.clone() for t in vars(compute_prefix(model, batch)).values()))
         device.mark(*vars(prefix).values())
         return prefix
@@ -268,14 +265,25 @@ def test_a_round_of_the_batched_trainer_reads_nothing_back_from_the_device(ws, m
         device.mark(*adapters.parameters())
         return adapters
 
+    monkeypatch.setattr(AdapterSummarizer, "compute_prefix", on_device)
+    monkeypatch.setattr(local_batch, "AdapterStack", on_device_stack)
+    return device
+
+
+def test_a_round_of_the_batched_trainer_reads_nothing_back_from_the_device(ws, monkeypatch):
+    """The batched trainer makes no host sync in a round's steps (module docstring): with the prefixes the frozen
+    backbone computes and the stacked adapters marked as on a GPU (_DeviceValues: what is computed from them is too:
+    attention masks, logits, losses, gates, the updated adapters), a stacked round of every method (KD gates, hard
+    KD, FedProx) reads none of their values on the host until its last optimizer step is taken. The same mark
+    catches a read: attention masks made from the prefix's own padding mask (HF's builders test it in an ``if``)."""
+    jobs, _, local_batch = _jobs(monkeypatch)
+    device = _device_values(monkeypatch)
     taken, adamw_step = [], torch.optim.AdamW.step
 
     def step(optimizer, *args, **kwargs):
         taken.append(adamw_step(optimizer, *args, **kwargs))
         device.recording = len(taken) < len(jobs[0].steps)  # the round's reads come after its last step
 
-    monkeypatch.setattr(AdapterSummarizer, "compute_prefix", on_device)
-    monkeypatch.setattr(local_batch, "AdapterStack", on_device_stack)
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
     with device:
         outputs = local_batch.train_group(jobs)
@@ -283,5 +291,35 @@ def test_a_round_of_the_batched_trainer_reads_nothing_back_from_the_device(ws, m
         assert device.reads == []  # each: the read and its line
         assert all(device.holds(out.outputs[-1][1].loss) for out in outputs)  # the mark reached every run's loss
         device.recording = True
-        jobs[0].model.top_masks(on_device(jobs[0].model, jobs[0].steps[0][0][0]))  # no host mask: the prefix's read
+        model = jobs[0].model
+        model.top_masks(model.compute_prefix(jobs[0].steps[0][0][0]))  # no host mask: the prefix's own is read
     assert device.reads and all(read.startswith("__bool__") for read in device.reads)
+
+
+def test_a_client_round_reads_its_results_from_the_device_in_a_few_transfers_whatever_its_length(ws, monkeypatch):
+    """Once a client's round has trained, its losses, KD means and counts and its gate log are read from the device
+    in as many transfers for a round of 2 local epochs as for one (they were up to six host syncs a micro-batch),
+    and a validation's losses in one; the round's sums are those of the micro-batches read one by one, to the bit
+    (hard KD: some tokens gated, others not)."""
+    from pipeline.training import client_training
+
+    reads, results, rounds, round_sums = [], [], [], client_training._round_sums
+    for epochs in (1, 2):
+        plan, model, train, _ = _setup(f"reads-{epochs}", "hardkd", local_epochs=epochs, batch_size=2)
+        with monkeypatch.context() as patch, _device_values(patch) as device:
+            patch.setattr(client_training, "_round_sums", lambda outputs: rounds.append(outputs) or round_sums(outputs))
+            results.append(_train(plan, model, train))
+            client_training.validation_loss(model, plan, train)
+        reads.append(device.reads)
+    assert results[1].n_steps == 2 * results[0].n_steps >= 6  # twice the micro-batches (one a step)
+    assert len(reads[0]) == len(reads[1]) <= 8, reads
+    for outputs in rounds:  # the sums of the values read one micro-batch at a time, to the bit
+        one_by_one = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
+        for out in outputs:
+            n_kd = int(out.gate_rows.sum())
+            one_by_one["loss"] += float(out.loss) * out.n_tokens
+            one_by_one["ce"] += float(out.ce_rows.mean()) * out.n_tokens
+            one_by_one["kd"] += (float(out.kl_rows[out.gate_rows].mean()) if n_kd else 0.0) * n_kd
+            one_by_one["tokens"] += out.n_tokens
+            one_by_one["kd_tokens"] += n_kd
+        assert round_sums(outputs) == one_by_one and 0 < one_by_one["kd_tokens"] < one_by_one["tokens"]

@@ -62,8 +62,8 @@ class KDConfig:
 
 @dataclass
 class LossOutput:
-    """The tensors stay where they were computed: the float and int views read them (a host sync each), so a
-    trainer reads them once per round, not per micro-batch."""
+    """The tensors stay where they were computed: reading them is a host sync, so a trainer reads a round's at once
+    when its steps are done (pipeline.training.client_training._round_sums)."""
 
     loss: torch.Tensor  # scalar, differentiable
     ce_rows: torch.Tensor  # [N] CE per non-padding token
@@ -75,19 +75,15 @@ class LossOutput:
     threshold: float = float("nan")  # the threshold the gate compared with (entropy gate: log_base units); NaN: none
 
     @property
-    def ce_mean(self) -> float:
-        """Mean CE over non-padding tokens."""
-        return float(self.ce_rows.mean())
-
-    @property
     def n_kd(self) -> int:
         """Gated tokens."""
         return int(self.gate_rows.sum())
 
-    @property
-    def kd_mean(self) -> float:
-        """Mean KL over gated tokens (0.0 when none)."""
-        return float(self.kl_rows[self.gate_rows].mean()) if self.n_kd else 0.0
+    def means(self, n_kd: int) -> torch.Tensor:
+        """[the loss, mean CE, mean KL over the ``n_kd`` gated tokens (:attr:`n_kd`, read already; 0 when none)] where
+        they were computed, with no host sync: the gated rows' indices are sized on the host."""
+        kd = self.kl_rows.index_select(0, torch.nonzero_static(self.gate_rows, size=n_kd).squeeze(1))
+        return torch.stack((self.loss.detach().float(), self.ce_rows.mean(), kd.mean() if n_kd else kd.sum()))
 
 
 def _pack(logits: torch.Tensor, valid: torch.Tensor, name: str) -> torch.Tensor:

@@ -260,15 +260,18 @@ def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutpu
 
 
 def _round_sums(outputs: list[LossOutput]) -> dict[str, float]:
-    """The round's token-weighted loss, CE and KD sums and token counts, read from the device once the steps are
-    done, summed in step order (the float sums of a per-step reading, to the bit)."""
+    """The round's token-weighted loss, CE and KD sums and token counts, read from the device in two transfers once
+    the steps are done (not six host syncs a micro-batch), summed in step order (the float sums of a per-step
+    reading, to the bit)."""
     sums = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
-    for out in outputs:
-        sums["loss"] += float(out.loss) * out.n_tokens
-        sums["ce"] += out.ce_mean * out.n_tokens
-        sums["kd"] += out.kd_mean * out.n_kd
+    n_kd = torch.stack([out.gate_rows.sum() for out in outputs]).tolist() if outputs else []
+    means = torch.stack([out.means(k) for out, k in zip(outputs, n_kd)]).tolist() if outputs else []
+    for out, k, (loss, ce, kd) in zip(outputs, n_kd, means):
+        sums["loss"] += loss * out.n_tokens
+        sums["ce"] += ce * out.n_tokens
+        sums["kd"] += kd * k
         sums["tokens"] += out.n_tokens
-        sums["kd_tokens"] += out.n_kd
+        sums["kd_tokens"] += k
     return sums
 
 
