@@ -313,6 +313,7 @@ def test_a_client_round_reads_its_results_from_the_device_in_a_few_transfers_wha
         reads.append(device.reads)
     assert results[1].n_steps == 2 * results[0].n_steps >= 6  # twice the micro-batches (one a step)
     assert len(reads[0]) == len(reads[1]) <= 8, reads
+    assert any(read.startswith("tolist") for read in reads[0]), reads  # the mark reached the round's results
     for outputs in rounds:  # the sums of the values read one micro-batch at a time, to the bit
         one_by_one = dict(loss=0.0, ce=0.0, kd=0.0, tokens=0, kd_tokens=0)
         for out in outputs:
