@@ -179,7 +179,7 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
     from pipeline.modeling import losses
     from pipeline.training import local_batch
 
-    real_group, real_loss = local_batch.train_group, losses.distillation_loss
+    real_group, real_loss = local_batch.train_group, losses.distillation_losses
     state = {"armed": False, "batches": 0}
 
     def train_group(jobs):
@@ -189,7 +189,7 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
         finally:
             state["armed"] = False
 
-    def distillation_loss(*args, **kwargs):
+    def distillation_losses(*args, **kwargs):
         if state["armed"]:
             state["batches"] += 1
             if state["batches"] == batch:
@@ -197,7 +197,7 @@ def _kill_in_local_training(client: str, rnd: int, batch: int) -> None:
         return real_loss(*args, **kwargs)
 
     local_batch.train_group = train_group
-    losses.distillation_loss = distillation_loss  # the group trainer looks it up at each call
+    losses.distillation_losses = distillation_losses  # the group trainer looks it up at each call
 
 
 def _kill_after_aggregation(rnd: int) -> None:

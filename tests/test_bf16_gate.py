@@ -49,7 +49,7 @@ def test_bf16_autocast_keeps_the_gate_decisions_of_float32(shared_data):
     batch = _real_batch(model, shared_data)
     prefix, labels = model.compute_prefix(batch).repeat(2), batch.labels.repeat(2, 1)  # the runs' two blocks
     logits = {
-        bf16: stacked_logits(model, prefix, labels, batch.attention_mask.repeat(2, 1), local, teacher, [0, 1], bf16)
+        bf16: stacked_logits(model, prefix, labels, batch.attention_mask.repeat(2, 1), local, teacher, 2, bf16)
         for bf16 in (False, True)
     }
     assert logits[True][0].dtype == torch.bfloat16 and logits[False][0].dtype == torch.float32

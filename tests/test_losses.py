@@ -476,3 +476,82 @@ def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere_within_their_memory_
     rows = chunk_rows_for(torch.empty(3, 30522, device="meta"))  # any device but the CPU: a GPU's launches
     assert rows > 4000 and rows * 30522 * 4 <= CHUNK_BYTES_DEVICE
     assert chunk_rows_for(torch.empty(3, 10**9, device="meta")) == 128  # a huge vocabulary: never below 128
+
+
+# ----------------------------------------------------------------------------------- several runs in one call
+def _runs(g: torch.Generator, v: int = 40):
+    """Seven runs' micro-batches (other sizes and widths, padding), their configurations (every gate, hard KD, both
+    normalisations, plain CE beside a teacher and without one) and hard masks."""
+    cfgs = [
+        KDConfig(kd_lambda=0.3, tau=3.0),
+        KDConfig(kd_lambda=0.5, tau=0.87, tau_scale="batch_quantile"),
+        KDConfig(kd_lambda=0.2, tau=0.4, tau_scale="max_entropy", loss_normalisation="sequences"),
+        KDConfig(mode="kd", kd_lambda=0.7),
+        KDConfig(mode="hard", kd_lambda=0.4),
+        KDConfig(mode="ce"),  # beside a teacher: its entropy, no gate
+        KDConfig(mode="ce", loss_normalisation="sequences"),  # without one
+    ]
+    labels, hard = [], []
+    for r in range(len(cfgs)):
+        y = torch.randint(0, v, (2 + r % 3, 4 + r % 2), generator=g)
+        y[-1, 1 + r % 3 :] = -100
+        labels.append(y)
+        hard.append(torch.rand(y.shape, generator=g) < 0.5)
+    n = sum(int((y != -100).sum()) for y in labels)
+    student = (torch.randn(n, v, generator=g) * 3).requires_grad_(True)
+    teacher = torch.randn(n, v, generator=g) * torch.where(torch.rand(n, 1, generator=g) < 0.4, 6.0, 1.0)
+    return student, teacher, labels, cfgs, hard
+
+
+@pytest.mark.parametrize("chunk", [128, 3])
+def test_several_runs_in_one_call_give_each_run_what_it_gives_alone_to_the_bit(chunk):
+    """distillation_losses (the stacked trainer's one call a micro-batch) on seven runs of every kind: each run's
+    loss, per-token CE and KL, gate, entropy, threshold and gradient (its loss weighted as in a step) are exactly
+    those of distillation_loss on that run alone."""
+    from pipeline.modeling.losses import distillation_losses
+
+    student, teacher, labels, cfgs, hard = _runs(torch.Generator().manual_seed(5))
+    counts = [int((y != -100).sum()) for y in labels]
+    starts = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    weights = [0.5 + r for r in range(len(cfgs))]
+    taught = starts[6]  # the last run has no teacher
+    loss, outs = distillation_losses(student, teacher[:taught], labels, cfgs, hard, chunk_rows=chunk)
+    (loss * torch.tensor(weights)).sum().backward()
+    assert torch.equal(loss, torch.stack([out.loss for out in outs]))
+    assert outs[0].n_kd > 0 and outs[1].n_kd > 0 and outs[4].n_kd > 0 and outs[5].n_kd == 0
+    for r, (out, cfg) in enumerate(zip(outs, cfgs)):
+        s, e = starts[r], starts[r + 1]
+        leaf = student.detach()[s:e].clone().requires_grad_(True)
+        alone = distillation_loss(leaf, teacher[s:e] if r < 6 else None, labels[r], cfg, hard[r], chunk_rows=chunk)
+        (alone.loss * weights[r]).backward()
+        assert torch.equal(out.loss, alone.loss), r
+        for name in ("ce_rows", "kl_rows", "gate_rows", "entropy", "gate"):
+            assert torch.equal(getattr(out, name), getattr(alone, name)), (r, name)
+        assert out.n_tokens == alone.n_tokens and str(out.threshold) == str(alone.threshold), r
+        assert torch.equal(student.grad[s:e], leaf.grad), r
+    assert outs[5].entropy.sum() > 0 and outs[6].entropy.sum() == 0
+
+
+def test_runs_of_other_temperatures_in_one_call_are_each_computed_alone():
+    """One kernel takes one temperature, direction and log base: runs that differ in them are computed one by one,
+    with the same results as alone; a run that distils needs teacher rows, which lead."""
+    from pipeline.modeling.losses import distillation_losses
+
+    student, teacher, labels, _, hard = _runs(torch.Generator().manual_seed(6))
+    cfgs = [
+        KDConfig(
+            mode="kd", kd_temperature=1.0 + r % 2, kd_direction=("teacher_to_student", "student_to_teacher")[r % 3 == 2]
+        )
+        for r in range(7)
+    ]
+    _, outs = distillation_losses(student, teacher, labels, cfgs, hard)
+    start = 0
+    for y, cfg, out in zip(labels, cfgs, outs):
+        end = start + int((y != -100).sum())
+        alone = distillation_loss(student.detach()[start:end], teacher[start:end], y, cfg)
+        assert torch.equal(out.loss, alone.loss) and torch.equal(out.kl_rows, alone.kl_rows)
+        start = end
+    with pytest.raises(ValueError, match="needs the global"):
+        distillation_losses(student, teacher[: start - int((labels[-1] != -100).sum())], labels, cfgs, hard)
+    with pytest.raises(ValueError, match="not whole runs"):
+        distillation_losses(student, teacher[:1], labels, cfgs, hard)

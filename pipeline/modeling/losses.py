@@ -111,30 +111,34 @@ def _softmax_lse(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _FusedDistillation(torch.autograd.Function):
-    """L = sum_t w_t [a_t CE_t + b_t T^2 KL_t] on packed rows, chunk by chunk (the [N, V] intermediates of one
-    chunk stay in cache; one exp pass per distribution and chunk), with dL/dz_l written in the same pass:
+    """Each run's L = sum_t w_t [a_t CE_t + b_t T^2 KL_t] on packed rows, chunk by chunk (the [N, V] intermediates of
+    one chunk stay in cache; one exp pass per distribution and chunk), with dL/dz_l written in the same pass:
 
         dCE/dz_l = q_l - onehot(y),   d(T^2 KL(p_g^T || q_l^T))/dz_l = T (q_l^T - p_g^T),
         d(T^2 KL(q_l^T || p_g^T))/dz_l = T q_l^T * (log q_l^T - log p_g^T - KL).
 
-    The gate (a_t, b_t) is given: ``gate`` [N] bool (all False without a teacher), decided before the kernel."""
+    The gate is given: ``gate`` [N] bool (False where no teacher), decided before the kernel; (a_t, b_t) are
+    (``lam_off``, ``lam``) where gated, else (1, 0). ``z_g`` holds the first rows' teacher logits; ``spans`` are the
+    runs' rows, whose losses come back as one vector."""
 
     @staticmethod
-    def forward(ctx, z_l, z_g, y, row_weight, gate, cfg, chunk_rows, want_grad):
+    def forward(
+        ctx, z_l, z_g, y, row_weight, gate, lam, lam_off, t, direction, spans, run_of_row, chunk_rows, want_grad
+    ):
         n, v = z_l.shape
         dev = z_l.device
         ce = torch.empty(n, device=dev)
         kl = torch.zeros(n, device=dev)
         grad = torch.empty(z_l.shape, dtype=z_l.dtype, device=dev) if want_grad else None
-        t = float(cfg.kd_temperature)
-        for s in range(0, n, chunk_rows):
-            e = min(n, s + chunk_rows)
+        taught = z_g.shape[0] if z_g is not None else 0
+        starts = [*range(0, taught, chunk_rows), *range(taught, n, chunk_rows)]  # the rows with a teacher apart
+        for s, e in zip(starts, [*starts[1:], n]):
             zl = z_l[s:e].float()
             y_c = y[s:e].unsqueeze(-1)
             q, lse_l = _softmax_lse(zl)
             ce[s:e] = lse_l - zl.gather(-1, y_c).squeeze(-1)
             g_c = gate[s:e]
-            any_kd = z_g is not None and (z_l.is_cuda or bool(g_c.any()))  # skipped on the host only: no sync
+            any_kd = s < taught and (z_l.is_cuda or bool(g_c.any()))  # skipped on the host only: no sync
             if any_kd:
                 zg = z_g[s:e].float()
                 if t == 1.0:
@@ -145,23 +149,23 @@ class _FusedDistillation(torch.autograd.Function):
                     zg_t, zl_t = zg / t, zl / t
                     (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), _softmax_lse(zl_t)
                     pt_dot_zgt = torch.linalg.vecdot(p_t, zg_t)
-                if cfg.kd_direction == "teacher_to_student":  # sum p (log p - log q)
+                if direction == "teacher_to_student":  # sum p (log p - log q)
                     kl_c = (lse_lt - lse_gt) + pt_dot_zgt - torch.linalg.vecdot(p_t, zl_t)
                 else:  # sum q (log q - log p)
                     kl_c = (lse_gt - lse_lt) + torch.linalg.vecdot(q_t, zl_t) - torch.linalg.vecdot(q_t, zg_t)
                 kl[s:e] = (kl_c * t * t).masked_fill(~g_c, 0.0)
             if want_grad:
                 w = row_weight[s:e]
-                a = (torch.where(g_c, 1.0 - cfg.kd_lambda, 1.0) * w).unsqueeze(-1)  # CE weight (1.0 * w is w exactly)
-                b = (torch.where(g_c, cfg.kd_lambda, 0.0) * w * t).unsqueeze(-1) if any_kd else None  # KL (x T: dz/T)
+                a = (torch.where(g_c, lam_off[s:e], 1.0) * w).unsqueeze(-1)  # CE weight (1.0 * w is w exactly)
+                b = (torch.where(g_c, lam[s:e], 0.0) * w * t).unsqueeze(-1) if any_kd else None  # KL (x T: dz/T)
                 # written in place when the logits are float32; half-precision logits get a float32 chunk copied back
                 gr = grad[s:e] if grad.dtype == torch.float32 else torch.empty(e - s, v, device=dev)
-                if any_kd and cfg.kd_direction == "teacher_to_student" and t == 1.0:
+                if any_kd and direction == "teacher_to_student" and t == 1.0:
                     torch.mul(q, a + b, out=gr)  # a (q - onehot) + b (q - p), one pass
                     gr.addcmul_(p, b, value=-1.0)
                 else:
                     torch.mul(q, a, out=gr)
-                    if any_kd and cfg.kd_direction == "teacher_to_student":
+                    if any_kd and direction == "teacher_to_student":
                         gr.add_(b * (q_t - p_t))
                     elif any_kd:
                         log_ratio = (zl_t - zg_t) - (lse_lt - lse_gt).unsqueeze(-1) - kl_c.unsqueeze(-1)
@@ -169,17 +173,17 @@ class _FusedDistillation(torch.autograd.Function):
                 gr.scatter_add_(-1, y_c, -a)
                 if gr.data_ptr() != grad[s:e].data_ptr():
                     grad[s:e] = gr
-        a_all = torch.where(gate, 1.0 - cfg.kd_lambda, 1.0)
-        b_all = torch.where(gate, cfg.kd_lambda, 0.0)
-        loss = (row_weight * (a_all * ce + b_all * kl)).sum()
-        ctx.save_for_backward(grad if want_grad else torch.empty(0))
+        rows = row_weight * (torch.where(gate, lam_off, 1.0) * ce + torch.where(gate, lam, 0.0) * kl)
+        loss = torch.stack([rows[s:e].sum() for s, e in spans])  # each run's sum as alone: to the bit
+        ctx.save_for_backward(grad if want_grad else torch.empty(0), run_of_row)
         ctx.mark_non_differentiable(ce, kl)
         return loss, ce, kl
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None, None  # e.g. a step's weight
+        grad, run_of_row = ctx.saved_tensors  # grad_loss: each run's loss's weight in the step
+        scale = grad_loss if len(grad_loss) == 1 else grad_loss.index_select(0, run_of_row).unsqueeze(1)
+        return (grad * scale.to(grad.dtype),) + (None,) * 12
 
 
 def distillation_loss(
@@ -194,45 +198,93 @@ def distillation_loss(
     (padding ignored) or packed [N, V] (``logits[labels != -100]``); computed in float32, ``chunk_rows`` at a time
     (default :func:`chunk_rows_for`; rows are independent: the chunking changes no result)."""
     valid = labels != IGNORE_INDEX
-    n_tokens = int(valid.sum())
-    if n_tokens == 0:
-        raise ValueError("distillation_loss: the batch has no non-padding target token")
-    if cfg.mode != "ce" and logits_global is None:
-        raise ValueError(f"distillation_loss: mode {cfg.mode!r} needs the global (teacher) logits")
-    hard_gate = None
-    if cfg.mode == "hard" and hard_mask is not None:  # without one, its gate (token_mask) says what is missing
-        if hard_mask.shape != labels.shape:
-            raise ValueError(f"hard_mask shape {tuple(hard_mask.shape)} != labels shape {tuple(labels.shape)}")
-        hard_gate = hard_mask.to(torch.bool).to(valid.device)[valid]
     z_l = _pack(logits_local, valid, "logits_local")
+    z_g = _pack(logits_global.detach(), valid, "logits_global") if logits_global is not None else None
+    return distillation_losses(z_l, z_g, [labels], [cfg], [hard_mask], chunk_rows)[1][0]
+
+
+def distillation_losses(
+    z_l: torch.Tensor,
+    z_g: torch.Tensor | None,
+    labels: list[torch.Tensor],
+    cfgs: list[KDConfig],
+    hard_masks: list[torch.Tensor | None],
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, list[LossOutput]]:
+    """:func:`distillation_loss` of R runs at once, each run's output what it gives alone, to the bit
+    (tests/test_losses.py). ``z_l``: the runs' packed student rows, run-major; ``z_g``: the packed teacher rows of
+    the first runs (every run that distils among them); ``labels``, ``cfgs``, ``hard_masks``: a run each. One
+    chunked pass over every run's rows and one gradient buffer, where a run's own call made ~100 operations and gave
+    its slice of the logits a gradient of the whole group's size. Returns the runs' losses as one vector (backward
+    through it: one gradient buffer) and each run's output (its ``loss`` an element of the vector)."""
+    valids = [y != IGNORE_INDEX for y in labels]
+    counts = [int(v.sum()) for v in valids]
+    if 0 in counts:
+        raise ValueError("distillation_loss: the batch has no non-padding target token")
+    starts = [sum(counts[:r]) for r in range(len(cfgs) + 1)]
+    taught = z_g.shape[0] if z_g is not None else 0  # rows with a teacher: those of the first runs
+    if taught not in starts:
+        raise ValueError(f"distillation_losses: {taught} teacher rows are not whole runs' rows ({starts})")
+    runs_taught = starts.index(taught)
+    if missing := [cfg.mode for cfg in cfgs[runs_taught:] if cfg.mode != "ce"]:
+        raise ValueError(f"distillation_loss: mode {missing[0]!r} needs the global (teacher) logits")
+    kernels = {(cfg.kd_temperature, cfg.kd_direction, cfg.entropy_log_base) for cfg in cfgs[:runs_taught]}
+    if len(kernels) > 1:  # one kernel takes one temperature, direction and log base: each run alone
+        parts = zip(labels, cfgs, hard_masks, starts, starts[1:])
+        alone = [
+            distillation_losses(z_l[s:e], z_g[s:e] if s < taught else None, [y], [c], [h], chunk_rows)[1][0]
+            for y, c, h, s, e in parts
+        ]
+        return torch.stack([out.loss for out in alone]), alone
+    t, direction, log_base = next(iter(kernels), (1.0, "teacher_to_student", "e"))
+    dev, n = z_l.device, starts[-1]
     chunk_rows = chunk_rows or chunk_rows_for(z_l)
-    z_g = _pack(logits_global.detach(), valid, "logits_global").to(z_l.device) if logits_global is not None else None
-    y = labels[valid].to(z_l.device, non_blocking=True)  # host labels: counted and indexed there, copied async
+    z_g = z_g.to(dev) if z_g is not None else None
+    # w_t: the token's weight in its run's mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b)); made on the host
+    row_weight = torch.cat([_row_weights(v, c, cfg) for v, c, cfg in zip(valids, counts, cfgs)]).to(
+        dev, non_blocking=True
+    )
+    per_run = torch.tensor(counts)
+    lam, lam_off, run_of_row = (
+        torch.tensor(values).repeat_interleave(per_run).to(dev, non_blocking=True)
+        for values in ([c.kd_lambda for c in cfgs], [1 - c.kd_lambda for c in cfgs], list(range(len(cfgs))))
+    )
+    y = torch.cat([y[v] for y, v in zip(labels, valids)]).to(dev, non_blocking=True)  # host labels: copied async
+    entropy_p, gates, thresholds = torch.zeros(n, device=dev), [], [float("nan")] * len(cfgs)
+    if taught:
+        entropy_p[:taught] = teacher_entropy(z_g, log_base, chunk_rows)
+    for r in range(runs_taught):
+        s, e, cfg, hard_gate = starts[r], starts[r + 1], cfgs[r], None
+        if (gate_rule := gate_of(cfg)) is None:  # mode ce beside a teacher: its entropy only
+            gates.append(torch.zeros(e - s, dtype=torch.bool, device=dev))
+            continue
+        if cfg.mode == "hard" and (mask := hard_masks[r]) is not None:  # without one, its gate says what is missing
+            if mask.shape != labels[r].shape:
+                raise ValueError(f"hard_mask shape {tuple(mask.shape)} != labels shape {tuple(labels[r].shape)}")
+            hard_gate = mask.to(torch.bool).to(valids[r].device)[valids[r]]
+        gate, thresholds[r] = gate_rule(TeacherRows(z_g[s:e], entropy_p[s:e], hard_gate, chunk_rows), cfg)
+        gates.append(gate.to(device=dev, dtype=torch.bool))
+    gate_p = torch.cat([*gates, torch.zeros(n - taught, dtype=torch.bool, device=dev)])  # no teacher: never gated
+    spans = list(zip(starts, starts[1:]))
+    args = (z_l, z_g, y, row_weight, gate_p, lam, lam_off, float(t), direction, spans, run_of_row)
+    loss, ce, kl = _FusedDistillation.apply(*args, chunk_rows, torch.is_grad_enabled() and z_l.requires_grad)
+    # [B, T] per run: every run's rows scattered in one pass into one buffer, each run's labels' shape a view of it
+    ends = torch.tensor([y.numel() for y in labels]).cumsum(0).tolist()
+    at = torch.cat([v.flatten().nonzero().squeeze(1) + (end - v.numel()) for v, end in zip(valids, ends)])
+    at = at.to(dev, non_blocking=True)  # indices: no sync on a device
+    scattered = [torch.zeros(ends[-1], device=dev, dtype=x.dtype).index_copy_(0, at, x) for x in (entropy_p, gate_p)]
+    views = [[x[end - y.numel() : end].view(y.shape) for x in scattered] for y, end in zip(labels, ends)]
+    return loss, [
+        LossOutput(loss[r], ce[s:e], kl[s:e], gate_p[s:e], *views[r], counts[r], thresholds[r])
+        for r, (s, e) in enumerate(spans)
+    ]
 
-    # w_t: the token's weight in the batch mean ("tokens": 1/N; "sequences": 1/(n_seq * len_b))
+
+def _row_weights(valid: torch.Tensor, count: int, cfg: KDConfig) -> torch.Tensor:
     if cfg.loss_normalisation == "tokens":
-        row_weight = torch.full((n_tokens,), 1.0 / n_tokens, device=z_l.device)
-    else:
-        per_seq_tokens = valid.sum(dim=1)
-        n_seq = int((per_seq_tokens > 0).sum())
-        seq_of_row = valid.nonzero()[:, 0]
-        row_weight = (1.0 / (per_seq_tokens[seq_of_row].float() * n_seq)).to(z_l.device, non_blocking=True)
-    want_grad = torch.is_grad_enabled() and z_l.requires_grad
-    threshold = float("nan")
-    entropy_p = torch.zeros(n_tokens, device=z_l.device)
-    gate_p = torch.zeros(n_tokens, dtype=torch.bool, device=z_l.device)
-    if z_g is not None:
-        entropy_p = teacher_entropy(z_g, cfg.entropy_log_base, chunk_rows)
-        if (gate := gate_of(cfg)) is not None:
-            gate_p, threshold = gate(TeacherRows(z_g, entropy_p, hard_gate, chunk_rows), cfg)
-            gate_p = gate_p.to(device=z_l.device, dtype=torch.bool)
-    loss, ce, kl = _FusedDistillation.apply(z_l, z_g, y, row_weight, gate_p, cfg, chunk_rows, want_grad)
-
-    rows = valid.flatten().nonzero().squeeze(1).to(z_l.device, non_blocking=True)  # indices: no sync on a device
-    entropy = torch.zeros(labels.numel(), device=z_l.device).index_copy_(0, rows, entropy_p).view(labels.shape)
-    gate = torch.zeros(labels.numel(), dtype=torch.bool, device=z_l.device).index_copy_(0, rows, gate_p)
-    gate = gate.view(labels.shape)
-    return LossOutput(loss, ce, kl, gate_p, entropy, gate, n_tokens, threshold)
+        return torch.full((count,), 1.0 / count, device=valid.device)
+    per_seq_tokens = valid.sum(dim=1)
+    return 1.0 / (per_seq_tokens[valid.nonzero()[:, 0]].float() * int((per_seq_tokens > 0).sum()))
 
 
 CHUNK_ROWS_HOST = 128  # a chunk's [rows, V] intermediates stay in a CPU's cache

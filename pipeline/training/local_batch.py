@@ -2,16 +2,17 @@
 a set's runs reaches :func:`train_jobs` together (pipeline.training.set_engine's barrier), and the jobs whose
 micro-batches have the same sizes in the same steps train as one group: the top layers and the LM head run over R
 run-major blocks with the R runs' adapters stacked (pipeline.modeling.adapter_stack), each run's loss, KD gate and
-proximal term its own. Where the runs' micro-batches coincide (the same client, examples and seed: batch order
-depends only on seed, client and round) the frozen prefix is computed (or read from the cache) once and repeated;
-where they differ (another seed or round) the blocks are the runs' own micro-batches padded to one shape (a
-shorter one filled with copies of its first example whose labels are ignored), which changes a run's result by
-float32 rounding only. Jobs with another number of steps or micro-batches form groups of their own, trained one
-after the other. The optimizer is one AdamW over the stacked leaves, each run's own AdamW elementwise
-(jobs of a group share its settings: they are part of the group's key). On CUDA the student's forward runs under
-bf16 autocast, the teacher's in float32 (:func:`stacked_logits`); the loss computes entropy, softmax and KL in
-float32 (pipeline.modeling.losses). Token ids and labels stay on the host, where counts and row indices are read,
-and reach the device by asynchronous copies: a micro-batch makes no host sync.
+proximal term its own (a micro-batch's losses in one call: pipeline.modeling.losses.distillation_losses). Where the
+runs' micro-batches coincide (the same client, examples and seed: batch order depends only on seed, client and
+round) the frozen prefix is computed (or read from the cache) once and repeated; where they differ (another seed
+or round) the blocks are the runs' own micro-batches padded to one shape (a shorter one filled with copies of its
+first example whose labels are ignored), which changes a run's result by float32 rounding only. Jobs with another
+number of steps or micro-batches form groups of their own, trained one after the other. The optimizer is one AdamW
+over the stacked leaves, each run's own AdamW elementwise (jobs of a group share its settings: they are part of the
+group's key). On CUDA the student's forward runs under bf16 autocast, the teacher's in float32
+(:func:`stacked_logits`); the loss computes entropy, softmax and KL in float32 (pipeline.modeling.losses). Token ids
+and labels stay on the host, where counts and row indices are read, and reach the device by asynchronous copies: a
+micro-batch makes no host sync.
 """
 
 from __future__ import annotations
@@ -119,16 +120,16 @@ def stacked_logits(
     source_mask: torch.Tensor,
     local: AdapterStack,
     teacher: AdapterStack | None,
-    taught: list[int],
+    taught: int,
     bf16: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The packed logits of one micro-batch of every run of a group, ``prefix``, ``labels`` and ``source_mask`` (host)
     in R run-major blocks: the student's [sum of the runs' target tokens, V] (with gradients; under bf16 autocast if
-    ``bf16``: the trainer's choice on CUDA), the teacher's for the runs ``taught`` (under no_grad, float32: a bf16
-    teacher moves the gate: reports/bench/engine.md, section 3). Rows and masks are read on the host (no sync)."""
+    ``bf16``: the trainer's choice on CUDA), the teacher's for the first ``taught`` runs (under no_grad, float32: a
+    bf16 teacher moves the gate: reports/bench/engine.md, section 3). Rows and masks are read on the host (no sync)."""
     device = prefix.decoder_hidden.device
 
-    def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor, masks=None) -> torch.Tensor:
+    def packed(stack: AdapterStack, prefix: Prefix, labels: torch.Tensor, masks) -> torch.Tensor:
         rows = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1).to(device, non_blocking=True)
         return model.path_logits(prefix, stack, masks, rows=rows)
 
@@ -138,13 +139,13 @@ def stacked_logits(
     if teacher is None:
         return student, None
     with torch.no_grad():
-        if len(taught) == local.runs:  # every run's block: the same prefix, labels and attention masks
+        if taught == local.runs:  # every run's block: the same prefix, labels and attention masks
             return student, packed(teacher, prefix, labels, masks)
-        size = labels.shape[0] // local.runs  # the taught runs' run-major blocks
-        rows = torch.cat([torch.arange(r * size, (r + 1) * size) for r in taught])
-        device_rows = rows.to(device, non_blocking=True)
-        taught_prefix = Prefix(*(t.index_select(0, device_rows) for t in vars(prefix).values()))
-        return student, packed(teacher, taught_prefix, labels[rows], model.top_masks(taught_prefix, source_mask[rows]))
+        rows = labels.shape[0] // local.runs * taught  # the taught runs' blocks lead
+        taught_prefix = Prefix(*(t[:rows] for t in vars(prefix).values()))
+        return student, packed(
+            teacher, taught_prefix, labels[:rows], model.top_masks(taught_prefix, source_mask[:rows])
+        )
 
 
 def _filled(batch: Batch, rows: int) -> Batch:
@@ -180,8 +181,11 @@ def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Te
 
 
 def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
-    """Train ``jobs`` (one group: equal :meth:`LocalJob.group_key`) together. The loss is looked up per call
+    """Train ``jobs`` (one group: equal :meth:`LocalJob.group_key`) together, those with a teacher first (their
+    teacher's rows then lead the packed rows: one loss call for the group). The loss is looked up per call
     (tests/reliability.py wraps it)."""
+    order = sorted(range(len(jobs)), key=lambda r: jobs[r].teacher is None)
+    jobs = [jobs[r] for r in order]
     model, cfg = jobs[0].model, jobs[0].plan.train
     device, template = model.device, model.adapter_sets["local"]
     runs = len(jobs)
@@ -203,26 +207,21 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
             for m in range(len(step)):
                 prefix, labels, source_mask, batches = _micro_batch(jobs, s, m)
                 logits, teacher_logits = stacked_logits(
-                    model, prefix, labels, source_mask, local, teacher, taught, device.type == "cuda"
+                    model, prefix, labels, source_mask, local, teacher, len(taught), device.type == "cuda"
                 )
-                _, tokens, starts = _run_rows(labels, runs)
-                teacher_starts = [sum(tokens[r] for r in taught[:k]) for k in range(len(taught) + 1)]
-                total = torch.zeros((), device=device)
-                for r, job in enumerate(jobs):
-                    z_g = None
-                    if job.teacher is not None:
-                        k = taught.index(r)
-                        z_g = teacher_logits[teacher_starts[k] : teacher_starts[k + 1]]
-                    hard = None
-                    if job.masks is not None:  # KD exactly on target nouns and verbs; checks the tagged ids match
-                        hard = torch.from_numpy(job.masks.batch(batches[r].example_ids, batches[r].labels))
-                    student = logits[starts[r] : starts[r + 1]]
-                    out = losses.distillation_loss(student, z_g, batches[r].labels, job.kd, hard_mask=hard)
-                    loss = out.loss
+                hard = [  # hard KD exactly on target nouns and verbs; checks the tagged ids match
+                    None if j.masks is None else torch.from_numpy(j.masks.batch(b.example_ids, b.labels))
+                    for j, b in zip(jobs, batches)
+                ]
+                loss, outs = losses.distillation_losses(
+                    logits, teacher_logits, [b.labels for b in batches], [j.kd for j in jobs], hard
+                )
+                weights = torch.tensor([job.steps[s][m][1] for job in jobs]).to(device, non_blocking=True)
+                total = (loss * weights).sum()  # each run's loss weighted in its step
+                for r, (job, out) in enumerate(zip(jobs, outs)):
                     if job.proximal is not None:
                         proximal[r] = proximal_term(local.run_parameters(r), job.proximal.reference, job.proximal.mu)
-                        loss = loss + proximal[r]
-                    total = total + loss * job.steps[s][m][1]
+                        total = total + proximal[r] * job.steps[s][m][1]
                     out.loss = out.loss.detach()
                     outputs[r].append((batches[r], out))
                 total.backward()
@@ -230,10 +229,11 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
             optimizer.step()
     finally:
         model.train(False)
-    return [
+    trained = [
         JobOutput(state, outputs[r], len(jobs[0].steps), float(proximal[r].detach()))
         for r, state in enumerate(local.states())
     ]
+    return [trained[order.index(r)] for r in range(runs)]
 
 
 def _run_rows(labels: torch.Tensor, runs: int) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -255,7 +255,7 @@ def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
     model.train(False)
     for s in range(len(jobs[0].steps)):
         prefix, labels, source_mask, _ = _micro_batch(jobs, s, 0)
-        logits, _ = stacked_logits(model, prefix, labels, source_mask, local, None, [], False)
+        logits, _ = stacked_logits(model, prefix, labels, source_mask, local, None, 0, False)
         blocks, tokens, starts = _run_rows(labels, runs)
         for r in range(runs):
             y = blocks[r][blocks[r] != IGNORE_INDEX].to(model.device, non_blocking=True)
