@@ -254,3 +254,24 @@ def test_a_fixed_budget_run_marks_only_the_clients_whose_best_round_is_their_las
     got = run_convergence(Path("reports/train"), "fixed-budget")
     assert dict(zip(got["client"], got["best_is_last"])) == {"A": True, "B": False}
     assert metrics["converged"] is None  # no rule, no verdict
+
+
+def test_a_nan_round_is_never_the_best_and_does_not_hide_the_rounds_after_it(ws):
+    """A diverged validation (NaN) is never best (pipeline.training.checkpoints.keep_best_and_final keeps no adapter
+    of it): the run's best round and each round's "best before" pass over it, and each client's recorded best is
+    the round whose adapter it kept. By hand: A's losses NaN, 4.0, 3.5, 3.5, 3.5 and B's 5.0, 4.0, 3.5, 3.5, 3.5;
+    the client averages NaN, 4.0, 3.5, 3.5, 3.5 improve by 12.5 %, 0, 0 on the best before from round 3 on."""
+    from pipeline.experiments.plans import read_plan
+    from pipeline.training.stopping import convergence, relative_improvements
+    from pipeline.training.summary import summarize
+
+    nan = float("nan")
+    losses = {"A": [nan, 4.0, 3.5, 3.5, 3.5], "B": [5.0, 4.0, 3.5, 3.5, 3.5]}
+    history = [{"round": r, "client": c, "val_loss": v[r - 1]} for r in range(1, 6) for c, v in losses.items()]
+    assert relative_improvements([nan, 4.0, 3.5, 3.5, 3.5])[1:] == pytest.approx([0.125, 0.0, 0.0])
+    # rounds 4 and 5 gained nothing on 3.5, round 3 gained 12.5 % >= 0.5 %: patience 2 holds at round 5, not 3
+    assert convergence(history, _stop(patience=2)) == {"stopped_round": 5, "best_round": 3, "converged": True}
+    assert not convergence(history, _stop(patience=3))["converged"]
+    clients = summarize(read_plan(write_plan("nan-round", "single", rounds=5)), history, [])["clients"]
+    assert (clients["A"]["best_round"], clients["A"]["best_val_loss"]) == (3, 3.5)
+    assert (clients["B"]["best_round"], clients["B"]["best_val_loss"]) == (3, 3.5)

@@ -13,8 +13,8 @@ import numpy as np
 
 def relative_improvements(means: Sequence[float]) -> list[float]:
     """For each round after the first, how much its mean improved on the best mean before it, relative to that
-    best (negative when it got worse)."""
-    return [(min(means[:i]) - means[i]) / abs(min(means[:i])) if min(means[:i]) else 0.0 for i in range(1, len(means))]
+    best (negative when it got worse; fmin passes over a NaN mean, never a best: NaN while no number came before)."""
+    return [float((b - m) / abs(b)) if b else 0.0 for b, m in zip(np.fmin.accumulate(means)[:-1], means[1:])]
 
 
 def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int) -> bool:
@@ -56,6 +56,6 @@ def convergence(history: list[dict[str, Any]], stop, late: str | None = None) ->
     # client average changes its meaning then (before it joins: no round, the run cannot stop yet).
     start = 1 if late is None else min((int(r["round"]) for r in history if r["client"] == late), default=10**9)
     series = mean_val_loss_by_round(history, since=start)
-    best = min(series, key=lambda rm: rm[1])[0] if series else None
+    best = min(((m, r) for r, m in series if m == m), default=(None, None))[1]  # m != m: NaN, never best
     converged = plateaued([m for _, m in series], stop.min_rel_improvement, stop.patience) if stop.enabled else None
     return {"stopped_round": stopped, "best_round": best, "converged": converged}
