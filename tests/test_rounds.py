@@ -464,6 +464,21 @@ def test_an_adapter_left_without_its_progress_by_a_kill_is_cleaned_up_not_an_err
     assert latest_client_checkpoint(ckpt, before=4).round == 3
 
 
+def test_a_round_a_kill_left_without_its_progress_is_not_the_latest_checkpoint(tmp_path):
+    """A kill between linking round 2's adapter and writing its progress (a SuperNode killed while the server goes
+    on) leaves round002.safetensors alone: the restarted client resumes from round 1, its last complete checkpoint,
+    instead of failing on the missing progress in every later round (only a written round cleans the file up)."""
+    from pipeline.modeling.adapters import save_adapter
+    from pipeline.training.checkpoints import latest_client_checkpoint, write_client_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    write_client_checkpoint(ckpt, 1, _final(tmp_path / "client", 1.0), {"best-val-loss": 1.0, "best-round": 1}, True, 4)
+    save_adapter(ckpt / "round002.safetensors", _state(2.0))  # no round002.json
+    latest = latest_client_checkpoint(ckpt, before=3)
+    assert (latest.round, latest.progress, latest.dp_steps) == (1, {"best-val-loss": 1.0, "best-round": 1}, 4)
+    assert latest.adapter == ckpt / "round001.safetensors"
+
+
 def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_released_updates_clipped():
     """Client-level DP rows (by hand): A and B were aggregated (A clipped), C failed; the run-level fields are
     C = 2, a clipped fraction of 1/2 and the round's epsilon, not per-client epsilons; an absent client sent and

@@ -123,7 +123,8 @@ def test_disabled_never_stops_early_but_still_records_the_outcome():
     history = [row for rnd, m in enumerate([10.0, 8.0, 8.5, 9.0, 9.5], 1) for row in _rows(rnd, m)]
     off = _stop(enabled=False, patience=2)
     assert not should_stop(history, off)
-    assert convergence(history, off) == {"stopped_round": 5, "best_round": 2, "converged": True}
+    # no rule, no verdict (the tables judge a fixed budget's client-runs by their rounds)
+    assert convergence(history, off) == {"stopped_round": 5, "best_round": 2, "converged": None}
 
 
 def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
@@ -235,3 +236,42 @@ def test_the_documented_stop_rule_table_is_the_projections_output():
 
     text = (Path(__file__).resolve().parents[1] / "docs/statistics.md").read_text(encoding="utf-8")
     assert text.split(BEGIN, 1)[1].split(END, 1)[0].strip() == table(gpu_study_stop())
+
+
+def test_a_fixed_budget_run_marks_only_the_clients_whose_best_round_is_their_last(ws):
+    """Without train.stop (a fixed round budget, docs/statistics.md "Round budget") the tables judge each client-run
+    by its own rounds: B's best validation round is 2 of 3, so it was not still improving; A's is 3 of 3. The train
+    record states no stop-rule verdict for such a run, so the disabled rule's defaults (patience 3 cannot hold in
+    3 rounds) do not mark every client."""
+    from pipeline.experiments.plans import read_plan
+    from pipeline.results.readers import run_convergence
+    from pipeline.training.summary import record_run
+
+    plan = read_plan(write_plan("fixed-budget", "single", rounds=3))
+    losses = {"A": [5.0, 4.0, 3.0], "B": [5.0, 4.0, 4.5]}
+    history = [{"round": r, "client": c, "val_loss": v[r - 1]} for r in (1, 2, 3) for c, v in losses.items()]
+    metrics = record_run(plan, history, [])
+    got = run_convergence(Path("reports/train"), "fixed-budget")
+    assert dict(zip(got["client"], got["best_is_last"])) == {"A": True, "B": False}
+    assert metrics["converged"] is None  # no rule, no verdict
+
+
+def test_a_nan_round_is_never_the_best_and_does_not_hide_the_rounds_after_it(ws):
+    """A diverged validation (NaN) is never best (pipeline.training.checkpoints.keep_best_and_final keeps no adapter
+    of it): the run's best round and each round's "best before" pass over it, and each client's recorded best is
+    the round whose adapter it kept. By hand: A's losses NaN, 4.0, 3.5, 3.5, 3.5 and B's 5.0, 4.0, 3.5, 3.5, 3.5;
+    the client averages NaN, 4.0, 3.5, 3.5, 3.5 improve by 12.5 %, 0, 0 on the best before from round 3 on."""
+    from pipeline.experiments.plans import read_plan
+    from pipeline.training.stopping import convergence, relative_improvements
+    from pipeline.training.summary import summarize
+
+    nan = float("nan")
+    losses = {"A": [nan, 4.0, 3.5, 3.5, 3.5], "B": [5.0, 4.0, 3.5, 3.5, 3.5]}
+    history = [{"round": r, "client": c, "val_loss": v[r - 1]} for r in range(1, 6) for c, v in losses.items()]
+    assert relative_improvements([nan, 4.0, 3.5, 3.5, 3.5])[1:] == pytest.approx([0.125, 0.0, 0.0])
+    # rounds 4 and 5 gained nothing on 3.5, round 3 gained 12.5 % >= 0.5 %: patience 2 holds at round 5, not 3
+    assert convergence(history, _stop(patience=2)) == {"stopped_round": 5, "best_round": 3, "converged": True}
+    assert not convergence(history, _stop(patience=3))["converged"]
+    clients = summarize(read_plan(write_plan("nan-round", "single", rounds=5)), history, [])["clients"]
+    assert (clients["A"]["best_round"], clients["A"]["best_val_loss"]) == (3, 3.5)
+    assert (clients["B"]["best_round"], clients["B"]["best_val_loss"]) == (3, 3.5)

@@ -111,14 +111,14 @@ def _client_checkpoint_rounds(ckpt: Path) -> list[int]:
 
 
 def latest_client_checkpoint(ckpt: Path, before: int) -> ClientCheckpoint | None:
-    """The client's latest checkpoint of a round before ``before``, or None."""
-    if not (earlier := [r for r in _client_checkpoint_rounds(ckpt) if r < before]):
+    """The client's latest complete checkpoint (its adapter and progress) of a round before ``before``, or None."""
+    done = [r for r in _client_checkpoint_rounds(ckpt) if r < before and (ckpt / f"round{r:03d}.json").exists()]
+    if not done:
         return None
-    last = earlier[-1]
-    progress = json.loads((ckpt / f"round{last:03d}.json").read_text())
+    progress = json.loads((ckpt / f"round{done[-1]:03d}.json").read_text())
     trained = bool(progress.pop(TRAINED_FLAG, 1))
     dp_steps = int(progress.pop(DP_STEPS)) if DP_STEPS in progress else None
-    return ClientCheckpoint(last, progress, trained, dp_steps, ckpt / f"round{last:03d}.safetensors")
+    return ClientCheckpoint(done[-1], progress, trained, dp_steps, ckpt / f"round{done[-1]:03d}.safetensors")
 
 
 def write_client_checkpoint(

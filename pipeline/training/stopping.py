@@ -13,8 +13,8 @@ import numpy as np
 
 def relative_improvements(means: Sequence[float]) -> list[float]:
     """For each round after the first, how much its mean improved on the best mean before it, relative to that
-    best (negative when it got worse)."""
-    return [(min(means[:i]) - means[i]) / abs(min(means[:i])) if min(means[:i]) else 0.0 for i in range(1, len(means))]
+    best (negative when it got worse; fmin passes over a NaN mean, never a best: NaN while no number came before)."""
+    return [float((b - m) / abs(b)) if b else 0.0 for b, m in zip(np.fmin.accumulate(means)[:-1], means[1:])]
 
 
 def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int) -> bool:
@@ -47,14 +47,15 @@ def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) ->
 
 def convergence(history: list[dict[str, Any]], stop, late: str | None = None) -> dict[str, Any]:
     """What a finished run records: the round it stopped at, its best round (lowest client-average validation loss,
-    the first of equals) and whether it converged: the rule of ``stop`` holds at its last round. A run that reached
-    its round ceiling before the rule held is not converged. Under a small tolerance the last round is often the best
-    by a hair; that is still converged (the rule bounds what each further round gains, docs/statistics.md)."""
+    the first of equals) and whether it converged: the rule of ``stop`` holds at its last round (None without the
+    rule: a fixed budget's runs are judged by each client's rounds, docs/statistics.md "Round budget"). A run that
+    reached its round ceiling before the rule held is not converged. Under a small tolerance the last round is often
+    the best by a hair; that is still converged (the rule bounds what each further round gains)."""
     stopped = max((int(r["round"]) for r in history), default=0)
     # The stop series starts at round 1, or with a late client (post-addition) at the round it joined, since the
     # client average changes its meaning then (before it joins: no round, the run cannot stop yet).
     start = 1 if late is None else min((int(r["round"]) for r in history if r["client"] == late), default=10**9)
     series = mean_val_loss_by_round(history, since=start)
-    best = min(series, key=lambda rm: rm[1])[0] if series else None
-    converged = plateaued([m for _, m in series], stop.min_rel_improvement, stop.patience)
-    return {"stopped_round": stopped, "best_round": best, "converged": bool(converged)}
+    best = min(((m, r) for r, m in series if m == m), default=(None, None))[1]  # m != m: NaN, never best
+    converged = plateaued([m for _, m in series], stop.min_rel_improvement, stop.patience) if stop.enabled else None
+    return {"stopped_round": stopped, "best_round": best, "converged": converged}

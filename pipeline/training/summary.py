@@ -4,6 +4,7 @@ the same way by the train stage and by the deployed ServerApp."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,10 @@ def summarize(plan: Plan, history: list[dict[str, Any]], round_seconds: list[flo
     counters = ("rounds_trained", "rounds_failed", "bytes_sent", "bytes_received")
     for row in history:
         c = clients.setdefault(row["client"], {"best_round": 0, "best_val_loss": None} | dict.fromkeys(counters, 0))
-        if row.get("val_loss") is not None and (c["best_val_loss"] is None or row["val_loss"] < c["best_val_loss"]):
-            c["best_val_loss"], c["best_round"] = row["val_loss"], row["round"]
-        if row.get("val_loss") is not None:
-            c["final_val_loss"] = row["val_loss"]
+        if (val := row.get("val_loss")) is not None:
+            c["final_val_loss"] = val
+            if val < (math.inf if c["best_val_loss"] is None else c["best_val_loss"]):  # NaN: never best (its adapter)
+                c["best_val_loss"], c["best_round"] = val, row["round"]
         c["rounds_trained"] += int(row.get("sampled", 0) and not row.get("failed", 0))
         c["rounds_failed"] += int(row.get("failed", 0))
         c["bytes_sent"] += int(row.get("bytes_down", 0))  # server -> client
@@ -121,12 +122,10 @@ def log_run_outputs(
 
 
 def convergence_tags(metrics: dict[str, Any]) -> dict[str, str]:
-    """The run's stop outcome as MLflow tags (``converged`` true|false, ``stopped_round``, ``best_round``)."""
-    return {
-        "converged": str(metrics["converged"]).lower(),
-        "stopped_round": str(metrics["stopped_round"]),
-        "best_round": str(metrics["best_round"]),
-    }
+    """The run's stop outcome as MLflow tags (``converged`` true|false, ``stopped_round``, ``best_round``; not those
+    that are None: no stop rule, no validation loss)."""
+    keys = ("converged", "stopped_round", "best_round")
+    return {k: str(metrics[k]).lower() for k in keys if metrics[k] is not None}
 
 
 def final_run_metrics(metrics: dict[str, Any]) -> dict[str, float]:
