@@ -1039,3 +1039,18 @@ def test_a_qmsum_meeting_with_an_empty_transcript_is_named_not_read(mirror):
         with pytest.raises(DataError) as err:
             list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
         names(err.value, "qmsum/data/Academic/jsonl/train.jsonl:1:", "empty transcript")
+
+
+def test_a_qmsum_meeting_in_two_split_files_is_named_not_read_twice(mirror):
+    """Like a meeting id in two HMNet splits or a dialogue id in two SAMSum files: the same meeting (identical
+    transcript) in a domain's train and test files is one line naming both places, not two copies of its queries."""
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers.qmsum import read_qmsum
+
+    jsonl = mirror / "qmsum" / "data" / "Committee" / "jsonl"
+    meeting = json.dumps(_qmsum_meeting(("A", "x"), ("B", "y"))) + "\n"
+    (jsonl / "train.jsonl").write_text(meeting)
+    (jsonl / "test.jsonl").write_text(meeting)
+    with pytest.raises(DataError) as err:
+        list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+    names(err.value, "qmsum/data/Committee/jsonl/test.jsonl:1:", "qmsum/data/Committee/jsonl/train.jsonl:1")
