@@ -153,3 +153,15 @@ def test_a_qmsum_query_type_that_selects_nothing_is_named_not_an_empty_qmsum(typ
         "general",
         "specific",
     ]
+
+
+@pytest.mark.parametrize("threshold", [5, 1.5, -0.1])
+def test_a_link_threshold_outside_the_jaccard_range_is_named(threshold):
+    """A Jaccard similarity lies in [0, 1]: above 1 no QMSum meeting is ever linked to its AMI/ICSI name, so the
+    leakage guard cannot see that a Product/Academic meeting is an AMI/ICSI test meeting (METHOD.md section 2)."""
+    from pipeline.common.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(ExamplesConfig, {"link_min_jaccard": threshold}, "params.yaml examples")
+    names(err.value, "examples.link_min_jaccard", str(threshold))
+    assert from_dict(ExamplesConfig, {"link_min_jaccard": 1.0}).link_min_jaccard == 1.0

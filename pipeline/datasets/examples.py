@@ -19,7 +19,7 @@ from pydantic import Field
 from tqdm import tqdm
 
 from pipeline.common import schema
-from pipeline.common.config import config
+from pipeline.common.config import Fraction, config
 from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
@@ -109,7 +109,7 @@ class ExamplesConfig:
     sep_token: str = "#SEP#"
     qmsum_query_types: QueryTypes = field(default_factory=lambda: ["specific"])
     samsum_query: str = ""
-    link_min_jaccard: float = 0.05
+    link_min_jaccard: Fraction = 0.05
 
 
 def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[dict[str, str], dict[str, Any]]:
