@@ -20,6 +20,7 @@ from pipeline.datasets.examples import (
 )
 from pipeline.datasets.readers.hmnet import HMNET_CHUNKS
 from pipeline.ingest import ingest_dataset
+from tests.errors import names
 
 FIXTURES = Path(__file__).parent / "fixtures" / "mirror"
 
@@ -137,3 +138,30 @@ def test_table_ii_from_the_real_qmsum(shared_data):
             # the paper's spoken-word counter is unknown; ours stays within 2.5 % (METHOD.md section 2)
             assert abs(got["avg_words"] / paper["avg_words"] - 1) <= 0.025, (domain, split)
     assert examples.example_id.is_unique
+
+
+@pytest.mark.parametrize("types", [["specifc"], ["Specific"], []])
+def test_a_qmsum_query_type_that_selects_nothing_is_named_not_an_empty_qmsum(types):
+    """QMSum records are of query type "general" or "specific" (the ingest stage's); a misspelt type or none at
+    all would leave the examples stage without a single QMSum example, silently."""
+    from pipeline.common.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(ExamplesConfig, {"qmsum_query_types": types}, "params.yaml examples")
+    names(err.value, "examples.qmsum_query_types")
+    assert from_dict(ExamplesConfig, {"qmsum_query_types": ["general", "specific"]}).qmsum_query_types == [
+        "general",
+        "specific",
+    ]
+
+
+@pytest.mark.parametrize("threshold", [5, 1.5, -0.1])
+def test_a_link_threshold_outside_the_jaccard_range_is_named(threshold):
+    """A Jaccard similarity lies in [0, 1]: above 1 no QMSum meeting is ever linked to its AMI/ICSI name, so the
+    leakage guard cannot see that a Product/Academic meeting is an AMI/ICSI test meeting (METHOD.md section 2)."""
+    from pipeline.common.config import ConfigError, from_dict
+
+    with pytest.raises(ConfigError) as err:
+        from_dict(ExamplesConfig, {"link_min_jaccard": threshold}, "params.yaml examples")
+    names(err.value, "examples.link_min_jaccard", str(threshold))
+    assert from_dict(ExamplesConfig, {"link_min_jaccard": 1.0}).link_min_jaccard == 1.0

@@ -1025,3 +1025,32 @@ def test_a_qmsum_query_record_is_its_query_answer_and_selected_turns_and_its_err
         with pytest.raises(DataError) as err:
             list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
         names(err.value, f"{where}:1: specific_query_list[0].{problem}")
+
+
+def test_a_qmsum_meeting_with_an_empty_transcript_is_named_not_read(mirror):
+    """Like an HMNet meeting without turns: one line naming the file, the line and the problem, not a general query
+    read with no transcript (nor a span error that hides why)."""
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers.qmsum import read_qmsum
+
+    path = mirror / "qmsum" / "data" / "Academic" / "jsonl" / "train.jsonl"
+    for specific in ([], [{"query": "Q?", "answer": "A.", "relevant_text_span": [["0", "2"]]}]):
+        path.write_text(json.dumps(_qmsum_meeting() | {"specific_query_list": specific}) + "\n")
+        with pytest.raises(DataError) as err:
+            list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+        names(err.value, "qmsum/data/Academic/jsonl/train.jsonl:1:", "empty transcript")
+
+
+def test_a_qmsum_meeting_in_two_split_files_is_named_not_read_twice(mirror):
+    """Like a meeting id in two HMNet splits or a dialogue id in two SAMSum files: the same meeting (identical
+    transcript) in a domain's train and test files is one line naming both places, not two copies of its queries."""
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers.qmsum import read_qmsum
+
+    jsonl = mirror / "qmsum" / "data" / "Committee" / "jsonl"
+    meeting = json.dumps(_qmsum_meeting(("A", "x"), ("B", "y"))) + "\n"
+    (jsonl / "train.jsonl").write_text(meeting)
+    (jsonl / "test.jsonl").write_text(meeting)
+    with pytest.raises(DataError) as err:
+        list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+    names(err.value, "qmsum/data/Committee/jsonl/test.jsonl:1:", "qmsum/data/Committee/jsonl/train.jsonl:1")

@@ -526,3 +526,20 @@ def test_the_clients_a_plan_declares_are_exactly_those_of_the_schemes_partition(
     c = cfg(**groups)
     part = make_partition(EXAMPLES, scheme, 0, c)
     assert list(part.clients) == partition_schemes.scheme_client_names(scheme, c)
+
+
+def test_noniid_balanced_sizes_without_a_split_are_named_at_the_params_not_a_keyerror():
+    """METHOD.md section 7.3 samples a size per split (200/40/40): params giving only some splits' sizes is one
+    line naming the key, not a KeyError traceback when the scheme reaches the missing split."""
+    from pipeline.common.config import ConfigError, from_dict
+
+    for sizes in ({"train": 10}, {"train": 10, "test": 5}):
+        with pytest.raises(ConfigError) as err:
+            from_dict(PartitionConfig, {"noniid_balanced": {"sizes": sizes}}, "params.yaml partition")
+        names(err.value, "partition.noniid_balanced.sizes")
+    sizes = {"train": 5, "valid": 2, "test": 2}
+    built = from_dict(PartitionConfig, {"noniid_balanced": {"sizes": sizes}}, "params.yaml partition")
+    part = make_partition(EXAMPLES, "noniid_balanced", 0, built)
+    assert {c: {s: len(v) for s, v in splits.items()} for c, splits in part.clients.items()} == dict.fromkeys(
+        ("Academic", "Committee", "Product"), sizes
+    )

@@ -1,5 +1,4 @@
-"""Canonical records -> model inputs (stage ``examples``: pipeline/examples.py), and the data statistics of the
-paper's Table II.
+"""Canonical records -> model inputs (stage ``examples``: pipeline/examples.py), and the paper's Table II statistics.
 
 Input text (METHOD.md section 2): ``query #SEP# transcript`` for QMSum, the dialogue for SAMSum (optionally
 ``query #SEP# dialogue``), the whole meeting for AMI and ICSI. The transcript is the turns rendered
@@ -13,13 +12,14 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import pandas as pd
+from pydantic import Field
 from tqdm import tqdm
 
 from pipeline.common import schema
-from pipeline.common.config import config
+from pipeline.common.config import Fraction, config
 from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
@@ -48,6 +48,7 @@ PAPER_SIZES = {
 }
 STAT_KEYS = ("avg_turns", "avg_speakers", "avg_words", "avg_summary_words")
 STAT_COLUMNS = ("n_turns", "n_speakers", "n_words", "n_summary_words")  # of examples.parquet, averaged as STAT_KEYS
+QueryTypes = Annotated[list[Literal["general", "specific"]], Field(min_length=1)]  # what ingest gives QMSum records
 # QMSum domain whose meetings are those of another corpus (METHOD.md section 2).
 SHARED_MEETINGS = {"Product": "ami", "Academic": "icsi"}
 # QMSum's jsonl files carry no meeting names, but its Product meetings ARE the 137 AMI meetings and its Academic
@@ -84,8 +85,7 @@ def link_meetings(
         ranked = sorted(
             ((inter / (len(q) + len(corpus_sets[cid]) - inter), cid) for cid, inter in shared.items()), reverse=True
         )
-        if len(ranked) > 1:
-            runner_up = max(runner_up, ranked[1][0])
+        runner_up = max(runner_up, ranked[1][0] if len(ranked) > 1 else 0.0)
         if not ranked or ranked[0][0] < min_jaccard:
             unmatched.append(qid)
             continue
@@ -107,9 +107,9 @@ def link_meetings(
 @config
 class ExamplesConfig:
     sep_token: str = "#SEP#"
-    qmsum_query_types: list[str] = field(default_factory=lambda: ["specific"])
+    qmsum_query_types: QueryTypes = field(default_factory=lambda: ["specific"])
     samsum_query: str = ""
-    link_min_jaccard: float = 0.05
+    link_min_jaccard: Fraction = 0.05
 
 
 def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[dict[str, str], dict[str, Any]]:

@@ -7,10 +7,11 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 import pandas as pd
+from pydantic import Field
 
 from pipeline.common.config import NonNegativeInt, Positive, PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, SPLITS, DataError
@@ -25,7 +26,7 @@ class IidConfig:
 
 @config
 class NoniidBalancedConfig:
-    sizes: dict[Literal["train", "valid", "test"], PositiveInt] = field(
+    sizes: Annotated[dict[Literal["train", "valid", "test"], PositiveInt], Field(min_length=3)] = field(
         default_factory=lambda: {"train": 200, "valid": 40, "test": 40}
     )
 
@@ -130,8 +131,7 @@ def scheme_noniid_balanced(examples: pd.DataFrame, cfg: PartitionConfig, rng: np
     for domain in QMSUM_DOMAINS:
         for split in SPLITS:
             ids = _ids(pool[(pool.domain == domain) & (pool.split == split)])
-            size = cfg.noniid_balanced.sizes[split]
-            if size > len(ids):
+            if (size := cfg.noniid_balanced.sizes[split]) > len(ids):
                 raise DataError(
                     f"partition.noniid_balanced.sizes.{split}={size} but {domain} has only {len(ids)} {split} examples"
                 )

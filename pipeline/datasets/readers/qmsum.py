@@ -69,16 +69,18 @@ def qmsum_files() -> dict[str, str]:
 
 
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
-    meetings: dict[str, dict[str, str]] = {}  # per file
+    meetings: dict[str, str] = {}  # meeting id -> where first read, over every file of the dataset
     for domain, split, display, line_no, raw in split_json_lines(directory, qmsum_files(), allow_absent, report):
         where = f"{display}:{line_no}"
         meeting = parse_record(QMSumMeeting, raw, where)
-        turns = [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]
+        if not (turns := [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]):
+            raise DataError(f"{where}: meeting_transcripts: empty transcript (no turns)")
         meeting_id = qmsum_meeting_id(raw["meeting_transcripts"])
-        _unique(meetings.setdefault(display, {}), meeting_id, where, "meeting (identical transcript)")
+        _unique(meetings, meeting_id, where, "meeting (identical transcript)")
         for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
             for qi, q in enumerate(getattr(meeting, key)):
                 qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
+                spans, selected = [], list(turns)  # a general query: the whole meeting
                 if query_type == "specific":
                     spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]
                     # End-exclusive slices, in the order given (this reproduces Table II's turn counts).
@@ -87,8 +89,6 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                         report.note("specific spans with start == end (empty slice, kept)", empty)
                     if not selected:
                         report.note("specific queries whose spans select no turn (kept, query only)")
-                else:
-                    spans, selected = [], list(turns)
                 yield CanonicalRecord(
                     dataset="qmsum",
                     domain=domain,
