@@ -476,3 +476,18 @@ def test_loss_chunks_are_small_on_a_cpu_and_large_elsewhere_within_their_memory_
     rows = chunk_rows_for(torch.empty(3, 30522, device="meta"))  # any device but the CPU: a GPU's launches
     assert rows > 4000 and rows * 30522 * 4 <= CHUNK_BYTES_DEVICE
     assert chunk_rows_for(torch.empty(3, 10**9, device="meta")) == 128  # a huge vocabulary: never below 128
+
+
+def test_batch_quantile_gates_the_tau_share_of_tokens_below_the_quantile_of_the_entropies_it_compares():
+    """tau 0.5 over three tokens of distinct H(q_g) (float64: 9.82, 6.33, 1.68 nats): the threshold is the median H and
+    only the token below it is distilled; the median token is not below itself. On a full-size vocabulary two float32
+    evaluations of H differ in their last digits: the quantile must be of the entropies the gate compares."""
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(1, 3, 30522, generator=g) * torch.tensor([1.0, 3.0, 6.0]).view(1, 3, 1)
+    labels = torch.zeros(1, 3, dtype=torch.long)
+    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.5, tau_scale="batch_quantile"))
+    logp = torch.log_softmax(teacher.double(), -1)
+    h = -(logp.exp() * logp).sum(-1)[0]
+    assert out.gate[0].tolist() == (h == h.min()).tolist() == [False, False, True]
+    assert out.n_kd == 1
+    assert out.threshold == pytest.approx(float(h.median()), abs=1e-4)
