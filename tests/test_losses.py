@@ -491,3 +491,16 @@ def test_batch_quantile_gates_the_tau_share_of_tokens_below_the_quantile_of_the_
     assert out.gate[0].tolist() == (h == h.min()).tolist() == [False, False, True]
     assert out.n_kd == 1
     assert out.threshold == pytest.approx(float(h.median()), abs=1e-4)
+
+
+def test_selective_kd_with_the_hard_kd_mask_gate_fails_at_planning_naming_the_key():
+    """train.kd_gate token_mask (a registered gate: hard KD's) has no mask to read under selective KD: every training
+    step would fail (with "mode 'hard' needs hard_mask"); the plan's check of the loss settings refuses it."""
+    from pipeline.common.config import ConfigError, from_dict
+
+    where = "params.yaml experiments.nv-gate"
+    with pytest.raises(ConfigError) as err:
+        from_dict(KDConfig, {"tau": 5.0, "tau_scale": "absolute", "kd_gate": "token_mask"}, where)
+    assert str(err.value).startswith(f"{where}.kd_gate='token_mask'") and "hardkd" in str(err.value)
+    KDConfig(mode="hard", kd_gate="token_mask")  # hard KD's own gate
+    KDConfig(kd_gate="every_token")  # distils every token: selective KD as FedKD, but it trains
