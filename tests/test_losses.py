@@ -555,3 +555,31 @@ def test_runs_of_other_temperatures_in_one_call_are_each_computed_alone():
         distillation_losses(student, teacher[: start - int((labels[-1] != -100).sum())], labels, cfgs, hard)
     with pytest.raises(ValueError, match="not whole runs"):
         distillation_losses(student, teacher[:1], labels, cfgs, hard)
+
+
+def test_batch_quantile_gates_the_tau_share_of_tokens_below_the_quantile_of_the_entropies_it_compares():
+    """tau 0.5 over three tokens of distinct H(q_g) (float64: 9.82, 6.33, 1.68 nats): the threshold is the median H and
+    only the token below it is distilled; the median token is not below itself. On a full-size vocabulary two float32
+    evaluations of H differ in their last digits: the quantile must be of the entropies the gate compares."""
+    g = torch.Generator().manual_seed(1)
+    teacher = torch.randn(1, 3, 30522, generator=g) * torch.tensor([1.0, 3.0, 6.0]).view(1, 3, 1)
+    labels = torch.zeros(1, 3, dtype=torch.long)
+    out = distillation_loss(teacher.clone(), teacher, labels, KDConfig(tau=0.5, tau_scale="batch_quantile"))
+    logp = torch.log_softmax(teacher.double(), -1)
+    h = -(logp.exp() * logp).sum(-1)[0]
+    assert out.gate[0].tolist() == (h == h.min()).tolist() == [False, False, True]
+    assert out.n_kd == 1
+    assert out.threshold == pytest.approx(float(h.median()), abs=1e-4)
+
+
+def test_selective_kd_with_the_hard_kd_mask_gate_fails_at_planning_naming_the_key():
+    """train.kd_gate token_mask (a registered gate: hard KD's) has no mask to read under selective KD: every training
+    step would fail (with "mode 'hard' needs hard_mask"); the plan's check of the loss settings refuses it."""
+    from pipeline.common.config import ConfigError, from_dict
+
+    where = "params.yaml experiments.nv-gate"
+    with pytest.raises(ConfigError) as err:
+        from_dict(KDConfig, {"tau": 5.0, "tau_scale": "absolute", "kd_gate": "token_mask"}, where)
+    assert str(err.value).startswith(f"{where}.kd_gate='token_mask'") and "hardkd" in str(err.value)
+    KDConfig(mode="hard", kd_gate="token_mask")  # hard KD's own gate
+    KDConfig(kd_gate="every_token")  # distils every token: selective KD as FedKD, but it trains

@@ -31,7 +31,7 @@ from pipeline.common.config import Fraction, Positive, config
 from pipeline.experiments.methods import KdMode
 from pipeline.experiments.train_config import KdDirection, LogBase, Normalisation, TauScale
 from pipeline.modeling.batching import IGNORE_INDEX
-from pipeline.modeling.gates.catalog import GATES, gate_of
+from pipeline.modeling.gates.catalog import GATES, MODE_GATES, gate_of
 from pipeline.modeling.gates.registry import GATE_SETTINGS, TeacherRows
 
 GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered gate (pipeline.modeling.gates)
@@ -55,6 +55,8 @@ class KDConfig:
     def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:
         if self.tau_scale != "absolute" and not 0.0 < self.tau <= 1.0:
             raise ValueError(f"tau={self.tau} must be in (0, 1] with tau_scale {self.tau_scale!r}")
+        if self.mode == "selective" and self.kd_gate == MODE_GATES["hard"]:  # no mask: every step would fail
+            raise ValueError(f"kd_gate={self.kd_gate!r} distils a given token mask, which only method hardkd has")
         if self.mode == "selective" and (settings := GATE_SETTINGS.get(self.kd_gate)):
             settings(tau=self.tau)  # the gate's own bounds on its threshold
         return self
