@@ -249,7 +249,7 @@ def distillation_losses(
     per_run = torch.tensor(counts)
     lam, lam_off, run_of_row = (
         torch.tensor(values).repeat_interleave(per_run).to(dev, non_blocking=True)
-        for values in ([c.kd_lambda for c in cfgs], [1 - c.kd_lambda for c in cfgs], list(range(len(cfgs))))
+        for values in ([float(c.kd_lambda) for c in cfgs], [1.0 - c.kd_lambda for c in cfgs], list(range(len(cfgs))))
     )
     y = torch.cat([y[v] for y, v in zip(labels, valids)]).to(dev, non_blocking=True)  # host labels: copied async
     entropy_p, gates, thresholds = torch.zeros(n, device=dev), [], [float("nan")] * len(cfgs)
