@@ -273,7 +273,7 @@ def test_portable_gates_match_hand_computation(example, scale, tau, expected_gat
         student, teacher, labels, KDConfig(mode="selective", kd_lambda=LAM, tau=tau, tau_scale=scale)
     )
     assert out.gate.tolist() == expected_gate
-    assert out.threshold == pytest.approx(expected_threshold, abs=1e-5)
+    assert float(out.threshold) == pytest.approx(expected_threshold, abs=1e-5)
 
 
 def test_max_entropy_gate_in_bits_is_the_same_gate(example):
@@ -334,7 +334,7 @@ def test_batch_quantile_gate_in_bits_is_the_same_gate(example):
         student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile", entropy_log_base="2")
     )
     assert nats.gate.tolist() == bits.gate.tolist() == [[True, True], [False, False]]
-    assert bits.threshold == pytest.approx((H1 + H3) / 2 / L(2), abs=1e-5)  # the same quantile, in bits
+    assert float(bits.threshold) == pytest.approx((H1 + H3) / 2 / L(2), abs=1e-5)  # the same quantile, in bits
 
 
 @pytest.mark.parametrize("scale", [2.0, 3.0, 0.25])
@@ -458,7 +458,7 @@ def test_batch_quantile_threshold_is_the_quantile_of_all_token_entropies(chunk_r
         teacher.clone(), teacher, labels, KDConfig(tau=0.3, tau_scale="batch_quantile"), chunk_rows=chunk_rows
     )
     expected = torch.quantile(token_entropy(teacher)[0].double(), 0.3).item()
-    assert out.threshold == pytest.approx(expected, abs=1e-6)
+    assert float(out.threshold) == pytest.approx(expected, abs=1e-6)
     assert out.n_kd == int((token_entropy(teacher) < expected).sum()) == 3  # 30 % of 9 tokens lie below
 
 
@@ -569,7 +569,18 @@ def test_batch_quantile_gates_the_tau_share_of_tokens_below_the_quantile_of_the_
     h = -(logp.exp() * logp).sum(-1)[0]
     assert out.gate[0].tolist() == (h == h.min()).tolist() == [False, False, True]
     assert out.n_kd == 1
-    assert out.threshold == pytest.approx(float(h.median()), abs=1e-4)
+    assert float(out.threshold) == pytest.approx(float(h.median()), abs=1e-4)
+
+
+def test_the_batch_quantile_gate_leaves_its_threshold_where_it_was_computed(example, monkeypatch):
+    """On a GPU, reading the quantile on the host would wait for the device at every micro-batch of every run with
+    that gate: the gate compares with the quantile as a tensor and reports it so (nothing here reads a float)."""
+    student, teacher, labels = example
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "__float__", lambda t: reads.append(t) or t.item())
+    out = distillation_loss(student, teacher, labels, KDConfig(tau=0.75, tau_scale="batch_quantile"))
+    assert reads == [] and isinstance(out.threshold, torch.Tensor)
+    assert out.gate.tolist() == [[True, True], [False, False]]
 
 
 def test_selective_kd_with_the_hard_kd_mask_gate_fails_at_planning_naming_the_key():

@@ -74,7 +74,7 @@ class LossOutput:
     entropy: torch.Tensor  # [B, T] H(q_g) (0 where padding or no teacher)
     gate: torch.Tensor  # [B, T] bool, KD applied (False on padding)
     n_tokens: int  # non-padding target tokens
-    threshold: float = float("nan")  # the threshold the gate compared with (entropy gate: log_base units); NaN: none
+    threshold: float | torch.Tensor = float("nan")  # what the gate compared with (log_base units; a quantile: a tensor)
 
     @property
     def n_kd(self) -> int:

@@ -13,12 +13,12 @@ from pipeline.modeling.gates.registry import TeacherRows, register_gate
 
 
 @register_gate("entropy")
-def gate(rows: TeacherRows, cfg) -> tuple[torch.Tensor, float]:
+def gate(rows: TeacherRows, cfg) -> tuple[torch.Tensor, float | torch.Tensor]:
     if cfg.tau_scale == "absolute":
         threshold = float(cfg.tau)
     elif cfg.tau_scale == "max_entropy":
         to_unit = 1.0 / math.log(2.0) if cfg.entropy_log_base == "2" else 1.0
         threshold = float(cfg.tau * math.log(rows.logits.shape[-1]) * to_unit)
-    else:  # batch_quantile: of the entropies the gate compares (another float32 evaluation differs in the last digits)
-        threshold = float(torch.quantile(rows.entropy.double(), cfg.tau))
+    else:  # batch_quantile: of the entropies the gate compares (another float32 evaluation differs in the last digits),
+        threshold = torch.quantile(rows.entropy.double(), cfg.tau)  # left where it is (a read waits for a GPU)
     return rows.entropy < threshold, threshold
