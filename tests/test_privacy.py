@@ -493,6 +493,36 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
 
 
+def test_a_client_that_dies_after_its_reply_composes_that_round_and_a_redone_round_once(ws):
+    """A SuperNode may die after its train reply reached the aggregate and before its round's checkpoint (written
+    at evaluate); restarted (a fresh context), it must still count that round's steps: the update was released. A
+    round the whole run redoes after a kill (the same seed, start and global: the same release) counts once."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from pipeline.experiments.plans import read_plan
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = _write_plan("dp-restart", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0})
+    initial = ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path)))
+    _set_server_identity(1)
+
+    def train_in_a_fresh_context(rnd: int) -> int:  # no eval: the node dies right after its reply
+        context = Context(
+            run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(), run_config={}
+        )
+        config = ConfigRecord({"server-round": rnd, "plan": path, **CLIENT_SETTINGS})
+        msg = Message(RecordDict({"arrays": initial, "config": config}), dst_node_id=1000, message_type="train")
+        msg.metadata.__dict__["_message_id"] = f"x{rnd}"
+        return client_app(msg, context).content["metrics"]["dp-steps"]
+
+    per_round = math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples
+    assert train_in_a_fresh_context(1) == per_round
+    assert train_in_a_fresh_context(2) == 2 * per_round  # round 1's released steps compose
+    assert train_in_a_fresh_context(2) == 2 * per_round  # round 2 redone: counted once
+
+
 def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_counts_its_clipped_examples(ws, monkeypatch):
     """Each (experiment seed, client, round) has its own Poisson samples - another in each local epoch - and its
     own noise stream; the same triple draws the same again. The logical batch is batch_size x grad_accum_steps,

@@ -7,6 +7,8 @@ with the paper's settings (every client evaluated, one node enough, weights = |D
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -186,6 +188,28 @@ def test_unknown_server_algorithms_are_rejected_by_name():
         _strategy("fedopt", fedopt={"server_optimizer": "sgd"})
     with pytest.raises(ValueError, match="unknown server strategy 'fedsgd'"):
         _strategy("fedsgd")
+
+
+@pytest.mark.parametrize(
+    "train, message",
+    [
+        # the client adds the term only for mu > 0: a negative or NaN mu ran FedProx as plain FedAvg, silently
+        ({"proximal_mu": -0.01}, r"train.proximal_mu=-0.01 is out of range; allowed: >= 0"),
+        ({"proximal_mu": math.nan}, r"train.proximal_mu=nan is out of range; allowed: >= 0"),
+        # FedAvgM applies momentum only when it is > 0: a negative one was dropped, silently
+        ({"fedopt": {"server_momentum": -0.9}}, r"train.fedopt.server_momentum=-0.9 is out of range; allowed: >= 0"),
+        ({"fedopt": {"server_momentum": 1.0}}, r"train.fedopt.server_momentum=1.0 is out of range; allowed: .*< 1"),
+        ({"fedopt": {"server_lr": 0.0}}, r"train.fedopt.server_lr=0.0 is out of range; allowed: > 0"),
+        ({"fedopt": {"beta_2": 1.5}}, r"train.fedopt.beta_2=1.5 is out of range; allowed: .*< 1"),
+        ({"fedopt": {"eps": 0.0}}, r"train.fedopt.eps=0.0 is out of range; allowed: > 0"),  # Reddi et al.: tau > 0
+    ],
+)
+def test_a_server_setting_outside_its_domain_is_refused_naming_the_key(train, message):
+    from pipeline.common.config import ConfigError
+    from pipeline.experiments.train_config import train_config
+
+    with pytest.raises(ConfigError, match=message):
+        train_config(train)
 
 
 def test_strategy_state_is_a_snapshot_and_restores_exactly():

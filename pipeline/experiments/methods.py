@@ -10,10 +10,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pipeline.common.config import ConfigError, config, from_dict
+from pipeline.common.config import ConfigError, NonNegative, Positive, config, from_dict
 
 # The local path's loss: ce | kd (every token) | selective (H(q_g) < tau) | hard (nouns, verbs)
 KdMode = Literal["ce", "kd", "selective", "hard"]
+Decay = Annotated[float, Field(ge=0.0, lt=1.0)]  # a strategy's momentum or Adam's betas
 
 
 @config(frozen=True)
@@ -24,7 +25,7 @@ class NoSettings:
 @config
 class FedProxSettings:
     # params train.proximal_mu (a flat key, older than the registry; FedNLP tunes mu in {0.001, 0.01, 0.1, 1}).
-    proximal_mu: float = 0.01
+    proximal_mu: NonNegative = 0.01
 
 
 @config
@@ -32,12 +33,11 @@ class FedOptConfig:
     # Server optimiser for `fedopt`: "sgdm" = FedAvgM (FedNLP's default: server SGD, lr 1.0, momentum 0.9),
     # or "adam" | "yogi" | "adagrad" (Reddi et al. 2021, Flower's FedAdam/FedYogi/FedAdagrad).
     server_optimizer: Literal["sgdm", "adam", "yogi", "adagrad"] = "sgdm"
-    server_lr: float = 1.0
-    server_momentum: float = 0.9
-    beta_1: float = 0.9
-    beta_2: float = 0.99
-    # Adaptivity constant tau of Reddi et al. (named eps here: `tau` is the entropy threshold in this project).
-    eps: float = 1.0e-3
+    server_lr: Positive = 1.0
+    server_momentum: Decay = 0.9
+    beta_1: Decay = 0.9
+    beta_2: Decay = 0.99
+    eps: Positive = 1.0e-3  # Reddi et al.'s adaptivity constant tau (here `tau` is the entropy threshold)
 
 
 @config

@@ -3,6 +3,7 @@ only, no text) and ``evaluate``; pipeline.federation.deployment adds ``query.sum
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -36,6 +37,8 @@ log = logging.getLogger("fedmeet.federated")
 LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
 STARTED_KEY = "run-started"  # context.state: the round of the client's first message in this run
+# [round, DP-SGD steps before it, after it] of the client's last reply (it may die before that round's checkpoint)
+DP_SENT = "dp-steps-sent.json"
 
 
 def client_name(context: Context) -> str:
@@ -65,9 +68,12 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
                 stale.unlink()
     if LOCAL_STATE_KEY in context.state:  # every message after the first: no checkpoint folder read
         return
-    if (ckpt := checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)) is None:
+    ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
+    sent = json.loads((ckpt_dir / DP_SENT).read_text()) if (ckpt_dir / DP_SENT).exists() else [rnd, None, None]
+    steps = [s for s in (ckpt and ckpt.dp_steps, sent[2] if sent[0] < rnd else sent[1]) if s is not None]
+    privacy.restore_dp_steps(context, max(steps, default=None))  # every released update, a redone round once
+    if ckpt is None:
         return
-    privacy.restore_dp_steps(context, ckpt.dp_steps)
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
     if ckpt.trained:
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(load_adapter(ckpt.adapter))
@@ -144,7 +150,10 @@ def train_round(msg: Message, context: Context) -> Message:
     # which differs only under the CPU profile's cap (max_train_examples_per_client).
     values = vars(result) | {"weight": data.n_train_available if plan.train.weight_by == "full" else result.n_examples}
     metrics = MetricRecord({key: kind(values[field]) for key, (field, kind) in TRAIN_METRICS.items()})
+    before = privacy.dp_steps(context) or 0
     metrics.update(privacy.account(context, result))  # example-level DP's (epsilon, delta) so far
+    if (steps := privacy.dp_steps(context)) is not None:  # on disk before the reply leaves
+        atomic.write_text(client_checkpoint_dir(plan, name, context) / DP_SENT, json.dumps([rnd, before, steps]))
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
 
@@ -180,18 +189,9 @@ def client_evaluate(msg: Message, context: Context) -> Message:
     if trained and spec.local_from_global:  # the others' local adapter is in context.state already
         context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(local)
     context.state[PROGRESS_KEY] = MetricRecord(progress)
-    ckpt_dir = client_checkpoint_dir(plan, name, context)
-    checkpoints.write_client_checkpoint(
-        ckpt_dir, rnd, adapter_file(out, "final"), progress, trained, privacy.dp_steps(context)
-    )
+    ckpt_dir, final = client_checkpoint_dir(plan, name, context), adapter_file(out, "final")
+    checkpoints.write_client_checkpoint(ckpt_dir, rnd, final, progress, trained, privacy.dp_steps(context))
 
-    metrics = MetricRecord(
-        {
-            NUM_EXAMPLES_KEY: len(data.valid),
-            "val-loss": float(val_loss),
-            "val-tokens": int(val_tokens),
-            "best-round": int(progress["best-round"]),
-            "is-best": int(is_best),
-        }
-    )
-    return Message(RecordDict({METRICS_KEY: metrics}), reply_to=msg)
+    metrics = {NUM_EXAMPLES_KEY: len(data.valid), "val-loss": float(val_loss), "val-tokens": int(val_tokens)}
+    metrics |= {"best-round": int(progress["best-round"]), "is-best": int(is_best)}
+    return Message(RecordDict({METRICS_KEY: MetricRecord(metrics)}), reply_to=msg)
