@@ -204,3 +204,40 @@ def test_repro_profile_copies_only_stage_written_inputs_and_reports_ratios():
         "| backbone | work_seconds | 200.00 | 250.00 | 1.25 |",
         "| backbone | peak_rss_mb | 0.00 | 0.00 | - |",
     ]
+
+
+def test_the_group_loss_benchmark_compares_the_same_gradients_and_counts_the_per_run_buffers(tmp_path):
+    """benchmarks/group_loss.py: both ways give the logits the same gradient; one call a run allocates in its
+    backward at least a gradient buffer of the whole group's logits a run (autograd's slice backward), one call
+    for the group about two (its gradient, scaled)."""
+    import json
+
+    from benchmarks import group_loss
+
+    runs, rows, vocab = 5, 16, 50
+    group = group_loss._group(runs, rows, vocab, torch.Generator().manual_seed(1))
+    grads = []
+    for way in (group_loss.per_run, group_loss.one_call):
+        z_l, total = way(*group)
+        total.backward()
+        grads.append(z_l.grad)
+    assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+    group_loss.main(
+        [
+            "--runs",
+            str(runs),
+            "--rows",
+            str(rows),
+            "--vocab",
+            str(vocab),
+            "--repeats",
+            "1",
+            "--out",
+            str(tmp_path / "g.json"),
+        ]
+    )
+    record = json.loads((tmp_path / "g.json").read_text())
+    logits = runs * rows * vocab * 4
+    assert record["per_run"]["backward_bytes"] >= runs * logits
+    assert logits <= record["one_call"]["backward_bytes"] < 3 * logits
+    assert record["ratio"]["operations"] < 1
