@@ -244,7 +244,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
         )
     lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
     gaps = [r for r in central if r.method_b in FEDERATED]
-    if gaps and all(_all(r, comparisons.BELOW) for r in gaps):
+    if gaps and all(_all(r, comparisons.BELOW) and not r.few_seeds for r in gaps):
         lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
         lines.append(
             f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
@@ -260,7 +260,7 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if not fed:
         return []
     lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
-    if excluded := [r for r in fed if _all(r, comparisons.ABOVE)]:
+    if excluded := [r for r in fed if _all(r, comparisons.ABOVE) and not r.few_seeds]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
             f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
@@ -314,7 +314,9 @@ def _variants(avg: pd.DataFrame) -> list[str]:
         else:
             what, changed = f"**SelectKD in study {r.study}** ({gate})", f"study {r.study}'s settings change"
         finding = (
-            f"{changed} ROUGE ({_p(r)})"
+            f"{r.n_seeds} seeds: numbers only"
+            if r.few_seeds
+            else f"{changed} ROUGE ({_p(r)})"
             if r.significant
             else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
             f"{_num(r.ci_low)}, not a smaller difference either way"
