@@ -42,6 +42,7 @@ def _block(text: str) -> str:
         (1.03, 3.10, 0.30, "excludes below"),
         (-0.56, 0.62, math.nan, ""),
         (-0.56, 0.62, None, ""),
+        (math.nan, math.nan, 0.30, ""),  # no interval (a client of one meeting): nothing to place it against
     ],
 )
 def test_classify_places_the_published_value_against_the_interval(low, high, value, expected):

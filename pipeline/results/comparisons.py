@@ -285,7 +285,7 @@ CONTAINS, ABOVE, BELOW = "contains", "excludes above", "excludes below"
 
 def classify(low: float, high: float, value: float | None) -> str:
     """Where a published difference sits against our interval [low, high] ('' when there is none)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None or any(math.isnan(x) for x in (value, low, high)):  # no paper's value, or no interval
         return ""
     return ABOVE if value > high else BELOW if value < low else CONTAINS
 
