@@ -125,6 +125,18 @@ def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluat
     comparison_rows = [line for line in md.splitlines() if line.startswith("| fedavg | single |")]
     assert comparison_rows and "⚠ 100%" in comparison_rows[0]
     assert "**+2.00**" in md
+    # the marks are the Holm-adjusted test's (docs/statistics.md), which the column's description must say: a
+    # comparison whose interval excludes 0 with Holm p >= 0.05 gets no mark
+    held = (table["config_a"] == "fedselectkd tau=5") & (table["client"] == "Academic")
+    md = study_table_markdown(
+        aggregate(scores, ReportInputs(planned, ReportConfig(expected_seeds=[0]))),
+        "main",
+        table.assign(significant=table["significant"] & ~held, p_holm=table["p_holm"].where(~held, 0.2)),
+        CFG,
+        None,
+    )
+    assert "| – |" in next(line for line in md.splitlines() if line.startswith("| fedselectkd tau=5 | tiny | Academic"))
+    assert "at Holm p < 0.05" in md and "with a paired interval excluding 0" not in md
 
 
 def test_private_configurations_are_compared_with_the_same_method_without_privacy(tmp_path):
