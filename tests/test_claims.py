@@ -540,6 +540,10 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
     )
     assert any(line.startswith("- **Selectivity helps**") for line in lines)
     assert "3 seed(s) and 244 test examples a comparison" in lines[0]
+    # a loss that holds is named even beside a gain that holds (docs/statistics.md: it is named a loss)
+    gain = _row(method_a="fedselectkd", method_b="single", mean_diff=1.2, ci_low=0.5, ci_high=1.9, significant=True)
+    lines = claims.results_text(_scaled([*VERDICT_ROWS, gain], 3, 244)).splitlines()
+    assert any(line.startswith("- **Federation, as run here, helps and hurts**") for line in lines)
 
 
 @pytest.mark.parametrize(

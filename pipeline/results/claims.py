@@ -117,12 +117,10 @@ def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
 
 
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
-    """'<subject> helps' or 'hurts' by the sign of a difference excluding 0, else 'does not measurably help'."""
-    if any(r.significant and r.mean_diff > 0 for r in rows):
-        return f"{subject} {gain}"
-    if any(r.significant and r.mean_diff < 0 for r in rows):
-        return f"{subject} hurts"
-    return f"{subject} does not measurably help"
+    """'<subject> helps', 'hurts' or 'helps and hurts' by the signs of the differences that hold (Holm), else 'does
+    not measurably help'."""
+    up, down = (any(r.significant and sign * r.mean_diff > 0 for r in rows) for sign in (1, -1))
+    return f"{subject} {' and '.join([gain] * up + ['hurts'] * down) or 'does not measurably help'}"
 
 
 def backbone_note(backbone: dict | None, kd: dict | None) -> str:
