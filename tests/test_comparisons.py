@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -214,6 +215,21 @@ def test_holm_adjusts_within_each_study_scope_and_metric_and_decides_significanc
     assert out["significant"].tolist() == [True, True, True, True, True]
     worse = comparisons.with_holm(pd.DataFrame(rows[:3]).assign(p_value=[0.01, 0.03, 0.04]), BootstrapConfig())
     assert worse["significant"].tolist() == [True, False, False]  # 0.03 x 2 = 0.06: the interval alone no longer
+    # a comparison without a test (NaN p: a client of one meeting) is not a member of the family, nor counted as one
+    untested = comparisons.with_holm(pd.DataFrame(rows[:3]).assign(p_value=[0.01, 0.02, math.nan]), BootstrapConfig())
+    np.testing.assert_allclose(untested["p_holm"], [0.02, 0.02, math.nan])
+    section = comparisons.markdown_section(
+        untested.assign(
+            **dict.fromkeys(["config_a", "config_b", "study_b"], "main"),
+            **dict.fromkeys(["mean_diff", "ci_low", "ci_high", "identical_fraction"], 0.0),
+            mostly_identical=False,
+            n_seeds=3,
+            n_examples=244,
+        ),
+        "main",
+        BootstrapConfig(),
+    )
+    assert "adjusted over the 2 comparisons below" in section
 
 
 def test_the_committed_per_example_files_average_r1_r2_and_plain_rouge_l():

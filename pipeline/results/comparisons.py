@@ -229,7 +229,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
         f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
         "that adds the test examples' spread; QMSum's queries on one meeting count as one cluster. Holm p = p "
-        f"adjusted over the {len(sub)} comparisons below (Holm's step-down). **Bold** = Holm p < "
+        f"adjusted over the {sub['p_value'].notna().sum()} comparisons below (Holm's step-down). **Bold** = Holm p < "
         f"{1 - cfg.level:.2g} (the {level} interval, unadjusted, may exclude 0 without it). ⚠ = more than "
         f"{cfg.identical_warning:.0%} of the paired summaries are the same text: the runs did not separate, so "
         "neither a difference nor its absence says much about the methods.",
