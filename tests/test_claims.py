@@ -219,6 +219,25 @@ def test_a_fixed_budget_marks_the_client_runs_whose_best_round_is_the_last_whate
     assert "2 of 2 client-runs" in budget(entry, TrainConfig())
 
 
+def test_the_evaluate_stage_reads_convergence_from_the_models_folder_long_rounds(tmp_path):
+    """The evaluate stage tags its MLflow run from models/<exp>/ (run_converged(models_dir, ...)), whose rounds.json
+    is the training history's long rows (round, client, val_loss, ...), not the report's wide columns."""
+    run = tmp_path / "models" / "r"
+    run.mkdir(parents=True)
+    losses = {"X": [5.0, 4.0, 3.0], "Y": [5.0, 3.0, 4.0]}  # X best in round 3 of 3 (still improving), Y in round 2
+    history = [
+        {"round": r + 1, "client": c, "val_loss": v[r], "best_round": 1} for r in range(3) for c, v in losses.items()
+    ]
+    (run / "rounds.json").write_text(json.dumps(history))
+    (run / "metrics.json").write_text(json.dumps({"converged": False, "clients": {"X": {"best_round": 3}}}))
+    f = readers.run_convergence(tmp_path / "models", "r", stop_rule=False)
+    assert list(zip(f["client"], f["best_round"], f["last_round"], f["best_is_last"])) == [
+        ("X", 3, 3, True),
+        ("Y", 2, 3, False),
+    ]
+    assert readers.run_converged(tmp_path / "models", "r", stop_rule=False) is False  # X was still improving
+
+
 def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
     run = tmp_path / "r"
     run.mkdir()

@@ -91,10 +91,12 @@ def collect_scores(
 
 def read_rounds(path: Path) -> pd.DataFrame:
     """Training rounds as long rows (round, client, train_loss, val_loss, ...) from ``reports/train/<exp>/rounds.json``
-    (``<client>/<quantity>`` columns)."""
+    (``<client>/<quantity>`` columns), or from ``models/<exp>/rounds.json`` (the history's own long rows)."""
     rows = read_json(path, "training rounds", list)
     if any(not isinstance(r, dict) or "round" not in r for r in rows):
         raise DataError(f"{path}: expected a list of per-round rows, each with 'round'")
+    if rows and all("client" in r for r in rows):
+        return pd.DataFrame(rows)
     long: dict[tuple[int, str], dict[str, Any]] = {}
     for r in rows:
         for key, value in r.items():
