@@ -3,6 +3,7 @@ the round-budget flags (pipeline.results.readers) and the README's generated res
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -41,6 +42,7 @@ def _block(text: str) -> str:
         (1.03, 3.10, 0.30, "excludes below"),
         (-0.56, 0.62, math.nan, ""),
         (-0.56, 0.62, None, ""),
+        (math.nan, math.nan, 0.30, ""),  # no interval (a client of one meeting): nothing to place it against
     ],
 )
 def test_classify_places_the_published_value_against_the_interval(low, high, value, expected):
@@ -189,6 +191,53 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     assert readers.run_converged(train, "gone") is None
 
 
+def test_a_fixed_budget_marks_the_client_runs_whose_best_round_is_the_last_whatever_converged_says(tmp_path):
+    """The train stage records `converged` (the plateau test) even with `train.stop` disabled; a fixed budget's mark
+    is still each client's best round against its last (docs/statistics.md, "Round budget")."""
+    from pipeline.experiments.train_config import StopConfig, TrainConfig
+    from pipeline.results import outputs
+    from pipeline.results.tables import ReportInputs
+
+    # as the smoke run's fedavg-extreme: SAMSum best in round 1 of 3, Academic in round 3; 3 rounds < patience + 1,
+    # so the disabled rule's record says converged false
+    _rounds(tmp_path / "train" / "a", {"Academic": [5.0, 4.0, 3.0], "SAMSum": [3.0, 4.0, 5.0]}, {"converged": False})
+    planned = [Experiment("a", "fedavg", "extreme/seed0", 0, "extreme")]
+    table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
+
+    def budget(inputs: list[Experiment], train: TrainConfig) -> str:
+        text = outputs.results_text(
+            ReportInputs(inputs, train=train), table.assign(study="extreme"), tmp_path, tmp_path
+        )
+        return next(line for line in text.splitlines() if "Round budget" in line)
+
+    assert "1 of 2 client-runs had their best validation round in their last round (3)" in budget(
+        planned, TrainConfig()
+    )
+    # under the stop rule (the params', or the entry's own `stop`) the record's verdict marks every client-run
+    assert "2 of 2 client-runs" in budget(planned, TrainConfig(stop=StopConfig(enabled=True)))
+    entry = [dataclasses.replace(planned[0], train={"stop": {"enabled": True}})]
+    assert "2 of 2 client-runs" in budget(entry, TrainConfig())
+
+
+def test_the_evaluate_stage_reads_convergence_from_the_models_folder_long_rounds(tmp_path):
+    """The evaluate stage tags its MLflow run from models/<exp>/ (run_converged(models_dir, ...)), whose rounds.json
+    is the training history's long rows (round, client, val_loss, ...), not the report's wide columns."""
+    run = tmp_path / "models" / "r"
+    run.mkdir(parents=True)
+    losses = {"X": [5.0, 4.0, 3.0], "Y": [5.0, 3.0, 4.0]}  # X best in round 3 of 3 (still improving), Y in round 2
+    history = [
+        {"round": r + 1, "client": c, "val_loss": v[r], "best_round": 1} for r in range(3) for c, v in losses.items()
+    ]
+    (run / "rounds.json").write_text(json.dumps(history))
+    (run / "metrics.json").write_text(json.dumps({"converged": False, "clients": {"X": {"best_round": 3}}}))
+    f = readers.run_convergence(tmp_path / "models", "r", stop_rule=False)
+    assert list(zip(f["client"], f["best_round"], f["last_round"], f["best_is_last"])) == [
+        ("X", 3, 3, True),
+        ("Y", 2, 3, False),
+    ]
+    assert readers.run_converged(tmp_path / "models", "r", stop_rule=False) is False  # X was still improving
+
+
 def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
     run = tmp_path / "r"
     run.mkdir()
@@ -301,6 +350,37 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_gives_numbers_only
     # at 2 seeds a claim is allowed: both leads hold
     text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
     assert "- **Pooling the data helps** (Holm p ≤ 0.010 each)" in text and "numbers only" not in text
+
+
+def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_excludes_nothing_and_finds_nothing():
+    """docs/statistics.md: a comparison with fewer than `report.claim_min_seeds` seeds states its numbers, no claim:
+    neither that the paper's gain or gap is excluded nor that a gate makes no difference."""
+    few = [
+        # the paper's FedAvg - AdaSingle (+0.56 to +1.01) and AdaCentralized - FedAvg (+0.90 to +1.37, Table III) are
+        # above and below these intervals on every backbone
+        _row(method_a="fedavg", method_b="single", mean_diff=-0.4, ci_low=-1.0, ci_high=0.3),
+        _row(method_a="centralized", method_b="fedavg", mean_diff=2.5, ci_low=2.0, ci_high=3.0),
+        _row(
+            method_a="fedselectkd",
+            method_b="fedselectkd",
+            config_a="fedselectkd tau=3",
+            config_b="fedselectkd tau=5",
+            study="tau_sweep",
+            mean_diff=0.5,
+            ci_low=0.2,
+            ci_high=0.8,
+            p_value=0.01,
+            significant=True,
+        ),
+    ]
+    table = pd.DataFrame([*few, _row(method_a="fedkd", method_b="single")]).assign(n_seeds=[2, 2, 2, 3])
+    allowed = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
+    assert "The paper's gains of FedAvg over AdaSingle" in allowed and "below every one of our lower limits" in allowed
+    text = claims.results_text(table, scale=claims.ClaimScale(min_seeds=3))
+    for claim in ("excluded here", "below every one of our lower limits", "no difference detected", "ROUGE (Holm"):
+        assert claim not in text
+    gate = next(line for line in text.splitlines() if "(tau=3)" in line)
+    assert gate.endswith("+0.50 [+0.20, +0.80]: 2 seeds: numbers only.")
 
 
 def test_the_step_ratio_of_adacentralized_is_stated_per_client():
@@ -479,6 +559,10 @@ def test_a_significant_loss_is_named_one_and_a_gain_a_gain():
     )
     assert any(line.startswith("- **Selectivity helps**") for line in lines)
     assert "3 seed(s) and 244 test examples a comparison" in lines[0]
+    # a loss that holds is named even beside a gain that holds (docs/statistics.md: it is named a loss)
+    gain = _row(method_a="fedselectkd", method_b="single", mean_diff=1.2, ci_low=0.5, ci_high=1.9, significant=True)
+    lines = claims.results_text(_scaled([*VERDICT_ROWS, gain], 3, 244)).splitlines()
+    assert any(line.startswith("- **Federation, as run here, helps and hurts**") for line in lines)
 
 
 @pytest.mark.parametrize(

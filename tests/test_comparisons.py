@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -125,6 +126,18 @@ def test_study_table_marks_significance_and_warns_on_identical_summaries(evaluat
     comparison_rows = [line for line in md.splitlines() if line.startswith("| fedavg | single |")]
     assert comparison_rows and "⚠ 100%" in comparison_rows[0]
     assert "**+2.00**" in md
+    # the marks are the Holm-adjusted test's (docs/statistics.md), which the column's description must say: a
+    # comparison whose interval excludes 0 with Holm p >= 0.05 gets no mark
+    held = (table["config_a"] == "fedselectkd tau=5") & (table["client"] == "Academic")
+    md = study_table_markdown(
+        aggregate(scores, ReportInputs(planned, ReportConfig(expected_seeds=[0]))),
+        "main",
+        table.assign(significant=table["significant"] & ~held, p_holm=table["p_holm"].where(~held, 0.2)),
+        CFG,
+        None,
+    )
+    assert "| – |" in next(line for line in md.splitlines() if line.startswith("| fedselectkd tau=5 | tiny | Academic"))
+    assert "at Holm p < 0.05" in md and "with a paired interval excluding 0" not in md
 
 
 def test_private_configurations_are_compared_with_the_same_method_without_privacy(tmp_path):
@@ -202,6 +215,21 @@ def test_holm_adjusts_within_each_study_scope_and_metric_and_decides_significanc
     assert out["significant"].tolist() == [True, True, True, True, True]
     worse = comparisons.with_holm(pd.DataFrame(rows[:3]).assign(p_value=[0.01, 0.03, 0.04]), BootstrapConfig())
     assert worse["significant"].tolist() == [True, False, False]  # 0.03 x 2 = 0.06: the interval alone no longer
+    # a comparison without a test (NaN p: a client of one meeting) is not a member of the family, nor counted as one
+    untested = comparisons.with_holm(pd.DataFrame(rows[:3]).assign(p_value=[0.01, 0.02, math.nan]), BootstrapConfig())
+    np.testing.assert_allclose(untested["p_holm"], [0.02, 0.02, math.nan])
+    section = comparisons.markdown_section(
+        untested.assign(
+            **dict.fromkeys(["config_a", "config_b", "study_b"], "main"),
+            **dict.fromkeys(["mean_diff", "ci_low", "ci_high", "identical_fraction"], 0.0),
+            mostly_identical=False,
+            n_seeds=3,
+            n_examples=244,
+        ),
+        "main",
+        BootstrapConfig(),
+    )
+    assert "adjusted over the 2 comparisons below" in section
 
 
 def test_the_committed_per_example_files_average_r1_r2_and_plain_rouge_l():

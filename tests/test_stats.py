@@ -147,6 +147,22 @@ def test_copies_of_one_example_in_one_cluster_count_as_that_example_once(seeds):
     assert (singletons.low, singletons.high) == pytest.approx((plain.low, plain.high))
 
 
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_a_client_of_one_meeting_or_one_example_gives_no_interval_and_no_test(seeds):
+    """The examples' spread within a client needs two of its units (meetings, or examples without meetings): with one,
+    G / (G - 1) is undefined. Before, that client's spread counted as 0: one seed gave a point interval with
+    p = 1 / (B + 1), and clustering the examples narrowed the several-seeds interval instead of widening it."""
+    rng = np.random.default_rng(5)
+    a = [rng.normal(1.0, 3.0, (seeds, 5)), rng.normal(0.0, 3.0, (seeds, 6))]
+    b = [np.zeros((seeds, 5)), np.zeros((seeds, 6))]
+    one_meeting = [np.zeros(5), np.array([0, 0, 1, 1, 2, 2])]  # client 1: five queries of one meeting
+    one_example = ([x[:, :1] for x in a], [x[:, :1] for x in b])  # one test example a client, no meetings
+    for r in (paired_difference(a, b, CFG, clusters=one_meeting), paired_difference(*one_example, CFG)):
+        assert np.isnan([r.low, r.high, r.p_value]).all() and not r.significant
+    r = paired_difference(a, b, CFG, clusters=one_meeting)
+    assert r.estimate == pytest.approx((a[0].mean() + a[1].mean()) / 2) and (r.n_examples, r.n_seeds) == (11, seeds)
+
+
 def test_cluster_ids_must_align_with_the_examples():
     a = [np.zeros((2, 4))]
     with pytest.raises(ValueError, match="3 cluster ids for 4 examples"):

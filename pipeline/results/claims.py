@@ -117,12 +117,10 @@ def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
 
 
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
-    """'<subject> helps' or 'hurts' by the sign of a difference excluding 0, else 'does not measurably help'."""
-    if any(r.significant and r.mean_diff > 0 for r in rows):
-        return f"{subject} {gain}"
-    if any(r.significant and r.mean_diff < 0 for r in rows):
-        return f"{subject} hurts"
-    return f"{subject} does not measurably help"
+    """'<subject> helps', 'hurts' or 'helps and hurts' by the signs of the differences that hold (Holm), else 'does
+    not measurably help'."""
+    up, down = (any(r.significant and sign * r.mean_diff > 0 for r in rows) for sign in (1, -1))
+    return f"{subject} {' and '.join([gain] * up + ['hurts'] * down) or 'does not measurably help'}"
 
 
 def backbone_note(backbone: dict | None, kd: dict | None) -> str:
@@ -179,7 +177,7 @@ def results_text(
         "average of `avg_rouge`, A − B with its 95 % interval over seeds and test examples, QMSum's queries on one "
         "meeting one cluster, pipeline/results/stats.py; R-L is plain `rougeL`, as the paper's; the paper's "
         f"differences are its Table III's, BART-large, BART-base and LED-large){size}. A claim needs Holm-adjusted "
-        f"p < 0.05 over the study's {len(main_avg)} client-average comparisons (per client: over that client's), "
+        f"p < 0.05 over the study's {main_avg['p_value'].notna().sum()} client-average comparisons (per client: over that client's), "
         f"and at least {scale.min_seeds} seeds (`report.claim_min_seeds`); the intervals are unadjusted:"
     ] + ([backbone] if backbone else [])
     # why no comparative claim is drawn: a smoke run, or fewer seeds or test examples than the profile asks for
@@ -244,7 +242,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
         )
     lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
     gaps = [r for r in central if r.method_b in FEDERATED]
-    if gaps and all(_all(r, comparisons.BELOW) for r in gaps):
+    if gaps and all(_all(r, comparisons.BELOW) and not r.few_seeds for r in gaps):
         lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
         lines.append(
             f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
@@ -260,7 +258,7 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if not fed:
         return []
     lines = [f"- **{verdict(fed, 'Federation, as run here,')}**: " + "; ".join(_pair(r) for r in fed) + "."]
-    if excluded := [r for r in fed if _all(r, comparisons.ABOVE)]:
+    if excluded := [r for r in fed if _all(r, comparisons.ABOVE) and not r.few_seeds]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
             f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
@@ -314,7 +312,9 @@ def _variants(avg: pd.DataFrame) -> list[str]:
         else:
             what, changed = f"**SelectKD in study {r.study}** ({gate})", f"study {r.study}'s settings change"
         finding = (
-            f"{changed} ROUGE ({_p(r)})"
+            f"{r.n_seeds} seeds: numbers only"
+            if r.few_seeds
+            else f"{changed} ROUGE ({_p(r)})"
             if r.significant
             else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
             f"{_num(r.ci_low)}, not a smaller difference either way"

@@ -229,7 +229,7 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
         f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
         "that adds the test examples' spread; QMSum's queries on one meeting count as one cluster. Holm p = p "
-        f"adjusted over the {len(sub)} comparisons below (Holm's step-down). **Bold** = Holm p < "
+        f"adjusted over the {sub['p_value'].notna().sum()} comparisons below (Holm's step-down). **Bold** = Holm p < "
         f"{1 - cfg.level:.2g} (the {level} interval, unadjusted, may exclude 0 without it). ⚠ = more than "
         f"{cfg.identical_warning:.0%} of the paired summaries are the same text: the runs did not separate, so "
         "neither a difference nor its absence says much about the methods.",
@@ -285,7 +285,7 @@ CONTAINS, ABOVE, BELOW = "contains", "excludes above", "excludes below"
 
 def classify(low: float, high: float, value: float | None) -> str:
     """Where a published difference sits against our interval [low, high] ('' when there is none)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if value is None or any(math.isnan(x) for x in (value, low, high)):  # no paper's value, or no interval
         return ""
     return ABOVE if value > high else BELOW if value < low else CONTAINS
 

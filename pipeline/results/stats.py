@@ -135,7 +135,7 @@ def paired_difference(
     """Interval and p-value of mean(A) - mean(B) on the client average; arrays [n_seeds, n_examples] a client,
     aligned: row s of A and of B are the same seed, column i the same test example. ``clusters``: one array of
     group ids a client, aligned with its examples (QMSum: the meeting), making the example part of the variance
-    cluster-robust (one seed: groups resampled); None treats every example as independent."""
+    cluster-robust (one seed: groups resampled); None: every example its own. A client of one: NaN, no test."""
     diffs = []
     for a, b in zip(a_per_client, b_per_client, strict=True):
         a, b = np.atleast_2d(np.asarray(a, dtype=float)), np.atleast_2d(np.asarray(b, dtype=float))
@@ -143,6 +143,8 @@ def paired_difference(
             raise ValueError(f"paired bootstrap: shapes differ {a.shape} vs {b.shape} (pair seeds and examples first)")
         diffs.append(a - b)
     seeds, groups = _checked(diffs, clusters)
+    if any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its examples' spread is unknown
+        return Interval(float(np.mean([d.mean() for d in diffs])), *[math.nan] * 3, sum(g.size for g in groups), seeds)
     if seeds > 1:
         return _seeds_t(diffs, groups, cfg)
     interval, reps = _one_seed(diffs, groups, cfg)

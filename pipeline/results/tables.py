@@ -222,7 +222,7 @@ def study_table_markdown(
         "",
         f"ROUGE F1 x 100 per client, mean ± sample std over seeds ((n=1): one seed, no spread; R-L = "
         f'`{TABLE_ROUGE_L}`; avg = mean of R-1, R-2, R-L). "significantly vs": the baselines whose avg this '
-        "configuration is above (>) or below (<) with a paired interval excluding 0 (section below). "
+        f"configuration is above (>) or below (<) at Holm p < {1 - bootstrap.level:.2g} (section below). "
         f'"best round last": {MARK} k/n = k of the n seeds had their best validation round in '
         "their last round (still improving when training stopped).",
         "",
