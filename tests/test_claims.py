@@ -3,7 +3,6 @@ the round-budget flags (pipeline.results.readers) and the README's generated res
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
@@ -191,34 +190,6 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     assert readers.run_converged(train, "gone") is None
 
 
-def test_a_fixed_budget_marks_the_client_runs_whose_best_round_is_the_last_whatever_converged_says(tmp_path):
-    """The train stage records `converged` (the plateau test) even with `train.stop` disabled; a fixed budget's mark
-    is still each client's best round against its last (docs/statistics.md, "Round budget")."""
-    from pipeline.experiments.train_config import StopConfig, TrainConfig
-    from pipeline.results import outputs
-    from pipeline.results.tables import ReportInputs
-
-    # as the smoke run's fedavg-extreme: SAMSum best in round 1 of 3, Academic in round 3; 3 rounds < patience + 1,
-    # so the disabled rule's record says converged false
-    _rounds(tmp_path / "train" / "a", {"Academic": [5.0, 4.0, 3.0], "SAMSum": [3.0, 4.0, 5.0]}, {"converged": False})
-    planned = [Experiment("a", "fedavg", "extreme/seed0", 0, "extreme")]
-    table = pd.DataFrame([_row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)])
-
-    def budget(inputs: list[Experiment], train: TrainConfig) -> str:
-        text = outputs.results_text(
-            ReportInputs(inputs, train=train), table.assign(study="extreme"), tmp_path, tmp_path
-        )
-        return next(line for line in text.splitlines() if "Round budget" in line)
-
-    assert "1 of 2 client-runs had their best validation round in their last round (3)" in budget(
-        planned, TrainConfig()
-    )
-    # under the stop rule (the params', or the entry's own `stop`) the record's verdict marks every client-run
-    assert "2 of 2 client-runs" in budget(planned, TrainConfig(stop=StopConfig(enabled=True)))
-    entry = [dataclasses.replace(planned[0], train={"stop": {"enabled": True}})]
-    assert "2 of 2 client-runs" in budget(entry, TrainConfig())
-
-
 def test_the_evaluate_stage_reads_convergence_from_the_models_folder_long_rounds(tmp_path):
     """The evaluate stage tags its MLflow run from models/<exp>/ (run_converged(models_dir, ...)), whose rounds.json
     is the training history's long rows (round, client, val_loss, ...), not the report's wide columns."""
@@ -229,13 +200,15 @@ def test_the_evaluate_stage_reads_convergence_from_the_models_folder_long_rounds
         {"round": r + 1, "client": c, "val_loss": v[r], "best_round": 1} for r in range(3) for c, v in losses.items()
     ]
     (run / "rounds.json").write_text(json.dumps(history))
-    (run / "metrics.json").write_text(json.dumps({"converged": False, "clients": {"X": {"best_round": 3}}}))
-    f = readers.run_convergence(tmp_path / "models", "r", stop_rule=False)
+    (run / "metrics.json").write_text(
+        json.dumps({"converged": None, "clients": {"X": {"best_round": 3}}})
+    )  # no stop rule
+    f = readers.run_convergence(tmp_path / "models", "r")
     assert list(zip(f["client"], f["best_round"], f["last_round"], f["best_is_last"])) == [
         ("X", 3, 3, True),
         ("Y", 2, 3, False),
     ]
-    assert readers.run_converged(tmp_path / "models", "r", stop_rule=False) is False  # X was still improving
+    assert readers.run_converged(tmp_path / "models", "r") is False  # X was still improving
 
 
 def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):

@@ -132,7 +132,7 @@ def evaluate_experiments(
         }
         atomic.write_json(out_dir / "metrics.json", metrics)
         if mlflow_logging:
-            converged = run_converged(models_dir, name, plan.train.stop.enabled)
+            converged = run_converged(models_dir, name)
             run_id = log_to_mlflow(plan.to_json_dict(), metrics, out_dir, cfg, converged, test_sets)
             print(f"[evaluate] logged to MLflow run {run_id}", file=sys.stderr)
         return metrics

@@ -41,7 +41,7 @@ def write_tables(
     tables_dir, planned, labels, bootstrap = reports / "tables", inp.planned, inp.labels, inp.bootstrap
     scores, missing_eval = collect_scores(planned, labels, reports / "eval")
     agg = figures.pre_addition_stand_in(tables.aggregate(scores, inp))
-    converged = convergence_table(planned, labels, reports / "train", inp.train)
+    converged = convergence_table(planned, labels, reports / "train")
 
     # Which differences are real: every configuration against its baselines (paired bootstrap), beside the paper's.
     compared, notes = comparisons.comparisons_table(inp.configurations, inp.cfg.baselines, reports / "eval", bootstrap)
@@ -88,7 +88,7 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
         json.loads(f.read_text()) if f.is_file() else None
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
-    converged = convergence_table(inp.planned, inp.labels, root / "train", inp.train)
+    converged = convergence_table(inp.planned, inp.labels, root / "train")
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`)
     train, cfg = inp.train, inp.cfg
     ratios = centralized_step_ratios(inp.planned, root / "train", train.batch_size, train.grad_accum_steps)

@@ -138,7 +138,7 @@ def best_and_last_rounds(path: Path) -> dict[str, tuple[int, int]]:
     return {str(c): (int(g["round"].iloc[0]), int(g["round"].max())) for c, g in known.groupby("client", sort=True)}
 
 
-def run_convergence(train_dir: Path, experiment: str, stop_rule: bool = True) -> pd.DataFrame:
+def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
     """Per client of ``experiment``: best and last round, whether they are the same (None: stated without rounds)."""
     run = train_dir / experiment
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
@@ -153,7 +153,7 @@ def run_convergence(train_dir: Path, experiment: str, stop_rule: bool = True) ->
             if isinstance(v, dict) and v.get("best_round")
         }
     )
-    stated = metrics.get("converged") if stop_rule else None  # the rule's verdict; disabled, its mere plateau test
+    stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
     rows = [
         (experiment, client, best, last, (not bool(stated)) if stated is not None else best == last)
         for client, (best, last) in sorted(found.items())
@@ -161,25 +161,21 @@ def run_convergence(train_dir: Path, experiment: str, stop_rule: bool = True) ->
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 
 
-def convergence_table(planned: Iterable[Any], labels: dict, train_dir: Path, train: Any = None) -> pd.DataFrame:
-    """Every planned experiment's client-runs (name, study, seed), with study and label; ``train``: its stop rule."""
+def convergence_table(planned: Iterable[Any], labels: dict[str, str], train_dir: Path) -> pd.DataFrame:
+    """Every planned experiment's client-runs (objects with name, study, seed), with study and label."""
     frames = [
         f.assign(study=p.study, label=labels[p.name], seed=int(p.seed))
         for p in planned
-        if not (f := run_convergence(train_dir, p.name, train is None or _stop_rule(p, train))).empty
+        if not (f := run_convergence(train_dir, p.name)).empty
     ]
     if not frames:
         return pd.DataFrame(columns=[*CONVERGENCE_COLUMNS, "study", "label", "seed"])
     return pd.concat(frames, ignore_index=True)
 
 
-def _stop_rule(p: Any, train: Any) -> bool:  # the params' TrainConfig's `train.stop`, or the entry's own, enabled
-    return bool((getattr(p, "train", None) or {}).get("stop", {"enabled": train.stop.enabled}).get("enabled", False))
-
-
-def run_converged(train_dir: Path, experiment: str, stop_rule: bool = True) -> bool | None:
+def run_converged(train_dir: Path, experiment: str) -> bool | None:
     """The run's MLflow tag ``converged``: no client's best round is its last (None: no train record)."""
-    f = run_convergence(train_dir, experiment, stop_rule)
+    f = run_convergence(train_dir, experiment)
     flags = f["best_is_last"].dropna()
     return None if flags.empty else not bool(flags.any())
 
