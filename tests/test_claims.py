@@ -164,7 +164,7 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
     train = tmp_path / "train"
     _rounds(train / "a", {"X": [5.0, 4.0, 3.0], "Y": [5.0, 3.0, 4.0]})  # X best at 3 = last; Y at 2
     _rounds(train / "b", {"X": [5.0, 4.0, 3.9], "Y": [4.0, 4.0, 4.5]})  # X last; Y tie 1/2 -> earliest (1)
-    # a record that states `converged` is taken as it says, whatever the rounds show
+    # a record that states `converged` (the stop rule's verdict) is the run's verdict; its clients' rounds are their own
     _rounds(train / "c", {"X": [3.0, 2.0]}, {"converged": True, "clients": {"X": {"best_round": 2}}})
     planned = [
         Experiment("a", "fedavg", "domain/seed0", 0, "main"),
@@ -179,15 +179,43 @@ def test_convergence_counts_client_runs_whose_best_round_is_the_last(tmp_path):
         ("a", "Y"): (2, 3, False),
         ("b", "X"): (3, 3, True),
         ("b", "Y"): (1, 3, False),
-        ("c", "X"): (2, 2, False),
+        ("c", "X"): (2, 2, True),  # best in its last round by 1.0, and the stop rule held there
     }
     assert readers.row_mark(table, "main", "fedavg", "X") == f"{readers.MARK} 2/2"
     assert readers.row_mark(table, "main", "fedavg", "Y") == ""
     assert readers.convergence_note(table, ["main"]).startswith(f"{readers.MARK} 2 of 4 client-runs")
     assert "(3)" in readers.convergence_note(table, ["main"])
-    assert readers.convergence_note(table, ["other"]) == ""
+    assert readers.convergence_note(table, ["other"]) == (
+        f"{readers.MARK} 0 of 1 runs did not meet the stop rule by their round ceiling; 1 of 1 client-runs had their "
+        "best validation round in their last round (2)."
+    )
     assert readers.run_converged(train, "a") is False and readers.run_converged(train, "c") is True
     assert readers.run_converged(train, "gone") is None
+
+
+def test_a_stop_rule_run_not_converged_by_its_ceiling_is_counted_as_a_run_not_as_every_client_best_last(tmp_path):
+    """Under train.stop the record's `converged: false` says the client-average rule never held by the ceiling; it says
+    nothing of each client's best round. By hand: run s (ceiling 3) X 5, 4, 3 (best 3 = last), Y 5, 3, 4 (best 2);
+    run t converged at round 3 with X best at 3 by a hair, Y best at 1. So 1 of 2 runs did not meet the rule, 2 of 4
+    client-runs had their best round last (X twice), and Y's row is unmarked."""
+    train = tmp_path / "train"
+    _rounds(train / "s", {"X": [5.0, 4.0, 3.0], "Y": [5.0, 3.0, 4.0]}, {"converged": False, "stopped_round": 3})
+    _rounds(train / "t", {"X": [5.0, 4.0, 3.999], "Y": [4.0, 4.1, 4.1]}, {"converged": True, "stopped_round": 3})
+    planned = [
+        Experiment("s", "fedavg", "domain/seed0", 0, "main"),
+        Experiment("t", "fedavg", "domain/seed0", 1, "main"),
+    ]
+    table = readers.convergence_table(planned, with_labels(planned), train)
+    assert readers.row_mark(table, "main", "fedavg", "X") == f"{readers.MARK} 2/2"
+    assert readers.row_mark(table, "main", "fedavg", "Y") == ""
+    assert readers.convergence_note(table, ["main"]) == (
+        f"{readers.MARK} 1 of 2 runs did not meet the stop rule by their round ceiling (3), so these numbers hold for "
+        "this round budget only; 2 of 4 client-runs had their best validation round in their last round (3)."
+    )
+    assert (readers.run_converged(train, "s"), readers.run_converged(train, "t")) == (False, True)
+    comparison = _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)
+    text = claims.results_text(pd.DataFrame([comparison]), table)
+    assert "2 of 4 client-runs had their best validation round" in text and "1 of 2 runs are not converged" in text
 
 
 def test_the_evaluate_stage_reads_convergence_from_the_models_folder_long_rounds(tmp_path):
@@ -591,6 +619,7 @@ def test_the_claims_say_how_many_runs_are_not_converged():
             "best_round": [8, 5, 8, 8, 3],
             "last_round": [8, 8, 8, 8, 8],
             "best_is_last": [True, False, True, True, False],
+            "converged": None,  # a fixed round budget
             "study": "main",
             "label": ["a", "a", "b", "b", "c"],
             "seed": 0,

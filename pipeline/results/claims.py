@@ -13,7 +13,7 @@ import pandas as pd
 
 from pipeline.common.schema import DataError
 from pipeline.results import comparisons, published
-from pipeline.results.readers import convergence_note
+from pipeline.results.readers import convergence_note, run_verdicts
 
 PAPER_BACKBONE_NAMES = {"bart-large": "BART-large", "bart-base": "BART-base", "led-large": "LED-large"}
 # How each place of the paper's difference reads in a sentence, in the order the sentence lists them.
@@ -327,10 +327,9 @@ def _with_budget(lines: list[str], table: pd.DataFrame, convergence: pd.DataFram
     """``lines`` and the round-budget note of the studies the table covers, as markdown."""
     studies = sorted(set(table["study"]) | set(table["study_b"]))
     if text := convergence_note(convergence, studies):
-        runs = convergence[convergence["study"].isin(studies)].groupby("experiment")["best_is_last"]
-        flagged = int(runs.apply(lambda f: bool(f.fillna(False).astype(bool).any())).sum())
+        runs = run_verdicts(convergence[convergence["study"].isin(studies)])
         lines.append(
-            f"- **Round budget**: {text.removeprefix('↗ ')} {flagged} of {runs.ngroups} runs are not converged "
+            f"- **Round budget**: {text.removeprefix('↗ ')} {int((~runs).sum())} of {len(runs)} runs are not converged "
             "(a client still improving at the last round, or the stop rule never held before the round "
             "ceiling). The whole comparison is conditional on it."
         )

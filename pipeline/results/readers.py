@@ -123,9 +123,9 @@ def read_gate_log(path: Path) -> pd.DataFrame:
     return gate[GATE_COLUMNS].astype({"example_id": str, "client": str, "kd_applied": bool})
 
 
-# Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from
-# ``reports/train/<exp>/``: a ``converged`` stated in ``metrics.json``; else ``rounds.json``; else ``best_round``.
-CONVERGENCE_COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last"]
+# Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from ``reports/train/
+# <exp>/``: each client-run's best and last round (``rounds.json``, else ``best_round``), the run's stated ``converged``.
+CONVERGENCE_COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last", "converged"]
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 
 
@@ -139,7 +139,7 @@ def best_and_last_rounds(path: Path) -> dict[str, tuple[int, int]]:
 
 
 def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
-    """Per client of ``experiment``: best and last round, whether they are the same (None: stated without rounds)."""
+    """Per client of ``experiment``: best and last round, whether they are the same, the run's stated verdict."""
     run = train_dir / experiment
     metrics_path, rounds_path = run / "metrics.json", run / "rounds.json"
     metrics = read_json(metrics_path, "train metrics") if metrics_path.is_file() else {}
@@ -154,10 +154,7 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
         }
     )
     stated = metrics.get("converged")  # the stop rule's verdict (train.stop), when the run had one
-    rows = [
-        (experiment, client, best, last, (not bool(stated)) if stated is not None else best == last)
-        for client, (best, last) in sorted(found.items())
-    ]
+    rows = [(experiment, c, best, last, best == last, stated) for c, (best, last) in sorted(found.items())]
     return pd.DataFrame(rows, columns=CONVERGENCE_COLUMNS)
 
 
@@ -173,11 +170,17 @@ def convergence_table(planned: Iterable[Any], labels: dict[str, str], train_dir:
     return pd.concat(frames, ignore_index=True)
 
 
+def run_verdicts(table: pd.DataFrame) -> pd.Series:
+    """Per experiment: converged, as its record states (train.stop), else no client's best round is its last."""
+    runs = table.groupby("experiment")
+    stated = runs["converged"].first()  # the first non-null: None for a fixed round budget
+    return stated.where(stated.notna(), ~runs["best_is_last"].any()).astype(bool)
+
+
 def run_converged(train_dir: Path, experiment: str) -> bool | None:
-    """The run's MLflow tag ``converged``: no client's best round is its last (None: no train record)."""
+    """The run's MLflow tag ``converged`` (:func:`run_verdicts`; None: no train record)."""
     f = run_convergence(train_dir, experiment)
-    flags = f["best_is_last"].dropna()
-    return None if flags.empty else not bool(flags.any())
+    return None if f.empty else bool(run_verdicts(f).iloc[0])
 
 
 def row_mark(table: pd.DataFrame | None, study: str, label: str, client: str | None) -> str:
@@ -191,23 +194,25 @@ def row_mark(table: pd.DataFrame | None, study: str, label: str, client: str | N
 
 
 def convergence_note(table: pd.DataFrame | None, studies: Iterable[str], labels: Iterable[str] | None = None) -> str:
-    """The tables' note: how many client-runs had their best validation round in their last round ('' if none)."""
+    """The tables' note: how many runs of the stop rule did not meet it by their round ceiling, and how many
+    client-runs had their best validation round in their last round ('' if none of either)."""
     if table is None or table.empty:
         return ""
     sub = table[table["study"].isin(list(studies))]
     if labels is not None:
         sub = sub[sub["label"].isin(list(labels))]
-    known = sub.dropna(subset=["best_is_last"])
-    flagged = known[known["best_is_last"].astype(bool)]
-    if flagged.empty:
+    flagged, stop = sub[sub["best_is_last"].astype(bool)], sub.dropna(subset=["converged"])
+    unmet = stop[~stop["converged"].astype(bool)].groupby("experiment")["last_round"].max()  # at their ceilings
+    if flagged.empty and unmet.empty:
         return ""
-    lasts = sorted({int(r) for r in flagged["last_round"].dropna()})
-    at = f" ({', '.join(map(str, lasts))})" if lasts else ""
-    return (
-        f"{MARK} {len(flagged)} of {len(known)} client-runs had their best validation round in their last "
-        f"round{at}: they were still improving when training stopped, so these numbers hold for this round "
-        "budget only."
-    )
+    lasts = sorted({int(r) for r in flagged["last_round"]})
+    best = f"{len(flagged)} of {len(sub)} client-runs had their best validation round in their last round"
+    best += f" ({', '.join(map(str, lasts))})" if lasts else ""
+    if stop.empty:  # a fixed round budget: a client-run whose best round is its last was still improving
+        return f"{MARK} {best}: they were still improving when training stopped, so these numbers hold for this round budget only."
+    ceilings, runs = ", ".join(map(str, sorted(set(unmet)))), stop["experiment"].nunique()
+    budget = f" ({ceilings}), so these numbers hold for this round budget only" if ceilings else ""
+    return f"{MARK} {len(unmet)} of {runs} runs did not meet the stop rule by their round ceiling{budget}; {best}."
 
 
 def centralized_step_ratios(
