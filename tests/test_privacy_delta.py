@@ -179,3 +179,32 @@ def test_a_committed_study_recomputes_exactly_from_its_per_example_scores(study,
     committed = pd.read_csv(src / "comparisons.csv")
     rebuilt = pd.read_csv(copy / "comparisons.csv")
     pd.testing.assert_frame_equal(rebuilt, committed)
+
+
+def test_privacy_points_take_a_client_level_runs_budget_from_the_run(tmp_path):
+    # privacy.mode client: clients.<c>.privacy holds only the client's aggregated updates (docs/privacy.md); the
+    # budget, with its delta, is the run's `privacy`
+    from pipeline.experiments.entries import Experiment
+    from pipeline.paths import ProjectPaths
+    from pipeline.results.figures import privacy_points
+    from pipeline.results.tables import ReportInputs
+
+    planned = [Experiment(f"c{s}", "fedavg", "quantity/seed0", s, "privacy", dp="client DP ε≤3") for s in (0, 1)]
+    scores = pd.DataFrame(
+        [{"experiment": e, "client": "A", "avg_rouge": 5.0, "backbone": "tiny"} for e in ("c0", "c1")]
+    )
+    for name, eps in (("c0", 2.0), ("c1", 2.5)):
+        run = {"mode": "client", "target_epsilon": 3, "epsilon": eps, "epsilon_max": eps, "delta": 1e-5}
+        d = tmp_path / "reports/train" / name
+        d.mkdir(parents=True)
+        d.joinpath("metrics.json").write_text(
+            json.dumps(
+                {
+                    "clients": {"A": {"privacy": {"updates_aggregated": 2, "clipped_fraction": 0.5}}},
+                    "privacy": run | {"noise_multiplier": 1.1, "clipping_norm": 1.0},
+                }
+            )
+        )
+    point = privacy_points(ReportInputs(planned), scores, ProjectPaths(tmp_path)).iloc[0]
+    assert (point["epsilon"], point["delta"]) == (2.25, 1e-5)  # the mean over the seeds, at the run's delta
+    assert (point["target_epsilon"], point["noise_multiplier"]) == (3, 1.1)

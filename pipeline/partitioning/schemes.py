@@ -233,6 +233,8 @@ def cluster_labels(pool: pd.DataFrame, cfg: ClusterConfig, random_state: int) ->
     """K-Means clusters of the target (summary) embeddings, one label per example."""
     from sklearn.cluster import KMeans
 
+    if cfg.n_clusters > len(pool):
+        raise DataError(f"partition.cluster.n_clusters={cfg.n_clusters} but only {len(pool)} QMSum examples to cluster")
     pool = pool.sort_values("example_id")
     vectors = embed_targets(pool.target.tolist(), cfg)
     km = KMeans(n_clusters=cfg.n_clusters, random_state=random_state, n_init=10).fit(vectors)

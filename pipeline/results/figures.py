@@ -205,8 +205,11 @@ PRIVACY_STUDY = "privacy"
 
 def spent_epsilon(train_metrics: dict) -> tuple[float, float | None, float | None, float | None]:
     """(epsilon, target, noise multiplier, delta) of one run: the largest epsilon over its clients (inf without
-    DP) and the largest delta (None without DP)."""
+    DP) and the largest delta (None without DP); privacy.mode client: the run's own (inf: no bound)."""
     privacy = train_metrics.get("privacy") or {}
+    if privacy.get("mode") == "client":  # clients.<c>.privacy: only their updates' clipping (docs/privacy.md)
+        eps, *rest = (privacy[k] for k in ("epsilon", "target_epsilon", "noise_multiplier", "delta"))
+        return (math.inf if eps is None else eps), *rest
     clients = [c["privacy"] for c in (train_metrics.get("clients") or {}).values() if "privacy" in c]
     if not privacy or not clients:
         return math.inf, None, None, None
