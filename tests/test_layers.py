@@ -129,12 +129,11 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 
 # A ratchet on the package's size (issue 55's goal is 14,000 formatted lines): pipeline/ may not grow past the ceiling;
 # a change that must add more than it removes raises the number here, in a commit that says why. Lower it when the
-# package shrinks. Set at 14,607 lines on 2026-11-27, lowered to 14,589 the same day and to 14,558 by the next session (`find pipeline -name '*.py' | xargs cat | wc -l`);
-# raised to 14,562 by the round-budget fix (readers: whether a run had the stop rule, 4 lines) and to 14,564 by the
-# few-seed claims fix (claims: a gate variant of fewer seeds states numbers only, 2 lines), to 14,566 by the
-# one-unit client fix (stats: no interval where a client has one meeting or example, 2 lines); lowered to 14,564
-# by the verdict fix (claims, 2 lines fewer), raised to 14,566 by the long-rounds fix (readers: models/<exp>/rounds.json).
-PACKAGE_LINE_CEILING = 14_566
+# package shrinks. Set at 14,607 lines on 2026-11-27, lowered to 14,589 the same day and to 14,558 by the next
+# session (`find pipeline -name '*.py' | xargs cat | wc -l`). Raised to 14,617 by the session after: +46 for the
+# stacked trainer's one loss call a group (losses.distillation_losses, issue 54's engine: reports/bench/engine.md
+# section 3) and +13 for seven defect fixes with their checks (stats, claims, readers, figures, partition schemes).
+PACKAGE_LINE_CEILING = 14_617
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
