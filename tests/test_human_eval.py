@@ -117,3 +117,18 @@ def test_bad_judgement_names_file_and_line(tmp_path):
     write_sheet(tmp_path / "sheet.csv", rows, fields=list(rows[0]))
     with pytest.raises(DataError, match=r"sheet\.csv:3: judgement 'maybe'"):
         score_sheets(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        (b"item_id,judgement\r\nitem0001,A\r\nitem0002,B,extra\r\n", r"line 3"),  # a stray comma: 3 fields, not 2
+        (b"", r"[Nn]o columns"),  # saved empty
+        (b"item_id,judgement\nitem0001,\xe9gal\n", r"utf-8"),  # saved as Latin-1 by a spreadsheet
+    ],
+)
+def test_malformed_sheet_is_one_line_naming_the_file(tmp_path, text, problem):
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    (tmp_path / "sheet_ann.csv").write_bytes(text)
+    with pytest.raises(DataError, match=rf"sheet_ann\.csv: .*{problem}"):
+        score_sheets(tmp_path)

@@ -224,7 +224,10 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
     judged = []  # (opponent, domain, outcome)
     unjudged, per_file = 0, {}
     for f in files:
-        sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
+        try:  # a stray comma, an empty file, a spreadsheet's Latin-1: pandas' errors (ValueErrors) name no file
+            sheet = pd.read_csv(f, dtype=str, keep_default_na=False)
+        except ValueError as exc:
+            raise DataError(f"{f}: not a readable CSV sheet: {' '.join(str(exc).split())}") from exc
         if missing := sorted({"item_id", "judgement"} - set(sheet.columns)):
             raise DataError(f"{f}: missing column(s) {missing} (columns: {list(sheet.columns)})")
         per_file[f.name] = 0
