@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 import pytest
@@ -261,3 +262,26 @@ def test_read_json_reports_a_missing_or_bad_file_in_one_line(tmp_path):
         read_json(tmp_path / "list.json", "train metrics")
     (tmp_path / "ok.json").write_text('{"clients": {}}')
     assert read_json(tmp_path / "ok.json") == {"clients": {}}
+
+
+def test_a_portable_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
+    # The main study reads tau 0.46 as a share of ln|V| (train.tau_scale max_entropy): on BART's 50,265 tokens its
+    # threshold is 0.46 x 10.83 = 4.98 nats, so the log (KD at H = 1, none at H = 7) is consistent; H < 0.46 would call
+    # every KD token inconsistent, and the entropy figure would draw "tau = 0.46" on a nats axis.
+    monkeypatch.chdir(tmp_path)
+    write_experiment(
+        tmp_path, "sel_s0", {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20), "Academic": (24, 6, 18)}
+    )
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    params = {
+        "tau": 0.46,
+        "train": {"tau_scale": "max_entropy"},
+        "experiments": {"sel_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    analyze.main([])
+    res = json.loads((tmp_path / "reports/analysis/kd_analysis.json").read_text())
+    assert 0.46 * math.log(50265) == pytest.approx(4.98, abs=0.01)
+    for client in ("Product", "Academic"):
+        assert res["clients"][client]["gate_inconsistent_tokens"] is None  # not checkable here; never a false count

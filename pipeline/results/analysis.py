@@ -91,7 +91,8 @@ class Analysis:
         taus = sorted({e.tau for e in self.main if e.name in usages and e.tau is not None})
         if len(taus) > 1:
             raise ValueError(f"params.yaml: the main-study SelectKD experiments use different tau values {taus}")
-        tau = taus[0] if taus else None
+        # a portable gate's tau (a share of ln|V|, a quantile) is no entropy: no check of H(q_g) < tau, no tau line
+        tau = taus[0] if taus and {e.tau_scale for e in self.main if e.name in usages} == {"absolute"} else None
         for client in sorted(all_words["client"].unique()):
             per_seed = {n: u["clients"][client] for n, u in usages.items() if client in u["clients"]}
             rec, gate = kd_analysis.client_summary(client, all_words, all_gate, per_seed, tau)

@@ -138,7 +138,7 @@ def client_summary(
     # and round: local epochs repeat the round's (fixed-teacher) gate decision
     gate_c = gate[gate["client"] == client].drop_duplicates(["experiment", "round", "example_id", "position"])
     by_round = {int(r): (g["kd_applied"], g["entropy"].to_numpy(dtype=float)) for r, g in gate_c.groupby("round")}
-    # tokens whose kd_applied disagrees with H(q_g) < tau (0 for a consistent log)
+    # tokens whose kd_applied disagrees with H(q_g) < tau (0 for a consistent log; None: tau is no entropy)
     kd, h = gate_c["kd_applied"].to_numpy(), gate_c["entropy"].to_numpy(dtype=float)
     record = {
         "experiments": sorted(per_seed),
@@ -151,7 +151,7 @@ def client_summary(
         "pos": pos_distribution(window),
         "gate_pass_fraction_per_round": {r: float(applied.mean()) for r, (applied, _) in by_round.items()},
         "entropy_median_per_round": {r: float(np.quantile(e, 0.5)) for r, (_, e) in by_round.items()},
-        "gate_inconsistent_tokens": int(((h < tau) != kd).sum()) if tau is not None else 0,
+        "gate_inconsistent_tokens": int(((h < tau) != kd).sum()) if tau is not None else None,
     }
     return record, gate_c
 
