@@ -132,3 +132,14 @@ def test_malformed_sheet_is_one_line_naming_the_file(tmp_path, text, problem):
     (tmp_path / "sheet_ann.csv").write_bytes(text)
     with pytest.raises(DataError, match=rf"sheet_ann\.csv: .*{problem}"):
         score_sheets(tmp_path)
+
+
+def test_an_item_twice_in_one_sheet_is_an_error(tmp_path):
+    # One annotator's sheet judging an item twice (rows pasted twice) must not count it twice: 1 judged item, not 2.
+    make_sheets(predictions(), tmp_path, ReportConfig(human_eval_per_domain=1), {}, {})
+    first = read_sheet(tmp_path / "sheet.csv")[0]["item_id"]
+    write_sheet(
+        tmp_path / "sheet_ann.csv", [{"item_id": first, "judgement": "A"}, {"item_id": first, "judgement": "B"}]
+    )
+    with pytest.raises(DataError, match=rf"sheet_ann\.csv:3: {first} is judged again \(first on line 2\)"):
+        score_sheets(tmp_path)

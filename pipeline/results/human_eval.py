@@ -230,10 +230,13 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
             raise DataError(f"{f}: not a readable CSV sheet: {' '.join(str(exc).split())}") from exc
         if missing := sorted({"item_id", "judgement"} - set(sheet.columns)):
             raise DataError(f"{f}: missing column(s) {missing} (columns: {list(sheet.columns)})")
-        per_file[f.name] = 0
+        per_file[f.name], seen = 0, {}  # seen: item -> its line in this sheet (one annotator judges it once)
         for line_no, (item, raw) in enumerate(zip(sheet["item_id"].str.strip(), sheet["judgement"].str.strip()), 2):
             if item not in key:
                 raise DataError(f"{f}:{line_no}: item_id {item!r} is not in the answer key")
+            if item in seen:
+                raise DataError(f"{f}:{line_no}: {item} is judged again (first on line {seen[item]})")
+            seen[item] = line_no
             if not raw:
                 unjudged += 1
                 continue
