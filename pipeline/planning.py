@@ -58,6 +58,9 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
         "tau": params.get("tau") if tau is None and reads_tau else tau,
         "train": overrides,
         "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
+        "entropy_log_base": str(
+            overrides.get("entropy_log_base", (params.get("train") or {}).get("entropy_log_base", "e"))
+        ),
         "privacy": raw.get(PRIVACY_KEY) or {},
     }
     exp = from_dict(Experiment, entry, where)

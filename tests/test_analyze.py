@@ -285,3 +285,31 @@ def test_a_portable_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch
     assert 0.46 * math.log(50265) == pytest.approx(4.98, abs=0.01)
     for client in ("Product", "Academic"):
         assert res["clients"][client]["gate_inconsistent_tokens"] is None  # not checkable here; never a false count
+
+
+def test_a_threshold_in_bits_is_placed_in_nats_on_the_sweep_axis():
+    # 5 nats (main, ROUGE 20) and 5 bits (ROUGE 14) are different gates: H_bits < 5 is H_nats < 5 ln 2 = 3.466. They
+    # must be two points, not one averaged point at tau 5 (17, "1 seed").
+    from pipeline.planning import declared
+    from pipeline.results.kd_analysis import SWEEP_COLUMNS, tau_sweep_rows, tau_sweep_summary
+
+    params = {
+        "tau": 5.0,
+        "experiments": {
+            "main": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0},
+            "bits": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "tau_sweep"}
+            | {"entropy_log_base": 2},
+        },
+    }
+    runs = {e.name: e for e in declared(params)}
+    words = pd.DataFrame(
+        {"client": "A", "round": 1, "kd": [True, False], "is_noun_or_verb": [True, False], "pos": ["NOUN", "DET"]}
+    )
+    usage = {"words": words, "clients": {"A": {"best_round": 1, "kd_usage_ratio": 0.5}}}
+    rows = [
+        r
+        for n, rouge in (("main", 20.0), ("bits", 14.0))
+        for r in tau_sweep_rows(runs[n], usage, {"A": {"avg_rouge": rouge}})
+    ]
+    table, _ = tau_sweep_summary(pd.DataFrame(rows, columns=SWEEP_COLUMNS))
+    assert table["tau"].tolist() == pytest.approx([5 * math.log(2), 5.0]) and table["avg_rouge"].tolist() == [14, 20]

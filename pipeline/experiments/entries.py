@@ -28,6 +28,7 @@ class Experiment:
     tau: Positive | None = None
     train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `train`
     tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
+    entropy_log_base: str = "e"  # the unit of H(q_g) and an absolute tau ("2": bits), resolved as tau_scale is
     privacy: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `privacy`
     dp: str = ""  # the privacy it trains with, in words (privacy_label; "" = none)
 

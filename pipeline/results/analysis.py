@@ -130,7 +130,8 @@ class Analysis:
         per_run = pd.DataFrame(rows, columns=kd_analysis.SWEEP_COLUMNS)
         table, portable = kd_analysis.tau_sweep_summary(per_run)
         atomic.to_csv(table.round(6), self.paths.analysis / "tau_sweep.csv", index=False)
-        kd_analysis.plot_tau_sweep(table, self.tau, self.figures / "tau_sweep.png")
+        main = [kd_analysis.tau_nats(e) for e in self.main if e.tau_scale == "absolute"]  # its tau, in nats too
+        kd_analysis.plot_tau_sweep(table, main[0] if main else None, self.figures / "tau_sweep.png")
         return {
             "points": table.to_dict(orient="records"),
             "portable_gates": portable.to_dict(orient="records"),

@@ -177,6 +177,12 @@ SWEEP_POS = ("noun_verb_kd_rate", "det_pron_share_of_no_kd")
 SWEEP_COLUMNS = ["experiment", "client", "tau", "tau_scale", "seed", "avg_rouge", "kd_usage_ratio", *SWEEP_POS]
 
 
+def tau_nats(run: Experiment) -> float | None:
+    """A run's tau on the sweep's axis, in nats: an absolute threshold in bits is the same gate at tau x ln 2."""
+    bits = (run.tau_scale, run.entropy_log_base) == ("absolute", "2") and run.tau is not None
+    return run.tau * math.log(2) if bits else run.tau
+
+
 def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dict[str, float]]) -> list[tuple]:
     """One sweep point per client of one experiment (:data:`SWEEP_COLUMNS`): its ROUGE, KD usage ratio, POS pattern."""
     rows = []
@@ -186,21 +192,21 @@ def tau_sweep_rows(run: Experiment, usage: dict[str, Any], scores: dict[str, dic
         # the POS pattern over the rounds up to the client's best one, as in the main-study analysis
         w = to_best(words[words["client"] == client], u["best_round"] if u else 0)
         pos = pos_summary(w) if len(w) else {}
-        point = (run.name, client, run.tau, run.tau_scale, run.seed, s["avg_rouge"])
+        point = (run.name, client, tau_nats(run), run.tau_scale, run.seed, s["avg_rouge"])
         rows.append((*point, u["kd_usage_ratio"] if u else math.nan, *(pos.get(k, math.nan) for k in SWEEP_POS)))
     return rows
 
 
 def tau_sweep_summary(per_run: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Means over seeds per (client, tau): the points on the tau axis (thresholds in nats or bits, without the
-    tau_scale column) and the portable gates beside them."""
+    """Means over seeds per (client, tau): the points on the tau axis (thresholds in nats, :func:`tau_nats`, without
+    the tau_scale column) and the portable gates beside them."""
     summary = (
         per_run.groupby(["tau_scale", "client", "tau"])
         .agg(**{c: (c, "mean") for c in ("avg_rouge", "kd_usage_ratio", *SWEEP_POS)}, n_seeds=("seed", "nunique"))
         .reset_index()
         .sort_values(["tau_scale", "client", "tau"])
     )
-    # Only thresholds in nats (or bits) share an axis; the portable gates (a fraction of ln|V|, a quantile) are
+    # Only thresholds in nats share an axis; the portable gates (a fraction of ln|V|, a quantile) are
     # reported beside them, never drawn on the same tau axis.
     table = summary[summary["tau_scale"] == "absolute"].drop(columns="tau_scale")
     return table, summary[summary["tau_scale"] != "absolute"]
@@ -309,7 +315,7 @@ def plot_tau_sweep(sweep: pd.DataFrame, tau_main: float | None, path: Path) -> N
         ax2.set_ylim(0, 100)
         if tau_main is not None:
             ax.axvline(tau_main, color="grey", ls=":", lw=1)
-        ax.set(xlabel="tau", title=client)
+        ax.set(xlabel="tau (nats)", title=client)
     _finish_client_panels(
         fig, axes, clients, "no tau-sweep experiments with results", "Entropy threshold tau (dotted: main study)", path
     )
