@@ -25,9 +25,9 @@ class EvaluateConfig:
     num_beams: PositiveInt = 1
     max_target_length: PositiveInt = 96
     min_target_length: NonNegativeInt = 10
-    no_repeat_ngram_size: int = 3
+    no_repeat_ngram_size: NonNegativeInt = 3
     length_penalty: float = 1.0
-    max_source_length: int | None = None
+    max_source_length: PositiveInt | None = None
     test_examples_per_client: PositiveInt | None = 8  # null = all
     subsample_seed: int = 0
     log_text_to_mlflow: bool = False
