@@ -407,6 +407,20 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
 
 
 @pytest.mark.slow
+def test_a_federated_evaluation_asked_for_its_text_logs_its_scores_without_any(store):
+    """The deployed federation's evaluation (pipeline.federation.deployment) holds no summaries: they stay on the
+    clients. With ``log_text_to_mlflow`` (the params' evaluate group is its decoding) there is no predictions.jsonl to
+    log, and the record still goes to MLflow (it was a FileNotFoundError before the run could finish)."""
+    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+
+    metrics, d = _eval_dir(store, "fed")
+    (d / "predictions.jsonl").unlink()  # as deployment.write_eval_metrics leaves the folder: metrics.json alone
+    run_id = log_to_mlflow({"experiment": "fed", "study": "s"}, metrics, d, EvaluateConfig(log_text_to_mlflow=True))
+    assert _client().get_run(run_id).data.metrics["client_avg/ROUGE-1"] == 20.5
+    assert [a.path for a in _client().list_artifacts(run_id, "eval")] == ["eval/metrics.json"]
+
+
+@pytest.mark.slow
 def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     from pipeline.common.cli import run as run_cli
     from pipeline.evaluate import main

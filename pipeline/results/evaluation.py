@@ -236,7 +236,7 @@ def log_to_mlflow(
         client_scores = {f"{client}.{k}": scores[k] for k in SCORE_KEYS}
         logger.log_metrics(client_scores, 0, models.get(client), (test_sets or {}).get(client))
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
-    if cfg.log_text_to_mlflow:
+    if cfg.log_text_to_mlflow and (eval_dir / "predictions.jsonl").is_file():  # federated: the text stayed on clients
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
     if not run_id:
         logger.finish()
