@@ -181,7 +181,7 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>``, with the ``mean_ci`` interval as ``_ci_low/_high``."""
     out = {}
     for label, key in HEADLINE_KEYS.items():
-        out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
+        out[f"{HEADLINE_PREFIX}/{label}"] = float("nan" if (v := metrics["mean"][key]) is None else v)  # no client
         interval = (metrics.get("mean_ci") or {}).get(key) or {}  # {"low": ..., "high": ...}
         out |= {f"{HEADLINE_PREFIX}/{label}_ci_{end}": float(value) for end, value in interval.items()}
     return out
