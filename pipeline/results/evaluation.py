@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from pipeline.common.config import NonNegativeInt, PositiveInt, config
+from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, config
 from pipeline.common.schema import DataError
 from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
 
@@ -27,7 +27,7 @@ class EvaluateConfig:
     min_target_length: NonNegativeInt = 10
     no_repeat_ngram_size: NonNegativeInt = 3
     length_penalty: float = 1.0
-    max_source_length: PositiveInt | None = None
+    max_source_length: TokenLength | None = None
     test_examples_per_client: PositiveInt | None = 8  # null = all
     subsample_seed: int = 0
     log_text_to_mlflow: bool = False
