@@ -131,6 +131,27 @@ CASES = [
         0,
         r"evaluate.batch_size=0 is out of range; allowed: >= 1",
     ),
+    (  # -1 ("no limit") was an OverflowError traceback in the tokenizer, after the backbone had loaded
+        "evaluate",
+        ["run", "--experiment", "fedavg-domain", "--no-mlflow"],
+        "evaluate.max_source_length",
+        -1,
+        r"evaluate.max_source_length=-1 is out of range; allowed: >= 2",
+    ),
+    (
+        "evaluate",
+        ["run", "--experiment", "fedavg-domain", "--no-mlflow"],
+        "evaluate.max_source_length",
+        1,  # below the special tokens, the tokenizer did not truncate at all
+        r"evaluate.max_source_length=1 is out of range; allowed: >= 2",
+    ),
+    (  # a negative size silently blocked nothing (HF skips the processor below 1)
+        "evaluate",
+        ["run", "--experiment", "fedavg-domain", "--no-mlflow"],
+        "evaluate.no_repeat_ngram_size",
+        -3,
+        r"evaluate.no_repeat_ngram_size=-3 is out of range; allowed: >= 0",
+    ),
     (
         "evaluate",
         ["run", "--experiment", "fedavg-domain", "--no-mlflow"],

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -404,6 +405,36 @@ def test_evaluation_logs_into_the_run_of_its_plan_with_intervals(store):
         assert not _client().get_run(run_id).data.metrics  # another plan's runs: nothing logged there
     # Privacy: the generated summaries stay on disk unless asked for.
     assert [a.path for a in _client().list_artifacts(runs[3.0].run_id, "eval")] == ["eval/metrics.json"]
+
+
+@pytest.mark.slow
+def test_a_federated_evaluation_asked_for_its_text_logs_its_scores_without_any(store):
+    """The deployed federation's evaluation (pipeline.federation.deployment) holds no summaries: they stay on the
+    clients. With ``log_text_to_mlflow`` (the params' evaluate group is its decoding) there is no predictions.jsonl to
+    log, and the record still goes to MLflow (it was a FileNotFoundError before the run could finish)."""
+    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow
+
+    metrics, d = _eval_dir(store, "fed")
+    (d / "predictions.jsonl").unlink()  # as deployment.write_eval_metrics leaves the folder: metrics.json alone
+    run_id = log_to_mlflow({"experiment": "fed", "study": "s"}, metrics, d, EvaluateConfig(log_text_to_mlflow=True))
+    assert _client().get_run(run_id).data.metrics["client_avg/ROUGE-1"] == 20.5
+    assert [a.path for a in _client().list_artifacts(run_id, "eval")] == ["eval/metrics.json"]
+
+
+@pytest.mark.slow
+def test_a_federated_evaluation_no_client_answered_is_logged_without_headline_numbers(store):
+    """Every client timed out on the federated evaluation (beam search over a whole test set can outlast the round
+    timeout): metrics_record's client mean is None for each score, and the run is still logged (it was a TypeError
+    in float(None) before the run was marked FINISHED)."""
+    from pipeline.results.evaluation import EvaluateConfig, log_to_mlflow, metrics_record
+
+    plan = SimpleNamespace(experiment="fed", method="fedavg", partition="domain/seed0", seed=0, study="s")
+    plan.model_config = SimpleNamespace(max_source_length=512)
+    metrics = metrics_record(plan, "tiny-bart", EvaluateConfig(), {}, {}) | {"failed_clients": {"node 1": "no reply"}}
+    (d := store / "eval" / "fed").mkdir(parents=True)
+    (d / "metrics.json").write_text(json.dumps(metrics))
+    run_id = log_to_mlflow({"experiment": "fed", "study": "s"}, metrics, d, EvaluateConfig())
+    assert not [k for k in _client().get_run(run_id).data.metrics if k.startswith("client_avg/")]
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from pipeline.common.config import NonNegativeInt, PositiveInt, config
+from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, config
 from pipeline.common.schema import DataError
 from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
 
@@ -25,9 +25,9 @@ class EvaluateConfig:
     num_beams: PositiveInt = 1
     max_target_length: PositiveInt = 96
     min_target_length: NonNegativeInt = 10
-    no_repeat_ngram_size: int = 3
+    no_repeat_ngram_size: NonNegativeInt = 3
     length_penalty: float = 1.0
-    max_source_length: int | None = None
+    max_source_length: TokenLength | None = None
     test_examples_per_client: PositiveInt | None = 8  # null = all
     subsample_seed: int = 0
     log_text_to_mlflow: bool = False
@@ -181,7 +181,7 @@ def headline_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     """``client_avg/<ROUGE-1|ROUGE-2|ROUGE-L|avg_ROUGE>``, with the ``mean_ci`` interval as ``_ci_low/_high``."""
     out = {}
     for label, key in HEADLINE_KEYS.items():
-        out[f"{HEADLINE_PREFIX}/{label}"] = float(metrics["mean"][key])
+        out[f"{HEADLINE_PREFIX}/{label}"] = float("nan" if (v := metrics["mean"][key]) is None else v)  # no client
         interval = (metrics.get("mean_ci") or {}).get(key) or {}  # {"low": ..., "high": ...}
         out |= {f"{HEADLINE_PREFIX}/{label}_ci_{end}": float(value) for end, value in interval.items()}
     return out
@@ -236,7 +236,7 @@ def log_to_mlflow(
         client_scores = {f"{client}.{k}": scores[k] for k in SCORE_KEYS}
         logger.log_metrics(client_scores, 0, models.get(client), (test_sets or {}).get(client))
     logger.log_artifact(eval_dir / "metrics.json", artifact_path="eval")
-    if cfg.log_text_to_mlflow:
+    if cfg.log_text_to_mlflow and (eval_dir / "predictions.jsonl").is_file():  # federated: the text stayed on clients
         logger.log_artifact(eval_dir / "predictions.jsonl", artifact_path="eval")
     if not run_id:
         logger.finish()
