@@ -388,3 +388,17 @@ def test_fused_adamw_is_the_loops_update_up_to_rounding_and_false_is_the_loop(tm
     weights = {fused: _tiny_warmed_up(pairs, fused_adamw=fused).state_dict() for fused in (False, True)}
     assert asked == [False, True]
     assert all(torch.allclose(weights[False][k], weights[True][k], rtol=1e-5, atol=1e-6) for k in weights[False])
+
+
+def test_a_local_backbone_resolved_twice_is_the_same_bytes_whatever_ran_before(tmp_path):
+    # A separator the tokenizer lacks grows the embeddings; transformers draws the new row from a normal around
+    # the old rows' mean, from the global RNG: the stage must seed it, or every run writes other weights.
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    records = []
+    for rng_state in (1, 2):
+        torch.manual_seed(rng_state)  # whatever ran before the stage in this process
+        out = tmp_path / f"out{rng_state}"
+        records.append(bb.resolve(local_cfg(src), "#BREAK#", out, tmp_path / "i", tmp_path / "r.json", rouge_summary))
+    a, b = (load_file(str(tmp_path / f"out{s}" / "model.safetensors")) for s in (1, 2))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records[0]["backbone_sha256"] == records[1]["backbone_sha256"]

@@ -155,6 +155,7 @@ def resolve(
         torch.set_num_threads(cfg.warmup.num_threads)
     source: dict[str, Any] = {"kind": kind, "name": cfg.name}
     warmup: dict[str, Any] | None = None
+    torch.manual_seed(cfg.warmup.seed)  # the recipe's new cross-attention; every kind's new #SEP# embedding row
     if kind == "hub":
         path, info = download_hub(cfg.name, cfg.revision)
         source.update(info)
@@ -167,7 +168,6 @@ def resolve(
         model, tokenizer = load_seq2seq(path, cfg.name)
     else:
         enc_dir = recipe.minilm_dir()
-        torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
         model, tokenizer = recipe.build_bert2bert(enc_dir)
         from_self = cfg.warmup.cross_attention_init == "self_attention"
         if from_self:
