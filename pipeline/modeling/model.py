@@ -139,6 +139,14 @@ class AdapterSummarizer(nn.Module):
         model.generation_config.update(defaults_only=True, **{key: getattr(model.config, key, None) for key in keys})
         return cls(model, tokenizer, adapter, device)
 
+    def check_lengths(self, model: ModelConfig) -> None:
+        """``model``'s max lengths fit the backbone's position tables (a longer input fails deep inside torch)."""
+        for part, key in (("encoder", "max_source_length"), ("decoder", "max_target_length")):
+            c = getattr(self.backbone.config, part) if self.is_bert2bert else self.backbone.config
+            limit = getattr(c, f"max_{part}_position_embeddings", None) or getattr(c, "max_position_embeddings", None)
+            if limit and (n := getattr(model, key)) > limit:  # no limit: relative positions (T5)
+                raise ConfigError(f"model.{key}={n} is out of range; allowed: <= {limit} (the {part}'s positions)")
+
     def _config_value(self, key: str) -> int:
         value = getattr(self.backbone.config, key, None)
         value = getattr(self.backbone.generation_config, key, None) if value is None else value

@@ -33,6 +33,7 @@ def shared_model(plan: Plan) -> AdapterSummarizer:
             raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
         _MODELS.clear()  # a process trains one backbone at a time; free the previous one
         _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, adapter_config(plan.model_config))
+    _MODELS[key].check_lengths(plan.model_config)  # the shared model is the plan's adapters', not its lengths'
     return _MODELS[key]
 
 
