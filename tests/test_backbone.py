@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
 from pipeline import backbone as stage
+from pipeline.common.cli import run as run_cli
 from pipeline.common.timing import stage_timer
 from pipeline.modeling import backbone as bb
 from pipeline.modeling import warmup as wu
@@ -402,3 +403,17 @@ def test_a_local_backbone_resolved_twice_is_the_same_bytes_whatever_ran_before(t
     a, b = (load_file(str(tmp_path / f"out{s}" / "model.safetensors")) for s in (1, 2))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert records[0]["backbone_sha256"] == records[1]["backbone_sha256"]
+
+
+def test_a_warmup_dataset_without_the_split_it_needs_is_one_error_line(tmp_path, capsys):
+    # backbone.warmup.dataset's records lack the valid split (ingest.allow_absent_splits may allow that)
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet", n_valid=0)
+    params = {"ingest": {"datasets": ["samsum"]}, "backbone": {"warmup": {"eval_examples": 2}}}
+    (tmp_path / "params.yaml").write_text(json.dumps(params))  # YAML reads JSON
+    capsys.readouterr()  # what saving the tiny backbone printed
+    args = ["--params", str(tmp_path / "params.yaml"), "--name", str(src), "--out", str(tmp_path / "out")]
+    args += ["--report", str(tmp_path / "r.json"), "--interim-dir", str(interim.parent)]
+    assert run_cli(stage.main, args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "it/s]" not in line and line.strip()]
+    assert err == [f"error: {interim}: no records with split == 'valid'"]

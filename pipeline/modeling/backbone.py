@@ -17,7 +17,7 @@ import torch
 from pipeline.common import atomic
 from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
-from pipeline.common.schema import Turn, model_input
+from pipeline.common.schema import DataError, Turn, model_input
 from pipeline.modeling import warmup as recipe
 from pipeline.modeling.warmup import BackboneError, Score, WarmupConfig
 
@@ -131,10 +131,10 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
     try:
         df = pd.read_parquet(interim, columns=columns)
     except (KeyError, ValueError) as e:  # pyarrow names the missing column
-        raise ValueError(f"{interim}: expected columns {columns} ({e})") from e
+        raise DataError(f"{interim}: expected columns {columns} ({e})") from e
     part = df[df["split"] == split]
     if part.empty:
-        raise ValueError(f"{interim}: no records with split == {split!r}")
+        raise DataError(f"{interim}: no records with split == {split!r}")
     pairs = []
     for meeting_id, query, turns, summary in zip(part["meeting_id"], part["query"], part["turns"], part["summary"]):
         # rendered exactly as the examples stage renders model inputs (SAMSum: no query, dialogue only)
