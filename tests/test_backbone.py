@@ -18,6 +18,7 @@ from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderMod
 
 from pipeline import backbone as stage
 from pipeline.common.cli import run as run_cli
+from pipeline.common.config import ConfigError
 from pipeline.common.timing import stage_timer
 from pipeline.modeling import backbone as bb
 from pipeline.modeling import warmup as wu
@@ -220,7 +221,9 @@ def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
 @pytest.mark.parametrize("group", [0, 3])
 def test_batch_order_with_fewer_examples_than_a_batch_fails_instead_of_looping(group):
     # An epoch of 5 examples holds no batch of 8: without the guard the epoch loop never reaches `steps`.
-    with pytest.raises(ValueError, match="5 examples, fewer than one batch of 8"):
+    with pytest.raises(
+        ConfigError, match="^backbone.warmup.batch_size=8 is out of range: .*5 examples, fewer than one batch of 8"
+    ):
         wu.batch_order(np.arange(5), 8, 10, seed=0, group=group)
     assert wu.batch_order(np.arange(5), 8, 0, seed=0, group=group) == []  # no steps asked: nothing to wait for
 
