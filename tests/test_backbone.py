@@ -420,3 +420,18 @@ def test_a_warmup_dataset_without_the_split_it_needs_is_one_error_line(tmp_path,
     assert run_cli(stage.main, args) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if "it/s]" not in line and line.strip()]
     assert err == [f"error: {interim}: no records with split == 'valid'"]
+
+
+def test_warmup_lengths_beyond_the_backbones_positions_are_one_config_error(tmp_path, capsys):
+    # the tiny BART has 256 positions (tests/tiny_models.py); a validation dialogue of ~400 tokens reaches them
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    df = pd.read_parquet(interim)
+    df["turns"] = [[{"speaker": "A", "content": "the remote control design " * 100}]] * len(df)
+    df.to_parquet(interim)
+    cfg = local_cfg(src, eval_examples=1, max_source_length=257)
+    with pytest.raises(ConfigError, match=r"^backbone\.warmup\.max_source_length=257 is out of range; allowed: <= 256"):
+        bb.resolve(cfg, "#SEP#", tmp_path / "out", interim.parent, tmp_path / "r.json", rouge_summary)
+    cfg.warmup.max_source_length = 256  # the largest the table holds: scored
+    record = bb.resolve(cfg, "#SEP#", tmp_path / "out", interim.parent, tmp_path / "r.json", rouge_summary)
+    assert record["evaluation"]["examples"] == 1

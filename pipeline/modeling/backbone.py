@@ -19,6 +19,7 @@ from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import DataError, Turn, model_input
 from pipeline.modeling import warmup as recipe
+from pipeline.modeling.model import check_lengths
 from pipeline.modeling.warmup import BackboneError, Score, WarmupConfig
 
 OFFLINE_RECIPE = "minilm-bert2bert"
@@ -194,6 +195,8 @@ def resolve(
     evaluation = None
     wc = cfg.warmup
     interim = interim_dir / f"{wc.dataset}.parquet"
+    if kind == "recipe" or wc.eval_examples > 0:  # the warm-up's lengths: its training and its scoring
+        check_lengths(model, wc.max_source_length, wc.max_target_length, "backbone.warmup")
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
         warmup = recipe.warm_up(model, tokenizer, train_pairs, wc, device)

@@ -36,6 +36,15 @@ def adapter_config(model: ModelConfig) -> AdapterConfig:
     return AdapterConfig(model.top_k, model.bottleneck, model.adapter_bias, model.adapter_init_std)
 
 
+def check_lengths(backbone: nn.Module, source: int, target: int, group: str = "model") -> None:
+    """``group``'s max lengths fit the backbone's position tables (a longer input fails deep inside torch)."""
+    for part, key, n in (("encoder", "max_source_length", source), ("decoder", "max_target_length", target)):
+        c = getattr(backbone.config, part) if backbone.config.model_type == "encoder-decoder" else backbone.config
+        limit = getattr(c, f"max_{part}_position_embeddings", None) or getattr(c, "max_position_embeddings", None)
+        if limit and n > limit:  # no limit: relative positions (T5)
+            raise ConfigError(f"{group}.{key}={n} is out of range; allowed: <= {limit} (the {part}'s positions)")
+
+
 @dataclass
 class Prefix:
     """What the top k decoder layers need, batched and right-padded like the Batch it belongs to."""
@@ -138,14 +147,6 @@ class AdapterSummarizer(nn.Module):
         keys = ("decoder_start_token_id", "pad_token_id", "eos_token_id")  # where generation_config leaves them unset
         model.generation_config.update(defaults_only=True, **{key: getattr(model.config, key, None) for key in keys})
         return cls(model, tokenizer, adapter, device)
-
-    def check_lengths(self, model: ModelConfig) -> None:
-        """``model``'s max lengths fit the backbone's position tables (a longer input fails deep inside torch)."""
-        for part, key in (("encoder", "max_source_length"), ("decoder", "max_target_length")):
-            c = getattr(self.backbone.config, part) if self.is_bert2bert else self.backbone.config
-            limit = getattr(c, f"max_{part}_position_embeddings", None) or getattr(c, "max_position_embeddings", None)
-            if limit and (n := getattr(model, key)) > limit:  # no limit: relative positions (T5)
-                raise ConfigError(f"model.{key}={n} is out of range; allowed: <= {limit} (the {part}'s positions)")
 
     def _config_value(self, key: str) -> int:
         value = getattr(self.backbone.config, key, None)
