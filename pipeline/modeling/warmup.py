@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 from tqdm.auto import tqdm
 
-from pipeline.common.config import NonNegative, NonNegativeInt, Positive, PositiveInt, TokenLength, config
+from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, Positive, PositiveInt, TokenLength, config
 
 log = logging.getLogger("fedmeet.backbone")  # the backbone stage runs the warm-up: its log lines keep its name
 
@@ -106,9 +106,9 @@ def batch_order(lengths: np.ndarray, batch_size: int, steps: int, seed: int, gro
     `group * batch_size` shuffled examples is sorted by length and cut into batches (less padding), and the
     batches are shuffled again so lengths do not trend within an epoch."""
     if steps > 0 and len(lengths) < batch_size:  # no full batch in an epoch: the loop below would never end
-        raise ValueError(
-            f"warm-up: {len(lengths)} examples, fewer than one batch of {batch_size}; "
-            f"lower warmup.batch_size or add examples"
+        raise ConfigError(
+            f"backbone.warmup.batch_size={batch_size} is out of range: warm-up: {len(lengths)} examples, fewer than one "
+            f"batch of {batch_size}; lower warmup.batch_size or add examples"
         )
     rng = np.random.default_rng(seed)
     batches: list[np.ndarray] = []

@@ -11,7 +11,7 @@ import torch
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig
 from pipeline.modeling.cache import PrefixCache, resolve_root
-from pipeline.modeling.model import AdapterSummarizer, adapter_config
+from pipeline.modeling.model import AdapterSummarizer, adapter_config, check_lengths
 from pipeline.training.seeds import derived_seed
 
 _MODELS: dict[tuple, AdapterSummarizer] = {}
@@ -33,6 +33,7 @@ def shared_model(plan: Plan) -> AdapterSummarizer:
             raise FileNotFoundError(f"{backbone}: backbone not found (stage `backbone`)")
         _MODELS.clear()  # a process trains one backbone at a time; free the previous one
         _MODELS[key] = AdapterSummarizer.from_pretrained(backbone, adapter_config(plan.model_config))
+    check_lengths(_MODELS[key].backbone, plan.model_config.max_source_length, plan.model_config.max_target_length)
     return _MODELS[key]
 
 
