@@ -109,6 +109,23 @@ CASES = [
     ("plan", [], "model.cache_dtype", "int4", r"model.cache_dtype='int4'; expected one of \["),
     ("plan", [], "train.batch_size", 0, r"train.batch_size=0 is out of range; allowed: >= 1"),
     ("plan", [], "train.lr", "fast", r"train.lr: expected a number, got str 'fast'"),
+    # torch's AdamW refuses these at the first step, numpy's sampler a negative cap, and a cap of 0 trains nothing
+    ("plan", [], "train.lr", -1.0, r"train.lr=-1.0 is out of range; allowed: >= 0"),
+    ("plan", [], "train.weight_decay", -0.01, r"train.weight_decay=-0.01 is out of range; allowed: >= 0"),
+    (
+        "plan",
+        [],
+        "train.max_train_examples_per_client",
+        -3,
+        r"max_train_examples_per_client=-3 is out of range; allowed: >= 1",
+    ),
+    (
+        "plan",
+        [],
+        "train.max_valid_examples_per_client",
+        0,
+        r"max_valid_examples_per_client=0 is out of range; allowed: >= 1",
+    ),
     ("plan", [], "train.bogus", 1, r"train: unknown key\(s\) \['bogus'\]; allowed: \["),
     (
         "plan",
