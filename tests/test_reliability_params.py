@@ -113,6 +113,7 @@ CASES = [
         r"centralized-domain.seed=-2 is out of range; allowed: >= 0",
     ),
     ("plan", [], "model.bottleneck", 0, r"model.bottleneck=0 is out of range; allowed: >= 1"),
+    ("plan", [], "model.adapter_init_std", -0.02, r"model.adapter_init_std=-0.02 is out of range; allowed: >= 0"),
     ("plan", [], "model.top_k", 0, r"model.top_k=0 is out of range; allowed: >= 1"),
     ("plan", [], "model.cache_dtype", "int4", r"model.cache_dtype='int4'; expected one of \["),
     ("plan", [], "train.batch_size", 0, r"train.batch_size=0 is out of range; allowed: >= 1"),
