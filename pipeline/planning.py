@@ -19,7 +19,7 @@ from pipeline.experiments.entries import Experiment, privacy_label
 from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
-from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, run_settings
+from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, RunSettings, run_settings
 from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
@@ -118,7 +118,8 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
-    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
+    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings), the entry's checked:
+    from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)  # its train stage's
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.kd_gate not in GATES:
         raise ConfigError(f"{where}: train.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")

@@ -135,6 +135,14 @@ CASES = [
         0,
         r"max_valid_examples_per_client=0 is out of range; allowed: >= 1",
     ),
+    # an entry's run-time key: its train stage reads it (pipeline.experiments.settings), so planning checks it too
+    (
+        "plan",
+        [],
+        "experiments.fedavg-domain.round_timeout_s",
+        -5,
+        r"params.yaml experiments.fedavg-domain.round_timeout_s=-5 is out of range; allowed: > 0",
+    ),
     ("plan", [], "train.bogus", 1, r"train: unknown key\(s\) \['bogus'\]; allowed: \["),
     (
         "plan",
