@@ -143,7 +143,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
         plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
             f"client might never join"
         )

@@ -143,6 +143,14 @@ CASES = [
         -5,
         r"params.yaml experiments.fedavg-domain.round_timeout_s=-5 is out of range; allowed: > 0",
     ),
+    # post_addition's new client must be able to join within its rounds (5, the entry's)
+    (
+        "plan",
+        [],
+        "train.join.max_round",
+        6,
+        r"experiments.post_addition: train.join.max_round 6 > rounds 5: the new client might never join",
+    ),
     ("plan", [], "train.bogus", 1, r"train: unknown key\(s\) \['bogus'\]; allowed: \["),
     (
         "plan",
