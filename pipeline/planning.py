@@ -36,9 +36,9 @@ PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-u
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     where = f"params.yaml experiments.{name}"
-    if not name or "/" in name or name in RESERVED_NAMES:
+    if not isinstance(name, str) or not name or "/" in name or name in RESERVED_NAMES:
         raise ConfigError(
-            f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+            f"params.yaml experiments: invalid experiment name {name!r} (a string, no '/', not one of "
             f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
         )
     if not isinstance(raw, dict):

@@ -179,6 +179,16 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_an_experiment_name_yaml_reads_as_a_number_is_one_line():
+    # `7:` or `2024:` in params.yaml experiments is an int key: it was a TypeError traceback ("/" in 7)
+    from pipeline.planning import declared
+
+    params = _params()
+    params["experiments"] = {7: {"method": "fedavg", "partition": "domain/seed0"}}
+    with pytest.raises(ConfigError, match=r"^params.yaml experiments: invalid experiment name 7 \(a string"):
+        declared(params)
+
+
 def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
     privacy for that entry; entries without one keep the plan (and hash) they had."""
