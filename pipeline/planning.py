@@ -164,6 +164,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
                 f"gates each token by a quantile over the whole batch; use absolute or max_entropy"
             )
         plan["privacy"] = privacy.plan_dict()
+    if method.new_client == "post" and train.new_client not in plan.get("clients", [train.new_client]):
+        raise ConfigError(f"{where}: train.new_client={train.new_client!r}; allowed: one of {plan['clients']}")
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = file_hash(PATHS.postags, "md5")

@@ -151,6 +151,14 @@ CASES = [
         6,
         r"experiments.post_addition: train.join.max_round 6 > rounds 5: the new client might never join",
     ),
+    # the client that joins late must be one of its partition's (the server refused it only once training began)
+    (
+        "plan",
+        [],
+        "train.new_client",
+        "samsum",
+        r"experiments.post_addition: train.new_client='samsum'; allowed: one of \['Academic', 'Committee', 'Product', 'SAMSum'\]",
+    ),
     ("plan", [], "train.bogus", 1, r"train: unknown key\(s\) \['bogus'\]; allowed: \["),
     (
         "plan",
