@@ -293,3 +293,21 @@ def test_missing_upstream_output_is_one_line_naming_it(tmp_path, monkeypatch, st
     assert outcome.status == EXIT_USAGE, outcome.stderr
     assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
     assert re.match(rf"error: {re.escape(missing)}: .*not found", outcome.lines[0]), outcome.lines[0]
+
+
+def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch):
+    """An experiment entry copied and left under the same name: plain YAML keeps the last one and drops the first
+    silently (the plan stage wrote one plan, tau 2); it is refused, naming the file, the key and its line."""
+    from pipeline import plan
+
+    monkeypatch.chdir(tmp_path)
+    entry = "    method: fedselectkd\n    partition: domain/seed0\n"
+    text = yaml.safe_dump({k: v for k, v in BASE.items() if k != "experiments"})
+    (tmp_path / "params.yaml").write_text(
+        text + f"experiments:\n  tau-1:\n{entry}    tau: 1.0\n  tau-1:\n{entry}    tau: 2.0\n"
+    )
+    outcome = run_inprocess(plan.main, ["--params", "params.yaml", "--out", "plans"])
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert re.search(r"^error: params.yaml: not valid YAML \(duplicate key 'tau-1' .*line \d+", outcome.lines[0])
+    assert not (tmp_path / "plans").exists()
