@@ -118,8 +118,10 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
-    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings), the entry's checked:
-    from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)  # its train stage's
+    t = group(params, "train")  # an entry's mappings (stop, join, fedopt) merge key by key, as privacy's secagg does
+    merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
+    # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
+    from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.kd_gate not in GATES:
         raise ConfigError(f"{where}: train.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
