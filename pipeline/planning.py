@@ -19,7 +19,7 @@ from pipeline.experiments.entries import Experiment, privacy_label
 from pipeline.experiments.methods import METHODS, MethodSpec, get_method, get_strategy
 from pipeline.experiments.model import MODEL_RESULT_KEYS, ModelConfig
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
-from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, run_settings
+from pipeline.experiments.settings import RUN_MODEL_KEYS, RUN_TRAIN_KEYS, RunSettings, run_settings
 from pipeline.experiments.train_config import TrainConfig, train_config, train_keys
 from pipeline.federation.strategies.catalog import BUILDERS
 from pipeline.modeling.cache import DTYPES
@@ -36,9 +36,9 @@ PRIVACY_KEY = "privacy"  # an entry's overrides of params `privacy` (a privacy-u
 def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Experiment:
     """An experiments entry: known keys plus flat `train` overrides (e.g. ``fraction_train: 0.67``)."""
     where = f"params.yaml experiments.{name}"
-    if not name or "/" in name or name in RESERVED_NAMES:
+    if not isinstance(name, str) or not name or "/" in name or name in RESERVED_NAMES:
         raise ConfigError(
-            f"params.yaml experiments: invalid experiment name {name!r} (no '/', not one of "
+            f"params.yaml experiments: invalid experiment name {name!r} (a string, no '/', not one of "
             f"{sorted(RESERVED_NAMES)}: those are directories under models/)"
         )
     if not isinstance(raw, dict):
@@ -121,7 +121,10 @@ def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
 def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     """The resolved configuration of one experiment (what its train stage reads)."""
     method, where = get_method(exp.method), f"params.yaml experiments.{exp.name}"
-    merged = {**group(params, "train"), **exp.train}  # run-time keys left out (run_settings)
+    t = group(params, "train")  # an entry's mappings (stop, join, fedopt) merge key by key, as privacy's secagg does
+    merged = t | {k: t[k] | v if isinstance(v, dict) and type(t.get(k)) is dict else v for k, v in exp.train.items()}
+    # run-time keys left out (run_settings), the entry's checked here: its train stage reads them
+    from_dict(RunSettings, {k: v for k, v in exp.train.items() if k in RUN_TRAIN_KEYS}, where)
     train = train_config({k: v for k, v in merged.items() if k not in RUN_TRAIN_KEYS}, f"experiments.{exp.name} train")
     if train.kd_gate not in GATES:
         raise ConfigError(f"{where}: train.kd_gate {train.kd_gate!r} is not a KD gate; expected one of {sorted(GATES)}")
@@ -145,7 +148,7 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
     if train.prefix_cache and model.get("cache_dtype", "float32") != "float32":
         plan["cache_dtype"] = model["cache_dtype"]  # a float16/bfloat16 prefix changes the logits; float32 is exact
     if method.new_client == "post" and train.join.max_round > train.rounds:
-        raise ValueError(
+        raise ConfigError(
             f"{where}: train.join.max_round {train.join.max_round} > rounds {train.rounds}: the new "
             f"client might never join"
         )
@@ -166,6 +169,8 @@ def resolve_plan(exp: Experiment, params: dict[str, Any]) -> dict[str, Any]:
                 f"gates each token by a quantile over the whole batch; use absolute or max_entropy"
             )
         plan["privacy"] = privacy.plan_dict()
+    if method.new_client == "post" and train.new_client not in plan.get("clients", [train.new_client]):
+        raise ConfigError(f"{where}: train.new_client={train.new_client!r}; allowed: one of {plan['clients']}")
     if method.uses_postags and PATHS.postags.exists():
         # The POS tags enter the result only here; their hash makes this plan (alone) change when they do.
         plan["postags_md5"] = file_hash(PATHS.postags, "md5")

@@ -28,7 +28,7 @@ import yaml
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import flatten, load_params
+from pipeline.common.config import UniqueKeyLoader, flatten, load_params
 
 # Groups a preset replaces as a whole instead of merging into (see module docstring).
 REPLACED_WHOLE = ("experiments",)
@@ -38,24 +38,12 @@ class PresetError(ValueError):
     """A preset names unknown keys or has the wrong shape; the message names the file and every bad key."""
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses duplicate keys (plain YAML keeps the last one silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if (key := self.construct_object(key_node, deep=deep)) in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
 def load_preset(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise PresetError(f"{p}: preset file not found")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(p.read_text(), Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         raise PresetError(f"{p}: not valid YAML ({e})") from e
     if not isinstance(data, dict) or not data:

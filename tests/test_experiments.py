@@ -179,6 +179,34 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_an_entrys_train_mapping_overrides_merge_key_by_key_into_params_train():
+    """An entry overriding one key of a `train` mapping keeps the params file's other keys of it (as the entry's
+    privacy.secagg and a preset's mappings do), not the code's defaults: here gpu-study's stop rule with a lower
+    ceiling stays enabled with its own min_rel_improvement, and fedopt's other settings stay the params file's."""
+    from pipeline.planning import declared, resolve_plan
+
+    stop = {"enabled": True, "min_rel_improvement": 0.001, "patience": 3, "max_rounds": 60}
+    params = _params(**{"train.stop": stop, "train.fedopt.server_optimizer": "adam", "train.fedopt.server_lr": 0.1})
+    params["experiments"] = {
+        "a": {"method": "fedavg", "partition": "domain/seed0", "stop": {"max_rounds": 30}},
+        "b": {"method": "fedopt", "partition": "domain/seed0", "fedopt": {"beta_2": 0.9}},
+    }
+    plans = {e.name: resolve_plan(e, params) for e in declared(params)}
+    assert plans["a"]["train"]["stop"] == {**stop, "max_rounds": 30} and plans["a"]["train"]["rounds"] == 30
+    fedopt = plans["b"]["train"]["fedopt"]
+    assert (fedopt["server_optimizer"], fedopt["server_lr"], fedopt["beta_2"]) == ("adam", 0.1, 0.9)
+
+
+def test_an_experiment_name_yaml_reads_as_a_number_is_one_line():
+    # `7:` or `2024:` in params.yaml experiments is an int key: it was a TypeError traceback ("/" in 7)
+    from pipeline.planning import declared
+
+    params = _params()
+    params["experiments"] = {7: {"method": "fedavg", "partition": "domain/seed0"}}
+    with pytest.raises(ConfigError, match=r"^params.yaml experiments: invalid experiment name 7 \(a string"):
+        declared(params)
+
+
 def test_an_entrys_privacy_overrides_reach_its_plan_alone():
     """A privacy-utility study in one DVC experiment: each entry's `privacy` mapping is merged over params.yaml
     privacy for that entry; entries without one keep the plan (and hash) they had."""

@@ -104,11 +104,61 @@ CASES = [
     ("postag", [], "model.max_target_length", "96", r"model.max_target_length: expected an integer, got str"),
     ("plan", [], "tau", 0, r"experiments.fedselectkd-domain.tau=0 is out of range; allowed: > 0"),
     ("plan", [], "tau", -1.5, r"experiments.fedselectkd-domain.tau=-1.5 is out of range; allowed: > 0"),
+    ("plan", [], "seed", -1, r"experiments.centralized-domain.seed=-1 is out of range; allowed: >= 0"),
+    (
+        "plan",
+        [],
+        "experiments.centralized-domain.seed",
+        -2,
+        r"centralized-domain.seed=-2 is out of range; allowed: >= 0",
+    ),
     ("plan", [], "model.bottleneck", 0, r"model.bottleneck=0 is out of range; allowed: >= 1"),
+    ("plan", [], "model.adapter_init_std", -0.02, r"model.adapter_init_std=-0.02 is out of range; allowed: >= 0"),
     ("plan", [], "model.top_k", 0, r"model.top_k=0 is out of range; allowed: >= 1"),
     ("plan", [], "model.cache_dtype", "int4", r"model.cache_dtype='int4'; expected one of \["),
     ("plan", [], "train.batch_size", 0, r"train.batch_size=0 is out of range; allowed: >= 1"),
     ("plan", [], "train.lr", "fast", r"train.lr: expected a number, got str 'fast'"),
+    # torch's AdamW refuses these at the first step, numpy's sampler a negative cap, and a cap of 0 trains nothing
+    ("plan", [], "train.lr", -1.0, r"train.lr=-1.0 is out of range; allowed: >= 0"),
+    ("plan", [], "train.weight_decay", -0.01, r"train.weight_decay=-0.01 is out of range; allowed: >= 0"),
+    (
+        "plan",
+        [],
+        "train.max_train_examples_per_client",
+        -3,
+        r"max_train_examples_per_client=-3 is out of range; allowed: >= 1",
+    ),
+    (
+        "plan",
+        [],
+        "train.max_valid_examples_per_client",
+        0,
+        r"max_valid_examples_per_client=0 is out of range; allowed: >= 1",
+    ),
+    # an entry's run-time key: its train stage reads it (pipeline.experiments.settings), so planning checks it too
+    (
+        "plan",
+        [],
+        "experiments.fedavg-domain.round_timeout_s",
+        -5,
+        r"params.yaml experiments.fedavg-domain.round_timeout_s=-5 is out of range; allowed: > 0",
+    ),
+    # post_addition's new client must be able to join within its rounds (5, the entry's)
+    (
+        "plan",
+        [],
+        "train.join.max_round",
+        6,
+        r"experiments.post_addition: train.join.max_round 6 > rounds 5: the new client might never join",
+    ),
+    # the client that joins late must be one of its partition's (the server refused it only once training began)
+    (
+        "plan",
+        [],
+        "train.new_client",
+        "samsum",
+        r"experiments.post_addition: train.new_client='samsum'; allowed: one of \['Academic', 'Committee', 'Product', 'SAMSum'\]",
+    ),
     ("plan", [], "train.bogus", 1, r"train: unknown key\(s\) \['bogus'\]; allowed: \["),
     (
         "plan",
@@ -264,3 +314,21 @@ def test_missing_upstream_output_is_one_line_naming_it(tmp_path, monkeypatch, st
     assert outcome.status == EXIT_USAGE, outcome.stderr
     assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
     assert re.match(rf"error: {re.escape(missing)}: .*not found", outcome.lines[0]), outcome.lines[0]
+
+
+def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch):
+    """An experiment entry copied and left under the same name: plain YAML keeps the last one and drops the first
+    silently (the plan stage wrote one plan, tau 2); it is refused, naming the file, the key and its line."""
+    from pipeline import plan
+
+    monkeypatch.chdir(tmp_path)
+    entry = "    method: fedselectkd\n    partition: domain/seed0\n"
+    text = yaml.safe_dump({k: v for k, v in BASE.items() if k != "experiments"})
+    (tmp_path / "params.yaml").write_text(
+        text + f"experiments:\n  tau-1:\n{entry}    tau: 1.0\n  tau-1:\n{entry}    tau: 2.0\n"
+    )
+    outcome = run_inprocess(plan.main, ["--params", "params.yaml", "--out", "plans"])
+    assert outcome.status == EXIT_USAGE, outcome.stderr
+    assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
+    assert re.search(r"^error: params.yaml: not valid YAML \(duplicate key 'tau-1' .*line \d+", outcome.lines[0])
+    assert not (tmp_path / "plans").exists()

@@ -393,7 +393,8 @@ def test_accepted_for_servers_that_only_average_and_refused_with_a_lossy_transfe
 
     params = _params(SECURE)
     for method in ("fedavg", "fedkd", "fedselectkd", "fedprox", "hardkd", "post_addition", "pre_addition"):
-        entry = parse_entry("x", {"method": method, "partition": "domain/seed0"}, params)
+        partition = "extreme/seed0" if method == "post_addition" else "domain/seed0"  # its new client: SAMSum
+        entry = parse_entry("x", {"method": method, "partition": partition}, params)
         assert resolve_plan(entry, params)["privacy"]["secure_aggregation"] is True
     params = _params(SECURE, transfer_dtype="int8")
     with pytest.raises(

@@ -33,6 +33,7 @@ TAU_METHODS = {"fedselectkd", "post_addition", "pre_addition"}
 
 def _params(**top) -> dict:
     experiments = {m: {"method": m, "partition": "domain/seed0", "seed": 0, "study": "s"} for m in ALL_METHODS}
+    experiments["post_addition"]["partition"] = "extreme/seed0"  # its new client (SAMSum) is one of the partition's
     experiments["tau-2"] = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "tau", "tau": 2.0}
     params = {"tau": 5.0, "model": dict(MODEL), "train": dict(TRAIN), "experiments": experiments}
     params.update(top)

@@ -78,13 +78,26 @@ def repo_root() -> Path:
     return root
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses duplicate keys (plain YAML keeps the last one silently: a copied experiment entry left
+    under the same name would drop the first)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if (key := self.construct_object(key_node, deep=deep)) in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_params(path: str | os.PathLike) -> dict[str, Any]:
     """Read the params file a stage entry point names (DVC runs every stage at the project root)."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"{p}: parameter file not found (run from the project root)")
     try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        data = yaml.load(p.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid YAML ({' '.join(str(exc).split())})") from None
     if not isinstance(data, dict):

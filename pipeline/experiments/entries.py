@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from pipeline.common.config import Positive, config, from_dict, group
+from pipeline.common.config import NonNegativeInt, Positive, config, from_dict, group
 from pipeline.experiments.methods import get_method
 from pipeline.experiments.privacy import PrivacyConfig
 
@@ -21,7 +21,7 @@ class Experiment:
     name: str
     method: str
     partition: str  # "<scheme>/seed<k>"
-    seed: int = 0
+    seed: NonNegativeInt = 0  # numpy's generators (AdaCentralized's round window) refuse a negative seed
     study: str = "main"
     # the entry's tau, else the top-level tau for methods that read it, else None; > 0: the entropy gate is
     # H(q_g) < tau with H >= 0, so tau <= 0 would never distil

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from pipeline.common.config import PositiveInt, TokenLength, config, from_dict
+from pipeline.common.config import NonNegative, PositiveInt, TokenLength, config, from_dict
 
 
 @config(frozen=True)
@@ -13,7 +13,7 @@ class ModelConfig:
     top_k: PositiveInt = 2
     bottleneck: PositiveInt = 768
     adapter_bias: bool = True
-    adapter_init_std: float = 0.02
+    adapter_init_std: NonNegative = 0.02  # torch.nn.init.normal_ refuses std < 0 (and NaN)
     max_source_length: TokenLength = 512
     max_target_length: TokenLength = 96
 

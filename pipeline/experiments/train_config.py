@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from pipeline.common.config import Fraction, Positive, PositiveInt, config, from_dict
+from pipeline.common.config import Fraction, NonNegative, Positive, PositiveInt, config, from_dict
 from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
 
 # The loss's settings (pipeline.modeling.losses.KDConfig reads the same keys)
@@ -54,8 +54,8 @@ class TrainConfig:
     batch_size: PositiveInt = 8
     grad_accum_steps: PositiveInt = 1
     bucket_by_length: bool = True
-    lr: float = 2.0e-4
-    weight_decay: float = 0.01
+    lr: NonNegative = 2.0e-4  # torch's AdamW refuses a negative lr or weight_decay
+    weight_decay: NonNegative = 0.01
     decay_norm_and_bias: bool = False
     kd_lambda: Fraction = 0.2
     kd_temperature: Positive = 1.0
@@ -70,8 +70,8 @@ class TrainConfig:
     new_client: str = "SAMSum"
     join: JoinConfig = field(default_factory=JoinConfig)
     stop: StopConfig = field(default_factory=StopConfig)
-    max_train_examples_per_client: int | None = 16
-    max_valid_examples_per_client: int | None = 6
+    max_train_examples_per_client: PositiveInt | None = 16
+    max_valid_examples_per_client: PositiveInt | None = 6
     weight_by: Literal["full", "trained"] = "trained"
     transfer_dtype: TransferDtype = "fp32"
     transfer_delta: bool = False
