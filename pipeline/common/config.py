@@ -249,3 +249,12 @@ def flatten(d: dict[str, Any], prefix: str = "", whole: tuple[str, ...] = ()) ->
         else:
             out[key] = v
     return out
+
+
+def check_lengths(backbone: Any, source: int, target: int, group: str = "model") -> None:
+    """``group``'s max lengths fit the backbone's position tables (a longer input fails deep inside torch)."""
+    for part, key, n in (("encoder", "max_source_length", source), ("decoder", "max_target_length", target)):
+        c = getattr(backbone.config, part) if backbone.config.model_type == "encoder-decoder" else backbone.config
+        limit = getattr(c, f"max_{part}_position_embeddings", None) or getattr(c, "max_position_embeddings", None)
+        if limit and n > limit:  # no limit: relative positions (T5)
+            raise ConfigError(f"{group}.{key}={n} is out of range; allowed: <= {limit} (the {part}'s positions)")

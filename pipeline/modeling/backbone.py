@@ -15,11 +15,10 @@ import pandas as pd
 import torch
 
 from pipeline.common import atomic
-from pipeline.common.config import NonNegativeInt, PositiveInt, config
+from pipeline.common.config import NonNegativeInt, PositiveInt, check_lengths, config
 from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.common.schema import DataError, Turn, model_input
 from pipeline.modeling import warmup as recipe
-from pipeline.modeling.model import check_lengths
 from pipeline.modeling.warmup import BackboneError, Score, WarmupConfig
 
 OFFLINE_RECIPE = "minilm-bert2bert"

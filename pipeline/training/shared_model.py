@@ -8,10 +8,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.common.config import check_lengths
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import CacheConfig
 from pipeline.modeling.cache import PrefixCache, resolve_root
-from pipeline.modeling.model import AdapterSummarizer, adapter_config, check_lengths
+from pipeline.modeling.model import AdapterSummarizer, adapter_config
 from pipeline.training.seeds import derived_seed
 
 _MODELS: dict[tuple, AdapterSummarizer] = {}
