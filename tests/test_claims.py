@@ -286,6 +286,18 @@ def test_results_text_renders_the_numbers_of_the_table():
     assert "+0.85 to +2.09" not in claims.results_text(moved)
 
 
+def _tau3_row(**values):
+    """A tau-sweep comparison: SelectKD at tau 3 against tau 5."""
+    return _row(
+        method_a="fedselectkd",
+        method_b="fedselectkd",
+        config_a="fedselectkd tau=3",
+        config_b="fedselectkd tau=5",
+        study="tau_sweep",
+        **values,
+    )
+
+
 def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only_backs_a_supported_line():
     table = pd.DataFrame(
         [
@@ -301,17 +313,7 @@ def test_a_selectkd_variant_of_another_study_is_not_called_a_gate_and_one_p_only
                 p_value=0.01,
                 significant=True,
             ),
-            _row(
-                method_a="fedselectkd",
-                method_b="fedselectkd",
-                config_a="fedselectkd tau=3",
-                config_b="fedselectkd tau=5",
-                study="tau_sweep",
-                mean_diff=-0.21,
-                ci_low=-0.54,
-                ci_high=0.03,
-                p_value=0.2,
-            ),
+            _tau3_row(mean_diff=-0.21, ci_low=-0.54, ci_high=0.03, p_value=0.2),
             _row(method_a="centralized", method_b="single", mean_diff=0.30, ci_low=-0.58, ci_high=1.19, p_value=0.855),
             _row(
                 method_a="centralized",
@@ -361,18 +363,7 @@ def test_a_comparison_with_fewer_seeds_than_the_claim_minimum_excludes_nothing_a
         # above and below these intervals on every backbone
         _row(method_a="fedavg", method_b="single", mean_diff=-0.4, ci_low=-1.0, ci_high=0.3),
         _row(method_a="centralized", method_b="fedavg", mean_diff=2.5, ci_low=2.0, ci_high=3.0),
-        _row(
-            method_a="fedselectkd",
-            method_b="fedselectkd",
-            config_a="fedselectkd tau=3",
-            config_b="fedselectkd tau=5",
-            study="tau_sweep",
-            mean_diff=0.5,
-            ci_low=0.2,
-            ci_high=0.8,
-            p_value=0.01,
-            significant=True,
-        ),
+        _tau3_row(mean_diff=0.5, ci_low=0.2, ci_high=0.8, p_value=0.01, significant=True),
     ]
     table = pd.DataFrame([*few, _row(method_a="fedkd", method_b="single")]).assign(n_seeds=[2, 2, 2, 3])
     allowed = claims.results_text(table, scale=claims.ClaimScale(min_seeds=2))
