@@ -189,6 +189,23 @@ def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment
     assert client.get_run(new.run_id).data.tags[TAG_PID] == str(os.getpid())
 
 
+@pytest.mark.slow
+def test_a_rerun_whose_killed_run_was_deleted_starts_a_new_run(store):
+    """A killed run deleted by hand (the UI's Delete) before the rerun: MLflow refuses to update a deleted run, so the
+    rerun must open a new active run (its id written to the run id file), not fail on reopening the deleted one."""
+    from pipeline.results.tracking import RunLogger
+
+    run_id_file = store / "mlflow_run_id"
+    first = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"}, run_id_file, clients=("c1",))
+    first.finish("KILLED")
+    _client().delete_run(first.run_id)
+    again = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"}, run_id_file, clients=("c1",))
+    info = _client().get_run(again.run_id).info
+    assert again.run_id != first.run_id and (info.status, info.lifecycle_stage) == ("RUNNING", "active")
+    assert run_id_file.read_text() == again.run_id
+    again.finish()
+
+
 @pytest.fixture
 def ws(workspace, monkeypatch):  # noqa: F811
     _use_checkout(workspace, monkeypatch)

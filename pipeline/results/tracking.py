@@ -241,8 +241,8 @@ class RunLogger:
 
         client, exp_id, resumed = _client(), experiment_id(study), False
         resume_run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
-        with contextlib.suppress(Exception):  # no run to resume, or it is gone (store deleted): start a new one
-            resumed = client.get_run(resume_run_id).info.run_id == resume_run_id
+        with contextlib.suppress(Exception):  # no run to resume, or it is gone (store or run deleted): a new one
+            resumed = client.get_run(resume_run_id).info.lifecycle_stage == "active"
         if resumed:
             logger = cls(resume_run_id)
             for run_id in (resume_run_id, *logger.children.values()):
