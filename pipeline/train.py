@@ -78,22 +78,23 @@ def run_experiment(
             result = run_federated(plan_path, settings, recorder, barrier)
         else:
             result = run_serverless(plan, recorder, settings.cache, barrier)
-    except BaseException:
+        history = result["history"]
+        merge_gate_logs(plan)
+        metrics = record_run(plan, history, recorder.round_seconds)
+        if logger is not None:
+            log_missing_rounds(logger, history)
+            # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
+            adapters = [
+                (f, f"adapters/{f.parent.name}") for f in sorted(out_dir.glob("clients/*/adapter_*.safetensors"))
+            ]
+            log_run_outputs(logger, plan, metrics, adapters, None)  # each client's best adapter as a LoggedModel
+            logger.finish("FINISHED")
+    except BaseException:  # also while the finished run is recorded and uploaded
         if logger is not None:
             logger.finish("KILLED")  # resumable: the rerun reopens this run
         raise
     finally:
         recorder.close()
-
-    history = result["history"]
-    merge_gate_logs(plan)
-    metrics = record_run(plan, history, recorder.round_seconds)
-    if logger is not None:
-        log_missing_rounds(logger, history)
-        # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
-        adapters = [(f, f"adapters/{f.parent.name}") for f in sorted(out_dir.glob("clients/*/adapter_*.safetensors"))]
-        log_run_outputs(logger, plan, metrics, adapters, None)  # each client's best adapter as a LoggedModel
-        logger.finish("FINISHED")
     checkpoints.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
     # after its last round from the checkpoint and publishes again.

@@ -269,6 +269,32 @@ def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_r
     assert {m.step: m.value for m in history} == pytest.approx(expected) and len(history) == 2  # once each
 
 
+@pytest.mark.slow
+def test_a_kill_while_the_finished_training_is_recorded_closes_the_run_as_killed(ws, monkeypatch):
+    """docs/mlflow.md: Ctrl-C or SIGTERM closes the run and its clients' runs as KILLED at once, also when it comes
+    after the last round, while the outputs are recorded and uploaded; the rerun then finishes that same run."""
+    from pipeline import train as train_stage
+
+    path = write_plan("mlflow-closing", "fedavg")
+    real = train_stage.log_run_outputs
+
+    def upload_then_die(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the adapters are uploaded
+
+    monkeypatch.setattr(train_stage, "log_run_outputs", upload_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_stage.run_experiment(path)
+    monkeypatch.setattr(train_stage, "log_run_outputs", real)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-closing'")
+    assert run.info.status == "KILLED"
+    assert client.get_run(_client_run(run.info.run_id, "Academic")).info.status == "KILLED"
+    train_stage.run_experiment(path)
+    [again] = client.search_runs([exp], "tags.experiment = 'mlflow-closing'")
+    assert (again.info.run_id, again.info.status) == (run.info.run_id, "FINISHED")
+
+
 def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):
     import signal
 
