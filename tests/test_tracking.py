@@ -206,6 +206,22 @@ def test_a_rerun_whose_killed_run_was_deleted_starts_a_new_run(store):
     again.finish()
 
 
+@pytest.mark.slow
+def test_a_deleted_study_experiment_is_one_line_naming_it_and_the_store(store, capsys):
+    """The study's MLflow experiment deleted in the UI: MLflow keeps its name, so no new one can be made and no run
+    logged into it; the stage ends in one line naming the study and the store, not a traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import RunLogger
+
+    _client().delete_experiment(_client().create_experiment("gone"))
+
+    def start(argv):
+        RunLogger.start("gone", "a", {"x": 1}, {"experiment": "a"})
+
+    assert run_cli(start, []) == 2
+    names(capsys.readouterr().err.strip().splitlines()[-1], "error: ", "'gone'", "deleted", str(store / "mlflow.db"))
+
+
 @pytest.fixture
 def ws(workspace, monkeypatch):  # noqa: F811
     _use_checkout(workspace, monkeypatch)

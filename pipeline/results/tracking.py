@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
-from pipeline.common.config import flatten, repo_root
+from pipeline.common.config import ConfigError, flatten, repo_root
 
 PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
 MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
@@ -162,6 +162,8 @@ def experiment_id(study: str, description: str | None = None) -> str:
             exp = client.get_experiment_by_name(study)
             if exp is None:
                 raise
+    if exp.lifecycle_stage == "deleted":  # MLflow keeps a deleted experiment's name: no new one, no run into it
+        raise ConfigError(f"{tracking_uri()}: the MLflow experiment {study!r} is deleted; restore it or `mlflow gc` it")
     for key, value in tags.items():
         if exp.tags.get(key) != value:
             client.set_experiment_tag(exp.experiment_id, key, value)
