@@ -169,6 +169,12 @@ class DeploymentRecorder(TrainRecorder):
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
 
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        super().started(plan, clients, start_round)
+        saved = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL  # a resumed run keeps the rounds it does not redo
+        if start_round > 1 and saved.exists():
+            self.per_round = [r for r in json.loads(saved.read_text())["rounds"] if r["round"] < start_round]
+
     def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:
         super().round_done(plan, entry, history)
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
