@@ -222,6 +222,18 @@ def test_a_deleted_study_experiment_is_one_line_naming_it_and_the_store(store, c
     names(capsys.readouterr().err.strip().splitlines()[-1], "error: ", "'gone'", "deleted", str(store / "mlflow.db"))
 
 
+@pytest.mark.slow
+def test_scoring_a_mistyped_logged_model_id_is_one_line_naming_it(store, capsys):
+    """`python -m pipeline.evaluate model m-<id>` with an id the store does not hold: one line naming the id and the
+    store, exit 2, not MLflow's traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import download_model
+
+    _client()  # the store exists, without that model
+    assert run_cli(lambda argv: download_model("models:/m-0123456789abcdef", store / "x"), []) == 2
+    names(capsys.readouterr().err.strip().splitlines()[-1], "error: ", "m-0123456789abcdef", str(store / "mlflow.db"))
+
+
 @pytest.fixture
 def ws(workspace, monkeypatch):  # noqa: F811
     _use_checkout(workspace, monkeypatch)

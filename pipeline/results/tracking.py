@@ -374,7 +374,10 @@ def download_model(model: str, models_dir: Path) -> dict[str, str]:
 
     model_id = model.removeprefix("models:/").strip("/")
     _client()  # sets the tracking URI
-    tags = mlflow.get_logged_model(model_id).tags
+    try:
+        tags = mlflow.get_logged_model(model_id).tags
+    except mlflow.exceptions.MlflowException as exc:  # a mistyped id: one line, not MLflow's traceback
+        raise ConfigError(f"{model}: no such LoggedModel in {tracking_uri()} ({exc.message})") from None
     folder = models_dir / tags["experiment"]
     mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(folder))
     (folder / "adapters").rename(folder / "clients")
