@@ -9,6 +9,7 @@ Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -24,7 +25,7 @@ from pipeline.experiments.plans import Plan, plan_hash, read_plan
 from pipeline.experiments.settings import RunSettings, load_run_settings
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
-from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
+from pipeline.results.tracking import RunLogger, delete_run, dvc_tags, git_state, run_name
 from pipeline.training import checkpoints
 from pipeline.training.history import TrainRecorder, log_missing_rounds
 from pipeline.training.serverless import run_serverless
@@ -55,6 +56,9 @@ def run_experiment(
     settings = settings if settings is not None else RunSettings()
     out_dir = Path(plan.paths["out_dir"])
     if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):
+        if track and (run_id_file := checkpoints.mlflow_run_id_path(plan)).exists():  # killed before a checkpoint
+            with contextlib.suppress(Exception):  # its run, unless it logged a round (or is gone: another store)
+                delete_run(run_id_file.read_text().strip(), unless_logged="bytes_sent")
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
     prepare_outputs(plan)
 

@@ -278,6 +278,35 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_rerun_after_a_kill_before_the_first_checkpoint_leaves_one_run(ws, monkeypatch):
+    """Killed in round 1, before any checkpoint: the rerun starts over with a new run (nothing to resume), and the
+    killed attempt, which holds no round, is deleted with its client runs, as a deployed server's retry does
+    (docs/federation.md): the runs table holds one run of the experiment, not a dead attempt beside it."""
+    from pipeline.federation import server_app
+    from pipeline.train import run_experiment
+    from tests.faults import Killed
+
+    path = write_plan("mlflow-early", "fedavg")
+    real = server_app.save_server_checkpoint
+
+    def die(*args, **kwargs):
+        raise Killed("simulated kill in round 1, before its checkpoint")
+
+    monkeypatch.setattr(server_app, "save_server_checkpoint", die)
+    with pytest.raises(Killed):
+        run_experiment(path)
+    monkeypatch.setattr(server_app, "save_server_checkpoint", real)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-early'")
+    run_experiment(path)
+    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-early'")
+    assert run.info.status == "FINISHED" and run.info.run_id != killed.info.run_id
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{killed.info.run_id}'")
+    assert children == []  # the dead attempt's client runs are gone too
+
+
+@pytest.mark.slow
 def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_run(ws, monkeypatch):
     from pipeline.train import run_experiment
 

@@ -352,9 +352,13 @@ class RunLogger:
             self._client.set_terminated(run_id, status=status)
 
 
-def delete_run(run_id: str) -> None:
-    """Delete an MLflow run (an attempt that holds nothing worth keeping)."""
-    _client().delete_run(run_id)
+def delete_run(run_id: str, unless_logged: str | None = None) -> None:
+    """Delete an MLflow run and its clients' runs (an attempt that holds nothing worth keeping: kept if it has
+    logged the metric ``unless_logged``)."""
+    logger = RunLogger(run_id)
+    if not (unless_logged and logger.metric_history(unless_logged)):
+        for run in (*logger.children.values(), run_id):
+            logger._client.delete_run(run)
 
 
 def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
