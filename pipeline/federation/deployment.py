@@ -171,8 +171,7 @@ class DeploymentRecorder(TrainRecorder):
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         super().started(plan, clients, start_round)
-        saved = PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL  # a resumed run keeps the rounds it does not redo
-        if start_round > 1 and saved.exists():
+        if start_round > 1 and (saved := PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL).exists():  # resumed: kept
             self.per_round = [r for r in json.loads(saved.read_text())["rounds"] if r["round"] < start_round]
 
     def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:

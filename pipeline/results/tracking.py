@@ -353,8 +353,7 @@ class RunLogger:
 
 
 def delete_run(run_id: str, unless_logged: str | None = None) -> None:
-    """Delete an MLflow run and its clients' runs (an attempt that holds nothing worth keeping: kept if it has
-    logged the metric ``unless_logged``)."""
+    """Delete an MLflow run and its clients' runs (an attempt holding nothing worth keeping: no ``unless_logged``)."""
     logger = RunLogger(run_id)
     if not (unless_logged and logger.metric_history(unless_logged)):
         for run in (*logger.children.values(), run_id):
