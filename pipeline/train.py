@@ -9,6 +9,7 @@ Its outputs, and the run directory a killed run resumes from: docs/ARCHITECTURE.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import shutil
@@ -24,7 +25,7 @@ from pipeline.experiments.plans import Plan, plan_hash, read_plan
 from pipeline.experiments.settings import RunSettings, load_run_settings
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
-from pipeline.results.tracking import RunLogger, dvc_tags, git_state, run_name
+from pipeline.results.tracking import RunLogger, delete_run, dvc_tags, git_state, run_name
 from pipeline.training import checkpoints
 from pipeline.training.history import TrainRecorder, log_missing_rounds
 from pipeline.training.serverless import run_serverless
@@ -55,6 +56,9 @@ def run_experiment(
     settings = settings if settings is not None else RunSettings()
     out_dir = Path(plan.paths["out_dir"])
     if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):
+        if track and (run_id_file := checkpoints.mlflow_run_id_path(plan)).exists():  # killed before a checkpoint
+            with contextlib.suppress(Exception):  # its run, unless it logged a round (or is gone: another store)
+                delete_run(run_id_file.read_text().strip(), unless_logged="bytes_sent")
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
     prepare_outputs(plan)
 
@@ -78,22 +82,23 @@ def run_experiment(
             result = run_federated(plan_path, settings, recorder, barrier)
         else:
             result = run_serverless(plan, recorder, settings.cache, barrier)
-    except BaseException:
+        history = result["history"]
+        merge_gate_logs(plan)
+        metrics = record_run(plan, history, recorder.round_seconds)
+        if logger is not None:
+            log_missing_rounds(logger, history)
+            # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
+            adapters = [
+                (f, f"adapters/{f.parent.name}") for f in sorted(out_dir.glob("clients/*/adapter_*.safetensors"))
+            ]
+            log_run_outputs(logger, plan, metrics, adapters, None)  # each client's best adapter as a LoggedModel
+            logger.finish("FINISHED")
+    except BaseException:  # also while the finished run is recorded and uploaded
         if logger is not None:
             logger.finish("KILLED")  # resumable: the rerun reopens this run
         raise
     finally:
         recorder.close()
-
-    history = result["history"]
-    merge_gate_logs(plan)
-    metrics = record_run(plan, history, recorder.round_seconds)
-    if logger is not None:
-        log_missing_rounds(logger, history)
-        # Adapters and summaries only: the gate log holds client token ids and stays out of the tracking store.
-        adapters = [(f, f"adapters/{f.parent.name}") for f in sorted(out_dir.glob("clients/*/adapter_*.safetensors"))]
-        log_run_outputs(logger, plan, metrics, adapters, None)  # each client's best adapter as a LoggedModel
-        logger.finish("FINISHED")
     checkpoints.publish_outputs(plan)
     # Published: the run directory (checkpoint, per-round gate logs) goes. A run killed before this line resumes
     # after its last round from the checkpoint and publishes again.

@@ -170,6 +170,31 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     assert aggregate.source_run_id == run["run_id"] and aggregate.name == "dep-global"
 
 
+@pytest.mark.timeout(300)
+def test_a_kill_during_the_final_federated_evaluation_closes_the_run_as_killed(ws, monkeypatch):
+    """Over the in-process Grid: the ServerApp stopped while the clients score their test sets (after the last
+    round) closes its MLflow run as KILLED, as a kill during the rounds does; the rerun finishes that same run."""
+    import mlflow
+
+    from pipeline.federation import deployment
+
+    real = deployment.federated_evaluate
+
+    def evaluate_then_die(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(deployment, "federated_evaluate", evaluate_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        _serve_inprocess(write_plan("dep-closing", "fedavg"))
+    mlflow.set_tracking_uri(f"sqlite:///{ws / 'mlflow.db'}")
+    [run] = mlflow.search_runs(experiment_names=["tests"], filter_string="tags.experiment = 'dep-closing'").iloc
+    assert run["status"] == "KILLED"
+    monkeypatch.setattr(deployment, "federated_evaluate", real)
+    _serve_inprocess("models/plans/dep-closing.json")  # resumes after the last round: evaluates and records
+    [again] = mlflow.search_runs(experiment_names=["tests"], filter_string="tags.experiment = 'dep-closing'").iloc
+    assert (again["run_id"], again["status"]) == (run["run_id"], "FINISHED")
+
+
 def test_federated_evaluation_every_round_and_a_client_without_test_data(ws, monkeypatch):
     from pipeline.federation import deployment
 

@@ -215,6 +215,24 @@ def test_the_local_command_knows_the_round_a_rerun_resumes_at(ws):
     )
 
 
+def test_a_rerun_waits_for_its_own_supernode_not_for_the_id_an_earlier_run_logged(ws):
+    """The local command's rerun (e.g. to resume) starts its SuperNodes with the logs of the earlier run in place:
+    a SuperNode that has not connected yet must not pass for connected because the earlier run's log line says so."""
+    import sys
+
+    from pipeline.federation.localhost import LocalhostConfig, LocalhostFederation
+    from tests.test_federated import write_plan
+
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("stale-log", "fedavg"), startup_timeout_s=1.0))
+    (fed.procs.log_dir / "supernode-Academic.log").write_text("INFO :      SuperNode ID: 1234 (the earlier run)\n")
+    proc = fed.procs.start("supernode-Academic", [sys.executable, "-c", "import time; time.sleep(30)"], fed.workdir)
+    try:
+        with pytest.raises(FederationError, match="did not happen within 1s"):
+            fed.wait_registered(proc)
+    finally:
+        fed.procs.stop_all()
+
+
 def test_a_run_that_ends_with_its_superlink_dead_is_not_taken_for_finished(ws, tmp_path):
     """The SuperLink is killed and `flwr run` exits at once (before the next poll): the run stops with the round a
     rerun resumes at, whichever process is seen gone first."""

@@ -1608,6 +1608,33 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
     assert [r["mean"]["avg_rouge"] for r in saved["rounds"]] == [1.0, 2.0]
 
 
+def test_a_resumed_run_keeps_the_federated_evaluations_of_its_rounds_before_the_kill(ws, monkeypatch):
+    """evaluate-every=1 on a 5-round plan, killed after round 2 and resumed at round 3: reports/eval/<exp>/rounds.json
+    holds the evaluations of rounds 1 to 4 (the resumed run does not train rounds 1-2 again, so it cannot score them
+    again: overwriting the file with its own rounds only loses them)."""
+    from types import SimpleNamespace
+
+    from pipeline.federation import deployment
+    from pipeline.federation.protocol import load_plan
+    from pipeline.paths import PATHS
+
+    plan = load_plan(write_plan("dep-every-resume", "fedavg", rounds=5))
+
+    def evaluate(grid, plan_, plan_path, cfg, timeout):
+        return {"clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
+
+    monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
+    monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part
+    for start, stop in ((1, 2), (3, 4)):  # the killed attempt, then the resumed one (a new ServerApp process)
+        recorder = deployment.DeploymentRecorder(None, None, "p.json", object(), 1, 5.0)
+        recorder.started(plan, ["Academic"], start)
+        for rnd in range(start, stop + 1):
+            recorder.round_done(plan, SimpleNamespace(round=rnd), [])
+        recorder.close()
+    saved = json.loads((PATHS.eval_dir("dep-every-resume") / "rounds.json").read_text())
+    assert [r["round"] for r in saved["rounds"]] == [1, 2, 3, 4]
+
+
 def test_a_client_that_fails_every_round_fails_the_deployed_run_naming_it(ws, tmp_path, monkeypatch):
     """A hung node (no reply within the round timeout, every round): the rounds are recorded, then the ServerApp
     fails naming the client and its error, so `flwr run`'s status (and the local command) is non-zero; a client

@@ -190,6 +190,51 @@ def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment
     assert client.get_run(new.run_id).data.tags[TAG_PID] == str(os.getpid())
 
 
+@pytest.mark.slow
+def test_a_rerun_whose_killed_run_was_deleted_starts_a_new_run(store):
+    """A killed run deleted by hand (the UI's Delete) before the rerun: MLflow refuses to update a deleted run, so the
+    rerun must open a new active run (its id written to the run id file), not fail on reopening the deleted one."""
+    from pipeline.results.tracking import RunLogger
+
+    run_id_file = store / "mlflow_run_id"
+    first = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"}, run_id_file, clients=("c1",))
+    first.finish("KILLED")
+    _client().delete_run(first.run_id)
+    again = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"}, run_id_file, clients=("c1",))
+    info = _client().get_run(again.run_id).info
+    assert again.run_id != first.run_id and (info.status, info.lifecycle_stage) == ("RUNNING", "active")
+    assert run_id_file.read_text() == again.run_id
+    again.finish()
+
+
+@pytest.mark.slow
+def test_a_deleted_study_experiment_is_one_line_naming_it_and_the_store(store, capsys):
+    """The study's MLflow experiment deleted in the UI: MLflow keeps its name, so no new one can be made and no run
+    logged into it; the stage ends in one line naming the study and the store, not a traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import RunLogger
+
+    _client().delete_experiment(_client().create_experiment("gone"))
+
+    def start(argv):
+        RunLogger.start("gone", "a", {"x": 1}, {"experiment": "a"})
+
+    assert run_cli(start, []) == 2
+    names(capsys.readouterr().err.strip().splitlines()[-1], "error: ", "'gone'", "deleted", str(store / "mlflow.db"))
+
+
+@pytest.mark.slow
+def test_scoring_a_mistyped_logged_model_id_is_one_line_naming_it(store, capsys):
+    """`python -m pipeline.evaluate model m-<id>` with an id the store does not hold: one line naming the id and the
+    store, exit 2, not MLflow's traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.results.tracking import download_model
+
+    _client()  # the store exists, without that model
+    assert run_cli(lambda argv: download_model("models:/m-0123456789abcdef", store / "x"), []) == 2
+    names(capsys.readouterr().err.strip().splitlines()[-1], "error: ", "m-0123456789abcdef", str(store / "mlflow.db"))
+
+
 @pytest.fixture
 def ws(workspace, monkeypatch):  # noqa: F811
     _use_checkout(workspace, monkeypatch)
@@ -234,6 +279,35 @@ def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_rerun_after_a_kill_before_the_first_checkpoint_leaves_one_run(ws, monkeypatch):
+    """Killed in round 1, before any checkpoint: the rerun starts over with a new run (nothing to resume), and the
+    killed attempt, which holds no round, is deleted with its client runs, as a deployed server's retry does
+    (docs/federation.md): the runs table holds one run of the experiment, not a dead attempt beside it."""
+    from pipeline.federation import server_app
+    from pipeline.train import run_experiment
+    from tests.faults import Killed
+
+    path = write_plan("mlflow-early", "fedavg")
+    real = server_app.save_server_checkpoint
+
+    def die(*args, **kwargs):
+        raise Killed("simulated kill in round 1, before its checkpoint")
+
+    monkeypatch.setattr(server_app, "save_server_checkpoint", die)
+    with pytest.raises(Killed):
+        run_experiment(path)
+    monkeypatch.setattr(server_app, "save_server_checkpoint", real)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-early'")
+    run_experiment(path)
+    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-early'")
+    assert run.info.status == "FINISHED" and run.info.run_id != killed.info.run_id
+    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{killed.info.run_id}'")
+    assert children == []  # the dead attempt's client runs are gone too
+
+
+@pytest.mark.slow
 def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_run(ws, monkeypatch):
     from pipeline.train import run_experiment
 
@@ -251,6 +325,32 @@ def test_a_round_checkpointed_but_not_logged_before_a_kill_reaches_the_resumed_r
     expected = {r["round"]: r["val_loss"] for r in rounds if r["client"] == "Academic"}
     history = client.get_metric_history(_client_run(run.info.run_id, "Academic"), "val_loss")
     assert {m.step: m.value for m in history} == pytest.approx(expected) and len(history) == 2  # once each
+
+
+@pytest.mark.slow
+def test_a_kill_while_the_finished_training_is_recorded_closes_the_run_as_killed(ws, monkeypatch):
+    """docs/mlflow.md: Ctrl-C or SIGTERM closes the run and its clients' runs as KILLED at once, also when it comes
+    after the last round, while the outputs are recorded and uploaded; the rerun then finishes that same run."""
+    from pipeline import train as train_stage
+
+    path = write_plan("mlflow-closing", "fedavg")
+    real = train_stage.log_run_outputs
+
+    def upload_then_die(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C while the adapters are uploaded
+
+    monkeypatch.setattr(train_stage, "log_run_outputs", upload_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train_stage.run_experiment(path)
+    monkeypatch.setattr(train_stage, "log_run_outputs", real)
+    client = _client()
+    exp = client.get_experiment_by_name("tests").experiment_id
+    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-closing'")
+    assert run.info.status == "KILLED"
+    assert client.get_run(_client_run(run.info.run_id, "Academic")).info.status == "KILLED"
+    train_stage.run_experiment(path)
+    [again] = client.search_runs([exp], "tags.experiment = 'mlflow-closing'")
+    assert (again.info.run_id, again.info.status) == (run.info.run_id, "FINISHED")
 
 
 def test_sigterm_closes_the_run_as_killed(ws, monkeypatch):

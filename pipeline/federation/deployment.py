@@ -169,6 +169,11 @@ class DeploymentRecorder(TrainRecorder):
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
 
+    def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
+        super().started(plan, clients, start_round)
+        if start_round > 1 and (saved := PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL).exists():  # resumed: kept
+            self.per_round = [r for r in json.loads(saved.read_text())["rounds"] if r["round"] < start_round]
+
     def round_done(self, plan: Plan, entry, history: list[dict[str, Any]]) -> None:
         super().round_done(plan, entry, history)
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
@@ -227,46 +232,44 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     cfg = run.evaluate_config() if run.evaluate else None
     round_timeout, admission_timeout = run.timeouts()
     recorder = DeploymentRecorder(logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
+    ending = "KILLED"  # a rerun resumes it from the server checkpoint, or deletes it if none
     try:
         arrays, history = run_server(grid, plan_path, recorder, round_timeout, admission_timeout)
-    except BaseException:
+        metrics = record_run(plan, history, recorder.round_seconds)
+        silent = never_contributed(history)
+        if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client
+            ending = "FAILED"
+            checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)  # a rerun starts over
+            run_id_file.unlink(missing_ok=True)
+            name, error = next(iter(silent.items()))
+            raise RuntimeError(
+                f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
+                f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error"
+            )
+        adapter = out_dir / GLOBAL_ADAPTER
+        state = arrays.to_torch_state_dict()
+        save_adapter(adapter, state, {"experiment": plan.experiment, "round": str(metrics["stopped_round"])})
+
+        eval_metrics = None
+        if cfg is not None:
+            eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout)
+            kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
+            eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
+            scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
+            log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
         if logger is not None:
-            logger.finish("KILLED")  # a rerun resumes it from the server checkpoint, or deletes it if none
+            # the aggregate as an artifact and as a LoggedModel
+            log_run_outputs(logger, plan, metrics, [(adapter, None)], adapter)
+            if eval_metrics is not None:
+                run_info = plan.to_json_dict() | {"mlflow_run_id": logger.run_id}
+                log_to_mlflow(run_info, eval_metrics, PATHS.eval_dir(plan.experiment), cfg)
+            logger.finish("FINISHED")
+    except BaseException:  # also after the rounds: while the run is evaluated, recorded and uploaded
+        if logger is not None:
+            logger.finish(ending)
         raise
     finally:
         recorder.close()
-
-    metrics = record_run(plan, history, recorder.round_seconds)
-    silent = never_contributed(history)
-    if silent:  # a hung or broken node: recorded round by round, but the run has no result for that client
-        if logger is not None:
-            logger.finish("FAILED")
-        checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)  # a rerun starts over
-        run_id_file.unlink(missing_ok=True)
-        name, error = next(iter(silent.items()))
-        raise RuntimeError(
-            f"{plan.experiment}: client(s) {sorted(silent)} failed in every round they were sampled "
-            f"in ({name}: {error}); {out_dir / 'rounds.json'} has each round's error"
-        )
-    adapter = out_dir / GLOBAL_ADAPTER
-    save_adapter(
-        adapter, arrays.to_torch_state_dict(), {"experiment": plan.experiment, "round": str(metrics["stopped_round"])}
-    )
-
-    eval_metrics = None
-    if cfg is not None:
-        eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout)
-        kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
-        eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
-        scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
-        log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
-    if logger is not None:
-        # the aggregate as an artifact and as a LoggedModel
-        log_run_outputs(logger, plan, metrics, [(adapter, None)], adapter)
-        if eval_metrics is not None:
-            run_info = plan.to_json_dict() | {"mlflow_run_id": logger.run_id}
-            log_to_mlflow(run_info, eval_metrics, PATHS.eval_dir(plan.experiment), cfg)
-        logger.finish("FINISHED")
     # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
     # next run of this plan starts over (client checkpoints stay on the clients' disks).
     checkpoints.publish_outputs(plan)

@@ -196,7 +196,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         """Until the SuperNode logs the id the SuperLink gave it."""
         what = f"{proc.name} connecting to the SuperLink"
         wait_for(
-            lambda: "SuperNode ID:" in proc.log.read_text(errors="replace"), self.cfg.startup_timeout_s, what, proc
+            lambda: b"SuperNode ID:" in proc.log.read_bytes()[proc.offset :], self.cfg.startup_timeout_s, what, proc
         )
 
     def start(self) -> None:

@@ -30,6 +30,7 @@ class Process:
     popen: subprocess.Popen
     log: Path
     descendants: set[int] = field(default_factory=set)  # pids seen under it (stopped with it)
+    offset: int = 0  # the log's size when it started (an earlier run's lines come before: logs are appended)
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -47,11 +48,12 @@ class ProcessGroup:
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
         out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
+        offset = log.stat().st_size if log.exists() else 0
         stdio = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT}
         popen = subprocess.Popen(argv, cwd=cwd, env=self.env, start_new_session=True, **stdio)
         if not capture:
             out.close()  # the child holds its own descriptor
-        self.procs.append(proc := Process(name, popen, log))
+        self.procs.append(proc := Process(name, popen, log, offset=offset))
         return proc
 
     def stop(self, proc: Process, sig: int = signal.SIGTERM) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.common import atomic
-from pipeline.common.config import flatten, repo_root
+from pipeline.common.config import ConfigError, flatten, repo_root
 
 PARENT_TAG = "mlflow.parentRunId"  # what nests a client's run under its experiment's run in the UI
 MODEL_TAG = "fedmeet.model_id"  # a client run's LoggedModel
@@ -162,6 +162,8 @@ def experiment_id(study: str, description: str | None = None) -> str:
             exp = client.get_experiment_by_name(study)
             if exp is None:
                 raise
+    if exp.lifecycle_stage == "deleted":  # MLflow keeps a deleted experiment's name: no new one, no run into it
+        raise ConfigError(f"{tracking_uri()}: the MLflow experiment {study!r} is deleted; restore it or `mlflow gc` it")
     for key, value in tags.items():
         if exp.tags.get(key) != value:
             client.set_experiment_tag(exp.experiment_id, key, value)
@@ -241,8 +243,8 @@ class RunLogger:
 
         client, exp_id, resumed = _client(), experiment_id(study), False
         resume_run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
-        with contextlib.suppress(Exception):  # no run to resume, or it is gone (store deleted): start a new one
-            resumed = client.get_run(resume_run_id).info.run_id == resume_run_id
+        with contextlib.suppress(Exception):  # no run to resume, or it is gone (store or run deleted): a new one
+            resumed = client.get_run(resume_run_id).info.lifecycle_stage == "active"
         if resumed:
             logger = cls(resume_run_id)
             for run_id in (resume_run_id, *logger.children.values()):
@@ -350,9 +352,12 @@ class RunLogger:
             self._client.set_terminated(run_id, status=status)
 
 
-def delete_run(run_id: str) -> None:
-    """Delete an MLflow run (an attempt that holds nothing worth keeping)."""
-    _client().delete_run(run_id)
+def delete_run(run_id: str, unless_logged: str | None = None) -> None:
+    """Delete an MLflow run and its clients' runs (an attempt holding nothing worth keeping: no ``unless_logged``)."""
+    logger = RunLogger(run_id)
+    if not (unless_logged and logger.metric_history(unless_logged)):
+        for run in (*logger.children.values(), run_id):
+            logger._client.delete_run(run)
 
 
 def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
@@ -372,7 +377,10 @@ def download_model(model: str, models_dir: Path) -> dict[str, str]:
 
     model_id = model.removeprefix("models:/").strip("/")
     _client()  # sets the tracking URI
-    tags = mlflow.get_logged_model(model_id).tags
+    try:
+        tags = mlflow.get_logged_model(model_id).tags
+    except mlflow.exceptions.MlflowException as exc:  # a mistyped id: one line, not MLflow's traceback
+        raise ConfigError(f"{model}: no such LoggedModel in {tracking_uri()} ({exc.message})") from None
     folder = models_dir / tags["experiment"]
     mlflow.artifacts.download_artifacts(f"models:/{model_id}", dst_path=str(folder))
     (folder / "adapters").rename(folder / "clients")
