@@ -74,9 +74,10 @@ def _content_hash(path: Path, stats: tuple) -> str:
     content hash); once per process and version of the files (``stats``: their paths, mtimes and sizes)."""
     if path.is_file():
         return file_hash(path)
-    record = path / RECORD_NAME
-    recorded = json.loads(record.read_text()).get("backbone_sha256") if record.is_file() else None
-    return recorded or sha256_dir(path)
+    try:
+        return json.loads((path / RECORD_NAME).read_text()).get("backbone_sha256") or sha256_dir(path)
+    except (OSError, ValueError):  # no record, or a damaged one (loading the model names it)
+        return sha256_dir(path)
 
 
 def input_hash(path: str | Path) -> str:
