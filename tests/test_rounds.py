@@ -151,6 +151,41 @@ def test_a_round_checkpoint_of_other_training_code_is_not_resumed(caplog, monkey
     assert not checkpoints.has_valid_checkpoint(plan)
 
 
+def test_a_round_checkpoint_is_not_resumed_after_the_backbone_or_the_partition_changes(caplog):
+    """The plan names neither the backbone's contents (params backbone.*) nor the partition's (partition.*): a run
+    killed before a rebuilt backbone or a re-partition starts over rather than mixing two trainings."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training import checkpoints
+
+    own = Path("data/partitions/reparted/seed0.json")  # the test's own: the shared workspace's stay as they are
+    own.parent.mkdir(parents=True, exist_ok=True)
+    own.write_bytes(Path("data/partitions/domain/seed0.json").read_bytes())
+    plan = load_plan(write_plan("rounds-inputs", "fedavg", partition="reparted/seed0", rounds=3))
+    path = checkpoints.server_checkpoint_path(plan)
+    checkpoints.save_round_checkpoint(path, plan, 2, {"history": [{"round": 1}]})
+    assert checkpoints.has_valid_checkpoint(plan)
+    config = Path(plan.paths["backbone"]) / "config.json"
+    original = config.read_bytes()
+    config.write_text(json.dumps({**json.loads(original), "dropout": 0.25}))  # the backbone rebuilt
+    try:
+        with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
+            assert checkpoints.load_round_checkpoint(path, plan) is None
+        assert any("another backbone" in r.getMessage() for r in caplog.records)
+        assert not checkpoints.has_valid_checkpoint(plan)
+    finally:
+        config.write_bytes(original)
+    assert checkpoints.has_valid_checkpoint(plan)  # the same backbone again: resumed
+    partition = json.loads(Path(plan.paths["partition"]).read_text())
+    first, second = list(partition["clients"])[:2]  # re-partitioned: one training example moves to another client
+    partition["clients"][second]["train"].append(partition["clients"][first]["train"].pop())
+    Path(plan.paths["partition"]).write_text(json.dumps(partition))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fedmeet.train"):
+        assert checkpoints.load_round_checkpoint(path, plan) is None
+    assert any("another partition" in r.getMessage() for r in caplog.records)
+    assert not checkpoints.has_valid_checkpoint(plan)
+
+
 def test_a_local_checkpoint_counts_and_an_unreadable_one_does_not():
     from pipeline.training import checkpoints
 

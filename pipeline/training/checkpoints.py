@@ -1,6 +1,6 @@
 """Where a training run keeps its state while it runs (``data/cache/runs/<exp>-<key>/``: ``clients/<client>/`` and
-``checkpoint/``), its round checkpoints (tagged with the plan's hash and the training code's) and the publishing of
-its outputs."""
+``checkpoint/``), its round checkpoints (tagged with the hashes of the plan, the training code, the backbone and the
+data files) and the publishing of its outputs."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pipeline.common import atomic
+from pipeline.common.integrity import RECORD_NAME, file_hash, sha256_dir
 from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.modeling.adapters import adapter_file, save_adapter
 
@@ -64,9 +65,35 @@ def code_hash() -> str:
     return digest.hexdigest()
 
 
+INPUTS = ("backbone", "partition", "examples", "postags")  # the plan's paths a run trains on, besides the plan
+
+
+@lru_cache(maxsize=32)
+def _content_hash(path: Path, stats: tuple) -> str:
+    """sha256 of a file, or of a model directory (its record's ``backbone_sha256``, which loading checks, else its
+    content hash); once per process and version of the files (``stats``: their paths, mtimes and sizes)."""
+    if path.is_file():
+        return file_hash(path)
+    try:
+        return json.loads((path / RECORD_NAME).read_text()).get("backbone_sha256") or sha256_dir(path)
+    except (OSError, ValueError):  # no record, or a damaged one (loading the model names it)
+        return sha256_dir(path)
+
+
+def input_hash(path: str | Path) -> str:
+    """What a run read at ``path`` (a file or a directory), "absent" when nothing is there."""
+    p = Path(path).resolve()
+    files = sorted(f for f in (p.rglob("*") if p.is_dir() else [p]) if f.is_file())
+    stats = tuple((str(f), (st := f.stat()).st_mtime_ns, st.st_size) for f in files)
+    return _content_hash(p, stats) if files else "absent"
+
+
 def checkpoint_identity(plan: Plan) -> dict[str, str]:
-    """What a round checkpoint must match to be resumed: the plan's configuration and the training code."""
-    return {"plan_hash": plan_hash(plan), "code_hash": code_hash()}
+    """What a round checkpoint must match to be resumed: the plan's configuration, the training code and what the
+    run trains on besides the plan (the backbone, the partition, the examples: rebuilt or re-partitioned under the
+    same plan, a killed run starts over rather than mixing two trainings)."""
+    inputs = {f"{name}_hash": input_hash(plan.paths[name]) for name in INPUTS if name in plan.paths}
+    return {"plan_hash": plan_hash(plan), "code_hash": code_hash(), **inputs}
 
 
 def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any]) -> None:
@@ -75,14 +102,16 @@ def save_round_checkpoint(path: Path, plan: Plan, rnd: int, state: dict[str, Any
 
 
 def load_round_checkpoint(path: Path, plan: Plan) -> dict[str, Any] | None:
-    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another configuration or
-    training code."""
+    """What :func:`save_round_checkpoint` wrote, or None: no checkpoint, or one of another identity (the warning
+    names which part differs)."""
     if not path.exists():
         return None
     state = torch.load(path, weights_only=False)  # our own file, written by save_round_checkpoint
     for key, value in checkpoint_identity(plan).items():
         if state.get(key) != value:
-            why = "another configuration" if key == "plan_hash" else "other training code"
+            name = key.removesuffix("_hash")
+            why = {"plan": "another configuration", "code": "other training code"}.get(name)
+            why = why or f"another {name} ({plan.paths[name]} changed since)"
             log.warning("%s: checkpoint belongs to %s; starting over", path, why)
             return None
     return state
