@@ -243,39 +243,45 @@ def ws(workspace, monkeypatch):  # noqa: F811
     return workspace
 
 
-@pytest.mark.slow
-def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
+def _killed_then_rerun(monkeypatch, name: str, method: str, owner, attr: str, dying) -> tuple:
+    """Train ``name`` with ``owner.attr`` replaced by ``dying`` (which raises tests.faults.Killed), then again with
+    it restored: the experiment's one MLflow run after the kill, and after the rerun."""
     from pipeline.train import run_experiment
-    from pipeline.training.history import TrainRecorder
+    from tests.faults import Killed
 
-    path = write_plan("mlflow-resume", "fedavg")
-    real_done = TrainRecorder.round_done
-
-    class Killed(Exception):
-        pass
-
-    def done_then_die(self, plan, entry, history):
-        real_done(self, plan, entry, history)
-        if entry.round == 1:
-            raise Killed("simulated kill after round 1")
-
-    monkeypatch.setattr(TrainRecorder, "round_done", done_then_die)
+    path, real = write_plan(name, method), getattr(owner, attr)
+    monkeypatch.setattr(owner, attr, dying(real))
     with pytest.raises(Killed):
         run_experiment(path)
-    monkeypatch.setattr(TrainRecorder, "round_done", real_done)
+    monkeypatch.setattr(owner, attr, real)
     client = _client()
-    exp = client.get_experiment_by_name("tests").experiment_id
-    query = "tags.experiment = 'mlflow-resume'"
+    exp, query = client.get_experiment_by_name("tests").experiment_id, f"tags.experiment = '{name}'"
     [first] = client.search_runs([exp], query)
-    assert first.info.status == "KILLED"
-
     run_experiment(path)
-    [run] = client.search_runs([exp], query)  # the same run, not a second one beside it
-    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"
+    [run] = client.search_runs([exp], query)  # one run: resumed, or the killed one deleted
+    return first, run
+
+
+@pytest.mark.slow
+def test_resumed_training_continues_its_mlflow_run(ws, monkeypatch):
+    from pipeline.training.history import TrainRecorder
+    from tests.faults import Killed
+
+    def dying(real_done):
+        def done_then_die(self, plan, entry, history):
+            real_done(self, plan, entry, history)
+            if entry.round == 1:
+                raise Killed("simulated kill after round 1")
+
+        return done_then_die
+
+    first, run = _killed_then_rerun(monkeypatch, "mlflow-resume", "fedavg", TrainRecorder, "round_done", dying)
+    assert first.info.status == "KILLED"
+    assert run.info.run_id == first.info.run_id and run.info.status == "FINISHED"  # the same run, not a second one
     assert run.data.tags["fedmeet.resumed"] == "true"
     academic = _client_run(run.info.run_id, "Academic")  # the same client run too
-    assert client.get_run(academic).info.status == "FINISHED"
-    assert [m.step for m in client.get_metric_history(academic, "val_loss")] == [1, 2]
+    assert _client().get_run(academic).info.status == "FINISHED"
+    assert [m.step for m in _client().get_metric_history(academic, "val_loss")] == [1, 2]
 
 
 @pytest.mark.slow
@@ -284,26 +290,19 @@ def test_a_rerun_after_a_kill_before_the_first_checkpoint_leaves_one_run(ws, mon
     killed attempt, which holds no round, is deleted with its client runs, as a deployed server's retry does
     (docs/federation.md): the runs table holds one run of the experiment, not a dead attempt beside it."""
     from pipeline.federation import server_app
-    from pipeline.train import run_experiment
     from tests.faults import Killed
 
-    path = write_plan("mlflow-early", "fedavg")
-    real = server_app.save_server_checkpoint
+    def dying(_real):
+        def die(*args, **kwargs):
+            raise Killed("simulated kill in round 1, before its checkpoint")
 
-    def die(*args, **kwargs):
-        raise Killed("simulated kill in round 1, before its checkpoint")
+        return die
 
-    monkeypatch.setattr(server_app, "save_server_checkpoint", die)
-    with pytest.raises(Killed):
-        run_experiment(path)
-    monkeypatch.setattr(server_app, "save_server_checkpoint", real)
-    client = _client()
-    exp = client.get_experiment_by_name("tests").experiment_id
-    [killed] = client.search_runs([exp], "tags.experiment = 'mlflow-early'")
-    run_experiment(path)
-    [run] = client.search_runs([exp], "tags.experiment = 'mlflow-early'")
+    where = (server_app, "save_server_checkpoint")
+    killed, run = _killed_then_rerun(monkeypatch, "mlflow-early", "fedavg", *where, dying)
     assert run.info.status == "FINISHED" and run.info.run_id != killed.info.run_id
-    children = client.search_runs([exp], f"tags.`mlflow.parentRunId` = '{killed.info.run_id}'")
+    exp = _client().get_experiment_by_name("tests").experiment_id
+    children = _client().search_runs([exp], f"tags.`mlflow.parentRunId` = '{killed.info.run_id}'")
     assert children == []  # the dead attempt's client runs are gone too
 
 
