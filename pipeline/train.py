@@ -27,7 +27,7 @@ from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.results.tracking import RunLogger, delete_run, dvc_tags, git_state, run_name
 from pipeline.training import checkpoints
-from pipeline.training.history import TrainRecorder, log_missing_rounds
+from pipeline.training.history import ROUND_METRIC, TrainRecorder, log_missing_rounds
 from pipeline.training.serverless import run_serverless
 from pipeline.training.set_engine import RoundBarrier
 from pipeline.training.summary import log_run_outputs, merge_gate_logs, prepare_outputs, record_run, run_identity_tags
@@ -58,7 +58,7 @@ def run_experiment(
     if out_dir.exists() and not checkpoints.has_valid_checkpoint(plan):
         if track and (run_id_file := checkpoints.mlflow_run_id_path(plan)).exists():  # killed before a checkpoint
             with contextlib.suppress(Exception):  # its run, unless it logged a round (or is gone: another store)
-                delete_run(run_id_file.read_text().strip(), unless_logged="bytes_sent")
+                delete_run(run_id_file.read_text().strip(), unless_logged=ROUND_METRIC)
         shutil.rmtree(out_dir)  # outputs of another configuration or a finished run: start clean
     prepare_outputs(plan)
 

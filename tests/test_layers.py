@@ -130,11 +130,12 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # A ratchet on the package's size (issue 55's goal is 14,000 formatted lines): pipeline/ may not grow past the ceiling;
 # a change that must add more than it removes raises the number here, in a commit that says why. Lower it when the
 # package shrinks. Set at 14,607 lines on 2026-11-27, lowered to 14,589 the same day and to 14,558 by the next
-# session (`find pipeline -name '*.py' | xargs cat | wc -l`). Raised to 14,701 by the session after: +46 for the
+# session (`find pipeline -name '*.py' | xargs cat | wc -l`). Raised to 14,702 by the session after: +46 for the
 # stacked trainer's one loss call a group (losses.distillation_losses, issue 54's engine: reports/bench/engine.md
 # section 3) and +97 for the 52 defects its reviewers found and fixed, each with its check (bounds pydantic checks at
-# planning, one-line errors instead of tracebacks, resume and MLflow bookkeeping, statistics).
-PACKAGE_LINE_CEILING = 14_701
+# planning, one-line errors instead of tracebacks, resume and MLflow bookkeeping, statistics), +1 to name the
+# metric that marks a logged round (history.ROUND_METRIC).
+PACKAGE_LINE_CEILING = 14_702
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

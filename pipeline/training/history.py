@@ -13,6 +13,7 @@ from pipeline.experiments.plans import Plan
 
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
+ROUND_METRIC = "bytes_sent"  # logged in every round of every run (0 without a server): the rounds a run holds
 
 ROUND_FIELDS = (
     "train_loss",
@@ -70,7 +71,7 @@ def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
     """One round's MLflow metrics: :func:`round_values` (failures too) and the round's bytes each way."""
     values = round_values(rows, ".", ROUND_FIELDS + ("failed",))
     return {k: float(v) for k, v in values.items() if v is not None} | {
-        "bytes_sent": float(sum(r.get("bytes_down", 0) for r in rows)),
+        ROUND_METRIC: float(sum(r.get("bytes_down", 0) for r in rows)),
         "bytes_received": float(sum(r.get("bytes_up", 0) for r in rows)),
     }
 
@@ -85,7 +86,7 @@ def _by_round(history: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
 def log_missing_rounds(logger, history: list[dict[str, Any]]) -> list[int]:
     """Log the rounds of ``history`` the MLflow run lacks: a kill between a round's checkpoint and its logging
     leaves that round to the resumed run, which does not train it again. Returns the rounds logged."""
-    logged = {m.step for m in logger.metric_history("bytes_sent")}
+    logged = {m.step for m in logger.metric_history(ROUND_METRIC)}
     by_round = _by_round(history)
     missing = sorted(set(by_round) - logged)
     for rnd in missing:
