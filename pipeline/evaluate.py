@@ -48,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
             metrics = read_json(path, "evaluation record (reports/eval/<exp>/metrics.json)")
             if missing := [k for k in ("experiment", "clients", "mean") if k not in metrics]:
                 raise DataError(f"{path}: not an evaluation record (missing {missing})")
-            record = {k: metrics.get(k) for k in ("method", "partition", "seed")}
-            record["study"] = args.study or metrics.get("study") or "main"
+            # what names it: its training run's tags, if its study holds that run (evaluated with `--no-mlflow`)
+            record = {k: str(metrics[k]) for k in ("method", "partition", "seed") if metrics.get(k) is not None}
             # the train record beside it (<folder>/train/<exp>/, as reports/cpu-study lays them out): `converged`
             converged = run_converged(path.parent.parent.parent / "train", metrics["experiment"])
-            log_to_mlflow(record, metrics, path.parent, EvaluateConfig(), converged)
+            study = {"study": args.study or metrics.get("study") or "main"}
+            log_to_mlflow(record | study, metrics, path.parent, EvaluateConfig(), converged, run_tags=record)
         print(f"evaluate: logged {len(args.records)} evaluation record(s) to MLflow")
         return 0
 

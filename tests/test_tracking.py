@@ -559,6 +559,39 @@ def test_import_eval_logs_records_computed_without_mlflow(store, capsys):
     names(capsys.readouterr().err, str(d / "broken.json"), "'clients'", "'mean'")
 
 
+@pytest.mark.slow
+def test_import_eval_logs_into_the_training_run_its_record_names(store):
+    """An evaluation computed without MLflow (`evaluate run --no-mlflow`) of a run trained with it goes into that
+    training run, found by what the record says (experiment, method, partition, seed; it carries no plan): it was
+    looked up by the hash of those four keys, which no plan has, so it always went into a new run beside its
+    training's. Two training runs of one identity (ablation points of one name) name no run: a new one."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.evaluate import main
+    from pipeline.results.tracking import RunLogger
+
+    identity = {"method": "fedavg", "partition": "domain/seed0", "seed": "0", "study": "s"}
+    trained = {}
+    for name, seed, plan in (("offline", "0", "a"), ("offline", "1", "b"), ("swept", "0", "t3"), ("swept", "0", "t4")):
+        tags = identity | {"experiment": name, "seed": seed, "plan_hash": plan}
+        trained[plan] = RunLogger.start("s", name, {}, tags, clients=("Academic", "Committee"))
+        trained[plan].finish()
+    records = []
+    for name in ("offline", "swept"):
+        metrics, d = _eval_dir(store, name)
+        (d / "metrics.json").write_text(json.dumps(metrics | identity | {"seed": 0}))  # as metrics_record writes it
+        records.append(str(d / "metrics.json"))
+    for _ in range(2):  # again: the first import's run of "swept" (no plan) is no third ablation point
+        assert run_cli(main, ["import-eval", *records]) == 0
+    client = _client()
+    assert client.get_run(trained["a"].run_id).data.metrics["client_avg/ROUGE-1"] == 20.5
+    assert client.get_run(trained["a"].children["Committee"]).data.metrics["rouge1"] == 21.0
+    for plan in ("b", "t3", "t4"):  # another seed's run; the ablation points
+        assert not client.get_run(trained[plan].run_id).data.metrics
+    exp_id, old = client.get_experiment_by_name("s").experiment_id, {t.run_id for t in trained.values()}
+    new = [r for r in client.search_runs([exp_id], "tags.experiment LIKE '%'") if r.info.run_id not in old]
+    assert [(r.data.tags["experiment"], r.data.metrics["client_avg/ROUGE-1"]) for r in new] == [("swept", 20.5)] * 2
+
+
 # ------------------------------------------------------------------------------------------ clients and models
 @pytest.mark.slow
 def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_the_evaluation(

@@ -194,10 +194,11 @@ def log_to_mlflow(
     cfg: EvaluateConfig,
     converged: bool | None = None,
     test_sets: dict[str, Any] | None = None,
+    run_tags: dict[str, str] | None = None,
 ) -> str:
-    """Log an evaluation into the MLflow run (training's; else a new one) of its plan record ``experiment``:
-    :func:`headline_metrics`, and each client's ROUGE into its client's run, on its adapter's LoggedModel and its
-    ``test_sets`` dataset; the tag ``converged`` is readers.run_converged. Returns the run id."""
+    """Log an evaluation into its training run (of its plan record ``experiment``, or the one an imported record's
+    ``run_tags`` name; else a new run): :func:`headline_metrics`, and each client's ROUGE into its client's run, on its
+    adapter's LoggedModel and its ``test_sets`` dataset; the tag ``converged`` is readers.run_converged. Run id."""
     # lazy: a deployed ClientApp (one process per message) imports this module and never logs to MLflow
     from pipeline.experiments.plans import record_hash
     from pipeline.results.tracking import RunLogger, _client, experiment_id
@@ -205,15 +206,13 @@ def log_to_mlflow(
     name, study = metrics["experiment"], str(experiment.get("study") or "main")
     exp_id = experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id")
-    if not run_id:  # the train stage's latest run of exactly this plan (two ablation points share a name)
-        runs = _client().search_runs(
-            [exp_id],
-            order_by=["attributes.start_time DESC"],
-            max_results=1,
-            filter_string=f"tags.experiment = '{name}' and tags.plan_hash = '{record_hash(experiment)}'",
-        )
-        run_id = runs[0].info.run_id if runs else None
-    # a record without a training run (imported) gets a run of its own, tagged with what the record says
+    if not run_id:  # the train stage's latest run of these tags (default: of exactly this plan), if they name one
+        # plan (two ablation points share a name, method, partition and seed; runs of imported records have no plan)
+        identity = {"experiment": name} | ({"plan_hash": record_hash(experiment)} if run_tags is None else run_tags)
+        where = " and ".join(f"tags.{k} = '{v}'" for k, v in identity.items()) + " and tags.plan_hash LIKE '%'"
+        runs = _client().search_runs([exp_id], where, order_by=["attributes.start_time DESC"])
+        run_id = runs[0].info.run_id if len({r.data.tags["plan_hash"] for r in runs}) == 1 else None
+    # a record with no training run found (imported: none, or several plans) gets a run of its own, tagged as it says
     keys = ("method", "partition", "seed", "study", "tau")
     tags = {k: str(experiment[k]) for k in keys if experiment.get(k) is not None}
     logger = (
