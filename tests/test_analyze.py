@@ -125,6 +125,36 @@ def test_token_mismatch_is_an_error():
         word_updates(gate_log(), postags_table()[lambda t: t["example_id"] != "a1"], "first")
 
 
+def test_a_clients_pos_pattern_pools_its_seeds_word_updates_where_its_kd_usage_is_their_mean():
+    """One client over two seeds (best round 1 in both), by hand. Seed 0, 4 word updates: NOUN and VERB with KD, DET
+    and NOUN without; seed 1, 8: VERB twice with KD, NOUN five times and PRON without. The KD usage ratio is the
+    mean of the seeds' (2/4, 2/8); the POS numbers are ratios of the seeds' pooled counts, where the mean of the
+    seeds' ratios differs: DET/PRON are 2 of 8 non-KD updates (not (1/2 + 1/6) / 2 = 1/3), nouns and verbs 4 of 10
+    with KD (not (2/3 + 2/7) / 2 = 0.48)."""
+    from pipeline.results.kd_analysis import client_summary
+
+    seeds = {
+        "s0": [("NOUN", True), ("VERB", True), ("DET", False), ("NOUN", False)],
+        "s1": [("VERB", True)] * 2 + [("NOUN", False)] * 5 + [("PRON", False)],
+    }
+    row = {"client": "Product", "round": 1, "example_id": "p1"}
+    words = pd.DataFrame(
+        row | {"experiment": e, "word_index": i, "kd": kd, "pos": pos, "is_noun_or_verb": pos in NOUN_VERB}
+        for e, updates in seeds.items()
+        for i, (pos, kd) in enumerate(updates)
+    )
+    gate = pd.DataFrame(row | {"experiment": e, "position": 1, "kd_applied": True, "entropy": 1.0} for e in seeds)
+    per_seed = {"s0": {"best_round": 1, "kd_usage_ratio": 2 / 4}, "s1": {"best_round": 1, "kd_usage_ratio": 2 / 8}}
+    record, _ = client_summary("Product", words, gate, per_seed, None)
+    assert record["kd_usage_ratio"] == pytest.approx(3 / 8)  # the seeds' mean; pooled it would be 4 / 12
+    assert record["det_pron_share_of_no_kd"] == pytest.approx(2 / 8)
+    assert record["noun_verb_kd_rate"] == pytest.approx(4 / 10)
+    # NOUN: 1 of the 4 KD updates, 6 of the 8 non-KD ones (the seeds' shares of non-KD: 1/2 and 5/6)
+    assert record["pos"]["NOUN"] == pytest.approx(
+        {"kd": 1, "no_kd": 6, "kd_rate": 1 / 7, "share_of_kd": 1 / 4, "share_of_no_kd": 6 / 8}
+    )
+
+
 def write_experiment(root, name, clients_best, scores, gate=True):
     if gate:
         (root / "models" / name).mkdir(parents=True)

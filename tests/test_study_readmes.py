@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.results.kd_analysis import SWEEP_POS
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = ROOT / "reports/cpu-study"
 README = (STUDY / "README.md").read_text(encoding="utf-8")
@@ -133,6 +135,9 @@ def test_the_kd_usage_table_is_the_kd_analysis():
             span([100 * r["noun_verb_kd_rate"] for r in recs], unit=" %"),
             span([100 * r["det_pron_share_of_no_kd"] for r in recs], unit=" %"),
         ], gate
+    # "at tau = 5 the two agree to 0.1 point": pooled (the clients' entries) against the seeds' mean (the sweep's point)
+    at_tau = {p["client"]: p for p in kd["tau_sweep"]["points"] if p["tau"] == kd["tau"]}
+    assert all(abs(kd["clients"][c][k] - at_tau[c][k]) < 0.001 for c in clients for k in SWEEP_POS)
     paper = rows["paper (BART-large)"]
     assert paper[:3] == [f"{100 * kd['paper']['kd_usage_ratio'][c]:.0f} %" for c in clients]
     assert paper[4] == f"{100 * kd['paper']['det_pron_share_of_no_kd']:.0f} %"

@@ -9,8 +9,8 @@ round. A *word update* is one target word (sub-word tokens mapped to whitespace 
 teacher is fixed within a round, so a token trained in several local epochs counts once (KD if applied in any). The
 paper's example: "project manager decides to use lcd", 2 rounds, 3 KD word updates -> 3 / (6 x 2) = 25 %.
 
-Missing input files of listed experiments are reported in the JSON (``missing``), never replaced by numbers; every
-number is a mean over the seeds available.
+Missing input files of listed experiments are reported in the JSON (``missing``), never replaced by numbers; a
+main-study client's POS numbers and gate statistics pool its seeds' updates; other numbers over seeds are means.
 """
 
 from __future__ import annotations

@@ -126,10 +126,10 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
 def client_summary(
     client: str, words: pd.DataFrame, gate: pd.DataFrame, per_seed: dict[str, dict[str, Any]], tau: float | None
 ) -> tuple[dict[str, Any], pd.DataFrame]:
-    """Usage ratio, POS distribution and gate statistics per round (fraction passing the gate, i.e. KD applied;
-    median entropy) of one client over the experiments of ``per_seed`` (experiment -> the client's best round and KD
-    usage ratio, Analysis.usage; ``words`` and ``gate`` carry an ``experiment`` column): its entry of
-    kd_analysis.json, and its token updates once per round pooled over the experiments (seeds)."""
+    """One client's kd_analysis.json entry over the experiments (seeds) of ``per_seed`` (experiment -> its best round
+    and KD usage ratio, Analysis.usage; ``words``, ``gate``: with an ``experiment`` column): the usage ratio's mean
+    over seeds; POS pattern, distribution and gate statistics per round (fraction passing the gate, i.e. KD applied;
+    median entropy) of the seeds' updates pooled (ratios of totals); and its token updates once per round, pooled."""
     window = pd.concat(
         [to_best(w, per_seed[n]["best_round"]) for n, w in words[words["client"] == client].groupby("experiment")]
     )
