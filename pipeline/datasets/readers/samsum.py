@@ -56,23 +56,14 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues: dict[str, str] = {}
-    for _, split, display, line_no, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
-        where = f"{display}:{line_no}"
+    for where, origin, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
         rec = parse_record(SamsumDialogue, raw, where)
         _unique(dialogues, rec.id, where, "dialogue id")
         if not rec.dialogue.strip():
-            report.skipped.append(Skipped(display, line_no, rec.id, "empty dialogue"))
+            report.skipped.append(Skipped(origin["source_file"], origin["source_line"], rec.id, "empty dialogue"))
             continue
-        yield CanonicalRecord(
-            dataset="samsum",
-            domain="SAMSum",
-            split=split,
-            meeting_id=rec.id,
-            turns=split_dialogue(rec.dialogue, f"{where}: dialogue {rec.id}", report),
-            summary=rec.summary,
-            source_file=display,
-            source_line=line_no,
-        )
+        turns = split_dialogue(rec.dialogue, f"{where}: dialogue {rec.id}", report)
+        yield CanonicalRecord(**origin, meeting_id=rec.id, turns=turns, summary=rec.summary)
 
 
 def _download(base: str, target: Path, fetch, write) -> None:
