@@ -14,7 +14,6 @@ from pipeline.datasets.readers.registry import DatasetSpec, register_reader
 from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
-SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 
 
 _TURN_SEP = re.compile(r"\r\n|\n")
@@ -70,7 +69,7 @@ def _download(base: str, target: Path, fetch, write) -> None:
     """One zip upstream; its members samsum/{train,validation,test}.json are stored without the prefix."""
     with zipfile.ZipFile(io.BytesIO(fetch(base))) as zf:
         for name in SAMSUM_FILES:
-            member = SAMSUM_ZIP_DIR + name
+            member = f"samsum/{name}"
             if member not in zf.namelist():
                 raise DataError(f"{base}: zip has no member {member!r}")
             write(target / name, zf.read(member))
