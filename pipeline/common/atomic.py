@@ -64,8 +64,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         stem, suffix = re.escape(target.stem), re.escape(target.suffix)
         _remove_stale(target, rf"\.{stem}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{suffix}")
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
