@@ -25,10 +25,8 @@ _matching_writes = 0  # atomic writes so far whose name matches the kill pattern
 
 def _fault_point(path: Path, tmp: Path) -> None:
     global _matching_writes
-    if not (spec := os.environ.get(ENV_KILL)):
-        return
-    pattern, _, nth = spec.partition("@")
-    if not fnmatch.fnmatchcase(path.name, pattern):
+    pattern, _, nth = os.environ.get(ENV_KILL, "").partition("@")
+    if not (pattern and fnmatch.fnmatchcase(path.name, pattern)):
         return
     _matching_writes += 1
     if _matching_writes == int(nth or 1):
@@ -66,8 +64,7 @@ def replacing(path: str | os.PathLike) -> Iterator[Path]:
         stem, suffix = re.escape(target.stem), re.escape(target.suffix)
         _remove_stale(target, rf"\.{stem}\.(?P<pid>\d+)\.[0-9a-f]{{8}}\.tmp{suffix}")
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -122,11 +119,10 @@ def replace_dir(tmp: str | os.PathLike, path: str | os.PathLike) -> None:
     under a ``.tmp`` name and none at ``path`` (the stage then simply reruns), never a mixture of old and new."""
     target = Path(path)
     _fault_point(target, Path(tmp) / "__none__")
-    old = None
+    old = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.old.tmp")
     if target.exists():
-        old = target.with_name(f".{target.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.old.tmp")
         os.replace(target, old)
     os.replace(tmp, target)
-    if old is not None:
+    if old.exists():
         shutil.rmtree(old)
     _remove_stale(target, rf"\.{re.escape(target.name)}\.(?P<pid>\d+)\.[0-9a-f]{{8}}(\.old)?\.tmp")

@@ -25,9 +25,8 @@ def peak_rss_mb() -> float:
     its own peak), in MiB. ``ru_maxrss`` is the kernel's high-water mark, so short peaks between samples are not missed
     (KiB on Linux, bytes on macOS)."""
     scale = 1024 * 1024 if sys.platform == "darwin" else 1024
-    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return round(max(own, children) * scale / 2**20, 1)
+    peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return round(peak * scale / 2**20, 1)
 
 
 def stage_name(stage: str, names: list[str]) -> str:

@@ -40,13 +40,12 @@ class NounVerbMasks:
         labels = np.asarray(labels.cpu() if hasattr(labels, "cpu") else labels)
         out = np.zeros(labels.shape, dtype=bool)
         for b, eid in enumerate(example_ids):
-            row = labels[b]
-            n = int((row >= 0).sum())  # token ids are never negative; the padding is
-            if n != len(self._ids.get(eid, ())) or not np.array_equal(row[:n], self._ids[eid]):
-                self[eid]  # raises for an unknown example
+            mask = self[eid]  # raises for an unknown example
+            n = int((labels[b] >= 0).sum())  # token ids are never negative; the padding is
+            if not np.array_equal(labels[b, :n], self._ids[eid]):  # False for another length too
                 raise DataError(
                     f"{self.source}: example {eid}: tagged token ids differ from the training labels "
-                    f"(tagged {len(self._ids[eid])} tokens, batch {n}); re-run the postag stage"
+                    f"(tagged {len(mask)} tokens, batch {n}); re-run the postag stage"
                 )
-            out[b, :n] = self._mask[eid]
+            out[b, :n] = mask
         return out

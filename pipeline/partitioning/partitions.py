@@ -120,11 +120,10 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
         counts = np.array([stats["clients"][n]["train_label_counts"][lab] for n in names], dtype=float)
         ax_bar.bar(names, counts, bottom=bottom, label=lab)
         bottom += counts
-    ax_bar.set_title(f"training examples per client by {stats['label']}")
-    ax_bar.set_ylabel("examples")
+    ax_bar.set(title=f"training examples per client by {stats['label']}", ylabel="examples")
     ax_bar.legend(fontsize=7)
     ax_bar.tick_params(axis="x", rotation=30)
-    m = np.array([[np.nan if v is None else v for v in row] for row in stats["js_distance"]["matrix"]], dtype=float)
+    m = np.array(stats["js_distance"]["matrix"], dtype=float)  # None (a client without training labels): NaN
     im = ax_js.imshow(m, vmin=0, vmax=1, cmap="viridis")
     ax_js.set_xticks(range(len(names)), names, rotation=30)
     ax_js.set_yticks(range(len(names)), names)

@@ -52,8 +52,7 @@ def read_hmnet(
     directory: Path, report: IngestReport, allow_absent: list[str], dataset: str
 ) -> Iterator[CanonicalRecord]:
     meetings: dict[str, str] = {}
-    for corpus, split, display, line_no, raw in split_json_lines(directory, hmnet_files(dataset), allow_absent, report):
-        where = f"{display}:{line_no}"
+    for where, origin, raw in split_json_lines(directory, hmnet_files(dataset), allow_absent, report):
         meeting = parse_record(HMNetMeeting, raw, where)
         _unique(meetings, meeting.id, where, "meeting id")
         turns = []
@@ -67,14 +66,7 @@ def read_hmnet(
         if not turns or not meeting.summary:
             raise DataError(f"{where}: meeting {meeting.id}: empty {'transcript' if not turns else 'summary'}")
         yield CanonicalRecord(
-            dataset=dataset,
-            domain=corpus,
-            split=split,
-            meeting_id=meeting.id,
-            turns=turns,
-            summary="\n".join(s.strip() for s in meeting.summary),
-            source_file=display,
-            source_line=line_no,
+            **origin, meeting_id=meeting.id, turns=turns, summary="\n".join(s.strip() for s in meeting.summary)
         )
 
 

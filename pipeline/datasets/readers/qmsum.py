@@ -70,8 +70,7 @@ def qmsum_files() -> dict[str, str]:
 
 def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     meetings: dict[str, str] = {}  # meeting id -> where first read, over every file of the dataset
-    for domain, split, display, line_no, raw in split_json_lines(directory, qmsum_files(), allow_absent, report):
-        where = f"{display}:{line_no}"
+    for where, origin, raw in split_json_lines(directory, qmsum_files(), allow_absent, report):
         meeting = parse_record(QMSumMeeting, raw, where)
         if not (turns := [Turn(t.speaker, t.content) for t in meeting.meeting_transcripts]):
             raise DataError(f"{where}: meeting_transcripts: empty transcript (no turns)")
@@ -90,9 +89,7 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     if not selected:
                         report.note("specific queries whose spans select no turn (kept, query only)")
                 yield CanonicalRecord(
-                    dataset="qmsum",
-                    domain=domain,
-                    split=split,
+                    **origin,
                     meeting_id=meeting_id,
                     query_index=qi,
                     query=q.query,
@@ -100,8 +97,6 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
                     turns=selected,
                     spans=spans,
                     summary=q.answer,
-                    source_file=display,
-                    source_line=line_no,
                 )
 
 

@@ -14,7 +14,6 @@ from pipeline.datasets.readers.registry import DatasetSpec, register_reader
 from pipeline.datasets.readers.upstream import UpstreamRecord, _unique, parse_record, split_json_lines
 
 SAMSUM_FILES = ("train.json", "validation.json", "test.json")
-SAMSUM_ZIP_DIR = "samsum/"  # members inside the upstream samsum.zip
 
 
 _TURN_SEP = re.compile(r"\r\n|\n")
@@ -56,30 +55,21 @@ def split_dialogue(dialogue: str, where: str, report: IngestReport) -> list[Turn
 
 def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] = ()) -> Iterator[CanonicalRecord]:
     dialogues: dict[str, str] = {}
-    for _, split, display, line_no, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
-        where = f"{display}:{line_no}"
+    for where, origin, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
         rec = parse_record(SamsumDialogue, raw, where)
         _unique(dialogues, rec.id, where, "dialogue id")
         if not rec.dialogue.strip():
-            report.skipped.append(Skipped(display, line_no, rec.id, "empty dialogue"))
+            report.skipped.append(Skipped(origin["source_file"], origin["source_line"], rec.id, "empty dialogue"))
             continue
-        yield CanonicalRecord(
-            dataset="samsum",
-            domain="SAMSum",
-            split=split,
-            meeting_id=rec.id,
-            turns=split_dialogue(rec.dialogue, f"{where}: dialogue {rec.id}", report),
-            summary=rec.summary,
-            source_file=display,
-            source_line=line_no,
-        )
+        turns = split_dialogue(rec.dialogue, f"{where}: dialogue {rec.id}", report)
+        yield CanonicalRecord(**origin, meeting_id=rec.id, turns=turns, summary=rec.summary)
 
 
 def _download(base: str, target: Path, fetch, write) -> None:
     """One zip upstream; its members samsum/{train,validation,test}.json are stored without the prefix."""
     with zipfile.ZipFile(io.BytesIO(fetch(base))) as zf:
         for name in SAMSUM_FILES:
-            member = SAMSUM_ZIP_DIR + name
+            member = f"samsum/{name}"
             if member not in zf.namelist():
                 raise DataError(f"{base}: zip has no member {member!r}")
             write(target / name, zf.read(member))

@@ -86,11 +86,12 @@ def _unique(seen: dict[Any, str], key: Any, where: str, what: str) -> None:
 
 def split_json_lines(
     directory: Path, files: dict[str, str], allow_absent: list[str], report: IngestReport
-) -> Iterator[tuple[str, str, str, int, Any]]:
+) -> Iterator[tuple[str, dict[str, Any], Any]]:
     """The JSON lines of a dataset's split files, ``files`` as its registration declares them (file -> split key
-    ``<dataset>/<domain>/<split>``): yields (domain, split, display name, line number, record). An absent split file
-    is skipped (counted) only where ``allow_absent`` names its split key; a file without a line is an error unless
-    allowed and the split's only file (one empty chunk of a split that has others is a damaged copy)."""
+    ``<dataset>/<domain>/<split>``): yields (``<dataset>/<file>:<line>`` for errors, the record's CanonicalRecord
+    fields dataset, domain, split, source_file and source_line, record). An absent split file is skipped (counted)
+    only where ``allow_absent`` names its split key; a file without a line is an error unless allowed and the split's
+    only file (one empty chunk of a split that has others is a damaged copy)."""
     files_of = Counter(files.values())
     for name, split_key in files.items():
         dataset, domain, split = split_key.split("/")
@@ -101,7 +102,8 @@ def split_json_lines(
         n_lines = 0
         for line_no, rec in _json_lines(directory / name, display):
             n_lines += 1
-            yield domain, split, display, line_no, rec
+            origin = dict(dataset=dataset, domain=domain, split=split, source_file=display, source_line=line_no)
+            yield f"{display}:{line_no}", origin, rec
         if n_lines == 0 and not (files_of[split_key] == 1 and absent_allowed(split_key, allow_absent)):
             raise DataError(
                 f"{display}: no records (empty or blank file) for split {split_key}; if that split may "
