@@ -432,3 +432,45 @@ def test_a_new_run_clears_an_earlier_runs_gate_log_and_a_resumed_run_keeps_its_o
     _checkpoints(plan, "Academic", context, {1: (0.5, False, None)})  # this run evaluated round 1: it resumes
     _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})
     assert sorted(p.name for p in folder.iterdir()) == ["round001.parquet", "round002.parquet"]
+
+
+# ----------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("message_type", ["train", "evaluate"])
+def test_a_failing_client_tells_the_server_the_error_class_only_and_its_own_log_the_text(ws, caplog, message_type):
+    """docs/privacy.md: what leaves a client on a failure is the exception's class, the client, the message type
+    and round; the exception's text (here a DataError naming the partition file, the examples file and a record id)
+    and its traceback go to the client's log. The deployed ClientApp as a SuperNode's flwr-clientapp runs it
+    (flwr.supernode.runtime.run_clientapp: ``client_app(message=..., context=...)``, whose own error reply would
+    carry ``str(exc)``), on a partition naming a record its examples file lacks."""
+    import json
+
+    from flwr.app import ConfigRecord, Message
+    from flwr.common.constant import ErrorCode
+
+    from pipeline.federation.client_app import client_app  # pipeline.apps' (pyproject.toml's) ClientApp
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import ARRAYS_KEY, CONFIG_KEY, encode_global, load_plan
+    from pipeline.training.shared_model import initial_adapter_state
+    from tests.test_federated import _write_partition
+
+    clients = json.loads(Path("data/partitions/domain/seed0.json").read_text())["clients"]
+    clients["Product"]["train"].append("ES2002a.leak-17")
+    clients["Product"]["valid"].append("ES2002a.leak-17")
+    _write_partition(ws, "leaky", clients)
+    path = write_plan("client-error", "fedavg", partition="leaky/seed0")
+    plan = load_plan(path)
+    _set_server_identity(1)
+    content = {
+        ARRAYS_KEY: encode_global(initial_adapter_state(plan), plan),
+        CONFIG_KEY: ConfigRecord({"server-round": 2, "plan": path, **CLIENT_SETTINGS}),
+    }
+    msg = Message(RecordDict(content), dst_node_id=7, message_type=message_type)
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        reply = client_app(message=msg, context=_context(**{"client-name": "Product"}))
+    assert reply.has_error() and reply.error.code == ErrorCode.CLIENT_APP_RAISED_EXCEPTION
+    names(reply.error.reason, "DataError", "Product", message_type, "round 2", "client's log")
+    assert not [p for p in ("leak-17", "examples.parquet", "leaky") if p in reply.error.reason]
+    errors = [r for r in caplog.records if r.name == "fedmeet.federated" and r.levelno == logging.ERROR]
+    logs(
+        [r.getMessage() for r in errors if r.exc_info], "Product", "DataError", "'ES2002a.leak-17'", "examples.parquet"
+    )

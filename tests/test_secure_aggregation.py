@@ -10,6 +10,7 @@ m the largest |upload|, |SecAgg+ mean - FedAvg mean| <= k (Q / sum q_i)(2c/Q + 1
 from __future__ import annotations
 
 import json
+import logging
 import math
 import sys
 from pathlib import Path
@@ -312,7 +313,7 @@ def test_a_client_dropped_in_the_middle_of_a_round_is_survived(ws, monkeypatch, 
     if stage != "unmask":
         protocol_stage = "collect_masked_vectors" if stage == "training" else stage
         assert dropped["failed"] == 1 and "weight_share" not in dropped
-        assert dropped["error"].startswith(f"SecAgg+ {protocol_stage}: RuntimeError: simulated crash")
+        assert dropped["error"].startswith(f"SecAgg+ {protocol_stage}: RuntimeError in client Committee's train")
         assert rows[(1, "Academic")]["weight_share"] == pytest.approx(4 / 9)
         assert metrics["secure_aggregation"]["dropped"] == {"Committee": 1}
     else:  # in the sum: only its own shares are missing, and the others' rebuild its mask
@@ -405,7 +406,7 @@ def test_accepted_for_servers_that_only_average_and_refused_with_a_lossy_transfe
         resolve_plan(parse_entry("x", {"method": "fedavg", "partition": "domain/seed0"}, params), params)
 
 
-def test_a_hand_written_plan_is_refused_by_the_server_and_plain_messages_by_the_client(ws):
+def test_a_hand_written_plan_is_refused_by_the_server_and_plain_messages_by_the_client(ws, caplog):
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
     from pipeline.experiments.plans import read_plan
@@ -436,8 +437,10 @@ def test_a_hand_written_plan_is_refused_by_the_server_and_plain_messages_by_the_
     context = Context(
         run_id=1, node_id=1000, node_config={"client-name": "Committee"}, state=RecordDict(), run_config={}
     )
-    with pytest.raises(ValueError, match="uploads its adapter only through SecAgg\\+"):
-        client_app(msg, context)
+    with caplog.at_level(logging.ERROR, logger="fedmeet.federated"):
+        reply = client_app(msg, context)  # refused: an error reply (its class only), no adapter
+    assert reply.has_error() and reply.error.reason.startswith("ValueError in client Committee's train of round 1")
+    assert "uploads its adapter only through SecAgg+" in caplog.text  # the reason, in the client's log
 
 
 # ------------------------------------------------------------------------------------------ params and plans

@@ -44,7 +44,7 @@ DELTAS = {"Academic": 0.5, "Committee": -0.25, "Product": 0.125, "SAMSum": 1.0} 
 class Script:
     """What each scripted client does: add ``delta[c]`` to every weight of the global it received, report
     ``weight[c]`` examples, ``steps[c]`` local steps and ``val(c, rnd)`` as validation loss; ``fail`` holds the
-    (client, round) pairs whose training raises, ``bad_reply`` those whose reply cannot be decoded."""
+    (client, round) pairs whose training raises a DataError naming a record, ``bad_reply`` those whose reply cannot be decoded."""
 
     delta: dict[str, float] = field(default_factory=lambda: dict(DELTAS))
     weight: dict[str, int] = field(default_factory=lambda: dict(WEIGHTS))
@@ -94,8 +94,10 @@ def scripted_app(script: Script):
         script.calls.append(("train", name, rnd, received))
         script.configs.append((name, rnd, dict(msg.content["config"])))
         count(name, rnd, received=_nbytes(msg.content))
-        if (name, rnd) in script.fail:
-            raise RuntimeError(f"disk full on {name}")
+        if (name, rnd) in script.fail:  # bad input: the error names the file and the record (docs/privacy.md)
+            from pipeline.common.schema import DataError
+
+            raise DataError(f"data/processed/examples.parquet: record 'ES2002a-{name}-17' has an empty source")
         local = {k: v + script.delta[name] for k, v in received.items()}
         arrays = encode_reply(local, plan, received)
         if (name, rnd) in script.bad_reply:  # an int8 tensor without its scale
@@ -616,9 +618,16 @@ def test_a_failed_client_is_left_out_of_that_rounds_aggregate_only(ws, caplog):
     script = Script(fail={("Committee", 1)})
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         final, history, recorder = run(path, script)
-    logs(logged(caplog), "round 1", "Committee", "RuntimeError: disk full on Committee")
     r1 = rows_of(history, 1)
-    assert r1["Committee"]["failed"] == 1 and r1["Committee"]["error"] == "RuntimeError: disk full on Committee"
+    assert r1["Committee"]["failed"] == 1
+    # docs/privacy.md: the server learns the exception's class, the client, the message type and round only; the
+    # text, naming the file and the record, is in the client's log (with its traceback), not in the run's records
+    names(r1["Committee"]["error"], "DataError", "Committee", "train", "round 1", "client's log")
+    server = [r.getMessage() for r in caplog.records if r.name == "fedmeet.federated" and r.module != "client_app"]
+    logs(server, "round 1", "Committee", "DataError")
+    assert not [t for t in [json.dumps(history), *server] if "ES2002a" in t or "examples.parquet" in t]
+    client = [r for r in caplog.records if r.module == "client_app" and r.levelno == logging.ERROR and r.exc_info]
+    logs([r.getMessage() for r in client], "Committee", "DataError", "examples.parquet", "'ES2002a-Committee-17'")
     assert r1["Committee"]["bytes_up"] == 0 and r1["Committee"]["sampled"] == 1  # sampled, sent nothing back
     assert "weight" not in r1["Committee"] and "weight_share" not in r1["Committee"]
     assert r1["Academic"]["weight_share"] == pytest.approx(1 / 6) and r1["Product"]["weight_share"] == pytest.approx(
@@ -702,7 +711,7 @@ def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
     path = write_plan("loop-evalfail", "fedkd", rounds=1, fraction_train=1.0)
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         _, history, _ = run(path, Script(fail_eval={("Product", 1)}))
-    logs(logged(caplog), "round 1", "Product", "RuntimeError: Product cannot evaluate")
+    logs(logged(caplog), "round 1", "Product", "RuntimeError", "cannot evaluate")  # the client's line
     rows = rows_of(history, 1)
     assert rows["Product"]["eval_failed"] == 1 and "val_loss" not in rows["Product"]
     assert rows["Product"]["failed"] == 0 and "eval_failed" not in rows["Academic"]
@@ -1042,7 +1051,7 @@ def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
     script = Script()
     grid = Grid(path, script, ["Academic", "Committee", "Product"])
     grid.inner.contexts[1001].node_config["client-name"] = None  # cannot say who it is
-    with pytest.raises(RuntimeError, match="node 1001 failed to identify: RuntimeError: no client name configured"):
+    with pytest.raises(RuntimeError, match="node 1001 failed to identify: RuntimeError in client node 1001's"):
         identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=5)
     grid.inner.contexts[1001].node_config["client-name"] = "Committee"
     node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
@@ -1050,7 +1059,8 @@ def test_a_node_failing_to_identify_is_left_out_until_it_answers(ws, caplog):
     grid.inner.contexts[1099].node_config["client-name"] = None
     with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
         assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product"}
-    logs(logged(caplog), "1099", "RuntimeError: no client name configured")
+    logs(logged(caplog), "node 1099", "left out", "RuntimeError")  # the server's line; the text: the client's line
+    logs(logged(caplog), "node 1099", "RuntimeError", "no client name configured")
     assert node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
     grid.inner.contexts[1099].node_config["client-name"] = "Committee"  # asked again, it answers
     assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1002: "Product", 1099: "Committee"}
@@ -1369,7 +1379,7 @@ def test_nodes_that_know_no_plan_are_identified_through_the_plan_the_server_name
     with pytest.raises(RuntimeError) as err:
         identify_clients(broken, path, expected=["Academic", "Committee"], timeout=5)
     assert str(err.value).startswith("node 1001 failed to identify:")
-    assert "node_config has no 'client-name'" in str(err.value)
+    assert "ValueError in client node 1001's query.identify" in str(err.value)  # the rest: in its log
 
 
 @pytest.mark.parametrize("fraction, ok", [(0.67, True), (0.5, False)])

@@ -69,9 +69,7 @@ def name_nodes(
         if reply.has_error():
             if admission:
                 raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
-            log.warning(
-                "node %d connected but failed to identify; left out: %s", node, reply.error.reason.splitlines()[0]
-            )
+            log.warning("node %d connected but failed to identify; left out: %s", node, reply.error.reason)
             continue
         identity = reply.content["identity"]
         name = named[node] = str(identity["client-name"])

@@ -8,8 +8,9 @@ import logging
 from pathlib import Path
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
 
 from pipeline.common import atomic
 from pipeline.experiments.plans import Plan
@@ -85,7 +86,23 @@ def _local_adapter(context: Context) -> dict[str, torch.Tensor] | None:
     return context.state[LOCAL_STATE_KEY].to_torch_state_dict() if LOCAL_STATE_KEY in context.state else None
 
 
-client_app = ClientApp()
+def errors_stay_on_the_client(msg: Message, context: Context, call_next) -> Message:
+    """The ClientApp's outermost mod (docs/privacy.md): a handler's exception becomes an error reply naming its
+    class, the client, the message type and round only; its text and traceback, which may name files and example
+    ids, go to the client's log (Flower's runtimes would send the text to the server as the error's reason)."""
+    try:
+        return call_next(msg, context)
+    except Exception as exc:
+        config = msg.content.config_records.get(CONFIG_KEY, {})  # a SecAgg+ stage's message: no "config"
+        rnd = f" of round {config['server-round']}" if "server-round" in config else ""
+        name = context.node_config.get("client-name") or f"node {msg.metadata.dst_node_id}"
+        what = f"{type(exc).__name__} in client {name}'s {msg.metadata.message_type}{rnd}"
+        log.exception("%s: %s", what, exc)
+        error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{what}; details in the client's log")
+        return Message(error, reply_to=msg)
+
+
+client_app = ClientApp(mods=[errors_stay_on_the_client])
 
 
 @client_app.query("identify")

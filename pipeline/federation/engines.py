@@ -3,36 +3,31 @@
 from __future__ import annotations
 
 import copy
-import logging
-import traceback
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
 from flwr.app import Context, Message, RecordDict
-from flwr.app.error import Error
 from flwr.clientapp import ClientApp
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from pipeline.experiments.settings import RunSettings
-from pipeline.federation.client_app import client_app
+from pipeline.federation.client_app import client_app, errors_stay_on_the_client
 from pipeline.federation.protocol import load_plan
 from pipeline.federation.server_app import run_server
 from pipeline.training.client_data import client_names
 from pipeline.training.history import Recorder
 from pipeline.training.set_engine import RoundBarrier
 
-log = logging.getLogger("fedmeet.federated")
-
 
 class InProcessGrid(Grid):
     """Flower's Grid, delivering each Message to ``client_app`` in this process, one node after the other (in a set:
     at the set's round barrier, with the other runs' clients). Each node keeps its own Context across rounds, as a
     SuperNode does; messages are copied both ways (client and server share no object a change could reach, see
-    :func:`_copy`); a ClientApp exception becomes an error reply, as Flower's runtimes report it."""
+    :func:`_copy`); a ClientApp's exception becomes the deployed ClientApp's reply (errors_stay_on_the_client)."""
 
     def __init__(self, client_app: ClientApp, node_configs: list[dict[str, Any]], barrier: RoundBarrier | None = None):
         self.client_app, self.barrier, self._run = client_app, barrier, Run.create_empty(1)
@@ -63,13 +58,7 @@ class InProcessGrid(Grid):
 
     def deliver(self, msg: Message) -> Message:
         """The reply of ``msg``'s node (a copy)."""
-        try:
-            reply = self.client_app(msg, self.contexts[msg.metadata.dst_node_id])
-        except Exception as exc:  # the client failed: Flower reports this as an error reply
-            reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=5)}"
-            log.warning("node %d raised %s: %s", msg.metadata.dst_node_id, type(exc).__name__, exc)
-            reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=reason), reply_to=msg)
-        return _copy(reply)
+        return _copy(errors_stay_on_the_client(msg, self.contexts[msg.metadata.dst_node_id], self.client_app))
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         messages = [self._pending.pop(mid) for mid in message_ids]
