@@ -4,8 +4,10 @@ exercised through tests/test_federated.py and tests/test_privacy.py.)
 
 Properties stated: a node is the client its node config names, else the partition's client at its partition id;
 a restarted client resumes its local adapter only from a checkpoint of a round it trained, always from the latest
-one before the round asked, and gets back its progress and DP-SGD step count; the reported epsilon is the
-accountant's epsilon after all the client's steps so far, -1 meaning unbounded.
+one before the round asked, and gets back its progress and DP-SGD step count; a run that starts over resumes nothing
+an earlier run left on a client (told at admission, the client removes it), a resumed run each client's own
+checkpoint; the reported epsilon is the accountant's epsilon after all the client's steps so far, -1 meaning
+unbounded.
 """
 
 from __future__ import annotations
@@ -111,25 +113,119 @@ def test_a_restarted_client_resumes_from_its_latest_checkpoint_before_the_round(
 
 
 def test_a_client_that_never_trained_resumes_its_progress_but_no_adapter(ws):
-    from pipeline.federation.client_app import (
-        LOCAL_STATE_KEY,
-        PROGRESS_KEY,
-        STARTED_KEY,
-        _local_adapter,
-        _restore_client_state,
-    )
+    from pipeline.federation.client_app import LOCAL_STATE_KEY, PROGRESS_KEY, _local_adapter, _restore_client_state
     from pipeline.privacy.seam import STEPS_KEY as PRIVACY_KEY
 
     plan = _plan("client-untrained")
     context = _context(**{"client-name": "Product"})
     _restore_client_state(context, plan, "Product", 1)
     assert _local_adapter(context) is None
-    assert list(context.state.keys()) == [STARTED_KEY]  # nothing restored yet, only the run's start marked
+    assert list(context.state.keys()) == []  # nothing to restore
     _checkpoints(plan, "Product", context, {1: (5.0, False, None)})
     _restore_client_state(context, plan, "Product", 2)
     assert _local_adapter(context) is None
     assert LOCAL_STATE_KEY not in context.state and PRIVACY_KEY not in context.state  # no DP steps recorded
     assert dict(context.state[PROGRESS_KEY]) == {"best-val-loss": 5.0, "best-round": 1}
+
+
+STEP = {"Academic": 1.0, "Committee": 2.0, "Product": 3.0, "SAMSum": 4.0}  # what a client's training adds
+
+
+def _stub_training(monkeypatch) -> dict:
+    """train_local replaced by a recorder of the adapters a round starts from ((client, round) -> local, teacher)
+    that trains by adding STEP[client] to every weight of the local adapter (each round's start, by hand)."""
+    from pipeline.federation import client_app
+    from pipeline.training.client_training import LocalTrainResult, empty_gate_log
+
+    seen: dict = {}
+
+    def train_local(model, plan, examples, **kwargs):
+        local = model.adapter_state("local")
+        seen[kwargs["client"], kwargs["rnd"]] = (local, model.adapter_state("global"))
+        model.load_adapter_state("local", {k: v + STEP[kwargs["client"]] for k, v in local.items()})
+        return LocalTrainResult(len(examples), 1, 5, 1.0, 1.0, 0.0, 0.0, 0.0, gate_log=empty_gate_log())
+
+    monkeypatch.setattr(client_app.local_training, "train_local", train_local)
+    return seen
+
+
+def _run_federation(path: str):
+    """The ServerApp's round loop and the ClientApps over the in-process Grid, as a deployment runs them; a new
+    Grid per call (a new run: every client's context starts empty, as each SuperNode's does)."""
+    from pipeline.experiments.settings import RunSettings
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.federation.server_app import run_server
+    from pipeline.training.client_data import client_names
+
+    grid = InProcessGrid(client_app, [{"client-name": n, "plan": path} for n in client_names(load_plan(path))])
+    _set_server_identity(grid.run.run_id)
+    _, history = run_server(grid, path, cache=RunSettings().cache)
+    return grid, history
+
+
+def test_a_run_that_starts_over_resumes_nothing_an_earlier_run_left_on_a_client(ws, monkeypatch):
+    """A deployed client keeps its round checkpoints on its own disk after a run (the server removes only its
+    own). A later run of the plan that starts over (no server checkpoint: the run finished or failed, or its
+    checkpoint is of other code or inputs) must train every client as a client with no checkpoint folder does:
+    its first train round starts from the global it receives, its best round is one of this run, it has taken no
+    DP-SGD step. Here the late client SAMSum, admitted at round 2 (train.join.max_round), finds a round-1 checkpoint
+    of an earlier run (its local adapter, best validation loss 0, 40 DP-SGD steps; under other code, whose server
+    checkpoint this run does not resume, that run admitted it at round 1), and Academic that run's record of the
+    DP-SGD steps of its last reply. Before the fix SAMSum trained round 2 from the earlier adapter, reported best
+    round 1, and SAMSum and Academic composed 40 steps they never took in this run."""
+    import json
+
+    import pipeline.privacy.seam  # noqa: F401  (registers privacy: a DP-SGD step count restored is kept)
+    from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir
+    from pipeline.federation.protocol import load_plan
+    from pipeline.modeling.adapters import adapter_file, save_adapter
+    from pipeline.training.checkpoints import write_client_checkpoint
+    from pipeline.training.privacy_hooks import PRIVACY
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = write_plan("fresh-over-stale", "post_addition", "extreme/seed0", rounds=2, fraction_train=1.0)
+    plan = load_plan(path)
+    stale = {k: v + 7.0 for k, v in initial_adapter_state(plan).items()}
+    earlier = _context()
+    final = adapter_file(client_dir(plan, "SAMSum", earlier), "final")
+    save_adapter(final, stale)
+    progress = {"best-val-loss": 0.0, "best-round": 1}
+    write_client_checkpoint(client_checkpoint_dir(plan, "SAMSum", earlier), 1, final, progress, True, 40)
+    academic = client_checkpoint_dir(plan, "Academic", earlier)
+    academic.mkdir(parents=True)
+    (academic / DP_SENT).write_text(json.dumps([2, 40, 50]))
+
+    seen = _stub_training(monkeypatch)
+    grid, history = _run_federation(path)
+    assert sorted(c for c, r in seen if r == 1) == ["Academic", "Committee", "Product"]
+    local, received = seen["SAMSum", 2]
+    assert all(torch.equal(local[k], received[k]) for k in received)  # not the earlier run's adapter
+    assert all(torch.equal(received[k], seen["Academic", 2][1][k]) for k in received)  # the round's global
+    samsum = [r for r in history if r["client"] == "SAMSum"]
+    assert [(r["round"], r["best_round"]) for r in samsum] == [(2, 2)]  # its only round of this run
+    assert [PRIVACY.dp_steps(c) for c in grid.contexts.values()] == [None] * 4  # no DP in this plan
+
+
+def test_a_resumed_run_resumes_each_clients_own_checkpoint(ws, monkeypatch):
+    """The other side: a run killed after round 1 and run again (new SuperNode contexts) resumes from the server
+    checkpoint, and each client's round 2 starts from its own round-1 adapter: the round-0 adapter plus its STEP
+    (the server, resuming, does not tell the clients to start over)."""
+    from pipeline.federation.protocol import load_plan
+    from pipeline.training.shared_model import initial_adapter_state
+    from tests.faults import killed_after_checkpoint
+
+    path = write_plan("resumed-own", "fedselectkd", rounds=2, fraction_train=1.0)
+    initial = initial_adapter_state(load_plan(path))
+    seen = _stub_training(monkeypatch)
+    with killed_after_checkpoint(monkeypatch, rnd=1):
+        _run_federation(path)
+    _run_federation(path)
+    for client in ("Academic", "Committee", "Product"):
+        local, received = seen[client, 2]
+        assert all(torch.equal(local[k], v + STEP[client]) for k, v in initial.items()), client
+        assert not torch.equal(local["layer0.down.weight"], received["layer0.down.weight"])  # not the global
 
 
 # ----------------------------------------------------------------------------------------------- privacy report
@@ -412,26 +508,32 @@ def test_a_delta_encoded_reply_is_the_local_adapter_minus_the_global_it_received
         assert torch.allclose(decoded[k], v, atol=step + 1e-6)
 
 
-def test_a_new_run_clears_an_earlier_runs_gate_log_and_a_resumed_run_keeps_its_own(ws, monkeypatch):
-    """The gate-log folder of a client holds the rounds of one run: a run that resumes nothing removes the files an
-    earlier run of the same plan left (rounds 2-3 here); a resumed run (a client checkpoint before its round) keeps
-    them, since they are its own earlier rounds."""
-    import shutil
+def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_resumed_runs_client_keeps_them(
+    ws, monkeypatch
+):
+    """The admission of a run that starts at round 1 tells each client so (START_OVER): it removes what an earlier
+    run of the plan left (its gate-log rounds, adapters, round checkpoints, DP-SGD record); the admission of a
+    resumed run, or of a restarted node during a run, keeps them, since they are this run's earlier rounds."""
+    from flwr.app import ConfigRecord, Message
 
-    from pipeline.federation.client_app import client_checkpoint_dir, client_dir
+    from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir, client_identify
+    from pipeline.federation.protocol import CONFIG_KEY, START_OVER
+    from pipeline.modeling.adapters import adapter_file
 
     plan, _, _, _, context = _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})
-    folder = client_dir(plan, "Academic", context) / "gate_log"
-    for rnd in (1, 3):  # what an earlier run left beside this run's round 2
-        shutil.copy(folder / "round002.parquet", folder / f"round{rnd:03d}.parquet")
-    shutil.rmtree(client_checkpoint_dir(plan, "Academic", context), ignore_errors=True)
-    _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})  # a new run, round 2
-    assert sorted(p.name for p in folder.iterdir()) == ["round002.parquet"]
+    _checkpoints(plan, "Academic", context, {1: (0.5, True, None)})
+    (client_checkpoint_dir(plan, "Academic", context) / DP_SENT).write_text("[2, 3, 4]")
+    out, ckpt = client_dir(plan, "Academic", context), client_checkpoint_dir(plan, "Academic", context)
+    files = [out / "gate_log/round002.parquet", adapter_file(out, "final"), ckpt / "round001.json", ckpt / DP_SENT]
 
-    shutil.copy(folder / "round002.parquet", folder / "round001.parquet")
-    _checkpoints(plan, "Academic", context, {1: (0.5, False, None)})  # this run evaluated round 1: it resumes
-    _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})
-    assert sorted(p.name for p in folder.iterdir()) == ["round001.parquet", "round002.parquet"]
+    def identify(start_over: bool) -> None:
+        config = ConfigRecord({"plan": f"models/plans/{plan.experiment}.json", START_OVER: start_over})
+        client_identify(Message(RecordDict({CONFIG_KEY: config}), dst_node_id=7, message_type="query"), context)
+
+    identify(start_over=False)
+    assert all(f.exists() for f in files)
+    identify(start_over=True)
+    assert [f for f in files if f.exists()] == [] and list(ckpt.iterdir()) == []
 
 
 # ----------------------------------------------------------------------------------------------- errors

@@ -10,7 +10,7 @@ import time
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY
+from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, START_OVER
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -20,17 +20,25 @@ class AdmissionError(RuntimeError):
 
 
 def identify_clients(
-    grid: Grid, plan_path: str, expected: list[str], timeout: float, sizes: dict[str, dict[str, int]] | None = None
+    grid: Grid,
+    plan_path: str,
+    expected: list[str],
+    timeout: float,
+    sizes: dict[str, dict[str, int]] | None = None,
+    start_over: bool = False,
 ) -> dict[int, str]:
     """Admission: ask every node that connects for its client name until each client of ``expected`` has its node
-    (nodes register asynchronously); ``sizes`` receives each client's ``num-train`` / ``num-valid``."""
+    (nodes register asynchronously); ``sizes`` receives each client's ``num-train`` / ``num-valid``; ``start_over``:
+    the run starts at round 1, each node is told so (protocol.START_OVER)."""
     deadline = time.monotonic() + timeout
     names: dict[int, str] = {}
     refused: dict[int, str] = {}
     while True:
         node_ids = list(grid.get_node_ids())
         if new := [n for n in node_ids if n not in names and n not in refused]:
-            refused |= name_nodes(grid, plan_path, names, new, expected, timeout, sizes, admission=True)
+            refused |= name_nodes(
+                grid, plan_path, names, new, expected, timeout, sizes, admission=True, start_over=start_over
+            )
         missing = [c for c in expected if c not in names.values()]
         if not missing:
             if empty := [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]:
@@ -56,13 +64,12 @@ def name_nodes(
     timeout: float,
     sizes: dict[str, dict[str, int]] | None = None,
     admission: bool = False,
+    start_over: bool = False,
 ) -> dict[int, str]:
     """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
     returns the nodes naming a client outside ``allowed``."""
-    msgs = [
-        Message(RecordDict({CONFIG_KEY: ConfigRecord({"plan": plan_path})}), dst_node_id=n, message_type=IDENTIFY)
-        for n in new
-    ]
+    config = {"plan": plan_path, START_OVER: start_over}
+    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in new]
     named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):
         node = reply.metadata.src_node_id

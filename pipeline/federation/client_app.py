@@ -18,6 +18,7 @@ from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,
+    START_OVER,
     TRAIN_METRICS,
     client_cache_config,
     decode_global,
@@ -37,7 +38,6 @@ log = logging.getLogger("fedmeet.federated")
 
 LOCAL_STATE_KEY = "local-adapter"  # context.state: the client's local adapter (never leaves the client)
 PROGRESS_KEY = "progress"  # context.state: best validation loss and its round
-STARTED_KEY = "run-started"  # context.state: the round of the client's first message in this run
 # [round, DP-SGD steps before it, after it] of the client's last reply (it may die before that round's checkpoint)
 DP_SENT = "dp-steps-sent.json"
 
@@ -57,18 +57,20 @@ def client_checkpoint_dir(plan: Plan, name: str, context: Context) -> Path:
     return Path(context.node_config.get("checkpoint-dir") or checkpoints.client_checkpoint_dir(plan, name))
 
 
+def _discard_earlier_run(plan: Plan, name: str, context: Context) -> None:
+    """Removes what an earlier run of the plan left on the client's disk (round checkpoints and DP-SGD record, which
+    a later round would resume; adapters; gate-log rounds): the server starts its run at round 1."""
+    ckpt_dir, out = client_checkpoint_dir(plan, name, context), client_dir(plan, name, context)
+    for stale in [*ckpt_dir.glob("round*"), ckpt_dir / DP_SENT, *out.glob("adapter_*"), *out.glob("gate_log/round*")]:
+        stale.unlink(missing_ok=True)
+
+
 def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> None:
     """Puts the client's local adapter and progress into context.state when it lacks them and a round checkpoint
-    before ``rnd`` has them (a resumed run). The client's first message of a run that resumes nothing removes the
-    gate-log files an earlier run of the same plan left, so the folder holds this run's rounds only."""
-    ckpt_dir = client_checkpoint_dir(plan, name, context)
-    if STARTED_KEY not in context.state:
-        context.state[STARTED_KEY] = MetricRecord({"round": rnd})
-        if checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd) is None:
-            for stale in sorted((client_dir(plan, name, context) / "gate_log").glob("round*.parquet")):
-                stale.unlink()
+    before ``rnd`` has them (a resumed run: a run that starts over had the client discard an earlier run's)."""
     if LOCAL_STATE_KEY in context.state:  # every message after the first: no checkpoint folder read
         return
+    ckpt_dir = client_checkpoint_dir(plan, name, context)
     ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     sent = json.loads((ckpt_dir / DP_SENT).read_text()) if (ckpt_dir / DP_SENT).exists() else [rnd, None, None]
     steps = [s for s in (ckpt and ckpt.dp_steps, sent[2] if sent[0] < rnd else sent[1]) if s is not None]
@@ -110,6 +112,8 @@ def client_identify(msg: Message, context: Context) -> Message:
     """Admission (admission.identify_clients): the client's name and the sizes of its train and valid splits."""
     plan = load_plan(plan_path_of(msg, context))
     name = client_name(context)
+    if msg.content[CONFIG_KEY].get(START_OVER):
+        _discard_earlier_run(plan, name, context)
     identity = ConfigRecord({"client-name": name})
     splits = read_partition(plan.paths["partition"])["clients"].get(name)
     if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it

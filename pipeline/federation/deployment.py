@@ -271,7 +271,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     finally:
         recorder.close()
     # Finished: the outputs go to models/<exp>/ (with the clients' adapters when they share this disk), and the
-    # next run of this plan starts over (client checkpoints stay on the clients' disks).
+    # next run of this plan starts over (client checkpoints stay on the clients' disks until its admission).
     checkpoints.publish_outputs(plan)
     checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)
     run_id_file.unlink(missing_ok=True)

@@ -102,7 +102,9 @@ def run_server(
     # the clients the plan declares (a deployed server holds no partition file), else (an older plan) the partition's
     declared = list(plan.clients) if plan.clients else client_names(plan)
     sizes: dict[str, dict[str, int]] = {}
-    node_names = identify_clients(grid, plan_path, declared, admission_timeout_s or round_timeout_s, sizes)
+    ckpt = load_server_checkpoint(plan)  # none: the run starts over, and tells each client so at admission
+    timeout = admission_timeout_s or round_timeout_s
+    node_names = identify_clients(grid, plan_path, declared, timeout, sizes, start_over=ckpt is None)
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:
@@ -115,7 +117,7 @@ def run_server(
     # privacy.mode client: Flower's DP wrapper around the strategy and the round record (else None); SecAgg+
     strategy, client_level = privacy.client_level(plan, strategy, len(declared))
     secure = privacy.secure_aggregator(plan, clients, late, round_timeout_s, sizes)
-    start, arrays, history = _resume(plan, strategy)
+    start, arrays, history = _resume(plan, strategy, ckpt)
     state = arrays.to_torch_state_dict()  # the global as tensors, converted once each time it changes
     recorder.started(plan, clients, start)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
@@ -177,10 +179,9 @@ def run_server(
     return arrays, history
 
 
-def _resume(plan: Plan, strategy) -> tuple[int, ArrayRecord, list[dict]]:
-    """The first round, the global adapter and the history: from the server checkpoint (its strategy state and
-    random generators restored) if there is one, else round 1 from the initial adapter."""
-    ckpt = load_server_checkpoint(plan)
+def _resume(plan: Plan, strategy, ckpt: dict[str, Any] | None) -> tuple[int, ArrayRecord, list[dict]]:
+    """The first round, the global adapter and the history: from the server checkpoint ``ckpt`` (its strategy state
+    and random generators restored) if there is one, else round 1 from the initial adapter."""
     if ckpt is None:
         return 1, ArrayRecord.from_torch_state_dict(initial_adapter_state(plan)), []
     start = int(ckpt["round"]) + 1
