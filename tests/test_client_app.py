@@ -576,3 +576,27 @@ def test_a_failing_client_tells_the_server_the_error_class_only_and_its_own_log_
     logs(
         [r.getMessage() for r in errors if r.exc_info], "Product", "DataError", "'ES2002a.leak-17'", "examples.parquet"
     )
+
+
+def test_a_delivery_stopped_with_its_set_logs_one_line_not_a_traceback(caplog):
+    """When one run of a set fails, every other run's parked deliveries end with SetAborted: the set reports the
+    failure once, so each of those is one ERROR line without a traceback, while a client's own error keeps its."""
+    from flwr.app import Context, Message
+
+    from pipeline.federation.client_app import errors_stay_on_the_client
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.training.set_engine import SetAborted
+
+    _set_server_identity(1)
+    context = Context(run_id=1, node_id=7, node_config={"client-name": "Product"}, state=RecordDict(), run_config={})
+    for exc in (SetAborted("run a: another run of its set failed; the set stops"), ValueError("bad")):
+
+        def call_next(msg, ctx, exc=exc):
+            raise exc
+
+        msg = Message(RecordDict({}), dst_node_id=7, message_type="train")
+        with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+            assert errors_stay_on_the_client(msg, context, call_next).has_error()
+    aborted, own = [r for r in caplog.records if r.name == "fedmeet.federated" and r.levelno == logging.ERROR]
+    assert "SetAborted" in aborted.getMessage() and not aborted.exc_info
+    assert "ValueError" in own.getMessage() and own.exc_info is not None

@@ -32,6 +32,7 @@ from pipeline.training import checkpoints
 from pipeline.training import client_training as local_training  # a module attribute: tests wrap train_local
 from pipeline.training.client_data import client_data, read_partition
 from pipeline.training.privacy_hooks import PRIVACY as privacy
+from pipeline.training.set_engine import SetAborted
 from pipeline.training.shared_model import initial_adapter_state, prefix_cache_for, shared_model
 
 log = logging.getLogger("fedmeet.federated")
@@ -99,7 +100,7 @@ def errors_stay_on_the_client(msg: Message, context: Context, call_next) -> Mess
         rnd = f" of round {config['server-round']}" if "server-round" in config else ""
         name = context.node_config.get("client-name") or f"node {msg.metadata.dst_node_id}"
         what = f"{type(exc).__name__} in client {name}'s {msg.metadata.message_type}{rnd}"
-        log.exception("%s: %s", what, exc)
+        log.error("%s: %s", what, exc, exc_info=not isinstance(exc, SetAborted))  # a stopped set: its own report
         error = Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{what}; details in the client's log")
         return Message(error, reply_to=msg)
 
