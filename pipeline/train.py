@@ -23,6 +23,7 @@ from pipeline.common.cli import run as run_cli
 from pipeline.common.timing import stage_name, stage_timer
 from pipeline.experiments.plans import Plan, plan_hash, read_plan
 from pipeline.experiments.settings import RunSettings, load_run_settings
+from pipeline.federation.engines import run_federated
 from pipeline.paths import PATHS
 from pipeline.privacy import seam as privacy
 from pipeline.results.tracking import RunLogger, delete_run, dvc_tags, git_state, run_name
@@ -50,7 +51,6 @@ def run_experiment(
     """Train one experiment end to end (resuming when a checkpoint of this plan exists); returns metrics.
     ``settings``: how to run it (:func:`main` passes the params file's; None: RunSettings' defaults); ``barrier``:
     the round barrier of the set it trains in (:func:`run_set`), where its clients' work executes."""
-    plan_path = str(plan_path)
     plan = read_plan(plan_path)
     privacy.check_run(plan)  # a delta or target no client can meet: one line, exit 2, before anything trains
     settings = settings if settings is not None else RunSettings()
@@ -77,12 +77,9 @@ def run_experiment(
     recorder = TrainRecorder(logger)
     try:
         if plan.spec.federated:
-            from pipeline.federation.engines import run_federated
-
-            result = run_federated(plan_path, settings, recorder, barrier)
+            history = run_federated(str(plan_path), settings, recorder, barrier)["history"]
         else:
-            result = run_serverless(plan, recorder, settings.cache, barrier)
-        history = result["history"]
+            history = run_serverless(plan, recorder, settings.cache, barrier)["history"]
         merge_gate_logs(plan)
         metrics = record_run(plan, history, recorder.round_seconds)
         if logger is not None:

@@ -13,7 +13,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import psutil
 
@@ -47,12 +46,10 @@ class ProcessGroup:
 
     def start(self, name: str, argv: list[str], cwd: Path, capture: bool = False) -> Process:
         log = self.log_dir / f"{name}.log"
-        out: IO | int = subprocess.PIPE if capture else open(log, "ab")  # noqa: SIM115 -- owned by the child
         offset = log.stat().st_size if log.exists() else 0
-        stdio = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT}
-        popen = subprocess.Popen(argv, cwd=cwd, env=self.env, start_new_session=True, **stdio)
-        if not capture:
-            out.close()  # the child holds its own descriptor
+        with contextlib.nullcontext(subprocess.PIPE) if capture else open(log, "ab") as out:  # the child has its own fd
+            stdio = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT}
+            popen = subprocess.Popen(argv, cwd=cwd, env=self.env, start_new_session=True, **stdio)
         self.procs.append(proc := Process(name, popen, log, offset=offset))
         return proc
 

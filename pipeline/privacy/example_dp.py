@@ -23,7 +23,7 @@ warnings.filterwarnings(
 
 def poisson_steps(n_examples: int, q: float, n_steps: int, seed: int) -> list[list[int]]:
     """The example indices of each step: opacus' Poisson sampler with a seeded generator."""
-    from opacus.utils.uniform_sampler import UniformWithReplacementSampler
+    from opacus.utils.uniform_sampler import UniformWithReplacementSampler  # lazy: importing opacus takes ~6 s
 
     generator = torch.Generator().manual_seed(seed)
     sampler = UniformWithReplacementSampler(num_samples=n_examples, sample_rate=q, generator=generator, steps=n_steps)
@@ -39,7 +39,7 @@ class DPSGDSteps:
     def __init__(
         self, module: torch.nn.Module, setting: ClientPrivacy, seed: int, examples, micro_batches, proximal=None
     ):
-        from opacus.grad_sample import GradSampleHooks
+        from opacus.grad_sample import GradSampleHooks  # lazy for start-up time: importing opacus takes ~6 s
 
         self.seed, self.frame, self.micro_batches, self.proximal = seed, examples, micro_batches, proximal
         self.params = [p for p in module.parameters() if p.requires_grad]

@@ -85,8 +85,4 @@ HUMAN_EVAL_MEETINGS_PER_DOMAIN = 20
 def backbone_key(name: str | None) -> str | None:
     """The :data:`MAIN_TABLE` key of a backbone name or HF id ("facebook/bart-large"), None if the paper has none."""
     n = (name or "").lower().rsplit("/", 1)[-1]
-    for key in MAIN_TABLE:
-        family, size = key.split("-")
-        if n.startswith(family) and size in n:
-            return key
-    return None
+    return next((key for key in MAIN_TABLE if n.startswith(key.split("-")[0]) and key.split("-")[1] in n), None)
