@@ -234,8 +234,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
             by_b.append(f"vs {SHORT[r.method_b]} not tested ({r.n_seeds} seeds)")
             continue
         sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
-        yes = [c for c, s in zip(sig["client"], sig["significant"]) if s]
-        no = [c for c, s in zip(sig["client"], sig["significant"]) if not s]
+        yes, no = (list(sig.loc[sig["significant"] == held, "client"]) for held in (True, False))
         by_b.append(
             f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
             + (f" (not {', '.join(no)})" if no and yes else "")
@@ -301,11 +300,9 @@ def _per_client(per_client: pd.DataFrame) -> list[str]:
 def _variants(avg: pd.DataFrame) -> list[str]:
     """Each SelectKD variant of another study (a KD gate, a study's settings) against the main SelectKD."""
     selectkd = avg[(avg["method_a"] == "fedselectkd") & (avg["method_b"] == "fedselectkd")]
-    variants = selectkd[(selectkd["study"] != "main") & (selectkd["study_b"] == "main")]
     lines = []
-    for r in _records(variants):
-        gate = re.sub(r"^fedselectkd\s*", "", r.config_a) or r.config_a
-        base = re.sub(r"^fedselectkd\s*", "", r.config_b) or r.config_b
+    for r in _records(selectkd[(selectkd["study"] != "main") & (selectkd["study_b"] == "main")]):
+        gate, base = (re.sub(r"^fedselectkd\s*", "", c) or c for c in (r.config_a, r.config_b))
         # the same gate in another study (e.g. client sampling) differs in that study's settings, not in its gate
         if r.config_a != r.config_b:
             what, changed = f"**A different KD gate** ({gate})", "the gate changes"

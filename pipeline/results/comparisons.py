@@ -128,7 +128,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
     for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
         flags = [x for c in clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
-        mostly_identical = bool(not math.isnan(identical) and identical > cfg.identical_warning)
+        mostly_identical = identical > cfg.identical_warning  # NaN (no pair of summaries) is not above it
         clusters = meetings(shared[c] for c in clients)  # QMSum: a meeting's queries are one cluster
         for metric in SCORE_KEYS:
             sides = ([stacked(rows[c], f"{metric}_{side}") for c in clients] for side in "ab")
@@ -273,8 +273,7 @@ def carry_identical(table: pd.DataFrame, previous: pd.DataFrame, cfg: BootstrapC
     known = previous.dropna(subset=["identical_fraction"]).drop_duplicates(key).set_index(key)["identical_fraction"]
     out = table.copy()
     missing = out["identical_fraction"].isna()
-    idx = pd.MultiIndex.from_frame(out.loc[missing, key])
-    out.loc[missing, "identical_fraction"] = known.reindex(idx).to_numpy()
+    out.loc[missing, "identical_fraction"] = known.reindex(pd.MultiIndex.from_frame(out.loc[missing, key])).to_numpy()
     out["mostly_identical"] = out["identical_fraction"].gt(cfg.identical_warning)
     return out
 

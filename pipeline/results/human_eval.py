@@ -266,13 +266,12 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
 def plot_results(results: dict[str, Any], path: str | Path) -> Path:
     """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's (``results["published"]``,
     as the human command writes them)."""
-    labels, rows = [], []
+    counts = {}  # bar label -> its win / tie / loss counts
     for opp, c in results["opponents"].items():
-        labels.append(f"vs {opp} (ours, n={c['n']})")
-        rows.append((c["win"], c["tie"], c["loss"]))
+        counts[f"vs {opp} (ours, n={c['n']})"] = c
         if p := results["published"].get(opp):
-            labels.append(f"vs {opp} (paper, n={sum(p.values())})")
-            rows.append((p["win"], p["tie"], p["loss"]))
+            counts[f"vs {opp} (paper, n={sum(p.values())})"] = p
+    labels, rows = list(counts), [tuple(c[o] for o in OUTCOMES) for c in counts.values()]
     fig, ax = plt.subplots(figsize=(8, 0.6 * max(len(rows), 2) + 1.2))
     left = [0.0] * len(rows)
     for j, (name, colour) in enumerate((("win", "#2a9d8f"), ("tie", "#e9c46a"), ("loss", "#e76f51"))):

@@ -267,8 +267,7 @@ def readme(index: dict[str, Any], n_planned: int, out: Path, plots: Path) -> str
     lines += ["## Not produced", ""]
     if not index["not_made"] and not index["missing_experiments"] and not index["incomplete_seeds"]:
         lines.append("Nothing: every planned experiment is evaluated with every expected seed.")
-    for what, why in sorted(index["not_made"].items()):
-        lines.append(f"- {what}: {why}")
+    lines += [f"- {what}: {why}" for what, why in sorted(index["not_made"].items())]
     if index["missing_experiments"]:
         lines += ["", "Planned experiments without an evaluation (`reports/eval/<exp>/metrics.json`):", ""]
         lines += [f"- `{name}`" for name in index["missing_experiments"]]

@@ -33,26 +33,20 @@ def split_sentences(text: str) -> list[str]:
     """Sentences of ``text``: a break after . ! ? + whitespace and at newlines, but not after a known abbreviation
     ("Dr.", "e.g.") or a single initial ("J."). Empty pieces are dropped."""
     sentences: list[str] = []
-    pending, pos = "", 0
+    pending, pos = "", 0  # pending: the text since the last break, held over an abbreviation
     for match in _SENTENCE_END.finditer(text):
-        piece = text[pos : match.start()]
+        candidate = (pending + " " + text[pos : match.start()]).strip()
         pos = match.end()
-        candidate = (pending + " " + piece).strip() if pending else piece.strip()
-        newline_break = "\n" in match.group(0)
         last_word = candidate.rsplit(None, 1)[-1] if candidate else ""
         stem = last_word.rstrip(".").lower()
         is_abbreviation = last_word.endswith(".") and (stem in _ABBREVIATIONS or (len(stem) == 1 and stem.isalpha()))
-        if is_abbreviation and not newline_break:
+        if is_abbreviation and "\n" not in match.group(0):  # a line break ends a sentence even after one
             pending = candidate
-            continue
-        if candidate:
+        else:
             sentences.append(candidate)
-        pending = ""
-    tail = text[pos:].strip()
-    tail = (pending + " " + tail).strip() if pending else tail
-    if tail:
-        sentences.append(tail)
-    return sentences
+            pending = ""
+    sentences.append((pending + " " + text[pos:]).strip())
+    return [s for s in sentences if s]
 
 
 class Scorer:

@@ -190,9 +190,8 @@ def main_table_markdown(
             r = r.iloc[0]
             if what == "ours":
                 return fmt(r["ours_mean"], r["ours_std"], r["n_seeds"])
-            if pd.isna(r["paper"]):
-                return "–"
-            return f"{r['paper']:.2f}" if what == "paper" else "–" if pd.isna(r["diff"]) else f"{r['diff']:+.2f}"
+            missing = pd.isna(r["paper"]) or pd.isna(r[what])  # what: "paper" or "diff"
+            return "–" if missing else f"{r[what]:{'+.2f' if what == 'diff' else '.2f'}}"
 
         seeds, mark = t.iloc[0], row_mark(converged, "main", label, None)
         seed_text = f"{seeds['n_seeds']}" + (f" ({seeds['seeds']})" if seeds["seeds"] else "")

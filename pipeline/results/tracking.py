@@ -93,8 +93,8 @@ def artifact_dir(study: str) -> Path:
 # store locked beyond SQLite's own wait. Those calls are retried with backoff (~25 s in all) instead of failing.
 _BACKOFF_S = (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8)
 _LOCKED = ("database is locked", "database table is locked")
-# Where a store keeps artifact locations besides its experiments: (table, id column, location column).
-_LOCATED = (("runs", "run_uuid", "artifact_uri"), ("logged_models", "model_id", "artifact_location"))
+# Where a store keeps artifact locations besides its experiments: (table, location column).
+_LOCATED = (("runs", "artifact_uri"), ("logged_models", "artifact_location"))
 
 
 def _retrying(call, *args, **kwargs):
@@ -185,13 +185,12 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
     old_uri, new_uri = location.rstrip("/"), artifact_dir(study).as_uri()
     with sqlite3.connect(db, timeout=60) as con:
         con.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new_uri, int(exp_id)))
-        for table, key, column in _LOCATED:
-            rows = con.execute(f"SELECT {key}, {column} FROM {table} WHERE experiment_id = ?", (int(exp_id),))
-            for row_id, uri in rows.fetchall():
-                if uri and (uri == old_uri or uri.startswith(old_uri + "/")):
-                    con.execute(
-                        f"UPDATE {table} SET {column} = ? WHERE {key} = ?", (new_uri + uri[len(old_uri) :], row_id)
-                    )
+        for table, column in _LOCATED:  # old_uri itself, or a location under it: its tail kept (substr is 1-based)
+            con.execute(
+                f"UPDATE {table} SET {column} = ? || substr({column}, ?) WHERE experiment_id = ? "
+                f"AND ({column} = ? OR substr({column}, 1, ?) = ?)",
+                (new_uri, len(old_uri) + 1, int(exp_id), old_uri, len(old_uri) + 1, old_uri + "/"),
+            )
     return True
 
 
