@@ -314,3 +314,19 @@ def test_plan_paths_come_from_the_path_table(tmp_path):
     }
     assert "paths" not in json.loads((out / "hardkd-domain.json").read_text())  # not a result: not in the plan
     assert len(declared(params)) == len(list(out.glob("*.json")))
+
+
+@pytest.mark.parametrize("privacy", [None, {}])
+def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_path, privacy):
+    """A hand-edited plan with ``"privacy": null`` (or ``{}``) is a plan without privacy, read as the same plan with
+    the key left out, not 'not a plan file (... multiple values for keyword argument 'privacy')'."""
+    from pipeline.experiments.plans import plan_hash, read_plan
+    from pipeline.planning import write_plans
+
+    write_plans(_params(), tmp_path / "plans")
+    raw = json.loads((tmp_path / "plans" / "fedavg-domain.json").read_text())
+    raw.pop("privacy", None)
+    (without := tmp_path / "without.json").write_text(json.dumps(raw))
+    (edited := tmp_path / "edited.json").write_text(json.dumps(raw | {"privacy": privacy}))
+    assert read_plan(edited).privacy is None
+    assert plan_hash(read_plan(edited)) == plan_hash(read_plan(without))

@@ -113,7 +113,8 @@ def read_plan(path: str | Path) -> Plan:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{p}: not a plan file (invalid JSON: {exc})") from None
     train = train_config(raw.pop("train", {}), f"{p}: train")
-    privacy = from_dict(PrivacyConfig, raw.pop("privacy"), f"{p}: privacy") if raw.get("privacy") else None
+    privacy = raw.pop("privacy", None)  # null or {}: no privacy, as a plan without the key
+    privacy = from_dict(PrivacyConfig, privacy, f"{p}: privacy") if privacy else None
     try:
         plan = Plan(train=train, privacy=privacy, source=str(p), **raw)
         plan.spec  # noqa: B018 - an unknown method
