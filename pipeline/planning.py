@@ -51,16 +51,14 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
             f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
-    tau = raw.get("tau")
+    tau, train = raw.get("tau"), (params.get("train") or {}) | overrides  # the entry's train keys win
     entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
         "name": str(name),
         "seed": raw.get("seed", params.get("seed", 0)),
         "tau": params.get("tau") if tau is None and reads_tau else tau,
         "train": overrides,
-        "tau_scale": overrides.get("tau_scale", (params.get("train") or {}).get("tau_scale", "absolute")),
-        "entropy_log_base": str(
-            overrides.get("entropy_log_base", (params.get("train") or {}).get("entropy_log_base", "e"))
-        ),
+        "tau_scale": train.get("tau_scale", "absolute"),
+        "entropy_log_base": str(train.get("entropy_log_base", "e")),
         "privacy": raw.get(PRIVACY_KEY) or {},
     }
     exp = from_dict(Experiment, entry, where)
@@ -110,11 +108,8 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
 
 def extension_md5(method: MethodSpec, kd_gate: str) -> dict[str, str]:
     """md5 of the source of the strategy module and the KD gate module ``method`` runs, by module name."""
-    used = []
-    if method.strategy is not None:
-        used.append(BUILDERS[method.strategy])
-    if method.kd_mode != "ce":
-        used.append(GATES[MODE_GATES.get(method.kd_mode, kd_gate)])
+    used = [BUILDERS[method.strategy]] if method.strategy is not None else []
+    used += [GATES[MODE_GATES.get(method.kd_mode, kd_gate)]] if method.kd_mode != "ce" else []
     return {f.__module__: file_hash(Path(sys.modules[f.__module__].__file__), "md5") for f in used}
 
 

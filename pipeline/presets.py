@@ -76,10 +76,10 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
 
     from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
 
+    found = []
     try:
         applied = apply_preset(params, preset)
     except InvalidArgumentError:
-        found = []
         for override in overrides(preset):
             try:
                 _set_params(params, [override])
@@ -91,7 +91,6 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
                 unknown = any("not in struct" in c for c in causes)
                 found.append(f"{key}: unknown key (params.yaml has no {key})" if unknown else f"{key}: {causes[-1]}")
         return found
-    found = []
     partition = applied.get("partition") or {}
     schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
     for name, entry in (preset.get("experiments") or {}).items():

@@ -244,10 +244,7 @@ def flatten(d: dict[str, Any], prefix: str = "", whole: tuple[str, ...] = ()) ->
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, dict) and key not in whole:
-            out.update(flatten(v, key, whole))
-        else:
-            out[key] = v
+        out |= flatten(v, key, whole) if isinstance(v, dict) and key not in whole else {key: v}
     return out
 
 

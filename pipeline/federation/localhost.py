@@ -31,6 +31,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.tom
 RUN_ID = re.compile(r"Successfully started run (\d+)")  # in the output of `flwr run`
 
 
+def _tail(text: object) -> str:  # the end of a command's output or error, on one line
+    return " ".join(str(text).split())[-300:]
+
+
 @dataclass
 class LocalhostConfig:
     plan: str  # relative to the working directory, as the SuperLink and the SuperNodes read it
@@ -50,16 +54,12 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
     try:
         listed = json.loads(text)
     except json.JSONDecodeError:
-        raise FederationError(f"`flwr ls` gave no run list: {' '.join(text.split())[-300:]}") from None
+        raise FederationError(f"`flwr ls` gave no run list: {_tail(text)}") from None
     if not listed.get("success"):  # flwr's JSON error: the SuperLink could not be asked at all
-        raise FederationError(
-            "cannot reach the SuperLink: " + " ".join(str(listed.get("error-message") or text).split())[-300:]
-        )
+        raise FederationError(f"cannot reach the SuperLink: {_tail(listed.get('error-message') or text)}")
     runs = [r for r in (listed.get("runs") or []) if run_id is None or str(r.get("run-id")) == str(run_id)]
     if not runs:
-        raise FederationError(
-            f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: {' '.join(text.split())[-300:]}"
-        )
+        raise FederationError(f"the SuperLink lists no run{'' if run_id is None else f' {run_id}'}: {_tail(text)}")
     run = max(runs, key=lambda r: str(r.get("pending-at") or ""))  # Flower's run ids are random, not ordered
     details = str(run.get("status-details") or "")
     return str(run.get("run-id")), str(run.get("status", "")), "" if details == "N/A" else details  # N/A: none
@@ -217,8 +217,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             out = self.flwr("supernode", "register", str(self.keys[name][1]), CONNECTION)
             if out.returncode != 0:
                 raise FederationError(
-                    f"registering the key of SuperNode {name} failed: "
-                    f"{' '.join((out.stdout + out.stderr).split())[-300:]}"
+                    f"registering the key of SuperNode {name} failed: {_tail(out.stdout + out.stderr)}"
                 )
         for name in self.clients:
             self.start_supernode(name)
@@ -246,9 +245,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             def pump() -> None:
                 for line in (raw.decode(errors="replace") for raw in run.popen.stdout):
                     lines.append(line)
-                    for out in (log, sys.stdout):
-                        out.write(line)
-                        out.flush()
+                    print(line, end="", file=log, flush=True)
+                    print(line, end="", flush=True)
 
             (reader := threading.Thread(target=pump, daemon=True)).start()
             deadline = time.monotonic() + self.cfg.run_timeout_s

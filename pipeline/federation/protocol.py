@@ -147,16 +147,13 @@ def payload_bytes(content: RecordDict) -> int:
 
 def privacy_row(m: MetricRecord) -> dict[str, Any]:
     """A train reply's DP-SGD report as a history row's fields (-1 on the wire = unbounded: None here)."""
-
-    def bounded(key: str) -> float | None:
-        return None if float(m[key]) < 0 else float(m[key])
-
+    bounded = {key: None if float(m[key]) < 0 else float(m[key]) for key in ("dp-epsilon", "dp-max-grad-norm")}
     examples, clipped = int(m["dp-examples"]), int(m["dp-clipped"])
     return {
-        "epsilon": bounded("dp-epsilon"),
+        "epsilon": bounded["dp-epsilon"],
         "delta": float(m["dp-delta"]),
         "noise_multiplier": float(m["dp-noise-multiplier"]),
-        "max_grad_norm": bounded("dp-max-grad-norm"),
+        "max_grad_norm": bounded["dp-max-grad-norm"],
         "sample_rate": float(m["dp-sample-rate"]),
         "dp_steps": int(m["dp-steps"]),
         "dp_examples": examples,

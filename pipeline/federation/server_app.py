@@ -281,8 +281,7 @@ def _train_in_the_clear(
     for name, row in r.rows.items():
         if row["sampled"] and name not in answered:
             _left_out(r, row, f"no reply within {r.timeout:.0f}s (train.round_timeout_s)")
-    new_arrays, _ = r.strategy.aggregate_train(r.rnd, [reply for reply in replies if id(reply) not in left_out])
-    return new_arrays
+    return r.strategy.aggregate_train(r.rnd, [reply for reply in replies if id(reply) not in left_out])[0]
 
 
 def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:
@@ -301,20 +300,17 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
             _left_out(r, row, f"not in the SecAgg+ sum: {row['error']}")
         elif stage_error:  # its masked vector is in the sum; the others' shares unmasked it
             row["secagg_error"] = stage_error
-    if result.arrays is not None and len(result.in_sum) < len(messages):
+    summed = len(result.in_sum)
+    if result.arrays is not None and summed < len(messages):
         log.info(
-            "round %d: SecAgg+ unmasked the sum of %d of %d sampled clients (threshold %d of %d shares)",
-            r.rnd,
-            len(result.in_sum),
-            len(messages),
-            result.threshold,
-            result.num_shares,
+            f"round {r.rnd}: SecAgg+ unmasked the sum of {summed} of {len(messages)} sampled clients "
+            f"(threshold {result.threshold} of {result.num_shares} shares)"
         )
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
     for node in result.in_sum:
-        r.clipped[r.node_names[node]] = (result.clipped_count / len(result.in_sum), None)
-    return r.strategy.release_secure_mean(r.rnd, result.arrays, result.clipped_count, len(result.in_sum))
+        r.clipped[r.node_names[node]] = (result.clipped_count / summed, None)
+    return r.strategy.release_secure_mean(r.rnd, result.arrays, result.clipped_count, summed)
 
 
 def new_client_joins(rnd: int, history: list[dict[str, Any]], late: str, join) -> bool:

@@ -57,12 +57,8 @@ class ClientLevelDP(Strategy):
         self._arrays: ArrayRecord | None = None  # the global the round's updates are taken against
         strategy.fraction_train = 1.0
         log.info(
-            "client-level DP, z=%.4g, C=%s, %d of %d clients per round, delta=%g",
-            setting.noise_multiplier,
-            setting.clipping_norm,
-            setting.sampled,
-            setting.population,
-            setting.delta,
+            f"client-level DP, z={setting.noise_multiplier:.4g}, C={setting.clipping_norm}, {setting.sampled} of "
+            f"{setting.population} clients per round, delta={setting.delta:g}"
         )
 
     def configure_train(self, server_round, arrays, config, grid):
@@ -114,30 +110,20 @@ class ClientLevelDP(Strategy):
         if not mean:
             return mean
         if aggregated not in (m, 0) and self._arrays is not None:
-            k, ref = aggregated, self._arrays.to_numpy_ndarrays()
-            mean = ArrayRecord(
-                {
-                    name: Array(np.asarray((w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype)))
-                    for name, a, w in zip(mean.keys(), mean.to_numpy_ndarrays(), ref)
-                }
-            )
+            k, arrays = aggregated, zip(mean.to_numpy_ndarrays(), self._arrays.to_numpy_ndarrays())
+            mean = _record(mean.keys(), [(w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype) for a, w in arrays])
         if (z := self.setting.update_noise_multiplier) == 0:
             return mean
         std = compute_stdv(z, norm, m)
-        return ArrayRecord(
-            {
-                k: Array(np.asarray(a + rng.normal(0.0, std, a.shape).astype(a.dtype)))
-                for k, a in zip(mean.keys(), mean.to_numpy_ndarrays())
-            }
+        return _record(
+            mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in mean.to_numpy_ndarrays()]
         )
 
     def _clip(self, reply: Message) -> int:
         received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
         update = [np.subtract(a, w) for a, w in zip(received.to_numpy_ndarrays(), reference, strict=True)]
         bit = adaptive_clip_inputs_inplace(update, self.clipping_norm)
-        reply.content[ARRAYS_KEY] = ArrayRecord(
-            {k: Array(np.asarray(w + u)) for k, w, u in zip(received.keys(), reference, update, strict=True)}
-        )
+        reply.content[ARRAYS_KEY] = _record(received.keys(), [w + u for w, u in zip(reference, update, strict=True)])
         return int(bit)
 
     def configure_evaluate(self, server_round, arrays, config, grid):
@@ -177,6 +163,10 @@ class ClientLevelDP(Strategy):
         }
         for name, (bit, norm) in clipped.items():
             rows[name].update(update_clipped=bit, update_norm=None if norm is None else float(norm), **this_round)
+
+
+def _record(keys, arrays: list[np.ndarray]) -> ArrayRecord:
+    return ArrayRecord({k: Array(np.asarray(a)) for k, a in zip(keys, arrays, strict=True)})
 
 
 def update_norm(reply: ArrayRecord, reference: ArrayRecord) -> float:

@@ -228,13 +228,8 @@ def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
         out = {k: float(run[k]) for k in fields if run.get(k) is not None}
     else:
         fields = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
-        out = {
-            f"{c}.{k}": v["privacy"][k]
-            for c, v in metrics["clients"].items()
-            if "privacy" in v
-            for k in fields
-            if v["privacy"][k] is not None
-        }
+        reports = {c: v["privacy"] for c, v in metrics["clients"].items() if "privacy" in v}
+        out = {f"{c}.{k}": report[k] for c, report in reports.items() for k in fields if report[k] is not None}
         out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
     if sa := metrics.get("secure_aggregation"):
         out |= {

@@ -174,14 +174,13 @@ class _ObservedGrid(GridView):
         failed = {node: f"no reply within {timeout}s" for node in stage}  # until it answers
         for r in replies:
             node = by_id[r.metadata.reply_to_message_id]
-            out = self.nodes[node]
             if r.has_error():
                 failed[node] = r.error.reason.splitlines()[0] if r.error.reason else f"code {r.error.code}"
                 continue
             failed.pop(node)
-            out.bytes_up += _wire_bytes(r.content)
+            self.nodes[node].bytes_up += _wire_bytes(r.content)
             if stage[node] == Stage.COLLECT_MASKED_VECTORS:
-                out.metrics = dict(r.content.config_records["fitres.metrics"])
+                self.nodes[node].metrics = dict(r.content.config_records["fitres.metrics"])
         for node, reason in failed.items():
             if self.nodes[node].failed_stage is None:  # the first stage it failed in
                 self.nodes[node].failed_stage, self.nodes[node].error = stage[node], reason
