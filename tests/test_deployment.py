@@ -688,3 +688,27 @@ def test_a_misnamed_supernode_fails_the_local_run_naming_the_missing_client(ws):
     assert "\n" not in message and "finished:failed" in message
     assert "['Committee']" in message and "'Comittee'" in message
     assert not Path("models/misnamed/metrics.json").exists()
+
+
+def test_a_federated_evaluation_reply_failed_without_a_reason_names_its_code(ws):
+    """Flower's Error has an optional reason (a runtime's own errors may carry none): the client is reported failed
+    with the error's code, not an IndexError ending the final evaluation."""
+    from flwr.app import Error, Message
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def refuse(msg, context):
+        return Message(Error(code=7, reason=""), reply_to=msg)
+
+    path = write_plan("dep-no-reason", "fedavg")
+    grid = InProcessGrid(app, [{"client-name": "Academic", "plan": path}])
+    _set_server_identity(grid.run.run_id)
+    fed = federated_evaluate(grid, load_plan(path), path, EvaluateConfig(), timeout=5)
+    assert fed["failed_clients"] == {"node 1000": "code 7"} and fed["clients"] == {}

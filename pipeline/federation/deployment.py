@@ -25,7 +25,7 @@ from pipeline.common.integrity import backbone_name
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.client_app import client_app, client_dir, client_name
-from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, load_plan, plan_path_of
+from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, error_line, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_local_adapter, save_adapter
 from pipeline.paths import PATHS
@@ -92,7 +92,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
     replies = list(grid.send_and_receive(queries, timeout=timeout))
-    failed = {f"node {r.metadata.src_node_id}": r.error.reason.splitlines()[0] for r in replies if r.has_error()}
+    failed = {f"node {r.metadata.src_node_id}": error_line(r) for r in replies if r.has_error()}
     received = {str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies if not r.has_error()}
     answered = {r.metadata.src_node_id for r in replies}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}

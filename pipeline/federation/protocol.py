@@ -140,6 +140,11 @@ def decode_reply(record: ArrayRecord, plan: Plan, sent: dict[str, torch.Tensor] 
     return ArrayRecord.from_torch_state_dict(decoded)
 
 
+def error_line(reply: Message) -> str:
+    """A failed reply's reason, its first line (a client's is one line, docs/privacy.md), or its code if it has none."""
+    return reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
+
+
 def payload_bytes(content: RecordDict) -> int:
     """A message's adapter bytes as encoded on the wire (bytes up/down)."""
     return sum(rec.count_bytes() for rec in content.array_records.values())

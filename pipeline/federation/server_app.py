@@ -28,6 +28,7 @@ from pipeline.federation.protocol import (
     decode_reply,
     delta_encoded,
     encode_global,
+    error_line,
     load_plan,
     payload_bytes,
     privacy_row,
@@ -259,7 +260,7 @@ def _train_in_the_clear(
     for reply in replies:
         row = r.rows[sender(reply)]
         if reply.has_error():
-            row["error"] = reply.error.reason.splitlines()[0] if reply.error.reason else f"code {reply.error.code}"
+            row["error"] = error_line(reply)
             _left_out(r, row, f"it failed: {reply.error.reason}")
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire

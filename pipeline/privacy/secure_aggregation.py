@@ -34,6 +34,7 @@ from pipeline.federation.protocol import (
     METRICS_KEY,
     SECAGG_CLIPPED_KEY,
     GridView,
+    error_line,
     payload_bytes,
 )
 from pipeline.federation.strategies.registry import NUM_EXAMPLES_KEY
@@ -175,7 +176,7 @@ class _ObservedGrid(GridView):
         for r in replies:
             node = by_id[r.metadata.reply_to_message_id]
             if r.has_error():
-                failed[node] = r.error.reason.splitlines()[0] if r.error.reason else f"code {r.error.code}"
+                failed[node] = error_line(r)
                 continue
             failed.pop(node)
             self.nodes[node].bytes_up += _wire_bytes(r.content)
