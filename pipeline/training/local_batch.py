@@ -70,8 +70,7 @@ class LocalJob:
 
     def __post_init__(self) -> None:
         self.local = self.model.adapter_state("local")
-        two_paths = self.kd is not None and self.kd.mode != "ce"
-        self.teacher = self.model.adapter_state("global") if two_paths else None
+        self.teacher = self.model.adapter_state("global") if self.kd is not None and self.kd.mode != "ce" else None
 
     def group_key(self) -> tuple:
         """Jobs with equal keys have as many micro-batches in each step and the optimizer's settings: they train
