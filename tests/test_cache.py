@@ -54,7 +54,7 @@ def _cache(model, root, **kw):
     """A cache of ``model`` with LENGTHS and top_k 2; ``kw`` replaces its fingerprint, dtype, max_bytes or a model
     setting."""
     settings = {k: kw.pop(k) for k in ("max_source_length", "max_target_length", "top_k") if k in kw}
-    args = dict(fingerprint=model.backbone_fingerprint(), dtype="float32", max_bytes=10**8) | kw
+    args = dict(fingerprint=model.backbone_fingerprint, dtype="float32", max_bytes=10**8) | kw
     return PrefixCache(root, cfg=dataclasses.replace(LENGTHS, **{"top_k": 2} | settings), **args)
 
 

@@ -193,11 +193,11 @@ def test_fingerprint_stable_and_sensitive():
     cfg = AdapterConfig(top_k=1, bottleneck=4)
     m1 = AdapterSummarizer.from_backbone(b1, t1, cfg, device="cpu")
     m2 = AdapterSummarizer.from_backbone(b2, t2, cfg, device="cpu")
-    assert m1.backbone_fingerprint() == m2.backbone_fingerprint()
+    assert m1.backbone_fingerprint == m2.backbone_fingerprint
     with torch.no_grad():
         b2.encoder.embeddings.word_embeddings.weight[5, 0] += 1e-3
-    m2._fingerprint = None
-    assert m1.backbone_fingerprint() != m2.backbone_fingerprint()
+    del m2.backbone_fingerprint  # hashed again
+    assert m1.backbone_fingerprint != m2.backbone_fingerprint
 
 
 def test_adapter_init_is_seeded():

@@ -106,7 +106,6 @@ class AdapterSummarizer(nn.Module):
         # (see pipeline/modeling/adapters.py); other layers: the adapter reads the layer's output.
         for i, (layer, norm) in enumerate(zip(self._top_layers, norms)):
             (layer if norm is None else norm).register_forward_hook(self._make_adapter_hook(i, norm is not None))
-        self._fingerprint: str | None = None
         self.to(torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"))
         self.train(False)
 
@@ -196,22 +195,21 @@ class AdapterSummarizer(nn.Module):
     def local_parameters(self) -> list[nn.Parameter]:
         return list(self.adapter_sets["local"].parameters())
 
+    @functools.cached_property
     def backbone_fingerprint(self) -> str:
         """sha256 of the backbone's config, weights, attention implementation, library versions and tokenizer."""
-        if self._fingerprint is None:
-            import transformers
+        import transformers
 
-            h = hashlib.sha256()
-            h.update(self.backbone.config.to_json_string(use_diff=False).encode())
-            h.update(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
-            h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
-            for name, tensor in sorted(self.backbone.state_dict().items()):
-                h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-                h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            vocab = sorted(self.tokenizer.get_vocab().items())
-            h.update(json.dumps([vocab, sorted(self.tokenizer.all_special_tokens)]).encode())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
+        h = hashlib.sha256()
+        h.update(self.backbone.config.to_json_string(use_diff=False).encode())
+        h.update(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
+        h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
+        for name, tensor in sorted(self.backbone.state_dict().items()):
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        vocab = sorted(self.tokenizer.get_vocab().items())
+        h.update(json.dumps([vocab, sorted(self.tokenizer.all_special_tokens)]).encode())
+        return h.hexdigest()
 
     def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
