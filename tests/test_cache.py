@@ -54,7 +54,7 @@ def _cache(model, root, **kw):
     """A cache of ``model`` with LENGTHS and top_k 2; ``kw`` replaces its fingerprint, dtype, max_bytes or a model
     setting."""
     settings = {k: kw.pop(k) for k in ("max_source_length", "max_target_length", "top_k") if k in kw}
-    args = dict(fingerprint=model.backbone_fingerprint(), dtype="float32", max_bytes=10**8) | kw
+    args = dict(fingerprint=model.backbone_fingerprint, dtype="float32", max_bytes=10**8) | kw
     return PrefixCache(root, cfg=dataclasses.replace(LENGTHS, **{"top_k": 2} | settings), **args)
 
 
@@ -64,7 +64,7 @@ def test_cached_prefix_gives_the_uncached_logits_and_loss(model, tmp_path):
     batch = _batch(model, [0, 1, 2])
     valid = batch.labels != IGNORE_INDEX
     ref = model.forward_two_paths(batch)
-    ref_loss = distillation_loss(ref.logits_local, ref.logits_global, batch.labels, cfg).loss
+    ref_loss = distillation_loss(ref[0], ref[1], batch.labels, cfg).loss
 
     first = model.forward_two_paths(batch, cache.prefix_for(model, batch))
     assert cache.stats["misses"] == 3 and cache.stats["hits"] == 0
@@ -73,9 +73,9 @@ def test_cached_prefix_gives_the_uncached_logits_and_loss(model, tmp_path):
     outs = [model.forward_two_paths(b, cache.prefix_for(model, b)) for b in regrouped]
     assert cache.stats["hits"] == 3 and cache.stats["misses"] == 4  # e3 was new
 
-    torch.testing.assert_close(first.logits_local[valid], ref.logits_local[valid], atol=1e-5, rtol=0)
-    torch.testing.assert_close(first.logits_global[valid], ref.logits_global[valid], atol=1e-5, rtol=0)
-    loss = distillation_loss(first.logits_local, first.logits_global, batch.labels, cfg).loss
+    torch.testing.assert_close(first[0][valid], ref[0][valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(first[1][valid], ref[1][valid], atol=1e-5, rtol=0)
+    loss = distillation_loss(first[0], first[1], batch.labels, cfg).loss
     assert abs(loss.item() - ref_loss.item()) < 1e-5
     # per example, the regrouped batches give the same logits as the first batch
     for b, out in zip(regrouped, outs):
@@ -84,7 +84,7 @@ def test_cached_prefix_gives_the_uncached_logits_and_loss(model, tmp_path):
                 continue
             i = batch.example_ids.index(eid)
             n = int((b.labels[j] != IGNORE_INDEX).sum())
-            torch.testing.assert_close(out.logits_local[j, :n], ref.logits_local[i, :n], atol=1e-5, rtol=0)
+            torch.testing.assert_close(out[0][j, :n], ref[0][i, :n], atol=1e-5, rtol=0)
     # gradients flow from the cached path into the local adapters only
     loss.backward()
     assert all(p.grad is not None for p in model.local_parameters())
@@ -132,8 +132,8 @@ def test_half_precision_cache_is_close(model, tmp_path):
     cache = _cache(model, tmp_path, dtype="bfloat16")
     batch = _batch(model, [0, 1])
     valid = batch.labels != IGNORE_INDEX
-    ref = model.forward_two_paths(batch).logits_local[valid]
-    got = model.forward_two_paths(batch, cache.prefix_for(model, batch)).logits_local[valid]
+    ref = model.forward_two_paths(batch)[0][valid]
+    got = model.forward_two_paths(batch, cache.prefix_for(model, batch))[0][valid]
     assert (got - ref).abs().max() < 0.1
 
 

@@ -69,16 +69,16 @@ def test_only_local_adapters_are_trainable(summarizer):
 
 
 def test_two_path_forward_equals_two_full_forwards(summarizer, batch):
-    out = summarizer.forward_two_paths(batch)
+    logits_local, logits_global = summarizer.forward_two_paths(batch)
     valid = batch.labels != IGNORE_INDEX
     ref_local = summarizer.forward_path(batch, "local")
     with torch.no_grad():
         ref_global = summarizer.forward_path(batch, "global")
-    torch.testing.assert_close(out.logits_local[valid], ref_local[valid], atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.logits_global[valid], ref_global[valid], atol=1e-5, rtol=0)
-    assert out.logits_local.requires_grad and not out.logits_global.requires_grad
+    torch.testing.assert_close(logits_local[valid], ref_local[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_global[valid], ref_global[valid], atol=1e-5, rtol=0)
+    assert logits_local.requires_grad and not logits_global.requires_grad
     # the two paths really differ, so the comparison above can fail
-    assert (out.logits_local - out.logits_global)[valid].abs().max() > 1e-2
+    assert (logits_local - logits_global)[valid].abs().max() > 1e-2
 
 
 def test_training_step_changes_only_local_adapters(summarizer, batch):
@@ -88,8 +88,8 @@ def test_training_step_changes_only_local_adapters(summarizer, batch):
     global_before = summarizer.adapter_state("global")
     local_before = summarizer.adapter_state("local")
     opt = torch.optim.AdamW(summarizer.local_parameters(), lr=1e-2)
-    out = summarizer.forward_two_paths(batch)
-    loss = distillation_loss(out.logits_local, out.logits_global, batch.labels, KDConfig(mode="kd")).loss
+    logits_local, logits_global = summarizer.forward_two_paths(batch)
+    loss = distillation_loss(logits_local, logits_global, batch.labels, KDConfig(mode="kd")).loss
     loss.backward()
     assert all(p.grad is not None for p in summarizer.local_parameters())
     assert all(p.grad is None for n, p in summarizer.named_parameters() if not n.startswith("adapter_sets.local"))
@@ -193,11 +193,11 @@ def test_fingerprint_stable_and_sensitive():
     cfg = AdapterConfig(top_k=1, bottleneck=4)
     m1 = AdapterSummarizer.from_backbone(b1, t1, cfg, device="cpu")
     m2 = AdapterSummarizer.from_backbone(b2, t2, cfg, device="cpu")
-    assert m1.backbone_fingerprint() == m2.backbone_fingerprint()
+    assert m1.backbone_fingerprint == m2.backbone_fingerprint
     with torch.no_grad():
         b2.encoder.embeddings.word_embeddings.weight[5, 0] += 1e-3
-    m2._fingerprint = None
-    assert m1.backbone_fingerprint() != m2.backbone_fingerprint()
+    del m2.backbone_fingerprint  # hashed again
+    assert m1.backbone_fingerprint != m2.backbone_fingerprint
 
 
 def test_adapter_init_is_seeded():
@@ -262,9 +262,9 @@ def test_other_architectures(kind, tmp_path):
         round0 = model.forward_path(b, "global")[valid]
     assert (round0 - base).abs().max() < (1e-5 if kind == "led" else 0.05)
     _perturb(model, "local", 5)
-    out = model.forward_two_paths(b)
-    torch.testing.assert_close(out.logits_local[valid], model.forward_path(b, "local")[valid], atol=1e-5, rtol=0)
-    torch.testing.assert_close(out.logits_global[valid], round0, atol=1e-5, rtol=0)
+    logits_local, logits_global = model.forward_two_paths(b)
+    torch.testing.assert_close(logits_local[valid], model.forward_path(b, "local")[valid], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits_global[valid], round0, atol=1e-5, rtol=0)
     assert model.generate(b.input_ids, b.attention_mask, "local", max_new_tokens=3, num_beams=2).shape[0] == 3
 
 
@@ -292,14 +292,14 @@ def test_head_on_real_tokens_only_keeps_loss_and_gradients(summarizer, batch):
         ref_loss, ref_grads = loss_and_grads(summarizer.forward_path(batch, "local"), ref_global)
         full = summarizer.forward_two_paths(batch)
         packed = summarizer.forward_two_paths(batch, packed=True)
-        assert full.logits_local.shape == ref_global.shape and packed.logits_local.shape == (
+        assert full[0].shape == ref_global.shape and packed[0].shape == (
             int(valid.sum()),
             ref_global.shape[-1],
         )
-        assert (full.logits_local[~valid] == 0).all() and (full.logits_global[~valid] == 0).all()
-        torch.testing.assert_close(packed.logits_global, full.logits_global[valid], atol=1e-6, rtol=0)
-        for out in (full, packed):
-            loss, grads = loss_and_grads(out.logits_local, out.logits_global)
+        assert (full[0][~valid] == 0).all() and (full[1][~valid] == 0).all()
+        torch.testing.assert_close(packed[1], full[1][valid], atol=1e-6, rtol=0)
+        for logits_local, logits_global in (full, packed):
+            loss, grads = loss_and_grads(logits_local, logits_global)
             assert abs(loss - ref_loss) < 1e-5
             for g, r in zip(grads, ref_grads):
                 torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-4)

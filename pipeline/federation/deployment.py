@@ -27,7 +27,7 @@ from pipeline.experiments.settings import RunSettings
 from pipeline.federation.client_app import client_app, client_dir, client_name
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, error_line, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
-from pipeline.modeling.adapters import adapter_file, load_local_adapter, save_adapter
+from pipeline.modeling.adapters import adapter_file, load_adapter, save_adapter
 from pipeline.paths import PATHS
 from pipeline.results.evaluation import (
     SCORE_KEYS,
@@ -129,7 +129,7 @@ def client_summarize(msg: Message, context: Context) -> Message:
     metrics: dict[str, float | int] = {"n_test": len(test_ids)}
     if test_ids:
         model = shared_model(plan)
-        load_local_adapter(model, adapter_file(client_dir(plan, name, context), cfg.adapter))
+        model.load_adapter_state("local", load_adapter(adapter_file(client_dir(plan, name, context), cfg.adapter)))
         where = f"{plan.paths['partition']}, {plan.paths['examples']}"
         sub = test_subsample(read_examples(plan.paths["examples"]), test_ids, name, cfg, where)
         max_src = cfg.max_source_length or plan.model_config.max_source_length

@@ -123,8 +123,3 @@ def load_adapter(path: str | Path) -> dict[str, torch.Tensor]:
     if not Path(path).is_file():
         raise DataError(f"{path}: adapter weights not found (did the train stage finish for this client?)")
     return load_file(str(path))
-
-
-def load_local_adapter(model, path: Path) -> None:
-    """Load a trained client adapter file into ``model``'s local adapter set (what generation uses)."""
-    model.load_adapter_state("local", load_adapter(path))

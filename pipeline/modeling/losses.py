@@ -232,10 +232,9 @@ def distillation_losses(
         raise ValueError(f"distillation_loss: mode {missing[0]!r} needs the global (teacher) logits")
     kernels = {(cfg.kd_temperature, cfg.kd_direction, cfg.entropy_log_base) for cfg in cfgs[:runs_taught]}
     if len(kernels) > 1:  # one kernel takes one temperature, direction and log base: each run alone
-        parts = zip(labels, cfgs, hard_masks, starts, starts[1:])
         alone = [
             distillation_losses(z_l[s:e], z_g[s:e] if s < taught else None, [y], [c], [h], chunk_rows)[1][0]
-            for y, c, h, s, e in parts
+            for y, c, h, s, e in zip(labels, cfgs, hard_masks, starts, starts[1:])
         ]
         return torch.stack([out.loss for out in alone]), alone
     t, direction, log_base = next(iter(kernels), (1.0, "teacher_to_student", "e"))

@@ -16,7 +16,6 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,12 +53,6 @@ class Prefix:
         if runs == 1:
             return self
         return Prefix(**{name: torch.cat([tensor] * runs) for name, tensor in vars(self).items()})
-
-
-class TwoPathOutput(NamedTuple):
-    # [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target tokens (row-major)
-    logits_local: torch.Tensor  # differentiable w.r.t. the local adapters
-    logits_global: torch.Tensor  # computed under no_grad
 
 
 class _PrefixReady(Exception):
@@ -113,7 +106,6 @@ class AdapterSummarizer(nn.Module):
         # (see pipeline/modeling/adapters.py); other layers: the adapter reads the layer's output.
         for i, (layer, norm) in enumerate(zip(self._top_layers, norms)):
             (layer if norm is None else norm).register_forward_hook(self._make_adapter_hook(i, norm is not None))
-        self._fingerprint: str | None = None
         self.to(torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu"))
         self.train(False)
 
@@ -170,8 +162,7 @@ class AdapterSummarizer(nn.Module):
         def hook(module, args, output):
             if self._active is None:
                 return output
-            active = self.adapter_sets[self._active] if isinstance(self._active, str) else self._active
-            adapter = active[i]
+            adapter = (self.adapter_sets[self._active] if isinstance(self._active, str) else self._active)[i]
             if on_input:  # Y = Z, the input of the layer's output LayerNorm
                 return adapter(args[0])
             return (adapter(output[0]),) + tuple(output[1:]) if isinstance(output, tuple) else adapter(output)
@@ -204,31 +195,29 @@ class AdapterSummarizer(nn.Module):
     def local_parameters(self) -> list[nn.Parameter]:
         return list(self.adapter_sets["local"].parameters())
 
+    @functools.cached_property
     def backbone_fingerprint(self) -> str:
         """sha256 of the backbone's config, weights, attention implementation, library versions and tokenizer."""
-        if self._fingerprint is None:
-            import transformers
+        import transformers
 
-            h = hashlib.sha256()
-            h.update(self.backbone.config.to_json_string(use_diff=False).encode())
-            h.update(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
-            h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
-            for name, tensor in sorted(self.backbone.state_dict().items()):
-                h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-                h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            vocab = sorted(self.tokenizer.get_vocab().items())
-            h.update(json.dumps([vocab, sorted(self.tokenizer.all_special_tokens)]).encode())
-            self._fingerprint = h.hexdigest()
-        return self._fingerprint
+        h = hashlib.sha256()
+        h.update(self.backbone.config.to_json_string(use_diff=False).encode())
+        h.update(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
+        h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
+        for name, tensor in sorted(self.backbone.state_dict().items()):
+            h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        vocab = sorted(self.tokenizer.get_vocab().items())
+        h.update(json.dumps([vocab, sorted(self.tokenizer.all_special_tokens)]).encode())
+        return h.hexdigest()
 
     def forward_path(self, batch: Batch, path: str | None) -> torch.Tensor:
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
-        device = self.device
         with self.use_path(path):
             return self.backbone(
-                input_ids=batch.input_ids.to(device),
-                attention_mask=batch.attention_mask.to(device),
-                decoder_input_ids=batch.decoder_input_ids.to(device),
+                input_ids=batch.input_ids.to(self.device),
+                attention_mask=batch.attention_mask.to(self.device),
+                decoder_input_ids=batch.decoder_input_ids.to(self.device),
                 use_cache=False,
             ).logits
 
@@ -312,13 +301,16 @@ class AdapterSummarizer(nn.Module):
         full[mask] = rows  # a differentiable scatter into zeros
         return full
 
-    def forward_two_paths(self, batch: Batch, prefix: Prefix | None = None, packed: bool = False) -> TwoPathOutput:
-        """Both paths from one prefix: local with gradients, global (the teacher) under no_grad."""
+    def forward_two_paths(
+        self, batch: Batch, prefix: Prefix | None = None, packed: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both paths' logits from one prefix: (local, with gradients; global, the teacher, under no_grad), each
+        [B, T, V] (0 on padding), or with ``packed`` the [N, V] rows of the real target tokens (row-major)."""
         prefix = (prefix if prefix is not None else self.compute_prefix(batch)).to(self.device)
         masks = self.top_masks(prefix, batch.attention_mask)
         logits_local = self.path_logits(prefix, "local", masks, packed)
         with torch.no_grad():
-            return TwoPathOutput(logits_local, self.path_logits(prefix, "global", masks, packed))
+            return logits_local, self.path_logits(prefix, "global", masks, packed)
 
     @torch.no_grad()
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:

@@ -117,10 +117,9 @@ def per_example_loss_scale(batch: Batch, normalisation: str, max_target_length: 
     mean into the sum of per-example losses, each a function of its example alone (so clipping bounds its
     contribution): ``tokens``, sum_t L_t / max_target_length (a public denominator; the batch mean x N_tokens /
     T_max); ``sequences``, each example's token mean."""
-    valid = batch.labels != IGNORE_INDEX
     if normalisation == "tokens":
-        return int(valid.sum()) / max_target_length
-    return float(int((valid.sum(dim=1) > 0).sum()))
+        return batch.target_tokens / max_target_length
+    return float(int(((batch.labels != IGNORE_INDEX).sum(dim=1) > 0).sum()))
 
 
 def _accumulation_steps(
@@ -170,26 +169,24 @@ def train_local(
     kd = kd_config(plan)
     seed = derived_seed(plan.seed, client, rnd, "train")
     transformers.set_seed(seed)  # Python's, NumPy's and torch's generators
-    params = model.local_parameters()
-    for p in params:
-        p.requires_grad_(True)
+    local = model.adapter_sets["local"]
+    local.requires_grad_(True)
     proximal = None
     if proximal_mu > 0.0:
         if proximal_reference is None:
             raise ValueError("train_local: proximal_mu > 0 needs the global weights (proximal_reference)")
-        state_names = list(model.adapter_state("local"))  # matched to the parameters by order
-        proximal = Proximal(params, [proximal_reference[k].to(model.device) for k in state_names], proximal_mu)
+        reference = [proximal_reference[k].to(model.device) for k in model.adapter_state("local")]  # parameter order
+        proximal = Proximal(model.local_parameters(), reference, proximal_mu)
     masks = noun_verb_masks(plan.paths["postags"]) if kd.mode == "hard" else None
 
     def dp_step(frame: pd.DataFrame) -> list[tuple[Batch, float]]:  # a DP-SGD step's sample, in order
         batches = make_batches(frame, model, mcfg, cfg.batch_size, False, 0, cfg.bucket_by_length)
         return [(b, per_example_loss_scale(b, kd.loss_normalisation, mcfg.max_target_length)) for b in batches]
 
-    stepper = privacy.local_steps(plan, model.adapter_sets["local"], examples, seed, client, dp_step, proximal)
+    stepper = privacy.local_steps(plan, local, examples, seed, client, dp_step, proximal)
     try:
         if stepper is None:
-            for p in params:
-                p.requires_grad_(False)
+            local.requires_grad_(False)
             epochs = range(cfg.local_epochs)
             steps = [step for e in epochs for step in _accumulation_steps(model, examples, plan, derived_seed(seed, e))]
             job = LocalJob(model, plan, client, rnd, kd, steps, masks, proximal, cache, progress)
@@ -203,8 +200,7 @@ def train_local(
         if stepper is not None:
             stepper.close()
         model.train(False)
-        for p in params:
-            p.requires_grad_(False)
+        local.requires_grad_(False)
     sums = _round_sums([out for _, out in done.outputs])
     tokens = max(sums["tokens"], 1)
     # entropy and gate carry no gradient; the gate is False on padding (a CE round has none: an empty log)
@@ -230,7 +226,6 @@ def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutpu
     from pipeline.modeling.losses import distillation_loss  # looked up per call: tests/reliability.py wraps it
 
     cfg = plan.train
-    two_paths = kd.mode != "ce"
     optimizer = torch.optim.AdamW(adamw_groups(model.adapter_sets["local"].parameters(), cfg), lr=cfg.lr)
     model.train(True)
     outputs: list[tuple[Batch, LossOutput]] = []  # read once the round's steps are done (no host sync per step)
@@ -244,7 +239,7 @@ def _private_round(model, plan, stepper, kd, masks, cache, proximal) -> JobOutpu
                     hard_mask = torch.from_numpy(masks.batch(batch.example_ids, batch.labels)).to(model.device)
                 prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
                 # packed: the LM head and the loss run only on the real (non-padding) target tokens
-                if two_paths:
+                if kd.mode != "ce":
                     logits_local, logits_global = model.forward_two_paths(batch, prefix, packed=True)
                 else:
                     logits_local, logits_global = model.path_logits(prefix.to(model.device), "local", packed=True), None

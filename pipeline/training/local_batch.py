@@ -70,8 +70,7 @@ class LocalJob:
 
     def __post_init__(self) -> None:
         self.local = self.model.adapter_state("local")
-        two_paths = self.kd is not None and self.kd.mode != "ce"
-        self.teacher = self.model.adapter_state("global") if two_paths else None
+        self.teacher = self.model.adapter_state("global") if self.kd is not None and self.kd.mode != "ce" else None
 
     def group_key(self) -> tuple:
         """Jobs with equal keys have as many micro-batches in each step and the optimizer's settings: they train
@@ -236,13 +235,6 @@ def train_group(jobs: list[LocalJob]) -> list[JobOutput]:
     return [trained[order.index(r)] for r in range(runs)]
 
 
-def _run_rows(labels: torch.Tensor, runs: int) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Each run's block of the (host) labels, its target tokens, and where its rows start in the packed logits."""
-    blocks = labels.view(runs, -1, labels.shape[1])
-    tokens = (blocks != IGNORE_INDEX).flatten(1).sum(1).tolist()
-    return blocks, tokens, [sum(tokens[:r]) for r in range(runs + 1)]
-
-
 @torch.no_grad()
 def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
     """Each job's mean token CE of its local adapter on its micro-batches (teacher forcing, float32) and its number
@@ -256,12 +248,13 @@ def validate_group(jobs: list[LocalJob]) -> list[tuple[float, int]]:
     for s in range(len(jobs[0].steps)):
         prefix, labels, source_mask, _ = _micro_batch(jobs, s, 0)
         logits, _ = stacked_logits(model, prefix, labels, source_mask, local, None, 0, False)
-        blocks, tokens, starts = _run_rows(labels, runs)
-        for r in range(runs):
-            y = blocks[r][blocks[r] != IGNORE_INDEX].to(model.device, non_blocking=True)
-            student = logits[starts[r] : starts[r + 1]].float()
+        start = 0  # where the run's rows start in the packed logits
+        for r, block in enumerate(labels.view(runs, -1, labels.shape[1])):  # each run's block of the (host) labels
+            y = block[block != IGNORE_INDEX].to(model.device, non_blocking=True)  # its length: a shape, no sync
+            student = logits[start : start + len(y)].float()
             sums[r].append(torch.nn.functional.cross_entropy(student, y, reduction="sum"))
-            counts[r] += tokens[r]
+            counts[r] += len(y)
+            start += len(y)
     # read in one transfer (one host sync, not one a run and micro-batch); summed on the host in micro-batch order
     read = torch.stack([torch.stack(run_sums) for run_sums in sums]).tolist()
     return [(sum(read[r]) / max(counts[r], 1), counts[r]) for r in range(runs)]
@@ -299,15 +292,14 @@ def _in_groups(jobs: list[LocalJob], group_call) -> list:
     keys: dict[tuple, list[int]] = defaultdict(list)
     for i, job in enumerate(jobs):
         keys[job.group_key()].append(i)
-    results: list[JobOutput | Exception] = [None] * len(jobs)  # type: ignore[list-item]
+    results: dict[int, JobOutput | Exception] = {}
     for members in (group for same in keys.values() for group in _within_budget(jobs, same)):
         outs = _outputs_or_error(group_call, [jobs[i] for i in members])
         if len(members) > 1 and isinstance(outs[0], Exception):  # one job's error fails no other: each alone
             log.warning("a group of %d jobs failed (%s); each is trained alone", len(members), outs[0])
             outs = [_outputs_or_error(group_call, [jobs[i]])[0] for i in members]
-        for i, out in zip(members, outs):
-            results[i] = out
-    return results
+        results.update(zip(members, outs))
+    return [results[i] for i in range(len(jobs))]
 
 
 def _outputs_or_error(group_call, group: list[LocalJob]) -> list:

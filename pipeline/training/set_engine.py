@@ -88,13 +88,11 @@ class _Member:
         self.resume.clear()
         try:
             set_rng_state(self.rng)  # the run's own generators, kept when it ends
-            try:
-                self.result = self.target()
-            finally:
-                self.rng = rng_state()
+            self.result = self.target()
         except BaseException as exc:  # noqa: BLE001 -- handed to the coordinator, which raises it
             self.error = exc
         finally:
+            self.rng = rng_state()
             self.done = True
             self.paused.set()
 

@@ -55,7 +55,7 @@ def prefix_cache_for(plan: Plan, model: AdapterSummarizer, cache: CacheConfig):
     # where it lives and its budget are run-time settings (RunSettings.cache); its entries' dtype is the plan's
     args = (
         resolve_root(cache.cache_dir),
-        model.backbone_fingerprint(),
+        model.backbone_fingerprint,
         plan.model_config,
         plan.cache_dtype or "float32",
         int(cache.cache_max_gb * 2**30),

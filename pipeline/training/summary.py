@@ -124,8 +124,7 @@ def log_run_outputs(
 def convergence_tags(metrics: dict[str, Any]) -> dict[str, str]:
     """The run's stop outcome as MLflow tags (``converged`` true|false, ``stopped_round``, ``best_round``; not those
     that are None: no stop rule, no validation loss)."""
-    keys = ("converged", "stopped_round", "best_round")
-    return {k: str(metrics[k]).lower() for k in keys if metrics[k] is not None}
+    return {k: str(metrics[k]).lower() for k in ("converged", "stopped_round", "best_round") if metrics[k] is not None}
 
 
 def final_run_metrics(metrics: dict[str, Any]) -> dict[str, float]:
