@@ -157,8 +157,8 @@ def measure_preset(model, shape: dict[str, Any], precision: str, repeats: int) -
         prefix = model.compute_prefix(batch)
 
         def step() -> None:
-            two = model.forward_two_paths(batch, prefix)
-            distillation_loss(two.logits_local, two.logits_global, batch.labels, kd).loss.backward()
+            logits_local, logits_global = model.forward_two_paths(batch, prefix)
+            distillation_loss(logits_local, logits_global, batch.labels, kd).loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

@@ -203,12 +203,14 @@ def _evaluator(work: Path, plan, mcfg):
     ``batch``, beam 4, by the run's best adapter; returns how many."""
     import pandas as pd
 
-    from pipeline.modeling.adapters import adapter_file, load_local_adapter
+    from pipeline.modeling.adapters import adapter_file, load_adapter
     from pipeline.modeling.model import AdapterSummarizer, adapter_config
     from pipeline.results.evaluation import EvaluateConfig, generate_summaries
 
     model = AdapterSummarizer.from_pretrained(str(work / "models" / "backbone"), adapter_config(mcfg))
-    load_local_adapter(model, adapter_file(work / "models" / plan.experiment / "clients" / "Academic", "best"))
+    model.load_adapter_state(
+        "local", load_adapter(adapter_file(work / "models" / plan.experiment / "clients" / "Academic", "best"))
+    )
     test = json.loads((work / "data" / "partitions" / "domain" / "seed0.json").read_text())["clients"]["Academic"]
     frame = pd.read_parquet(work / "data" / "processed" / "examples.parquet").set_index("example_id")
     sources = frame.loc[test["test"], "source"].tolist()

@@ -68,8 +68,7 @@ def make_steps(model: AdapterSummarizer, batch: Batch, cache: PrefixCache) -> di
         finish(decode(encoder_outputs, "local"), logits_global)
 
     def prefix_cached() -> None:
-        out = model.forward_two_paths(batch, cache.prefix_for(model, batch))
-        finish(out.logits_local, out.logits_global)
+        finish(*model.forward_two_paths(batch, cache.prefix_for(model, batch)))
 
     return {"naive": naive, "shared_encoder": shared_encoder, "prefix_cached": prefix_cached}
 
