@@ -18,7 +18,7 @@ def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, account
         return 0.0
     if noise_multiplier <= 0:
         return math.inf
-    from opacus.accountants import create_accountant
+    from opacus.accountants import create_accountant  # lazy for start-up time: importing opacus takes ~6 s
 
     acc = create_accountant(mechanism=accountant)
     acc.history = [(float(noise_multiplier), float(q), int(steps))]
@@ -28,7 +28,7 @@ def epsilon(noise_multiplier: float, q: float, steps: int, delta: float, account
 @lru_cache(maxsize=64)
 def noise_for_target(target_epsilon: float, delta: float, q: float, steps: int, accountant: str) -> float:
     """The smallest z whose epsilon after ``steps`` is at most the target (opacus' search, to 0.01)."""
-    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.accountants.utils import get_noise_multiplier  # lazy, as above
 
     search = {"target_epsilon": target_epsilon, "target_delta": delta, "sample_rate": q, "steps": steps}
     return float(get_noise_multiplier(**search, accountant=accountant, epsilon_tolerance=0.01))
