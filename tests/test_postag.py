@@ -98,6 +98,15 @@ def test_hard_kd_mask_marks_exactly_nouns_and_verbs(nlp, bert_tok):
         masks["unknown"]
 
 
+def test_a_quoted_or_bracketed_word_is_tagged_by_its_content_not_its_punctuation(nlp, bert_tok):
+    """'"timing"' and '(battery)' are nouns (METHOD.md 7.9-7.10: hard KD on every target noun and verb), not PUNCT."""
+    tagged = _tag(nlp, bert_tok, ["q"], ['They discussed the "timing" and the (battery) cost.'], 64)
+    words = tagged.dropna(subset=["word_index"]).drop_duplicates("word_index")
+    expected = ["PRON", "VERB", "DET", "NOUN", "CCONJ", "DET", "NOUN", "NOUN"]  # by hand
+    assert list(zip(words["word"], words["pos"])) == list(zip(words["word"], expected))
+    assert tagged.loc[tagged["word"] == "(battery)", "is_noun_or_verb"].all()
+
+
 def test_propn_counts_as_noun_aux_does_not(nlp, bert_tok):
     tagged = _tag(nlp, bert_tok, ["p"], ["Project manager decides to use LCD."], 64)
     nv_words = tagged.loc[tagged["is_noun_or_verb"], "word"].unique().tolist()
