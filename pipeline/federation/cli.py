@@ -1,7 +1,7 @@
 """`python -m pipeline.federation`: a local deployment of one experiment (``local``: pipeline.federation.localhost),
 a run's status (``status``) and what each role of a real federation holds (``kit``, docs/federation.md): the server's
 kit (plan, backbone, its run config) and a site's (plus its own examples, partition and POS tags only), laid out as the
-project root. The plan and data readers are imported inside the functions: ``status`` starts without torch."""
+project root. pandas and the data readers are imported inside the functions: ``status`` starts without them."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError
 from pipeline.common.schema import DataError
+from pipeline.experiments.plans import read_plan
 from pipeline.federation.localhost import LocalhostConfig, run_localhost, server_run_config, status_command
 from pipeline.paths import PATHS
 
@@ -43,7 +44,6 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
     The plan keeps its relative path, so the same run config works on every role."""
     import pandas as pd
 
-    from pipeline.experiments.plans import read_plan
     from pipeline.training.client_data import read_examples, read_partition
 
     plan = read_plan(plan_path)

@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict
+from pipeline.common.config import from_dict, load_params
+from pipeline.experiments.settings import load_run_settings
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca
 from pipeline.paths import PATHS
+from pipeline.results.evaluation import EvaluateConfig
+from pipeline.results.tracking import end_if_running
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
@@ -68,10 +71,6 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
 def server_run_config(params_file: str, experiment: str) -> dict[str, str | float]:
     """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
     overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
-    from pipeline.common.config import load_params
-    from pipeline.experiments.settings import load_run_settings
-    from pipeline.results.evaluation import EvaluateConfig
-
     settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
     decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
     return {
@@ -93,8 +92,6 @@ def close_left_running(workdir: Path, plan, reason: str) -> None:
 
     path = workdir / mlflow_run_id_path(plan)
     if path.exists():
-        from pipeline.results.tracking import end_if_running
-
         end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
 
 

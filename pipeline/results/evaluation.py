@@ -15,7 +15,9 @@ from pydantic import model_validator
 
 from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, config
 from pipeline.common.schema import DataError
+from pipeline.experiments.plans import record_hash
 from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
+from pipeline.results.tracking import RunLogger, _client, experiment_id
 
 
 @config
@@ -199,10 +201,6 @@ def log_to_mlflow(
     """Log an evaluation into its training run (of its plan record ``experiment``, or the one an imported record's
     ``run_tags`` name; else a new run): :func:`headline_metrics`, and each client's ROUGE into its client's run, on its
     adapter's LoggedModel and its ``test_sets`` dataset; the tag ``converged`` is readers.run_converged. Run id."""
-    # lazy: a deployed ClientApp (one process per message) imports this module and never logs to MLflow
-    from pipeline.experiments.plans import record_hash
-    from pipeline.results.tracking import RunLogger, _client, experiment_id
-
     name, study = metrics["experiment"], str(experiment.get("study") or "main")
     exp_id = experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id")

@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, flatten, repo_root
 
@@ -56,8 +58,6 @@ def run_name(experiment: str) -> str:
 
 
 def _process_start(pid: int) -> float | None:
-    import psutil
-
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
