@@ -88,7 +88,7 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
-    from pipeline.training.checkpoints import mlflow_run_id_path
+    from pipeline.training.checkpoints import mlflow_run_id_path  # lazy: torch (~1 s); `status` starts without it
 
     path = workdir / mlflow_run_id_path(plan)
     if path.exists():
@@ -146,9 +146,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
-        from pipeline.federation.deployment import ServerRunConfig
-        from pipeline.federation.protocol import load_plan
-        from pipeline.training.client_data import client_names
+        from pipeline.federation.deployment import ServerRunConfig  # lazy: torch, Flower (~2 s)
+        from pipeline.federation.protocol import load_plan  # lazy, as above
+        from pipeline.training.client_data import client_names  # lazy, as above (pandas)
 
         self.cfg = cfg
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
@@ -270,7 +270,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def _resume_hint(self) -> str:
         """Where a rerun starts: round 1, or the one after the server's last checkpointed round (a resumed run)."""
-        from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path
+        from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path  # lazy: torch (~1 s)
 
         ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
         command = f"python -m pipeline.federation local --plan {self.cfg.plan}"

@@ -110,10 +110,10 @@ def generate_per_run(
     run-major blocks of equal size (pipeline.modeling.adapter_stack), at most ``GENERATE_ROWS`` rows a call (the runs
     beyond them in the next call); a run's shorter last batch is filled with copies of its last source, whose
     summaries are dropped."""
-    import torch
-    from tqdm import tqdm
+    import torch  # lazy: torch (~1 s); the federation CLI imports this module without it
+    from tqdm import tqdm  # lazy, as above
 
-    from pipeline.modeling.adapter_stack import AdapterStack
+    from pipeline.modeling.adapter_stack import AdapterStack  # lazy, as above: it imports torch
 
     tokenizer, size = model.tokenizer, cfg.batch_size
     stacks: dict[tuple[int, ...], AdapterStack] = {}  # by the runs a call holds
