@@ -3,7 +3,10 @@ package today, and broken again by any of the package cycles they were written a
 
 from __future__ import annotations
 
+import ast
 import copy
+import io
+import tokenize
 from pathlib import Path
 
 import grimp
@@ -111,6 +114,51 @@ def test_a_private_import_across_packages_is_found(tmp_path):
     assert _private_imports_across_packages(tmp_path) == [
         "pipeline/federation/deployment.py: pipeline.results.tracking._client"
     ]
+
+
+# Their source is hashed into plans (pipeline.experiments.plans): even a comment changed there changes every plan id
+# and reruns every train stage, so their function-level imports (Flower's strategies) are left as they are.
+HASHED_INTO_PLANS = ("pipeline/modeling/gates/", "pipeline/federation/strategies/")
+
+
+def _uncommented_function_imports(root: Path) -> list[str]:
+    """Imports inside a function under ``root/pipeline`` with no comment on their line nor a comment line just above
+    (issue 55: an import kept out of the module's top says why: start-up time, a per-call look-up, a cycle)."""
+    found = []
+    for path in sorted((root / "pipeline").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(HASHED_INTO_PLANS):
+            continue
+        text = path.read_text(encoding="utf-8")
+        tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+        commented = {t.start[0] for t in tokens if t.type == tokenize.COMMENT}
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, (ast.Import, ast.ImportFrom)) and not (
+                        node.lineno in commented or lines[node.lineno - 2].lstrip().startswith("#")
+                    ):
+                        found.append(f"{rel}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return sorted(set(found))  # an import in a nested function is walked from each enclosing one
+
+
+def test_every_import_inside_a_function_says_why():
+    assert _uncommented_function_imports(ROOT) == []
+
+
+def test_an_uncommented_import_inside_a_function_is_found(tmp_path):
+    for rel, text in {
+        "pipeline/a.py": (
+            "import os\n\n\ndef f():\n    import json  # lazy: a reason\n\n    # lazy: a reason\n    import csv\n"
+            "    x = 1  # a trailing comment above is no reason\n    import re\n\n    def g():\n        import abc\n"
+        ),
+        "pipeline/modeling/gates/g.py": "def f():\n    import json\n",
+        "pipeline/federation/strategies/s.py": "def f():\n    import json\n",
+    }.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert _uncommented_function_imports(tmp_path) == ["pipeline/a.py:10: import re", "pipeline/a.py:13: import abc"]
 
 
 # ----------------------------------------------------------------------------------------------- room sizes

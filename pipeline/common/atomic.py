@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from psutil import pid_exists  # someone else's live process (EPERM) counts as alive
+
 ENV_KILL = "FEDMEET_FAULT_KILL_WRITE"
 _matching_writes = 0  # atomic writes so far whose name matches the kill pattern (this process)
 
@@ -39,8 +41,6 @@ def _remove_stale(target: Path, pattern: str) -> None:
     """Remove temporaries of ``target`` left by processes that died before renaming them (a SIGKILL skips every
     cleanup): inside a DVC output directory they would otherwise be hashed as part of the output. Temporaries of
     live processes (a concurrent writer) are left alone."""
-    from psutil import pid_exists  # someone else's live process (EPERM) counts as alive
-
     rx = re.compile(pattern)
     for p in target.parent.iterdir():
         if (m := rx.fullmatch(p.name)) and int(m["pid"]) != os.getpid() and not pid_exists(int(m["pid"])):

@@ -11,6 +11,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from pipeline.common.config import ConfigError
+from pipeline.common.schema import DataError
+
 EXIT_USAGE = 2
 # Defined in stage modules that may run as ``__main__`` (so matched by name, not by identity).
 STAGE_ERRORS = ("BackboneError", "PresetError", "FederationError")
@@ -28,9 +31,6 @@ def run(main: Callable[..., Any], argv: list[str] | None = None) -> int:
     """Run a stage's ``main(argv)`` and return the process exit status."""
     if argv is None:  # this process is the stage
         freeze_collected()
-    from pipeline.common.config import ConfigError
-    from pipeline.common.schema import DataError
-
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args or os.environ.get("FEDMEET_DEBUG", "") not in ("", "0")
     try:

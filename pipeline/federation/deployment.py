@@ -38,6 +38,7 @@ from pipeline.results.evaluation import (
     test_subsample,
 )
 from pipeline.results.scoring import Scorer, mean_scores
+from pipeline.results.tracking import RunLogger, delete_run
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
 from pipeline.training.history import TrainRecorder
@@ -192,9 +193,6 @@ class DeploymentRecorder(TrainRecorder):
 
 def start_mlflow_run(plan: Plan, fresh: bool, run_id_file: Path):
     """The server's MLflow run: the one ``run_id_file`` names when resuming, else a new one (its id written there)."""
-    # lazy: a ClientApp, one process per message, never loads MLflow
-    from pipeline.results.tracking import RunLogger, delete_run
-
     if fresh and run_id_file.exists():
         # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
         # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts

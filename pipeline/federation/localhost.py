@@ -21,10 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.common import atomic
-from pipeline.common.config import from_dict
+from pipeline.common.config import from_dict, load_params
+from pipeline.experiments.settings import load_run_settings
 from pipeline.federation.processes import HOST, FederationError, Process, ProcessGroup, free_port, port_open, wait_for
 from pipeline.federation.tls import Certificates, make_node_key, make_self_signed_ca
 from pipeline.paths import PATHS
+from pipeline.results.evaluation import EvaluateConfig
+from pipeline.results.tracking import end_if_running
 
 CONNECTION = "fedmeet-local"  # the name of the SuperLink connection in FLWR_HOME/config.toml
 REPO_ROOT = Path(__file__).resolve().parents[2]  # the Flower app (pyproject.toml with [tool.flwr.app])
@@ -68,10 +71,6 @@ def parse_run_status(text: str, run_id: int | None = None) -> tuple[str, str, st
 def server_run_config(params_file: str, experiment: str) -> dict[str, str | float]:
     """The ServerApp's run-time settings from a params file: round and admission timeouts (with ``experiment``'s
     overrides) and the federated evaluation's decoding (its ``evaluate`` group, as JSON)."""
-    from pipeline.common.config import load_params
-    from pipeline.experiments.settings import load_run_settings
-    from pipeline.results.evaluation import EvaluateConfig
-
     settings = load_run_settings(params_file, experiment)  # a missing file is an error, never the defaults
     decoding = from_dict(EvaluateConfig, load_params(params_file).get("evaluate"), f"{params_file}: evaluate")
     return {
@@ -89,12 +88,10 @@ def flwr(*args: str, **kwargs) -> subprocess.CompletedProcess:
 
 def close_left_running(workdir: Path, plan, reason: str) -> None:
     """Mark KILLED the MLflow run of ``plan``'s server (its id beside the server checkpoint) if it is RUNNING."""
-    from pipeline.training.checkpoints import mlflow_run_id_path
+    from pipeline.training.checkpoints import mlflow_run_id_path  # lazy: torch (~1 s); `status` starts without it
 
     path = workdir / mlflow_run_id_path(plan)
     if path.exists():
-        from pipeline.results.tracking import end_if_running
-
         end_if_running(path.read_text().strip(), f"marked KILLED by the local command: {reason}")
 
 
@@ -149,9 +146,9 @@ class LocalhostFederation(contextlib.AbstractContextManager):
     """SuperLink + SuperNodes of one deployment, usable as a context manager (everything stopped on exit)."""
 
     def __init__(self, cfg: LocalhostConfig):
-        from pipeline.federation.deployment import ServerRunConfig
-        from pipeline.federation.protocol import load_plan
-        from pipeline.training.client_data import client_names
+        from pipeline.federation.deployment import ServerRunConfig  # lazy: torch, Flower (~2 s)
+        from pipeline.federation.protocol import load_plan  # lazy, as above
+        from pipeline.training.client_data import client_names  # lazy, as above (pandas)
 
         self.cfg = cfg
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
@@ -273,7 +270,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
 
     def _resume_hint(self) -> str:
         """Where a rerun starts: round 1, or the one after the server's last checkpointed round (a resumed run)."""
-        from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path
+        from pipeline.training.checkpoints import load_round_checkpoint, server_checkpoint_path  # lazy: torch (~1 s)
 
         ckpt = load_round_checkpoint(self.workdir / server_checkpoint_path(self.plan), self.plan)
         command = f"python -m pipeline.federation local --plan {self.cfg.plan}"

@@ -62,7 +62,7 @@ def classify(name: str) -> str:
 
 def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
     """snapshot_download the model (weights, config, tokenizer); the resolved commit hash is recorded."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: ~0.2-0.5 s, for a hub id only
 
     # config, tokenizer and generation files plus safetensors weights; PyTorch .bin weights only for repositories
     # that have no safetensors (one download either way, cached by huggingface_hub)
@@ -85,7 +85,7 @@ def download_hub(name: str, revision: str) -> tuple[Path, dict[str, Any]]:
 
 def load_seq2seq(path: Path, name: str):
     """An HF encoder-decoder and its tokenizer from a local directory; clear errors otherwise."""
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer  # lazy: ~1.5 s to import
 
     if not (path / "config.json").is_file():
         raise BackboneError(f"{path}: no config.json, not a save_pretrained model directory (backbone.name={name!r})")
@@ -107,7 +107,7 @@ def add_sep_token(model, tokenizer, sep_token: str) -> int:
     """Add ``sep_token`` as one special token and resize the embeddings; returns its id."""
     tokenizer.add_special_tokens({"additional_special_tokens": [sep_token]}, replace_extra_special_tokens=False)
     n = len(tokenizer)
-    from transformers import EncoderDecoderModel
+    from transformers import EncoderDecoderModel  # lazy: importing it takes ~3 s
 
     if isinstance(model, EncoderDecoderModel):  # its resize_token_embeddings is not implemented
         for part in (model.encoder, model.decoder):

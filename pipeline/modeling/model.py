@@ -113,7 +113,7 @@ class AdapterSummarizer(nn.Module):
     def from_pretrained(cls, path: str | Path, adapter: AdapterConfig, device=None) -> AdapterSummarizer:
         """An HF encoder-decoder (BART/LED/mBART/Pegasus, or an EncoderDecoderModel such as BERT2BERT) and its
         tokenizer from ``path`` (a local dir or a hub id)."""
-        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer  # lazy: ~1 s to import
 
         if Path(path).is_dir():
             check_model_dir(path)  # a damaged directory names its file instead of failing deep in transformers
@@ -198,7 +198,7 @@ class AdapterSummarizer(nn.Module):
     @functools.cached_property
     def backbone_fingerprint(self) -> str:
         """sha256 of the backbone's config, weights, attention implementation, library versions and tokenizer."""
-        import transformers
+        import transformers  # lazy: importing transformers takes ~0.5 s
 
         h = hashlib.sha256()
         h.update(self.backbone.config.to_json_string(use_diff=False).encode())
@@ -246,7 +246,7 @@ class AdapterSummarizer(nn.Module):
         Python ``if`` (on a GPU, a host sync), so the causal self-attention over right-padded targets gets none (their
         padding never reaches a valid token) and the cross-attention's is passed only where ``source_mask`` (the
         prefix's encoder mask on the host: the batch's; None: read from the prefix, a sync) has padding."""
-        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask  # lazy: ~1 s to import
 
         h, config = prefix.decoder_hidden, self._stack.config
         self_mask = create_causal_mask(config=config, inputs_embeds=h, attention_mask=None, past_key_values=None)

@@ -86,7 +86,7 @@ def word_index_from_offsets(
 
 def load_spacy(name: str):
     """spaCy pipeline ``name`` with only the components that set ``token.pos_`` enabled."""
-    import spacy
+    import spacy  # lazy: importing spaCy takes ~2 s
 
     try:
         nlp = spacy.load(name)
@@ -143,7 +143,7 @@ def write_target_tags(
     cfg: PostagConfig, examples_path: Path, backbone: Path, out_path: Path, report_path: Path, max_target_length: int
 ) -> None:
     """Tag the targets of the examples of ``cfg.datasets`` into ``out_path`` and their counts into ``report_path``."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig  # lazy: ~1.5 s to import
 
     if not examples_path.exists():
         raise FileNotFoundError(f"{examples_path}: examples not found (run `dvc repro examples`)")

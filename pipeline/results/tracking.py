@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from pipeline.common import atomic
 from pipeline.common.config import ConfigError, flatten, repo_root
 
@@ -56,8 +58,6 @@ def run_name(experiment: str) -> str:
 
 
 def _process_start(pid: int) -> float | None:
-    import psutil
-
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
@@ -138,8 +138,8 @@ class _RetryingClient:  # an MlflowClient whose calls are retried while the stor
 
 
 def _client():
-    import mlflow
-    from mlflow.tracking import MlflowClient
+    import mlflow  # lazy: importing mlflow takes ~1-2 s
+    from mlflow.tracking import MlflowClient  # lazy, as above
 
     mlflow.set_tracking_uri(uri := tracking_uri())
     with _store_lock(uri):
@@ -174,7 +174,7 @@ def experiment_id(study: str, description: str | None = None) -> str:
 def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
     """Point a study's artifact locations (its runs' and models' too) at this checkout's ``mlartifacts/<study>``
     when the store lives in the checkout; MLflow stores absolute locations and has no API to change them."""
-    from mlflow.utils.file_utils import local_file_uri_to_path
+    from mlflow.utils.file_utils import local_file_uri_to_path  # lazy: mlflow, as above
 
     db = _sqlite_path(tracking_uri())
     if db is None or not (location or "").startswith("file:") or not db.resolve().is_relative_to(repo_root().resolve()):
@@ -196,8 +196,8 @@ def rebase_artifacts(exp_id: str, study: str, location: str | None) -> bool:
 
 def split_dataset(partition: str, client: str, split: str, ids: list, source: str | Path):
     """A client's split as an MLflow dataset of metadata only: ``<partition>/<client>/<split>``, its ids' digest."""
-    from mlflow.data.meta_dataset import MetaDataset
-    from mlflow.data.sources import LocalArtifactDatasetSource
+    from mlflow.data.meta_dataset import MetaDataset  # lazy: mlflow, as above
+    from mlflow.data.sources import LocalArtifactDatasetSource  # lazy, as above
 
     digest = hashlib.sha256(json.dumps([str(i) for i in ids]).encode()).hexdigest()[:16]
     return MetaDataset(LocalArtifactDatasetSource(str(source)), name=f"{partition}/{client}/{split}", digest=digest)
@@ -237,8 +237,8 @@ class RunLogger:
         child run per client of the ``partition`` file or of ``clients``, and MLflow's system metrics. Runs of the
         same experiment left RUNNING by a dead process (SIGKILL, power loss) are marked KILLED, with their clients'
         runs."""
-        from mlflow.entities import DatasetInput, InputTag, Param
-        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+        from mlflow.entities import DatasetInput, InputTag, Param  # lazy: mlflow, as above
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # lazy, as above
 
         client, exp_id, resumed = _client(), experiment_id(study), False
         resume_run_id = run_id_file.read_text().strip() if run_id_file and run_id_file.exists() else None
@@ -294,7 +294,7 @@ class RunLogger:
 
     def log_metrics(self, metrics: dict[str, float], step: int, model_id: str | None = None, dataset=None) -> None:
         """Log ``metrics`` at ``step`` (NaN, None left out; a client's to its run) for ``model_id`` on ``dataset``."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: mlflow, as above
 
         now, rows = int(time.time() * 1000), {}
         data = {"dataset_name": dataset.name, "dataset_digest": dataset.digest} if dataset is not None else {}
@@ -312,7 +312,7 @@ class RunLogger:
         return self._client.get_metric_history(self.run_id, key)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # lazy: mlflow, as above
 
         self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in sorted(tags.items())])
 
@@ -372,7 +372,7 @@ def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
 def download_model(model: str, models_dir: Path) -> dict[str, str]:
     """A LoggedModel (its id ``m-...`` or ``models:/<id>``) downloaded into ``models_dir/<experiment>/`` as the train
     stage lays out its output (``clients/<client>/adapter_best.safetensors``, ``experiment.json``); its tags."""
-    import mlflow
+    import mlflow  # lazy: importing mlflow takes ~1-2 s
 
     model_id = model.removeprefix("models:/").strip("/")
     _client()  # sets the tracking URI

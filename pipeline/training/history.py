@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from pipeline.common import atomic
 from pipeline.experiments.plans import Plan
 
@@ -122,8 +124,6 @@ class TrainRecorder:
         self.logger, self.round_seconds, self._bar = logger, [], None
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
-        from tqdm import tqdm
-
         self._bar = tqdm(
             total=plan.train.rounds, initial=start_round - 1, desc=f"{plan.experiment} rounds", unit="round"
         )
