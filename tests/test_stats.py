@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.results.stats import BootstrapConfig, holm, mean_interval, meetings, paired_difference
+from pipeline.results.stats import BootstrapConfig, bootstrap_method, holm, mean_interval, meetings, paired_difference
 
 CFG = BootstrapConfig(n_resamples=2000, seed=0)
 
@@ -197,3 +197,10 @@ def test_a_meeting_whose_queries_several_clients_hold_is_one_cluster_across_them
         [d[:, ::2], d[:, 1::2]], [zero[:, ::2], zero[:, 1::2]], CFG, clusters=[ids[::2], ids[1::2]]
     )
     assert split.high - split.low > 0.85 * (one.high - one.low)
+
+
+def test_the_recorded_bootstrap_method_says_meetings_held_by_several_clients_are_drawn_for_all():
+    within = meetings([["qmsum/Academic/test/Bed003/q0"], ["qmsum/Product/test/ES2004a/q0"]])
+    across = meetings([["qmsum/Academic/test/Bed003/q0"], ["qmsum/Academic/test/Bed003/q1"]])
+    assert "resampled within clients" in bootstrap_method(within)
+    assert "within clients" not in bootstrap_method(across) and "for every client" in bootstrap_method(across)

@@ -221,7 +221,6 @@ def bootstrap_method(clusters: list[np.ndarray] | None) -> str:
     """How :func:`client_average_intervals` resampled, in words (metrics.json ``ci.method``)."""
     unit = "test examples" if clusters is None else "meetings (with all their queries)"
     what = "test examples" if clusters is None else "test meetings"
-    return (
-        f"percentile bootstrap of the client average, {unit} resampled within clients (one seed: the choice of "
-        f"{what} only)"
-    )
+    spanning = clusters is not None and len(set(np.concatenate(clusters))) < sum(len(set(c)) for c in clusters)
+    where = "once for every client" if spanning else "within clients"  # a meeting in several clients: _checked
+    return f"percentile bootstrap of the client average, {unit} resampled {where} (one seed: the choice of {what} only)"
