@@ -619,3 +619,14 @@ def test_the_claims_say_how_many_runs_are_not_converged():
     text = claims.results_text(table, convergence)
     assert "3 of 5 client-runs had their best validation round in their last round (8)" in text
     assert "2 of 3 runs are not converged" in text
+
+
+def test_the_bound_on_every_holm_p_of_a_supported_line_is_never_below_the_largest():
+    """'Holm p ≤ x each' must hold for every comparison of the line: x is the largest Holm p rounded up to three
+    decimals (rounded to nearest, 0.0124 printed as 0.012, a bound the comparison does not meet)."""
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.0124),
+        _row(method_a="centralized", method_b="fedavg", mean_diff=2.3, ci_low=0.2, ci_high=4.4, p_value=0.004),
+    ]
+    text = claims.results_text(pd.DataFrame(rows).assign(significant=True))
+    assert "- **Pooling the data helps** (Holm p ≤ 0.013 each)" in text

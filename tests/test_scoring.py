@@ -277,3 +277,16 @@ def test_plain_rouge_l_is_the_papers_r_l_by_its_ratio_to_r1():
     assert 0.66 <= min(plain) and max(plain) <= 0.77  # inside the paper's range
     assert 0.83 <= min(summary) and max(summary) <= 0.91 and min(summary) > max(paper)  # above all of it
     assert TABLE_ROUGE_L == "rougeL"
+
+
+def test_a_summaries_file_that_is_not_utf8_is_one_line_naming_it(tmp_path, capsys):
+    """A predictions file another tool wrote in Latin-1 ("café" as the byte e9) ended the score CLI in a
+    UnicodeDecodeError traceback naming no file."""
+    from pipeline.common.cli import run as run_cli
+
+    pred, ref = tmp_path / "pred.txt", tmp_path / "ref.txt"
+    pred.write_bytes("the café opened\n".encode("latin-1"))
+    ref.write_text("the cafe opened\n")
+    assert run_cli(evaluate_main, ["score", "--pred", str(pred), "--ref", str(ref)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(pred) in err[0] and "UTF-8" in err[0]

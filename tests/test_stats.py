@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pipeline.results.stats import BootstrapConfig, holm, mean_interval, meetings, paired_difference
+from pipeline.results.stats import BootstrapConfig, bootstrap_method, holm, mean_interval, meetings, paired_difference
 
 CFG = BootstrapConfig(n_resamples=2000, seed=0)
 
@@ -124,8 +124,9 @@ def test_holm_adjusts_a_family_as_computed_by_hand():
 
 
 def _duplicated(per_client, k):
-    """Each example repeated k times, and the cluster ids that tie the copies together."""
-    return [np.repeat(a, k, axis=1) for a in per_client], [np.repeat(np.arange(a.shape[1]), k) for a in per_client]
+    """Each example repeated k times, and the cluster ids that tie the copies together (distinct across clients)."""
+    ids = [np.repeat(np.arange(a.shape[1]) + 1000 * c, k) for c, a in enumerate(per_client)]
+    return [np.repeat(a, k, axis=1) for a in per_client], ids
 
 
 @pytest.mark.parametrize("seeds", [1, 3])
@@ -143,7 +144,7 @@ def test_copies_of_one_example_in_one_cluster_count_as_that_example_once(seeds):
     naive = paired_difference(a3, b3, CFG)
     assert naive.high - naive.low < 0.7 * (plain.high - plain.low)
     # one example a cluster is the independent interval
-    singletons = paired_difference(a, b, CFG, clusters=[np.arange(x.shape[1]) for x in a])
+    singletons = paired_difference(a, b, CFG, clusters=[np.arange(x.shape[1]) + 100 * c for c, x in enumerate(a)])
     assert (singletons.low, singletons.high) == pytest.approx((plain.low, plain.high))
 
 
@@ -174,3 +175,32 @@ def test_qmsum_queries_cluster_by_meeting_and_other_datasets_do_not():
     (got,) = meetings(ids)
     assert got.tolist() == ["qmsum/Academic/test/Bed003"] * 2 + ["qmsum/Academic/test/Bed008"]
     assert meetings([["samsum/test/13862856", "samsum/test/13729565"]]) is None
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_a_meeting_whose_queries_several_clients_hold_is_one_cluster_across_them(seeds):
+    """The iid partition splits each meeting's queries between the clients: the meeting is still one unit, so a
+    second client holding the same meetings with the same scores brings no new evidence and the interval is the one
+    client's (one seed: the same draws of meetings; several: up to the t's degrees of freedom). Resampled or summed
+    within each client alone, the copy counted as independent and narrowed the interval by about sqrt 2."""
+    rng = np.random.default_rng(11)
+    ids = np.repeat([f"qmsum/Product/test/m{g}" for g in range(20)], 3)  # 20 meetings of 3 queries
+    d = rng.normal(0.0, 4.0, 20)[None, np.repeat(np.arange(20), 3)] + rng.normal(1.0, 1.0, (seeds, 60))
+    zero = np.zeros((seeds, 60))
+    one = paired_difference([d], [zero], CFG, clusters=[ids])
+    two = paired_difference([d, d.copy()], [zero, zero], CFG, clusters=[ids, ids.copy()])
+    assert two.estimate == pytest.approx(one.estimate)
+    assert two.high - two.low == pytest.approx(one.high - one.low, rel=0.03 if seeds > 1 else 1e-9)
+    # queries of one meeting split between two clients (as the iid partition does): the same as one client's interval
+    # of the meeting means' spread, not half its variance
+    split = paired_difference(
+        [d[:, ::2], d[:, 1::2]], [zero[:, ::2], zero[:, 1::2]], CFG, clusters=[ids[::2], ids[1::2]]
+    )
+    assert split.high - split.low > 0.85 * (one.high - one.low)
+
+
+def test_the_recorded_bootstrap_method_says_meetings_held_by_several_clients_are_drawn_for_all():
+    within = meetings([["qmsum/Academic/test/Bed003/q0"], ["qmsum/Product/test/ES2004a/q0"]])
+    across = meetings([["qmsum/Academic/test/Bed003/q0"], ["qmsum/Academic/test/Bed003/q1"]])
+    assert "resampled within clients" in bootstrap_method(within)
+    assert "within clients" not in bootstrap_method(across) and "for every client" in bootstrap_method(across)

@@ -96,7 +96,10 @@ def read_lines(path: str | Path) -> list[str]:
     """One summary per line (trailing newline optional; a final empty line is not a summary)."""
     if not Path(path).is_file():
         raise DataError(f"{path}: file not found")
-    lines = Path(path).read_text(encoding="utf-8").split("\n")
+    try:
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError as err:  # a file another tool wrote in Latin-1, say
+        raise DataError(f"{path}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start})") from err
     return [line.rstrip("\r") for line in (lines[:-1] if lines[-1] == "" else lines)]
 
 

@@ -42,16 +42,20 @@ class Interval:
         return bool(self.low > 0.0 or self.high < 0.0)
 
 
-def _checked(per_client: list[np.ndarray], clusters: list[np.ndarray] | None) -> tuple[int, list[np.ndarray]]:
-    """The number of seeds every client's [n_seeds, n_examples] array has, and per client each example's group as
-    0..G-1 (every example its own group without ``clusters``)."""
+def _checked(
+    per_client: list[np.ndarray], clusters: list[np.ndarray] | None
+) -> tuple[int, list[np.ndarray], list[np.ndarray] | None]:
+    """The number of seeds every client's [n_seeds, n_examples] array has; per client each example's group as
+    0..G-1 (every example its own group without ``clusters``); and where a group spans clients (an id in several
+    clients' ``clusters``: a meeting whose queries the iid partition split between them), each example's group as
+    0..G-1 over all clients, else None."""
     if not per_client:
         raise ValueError("bootstrap: no client has scores")
     n_seeds = {a.shape[0] for a in per_client}
     if len(n_seeds) != 1 or 0 in n_seeds or any(a.shape[1] == 0 for a in per_client):
         raise ValueError("bootstrap: every client needs the same seeds and at least one example")
     if clusters is None:
-        return n_seeds.pop(), [np.arange(a.shape[1]) for a in per_client]
+        return n_seeds.pop(), [np.arange(a.shape[1]) for a in per_client], None
     if len(clusters) != len(per_client):
         raise ValueError(f"bootstrap: {len(clusters)} cluster arrays for {len(per_client)} clients")
     out = []
@@ -60,53 +64,67 @@ def _checked(per_client: list[np.ndarray], clusters: list[np.ndarray] | None) ->
         if c.shape != (a.shape[1],):
             raise ValueError(f"bootstrap: {c.shape[0] if c.ndim else 0} cluster ids for {a.shape[1]} examples")
         out.append(np.unique(c, return_inverse=True)[1].ravel())
-    return n_seeds.pop(), out
+    codes = np.unique(np.concatenate([np.asarray(c) for c in clusters]), return_inverse=True)[1].ravel()
+    spanning = codes.max() + 1 < sum(g.max() + 1 for g in out)
+    return n_seeds.pop(), out, np.split(codes, np.cumsum([g.size for g in out])[:-1]) if spanning else None
 
 
 def _one_seed(
-    per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig
+    per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig, joint: list[np.ndarray] | None = None
 ) -> tuple[Interval, np.ndarray]:
     """The percentile interval of one seed's client average (per-client arrays [1, n_c]; p NaN) and its B
     bootstrap replicates: each client's groups (its examples, or its meetings) drawn with replacement, the
-    replicate's client mean = the drawn groups' score sum over their example count."""
+    replicate's client mean = the drawn groups' score sum over their example count; with ``joint`` (groups that span
+    clients) the groups of all clients drawn once for all (a replicate where a client drew none of its own is left out)."""
     rng = np.random.default_rng(cfg.seed)
-    total = np.zeros(cfg.n_resamples)
-    for a, g in zip(per_client, groups, strict=True):
-        sums, sizes = np.bincount(g, weights=a[0]), np.bincount(g).astype(float)
-        idx = rng.integers(0, len(sums), size=(cfg.n_resamples, len(sums)))
-        total += sums[idx].sum(axis=1) / sizes[idx].sum(axis=1)
-    reps, alpha = total / len(per_client), 1.0 - cfg.level
+    total, n_all = np.zeros(cfg.n_resamples), 0 if joint is None else int(max(j.max() for j in joint)) + 1
+    shared = rng.integers(0, n_all, size=(cfg.n_resamples, n_all)) if n_all else None
+    for a, g in zip(per_client, joint or groups, strict=True):
+        sums, sizes = np.bincount(g, weights=a[0], minlength=n_all), np.bincount(g, minlength=n_all).astype(float)
+        idx = rng.integers(0, len(sums), size=(cfg.n_resamples, len(sums))) if shared is None else shared
+        with np.errstate(invalid="ignore"):
+            total += sums[idx].sum(axis=1) / sizes[idx].sum(axis=1)
+    reps, alpha = total[~np.isnan(total)] / len(per_client), 1.0 - cfg.level
     low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
     observed = float(np.mean([a.mean() for a in per_client]))
     return Interval(observed, float(low), float(high), math.nan, sum(a.shape[1] for a in per_client), 1), reps
 
 
-def _cluster_variance(x: np.ndarray, g: np.ndarray) -> float:
-    """Cluster-robust variance of the mean of ``x`` [..., n] (rows: independent replications summed): the squared
-    group sums of the centred values, G / (G - 1) small-sample factor; with one example a group, var(ddof=1) / n."""
-    n, n_groups = x.shape[-1], int(g.max()) + 1
+def _cluster_variance(xs: list[np.ndarray], gs: list[np.ndarray]) -> float:
+    """Cluster-robust variance of the sum of the means of each ``x`` [..., n] (rows: independent replications
+    summed): the squared group sums of the centred values (over n), G / (G - 1) small-sample factor, an id in several
+    ``gs`` one group; of one ``x`` with one example a group, var(ddof=1) / n."""
+    n, n_groups = xs[0].shape[-1], int(max(g.max() for g in gs)) + 1
     if n_groups < 2:
         return 0.0
-    centred = np.atleast_2d(x - x.mean(axis=-1, keepdims=True))
-    sums = np.stack([np.bincount(g, weights=row, minlength=n_groups) for row in centred])
+    sums = 0.0
+    for x, g in zip(xs, gs, strict=True):
+        centred = np.atleast_2d(x - x.mean(axis=-1, keepdims=True)) * (n / x.shape[-1])  # each x's mean weighs 1
+        sums = sums + np.stack([np.bincount(g, weights=row, minlength=n_groups) for row in centred])
     return float((sums**2).sum() / n**2 * n_groups / (n_groups - 1))
 
 
-def _seeds_t(per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig) -> Interval:
+def _seeds_t(
+    per_client: list[np.ndarray], groups: list[np.ndarray], cfg: BootstrapConfig, joint: list[np.ndarray] | None = None
+) -> Interval:
     """The several-seeds t-interval of the client average and its two-sided p: variance = between-seed variance of
     the per-seed client averages / s + example-level variance of the seed-averaged scores - the seed x example
     residual both contain, floored at the larger of the first two; Welch-Satterthwaite df. The example-level parts
-    are cluster-robust over ``groups`` (examples of one meeting are not independent), with df = groups - clients."""
+    are cluster-robust over ``groups`` (examples of one meeting are not independent), or over ``joint`` where groups
+    span clients, with df = groups - clients."""
     s, k = per_client[0].shape[0], len(per_client)
     by_seed = np.mean([a.mean(axis=1) for a in per_client], axis=0)  # [s]: each seed's client average
     n = np.array([a.shape[1] for a in per_client])
-    # per client: the example-level variance of the seed-averaged mean, and the seed x example residual's share
-    v_ex = sum(_cluster_variance(a.mean(axis=0), g) for a, g in zip(per_client, groups, strict=True)) / k**2
+    means = [a.mean(axis=0) for a in per_client]
     resid = [a - a.mean(axis=0) - a.mean(axis=1, keepdims=True) + a.mean() for a in per_client]
-    v_res = sum(_cluster_variance(r, g) / ((s - 1) * s) for r, g in zip(resid, groups, strict=True)) / k**2
+    # per client, or all at once where groups span clients: the example-level variance of the seed-averaged mean, and
+    # the seed x example residual's share
+    units = [([m], [r], [g]) for m, r, g in zip(means, resid, groups)] if joint is None else [(means, resid, joint)]
+    v_ex = sum(_cluster_variance(m, g) for m, _, g in units) / k**2
+    v_res = sum(_cluster_variance(r, g) / ((s - 1) * s) for _, r, g in units) / k**2
     v_seed = by_seed.var(ddof=1) / s
     var = max(v_seed + v_ex - v_res, v_seed, v_ex)
-    df_ex = max(sum(int(g.max()) + 1 for g in groups) - k, 1)
+    df_ex = max(sum(int(max(x.max() for x in g)) + 1 for _, _, g in units) - k, 1)
     df = var**2 / (v_seed**2 / (s - 1) + v_ex**2 / df_ex) if var > 0 else math.inf
     estimate, se = float(by_seed.mean()), math.sqrt(var)
     half = float(sps.t.ppf(0.5 + cfg.level / 2, df)) * se
@@ -120,10 +138,10 @@ def mean_interval(
     """Interval of one method's client-average score; ``per_client``: one array [n_seeds, n_examples] a client;
     ``clusters``: as for :func:`paired_difference`."""
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
-    seeds, groups = _checked(arrays, clusters)
+    seeds, groups, joint = _checked(arrays, clusters)
     if seeds > 1:
-        return dataclasses.replace(_seeds_t(arrays, groups, cfg), p_value=math.nan)
-    return _one_seed(arrays, groups, cfg)[0]
+        return dataclasses.replace(_seeds_t(arrays, groups, cfg, joint), p_value=math.nan)
+    return _one_seed(arrays, groups, cfg, joint)[0]
 
 
 def paired_difference(
@@ -142,12 +160,12 @@ def paired_difference(
         if a.shape != b.shape:
             raise ValueError(f"paired bootstrap: shapes differ {a.shape} vs {b.shape} (pair seeds and examples first)")
         diffs.append(a - b)
-    seeds, groups = _checked(diffs, clusters)
+    seeds, groups, joint = _checked(diffs, clusters)
     if any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its examples' spread is unknown
         return Interval(float(np.mean([d.mean() for d in diffs])), *[math.nan] * 3, sum(g.size for g in groups), seeds)
     if seeds > 1:
-        return _seeds_t(diffs, groups, cfg)
-    interval, reps = _one_seed(diffs, groups, cfg)
+        return _seeds_t(diffs, groups, cfg, joint)
+    interval, reps = _one_seed(diffs, groups, cfg, joint)
     # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
     p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
     return dataclasses.replace(interval, p_value=p)
@@ -203,7 +221,6 @@ def bootstrap_method(clusters: list[np.ndarray] | None) -> str:
     """How :func:`client_average_intervals` resampled, in words (metrics.json ``ci.method``)."""
     unit = "test examples" if clusters is None else "meetings (with all their queries)"
     what = "test examples" if clusters is None else "test meetings"
-    return (
-        f"percentile bootstrap of the client average, {unit} resampled within clients (one seed: the choice of "
-        f"{what} only)"
-    )
+    spanning = clusters is not None and len(set(np.concatenate(clusters))) < sum(len(set(c)) for c in clusters)
+    where = "once for every client" if spanning else "within clients"  # a meeting in several clients: _checked
+    return f"percentile bootstrap of the client average, {unit} resampled {where} (one seed: the choice of {what} only)"
