@@ -71,6 +71,14 @@ CASES = [
         0,
         r"partition.cluster.batch_size=0 is out of range; allowed: >= 1",
     ),
+    # numpy's generator refuses a negative seed (a ValueError traceback from the scheme, after the params passed)
+    (
+        "partition",
+        ["--scheme", "iid", "--seed", "-1"],
+        "partition.seeds",
+        [-1],
+        r"partition.seeds\[0\]=-1 is out of range; allowed: >= 0",
+    ),
     (
         "partition",
         ["--scheme", "iid", "--seed", "0"],
