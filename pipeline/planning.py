@@ -51,7 +51,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
             f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
-    tau, train = raw.get("tau"), (params.get("train") or {}) | overrides  # the entry's train keys win
+    tau, train = raw.get("tau"), group(params, "train") | overrides  # the entry's train keys win
     entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
         "name": str(name),
         "seed": raw.get("seed", params.get("seed", 0)),
