@@ -43,6 +43,8 @@ CASES = [
         r"ingest.allow_absent_splits: expected a list",
     ),
     ("examples", [], "examples.bogus", 1, r"examples: unknown key\(s\) \['bogus'\]; allowed: \["),
+    # the examples stage reads ingest.datasets: a group that is not a mapping was an AttributeError traceback
+    ("examples", [], "ingest", [5], r"params.yaml ingest: expected a mapping of keys, got list \[5\]"),
     (
         "partition",
         ["--scheme", "domain", "--seed", "0"],
