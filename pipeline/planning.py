@@ -206,6 +206,6 @@ def check_model_group(params: dict[str, Any]) -> ModelConfig:
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
     if unknown := sorted(set(model) - known):
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    if model.get("cache_dtype", "float32") not in DTYPES:
+    if model.get("cache_dtype", "float32") not in list(DTYPES):  # a list value is unhashable
         raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
     return ModelConfig.from_group(model)
