@@ -33,7 +33,9 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
         raise ConfigError(
             f"backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
         )
-    return cfg, (params.get("examples") or {}).get("sep_token", "#SEP#")
+    if not isinstance(sep_token := group(params, "examples").get("sep_token", "#SEP#"), str):
+        raise ConfigError(f"examples.sep_token: expected a string, got {sep_token!r} (quote it in YAML: '#SEP#')")
+    return cfg, sep_token
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,7 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import ConfigError, from_dict, load_params
+from pipeline.common.config import ConfigError, from_dict, group, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.datasets.examples import ExamplesConfig, build_examples, stats_markdown, table_ii
 from pipeline.paths import PATHS
@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = from_dict(ExamplesConfig, params.get("examples"), "examples")
         # The names only (the ingest stage checked them against the readers): reading them through
         # pipeline.datasets.sources would put every reader module into this stage's deps, and the backbone's.
-        datasets = (params.get("ingest") or {}).get("datasets")
+        datasets = group(params, "ingest").get("datasets")
         if not isinstance(datasets, list) or not all(isinstance(d, str) for d in datasets):
             raise ConfigError(f"params.yaml ingest.datasets: expected a list of dataset names, got {datasets!r}")
         interim = {ds: pd.read_parquet(Path(args.interim_dir) / f"{ds}.parquet") for ds in datasets}

@@ -51,7 +51,7 @@ def parse_entry(name: str, raw: dict[str, Any], params: dict[str, Any]) -> Exper
             f"mapping of params.yaml privacy keys) and the train keys {sorted(train_fields)}"
         )
     reads_tau = getattr(METHODS.get(str(raw.get("method"))), "uses_tau", False)
-    tau, train = raw.get("tau"), (params.get("train") or {}) | overrides  # the entry's train keys win
+    tau, train = raw.get("tau"), group(params, "train") | overrides  # the entry's train keys win
     entry = {k: raw[k] for k in ("method", "partition", "study") if k in raw} | {
         "name": str(name),
         "seed": raw.get("seed", params.get("seed", 0)),
@@ -206,6 +206,6 @@ def check_model_group(params: dict[str, Any]) -> ModelConfig:
     known = set(MODEL_RESULT_KEYS) | set(RUN_MODEL_KEYS) | {"cache_dtype"}
     if unknown := sorted(set(model) - known):
         raise ConfigError(f"model: unknown key(s) {unknown}; allowed: {sorted(known)}")
-    if model.get("cache_dtype", "float32") not in DTYPES:
+    if model.get("cache_dtype", "float32") not in list(DTYPES):  # a list value is unhashable
         raise ConfigError(f"params.yaml model.cache_dtype={model['cache_dtype']!r}; expected one of {sorted(DTYPES)}")
     return ModelConfig.from_group(model)

@@ -93,11 +93,11 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
         return found
     partition = applied.get("partition") or {}
     schemes, seeds = partition.get("schemes", []), partition.get("seeds", [])
-    for name, entry in (preset.get("experiments") or {}).items():
+    for name, entry in (applied.get("experiments") or {}).items():  # the preset's, else params.yaml's
         try:
             parsed = parse_entry(str(name), entry, applied)
-        except ValueError as e:
-            found.append(f"experiments.{name}: {e}")
+        except ValueError as e:  # params.yaml's own entries fail only by a group the preset broke: check_params says it
+            found += [f"experiments.{name}: {e}"] if name in (preset.get("experiments") or {}) else []
             continue
         if parsed.scheme not in schemes or int(parsed.partition.partition("/seed")[2]) not in seeds:
             found.append(

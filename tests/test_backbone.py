@@ -23,6 +23,7 @@ from pipeline.common.timing import stage_timer
 from pipeline.modeling import backbone as bb
 from pipeline.modeling import warmup as wu
 from pipeline.results.scoring import rouge_summary
+from tests.errors import names
 
 DIALOGUES = [
     ([("Amanda", "I baked cookies. Do you want some?"), ("Jerry", "Sure!")], "Amanda baked cookies for Jerry."),
@@ -247,6 +248,18 @@ def test_params_yaml_backbone_group_is_complete():
     cfg, sep = stage.load_config(load_params(Path(__file__).resolve().parents[1] / "params.yaml"))
     assert cfg.name == bb.OFFLINE_RECIPE and sep == "#SEP#"
     assert cfg.warmup.steps > 0 and cfg.warmup.dataset == "samsum"
+
+
+def test_a_sep_token_that_is_not_text_is_named_before_the_backbone_is_built():
+    """`sep_token: #SEP#` unquoted is YAML's null (# starts a comment): the examples stage names it, and so must this
+    stage, which DVC may run first; it went on to build the model and ended in transformers' ValueError."""
+    from pipeline.common.config import load_params
+
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+    for bad in (None, 5):
+        with pytest.raises(ConfigError) as err:
+            stage.load_config({**params, "examples": {**params["examples"], "sep_token": bad}})
+        names(err.value, "examples.sep_token", repr(bad))
 
 
 # ------------------------------------------------------------------------------------------ timing

@@ -456,6 +456,18 @@ def test_a_samsum_zip_without_a_split_is_named(tmp_path, monkeypatch):
         sources.download("samsum", IngestConfig(urls={"samsum": "https://x/samsum.zip"}), tmp_path / "samsum")
 
 
+def test_a_download_address_without_its_scheme_is_named(tmp_path, monkeypatch):
+    """ingest.urls.<dataset> without http(s):// or file:// (urlopen's ValueError "unknown url type") is the one-line
+    download error naming the address and the key, not a traceback."""
+    monkeypatch.delenv(sources.ENV_DATA_ROOT, raising=False)
+    cfg = IngestConfig(
+        data_root=str(tmp_path / "none"), raw_dir=str(tmp_path / "raw"), urls={"qmsum": "example.org/qmsum"}
+    )
+    with pytest.raises(DataError) as err:
+        resolve_source("qmsum", cfg)
+    names(err.value, "example.org/qmsum", "unknown url type", "ingest.urls.qmsum")
+
+
 def test_a_download_that_hangs_is_given_up_after_the_timeout(monkeypatch):
     seen = {}
 

@@ -176,6 +176,16 @@ def test_experiment_entries_are_checked_by_the_plan_rules():
     )
 
 
+def test_a_preset_that_drops_a_partition_the_params_experiments_train_on_is_refused():
+    """A preset without experiments keeps params.yaml's: a partition they train on that the preset's partition.schemes
+    or seeds no longer produce is named (dvc exp run would stop at that training, after the partitions and backbone)."""
+    iid = [name for name, e in PARAMS["experiments"].items() if e["partition"] == "iid/seed0"]
+    assert iid  # params.yaml trains on the iid partition (METHOD.md 7.2)
+    bad = pr.problems({"partition": {"schemes": ["domain", "noniid_balanced", "extreme"]}}, PARAMS)
+    assert [b.split(":")[0] for b in bad] == [f"experiments.{name}" for name in iid]
+    assert all("'iid/seed0' is not produced" in b for b in bad)
+
+
 # ---------------------------------------------------------------------------------------------- applying
 def overlay(params: dict, preset: dict, top: bool = True) -> dict:
     """The rules of pipeline.presets' docstring written out: leaves replace, mappings merge key by key,

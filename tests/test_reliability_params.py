@@ -43,6 +43,8 @@ CASES = [
         r"ingest.allow_absent_splits: expected a list",
     ),
     ("examples", [], "examples.bogus", 1, r"examples: unknown key\(s\) \['bogus'\]; allowed: \["),
+    # the examples stage reads ingest.datasets: a group that is not a mapping was an AttributeError traceback
+    ("examples", [], "ingest", [5], r"params.yaml ingest: expected a mapping of keys, got list \[5\]"),
     (
         "partition",
         ["--scheme", "domain", "--seed", "0"],
@@ -70,6 +72,14 @@ CASES = [
         "partition.cluster.batch_size",
         0,
         r"partition.cluster.batch_size=0 is out of range; allowed: >= 1",
+    ),
+    # numpy's generator refuses a negative seed (a ValueError traceback from the scheme, after the params passed)
+    (
+        "partition",
+        ["--scheme", "iid", "--seed", "-1"],
+        "partition.seeds",
+        [-1],
+        r"partition.seeds\[0\]=-1 is out of range; allowed: >= 0",
     ),
     (
         "partition",
@@ -116,6 +126,8 @@ CASES = [
     ("plan", [], "model.adapter_init_std", -0.02, r"model.adapter_init_std=-0.02 is out of range; allowed: >= 0"),
     ("plan", [], "model.top_k", 0, r"model.top_k=0 is out of range; allowed: >= 1"),
     ("plan", [], "model.cache_dtype", "int4", r"model.cache_dtype='int4'; expected one of \["),
+    # a list (an unhashable value) was a TypeError traceback from the dtype lookup
+    ("plan", [], "model.cache_dtype", ["float16"], r"model.cache_dtype=\['float16'\]; expected one of \["),
     ("plan", [], "train.batch_size", 0, r"train.batch_size=0 is out of range; allowed: >= 1"),
     ("plan", [], "train.lr", "fast", r"train.lr: expected a number, got str 'fast'"),
     # torch's AdamW refuses these at the first step, numpy's sampler a negative cap, and a cap of 0 trains nothing

@@ -5,7 +5,6 @@ already downloaded into ``<raw_dir>/<dataset>/``, the upstream addresses ``inges
 from __future__ import annotations
 
 import os
-import urllib.error
 import urllib.request
 import zipfile
 from dataclasses import field
@@ -94,5 +93,6 @@ def download(dataset: str, cfg: IngestConfig, target: Path) -> None:
         for rel in tqdm(spec.files(), desc=f"download {dataset}", unit="file"):
             if not (target / rel).is_file():  # else: resume an interrupted download
                 atomic.write_bytes(target / rel, _fetch(f"{base}/{spec.upstream_path(rel)}"))
-    except (urllib.error.URLError, OSError, zipfile.BadZipFile) as exc:
+    # URLError is an OSError; ValueError: urlopen's "unknown url type" (an address without http(s):// or file://)
+    except (ValueError, OSError, zipfile.BadZipFile) as exc:
         raise DataError(_how_to_fix(dataset, cfg, f"download from {base} failed ({exc})")) from exc

@@ -271,7 +271,7 @@ SchemeName = Literal[tuple(SCHEMES)]  # type: ignore[valid-type]
 
 @config
 class PartitionConfig:
-    seeds: list[int] = field(default_factory=lambda: [0])
+    seeds: list[NonNegativeInt] = field(default_factory=lambda: [0])  # numpy refuses a negative seed
     schemes: list[SchemeName] = field(default_factory=lambda: list(SCHEMES))
     iid: IidConfig = field(default_factory=IidConfig)
     noniid_balanced: NoniidBalancedConfig = field(default_factory=NoniidBalancedConfig)
