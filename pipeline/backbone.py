@@ -20,8 +20,9 @@ from typing import Any
 
 from pipeline.common.cli import run as run_cli
 from pipeline.common.config import ConfigError, from_dict, group, load_params
+from pipeline.common.schema import SHARED_MEETINGS
 from pipeline.common.timing import stage_timer
-from pipeline.modeling.backbone import BackboneConfig, resolve
+from pipeline.modeling.backbone import OFFLINE_RECIPE, BackboneConfig, resolve
 from pipeline.paths import PATHS
 from pipeline.results.scoring import rouge_summary
 
@@ -33,6 +34,15 @@ def load_config(params: dict[str, Any]) -> tuple[BackboneConfig, str]:
         raise ConfigError(
             f"backbone.warmup.dataset={cfg.warmup.dataset!r} is not ingested; allowed: one of ingest.datasets {ingested}"
         )
+    # the recipe's warm-up trains on its dataset's train split; QMSum, AMI and ICSI hold the same meetings under
+    # different splits, so one of them tests on meetings the others train on (METHOD.md section 2: never together)
+    shared = {"qmsum", *SHARED_MEETINGS.values()}
+    if cfg.name == OFFLINE_RECIPE and cfg.warmup.steps and cfg.warmup.dataset in shared:
+        if others := sorted(shared & set(ingested) - {cfg.warmup.dataset}):
+            raise ConfigError(
+                f"backbone.warmup.dataset={cfg.warmup.dataset!r} trains on meetings that {others} test on (QMSum's "
+                "Product meetings are AMI's, its Academic ones ICSI's): warm up on a corpus that shares none (samsum)"
+            )
     if not isinstance(sep_token := group(params, "examples").get("sep_token", "#SEP#"), str):
         raise ConfigError(f"examples.sep_token: expected a string, got {sep_token!r} (quote it in YAML: '#SEP#')")
     return cfg, sep_token

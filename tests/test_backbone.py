@@ -262,6 +262,28 @@ def test_a_sep_token_that_is_not_text_is_named_before_the_backbone_is_built():
         names(err.value, "examples.sep_token", repr(bad))
 
 
+def test_a_warm_up_on_a_corpus_that_shares_meetings_with_an_ingested_one_is_refused():
+    """QMSum's Product meetings are AMI's and its Academic ones ICSI's, under other splits (METHOD.md section 2): the
+    recipe warmed up on AMI train took QMSum Product test meetings (ES2011, IS1003, TS3004, TS3011) into the backbone.
+    Refused in one line when another of the three is ingested; allowed alone, on SAMSum, and for a hub backbone
+    (which is not warmed up)."""
+    from pipeline.common.config import load_params
+
+    params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+
+    def config(dataset: str, datasets: list[str], name: str = "minilm-bert2bert"):
+        backbone = {**params["backbone"], "name": name, "warmup": {**params["backbone"]["warmup"], "dataset": dataset}}
+        return stage.load_config({**params, "backbone": backbone, "ingest": {**params["ingest"], "datasets": datasets}})
+
+    for dataset, datasets, others in [("ami", ["qmsum", "ami"], "['qmsum']"), ("qmsum", ["qmsum", "icsi"], "['icsi']")]:
+        with pytest.raises(ConfigError) as err:
+            config(dataset, datasets)
+        names(err.value, f"backbone.warmup.dataset={dataset!r}", others)
+    assert config("ami", ["ami", "samsum"])[0].warmup.dataset == "ami"
+    assert config("samsum", ["qmsum", "samsum", "ami", "icsi"])[0].warmup.dataset == "samsum"
+    assert config("ami", ["qmsum", "ami"], name="facebook/bart-base")[0].name == "facebook/bart-base"
+
+
 # ------------------------------------------------------------------------------------------ timing
 def test_stage_timer_writes_record_only_on_success(tmp_path):
     import psutil

@@ -10,6 +10,8 @@ from typing import Any
 
 SPLITS = ("train", "valid", "test")
 QMSUM_DOMAINS = ("Academic", "Committee", "Product")
+# QMSum domain whose meetings are those of another corpus, with a different split (METHOD.md section 2).
+SHARED_MEETINGS = {"Product": "ami", "Academic": "icsi"}
 
 # Upstream split names -> ours (QMSum `val`, SAMSum `validation`, HMNet `dev`).
 SPLIT_ALIASES = {"train": "train", "test": "test"} | dict.fromkeys(("val", "valid", "validation", "dev"), "valid")

@@ -20,7 +20,16 @@ from tqdm import tqdm
 
 from pipeline.common import schema
 from pipeline.common.config import Fraction, config
-from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
+from pipeline.common.schema import (
+    EXAMPLE_COLUMNS,
+    QMSUM_DOMAINS,
+    SHARED_MEETINGS,
+    SPLITS,
+    DataError,
+    Example,
+    Turn,
+    model_input,
+)
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -49,8 +58,6 @@ PAPER_SIZES = {
 STAT_KEYS = ("avg_turns", "avg_speakers", "avg_words", "avg_summary_words")
 STAT_COLUMNS = ("n_turns", "n_speakers", "n_words", "n_summary_words")  # of examples.parquet, averaged as STAT_KEYS
 QueryTypes = Annotated[list[Literal["general", "specific"]], Field(min_length=1)]  # what ingest gives QMSum records
-# QMSum domain whose meetings are those of another corpus (METHOD.md section 2).
-SHARED_MEETINGS = {"Product": "ami", "Academic": "icsi"}
 # QMSum's jsonl files carry no meeting names, but its Product meetings ARE the 137 AMI meetings and its Academic
 # meetings ARE the 59 ICSI meetings (with a different split). The leakage guard needs one name per meeting across
 # datasets, so each QMSum meeting is matched to the HMNet transcript sharing the most word 5-grams (Jaccard). The two
