@@ -160,3 +160,23 @@ def test_an_empty_sample_releases_the_global_plus_the_noise():
     assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
     noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)
     assert abs(noise.mean()) < 0.5 and noise.std() == pytest.approx(20.0 * 1.0 / 1, rel=0.03)  # z C / m
+
+
+def test_under_secagg_an_empty_sample_releases_the_global_plus_the_noise():
+    """As in the clear (the test above): SecAgg+ has no sum to unmask when nobody joined (its workflow halts), and
+    the server still releases W + N(0, (z C / m)^2), not the global unchanged."""
+    from flwr.app import ConfigRecord
+
+    from pipeline.experiments.privacy import SecAggConfig
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import SecureAggregator
+
+    strategy, _ = _fixed_wrapper(population=3, sampled=1, noise=20.0)
+    g = np.linspace(-1.0, 1.0, 20000)
+    assert strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(0)) == []
+    grid = SimpleNamespace(run=SimpleNamespace(run_id=1), send_and_receive=lambda messages, timeout=None: [])
+    secure = SecureAggregator(SecAggConfig(), 1, 3, 5.0, clipped_bits=True)
+    arrays = _train_secure(secure, _Round(grid, strategy, 1, {}, {}, 5.0, client_level=strategy), [])
+    assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
+    noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)
+    assert noise.std() == pytest.approx(20.0, rel=0.03)  # z C / m
