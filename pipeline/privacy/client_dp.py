@@ -29,7 +29,7 @@ from pipeline.federation.protocol import (
     plan_path_of,
 )
 from pipeline.privacy.accounting import FederationPrivacy
-from pipeline.privacy.secure_aggregation import is_legacy_fit
+from pipeline.privacy.secure_aggregation import is_legacy_fit, upload_error
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
@@ -115,7 +115,8 @@ class ClientLevelDP(Strategy):
             mean = _record(mean.keys(), [(w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype) for a, w in arrays])
         if (z := self.setting.update_noise_multiplier) == 0:
             return mean
-        std, arrays = compute_stdv(z, norm, m), mean.to_numpy_ndarrays()
+        arrays, error = mean.to_numpy_ndarrays(), upload_error(self.cfg.secagg) if self.cfg.secure_aggregation else 0
+        std = compute_stdv(z, norm + math.sqrt(sum(a.size for a in arrays)) * error, m)  # SecAgg+: a quantised upload
         return _record(mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in arrays])
 
     def _clip(self, reply: Message) -> int:
