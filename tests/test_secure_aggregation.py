@@ -288,6 +288,28 @@ def test_fewer_than_two_clients_per_round_is_refused(ws):
         run_experiment(_write_plan("sa-one", "fedavg", SECURE, fraction_train=0.34), track=False)
 
 
+@pytest.mark.parametrize(
+    "secagg,fraction_train,names_key",
+    [
+        ({}, 0.34, "train.fraction_train 0.34 samples 1"),  # max(int(3 x 0.34), 1) = 1 client a round
+        ({"quantization_range": 2**31}, 1.0, "privacy.secagg.quantization_range 2147483648 x 3 clients"),
+        ({"quantization_range": 4}, 1.0, "privacy.secagg.quantization_range 4 is below the largest client weight 6"),
+    ],
+)
+def test_a_params_value_secagg_cannot_run_with_ends_the_train_stage_in_one_line(
+    ws, capsys, secagg, fraction_train, names_key
+):
+    """A params.yaml value (the plan stage accepts it) that SecAgg+ cannot run with: the train stage ends with exit 2
+    and one line naming it (pipeline/common/cli.py), not a traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.train import main
+
+    path = _write_plan("sa-bad", "fedavg", {**SECURE, "secagg": secagg}, fraction_train=fraction_train)
+    status = run_cli(main, ["--experiment", "sa-bad", "--plans", str(Path(path).parent), "--no-mlflow"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and names_key in err[0] and "sa-bad" in err[0]
+
+
 def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> None:
     """``client`` dies in round ``rnd``: at the setup or share-keys stage (before its key shares went out: Flower
     1.41 alone loses the round, pipeline.privacy.secure_aggregation._Workflow forgets the client), while training
