@@ -1,7 +1,7 @@
 """Client-level DP accounted for the sampling that runs (issue 29 item 5): each client joins a round independently
 with probability q (Poisson), the clipped updates are summed over the expected count m = q N (a public
-denominator), an empty sample aggregates nothing but is counted, and the epsilon recorded equals opacus' RDP
-accountant of the Poisson-subsampled Gaussian computed here directly."""
+denominator), an empty sample releases the global plus the noise and is counted, and the epsilon recorded equals
+opacus' RDP accountant of the Poisson-subsampled Gaussian computed here directly."""
 
 from __future__ import annotations
 
@@ -143,3 +143,40 @@ def test_the_run_record_names_the_sampling_and_the_accountant_and_counts_empty_r
     assert out["sample_rate"] == pytest.approx(q) and out["delta"] == 1e-5
     assert out["epsilon"] == pytest.approx(_opacus_rdp_epsilon(q, 1.0, 4, 1e-5), rel=1e-9)  # all 4 rounds
     assert out["epsilon"] > _opacus_rdp_epsilon(q, 1.0, 2, 1e-5) and math.isfinite(out["epsilon"])
+
+
+def test_an_empty_sample_releases_the_global_plus_the_noise():
+    """DP-FedAvg (McMahan et al. 2018, Algorithm 1) adds N(0, (z C / m)^2) to the global every round, whoever
+    joined. A global released unchanged after an empty sample tells that the sample was empty, which depends on who
+    is in the population: of 3 clients at q = 1/3 the global stays with probability (2/3)^3 = 8/27, of the 2 others
+    with (2/3)^2 = 4/9, a ratio of 1.5, while the accountant promises epsilon < ln 1.5 for the round at z = 20."""
+    from flwr.app import ConfigRecord
+
+    strategy, setting = _fixed_wrapper(population=3, sampled=1, noise=20.0)
+    assert setting.epsilon_after(1) < math.log(1.5)
+    g = np.linspace(-1.0, 1.0, 20000)
+    assert strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(0)) == []  # nobody joins
+    arrays, _ = strategy.aggregate_train(1, [])
+    assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
+    noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)
+    assert abs(noise.mean()) < 0.5 and noise.std() == pytest.approx(20.0 * 1.0 / 1, rel=0.03)  # z C / m
+
+
+def test_under_secagg_an_empty_sample_releases_the_global_plus_the_noise():
+    """As in the clear (the test above): SecAgg+ has no sum to unmask when nobody joined (its workflow halts), and
+    the server still releases W + N(0, (z C / m)^2), not the global unchanged."""
+    from flwr.app import ConfigRecord
+
+    from pipeline.experiments.privacy import SecAggConfig
+    from pipeline.federation.server_app import _Round, _train_secure
+    from pipeline.privacy.secure_aggregation import SecureAggregator
+
+    strategy, _ = _fixed_wrapper(population=3, sampled=1, noise=20.0)
+    g = np.linspace(-1.0, 1.0, 20000)
+    assert strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(0)) == []
+    grid = SimpleNamespace(run=SimpleNamespace(run_id=1), send_and_receive=lambda messages, timeout=None: [])
+    secure = SecureAggregator(SecAggConfig(), 1, 3, 5.0, clipped_bits=True)
+    arrays = _train_secure(secure, _Round(grid, strategy, 1, {}, {}, 5.0, client_level=strategy), [])
+    assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
+    noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)
+    assert noise.std() == pytest.approx(20.0, rel=0.03)  # z C / m

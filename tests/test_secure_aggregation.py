@@ -14,6 +14,7 @@ import logging
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -41,6 +42,36 @@ def test_bound_is_the_documented_formula_for_a_hand_computed_case():
     assert aggregation_error_bound([3, 7, 10], 419430, cfg, 8.0) == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ValueError, match="below the largest client weight 5000"):
         weight_scale(SecAggConfig(quantization_range=4096), 5000)
+
+
+def test_client_level_noise_under_secagg_covers_what_a_quantised_upload_adds():
+    """Under client-level DP a client moves the unmasked sum by its upload as Flower quantises it: the clipped
+    update (norm C) plus a stochastic rounding of up to a step 2c/Q per coordinate, whose norm grows with sqrt(d).
+    The Gaussian mechanism's noise must be calibrated to that sensitivity (Dwork and Roth 2014, Thm 3.22; Kairouz
+    et al. 2021 bound the norm after rounding), not to C alone: std >= z x (largest move) / m."""
+    from flwr.app import Array, ArrayRecord
+    from flwr.common.secure_aggregation.quantization import dequantize, quantize
+
+    from pipeline.privacy.accounting import federation_privacy
+    from pipeline.privacy.client_dp import ClientLevelDP
+
+    cfg, (c, d, z, m) = SecAggConfig(), (3e-4, 40_000, 2.0, 3)
+    rng = np.random.default_rng(0)
+    w = rng.uniform(-0.5, 0.5, d).astype(np.float32)
+    update = rng.normal(size=d)
+    upload = (w + update * c / np.linalg.norm(update)).astype(np.float32)  # W + clip(W_i - W), ||.|| = C
+    np.random.seed(0)  # Flower's rounding draws from numpy's global generator
+    back = dequantize(quantize([upload], cfg.clipping_range, cfg.quantization_range), cfg.clipping_range, 2**22)[0]
+    moved = float(np.linalg.norm(back - w.astype(np.float64)))
+    assert moved > 1.2 * c  # one client moves the sum by more than C
+
+    privacy = PrivacyConfig(mode="client", noise_multiplier=z, clipping_norm=c, clipping_side="client", **SECURE)
+    dp = ClientLevelDP(
+        SimpleNamespace(), SimpleNamespace(privacy=privacy, seed=0), federation_privacy(privacy, 3, m, 5)
+    )
+    dp._arrays = ArrayRecord({"w": Array(w)})
+    released = dp.release_secure_mean(1, ArrayRecord({"w": Array(w)}), 0, m)["w"].numpy()
+    assert (released.astype(np.float64) - w).std() >= 0.98 * z * moved / m  # 0.98: the sample std of 40000 draws
 
 
 @pytest.mark.parametrize("clipping_range,quantization_range", [(8.0, 2**22), (1.0, 2**12)])
@@ -255,6 +286,28 @@ def test_fewer_than_two_clients_per_round_is_refused(ws):
         r"train.fraction_train 0.34 samples 1$",
     ):
         run_experiment(_write_plan("sa-one", "fedavg", SECURE, fraction_train=0.34), track=False)
+
+
+@pytest.mark.parametrize(
+    "secagg,fraction_train,names_key",
+    [
+        ({}, 0.34, "train.fraction_train 0.34 samples 1"),  # max(int(3 x 0.34), 1) = 1 client a round
+        ({"quantization_range": 2**31}, 1.0, "privacy.secagg.quantization_range 2147483648 x 3 clients"),
+        ({"quantization_range": 4}, 1.0, "privacy.secagg.quantization_range 4 is below the largest client weight 6"),
+    ],
+)
+def test_a_params_value_secagg_cannot_run_with_ends_the_train_stage_in_one_line(
+    ws, capsys, secagg, fraction_train, names_key
+):
+    """A params.yaml value (the plan stage accepts it) that SecAgg+ cannot run with: the train stage ends with exit 2
+    and one line naming it (pipeline/common/cli.py), not a traceback."""
+    from pipeline.common.cli import run as run_cli
+    from pipeline.train import main
+
+    path = _write_plan("sa-bad", "fedavg", {**SECURE, "secagg": secagg}, fraction_train=fraction_train)
+    status = run_cli(main, ["--experiment", "sa-bad", "--plans", str(Path(path).parent), "--no-mlflow"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and names_key in err[0] and "sa-bad" in err[0]
 
 
 def _drop(monkeypatch, stage: str, client: str = "Committee", rnd: int = 1) -> None:
@@ -622,11 +675,11 @@ def test_client_side_clipping_under_secagg_gives_the_client_dp_aggregate_within_
 def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monkeypatch):
     from scipy import stats
 
+    from pipeline.privacy.secure_aggregation import upload_error
     from pipeline.train import run_experiment
 
     globals_ = _spy_globals(monkeypatch)
     z, c, m = 2.0, 1e-3, len(N_TRAIN)
-    std = z * c / m  # Flower's compute_stdv for the client-side wrapper: z C / (clients sampled per round)
     run_experiment(_write_plan("sa-cdp-quiet", "fedavg", {**SECURE, **_client_dp()}), track=False)
     quiet = globals_[1]
     noisy = run_experiment(
@@ -635,13 +688,17 @@ def test_the_noise_on_the_unmasked_mean_has_the_client_dp_std_and_seed(ws, monke
     noise = np.concatenate([(globals_[1][k] - quiet[k]).astype(np.float64).ravel() for k in quiet])
     n = noise.size
     assert n > 1000
+    # Flower's compute_stdv z C' / (clients sampled per round), C' = C + sqrt(d)(2c/Q + 10uc): what one client's
+    # quantised upload can move the sum by (test_client_level_noise_under_secagg_covers_what_a_quantised_upload_adds)
+    std = z * (c + math.sqrt(n) * upload_error(SecAggConfig())) / m
     assert abs(noise.std() - std) < 5 * std / math.sqrt(2 * n)  # 5 standard errors of the std
     assert abs(noise.mean()) < 5 * std / math.sqrt(n)
     assert stats.kstest(noise / std, "norm").pvalue > 1e-3
-    # seeded as in the clear: the run without SecAgg+ draws the same noise (within the quantisation bound)
-    secure_noisy = globals_[1]
+    # seeded as in the clear: the run without SecAgg+ draws the same noise, times C' / C (within the quantisation bound)
+    secure_noisy, scale = globals_[1], std / (z * c / m)
     clear = run_experiment(_write_plan("cdp-clear-noisy", "fedavg", _client_dp(noise_multiplier=z)), track=False)
-    assert max_diff(secure_noisy, globals_[1]) < 0.01 * std  # two independent draws: ~4 std apart somewhere
+    scaled = {k: quiet[k] + scale * (globals_[1][k] - quiet[k]) for k in quiet}
+    assert max_diff(secure_noisy, scaled) < 0.01 * std  # two independent draws: ~4 std apart somewhere
     assert noisy["privacy"]["epsilon"] == clear["privacy"]["epsilon"] and 0 < noisy["privacy"]["epsilon"] < math.inf
 
 

@@ -307,6 +307,8 @@ def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | N
             f"round {r.rnd}: SecAgg+ unmasked the sum of {summed} of {len(messages)} sampled clients "
             f"(threshold {result.threshold} of {result.num_shares} shares)"
         )
+    if result.arrays is None and r.client_level is not None:  # nobody in the sum: W and the noise, as in the clear
+        return r.strategy.release_secure_mean(r.rnd, None, 0, 0)
     if result.arrays is None or result.clipped_count is None:
         return result.arrays
     for node in result.in_sum:

@@ -29,7 +29,7 @@ from pipeline.federation.protocol import (
     plan_path_of,
 )
 from pipeline.privacy.accounting import FederationPrivacy
-from pipeline.privacy.secure_aggregation import is_legacy_fit
+from pipeline.privacy.secure_aggregation import is_legacy_fit, upload_error
 from pipeline.training.seeds import derived_seed
 
 log = logging.getLogger("fedmeet.federated")
@@ -100,13 +100,14 @@ class ClientLevelDP(Strategy):
     def release_secure_mean(
         self, server_round: int, mean: ArrayRecord | None, clipped_count: int, aggregated: int
     ) -> ArrayRecord | None:
-        """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+ calls it directly): move C
-        (adaptive), take the sum over the expected count m, ``W + (k / m)(mean - W)``, add N(0, (z_u C / m)^2)."""
+        """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+ calls it directly; k = 0: W): move
+        C (adaptive), take the sum over the expected count m, ``W + (k / m)(mean - W)``, add N(0, (z_u C / m)^2)."""
         rng, norm, m = np.random.default_rng([self.seed, server_round]), self.clipping_norm, self.setting.sampled
         if self.adaptive:  # f: the noisy count over m (public: the number that replied would tell who joined)
             noise = rng.normal(0.0, self.setting.count_stddev) if self.setting.count_stddev > 0 else 0.0
             fraction = float(clipped_count + noise) / float(m)
             self.clipping_norm *= math.exp(self.cfg.clip_norm_lr * (fraction - self.cfg.target_clipped_quantile))
+        mean = mean or self._arrays  # nobody in the sum: W and the noise (an unchanged W tells the sample was empty)
         if not mean:
             return mean
         if aggregated not in (m, 0) and self._arrays is not None:
@@ -114,10 +115,9 @@ class ClientLevelDP(Strategy):
             mean = _record(mean.keys(), [(w + (k / m) * (a.astype(np.float64) - w)).astype(a.dtype) for a, w in arrays])
         if (z := self.setting.update_noise_multiplier) == 0:
             return mean
-        std = compute_stdv(z, norm, m)
-        return _record(
-            mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in mean.to_numpy_ndarrays()]
-        )
+        arrays, error = mean.to_numpy_ndarrays(), upload_error(self.cfg.secagg) if self.cfg.secure_aggregation else 0
+        std = compute_stdv(z, norm + math.sqrt(sum(a.size for a in arrays)) * error, m)  # SecAgg+: a quantised upload
+        return _record(mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in arrays])
 
     def _clip(self, reply: Message) -> int:
         received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()

@@ -13,6 +13,7 @@ from typing import Any
 from flwr.app import MetricRecord
 from flwr.client.mod import make_ffn
 
+from pipeline.common.config import ConfigError
 from pipeline.experiments.privacy import client_level_problem, secure_aggregation_refusal
 from pipeline.federation.protocol import load_plan, plan_path_of
 from pipeline.privacy.accounting import client_privacy, sampled_per_round, server_setting
@@ -72,19 +73,22 @@ def secure_aggregator(
         raise ValueError(f"{plan.source or plan.experiment}: privacy.secure_aggregation: {refusal}")
     first = len([c for c in clients if c != late])
     per_round = sampled_per_round(first, plan.train.fraction_train)  # Flower's sample size
-    if per_round < 2:
-        raise ValueError(
-            f"{plan.experiment}: privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} "
-            f"clients x train.fraction_train {plan.train.fraction_train} samples {per_round}"
-        )
-    if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
-        return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
-    # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
-    # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.weight_scale).
-    reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
-    if None in reported:
-        reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
-    return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)
+    try:  # a params value SecAgg+ cannot run with (the plan stage does not know the clients): one line, exit 2
+        if per_round < 2:
+            raise ValueError(
+                f"privacy.secure_aggregation needs at least 2 clients in every round's sum; {first} "
+                f"clients x train.fraction_train {plan.train.fraction_train} samples {per_round}"
+            )
+        if plan.privacy.mode == "client":  # uniform weights (the mean the noise is calibrated to), clipped bits summed
+            return SecureAggregator(plan.privacy.secagg, 1, len(clients), timeout, clipped_bits=True)
+        # The largest FedAvg weight a client can report (its train size, or fewer with train.weight_by: trained):
+        # it fixes Flower's integer weights (pipeline.privacy.secure_aggregation.weight_scale).
+        reported = [sizes.get(c, {}).get("num-train") for c in clients] if sizes else [None]
+        if None in reported:
+            reported = [len(c["train"]) for c in read_partition(plan.paths["partition"])["clients"].values()]
+        return SecureAggregator(plan.privacy.secagg, max(reported), len(clients), timeout)
+    except ValueError as exc:
+        raise ConfigError(f"{plan.source or plan.experiment}: {exc}") from None
 
 
 def client_train(msg, context, train_round):

@@ -63,10 +63,12 @@ def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfi
     so its value error is < 2c/Q + 10uc; the server divides k of them by sum_i q_i / Q; the float32 cast of the mean
     (u m, m = the largest |upload|) and FedAvg's k float32 products ((k + 1) u m, one more u m second-order) add
     (k + 3) u m. Equal weights: about one quantisation step 2c/Q (3.8e-6 with c = 8, Q = 2**22)."""
-    k = len(weights)
-    total_q = scale * sum(int(w) for w in weights)
-    c, q = cfg.clipping_range, cfg.quantization_range
-    return k * (q / total_q) * (2 * c / q + 10 * FLOAT32_EPS * c) + (k + 3) * FLOAT32_EPS * max_abs
+    k, total_q = len(weights), scale * sum(int(w) for w in weights)
+    return k * (cfg.quantization_range / total_q) * upload_error(cfg) + (k + 3) * FLOAT32_EPS * max_abs
+
+
+def upload_error(cfg: SecAggConfig) -> float:  # one coordinate's, of an upload of integer weight Q (2c/Q + 10uc)
+    return 2 * cfg.clipping_range / cfg.quantization_range + 10 * FLOAT32_EPS * cfg.clipping_range
 
 
 def clipped_count(bit_mean: np.ndarray, summed: int, cfg: SecAggConfig) -> int:
