@@ -12,6 +12,11 @@ the clients and 30 % per client, of sd ``rho`` x the one-seed example-level stan
 difference (per method sd / sqrt 2, so the difference has sd ``rho`` x that SE). The two methods are exchangeable,
 so the true difference is 0 whatever the distribution; the interval covers when it contains 0. ``bounded`` regimes
 draw ME and SE from t with 3 degrees of freedom (scaled to the same sd) and clip every score at 0 (ROUGE's floor).
+
+The nested design (``--nested``; ``pipeline.results.stats.nested_interval``, docs/statistics.md "Seeds that redraw
+the test sets"): each seed draws its own test examples and meetings from the population, so a seed is one fresh
+one-seed draw of the model above (new E, ME, SE, meeting and seed effects, the same client sizes), and the interval
+gets each seed's A - B with that seed's meetings.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.results.stats import BootstrapConfig, paired_difference
+from pipeline.results.stats import BootstrapConfig, nested_interval, paired_difference
 
 SIZES = (49, 66, 129)  # QMSum test queries: Academic, Committee, Product
 MEETINGS = (9, 6, 20)
@@ -33,6 +38,7 @@ SHARED = 0.7  # share of the seed-effect variance common to the clients
 ONE_SEED_SE = math.sqrt(2 * (METHOD_EXAMPLE_SD**2 + SEED_EXAMPLE_SD**2) * sum(1 / n for n in SIZES)) / len(SIZES)
 CFG = BootstrapConfig(n_resamples=1000, seed=0)
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
+MARKERS = {False: (BEGIN, END), True: ("<!-- nested-coverage:begin -->", "<!-- nested-coverage:end -->")}
 
 
 @dataclass(frozen=True)
@@ -85,61 +91,73 @@ def draw(rng: np.random.Generator, regime: Regime, seeds: int) -> tuple[list[np.
     return out["a"], out["b"]
 
 
-def coverage(regime: Regime, seeds: int, replicates: int, clustered: bool = True) -> tuple[float, float]:
+def coverage(
+    regime: Regime, seeds: int, replicates: int, clustered: bool = True, nested: bool = False
+) -> tuple[float, float]:
     """(coverage of the true difference 0, mean width) of the 95 % interval over ``replicates`` seeded draws;
-    ``clustered``: the interval is given the meetings."""
-    rng = np.random.default_rng([seeds, REGIMES.index(regime)])
+    ``clustered``: the interval is given the meetings; ``nested``: every seed its own test examples."""
+    rng = np.random.default_rng([seeds, REGIMES.index(regime), *[1] * nested])
     # ids distinct across clients: no meeting in two (the clients are QMSum's domains)
     clusters = [m + 100 * c for c, m in enumerate(meeting_ids())] if clustered else None
     hits, width = 0, 0.0
     for _ in range(replicates):
-        r = paired_difference(*draw(rng, regime, seeds), CFG, clusters=clusters)
+        if nested:  # a seed: a fresh one-seed draw of examples, meetings and seed effects
+            per_seed = [[a[0] - b[0] for a, b in zip(*draw(rng, regime, 1))] for _ in range(seeds)]
+            r = nested_interval(per_seed, CFG, [clusters] * seeds)
+        else:
+            r = paired_difference(*draw(rng, regime, seeds), CFG, clusters=clusters)
         hits += r.low <= 0.0 <= r.high
         width += r.high - r.low
     return hits / replicates, width / replicates
 
 
-def table(seed_counts: tuple[int, ...] = (2, 3, 5, 10), replicates: int = 1000) -> str:
+def table(seed_counts: tuple[int, ...] = (2, 3, 5, 10), replicates: int = 1000, nested: bool = False) -> str:
     """The markdown table of docs/statistics.md: coverage (mean width) per regime and seed count."""
     lines = [
         f"| regime | {' | '.join(f'{s} seeds' for s in seed_counts)} |",
         "|---|" + "---|" * len(seed_counts),
     ]
     for regime in REGIMES:
-        lines.append(f"| {regime.name} | " + " | ".join(cell(regime, s, replicates) for s in seed_counts) + " |")
+        lines.append(
+            f"| {regime.name} | " + " | ".join(cell(regime, s, replicates, nested) for s in seed_counts) + " |"
+        )
     return "\n".join(lines)
 
 
-def cell(regime: Regime, seeds: int, replicates: int = 1000) -> str:
+def cell(regime: Regime, seeds: int, replicates: int = 1000, nested: bool = False) -> str:
     """One cell of :func:`table`: 'coverage (mean width)'."""
-    covered, width = coverage(regime, seeds, replicates)
+    covered, width = coverage(regime, seeds, replicates, nested=nested)
     return f"{covered:.3f} ({width:.2f})"
 
 
-def documented_cells(markdown: str) -> dict[tuple[str, int], str]:
-    """The cells of the table between the coverage markers of ``markdown``, by (regime name, seeds)."""
-    rows = [line.strip("|").split(" | ") for line in markdown.split(BEGIN, 1)[1].split(END, 1)[0].split("\n")]
+def documented_cells(markdown: str, nested: bool = False) -> dict[tuple[str, int], str]:
+    """The cells of the table between the (nested) coverage markers of ``markdown``, by (regime name, seeds)."""
+    begin, end = MARKERS[nested]
+    rows = [line.strip("|").split(" | ") for line in markdown.split(begin, 1)[1].split(end, 1)[0].split("\n")]
     rows = [[c.strip() for c in r] for r in rows if len(r) > 1]
     seeds = [int(h.split()[0]) for h in rows[0][1:]]
     return {(r[0], s): c for r in rows[1:] for s, c in zip(seeds, r[1:])}
 
 
-def with_table(text: str, block: str) -> str:
-    """``text`` with the part between the coverage markers replaced by ``block``."""
-    start, end = text.find(BEGIN), text.find(END)
+def with_table(text: str, block: str, nested: bool = False) -> str:
+    """``text`` with the part between the (nested) coverage markers replaced by ``block``."""
+    begin, stop = MARKERS[nested]
+    start, end = text.find(begin), text.find(stop)
     if start < 0 or end < start:
-        raise ValueError(f"no {BEGIN} ... {END} block")
-    return text[: start + len(BEGIN)] + "\n" + block + "\n" + text[end:]
+        raise ValueError(f"no {begin} ... {stop} block")
+    return text[: start + len(begin)] + "\n" + block + "\n" + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.interval_coverage", description=__doc__.split("\n")[0])
     parser.add_argument("--replicates", type=int, default=1000)
     parser.add_argument("--write", type=Path, help="rewrite the coverage block of this markdown file")
+    parser.add_argument("--nested", action="store_true", help="seeds that redraw the test sets: 2, 3 and 5 seeds")
     args = parser.parse_args(argv)
-    block = table(replicates=args.replicates)
+    block = table((2, 3, 5) if args.nested else (2, 3, 5, 10), args.replicates, args.nested)
     if args.write:
-        args.write.write_text(with_table(args.write.read_text(encoding="utf-8"), block), encoding="utf-8")
+        text = with_table(args.write.read_text(encoding="utf-8"), block, args.nested)
+        args.write.write_text(text, encoding="utf-8")
     print(block)
     return 0
 

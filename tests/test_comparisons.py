@@ -242,3 +242,83 @@ def test_the_committed_per_example_files_average_r1_r2_and_plain_rouge_l():
         np.testing.assert_allclose(
             frame["avg_rouge"], frame[["rouge1", "rouge2", "rougeL"]].mean(axis=1), err_msg=str(path)
         )
+
+
+def _scores(eval_dir: Path, name: str, scores: dict[str, dict[str, float]]) -> None:
+    """A per_example.parquet of client -> example id -> score (every metric the same)."""
+    rows = [
+        {"client": c, "example_id": i, **dict.fromkeys(("rouge1", "rouge2", "rougeL", "rougeLsum", "avg_rouge"), v)}
+        for c, by_id in scores.items()
+        for i, v in by_id.items()
+    ]
+    (eval_dir / name).mkdir(parents=True)
+    pd.DataFrame(rows).to_parquet(eval_dir / name / "per_example.parquet", index=False)
+
+
+def _two_configs(runs: int) -> tuple[comparisons.Config, comparisons.Config]:
+    a = comparisons.Config("iid", "A", "fedselectkd", "iid", tuple((s, f"a{s}") for s in range(runs)))
+    return a, comparisons.Config("iid", "B", "fedavg", "iid", tuple((s, f"b{s}") for s in range(runs)))
+
+
+def test_seeds_that_redraw_the_test_sets_use_each_seeds_full_test_set(tmp_path):
+    """iid/seed{k}: each seed has its own test examples. Intersected over seeds, client X kept one example of its 4
+    and 3; each seed's own: D_s = the client average of A - B on seed s's examples, estimate mean D_s, variance
+    max(var(D_s) / S, sum_s v_s / S^2) (v_s: var(ddof=1) / n a client over 2^2), Welch-Satterthwaite df."""
+    from scipy import stats as sps
+
+    diffs = {  # seed -> client -> example -> A - B
+        0: {"X": {"x1": 1.0, "x2": 3.0, "x3": 2.0, "x4": 6.0}, "Y": {"y1": 0.0, "y2": 2.0, "y3": 1.0}},
+        1: {"X": {"x1": 4.0, "x5": -1.0, "x6": 2.0}, "Y": {"y4": 3.0, "y5": 1.0, "y6": 5.0, "y7": 2.0}},
+        2: {"X": {"x7": 0.0, "x8": 2.0, "x1": 1.0}, "Y": {"y1": 2.0, "y8": 4.0}},
+    }
+    for s, by_client in diffs.items():
+        _scores(tmp_path, f"a{s}", {c: {i: 10.0 + d for i, d in ex.items()} for c, ex in by_client.items()})
+        _scores(tmp_path, f"b{s}", {c: dict.fromkeys(ex, 10.0) for c, ex in by_client.items()})
+    rows = pd.DataFrame(comparisons.compare(*_two_configs(3), tmp_path, CFG), columns=comparisons.COLUMNS)
+    got = rows[(rows["client"] == comparisons.AVERAGE) & (rows["metric"] == "avg_rouge")].iloc[0]
+    per_seed = [[np.array(list(ex.values())) for ex in by_client.values()] for by_client in diffs.values()]
+    D = np.array([np.mean([x.mean() for x in xs]) for xs in per_seed])
+    v_seed = D.var(ddof=1) / 3
+    v_ex = sum(sum(x.var(ddof=1) / len(x) for x in xs) / 4 for xs in per_seed) / 9
+    var = max(v_seed, v_ex)
+    df = var**2 / (v_seed**2 / 2 + v_ex**2 / (sum(len(x) for xs in per_seed for x in xs) - 6))
+    half = sps.t.ppf(0.975, df) * np.sqrt(var)
+    assert got["mean_diff"] == pytest.approx(D.mean())
+    assert (got["ci_low"], got["ci_high"]) == pytest.approx((D.mean() - half, D.mean() + half))
+    assert (got["n_examples"], got["n_seeds"]) == (19, 3)
+
+
+def test_a_client_some_seeds_lack_is_noted_and_the_client_average_left_out(tmp_path):
+    for s in range(2):
+        scores = {"X": {f"x{s}{i}": 10.0 + i for i in range(4)}} | ({"Y": {"y1": 3.0, "y2": 5.0}} if s == 0 else {})
+        _scores(tmp_path, f"a{s}", scores)
+        _scores(tmp_path, f"b{s}", {c: {i: v - 1.0 for i, v in ex.items()} for c, ex in scores.items()})
+    notes: list[str] = []
+    rows = pd.DataFrame(comparisons.compare(*_two_configs(2), tmp_path, CFG, notes), columns=comparisons.COLUMNS)
+    assert set(rows["client"]) == {"X", "Y"}  # Y from its one seed, X from both
+    assert set(rows.loc[rows["client"] == "Y", "n_seeds"]) == {1} and set(
+        rows.loc[rows["client"] == "X", "n_seeds"]
+    ) == {2}
+    assert notes == [
+        "iid: A vs B: client Y has no paired test example in seed(s) 1; its rows use the other seeds, "
+        "and no client average is given"
+    ]
+
+
+def test_seeds_on_one_test_split_keep_their_crossed_comparison(tmp_path):
+    """The same examples in both seeds: the numbers compare gave before the nested design was told apart (ee488fd)."""
+    rng = np.random.default_rng(2)
+    for s in range(2):
+        a = {c: {f"{c}{i}": float(v) for i, v in enumerate(rng.normal(20, 4, n))} for c, n in (("X", 5), ("Y", 7))}
+        _scores(tmp_path, f"a{s}", a)
+        _scores(tmp_path, f"b{s}", {c: {i: v - rng.normal(1.0, 2.0) for i, v in ex.items()} for c, ex in a.items()})
+    rows = pd.DataFrame(comparisons.compare(*_two_configs(2), tmp_path, CFG), columns=comparisons.COLUMNS)
+    got = rows[(rows["client"] == comparisons.AVERAGE) & (rows["metric"] == "avg_rouge")].iloc[0]
+    assert (got["mean_diff"], got["ci_low"], got["ci_high"], got["p_value"], got["n_examples"], got["n_seeds"]) == (
+        1.0492403197584408,
+        0.43538110863753043,
+        1.663099530879351,
+        0.0034479047533795383,
+        12,
+        2,
+    )

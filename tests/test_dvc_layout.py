@@ -7,6 +7,7 @@ import difflib
 import re
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import scipy.stats
@@ -171,6 +172,34 @@ def test_average_interval_of_a_configuration(tmp_path):
     assert average_interval(two, tmp_path, cfg) == (low, high)  # the bootstrap seed fixes it
     missing = comparisons.Config("main", "z", "fedavg", "domain", ((0, "never-evaluated"),))
     assert average_interval(missing, tmp_path, cfg) is None
+
+
+def test_average_interval_of_seeds_that_redraw_the_test_sets(tmp_path):
+    """Each seed its own test examples (iid/seed{k}): every seed's full test sets, not the one example A's three
+    seeds share. Seed client averages D_s; estimate mean D_s, variance max(var(D_s) / 3, sum_s v_s / 9) with v_s =
+    (var(A) / n_A + var(B) / n_B) / 4 (ddof 1), Welch-Satterthwaite df against 2 and the examples' 15 - 6."""
+    cfg = BootstrapConfig(n_resamples=500, seed=3)
+    seeds = [
+        {"A": [1.0, 4.0, 8.0], "B": [5.0, 6.0]},
+        {"A": [3.0, 2.0, 9.0, 5.0], "B": [8.0, 7.0]},
+        {"A": [0.0, 6.0], "B": [4.0, 9.0]},
+    ]
+    for k, scores in enumerate(seeds):
+        _per_example(tmp_path, f"r{k}", scores)  # ids A0, A1, ...: only A0 (and B0, B1) in every seed
+        frame = pd.read_parquet(tmp_path / f"r{k}" / "per_example.parquet")
+        frame["example_id"] = [i if i in ("A0",) else f"s{k}-{i}" for i in frame["example_id"]]
+        frame.to_parquet(tmp_path / f"r{k}" / "per_example.parquet")
+    config = comparisons.Config("main", "x", "fedavg", "iid", tuple((k, f"r{k}") for k in range(3)))
+    d = np.array([np.mean([np.mean(v) for v in s.values()]) for s in seeds])
+    v_seed = d.var(ddof=1) / 3
+    v_ex = sum(sum(np.var(v, ddof=1) / len(v) for v in s.values()) / 4 for s in seeds) / 9
+    var = max(v_seed, v_ex)
+    half = scipy.stats.t.ppf(0.975, var**2 / (v_seed**2 / 2 + v_ex**2 / (15 - 6))) * var**0.5
+    assert average_interval(config, tmp_path, cfg) == pytest.approx((d.mean() - half, d.mean() + half))
+    # a client one seed lacks: no client average to give
+    frame = pd.read_parquet(tmp_path / "r2" / "per_example.parquet")
+    frame[frame["client"] == "A"].to_parquet(tmp_path / "r2" / "per_example.parquet")
+    assert average_interval(config, tmp_path, cfg) is None
 
 
 # ------------------------------------------------------------------------------------------------ params.yaml

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scipy import stats as sps
 
-from pipeline.results.stats import BootstrapConfig, bootstrap_method, holm, mean_interval, meetings, paired_difference
+from pipeline.results.stats import (
+    BootstrapConfig,
+    Interval,
+    bootstrap_method,
+    holm,
+    mean_interval,
+    meetings,
+    nested_interval,
+    paired_difference,
+)
 
 CFG = BootstrapConfig(n_resamples=2000, seed=0)
 
@@ -204,3 +214,81 @@ def test_the_recorded_bootstrap_method_says_meetings_held_by_several_clients_are
     across = meetings([["qmsum/Academic/test/Bed003/q0"], ["qmsum/Academic/test/Bed003/q1"]])
     assert "resampled within clients" in bootstrap_method(within)
     assert "within clients" not in bootstrap_method(across) and "for every client" in bootstrap_method(across)
+
+
+def test_crossed_seeds_keep_the_intervals_they_had():
+    """Seeds sharing their test examples (crossed): the numbers computed before nested_interval existed (commit
+    ee488fd), per client clusters, clusters spanning clients, one seed, and one method's mean."""
+    rng = np.random.default_rng(13)
+    a = [rng.normal(20, 5, (3, n)) for n in (7, 9)]
+    b = [rng.normal(19, 5, (3, n)) for n in (7, 9)]
+    cl = [np.array(list("aabbccd")), np.array(list("eeffgghhi"))]
+    joint = [np.array(list("aabbccd")), np.array(list("aabbcdddd"))]
+    cfg = BootstrapConfig(n_resamples=1000, seed=0)
+    est, n = 1.6375038088291156, 16
+    assert paired_difference(a, b, cfg, cl) == Interval(
+        est, -1.525196270562193, 4.800203888220424, 0.2594250473807614, n, 3
+    )
+    assert paired_difference(a, b, cfg, joint) == Interval(
+        est, -4.049738959838457, 7.324746577496688, 0.33953443779215275, n, 3
+    )
+    one = paired_difference([x[:1] for x in a], [x[:1] for x in b], cfg, cl)
+    assert one == Interval(2.3491685401359046, -0.8238762204152075, 5.682508523014719, 0.12473067899783626, n, 1)
+    m = mean_interval(a, cfg, cl)
+    assert (m.estimate, m.low, m.high, m.n_examples, m.n_seeds) == (
+        20.945724807884346,
+        17.49660653155424,
+        24.394843084214454,
+        n,
+        3,
+    )
+
+
+def test_seeds_with_their_own_test_examples_use_the_between_seed_variance_floored_at_the_examples():
+    """Nested design (a partition re-divided per seed): 3 seeds, 2 clients, other examples (and sizes) in every
+    seed. D_s = seed s's client average of A - B; estimate mean D_s; variance max(var(D_s) / S, sum_s v_s / S^2),
+    v_s the meeting-robust variance of D_s (client c: G / (G - 1) sum over meetings of the squared centred sums,
+    over n_c^2; the clients' over k^2); Welch-Satterthwaite df against S - 1 and meetings - clients summed over seeds."""
+    rng = np.random.default_rng(5)
+    sizes = [(5, 7), (6, 4), (8, 5)]
+    d = [[rng.normal(1.0 + s, 2.0, n) for n in ns] for s, ns in enumerate(sizes)]
+    ids = [
+        [np.array([f"qmsum/X/test/s{s}c{c}m{i // 2}/q{i}" for i in range(len(x))]) for c, x in enumerate(ds)]
+        for s, ds in enumerate(d)
+    ]
+    clusters = [meetings(seed_ids) for seed_ids in ids]
+
+    def robust(x, g):  # cluster-robust variance of a mean, written out
+        groups = sorted(set(g))
+        sums = np.array([(x - x.mean())[g == k].sum() for k in groups])
+        return len(groups) / (len(groups) - 1) * (sums**2).sum() / len(x) ** 2
+
+    D = np.array([np.mean([x.mean() for x in ds]) for ds in d])
+    v = [
+        sum(robust(x, np.array([i.rsplit("/", 1)[0] for i in g])) for x, g in zip(ds, gs)) / 4 for ds, gs in zip(d, ids)
+    ]
+    v_seed, v_ex = D.var(ddof=1) / 3, sum(v) / 9
+    var = max(v_seed, v_ex)
+    df_ex = sum(len({i.rsplit("/", 1)[0] for i in g}) for gs in ids for g in gs) - 2 * 3
+    df = var**2 / (v_seed**2 / 2 + v_ex**2 / df_ex)
+    half = sps.t.ppf(0.975, df) * np.sqrt(var)
+    r = nested_interval(d, CFG, clusters)
+    assert r.estimate == pytest.approx(D.mean())
+    assert (r.low, r.high) == pytest.approx((D.mean() - half, D.mean() + half))
+    assert r.p_value == pytest.approx(2 * sps.t.sf(abs(D.mean()) / np.sqrt(var), df))
+    assert (r.n_examples, r.n_seeds) == (35, 3)
+    # the floor: seeds that agree exactly leave the examples' part
+    same = [[x - x.mean() + 1.0 for x in ds] for ds in d]
+    flat = nested_interval(same, CFG, clusters)
+    v_flat = (
+        sum(
+            sum(robust(x, np.array([i.rsplit("/", 1)[0] for i in g])) for x, g in zip(ds, gs)) / 4
+            for ds, gs in zip(same, ids)
+        )
+        / 9
+    )
+    assert flat.high - flat.low == pytest.approx(2 * sps.t.ppf(0.975, df_ex) * np.sqrt(v_flat))
+    # one method's mean: no p; one seed: that seed's bootstrap, as paired_difference
+    assert np.isnan(nested_interval(d, CFG, clusters, paired=False).p_value)
+    one = paired_difference([x[None, :] for x in d[0]], [np.zeros((1, len(x))) for x in d[0]], CFG, clusters[0])
+    assert nested_interval(d[:1], CFG, clusters[:1]) == one

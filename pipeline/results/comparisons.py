@@ -20,7 +20,7 @@ from pipeline.common.schema import DataError
 from pipeline.results import published
 from pipeline.results.readers import read_predictions
 from pipeline.results.scoring import SCORE_KEYS, TABLE_METRICS
-from pipeline.results.stats import BootstrapConfig, holm, meetings, paired_difference
+from pipeline.results.stats import BootstrapConfig, holm, meetings, nested_interval, paired_difference
 
 AVERAGE = "client average"
 # The paper's methods (Table III) as comparison baselines, in the order that orients each pair (A − B, B earlier):
@@ -103,9 +103,11 @@ def _predictions(path: Path) -> dict[tuple[str, str], str]:
     return {(str(c), str(e)): str(p) for c, e, p in rows}
 
 
-def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[tuple]:
+def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: list[str] | None = None) -> list[tuple]:
     """Rows (:data:`COLUMNS`) for A - B: per client and on the client average, per metric; [] when they share no
-    seed or example."""
+    seed or example. Seeds with the same test examples (a fixed test split) are crossed (:func:`paired_difference`);
+    seeds with their own (a partition re-divided per seed) nested, each seed's full test sets
+    (:func:`nested_interval`), a client some seeds lack noted in ``notes`` and the client average then left out."""
     seeds_a, seeds_b = dict(a.runs), dict(b.runs)
     frames = {}
     for s in sorted(set(seeds_a) & set(seeds_b)):
@@ -113,26 +115,45 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig) -> list[
         if fa is not None and fb is not None:
             frames[s] = fa.merge(fb, on=["client", "example_id"], suffixes=("_a", "_b"))
     seeds = sorted(frames)
-    shared = shared_ids(frames[s] for s in seeds)
-    if not shared:
+    ids = {s: shared_ids([frames[s]]) for s in seeds}  # per seed, client: its examples
+    if not any(ids.values()):
         return []
+    nested = any(ids[s] != ids[seeds[0]] for s in seeds)
+    clients = sorted(set().union(*ids.values()))
+    lacking = {c: [s for s in seeds if c not in ids[s]] for c in clients}
+    for c in (c for c in clients if lacking[c] and notes is not None):
+        notes.append(
+            f"{a.study}: {a.label} vs {b.label}: client {c} has no paired test example in seed(s) "
+            f"{', '.join(map(str, lacking[c]))}; its rows use the other seeds, and no client average is given"
+        )
     same: dict[str, list[bool]] = defaultdict(list)
     for s in seeds:
         pa, pb = (_predictions(eval_dir / runs[s] / "predictions.jsonl") for runs in (seeds_a, seeds_b))
-        for client, ids in shared.items():
-            same[client] += [pa[(client, i)] == pb[(client, i)] for i in ids if (client, i) in pa and (client, i) in pb]
+        for client, e in ids[s].items():
+            same[client] += [pa[(client, i)] == pb[(client, i)] for i in e if (client, i) in pa and (client, i) in pb]
 
     out = []
     runs_a, runs_b = (",".join(runs[s] for s in seeds) for runs in (seeds_a, seeds_b))
-    rows = {c: client_rows([frames[s] for s in seeds], c, ids) for c, ids in shared.items()}  # selected once
-    for scope, clients in [(c, [c]) for c in shared] + [(AVERAGE, list(shared))]:
-        flags = [x for c in clients for x in same[c]]
+    rows = {(s, c): client_rows([frames[s]], c, cids)[0] for s in seeds for c, cids in ids[s].items()}  # selected once
+    complete = not any(lacking.values())
+    for scope, scope_clients in [(c, [c]) for c in clients] + [(AVERAGE, clients)] * complete:
+        flags = [x for c in scope_clients for x in same[c]]
         identical = float(np.mean(flags)) if flags else math.nan
         mostly_identical = identical > cfg.identical_warning  # NaN (no pair of summaries) is not above it
-        clusters = meetings(shared[c] for c in clients)  # QMSum: a meeting's queries are one cluster
+        had = [s for s in seeds if all(c in ids[s] for c in scope_clients)]
+        clusters = [meetings(ids[s][c] for c in scope_clients) for s in had]  # QMSum: a meeting's queries one cluster
         for metric in SCORE_KEYS:
-            sides = ([stacked(rows[c], f"{metric}_{side}") for c in clients] for side in "ab")
-            r = paired_difference(*sides, cfg, clusters)
+            if nested:
+                d = [
+                    [(rows[s, c][f"{metric}_a"] - rows[s, c][f"{metric}_b"]).to_numpy(float) for c in scope_clients]
+                    for s in had
+                ]
+                r = nested_interval(d, cfg, clusters)
+            else:
+                sides = (
+                    [stacked([rows[s, c] for s in seeds], f"{metric}_{side}") for c in scope_clients] for side in "ab"
+                )
+                r = paired_difference(*sides, cfg, clusters[0])
             # a row in COLUMNS order; p_holm is with_holm's, over the study's family
             pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
             interval = (r.estimate, r.low, r.high, r.p_value, math.nan, r.n_examples, r.n_seeds)
@@ -149,7 +170,7 @@ def comparisons_table(
     notes: list[str] = []
 
     def add(config: Config, base: Config) -> None:
-        if not (found := compare(config, base, eval_dir, cfg)):
+        if not (found := compare(config, base, eval_dir, cfg, notes)):
             notes.append(
                 f"{config.study}: {config.label} vs {base.label}: no evaluated seed and test example in common"
             )

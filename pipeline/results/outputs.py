@@ -21,7 +21,7 @@ from pipeline.paths import ProjectPaths
 from pipeline.results import claims, comparisons, figures, human_eval, tables
 from pipeline.results.readers import centralized_step_ratios, collect_scores, convergence_table
 from pipeline.results.scoring import TABLE_ROUGE_L
-from pipeline.results.stats import BootstrapConfig, mean_interval, meetings
+from pipeline.results.stats import BootstrapConfig, mean_interval, meetings, nested_interval
 from pipeline.results.tables import Made, ReportInputs
 
 
@@ -192,15 +192,23 @@ HEADLINE_ROUGE = {"rouge1": "rouge1", "rouge2": "rouge2", "rougeL": TABLE_ROUGE_
 
 
 def average_interval(config: comparisons.Config, eval_dir: Path, cfg: BootstrapConfig) -> tuple[float, float] | None:
-    """Interval of a configuration's client-average avg ROUGE on the test examples all its seeds have (or None)."""
+    """Interval of a configuration's client-average avg ROUGE (or None): seeds on one test split crossed, seeds with
+    their own test examples nested (each seed's full test sets; None when a client lacks some seed)."""
     frames = [f for _, name in config.runs if (f := comparisons.per_example(eval_dir, name)) is not None]
-    shared = comparisons.shared_ids(frames)
-    if not shared:
+    ids = [comparisons.shared_ids([f]) for f in frames]
+    if not ids or not ids[0] or any(i.keys() != ids[0].keys() for i in ids):
         return None
-    per_client = [
-        comparisons.stacked(comparisons.client_rows(frames, c, ids), "avg_rouge") for c, ids in shared.items()
-    ]
-    r = mean_interval(per_client, cfg, meetings(shared.values()))
+    if any(i != ids[0] for i in ids):
+        rows = [
+            [comparisons.client_rows([f], c, e)[0]["avg_rouge"].to_numpy(float) for c, e in i.items()]
+            for f, i in zip(frames, ids)
+        ]
+        r = nested_interval(rows, cfg, [meetings(i.values()) for i in ids], paired=False)
+    else:
+        per_client = [
+            comparisons.stacked(comparisons.client_rows(frames, c, e), "avg_rouge") for c, e in ids[0].items()
+        ]
+        r = mean_interval(per_client, cfg, meetings(ids[0].values()))
     return r.low, r.high
 
 

@@ -125,11 +125,48 @@ def _seeds_t(
     v_seed = by_seed.var(ddof=1) / s
     var = max(v_seed + v_ex - v_res, v_seed, v_ex)
     df_ex = max(sum(int(max(x.max() for x in g)) + 1 for _, _, g in units) - k, 1)
-    df = var**2 / (v_seed**2 / (s - 1) + v_ex**2 / df_ex) if var > 0 else math.inf
-    estimate, se = float(by_seed.mean()), math.sqrt(var)
+    return _t(float(by_seed.mean()), var, (v_seed, s - 1), (v_ex, df_ex), int(n.sum()), s, cfg)
+
+
+def _t(estimate: float, var: float, seed: tuple, ex: tuple, n: int, s: int, cfg: BootstrapConfig) -> Interval:
+    """t-interval and two-sided p of ``estimate`` with variance ``var``, Welch-Satterthwaite df from its seed and
+    example parts (variance, df): var^2 / (v_seed^2 / df_seed + v_ex^2 / df_ex)."""
+    df = var**2 / (seed[0] ** 2 / seed[1] + ex[0] ** 2 / ex[1]) if var > 0 else math.inf
+    se = math.sqrt(var)
     half = float(sps.t.ppf(0.5 + cfg.level / 2, df)) * se
     p = 1.0 if estimate == 0.0 else (0.0 if se == 0 else float(2 * sps.t.sf(abs(estimate) / se, df)))
-    return Interval(estimate, estimate - half, estimate + half, p, int(n.sum()), s)
+    return Interval(estimate, estimate - half, estimate + half, p, n, s)
+
+
+def nested_interval(
+    per_seed: list[list[np.ndarray]], cfg: BootstrapConfig, clusters: list | None = None, paired: bool = True
+) -> Interval:
+    """The client average's interval where each seed has its own test examples (a partition re-divided per seed):
+    ``per_seed[s]`` one 1-D array a client (A - B on seed s's examples, or with ``paired=False`` one method's
+    scores), the same clients in every seed; ``clusters[s]`` as for :func:`paired_difference`. One seed: as
+    :func:`paired_difference` / :func:`mean_interval`. Several: D_s the seed's client average, estimate mean D_s,
+    variance max(var(D_s, ddof=1) / S, sum_s v_s / S^2), v_s D_s's cluster-robust variance within its seed; the
+    t of :func:`_seeds_t` (df_seed S - 1, df_ex the seeds' groups - clients summed); docs/statistics.md."""
+    clusters = clusters or [None] * len(per_seed)
+    arrays = [[np.atleast_2d(np.asarray(x, dtype=float)) for x in xs] for xs in per_seed]
+    if len(arrays) == 1:
+        zeros = [np.zeros_like(x) for x in arrays[0]]
+        return (
+            paired_difference(arrays[0], zeros, cfg, clusters[0])
+            if paired
+            else mean_interval(arrays[0], cfg, clusters[0])
+        )
+    by_seed, v_ex, df_ex = [], 0.0, 0
+    for xs, cl in zip(arrays, clusters, strict=True):
+        groups, joint = _checked(xs, cl)[1:]
+        units = [([x], [g]) for x, g in zip(xs, groups)] if joint is None else [(xs, joint)]
+        v_ex += sum(_cluster_variance(x, g) for x, g in units) / len(xs) ** 2 / len(arrays) ** 2
+        df_ex += sum(int(max(x.max() for x in g)) + 1 for _, g in units) - len(xs)
+        by_seed.append(np.mean([x.mean() for x in xs]))
+    s, n = len(arrays), sum(x.size for xs in arrays for x in xs)
+    v_seed = float(np.var(by_seed, ddof=1)) / s
+    r = _t(float(np.mean(by_seed)), max(v_seed, v_ex), (v_seed, s - 1), (v_ex, max(df_ex, 1)), n, s, cfg)
+    return r if paired else dataclasses.replace(r, p_value=math.nan)
 
 
 def mean_interval(
