@@ -580,6 +580,25 @@ def test_sampling_is_a_function_of_the_seed_and_the_round(ws):
     assert other != a and all(len(s) == 1 for s in other)
 
 
+def test_sampling_does_not_depend_on_the_node_ids(ws):
+    """A SuperLink gives its nodes random ids (new ones after a restart): the same plan samples the same clients
+    in the same rounds whatever ids its nodes have, here the engine's in reverse order of the clients'."""
+
+    def sample(name, renumber):
+        path = write_plan(name, "fedavg", rounds=8, fraction_train=0.34)
+        script = Script(delta={c: 0.0 for c in DELTAS})
+        grid = Grid(path, script, ["Academic", "Committee", "Product"])
+        if renumber:
+            contexts = grid.inner.contexts
+            grid.inner.contexts = {2002 - n: contexts[n] for n in sorted(contexts)}
+            for node, ctx in grid.inner.contexts.items():
+                ctx.node_id = node
+        run(path, script, grid=grid)
+        return [trained(script, r) for r in range(1, 9)]
+
+    assert sample("loop-ids-a", renumber=False) == sample("loop-ids-b", renumber=True)
+
+
 def test_a_run_killed_after_any_round_resumes_to_the_uninterrupted_result(ws, monkeypatch, caplog):
     """Killed after any round's checkpoint, the rerun samples, aggregates and records exactly as the run that was
     never killed: the checkpoint holds the global, the server optimiser's moments, the RNG and the history."""

@@ -137,9 +137,9 @@ def run_server(
                 "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
             )
         connected = connected_nodes(grid, plan_path, node_names, round_timeout_s)
-        admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
-        view = GridView(grid, sorted(admitted))  # a new client joins at its round
-        # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
+        admitted = [n for n, c in sorted(connected.items(), key=lambda nc: nc[1]) if c != late or joined_at is not None]
+        view = GridView(grid, admitted)  # a new client joins at its round
+        # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
         messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
