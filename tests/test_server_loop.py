@@ -1736,3 +1736,32 @@ def test_a_retry_after_a_failed_admission_deletes_the_dead_mlflow_run_and_keeps_
     runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-retry'")
     assert [r.info.status for r in runs] == ["FINISHED"] and runs[0].info.run_id != dead
     assert not id_file.exists()
+
+
+def test_a_deployed_run_killed_between_a_rounds_checkpoint_and_its_logging_logs_that_round_when_resumed(
+    ws, monkeypatch
+):
+    """Every round of a run is in its MLflow run (history.ROUND_METRIC at each step), as the train stage's resumed run
+    back-fills it: killed after round 1's checkpoint (before its metrics are logged), the resumed ServerApp does not
+    train round 1 again, so it must log it."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.federation.deployment import serve
+
+    path = write_plan("srv-backfill", "fedavg", rounds=2, fraction_train=1.0)
+
+    def attempt():
+        grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+        run_config = {"plan": path, "evaluate": False}
+        context = Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), run_config)
+        return serve(grid, context)
+
+    with killed_after_checkpoint(monkeypatch, 1):
+        attempt()
+    attempt()
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("tests")
+    (run,) = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-backfill'")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "bytes_sent")) == [1, 2]

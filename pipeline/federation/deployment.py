@@ -40,7 +40,7 @@ from pipeline.results.evaluation import (
 from pipeline.results.scoring import Scorer, mean_scores
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
-from pipeline.training.history import TrainRecorder
+from pipeline.training.history import TrainRecorder, log_missing_rounds
 from pipeline.training.shared_model import shared_model
 from pipeline.training.summary import log_run_outputs, prepare_outputs, record_run, run_identity_tags
 
@@ -258,6 +258,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
             log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
         if logger is not None:
+            log_missing_rounds(logger, history)  # a kill between a round's checkpoint and its logging: logged here
             # the aggregate as an artifact and as a LoggedModel
             log_run_outputs(logger, plan, metrics, [(adapter, None)], adapter)
             if eval_metrics is not None:
