@@ -1765,3 +1765,24 @@ def test_a_deployed_run_killed_between_a_rounds_checkpoint_and_its_logging_logs_
     experiment = client.get_experiment_by_name("tests")
     (run,) = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-backfill'")
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "bytes_sent")) == [1, 2]
+
+
+def test_a_serverapp_refusing_its_decoding_leaves_no_mlflow_run_running(ws):
+    """A run config whose decoding is refused (one line naming it) fails the ServerApp before any round: its MLflow run,
+    if it started one, must not stay RUNNING (docs/federation.md: a failed attempt leaves its run KILLED)."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.common.config import ConfigError
+    from pipeline.federation.deployment import serve
+
+    path = write_plan("srv-bad-decoding", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    run_config = {"plan": path, "decoding": json.dumps({"num_beams": "x"})}
+    with pytest.raises(ConfigError, match="decoding"):
+        serve(grid, Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), run_config))
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("tests")
+    runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-bad-decoding'") if experiment else []
+    assert [r.info.status for r in runs if r.info.status == "RUNNING"] == []

@@ -217,6 +217,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """Train (resuming after the last checkpointed round), record, evaluate on the clients: {"train", "eval"}."""
     # `flwr run` lets any value of a known key through
     run = from_dict(ServerRunConfig, dict(context.run_config), "run config")
+    cfg = run.evaluate_config() if run.evaluate else None  # refused before anything starts (an MLflow run)
     plan_path = plan_path_of(None, context)
     plan = load_plan(plan_path)
     prepare_outputs(plan)
@@ -229,7 +230,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if run.mlflow else None
 
-    cfg = run.evaluate_config() if run.evaluate else None
     round_timeout, admission_timeout = run.timeouts()
     recorder = DeploymentRecorder(logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     ending = "KILLED"  # a rerun resumes it from the server checkpoint, or deletes it if none
