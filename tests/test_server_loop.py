@@ -775,6 +775,27 @@ def test_a_gone_node_is_recorded_absent_and_a_restarted_one_takes_its_clients_pl
     )
 
 
+def test_a_round_in_which_every_node_is_gone_records_them_absent_and_the_next_round_trains(ws, monkeypatch):
+    """Every SuperNode gone in round 2 (absent clients are recorded, not waited for): round 2 aggregates nothing
+    and round 3 trains everyone again; Flower's strategies would wait for a node in a view that can never get one."""
+    from flwr.serverapp.strategy import strategy_utils
+
+    def no_wait(seconds):
+        raise AssertionError("the server waits for a node in a fixed view of none")
+
+    monkeypatch.setattr(strategy_utils, "sleep", no_wait)
+    path = write_plan("loop-all-gone", "fedavg", rounds=3, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.gone = {2: {"Academic", "Committee", "Product"}}
+    final, history, recorder = run(path, script, grid=grid)
+    assert all(r["absent"] == 1 and r["sampled"] == 0 for r in rows_of(history, 2).values())
+    assert trained(script, 2) == [] and trained(script, 3) == ["Academic", "Committee", "Product"]
+    step = weighted_update(["Academic", "Committee", "Product"], script)  # rounds 1 and 3
+    assert_state(final, {k: v + 2 * step for k, v in initial(path).items()}, exact=False)
+    assert [agg for _, agg, _, _ in recorder.rounds] == [True, False, True]
+
+
 def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
     from pipeline.federation.admission import connected_nodes
 
