@@ -92,9 +92,10 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
     replies = list(grid.send_and_receive(queries, timeout=timeout))
-    failed = {f"node {r.metadata.src_node_id}": error_line(r) for r in replies if r.has_error()}
+    node = {q.metadata.message_id: q.metadata.dst_node_id for q in queries}  # a SuperLink answers for offline nodes
+    failed = {f"node {node[r.metadata.reply_to_message_id]}": error_line(r) for r in replies if r.has_error()}
     received = {str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies if not r.has_error()}
-    answered = {r.metadata.src_node_id for r in replies}
+    answered = {node[r.metadata.reply_to_message_id] for r in replies}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}
     # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
     # plan without declared clients: names as the clients gave them (the server holds no partition file).
