@@ -20,7 +20,7 @@ from pydantic import Field
 
 from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
-from pipeline.common.config import NonNegative, NonNegativeInt, config, from_dict
+from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import RunSettings
@@ -81,7 +81,10 @@ class ServerRunConfig:
 
     def evaluate_config(self) -> EvaluateConfig:
         """The federated evaluation's decoding: ``decoding``, the evaluate group as JSON ("": defaults)."""
-        return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
+        try:
+            return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"run config 'decoding': not JSON ({err}): {self.decoding!r}") from None
 
 
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
