@@ -100,12 +100,12 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     received = {str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies if not r.has_error()}
     answered = {node[r.metadata.reply_to_message_id] for r in replies}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}
-    # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
-    # plan without declared clients: names as the clients gave them (the server holds no partition file).
+    # The plan's clients only (a refused node answers too), in the evaluate stage's (partition's) order so means add
+    # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
-    for name in [c for c in order + sorted(set(received) - set(order)) if c in received]:
+    for name in [c for c in order if c in received]:
         metrics = received[name]
         if metrics.get("n", 0) == 0:
             skipped[name] = "no test examples on the client"
