@@ -712,3 +712,74 @@ def test_a_federated_evaluation_reply_failed_without_a_reason_names_its_code(ws)
     _set_server_identity(grid.run.run_id)
     fed = federated_evaluate(grid, load_plan(path), path, EvaluateConfig(), timeout=5)
     assert fed["failed_clients"] == {"node 1000": "code 7"} and fed["clients"] == {}
+
+
+def test_a_federated_evaluation_reply_the_superlink_sent_for_an_offline_node_names_that_node(ws):
+    """A SuperLink answers for a node it marked offline with an error from its own id (SUPERLINK_NODE_ID; flwr's
+    create_message_error_unavailable_res_message), replying to the query: failed_clients names the node queried, with
+    that error, not the SuperLink's id plus a timeout the server never waited for."""
+    from flwr.app import Error, Message
+    from flwr.clientapp import ClientApp
+    from flwr.common.constant import SUPERLINK_NODE_ID
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def refuse(msg, context):
+        return Message(Error(code=7, reason=""), reply_to=msg)
+
+    class OfflineCommittee(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            messages = list(messages)
+            replies = super().send_and_receive(messages, timeout=timeout)
+            for m in messages:
+                if self.contexts[m.metadata.dst_node_id].node_config["client-name"] == "Committee":
+                    gone = Message(Error(code=4, reason="node unavailable"), reply_to=m)
+                    gone.metadata.__dict__["_src_node_id"] = SUPERLINK_NODE_ID
+                    replies = [r for r in replies if r.metadata.reply_to_message_id != m.metadata.message_id]
+                    replies.append(gone)
+            return replies
+
+    path = write_plan("dep-offline", "fedavg")
+    grid = OfflineCommittee(app, [{"client-name": c, "plan": path} for c in ("Academic", "Committee")])
+    _set_server_identity(grid.run.run_id)
+    fed = federated_evaluate(grid, load_plan(path), path, EvaluateConfig(), timeout=5)
+    assert fed["failed_clients"] == {"node 1000": "code 7", "node 1001": "node unavailable"}
+
+
+def test_the_federated_evaluation_scores_only_the_clients_the_plan_declares(ws):
+    """A SuperNode the admission refused (here one of another experiment, whose own plan has a client SAMSum) stays
+    connected and answers the final query with its own scores: they are not the run's, and the client average is
+    the mean of the plan's three clients only."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    score = {"Academic": 30.0, "Committee": 20.0, "Product": 10.0, "SAMSum": 90.0}
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        name = context.node_config["client-name"]
+        metrics = MetricRecord(
+            {k: score[name] for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0}
+        )
+        return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-stranger", "fedavg")
+    plan = load_plan(path)
+    assert plan.clients == ["Academic", "Committee", "Product"]
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in [*plan.clients, "SAMSum"]])
+    _set_server_identity(grid.run.run_id)
+    fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5)
+    assert list(fed["clients"]) == plan.clients
+    assert fed["mean"]["avg_rouge"] == pytest.approx((30.0 + 20.0 + 10.0) / 3)

@@ -40,6 +40,8 @@ def test_the_apps_run_config_is_what_the_server_app_reads():
         ("round-timeout-s=-0.5", "round-timeout-s"),
         ("admission-timeout-s=-2", "admission-timeout-s"),
         ("plan=3", "plan"),
+        ("""decoding='{"num_beams": 4'""", "decoding"),  # not JSON
+        ("""decoding='{"num_beams": "x"}'""", "decoding"),
     ],
 )
 def test_a_bad_run_config_item_is_named_before_any_process_starts(tmp_path, monkeypatch, capsys, item, key):

@@ -580,6 +580,25 @@ def test_sampling_is_a_function_of_the_seed_and_the_round(ws):
     assert other != a and all(len(s) == 1 for s in other)
 
 
+def test_sampling_does_not_depend_on_the_node_ids(ws):
+    """A SuperLink gives its nodes random ids (new ones after a restart): the same plan samples the same clients
+    in the same rounds whatever ids its nodes have, here the engine's in reverse order of the clients'."""
+
+    def sample(name, renumber):
+        path = write_plan(name, "fedavg", rounds=8, fraction_train=0.34)
+        script = Script(delta={c: 0.0 for c in DELTAS})
+        grid = Grid(path, script, ["Academic", "Committee", "Product"])
+        if renumber:
+            contexts = grid.inner.contexts
+            grid.inner.contexts = {2002 - n: contexts[n] for n in sorted(contexts)}
+            for node, ctx in grid.inner.contexts.items():
+                ctx.node_id = node
+        run(path, script, grid=grid)
+        return [trained(script, r) for r in range(1, 9)]
+
+    assert sample("loop-ids-a", renumber=False) == sample("loop-ids-b", renumber=True)
+
+
 def test_a_run_killed_after_any_round_resumes_to_the_uninterrupted_result(ws, monkeypatch, caplog):
     """Killed after any round's checkpoint, the rerun samples, aggregates and records exactly as the run that was
     never killed: the checkpoint holds the global, the server optimiser's moments, the RNG and the history."""
@@ -754,6 +773,27 @@ def test_a_gone_node_is_recorded_absent_and_a_restarted_one_takes_its_clients_pl
         {k: v + 2 * all3 + weighted_update(["Academic", "Product"], script) for k, v in initial(path).items()},
         exact=False,
     )
+
+
+def test_a_round_in_which_every_node_is_gone_records_them_absent_and_the_next_round_trains(ws, monkeypatch):
+    """Every SuperNode gone in round 2 (absent clients are recorded, not waited for): round 2 aggregates nothing
+    and round 3 trains everyone again; Flower's strategies would wait for a node in a view that can never get one."""
+    from flwr.serverapp.strategy import strategy_utils
+
+    def no_wait(seconds):
+        raise AssertionError("the server waits for a node in a fixed view of none")
+
+    monkeypatch.setattr(strategy_utils, "sleep", no_wait)
+    path = write_plan("loop-all-gone", "fedavg", rounds=3, fraction_train=1.0)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.gone = {2: {"Academic", "Committee", "Product"}}
+    final, history, recorder = run(path, script, grid=grid)
+    assert all(r["absent"] == 1 and r["sampled"] == 0 for r in rows_of(history, 2).values())
+    assert trained(script, 2) == [] and trained(script, 3) == ["Academic", "Committee", "Product"]
+    step = weighted_update(["Academic", "Committee", "Product"], script)  # rounds 1 and 3
+    assert_state(final, {k: v + 2 * step for k, v in initial(path).items()}, exact=False)
+    assert [agg for _, agg, _, _ in recorder.rounds] == [True, False, True]
 
 
 def test_a_node_claiming_a_client_outside_the_plan_is_left_out(ws, caplog):
@@ -1717,3 +1757,53 @@ def test_a_retry_after_a_failed_admission_deletes_the_dead_mlflow_run_and_keeps_
     runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-retry'")
     assert [r.info.status for r in runs] == ["FINISHED"] and runs[0].info.run_id != dead
     assert not id_file.exists()
+
+
+def test_a_deployed_run_killed_between_a_rounds_checkpoint_and_its_logging_logs_that_round_when_resumed(
+    ws, monkeypatch
+):
+    """Every round of a run is in its MLflow run (history.ROUND_METRIC at each step), as the train stage's resumed run
+    back-fills it: killed after round 1's checkpoint (before its metrics are logged), the resumed ServerApp does not
+    train round 1 again, so it must log it."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.federation.deployment import serve
+
+    path = write_plan("srv-backfill", "fedavg", rounds=2, fraction_train=1.0)
+
+    def attempt():
+        grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+        run_config = {"plan": path, "evaluate": False}
+        context = Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), run_config)
+        return serve(grid, context)
+
+    with killed_after_checkpoint(monkeypatch, 1):
+        attempt()
+    attempt()
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("tests")
+    (run,) = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-backfill'")
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "bytes_sent")) == [1, 2]
+
+
+def test_a_serverapp_refusing_its_decoding_leaves_no_mlflow_run_running(ws):
+    """A run config whose decoding is refused (one line naming it) fails the ServerApp before any round: its MLflow run,
+    if it started one, must not stay RUNNING (docs/federation.md: a failed attempt leaves its run KILLED)."""
+    from flwr.app import Context, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.common.config import ConfigError
+    from pipeline.federation.deployment import serve
+
+    path = write_plan("srv-bad-decoding", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    run_config = {"plan": path, "decoding": json.dumps({"num_beams": "x"})}
+    with pytest.raises(ConfigError, match="decoding"):
+        serve(grid, Context(grid.run.run_id, SUPERLINK_NODE_ID, {}, RecordDict(), run_config))
+    client = MlflowClient(tracking_uri=os.environ["MLFLOW_TRACKING_URI"])
+    experiment = client.get_experiment_by_name("tests")
+    runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-bad-decoding'") if experiment else []
+    assert [r.info.status for r in runs if r.info.status == "RUNNING"] == []

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
-from pipeline.common.config import NonNegative, NonNegativeInt, config, from_dict
+from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import RunSettings
@@ -41,7 +41,7 @@ from pipeline.results.scoring import Scorer, mean_scores
 from pipeline.results.tracking import RunLogger, delete_run
 from pipeline.training import checkpoints
 from pipeline.training.client_data import read_examples, read_partition
-from pipeline.training.history import TrainRecorder
+from pipeline.training.history import TrainRecorder, log_missing_rounds
 from pipeline.training.shared_model import shared_model
 from pipeline.training.summary import log_run_outputs, prepare_outputs, record_run, run_identity_tags
 
@@ -82,7 +82,10 @@ class ServerRunConfig:
 
     def evaluate_config(self) -> EvaluateConfig:
         """The federated evaluation's decoding: ``decoding``, the evaluate group as JSON ("": defaults)."""
-        return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
+        try:
+            return from_dict(EvaluateConfig, json.loads(self.decoding or "{}"), "run config 'decoding'")
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"run config 'decoding': not JSON ({err}): {self.decoding!r}") from None
 
 
 def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
@@ -93,16 +96,17 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
     replies = list(grid.send_and_receive(queries, timeout=timeout))
-    failed = {f"node {r.metadata.src_node_id}": error_line(r) for r in replies if r.has_error()}
+    node = {q.metadata.message_id: q.metadata.dst_node_id for q in queries}  # a SuperLink answers for offline nodes
+    failed = {f"node {node[r.metadata.reply_to_message_id]}": error_line(r) for r in replies if r.has_error()}
     received = {str(r.content["identity"]["client-name"]): r.content[METRICS_KEY] for r in replies if not r.has_error()}
-    answered = {r.metadata.src_node_id for r in replies}
+    answered = {node[r.metadata.reply_to_message_id] for r in replies}
     failed |= {f"node {n}": f"no reply within {timeout:.0f}s" for n in node_ids if n not in answered}
-    # The evaluate stage's order (the partition's, as the plan declares it), so means add up in the same order; a
-    # plan without declared clients: names as the clients gave them (the server holds no partition file).
+    # The plan's clients only (a refused node answers too), in the evaluate stage's (partition's) order so means add
+    # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped: dict[str, str] = {}
-    for name in [c for c in order + sorted(set(received) - set(order)) if c in received]:
+    for name in [c for c in order if c in received]:
         metrics = received[name]
         if metrics.get("n", 0) == 0:
             skipped[name] = "no test examples on the client"
@@ -215,6 +219,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     """Train (resuming after the last checkpointed round), record, evaluate on the clients: {"train", "eval"}."""
     # `flwr run` lets any value of a known key through
     run = from_dict(ServerRunConfig, dict(context.run_config), "run config")
+    cfg = run.evaluate_config() if run.evaluate else None  # refused before anything starts (an MLflow run)
     plan_path = plan_path_of(None, context)
     plan = load_plan(plan_path)
     prepare_outputs(plan)
@@ -227,7 +232,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     run_id_file = checkpoints.mlflow_run_id_path(plan)
     logger = start_mlflow_run(plan, checkpoint is None, run_id_file) if run.mlflow else None
 
-    cfg = run.evaluate_config() if run.evaluate else None
     round_timeout, admission_timeout = run.timeouts()
     recorder = DeploymentRecorder(logger, grid, plan_path, cfg, run.evaluate_every, round_timeout)
     ending = "KILLED"  # a rerun resumes it from the server checkpoint, or deletes it if none
@@ -256,6 +260,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
             scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}
             log.info("%s: federated evaluation %s -> %s", plan.experiment, scores, eval_path)
         if logger is not None:
+            log_missing_rounds(logger, history)  # a kill between a round's checkpoint and its logging: logged here
             # the aggregate as an artifact and as a LoggedModel
             log_run_outputs(logger, plan, metrics, [(adapter, None)], adapter)
             if eval_metrics is not None:

@@ -153,7 +153,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         self.cfg = cfg
         if cfg.auth and not cfg.tls:  # Flower's SuperLink would only say "Invalid arguments provided to SuperLink"
             raise FederationError("--auth: SuperNode authentication needs TLS; add --tls")
-        from_dict(ServerRunConfig, cfg.run_config, "--run-config")  # before any process starts (Flower: ~40 s later)
+        from_dict(ServerRunConfig, cfg.run_config, "--run-config").evaluate_config()  # before any process starts
         self.workdir = Path.cwd()
         self.plan = load_plan(str(self.workdir / cfg.plan))  # a missing file: load_plan's error, naming it
         params = {} if cfg.params is None else server_run_config(str(self.workdir / cfg.params), self.plan.experiment)

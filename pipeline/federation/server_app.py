@@ -137,11 +137,12 @@ def run_server(
                 "%s: round %d: the existing clients have converged (or max_round): %s joins", plan.experiment, rnd, late
             )
         connected = connected_nodes(grid, plan_path, node_names, round_timeout_s)
-        admitted = [n for n, c in connected.items() if c != late or joined_at is not None]
-        view = GridView(grid, sorted(admitted))  # a new client joins at its round
-        # Flower samples with the `random` module: seed it per round so sampling is reproducible and resumable.
+        admitted = [n for n, c in sorted(connected.items(), key=lambda nc: nc[1]) if c != late or joined_at is not None]
+        view = GridView(grid, admitted)  # a new client joins at its round
+        # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view))
+        # no node at all: nothing to configure (Flower's strategies would wait for one in a view that gets none)
+        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view)) if admitted else []
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
         # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.
@@ -169,7 +170,9 @@ def run_server(
 
         # Every admitted client evaluates (its best round on its own valid set); only AdaFedAvg-style methods
         # evaluate the global adapter, the others their local one: nothing to send.
-        eval_messages = list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view))
+        eval_messages = (
+            list(strategy.configure_evaluate(rnd, ArrayRecord(), ConfigRecord(config), view)) if admitted else []
+        )
         eval_downlink = encode_global(state, plan) if (spec.local_from_global and eval_messages) else ArrayRecord()
         _evaluate(exchange, eval_messages, eval_downlink)
 
