@@ -75,6 +75,26 @@ def test_the_wrapper_configures_the_poisson_sample_and_an_empty_sample_configure
     assert seen_empty and seen_many
 
 
+def test_the_poisson_sample_follows_the_views_client_order_not_the_node_ids():
+    """A SuperLink gives its nodes random ids (new ones after a restart): the server's view lists the nodes in client
+    order, and the same (seed, round) must sample the same clients whatever their ids, as the strategies' sampling
+    does (test_server_loop::test_sampling_does_not_depend_on_the_node_ids)."""
+    from flwr.app import ArrayRecord, ConfigRecord
+
+    strategy, _ = _fixed_wrapper(population=10, sampled=3)
+    by_order, by_other_ids = _Nodes(10), _Nodes(10)
+    by_other_ids.ids = [300 - i for i in range(10)]  # the same clients in the same order, ids falling
+    for rnd in range(1, 30):
+        picked = [
+            sorted(
+                grid.ids.index(m.metadata.dst_node_id)
+                for m in strategy.configure_train(rnd, ArrayRecord(), ConfigRecord(), grid)
+            )
+            for grid in (by_order, by_other_ids)
+        ]
+        assert picked[0] == picked[1], rnd
+
+
 def test_the_aggregate_is_the_sum_of_clipped_updates_over_the_expected_count():
     """m = 2 expected, 3 joined: W + (clip(d1) + clip(d2) + clip(d3)) / 2, not their mean (noise 0)."""
     from flwr.app import ArrayRecord, ConfigRecord

@@ -65,7 +65,7 @@ class ClientLevelDP(Strategy):
         """Poisson sampling (seeded per round, apart from the noise): an empty sample is still accounted."""
         self._arrays = arrays
         rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
-        chosen = poisson_sample(sorted(grid.get_node_ids()), self.setting.sample_rate, rng)
+        chosen = poisson_sample(list(grid.get_node_ids()), self.setting.sample_rate, rng)  # the view: client order
         if not chosen:
             log.info("round %d: the Poisson sample of clients is empty: nothing to aggregate", server_round)
             return []
