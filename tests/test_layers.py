@@ -182,8 +182,12 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # stacked trainer's one loss call a group (losses.distillation_losses, issue 54's engine: reports/bench/engine.md
 # section 3) and +97 for the 52 defects its reviewers found and fixed, each with its check (bounds pydantic checks at
 # planning, one-line errors instead of tracebacks, resume and MLflow bookkeeping, statistics), +1 to name the
-# metric that marks a logged round (history.ROUND_METRIC).
-PACKAGE_LINE_CEILING = 14_702
+# metric that marks a logged round (history.ROUND_METRIC). Raised to 14,720 by the next session: -127 from a
+# module-by-module rewrite of the whole package (44 commits, outputs byte-identical), +145 for 31 defects its
+# reviewers found and fixed with their checks: +66 of them for intervals of seeds that redraw the test sets (nested,
+# where examples shared by every seed were intersected) and a meeting several clients hold as one cluster, the rest
+# privacy (client error text, empty DP rounds, SecAgg+ noise), deployment resume and evaluation, warm-up leakage.
+PACKAGE_LINE_CEILING = 14_720
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

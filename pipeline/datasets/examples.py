@@ -20,16 +20,7 @@ from tqdm import tqdm
 
 from pipeline.common import schema
 from pipeline.common.config import Fraction, config
-from pipeline.common.schema import (
-    EXAMPLE_COLUMNS,
-    QMSUM_DOMAINS,
-    SHARED_MEETINGS,
-    SPLITS,
-    DataError,
-    Example,
-    Turn,
-    model_input,
-)
+from pipeline.common.schema import EXAMPLE_COLUMNS, QMSUM_DOMAINS, SPLITS, DataError, Example, Turn, model_input
 
 # The paper's Table II (METHOD.md section 2): per QMSum domain and split, n and the four averages.
 PAPER_TABLE_II: dict[str, dict[str, dict[str, float]]] = {
@@ -124,7 +115,7 @@ def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[d
     links: dict[str, str] = {}
     report: dict[str, Any] = {}
     qm = interim["qmsum"]
-    for domain, corpus in SHARED_MEETINGS.items():
+    for domain, corpus in schema.SHARED_MEETINGS.items():
         if corpus not in interim:
             report[domain] = {"linked_to": corpus, "status": f"{corpus} not ingested; meetings keep their hash names"}
             continue
