@@ -10,7 +10,7 @@ import time
 from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
-from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, START_OVER
+from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, START_OVER, error_line
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -75,8 +75,8 @@ def name_nodes(
         node = reply.metadata.src_node_id
         if reply.has_error():
             if admission:
-                raise RuntimeError(f"node {node} failed to identify: {reply.error.reason}")
-            log.warning("node %d connected but failed to identify; left out: %s", node, reply.error.reason)
+                raise RuntimeError(f"node {node} failed to identify: {error_line(reply)}")
+            log.warning("node %d connected but failed to identify; left out: %s", node, error_line(reply))
             continue
         identity = reply.content["identity"]
         name = named[node] = str(identity["client-name"])

@@ -229,7 +229,7 @@ def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None
         row = r.rows[sender(reply)]
         if reply.has_error():
             row["eval_failed"] = 1
-            log.warning("round %d: client %s failed to evaluate: %s", r.rnd, row["client"], reply.error.reason)
+            log.warning("round %d: client %s failed to evaluate: %s", r.rnd, row["client"], error_line(reply))
             continue
         m = reply.content[METRICS_KEY]
         row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
@@ -264,7 +264,7 @@ def _train_in_the_clear(
         row = r.rows[sender(reply)]
         if reply.has_error():
             row["error"] = error_line(reply)
-            _left_out(r, row, f"it failed: {reply.error.reason}")
+            _left_out(r, row, f"it failed: {row['error']}")
             continue
         row["bytes_up"] = payload_bytes(reply.content)  # as encoded on the wire
         # The strategy aggregates float32 states: decode the reply in place (a delta against `sent`).

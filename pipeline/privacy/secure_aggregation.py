@@ -112,7 +112,7 @@ def legacy_fit(msg: Message, context: Context, train: Callable[[Message, Context
     finally:
         msg.content = original
     if reply.has_error():  # e.g. the clipping mod found no clipping norm in the config
-        raise RuntimeError(f"train reply: {reply.error.reason}")
+        raise RuntimeError(f"train reply: {error_line(reply)}")
     upload = [reply.content[ARRAYS_KEY][k].numpy() for k in keys]
     metrics = dict(reply.content[METRICS_KEY])
     # The setup stage stored the server's settings in the mod's state.
