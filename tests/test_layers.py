@@ -186,8 +186,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # module-by-module rewrite of the whole package (44 commits, outputs byte-identical), +145 for 31 defects its
 # reviewers found and fixed with their checks: +66 of them for intervals of seeds that redraw the test sets (nested,
 # where examples shared by every seed were intersected) and a meeting several clients hold as one cluster, the rest
-# privacy (client error text, empty DP rounds, SecAgg+ noise), deployment resume and evaluation, warm-up leakage.
-PACKAGE_LINE_CEILING = 14_720
+# privacy (client error text, empty DP rounds, SecAgg+ noise), deployment resume and evaluation, warm-up leakage;
+# +2 for one definition of a meeting held by several clients (stats.spans_clients, read by the interval and its text).
+PACKAGE_LINE_CEILING = 14_722
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

@@ -64,9 +64,15 @@ def _checked(
         if c.shape != (a.shape[1],):
             raise ValueError(f"bootstrap: {c.shape[0] if c.ndim else 0} cluster ids for {a.shape[1]} examples")
         out.append(np.unique(c, return_inverse=True)[1].ravel())
+    if not spans_clients(clusters):
+        return n_seeds.pop(), out, None
     codes = np.unique(np.concatenate([np.asarray(c) for c in clusters]), return_inverse=True)[1].ravel()
-    spanning = codes.max() + 1 < sum(g.max() + 1 for g in out)
-    return n_seeds.pop(), out, np.split(codes, np.cumsum([g.size for g in out])[:-1]) if spanning else None
+    return n_seeds.pop(), out, np.split(codes, np.cumsum([g.size for g in out])[:-1])
+
+
+def spans_clients(clusters: list) -> bool:
+    """Whether a group id is in several clients' ``clusters`` (a meeting whose queries the iid partition split)."""
+    return len(np.unique(np.concatenate([np.asarray(c) for c in clusters]))) < sum(len(np.unique(c)) for c in clusters)
 
 
 def _one_seed(
@@ -150,12 +156,9 @@ def nested_interval(
     clusters = clusters or [None] * len(per_seed)
     arrays = [[np.atleast_2d(np.asarray(x, dtype=float)) for x in xs] for xs in per_seed]
     if len(arrays) == 1:
-        zeros = [np.zeros_like(x) for x in arrays[0]]
-        return (
-            paired_difference(arrays[0], zeros, cfg, clusters[0])
-            if paired
-            else mean_interval(arrays[0], cfg, clusters[0])
-        )
+        if paired:
+            return paired_difference(arrays[0], [np.zeros_like(x) for x in arrays[0]], cfg, clusters[0])
+        return mean_interval(arrays[0], cfg, clusters[0])
     by_seed, v_ex, df_ex = [], 0.0, 0
     for xs, cl in zip(arrays, clusters, strict=True):
         groups, joint = _checked(xs, cl)[1:]
@@ -258,6 +261,5 @@ def bootstrap_method(clusters: list[np.ndarray] | None) -> str:
     """How :func:`client_average_intervals` resampled, in words (metrics.json ``ci.method``)."""
     unit = "test examples" if clusters is None else "meetings (with all their queries)"
     what = "test examples" if clusters is None else "test meetings"
-    spanning = clusters is not None and len(set(np.concatenate(clusters))) < sum(len(set(c)) for c in clusters)
-    where = "once for every client" if spanning else "within clients"  # a meeting in several clients: _checked
+    where = "once for every client" if clusters is not None and spans_clients(clusters) else "within clients"
     return f"percentile bootstrap of the client average, {unit} resampled {where} (one seed: the choice of {what} only)"
