@@ -136,9 +136,13 @@ def test_the_rule_reads_the_client_average_and_clients_that_evaluated():
         {"round": 2, "client": "A", "val_loss": 1.0},
         {"round": 2, "client": "B"},  # B failed to evaluate
         {"round": 2, "client": "C", "val_loss": 5.0},
+        {"round": 3, "client": "A", "val_loss": 1.0},
+        {"round": 3, "client": "B", "val_loss": 3.0},
+        {"round": 3, "client": "C", "val_loss": 5.0},
     ]
-    assert mean_val_loss_by_round(history) == [(1, 3.0), (2, 3.0)]
-    assert mean_val_loss_by_round(history, exclude="C") == [(1, 3.0), (2, 1.0)]
+    # round 2 without B's loss is no client average (A and C alone would read 3.0, A alone 1.0)
+    assert mean_val_loss_by_round(history) == [(1, 3.0), (2, pytest.approx(np.nan, nan_ok=True)), (3, 3.0)]
+    assert mean_val_loss_by_round(history, exclude="C")[::2] == [(1, 3.0), (3, 2.0)]
     assert mean_val_loss_by_round(history, before=2) == [(1, 3.0)]
     assert relative_improvements([4.0, 3.0, 3.5, 2.4]) == pytest.approx([0.25, -1 / 6, 0.2])
     assert not plateaued([4.0, 4.0], 0.01, patience=2)  # two rounds after a first one needed
@@ -275,3 +279,32 @@ def test_a_nan_round_is_never_the_best_and_does_not_hide_the_rounds_after_it(ws)
     clients = summarize(read_plan(write_plan("nan-round", "single", rounds=5)), history, [])["clients"]
     assert (clients["A"]["best_round"], clients["A"]["best_val_loss"]) == (3, 3.5)
     assert (clients["B"]["best_round"], clients["B"]["best_val_loss"]) == (3, 3.5)
+
+
+def test_a_round_missing_a_client_s_validation_loss_has_no_comparable_mean():
+    """Every client the server knows has a row each round (sampled or not, absent or failed) and every admitted one
+    is asked to evaluate (fraction_evaluate 1); a round where one of them has no validation loss averages other
+    clients, whose levels differ. By hand: A at 2.0 and B at 6.0 in every round, B failing to evaluate in round 2:
+    no client improved, so round 1 (mean 4.0) is the best, not round 2 (A alone, 2.0). A and B improving by 10 % a
+    round, A absent in round 3: the client average fell 10 % (4.0, 3.6, 3.24); B alone (5.4) looks like no gain, and
+    patience 1 at 5 % stopped the run and admitted a late client though every client improved."""
+    from pipeline.experiments.train_config import JoinConfig
+    from pipeline.federation.server_app import new_client_joins
+    from pipeline.training.stopping import convergence, mean_val_loss_by_round, should_stop
+
+    flat = [{"round": r, "client": "A", "val_loss": 2.0} for r in (1, 2, 3)] + [
+        {"round": r, "client": "B", **({"eval_failed": 1} if r == 2 else {"val_loss": 6.0})} for r in (1, 2, 3)
+    ]
+    assert convergence(flat, _stop(patience=1))["best_round"] == 1
+    assert np.isnan(dict(mean_val_loss_by_round(flat))[2])
+    improving = [
+        {"round": r, "client": c, **({"absent": 1} if (r, c) == (3, "A") else {"val_loss": v * 0.9 ** (r - 1)})}
+        for r in (1, 2, 3)
+        for c, v in (("A", 2.0), ("B", 6.0))
+    ]
+    stop = _stop(patience=1, min_rel_improvement=0.05)
+    assert not should_stop(improving, stop) and not convergence(improving, stop)["converged"]
+    assert not new_client_joins(4, improving, "New", JoinConfig(min_rel_improvement=0.05, patience=1, max_round=9))
+    # the round after it compares with the best before (round 2), here another 10 %: still learning
+    improving += [{"round": 4, "client": c, "val_loss": v * 0.9**3} for c, v in (("A", 2.0), ("B", 6.0))]
+    assert not should_stop(improving, stop) and convergence(improving, stop)["best_round"] == 4

@@ -28,15 +28,15 @@ def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int)
 def mean_val_loss_by_round(
     history: list[dict[str, Any]], since: int = 1, before: int | None = None, exclude: str | None = None
 ) -> list[tuple[int, float]]:
-    """(round, client-average validation loss) for the rounds ``since`` <= round < ``before`` that have one, in
-    round order; the rows of client ``exclude`` are left out."""
-    by_round: dict[int, list[float]] = {}
+    """(round, client-average validation loss) for the rounds ``since`` <= round < ``before``, without the rows of
+    ``exclude``; NaN (never best) where a client with a row (asked to evaluate) has none: it would average others."""
+    by_round: dict[int, dict[str, float]] = {}
     for row in history:
-        rnd = int(row["round"])
-        in_range = since <= rnd and (before is None or rnd < before)
-        if in_range and row["client"] != exclude and row.get("val_loss") is not None:
-            by_round.setdefault(rnd, []).append(float(row["val_loss"]))
-    return [(r, float(np.mean(v))) for r, v in sorted(by_round.items())]  # numpy's sum order, as join had
+        rnd, client = int(row["round"]), row["client"]
+        if since <= rnd and (before is None or rnd < before) and client != exclude:
+            losses = by_round.setdefault(rnd, {})
+            losses[client] = float(v) if (v := row.get("val_loss")) is not None else losses.get(client, np.nan)
+    return [(r, float(np.mean(list(v.values())))) for r, v in sorted(by_round.items())]  # numpy's sum order
 
 
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:
