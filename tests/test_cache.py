@@ -142,6 +142,21 @@ def _same_size_batch(model, eid):
     return collate(ex, model.pad_token_id, model.decoder_start_token_id)
 
 
+def test_an_entry_written_again_is_counted_once(model, tmp_path):
+    """A stacked micro-batch repeats an example (pipeline.training.local_batch: runs sharing examples, rows filled
+    with copies of the first): each copy missed and wrote its entry again, and the count added it each time, so the
+    cache believed itself fuller than its files and evicted early. The count must be the files' sizes on disk."""
+    one = _batch(model, [0, 1])
+    probe = _cache(model, tmp_path / "probe")
+    probe.prefix_for(model, one)
+    for name, room in (("ample", 10**8), ("exact", probe.size_bytes)):  # exact: room for the two entries only
+        cache = _cache(model, tmp_path / name, max_bytes=room)
+        cache.prefix_for(model, one.select([0, 1, 0, 1]))
+        files = list((tmp_path / name).glob("*/*.safetensors"))
+        assert len(files) == 2 and cache.size_bytes == sum(p.stat().st_size for p in files) == probe.size_bytes
+        assert cache.stats["evicted"] == 0
+
+
 def test_size_limit_evicts_least_recently_used(model, tmp_path):
     # four entries of identical size (same text, different ids) and room for two of them
     probe = _cache(model, tmp_path / "probe")

@@ -403,3 +403,24 @@ def test_top_masks_are_the_builders_masks_made_without_reading_the_device(summar
             _builders_masks(summarizer, meta)
     finally:
         config._attn_implementation = before
+
+
+def test_led_encodes_with_global_attention_on_the_first_token():
+    """HF's LED recipe for summarization: global attention on the first token (global_attention_mask 1 at position
+    0) in every forward and in generate; without it each token sees its local window only (8 tokens here). The encoder
+    output of the prefix (training, the cache) and of generation must be LED's own with that mask."""
+    backbone, tok = tiny("led")
+    model = AdapterSummarizer.from_backbone(backbone, tok, AdapterConfig(top_k=2, bottleneck=8), device="cpu")
+    b = collate(tokenize_pairs(tok, FRAME, LENGTHS, model.decoder_start_token_id), model.pad_token_id, 2)
+    source = {"input_ids": b.input_ids, "attention_mask": b.attention_mask}
+    first = torch.zeros_like(b.attention_mask)
+    first[:, 0] = 1
+    encoder, seen = backbone.get_encoder(), []
+    with torch.no_grad():
+        local_only = encoder(**source).last_hidden_state
+        expected = encoder(**source, global_attention_mask=first).last_hidden_state
+    assert b.input_ids.shape[1] > 8 and (expected - local_only).abs().max() > 1e-3  # longer than the window
+    torch.testing.assert_close(model.compute_prefix(b).encoder_hidden, expected, atol=1e-6, rtol=0)
+    with encoder.register_forward_hook(lambda module, args, out: seen.append(out.last_hidden_state)):
+        model.generate(**source, path="local", max_new_tokens=3, num_beams=2)
+    torch.testing.assert_close(seen[0], expected, atol=1e-6, rtol=0)

@@ -152,11 +152,18 @@ class PrefixCache:
     def _damaged(self, path: Path, why: str) -> None:
         log.warning("prefix cache: damaged entry %s: %s; recomputing it", path, why)
         self.stats["damaged"] += 1
+        self._remove(path)
+
+    def _remove(self, path: Path) -> int:
+        """Delete an entry, from disk and memory, and uncount its file; the bytes freed (0: gone already)."""
         self.resident.pop(path, None)
-        with contextlib.suppress(OSError):
+        try:
             size = path.stat().st_size
             path.unlink()
-            self.size_bytes -= size
+        except OSError:
+            return 0
+        self.size_bytes -= size
+        return size
 
     def _store(self, path: Path, enc: torch.Tensor, dec: torch.Tensor) -> bool:
         """Write the entry (False: refused, larger than the whole budget)."""
@@ -170,6 +177,8 @@ class PrefixCache:
             if size > self.max_bytes:
                 self.stats["refused"] += 1
                 return False
+            if path in self.resident:  # written by this call already (a stacked batch repeats an example): replaced
+                self._remove(path)
             if self.size_bytes + size > self.max_bytes:
                 self._evict(self.size_bytes + size - self.max_bytes)
             os.replace(tmp, path)
@@ -186,12 +195,6 @@ class PrefixCache:
         for p in files:
             if freed >= need:
                 break
-            try:
-                size = p.stat().st_size
-                p.unlink()
-            except OSError:
-                continue
-            freed += size
-            self.size_bytes -= size
-            self.stats["evicted"] += 1
-            self.resident.pop(p, None)
+            if size := self._remove(p):
+                freed += size
+                self.stats["evicted"] += 1

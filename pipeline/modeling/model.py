@@ -203,7 +203,8 @@ class AdapterSummarizer(nn.Module):
         h = hashlib.sha256()
         h.update(self.backbone.config.to_json_string(use_diff=False).encode())
         h.update(f"torch={torch.__version__};transformers={transformers.__version__}".encode())
-        h.update(str(getattr(self.backbone.config, "_attn_implementation", "")).encode())
+        led = "; global attention on the first token" if self.backbone.config.model_type == "led" else ""  # _source
+        h.update(f"{getattr(self.backbone.config, '_attn_implementation', '')}{led}".encode())
         for name, tensor in sorted(self.backbone.state_dict().items()):
             h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
             h.update(tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -215,11 +216,17 @@ class AdapterSummarizer(nn.Module):
         """Plain full HF forward with ``path``'s adapters (the reference computation). Returns logits [B,T,V]."""
         with self.use_path(path):
             return self.backbone(
-                input_ids=batch.input_ids.to(self.device),
-                attention_mask=batch.attention_mask.to(self.device),
+                **self._source(batch.input_ids, batch.attention_mask),
                 decoder_input_ids=batch.decoder_input_ids.to(self.device),
                 use_cache=False,
             ).logits
+
+    def _source(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The encoder's inputs on the device; an LED's with global attention on its first token (HF's LED recipe)."""
+        source = {"input_ids": input_ids.to(self.device), "attention_mask": (mask := attention_mask.to(self.device))}
+        if self.backbone.config.model_type == "led":  # 1 at position 0, a source token (right padding)
+            source["global_attention_mask"] = nn.functional.pad(mask[:, :1], (0, mask.shape[1] - 1))
+        return source
 
     @torch.no_grad()
     def compute_prefix(self, batch: Batch) -> Prefix:
@@ -316,6 +323,4 @@ class AdapterSummarizer(nn.Module):
     def generate(self, input_ids, attention_mask, path: str | None = "local", **generation_kwargs) -> torch.Tensor:
         """HF ``generate`` with ``path``'s adapters active."""
         with self.use_path(path):
-            return self.backbone.generate(
-                input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device), **generation_kwargs
-            )
+            return self.backbone.generate(**self._source(input_ids, attention_mask), **generation_kwargs)
