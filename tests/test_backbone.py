@@ -265,8 +265,8 @@ def test_a_sep_token_that_is_not_text_is_named_before_the_backbone_is_built():
 def test_a_warm_up_on_a_corpus_that_shares_meetings_with_an_ingested_one_is_refused():
     """QMSum's Product meetings are AMI's and its Academic ones ICSI's, under other splits (METHOD.md section 2): the
     recipe warmed up on AMI train took QMSum Product test meetings (ES2011, IS1003, TS3004, TS3011) into the backbone.
-    Refused in one line when another of the three is ingested; allowed alone, on SAMSum, and for a hub backbone
-    (which is not warmed up)."""
+    Refused in one line when QMSum and AMI or ICSI are ingested; allowed alone, AMI with ICSI (they share no meeting),
+    on SAMSum, and for a hub backbone (which is not warmed up)."""
     from pipeline.common.config import load_params
 
     params = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
@@ -280,6 +280,9 @@ def test_a_warm_up_on_a_corpus_that_shares_meetings_with_an_ingested_one_is_refu
             config(dataset, datasets)
         names(err.value, f"backbone.warmup.dataset={dataset!r}", others)
     assert config("ami", ["ami", "samsum"])[0].warmup.dataset == "ami"
+    # AMI and ICSI share no meeting (METHOD.md section 2: QMSum's Product meetings are AMI's, its Academic ICSI's)
+    assert config("ami", ["samsum", "ami", "icsi"])[0].warmup.dataset == "ami"
+    assert config("icsi", ["ami", "icsi"])[0].warmup.dataset == "icsi"
     assert config("samsum", ["qmsum", "samsum", "ami", "icsi"])[0].warmup.dataset == "samsum"
     assert config("ami", ["qmsum", "ami"], name="facebook/bart-base")[0].name == "facebook/bart-base"
 

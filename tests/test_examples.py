@@ -88,6 +88,19 @@ def test_qmsum_product_meeting_takes_its_ami_name(interim):
     assert links["Academic"]["status"].startswith("icsi not ingested")
 
 
+def test_a_product_meeting_without_a_general_query_is_named_unmatched_not_left_out(interim):
+    """The link reads a meeting's whole transcript from its general query. A Product meeting without one (its jsonl
+    line's general_query_list empty) was in neither 'linked' nor 'unmatched': its examples kept their hash name, so the
+    leakage guard could not see it is an AMI meeting (here AMI's test meeting ES2004a), with no word of it anywhere."""
+    qm, ami = interim["qmsum"], interim["ami"].copy()
+    general = (qm.domain == "Product") & (qm.split == "train") & (qm.query_type == "general")
+    meeting = qm[general].iloc[0]
+    ami.at[ami.index[ami.meeting_id == "ES2004a"][0], "turns"] = meeting.turns
+    _, links = build_examples({"qmsum": qm[~general], "ami": ami}, ExamplesConfig())
+    assert meeting.meeting_id in links["Product"]["unmatched"]
+    assert links["Product"]["meetings"] == 3 and links["Product"]["linked"] == 0  # train, valid and test: one each
+
+
 def test_link_meetings_matches_by_shared_word_ngrams():
     corpus = {
         "ES2002a": ["hello everyone , let us start the meeting about the remote control design today"],

@@ -166,7 +166,7 @@ def test_domain_dirichlet_skew_follows_alpha():
         for s in SPLITS:  # equal client sizes per split
             sizes = [len(c[s]) for c in part.clients.values()]
             assert max(sizes) - min(sizes) <= 1
-        return partition_stats(part, big, "domain_dirichlet", 0)["js_distance"]["mean_off_diagonal"]
+        return partition_stats(part, big, "domain_dirichlet", 0)["js_divergence"]["mean_off_diagonal"]
 
     assert mean_js(0.01) > 0.6 > 0.2 > mean_js(1000.0)
 
@@ -237,15 +237,22 @@ def test_check_partition_rejects_duplicates_and_gaps():
 
 
 # ---------------------------------------------------------------------------------------------- stats and CLI
-def test_js_matrix_by_hand():
+def test_js_matrix_is_the_divergence_by_hand():
+    """METHOD.md section 10 reports the Jensen-Shannon DIVERGENCE, 0.5*KL(p||m) + 0.5*KL(q||m) in bits, not scipy's
+    jensenshannon (the distance, its square root)."""
     m = js_matrix([np.array([1.0, 0.0]), np.array([0.0, 3.0]), np.array([2.0, 0.0]), np.array([0.0, 0.0])])
-    assert m[0][1] == m[1][0] == 1.0  # disjoint supports: base-2 JS distance 1
+    assert m[0][1] == m[1][0] == 1.0  # disjoint supports: base-2 JS divergence 1
     assert m[0][2] == 0.0  # same distribution, different sizes
     assert m[3][0] is None  # a client without training data has no distribution
-    half = js_matrix([np.array([1.0, 0.0]), np.array([1.0, 1.0])])[0][1]
-    # JS divergence of (1,0) and (.5,.5): 0.5*KL((1,0)||(.75,.25)) + 0.5*KL((.5,.5)||(.75,.25)) in bits
+    # (1,0) and (.5,.5), m = (.75,.25): 0.5*log2(1/.75) + 0.5*(0.5*log2(.5/.75) + 0.5*log2(.5/.25)) = 0.3113 bits
     div = 0.5 * np.log2(1 / 0.75) + 0.5 * (0.5 * np.log2(0.5 / 0.75) + 0.5 * np.log2(0.5 / 0.25))
-    assert half == round(float(np.sqrt(div)), 4)
+    assert js_matrix([np.array([1.0, 0.0]), np.array([1.0, 1.0])])[0][1] == round(div, 4) == 0.3113
+    # counts (3,1,0) and (0,1,1): p = (.75,.25,0), q = (0,.5,.5), m = (.375,.375,.25)
+    p, q, mid = np.array([0.75, 0.25, 0.0]), np.array([0.0, 0.5, 0.5]), np.array([0.375, 0.375, 0.25])
+    kl = lambda a, b: sum(x * np.log2(x / y) for x, y in zip(a, b) if x > 0)  # noqa: E731
+    assert js_matrix([np.array([3.0, 1.0, 0.0]), np.array([0.0, 1.0, 1.0])])[0][1] == round(
+        0.5 * kl(p, mid) + 0.5 * kl(q, mid), 4
+    )
 
 
 def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):

@@ -107,6 +107,17 @@ def test_a_quoted_or_bracketed_word_is_tagged_by_its_content_not_its_punctuation
     assert tagged.loc[tagged["word"] == "(battery)", "is_noun_or_verb"].all()
 
 
+def test_a_quote_spacy_tags_as_a_particle_is_still_punctuation(nlp, bert_tok):
+    """QMSum Academic train: "the term 'dialogue planner'". spaCy tags that opening quote PART, not PUNCT: the word
+    "'dialogue" is a noun (its first token that is not punctuation), not a particle outside the hard-KD mask."""
+    target = "It was proposed that the term 'dialogue planner' should replace 'dialogue manager'."
+    tagged = _tag(nlp, bert_tok, ["a"], [target], 64)
+    words = tagged.dropna(subset=["word_index"]).drop_duplicates("word_index")
+    expected = ["PRON", "AUX", "VERB", "SCONJ", "DET", "NOUN", "NOUN", "NOUN", "AUX", "VERB", "NOUN", "NOUN"]  # by hand
+    assert list(zip(words["word"], words["pos"])) == list(zip(target.split(), expected))
+    assert tagged.loc[tagged["word"] == "'dialogue", "is_noun_or_verb"].all()
+
+
 def test_propn_counts_as_noun_aux_does_not(nlp, bert_tok):
     tagged = _tag(nlp, bert_tok, ["p"], ["Project manager decides to use LCD."], 64)
     nv_words = tagged.loc[tagged["is_noun_or_verb"], "word"].unique().tolist()

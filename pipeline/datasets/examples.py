@@ -112,15 +112,14 @@ class ExamplesConfig:
 
 def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[dict[str, str], dict[str, Any]]:
     """QMSum meeting hash -> AMI/ICSI meeting name for Product/Academic (whole transcripts from general queries)."""
-    links: dict[str, str] = {}
-    report: dict[str, Any] = {}
-    qm = interim["qmsum"]
+    links, report, qm = {}, {}, interim["qmsum"]
     for domain, corpus in schema.SHARED_MEETINGS.items():
         if corpus not in interim:
             report[domain] = {"linked_to": corpus, "status": f"{corpus} not ingested; meetings keep their hash names"}
             continue
         full = qm[(qm.domain == domain) & (qm.query_type == "general")].drop_duplicates("meeting_id")
-        queries = {r.meeting_id: [t["content"] for t in r.turns] for r in full.itertuples()}
+        whole = {r.meeting_id: [t["content"] for t in r.turns] for r in full.itertuples()}  # a general query's turns
+        queries = {m: whole.get(m, []) for m in qm.meeting_id[qm.domain == domain].unique()}  # none: unmatched
         other = interim[corpus]
         corpus_meetings = {r.meeting_id: [t["content"] for t in r.turns] for r in other.itertuples()}
         domain_links, record = link_meetings(queries, corpus_meetings, min_jaccard)

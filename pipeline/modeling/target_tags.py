@@ -1,14 +1,14 @@
 """The universal POS tag of every target token (stage ``postag``: pipeline/postag.py; METHOD.md section 7 items 9
 and 10: noun-verb hard KD and the POS analysis).
 
-Each gold summary is tagged in context by spaCy; its sub-word tokens, tokenised exactly as training tokenises them
-(so positions index the label sequence), are mapped to whitespace words and each word gets the tag of its first spaCy
-token that is not punctuation (a quoted or bracketed noun, '"timing"', is a noun), else of its first. The POS analysis
-counts words: a word is a maximal whitespace-delimited run of the target text, whatever the tokenizer ("lcd." and
-"isn't" are one word each); special tokens and tokens that encode only whitespace (BPE ``Ċ``) belong to no word
-(``None``). AUX is not a default noun-verb tag: universal AUX is a closed class of function words, like the
-determiners and pronouns the paper contrasts nouns and verbs with. Output: ``data/processed/postags.parquet``, one row
-per label position (``POSTAG_COLUMNS``; the word columns are null for special and whitespace-only tokens)."""
+Each gold summary is tagged in context by spaCy; its sub-word tokens, tokenised exactly as training tokenises them (so
+positions index the label sequence), are mapped to whitespace words and each word gets the tag of its first spaCy token
+that is not punctuation by tag or character ('"timing"' and "'dialogue", its quote tagged PART, are nouns), else of its
+first. The POS analysis counts words: a word is a maximal whitespace-delimited run of the target text, whatever the
+tokenizer ("lcd." and "isn't" are one word each); special tokens and tokens that encode only whitespace (BPE ``Ċ``)
+belong to no word (``None``). AUX is not a default noun-verb tag: universal AUX is a closed class of function words,
+like the determiners and pronouns the paper contrasts nouns and verbs with. Output: ``data/processed/postags.parquet``,
+one row per label position (``POSTAG_COLUMNS``; the word columns are null for special and whitespace-only tokens)."""
 
 from __future__ import annotations
 
@@ -129,8 +129,8 @@ def tag_targets(
         owner = char_to_word(doc.text, [(tok.idx, tok.idx + len(tok.text)) for tok in doc])
         if uncovered := [start for start, _ in word_spans if owner[start] < 0]:  # a tokenizer dropped characters
             raise DataError(f"word at character {uncovered[0]} of {doc.text!r} is not covered by any spaCy token")
-        pos = [[doc[i].pos_ for i in dict.fromkeys(owner[a:b][owner[a:b] >= 0].tolist())] for a, b in word_spans]
-        tags = [next((t for t in p if t != "PUNCT"), p[0]) for p in pos]  # the docstring's word tag
+        pos = [[doc[i] for i in dict.fromkeys(owner[a:b][owner[a:b] >= 0].tolist())] for a, b in word_spans]
+        tags = [next((t for t in p if t.pos_ != "PUNCT" and not t.is_punct), p[0]).pos_ for p in pos]  # docstring's
         for pos_i, (tok_id, w) in enumerate(zip(label_ids, word_index)):
             tag = None if w is None else tags[w]
             rows.append((example_ids[k], pos_i, int(tok_id), w, None if w is None else words[w], tag, tag in nv))

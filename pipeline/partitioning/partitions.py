@@ -1,6 +1,6 @@
 """A scheme's partition made and checked (leakage guard, disjoint, complete; stage ``partition``:
-pipeline/partition.py), its file, and its statistics: label counts per client, Jensen-Shannon distances between the
-clients' training label distributions and their figure."""
+pipeline/partition.py), its file, and its statistics: label counts per client, Jensen-Shannon divergences between
+the clients' training label distributions (METHOD.md section 10) and their figure."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from pipeline.partitioning.schemes import SCHEMES, Partition, PartitionConfig, g
 
 EXAMPLE_COLUMNS_USED = ["example_id", "dataset", "domain", "split", "meeting_id", "target"]
 JS_DEFINITION = (
-    "scipy.spatial.distance.jensenshannon(p, q, base=2): the Jensen-Shannon DISTANCE (square root of "
-    "the divergence), in [0, 1], between the clients' training label distributions"
+    "0.5*KL(p||m) + 0.5*KL(q||m), m = (p+q)/2, in bits: the Jensen-Shannon DIVERGENCE, in [0, 1], between the "
+    "clients' training label distributions (scipy.spatial.distance.jensenshannon(p, q, base=2) squared)"
 )
 
 
@@ -68,7 +68,7 @@ def js_matrix(dists: list[np.ndarray]) -> list[list[float | None]]:
     from scipy.spatial.distance import jensenshannon  # lazy: importing scipy takes ~0.4 s
 
     return [
-        [None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2)), 4) for q in dists]
+        [None if p.sum() == 0 or q.sum() == 0 else round(float(jensenshannon(p, q, base=2) ** 2), 4) for q in dists]
         for p in dists
     ]
 
@@ -95,7 +95,7 @@ def partition_stats(part: Partition, examples: pd.DataFrame, scheme: str, seed: 
         "label": label_kind,
         "labels": labels,
         "clients": clients,
-        "js_distance": {
+        "js_divergence": {
             "definition": JS_DEFINITION,
             "clients": list(part.clients),
             "matrix": matrix,
@@ -123,14 +123,14 @@ def plot_stats(stats: dict[str, Any], path: Path) -> None:
     ax_bar.set(title=f"training examples per client by {stats['label']}", ylabel="examples")
     ax_bar.legend(fontsize=7)
     ax_bar.tick_params(axis="x", rotation=30)
-    m = np.array(stats["js_distance"]["matrix"], dtype=float)  # None (a client without training labels): NaN
+    m = np.array(stats["js_divergence"]["matrix"], dtype=float)  # None (a client without training labels): NaN
     im = ax_js.imshow(m, vmin=0, vmax=1, cmap="viridis")
     ax_js.set_xticks(range(len(names)), names, rotation=30)
     ax_js.set_yticks(range(len(names)), names)
     for (a, b), v in np.ndenumerate(m):
         if not np.isnan(v):
             ax_js.text(b, a, f"{v:.2f}", ha="center", va="center", color="w" if v < 0.5 else "k")
-    ax_js.set_title(f"Jensen-Shannon distance ({stats['label']}, base 2)")
+    ax_js.set_title(f"Jensen-Shannon divergence ({stats['label']}, base 2)")
     fig.colorbar(im, ax=ax_js)
     fig.suptitle(f"partition {stats['scheme']}, seed {stats['seed']}")
     fig.tight_layout()
