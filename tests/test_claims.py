@@ -630,3 +630,18 @@ def test_the_bound_on_every_holm_p_of_a_supported_line_is_never_below_the_larges
     ]
     text = claims.results_text(pd.DataFrame(rows).assign(significant=True))
     assert "- **Pooling the data helps** (Holm p ≤ 0.013 each)" in text
+
+
+def test_a_variant_whose_unadjusted_interval_excludes_zero_is_not_read_as_bounds_on_a_gain_and_a_loss():
+    """docs/statistics.md: the printed intervals are unadjusted and may exclude 0 while the Holm p does not pass. A
+    tau-sweep family holds many comparisons, so [+0.10, +0.80] with Holm p 0.12 is ordinary: the sentence must not
+    call +0.10 'a loss' nor say only differences beyond the interval are excluded (0 is outside it too)."""
+    row = _tau3_row(mean_diff=0.45, ci_low=0.10, ci_high=0.80, p_value=0.008, p_holm=0.12, significant=False)
+    line = next(x for x in claims.results_text(pd.DataFrame([row])).splitlines() if "(tau=3)" in x)
+    assert "+0.45 [+0.10, +0.80]" in line
+    assert "a loss beyond +0.10" not in line and "not a smaller difference" not in line
+    assert "Holm p = 0.120" in line and "excludes 0" in line
+    # an interval around 0 keeps its reading
+    around = _tau3_row(mean_diff=-0.21, ci_low=-0.54, ci_high=0.03, p_value=0.2, p_holm=0.6, significant=False)
+    line = next(x for x in claims.results_text(pd.DataFrame([around])).splitlines() if "(tau=3)" in x)
+    assert "excludes a gain above +0.03 or a loss beyond −0.54" in line

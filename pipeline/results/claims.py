@@ -314,6 +314,8 @@ def _variants(avg: pd.DataFrame) -> list[str]:
             if r.few_seeds
             else f"{changed} ROUGE ({_p(r)})"
             if r.significant
+            else f"no difference detected ({_p(r)}), though the unadjusted interval excludes 0"
+            if r.ci_low > 0 or r.ci_high < 0
             else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
             f"{_num(r.ci_low)}, not a smaller difference either way"
         )
