@@ -645,3 +645,19 @@ def test_a_variant_whose_unadjusted_interval_excludes_zero_is_not_read_as_bounds
     around = _tau3_row(mean_diff=-0.21, ci_low=-0.54, ci_high=0.03, p_value=0.2, p_holm=0.6, significant=False)
     line = next(x for x in claims.results_text(pd.DataFrame([around])).splitlines() if "(tau=3)" in x)
     assert "excludes a gain above +0.03 or a loss beyond −0.54" in line
+
+
+def test_a_headline_whose_every_comparison_has_too_few_seeds_claims_no_absence_either():
+    """A comparison with fewer than `report.claim_min_seeds` seeds gives numbers only: no 'helps', and no 'does not
+    measurably help' (as a variant's 'no difference detected' is not stated) when it is the headline's only row."""
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+        _row(method_a="fedselectkd", method_b="fedkd", mean_diff=0.3, ci_low=-0.4, ci_high=1.0, p_value=0.4),
+    ]
+    table = pd.DataFrame(rows).assign(significant=[True, False], p_holm=[0.002, 0.4], n_seeds=[3, 2])
+    line = next(x for x in claims.results_text(table).splitlines() if "SelectKD − FedKD" in x)
+    assert "2 seeds: numbers only" in line
+    assert "does not measurably help" not in line and "helps" not in line
+    # with the seeds a claim needs, the same row's verdict is stated
+    line = next(x for x in claims.results_text(table.assign(n_seeds=3)).splitlines() if "SelectKD − FedKD" in x)
+    assert line.startswith("- **Selectivity does not measurably help**")
