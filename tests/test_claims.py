@@ -661,3 +661,19 @@ def test_a_headline_whose_every_comparison_has_too_few_seeds_claims_no_absence_e
     # with the seeds a claim needs, the same row's verdict is stated
     line = next(x for x in claims.results_text(table.assign(n_seeds=3)).splitlines() if "SelectKD − FedKD" in x)
     assert line.startswith("- **Selectivity does not measurably help**")
+
+
+def test_the_claim_rule_states_the_level_the_comparisons_were_tested_at(tmp_path):
+    """bootstrap.level sets the intervals and the test (comparisons.with_holm: significant = Holm p < 1 - level);
+    at level 0.90 a lead with Holm p 0.08 is claimed, so the text must say 90 % intervals and Holm p < 0.1, not
+    95 % and 0.05 (which that claim's own p contradicts)."""
+    from pipeline.results import outputs, tables
+
+    row = _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=0.2, ci_high=3.2, p_value=0.08)
+    for level, interval, rule in ((0.9, "90 %", "0.1"), (0.95, "95 %", "0.05")):
+        table = comparisons.with_holm(pd.DataFrame([row]), BootstrapConfig(level=level))
+        inp = tables.ReportInputs([], tables.ReportConfig(smoke=False), BootstrapConfig(level=level))
+        text = outputs.results_text(inp, table, tmp_path / "comparisons.csv", tmp_path)
+        assert f"its {interval} interval" in text and f"Holm-adjusted p < {rule} over" in text
+        assert ("- **Pooling the data helps** (Holm p ≤ 0.080 each)" in text) == (level == 0.9)
+        assert ("95 %" in text, "p < 0.05" in text) == (level == 0.95, level == 0.95)
