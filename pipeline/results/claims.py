@@ -120,10 +120,9 @@ def _rows(avg: pd.DataFrame, a: tuple[str, ...], b: tuple[str, ...]) -> list:
 def verdict(rows: list, subject: str, gain: str = "helps") -> str:
     """'<subject> helps', 'hurts' or 'helps and hurts' by the signs of the differences that hold (Holm), else 'does
     not measurably help'; 'not tested' when every one has fewer seeds than a claim needs (numbers only)."""
-    if all(r.few_seeds for r in rows):
-        return f"{subject} not tested"
     up, down = (any(r.significant and sign * r.mean_diff > 0 for r in rows) for sign in (1, -1))
-    return f"{subject} {' and '.join([gain] * up + ['hurts'] * down) or 'does not measurably help'}"
+    absent = "not tested" if all(r.few_seeds for r in rows) else "does not measurably help"
+    return f"{subject} {' and '.join([gain] * up + ['hurts'] * down) or absent}"
 
 
 def backbone_note(backbone: dict | None, kd: dict | None) -> str:
