@@ -630,3 +630,50 @@ def test_the_bound_on_every_holm_p_of_a_supported_line_is_never_below_the_larges
     ]
     text = claims.results_text(pd.DataFrame(rows).assign(significant=True))
     assert "- **Pooling the data helps** (Holm p ≤ 0.013 each)" in text
+
+
+def test_a_variant_whose_unadjusted_interval_excludes_zero_is_not_read_as_bounds_on_a_gain_and_a_loss():
+    """docs/statistics.md: the printed intervals are unadjusted and may exclude 0 while the Holm p does not pass. A
+    tau-sweep family holds many comparisons, so [+0.10, +0.80] with Holm p 0.12 is ordinary: the sentence must not
+    call +0.10 'a loss' nor say only differences beyond the interval are excluded (0 is outside it too)."""
+    row = _tau3_row(mean_diff=0.45, ci_low=0.10, ci_high=0.80, p_value=0.008, p_holm=0.12, significant=False)
+    line = next(x for x in claims.results_text(pd.DataFrame([row])).splitlines() if "(tau=3)" in x)
+    assert "+0.45 [+0.10, +0.80]" in line
+    assert "a loss beyond +0.10" not in line and "not a smaller difference" not in line
+    assert "Holm p = 0.120" in line and "excludes 0" in line
+    # an interval around 0 keeps its reading
+    around = _tau3_row(mean_diff=-0.21, ci_low=-0.54, ci_high=0.03, p_value=0.2, p_holm=0.6, significant=False)
+    line = next(x for x in claims.results_text(pd.DataFrame([around])).splitlines() if "(tau=3)" in x)
+    assert "excludes a gain above +0.03 or a loss beyond −0.54" in line
+
+
+def test_a_headline_whose_every_comparison_has_too_few_seeds_claims_no_absence_either():
+    """A comparison with fewer than `report.claim_min_seeds` seeds gives numbers only: no 'helps', and no 'does not
+    measurably help' (as a variant's 'no difference detected' is not stated) when it is the headline's only row."""
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+        _row(method_a="fedselectkd", method_b="fedkd", mean_diff=0.3, ci_low=-0.4, ci_high=1.0, p_value=0.4),
+    ]
+    table = pd.DataFrame(rows).assign(significant=[True, False], p_holm=[0.002, 0.4], n_seeds=[3, 2])
+    line = next(x for x in claims.results_text(table).splitlines() if "SelectKD − FedKD" in x)
+    assert "2 seeds: numbers only" in line
+    assert "does not measurably help" not in line and "helps" not in line
+    # with the seeds a claim needs, the same row's verdict is stated
+    line = next(x for x in claims.results_text(table.assign(n_seeds=3)).splitlines() if "SelectKD − FedKD" in x)
+    assert line.startswith("- **Selectivity does not measurably help**")
+
+
+def test_the_claim_rule_states_the_level_the_comparisons_were_tested_at(tmp_path):
+    """bootstrap.level sets the intervals and the test (comparisons.with_holm: significant = Holm p < 1 - level);
+    at level 0.90 a lead with Holm p 0.08 is claimed, so the text must say 90 % intervals and Holm p < 0.1, not
+    95 % and 0.05 (which that claim's own p contradicts)."""
+    from pipeline.results import outputs, tables
+
+    row = _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=0.2, ci_high=3.2, p_value=0.08)
+    for level, interval, rule in ((0.9, "90 %", "0.1"), (0.95, "95 %", "0.05")):
+        table = comparisons.with_holm(pd.DataFrame([row]), BootstrapConfig(level=level))
+        inp = tables.ReportInputs([], tables.ReportConfig(smoke=False), BootstrapConfig(level=level))
+        text = outputs.results_text(inp, table, tmp_path / "comparisons.csv", tmp_path)
+        assert f"its {interval} interval" in text and f"Holm-adjusted p < {rule} over" in text
+        assert ("- **Pooling the data helps** (Holm p ≤ 0.080 each)" in text) == (level == 0.9)
+        assert ("95 %" in text, "p < 0.05" in text) == (level == 0.95, level == 0.95)

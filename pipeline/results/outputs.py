@@ -92,7 +92,9 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
     # How AdaCentralized's steps were budgeted (`train.centralized_steps`)
     train, cfg = inp.train, inp.cfg
     ratios = centralized_step_ratios(inp.planned, root / "train", train.batch_size, train.grad_accum_steps)
-    scale = claims.ClaimScale(cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, train.centralized_steps, ratios)
+    scale = claims.ClaimScale(
+        cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, train.centralized_steps, ratios, inp.bootstrap.level
+    )
     return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 
 
