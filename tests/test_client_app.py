@@ -536,6 +536,29 @@ def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_r
     assert [f for f in files if f.exists()] == [] and list(ckpt.iterdir()) == []
 
 
+def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws):
+    """A SuperNode of experiment B (its node config names B's plan) stays connected to the SuperLink on which
+    experiment A starts over: A's admission asks every connected node, this one too (then refuses it, or fails on two
+    nodes claiming one client). It answers with its name and removes nothing of B's run: B's round checkpoints,
+    DP-SGD record and adapters, which B resumes from (docs/federation.md: an earlier run *of the plan*)."""
+    from flwr.app import ConfigRecord, Message
+
+    from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir, client_identify
+    from pipeline.federation.protocol import CONFIG_KEY, START_OVER
+    from pipeline.modeling.adapters import adapter_file
+
+    plan_a, plan_b = _plan("start-over-a"), _plan("start-over-b")
+    context = _context(**{"client-name": "Academic", "plan": f"models/plans/{plan_b.experiment}.json"})
+    _checkpoints(plan_b, "Academic", context, {1: (0.5, True, 3)})
+    ckpt = client_checkpoint_dir(plan_b, "Academic", context)
+    (ckpt / DP_SENT).write_text("[2, 3, 4]")
+    files = [adapter_file(client_dir(plan_b, "Academic", context), "final"), ckpt / "round001.json", ckpt / DP_SENT]
+    config = ConfigRecord({"plan": f"models/plans/{plan_a.experiment}.json", START_OVER: True})
+    reply = client_identify(Message(RecordDict({CONFIG_KEY: config}), dst_node_id=7, message_type="query"), context)
+    assert reply.content["identity"]["client-name"] == "Academic"
+    assert [f for f in files if not f.exists()] == []
+
+
 # ----------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("message_type", ["train", "evaluate"])
 def test_a_failing_client_tells_the_server_the_error_class_only_and_its_own_log_the_text(ws, caplog, message_type):

@@ -783,3 +783,32 @@ def test_the_federated_evaluation_scores_only_the_clients_the_plan_declares(ws):
     fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5)
     assert list(fed["clients"]) == plan.clients
     assert fed["mean"]["avg_rouge"] == pytest.approx((30.0 + 20.0 + 10.0) / 3)
+
+
+def test_a_declared_client_without_a_score_is_named_in_the_federated_evaluation(ws):
+    """Committee's SuperNode is gone at the final evaluation (the SuperLink lists no node for it): metrics.json's client
+    average is over Academic and Product, and it names Committee as skipped with why, as the evaluate stage names a
+    client it has no score of, instead of leaving it out of every field."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        metrics = MetricRecord({k: 10.0 for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
+        identity = ConfigRecord({"client-name": context.node_config["client-name"]})
+        return Message(RecordDict({"identity": identity, "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-gone-at-eval", "fedavg")
+    plan = load_plan(path)
+    grid = InProcessGrid(app, [{"client-name": c, "plan": path} for c in ("Academic", "Product")])
+    _set_server_identity(grid.run.run_id)
+    fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5)
+    assert list(fed["clients"]) == ["Academic", "Product"]
+    assert list(fed["skipped_clients"]) == ["Committee"]

@@ -1125,6 +1125,50 @@ def test_the_server_waits_for_every_planned_client_to_connect(ws, caplog):
     assert len(logged(caplog)) == 1 and logs(logged(caplog), "2 of 3") and len(polls) == 2
 
 
+def _superlink_answers_for(grid: Grid, client: str, restarted_as: int | None) -> None:
+    """During admission ``client``'s SuperNode goes offline before it identifies: the SuperLink answers the server's
+    query.identify itself (flwr's NODE_UNAVAILABLE reply, from its own id); it comes back as ``restarted_as``."""
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    send, down = grid.send_and_receive, []
+
+    def send_and_receive(messages, *, timeout=None):
+        messages = list(messages)
+        gone = [m for m in messages if not down and grid.name(m.metadata.dst_node_id) == client]
+        down.extend(m.metadata.dst_node_id for m in gone)
+        replies = [r for r in send(messages, timeout=timeout) if r.metadata.src_node_id not in down]
+        for m in gone:
+            replies.append(create_message_error_unavailable_res_message(m.metadata, "node_unavail"))
+            ctx = grid.inner.contexts.pop(m.metadata.dst_node_id)
+            if restarted_as is not None:
+                grid.inner.contexts[restarted_as] = ctx
+        return replies
+
+    grid.send_and_receive = send_and_receive
+
+
+@pytest.mark.parametrize("restarted_as", [1101, None])
+def test_a_node_going_offline_before_it_identifies_is_left_out_and_its_client_awaited(ws, caplog, restarted_as):
+    """docs/federation.md: a declared client whose SuperNode has not joined within the admission timeout fails the run.
+    Committee's SuperNode drops before it answers query.identify: one line names its node, and the server waits for
+    Committee (it restarts as node 1101 and is admitted; or never comes back: the admission timeout names it)."""
+    from pipeline.federation.admission import AdmissionError, identify_clients
+
+    path = write_plan("loop-offline-admission", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    _superlink_answers_for(grid, "Committee", restarted_as)
+    expected = ["Academic", "Committee", "Product"]
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        if restarted_as is None:
+            with pytest.raises(AdmissionError) as err:
+                identify_clients(grid, path, expected=expected, timeout=1)
+            names(err.value, "['Committee']", "never joined")
+        else:
+            names_ = identify_clients(grid, path, expected=expected, timeout=30)
+            assert names_ == {1000: "Academic", 1002: "Product", 1101: "Committee"}
+    logs(logged(caplog), "node 1001", "left out")
+
+
 # ----------------------------------------------------------------------------------------------- SecAgg+ bookkeeping
 # The train step of a SecAgg+ round (_train_secure) on a scripted SecureAggregator: the protocol itself is tested end
 # to end in tests/test_secure_aggregation.py; here, what the server records from its outcome for every client.

@@ -8,6 +8,7 @@ import logging
 import time
 
 from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, START_OVER, error_line
@@ -71,10 +72,10 @@ def name_nodes(
     config = {"plan": plan_path, START_OVER: start_over}
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in new]
     named: dict[int, str] = {}
-    for reply in grid.send_and_receive(msgs, timeout=timeout):
-        node = reply.metadata.src_node_id
-        if reply.has_error():
-            if admission:
+    for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)
+        node = next(m.metadata.dst_node_id for m in msgs if m.metadata.message_id == reply.metadata.reply_to_message_id)
+        if reply.has_error():  # a node gone offline is left out (its client may come back before the timeout)
+            if admission and reply.error.code != ErrorCode.NODE_UNAVAILABLE:
                 raise RuntimeError(f"node {node} failed to identify: {error_line(reply)}")
             log.warning("node %d connected but failed to identify; left out: %s", node, error_line(reply))
             continue
@@ -86,14 +87,9 @@ def name_nodes(
     for node, name in sorted(named.items()):
         if name not in allowed:
             refused[node] = name
+            why = f"node {node} names client {name!r}, which is not among the clients {allowed} of plan {plan_path}"
             log.log(
-                logging.ERROR if admission else logging.WARNING,
-                "node %d names client %r, which is not among the clients %s of plan %s; %s",
-                node,
-                name,
-                allowed,
-                plan_path,
-                "refused" if admission else "left out",
+                logging.ERROR if admission else logging.WARNING, "%s; %s", why, "refused" if admission else "left out"
             )
             continue
         holder = [o for o, c in node_names.items() if c == name]

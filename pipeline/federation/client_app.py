@@ -111,9 +111,9 @@ client_app = ClientApp(mods=[errors_stay_on_the_client])
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
     """Admission (admission.identify_clients): the client's name and the sizes of its train and valid splits."""
-    plan = load_plan(plan_path_of(msg, context))
-    name = client_name(context)
-    if msg.content[CONFIG_KEY].get(START_OVER):
+    plan, name, config = load_plan(path := plan_path_of(msg, context)), client_name(context), msg.content[CONFIG_KEY]
+    # the plan the server names only: a node of another experiment (its node config names its plan) keeps its files
+    if config.get(START_OVER) and Path(path).resolve() == Path(str(config.get("plan"))).resolve():
         _discard_earlier_run(plan, name, context)
     identity = ConfigRecord({"client-name": name})
     splits = read_partition(plan.paths["partition"])["clients"].get(name)

@@ -105,7 +105,7 @@ def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConf
     # up alike; a plan without declared clients: names as the clients gave them (the server holds no partition file).
     order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
-    skipped: dict[str, str] = {}
+    skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
     for name in [c for c in order if c in received]:
         metrics = received[name]
         if metrics.get("n", 0) == 0:
