@@ -248,8 +248,9 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         f"## Paired comparisons (client average of `{metric}`, A − B)",
         "",
         "Seeds and test examples paired (pipeline/results/stats.py): with one seed a bootstrap over test examples "
-        f"within clients ({cfg.n_resamples} replicates, seed {cfg.seed}); with several a t-interval over seeds "
-        "that adds the test examples' spread; QMSum's queries on one meeting count as one cluster. Holm p = p "
+        f"({cfg.n_resamples} replicates, seed {cfg.seed}), a QMSum meeting's queries resampled together, once for "
+        "every client holding them; with several a t-interval over seeds that adds the test examples' spread, or "
+        "where each seed redraws the test sets, is floored at it (docs/statistics.md). Holm p = p "
         f"adjusted over the {sub['p_value'].notna().sum()} comparisons below (Holm's step-down). **Bold** = Holm p < "
         f"{1 - cfg.level:.2g} (the {level} interval, unadjusted, may exclude 0 without it). ⚠ = more than "
         f"{cfg.identical_warning:.0%} of the paired summaries are the same text: the runs did not separate, so "

@@ -168,8 +168,8 @@ def study_description(study: str) -> str:
         f"fedmeet study `{study}`: {what}. METHOD.md section {section}. One run per experiment of the "
         "`experiments` params (with the DVC experiment's name under `dvc exp run`). Compare methods "
         "on client_avg/ROUGE-1, ROUGE-2, ROUGE-L (plain rougeL, as in the tables) and avg_ROUGE, each with its "
-        "95 % interval (_ci_low/_ci_high: bootstrap over test examples); per client: its child run and its "
-        "adapter's LoggedModel (Models tab)."
+        "interval (_ci_low/_ci_high; its level and how it was drawn: ci in the run's metrics.json); per client: its "
+        "child run and its adapter's LoggedModel (Models tab)."
     )
 
 
