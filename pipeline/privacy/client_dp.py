@@ -75,11 +75,9 @@ class ClientLevelDP(Strategy):
         return self.strategy.configure_train(server_round, arrays, config, GridView(grid, chosen))
 
     def aggregate_train(self, server_round, replies):
-        replies = list(replies)
-        if any(reply.has_error() for reply in replies):
-            log.info("round %d: a client replied with an error: no aggregate is released", server_round)
-            return None, None
-        clipped = 0
+        # A failed reply is left out (k counts the others, as a timed-out client's). Flower's DP wrappers release
+        # nothing then, which tells that the secret Poisson sample held somebody (as an unchanged W would).
+        replies, clipped = [reply for reply in replies if not reply.has_error()], 0
         for reply in replies:
             metrics = reply.content[METRICS_KEY]
             metrics[UNIFORM_WEIGHT_KEY] = 1
