@@ -613,3 +613,51 @@ def test_a_reply_not_clipped_within_c_is_left_out(ws, monkeypatch):
             rounds=TRAIN["rounds"],
         ).epsilon_after(TRAIN["rounds"])
     )
+
+
+def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws, monkeypatch):
+    """fedavg's evaluate step sends round r's noisy global to every client before the server checkpoint of round r:
+    a server killed in between redoes round r on resuming, and a client that failed in the first attempt and not in
+    the second made the two releases differ by its clipped update / m alone if they drew the same noise. Each
+    release needs its own noise (their difference: N(0, 2 (z C / m)^2) per coordinate) and the accountant composes
+    both (3 releases in 2 rounds: opacus' RDP at q = 1 over 3 steps, computed here directly)."""
+    from pipeline.federation import client_app, server_app
+    from pipeline.train import run_experiment
+    from tests.faults import Killed
+    from tests.test_client_sampling import _opacus_rdp_epsilon
+
+    z, c, m = 1.0, 1e-3, 3  # every client every round (q = 1)
+    path = _with_privacy(
+        write_plan("cdp-redo", "fedavg"), {"mode": "client", "noise_multiplier": z, "clipping_norm": c}
+    )
+    released, real_train, real_evaluate, attempt = [], client_app.train_round, server_app._evaluate, [1]
+
+    def train(msg, context):
+        if (
+            attempt[0] == 1
+            and context.node_config["client-name"] == "Committee"
+            and msg.content["config"]["server-round"] == 2
+        ):
+            raise RuntimeError("fails in the first attempt of round 2 only")
+        return real_train(msg, context)
+
+    def evaluate(r, messages, downlink):
+        real_evaluate(r, messages, downlink)  # the clients received round r's global
+        if r.rnd == 2:
+            released.append(np.concatenate([a.ravel() for a in downlink.to_numpy_ndarrays()]).astype(np.float64))
+            if attempt[0] == 1:
+                raise Killed("killed before round 2's checkpoint")
+
+    monkeypatch.setattr(client_app, "train_round", train)
+    monkeypatch.setattr(server_app, "_evaluate", evaluate)
+    with pytest.raises(Killed):
+        run_experiment(path, track=False)
+    attempt[0] = 2
+    run_experiment(path, track=False)
+    difference = released[1] - released[0]
+    assert difference.size > 1000 and np.linalg.norm(difference) > c / m, "the two releases differ without noise"
+    assert difference.std() == pytest.approx(math.sqrt(2) * z * c / m, rel=0.1)
+    privacy = json.loads(Path("reports/train/cdp-redo/metrics.json").read_text())["privacy"]
+    assert privacy["rounds_accounted"] == 3 and privacy["epsilon"] == pytest.approx(
+        _opacus_rdp_epsilon(1.0, z, 3, 1e-5), rel=1e-6
+    )

@@ -200,3 +200,26 @@ def test_under_secagg_an_empty_sample_releases_the_global_plus_the_noise():
     assert arrays is not None, "the round released nothing: the unchanged global tells the sample was empty"
     noise = arrays["w"].numpy().astype(np.float64) - g.astype(np.float32)
     assert noise.std() == pytest.approx(20.0, rel=0.03)  # z C / m
+
+
+def test_a_failed_reply_is_left_out_and_the_round_still_releases_its_aggregate_and_noise():
+    """A round with nothing released tells that a sampled client failed, i.e. that somebody was in the secret
+    Poisson sample (as an empty sample would, test above). The failed reply is not aggregated (k counts the others,
+    as a client that timed out) and the round releases W + sum of clipped updates / m + N(0, (z C / m)^2)."""
+    from flwr.app import ConfigRecord, Error, Message
+
+    def failed():
+        return Message(Error(code=0, reason="RuntimeError in client c's train"), reply_to=_reply([0.0], 1))
+
+    strategy, _ = _fixed_wrapper(population=4, sampled=2)  # m = 2, no noise: the sum over m exactly
+    g = np.array([1.0, 1.0])
+    strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(4))
+    arrays, _ = strategy.aggregate_train(1, [_reply(g + [3.0, 4.0], 1), failed(), _reply(g + [0.3, 0.4], 1)])
+    assert arrays is not None, "the round released nothing: that tells a sampled client failed"
+    np.testing.assert_allclose(arrays["w"].numpy(), g + (np.array([0.6, 0.8]) + [0.3, 0.4]) / 2, rtol=1e-6)
+    strategy, _ = _fixed_wrapper(population=3, sampled=1, noise=20.0)  # m = 1, the noise z C / m = 20
+    g, update = np.linspace(-1.0, 1.0, 20000), np.full(20000, 0.005)  # norm 0.71 < C
+    strategy.configure_train(1, _global(g), ConfigRecord(), _Nodes(3))
+    arrays, _ = strategy.aggregate_train(1, [failed(), _reply(g + update, 1)])
+    noise = arrays["w"].numpy().astype(np.float64) - (g + update).astype(np.float32)
+    assert abs(noise.mean()) < 0.5 and noise.std() == pytest.approx(20.0, rel=0.03)

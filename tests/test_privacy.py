@@ -493,10 +493,11 @@ def test_private_reply_adds_only_the_privacy_counts_and_composes_rounds(ws):
     assert replies[0]["dp-epsilon"] < replies[1]["dp-epsilon"]
 
 
-def test_a_client_that_dies_after_its_reply_composes_that_round_and_a_redone_round_once(ws):
+def test_a_client_that_dies_after_its_reply_composes_that_round_and_a_redone_round_again(ws):
     """A SuperNode may die after its train reply reached the aggregate and before its round's checkpoint (written
     at evaluate); restarted (a fresh context), it must still count that round's steps: the update was released. A
-    round the whole run redoes after a kill (the same seed, start and global: the same release) counts once."""
+    round the whole run redoes after a kill is another release, drawn afresh (the test after this one): it counts
+    again."""
     from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
     from pipeline.experiments.plans import read_plan
@@ -520,7 +521,50 @@ def test_a_client_that_dies_after_its_reply_composes_that_round_and_a_redone_rou
     per_round = math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples
     assert train_in_a_fresh_context(1) == per_round
     assert train_in_a_fresh_context(2) == 2 * per_round  # round 1's released steps compose
-    assert train_in_a_fresh_context(2) == 2 * per_round  # round 2 redone: counted once
+    assert train_in_a_fresh_context(2) == 3 * per_round  # round 2 redone: released again
+
+
+def test_a_round_redone_from_another_start_draws_fresh_noise_and_counts_again(ws, monkeypatch):
+    """A client whose evaluate failed after its train reply has no checkpoint of that round: when the server is killed
+    in the next round after the client's reply and redoes that round, the restarted client trains it from its older
+    checkpoint, another start than the update it released. Drawn with the same samples and noise, the two releases
+    of the round share their noise; each release must draw its own and be composed: 3 updates of 2 steps each."""
+    from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    from pipeline.experiments.plans import read_plan
+    from pipeline.federation.client_app import client_app
+    from pipeline.federation.engines import _set_server_identity
+    from pipeline.privacy import example_dp
+    from pipeline.training.shared_model import initial_adapter_state
+
+    path = _write_plan("dp-redo", "fedselectkd", {"mode": "example", "noise_multiplier": 1.0})
+    initial = ArrayRecord.from_torch_state_dict(initial_adapter_state(read_plan(path)))
+    _set_server_identity(1)
+    seeds, real_init = [], example_dp.DPSGDSteps.__init__
+
+    def init_spy(self, module, setting, seed, *args):
+        seeds.append(seed)  # the DP-SGD samples' and noise's seeds are derived from it alone
+        real_init(self, module, setting, seed, *args)
+
+    def train(rnd: int, context):  # the global of round 0 each time (the server's is not the point here)
+        config = ConfigRecord({"server-round": rnd, "plan": path, **CLIENT_SETTINGS})
+        msg = Message(RecordDict({"arrays": initial, "config": config}), dst_node_id=1000, message_type="train")
+        msg.metadata.__dict__["_message_id"] = f"r{rnd}-{len(seeds)}"
+        reply = client_app(msg, context).content
+        return reply["metrics"]["dp-steps"], np.concatenate([a.ravel() for a in reply["arrays"].to_numpy_ndarrays()])
+
+    def context():
+        config = {"client-name": "Committee"}
+        return Context(run_id=1, node_id=1000, node_config=config, state=RecordDict(), run_config={})
+
+    monkeypatch.setattr(example_dp.DPSGDSteps, "__init__", init_spy)
+    first = context()
+    train(1, first)  # its evaluate of round 1 fails: no round-1 checkpoint
+    _, released = train(2, first)
+    steps, redone = train(2, context())  # the server redoes round 2: a fresh context
+    assert not np.array_equal(released, redone)  # two releases of round 2
+    assert seeds[2] != seeds[1], "the redone round drew the samples and noise of the release it redid"
+    assert steps == 3 * math.ceil(6 / TRAIN["batch_size"])  # Committee: 6 examples, batch 4; every release counts
 
 
 def test_dp_sgd_draws_its_samples_and_noise_per_client_round_and_epoch_and_counts_its_clipped_examples(ws, monkeypatch):

@@ -74,8 +74,8 @@ def _restore_client_state(context: Context, plan: Plan, name: str, rnd: int) -> 
     ckpt_dir = client_checkpoint_dir(plan, name, context)
     ckpt = checkpoints.latest_client_checkpoint(ckpt_dir, before=rnd)
     sent = json.loads((ckpt_dir / DP_SENT).read_text()) if (ckpt_dir / DP_SENT).exists() else [rnd, None, None]
-    steps = [s for s in (ckpt and ckpt.dp_steps, sent[2] if sent[0] < rnd else sent[1]) if s is not None]
-    privacy.restore_dp_steps(context, max(steps, default=None))  # every released update, a redone round once
+    steps = [s for s in (ckpt and ckpt.dp_steps, sent[2]) if s is not None]
+    privacy.restore_dp_steps(context, max(steps, default=None))  # every released update, a redone round's again
     if ckpt is None:
         return
     context.state[PROGRESS_KEY] = MetricRecord(ckpt.progress)
@@ -151,6 +151,9 @@ def train_round(msg: Message, context: Context) -> Message:
 
     data = client_data(plan, name)
     mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
+    # its DP-SGD update of this round left before (a redo, maybe from another start): drawn afresh (docs/privacy.md)
+    sent = client_checkpoint_dir(plan, name, context) / DP_SENT
+    redo = privacy.dp_steps(context) if sent.exists() and json.loads(sent.read_text())[0] == rnd else None
     result = local_training.train_local(
         model,
         plan,
@@ -161,6 +164,7 @@ def train_round(msg: Message, context: Context) -> Message:
         proximal_mu=mu,
         cache=prefix_cache_for(plan, model, client_cache_config(msg, context)),
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
+        redo=redo,
     )
     new_local = model.adapter_state("local")
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)

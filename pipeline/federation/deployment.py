@@ -277,5 +277,6 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
     # next run of this plan starts over (client checkpoints stay on the clients' disks until its admission).
     checkpoints.publish_outputs(plan)
     checkpoints.server_checkpoint_path(plan).unlink(missing_ok=True)
+    (checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES).unlink(missing_ok=True)  # a next run: its own
     run_id_file.unlink(missing_ok=True)
     return {"train": metrics, "eval": eval_metrics}

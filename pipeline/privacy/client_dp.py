@@ -3,6 +3,7 @@ with Flower's DP primitives, not its DP wrappers (docs/privacy.md says why), and
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from typing import Any
@@ -19,6 +20,7 @@ from flwr.supercore.differential_privacy import (
     get_norm,
 )
 
+from pipeline.common import atomic
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CLIPPED_KEY,
@@ -46,8 +48,12 @@ def poisson_sample(node_ids: list[int], rate: float, rng: np.random.Generator) -
 class ClientLevelDP(Strategy):
     """DP-FedAvg around ``strategy`` (run with fraction_train 1); adaptive clipping moves :attr:`clipping_norm`."""
 
-    def __init__(self, strategy, plan, setting: FederationPrivacy):
+    def __init__(self, strategy, plan, setting: FederationPrivacy, releases=None):
         super().__init__()
+        # {round: releases so far}, in the file ``releases`` before one leaves (fedavg's evaluate sends it before the
+        # checkpoint): a resumed run redoing a round draws a fresh sample and noise, and the accountant counts both
+        self.releases_file = releases
+        self.releases = json.loads(releases.read_text()) if releases and releases.exists() else {}
         self.strategy, self.setting, self.cfg = strategy, setting, plan.privacy
         self.seed = derived_seed(plan.seed, "client-dp-noise")
         self.client_side, self.adaptive = self.cfg.clipping_side == "client", self.cfg.clipping == "adaptive"
@@ -64,7 +70,7 @@ class ClientLevelDP(Strategy):
     def configure_train(self, server_round, arrays, config, grid):
         """Poisson sampling (seeded per round, apart from the noise): an empty sample is still accounted."""
         self._arrays = arrays
-        rng = np.random.default_rng([self.seed, server_round, SAMPLING_STREAM])
+        rng = self._generator(server_round, SAMPLING_STREAM)
         chosen = poisson_sample(list(grid.get_node_ids()), self.setting.sample_rate, rng)  # the view: client order
         if not chosen:
             log.info("round %d: the Poisson sample of clients is empty: nothing to aggregate", server_round)
@@ -75,11 +81,9 @@ class ClientLevelDP(Strategy):
         return self.strategy.configure_train(server_round, arrays, config, GridView(grid, chosen))
 
     def aggregate_train(self, server_round, replies):
-        replies = list(replies)
-        if any(reply.has_error() for reply in replies):
-            log.info("round %d: a client replied with an error: no aggregate is released", server_round)
-            return None, None
-        clipped = 0
+        # A failed reply is left out (k counts the others, as a timed-out client's). Flower's DP wrappers release
+        # nothing then, which tells that the secret Poisson sample held somebody (as an unchanged W would).
+        replies, clipped = [reply for reply in replies if not reply.has_error()], 0
         for reply in replies:
             metrics = reply.content[METRICS_KEY]
             metrics[UNIFORM_WEIGHT_KEY] = 1
@@ -102,7 +106,10 @@ class ClientLevelDP(Strategy):
     ) -> ArrayRecord | None:
         """Release the uniform mean of k = ``aggregated`` clipped updates (SecAgg+ calls it directly; k = 0: W): move
         C (adaptive), take the sum over the expected count m, ``W + (k / m)(mean - W)``, add N(0, (z_u C / m)^2)."""
-        rng, norm, m = np.random.default_rng([self.seed, server_round]), self.clipping_norm, self.setting.sampled
+        rng, norm, m = self._generator(server_round), self.clipping_norm, self.setting.sampled
+        if self.releases_file is not None:
+            self.releases[str(server_round)] = self.releases.get(str(server_round), 0) + 1
+            atomic.write_json(self.releases_file, self.releases)
         if self.adaptive:  # f: the noisy count over m (public: the number that replied would tell who joined)
             noise = rng.normal(0.0, self.setting.count_stddev) if self.setting.count_stddev > 0 else 0.0
             fraction = float(clipped_count + noise) / float(m)
@@ -118,6 +125,10 @@ class ClientLevelDP(Strategy):
         arrays, error = mean.to_numpy_ndarrays(), upload_error(self.cfg.secagg) if self.cfg.secure_aggregation else 0
         std = compute_stdv(z, norm + math.sqrt(sum(a.size for a in arrays)) * error, m)  # SecAgg+: a quantised upload
         return _record(mean.keys(), [a + rng.normal(0.0, std, a.shape).astype(a.dtype) for a in arrays])
+
+    def _generator(self, server_round: int, *stream: int) -> np.random.Generator:
+        n = self.releases.get(str(server_round), 0)  # the round's releases before this one: a redo's n-th, [..., 2, n]
+        return np.random.default_rng([self.seed, server_round, *stream, *([2, n] if n else [])])
 
     def _clip(self, reply: Message) -> int:
         received, reference = reply.content[ARRAYS_KEY], self._arrays.to_numpy_ndarrays()
@@ -153,7 +164,10 @@ class ClientLevelDP(Strategy):
         self, rows: dict[str, dict[str, Any]], clipped: dict[str, tuple[float, float | None]], clipping_norm: float
     ) -> None:
         rnd = max(int(row["round"]) for row in rows.values())
-        eps = self.setting.epsilon_after(rnd)  # every round so far, an empty sample too (Poisson sampling)
+        accounted = rnd + sum(n - 1 for r, n in self.releases.items() if int(r) <= rnd)  # a redone round's too
+        for row in rows.values() if accounted > rnd else []:  # on every row of the round (the run record reads it)
+            row["rounds_accounted"] = accounted
+        eps = self.setting.epsilon_after(accounted)  # every release so far, an empty sample too (Poisson sampling)
         this_round = {
             "clipping_norm": float(clipping_norm),
             "epsilon": None if eps == float("inf") else eps,

@@ -20,6 +20,7 @@ from pipeline.privacy.accounting import client_privacy, sampled_per_round, serve
 from pipeline.privacy.client_dp import ClientLevelDP, client_dp_mod
 from pipeline.privacy.example_dp import DPSGDSteps
 from pipeline.privacy.secure_aggregation import SecureAggregator, is_legacy_fit, legacy_fit, secure_aggregation_mod
+from pipeline.training import checkpoints
 from pipeline.training.client_data import read_partition
 from pipeline.training.privacy_hooks import register_privacy
 
@@ -57,7 +58,8 @@ def client_level(plan, strategy, population: int):
     problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if problem:  # the plan stage refuses it; a plan file written by hand is refused here
         raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
-    dp = ClientLevelDP(strategy, plan, server_setting(plan, population))
+    releases = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES
+    dp = ClientLevelDP(strategy, plan, server_setting(plan, population), releases)
     return dp, dp
 
 
@@ -197,10 +199,11 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
             )
     last = max(released, key=lambda r: r["round"]) if released else None
     rounds_run = max((int(r["round"]) for r in history), default=0)
+    accounted = max((int(r.get("rounds_accounted", r["round"])) for r in history), default=0)  # a round redone: +1
     sampled_rounds = {int(r["round"]) for r in history if r.get("sampled")}
     # Every round run consumed budget, an empty Poisson sample too: the accountant composes them all.
     setting = server_setting(plan, len({r["client"] for r in history})) if history else None
-    epsilon = setting.epsilon_after(rounds_run) if setting is not None else 0.0
+    epsilon = setting.epsilon_after(accounted) if setting is not None else 0.0
     epsilon = None if epsilon == float("inf") else epsilon  # noise multiplier 0: no bound
     return {
         "mode": "client",
@@ -216,7 +219,7 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
         "clipping_norm": last["clipping_norm"] if last else None,
         "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released) if released else 0.0,
         "sample_rate": setting.sample_rate if setting else None,
-        "rounds_accounted": rounds_run,
+        "rounds_accounted": accounted,
         "rounds_empty": len(set(range(1, rounds_run + 1)) - sampled_rounds),
         "rounds_released": len({r["round"] for r in released}),
         "updates_aggregated": len(released),

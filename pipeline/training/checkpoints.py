@@ -25,6 +25,7 @@ log = logging.getLogger("fedmeet.train")
 
 TRAINED_FLAG = "trained"  # in a client checkpoint's progress: 0 while the client has not trained yet
 DP_STEPS = "dp-steps"  # in a client checkpoint's progress: DP-SGD steps so far, so a resumed client keeps composing
+DP_RELEASES = "client-dp-releases.json"  # in checkpoint_dir: client-level DP's releases of each round so far
 
 
 def checkpoint_dir(plan: Plan) -> Path:

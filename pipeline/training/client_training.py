@@ -158,9 +158,10 @@ def train_local(
     proximal_mu: float = 0.0,
     cache=None,
     progress: bool = False,
+    redo: int | None = None,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd)); for KD modes the global adapter must already hold the teacher weights. Without
+    (plan.seed, client, rnd), and ``redo``: a redone round's DP-SGD steps so far, its samples and noise); for KD modes the global adapter must already hold the teacher weights. Without
     privacy the round trains with every other client round of the set's barrier (pipeline.training.local_batch);
     under the plan's ``privacy`` every step is a DP-SGD step, here (the caller composes them across rounds).
     ``cache`` (RunSettings.cache) changes no result."""
@@ -183,7 +184,8 @@ def train_local(
         batches = make_batches(frame, model, mcfg, cfg.batch_size, False, 0, cfg.bucket_by_length)
         return [(b, per_example_loss_scale(b, kd.loss_normalisation, mcfg.max_target_length)) for b in batches]
 
-    stepper = privacy.local_steps(plan, local, examples, seed, client, dp_step, proximal)
+    dp_seed = seed if redo is None else derived_seed(seed, "redo", redo)
+    stepper = privacy.local_steps(plan, local, examples, dp_seed, client, dp_step, proximal)
     try:
         if stepper is None:
             local.requires_grad_(False)
