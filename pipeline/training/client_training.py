@@ -161,10 +161,10 @@ def train_local(
     redo: int | None = None,
 ) -> LocalTrainResult:
     """Train ``model``'s local adapter on ``examples`` for ``train.local_epochs`` epochs (deterministic in
-    (plan.seed, client, rnd), and ``redo``: a redone round's DP-SGD steps so far, its samples and noise); for KD modes the global adapter must already hold the teacher weights. Without
-    privacy the round trains with every other client round of the set's barrier (pipeline.training.local_batch);
-    under the plan's ``privacy`` every step is a DP-SGD step, here (the caller composes them across rounds).
-    ``cache`` (RunSettings.cache) changes no result."""
+    (plan.seed, client, rnd), and ``redo``: a redone round's DP-SGD steps so far, its samples and noise); for KD
+    modes the global adapter must already hold the teacher weights. Without privacy the round trains with every
+    other client round of the set's barrier (pipeline.training.local_batch); under the plan's ``privacy`` every step
+    is a DP-SGD step, here (the caller composes them across rounds). ``cache`` (RunSettings.cache) changes no result."""
     cfg: TrainConfig = plan.train
     mcfg = plan.model_config
     kd = kd_config(plan)
