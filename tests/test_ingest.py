@@ -854,6 +854,7 @@ def _hmnet_meeting(mid: str = "ES9", **edit) -> dict:
         ),
         (_hmnet_meeting(meeting=[]), ["ES9", "transcript"]),
         (_hmnet_meeting(summary=[]), ["ES9", "summary"]),
+        (_hmnet_meeting(summary=["", " \n"]), ["ES9", "summary"]),  # blank sentences only: no summary either
     ],
 )
 def test_a_malformed_hmnet_meeting_is_named_down_to_the_turn_and_word(mirror, meeting, problem):
