@@ -1087,3 +1087,23 @@ def test_a_qmsum_meeting_in_two_split_files_is_named_not_read_twice(mirror):
     with pytest.raises(DataError) as err:
         list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
     names(err.value, "qmsum/data/Committee/jsonl/test.jsonl:1:", "qmsum/data/Committee/jsonl/train.jsonl:1")
+
+
+def test_a_qmsum_query_with_an_empty_answer_is_named_not_read_as_an_empty_target(mirror):
+    """Like a meeting without a transcript: one line naming the file, line, meeting and query, not a record whose
+    reference summary is empty (trained toward nothing, scored 0)."""
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers.qmsum import qmsum_meeting_id, read_qmsum
+
+    path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "val.jsonl"
+    meeting = _qmsum_meeting(("A", "x"), ("B", "y"))
+    mid = qmsum_meeting_id(meeting["meeting_transcripts"])
+    q0 = {"query": "Q0?", "answer": "Ans.", "relevant_text_span": [["0", "1"]]}
+    for edit, key in (
+        ({"specific_query_list": [q0, q0 | {"answer": " \n"}]}, "specific_query_list[1]"),
+        ({"general_query_list": [{"query": "Summarize", "answer": ""}]}, "general_query_list[0]"),
+    ):
+        path.write_text(json.dumps(meeting | {"specific_query_list": [q0]} | edit) + "\n")
+        with pytest.raises(DataError) as err:
+            list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+        names(err.value, "qmsum/data/Committee/jsonl/val.jsonl:1:", mid, key, "empty answer")
