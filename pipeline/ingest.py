@@ -3,7 +3,7 @@
     python -m pipeline.ingest --dataset qmsum      # -> data/interim/qmsum.parquet, reports/data/ingest_qmsum.json
 
 The readers (pipeline/datasets/readers/) raise DataError naming file, line and problem; records left out by design
-(empty SAMSum dialogue) are counted in the report with their reason."""
+(an empty SAMSum dialogue or summary) are counted in the report with their reason."""
 
 from __future__ import annotations
 

@@ -675,6 +675,26 @@ def test_an_empty_dialogue_is_skipped_and_the_rest_of_the_file_still_read(tmp_pa
     assert [(s.record, s.source_line, s.reason) for s in report.skipped] == [("2", 2, "empty dialogue")]
 
 
+def test_a_dialogue_with_an_empty_summary_is_skipped_like_an_empty_dialogue_and_the_rest_still_read(tmp_path):
+    """No target to train toward or score against: left out, named in the report (file, line, dialogue, reason)."""
+    from pipeline.common.schema import IngestReport, Skipped
+    from pipeline.datasets.readers.samsum import read_samsum
+
+    train = [
+        {"id": "1", "dialogue": "A: hi", "summary": "s1"},
+        {"id": "2", "dialogue": "B: yes", "summary": " \r\n"},
+        {"id": "3", "dialogue": "C: bye", "summary": ""},
+        {"id": "4", "dialogue": "D: ok", "summary": "s4"},
+    ]
+    report = IngestReport("samsum", "test")
+    records = list(read_samsum(_samsum_dir(tmp_path, train=train), report))
+    assert [r.meeting_id for r in records if r.split == "train"] == ["1", "4"]
+    assert report.skipped == [
+        Skipped("samsum/train.json", 2, "2", "empty summary"),
+        Skipped("samsum/train.json", 3, "3", "empty summary"),
+    ]
+
+
 def test_a_duplicate_dialogue_id_names_both_places(tmp_path):
     from pipeline.common.schema import IngestReport
     from pipeline.datasets.readers.samsum import read_samsum
@@ -854,6 +874,7 @@ def _hmnet_meeting(mid: str = "ES9", **edit) -> dict:
         ),
         (_hmnet_meeting(meeting=[]), ["ES9", "transcript"]),
         (_hmnet_meeting(summary=[]), ["ES9", "summary"]),
+        (_hmnet_meeting(summary=["", " \n"]), ["ES9", "summary"]),  # blank sentences only: no summary either
     ],
 )
 def test_a_malformed_hmnet_meeting_is_named_down_to_the_turn_and_word(mirror, meeting, problem):
@@ -1066,3 +1087,23 @@ def test_a_qmsum_meeting_in_two_split_files_is_named_not_read_twice(mirror):
     with pytest.raises(DataError) as err:
         list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
     names(err.value, "qmsum/data/Committee/jsonl/test.jsonl:1:", "qmsum/data/Committee/jsonl/train.jsonl:1")
+
+
+def test_a_qmsum_query_with_an_empty_answer_is_named_not_read_as_an_empty_target(mirror):
+    """Like a meeting without a transcript: one line naming the file, line, meeting and query, not a record whose
+    reference summary is empty (trained toward nothing, scored 0)."""
+    from pipeline.common.schema import IngestReport
+    from pipeline.datasets.readers.qmsum import qmsum_meeting_id, read_qmsum
+
+    path = mirror / "qmsum" / "data" / "Committee" / "jsonl" / "val.jsonl"
+    meeting = _qmsum_meeting(("A", "x"), ("B", "y"))
+    mid = qmsum_meeting_id(meeting["meeting_transcripts"])
+    q0 = {"query": "Q0?", "answer": "Ans.", "relevant_text_span": [["0", "1"]]}
+    for edit, key in (
+        ({"specific_query_list": [q0, q0 | {"answer": " \n"}]}, "specific_query_list[1]"),
+        ({"general_query_list": [{"query": "Summarize", "answer": ""}]}, "general_query_list[0]"),
+    ):
+        path.write_text(json.dumps(meeting | {"specific_query_list": [q0]} | edit) + "\n")
+        with pytest.raises(DataError) as err:
+            list(read_qmsum(mirror / "qmsum", IngestReport("qmsum", "test")))
+        names(err.value, "qmsum/data/Committee/jsonl/val.jsonl:1:", mid, key, "empty answer")

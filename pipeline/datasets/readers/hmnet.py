@@ -63,11 +63,10 @@ def read_hmnet(
             if not (role := (utt.role or "").strip()):
                 report.note("turns without a role (speaker letter only)")
             turns.append(Turn(f"{role} {utt.speaker}" if role else utt.speaker, " ".join(utt.utt.word)))
-        if not turns or not meeting.summary:
+        # blank sentences only are no summary either (a target to train toward nothing and score 0 against)
+        if not turns or not (summary := "\n".join(s.strip() for s in meeting.summary)).strip():
             raise DataError(f"{where}: meeting {meeting.id}: empty {'transcript' if not turns else 'summary'}")
-        yield CanonicalRecord(
-            **origin, meeting_id=meeting.id, turns=turns, summary="\n".join(s.strip() for s in meeting.summary)
-        )
+        yield CanonicalRecord(**origin, meeting_id=meeting.id, turns=turns, summary=summary)
 
 
 for _dataset in HMNET_CORPUS:

@@ -79,6 +79,8 @@ def read_qmsum(directory: Path, report: IngestReport, allow_absent: list[str] = 
         for query_type, key in (("general", "general_query_list"), ("specific", "specific_query_list")):
             for qi, q in enumerate(getattr(meeting, key)):
                 qwhere = f"{where}: meeting {meeting_id} {key}[{qi}]"
+                if not q.answer.strip():  # no target (skipping it would hide a general query's meeting from the link)
+                    raise DataError(f"{qwhere}: empty answer")
                 spans, selected = [], list(turns)  # a general query: the whole meeting
                 if query_type == "specific":
                     spans = [_parse_span(s, len(turns), qwhere) for s in q.relevant_text_span]

@@ -58,8 +58,8 @@ def read_samsum(directory: Path, report: IngestReport, allow_absent: list[str] =
     for where, origin, raw in split_json_lines(directory, samsum_files(), allow_absent, report):
         rec = parse_record(SamsumDialogue, raw, where)
         _unique(dialogues, rec.id, where, "dialogue id")
-        if not rec.dialogue.strip():
-            report.skipped.append(Skipped(origin["source_file"], origin["source_line"], rec.id, "empty dialogue"))
+        if empty := [f"empty {key}" for key in ("dialogue", "summary") if not getattr(rec, key).strip()]:
+            report.skipped.append(Skipped(origin["source_file"], origin["source_line"], rec.id, empty[0]))
             continue
         turns = split_dialogue(rec.dialogue, f"{where}: dialogue {rec.id}", report)
         yield CanonicalRecord(**origin, meeting_id=rec.id, turns=turns, summary=rec.summary)
