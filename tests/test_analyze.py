@@ -366,3 +366,15 @@ def test_a_client_without_a_best_round_is_reported_not_a_crash(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "analyze: Academic: KD usage 75.0 % (paper 86 %)" in out
     assert "analyze: Product: KD usage undefined (no word update in 1..best) (paper 89 %)" in out
+
+
+def test_the_analysis_reads_average_rouge_as_the_tables_do(tmp_path):
+    # A record written when R-L was rougeLsum (before b73f235) stores avg_rouge = (R-1 + R-2 + rougeLsum) / 3 =
+    # (30 + 10 + 29) / 3 = 23. The tables recompute it from plain rougeL (readers.METRICS): (30 + 10 + 20) / 3 = 20;
+    # hard KD vs SelectKD and the tau sweep must read the same 20.
+    from pipeline.results.readers import eval_scores
+
+    path = tmp_path / "metrics.json"
+    scores = {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 23.0, "n": 5}
+    path.write_text(json.dumps({"clients": {"Product": scores}}))
+    assert eval_scores(path)["Product"] == {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "avg_rouge": 20.0}

@@ -62,11 +62,12 @@ def read_eval_metrics(path: Path) -> dict[str, Any]:
 
 
 def eval_scores(path: Path) -> dict[str, dict[str, float]]:
-    """Per client ROUGE (the tables' metrics) from the evaluate stage's metrics.json."""
-    clients = read_eval_metrics(path)["clients"]
-    if not clients:
+    """Per client ROUGE (the tables' metrics, average ROUGE recomputed as :func:`collect_scores` does) from the
+    evaluate stage's metrics.json."""
+    if not (clients := read_eval_metrics(path)["clients"]):
         raise DataError(f"{path}: no client has ROUGE scores")
-    return {str(c): {m: float(s[m]) for m in METRICS} for c, s in clients.items()}
+    three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in clients.items()}
+    return {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
 
 
 def collect_scores(
