@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None) -> None:
         cfg = from_dict(AnalyzeConfig, params.get("analyze"), "analyze")
         result = Analysis(cfg, declared(params), params.get("tau"), PATHS).run()
         for client, rec in result["clients"].items():
-            paper = rec["paper_kd_usage_ratio"]
-            paper_text = f" (paper {100 * paper:.0f} %)" if paper is not None else ""
-            print(f"analyze: {client}: KD usage {100 * rec['kd_usage_ratio']:.1f} %{paper_text}")
+            p, r = rec["paper_kd_usage_ratio"], rec["kd_usage_ratio"]  # r null: no word update in rounds 1..best
+            paper_text = f" (paper {100 * p:.0f} %)" if p is not None else ""
+            usage = f"{100 * r:.1f} %" if r is not None else "undefined (no word update in 1..best)"
+            print(f"analyze: {client}: KD usage {usage}{paper_text}")
         if result["missing"]:
             print(f"analyze: {result['n_missing']} input file(s) missing, left out (listed in kd_analysis.json):")
             for m in result["missing"]:

@@ -343,3 +343,38 @@ def test_a_threshold_in_bits_is_placed_in_nats_on_the_sweep_axis():
     ]
     table, _ = tau_sweep_summary(pd.DataFrame(rows, columns=SWEEP_COLUMNS))
     assert table["tau"].tolist() == pytest.approx([5 * math.log(2), 5.0]) and table["avg_rouge"].tolist() == [14, 20]
+
+
+def test_a_client_without_a_best_round_is_reported_not_a_crash(tmp_path, monkeypatch, capsys):
+    # Product never had a validation loss (every round NaN or failed): record_run leaves best_round 0, so its window
+    # 1..0 holds no word update and its KD usage ratio is undefined (null in kd_analysis.json). The stage still
+    # prints every client's line and ends normally; Academic's 3 of 4 word updates are 75 %.
+    monkeypatch.chdir(tmp_path)
+    write_experiment(
+        tmp_path, "sel_s0", {"Product": 0, "Academic": 1}, {"Product": (30, 10, 20), "Academic": (24, 6, 18)}
+    )
+    (tmp_path / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
+    params = {
+        "tau": 5.0,
+        "experiments": {"sel_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}},
+    }
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    analyze.main([])
+    res = json.loads((tmp_path / "reports/analysis/kd_analysis.json").read_text())
+    assert res["clients"]["Product"]["kd_usage_ratio"] is None
+    out = capsys.readouterr().out
+    assert "analyze: Academic: KD usage 75.0 % (paper 86 %)" in out
+    assert "analyze: Product: KD usage undefined (no word update in 1..best) (paper 89 %)" in out
+
+
+def test_the_analysis_reads_average_rouge_as_the_tables_do(tmp_path):
+    # A record written when R-L was rougeLsum (before b73f235) stores avg_rouge = (R-1 + R-2 + rougeLsum) / 3 =
+    # (30 + 10 + 29) / 3 = 23. The tables recompute it from plain rougeL (readers.METRICS): (30 + 10 + 20) / 3 = 20;
+    # hard KD vs SelectKD and the tau sweep must read the same 20.
+    from pipeline.results.readers import eval_scores
+
+    path = tmp_path / "metrics.json"
+    scores = {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "rougeLsum": 29.0, "avg_rouge": 23.0, "n": 5}
+    path.write_text(json.dumps({"clients": {"Product": scores}}))
+    assert eval_scores(path)["Product"] == {"rouge1": 30.0, "rouge2": 10.0, "rougeL": 20.0, "avg_rouge": 20.0}

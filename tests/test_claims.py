@@ -254,6 +254,21 @@ def test_convergence_without_rounds_reads_the_metrics_summary(tmp_path):
     assert dict(zip(f["client"], f["best_is_last"])) == {"X": True, "Y": False}
 
 
+def test_convergence_without_rounds_compares_the_best_round_with_the_last_round_not_a_count(tmp_path):
+    # A sampling run (2 of 3 clients a round), 10 rounds, as training.summary records it: each client validates every
+    # round but trains in 7 (rounds_trained). X's best validation round is round 10 of 10 (still improving), Y's
+    # round 7 (three rounds after it did no better): rounds.json would say (10, 10, True) and (7, 10, False).
+    run = tmp_path / "r"
+    run.mkdir()
+    clients = {"X": {"best_round": 10, "rounds_trained": 7}, "Y": {"best_round": 7, "rounds_trained": 7}}
+    (run / "metrics.json").write_text(json.dumps({"rounds": 10, "stopped_round": 10, "clients": clients}))
+    f = readers.run_convergence(tmp_path, "r")
+    assert list(zip(f["client"], f["best_round"], f["last_round"], f["best_is_last"])) == [
+        ("X", 10, 10, True),
+        ("Y", 7, 10, False),
+    ]
+
+
 # --- the generated text ---------------------------------------------------------------------------------------
 
 

@@ -62,11 +62,12 @@ def read_eval_metrics(path: Path) -> dict[str, Any]:
 
 
 def eval_scores(path: Path) -> dict[str, dict[str, float]]:
-    """Per client ROUGE (the tables' metrics) from the evaluate stage's metrics.json."""
-    clients = read_eval_metrics(path)["clients"]
-    if not clients:
+    """Per client ROUGE (the tables' metrics, average ROUGE recomputed as :func:`collect_scores` does) from the
+    evaluate stage's metrics.json."""
+    if not (clients := read_eval_metrics(path)["clients"]):
         raise DataError(f"{path}: no client has ROUGE scores")
-    return {str(c): {m: float(s[m]) for m in METRICS} for c, s in clients.items()}
+    three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in clients.items()}
+    return {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
 
 
 def collect_scores(
@@ -124,7 +125,7 @@ def read_gate_log(path: Path) -> pd.DataFrame:
 
 
 # Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from ``reports/train/
-# <exp>/``: each client-run's best and last round (``rounds.json``, else ``best_round``), the run's stated ``converged``.
+# <exp>/``: each client-run's best and last round (``rounds.json``, else ``best_round``, ``stopped_round``), its ``converged``.
 CONVERGENCE_COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last", "converged"]
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 
@@ -148,7 +149,7 @@ def run_convergence(train_dir: Path, experiment: str) -> pd.DataFrame:
         best_and_last_rounds(rounds_path)
         if rounds_path.is_file()
         else {
-            c: (int(v["best_round"]), int(v.get("rounds_trained") or metrics.get("rounds") or v["best_round"]))
+            c: (int(v["best_round"]), int(metrics.get("stopped_round") or metrics.get("rounds") or v["best_round"]))
             for c, v in clients.items()
             if isinstance(v, dict) and v.get("best_round")
         }
