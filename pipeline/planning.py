@@ -95,6 +95,7 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
         (method.new_client != "post", ("join",)),
         (not train.stop.enabled, ("stop",)),  # a fixed number of rounds: plans as before train.stop existed
         (not method.federated, _FEDERATED_KEYS),
+        (not method.pooled, ("centralized_steps",)),  # the pooled training set's round size (AdaCentralized)
         (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
         (train.transfer_dtype == "fp32", ("transfer_delta",)),  # fp32 sends the weights themselves, exactly
         # no cap: the trained count is the full train size
