@@ -10,9 +10,11 @@ import argparse
 from pathlib import Path
 
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import load_params
+from pipeline.common.config import from_dict, load_params
+from pipeline.experiments.privacy import PrivacyConfig
 from pipeline.paths import PATHS
-from pipeline.planning import write_plans
+from pipeline.planning import check_params, write_plans
+from pipeline.privacy.accounting import federation_privacy, sampled_per_round
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,7 +22,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--out", default=str(PATHS.plans))
     args = ap.parse_args(argv)
-    written = write_plans(load_params(args.params), Path(args.out))
+    params = load_params(args.params)
+    for plan in check_params(params).values():  # privacy.mode client needs only the plan's clients: check it now
+        if (privacy := plan.get("privacy", {})).get("mode") == "client":
+            n, where = len(plan["clients"]), f"params.yaml experiments.{plan['experiment']}"
+            rounds, sampled = plan["train"]["rounds"], sampled_per_round(n, plan["train"]["fraction_train"])
+            federation_privacy(from_dict(PrivacyConfig, privacy, where), n, sampled, rounds, where)
+    written = write_plans(params, Path(args.out))
     print(f"plan: wrote {len(written)} plan(s) to {args.out}")
 
 

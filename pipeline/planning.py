@@ -91,10 +91,10 @@ def _relevant_train(train: TrainConfig, method: MethodSpec) -> dict[str, Any]:
         (train.kd_gate == "entropy", ("kd_gate",)),  # the paper's gate: plans as before
         (method.kd_mode == "ce", _KD_KEYS),
         (method.kd_mode != "selective", ("entropy_log_base", "tau_scale", "kd_gate")),
-        (method.new_client is None, ("new_client",)),
-        (method.new_client != "post", ("join",)),
+        (method.new_client != "post", ("new_client", "join")),  # only a late joiner is named (pre: all from round 1)
         (not train.stop.enabled, ("stop",)),  # a fixed number of rounds: plans as before train.stop existed
         (not method.federated, _FEDERATED_KEYS),
+        (not method.pooled, ("centralized_steps",)),  # the pooled training set's round size (AdaCentralized)
         (method.local_from_global, ("local_adapter",)),  # the server average overwrites the adapter whatever this says
         (train.transfer_dtype == "fp32", ("transfer_delta",)),  # fp32 sends the weights themselves, exactly
         # no cap: the trained count is the full train size

@@ -388,6 +388,18 @@ def test_every_stage_depends_on_exactly_the_pipeline_modules_it_imports():
         assert declared == expected_module_deps(command.group(1)), stage
 
 
+@pytest.mark.parametrize("dataset", ["samsum", "ami"])
+def test_the_backbone_stage_depends_on_the_records_its_warm_up_reads(dataset):
+    # pipeline.modeling.backbone.resolve warms up and scores on <interim_dir>/<backbone.warmup.dataset>.parquet; the
+    # deps as DVC interpolates them from params (ami: a long_meeting study without qmsum, which the stage allows)
+    from dvc.parsing.context import Context
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["backbone"]["warmup"]["dataset"] = dataset
+    deps = {Context(params).resolve_str(d) for d in DVC_YAML["stages"]["backbone"]["deps"]}
+    assert f"data/interim/{dataset}.parquet" in deps
+
+
 def test_a_folder_dep_hashes_no_bytecode():
     # DVC hashes every file of a folder dep: a __pycache__ written by any import would rerun the stage
     assert "__pycache__/" in (ROOT / ".dvcignore").read_text().splitlines()

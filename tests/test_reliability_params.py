@@ -122,6 +122,21 @@ CASES = [
         -2,
         r"centralized-domain.seed=-2 is out of range; allowed: >= 0",
     ),
+    # client-level DP needs only the plan's clients (3): refused by the plan stage, not when the training starts
+    (
+        "plan",
+        [],
+        "experiments.fedavg-domain.privacy",
+        {"mode": "client", "noise_multiplier": 1.0, "clipping": "adaptive"},  # count noise: 3 sampled / 20
+        r"experiments.fedavg-domain: privacy.noise_multiplier 1 .*clipped_count_stddev > it \(now 0.15;",
+    ),
+    (
+        "plan",
+        [],
+        "experiments.fedavg-domain.privacy",
+        {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "delta": 0.5},
+        r"experiments.fedavg-domain: privacy.delta 0.5 >= 1/3 ",
+    ),
     ("plan", [], "model.bottleneck", 0, r"model.bottleneck=0 is out of range; allowed: >= 1"),
     ("plan", [], "model.adapter_init_std", -0.02, r"model.adapter_init_std=-0.02 is out of range; allowed: >= 0"),
     ("plan", [], "model.top_k", 0, r"model.top_k=0 is out of range; allowed: >= 1"),

@@ -100,6 +100,22 @@ def test_plan_leaves_out_settings_a_method_does_not_read(tmp_path):
     assert {n for n in capped if capped[n] != capped_full[n]} == federated
 
 
+def test_the_centralized_step_rule_enters_the_centralized_plan_alone(tmp_path):
+    # train.centralized_steps sizes the pooled training set's rounds: only AdaCentralized pools the clients' data
+    # (METHOD.md section 6), so only its plan may change with it (pipeline.training.serverless reads it when pooled)
+    base = _plans(tmp_path, _params(), "a")
+    epoch = _plans(tmp_path, _params(train={**TRAIN, "centralized_steps": "epoch"}), "b")
+    assert {n for n in base if base[n] != epoch[n]} == {"centralized"}
+
+
+def test_the_new_client_enters_the_post_addition_plan_alone(tmp_path):
+    # which client joins late matters only where one joins late (post-addition); pre-addition has every client from
+    # round 1, so train.new_client cannot change its result
+    base = _plans(tmp_path, _params(), "a")
+    product = _plans(tmp_path, _params(train={**TRAIN, "new_client": "Product"}), "b")
+    assert {n for n in base if base[n] != product[n]} == {"post_addition"}
+
+
 def test_train_config_rejects_bad_transfer_and_weighting():
     from pipeline.experiments.train_config import TrainConfig
 
