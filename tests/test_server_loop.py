@@ -1169,6 +1169,76 @@ def test_a_node_going_offline_before_it_identifies_is_left_out_and_its_client_aw
     logs(logged(caplog), "node 1001", "left out")
 
 
+def _crashed_but_listed(grid: Grid, node: int, restarted_as: int) -> list[int]:
+    """``node``'s SuperNode crashed and came back without --auth as ``restarted_as``, while the SuperLink still lists
+    the old id (until two missed heartbeats mark it offline): a message to it is answered by the SuperLink with
+    NODE_UNAVAILABLE once it does. Returns the node ids the SuperLink lists."""
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    grid.inner.contexts[restarted_as] = grid.inner.contexts.pop(node)
+    send = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+        messages = list(messages)
+        dead = [m for m in messages if m.metadata.dst_node_id == node]
+        live = [m for m in messages if m.metadata.dst_node_id != node]
+        replies = list(send(live, timeout=timeout)) if live else []
+        return replies + [create_message_error_unavailable_res_message(m.metadata, "node_unavail") for m in dead]
+
+    grid.send_and_receive = send_and_receive
+    return sorted([*grid.inner.contexts, node])
+
+
+def test_mid_run_a_second_node_claiming_a_held_client_is_refused_while_the_holder_answers(ws, caplog):
+    """A SuperNode of another experiment (node 5000) names Product, whose node 1002 is connected and answers: it
+    is refused with one line naming both nodes, round after round, and 1002 keeps Product (it took Product's slot,
+    and the slot went back and forth, each round). A holder that no longer answers (crashed, still listed) is
+    Product's SuperNode restarted: the new node takes its place."""
+    from pipeline.federation.admission import connected_nodes
+
+    path = write_plan("loop-usurper", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"], extra={5000: "Product"})
+    node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    for _ in range(2):  # two rounds
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+            connected = connected_nodes(grid, path, node_names, timeout=5)
+        assert connected == node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+        assert len(logged(caplog)) == 1 and logs(logged(caplog), "5000", "1002", "'Product'")
+    del grid.inner.contexts[5000]
+    listed = _crashed_but_listed(grid, 1002, restarted_as=1102)
+    grid.get_node_ids = lambda: listed
+    assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee", 1102: "Product"}
+    assert node_names == {1000: "Academic", 1001: "Committee", 1102: "Product"}
+
+
+def test_a_supernode_restarted_during_admission_while_its_old_id_is_listed_is_admitted(ws, caplog):
+    """Committee identifies as node 1001, crashes and comes back (no --auth) as node 1101 while the SuperLink still
+    lists 1001 and Product has not joined yet: Committee is admitted as 1101 (its old node no longer answers), not
+    refused as 'two nodes claim the same client name'."""
+    from pipeline.federation.admission import identify_clients
+
+    path = write_plan("adm-restart-listed", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    polls = []
+
+    def nodes():
+        polls.append(1)
+        if len(polls) == 1:
+            return [1000, 1001]
+        if len(polls) == 2:  # Committee's SuperNode crashed after it identified and restarted as 1101
+            grid.listed = _crashed_but_listed(grid, 1001, restarted_as=1101)
+        return grid.listed
+
+    grid.get_node_ids = nodes
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=30) == {
+            1000: "Academic",
+            1101: "Committee",
+            1002: "Product",
+        }
+
+
 # ----------------------------------------------------------------------------------------------- SecAgg+ bookkeeping
 # The train step of a SecAgg+ round (_train_secure) on a scripted SecureAggregator: the protocol itself is tested end
 # to end in tests/test_secure_aggregation.py; here, what the server records from its outcome for every client.
