@@ -1239,6 +1239,31 @@ def test_a_supernode_restarted_during_admission_while_its_old_id_is_listed_is_ad
         }
 
 
+def test_a_refused_node_is_asked_again_at_admission_and_each_refusal_is_logged_once(ws, caplog):
+    """With --auth a SuperNode keeps its node id across restarts: Product's node 1002 is refused for a misspelt
+    name ("Prodcut"), its operator fixes the name and restarts it within the admission timeout: asked again, it is
+    admitted. A stranger connected the whole time is refused with one line, not one a poll."""
+    from pipeline.federation.admission import identify_clients
+
+    path = write_plan("adm-typo-fixed", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Prodcut"], extra={5000: "Mallory"})
+    polls = []
+    every = grid.get_node_ids
+
+    def nodes():
+        polls.append(1)
+        if len(polls) == 3:  # the same node id, its client name fixed
+            grid.inner.contexts[1002].node_config["client-name"] = "Product"
+        return every()
+
+    grid.get_node_ids = nodes
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        names_ = identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=10)
+    assert names_ == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(refusals) == 2 and logs(refusals, "1002", "'Prodcut'") and logs(refusals, "5000", "'Mallory'")
+
+
 # ----------------------------------------------------------------------------------------------- SecAgg+ bookkeeping
 # The train step of a SecAgg+ round (_train_secure) on a scripted SecureAggregator: the protocol itself is tested end
 # to end in tests/test_secure_aggregation.py; here, what the server records from its outcome for every client.

@@ -36,9 +36,10 @@ def identify_clients(
     refused: dict[int, str] = {}
     while True:
         node_ids = list(grid.get_node_ids())
-        if new := [n for n in node_ids if n not in names and n not in refused]:
-            refused |= name_nodes(
-                grid, plan_path, names, new, expected, timeout, sizes, admission=True, start_over=start_over
+        # a refused node is asked again each poll: with --auth, restarted with its client name fixed, it keeps its id
+        if new := [n for n in node_ids if n not in names]:
+            refused = {n: c for n, c in refused.items() if n not in new} | name_nodes(
+                grid, plan_path, names, new, expected, timeout, sizes, True, start_over, refused
             )
         if not (missing := [c for c in expected if c not in names.values()]):
             if empty := [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]:
@@ -65,18 +66,20 @@ def name_nodes(
     sizes: dict[str, dict[str, int]] | None = None,
     admission: bool = False,
     start_over: bool = False,
+    refused_before: dict[int, str] | None = None,
 ) -> dict[int, str]:
     """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id, a
     second node claiming a client whose node still answers is refused); returns the nodes naming a client outside
-    ``allowed``."""
+    ``allowed`` (logged unless ``refused_before`` holds the same refusal)."""
     named = _names(grid, plan_path, new, timeout, admission, start_over, sizes)
     refused: dict[int, str] = {}
     for node, name in sorted(named.items()):
         if name not in allowed:
             refused[node] = name
             why = f"node {node} names client {name!r}, which is not among the clients {allowed} of plan {plan_path}"
-            level = logging.ERROR if admission else logging.WARNING
-            log.log(level, "%s; %s", why, "refused" if admission else "left out")
+            if (refused_before or {}).get(node) != name:
+                level = logging.ERROR if admission else logging.WARNING
+                log.log(level, "%s; %s", why, "refused" if admission else "left out")
             continue
         holder = next((o for o, c in node_names.items() if c == name), None)
         # a holder still listed may be its SuperNode crashed and restarted (without --auth: a new node id) before the
