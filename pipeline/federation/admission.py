@@ -35,9 +35,8 @@ def identify_clients(
     names: dict[int, str] = {}
     refused: dict[int, str] = {}
     while True:
-        node_ids = list(grid.get_node_ids())
         # a refused node is asked again each poll: with --auth, restarted with its client name fixed, it keeps its id
-        if new := [n for n in node_ids if n not in names]:
+        if new := [n for n in grid.get_node_ids() if n not in names]:
             refused = {n: c for n, c in refused.items() if n not in new} | name_nodes(
                 grid, plan_path, names, new, expected, timeout, sizes, True, start_over, refused
             )
