@@ -812,3 +812,44 @@ def test_a_declared_client_without_a_score_is_named_in_the_federated_evaluation(
     fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5)
     assert list(fed["clients"]) == ["Academic", "Product"]
     assert list(fed["skipped_clients"]) == ["Committee"]
+
+
+def test_a_stranger_naming_a_declared_client_does_not_score_for_it_at_the_federated_evaluation(ws):
+    """A SuperNode of another experiment whose client name is Product (refused: Product's node 1002 answers) stays
+    connected: it is not asked (it answered the query with its own plan's scores, 90, and whichever of the two
+    replies came last was Product's); Product's score is its admitted node's, 10."""
+    from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from pipeline.federation.deployment import federated_evaluate
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.federation.protocol import load_plan
+    from pipeline.results.evaluation import SCORE_KEYS, EvaluateConfig
+
+    app = ClientApp()
+
+    @app.query("summarize")
+    def summarize(msg, context):
+        name, own = context.node_config["client-name"], context.node_config["plan"]
+        score = (
+            90.0
+            if own != msg.content["config"]["plan"]
+            else {"Academic": 30.0, "Committee": 20.0, "Product": 10.0}[name]
+        )
+        metrics = MetricRecord({k: score for k in SCORE_KEYS} | {"n": 4, "n_test": 4, "skipped_by_subsampling": 0})
+        return Message(RecordDict({"identity": ConfigRecord({"client-name": name}), "metrics": metrics}), reply_to=msg)
+
+    path = write_plan("dep-usurper", "fedavg")
+    plan = load_plan(path)
+    nodes = [{"client-name": c, "plan": path} for c in plan.clients] + [
+        {"client-name": "Product", "plan": "other.json"}
+    ]
+    grid = InProcessGrid(app, nodes)
+    _set_server_identity(grid.run.run_id)
+    admitted = {1000: "Academic", 1001: "Committee", 1002: "Product"}  # the run's node -> client map
+    fed = federated_evaluate(grid, plan, path, EvaluateConfig(), timeout=5, nodes=admitted)
+    assert {c: v["avg_rouge"] for c, v in fed["clients"].items()} == {
+        "Academic": 30.0,
+        "Committee": 20.0,
+        "Product": 10.0,
+    }

@@ -1169,6 +1169,101 @@ def test_a_node_going_offline_before_it_identifies_is_left_out_and_its_client_aw
     logs(logged(caplog), "node 1001", "left out")
 
 
+def _crashed_but_listed(grid: Grid, node: int, restarted_as: int) -> list[int]:
+    """``node``'s SuperNode crashed and came back without --auth as ``restarted_as``, while the SuperLink still lists
+    the old id (until two missed heartbeats mark it offline): a message to it is answered by the SuperLink with
+    NODE_UNAVAILABLE once it does. Returns the node ids the SuperLink lists."""
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    grid.inner.contexts[restarted_as] = grid.inner.contexts.pop(node)
+    send = grid.send_and_receive
+
+    def send_and_receive(messages, *, timeout=None):
+        messages = list(messages)
+        dead = [m for m in messages if m.metadata.dst_node_id == node]
+        live = [m for m in messages if m.metadata.dst_node_id != node]
+        replies = list(send(live, timeout=timeout)) if live else []
+        return replies + [create_message_error_unavailable_res_message(m.metadata, "node_unavail") for m in dead]
+
+    grid.send_and_receive = send_and_receive
+    return sorted([*grid.inner.contexts, node])
+
+
+def test_mid_run_a_second_node_claiming_a_held_client_is_refused_while_the_holder_answers(ws, caplog):
+    """A SuperNode of another experiment (node 5000) names Product, whose node 1002 is connected and answers: it
+    is refused with one line naming both nodes, round after round, and 1002 keeps Product (it took Product's slot,
+    and the slot went back and forth, each round). A holder that no longer answers (crashed, still listed) is
+    Product's SuperNode restarted: the new node takes its place."""
+    from pipeline.federation.admission import connected_nodes
+
+    path = write_plan("loop-usurper", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"], extra={5000: "Product"})
+    node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    for _ in range(2):  # two rounds
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+            connected = connected_nodes(grid, path, node_names, timeout=5)
+        assert connected == node_names == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+        assert len(logged(caplog)) == 1 and logs(logged(caplog), "5000", "1002", "'Product'")
+    del grid.inner.contexts[5000]
+    listed = _crashed_but_listed(grid, 1002, restarted_as=1102)
+    grid.get_node_ids = lambda: listed
+    assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee", 1102: "Product"}
+    assert node_names == {1000: "Academic", 1001: "Committee", 1102: "Product"}
+
+
+def test_a_supernode_restarted_during_admission_while_its_old_id_is_listed_is_admitted(ws, caplog):
+    """Committee identifies as node 1001, crashes and comes back (no --auth) as node 1101 while the SuperLink still
+    lists 1001 and Product has not joined yet: Committee is admitted as 1101 (its old node no longer answers), not
+    refused as 'two nodes claim the same client name'."""
+    from pipeline.federation.admission import identify_clients
+
+    path = write_plan("adm-restart-listed", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    polls = []
+
+    def nodes():
+        polls.append(1)
+        if len(polls) == 1:
+            return [1000, 1001]
+        if len(polls) == 2:  # Committee's SuperNode crashed after it identified and restarted as 1101
+            grid.listed = _crashed_but_listed(grid, 1001, restarted_as=1101)
+        return grid.listed
+
+    grid.get_node_ids = nodes
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=30) == {
+            1000: "Academic",
+            1101: "Committee",
+            1002: "Product",
+        }
+
+
+def test_a_refused_node_is_asked_again_at_admission_and_each_refusal_is_logged_once(ws, caplog):
+    """With --auth a SuperNode keeps its node id across restarts: Product's node 1002 is refused for a misspelt
+    name ("Prodcut"), its operator fixes the name and restarts it within the admission timeout: asked again, it is
+    admitted. A stranger connected the whole time is refused with one line, not one a poll."""
+    from pipeline.federation.admission import identify_clients
+
+    path = write_plan("adm-typo-fixed", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Prodcut"], extra={5000: "Mallory"})
+    polls = []
+    every = grid.get_node_ids
+
+    def nodes():
+        polls.append(1)
+        if len(polls) == 3:  # the same node id, its client name fixed
+            grid.inner.contexts[1002].node_config["client-name"] = "Product"
+        return every()
+
+    grid.get_node_ids = nodes
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        names_ = identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=10)
+    assert names_ == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(refusals) == 2 and logs(refusals, "1002", "'Prodcut'") and logs(refusals, "5000", "'Mallory'")
+
+
 # ----------------------------------------------------------------------------------------------- SecAgg+ bookkeeping
 # The train step of a SecAgg+ round (_train_secure) on a scripted SecureAggregator: the protocol itself is tested end
 # to end in tests/test_secure_aggregation.py; here, what the server records from its outcome for every client.
@@ -1681,7 +1776,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
     plan = load_plan(write_plan("dep-every-disk", "fedavg", rounds=5))
     asked = []
 
-    def evaluate(grid, plan_, plan_path, cfg, timeout):
+    def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None):
         asked.append(len(asked) + 1)
         return {
             "clients": {"Academic": {"avg_rouge": float(len(asked))}},
@@ -1711,7 +1806,7 @@ def test_a_resumed_run_keeps_the_federated_evaluations_of_its_rounds_before_the_
 
     plan = load_plan(write_plan("dep-every-resume", "fedavg", rounds=5))
 
-    def evaluate(grid, plan_, plan_path, cfg, timeout):
+    def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None):
         return {"clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)

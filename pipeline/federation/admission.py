@@ -35,13 +35,12 @@ def identify_clients(
     names: dict[int, str] = {}
     refused: dict[int, str] = {}
     while True:
-        node_ids = list(grid.get_node_ids())
-        if new := [n for n in node_ids if n not in names and n not in refused]:
-            refused |= name_nodes(
-                grid, plan_path, names, new, expected, timeout, sizes, admission=True, start_over=start_over
+        # a refused node is asked again each poll: with --auth, restarted with its client name fixed, it keeps its id
+        if new := [n for n in grid.get_node_ids() if n not in names]:
+            refused = {n: c for n, c in refused.items() if n not in new} | name_nodes(
+                grid, plan_path, names, new, expected, timeout, sizes, True, start_over, refused
             )
-        missing = [c for c in expected if c not in names.values()]
-        if not missing:
+        if not (missing := [c for c in expected if c not in names.values()]):
             if empty := [c for c in expected if sizes is not None and sizes.get(c, {}).get("num-valid") == 0]:
                 raise AdmissionError(
                     f"{plan_path}: client {empty[0]!r} has no valid examples (no best round, no score); refused"
@@ -66,15 +65,47 @@ def name_nodes(
     sizes: dict[str, dict[str, int]] | None = None,
     admission: bool = False,
     start_over: bool = False,
+    refused_before: dict[int, str] | None = None,
 ) -> dict[int, str]:
-    """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id);
-    returns the nodes naming a client outside ``allowed``."""
+    """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id, a
+    second node claiming a client whose node still answers is refused); returns the nodes naming a client outside
+    ``allowed`` (logged unless ``refused_before`` holds the same refusal)."""
+    named = _names(grid, plan_path, new, timeout, admission, start_over, sizes)
+    refused: dict[int, str] = {}
+    for node, name in sorted(named.items()):
+        if name not in allowed:
+            refused[node] = name
+            why = f"node {node} names client {name!r}, which is not among the clients {allowed} of plan {plan_path}"
+            if (refused_before or {}).get(node) != name:
+                level = logging.ERROR if admission else logging.WARNING
+                log.log(level, "%s; %s", why, "refused" if admission else "left out")
+            continue
+        holder = next((o for o, c in node_names.items() if c == name), None)
+        # a holder still listed may be its SuperNode crashed and restarted (without --auth: a new node id) before the
+        # SuperLink marks it offline (then answering for it, NODE_UNAVAILABLE): it keeps its client while it answers
+        listed = holder is not None and holder in grid.get_node_ids()
+        if listed and _names(grid, plan_path, [holder], timeout, admission, start_over) == {holder: name}:
+            why = f"two nodes claim the same client name {name!r}: node {holder}, which holds it, and node {node}"
+            if admission:
+                raise RuntimeError(f"{why} (plan {plan_path})")
+            log.warning("%s; node %d left out", why, node)
+            continue
+        node_names.pop(holder, None)  # its SuperNode restarted
+        node_names[node] = name
+        if not admission:
+            log.info("client %s (re)joined as node %d", name, node)
+    return refused
+
+
+def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> dict[int, str]:
+    """The client names the nodes ``ids`` answer query.identify with (``sizes`` receives each client's ``num-train`` /
+    ``num-valid``); a node gone offline is left out (its client may come back before the timeout)."""
     config = {"plan": plan_path, START_OVER: start_over}
-    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in new]
+    msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in ids]
     named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)
         node = next(m.metadata.dst_node_id for m in msgs if m.metadata.message_id == reply.metadata.reply_to_message_id)
-        if reply.has_error():  # a node gone offline is left out (its client may come back before the timeout)
+        if reply.has_error():
             if admission and reply.error.code != ErrorCode.NODE_UNAVAILABLE:
                 raise RuntimeError(f"node {node} failed to identify: {error_line(reply)}")
             log.warning("node %d connected but failed to identify; left out: %s", node, error_line(reply))
@@ -83,24 +114,7 @@ def name_nodes(
         name = named[node] = str(identity["client-name"])
         if sizes is not None:
             sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}
-    refused: dict[int, str] = {}
-    for node, name in sorted(named.items()):
-        if name not in allowed:
-            refused[node] = name
-            why = f"node {node} names client {name!r}, which is not among the clients {allowed} of plan {plan_path}"
-            log.log(
-                logging.ERROR if admission else logging.WARNING, "%s; %s", why, "refused" if admission else "left out"
-            )
-            continue
-        holder = [o for o, c in node_names.items() if c == name]
-        if admission and holder and holder[0] in grid.get_node_ids():
-            raise RuntimeError(f"two nodes claim the same client name: {node_names | {node: name}}")
-        for old in holder:  # its SuperNode restarted
-            del node_names[old]
-        node_names[node] = name
-        if not admission:
-            log.info("client %s (re)joined as node %d", name, node)
-    return refused
+    return named
 
 
 def connected_nodes(grid: Grid, plan_path: str, node_names: dict[int, str], timeout: float) -> dict[int, str]:

@@ -24,6 +24,7 @@ from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, con
 from pipeline.common.integrity import backbone_name
 from pipeline.experiments.plans import Plan
 from pipeline.experiments.settings import RunSettings
+from pipeline.federation.admission import connected_nodes
 from pipeline.federation.client_app import client_app, client_dir, client_name
 from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, error_line, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
@@ -88,9 +89,12 @@ class ServerRunConfig:
             raise ConfigError(f"run config 'decoding': not JSON ({err}): {self.decoding!r}") from None
 
 
-def federated_evaluate(grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float) -> dict[str, Any]:
-    """Ask every connected client for its test ROUGE; returns metrics.json's content (evaluate's layout)."""
-    node_ids = sorted(grid.get_node_ids())
+def federated_evaluate(
+    grid: Grid, plan: Plan, plan_path: str, cfg: EvaluateConfig, timeout: float, nodes: dict[int, str] | None = None
+) -> dict[str, Any]:
+    """Ask every connected client (of ``nodes``, the run's node -> client map, when given: a node of another
+    experiment naming a client of the plan is not asked) for its test ROUGE; returns metrics.json's content."""
+    node_ids = sorted(grid.get_node_ids() if nodes is None else connected_nodes(grid, plan_path, nodes, timeout))
     config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
     queries = [
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
@@ -173,6 +177,7 @@ class DeploymentRecorder(TrainRecorder):
         super().__init__(logger)
         self.grid, self.plan_path, self.cfg, self.every, self.timeout = grid, plan_path, cfg, every, timeout
         self.per_round: list[dict[str, Any]] = []
+        self.nodes: dict[int, str] | None = None  # the run's node -> client map (run_server sets it)
 
     def started(self, plan: Plan, clients: list[str], start_round: int) -> None:
         super().started(plan, clients, start_round)
@@ -183,7 +188,7 @@ class DeploymentRecorder(TrainRecorder):
         super().round_done(plan, entry, history)
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
             return
-        metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout)
+        metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout, self.nodes)
         # on disk too, so the scores are kept without MLflow (run config mlflow=false)
         self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ("clients", "mean", "failed_clients")})
         atomic.write_json(
@@ -254,7 +259,7 @@ def serve(grid: Grid, context: Context) -> dict[str, Any]:
 
         eval_metrics = None
         if cfg is not None:
-            eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout)
+            eval_metrics = federated_evaluate(grid, plan, plan_path, cfg, round_timeout, recorder.nodes)
             kept = (ROUNDS_EVAL,) if recorder.per_round or checkpoint else ()  # this run's evaluations every N rounds
             eval_path = write_eval_metrics(plan, eval_metrics, keep=kept)
             scores = {c: round(v["avg_rouge"], 2) for c, v in eval_metrics["clients"].items()}

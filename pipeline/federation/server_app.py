@@ -105,7 +105,8 @@ def run_server(
     sizes: dict[str, dict[str, int]] = {}
     ckpt = load_server_checkpoint(plan)  # none: the run starts over, and tells each client so at admission
     timeout = admission_timeout_s or round_timeout_s
-    node_names = identify_clients(grid, plan_path, declared, timeout, sizes, start_over=ckpt is None)
+    # the run's node -> client map, current each round (connected_nodes); a deployed evaluation asks these nodes only
+    node_names = recorder.nodes = identify_clients(grid, plan_path, declared, timeout, sizes, start_over=ckpt is None)
     clients = sorted(node_names.values())
     late = t.new_client if spec.new_client == "post" else None
     if late is not None and late not in clients:
