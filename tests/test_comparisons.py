@@ -365,3 +365,16 @@ def test_seeds_that_redraw_the_test_sets_count_each_test_example_once_for_the_cl
     )
     text = claims.results_text(table, scale=claims.ClaimScale(min_examples=100))
     assert "No comparative claim" in text and "40 test examples" in text and "helps" not in text
+
+
+@pytest.mark.parametrize("fraction", [123 / 244, 0.5004, 0.5049, 0.51])
+def test_a_flagged_share_of_identical_summaries_reads_above_the_threshold(fraction):
+    """⚠ = more than 50 % the same text: 123 of 244 (50.4 %) is flagged, and a '⚠ 50%' beside that rule reads as
+    a wrong flag; the share shown is above 50 %, and within 0.1 point of the true share."""
+    row = dict.fromkeys(comparisons.COLUMNS, 0.0) | {"study": "main", "client": comparisons.AVERAGE}
+    row |= {"metric": "avg_rouge", "config_a": "A", "config_b": "B", "study_b": "main", "significant": False}
+    row |= {"identical_fraction": fraction, "mostly_identical": fraction > CFG.identical_warning}
+    md = comparisons.markdown_section(pd.DataFrame([row]), "main", CFG)
+    line = next(x for x in md.splitlines() if x.startswith("| A | B | +"))
+    shown = float(line.split("⚠ ", 1)[1].split("%", 1)[0])
+    assert 50.0 < shown and abs(shown - 100 * fraction) <= 0.1 + 1e-9

@@ -266,7 +266,9 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         if r.significant:
             delta, interval = f"**{delta}**", f"**{interval}**"
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
-        identical = f"⚠ {identical}" if r.mostly_identical else identical
+        if r.mostly_identical:  # above the threshold also as shown: 0.504 is '⚠ 50.4%', not '⚠ 50%'
+            up = f"{math.ceil(r.identical_fraction * 1000 - 1e-9) / 10:.1f}%"
+            identical = f"⚠ {up if identical == f'{cfg.identical_warning:.0%}' else identical}"
         paper = [
             f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}"
             for bb in backbones
