@@ -248,7 +248,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
         lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
         lines.append(
             f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
-            f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
+            f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our unadjusted "
             f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)})."
         )
     return lines
@@ -263,7 +263,7 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if excluded := [r for r in fed if _all(r, comparisons.ABOVE) and not r.few_seeds]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
-            f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
+            f"({_papers(excluded)} across its backbones) are excluded here: our unadjusted upper limits are "
             f"{' and '.join(_num(r.ci_high) for r in excluded)}."
         )
     same = [
@@ -318,8 +318,8 @@ def _variants(avg: pd.DataFrame) -> list[str]:
             if r.significant
             else f"no difference detected ({_p(r)}), though the unadjusted interval excludes 0"
             if r.ci_low > 0 or r.ci_high < 0
-            else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
-            f"{_num(r.ci_low)}, not a smaller difference either way"
+            else f"no difference detected; this unadjusted interval excludes a gain above {_num(r.ci_high)} or a "
+            f"loss beyond {_num(r.ci_low)}, not a smaller difference either way"
         )
         lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {finding}.")
     return lines
