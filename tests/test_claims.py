@@ -701,3 +701,21 @@ def test_every_exclusion_the_text_draws_from_an_interval_says_the_interval_is_un
     assert len(excluding) == 3, excluding  # the paper's gains, its gaps, the variant's bounds
     for line in excluding:
         assert "unadjusted" in line, line
+
+
+def test_a_client_where_adacentralized_is_significantly_below_is_not_said_to_hold_its_lead():
+    """docs/statistics.md: a difference that passes downwards is a loss. AdaCentralized above AdaSingle on the client
+    average and on Product, significantly below it on Committee (Holm p 0.01): the per-client line names Product
+    as where its lead holds and Committee as a loss, not 'its lead holds vs AdaSingle on Committee, Product'."""
+    avg = _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001)
+    clients = [
+        _row(method_a="centralized", method_b="single", client=c, mean_diff=d, ci_low=d - 0.5, ci_high=d + 0.5)
+        for c, d in (("Academic", 0.2), ("Committee", -1.5), ("Product", 2.5))
+    ]
+    table = pd.DataFrame([avg, *clients]).assign(
+        p_value=[0.001, 0.6, 0.01, 0.001], p_holm=[0.001, 0.6, 0.01, 0.001], significant=[True, False, True, True]
+    )
+    line = next(x for x in claims.results_text(table).splitlines() if "Per client its lead holds" in x)
+    lead = line.split("vs AdaSingle on ", 1)[1].split(" (", 1)[0].split(",", 1)[0].rstrip(".;")
+    assert lead == "Product" and "Committee, Product" not in line
+    assert "a loss on Committee" in line

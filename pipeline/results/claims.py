@@ -237,10 +237,12 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
             by_b.append(f"vs {SHORT[r.method_b]} not tested ({r.n_seeds} seeds)")
             continue
         sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
-        yes, no = (list(sig.loc[sig["significant"] == held, "client"]) for held in (True, False))
+        yes, loss = (list(sig.loc[sig["significant"] & (sign * sig["mean_diff"] > 0), "client"]) for sign in (1, -1))
+        no = [c for c in sig["client"] if c not in yes]  # a significant loss is no lead: it is named one
         by_b.append(
             f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
             + (f" (not {', '.join(no)})" if no and yes else "")
+            + (f", a loss on {', '.join(loss)}" if loss else "")
         )
     lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
     gaps = [r for r in central if r.method_b in FEDERATED]
