@@ -719,3 +719,16 @@ def test_a_client_where_adacentralized_is_significantly_below_is_not_said_to_hol
     lead = line.split("vs AdaSingle on ", 1)[1].split(" (", 1)[0].split(",", 1)[0].rstrip(".;")
     assert lead == "Product" and "Committee, Product" not in line
     assert "a loss on Committee" in line
+
+
+def test_a_significant_loss_of_adacentralized_is_not_listed_where_its_lead_holds():
+    """AdaCentralized significantly above AdaSingle (+1.7) and significantly below FedKD (−1.2): the head names a
+    gain and a loss, and 'The lead holds against ...' names AdaSingle only (a loss is no lead)."""
+    rows = [
+        _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4, p_value=0.001),
+        _row(method_a="centralized", method_b="fedkd", mean_diff=-1.2, ci_low=-1.9, ci_high=-0.5, p_value=0.002),
+    ]
+    lines = claims.results_text(pd.DataFrame(rows).assign(significant=True)).splitlines()
+    assert any(x.startswith("- **Pooling the data helps against some methods and hurts**") for x in lines)
+    held = next(x for x in lines if "The lead holds against" in x)
+    assert "AdaSingle" in held and "FedKD" not in held

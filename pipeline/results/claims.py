@@ -219,7 +219,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
     bound = math.ceil(worst_p * 1000 - 1e-9) / 1000  # rounded up: a bound every comparison's p meets
     # one p for the whole line only when it supports the line (every lead holds); else each comparison speaks
     p_text = (" (Holm p < 0.001 each)" if worst_p < 0.001 else f" (Holm p ≤ {bound:.3f} each)") if ahead else ""
-    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant]
+    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant and r.mean_diff > 0]
     lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
     if held and not ahead:
         lines.append(f"  The lead holds against {', '.join(held)} only.")
