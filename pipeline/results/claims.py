@@ -268,15 +268,13 @@ def _federation(avg: pd.DataFrame) -> list[str]:
             f"({_papers(excluded)} across its backbones) are excluded here: our unadjusted upper limits are "
             f"{' and '.join(_num(r.ci_high) for r in excluded)}."
         )
-    same = [
-        round(r.identical_fraction * 100)
-        for r in fed
-        if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)
-    ]
-    if same:
+    kd = [r for r in fed if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)]
+    if same := [round(r.identical_fraction * 100) for r in kd]:
+        # runs that did not separate: where the tables flag it (more than `bootstrap.identical_warning` the same text)
+        split = ": many runs did not separate from local training" if any(r.mostly_identical for r in kd) else ""
         lines.append(
             f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
-            "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local training."
+            f"same text as AdaSingle's (`identical_fraction`){split}."
         )
     return lines
 
