@@ -9,7 +9,8 @@ seed s is ``BASE + E_i + ME_mi + SE_msi + meeting_mg + seed_msc``: E the example
 ME the method x example effect (sd 1.5), SE the seed x example noise (sd 2.5), meeting the method x meeting effect
 (sd ``meeting_sd``, 0 outside the clustered regimes), seed the run's seed effect, 70 % of its variance shared by
 the clients and 30 % per client, of sd ``rho`` x the one-seed example-level standard error of the client-average
-difference (per method sd / sqrt 2, so the difference has sd ``rho`` x that SE). The two methods are exchangeable,
+difference (per method sd / sqrt 2, so a client's difference has sd ``rho`` x that SE, and the client average's,
+sqrt(0.7 + 0.3 / 3) of it, about 0.89 ``rho`` x that SE). The two methods are exchangeable,
 so the true difference is 0 whatever the distribution; the interval covers when it contains 0. ``bounded`` regimes
 draw ME and SE from t with 3 degrees of freedom (scaled to the same sd) and clip every score at 0 (ROUGE's floor).
 
@@ -44,7 +45,7 @@ MARKERS = {False: (BEGIN, END), True: ("<!-- nested-coverage:begin -->", "<!-- n
 @dataclass(frozen=True)
 class Regime:
     name: str
-    rho: float  # seed-effect sd of the difference / ONE_SEED_SE
+    rho: float  # one client's seed-effect sd of the difference / ONE_SEED_SE (the client average's: 0.89 rho)
     bounded: bool = False  # t3 tails and scores clipped at 0
     meeting_sd: float = 0.0  # method x meeting effect sd
 

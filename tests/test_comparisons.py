@@ -285,7 +285,7 @@ def test_seeds_that_redraw_the_test_sets_use_each_seeds_full_test_set(tmp_path):
     half = sps.t.ppf(0.975, df) * np.sqrt(var)
     assert got["mean_diff"] == pytest.approx(D.mean())
     assert (got["ci_low"], got["ci_high"]) == pytest.approx((D.mean() - half, D.mean() + half))
-    assert (got["n_examples"], got["n_seeds"]) == (19, 3)
+    assert (got["n_examples"], got["n_seeds"]) == (16, 3)  # 19 scores, x1..x8 and y1..y8 (x1, y1 in several seeds)
 
 
 def test_a_client_some_seeds_lack_is_noted_and_the_client_average_left_out(tmp_path):
@@ -322,3 +322,59 @@ def test_seeds_on_one_test_split_keep_their_crossed_comparison(tmp_path):
         12,
         2,
     )
+
+
+def test_seeds_that_redraw_the_test_sets_count_each_test_example_once_for_the_claim_minimum(tmp_path):
+    """iid/seed{k} on one pool of 40 test examples, dealt 20 + 20 anew each seed: 3 seeds hold 120 example scores
+    but 40 test examples (by hand: the pool). The claim minimum (report.claim_min_examples, 100) asks how much test
+    data a claim rests on (docs/statistics.md): 40, so no claim, however clear the +2."""
+    from pipeline.results import claims
+
+    pool = [f"qmsum/Product/test/m{i % 8}/{i}" for i in range(40)]
+    rng = np.random.default_rng(0)
+    for s in range(3):
+        dealt = rng.permutation(pool)
+        by_client = {"X": dealt[:20], "Y": dealt[20:]}
+        _scores(
+            tmp_path,
+            f"b{s}",
+            {c: {i: 10.0 + (int(i.rsplit("/")[-1]) % 5) for i in ids} for c, ids in by_client.items()},
+        )
+        _scores(
+            tmp_path,
+            f"a{s}",
+            {
+                c: {i: 12.0 + (int(i.rsplit("/")[-1]) % 5) + 0.1 * rng.normal() for i in ids}
+                for c, ids in by_client.items()
+            },
+        )
+    a = comparisons.Config("main", "fedselectkd", "fedselectkd", "iid", tuple((s, f"a{s}") for s in range(3)))
+    b = comparisons.Config("main", "fedkd", "fedkd", "iid", tuple((s, f"b{s}") for s in range(3)))
+    table = comparisons.with_holm(
+        pd.DataFrame(comparisons.compare(a, b, tmp_path, CFG), columns=comparisons.COLUMNS), CFG
+    )
+    avg = table[(table["client"] == comparisons.AVERAGE) & (table["metric"] == "avg_rouge")].iloc[0]
+    assert avg["n_seeds"] == 3 and avg["n_examples"] == len(set(pool)) == 40
+    x = table[(table["client"] == "X") & (table["metric"] == "avg_rouge")].iloc[0]
+    assert x["n_examples"] == len(
+        {
+            i
+            for s in range(3)
+            for i in pd.read_parquet(tmp_path / f"a{s}" / "per_example.parquet").query("client == 'X'")["example_id"]
+        }
+    )
+    text = claims.results_text(table, scale=claims.ClaimScale(min_examples=100))
+    assert "No comparative claim" in text and "40 test examples" in text and "helps" not in text
+
+
+@pytest.mark.parametrize("fraction", [123 / 244, 0.5004, 0.5049, 0.51])
+def test_a_flagged_share_of_identical_summaries_reads_above_the_threshold(fraction):
+    """⚠ = more than 50 % the same text: 123 of 244 (50.4 %) is flagged, and a '⚠ 50%' beside that rule reads as
+    a wrong flag; the share shown is above 50 %, and within 0.1 point of the true share."""
+    row = dict.fromkeys(comparisons.COLUMNS, 0.0) | {"study": "main", "client": comparisons.AVERAGE}
+    row |= {"metric": "avg_rouge", "config_a": "A", "config_b": "B", "study_b": "main", "significant": False}
+    row |= {"identical_fraction": fraction, "mostly_identical": fraction > CFG.identical_warning}
+    md = comparisons.markdown_section(pd.DataFrame([row]), "main", CFG)
+    line = next(x for x in md.splitlines() if x.startswith("| A | B | +"))
+    shown = float(line.split("⚠ ", 1)[1].split("%", 1)[0])
+    assert 50.0 < shown and abs(shown - 100 * fraction) <= 0.1 + 1e-9

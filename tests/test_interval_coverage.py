@@ -68,3 +68,21 @@ def test_ignoring_the_meetings_undercovers_where_queries_share_one():
     clustered, width = coverage(regime, 5, 300)
     naive, naive_width = coverage(regime, 5, 300, clustered=False)
     assert naive_width < 0.85 * width and naive < clustered - 0.03
+
+
+def test_rho_scales_each_clients_seed_effect_the_client_average_sees_0_89_of_it():
+    """rho x ONE_SEED_SE is the sd of one client's seed effect on A - B; 70 % of its variance is shared by the 3
+    clients, so the client average's seed effect has sd sqrt(0.7 + 0.3 / 3) = 0.89 x rho x ONE_SEED_SE. Measured
+    over 4,000 seeds of one draw (less the seed x example noise's known share), and said where the docs define rho."""
+    import math
+
+    import numpy as np
+
+    from benchmarks.interval_coverage import ONE_SEED_SE, SEED_EXAMPLE_SD, SIZES, draw
+
+    a, b = draw(np.random.default_rng(0), BY_NAME["Gaussian, rho 3"], 4000)
+    by_seed = np.mean([(x - y).mean(axis=1) for x, y in zip(a, b)], axis=0)  # each seed's client-average A - B
+    noise = 2 * SEED_EXAMPLE_SD**2 * sum(1 / n for n in SIZES) / len(SIZES) ** 2
+    assert math.sqrt(by_seed.var(ddof=1) - noise) / (3 * ONE_SEED_SE) == pytest.approx(math.sqrt(0.8), abs=0.03)
+    docs = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    assert "the client average's seed effect has sd about 0.89 x rho x that SE" in docs

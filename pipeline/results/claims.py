@@ -219,7 +219,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
     bound = math.ceil(worst_p * 1000 - 1e-9) / 1000  # rounded up: a bound every comparison's p meets
     # one p for the whole line only when it supports the line (every lead holds); else each comparison speaks
     p_text = (" (Holm p < 0.001 each)" if worst_p < 0.001 else f" (Holm p ≤ {bound:.3f} each)") if ahead else ""
-    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant]
+    held = [f"{SHORT[r.method_b]} ({_p(r)})" for r in central if r.significant and r.mean_diff > 0]
     lines = [f"- **{head}**{p_text}: " + "; ".join(_pair(r) for r in central) + "."]
     if held and not ahead:
         lines.append(f"  The lead holds against {', '.join(held)} only.")
@@ -237,10 +237,12 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
             by_b.append(f"vs {SHORT[r.method_b]} not tested ({r.n_seeds} seeds)")
             continue
         sig = per_client[(per_client["method_a"] == "centralized") & (per_client["method_b"] == r.method_b)]
-        yes, no = (list(sig.loc[sig["significant"] == held, "client"]) for held in (True, False))
+        yes, loss = (list(sig.loc[sig["significant"] & (sign * sig["mean_diff"] > 0), "client"]) for sign in (1, -1))
+        no = [c for c in sig["client"] if c not in yes]  # a significant loss is no lead: it is named one
         by_b.append(
             f"vs {SHORT[r.method_b]} on {', '.join(yes) or 'no client'}"
             + (f" (not {', '.join(no)})" if no and yes else "")
+            + (f", a loss on {', '.join(loss)}" if loss else "")
         )
     lines.append("  Per client its lead holds " + "; ".join(by_b) + ".")
     gaps = [r for r in central if r.method_b in FEDERATED]
@@ -248,7 +250,7 @@ def _pooling(avg: pd.DataFrame, per_client: pd.DataFrame, scale: ClaimScale) -> 
         lo, hi = min(r.mean_diff for r in gaps), max(r.mean_diff for r in gaps)
         lines.append(
             f"  The federated methods stay {lo:.2f} to {hi:.2f} below AdaCentralized; "
-            f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our "
+            f"the paper's gaps ({_papers(gaps)} across its backbones) are below every one of our unadjusted "
             f"lower limits ({', '.join(_num(r.ci_low) for r in gaps)})."
         )
     return lines
@@ -263,18 +265,16 @@ def _federation(avg: pd.DataFrame) -> list[str]:
     if excluded := [r for r in fed if _all(r, comparisons.ABOVE) and not r.few_seeds]:
         lines.append(
             f"  The paper's gains of {' and '.join(SHORT[r.method_a] for r in excluded)} over AdaSingle "
-            f"({_papers(excluded)} across its backbones) are excluded here: our upper limits are "
+            f"({_papers(excluded)} across its backbones) are excluded here: our unadjusted upper limits are "
             f"{' and '.join(_num(r.ci_high) for r in excluded)}."
         )
-    same = [
-        round(r.identical_fraction * 100)
-        for r in fed
-        if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)
-    ]
-    if same:
+    kd = [r for r in fed if r.method_a in ("fedkd", "fedselectkd") and not math.isnan(r.identical_fraction)]
+    if same := [round(r.identical_fraction * 100) for r in kd]:
+        # runs that did not separate: where the tables flag it (more than `bootstrap.identical_warning` the same text)
+        split = ": many runs did not separate from local training" if any(r.mostly_identical for r in kd) else ""
         lines.append(
             f"  {_span(sorted({min(same), max(same)}))} % of the FedKD and SelectKD summaries are the "
-            "same text as AdaSingle's (`identical_fraction`): many runs did not separate from local training."
+            f"same text as AdaSingle's (`identical_fraction`){split}."
         )
     return lines
 
@@ -318,8 +318,8 @@ def _variants(avg: pd.DataFrame) -> list[str]:
             if r.significant
             else f"no difference detected ({_p(r)}), though the unadjusted interval excludes 0"
             if r.ci_low > 0 or r.ci_high < 0
-            else f"no difference detected; this excludes a gain above {_num(r.ci_high)} or a loss beyond "
-            f"{_num(r.ci_low)}, not a smaller difference either way"
+            else f"no difference detected; this unadjusted interval excludes a gain above {_num(r.ci_high)} or a "
+            f"loss beyond {_num(r.ci_low)}, not a smaller difference either way"
         )
         lines.append(f"- {what} − SelectKD ({base}): {effect(r)}: {finding}.")
     return lines

@@ -142,6 +142,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
         mostly_identical = identical > cfg.identical_warning  # NaN (no pair of summaries) is not above it
         had = [s for s in seeds if all(c in ids[s] for c in scope_clients)]
         clusters = [meetings(ids[s][c] for c in scope_clients) for s in had]  # QMSum: a meeting's queries one cluster
+        n_examples = len({i for s in had for c in scope_clients for i in ids[s][c]})  # a redrawn example once
         for metric in SCORE_KEYS:
             if nested:
                 d = [
@@ -156,7 +157,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
                 r = paired_difference(*sides, cfg, clusters[0])
             # a row in COLUMNS order; p_holm is with_holm's, over the study's family
             pair = (a.study, scope, a.method, b.method, a.label, b.label, b.study, metric)
-            interval = (r.estimate, r.low, r.high, r.p_value, math.nan, r.n_examples, r.n_seeds)
+            interval = (r.estimate, r.low, r.high, r.p_value, math.nan, n_examples, r.n_seeds)
             out.append((*pair, *interval, identical, r.significant, mostly_identical, runs_a, runs_b))
     return out
 
@@ -265,7 +266,9 @@ def markdown_section(table: pd.DataFrame, study: str, cfg: BootstrapConfig, metr
         if r.significant:
             delta, interval = f"**{delta}**", f"**{interval}**"
         identical = "–" if math.isnan(r.identical_fraction) else f"{r.identical_fraction:.0%}"
-        identical = f"⚠ {identical}" if r.mostly_identical else identical
+        if r.mostly_identical:  # above the threshold also as shown: 0.504 is '⚠ 50.4%', not '⚠ 50%'
+            up = f"{math.ceil(r.identical_fraction * 1000 - 1e-9) / 10:.1f}%"
+            identical = f"⚠ {up if identical == f'{cfg.identical_warning:.0%}' else identical}"
         paper = [
             f"{rec[f'published_{bb}']:+.2f} {rec[f'vs_published_{bb}']}"
             for bb in backbones
