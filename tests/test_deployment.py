@@ -158,7 +158,11 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
     runs = mlflow.search_runs(experiment_names=["tests"], filter_string="tags.experiment = 'dep'")
     assert len(runs) == 1 and runs.iloc[0]["status"] == "FINISHED" and runs.iloc[0]["tags.engine"] == "deployment"
     run = runs.iloc[0]
-    assert run["metrics.Academic.val_loss"] == pytest.approx(rounds[-3]["val_loss"])
+    [academic] = mlflow.search_runs(  # a client's metrics: in its child run, as the train stage's
+        experiment_names=["tests"],
+        filter_string=f"tags.`mlflow.parentRunId` = '{run['run_id']}' AND tags.client = 'Academic'",
+    ).iloc
+    assert academic["metrics.val_loss"] == pytest.approx(rounds[-3]["val_loss"])
     assert run["metrics.client_avg/avg_ROUGE"] == pytest.approx(fed["mean"]["avg_rouge"])
     arts = {f.path for f in mlflow.MlflowClient().list_artifacts(run["run_id"])}
     assert "global_adapter.safetensors" in arts and "rounds.json" in arts
@@ -168,6 +172,27 @@ def test_deployed_server_records_like_the_engine_and_clients_evaluate_like_the_s
         output_format="list",
     )
     assert aggregate.source_run_id == run["run_id"] and aggregate.name == "dep-global"
+
+
+def test_a_deployed_run_has_one_child_run_per_client_as_the_train_stage_has(ws, tmp_path):
+    """docs/mlflow.md: one run per experiment and under it one child run per client (the train stage's makes one per
+    client of the partition), so a study looks the same however it ran: the deployed server, which holds no
+    partition, makes one per client the plan declares, and a client's metrics go to its run."""
+    import mlflow
+
+    from pipeline.federation.deployment import start_mlflow_run
+    from pipeline.federation.protocol import load_plan
+
+    logger = start_mlflow_run(load_plan(write_plan("dep-children", "fedavg")), True, tmp_path / "run_id")
+    logger.log_metrics({"Academic.val_loss": 0.5, "val_loss_mean": 0.25}, step=1)
+    logger.finish()
+    client = mlflow.MlflowClient(f"sqlite:///{ws / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("tests").experiment_id
+    children = client.search_runs([exp], filter_string=f"tags.`mlflow.parentRunId` = '{logger.run_id}'")
+    assert sorted(r.data.tags["client"] for r in children) == ["Academic", "Committee", "Product"]
+    assert {r.data.tags["client"]: r.data.metrics for r in children}["Academic"] == {"val_loss": 0.5}
+    parent = client.get_run(logger.run_id).data.metrics  # the run's own metrics only
+    assert parent["val_loss_mean"] == 0.25 and not any(k.startswith("Academic") for k in parent)
 
 
 @pytest.mark.timeout(300)

@@ -924,25 +924,27 @@ def test_post_addition_client_joins_after_convergence_and_picks_its_best_round_a
 
 
 @pytest.mark.timeout(30)
-def test_server_stops_waiting_for_clients_that_never_connect():
+def test_server_stops_waiting_for_clients_that_never_connect(ws):
     # The ServerApp waits for every planned client to register; a SuperNode that never comes must end the run with
     # a clear error after the admission timeout, naming the clients missing, not keep the server (and CI) waiting.
     from flwr.app import ConfigRecord, Message, RecordDict
 
+    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.admission import AdmissionError, identify_clients
     from pipeline.federation.engines import _set_server_identity
+    from pipeline.federation.protocol import load_plan
+
+    path = write_plan("never-connect", "fedavg", rounds=1)
+    identity = ConfigRecord({"client-name": "Academic", "plan-hash": plan_hash(load_plan(path))})
 
     class OneNodeGrid:  # only one of the three planned clients ever connects
         def get_node_ids(self):
             return [1001]
 
         def send_and_receive(self, messages, *, timeout=None):
-            return [
-                Message(RecordDict({"identity": ConfigRecord({"client-name": "Academic"})}), reply_to=m)
-                for m in messages
-            ]
+            return [Message(RecordDict({"identity": identity}), reply_to=m) for m in messages]
 
     _set_server_identity(1)
     with pytest.raises(AdmissionError) as err:
-        identify_clients(OneNodeGrid(), "plan.json", expected=["Academic", "Committee", "Product"], timeout=0.2)
-    assert "['Committee', 'Product']" in str(err.value) and str(err.value).startswith("plan.json:")
+        identify_clients(OneNodeGrid(), path, expected=["Academic", "Committee", "Product"], timeout=0.2)
+    assert "['Committee', 'Product']" in str(err.value) and str(err.value).startswith(f"{path}:")

@@ -69,6 +69,7 @@ def scripted_app(script: Script):
     from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
     from flwr.clientapp import ClientApp
 
+    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.protocol import decode_global, encode_reply, load_plan, plan_path_of
 
     app = ClientApp()
@@ -82,9 +83,9 @@ def scripted_app(script: Script):
     def identify(msg, context):
         if context.node_config["client-name"] is None:
             raise RuntimeError("no client name configured\n(a second line)")
-        return Message(
-            RecordDict({"identity": ConfigRecord({"client-name": context.node_config["client-name"]})}), reply_to=msg
-        )
+        own = plan_hash(load_plan(plan_path_of(msg, context)))  # the plan the node serves, as the ClientApp's
+        identity = ConfigRecord({"client-name": context.node_config["client-name"], "plan-hash": own})
+        return Message(RecordDict({"identity": identity}), reply_to=msg)
 
     @app.train()
     def train(msg, context):
@@ -1210,6 +1211,58 @@ def test_mid_run_a_second_node_claiming_a_held_client_is_refused_while_the_holde
     grid.get_node_ids = lambda: listed
     assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee", 1102: "Product"}
     assert node_names == {1000: "Academic", 1001: "Committee", 1102: "Product"}
+
+
+def _of_another_plan(grid: Grid, node: int, name: str) -> None:
+    """Node ``node``: a SuperNode of another experiment (its node config names its own plan) naming ``name``."""
+    from flwr.app import Context, RecordDict
+
+    other = write_plan(f"{name.lower()}-elsewhere", "fedavg", rounds=2)
+    config = {"client-name": name, "plan": other}
+    grid.inner.contexts[node] = Context(run_id=1, node_id=node, node_config=config, state=RecordDict(), run_config={})
+
+
+def test_mid_run_a_node_of_another_plan_does_not_take_the_slot_of_an_absent_client(ws, caplog):
+    """docs/federation.md: the server admits the clients of its plan. Product's SuperNode (1002) is gone when a
+    SuperNode of another experiment naming Product (5000, its own plan) connects: it is left out with one line
+    saying it serves another plan, Product stays absent, and Product's SuperNode restarted (1102) takes its place
+    (before, 5000 took Product's slot, got this run's messages, and 1102 was refused: 'the holder answers')."""
+    from pipeline.federation.admission import connected_nodes
+
+    path = write_plan("loop-foreign", "fedavg", rounds=1, fraction_train=1.0)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    product = grid.inner.contexts.pop(1002)
+    _of_another_plan(grid, 5000, "Product")
+    node_names = {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee"}
+    assert len(logged(caplog)) == 1 and logs(logged(caplog), "node 5000", "'Product'", "another plan", path)
+    product.node_id = 1102
+    grid.inner.contexts[1102] = product
+    assert connected_nodes(grid, path, node_names, timeout=5) == {1000: "Academic", 1001: "Committee", 1102: "Product"}
+
+
+def test_at_admission_a_node_of_another_plan_naming_a_declared_client_is_refused(ws, caplog):
+    """A SuperNode of another experiment naming Product (5000, its own plan) connects before Product's (1002, a poll
+    later): it is refused with one line saying it serves another plan, and Product's node is admitted (before, 5000
+    took Product and the run failed when 1002 came: 'two nodes claim the same client name')."""
+    from pipeline.federation.admission import identify_clients
+
+    path = write_plan("adm-foreign", "fedavg", rounds=1)
+    grid = Grid(path, Script(), ["Academic", "Committee", "Product"])
+    _of_another_plan(grid, 5000, "Product")
+    polls, every = [], grid.get_node_ids
+
+    def product_late():
+        polls.append(1)
+        return [n for n in every() if len(polls) > 1 or n != 1002]
+
+    grid.get_node_ids = product_late
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        names_ = identify_clients(grid, path, expected=["Academic", "Committee", "Product"], timeout=10)
+    assert names_ == {1000: "Academic", 1001: "Committee", 1002: "Product"}
+    refusals = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(refusals) == 1 and logs(refusals, "node 5000", "'Product'", "another plan")
 
 
 def test_a_supernode_restarted_during_admission_while_its_old_id_is_listed_is_admitted(ws, caplog):

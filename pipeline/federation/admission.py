@@ -11,7 +11,8 @@ from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
-from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, START_OVER, error_line
+from pipeline.experiments.plans import plan_hash
+from pipeline.federation.protocol import CONFIG_KEY, IDENTIFY, PLAN_HASH, START_OVER, error_line, load_plan
 
 log = logging.getLogger("fedmeet.federated")
 
@@ -69,13 +70,15 @@ def name_nodes(
 ) -> dict[int, str]:
     """Ask the ``new`` nodes their client names into ``node_names`` (a restarted SuperNode replaces its old id, a
     second node claiming a client whose node still answers is refused); returns the nodes naming a client outside
-    ``allowed`` (logged unless ``refused_before`` holds the same refusal)."""
-    named = _names(grid, plan_path, new, timeout, admission, start_over, sizes)
+    ``allowed`` or serving another plan (logged unless ``refused_before`` holds the same refusal)."""
+    foreign: dict[int, str] = {}
+    named = _names(grid, plan_path, new, timeout, admission, start_over, sizes, foreign)
     refused: dict[int, str] = {}
-    for node, name in sorted(named.items()):
-        if name not in allowed:
+    for node, name in sorted((named | foreign).items()):
+        if node in foreign or name not in allowed:
             refused[node] = name
             why = f"node {node} names client {name!r}, which is not among the clients {allowed} of plan {plan_path}"
+            why = f"node {node} (client {name!r}) serves another plan than {plan_path}" if node in foreign else why
             if (refused_before or {}).get(node) != name:
                 level = logging.ERROR if admission else logging.WARNING
                 log.log(level, "%s; %s", why, "refused" if admission else "left out")
@@ -97,10 +100,11 @@ def name_nodes(
     return refused
 
 
-def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> dict[int, str]:
+def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None, foreign=None) -> dict[int, str]:
     """The client names the nodes ``ids`` answer query.identify with (``sizes`` receives each client's ``num-train`` /
-    ``num-valid``); a node gone offline is left out (its client may come back before the timeout)."""
-    config = {"plan": plan_path, START_OVER: start_over}
+    ``num-valid``; a node serving another plan than ``plan_path``, by its hash, goes to ``foreign`` instead); a node
+    gone offline is left out (its client may come back before the timeout)."""
+    config, ours = {"plan": plan_path, START_OVER: start_over}, plan_hash(load_plan(plan_path))
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in ids]
     named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)
@@ -111,6 +115,9 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None) -> 
             log.warning("node %d connected but failed to identify; left out: %s", node, error_line(reply))
             continue
         identity = reply.content["identity"]
+        if identity.get(PLAN_HASH) != ours:
+            (foreign if foreign is not None else {})[node] = str(identity["client-name"])
+            continue
         name = named[node] = str(identity["client-name"])
         if sizes is not None:
             sizes[name] = {k: int(identity[k]) for k in ("num-train", "num-valid") if k in identity}

@@ -13,11 +13,12 @@ from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 
 from pipeline.common import atomic
-from pipeline.experiments.plans import Plan
+from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     CONFIG_KEY,
     METRICS_KEY,
+    PLAN_HASH,
     START_OVER,
     TRAIN_METRICS,
     client_cache_config,
@@ -110,12 +111,13 @@ client_app = ClientApp(mods=[errors_stay_on_the_client])
 
 @client_app.query("identify")
 def client_identify(msg: Message, context: Context) -> Message:
-    """Admission (admission.identify_clients): the client's name and the sizes of its train and valid splits."""
+    """Admission (admission.identify_clients): the client's name, the hash of the plan it serves (the server refuses
+    another plan's node) and the sizes of its train and valid splits."""
     plan, name, config = load_plan(path := plan_path_of(msg, context)), client_name(context), msg.content[CONFIG_KEY]
     # the plan the server names only: a node of another experiment (its node config names its plan) keeps its files
     if config.get(START_OVER) and Path(path).resolve() == Path(str(config.get("plan"))).resolve():
         _discard_earlier_run(plan, name, context)
-    identity = ConfigRecord({"client-name": name})
+    identity = ConfigRecord({"client-name": name, PLAN_HASH: plan_hash(plan)})
     splits = read_partition(plan.paths["partition"])["clients"].get(name)
     if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it
         identity.update({"num-train": len(splits["train"]), "num-valid": len(splits["valid"])})

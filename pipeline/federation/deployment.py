@@ -201,7 +201,8 @@ class DeploymentRecorder(TrainRecorder):
 
 
 def start_mlflow_run(plan: Plan, fresh: bool, run_id_file: Path):
-    """The server's MLflow run: the one ``run_id_file`` names when resuming, else a new one (its id written there)."""
+    """The server's MLflow run: the one ``run_id_file`` names when resuming, else a new one (its id written there),
+    with a child run per client the plan declares (the train stage's: per client of the partition it holds)."""
     if fresh and run_id_file.exists():
         # the MLflow run of an earlier attempt without a checkpointed round (a failed admission, a ServerApp
         # killed in round 1) holds no round: deleted, so the runs table keeps no dead attempts
@@ -210,8 +211,8 @@ def start_mlflow_run(plan: Plan, fresh: bool, run_id_file: Path):
         except Exception as exc:  # noqa: BLE001 -- a run already gone (another store, deleted by hand) is no error
             log.info("earlier MLflow run not deleted: %s", exc)
         run_id_file.unlink()
-    tags = run_identity_tags(plan, "deployment")
-    return RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags, run_id_file)
+    tags, clients = run_identity_tags(plan, "deployment"), tuple(plan.clients or ())
+    return RunLogger.start(plan.study, plan.experiment, plan.to_json_dict(), tags, run_id_file, clients=clients)
 
 
 # The ServerApp `flwr run` / a SuperLink loads (pyproject.toml [tool.flwr.app.components]); the plan comes from the
