@@ -17,7 +17,7 @@ from dvc.utils.hydra import apply_overrides
 from pipeline.common.config import flatten
 from pipeline.presets import REPLACED_WHOLE, hydra_value
 from pipeline.results import comparisons
-from pipeline.results.outputs import HEADLINE_STUDY, average_interval, headline_metrics
+from pipeline.results.outputs import HEADLINE_STUDY, OTHER_OUTPUTS, average_interval, headline_metrics
 from pipeline.results.stats import BootstrapConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -403,3 +403,13 @@ def test_the_backbone_stage_depends_on_the_records_its_warm_up_reads(dataset):
 def test_a_folder_dep_hashes_no_bytecode():
     # DVC hashes every file of a folder dep: a __pycache__ written by any import would rerun the stage
     assert "__pycache__/" in (ROOT / ".dvcignore").read_text().splitlines()
+
+
+def test_every_other_stage_output_the_report_index_lists_is_a_dep_of_the_report_stage():
+    # reports/README.md lists what the outputs.OTHER_OUTPUTS globs find: one outside the report stage's deps (a
+    # partition added, the report not rerun) is a change DVC never reruns the index for, so the index goes stale
+    deps = DVC_YAML["stages"]["report"]["deps"]
+    outside = [
+        p for p in OTHER_OUTPUTS if not any(f"reports/{p}" == d or f"reports/{p}".startswith(d + "/") for d in deps)
+    ]
+    assert outside == []

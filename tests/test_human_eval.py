@@ -143,3 +143,26 @@ def test_an_item_twice_in_one_sheet_is_an_error(tmp_path):
     )
     with pytest.raises(DataError, match=rf"sheet_ann\.csv:3: {first} is judged again \(first on line 2\)"):
         score_sheets(tmp_path)
+
+
+def test_the_runs_are_the_lowest_seed_at_which_the_target_and_an_opponent_have_predictions(tmp_path):
+    # SelectKD evaluated at seed 1 only, FedAvg at seeds 0 and 1: the sheets compare the seed-1 runs (seed 0 has no
+    # SelectKD, so taking it made no sheets at all although seed 1 has both)
+    from pipeline.experiments.entries import Experiment
+    from pipeline.results.human_eval import predictions_by_method
+
+    planned = [
+        Experiment(name=f"{m}-s{s}", method=m, partition="domain/seed0", seed=s, **({"tau": 5.0} if kd else {}))
+        for m, kd, seeds in (("fedavg", False, (0, 1)), ("fedselectkd", True, (1,)))
+        for s in seeds
+    ]
+    for p in planned:
+        (tmp_path / p.name).mkdir()
+        record = {"experiment": p.name, "example_id": "e1", "domain": "Academic", "prediction": "x", "reference": "y"}
+        (tmp_path / p.name / "predictions.jsonl").write_text(json.dumps(record) + "\n")
+    preds, seed = predictions_by_method(planned, tmp_path, ReportConfig().human_eval_target)
+    assert seed == 1 and {m: p["e1"].experiment for m, p in preds.items()} == {
+        "fedavg": "fedavg-s1",
+        "fedselectkd": "fedselectkd-s1",
+    }
+    assert make_sheets(preds, tmp_path / "kit", ReportConfig(), {}, {}, seed)["run_seed"] == 1  # the kit says which

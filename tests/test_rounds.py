@@ -15,6 +15,7 @@ import logging
 import math
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -352,10 +353,10 @@ def test_round_metrics_are_the_rows_values_their_byte_sums_and_mean_validation_l
         "C.failed": 0.0,
         "bytes_sent": 257.0,
         "bytes_received": 100.0,
-        "val_loss_mean": 4.0,
-    }
+    }  # no val_loss_mean: C has a row but no validation loss (the stop rule's round mean is NaN)
     assert all(type(v) is float for v in m.values())
     assert "val_loss_mean" not in round_metrics([{"client": "A", "bytes_up": 1}])
+    assert round_metrics(ROWS[:2])["val_loss_mean"] == 4.0  # A's and B's: (3 + 5) / 2
 
 
 def test_rounds_files_hold_the_history_and_one_wide_row_per_round():
@@ -386,7 +387,7 @@ def test_rounds_files_hold_the_history_and_one_wide_row_per_round():
         "B/epsilon": 2.0,
         "B/clipped_fraction": 0.5,
         "C/bytes_down": 7,
-        "val_loss_mean": 4.0,
+        "val_loss_mean": None,  # C has no validation loss
     }
     assert wide[1] == {
         "round": 2,
@@ -394,7 +395,7 @@ def test_rounds_files_hold_the_history_and_one_wide_row_per_round():
         "A/bytes_up": 1,
         "A/bytes_down": 2,
         "B/bytes_up": 0,
-        "val_loss_mean": 1.0,
+        "val_loss_mean": None,  # B has no validation loss
     }
     write_rounds(plan, [{"round": 1, "client": "A", "bytes_up": 3}])
     assert json.loads((Path(plan.paths["reports_dir"]) / "rounds.json").read_text()) == [
@@ -534,7 +535,7 @@ def test_a_client_level_dp_round_is_one_epsilon_one_c_and_the_fraction_of_releas
     assert (m["clipping_norm"], m["clipped_fraction"], m["epsilon"]) == (2.0, 0.5, 3.5)
     assert not any(k.endswith(".epsilon") for k in m)  # one epsilon for the federation, not per client
     assert m["C.failed"] == 1.0 and m["A.failed"] == 0.0
-    assert (m["bytes_sent"], m["bytes_received"], m["val_loss_mean"]) == (30.0, 8.0, 1.5)
+    assert (m["bytes_sent"], m["bytes_received"], m.get("val_loss_mean")) == (30.0, 8.0, None)  # C and D: no loss
     # no noise: no epsilon; nothing released: no run-level field
     unbounded = [dict(r, epsilon=None) if "update_clipped" in r else r for r in rows]
     assert client_level_round(unbounded) == {"clipping_norm": 2.0, "clipped_fraction": 0.5}
@@ -650,3 +651,38 @@ def test_client_level_dp_rows_put_one_epsilon_per_round_in_the_rounds_file_not_o
     assert not any(k in wide for k in ("A/epsilon", "B/epsilon"))
     assert wide["C/epsilon"] == 3.0 and wide["epsilon"] == 1.5 == client_level_round(rows)["epsilon"]
     assert (wide["A/val_loss"], wide["B/val_loss"], wide["A/bytes_up"], wide["B/bytes_up"]) == (2.0, 4.0, 10, 20)
+
+
+def test_the_plotted_round_mean_is_the_stop_rules_client_average(tmp_path):
+    """A round in which a client with a row has no validation loss has no client average (training.stopping: the
+    others' mean would read as a gain or a plateau), so the DVC plot, MLflow's val_loss_mean and the report's
+    learning-curve data show no point there either, where they showed the mean of the clients that had one."""
+    from types import SimpleNamespace
+
+    from pipeline.paths import ProjectPaths
+    from pipeline.results.figures import learning_curves
+    from pipeline.results.tables import Made
+    from pipeline.training.history import round_values, write_rounds
+    from pipeline.training.stopping import mean_val_loss_by_round
+
+    history = [
+        {"round": 1, "client": "A", "val_loss": 3.0},
+        {"round": 1, "client": "B", "val_loss": 5.0},
+        {"round": 2, "client": "A", "val_loss": 1.0},
+        {"round": 2, "client": "B", "failed": 1, "bytes_up": 0},  # its evaluation failed: no loss
+    ]
+    by_round = [[r for r in history if r["round"] == rnd] for rnd in (1, 2)]
+    assert [round_values(rows, "/")["val_loss_mean"] for rows in by_round] == [4.0, None]
+    assert [m for _, m in mean_val_loss_by_round(history)][0] == 4.0  # the rule: (3 + 5) / 2, then NaN
+    assert math.isnan(mean_val_loss_by_round(history)[1][1])
+    plan = _plan("rounds-plotted-mean")
+    write_rounds(plan, history)
+    paths = ProjectPaths(root=tmp_path)
+    paths.train_report("exp").mkdir(parents=True)
+    (paths.train_report("exp") / "rounds.json").write_bytes(
+        (Path(plan.paths["reports_dir"]) / "rounds.json").read_bytes()
+    )
+    planned = [SimpleNamespace(name="exp", seed=0, study="main")]
+    assert learning_curves(SimpleNamespace(planned=planned, labels={"exp": "fedavg"}), paths, Made()) == 1
+    curve = pd.read_csv(paths.plots / "learning_curves" / "main--fedavg.csv")
+    assert curve["val_loss_mean"].iloc[0] == 4.0 and math.isnan(curve["val_loss_mean"].iloc[1])

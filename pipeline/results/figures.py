@@ -83,6 +83,8 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
             continue
         fig, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames), 3.4), squeeze=False, sharey=True)
         for ax, (label, df) in zip(axes[0], frames.items()):
+            # the stop rule's client average (training.stopping): none in a round where a client has no val_loss
+            mean = df.groupby("round")["val_loss"].agg(lambda s: s.mean(skipna=False))
             df = df[df["val_loss"].notna()]
             for client, cdf in df.groupby("client", sort=True):
                 cdf = cdf.sort_values("round")
@@ -96,7 +98,7 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.legend(fontsize=6)
             wide = df.pivot_table(index="round", columns="client", values="val_loss").sort_index()
-            wide.insert(0, "val_loss_mean", wide.mean(axis=1))
+            wide.insert(0, "val_loss_mean", mean.reindex(wide.index))
             csv_path = paths.plots / "learning_curves" / f"{study}--{slug(label)}.csv"
             atomic.to_csv(wide.reset_index(), csv_path, index=False)
         axes[0][0].set_ylabel("loss per target token")

@@ -37,6 +37,9 @@ class Prediction:  # one generated summary of one test example (a line of report
     reference: str
 
 
+Predictions = dict[str, dict[str, Prediction]]  # method -> example id -> its summary
+
+
 @dataclass(frozen=True)
 class KeyEntry:
     example_id: str
@@ -48,14 +51,14 @@ class KeyEntry:
     opponent_experiment: str
 
 
-def predictions_by_method(
-    planned: list[Experiment], eval_dir: Path
-) -> tuple[dict[str, dict[str, Prediction]], int | None]:
-    """method -> example_id -> Prediction for the main study's lowest seed with predictions, and that seed."""
+def predictions_by_method(planned: list[Experiment], eval_dir: Path, target: str) -> tuple[Predictions, int | None]:
+    """method -> example_id -> Prediction for the main study's lowest seed at which ``target`` and another method have
+    predictions (without one, the lowest seed with any), and that seed."""
     avail = [p for p in planned if p.study == "main" and (eval_dir / p.name / "predictions.jsonl").is_file()]
     if not avail:
         return {}, None
-    chosen_seed = min(p.seed for p in avail)
+    shared = {p.seed for p in avail if p.method == target} & {p.seed for p in avail if p.method != target}
+    chosen_seed = min(shared or {p.seed for p in avail})
     out: dict[str, dict[str, Prediction]] = {}
     for p in sorted(avail, key=lambda p: p.name):
         if p.seed == chosen_seed and p.method not in out:
@@ -72,7 +75,7 @@ def example_info(path: Path) -> tuple[dict[str, str], dict[str, str]]:
     return dict(zip(df["example_id"], df["query"].fillna(""))), dict(zip(df["example_id"], df["meeting_id"]))
 
 
-def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str], seed: int) -> str | None:
+def case_study(preds: Predictions, queries: dict[str, str], seed: int) -> str | None:
     """One test example per domain: FedAvg's and SelectKD's summary and the gold one (seeded choice)."""
     methods = ("fedavg", "fedselectkd")
     if not all(m in preds for m in methods):
@@ -109,12 +112,12 @@ def case_study(preds: dict[str, dict[str, Prediction]], queries: dict[str, str],
 
 
 def make_sheets(
-    predictions: dict[str, dict[str, Prediction]], out: Path, cfg: ReportConfig, queries: dict, meetings: dict
+    predictions: Predictions, out: Path, cfg: ReportConfig, queries: dict, meetings: dict, run_seed: int = 0
 ) -> dict[str, Any]:
     """Blind pairwise sheets (into ``out``, created) of `report.human_eval_target` against every other method on the
     examples all predicted (up to `report.human_eval_per_domain` a domain, drawn with `report.human_eval_seed`;
-    ``queries``, ``meetings``: by example id, :func:`example_info`); their summary. The report calls it only when the
-    target and another method have predictions."""
+    ``queries``, ``meetings``: by example id, :func:`example_info`; ``run_seed``: the runs' seed, for the summary); their
+    summary. The report calls it only when the target and another method have predictions."""
     target, per_domain, seed = cfg.human_eval_target, cfg.human_eval_per_domain, cfg.human_eval_seed
     opponents = sorted(m for m in predictions if m != target)
     common = set(predictions[target]).intersection(*(predictions[m] for m in opponents))
@@ -162,6 +165,7 @@ def make_sheets(
         "examples_per_domain": dict(sorted(Counter(domain_of[ex] for ex in chosen).items())),
         "requested_per_domain": per_domain,
         "seed": seed,
+        "run_seed": run_seed,  # predictions_by_method's choice
     }
     atomic.write_json(out / "summary.json", summary)
     return summary

@@ -115,8 +115,8 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
     if not figures.learning_curves(inp, paths, made):
         made.not_made["learning curves"] = "no reports/train/<exp>/rounds.json of a planned experiment"
 
-    # Case study and human-evaluation sheets from the main study's lowest evaluated seed.
-    preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports)
+    # Case study and human-evaluation sheets from the main study's lowest seed evaluating the target and another method.
+    preds, pred_seed = human_eval.predictions_by_method(planned, paths.eval_reports, cfg.human_eval_target)
     queries, meeting_of = human_eval.example_info(paths.examples)
     text = human_eval.case_study(preds, queries, cfg.case_study_seed)
     if text is None:
@@ -125,7 +125,7 @@ def build_report(inp: ReportInputs, paths: ProjectPaths) -> dict[str, Any]:
         made.text("tables", paths.tables / "case_study.md", text)
     sheets_dir = paths.human_eval / "sheets"
     if cfg.human_eval_target in preds and len(preds) > 1:
-        summary = human_eval.make_sheets(preds, sheets_dir, cfg, queries, meeting_of)
+        summary = human_eval.make_sheets(preds, sheets_dir, cfg, queries, meeting_of, pred_seed)
         made.files["human evaluation"] = [str(sheets_dir / f) for f in ("sheet.csv", "sheet.html", "key.json")] + [
             f"{summary['items']} comparisons, {summary['examples_per_domain']} examples per domain, seed {pred_seed} runs"
         ]
