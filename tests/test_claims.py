@@ -692,3 +692,28 @@ def test_the_claim_rule_states_the_level_the_comparisons_were_tested_at(tmp_path
         assert f"its {interval} interval" in text and f"Holm-adjusted p < {rule} over" in text
         assert ("- **Pooling the data helps** (Holm p ≤ 0.080 each)" in text) == (level == 0.9)
         assert ("95 %" in text, "p < 0.05" in text) == (level == 0.95, level == 0.95)
+
+
+def test_adacentralizeds_step_rule_and_batch_are_its_own_plans_not_params_train(tmp_path):
+    """An entry's train overrides reach its plan (planning.resolve_plan), so the text must state how that run
+    trained: centralized-domain overrides centralized_steps epoch and batch_size 4 under params' largest_client and
+    batch 8. By hand: pooled 100 examples at batch 4 = 25 steps a round, Academic's 40 at AdaSingle's batch 8 = 5
+    steps: 5.0x (params' batch 8 for both would say ceil(100/8) / 5 = 2.6x, and 'largest client')."""
+    from pipeline.report import report_inputs
+    from pipeline.results import outputs
+
+    runs = {"centralized-domain": ("centralized", 100), "single-domain": ("single", 40)}
+    params = {"train": {"centralized_steps": "largest_client", "batch_size": 8}, "report": {"smoke": False}}
+    params["experiments"] = {}
+    for name, (method, n) in runs.items():
+        params["experiments"][name] = {"method": method, "partition": "domain/seed0", "study": "main"}
+        (tmp_path / "train" / name).mkdir(parents=True)
+        (tmp_path / "train" / name / "metrics.json").write_text(
+            json.dumps({"clients": {"Academic": {"n_train_examples": n}}})
+        )
+    params["experiments"]["centralized-domain"] |= {"centralized_steps": "epoch", "batch_size": 4}
+    row = _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)
+    table = comparisons.with_holm(pd.DataFrame([row]), BootstrapConfig())
+    text = outputs.results_text(report_inputs(params), table, tmp_path / "comparisons.csv", tmp_path)
+    assert "(`train.centralized_steps: epoch`): 5.0x Academic's optimizer steps a round" in text
+    assert claims.LARGEST_CLIENT_STEPS not in text
