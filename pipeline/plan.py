@@ -10,11 +10,10 @@ import argparse
 from pathlib import Path
 
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
-from pipeline.experiments.privacy import PrivacyConfig
+from pipeline.common.config import load_params
 from pipeline.paths import PATHS
 from pipeline.planning import check_params, write_plans
-from pipeline.privacy.accounting import federation_privacy, sampled_per_round
+from pipeline.privacy.accounting import check_client_plans
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,11 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(PATHS.plans))
     args = ap.parse_args(argv)
     params = load_params(args.params)
-    for plan in check_params(params).values():  # privacy.mode client needs only the plan's clients: check it now
-        if (privacy := plan.get("privacy", {})).get("mode") == "client":
-            n, where = len(plan["clients"]), f"params.yaml experiments.{plan['experiment']}"
-            rounds, sampled = plan["train"]["rounds"], sampled_per_round(n, plan["train"]["fraction_train"])
-            federation_privacy(from_dict(PrivacyConfig, privacy, where), n, sampled, rounds, where)
+    check_client_plans(check_params(params))  # privacy.mode client needs only the plan's clients: checked now
     written = write_plans(params, Path(args.out))
     print(f"plan: wrote {len(written)} plan(s) to {args.out}")
 

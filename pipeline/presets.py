@@ -75,6 +75,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
     from dvc.exceptions import InvalidArgumentError  # lazy: `show` starts without DVC
 
     from pipeline.planning import check_params, parse_entry  # lazy: the other commands start without torch
+    from pipeline.privacy.accounting import check_client_plans  # lazy, as planning
 
     found = []
     try:
@@ -106,7 +107,7 @@ def problems(preset: dict[str, Any], params: dict[str, Any]) -> list[str]:
             )
     if not found:
         try:
-            check_params(applied)
+            check_client_plans(check_params(applied))  # what the plan stage refuses
         except ValueError as e:  # ConfigError among them
             found.append(str(e))
     return found

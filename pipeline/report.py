@@ -13,12 +13,10 @@ import pandas as pd
 
 from pipeline.common import atomic
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, group, load_params
+from pipeline.common.config import from_dict, load_params
 from pipeline.common.timing import stage_timer
-from pipeline.experiments.settings import RUN_TRAIN_KEYS
-from pipeline.experiments.train_config import train_config
 from pipeline.paths import PATHS
-from pipeline.planning import declared
+from pipeline.planning import declared, resolve_plan
 from pipeline.results import claims, human_eval, published
 from pipeline.results.outputs import Made, build_report, results_text, write_tables
 from pipeline.results.stats import BootstrapConfig
@@ -26,13 +24,15 @@ from pipeline.results.tables import ReportConfig, ReportInputs
 
 
 def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportInputs:
-    """The planned experiments and the `report`, `bootstrap` and `train` groups of ``params`` (read from ``where``),
-    checked before anything is written."""
+    """The planned experiments, the `report` and `bootstrap` groups of ``params`` (read from ``where``) and the plan's
+    `train` (params' with the entry's overrides) of each AdaCentralized and AdaSingle, checked before anything is
+    written."""
+    planned = declared(params)
     return ReportInputs(
-        declared(params),
+        planned,
         from_dict(ReportConfig, params.get("report"), f"{where} report"),
         from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap"),
-        train_config({k: v for k, v in group(params, "train").items() if k not in RUN_TRAIN_KEYS}),
+        {e.name: resolve_plan(e, params)["train"] for e in planned if e.method in ("centralized", "single")},
     )
 
 

@@ -764,3 +764,28 @@ def test_runs_are_said_not_to_have_separated_only_where_the_tables_flag_it():
     flagged = table.assign(identical_fraction=[0.3, 0.6], mostly_identical=[False, True])
     line = next(x for x in claims.results_text(flagged).splitlines() if "`identical_fraction`" in x)
     assert "30-60 %" in line and "did not separate" in line
+
+
+def test_adacentralizeds_step_rule_and_batch_are_its_own_plans_not_params_train(tmp_path):
+    """An entry's train overrides reach its plan (planning.resolve_plan), so the text must state how that run
+    trained: centralized-domain overrides centralized_steps epoch and batch_size 4 under params' largest_client and
+    batch 8. By hand: pooled 100 examples at batch 4 = 25 steps a round, Academic's 40 at AdaSingle's batch 8 = 5
+    steps: 5.0x (params' batch 8 for both would say ceil(100/8) / 5 = 2.6x, and 'largest client')."""
+    from pipeline.report import report_inputs
+    from pipeline.results import outputs
+
+    runs = {"centralized-domain": ("centralized", 100), "single-domain": ("single", 40)}
+    params = {"train": {"centralized_steps": "largest_client", "batch_size": 8}, "report": {"smoke": False}}
+    params["experiments"] = {}
+    for name, (method, n) in runs.items():
+        params["experiments"][name] = {"method": method, "partition": "domain/seed0", "study": "main"}
+        (tmp_path / "train" / name).mkdir(parents=True)
+        (tmp_path / "train" / name / "metrics.json").write_text(
+            json.dumps({"clients": {"Academic": {"n_train_examples": n}}})
+        )
+    params["experiments"]["centralized-domain"] |= {"centralized_steps": "epoch", "batch_size": 4}
+    row = _row(method_a="centralized", method_b="single", mean_diff=1.7, ci_low=1.0, ci_high=2.4)
+    table = comparisons.with_holm(pd.DataFrame([row]), BootstrapConfig())
+    text = outputs.results_text(report_inputs(params), table, tmp_path / "comparisons.csv", tmp_path)
+    assert "(`train.centralized_steps: epoch`): 5.0x Academic's optimizer steps a round" in text
+    assert claims.LARGEST_CLIENT_STEPS not in text

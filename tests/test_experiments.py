@@ -179,6 +179,40 @@ def test_a_bad_entry_is_one_line_naming_it(entry, message):
     assert "experiments.x" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        "train.lr",
+        "train.weight_decay",
+        "train.kd_temperature",
+        "train.proximal_mu",
+        "train.fedopt.server_lr",
+        "train.fedopt.eps",
+        "model.adapter_init_std",
+        "model.cache_max_gb",  # int(inf * 2**30) fails in the train stage
+    ],
+)
+def test_an_infinite_number_is_refused_at_planning_in_one_line(key):
+    """YAML's .inf passes a float's lower bound; AdamW at lr or weight_decay inf, a KL at temperature inf (x T^2),
+    a proximal term inf x 0, a server step inf x delta, a normal_ of std inf all give NaN weights."""
+    from pipeline.planning import check_params
+
+    with pytest.raises(ConfigError, match=rf"{key.split('.')[-1]}=inf is out of range; allowed: a finite number") as e:
+        check_params(_params(**{key: float("inf")}))
+    assert "\n" not in str(e.value)
+
+
+def test_an_infinite_clipping_bound_and_tau_still_plan():
+    """.inf is meaningful where the docs give it a meaning: no clipping (privacy.md, with noise 0) and a tau every
+    entropy is below (H(q_g) < inf: KD on every token)."""
+    from pipeline.planning import check_params
+
+    inf = float("inf")
+    assert check_params(_params(**{"privacy.max_grad_norm": inf}))
+    plans = check_params(_params(tau=inf))
+    assert plans["fedselectkd-domain"]["tau"] == inf
+
+
 def test_an_entrys_train_mapping_overrides_merge_key_by_key_into_params_train():
     """An entry overriding one key of a `train` mapping keeps the params file's other keys of it (as the entry's
     privacy.secagg and a preset's mappings do), not the code's defaults: here gpu-study's stop rule with a lower

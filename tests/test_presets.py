@@ -186,6 +186,15 @@ def test_a_preset_that_drops_a_partition_the_params_experiments_train_on_is_refu
     assert all("'iid/seed0' is not produced" in b for b in bad)
 
 
+def test_a_client_level_dp_entry_the_plan_stage_refuses_is_a_problem():
+    """privacy.mode client with delta 0.5 on the domain partition's 3 clients: delta >= 1/3 promises nothing
+    (accounting.federation_privacy), which the plan stage refuses before writing a plan; check must say so too."""
+    dp = {"mode": "client", "noise_multiplier": 1.0, "clipping_norm": 1.0, "delta": 0.5}
+    entry = {"method": "fedavg", "partition": "domain/seed0", "privacy": dp}
+    bad = pr.problems({"experiments": {"x": entry}}, PARAMS)
+    assert len(bad) == 1 and "experiments.x: privacy.delta 0.5 >= 1/3 " in bad[0]
+
+
 # ---------------------------------------------------------------------------------------------- applying
 def overlay(params: dict, preset: dict, top: bool = True) -> dict:
     """The rules of pipeline.presets' docstring written out: leaves replace, mappings merge key by key,

@@ -451,11 +451,12 @@ def test_adacentralized_step_ratio_per_client_from_the_committed_cpu_study():
     from pathlib import Path
 
     from pipeline.common.config import load_params
-    from pipeline.planning import declared
+    from pipeline.report import report_inputs
     from pipeline.results.readers import centralized_step_ratios
 
     study = Path(__file__).resolve().parents[1] / "reports/cpu-study"
-    got = dict(centralized_step_ratios(declared(load_params(study / "params.yaml")), study / "train", 8, 2))
+    inp = report_inputs(load_params(study / "params.yaml"))
+    got = dict(centralized_step_ratios(inp.planned, study / "train", inp.train))
     assert got == pytest.approx({"Academic": 69 / 14, "Committee": 69 / 18, "Product": 69 / 38})
 
 

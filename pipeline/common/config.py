@@ -21,8 +21,9 @@ T = TypeVar("T")
 
 
 # Strict: a YAML string, bool or float never passes for an integer ("96", true, 8.0), nor a bool for a number;
-# an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level.
-_STRICT = ConfigDict(strict=True, extra="forbid")
+# an int passes for a float (YAML writes `lr: 1` for 1.0). Unknown keys are refused at every level, and so are .inf
+# and .nan (an lr, std or temperature of inf trains into NaN) but where a field allows them (``allow_inf_nan=True``).
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 # Bounds several groups share
 PositiveInt = Annotated[int, Field(ge=1)]

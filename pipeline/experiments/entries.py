@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 from dataclasses import field
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from pipeline.common.config import NonNegativeInt, Positive, config, from_dict, group
+from pipeline.common.config import NonNegativeInt, config, from_dict, group
 from pipeline.experiments.methods import get_method
 from pipeline.experiments.privacy import PrivacyConfig
 
@@ -25,7 +25,7 @@ class Experiment:
     study: str = "main"
     # the entry's tau, else the top-level tau for methods that read it, else None; > 0: the entropy gate is
     # H(q_g) < tau with H >= 0, so tau <= 0 would never distil
-    tau: Positive | None = None
+    tau: Annotated[float, Field(gt=0.0, allow_inf_nan=True)] | None = None  # inf: KD on every token
     train: dict[str, Any] = field(default_factory=dict)  # the entry's overrides of params `train`
     tau_scale: str = "absolute"  # how the gate reads tau: the entry's train.tau_scale, else the params file's
     entropy_log_base: str = "e"  # the unit of H(q_g) and an absolute tau ("2": bits), resolved as tau_scale is

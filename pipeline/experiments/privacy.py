@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.common.config import Fraction, config
+from pipeline.common.config import Fraction, NonNegative, Positive, config
 from pipeline.experiments.methods import STRATEGIES
 
 # Keys one mode reads and the other ignores (PrivacyConfig.plan_dict leaves them out)
@@ -25,9 +25,7 @@ AVERAGING_STRATEGIES = tuple(name for name, spec in STRATEGIES.items() if spec.a
 # and of their integer weights must stay below it.
 SECAGG_MODULUS = 2**32
 
-FiniteNonNegative = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-FinitePositive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-Bound = Annotated[float, Field(gt=0)]  # a clipping bound; .inf = no clipping
+Bound = Annotated[float, Field(gt=0, allow_inf_nan=True)]  # a clipping bound; .inf = no clipping
 
 
 @config
@@ -36,7 +34,7 @@ class SecAggConfig:
 
     num_shares: int | Annotated[float, Field(gt=0, le=1)] = 1.0
     reconstruction_threshold: int | Annotated[float, Field(gt=0, le=1)] = 0.67
-    clipping_range: FinitePositive = 8.0
+    clipping_range: Positive = 8.0
     quantization_range: Annotated[int, Field(gt=1, lt=SECAGG_MODULUS)] = 2**22
 
     @model_validator(mode="after")
@@ -55,8 +53,8 @@ class PrivacyConfig:
     """params `privacy` (the comments on each key live in the params file)."""
 
     mode: Literal["none", "example", "client"] = "none"
-    noise_multiplier: FiniteNonNegative | None = None
-    target_epsilon: FinitePositive | None = None
+    noise_multiplier: NonNegative | None = None
+    target_epsilon: Positive | None = None
     max_grad_norm: Bound = 1.0
     delta: Annotated[float, Field(gt=0, lt=1)] | None = None
     accountant: Literal["rdp", "prv"] = "rdp"
@@ -65,8 +63,8 @@ class PrivacyConfig:
     clipping: Literal["fixed", "adaptive"] = "fixed"
     clipping_norm: Bound | None = None
     target_clipped_quantile: Fraction = 0.5
-    clip_norm_lr: FinitePositive = 0.2
-    clipped_count_stddev: FiniteNonNegative | None = None  # null = sampled clients / 20
+    clip_norm_lr: Positive = 0.2
+    clipped_count_stddev: NonNegative | None = None  # null = sampled clients / 20
     secure_aggregation: bool = False
     secagg: SecAggConfig = field(default_factory=SecAggConfig)
 

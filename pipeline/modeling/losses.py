@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from pipeline.common.config import Fraction, Positive, config
 from pipeline.experiments.methods import KdMode
@@ -43,7 +43,7 @@ class KDConfig:
 
     mode: KdMode = "selective"
     kd_lambda: Fraction = 0.2
-    tau: float = 5.0  # the gate's threshold
+    tau: Annotated[float, Field(allow_inf_nan=True)] = 5.0  # the gate's threshold (inf: every token)
     kd_temperature: Positive = 1.0
     kd_direction: KdDirection = "teacher_to_student"
     entropy_log_base: LogBase = "e"

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from pipeline.common.config import ConfigError
+from pipeline.common.config import ConfigError, from_dict
 from pipeline.experiments.privacy import DEFAULT_DELTA, PrivacyConfig
 
 
@@ -107,6 +107,16 @@ def federation_privacy(
 def sampled_per_round(population: int, fraction_train: float) -> int:
     """The expected number of clients per round (what Flower's FedAvg samples)."""
     return max(int(population * fraction_train), 1)
+
+
+def check_client_plans(plans: dict[str, dict]) -> None:
+    """:func:`federation_privacy` of each privacy.mode client plan (resolved, not yet written: the plan stage's and
+    `presets check`'s): it needs only the plan's clients (N), train.fraction_train and rounds."""
+    for plan in plans.values():
+        if (privacy := plan.get("privacy", {})).get("mode") == "client":
+            n, where = len(plan["clients"]), f"params.yaml experiments.{plan['experiment']}"
+            rounds, sampled = plan["train"]["rounds"], sampled_per_round(n, plan["train"]["fraction_train"])
+            federation_privacy(from_dict(PrivacyConfig, privacy, where), n, sampled, rounds, where)
 
 
 def server_setting(plan, population: int) -> FederationPrivacy:

@@ -89,11 +89,12 @@ def results_text(inp: ReportInputs, compared: pd.DataFrame, source: Path, root: 
         for f in (root / "backbone.json", root / "analysis" / "kd_analysis.json")
     ]
     converged = convergence_table(inp.planned, inp.labels, root / "train")
-    # How AdaCentralized's steps were budgeted (`train.centralized_steps`)
-    train, cfg = inp.train, inp.cfg
-    ratios = centralized_step_ratios(inp.planned, root / "train", train.batch_size, train.grad_accum_steps)
+    # How AdaCentralized's steps were budgeted (its plan's `train.centralized_steps`)
+    cfg, pooled = inp.cfg, [inp.train[e.name] for e in inp.planned if e.study == "main" and e.method == "centralized"]
+    ratios = centralized_step_ratios(inp.planned, root / "train", inp.train)
+    steps = pooled[0]["centralized_steps"] if pooled else "largest_client"
     scale = claims.ClaimScale(
-        cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, train.centralized_steps, ratios, inp.bootstrap.level
+        cfg.smoke, cfg.claim_min_seeds, cfg.claim_min_examples, steps, ratios, inp.bootstrap.level
     )
     return claims.results_text(compared, converged, scale, source=str(source), backbone=claims.backbone_note(*records))
 

@@ -217,27 +217,29 @@ def convergence_note(table: pd.DataFrame | None, studies: Iterable[str], labels:
 
 
 def centralized_step_ratios(
-    planned: Iterable[Any], train_dir: Path, batch_size: int, accum_steps: int
+    planned: Iterable[Any], train_dir: Path, trains: dict[str, dict[str, Any]]
 ) -> tuple[tuple[str, float], ...]:
     """Per client, AdaCentralized's optimizer steps a round over the client's own, when AdaCentralized makes one
     pass over the pooled data a round (train.centralized_steps: epoch): ceil(ceil(n / batch) / accumulation) steps
-    for n training examples, from the train records of the main study's lowest seed that has both an AdaCentralized
-    and an AdaSingle record (() when none has)."""
-    runs: dict[tuple[int, str], dict[str, Any]] = {}
+    for n training examples (each run's batch_size and grad_accum_steps: ``trains``, its plan's `train` by name),
+    from the train records of the main study's lowest seed that has both an AdaCentralized and an AdaSingle record
+    (() when none has)."""
+    runs: dict[tuple[int, str], tuple[dict[str, Any], dict[str, Any]]] = {}
     for p in planned:
         path = train_dir / p.name / "metrics.json"
         if p.study == "main" and p.method in ("centralized", "single") and path.is_file():
-            runs[(int(p.seed), p.method)] = read_json(path, "train metrics").get("clients") or {}
+            runs[(int(p.seed), p.method)] = read_json(path, "train metrics").get("clients") or {}, trains[p.name]
     seeds = sorted(s for s, m in runs if m == "centralized" and (s, "single") in runs)
     if not seeds:
         return ()
 
-    def steps(n: int) -> int:
-        return math.ceil(math.ceil(n / batch_size) / accum_steps)
+    def steps(method: str, client: str) -> int:
+        clients, t = runs[(seeds[0], method)]
+        return math.ceil(math.ceil(int(clients[client]["n_train_examples"]) / t["batch_size"]) / t["grad_accum_steps"])
 
-    central, local = runs[(seeds[0], "centralized")], runs[(seeds[0], "single")]
+    (central, _), (local, _) = runs[(seeds[0], "centralized")], runs[(seeds[0], "single")]
     return tuple(
-        (client, steps(int(central[client]["n_train_examples"])) / steps(int(local[client]["n_train_examples"])))
+        (client, steps("centralized", client) / steps("single", client))
         for client in sorted(set(central) & set(local))
         if central[client].get("n_train_examples") and local[client].get("n_train_examples")
     )

@@ -19,7 +19,6 @@ from pipeline.common import atomic
 from pipeline.common.config import PositiveInt, config
 from pipeline.common.schema import QMSUM_DOMAINS, DataError
 from pipeline.experiments.entries import Experiment, with_labels
-from pipeline.experiments.train_config import TrainConfig
 from pipeline.results import comparisons, published
 from pipeline.results.readers import GROUP_COLS, MARK, METRICS, convergence_note, row_mark
 from pipeline.results.scoring import TABLE_METRICS, TABLE_ROUGE_L
@@ -50,7 +49,8 @@ class ReportInputs:
     planned: list[Experiment]
     cfg: ReportConfig = field(default_factory=ReportConfig)
     bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)  # AdaCentralized's step budget, for the claims
+    # the plan's `train` of each AdaCentralized and AdaSingle experiment (its step budget, for the claims)
+    train: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @functools.cached_property
     def labels(self) -> dict[str, str]:
