@@ -208,3 +208,33 @@ def test_privacy_points_take_a_client_level_runs_budget_from_the_run(tmp_path):
     point = privacy_points(ReportInputs(planned), scores, ProjectPaths(tmp_path)).iloc[0]
     assert (point["epsilon"], point["delta"]) == (2.25, 1e-5)  # the mean over the seeds, at the run's delta
     assert (point["target_epsilon"], point["noise_multiplier"]) == (3, 1.1)
+
+
+def test_the_privacy_figure_says_a_client_level_runs_epsilon_is_the_runs_not_the_largest_over_clients(
+    tmp_path, monkeypatch
+):
+    # spent_epsilon: DP-SGD's is the largest of the clients' (each its own examples' budget); privacy.mode client's is
+    # the run's guarantee for any one client's whole contribution (docs/privacy.md), not a maximum over anything
+    from pipeline.experiments.entries import Experiment, privacy_label
+    from pipeline.experiments.privacy import PrivacyConfig
+    from pipeline.paths import ProjectPaths
+    from pipeline.results import figures
+    from pipeline.results.tables import ReportInputs
+
+    labels = []
+    monkeypatch.setattr(figures, "save", lambda fig, path: labels.append(fig.axes[0].get_xlabel()) or path)
+    for mode, extra in (("client", {"clipping_norm": 1.0}), ("example", {})):
+        dp = privacy_label(PrivacyConfig(mode=mode, target_epsilon=3, **extra))
+        planned = [Experiment(f"{mode}0", "fedavg", "quantity/seed0", 0, "privacy", dp=dp)]
+        scores = pd.DataFrame([{"experiment": f"{mode}0", "client": "A", "avg_rouge": 5.0, "backbone": "tiny"}])
+        run = {"mode": mode, "target_epsilon": 3, "epsilon": 2.0, "delta": 1e-5, "noise_multiplier": 1.1}
+        client = {"updates_aggregated": 2} if mode == "client" else {"epsilon": 2.0, "delta": 1e-5}
+        d = tmp_path / "reports/train" / f"{mode}0"
+        d.mkdir(parents=True)
+        metrics = {"clients": {"A": {"privacy": client | {"noise_multiplier": 1.1}}}, "privacy": run}
+        d.joinpath("metrics.json").write_text(json.dumps(metrics))
+        points = figures.privacy_points(ReportInputs(planned), scores, ProjectPaths(tmp_path))
+        figures.privacy_figure(points, ProjectPaths(tmp_path))
+    client_level, example_level = labels
+    assert "largest over clients" not in client_level and "the run's" in client_level
+    assert "largest over clients" in example_level and "the run's" not in example_level

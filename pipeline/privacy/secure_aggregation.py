@@ -62,7 +62,7 @@ def aggregation_error_bound(weights: Sequence[int], scale: int, cfg: SecAggConfi
     quantiser (scale 2uc, shift 3uc, product 4uc; one more uc for second-order terms and the float64 unmasking),
     so its value error is < 2c/Q + 10uc; the server divides k of them by sum_i q_i / Q; the float32 cast of the mean
     (u m, m = the largest |upload|) and FedAvg's k float32 products ((k + 1) u m, one more u m second-order) add
-    (k + 3) u m. Equal weights: about one quantisation step 2c/Q (3.8e-6 with c = 8, Q = 2**22)."""
+    (k + 3) u m. Equal weights: about 2c/Q + 10uc (8.6e-6 with c = 8, Q = 2**22: 2c/Q is 3.8e-6 of it)."""
     k, total_q = len(weights), scale * sum(int(w) for w in weights)
     return k * (cfg.quantization_range / total_q) * upload_error(cfg) + (k + 3) * FLOAT32_EPS * max_abs
 

@@ -279,7 +279,11 @@ def privacy_figure(points: pd.DataFrame, paths: ProjectPaths) -> str:
     seeds = "/".join(str(n) for n in sorted(set(points["n_seeds"])))
     deltas = points["delta"].dropna()
     held = f"delta <= {deltas.max():.3g}" if not deltas.empty else "no DP run"
-    ax.set(xlabel=f"epsilon spent (largest over clients; {held})", ylabel="average ROUGE, client average")
+    # spent_epsilon: DP-SGD's is the largest over the clients, client-level DP's the run's (privacy_label's names)
+    kinds = {"client-level DP": "the run's", "DP-SGD": "largest over clients"}
+    found = {k: v for k, v in kinds.items() if points["dp"].astype(str).str.startswith(k).any()}
+    spent = "; ".join(f"{k}: {v}" for k, v in found.items()) if len(found) > 1 else next(iter(found.values()), "")
+    ax.set(xlabel=f"epsilon spent ({spent or kinds['DP-SGD']}; {held})", ylabel="average ROUGE, client average")
     ax.set_title(f"Privacy vs utility ({backbones}; n={seeds} seeds; bars: std over seeds)", fontsize=9)
     ax.legend(fontsize=8)
     return str(save(fig, paths.figures / "privacy.png"))
