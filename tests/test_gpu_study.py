@@ -316,3 +316,20 @@ def test_tiny_study_end_to_end_on_cpu_then_import(tmp_path, monkeypatch):
 def tar_member(path: Path, name: str) -> str:
     with tarfile.open(path) as tar:
         return tar.extractfile(name).read().decode()
+
+
+def test_a_py_spy_that_cannot_start_leaves_the_train_step_running_unsampled(tmp_path):
+    """The sampler is instrumentation: a carried py-spy that cannot be executed (its mode bit lost on the way, as
+    benchmarks/gpu_profile.py guards against with its chmod) must not fail the train step it samples, nor leave its
+    child running unwaited while the step is recorded failed and the set's evaluation skipped."""
+    spy = tmp_path / "py-spy"
+    spy.write_text(f"#!{sys.executable}\n{FAKE_PY_SPY}")
+    spy.chmod(0o644)  # not executable
+    (tmp_path / "repo").mkdir()
+    done = tmp_path / "trained"
+    train = ["-c", f"import pathlib, time; time.sleep(0.3); pathlib.Path({str(done)!r}).write_text('ok')"]
+    with (tmp_path / "log.txt").open("w") as log:
+        steps = device.Steps({"steps": []}, log, budget_s=60, t0=time.monotonic(), py_spy=spy)
+        ok = steps.lane([("train@1", train), ("evaluate@1", ["-c", "pass"])], tmp_path / "repo", dict(os.environ))
+    assert [s["status"] for s in steps.record["steps"]] == ["ok", "ok"] and ok
+    assert done.read_text() == "ok"  # the child ran to its end before the step was recorded

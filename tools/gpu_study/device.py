@@ -325,7 +325,10 @@ class Steps:
         spy = None
         if sampled is not None and self.py_spy is not None:
             cmd = [str(self.py_spy), "record", "--pid", str(proc.pid), "--nonblocking", "-r", "20", "-f", "raw"]
-            spy = subprocess.Popen([*cmd, "-o", str(sampled)], stdout=self.log, stderr=subprocess.STDOUT)
+            try:  # instrumentation: a sampler that cannot start leaves the step unsampled, not failed
+                spy = subprocess.Popen([*cmd, "-o", str(sampled)], stdout=self.log, stderr=subprocess.STDOUT)
+            except OSError as e:
+                print(f"py-spy not started ({e}): {sampled.name} not sampled", file=self.log, flush=True)
         try:
             return proc.wait(timeout=left)
         finally:
@@ -498,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     carry, out, profile = args.carry.resolve(), args.out.resolve(), args.profile.resolve()
     spy = args.py_spy.resolve() if args.py_spy else None
+    if spy is not None and spy.is_file():  # a carried file's mode bits may not travel (benchmarks/gpu_profile.py)
+        spy.chmod(0o755)
     record = run_study(
         carry,
         out,
