@@ -337,3 +337,12 @@ def test_a_py_spy_that_cannot_start_leaves_the_train_step_running_unsampled(tmp_
         ok = steps.lane([("train@1", train), ("evaluate@1", ["-c", "pass"])], tmp_path / "repo", dict(os.environ))
     assert [s["status"] for s in steps.record["steps"]] == ["ok", "ok"] and ok
     assert done.read_text() == "ok"  # the child ran to its end before the step was recorded
+
+
+def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
+    """The machine goes back 30 s after a call: a resumed call that lands on a fresh one finds no earlier call's work
+    (nor a carry: it sends only py-spy). It must say that in one line, in the study.json it returns, not raise."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=r"no earlier call.*a fresh machine"):
+        device.run_study(tmp_path / "no-carry", out, TINY, tmp_path / "work", budget_s=60, resume=True)
+    assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]

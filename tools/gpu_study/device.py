@@ -423,6 +423,10 @@ def run_study(
     out.mkdir(parents=True, exist_ok=True)
     site, repo_dir, minilm = work / "site", work / "repo", work / "minilm"
     log_path = work / "log.txt"
+    if resume and not (work / "study.json").is_file():  # the machine went back: nothing to go on from, no carry
+        error = f"{work}: no earlier call's study.json: a fresh machine (a resumed call needs the study call's, warm)"
+        (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
+        raise SystemExit(error)
     earlier = json.loads((work / "study.json").read_text()) if resume else None
     work.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"profile": profile.name, "budget_s": budget_s, "device": device_info(), "steps": []}
