@@ -346,3 +346,20 @@ def test_a_resumed_call_on_a_bare_machine_says_so_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"no earlier call.*a fresh machine"):
         device.run_study(tmp_path / "no-carry", out, TINY, tmp_path / "work", budget_s=60, resume=True)
     assert "fresh machine" in json.loads((out / "study.json").read_text())["error"]
+
+
+def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
+    """A finished KD run publishes models/<exp>/gate_log.parquet: a row per trained target token per round (~9 bytes
+    a row as parquet; QMSum's 1,095 training examples of up to 96 target tokens: ~0.7 MiB a round), so the study's
+    15 KD runs at ~25-30 rounds hold ~270 MiB, far over the 64 MiB (8 files) a call returns, which would cut
+    results.tar.gz and with it every run's records. They hold client token ids (docs/privacy.md: the token gate log
+    stays on the client's disk), the import leaves them out and call_report commits results.tar.gz as it came."""
+    repo = tmp_path / "repo"
+    run = repo / "models" / "fedkd-domain-s0"
+    (run / "clients" / "Academic").mkdir(parents=True)
+    for f in ("metrics.json", "rounds.json", "experiment.json", "clients/Academic/summary.json"):
+        (run / f).write_text("{}")
+    (run / "gate_log.parquet").write_bytes(b"PAR1")
+    names = [name for _, name in device.results_members(repo)]
+    assert "models/fedkd-domain-s0/metrics.json" in names and "models/fedkd-domain-s0/rounds.json" in names
+    assert not [n for n in names if "gate_log" in n]

@@ -298,7 +298,8 @@ def weights_md5(work: Path) -> Path:
 
 
 def results_members(work: Path) -> list[tuple[Path, str]]:
-    """What the run wrote that the import reads: params.yaml, plans and run records without weights, every report."""
+    """What the run wrote that the import reads: params.yaml, plans and run records without weights, every report;
+    the gate logs stay (client token ids, ~0.7 MiB a KD run's round: the study's far exceed what a call returns)."""
     members = [(work / "params.yaml", "params.yaml"), (weights_md5(work), "weights.md5.json")]
     for top in ("models", "reports", "data/partitions"):
         base = work / top
@@ -306,7 +307,10 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
             members += [
                 (p, p.relative_to(work).as_posix())
                 for p in sorted(base.rglob("*"))
-                if p.is_file() and not p.name.endswith(WEIGHTS) and "/backbone/" not in p.as_posix()
+                if p.is_file()
+                and not p.name.endswith(WEIGHTS)
+                and "/backbone/" not in p.as_posix()
+                and not p.name.startswith("gate_log")
             ]
     return members
 
