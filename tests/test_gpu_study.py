@@ -165,7 +165,10 @@ def test_the_backbone_warms_up_beside_the_data_stages_once_its_one_input_is_inge
     assert sorted(names(before + [s for lane in lanes for s in lane] + after)) == sorted(names(commands))
     stages = _yaml(ROOT / "dvc.yaml")["stages"]
     outs = [o if isinstance(o, str) else next(iter(o)) for o in stages["ingest"]["do"]["outs"]]
-    data = {d for d in stages["backbone"]["deps"] if not d.startswith("pipeline/")}  # the rest: its code
+    warmup = params["backbone"]["warmup"]["dataset"]  # the dep names it: data/interim/${backbone.warmup.dataset}
+    data = {d.replace("${backbone.warmup.dataset}", warmup) for d in stages["backbone"]["deps"]}
+    data = {d for d in data if not d.startswith("pipeline/")}  # the rest: its code
+    assert device.BACKBONE_INPUT == f"ingest@{warmup}"
     assert data and data <= {o.replace("${item}", "samsum") for o in outs}
 
 
