@@ -1,6 +1,6 @@
 """The study on a lent GPU machine, in one command: the stages of dvc.yaml in their order, without DVC.
 
-    python3 -m tools.gpu_study device --carry .gpu-study/carry --out "$OUT"      # from the repo root
+    python3 -m tools.gpu_study.device run --carry .gpu-study/carry --out "$OUT" --budget B   # from the repo root
 
 The machine has Python 3.12, PyTorch, transformers, pandas, pyarrow and scipy, but no DVC, MLflow, Flower, pydantic,
 rouge-score, weights, data or network. This module imports only the standard library itself; every stage runs in a
