@@ -1,6 +1,6 @@
 """The study on a lent GPU machine, in one command: the stages of dvc.yaml in their order, without DVC.
 
-    python3 -m tools.gpu_study device --carry .gpu-study/carry --out "$OUT"      # from the repo root
+    python3 -m tools.gpu_study.device run --carry .gpu-study/carry --out "$OUT" --budget B   # from the repo root
 
 The machine has Python 3.12, PyTorch, transformers, pandas, pyarrow and scipy, but no DVC, MLflow, Flower, pydantic,
 rouge-score, weights, data or network. This module imports only the standard library itself; every stage runs in a
@@ -298,7 +298,8 @@ def weights_md5(work: Path) -> Path:
 
 
 def results_members(work: Path) -> list[tuple[Path, str]]:
-    """What the run wrote that the import reads: params.yaml, plans and run records without weights, every report."""
+    """What the run wrote that the import reads: params.yaml, plans and run records without weights, every report;
+    the gate logs stay (client token ids, ~0.7 MiB a KD run's round: the study's far exceed what a call returns)."""
     members = [(work / "params.yaml", "params.yaml"), (weights_md5(work), "weights.md5.json")]
     for top in ("models", "reports", "data/partitions"):
         base = work / top
@@ -306,7 +307,10 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
             members += [
                 (p, p.relative_to(work).as_posix())
                 for p in sorted(base.rglob("*"))
-                if p.is_file() and not p.name.endswith(WEIGHTS) and "/backbone/" not in p.as_posix()
+                if p.is_file()
+                and not p.name.endswith(WEIGHTS)
+                and "/backbone/" not in p.as_posix()
+                and not p.name.startswith("gate_log")
             ]
     return members
 
@@ -325,7 +329,10 @@ class Steps:
         spy = None
         if sampled is not None and self.py_spy is not None:
             cmd = [str(self.py_spy), "record", "--pid", str(proc.pid), "--nonblocking", "-r", "20", "-f", "raw"]
-            spy = subprocess.Popen([*cmd, "-o", str(sampled)], stdout=self.log, stderr=subprocess.STDOUT)
+            try:  # instrumentation: a sampler that cannot start leaves the step unsampled, not failed
+                spy = subprocess.Popen([*cmd, "-o", str(sampled)], stdout=self.log, stderr=subprocess.STDOUT)
+            except OSError as e:
+                print(f"py-spy not started ({e}): {sampled.name} not sampled", file=self.log, flush=True)
         try:
             return proc.wait(timeout=left)
         finally:
@@ -420,6 +427,10 @@ def run_study(
     out.mkdir(parents=True, exist_ok=True)
     site, repo_dir, minilm = work / "site", work / "repo", work / "minilm"
     log_path = work / "log.txt"
+    if resume and not (work / "study.json").is_file():  # the machine went back: nothing to go on from, no carry
+        error = f"{work}: no earlier call's study.json: a fresh machine (a resumed call needs the study call's, warm)"
+        (out / "study.json").write_text(json.dumps({"complete": False, "error": error}) + "\n")
+        raise SystemExit(error)
     earlier = json.loads((work / "study.json").read_text()) if resume else None
     work.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {"profile": profile.name, "budget_s": budget_s, "device": device_info(), "steps": []}
@@ -498,6 +509,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     carry, out, profile = args.carry.resolve(), args.out.resolve(), args.profile.resolve()
     spy = args.py_spy.resolve() if args.py_spy else None
+    if spy is not None and spy.is_file():  # a carried file's mode bits may not travel (benchmarks/gpu_profile.py)
+        spy.chmod(0o755)
     record = run_study(
         carry,
         out,

@@ -198,7 +198,7 @@ def build_carry(
     return manifest
 
 
-STUDY_CALL = 'python3 -m tools.gpu_study.device run --carry .gpu-study/carry --out "$OUT" --budget 570'
+STUDY_CALL = 'python3 -m tools.gpu_study.device run --carry .gpu-study/carry --out "$OUT"'
 RESUMED_CALL = 'python3 -m tools.gpu_study.device run --resume --py-spy .gpu-study/resume/py-spy --out "$OUT"'
 
 
@@ -210,9 +210,14 @@ def lease_calls(manifest: dict[str, Any], train_processes: int = 3) -> list[str]
         f'carry [".gpu-study/{n}"], limit 60 s: python3 -m tools.gpu_study.device stage .gpu-study/{n}' for n in stages
     ]
     processes = f"--train-processes {train_processes}"
-    calls.append(f'carry [".gpu-study/carry"], limit 600 s: {STUDY_CALL} {processes}')
+    # the tool cuts a call at the lease's time left when that is less than its limit, and the files come back only
+    # once the script has packed them: its budget must end inside both (a slow start can leave under 600 s)
     calls.append(
-        'if the study did not finish: carry [".gpu-study/resume"], limit B + 20 s, B = budget_left_s - 30: '
+        f'carry [".gpu-study/carry"], limit B + 30 s, B = min(570, budget_left_s - 40): {STUDY_CALL} --budget B '
+        f"{processes}"
+    )
+    calls.append(
+        'if the study did not finish and status says warm (else a fresh machine has nothing to resume): carry [".gpu-study/resume"], limit B + 20 s, B = budget_left_s - 30: '
         f"{RESUMED_CALL} --budget B {processes}"
     )
     return calls
