@@ -27,9 +27,8 @@ def report_inputs(params: dict[str, Any], where: str = "params.yaml") -> ReportI
     """The planned experiments, the `report` and `bootstrap` groups of ``params`` (read from ``where``) and the plan's
     `train` (params' with the entry's overrides) of each AdaCentralized and AdaSingle, checked before anything is
     written."""
-    planned = declared(params)
     return ReportInputs(
-        planned,
+        planned := declared(params),
         from_dict(ReportConfig, params.get("report"), f"{where} report"),
         from_dict(BootstrapConfig, params.get("bootstrap"), "bootstrap"),
         {e.name: resolve_plan(e, params)["train"] for e in planned if e.method in ("centralized", "single")},

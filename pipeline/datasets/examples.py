@@ -124,8 +124,7 @@ def qmsum_links(interim: dict[str, pd.DataFrame], min_jaccard: float) -> tuple[d
         corpus_meetings = {r.meeting_id: [t["content"] for t in r.turns] for r in other.itertuples()}
         domain_links, record = link_meetings(queries, corpus_meetings, min_jaccard)
         links.update(domain_links)
-        splits_q = dict(zip(full.meeting_id, full.split))
-        splits_c = dict(zip(other.meeting_id, other.split))
+        splits_q, splits_c = dict(zip(full.meeting_id, full.split)), dict(zip(other.meeting_id, other.split))
         report[domain] = {
             "linked_to": corpus,
             "meetings": len(queries),

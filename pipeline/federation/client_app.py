@@ -155,7 +155,6 @@ def train_round(msg: Message, context: Context) -> Message:
     mu = float(config.get("proximal-mu", 0.0)) if spec.proximal else 0.0
     # its DP-SGD update of this round left before (a redo, maybe from another start): drawn afresh (docs/privacy.md)
     sent = client_checkpoint_dir(plan, name, context) / DP_SENT
-    redo = privacy.dp_steps(context) if sent.exists() and json.loads(sent.read_text())[0] == rnd else None
     result = local_training.train_local(
         model,
         plan,
@@ -166,7 +165,7 @@ def train_round(msg: Message, context: Context) -> Message:
         proximal_mu=mu,
         cache=prefix_cache_for(plan, model, client_cache_config(msg, context)),
         progress=True,  # a full-data round takes minutes: show the client's batches (the bar clears itself)
-        redo=redo,
+        redo=privacy.dp_steps(context) if sent.exists() and json.loads(sent.read_text())[0] == rnd else None,
     )
     new_local = model.adapter_state("local")
     context.state[LOCAL_STATE_KEY] = ArrayRecord.from_torch_state_dict(new_local)
@@ -181,7 +180,7 @@ def train_round(msg: Message, context: Context) -> Message:
     before = privacy.dp_steps(context) or 0
     metrics.update(privacy.account(context, result))  # example-level DP's (epsilon, delta) so far
     if (steps := privacy.dp_steps(context)) is not None:  # on disk before the reply leaves
-        atomic.write_text(client_checkpoint_dir(plan, name, context) / DP_SENT, json.dumps([rnd, before, steps]))
+        atomic.write_text(sent, json.dumps([rnd, before, steps]))
     content = RecordDict({ARRAYS_KEY: encode_reply(new_local, plan, received), METRICS_KEY: metrics})
     return Message(content, reply_to=msg)
 

@@ -110,8 +110,7 @@ def federated_evaluate(
     order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
-    for name in [c for c in order if c in received]:
-        metrics = received[name]
+    for name, metrics in [(c, received[c]) for c in order if c in received]:
         if metrics.get("n", 0) == 0:
             skipped[name] = "no test examples on the client"
             continue

@@ -200,7 +200,6 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
     last = max(released, key=lambda r: r["round"]) if released else None
     rounds_run = max((int(r["round"]) for r in history), default=0)
     accounted = max((int(r.get("rounds_accounted", r["round"])) for r in history), default=0)  # a round redone: +1
-    sampled_rounds = {int(r["round"]) for r in history if r.get("sampled")}
     # Every round run consumed budget, an empty Poisson sample too: the accountant composes them all.
     setting = server_setting(plan, len({r["client"] for r in history})) if history else None
     epsilon = setting.epsilon_after(accounted) if setting is not None else 0.0
@@ -220,7 +219,7 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
         "clipped_fraction": sum(r["update_clipped"] for r in released) / len(released) if released else 0.0,
         "sample_rate": setting.sample_rate if setting else None,
         "rounds_accounted": accounted,
-        "rounds_empty": len(set(range(1, rounds_run + 1)) - sampled_rounds),
+        "rounds_empty": len(set(range(1, rounds_run + 1)) - {int(r["round"]) for r in history if r.get("sampled")}),
         "rounds_released": len({r["round"] for r in released}),
         "updates_aggregated": len(released),
     }

@@ -65,9 +65,8 @@ def round_values(rows: list[dict[str, Any]], sep: str, keys: tuple[str, ...] = R
     run-level privacy fields, and the clients' mean validation loss, the stop rule's (training.stopping): None where
     a client with a row has none (the others' mean would read as a gain or a plateau)."""
     values = {f"{row['client']}{sep}{k}": v for row in rows for k, v in _client_fields(row, keys).items()}
-    values |= client_level_round(rows)
     vals = [r.get("val_loss") for r in rows]
-    return values | {"val_loss_mean": None if None in vals else sum(vals) / len(vals)}
+    return values | client_level_round(rows) | {"val_loss_mean": None if None in vals else sum(vals) / len(vals)}
 
 
 def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:
