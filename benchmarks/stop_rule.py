@@ -37,8 +37,9 @@ def power_law(rounds: np.ndarray, a: float, b: float, c: float) -> np.ndarray:
 
 def fit_power_law(rounds: Sequence[int], losses: Sequence[float]) -> tuple[float, float, float]:
     """Least-squares (a, b, c) of :func:`power_law` through a run's client-average validation losses (a >= 0,
-    b >= 0, 0.01 <= c <= 5)."""
+    b >= 0, 0.01 <= c <= 5); a round without a client average (NaN: training.stopping) is left out."""
     t, y = np.asarray(rounds, dtype=float), np.asarray(losses, dtype=float)
+    t, y = t[np.isfinite(y)], y[np.isfinite(y)]
     start = (max(float(y[-1]) - 0.5, 0.0), float(y[0] - y[-1]) + 0.5, 0.5)
     params, _ = curve_fit(power_law, t, y, p0=start, bounds=([0.0, 0.0, 0.01], [np.inf, np.inf, 5.0]), maxfev=20000)
     return tuple(float(x) for x in params)
@@ -56,7 +57,7 @@ def projected_stop(
     seen = len(rounds) if fit_rounds is None else fit_rounds
     a, b, c = fit_power_law(rounds[:seen], losses[:seen])
     holdout = (
-        float(np.abs(power_law(np.asarray(rounds[seen:]), a, b, c) - np.asarray(losses[seen:])).max())
+        float(np.nanmax(np.abs(power_law(np.asarray(rounds[seen:]), a, b, c) - np.asarray(losses[seen:]))))
         if seen < len(rounds)
         else None
     )

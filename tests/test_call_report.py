@@ -62,3 +62,21 @@ def test_the_train_steps_samples_become_two_tables(tmp_path):
     ours = tables.partition("| function (within)")[2]
     assert "| `execute (pipeline/training/set_engine.py:150)` | 6 | 60 |" in ours
     assert "| `save (pipeline/training/checkpoints.py:74)` | 3 | 30 |" in ours and "threading.py" not in ours
+
+
+def test_a_round_without_a_client_average_is_the_stop_rules_nan_not_a_crash():
+    """reports/train/<exp>/rounds.json's val_loss_mean is None in a round where a client had no validation loss (the
+    stop rule's NaN, training.history.round_values). By hand, a run on 3.0 + 1.5 r^-0.5 for 12 rounds with round 5
+    None: first 4.5, last 3.0 + 1.5 / sqrt(12); round 12 improved on round 11 by (L(11) - L(12)) / L(11); the power
+    law fitted to rounds 1-9 (round 5 left out) is the curve, so the projection is where the rule holds on it."""
+    from pipeline.experiments.train_config import StopConfig
+
+    loss = lambda r: 3.0 + 1.5 * r**-0.5  # noqa: E731
+    rows = [{"round": r, "val_loss_mean": None if r == 5 else loss(r)} for r in range(1, 13)]
+    stop = StopConfig(enabled=True, min_rel_improvement=0.001, patience=3, max_rounds=200)
+    (row,) = call_report.convergence_rows({"a-s0": rows}, stop)
+    assert row["first"] == pytest.approx(4.5) and row["last"] == pytest.approx(loss(12))
+    assert row["last_gain"] == pytest.approx((loss(11) - loss(12)) / loss(11))
+    rel = {r: (loss(r - 1) - loss(r)) / loss(r - 1) for r in range(2, 201)}
+    assert row["projected"] == [next(r for r in range(4, 201) if all(rel[k] < 0.001 for k in (r - 2, r - 1, r)))]
+    assert row["holdout"] < 1e-4 and row["converged"] == 0

@@ -478,3 +478,16 @@ def test_a_bar_figure_has_a_paper_column_only_where_the_paper_has_a_value_for_it
     assert "paper_avg_rouge" not in pd.read_csv(paths.plots / "server.csv").columns
     bar_figure(bars("Academic"), entry, paths)
     assert pd.read_csv(paths.plots / "server.csv")["paper_avg_rouge"].tolist() == [24.0]
+
+
+def test_the_committed_study_folders_tables_do_not_say_the_bootstrap_is_within_clients():
+    """acc63ac: an iid meeting's queries are resampled once for every client holding them (stats.spans_clients) and
+    seeds that redraw the test sets floor the t-interval at the examples' spread, so 'a bootstrap over test examples
+    within clients' misstates the intervals; reports/tables is rewritten by the report stage, the study folders
+    (`python -m pipeline.report rebuild`) only when rebuilt: theirs must not say it either."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "reports"
+    tables = sorted((root / "cpu-study" / "tables").glob("*.md")) + sorted((root / "privacy/study/tables").glob("*.md"))
+    stale = [str(p.relative_to(root)) for p in tables if "bootstrap over test examples within clients" in p.read_text()]
+    assert len(tables) >= 4 and stale == []

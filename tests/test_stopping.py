@@ -308,3 +308,23 @@ def test_a_round_missing_a_client_s_validation_loss_has_no_comparable_mean():
     # the round after it compares with the best before (round 2), here another 10 %: still learning
     improving += [{"round": 4, "client": c, "val_loss": v * 0.9**3} for c, v in (("A", 2.0), ("B", 6.0))]
     assert not should_stop(improving, stop) and convergence(improving, stop)["best_round"] == 4
+
+
+def test_the_projection_fits_a_run_with_a_round_without_a_client_average():
+    """The rule's series has NaN in a round where a client's evaluation failed (c42645a); benchmarks.stop_rule.curves
+    passes it to the power-law fit. The curve is still the other rounds' curve: by hand, both clients on
+    a + b r^-c (A at 4.0 + 1.5 r^-0.5, B at 2.0 + 1.5 r^-0.5: mean 3.0 + 1.5 r^-0.5), B failing in round 3 (a
+    fitted round) and round 8 (a held-out one)."""
+    from benchmarks.stop_rule import projected_stop
+    from pipeline.training.stopping import mean_val_loss_by_round
+
+    history = [
+        {"round": r, "client": c, **({"eval_failed": 1} if (r, c) in ((3, "B"), (8, "B")) else {"val_loss": a})}
+        for r in range(1, 11)
+        for c, a in (("A", 4.0 + 1.5 * r**-0.5), ("B", 2.0 + 1.5 * r**-0.5))
+    ]
+    series = mean_val_loss_by_round(history)
+    assert np.isnan(series[2][1]) and np.isnan(series[7][1])
+    got = projected_stop([r for r, _ in series], [m for _, m in series], _stop(max_rounds=200), fit_rounds=6)
+    assert (got["a"], got["b"], got["c"]) == pytest.approx((3.0, 1.5, 0.5), abs=1e-4)
+    assert got["holdout_error"] < 1e-4

@@ -82,7 +82,10 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
         by_arm[arm_of(exp)].append(exp)
     rows = []
     for arm, exps in by_arm.items():
-        series = {e: [r["val_loss_mean"] for r in rounds[e]] for e in exps}
+        # None: a round without a client average, the stop rule's NaN (training.history.round_values)
+        series = {
+            e: [float("nan") if r["val_loss_mean"] is None else r["val_loss_mean"] for r in rounds[e]] for e in exps
+        }
         projections = [  # a power law has 3 parameters: fitted on at least 3 rounds besides the held-out ones
             projected_stop(list(range(1, len(s) + 1)), s, stop, fit_rounds=len(s) - HOLDOUT)
             for s in series.values()
