@@ -173,3 +173,33 @@ def test_sigterm_stops_the_whole_set_and_closes_every_run_as_killed(ws, monkeypa
         runs = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'")
         assert runs["status"].tolist() == ["KILLED"], name
     assert not [t for t in threading.enumerate() if t.name.startswith("run-term-")]
+
+
+@pytest.mark.slow
+def test_runs_of_other_seeds_and_serverless_runs_killed_in_a_set_resume_to_each_alone(ws, monkeypatch):
+    """Other seeds' rounds train in padded groups and serverless runs resume from their own checkpoint: a set of
+    them, killed once a run has written its round-1 checkpoint and rerun, ends with what each computes alone."""
+    from pipeline.train import run_set
+    from pipeline.training import local_batch
+
+    plans = [
+        Path(write_plan("seed-kd", "fedselectkd", rounds=3)),
+        Path(write_plan("seed-single", "single", rounds=3)),
+        Path(write_plan("seed-pooled", "centralized", rounds=3, local_epochs=2)),
+        Path(write_plan("seed-avg", "fedavg", rounds=2)),  # seed 0: its clients' rounds stack padded with seed-kd's
+    ]
+    for plan in plans[:2]:  # seed 1: other batch orders than the seed-0 runs beside them
+        plan.write_text(json.dumps(json.loads(plan.read_text()) | {"seed": 1}, indent=2, sort_keys=True))
+    alone = {}
+    for plan in plans:
+        run_set([plan], track=False)
+        alone[plan.stem] = _outcome(plan.stem)
+    _clear([p.stem for p in plans])
+    padded = []
+    fill = local_batch._filled
+    monkeypatch.setattr(local_batch, "_filled", lambda batch, rows: padded.append(rows) or fill(batch, rows))
+    with killed_after_checkpoint(monkeypatch, rnd=1):
+        run_set(plans, track=False)
+    run_set(plans, track=False)
+    assert padded  # seed-kd's and seed-avg's rounds of a client trained in one group
+    _assert_same(alone, {p.stem: _outcome(p.stem) for p in plans})
