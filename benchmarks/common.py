@@ -87,7 +87,8 @@ def minilm_config() -> dict:
 
 def default_shape(model_cfg: ModelConfig, batch_size: int) -> Shape:
     """The CPU-profile backbone (MiniLM-L6 BERT2BERT) with params.yaml ``model:``'s k, m and max lengths.
-    The MiniLM WordPiece vocabulary (30522) plus ``#SEP#`` gives 30523 rows (pipeline.modeling.backbone.add_sep_token)."""
+    The MiniLM WordPiece vocabulary (30522) plus ``#SEP#`` gives 30523 rows
+    (pipeline.modeling.backbone.add_sep_token)."""
     c = minilm_config()
     return Shape(
         "default (MiniLM-L6 BERT2BERT)",

@@ -2,8 +2,8 @@
 
 A round moves, per sampled client, one ``train`` instruction down (the global adapter + config) and one reply up
 (the local adapter + counts); the evaluate messages of fedmeet's methods carry no arrays. Each message is built
-like ``pipeline.federation.client_app`` builds it (``ArrayRecord.from_torch_state_dict`` under ``arrays``, a ``ConfigRecord``
-down, a ``MetricRecord`` of counts up) and measured three ways:
+like ``pipeline.federation.client_app`` builds it (``ArrayRecord.from_torch_state_dict`` under ``arrays``, a
+``ConfigRecord`` down, a ``MetricRecord`` of counts up) and measured three ways:
 - ``wire_bytes``: Flower's own serialisation, what a SuperNode/SuperLink pushes: the message is an inflatable
   object tree (message -> record dict -> records -> arrays -> array chunks), each object sent as its
   ``deflate()`` bytes (header + protobuf body), identical objects once (content-addressed);

@@ -13,14 +13,14 @@ adapter bottleneck m, L_e encoder and L_d decoder layers, adapters on the top k 
 Backward. The whole backbone is frozen, so autograd never goes below the first adapted layer: nothing under it
 requires a gradient. Inside the top k layers the frozen matmuls need activation gradients (dX, as many FLOPs as
 their forward) but no weight gradients; the adapters need both (2x forward), except W_down of the lowest adapter,
-whose input does not require a gradient (no dX there). The lowest adapted layer's own frozen sub-layers and every cross-attention
-K,V projection read only non-differentiable inputs: no backward at all. Self-attention's QK^T and AV need
-gradients of both operands (2x forward); cross-attention's only of the query side (1x). The LM head needs dX.
-The backward is therefore the same for all three variants (it never reaches the encoder); what differs is the
-forward: naive = 2 full forwards, shared encoder = 1 encoder + 2 decoders, prefix = 2 x (top k layers + head).
-Non-matmul work (softmax, LayerNorm, GELU, the loss over V) is not counted: it is memory-bound and is what the
-measured time adds on top of the FLOP bound. ``attn=False`` leaves out the attention products (QK^T, AV) too, which
-is what ``torch.utils.flop_counter`` sees when attention runs in a fused SDPA kernel it does not count.
+whose input does not require a gradient (no dX there). The lowest adapted layer's own frozen sub-layers and every
+cross-attention K,V projection read only non-differentiable inputs: no backward at all. Self-attention's QK^T and AV
+need gradients of both operands (2x forward); cross-attention's only of the query side (1x). The LM head needs dX. The
+backward is therefore the same for all three variants (it never reaches the encoder); what differs is the forward: naive
+= 2 full forwards, shared encoder = 1 encoder + 2 decoders, prefix = 2 x (top k layers + head). Non-matmul work
+(softmax, LayerNorm, GELU, the loss over V) is not counted: it is memory-bound and is what the measured time adds on top
+of the FLOP bound. ``attn=False`` leaves out the attention products (QK^T, AV) too, which is what
+``torch.utils.flop_counter`` sees when attention runs in a fused SDPA kernel it does not count.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ the real MiniLM-L6 BERT2BERT with random cross-attention: a speed measurement), 
 
 Everything goes to ``profile.json`` (written after each step, so a cut run keeps what it measured), ``smi.csv`` and
 ``log.txt`` under ``--out``; the lease's are kept in reports/bench/gpu-profile/. Here, ``python -m
-benchmarks.gpu_profile report [DIR]`` rewrites reports/bench/gpu.md's first section from such a folder. ``measure --tiny`` runs the same code on this CPU with
-the tests' tiny BART (tests/test_gpu_profile.py).
+benchmarks.gpu_profile report [DIR]`` rewrites reports/bench/gpu.md's first section from such a folder. ``measure
+--tiny`` runs the same code on this CPU with the tests' tiny BART (tests/test_gpu_profile.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Run every benchmark in one process and write ``reports/bench/`` (``make bench``).
 
     python -m benchmarks.run            # full profile (~10-14 min on a quiet 2-core machine, scale ~3.5 of them)
-    python -m benchmarks.run --quick    # 2-3 minute smoke run with reduced shapes (scale: 3 and 10 clients) -> reports/bench/quick/
+    python -m benchmarks.run --quick    # 2-3 minute smoke run with reduced shapes (scale: 3 and 10 clients) ->
+    reports/bench/quick/
 
 Outputs: train_step.json, generation.json, communication.json, memory.json, scale.json + scale.png (federated
 engines at 3..100 clients, benchmarks/scale.py) and README.md (tables, targets).

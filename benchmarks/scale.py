@@ -5,10 +5,10 @@ as the number of clients grows.
     python -m benchmarks.scale --sizes 3 10 --out /tmp/scale
 
 Each (engine, clients) point trains FedAvg for a few rounds on the tiny BART of tests/tiny_models.py, over a
-``quantity`` (Dirichlet) partition made by ``pipeline.partitioning.partitions.make_partition`` of a synthetic QMSum-like pool of
-a few examples per client. Every point runs in its own fresh Python process, so one point's allocations do not
-raise the next one's high-water mark, and a point that hangs is killed after ``--timeout`` seconds and recorded
-as skipped with the reason.
+``quantity`` (Dirichlet) partition made by ``pipeline.partitioning.partitions.make_partition`` of a synthetic QMSum-like
+pool of a few examples per client. Every point runs in its own fresh Python process, so one point's allocations do not
+raise the next one's high-water mark, and a point that hangs is killed after ``--timeout`` seconds and recorded as
+skipped with the reason.
 
 Per round: the server's round time (``RoundLog.seconds``) and two peaks, both reset at every round boundary:
 - ``driver_peak_mb``: the kernel's RSS high-water mark (VmHWM, reset by writing 5 to /proc/self/clear_refs) of
@@ -19,7 +19,8 @@ Per round: the server's round time (``RoundLog.seconds``) and two peaks, both re
   psutil (the in-process engine starts none: a child process here would be a defect). RSS counts shared pages once
   per process, so with children this would be an upper bound on the physical memory used.
 Round 1 is reported apart (it loads the model and builds the caches); the per-round time is the
-median of rounds 2.. . The fitted exponent is the least-squares slope of log(median per-round value) on log(clients): 1 is linear.
+median of rounds 2.. . The fitted exponent is the least-squares slope of log(median per-round value) on log(clients): 1
+is linear.
 """
 
 from __future__ import annotations

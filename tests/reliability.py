@@ -129,9 +129,9 @@ def run_inprocess(main, args: list[str]) -> Outcome:
 
 
 def mlflow_worker(name: str, go: str, steps: int) -> None:
-    """One MLflow writer through pipeline.results.tracking's public API, as a train stage logs: a run with its parameters,
-    a metric per step, tags, then finished. It starts writing when the file ``go`` appears (after its imports), so
-    two workers hit the store together."""
+    """One MLflow writer through pipeline.results.tracking's public API, as a train stage logs: a run with its
+    parameters, a metric per step, tags, then finished. It starts writing when the file ``go`` appears (after its
+    imports), so two workers hit the store together."""
     import time
 
     import mlflow  # noqa: F401  (imported before the start line, not raced against the other worker)
@@ -251,7 +251,8 @@ def _kill_after_checkpoint(rnd: int) -> None:
 
 
 def _kill_in_write(name: str) -> None:
-    """Inside the first atomic write of a file called ``name``, its temporary cut to half (pipeline/common/atomic.py)."""
+    """Inside the first atomic write of a file called ``name``, its temporary cut to half
+    (pipeline/common/atomic.py)."""
     from pipeline.common.atomic import ENV_KILL
 
     os.environ[ENV_KILL] = name

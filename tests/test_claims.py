@@ -444,7 +444,8 @@ def test_committed_readme_blocks_equal_what_the_study_generates():
 
 
 def _study_folder(root: Path) -> dict:
-    """A study laid out as reports/cpu-study is: params.yaml, eval/<exp>/per_example.parquet, train/<exp>/rounds.json."""
+    """A study laid out as reports/cpu-study is: params.yaml, eval/<exp>/per_example.parquet,
+    train/<exp>/rounds.json."""
     params = {"tau": 5.0, "experiments": {}, "bootstrap": {"n_resamples": 200, "seed": 0}}
     for i, method in enumerate(MAIN):
         name = f"{method}-domain"

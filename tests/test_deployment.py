@@ -1,8 +1,8 @@
 """Real federation: the deployed ServerApp's records, federated evaluation, local SuperLink/SuperNode runs.
 
-The first tests drive ``pipeline.federation.deployment:server_app`` (what a SuperLink runs) over the in-process Grid; the
-later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1 (pipeline.federation.localhost),
-each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
+The first tests drive ``pipeline.federation.deployment:server_app`` (what a SuperLink runs) over the in-process Grid;
+the later ones start real ``flower-superlink`` / ``flower-supernode`` processes on 127.0.0.1
+(pipeline.federation.localhost), each stopped by its pid. Tiny BART workspace of tests/test_federated.py.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ pytestmark = pytest.mark.deployment
 # and xdist deals the groups out first, so the chains run side by side from the start while the other workers take
 # the rest. One federation per group at a time, each on its own ports; their round timeouts outlast a healthy reply
 # with the other federations beside. The two tests of the shared TLS deployment share a group (one deployment for
-# both) with the misnamed-node run. The tests over the in-process Grid start no Flower process: they go to whichever worker is free.
+# both) with the misnamed-node run. The tests over the in-process Grid start no Flower process: they go to whichever
+# worker is free.
 LOST_NODE = pytest.mark.xdist_group("deployment-lost-node")  # the longest chain, alone
 SECAGG_LOST_NODE = pytest.mark.xdist_group("deployment-secagg")
 FEDERATION_TLS = pytest.mark.xdist_group("deployment-tls")
@@ -263,7 +264,7 @@ def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earl
     assert [str(f) for f in files if f.stat().st_mtime < started] == []
 
 
-# ------------------------------------------------------------------ real processes on 127.0.0.1 (pipeline.federation.localhost)
+# ----------------------------------------------------- real processes on 127.0.0.1 (pipeline.federation.localhost)
 def _local(plan: str, run_timeout_s: float = 400, **kw):
     from pipeline.federation.localhost import LocalhostConfig
 

@@ -1,5 +1,5 @@
-"""One client's local training (pipeline.training.client_training.train_local, METHOD.md section 4) on the tiny BART, as a
-unit: what it counts, what its losses mean and what one optimizer step does.
+"""One client's local training (pipeline.training.client_training.train_local, METHOD.md section 4) on the tiny BART, as
+a unit: what it counts, what its losses mean and what one optimizer step does.
 
 Properties stated: with lr 0 the adapter does not move and the reported losses are the method's loss on the
 training examples (CE = the validation CE of those examples; KD on every token with teacher = student gives KL 0

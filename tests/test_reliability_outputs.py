@@ -1,5 +1,5 @@
-"""Outputs written whole (issue 15, item 3): every stage output goes through pipeline/common/atomic.py, a stage SIGKILLed
-in the middle of a write leaves the old output (never half of one), the next run succeeds and removes what the
+"""Outputs written whole (issue 15, item 3): every stage output goes through pipeline/common/atomic.py, a stage
+SIGKILLed in the middle of a write leaves the old output (never half of one), the next run succeeds and removes what the
 killed run left behind, and DVC records only whole outputs.
 
 The kill point is deterministic: ``FEDMEET_FAULT_KILL_WRITE=<name>[@n]`` makes the stage cut its temporary file to
@@ -23,7 +23,8 @@ from reliability import FIXTURES, REPO_ROOT, run_subprocess, stage_env, write_pa
 
 from pipeline.common.atomic import ENV_KILL
 
-# Writes in pipeline/ that do not go through pipeline.common.atomic (file, start of the line), each with why it is whole.
+# Writes in pipeline/ that do not go through pipeline.common.atomic (file, start of the line), each with why it is
+# whole.
 DIRECT_WRITE = re.compile(
     r"open\([^)]*[\"'](w|wb|a|ab|w\+)[\"']|(?<!atomic)\.(write_text|write_bytes|to_parquet|"
     r"to_csv|savefig|to_json|save_pretrained)\(|\bsave_file\(|torch\.save\(|np\.save\(|json\.dump\("

@@ -118,8 +118,8 @@ SUMMARY_METRICS = ("best_val_loss", "bytes_sent_total", "bytes_received_total", 
 @pytest.mark.timeout(240)
 def test_two_train_stages_log_to_one_fresh_store_at_once(ws, tmp_path):
     """Two tiny trainings (a federated and a local one, 2 rounds, 3 clients), each a train stage
-    (``pipeline.train.main`` through ``pipeline.common.cli``) in its own process, started together against one fresh SQLite
-    store: both runs FINISHED, with every per-round metric of the stage's rounds.json, once per round."""
+    (``pipeline.train.main`` through ``pipeline.common.cli``) in its own process, started together against one fresh
+    SQLite store: both runs FINISHED, with every per-round metric of the stage's rounds.json, once per round."""
     from mlflow.tracking import MlflowClient
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

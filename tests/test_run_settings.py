@@ -99,8 +99,8 @@ def test_only_entry_points_read_run_settings_from_a_file():
     readers = sorted(
         str(p.relative_to(ROOT)) for p in (ROOT / "pipeline").rglob("*.py") if _calls(p, "load_run_settings")
     )
-    # the train stage's CLI and the federation's (`local --params`, `kit --params`: localhost.server_run_config); nothing in training/,
-    # modeling/, or the engines and apps: the deployed ServerApp takes them from its run config
+    # the train stage's CLI and the federation's (`local --params`, `kit --params`: localhost.server_run_config);
+    # nothing in training/, modeling/, or the engines and apps: the deployed ServerApp takes them from its run config
     assert readers == ["pipeline/federation/localhost.py", "pipeline/train.py"]
     assert not any(
         _calls(p, n)

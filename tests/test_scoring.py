@@ -1,4 +1,5 @@
-"""ROUGE scoring (pipeline.results.scoring) and the `python -m pipeline.evaluate score` CLI, against hand-computed values."""
+"""ROUGE scoring (pipeline.results.scoring) and the `python -m pipeline.evaluate score` CLI, against hand-computed
+values."""
 
 from __future__ import annotations
 

@@ -44,7 +44,8 @@ DELTAS = {"Academic": 0.5, "Committee": -0.25, "Product": 0.125, "SAMSum": 1.0} 
 class Script:
     """What each scripted client does: add ``delta[c]`` to every weight of the global it received, report
     ``weight[c]`` examples, ``steps[c]`` local steps and ``val(c, rnd)`` as validation loss; ``fail`` holds the
-    (client, round) pairs whose training raises a DataError naming a record, ``bad_reply`` those whose reply cannot be decoded."""
+    (client, round) pairs whose training raises a DataError naming a record, ``bad_reply`` those whose reply cannot be
+    decoded."""
 
     delta: dict[str, float] = field(default_factory=lambda: dict(DELTAS))
     weight: dict[str, int] = field(default_factory=lambda: dict(WEIGHTS))

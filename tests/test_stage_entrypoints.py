@@ -1,5 +1,6 @@
 """Every stage module can run as ``python -m pipeline.<stage>``: the ``__main__`` block must not rebind a
-module-level function (``from pipeline.common.cli import run`` once shadowed postag's ``run()``, and the stage crashed)."""
+module-level function (``from pipeline.common.cli import run`` once shadowed postag's ``run()``, and the stage
+crashed)."""
 
 from __future__ import annotations
 

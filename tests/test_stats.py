@@ -248,7 +248,8 @@ def test_seeds_with_their_own_test_examples_use_the_between_seed_variance_floore
     """Nested design (a partition re-divided per seed): 3 seeds, 2 clients, other examples (and sizes) in every
     seed. D_s = seed s's client average of A - B; estimate mean D_s; variance max(var(D_s) / S, sum_s v_s / S^2),
     v_s the meeting-robust variance of D_s (client c: G / (G - 1) sum over meetings of the squared centred sums,
-    over n_c^2; the clients' over k^2); Welch-Satterthwaite df against S - 1 and meetings - clients summed over seeds."""
+    over n_c^2; the clients' over k^2); Welch-Satterthwaite df against S - 1 and meetings - clients summed over
+    seeds."""
     rng = np.random.default_rng(5)
     sizes = [(5, 7), (6, 4), (8, 5)]
     d = [[rng.normal(1.0 + s, 2.0, n) for n in ns] for s, ns in enumerate(sizes)]

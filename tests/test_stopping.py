@@ -4,7 +4,8 @@ sequences, its place in the plan, and tiny runs of both engines that stop by it 
 Properties stated: a run ends after the first round at which each of the last `patience` client-average validation
 losses improved on the best before it by less than `min_rel_improvement`, or at `max_rounds`; it records the round
 it stopped at, its best round (lowest client average, first of equals) and converged = the rule held at its last
-round (a run that reached the ceiling first is not converged). Disabled, plans are those of a fixed `train.rounds` and no run stops early.
+round (a run that reached the ceiling first is not converged). Disabled, plans are those of a fixed `train.rounds` and
+no run stops early.
 """
 
 from __future__ import annotations

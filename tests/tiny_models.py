@@ -244,7 +244,8 @@ def tiny(kind: str):
 
 
 def save_tiny(kind: str, path: str | os.PathLike) -> Path:
-    """Write tiny model ``kind`` ('bart' | 'bert2bert' | 'led' | 'mbart') and its tokenizer to ``path``; returns the path."""
+    """Write tiny model ``kind`` ('bart' | 'bert2bert' | 'led' | 'mbart') and its tokenizer to ``path``; returns the
+    path."""
     model, tok = tiny(kind)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""Plan files as the stages read them (``models/plans/<exp>.json``; pipeline.planning writes them). A plan holds exactly what its experiment's
-result depends on, so a params change reruns only the experiments it affects; run-time settings and paths stay out
-of plans (docs/ARCHITECTURE.md, "Experiments, plans and run-time settings")."""
+"""Plan files as the stages read them (``models/plans/<exp>.json``; pipeline.planning writes them). A plan holds exactly
+what its experiment's result depends on, so a params change reruns only the experiments it affects; run-time settings
+and paths stay out of plans (docs/ARCHITECTURE.md, "Experiments, plans and run-time settings")."""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ RUN_MODEL_KEYS = tuple(f.name for f in dataclasses.fields(CacheConfig))
 
 
 def run_settings(params: dict[str, Any], experiment: str | None = None) -> RunSettings:
-    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g. ``round_timeout_s``)."""
+    """The run-time settings of the params file, with ``experiment``'s own overrides of them (e.g.
+    ``round_timeout_s``)."""
     train = dict(group(params, "train"))
     if experiment is not None:
         train.update((params.get("experiments") or {}).get(experiment) or {})

@@ -290,8 +290,9 @@ def _train_in_the_clear(
 
 
 def _train_secure(secure, r: _Round, messages: list[Message]) -> ArrayRecord | None:
-    """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level DP the noise is added to the unmasked mean here, and
-    ``r.clipped`` gets each summed client's share of the clipped count (whose updates, the server does not learn)."""
+    """The train step of a SecAgg+ round (``secure``: privacy's SecureAggregator, built by its seam); under client-level
+    DP the noise is added to the unmasked mean here, and ``r.clipped`` gets each summed client's share of the clipped
+    count (whose updates, the server does not learn)."""
     result = secure.train_round(r.grid, messages, r.rnd)
     for node, outcome in result.nodes.items():
         row = r.rows[r.node_names[node]]

@@ -116,8 +116,8 @@ def make_sheets(
 ) -> dict[str, Any]:
     """Blind pairwise sheets (into ``out``, created) of `report.human_eval_target` against every other method on the
     examples all predicted (up to `report.human_eval_per_domain` a domain, drawn with `report.human_eval_seed`;
-    ``queries``, ``meetings``: by example id, :func:`example_info`; ``run_seed``: the runs' seed, for the summary); their
-    summary. The report calls it only when the target and another method have predictions."""
+    ``queries``, ``meetings``: by example id, :func:`example_info`; ``run_seed``: the runs' seed, for the summary);
+    their summary. The report calls it only when the target and another method have predictions."""
     target, per_domain, seed = cfg.human_eval_target, cfg.human_eval_per_domain, cfg.human_eval_seed
     opponents = sorted(m for m in predictions if m != target)
     common = set(predictions[target]).intersection(*(predictions[m] for m in opponents))
@@ -268,8 +268,8 @@ def score_sheets(sheet_dir: str | Path) -> dict[str, Any]:
 
 
 def plot_results(results: dict[str, Any], path: str | Path) -> Path:
-    """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's (``results["published"]``,
-    as the human command writes them)."""
+    """Stacked win/tie/loss bars (share of judged items) per opponent, ours beside the paper's
+    (``results["published"]``, as the human command writes them)."""
     counts = {}  # bar label -> its win / tie / loss counts
     for opp, c in results["opponents"].items():
         counts[f"vs {opp} (ours, n={c['n']})"] = c

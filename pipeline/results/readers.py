@@ -125,7 +125,8 @@ def read_gate_log(path: Path) -> pd.DataFrame:
 
 
 # Did a run's clients converge within their round budget (docs/statistics.md, "Round budget"), from ``reports/train/
-# <exp>/``: each client-run's best and last round (``rounds.json``, else ``best_round``, ``stopped_round``), its ``converged``.
+# <exp>/``: each client-run's best and last round (``rounds.json``, else ``best_round``, ``stopped_round``), its
+# ``converged``.
 CONVERGENCE_COLUMNS = ["experiment", "client", "best_round", "last_round", "best_is_last", "converged"]
 MARK = "↗"  # the tables' mark of a row with a client-run still improving at its last round
 

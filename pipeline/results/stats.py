@@ -81,7 +81,8 @@ def _one_seed(
     """The percentile interval of one seed's client average (per-client arrays [1, n_c]; p NaN) and its B
     bootstrap replicates: each client's groups (its examples, or its meetings) drawn with replacement, the
     replicate's client mean = the drawn groups' score sum over their example count; with ``joint`` (groups that span
-    clients) the groups of all clients drawn once for all (a replicate where a client drew none of its own is left out)."""
+    clients) the groups of all clients drawn once for all (a replicate where a client drew none of its own is left
+    out)."""
     rng = np.random.default_rng(cfg.seed)
     total, n_all = np.zeros(cfg.n_resamples), 0 if joint is None else int(max(j.max() for j in joint)) + 1
     shared = rng.integers(0, n_all, size=(cfg.n_resamples, n_all)) if n_all else None

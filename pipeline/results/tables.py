@@ -1,5 +1,6 @@
-"""The report's inputs (:class:`ReportInputs`), its record of what it wrote (:class:`Made`) and its tables: scores averaged over seeds, the main table beside the
-published numbers (Table III layout), one table per study with its paired comparisons, and the stage times."""
+"""The report's inputs (:class:`ReportInputs`), its record of what it wrote (:class:`Made`) and its tables: scores
+averaged over seeds, the main table beside the published numbers (Table III layout), one table per study with its paired
+comparisons, and the stage times."""
 
 from __future__ import annotations
 

@@ -8,11 +8,11 @@ executes all their client work (:meth:`RoundBarrier.execute`), hands each run it
 run that has ended (its stop rule, its last round) leaves the barrier. Each client message is delivered in a thread
 of its own (the same baton): its local training waits in :func:`batched` until every delivery of the round has
 reached its own or ended, and then all of them train in one call (pipeline.training.local_batch). Each run keeps
-its own random generators (Python's, NumPy's, torch's), swapped in whenever its code or its clients' work runs, from the process's
-state when the set starts: every run computes what it would alone in a fresh process, whatever else is in the set.
-A run that raises stops the set (as a killed process would): the others unwind from their barrier with
-:class:`SetAborted`, and the first error is raised; a stop the process is told (SIGTERM, Ctrl-C) reaches the run
-working at that moment too.
+its own random generators (Python's, NumPy's, torch's), swapped in whenever its code or its clients' work runs, from the
+process's state when the set starts: every run computes what it would alone in a fresh process, whatever else is in the
+set. A run that raises stops the set (as a killed process would): the others unwind from their barrier with
+:class:`SetAborted`, and the first error is raised; a stop the process is told (SIGTERM, Ctrl-C) reaches the run working
+at that moment too.
 """
 
 from __future__ import annotations

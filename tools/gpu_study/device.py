@@ -206,7 +206,8 @@ def left_to_do(step: tuple[str, list[str]], repo_dir: Path) -> tuple[str, list[s
 def evaluate_all(experiments: list[str], params_path: str = "params.yaml") -> None:
     """The evaluate stage's body (pipeline.evaluate main, ``run --no-mlflow``) for every experiment in one process:
     one backbone load and CUDA start, every experiment's client adapters stacked in the same generate calls
-    (pipeline.results.experiment_evaluation.evaluate_experiments), under one timing record named like the train call's."""
+    (pipeline.results.experiment_evaluation.evaluate_experiments), under one timing record named like the train
+    call's."""
     from pipeline.common.config import from_dict, load_params
     from pipeline.common.timing import stage_name, stage_timer
     from pipeline.results.evaluation import EvaluateConfig
