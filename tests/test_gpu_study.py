@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sqlite3
+import subprocess
 import sys
 import tarfile
 import time
@@ -366,3 +367,21 @@ def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     names = [name for _, name in device.results_members(repo)]
     assert "models/fedkd-domain-s0/metrics.json" in names and "models/fedkd-domain-s0/rounds.json" in names
     assert not [n for n in names if "gate_log" in n]
+
+
+def test_a_call_killed_mid_step_still_returns_the_record_of_its_steps(tmp_path):
+    """The tool kills a call that overruns its limit and brings back what it left under $OUT; study.json was written
+    there only when packing, so such a call returned nothing. It must hold each step so far (the finished ones ok)."""
+    script = (
+        "import sys, time; from pathlib import Path; from tools.gpu_study import device\n"
+        "device.install_wheels = lambda *a: 0\n"
+        "device.assemble_minilm = lambda *a: time.sleep(60)\n"  # a step that runs past the call's limit
+        f"device.run_study(Path('no-carry'), Path({str(tmp_path / 'out')!r}), device.PROFILE, "
+        f"Path({str(tmp_path / 'work')!r}), budget_s=120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    time.sleep(4)
+    proc.kill()  # as the tool cuts a call at its limit
+    proc.wait()
+    steps = json.loads((tmp_path / "out/study.json").read_text())["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [("install", "ok"), ("workspace", "running")]
