@@ -385,3 +385,29 @@ def test_a_call_killed_mid_step_still_returns_the_record_of_its_steps(tmp_path):
     proc.wait()
     steps = json.loads((tmp_path / "out/study.json").read_text())["steps"]
     assert [(s["step"], s["status"]) for s in steps] == [("install", "ok"), ("workspace", "running")]
+
+
+def test_a_py_spy_ignoring_sigint_neither_fails_the_step_nor_keeps_its_child(tmp_path, monkeypatch):
+    """py-spy's stop waited RESERVE_S / 2 inside ``finally``; its TimeoutExpired escaped it: a step whose child ended
+    ok was recorded 'failed (timeout)', and a cut step's child was never killed."""
+    monkeypatch.setattr(device, "RESERVE_S", 2)  # py-spy's stop waits 1 s
+    spy = tmp_path / "py-spy"
+    spy.write_text(
+        f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)\n"
+    )
+    spy.chmod(0o755)
+    (tmp_path / "repo").mkdir()
+    alive = tmp_path / "alive"
+    cut = [
+        "-c",
+        f"import pathlib, time\nfor i in range(40):\n    time.sleep(0.1); pathlib.Path({str(alive)!r}).write_text(str(i))",
+    ]
+    with (tmp_path / "log.txt").open("w") as log:
+        steps = device.Steps({"steps": []}, log, budget_s=30, t0=time.monotonic(), py_spy=spy)
+        assert steps.lane([("train", ["-c", "pass"])], tmp_path / "repo", dict(os.environ))
+        steps.budget_s = time.monotonic() - steps.t0 + 1  # the next step is cut after 1 s
+        assert not steps.lane([("train@2", cut)], tmp_path / "repo", dict(os.environ))
+    assert [s["status"] for s in steps.record["steps"]] == ["ok", "failed (timeout)"]
+    seen = alive.read_text()
+    time.sleep(0.5)
+    assert alive.read_text() == seen  # the cut child is not running on

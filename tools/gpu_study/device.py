@@ -350,7 +350,11 @@ class Steps:
         finally:
             if spy is not None and spy.poll() is None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT (or when the child ends)
-                spy.wait(timeout=RESERVE_S / 2)
+                try:  # bounded: a sampler that will not stop neither changes the step's outcome nor keeps its child
+                    spy.wait(timeout=RESERVE_S / 2)
+                except subprocess.TimeoutExpired:
+                    spy.kill()
+                    spy.wait()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
