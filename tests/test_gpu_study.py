@@ -411,3 +411,30 @@ def test_a_py_spy_ignoring_sigint_neither_fails_the_step_nor_keeps_its_child(tmp
     seen = alive.read_text()
     time.sleep(0.5)
     assert alive.read_text() == seen  # the cut child is not running on
+
+
+def test_the_report_joins_only_the_parts_of_the_call_it_was_given(tmp_path):
+    """The keep folder holds the last call's files (reports/bench/gpu-study-call: results.tar.gz whole); a newer call
+    returning results.tar.gz in parts was joined after the stale whole archive, whose members were read instead."""
+    keep, returned = tmp_path / "keep", tmp_path / "returned"
+    for folder, text in ((keep, b"old"), (returned, b"new")):
+        folder.mkdir()
+        (folder / "study.json").write_text("{}")
+        device.pack(folder, "log.tar.gz", [])
+        (tmp_path / "f").write_bytes(text)
+        data = (device.pack(tmp_path, "results.tar.gz", [(tmp_path / "f", "f")])[0]).read_bytes()
+        if folder == returned:  # as pack cuts an archive over PIECE
+            (folder / "results.tar.gz.part1").write_bytes(data[:10])
+            (folder / "results.tar.gz.part2").write_bytes(data[10:])
+        else:
+            (folder / "results.tar.gz").write_bytes(data)
+    seen = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            call_report,
+            "section",
+            lambda folder: seen.update(call_report._members(importer.archives(folder)["results.tar.gz"])) or "",
+        )
+        mp.setattr(call_report, "replace_section", lambda *a: None)
+        call_report.report(returned, keep, tmp_path / "engine.md")
+    assert seen == {"f": b"new"}

@@ -241,6 +241,8 @@ def report(returned: Path, keep: Path, md: Path) -> None:
     """Copy the returned files to ``keep`` and rewrite ``md``'s section 5 from them."""
     if returned.resolve() != keep.resolve():
         keep.mkdir(parents=True, exist_ok=True)
+        for f in keep.glob("*.tar.gz*"):  # an earlier call's archives and parts: joined with this call's otherwise
+            f.unlink()
         for f in returned.iterdir():
             if f.is_file():
                 shutil.copy(f, keep / f.name)
