@@ -438,3 +438,21 @@ def test_the_report_joins_only_the_parts_of_the_call_it_was_given(tmp_path):
         mp.setattr(call_report, "replace_section", lambda *a: None)
         call_report.report(returned, keep, tmp_path / "engine.md")
     assert seen == {"f": b"new"}
+
+
+def test_convergence_rows_take_a_round_without_its_mean_as_the_stop_rule_does():
+    """A round where a client lacks its validation loss has val_loss_mean None in rounds.json (training.history); the
+    stop rule reads it as NaN (never a best, not a plateau). The rows must not raise on it, and fit no power law
+    across it."""
+    from pipeline.experiments.train_config import StopConfig
+
+    stop = StopConfig(enabled=True, min_rel_improvement=0.01, patience=2, max_rounds=40)
+    clean = [3.0, 2.5, 2.2, 2.0, 1.9, 1.85, 1.82]
+    gap = [3.0, 2.5, None, 2.0, 1.99, 1.985, 1.982]
+    rounds = {f"a-s{i}": [{"val_loss_mean": v} for v in s] for i, s in enumerate((clean, gap))}
+    (row,) = call_report.convergence_rows(rounds, stop)
+    assert row["first"] == 3.0 and row["last"] == pytest.approx((1.82 + 1.982) / 2)
+    # the gap's run: relative gains 0.005, 0.0025, 0.0015 over its best before: plateaued (< 1 % twice); clean: not
+    assert row["converged"] == 1
+    assert len(row["projected"]) == 1  # the clean run's only
+    assert row["last_gain"] == pytest.approx(((1.85 - 1.82) / 1.85 + (1.985 - 1.982) / 1.985) / 2)

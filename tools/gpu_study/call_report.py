@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import re
 import shutil
 import statistics
@@ -82,11 +83,12 @@ def convergence_rows(rounds: dict[str, list[dict[str, Any]]], stop) -> list[dict
         by_arm[arm_of(exp)].append(exp)
     rows = []
     for arm, exps in by_arm.items():
-        series = {e: [r["val_loss_mean"] for r in rounds[e]] for e in exps}
+        # a round where a client lacks its loss: None in rounds.json, NaN to the stop rule (never a best), no fit across it
+        series = {e: [math.nan if r["val_loss_mean"] is None else r["val_loss_mean"] for r in rounds[e]] for e in exps}
         projections = [  # a power law has 3 parameters: fitted on at least 3 rounds besides the held-out ones
             projected_stop(list(range(1, len(s) + 1)), s, stop, fit_rounds=len(s) - HOLDOUT)
             for s in series.values()
-            if len(s) >= HOLDOUT + 3
+            if len(s) >= HOLDOUT + 3 and not any(map(math.isnan, s))
         ]
         rows.append(
             {
