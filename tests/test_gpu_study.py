@@ -456,3 +456,13 @@ def test_convergence_rows_take_a_round_without_its_mean_as_the_stop_rule_does():
     assert row["converged"] == 1
     assert len(row["projected"]) == 1  # the clean run's only
     assert row["last_gain"] == pytest.approx(((1.85 - 1.82) / 1.85 + (1.985 - 1.982) / 1.985) / 2)
+
+
+def test_the_report_of_a_call_killed_before_packing_says_so_in_one_line(tmp_path):
+    """A call the tool killed past its limit returns study.json alone (written as each step ends); call_report, for
+    'any call, finished or cut', raised KeyError: 'log.tar.gz' on it."""
+    (tmp_path / "study.json").write_text(
+        json.dumps({"steps": [{"step": "install", "status": "ok"}], "complete": False})
+    )
+    with pytest.raises(SystemExit, match=r"no log\.tar\.gz nor results\.tar\.gz: .*study\.json"):
+        call_report.section(tmp_path)

@@ -223,6 +223,8 @@ def section(folder: Path) -> str:
     """Section 5 from a folder of returned files."""
     study = json.loads((folder / "study.json").read_text())
     blobs = archives(folder)
+    if missing := [n for n in ("log.tar.gz", "results.tar.gz") if n not in blobs]:
+        raise SystemExit(f"{folder}: no {' nor '.join(missing)}: the call was cut before packing; see its study.json")
     logs, results = _members(blobs["log.tar.gz"]), _members(blobs["results.tar.gz"])
     log = logs.get("log.txt", b"").decode(errors="replace").replace("\r", "\n")
     log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", log)  # tqdm's cursor moves between the bars of the runs
