@@ -466,3 +466,11 @@ def test_the_report_of_a_call_killed_before_packing_says_so_in_one_line(tmp_path
     )
     with pytest.raises(SystemExit, match=r"no log\.tar\.gz nor results\.tar\.gz: .*study\.json"):
         call_report.section(tmp_path)
+
+
+def test_the_train_windows_pass_over_a_step_its_killed_call_left_running():
+    """A call killed mid-train leaves its record with that step 'running' (started_at, no seconds: written as it
+    started); a resumed call keeps it under earlier_calls, and call_report's GPU windows must not raise on it."""
+    killed = {"budget_s": 570, "steps": [{"step": "train@1", "status": "running", "started_at": 100.0}]}
+    resumed = {"budget_s": 200, "steps": [{"step": "train@1", "status": "ok", "started_at": 700.0, "seconds": 50.0}]}
+    assert call_report.train_windows([killed, resumed], "", None) == [(700.0, 750.0)]

@@ -58,7 +58,7 @@ def train_windows(calls: list[dict[str, Any]], log: str, t0: float | None) -> li
         (s["started_at"], s["started_at"] + s["seconds"])
         for call in calls
         for s in call["steps"]
-        if s["step"].startswith("train") and "started_at" in s
+        if s["step"].startswith("train") and "started_at" in s and "seconds" in s  # not one a killed call left running
     ]
     m = re.search(r"^=== train \((\d+) s left\)$", log, re.M)
     if windows or len(calls) > 1 or t0 is None or not m:
