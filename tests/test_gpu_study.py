@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import sqlite3
+import subprocess
 import sys
 import tarfile
 import time
@@ -366,3 +367,110 @@ def test_the_returned_results_leave_the_gate_logs_on_the_machine(tmp_path):
     names = [name for _, name in device.results_members(repo)]
     assert "models/fedkd-domain-s0/metrics.json" in names and "models/fedkd-domain-s0/rounds.json" in names
     assert not [n for n in names if "gate_log" in n]
+
+
+def test_a_call_killed_mid_step_still_returns_the_record_of_its_steps(tmp_path):
+    """The tool kills a call that overruns its limit and brings back what it left under $OUT; study.json was written
+    there only when packing, so such a call returned nothing. It must hold each step so far (the finished ones ok)."""
+    script = (
+        "import sys, time; from pathlib import Path; from tools.gpu_study import device\n"
+        "device.install_wheels = lambda *a: 0\n"
+        "device.assemble_minilm = lambda *a: time.sleep(60)\n"  # a step that runs past the call's limit
+        f"device.run_study(Path('no-carry'), Path({str(tmp_path / 'out')!r}), device.PROFILE, "
+        f"Path({str(tmp_path / 'work')!r}), budget_s=120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT)
+    time.sleep(4)
+    proc.kill()  # as the tool cuts a call at its limit
+    proc.wait()
+    steps = json.loads((tmp_path / "out/study.json").read_text())["steps"]
+    assert [(s["step"], s["status"]) for s in steps] == [("install", "ok"), ("workspace", "running")]
+
+
+def test_a_py_spy_ignoring_sigint_neither_fails_the_step_nor_keeps_its_child(tmp_path, monkeypatch):
+    """py-spy's stop waited RESERVE_S / 2 inside ``finally``; its TimeoutExpired escaped it: a step whose child ended
+    ok was recorded 'failed (timeout)', and a cut step's child was never killed."""
+    monkeypatch.setattr(device, "RESERVE_S", 2)  # py-spy's stop waits 1 s
+    spy = tmp_path / "py-spy"
+    spy.write_text(
+        f"#!{sys.executable}\nimport signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(60)\n"
+    )
+    spy.chmod(0o755)
+    (tmp_path / "repo").mkdir()
+    alive = tmp_path / "alive"
+    cut = [
+        "-c",
+        f"import pathlib, time\nfor i in range(40):\n    time.sleep(0.1); pathlib.Path({str(alive)!r}).write_text(str(i))",
+    ]
+    with (tmp_path / "log.txt").open("w") as log:
+        steps = device.Steps({"steps": []}, log, budget_s=30, t0=time.monotonic(), py_spy=spy)
+        assert steps.lane([("train", ["-c", "pass"])], tmp_path / "repo", dict(os.environ))
+        steps.budget_s = time.monotonic() - steps.t0 + 1  # the next step is cut after 1 s
+        assert not steps.lane([("train@2", cut)], tmp_path / "repo", dict(os.environ))
+    assert [s["status"] for s in steps.record["steps"]] == ["ok", "failed (timeout)"]
+    seen = alive.read_text()
+    time.sleep(0.5)
+    assert alive.read_text() == seen  # the cut child is not running on
+
+
+def test_the_report_joins_only_the_parts_of_the_call_it_was_given(tmp_path):
+    """The keep folder holds the last call's files (reports/bench/gpu-study-call: results.tar.gz whole); a newer call
+    returning results.tar.gz in parts was joined after the stale whole archive, whose members were read instead."""
+    keep, returned = tmp_path / "keep", tmp_path / "returned"
+    for folder, text in ((keep, b"old"), (returned, b"new")):
+        folder.mkdir()
+        (folder / "study.json").write_text("{}")
+        device.pack(folder, "log.tar.gz", [])
+        (tmp_path / "f").write_bytes(text)
+        data = (device.pack(tmp_path, "results.tar.gz", [(tmp_path / "f", "f")])[0]).read_bytes()
+        if folder == returned:  # as pack cuts an archive over PIECE
+            (folder / "results.tar.gz.part1").write_bytes(data[:10])
+            (folder / "results.tar.gz.part2").write_bytes(data[10:])
+        else:
+            (folder / "results.tar.gz").write_bytes(data)
+    seen = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            call_report,
+            "section",
+            lambda folder: seen.update(call_report._members(importer.archives(folder)["results.tar.gz"])) or "",
+        )
+        mp.setattr(call_report, "replace_section", lambda *a: None)
+        call_report.report(returned, keep, tmp_path / "engine.md")
+    assert seen == {"f": b"new"}
+
+
+def test_convergence_rows_take_a_round_without_its_mean_as_the_stop_rule_does():
+    """A round where a client lacks its validation loss has val_loss_mean None in rounds.json (training.history); the
+    stop rule reads it as NaN (never a best, not a plateau). The rows must not raise on it; the power law is fitted
+    to the rounds that have a mean (benchmarks.stop_rule.fit_power_law)."""
+    from pipeline.experiments.train_config import StopConfig
+
+    stop = StopConfig(enabled=True, min_rel_improvement=0.01, patience=2, max_rounds=40)
+    clean = [3.0, 2.5, 2.2, 2.0, 1.9, 1.85, 1.82]
+    gap = [3.0, 2.5, None, 2.0, 1.99, 1.985, 1.982]
+    rounds = {f"a-s{i}": [{"val_loss_mean": v} for v in s] for i, s in enumerate((clean, gap))}
+    (row,) = call_report.convergence_rows(rounds, stop)
+    assert row["first"] == 3.0 and row["last"] == pytest.approx((1.82 + 1.982) / 2)
+    # the gap's run: relative gains 0.005, 0.0025, 0.0015 over its best before: plateaued (< 1 % twice); clean: not
+    assert row["converged"] == 1
+    assert len(row["projected"]) == 2  # both runs: the gap's fitted without its round 3
+    assert row["last_gain"] == pytest.approx(((1.85 - 1.82) / 1.85 + (1.985 - 1.982) / 1.985) / 2)
+
+
+def test_the_report_of_a_call_killed_before_packing_says_so_in_one_line(tmp_path):
+    """A call the tool killed past its limit returns study.json alone (written as each step ends); call_report, for
+    'any call, finished or cut', raised KeyError: 'log.tar.gz' on it."""
+    (tmp_path / "study.json").write_text(
+        json.dumps({"steps": [{"step": "install", "status": "ok"}], "complete": False})
+    )
+    with pytest.raises(SystemExit, match=r"no log\.tar\.gz nor results\.tar\.gz: .*study\.json"):
+        call_report.section(tmp_path)
+
+
+def test_the_train_windows_pass_over_a_step_its_killed_call_left_running():
+    """A call killed mid-train leaves its record with that step 'running' (started_at, no seconds: written as it
+    started); a resumed call keeps it under earlier_calls, and call_report's GPU windows must not raise on it."""
+    killed = {"budget_s": 570, "steps": [{"step": "train@1", "status": "running", "started_at": 100.0}]}
+    resumed = {"budget_s": 200, "steps": [{"step": "train@1", "status": "ok", "started_at": 700.0, "seconds": 50.0}]}
+    assert call_report.train_windows([killed, resumed], "", None) == [(700.0, 750.0)]

@@ -57,7 +57,7 @@ def train_windows(calls: list[dict[str, Any]], log: str, t0: float | None) -> li
         (s["started_at"], s["started_at"] + s["seconds"])
         for call in calls
         for s in call["steps"]
-        if s["step"].startswith("train") and "started_at" in s
+        if s["step"].startswith("train") and "started_at" in s and "seconds" in s  # not one a killed call left running
     ]
     m = re.search(r"^=== train \((\d+) s left\)$", log, re.M)
     if windows or len(calls) > 1 or t0 is None or not m:
@@ -224,6 +224,8 @@ def section(folder: Path) -> str:
     """Section 5 from a folder of returned files."""
     study = json.loads((folder / "study.json").read_text())
     blobs = archives(folder)
+    if missing := [n for n in ("log.tar.gz", "results.tar.gz") if n not in blobs]:
+        raise SystemExit(f"{folder}: no {' nor '.join(missing)}: the call was cut before packing; see its study.json")
     logs, results = _members(blobs["log.tar.gz"]), _members(blobs["results.tar.gz"])
     log = logs.get("log.txt", b"").decode(errors="replace").replace("\r", "\n")
     log = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", log)  # tqdm's cursor moves between the bars of the runs
@@ -244,6 +246,8 @@ def report(returned: Path, keep: Path, md: Path) -> None:
     """Copy the returned files to ``keep`` and rewrite ``md``'s section 5 from them."""
     if returned.resolve() != keep.resolve():
         keep.mkdir(parents=True, exist_ok=True)
+        for f in keep.glob("*.tar.gz*"):  # an earlier call's archives and parts: joined with this call's otherwise
+            f.unlink()
         for f in returned.iterdir():
             if f.is_file():
                 shutil.copy(f, keep / f.name)

@@ -22,7 +22,8 @@ child ``python`` as dvc.yaml's command for it (``python -m pipeline.<stage> ...`
    backbone load and CUDA start instead of one per experiment; decoding batch size is ``evaluate.batch_size``); with
    n sets, each set's ``evaluate@i`` right after its ``train@i``, while the other sets still train;
 6. the outputs (without weights) packed into at most 8 files under ``--out``, whatever happened before: a step that
-   fails or outruns ``--budget`` is stopped, recorded in ``study.json`` and the steps after it are skipped.
+   fails or outruns ``--budget`` is stopped, recorded in ``study.json`` and the steps after it are skipped
+   (study.json is also written under ``--out`` as each step starts and ends: a call killed past its limit returns it).
 
 A later call on the same warm machine (``run --resume``, no carry) goes on where the last one stopped: the steps
 it finished stay done, ``train`` resumes every run from its last round checkpoint, then ``evaluate`` (the sets'
@@ -48,6 +49,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -318,10 +320,20 @@ def results_members(work: Path) -> list[tuple[Path, str]]:
 
 class Steps:
     """The call's steps within its budget (seconds from ``t0``), each recorded in ``record["steps"]``; with a
-    ``py_spy`` executable, each train step's threads are sampled into ``<work>/pyspy-<step>.txt``."""
+    ``py_spy`` executable, each train step's threads are sampled into ``<work>/pyspy-<step>.txt``; with ``saved``,
+    the record so far is written to each of those files as each step starts and ends (a call killed at its limit
+    still returns it under $OUT, and a resumed call finds it in ``work``)."""
 
-    def __init__(self, record: dict[str, Any], log, budget_s: float, t0: float, py_spy: Path | None = None):
+    def __init__(self, record: dict[str, Any], log, budget_s: float, t0: float, py_spy: Path | None = None, saved=()):
         self.record, self.log, self.budget_s, self.t0, self.py_spy = record, log, budget_s, t0, py_spy
+        self.saved, self.lock = saved, threading.Lock()
+
+    def save(self) -> None:
+        with self.lock:  # the lanes' threads
+            text = json.dumps(self.record | {"seconds": round(time.monotonic() - self.t0, 2), "complete": False})
+            for path in self.saved:
+                path.with_suffix(".tmp").write_text(text + "\n")
+                path.with_suffix(".tmp").replace(path)
 
     def child(self, argv: list[str], cwd: Path, env: dict[str, str], left: float, sampled: Path | None) -> int:
         """A stage command in a child ``python``, killed when ``left`` runs out (TimeoutExpired); ``sampled``: where
@@ -339,7 +351,11 @@ class Steps:
         finally:
             if spy is not None and spy.poll() is None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT (or when the child ends)
-                spy.wait(timeout=RESERVE_S / 2)
+                try:  # bounded: a sampler that will not stop neither changes the step's outcome nor keeps its child
+                    spy.wait(timeout=RESERVE_S / 2)
+                except subprocess.TimeoutExpired:
+                    spy.kill()
+                    spy.wait()
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -347,13 +363,14 @@ class Steps:
     def step(self, name: str, call) -> bool:
         """``call(seconds left)``; True if it returned 0 (a failure, timeout or spent budget is recorded)."""
         left = self.budget_s - (time.monotonic() - self.t0)
-        entry: dict[str, Any] = {"step": name}
+        entry: dict[str, Any] = {"step": name, "status": "running"}
         self.record["steps"].append(entry)
         if left <= 0:
             entry.update(status="skipped", reason="budget spent")
             return False
         start = time.monotonic()
         entry["started_at"] = round(time.time(), 2)  # unix seconds: the GPU samples of a step (call_report)
+        self.save()
         print(f"=== {name} ({left:.0f} s left)", file=self.log, flush=True)
         try:
             rc = call(left)
@@ -364,6 +381,7 @@ class Steps:
             rc = f"{type(e).__name__}: {e}"
         entry.update(seconds=round(time.monotonic() - start, 2), status="ok" if rc == 0 else f"failed ({rc})")
         print(f"=== {name}: {entry['status']} in {entry['seconds']} s", file=self.log, flush=True)
+        self.save()
         return rc == 0
 
     def skip(self, steps: list[tuple[str, list[str]]]) -> None:
@@ -448,7 +466,7 @@ def run_study(
                 stderr=subprocess.STDOUT,
             )
 
-        steps = Steps(record, log, budget_s - RESERVE_S, t0, py_spy)
+        steps = Steps(record, log, budget_s - RESERVE_S, t0, py_spy, (work / "study.json", out / "study.json"))
         params: dict[str, Any] = {}
 
         def workspace(left: float) -> int:
