@@ -516,8 +516,9 @@ def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_r
     resumed run, or of a restarted node during a run, keeps them, since they are this run's earlier rounds."""
     from flwr.app import ConfigRecord, Message
 
+    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir, client_identify
-    from pipeline.federation.protocol import CONFIG_KEY, START_OVER
+    from pipeline.federation.protocol import CONFIG_KEY, PLAN_HASH, START_OVER
     from pipeline.modeling.adapters import adapter_file
 
     plan, _, _, _, context = _train_round(monkeypatch, "gate-per-run", "fedselectkd", node={"client-name": "Academic"})
@@ -527,7 +528,10 @@ def test_told_the_run_starts_over_a_client_removes_an_earlier_runs_files_and_a_r
     files = [out / "gate_log/round002.parquet", adapter_file(out, "final"), ckpt / "round001.json", ckpt / DP_SENT]
 
     def identify(start_over: bool) -> None:
-        config = ConfigRecord({"plan": f"models/plans/{plan.experiment}.json", START_OVER: start_over})
+        hash_ = plan_hash(plan)  # the admission's message names the server's plan by its hash too
+        config = ConfigRecord(
+            {"plan": f"models/plans/{plan.experiment}.json", START_OVER: start_over, PLAN_HASH: hash_}
+        )
         client_identify(Message(RecordDict({CONFIG_KEY: config}), dst_node_id=7, message_type="query"), context)
 
     identify(start_over=False)
@@ -543,8 +547,9 @@ def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws
     DP-SGD record and adapters, which B resumes from (docs/federation.md: an earlier run *of the plan*)."""
     from flwr.app import ConfigRecord, Message
 
+    from pipeline.experiments.plans import plan_hash
     from pipeline.federation.client_app import DP_SENT, client_checkpoint_dir, client_dir, client_identify
-    from pipeline.federation.protocol import CONFIG_KEY, START_OVER
+    from pipeline.federation.protocol import CONFIG_KEY, PLAN_HASH, START_OVER
     from pipeline.modeling.adapters import adapter_file
 
     plan_a, plan_b = _plan("start-over-a"), _plan("start-over-b")
@@ -553,10 +558,40 @@ def test_a_node_of_another_experiment_told_to_start_over_keeps_its_runs_files(ws
     ckpt = client_checkpoint_dir(plan_b, "Academic", context)
     (ckpt / DP_SENT).write_text("[2, 3, 4]")
     files = [adapter_file(client_dir(plan_b, "Academic", context), "final"), ckpt / "round001.json", ckpt / DP_SENT]
-    config = ConfigRecord({"plan": f"models/plans/{plan_a.experiment}.json", START_OVER: True})
+    config = ConfigRecord(
+        {"plan": f"models/plans/{plan_a.experiment}.json", START_OVER: True, PLAN_HASH: plan_hash(plan_a)}
+    )
     reply = client_identify(Message(RecordDict({CONFIG_KEY: config}), dst_node_id=7, message_type="query"), context)
     assert reply.content["identity"]["client-name"] == "Academic"
     assert [f for f in files if not f.exists()] == []
+
+
+def test_a_site_whose_copy_of_the_plan_is_at_another_path_removes_its_earlier_run_when_the_run_starts_over(ws):
+    """docs/federation.md: a run that starts over tells each client so at admission, and the client removes what an
+    earlier run of the plan left. A site's SuperNode names its own copy of the plan (node config ``plan``: its kit's,
+    on another machine or in another layout than the server's run config names), the same settings, the same plan
+    hash: told by the admission (identify_clients, start_over), it removes its earlier run's files all the same."""
+    import shutil
+
+    from pipeline.federation.admission import identify_clients
+    from pipeline.federation.client_app import DP_SENT, client_app, client_checkpoint_dir, client_dir
+    from pipeline.federation.engines import InProcessGrid, _set_server_identity
+    from pipeline.modeling.adapters import adapter_file
+
+    plan = _plan("start-over-kit")
+    server_path = f"models/plans/{plan.experiment}.json"
+    site_path = Path("sites/Academic") / server_path  # the site's copy (kit), the same file content
+    site_path.parent.mkdir(parents=True)
+    shutil.copyfile(server_path, site_path)
+    grid = InProcessGrid(client_app, [{"client-name": "Academic", "plan": str(site_path)}])
+    _set_server_identity(grid.run.run_id)
+    context = grid.contexts[1000]
+    _checkpoints(plan, "Academic", context, {1: (0.5, True, 3)})
+    ckpt = client_checkpoint_dir(plan, "Academic", context)
+    (ckpt / DP_SENT).write_text("[2, 3, 4]")
+    files = [adapter_file(client_dir(plan, "Academic", context), "final"), ckpt / "round001.json", ckpt / DP_SENT]
+    assert identify_clients(grid, server_path, ["Academic"], timeout=5, start_over=True) == {1000: "Academic"}
+    assert [f for f in files if f.exists()] == []
 
 
 # ----------------------------------------------------------------------------------------------- errors

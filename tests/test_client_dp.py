@@ -661,3 +661,47 @@ def test_a_round_redone_after_a_kill_draws_fresh_noise_and_is_accounted_again(ws
     assert privacy["rounds_accounted"] == 3 and privacy["epsilon"] == pytest.approx(
         _opacus_rdp_epsilon(1.0, z, 3, 1e-5), rel=1e-6
     )
+
+
+def test_a_kd_methods_round_redone_after_a_kill_in_its_evaluate_draws_what_it_drew_and_is_accounted_once(
+    ws, monkeypatch
+):
+    """A KD method (fedkd: strategy fedavg, the local adapter kept) sends no global in its evaluate step: round r's
+    release leaves only with round r + 1's train messages, after the server checkpoint of round r. A server killed
+    in round 2's evaluate released nothing that anyone saw: the resumed run redoes round 2 as the uninterrupted run
+    did it (the same sample and noise: the same global) and the accountant composes 2 rounds (opacus' RDP at q = 1
+    over 2 steps, computed here directly), as docs/privacy.md says of fedavg's and fedprox's evaluate only."""
+    from pipeline.federation import server_app
+    from pipeline.train import run_experiment
+    from tests.faults import Killed
+    from tests.test_client_sampling import _opacus_rdp_epsilon
+
+    z, c = 1.0, 1e-3
+    path = _with_privacy(
+        write_plan("cdp-kd-redo", "fedkd"), {"mode": "client", "noise_multiplier": z, "clipping_norm": c}
+    )
+    saved, real_save, real_evaluate, kill = [], server_app.save_server_checkpoint, server_app._evaluate, [False]
+
+    def save(plan, rnd, state, strategy, history):
+        if rnd == 2:
+            saved.append(torch.cat([t.flatten().double() for t in state.values()]))
+        real_save(plan, rnd, state, strategy, history)
+
+    def evaluate(r, messages, downlink):
+        real_evaluate(r, messages, downlink)
+        if r.rnd == 2 and kill[0]:
+            kill[0] = False
+            raise Killed("killed before round 2's checkpoint")
+
+    monkeypatch.setattr(server_app, "save_server_checkpoint", save)
+    monkeypatch.setattr(server_app, "_evaluate", evaluate)
+    run_experiment(path, track=False)  # uninterrupted (its run directory goes when it finishes)
+    kill[0] = True
+    with pytest.raises(Killed):
+        run_experiment(path, track=False)
+    run_experiment(path, track=False)
+    assert len(saved) == 2 and torch.equal(saved[0], saved[1]), "the resumed run's round-2 global differs"
+    privacy = json.loads(Path("reports/train/cdp-kd-redo/metrics.json").read_text())["privacy"]
+    assert privacy["rounds_accounted"] == 2 and privacy["epsilon"] == pytest.approx(
+        _opacus_rdp_epsilon(1.0, z, 2, 1e-5), rel=1e-6
+    )

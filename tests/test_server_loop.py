@@ -522,6 +522,20 @@ def test_client_side_clipping_leaves_out_a_reply_without_the_mods_mark_and_avera
     assert_state(final, {k: v + uniform for k, v in initial(path).items()}, exact=False)
 
 
+def test_client_level_dp_a_round_with_every_node_gone_keeps_the_global_of_the_round_before(ws):
+    """Client-level DP (noise 0, C above every update), every SuperNode gone in round 2: nothing is aggregated, so
+    round 2 releases the global it started from, W1 = W0 + the uniform mean of round 1 (plus the noise, 0 here), not
+    round 1's starting global W0; round 3 moves it again: W0 + 2 x (sum of the deltas) / 3 by hand."""
+    path = _client_dp(write_plan("loop-cdp-all-gone", "fedavg", rounds=3, fraction_train=1.0), clipping_norm=1e6)
+    script = Script()
+    grid = Grid(path, script, ["Academic", "Committee", "Product"])
+    grid.gone = {2: {"Academic", "Committee", "Product"}}
+    final, history, _ = run(path, script, grid=grid)
+    assert trained(script, 2) == [] and trained(script, 3) == ["Academic", "Committee", "Product"]
+    uniform = (DELTAS["Academic"] + DELTAS["Committee"] + DELTAS["Product"]) / 3  # the sum over the expected 3
+    assert_state(final, {k: v + 2 * uniform for k, v in initial(path).items()}, exact=False)
+
+
 def test_server_side_clipping_marks_the_updates_above_c_and_aggregates_every_reply(ws):
     """Server-side clipping at C between the updates' norms: the update above C is marked clipped, the others not;
     every reply is aggregated (the wrapper clips), uniformly."""

@@ -104,7 +104,8 @@ def _names(grid, plan_path, ids, timeout, admission, start_over, sizes=None, for
     """The client names the nodes ``ids`` answer query.identify with (``sizes`` receives each client's ``num-train`` /
     ``num-valid``; a node serving another plan than ``plan_path``, by its hash, goes to ``foreign`` instead); a node
     gone offline is left out (its client may come back before the timeout)."""
-    config, ours = {"plan": plan_path, START_OVER: start_over}, plan_hash(load_plan(plan_path))
+    ours = plan_hash(load_plan(plan_path))  # with start_over: the plan whose nodes start over (a path may differ)
+    config = {"plan": plan_path, START_OVER: start_over, PLAN_HASH: ours}
     msgs = [Message(RecordDict({CONFIG_KEY: ConfigRecord(config)}), dst_node_id=n, message_type=IDENTIFY) for n in ids]
     named: dict[int, str] = {}
     for reply in grid.send_and_receive(msgs, timeout=timeout):  # node: the query's (a SuperLink answers if offline)

@@ -113,9 +113,9 @@ client_app = ClientApp(mods=[errors_stay_on_the_client])
 def client_identify(msg: Message, context: Context) -> Message:
     """Admission (admission.identify_clients): the client's name, the hash of the plan it serves (the server refuses
     another plan's node) and the sizes of its train and valid splits."""
-    plan, name, config = load_plan(path := plan_path_of(msg, context)), client_name(context), msg.content[CONFIG_KEY]
-    # the plan the server names only: a node of another experiment (its node config names its plan) keeps its files
-    if config.get(START_OVER) and Path(path).resolve() == Path(str(config.get("plan"))).resolve():
+    plan, name, config = load_plan(plan_path_of(msg, context)), client_name(context), msg.content[CONFIG_KEY]
+    # the plan the server runs only (its hash: a site's copy may lie elsewhere): another plan's node keeps its files
+    if config.get(START_OVER) and config.get(PLAN_HASH) == plan_hash(plan):
         _discard_earlier_run(plan, name, context)
     identity = ConfigRecord({"client-name": name, PLAN_HASH: plan_hash(plan)})
     splits = read_partition(plan.paths["partition"])["clients"].get(name)

@@ -142,8 +142,11 @@ def run_server(
         view = GridView(grid, admitted)  # a new client joins at its round
         # Flower samples the list (by client name, not random node ids) with `random`: seeded per round, resumable.
         random.seed(derived_seed(plan.seed, rnd, "sampling"))
-        # no node at all: nothing to configure (Flower's strategies would wait for one in a view that gets none)
-        messages = list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view)) if admitted else []
+        # no node at all: nothing to configure (Flower's strategies would wait for one in a view that gets none); the
+        # DP strategy draws an empty sample then and releases this round's global W plus its noise (it keeps W)
+        messages = (
+            list(strategy.configure_train(rnd, arrays, ConfigRecord(config), view)) if admitted or client_level else []
+        )
         clipping_norm = strategy.clipping_norm if client_level else None  # this round's C (adaptive: it moves)
         # The strategy keeps the exact global (FedOpt/FedNova take their update relative to it); the wire carries it
         # encoded once, and `sent` (what every client decodes) is the reference of the delta-encoded replies.

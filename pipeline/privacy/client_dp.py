@@ -51,7 +51,7 @@ class ClientLevelDP(Strategy):
     def __init__(self, strategy, plan, setting: FederationPrivacy, releases=None):
         super().__init__()
         # {round: releases so far}, in the file ``releases`` before one leaves (fedavg's evaluate sends it before the
-        # checkpoint): a resumed run redoing a round draws a fresh sample and noise, and the accountant counts both
+        # checkpoint; None: a KD method's leaves after it): a redo draws a fresh sample and noise, counted again
         self.releases_file = releases
         self.releases = json.loads(releases.read_text()) if releases and releases.exists() else {}
         self.strategy, self.setting, self.cfg = strategy, setting, plan.privacy

@@ -58,7 +58,7 @@ def client_level(plan, strategy, population: int):
     problem = client_level_problem(plan.spec, plan.train.transfer_dtype, plan.privacy)
     if problem:  # the plan stage refuses it; a plan file written by hand is refused here
         raise ValueError(f"{plan.source}: privacy.mode client: {problem}")
-    releases = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES
+    releases = checkpoints.checkpoint_dir(plan) / checkpoints.DP_RELEASES if plan.spec.local_from_global else None
     dp = ClientLevelDP(strategy, plan, server_setting(plan, population), releases)
     return dp, dp
 
