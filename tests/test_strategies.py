@@ -195,7 +195,7 @@ def test_unknown_server_algorithms_are_rejected_by_name():
     [
         # the client adds the term only for mu > 0: a negative or NaN mu ran FedProx as plain FedAvg, silently
         ({"proximal_mu": -0.01}, r"train.proximal_mu=-0.01 is out of range; allowed: >= 0"),
-        ({"proximal_mu": math.nan}, r"train.proximal_mu=nan is out of range; allowed: >= 0"),
+        ({"proximal_mu": math.nan}, r"train.proximal_mu=nan is out of range; allowed: a finite number"),
         # FedAvgM applies momentum only when it is > 0: a negative one was dropped, silently
         ({"fedopt": {"server_momentum": -0.9}}, r"train.fedopt.server_momentum=-0.9 is out of range; allowed: >= 0"),
         ({"fedopt": {"server_momentum": 1.0}}, r"train.fedopt.server_momentum=1.0 is out of range; allowed: .*< 1"),
