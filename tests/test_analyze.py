@@ -294,24 +294,26 @@ def test_read_json_reports_a_missing_or_bad_file_in_one_line(tmp_path):
     assert read_json(tmp_path / "ok.json") == {"clients": {}}
 
 
+def _analyze_one_selectkd_run(root, best_rounds, **params):
+    """The analyze stage (in ``root``, the working directory) over one main-study SelectKD run whose clients' best
+    rounds are ``best_rounds``; ``params`` at the top of params.yaml. Its kd_analysis.json."""
+    write_experiment(root, "sel_s0", best_rounds, {"Product": (30, 10, 20), "Academic": (24, 6, 18)})
+    (root / "data/processed").mkdir(parents=True)
+    postags_table().to_parquet(root / "data/processed/postags.parquet")
+    run = {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}
+    (root / "params.yaml").write_text(yaml.safe_dump(params | {"experiments": {"sel_s0": run}}))
+    analyze.main([])
+    return json.loads((root / "reports/analysis/kd_analysis.json").read_text())
+
+
 def test_a_portable_main_gate_is_not_checked_as_an_entropy(tmp_path, monkeypatch):
     # The main study reads tau 0.46 as a share of ln|V| (train.tau_scale max_entropy): on BART's 50,265 tokens its
     # threshold is 0.46 x 10.83 = 4.98 nats, so the log (KD at H = 1, none at H = 7) is consistent; H < 0.46 would call
     # every KD token inconsistent, and the entropy figure would draw "tau = 0.46" on a nats axis.
     monkeypatch.chdir(tmp_path)
-    write_experiment(
-        tmp_path, "sel_s0", {"Product": 2, "Academic": 1}, {"Product": (30, 10, 20), "Academic": (24, 6, 18)}
+    res = _analyze_one_selectkd_run(
+        tmp_path, {"Product": 2, "Academic": 1}, tau=0.46, train={"tau_scale": "max_entropy"}
     )
-    (tmp_path / "data/processed").mkdir(parents=True)
-    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
-    params = {
-        "tau": 0.46,
-        "train": {"tau_scale": "max_entropy"},
-        "experiments": {"sel_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}},
-    }
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    analyze.main([])
-    res = json.loads((tmp_path / "reports/analysis/kd_analysis.json").read_text())
     assert 0.46 * math.log(50265) == pytest.approx(4.98, abs=0.01)
     for client in ("Product", "Academic"):
         assert res["clients"][client]["gate_inconsistent_tokens"] is None  # not checkable here; never a false count
@@ -350,18 +352,7 @@ def test_a_client_without_a_best_round_is_reported_not_a_crash(tmp_path, monkeyp
     # 1..0 holds no word update and its KD usage ratio is undefined (null in kd_analysis.json). The stage still
     # prints every client's line and ends normally; Academic's 3 of 4 word updates are 75 %.
     monkeypatch.chdir(tmp_path)
-    write_experiment(
-        tmp_path, "sel_s0", {"Product": 0, "Academic": 1}, {"Product": (30, 10, 20), "Academic": (24, 6, 18)}
-    )
-    (tmp_path / "data/processed").mkdir(parents=True)
-    postags_table().to_parquet(tmp_path / "data/processed/postags.parquet")
-    params = {
-        "tau": 5.0,
-        "experiments": {"sel_s0": {"method": "fedselectkd", "partition": "domain/seed0", "seed": 0, "study": "main"}},
-    }
-    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
-    analyze.main([])
-    res = json.loads((tmp_path / "reports/analysis/kd_analysis.json").read_text())
+    res = _analyze_one_selectkd_run(tmp_path, {"Product": 0, "Academic": 1}, tau=5.0)
     assert res["clients"]["Product"]["kd_usage_ratio"] is None
     out = capsys.readouterr().out
     assert "analyze: Academic: KD usage 75.0 % (paper 86 %)" in out

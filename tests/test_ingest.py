@@ -660,38 +660,26 @@ def test_an_empty_split_file_is_read_as_absent_exactly_when_a_pattern_allows_its
         list(read_samsum(directory, IngestReport("samsum", "test"), allow_absent=["qmsum/*", "samsum/*/valid"]))
 
 
-def test_an_empty_dialogue_is_skipped_and_the_rest_of_the_file_still_read(tmp_path):
-    from pipeline.common.schema import IngestReport
-    from pipeline.datasets.readers.samsum import read_samsum
-
-    train = [
-        {"id": "1", "dialogue": "A: hi", "summary": "s1"},
-        {"id": "2", "dialogue": " ", "summary": "s2"},
-        {"id": "3", "dialogue": "B: bye", "summary": "s3"},
-    ]
-    report = IngestReport("samsum", "test")
-    records = list(read_samsum(_samsum_dir(tmp_path, train=train), report))
-    assert [r.meeting_id for r in records if r.split == "train"] == ["1", "3"]
-    assert [(s.record, s.source_line, s.reason) for s in report.skipped] == [("2", 2, "empty dialogue")]
-
-
-def test_a_dialogue_with_an_empty_summary_is_skipped_like_an_empty_dialogue_and_the_rest_still_read(tmp_path):
-    """No target to train toward or score against: left out, named in the report (file, line, dialogue, reason)."""
+def test_an_empty_dialogue_or_summary_is_skipped_and_the_rest_of_the_file_still_read(tmp_path):
+    """No source, or no target to train toward or score against: left out, named in the report (file, line,
+    dialogue, reason)."""
     from pipeline.common.schema import IngestReport, Skipped
     from pipeline.datasets.readers.samsum import read_samsum
 
     train = [
         {"id": "1", "dialogue": "A: hi", "summary": "s1"},
-        {"id": "2", "dialogue": "B: yes", "summary": " \r\n"},
-        {"id": "3", "dialogue": "C: bye", "summary": ""},
-        {"id": "4", "dialogue": "D: ok", "summary": "s4"},
+        {"id": "2", "dialogue": " ", "summary": "s2"},
+        {"id": "3", "dialogue": "B: yes", "summary": " \r\n"},
+        {"id": "4", "dialogue": "C: bye", "summary": ""},
+        {"id": "5", "dialogue": "D: ok", "summary": "s5"},
     ]
     report = IngestReport("samsum", "test")
     records = list(read_samsum(_samsum_dir(tmp_path, train=train), report))
-    assert [r.meeting_id for r in records if r.split == "train"] == ["1", "4"]
+    assert [r.meeting_id for r in records if r.split == "train"] == ["1", "5"]
     assert report.skipped == [
-        Skipped("samsum/train.json", 2, "2", "empty summary"),
+        Skipped("samsum/train.json", 2, "2", "empty dialogue"),
         Skipped("samsum/train.json", 3, "3", "empty summary"),
+        Skipped("samsum/train.json", 4, "4", "empty summary"),
     ]
 
 

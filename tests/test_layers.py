@@ -188,7 +188,13 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # where examples shared by every seed were intersected) and a meeting several clients hold as one cluster, the rest
 # privacy (client error text, empty DP rounds, SecAgg+ noise), deployment resume and evaluation, warm-up leakage;
 # +2 for one definition of a meeting held by several clients (stats.spans_clients, read by the interval and its text).
-PACKAGE_LINE_CEILING = 14_722
+# Raised to 14,824 by the session after: +103 for about 50 defects its reviewers found and fixed with their checks
+# (privacy: a failed reply and a redone round under client-level and example-level DP; deployment: slot claims, the
+# plan's hash in identify, per-client child runs, offline nodes at admission; planning: non-finite numbers, the
+# client-level DP check at the plan stage and in presets check; the stop rule's round missing a client; claims'
+# signs, levels and exclusions; readers' blank targets; LED global attention), -6 from tightening them, +5 for
+# docstrings and comments wrapped at 120 columns (ruff W505, so that a long line no longer hides size).
+PACKAGE_LINE_CEILING = 14_824
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
