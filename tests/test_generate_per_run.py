@@ -41,3 +41,20 @@ def test_runs_generated_together_are_each_as_generated_alone(kind):
     own = model.generate(enc["input_ids"], enc["attention_mask"], "local", **cfg.generation_kwargs())
     assert [t.strip() for t in tokenizer.batch_decode(own, skip_special_tokens=True)] == together[-1]
     assert len({tuple(summaries) for summaries in alone}) == 3  # the runs' adapters do summarise differently
+
+
+@pytest.mark.parametrize("key", ["max_source_length", "max_target_length"])
+def test_decoding_lengths_beyond_the_backbones_positions_are_one_config_error(key):
+    """evaluate.max_source_length (source truncation) or evaluate.max_target_length (new tokens) beyond the tiny
+    BERT2BERT's 512 positions (tiny_models: max_position_embeddings=512 for encoder and decoder) is a ConfigError
+    naming the key, the value and the limit, not torch's 'expanded size of the tensor (600) must match (512)'."""
+    from pipeline.common.config import ConfigError
+
+    backbone, tokenizer = tiny("bert2bert")
+    model = AdapterSummarizer.from_backbone(backbone, tokenizer, AdapterConfig(top_k=2, bottleneck=8, seed=0), "cpu")
+    lengths = {"max_source_length": 512, "max_target_length": 4} | {key: 600}
+    cfg = EvaluateConfig(batch_size=1, max_target_length=lengths["max_target_length"], min_target_length=1)
+    with pytest.raises(ConfigError, match=rf"^evaluate\.{key}=600 is out of range; allowed: <= 512 "):
+        generate_per_run(
+            model, [model.adapter_state("local")], [[" ".join(WORDS * 200)]], cfg, lengths["max_source_length"], "x"
+        )

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import model_validator
 
-from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, config
+from pipeline.common.config import NonNegativeInt, PositiveInt, TokenLength, check_lengths, config
 from pipeline.common.schema import DataError
 from pipeline.experiments.plans import record_hash
 from pipeline.results.scoring import SCORE_KEYS, TABLE_ROUGE_L
@@ -116,6 +116,7 @@ def generate_per_run(
     from pipeline.modeling.adapter_stack import AdapterStack  # lazy, as above: it imports torch
 
     tokenizer, size = model.tokenizer, cfg.batch_size
+    check_lengths(model.backbone, max_source_length, cfg.max_target_length, "evaluate")  # new tokens: decoder positions
     stacks: dict[tuple[int, ...], AdapterStack] = {}  # by the runs a call holds
     outputs: list[list[str]] = [[] for _ in adapters]
     with torch.no_grad():
@@ -128,9 +129,8 @@ def generate_per_run(
             chunks = [sources[r][start : start + size] for r in runs]
             width = max(map(len, chunks))
             rows = [text for chunk in chunks for text in chunk + [chunk[-1]] * (width - len(chunk))]
-            if runs not in stacks:
+            if runs not in stacks:  # its leaves require grad, but no graph is built under no_grad
                 stacks[runs] = AdapterStack([adapters[r] for r in runs], model.adapter_sets["local"], model.device)
-                stacks[runs].requires_grad_(False)
             enc = tokenizer(rows, max_length=max_source_length, truncation=True, padding=True, return_tensors="pt")
             ids = model.generate(enc["input_ids"], enc["attention_mask"], stacks[runs], **cfg.generation_kwargs())
             texts = [t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
