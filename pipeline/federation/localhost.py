@@ -167,7 +167,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1", PATH=path)
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
-        self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
+        days = 2 + int(cfg.run_timeout_s // 86400)  # valid for the whole run: `flwr ls` connects after it
+        self.certificates = make_self_signed_ca(self.home / "certs", days) if cfg.tls else None
         self.keys: dict[str, tuple[Path, Path]] = {}
         self.superlink: Process | None = None
         self.supernodes: dict[str, Process] = {}
