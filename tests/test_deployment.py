@@ -577,6 +577,19 @@ def test_run_config_values_are_typed_as_flower_reads_them(tmp_path):
     assert tls["superlink"]["fedmeet-local"] == {"address": "127.0.0.1:9", "root-certificates": str(ca.resolve())}
 
 
+def test_a_run_config_value_with_a_quote_space_or_equals_reaches_flower_as_it_is():
+    """Flower 1.41 reads --run-config / --node-config with its own parser (flwr.common.config.parse_config_args):
+    each value must come back as given, an apostrophe in a path included (it was dropped: 'oneil')."""
+    from flwr.common.config import parse_config_args
+
+    from pipeline.federation.localhost import FederationError, run_config_arg
+
+    values = {"plan": "sites/o'neil kit/p.json", "decoding": '{"num_beams": 2}', "client-name": "a=b c", "n": 2}
+    assert parse_config_args([run_config_arg(values)]) == values
+    with pytest.raises(FederationError, match="both"):
+        run_config_arg({"plan": 'it\'s "x"'})
+
+
 def test_a_node_that_disappears_is_recorded_absent_and_rejoins_under_a_new_id(ws):
     """Over the in-process Grid: Committee's node is gone in round 2 (as a SuperNode marked offline) and is back
     in round 3 under a new node id (a restarted SuperNode without authentication)."""

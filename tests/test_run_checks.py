@@ -365,3 +365,20 @@ def test_flwr_run_is_given_a_folder_that_builds_the_checkouts_fab(ws, monkeypatc
     assert sorted(copy.namelist()) == names and "pyproject.toml" in names
     assert any(n.startswith("pipeline/federation/") for n in names)
     assert all(copy.read(n) == checkout.read(n) for n in names)
+
+
+def test_the_local_ca_and_certificate_outlive_the_run_timeout(ws, monkeypatch):
+    """`local --tls --run-timeout T`: the throwaway CA and the SuperLink's certificate are made before the run and
+    must stay valid until T has passed: after the run the launcher opens a new TLS connection (`flwr ls`), as a
+    SuperNode does when it reconnects; they were valid for 2 days whatever T."""
+    import ssl
+    import time
+
+    from tests.test_federated import write_plan
+
+    monkeypatch.setattr(localhost.ProcessGroup, "start", lambda *a, **k: pytest.fail("a process was started"))
+    plan = write_plan("ca-days", "fedavg", rounds=1)
+    end = time.time() + 5 * 86400
+    fed = localhost.LocalhostFederation(localhost.LocalhostConfig(plan, tls=True, run_timeout_s=5 * 86400))
+    for cert in (fed.certificates.ca, fed.certificates.cert):
+        assert ssl.cert_time_to_seconds(ssl._ssl._test_decode_cert(str(cert))["notAfter"]) >= end

@@ -46,6 +46,8 @@ def write_kit(plan_path: str, out: Path, client: str | None = None, params: str 
 
     from pipeline.training.client_data import read_examples, read_partition  # lazy, as above: it imports pandas
 
+    if Path(plan_path).is_absolute() or ".." in Path(plan_path).parts:  # laid out under ``out`` at its own path
+        raise ConfigError(f"--plan {plan_path}: give the plan's path relative to the project root, inside it")
     plan = read_plan(plan_path)
     if not plan.clients:
         raise DataError(

@@ -123,12 +123,14 @@ class LocalhostRun:
 
 
 def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
-    """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs."""
+    """``--run-config`` / ``--node-config`` text: space-separated TOML key=value pairs Flower's parser reads back."""
 
     def toml(v: str | int | float | bool) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        return repr(v) if isinstance(v, (int, float)) else "'" + str(v).replace("'", "") + "'"
+        if isinstance(v, (int, float)):  # a bool too
+            return str(v).lower() if isinstance(v, bool) else repr(v)
+        if "'" in (s := str(v)) and '"' in s:
+            raise FederationError(f"run/node config value {s!r}: Flower cannot read a value with both ' and \"")
+        return json.dumps(s, ensure_ascii=False) if "'" in s else f"'{s}'"
 
     return " ".join(f"{k}={toml(v)}" for k, v in values.items())
 
@@ -165,7 +167,8 @@ class LocalhostFederation(contextlib.AbstractContextManager):
         env = dict(os.environ, FLWR_HOME=str(self.home), FLWR_TELEMETRY_ENABLED="0", PYTHONUNBUFFERED="1", PATH=path)
         self.procs = ProcessGroup(self.home / "logs", env, cfg.stop_timeout_s)
         self.port = free_port()
-        self.certificates = make_self_signed_ca(self.home / "certs") if cfg.tls else None
+        days = 2 + int(cfg.run_timeout_s // 86400)  # valid for the whole run: `flwr ls` connects after it
+        self.certificates = make_self_signed_ca(self.home / "certs", days) if cfg.tls else None
         self.keys: dict[str, tuple[Path, Path]] = {}
         self.superlink: Process | None = None
         self.supernodes: dict[str, Process] = {}
