@@ -191,6 +191,21 @@ def test_a_run_whose_process_died_is_killed_at_the_next_start_of_that_experiment
 
 
 @pytest.mark.slow
+def test_a_run_marked_killed_from_outside_closes_its_clients_runs_too(store):
+    """The local command marks KILLED a deployed server's run its killed ServerApp left RUNNING (end_if_running);
+    docs/mlflow.md: the run is closed "and its clients' runs". A client run left RUNNING is closed by nothing after:
+    the next start marks only RUNNING experiment runs, and their clients."""
+    from pipeline.results.tracking import RunLogger, end_if_running
+
+    server = RunLogger.start("s", "a", {"x": 1}, {"experiment": "a"}, clients=("c1", "c2"))
+    server._monitor.finish()  # the ServerApp dies: nothing ends its runs
+    assert end_if_running(server.run_id, "interrupted")
+    runs = [server.run_id, _client_run(server.run_id, "c1"), _client_run(server.run_id, "c2")]
+    assert [_client().get_run(r).info.status for r in runs] == ["KILLED"] * 3
+    assert not end_if_running(server.run_id, "again")
+
+
+@pytest.mark.slow
 def test_a_rerun_whose_killed_run_was_deleted_starts_a_new_run(store):
     """A killed run deleted by hand (the UI's Delete) before the rerun: MLflow refuses to update a deleted run, so the
     rerun must open a new active run (its id written to the run id file), not fail on reopening the deleted one."""

@@ -360,12 +360,12 @@ def delete_run(run_id: str, unless_logged: str | None = None) -> None:
 
 
 def end_if_running(run_id: str, reason: str, status: str = "KILLED") -> bool:
-    """End run ``run_id`` with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is RUNNING; whether it was."""
-    client = _client()
-    if client.get_run(run_id).info.status != "RUNNING":
+    """End run ``run_id`` and its clients' runs with ``status`` and tag ``fedmeet.end`` = ``reason`` if it is
+    RUNNING; whether it was."""
+    if (logger := RunLogger(run_id))._client.get_run(run_id).info.status != "RUNNING":
         return False
-    client.set_tag(run_id, "fedmeet.end", reason)
-    client.set_terminated(run_id, status=status)
+    logger.set_tags({"fedmeet.end": reason})
+    logger.finish(status)
     return True
 
 
