@@ -474,3 +474,18 @@ def test_the_train_windows_pass_over_a_step_its_killed_call_left_running():
     killed = {"budget_s": 570, "steps": [{"step": "train@1", "status": "running", "started_at": 100.0}]}
     resumed = {"budget_s": 200, "steps": [{"step": "train@1", "status": "ok", "started_at": 700.0, "seconds": 50.0}]}
     assert call_report.train_windows([killed, resumed], "", None) == [(700.0, 750.0)]
+
+
+def test_every_printed_call_fits_the_tools_limits_whatever_the_lease_has_left():
+    """The device tool takes a limit of at most 600 s and cuts a call at the lease's time left; the script's files come
+    back only once it has packed them at its budget. Each printed call's budget and limit, evaluated at every
+    budget_left_s a lease can show (a study call that failed early leaves over 610 s for the resumed one), must keep
+    the limit within both, and the budget within the limit."""
+    calls = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})
+    formulas = [re.search(r"limit B \+ (\d+) s, B = ([^:]+):", c) for c in calls[-2:]]
+    assert all(formulas)
+    for left in range(60, 901):
+        for m in formulas:
+            budget = eval(m.group(2), {"min": min, "max": max, "budget_left_s": left})  # noqa: S307
+            limit = budget + int(m.group(1))
+            assert limit <= 600 and limit <= left and budget <= limit, (m.group(0), left)
