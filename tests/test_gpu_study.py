@@ -489,3 +489,22 @@ def test_every_printed_call_fits_the_tools_limits_whatever_the_lease_has_left():
             budget = eval(m.group(2), {"min": min, "max": max, "budget_left_s": left})  # noqa: S307
             limit = budget + int(m.group(1))
             assert limit <= 600 and limit <= left and budget <= limit, (m.group(0), left)
+
+
+def test_the_report_of_a_call_without_archives_leaves_the_kept_call_as_it_was(tmp_path):
+    """A call killed before packing (or a resumed call refused on a fresh machine) returns study.json alone, and a
+    killed save may leave its half-written study.tmp beside it. call_report refuses such files in one line; it must
+    do so before touching the keep folder, which holds the last packed call's evidence (the committed
+    reports/bench/gpu-study-call, whose section 5 is generated from it), not after removing its archives."""
+    keep, returned = tmp_path / "keep", tmp_path / "returned"
+    shutil.copytree(ROOT / "reports/bench/gpu-study-call", keep)
+    before = {f.name: f.read_bytes() for f in keep.iterdir()}
+    returned.mkdir()
+    (returned / "study.json").write_text(json.dumps({"steps": [{"step": "install", "status": "ok"}], "complete": 0}))
+    (returned / "study.tmp").write_text('{"steps": [')
+    md = tmp_path / "engine.md"
+    md.write_text("## 5. old\n")
+    with pytest.raises(SystemExit, match=r"no log\.tar\.gz nor results\.tar\.gz"):
+        call_report.report(returned, keep, md)
+    assert {f.name: f.read_bytes() for f in keep.iterdir()} == before
+    assert md.read_text() == "## 5. old\n"

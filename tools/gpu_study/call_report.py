@@ -244,6 +244,7 @@ def section(folder: Path) -> str:
 
 def report(returned: Path, keep: Path, md: Path) -> None:
     """Copy the returned files to ``keep`` and rewrite ``md``'s section 5 from them."""
+    text = section(returned)  # first: files it refuses (a call cut before packing) leave the kept call as it was
     if returned.resolve() != keep.resolve():
         keep.mkdir(parents=True, exist_ok=True)
         for f in keep.glob("*.tar.gz*"):  # an earlier call's archives and parts: joined with this call's otherwise
@@ -251,7 +252,7 @@ def report(returned: Path, keep: Path, md: Path) -> None:
         for f in returned.iterdir():
             if f.is_file():
                 shutil.copy(f, keep / f.name)
-    replace_section(md, 5, section(keep), "The set engine (issue 53)")
+    replace_section(md, 5, text, "The set engine (issue 53)")
 
 
 def main(argv: list[str] | None = None) -> None:
