@@ -508,3 +508,20 @@ def test_the_report_of_a_call_without_archives_leaves_the_kept_call_as_it_was(tm
         call_report.report(returned, keep, md)
     assert {f.name: f.read_bytes() for f in keep.iterdir()} == before
     assert md.read_text() == "## 5. old\n"
+
+
+def test_the_steps_before_training_are_timed_in_the_first_call_even_when_it_was_killed_mid_train():
+    """Section 5's 'steps before training took N s of the first call': from the first nvidia-smi sample (the first
+    call's start) to the first call's train start. A first call killed mid-train keeps its train step 'running'
+    (started_at, no seconds) and gives no GPU window; N must still be its own 160 - 100 = 60 s, not the time to the
+    resumed call's train (800 - 100)."""
+    params = device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(ROOT / "configs/gpu-study.yaml"))
+    plan = {"step": "plan", "status": "ok", "started_at": 150.0, "seconds": 5.0}
+    killed = {"budget_s": 570, "seconds": 300.0, "complete": False}
+    killed["steps"] = [plan, {"step": "train@1", "status": "running", "started_at": 160.0}]
+    resumed = {"budget_s": 250, "seconds": 200.0, "complete": True, "device": {"python": "3.12", "gpu": "G"}}
+    resumed |= {"earlier_calls": [killed], "steps": [{"step": "train@1", "status": "ok", "started_at": 800.0}]}
+    resumed["steps"][0]["seconds"] = 50.0
+    smi = [(100.0, 0.0, 1.0), (820.0, 90.0, 2.0)]
+    text = call_report.markdown(resumed, "", smi, {}, params)
+    assert "The steps before training took 60 s of the first call." in text
