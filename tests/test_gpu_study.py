@@ -474,3 +474,54 @@ def test_the_train_windows_pass_over_a_step_its_killed_call_left_running():
     killed = {"budget_s": 570, "steps": [{"step": "train@1", "status": "running", "started_at": 100.0}]}
     resumed = {"budget_s": 200, "steps": [{"step": "train@1", "status": "ok", "started_at": 700.0, "seconds": 50.0}]}
     assert call_report.train_windows([killed, resumed], "", None) == [(700.0, 750.0)]
+
+
+def test_every_printed_call_fits_the_tools_limits_whatever_the_lease_has_left():
+    """The device tool takes a limit of at most 600 s and cuts a call at the lease's time left; the script's files come
+    back only once it has packed them at its budget. Each printed call's budget and limit, evaluated at every
+    budget_left_s a lease can show (a study call that failed early leaves over 610 s for the resumed one), must keep
+    the limit within both, and the budget within the limit."""
+    calls = prepare.lease_calls({"calls": {"stage1": 1, "carry": 1}})
+    formulas = [re.search(r"limit B \+ (\d+) s, B = ([^:]+):", c) for c in calls[-2:]]
+    assert all(formulas)
+    for left in range(60, 901):
+        for m in formulas:
+            budget = eval(m.group(2), {"min": min, "max": max, "budget_left_s": left})  # noqa: S307
+            limit = budget + int(m.group(1))
+            assert limit <= 600 and limit <= left and budget <= limit, (m.group(0), left)
+
+
+def test_the_report_of_a_call_without_archives_leaves_the_kept_call_as_it_was(tmp_path):
+    """A call killed before packing (or a resumed call refused on a fresh machine) returns study.json alone, and a
+    killed save may leave its half-written study.tmp beside it. call_report refuses such files in one line; it must
+    do so before touching the keep folder, which holds the last packed call's evidence (the committed
+    reports/bench/gpu-study-call, whose section 5 is generated from it), not after removing its archives."""
+    keep, returned = tmp_path / "keep", tmp_path / "returned"
+    shutil.copytree(ROOT / "reports/bench/gpu-study-call", keep)
+    before = {f.name: f.read_bytes() for f in keep.iterdir()}
+    returned.mkdir()
+    (returned / "study.json").write_text(json.dumps({"steps": [{"step": "install", "status": "ok"}], "complete": 0}))
+    (returned / "study.tmp").write_text('{"steps": [')
+    md = tmp_path / "engine.md"
+    md.write_text("## 5. old\n")
+    with pytest.raises(SystemExit, match=r"no log\.tar\.gz nor results\.tar\.gz"):
+        call_report.report(returned, keep, md)
+    assert {f.name: f.read_bytes() for f in keep.iterdir()} == before
+    assert md.read_text() == "## 5. old\n"
+
+
+def test_the_steps_before_training_are_timed_in_the_first_call_even_when_it_was_killed_mid_train():
+    """Section 5's 'steps before training took N s of the first call': from the first nvidia-smi sample (the first
+    call's start) to the first call's train start. A first call killed mid-train keeps its train step 'running'
+    (started_at, no seconds) and gives no GPU window; N must still be its own 160 - 100 = 60 s, not the time to the
+    resumed call's train (800 - 100)."""
+    params = device.merge_profile(_yaml(ROOT / "params.yaml"), _yaml(ROOT / "configs/gpu-study.yaml"))
+    plan = {"step": "plan", "status": "ok", "started_at": 150.0, "seconds": 5.0}
+    killed = {"budget_s": 570, "seconds": 300.0, "complete": False}
+    killed["steps"] = [plan, {"step": "train@1", "status": "running", "started_at": 160.0}]
+    resumed = {"budget_s": 250, "seconds": 200.0, "complete": True, "device": {"python": "3.12", "gpu": "G"}}
+    resumed |= {"earlier_calls": [killed], "steps": [{"step": "train@1", "status": "ok", "started_at": 800.0}]}
+    resumed["steps"][0]["seconds"] = 50.0
+    smi = [(100.0, 0.0, 1.0), (820.0, 90.0, 2.0)]
+    text = call_report.markdown(resumed, "", smi, {}, params)
+    assert "The steps before training took 60 s of the first call." in text

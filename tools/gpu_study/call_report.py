@@ -146,7 +146,10 @@ def markdown(
         f"{_number(r['holdout'], '.3f')} |\n"
         for r in rows
     )
-    before_train = windows[0][0] - t0 if windows and t0 else float("nan")
+    # the first call's train start: a step its killed call left running gives no window but has started_at
+    starts = [s["started_at"] for s in calls[0]["steps"] if s["step"].startswith("train") and "started_at" in s]
+    first_train = min(starts) if starts else windows[0][0] if windows else None
+    before_train = first_train - t0 if first_train is not None and t0 else float("nan")
     projected = [p or stop.max_rounds for r in rows for p in r["projected"]]
     trained = all(s["status"] == "ok" for s in study["steps"] if s["step"].startswith("train"))
     util = [u for u, _ in in_train]
@@ -244,6 +247,7 @@ def section(folder: Path) -> str:
 
 def report(returned: Path, keep: Path, md: Path) -> None:
     """Copy the returned files to ``keep`` and rewrite ``md``'s section 5 from them."""
+    text = section(returned)  # first: files it refuses (a call cut before packing) leave the kept call as it was
     if returned.resolve() != keep.resolve():
         keep.mkdir(parents=True, exist_ok=True)
         for f in keep.glob("*.tar.gz*"):  # an earlier call's archives and parts: joined with this call's otherwise
@@ -251,7 +255,7 @@ def report(returned: Path, keep: Path, md: Path) -> None:
         for f in returned.iterdir():
             if f.is_file():
                 shutil.copy(f, keep / f.name)
-    replace_section(md, 5, section(keep), "The set engine (issue 53)")
+    replace_section(md, 5, text, "The set engine (issue 53)")
 
 
 def main(argv: list[str] | None = None) -> None:

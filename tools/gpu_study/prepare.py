@@ -217,7 +217,7 @@ def lease_calls(manifest: dict[str, Any], train_processes: int = 3) -> list[str]
         f"{processes}"
     )
     calls.append(
-        'if the study did not finish and status says warm (else a fresh machine has nothing to resume): carry [".gpu-study/resume"], limit B + 20 s, B = budget_left_s - 30: '
+        'if the study did not finish and status says warm (else a fresh machine has nothing to resume): carry [".gpu-study/resume"], limit B + 20 s, B = min(580, budget_left_s - 30): '
         f"{RESUMED_CALL} --budget B {processes}"
     )
     return calls
