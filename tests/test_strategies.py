@@ -260,3 +260,18 @@ def test_fednova_accumulates_in_float64_and_rounds_once():
     expected = (w - float((p * np.array(steps)).sum()) * d).astype(np.float32)
     got = arrays["w"].numpy()
     assert got.dtype == np.float32 and np.array_equal(got, expected)
+
+
+@pytest.mark.parametrize("optimizer", ["sgdm", "adam", "yogi", "adagrad"])
+def test_params_server_lr_defaults_to_flowers_for_the_chosen_optimiser(optimizer):
+    """params.yaml's fedopt group with only the optimiser switched: each server optimiser gets Flower's own default
+    learning rate (FedAvgM 1.0, FedAdam/FedAdagrad eta 0.1, FedYogi 0.01), not sgdm's 1.0 (Adam's first step with
+    eta 1 is ~0.74 per coordinate whatever the update's size)."""
+    import inspect
+
+    import yaml
+
+    fedopt = yaml.safe_load(open("params.yaml"))["train"]["fedopt"] | {"server_optimizer": optimizer}
+    strategy = _strategy("fedopt", fedopt=fedopt)
+    key = "server_learning_rate" if optimizer == "sgdm" else "eta"
+    assert getattr(strategy, key) == inspect.signature(type(strategy)).parameters[key].default

@@ -33,11 +33,14 @@ class FedOptConfig:
     # Server optimiser for `fedopt`: "sgdm" = FedAvgM (FedNLP's default: server SGD, lr 1.0, momentum 0.9),
     # or "adam" | "yogi" | "adagrad" (Reddi et al. 2021, Flower's FedAdam/FedYogi/FedAdagrad).
     server_optimizer: Literal["sgdm", "adam", "yogi", "adagrad"] = "sgdm"
-    server_lr: Positive = 1.0
+    server_lr: Positive | None = None  # None: Flower's default for the optimiser (resolved here, so plans hold it)
     server_momentum: Decay = 0.9
     beta_1: Decay = 0.9
     beta_2: Decay = 0.99
     eps: Positive = 1.0e-3  # Reddi et al.'s adaptivity constant tau (here `tau` is the entropy threshold)
+
+    def __post_init__(self) -> None:
+        self.server_lr = self.server_lr or dict(sgdm=1.0, adam=0.1, yogi=0.01, adagrad=0.1)[self.server_optimizer]
 
 
 @config
