@@ -39,6 +39,7 @@ def test_the_apps_run_config_is_what_the_server_app_reads():
         ("evaluate-every=-1", "evaluate-every"),
         ("round-timeout-s=-0.5", "round-timeout-s"),
         ("admission-timeout-s=-2", "admission-timeout-s"),
+        ("cache-max-gb=-1.0", "cache-max-gb"),  # passed the server's check, refused only by each client
         ("plan=3", "plan"),
         ("""decoding='{"num_beams": 4'""", "decoding"),  # not JSON
         ("""decoding='{"num_beams": "x"}'""", "decoding"),

@@ -72,7 +72,7 @@ class ServerRunConfig:
     admission_timeout_s: NonNegative = Field(0.0, alias="admission-timeout-s")
     # the ClientApps' run-time settings (pipeline.federation.protocol.client_cache_config)
     cache_dir: str = Field("", alias="cache-dir")
-    cache_max_gb: float = Field(0.0, alias="cache-max-gb")
+    cache_max_gb: NonNegative = Field(0.0, alias="cache-max-gb")
 
     def timeouts(self) -> tuple[float, float]:
         """(round, admission) timeouts; 0: the run-time settings' defaults."""
