@@ -473,3 +473,15 @@ def test_warmup_lengths_beyond_the_backbones_positions_are_one_config_error(tmp_
     cfg.warmup.max_source_length = 256  # the largest the table holds: scored
     record = bb.resolve(cfg, "#SEP#", tmp_path / "out", interim.parent, tmp_path / "r.json", rouge_summary)
     assert record["evaluation"]["examples"] == 1
+
+
+def test_generation_max_new_tokens_beyond_the_decoders_positions_is_one_config_error(tmp_path):
+    # the tiny BART's decoder has 256 positions: the warm-up's scoring decodes up to generation.max_new_tokens
+    src = tiny_models.save_tiny("bart", tmp_path / "src")
+    interim = write_interim(tmp_path / "interim" / "samsum.parquet")
+    cfg = local_cfg(src, eval_examples=1)
+    cfg.generation = bb.GenerationDefaults(max_new_tokens=300, min_new_tokens=300)
+    with pytest.raises(
+        ConfigError, match=r"^backbone\.generation\.max_new_tokens=300 is out of range; allowed: <= 256"
+    ):
+        bb.resolve(cfg, "#SEP#", tmp_path / "out", interim.parent, tmp_path / "r.json", rouge_summary)

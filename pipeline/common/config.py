@@ -249,9 +249,9 @@ def flatten(d: dict[str, Any], prefix: str = "", whole: tuple[str, ...] = ()) ->
     return out
 
 
-def check_lengths(backbone: Any, source: int, target: int, group: str = "model") -> None:
+def check_lengths(backbone: Any, source: int, target: int, group: str = "model", tk: str = "max_target_length") -> None:
     """``group``'s max lengths fit the backbone's position tables (a longer input fails deep inside torch)."""
-    for part, key, n in (("encoder", "max_source_length", source), ("decoder", "max_target_length", target)):
+    for part, key, n in (("encoder", "max_source_length", source), ("decoder", tk, target)):
         c = getattr(backbone.config, part) if backbone.config.model_type == "encoder-decoder" else backbone.config
         limit = getattr(c, f"max_{part}_position_embeddings", None) or getattr(c, "max_position_embeddings", None)
         if limit and n > limit:  # no limit: relative positions (T5)

@@ -196,6 +196,8 @@ def resolve(
     interim = interim_dir / f"{wc.dataset}.parquet"
     if kind == "recipe" or wc.eval_examples > 0:  # the warm-up's lengths: its training and its scoring
         check_lengths(model, wc.max_source_length, wc.max_target_length, "backbone.warmup")
+    if wc.eval_examples > 0:  # its scoring decodes up to generation.max_new_tokens
+        check_lengths(model, 0, cfg.generation.max_new_tokens, "backbone.generation", "max_new_tokens")
     if kind == "recipe":
         train_pairs = load_pairs(interim, "train", sep_token)
         warmup = recipe.warm_up(model, tokenizer, train_pairs, wc, device)
