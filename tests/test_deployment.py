@@ -894,3 +894,14 @@ def test_a_stranger_naming_a_declared_client_does_not_score_for_it_at_the_federa
         "Committee": 20.0,
         "Product": 10.0,
     }
+
+
+def test_a_connection_under_a_path_with_a_quote_or_backslash_reads_back(tmp_path):
+    """config.toml's root-certificates is a TOML string: a work directory `"` or `\\` in its name must read back."""
+    from pipeline.federation.localhost import write_connection
+    from pipeline.federation.tls import Certificates
+
+    ca = tmp_path / 'a "b" \\c' / "ca.crt"
+    write_connection(tmp_path / "home", 9, Certificates(ca, ca, ca))
+    tls = tomllib.loads((tmp_path / "home" / "config.toml").read_text())
+    assert tls["superlink"]["fedmeet-local"]["root-certificates"] == str(tmp_path) + '/a "b" \\c/ca.crt'
