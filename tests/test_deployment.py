@@ -905,3 +905,24 @@ def test_a_connection_under_a_path_with_a_quote_or_backslash_reads_back(tmp_path
     write_connection(tmp_path / "home", 9, Certificates(ca, ca, ca))
     tls = tomllib.loads((tmp_path / "home" / "config.toml").read_text())
     assert tls["superlink"]["fedmeet-local"]["root-certificates"] == str(tmp_path) + '/a "b" \\c/ca.crt'
+
+
+def test_a_superlink_that_exited_fails_the_port_wait_though_another_listens_there(tmp_path):
+    """free_port()'s port taken by another process: the SuperLink exits, the intruder's listener must not pass the
+    wait (the failure was blamed on the SuperNodes later); one line naming the SuperLink, its exit and log tail."""
+    import socket
+
+    from pipeline.federation.processes import FederationError, Process, port_open, wait_for
+
+    log = tmp_path / "superlink.log"
+    with open(log, "wb") as out:
+        code = "print('address already in use'); raise SystemExit(3)"
+        popen = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+    popen.wait(timeout=30)
+    with socket.socket() as intruder:
+        intruder.bind(("127.0.0.1", 0))
+        intruder.listen()
+        port = intruder.getsockname()[1]
+        with pytest.raises(FederationError, match=r"^superlink exited \(status 3\).*address already in use") as err:
+            wait_for(lambda: port_open(port), 5, f"the SuperLink listening on {port}", Process("superlink", popen, log))
+    assert "\n" not in str(err.value)

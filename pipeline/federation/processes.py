@@ -100,7 +100,7 @@ def free_port() -> int:
 
 def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (predicate() and proc.alive()):  # alive after: another process may answer for it (a taken port)
         if not proc.alive():
             tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:]) if proc.log.exists() else ""
             raise FederationError(
