@@ -924,5 +924,37 @@ def test_a_superlink_that_exited_fails_the_port_wait_though_another_listens_ther
         intruder.listen()
         port = intruder.getsockname()[1]
         with pytest.raises(FederationError, match=r"^superlink exited \(status 3\).*address already in use") as err:
-            wait_for(lambda: port_open(port), 5, f"the SuperLink listening on {port}", Process("superlink", popen, log))
+            proc = Process("superlink", popen, log)
+            wait_for(lambda: port_open(port, proc), 5, f"the SuperLink listening on {port}", proc)
     assert "\n" not in str(err.value)
+    code = "import socket, time; s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True)"
+    code += "; time.sleep(60)"
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) as listener:  # its own listener passes
+        port = int(listener.stdout.readline())
+        proc = Process("superlink", listener, log)
+        wait_for(lambda: port_open(port, proc), 5, "the SuperLink listening", proc)  # returns
+        listener.kill()
+
+
+def test_a_superlink_still_starting_does_not_pass_for_listening_on_a_port_another_took(ws, monkeypatch):
+    """The realistic case: the SuperLink is still importing when the port check runs and another process listens on
+    its port; it then fails to bind and exits. The wait must not pass on the intruder (the SuperNodes were started
+    and the failure blamed on them): one line naming the SuperLink, its exit and log tail."""
+    import socket
+
+    from pipeline.federation.localhost import FederationError, LocalhostConfig, LocalhostFederation
+    from tests.test_federated import write_plan
+
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("taken-port", "fedavg"), startup_timeout_s=20.0))
+    code = "import time; time.sleep(1.5); print('[Errno 98] address already in use'); raise SystemExit(1)"
+    start = fed.procs.start  # every process (SuperLink, SuperNodes): a stand-in failing as on a taken port
+    monkeypatch.setattr(
+        fed.procs, "start", lambda name, argv, cwd, **kw: start(name, [sys.executable, "-c", code], cwd)
+    )
+    with socket.socket() as intruder, fed:
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        intruder.bind(("127.0.0.1", fed.port))
+        intruder.listen()
+        with pytest.raises(FederationError, match=r"^superlink exited \(status 1\).*address already in use"):
+            fed.start()
+    assert not fed.supernodes

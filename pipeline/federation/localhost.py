@@ -210,7 +210,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
         listening = f"the SuperLink listening on {HOST}:{self.port}"
-        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s, listening, self.superlink)
+        wait_for(lambda: port_open(self.port, self.superlink), self.cfg.startup_timeout_s, listening, self.superlink)
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)
