@@ -894,3 +894,67 @@ def test_a_stranger_naming_a_declared_client_does_not_score_for_it_at_the_federa
         "Committee": 20.0,
         "Product": 10.0,
     }
+
+
+def test_a_connection_under_a_path_with_a_quote_or_backslash_reads_back(tmp_path):
+    """config.toml's root-certificates is a TOML string: a work directory `"` or `\\` in its name must read back."""
+    from pipeline.federation.localhost import write_connection
+    from pipeline.federation.tls import Certificates
+
+    ca = tmp_path / 'a "b" \\c' / "ca.crt"
+    write_connection(tmp_path / "home", 9, Certificates(ca, ca, ca))
+    tls = tomllib.loads((tmp_path / "home" / "config.toml").read_text())
+    assert tls["superlink"]["fedmeet-local"]["root-certificates"] == str(tmp_path) + '/a "b" \\c/ca.crt'
+
+
+def test_a_superlink_that_exited_fails_the_port_wait_though_another_listens_there(tmp_path):
+    """free_port()'s port taken by another process: the SuperLink exits, the intruder's listener must not pass the
+    wait (the failure was blamed on the SuperNodes later); one line naming the SuperLink, its exit and log tail."""
+    import socket
+
+    from pipeline.federation.processes import FederationError, Process, port_open, wait_for
+
+    log = tmp_path / "superlink.log"
+    with open(log, "wb") as out:
+        code = "print('address already in use'); raise SystemExit(3)"
+        popen = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+    popen.wait(timeout=30)
+    with socket.socket() as intruder:
+        intruder.bind(("127.0.0.1", 0))
+        intruder.listen()
+        port = intruder.getsockname()[1]
+        with pytest.raises(FederationError, match=r"^superlink exited \(status 3\).*address already in use") as err:
+            proc = Process("superlink", popen, log)
+            wait_for(lambda: port_open(port, proc), 5, f"the SuperLink listening on {port}", proc)
+    assert "\n" not in str(err.value)
+    code = "import socket, time; s = socket.create_server(('127.0.0.1', 0)); print(s.getsockname()[1], flush=True)"
+    code += "; time.sleep(60)"
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE) as listener:  # its own listener passes
+        port = int(listener.stdout.readline())
+        proc = Process("superlink", listener, log)
+        wait_for(lambda: port_open(port, proc), 5, "the SuperLink listening", proc)  # returns
+        listener.kill()
+
+
+def test_a_superlink_still_starting_does_not_pass_for_listening_on_a_port_another_took(ws, monkeypatch):
+    """The realistic case: the SuperLink is still importing when the port check runs and another process listens on
+    its port; it then fails to bind and exits. The wait must not pass on the intruder (the SuperNodes were started
+    and the failure blamed on them): one line naming the SuperLink, its exit and log tail."""
+    import socket
+
+    from pipeline.federation.localhost import FederationError, LocalhostConfig, LocalhostFederation
+    from tests.test_federated import write_plan
+
+    fed = LocalhostFederation(LocalhostConfig(plan=write_plan("taken-port", "fedavg"), startup_timeout_s=20.0))
+    code = "import time; time.sleep(1.5); print('[Errno 98] address already in use'); raise SystemExit(1)"
+    start = fed.procs.start  # every process (SuperLink, SuperNodes): a stand-in failing as on a taken port
+    monkeypatch.setattr(
+        fed.procs, "start", lambda name, argv, cwd, **kw: start(name, [sys.executable, "-c", code], cwd)
+    )
+    with socket.socket() as intruder, fed:
+        intruder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        intruder.bind(("127.0.0.1", fed.port))
+        intruder.listen()
+        with pytest.raises(FederationError, match=r"^superlink exited \(status 1\).*address already in use"):
+            fed.start()
+    assert not fed.supernodes

@@ -137,7 +137,7 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
-    security = f'root-certificates = "{certificates.ca.resolve()}"' if certificates else "insecure = true"
+    security = f"root-certificates={json.dumps(str(certificates.ca.resolve()))}" if certificates else "insecure = true"
     atomic.write_text(
         home / "config.toml",
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{HOST}:{port}"\n{security}\n',
@@ -210,7 +210,7 @@ class LocalhostFederation(contextlib.AbstractContextManager):
             argv.append("--enable-supernode-auth")
         self.superlink = self.procs.start("superlink", argv, self.workdir)
         listening = f"the SuperLink listening on {HOST}:{self.port}"
-        wait_for(lambda: port_open(self.port), self.cfg.startup_timeout_s, listening, self.superlink)
+        wait_for(lambda: port_open(self.port, self.superlink), self.cfg.startup_timeout_s, listening, self.superlink)
         write_connection(self.home, self.port, self.certificates)
         for name in self.clients if self.cfg.auth else []:  # SuperNode authentication: a registered key each
             self.keys[name] = make_node_key(self.home / "keys", name)

@@ -100,7 +100,7 @@ def free_port() -> int:
 
 def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not (predicate() and proc.alive()):  # alive after: another process may answer for it (a taken port)
         if not proc.alive():
             tail = "\n".join(proc.log.read_text(errors="replace").splitlines()[-3:]) if proc.log.exists() else ""
             raise FederationError(
@@ -111,7 +111,7 @@ def wait_for(predicate, timeout_s: float, what: str, proc: Process) -> None:
         time.sleep(0.2)
 
 
-def port_open(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.settimeout(0.5)
-        return s.connect_ex((HOST, port)) == 0
+def port_open(port: int, p: Process) -> bool:  # p's own listener: not another's on a port taken meanwhile
+    with contextlib.suppress(psutil.Error):
+        return any(c.laddr.port == port and c.status == "LISTEN" for c in psutil.Process(p.popen.pid).net_connections())
+    return False
