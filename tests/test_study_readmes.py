@@ -185,3 +185,13 @@ def test_the_privacy_study_settings_quoted_are_its_params_and_records():
     assert deltas == {1e-5} and "delta = 1e-5" in text
     assert len(n_clients) == 1 and f"ROUGE rests on {per_client * n_clients.pop()} test examples" in text
     assert f"a {params['train']['rounds']}-round budget" in text
+
+
+def test_the_statistics_docs_query_and_meeting_counts_are_the_cpu_studys_test_set():
+    """docs/statistics.md: "QMSum's 244 test queries come from 35 meetings (Academic 9, Committee 6, Product 20)"."""
+    pd = pytest.importorskip("pandas")
+    text = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    scores = pd.read_parquet(STUDY / "eval/centralized-domain-s0/per_example.parquet")
+    meeting = scores["example_id"].str.rsplit("/", n=1).str[0]  # pipeline.results.stats.meetings
+    per_client = ", ".join(f"{c} {n}" for c, n in meeting.groupby(scores["client"]).nunique().items())
+    assert f"QMSum's {len(scores)} test queries come from {meeting.nunique()} meetings ({per_client})" in text
