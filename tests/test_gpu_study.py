@@ -525,3 +525,30 @@ def test_the_steps_before_training_are_timed_in_the_first_call_even_when_it_was_
     smi = [(100.0, 0.0, 1.0), (820.0, 90.0, 2.0)]
     text = call_report.markdown(resumed, "", smi, {}, params)
     assert "The steps before training took 60 s of the first call." in text
+
+
+def test_the_gpu_lease_docs_estimate_is_the_estimators_output():
+    """docs/gpu-lease.md's expected-GPU-time table, warm-up and evaluation seconds: `python -m
+    tools.gpu_study.estimate` on the committed timings and partition report, number for number."""
+    from tools.gpu_study.estimate import REPO, estimate
+
+    out = estimate([12, 40], REPO / "reports/partitions/domain-seed0.json").splitlines()
+    doc = " ".join((REPO / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    for row in [line for line in out if re.match(r"\| \d+ \|", line)]:
+        assert row in doc, row
+    backbone = re.search(r"measured: (\d+) s", out[1])[1]
+    evaluation = re.search(r"summed: (\d+) s", out[2])[1]
+    assert f"warm-up with scoring (at most {backbone} s," in doc and f"evaluation ({evaluation} s summed" in doc
+
+
+def test_the_gpu_lease_docs_measurements_are_the_committed_reports():
+    """docs/gpu-lease.md quotes reports/bench/group_loss.json (25 buffers; 0.14x the time, 0.04x the bytes) and
+    engine.md section 5's peak GPU memory."""
+    root = Path(__file__).resolve().parents[1]
+    doc = " ".join((root / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    group = json.loads((root / "reports/bench/group_loss.json").read_text())
+    ratio = group["ratio"]
+    assert f"{group['runs']} such buffers a micro-batch" in doc
+    assert f"{ratio['seconds']:.2f}x the time, {ratio['backward_bytes']:.2f}x the bytes allocated" in doc
+    peak = re.search(r"memory at most (\d+) MiB", (root / "reports/bench/engine.md").read_text())[1]
+    assert f"peaked at {int(peak):,} MiB of GPU memory" in doc
