@@ -552,3 +552,21 @@ def test_the_gpu_lease_docs_measurements_are_the_committed_reports():
     assert f"{ratio['seconds']:.2f}x the time, {ratio['backward_bytes']:.2f}x the bytes allocated" in doc
     peak = re.search(r"memory at most (\d+) MiB", (root / "reports/bench/engine.md").read_text())[1]
     assert f"peaked at {int(peak):,} MiB of GPU memory" in doc
+
+
+def test_the_engine_reports_group_loss_sentence_is_its_json():
+    """reports/bench/engine.md section 3 quotes reports/bench/group_loss.json: seconds, backward GB and operations
+    one call a run against one call, with their ratios computed from the values (not the JSON's rounded ratios)."""
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "reports/bench/engine.md").read_text(encoding="utf-8").split())
+    g = json.loads((root / "reports/bench/group_loss.json").read_text())
+    a, b = g["per_run"], g["one_call"]
+    assert f"{g['runs']} runs x {g['rows']} target tokens at V = {g['vocab']:,}" in text
+    assert (
+        f"took {a['seconds']:.1f} s one call a run and {b['seconds']:.1f} s in one call ({b['seconds'] / a['seconds']:.2f}x;"
+        in text
+    )
+    gb = f"allocated {a['backward_bytes'] / 1e9:.1f} GB and {b['backward_bytes'] / 1e9:.1f} GB"
+    assert f"{gb} ({b['backward_bytes'] / a['backward_bytes']:.2f}x)" in text
+    ops = f"{a['operations']:,} and {b['operations']:,} operations ({b['operations'] / a['operations']:.2f}x:"
+    assert ops in text
