@@ -240,3 +240,18 @@ def test_the_readmes_punct_count_is_the_postag_report():
         pytest.skip("README.md no longer compares POS counts with an earlier run")
     counts = json.loads((ROOT / "reports/data/postag.json").read_text())["pos_counts_tokens"]
     assert int(stated[2]) == counts["PUNCT"]
+
+
+def test_the_backbone_docs_cpu_profile_is_params_yaml():
+    """docs/backbone.md: the CPU profile is "one seed, 3 rounds, 16 training examples per client, greedy decoding of 8
+    test examples per client": params.yaml's."""
+    import yaml
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    train, evaluate = params["train"], params["evaluate"]
+    text = " ".join((ROOT / "docs/backbone.md").read_text().split())
+    assert len(params["partition"]["seeds"]) == 1 and evaluate["num_beams"] == 1
+    assert (
+        f"(one seed, {train['rounds']} rounds, {train['max_train_examples_per_client']} training examples per client, "
+        f"greedy decoding of {evaluate['test_examples_per_client']} test examples per client)"
+    ) in text
