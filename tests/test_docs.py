@@ -255,3 +255,13 @@ def test_the_backbone_docs_cpu_profile_is_params_yaml():
         f"(one seed, {train['rounds']} rounds, {train['max_train_examples_per_client']} training examples per client, "
         f"greedy decoding of {evaluate['test_examples_per_client']} test examples per client)"
     ) in text
+
+
+def test_the_readmes_test_time_limit_is_pyprojects():
+    """README.md: "pytest-timeout: 120 s unless a test carries its own": pyproject.toml's default."""
+    import tomllib
+
+    limit = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"]
+    assert f"(pytest-timeout: {limit} s unless a test carries its own)" in " ".join(
+        (ROOT / "README.md").read_text().split()
+    )
