@@ -185,6 +185,12 @@ def test_the_privacy_study_settings_quoted_are_its_params_and_records():
     assert deltas == {1e-5} and "delta = 1e-5" in text
     assert len(n_clients) == 1 and f"ROUGE rests on {per_client * n_clients.pop()} test examples" in text
     assert f"a {params['train']['rounds']}-round budget" in text
+    dp = json.loads((ROOT / "reports/privacy/client_dp.json").read_text())
+    sizes = sorted({r["clients"] for r in dp["runs"]})
+    assert (
+        f"across {', '.join(map(str, sizes[:-1]))} and {sizes[-1]} clients, {dp['privacy']['sampling'].capitalize()}"
+        in text
+    )
 
 
 def test_the_statistics_docs_query_and_meeting_counts_are_the_cpu_studys_test_set():
