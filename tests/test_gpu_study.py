@@ -570,3 +570,23 @@ def test_the_engine_reports_group_loss_sentence_is_its_json():
     assert f"{gb} ({b['backward_bytes'] / a['backward_bytes']:.2f}x)" in text
     ops = f"{a['operations']:,} and {b['operations']:,} operations ({b['operations'] / a['operations']:.2f}x:"
     assert ops in text
+
+
+def test_the_engine_reports_set_round_sentences_are_its_json():
+    """reports/bench/engine.md section 3 quotes reports/bench/set_round.json's "before"/"after" and "5b2c32e-96"."""
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "reports/bench/engine.md").read_text(encoding="utf-8").split())
+    rec = json.loads((root / "reports/bench/set_round.json").read_text())
+    b, a, big = rec["before"], rec["after"], rec["5b2c32e-96"]
+    host, cpu = "host_seconds_per_round", "host_cpu_seconds_per_round"
+    assert (
+        f"went from {b[host]:.2f} s to {a[host]:.2f} s ({a[host] / b[host]:.2f}x; all threads' CPU seconds "
+        f"{b[cpu]:.2f} -> {a[cpu]:.2f}, {a[cpu] / b[cpu]:.2f}x), {b[host] / b['runs']:.2f} -> "
+        f"{a[host] / a['runs']:.2f} s a run-round"
+    ) in text
+    stacked = "stacked_seconds_per_round"
+    assert f"took {b[stacked]:.1f} and {a[stacked]:.1f} s in the two records" in text
+    assert (
+        f"Host (b): {big[host]:.2f} s wall and {big[cpu]:.2f} CPU s a round ({big[host] / big['runs']:.2f} s and "
+        f"{big[cpu] / big['runs']:.2f} CPU s a run-round)"
+    ) in text
