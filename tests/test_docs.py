@@ -218,3 +218,50 @@ def test_the_readmes_repro_time_and_memory_are_the_committed_timing_tables():
     assert stated and span and peak, "README.md or reports/tables/timing.md lost the sentence or the total row"
     assert stated[1] == span[1]
     assert float(stated[2]) == round(int(peak[1]) / 1024, 1)
+
+
+def test_the_data_docs_size_is_the_imports_size():
+    """docs/data.md: "the 33 MB of data": the four imports' sizes in data/raw/*.dvc."""
+    import yaml
+
+    imports = [yaml.safe_load(p.read_text()) for p in sorted((ROOT / "data/raw").glob("*.dvc"))]
+    size = sum(out["size"] for d in imports for out in d["outs"])
+    assert len(imports) == 4 and f"the {size / 1e6:.0f} MB of data" in " ".join(
+        (ROOT / "docs/data.md").read_text().split()
+    )
+
+
+def test_the_readmes_punct_count_is_the_postag_report():
+    """README.md's "(N PUNCT tokens before, M now)" of the last run's comparison: M is reports/data/postag.json's."""
+    import json
+
+    stated = re.search(r"\((\d+) PUNCT tokens before, (\d+) now\)", " ".join((ROOT / "README.md").read_text().split()))
+    if stated is None:
+        pytest.skip("README.md no longer compares POS counts with an earlier run")
+    counts = json.loads((ROOT / "reports/data/postag.json").read_text())["pos_counts_tokens"]
+    assert int(stated[2]) == counts["PUNCT"]
+
+
+def test_the_backbone_docs_cpu_profile_is_params_yaml():
+    """docs/backbone.md: the CPU profile is "one seed, 3 rounds, 16 training examples per client, greedy decoding of 8
+    test examples per client": params.yaml's."""
+    import yaml
+
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    train, evaluate = params["train"], params["evaluate"]
+    text = " ".join((ROOT / "docs/backbone.md").read_text().split())
+    assert len(params["partition"]["seeds"]) == 1 and evaluate["num_beams"] == 1
+    assert (
+        f"(one seed, {train['rounds']} rounds, {train['max_train_examples_per_client']} training examples per client, "
+        f"greedy decoding of {evaluate['test_examples_per_client']} test examples per client)"
+    ) in text
+
+
+def test_the_readmes_test_time_limit_is_pyprojects():
+    """README.md: "pytest-timeout: 120 s unless a test carries its own": pyproject.toml's default."""
+    import tomllib
+
+    limit = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["timeout"]
+    assert f"(pytest-timeout: {limit} s unless a test carries its own)" in " ".join(
+        (ROOT / "README.md").read_text().split()
+    )

@@ -525,3 +525,68 @@ def test_the_steps_before_training_are_timed_in_the_first_call_even_when_it_was_
     smi = [(100.0, 0.0, 1.0), (820.0, 90.0, 2.0)]
     text = call_report.markdown(resumed, "", smi, {}, params)
     assert "The steps before training took 60 s of the first call." in text
+
+
+def test_the_gpu_lease_docs_estimate_is_the_estimators_output():
+    """docs/gpu-lease.md's expected-GPU-time table, warm-up and evaluation seconds: `python -m
+    tools.gpu_study.estimate` on the committed timings and partition report, number for number."""
+    from tools.gpu_study.estimate import REPO, estimate
+
+    out = estimate([12, 40], REPO / "reports/partitions/domain-seed0.json").splitlines()
+    doc = " ".join((REPO / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    for row in [line for line in out if re.match(r"\| \d+ \|", line)]:
+        assert row in doc, row
+    backbone = re.search(r"measured: (\d+) s", out[1])[1]
+    evaluation = re.search(r"summed: (\d+) s", out[2])[1]
+    assert f"warm-up with scoring (at most {backbone} s," in doc and f"evaluation ({evaluation} s summed" in doc
+
+
+def test_the_gpu_lease_docs_measurements_are_the_committed_reports():
+    """docs/gpu-lease.md quotes reports/bench/group_loss.json (25 buffers; 0.14x the time, 0.04x the bytes) and
+    engine.md section 5's peak GPU memory."""
+    root = Path(__file__).resolve().parents[1]
+    doc = " ".join((root / "docs/gpu-lease.md").read_text(encoding="utf-8").split())
+    group = json.loads((root / "reports/bench/group_loss.json").read_text())
+    ratio = group["ratio"]
+    assert f"{group['runs']} such buffers a micro-batch" in doc
+    assert f"{ratio['seconds']:.2f}x the time, {ratio['backward_bytes']:.2f}x the bytes allocated" in doc
+    peak = re.search(r"memory at most (\d+) MiB", (root / "reports/bench/engine.md").read_text())[1]
+    assert f"peaked at {int(peak):,} MiB of GPU memory" in doc
+
+
+def test_the_engine_reports_group_loss_sentence_is_its_json():
+    """reports/bench/engine.md section 3 quotes reports/bench/group_loss.json: seconds, backward GB and operations
+    one call a run against one call, with their ratios computed from the values (not the JSON's rounded ratios)."""
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "reports/bench/engine.md").read_text(encoding="utf-8").split())
+    g = json.loads((root / "reports/bench/group_loss.json").read_text())
+    a, b = g["per_run"], g["one_call"]
+    assert f"{g['runs']} runs x {g['rows']} target tokens at V = {g['vocab']:,}" in text
+    assert (
+        f"took {a['seconds']:.1f} s one call a run and {b['seconds']:.1f} s in one call ({b['seconds'] / a['seconds']:.2f}x;"
+        in text
+    )
+    gb = f"allocated {a['backward_bytes'] / 1e9:.1f} GB and {b['backward_bytes'] / 1e9:.1f} GB"
+    assert f"{gb} ({b['backward_bytes'] / a['backward_bytes']:.2f}x)" in text
+    ops = f"{a['operations']:,} and {b['operations']:,} operations ({b['operations'] / a['operations']:.2f}x:"
+    assert ops in text
+
+
+def test_the_engine_reports_set_round_sentences_are_its_json():
+    """reports/bench/engine.md section 3 quotes reports/bench/set_round.json's "before"/"after" and "5b2c32e-96"."""
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "reports/bench/engine.md").read_text(encoding="utf-8").split())
+    rec = json.loads((root / "reports/bench/set_round.json").read_text())
+    b, a, big = rec["before"], rec["after"], rec["5b2c32e-96"]
+    host, cpu = "host_seconds_per_round", "host_cpu_seconds_per_round"
+    assert (
+        f"went from {b[host]:.2f} s to {a[host]:.2f} s ({a[host] / b[host]:.2f}x; all threads' CPU seconds "
+        f"{b[cpu]:.2f} -> {a[cpu]:.2f}, {a[cpu] / b[cpu]:.2f}x), {b[host] / b['runs']:.2f} -> "
+        f"{a[host] / a['runs']:.2f} s a run-round"
+    ) in text
+    stacked = "stacked_seconds_per_round"
+    assert f"took {b[stacked]:.1f} and {a[stacked]:.1f} s in the two records" in text
+    assert (
+        f"Host (b): {big[host]:.2f} s wall and {big[cpu]:.2f} CPU s a round ({big[host] / big['runs']:.2f} s and "
+        f"{big[cpu] / big['runs']:.2f} CPU s a run-round)"
+    ) in text

@@ -741,3 +741,30 @@ def test_server_side_clipping_under_secagg_is_refused_at_plan_time_and_by_the_se
         r"clipping_side client under SecAgg\+: [^\n]*$",
     ):
         run_experiment(str(path), track=False)
+
+
+def test_the_privacy_docs_secagg_numbers_are_the_benchmarks_json():
+    """docs/privacy.md quotes reports/bench/secure_aggregation.json: the bound, the measured error and its share of
+    the bound, the clients, and the int64 upload per client."""
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "docs/privacy.md").read_text(encoding="utf-8").split())
+    bench = json.loads((root / "reports/bench/secure_aggregation.json").read_text())
+    rows, c, q, u = bench["rows"], bench["secagg"]["clipping_range"], bench["secagg"]["quantization_range"], 2.0**-24
+    bound = f"{2 * c / q + 10 * u * c:.1e}".replace("e-0", "e-")
+    assert f"about 2c/Q + 10uc = {bound} with equal weights" in text
+
+    def span(key, fmt, scale=1.0):
+        lo, hi = (fmt.format(f(r[key] for r in rows) / scale) for f in (min, max))
+        return f"{lo}-{hi}"
+
+    assert f"{span('bound', '{:.1f}', 1e-5)}e-5 for the benchmark's unequal ones" in text
+    errors, shares = span("max_abs_error_vs_plain_fedavg", "{:.1f}", 1e-6), span("error_over_bound", "{:.2f}")
+    assert f"{errors}e-6 on the default and bart-base adapter sets, {shares} of the bound" in text
+    clients = sorted({r["clients"] for r in rows})
+    assert f"for {clients[0]} and {clients[1]} clients, one of them dropped or not" in text and len(clients) == 2
+    assert {r["dropped"] is None for r in rows} == {True, False}
+    up = {r["shape"].split(" ")[0]: r["bytes_up_per_client"] / 2**20 for r in rows}
+    assert (
+        f"({up['default']:.1f} MiB per client for the default adapters, {up['bart-base']:.0f} MiB for bart-base)"
+        in text
+    )

@@ -243,6 +243,37 @@ def test_the_documented_stop_rule_table_is_the_projections_output():
     assert text.split(BEGIN, 1)[1].split(END, 1)[0].strip() == table(gpu_study_stop())
 
 
+@pytest.mark.slow
+def test_the_stop_rule_prose_is_the_projections_output():
+    """docs/statistics.md's sentences after the table: the replaced rule ends runs still falling ~0.016 nats a round
+    with over half their fall ahead; the 0.1 % rule where a round gains ~0.004 nats, ~0.08 nats (about a fifth)
+    left; 0.05 % ends them at rounds 37-60 with ~0.03 nats left."""
+    import dataclasses
+
+    from benchmarks.stop_rule import REPLACED, curves, gpu_study_stop, projected_stop
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/statistics.md").read_text(encoding="utf-8").split())
+    runs = curves()
+
+    def found(stop):
+        return [projected_stop(r, loss, stop) for r, loss in runs.values()]
+
+    old, new, half = (
+        found(REPLACED),
+        found(gpu_study_stop()),
+        found(dataclasses.replace(gpu_study_stop(), min_rel_improvement=0.0005)),
+    )
+    median = lambda fs, key: float(np.median([f[key] for f in fs]))  # noqa: E731
+    assert f"still fall about {median(old, 'gain_per_round'):.3f} nats a round" in text
+    assert np.median([f["remaining_gain"] / f["gain_before"] for f in old]) > 0.5
+    assert f"a round gains about {median(new, 'gain_per_round'):.3f} nats" in text
+    assert f"is about {median(new, 'remaining_gain'):.2f} nats, about a fifth" in text
+    assert 0.15 < np.median([f["remaining_gain"] / f["gain_before"] for f in new]) < 0.25
+    rounds = [f["stop_round"] for f in half]
+    left = median(half, "remaining_gain")
+    assert f"0.05 %: ends them at rounds {min(rounds)}-{max(rounds)} with {left:.2f} nats left" in text
+
+
 def test_a_fixed_budget_run_marks_only_the_clients_whose_best_round_is_their_last(ws):
     """Without train.stop (a fixed round budget, docs/statistics.md "Round budget") the tables judge each client-run
     by its own rounds: B's best validation round is 2 of 3, so it was not still improving; A's is 3 of 3. The train

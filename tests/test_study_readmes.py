@@ -162,3 +162,42 @@ def test_the_bench_readme_is_rendered_from_its_json_files():
 
     bench = ROOT / "reports/bench"
     assert readme.render(load_results(bench)) == (bench / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_privacy_study_settings_quoted_are_its_params_and_records():
+    """reports/privacy/README.md's study settings (examples, rounds, test examples, epsilons, delta, seeds, runs)."""
+    study = ROOT / "reports/privacy/study"
+    text = " ".join((ROOT / "reports/privacy/README.md").read_text(encoding="utf-8").split())
+    params = yaml.safe_load((study / "params.yaml").read_text())
+    runs = params["experiments"]
+    metrics = [json.loads((study / "train" / name / "metrics.json").read_text()) for name in runs]
+    eps = sorted({r["privacy"]["target_epsilon"] for r in runs.values() if "privacy" in r}, reverse=True)
+    seeds = sorted({r["seed"] for r in runs.values()})
+    n_clients = {len(m["clients"]) for m in metrics}
+    per_client = params["evaluate"]["test_examples_per_client"]
+    assert f"(tau {params['tau']:g} nats)" in text
+    assert f"{params['train']['max_train_examples_per_client']} training examples per client" in text
+    assert f"{params['train']['rounds']} rounds, greedy decoding" in text and params["evaluate"]["num_beams"] == 1
+    assert f"{per_client} test examples per client" in text
+    assert "at a target epsilon of " + ", ".join(map(str, eps[:-1])) + f" and {eps[-1]}" in text
+    assert f"training seeds {', '.join(map(str, seeds[:-1]))} and {seeds[-1]}: {len(runs)} trainings" in text
+    deltas = {c["privacy"]["delta"] for m in metrics for c in m["clients"].values() if c.get("privacy")}
+    assert deltas == {1e-5} and "delta = 1e-5" in text
+    assert len(n_clients) == 1 and f"ROUGE rests on {per_client * n_clients.pop()} test examples" in text
+    assert f"a {params['train']['rounds']}-round budget" in text
+    dp = json.loads((ROOT / "reports/privacy/client_dp.json").read_text())
+    sizes = sorted({r["clients"] for r in dp["runs"]})
+    assert (
+        f"across {', '.join(map(str, sizes[:-1]))} and {sizes[-1]} clients, {dp['privacy']['sampling'].capitalize()}"
+        in text
+    )
+
+
+def test_the_statistics_docs_query_and_meeting_counts_are_the_cpu_studys_test_set():
+    """docs/statistics.md: "QMSum's 244 test queries come from 35 meetings (Academic 9, Committee 6, Product 20)"."""
+    pd = pytest.importorskip("pandas")
+    text = " ".join((ROOT / "docs/statistics.md").read_text(encoding="utf-8").split())
+    scores = pd.read_parquet(STUDY / "eval/centralized-domain-s0/per_example.parquet")
+    meeting = scores["example_id"].str.rsplit("/", n=1).str[0]  # pipeline.results.stats.meetings
+    per_client = ", ".join(f"{c} {n}" for c, n in meeting.groupby(scores["client"]).nunique().items())
+    assert f"QMSum's {len(scores)} test queries come from {meeting.nunique()} meetings ({per_client})" in text
