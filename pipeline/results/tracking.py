@@ -328,12 +328,13 @@ class RunLogger:
         adapters |= {"global": global_adapter} if global_adapter is not None else {}
         exp_id = self._client.get_run(self.run_id).info.experiment_id
         for client, adapter in adapters.items():
-            model = self._client.create_logged_model(
-                exp_id,
-                name=f"{plan['experiment']}-{client}",
-                source_run_id=self.children.get(client, self.run_id),
-                tags=tags | {"client": client},
-            )
+            name, source = f"{plan['experiment']}-{client}", self.children.get(client, self.run_id)
+            found = self._client.search_logged_models([exp_id], f"name = '{name}' AND source_run_id = '{source}'")
+            [model, *_] = [m for m in found if m.status == "PENDING"] or [  # a killed attempt's: finished, not doubled
+                self._client.create_logged_model(
+                    exp_id, name=name, source_run_id=source, tags=tags | {"client": client}
+                )
+            ]
             self._client.log_model_artifact(model.model_id, str(adapter), f"adapters/{client}")
             self._client.log_model_artifact(model.model_id, str(model_dir / "experiment.json"))
             self._client.finalize_logged_model(model.model_id, "READY")
