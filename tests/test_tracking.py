@@ -713,3 +713,15 @@ def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(s
     models = _client().search_logged_models([exp])
     assert sorted(m.tags["client"] for m in models) == ["A", "B"]
     assert all(str(m.status).endswith("READY") for m in models)
+
+
+def test_a_resumed_run_whose_tree_became_clean_drops_its_changed_files(store):
+    from pipeline.results.tracking import RunLogger
+
+    run_file = store / "run_id"
+    dirty = {"experiment": "e", "git.dirty": "true", "git.changed": "params.yaml"}
+    RunLogger.start("tests", "e", {}, dirty, run_file, clients=("A",)).finish("KILLED")
+    logger = RunLogger.start("tests", "e", {}, {"experiment": "e", "git.dirty": "false"}, run_file, clients=("A",))
+    logger.finish()
+    tags = _client().get_run(logger.run_id).data.tags
+    assert tags["git.dirty"] == "false" and "git.changed" not in tags

@@ -249,6 +249,8 @@ class RunLogger:
             for run_id in (resume_run_id, *logger.children.values()):
                 client.update_run(run_id, status="RUNNING")
             logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
+            if tags.get("git.dirty") == "false" and "git.changed" in client.get_run(resume_run_id).data.tags:
+                client.delete_tag(resume_run_id, "git.changed")  # the tree is clean now (git.dirty false)
         else:
             logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
             # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
