@@ -530,11 +530,11 @@ def test_federated_run_with_target_epsilon_reports_it(ws):
 
     mlflow.set_tracking_uri(os.environ["MLFLOW_TRACKING_URI"])
     run = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.experiment = '{name}'").iloc[0]
-    assert run["metrics.epsilon"] <= 8.0 and run["metrics.epsilon_max"] == run["metrics.epsilon"]
+    assert run["metrics.run/epsilon"] <= 8.0 and run["metrics.epsilon_max"] == run["metrics.run/epsilon"]
     for key in ("delta", "noise_multiplier", "clipping_norm", "clipped_fraction"):
-        assert run[f"metrics.{key}"] == pytest.approx(p[key])
+        assert run[f"metrics.run/{key}"] == pytest.approx(p[key])
     client = mlflow.tracking.MlflowClient()
-    # per round, and the run's closing value at the last round's step (the same)
+    # per round (the run's closing value is run/epsilon, not a second point at the last step)
     assert {(m.step, round(m.value, 9)) for m in client.get_metric_history(run["run_id"], "epsilon")} == {
         (1, round(per_round[1], 9)),
         (2, round(per_round[2], 9)),

@@ -417,9 +417,9 @@ def test_federated_run_with_target_epsilon_reports_it_per_client(ws):
         filter_string=f"tags.`mlflow.parentRunId` = '{run.run_id}'",
     ).set_index("tags.client")
     for client in n_train:
-        assert children.loc[client, "metrics.epsilon"] <= 3.0
+        assert children.loc[client, "metrics.run/epsilon"] <= 3.0
         for key in ("delta", "noise_multiplier", "max_grad_norm", "clipped_fraction"):
-            assert not np.isnan(children.loc[client, f"metrics.{key}"])
+            assert not np.isnan(children.loc[client, f"metrics.run/{key}"])
     assert run["params.privacy.target_epsilon"] == "3.0"
 
 

@@ -118,7 +118,31 @@ def test_the_run_record_and_mlflow_carry_each_epsilon_with_its_delta():
     assert (clients["A"]["privacy"]["delta"], clients["B"]["privacy"]["delta"]) == (1e-5, 5e-6)
     assert record["privacy"]["sampling"] == "poisson" and record["privacy"]["accountant"] == "rdp"
     out = mlflow_metrics({"clients": clients, **record})
-    assert (out["A.delta"], out["B.epsilon"], out["B.delta"], out["delta_max"]) == (1e-5, 2.9, 5e-6, 1e-5)
+    assert (out["A.run/delta"], out["B.run/epsilon"], out["B.run/delta"], out["delta_max"]) == (1e-5, 2.9, 5e-6, 1e-5)
+
+
+def test_the_runs_privacy_summary_is_logged_under_its_own_keys_not_at_the_per_round_keys_last_step():
+    from types import SimpleNamespace
+
+    from pipeline.experiments.privacy import PrivacyConfig
+    from pipeline.privacy.seam import mlflow_metrics, run_record
+    from pipeline.training.history import round_metrics
+
+    # A client's round 2 clipped none of 4 examples, round 1 two of 4: the round's 0.0, the run's 0.25 (2 of 8).
+    plan = SimpleNamespace(privacy=PrivacyConfig(mode="example", target_epsilon=3.0))
+    row = dict(client="A", delta=1e-5, noise_multiplier=1.2, max_grad_norm=1.0, dp_examples=4, sample_rate=0.5)
+    history = [
+        row | {"round": 1, "dp_steps": 2, "epsilon": 1.0, "dp_clipped": 2, "clipped_fraction": 0.5},
+        row | {"round": 2, "dp_steps": 4, "epsilon": 1.5, "dp_clipped": 0, "clipped_fraction": 0.0},
+    ]
+    clients = {"A": {}}
+    closing = mlflow_metrics({"clients": clients, **run_record(plan, history, clients)})
+    assert closing["A.run/clipped_fraction"] == 0.25 and closing["A.run/epsilon"] == 1.5
+    # logged at step stopped_round = 2: none of its keys may be one a round logs (two values at one step)
+    assert not set(closing) & set(round_metrics([history[1]]))
+    run = {"mode": "client", "epsilon": 2.0, "epsilon_max": 2.0, "clipping_norm": 1.0, "clipped_fraction": 0.25}
+    client_round = {"client": "A", "round": 2, "update_clipped": 0, "clipping_norm": 1.0, "epsilon": 2.0}
+    assert not set(mlflow_metrics({"clients": {}, "privacy": run})) & set(round_metrics([client_round]))
 
 
 def test_privacy_points_carry_the_delta_of_each_epsilon(tmp_path):

@@ -681,3 +681,47 @@ def test_each_client_has_a_run_and_its_best_adapter_is_a_logged_model_scored_by_
     out = json.loads(capsys.readouterr().out)
     assert out["client"] == m.tags["client"] and out["avg_rouge"] == pytest.approx(scores[out["client"]]["avg_rouge"])
     assert out["n"] == scores[out["client"]]["n"]
+
+
+def test_a_rerun_after_a_kill_while_logging_models_leaves_one_model_per_client(store, monkeypatch):
+    from pipeline.results.tracking import RunLogger
+
+    model_dir = store / "models" / "e"
+    for c in ("A", "B"):
+        (model_dir / "clients" / c).mkdir(parents=True)
+        (model_dir / "clients" / c / "adapter_best.safetensors").write_bytes(c.encode())
+    plan = {"experiment": "e", "method": "fedavg", "partition": "domain", "seed": 0, "study": "tests"}
+    (model_dir / "experiment.json").write_text(json.dumps(plan))
+    run_file = store / "run_id"
+    logger = RunLogger.start("tests", "e", {}, {"experiment": "e"}, run_file, clients=("A", "B"))
+    real = logger._client.log_model_artifact
+    calls = iter(range(100))
+
+    def dying(*args, **kwargs):  # killed during A's upload: its model left PENDING
+        if next(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(logger._client, "log_model_artifact", dying)
+    with pytest.raises(KeyboardInterrupt):
+        logger.log_adapter_models(model_dir)
+    logger.finish("KILLED")
+    logger = RunLogger.start("tests", "e", {}, {"experiment": "e"}, run_file, clients=("A", "B"))
+    logger.log_adapter_models(model_dir)
+    logger.finish()
+    exp = _client().get_experiment_by_name("tests").experiment_id
+    models = _client().search_logged_models([exp])
+    assert sorted(m.tags["client"] for m in models) == ["A", "B"]
+    assert all(str(m.status).endswith("READY") for m in models)
+
+
+def test_a_resumed_run_whose_tree_became_clean_drops_its_changed_files(store):
+    from pipeline.results.tracking import RunLogger
+
+    run_file = store / "run_id"
+    dirty = {"experiment": "e", "git.dirty": "true", "git.changed": "params.yaml"}
+    RunLogger.start("tests", "e", {}, dirty, run_file, clients=("A",)).finish("KILLED")
+    logger = RunLogger.start("tests", "e", {}, {"experiment": "e", "git.dirty": "false"}, run_file, clients=("A",))
+    logger.finish()
+    tags = _client().get_run(logger.run_id).data.tags
+    assert tags["git.dirty"] == "false" and "git.changed" not in tags

@@ -226,17 +226,18 @@ def client_level_summary(plan, history: list[dict[str, Any]], clients: dict[str,
 
 
 def mlflow_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    """MLflow metrics: the clients' DP-SGD reports (``<client>.epsilon`` ...; unbounded ones left out) or the run's
-    client-level guarantee, and secure aggregation's (``secagg.*``)."""
+    """MLflow metrics: the clients' DP-SGD reports (``<client>.run/epsilon`` ...; unbounded ones left out) or the
+    run's client-level guarantee (``run/epsilon`` ...; ``run/``: not the per-round keys, logged at the same last
+    step), ``epsilon_max`` (``delta_max``), and secure aggregation's (``secagg.*``)."""
     run = metrics.get("privacy") or {}
     if run.get("mode") == "client":
-        fields = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction", "epsilon_max")
-        out = {k: float(run[k]) for k in fields if run.get(k) is not None}
+        fields = ("epsilon", "delta", "noise_multiplier", "clipping_norm", "clipped_fraction")
+        out = {f"run/{k}": float(run[k]) for k in fields if run.get(k) is not None}
     else:
         fields = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "clipped_fraction")
         reports = {c: v["privacy"] for c, v in metrics["clients"].items() if "privacy" in v}
-        out = {f"{c}.{k}": report[k] for c, report in reports.items() for k in fields if report[k] is not None}
-        out |= {k: run[k] for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
+        out = {f"{c}.run/{k}": r[k] for c, r in reports.items() for k in fields if r[k] is not None}
+    out |= {k: float(run[k]) for k in ("epsilon_max", "delta_max") if run.get(k) is not None}
     if sa := metrics.get("secure_aggregation"):
         out |= {
             "secagg.rounds_aggregated": sa["rounds_aggregated"],

@@ -249,6 +249,8 @@ class RunLogger:
             for run_id in (resume_run_id, *logger.children.values()):
                 client.update_run(run_id, status="RUNNING")
             logger.set_tags(tags | owner_tags() | {"fedmeet.resumed": "true"})
+            if tags.get("git.dirty") == "false" and "git.changed" in client.get_run(resume_run_id).data.tags:
+                client.delete_tag(resume_run_id, "git.changed")  # the tree is clean now (git.dirty false)
         else:
             logger = cls(client.create_run(exp_id, run_name=run_name, tags=tags | owner_tags()).info.run_id)
             # (a plan's longest value, its client list, is far below MLflow's 6000 characters)
@@ -328,12 +330,13 @@ class RunLogger:
         adapters |= {"global": global_adapter} if global_adapter is not None else {}
         exp_id = self._client.get_run(self.run_id).info.experiment_id
         for client, adapter in adapters.items():
-            model = self._client.create_logged_model(
-                exp_id,
-                name=f"{plan['experiment']}-{client}",
-                source_run_id=self.children.get(client, self.run_id),
-                tags=tags | {"client": client},
-            )
+            name, source = f"{plan['experiment']}-{client}", self.children.get(client, self.run_id)
+            found = self._client.search_logged_models([exp_id], f"name = '{name}' AND source_run_id = '{source}'")
+            [model, *_] = [m for m in found if m.status == "PENDING"] or [  # a killed attempt's: finished, not doubled
+                self._client.create_logged_model(
+                    exp_id, name=name, source_run_id=source, tags=tags | {"client": client}
+                )
+            ]
             self._client.log_model_artifact(model.model_id, str(adapter), f"adapters/{client}")
             self._client.log_model_artifact(model.model_id, str(model_dir / "experiment.json"))
             self._client.finalize_logged_model(model.model_id, "READY")
