@@ -231,17 +231,6 @@ def test_the_data_docs_size_is_the_imports_size():
     )
 
 
-def test_the_readmes_punct_count_is_the_postag_report():
-    """README.md's "(N PUNCT tokens before, M now)" of the last run's comparison: M is reports/data/postag.json's."""
-    import json
-
-    stated = re.search(r"\((\d+) PUNCT tokens before, (\d+) now\)", " ".join((ROOT / "README.md").read_text().split()))
-    if stated is None:
-        pytest.skip("README.md no longer compares POS counts with an earlier run")
-    counts = json.loads((ROOT / "reports/data/postag.json").read_text())["pos_counts_tokens"]
-    assert int(stated[2]) == counts["PUNCT"]
-
-
 def test_the_backbone_docs_cpu_profile_is_params_yaml():
     """docs/backbone.md: the CPU profile is "one seed, 3 rounds, 16 training examples per client, greedy decoding of 8
     test examples per client": params.yaml's."""
