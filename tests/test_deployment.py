@@ -257,7 +257,9 @@ def test_a_federated_rerun_over_an_earlier_evaluation_leaves_no_file_of_the_earl
     folders = [Path(plan.paths[k]) for k in ("model_dir", "reports_dir")] + [Path("reports/eval/dep-rerun")]
     assert (folders[2] / "predictions.jsonl").exists() and (folders[2] / "per_example.parquet").exists()
     time.sleep(1.1)  # file times of the rerun are then later than any of the earlier run's
-    started = time.time()
+    # half a second back: the kernel stamps files from a clock that can lag time.time() by a tick, so a file the
+    # rerun writes at once (experiment.json) could read as older than `started` (the earlier run's are 1.1 s older)
+    started = time.time() - 0.5
     _serve_inprocess(path, mlflow=False)
     files = [f for folder in folders for f in folder.rglob("*") if f.is_file()]
     assert {f.name for f in files} >= {"metrics.json", "rounds.json", "global_adapter.safetensors"}

@@ -196,8 +196,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # docstrings and comments wrapped at 120 columns (ruff W505, so that a long line no longer hides size); +5 for the
 # site tools' three (a quote in a run-config value, a kit of an absolute plan path, certificates outliving the run);
 # +9 for the last round's five (adaptive server optimisers' Flower defaults, decoding lengths at the backbone stage,
-# the run-wide privacy values under their own MLflow keys, a pending LoggedModel reused, a stale git tag removed).
-PACKAGE_LINE_CEILING = 14_838
+# the run-wide privacy values under their own MLflow keys, a pending LoggedModel reused, a stale git tag removed);
+# +2 for the CA path's TOML escaping written with config.toml's spacing (the formatter splits the line).
+PACKAGE_LINE_CEILING = 14_840
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

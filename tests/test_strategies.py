@@ -8,6 +8,7 @@ with the paper's settings (every client evaluated, one node enough, weights = |D
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -271,7 +272,8 @@ def test_params_server_lr_defaults_to_flowers_for_the_chosen_optimiser(optimizer
 
     import yaml
 
-    fedopt = yaml.safe_load(open("params.yaml"))["train"]["fedopt"] | {"server_optimizer": optimizer}
+    params = Path(__file__).resolve().parents[1] / "params.yaml"  # the repository's, whatever the working directory
+    fedopt = yaml.safe_load(params.read_text())["train"]["fedopt"] | {"server_optimizer": optimizer}
     strategy = _strategy("fedopt", fedopt=fedopt)
     key = "server_learning_rate" if optimizer == "sgdm" else "eta"
     assert getattr(strategy, key) == inspect.signature(type(strategy)).parameters[key].default

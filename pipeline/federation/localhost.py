@@ -137,7 +137,9 @@ def run_config_arg(values: dict[str, str | int | float | bool]) -> str:
 
 def write_connection(home: Path, port: int, certificates: Certificates | None) -> None:
     """``$FLWR_HOME/config.toml`` with one SuperLink connection, the default of ``flwr run``."""
-    security = f"root-certificates={json.dumps(str(certificates.ca.resolve()))}" if certificates else "insecure = true"
+    security = (
+        f"root-certificates = {json.dumps(str(certificates.ca.resolve()))}" if certificates else "insecure = true"
+    )
     atomic.write_text(
         home / "config.toml",
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\naddress = "{HOST}:{port}"\n{security}\n',
