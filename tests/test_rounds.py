@@ -15,6 +15,7 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -686,3 +687,16 @@ def test_the_plotted_round_mean_is_the_stop_rules_client_average(tmp_path):
     assert learning_curves(SimpleNamespace(planned=planned, labels={"exp": "fedavg"}), paths, Made()) == 1
     curve = pd.read_csv(paths.plots / "learning_curves" / "main--fedavg.csv")
     assert curve["val_loss_mean"].iloc[0] == 4.0 and math.isnan(curve["val_loss_mean"].iloc[1])
+
+
+def test_recorded_plotted_and_stop_rule_means_are_one_number_for_nine_clients(tmp_path):
+    """With nine clients a plain left-to-right sum and numpy's pairwise sum differ in the last bit; rounds.json's
+    val_loss_mean (hence MLflow's) must be the stop rule's own number, not a second computation of it."""
+    losses = [8.481, 7.527, 1.022, 7.859, 1.269, 6.837, 2.405, 7.905, 5.332]
+    rows = [{"round": 1, "client": f"c{i}", "val_loss": v} for i, v in enumerate(losses)]
+    from pipeline.training.history import round_values
+    from pipeline.training.stopping import mean_val_loss_by_round
+
+    rule = mean_val_loss_by_round(rows)[0][1]
+    assert rule == float(np.add.reduce(np.array(losses))) / 9  # numpy's pairwise order, the rule's documented one
+    assert round_values(rows, "/")["val_loss_mean"] == rule

@@ -19,6 +19,7 @@ from pipeline.results.plotting import plt, save, slug
 from pipeline.results.readers import read_json, read_rounds
 from pipeline.results.scoring import TABLE_METRICS
 from pipeline.results.tables import Made, ReportInputs
+from pipeline.training.stopping import mean_val_loss_by_round
 
 
 def bar_figure(data: pd.DataFrame, entry: StudyFigure, paths: ProjectPaths) -> str:
@@ -83,8 +84,7 @@ def learning_curves(inp: ReportInputs, paths: ProjectPaths, made: Made) -> int:
             continue
         fig, axes = plt.subplots(1, len(frames), figsize=(4.2 * len(frames), 3.4), squeeze=False, sharey=True)
         for ax, (label, df) in zip(axes[0], frames.items()):
-            # the stop rule's client average (training.stopping): none in a round where a client has no val_loss
-            mean = df.groupby("round")["val_loss"].agg(lambda s: s.mean(skipna=False))
+            mean = pd.Series(dict(mean_val_loss_by_round(df.to_dict("records"))))  # the stop rule's client average
             df = df[df["val_loss"].notna()]
             for client, cdf in df.groupby("client", sort=True):
                 cdf = cdf.sort_values("round")

@@ -4,6 +4,7 @@ their back-fill after a kill), and the recorders of each finished round (:class:
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from tqdm import tqdm
 
 from pipeline.common import atomic
 from pipeline.experiments.plans import Plan
+from pipeline.training.stopping import round_mean
 
 log = logging.getLogger("fedmeet.train")
 _federated_log = logging.getLogger("fedmeet.federated")  # the base Recorder's (an engine run without the stage)
@@ -62,11 +64,10 @@ def client_level_round(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def round_values(rows: list[dict[str, Any]], sep: str, keys: tuple[str, ...] = ROUND_FIELDS) -> dict[str, Any]:
     """One round's values from its rows (one per client): each client's set ``keys`` as ``<client><sep><key>``, the
-    run-level privacy fields, and the clients' mean validation loss, the stop rule's (training.stopping): None where
-    a client with a row has none (the others' mean would read as a gain or a plateau)."""
+    run-level privacy fields, and the stop rule's :func:`round_mean` (None where it is NaN)."""
     values = {f"{row['client']}{sep}{k}": v for row in rows for k, v in _client_fields(row, keys).items()}
-    vals = [r.get("val_loss") for r in rows]
-    return values | client_level_round(rows) | {"val_loss_mean": None if None in vals else sum(vals) / len(vals)}
+    mean = round_mean(rows)
+    return values | client_level_round(rows) | {"val_loss_mean": None if math.isnan(mean) else mean}
 
 
 def round_metrics(rows: list[dict[str, Any]]) -> dict[str, float]:

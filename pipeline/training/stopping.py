@@ -25,18 +25,26 @@ def plateaued(means: Sequence[float], min_rel_improvement: float, patience: int)
     return all(imp < min_rel_improvement for imp in relative_improvements(means)[-patience:])
 
 
+def round_mean(rows: list[dict[str, Any]]) -> float:
+    """One round's client-average validation loss from its rows (a client's last set value counts): NaN, never best,
+    where a client with a row (asked to evaluate) has none, since the others' mean would read as a gain or a plateau.
+    The one definition: the stop rule, rounds.json's ``val_loss_mean`` (MLflow's too) and the learning curves."""
+    losses: dict[str, float] = {}
+    for row in rows:
+        v = row.get("val_loss")
+        losses[row["client"]] = float(v) if v is not None else losses.get(row["client"], np.nan)
+    return float(np.mean(list(losses.values())))  # numpy's sum order
+
+
 def mean_val_loss_by_round(
     history: list[dict[str, Any]], since: int = 1, before: int | None = None, exclude: str | None = None
 ) -> list[tuple[int, float]]:
-    """(round, client-average validation loss) for the rounds ``since`` <= round < ``before``, without the rows of
-    ``exclude``; NaN (never best) where a client with a row (asked to evaluate) has none: it would average others."""
-    by_round: dict[int, dict[str, float]] = {}
+    """(round, :func:`round_mean`) for the rounds ``since`` <= round < ``before``, without the rows of ``exclude``."""
+    by_round: dict[int, list[dict[str, Any]]] = {}
     for row in history:
-        rnd, client = int(row["round"]), row["client"]
-        if since <= rnd and (before is None or rnd < before) and client != exclude:
-            losses = by_round.setdefault(rnd, {})
-            losses[client] = float(v) if (v := row.get("val_loss")) is not None else losses.get(client, np.nan)
-    return [(r, float(np.mean(list(v.values())))) for r, v in sorted(by_round.items())]  # numpy's sum order
+        if since <= (rnd := int(row["round"])) and (before is None or rnd < before) and row["client"] != exclude:
+            by_round.setdefault(rnd, []).append(row)
+    return [(r, round_mean(rows)) for r, rows in sorted(by_round.items())]
 
 
 def should_stop(history: list[dict[str, Any]], stop, late: str | None = None) -> bool:
