@@ -182,9 +182,9 @@ def check_params(params: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {exp.name: resolve_plan(exp, params) for exp in declared(params)}
 
 
-def write_plans(params: dict[str, Any], out_dir: Path) -> list[Path]:
-    plans = check_params(params)
-    # Every experiment is checked before the first plan is written: a bad entry leaves the old plans as they were.
+def write_plans(plans: dict[str, dict[str, Any]], out_dir: Path) -> list[Path]:
+    """``plans`` (:func:`check_params`'s: every experiment checked before the first is written, so a bad entry leaves
+    the old plans as they were) as ``<out_dir>/<experiment>.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for name, plan in plans.items():

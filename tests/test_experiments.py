@@ -94,9 +94,9 @@ def _params(**changes) -> dict:
 
 
 def _plans(params: dict, out: Path) -> dict[str, str]:
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
-    return {p.name: p.read_text() for p in write_plans(params, out)}
+    return {p.name: p.read_text() for p in write_plans(check_params(params), out)}
 
 
 @pytest.mark.parametrize(
@@ -331,11 +331,11 @@ def test_run_settings_come_from_params_with_the_experiments_own_override():
 
 def test_plan_paths_come_from_the_path_table(tmp_path):
     from pipeline.experiments.plans import plan_hash, read_plan
-    from pipeline.planning import declared, write_plans
+    from pipeline.planning import check_params, declared, write_plans
 
     params = _params()
     out = tmp_path / "plans"
-    write_plans(params, out)
+    write_plans(check_params(params), out)
     hard = read_plan(out / "hardkd-domain.json")
     assert hard.paths == {
         "examples": "data/processed/examples.parquet",
@@ -355,9 +355,9 @@ def test_a_plan_whose_privacy_is_null_or_empty_reads_as_one_without_privacy(tmp_
     """A hand-edited plan with ``"privacy": null`` (or ``{}``) is a plan without privacy, read as the same plan with
     the key left out, not 'not a plan file (... multiple values for keyword argument 'privacy')'."""
     from pipeline.experiments.plans import plan_hash, read_plan
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
-    write_plans(_params(), tmp_path / "plans")
+    write_plans(check_params(_params()), tmp_path / "plans")
     raw = json.loads((tmp_path / "plans" / "fedavg-domain.json").read_text())
     raw.pop("privacy", None)
     (without := tmp_path / "without.json").write_text(json.dumps(raw))

@@ -49,7 +49,7 @@ def test_the_margin_gate_reads_a_probability_margin():
 
 @pytest.mark.parametrize("tau", [1.5, 5.0])
 def test_a_margin_outside_0_1_fails_at_planning_naming_the_experiment(tmp_path, tau):
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
     params = copy.deepcopy(load_params(ROOT / "params.yaml"))
     params["experiments"] = {
@@ -57,20 +57,20 @@ def test_a_margin_outside_0_1_fails_at_planning_naming_the_experiment(tmp_path, 
     }
     params["train"]["kd_gate"] = "margin"
     with pytest.raises(ConfigError) as err:
-        write_plans(params, tmp_path)
+        write_plans(check_params(params), tmp_path)
     assert "experiments.margin-domain" in str(err.value) and f"tau={tau}" in str(err.value)
     assert not list(tmp_path.glob("*.json"))  # no plan written
     params["experiments"]["margin-domain"]["tau"] = 1.0  # the bound itself is a margin
-    assert [p.name for p in write_plans(params, tmp_path)] == ["margin-domain.json"]
+    assert [p.name for p in write_plans(check_params(params), tmp_path)] == ["margin-domain.json"]
 
 
 def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(tmp_path):
     from pipeline.experiments.plans import read_plan
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
     from pipeline.training.client_training import kd_config
 
     params = copy.deepcopy(load_params(ROOT / "params.yaml"))
-    before = {p.name: p.read_text() for p in write_plans(params, tmp_path / "a")}
+    before = {p.name: p.read_text() for p in write_plans(check_params(params), tmp_path / "a")}
     params["experiments"]["margin-domain"] = {
         "method": "fedselectkd",
         "partition": "domain/seed0",
@@ -79,7 +79,7 @@ def test_an_experiment_choosing_it_has_it_in_its_plan_and_no_other_plan_changes(
         "tau": 0.5,
         "kd_gate": "margin",
     }
-    after = {p.name: p.read_text() for p in write_plans(params, tmp_path / "b")}
+    after = {p.name: p.read_text() for p in write_plans(check_params(params), tmp_path / "b")}
     assert {n: t for n, t in after.items() if n != "margin-domain.json"} == before
     assert json.loads(after["margin-domain.json"])["train"]["kd_gate"] == "margin"
     cfg = kd_config(read_plan(tmp_path / "b" / "margin-domain.json"))

@@ -279,9 +279,9 @@ def test_bad_parameter_is_one_line_naming_key_and_allowed_values(
 
 def test_the_unedited_params_pass_every_check(tmp_path):
     """The cases above fail because of the one edit: the plan stage accepts the shipped params.yaml."""
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
-    written = write_plans(copy.deepcopy(BASE), tmp_path / "plans")
+    written = write_plans(check_params(copy.deepcopy(BASE)), tmp_path / "plans")
     assert {p.stem for p in written} == set(BASE["experiments"])
 
 
@@ -289,11 +289,11 @@ def test_train_stage_checks_its_plan_before_touching_outputs(tmp_path, monkeypat
     """The train stage's parameters come from its plan file: a bad model group there is one line, and neither the
     experiment's output directory nor an MLflow run is created."""
     from pipeline import train
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
     monkeypatch.chdir(tmp_path)
     plans = tmp_path / "plans"
-    write_plans(copy.deepcopy(BASE), plans)
+    write_plans(check_params(copy.deepcopy(BASE)), plans)
     path = plans / "fedavg-domain.json"
     plan = json.loads(path.read_text())
     plan["model"]["bottleneck"] = 0
@@ -359,3 +359,19 @@ def test_a_duplicated_key_in_params_is_one_line_naming_it(tmp_path, monkeypatch)
     assert len(outcome.lines) == 1 and "Traceback" not in outcome.stderr, outcome.stderr
     assert re.search(r"^error: params.yaml: not valid YAML \(duplicate key 'tau-1' .*line \d+", outcome.lines[0])
     assert not (tmp_path / "plans").exists()
+
+
+def test_the_plan_stage_resolves_each_experiment_once(tmp_path, monkeypatch):
+    """The stage checks the privacy of every resolved plan, then writes those same plans: resolving them a second
+    time for the writing doubled the stage's work (every extension's source hashed twice)."""
+    from pipeline import plan, planning
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(copy.deepcopy(BASE)))
+    calls = []
+    monkeypatch.setattr(
+        planning, "resolve_plan", lambda exp, params, f=planning.resolve_plan: calls.append(1) or f(exp, params)
+    )
+    outcome = run_inprocess(plan.main, ["--params", "params.yaml", "--out", "plans"])
+    assert outcome.status == 0, outcome.stderr
+    assert len(calls) == len(BASE["experiments"]) == len(list((tmp_path / "plans").glob("*.json")))

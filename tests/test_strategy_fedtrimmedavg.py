@@ -68,10 +68,10 @@ def _with_trimmed_experiment(**trimmed) -> dict:
 
 def test_its_settings_enter_its_own_plan_only(tmp_path):
     from pipeline.experiments.plans import read_plan
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
     params = _with_trimmed_experiment()
-    plans = {p.stem: json.loads(p.read_text()) for p in write_plans(params, tmp_path / "a")}
+    plans = {p.stem: json.loads(p.read_text()) for p in write_plans(check_params(params), tmp_path / "a")}
     assert plans["trimmed"]["train"]["fedtrimmedavg"] == {"beta": params["train"]["fedtrimmedavg"]["beta"]}
     assert not {"proximal_mu", "fedopt"} & set(plans["trimmed"]["train"])
     assert "fedtrimmedavg" not in plans["avg"]["train"] and "fedtrimmedavg" not in plans["prox"]["train"]
@@ -80,7 +80,9 @@ def test_its_settings_enter_its_own_plan_only(tmp_path):
     assert plan.spec.strategy == "fedtrimmedavg" and plan.spec.kd_mode == "ce" and not plan.spec.proximal
     assert plan.train.strategy_params == {"fedtrimmedavg": {"beta": params["train"]["fedtrimmedavg"]["beta"]}}
     # another beta changes the fedtrimmedavg plan and no other
-    changed = {p.stem: p.read_text() for p in write_plans(_with_trimmed_experiment(beta=0.1), tmp_path / "b")}
+    changed = {
+        p.stem: p.read_text() for p in write_plans(check_params(_with_trimmed_experiment(beta=0.1)), tmp_path / "b")
+    }
     before = {p.stem: p.read_text() for p in (tmp_path / "a").glob("*.json")}
     assert {name for name in before if before[name] != changed[name]} == {"trimmed"}
 

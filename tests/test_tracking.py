@@ -108,7 +108,7 @@ def _git(cwd: Path, *args: str) -> str:
 
 def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
     from pipeline.experiments.plans import plan_hash, read_plan
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
     from pipeline.results.tracking import dvc_tags, git_state
     from pipeline.train import run_tags
 
@@ -132,7 +132,7 @@ def test_provenance_tags_from_git_and_dvc(tmp_path, monkeypatch):
     Path("params.yaml").write_text(yaml.safe_dump(_params(tau=3.0, lr=1.0e-4)))
     monkeypatch.setenv("DVC_EXP_NAME", "tau-three")
     monkeypatch.setenv("DVC_EXP_BASELINE_REV", base_rev)
-    write_plans(yaml.safe_load(Path("params.yaml").read_text()), Path("models/plans"))
+    write_plans(check_params(yaml.safe_load(Path("params.yaml").read_text())), Path("models/plans"))
     plan_path = Path("models/plans/fedselectkd-domain.json")
     plan = read_plan(plan_path)
     tags = run_tags(plan)

@@ -41,10 +41,10 @@ def _params(**top) -> dict:
 
 
 def _plans(tmp_path: Path, params: dict, sub: str) -> dict[str, str]:
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
     out = tmp_path / sub
-    write_plans(params, out)
+    write_plans(check_params(params), out)
     return {p.stem: p.read_text() for p in sorted(out.glob("*.json"))}
 
 
@@ -129,7 +129,7 @@ def test_train_config_rejects_bad_transfer_and_weighting():
 
 
 def test_plan_rejects_bad_entries(tmp_path):
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
     bad = [
         ({"method": "fedavg", "partition": "domain/seed0", "lr_typo": 1}, "unknown key"),
@@ -140,10 +140,18 @@ def test_plan_rejects_bad_entries(tmp_path):
     ]
     for entry, message in bad:
         with pytest.raises(ValueError, match=message):
-            write_plans({"tau": 5.0, "model": MODEL, "train": TRAIN, "experiments": {"x": entry}}, tmp_path / "p")
+            write_plans(
+                check_params({"tau": 5.0, "model": MODEL, "train": TRAIN, "experiments": {"x": entry}}), tmp_path / "p"
+            )
     with pytest.raises(ValueError, match="invalid experiment name"):
         write_plans(
-            {"tau": 5.0, "train": TRAIN, "experiments": {"plans": {"method": "fedavg", "partition": "domain/seed0"}}},
+            check_params(
+                {
+                    "tau": 5.0,
+                    "train": TRAIN,
+                    "experiments": {"plans": {"method": "fedavg", "partition": "domain/seed0"}},
+                }
+            ),
             tmp_path / "p",
         )
 
@@ -151,10 +159,10 @@ def test_plan_rejects_bad_entries(tmp_path):
 def test_default_experiments_resolve(tmp_path):
     """Every experiment of the repo's params.yaml makes a valid plan (method, partition, overrides)."""
     from pipeline.experiments.plans import read_plan
-    from pipeline.planning import write_plans
+    from pipeline.planning import check_params, write_plans
 
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    written = write_plans(params, tmp_path / "plans")
+    written = write_plans(check_params(params), tmp_path / "plans")
     assert len(written) == len(params["experiments"]) >= 20
     studies = {read_plan(p).study for p in written}
     assert {"main", "iid", "noniid", "extreme", "sampling", "tau_sweep", "server", "new_client", "hardkd"} <= studies
