@@ -114,10 +114,10 @@ def client_identify(msg: Message, context: Context) -> Message:
     """Admission (admission.identify_clients): the client's name, the hash of the plan it serves (the server refuses
     another plan's node) and the sizes of its train and valid splits."""
     plan, name, config = load_plan(plan_path_of(msg, context)), client_name(context), msg.content[CONFIG_KEY]
-    # the plan the server runs only (its hash: a site's copy may lie elsewhere): another plan's node keeps its files
-    if config.get(START_OVER) and config.get(PLAN_HASH) == plan_hash(plan):
-        _discard_earlier_run(plan, name, context)
     identity = ConfigRecord({"client-name": name, PLAN_HASH: plan_hash(plan)})
+    # the plan the server runs only (its hash: a site's copy may lie elsewhere): another plan's node keeps its files
+    if config.get(START_OVER) and config.get(PLAN_HASH) == identity[PLAN_HASH]:
+        _discard_earlier_run(plan, name, context)
     splits = read_partition(plan.paths["partition"])["clients"].get(name)
     if splits is not None:  # else only the name: the server refuses a client outside the plan, naming it
         identity.update({"num-train": len(splits["train"]), "num-valid": len(splits["valid"])})
