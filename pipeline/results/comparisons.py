@@ -142,7 +142,7 @@ def compare(a: Config, b: Config, eval_dir: Path, cfg: BootstrapConfig, notes: l
         mostly_identical = identical > cfg.identical_warning  # NaN (no pair of summaries) is not above it
         had = [s for s in seeds if all(c in ids[s] for c in scope_clients)]
         clusters = [meetings(ids[s][c] for c in scope_clients) for s in had]  # QMSum: a meeting's queries one cluster
-        n_examples = len({i for s in had for c in scope_clients for i in ids[s][c]})  # a redrawn example once
+        n_examples = len({i for s in had for c in scope_clients for i in ids[s][c]})  # distinct: a redrawn one once
         for metric in SCORE_KEYS:
             if nested:
                 d = [

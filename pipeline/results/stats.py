@@ -33,7 +33,6 @@ class Interval:
     low: float
     high: float
     p_value: float  # two-sided, against 0 (NaN for a one-sample interval of a mean)
-    n_examples: int
     n_seeds: int
 
     @property
@@ -94,7 +93,7 @@ def _one_seed(
     reps, alpha = total[~np.isnan(total)] / len(per_client), 1.0 - cfg.level
     low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
     observed = float(np.mean([a.mean() for a in per_client]))
-    return Interval(observed, float(low), float(high), math.nan, sum(a.shape[1] for a in per_client), 1), reps
+    return Interval(observed, float(low), float(high), math.nan, 1), reps
 
 
 def _cluster_variance(xs: list[np.ndarray], gs: list[np.ndarray]) -> float:
@@ -121,7 +120,6 @@ def _seeds_t(
     span clients, with df = groups - clients."""
     s, k = per_client[0].shape[0], len(per_client)
     by_seed = np.mean([a.mean(axis=1) for a in per_client], axis=0)  # [s]: each seed's client average
-    n = np.array([a.shape[1] for a in per_client])
     means = [a.mean(axis=0) for a in per_client]
     resid = [a - a.mean(axis=0) - a.mean(axis=1, keepdims=True) + a.mean() for a in per_client]
     # per client, or all at once where groups span clients: the example-level variance of the seed-averaged mean, and
@@ -132,17 +130,17 @@ def _seeds_t(
     v_seed = by_seed.var(ddof=1) / s
     var = max(v_seed + v_ex - v_res, v_seed, v_ex)
     df_ex = max(sum(int(max(x.max() for x in g)) + 1 for _, _, g in units) - k, 1)
-    return _t(float(by_seed.mean()), var, (v_seed, s - 1), (v_ex, df_ex), int(n.sum()), s, cfg)
+    return _t(float(by_seed.mean()), var, (v_seed, s - 1), (v_ex, df_ex), s, cfg)
 
 
-def _t(estimate: float, var: float, seed: tuple, ex: tuple, n: int, s: int, cfg: BootstrapConfig) -> Interval:
+def _t(estimate: float, var: float, seed: tuple, ex: tuple, s: int, cfg: BootstrapConfig) -> Interval:
     """t-interval and two-sided p of ``estimate`` with variance ``var``, Welch-Satterthwaite df from its seed and
     example parts (variance, df): var^2 / (v_seed^2 / df_seed + v_ex^2 / df_ex)."""
     df = var**2 / (seed[0] ** 2 / seed[1] + ex[0] ** 2 / ex[1]) if var > 0 else math.inf
     se = math.sqrt(var)
     half = float(sps.t.ppf(0.5 + cfg.level / 2, df)) * se
     p = 1.0 if estimate == 0.0 else (0.0 if se == 0 else float(2 * sps.t.sf(abs(estimate) / se, df)))
-    return Interval(estimate, estimate - half, estimate + half, p, n, s)
+    return Interval(estimate, estimate - half, estimate + half, p, s)
 
 
 def nested_interval(
@@ -167,9 +165,9 @@ def nested_interval(
         v_ex += sum(_cluster_variance(x, g) for x, g in units) / len(xs) ** 2 / len(arrays) ** 2
         df_ex += sum(int(max(x.max() for x in g)) + 1 for _, g in units) - len(xs)
         by_seed.append(np.mean([x.mean() for x in xs]))
-    s, n = len(arrays), sum(x.size for xs in arrays for x in xs)
+    s = len(arrays)
     v_seed = float(np.var(by_seed, ddof=1)) / s
-    r = _t(float(np.mean(by_seed)), max(v_seed, v_ex), (v_seed, s - 1), (v_ex, max(df_ex, 1)), n, s, cfg)
+    r = _t(float(np.mean(by_seed)), max(v_seed, v_ex), (v_seed, s - 1), (v_ex, max(df_ex, 1)), s, cfg)
     return r if paired else dataclasses.replace(r, p_value=math.nan)
 
 
@@ -203,7 +201,7 @@ def paired_difference(
         diffs.append(a - b)
     seeds, groups, joint = _checked(diffs, clusters)
     if any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its examples' spread is unknown
-        return Interval(float(np.mean([d.mean() for d in diffs])), *[math.nan] * 3, sum(g.size for g in groups), seeds)
+        return Interval(float(np.mean([d.mean() for d in diffs])), *[math.nan] * 3, seeds)
     if seeds > 1:
         return _seeds_t(diffs, groups, cfg, joint)
     interval, reps = _one_seed(diffs, groups, cfg, joint)
