@@ -253,6 +253,12 @@ def test_js_matrix_is_the_divergence_by_hand():
     assert js_matrix([np.array([3.0, 1.0, 0.0]), np.array([0.0, 1.0, 1.0])])[0][1] == round(
         0.5 * kl(p, mid) + 0.5 * kl(q, mid), 4
     )
+    # near-iid clients (an iid partition's): a divergence of ~1e-5 bits is kept to 4 significant digits, not shown as
+    # 0.0 (identical distributions), which 4 decimals made of every iid report
+    p, q = np.array([100.0, 101.0, 99.0]), np.array([99.0, 100.0, 101.0])
+    mid = (p / p.sum() + q / q.sum()) / 2
+    div = 0.5 * kl(p / p.sum(), mid) + 0.5 * kl(q / q.sum(), mid)
+    assert 1e-6 < div < 1e-4 and js_matrix([p, q])[0][1] == pytest.approx(div, rel=1e-3)
 
 
 def test_cli_writes_partition_stats_and_heatmap(tmp_path, monkeypatch):
