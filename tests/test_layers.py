@@ -198,7 +198,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # +9 for the last round's five (adaptive server optimisers' Flower defaults, decoding lengths at the backbone stage,
 # the run-wide privacy values under their own MLflow keys, a pending LoggedModel reused, a stale git tag removed);
 # +2 for the CA path's TOML escaping written with config.toml's spacing (the formatter splits the line).
-PACKAGE_LINE_CEILING = 14_840
+# -7 in size round 15 (results: a dead owner's run ended by end_if_running; per-example rows from the subsample;
+# an evaluation record's table scores computed once).
+PACKAGE_LINE_CEILING = 14_833
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():

@@ -85,7 +85,7 @@ def evaluate_experiments(
     def score_and_write(exp: _Experiment, summaries: list[list[str]], backbone: str) -> dict[str, Any]:
         """The experiment's scores, per example and per client, its bootstrap intervals and its outputs."""
         name, plan, out_dir = exp.name, exp.plan, eval_dir / exp.name
-        frames: list[pd.DataFrame] = []  # per test example: its client, prediction, reference and scores
+        frames: list[pd.DataFrame] = []  # per test example: its row of the subsample, client, prediction and scores
         per_client: dict[str, dict[str, Any]] = {}
         test_sets = {}
         scorer = Scorer(use_stemmer=True)
@@ -93,12 +93,8 @@ def evaluate_experiments(
             scores = scorer.score_pairs(predictions, sub["target"].tolist())
             if mlflow_logging:  # an MLflow dataset: without MLflow logging, MLflow need not be installed
                 test_sets[client] = split_dataset(plan.partition, client, "test", sub.index.tolist(), exp.part_path)
-            frame = pd.DataFrame(
-                {"experiment": name, "client": client, "example_id": sub.index, "domain": sub["domain"].to_numpy()}
-            )
-            frames.append(
-                frame.assign(prediction=predictions, reference=sub["target"].to_numpy()).join(pd.DataFrame(scores))
-            )
+            rows = sub.reset_index(drop=True).assign(experiment=name, client=client, prediction=predictions)
+            frames.append(rows.join(pd.DataFrame(scores)))  # in order: the ids are sub's column example_id
             per_client[client] = summary = mean_scores(scores) | {
                 "n_test": len(test_ids),
                 "skipped_by_subsampling": len(test_ids) - len(sub),
@@ -106,7 +102,7 @@ def evaluate_experiments(
             means = " ".join(f"{k}={summary[k]:.2f}" for k in SCORE_KEYS)
             print(f"[evaluate] {name} {client}: n={summary['n']}/{len(test_ids)} {means}", file=sys.stderr)
 
-        done = pd.concat(frames, ignore_index=True)
+        done = pd.concat(frames, ignore_index=True).rename(columns={"target": "reference"})
         per_example = done.assign(
             pred_words=done["prediction"].str.split().str.len(),
             ref_words=done["reference"].str.split().str.len(),

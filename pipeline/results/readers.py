@@ -50,24 +50,24 @@ def read_predictions(path: Path, keys: tuple[str, ...]) -> list[tuple[Any, ...]]
     return rows
 
 
-def read_eval_metrics(path: Path) -> dict[str, Any]:
-    """The evaluate stage's metrics.json, every client with the tables' metrics."""
+def read_eval_metrics(path: Path) -> tuple[dict[str, Any], dict[str, dict[str, float]]]:
+    """The evaluate stage's metrics.json, every client with the tables' metrics, and per client those metrics (average
+    ROUGE recomputed from the three: the tables and the analysis read a record alike)."""
     data = read_json(path, "evaluation metrics")
     if not isinstance(data.get("clients"), dict):
         raise DataError(f"{path}: no 'clients' mapping of ROUGE scores")
     for client, scores in data["clients"].items():
         if missing := [m for m in METRICS if m not in scores]:
             raise DataError(f"{path}: client {client!r} lacks {missing}")
-    return data
+    three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in data["clients"].items()}
+    return data, {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
 
 
 def eval_scores(path: Path) -> dict[str, dict[str, float]]:
-    """Per client ROUGE (the tables' metrics, average ROUGE recomputed as :func:`collect_scores` does) from the
-    evaluate stage's metrics.json."""
-    if not (clients := read_eval_metrics(path)["clients"]):
+    """Per client ROUGE (the tables' metrics, :func:`read_eval_metrics`) from the evaluate stage's metrics.json."""
+    if not (scores := read_eval_metrics(path)[1]):
         raise DataError(f"{path}: no client has ROUGE scores")
-    three = {str(c): {m: float(s[m]) for m in TABLE_METRICS} for c, s in clients.items()}
-    return {c: t | {"avg_rouge": average_rouge(t)} for c, t in three.items()}
+    return scores
 
 
 def collect_scores(
@@ -80,12 +80,11 @@ def collect_scores(
         if not path.is_file():
             missing.append(p.name)
             continue
-        metrics = read_eval_metrics(path)
+        metrics, scores = read_eval_metrics(path)
         config = [labels[p.name] if c == "label" else getattr(p, c, "") for c in GROUP_COLS]
-        for client, scores in metrics["clients"].items():
-            three = {m: float(scores[m]) for m in TABLE_METRICS}
+        for client, table in scores.items():
             run = (p.name, *config, p.seed, metrics.get("backbone") or "unknown", client)
-            rows.append((*run, *three.values(), average_rouge(three), int(scores.get("n", 0))))
+            rows.append((*run, *table.values(), int(metrics["clients"][client].get("n", 0))))
     columns = ["experiment", *GROUP_COLS, "seed", "backbone", "client", *METRICS, "n_examples"]
     return pd.DataFrame(rows, columns=columns), missing
 

@@ -283,11 +283,9 @@ class RunLogger:
                 max_results=1000,
             ):
                 if run.info.run_id != logger.run_id and not owner_alive(run.data.tags):
-                    dead = cls(run.info.run_id)
-                    dead.set_tags(
-                        {"fedmeet.end": "marked KILLED at the next start of the experiment: its process was gone"}
+                    end_if_running(
+                        run.info.run_id, "marked KILLED at the next start of the experiment: its process was gone"
                     )
-                    dead.finish("KILLED")
         logger._monitor = SystemMetricsMonitor(logger.run_id, resume_logging=resumed, tracking_uri=tracking_uri())
         logger._monitor.start()
         if run_id_file is not None:
