@@ -117,10 +117,9 @@ class Analysis:
 
     def tau_sweep(self, usages: dict[str, dict[str, Any]]) -> dict[str, Any]:
         sweep = [e for e in self.experiments if e.study == TAU_STUDY]
-        sweep_parts = {e.partition.split("/seed")[0] for e in sweep}
         # The main SelectKD is the sweep's point at the top-level tau - only when there is a sweep to join.
         rows = []
-        for e in sweep + [e for e in self.main if e.partition.split("/seed")[0] in sweep_parts]:
+        for e in sweep + [e for e in self.main if e.scheme in {s.scheme for s in sweep}]:
             if e.tau is None:
                 raise ValueError(f"params.yaml experiments.{e.name}: a tau-sweep experiment needs a tau")
             usage = usages.get(e.name) or self.usage(e, "tau sweep")

@@ -155,9 +155,7 @@ def nested_interval(
     clusters = clusters or [None] * len(per_seed)
     arrays = [[np.atleast_2d(np.asarray(x, dtype=float)) for x in xs] for xs in per_seed]
     if len(arrays) == 1:
-        if paired:
-            return paired_difference(arrays[0], [np.zeros_like(x) for x in arrays[0]], cfg, clusters[0])
-        return mean_interval(arrays[0], cfg, clusters[0])
+        return mean_interval(arrays[0], cfg, clusters[0], paired)
     by_seed, v_ex, df_ex = [], 0.0, 0
     for xs, cl in zip(arrays, clusters, strict=True):
         groups, joint = _checked(xs, cl)[1:]
@@ -172,15 +170,24 @@ def nested_interval(
 
 
 def mean_interval(
-    per_client: list[np.ndarray], cfg: BootstrapConfig, clusters: list[np.ndarray] | None = None
+    per_client: list[np.ndarray], cfg: BootstrapConfig, clusters: list[np.ndarray] | None = None, paired: bool = False
 ) -> Interval:
-    """Interval of one method's client-average score; ``per_client``: one array [n_seeds, n_examples] a client;
-    ``clusters``: as for :func:`paired_difference`."""
+    """Interval of one method's client-average score, or with ``paired`` of paired differences A - B and its p (as
+    :func:`paired_difference`); ``per_client``: one array [n_seeds, n_examples] a client; ``clusters``: as for
+    :func:`paired_difference`."""
     arrays = [np.atleast_2d(np.asarray(a, dtype=float)) for a in per_client]
     seeds, groups, joint = _checked(arrays, clusters)
+    if paired and any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its spread is unknown
+        return Interval(float(np.mean([d.mean() for d in arrays])), *[math.nan] * 3, seeds)
     if seeds > 1:
-        return dataclasses.replace(_seeds_t(arrays, groups, cfg, joint), p_value=math.nan)
-    return _one_seed(arrays, groups, cfg, joint)[0]
+        r = _seeds_t(arrays, groups, cfg, joint)
+        return r if paired else dataclasses.replace(r, p_value=math.nan)
+    interval, reps = _one_seed(arrays, groups, cfg, joint)
+    if not paired:
+        return interval
+    # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
+    p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
+    return dataclasses.replace(interval, p_value=p)
 
 
 def paired_difference(
@@ -199,15 +206,7 @@ def paired_difference(
         if a.shape != b.shape:
             raise ValueError(f"paired bootstrap: shapes differ {a.shape} vs {b.shape} (pair seeds and examples first)")
         diffs.append(a - b)
-    seeds, groups, joint = _checked(diffs, clusters)
-    if any(g.max() == 0 for g in groups):  # a client of one meeting (or example): its examples' spread is unknown
-        return Interval(float(np.mean([d.mean() for d in diffs])), *[math.nan] * 3, seeds)
-    if seeds > 1:
-        return _seeds_t(diffs, groups, cfg, joint)
-    interval, reps = _one_seed(diffs, groups, cfg, joint)
-    # one seed: p is the interval's dual, the smallest 1 - level at which it excludes 0
-    p = max(1.0 / (1 + len(reps)), min(1.0, _level_excluding_zero(reps), _level_excluding_zero(-reps)))
-    return dataclasses.replace(interval, p_value=p)
+    return mean_interval(diffs, cfg, clusters, paired=True)
 
 
 def holm(p_values: np.ndarray) -> np.ndarray:

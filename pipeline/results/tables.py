@@ -180,8 +180,7 @@ def main_table_markdown(
         "| " + " | ".join(header) + " |",
         "|" + "---|" * len(header),
     ]
-    for label in dict.fromkeys(table["label"]):
-        t = table[table["label"] == label]
+    for label, t in table.groupby("label", sort=False):
         method = t["method"].iloc[0]
 
         def cell(client: str, metric: str, what: str, t=t) -> str:
