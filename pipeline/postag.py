@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.common.cli import run as run_cli
-from pipeline.common.config import from_dict, load_params
+from pipeline.common.config import from_dict, group, load_params
 from pipeline.common.timing import stage_timer
 from pipeline.experiments.model import ModelConfig
 from pipeline.modeling.target_tags import PostagConfig, write_target_tags
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     with stage_timer("postag"):  # wall time, peak RSS -> reports/timing/
         params = load_params(args.params)
         cfg = from_dict(PostagConfig, params.get("postag"), "postag")
-        max_target_length = ModelConfig.from_group(params.get("model")).max_target_length
+        max_target_length = ModelConfig.from_group(group(params, "model")).max_target_length
         write_target_tags(cfg, args.examples, args.backbone, args.out, args.report, max_target_length)
 
 

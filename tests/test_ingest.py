@@ -766,6 +766,21 @@ def test_samsum_errors_and_skips_name_the_file_line_and_dialogue(tmp_path):
     names(err.value, "samsum/train.json:1:", "dialogue 4", "'no speaker'")
 
 
+def test_an_emoji_cut_after_its_first_surrogate_escape_is_named_not_a_traceback_at_the_write(tmp_path):
+    """SAMSum's files escape an emoji as a UTF-16 pair ("\\ud83d\\udc83"); JSON accepts half a pair, UTF-8 (the parquet)
+    cannot hold it: the record is one line naming file and line, not a UnicodeEncodeError once everything is read."""
+    whole = {"id": "1", "dialogue": "A: salsa \ud83d\udc83", "summary": "s"}
+    frame, report = ingest_dataset("samsum", _samsum_dir(tmp_path / "ok", train=[whole]))
+    write_outputs(frame, report, tmp_path / "out", tmp_path / "out")
+    assert rows(pd.read_parquet(tmp_path / "out" / "samsum.parquet"), meeting_id="1")[0]["turns"][0]["content"] == (
+        "salsa \N{DANCER}"
+    )
+    cut = _samsum_dir(tmp_path / "cut", train=[whole, {"id": "2", "dialogue": "B: salsa \ud83d", "summary": "s"}])
+    with pytest.raises(DataError) as err:
+        write_outputs(*ingest_dataset("samsum", cut), tmp_path / "out", tmp_path / "out")
+    names(err.value, "samsum/train.json:2:", "surrogate")
+
+
 def _qmsum_meeting(*turns: tuple[str, str]) -> dict:
     return {
         "topic_list": [],

@@ -195,3 +195,12 @@ def test_a_bad_postag_value_is_one_error_line_not_a_traceback(tmp_path, monkeypa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
     assert not (tmp_path / "postags.parquet").exists()
+
+
+def test_a_model_group_that_is_not_a_mapping_is_one_error_line_not_a_traceback(tmp_path, capsys):
+    """postag reads model.max_target_length: `model: [bart]` is the planning stage's one line, not an AttributeError."""
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": ["bart"]}))
+    args = ["--params", str(tmp_path / "params.yaml"), "--out", str(tmp_path / "p.parquet")]
+    assert run_cli(postag.main, [*args, "--report", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: params.yaml model: expected a mapping"), err

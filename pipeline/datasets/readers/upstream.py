@@ -20,8 +20,8 @@ from pipeline.common.schema import DataError, IngestReport
 
 def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
     """(line number, parsed object) for every non-blank line. Every way a file can be unreadable becomes a DataError
-    naming the file and, where there is one, the line: missing file, bytes that are not UTF-8, malformed JSON, a
-    truncated or damaged gzip chunk."""
+    naming the file and, where there is one, the line: missing file, bytes that are not UTF-8, malformed JSON (a lone
+    surrogate escape too), a truncated or damaged gzip chunk."""
     if not path.is_file():
         raise DataError(f"{display}: expected split file is missing")
     opener = gzip.open if path.suffix == ".gz" else open
@@ -38,11 +38,16 @@ def _json_lines(path: Path, display: str) -> Iterator[tuple[int, Any]]:
                 if not line.strip():
                     continue
                 try:
-                    yield line_no, json.loads(line)
+                    obj = json.loads(line)
+                    if "\\ud" in line.lower():  # a surrogate escape: JSON allows half a pair, UTF-8 text does not
+                        json.dumps(obj, ensure_ascii=False).encode("utf-8")
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{display}:{line_no}: malformed JSON ({exc.msg} at column {exc.colno})") from None
                 except RecursionError:
                     raise DataError(f"{display}:{line_no}: malformed JSON (nested too deeply)") from None
+                except UnicodeEncodeError:
+                    raise DataError(f"{display}:{line_no}: malformed JSON (half a surrogate pair)") from None
+                yield line_no, obj
     except (EOFError, OSError, zlib.error) as exc:  # gzip.BadGzipFile is an OSError
         raise DataError(f"{display}:{line_no + 1}: truncated or damaged file ({' '.join(str(exc).split())})") from None
 
