@@ -27,9 +27,9 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field, model_validator
 
-from pipeline.common.config import Fraction, Positive, config
+from pipeline.common.config import config
 from pipeline.experiments.methods import KdMode
-from pipeline.experiments.train_config import KdDirection, LogBase, Normalisation, TauScale
+from pipeline.experiments.train_config import LossSettings
 from pipeline.modeling.batching import IGNORE_INDEX
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES, gate_of
 from pipeline.modeling.gates.registry import GATE_SETTINGS, TeacherRows
@@ -38,18 +38,13 @@ GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered
 
 
 @config
-class KDConfig:
-    """The loss of one client step; the names are the params file's `train` keys (pipeline.training.client_training)."""
+class KDConfig(LossSettings):
+    """The loss of one client step: the plan's `train` keys of the loss (pipeline.training.client_training), its
+    method's KD mode and its tau."""
 
-    mode: KdMode = "selective"
-    kd_lambda: Fraction = 0.2
-    tau: Annotated[float, Field(allow_inf_nan=True)] = 5.0  # the gate's threshold (inf: every token)
-    kd_temperature: Positive = 1.0
-    kd_direction: KdDirection = "teacher_to_student"
-    entropy_log_base: LogBase = "e"
-    loss_normalisation: Normalisation = "tokens"
-    tau_scale: TauScale = "absolute"
     kd_gate: GateName = "entropy"  # selective KD's; kd and hard have their own (gates.catalog.MODE_GATES)
+    mode: KdMode = "selective"
+    tau: Annotated[float, Field(allow_inf_nan=True)] = 5.0  # the gate's threshold (inf: every token)
 
     @model_validator(mode="after")
     def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:
