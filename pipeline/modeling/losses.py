@@ -138,14 +138,9 @@ class _FusedDistillation(torch.autograd.Function):
             any_kd = s < taught and (z_l.is_cuda or bool(g_c.any()))  # skipped on the host only: no sync
             if any_kd:
                 zg = z_g[s:e].float()
-                if t == 1.0:
-                    p, lse_g = _softmax_lse(zg)
-                    p_dot_zg = torch.linalg.vecdot(p, zg)
-                    p_t, lse_gt, q_t, lse_lt, zg_t, zl_t, pt_dot_zgt = p, lse_g, q, lse_l, zg, zl, p_dot_zg
-                else:
-                    zg_t, zl_t = zg / t, zl / t
-                    (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), _softmax_lse(zl_t)
-                    pt_dot_zgt = torch.linalg.vecdot(p_t, zg_t)
+                zg_t, zl_t = (zg, zl) if t == 1.0 else (zg / t, zl / t)  # at T = 1 the student's pass is reused
+                (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), (q, lse_l) if t == 1.0 else _softmax_lse(zl_t)
+                pt_dot_zgt = torch.linalg.vecdot(p_t, zg_t)
                 if direction == "teacher_to_student":  # sum p (log p - log q)
                     kl_c = (lse_lt - lse_gt) + pt_dot_zgt - torch.linalg.vecdot(p_t, zl_t)
                 else:  # sum q (log q - log p)
@@ -159,7 +154,7 @@ class _FusedDistillation(torch.autograd.Function):
                 gr = grad[s:e] if grad.dtype == torch.float32 else torch.empty(e - s, v, device=dev)
                 if any_kd and direction == "teacher_to_student" and t == 1.0:
                     torch.mul(q, a + b, out=gr)  # a (q - onehot) + b (q - p), one pass
-                    gr.addcmul_(p, b, value=-1.0)
+                    gr.addcmul_(p_t, b, value=-1.0)
                 else:
                     torch.mul(q, a, out=gr)
                     if any_kd and direction == "teacher_to_student":
