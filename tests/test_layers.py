@@ -198,7 +198,9 @@ def test_no_module_of_the_package_is_over_400_formatted_lines():
 # +9 for the last round's five (adaptive server optimisers' Flower defaults, decoding lengths at the backbone stage,
 # the run-wide privacy values under their own MLflow keys, a pending LoggedModel reused, a stale git tag removed);
 # +2 for the CA path's TOML escaping written with config.toml's spacing (the formatter splits the line).
-PACKAGE_LINE_CEILING = 14_840
+# -20 for session 15's structure round in modeling, training, experiments (Plan's cached values, LossSettings shared
+# by TrainConfig and KDConfig, one temperature branch in the fused loss, one function for a padded group's block).
+PACKAGE_LINE_CEILING = 14_820
 
 
 def test_the_package_does_not_grow_past_its_line_ceiling():
