@@ -196,8 +196,8 @@ def test_runs_of_other_seeds_and_serverless_runs_killed_in_a_set_resume_to_each_
         alone[plan.stem] = _outcome(plan.stem)
     _clear([p.stem for p in plans])
     padded = []
-    fill = local_batch._filled
-    monkeypatch.setattr(local_batch, "_filled", lambda batch, rows: padded.append(rows) or fill(batch, rows))
+    stack = local_batch.stack_batches
+    monkeypatch.setattr(local_batch, "stack_batches", lambda bs, pad, rows: padded.append(rows) or stack(bs, pad, rows))
     with killed_after_checkpoint(monkeypatch, rnd=1):
         run_set(plans, track=False)
     run_set(plans, track=False)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +42,16 @@ class Plan:
     clients: list[str] | None = None  # federated: the clients the server admits, in the partition's order
     source: str = ""  # the plan file it was read from
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        self.__dict__.pop("_kept", None)  # what was derived from the fields before
-        super().__setattr__(name, value)
-
-    def kept(self, name: str, make: Callable[[], Any]) -> Any:
-        """``make()``, the value ``name`` derived from this plan, made once until one of its fields is set again
-        (e.g. its hash: every path of a run names it; its model configuration: every micro-batch's shapes)."""
-        kept = self.__dict__.setdefault("_kept", {})
-        if name not in kept:
-            kept[name] = make()
-        return kept[name]
-
-    @property
+    # What is derived from the fields is made once (a plan is read, never changed): its model configuration (every
+    # micro-batch's shapes read it) and its hash (every path of a run names it).
+    @cached_property
     def model_config(self) -> ModelConfig:
-        """The checked model settings, kept (every micro-batch's shapes read them)."""
-        return self.kept("model_config", lambda: from_dict(ModelConfig, self.model, f"{self.source}: model"))
+        """The checked model settings."""
+        return from_dict(ModelConfig, self.model, f"{self.source}: model")
+
+    @cached_property
+    def _hash(self) -> str:
+        return record_hash(self.to_json_dict())
 
     @property
     def spec(self) -> MethodSpec:
@@ -94,8 +88,8 @@ class Plan:
 
 def plan_hash(plan: Plan) -> str:
     """Identifies a configuration: a checkpoint is resumed only by the plan that wrote it. Kept on the plan (every
-    path of a run names it: :meth:`Plan.kept`)."""
-    return plan.kept("hash", lambda: record_hash(plan.to_json_dict()))
+    path of a run names it)."""
+    return plan._hash
 
 
 def record_hash(record: dict[str, Any]) -> str:

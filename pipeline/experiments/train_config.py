@@ -11,7 +11,7 @@ from pydantic import BeforeValidator, Field
 from pipeline.common.config import Fraction, NonNegative, Positive, PositiveInt, config, from_dict
 from pipeline.experiments.methods import STRATEGIES, strategy_params_keys
 
-# The loss's settings (pipeline.modeling.losses.KDConfig reads the same keys)
+# The loss's settings (LossSettings)
 KdDirection = Literal["teacher_to_student", "student_to_teacher"]
 # The unit of H(q_g) and so of tau: nats ("e") or bits ("2"; a number from YAML is read as the base's name).
 LogBase = Annotated[Literal["e", "2"], BeforeValidator(lambda v: str(v) if type(v) is int else v)]
@@ -48,7 +48,20 @@ class StopConfig:
 
 
 @config
-class TrainConfig:
+class LossSettings:
+    """The `train` keys of the loss: pipeline.modeling.losses.KDConfig is these and its method's mode and tau."""
+
+    kd_lambda: Fraction = 0.2
+    kd_temperature: Positive = 1.0
+    kd_direction: KdDirection = "teacher_to_student"
+    entropy_log_base: LogBase = "e"
+    tau_scale: TauScale = "absolute"
+    kd_gate: str = "entropy"  # a registered gate (pipeline.modeling.gates), checked at planning time
+    loss_normalisation: Normalisation = "tokens"
+
+
+@config
+class TrainConfig(LossSettings):
     rounds: PositiveInt = 3
     local_epochs: PositiveInt = 1
     batch_size: PositiveInt = 8
@@ -57,13 +70,6 @@ class TrainConfig:
     lr: NonNegative = 2.0e-4  # torch's AdamW refuses a negative lr or weight_decay
     weight_decay: NonNegative = 0.01
     decay_norm_and_bias: bool = False
-    kd_lambda: Fraction = 0.2
-    kd_temperature: Positive = 1.0
-    kd_direction: KdDirection = "teacher_to_student"
-    entropy_log_base: LogBase = "e"
-    tau_scale: TauScale = "absolute"
-    kd_gate: str = "entropy"  # a registered gate (pipeline.modeling.gates), checked at planning time
-    loss_normalisation: Normalisation = "tokens"
     local_adapter: Literal["keep", "reset"] = "keep"
     centralized_steps: Literal["largest_client", "epoch"] = "largest_client"
     fraction_train: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0

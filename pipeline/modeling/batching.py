@@ -99,17 +99,19 @@ def collate(examples: Sequence[TokenizedExample], pad_token_id: int, decoder_sta
     return Batch([e.example_id for e in examples], *tensors)
 
 
-def stack_batches(batches: Sequence[Batch], pad_token_id: int) -> Batch:
-    """Batches one after the other as one, each padded to the longest source and target of all (right padding)."""
+def stack_batches(batches: Sequence[Batch], pad_token_id: int, rows: int) -> Batch:
+    """Batches one after the other as one, each a block of ``rows`` examples (copies of its first appended: the caller
+    ignores their labels, so they add no token and no gradient), padded to the longest source and target of all
+    (right padding)."""
     s = max(b.input_ids.shape[1] for b in batches)
     t = max(b.labels.shape[1] for b in batches)
 
     def padded(name: str, width: int, value: int) -> torch.Tensor:
-        parts = [getattr(b, name) for b in batches]
+        parts = [torch.cat([x, x[:1].expand(rows - len(x), -1)]) for x in (getattr(b, name) for b in batches)]
         return torch.cat([torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value) for x in parts])
 
     return Batch(
-        [eid for b in batches for eid in b.example_ids],
+        [eid for b in batches for eid in b.example_ids + b.example_ids[:1] * (rows - len(b))],
         padded("input_ids", s, pad_token_id),
         padded("attention_mask", s, 0),
         padded("decoder_input_ids", t, pad_token_id),

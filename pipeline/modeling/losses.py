@@ -27,9 +27,9 @@ from typing import Annotated, Literal
 import torch
 from pydantic import Field, model_validator
 
-from pipeline.common.config import Fraction, Positive, config
+from pipeline.common.config import config
 from pipeline.experiments.methods import KdMode
-from pipeline.experiments.train_config import KdDirection, LogBase, Normalisation, TauScale
+from pipeline.experiments.train_config import LossSettings
 from pipeline.modeling.batching import IGNORE_INDEX
 from pipeline.modeling.gates.catalog import GATES, MODE_GATES, gate_of
 from pipeline.modeling.gates.registry import GATE_SETTINGS, TeacherRows
@@ -38,18 +38,13 @@ GateName = Literal[tuple(GATES)]  # type: ignore[valid-type]  # every registered
 
 
 @config
-class KDConfig:
-    """The loss of one client step; the names are the params file's `train` keys (pipeline.training.client_training)."""
+class KDConfig(LossSettings):
+    """The loss of one client step: the plan's `train` keys of the loss (pipeline.training.client_training), its
+    method's KD mode and its tau."""
 
-    mode: KdMode = "selective"
-    kd_lambda: Fraction = 0.2
-    tau: Annotated[float, Field(allow_inf_nan=True)] = 5.0  # the gate's threshold (inf: every token)
-    kd_temperature: Positive = 1.0
-    kd_direction: KdDirection = "teacher_to_student"
-    entropy_log_base: LogBase = "e"
-    loss_normalisation: Normalisation = "tokens"
-    tau_scale: TauScale = "absolute"
     kd_gate: GateName = "entropy"  # selective KD's; kd and hard have their own (gates.catalog.MODE_GATES)
+    mode: KdMode = "selective"
+    tau: Annotated[float, Field(allow_inf_nan=True)] = 5.0  # the gate's threshold (inf: every token)
 
     @model_validator(mode="after")
     def _tau_is_a_fraction_unless_absolute(self) -> KDConfig:
@@ -143,14 +138,9 @@ class _FusedDistillation(torch.autograd.Function):
             any_kd = s < taught and (z_l.is_cuda or bool(g_c.any()))  # skipped on the host only: no sync
             if any_kd:
                 zg = z_g[s:e].float()
-                if t == 1.0:
-                    p, lse_g = _softmax_lse(zg)
-                    p_dot_zg = torch.linalg.vecdot(p, zg)
-                    p_t, lse_gt, q_t, lse_lt, zg_t, zl_t, pt_dot_zgt = p, lse_g, q, lse_l, zg, zl, p_dot_zg
-                else:
-                    zg_t, zl_t = zg / t, zl / t
-                    (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), _softmax_lse(zl_t)
-                    pt_dot_zgt = torch.linalg.vecdot(p_t, zg_t)
+                zg_t, zl_t = (zg, zl) if t == 1.0 else (zg / t, zl / t)  # at T = 1 the student's pass is reused
+                (p_t, lse_gt), (q_t, lse_lt) = _softmax_lse(zg_t), (q, lse_l) if t == 1.0 else _softmax_lse(zl_t)
+                pt_dot_zgt = torch.linalg.vecdot(p_t, zg_t)
                 if direction == "teacher_to_student":  # sum p (log p - log q)
                     kl_c = (lse_lt - lse_gt) + pt_dot_zgt - torch.linalg.vecdot(p_t, zl_t)
                 else:  # sum q (log q - log p)
@@ -164,7 +154,7 @@ class _FusedDistillation(torch.autograd.Function):
                 gr = grad[s:e] if grad.dtype == torch.float32 else torch.empty(e - s, v, device=dev)
                 if any_kd and direction == "teacher_to_student" and t == 1.0:
                     torch.mul(q, a + b, out=gr)  # a (q - onehot) + b (q - p), one pass
-                    gr.addcmul_(p, b, value=-1.0)
+                    gr.addcmul_(p_t, b, value=-1.0)
                 else:
                     torch.mul(q, a, out=gr)
                     if any_kd and direction == "teacher_to_student":

@@ -17,7 +17,7 @@ import transformers
 
 from pipeline.datasets.postags import POSTAG_COLUMNS, NounVerbMasks
 from pipeline.experiments.plans import Plan
-from pipeline.experiments.train_config import TrainConfig
+from pipeline.experiments.train_config import LossSettings, TrainConfig
 from pipeline.modeling.batching import IGNORE_INDEX, Batch, make_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer
@@ -39,9 +39,7 @@ GATE_LOG_DTYPES = {
 
 def kd_config(plan: Plan) -> KDConfig:
     """The plan's loss: its method's KD mode, its tau (inf when none) and the `train` keys of the same names."""
-    same_names = {
-        f.name: getattr(plan.train, f.name) for f in dataclasses.fields(KDConfig) if f.name not in ("mode", "tau")
-    }
+    same_names = {f.name: getattr(plan.train, f.name) for f in dataclasses.fields(LossSettings)}
     return KDConfig(mode=plan.spec.kd_mode, tau=plan.tau if plan.tau is not None else float("inf"), **same_names)
 
 

@@ -30,7 +30,7 @@ from pipeline.experiments.plans import Plan
 from pipeline.experiments.train_config import TrainConfig
 from pipeline.modeling import losses
 from pipeline.modeling.adapter_stack import AdapterStack
-from pipeline.modeling.batching import IGNORE_INDEX, TENSOR_FIELDS, Batch, stack_batches
+from pipeline.modeling.batching import IGNORE_INDEX, Batch, stack_batches
 from pipeline.modeling.losses import KDConfig, LossOutput
 from pipeline.modeling.model import AdapterSummarizer, Prefix
 
@@ -147,16 +147,6 @@ def stacked_logits(
         )
 
 
-def _filled(batch: Batch, rows: int) -> Batch:
-    """``batch`` with copies of its first example appended up to ``rows`` examples (a padded group's blocks are of
-    one size); :func:`_micro_batch` ignores their labels, so they add no token and no gradient."""
-    extra = rows - len(batch)
-    if extra == 0:
-        return batch
-    tensors = (torch.cat([t, t[:1].expand(extra, -1)]) for t in (getattr(batch, f) for f in TENSOR_FIELDS))
-    return Batch(batch.example_ids + batch.example_ids[:1] * extra, *tensors)
-
-
 def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Tensor, torch.Tensor, list[Batch]]:
     """Step ``s``'s micro-batch ``m`` of every job as R run-major blocks: the prefix (computed or read from the cache
     once when the jobs share the micro-batch, else for their micro-batches padded to one size), the labels (the rows
@@ -168,7 +158,7 @@ def _micro_batch(jobs: list[LocalJob], s: int, m: int) -> tuple[Prefix, torch.Te
         batch = batches[0]
     else:
         rows = max(len(b) for b in batches)
-        batch = stack_batches([_filled(b, rows) for b in batches], model.pad_token_id)
+        batch = stack_batches(batches, model.pad_token_id, rows)
     prefix = cache.prefix_for(model, batch) if cache is not None else model.compute_prefix(batch)
     if shared:
         return prefix.repeat(runs), batch.labels.repeat(runs, 1), batch.attention_mask.repeat(runs, 1), batches
