@@ -2014,3 +2014,32 @@ def test_a_serverapp_refusing_its_decoding_leaves_no_mlflow_run_running(ws):
     experiment = client.get_experiment_by_name("tests")
     runs = client.search_runs([experiment.experiment_id], "tags.experiment = 'srv-bad-decoding'") if experiment else []
     assert [r.info.status for r in runs if r.info.status == "RUNNING"] == []
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [
+        ("fedavg", {}),
+        ("fedopt", {"fedopt": {"server_optimizer": "adam", "server_lr": 0.1}}),
+        ("fedopt", {"fedopt": {"server_optimizer": "sgdm", "server_lr": 1.0}}),
+        ("fednova", {}),
+    ],
+)
+def test_clients_returning_what_they_received_leave_every_strategy_at_the_lossy_downlink(ws, method, extra):
+    """int8: the clients train from the decoded downlink q(W), not the server's W. Every client returning what it
+    received is a zero update: a zero pseudo-gradient for FedOpt, zero Delta_i for FedNova (its docstring takes them
+    against what was sent), so after each round the global is what the clients received, as under FedAvg. Taking
+    the updates against W instead makes q(W) - W a step (Adam: ~server_lr per coordinate; FedNova with unequal
+    steps: (tau_eff sum p_i / tau_i - 1) (q(W) - W))."""
+    from pipeline.federation.compression import decode_state, encode_state
+
+    name = f"loop-noop-{method}-{extra.get('fedopt', {}).get('server_optimizer', '')}"
+    path = write_plan(name, method, rounds=2, fraction_train=1.0, transfer_dtype="int8", **extra)
+    script = Script(delta={c: 0.0 for c in DELTAS})
+    final, history, _ = run(path, script)
+    assert all(r["failed"] == 0 for r in history)
+    received = decode_state(encode_state(initial(path), "int8"))  # q(W0); q(q(W0)) = q(W0): same scale, integers
+    assert any(not torch.equal(received[k], v) for k, v in initial(path).items())  # the downlink is lossy
+    for got in [state for kind, _, _, state in script.calls if kind == "train"]:
+        assert_state(got, received, exact=False)
+    assert_state(final, received, exact=False)
