@@ -192,6 +192,7 @@ class Grid:
         self.gone: dict[int, set[str]] = {}
         self.restart: dict[int, set[str]] = {}
         self.lost: set[tuple[str, int]] = set()
+        self.lost_eval: set[tuple[str, int]] = set()  # evaluation replies only
         self.silent_error: set[tuple[str, int]] = set()  # train replies turned into an error without a reason
         self.timeouts: list[tuple[str | None, float | None]] = []  # (message type, timeout) of every wait
         self.round = 0
@@ -237,7 +238,8 @@ class Grid:
                 else r
                 for r in replies
             ]
-        return [r for r in replies if (self.name(r.metadata.src_node_id), self.round) not in self.lost]
+        lost = self.lost | (self.lost_eval if messages and messages[0].metadata.message_type == "evaluate" else set())
+        return [r for r in replies if (self.name(r.metadata.src_node_id), self.round) not in lost]
 
     def next_round(self, rnd: int) -> None:
         """Called by the recorder before round ``rnd``: apply that round's node changes."""
@@ -751,6 +753,21 @@ def test_a_failed_evaluation_is_recorded_and_the_others_count(ws, caplog):
     assert rows["Product"]["eval_failed"] == 1 and "val_loss" not in rows["Product"]
     assert rows["Product"]["failed"] == 0 and "eval_failed" not in rows["Academic"]
     assert rows["Academic"]["val_loss"] == 1.5
+
+
+def test_an_evaluation_reply_lost_on_the_way_is_logged_and_recorded_as_a_failed_evaluation(ws, caplog):
+    """Its train reply arrived, its evaluation reply did not within the round timeout: as an evaluation that failed
+    (eval_failed, a log line naming the round, the client and the wait), not a row that is silent about it."""
+    path = write_plan("loop-lost-eval", "fedkd", rounds=1, fraction_train=1.0)
+    grid = Grid(path, script := Script(), ["Academic", "Committee", "Product"])
+    grid.lost_eval = {("Product", 1)}
+    with caplog.at_level(logging.INFO, logger="fedmeet.federated"):
+        _, history, _ = run(path, script, grid=grid, timeout=7)
+    logs(logged(caplog), "round 1", "Product", "evaluat", "no reply within 7s")
+    rows = rows_of(history, 1)
+    assert rows["Product"]["failed"] == 0 and "weight" in rows["Product"]  # it trained
+    assert rows["Product"]["eval_failed"] == 1 and "val_loss" not in rows["Product"]
+    assert "eval_failed" not in rows["Academic"] and rows["Academic"]["val_loss"] == 1.5
 
 
 def test_privacy_reports_become_the_rows_privacy_fields(ws):

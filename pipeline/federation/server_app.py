@@ -226,20 +226,25 @@ def _record_weight_shares(rows: dict[str, dict[str, Any]], client_level) -> None
 
 
 def _evaluate(r: _Round, messages: list[Message], downlink: ArrayRecord) -> None:
-    """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row."""
+    """The evaluate step of a round: each reply's validation loss, tokens and best round into its client's row; a
+    client whose reply failed or did not come within the timeout is logged and marked ``eval_failed``."""
     for m in messages:
         m.content[ARRAYS_KEY] = downlink
         r.rows[r.node_names[m.metadata.dst_node_id]]["bytes_down"] += payload_bytes(m.content)
     replies = list(r.grid.send_and_receive(messages, timeout=r.timeout))
     sender = _senders(messages, r.node_names)
+    why = {r.node_names[m.metadata.dst_node_id]: f"no reply within {r.timeout:.0f}s" for m in messages}
     for reply in replies:
         row = r.rows[sender(reply)]
         if reply.has_error():
-            row["eval_failed"] = 1
-            log.warning("round %d: client %s failed to evaluate: %s", r.rnd, row["client"], error_line(reply))
+            why[row["client"]] = error_line(reply)
             continue
+        why.pop(row["client"], None)
         m = reply.content[METRICS_KEY]
         row.update(val_loss=float(m["val-loss"]), val_tokens=int(m["val-tokens"]), best_round=int(m["best-round"]))
+    for name, reason in why.items():
+        r.rows[name]["eval_failed"] = 1
+        log.warning("round %d: client %s failed to evaluate: %s", r.rnd, name, reason)
     if any(not reply.has_error() for reply in replies):
         r.strategy.aggregate_evaluate(r.rnd, replies)
 
