@@ -1865,6 +1865,7 @@ def test_the_federated_evaluation_every_n_rounds_is_kept_on_disk_without_mlflow(
         asked.append(len(asked) + 1)
         return {
             "clients": {"Academic": {"avg_rouge": float(len(asked))}},
+            "skipped_clients": {},
             "mean": {"avg_rouge": float(len(asked))},
             "failed_clients": {},
         }
@@ -1892,7 +1893,7 @@ def test_a_resumed_run_keeps_the_federated_evaluations_of_its_rounds_before_the_
     plan = load_plan(write_plan("dep-every-resume", "fedavg", rounds=5))
 
     def evaluate(grid, plan_, plan_path, cfg, timeout, nodes=None):
-        return {"clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
+        return {"clients": {}, "skipped_clients": {}, "mean": {"avg_rouge": 1.0}, "failed_clients": {}}
 
     monkeypatch.setattr(deployment, "federated_evaluate", evaluate)
     monkeypatch.setattr(deployment.TrainRecorder, "round_done", lambda *a: None)  # the train stage's part

@@ -55,6 +55,7 @@ log = logging.getLogger("fedmeet.deployment")
 GLOBAL_ADAPTER = "global_adapter.safetensors"
 ROUNDS_EVAL = "rounds.json"  # reports/eval/<exp>/: the federated evaluation every evaluate-every rounds
 COUNTS = ("n", "n_test", "skipped_by_subsampling")  # a client's evaluation counts (the rest of its reply: scores)
+ROUND_KEYS = ("clients", "skipped_clients", "mean", "failed_clients")  # rounds.json's: kept without MLflow too
 
 
 @config
@@ -188,8 +189,7 @@ class DeploymentRecorder(TrainRecorder):
         if self.cfg is None or self.every <= 0 or entry.round % self.every or entry.round >= plan.train.rounds:
             return
         metrics = federated_evaluate(self.grid, plan, self.plan_path, self.cfg, self.timeout, self.nodes)
-        # on disk too, so the scores are kept without MLflow (run config mlflow=false)
-        self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ("clients", "mean", "failed_clients")})
+        self.per_round.append({"round": entry.round} | {k: metrics[k] for k in ROUND_KEYS})
         atomic.write_json(
             PATHS.eval_dir(plan.experiment) / ROUNDS_EVAL, {"experiment": plan.experiment, "rounds": self.per_round}
         )
