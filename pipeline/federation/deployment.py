@@ -22,11 +22,11 @@ from pipeline.common import atomic
 from pipeline.common.cli import freeze_collected
 from pipeline.common.config import ConfigError, NonNegative, NonNegativeInt, config, from_dict
 from pipeline.common.integrity import backbone_name
-from pipeline.experiments.plans import Plan
+from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.experiments.settings import RunSettings
 from pipeline.federation.admission import connected_nodes
-from pipeline.federation.client_app import client_app, client_dir, client_name
-from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, error_line, load_plan, plan_path_of
+from pipeline.federation.client_app import client_app, client_dir, client_name, served_plan
+from pipeline.federation.protocol import CONFIG_KEY, METRICS_KEY, PLAN_HASH, error_line, load_plan, plan_path_of
 from pipeline.federation.server_app import load_server_checkpoint, run_server
 from pipeline.modeling.adapters import adapter_file, load_adapter, save_adapter
 from pipeline.paths import PATHS
@@ -96,7 +96,7 @@ def federated_evaluate(
     """Ask every connected client (of ``nodes``, the run's node -> client map, when given: a node of another
     experiment naming a client of the plan is not asked) for its test ROUGE; returns metrics.json's content."""
     node_ids = sorted(grid.get_node_ids() if nodes is None else connected_nodes(grid, plan_path, nodes, timeout))
-    config = ConfigRecord({"plan": plan_path, "evaluate": json.dumps(asdict(cfg))})
+    config = ConfigRecord({"plan": plan_path, PLAN_HASH: plan_hash(plan), "evaluate": json.dumps(asdict(cfg))})
     queries = [
         Message(RecordDict({CONFIG_KEY: config}), dst_node_id=n, message_type="query.summarize") for n in node_ids
     ]
@@ -128,7 +128,7 @@ def federated_evaluate(
 def client_summarize(msg: Message, context: Context) -> Message:
     """Federated evaluation, the client's side: ROUGE of the client's own adapter on its own test set, as the
     evaluate stage computes it; replies numbers only (the summaries never leave the client)."""
-    plan = load_plan(plan_path_of(msg, context))
+    plan = served_plan(msg, context)
     name = client_name(context)
     cfg = from_dict(EvaluateConfig, json.loads(str(msg.content[CONFIG_KEY]["evaluate"])), "query.summarize: evaluate")
     partition = read_partition(plan.paths["partition"])

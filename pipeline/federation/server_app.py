@@ -14,12 +14,13 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message
 from flwr.serverapp import Grid
 
-from pipeline.experiments.plans import Plan
+from pipeline.experiments.plans import Plan, plan_hash
 from pipeline.experiments.settings import CacheConfig, RunSettings
 from pipeline.federation.admission import connected_nodes, identify_clients
 from pipeline.federation.protocol import (
     ARRAYS_KEY,
     METRICS_KEY,
+    PLAN_HASH,
     SECAGG_CLIPPED_KEY,
     TRAIN_METRICS,
     GridView,
@@ -123,7 +124,7 @@ def run_server(
     state = arrays.to_torch_state_dict()  # the global as tensors, converted once each time it changes
     recorder.started(plan, clients, start)
     # Flower's strategies write into the config they get (server-round, proximal-mu): each message set gets its own
-    config = {"plan": plan_path, **(client_settings_config(cache) if cache is not None else {})}
+    config = {"plan": plan_path, PLAN_HASH: plan_hash(plan), **(client_settings_config(cache) if cache else {})}
     # The round the late client joined, if it has (a resumed run reads it from the restored history).
     joined_at = min((r["round"] for r in history if r["client"] == late), default=None)
 
