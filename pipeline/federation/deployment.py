@@ -111,6 +111,8 @@ def federated_evaluate(
     order = list(plan.clients) if plan.clients else sorted(received)
     per_client: dict[str, dict[str, Any]] = {}
     skipped = {c: "no score: its node is gone or failed (failed_clients)" for c in order if c not in received}
+    if skipped:  # the client average is over the others
+        log.warning("%s: federated evaluation: no score of %s (failed: %s)", plan.experiment, sorted(skipped), failed)
     for name, metrics in [(c, received[c]) for c in order if c in received]:
         if metrics.get("n", 0) == 0:
             skipped[name] = "no test examples on the client"
